@@ -1,0 +1,195 @@
+"""``earlyfuse-prep``: the data-preparation command line (see README, "Data preparation").
+
+Exit status: 0 done; 1 a fatal error (message on stderr); 2 bad usage; 3 ``ingest`` finished
+but rejected some inputs (each listed in DIR/rejects.jsonl) — pass ``--allow-rejects`` to get 0;
+``verify`` exits 1 when it finds a problem.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+EXIT_REJECTS = 3
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'256MB' -> 256000000, '4MiB' -> 4194304, '0' -> 0 (no limit)."""
+    m = _SIZE.match(text)
+    unit = (m.group(2) or "").lower() if m else None
+    if not m or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 256MB, 4MiB, 1G)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _add_ingest(sub) -> None:
+    p = sub.add_parser(
+        "ingest", help="turn raw corpora into raw shards (tar + index), manifest.json and rejects.jsonl",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Turn raw corpora into webdataset shards: DIR/<source>/shard-NNNNNN.tar with an index\n"
+        "each (.idx.jsonl), DIR/manifest.json and DIR/rejects.jsonl (every input that did not become a\n"
+        "sample, with its reason). Deterministic, parallel, resumable after a kill (rerun the same\n"
+        "command), and partitionable across machines (--num-partitions/--partition, then `merge`).",
+        epilog="source kinds (--source [NAME=]KIND:PATH, repeatable; NAME defaults to PATH's stem):\n"
+        "  text:PATH         .txt/.md/.rst files (one document each) or .jsonl with a \"text\" field\n"
+        "  code:PATH         a source tree: one document per file, language from the extension;\n"
+        "                    vendored/hidden folders, binaries, minified and huge files are rejected\n"
+        "  images:PATH       a folder of images (captions from NAME.txt/NAME.json sidecars or a\n"
+        "                    captions.jsonl/.csv with file,caption) or a .jsonl/.csv with image,caption\n"
+        "  videos:PATH       the same for videos (column video)\n"
+        "  interleaved:PATH  OBELICS-style .jsonl ({\"texts\": [...], \"images\": [...]}) or\n"
+        "                    {\"segments\": [...]}, media paths relative to the file\n"
+        "  wds:PATH          existing webdataset .tar shards in img2dataset layout (KEY.jpg + KEY.txt/json)\n\n"
+        "example:\n"
+        "  earlyfuse-prep ingest --out shards/ --workers 8 --shard-size 256MB \\\n"
+        "      --source code:~/src/cpython/Lib --source images:coco/captions.jsonl\n\n"
+        "exit status: 0 done, 3 done with rejects (see rejects.jsonl), 1 error, 2 usage")
+    p.add_argument("--out", required=True, type=Path, help="output folder (created; reused to resume)")
+    p.add_argument("--source", action="append", required=True, metavar="[NAME=]KIND:PATH",
+                   help="an input corpus; repeat for several")
+    p.add_argument("--shard-size", type=parse_size, default=parse_size("256MB"), metavar="SIZE",
+                   help="target shard size in input bytes, e.g. 256MB (default), 0 = no limit")
+    p.add_argument("--shard-samples", type=int, default=0, metavar="N",
+                   help="at most N samples per shard (default 0 = no limit)")
+    p.add_argument("--workers", type=int, default=1, help="parallel worker processes (default 1)")
+    p.add_argument("--num-partitions", type=int, default=1, metavar="P",
+                   help="split the shards across P independent runs (e.g. a Slurm array)")
+    p.add_argument("--partition", type=int, default=0, metavar="I", help="which of the P partitions this run writes (0-based)")
+    p.add_argument("--max-image-pixels", type=int, default=64_000_000, metavar="N",
+                   help="reject images whose header claims more pixels, before decoding (default 64M)")
+    p.add_argument("--max-video-seconds", type=float, default=600.0, metavar="S",
+                   help="reject longer videos (default 600)")
+    p.add_argument("--max-code-bytes", type=parse_size, default=parse_size("1MiB"), metavar="SIZE",
+                   help="reject larger source files (default 1MiB)")
+    p.add_argument("--max-text-bytes", type=parse_size, default=parse_size("16MiB"), metavar="SIZE",
+                   help="reject larger text files (default 16MiB)")
+    p.add_argument("--repair-utf8", action="store_true",
+                   help="keep text that is not valid UTF-8, bad bytes replaced by U+FFFD (default: reject it)")
+    p.add_argument("--allow-rejects", action="store_true", help="exit 0 even when some inputs were rejected")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_ingest)
+
+
+def cmd_ingest(a) -> int:
+    from data.ingest import command_line, ingest
+    from data.shards.stats import human_bytes
+    from data.sources import Limits
+
+    limits = Limits(max_image_pixels=a.max_image_pixels, max_video_seconds=a.max_video_seconds,
+                    max_text_bytes=a.max_text_bytes, max_code_bytes=a.max_code_bytes,
+                    repair_utf8=a.repair_utf8)
+    s = ingest(a.out, a.source, limits=limits, shard_max_bytes=a.shard_size,
+               shard_max_samples=a.shard_samples, workers=a.workers, num_partitions=a.num_partitions,
+               partition=a.partition, progress=not a.no_progress, command=command_line())
+    part = f" (partition {a.partition} of {a.num_partitions})" if a.num_partitions > 1 else ""
+    print(f"ingest{part}: wrote {s['written']} shard(s), {s['skipped_done']} already done")
+    if not s["finalized"]:
+        print(f"{len(s['missing'])} shard(s) belong to other partitions; when they have all finished, run:\n"
+              f"  earlyfuse-prep merge {a.out}")
+        return 0
+    t = s["manifest"]["totals"]
+    print(f"{a.out}: {t['samples']} samples in {t['shards']} shards ({human_bytes(t['bytes'])}); "
+          f"segments: " + ", ".join(f"{k} {v}" for k, v in t["segments"].items() if v))
+    if t["rejects"]:
+        print(f"rejected {t['rejects']} input(s), listed in {a.out / 'rejects.jsonl'}: "
+              + ", ".join(f"{k} {v}" for k, v in t["rejects_by_reason"].items()))
+        return 0 if a.allow_rejects else EXIT_REJECTS
+    print("rejected: none")
+    return 0
+
+
+def _add_merge(sub) -> None:
+    p = sub.add_parser("merge", help="join the shards written by partitioned ingest runs into one manifest",
+                       description="After every `ingest --num-partitions P --partition I` run has written "
+                       "into DIR (a shared folder, or copied together), write DIR/manifest.json and "
+                       "DIR/rejects.jsonl. Fails, naming them, if partitions are missing.")
+    p.add_argument("dir", type=Path)
+    p.set_defaults(func=cmd_merge)
+
+
+def cmd_merge(a) -> int:
+    from data.shards.manifest import merge
+
+    m = merge(a.dir)
+    t = m["totals"]
+    print(f"{a.dir}: merged {t['shards']} shards, {t['samples']} samples, {t['rejects']} rejects")
+    return 0
+
+
+def _add_stats(sub) -> None:
+    p = sub.add_parser("stats", help="samples, bytes, modalities, media sizes and reject reasons of a shard folder")
+    p.add_argument("dir", type=Path)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_stats)
+
+
+def cmd_stats(a) -> int:
+    from data.shards.stats import collect_stats, format_stats
+
+    s = collect_stats(a.dir)
+    print(json.dumps(s, indent=1) if a.json else format_stats(s))
+    return 0
+
+
+def _add_verify(sub) -> None:
+    p = sub.add_parser("verify", help="re-hash shards against the manifest and check every index against its tar")
+    p.add_argument("dir", type=Path)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_verify)
+
+
+def cmd_verify(a) -> int:
+    from data.shards.verify import format_verify, verify
+
+    r = verify(a.dir, progress=not a.json)
+    print(json.dumps(r, indent=1) if a.json else format_verify(r))
+    return 0 if r["ok"] else 1
+
+
+def _add_demo_corpus(sub) -> None:
+    p = sub.add_parser("demo-corpus", help="build the small real demo corpus offline (code, prose, photos, scenes, clips)")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scale", type=float, default=1.0, help="multiply every part's size (default 1.0)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_demo_corpus)
+
+
+def cmd_demo_corpus(a) -> int:
+    from data.demo_corpus import build
+
+    summary = build(a.out, seed=a.seed, scale=a.scale, progress=not a.no_progress)
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="earlyfuse-prep",
+        description="earlyfuse data preparation: raw corpora -> shards -> tokenizers -> token shards.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_ingest, _add_merge, _add_stats, _add_verify, _add_demo_corpus):
+        add(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as e:
+        print(f"earlyfuse-prep {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Plan an ingest: list every input once, cut the list into shards, fingerprint the result.
+
+Design choices:
+- The plan depends only on the inputs and the flags that shape the output (limits, shard
+  size), never on ``--workers`` or ``--partition``: so every worker count, partitioning and
+  resumed run writes the same shards, byte for byte, under the same names.
+- Shards never span sources (``DIR/<source>/shard-NNNNNN.tar``): the loader weights sources,
+  so a source is a set of shards it can glob.
+- Target sizes apply to the estimated input bytes (file sizes); a shard ends up smaller when
+  some of its inputs are rejected.
+- Duplicate keys are found here, across all sources: the first input keeps the key, later
+  ones are rejected naming the first.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+
+from tqdm import tqdm
+
+from data.schema import Reject
+from data.sources import Item, Limits, SourceSpec, build_source
+
+PLAN_VERSION = 1
+
+
+@dataclass
+class ShardPlan:
+    index: int                 # position in the whole plan (partitions take index % P == I)
+    source: int                # index into Plan.sources
+    name: str                  # "<source>/shard-NNNNNN", without extension
+    items: list[Item] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    sources: list[SourceSpec]
+    limits: Limits
+    shard_max_bytes: int
+    shard_max_samples: int
+    shards: list[ShardPlan]
+    fingerprint: str
+    counts: dict                # per source: items planned, rejected at plan time
+
+    def describe(self) -> dict:
+        return {"fingerprint": self.fingerprint, "num_shards": len(self.shards),
+                "shard_max_bytes": self.shard_max_bytes, "shard_max_samples": self.shard_max_samples,
+                "limits": asdict(self.limits), "version": PLAN_VERSION}
+
+
+def _item_blob(item: Item) -> bytes:
+    rej = item.reject.to_dict() if item.reject else None
+    return json.dumps([item.key, item.label, list(item.ref), item.size, rej], sort_keys=True).encode()
+
+
+def make_plan(specs: list[SourceSpec], limits: Limits, *, shard_max_bytes: int,
+              shard_max_samples: int, progress: bool = True) -> Plan:
+    if shard_max_bytes <= 0 and shard_max_samples <= 0:
+        raise ValueError("set a shard size: --shard-size and/or --shard-samples")
+    h = hashlib.sha256(json.dumps({
+        "version": PLAN_VERSION, "sources": [asdict(s) for s in specs], "limits": asdict(limits),
+        "shard_max_bytes": shard_max_bytes, "shard_max_samples": shard_max_samples,
+    }, sort_keys=True).encode())
+    first_seen: dict[str, str] = {}
+    shards: list[ShardPlan] = []
+    counts: dict[str, dict] = {}
+    bar = tqdm(desc="planning", unit=" inputs", disable=not progress, leave=False)
+    for si, spec in enumerate(specs):
+        src = build_source(spec, limits)
+        cur: ShardPlan | None = None
+        cur_bytes = cur_samples = 0
+        n_items = n_rej = 0
+        k = 0
+        try:
+            items = list(src.items())
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise ValueError(f"source {spec.name} ({spec.kind}:{spec.path}): cannot list inputs: {e}") from e
+        if not items:
+            raise ValueError(f"source {spec.name} ({spec.kind}:{spec.path}): no inputs found")
+        for item in items:
+            if item.reject is None:
+                if item.key in first_seen:
+                    item = Item(item.key, item.label, ("rejected",), 0, Reject(
+                        item.label, "duplicate-key",
+                        f"key {item.key!r} already used by {first_seen[item.key]}",
+                        key=item.key, source=spec.name))
+                else:
+                    first_seen[item.key] = f"{spec.name}:{item.label}"
+            accepted = item.reject is None
+            full = cur is not None and accepted and cur_samples > 0 and (
+                (shard_max_bytes > 0 and cur_bytes + item.size > shard_max_bytes)
+                or (shard_max_samples > 0 and cur_samples >= shard_max_samples))
+            if cur is None or full:
+                cur = ShardPlan(len(shards), si, f"{spec.name}/shard-{k:06d}")
+                shards.append(cur)
+                k += 1
+                cur_bytes = cur_samples = 0
+            cur.items.append(item)
+            if accepted:
+                cur_bytes += item.size
+                cur_samples += 1
+            n_items += 1
+            n_rej += not accepted
+            h.update(_item_blob(item))
+            bar.update()
+        counts[spec.name] = {"inputs": n_items, "rejected_at_plan": n_rej}
+    bar.close()
+    return Plan(specs, limits, shard_max_bytes, shard_max_samples, shards, h.hexdigest()[:24], counts)

@@ -1,0 +1,167 @@
+"""Validate and describe inputs at ingest: text decoding, image and video probes.
+
+Design choices:
+- Images: the header is read first and the pixel count checked *before* any decode, so a
+  decompression bomb is never decoded in full (Pillow itself only raises above ~179 M pixels);
+  then a full decode catches truncated files. The original bytes are what gets stored.
+- Videos: probed with decord from the bytes (no temp file), first and last frame decoded.
+  decord writes FFmpeg's complaints, raw input bytes included, straight to the C stderr; the
+  probe captures fd 2 and keeps the last readable line as the reject detail.
+- Text: strict UTF-8 by default; ``repair=True`` replaces bad bytes with U+FFFD and counts them.
+"""
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from PIL import Image
+
+from data.schema import Reject
+
+IMAGE_FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp",
+                 "TIFF": "tiff", "MPO": "jpg"}
+IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff"}
+VIDEO_EXTS = {".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v"}
+
+
+@dataclass(frozen=True)
+class ImageInfo:
+    width: int
+    height: int
+    format: str      # Pillow's name, e.g. "JPEG"
+    ext: str         # member extension derived from the real format, e.g. "jpg"
+    mode: str
+
+    def meta(self) -> dict:
+        return {"width": self.width, "height": self.height, "format": self.format, "mode": self.mode}
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    width: int
+    height: int
+    frames: int
+    fps: float
+    duration: float  # seconds, end of the last frame
+
+    def meta(self) -> dict:
+        return {"width": self.width, "height": self.height, "frames": self.frames,
+                "fps": round(self.fps, 6), "duration": round(self.duration, 6)}
+
+
+def decode_text(raw: bytes, path: str, *, repair: bool) -> tuple[str, int] | Reject:
+    """UTF-8 text (a leading BOM dropped) and the count of replaced bytes, or a not-utf8 reject."""
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    try:
+        return raw.decode("utf-8"), 0
+    except UnicodeDecodeError as e:
+        if not repair:
+            return Reject(path, "not-utf8", f"invalid UTF-8 at byte {e.start} (rejected; "
+                          "--repair-utf8 keeps such text with U+FFFD)")
+        text = raw.decode("utf-8", errors="replace")
+        bad = text.count("\ufffd") - raw.decode("utf-8", errors="ignore").count("\ufffd")
+        return text, bad
+
+
+def clean_json_text(text: str, path: str, *, repair: bool) -> tuple[str, int] | Reject:
+    """Strings parsed from JSON can hold lone surrogates, which UTF-8 cannot encode."""
+    try:
+        text.encode("utf-8")
+        return text, 0
+    except UnicodeEncodeError as e:
+        if not repair:
+            return Reject(path, "not-utf8", f"lone surrogate at character {e.start} (rejected; "
+                          "--repair-utf8 keeps such text with U+FFFD)")
+        fixed = "".join("\ufffd" if 0xD800 <= ord(c) <= 0xDFFF else c for c in text)
+        return fixed, sum(1 for c in text if 0xD800 <= ord(c) <= 0xDFFF)
+
+
+def probe_image(raw: bytes, path: str, *, max_pixels: int) -> ImageInfo | Reject:
+    if not raw:
+        return Reject(path, "unreadable-image", "zero-byte file")
+    try:
+        with warnings.catch_warnings():
+            # Our own limit is checked below; Pillow's warning between 89 M and 179 M is noise.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im = Image.open(io.BytesIO(raw))
+            w, h = im.size
+            if w * h > max_pixels:
+                return Reject(path, "pixel-limit",
+                              f"header claims {w}x{h} = {w * h} pixels > limit {max_pixels}")
+            fmt = im.format or "?"
+            if fmt not in IMAGE_FORMATS:
+                return Reject(path, "unreadable-image", f"unsupported image format {fmt}")
+            im.load()  # full decode: truncated data raises here
+            return ImageInfo(w, h, fmt, IMAGE_FORMATS[fmt], im.mode)
+    except Image.DecompressionBombError as e:
+        return Reject(path, "pixel-limit", str(e))
+    except Image.UnidentifiedImageError:
+        return Reject(path, "unreadable-image", "not an image Pillow recognises")
+    except (OSError, SyntaxError, ValueError, EOFError) as e:
+        msg = str(e)
+        reason = "truncated-image" if "truncat" in msg or isinstance(e, EOFError) else "unreadable-image"
+        return Reject(path, reason, msg)
+
+
+@contextmanager
+def captured_c_stderr():
+    """Redirect the C-level stderr (fd 2) into a temp file; yields a list that gets its text."""
+    out: list[str] = []
+    try:
+        saved = os.dup(2)
+    except OSError:  # no usable fd 2 (rare, e.g. some daemons)
+        yield out
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield out
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            out.append(tmp.read(65536).decode("utf-8", errors="replace"))
+
+
+def _readable_tail(log: str) -> str:
+    """The last line of an FFmpeg/decord log that is plain text (decord echoes input bytes)."""
+    for line in reversed(log.splitlines()):
+        line = line.strip()
+        if line and all(c.isprintable() for c in line) and len(line) < 300:
+            return line
+    return ""
+
+
+def probe_video(raw: bytes, path: str, *, max_seconds: float) -> VideoInfo | Reject:
+    if not raw:
+        return Reject(path, "empty-video", "zero-byte video")
+    import decord  # imported here: decord loads FFmpeg, which text-only runs never need
+
+    with captured_c_stderr() as log:
+        try:
+            vr = decord.VideoReader(io.BytesIO(raw), num_threads=1)
+            n = len(vr)
+            if n == 0:
+                raise RuntimeError("no frames")
+            fps = float(vr.get_avg_fps())
+            duration = float(vr.get_frame_timestamp([n - 1])[0][1])
+            first = vr[0].shape
+            vr[n - 1]  # decoding the last frame catches a stream cut short
+            info = VideoInfo(int(first[1]), int(first[0]), n, fps, duration)
+            del vr
+        except Exception as e:  # decord raises bare RuntimeError/DECORDError for every failure
+            err = e
+        else:
+            err = None
+    if err is not None:
+        detail = _readable_tail(log[0] if log else "") or str(err).split("\n")[0][:200]
+        return Reject(path, "undecodable-video", detail)
+    if info.duration > max_seconds:
+        return Reject(path, "video-too-long",
+                      f"{info.duration:.1f} s > limit {max_seconds:g} s")
+    return info

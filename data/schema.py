@@ -1,0 +1,125 @@
+"""The raw sample schema: one document = an ordered list of typed segments (docs/formats.md).
+
+Design choices:
+- A sample is ``KEY.json`` plus its media members ``KEY.img0.jpg``, ``KEY.vid0.mp4``, … holding
+  the original bytes; keys are ASCII ``[A-Za-z0-9_-]`` so they never contain a dot (webdataset
+  groups members by the text before the first dot) and can never escape the output folder.
+- Every input ends as a ``Sample`` in a shard or as a ``Reject`` with a reason code from
+  ``REASONS``: nothing is dropped silently.
+- JSON is written canonically (sorted keys, no spaces) so equal inputs give equal bytes.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+SEGMENT_TYPES = ("text", "code", "image", "video")
+MEDIA_PREFIX = {"image": "img", "video": "vid"}
+
+# Reason codes a reject can carry, with what they mean (printed by `earlyfuse-prep stats`).
+REASONS = {
+    "bad-record": "a JSONL/CSV record that is not valid JSON or lacks a required field",
+    "binary-file": "a file in a source tree that holds binary data",
+    "duplicate-key": "a sample key that an earlier input already used",
+    "empty-document": "a document with no content (empty text, no segments)",
+    "missing-media": "a referenced image or video file that does not exist or is remote",
+    "not-utf8": "text that is not valid UTF-8 (use --repair-utf8 to keep it with U+FFFD)",
+    "pixel-limit": "an image whose header claims more pixels than --max-image-pixels",
+    "too-large": "a file over the size limit of its kind",
+    "truncated-tar": "an input tar that ends in the middle of a member",
+    "truncated-image": "an image whose data ends early",
+    "undecodable-video": "a video that decord cannot open or decode",
+    "unknown-type": "a file whose extension the source kind does not take",
+    "unreadable-file": "a file that cannot be read (permissions, broken link, I/O error)",
+    "unreadable-image": "bytes that no supported image decoder recognises",
+    "unsafe-name": "a name that would escape the output folder or is not a valid key",
+    "vendored": "a vendored, generated or hidden directory or file, skipped as a whole",
+    "video-too-long": "a video longer than --max-video-seconds",
+    "empty-video": "a zero-byte video file",
+}
+
+_KEY_OK = re.compile(r"^[A-Za-z0-9_-]+$")
+_KEY_BAD_CHARS = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def sanitize_key(text: str) -> str:
+    """Map any relative path or id onto the key alphabet (collisions become duplicate-key rejects)."""
+    return _KEY_BAD_CHARS.sub("_", text).strip("_") or "_"
+
+
+def is_valid_key(key: str) -> bool:
+    return bool(_KEY_OK.match(key))
+
+
+def unsafe_name_reason(name: str) -> str | None:
+    """Why a member/key name taken from an input could escape the output folder, if it could."""
+    if not name:
+        return "empty name"
+    if name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name):
+        return f"absolute path {name!r}"
+    parts = re.split(r"[/\\]", name)
+    if any(p == ".." for p in parts):
+        return f"parent-directory component in {name!r}"
+    if "\x00" in name:
+        return "NUL byte in name"
+    return None
+
+
+@dataclass(frozen=True)
+class Reject:
+    """An input that did not become a sample, and why."""
+
+    path: str                 # the input file (and member or line, when there is one)
+    reason: str               # a key of REASONS
+    detail: str = ""
+    key: str | None = None
+    source: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.reason not in REASONS:
+            raise ValueError(f"unknown reject reason {self.reason!r}")
+
+    def to_dict(self) -> dict:
+        d = {"path": self.path, "reason": self.reason, "detail": self.detail}
+        if self.key is not None:
+            d["key"] = self.key
+        if self.source is not None:
+            d["source"] = self.source
+        return d
+
+
+@dataclass
+class Sample:
+    """One document ready for a shard: its JSON and its media members, in segment order."""
+
+    key: str
+    doc: dict
+    media: list[tuple[str, bytes]] = field(default_factory=list)   # ("img0.jpg", bytes)
+
+    def members(self) -> list[tuple[str, bytes]]:
+        """(member suffix, bytes) in the order they go into the tar: the JSON first."""
+        return [("json", canonical_json(self.doc))] + list(self.media)
+
+    def segment_types(self) -> list[str]:
+        return [s["type"] for s in self.doc["segments"]]
+
+
+def canonical_json(obj) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def validate_doc(doc: dict, member_names: set[str]) -> str | None:
+    """Why a document read back from a shard breaks the schema, or None when it is valid."""
+    segs = doc.get("segments")
+    if not isinstance(segs, list) or not segs:
+        return "no segments"
+    for i, s in enumerate(segs):
+        t = s.get("type") if isinstance(s, dict) else None
+        if t not in SEGMENT_TYPES:
+            return f"segment {i}: unknown type {t!r}"
+        if t in ("text", "code") and not isinstance(s.get("text"), str):
+            return f"segment {i}: {t} without text"
+        if t in MEDIA_PREFIX and s.get("member") not in member_names:
+            return f"segment {i}: member {s.get('member')!r} missing from the sample"
+    return None

@@ -1,0 +1,1 @@
+"""Raw and token shards on disk: tar files in webdataset convention, their indexes, manifests."""

@@ -1,0 +1,78 @@
+"""Read a shard index (``*.idx.jsonl``) and check it against its tar."""
+from __future__ import annotations
+
+import hashlib
+import json
+import tarfile
+from pathlib import Path
+
+from data.shards.writer import sample_hash
+
+
+def index_path_for(tar_path: str | Path) -> Path:
+    p = Path(tar_path)
+    return p.with_name(p.name[: -len(".tar")] + ".idx.jsonl") if p.name.endswith(".tar") else p.with_name(p.name + ".idx.jsonl")
+
+
+def read_index(path: str | Path) -> list[dict]:
+    entries = []
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            try:
+                entries.append(json.loads(line))
+            except ValueError as e:
+                raise ValueError(f"{path}:{lineno}: not a JSON index line ({e})") from None
+    return entries
+
+
+def read_member(tar_path: str | Path, entry: dict, suffix: str) -> bytes:
+    """One member's bytes, by seeking to the offset the index gives."""
+    off, size = entry["members"][suffix]
+    with open(tar_path, "rb") as f:
+        f.seek(off)
+        data = f.read(size)
+    if len(data) != size:
+        raise ValueError(f"{tar_path}: member {entry['key']}.{suffix} cut short "
+                         f"({len(data)} of {size} bytes)")
+    return data
+
+
+def file_sha256(path: str | Path, bufsize: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(bufsize):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_index(tar_path: str | Path, index: list[dict]) -> list[str]:
+    """Problems found when the tar's real members are compared with its index (empty = fine)."""
+    problems: list[str] = []
+    expected = []
+    for e in index:
+        for suffix, (off, size) in e["members"].items():
+            expected.append((f"{e['key']}.{suffix}", off, size))
+    expected.sort(key=lambda m: m[1])  # index lines keep members by name; the tar by offset
+    try:
+        with tarfile.open(tar_path, mode="r:") as tf:
+            actual = [(m.name, m.offset_data, m.size) for m in tf if m.isfile()]
+    except (tarfile.TarError, OSError) as e:
+        return [f"{tar_path}: unreadable tar ({e})"]
+    if actual != expected:
+        a, x = set(actual), set(expected)
+        for name, off, size in sorted(x - a)[:5]:
+            problems.append(f"{tar_path}: index lists {name} at {off} ({size} B), the tar does not")
+        for name, off, size in sorted(a - x)[:5]:
+            problems.append(f"{tar_path}: tar holds {name} at {off} ({size} B), the index does not")
+        if not problems:
+            problems.append(f"{tar_path}: members are in a different order than the index says")
+        return problems
+    with open(tar_path, "rb") as f:
+        for e in index:
+            members = []
+            for suffix, (off, size) in e["members"].items():
+                f.seek(off)
+                members.append((suffix, f.read(size)))
+            if sample_hash(members) != e["sha256"]:
+                problems.append(f"{tar_path}: sample {e['key']} does not match its hash")
+    return problems

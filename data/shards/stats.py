@@ -1,0 +1,101 @@
+"""``earlyfuse-prep stats DIR``: what a shard folder holds, from its manifest and indexes alone
+(no tar is opened, so it is fast on any size)."""
+from __future__ import annotations
+
+import json
+import statistics
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from data.shards.index import read_index
+from data.shards.manifest import load_manifest
+
+
+def _dist(values: list[float]) -> dict:
+    if not values:
+        return {"count": 0}
+    return {"count": len(values), "min": min(values), "median": statistics.median(values),
+            "max": max(values)}
+
+
+def collect_stats(out: str | Path, *, examples: int = 3) -> dict:
+    out = Path(out)
+    m = load_manifest(out)
+    img_w, img_h, img_px, vid_dur, vid_frames, vid_fps = [], [], [], [], [], []
+    docs_by_types: Counter = Counter()
+    for shard in m["shards"]:
+        for e in read_index(out / shard["index"]):
+            docs_by_types["+".join(sorted(set(e["types"])))] += 1
+            for md in e.get("media", []):
+                if "frames" in md:
+                    vid_dur.append(md["duration"])
+                    vid_frames.append(md["frames"])
+                    vid_fps.append(md["fps"])
+                else:
+                    img_w.append(md["width"])
+                    img_h.append(md["height"])
+                    img_px.append(md["width"] * md["height"])
+    reject_examples: dict[str, list[str]] = defaultdict(list)
+    rpath = out / "rejects.jsonl"
+    if rpath.is_file():
+        with open(rpath, encoding="utf-8") as f:
+            for line in f:
+                r = json.loads(line)
+                if len(reject_examples[r["reason"]]) < examples:
+                    reject_examples[r["reason"]].append(f"{r.get('source', '?')}:{r['path']}: {r['detail']}")
+    t = m["totals"]
+    return {
+        "folder": str(out), "samples": t["samples"], "bytes": t["bytes"], "shards": t["shards"],
+        "segments": t["segments"], "documents_by_content": dict(docs_by_types.most_common()),
+        "sources": [{k: s[k] for k in ("name", "kind", "samples", "bytes", "shards", "rejects")}
+                    for s in m["sources"]],
+        "images": {"width": _dist(img_w), "height": _dist(img_h), "pixels": _dist(img_px)},
+        "videos": {"duration_s": _dist(vid_dur), "frames": _dist(vid_frames), "fps": _dist(vid_fps)},
+        "rejects": t["rejects"],
+        "rejects_by_reason": dict(sorted(t["rejects_by_reason"].items(), key=lambda kv: -kv[1])),
+        "reject_examples": dict(reject_examples), "repaired_utf8": t["repaired_utf8"],
+    }
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+def format_stats(s: dict) -> str:
+    def d(x: dict, fmt: str = "{:g}") -> str:
+        if not x["count"]:
+            return "none"
+        return (f"{x['count']} · min {fmt.format(x['min'])} · median {fmt.format(x['median'])}"
+                f" · max {fmt.format(x['max'])}")
+
+    lines = [f"{s['folder']}: {s['samples']} samples in {s['shards']} shards, {human_bytes(s['bytes'])}"]
+    lines.append("")
+    lines.append(f"  {'source':<20} {'kind':<12} {'samples':>8} {'shards':>7} {'bytes':>10} {'rejects':>8}")
+    for src in s["sources"]:
+        lines.append(f"  {src['name']:<20} {src['kind']:<12} {src['samples']:>8} {src['shards']:>7} "
+                     f"{human_bytes(src['bytes']):>10} {src['rejects']:>8}")
+    lines.append("")
+    lines.append("  segments:  " + ", ".join(f"{k} {v}" for k, v in s["segments"].items()))
+    lines.append("  documents: " + ", ".join(f"{k} {v}" for k, v in s["documents_by_content"].items()))
+    im, vd = s["images"], s["videos"]
+    lines.append(f"  image width:    {d(im['width'])}")
+    lines.append(f"  image height:   {d(im['height'])}")
+    lines.append(f"  video seconds:  {d(vd['duration_s'], '{:.2f}')}")
+    lines.append(f"  video frames:   {d(vd['frames'])}")
+    lines.append(f"  video fps:      {d(vd['fps'], '{:.2f}')}")
+    lines.append("")
+    if s["rejects"]:
+        lines.append(f"  rejects: {s['rejects']} (all in rejects.jsonl)")
+        for reason, n in s["rejects_by_reason"].items():
+            lines.append(f"    {reason:<20} {n}")
+            for ex in s["reject_examples"].get(reason, []):
+                lines.append(f"        e.g. {ex}")
+    else:
+        lines.append("  rejects: none")
+    if s["repaired_utf8"]:
+        lines.append(f"  repaired UTF-8 bytes: {s['repaired_utf8']}")
+    return "\n".join(lines)

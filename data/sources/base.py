@@ -1,0 +1,214 @@
+"""What every source kind shares: specs, limits, plan items, and turning parts into a sample.
+
+A source kind has two halves:
+- ``items()`` runs once, in the planning process: it lists the inputs cheaply (names, sizes,
+  line offsets) in a deterministic order, so the plan of shards is the same on every machine
+  and for any worker count. Problems visible at this stage (missing media, unsafe names,
+  vendored folders) become items that already carry their reject.
+- ``load(item)`` runs in a worker: it reads the bytes, validates them and returns a ``Sample``
+  or a ``Reject``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from data.media import VIDEO_EXTS, clean_json_text, decode_text, probe_image, probe_video
+from data.schema import MEDIA_PREFIX, Reject, Sample
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    kind: str
+    path: str        # absolute
+    name: str        # unique per ingest; prefixes every key and names the shard folder
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_image_pixels: int = 64_000_000
+    max_video_seconds: float = 600.0
+    max_text_bytes: int = 16 << 20
+    max_code_bytes: int = 1 << 20
+    repair_utf8: bool = False
+
+
+@dataclass(frozen=True)
+class Item:
+    key: str                     # the sample key in the shard (source name + local key)
+    label: str                   # where it came from, for people (relative path, file:line)
+    ref: tuple                   # how ``load`` finds it; JSON-able, part of the plan fingerprint
+    size: int                    # estimated bytes in the shard, for cutting shards
+    reject: Reject | None = None
+
+
+@dataclass
+class Part:
+    """One segment as found in the input, before validation."""
+
+    type: str                          # text | code | image | video
+    text: str | bytes | None = None    # text/code content (bytes are decoded as UTF-8)
+    path: str | None = None            # media file to read, or a label for messages
+    data: bytes | None = None          # media bytes already in hand (e.g. from a tar)
+    lang: str | None = None            # code language
+    role: str | None = None            # e.g. "caption"
+    ext: str | None = None             # video container extension, e.g. ".mp4"
+    label: str | None = None           # how rejects name a media file (default: its path)
+
+
+@dataclass
+class Source:
+    spec: SourceSpec
+    limits: Limits = field(default_factory=Limits)
+
+    kind = ""
+
+    def items(self) -> Iterator[Item]:
+        raise NotImplementedError
+
+    def load(self, item: Item) -> Sample | Reject:
+        raise NotImplementedError
+
+    # helpers ------------------------------------------------------------------------------
+    @property
+    def root(self) -> Path:
+        return Path(self.spec.path)
+
+    def key(self, local: str) -> str:
+        return f"{self.spec.name}-{local}"
+
+    def reject(self, path: str, reason: str, detail: str = "", key: str | None = None) -> Reject:
+        return Reject(path, reason, detail, key=key, source=self.spec.name)
+
+    def rejected_item(self, key: str, path: str, reason: str, detail: str = "") -> Item:
+        return Item(key, path, ("rejected",), 0, self.reject(path, reason, detail, key))
+
+    def display(self, rel: str) -> str:
+        """How a file inside this source is named in rejects and metadata: relative to the root."""
+        return rel if self.root.is_dir() else self.root.name
+
+    def assemble(self, key: str, parts: list[Part], meta: dict, origin: dict,
+                 label: str) -> Sample | Reject:
+        return assemble(self, key, parts, meta, origin, label)
+
+
+def with_source(rej: Reject, src: Source, key: str) -> Reject:
+    return Reject(rej.path, rej.reason, rej.detail, key=key, source=src.spec.name)
+
+
+def assemble(src: Source, key: str, parts: list[Part], meta: dict, origin: dict,
+             label: str) -> Sample | Reject:
+    """Validate every part and build the sample; the first failing part rejects the document.
+
+    ``meta`` holds the input's own fields (a caption file's extra columns, a JSONL record's other
+    keys); ``origin`` says where the document came from (path relative to the source, line)."""
+    lim = src.limits
+    segments: list[dict] = []
+    media: list[tuple[str, bytes]] = []
+    repaired = 0
+    counters = {"image": 0, "video": 0}
+    for part in parts:
+        if part.type in ("text", "code"):
+            where = part.path or label
+            if isinstance(part.text, bytes):
+                got = decode_text(part.text, where, repair=lim.repair_utf8)
+            else:
+                got = clean_json_text(part.text or "", where, repair=lim.repair_utf8)
+            if isinstance(got, Reject):
+                return with_source(got, src, key)
+            text, bad = got
+            repaired += bad
+            if not text.strip():
+                continue  # an empty paragraph or caption is no content; the document may still be
+            seg = {"type": part.type, "text": text}
+            if part.lang:
+                seg["lang"] = part.lang
+            if part.role:
+                seg["role"] = part.role
+            segments.append(seg)
+        elif part.type in MEDIA_PREFIX:
+            data = part.data
+            if data is None:
+                data = read_media(part.path)
+                if isinstance(data, Reject):
+                    return with_source(Reject(part.label or data.path, data.reason, data.detail), src, key)
+            where = part.label or part.path or label
+            if part.type == "image":
+                info = probe_image(data, where, max_pixels=lim.max_image_pixels)
+                ext = None if isinstance(info, Reject) else info.ext
+            else:
+                info = probe_video(data, where, max_seconds=lim.max_video_seconds)
+                ext = (part.ext or Path(part.path or "").suffix or ".mp4").lower().lstrip(".")
+            if isinstance(info, Reject):
+                return with_source(info, src, key)
+            member = f"{MEDIA_PREFIX[part.type]}{counters[part.type]}.{ext}"
+            counters[part.type] += 1
+            segments.append({"type": part.type, "member": member, **info.meta()})
+            media.append((member, data))
+        else:
+            return src.reject(label, "bad-record", f"unknown segment type {part.type!r}", key)
+    if not segments:
+        return src.reject(label, "empty-document", "no text or media after validation", key)
+    origin = dict(origin)
+    if repaired:
+        origin["repaired_utf8"] = repaired
+    doc = {"source": src.spec.name, "kind": src.kind, "origin": origin, "meta": meta,
+           "segments": segments}
+    return Sample(key, doc, media)
+
+
+def read_media(path: str | None) -> bytes | Reject:
+    if not path:
+        return Reject("?", "missing-media", "segment without a path")
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return Reject(path, "missing-media", "file does not exist")
+    except OSError as e:
+        return Reject(path, "unreadable-file", str(e))
+
+
+def read_file(path: Path, label: str) -> bytes | Reject:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        return Reject(label, "unreadable-file", str(e))
+
+
+def walk(root: Path, skip_dir: Callable[[str], str | None]) -> Iterator[tuple[str, str | None]]:
+    """Files under ``root`` as sorted relative paths; a skipped folder is yielded once as
+    ``("dir/", reason)`` and not entered. A file ``root`` yields just its own name."""
+    if root.is_file():
+        yield root.name, None
+        return
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root)
+        rel_dir = "" if rel_dir == "." else rel_dir + "/"
+        keep = []
+        for d in sorted(dirnames):
+            why = skip_dir(d)
+            if why:
+                yield f"{rel_dir}{d}/", why
+            else:
+                keep.append(d)
+        dirnames[:] = keep
+        for fname in sorted(filenames):
+            yield f"{rel_dir}{fname}", None
+
+
+def hidden_dir(name: str) -> str | None:
+    return f"hidden folder {name!r} skipped" if name.startswith(".") else None
+
+
+def stat_size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
+
+
+def is_video_name(name: str) -> bool:
+    return Path(name).suffix.lower() in VIDEO_EXTS

@@ -1,0 +1,171 @@
+"""``images:PATH`` and ``videos:PATH`` — media files with optional captions.
+
+PATH is either
+- a folder: every image (or video) file below it is one document; its caption comes from a
+  sidecar ``NAME.txt`` (or the ``caption`` field of ``NAME.json``, whose other fields go to
+  ``meta``), or from a ``captions.jsonl`` / ``captions.csv`` at the folder's top with columns
+  ``file`` (path relative to the folder) and ``caption``;
+- or a ``.jsonl`` / ``.csv`` table with a column ``image`` (or ``video``), optional ``caption``
+  and ``id``; paths are relative to the table's folder; other columns go to ``meta``.
+
+A document is ``[media, caption]``; the caption segment carries ``"role": "caption"``.
+"""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Iterator
+
+from data.media import IMAGE_EXTS, VIDEO_EXTS
+from data.schema import Reject, Sample, sanitize_key, unsafe_name_reason
+from data.sources.base import Item, Part, Source, hidden_dir, read_file, stat_size, walk
+from data.sources.text import parse_record
+
+CAPTION_TABLES = ("captions.jsonl", "captions.csv")
+
+
+def read_table(path: Path) -> Iterator[tuple[int, dict | Reject]]:
+    """(line number, record) of a JSONL or CSV table; a bad JSON line yields a Reject."""
+    if path.suffix.lower() == ".csv":
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            for row in reader:
+                yield reader.line_num, {k: v for k, v in row.items() if k is not None}
+        return
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                yield lineno, parse_record(line, f"{path.name}:{lineno}")
+
+
+class CaptionedSource(Source):
+    exts: set[str] = set()
+    column = ""
+    part_type = ""
+
+    def items(self) -> Iterator[Item]:
+        if self.root.is_dir():
+            yield from self._folder_items()
+        elif self.root.suffix.lower() in (".jsonl", ".csv"):
+            yield from self._table_items()
+        else:
+            yield self.rejected_item(self.key(sanitize_key(self.root.name)), self.root.name,
+                                     "unknown-type", f"{self.kind} takes a folder or a .jsonl/.csv table")
+
+    # --- a folder of media files -----------------------------------------------------------
+    def _folder_items(self) -> Iterator[Item]:
+        captions: dict[str, dict] = {}
+        for table in CAPTION_TABLES:
+            if (self.root / table).is_file():
+                for lineno, rec in read_table(self.root / table):
+                    if isinstance(rec, Reject) or not rec.get("file"):
+                        detail = rec.detail if isinstance(rec, Reject) else 'no "file" column'
+                        yield self.rejected_item(self.key(f"{table}-{lineno}"), f"{table}:{lineno}",
+                                                 "bad-record", detail)
+                        continue
+                    captions[str(rec.pop("file"))] = rec
+        files = list(walk(self.root, hidden_dir))
+        media = {rel for rel, skipped in files if not skipped and Path(rel).suffix.lower() in self.exts}
+        stems = {str(Path(rel).with_suffix("")) for rel in media}
+        for rel, skipped in files:
+            key = self.key(sanitize_key(rel))
+            if skipped:
+                yield self.rejected_item(key, rel, "vendored", skipped)
+                continue
+            if rel in CAPTION_TABLES:
+                continue
+            suffix = Path(rel).suffix.lower()
+            if rel not in media:
+                if suffix in (".txt", ".json") and str(Path(rel).with_suffix("")) in stems:
+                    continue  # a sidecar caption, read with its media file
+                yield self.rejected_item(key, rel, "unknown-type",
+                                         f"not a{'n image' if self.kind == 'images' else ' video'} "
+                                         f"file ({suffix or 'no extension'})")
+                continue
+            path = self.root / rel
+            size = stat_size(path)
+            if size is None:
+                yield self.rejected_item(key, rel, "unreadable-file", "cannot stat")
+                continue
+            rec = captions.get(rel)
+            txt, js = path.with_suffix(".txt"), path.with_suffix(".json")
+            ref = ("file", str(path), rel, json.dumps(rec, sort_keys=True) if rec is not None else "",
+                   str(txt) if txt.is_file() else "", str(js) if js.is_file() else "")
+            yield Item(key, rel, ref, size)
+
+    # --- a table of media paths and captions ----------------------------------------------
+    def _table_items(self) -> Iterator[Item]:
+        base = self.root.parent
+        for lineno, rec in read_table(self.root):
+            label = f"{self.root.name}:{lineno}"
+            key = self.key(f"{lineno:08d}")
+            if isinstance(rec, Reject):
+                yield self.rejected_item(key, label, rec.reason, rec.detail)
+                continue
+            if rec.get("id") not in (None, ""):
+                rid = str(rec["id"])
+                why = unsafe_name_reason(rid)
+                if why:
+                    yield self.rejected_item(key, label, "unsafe-name", f"id: {why}")
+                    continue
+                key = self.key(sanitize_key(rid))
+            media = rec.pop(self.column, None) or rec.pop("file", None) or rec.pop("path", None)
+            if not isinstance(media, str) or not media:
+                yield self.rejected_item(key, label, "bad-record", f'no "{self.column}" column')
+                continue
+            if "://" in media:
+                yield self.rejected_item(key, label, "missing-media",
+                                         f"{media} is remote; ingest takes local files (download first)")
+                continue
+            path = (base / media) if not Path(media).is_absolute() else Path(media)
+            size = stat_size(path)
+            if size is None:
+                yield self.rejected_item(key, f"{label} ({media})", "missing-media", "file does not exist")
+                continue
+            yield Item(key, label, ("row", str(path), label, media, json.dumps(rec, sort_keys=True)), size)
+
+    # --- worker side -------------------------------------------------------------------------
+    def load(self, item: Item) -> Sample | Reject:
+        if item.ref[0] == "file":
+            _, path, rel, table_rec, txt, js = item.ref
+            meta = json.loads(table_rec) if table_rec else {}
+            caption: str | bytes | None = meta.pop("caption", None)
+            if js:
+                raw = read_file(Path(js), rel)
+                rec = raw if isinstance(raw, Reject) else parse_record(raw, str(Path(rel).with_suffix(".json")))
+                if isinstance(rec, Reject):
+                    return self.reject(rec.path, rec.reason, rec.detail, item.key)
+                caption = rec.pop("caption", caption)
+                meta.update(rec)
+            if txt:
+                raw = read_file(Path(txt), rel)
+                if isinstance(raw, Reject):
+                    return self.reject(raw.path, raw.reason, raw.detail, item.key)
+                caption = raw
+            origin, label = {"path": rel}, rel
+        else:
+            _, path, label, media, rec = item.ref
+            meta = json.loads(rec)
+            caption = meta.pop("caption", None)
+            origin = {"path": media, "row": label}
+        parts = [Part(self.part_type, path=path, ext=Path(path).suffix.lower(),
+                      label=origin["path"])]
+        if caption is not None:
+            parts.append(Part("text", caption if isinstance(caption, (str, bytes)) else str(caption),
+                              path=label, role="caption"))
+        return self.assemble(item.key, parts, meta, origin, label)
+
+
+class ImagesSource(CaptionedSource):
+    kind = "images"
+    exts = IMAGE_EXTS
+    column = "image"
+    part_type = "image"
+
+
+class VideosSource(CaptionedSource):
+    kind = "videos"
+    exts = VIDEO_EXTS
+    column = "video"
+    part_type = "video"

@@ -1,0 +1,85 @@
+"""``code:PATH`` — a source tree; one document per source file, language from the extension.
+
+Skipped, each with a reject line: vendored/generated/hidden folders (one line per folder, not
+per file inside), files whose extension is not a known language, minified files, files over
+``max_code_bytes``, binaries (a NUL byte) and empty files.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+from data.schema import Reject, Sample, sanitize_key
+from data.sources.base import Item, Part, Source, read_file, stat_size, walk
+
+LANGS = {
+    ".py": "python", ".pyi": "python", ".c": "c", ".h": "c", ".cc": "cpp", ".cpp": "cpp",
+    ".cxx": "cpp", ".hpp": "cpp", ".hh": "cpp", ".cu": "cuda", ".rs": "rust", ".go": "go",
+    ".java": "java", ".kt": "kotlin", ".scala": "scala", ".js": "javascript", ".mjs": "javascript",
+    ".jsx": "javascript", ".ts": "typescript", ".tsx": "typescript", ".rb": "ruby", ".php": "php",
+    ".cs": "csharp", ".swift": "swift", ".m": "objective-c", ".sh": "shell", ".bash": "shell",
+    ".zsh": "shell", ".pl": "perl", ".lua": "lua", ".r": "r", ".jl": "julia", ".hs": "haskell",
+    ".ml": "ocaml", ".ex": "elixir", ".erl": "erlang", ".clj": "clojure", ".sql": "sql",
+    ".html": "html", ".css": "css", ".scss": "css", ".toml": "toml", ".yaml": "yaml",
+    ".yml": "yaml", ".json": "json", ".xml": "xml", ".md": "markdown", ".rst": "rst",
+    ".tex": "tex", ".cmake": "cmake", ".mk": "make", ".proto": "protobuf", ".zig": "zig",
+    ".dart": "dart", ".f90": "fortran", ".vim": "vim", ".ps1": "powershell", ".bat": "batch",
+}
+NAMED_LANGS = {"Makefile": "make", "Dockerfile": "dockerfile", "CMakeLists.txt": "cmake"}
+VENDORED_DIRS = {
+    "node_modules", "vendor", "third_party", "third-party", "thirdparty", "site-packages",
+    "dist-packages", "__pycache__", "venv", "bower_components", "Pods",
+}
+GENERATED_SUFFIXES = (".min.js", ".min.css", ".pb.go", "_pb2.py", ".bundle.js")
+
+
+def skip_dir(name: str) -> str | None:
+    if name.startswith("."):
+        return f"hidden folder {name!r} skipped"
+    if name in VENDORED_DIRS or name.endswith(".egg-info"):
+        return f"vendored folder {name!r} skipped"
+    return None
+
+
+def language(name: str) -> str | None:
+    return NAMED_LANGS.get(name) or LANGS.get(Path(name).suffix.lower())
+
+
+class CodeSource(Source):
+    kind = "code"
+
+    def items(self) -> Iterator[Item]:
+        for rel, skipped in walk(self.root, skip_dir):
+            key = self.key(sanitize_key(rel))
+            label = self.display(rel)
+            if skipped:
+                yield self.rejected_item(key, label, "vendored", skipped)
+                continue
+            path = self.root / rel if self.root.is_dir() else self.root
+            name = path.name
+            size = stat_size(path)
+            lang = language(name)
+            if size is None:
+                yield self.rejected_item(key, label, "unreadable-file", "cannot stat")
+            elif name.startswith("."):
+                yield self.rejected_item(key, label, "vendored", "hidden file skipped")
+            elif name.endswith(GENERATED_SUFFIXES):
+                yield self.rejected_item(key, label, "vendored", "minified or generated file")
+            elif lang is None:
+                yield self.rejected_item(key, label, "unknown-type",
+                                         f"no known language for {Path(name).suffix or name!r}")
+            elif size > self.limits.max_code_bytes:
+                yield self.rejected_item(key, label, "too-large",
+                                         f"{size} B > limit {self.limits.max_code_bytes} B")
+            else:
+                yield Item(key, label, ("file", str(path), label, lang), size)
+
+    def load(self, item: Item) -> Sample | Reject:
+        _, path, label, lang = item.ref
+        raw = read_file(Path(path), label)
+        if isinstance(raw, Reject):
+            return self.reject(raw.path, raw.reason, raw.detail, item.key)
+        if b"\0" in raw[:8192]:
+            return self.reject(label, "binary-file", "NUL byte in the first 8 KiB", item.key)
+        part = Part("code", raw, path=label, lang=lang)
+        return self.assemble(item.key, [part], {}, {"path": label}, label)

@@ -1,0 +1,87 @@
+"""``text:PATH`` — prose. A ``.txt``/``.md``/``.rst`` file is one document; a ``.jsonl`` file
+holds one document per line (``{"text": ...}``; other fields go to ``meta``)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+from data.schema import Reject, Sample, sanitize_key
+from data.sources.base import Item, Part, Source, hidden_dir, read_file, stat_size, walk
+
+TEXT_EXTS = {".txt", ".md", ".rst", ".text"}
+
+
+def jsonl_lines(path) -> Iterator[tuple[int, int, int]]:
+    """(line number, byte offset, length) of every non-blank line, read in binary."""
+    off = 0
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                yield lineno, off, len(line)
+            off += len(line)
+
+
+def read_line(path, offset: int, length: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(length)
+
+
+def parse_record(raw: bytes, label: str) -> dict | Reject:
+    try:
+        rec = json.loads(raw)
+    except UnicodeDecodeError as e:
+        return Reject(label, "not-utf8", f"invalid UTF-8 in JSON line at byte {e.start}")
+    except ValueError as e:
+        return Reject(label, "bad-record", f"not valid JSON ({e})")
+    if not isinstance(rec, dict):
+        return Reject(label, "bad-record", "a JSON line must be an object")
+    return rec
+
+
+class TextSource(Source):
+    kind = "text"
+
+    def items(self) -> Iterator[Item]:
+        for rel, skipped in walk(self.root, hidden_dir):
+            key = self.key(sanitize_key(rel))
+            label = self.display(rel)
+            if skipped:
+                yield self.rejected_item(key, label, "vendored", skipped)
+                continue
+            path = self.root / rel if self.root.is_dir() else self.root
+            ext = path.suffix.lower()
+            size = stat_size(path)
+            if size is None:
+                yield self.rejected_item(key, label, "unreadable-file", "cannot stat")
+            elif ext == ".jsonl":
+                for lineno, off, length in jsonl_lines(path):
+                    yield Item(f"{key}-{lineno:08d}", f"{label}:{lineno}", ("line", str(path), label, off, length, lineno), length)
+            elif ext not in TEXT_EXTS:
+                yield self.rejected_item(key, label, "unknown-type",
+                                         f"not a text file ({ext or 'no extension'}); text takes "
+                                         + ", ".join(sorted(TEXT_EXTS | {'.jsonl'})))
+            elif size > self.limits.max_text_bytes:
+                yield self.rejected_item(key, label, "too-large",
+                                         f"{size} B > limit {self.limits.max_text_bytes} B")
+            else:
+                yield Item(key, label, ("file", str(path), label), size)
+
+    def load(self, item: Item) -> Sample | Reject:
+        if item.ref[0] == "file":
+            _, path, label = item.ref
+            raw = read_file(Path(path), label)
+            if isinstance(raw, Reject):
+                return self.reject(raw.path, raw.reason, raw.detail, item.key)
+            return self.assemble(item.key, [Part("text", raw, path=label)], {}, {"path": label}, label)
+        _, path, label, off, length, lineno = item.ref
+        where = f"{label}:{lineno}"
+        rec = parse_record(read_line(path, off, length), where)
+        if isinstance(rec, Reject):
+            return self.reject(rec.path, rec.reason, rec.detail, item.key)
+        text = rec.pop("text", None)
+        if not isinstance(text, str):
+            return self.reject(where, "bad-record", 'no string field "text"', item.key)
+        origin = {"path": label, "line": lineno}
+        return self.assemble(item.key, [Part("text", text, path=where)], rec, origin, where)

@@ -1,0 +1,119 @@
+"""``wds:PATH`` — existing webdataset shards (a folder of ``.tar`` files, or one ``.tar``) in
+img2dataset / video2dataset layout: ``KEY.jpg`` (or png/webp, or ``KEY.mp4``) with
+``KEY.txt`` (the caption) and/or ``KEY.json`` (its ``caption`` field; the rest goes to meta).
+
+Members are located by their byte offsets when the plan is made and read by seeking, so a
+worker never scans a whole tar for one sample. A tar cut short keeps every sample before the
+cut and records one ``truncated-tar`` reject for the rest.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tarfile
+from pathlib import Path
+from typing import Iterator
+
+from data.media import IMAGE_EXTS, VIDEO_EXTS
+from data.schema import Reject, Sample, sanitize_key, unsafe_name_reason
+from data.sources.base import Item, Part, Source, hidden_dir, walk
+from data.sources.text import parse_record
+
+
+def split_member(name: str) -> tuple[str, str]:
+    """webdataset's rule: the key is everything before the first dot of the file name."""
+    d, _, base = name.rpartition("/")
+    stem, dot, ext = base.partition(".")
+    return (f"{d}/{stem}" if d else stem), ext.lower()
+
+
+def list_members(path: Path) -> tuple[list[tuple[str, int, int]], str | None]:
+    """(name, data offset, size) of the regular members, and why the listing stopped early."""
+    members: list[tuple[str, int, int]] = []
+    total = os.path.getsize(path)
+    try:
+        with tarfile.open(path, mode="r:") as tf:
+            for m in tf:
+                if not m.isfile():
+                    continue
+                if m.offset_data + m.size > total:
+                    return members, f"ends inside member {m.name!r} (byte {total} of {m.offset_data + m.size})"
+                members.append((m.name, m.offset_data, m.size))
+    except tarfile.ReadError as e:
+        after = f" after member {members[-1][0]!r}" if members else ""
+        return members, f"unreadable{after}: {e}"
+    return members, None
+
+
+class WdsSource(Source):
+    kind = "wds"
+
+    def items(self) -> Iterator[Item]:
+        for rel, skipped in walk(self.root, hidden_dir):
+            label = self.display(rel)
+            if skipped:
+                yield self.rejected_item(self.key(sanitize_key(rel)), label, "vendored", skipped)
+                continue
+            path = self.root / rel if self.root.is_dir() else self.root
+            if not rel.endswith(".tar"):
+                if not rel.endswith(".idx.jsonl"):
+                    yield self.rejected_item(self.key(sanitize_key(rel)), label, "unknown-type",
+                                             "wds takes plain .tar shards")
+                continue
+            members, broken = list_members(path)
+            groups: list[tuple[str, list]] = []
+            for name, off, size in members:
+                key, ext = split_member(name)
+                if groups and groups[-1][0] == key:
+                    groups[-1][1].append((ext, off, size))
+                else:
+                    groups.append((key, [(ext, off, size)]))
+            for wkey, group in groups:
+                why = unsafe_name_reason(wkey)
+                key = self.key(sanitize_key(wkey))
+                where = f"{label}:{wkey}"
+                if why:
+                    yield self.rejected_item(key, where, "unsafe-name", why)
+                    continue
+                media = [g for g in group if "." + g[0].rsplit(".", 1)[-1] in IMAGE_EXTS | VIDEO_EXTS]
+                if not media:
+                    yield self.rejected_item(key, where, "missing-media",
+                                             "no image or video member (" + ", ".join(g[0] for g in group) + ")")
+                    continue
+                size = sum(g[2] for g in group)
+                yield Item(key, where, ("tar", str(path), label, wkey, json.dumps(group)), size)
+            if broken:
+                yield self.rejected_item(self.key(sanitize_key(rel) + "-truncated"), label,
+                                         "truncated-tar", broken + "; the samples before it are kept")
+
+    def load(self, item: Item) -> Sample | Reject:
+        _, path, label, wkey, group_json = item.ref
+        where = f"{label}:{wkey}"
+        data: dict[str, bytes] = {}
+        with open(path, "rb") as f:
+            for ext, off, size in json.loads(group_json):
+                f.seek(off)
+                data[ext] = f.read(size)
+        meta: dict = {}
+        caption: str | bytes | None = None
+        if "json" in data:
+            rec = parse_record(data.pop("json"), where + ".json")
+            if isinstance(rec, Reject):
+                return self.reject(rec.path, rec.reason, rec.detail, item.key)
+            caption = rec.pop("caption", None)
+            meta.update(rec)
+        if "txt" in data:
+            caption = data.pop("txt")
+        parts = []
+        for ext in list(data):
+            last = "." + ext.rsplit(".", 1)[-1]
+            if last in IMAGE_EXTS or last in VIDEO_EXTS:
+                kind = "image" if last in IMAGE_EXTS else "video"
+                parts.append(Part(kind, path=f"{where}.{ext}", data=data.pop(ext), ext=last))
+        if caption is not None:
+            parts.append(Part("text", caption if isinstance(caption, (str, bytes)) else str(caption),
+                              path=where, role="caption"))
+        origin = {"path": label, "key": wkey}
+        if data:
+            origin["ignored_members"] = sorted(data)
+        return self.assemble(item.key, parts, meta, origin, where)
