@@ -100,6 +100,8 @@ class WdsSource(Source):
             rec = parse_record(data.pop("json"), where + ".json")
             if isinstance(rec, Reject):
                 return self.reject(rec.path, rec.reason, rec.detail, item.key)
+            if isinstance(rec.get("segments"), list):
+                return self._load_native(item, rec, data, label, wkey, where)
             caption = rec.pop("caption", None)
             meta.update(rec)
         if "txt" in data:
@@ -117,3 +119,19 @@ class WdsSource(Source):
         if data:
             origin["ignored_members"] = sorted(data)
         return self.assemble(item.key, parts, meta, origin, where)
+
+    def _load_native(self, item: Item, doc: dict, data: dict[str, bytes], label: str, wkey: str,
+                     where: str) -> Sample | Reject:
+        """A sample in our own schema (an earlier ingest's shard): keep its segments as they are."""
+        parts = []
+        for i, seg in enumerate(doc["segments"]):
+            t = seg.get("type") if isinstance(seg, dict) else None
+            if t in ("text", "code"):
+                parts.append(Part(t, seg.get("text", ""), path=where, lang=seg.get("lang"), role=seg.get("role")))
+            elif t in ("image", "video") and seg.get("member") in data:
+                m = seg["member"]
+                parts.append(Part(t, path=f"{where}.{m}", data=data.pop(m), ext="." + m.rsplit(".", 1)[-1]))
+            else:
+                return self.reject(where, "bad-record", f"segment {i}: type {t!r} or its member is missing", item.key)
+        origin = {"path": label, "key": wkey, "from": doc.get("origin", {})}
+        return self.assemble(item.key, parts, doc.get("meta", {}), origin, where)

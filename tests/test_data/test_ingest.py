@@ -1,0 +1,166 @@
+"""earlyfuse-prep ingest end to end on real files: planted faults, determinism, resume, partitions."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+import webdataset as wds
+
+from data.cli import EXIT_REJECTS, main
+from data.ingest import ingest
+from data.shards.index import check_index, read_index
+from data.shards.verify import verify
+from factories import many_images
+
+
+def shard_files(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes()
+            for p in sorted(out.rglob("*")) if p.is_file() and ".ingest" not in p.parts
+            and p.name != "manifest.json"}
+
+
+def manifest_without_commands(out: Path) -> dict:
+    m = json.loads((out / "manifest.json").read_text())
+    m["created_by"].pop("commands")
+    return m
+
+
+def test_planted_faults_are_rejected_and_good_samples_kept(planted_corpus, tmp_path, capsys):
+    out = tmp_path / "out"
+    args = ["ingest", "--out", str(out), "--no-progress"]
+    for s in planted_corpus["sources"]:
+        args += ["--source", s]
+    assert main(args) == EXIT_REJECTS
+    printed = capsys.readouterr().out
+    assert "rejected 7 input(s)" in printed
+
+    rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    got = {(r["source"], r["path"], r["reason"]) for r in rejects}
+    assert got == planted_corpus["expected_rejects"]
+    assert all(r["detail"] for r in rejects)
+
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["totals"]["samples"] == planted_corpus["good_samples"]
+    assert m["totals"]["rejects"] == len(rejects)
+    assert sum(m["totals"]["rejects_by_reason"].values()) == len(rejects)
+
+    # Every shard is a plain tar that `tar -tf` lists, and webdataset yields every sample.
+    urls = [str(out / s["path"]) for s in m["shards"]]
+    for url in urls:
+        listed = subprocess.run(["tar", "-tf", url], check=True, capture_output=True, text=True).stdout.split()
+        assert listed and all("." in name and ".." not in name for name in listed)
+    seen = list(wds.WebDataset(urls, shardshuffle=False))
+    assert len(seen) == planted_corpus["good_samples"]
+    docs = {s["__key__"]: json.loads(s["json"]) for s in seen}
+    video = next(d for d in docs.values() if d["kind"] == "videos")
+    assert video["segments"][0]["frames"] == 8 and video["segments"][1]["text"] == "a white bar moves right"
+    inter = next(d for d in docs.values() if d["kind"] == "interleaved")
+    assert [s["type"] for s in inter["segments"]] == ["text", "image", "text"]
+    assert verify(out)["ok"]
+
+
+def test_same_inputs_give_identical_shards_for_any_worker_count(planted_corpus, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    ingest(a, planted_corpus["sources"], shard_max_samples=1, workers=1)
+    ingest(b, planted_corpus["sources"], shard_max_samples=1, workers=2)
+    assert shard_files(a) == shard_files(b)
+    assert manifest_without_commands(a) == manifest_without_commands(b)
+
+
+def test_partitions_then_merge_equal_a_single_run(planted_corpus, tmp_path, capsys):
+    single, parts = tmp_path / "single", tmp_path / "parts"
+    ingest(single, planted_corpus["sources"], shard_max_samples=1)
+    for i in (0, 1):
+        s = ingest(parts, planted_corpus["sources"], shard_max_samples=1, num_partitions=3, partition=i)
+        assert not s["finalized"] and s["missing"]
+    with pytest.raises(ValueError, match=r"partitions \[2\] of --num-partitions 3"):
+        from data.shards.manifest import merge
+        merge(parts)
+    s = ingest(parts, planted_corpus["sources"], shard_max_samples=1, num_partitions=3, partition=2)
+    assert s["finalized"]  # the last partition to finish writes the manifest
+    assert shard_files(parts) == shard_files(single)
+    assert manifest_without_commands(parts) == manifest_without_commands(single)
+    assert main(["merge", str(parts)]) == 0
+
+
+def test_changed_inputs_refuse_to_mix_into_an_existing_output(planted_corpus, tmp_path):
+    out = tmp_path / "out"
+    ingest(out, planted_corpus["sources"])
+    (planted_corpus["root"] / "text" / "new.txt").write_text("a new file")
+    with pytest.raises(ValueError, match="different ingest"):
+        ingest(out, planted_corpus["sources"])
+
+
+def test_killed_ingest_resumes_to_the_same_output(tmp_path):
+    many_images(tmp_path / "imgs", 160)
+    ref, out = tmp_path / "ref", tmp_path / "out"
+
+    def cmd(o: Path) -> list[str]:
+        return [sys.executable, "-m", "data.cli", "ingest", "--out", str(o), "--no-progress",
+                "--source", f"images:{tmp_path / 'imgs'}", "--shard-samples", "1"]
+
+    subprocess.run(cmd(ref), check=True, capture_output=True)
+    total = len(json.loads((ref / "manifest.json").read_text())["shards"])
+
+    proc = subprocess.Popen(cmd(out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    records = out / ".ingest"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if records.is_dir() and len(list(records.glob("shard-*.json"))) >= 5:
+            break
+        time.sleep(0.001)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = len(list(records.glob("shard-*.json")))
+    assert 5 <= done < total, f"the kill came at {done}/{total} shards, not mid-way"
+    assert not (out / "manifest.json").exists()
+
+    # Damage two finished shards the way a crash could: a record cut short, a tar gone.
+    recs = sorted(records.glob("shard-*.json"))
+    recs[0].write_text(recs[0].read_text()[:20])
+    (out / json.loads(recs[1].read_text())["tar"]).unlink()
+
+    subprocess.run(cmd(out), check=True, capture_output=True)
+    assert shard_files(out) == shard_files(ref)
+    assert manifest_without_commands(out) == manifest_without_commands(ref)
+    assert not list(out.rglob("*.tmp"))
+
+
+def test_verify_catches_a_flipped_byte_and_a_lying_index(planted_corpus, tmp_path):
+    out = tmp_path / "out"
+    ingest(out, planted_corpus["sources"])
+    m = json.loads((out / "manifest.json").read_text())
+    shard = next(s for s in m["shards"] if s["source"] == "images")
+    tar = out / shard["path"]
+    data = bytearray(tar.read_bytes())
+    off, size = read_index(out / shard["index"])[0]["members"]["json"]
+    data[off + 5] ^= 0x20
+    tar.write_bytes(bytes(data))
+    r = verify(out)
+    assert not r["ok"]
+    assert any("SHA-256" in p for p in r["problems"])
+    assert any("does not match its hash" in p for p in r["problems"])
+    assert main(["verify", str(out)]) == 1
+
+    entries = read_index(out / shard["index"])
+    entries[0]["members"]["json"][0] += 512
+    assert check_index(tar, entries)
+
+
+def test_ingest_reads_its_own_shards_back_through_wds_kind(planted_corpus, tmp_path):
+    """Our shards are valid input for `wds:`: image samples round-trip through a second ingest."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    ingest(first, planted_corpus["sources"])
+    s = ingest(second, [f"wds:{first / 'wds'}"])
+    assert s["manifest"]["totals"]["samples"] == 2
+    assert s["manifest"]["totals"]["rejects"] == 0
+    docs = [json.loads(x["json"]) for x in wds.WebDataset([str(p) for p in (second / "wds").glob("*.tar")],
+                                                          shardshuffle=False)]
+    assert sorted(d["segments"][1]["text"] for d in docs) == ["first", "second"]

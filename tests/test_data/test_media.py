@@ -1,0 +1,66 @@
+"""Validation of inputs at ingest: text decoding, image and video probes on real bytes."""
+from __future__ import annotations
+
+import io
+import resource
+
+from PIL import Image
+
+from data.media import decode_text, probe_image, probe_video
+from data.schema import Reject
+from factories import jpeg_bytes, mp4_bytes, png_bytes, png_header_bomb
+
+
+def test_text_is_strict_utf8_unless_repair_is_asked():
+    assert decode_text("héllo 👋".encode(), "a", repair=False) == ("héllo 👋", 0)
+    assert decode_text(b"\xef\xbb\xbfbom", "a", repair=False) == ("bom", 0)
+    bad = b"caf\xe9 ok \xff"
+    r = decode_text(bad, "a.txt", repair=False)
+    assert isinstance(r, Reject) and r.reason == "not-utf8" and "byte 3" in r.detail
+    text, n = decode_text(bad, "a.txt", repair=True)
+    assert text == "caf\ufffd ok \ufffd" and n == 2
+
+
+def test_image_probe_reads_size_and_real_format():
+    info = probe_image(png_bytes(40, 30), "x", max_pixels=10**6)
+    assert (info.width, info.height, info.format, info.ext) == (40, 30, "PNG", "png")
+    # The extension comes from the bytes, not from a file name.
+    assert probe_image(jpeg_bytes(), "looks.png", max_pixels=10**6).ext == "jpg"
+
+
+def test_truncated_and_garbage_images_are_rejected():
+    jpg = jpeg_bytes(64, 64)
+    r = probe_image(jpg[: len(jpg) // 2], "cut.jpg", max_pixels=10**6)
+    assert r.reason == "truncated-image"
+    assert probe_image(b"not an image at all", "x", max_pixels=10**6).reason == "unreadable-image"
+    assert probe_image(b"", "x", max_pixels=10**6).reason == "unreadable-image"
+
+
+def test_decompression_bombs_are_rejected_from_the_header_without_decoding():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    r = probe_image(png_header_bomb(30000, 30000), "bomb.png", max_pixels=64_000_000)
+    assert r.reason == "pixel-limit"
+    # 100 M pixels: above our limit, below Pillow's own error threshold (it would only warn).
+    r = probe_image(png_header_bomb(10000, 10000), "big.png", max_pixels=64_000_000)
+    assert r.reason == "pixel-limit" and "10000x10000" in r.detail
+    grown_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown_kb < 100_000  # a decode of 100 M RGB pixels would take 300 MB
+
+
+def test_video_probe_on_real_mp4_bytes():
+    info = probe_video(mp4_bytes(frames=10, fps=5), "c.mp4", max_seconds=60)
+    assert info.frames == 10 and abs(info.fps - 5) < 1e-6 and abs(info.duration - 2.0) < 1e-6
+    assert (info.width, info.height) == (32, 32)
+    assert probe_video(mp4_bytes(frames=1, fps=8), "one.mp4", max_seconds=60).frames == 1
+
+
+def test_bad_videos_are_rejected_with_a_readable_reason(capfd):
+    assert probe_video(b"", "e.mp4", max_seconds=60).reason == "empty-video"
+    r = probe_video(b"\x00\x01garbage" * 100, "g.mp4", max_seconds=60)
+    assert r.reason == "undecodable-video" and r.detail.isprintable()
+    mp4 = mp4_bytes(frames=16)
+    assert probe_video(mp4[: len(mp4) // 2], "cut.mp4", max_seconds=60).reason == "undecodable-video"
+    r = probe_video(mp4_bytes(frames=16, fps=8), "long.mp4", max_seconds=1.0)
+    assert r.reason == "video-too-long" and "2.0 s" in r.detail
+    # decord echoes raw input bytes to the C stderr; the probe keeps them off the terminal.
+    assert "garbage" not in capfd.readouterr().err

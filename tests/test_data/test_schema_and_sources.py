@@ -1,0 +1,116 @@
+"""Keys, source specs and the per-kind listing rules."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from data.cli import build_parser, parse_size
+from data.ingest import ingest
+from data.schema import REASONS, Reject, is_valid_key, sanitize_key, unsafe_name_reason, validate_doc
+from data.sources import parse_sources
+from factories import png_bytes
+
+
+def test_keys_never_hold_dots_or_separators():
+    for raw in ["a/b.py", "../../etc/passwd", "x y.z", "Ünïcode.txt", "....", "a\\b"]:
+        k = sanitize_key(raw)
+        assert is_valid_key(k) and "." not in k and "/" not in k
+
+
+def test_unsafe_names_are_named():
+    assert unsafe_name_reason("../x") and unsafe_name_reason("/etc/x") and unsafe_name_reason("a/../../b")
+    assert unsafe_name_reason("C:\\x") and unsafe_name_reason("")
+    assert unsafe_name_reason("dir/000001") is None
+
+
+def test_reject_reasons_are_a_closed_list():
+    with pytest.raises(ValueError):
+        Reject("p", "made-up")
+    assert all(REASONS.values())
+
+
+def test_validate_doc():
+    assert validate_doc({"segments": [{"type": "text", "text": "x"}]}, {"json"}) is None
+    assert "missing" in validate_doc({"segments": [{"type": "image", "member": "img0.png"}]}, {"json"})
+    assert validate_doc({"segments": []}, set()) == "no segments"
+
+
+def test_source_specs(tmp_path):
+    (tmp_path / "code").mkdir()
+    (tmp_path / "t.jsonl").write_text("")
+    specs = parse_sources([f"code:{tmp_path / 'code'}", f"mine=code:{tmp_path / 'code'}",
+                           f"code:{tmp_path / 'code'}", f"text:{tmp_path / 't.jsonl'}"])
+    assert [s.name for s in specs] == ["code", "mine", "code_2", "t"]
+    with pytest.raises(ValueError, match="KIND one of"):
+        parse_sources([f"pictures:{tmp_path}"])
+    with pytest.raises(ValueError, match="does not exist"):
+        parse_sources([f"text:{tmp_path / 'nope'}"])
+
+
+def test_sizes():
+    assert parse_size("256MB") == 256_000_000 and parse_size("4MiB") == 4 << 20 and parse_size("0") == 0
+    with pytest.raises(Exception):
+        parse_size("lots")
+
+
+def test_every_subcommand_has_help(capsys):
+    parser = build_parser()
+    for cmd in ("ingest", "merge", "stats", "verify", "demo-corpus"):
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args([cmd, "--help"])
+        assert e.value.code == 0
+    assert "KIND:PATH" in capsys.readouterr().out
+
+
+def _rejects(out) -> dict[str, str]:
+    return {r["path"]: r["reason"] for r in map(json.loads, (out / "rejects.jsonl").read_text().splitlines())}
+
+
+def test_code_tree_rules(tmp_path):
+    root = tmp_path / "repo"
+    (root / "pkg").mkdir(parents=True)
+    (root / "pkg" / "mod.py").write_text("def f():\n\treturn  1\n")
+    (root / "pkg" / "lib.rs").write_text("fn main() {}\n")
+    (root / "pkg" / "blob.py").write_bytes(b"\x00\x01\x02binary")
+    (root / "pkg" / "app.min.js").write_text("var a=1;")
+    (root / "pkg" / "logo.png").write_bytes(png_bytes())
+    (root / "pkg" / "huge.py").write_text("x = 1\n" * 400_000)
+    (root / "node_modules" / "dep").mkdir(parents=True)
+    (root / "node_modules" / "dep" / "i.js").write_text("1")
+    (root / ".git").mkdir()
+    (root / ".git" / "HEAD").write_text("ref")
+    (root / "Makefile").write_text("all:\n\techo hi\n")
+    out = tmp_path / "out"
+    s = ingest(out, [f"code:{root}"])
+    assert _rejects(out) == {".git/": "vendored", "node_modules/": "vendored", "pkg/blob.py": "binary-file",
+                             "pkg/app.min.js": "vendored", "pkg/logo.png": "unknown-type",
+                             "pkg/huge.py": "too-large"}
+    assert s["manifest"]["totals"]["samples"] == 3
+    import webdataset as wds
+    docs = [json.loads(x["json"]) for x in wds.WebDataset(str(next((out / "repo").glob("*.tar"))),
+                                                          shardshuffle=False)]
+    by_path = {d["origin"]["path"]: d["segments"][0] for d in docs}
+    assert by_path["pkg/mod.py"] == {"type": "code", "lang": "python", "text": "def f():\n\treturn  1\n"}
+    assert by_path["Makefile"]["lang"] == "make" and by_path["pkg/lib.rs"]["lang"] == "rust"
+
+
+def test_image_and_video_tables(tmp_path):
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "a.png").write_bytes(png_bytes())
+    (tmp_path / "t.csv").write_text("image,caption,label\nimg/a.png,a red box,3\nimg/b.png,gone,4\n"
+                                    "http://x/y.jpg,remote,5\n")
+    (tmp_path / "ids.jsonl").write_text('{"image": "img/a.png", "id": "x1"}\n{"image": "img/a.png", "id": "x1"}\n'
+                                        '{"image": "img/a.png", "id": "../up"}\n')
+    out = tmp_path / "out"
+    s = ingest(out, [f"images:{tmp_path / 't.csv'}", f"images:{tmp_path / 'ids.jsonl'}"])
+    assert s["manifest"]["totals"]["samples"] == 2
+    assert sorted(_rejects(out).values()) == ["duplicate-key", "missing-media", "missing-media", "unsafe-name"]
+
+
+def test_repair_utf8_keeps_text_and_counts(tmp_path):
+    from data.sources import Limits
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "l1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    s = ingest(tmp_path / "out", [f"text:{tmp_path / 't'}"], limits=Limits(repair_utf8=True))
+    assert s["manifest"]["totals"]["samples"] == 1 and s["manifest"]["totals"]["repaired_utf8"] == 1
