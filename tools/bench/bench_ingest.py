@@ -1,0 +1,110 @@
+"""Ingest throughput per worker, against writing the same bytes with ``tarfile`` alone.
+
+    python tools/bench/bench_ingest.py [--images 300] [--texts 2000] [--repeat 3]
+
+Builds two corpora in a temp folder (noise JPEGs with captions; text files cut from the
+standard library's sources), then for each, in this one process, times
+- baseline: read every input file and add it to a tar with the stdlib ``tarfile`` module;
+- ingest: ``earlyfuse-prep ingest --workers 1`` (plan, validation incl. a full image decode,
+  index, hashing, fsync, manifest).
+Prints MB/s and samples/s for both and the ratio ingest/baseline (the median of --repeat runs).
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import platform
+import shutil
+import statistics
+import sys
+import sysconfig
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from data.ingest import ingest  # noqa: E402
+
+
+def make_images(root: Path, n: int) -> None:
+    root.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        # Smooth random fields compress like photos, not like white noise.
+        small = rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)
+        im = Image.fromarray(small).resize((384, 256), Image.BICUBIC)
+        buf = io.BytesIO()
+        im.save(buf, format="JPEG", quality=90)
+        (root / f"im{i:05d}.jpg").write_bytes(buf.getvalue())
+        (root / f"im{i:05d}.txt").write_text(f"a smooth random field, number {i}")
+
+
+def make_texts(root: Path, n: int) -> None:
+    root.mkdir(parents=True)
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    k = 0
+    for f in files:
+        text = f.read_text(encoding="utf-8", errors="replace")
+        for j in range(0, len(text), 6000):
+            (root / f"t{k:05d}.txt").write_text(text[j:j + 6000])
+            k += 1
+            if k == n:
+                return
+
+
+def tar_baseline(src: Path, out: Path) -> tuple[float, int, int]:
+    t0 = time.perf_counter()
+    nbytes = nfiles = 0
+    with tarfile.open(out, "w") as tf:
+        for p in sorted(src.iterdir()):
+            data = p.read_bytes()
+            ti = tarfile.TarInfo(p.name)
+            ti.size = len(data)
+            tf.addfile(ti, io.BytesIO(data))
+            nbytes += len(data)
+            nfiles += 1
+    return time.perf_counter() - t0, nbytes, nfiles
+
+
+def run_ingest(kind: str, src: Path, out: Path) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    s = ingest(out, [f"{kind}:{src}"], workers=1, shard_max_bytes=64 << 20)
+    return time.perf_counter() - t0, s["manifest"]["totals"]["samples"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", type=int, default=300)
+    ap.add_argument("--texts", type=int, default=2000)
+    ap.add_argument("--repeat", type=int, default=3)
+    a = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="bench_ingest_"))
+    try:
+        make_images(tmp / "images", a.images)
+        make_texts(tmp / "text", a.texts)
+        print(f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}")
+        print(f"{'corpus':<8} {'what':<10} {'MB/s':>8} {'samples/s':>10}   ratio ingest/tarfile")
+        for kind, name in (("images", "images"), ("text", "text")):
+            src = tmp / name
+            base, ours = [], []
+            for r in range(a.repeat):
+                t, nbytes, nfiles = tar_baseline(src, tmp / f"base{r}.tar")
+                n_samples = a.images if kind == "images" else nfiles
+                base.append(t)
+                t2, got = run_ingest(kind, src, tmp / f"out_{name}_{r}")
+                assert got == n_samples, (got, n_samples)
+                ours.append(t2)
+            tb, ti = statistics.median(base), statistics.median(ours)
+            mb = nbytes / 1e6
+            print(f"{kind:<8} {'tarfile':<10} {mb / tb:8.1f} {n_samples / tb:10.0f}")
+            print(f"{kind:<8} {'ingest':<10} {mb / ti:8.1f} {n_samples / ti:10.0f}   {tb / ti:.3f}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
