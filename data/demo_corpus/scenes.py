@@ -1,0 +1,219 @@
+"""Scenes part: generated pictures whose captions state facts that can be checked from pixels.
+
+A scene is 1-3 flat-coloured shapes (circle, square, triangle), each inside its own cell of a
+3x3 grid (the cell names the position: "top left" ... "centre" ... "bottom right"), on a
+plain or noisy grey background. Shapes are drawn without anti-aliasing, in colours chosen
+so that every pair differs by more than 2 x TOL in some channel and every colour differs
+from any background pixel by more than TOL, so a colour is recovered exactly from the
+pixels of a lossless PNG.
+
+`check_scene(image, facts)` verifies a caption from the pixels alone; `caption_facts`
+turns a caption string back into facts, so an edited caption ("a green circle ..." instead
+of "a red circle ...") can be checked too. Used by tests and by any later probe that wants
+captions whose truth is known (e.g. the cross-modal dependence monitor).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import numpy as np
+from PIL import Image, ImageDraw
+from tqdm import tqdm
+
+from ._common import rng_for, write_jsonl, write_png
+
+TARGET = 400
+TOL = 40  # max per-channel distance of a pixel to its colour
+
+PALETTE: dict[str, tuple[int, int, int]] = {
+    "red": (220, 20, 20),
+    "green": (20, 160, 20),
+    "blue": (20, 40, 220),
+    "yellow": (235, 225, 20),
+    "white": (245, 245, 245),
+    "black": (10, 10, 10),
+    "orange": (245, 125, 0),
+    "purple": (130, 20, 170),
+    "cyan": (0, 200, 220),
+}
+BACKGROUNDS: dict[str, int] = {"dark grey": 96, "grey": 128, "light grey": 160}
+NOISE = 12  # +- amplitude of the "noisy" background
+SHAPES = ("circle", "square", "triangle")
+SIZES = ((64, 64), (64, 64), (64, 64), (96, 64), (64, 96))  # (width, height); square most often
+
+# (row, col) of the 3x3 grid -> position name, and how a caption says it.
+POSITIONS: dict[str, tuple[int, int]] = {
+    "top left": (0, 0), "top": (0, 1), "top right": (0, 2),
+    "left": (1, 0), "centre": (1, 1), "right": (1, 2),
+    "bottom left": (2, 0), "bottom": (2, 1), "bottom right": (2, 2),
+}
+PHRASES: dict[str, str] = {
+    "top left": "in the top left", "top": "at the top", "top right": "in the top right",
+    "left": "on the left", "centre": "in the centre", "right": "on the right",
+    "bottom left": "in the bottom left", "bottom": "at the bottom", "bottom right": "in the bottom right",
+}
+
+
+def cell_box(width: int, height: int, position: str) -> tuple[int, int, int, int]:
+    """Pixel box [x0, y0, x1, y1) of a named grid cell (same arithmetic in drawing and checking)."""
+    row, col = POSITIONS[position]
+    return col * width // 3, row * height // 3, (col + 1) * width // 3, (row + 1) * height // 3
+
+
+# ---------------------------------------------------------------- generation
+
+
+def sample_facts(rng: np.random.Generator) -> dict:
+    width, height = SIZES[rng.integers(len(SIZES))]
+    n = int(rng.integers(1, 4))
+    cells = rng.choice(list(POSITIONS), size=n, replace=False)
+    colours = rng.choice(list(PALETTE), size=n, replace=False)
+    shapes = []
+    for position, colour in zip(cells, colours):
+        x0, y0, x1, y1 = cell_box(width, height, str(position))
+        m = min(x1 - x0, y1 - y0)
+        s = int(rng.integers(int(0.55 * m), int(0.85 * m) + 1))
+        # keep a 1-pixel margin inside the cell so shapes never touch or cross cell borders
+        sx = int(rng.integers(x0 + 1, x1 - s))
+        sy = int(rng.integers(y0 + 1, y1 - s))
+        shapes.append({"shape": str(rng.choice(SHAPES)), "colour": str(colour), "position": str(position),
+                       "bbox": [sx, sy, sx + s, sy + s]})
+    background = {"kind": str(rng.choice(["plain", "noisy"])), "colour": str(rng.choice(list(BACKGROUNDS)))}
+    return {"width": int(width), "height": int(height), "shapes": shapes, "background": background}
+
+
+def render(facts: dict, rng: np.random.Generator) -> np.ndarray:
+    w, h = facts["width"], facts["height"]
+    level = BACKGROUNDS[facts["background"]["colour"]]
+    pixels = np.full((h, w, 3), level, np.int16)
+    if facts["background"]["kind"] == "noisy":
+        pixels += rng.integers(-NOISE, NOISE + 1, size=pixels.shape, dtype=np.int16)
+    image = Image.fromarray(pixels.astype(np.uint8))
+    draw = ImageDraw.Draw(image)  # ImageDraw does not anti-alias: flat, exact colours
+    for s in facts["shapes"]:
+        x0, y0, x1, y1 = s["bbox"]
+        box = [x0, y0, x1 - 1, y1 - 1]  # PIL boxes are inclusive
+        fill = PALETTE[s["colour"]]
+        if s["shape"] == "square":
+            draw.rectangle(box, fill=fill)
+        elif s["shape"] == "circle":
+            draw.ellipse(box, fill=fill)
+        else:  # an upright isosceles triangle filling its box
+            draw.polygon([(x0, y1 - 1), (x1 - 1, y1 - 1), ((x0 + x1 - 1) / 2, y0)], fill=fill)
+    return np.asarray(image)
+
+
+def article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
+
+
+def caption(facts: dict) -> str:
+    parts = [f"{article(s['colour'])} {s['colour']} {s['shape']} {PHRASES[s['position']]}" for s in facts["shapes"]]
+    shapes = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    bg = facts["background"]
+    return f"{shapes}, on a {bg['kind']} {bg['colour']} background"
+
+
+_SHAPE_RE = re.compile(
+    r"^an? (?P<colour>%s) (?P<shape>%s) (?P<phrase>%s)$"
+    % ("|".join(PALETTE), "|".join(SHAPES), "|".join(re.escape(p) for p in PHRASES.values()))
+)
+_BG_RE = re.compile(r"^on a (?P<kind>plain|noisy) (?P<colour>%s) background$" % "|".join(BACKGROUNDS))
+
+
+def caption_facts(text: str) -> dict:
+    """Parse a scene caption back into facts (no bboxes). Raises ValueError if it is not one."""
+    body, _, bg_text = text.rpartition(", on a ")
+    bg = _BG_RE.match("on a " + bg_text)
+    if not body or not bg:
+        raise ValueError(f"not a scene caption: {text!r}")
+    head, _, last = body.rpartition(" and ")
+    pieces = (head.split(", ") if head else []) + [last]
+    by_phrase = {v: k for k, v in PHRASES.items()}
+    shapes = []
+    for piece in pieces:
+        m = _SHAPE_RE.match(piece)
+        if not m:
+            raise ValueError(f"not a scene caption: {text!r} (at {piece!r})")
+        shapes.append({"shape": m["shape"], "colour": m["colour"], "position": by_phrase[m["phrase"]]})
+    return {"shapes": shapes, "background": {"kind": bg["kind"], "colour": bg["colour"]}}
+
+
+# ---------------------------------------------------------------- checking
+
+
+def _colour_mask(pixels: np.ndarray, rgb: tuple[int, int, int]) -> np.ndarray:
+    return (np.abs(pixels.astype(np.int16) - np.array(rgb, np.int16)) <= TOL).all(axis=-1)
+
+
+def shape_of(mask: np.ndarray) -> str | None:
+    """Classify one filled blob by how much of its bounding box it fills:
+    square ~1.0, circle ~pi/4 = 0.79, triangle ~0.5 (measured over the sizes we draw)."""
+    ys, xs = np.nonzero(mask)
+    if len(xs) < 12:
+        return None
+    fill = len(xs) / ((xs.max() - xs.min() + 1) * (ys.max() - ys.min() + 1))
+    return "square" if fill > 0.93 else "circle" if fill > 0.68 else "triangle"
+
+
+def check_scene(image: np.ndarray, facts: dict, *, exhaustive: bool = True) -> bool:
+    """True when the pixels show every stated shape, in its stated colour, inside its stated
+    grid cell (and within its stated bbox, when the facts carry one). With `exhaustive`,
+    also that no other cell holds a shape and that the background is as stated.
+
+    `image` is an (H, W, 3) uint8 array of a lossless scene (PNG), `facts` a scene's facts or
+    the output of `caption_facts`.
+    """
+    pixels = np.asarray(image)[..., :3]
+    h, w = pixels.shape[:2]
+    shape_mask = np.zeros((h, w), bool)
+    stated_cells = set()
+    for s in facts["shapes"]:
+        if s.get("colour") not in PALETTE or s.get("position") not in POSITIONS or s.get("shape") not in SHAPES:
+            return False
+        x0, y0, x1, y1 = cell_box(w, h, s["position"])
+        mask = _colour_mask(pixels[y0:y1, x0:x1], PALETTE[s["colour"]])
+        if shape_of(mask) != s["shape"]:
+            return False
+        if "bbox" in s:
+            ys, xs = np.nonzero(mask)
+            found = [x0 + xs.min(), y0 + ys.min(), x0 + xs.max() + 1, y0 + ys.max() + 1]
+            if any(abs(a - b) > 1 for a, b in zip(found, s["bbox"])):
+                return False
+        shape_mask[y0:y1, x0:x1] |= mask
+        stated_cells.add(s["position"])
+    if not exhaustive:
+        return True
+    # No unstated shape: no cell other than the stated ones has a blob of any palette colour.
+    for position in POSITIONS:
+        if position in stated_cells:
+            continue
+        x0, y0, x1, y1 = cell_box(w, h, position)
+        if any(_colour_mask(pixels[y0:y1, x0:x1], rgb).sum() >= 12 for rgb in PALETTE.values()):
+            return False
+    bg = facts.get("background")
+    if bg:
+        rest = pixels[~shape_mask].astype(np.float32)
+        if abs(np.median(rest) - BACKGROUNDS.get(bg["colour"], -999)) > 8:
+            return False
+        if (rest.std() > 3) != (bg["kind"] == "noisy"):
+            return False
+    return True
+
+
+# ---------------------------------------------------------------- building
+
+
+def build_scenes(out: pathlib.Path, *, seed: int, count: int, progress: bool) -> tuple[dict, list[dict]]:
+    """Write `count` scenes; return the summary and the jsonl rows (other parts reuse them)."""
+    rows, total = [], 0
+    for i in tqdm(range(count), desc="scenes", unit="img", disable=not progress, leave=False):
+        rng = rng_for(seed, "scenes", i)
+        facts = sample_facts(rng)
+        rel = f"img/scene_{i:04d}.png"
+        total += write_png(out / "scenes" / rel, render(facts, rng))
+        rows.append({"image": rel, "caption": caption(facts), "facts": facts})
+    total += write_jsonl(out / "scenes" / "scenes.jsonl", rows)
+    return {"images": count, "bytes": total}, rows
