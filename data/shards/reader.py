@@ -1,0 +1,64 @@
+"""Read raw shards back: documents with their media, located through the index (no tar scan).
+
+Design choices:
+- A shard is opened once and members are read by offset; media bytes are fetched only when a
+  caller asks for them, so text-only passes (tokenizer training) never read images or videos.
+- Only the extensions we write are interpreted; nothing is ever unpickled.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+from data.shards.index import read_index
+from data.shards.manifest import load_manifest
+
+
+@dataclass
+class RawDoc:
+    key: str
+    doc: dict
+    entry: dict          # the index line
+    shard: Path
+    _f: BinaryIO
+
+    def member(self, name: str) -> bytes:
+        off, size = self.entry["members"][name]
+        self._f.seek(off)
+        data = self._f.read(size)
+        if len(data) != size:
+            raise ValueError(f"{self.shard}: {self.key}.{name} cut short ({len(data)} of {size} B)")
+        return data
+
+
+def shard_entries(manifest_dir: str | Path, sources: list[str] | None = None) -> list[tuple[Path, Path, dict]]:
+    """(tar, index, manifest entry) of every shard in a raw shard folder, optionally by source."""
+    root = Path(manifest_dir)
+    m = load_manifest(root)
+    known = {s["name"] for s in m["sources"]}
+    for s in sources or []:
+        if s not in known:
+            raise ValueError(f"{root}: no source {s!r} (it has {sorted(known)})")
+    return [(root / s["path"], root / s["index"], s) for s in m["shards"]
+            if sources is None or s["source"] in sources]
+
+
+def iter_shard(tar: Path, index: Path) -> Iterator[RawDoc]:
+    entries = read_index(index)
+    with open(tar, "rb") as f:
+        for e in entries:
+            off, size = e["members"]["json"]
+            f.seek(off)
+            raw = f.read(size)
+            try:
+                doc = json.loads(raw)
+            except ValueError as err:
+                raise ValueError(f"{tar}: {e['key']}.json is not valid JSON ({err})") from None
+            yield RawDoc(e["key"], doc, e, tar, f)
+
+
+def iter_docs(manifest_dir: str | Path, sources: list[str] | None = None) -> Iterator[RawDoc]:
+    for tar, index, _ in shard_entries(manifest_dir, sources):
+        yield from iter_shard(tar, index)

@@ -1,0 +1,58 @@
+"""Image preprocessing: orientation, colour modes, grid-multiple sizes within a budget."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from data.image_prep import ImagePrep, load_image
+
+
+def encode(im: Image.Image, fmt: str = "PNG", **kw) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("w,h", [(640, 480), (300, 1000), (17, 9), (4000, 100), (64, 64)])
+def test_target_sizes_are_grid_multiples_within_budget_keeping_aspect(w, h):
+    p = ImagePrep(factor=16, max_pixels=256 * 256, max_grid=32)
+    tw, th = p.target_size(w, h)
+    assert tw % 16 == 0 and th % 16 == 0 and tw * th <= 256 * 256
+    assert tw <= 32 * 16 and th <= 32 * 16
+    if min(w, h) >= 64 and max(w, h) / min(w, h) < 8:
+        assert abs(tw / th - w / h) / (w / h) < 0.2
+
+
+def test_exif_rotation_is_applied():
+    im = Image.new("RGB", (40, 20), (255, 0, 0))
+    im.paste((0, 0, 255), (0, 0, 20, 20))      # left half blue
+    exif = Image.Exif()
+    exif[0x0112] = 6                            # rotate 90 CW when displayed
+    a = load_image(encode(im, "JPEG", exif=exif, quality=95), ImagePrep(factor=4, max_pixels=10**6))
+    assert a.shape == (40, 20, 3)               # portrait after orientation
+    assert a[2, 10, 2] > 200 and a[-3, 10, 0] > 200   # blue on top, red at the bottom
+
+
+def test_modes_become_rgb():
+    prep = ImagePrep(factor=4, max_pixels=10**6)
+    rgba = Image.new("RGBA", (8, 8), (255, 0, 0, 0))            # fully transparent
+    assert load_image(encode(rgba), prep)[0, 0].tolist() == [255, 255, 255]
+    grey = Image.new("L", (8, 8), 100)
+    assert load_image(encode(grey), prep)[0, 0].tolist() == [100, 100, 100]
+    pal = Image.new("P", (8, 8), 3)
+    pal.putpalette([0, 0, 0, 10, 20, 30, 40, 50, 60, 70, 80, 90] + [0] * 756)
+    assert load_image(encode(pal), prep)[0, 0].tolist() == [70, 80, 90]
+    deep = Image.fromarray(np.full((8, 8), 65535, dtype=np.uint16))
+    assert load_image(encode(deep), prep)[0, 0].tolist() == [255, 255, 255]
+    cmyk = Image.new("CMYK", (8, 8), (0, 0, 0, 0))
+    assert load_image(encode(cmyk, "JPEG"), prep)[0, 0].min() > 240
+
+
+def test_large_jpeg_is_reduced_to_the_budget():
+    rng = np.random.default_rng(0)
+    im = Image.fromarray(rng.integers(0, 255, (600, 800, 3), dtype=np.uint8))
+    a = load_image(encode(im, "JPEG"), ImagePrep(factor=8, max_pixels=128 * 96))
+    assert a.shape == (96, 128, 3) and a.dtype == np.uint8
