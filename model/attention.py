@@ -1,0 +1,242 @@
+"""Grouped-query attention with QK-norm, RoPE, document masks, and a KV cache.
+
+Design choices:
+- One mask predicate (``_allowed``) defines who may attend to whom: same document, causal,
+  optionally within a sliding window, optionally bidirectional inside one image block. The
+  FlexAttention ``mask_mod`` and the dense boolean mask for SDPA are both made from it, so the
+  two backends cannot drift apart (tested to agree).
+- The mask is built ONCE per batch (``build_attention_mask``) and shared by every layer: building
+  a FlexAttention block mask can cost more than the attention itself.
+- Backend ``auto`` picks FlexAttention on CUDA (compiled, block-sparse: skips the cross-document
+  blocks) and SDPA with an explicit boolean mask elsewhere. On CPU, FlexAttention has no
+  backward (torch 2.13 raises), so ``flex`` on CPU is allowed only without gradients.
+- QK-norm (Chameleon, OLMo 2, Qwen3): RMSNorm over head_dim of every q and k head, one weight
+  shared by the heads, applied before RoPE. It bounds attention logits, the failure Chameleon saw
+  when modalities compete through norm growth.
+- Sliding window: a query sees the keys at most ``sliding_window - 1`` positions back. It limits
+  the causal part only; a bidirectional image block is always seen whole.
+- Bidirectional image blocks (``image_ids`` >= 0 marks the tokens of one image): meant for
+  understanding-only image tokens. It leaks the future into next-token prediction of those
+  tokens, so put no labels on image tokens when it is on. Generation decodes causally.
+- KV cache: preallocated [B, Hkv, max_len, hd] per layer; decoding always uses SDPA with an
+  explicit mask (prefill may use the document/image mask of the prompt).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.layers import RMSNorm
+from model.rope import apply_rotary
+
+try:  # FlexAttention: torch >= 2.5
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+except ImportError:  # pragma: no cover - older torch
+    BlockMask = None
+    create_block_mask = flex_attention = None
+
+BACKENDS = ("auto", "flex", "sdpa")
+
+
+@dataclass(kw_only=True)
+class AttentionConfig:
+    n_heads: int = 4
+    n_kv_heads: int = 0              # 0: n_heads (multi-head); fewer: grouped-query attention
+    head_dim: int = 0                # 0: dim // n_heads
+    qk_norm: bool = True
+    backend: str = "auto"            # auto | flex | sdpa
+    compile_flex: bool = True        # torch.compile flex_attention on CUDA (eager materialises scores)
+    sliding_window: int = 0          # 0: full causal context
+    bidirectional_images: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"attention.backend must be one of {BACKENDS}, got {self.backend!r}")
+        kv = self.n_kv_heads or self.n_heads
+        if self.n_heads <= 0 or kv <= 0 or self.n_heads % kv:
+            raise ValueError(f"attention.n_heads ({self.n_heads}) must be a positive multiple of n_kv_heads ({kv})")
+        if self.sliding_window < 0:
+            raise ValueError("attention.sliding_window must be >= 0")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    def resolved_head_dim(self, dim: int) -> int:
+        if self.head_dim:
+            return self.head_dim
+        if dim % self.n_heads:
+            raise ValueError(f"dim {dim} is not divisible by n_heads {self.n_heads}; set attention.head_dim")
+        return dim // self.n_heads
+
+
+# --- masks ---------------------------------------------------------------------------------
+
+
+def _allowed(b, q, kv, *, doc: Tensor | None, img: Tensor | None, window: int, q_offset: int = 0):
+    """May query q attend to key kv in row b? Works on broadcast index tensors and inside
+    FlexAttention's vmap alike. ``q_offset`` shifts query positions (KV-cache decoding)."""
+    qa = q + q_offset
+    ok = qa >= kv
+    if window:
+        ok = ok & (qa - kv < window)
+    if img is not None:
+        ok = ok | ((img[b, qa] == img[b, kv]) & (img[b, qa] >= 0))
+    if doc is not None:
+        ok = ok & (doc[b, qa] == doc[b, kv])
+    return ok
+
+
+@dataclass
+class AttentionMask:
+    """One batch's mask, shared by all layers: a FlexAttention BlockMask, or a dense boolean
+    [B, 1, Tq, Tk] mask for SDPA (None with ``causal``: plain causal, SDPA's fast path)."""
+
+    block_mask: object | None = None
+    dense: Tensor | None = None
+    causal: bool = False
+
+    @property
+    def backend(self) -> str:
+        return "flex" if self.block_mask is not None else "sdpa"
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend == "auto":
+        return "flex" if (flex_attention is not None and device.type == "cuda") else "sdpa"
+    if backend == "flex":
+        if flex_attention is None:
+            raise RuntimeError("attention.backend=flex needs torch >= 2.5 (torch.nn.attention.flex_attention)")
+        if device.type == "cpu" and torch.is_grad_enabled():
+            raise RuntimeError(
+                "FlexAttention has no backward on CPU in this torch; use attention.backend=auto or sdpa "
+                "for CPU training (flex on CPU works under torch.no_grad())"
+            )
+    return backend
+
+
+def build_attention_mask(
+    batch: int,
+    seq_len: int,
+    device: torch.device,
+    *,
+    doc_ids: Tensor | None = None,
+    image_ids: Tensor | None = None,
+    sliding_window: int = 0,
+    bidirectional_images: bool = False,
+    backend: str = "auto",
+) -> AttentionMask:
+    """Build the mask for a [batch, seq_len] batch once; pass it to every layer."""
+    backend = resolve_backend(backend, device)
+    img = image_ids if (bidirectional_images and image_ids is not None) else None
+    doc = doc_ids
+    if doc is not None and bool((doc == doc[:, :1]).all()):
+        doc = None  # one document per row: the causal fast path is exact
+    if backend == "flex":
+        def mask_mod(b, h, q, kv):
+            return _allowed(b, q, kv, doc=doc, img=img, window=sliding_window)
+
+        bm = create_block_mask(mask_mod, batch if (doc is not None or img is not None) else None, None,
+                               seq_len, seq_len, device=device)
+        return AttentionMask(block_mask=bm)
+    if doc is None and img is None and not sliding_window:
+        return AttentionMask(causal=True)
+    b = torch.arange(batch, device=device)[:, None, None, None]
+    q = torch.arange(seq_len, device=device)[None, None, :, None]
+    kv = torch.arange(seq_len, device=device)[None, None, None, :]
+    return AttentionMask(dense=_allowed(b, q, kv, doc=doc, img=img, window=sliding_window))
+
+
+def decode_mask(start: int, length: int, device: torch.device, *, sliding_window: int = 0) -> AttentionMask:
+    """Mask for ``length`` new queries at positions start.. attending to a cache of start+length keys."""
+    q = torch.arange(length, device=device)[None, None, :, None]
+    kv = torch.arange(start + length, device=device)[None, None, None, :]
+    zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+    return AttentionMask(dense=_allowed(zero, q, kv, doc=None, img=None, window=sliding_window, q_offset=start))
+
+
+_compiled_flex = None
+
+
+def _flex(q: Tensor, k: Tensor, v: Tensor, block_mask, gqa: bool, compile_flex: bool) -> Tensor:
+    global _compiled_flex
+    fn = flex_attention
+    if compile_flex and q.device.type == "cuda":
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        fn = _compiled_flex
+    return fn(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+
+
+# --- the module ----------------------------------------------------------------------------
+
+
+class KVCache(nn.Module):
+    """Preallocated keys and values of one layer: [B, Hkv, max_len, hd]."""
+
+    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, *, dtype, device) -> None:
+        super().__init__()
+        self.register_buffer("k", torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device))
+        self.register_buffer("v", torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device))
+
+    def update(self, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        end = start + k.shape[2]
+        if end > self.k.shape[2]:
+            raise ValueError(f"KV cache of {self.k.shape[2]} positions is full (need {end})")
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, cfg: AttentionConfig, norm_eps: float = 1e-5) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.kv_heads
+        self.head_dim = cfg.resolved_head_dim(dim)
+        self.wq = nn.Linear(dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, dim, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, norm_eps)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: AttentionMask,
+        cache: KVCache | None = None,
+        cache_start: int = 0,
+    ) -> Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, hd]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(cache_start, k, v)
+        gqa = self.n_kv_heads != self.n_heads
+        if mask.block_mask is not None:
+            out = _flex(q, k, v, mask.block_mask, gqa, self.cfg.compile_flex)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask.dense, is_causal=mask.causal and mask.dense is None, enable_gqa=gqa
+            )
+        return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for w in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(w.weight, std=std, a=-3 * std, b=3 * std)
+        nn.init.trunc_normal_(self.wo.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+        if self.cfg.qk_norm:
+            self.q_norm.reset_parameters()
+            self.k_norm.reset_parameters()

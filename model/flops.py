@@ -1,0 +1,68 @@
+"""Parameter counts and training FLOPs per token, from a TransformerConfig alone (no model built).
+
+Design choices:
+- Training FLOPs per token = 6 * (active non-embedding parameters + LM head) + attention, with
+  attention = 12 * n_layers * n_heads * head_dim * context (QK^T and AV, 2 FLOPs per MAC, x3 for
+  forward + backward). The input embedding is a gather and costs nothing.
+- ``context`` follows the PaLM / torchtitan / nanoGPT MFU convention by default: every query
+  sees ``seq_len`` keys (``min(seq_len, sliding_window)`` with a window). ``causal=True`` counts
+  only the keys a causal query really sees (about half); document masking lowers real work
+  further, which MFU deliberately does not credit.
+- "Active" parameters count what one token uses: the router plus top_k experts in an MoE layer,
+  one modality group's FFN with MoT. The counts are checked against a built model in the tests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from model.transformer import TransformerConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamCounts:
+    total: int
+    embedding: int          # input embedding table
+    output: int             # LM head
+    non_embedding: int      # total - embedding - output
+    active: int             # parameters one token uses (MoE: top_k experts; MoT: one group)
+    active_non_embedding: int
+
+
+def param_counts(cfg: TransformerConfig) -> ParamCounts:
+    d, a, hd = cfg.dim, cfg.attention, cfg.head_dim
+    attn = d * a.n_heads * hd + 2 * d * a.kv_heads * hd + a.n_heads * hd * d + (2 * hd if a.qk_norm else 0)
+    hidden = cfg.ffn.resolved_hidden_dim(d)
+    if cfg.moe.enabled:
+        eh = cfg.moe.hidden_dim or hidden
+        ffn_total = d * cfg.moe.num_experts + cfg.moe.num_experts * 3 * d * eh
+        ffn_active = d * cfg.moe.num_experts + cfg.moe.top_k * 3 * d * eh
+    elif cfg.ffn.modality_groups:
+        ffn_total = (max(cfg.ffn.modality_groups) + 1) * 3 * d * hidden
+        ffn_active = 3 * d * hidden
+    else:
+        ffn_total = ffn_active = 3 * d * hidden
+    layer_total = attn + ffn_total + 2 * d
+    layer_active = attn + ffn_active + 2 * d
+    emb = out = cfg.vocab_size * d
+    non_emb = cfg.n_layers * layer_total + d
+    active_non_emb = cfg.n_layers * layer_active + d
+    return ParamCounts(total=emb + out + non_emb, embedding=emb, output=out, non_embedding=non_emb,
+                       active=emb + out + active_non_emb, active_non_embedding=active_non_emb)
+
+
+def attention_context(cfg: TransformerConfig, seq_len: int, *, causal: bool = False) -> float:
+    """Mean number of keys per query that the FLOP count charges for."""
+    w = cfg.attention.sliding_window or seq_len
+    if not causal:
+        return float(min(w, seq_len))
+    if w >= seq_len:
+        return (seq_len + 1) / 2
+    return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
+
+
+def flops_per_token(cfg: TransformerConfig, seq_len: int, *, causal: bool = False) -> float:
+    """Training (forward + backward) FLOPs per token at ``seq_len``, attention included."""
+    pc = param_counts(cfg)
+    dense = 6 * (pc.active_non_embedding + pc.output)
+    attn = 12 * cfg.n_layers * cfg.attention.n_heads * cfg.head_dim * attention_context(cfg, seq_len, causal=causal)
+    return float(dense + attn)

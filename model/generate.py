@@ -1,0 +1,226 @@
+"""Sampling with a KV cache, and a grammar that keeps generated images decodable.
+
+Design choices:
+- The prompt runs once (prefill, which may use bidirectional image attention if the model has
+  it); each new token then runs alone against the per-layer KV caches. Greedy when temperature
+  is 0; otherwise temperature, then top-k, then top-p (nucleus), then a multinomial draw from an
+  optional torch.Generator, so sampling is reproducible.
+- ``ImageConstraint`` is a per-row state machine over the Emu3-style layout. Inside an image
+  block only the one legal kind of token can be sampled: ``<boi>`` -> ``<h=H>`` -> ``<w=W>`` ->
+  H rows of exactly W codes each closed by ``<eol>`` -> ``<eoi>``. Outside a block, codes, row
+  and size markers, ``<eoi>`` and the video markers cannot be sampled (video generation is not
+  constrained, so it is not offered). The token budget is part of the grammar: ``<boi>`` and
+  each size are allowed only if the whole image still fits in ``max_new_tokens``, so an image is
+  never cut off; ``size`` forces one grid, ``max_h``/``max_w`` cap it.
+- (t, h, w) positions and modality ids of generated tokens come from ``LayoutTracker``, the
+  same code that defines them for training data; text ids keep the prompt's last text-like
+  modality (TEXT or CODE).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from data.vocab import Modality, VocabLayout
+from model.rope import LayoutTracker
+
+OUT, NEED_H, NEED_W, GRID, NEED_EOI = range(5)
+
+
+@dataclass(kw_only=True)
+class SamplingConfig:
+    max_new_tokens: int = 64
+    temperature: float = 1.0     # 0: greedy
+    top_k: int = 0               # 0: off
+    top_p: float = 1.0           # 1.0: off
+    stop_ids: list[int] = field(default_factory=list)
+    pad_id: int = 0              # emitted by rows that already stopped
+
+
+class ImageConstraint:
+    def __init__(self, layout: VocabLayout, batch_size: int, *, vocab_size: int | None = None,
+                 max_h: int | None = None, max_w: int | None = None, size: tuple[int, int] | None = None) -> None:
+        self.layout, self.B = layout, batch_size
+        self.V = vocab_size or layout.size
+        sid = layout.structure_id
+        self.boi, self.eoi, self.eol = sid("<boi>"), sid("<eoi>"), sid("<eol>")
+        self.h0, self.w0 = sid("<h=1>"), sid("<w=1>")
+        self.max_h = min(max_h or layout.max_grid, layout.max_grid)
+        self.max_w = min(max_w or layout.max_grid, layout.max_grid)
+        self.size = size
+        if size is not None and not (1 <= size[0] <= layout.max_grid and 1 <= size[1] <= layout.max_grid):
+            raise ValueError(f"image size {size} outside 1..{layout.max_grid}")
+        self.state = [OUT] * batch_size
+        self.H, self.W = [0] * batch_size, [0] * batch_size
+        self.row, self.col = [0] * batch_size, [0] * batch_size
+        self._out = torch.ones(self.V, dtype=torch.bool)
+        self._out[layout.structure_offset:layout.visual_offset] = False  # every structure token ...
+        self._out[self.boi] = True                                      # ... except <boi> (budget permitting)
+        self._out[layout.visual_offset:layout.size] = False
+        self._codes = torch.zeros(self.V, dtype=torch.bool)
+        self._codes[layout.visual_offset:layout.size] = True
+
+    # --- sizes and budget -------------------------------------------------------------------
+    def _min_wh(self) -> tuple[int, int]:
+        return self.size if self.size is not None else (1, 1)
+
+    def tokens_to_finish(self, b: int) -> int:
+        """Fewest tokens that close row b's open image (0 outside one)."""
+        hmin, wmin = self._min_wh()
+        s = self.state[b]
+        if s == NEED_H:
+            return 1 + 1 + hmin * (wmin + 1) + 1
+        if s == NEED_W:
+            return 1 + self.H[b] * (wmin + 1) + 1
+        if s == GRID:
+            return (self.W[b] - self.col[b]) + 1 + (self.H[b] - self.row[b] - 1) * (self.W[b] + 1) + 1
+        return 1 if s == NEED_EOI else 0
+
+    def allowed(self, remaining: int) -> Tensor:
+        """[B, V] bool: what each row may sample when ``remaining`` tokens (this one included) are left."""
+        rows = []
+        hmin, wmin = self._min_wh()
+        for b in range(self.B):
+            s, m = self.state[b], torch.zeros(self.V, dtype=torch.bool)
+            if s == OUT:
+                m = self._out.clone()
+                m[self.boi] = remaining >= 4 + hmin * (wmin + 1)
+            elif s == NEED_H:
+                hi = min(self.max_h, (remaining - 3) // (wmin + 1))
+                lo, hi = (self.size[0], self.size[0]) if self.size else (1, hi)
+                m[self.h0 + lo - 1:self.h0 + hi] = True
+            elif s == NEED_W:
+                hi = min(self.max_w, (remaining - 2) // self.H[b] - 1)
+                lo, hi = (self.size[1], self.size[1]) if self.size else (1, hi)
+                m[self.w0 + lo - 1:self.w0 + hi] = True
+            elif s == GRID:
+                m = self._codes.clone() if self.col[b] < self.W[b] else m
+                m[self.eol] = self.col[b] == self.W[b]
+            else:
+                m[self.eoi] = True
+            rows.append(m)
+        return torch.stack(rows)
+
+    # --- state ------------------------------------------------------------------------------
+    def observe(self, b: int, tok: int, *, strict: bool = True) -> None:
+        """Advance row b past ``tok``; a token the grammar forbids raises ValueError. With
+        ``strict=False`` (prompts) anything goes outside an image block, e.g. a video to caption."""
+        tok, s = int(tok), self.state[b]
+        ok = True
+        if s == OUT:
+            ok = not strict or tok == self.boi or (tok < self.V and bool(self._out[tok]))
+            if tok == self.boi:
+                self.state[b] = NEED_H
+        elif s == NEED_H:
+            ok = self.h0 <= tok < self.h0 + self.layout.max_grid
+            self.H[b], self.state[b] = tok - self.h0 + 1, NEED_W
+        elif s == NEED_W:
+            ok = self.w0 <= tok < self.w0 + self.layout.max_grid
+            self.W[b], self.state[b], self.row[b], self.col[b] = tok - self.w0 + 1, GRID, 0, 0
+        elif s == GRID:
+            if self.col[b] < self.W[b]:
+                ok = self.layout.is_code(tok)
+                self.col[b] += 1
+            else:
+                ok = tok == self.eol
+                self.row[b], self.col[b] = self.row[b] + 1, 0
+                if self.row[b] == self.H[b]:
+                    self.state[b] = NEED_EOI
+        else:
+            ok = tok == self.eoi
+            self.state[b] = OUT
+        if not ok:
+            raise ValueError(f"token {tok} breaks the image layout in row {b} (state {s})")
+
+
+def sample_next(logits: Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None) -> Tensor:
+    """logits [B, V] (disallowed ids already -inf) -> next ids [B]."""
+    if cfg.temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits / cfg.temperature
+    if cfg.top_k > 0:
+        kth = logits.topk(min(cfg.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > cfg.top_p   # mass before this token already exceeds p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompt_ids: Tensor,
+    *,
+    sampling: SamplingConfig | None = None,
+    constraint: ImageConstraint | None = None,
+    layout: VocabLayout | None = None,
+    modality: Tensor | None = None,
+    image_ids: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Continue ``prompt_ids`` [B, T0] (equal-length prompts) by up to max_new_tokens: [B, T0 + n]."""
+    cfg = sampling or SamplingConfig()
+    B, T0 = prompt_ids.shape
+    n, device = cfg.max_new_tokens, prompt_ids.device
+    layout = layout or (constraint.layout if constraint is not None else None)
+    if model.cfg.rope.mrope_sections and layout is None:
+        raise ValueError("an M-RoPE model needs the vocabulary layout to place generated tokens")
+    was_training = model.training
+    model.eval()
+    try:
+        mod = modality.clone() if modality is not None else torch.full_like(prompt_ids, int(Modality.TEXT))
+        thw = None
+        trackers = [LayoutTracker(layout) for _ in range(B)] if layout is not None else None
+        if trackers is not None:
+            rows = [[trackers[b].push(int(t)) for t in prompt_ids[b].tolist()] for b in range(B)]
+            thw = torch.tensor([[p for p, _ in r] for r in rows], dtype=torch.long, device=device).reshape(B, T0, 3)
+            if modality is None:
+                mod = torch.tensor([[m for _, m in r] for r in rows], dtype=torch.long, device=device)
+            for b in range(B):  # generated text continues the prompt's last text-like modality
+                textlike = [int(m) for m in mod[b].tolist() if m in (Modality.TEXT, Modality.CODE)]
+                trackers[b].text_modality = textlike[-1] if textlike else int(Modality.TEXT)
+        if constraint is not None:
+            for b in range(B):
+                for t in prompt_ids[b].tolist():
+                    constraint.observe(b, t, strict=False)
+                if constraint.tokens_to_finish(b) > n:
+                    raise ValueError(f"max_new_tokens={n} cannot finish the image that prompt row {b} opened")
+        caches = model.make_kv_caches(B, T0 + n, device=device)
+        logits = model.decode(prompt_ids, caches, 0, position_thw=thw, modality=mod, image_ids=image_ids)
+        out = [prompt_ids]
+        finished = torch.zeros(B, dtype=torch.bool, device=device)
+        last_mod = mod[:, -1].clone()
+        stop = torch.tensor(cfg.stop_ids, dtype=torch.long, device=device)
+        for step in range(n):
+            if constraint is not None:
+                logits = logits.masked_fill(~constraint.allowed(n - step).to(device), float("-inf"))
+            nxt = sample_next(logits, cfg, generator)
+            nxt = torch.where(finished, torch.full_like(nxt, cfg.pad_id), nxt)
+            out.append(nxt[:, None])
+            step_thw = torch.zeros(B, 1, 3, dtype=torch.long, device=device)
+            for b, tok in enumerate(nxt.tolist()):
+                if finished[b]:
+                    continue
+                if constraint is not None:
+                    constraint.observe(b, tok)
+                if trackers is not None:
+                    pos, m = trackers[b].push(tok)
+                    step_thw[b, 0] = torch.tensor(pos)
+                    last_mod[b] = int(m)
+            finished |= torch.isin(nxt, stop)
+            if bool(finished.all()) or step == n - 1:
+                break
+            pos1d = torch.full((B, 1), T0 + step, dtype=torch.long, device=device)
+            logits = model.decode(nxt[:, None], caches, T0 + step, position_ids=pos1d,
+                                  position_thw=step_thw if trackers is not None else None,
+                                  modality=last_mod[:, None].clone())
+        return torch.cat(out, dim=1)
+    finally:
+        model.train(was_training)

@@ -1,0 +1,190 @@
+"""The language-model loss: chunked cross-entropy over the full vocabulary, with monitors.
+
+Design choices:
+- Labels are already shifted: ``labels[b, i]`` is the token predicted at position i (-100 to
+  ignore). Only label positions go through the output head.
+- CE and z-loss are one fused, chunked op (``chunked_linear_cross_entropy``): for each chunk of
+  label tokens, logits = h @ W^T are made in the compute dtype and upcast to float32 one chunk
+  at a time; log Z, the target logit and the monitors' reductions are read off that chunk, and
+  (when a gradient is needed) the chunk's gradient w.r.t. h and W is formed right there and the
+  chunk is freed (Liger-style fused linear cross-entropy). Peak memory is one [chunk, V] float32
+  block instead of [N, V]; there is no second pass over the logits and no recomputation in
+  backward, which only scales the stored gradients by the incoming scalar.
+- The differentiable output is the scalar ``mean(CE) + z_coef * mean(logZ^2)`` (PaLM z-loss);
+  per-token CE and log Z come out detached, for the monitors.
+- Per-modality sums and counts (never means) so monitors can reduce them across ranks exactly.
+  A label's modality is the modality of the *target* token (``label_modality``, by default the
+  next position's ``modality``).
+- "Final hidden norm" is the L2 norm of the residual stream before the final RMSNorm (after
+  it, the norm is fixed by the norm's weight and says nothing about growth).
+- Logit gap: per label token, mean logit over the visual-code slice minus mean logit over the
+  text slice (Chameleon's symptom of modality competition), summed per modality.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from data.vocab import MODALITY_NAMES
+from model.layers import NUM_MODALITIES
+
+
+@dataclass(kw_only=True)
+class LossConfig:
+    z_loss_coef: float = 1e-5
+    chunk_size: int = 1024       # label tokens per CE chunk; 0: unchunked reference path
+    ignore_index: int = -100
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < 0 or self.z_loss_coef < 0:
+            raise ValueError("loss.chunk_size and loss.z_loss_coef must be >= 0")
+
+
+@dataclass
+class LossResult:
+    """What the model's forward returns. ``loss`` carries the graph; everything else is detached.
+    Per-modality tensors are indexed by ``data.vocab.Modality``."""
+
+    loss: Tensor              # scalar: ce + z_loss_coef * z_loss + aux_loss
+    ce: Tensor                # scalar: mean CE over label tokens
+    z_loss: Tensor            # scalar: mean logZ^2 over label tokens
+    aux_loss: Tensor          # scalar: MoE losses with their coefficients (0 without MoE)
+    num_tokens: Tensor        # scalar long: label tokens
+    ce_sum: Tensor            # [M] float: CE summed per modality
+    count: Tensor             # [M] long: label tokens per modality
+    logz_sum: Tensor          # [M] float: log Z summed per modality
+    hidden_norm_sum: Tensor   # [M] float: final hidden norm summed per modality
+    logit_gap_sum: Tensor     # [M] float: (mean code logit - mean text logit) summed per modality
+    moe_load_balance: Tensor  # scalar: mean over MoE layers (0 without MoE)
+    moe_router_z: Tensor      # scalar: mean over MoE layers
+    moe_dropped: Tensor       # scalar: assignments dropped by capacity, all layers
+    moe_expert_load: Tensor | None = None  # [L_moe, M, E] assignments per layer and modality
+
+    def detach(self) -> "LossResult":
+        return LossResult(**{f.name: (v.detach() if isinstance(v := getattr(self, f.name), Tensor) else v)
+                             for f in fields(self)})
+
+    def modality_means(self) -> dict[str, float]:
+        """``loss/<modality>`` for modalities present in this batch (syncs; for logging only)."""
+        count = self.count.clamp(min=1).float()
+        ce = (self.ce_sum / count).tolist()
+        return {f"loss/{n}": ce[i] for i, n in enumerate(MODALITY_NAMES) if int(self.count[i]) > 0}
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, targets, ce_scale, z_scale, chunk_size, text_end, visual_start):
+        N, V = h.shape[0], weight.shape[0]
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        ce = torch.empty(N, dtype=torch.float32, device=h.device)
+        lse = torch.empty_like(ce)
+        gap = torch.zeros_like(ce)
+        grad_h = torch.empty_like(h) if need_grad else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_grad else None
+        for s in range(0, N, chunk_size):
+            hc, tc = h[s : s + chunk_size], targets[s : s + chunk_size]
+            logits = (hc @ weight.t()).float()                          # [n, V], the only big buffer
+            lse_c = torch.logsumexp(logits, dim=-1)
+            ce[s : s + chunk_size] = lse_c - logits.gather(1, tc[:, None]).squeeze(1)
+            lse[s : s + chunk_size] = lse_c
+            if visual_start < V and text_end > 0:
+                gap[s : s + chunk_size] = logits[:, visual_start:].mean(-1) - logits[:, :text_end].mean(-1)
+            if need_grad:
+                # d/dlogits [ce_scale * (lse - logit_t) + z_scale * lse^2]
+                #   = (ce_scale + 2 z_scale lse) * softmax - ce_scale * onehot(t)
+                g = logits.sub_(lse_c[:, None]).exp_().mul_((ce_scale + 2.0 * z_scale * lse_c)[:, None])
+                g.scatter_add_(1, tc[:, None], torch.full((tc.shape[0], 1), -ce_scale, device=g.device))
+                g = g.to(h.dtype)
+                grad_h[s : s + chunk_size] = g @ weight
+                grad_w += (g.t() @ hc).float()
+            del logits
+        loss = ce_scale * ce.sum() + z_scale * lse.pow(2).sum()
+        if need_grad:
+            ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
+        ctx.mark_non_differentiable(ce, lse, gap)
+        return loss, ce, lse, gap
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_unused):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype), None, None, None, None, None, None
+
+
+def chunked_linear_cross_entropy(
+    h: Tensor, weight: Tensor, targets: Tensor, *, z_loss_coef: float = 0.0, chunk_size: int = 1024,
+    text_end: int = 0, visual_start: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """h [N, D], weight [V, D], targets [N] -> (mean CE + z_coef * mean lse^2, ce [N], lse [N], gap [N]).
+
+    ``chunk_size`` 0 runs the plain, unchunked autograd reference (same results)."""
+    N, V = h.shape[0], weight.shape[0]
+    visual_start = V if visual_start is None else visual_start
+    scale = 1.0 / max(N, 1)
+    if chunk_size <= 0:
+        logits = (h @ weight.t()).float()
+        lse = torch.logsumexp(logits, -1)
+        ce = F.cross_entropy(logits, targets, reduction="none")
+        loss = ce.sum() * scale + z_loss_coef * scale * lse.pow(2).sum()
+        with torch.no_grad():
+            gap = torch.zeros_like(ce)
+            if visual_start < V and text_end > 0:
+                gap = logits[:, visual_start:].mean(-1) - logits[:, :text_end].mean(-1)
+        return loss, ce.detach(), lse.detach(), gap
+    return _ChunkedLinearCE.apply(h, weight, targets, scale, z_loss_coef * scale, chunk_size, text_end, visual_start)
+
+
+def lm_loss(
+    final: Tensor,
+    residual: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    label_modality: Tensor,
+    cfg: LossConfig,
+    *,
+    text_end: int,
+    visual_start: int,
+    moe: dict[str, Tensor] | None = None,
+) -> LossResult:
+    """final: normed hidden [B, T, D]; residual: pre-norm hidden (for the norm monitor)."""
+    D = final.shape[-1]
+    flat = labels.reshape(-1)
+    idx = (flat != cfg.ignore_index).nonzero().squeeze(1)
+    targets = flat.index_select(0, idx)
+    mod = label_modality.reshape(-1).index_select(0, idx)
+    h = final.reshape(-1, D).index_select(0, idx)
+    loss, ce, lse, gap = chunked_linear_cross_entropy(
+        h, weight, targets, z_loss_coef=cfg.z_loss_coef, chunk_size=cfg.chunk_size,
+        text_end=text_end, visual_start=visual_start,
+    )
+    n = idx.numel()
+    with torch.no_grad():
+        hnorm = residual.reshape(-1, D).index_select(0, idx).float().norm(dim=-1)
+
+        def per_mod(x: Tensor) -> Tensor:
+            return torch.zeros(NUM_MODALITIES, dtype=torch.float32, device=x.device).index_add_(0, mod, x.float())
+
+        count = torch.bincount(mod, minlength=NUM_MODALITIES)
+        ce_mean = ce.sum() / max(n, 1)
+        z_mean = lse.pow(2).sum() / max(n, 1)
+    zero = loss.new_zeros(())
+    moe = moe or {}
+    aux = moe.get("aux_loss", zero)
+    return LossResult(
+        loss=loss + aux,
+        ce=ce_mean,
+        z_loss=z_mean,
+        aux_loss=aux.detach(),
+        num_tokens=torch.tensor(n, device=loss.device),
+        ce_sum=per_mod(ce),
+        count=count,
+        logz_sum=per_mod(lse),
+        hidden_norm_sum=per_mod(hnorm),
+        logit_gap_sum=per_mod(gap),
+        moe_load_balance=moe.get("load_balance", zero).detach(),
+        moe_router_z=moe.get("router_z", zero).detach(),
+        moe_dropped=moe.get("dropped", zero).detach(),
+        moe_expert_load=moe.get("expert_load"),
+    )

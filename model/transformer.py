@@ -1,0 +1,264 @@
+"""The early-fusion decoder: one transformer over text, code, image and video tokens.
+
+Design choices:
+- Llama-family block: pre-norm RMSNorm, GQA attention with QK-norm and RoPE/M-RoPE, SwiGLU;
+  no biases; untied input and output embeddings.
+- ``reorder_norm`` (Chameleon's "swin-norm"): x + norm(attn(x)), h + norm(ffn(h)); the norm
+  sits on the branch output, bounding what each block adds to the residual stream.
+- The FFN of a block is dense, modality-routed (MoT, ``ffn.modality_groups``) or a learned MoE
+  (``moe.num_experts``); setting both is a config error.
+- Init: truncated normal(0, init_std) for input-side weights; output projections of every
+  residual branch (attention wo, FFN w2) get init_std / sqrt(2 * n_layers) (GPT-2 / Megatron
+  depth scaling); the LM head gets dim^-0.5, so initial logits have unit scale and the
+  initial loss is about ln V.
+- ``forward`` takes the loader's batch tensors by name (``model(**batch)`` works) and returns a
+  ``LossResult`` when labels are given, logits otherwise. The attention mask and RoPE cos/sin are
+  built once per batch and shared by all layers. The model is a plain nn.Module: DeepSpeed
+  wraps it as is and calls ``engine.backward(result.loss)``.
+- Activation checkpointing is a per-block flag (``activation_checkpoint_every``: 1 = every
+  block, 2 = every other, 0 = none), non-reentrant torch.utils.checkpoint.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from data.vocab import Modality, VocabLayout
+from model.attention import (AttentionConfig, AttentionMask, Attention, KVCache, build_attention_mask,
+                             decode_mask)
+from model.layers import FeedForward, FFNConfig, ModalityFFN, RMSNorm
+from model.loss import LossConfig, LossResult, lm_loss
+from model.moe import MoE, MoEConfig
+from model.rope import RopeConfig, RotaryEmbedding
+
+
+@dataclass(kw_only=True)
+class TransformerConfig:
+    # Vocabulary (fill from the run's VocabLayout with ``with_layout``).
+    vocab_size: int = 1550
+    text_vocab_size: int = 512       # ids [0, text_vocab_size): text/code, the "text slice"
+    visual_offset: int = 550         # ids [visual_offset, vocab_size): visual codes
+    # Sizes.
+    dim: int = 64
+    n_layers: int = 2
+    norm_eps: float = 1e-5
+    reorder_norm: bool = False
+    init_std: float = 0.02
+    activation_checkpoint_every: int = 0
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    ffn: FFNConfig = field(default_factory=FFNConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+
+    def __post_init__(self) -> None:
+        # Hydra/OmegaConf may hand nested configs over as dicts.
+        for name, cls in (("attention", AttentionConfig), ("rope", RopeConfig), ("ffn", FFNConfig),
+                          ("moe", MoEConfig), ("loss", LossConfig)):
+            if isinstance(getattr(self, name), dict):
+                setattr(self, name, cls(**getattr(self, name)))
+        if not 0 <= self.text_vocab_size <= self.visual_offset <= self.vocab_size:
+            raise ValueError(
+                f"need 0 <= text_vocab_size ({self.text_vocab_size}) <= visual_offset ({self.visual_offset}) "
+                f"<= vocab_size ({self.vocab_size})"
+            )
+        if self.dim <= 0 or self.n_layers <= 0:
+            raise ValueError("dim and n_layers must be positive")
+        if self.moe.enabled and self.ffn.modality_groups:
+            raise ValueError("choose one of moe.num_experts and ffn.modality_groups, not both")
+        hd = self.head_dim
+        if self.rope.mrope_sections and sum(self.rope.mrope_sections) != hd // 2:
+            raise ValueError(f"rope.mrope_sections {self.rope.mrope_sections} must sum to head_dim // 2 = {hd // 2}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.attention.resolved_head_dim(self.dim)
+
+    def with_layout(self, layout: VocabLayout) -> "TransformerConfig":
+        return dataclasses.replace(self, vocab_size=layout.size, text_vocab_size=layout.text_size,
+                                   visual_offset=layout.visual_offset)
+
+    def build(self, device: torch.device | str | None = None) -> "Transformer":
+        with torch.device(device or "cpu"):
+            model = Transformer(self)
+        if torch.device(device or "cpu").type != "meta":
+            model.init_weights()
+        return model
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: TransformerConfig, layer_id: int) -> None:
+        super().__init__()
+        self.reorder_norm = cfg.reorder_norm
+        every = cfg.activation_checkpoint_every
+        self.checkpoint = every > 0 and layer_id % every == 0
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg.dim, cfg.attention, cfg.norm_eps)
+        hidden = cfg.ffn.resolved_hidden_dim(cfg.dim)
+        if cfg.moe.enabled:
+            self.feed_forward = MoE(cfg.dim, hidden, cfg.moe)
+        elif cfg.ffn.modality_groups:
+            self.feed_forward = ModalityFFN(cfg.dim, cfg.ffn)
+        else:
+            self.feed_forward = FeedForward(cfg.dim, cfg.ffn)
+
+    def forward(self, x, cos, sin, mask, modality, cache=None, cache_start=0):
+        if self.checkpoint and self.training and torch.is_grad_enabled() and cache is None:
+            return checkpoint(self._forward, x, cos, sin, mask, modality, use_reentrant=False)
+        return self._forward(x, cos, sin, mask, modality, cache, cache_start)
+
+    def _forward(self, x, cos, sin, mask, modality, cache=None, cache_start=0):
+        if self.reorder_norm:
+            h = x + self.attention_norm(self.attention(x, cos, sin, mask, cache, cache_start))
+            y, stats = self.feed_forward(h, modality)
+            return h + self.ffn_norm(y), stats
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, cache, cache_start)
+        y, stats = self.feed_forward(self.ffn_norm(h), modality)
+        return h + y, stats
+
+
+def positions_from_doc_ids(doc_ids: Tensor) -> Tensor:
+    """1D positions that restart at 0 at every document start: [B, T] long."""
+    B, T = doc_ids.shape
+    idx = torch.arange(T, device=doc_ids.device).expand(B, T)
+    start = torch.ones_like(doc_ids, dtype=torch.bool)
+    start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return idx - torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        std = self.cfg.init_std
+        out_std = std / (2 * self.cfg.n_layers) ** 0.5
+        nn.init.trunc_normal_(self.tok_embeddings.weight, std=std, a=-3 * std, b=3 * std)
+        for layer in self.layers:
+            layer.attention.init_weights(std, out_std)
+            layer.feed_forward.init_weights(std, out_std)
+            layer.attention_norm.reset_parameters()
+            layer.ffn_norm.reset_parameters()
+        self.norm.reset_parameters()
+        head_std = self.cfg.dim**-0.5
+        nn.init.trunc_normal_(self.output.weight, std=head_std, a=-3 * head_std, b=3 * head_std)
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.tok_embeddings.weight.numel() if exclude_embeddings else n
+
+    # --- the trunk --------------------------------------------------------------------------
+    def _trunk(self, input_ids, *, position_ids, position_thw, modality, mask: AttentionMask,
+               caches=None, cache_start=0):
+        h = self.tok_embeddings(input_ids)
+        cos, sin = self.rope(position_ids, position_thw)
+        stats = []
+        for i, layer in enumerate(self.layers):
+            cache = caches[i] if caches is not None else None
+            h, s = layer(h, cos, sin, mask, modality, cache, cache_start)
+            if s is not None:
+                stats.append(s)
+        return h, stats
+
+    def _moe_summary(self, stats) -> dict[str, Tensor] | None:
+        if not stats:
+            return None
+        lb = torch.stack([s.load_balance for s in stats]).mean()
+        z = torch.stack([s.router_z for s in stats]).mean()
+        return {
+            "aux_loss": self.cfg.moe.load_balance_coef * lb + self.cfg.moe.router_z_coef * z,
+            "load_balance": lb,
+            "router_z": z,
+            "dropped": torch.stack([s.dropped for s in stats]).sum(),
+            "expert_load": torch.stack([s.expert_load for s in stats]),
+        }
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        *,
+        labels: Tensor | None = None,
+        modality: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        position_thw: Tensor | None = None,
+        doc_ids: Tensor | None = None,
+        image_ids: Tensor | None = None,
+        label_modality: Tensor | None = None,
+        num_real_tokens: Tensor | int | None = None,  # accepted so ``model(**batch)`` works; unused
+    ) -> LossResult | Tensor:
+        """All tensors [B, T] (position_thw [B, T, 3]). Missing ones default to: one document
+        per row, positions from doc_ids (restarting per document), modality TEXT, no images.
+        Returns a LossResult when ``labels`` (already shifted) are given, else logits [B, T, V]."""
+        B, T = input_ids.shape
+        if modality is None:
+            modality = torch.full_like(input_ids, int(Modality.TEXT))
+        if position_ids is None:
+            position_ids = (positions_from_doc_ids(doc_ids) if doc_ids is not None
+                            else torch.arange(T, device=input_ids.device).expand(B, T))
+        mask = build_attention_mask(
+            B, T, input_ids.device, doc_ids=doc_ids, image_ids=image_ids,
+            sliding_window=self.cfg.attention.sliding_window,
+            bidirectional_images=self.cfg.attention.bidirectional_images, backend=self.cfg.attention.backend,
+        )
+        h, stats = self._trunk(input_ids, position_ids=position_ids, position_thw=position_thw,
+                               modality=modality, mask=mask)
+        final = self.norm(h)
+        if labels is None:
+            return self.output(final).float()
+        if label_modality is None:
+            # The target of position i is the token at i + 1; the last position keeps its own.
+            label_modality = torch.cat([modality[:, 1:], modality[:, -1:]], dim=1)
+        return lm_loss(final, h, self.output.weight, labels, label_modality, self.cfg.loss,
+                       text_end=self.cfg.text_vocab_size, visual_start=self.cfg.visual_offset,
+                       moe=self._moe_summary(stats))
+
+    # --- decoding with a KV cache -----------------------------------------------------------
+    def make_kv_caches(self, batch: int, max_len: int, *, dtype=None, device=None) -> list[KVCache]:
+        ref = self.output.weight
+        a = self.layers[0].attention
+        return [KVCache(batch, a.n_kv_heads, max_len, a.head_dim, dtype=dtype or ref.dtype,
+                        device=device or ref.device) for _ in self.layers]
+
+    @torch.no_grad()
+    def decode(
+        self,
+        input_ids: Tensor,
+        caches: list[KVCache],
+        start: int,
+        *,
+        position_ids: Tensor | None = None,
+        position_thw: Tensor | None = None,
+        modality: Tensor | None = None,
+        image_ids: Tensor | None = None,
+    ) -> Tensor:
+        """Run ``input_ids`` [B, s] at positions start.. against the caches; logits of the last
+        position, [B, V] float32. The prompt (start == 0) may carry image_ids for bidirectional
+        image attention; later steps are causal."""
+        B, s = input_ids.shape
+        if modality is None:
+            modality = torch.full_like(input_ids, int(Modality.TEXT))
+        if position_ids is None:
+            position_ids = torch.arange(start, start + s, device=input_ids.device).expand(B, s)
+        window = self.cfg.attention.sliding_window
+        if start == 0:
+            mask = build_attention_mask(B, s, input_ids.device, image_ids=image_ids, sliding_window=window,
+                                        bidirectional_images=self.cfg.attention.bidirectional_images,
+                                        backend="sdpa")
+        else:
+            mask = decode_mask(start, s, input_ids.device, sliding_window=window)
+        h, _ = self._trunk(input_ids, position_ids=position_ids, position_thw=position_thw,
+                           modality=modality, mask=mask, caches=caches, cache_start=start)
+        return self.output(self.norm(h[:, -1])).float()
+

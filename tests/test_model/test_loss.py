@@ -1,0 +1,101 @@
+"""The chunked CE against the plain one, and the monitors' sums in the loss result."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from data.vocab import Modality
+from model.loss import chunked_linear_cross_entropy
+
+
+def _reference(h, w, t, z, text_end, visual_start):
+    logits = (h @ w.t()).float()
+    lse = torch.logsumexp(logits, -1)
+    loss = F.cross_entropy(logits, t) + z * lse.pow(2).mean()
+    gap = logits[:, visual_start:].mean(-1) - logits[:, :text_end].mean(-1)
+    return loss, F.cross_entropy(logits, t, reduction="none"), lse, gap
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 32, 1000])
+@pytest.mark.parametrize("z", [0.0, 1e-2])
+def test_chunked_ce_equals_unchunked_values_and_grads(chunk, z):
+    torch.manual_seed(0)
+    N, D, V = 45, 16, 300
+    h0, w0 = torch.randn(N, D) * 2, torch.randn(V, D)
+    t = torch.randint(0, V, (N,))
+    h1, w1 = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+    h2, w2 = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+    ref = _reference(h1, w1, t, z, 100, 250)
+    got = chunked_linear_cross_entropy(h2, w2, t, z_loss_coef=z, chunk_size=chunk, text_end=100, visual_start=250)
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(b, a.detach(), atol=1e-5, rtol=1e-5)
+    (ref[0] * 3.0).backward()  # a non-unit upstream gradient must be honoured too
+    (got[0] * 3.0).backward()
+    torch.testing.assert_close(h2.grad, h1.grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(w2.grad, w1.grad, atol=1e-6, rtol=1e-5)
+    assert not got[1].requires_grad and not got[2].requires_grad
+
+
+def test_unchunked_path_agrees_with_chunked():
+    torch.manual_seed(1)
+    h, w, t = torch.randn(20, 8), torch.randn(50, 8), torch.randint(0, 50, (20,))
+    a = chunked_linear_cross_entropy(h, w, t, z_loss_coef=1e-3, chunk_size=0, text_end=20, visual_start=30)
+    b = chunked_linear_cross_entropy(h, w, t, z_loss_coef=1e-3, chunk_size=6, text_end=20, visual_start=30)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y)
+
+
+def test_chunked_ce_bf16_close_to_fp32():
+    torch.manual_seed(2)
+    h, w, t = torch.randn(33, 32), torch.randn(500, 32) * 0.2, torch.randint(0, 500, (33,))
+    ref = chunked_linear_cross_entropy(h, w, t, chunk_size=0)[0]
+    hb, wb = h.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+    got = chunked_linear_cross_entropy(hb, wb, t, chunk_size=8)[0]
+    got.backward()
+    assert abs(got.item() - ref.item()) < 2e-2 and hb.grad.dtype == torch.bfloat16 and wb.grad.dtype == torch.bfloat16
+
+
+def test_per_modality_sums_add_up_to_the_total(kit, mixed_batch):
+    torch.manual_seed(0)
+    model = kit.tiny_config().build()
+    r = model(**mixed_batch)
+    n = int((mixed_batch["labels"] != -100).sum())
+    assert int(r.num_tokens) == n == int(r.count.sum())
+    torch.testing.assert_close(r.ce_sum.sum() / n, r.ce)
+    torch.testing.assert_close(r.loss.detach(), r.ce + model.cfg.loss.z_loss_coef * r.z_loss + r.aux_loss)
+    # Every modality of the batch is present and counted by the modality of the *target* token.
+    labels, mods = mixed_batch["labels"], mixed_batch["modality"]
+    target_mod = torch.cat([mods[:, 1:], mods[:, -1:]], 1)[labels != -100]
+    assert torch.equal(r.count, torch.bincount(target_mod, minlength=len(Modality)))
+    assert all(int(r.count[m]) > 0 for m in (Modality.TEXT, Modality.CODE, Modality.IMAGE, Modality.STRUCTURE))
+    # log Z and the logit gap match a direct computation from full logits.
+    with torch.no_grad():
+        logits = model(**{k: v for k, v in mixed_batch.items() if k != "labels"})[labels != -100]
+        lse = torch.logsumexp(logits, -1)
+        gap = logits[:, model.cfg.visual_offset:].mean(-1) - logits[:, :model.cfg.text_vocab_size].mean(-1)
+    per_mod = lambda x: torch.zeros(len(Modality)).index_add_(0, target_mod, x)  # noqa: E731
+    torch.testing.assert_close(r.logz_sum, per_mod(lse), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(r.logit_gap_sum, per_mod(gap), atol=1e-4, rtol=1e-5)
+    assert (r.hidden_norm_sum[r.count > 0] > 0).all()
+    r.loss.backward()
+    assert model.output.weight.grad is not None and model.tok_embeddings.weight.grad.abs().sum() > 0
+    means = r.modality_means()
+    assert set(means) == {"loss/text", "loss/code", "loss/image", "loss/structure"}
+
+
+def test_initial_loss_is_about_ln_vocab(kit, mixed_batch):
+    torch.manual_seed(0)
+    r = kit.tiny_config().build()(**mixed_batch)
+    assert abs(r.ce.item() - math.log(kit.layout.size)) < 1.0
+
+
+def test_no_labels_gives_zero_loss_and_zero_grads(kit, mixed_batch):
+    model = kit.tiny_config().build()
+    b = dict(mixed_batch, labels=torch.full_like(mixed_batch["labels"], -100))
+    r = model(**b)
+    r.loss.backward()
+    assert r.loss.item() == 0.0 and int(r.num_tokens) == 0
+    assert model.output.weight.grad.abs().sum() == 0

@@ -1,0 +1,136 @@
+"""The whole model: overfitting, presets, counts and FLOPs, checkpointing, config handling."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from data.vocab import Modality
+from model.flops import attention_context, flops_per_token, param_counts
+from model.moe import MoEConfig
+from model.presets import PRESETS, mrope_sections, preset
+from model.transformer import TransformerConfig, positions_from_doc_ids
+
+
+def test_tiny_model_overfits_a_mixed_batch_in_every_modality(kit, mixed_batch):
+    torch.manual_seed(0)
+    cfg = kit.tiny_config(dim=64, attention=dataclasses.replace(kit.tiny_config().attention))
+    model = cfg.build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    first = None
+    for _ in range(150):
+        r = model(**mixed_batch)
+        first = first if first is not None else r.modality_means()
+        opt.zero_grad()
+        r.loss.backward()
+        opt.step()
+    r = model(**mixed_batch)
+    last = r.modality_means()
+    assert set(last) == {"loss/text", "loss/code", "loss/image", "loss/structure"}
+    for name, value in last.items():
+        assert value < 0.05, (name, value, first[name])
+    assert first["loss/image"] > 5.0
+
+
+def test_every_preset_builds_and_its_counts_match(kit):
+    for name, make in PRESETS.items():
+        cfg = make()
+        model = cfg.build("meta")  # no memory: a 1.4B model on a CPU test machine
+        pc = param_counts(cfg)
+        assert model.num_params() == pc.total, name
+        assert model.num_params(exclude_embeddings=True) == pc.total - pc.embedding
+        assert pc.active == pc.total
+        assert cfg.attention.qk_norm and cfg.loss.z_loss_coef == 1e-5
+    assert 1.0e9 < param_counts(preset("1b")).total < 1.5e9
+    assert preset("debug", n_layers=3).n_layers == 3
+    with pytest.raises(KeyError, match="unknown model preset"):
+        preset("huge")
+
+
+def test_moe_and_mot_param_counts_match_built_models(kit):
+    cases = [kit.tiny_config(moe=MoEConfig(num_experts=4, top_k=2, hidden_dim=48)),
+             kit.tiny_config(ffn=dataclasses.replace(kit.tiny_config().ffn, modality_groups=[0, 0, 1, 1, 2]))]
+    for cfg in cases:
+        pc = param_counts(cfg)
+        assert cfg.build("meta").num_params() == pc.total
+        assert pc.active < pc.total
+    moe = param_counts(cases[0])
+    assert moe.total - moe.active == 2 * 2 * 3 * 32 * 48  # 2 layers x 2 unused experts
+
+
+def test_flops_per_token(kit):
+    cfg = kit.tiny_config()
+    pc = param_counts(cfg)
+    T = 128
+    expect = 6 * (pc.active_non_embedding + pc.output) + 12 * 2 * 4 * 8 * T
+    assert flops_per_token(cfg, T) == expect
+    assert attention_context(cfg, T, causal=True) == (T + 1) / 2
+    win = kit.tiny_config(attention=dataclasses.replace(cfg.attention, sliding_window=16))
+    assert attention_context(win, T) == 16
+    assert 15 < attention_context(win, T, causal=True) < 16
+
+
+def test_activation_checkpointing_gives_identical_loss_and_grads(kit, mixed_batch):
+    torch.manual_seed(0)
+    a = kit.tiny_config(moe=MoEConfig(num_experts=2, top_k=1)).build()
+    b = kit.tiny_config(moe=MoEConfig(num_experts=2, top_k=1), activation_checkpoint_every=1).build()
+    b.load_state_dict(a.state_dict())
+    ra, rb = a(**mixed_batch), b(**mixed_batch)
+    ra.loss.backward()
+    rb.loss.backward()
+    assert all(layer.checkpoint for layer in b.layers)
+    torch.testing.assert_close(ra.loss, rb.loss, atol=0, rtol=0)
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad, msg=n)
+
+
+def test_reorder_norm_trains(kit, mixed_batch):
+    torch.manual_seed(0)
+    model = kit.tiny_config(reorder_norm=True).build()
+    r = model(**mixed_batch)
+    r.loss.backward()
+    assert torch.isfinite(r.loss) and model.layers[0].ffn_norm.weight.grad.abs().sum() > 0
+
+
+def test_depth_scaled_init(kit):
+    torch.manual_seed(0)
+    model = kit.tiny_config(dim=256, n_layers=8).build()
+    std = model.cfg.init_std
+    wq, wo = model.layers[0].attention.wq.weight, model.layers[0].attention.wo.weight
+    assert abs(wq.std().item() - std * 0.986) < 0.1 * std   # truncated at 3 sigma
+    assert abs(wo.std().item() - std / 4 * 0.986) < 0.1 * std / 4  # / sqrt(2 * 8)
+    assert abs(model.output.weight.std().item() - 256**-0.5 * 0.986) < 0.1 * 256**-0.5
+    assert all(p.abs().sum() > 0 for p in model.parameters())
+
+
+def test_positions_from_doc_ids():
+    doc = torch.tensor([[0, 0, 0, 1, 1, 2, -1, -1], [5, 5, 5, 5, 5, 5, 5, 5]])
+    assert positions_from_doc_ids(doc).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1], list(range(8))]
+
+
+def test_config_validation_and_hydra_round_trip(kit):
+    from omegaconf import OmegaConf
+
+    cfg = preset("small")
+    cfg = dataclasses.replace(cfg, rope=dataclasses.replace(cfg.rope, mrope_sections=mrope_sections(cfg.head_dim)))
+    structured = OmegaConf.structured(cfg)
+    back = OmegaConf.to_object(OmegaConf.merge(structured, {"attention": {"sliding_window": 256}}))
+    assert isinstance(back, TransformerConfig) and back.attention.sliding_window == 256
+    assert back.rope.mrope_sections == cfg.rope.mrope_sections and sum(back.rope.mrope_sections) == 32
+    with pytest.raises(Exception):
+        OmegaConf.merge(structured, {"attention": {"n_hedas": 3}})  # a typo is an error
+    assert TransformerConfig(**{**dataclasses.asdict(kit.tiny_config())}).attention.n_heads == 4
+    with pytest.raises(ValueError, match="backend"):
+        kit.tiny_config(attention=dataclasses.replace(kit.tiny_config().attention, backend="xformers"))
+    with pytest.raises(ValueError, match="visual_offset"):
+        TransformerConfig(vocab_size=10, text_vocab_size=5, visual_offset=20)
+
+
+def test_forward_takes_a_loader_batch_and_returns_logits_without_labels(kit, mixed_batch):
+    model = kit.tiny_config().build()
+    r = model(**mixed_batch)
+    assert r.loss.ndim == 0 and r.ce_sum.shape == (len(Modality),)
+    b = {k: v for k, v in mixed_batch.items() if k != "labels"}
+    assert model(**b).shape == (2, 64, kit.layout.size)
+    assert model(mixed_batch["input_ids"]).shape == (2, 64, kit.layout.size)
