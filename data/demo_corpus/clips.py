@@ -7,9 +7,9 @@ Three kinds, each caption stating the motion:
   a cat");
 - zoom: a window shrinking (in) or growing (out) around a fixed point of a real photo.
 
-Encoded by libx264 through PyAV (yuv420p, so width and height are even) with one thread and
-the muxer in bitexact mode: no creation time and no thread-dependent decisions, hence the
-same bytes for the same seed. fps varies (5, 8, 12, 24) so the video path of the loader
+Encoded by libx264 through PyAV (yuv420p, so width and height are even) with one thread,
+macroblock-tree rate control off (it was the one source of run-to-run byte differences) and
+the muxer in bitexact mode (no creation time), hence the same bytes for the same seed. fps varies (5, 8, 12, 24) so the video path of the loader
 (sampling by timestamps at a target fps) sees real variety.
 
 `check_clip(frames, facts)` verifies a caption from decoded frames: the shape's centroid for
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import pathlib
+from fractions import Fraction
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -53,11 +54,20 @@ def encode_mp4(frames: list[np.ndarray], fps: int) -> bytes:
     # fflags=+bitexact: no encoder-version-dependent or time-dependent metadata in the file.
     with av.open(buf, mode="w", format="mp4", options={"fflags": "+bitexact"}) as container:
         stream = container.add_stream("libx264", rate=fps,
-                                      options={"crf": "20", "preset": "medium", "threads": "1"})
+                                      options={"crf": "20", "preset": "medium", "threads": "1",
+                                               # x264's macroblock-tree rate control gives
+                                               # different bytes from run to run within one
+                                               # process (seen with libx264 core 165); without
+                                               # it the output is stable, at a small cost in size.
+                                               "x264-params": "mbtree=0"})
         stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
         stream.codec_context.thread_count = 1  # multi-threaded x264 is not byte-deterministic
-        for frame in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+        stream.codec_context.time_base = Fraction(1, fps)
+        for i, pixels in enumerate(frames):
+            frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
+            # Explicit timestamps (frame i at i/fps), never left for the encoder to guess.
+            frame.pts, frame.time_base = i, Fraction(1, fps)
+            for packet in stream.encode(frame):
                 container.mux(packet)
         for packet in stream.encode():  # flush delayed frames
             container.mux(packet)
