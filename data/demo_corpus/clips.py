@@ -9,11 +9,13 @@ Three kinds, each caption stating the motion:
 
 Encoded by libx264 through PyAV (yuv420p, so width and height are even) with one thread,
 macroblock-tree rate control off (it was the one source of run-to-run byte differences) and
-the muxer in bitexact mode (no creation time), hence the same bytes for the same seed. fps varies (5, 8, 12, 24) so the video path of the loader
-(sampling by timestamps at a target fps) sees real variety.
+the muxer in bitexact mode (no creation time), hence the same bytes for the same seed. fps
+varies (5, 8, 12, 24) so the video path of the loader (sampling by timestamps at a target
+fps) sees real variety.
 
 `check_clip(frames, facts)` verifies a caption from decoded frames: the shape's centroid for
-motion clips, the summed frame-to-frame shift (phase correlation) for pans, and which of
+motion clips (colour and direction; the shape is stated but not checked), the summed
+frame-to-frame shift (phase correlation) for pans, and which of
 "last = centre of first, enlarged" / "first = centre of last, enlarged" fits for zooms.
 """
 
@@ -118,12 +120,11 @@ def motion_clip(rng: np.random.Generator, fps: int) -> tuple[list[np.ndarray], d
 
 
 def _load(photo_path: pathlib.Path) -> Image.Image:
-    image = Image.open(photo_path)
-    if image.mode in ("RGBA", "LA", "P"):  # transparent silhouettes: put them on white paper
-        image = image.convert("RGBA")
-        paper = Image.new("RGBA", image.size, (255, 255, 255, 255))
-        image = Image.alpha_composite(paper, image)
-    return image.convert("RGB")
+    with Image.open(photo_path) as image:
+        if image.mode in ("RGBA", "LA", "P"):  # transparent silhouettes: put them on white paper
+            rgba = image.convert("RGBA")
+            return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+        return image.convert("RGB")
 
 
 def _render_boxes(image: Image.Image, boxes: list[tuple[float, float, float, float]], w: int, h: int):

@@ -38,7 +38,8 @@ def build_wds(out: pathlib.Path, *, seed: int, count: int, scenes: list[dict]) -
         for n, i in enumerate(picked):
             scene = scenes[i]
             key = f"{n:09d}"
-            image = Image.open(out / "scenes" / scene["image"]).convert("RGB")
+            with Image.open(out / "scenes" / scene["image"]) as png:
+                image = png.convert("RGB")
             buf = io.BytesIO()
             image.save(buf, format="JPEG", quality=90)  # lossy on purpose: img2dataset shards are JPEG
             meta = {"key": key, "caption": scene["caption"], "status": "success",
