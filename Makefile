@@ -41,7 +41,7 @@ demo: $(STAMP)
 		--source images:$(DEMO_DIR)/corpus/scenes/scenes.jsonl \
 		--source images:$(DEMO_DIR)/corpus/digits/digits.csv \
 		--source videos:$(DEMO_DIR)/corpus/clips \
-		--source interleaved:$(DEMO_DIR)/corpus/interleaved/docs.jsonl \
+		--source interleaved=interleaved:$(DEMO_DIR)/corpus/interleaved/docs.jsonl \
 		--source wds:$(DEMO_DIR)/corpus/wds
 	$(BIN)/earlyfuse-prep verify $(DEMO_DIR)/raw
 	$(BIN)/earlyfuse-prep stats $(DEMO_DIR)/raw

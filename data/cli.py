@@ -164,8 +164,13 @@ def _add_demo_corpus(sub) -> None:
 def cmd_demo_corpus(a) -> int:
     from data.demo_corpus import build
 
-    summary = build(a.out, seed=a.seed, scale=a.scale, progress=not a.no_progress)
-    print(json.dumps(summary, indent=1))
+    from data.shards.stats import human_bytes
+
+    s = build(a.out, seed=a.seed, scale=a.scale, progress=not a.no_progress)
+    print(f"{a.out}: demo corpus, {s['files']} files, {human_bytes(s['bytes'])} in {s['seconds']} s "
+          f"(seed {s['seed']}, scale {s['scale']:g}); see {a.out / 'README.md'}")
+    for name, part in s["parts"].items():
+        print(f"  {name:<12} {part['files']:>5} files {human_bytes(part['bytes']):>10}")
     return 0
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
+from typing import Iterator
 
 from tqdm import tqdm
 
@@ -54,6 +55,15 @@ def _item_blob(item: Item) -> bytes:
     return json.dumps([item.key, item.label, list(item.ref), item.size, rej], sort_keys=True).encode()
 
 
+def _listed(src) -> Iterator[Item]:
+    """The source's items; a failure to list them (unreadable table, bad encoding) is fatal."""
+    spec = src.spec
+    try:
+        yield from src.items()
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"source {spec.name} ({spec.kind}:{spec.path}): cannot list inputs: {e}") from e
+
+
 def make_plan(specs: list[SourceSpec], limits: Limits, *, shard_max_bytes: int,
               shard_max_samples: int, progress: bool = True) -> Plan:
     if shard_max_bytes <= 0 and shard_max_samples <= 0:
@@ -72,13 +82,7 @@ def make_plan(specs: list[SourceSpec], limits: Limits, *, shard_max_bytes: int,
         cur_bytes = cur_samples = 0
         n_items = n_rej = 0
         k = 0
-        try:
-            items = list(src.items())
-        except (OSError, UnicodeDecodeError, ValueError) as e:
-            raise ValueError(f"source {spec.name} ({spec.kind}:{spec.path}): cannot list inputs: {e}") from e
-        if not items:
-            raise ValueError(f"source {spec.name} ({spec.kind}:{spec.path}): no inputs found")
-        for item in items:
+        for item in _listed(src):
             if item.reject is None:
                 if item.key in first_seen:
                     item = Item(item.key, item.label, ("rejected",), 0, Reject(
@@ -104,6 +108,8 @@ def make_plan(specs: list[SourceSpec], limits: Limits, *, shard_max_bytes: int,
             n_rej += not accepted
             h.update(_item_blob(item))
             bar.update()
+        if not n_items:
+            raise ValueError(f"source {spec.name} ({spec.kind}:{spec.path}): no inputs found")
         counts[spec.name] = {"inputs": n_items, "rejected_at_plan": n_rej}
     bar.close()
     return Plan(specs, limits, shard_max_bytes, shard_max_samples, shards, h.hexdigest()[:24], counts)
