@@ -170,7 +170,8 @@ def cmd_demo_corpus(a) -> int:
     print(f"{a.out}: demo corpus, {s['files']} files, {human_bytes(s['bytes'])} in {s['seconds']} s "
           f"(seed {s['seed']}, scale {s['scale']:g}); see {a.out / 'README.md'}")
     for name, part in s["parts"].items():
-        print(f"  {name:<12} {part['files']:>5} files {human_bytes(part['bytes']):>10}")
+        counts = ", ".join(f"{v} {k}" for k, v in part.items() if k != "bytes")
+        print(f"  {name:<12} {human_bytes(part['bytes']):>10}  {counts}")
     return 0
 
 
