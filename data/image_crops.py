@@ -1,0 +1,114 @@
+"""Image crops for training the visual tokenizer, from raw shard folders.
+
+Design choices:
+- A pool of preprocessed images (``ImagePrep``: EXIF, RGB, resized into a pixel budget) and,
+  optionally, frames sampled from videos, decoded once and kept in memory: the visual
+  tokenizer's corpus at the scales we train it on CPU fits, and crops are then free.
+- Held out by *document*: a document whose key hashes below ``heldout_fraction`` never gives
+  a training crop, so held-out PSNR measures images the tokenizer has not seen.
+- Batch k of rank r is a pure function of (seed, rank, k): the stream's state is one counter,
+  and a resumed run sees exactly the crops an uninterrupted run would have.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from data.image_prep import ImagePrep, load_image
+from data.shards.reader import iter_docs
+from data.video_frames import VideoSampling, decode_frames
+
+
+def heldout(key: str, fraction: float) -> bool:
+    h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
+    return h < fraction
+
+
+@dataclass
+class ImagePool:
+    train: list[np.ndarray]
+    heldout: list[np.ndarray]
+    skipped: int               # images smaller than a crop, or undecodable
+
+
+def load_pool(raw_dirs: list[str], *, sources: list[str] | None, prep: ImagePrep, crop: int,
+              heldout_fraction: float, video_frames: bool, limit: int) -> ImagePool:
+    train, held, skipped = [], [], 0
+    sampling = VideoSampling(target_fps=2.0, max_frames=4)
+    for d in raw_dirs:
+        for rd in iter_docs(d, sources or None):
+            if len(train) + len(held) >= limit:
+                break
+            target = held if heldout(rd.key, heldout_fraction) else train
+            for seg in rd.doc["segments"]:
+                try:
+                    if seg["type"] == "image":
+                        arrays = [load_image(rd.member(seg["member"]), prep)]
+                    elif seg["type"] == "video" and video_frames:
+                        arrays = list(decode_frames(rd.member(seg["member"]), sampling, prep).frames)
+                    else:
+                        continue
+                except (OSError, ValueError):
+                    skipped += 1
+                    continue
+                for a in arrays:
+                    if a.shape[0] >= crop and a.shape[1] >= crop:
+                        target.append(a)
+                    else:
+                        skipped += 1
+    if not train:
+        raise ValueError(f"no training image of at least {crop}x{crop} in {raw_dirs} (sources {sources or 'all'})")
+    return ImagePool(train, held, skipped)
+
+
+def to_tensor(batch: np.ndarray) -> torch.Tensor:
+    """uint8 [B, H, W, 3] -> float [B, 3, H, W] in [-1, 1]."""
+    return torch.from_numpy(batch).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
+
+
+class CropStream:
+    """Random crops (with horizontal flips) of the training pool, ``batch`` at a time."""
+
+    def __init__(self, images: list[np.ndarray], *, crop: int, batch: int, seed: int, rank: int) -> None:
+        self.images, self.crop, self.batch, self.seed, self.rank = images, crop, batch, seed, rank
+        self.k = 0
+
+    def __iter__(self):
+        while True:
+            yield self.batch_at(self.k)
+            self.k += 1
+
+    def batch_at(self, k: int) -> dict:
+        rng = np.random.default_rng([self.seed, self.rank, k])
+        c = self.crop
+        out = np.empty((self.batch, c, c, 3), dtype=np.uint8)
+        for i, j in enumerate(rng.integers(0, len(self.images), self.batch)):
+            im = self.images[j]
+            y = rng.integers(0, im.shape[0] - c + 1)
+            x = rng.integers(0, im.shape[1] - c + 1)
+            patch = im[y:y + c, x:x + c]
+            out[i] = patch[:, ::-1] if rng.random() < 0.5 else patch
+        return {"images": to_tensor(out)}
+
+    def state_dict(self) -> dict:
+        return {"k": self.k}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.k = int(state["k"])
+
+
+def fixed_crops(images: list[np.ndarray], crop: int, count: int, seed: int = 1234) -> torch.Tensor:
+    """``count`` crops of the held-out images, spread over them, the same every time."""
+    if not images:
+        return torch.empty(0, 3, crop, crop)
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(count):
+        im = images[i % len(images)]
+        y = rng.integers(0, im.shape[0] - crop + 1)
+        x = rng.integers(0, im.shape[1] - crop + 1)
+        out.append(im[y:y + crop, x:x + crop])
+    return to_tensor(np.stack(out))

@@ -1,0 +1,81 @@
+"""Process-group set-up for one process, ``torchrun`` and the ``deepspeed`` launcher.
+
+The ``deepspeed`` launcher appends ``--local_rank=N`` to the command line, which Hydra would
+reject as an unknown override; ``strip_launcher_args`` moves it into ``LOCAL_RANK`` first.
+CPU runs use the gloo backend (DeepSpeed's CPU accelerator), GPU runs NCCL.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def strip_launcher_args(argv: list[str]) -> list[str]:
+    out = []
+    skip = False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a.startswith("--local_rank=") or a.startswith("--local-rank="):
+            os.environ["LOCAL_RANK"] = a.split("=", 1)[1]
+        elif a in ("--local_rank", "--local-rank") and i + 1 < len(argv):
+            os.environ["LOCAL_RANK"] = argv[i + 1]
+            skip = True
+        else:
+            out.append(a)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> DistInfo:
+    """Join (or create) the process group; a plain ``python`` run becomes a world of one."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    os.environ.setdefault("LOCAL_RANK", "0")
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False,
+                                   verbose=False)
+    return DistInfo(rank, world, local, device)
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (a no-op in a world of one). Reduce sums and counts, never means."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

@@ -1,0 +1,90 @@
+"""The DeepSpeed engine of a run, built from the typed config.
+
+Design choices:
+- We hand DeepSpeed our own optimizer (``SkipStepAdamW``) and lr scheduler, so the decay
+  groups, the skip-step rule and the schedules are ours and identical across ZeRO stages;
+  DeepSpeed owns partitioning, bf16 master weights, gradient accumulation and clipping.
+- No weight decay on norms, biases and embeddings (1-D tensors and ``nn.Embedding`` weights).
+- bf16 keeps fp32 master weights and accumulates gradients in fp32.
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+from torch import nn
+
+from train.config import RunConfig
+from train.schedule import lr_multiplier
+from train.skip_step import SkipStepAdamW
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    no_decay_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or id(p) in no_decay_ids else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+
+
+def ds_config(cfg: RunConfig, world_size: int) -> dict:
+    t, d = cfg.train, cfg.deepspeed
+    conf: dict = {
+        "train_micro_batch_size_per_gpu": t.micro_batch,
+        "gradient_accumulation_steps": t.grad_accum,
+        "train_batch_size": t.micro_batch * t.grad_accum * world_size,
+        "gradient_clipping": cfg.optim.clip_grad,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        "zero_optimization": {"stage": d.zero_stage},
+        "zero_allow_untested_optimizer": True,
+    }
+    if d.zero_stage == 0 and not t.bf16:
+        # DeepSpeed would clip before our optimizer sees the gradients; SkipStepAdamW clips
+        # after the skip-step gate has read the unclipped norm instead.
+        conf["gradient_clipping"] = 0.0
+    if t.bf16:
+        conf["bf16"] = {"enabled": True}
+        conf["data_types"] = {"grad_accum_dtype": "fp32"}
+    if d.offload_optimizer and d.zero_stage >= 1:
+        conf["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    for k, v in d.config.items():
+        conf[k] = {**conf[k], **v} if isinstance(v, dict) and isinstance(conf.get(k), dict) else v
+    return conf
+
+
+def build_engine(model: nn.Module, cfg: RunConfig, world_size: int):
+    """(engine, optimizer, scheduler); ``optimizer`` is our SkipStepAdamW (set its ``gate``)."""
+    import deepspeed
+
+    o = cfg.optim
+    opt = SkipStepAdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                        weight_decay=o.weight_decay)
+    mult = partial(lr_multiplier, total=cfg.train.steps, warmup=o.warmup_steps, schedule=o.schedule,
+                   min_lr_ratio=o.min_lr_ratio, decay_fraction=o.decay_fraction)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, mult)
+    if cfg.deepspeed.zero_stage == 0 and not cfg.train.bf16:
+        opt.clip_grad = o.clip_grad
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
+                                           config=ds_config(cfg, world_size))
+    return engine, opt, sched
+
+
+def global_grad_norm(engine) -> float:
+    """The gradient norm the engine computed for the step in progress (before clipping).
+
+    Under ZeRO and bf16 DeepSpeed's optimizer wrapper has it already when it calls our optimizer;
+    a plain fp32 stage-0 engine has full gradients on every rank, so we compute it here."""
+    wrapped = engine.optimizer
+    norm = getattr(wrapped, "_global_grad_norm", None)
+    if norm is not None and not isinstance(wrapped, SkipStepAdamW):
+        return float(norm)
+    sq = 0.0
+    for p in engine.module.parameters():
+        if p.grad is not None:
+            sq += float(p.grad.detach().float().pow(2).sum())
+    return math.sqrt(sq)

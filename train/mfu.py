@@ -1,0 +1,35 @@
+"""The peak throughput MFU is stated against.
+
+GPUs: the vendor's dense bf16 peak for known parts. CPUs have no such figure, so we measure
+a float32 matmul for a moment at start-up and say so in the console line ("measured").
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+# Dense (non-sparse) bf16 TFLOP/s.
+GPU_PEAKS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "4090": 165.2}
+
+
+def measure_cpu_tflops(seconds: float = 0.3, n: int = 512) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        reps += 1
+    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
+
+
+def peak_tflops(configured: float, device: torch.device) -> tuple[float, str]:
+    if configured > 0:
+        return configured, "configured"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, val in GPU_PEAKS.items():
+            if key in name:
+                return val, f"{key} dense bf16"
+        return 0.0, f"unknown GPU {name}: set train.peak_tflops"
+    return measure_cpu_tflops(), "measured fp32 matmul"

@@ -1,0 +1,144 @@
+"""A run: set up (process group, seeds, task, engine, resume), loop, finish; the step-end
+callbacks (metrics, logging, evaluation, checkpoints) live here so the loop stays small."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from train.checkpoint import Checkpointer, rng_state, set_rng_state
+from train.config import RunConfig
+from train.dist import DistInfo, barrier, init_distributed
+from train.engine import build_engine, global_grad_norm
+from train.logger import RunLogger
+from train.loop import train_loop
+from train.mfu import peak_tflops
+from train.skip_step import SkipStepRule, UpdateGate
+from train.tasks import build_task
+
+
+def seed_everything(seed: int, rank: int, deterministic: bool) -> None:
+    random.seed(seed + rank)
+    np.random.seed((seed + rank) % 2**32)
+    torch.manual_seed(seed + rank)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+class Run:
+    def __init__(self, cfg: RunConfig, resolved_yaml: str, dist: DistInfo | None = None) -> None:
+        self.cfg = cfg
+        self.resolved_yaml = resolved_yaml
+        self.dist = dist or init_distributed()
+        self.run_dir = Path(cfg.run_dir)
+        seed_everything(cfg.train.seed, self.dist.rank, cfg.train.deterministic)
+        self.task = build_task(cfg, self.dist)
+        model = self.task.build_model()
+        self.engine, self.optimizer, self.scheduler = build_engine(model, cfg, self.dist.world_size)
+        self.rule = SkipStepRule(cfg.optim.skip_step)
+        self.gate = UpdateGate(self.rule, lambda: global_grad_norm(self.engine))
+        self.optimizer.gate = self.gate
+        self.stream = self.task.batches()
+        self.ckpt = Checkpointer(self.run_dir, self.dist, cfg.train.keep_last)
+        self.start_step = self._resume() if cfg.train.resume else 0
+        self.peak, self.peak_source = peak_tflops(cfg.train.peak_tflops, self.dist.device)
+        self.flops_per_unit = self.task.flops_per_unit()
+        self.log = RunLogger(self.run_dir, is_main=self.dist.is_main, total=cfg.train.steps, start=self.start_step,
+                             unit=self.task.unit, progress=cfg.train.progress, tensorboard=cfg.train.tensorboard)
+        self._t_start = time.perf_counter()
+        self._steps_timed = 0
+        self._time_sum = 0.0
+        self.last_eval: dict = {}
+
+    # --- resume / save ---------------------------------------------------------------------------
+    def _resume(self) -> int:
+        self.ckpt.clean_partial()
+        barrier()
+        tag = self.ckpt.latest()
+        if tag is None:
+            return 0
+        meta = self.ckpt.check_compatible(tag, self.cfg.deepspeed.zero_stage)
+        client, own = self.ckpt.load(self.engine, tag)
+        self.rule.load_state_dict(client["skip_step"])
+        self.stream.load_state_dict(own["stream"])
+        set_rng_state(own["rng"])
+        return int(meta["step"])
+
+    def save(self, step: int) -> str:
+        files = {"config.yaml": self.resolved_yaml, **self.task.extra_files()}
+        meta = {"world_size": self.dist.world_size, "zero_stage": self.cfg.deepspeed.zero_stage,
+                "task": self.cfg.task, "bf16": self.cfg.train.bf16}
+        return self.ckpt.save(self.engine, step, client={"skip_step": self.rule.state_dict(), "step": step},
+                              own={"stream": self.stream.state_dict(), "rng": rng_state()}, meta=meta, files=files)
+
+    # --- the step-end callbacks ------------------------------------------------------------------
+    def step_end(self, step: int, sums: dict, seconds: float, wait: float) -> None:
+        t = self.cfg.train
+        m = self.task.metrics(sums)
+        m["train/loss"] = sums["loss_sum"] / sums["micro"]
+        m["optim/grad_norm"] = self.gate.grad_norm
+        m["optim/lr"] = self.scheduler.get_last_lr()[0]
+        m["optim/skipped_steps"] = self.rule.skipped
+        m["optim/skipped"] = float(bool(self.gate.decision))
+        units_per_s = sums["units"] / max(seconds, 1e-9)
+        self._time_sum += seconds
+        self._steps_timed += 1
+        mean_step = self._time_sum / self._steps_timed
+        m.update({"throughput/units_per_s": units_per_s, "throughput/step_s": seconds,
+                  "throughput/data_wait": wait / max(seconds, 1e-9),
+                  "throughput/peak_tflops": self.peak,
+                  "throughput/mfu": (units_per_s * self.flops_per_unit / 1e12 / self.peak / self.dist.world_size
+                                     if self.peak else math.nan),
+                  "throughput/eta_s": mean_step * (t.steps - step)})
+        log_now = step % t.log_every == 0 or step == t.steps
+        if t.eval_every and step % t.eval_every == 0 and step != t.steps:
+            m.update(self.evaluate(step))
+        self.log.log(step, m, console=log_now)
+        self.log.advance()
+        if t.ckpt_every and step % t.ckpt_every == 0 and step != t.steps:
+            self.save(step)
+
+    def evaluate(self, step: int) -> dict:
+        self.engine.eval()
+        with torch.no_grad():
+            out = self.task.evaluate(self.engine, step)
+        self.engine.train()
+        self.last_eval = out
+        if self.dist.is_main and out:
+            self.log.write(f"eval @ {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in out.items()))
+        return out
+
+    # --- the whole run ---------------------------------------------------------------------------
+    def __call__(self) -> dict:
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(self.resolved_yaml)
+            self.log.write(f"run {self.cfg.name} ({self.cfg.task}) in {self.run_dir}: {self.dist.world_size} rank(s) on "
+                           f"{self.dist.device.type}, ZeRO {self.cfg.deepspeed.zero_stage}, "
+                           f"{'bf16' if self.cfg.train.bf16 else 'fp32'}, steps {self.start_step}->{self.cfg.train.steps}, "
+                           f"peak {self.peak:.2f} TFLOP/s ({self.peak_source})")
+        try:
+            if self.start_step < self.cfg.train.steps:
+                train_loop(self)
+                final = self.evaluate(self.cfg.train.steps)
+                self.save(self.cfg.train.steps)
+            else:
+                final = self.evaluate(self.cfg.train.steps)
+            final.update(self.task.finish(self.engine, self.run_dir))
+            if self.dist.is_main:
+                (self.run_dir / "final.json").write_text(json.dumps(final, indent=1, sort_keys=True) + "\n")
+        finally:
+            self.log.close()
+        return final
+
+
+def config_dict(cfg: RunConfig) -> dict:
+    return asdict(cfg)
