@@ -17,6 +17,8 @@ Design choices:
   next position's ``modality``).
 - "Final hidden norm" is the L2 norm of the residual stream before the final RMSNorm (after
   it, the norm is fixed by the norm's weight and says nothing about growth).
+- The LM head is a module (``OutputHead``) whose forward *is* the loss: DeepSpeed ZeRO-3 gathers a
+  partitioned weight when its module's forward runs, so the weight is never used outside it.
 - Logit gap: per label token, mean logit over the visual-code slice minus mean logit over the
   text slice (Chameleon's symptom of modality competition), summed per modality.
 """
@@ -26,7 +28,7 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from data.vocab import MODALITY_NAMES
 from model.layers import NUM_MODALITIES
@@ -87,20 +89,28 @@ class _ChunkedLinearCE(torch.autograd.Function):
         for s in range(0, N, chunk_size):
             hc, tc = h[s : s + chunk_size], targets[s : s + chunk_size]
             logits = (hc @ weight.t()).float()                          # [n, V], the only big buffer
-            lse_c = torch.logsumexp(logits, dim=-1)
-            ce[s : s + chunk_size] = lse_c - logits.gather(1, tc[:, None]).squeeze(1)
-            lse[s : s + chunk_size] = lse_c
+            target_logit = logits.gather(1, tc[:, None]).squeeze(1)
             if visual_start < V and text_end > 0:
                 gap[s : s + chunk_size] = logits[:, visual_start:].mean(-1) - logits[:, :text_end].mean(-1)
+            # log-sum-exp in place (torch.logsumexp would allocate a second [n, V] buffer):
+            # afterwards ``logits`` holds exp(logit - max), then the softmax.
+            m = logits.amax(dim=-1)
+            sumexp = logits.sub_(m[:, None]).exp_().sum(-1)
+            lse_c = m + sumexp.log()
+            ce[s : s + chunk_size] = lse_c - target_logit
+            lse[s : s + chunk_size] = lse_c
             if need_grad:
                 # d/dlogits [ce_scale * (lse - logit_t) + z_scale * lse^2]
                 #   = (ce_scale + 2 z_scale lse) * softmax - ce_scale * onehot(t)
-                g = logits.sub_(lse_c[:, None]).exp_().mul_((ce_scale + 2.0 * z_scale * lse_c)[:, None])
+                g = logits.mul_(((ce_scale + 2.0 * z_scale * lse_c) / sumexp)[:, None])
                 g.scatter_add_(1, tc[:, None], torch.full((tc.shape[0], 1), -ce_scale, device=g.device))
                 g = g.to(h.dtype)
                 grad_h[s : s + chunk_size] = g @ weight
-                grad_w += (g.t() @ hc).float()
-            del logits
+                if hc.dtype == torch.float32:
+                    grad_w.addmm_(g.t(), hc)       # no [V, D] temporary
+                else:
+                    grad_w += (g.t() @ hc).float()
+            logits = g = None  # free this chunk before the next one is made
         loss = ce_scale * ce.sum() + z_scale * lse.pow(2).sum()
         if need_grad:
             ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
@@ -109,8 +119,14 @@ class _ChunkedLinearCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *_unused):
+        # The gradients were formed in forward; scale them in place (a copy of grad_w would be
+        # one more [V, D] buffer at the peak). Hence a second backward must not reuse them.
+        if getattr(ctx, "consumed", False):
+            raise RuntimeError("chunked_linear_cross_entropy supports a single backward pass")
+        ctx.consumed = True
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype), None, None, None, None, None, None
+        return (grad_h.mul_(grad_loss.to(grad_h.dtype)), grad_w.mul_(grad_loss.to(grad_w.dtype)),
+                None, None, None, None, None, None)
 
 
 def chunked_linear_cross_entropy(
@@ -188,3 +204,20 @@ def lm_loss(
         moe_dropped=moe.get("dropped", zero).detach(),
         moe_expert_load=moe.get("expert_load"),
     )
+
+
+class OutputHead(nn.Module):
+    """The untied LM head (state-dict key ``output.weight``, like an nn.Linear). With labels its
+    forward returns the LossResult; without, float32 logits."""
+
+    def __init__(self, dim: int, vocab_size: int, cfg: LossConfig, *, text_end: int, visual_start: int) -> None:
+        super().__init__()
+        self.cfg, self.text_end, self.visual_start = cfg, text_end, visual_start
+        self.weight = nn.Parameter(torch.empty(vocab_size, dim))
+
+    def forward(self, final: Tensor, residual: Tensor | None = None, labels: Tensor | None = None,
+                label_modality: Tensor | None = None, moe: dict[str, Tensor] | None = None) -> LossResult | Tensor:
+        if labels is None:
+            return F.linear(final, self.weight).float()
+        return lm_loss(final, residual, self.weight, labels, label_modality, self.cfg,
+                       text_end=self.text_end, visual_start=self.visual_start, moe=moe)

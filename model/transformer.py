@@ -31,7 +31,7 @@ from data.vocab import Modality, VocabLayout
 from model.attention import (AttentionConfig, AttentionMask, Attention, KVCache, build_attention_mask,
                              decode_mask)
 from model.layers import FeedForward, FFNConfig, ModalityFFN, RMSNorm
-from model.loss import LossConfig, LossResult, lm_loss
+from model.loss import LossConfig, LossResult, OutputHead
 from model.moe import MoE, MoEConfig
 from model.rope import RopeConfig, RotaryEmbedding
 
@@ -139,7 +139,8 @@ class Transformer(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = OutputHead(cfg.dim, cfg.vocab_size, cfg.loss, text_end=cfg.text_vocab_size,
+                                 visual_start=cfg.visual_offset)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -216,13 +217,11 @@ class Transformer(nn.Module):
                                modality=modality, mask=mask)
         final = self.norm(h)
         if labels is None:
-            return self.output(final).float()
+            return self.output(final)
         if label_modality is None:
             # The target of position i is the token at i + 1; the last position keeps its own.
             label_modality = torch.cat([modality[:, 1:], modality[:, -1:]], dim=1)
-        return lm_loss(final, h, self.output.weight, labels, label_modality, self.cfg.loss,
-                       text_end=self.cfg.text_vocab_size, visual_start=self.cfg.visual_offset,
-                       moe=self._moe_summary(stats))
+        return self.output(final, h, labels, label_modality, self._moe_summary(stats))
 
     # --- decoding with a KV cache -----------------------------------------------------------
     def make_kv_caches(self, batch: int, max_len: int, *, dtype=None, device=None) -> list[KVCache]:
@@ -260,5 +259,5 @@ class Transformer(nn.Module):
             mask = decode_mask(start, s, input_ids.device, sliding_window=window)
         h, _ = self._trunk(input_ids, position_ids=position_ids, position_thw=position_thw,
                            modality=modality, mask=mask, caches=caches, cache_start=start)
-        return self.output(self.norm(h[:, -1])).float()
+        return self.output(self.norm(h[:, -1]))
 

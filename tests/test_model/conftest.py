@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 
+from data.layout import image_tokens
 from data.vocab import Modality, VocabLayout
 from model.attention import AttentionConfig
 from model.layers import FFNConfig
@@ -24,21 +25,11 @@ def tiny_config(**overrides) -> TransformerConfig:
 
 
 def image_doc(h: int, w: int, g: torch.Generator, caption: int = 3) -> tuple[list[int], list[int]]:
-    """A caption, then ``<boi> <h> <w>`` rows of codes ``<eol>`` ... ``<eoi>``."""
-    sid = LAYOUT.structure_id
+    """A caption, then an image block built by the real layout code (data.layout)."""
     ids = torch.randint(3, LAYOUT.text_size, (caption,), generator=g).tolist()
-    mods = [Modality.TEXT] * caption
-    hi, wi = LAYOUT.size_ids(h, w)
-    ids += [sid("<boi>"), hi, wi]
-    mods += [Modality.STRUCTURE] * 3
-    for _ in range(h):
-        ids += [LAYOUT.code_id(c) for c in torch.randint(0, LAYOUT.num_codes, (w,), generator=g).tolist()]
-        mods += [Modality.IMAGE] * w
-        ids.append(sid("<eol>"))
-        mods.append(Modality.STRUCTURE)
-    ids.append(sid("<eoi>"))
-    mods.append(Modality.STRUCTURE)
-    return ids, [int(m) for m in mods]
+    codes = torch.randint(0, LAYOUT.num_codes, (h, w), generator=g).numpy()
+    block, mods = image_tokens(codes, LAYOUT)
+    return ids + block.tolist(), [int(Modality.TEXT)] * caption + [int(m) for m in mods]
 
 
 def text_doc(n: int, modality: Modality, g: torch.Generator) -> tuple[list[int], list[int]]:

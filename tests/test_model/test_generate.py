@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 
+from data.layout import parse_image
 from data.vocab import Modality
 from model.attention import AttentionConfig
 from model.generate import ImageConstraint, SamplingConfig, generate, sample_next
@@ -65,25 +66,18 @@ def test_kv_cache_generation_equals_full_recomputation(kit, name):
 
 
 def _parse_images(tokens, layout):
-    """Independent decoder check: every <boi> block must be <h=H> <w=W> (W codes <eol>) x H <eoi>."""
+    """Cut out every <boi> ... <eoi> block and decode it with the real parser (data.layout);
+    outside blocks no code or row/size marker may appear."""
     sid = layout.structure_id
-    h0, w0 = sid("<h=1>"), sid("<w=1>")
     grids, i = [], 0
     while i < len(tokens):
         if tokens[i] != sid("<boi>"):
-            assert not layout.is_code(tokens[i]) and tokens[i] not in (sid("<eol>"), sid("<eoi>"))
+            assert not (layout.structure_offset <= tokens[i] < layout.size), tokens[i]
             i += 1
             continue
-        H, W = tokens[i + 1] - h0 + 1, tokens[i + 2] - w0 + 1
-        assert 1 <= H <= layout.max_grid and 1 <= W <= layout.max_grid
-        i += 3
-        for _ in range(H):
-            assert all(layout.is_code(t) for t in tokens[i:i + W]), tokens[i:i + W]
-            assert tokens[i + W] == sid("<eol>")
-            i += W + 1
-        assert tokens[i] == sid("<eoi>")
-        grids.append((H, W))
-        i += 1
+        end = tokens.index(sid("<eoi>"), i)
+        grids.append(tuple(parse_image(tokens[i:end + 1], layout).shape))
+        i = end + 1
     return grids
 
 

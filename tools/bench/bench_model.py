@@ -1,0 +1,232 @@
+"""Benchmarks of the model (issue 5), on CPU, in one run:
+
+1. forward+backward time of ``model.Transformer`` against a plain-PyTorch reference transformer
+   of the same size and architecture (RMSNorm, GQA with QK-norm, RoPE, SwiGLU, untied head,
+   F.scaled_dot_product_attention(is_causal=True), full-logits F.cross_entropy), measured in the
+   same process, interleaved, same weights, same batch; printed as a ratio (ours / reference).
+   Our model is also timed on the same batch packed with several documents (block-diagonal
+   mask), which the reference cannot do.
+2. peak memory of the chunked fused CE against unchunked CE (full fp32 logits) at a 64k
+   vocabulary, forward + backward: against plain ``F.cross_entropy`` (no z-loss) and against our
+   own unchunked path (``chunk_size=0``, CE + z-loss, the same function as chunked). Each variant runs in a fresh subprocess; its cost is the
+   peak resident set size (ru_maxrss) minus the RSS just before the loss call, after the inputs
+   exist. On CPU that is what the process really had to hold.
+
+    .venv/bin/python tools/bench/bench_model.py [--threads 1] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from model.attention import AttentionConfig  # noqa: E402
+from model.layers import FFNConfig  # noqa: E402
+from model.loss import chunked_linear_cross_entropy  # noqa: E402
+from model.transformer import TransformerConfig  # noqa: E402
+
+
+# --- a plain reference transformer --------------------------------------------------------
+class RefBlock(nn.Module):
+    def __init__(self, d, h, kv, ffn):
+        super().__init__()
+        self.h, self.kv, self.hd = h, kv, d // h
+        self.n1, self.n2 = nn.RMSNorm(d, eps=1e-5), nn.RMSNorm(d, eps=1e-5)
+        self.qn, self.kn = nn.RMSNorm(self.hd, eps=1e-5), nn.RMSNorm(self.hd, eps=1e-5)
+        self.wq, self.wk = nn.Linear(d, h * self.hd, bias=False), nn.Linear(d, kv * self.hd, bias=False)
+        self.wv, self.wo = nn.Linear(d, kv * self.hd, bias=False), nn.Linear(h * self.hd, d, bias=False)
+        self.w1, self.w3 = nn.Linear(d, ffn, bias=False), nn.Linear(d, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, d, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, D = x.shape
+        y = self.n1(x)
+        q = self.qn(self.wq(y).view(B, T, self.h, self.hd)).transpose(1, 2)
+        k = self.kn(self.wk(y).view(B, T, self.kv, self.hd)).transpose(1, 2)
+        v = self.wv(y).view(B, T, self.kv, self.hd).transpose(1, 2)
+
+        def rot(t):
+            a, b = t.chunk(2, -1)
+            return t * cos + torch.cat([-b, a], -1) * sin
+
+        q, k = rot(q), rot(k)
+        k, v = k.repeat_interleave(self.h // self.kv, 1), v.repeat_interleave(self.h // self.kv, 1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(a.transpose(1, 2).reshape(B, T, D))
+        y = self.n2(x)
+        return x + self.w2(F.silu(self.w1(y)) * self.w3(y))
+
+
+class RefModel(nn.Module):
+    def __init__(self, V, d, L, h, kv, ffn):
+        super().__init__()
+        self.emb = nn.Embedding(V, d)
+        self.blocks = nn.ModuleList(RefBlock(d, h, kv, ffn) for _ in range(L))
+        self.norm = nn.RMSNorm(d, eps=1e-5)
+        self.head = nn.Linear(d, V, bias=False)
+        self.hd = d // h
+
+    def forward(self, ids, labels):
+        T = ids.shape[1]
+        inv = 1.0 / (10_000.0 ** (torch.arange(0, self.hd, 2).float() / self.hd))
+        ang = torch.arange(T).float()[:, None] * inv
+        cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+        x = self.emb(ids)
+        for b in self.blocks:
+            x = b(x, cos, sin)
+        logits = self.head(self.norm(x)).float()
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
+
+
+def copy_weights(ours, ref):
+    with torch.no_grad():
+        ref.emb.weight.copy_(ours.tok_embeddings.weight)
+        ref.head.weight.copy_(ours.output.weight)
+        for o, r in zip(ours.layers, ref.blocks):
+            a, f = o.attention, o.feed_forward.mlp
+            for src, dst in ((a.wq, r.wq), (a.wk, r.wk), (a.wv, r.wv), (a.wo, r.wo), (f.w1, r.w1), (f.w2, r.w2),
+                             (f.w3, r.w3)):
+                dst.weight.copy_(src.weight)
+
+
+def time_fb(fn, params, warmup, iters):
+    for _ in range(warmup):
+        fn().backward()
+    out = []
+    for _ in range(iters):
+        for p in params:
+            p.grad = None
+        t = time.perf_counter()
+        fn().backward()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def bench_speed(quick: bool) -> dict:
+    V, d, L, h, kv, ffn = 5166, 256, 4, 4, 2, 704
+    B, T = (2, 128) if quick else (4, 256)
+    cfg = TransformerConfig(vocab_size=V, text_vocab_size=4096, visual_offset=4166, dim=d, n_layers=L,
+                            attention=AttentionConfig(n_heads=h, n_kv_heads=kv, backend="sdpa"),
+                            ffn=FFNConfig(hidden_dim=ffn))
+    torch.manual_seed(0)
+    ours = cfg.build()
+    ref = RefModel(V, d, L, h, kv, ffn)
+    copy_weights(ours, ref)
+    ids = torch.randint(0, V, (B, T))
+    labels = torch.cat([ids[:, 1:], torch.full((B, 1), -100)], 1)
+    docs = (torch.arange(T) // (T // 4)).expand(B, T)  # 4 documents per row
+    with torch.no_grad():
+        lo, lr = ours(ids, labels=labels).loss.item(), ref(ids, labels).item()
+    assert abs(lo - lr) < 1e-2, (lo, lr)  # same function (ours adds the 1e-5 z-loss)
+    warm, iters = (2, 4) if quick else (3, 12)
+    t_ours, t_ref, t_doc = [], [], []
+    for _ in range(2):  # interleave to spread machine noise over both
+        t_ref += time_fb(lambda: ref(ids, labels), list(ref.parameters()), warm, iters // 2)
+        t_ours += time_fb(lambda: ours(ids, labels=labels).loss, list(ours.parameters()), warm, iters // 2)
+        t_doc += time_fb(lambda: ours(ids, labels=labels, doc_ids=docs).loss, list(ours.parameters()), warm,
+                         iters // 2)
+    med = statistics.median
+    return {"config": {"vocab": V, "dim": d, "layers": L, "heads": h, "kv_heads": kv, "ffn": ffn, "batch": B,
+                       "seq": T, "params": ours.num_params()},
+            "loss_ours": lo, "loss_ref": lr,
+            "ref_s": med(t_ref), "ours_s": med(t_ours), "ours_4docs_s": med(t_doc),
+            "ratio": med(t_ours) / med(t_ref), "ratio_4docs": med(t_doc) / med(t_ref)}
+
+
+# --- CE memory, one variant per fresh process ----------------------------------------------
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def ce_child(chunk: int, N: int, D: int, V: int) -> None:
+    torch.manual_seed(0)
+    h = torch.randn(N, D, requires_grad=True)
+    w = (torch.randn(V, D) * D**-0.5).requires_grad_()
+    t = torch.randint(0, V, (N,))
+    w.grad = torch.zeros_like(w)  # the parameter's .grad exists in training either way
+    h.grad = torch.zeros_like(h)
+    before = _rss_bytes()
+    t0 = time.perf_counter()
+    if chunk < 0:  # the usual plain PyTorch: full fp32 logits, F.cross_entropy, no z-loss
+        loss = F.cross_entropy((h @ w.t()).float(), t)
+    else:
+        loss = chunked_linear_cross_entropy(h, w, t, z_loss_coef=1e-5, chunk_size=chunk)[0]
+    loss.backward()
+    dt = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"chunk": chunk, "extra_peak_bytes": peak - before, "seconds": dt, "loss": loss.item()}))
+
+
+def bench_ce_memory(quick: bool) -> dict:
+    N, D, V = (1024, 256, 65536) if quick else (2048, 256, 65536)
+    out = {"tokens": N, "dim": D, "vocab": V, "full_fp32_logits_bytes": N * V * 4, "runs": []}
+    for chunk in (-1, 0, 1024, 256):
+        r = subprocess.run([sys.executable, __file__, "--ce-child", str(chunk), str(N), str(D), str(V)],
+                           capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        out["runs"].append(json.loads(r.stdout.strip().splitlines()[-1]))
+    plain, unchunked = out["runs"][0]["extra_peak_bytes"], out["runs"][1]["extra_peak_bytes"]
+    for r in out["runs"]:
+        r["ratio_to_plain"] = r["extra_peak_bytes"] / plain
+        r["ratio_to_unchunked"] = r["extra_peak_bytes"] / unchunked
+    return out
+
+
+def machine() -> str:
+    try:
+        name = next(l.split(":", 1)[1].strip() for l in subprocess.run(
+            ["lscpu"], capture_output=True, text=True).stdout.splitlines() if l.startswith("Model name"))
+    except Exception:
+        name = platform.processor() or "unknown"
+    return f"{name}, {os.cpu_count()} CPUs visible, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--ce-child":
+        torch.set_num_threads(1)
+        ce_child(*map(int, sys.argv[2:6]))
+        return
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    res = {"machine": machine(), "threads": args.threads}
+    res["speed"] = s = bench_speed(args.quick)
+    print(f"machine: {res['machine']}; torch threads: {args.threads}")
+    c = s["config"]
+    print(f"fwd+bwd, {c['params'] / 1e6:.2f}M params (dim {c['dim']}, {c['layers']} layers, vocab {c['vocab']}), "
+          f"batch {c['batch']}x{c['seq']}:")
+    print(f"  reference {s['ref_s'] * 1e3:.1f} ms, ours {s['ours_s'] * 1e3:.1f} ms  -> ratio {s['ratio']:.3f}")
+    print(f"  ours with 4 documents per row (dense block-diagonal mask): {s['ours_4docs_s'] * 1e3:.1f} ms "
+          f"-> ratio {s['ratio_4docs']:.3f}")
+    res["ce_memory"] = m = bench_ce_memory(args.quick)
+    print(f"CE peak memory, {m['tokens']} label tokens, dim {m['dim']}, vocab {m['vocab']} "
+          f"(full fp32 logits = {m['full_fp32_logits_bytes'] / 2**20:.0f} MiB), fwd+bwd:")
+    names = {-1: "plain F.cross_entropy", 0: "ours, unchunked (chunk_size=0)"}
+    for r in m["runs"]:
+        name = names.get(r["chunk"], f"ours, chunk_size={r['chunk']}")
+        print(f"  {name:31s} extra peak RSS {r['extra_peak_bytes'] / 2**20:7.1f} MiB  "
+              f"vs plain {r['ratio_to_plain']:.3f}  vs unchunked {r['ratio_to_unchunked']:.3f}  "
+              f"time {r['seconds']:.2f} s")
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
