@@ -222,13 +222,59 @@ def cmd_train_text_tokenizer(a) -> int:
     return 0
 
 
+def _add_tokenize(sub) -> None:
+    p = sub.add_parser(
+        "tokenize", help="turn raw shards into token shards (ids, modality, spans) with both tokenizers",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Tokenize every document of a raw shard folder: text and code with the BPE, images\n"
+        "and videos with the visual tokenizer, laid out as <boi> <h=H> <w=W> rows <eol> ... <eoi>.\n"
+        "Writes one token shard per raw shard (KEY.ids.npy int32, KEY.mod.npy uint8, KEY.json spans),\n"
+        "indexes, manifest.json, rejects.jsonl, and a copy of the tokenizers in OUT/tokenizers/.\n"
+        "Parallel (--workers), resumable (rerun the same command), GPU for images when present.",
+        epilog="example:\n  earlyfuse-prep tokenize --in shards/ --out tokens/ --tokenizer tok/ \\\n"
+        "      --visual-tokenizer runs/vtok_cpu/visual_tokenizer --workers 8")
+    p.add_argument("--in", dest="inp", required=True, type=Path, metavar="RAW_DIR")
+    p.add_argument("--out", required=True, type=Path, metavar="TOKEN_DIR")
+    p.add_argument("--tokenizer", required=True, type=Path, metavar="TOK_DIR",
+                   help="folder of train-text-tokenizer (tokenizer.json + vocab_layout.json)")
+    p.add_argument("--visual-tokenizer", required=True, type=Path, metavar="VTOK_DIR",
+                   help="RUN_DIR/visual_tokenizer of a vtok training run")
+    p.add_argument("--image-max-pixels", type=int, default=256 * 256, help="pixel budget per image (default 65536)")
+    p.add_argument("--video-max-pixels", type=int, default=128 * 128, help="pixel budget per video frame (default 16384)")
+    p.add_argument("--video-fps", type=float, default=4.0, help="frames sampled per second of video (default 4)")
+    p.add_argument("--video-max-tokens", type=int, default=4096,
+                   help="tokens per video block at most; longer clips are sampled more sparsely (default 4096)")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--device", default=None, help="device of the visual tokenizer (default: cuda if present, else cpu)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_tokenize)
+
+
+def cmd_tokenize(a) -> int:
+    from data.tokenize.encoder import TokenizeOptions
+    from data.tokenize.run import tokenize
+
+    opts = TokenizeOptions(image_max_pixels=a.image_max_pixels, video_max_pixels=a.video_max_pixels,
+                           video_fps=a.video_fps, video_max_tokens=a.video_max_tokens)
+    m = tokenize(a.inp, a.out, a.tokenizer, a.visual_tokenizer, opts=opts, workers=a.workers,
+                 device=a.device, progress=not a.no_progress)
+    t = m["totals"]
+    print(f"{a.out}: {t['samples']} documents, {t['tokens']:,} tokens ("
+          + ", ".join(f"{k} {v:,}" for k, v in t["tokens_by_modality"].items() if v) + ")")
+    if t["rejects"]:
+        print(f"rejected {t['rejects']} document(s), listed in {a.out / 'rejects.jsonl'}: "
+              + ", ".join(f"{k} {v}" for k, v in t["rejects_by_reason"].items()))
+        return EXIT_REJECTS
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="earlyfuse-prep",
         description="earlyfuse data preparation: raw corpora -> shards -> tokenizers -> token shards.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_ingest, _add_merge, _add_stats, _add_verify, _add_demo_corpus,
-                _add_train_text_tokenizer):
+                _add_train_text_tokenizer, _add_tokenize):
         add(sub)
     return p
 

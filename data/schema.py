@@ -102,7 +102,8 @@ class Sample:
         return [("json", canonical_json(self.doc))] + list(self.media)
 
     def segment_types(self) -> list[str]:
-        return [s["type"] for s in self.doc["segments"]]
+        """Types of the raw document's segments (or of a token document's spans)."""
+        return [s["type"] for s in self.doc.get("segments", self.doc.get("spans", []))]
 
 
 def canonical_json(obj) -> bytes:

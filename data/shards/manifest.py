@@ -35,13 +35,13 @@ def write_json_atomic(path: Path, obj, *, lines: list | None = None) -> None:
     os.replace(tmp, path)
 
 
-def record_path(out: Path, index: int) -> Path:
-    return Path(out) / ".ingest" / f"shard-{index:06d}.json"
+def record_path(out: Path, index: int, state_dir: str = ".ingest") -> Path:
+    return Path(out) / state_dir / f"shard-{index:06d}.json"
 
 
-def load_records(out: Path) -> dict[int, dict]:
+def load_records(out: Path, state_dir: str = ".ingest") -> dict[int, dict]:
     records = {}
-    d = Path(out) / ".ingest"
+    d = Path(out) / state_dir
     if d.is_dir():
         for p in sorted(d.glob("shard-*.json")):
             try:

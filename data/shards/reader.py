@@ -45,18 +45,39 @@ def shard_entries(manifest_dir: str | Path, sources: list[str] | None = None) ->
             if sources is None or s["source"] in sources]
 
 
-def iter_shard(tar: Path, index: Path) -> Iterator[RawDoc]:
-    entries = read_index(index)
-    with open(tar, "rb") as f:
-        for e in entries:
+class ShardReader:
+    """Documents of one shard through one open file: ``with ShardReader(tar, idx) as docs:``.
+    A ``RawDoc`` reads its media lazily, so it must be used before the block ends."""
+
+    def __init__(self, tar: Path, index: Path) -> None:
+        self.tar, self.entries = Path(tar), read_index(index)
+        self._f: BinaryIO | None = None
+
+    def __enter__(self) -> Iterator[RawDoc]:
+        self._f = open(self.tar, "rb")
+        return self._docs()
+
+    def __exit__(self, *exc) -> None:
+        if self._f:
+            self._f.close()
+
+    def _docs(self) -> Iterator[RawDoc]:
+        f = self._f
+        for e in self.entries:
             off, size = e["members"]["json"]
             f.seek(off)
             raw = f.read(size)
             try:
                 doc = json.loads(raw)
             except ValueError as err:
-                raise ValueError(f"{tar}: {e['key']}.json is not valid JSON ({err})") from None
-            yield RawDoc(e["key"], doc, e, tar, f)
+                raise ValueError(f"{self.tar}: {e['key']}.json is not valid JSON ({err})") from None
+            yield RawDoc(e["key"], doc, e, self.tar, f)
+
+
+def iter_shard(tar: Path, index: Path) -> Iterator[RawDoc]:
+    """Documents one at a time; each must be used before the next is asked for."""
+    with ShardReader(tar, index) as docs:
+        yield from docs
 
 
 def iter_docs(manifest_dir: str | Path, sources: list[str] | None = None) -> Iterator[RawDoc]:

@@ -1,0 +1,152 @@
+"""Turn raw documents into token documents: one id sequence per document.
+
+``<|bos|> segment segment … <|eos|>``: text and code segments are BPE ids (modality text or
+code), images and videos are Emu3-style blocks of visual codes (data/layout.py). Images of a
+chunk of documents are encoded in batches of equal shape (the visual tokenizer needs equal
+sizes in a batch; the resolution-free layout makes many shapes). A document whose media cannot
+be decoded becomes a reject with the reason; the others are unaffected.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from data.image_crops import to_tensor
+from data.image_prep import ImagePrep, load_image
+from data.layout import image_tokens, video_block_len, video_tokens
+from data.schema import Reject
+from data.text_tokenizer import TextTokenizer
+from data.video_frames import VideoSampling, decode_frames
+from data.vocab import Modality
+
+
+@dataclass(frozen=True)
+class TokenizeOptions:
+    image_max_pixels: int = 256 * 256
+    video_max_pixels: int = 128 * 128      # per frame
+    video_fps: float = 4.0
+    video_max_tokens: int = 4096           # a video block never exceeds this many tokens
+    image_batch: int = 32
+
+
+@dataclass
+class TokenDoc:
+    key: str
+    ids: np.ndarray                  # int32 [n]
+    modality: np.ndarray             # uint8 [n]
+    spans: list[dict] = field(default_factory=list)
+    source: str = ""
+
+
+class DocEncoder:
+    def __init__(self, text: TextTokenizer, vtok, opts: TokenizeOptions, device: torch.device) -> None:
+        self.text, self.vtok, self.opts, self.device = text, vtok, opts, device
+        self.lay = text.layout
+        f = vtok.cfg.factor
+        self.image_prep = ImagePrep(factor=f, max_pixels=opts.image_max_pixels, max_grid=self.lay.max_grid)
+        self.video_prep = ImagePrep(factor=f, max_pixels=opts.video_max_pixels, max_grid=self.lay.max_grid)
+
+    # --- visual ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_images(self, images: list[np.ndarray]) -> list[np.ndarray]:
+        """Code grids of images, batched by shape."""
+        out: list[np.ndarray | None] = [None] * len(images)
+        by_shape: dict[tuple, list[int]] = defaultdict(list)
+        for i, im in enumerate(images):
+            by_shape[im.shape].append(i)
+        for idx in by_shape.values():
+            for s in range(0, len(idx), self.opts.image_batch):
+                part = idx[s:s + self.opts.image_batch]
+                x = to_tensor(np.stack([images[i] for i in part])).to(self.device)
+                codes = self.vtok.encode(x).cpu().numpy()
+                for i, c in zip(part, codes):
+                    out[i] = c
+        return out
+
+    def video_frame_cap(self, seg: dict) -> int:
+        """Most frames whose block fits ``video_max_tokens`` at this video's grid."""
+        f = self.vtok.cfg.factor
+        tw, th = self.video_prep.target_size(seg["width"], seg["height"])
+        h, w = th // f, tw // f
+        tf = self.vtok.cfg.temporal_factor
+        lat = 1
+        while video_block_len(lat + 1, h, w) <= self.opts.video_max_tokens:
+            lat += 1
+        if video_block_len(1, h, w) > self.opts.video_max_tokens:
+            return 0
+        return 1 + (lat - 1) * tf
+
+    @torch.no_grad()
+    def encode_video(self, raw: bytes, seg: dict) -> tuple[np.ndarray, list[float]]:
+        cap = self.video_frame_cap(seg)
+        if cap == 0:
+            raise ValueError(f"one frame alone exceeds video_max_tokens={self.opts.video_max_tokens}")
+        fr = decode_frames(raw, VideoSampling(self.opts.video_fps, cap), self.video_prep)
+        x = to_tensor(fr.frames).unsqueeze(0).to(self.device)
+        return self.vtok.encode_video(x)[0].cpu().numpy(), [round(float(t), 6) for t in fr.times]
+
+    # --- documents -------------------------------------------------------------------------------
+    def encode_chunk(self, raw_docs) -> list[TokenDoc | Reject]:
+        """Documents of one chunk (``RawDoc`` from data.shards.reader), in order."""
+        images, where, failed = [], {}, {}
+        for di, rd in enumerate(raw_docs):
+            for si, seg in enumerate(rd.doc["segments"]):
+                if seg["type"] == "image" and di not in failed:
+                    try:
+                        where[(di, si)] = len(images)
+                        images.append(load_image(rd.member(seg["member"]), self.image_prep))
+                    except (OSError, ValueError) as e:
+                        failed[di] = Reject(f"{rd.shard.name}:{rd.key}.{seg['member']}", "unreadable-image", str(e),
+                                            key=rd.key, source=rd.doc.get("source"))
+        grids = self.encode_images(images) if images else []
+        out: list[TokenDoc | Reject] = []
+        for di, rd in enumerate(raw_docs):
+            if di in failed:
+                out.append(failed[di])
+                continue
+            try:
+                out.append(self._assemble(rd, {si: grids[j] for (d, si), j in where.items() if d == di}))
+            except ValueError as e:
+                out.append(Reject(f"{rd.shard.name}:{rd.key}", "undecodable-video", str(e), key=rd.key,
+                                  source=rd.doc.get("source")))
+        return out
+
+    def _assemble(self, rd, grids: dict[int, np.ndarray]) -> TokenDoc:
+        ids: list[np.ndarray] = [np.array([self.text.bos_id])]
+        mods: list[np.ndarray] = [np.array([int(Modality.TEXT)])]
+        spans = []
+        pos = 1
+        for si, seg in enumerate(rd.doc["segments"]):
+            t = seg["type"]
+            span: dict = {"type": t}
+            if t in ("text", "code"):
+                piece = np.asarray(self.text.encode(seg["text"]), dtype=np.int64)
+                mod = np.full(len(piece), int(Modality.TEXT if t == "text" else Modality.CODE))
+                if seg.get("role"):
+                    span["role"] = seg["role"]
+            elif t == "image":
+                piece, mod = image_tokens(grids[si], self.lay)
+                span["grid"] = list(grids[si].shape)
+            else:
+                codes, times = self.encode_video(rd.member(seg["member"]), seg)
+                piece, mod = video_tokens(codes, self.lay)
+                span["grid"] = list(codes.shape)
+                span["times"] = times
+            span.update(start=pos, end=pos + len(piece))
+            pos += len(piece)
+            ids.append(piece)
+            mods.append(mod)
+            spans.append(span)
+        ids.append(np.array([self.text.eos_id]))
+        mods.append(np.array([int(Modality.TEXT)]))
+        return TokenDoc(rd.key, np.concatenate(ids).astype(np.int32), np.concatenate(mods).astype(np.uint8),
+                        spans, rd.doc.get("source", ""))
+
+
+def tokens_by_modality(doc: TokenDoc) -> dict[str, int]:
+    counts = np.bincount(doc.modality, minlength=len(Modality))
+    return {m.name.lower(): int(counts[m]) for m in Modality}
+

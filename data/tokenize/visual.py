@@ -1,0 +1,38 @@
+"""Load a trained visual tokenizer (``RUN_DIR/visual_tokenizer/``: safetensors + config.json)."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from data.vocab import VocabLayout
+
+
+def load_visual_tokenizer(folder: str | Path, layout: VocabLayout, device: torch.device | str = "cpu"):
+    from safetensors.torch import load_file
+
+    from model.visual_tokenizer import VisualTokenizerConfig
+
+    folder = Path(folder)
+    try:
+        cfg = VisualTokenizerConfig(**json.loads((folder / "config.json").read_text()))
+        state = load_file(str(folder / "model.safetensors"))
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"{folder}: not a visual tokenizer folder (config.json + model.safetensors): {e}") from None
+    if tuple(cfg.levels) != tuple(layout.fsq_levels):
+        raise ValueError(f"{folder}: FSQ levels {cfg.levels} differ from the vocabulary layout's "
+                         f"{list(layout.fsq_levels)}; retrain one of them with the same levels")
+    model = cfg.build()
+    model.load_state_dict(state)
+    return model.to(device).eval()
+
+
+def weights_fingerprint(folder: str | Path) -> str:
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):
+        with open(Path(folder) / name, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()[:16]
