@@ -78,8 +78,9 @@ class CropStream:
 
     def __iter__(self):
         while True:
-            yield self.batch_at(self.k)
-            self.k += 1
+            batch = self.batch_at(self.k)
+            self.k += 1   # before yielding: the state is always "the next batch to make"
+            yield batch
 
     def batch_at(self, k: int) -> dict:
         rng = np.random.default_rng([self.seed, self.rank, k])

@@ -119,6 +119,8 @@ class Checkpointer:
             for name, text in files.items():
                 (folder / name).write_text(text)
             (folder / "meta.json").write_text(json.dumps({**meta, "step": step, "tag": tag}, indent=1) + "\n")
+        if int(os.environ.get("EARLYFUSE_FAULT_KILL_IN_SAVE", "-1")) == step:
+            os._exit(137)  # fault injection for the tests: a crash after the files, before `latest`
         barrier()  # every rank's files are written before `latest` may move
         if self.dist.is_main:
             tmp = self.dir / "latest.tmp"

@@ -24,6 +24,11 @@ from train.skip_step import SkipStepRule, UpdateGate
 from train.tasks import build_task
 
 
+def fault_step(var: str) -> int:
+    """Fault injection for tests: the step named by an environment variable, or -1."""
+    return int(os.environ.get(var, "-1"))
+
+
 def seed_everything(seed: int, rank: int, deterministic: bool) -> None:
     random.seed(seed + rank)
     np.random.seed((seed + rank) % 2**32)
@@ -105,6 +110,8 @@ class Run:
         self.log.advance()
         if t.ckpt_every and step % t.ckpt_every == 0 and step != t.steps:
             self.save(step)
+        if fault_step("EARLYFUSE_FAULT_KILL_AT_STEP") == step:
+            os._exit(137)  # fault injection for the resume tests: dies like kill -9, no cleanup
 
     def evaluate(self, step: int) -> dict:
         self.engine.eval()
