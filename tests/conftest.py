@@ -27,3 +27,20 @@ def tiny_raw(tiny_corpus, tmp_path_factory) -> Path:
                      f"interleaved:{c / 'interleaved' / 'docs.jsonl'}"], shard_max_samples=16)
     assert s["finalized"]
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizers(tiny_raw, tmp_path_factory) -> tuple[Path, Path]:
+    """(text tokenizer folder, visual tokenizer folder) for the tiny raw shards. The visual
+    tokenizer is the debug network, untrained: real weights, real codes, no training time."""
+    from data.train_text_tokenizer import train_text_tokenizer
+    from model.visual_tokenizer import vtok_debug
+    from train.tasks.vtok import save_visual_tokenizer
+    import torch
+
+    root = tmp_path_factory.mktemp("tok")
+    train_text_tokenizer([tiny_raw], root / "text", vocab_size=512, max_grid=32)
+    torch.manual_seed(0)
+    cfg = vtok_debug()
+    save_visual_tokenizer(cfg.build().state_dict(), cfg, root / "visual")
+    return root / "text", root / "visual"
