@@ -24,6 +24,7 @@ Design choices:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -90,10 +91,10 @@ def _allowed(b, q, kv, *, doc: Tensor | None, img: Tensor | None, window: int, q
     return ok
 
 
-@dataclass
-class AttentionMask:
+class AttentionMask(NamedTuple):
     """One batch's mask, shared by all layers: a FlexAttention BlockMask, or a dense boolean
-    [B, 1, Tq, Tk] mask for SDPA (None with ``causal``: plain causal, SDPA's fast path)."""
+    [B, 1, Tq, Tk] mask for SDPA (None with ``causal``: plain causal, SDPA's fast path).
+    A NamedTuple so that DeepSpeed ZeRO-3's hooks can walk a block's inputs."""
 
     block_mask: object | None = None
     dense: Tensor | None = None

@@ -24,7 +24,8 @@ Design choices:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -45,10 +46,12 @@ class LossConfig:
             raise ValueError("loss.chunk_size and loss.z_loss_coef must be >= 0")
 
 
-@dataclass
-class LossResult:
+class LossResult(NamedTuple):
     """What the model's forward returns. ``loss`` carries the graph; everything else is detached.
-    Per-modality tensors are indexed by ``data.vocab.Modality``."""
+    Per-modality tensors are indexed by ``data.vocab.Modality``. A NamedTuple, not a dataclass:
+    DeepSpeed ZeRO-3 finds the tensors in a NamedTuple and hooks ``loss`` so that the head's
+    partitioned weight is gathered again before its backward (with a dataclass it is not, and
+    backward fails)."""
 
     loss: Tensor              # scalar: ce + z_loss_coef * z_loss + aux_loss
     ce: Tensor                # scalar: mean CE over label tokens
@@ -66,8 +69,7 @@ class LossResult:
     moe_expert_load: Tensor | None = None  # [L_moe, M, E] assignments per layer and modality
 
     def detach(self) -> "LossResult":
-        return LossResult(**{f.name: (v.detach() if isinstance(v := getattr(self, f.name), Tensor) else v)
-                             for f in fields(self)})
+        return LossResult(*(v.detach() if isinstance(v, Tensor) else v for v in self))
 
     def modality_means(self) -> dict[str, float]:
         """``loss/<modality>`` for modalities present in this batch (syncs; for logging only)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -47,8 +48,7 @@ class MoEConfig:
         return self.num_experts > 0
 
 
-@dataclass
-class MoEStats:
+class MoEStats(NamedTuple):  # a NamedTuple so DeepSpeed ZeRO-3 sees its tensors
     load_balance: Tensor   # scalar, differentiable
     router_z: Tensor       # scalar, differentiable
     expert_load: Tensor    # [num_modalities, E] assignments (before dropping), float
