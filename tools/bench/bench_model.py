@@ -3,14 +3,15 @@
 1. forward+backward time of ``model.Transformer`` against a plain-PyTorch reference transformer
    of the same size and architecture (RMSNorm, GQA with QK-norm, RoPE, SwiGLU, untied head,
    F.scaled_dot_product_attention(is_causal=True), full-logits F.cross_entropy), measured in the
-   same process, interleaved, same weights, same batch; printed as a ratio (ours / reference).
+   same process, round-robin one step at a time, same weights, same batch; printed as a ratio (ours / reference).
    Our model is also timed on the same batch packed with several documents (block-diagonal
    mask), which the reference cannot do.
 2. peak memory of the chunked fused CE against unchunked CE (full fp32 logits) at a 64k
    vocabulary, forward + backward: against plain ``F.cross_entropy`` (no z-loss) and against our
-   own unchunked path (``chunk_size=0``, CE + z-loss, the same function as chunked). Each variant runs in a fresh subprocess; its cost is the
-   peak resident set size (ru_maxrss) minus the RSS just before the loss call, after the inputs
-   exist. On CPU that is what the process really had to hold.
+   own unchunked path (``chunk_size=0``, CE + z-loss, the same function as chunked). Each
+   variant runs in a fresh subprocess; its cost is the peak resident set size (the kernel's
+   VmHWM, reset through /proc/self/clear_refs once the inputs exist) minus the RSS at that
+   moment. On CPU that is what the process really had to hold.
 
     .venv/bin/python tools/bench/bench_model.py [--threads 1] [--quick]
 """
@@ -103,17 +104,21 @@ def copy_weights(ours, ref):
                 dst.weight.copy_(src.weight)
 
 
-def time_fb(fn, params, warmup, iters):
-    for _ in range(warmup):
-        fn().backward()
-    out = []
+def time_interleaved(fns: dict, params: dict, warmup: int, iters: int) -> dict[str, list[float]]:
+    """fwd+bwd times of each fn, round-robin one call at a time, so load changes on a shared
+    machine hit every contender alike."""
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            fn().backward()
+    times = {name: [] for name in fns}
     for _ in range(iters):
-        for p in params:
-            p.grad = None
-        t = time.perf_counter()
-        fn().backward()
-        out.append(time.perf_counter() - t)
-    return out
+        for name, fn in fns.items():
+            for p in params[name]:
+                p.grad = None
+            t = time.perf_counter()
+            fn().backward()
+            times[name].append(time.perf_counter() - t)
+    return times
 
 
 def bench_speed(quick: bool) -> dict:
@@ -132,13 +137,13 @@ def bench_speed(quick: bool) -> dict:
     with torch.no_grad():
         lo, lr = ours(ids, labels=labels).loss.item(), ref(ids, labels).item()
     assert abs(lo - lr) < 1e-2, (lo, lr)  # same function (ours adds the 1e-5 z-loss)
-    warm, iters = (2, 4) if quick else (3, 12)
-    t_ours, t_ref, t_doc = [], [], []
-    for _ in range(2):  # interleave to spread machine noise over both
-        t_ref += time_fb(lambda: ref(ids, labels), list(ref.parameters()), warm, iters // 2)
-        t_ours += time_fb(lambda: ours(ids, labels=labels).loss, list(ours.parameters()), warm, iters // 2)
-        t_doc += time_fb(lambda: ours(ids, labels=labels, doc_ids=docs).loss, list(ours.parameters()), warm,
-                         iters // 2)
+    warm, iters = (2, 4) if quick else (3, 15)
+    t = time_interleaved(
+        {"ref": lambda: ref(ids, labels), "ours": lambda: ours(ids, labels=labels).loss,
+         "docs": lambda: ours(ids, labels=labels, doc_ids=docs).loss},
+        {"ref": list(ref.parameters()), "ours": list(ours.parameters()), "docs": list(ours.parameters())},
+        warm, iters)
+    t_ref, t_ours, t_doc = t["ref"], t["ours"], t["docs"]
     med = statistics.median
     return {"config": {"vocab": V, "dim": d, "layers": L, "heads": h, "kv_heads": kv, "ffn": ffn, "batch": B,
                        "seq": T, "params": ours.num_params()},
@@ -153,14 +158,33 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _reset_peak() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) so that setup does not count; False if not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def ce_child(chunk: int, N: int, D: int, V: int) -> None:
     torch.manual_seed(0)
     h = torch.randn(N, D, requires_grad=True)
-    w = (torch.randn(V, D) * D**-0.5).requires_grad_()
+    w = torch.randn(V, D).mul_(D**-0.5).requires_grad_()
     t = torch.randint(0, V, (N,))
     w.grad = torch.zeros_like(w)  # the parameter's .grad exists in training either way
     h.grad = torch.zeros_like(h)
     before = _rss_bytes()
+    reset = _reset_peak()
     t0 = time.perf_counter()
     if chunk < 0:  # the usual plain PyTorch: full fp32 logits, F.cross_entropy, no z-loss
         loss = F.cross_entropy((h @ w.t()).float(), t)
@@ -168,8 +192,9 @@ def ce_child(chunk: int, N: int, D: int, V: int) -> None:
         loss = chunked_linear_cross_entropy(h, w, t, z_loss_coef=1e-5, chunk_size=chunk)[0]
     loss.backward()
     dt = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"chunk": chunk, "extra_peak_bytes": peak - before, "seconds": dt, "loss": loss.item()}))
+    peak = _peak_bytes()
+    print(json.dumps({"chunk": chunk, "extra_peak_bytes": peak - before, "seconds": dt, "loss": loss.item(),
+                      "peak_reset": reset}))
 
 
 def bench_ce_memory(quick: bool) -> dict:
