@@ -134,3 +134,16 @@ def test_forward_takes_a_loader_batch_and_returns_logits_without_labels(kit, mix
     b = {k: v for k, v in mixed_batch.items() if k != "labels"}
     assert model(**b).shape == (2, 64, kit.layout.size)
     assert model(mixed_batch["input_ids"]).shape == (2, 64, kit.layout.size)
+
+
+def test_bf16_model_trains_and_matches_fp32_loss(kit, mixed_batch):
+    torch.manual_seed(0)
+    cfg = kit.tiny_config(moe=MoEConfig(num_experts=2, top_k=1))
+    fp32 = cfg.build()
+    bf16 = cfg.build().to(torch.bfloat16)
+    bf16.load_state_dict(fp32.state_dict())
+    a, b = fp32(**mixed_batch), bf16(**mixed_batch)
+    b.loss.backward()
+    assert b.loss.dtype == torch.float32 and abs(a.loss.item() - b.loss.item()) < 0.05
+    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 and torch.isfinite(p.grad).all()
+               for p in bf16.parameters())
