@@ -91,3 +91,13 @@ def kit():
 
     return types.SimpleNamespace(layout=LAYOUT, tiny_config=tiny_config, image_doc=image_doc,
                                  text_doc=text_doc, pack=pack, cat_rows=cat_rows)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread, and far more predictably on a shared machine
+    (two cores shared with other jobs made 2-thread runs of the overfit test 20x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

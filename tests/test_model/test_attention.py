@@ -9,7 +9,8 @@ import torch
 from data.vocab import Modality
 from model.attention import AttentionConfig, build_attention_mask
 
-pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+pytestmark = [pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
+              pytest.mark.usefixtures("one_thread")]
 
 TOL = dict(atol=2e-5, rtol=1e-4)  # fp32; observed differences are ~1e-6
 

@@ -13,6 +13,8 @@ from model.generate import ImageConstraint, SamplingConfig, generate, sample_nex
 from model.moe import MoEConfig
 from model.rope import LayoutTracker, RopeConfig
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def _variant(kit, name):
     if name == "plain":

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from data.vocab import Modality
 from model.loss import chunked_linear_cross_entropy
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def _reference(h, w, t, z, text_end, visual_start):
     logits = (h @ w.t()).float()

@@ -12,6 +12,8 @@ from model.moe import MoEConfig
 from model.presets import PRESETS, mrope_sections, preset
 from model.transformer import TransformerConfig, positions_from_doc_ids
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def test_tiny_model_overfits_a_mixed_batch_in_every_modality(kit, mixed_batch):
     torch.manual_seed(0)

@@ -10,6 +10,8 @@ from data.vocab import Modality
 from model.layers import FFNConfig, ModalityFFN, SwiGLU
 from model.moe import MoE, MoEConfig
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def test_moe_forward_backward_and_stats(kit, mixed_batch):
     torch.manual_seed(0)

@@ -9,6 +9,8 @@ import torch
 from data.vocab import Modality
 from model.rope import LayoutTracker, RopeConfig, RotaryEmbedding, apply_rotary
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def test_mrope_with_equal_thw_is_1d_rope():
     pos = torch.randint(0, 5000, (2, 17))
