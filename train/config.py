@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from data.loader.config import LoaderConfig
 from model.transformer import TransformerConfig
 from model.visual_tokenizer import VisualTokenizerConfig
 from train.skip_step import SkipStepConfig
@@ -80,7 +81,7 @@ class RunConfig:
     run_dir: str = "runs/run"          # one folder per run, the same on every rank
     model: TransformerConfig = field(default_factory=TransformerConfig)
     vtok: VisualTokenizerConfig = field(default_factory=VisualTokenizerConfig)
-    data: Any = None                   # the LM token stream (the loader's schema)
+    data: LoaderConfig = field(default_factory=LoaderConfig)   # the LM's token stream
     vtok_data: ImageDataConfig = field(default_factory=ImageDataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

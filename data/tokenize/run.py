@@ -70,6 +70,18 @@ def batched(it, n: int):
         yield chunk
 
 
+def visual_blocks(spans: list[dict]) -> list[list[int]]:
+    """[start, end, t, h, w] of each image/video block (t = 0 for an image): what a packer needs
+    to keep blocks whole, and M-RoPE positions, from the index alone."""
+    out = []
+    for sp in spans:
+        if sp["type"] == "image":
+            out.append([sp["start"], sp["end"], 0, *sp["grid"]])
+        elif sp["type"] == "video":
+            out.append([sp["start"], sp["end"], *sp["grid"]])
+    return out
+
+
 def npy_bytes(a: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.save(buf, a, allow_pickle=False)
@@ -107,7 +119,8 @@ def tokenize_shard(job: TokenizeJob) -> dict:
                     by_mod = tokens_by_modality(got)
                     writer.write(Sample(got.key, meta, [("ids.npy", npy_bytes(got.ids)),
                                                         ("mod.npy", npy_bytes(got.modality))]),
-                                 {"tokens": int(len(got.ids)), "tokens_by_modality": by_mod})
+                                 {"tokens": int(len(got.ids)), "tokens_by_modality": by_mod,
+                                  "blocks": visual_blocks(got.spans)})
                     tokens.update(by_mod)
                     docs += 1
         result = writer.close()

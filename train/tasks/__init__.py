@@ -10,8 +10,8 @@ def build_task(cfg: RunConfig, dist: DistInfo) -> Task:
     if cfg.task == "vtok":
         from train.tasks.vtok import VtokTask
         return VtokTask(cfg, dist)
-    raise ValueError("task 'lm' needs the streaming loader of token shards, which is not built yet; "
-                     "task 'vtok' trains the visual tokenizer")
+    from train.tasks.lm import LMTask
+    return LMTask(cfg, dist)
 
 
 __all__ = ["StepOutput", "Task", "build_task"]

@@ -1,0 +1,31 @@
+"""Typed configuration of the loader (Hydra group ``data/``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True)
+class SourceConfig:
+    name: str
+    # Token shard tars: paths, globs (``tokens/code/*.tar``), brace ranges
+    # (``tokens/code/shard-{000000..000041}.tar``) or token folders (``tokens/code``).
+    shards: list[str] = field(default_factory=list)
+    weight: float = 1.0                # share of the *tokens* delivered, relative to the others
+
+
+@dataclass(kw_only=True)
+class LoaderConfig:
+    sources: list[SourceConfig] = field(default_factory=list)
+    validation: list[SourceConfig] = field(default_factory=list)   # held-out shards, evaluated per modality
+    seq_len: int = 2048
+    mode: str = "infinite"             # infinite: sources reshuffled and repeated | epoch: one pass
+    seed: int = 0
+    shuffle_buffer: int = 1024         # samples are shuffled within windows of this many
+    shuffle_shards: bool = True
+    num_workers: int = 1               # DataLoader worker processes per rank (0: in the main process)
+    prefetch_factor: int = 4
+    pin_memory: bool = True            # when a GPU is present
+    max_pending: int = 4               # documents held aside while a visual block waits for room
+    oversize: str = "drop_block"       # a visual block longer than a row: drop_block | drop_document
+    max_consecutive_errors: int = 16   # unreadable samples in a row before the run stops
+    stall_seconds: float = 120.0       # a read slower than this is reported

@@ -1,0 +1,152 @@
+"""The loader a trainer holds: one rank's consumers behind a torch ``DataLoader``.
+
+Design choices:
+- Consumers are (rank, worker) pairs: consumer = rank x workers + worker. Each worker process
+  runs one ``ConsumerStream``; the DataLoader takes their batches round-robin, which is
+  deterministic, so the rank's batch sequence is too.
+- Exact resume with prefetching workers: every batch carries its worker's state *after* it;
+  the main process keeps the state of the last batch it actually handed out per worker, and
+  the number handed out. Restoring starts each worker from its state and rotates the workers
+  so that the one whose turn was next comes first. Nothing is replayed.
+- The state refuses other data or tokenizers (fingerprint), another world size, worker count,
+  seq_len or batch size; ``redistribute`` maps a state onto another world size (see docs).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from data.loader.config import LoaderConfig
+from data.loader.stream import ConsumerStream
+from data.loader.table import SampleTable, load_table
+
+STATE_VERSION = 1
+
+
+class _Consumers(IterableDataset):
+    def __init__(self, loader: "PackedLoader") -> None:
+        self.ld = loader
+
+    def __iter__(self):
+        info = get_worker_info()
+        slot = info.id if info else 0
+        ld = self.ld
+        worker = (slot + ld.rotation) % ld.workers
+        stream = ld.make_stream(worker)
+        if ld.worker_states.get(worker):
+            stream.load_state_dict(ld.worker_states[worker])
+        while True:
+            batch = stream.next_batch()
+            if batch is None:
+                return
+            batch["_worker"] = worker
+            batch["_state"] = stream.state_dict()
+            yield batch
+
+
+class PackedLoader:
+    def __init__(self, cfg: LoaderConfig, tables: list[SampleTable], *, rank: int, world_size: int,
+                 micro_batch: int, pad_id: int, pin_memory: bool | None = None) -> None:
+        if cfg.mode not in ("infinite", "epoch"):
+            raise ValueError(f"data.mode {cfg.mode!r}: choose infinite or epoch")
+        self.cfg, self.tables = cfg, tables
+        self.rank, self.world_size, self.micro_batch, self.pad_id = rank, world_size, micro_batch, pad_id
+        self.workers = max(1, cfg.num_workers)
+        self.weights = [s.weight for s in cfg.sources] if cfg.sources else [1.0] * len(tables)
+        self.pin = (torch.cuda.is_available() and cfg.pin_memory) if pin_memory is None else pin_memory
+        self.worker_states: dict[int, dict] = {}
+        self.rotation = 0
+        self.handed_out = 0
+        self.batch_limit: int | None = None
+        if cfg.mode == "epoch":
+            self.batch_limit = self._epoch_batches()
+
+    @property
+    def consumers(self) -> int:
+        return self.world_size * self.workers
+
+    def make_stream(self, worker: int, *, consumer: int | None = None, dry: bool = False) -> ConsumerStream:
+        c = self.rank * self.workers + worker if consumer is None else consumer
+        s = ConsumerStream(self.tables, self.weights, self.cfg, consumer=c, consumers=self.consumers,
+                           micro_batch=self.micro_batch, pad_id=self.pad_id, dry=dry)
+        s.batch_limit = self.batch_limit
+        return s
+
+    def _epoch_batches(self) -> int:
+        """Batches every consumer yields in epoch mode: the fewest any consumer can fill."""
+        counts = []
+        for c in range(self.consumers):
+            s = self.make_stream(0, consumer=c, dry=True)
+            n = 0
+            while s.next_batch() is not None:
+                n += 1
+            counts.append(n)
+        return min(counts)
+
+    def __iter__(self):
+        dl = DataLoader(_Consumers(self), batch_size=None, num_workers=self.cfg.num_workers,
+                        pin_memory=self.pin, prefetch_factor=self.cfg.prefetch_factor if self.cfg.num_workers else None,
+                        persistent_workers=False, multiprocessing_context="spawn" if self.cfg.num_workers else None)
+        for batch in dl:
+            w = batch.pop("_worker")
+            self.worker_states[int(w)] = batch.pop("_state")
+            self.handed_out += 1
+            yield batch
+
+    # --- state -----------------------------------------------------------------------------------
+    def fingerprint(self) -> str:
+        parts = [(t.name, t.fingerprint, t.tokenizer_fingerprint) for t in self.tables]
+        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+    def state_dict(self) -> dict:
+        return {"version": STATE_VERSION, "fingerprint": self.fingerprint(), "rank": self.rank,
+                "world_size": self.world_size, "workers": self.workers, "seq_len": self.cfg.seq_len,
+                "micro_batch": self.micro_batch, "mode": self.cfg.mode, "handed_out": self.handed_out,
+                "worker_states": {str(k): v for k, v in self.worker_states.items()}}
+
+    def load_state_dict(self, st: dict) -> None:
+        if st.get("version") != STATE_VERSION:
+            raise ValueError(f"loader state version {st.get('version')}, expected {STATE_VERSION}")
+        if st["fingerprint"] != self.fingerprint():
+            raise ValueError("the loader state was saved over other shards or tokenizers (fingerprint "
+                             f"{st['fingerprint']} != {self.fingerprint()}); it cannot resume this data")
+        for k in ("world_size", "workers", "seq_len", "micro_batch", "mode"):
+            mine = {"world_size": self.world_size, "workers": self.workers, "seq_len": self.cfg.seq_len,
+                    "micro_batch": self.micro_batch, "mode": self.cfg.mode}[k]
+            if st[k] != mine:
+                raise ValueError(f"loader state has {k}={st[k]}, this loader {mine}; use "
+                                 "data.loader.redistribute to map it (docs/loader.md)")
+        self.worker_states = {int(k): v for k, v in st["worker_states"].items()}
+        self.handed_out = st["handed_out"]
+        self.rotation = self.handed_out % self.workers
+
+    # --- reporting -------------------------------------------------------------------------------
+    def delivered(self) -> dict:
+        """Tokens per modality and source and the packing figures, over the handed-out batches."""
+        out = {"batches": self.handed_out, "errors": 0, "rows": 0, "real_tokens": 0, "dropped_blocks": 0,
+               "dropped_docs": 0, "tokens_by_modality": [0] * 5, "tokens_by_source": {}}
+        for st in self.worker_states.values():
+            out["errors"] += st["errors"]
+            for k in ("rows", "real_tokens", "dropped_blocks", "dropped_docs"):
+                out[k] += st["stats"][k]
+            out["tokens_by_modality"] = [a + b for a, b in zip(out["tokens_by_modality"], st["tokens_by_modality"])]
+            for t, c in zip(self.tables, st["cursors"]):
+                out["tokens_by_source"][t.name] = out["tokens_by_source"].get(t.name, 0) + c[2]
+        rows = out["rows"]
+        out["packing_efficiency"] = out["real_tokens"] / (rows * self.cfg.seq_len) if rows else 0.0
+        return out
+
+
+def build_loader(cfg: LoaderConfig, *, rank: int, world_size: int, micro_batch: int, pad_id: int = 0,
+                 validation: bool = False) -> PackedLoader:
+    sources = cfg.validation if validation else cfg.sources
+    if not sources:
+        raise ValueError("data.validation lists no sources" if validation else "data.sources lists no sources")
+    tables = [load_table(s) for s in sources]
+    if validation:
+        from dataclasses import replace
+        cfg = replace(cfg, sources=sources, mode="epoch")
+    return PackedLoader(cfg, tables, rank=rank, world_size=world_size, micro_batch=micro_batch, pad_id=pad_id)

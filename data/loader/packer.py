@@ -1,0 +1,242 @@
+"""Pack documents into rows of ``seq_len`` tokens.
+
+Design choices:
+- Text and code may be split across rows; an image or video block never is. A block that
+  does not fit in what is left of a row waits (its document is held aside, at most
+  ``max_pending`` documents) while later documents fill the row; the held documents start the
+  next rows. A block longer than a whole row is dropped (or its document, ``oversize``) and
+  counted: token shards cannot be re-encoded smaller here.
+- Each row is a set of *pieces* (contiguous runs of one document). Attention is masked per
+  piece (``doc_ids``), positions restart at 0 in each piece, and every label is the token that
+  truly follows in its document (so the last token of a split piece is still trained on);
+  a document's last token, and padding, get the ignore index.
+- M-RoPE positions (t, h, w): text advances all three by one per token; inside a visual block
+  the codes and row ends take (t0 + frame, t0 + row, t0 + col), and the position after the
+  block continues past its largest extent (Qwen2-VL's scheme).
+- ``dry=True`` packs lengths only (from the index): the same decisions without reading a tar,
+  used to count an epoch's rows on every consumer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from data.vocab import Modality
+
+IGNORE = -100
+
+
+@dataclass
+class Unit:
+    start: int
+    end: int
+    atomic: bool
+    t: int = 0      # latent frames (0: image)
+    h: int = 0
+    w: int = 0
+
+
+def units_of(length: int, blocks: list) -> list[Unit]:
+    units, pos = [], 0
+    for b in sorted(blocks):
+        start, end = int(b[0]), int(b[1])
+        if start > pos:
+            units.append(Unit(pos, start, False))
+        units.append(Unit(start, end, True, int(b[2]), int(b[3]), int(b[4])))
+        pos = end
+    if pos < length:
+        units.append(Unit(pos, length, False))
+    return units
+
+
+@dataclass
+class Doc:
+    source: int
+    sample: int
+    epoch: int
+    length: int
+    units: list[Unit]
+    ids: np.ndarray | None = None       # int32 [length] (None when packing dry)
+    mod: np.ndarray | None = None
+    unit: int = 0                       # next unit to place
+    offset: int = 0                     # tokens of that unit already placed (text only)
+
+    def position(self) -> int:
+        """Doc tokens already placed or dropped: where the next piece starts."""
+        return self.units[self.unit].start + self.offset if self.unit < len(self.units) else self.length
+
+    def cursor(self) -> list[int]:
+        return [self.source, self.sample, self.epoch, self.unit, self.offset]
+
+
+@dataclass
+class Row:
+    ids: np.ndarray
+    mod: np.ndarray
+    labels: np.ndarray
+    label_mod: np.ndarray
+    doc_ids: np.ndarray
+    pos: np.ndarray
+    thw: np.ndarray
+    image_ids: np.ndarray
+    real: int
+    pieces: list[tuple[int, int, int, int]] = field(default_factory=list)   # (source, sample, start, end)
+
+
+@dataclass
+class PackStats:
+    rows: int = 0
+    real_tokens: int = 0
+    dropped_blocks: int = 0
+    dropped_docs: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class Packer:
+    def __init__(self, seq_len: int, *, pad_id: int, max_pending: int = 4, oversize: str = "drop_block",
+                 dry: bool = False) -> None:
+        if oversize not in ("drop_block", "drop_document"):
+            raise ValueError(f"oversize {oversize!r}: choose drop_block or drop_document")
+        self.L, self.pad_id, self.max_pending, self.oversize, self.dry = seq_len, pad_id, max_pending, oversize, dry
+        self.pending: list[Doc] = []
+        self.stats = PackStats()
+
+    # --- one document into the row being built ---------------------------------------------------
+    def _place(self, doc: Doc, row: Row | None, pos: int) -> tuple[str, int]:
+        """Place as much of ``doc`` as fits from ``pos``; returns (outcome, new pos) with outcome
+        "done" (finished), "full" (row filled, doc continues) or "blocked" (a block must wait)."""
+        L = self.L
+        piece_start, doc_start = pos, doc.position()
+        while doc.unit < len(doc.units):
+            u = doc.units[doc.unit]
+            left = u.end - u.start - doc.offset
+            if u.atomic:
+                if left > L:
+                    self._flush(doc, row, piece_start, doc_start, pos)
+                    if self.oversize == "drop_document":
+                        self.stats.dropped_docs += 1
+                        doc.unit = len(doc.units)
+                        return "done", pos
+                    self.stats.dropped_blocks += 1
+                    doc.unit += 1
+                    piece_start, doc_start = pos, doc.position()
+                    continue
+                if left > L - pos:
+                    self._flush(doc, row, piece_start, doc_start, pos)
+                    return ("full" if pos == L else "blocked"), pos
+                pos += left
+                doc.unit += 1
+            else:
+                k = min(left, L - pos)
+                if k == 0:
+                    self._flush(doc, row, piece_start, doc_start, pos)
+                    return "full", pos
+                pos += k
+                doc.offset += k
+                if doc.offset == u.end - u.start:
+                    doc.unit, doc.offset = doc.unit + 1, 0
+        self._flush(doc, row, piece_start, doc_start, pos)
+        return "done", pos
+
+    def _flush(self, doc: Doc, row: Row | None, ra: int, a: int, rb: int) -> None:
+        """Write doc tokens [a, a + rb - ra) at row positions [ra, rb) as one piece."""
+        n = rb - ra
+        if n <= 0:
+            return
+        self.stats.real_tokens += n
+        if row is None:
+            return
+        b = a + n
+        pid = len(row.pieces)
+        row.pieces.append((doc.source, doc.sample, a, b))
+        row.ids[ra:rb] = doc.ids[a:b]
+        row.mod[ra:rb] = doc.mod[a:b]
+        nxt = min(b + 1, doc.length)
+        row.labels[ra:ra + (nxt - a - 1)] = doc.ids[a + 1:nxt]
+        row.label_mod[ra:ra + (nxt - a - 1)] = doc.mod[a + 1:nxt]
+        row.doc_ids[ra:rb] = pid
+        row.pos[ra:rb] = np.arange(n)
+        self._thw(doc, row, ra, a, b)
+
+    def _thw(self, doc: Doc, row: Row, ra: int, a: int, b: int) -> None:
+        p = 0                       # M-RoPE position of the next token
+        j = a
+        blocks = [u for u in doc.units if u.atomic and u.start >= a and u.end <= b]
+        n_img = int(row.image_ids.max()) + 1
+        for u in blocks + [None]:
+            stop = u.start if u else b
+            if stop > j:                                        # text before the block
+                row.thw[ra + j - a:ra + stop - a] = (p + np.arange(stop - j))[:, None]
+                p += stop - j
+            if u is None:
+                break
+            r0 = ra + u.start - a
+            row.thw[r0:r0 + 3] = (p + np.arange(3))[:, None]    # <boi>/<bov> and the two size tokens
+            p += 3
+            frames, h, w = max(u.t, 1), u.h, u.w
+            k = r0 + 3
+            for f in range(frames):
+                if u.t:                                          # video: <frame> marker
+                    row.thw[k] = (p + f, p, p)
+                    k += 1
+                grid_t = np.full((h, w + 1), p + f)
+                grid_h = np.broadcast_to((p + np.arange(h))[:, None], (h, w + 1))
+                grid_w = np.broadcast_to(p + np.arange(w + 1)[None, :], (h, w + 1))
+                row.thw[k:k + h * (w + 1)] = np.stack([grid_t, grid_h, grid_w], -1).reshape(-1, 3)
+                codes = (row.mod[k:k + h * (w + 1)] == Modality.IMAGE)
+                row.image_ids[k:k + h * (w + 1)][codes] = n_img
+                k += h * (w + 1)
+            n_img += 1 if u.t == 0 else 0
+            p += max(frames, h, w + 1)
+            row.thw[k] = (p, p, p)                                # <eoi>/<eov>
+            p += 1
+            j = u.end
+
+    def _new_row(self) -> Row | None:
+        if self.dry:
+            return None
+        L = self.L
+        return Row(ids=np.full(L, self.pad_id, np.int64), mod=np.full(L, int(Modality.TEXT), np.int64),
+                   labels=np.full(L, IGNORE, np.int64), label_mod=np.full(L, int(Modality.TEXT), np.int64),
+                   doc_ids=np.full(L, -1, np.int64), pos=np.zeros(L, np.int64), thw=np.zeros((L, 3), np.int64),
+                   image_ids=np.full(L, -1, np.int64), real=0)
+
+    # --- one row ----------------------------------------------------------------------------------
+    def pack(self, next_doc) -> Row | None:
+        """The next row, pulling documents from ``next_doc()`` (None when the data has ended);
+        None when nothing is left at all."""
+        row, pos = self._new_row(), 0
+        waiting, self.pending = self.pending, []
+        carry: list[Doc] = []
+        deferred: list[Doc] = []
+        for doc in waiting:
+            if pos == self.L:
+                deferred.append(doc)
+                continue
+            outcome, pos = self._place(doc, row, pos)
+            if outcome == "full":
+                carry.append(doc)
+            elif outcome == "blocked":
+                deferred.append(doc)
+        while pos < self.L and len(deferred) < self.max_pending:
+            doc = next_doc()
+            if doc is None:
+                break
+            outcome, pos = self._place(doc, row, pos)
+            if outcome == "full":
+                carry.append(doc)
+            elif outcome == "blocked":
+                deferred.append(doc)
+        self.pending = carry + deferred
+        if pos == 0 and not self.pending:
+            return None
+        self.stats.rows += 1
+        if row is not None:
+            row.real = pos
+            if row.pieces:
+                pad = row.doc_ids == -1
+                row.doc_ids[pad] = len(row.pieces)        # padding: its own "document"
+        return row if row is not None else Row(*(None,) * 8, real=pos)  # type: ignore[arg-type]

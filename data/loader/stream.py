@@ -1,0 +1,231 @@
+"""One consumer's stream (a rank's worker): mix sources by tokens, read documents, pack rows,
+group them into batches, and say exactly where it is.
+
+Design choices:
+- Mixing by tokens, deterministically: the next document comes from the source furthest below
+  its share (weight x tokens delivered so far, minus its own tokens). No RNG, shares exact to
+  within one document, and the state is a few counters.
+- The state (``state_dict``) is cursors, counters and the held-aside documents' positions:
+  kilobytes. Restoring recomputes each source's epoch order (hashing, O(samples), the same cost
+  at any position) and seeks to the cursor through the index; nothing is replayed.
+- Bad data never stops a run: an unreadable sample is skipped, counted and logged with its
+  shard and key; ``max_consecutive_errors`` in a row stops with an error naming the last one.
+  A read slower than ``stall_seconds`` is reported by a watchdog thread while it hangs.
+- Epoch mode: every consumer packs the same number of batches (the fewest any consumer can
+  fill, counted from the index alone); the samples beyond that are *held back*, counted and
+  reported, never repeated.
+"""
+from __future__ import annotations
+
+import io
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from data.loader.config import LoaderConfig
+from data.loader.order import consumer_slice, epoch_order
+from data.loader.packer import Doc, Packer, Row, units_of
+from data.loader.table import SampleTable
+from data.vocab import MODALITY_NAMES
+
+
+class Watchdog:
+    """Reports a read that has not returned after ``seconds``, naming what it was reading."""
+
+    def __init__(self, seconds: float, label: str) -> None:
+        self.seconds, self.label = seconds, label
+        self.current: tuple[str, float] | None = None
+        self.reported = 0
+        if seconds > 0:
+            threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(self.seconds, 5.0))
+            cur = self.current
+            if cur and time.monotonic() - cur[1] > self.seconds:
+                self.reported += 1
+                print(f"[loader {self.label}] read stalled for {time.monotonic() - cur[1]:.0f} s: {cur[0]}",
+                      file=sys.stderr, flush=True)
+                self.current = (cur[0], time.monotonic())
+
+
+@dataclass
+class SourceCursor:
+    epoch: int = 0
+    pos: int = 0              # position in this consumer's slice of the epoch order
+    tokens: int = 0           # tokens taken from this source
+    done: bool = False        # epoch mode: this source is exhausted
+
+
+class ConsumerStream:
+    def __init__(self, tables: list[SampleTable], weights: list[float], cfg: LoaderConfig, *, consumer: int,
+                 consumers: int, micro_batch: int, pad_id: int, dry: bool = False) -> None:
+        self.tables, self.cfg, self.dry = tables, cfg, dry
+        total = float(sum(weights))
+        self.shares = [w / total for w in weights]
+        self.consumer, self.consumers, self.micro_batch = consumer, consumers, micro_batch
+        self.packer = Packer(cfg.seq_len, pad_id=pad_id, max_pending=cfg.max_pending, oversize=cfg.oversize, dry=dry)
+        self.cursors = [SourceCursor() for _ in tables]
+        self._slices: dict[tuple[int, int], np.ndarray] = {}
+        self.errors = 0
+        self.consecutive_errors = 0
+        self.batches = 0
+        self.batch_limit: int | None = None
+        self.tokens_by_modality = np.zeros(len(MODALITY_NAMES), np.int64)
+        self._files: dict[str, io.BufferedReader] = {}
+        self.watchdog = None if dry else Watchdog(cfg.stall_seconds, f"consumer {consumer}")
+
+    # --- which document next -------------------------------------------------------------------
+    def _slice(self, s: int, epoch: int) -> np.ndarray:
+        key = (s, epoch)
+        if key not in self._slices:
+            t = self.tables[s]
+            order = epoch_order(t.shard, seed=self.cfg.seed, epoch=epoch, source=t.name,
+                                buffer=self.cfg.shuffle_buffer, shuffle_shards=self.cfg.shuffle_shards)
+            self._slices = {k: v for k, v in self._slices.items() if k[0] != s}  # keep one epoch per source
+            self._slices[key] = consumer_slice(order, self.consumer, self.consumers)
+        return self._slices[key]
+
+    def _pick_source(self) -> int | None:
+        total = sum(c.tokens for c in self.cursors)
+        best, best_gap = None, None
+        for s, c in enumerate(self.cursors):
+            if c.done or self.shares[s] <= 0:
+                continue
+            gap = self.shares[s] * total - c.tokens
+            if best is None or gap > best_gap:
+                best, best_gap = s, gap
+        return best
+
+    def next_doc(self) -> Doc | None:
+        while True:
+            s = self._pick_source()
+            if s is None:
+                return None
+            c = self.cursors[s]
+            sl = self._slice(s, c.epoch)
+            if c.pos >= len(sl):
+                if self.cfg.mode == "epoch":
+                    c.done = True
+                    continue
+                c.epoch, c.pos = c.epoch + 1, 0
+                sl = self._slice(s, c.epoch)
+                if not len(sl):
+                    raise ValueError(f"source {self.tables[s].name}: fewer samples than consumers "
+                                     f"({self.consumers}); give it more shards or use fewer workers")
+            sample = int(sl[c.pos])
+            c.pos += 1
+            doc = self.load(s, sample, c.epoch)
+            if doc is None:
+                continue
+            c.tokens += doc.length
+            return doc
+
+    # --- reading ---------------------------------------------------------------------------------
+    def _read(self, path: str, at) -> bytes:
+        f = self._files.get(path)
+        if f is None:
+            if len(self._files) >= 8:
+                self._files.pop(next(iter(self._files))).close()
+            f = self._files[path] = open(path, "rb")
+        f.seek(int(at[0]))
+        data = f.read(int(at[1]))
+        if len(data) != int(at[1]):
+            raise ValueError(f"member cut short ({len(data)} of {int(at[1])} bytes)")
+        return data
+
+    def load(self, s: int, sample: int, epoch: int) -> Doc | None:
+        t = self.tables[s]
+        length = int(t.tokens[sample])
+        units = units_of(length, t.blocks[sample])
+        if self.dry:
+            return Doc(s, sample, epoch, length, units)
+        shard = t.shards[t.shard[sample]]
+        if self.watchdog:
+            self.watchdog.current = (f"{shard} sample {t.keys[sample]}", time.monotonic())
+        try:
+            ids = np.load(io.BytesIO(self._read(shard, t.ids_at[sample])), allow_pickle=False)
+            mod = np.load(io.BytesIO(self._read(shard, t.mod_at[sample])), allow_pickle=False)
+            if ids.shape != (length,) or mod.shape != (length,):
+                raise ValueError(f"{ids.shape[0]} ids / {mod.shape[0]} modalities, the index says {length}")
+        except (OSError, ValueError, EOFError) as e:
+            self.errors += 1
+            self.consecutive_errors += 1
+            print(f"[loader] skipped {shard} sample {t.keys[sample]}: {e}", file=sys.stderr, flush=True)
+            if self.consecutive_errors >= self.cfg.max_consecutive_errors:
+                raise RuntimeError(f"{self.consecutive_errors} unreadable samples in a row, the last "
+                                   f"{shard} {t.keys[sample]}: {e}") from e
+            return None
+        finally:
+            if self.watchdog:
+                self.watchdog.current = None
+        self.consecutive_errors = 0
+        return Doc(s, sample, epoch, length, units, ids.astype(np.int64), mod.astype(np.int64))
+
+    # --- rows and batches --------------------------------------------------------------------------
+    def next_row(self) -> Row | None:
+        return self.packer.pack(self.next_doc)
+
+    def next_batch(self) -> dict | None:
+        if self.batch_limit is not None and self.batches >= self.batch_limit:
+            return None
+        rows = []
+        while len(rows) < self.micro_batch:
+            r = self.next_row()
+            if r is None:
+                return None          # the last, incomplete batch of an epoch is held back
+            rows.append(r)
+        self.batches += 1
+        if self.dry:
+            return {}
+        batch = collate(rows)
+        self.tokens_by_modality += np.bincount(_real_modalities(rows), minlength=len(MODALITY_NAMES))
+        batch["tokens_by_source"] = torch.tensor(_tokens_by_source(rows, len(self.tables)))
+        return batch
+
+    # --- state -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"cursors": [[c.epoch, c.pos, c.tokens, int(c.done)] for c in self.cursors],
+                "pending": [d.cursor() for d in self.packer.pending], "batches": self.batches,
+                "errors": self.errors, "stats": self.packer.stats.as_dict(),
+                "tokens_by_modality": self.tokens_by_modality.tolist()}
+
+    def load_state_dict(self, st: dict) -> None:
+        self.cursors = [SourceCursor(e, p, t, bool(d)) for e, p, t, d in st["cursors"]]
+        self.batches, self.errors = st["batches"], st["errors"]
+        for k, v in st["stats"].items():
+            setattr(self.packer.stats, k, v)
+        self.tokens_by_modality = np.asarray(st["tokens_by_modality"], np.int64)
+        pending = []
+        for s, sample, epoch, unit, offset in st["pending"]:
+            doc = self.load(s, sample, epoch)
+            if doc is None:
+                raise RuntimeError(f"cannot restore a held-aside document of source {self.tables[s].name}")
+            doc.unit, doc.offset = unit, offset
+            pending.append(doc)
+        self.packer.pending = pending
+
+
+def _real_modalities(rows: list[Row]) -> np.ndarray:
+    return np.concatenate([r.mod[:r.real] for r in rows])
+
+
+def _tokens_by_source(rows: list[Row], n: int) -> list[int]:
+    out = [0] * n
+    for r in rows:
+        for s, _, a, b in r.pieces:
+            out[s] += b - a
+    return out
+
+
+def collate(rows: list[Row]) -> dict:
+    def st(name):
+        return torch.from_numpy(np.stack([getattr(r, name) for r in rows]))
+    return {"input_ids": st("ids"), "labels": st("labels"), "modality": st("mod"), "label_modality": st("label_mod"),
+            "doc_ids": st("doc_ids"), "position_ids": st("pos"), "position_thw": st("thw"),
+            "image_ids": st("image_ids"), "num_real_tokens": torch.tensor(sum(r.real for r in rows))}

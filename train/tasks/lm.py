@@ -1,0 +1,130 @@
+"""Task ``lm``: the early-fusion transformer on packed rows of token shards.
+
+Every step logs, from sums and counts reduced over micro-batches and ranks: the loss of each
+modality (``loss/<m>``), normalised CE (``loss_norm/<m>`` = CE / ln V_m, 1.0 = chance over the
+modality's own range of ids), label tokens per modality (``tokens/<m>``), log Z and final
+hidden norm per modality and the code-minus-text logit gap (``monitor/...``), and the delivered
+mix by source (``mix/<source>``). Validation runs over the held-out sources (``data.validation``)
+and reports loss and perplexity per modality.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from data.loader import build_loader
+from data.loader.table import find_token_manifest, load_table
+from data.vocab import MODALITY_NAMES, Modality, VocabLayout
+from model.flops import flops_per_token
+from train.config import RunConfig
+from train.dist import DistInfo, all_reduce_sum
+from train.tasks.base import StepOutput
+
+MODEL_INPUTS = ("input_ids", "labels", "modality", "label_modality", "doc_ids", "position_ids",
+                "position_thw", "image_ids")
+
+
+def layout_of_data(cfg: RunConfig) -> tuple[VocabLayout, Path]:
+    """The vocabulary layout the token shards were made with (their tokenizers/ copy)."""
+    table = load_table(cfg.data.sources[0])
+    m = find_token_manifest(Path(table.shards[0]))
+    folder = Path(table.shards[0]).parent.parent / m["tokenizers"]["folder"]
+    return VocabLayout.load(folder / "vocab_layout.json"), folder
+
+
+def vocab_sizes(lay: VocabLayout) -> list[int]:
+    """Ids each modality predicts among, for normalised CE: text and code the BPE, images and
+    video the codes, structure its markers."""
+    return [lay.text_size, lay.text_size, lay.num_codes, lay.num_codes, len(lay.structure)]
+
+
+class LMTask:
+    unit = "tok"
+
+    def __init__(self, cfg: RunConfig, dist: DistInfo) -> None:
+        if cfg.data is None or not cfg.data.sources:
+            raise ValueError("task lm needs data.sources (token shard folders); see configs/data/")
+        self.cfg, self.dist = cfg, dist
+        self.layout, self.tok_folder = layout_of_data(cfg)
+        self.model_cfg = cfg.model.with_layout(self.layout)
+        self.source_names = [s.name for s in cfg.data.sources]
+        self._val = None
+
+    def build_model(self):
+        return self.model_cfg.build()
+
+    def batches(self):
+        return build_loader(self.cfg.data, rank=self.dist.rank, world_size=self.dist.world_size,
+                            micro_batch=self.cfg.train.micro_batch, pad_id=0)
+
+    def forward(self, engine, batch: dict) -> StepOutput:
+        dev = self.dist.device
+        inputs = {k: batch[k].to(dev, non_blocking=True) for k in MODEL_INPUTS}
+        res = engine(**inputs)
+        sums = {}
+        for i, name in enumerate(MODALITY_NAMES):
+            sums[f"ce_sum/{name}"] = res.ce_sum[i]
+            sums[f"count/{name}"] = res.count[i]
+            sums[f"logz_sum/{name}"] = res.logz_sum[i]
+            sums[f"hnorm_sum/{name}"] = res.hidden_norm_sum[i]
+            sums[f"gap_sum/{name}"] = res.logit_gap_sum[i]
+        for i, name in enumerate(self.source_names):
+            sums[f"mix_tokens/{name}"] = batch["tokens_by_source"][i]
+        sums["z_loss_sum"] = res.z_loss.detach()
+        sums["aux_loss_sum"] = res.aux_loss.detach()
+        sums["moe_dropped"] = res.moe_dropped.detach()
+        return StepOutput(loss=res.loss, sums=sums, units=int(batch["num_real_tokens"]))
+
+    def metrics(self, s: dict[str, float]) -> dict[str, float]:
+        out = {"train/z_loss": s["z_loss_sum"] / s["micro"], "train/aux_loss": s["aux_loss_sum"] / s["micro"],
+               "train/moe_dropped": s["moe_dropped"]}
+        sizes = vocab_sizes(self.layout)
+        for i, name in enumerate(MODALITY_NAMES):
+            n = s[f"count/{name}"]
+            out[f"tokens/{name}"] = n
+            if n:
+                ce = s[f"ce_sum/{name}"] / n
+                out[f"loss/{name}"] = ce
+                out[f"loss_norm/{name}"] = ce / math.log(sizes[i])
+                out[f"monitor/logz/{name}"] = s[f"logz_sum/{name}"] / n
+                out[f"monitor/hidden_norm/{name}"] = s[f"hnorm_sum/{name}"] / n
+                out[f"monitor/logit_gap/{name}"] = s[f"gap_sum/{name}"] / n
+        total = sum(s[f"mix_tokens/{n}"] for n in self.source_names) or 1.0
+        for n in self.source_names:
+            out[f"mix/{n}"] = s[f"mix_tokens/{n}"] / total
+        return out
+
+    def flops_per_unit(self) -> float:
+        return float(flops_per_token(self.model_cfg, self.cfg.data.seq_len))
+
+    def evaluate(self, engine, step: int) -> dict[str, float]:
+        if not self.cfg.data.validation:
+            return {}
+        loader = build_loader(self.cfg.data, rank=self.dist.rank, world_size=self.dist.world_size,
+                              micro_batch=self.cfg.train.micro_batch, pad_id=0, validation=True)
+        ce = torch.zeros(len(Modality), dtype=torch.float64)
+        cnt = torch.zeros(len(Modality), dtype=torch.float64)
+        for i, batch in enumerate(loader):
+            if self.cfg.train.eval_batches and i >= self.cfg.train.eval_batches:
+                break
+            res = engine(**{k: batch[k].to(self.dist.device) for k in MODEL_INPUTS})
+            ce += res.ce_sum.detach().double().cpu()
+            cnt += res.count.detach().double().cpu()
+        ce, cnt = all_reduce_sum(ce), all_reduce_sum(cnt)
+        out = {}
+        for i, name in enumerate(MODALITY_NAMES):
+            if cnt[i] > 0:
+                out[f"val/loss/{name}"] = float(ce[i] / cnt[i])
+                out[f"val/ppl/{name}"] = math.exp(min(50.0, float(ce[i] / cnt[i])))
+        if cnt.sum() > 0:
+            out["val/loss"] = float(ce.sum() / cnt.sum())
+        return out
+
+    def finish(self, engine, run_dir: Path) -> dict[str, float]:
+        return {}
+
+    def extra_files(self) -> dict[str, str]:
+        return {"vocab_layout.json": json.dumps(self.layout.to_dict(), indent=2, sort_keys=True) + "\n"}
