@@ -31,20 +31,37 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow
 
-# The demo: a small real corpus built offline -> raw shards -> stats and verification.
+# The demo, end to end on CPU (README "Quick start"): a small real corpus built offline ->
+# raw shards -> text BPE and visual tokenizer -> token shards -> the early-fusion LM.
+# Every step is resumable: rerunning `make demo` redoes only what is missing.
+DEMO_SOURCES = --source code:$(DEMO_DIR)/$(1)/code \
+		--source text:$(DEMO_DIR)/$(1)/text \
+		--source images:$(DEMO_DIR)/$(1)/photos \
+		--source images:$(DEMO_DIR)/$(1)/scenes/scenes.jsonl \
+		--source images:$(DEMO_DIR)/$(1)/digits/digits.csv \
+		--source videos:$(DEMO_DIR)/$(1)/clips \
+		--source interleaved=interleaved:$(DEMO_DIR)/$(1)/interleaved/docs.jsonl \
+		--source wds:$(DEMO_DIR)/$(1)/wds
+TOKENIZE = $(BIN)/earlyfuse-prep tokenize --tokenizer $(DEMO_DIR)/tok \
+		--visual-tokenizer $(DEMO_DIR)/vtok/visual_tokenizer --image-max-pixels 4096 \
+		--video-max-pixels 1024 --video-max-tokens 512 --workers 2 --no-progress
+
 demo: $(STAMP)
-	$(BIN)/earlyfuse-prep demo-corpus --out $(DEMO_DIR)/corpus
-	$(BIN)/earlyfuse-prep ingest --out $(DEMO_DIR)/raw --workers 2 --shard-size 4MB \
-		--source code:$(DEMO_DIR)/corpus/code \
-		--source text:$(DEMO_DIR)/corpus/text \
-		--source images:$(DEMO_DIR)/corpus/photos \
-		--source images:$(DEMO_DIR)/corpus/scenes/scenes.jsonl \
-		--source images:$(DEMO_DIR)/corpus/digits/digits.csv \
-		--source videos:$(DEMO_DIR)/corpus/clips \
-		--source interleaved=interleaved:$(DEMO_DIR)/corpus/interleaved/docs.jsonl \
-		--source wds:$(DEMO_DIR)/corpus/wds
+	$(BIN)/earlyfuse-prep demo-corpus --out $(DEMO_DIR)/corpus --no-progress
+	$(BIN)/earlyfuse-prep demo-corpus --out $(DEMO_DIR)/val_corpus --seed 1 --scale 0.1 --no-progress
+	$(BIN)/earlyfuse-prep ingest --out $(DEMO_DIR)/raw --workers 2 --shard-size 4MB --no-progress \
+		$(call DEMO_SOURCES,corpus)
+	$(BIN)/earlyfuse-prep ingest --out $(DEMO_DIR)/val_raw --workers 2 --no-progress \
+		$(call DEMO_SOURCES,val_corpus)
 	$(BIN)/earlyfuse-prep verify $(DEMO_DIR)/raw
 	$(BIN)/earlyfuse-prep stats $(DEMO_DIR)/raw
+	$(BIN)/earlyfuse-prep train-text-tokenizer --in $(DEMO_DIR)/raw --out $(DEMO_DIR)/tok \
+		--vocab-size 4096 --max-grid 32 --no-progress
+	$(BIN)/earlyfuse-train experiment=vtok_demo run_dir=$(DEMO_DIR)/vtok \
+		'vtok_data.raw=[$(DEMO_DIR)/raw]' train.progress=false
+	$(TOKENIZE) --in $(DEMO_DIR)/raw --out $(DEMO_DIR)/tokens
+	$(TOKENIZE) --in $(DEMO_DIR)/val_raw --out $(DEMO_DIR)/val_tokens
+	$(BIN)/earlyfuse-train experiment=demo run_dir=$(DEMO_DIR)/lm train.progress=false
 
 bench: $(STAMP)
 	$(PY) tools/bench/bench_ingest.py

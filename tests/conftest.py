@@ -48,12 +48,13 @@ def tiny_tokenizers(tiny_raw, tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="session")
 def tiny_tokens(tiny_raw, tiny_tokenizers, tmp_path_factory) -> Path:
-    """Token shards of the tiny raw shards (images at most 16x16 tokens)."""
+    """Token shards of the tiny raw shards: images at most 8x8 codes, videos at most 240 tokens,
+    so every block fits the 256-token rows of the debug experiment."""
     from data.tokenize.encoder import TokenizeOptions
     from data.tokenize.run import tokenize
 
     out = tmp_path_factory.mktemp("tokens") / "tokens"
     text, visual = tiny_tokenizers
-    tokenize(tiny_raw, out, text, visual, opts=TokenizeOptions(image_max_pixels=64 * 64, video_max_pixels=32 * 32,
-                                                               video_max_tokens=600))
+    tokenize(tiny_raw, out, text, visual, opts=TokenizeOptions(image_max_pixels=32 * 32, video_max_pixels=32 * 32,
+                                                               video_max_tokens=240))
     return out

@@ -71,7 +71,7 @@ class RunLogger:
         else:
             print(line, flush=True)
 
-    def log(self, step: int, metrics: dict, *, console: bool) -> None:
+    def log(self, step: int, metrics: dict, *, console: bool = False) -> None:
         if not self.is_main:
             return
         record = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))}}

@@ -7,6 +7,7 @@ import math
 import os
 import random
 import time
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from train.checkpoint import Checkpointer, rng_state, set_rng_state
 from train.config import RunConfig
 from train.dist import DistInfo, barrier, init_distributed
 from train.engine import build_engine, global_grad_norm
-from train.logger import RunLogger
+from train.logger import RunLogger, console_line
 from train.loop import train_loop
 from train.mfu import peak_tflops
 from train.skip_step import SkipStepRule, UpdateGate
@@ -62,6 +63,7 @@ class Run:
         self._steps_timed = 0
         self._time_sum = 0.0
         self.last_eval: dict = {}
+        self._interval: Counter = Counter()
 
     # --- resume / save ---------------------------------------------------------------------------
     def _resume(self) -> int:
@@ -104,9 +106,17 @@ class Run:
                                      if self.peak else math.nan),
                   "throughput/eta_s": mean_step * (t.steps - step)})
         log_now = step % t.log_every == 0 or step == t.steps
+        self._interval.update(sums)
         if t.eval_every and step % t.eval_every == 0 and step != t.steps:
             m.update(self.evaluate(step))
-        self.log.log(step, m, console=log_now)
+        self.log.log(step, m, console=False)
+        if log_now:
+            # The console line averages the whole log interval (sums and counts again), so a
+            # modality that was absent from the last step still shows its recent loss.
+            avg = {**m, **self.task.metrics(self._interval),
+                   "train/loss": self._interval["loss_sum"] / self._interval["micro"]}
+            self.log.write(console_line(avg, step, t.steps, self.task.unit))
+            self._interval = Counter()
         self.log.advance()
         if t.ckpt_every and step % t.ckpt_every == 0 and step != t.steps:
             self.save(step)

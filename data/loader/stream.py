@@ -17,6 +17,7 @@ Design choices:
 """
 from __future__ import annotations
 
+import atexit
 import io
 import sys
 import threading
@@ -40,12 +41,13 @@ class Watchdog:
         self.seconds, self.label = seconds, label
         self.current: tuple[str, float] | None = None
         self.reported = 0
+        self._stop = threading.Event()
         if seconds > 0:
             threading.Thread(target=self._watch, daemon=True).start()
+            atexit.register(self._stop.set)   # never left running into interpreter shutdown
 
     def _watch(self) -> None:
-        while True:
-            time.sleep(min(self.seconds, 5.0))
+        while not self._stop.wait(min(self.seconds, 5.0)):
             cur = self.current
             if cur and time.monotonic() - cur[1] > self.seconds:
                 self.reported += 1
