@@ -48,7 +48,8 @@ def load_pool(raw_dirs: list[str], *, sources: list[str] | None, prep: ImagePrep
                     if seg["type"] == "image":
                         arrays = [load_image(rd.member(seg["member"]), prep)]
                     elif seg["type"] == "video" and video_frames:
-                        arrays = list(decode_frames(rd.member(seg["member"]), sampling, prep).frames)
+                        arrays = list(decode_frames(rd.member(seg["member"]), sampling, prep,
+                                                    size=(seg["width"], seg["height"])).frames)
                     else:
                         continue
                 except (OSError, ValueError):

@@ -54,25 +54,30 @@ class Frames:
     duration: float
 
 
-def decode_frames(raw: bytes, sampling: VideoSampling, prep: ImagePrep) -> Frames:
-    """Sample and resize a clip's frames; ValueError with decord's reason if it cannot."""
+def decode_frames(raw: bytes, sampling: VideoSampling, prep: ImagePrep,
+                  size: tuple[int, int] | None = None) -> Frames:
+    """Sample and resize a clip's frames; ValueError with decord's reason if it cannot.
+
+    ``size`` (width, height), known from the shard index, lets one reader decode straight at
+    the target size (FFmpeg's scaler: no full-size frames in Python); without it the clip is
+    opened once more to learn its size."""
     import decord
 
     with captured_c_stderr() as log:
         try:
-            probe = decord.VideoReader(io.BytesIO(raw), num_threads=1)
-            n = len(probe)
-            ts = probe.get_frame_timestamp(list(range(n)))
-            h0, w0 = probe[0].shape[:2]
-            fps = float(probe.get_avg_fps())
-            idx = pick_frames(ts, sampling.target_fps, sampling.max_frames)
-            tw, th = prep.target_size(w0, h0)
-            if (tw, th) != (w0, h0):
-                # Let FFmpeg's scaler resize while decoding: no full-size frames in Python.
+            if size is None:
+                probe = decord.VideoReader(io.BytesIO(raw), num_threads=1)
+                size = probe[0].shape[1], probe[0].shape[0]
                 del probe
+            tw, th = prep.target_size(*size)
+            if (tw, th) != tuple(size):
                 vr = decord.VideoReader(io.BytesIO(raw), num_threads=1, width=tw, height=th)
             else:
-                vr = probe
+                vr = decord.VideoReader(io.BytesIO(raw), num_threads=1)
+            n = len(vr)
+            ts = vr.get_frame_timestamp(list(range(n)))
+            fps = float(vr.get_avg_fps())
+            idx = pick_frames(ts, sampling.target_fps, sampling.max_frames)
             frames = vr.get_batch(idx.tolist()).asnumpy()
             del vr
         except Exception as e:  # decord raises bare RuntimeError/DECORDError

@@ -84,7 +84,8 @@ class DocEncoder:
         cap = self.video_frame_cap(seg)
         if cap == 0:
             raise ValueError(f"one frame alone exceeds video_max_tokens={self.opts.video_max_tokens}")
-        fr = decode_frames(raw, VideoSampling(self.opts.video_fps, cap), self.video_prep)
+        fr = decode_frames(raw, VideoSampling(self.opts.video_fps, cap), self.video_prep,
+                           size=(seg["width"], seg["height"]))
         x = to_tensor(fr.frames).unsqueeze(0).to(self.device)
         return self.vtok.encode_video(x)[0].cpu().numpy(), [round(float(t), 6) for t in fr.times]
 
@@ -102,19 +103,25 @@ class DocEncoder:
                         failed[di] = Reject(f"{rd.shard.name}:{rd.key}.{seg['member']}", "unreadable-image", str(e),
                                             key=rd.key, source=rd.doc.get("source"))
         grids = self.encode_images(images) if images else []
+        # All text and code of the chunk in one encode_batch call (the tokenizer's parallel path).
+        texts = [(di, si, seg["text"]) for di, rd in enumerate(raw_docs) if di not in failed
+                 for si, seg in enumerate(rd.doc["segments"]) if seg["type"] in ("text", "code")]
+        encoded = self.text.encode_batch([t for _, _, t in texts]) if texts else []
+        text_ids = {(di, si): ids for (di, si, _), ids in zip(texts, encoded)}
         out: list[TokenDoc | Reject] = []
         for di, rd in enumerate(raw_docs):
             if di in failed:
                 out.append(failed[di])
                 continue
             try:
-                out.append(self._assemble(rd, {si: grids[j] for (d, si), j in where.items() if d == di}))
+                out.append(self._assemble(rd, {si: grids[j] for (d, si), j in where.items() if d == di},
+                                          {si: ids for (d, si), ids in text_ids.items() if d == di}))
             except ValueError as e:
                 out.append(Reject(f"{rd.shard.name}:{rd.key}", "undecodable-video", str(e), key=rd.key,
                                   source=rd.doc.get("source")))
         return out
 
-    def _assemble(self, rd, grids: dict[int, np.ndarray]) -> TokenDoc:
+    def _assemble(self, rd, grids: dict[int, np.ndarray], text_ids: dict[int, list[int]]) -> TokenDoc:
         ids: list[np.ndarray] = [np.array([self.text.bos_id])]
         mods: list[np.ndarray] = [np.array([int(Modality.TEXT)])]
         spans = []
@@ -123,7 +130,7 @@ class DocEncoder:
             t = seg["type"]
             span: dict = {"type": t}
             if t in ("text", "code"):
-                piece = np.asarray(self.text.encode(seg["text"]), dtype=np.int64)
+                piece = np.asarray(text_ids[si], dtype=np.int64)
                 mod = np.full(len(piece), int(Modality.TEXT if t == "text" else Modality.CODE))
                 if seg.get("role"):
                     span["role"] = seg["role"]
