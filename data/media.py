@@ -112,24 +112,32 @@ def probe_image(raw: bytes, path: str, *, max_pixels: int) -> ImageInfo | Reject
         return Reject(path, reason, msg)
 
 
+_CAPTURE = None   # one temp file per process, reused: a decode must not pay for a new file
+
+
 @contextmanager
 def captured_c_stderr():
     """Redirect the C-level stderr (fd 2) into a temp file; yields a list that gets its text."""
+    global _CAPTURE
     out: list[str] = []
     try:
         saved = os.dup(2)
     except OSError:  # no usable fd 2 (rare, e.g. some daemons)
         yield out
         return
-    with tempfile.TemporaryFile() as tmp:
-        os.dup2(tmp.fileno(), 2)
-        try:
-            yield out
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            out.append(tmp.read(65536).decode("utf-8", errors="replace"))
+    if _CAPTURE is None:
+        _CAPTURE = tempfile.TemporaryFile()
+    tmp = _CAPTURE
+    tmp.seek(0)
+    tmp.truncate()
+    os.dup2(tmp.fileno(), 2)
+    try:
+        yield out
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        tmp.seek(0)
+        out.append(tmp.read(65536).decode("utf-8", errors="replace"))
 
 
 def _readable_tail(log: str) -> str:
