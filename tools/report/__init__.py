@@ -1,0 +1,150 @@
+"""``earlyfuse-report RUN_DIR``: every curve of a run, with the monitors' alarms marked, as one
+PNG and one self-contained HTML page; works on a finished run and on one still being written.
+
+Notable choices:
+- The run folder is the only input (metrics.jsonl, config.yaml, final.json, alarms.jsonl,
+  vtok_reconstructions.png), read as the trainer writes it: the last record of a step wins (a
+  resumed run appends), a half-written last line is skipped. See ``tools/report/run.py``.
+- Panels are data-driven: a group of signals gets its panel only if the run logged it, so the
+  same command reads LM runs, visual-tokenizer runs and the monitor signals still to come
+  (any ``monitor/<signal>[/<modality>]`` key gets a panel). See ``tools/report/panels.py``.
+- Smoothing is a debiased EMA (``--smooth``, default 0.9) drawn over the raw values, which stay
+  visible and faint: a spike is never smoothed out of sight.
+- matplotlib draws on bare ``Figure`` objects with the Agg canvas (no pyplot, no display, no
+  global state); report.png is the panels composed in a grid under a text header with Pillow.
+- The HTML page inlines every image as base64 and its CSS; it loads nothing, so it can be
+  mailed or attached to an issue as one file.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+from tools.report.run import NoMetrics, RunData, alarm_step, fmt, load_run
+
+DEFAULT_SMOOTH = 0.9
+MAX_ALARMS_IN_PNG = 12
+
+
+@dataclass
+class Report:
+    png: Path
+    html: Path
+    panels: list[str]         # the panel ids drawn
+    run: RunData
+
+
+def header_lines(run: RunData, smooth: float) -> list[tuple[str, float, str]]:
+    from tools.report.page import alarm_counts, modality_rows, status_of, steps_text
+
+    lines = [(f"earlyfuse report: {run.name}  (task {run.task})", 15, "bold"),
+             (f"step {steps_text(run)}  |  {status_of(run)}  |  {alarm_counts(run)}", 10.5, "normal")]
+    mods = modality_rows(run, smooth)
+    if mods:
+        which = f"EMA {smooth:g}" if smooth > 0 else "raw"
+        lines.append((f"last train loss ({which}): " + "  ".join(f"{r[0]} {r[2] if smooth > 0 else r[1]}"
+                                                                  for r in mods), 10, "mono"))
+    final = [(k, v) for k, v in sorted(run.final.items()) if k.startswith(("val/loss", "eval/psnr", "eval/ssim",
+                                                                           "eval/baseline", "eval/code_fraction"))]
+    if final:
+        lines.append(("final: " + "  ".join(f"{k} {fmt(v)}" for k, v in final), 10, "mono"))
+    for i, a in enumerate(run.alarms[:MAX_ALARMS_IN_PNG], 1):
+        step = alarm_step(a)
+        mod = f" [{a['modality']}]" if a.get("modality") else ""
+        lines.append((f"A{i}  step {step if step is not None else '?'}  {a.get('signal', '?')}{mod} -> "
+                      f"{a.get('action', '?')}: {str(a.get('message', ''))[:110]}", 9, "mono"))
+    if len(run.alarms) > MAX_ALARMS_IN_PNG:
+        lines.append((f"... and {len(run.alarms) - MAX_ALARMS_IN_PNG} more alarms (see report.html)", 9, "mono"))
+    return lines
+
+
+def compose(header: bytes, panels: list[bytes], columns: int = 2) -> bytes:
+    """The header strip above the panels in a grid, as one PNG."""
+    from PIL import Image
+
+    head = Image.open(io.BytesIO(header)).convert("RGB")
+    imgs = [Image.open(io.BytesIO(p)).convert("RGB") for p in panels]
+    columns = max(1, min(columns, len(imgs)))
+    w, h = (imgs[0].size if imgs else (head.size[0] // columns, 0))
+    rows = -(-len(imgs) // columns)
+    canvas = Image.new("RGB", (max(w * columns, head.size[0]), head.size[1] + rows * h), "white")
+    canvas.paste(head, (0, 0))
+    for i, im in enumerate(imgs):
+        canvas.paste(im, ((i % columns) * w, head.size[1] + (i // columns) * h))
+    buf = io.BytesIO()
+    canvas.save(buf, format="PNG", optimize=True)
+    return buf.getvalue()
+
+
+def write_report(run_dir: str | Path, out: str | Path | None = None, smooth: float = DEFAULT_SMOOTH) -> Report:
+    """Read RUN_DIR and write ``report.png`` and ``report.html`` into ``out`` (default
+    RUN_DIR/report). Raises ``NoMetrics`` when RUN_DIR has no metrics.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")   # harmless when pyplot is never imported; guards an interactive default
+    from tools.report.page import html_page
+    from tools.report.panels import PANEL_SIZE, DPI, Ctx, panels_for, render, render_header, x_limits
+
+    if not 0 <= smooth < 1:
+        raise ValueError(f"--smooth must be in [0, 1), got {smooth}")
+    run = load_run(run_dir)
+    out = Path(out) if out is not None else Path(run_dir) / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = Ctx(run=run, smooth=smooth, xlim=x_limits(run))
+    panels = panels_for(run) if run.records or run.final else []
+    drawn = [(p.key, p.title, p.note, render(p, ctx)) for p in panels]
+    header = render_header(header_lines(run, smooth), int(PANEL_SIZE[0] * DPI) * (2 if len(drawn) > 1 else 1))
+    png = out / "report.png"
+    png.write_bytes(compose(header, [d[3] for d in drawn]))
+    recon = run.run_dir / "vtok_reconstructions.png"
+    page = html_page(run, smooth, drawn, recon.read_bytes() if recon.is_file() else None)
+    html = out / "report.html"
+    html.write_text(page, encoding="utf-8")
+    return Report(png=png, html=html, panels=[d[0] for d in drawn], run=run)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="earlyfuse-report",
+        description="Draw every curve of an earlyfuse-train run with the monitors' alarms marked: "
+                    "train loss total and per modality (raw and EMA), validation loss per modality, "
+                    "normalised CE against chance, the delivered data mix, tokens per modality, grad norm "
+                    "with skipped steps, lr, throughput/MFU/data wait, the monitor signals, and for a "
+                    "visual-tokenizer run PSNR/SSIM/code use. Writes OUT/report.png (all panels in one "
+                    "image) and OUT/report.html (one self-contained page: images inlined, summary, "
+                    "evaluation and alarms tables). Safe to run on a run that is still training.",
+        epilog="example: earlyfuse-report runs/demo/lm && open runs/demo/lm/report/report.html")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (holds metrics.jsonl; config.yaml, "
+                   "final.json, alarms.jsonl and vtok_reconstructions.png are used when present)")
+    p.add_argument("--out", metavar="DIR", default=None, help="where to write report.png and report.html "
+                   "(default: RUN_DIR/report)")
+    p.add_argument("--smooth", type=float, default=DEFAULT_SMOOTH, metavar="F",
+                   help=f"EMA factor for train curves, in [0, 1): s = F*s + (1-F)*x, debiased; 0 = raw only "
+                        f"(default {DEFAULT_SMOOTH})")
+    args = p.parse_args(argv)
+    if not 0 <= args.smooth < 1:
+        p.error(f"--smooth must be in [0, 1), got {args.smooth}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        rep = write_report(args.run_dir, args.out, args.smooth)
+    except NoMetrics as e:
+        print(f"earlyfuse-report: {e}", file=sys.stderr)
+        return 1
+    run = rep.run
+    print(f"{run.name} ({run.task}): step {run.last_step}/{run.total_steps or '?'}, {len(rep.panels)} panels, "
+          f"{f'{len(run.alarms)} alarm(s)' if run.alarms else 'no alarms'}")
+    print(f"wrote {rep.png}")
+    print(f"wrote {rep.html}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

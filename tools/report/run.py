@@ -1,0 +1,215 @@
+"""Read a run folder as ``earlyfuse-train`` writes it, while it is being written or after.
+
+- ``metrics.jsonl``: one record per optimizer step. A resumed (or rolled-back) run appends, so
+  a step can appear more than once: the LAST record for a step wins, because it is the one the
+  surviving weights went through.
+- A line that does not parse is skipped and counted: the last line of a running run may be
+  half-written. NaN and Infinity (which the logger writes for a NaN loss) are kept as floats.
+- ``alarms.jsonl``: the monitors' alarms, ``{"step", "signal", "modality", "values", "action",
+  "message"}``; read with the same tolerance, in file order.
+- ``config.yaml`` (name, task, train.steps, data.sources weights) and ``final.json`` are optional.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+# The order the trainer uses (data.vocab.MODALITY_NAMES); not imported, so that the report
+# runs anywhere matplotlib does. A modality not in this list is appended in name order.
+MODALITY_ORDER = ("text", "code", "image", "video", "structure")
+
+
+class NoMetrics(FileNotFoundError):
+    """RUN_DIR has no metrics.jsonl."""
+
+
+@dataclass
+class Series:
+    steps: np.ndarray      # int64, increasing
+    values: np.ndarray     # float64, may hold NaN / inf
+
+
+@dataclass
+class RunData:
+    run_dir: Path
+    name: str
+    task: str
+    total_steps: int | None
+    records: dict[int, dict]                       # step -> last record
+    series: dict[str, Series]
+    final: dict = field(default_factory=dict)      # final.json
+    alarms: list[dict] = field(default_factory=list)
+    target_mix: dict[str, float] = field(default_factory=dict)   # data.sources weights, normalised
+    duplicate_records: int = 0                     # records replaced by a later one for the same step
+    bad_lines: int = 0                             # metrics lines that did not parse
+    bad_alarm_lines: int = 0
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted(self.records)
+
+    @property
+    def last_step(self) -> int:
+        return max(self.records) if self.records else 0
+
+    @property
+    def finished(self) -> bool:
+        return (self.run_dir / "final.json").is_file()
+
+    def has(self, key: str) -> bool:
+        s = self.series.get(key)
+        return s is not None and bool(np.isfinite(s.values).any())
+
+    def keys(self, prefix: str) -> list[str]:
+        """Suffixes of the keys ``prefix<suffix>`` that hold at least one finite value (or, for
+        ``loss/``, any value at all: a modality whose loss is all NaN is still present)."""
+        found = [k[len(prefix):] for k in self.series if k.startswith(prefix) and "/" not in k[len(prefix):]]
+        return [k for k in found if prefix == "loss/" or self.has(prefix + k)]
+
+    def modalities(self) -> list[str]:
+        """Modalities that have a train or validation loss anywhere (final.json included)."""
+        names = set(self.keys("loss/")) | set(self.keys("val/loss/"))
+        names |= {k[len("val/loss/"):] for k in self.final if k.startswith("val/loss/")}
+        return order_modalities(names)
+
+    def sources(self) -> list[str]:
+        """Data sources of the delivered mix, in the config's order, then any others by name."""
+        found = set(self.keys("mix/"))
+        return [s for s in self.target_mix if s in found] + sorted(found - set(self.target_mix))
+
+    def last(self, key: str) -> float | None:
+        """The last finite value of a series (the final.json value has priority for eval keys)."""
+        s = self.series.get(key)
+        if s is None:
+            return None
+        ok = np.isfinite(s.values)
+        return float(s.values[ok][-1]) if ok.any() else float(s.values[-1])
+
+
+def order_modalities(names) -> list[str]:
+    names = set(names)
+    return [m for m in MODALITY_ORDER if m in names] + sorted(names - set(MODALITY_ORDER))
+
+
+def read_jsonl(path: Path) -> tuple[list[dict], int]:
+    """Objects of a JSONL file, and how many lines were skipped (unparsable or not an object)."""
+    out, bad = [], 0
+    data = path.read_bytes().decode("utf-8", errors="replace")
+    for line in data.splitlines():
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            bad += 1
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+        else:
+            bad += 1
+    return out, bad
+
+
+def _number(v) -> float | None:
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, (int, float)):
+        return float(v)
+    return None
+
+
+def build_series(records: dict[int, dict]) -> dict[str, Series]:
+    cols: dict[str, tuple[list[int], list[float]]] = {}
+    for step in sorted(records):
+        for k, v in records[step].items():
+            x = _number(v)
+            if k == "step" or x is None:
+                continue
+            s, vals = cols.setdefault(k, ([], []))
+            s.append(step)
+            vals.append(x)
+    return {k: Series(np.asarray(s, dtype=np.int64), np.asarray(v, dtype=np.float64)) for k, (s, v) in cols.items()}
+
+
+def _config(run_dir: Path) -> dict:
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return {}
+    try:
+        import yaml
+
+        cfg = yaml.safe_load(path.read_text())
+    except Exception:   # a config we cannot read costs only the header fields
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _target_mix(cfg: dict) -> dict[str, float]:
+    try:
+        srcs = [(str(s["name"]), float(s.get("weight", 1.0))) for s in (cfg.get("data") or {}).get("sources") or []]
+    except (TypeError, KeyError, ValueError, AttributeError):
+        return {}
+    total = sum(w for _, w in srcs)
+    return {n: w / total for n, w in srcs} if total > 0 else {}
+
+
+def load_run(run_dir: str | Path) -> RunData:
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise NoMetrics(f"no metrics.jsonl in {run_dir} (is it a run folder written by earlyfuse-train?)")
+    raw, bad = read_jsonl(path)
+    records: dict[int, dict] = {}
+    dup = 0
+    for rec in raw:
+        step = rec.get("step")
+        if not isinstance(step, int) or isinstance(step, bool):
+            bad += 1
+            continue
+        dup += step in records
+        records[step] = rec
+    cfg = _config(run_dir)
+    train_cfg = cfg.get("train") if isinstance(cfg.get("train"), dict) else {}
+    total = train_cfg.get("steps")
+    final = {}
+    if (run_dir / "final.json").is_file():
+        try:
+            final = json.loads((run_dir / "final.json").read_text())
+        except ValueError:
+            final = {}
+    alarms, bad_alarms = [], 0
+    if (run_dir / "alarms.jsonl").is_file():
+        alarms, bad_alarms = read_jsonl(run_dir / "alarms.jsonl")
+    return RunData(run_dir=run_dir, name=str(cfg.get("name") or run_dir.resolve().name),
+                   task=str(cfg.get("task") or ("vtok" if any("vtok/" in k for r in records.values() for k in r)
+                                                 else "?")),
+                   total_steps=int(total) if isinstance(total, int) else None, records=records,
+                   series=build_series(records), final=final if isinstance(final, dict) else {},
+                   alarms=alarms, target_mix=_target_mix(cfg), duplicate_records=dup, bad_lines=bad,
+                   bad_alarm_lines=bad_alarms)
+
+
+def alarm_step(alarm: dict) -> int | None:
+    s = alarm.get("step")
+    return s if isinstance(s, int) and not isinstance(s, bool) else None
+
+
+def fmt(v, digits: int = 4) -> str:
+    """A number for a table: 4 significant digits, NaN/inf spelt out, '-' for missing."""
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "NaN"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return f"{v:.{digits}g}"
+    return str(v)
