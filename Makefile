@@ -62,6 +62,8 @@ demo: $(STAMP)
 	$(TOKENIZE) --in $(DEMO_DIR)/raw --out $(DEMO_DIR)/tokens
 	$(TOKENIZE) --in $(DEMO_DIR)/val_raw --out $(DEMO_DIR)/val_tokens
 	$(BIN)/earlyfuse-train experiment=demo run_dir=$(DEMO_DIR)/lm train.progress=false
+	$(BIN)/earlyfuse-report $(DEMO_DIR)/vtok
+	$(BIN)/earlyfuse-report $(DEMO_DIR)/lm
 
 bench: $(STAMP)
 	$(PY) tools/bench/bench_ingest.py

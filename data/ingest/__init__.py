@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from data.ingest.plan import Plan, make_plan
-from data.ingest.run import command_line, default_workers, run_plan
+from data.ingest.run import command_line, run_plan
 from data.sources import Limits, parse_sources
 
 
@@ -22,4 +22,4 @@ def ingest(out: str | Path, sources: list[str], *, limits: Limits | None = None,
     return summary
 
 
-__all__ = ["Plan", "command_line", "default_workers", "ingest", "make_plan", "run_plan"]
+__all__ = ["Plan", "command_line", "ingest", "make_plan", "run_plan"]

@@ -8,21 +8,19 @@ Design choices:
   the recorded size. A killed run therefore redoes only the shards it had not finished.
 - Rejects travel inside the shard records, so ``rejects.jsonl`` comes out in plan order,
   identical for any worker count or partitioning.
-- Workers are spawned processes that are replaced every few shards (decord leaks memory).
+- Workers are spawned processes that are replaced every few shards (``data.parallel``).
 """
 from __future__ import annotations
 
 import json
-import os
 import sys
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
-from multiprocessing import get_context
 from pathlib import Path
 
 from tqdm import tqdm
 
 from data.ingest.plan import Plan, ShardPlan
+from data.parallel import run_jobs
 from data.schema import Reject, SEGMENT_TYPES
 from data.shards.manifest import finalize, load_records, record_path, write_json_atomic
 from data.shards.writer import ShardWriter
@@ -127,25 +125,9 @@ def run_plan(out: Path, plan: Plan, *, workers: int = 1, num_partitions: int = 1
                      (partition, num_partitions), command or []) for s in todo]
     bar = tqdm(total=len(mine), initial=len(mine) - len(todo), desc="ingest", unit=" shards",
                disable=not progress)
-    if workers <= 1 or len(jobs) <= 1:
-        for job in jobs:
-            records[job.shard.index] = write_shard(job)
-            bar.update()
-    else:
-        ctx = get_context("spawn")
-        with ProcessPoolExecutor(workers, mp_context=ctx, max_tasks_per_child=8) as pool:
-            pending = {pool.submit(write_shard, j) for j in jobs}
-            try:
-                while pending:
-                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                    for f in done:
-                        rec = f.result()
-                        records[rec["index"]] = rec
-                        bar.update()
-            except BaseException:
-                for f in pending:
-                    f.cancel()
-                raise
+    for rec in run_jobs(write_shard, jobs, workers):
+        records[rec["index"]] = rec
+        bar.update()
     bar.close()
     missing = [s.index for s in plan.shards if not _is_done(out, s, plan.fingerprint, records)]
     summary = {"written": len(jobs), "skipped_done": len(mine) - len(todo),
@@ -154,10 +136,6 @@ def run_plan(out: Path, plan: Plan, *, workers: int = 1, num_partitions: int = 1
         summary["manifest"] = finalize(out, records)
         summary["finalized"] = True
     return summary
-
-
-def default_workers() -> int:
-    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8))
 
 
 def command_line() -> list[str]:

@@ -85,6 +85,18 @@ class Source:
     def rejected_item(self, key: str, path: str, reason: str, detail: str = "") -> Item:
         return Item(key, path, ("rejected",), 0, self.reject(path, reason, detail, key))
 
+    def walk_files(self, skip_dir: Callable[[str], str | None]) -> Iterator["tuple[str, str, Path] | Item"]:
+        """(key, label, path) of every file under the root, in order; a folder that
+        ``skip_dir`` names a reason for is yielded once, as its rejected Item."""
+        from data.schema import sanitize_key
+
+        for rel, skipped in walk(self.root, skip_dir):
+            key, label = self.key(sanitize_key(rel)), self.display(rel)
+            if skipped:
+                yield self.rejected_item(key, label, "vendored", skipped)
+            else:
+                yield key, label, (self.root / rel if self.root.is_dir() else self.root)
+
     def display(self, rel: str) -> str:
         """How a file inside this source is named in rejects and metadata: relative to the root."""
         return rel if self.root.is_dir() else self.root.name

@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator
 
-from data.schema import Reject, Sample, sanitize_key
-from data.sources.base import Item, Part, Source, read_file, stat_size, walk
+from data.schema import Reject, Sample
+from data.sources.base import Item, Part, Source, read_file, stat_size
 
 LANGS = {
     ".py": "python", ".pyi": "python", ".c": "c", ".h": "c", ".cc": "cpp", ".cpp": "cpp",
@@ -49,13 +49,11 @@ class CodeSource(Source):
     kind = "code"
 
     def items(self) -> Iterator[Item]:
-        for rel, skipped in walk(self.root, skip_dir):
-            key = self.key(sanitize_key(rel))
-            label = self.display(rel)
-            if skipped:
-                yield self.rejected_item(key, label, "vendored", skipped)
+        for got in self.walk_files(skip_dir):
+            if isinstance(got, Item):
+                yield got
                 continue
-            path = self.root / rel if self.root.is_dir() else self.root
+            key, label, path = got
             name = path.name
             size = stat_size(path)
             lang = language(name)

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from data.schema import Reject, Sample, sanitize_key
-from data.sources.base import Item, Part, Source, hidden_dir, read_file, stat_size, walk
+from data.schema import Reject, Sample
+from data.sources.base import Item, Part, Source, hidden_dir, read_file, stat_size
 
 TEXT_EXTS = {".txt", ".md", ".rst", ".text"}
 
@@ -44,13 +44,11 @@ class TextSource(Source):
     kind = "text"
 
     def items(self) -> Iterator[Item]:
-        for rel, skipped in walk(self.root, hidden_dir):
-            key = self.key(sanitize_key(rel))
-            label = self.display(rel)
-            if skipped:
-                yield self.rejected_item(key, label, "vendored", skipped)
+        for got in self.walk_files(hidden_dir):
+            if isinstance(got, Item):
+                yield got
                 continue
-            path = self.root / rel if self.root.is_dir() else self.root
+            key, label, path = got
             ext = path.suffix.lower()
             size = stat_size(path)
             if size is None:

@@ -20,15 +20,14 @@ import io
 import json
 import shutil
 from collections import Counter
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
-from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+from data.parallel import run_jobs
 from data.schema import Reject, Sample
 from data.shards.manifest import load_manifest, load_records, record_path, versions, write_json_atomic
 from data.shards.reader import ShardReader
@@ -173,19 +172,9 @@ def tokenize(raw_dir: str | Path, out: str | Path, tok_dir: str | Path, vtok_dir
                         1 if workers > 1 else 0)
             for i, s in enumerate(raw_m["shards"]) if not _done(out, records.get(i), fp)]
     bar = tqdm(total=n, initial=n - len(jobs), desc="tokenize", unit=" shards", disable=not progress)
-    if workers <= 1 or len(jobs) <= 1:
-        for job in jobs:
-            records[job.index] = tokenize_shard(job)
-            bar.update()
-    else:
-        with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), max_tasks_per_child=8) as pool:
-            pending = {pool.submit(tokenize_shard, j) for j in jobs}
-            while pending:
-                done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                for f in done:
-                    rec = f.result()
-                    records[rec["index"]] = rec
-                    bar.update()
+    for rec in run_jobs(tokenize_shard, jobs, workers):
+        records[rec["index"]] = rec
+        bar.update()
     bar.close()
     return finalize_tokens(out, raw_dir, raw_m, records, tok_dir, vtok_dir, opts, fp, text)
 

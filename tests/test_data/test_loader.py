@@ -15,7 +15,6 @@ from data.loader import LoaderConfig, SourceConfig, build_loader
 from data.loader.packer import IGNORE
 from data.loader.table import load_table
 from data.text_tokenizer import TextTokenizer
-from data.vocab import Modality
 from model.rope import LayoutTracker
 
 SOURCES = ("code", "text", "scenes", "digits", "clips", "docs")

@@ -1,10 +1,8 @@
 """Validation of inputs at ingest: text decoding, image and video probes on real bytes."""
 from __future__ import annotations
 
-import io
 import resource
 
-from PIL import Image
 
 from data.media import decode_text, probe_image, probe_video
 from data.schema import Reject
