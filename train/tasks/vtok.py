@@ -133,13 +133,17 @@ class VtokTask:
         return {}
 
 
-def save_grid(originals: torch.Tensor, recons: torch.Tensor, path: Path, scale: int = 4) -> None:
-    """Pairs side by side (original | reconstruction), one pair per row, enlarged ``scale`` x."""
+def save_grid(originals: torch.Tensor, recons: torch.Tensor, path: Path, scale: int = 4, per_row: int = 4) -> None:
+    """Pairs (original | reconstruction), ``per_row`` pairs per row, enlarged ``scale`` x."""
     def img(t):
-        a = (to_unit(t.float()).clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
-        return a
-    rows = [np.concatenate([img(a), np.full((a.shape[1], 2, 3), 255, np.uint8), img(b)], axis=1)
-            for a, b in zip(originals, recons)]
-    sep = np.full((2, rows[0].shape[1], 3), 255, np.uint8)
-    grid = np.concatenate([x for r in rows for x in (r, sep)][:-1], axis=0)
+        return (to_unit(t.float()).clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
+
+    pairs = [np.concatenate([img(a), np.full((a.shape[1], 1, 3), 255, np.uint8), img(b)], axis=1)
+             for a, b in zip(originals, recons)]
+    h, w = pairs[0].shape[:2]
+    rows = -(-len(pairs) // per_row)
+    grid = np.full((rows * (h + 3), per_row * (w + 6), 3), 40, np.uint8)
+    for i, p in enumerate(pairs):
+        r, c = divmod(i, per_row)
+        grid[r * (h + 3):r * (h + 3) + h, c * (w + 6):c * (w + 6) + w] = p
     Image.fromarray(grid).resize((grid.shape[1] * scale, grid.shape[0] * scale), Image.NEAREST).save(path)
