@@ -63,6 +63,7 @@ class VisualTokenizerConfig:
     l1: float = 1.0
     l2: float = 1.0
     grad: float = 0.0                  # weight of the finite-difference (edge) L1 term
+    entropy: float = 0.0               # weight of the code-use bonus (FSQ.marginal_entropy)
 
     def __post_init__(self) -> None:
         self.levels = [int(x) for x in self.levels]
@@ -183,10 +184,14 @@ class VisualTokenizer(nn.Module):
             raise ValueError(f"images need 3 channels and H, W multiples of {f}, got {tuple(x.shape)}")
 
     # --- images ------------------------------------------------------------------------
+    def latents(self, x: Tensor) -> Tensor:
+        """Images -> continuous latents ``[B, d, h, w]`` before FSQ."""
+        self._check(x)
+        return self.to_latent(self.encoder(x))
+
     def quantize(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Images -> (normalised codes [B, d, h, w] with straight-through grads, indices)."""
-        self._check(x)
-        return self.fsq(self.to_latent(self.encoder(x)))
+        return self.fsq(self.latents(x))
 
     @torch.no_grad()
     def encode(self, images: Tensor) -> Tensor:
@@ -217,8 +222,13 @@ class VisualTokenizer(nn.Module):
 
     def forward(self, images: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """One training step's loss: ``loss, metrics = model(images)``, images in [-1, 1]."""
-        q, idx = self.quantize(images)
+        z = self.latents(images)
+        q, idx = self.fsq(z)
         loss, m = self.loss(self.decoder(q), images)
+        if self.cfg.entropy:
+            h = self.fsq.marginal_entropy(z)
+            loss = loss + self.cfg.entropy * (1 - h).mean()
+            m["level_entropy"] = h.detach().mean()
         with torch.no_grad():
             m["code_fraction"] = torch.tensor(idx.unique().numel() / self.num_codes)
         return loss, m

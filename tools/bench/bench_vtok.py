@@ -121,6 +121,32 @@ def evaluate(model, crops: torch.Tensor, device, bs: int = 128) -> dict:
 
 
 @torch.no_grad()
+def evaluate_video(model, clips: Path, device, n: int = 4) -> dict:
+    """Demo clips through the causal video path vs frame-by-frame image tokens (no video training:
+    the merge is at its mean initialisation unless a video run trained it)."""
+    from data.video_frames import VideoSampling, decode_frames
+    model.eval()
+    prep = ImagePrep(factor=model.cfg.factor, max_pixels=96 * 96, max_grid=64)
+    se_v = se_i = 0.0
+    frames = tokens_v = tokens_i = 0
+    for path in sorted(clips.glob("*.mp4"))[:n]:
+        f = decode_frames(path.read_bytes(), VideoSampling(target_fps=8, max_frames=9), prep).frames
+        x = torch.from_numpy(np.array(f)).permute(0, 3, 1, 2).float().div(127.5).sub(1).to(device)
+        idx = model.encode_video(x[None])
+        y = to_unit(model.decode_video(idx, num_frames=len(x))[0])
+        yi = to_unit(model.decode(model.encode(x)))
+        t = to_unit(x)
+        se_v += float(((y - t) ** 2).sum() / t[0].numel())
+        se_i += float(((yi - t) ** 2).sum() / t[0].numel())
+        frames, tokens_v, tokens_i = frames + len(x), tokens_v + idx.numel(), tokens_i + model.encode(x).numel()
+    if not frames:
+        return {}
+    return {"clips": min(n, len(list(clips.glob("*.mp4")))), "frames": frames,
+            "video_psnr": float(psnr_of_mse(se_v / frames)), "video_tokens": tokens_v,
+            "per_frame_psnr": float(psnr_of_mse(se_i / frames)), "per_frame_tokens": tokens_i}
+
+
+@torch.no_grad()
 def encode_speed(model, device, size: int, bs: int, seconds: float = 3.0) -> float:
     model.eval()
     x = torch.rand(bs, 3, size, size, device=device) * 2 - 1
@@ -163,6 +189,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--preset", default="vtok_cpu")
     ap.add_argument("--set", nargs="*", default=[], help="config overrides key=value")
     ap.add_argument("--minutes", type=float, default=15.0)
+    ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
+                    help="budget clock: cpu = this process's CPU seconds / threads (what an unloaded "
+                         "machine with that many cores would take; robust to other jobs), or wall")
+    ap.add_argument("--steps", type=int, default=0,
+                    help="ablations: schedule by steps and stop there (--minutes stays a cap); "
+                         "on a shared CPU equal steps compare configs, equal minutes do not")
     ap.add_argument("--crop", type=int, default=32)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=2e-3)
@@ -209,10 +241,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.99), weight_decay=a.wd)
     ema = copy.deepcopy(model) if a.ema else None
-    budget, step, seen, t0, last = a.minutes * 60, 0, 0, time.perf_counter(), 0.0
+    def clock() -> float:
+        return time.process_time() / a.threads if a.clock == "cpu" else time.perf_counter()
+
+    budget, step, seen, t0, last = a.minutes * 60, 0, 0, clock(), 0.0
+    w0 = time.perf_counter()
     print(f"params {params/1e6:.3f}M  train photos {len(train)}  held-out crops {len(crops)}  device {dev}", flush=True)
-    while (el := time.perf_counter() - t0) < budget:
-        p = el / budget
+    while (el := clock() - t0) < budget and not (a.steps and step >= a.steps):
+        p = step / a.steps if a.steps else el / budget
         lr = a.lr * min(1.0, (step + 1) / a.warmup) * (a.final_lr + (1 - a.final_lr) * 0.5 * (1 + math.cos(math.pi * p)))
         for gr in opt.param_groups:
             gr["lr"] = lr
@@ -234,15 +270,16 @@ def main(argv: list[str] | None = None) -> dict:
         step, seen = step + 1, seen + len(x)
         if el - last > 30:
             last = el
-            print(f"{el/60:5.1f} min  step {step}  loss {loss.item():.4f}  psnr {m['psnr']:.2f}  "
-                  f"lr {lr:.2e}  {seen/el:.0f} img/s", flush=True)
-    train_s = time.perf_counter() - t0
+            print(f"{el/60:5.1f} min ({a.clock})  step {step}  loss {loss.item():.4f}  psnr {m['psnr']:.2f}  "
+                  f"lr {lr:.2e}  {seen/el:.0f} img/s  wall {(time.perf_counter()-w0)/60:.1f} min", flush=True)
+    train_s, wall_s = clock() - t0, time.perf_counter() - w0
     final = ema if ema is not None else model
     res = evaluate(final, crops, dev)
-    res.update(train_minutes=train_s / 60, steps=step, images_seen=seen, params=params, config=vars(cfg),
+    res.update(train_minutes=train_s / 60, wall_minutes=wall_s / 60, clock=a.clock, steps=step, images_seen=seen, params=params, config=vars(cfg),
                args={k: str(v) for k, v in vars(a).items()}, device=str(dev), cpu=platform.processor(),
                encode_img_s={f"{a.crop}px_b64": encode_speed(final, dev, a.crop, 64),
                              "256px_b8": encode_speed(final, dev, 256, 8)})
+    res["video"] = evaluate_video(final, corpus / "clips", dev)
     if ema is not None:
         res["no_ema"] = {k: v for k, v in evaluate(model, crops, dev).items() if k in ("psnr", "ssim")}
     a.out.mkdir(parents=True, exist_ok=True)
@@ -252,7 +289,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"held-out: PSNR {res['psnr']:.2f} dB (baseline {res['baseline_psnr']:.2f})  SSIM {res['ssim']:.3f} "
           f"(baseline {res['baseline_ssim']:.3f})  codes hit {res['code_fraction']:.1%} of {model.num_codes} "
           f"over {res['tokens']} tokens, perplexity {res['code_perplexity']:.0f}  steps {step}  "
-          f"encode {res['encode_img_s']}", flush=True)
+          f"encode {res['encode_img_s']}\nvideo {res['video']}", flush=True)
     return res
 
 
