@@ -45,6 +45,8 @@ class TrainConfig:
     ckpt_every: int = 0                # 0: only at the end
     keep_last: int = 2                 # checkpoints kept (older ones deleted)
     resume: bool = True                # continue from run_dir's latest checkpoint if there is one
+    init_from: str = ""                # a release folder (earlyfuse-convert release) whose weights start a run
+                                       # that has no checkpoint yet; checked against layout, tokenizer, shapes
     seed: int = 0
     deterministic: bool = False        # bit-identical reruns/resumes on CPU (slower kernels)
     bf16: bool = False                 # bf16 weights/activations, fp32 master weights and grad accumulation

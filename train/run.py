@@ -48,6 +48,9 @@ class Run:
         seed_everything(cfg.train.seed, self.dist.rank, cfg.train.deterministic)
         self.task = build_task(cfg, self.dist)
         model = self.task.build_model()
+        if cfg.train.init_from:  # a release's weights (earlyfuse-convert import); a resuming run ignores it
+            from tools.release import init_from_release
+            init_from_release(model, cfg, self.task, self.dist.is_main)
         self.engine, self.optimizer, self.scheduler = build_engine(model, cfg, self.dist.world_size)
         self.rule = SkipStepRule(cfg.optim.skip_step)
         self.gate = UpdateGate(self.rule, lambda: global_grad_norm(self.engine))

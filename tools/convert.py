@@ -1,0 +1,53 @@
+"""``earlyfuse-convert``: checkpoints in and out of training runs. One subcommand per module:
+
+    release    tools/convert_release.py   DeepSpeed checkpoint (any ZeRO stage) -> release folder
+    import     tools/convert_import.py    release -> the start of a new training run (train.init_from)
+
+A subcommand module has ``register(subparsers)``, which adds its parser and sets
+``run=fn(args) -> exit code``; add it to ``SUBCOMMANDS`` (the Hugging Face export ``hf`` and the
+universal checkpoint ``universal`` are meant to plug in the same way). Errors that users cause
+(a missing file, a truncated checkpoint, a mismatch) are one line naming the file, exit code 1.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from tools.convert_deepspeed import CheckpointError
+from tools.release import ReleaseError
+
+SUBCOMMANDS = ("tools.convert_release", "tools.convert_import")
+
+EPILOG = """\
+examples:
+  earlyfuse-convert release runs/demo releases/demo              # latest checkpoint, fp32
+  earlyfuse-convert release runs/demo --step 2000 releases/demo-2k --dtype bf16
+  earlyfuse-convert import releases/demo runs/finetune experiment=demo optim.lr=1e-4
+  earlyfuse-generate releases/demo --prompt "def fib(n):"        # sample from a release
+
+Run `earlyfuse-convert COMMAND --help` for each command's options. Formats: docs/checkpoints.md.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="earlyfuse-convert",
+                                description="Convert earlyfuse checkpoints: DeepSpeed run -> release -> new run.",
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        importlib.import_module(name).register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except (ReleaseError, CheckpointError) as e:
+        print(f"earlyfuse-convert {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""``earlyfuse-convert release RUN_DIR OUT``: a checkpoint of any ZeRO stage becomes a release
+folder (tools/release.py): consolidated weights, config, text and visual tokenizers, layout.
+
+Design choices:
+- CPU only and any world size: the weights come from tools/convert_deepspeed.py (the module
+  states at stage 0, DeepSpeed's zero_to_fp32 over all partitions at stages 1-3); nothing is
+  initialised or distributed.
+- The model config is the checkpoint's own ``config.yaml`` with the vocabulary sizes of the
+  checkpoint's ``vocab_layout.json`` (what the weights were trained with), and the weights are
+  checked against the network that config builds, tensor by tensor.
+- The tokenizers are the token data's ``tokenizers/`` copy, found from the run config's
+  ``data.sources`` (beside the token shards, as ``earlyfuse-prep tokenize`` wrote them), or
+  given with ``--tokenizers DIR``. They must match the checkpoint's layout (fingerprint); what is
+  missing is named. ``--no-tokenizers`` writes weights, config and layout only.
+- The token data's tokenize options (image and video pixel budgets) are kept in config.json, so
+  ``earlyfuse-generate`` encodes an image at the resolution the model was trained on.
+- A vtok run releases its visual tokenizer (``OUT/visual_tokenizer/``, ``task: vtok``).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from tools.convert_deepspeed import CheckpointError, consolidate, find_checkpoint, load_run_config
+from tools.release import (CONFIG, check_out, DTYPES, FORMAT, LAYOUT, TOKENIZER, VERSION, VISUAL, WEIGHTS, ReleaseError,
+                           check_state, dtype_name, meta_module, param_count, save_safetensors, write_release)
+
+EXAMPLES = """\
+examples:
+  # the latest checkpoint of a run, fp32
+  earlyfuse-convert release runs/demo releases/demo
+  # step 2000, stored in bf16 (half the size; loaded back as fp32 or bf16)
+  earlyfuse-convert release runs/demo --step 2000 releases/demo-2k --dtype bf16
+  # the token data moved: name its tokenizers/ folder
+  earlyfuse-convert release runs/demo releases/demo --tokenizers /data/tokens/tokenizers
+  # a visual tokenizer run: OUT/visual_tokenizer/ is what `earlyfuse-prep tokenize` takes
+  earlyfuse-convert release runs/vtok releases/vtok
+"""
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"torch": torch.__version__}
+    for pkg in ("earlyfuse", "deepspeed", "safetensors"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def _token_manifest_dir(path: Path) -> Path | None:
+    for parent in [path, *list(path.parents)[:3]]:
+        m = parent / "manifest.json"
+        if m.is_file():
+            try:
+                if json.loads(m.read_text()).get("format") == "earlyfuse-token-shards":
+                    return parent
+            except ValueError:
+                return None
+    return None
+
+
+def find_tokenizers(run_cfg) -> tuple[Path | None, str]:
+    """(the token data's tokenizers/ folder, "") or (None, why not)."""
+    from data.loader.table import expand
+
+    tried = []
+    for src in [*run_cfg.data.sources, *run_cfg.data.validation]:
+        for pattern in src.shards:
+            found = expand(pattern)
+            if not found:
+                tried.append(f"{pattern} (source {src.name}: no shard there any more)")
+                continue
+            root = _token_manifest_dir(Path(found[0]))
+            if root is None:
+                tried.append(f"{found[0]} (no token manifest.json above it)")
+                continue
+            m = json.loads((root / "manifest.json").read_text())
+            folder = root / m.get("tokenizers", {}).get("folder", "tokenizers")
+            if folder.is_dir():
+                return folder, ""
+            tried.append(f"{folder} (named by {root / 'manifest.json'}, missing)")
+    return None, "; ".join(tried) or "the run config names no data.sources"
+
+
+def check_tokenizers(folder: Path, layout) -> dict:
+    """Fingerprints of a tokenizers/ folder after checking it belongs to ``layout``."""
+    from data.text_tokenizer import TextTokenizer
+    from data.tokenize.visual import load_visual_tokenizer, weights_fingerprint
+    from data.vocab import VocabLayout
+
+    need = [folder / TOKENIZER, folder / LAYOUT, folder / VISUAL / WEIGHTS, folder / VISUAL / CONFIG]
+    missing = [str(p) for p in need if not p.is_file()]
+    if missing:
+        raise ReleaseError(f"{folder}: tokenizer files missing: {', '.join(missing)} (pass --tokenizers DIR "
+                           "with tokenizer.json, vocab_layout.json and visual_tokenizer/, or --no-tokenizers)")
+    theirs = VocabLayout.load(folder / LAYOUT)
+    if theirs.fingerprint() != layout.fingerprint():
+        raise ReleaseError(f"{folder / LAYOUT}: differs from the checkpoint's vocab_layout.json "
+                           f"({theirs.to_dict()['ranges']} vs {layout.to_dict()['ranges']}); these are not the "
+                           "tokenizers this model was trained with")
+    try:
+        text = TextTokenizer.load(folder)
+        load_visual_tokenizer(folder / VISUAL, layout)
+    except ValueError as e:
+        raise ReleaseError(str(e)) from None
+    return {"layout": layout.fingerprint(), "text": text.fingerprint(), "visual": weights_fingerprint(folder / VISUAL)}
+
+
+def make_release(run_dir: str | Path, out: str | Path, *, step: int | None = None, dtype: str = "fp32",
+                 tokenizers: str | Path | None = None, no_tokenizers: bool = False, force: bool = False,
+                 command: list[str] | None = None, log=print) -> dict:
+    """Write the release of one checkpoint of ``run_dir`` to ``out``; returns its config.json."""
+    from data.vocab import VocabLayout
+
+    run_dir = Path(run_dir).resolve()
+    check_out(Path(out), force)
+    ckpt = find_checkpoint(run_dir, step)
+    cfg_path = ckpt.folder / "config.yaml"
+    run_cfg = load_run_config(cfg_path if cfg_path.is_file() else run_dir / "config.yaml")
+    task = ckpt.meta.get("task", run_cfg.task)
+    torch_dtype = DTYPES[dtype]
+    log(f"{ckpt.folder}: task {task}, step {ckpt.step}, ZeRO {ckpt.zero_stage}, {ckpt.meta['world_size']} rank(s)")
+
+    layout = tok_dir = None
+    fingerprints, tok_options = None, {}
+    if task == "lm":
+        lp = ckpt.folder / LAYOUT
+        if not lp.is_file():
+            raise CheckpointError(f"{lp}: missing; an LM checkpoint carries the vocabulary layout it was trained with")
+        layout = VocabLayout.load(lp)
+        net_cfg = run_cfg.model.with_layout(layout)
+        if not no_tokenizers:
+            if tokenizers is not None:
+                tok_dir = Path(tokenizers)
+                if not tok_dir.is_dir():
+                    raise ReleaseError(f"--tokenizers {tok_dir}: not a folder")
+            else:
+                tok_dir, why = find_tokenizers(run_cfg)
+                if tok_dir is None:
+                    raise ReleaseError(f"{run_dir}: cannot find the token data's tokenizers/ folder (tried: {why}); "
+                                       "pass --tokenizers DIR (tokenizer.json, vocab_layout.json, visual_tokenizer/) "
+                                       "or --no-tokenizers for weights only")
+            fingerprints = check_tokenizers(tok_dir, layout)
+            root = _token_manifest_dir(tok_dir.parent)
+            if root is not None:
+                tok_options = json.loads((root / "manifest.json").read_text()).get("options", {})
+    elif task == "vtok":
+        net_cfg = run_cfg.vtok
+    else:
+        raise CheckpointError(f"{ckpt.folder / 'meta.json'}: unknown task {task!r}")
+
+    state = consolidate(ckpt)
+    check_state(state, meta_module(task, net_cfg).state_dict(), str(ckpt.folder))
+    state = {k: (v.to(torch_dtype) if v.is_floating_point() else v) for k, v in state.items()}
+    n_params = param_count(state)
+    log(f"consolidated {len(state)} tensors, {n_params:,} parameters; shapes match the model config")
+
+    config = {
+        "format": FORMAT, "version": VERSION, "task": task,
+        **({"model": dataclasses.asdict(net_cfg)} if task == "lm" else {}),
+        "dtype": dtype_name(torch_dtype), "tensors": len(state), "parameters": n_params,
+        "source": {"run_dir": str(run_dir), "run_name": run_cfg.name, "tag": ckpt.tag, "step": ckpt.step,
+                   "zero_stage": ckpt.zero_stage, "world_size": ckpt.meta["world_size"],
+                   "bf16": bool(ckpt.meta.get("bf16", False))},
+        **({"tokenizers": fingerprints, "tokenize": tok_options} if task == "lm" else {}),
+        "created_by": {"command": command or [], "versions": _versions()},
+    }
+    meta = {"format": FORMAT, "task": task, "step": str(ckpt.step)}
+
+    def write(folder: Path) -> None:
+        if task == "lm":
+            save_safetensors(state, folder / WEIGHTS, meta)
+            layout.save(folder / LAYOUT)
+            if tok_dir is not None:
+                (folder / TOKENIZER).write_bytes((tok_dir / TOKENIZER).read_bytes())
+                (folder / VISUAL).mkdir()
+                for name in (CONFIG, WEIGHTS):
+                    (folder / VISUAL / name).write_bytes((tok_dir / VISUAL / name).read_bytes())
+        else:
+            (folder / VISUAL).mkdir()
+            save_safetensors(state, folder / VISUAL / WEIGHTS, meta)
+            (folder / VISUAL / CONFIG).write_text(json.dumps(dataclasses.asdict(net_cfg), indent=1) + "\n")
+
+    config = write_release(out, config, write, force=force)
+    log(f"wrote {out}: " + ", ".join(config["files"]))
+    if task == "lm" and tok_dir is None:
+        log("note: no tokenizers in this release (--no-tokenizers): earlyfuse-generate cannot use it; "
+            "train.init_from can")
+    return config
+
+
+def run(args: argparse.Namespace) -> int:
+    make_release(args.run_dir, args.out, step=args.step, dtype=args.dtype, tokenizers=args.tokenizers,
+                 no_tokenizers=args.no_tokenizers, force=args.force,
+                 command=["earlyfuse-convert", *sys.argv[1:]] if sys.argv else None)
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "release", help="a DeepSpeed checkpoint (any ZeRO stage) -> a portable release folder",
+        description="Consolidate a checkpoint of RUN_DIR (any ZeRO stage, any world size, on CPU) into OUT: "
+                    "model.safetensors, config.json, vocab_layout.json, tokenizer.json, visual_tokenizer/. "
+                    "Tensor names and shapes are checked against the model the run's config builds.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", metavar="RUN_DIR", help="an earlyfuse-train run folder (with checkpoints/)")
+    p.add_argument("out", metavar="OUT", help="release folder to write (must not exist or be empty, see --force)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: checkpoints/latest)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="weight dtype stored (default fp32)")
+    p.add_argument("--tokenizers", metavar="DIR", default=None,
+                   help="the tokenizers/ folder of the token data (default: found from the run config's data.sources)")
+    p.add_argument("--no-tokenizers", action="store_true",
+                   help="weights, config and layout only (enough for train.init_from, not for earlyfuse-generate)")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.set_defaults(run=run)
