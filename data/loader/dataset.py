@@ -90,11 +90,18 @@ class PackedLoader:
         dl = DataLoader(_Consumers(self), batch_size=None, num_workers=self.cfg.num_workers,
                         pin_memory=self.pin, prefetch_factor=self.cfg.prefetch_factor if self.cfg.num_workers else None,
                         persistent_workers=False, multiprocessing_context="spawn" if self.cfg.num_workers else None)
-        for batch in dl:
-            w = batch.pop("_worker")
-            self.worker_states[int(w)] = batch.pop("_state")
-            self.handed_out += 1
-            yield batch
+        it = iter(dl)
+        try:
+            for batch in it:
+                w = batch.pop("_worker")
+                self.worker_states[int(w)] = batch.pop("_state")
+                self.handed_out += 1
+                yield batch
+        finally:
+            # Closing this generator stops the workers now, not whenever it is garbage collected.
+            shutdown = getattr(it, "_shutdown_workers", None)
+            if shutdown:
+                shutdown()
 
     # --- state -----------------------------------------------------------------------------------
     def fingerprint(self) -> str:

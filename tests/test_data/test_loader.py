@@ -28,7 +28,9 @@ def cfg_for(tokens, weights=None, **kw) -> LoaderConfig:
 
 def take(loader, n):
     it = iter(loader)
-    return [next(it) for _ in range(n)]
+    out = [next(it) for _ in range(n)]
+    it.close()
+    return out
 
 
 def docs_of(tokens):

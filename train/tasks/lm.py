@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import closing
 from pathlib import Path
 
 import torch
@@ -107,12 +108,13 @@ class LMTask:
                               micro_batch=self.cfg.train.micro_batch, pad_id=0, validation=True)
         ce = torch.zeros(len(Modality), dtype=torch.float64)
         cnt = torch.zeros(len(Modality), dtype=torch.float64)
-        for i, batch in enumerate(loader):
-            if self.cfg.train.eval_batches and i >= self.cfg.train.eval_batches:
-                break
-            res = engine(**{k: batch[k].to(self.dist.device) for k in MODEL_INPUTS})
-            ce += res.ce_sum.detach().double().cpu()
-            cnt += res.count.detach().double().cpu()
+        with closing(iter(loader)) as batches:   # stops the loader's workers when we stop early
+            for i, batch in enumerate(batches):
+                if self.cfg.train.eval_batches and i >= self.cfg.train.eval_batches:
+                    break
+                res = engine(**{k: batch[k].to(self.dist.device) for k in MODEL_INPUTS})
+                ce += res.ce_sum.detach().double().cpu()
+                cnt += res.count.detach().double().cpu()
         ce, cnt = all_reduce_sum(ce), all_reduce_sum(cnt)
         out = {}
         for i, name in enumerate(MODALITY_NAMES):
