@@ -268,13 +268,37 @@ def cmd_tokenize(a) -> int:
     return 0
 
 
+def _add_preview(sub) -> None:
+    p = sub.add_parser("preview", help="show a few packed rows of token shards, modalities coloured (text or PNG)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Pack a few rows from a token folder exactly as the training loader does and\n"
+                       "show them: each piece (document run) with text and code decoded and visual blocks\n"
+                       "summarised; --png draws one band per row, a cell per token coloured by modality,\n"
+                       "and decodes the rows' images beside it.",
+                       epilog="example:\n  earlyfuse-prep preview runs/demo/tokens --seq-len 512 --rows 3 --png rows.png")
+    p.add_argument("tokens", type=Path, metavar="TOKEN_DIR")
+    p.add_argument("--source", action="append", default=None, help="only these sources (repeatable; default all)")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--rows", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--png", type=Path, default=None, help="also render the rows to this PNG")
+    p.set_defaults(func=cmd_preview)
+
+
+def cmd_preview(a) -> int:
+    from data.loader.preview import preview
+
+    print(preview(a.tokens, sources=a.source, seq_len=a.seq_len, n_rows=a.rows, seed=a.seed, png=a.png))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="earlyfuse-prep",
         description="earlyfuse data preparation: raw corpora -> shards -> tokenizers -> token shards.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_ingest, _add_merge, _add_stats, _add_verify, _add_demo_corpus,
-                _add_train_text_tokenizer, _add_tokenize):
+                _add_train_text_tokenizer, _add_tokenize, _add_preview):
         add(sub)
     return p
 

@@ -171,3 +171,13 @@ def test_robustness(tiny_tokens, tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         build_loader(LoaderConfig(sources=[SourceConfig(name="x", shards=[str(bad / "nope.tar")])]),
                      rank=0, world_size=1, micro_batch=1)
+
+
+def test_preview_prints_and_renders_rows(tiny_tokens, tmp_path):
+    from data.loader.preview import preview
+    out = preview(tiny_tokens, sources=["scenes", "clips"], seq_len=256, n_rows=2, png=tmp_path / "rows.png",
+                  colour=False)
+    assert "row 0:" in out and "row 1:" in out and "[image" in out and "packing efficiency" in out
+    from PIL import Image
+    assert Image.open(tmp_path / "rows.png").size[0] > 100
+    assert Image.open(tmp_path / "rows_images.png").size[0] > 0

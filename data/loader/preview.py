@@ -1,0 +1,153 @@
+"""``earlyfuse-prep preview``: show a few packed rows the way the model will see them.
+
+Text: each row printed as its pieces (one per document run), text and code decoded, visual
+blocks summarised as ``[image 8x8]`` / ``[video 3x8x8]``, modalities coloured when the output
+is a terminal. PNG: one band per row, one cell per token coloured by modality, piece
+boundaries marked, padding grey, and each image block drawn from its codes when a visual
+tokenizer is at hand (it is, in the token folder's ``tokenizers/``).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from data.layout import parse_image
+from data.loader.config import LoaderConfig, SourceConfig
+from data.loader.dataset import build_loader
+from data.text_tokenizer import TextTokenizer
+from data.vocab import MODALITY_NAMES, Modality
+
+COLOURS = {Modality.TEXT: (66, 133, 244), Modality.CODE: (52, 168, 83), Modality.IMAGE: (251, 188, 5),
+           Modality.VIDEO: (234, 67, 53), Modality.STRUCTURE: (160, 100, 220)}
+ANSI = {Modality.TEXT: "34", Modality.CODE: "32", Modality.IMAGE: "33", Modality.VIDEO: "31", Modality.STRUCTURE: "35"}
+PAD = (200, 200, 200)
+
+
+def sources_of(token_dir: Path, names: list[str] | None) -> list[SourceConfig]:
+    m = json.loads((token_dir / "manifest.json").read_text())
+    have = [s["name"] for s in m["sources"]]
+    for n in names or []:
+        if n not in have:
+            raise ValueError(f"{token_dir}: no source {n!r} (it has {have})")
+    return [SourceConfig(name=n, shards=[str(token_dir / n)]) for n in (names or have)]
+
+
+def rows(token_dir: Path, names: list[str] | None, seq_len: int, n_rows: int, seed: int) -> list[dict]:
+    cfg = LoaderConfig(sources=sources_of(token_dir, names), seq_len=seq_len, num_workers=0, seed=seed)
+    loader = build_loader(cfg, rank=0, world_size=1, micro_batch=1)
+    out = []
+    it = iter(loader)
+    for _ in range(n_rows):
+        b = next(it)
+        out.append({k: v[0].numpy() if hasattr(v, "numpy") and v.dim() else v for k, v in b.items()})
+    it.close()
+    out.append(loader.delivered())
+    return out
+
+
+def _runs(row: dict):
+    """(start, end) of each piece of a row, in order (padding excluded)."""
+    doc = row["doc_ids"]
+    pad = row["input_ids"] == 0
+    start = 0
+    for i in range(1, len(doc) + 1):
+        if i == len(doc) or doc[i] != doc[start]:
+            if not pad[start]:
+                yield start, i
+            start = i
+
+
+def describe(row: dict, tok: TextTokenizer, colour: bool) -> str:
+    lay = tok.layout
+    ids, mod = row["input_ids"], row["modality"]
+    lines = []
+    for a, b in _runs(row):
+        parts, i = [], a
+        while i < b:
+            m = Modality(int(mod[i]))
+            j = i
+            if ids[i] in (lay.structure_id("<boi>"), lay.structure_id("<bov>")):
+                end = lay.structure_id("<eoi>") if ids[i] == lay.structure_id("<boi>") else lay.structure_id("<eov>")
+                j = i + int(np.flatnonzero(ids[i:b] == end)[0]) + 1
+                h, w = int(ids[i + 1] - lay.structure_id("<h=1>") + 1), int(ids[i + 2] - lay.structure_id("<w=1>") + 1)
+                frames = int((ids[i:j] == lay.structure_id("<frame>")).sum())
+                text = f"[image {h}x{w}]" if frames == 0 else f"[video {frames}x{h}x{w}]"
+                m = Modality.IMAGE if frames == 0 else Modality.VIDEO
+            else:
+                while j < b and Modality(int(mod[j])) == m and ids[j] < lay.structure_offset:
+                    j += 1
+                j = max(j, i + 1)
+                text = tok.decode(ids[i:j].tolist()) if ids[i] < lay.structure_offset else \
+                    lay.structure[int(ids[i]) - lay.structure_offset]
+            parts.append(f"\x1b[{ANSI[m]}m{text}\x1b[0m" if colour else text)
+            i = j
+        lines.append(f"  ── piece {len(lines)} ({b - a} tokens) ──\n" + "".join(parts))
+    return "\n".join(lines)
+
+
+def render_png(rows_: list[dict], tok: TextTokenizer, path: Path, vtok=None, cell: int = 5, width: int = 128) -> None:
+    lay = tok.layout
+    seq = len(rows_[0]["input_ids"])
+    lines = -(-seq // width)
+    band = lines * cell + 8
+    img = Image.new("RGB", (width * cell + 20, band * len(rows_) + 40), (255, 255, 255))
+    d = ImageDraw.Draw(img)
+    for k, m in enumerate(Modality):
+        d.rectangle([10 + k * 90, 8, 22 + k * 90, 20], fill=COLOURS[m])
+        d.text((26 + k * 90, 8), MODALITY_NAMES[k], fill=(0, 0, 0))
+    for r, row in enumerate(rows_):
+        y0 = 32 + r * band
+        ids, mod, doc = row["input_ids"], row["modality"], row["doc_ids"]
+        for i in range(seq):
+            x, y = 10 + (i % width) * cell, y0 + (i // width) * cell
+            c = PAD if ids[i] == 0 else COLOURS[Modality(int(mod[i]))]
+            if i and doc[i] != doc[i - 1]:
+                c = (0, 0, 0)                                  # a piece boundary
+            d.rectangle([x, y, x + cell - 1, y + cell - 1], fill=c)
+    img.save(path)
+    if vtok is not None:   # the row's first images, decoded from their codes, beside the bands
+        import torch
+        thumbs = []
+        for row in rows_:
+            ids = row["input_ids"]
+            for s in np.flatnonzero(ids == lay.structure_id("<boi>"))[:4]:
+                e = s + int(np.flatnonzero(ids[s:] == lay.structure_id("<eoi>"))[0]) + 1
+                codes = torch.from_numpy(parse_image(ids[s:e], lay))[None]
+                thumbs.append(((vtok.decode(codes)[0].permute(1, 2, 0).numpy() + 1) * 127.5).clip(0, 255).astype(np.uint8))
+        if thumbs:
+            h = max(t.shape[0] for t in thumbs)
+            strip = np.full((h, sum(t.shape[1] + 4 for t in thumbs), 3), 255, np.uint8)
+            x = 0
+            for t in thumbs:
+                strip[:t.shape[0], x:x + t.shape[1]] = t
+                x += t.shape[1] + 4
+            Image.fromarray(strip).resize((strip.shape[1] * 2, strip.shape[0] * 2), Image.NEAREST).save(
+                path.with_name(path.stem + "_images.png"))
+
+
+def preview(token_dir: str | Path, *, sources: list[str] | None = None, seq_len: int = 2048, n_rows: int = 2,
+            seed: int = 0, png: str | Path | None = None, colour: bool | None = None) -> str:
+    token_dir = Path(token_dir)
+    tok = TextTokenizer.load(token_dir / "tokenizers")
+    got = rows(token_dir, sources, seq_len, n_rows, seed)
+    delivered, packed = got[-1], got[:-1]
+    colour = sys.stdout.isatty() if colour is None else colour
+    out = []
+    for r, row in enumerate(packed):
+        real = int((row["input_ids"] != 0).sum())
+        counts = np.bincount(row["modality"][row["input_ids"] != 0], minlength=len(Modality))
+        out.append(f"row {r}: {real}/{seq_len} real tokens; " +
+                   ", ".join(f"{MODALITY_NAMES[i]} {c}" for i, c in enumerate(counts) if c))
+        out.append(describe(row, tok, colour))
+    out.append(f"packing efficiency over these rows: {delivered['packing_efficiency']:.1%}")
+    if png:
+        from data.tokenize.visual import load_visual_tokenizer
+        vtok_dir = token_dir / "tokenizers" / "visual_tokenizer"
+        vtok = load_visual_tokenizer(vtok_dir, tok.layout) if vtok_dir.is_dir() else None
+        render_png(packed, tok, Path(png), vtok)
+        out.append(f"wrote {png}" + (f" and {Path(png).with_name(Path(png).stem + '_images.png')}" if vtok else ""))
+    return "\n".join(out)
