@@ -74,6 +74,17 @@ def test_fsq_straight_through_gradient():
     assert z.grad.abs().min() > 0
 
 
+def test_fsq_marginal_entropy_rewards_spread():
+    q = FSQ([8, 5, 5, 5])
+    flat = q.marginal_entropy(torch.zeros(16, 4, 4, 4))
+    saturated = q.marginal_entropy(torch.full((16, 4, 4, 4), 20.0))
+    spread = q.marginal_entropy(torch.randn(16, 4, 4, 4))
+    assert ((0 <= flat) & (flat <= 1)).all() and (spread > flat + 0.3).all() and (spread > saturated + 0.3).all()
+    z = torch.zeros(8, 4, 2, 2).requires_grad_()
+    (1 - q.marginal_entropy(z + 0.1 * torch.randn(8, 4, 2, 2))).mean().backward()
+    assert z.grad.abs().sum() > 0
+
+
 def test_fsq_rejects_bad_input():
     with pytest.raises(ValueError):
         FSQ([8, 1])
@@ -126,6 +137,13 @@ def test_tiny_model_loss_falls_on_fixed_batch():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], losses[::8]
+
+
+def test_entropy_bonus_reported_and_differentiable():
+    m = dataclasses.replace(vtok_debug(), entropy=0.1).build()
+    loss, metrics = m(smooth_images(2, 16, 16))
+    loss.backward()
+    assert 0 < float(metrics["level_entropy"]) <= 1 and m.to_latent.weight.grad.abs().sum() > 0
 
 
 def test_grad_loss_term_is_added():
