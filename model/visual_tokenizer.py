@@ -17,7 +17,7 @@ Design choices:
   output, and the decoder's last conv starts at zero. At step 0 the tokenizer is therefore a
   learned version of the mean-colour baseline, and the conv trunks learn only the residual:
   detail inside a patch. This is the main reason the CPU preset beats that baseline
-  (docs/bench-vtok.md has the ablation).
+  (docs/visual_tokenizer.md, "The CPU check", has the ablation).
 - Residual blocks: GroupNorm (batch-independent, so a code never depends on the other images of
   a batch) -> SiLU -> 3x3 conv, twice; ``norm_groups=0`` drops the norm (faster on CPU).
 - Loss: ``l1 * |x - y| + l2 * (x - y)^2 + grad * |dx - dy|`` (finite differences along H and W):
@@ -291,6 +291,6 @@ def vtok_debug() -> VisualTokenizerConfig:
 
 
 def vtok_cpu() -> VisualTokenizerConfig:
-    """The CPU preset (docs/bench-vtok.md): factor 4, 1,000 codes, trunks at latent resolution."""
+    """The CPU preset (docs/visual_tokenizer.md): factor 4, 1,000 codes, trunks at latent resolution."""
     return VisualTokenizerConfig(levels=[8, 5, 5, 5], factor=4, enc_channels=[128], enc_blocks=2,
                                  dec_channels=[192], dec_blocks=3, norm_groups=8, temporal_factor=4)

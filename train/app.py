@@ -32,10 +32,14 @@ def to_run_config(cfg: DictConfig) -> tuple[RunConfig, str]:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def hydra_main(cfg: DictConfig) -> None:
-    from train.run import Run
+    from train.run import Run, RunHalted
 
     run_cfg, resolved = to_run_config(cfg)
-    Run(run_cfg, resolved)()
+    try:
+        Run(run_cfg, resolved)()
+    except RunHalted as e:   # a monitor's decision, not a crash: no traceback, a distinct exit code
+        print(f"earlyfuse-train: {e}", file=sys.stderr)
+        sys.exit(3)
 
 
 def main() -> None:

@@ -96,6 +96,28 @@ class Checkpointer:
             raise ValueError(f"{rank_file}: unreadable rank state ({e})") from None
         return client or {}, own
 
+    def complete_steps(self) -> list[int]:
+        """Steps of the complete checkpoints up to ``latest``, oldest first."""
+        latest = self.latest()
+        if latest is None:
+            return []
+        last = int(TAG.match(latest).group(1))
+        steps = [int(TAG.match(d.name).group(1)) for d in self._tags() if (d / "meta.json").is_file()]
+        return [s for s in steps if s <= last]
+
+    def rewind(self, step: int) -> None:
+        """Make ``step`` the latest checkpoint and delete the newer ones (a rollback: they hold the
+        trajectory being abandoned)."""
+        barrier()
+        if self.dist.is_main:
+            tmp = self.dir / "latest.tmp"
+            tmp.write_text(tag_for(step) + "\n")
+            os.replace(tmp, self.dir / "latest")
+            for d in self._tags():
+                if int(TAG.match(d.name).group(1)) > step:
+                    shutil.rmtree(d, ignore_errors=True)
+        barrier()
+
     def clean_partial(self) -> None:
         """Remove checkpoint folders newer than ``latest`` (a save that a crash cut short)."""
         if not self.dist.is_main or not self.dir.is_dir():

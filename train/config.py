@@ -10,11 +10,11 @@ tokenizer), ``optim``, ``train``, ``deepspeed``, ``monitor``. A run uses the sec
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from data.loader.config import LoaderConfig
 from model.transformer import TransformerConfig
 from model.visual_tokenizer import VisualTokenizerConfig
+from train.monitor.config import MonitorConfig
 from train.skip_step import SkipStepConfig
 
 TASKS = ("lm", "vtok")
@@ -88,7 +88,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
-    monitor: Any = None
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:

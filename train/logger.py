@@ -88,6 +88,12 @@ class RunLogger:
         if self.bar:
             self.bar.update(n)
 
+    def rewind(self, step: int) -> None:
+        """After a rollback the bar goes back to the checkpoint's step."""
+        if self.bar:
+            self.bar.n = step
+            self.bar.refresh()
+
     def close(self) -> None:
         if self.bar:
             self.bar.close()

@@ -18,16 +18,17 @@ from train.checkpoint import Checkpointer, rng_state, set_rng_state
 from train.config import RunConfig
 from train.dist import DistInfo, barrier, init_distributed
 from train.engine import build_engine, global_grad_norm
+from train.faults import Faults, fault_step
 from train.logger import RunLogger, console_line
-from train.loop import train_loop
+from train.loop import Rollback, train_loop
 from train.mfu import peak_tflops
+from train.monitor import AlarmLog, Monitor, strongest
 from train.skip_step import SkipStepRule, UpdateGate
 from train.tasks import build_task
 
 
-def fault_step(var: str) -> int:
-    """Fault injection for tests: the step named by an environment variable, or -1."""
-    return int(os.environ.get(var, "-1"))
+class RunHalted(RuntimeError):
+    """A monitor ordered the run to stop (its alarm is in alarms.jsonl and on the console)."""
 
 
 def seed_everything(seed: int, rank: int, deterministic: bool) -> None:
@@ -57,11 +58,17 @@ class Run:
         self.optimizer.gate = self.gate
         self.stream = self.task.batches()
         self.ckpt = Checkpointer(self.run_dir, self.dist, cfg.train.keep_last)
+        self.monitor = Monitor(cfg.monitor, total_steps=cfg.train.steps, chance=self.task.chance_levels(),
+                               probes=self.task.probes(cfg.monitor, self.engine))
+        self.faults = Faults(cfg.train.seed)
+        self.pending_skip = 0      # batches the loop discards before going on (after a rollback)
+        self.rollbacks = 0
         self.start_step = self._resume() if cfg.train.resume else 0
         self.peak, self.peak_source = peak_tflops(cfg.train.peak_tflops, self.dist.device)
         self.flops_per_unit = self.task.flops_per_unit()
         self.log = RunLogger(self.run_dir, is_main=self.dist.is_main, total=cfg.train.steps, start=self.start_step,
                              unit=self.task.unit, progress=cfg.train.progress, tensorboard=cfg.train.tensorboard)
+        self.alarms = AlarmLog(self.run_dir, is_main=self.dist.is_main, write_line=self.log.write)
         self._t_start = time.perf_counter()
         self._steps_timed = 0
         self._time_sum = 0.0
@@ -76,17 +83,22 @@ class Run:
         if tag is None:
             return 0
         meta = self.ckpt.check_compatible(tag, self.cfg.deepspeed.zero_stage)
+        self._load(tag)
+        return int(meta["step"])
+
+    def _load(self, tag: str) -> None:
         client, own = self.ckpt.load(self.engine, tag)
         self.rule.load_state_dict(client["skip_step"])
+        self.monitor.load_state_dict(client.get("monitor", {}))
         self.stream.load_state_dict(own["stream"])
         set_rng_state(own["rng"])
-        return int(meta["step"])
 
     def save(self, step: int) -> str:
         files = {"config.yaml": self.resolved_yaml, **self.task.extra_files()}
         meta = {"world_size": self.dist.world_size, "zero_stage": self.cfg.deepspeed.zero_stage,
                 "task": self.cfg.task, "bf16": self.cfg.train.bf16}
-        return self.ckpt.save(self.engine, step, client={"skip_step": self.rule.state_dict(), "step": step},
+        client = {"skip_step": self.rule.state_dict(), "monitor": self.monitor.state_dict(), "step": step}
+        return self.ckpt.save(self.engine, step, client=client,
                               own={"stream": self.stream.state_dict(), "rng": rng_state()}, meta=meta, files=files)
 
     # --- the step-end callbacks ------------------------------------------------------------------
@@ -112,6 +124,9 @@ class Run:
         self._interval.update(sums)
         if t.eval_every and step % t.eval_every == 0 and step != t.steps:
             m.update(self.evaluate(step))
+        alarms = self.monitor.check(step, m, self.rule.last)
+        self.alarms.record(alarms)
+        m["monitor/alarms"] = float(self.alarms.count)
         self.log.log(step, m, console=False)
         if log_now:
             # The console line averages the whole log interval (sums and counts again), so a
@@ -122,9 +137,55 @@ class Run:
             self._interval = Counter()
         self.log.advance()
         if t.ckpt_every and step % t.ckpt_every == 0 and step != t.steps:
-            self.save(step)
+            if self.monitor.healthy():
+                self.save(step)
+            elif self.dist.is_main:   # a checkpoint taken mid-trouble is no place to roll back to
+                self.log.write(f"checkpoint at step {step} skipped: steps were skipped as spikes in the last "
+                               f"{self.cfg.monitor.divergence.window}")
         if fault_step("EARLYFUSE_FAULT_KILL_AT_STEP") == step:
             os._exit(137)  # fault injection for the resume tests: dies like kill -9, no cleanup
+        self.act(strongest(alarms))
+
+    # --- the monitors' actions -------------------------------------------------------------------
+    def act(self, alarm) -> None:
+        if alarm is None or alarm.action in ("log", "warn", "skip"):
+            return   # logged and shown by AlarmLog; a skip already happened in the gate
+        if alarm.action == "halt":
+            raise RunHalted(f"halted by the monitor at step {alarm.step}: {alarm.signal}"
+                            f"{f' [{alarm.modality}]' if alarm.modality else ''}: {alarm.message}")
+        raise Rollback(alarm)
+
+    def rollback(self, alarm, step: int) -> int:
+        """Back to the newest checkpoint at least ``rollback.margin`` steps before the trouble began,
+        skipping the data seen since plus a window (PaLM's recipe); returns the step to go on from."""
+        rb = self.cfg.monitor.rollback
+        self.rollbacks += 1
+        self.faults.rolled_back = True
+        since = alarm.since if alarm.since is not None else alarm.step
+        good = [s for s in self.ckpt.complete_steps() if s <= since - rb.margin]
+        if self.rollbacks > rb.max_rollbacks or not good:
+            why = (f"{rb.max_rollbacks} rollbacks already" if good else
+                   f"no checkpoint at or before step {since - rb.margin} to roll back to")
+            raise RunHalted(f"halted at step {step}: {alarm.signal} ({alarm.message}) and {why}")
+        target = good[-1]
+        self.ckpt.rewind(target)
+        self._load(self.ckpt.latest())
+        self.monitor.divergence.reset()
+        seen = step - target
+        self.pending_skip = (rb.skip_window or seen) * self.cfg.train.grad_accum + seen * self.cfg.train.grad_accum
+        self._interval = Counter()
+        if self.dist.is_main:
+            self.log.write(f"ROLLBACK at step {step} ({alarm.signal}): back to the checkpoint of step {target}, "
+                           f"skipping {self.pending_skip} batches ({seen} already seen + the window); "
+                           f"rollback {self.rollbacks} of at most {rb.max_rollbacks}")
+        self.log.rewind(target)
+        return target
+
+    def scale_lr(self, factor: float) -> None:
+        """Fault injection only: scale this update's lr (the scheduler sets it again after the step)."""
+        if factor != 1.0:
+            for g in self.optimizer.param_groups:
+                g["lr"] *= factor
 
     def evaluate(self, step: int) -> dict:
         self.engine.eval()

@@ -115,7 +115,7 @@ class Packer:
             left = u.end - u.start - doc.offset
             if u.atomic:
                 if left > L:
-                    self._flush(doc, row, piece_start, doc_start, pos)
+                    self._flush(doc, row, piece_start, doc_start, pos, cut=True)
                     if self.oversize == "drop_document":
                         self.stats.dropped_docs += 1
                         doc.unit = len(doc.units)
@@ -141,8 +141,9 @@ class Packer:
         self._flush(doc, row, piece_start, doc_start, pos)
         return "done", pos
 
-    def _flush(self, doc: Doc, row: Row | None, ra: int, a: int, rb: int) -> None:
-        """Write doc tokens [a, a + rb - ra) at row positions [ra, rb) as one piece."""
+    def _flush(self, doc: Doc, row: Row | None, ra: int, a: int, rb: int, cut: bool = False) -> None:
+        """Write doc tokens [a, a + rb - ra) at row positions [ra, rb) as one piece. ``cut``: the
+        doc's next token starts a dropped block, so the piece's last token predicts nothing."""
         n = rb - ra
         if n <= 0:
             return
@@ -157,6 +158,8 @@ class Packer:
         nxt = min(b + 1, doc.length)
         row.labels[ra:ra + (nxt - a - 1)] = doc.ids[a + 1:nxt]
         row.label_mod[ra:ra + (nxt - a - 1)] = doc.mod[a + 1:nxt]
+        if cut:
+            row.labels[rb - 1] = IGNORE
         row.doc_ids[ra:rb] = pid
         row.pos[ra:rb] = np.arange(n)
         self._thw(doc, row, ra, a, b)

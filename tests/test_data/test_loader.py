@@ -181,3 +181,26 @@ def test_preview_prints_and_renders_rows(tiny_tokens, tmp_path):
     from PIL import Image
     assert Image.open(tmp_path / "rows.png").size[0] > 100
     assert Image.open(tmp_path / "rows_images.png").size[0] > 0
+
+
+def test_token_before_a_dropped_block_predicts_nothing(tiny_tokens, tiny_tokenizers):
+    """An image longer than the row is dropped; the token before it must not be trained to
+    predict the dropped block's ``<boi>`` (the next input token is the text after the image)."""
+    from data.loader.stream import ConsumerStream
+
+    lay = TextTokenizer.load(tiny_tokenizers[0]).layout
+    boi = lay.structure_id("<boi>")
+    docs = docs_of(tiny_tokens)
+    cfg = cfg_for(tiny_tokens, {"scenes": 1.0}, seq_len=48)            # 8x8 images need 76 tokens
+    tables = [load_table(SourceConfig(name="scenes", shards=[str(tiny_tokens / "scenes")]))]
+    cs = ConsumerStream(tables, [1.0], cfg, consumer=0, consumers=1, micro_batch=1, pad_id=0)
+    cut = 0
+    for _ in range(10):
+        row = cs.next_row()
+        assert not (row.labels == boi).any()
+        for pid, (s, sample, a, bnd) in enumerate(row.pieces):
+            d = docs[(SOURCES.index("scenes"), sample)]
+            if bnd < len(d) and d[bnd] == boi:
+                assert row.labels[row.doc_ids == pid][-1] == IGNORE
+                cut += 1
+    assert cut > 0 and cs.packer.stats.dropped_blocks > 0

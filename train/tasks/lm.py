@@ -22,6 +22,8 @@ from data.vocab import MODALITY_NAMES, Modality, VocabLayout
 from model.flops import flops_per_token
 from train.config import RunConfig
 from train.dist import DistInfo, all_reduce_sum
+from train.monitor import chance_levels
+from train.monitor.lm_probes import LMProbes
 from train.tasks.base import StepOutput
 
 MODEL_INPUTS = ("input_ids", "labels", "modality", "label_modality", "doc_ids", "position_ids",
@@ -124,6 +126,12 @@ class LMTask:
         if cnt.sum() > 0:
             out["val/loss"] = float(ce.sum() / cnt.sum())
         return out
+
+    def chance_levels(self) -> dict[str, float]:
+        return chance_levels(vocab_sizes(self.layout))
+
+    def probes(self, monitor_cfg, engine):
+        return LMProbes(monitor_cfg, self.cfg, self, self.dist, engine)
 
     def finish(self, engine, run_dir: Path) -> dict[str, float]:
         return {}

@@ -132,6 +132,12 @@ class VtokTask:
     def extra_files(self) -> dict[str, str]:
         return {}
 
+    def chance_levels(self) -> None:
+        return None          # one loss, no vocabulary: the spike and divergence monitors apply
+
+    def probes(self, monitor_cfg, engine) -> None:
+        return None
+
 
 def save_grid(originals: torch.Tensor, recons: torch.Tensor, path: Path, scale: int = 4, per_row: int = 4) -> None:
     """Pairs (original | reconstruction), ``per_row`` pairs per row, enlarged ``scale`` x."""

@@ -1,0 +1,39 @@
+"""Fixtures for the training tests."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 60, 220), "yellow": (230, 220, 30),
+           "purple": (140, 40, 170), "orange": (240, 140, 20), "black": (10, 10, 10), "white": (245, 245, 245)}
+
+
+@pytest.fixture(scope="session")
+def colour_tokens(tiny_tokenizers, tmp_path_factory) -> Path:
+    """Token shards of captioned solid-colour squares ("a red square."): the caption is a function
+    of the image, so a model that reads its images learns a clear cross-modal dependence."""
+    from data.ingest import ingest
+    from data.tokenize.encoder import TokenizeOptions
+    from data.tokenize.run import tokenize
+
+    root = tmp_path_factory.mktemp("colours")
+    folder = root / "corpus"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(160):
+        name = list(COLOURS)[i % len(COLOURS)]
+        px = np.clip(np.array(COLOURS[name]) + rng.integers(-6, 7, (32, 32, 3)), 0, 255).astype(np.uint8)
+        Image.fromarray(px).save(folder / f"c{i:03d}.png")
+        rows.append({"image": f"c{i:03d}.png", "caption": f"a {name} square."})
+    (folder / "captions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    raw = root / "raw"
+    assert ingest(raw, [f"images:{folder / 'captions.jsonl'}"], shard_max_samples=64)["finalized"]
+    out = root / "tokens"
+    text, visual = tiny_tokenizers
+    tokenize(raw, out, text, visual, opts=TokenizeOptions(image_max_pixels=16 * 16))
+    return out

@@ -1,0 +1,56 @@
+"""Alarms: what a detector found, written to ``RUN_DIR/alarms.jsonl`` (one JSON object per line:
+step, signal, modality, values, action, message) and shown on the console for ``warn`` and up.
+``earlyfuse-report`` reads the same file."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from train.monitor.config import SEVERITY
+
+
+@dataclass
+class Alarm:
+    step: int
+    signal: str                      # e.g. "collapse", "loss_spike", "dependence_gap"
+    action: str                      # log | warn | skip | rollback | halt
+    message: str
+    modality: str | None = None
+    values: dict = field(default_factory=dict)
+    since: int | None = None         # first step of the trouble (rollback looks before it)
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["values"] = {k: (v if isinstance(v, (int, str)) or math.isfinite(v) else str(v)) for k, v in self.values.items()}
+        return json.dumps(d, sort_keys=True)
+
+    def line(self) -> str:
+        where = f" [{self.modality}]" if self.modality else ""
+        return f"ALARM step {self.step} {self.signal}{where} -> {self.action}: {self.message}"
+
+
+def strongest(alarms: list[Alarm]) -> Alarm | None:
+    return max(alarms, key=lambda a: SEVERITY[a.action], default=None)
+
+
+class AlarmLog:
+    """Appends alarms to the run folder (rank 0) and echoes those of ``warn`` and up."""
+
+    def __init__(self, run_dir: Path, *, is_main: bool, write_line) -> None:
+        self.path = Path(run_dir) / "alarms.jsonl"
+        self.is_main, self.write_line = is_main, write_line
+        self.count = 0
+
+    def record(self, alarms: list[Alarm]) -> None:
+        self.count += len(alarms)
+        if not self.is_main or not alarms:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            for a in alarms:
+                f.write(a.to_json() + "\n")
+        for a in alarms:
+            if SEVERITY[a.action] >= SEVERITY["warn"]:
+                self.write_line(a.line())

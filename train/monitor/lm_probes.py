@@ -1,0 +1,78 @@
+"""The LM task's probe inputs, fixed for the whole run, and the calls that run each probe.
+
+Probe rows come from the validation sources when the run has them (else the training sources),
+through a loader of their own (no workers; the training stream is not touched), read once at the
+first probe: ``attention`` uses the first ``micro_batch`` rows; ``dependence`` scans up to 64
+batches for ``probes`` rows where an image is followed by its caption, and takes this rank's
+share of them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from contextlib import closing
+
+import torch
+
+from data.loader import build_loader
+from train.monitor import probes
+from train.monitor.config import MonitorConfig
+
+
+class LMProbes:
+    def __init__(self, cfg: MonitorConfig, run_cfg, task, dist, engine) -> None:
+        self.cfg, self.run_cfg, self.task, self.dist, self.engine = cfg, run_cfg, task, dist, engine
+        self._attn_batch = None
+        self._dep_batch = None
+
+    def _rows(self, want_captions: int):
+        d = self.run_cfg.data
+        data = dataclasses.replace(d, sources=d.validation or d.sources, validation=[], num_workers=0,
+                                   mode="infinite")
+        loader = build_loader(data, rank=self.dist.rank, world_size=self.dist.world_size,
+                              micro_batch=self.run_cfg.train.micro_batch, pad_id=0)
+        first, rows = None, []
+        with closing(iter(loader)) as batches:
+            for i, b in enumerate(batches):
+                first = first or b
+                if not want_captions or i >= 64:
+                    break
+                labels, blocks = probes.caption_rows(b, self.task.layout)
+                for r in sorted({r for r, _, _ in blocks}):
+                    rows.append({k: v[r:r + 1] for k, v in b.items() if torch.is_tensor(v) and v.dim() >= 2})
+                if len(rows) >= want_captions:
+                    break
+        if want_captions:
+            rows = rows[:want_captions]
+            return {k: torch.cat([r[k] for r in rows]) for k in rows[0]} if rows else None
+        return first
+
+    def run(self, name: str, step: int) -> dict[str, float]:
+        module = self.engine.module
+        was_training = module.training
+        module.eval()
+        try:
+            with torch.no_grad():
+                return self._run(name, step, module)
+        finally:
+            module.train(was_training)
+
+    def _run(self, name: str, step: int, module) -> dict[str, float]:
+        dev = self.dist.device
+        if name == "attention":
+            if self._attn_batch is None:
+                self._attn_batch = self._rows(0)
+            return probes.attention_stats(module, self._attn_batch, dev)
+        if name == "dependence":
+            if self._dep_batch is None:
+                per_rank = max(1, self.cfg.dependence.probes // self.dist.world_size)
+                self._dep_batch = self._rows(per_rank) or {}
+            if not self._dep_batch:
+                return {}
+            fault = os.environ.get("EARLYFUSE_FAULT_SHUFFLE_PROBE_FROM")
+            shuffled = fault is not None and step >= int(fault)
+            return probes.dependence_gap(module, self._dep_batch, self.task.layout, dev, fault_shuffled=shuffled)
+        c = self.cfg.code_use
+        per_rank = max(1, c.probes // self.dist.world_size)
+        seed = self.run_cfg.train.seed * 1000003 + step * 31 + self.dist.rank
+        return probes.generated_code_use(module, self.task.layout, dev, images=per_rank, grid=c.grid, seed=seed)

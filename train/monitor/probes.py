@@ -1,0 +1,193 @@
+"""Probes: measurements on fixed inputs every N steps, for what the training loss cannot show.
+
+- ``attention_stats``: the largest attention logit (q.k / sqrt(d) over the pairs the mask allows)
+  and the mean attention entropy, per layer. Hooks on each attention module's q/k projections
+  (and QK-norms) capture q and k as the model computes them, and the module's cos/sin; the
+  scores are recomputed densely from those. Nothing in ``model/`` changes and no parameter is
+  read directly, so it works under ZeRO-3 too. Costs one forward of the probe batch plus the
+  dense [B, H, T, T] scores: run it every few hundred steps, on a small batch.
+- ``dependence_gap``: on probe rows holding an image followed by its caption, the caption's CE
+  with the image it came with against with another image of the same shape (the codes are
+  swapped between same-shape blocks, so positions and masks stay identical). Early fusion is
+  only working if the gap is clearly above zero.
+- ``generated_code_use``: images drawn from the model under the grid constraint; the entropy of
+  the codes drawn, normalised by ln(min(draws, codebook)). A model that draws few distinct codes
+  has collapsed its visual side even when its teacher-forced image loss looks fine.
+
+Every rank probes its own rows and the results are reduced as sums and counts (the max logit
+with a max), so the decision is the same on every rank.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from data.layout import image_block_len
+from data.vocab import Modality, VocabLayout
+from model.attention import build_attention_mask
+from model.generate import ImageConstraint, SamplingConfig, generate
+from model.rope import apply_rotary
+from train.dist import all_reduce_max, all_reduce_sum
+
+MODEL_INPUTS = ("input_ids", "modality", "label_modality", "doc_ids", "position_ids", "position_thw", "image_ids")
+
+
+# --- attention -------------------------------------------------------------------------------------
+
+class _AttentionTap:
+    """Captures one attention module's q, k (after QK-norm) and cos/sin during a forward."""
+
+    def __init__(self, attn) -> None:
+        self.attn, self.store, self.handles = attn, {}, []
+        self.handles.append(attn.register_forward_pre_hook(self._pre))
+        for name in ("wq", "wk", "q_norm", "k_norm"):
+            mod = getattr(attn, name, None)
+            if mod is not None:
+                self.handles.append(mod.register_forward_hook(self._grab(name[0])))
+
+    def _pre(self, module, args):
+        self.store["cos"], self.store["sin"] = args[1], args[2]
+
+    def _grab(self, key: str):
+        def hook(module, args, out):
+            self.store[key] = out      # the norm's output replaces the projection's
+        return hook
+
+    def qk(self) -> tuple[Tensor, Tensor]:
+        a, s = self.attn, self.store
+        B, T = s["q"].shape[:2]
+        q = s["q"].reshape(B, T, a.n_heads, a.head_dim).transpose(1, 2)
+        k = s["k"].reshape(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, s["cos"], s["sin"]), apply_rotary(k, s["cos"], s["sin"])
+        return q.float(), k.float().repeat_interleave(a.n_heads // a.n_kv_heads, dim=1)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+@torch.no_grad()
+def attention_stats(model, batch: dict, device) -> dict[str, float]:
+    """``monitor/attn_max_logit`` and ``monitor/attn_entropy`` (min over layers) and per layer."""
+    inputs = {k: batch[k].to(device) for k in MODEL_INPUTS}
+    B, T = inputs["input_ids"].shape
+    taps = [_AttentionTap(layer.attention) for layer in model.layers]
+    try:
+        model(**inputs)
+    finally:
+        for t in taps:
+            t.remove()
+    mask = build_attention_mask(B, T, device, doc_ids=inputs["doc_ids"], image_ids=inputs["image_ids"],
+                                sliding_window=model.cfg.attention.sliding_window,
+                                bidirectional_images=model.cfg.attention.bidirectional_images, backend="sdpa")
+    allowed = mask.dense if mask.dense is not None else torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
+    real = (batch["labels"].to(device) != -100)[:, None, :]          # [B, 1, T] queries that are real tokens
+    maxes, ent = [], []
+    for t in taps:
+        q, k = t.qk()
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        maxes.append(scores.amax())
+        p = scores.softmax(-1)
+        h = -(p * p.clamp_min(1e-30).log()).sum(-1)                     # [B, H, T]
+        h = h.masked_fill(~real, 0.0)
+        ent.append(torch.stack([h.sum(), real.sum() * q.shape[1]]).double())
+    mx = all_reduce_max(torch.stack(maxes).double().cpu())
+    es = all_reduce_sum(torch.stack(ent).cpu())
+    per_layer = (es[:, 0] / es[:, 1].clamp(min=1)).tolist()
+    out = {"monitor/attn_max_logit": float(mx.max()), "monitor/attn_entropy": min(per_layer)}
+    for i, (m, e) in enumerate(zip(mx.tolist(), per_layer)):
+        out[f"monitor/attn_max_logit/L{i}"] = m
+        out[f"monitor/attn_entropy/L{i}"] = e
+    return out
+
+
+# --- cross-modal dependence -----------------------------------------------------------------------
+
+def caption_rows(batch: dict, layout: VocabLayout) -> tuple[Tensor, list[tuple[int, int, int]]]:
+    """Caption labels (everything else ignored) and the image blocks ``(row, start, end)`` of rows
+    where text follows an image in the same document."""
+    ids, labels, lmod = batch["input_ids"], batch["labels"], batch["label_modality"]
+    img, doc = batch["image_ids"], batch["doc_ids"]
+    keep = torch.full_like(labels, -100)
+    blocks = []
+    for r in range(ids.shape[0]):
+        for i in sorted(set(img[r].tolist()) - {-1}):
+            pos = (img[r] == i).nonzero().squeeze(1)
+            s, e = int(pos[0]), int(pos[-1]) + 1
+            if int(batch["modality"][r, s]) != int(Modality.IMAGE):
+                continue
+            j = e
+            while j < ids.shape[1] and doc[r, j] == doc[r, s] and img[r, j] < 0:
+                j += 1
+            cap = (lmod[r, e:j] == int(Modality.TEXT)) & (labels[r, e:j] != -100)
+            if cap.any():
+                keep[r, e:j] = torch.where(cap, labels[r, e:j], keep[r, e:j])
+                blocks.append((r, s, e))
+    return keep, blocks
+
+
+def shuffle_images(ids: Tensor, blocks: list[tuple[int, int, int]], layout: VocabLayout) -> tuple[Tensor, int]:
+    """Swap the codes of same-shape image blocks in a cycle; returns (ids, images swapped). Two
+    blocks have the same shape when their size tokens and their ``<eol>`` pattern agree."""
+    groups: dict[tuple, list[tuple[int, int, int]]] = {}
+    for r, s, e in blocks:
+        block = ids[r, max(0, s - 3):e]
+        shape = torch.where(block >= layout.visual_offset, torch.full_like(block, -1), block)
+        groups.setdefault(tuple(shape.tolist()), []).append((r, s, e))
+    out, swapped = ids.clone(), 0
+    for g in groups.values():
+        if len(g) < 2:
+            continue
+        for (r, s, e), (r2, s2, e2) in zip(g, g[1:] + g[:1]):
+            out[r, s:e] = ids[r2, s2:e2]
+        swapped += len(g)
+    return out, swapped
+
+
+@torch.no_grad()
+def dependence_gap(model, batch: dict, layout: VocabLayout, device, *, fault_shuffled: bool = False) -> dict[str, float]:
+    """Caption CE with matched and with shuffled images, and their gap (nats per caption token)."""
+    labels, blocks = caption_rows(batch, layout)
+    shuffled, swapped = shuffle_images(batch["input_ids"], blocks, layout)
+    matched = shuffled if fault_shuffled else batch["input_ids"]     # fault injection: both shuffled
+    sums = torch.zeros(3, dtype=torch.float64)
+    # Every rank runs the same forwards or none (ZeRO-3 gathers weights collectively).
+    if all_reduce_sum(torch.tensor([0.0 if swapped else 1.0], dtype=torch.float64))[0] == 0:
+        inputs = {k: batch[k].to(device) for k in MODEL_INPUTS if k != "input_ids"}
+        for i, ids in enumerate((matched, shuffled)):
+            res = model(input_ids=ids.to(device), labels=labels.to(device), **inputs)
+            sums[i] = float(res.ce_sum[int(Modality.TEXT)])
+        sums[2] = float(res.count[int(Modality.TEXT)])
+    sums = all_reduce_sum(sums)
+    if sums[2] == 0:
+        return {}
+    m, s = float(sums[0] / sums[2]), float(sums[1] / sums[2])
+    return {"monitor/caption_loss_matched": m, "monitor/caption_loss_shuffled": s, "monitor/dependence_gap": s - m}
+
+
+# --- generated visual codes ------------------------------------------------------------------------
+
+@torch.no_grad()
+def generated_code_use(model, layout: VocabLayout, device, *, images: int, grid: int, seed: int,
+                       bos_id: int = 1) -> dict[str, float]:
+    """Entropy (normalised) and coverage of the codes in ``images`` drawn ``grid`` x ``grid`` images."""
+    boi = layout.structure_id("<boi>")
+    prompt = torch.tensor([[bos_id, boi]] * images, dtype=torch.long, device=device)
+    constraint = ImageConstraint(layout, images, vocab_size=model.cfg.vocab_size, size=(grid, grid))
+    n_new = image_block_len(grid, grid) - 1
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = generate(model, prompt, sampling=SamplingConfig(max_new_tokens=n_new, temperature=1.0),
+                   constraint=constraint, layout=layout, generator=gen)
+    new = out[:, 2:]
+    codes = new[(new >= layout.visual_offset) & (new < layout.size)] - layout.visual_offset
+    hist = all_reduce_sum(torch.bincount(codes.cpu(), minlength=layout.num_codes).double())
+    n = float(hist.sum())
+    if n == 0:
+        return {}
+    p = hist[hist > 0] / n
+    h = float(-(p * p.log()).sum())
+    return {"monitor/gen_code_entropy": h / math.log(max(2.0, min(n, layout.num_codes))),
+            "monitor/gen_code_distinct": float((hist > 0).sum())}
