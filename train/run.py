@@ -124,9 +124,11 @@ class Run:
         self._interval.update(sums)
         if t.eval_every and step % t.eval_every == 0 and step != t.steps:
             m.update(self.evaluate(step))
+        tm = time.perf_counter()
         alarms = self.monitor.check(step, m, self.rule.last)
         self.alarms.record(alarms)
         m["monitor/alarms"] = float(self.alarms.count)
+        m["throughput/monitor_s"] = time.perf_counter() - tm    # detectors + any probe of this step
         self.log.log(step, m, console=False)
         if log_now:
             # The console line averages the whole log interval (sums and counts again), so a

@@ -100,3 +100,12 @@ def test_halt_stops_the_run_with_exit_code_3_and_names_the_alarm(tiny_tokens, tm
     assert p.returncode == 3, p.stderr[-2000:]
     assert "halted by the monitor at step 3: nonfinite" in p.stderr and "Traceback" not in p.stderr
     assert [(a["step"], a["action"]) for a in alarms(run)] == [(3, "halt")]
+
+
+def test_moe_health_is_logged_per_modality(tiny_tokens, tmp_path):
+    run = tmp_path / "run"
+    train(base(tiny_tokens, run, 3, "model.moe.num_experts=4", "model.moe.top_k=2", "train.log_every=1"))
+    m = metrics(run)
+    loads = {k: v for rec in m.values() for k, v in rec.items() if k.startswith("monitor/moe_max_load/")}
+    assert "monitor/moe_max_load/text" in loads and all(1.0 <= v <= 4.0 for v in loads.values()), loads
+    assert "train/moe_dropped" in m[3]

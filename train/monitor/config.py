@@ -86,8 +86,9 @@ class ProbeConfig(Detector):
 @dataclass(kw_only=True)
 class AttentionProbeConfig(ProbeConfig):
     """Max attention logit (q.k / sqrt(d), over allowed pairs) and mean attention entropy per
-    layer on a fixed probe batch, from hooks. Alarm: max logit above ``max_logit`` or mean
+    layer on ``rows`` fixed probe rows, from hooks. Alarm: max logit above ``max_logit`` or mean
     entropy below ``min_entropy`` nats (attention collapse)."""
+    rows: int = 2
     max_logit: float = 50.0
     min_entropy: float = 0.05
 
@@ -97,7 +98,7 @@ class DependenceConfig(ProbeConfig):
     """Caption loss after the matched image minus after another document's image, on probe
     documents (image then caption). Alarm when the gap, once at least ``arm_gap`` nats, falls
     below ``min_gap``: the text has stopped using the image."""
-    probes: int = 16
+    probes: int = 8
     arm_gap: float = 0.05
     min_gap: float = 0.01
 

@@ -2,7 +2,7 @@
 
 Probe rows come from the validation sources when the run has them (else the training sources),
 through a loader of their own (no workers; the training stream is not touched), read once at the
-first probe: ``attention`` uses the first ``micro_batch`` rows; ``dependence`` scans up to 64
+first probe: ``attention`` uses the first ``rows`` rows of a batch; ``dependence`` scans up to 64
 batches for ``probes`` rows where an image is followed by its caption, and takes this rank's
 share of them.
 """
@@ -61,7 +61,8 @@ class LMProbes:
         dev = self.dist.device
         if name == "attention":
             if self._attn_batch is None:
-                self._attn_batch = self._rows(0)
+                self._attn_batch = {k: v[:self.cfg.attention.rows] for k, v in self._rows(0).items()
+                                    if torch.is_tensor(v) and v.dim() >= 2}
             return probes.attention_stats(module, self._attn_batch, dev)
         if name == "dependence":
             if self._dep_batch is None:

@@ -9,6 +9,7 @@ acts on the strongest alarm (``Run.act``): rollback and halt are the run's to ca
 from __future__ import annotations
 
 import math
+import time
 
 from data.vocab import MODALITY_NAMES
 from train.monitor.alarms import Alarm
@@ -71,8 +72,10 @@ class Monitor:
             c = getattr(self.cfg, name)
             if not (c.enabled and c.every) or not (step % c.every == 0 or step == self.total):
                 continue
+            t0 = time.perf_counter()
             values = self.probes.run(name, step)
             m.update(values)
+            m[f"throughput/probe_s/{name}"] = time.perf_counter() - t0
             out += self._probe_alarms(name, step, values)
         return out
 

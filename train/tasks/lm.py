@@ -76,6 +76,11 @@ class LMTask:
             sums[f"gap_sum/{name}"] = res.logit_gap_sum[i]
         for i, name in enumerate(self.source_names):
             sums[f"mix_tokens/{name}"] = batch["tokens_by_source"][i]
+        if res.moe_expert_load is not None:     # [layers, modality, expert] assignments
+            load = res.moe_expert_load.detach().sum(0)
+            for i, name in enumerate(MODALITY_NAMES):
+                for e in range(load.shape[1]):
+                    sums[f"moe_load/{name}/{e}"] = load[i, e]
         sums["z_loss_sum"] = res.z_loss.detach()
         sums["aux_loss_sum"] = res.aux_loss.detach()
         sums["moe_dropped"] = res.moe_dropped.detach()
@@ -95,6 +100,10 @@ class LMTask:
                 out[f"monitor/logz/{name}"] = s[f"logz_sum/{name}"] / n
                 out[f"monitor/hidden_norm/{name}"] = s[f"hnorm_sum/{name}"] / n
                 out[f"monitor/logit_gap/{name}"] = s[f"gap_sum/{name}"] / n
+        for name in MODALITY_NAMES:   # MoE: busiest expert's share over the mean share (1 = balanced)
+            load = [v for k, v in s.items() if k.startswith(f"moe_load/{name}/")]
+            if load and sum(load) > 0:
+                out[f"monitor/moe_max_load/{name}"] = max(load) * len(load) / sum(load)
         total = sum(s[f"mix_tokens/{n}"] for n in self.source_names) or 1.0
         for n in self.source_names:
             out[f"mix/{n}"] = s[f"mix_tokens/{n}"] / total
