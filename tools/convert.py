@@ -2,10 +2,11 @@
 
     release    tools/convert_release.py   DeepSpeed checkpoint (any ZeRO stage) -> release folder
     import     tools/convert_import.py    release -> the start of a new training run (train.init_from)
+    hf         tools/convert_hf.py        release -> Hugging Face transformers model (Qwen3 architecture)
 
 A subcommand module has ``register(subparsers)``, which adds its parser and sets
-``run=fn(args) -> exit code``; add it to ``SUBCOMMANDS`` (the Hugging Face export ``hf`` and the
-universal checkpoint ``universal`` are meant to plug in the same way). Errors that users cause
+``run=fn(args) -> exit code``; add it to ``SUBCOMMANDS`` (the universal checkpoint ``universal``
+is meant to plug in the same way). Errors that users cause
 (a missing file, a truncated checkpoint, a mismatch) are one line naming the file, exit code 1.
 """
 from __future__ import annotations
@@ -17,13 +18,14 @@ import sys
 from tools.convert_deepspeed import CheckpointError
 from tools.release import ReleaseError
 
-SUBCOMMANDS = ("tools.convert_release", "tools.convert_import")
+SUBCOMMANDS = ("tools.convert_release", "tools.convert_import", "tools.convert_hf")
 
 EPILOG = """\
 examples:
   earlyfuse-convert release runs/demo releases/demo              # latest checkpoint, fp32
   earlyfuse-convert release runs/demo --step 2000 releases/demo-2k --dtype bf16
   earlyfuse-convert import releases/demo runs/finetune experiment=demo optim.lr=1e-4
+  earlyfuse-convert hf releases/demo hf/demo                     # transformers (Qwen3) format
   earlyfuse-generate releases/demo --prompt "def fib(n):"        # sample from a release
 
 Run `earlyfuse-convert COMMAND --help` for each command's options. Formats: docs/checkpoints.md.
@@ -32,7 +34,7 @@ Run `earlyfuse-convert COMMAND --help` for each command's options. Formats: docs
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="earlyfuse-convert",
-                                description="Convert earlyfuse checkpoints: DeepSpeed run -> release -> new run.",
+                                description="Convert earlyfuse checkpoints: DeepSpeed run -> release -> new run or Hugging Face.",
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMANDS:

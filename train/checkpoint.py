@@ -75,9 +75,9 @@ class Checkpointer:
         if meta["world_size"] != self.dist.world_size:
             raise ValueError(
                 f"{self.dir / tag} was written by {meta['world_size']} rank(s); this run has "
-                f"{self.dist.world_size}. DeepSpeed checkpoints are partitioned by world size: make a "
-                f"universal checkpoint with `earlyfuse-convert universal {self.dir.parent}` and resume from it, "
-                f"or run with {meta['world_size']} rank(s).")
+                f"{self.dist.world_size}. DeepSpeed checkpoints are partitioned by world size and "
+                f"converting them to another is not built yet: run with {meta['world_size']} rank(s), or "
+                f"start a new run from its weights (`earlyfuse-convert release`, then `train.init_from`).")
         if meta["zero_stage"] != zero_stage:
             raise ValueError(f"{self.dir / tag} was written with ZeRO stage {meta['zero_stage']}; this run uses "
                              f"{zero_stage}. Resume with deepspeed.zero_stage={meta['zero_stage']}.")

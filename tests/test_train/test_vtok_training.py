@@ -56,7 +56,7 @@ def test_a_typo_in_an_override_names_the_key(tiny_raw, tmp_path):
     assert p.returncode != 0 and "factr" in p.stderr
 
 
-def test_resuming_on_another_world_size_points_to_the_universal_tool(tiny_raw, tmp_path):
+def test_resuming_on_another_world_size_is_refused_with_what_to_do(tiny_raw, tmp_path):
     run = tmp_path / "run"
     train(base(tiny_raw, run, 2))
     meta = run / "checkpoints" / "step_00000002" / "meta.json"
@@ -64,4 +64,4 @@ def test_resuming_on_another_world_size_points_to_the_universal_tool(tiny_raw, t
     m["world_size"] = 2
     meta.write_text(json.dumps(m))
     p = train(base(tiny_raw, run, 4), check=False)
-    assert p.returncode != 0 and "earlyfuse-convert universal" in p.stderr
+    assert p.returncode != 0 and "written by 2 rank(s)" in p.stderr and "train.init_from" in p.stderr
