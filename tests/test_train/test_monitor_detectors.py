@@ -45,7 +45,7 @@ def test_collapse_weighs_steps_by_tokens_not_by_step():
 
 
 def test_stagnation_needs_the_others_to_improve():
-    cfg = StagnationConfig(window=10, min_steps=0)
+    cfg = StagnationConfig(window=10, min_steps=0, patience=5)
     d, quiet = Stagnation(cfg), Stagnation(cfg)
     fired, calm = [], []
     for s in range(1, 41):
@@ -181,3 +181,15 @@ def test_shuffle_swaps_codes_only_between_blocks_of_the_same_shape():
     assert torch.equal(out != ids, (ids >= lay.visual_offset) & (torch.arange(4) != 2)[:, None])
     assert sorted(int(out[r][out[r] >= lay.visual_offset][0]) for r in (0, 1, 3)) == \
         sorted(int(ids[r][ids[r] >= lay.visual_offset][0]) for r in (0, 1, 3))
+
+
+def test_stagnation_waits_for_patience_and_ignores_structure():
+    """One outlier step keeps a 10-step window high for 10 steps; patience 12 outlasts it. A flat
+    structure loss is never a stall."""
+    d = Stagnation(StagnationConfig(window=10, min_steps=0, patience=12))
+    fired = []
+    for s in range(1, 61):
+        m = step_metrics(5.0 - 0.05 * s, 3.0 - 0.01 * s + (2.0 if s == 30 else 0.0))
+        m.update({"loss/structure": 3.0, "tokens/structure": 100})
+        fired += d.check(s, m)
+    assert fired == []

@@ -63,10 +63,11 @@ class CollapseConfig(Detector):
 class StagnationConfig(Detector):
     """A modality's loss over the last ``window`` steps against the ``window`` before: it fell by
     less than ``min_drop`` (relative) or rose, while the other modalities fell by at least
-    ``others_drop`` on average."""
+    ``others_drop`` on average, for ``patience`` steps in a row (structure markers excluded)."""
     window: int = 50
     min_drop: float = 0.0
     others_drop: float = 0.02
+    patience: int = 25
 
 
 @dataclass(kw_only=True)

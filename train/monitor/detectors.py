@@ -157,11 +157,17 @@ class Collapse:
 
 class Stagnation:
     """One modality stops improving (or gets worse) against its own trailing window while the
-    others still improve: the symptom of modality competition in early fusion."""
+    others still improve: the symptom of modality competition in early fusion. Structure
+    markers are left out (they are learned in a few steps and would make every other modality
+    look slow), and the condition must hold for ``patience`` consecutive steps: a single noisy
+    window of long, hard documents is not a stall."""
+
+    SKIP = ("structure",)
 
     def __init__(self, cfg: StagnationConfig) -> None:
         self.cfg = cfg
         self.win = ModalityWindows(cfg.window)
+        self.streak: dict[str, int] = {}
         self.latch = _Latch()
 
     def check(self, step: int, m: dict) -> list[Alarm]:
@@ -169,28 +175,32 @@ class Stagnation:
         drops = {}
         for name in MODALITY_NAMES:
             now, before = self.win.mean(name), self.win.mean(name, recent=False)
-            if now is not None and before:
+            if now is not None and before and name not in self.SKIP:
                 drops[name] = (before - now) / before
                 m[f"monitor/trend/{name}"] = -drops[name]    # relative change of the windowed loss
         out = []
         for name, drop in drops.items():
             others = [d for k, d in drops.items() if k != name]
             others_mean = sum(others) / len(others) if others else 0.0
-            on = (step >= self.cfg.min_steps and others and drop <= self.cfg.min_drop
-                  and others_mean >= self.cfg.others_drop)
-            if self.latch.edge(name, bool(on)):
+            cond = (step >= self.cfg.min_steps and bool(others) and drop <= self.cfg.min_drop
+                    and others_mean >= self.cfg.others_drop)
+            self.streak[name] = self.streak.get(name, 0) + 1 if cond else 0
+            if self.latch.edge(name, self.streak[name] >= self.cfg.patience):
                 word = "rose" if drop < 0 else "stalled"
-                out.append(Alarm(step, "stagnation", self.cfg.action, modality=name, since=step - self.cfg.window,
+                out.append(Alarm(step, "stagnation", self.cfg.action, modality=name,
+                                 since=step - self.cfg.window - self.cfg.patience,
                                  values={"change": -drop, "others_change": -others_mean},
-                                 message=f"{name} loss {word} ({-drop:+.1%} over {self.cfg.window} steps) while the "
-                                         f"other modalities fell {others_mean:.1%}"))
+                                 message=f"{name} loss {word} ({-drop:+.1%} over {self.cfg.window} steps, for "
+                                         f"{self.cfg.patience} steps running) while the other modalities fell "
+                                         f"{others_mean:.1%}"))
         return out
 
     def state_dict(self) -> dict:
-        return {"win": self.win.state_dict(), "on": sorted(self.latch.on)}
+        return {"win": self.win.state_dict(), "streak": self.streak, "on": sorted(self.latch.on)}
 
     def load_state_dict(self, st: dict) -> None:
         self.win.load_state_dict(st["win"])
+        self.streak = dict(st.get("streak", {}))
         self.latch.on = set(st["on"])
 
 
