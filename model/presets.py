@@ -53,6 +53,16 @@ def small(layout: VocabLayout | None = None) -> TransformerConfig:
     return _make(layout or SMALL_LAYOUT, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, theta=10_000.0)
 
 
+def gpu_125m(layout: VocabLayout | None = None) -> TransformerConfig:
+    """124M parameters outside the embeddings (273M with the 97k vocabulary, untied): one GPU."""
+    return _make(layout or LARGE_LAYOUT, dim=768, n_layers=18, n_heads=12, n_kv_heads=4, hidden_dim=2304)
+
+
+def gpu_350m(layout: VocabLayout | None = None) -> TransformerConfig:
+    """344M parameters outside the embeddings (592M with the 97k vocabulary)."""
+    return _make(layout or LARGE_LAYOUT, dim=1280, n_layers=20, n_heads=20, n_kv_heads=4, hidden_dim=3456)
+
+
 def base(layout: VocabLayout | None = None) -> TransformerConfig:
     """224M parameters with the 97k vocabulary (76M outside the embeddings): one GPU."""
     return _make(layout or LARGE_LAYOUT, dim=768, n_layers=12, n_heads=12, n_kv_heads=4, hidden_dim=2048)
@@ -73,6 +83,8 @@ PRESETS: dict[str, Callable[..., TransformerConfig]] = {
     "small": small,
     "base": base,
     "medium": medium,
+    "125m": gpu_125m,
+    "350m": gpu_350m,
     "1b": one_b,
 }
 

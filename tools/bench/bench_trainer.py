@@ -1,0 +1,142 @@
+"""Trainer overhead and data wait (issue 6), on CPU, in one process.
+
+1. Overhead: our training loop (``train.loop.train_loop`` with every ``Run.step_end`` callback:
+   sums reduced over ranks, the skip-step gate, metrics, JSONL and TensorBoard logs, the
+   monitors and their probes) against a minimal loop that drives the **same** DeepSpeed engine
+   and model on the **same** batches: ``loss = engine(**batch).loss; engine.backward(loss);
+   engine.step()``. Batches are drawn once beforehand and replayed to both, so the loader is
+   not in the comparison; the two loops alternate in rounds. Printed: the ratio of their mean
+   step times (target <= 1.10).
+2. Data wait: a plain ``earlyfuse-train`` run of the same experiment with its real loader
+   (workers, prefetch); the share of step time spent waiting for batches
+   (``throughput/data_wait``, the console's ``data %``), over all steps (target < 5 %).
+
+    .venv/bin/python tools/bench/bench_trainer.py [--experiment demo] [--steps 40] [--rounds 3]
+
+``experiment=demo`` needs the demo's token shards (``make demo``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+class Replay:
+    """A batch stream that replays fixed batches (with the state API the loop expects)."""
+
+    def __init__(self, batches: list[dict]) -> None:
+        self.batches, self.k = batches, 0
+
+    def __iter__(self):
+        while True:
+            b = self.batches[self.k % len(self.batches)]
+            self.k += 1
+            yield b
+
+    def state_dict(self) -> dict:
+        return {"k": self.k}
+
+    def load_state_dict(self, st: dict) -> None:
+        self.k = st["k"]
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hcompose, initialize_config_dir
+
+    import train.app as app
+    with initialize_config_dir(config_dir=app.CONFIG_DIR, version_base="1.3"):
+        return app.to_run_config(hcompose("config", overrides=overrides))
+
+
+def overhead(experiment: str, steps: int, rounds: int, run_dir: Path) -> dict:
+    from train.loop import train_loop
+    from train.run import Run
+    from train.tasks.lm import MODEL_INPUTS
+
+    cfg, yaml = compose([f"experiment={experiment}", f"run_dir={run_dir}", "train.progress=false",
+                         "train.eval_every=0", "train.ckpt_every=0", "train.resume=false"])
+    run = Run(cfg, yaml)
+    it = iter(run.stream)
+    batches = [next(it) for _ in range(8 * cfg.train.grad_accum)]
+    it.close()
+    run.stream = Replay(batches)
+    engine, accum = run.engine, cfg.train.grad_accum
+
+    def ours() -> float:
+        start = run.start_step
+        run.cfg.train.steps = start + steps
+        t0 = time.perf_counter()
+        train_loop(run)
+        run.start_step = start + steps
+        return (time.perf_counter() - t0) / steps
+
+    def minimal() -> float:
+        gate, run.optimizer.gate = run.optimizer.gate, None
+        t0 = time.perf_counter()
+        for i in range(steps):
+            for m in range(accum):
+                b = batches[(i * accum + m) % len(batches)]
+                loss = engine(**{k: b[k] for k in MODEL_INPUTS}).loss
+                engine.backward(loss)
+                engine.step()
+        run.optimizer.gate = gate
+        return (time.perf_counter() - t0) / steps
+
+    ours(), minimal()                                  # warm-up: allocator, first probes
+    o, m = [], []
+    for _ in range(rounds):
+        o.append(ours())
+        m.append(minimal())
+    run.log.close()
+    return {"ours_step_s": statistics.mean(o), "minimal_step_s": statistics.mean(m),
+            "ratio": statistics.mean(o) / statistics.mean(m), "rounds": rounds, "steps_per_round": steps}
+
+
+def data_wait(experiment: str, steps: int, run_dir: Path) -> dict:
+    cmd = [sys.executable, "-m", "train.app", f"experiment={experiment}", f"run_dir={run_dir}",
+           f"train.steps={steps}", "train.progress=false", "train.ckpt_every=0", "train.eval_every=0"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode:
+        sys.exit(f"the data-wait run failed:\n{p.stderr[-3000:]}")
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    wait = sum(r["throughput/data_wait"] * r["throughput/step_s"] for r in recs)
+    total = sum(r["throughput/step_s"] for r in recs)
+    return {"data_wait": wait / total, "steps": len(recs), "max_step_wait": max(r["throughput/data_wait"] for r in recs)}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--experiment", default="demo")
+    ap.add_argument("--steps", type=int, default=40, help="steps per round of each loop")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--wait-steps", type=int, default=150, help="steps of the data-wait run")
+    a = ap.parse_args(argv)
+    if a.experiment == "demo" and not Path("runs/demo/tokens/text").is_dir():
+        sys.exit("runs/demo/tokens: no token shards; run `make demo` first (or pass --experiment)")
+    with tempfile.TemporaryDirectory() as tmp:
+        res = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "experiment": a.experiment}
+        res["wait"] = data_wait(a.experiment, a.wait_steps, Path(tmp) / "wait")   # first: a clean process
+        res["overhead"] = overhead(a.experiment, a.steps, a.rounds, Path(tmp) / "overhead")
+    o, w = res["overhead"], res["wait"]
+    print(f"trainer overhead: {o['ratio']:.3f}x a minimal loop on the same engine and batches (target <= 1.10); "
+          f"step {o['ours_step_s'] * 1e3:.1f} ms against {o['minimal_step_s'] * 1e3:.1f} ms")
+    print(f"data wait: {w['data_wait']:.2%} of step time over {w['steps']} steps (target < 5%), "
+          f"worst step {w['max_step_wait']:.1%}")
+    print(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    main()
