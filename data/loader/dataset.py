@@ -167,7 +167,21 @@ class PackedLoader:
                 out["tokens_by_source"][t.name] = out["tokens_by_source"].get(t.name, 0) + c[2]
         rows = out["rows"]
         out["packing_efficiency"] = out["real_tokens"] / (rows * self.cfg.seq_len) if rows else 0.0
+        if self.cfg.mode == "epoch":
+            out["held_back"] = self.held_back()
         return out
+
+    def held_back(self) -> int:
+        """Epoch mode: documents of this rank's slices not delivered in full (never read, or held
+        aside when the equalised batch count was reached); they are not repeated."""
+        n = 0
+        for w in range(self.workers):
+            st = self.worker_states.get(w)
+            consumer = self.rank * self.workers + w
+            for t, c in zip(self.tables, st["cursors"] if st else [[0, 0, 0, 0]] * len(self.tables)):
+                n += len(range(consumer, len(t), self.consumers)) - c[1]
+            n += len(st["pending"]) if st else 0
+        return n
 
 
 def build_loader(cfg: LoaderConfig, *, rank: int, world_size: int, micro_batch: int, pad_id: int = 0,

@@ -168,6 +168,9 @@ class Packer:
         p = 0                       # M-RoPE position of the next token
         j = a
         blocks = [u for u in doc.units if u.atomic and u.start >= a and u.end <= b]
+        if not blocks:              # text only (most pieces): t = h = w = the 1-D position
+            row.thw[ra:ra + b - a] = np.arange(b - a)[:, None]
+            return
         n_img = int(row.image_ids.max()) + 1
         for u in blocks + [None]:
             stop = u.start if u else b

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import io
+import re
 import sys
 import threading
 import time
@@ -32,6 +33,22 @@ from data.loader.order import consumer_slice, epoch_order
 from data.loader.packer import Doc, Packer, Row, units_of
 from data.loader.table import SampleTable
 from data.vocab import MODALITY_NAMES
+
+
+# The header numpy writes for a 1-D little-endian array (what earlyfuse-prep tokenize stores).
+_NPY_1D = re.compile(rb"\{'descr': '([<|][iu][1248])', 'fortran_order': False, 'shape': \((\d+),\), \}")
+
+
+def read_npy(data: bytes) -> np.ndarray:
+    """``np.load`` of a 1-D integer .npy, without its header parser (``ast.literal_eval`` was 40 %
+    of the loader's time on short documents); any other .npy goes through ``np.load`` (pickle
+    never allowed). A short or bad payload is a ValueError like np.load's."""
+    if data[:8] == b"\x93NUMPY\x01\x00":
+        hlen = int.from_bytes(data[8:10], "little")
+        m = _NPY_1D.match(data, 10, 10 + hlen)
+        if m:
+            return np.frombuffer(data, dtype=np.dtype(m.group(1).decode()), count=int(m.group(2)), offset=10 + hlen)
+    return np.load(io.BytesIO(data), allow_pickle=False)
 
 
 class Watchdog:
@@ -151,8 +168,8 @@ class ConsumerStream:
         if self.watchdog:
             self.watchdog.current = (f"{shard} sample {t.keys[sample]}", time.monotonic())
         try:
-            ids = np.load(io.BytesIO(self._read(shard, t.ids_at[sample])), allow_pickle=False)
-            mod = np.load(io.BytesIO(self._read(shard, t.mod_at[sample])), allow_pickle=False)
+            ids = read_npy(self._read(shard, t.ids_at[sample]))
+            mod = read_npy(self._read(shard, t.mod_at[sample]))
             if ids.shape != (length,) or mod.shape != (length,):
                 raise ValueError(f"{ids.shape[0]} ids / {mod.shape[0]} modalities, the index says {length}")
         except (OSError, ValueError, EOFError) as e:
@@ -230,4 +247,16 @@ def collate(rows: list[Row]) -> dict:
         return torch.from_numpy(np.stack([getattr(r, name) for r in rows]))
     return {"input_ids": st("ids"), "labels": st("labels"), "modality": st("mod"), "label_modality": st("label_mod"),
             "doc_ids": st("doc_ids"), "position_ids": st("pos"), "position_thw": st("thw"),
-            "image_ids": st("image_ids"), "num_real_tokens": torch.tensor(sum(r.real for r in rows))}
+            "image_ids": st("image_ids"), "num_real_tokens": torch.tensor(sum(r.real for r in rows)),
+            "pieces": _pieces(rows)}
+
+
+def _pieces(rows: list[Row]) -> torch.Tensor:
+    """[rows, most pieces, 4] (source, sample, start, end) of each row's document pieces, -1 padded:
+    which documents a batch holds (for checks and debugging; the model never sees it)."""
+    most = max((len(r.pieces) for r in rows), default=0)
+    out = torch.full((len(rows), most, 4), -1, dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r.pieces:
+            out[i, :len(r.pieces)] = torch.tensor(r.pieces, dtype=torch.long)
+    return out

@@ -204,3 +204,39 @@ def test_token_before_a_dropped_block_predicts_nothing(tiny_tokens, tiny_tokeniz
                 assert row.labels[row.doc_ids == pid][-1] == IGNORE
                 cut += 1
     assert cut > 0 and cs.packer.stats.dropped_blocks > 0
+
+
+def test_two_ranks_under_torchrun_with_uneven_shards(tiny_tokens, tmp_path):
+    """torchrun, 2 ranks x 2 workers, epoch mode, sources of uneven shard counts: both ranks yield
+    the same number of batches (an all-reduce per batch would hang otherwise), no document is
+    delivered twice, and every document is delivered or counted as held back."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("torchrun_loader.py")
+    root = Path(__file__).resolve().parents[2]
+    shard_counts = {s: len(list((tiny_tokens / s).glob("*.tar"))) for s in ("scenes", "digits", "text")}
+    assert len(set(shard_counts.values())) > 1, shard_counts            # uneven
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(29700 + os.getpid() % 200), str(script), str(tmp_path), str(tiny_tokens)]
+    p = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)})
+    assert p.returncode == 0, p.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["batches"] == ranks[1]["batches"] > 0
+    whole = defaultdict(list)                                   # (source, sample) -> pieces seen
+    for r in ranks:
+        for s, sample, a, b in r["pieces"]:
+            whole[(s, sample)].append((a, b))
+    for spans in whole.values():                                 # a document's pieces never overlap
+        spans.sort()
+        assert all(x[1] <= y[0] for x, y in zip(spans, spans[1:])), spans
+    docs = docs_of(tiny_tokens)
+    names = ("scenes", "digits", "text")
+    total = sum(len(load_table(SourceConfig(name=s, shards=[str(tiny_tokens / s)]))) for s in names)
+    full = sum(1 for (s, sample), spans in whole.items()
+               if sum(b - a for a, b in spans) == len(docs[(SOURCES.index(names[s]), sample)]))
+    held = sum(r["delivered"]["held_back"] for r in ranks)
+    assert full + held == total and full > 0, (full, held, total, len(whole))

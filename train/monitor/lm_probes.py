@@ -18,6 +18,8 @@ from data.loader import build_loader
 from train.monitor import probes
 from train.monitor.config import MonitorConfig
 
+PROBE_KEYS = probes.MODEL_INPUTS + ("labels",)
+
 
 class LMProbes:
     def __init__(self, cfg: MonitorConfig, run_cfg, task, dist, engine) -> None:
@@ -39,7 +41,7 @@ class LMProbes:
                     break
                 labels, blocks = probes.caption_rows(b, self.task.layout)
                 for r in sorted({r for r, _, _ in blocks}):
-                    rows.append({k: v[r:r + 1] for k, v in b.items() if torch.is_tensor(v) and v.dim() >= 2})
+                    rows.append({k: b[k][r:r + 1] for k in PROBE_KEYS})
                 if len(rows) >= want_captions:
                     break
         if want_captions:
@@ -61,8 +63,8 @@ class LMProbes:
         dev = self.dist.device
         if name == "attention":
             if self._attn_batch is None:
-                self._attn_batch = {k: v[:self.cfg.attention.rows] for k, v in self._rows(0).items()
-                                    if torch.is_tensor(v) and v.dim() >= 2}
+                first = self._rows(0)
+                self._attn_batch = {k: first[k][:self.cfg.attention.rows] for k in PROBE_KEYS}
             return probes.attention_stats(module, self._attn_batch, dev)
         if name == "dependence":
             if self._dep_batch is None:
