@@ -240,3 +240,24 @@ def test_two_ranks_under_torchrun_with_uneven_shards(tiny_tokens, tmp_path):
                if sum(b - a for a, b in spans) == len(docs[(SOURCES.index(names[s]), sample)]))
     held = sum(r["delivered"]["held_back"] for r in ranks)
     assert full + held == total and full > 0, (full, held, total, len(whole))
+
+
+def test_read_npy_matches_np_load_and_refuses_what_np_load_refuses():
+    import io
+
+    from data.loader.stream import read_npy
+
+    for a in (np.arange(7, dtype=np.int32), np.array([], dtype=np.int32), np.arange(300, dtype=np.uint8),
+              np.arange(5, dtype=np.int64), np.zeros((2, 3), np.int32), np.arange(4, dtype=">i4")):
+        buf = io.BytesIO()
+        np.save(buf, a)
+        got = read_npy(buf.getvalue())
+        assert got.dtype == a.dtype and got.shape == a.shape and (got == a).all()
+    buf = io.BytesIO()
+    np.save(buf, np.arange(10, dtype=np.int32))
+    with pytest.raises(ValueError):
+        read_npy(buf.getvalue()[:-8])                      # cut short
+    buf = io.BytesIO()
+    np.save(buf, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(ValueError):
+        read_npy(buf.getvalue())                           # a pickled object array is never loaded
