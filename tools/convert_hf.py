@@ -22,7 +22,6 @@ the text tokenizer as ``tokenizer.json`` + ``tokenizer_config.json`` (a
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 from pathlib import Path
 

@@ -12,21 +12,14 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from tools.convert_release import make_release
 from tools.generate import main as generate_main
-from trainrun import train
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def release(tiny_tokens, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("generate")
-    srcs = ",".join(f"{{name: {s}, shards: [{tiny_tokens / s}], weight: 1.0}}" for s in ("scenes", "text", "code"))
-    train(["experiment=debug", f"data.sources=[{srcs}]", f"run_dir={root / 'run'}", "train.steps=4",
-           "train.micro_batch=2"])
-    make_release(root / "run", root / "rel", log=lambda *a, **k: None)
-    return root / "rel"
+def release(debug_release) -> Path:
+    return debug_release
 
 
 @pytest.fixture(scope="module")
