@@ -3,10 +3,10 @@
     release    tools/convert_release.py   DeepSpeed checkpoint (any ZeRO stage) -> release folder
     import     tools/convert_import.py    release -> the start of a new training run (train.init_from)
     hf         tools/convert_hf.py        release -> Hugging Face transformers model (Qwen3 architecture)
+    universal  tools/convert_universal.py a ZeRO 1-3 checkpoint -> resumable on another world size
 
 A subcommand module has ``register(subparsers)``, which adds its parser and sets
-``run=fn(args) -> exit code``; add it to ``SUBCOMMANDS`` (the universal checkpoint ``universal``
-is meant to plug in the same way). Errors that users cause
+``run=fn(args) -> exit code``; add it to ``SUBCOMMANDS``. Errors that users cause
 (a missing file, a truncated checkpoint, a mismatch) are one line naming the file, exit code 1.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 from tools.convert_deepspeed import CheckpointError
 from tools.release import ReleaseError
 
-SUBCOMMANDS = ("tools.convert_release", "tools.convert_import", "tools.convert_hf")
+SUBCOMMANDS = ("tools.convert_release", "tools.convert_import", "tools.convert_hf", "tools.convert_universal")
 
 EPILOG = """\
 examples:
@@ -26,6 +26,7 @@ examples:
   earlyfuse-convert release runs/demo --step 2000 releases/demo-2k --dtype bf16
   earlyfuse-convert import releases/demo runs/finetune experiment=demo optim.lr=1e-4
   earlyfuse-convert hf releases/demo hf/demo                     # transformers (Qwen3) format
+  earlyfuse-convert universal runs/1b                            # then resume on another world size
   earlyfuse-generate releases/demo --prompt "def fib(n):"        # sample from a release
 
 Run `earlyfuse-convert COMMAND --help` for each command's options. Formats: docs/checkpoints.md.

@@ -71,17 +71,34 @@ class Checkpointer:
         return json.loads((self.dir / tag / "meta.json").read_text())
 
     def check_compatible(self, tag: str, zero_stage: int) -> dict:
+        """The checkpoint's meta; refuses what cannot resume here. Another world size resumes from a
+        ZeRO-0 checkpoint as it is, and from a ZeRO 1-3 one through its universal/ conversion."""
         meta = self.meta(tag)
-        if meta["world_size"] != self.dist.world_size:
-            raise ValueError(
-                f"{self.dir / tag} was written by {meta['world_size']} rank(s); this run has "
-                f"{self.dist.world_size}. DeepSpeed checkpoints are partitioned by world size and "
-                f"converting them to another is not built yet: run with {meta['world_size']} rank(s), or "
-                f"start a new run from its weights (`earlyfuse-convert release`, then `train.init_from`).")
         if meta["zero_stage"] != zero_stage:
             raise ValueError(f"{self.dir / tag} was written with ZeRO stage {meta['zero_stage']}; this run uses "
                              f"{zero_stage}. Resume with deepspeed.zero_stage={meta['zero_stage']}.")
+        if meta["world_size"] != self.dist.world_size and zero_stage > 0 and not self.universal(tag):
+            raise ValueError(
+                f"{self.dir / tag} was written by {meta['world_size']} rank(s); this run has "
+                f"{self.dist.world_size}. Its ZeRO-{zero_stage} shards fit only that world size: make a universal "
+                f"checkpoint with `earlyfuse-convert universal {self.dir.parent}` and rerun this command, or run "
+                f"with {meta['world_size']} rank(s).")
         return meta
+
+    def universal(self, tag: str) -> bool:
+        return (self.dir / tag / "universal" / "mp_rank_00_model_states.pt").is_file()
+
+    def load_resharded(self, engine, tag: str, zero_stage: int) -> tuple[dict, dict | None]:
+        """Load a checkpoint written by another world size: (client state, this rank's own state if
+        the old world had this rank, else None)."""
+        load_dir, t = (self.dir / tag, "universal") if zero_stage > 0 else (self.dir, tag)
+        path, client = engine.load_checkpoint(str(load_dir), tag=t, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        if path is None:
+            raise ValueError(f"{load_dir / t}: DeepSpeed could not load this checkpoint")
+        rank_file = self.dir / tag / f"rank_{self.dist.rank:05d}.pt"
+        own = torch.load(rank_file, weights_only=True) if rank_file.is_file() else None
+        return client or {}, own
 
     def load(self, engine, tag: str) -> tuple[dict, dict]:
         """(client state saved by rank 0, this rank's own state)."""

@@ -52,12 +52,16 @@ class Run:
         if cfg.train.init_from:  # a release's weights (earlyfuse-convert import); a resuming run ignores it
             from tools.release import init_from_release
             init_from_release(model, cfg, self.task, self.dist.is_main)
+        self.ckpt = Checkpointer(self.run_dir, self.dist, cfg.train.keep_last)
+        if cfg.train.resume and self._resuming_universal():
+            # DeepSpeed reads this flag when the engine is built: the ZeRO optimizer then loads the
+            # per-parameter files of checkpoints/step_N/universal/ for this world size.
+            cfg.deepspeed.config = {**cfg.deepspeed.config, "checkpoint": {"load_universal": True}}
         self.engine, self.optimizer, self.scheduler = build_engine(model, cfg, self.dist.world_size)
         self.rule = SkipStepRule(cfg.optim.skip_step)
         self.gate = UpdateGate(self.rule, lambda: global_grad_norm(self.engine))
         self.optimizer.gate = self.gate
         self.stream = self.task.batches()
-        self.ckpt = Checkpointer(self.run_dir, self.dist, cfg.train.keep_last)
         self.monitor = Monitor(cfg.monitor, total_steps=cfg.train.steps, chance=self.task.chance_levels(),
                                probes=self.task.probes(cfg.monitor, self.engine))
         self.faults = Faults(cfg.train.seed)
@@ -83,8 +87,36 @@ class Run:
         if tag is None:
             return 0
         meta = self.ckpt.check_compatible(tag, self.cfg.deepspeed.zero_stage)
-        self._load(tag)
+        if meta["world_size"] != self.dist.world_size:
+            self._load_resharded(tag, meta)
+        else:
+            self._load(tag)
         return int(meta["step"])
+
+    def _resuming_universal(self) -> bool:
+        tag = self.ckpt.latest() if self.ckpt.dir.is_dir() else None
+        return (tag is not None and self.ckpt.meta(tag)["world_size"] != self.dist.world_size
+                and self.ckpt.universal(tag))
+
+    def _load_resharded(self, tag: str, meta: dict) -> None:
+        """Resume a checkpoint of another world size (docs/checkpoints.md, universal checkpoints)."""
+        client, own = self.ckpt.load_resharded(self.engine, tag, self.cfg.deepspeed.zero_stage)
+        self.rule.load_state_dict(client["skip_step"])
+        self.monitor.load_state_dict(client.get("monitor", {}))
+        note = []
+        if own is not None:
+            set_rng_state(own["rng"])
+            try:
+                self.stream.load_state_dict(own["stream"])
+            except ValueError:
+                note.append("the loader starts a fresh pass over its sources (its state cannot be moved to "
+                            "another world size yet)")
+        else:
+            note.append(f"rank {self.dist.rank} had no predecessor: fresh RNG and data stream")
+        if self.dist.is_main:
+            print(f"resuming {tag} of {meta['world_size']} rank(s) on {self.dist.world_size}"
+                  f"{' from its universal checkpoint' if self.cfg.deepspeed.zero_stage else ''}"
+                  + ("; " + "; ".join(note) if note else ""), flush=True)
 
     def _load(self, tag: str) -> None:
         client, own = self.ckpt.load(self.engine, tag)

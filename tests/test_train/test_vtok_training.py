@@ -56,12 +56,13 @@ def test_a_typo_in_an_override_names_the_key(tiny_raw, tmp_path):
     assert p.returncode != 0 and "factr" in p.stderr
 
 
-def test_resuming_on_another_world_size_is_refused_with_what_to_do(tiny_raw, tmp_path):
+def test_resuming_zero_shards_on_another_world_size_asks_for_a_universal_checkpoint(tiny_raw, tmp_path):
     run = tmp_path / "run"
-    train(base(tiny_raw, run, 2))
+    train(base(tiny_raw, run, 2, "deepspeed.zero_stage=1"))
     meta = run / "checkpoints" / "step_00000002" / "meta.json"
     m = json.loads(meta.read_text())
     m["world_size"] = 2
     meta.write_text(json.dumps(m))
-    p = train(base(tiny_raw, run, 4), check=False)
-    assert p.returncode != 0 and "written by 2 rank(s)" in p.stderr and "train.init_from" in p.stderr
+    p = train(base(tiny_raw, run, 4, "deepspeed.zero_stage=1"), check=False)
+    assert p.returncode != 0 and "written by 2 rank(s)" in p.stderr
+    assert f"earlyfuse-convert universal {run}" in p.stderr

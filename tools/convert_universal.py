@@ -1,0 +1,83 @@
+"""``earlyfuse-convert universal RUN_DIR [--step N]``: make a checkpoint resumable on another
+world size.
+
+A ZeRO 1-3 checkpoint holds each rank's shard of the optimizer state (and at stage 3 of the
+weights), so it only loads on the world size that wrote it. DeepSpeed's universal checkpoint
+(``deepspeed.checkpoint.ds_to_universal``) rewrites those shards as one file per parameter
+(fp32 weights, Adam moments, step) in ``checkpoints/step_N/universal/``, beside the original.
+``earlyfuse-train`` with the same ``run_dir`` on any number of ranks then finds it and resumes
+from it: weights, optimizer moments, lr schedule, skip-step and monitor state continue. Each
+new rank takes the RNG state of the old rank of its number (fresh seeding past the old world
+size). The loader's state cannot follow a change of world size yet (a ``redistribute`` is not
+built): the visual tokenizer's crop stream continues from its position, the LM's token loader
+starts a fresh pass over its sources, and the run says so.
+
+A ZeRO-0 checkpoint keeps whole copies of model and optimizer, so it resumes on another world
+size without this step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+
+from tools.convert_deepspeed import CheckpointError, find_checkpoint
+
+EXAMPLES = """\
+examples:
+  torchrun --nproc_per_node 8 -m train.app experiment=gpu_1b run_dir=runs/1b      # ZeRO 2 on 8 ranks
+  earlyfuse-convert universal runs/1b                                               # latest checkpoint
+  torchrun --nproc_per_node 4 -m train.app experiment=gpu_1b run_dir=runs/1b      # resumes on 4 ranks
+"""
+UNIVERSAL = "universal"
+
+
+def make_universal(run_dir, step: int | None = None, *, force: bool = False, log=print):
+    ck = find_checkpoint(run_dir, step)
+    stage, world = int(ck.meta["zero_stage"]), int(ck.meta["world_size"])
+    if stage == 0:
+        raise CheckpointError(f"{ck.folder}: a ZeRO-0 checkpoint holds whole copies of model and optimizer; it "
+                              "resumes on any world size as it is (no conversion needed)")
+    out = ck.folder / UNIVERSAL
+    if out.exists():
+        if not force:
+            raise CheckpointError(f"{out} exists (use --force to make it again)")
+        shutil.rmtree(out)
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal, parse_arguments
+
+    # Our runs do not set Megatron's universal_checkpoint_info: DeepSpeed injects the default
+    # (no tensor or pipeline parallelism to undo, which is what we have).
+    argv, sys.argv = sys.argv, ["ds_to_universal", "--input_folder", str(ck.folder), "--output_folder", str(out),
+                                "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"]
+    try:
+        ds_to_universal(parse_arguments())
+    except (AssertionError, KeyError, RuntimeError, ValueError) as e:
+        shutil.rmtree(out, ignore_errors=True)
+        raise CheckpointError(f"{ck.folder}: DeepSpeed could not make a universal checkpoint ({e})") from None
+    finally:
+        sys.argv = argv
+    (out / "source.json").write_text(json.dumps({"step": ck.meta.get("step"), "world_size": world,
+                                                 "zero_stage": stage}, indent=1) + "\n")
+    log(f"wrote {out}: {ck.tag} (ZeRO {stage}, {world} rank(s)) as a universal checkpoint; "
+        f"`earlyfuse-train ... run_dir={ck.run_dir}` on any number of ranks resumes from it")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    make_universal(args.run_dir, args.step, force=args.force)
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "universal", help="a ZeRO 1-3 checkpoint -> a DeepSpeed universal checkpoint (resume on another world size)",
+        description="Write checkpoints/step_N/universal/ beside RUN_DIR's checkpoint: its optimizer and weight "
+                    "shards as one file per parameter, which a run with the same run_dir resumes from on any "
+                    "number of ranks. The LM's loader starts a fresh pass over its data (its state cannot be "
+                    "redistributed yet).",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", metavar="RUN_DIR", help="an earlyfuse-train run folder (with checkpoints/)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: checkpoints/latest)")
+    p.add_argument("--force", action="store_true", help="make it again if it exists")
+    p.set_defaults(run=run)
