@@ -9,12 +9,12 @@ share of them.
 from __future__ import annotations
 
 import dataclasses
-import os
 from contextlib import closing
 
 import torch
 
 from data.loader import build_loader
+from train.faults import fault_step
 from train.monitor import probes
 from train.monitor.config import MonitorConfig
 
@@ -72,8 +72,8 @@ class LMProbes:
                 self._dep_batch = self._rows(per_rank) or {}
             if not self._dep_batch:
                 return {}
-            fault = os.environ.get("EARLYFUSE_FAULT_SHUFFLE_PROBE_FROM")
-            shuffled = fault is not None and step >= int(fault)
+            fault = fault_step("EARLYFUSE_FAULT_SHUFFLE_PROBE_FROM")
+            shuffled = 0 <= fault <= step
             return probes.dependence_gap(module, self._dep_batch, self.task.layout, dev, fault_shuffled=shuffled)
         c = self.cfg.code_use
         per_rank = max(1, c.probes // self.dist.world_size)

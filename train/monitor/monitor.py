@@ -13,7 +13,7 @@ import time
 
 from data.vocab import MODALITY_NAMES
 from train.monitor.alarms import Alarm
-from train.monitor.config import MonitorConfig
+from train.monitor.config import SEVERITY, MonitorConfig
 from train.monitor.detectors import Collapse, Divergence, Drift, Stagnation
 
 
@@ -130,5 +130,4 @@ def _finite(x: float) -> float:
 
 
 def _at_least(action: str, floor: str) -> str:
-    from train.monitor.config import SEVERITY
     return action if SEVERITY[action] >= SEVERITY[floor] else floor
