@@ -71,6 +71,9 @@ def find_tokenizers(run_cfg) -> tuple[Path | None, str]:
     """(the token data's tokenizers/ folder, "") or (None, why not)."""
     from data.loader.table import expand
 
+    if getattr(run_cfg.data, "tokenizers", None):     # the run named its tokenizer folder
+        folder = Path(run_cfg.data.tokenizers)
+        return (folder, "") if folder.is_dir() else (None, f"{folder} (data.tokenizers, missing)")
     tried = []
     for src in [*run_cfg.data.sources, *run_cfg.data.validation]:
         for pattern in src.shards:

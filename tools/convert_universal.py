@@ -8,9 +8,9 @@ weights), so it only loads on the world size that wrote it. DeepSpeed's universa
 ``earlyfuse-train`` with the same ``run_dir`` on any number of ranks then finds it and resumes
 from it: weights, optimizer moments, lr schedule, skip-step and monitor state continue. Each
 new rank takes the RNG state of the old rank of its number (fresh seeding past the old world
-size). The loader's state cannot follow a change of world size yet (a ``redistribute`` is not
-built): the visual tokenizer's crop stream continues from its position, the LM's token loader
-starts a fresh pass over its sources, and the run says so.
+size). The LM's token loader moves its position onto the new split (every old rank's state is
+redistributed over the new ranks and workers: no document repeated or lost, docs/loader.md);
+the visual tokenizer's crop stream continues from its position. The run says so.
 
 A ZeRO-0 checkpoint keeps whole copies of model and optimizer, so it resumes on another world
 size without this step.
@@ -74,8 +74,8 @@ def register(sub) -> None:
         "universal", help="a ZeRO 1-3 checkpoint -> a DeepSpeed universal checkpoint (resume on another world size)",
         description="Write checkpoints/step_N/universal/ beside RUN_DIR's checkpoint: its optimizer and weight "
                     "shards as one file per parameter, which a run with the same run_dir resumes from on any "
-                    "number of ranks. The LM's loader starts a fresh pass over its data (its state cannot be "
-                    "redistributed yet).",
+                    "number of ranks. The LM's loader state is redistributed over the new ranks and "
+                    "workers: it goes on from where it was.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", metavar="RUN_DIR", help="an earlyfuse-train run folder (with checkpoints/)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: checkpoints/latest)")

@@ -100,6 +100,19 @@ class Checkpointer:
         own = torch.load(rank_file, weights_only=True) if rank_file.is_file() else None
         return client or {}, own
 
+    def load_streams(self, tag: str) -> list[dict]:
+        """The data stream state of every rank that wrote ``tag``, in rank order: a loader moved onto
+        another world size needs all of them (data.loader.redistribute), not only its own rank's."""
+        out = []
+        for r in range(self.meta(tag)["world_size"]):
+            f = self.dir / tag / f"rank_{r:05d}.pt"
+            try:
+                out.append(torch.load(f, weights_only=True)["stream"])
+            except (OSError, RuntimeError, EOFError, KeyError) as e:
+                raise ValueError(f"{f}: unreadable rank state ({e!r}); every old rank's is needed to move "
+                                 "the loader's position onto this world size") from None
+        return out
+
     def load(self, engine, tag: str) -> tuple[dict, dict]:
         """(client state saved by rank 0, this rank's own state)."""
         path, client = engine.load_checkpoint(str(self.dir), tag=tag, load_optimizer_states=True,

@@ -103,26 +103,52 @@ class Run:
         client, own = self.ckpt.load_resharded(self.engine, tag, self.cfg.deepspeed.zero_stage)
         self.rule.load_state_dict(client["skip_step"])
         self.monitor.load_state_dict(client.get("monitor", {}))
+        from data.loader.dataset import PackedLoader
+
         note = []
+        movable = isinstance(self.stream, PackedLoader)
         if own is not None:
             set_rng_state(own["rng"])
+        if movable:
+            note.append(self._redistribute_stream(tag))
+        elif own is not None:
             try:
                 self.stream.load_state_dict(own["stream"])
             except ValueError:
-                note.append("the loader starts a fresh pass over its sources (its state cannot be moved to "
-                            "another world size yet)")
-        else:
-            note.append(f"rank {self.dist.rank} had no predecessor: fresh RNG and data stream")
+                note.append("the data stream starts afresh (its state cannot be moved to another world size)")
+        if own is None:
+            note.append(f"rank {self.dist.rank} had no predecessor: fresh RNG"
+                        + ("" if movable else " and data stream"))
         if self.dist.is_main:
             print(f"resuming {tag} of {meta['world_size']} rank(s) on {self.dist.world_size}"
                   f"{' from its universal checkpoint' if self.cfg.deepspeed.zero_stage else ''}"
                   + ("; " + "; ".join(note) if note else ""), flush=True)
 
+    def _redistribute_stream(self, tag: str) -> str:
+        """Move the token loader's position onto this run's split exactly (docs/loader.md): every
+        rank reads all old ranks' loader states and keeps its own share, with no communication."""
+        from data.loader.redistribute import redistribute
+
+        st = redistribute(self.ckpt.load_streams(tag), self.stream)
+        self.stream.load_state_dict(st)
+        return (f"the loader's state was redistributed from {st['redistributed']['from_consumers']} "
+                f"to {self.stream.consumers} consumers")
+
     def _load(self, tag: str) -> None:
+        from data.loader.dataset import PackedLoader
+
         client, own = self.ckpt.load(self.engine, tag)
         self.rule.load_state_dict(client["skip_step"])
         self.monitor.load_state_dict(client.get("monitor", {}))
-        self.stream.load_state_dict(own["stream"])
+        st = own["stream"]
+        if isinstance(self.stream, PackedLoader) and (st.get("workers"), st.get("micro_batch")) != \
+                (self.stream.workers, self.stream.micro_batch):
+            # Same world size, another data.num_workers or micro batch: a split of its own.
+            note = self._redistribute_stream(tag)
+            if self.dist.is_main:
+                print(f"resuming {tag}: {note}", flush=True)
+        else:
+            self.stream.load_state_dict(st)
         set_rng_state(own["rng"])
 
     def save(self, step: int) -> str:

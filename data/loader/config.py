@@ -7,10 +7,20 @@ from dataclasses import dataclass, field
 @dataclass(kw_only=True)
 class SourceConfig:
     name: str
-    # Token shard tars: paths, globs (``tokens/code/*.tar``), brace ranges
-    # (``tokens/code/shard-{000000..000041}.tar``) or token folders (``tokens/code``).
+    # Token or raw shard tars: paths, globs (``tokens/code/*.tar``), brace ranges
+    # (``tokens/code/shard-{000000..000041}.tar``), folders (``tokens/code``), fsspec URLs
+    # (``s3://bucket/tokens/code/*.tar``) or ``pipe:`` commands (``pipe:aws s3 cp s3://b/x.tar -``).
     shards: list[str] = field(default_factory=list)
     weight: float = 1.0                # share of the *tokens* delivered, relative to the others
+
+
+@dataclass(kw_only=True)
+class OnlineTokenizeConfig:
+    """How raw sources are tokenized in the workers (the options of ``earlyfuse-prep tokenize``)."""
+    image_max_pixels: int = 256 * 256
+    video_max_pixels: int = 128 * 128      # per frame
+    video_fps: float = 4.0
+    video_max_tokens: int = 4096
 
 
 @dataclass(kw_only=True)
@@ -29,3 +39,10 @@ class LoaderConfig:
     oversize: str = "drop_block"       # a visual block longer than a row: drop_block | drop_document
     max_consecutive_errors: int = 16   # unreadable samples in a row before the run stops
     stall_seconds: float = 120.0       # a read slower than this is reported
+    # A tokenizer folder (tokenizer.json, vocab_layout.json, visual_tokenizer/: a token folder's
+    # tokenizers/). Raw sources are tokenized with it; token sources must have been made with it.
+    # Unset: the token shards' own tokenizers/ copy (local token sources only).
+    tokenizers: str | None = None
+    tokenize: OnlineTokenizeConfig = field(default_factory=OnlineTokenizeConfig)
+    cache_dir: str | None = None       # where pipe: shards are fetched to (default $TMPDIR/earlyfuse-shards-UID)
+    cache_limit_gb: float = 64.0       # least recently used fetched shards are deleted beyond this

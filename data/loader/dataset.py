@@ -9,7 +9,11 @@ Design choices:
   the number handed out. Restoring starts each worker from its state and rotates the workers
   so that the one whose turn was next comes first. Nothing is replayed.
 - The state refuses other data or tokenizers (fingerprint), another world size, worker count,
-  seq_len or batch size; ``redistribute`` maps a state onto another world size (see docs).
+  seq_len or batch size; ``redistribute.redistribute`` maps every old rank's state onto another
+  split (world size x workers), and its result loads here (see docs/loader.md).
+- Epoch mode: the state carries the batch count every consumer yields, since after a
+  redistribute it is the count of the new split from where the old one stopped, not the one
+  computed here from the start.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data.loader.config import LoaderConfig
+from data.loader.order import unpack_mask
 from data.loader.stream import ConsumerStream
 from data.loader.table import SampleTable, load_table
 
@@ -135,7 +140,7 @@ class PackedLoader:
         return {"version": STATE_VERSION, "fingerprint": self.fingerprint(), "rank": self.rank,
                 "world_size": self.world_size, "workers": self.workers, "seq_len": self.cfg.seq_len,
                 "micro_batch": self.micro_batch, "mode": self.cfg.mode, "handed_out": self.handed_out,
-                "worker_states": {str(k): v for k, v in self.worker_states.items()}}
+                "batch_limit": self.batch_limit, "worker_states": {str(k): v for k, v in self.worker_states.items()}}
 
     def load_state_dict(self, st: dict) -> None:
         if st.get("version") != STATE_VERSION:
@@ -149,6 +154,8 @@ class PackedLoader:
             if st[k] != mine:
                 raise ValueError(f"loader state has {k}={st[k]}, this loader {mine}; use "
                                  "data.loader.redistribute to map it (docs/loader.md)")
+        if "batch_limit" in st:     # epoch mode: after a redistribute, the count of the new split
+            self.batch_limit = st["batch_limit"]
         self.worker_states = {int(k): v for k, v in st["worker_states"].items()}
         self.handed_out = st["handed_out"]
         self.rotation = self.handed_out % self.workers
@@ -178,8 +185,13 @@ class PackedLoader:
         for w in range(self.workers):
             st = self.worker_states.get(w)
             consumer = self.rank * self.workers + w
-            for t, c in zip(self.tables, st["cursors"] if st else [[0, 0, 0, 0]] * len(self.tables)):
-                n += len(range(consumer, len(t), self.consumers)) - c[1]
+            cursors = st["cursors"] if st else [[0, 0, 0, 0]] * len(self.tables)
+            skip = {(s, e): m for s, e, m in st.get("skip", [])} if st else {}
+            for s, (t, c) in enumerate(zip(self.tables, cursors)):
+                left = len(t)      # positions of the epoch's order split over the consumers
+                if (s, c[0]) in skip:   # less those a redistribute found consumed before
+                    left -= int(unpack_mask(skip[(s, c[0])], len(t)).sum())
+                n += len(range(consumer, left, self.consumers)) - c[1]
             n += len(st["pending"]) if st else 0
         return n
 
@@ -190,7 +202,35 @@ def build_loader(cfg: LoaderConfig, *, rank: int, world_size: int, micro_batch: 
     if not sources:
         raise ValueError("data.validation lists no sources" if validation else "data.sources lists no sources")
     tables = [load_table(s) for s in sources]
+    check_tokenizers(cfg, tables)
     if validation:
         from dataclasses import replace
         cfg = replace(cfg, sources=sources, mode="epoch")
+    raw = [t.name for t in tables if t.kind == "raw"]
+    if raw and cfg.mode == "epoch":
+        raise ValueError(f"source(s) {raw} hold raw shards: epoch mode counts every rank's batches from the "
+                         "token counts of the index, which raw shards do not have; tokenize them "
+                         "(earlyfuse-prep tokenize) or use data.mode=infinite")
     return PackedLoader(cfg, tables, rank=rank, world_size=world_size, micro_batch=micro_batch, pad_id=pad_id)
+
+
+def check_tokenizers(cfg: LoaderConfig, tables: list[SampleTable]) -> None:
+    """All sources must speak one vocabulary: token sources made with one set of tokenizers (the
+    ``data.tokenizers`` folder, when given), raw sources tokenized with that folder."""
+    from data.loader.online import folder_fingerprints, online_options, options_key
+    from data.loader.table import tokenizer_key
+
+    want = tokenizer_key(folder_fingerprints(cfg.tokenizers)) if cfg.tokenizers else None
+    for t in tables:
+        if t.kind == "raw":
+            if want is None:
+                raise ValueError(f"source {t.name} holds raw shards ({t.manifest_url}): set data.tokenizers to "
+                                 "the tokenizer folder to tokenize them with (a token folder's tokenizers/)")
+            # The options change the tokens: they belong to what a loader state must match.
+            t.tokenizer_fingerprint = want + options_key(online_options(cfg))
+            continue
+        want = want or t.tokenizer_fingerprint
+        if t.tokenizer_fingerprint != want:
+            where = f"the tokenizers in {cfg.tokenizers}" if cfg.tokenizers else f"source {tables[0].name}'s"
+            raise ValueError(f"source {t.name} was tokenized with other tokenizers than {where} "
+                             f"({t.manifest_url}); its ids would mean other things")

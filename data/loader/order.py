@@ -6,10 +6,16 @@
   positions (a bounded shuffle that keeps reads local to a few shards).
 - Consumer c of C takes positions c, c + C, c + 2C, ... of the epoch order: no sample is read by
   two consumers within an epoch, and every sample is read by one.
+- After a ``redistribute`` (another world size or worker count mid-epoch), an epoch may carry a
+  *skip mask* over its order's positions: those already consumed by the old consumers. The new
+  consumers split only the rest, the same way. The mask is stored packed (bits, zlib, base64):
+  the consumed set is nearly a prefix of the order, so it compresses to a few bytes.
 """
 from __future__ import annotations
 
+import base64
 import hashlib
+import zlib
 
 import numpy as np
 
@@ -37,3 +43,15 @@ def epoch_order(shard: np.ndarray, *, seed: int, epoch: int, source: str, buffer
 
 def consumer_slice(order: np.ndarray, consumer: int, consumers: int) -> np.ndarray:
     return order[consumer::consumers]
+
+
+def pack_mask(mask: np.ndarray) -> str:
+    """A boolean mask as text for a loader state (JSON and ``torch.load(weights_only=True)`` safe)."""
+    return base64.b64encode(zlib.compress(np.packbits(mask.astype(bool)).tobytes(), 6)).decode("ascii")
+
+
+def unpack_mask(text: str, n: int) -> np.ndarray:
+    bits = np.frombuffer(zlib.decompress(base64.b64decode(text)), np.uint8)
+    if len(bits) != (n + 7) // 8:
+        raise ValueError(f"a skip mask of {len(bits) * 8} bits for an epoch order of {n} samples")
+    return np.unpackbits(bits, count=n).astype(bool)

@@ -23,15 +23,19 @@ import re
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from data.loader import store
 from data.loader.config import LoaderConfig
-from data.loader.order import consumer_slice, epoch_order
+from data.loader.online import OnlineTokenizer, online_options
+from data.loader.order import consumer_slice, epoch_order, unpack_mask
 from data.loader.packer import Doc, Packer, Row, units_of
+from data.loader.store import ShardFiles
 from data.loader.table import SampleTable
+from data.tokenize.run import visual_blocks
 from data.vocab import MODALITY_NAMES
 
 
@@ -79,6 +83,11 @@ class SourceCursor:
     pos: int = 0              # position in this consumer's slice of the epoch order
     tokens: int = 0           # tokens taken from this source
     done: bool = False        # epoch mode: this source is exhausted
+    # epoch -> packed mask (order.pack_mask) of the positions of that epoch's order consumed
+    # before a redistribute; the slice is then taken from the rest. Dropped once passed: every
+    # consumer of one state holds the same masks, so the slowest still has any a later
+    # redistribute needs.
+    skip: dict[int, str] = field(default_factory=dict)
 
 
 class ConsumerStream:
@@ -96,7 +105,8 @@ class ConsumerStream:
         self.batches = 0
         self.batch_limit: int | None = None
         self.tokens_by_modality = np.zeros(len(MODALITY_NAMES), np.int64)
-        self._files: dict[str, io.BufferedReader] = {}
+        self.files = ShardFiles(cfg.cache_dir, cfg.cache_limit_gb)
+        self._online: OnlineTokenizer | None = None     # built on the first raw document
         self.watchdog = None if dry else Watchdog(cfg.stall_seconds, f"consumer {consumer}")
 
     # --- which document next -------------------------------------------------------------------
@@ -107,6 +117,9 @@ class ConsumerStream:
             order = epoch_order(t.shard, seed=self.cfg.seed, epoch=epoch, source=t.name,
                                 buffer=self.cfg.shuffle_buffer, shuffle_shards=self.cfg.shuffle_shards)
             self._slices = {k: v for k, v in self._slices.items() if k[0] != s}  # keep one epoch per source
+            mask = self.cursors[s].skip.get(epoch)
+            if mask is not None:
+                order = order[~unpack_mask(mask, len(order))]
             self._slices[key] = consumer_slice(order, self.consumer, self.consumers)
         return self._slices[key]
 
@@ -132,9 +145,12 @@ class ConsumerStream:
                 if self.cfg.mode == "epoch":
                     c.done = True
                     continue
+                c.skip.pop(c.epoch, None)
                 c.epoch, c.pos = c.epoch + 1, 0
                 sl = self._slice(s, c.epoch)
                 if not len(sl):
+                    if c.epoch in c.skip:
+                        continue     # the rest of this redistributed epoch went to other consumers
                     raise ValueError(f"source {self.tables[s].name}: fewer samples than consumers "
                                      f"({self.consumers}); give it more shards or use fewer workers")
             sample = int(sl[c.pos])
@@ -146,32 +162,37 @@ class ConsumerStream:
             return doc
 
     # --- reading ---------------------------------------------------------------------------------
-    def _read(self, path: str, at) -> bytes:
-        f = self._files.get(path)
-        if f is None:
-            if len(self._files) >= 8:
-                self._files.pop(next(iter(self._files))).close()
-            f = self._files[path] = open(path, "rb")
-        f.seek(int(at[0]))
-        data = f.read(int(at[1]))
-        if len(data) != int(at[1]):
-            raise ValueError(f"member cut short ({len(data)} of {int(at[1])} bytes)")
-        return data
+    def _read(self, url: str, at) -> bytes:
+        return self.files.read(url, int(at[0]), int(at[1]))
+
+    def _encode_raw(self, t: SampleTable, sample: int) -> tuple[np.ndarray, np.ndarray, list]:
+        """A raw document tokenized here (data/loader/online.py): ids, modalities, blocks."""
+        if self._online is None:
+            self._online = OnlineTokenizer(self.cfg.tokenizers, online_options(self.cfg), self.cfg.seq_len)
+        url = t.shards[t.shard[sample]]
+        doc, why = self._online.encode(t.keys[sample], t.members[sample], store.name(url), self.files.get(url))
+        if doc is None:
+            raise ValueError(why)
+        return doc.ids.astype(np.int64), doc.modality.astype(np.int64), visual_blocks(doc.spans)
 
     def load(self, s: int, sample: int, epoch: int) -> Doc | None:
         t = self.tables[s]
-        length = int(t.tokens[sample])
-        units = units_of(length, t.blocks[sample])
         if self.dry:
-            return Doc(s, sample, epoch, length, units)
+            length = int(t.tokens[sample])
+            return Doc(s, sample, epoch, length, units_of(length, t.blocks[sample]))
         shard = t.shards[t.shard[sample]]
         if self.watchdog:
             self.watchdog.current = (f"{shard} sample {t.keys[sample]}", time.monotonic())
         try:
-            ids = read_npy(self._read(shard, t.ids_at[sample]))
-            mod = read_npy(self._read(shard, t.mod_at[sample]))
-            if ids.shape != (length,) or mod.shape != (length,):
-                raise ValueError(f"{ids.shape[0]} ids / {mod.shape[0]} modalities, the index says {length}")
+            if t.kind == "raw":
+                ids, mod, blocks = self._encode_raw(t, sample)
+                length = len(ids)
+            else:
+                length, blocks = int(t.tokens[sample]), t.blocks[sample]
+                ids = read_npy(self._read(shard, t.ids_at[sample]))
+                mod = read_npy(self._read(shard, t.mod_at[sample]))
+                if ids.shape != (length,) or mod.shape != (length,):
+                    raise ValueError(f"{ids.shape[0]} ids / {mod.shape[0]} modalities, the index says {length}")
         except (OSError, ValueError, EOFError) as e:
             self.errors += 1
             self.consecutive_errors += 1
@@ -184,7 +205,7 @@ class ConsumerStream:
             if self.watchdog:
                 self.watchdog.current = None
         self.consecutive_errors = 0
-        return Doc(s, sample, epoch, length, units, ids.astype(np.int64), mod.astype(np.int64))
+        return Doc(s, sample, epoch, length, units_of(length, blocks), ids.astype(np.int64), mod.astype(np.int64))
 
     # --- rows and batches --------------------------------------------------------------------------
     def next_row(self) -> Row | None:
@@ -212,10 +233,15 @@ class ConsumerStream:
         return {"cursors": [[c.epoch, c.pos, c.tokens, int(c.done)] for c in self.cursors],
                 "pending": [d.cursor() for d in self.packer.pending], "batches": self.batches,
                 "errors": self.errors, "stats": self.packer.stats.as_dict(),
-                "tokens_by_modality": self.tokens_by_modality.tolist()}
+                "tokens_by_modality": self.tokens_by_modality.tolist(),
+                "skip": [[s, e, m] for s, c in enumerate(self.cursors) for e, m in sorted(c.skip.items())]}
 
     def load_state_dict(self, st: dict) -> None:
         self.cursors = [SourceCursor(e, p, t, bool(d)) for e, p, t, d in st["cursors"]]
+        for s, e, m in st.get("skip", []):       # states from before redistribute have none
+            if e >= self.cursors[s].epoch:
+                self.cursors[s].skip[e] = m
+        self._slices = {}
         self.batches, self.errors = st["batches"], st["errors"]
         for k, v in st["stats"].items():
             setattr(self.packer.stats, k, v)

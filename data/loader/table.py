@@ -1,72 +1,82 @@
-"""Every sample of one source, from its token shards' indexes: where its members lie, its
-token count and its visual blocks. Built once at start; no tar is opened.
+"""Every sample of one source, from its shards' indexes: where its members lie, its token count
+and its visual blocks. Built once at start; no tar is opened.
 
-Shard lists accept paths, globs, brace ranges and token folders. The fingerprint covers the
-shard names, sizes and index hashes, and the tokenizers' fingerprint from the token manifest,
-so loader state cannot be restored onto other data.
+A source is either *token* shards (``earlyfuse-prep tokenize``: ids and modalities stored, the
+fast path) or *raw* shards (``earlyfuse-prep ingest``: documents and media, tokenized online in
+the loader's workers). Which one is read from the manifest above the shards. Shards may be local
+paths, fsspec URLs or ``pipe:`` commands (data/loader/store.py).
+
+The fingerprint covers the shard names and index hashes (not where they live); the tokenizer fingerprint the
+text tokenizer, vocabulary layout and visual tokenizer weights. Loader state cannot be restored
+onto other data, and sources made with other tokenizers cannot be mixed.
 """
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from data.loader import store
 from data.loader.config import SourceConfig
-from data.shards.index import index_path_for
 
-_BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
+TOKEN_FORMAT = "earlyfuse-token-shards"
+RAW_FORMAT = "earlyfuse-raw-shards"
 
 
 def expand(pattern: str) -> list[str]:
-    """Brace ranges ({000..041}, zero padding kept), then globs; a folder means its *.tar (deep)."""
-    m = _BRACE.search(pattern)
-    if m:
-        a, b = m.group(1), m.group(2)
-        width = len(a)
-        out = []
-        for i in range(int(a), int(b) + 1):
-            out += expand(pattern[:m.start()] + str(i).zfill(width) + pattern[m.end():])
-        return out
-    p = Path(pattern)
-    if p.is_dir():
-        return sorted(str(x) for x in p.rglob("*.tar"))
-    if any(c in pattern for c in "*?["):
-        return sorted(glob.glob(pattern, recursive=True))
-    return [pattern]
+    return store.expand(pattern)
+
+
+def find_manifest(url: str, seen: dict | None = None) -> tuple[dict, str] | None:
+    """(manifest, its URL) of the shard folder ``url`` lies in: the first ``manifest.json`` of a
+    known format in its folder or the two above. ``seen`` caches reads across the shards of a
+    source (one read per folder, not per shard: a remote read or a command each)."""
+    seen = {} if seen is None else seen
+    for up in range(3):
+        m_url = store.sibling(url, "manifest.json", up)
+        if m_url not in seen:
+            try:
+                data = json.loads(store.read_bytes(m_url))
+            except (OSError, ValueError):
+                data = None
+            ok = isinstance(data, dict) and data.get("format") in (TOKEN_FORMAT, RAW_FORMAT)
+            seen[m_url] = data if ok else None
+        if seen[m_url] is not None:
+            return seen[m_url], m_url
+    return None
 
 
 def find_token_manifest(tar: Path) -> dict | None:
-    for parent in list(tar.parents)[:3]:
-        m = parent / "manifest.json"
-        if m.is_file():
-            try:
-                data = json.loads(m.read_text())
-            except ValueError:
-                return None
-            return data if data.get("format") == "earlyfuse-token-shards" else None
-    return None
+    found = find_manifest(str(tar))
+    return found[0] if found and found[0]["format"] == TOKEN_FORMAT else None
+
+
+def tokenizer_key(tokenizers: dict) -> str:
+    """One string for a manifest's ``tokenizers`` entry (the folder's name left out)."""
+    return json.dumps({k: tokenizers[k] for k in ("text", "layout", "visual")}, sort_keys=True)
 
 
 @dataclass
 class SampleTable:
     name: str
-    shards: list[str]                   # tar paths
+    shards: list[str]                   # shard URLs
     shard: np.ndarray                   # int32 [N] shard of each sample
     keys: list[str]
-    ids_at: np.ndarray                  # int64 [N, 2] offset, size of KEY.ids.npy
+    ids_at: np.ndarray                  # int64 [N, 2] offset, size of KEY.ids.npy (token shards)
     mod_at: np.ndarray                  # int64 [N, 2]
-    tokens: np.ndarray                  # int64 [N]
-    blocks: list[list]                  # per sample: [[start, end, t, h, w], ...]
+    tokens: np.ndarray                  # int64 [N] (raw shards: 0, known only once tokenized)
+    blocks: list[list]                  # per sample: [[start, end, t, h, w], ...] (raw: empty)
     fingerprint: str
-    tokenizer_fingerprint: str
+    tokenizer_fingerprint: str          # tokenizer_key(...) of token shards; "" for raw shards
+    kind: str = "tokens"                # tokens | raw
+    members: list[dict] = field(default_factory=list)   # raw: each sample's index members
+    manifest_url: str = ""
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return len(self.shard)
 
 
 def load_table(src: SourceConfig) -> SampleTable:
@@ -78,37 +88,57 @@ def load_table(src: SourceConfig) -> SampleTable:
         tars += found
     if not tars:
         raise ValueError(f"source {src.name}: no shards given")
-    shard, keys, ids_at, mod_at, tokens, blocks = [], [], [], [], [], []
+    shard, keys, ids_at, mod_at, tokens, blocks, members = [], [], [], [], [], [], []
     h = hashlib.sha256()
-    tok_fp = set()
+    kinds, tok_keys = set(), set()
+    manifest_url = ""
+    seen: dict = {}
     for si, tar in enumerate(tars):
-        tp = Path(tar)
-        idx = index_path_for(tp)
-        if not tp.is_file():
+        if not store.exists(tar):
             raise ValueError(f"source {src.name}: shard {tar} does not exist")
-        if not idx.is_file():
-            raise ValueError(f"source {src.name}: shard {tar} has no index {idx.name}")
-        raw_idx = idx.read_bytes()
-        h.update(f"{tp.name}\0{tp.stat().st_size}\0".encode() + hashlib.sha256(raw_idx).digest())
-        m = find_token_manifest(tp)
-        if m is None:
-            raise ValueError(f"source {src.name}: {tar} is not in a token shard folder (no manifest.json of "
-                             "format earlyfuse-token-shards above it); tokenize raw shards first")
-        tok_fp.add(json.dumps(m["tokenizers"], sort_keys=True))
+        idx = store.index_url(tar)
+        try:
+            raw_idx = store.read_bytes(idx)
+        except OSError as e:
+            raise ValueError(f"source {src.name}: shard {tar} has no readable index {idx} ({e})") from None
+        # Name and index (every member's offset, size and hash), not the URL: the same shards
+        # moved to object storage keep their fingerprint, and a run's state moves with them.
+        h.update(f"{store.name(tar)}\0".encode() + hashlib.sha256(raw_idx).digest())
+        found = find_manifest(tar, seen)
+        if found is None:
+            raise ValueError(f"source {src.name}: {tar} is in no shard folder (no manifest.json of format "
+                             f"{TOKEN_FORMAT} or {RAW_FORMAT} in its folder or the two above)")
+        m, manifest_url = found
+        kinds.add(m["format"])
+        if m["format"] == TOKEN_FORMAT:
+            tok_keys.add(tokenizer_key(m["tokenizers"]))
+        raw = m["format"] == RAW_FORMAT
         for lineno, line in enumerate(raw_idx.splitlines(), 1):
             try:
                 e = json.loads(line)
-                ids_at.append(e["members"]["ids.npy"])
-                mod_at.append(e["members"]["mod.npy"])
-                tokens.append(e["tokens"])
-            except (ValueError, KeyError) as err:
-                raise ValueError(f"{idx}:{lineno}: not a token shard index line ({err})") from None
+                if raw:
+                    if "json" not in e["members"]:
+                        raise KeyError("members.json")
+                    members.append(e["members"])
+                else:
+                    ids_at.append(e["members"]["ids.npy"])
+                    mod_at.append(e["members"]["mod.npy"])
+                    tokens.append(e["tokens"])
+                    blocks.append(e.get("blocks", []))
+                keys.append(e["key"])
+            except (ValueError, KeyError, TypeError) as err:
+                raise ValueError(f"{idx}:{lineno}: not a {'raw' if raw else 'token'} shard index line "
+                                 f"({err})") from None
             shard.append(si)
-            keys.append(e["key"])
-            blocks.append(e.get("blocks", []))
-    if len(tok_fp) > 1:
+    if len(kinds) > 1:
+        raise ValueError(f"source {src.name}: mixes raw and token shards; make them two sources")
+    if len(tok_keys) > 1:
         raise ValueError(f"source {src.name}: its shards were tokenized with different tokenizers")
-    tfp = hashlib.sha256(next(iter(tok_fp)).encode()).hexdigest()[:16]
-    return SampleTable(src.name, tars, np.asarray(shard, np.int32), keys, np.asarray(ids_at, np.int64).reshape(-1, 2),
-                       np.asarray(mod_at, np.int64).reshape(-1, 2), np.asarray(tokens, np.int64), blocks,
-                       h.hexdigest()[:16], tfp)
+    n = len(shard)
+    raw = RAW_FORMAT in kinds
+    return SampleTable(src.name, tars, np.asarray(shard, np.int32), keys,
+                       np.asarray(ids_at, np.int64).reshape(-1, 2), np.asarray(mod_at, np.int64).reshape(-1, 2),
+                       np.zeros(n, np.int64) if raw else np.asarray(tokens, np.int64),
+                       [[] for _ in range(n)] if raw else blocks, h.hexdigest()[:16],
+                       "" if raw else next(iter(tok_keys)), kind="raw" if raw else "tokens", members=members,
+                       manifest_url=manifest_url)

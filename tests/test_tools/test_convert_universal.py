@@ -1,6 +1,6 @@
 """Resuming on another world size: a 2-process ZeRO-1 run converted with `earlyfuse-convert
 universal` resumes on 1 process and its loss curve continues; a ZeRO-0 LM run resumes on 1
-process directly, its loader starting a fresh pass (said on the console)."""
+process directly, its loader's position redistributed from the 2 old ranks (said on the console)."""
 from __future__ import annotations
 
 import json
@@ -40,6 +40,10 @@ def test_zero0_lm_run_resumes_on_another_world_size_directly(tiny_tokens, tmp_pa
     train(args + ["train.steps=3"], nproc=2)
     p = train(args + ["train.steps=6"])
     out = p.stdout + p.stderr
-    assert "resuming step_00000003 of 2 rank(s) on 1" in out and "fresh pass" in out
+    assert "resuming step_00000003 of 2 rank(s) on 1" in out and "fresh pass" not in out
+    assert "the loader's state was redistributed from 2 to 1 consumers" in out
     m = metrics(run)
     assert sorted(m) == list(range(1, 7)) and m[6]["train/loss"] < m[1]["train/loss"]
+    p = train(args + ["train.steps=8", "data.num_workers=2"])          # same world size, another split
+    assert "resuming step_00000006: the loader's state was redistributed from 1 to 2 consumers" in p.stdout + p.stderr
+    assert sorted(metrics(run)) == list(range(1, 9))

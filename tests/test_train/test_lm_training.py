@@ -58,3 +58,16 @@ def test_two_process_run_killed_mid_run_resumes_bit_identically(tiny_tokens, tmp
     train(base(tiny_tokens, run, 6, "train.ckpt_every=2", *args), nproc=2)
     a, b = metrics(ref), metrics(run)
     assert [a[s]["train/loss"] for s in range(1, 7)] == [b[s]["train/loss"] for s in range(1, 7)]
+
+
+def test_lm_trains_on_raw_shards_tokenized_by_the_loader(tiny_raw, tiny_tokens, tmp_path):
+    """A raw source (tokenized in the loader's worker) mixed with a token source of the same tokenizers."""
+    run = tmp_path / "run"
+    srcs = f"[{{name: scenes, shards: [{tiny_raw / 'scenes'}], weight: 0.5}}, " \
+           f"{{name: code, shards: [{tiny_tokens / 'code'}], weight: 0.5}}]"
+    p = train(["experiment=debug", f"data.sources={srcs}", f"run_dir={run}", "train.steps=3", "train.log_every=1",
+               "train.micro_batch=2", f"data.tokenizers={tiny_tokens / 'tokenizers'}",
+               "data.tokenize.image_max_pixels=1024", "data.tokenize.video_max_pixels=1024"])
+    assert "step 3/3 | loss" in p.stdout
+    m = metrics(run)
+    assert sum(m[s]["tokens/image"] for s in m) > 0 and sum(m[s]["tokens/code"] for s in m) > 0

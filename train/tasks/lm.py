@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from data.loader import build_loader
+from data.loader import build_loader, store
 from data.loader.table import find_token_manifest, load_table
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
 from model.flops import flops_per_token
@@ -31,10 +31,17 @@ MODEL_INPUTS = ("input_ids", "labels", "modality", "label_modality", "doc_ids", 
 
 
 def layout_of_data(cfg: RunConfig) -> tuple[VocabLayout, Path]:
-    """The vocabulary layout the token shards were made with (their tokenizers/ copy)."""
-    table = load_table(cfg.data.sources[0])
-    m = find_token_manifest(Path(table.shards[0]))
-    folder = Path(table.shards[0]).parent.parent / m["tokenizers"]["folder"]
+    """The vocabulary layout of the run's tokens: ``data.tokenizers`` when given, else the token
+    shards' own tokenizers/ copy."""
+    if cfg.data.tokenizers:
+        folder = Path(cfg.data.tokenizers)
+    else:
+        table = load_table(cfg.data.sources[0])
+        if table.kind == "raw" or store.kind(table.shards[0]) != "local":
+            raise ValueError(f"source {table.name}: {table.shards[0]} is {'raw' if table.kind == 'raw' else 'remote'}; "
+                             "set data.tokenizers to the tokenizer folder (a token folder's tokenizers/)")
+        m = find_token_manifest(Path(table.shards[0]))
+        folder = Path(table.manifest_url).parent / m["tokenizers"]["folder"]
     return VocabLayout.load(folder / "vocab_layout.json"), folder
 
 

@@ -1,0 +1,81 @@
+"""Online tokenization: raw shards (``earlyfuse-prep ingest``) become token documents inside the
+loader's workers, with the same encoder ``earlyfuse-prep tokenize`` uses (data/tokenize/).
+
+Design choices:
+- One document at a time, its images in one batch of their own: a document's tokens never
+  depend on which other documents share a worker's batch, so a restored stream re-encodes a
+  held-aside document to the very same ids (exact resume) and the online path gives the ids the
+  offline path gives.
+- The visual tokenizer runs on the worker's CPU (the GPU belongs to the trainer; a DataLoader
+  worker uses one thread). Offline tokenization stays the fast path for large runs
+  (docs/benchmarks.md, "Loader, raw path").
+- No block outgrows a row: the pixel budget of images and the frame count of videos are capped
+  from ``seq_len`` before encoding (a raw source is downscaled where a token shard could only
+  drop the block).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from data.schema import Reject
+from data.shards.reader import RawDoc
+from data.text_tokenizer import TextTokenizer
+from data.tokenize.encoder import DocEncoder, TokenDoc, TokenizeOptions
+from data.tokenize.visual import load_visual_tokenizer, weights_fingerprint
+
+VISUAL_FOLDER = "visual_tokenizer"
+
+
+def folder_fingerprints(folder: str | Path) -> dict:
+    """The ``tokenizers`` entry a token manifest would carry for this tokenizer folder."""
+    folder = Path(folder)
+    text = TextTokenizer.load(folder)
+    if not (folder / VISUAL_FOLDER).is_dir():
+        raise ValueError(f"{folder}: no {VISUAL_FOLDER}/ (a tokenizer folder holds tokenizer.json, "
+                         "vocab_layout.json and visual_tokenizer/, like a token folder's tokenizers/)")
+    return {"text": text.fingerprint(), "layout": text.layout.fingerprint(),
+            "visual": weights_fingerprint(folder / VISUAL_FOLDER)}
+
+
+def fitted_options(opts: TokenizeOptions, seq_len: int, factor: int, max_grid: int) -> TokenizeOptions:
+    """Options under which every image and video block fits in a row of ``seq_len``: an image
+    block is 4 + h*w + h tokens (h <= max_grid), a video block is capped by video_max_tokens."""
+    image_pixels = max(factor * factor, (seq_len - 4 - max_grid) * factor * factor)
+    return replace(opts, image_max_pixels=min(opts.image_max_pixels, image_pixels),
+                   video_max_tokens=min(opts.video_max_tokens, seq_len))
+
+
+def online_options(cfg) -> TokenizeOptions:
+    """The ``TokenizeOptions`` of a LoaderConfig's ``tokenize`` section."""
+    return TokenizeOptions(**asdict(cfg.tokenize))
+
+
+def options_key(opts: TokenizeOptions) -> str:
+    return json.dumps(asdict(opts), sort_keys=True)
+
+
+class OnlineTokenizer:
+    """Built lazily in each worker process (tokenizers are not shared across processes)."""
+
+    def __init__(self, folder: str | Path, opts: TokenizeOptions, seq_len: int) -> None:
+        folder = Path(folder)
+        text = TextTokenizer.load(folder)
+        vtok = load_visual_tokenizer(folder / VISUAL_FOLDER, text.layout, "cpu")
+        self.opts = fitted_options(opts, seq_len, vtok.cfg.factor, text.layout.max_grid)
+        self.encoder = DocEncoder(text, vtok, self.opts, torch.device("cpu"))
+
+    def encode(self, key: str, members: dict, shard_name: str, f) -> tuple[TokenDoc | None, str]:
+        """(document, "") or (None, why it was rejected). ``f`` is the open shard."""
+        rd = RawDoc(key, {}, {"members": members}, Path(shard_name), f)
+        try:
+            rd.doc = json.loads(rd.member("json"))
+        except ValueError as e:
+            return None, f"{key}.json is not valid JSON ({e})"
+        got = self.encoder.encode_chunk([rd])[0]
+        if isinstance(got, Reject):
+            return None, f"{got.reason}: {got.detail}"
+        return got, ""

@@ -1,0 +1,142 @@
+"""Move a loader's position onto another split (world size x workers), mid-epoch, exactly.
+
+    old = [torch.load(f)["stream"] for f in every old rank's rank_RRRRR.pt]
+    loader.load_state_dict(redistribute(old, loader))     # any rank of the new world
+
+Design choices:
+- Exact: no sample is read twice within an epoch and none is lost. For each source, the
+  positions of each epoch's order already consumed are known from the old cursors alone (old
+  consumer c at epoch e, position p has read all of its slice of the earlier epochs and the
+  first p of its slice at e), so they become a *skip mask* per epoch, from the slowest old
+  consumer's epoch to the fastest's; the new consumers start at the slowest epoch and split
+  only the unmasked rest (order.py). Masks are packed bits: the consumed set is nearly a prefix,
+  so a state stays kilobytes. Old slices are taken through the old masks, so redistributing an
+  already redistributed state composes.
+- Documents the old consumers held aside half placed are dealt round-robin to the new consumers,
+  which start their rows with them (the packer drains more than ``max_pending`` held documents,
+  it only stops reading new ones meanwhile): their tokens already delivered are not repeated.
+- Counters keep their sums over ranks: per-source tokens (what token-weighted mixing compares)
+  become the old totals split evenly, so the mix goes on from where it was; error counts and
+  packing figures of old consumer c go to new consumer c mod C. Batches handed out restart at 0.
+- Epoch mode: the batch count every consumer yields is counted again, by dry-packing every new
+  consumer from its redistributed state (the index alone, as at start); every new rank computes
+  the same from the same old states. The rest is held back, as usual.
+- Pure: each new rank computes all new consumers from all old states and keeps its own, so no
+  rank needs to talk to another. Same data (fingerprint), ``seq_len`` and mode are required; the
+  micro batch may change (a state is taken between batches, never mid-batch).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from data.loader.dataset import STATE_VERSION, PackedLoader
+from data.loader.order import consumer_slice, pack_mask, unpack_mask
+from data.loader.packer import PackStats
+from data.vocab import MODALITY_NAMES
+
+
+def redistribute(old: list[dict], loader: PackedLoader) -> dict:
+    """This rank's state for ``loader`` (any world size and workers), from every old rank's
+    ``PackedLoader.state_dict()``; ``loader.load_state_dict`` accepts it."""
+    _check(old, loader)
+    old_n = old[0]["world_size"] * old[0]["workers"]
+    by_consumer: list[dict | None] = [None] * old_n
+    for st in old:
+        for w, ws in st["worker_states"].items():
+            by_consumer[st["rank"] * st["workers"] + int(w)] = ws
+    fresh = {"cursors": [[0, 0, 0, 0]] * len(loader.tables), "pending": [], "errors": 0, "skip": [],
+             "stats": PackStats().as_dict(), "tokens_by_modality": [0] * len(MODALITY_NAMES)}
+    olds = [ws or fresh for ws in by_consumer]       # a worker that never handed out a batch is at 0
+    n = loader.consumers
+    new = [{"cursors": [], "pending": [], "batches": 0, "errors": 0, "skip": [], "stats": PackStats().as_dict(),
+            "tokens_by_modality": [0] * len(MODALITY_NAMES)} for _ in range(n)]
+    for s, t in enumerate(loader.tables):
+        epoch, masks = _consumed(s, len(t), olds)
+        total = sum(st["cursors"][s][2] for st in olds)
+        for k, st in enumerate(new):
+            st["cursors"].append([epoch, 0, total // n + (k < total % n), 0])
+            st["skip"] += [[s, e, m] for e, m in masks.items()]
+    j = 0
+    for c, st in enumerate(olds):
+        for d in st["pending"]:
+            new[j % n]["pending"].append(list(d))
+            j += 1
+        to = new[c % n]
+        to["errors"] += st["errors"]
+        to["stats"] = {k: v + st["stats"][k] for k, v in to["stats"].items()}
+        to["tokens_by_modality"] = [a + b for a, b in zip(to["tokens_by_modality"], st["tokens_by_modality"])]
+    limit = _batch_limit(loader, new) if loader.cfg.mode == "epoch" else None
+    mine = range(loader.rank * loader.workers, (loader.rank + 1) * loader.workers)
+    return {"version": STATE_VERSION, "fingerprint": loader.fingerprint(), "rank": loader.rank,
+            "world_size": loader.world_size, "workers": loader.workers, "seq_len": loader.cfg.seq_len,
+            "micro_batch": loader.micro_batch, "mode": loader.cfg.mode, "handed_out": 0, "batch_limit": limit,
+            "worker_states": {str(w): new[c] for w, c in enumerate(mine)},
+            "redistributed": {"from_world_size": old[0]["world_size"], "from_workers": old[0]["workers"],
+                              "from_consumers": old_n}}
+
+
+def _check(old: list[dict], loader: PackedLoader) -> None:
+    if not old:
+        raise ValueError("redistribute needs the loader state of every old rank; none given")
+    for st in old:
+        if st.get("version") != STATE_VERSION:
+            raise ValueError(f"loader state version {st.get('version')}, expected {STATE_VERSION}")
+        if st["fingerprint"] != loader.fingerprint():
+            raise ValueError(f"rank {st['rank']}'s loader state was saved over other shards or tokenizers "
+                             f"(fingerprint {st['fingerprint']} != {loader.fingerprint()}); it cannot be "
+                             "redistributed onto this data")
+        for k, mine in (("seq_len", loader.cfg.seq_len), ("mode", loader.cfg.mode)):
+            if st[k] != mine:
+                raise ValueError(f"rank {st['rank']}'s loader state has {k}={st[k]}, this loader {mine}; "
+                                 f"redistribute moves a position between splits, it cannot change {k}")
+        for k in ("world_size", "workers"):
+            if st[k] != old[0][k]:
+                raise ValueError(f"the old loader states disagree on {k} ({st[k]} != {old[0][k]}): "
+                                 "they are not one run's")
+    ranks = sorted(st["rank"] for st in old)
+    if ranks != list(range(old[0]["world_size"])):
+        raise ValueError(f"redistribute needs one loader state per old rank 0..{old[0]['world_size'] - 1}, "
+                         f"got ranks {ranks}: a missing rank's position would be lost")
+
+
+def _consumed(s: int, n: int, olds: list[dict]) -> tuple[int, dict[int, str]]:
+    """(the slowest old consumer's epoch, packed mask per epoch from there to the fastest's of
+    the order positions already consumed) for source ``s`` with ``n`` samples."""
+    cur = [st["cursors"][s] for st in olds]
+    lo, hi = min(c[0] for c in cur), max(c[0] for c in cur)
+    # All consumers of one state share its masks and drop them only once past their epoch, so
+    # the slowest still holds any mask of an epoch >= its own (order.py).
+    held: dict[int, str] = {}
+    for st in olds:
+        for src, e, m in st.get("skip", []):
+            if src == s:
+                held.setdefault(e, m)
+    out = {}
+    for e in range(lo, hi + 1):
+        before = unpack_mask(held[e], n) if e in held else np.zeros(n, bool)
+        free = np.flatnonzero(~before)               # positions the old consumers split
+        done = before.copy()
+        for c, (ec, pc, _tokens, _done) in enumerate(cur):
+            if e <= ec:
+                mine = consumer_slice(free, c, len(cur))
+                if pc > len(mine) and e == ec:
+                    raise ValueError(f"an old consumer's cursor ({pc}) is past its slice ({len(mine)}) of "
+                                     f"source {s} epoch {e}: the states are not of this data")
+                done[mine if e < ec else mine[:pc]] = True
+        if done.any():                               # nothing consumed yet: no mask needed
+            out[e] = pack_mask(done)
+    return lo, out
+
+
+def _batch_limit(loader: PackedLoader, states: list[dict]) -> int:
+    """Batches every new consumer yields: the fewest any can fill from its state (dry packing)."""
+    counts = []
+    for c, st in enumerate(states):
+        s = loader.make_stream(0, consumer=c, dry=True)
+        s.load_state_dict(st)
+        s.batch_limit = None
+        k = 0
+        while s.next_batch() is not None:
+            k += 1
+        counts.append(k)
+    return min(counts)

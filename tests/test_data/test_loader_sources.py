@@ -1,0 +1,154 @@
+"""Where a loader's shards come from: fsspec URLs and ``pipe:`` commands give the batches local
+paths give; raw shards are tokenized in the workers into the ids offline tokenization gives."""
+from __future__ import annotations
+
+import shutil
+
+import fsspec
+import pytest
+import torch
+
+from data.loader import LoaderConfig, SourceConfig, build_loader
+from data.loader import store
+from data.loader.config import OnlineTokenizeConfig
+from data.loader.table import load_table
+
+from test_data.test_loader import take
+
+# The options tiny_tokens was tokenized with (tests/conftest.py).
+TINY_OPTS = OnlineTokenizeConfig(image_max_pixels=32 * 32, video_max_pixels=32 * 32, video_max_tokens=240)
+
+
+def cfg(sources, **kw) -> LoaderConfig:
+    return LoaderConfig(sources=sources, **{"seq_len": 256, "num_workers": 0, "shuffle_buffer": 8, **kw})
+
+
+def same_batches(a, b) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x:
+            assert torch.equal(x[k], y[k]), k
+
+
+def test_pipe_commands_give_the_local_batches(tiny_tokens, tmp_path):
+    n = len(sorted((tiny_tokens / "code").glob("*.tar")))
+    local = [SourceConfig(name="code", shards=[str(tiny_tokens / "code")]),
+             SourceConfig(name="scenes", shards=[str(tiny_tokens / "scenes")])]
+    piped = [SourceConfig(name="code", shards=[f"pipe:cat {tiny_tokens}/code/shard-{{000000..{n - 1:06d}}}.tar"]),
+             SourceConfig(name="scenes", shards=[f"pipe:cat {p}" for p in sorted((tiny_tokens / "scenes").glob("*.tar"))])]
+    want = take(build_loader(cfg(local), rank=0, world_size=1, micro_batch=2), 6)
+    # Two workers share the node-local cache: each shard is fetched once, by whoever needs it first.
+    got = take(build_loader(cfg(piped, num_workers=2, cache_dir=str(tmp_path / "cache")), rank=0, world_size=1,
+                            micro_batch=2), 6)
+    want_w = take(build_loader(cfg(local, num_workers=2), rank=0, world_size=1, micro_batch=2), 6)
+    same_batches(got, want_w)
+    assert len(list((tmp_path / "cache").glob("*.tar"))) >= 1
+    assert len(want) == 6
+    # The same data through another URL kind has the same fingerprint: a state moves between them.
+    a = build_loader(cfg(local), rank=0, world_size=1, micro_batch=2)
+    b = build_loader(cfg(piped), rank=0, world_size=1, micro_batch=2)
+    assert [t.fingerprint for t in a.tables] == [t.fingerprint for t in b.tables]
+
+
+def test_a_failing_pipe_command_is_named_at_start(tiny_tokens):
+    bad = SourceConfig(name="code", shards=[f"pipe:cat {tiny_tokens}/code/no-such-shard.tar"])
+    with pytest.raises(ValueError, match="no-such-shard.idx.jsonl.*exited with 1"):
+        build_loader(cfg([bad]), rank=0, world_size=1, micro_batch=2)
+    with pytest.raises(ValueError, match="must name its shard"):
+        store.index_url("pipe:curl -s http://host/shard")
+
+
+@pytest.fixture
+def memory_tokens(tiny_tokens):
+    """The token folder copied into fsspec's in-memory filesystem (a real fsspec backend)."""
+    fs = fsspec.filesystem("memory")
+    for p in tiny_tokens.rglob("*"):
+        if p.is_file():
+            fs.pipe_file(f"/tokens/{p.relative_to(tiny_tokens)}", p.read_bytes())
+    yield "memory://tokens"
+    fs.rm("/tokens", recursive=True)
+
+
+def test_fsspec_urls_give_the_local_batches(tiny_tokens, memory_tokens):
+    local = [SourceConfig(name="code", shards=[str(tiny_tokens / "code")], weight=2.0),
+             SourceConfig(name="clips", shards=[str(tiny_tokens / "clips" / "*.tar")])]
+    remote = [SourceConfig(name="code", shards=[f"{memory_tokens}/code"], weight=2.0),       # a folder
+              SourceConfig(name="clips", shards=[f"{memory_tokens}/clips/*.tar"])]           # a glob
+    assert len(load_table(remote[0]).shards) == len(load_table(local[0]).shards) > 0
+    same_batches(take(build_loader(cfg(remote), rank=0, world_size=1, micro_batch=2), 5),
+                 take(build_loader(cfg(local), rank=0, world_size=1, micro_batch=2), 5))
+    with pytest.raises(ValueError, match="memory://tokens/code/nope.tar does not exist"):
+        build_loader(cfg([SourceConfig(name="x", shards=[f"{memory_tokens}/code/nope.tar"])]),
+                     rank=0, world_size=1, micro_batch=2)
+
+
+def raw_cfg(tiny_raw, tiny_tokens, sources=("code", "scenes", "clips"), **kw) -> LoaderConfig:
+    srcs = [SourceConfig(name=s, shards=[str(tiny_raw / s)]) for s in sources]
+    return cfg(srcs, tokenizers=str(tiny_tokens / "tokenizers"), tokenize=TINY_OPTS, **kw)
+
+
+def token_docs(tiny_tokens, source) -> dict[str, torch.Tensor]:
+    from data.loader.stream import read_npy
+    t = load_table(SourceConfig(name=source, shards=[str(tiny_tokens / source)]))
+    out = {}
+    for i, key in enumerate(t.keys):
+        with open(t.shards[t.shard[i]], "rb") as f:
+            f.seek(t.ids_at[i][0])
+            out[key] = torch.from_numpy(read_npy(f.read(t.ids_at[i][1])).astype("int64"))
+    return out
+
+
+def test_raw_shards_are_tokenized_in_the_workers_like_offline(tiny_raw, tiny_tokens):
+    sources = ("code", "scenes", "clips")
+    ld = build_loader(raw_cfg(tiny_raw, tiny_tokens, sources, num_workers=2), rank=0, world_size=1, micro_batch=2)
+    assert [t.kind for t in ld.tables] == ["raw"] * 3
+    batches = take(ld, 8)
+    offline = {s: token_docs(tiny_tokens, s) for s in sources}
+    seen = 0
+    for b in batches:
+        for r in range(b["input_ids"].shape[0]):
+            for j, (s, sample, a, e) in enumerate(b["pieces"][r].tolist()):
+                if s < 0:
+                    continue
+                got = b["input_ids"][r][b["doc_ids"][r] == j]
+                assert torch.equal(got, offline[sources[s]][ld.tables[s].keys[sample]][a:e])
+                seen += 1
+    assert seen > 0
+    d = ld.delivered()
+    assert d["errors"] == 0 and d["dropped_blocks"] == 0
+
+
+def test_raw_sources_resume_exactly_and_fit_blocks_to_rows(tiny_raw, tiny_tokens):
+    c = raw_cfg(tiny_raw, tiny_tokens, ("scenes", "clips", "code"), num_workers=2, seq_len=96)
+    full = take(build_loader(c, rank=0, world_size=1, micro_batch=2), 7)
+    ld = build_loader(c, rank=0, world_size=1, micro_batch=2)
+    take(ld, 3)
+    state = ld.state_dict()
+    assert any(w["pending"] for w in state["worker_states"].values())   # held-aside docs are re-encoded
+    again = build_loader(c, rank=0, world_size=1, micro_batch=2)
+    again.load_state_dict(state)
+    same_batches(take(again, 4), full[3:])
+    # Rows of 96 tokens: raw images are encoded small enough to fit (token shards drop them).
+    assert ld.delivered()["dropped_blocks"] == 0
+    tok = [SourceConfig(name=s, shards=[str(tiny_tokens / s)]) for s in ("scenes", "clips", "code")]
+    t = build_loader(cfg(tok, seq_len=96), rank=0, world_size=1, micro_batch=2)
+    take(t, 7)
+    assert t.delivered()["dropped_blocks"] > 0
+
+
+def test_raw_sources_need_tokenizers_and_infinite_mode(tiny_raw, tiny_tokens, tiny_tokenizers):
+    src = [SourceConfig(name="code", shards=[str(tiny_raw / "code")])]
+    with pytest.raises(ValueError, match="raw shards.*set data.tokenizers"):
+        build_loader(cfg(src), rank=0, world_size=1, micro_batch=2)
+    with pytest.raises(ValueError, match="epoch mode.*raw shards do not have"):
+        build_loader(raw_cfg(tiny_raw, tiny_tokens, ("code",), mode="epoch"), rank=0, world_size=1, micro_batch=2)
+    # A token source made with other tokenizers than data.tokenizers is refused by name.
+    other = tiny_tokens.parent / "other_tok"
+    shutil.copytree(tiny_tokens / "tokenizers", other, dirs_exist_ok=True)
+    from safetensors.torch import load_file, save_file
+    w = load_file(str(other / "visual_tokenizer" / "model.safetensors"))
+    save_file({k: v + 1 for k, v in w.items()}, str(other / "visual_tokenizer" / "model.safetensors"))
+    tok = [SourceConfig(name="code", shards=[str(tiny_tokens / "code")])]
+    with pytest.raises(ValueError, match="source code was tokenized with other tokenizers"):
+        build_loader(cfg(tok, tokenizers=str(other)), rank=0, world_size=1, micro_batch=2)

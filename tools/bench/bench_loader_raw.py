@@ -1,0 +1,107 @@
+"""Loader benchmark, raw path (issue 4): samples/s per worker when raw shards are tokenized in
+the loader (text BPE and the visual tokenizer on the worker's CPU), for image-caption and
+video-caption data, on the demo's raw shards and tokenizers (``make demo``).
+
+A worker is one process on one thread (a DataLoader worker's torch threads), so this process
+runs as one: ``num_workers=0`` and ``torch.set_num_threads(1)``. For each source it alternates
+rounds of
+  - ours: the loader's stream over the raw source (read through the index, decode, tokenize one
+    document at a time, pack rows of ``--seq-len``, collate);
+  - baseline: the offline encoder of ``earlyfuse-prep tokenize`` on the same shards (chunks of
+    64 documents, images batched by shape, no packing), on the same thread;
+and prints samples/s and the ratio ours / offline. The tokenize options are the demo token
+manifest's, so both produce the demo's tokens.
+
+    .venv/bin/python tools/bench/bench_loader_raw.py [--raw runs/demo/raw] [--tokens runs/demo/tokens]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# One worker, one thread: the tokenizers library's own thread pool would otherwise give the
+# offline baseline's encode_batch every core.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from data.loader import LoaderConfig, SourceConfig, build_loader  # noqa: E402
+from data.loader.config import OnlineTokenizeConfig  # noqa: E402
+
+KINDS = {"image-caption": "scenes", "video-caption": "clips", "photo-caption": "photos", "code (text only)": "code"}
+
+
+def ours(cfg: LoaderConfig, seconds: float) -> tuple[int, float]:
+    ld = build_loader(cfg, rank=0, world_size=1, micro_batch=1)
+    stream = ld.make_stream(0)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        stream.next_batch()
+    dt = time.perf_counter() - t0
+    n = len(ld.tables[0])
+    c = stream.cursors[0]
+    return c.epoch * n + c.pos, dt
+
+
+def offline(raw: Path, source: str, tokens: Path, opts: dict, seconds: float) -> tuple[int, float]:
+    from data.shards.reader import ShardReader, shard_entries
+    from data.text_tokenizer import TextTokenizer
+    from data.tokenize.encoder import DocEncoder, TokenizeOptions
+    from data.tokenize.run import CHUNK_DOCS, batched
+    from data.tokenize.visual import load_visual_tokenizer
+
+    text = TextTokenizer.load(tokens / "tokenizers")
+    vtok = load_visual_tokenizer(tokens / "tokenizers" / "visual_tokenizer", text.layout)
+    enc = DocEncoder(text, vtok, TokenizeOptions(**opts), torch.device("cpu"))
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for tar, idx, _ in shard_entries(raw, [source]):
+            with ShardReader(tar, idx) as docs:
+                for chunk in batched(docs, CHUNK_DOCS):
+                    n += len(enc.encode_chunk(chunk))
+            if time.perf_counter() - t0 >= seconds:
+                break
+    return n, time.perf_counter() - t0
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--raw", type=Path, default=Path("runs/demo/raw"))
+    ap.add_argument("--tokens", type=Path, default=Path("runs/demo/tokens"), help="for its tokenizers/ and options")
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--seconds", type=float, default=8.0, help="per timed round")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    opts = json.loads((args.tokens / "manifest.json").read_text())["options"]
+    online = OnlineTokenizeConfig(**{k: v for k, v in opts.items() if k != "image_batch"})
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads 1; "
+          f"tokenize options {opts}")
+    out = {}
+    for kind, source in KINDS.items():
+        cfg = LoaderConfig(sources=[SourceConfig(name=source, shards=[str(args.raw / source)])],
+                           seq_len=args.seq_len, num_workers=0, shuffle_buffer=64,
+                           tokenizers=str(args.tokens / "tokenizers"), tokenize=online)
+        rates = {"ours": [], "offline": []}
+        for _ in range(args.rounds):
+            n, dt = ours(cfg, args.seconds)
+            rates["ours"].append(n / dt)
+            n, dt = offline(args.raw, source, args.tokens, opts, args.seconds)
+            rates["offline"].append(n / dt)
+        o, b = statistics.median(rates["ours"]), statistics.median(rates["offline"])
+        out[kind] = {"source": source, "ours": o, "offline": b, "ratio": o / b}
+        print(f"{kind:18s} ({source}): {o:8.1f} samples/s per worker online, offline encoder {b:8.1f}, "
+              f"ratio {o / b:.2f}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
