@@ -136,6 +136,16 @@ class PackedLoader:
         parts = [(t.name, t.fingerprint, t.tokenizer_fingerprint) for t in self.tables]
         return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
+    def accepts(self, fingerprint: str) -> bool:
+        """A state's fingerprint is this data's: today's, or the one loaders computed before
+        remote shards existed (local token shards; their states still resume)."""
+        if fingerprint == self.fingerprint():
+            return True
+        if not all(t.legacy_fingerprint for t in self.tables):
+            return False
+        parts = [(t.name, *json.loads(t.legacy_fingerprint)) for t in self.tables]
+        return fingerprint == hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
     def state_dict(self) -> dict:
         return {"version": STATE_VERSION, "fingerprint": self.fingerprint(), "rank": self.rank,
                 "world_size": self.world_size, "workers": self.workers, "seq_len": self.cfg.seq_len,
@@ -145,7 +155,7 @@ class PackedLoader:
     def load_state_dict(self, st: dict) -> None:
         if st.get("version") != STATE_VERSION:
             raise ValueError(f"loader state version {st.get('version')}, expected {STATE_VERSION}")
-        if st["fingerprint"] != self.fingerprint():
+        if not self.accepts(st["fingerprint"]):
             raise ValueError("the loader state was saved over other shards or tokenizers (fingerprint "
                              f"{st['fingerprint']} != {self.fingerprint()}); it cannot resume this data")
         for k in ("world_size", "workers", "seq_len", "micro_batch", "mode"):
@@ -208,9 +218,11 @@ def build_loader(cfg: LoaderConfig, *, rank: int, world_size: int, micro_batch: 
         cfg = replace(cfg, sources=sources, mode="epoch")
     raw = [t.name for t in tables if t.kind == "raw"]
     if raw and cfg.mode == "epoch":
-        raise ValueError(f"source(s) {raw} hold raw shards: epoch mode counts every rank's batches from the "
-                         "token counts of the index, which raw shards do not have; tokenize them "
-                         "(earlyfuse-prep tokenize) or use data.mode=infinite")
+        what = "validation source(s)" if validation else "source(s)"
+        fix = "" if validation else " or use data.mode=infinite"
+        raise ValueError(f"{what} {raw} hold raw shards: epoch mode counts every rank's batches from the "
+                         f"token counts of the index, which raw shards do not have; tokenize them "
+                         f"(earlyfuse-prep tokenize){fix}")
     return PackedLoader(cfg, tables, rank=rank, world_size=world_size, micro_batch=micro_batch, pad_id=pad_id)
 
 

@@ -43,9 +43,12 @@ def folder_fingerprints(folder: str | Path) -> dict:
 
 def fitted_options(opts: TokenizeOptions, seq_len: int, factor: int, max_grid: int) -> TokenizeOptions:
     """Options under which every image and video block fits in a row of ``seq_len``: an image
-    block is 4 + h*w + h tokens (h <= max_grid), a video block is capped by video_max_tokens."""
+    block is 4 + h*w + h tokens (h <= max_grid), a one-frame video block 5 + h*w + h; longer
+    videos keep fewer frames (video_max_tokens)."""
     image_pixels = max(factor * factor, (seq_len - 4 - max_grid) * factor * factor)
+    frame_pixels = max(factor * factor, (seq_len - 5 - max_grid) * factor * factor)
     return replace(opts, image_max_pixels=min(opts.image_max_pixels, image_pixels),
+                   video_max_pixels=min(opts.video_max_pixels, frame_pixels),
                    video_max_tokens=min(opts.video_max_tokens, seq_len))
 
 
@@ -75,7 +78,11 @@ class OnlineTokenizer:
             rd.doc = json.loads(rd.member("json"))
         except ValueError as e:
             return None, f"{key}.json is not valid JSON ({e})"
-        got = self.encoder.encode_chunk([rd])[0]
+        try:
+            got = self.encoder.encode_chunk([rd])[0]
+        except (KeyError, TypeError, IndexError, AttributeError) as e:
+            # A JSON member that is not a document of our schema: rejected, never a dead worker.
+            return None, f"{key}.json is not a document of the raw shard schema ({type(e).__name__}: {e})"
         if isinstance(got, Reject):
             return None, f"{got.reason}: {got.detail}"
         return got, ""

@@ -81,7 +81,7 @@ def _check(old: list[dict], loader: PackedLoader) -> None:
     for st in old:
         if st.get("version") != STATE_VERSION:
             raise ValueError(f"loader state version {st.get('version')}, expected {STATE_VERSION}")
-        if st["fingerprint"] != loader.fingerprint():
+        if not loader.accepts(st["fingerprint"]):
             raise ValueError(f"rank {st['rank']}'s loader state was saved over other shards or tokenizers "
                              f"(fingerprint {st['fingerprint']} != {loader.fingerprint()}); it cannot be "
                              "redistributed onto this data")
@@ -112,7 +112,9 @@ def _consumed(s: int, n: int, olds: list[dict]) -> tuple[int, dict[int, str]]:
             if src == s:
                 held.setdefault(e, m)
     out = {}
-    for e in range(lo, hi + 1):
+    # Up to the last epoch any mask covers too: a mask of an earlier redistribute may lie beyond
+    # every cursor (its consumers had read into that epoch, the slower new ones have not yet).
+    for e in range(lo, max([hi, *held]) + 1):
         before = unpack_mask(held[e], n) if e in held else np.zeros(n, bool)
         free = np.flatnonzero(~before)               # positions the old consumers split
         done = before.copy()

@@ -30,18 +30,22 @@ from pathlib import Path
 from typing import BinaryIO
 
 _BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
-_TAR_WORD = re.compile(r"(\S+\.tar)(?=[\s'\"]|$)")
+# The shard's word in a pipe: command: ends in .tar, followed by a space, quote, pipe, ;, &, ), >
+# or the end. Paths inside commands must not hold spaces.
+_TAR_WORD = re.compile(r"([^\s'\"]+\.tar)(?=[\s'\";|&)>]|$)")
+RETRIES = 3
 
 
 def kind(url: str) -> str:
     if url.startswith("pipe:"):
         return "pipe"
-    if "://" in url.split(" ", 1)[0] and not url.startswith("file:///"):
+    if "://" in url.split(" ", 1)[0] and not url.startswith("file://"):
         return "fsspec"
     return "local"
 
 
-def _local(url: str) -> str:
+def local_path(url: str) -> str:
+    """A local URL as a path (``file://`` stripped)."""
     return url[len("file://"):] if url.startswith("file://") else url
 
 
@@ -64,13 +68,15 @@ def expand(pattern: str) -> list[str]:
     if k == "pipe":
         return [pattern]
     if k == "fsspec":
+        if pattern.endswith(".tar") and not any(c in pattern for c in "*?["):
+            return [pattern]       # a shard: no listing call (over http that would be a GET of it)
         fs, path = _fs(pattern)
         if any(c in path for c in "*?["):
             return sorted(fs.unstrip_protocol(p) for p in fs.glob(path))
         if fs.isdir(path):
             return sorted(fs.unstrip_protocol(p) for p in fs.find(path) if p.endswith(".tar"))
         return [pattern]
-    path = _local(pattern)
+    path = local_path(pattern)
     p = Path(path)
     if p.is_dir():
         return sorted(str(x) for x in p.rglob("*.tar"))
@@ -130,7 +136,7 @@ def read_bytes(url: str) -> bytes:
             return fs.cat_file(path)
         except FileNotFoundError:
             raise FileNotFoundError(f"{url} does not exist") from None
-    return Path(_local(url)).read_bytes()
+    return Path(local_path(url)).read_bytes()
 
 
 def exists(url: str) -> bool:
@@ -140,7 +146,7 @@ def exists(url: str) -> bool:
     if k == "fsspec":
         fs, path = _fs(url)
         return fs.isfile(path)
-    return Path(_local(url)).is_file()
+    return Path(local_path(url)).is_file()
 
 
 def default_cache_dir() -> str:
@@ -156,40 +162,64 @@ class ShardFiles:
         self.keep = keep
         self._open: dict[str, BinaryIO] = {}
 
-    def get(self, url: str) -> BinaryIO:
+    def get(self, url: str, min_bytes: int = 0) -> BinaryIO:
         f = self._open.pop(url, None)
         if f is None:
             if len(self._open) >= self.keep:
                 self._open.pop(next(iter(self._open))).close()
-            f = self._opener(url)
+            f = self._opener(url, min_bytes)
         self._open[url] = f            # re-inserted last: the dict's order is the LRU order
         return f
 
-    def read(self, url: str, offset: int, size: int) -> bytes:
-        f = self.get(url)
-        f.seek(offset)
-        data = f.read(size)
+    def read(self, url: str, offset: int, size: int, min_bytes: int = 0) -> bytes:
+        """``size`` bytes at ``offset``. Remote reads are tried ``RETRIES`` times (a new handle
+        each, with backoff) and then fail as OSError whatever the backend raised, so one network
+        hiccup is never a dead worker: the sample is skipped and counted like unreadable data."""
+        remote = kind(url) == "fsspec"
+        for attempt in range(RETRIES if remote else 1):
+            try:
+                f = self.get(url, min_bytes)
+                f.seek(offset)
+                data = f.read(size)
+                break
+            except Exception as e:  # noqa: BLE001 - backends raise their own types (aiohttp, botocore)
+                self._drop(url)
+                if not remote:
+                    raise
+                if attempt == RETRIES - 1:
+                    raise OSError(f"{url}: read failed {RETRIES} times, the last: {e!r}") from e
+                time.sleep(0.5 * 2 ** attempt)
         if len(data) != size:
             raise ValueError(f"member cut short ({len(data)} of {size} bytes)")
         return data
+
+    def _drop(self, url: str) -> None:
+        f = self._open.pop(url, None)
+        if f is not None:
+            try:
+                f.close()
+            except Exception:  # noqa: BLE001 - a broken handle is being thrown away anyway
+                pass
 
     def close(self) -> None:
         for f in self._open.values():
             f.close()
         self._open.clear()
 
-    def _opener(self, url: str) -> BinaryIO:
+    def _opener(self, url: str, min_bytes: int) -> BinaryIO:
         k = kind(url)
         if k == "pipe":
-            return open(self.fetch(url), "rb")
+            return open(self.fetch(url, min_bytes), "rb")
         if k == "fsspec":
             import fsspec
             # Readahead blocks: a consumer's samples of one shard lie within a shuffle window.
             return fsspec.open(url, "rb", block_size=4 << 20, cache_type="readahead").open()
-        return open(_local(url), "rb")
+        return open(local_path(url), "rb")
 
-    def fetch(self, url: str) -> Path:
-        """The ``pipe:`` command's output in the node-local cache (fetched once per node)."""
+    def fetch(self, url: str, min_bytes: int = 0) -> Path:
+        """The ``pipe:`` command's output in the node-local cache (fetched once per node). Output
+        shorter than the index says the shard is (``min_bytes``: its last member's end) is an
+        error, never cached: ``curl`` without ``-f`` writes error pages and exits 0."""
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         name = hashlib.sha256(url.encode()).hexdigest()[:24]
         path = self.cache_dir / f"{name}.tar"
@@ -199,25 +229,55 @@ class ShardFiles:
                 os.utime(path)                     # recently used
                 return path
             self._evict()
-            part = path.with_suffix(".part")
+            part = path.with_suffix(f".part{os.getpid()}")
             with open(part, "wb") as out:
                 p = subprocess.Popen(url[len("pipe:"):], shell=True, stdout=out, stderr=subprocess.PIPE)
                 _, err = p.communicate()
-            if p.returncode != 0:
+            got = part.stat().st_size
+            if p.returncode != 0 or got < min_bytes:
                 part.unlink(missing_ok=True)
-                raise FileNotFoundError(f"{url!r} exited with {p.returncode}: "
-                                        f"{err.decode(errors='replace').strip()[-400:]}")
+                why = (f"exited with {p.returncode}" if p.returncode else
+                       f"wrote {got} bytes, its index needs at least {min_bytes}")
+                raise FileNotFoundError(f"{url!r} {why}: {err.decode(errors='replace').strip()[-400:]}")
             os.replace(part, path)
         return path
 
     def _evict(self) -> None:
-        files = sorted(self.cache_dir.glob("*.tar"), key=lambda p: p.stat().st_mtime)
-        total = sum(p.stat().st_size for p in files)
-        now = time.time()
-        for p in files:
-            if total <= self.cache_limit:
-                break
-            if now - p.stat().st_mtime < 60:
-                break      # in use right now by someone: never evict a shard fetched this minute
-            total -= p.stat().st_size
-            p.unlink(missing_ok=True)   # an open reader keeps its inode; the next open refetches
+        """Oldest shards out until the cache is under its limit. One process at a time (a
+        cache-wide lock); files another node process removed meanwhile are simply gone."""
+        with open(self.cache_dir / ".evict.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            entries = []
+            for p in self.cache_dir.iterdir():
+                try:
+                    st = p.stat()
+                except FileNotFoundError:
+                    continue
+                if ".part" in p.suffix and time.time() - st.st_mtime > 3600:
+                    p.unlink(missing_ok=True)      # left by a fetch that died
+                elif p.suffix == ".tar":
+                    entries.append((st.st_mtime, st.st_size, p))
+            total = sum(size for _, size, _ in entries)
+            now = time.time()
+            for mtime, size, p in sorted(entries):
+                if total <= self.cache_limit or now - mtime < 60:
+                    break      # under the limit, or in use right now: never evict this minute's shards
+                p.unlink(missing_ok=True)   # an open reader keeps its inode; the next open refetches
+                total -= size
+
+
+class ShardView:
+    """A shard as a file for readers that seek then read (a raw document's members): every read
+    goes through ``ShardFiles.read``, so it gets the same retries and errors."""
+
+    def __init__(self, files: ShardFiles, url: str, min_bytes: int = 0) -> None:
+        self.files, self.url, self.min_bytes, self.pos = files, url, min_bytes, 0
+
+    def seek(self, offset: int) -> None:
+        self.pos = offset
+
+    def read(self, size: int) -> bytes:
+        data = self.files.read(self.url, self.pos, size, self.min_bytes)
+        self.pos += len(data)
+        return data
+

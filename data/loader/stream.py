@@ -33,7 +33,7 @@ from data.loader.config import LoaderConfig
 from data.loader.online import OnlineTokenizer, online_options
 from data.loader.order import consumer_slice, epoch_order, unpack_mask
 from data.loader.packer import Doc, Packer, Row, units_of
-from data.loader.store import ShardFiles
+from data.loader.store import ShardFiles, ShardView
 from data.loader.table import SampleTable
 from data.tokenize.run import visual_blocks
 from data.vocab import MODALITY_NAMES
@@ -162,15 +162,17 @@ class ConsumerStream:
             return doc
 
     # --- reading ---------------------------------------------------------------------------------
-    def _read(self, url: str, at) -> bytes:
-        return self.files.read(url, int(at[0]), int(at[1]))
+    def _read(self, t: SampleTable, sample: int, at) -> bytes:
+        si = t.shard[sample]
+        return self.files.read(t.shards[si], int(at[0]), int(at[1]), t.shard_bytes[si])
 
     def _encode_raw(self, t: SampleTable, sample: int) -> tuple[np.ndarray, np.ndarray, list]:
         """A raw document tokenized here (data/loader/online.py): ids, modalities, blocks."""
         if self._online is None:
             self._online = OnlineTokenizer(self.cfg.tokenizers, online_options(self.cfg), self.cfg.seq_len)
-        url = t.shards[t.shard[sample]]
-        doc, why = self._online.encode(t.keys[sample], t.members[sample], store.name(url), self.files.get(url))
+        si = t.shard[sample]
+        view = ShardView(self.files, t.shards[si], t.shard_bytes[si])
+        doc, why = self._online.encode(t.keys[sample], t.members[sample], store.name(t.shards[si]), view)
         if doc is None:
             raise ValueError(why)
         return doc.ids.astype(np.int64), doc.modality.astype(np.int64), visual_blocks(doc.spans)
@@ -189,8 +191,8 @@ class ConsumerStream:
                 length = len(ids)
             else:
                 length, blocks = int(t.tokens[sample]), t.blocks[sample]
-                ids = read_npy(self._read(shard, t.ids_at[sample]))
-                mod = read_npy(self._read(shard, t.mod_at[sample]))
+                ids = read_npy(self._read(t, sample, t.ids_at[sample]))
+                mod = read_npy(self._read(t, sample, t.mod_at[sample]))
                 if ids.shape != (length,) or mod.shape != (length,):
                     raise ValueError(f"{ids.shape[0]} ids / {mod.shape[0]} modalities, the index says {length}")
         except (OSError, ValueError, EOFError) as e:
@@ -249,8 +251,8 @@ class ConsumerStream:
         pending = []
         for s, sample, epoch, unit, offset in st["pending"]:
             doc = self.load(s, sample, epoch)
-            if doc is None:
-                raise RuntimeError(f"cannot restore a held-aside document of source {self.tables[s].name}")
+            if doc is None:     # unreadable now: skipped, counted and logged by load(), like any sample
+                continue
             doc.unit, doc.offset = unit, offset
             pending.append(doc)
         self.packer.pending = pending

@@ -49,11 +49,6 @@ def find_manifest(url: str, seen: dict | None = None) -> tuple[dict, str] | None
     return None
 
 
-def find_token_manifest(tar: Path) -> dict | None:
-    found = find_manifest(str(tar))
-    return found[0] if found and found[0]["format"] == TOKEN_FORMAT else None
-
-
 def tokenizer_key(tokenizers: dict) -> str:
     """One string for a manifest's ``tokenizers`` entry (the folder's name left out)."""
     return json.dumps({k: tokenizers[k] for k in ("text", "layout", "visual")}, sort_keys=True)
@@ -72,6 +67,10 @@ class SampleTable:
     fingerprint: str
     tokenizer_fingerprint: str          # tokenizer_key(...) of token shards; "" for raw shards
     kind: str = "tokens"                # tokens | raw
+    # The fingerprint the loader computed before remote shards (names, sizes, index hashes; the
+    # manifest's tokenizers entry whole): states saved then still resume. Local token shards only.
+    legacy_fingerprint: str = ""
+    shard_bytes: list[int] = field(default_factory=list)   # per shard: where its last member ends
     members: list[dict] = field(default_factory=list)   # raw: each sample's index members
     manifest_url: str = ""
 
@@ -89,10 +88,13 @@ def load_table(src: SourceConfig) -> SampleTable:
     if not tars:
         raise ValueError(f"source {src.name}: no shards given")
     shard, keys, ids_at, mod_at, tokens, blocks, members = [], [], [], [], [], [], []
+    shard_bytes = [0] * len(tars)
     h = hashlib.sha256()
     kinds, tok_keys = set(), set()
     manifest_url = ""
     seen: dict = {}
+    legacy = hashlib.sha256()
+    legacy_tok = set()
     for si, tar in enumerate(tars):
         if not store.exists(tar):
             raise ValueError(f"source {src.name}: shard {tar} does not exist")
@@ -104,6 +106,9 @@ def load_table(src: SourceConfig) -> SampleTable:
         # Name and index (every member's offset, size and hash), not the URL: the same shards
         # moved to object storage keep their fingerprint, and a run's state moves with them.
         h.update(f"{store.name(tar)}\0".encode() + hashlib.sha256(raw_idx).digest())
+        if store.kind(tar) == "local":
+            legacy.update(f"{store.name(tar)}\0{Path(tar).stat().st_size}\0".encode()
+                          + hashlib.sha256(raw_idx).digest())
         found = find_manifest(tar, seen)
         if found is None:
             raise ValueError(f"source {src.name}: {tar} is in no shard folder (no manifest.json of format "
@@ -112,6 +117,7 @@ def load_table(src: SourceConfig) -> SampleTable:
         kinds.add(m["format"])
         if m["format"] == TOKEN_FORMAT:
             tok_keys.add(tokenizer_key(m["tokenizers"]))
+            legacy_tok.add(json.dumps(m["tokenizers"], sort_keys=True))
         raw = m["format"] == RAW_FORMAT
         for lineno, line in enumerate(raw_idx.splitlines(), 1):
             try:
@@ -126,6 +132,7 @@ def load_table(src: SourceConfig) -> SampleTable:
                     tokens.append(e["tokens"])
                     blocks.append(e.get("blocks", []))
                 keys.append(e["key"])
+                shard_bytes[si] = max(shard_bytes[si], *(int(o) + int(n) for o, n in e["members"].values()))
             except (ValueError, KeyError, TypeError) as err:
                 raise ValueError(f"{idx}:{lineno}: not a {'raw' if raw else 'token'} shard index line "
                                  f"({err})") from None
@@ -136,9 +143,13 @@ def load_table(src: SourceConfig) -> SampleTable:
         raise ValueError(f"source {src.name}: its shards were tokenized with different tokenizers")
     n = len(shard)
     raw = RAW_FORMAT in kinds
+    old = ""
+    if not raw and len(legacy_tok) == 1 and all(store.kind(t) == "local" for t in tars):
+        old = json.dumps([legacy.hexdigest()[:16], hashlib.sha256(next(iter(legacy_tok)).encode()).hexdigest()[:16]])
     return SampleTable(src.name, tars, np.asarray(shard, np.int32), keys,
                        np.asarray(ids_at, np.int64).reshape(-1, 2), np.asarray(mod_at, np.int64).reshape(-1, 2),
                        np.zeros(n, np.int64) if raw else np.asarray(tokens, np.int64),
                        [[] for _ in range(n)] if raw else blocks, h.hexdigest()[:16],
                        "" if raw else next(iter(tok_keys)), kind="raw" if raw else "tokens", members=members,
-                       manifest_url=manifest_url)
+                       manifest_url=manifest_url, legacy_fingerprint=old,
+                       shard_bytes=shard_bytes)

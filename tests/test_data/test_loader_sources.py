@@ -57,6 +57,8 @@ def test_a_failing_pipe_command_is_named_at_start(tiny_tokens):
         build_loader(cfg([bad]), rank=0, world_size=1, micro_batch=2)
     with pytest.raises(ValueError, match="must name its shard"):
         store.index_url("pipe:curl -s http://host/shard")
+    assert store.index_url("pipe:cat /a/b/shard-000001.tar|zstd -d") == "pipe:cat /a/b/shard-000001.idx.jsonl|zstd -d"
+    assert store.sibling("pipe:cat '/a/b/shard-000001.tar'", "manifest.json", 1) == "pipe:cat '/a/manifest.json'"
 
 
 @pytest.fixture
@@ -152,3 +154,52 @@ def test_raw_sources_need_tokenizers_and_infinite_mode(tiny_raw, tiny_tokens, ti
     tok = [SourceConfig(name="code", shards=[str(tiny_tokens / "code")])]
     with pytest.raises(ValueError, match="source code was tokenized with other tokenizers"):
         build_loader(cfg(tok, tokenizers=str(other)), rank=0, world_size=1, micro_batch=2)
+
+
+def test_short_pipe_output_is_an_error_never_cached(tiny_tokens, tmp_path):
+    """A command that exits 0 with less than the index's bytes (curl without -f writing an error
+    page): the read fails naming it, the sample is skipped and counted, nothing is cached."""
+    script = tmp_path / "fetch.sh"
+    script.write_text('#!/bin/sh\ncase "$1" in *.tar) head -c 700 "$1";; *) cat "$1";; esac\n')
+    script.chmod(0o755)
+    tars = sorted((tiny_tokens / "code").glob("*.tar"))
+    files = store.ShardFiles(str(tmp_path / "cache"))
+    with pytest.raises(FileNotFoundError, match="wrote 700 bytes, its index needs at least"):
+        files.fetch(f"pipe:{script} {tars[0]}", min_bytes=tars[0].stat().st_size - 1024)
+    assert not list((tmp_path / "cache").glob("*.tar")) and not list((tmp_path / "cache").glob("*.part*"))
+    src = SourceConfig(name="code", shards=[f"pipe:{script} {t}" for t in tars])
+    ld = build_loader(cfg([src], max_consecutive_errors=3, cache_dir=str(tmp_path / "cache")), rank=0,
+                      world_size=1, micro_batch=1)
+    with pytest.raises(RuntimeError, match="3 unreadable samples in a row.*wrote 700 bytes"):
+        ld.make_stream(0).next_doc()                  # each skipped and counted, then the run stops
+
+
+def test_remote_reads_are_retried_then_fail_as_oserror(memory_tokens):
+    files = store.ShardFiles()
+    url = f"{memory_tokens}/code/shard-000000.tar"
+    assert len(files.read(url, 0, 512)) == 512
+    fsspec.filesystem("memory").rm("/tokens/code/shard-000000.tar")
+    files._drop(url)
+    with pytest.raises(OSError, match="read failed 3 times"):
+        files.read(url, 0, 512)
+
+
+def test_the_pipe_cache_evicts_the_least_recently_used(tiny_tokens, tmp_path):
+    import os
+    tars = sorted(tiny_tokens.rglob("*.tar"))[:3]
+    files = store.ShardFiles(str(tmp_path), cache_limit_gb=0)
+    got = [files.fetch(f"pipe:cat {t}") for t in tars[:2]]
+    os.utime(got[0], (1, 1))                 # long unused
+    files.fetch(f"pipe:cat {tars[2]}")       # over the limit: the oldest goes, this minute's stay
+    assert not got[0].exists() and got[1].exists()
+
+
+def test_a_raw_json_of_another_schema_is_a_reject_not_a_dead_worker(tiny_tokens):
+    import io
+
+    from data.loader.online import OnlineTokenizer
+    from data.tokenize.encoder import TokenizeOptions
+    tok = OnlineTokenizer(tiny_tokens / "tokenizers", TokenizeOptions(), 256)
+    for body in (b"[1, 2]", b'{"segments": [{"type": "image"}]}', b"{not json"):
+        doc, why = tok.encode("k", {"json": [0, len(body)]}, "x.tar", io.BytesIO(body))
+        assert doc is None and why.startswith("k.json")

@@ -164,3 +164,54 @@ def test_packer_drains_more_held_documents_than_max_pending(tiny_tokens):
         sp = sorted(spans[(d.source, d.sample)])
         assert sp[0][0] == start[(d.source, d.sample)] and sp[-1][1] == d.length
         assert all(e0 == a1 for (_, e0), (a1, _) in zip(sp, sp[1:]))
+
+
+def test_a_second_redistribute_keeps_masks_beyond_every_cursor():
+    """Old consumers one epoch apart; the first redistribute starts everyone at the slower epoch
+    with masks for both; a second one before anyone reaches the later epoch must carry its mask."""
+    import numpy as np
+
+    from data.loader.dataset import STATE_VERSION
+    from data.loader.table import SampleTable
+
+    n = 40
+    lengths = np.random.default_rng(0).integers(10, 100, n).astype(np.int64)
+    tables = [SampleTable("s", ["a.tar"], np.zeros(n, np.int32), [f"k{i}" for i in range(n)],
+                          np.zeros((n, 2), np.int64), np.zeros((n, 2), np.int64), lengths,
+                          [[] for _ in range(n)], "fp", "tfp")]
+    cfg = LoaderConfig(sources=[SourceConfig(name="s", shards=["x"])], seq_len=256, num_workers=0, shuffle_buffer=8)
+    reads = []
+
+    def streams(lds, states=None):
+        out = []
+        for ld in lds:
+            s = ld.make_stream(0, dry=True)          # lengths from the table alone: no tar needed
+            if states is not None:
+                s.load_state_dict(states[ld.rank]["worker_states"]["0"])
+            out.append(s)
+        return out
+
+    def draw(s, k):
+        for _ in range(k):
+            d = s.next_doc()
+            reads.append((d.sample, d.epoch))
+
+    def states(lds, ss):
+        return [{"version": STATE_VERSION, "fingerprint": ld.fingerprint(), "rank": ld.rank,
+                 "world_size": ld.world_size, "workers": 1, "seq_len": 256, "micro_batch": 1, "mode": "infinite",
+                 "handed_out": 1, "batch_limit": None, "worker_states": {"0": s.state_dict()}}
+                for ld, s in zip(lds, ss)]
+
+    lds = loaders(cfg, tables, 2, micro_batch=1)
+    ss = streams(lds)
+    draw(ss[0], 65)                                   # epoch 3, position 5 of its 20
+    draw(ss[1], 85)                                   # epoch 4, position 5
+    lds2 = loaders(cfg, tables, 2, micro_batch=1)
+    old = states(lds, ss)
+    ss2 = streams(lds2, [redistribute(old, ld) for ld in lds2])
+    draw(ss2[0], 2)
+    draw(ss2[1], 2)                                   # both still in epoch 3
+    ld3 = loaders(cfg, tables, 1, micro_batch=1)
+    ss3 = streams(ld3, [redistribute(states(lds2, ss2), ld3[0])])
+    draw(ss3[0], 150)
+    assert len(reads) == len(set(reads))

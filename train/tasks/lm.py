@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from data.loader import build_loader, store
-from data.loader.table import find_token_manifest, load_table
+from data.loader.table import find_manifest, load_table
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
 from model.flops import flops_per_token
 from train.config import RunConfig
@@ -40,8 +40,8 @@ def layout_of_data(cfg: RunConfig) -> tuple[VocabLayout, Path]:
         if table.kind == "raw" or store.kind(table.shards[0]) != "local":
             raise ValueError(f"source {table.name}: {table.shards[0]} is {'raw' if table.kind == 'raw' else 'remote'}; "
                              "set data.tokenizers to the tokenizer folder (a token folder's tokenizers/)")
-        m = find_token_manifest(Path(table.shards[0]))
-        folder = Path(table.manifest_url).parent / m["tokenizers"]["folder"]
+        m, url = find_manifest(table.shards[0])
+        folder = Path(store.local_path(url)).parent / m["tokenizers"]["folder"]
     return VocabLayout.load(folder / "vocab_layout.json"), folder
 
 
