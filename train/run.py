@@ -16,7 +16,7 @@ import torch
 
 from train.checkpoint import Checkpointer, rng_state, set_rng_state
 from train.config import RunConfig
-from train.dist import DistInfo, barrier, init_distributed
+from train.dist import DistInfo, all_reduce_sum, barrier, init_distributed
 from train.engine import build_engine, global_grad_norm
 from train.faults import Faults, fault_step
 from train.logger import RunLogger, console_line
@@ -78,6 +78,7 @@ class Run:
         self._time_sum = 0.0
         self.last_eval: dict = {}
         self._interval: Counter = Counter()
+        self._skipped_shown = 0.0
 
     # --- resume / save ---------------------------------------------------------------------------
     def _resume(self) -> int:
@@ -182,6 +183,8 @@ class Run:
         self._interval.update(sums)
         if t.eval_every and step % t.eval_every == 0 and step != t.steps:
             m.update(self.evaluate(step))
+        if log_now and hasattr(self.stream, "skipped"):
+            m["data/skipped"] = self.data_skipped()
         tm = time.perf_counter()
         alarms = self.monitor.check(step, m, self.rule.last)
         self.alarms.record(alarms)
@@ -195,6 +198,10 @@ class Run:
                    "train/loss": self._interval["loss_sum"] / self._interval["micro"]}
             self.log.write(console_line(avg, step, t.steps, self.task.unit))
             self._interval = Counter()
+            if m.get("data/skipped", 0) > self._skipped_shown:
+                self._skipped_shown = m["data/skipped"]
+                self.log.write(f"data: {int(self._skipped_shown)} unreadable sample(s) skipped so far, over all ranks "
+                               "(each named on stderr as '[loader] skipped SHARD sample KEY: why')")
         self.log.advance()
         if t.ckpt_every and step % t.ckpt_every == 0 and step != t.steps:
             if self.monitor.healthy():
@@ -205,6 +212,11 @@ class Run:
         if fault_step("EARLYFUSE_FAULT_KILL_AT_STEP") == step:
             os._exit(137)  # fault injection for the resume tests: dies like kill -9, no cleanup
         self.act(strongest(alarms))
+
+    def data_skipped(self) -> float:
+        """Unreadable samples the loaders skipped so far, summed over ranks."""
+        n = torch.tensor([float(self.stream.skipped())], device=self.dist.device)
+        return float(all_reduce_sum(n).item())
 
     # --- the monitors' actions -------------------------------------------------------------------
     def act(self, alarm) -> None:
@@ -274,6 +286,8 @@ class Run:
             else:
                 final = self.evaluate(self.cfg.train.steps)
             final.update(self.task.finish(self.engine, self.run_dir))
+            if hasattr(self.stream, "skipped"):
+                final["data/skipped"] = self.data_skipped()
             if self.dist.is_main:
                 (self.run_dir / "final.json").write_text(json.dumps(final, indent=1, sort_keys=True) + "\n")
         finally:

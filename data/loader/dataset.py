@@ -188,6 +188,10 @@ class PackedLoader:
             out["held_back"] = self.held_back()
         return out
 
+    def skipped(self) -> int:
+        """Unreadable samples this rank's workers skipped (as of the last batch handed out)."""
+        return sum(st["errors"] for st in self.worker_states.values())
+
     def held_back(self) -> int:
         """Epoch mode: documents of this rank's slices not delivered in full (never read, or held
         aside when the equalised batch count was reached); they are not repeated."""

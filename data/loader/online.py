@@ -33,6 +33,9 @@ VISUAL_FOLDER = "visual_tokenizer"
 def folder_fingerprints(folder: str | Path) -> dict:
     """The ``tokenizers`` entry a token manifest would carry for this tokenizer folder."""
     folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"data.tokenizers: {folder} is not a folder (it should hold tokenizer.json, "
+                         "vocab_layout.json and visual_tokenizer/, like a token folder's tokenizers/)")
     text = TextTokenizer.load(folder)
     if not (folder / VISUAL_FOLDER).is_dir():
         raise ValueError(f"{folder}: no {VISUAL_FOLDER}/ (a tokenizer folder holds tokenizer.json, "

@@ -34,6 +34,7 @@ _BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 # or the end. Paths inside commands must not hold spaces.
 _TAR_WORD = re.compile(r"([^\s'\"]+\.tar)(?=[\s'\";|&)>]|$)")
 RETRIES = 3
+FAILED_FOR = 60.0
 
 
 def kind(url: str) -> str:
@@ -51,7 +52,10 @@ def local_path(url: str) -> str:
 
 def _fs(url: str):
     import fsspec
-    return fsspec.core.url_to_fs(url)
+    try:
+        return fsspec.core.url_to_fs(url)
+    except ImportError as e:     # the scheme's backend is not installed (s3fs, gcsfs, aiohttp)
+        raise ValueError(f"{url}: {e}") from None
 
 
 def expand(pattern: str) -> list[str]:
@@ -161,6 +165,7 @@ class ShardFiles:
         self.cache_limit = int(cache_limit_gb * 2**30)
         self.keep = keep
         self._open: dict[str, BinaryIO] = {}
+        self._failed: dict[str, tuple[float, str]] = {}   # pipe: fetches that failed lately
 
     def get(self, url: str, min_bytes: int = 0) -> BinaryIO:
         f = self._open.pop(url, None)
@@ -209,7 +214,17 @@ class ShardFiles:
     def _opener(self, url: str, min_bytes: int) -> BinaryIO:
         k = kind(url)
         if k == "pipe":
-            return open(self.fetch(url, min_bytes), "rb")
+            # A shard whose fetch failed is not fetched again for every one of its samples: they
+            # fail at once with the same error for FAILED_FOR seconds, then it is tried again.
+            when, why = self._failed.get(url, (0.0, ""))
+            if time.monotonic() - when < FAILED_FOR:
+                raise FileNotFoundError(f"{why} (failed {time.monotonic() - when:.0f} s ago; retried after "
+                                        f"{FAILED_FOR:.0f} s)")
+            try:
+                return open(self.fetch(url, min_bytes), "rb")
+            except OSError as e:
+                self._failed[url] = (time.monotonic(), str(e))
+                raise
         if k == "fsspec":
             import fsspec
             # Readahead blocks: a consumer's samples of one shard lie within a shuffle window.
@@ -240,6 +255,8 @@ class ShardFiles:
                        f"wrote {got} bytes, its index needs at least {min_bytes}")
                 raise FileNotFoundError(f"{url!r} {why}: {err.decode(errors='replace').strip()[-400:]}")
             os.replace(part, path)
+            # Which command a cached file came from, for whoever looks into the cache.
+            path.with_suffix(".url").write_text(url + "\n")
         return path
 
     def _evict(self) -> None:
@@ -257,6 +274,8 @@ class ShardFiles:
                     p.unlink(missing_ok=True)      # left by a fetch that died
                 elif p.suffix == ".tar":
                     entries.append((st.st_mtime, st.st_size, p))
+                elif p.suffix == ".url" and not p.with_suffix(".tar").exists():
+                    p.unlink(missing_ok=True)
             total = sum(size for _, size, _ in entries)
             now = time.time()
             for mtime, size, p in sorted(entries):

@@ -119,6 +119,7 @@ def load_table(src: SourceConfig) -> SampleTable:
             tok_keys.add(tokenizer_key(m["tokenizers"]))
             legacy_tok.add(json.dumps(m["tokenizers"], sort_keys=True))
         raw = m["format"] == RAW_FORMAT
+        last = -1
         for lineno, line in enumerate(raw_idx.splitlines(), 1):
             try:
                 e = json.loads(line)
@@ -132,7 +133,12 @@ def load_table(src: SourceConfig) -> SampleTable:
                     tokens.append(e["tokens"])
                     blocks.append(e.get("blocks", []))
                 keys.append(e["key"])
-                shard_bytes[si] = max(shard_bytes[si], *(int(o) + int(n) for o, n in e["members"].values()))
+                first = min(int(o) for o, _ in e["members"].values())
+                if first <= last:
+                    raise ValueError(f"offsets go back at sample {e['key']}: this is not one shard's index (a "
+                                     "pipe: command must print one shard: no glob in it)")
+                last = max(int(o) + int(n) for o, n in e["members"].values())
+                shard_bytes[si] = max(shard_bytes[si], last)
             except (ValueError, KeyError, TypeError) as err:
                 raise ValueError(f"{idx}:{lineno}: not a {'raw' if raw else 'token'} shard index line "
                                  f"({err})") from None

@@ -203,3 +203,24 @@ def test_a_raw_json_of_another_schema_is_a_reject_not_a_dead_worker(tiny_tokens)
     for body in (b"[1, 2]", b'{"segments": [{"type": "image"}]}', b"{not json"):
         doc, why = tok.encode("k", {"json": [0, len(body)]}, "x.tar", io.BytesIO(body))
         assert doc is None and why.startswith("k.json")
+
+
+def test_a_glob_inside_a_pipe_command_is_refused_at_start(tiny_tokens):
+    assert len(list((tiny_tokens / "scenes").glob("*.tar"))) == 2
+    src = SourceConfig(name="scenes", shards=[f"pipe:cat {tiny_tokens}/scenes/*.tar"])
+    with pytest.raises(ValueError, match="offsets go back.*no glob"):
+        build_loader(cfg([src]), rank=0, world_size=1, micro_batch=1)
+
+
+def test_a_failed_fetch_is_not_repeated_for_every_sample(tiny_tokens, tmp_path):
+    log = tmp_path / "calls"
+    script = tmp_path / "fetch.sh"
+    script.write_text(f'#!/bin/sh\necho "$1" >> {log}\ncase "$1" in *.tar) exit 1;; *) cat "$1";; esac\n')
+    script.chmod(0o755)
+    tar = sorted((tiny_tokens / "code").glob("*.tar"))[0]
+    src = SourceConfig(name="code", shards=[f"pipe:{script} {tar}"])
+    ld = build_loader(cfg([src], max_consecutive_errors=5, cache_dir=str(tmp_path / "c")), rank=0, world_size=1,
+                      micro_batch=1)
+    with pytest.raises(RuntimeError, match="5 unreadable samples in a row.*exited with 1"):
+        ld.make_stream(0).next_doc()
+    assert sum(line.strip().endswith(".tar") for line in log.read_text().splitlines()) == 1

@@ -71,3 +71,10 @@ def test_lm_trains_on_raw_shards_tokenized_by_the_loader(tiny_raw, tiny_tokens, 
     assert "step 3/3 | loss" in p.stdout
     m = metrics(run)
     assert sum(m[s]["tokens/image"] for s in m) > 0 and sum(m[s]["tokens/code"] for s in m) > 0
+    assert all(m[s]["data/skipped"] == 0 for s in m)
+    # Raw shards cannot be a validation source: refused at start, not at the first evaluation.
+    val = f"[{{name: v, shards: [{tiny_raw / 'scenes'}]}}]"
+    p = train(["experiment=debug", f"data.sources={srcs}", f"run_dir={tmp_path / 'val'}", "train.steps=3",
+               f"data.tokenizers={tiny_tokens / 'tokenizers'}", f"data.validation={val}"], check=False)
+    assert p.returncode != 0 and "data.validation source v holds raw shards" in p.stderr
+    assert not (tmp_path / "val" / "metrics.jsonl").exists()

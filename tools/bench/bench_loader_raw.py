@@ -1,6 +1,7 @@
-"""Loader benchmark, raw path (issue 4): samples/s per worker when raw shards are tokenized in
-the loader (text BPE and the visual tokenizer on the worker's CPU), for image-caption and
-video-caption data, on the demo's raw shards and tokenizers (``make demo``).
+"""Samples/s per loader worker on raw shards tokenized online, against the offline encoder.
+
+Raw shards tokenized in the loader (text BPE and the visual tokenizer on the worker's CPU), for
+image-caption and video-caption data, on the demo's raw shards and tokenizers (``make demo``).
 
 A worker is one process on one thread (a DataLoader worker's torch threads), so this process
 runs as one: ``num_workers=0`` and ``torch.set_num_threads(1)``. For each source it alternates
@@ -75,7 +76,8 @@ def offline(raw: Path, source: str, tokens: Path, opts: dict, seconds: float) ->
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--raw", type=Path, default=Path("runs/demo/raw"))
     ap.add_argument("--tokens", type=Path, default=Path("runs/demo/tokens"), help="for its tokenizers/ and options")
     ap.add_argument("--seq-len", type=int, default=2048)

@@ -60,6 +60,11 @@ class LMTask:
         self.cfg, self.dist = cfg, dist
         self.layout, self.tok_folder = layout_of_data(cfg)
         self.model_cfg = cfg.model.with_layout(self.layout)
+        for s in cfg.data.validation:     # found now, not at the first evaluation hours later
+            if load_table(s).kind == "raw":
+                raise ValueError(f"data.validation source {s.name} holds raw shards: validation makes one exact "
+                                 "pass, which needs the token counts of token shards; tokenize it "
+                                 "(earlyfuse-prep tokenize) and name the token folder")
         self.source_names = [s.name for s in cfg.data.sources]
         self._val = None
 
