@@ -13,7 +13,10 @@ Design choices:
   token manifest are fetched by the same command with that word replaced by
   ``<shard>.idx.jsonl`` and ``<folder>/manifest.json``, so one command pattern serves all three
   (``pipe:aws s3 cp s3://bucket/tokens/code/shard-{000000..000041}.tar -``).
-- A command that fails is an error naming the command, its exit status and its stderr.
+- A command that fails is reported naming the command, its exit status and its stderr; a shard
+  whose fetch failed is not fetched again for ``FAILED_FOR`` seconds (its samples fail at once).
+- Remote reads are retried (``RETRIES``), then fail as OSError whatever the backend raised, so
+  the loader skips and counts the sample like unreadable data.
 """
 from __future__ import annotations
 
@@ -60,7 +63,8 @@ def _fs(url: str):
 
 def expand(pattern: str) -> list[str]:
     """Brace ranges ({000..041}, zero padding kept), then globs; a folder means its *.tar (deep).
-    ``pipe:`` commands take brace ranges only (a ``*`` there is the command's business)."""
+    ``pipe:`` commands take brace ranges only: one command, one shard (a glob inside a command
+    would print several; table.py refuses the index that results)."""
     m = _BRACE.search(pattern)
     if m:
         a, b = m.group(1), m.group(2)
