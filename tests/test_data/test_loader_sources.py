@@ -224,3 +224,33 @@ def test_a_failed_fetch_is_not_repeated_for_every_sample(tiny_tokens, tmp_path):
     with pytest.raises(RuntimeError, match="5 unreadable samples in a row.*exited with 1"):
         ld.make_stream(0).next_doc()
     assert sum(line.strip().endswith(".tar") for line in log.read_text().splitlines()) == 1
+
+
+def test_a_state_saved_before_remote_shards_still_resumes(tiny_tokens):
+    """Loaders before remote shards fingerprinted a source by its tars' names, sizes and index
+    hashes and the token manifest's tokenizers entry whole: their states keep resuming."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from data.shards.index import index_path_for
+
+    srcs = [SourceConfig(name=s, shards=[str(tiny_tokens / s)]) for s in ("code", "scenes")]
+    ld = build_loader(cfg(srcs), rank=0, world_size=1, micro_batch=2)
+    take(ld, 2)
+    st = ld.state_dict()
+    tokenizers = json.loads((tiny_tokens / "manifest.json").read_text())["tokenizers"]
+    parts = []
+    for t in ld.tables:
+        h = hashlib.sha256()
+        for tar in map(Path, t.shards):
+            h.update(f"{tar.name}\0{tar.stat().st_size}\0".encode()
+                     + hashlib.sha256(index_path_for(tar).read_bytes()).digest())
+        parts.append((t.name, h.hexdigest()[:16],
+                      hashlib.sha256(json.dumps(tokenizers, sort_keys=True).encode()).hexdigest()[:16]))
+    old = {**st, "fingerprint": hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]}
+    assert old["fingerprint"] != st["fingerprint"]
+    a, b = (build_loader(cfg(srcs), rank=0, world_size=1, micro_batch=2) for _ in range(2))
+    a.load_state_dict(st)
+    b.load_state_dict(old)
+    same_batches(take(a, 2), take(b, 2))

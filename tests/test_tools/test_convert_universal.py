@@ -47,3 +47,8 @@ def test_zero0_lm_run_resumes_on_another_world_size_directly(tiny_tokens, tmp_pa
     p = train(args + ["train.steps=8", "data.num_workers=2"])          # same world size, another split
     assert "resuming step_00000006: the loader's state was redistributed from 1 to 2 consumers" in p.stdout + p.stderr
     assert sorted(metrics(run)) == list(range(1, 9))
+    p = train(args + ["train.steps=10", "data.num_workers=2"], nproc=2)   # and onto more ranks
+    out = p.stdout + p.stderr
+    assert "resuming step_00000008 of 1 rank(s) on 2" in out
+    assert "the loader's state was redistributed from 2 to 4 consumers" in out
+    assert sorted(metrics(run)) == list(range(1, 11))
