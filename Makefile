@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 DEMO_DIR ?= runs/demo
 STAMP := $(VENV)/.earlyfuse-installed
 
-.PHONY: demo test test-slow bench venv clean-demo
+.PHONY: demo test test-slow lint bench venv clean-demo
 
 venv: $(STAMP)
 
@@ -25,7 +25,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[demo,test]'
 	@touch $@
 
-test: $(STAMP)
+# Style and types are checked first, so CI fails on a lint error or an unformatted file.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
 	$(PY) -m pytest
 
 test-slow: $(STAMP)

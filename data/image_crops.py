@@ -9,6 +9,7 @@ Design choices:
 - Batch k of rank r is a pure function of (seed, rank, k): the stream's state is one counter,
   and a resumed run sees exactly the crops an uninterrupted run would have.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,11 +32,19 @@ def heldout(key: str, fraction: float) -> bool:
 class ImagePool:
     train: list[np.ndarray]
     heldout: list[np.ndarray]
-    skipped: int               # images smaller than a crop, or undecodable
+    skipped: int  # images smaller than a crop, or undecodable
 
 
-def load_pool(raw_dirs: list[str], *, sources: list[str] | None, prep: ImagePrep, crop: int,
-              heldout_fraction: float, video_frames: bool, limit: int) -> ImagePool:
+def load_pool(
+    raw_dirs: list[str],
+    *,
+    sources: list[str] | None,
+    prep: ImagePrep,
+    crop: int,
+    heldout_fraction: float,
+    video_frames: bool,
+    limit: int,
+) -> ImagePool:
     train, held, skipped = [], [], 0
     sampling = VideoSampling(target_fps=2.0, max_frames=4)
     for d in raw_dirs:
@@ -48,8 +57,14 @@ def load_pool(raw_dirs: list[str], *, sources: list[str] | None, prep: ImagePrep
                     if seg["type"] == "image":
                         arrays = [load_image(rd.member(seg["member"]), prep)]
                     elif seg["type"] == "video" and video_frames:
-                        arrays = list(decode_frames(rd.member(seg["member"]), sampling, prep,
-                                                    size=(seg["width"], seg["height"])).frames)
+                        arrays = list(
+                            decode_frames(
+                                rd.member(seg["member"]),
+                                sampling,
+                                prep,
+                                size=(seg["width"], seg["height"]),
+                            ).frames
+                        )
                     else:
                         continue
                 except (OSError, ValueError):
@@ -61,7 +76,9 @@ def load_pool(raw_dirs: list[str], *, sources: list[str] | None, prep: ImagePrep
                     else:
                         skipped += 1
     if not train:
-        raise ValueError(f"no training image of at least {crop}x{crop} in {raw_dirs} (sources {sources or 'all'})")
+        raise ValueError(
+            f"no training image of at least {crop}x{crop} in {raw_dirs} (sources {sources or 'all'})"
+        )
     return ImagePool(train, held, skipped)
 
 
@@ -73,14 +90,16 @@ def to_tensor(batch: np.ndarray) -> torch.Tensor:
 class CropStream:
     """Random crops (with horizontal flips) of the training pool, ``batch`` at a time."""
 
-    def __init__(self, images: list[np.ndarray], *, crop: int, batch: int, seed: int, rank: int) -> None:
+    def __init__(
+        self, images: list[np.ndarray], *, crop: int, batch: int, seed: int, rank: int
+    ) -> None:
         self.images, self.crop, self.batch, self.seed, self.rank = images, crop, batch, seed, rank
         self.k = 0
 
     def __iter__(self):
         while True:
             batch = self.batch_at(self.k)
-            self.k += 1   # before yielding: the state is always "the next batch to make"
+            self.k += 1  # before yielding: the state is always "the next batch to make"
             yield batch
 
     def batch_at(self, k: int) -> dict:
@@ -91,7 +110,7 @@ class CropStream:
             im = self.images[j]
             y = rng.integers(0, im.shape[0] - c + 1)
             x = rng.integers(0, im.shape[1] - c + 1)
-            patch = im[y:y + c, x:x + c]
+            patch = im[y : y + c, x : x + c]
             out[i] = patch[:, ::-1] if rng.random() < 0.5 else patch
         return {"images": to_tensor(out)}
 
@@ -112,5 +131,5 @@ def fixed_crops(images: list[np.ndarray], crop: int, count: int, seed: int = 123
         im = images[i % len(images)]
         y = rng.integers(0, im.shape[0] - crop + 1)
         x = rng.integers(0, im.shape[1] - crop + 1)
-        out.append(im[y:y + crop, x:x + crop])
+        out.append(im[y : y + crop, x : x + crop])
     return to_tensor(np.stack(out))

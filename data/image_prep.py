@@ -10,6 +10,7 @@ Design choices:
 - JPEG is decoded at reduced scale (libjpeg DCT scaling, ``draft``) when the target is smaller,
   which is most of the decode time saved at no visible cost after the resize.
 """
+
 from __future__ import annotations
 
 import io
@@ -19,15 +20,15 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageOps
 
-_SWAPS_SIDES = {5, 6, 7, 8}   # EXIF orientations that rotate by 90 degrees
+_SWAPS_SIDES = {5, 6, 7, 8}  # EXIF orientations that rotate by 90 degrees
 
 
 @dataclass(frozen=True)
 class ImagePrep:
-    factor: int = 8             # spatial factor of the visual tokenizer
+    factor: int = 8  # spatial factor of the visual tokenizer
     max_pixels: int = 256 * 256
-    max_grid: int = 64          # tokens per side at most
-    upscale: bool = False       # enlarge images smaller than the budget
+    max_grid: int = 64  # tokens per side at most
+    upscale: bool = False  # enlarge images smaller than the budget
 
     def target_size(self, w: int, h: int) -> tuple[int, int]:
         """(width, height): multiples of ``factor``, aspect kept, within the budget."""

@@ -13,6 +13,7 @@ Design choices:
   so a malformed generation is an error, never a silently wrong picture.
 - Modality per token: codes get IMAGE or VIDEO, markers and size tokens STRUCTURE.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -41,8 +42,9 @@ def image_tokens(codes: np.ndarray, lay: VocabLayout) -> tuple[np.ndarray, np.nd
     _check_codes(codes, lay)
     h, w = codes.shape
     sid = lay.structure_id
-    ids = np.concatenate([[sid("<boi>"), *lay.size_ids(h, w)], _rows(codes, lay, sid("<eol>")),
-                          [sid("<eoi>")]]).astype(np.int64)
+    ids = np.concatenate(
+        [[sid("<boi>"), *lay.size_ids(h, w)], _rows(codes, lay, sid("<eol>")), [sid("<eoi>")]]
+    ).astype(np.int64)
     return ids, modality_of(ids, lay, Modality.IMAGE)
 
 
@@ -105,7 +107,9 @@ class _Reader:
             i = self.next()
             name = self.name(i)
             if not name.startswith(f"<{axis}="):
-                raise ValueError(f"position {self.pos - 1}: expected a <{axis}=K> size token, got {name}")
+                raise ValueError(
+                    f"position {self.pos - 1}: expected a <{axis}=K> size token, got {name}"
+                )
             out.append(int(name[3:-1]))
         return out[0], out[1]
 
@@ -115,7 +119,9 @@ class _Reader:
             for c in range(w):
                 i = self.next()
                 if not self.lay.is_code(i):
-                    raise ValueError(f"position {self.pos - 1}: expected a code (row {r}, col {c}), got {self.name(i)}")
+                    raise ValueError(
+                        f"position {self.pos - 1}: expected a code (row {r}, col {c}), got {self.name(i)}"
+                    )
                 codes[r, c] = i - self.lay.visual_offset
             self.take("<eol>")
         return codes

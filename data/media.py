@@ -10,6 +10,7 @@ Design choices:
   probe captures fd 2 and keeps the last readable line as the reject detail.
 - Text: strict UTF-8 by default; ``repair=True`` replaces bad bytes with U+FFFD and counts them.
 """
+
 from __future__ import annotations
 
 import io
@@ -23,8 +24,15 @@ from PIL import Image
 
 from data.schema import Reject
 
-IMAGE_FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp",
-                 "TIFF": "tiff", "MPO": "jpg"}
+IMAGE_FORMATS = {
+    "JPEG": "jpg",
+    "PNG": "png",
+    "WEBP": "webp",
+    "GIF": "gif",
+    "BMP": "bmp",
+    "TIFF": "tiff",
+    "MPO": "jpg",
+}
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff"}
 VIDEO_EXTS = {".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v"}
 
@@ -33,12 +41,17 @@ VIDEO_EXTS = {".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v"}
 class ImageInfo:
     width: int
     height: int
-    format: str      # Pillow's name, e.g. "JPEG"
-    ext: str         # member extension derived from the real format, e.g. "jpg"
+    format: str  # Pillow's name, e.g. "JPEG"
+    ext: str  # member extension derived from the real format, e.g. "jpg"
     mode: str
 
     def meta(self) -> dict:
-        return {"width": self.width, "height": self.height, "format": self.format, "mode": self.mode}
+        return {
+            "width": self.width,
+            "height": self.height,
+            "format": self.format,
+            "mode": self.mode,
+        }
 
 
 @dataclass(frozen=True)
@@ -50,8 +63,13 @@ class VideoInfo:
     duration: float  # seconds, end of the last frame
 
     def meta(self) -> dict:
-        return {"width": self.width, "height": self.height, "frames": self.frames,
-                "fps": round(self.fps, 6), "duration": round(self.duration, 6)}
+        return {
+            "width": self.width,
+            "height": self.height,
+            "frames": self.frames,
+            "fps": round(self.fps, 6),
+            "duration": round(self.duration, 6),
+        }
 
 
 def decode_text(raw: bytes, path: str, *, repair: bool) -> tuple[str, int] | Reject:
@@ -62,8 +80,12 @@ def decode_text(raw: bytes, path: str, *, repair: bool) -> tuple[str, int] | Rej
         return raw.decode("utf-8"), 0
     except UnicodeDecodeError as e:
         if not repair:
-            return Reject(path, "not-utf8", f"invalid UTF-8 at byte {e.start} (rejected; "
-                          "--repair-utf8 keeps such text with U+FFFD)")
+            return Reject(
+                path,
+                "not-utf8",
+                f"invalid UTF-8 at byte {e.start} (rejected; "
+                "--repair-utf8 keeps such text with U+FFFD)",
+            )
         text = raw.decode("utf-8", errors="replace")
         bad = text.count("\ufffd") - raw.decode("utf-8", errors="ignore").count("\ufffd")
         return text, bad
@@ -76,8 +98,12 @@ def clean_json_text(text: str, path: str, *, repair: bool) -> tuple[str, int] | 
         return text, 0
     except UnicodeEncodeError as e:
         if not repair:
-            return Reject(path, "not-utf8", f"lone surrogate at character {e.start} (rejected; "
-                          "--repair-utf8 keeps such text with U+FFFD)")
+            return Reject(
+                path,
+                "not-utf8",
+                f"lone surrogate at character {e.start} (rejected; "
+                "--repair-utf8 keeps such text with U+FFFD)",
+            )
         fixed = "".join("\ufffd" if 0xD800 <= ord(c) <= 0xDFFF else c for c in text)
         return fixed, sum(1 for c in text if 0xD800 <= ord(c) <= 0xDFFF)
 
@@ -92,8 +118,11 @@ def probe_image(raw: bytes, path: str, *, max_pixels: int) -> ImageInfo | Reject
             im = Image.open(io.BytesIO(raw))
             w, h = im.size
             if w * h > max_pixels:
-                return Reject(path, "pixel-limit",
-                              f"header claims {w}x{h} = {w * h} pixels > limit {max_pixels}")
+                return Reject(
+                    path,
+                    "pixel-limit",
+                    f"header claims {w}x{h} = {w * h} pixels > limit {max_pixels}",
+                )
             fmt, mode = im.format or "?", im.mode
             if fmt not in IMAGE_FORMATS:
                 return Reject(path, "unreadable-image", f"unsupported image format {fmt}")
@@ -108,11 +137,13 @@ def probe_image(raw: bytes, path: str, *, max_pixels: int) -> ImageInfo | Reject
         return Reject(path, "unreadable-image", "not an image Pillow recognises")
     except (OSError, SyntaxError, ValueError, EOFError) as e:
         msg = str(e)
-        reason = "truncated-image" if "truncat" in msg or isinstance(e, EOFError) else "unreadable-image"
+        reason = (
+            "truncated-image" if "truncat" in msg or isinstance(e, EOFError) else "unreadable-image"
+        )
         return Reject(path, reason, msg)
 
 
-_CAPTURE = None   # one temp file per process, reused: a decode must not pay for a new file
+_CAPTURE = None  # one temp file per process, reused: a decode must not pay for a new file
 
 
 @contextmanager
@@ -174,6 +205,5 @@ def probe_video(raw: bytes, path: str, *, max_seconds: float) -> VideoInfo | Rej
         detail = _readable_tail(log[0] if log else "") or str(err).split("\n")[0][:200]
         return Reject(path, "undecodable-video", detail)
     if info.duration > max_seconds:
-        return Reject(path, "video-too-long",
-                      f"{info.duration:.1f} s > limit {max_seconds:g} s")
+        return Reject(path, "video-too-long", f"{info.duration:.1f} s > limit {max_seconds:g} s")
     return info

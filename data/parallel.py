@@ -3,11 +3,13 @@
 Shared by ingest and tokenize. Spawned (not forked) workers, replaced every few jobs: decord
 and FFmpeg state never leaks across many shards, and nothing inherits the parent's threads.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from multiprocessing import get_context
-from typing import Callable, Iterator, TypeVar
+from typing import TypeVar
 
 J = TypeVar("J")
 R = TypeVar("R")
@@ -18,7 +20,9 @@ def run_jobs(fn: Callable[[J], R], jobs: list[J], workers: int) -> Iterator[R]:
         for job in jobs:
             yield fn(job)
         return
-    with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), max_tasks_per_child=8) as pool:
+    with ProcessPoolExecutor(
+        workers, mp_context=get_context("spawn"), max_tasks_per_child=8
+    ) as pool:
         pending = {pool.submit(fn, j) for j in jobs}
         try:
             while pending:

@@ -8,6 +8,7 @@ Design choices:
   ``REASONS``: nothing is dropped silently.
 - JSON is written canonically (sorted keys, no spaces) so equal inputs give equal bytes.
 """
+
 from __future__ import annotations
 
 import json
@@ -70,8 +71,8 @@ def unsafe_name_reason(name: str) -> str | None:
 class Reject:
     """An input that did not become a sample, and why."""
 
-    path: str                 # the input file (and member or line, when there is one)
-    reason: str               # a key of REASONS
+    path: str  # the input file (and member or line, when there is one)
+    reason: str  # a key of REASONS
     detail: str = ""
     key: str | None = None
     source: str | None = None
@@ -95,7 +96,7 @@ class Sample:
 
     key: str
     doc: dict
-    media: list[tuple[str, bytes]] = field(default_factory=list)   # ("img0.jpg", bytes)
+    media: list[tuple[str, bytes]] = field(default_factory=list)  # ("img0.jpg", bytes)
 
     def members(self) -> list[tuple[str, bytes]]:
         """(member suffix, bytes) in the order they go into the tar: the JSON first."""
@@ -107,7 +108,9 @@ class Sample:
 
 
 def canonical_json(obj) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    return json.dumps(obj, ensure_ascii=False, sort_keys=True, separators=(",", ":")).encode(
+        "utf-8"
+    )
 
 
 def validate_doc(doc: dict, member_names: set[str]) -> str | None:

@@ -10,19 +10,22 @@ Design choices:
   string is encoded as plain text (``encode_special_tokens``), so documents cannot inject them.
 - Training data is sampled from raw shards by weight (in characters), deterministically.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from data.vocab import TEXT_SPECIALS, VocabLayout
 
-SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 TOKENIZER_FILE = "tokenizer.json"
 LAYOUT_FILE = "vocab_layout.json"
 TRAINING_FILE = "text_tokenizer_training.json"
@@ -30,24 +33,32 @@ TRAINING_FILE = "text_tokenizer_training.json"
 
 def new_bpe() -> Tokenizer:
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     return tok
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, *, min_frequency: int = 2,
-              progress: bool = False) -> Tokenizer:
+def train_bpe(
+    texts: Iterable[str], vocab_size: int, *, min_frequency: int = 2, progress: bool = False
+) -> Tokenizer:
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + len(TEXT_SPECIALS) + 1:
-        raise ValueError(f"vocab size {vocab_size} is below the byte alphabet "
-                         f"({len(alphabet)}) plus specials")
+        raise ValueError(
+            f"vocab size {vocab_size} is below the byte alphabet ({len(alphabet)}) plus specials"
+        )
     tok = new_bpe()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                  special_tokens=list(TEXT_SPECIALS), initial_alphabet=alphabet,
-                                  show_progress=progress)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(TEXT_SPECIALS),
+        initial_alphabet=alphabet,
+        show_progress=progress,
+    )
     tok.train_from_iterator(texts, trainer)
     return tok
 
@@ -66,16 +77,20 @@ class TextTokenizer:
             raise ValueError(f"tokenizer lacks the specials {TEXT_SPECIALS}")
         self.pad_id, self.bos_id, self.eos_id = ids
         if self.tok.get_vocab_size() != self.layout.text_size:
-            raise ValueError(f"tokenizer has {self.tok.get_vocab_size()} ids, the layout says "
-                             f"{self.layout.text_size}: they are from different trainings")
+            raise ValueError(
+                f"tokenizer has {self.tok.get_vocab_size()} ids, the layout says "
+                f"{self.layout.text_size}: they are from different trainings"
+            )
 
     @classmethod
-    def load(cls, folder: str | Path) -> "TextTokenizer":
+    def load(cls, folder: str | Path) -> TextTokenizer:
         folder = Path(folder)
         try:
             tok = Tokenizer.from_file(str(folder / TOKENIZER_FILE))
         except Exception as e:  # tokenizers raises plain Exception subclasses
-            raise ValueError(f"{folder / TOKENIZER_FILE}: cannot load the text tokenizer ({e})") from None
+            raise ValueError(
+                f"{folder / TOKENIZER_FILE}: cannot load the text tokenizer ({e})"
+            ) from None
         return cls(tok, VocabLayout.load(folder / LAYOUT_FILE))
 
     def encode(self, text: str) -> list[int]:
@@ -89,6 +104,7 @@ class TextTokenizer:
 
     def fingerprint(self) -> str:
         import hashlib
+
         return hashlib.sha256(self.tok.to_str().encode()).hexdigest()[:16]
 
 
@@ -100,8 +116,14 @@ def save_tokenizer(tok: Tokenizer, layout: VocabLayout, folder: str | Path, trai
     (folder / TRAINING_FILE).write_text(json.dumps(training, indent=1, sort_keys=True) + "\n")
 
 
-def sample_texts(sources: dict[str, Iterable], weights: dict[str, float], budget_chars: int,
-                 used: dict[str, int], *, cycle: bool = True) -> Iterator[str]:
+def sample_texts(
+    sources: dict[str, Iterable],
+    weights: dict[str, float],
+    budget_chars: int,
+    used: dict[str, int],
+    *,
+    cycle: bool = True,
+) -> Iterator[str]:
     """Texts from each source up to its share of ``budget_chars`` (share = weight / sum).
 
     ``sources`` maps a name to a zero-argument callable returning an iterator of texts; with

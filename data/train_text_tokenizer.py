@@ -6,6 +6,7 @@ to ``max_chars`` in all. ``weights`` (``--weight NAME=FRACTION``) fix the fracti
 training characters a source provides instead; the sources not named share the rest by size.
 A source smaller than its share is cycled, which is how mixture weights act on BPE counts.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 from data.shards.index import read_index
 from data.shards.manifest import load_manifest
 from data.shards.reader import iter_shard
-from data.text_tokenizer import save_tokenizer, sample_texts, train_bpe
+from data.text_tokenizer import sample_texts, save_tokenizer, train_bpe
 from data.vocab import VocabLayout
 
 
@@ -30,8 +31,11 @@ def text_sources(in_dirs: list[Path]) -> dict[str, dict]:
             s = out.setdefault(name, {"shards": [], "bytes": 0})
             tar, idx = Path(d) / sh["path"], Path(d) / sh["index"]
             s["shards"].append((tar, idx))
-            s["bytes"] += sum(e["members"]["json"][1] for e in read_index(idx)
-                              if "text" in e["types"] or "code" in e["types"])
+            s["bytes"] += sum(
+                e["members"]["json"][1]
+                for e in read_index(idx)
+                if "text" in e["types"] or "code" in e["types"]
+            )
     if not out:
         raise ValueError(f"no text or code in {', '.join(map(str, in_dirs))}")
     return out
@@ -40,7 +44,9 @@ def text_sources(in_dirs: list[Path]) -> dict[str, dict]:
 def resolve_weights(sources: dict[str, dict], fixed: dict[str, float]) -> dict[str, float]:
     unknown = set(fixed) - set(sources)
     if unknown:
-        raise ValueError(f"--weight names unknown source(s) {sorted(unknown)}; sources with text: {sorted(sources)}")
+        raise ValueError(
+            f"--weight names unknown source(s) {sorted(unknown)}; sources with text: {sorted(sources)}"
+        )
     if any(w < 0 for w in fixed.values()) or sum(fixed.values()) > 1 + 1e-9:
         raise ValueError(f"--weight fractions must be >= 0 and sum to at most 1 (got {fixed})")
     rest = [n for n in sources if n not in fixed]
@@ -59,25 +65,42 @@ def _texts_of(shards: list[tuple[Path, Path]]):
                 for seg in d.doc["segments"]:
                     if seg["type"] in ("text", "code"):
                         yield seg["text"]
+
     return make
 
 
-def train_text_tokenizer(in_dirs: list[str | Path], out: str | Path, *, vocab_size: int,
-                         weights: dict[str, float] | None = None, max_chars: int = 100_000_000,
-                         fsq_levels: tuple[int, ...] = (8, 5, 5, 5), max_grid: int = 64,
-                         progress: bool = False) -> dict:
+def train_text_tokenizer(
+    in_dirs: list[str | Path],
+    out: str | Path,
+    *,
+    vocab_size: int,
+    weights: dict[str, float] | None = None,
+    max_chars: int = 100_000_000,
+    fsq_levels: tuple[int, ...] = (8, 5, 5, 5),
+    max_grid: int = 64,
+    progress: bool = False,
+) -> dict:
     dirs = [Path(d) for d in in_dirs]
     sources = text_sources(dirs)
     w = resolve_weights(sources, weights or {})
     total_bytes = sum(s["bytes"] for s in sources.values())
     budget = min(max_chars, total_bytes) if not weights else max_chars
     used: dict[str, int] = {}
-    texts = sample_texts({n: _texts_of(sources[n]["shards"]) for n in w}, w, budget, used,
-                         cycle=bool(weights))
+    texts = sample_texts(
+        {n: _texts_of(sources[n]["shards"]) for n in w}, w, budget, used, cycle=bool(weights)
+    )
     tok = train_bpe(texts, vocab_size, progress=progress)
-    layout = VocabLayout(text_size=tok.get_vocab_size(), fsq_levels=tuple(fsq_levels), max_grid=max_grid)
-    info = {"inputs": [str(d) for d in dirs], "vocab_size": tok.get_vocab_size(),
-            "requested_vocab_size": vocab_size, "weights": w, "chars_used": used,
-            "budget_chars": budget, "layout": layout.to_dict()["ranges"]}
+    layout = VocabLayout(
+        text_size=tok.get_vocab_size(), fsq_levels=tuple(fsq_levels), max_grid=max_grid
+    )
+    info = {
+        "inputs": [str(d) for d in dirs],
+        "vocab_size": tok.get_vocab_size(),
+        "requested_vocab_size": vocab_size,
+        "weights": w,
+        "chars_used": used,
+        "budget_chars": budget,
+        "layout": layout.to_dict()["ranges"],
+    }
     save_tokenizer(tok, layout, out, info)
     return info

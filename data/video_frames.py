@@ -11,6 +11,7 @@ Design choices:
 - No temp files: decord reads an ``io.BytesIO``. One reader per clip, one thread, released
   at once; ``tools/bench/bench_tokenize_inputs.py`` measures RSS over thousands of decodes.
 """
+
 from __future__ import annotations
 
 import io
@@ -48,14 +49,15 @@ def pick_frames(timestamps: np.ndarray, target_fps: float, max_frames: int) -> n
 
 @dataclass
 class Frames:
-    frames: np.ndarray        # uint8 [T, H, W, 3]
-    times: np.ndarray         # float64 [T], start time of each frame in seconds
+    frames: np.ndarray  # uint8 [T, H, W, 3]
+    times: np.ndarray  # float64 [T], start time of each frame in seconds
     source_fps: float
     duration: float
 
 
-def decode_frames(raw: bytes, sampling: VideoSampling, prep: ImagePrep,
-                  size: tuple[int, int] | None = None) -> Frames:
+def decode_frames(
+    raw: bytes, sampling: VideoSampling, prep: ImagePrep, size: tuple[int, int] | None = None
+) -> Frames:
     """Sample and resize a clip's frames; ValueError with decord's reason if it cannot.
 
     ``size`` (width, height), known from the shard index, lets one reader decode straight at

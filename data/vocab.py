@@ -8,6 +8,7 @@ Design choices:
 - Every token carries a modality id (``Modality``); structure tokens have their own, so the
   monitors never mix row markers into the image loss.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -35,16 +36,18 @@ STRUCTURE_MARKERS = ("<boi>", "<eoi>", "<eol>", "<bov>", "<eov>", "<frame>")
 
 
 def structure_names(max_grid: int) -> list[str]:
-    return list(STRUCTURE_MARKERS) + [f"<h={k}>" for k in range(1, max_grid + 1)] + [
-        f"<w={k}>" for k in range(1, max_grid + 1)
-    ]
+    return (
+        list(STRUCTURE_MARKERS)
+        + [f"<h={k}>" for k in range(1, max_grid + 1)]
+        + [f"<w={k}>" for k in range(1, max_grid + 1)]
+    )
 
 
 @dataclass(frozen=True)
 class VocabLayout:
-    text_size: int                      # BPE vocabulary size, its specials included
+    text_size: int  # BPE vocabulary size, its specials included
     fsq_levels: tuple[int, ...] = (8, 5, 5, 5)
-    max_grid: int = 64                  # largest image/frame side, in tokens
+    max_grid: int = 64  # largest image/frame side, in tokens
     structure: tuple[str, ...] = field(default=())
     version: int = 1
 
@@ -103,7 +106,7 @@ class VocabLayout:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "VocabLayout":
+    def from_dict(cls, d: dict) -> VocabLayout:
         return cls(
             text_size=int(d["text_size"]),
             fsq_levels=tuple(d["fsq_levels"]),
@@ -116,7 +119,7 @@ class VocabLayout:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> "VocabLayout":
+    def load(cls, path: str | Path) -> VocabLayout:
         try:
             return cls.from_dict(json.loads(Path(path).read_text()))
         except (OSError, ValueError, KeyError) as e:

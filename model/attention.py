@@ -21,6 +21,7 @@ Design choices:
 - KV cache: preallocated [B, Hkv, max_len, hd] per layer; decoding always uses SDPA with an
   explicit mask (prefill may use the document/image mask of the prompt).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,12 +46,12 @@ BACKENDS = ("auto", "flex", "sdpa")
 @dataclass(kw_only=True)
 class AttentionConfig:
     n_heads: int = 4
-    n_kv_heads: int = 0              # 0: n_heads (multi-head); fewer: grouped-query attention
-    head_dim: int = 0                # 0: dim // n_heads
+    n_kv_heads: int = 0  # 0: n_heads (multi-head); fewer: grouped-query attention
+    head_dim: int = 0  # 0: dim // n_heads
     qk_norm: bool = True
-    backend: str = "auto"            # auto | flex | sdpa
-    compile_flex: bool = True        # torch.compile flex_attention on CUDA (eager materialises scores)
-    sliding_window: int = 0          # 0: full causal context
+    backend: str = "auto"  # auto | flex | sdpa
+    compile_flex: bool = True  # torch.compile flex_attention on CUDA (eager materialises scores)
+    sliding_window: int = 0  # 0: full causal context
     bidirectional_images: bool = False
 
     def __post_init__(self) -> None:
@@ -58,7 +59,9 @@ class AttentionConfig:
             raise ValueError(f"attention.backend must be one of {BACKENDS}, got {self.backend!r}")
         kv = self.n_kv_heads or self.n_heads
         if self.n_heads <= 0 or kv <= 0 or self.n_heads % kv:
-            raise ValueError(f"attention.n_heads ({self.n_heads}) must be a positive multiple of n_kv_heads ({kv})")
+            raise ValueError(
+                f"attention.n_heads ({self.n_heads}) must be a positive multiple of n_kv_heads ({kv})"
+            )
         if self.sliding_window < 0:
             raise ValueError("attention.sliding_window must be >= 0")
 
@@ -70,7 +73,9 @@ class AttentionConfig:
         if self.head_dim:
             return self.head_dim
         if dim % self.n_heads:
-            raise ValueError(f"dim {dim} is not divisible by n_heads {self.n_heads}; set attention.head_dim")
+            raise ValueError(
+                f"dim {dim} is not divisible by n_heads {self.n_heads}; set attention.head_dim"
+            )
         return dim // self.n_heads
 
 
@@ -110,7 +115,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         return "flex" if (flex_attention is not None and device.type == "cuda") else "sdpa"
     if backend == "flex":
         if flex_attention is None:
-            raise RuntimeError("attention.backend=flex needs torch >= 2.5 (torch.nn.attention.flex_attention)")
+            raise RuntimeError(
+                "attention.backend=flex needs torch >= 2.5 (torch.nn.attention.flex_attention)"
+            )
         if device.type == "cpu" and torch.is_grad_enabled():
             raise RuntimeError(
                 "FlexAttention has no backward on CPU in this torch; use attention.backend=auto or sdpa "
@@ -137,11 +144,18 @@ def build_attention_mask(
     if doc is not None and bool((doc == doc[:, :1]).all()):
         doc = None  # one document per row: the causal fast path is exact
     if backend == "flex":
+
         def mask_mod(b, h, q, kv):
             return _allowed(b, q, kv, doc=doc, img=img, window=sliding_window)
 
-        bm = create_block_mask(mask_mod, batch if (doc is not None or img is not None) else None, None,
-                               seq_len, seq_len, device=device)
+        bm = create_block_mask(
+            mask_mod,
+            batch if (doc is not None or img is not None) else None,
+            None,
+            seq_len,
+            seq_len,
+            device=device,
+        )
         return AttentionMask(block_mask=bm)
     if doc is None and img is None and not sliding_window:
         return AttentionMask(causal=True)
@@ -151,12 +165,16 @@ def build_attention_mask(
     return AttentionMask(dense=_allowed(b, q, kv, doc=doc, img=img, window=sliding_window))
 
 
-def decode_mask(start: int, length: int, device: torch.device, *, sliding_window: int = 0) -> AttentionMask:
+def decode_mask(
+    start: int, length: int, device: torch.device, *, sliding_window: int = 0
+) -> AttentionMask:
     """Mask for ``length`` new queries at positions start.. attending to a cache of start+length keys."""
     q = torch.arange(length, device=device)[None, None, :, None]
     kv = torch.arange(start + length, device=device)[None, None, None, :]
     zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
-    return AttentionMask(dense=_allowed(zero, q, kv, doc=None, img=None, window=sliding_window, q_offset=start))
+    return AttentionMask(
+        dense=_allowed(zero, q, kv, doc=None, img=None, window=sliding_window, q_offset=start)
+    )
 
 
 _compiled_flex = None
@@ -178,10 +196,16 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, block_mask, gqa: bool, compile_flex: 
 class KVCache(nn.Module):
     """Preallocated keys and values of one layer: [B, Hkv, max_len, hd]."""
 
-    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, *, dtype, device) -> None:
+    def __init__(
+        self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, *, dtype, device
+    ) -> None:
         super().__init__()
-        self.register_buffer("k", torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device))
-        self.register_buffer("v", torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device))
+        self.register_buffer(
+            "k", torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        )
+        self.register_buffer(
+            "v", torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        )
 
     def update(self, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         end = start + k.shape[2]
@@ -230,7 +254,12 @@ class Attention(nn.Module):
             out = _flex(q, k, v, mask.block_mask, gqa, self.cfg.compile_flex)
         else:
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask.dense, is_causal=mask.causal and mask.dense is None, enable_gqa=gqa
+                q,
+                k,
+                v,
+                attn_mask=mask.dense,
+                is_causal=mask.causal and mask.dense is None,
+                enable_gqa=gqa,
             )
         return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 

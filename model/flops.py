@@ -11,6 +11,7 @@ Design choices:
 - "Active" parameters count what one token uses: the router plus top_k experts in an MoE layer,
   one modality group's FFN with MoT. The counts are checked against a built model in the tests.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,16 +22,21 @@ from model.transformer import TransformerConfig
 @dataclass(frozen=True, kw_only=True)
 class ParamCounts:
     total: int
-    embedding: int          # input embedding table
-    output: int             # LM head
-    non_embedding: int      # total - embedding - output
-    active: int             # parameters one token uses (MoE: top_k experts; MoT: one group)
+    embedding: int  # input embedding table
+    output: int  # LM head
+    non_embedding: int  # total - embedding - output
+    active: int  # parameters one token uses (MoE: top_k experts; MoT: one group)
     active_non_embedding: int
 
 
 def param_counts(cfg: TransformerConfig) -> ParamCounts:
     d, a, hd = cfg.dim, cfg.attention, cfg.head_dim
-    attn = d * a.n_heads * hd + 2 * d * a.kv_heads * hd + a.n_heads * hd * d + (2 * hd if a.qk_norm else 0)
+    attn = (
+        d * a.n_heads * hd
+        + 2 * d * a.kv_heads * hd
+        + a.n_heads * hd * d
+        + (2 * hd if a.qk_norm else 0)
+    )
     hidden = cfg.ffn.resolved_hidden_dim(d)
     if cfg.moe.enabled:
         eh = cfg.moe.hidden_dim or hidden
@@ -46,8 +52,14 @@ def param_counts(cfg: TransformerConfig) -> ParamCounts:
     emb = out = cfg.vocab_size * d
     non_emb = cfg.n_layers * layer_total + d
     active_non_emb = cfg.n_layers * layer_active + d
-    return ParamCounts(total=emb + out + non_emb, embedding=emb, output=out, non_embedding=non_emb,
-                       active=emb + out + active_non_emb, active_non_embedding=active_non_emb)
+    return ParamCounts(
+        total=emb + out + non_emb,
+        embedding=emb,
+        output=out,
+        non_embedding=non_emb,
+        active=emb + out + active_non_emb,
+        active_non_embedding=active_non_emb,
+    )
 
 
 def attention_context(cfg: TransformerConfig, seq_len: int, *, causal: bool = False) -> float:
@@ -64,5 +76,11 @@ def flops_per_token(cfg: TransformerConfig, seq_len: int, *, causal: bool = Fals
     """Training (forward + backward) FLOPs per token at ``seq_len``, attention included."""
     pc = param_counts(cfg)
     dense = 6 * (pc.active_non_embedding + pc.output)
-    attn = 12 * cfg.n_layers * cfg.attention.n_heads * cfg.head_dim * attention_context(cfg, seq_len, causal=causal)
+    attn = (
+        12
+        * cfg.n_layers
+        * cfg.attention.n_heads
+        * cfg.head_dim
+        * attention_context(cfg, seq_len, causal=causal)
+    )
     return float(dense + attn)

@@ -20,6 +20,7 @@ Design choices:
   least significant digit, matching the reference implementation (so [8,5,5,5] packs 8 first).
 - Computations are float32 even under autocast: a bf16 tanh/round can put a value in the wrong bin.
 """
+
 from __future__ import annotations
 
 import math
@@ -67,7 +68,9 @@ class FSQ(nn.Module):
     # --- shapes: the level axis is moved last internally ---------------------------------
     def _view(self, t: Tensor, channel_dim: int) -> Tensor:
         if t.shape[channel_dim] != self.dim:
-            raise ValueError(f"expected {self.dim} channels on dim {channel_dim}, got shape {tuple(t.shape)}")
+            raise ValueError(
+                f"expected {self.dim} channels on dim {channel_dim}, got shape {tuple(t.shape)}"
+            )
         return t.movedim(channel_dim, -1)
 
     def bound(self, z: Tensor) -> Tensor:
@@ -79,7 +82,7 @@ class FSQ(nn.Module):
         dtype = z.dtype
         zl = self._view(z.float(), channel_dim)
         b = self.bound(zl)
-        q = b + (torch.round(b) - b).detach()          # straight-through rounding
+        q = b + (torch.round(b) - b).detach()  # straight-through rounding
         idx = self._digits_to_indices(torch.round(b).detach())
         return (q / self._width).movedim(-1, channel_dim).to(dtype), idx
 
@@ -92,12 +95,16 @@ class FSQ(nn.Module):
         sharpness part that deterministic rounding makes unnecessary); it also pulls latents out
         of tanh's flat tails, where they lose gradient and information.
         """
-        b = self.bound(self._view(z.float(), channel_dim)).reshape(-1, self.dim)      # [N, d]
+        b = self.bound(self._view(z.float(), channel_dim)).reshape(-1, self.dim)  # [N, d]
         lmax = int(self._levels.max())
-        grid = torch.arange(lmax, device=z.device, dtype=torch.float32) - self._width[:, None]  # [d, Lmax]
+        grid = (
+            torch.arange(lmax, device=z.device, dtype=torch.float32) - self._width[:, None]
+        )  # [d, Lmax]
         valid = torch.arange(lmax, device=z.device)[None] < self._levels[:, None]
-        logits = (-(b[:, :, None] - grid[None]) ** 2 / tau).masked_fill(~valid[None], float("-inf"))
-        p = logits.softmax(-1).mean(0)                                                   # [d, Lmax]
+        logits = (-((b[:, :, None] - grid[None]) ** 2) / tau).masked_fill(
+            ~valid[None], float("-inf")
+        )
+        p = logits.softmax(-1).mean(0)  # [d, Lmax]
         h = -(p * p.clamp_min(1e-12).log()).sum(-1)
         return h / self._levels.log()
 

@@ -16,6 +16,7 @@ Design choices:
   same code that defines them for training data; text ids keep the prompt's last text-like
   modality (TEXT or CODE).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -32,16 +33,24 @@ OUT, NEED_H, NEED_W, GRID, NEED_EOI = range(5)
 @dataclass(kw_only=True)
 class SamplingConfig:
     max_new_tokens: int = 64
-    temperature: float = 1.0     # 0: greedy
-    top_k: int = 0               # 0: off
-    top_p: float = 1.0           # 1.0: off
+    temperature: float = 1.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
     stop_ids: list[int] = field(default_factory=list)
-    pad_id: int = 0              # emitted by rows that already stopped
+    pad_id: int = 0  # emitted by rows that already stopped
 
 
 class ImageConstraint:
-    def __init__(self, layout: VocabLayout, batch_size: int, *, vocab_size: int | None = None,
-                 max_h: int | None = None, max_w: int | None = None, size: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        layout: VocabLayout,
+        batch_size: int,
+        *,
+        vocab_size: int | None = None,
+        max_h: int | None = None,
+        max_w: int | None = None,
+        size: tuple[int, int] | None = None,
+    ) -> None:
         self.layout, self.B = layout, batch_size
         self.V = vocab_size or layout.size
         sid = layout.structure_id
@@ -50,17 +59,21 @@ class ImageConstraint:
         self.max_h = min(max_h or layout.max_grid, layout.max_grid)
         self.max_w = min(max_w or layout.max_grid, layout.max_grid)
         self.size = size
-        if size is not None and not (1 <= size[0] <= layout.max_grid and 1 <= size[1] <= layout.max_grid):
+        if size is not None and not (
+            1 <= size[0] <= layout.max_grid and 1 <= size[1] <= layout.max_grid
+        ):
             raise ValueError(f"image size {size} outside 1..{layout.max_grid}")
         self.state = [OUT] * batch_size
         self.H, self.W = [0] * batch_size, [0] * batch_size
         self.row, self.col = [0] * batch_size, [0] * batch_size
         self._out = torch.ones(self.V, dtype=torch.bool)
-        self._out[layout.structure_offset:layout.visual_offset] = False  # every structure token ...
-        self._out[self.boi] = True                                      # ... except <boi> (budget permitting)
-        self._out[layout.visual_offset:layout.size] = False
+        self._out[layout.structure_offset : layout.visual_offset] = (
+            False  # every structure token ...
+        )
+        self._out[self.boi] = True  # ... except <boi> (budget permitting)
+        self._out[layout.visual_offset : layout.size] = False
         self._codes = torch.zeros(self.V, dtype=torch.bool)
-        self._codes[layout.visual_offset:layout.size] = True
+        self._codes[layout.visual_offset : layout.size] = True
 
     # --- sizes and budget -------------------------------------------------------------------
     def _min_wh(self) -> tuple[int, int]:
@@ -75,7 +88,9 @@ class ImageConstraint:
         if s == NEED_W:
             return 1 + self.H[b] * (wmin + 1) + 1
         if s == GRID:
-            return (self.W[b] - self.col[b]) + 1 + (self.H[b] - self.row[b] - 1) * (self.W[b] + 1) + 1
+            return (
+                (self.W[b] - self.col[b]) + 1 + (self.H[b] - self.row[b] - 1) * (self.W[b] + 1) + 1
+            )
         return 1 if s == NEED_EOI else 0
 
     def allowed(self, remaining: int) -> Tensor:
@@ -90,11 +105,11 @@ class ImageConstraint:
             elif s == NEED_H:
                 hi = min(self.max_h, (remaining - 3) // (wmin + 1))
                 lo, hi = (self.size[0], self.size[0]) if self.size else (1, hi)
-                m[self.h0 + lo - 1:self.h0 + hi] = True
+                m[self.h0 + lo - 1 : self.h0 + hi] = True
             elif s == NEED_W:
                 hi = min(self.max_w, (remaining - 2) // self.H[b] - 1)
                 lo, hi = (self.size[1], self.size[1]) if self.size else (1, hi)
-                m[self.w0 + lo - 1:self.w0 + hi] = True
+                m[self.w0 + lo - 1 : self.w0 + hi] = True
             elif s == GRID:
                 m = self._codes.clone() if self.col[b] < self.W[b] else m
                 m[self.eol] = self.col[b] == self.W[b]
@@ -135,7 +150,9 @@ class ImageConstraint:
             raise ValueError(f"token {tok} breaks the image layout in row {b} (state {s})")
 
 
-def sample_next(logits: Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None) -> Tensor:
+def sample_next(
+    logits: Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None
+) -> Tensor:
     """logits [B, V] (disallowed ids already -inf) -> next ids [B]."""
     if cfg.temperature <= 0:
         return logits.argmax(-1)
@@ -146,7 +163,7 @@ def sample_next(logits: Tensor, cfg: SamplingConfig, generator: torch.Generator 
     if cfg.top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs > cfg.top_p   # mass before this token already exceeds p
+        drop = probs.cumsum(-1) - probs > cfg.top_p  # mass before this token already exceeds p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits.softmax(-1)
@@ -175,14 +192,22 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        mod = modality.clone() if modality is not None else torch.full_like(prompt_ids, int(Modality.TEXT))
+        mod = (
+            modality.clone()
+            if modality is not None
+            else torch.full_like(prompt_ids, int(Modality.TEXT))
+        )
         thw = None
         trackers = [LayoutTracker(layout) for _ in range(B)] if layout is not None else None
         if trackers is not None:
             rows = [[trackers[b].push(int(t)) for t in prompt_ids[b].tolist()] for b in range(B)]
-            thw = torch.tensor([[p for p, _ in r] for r in rows], dtype=torch.long, device=device).reshape(B, T0, 3)
+            thw = torch.tensor(
+                [[p for p, _ in r] for r in rows], dtype=torch.long, device=device
+            ).reshape(B, T0, 3)
             if modality is None:
-                mod = torch.tensor([[m for _, m in r] for r in rows], dtype=torch.long, device=device)
+                mod = torch.tensor(
+                    [[m for _, m in r] for r in rows], dtype=torch.long, device=device
+                )
             for b in range(B):  # generated text continues the prompt's last text-like modality
                 textlike = [int(m) for m in mod[b].tolist() if m in (Modality.TEXT, Modality.CODE)]
                 trackers[b].text_modality = textlike[-1] if textlike else int(Modality.TEXT)
@@ -191,9 +216,13 @@ def generate(
                 for t in prompt_ids[b].tolist():
                     constraint.observe(b, t, strict=False)
                 if constraint.tokens_to_finish(b) > n:
-                    raise ValueError(f"max_new_tokens={n} cannot finish the image that prompt row {b} opened")
+                    raise ValueError(
+                        f"max_new_tokens={n} cannot finish the image that prompt row {b} opened"
+                    )
         caches = model.make_kv_caches(B, T0 + n, device=device)
-        logits = model.decode(prompt_ids, caches, 0, position_thw=thw, modality=mod, image_ids=image_ids)
+        logits = model.decode(
+            prompt_ids, caches, 0, position_thw=thw, modality=mod, image_ids=image_ids
+        )
         out = [prompt_ids]
         finished = torch.zeros(B, dtype=torch.bool, device=device)
         last_mod = mod[:, -1].clone()
@@ -218,9 +247,14 @@ def generate(
             if bool(finished.all()) or step == n - 1:
                 break
             pos1d = torch.full((B, 1), T0 + step, dtype=torch.long, device=device)
-            logits = model.decode(nxt[:, None], caches, T0 + step, position_ids=pos1d,
-                                  position_thw=step_thw if trackers is not None else None,
-                                  modality=last_mod[:, None].clone())
+            logits = model.decode(
+                nxt[:, None],
+                caches,
+                T0 + step,
+                position_ids=pos1d,
+                position_thw=step_thw if trackers is not None else None,
+                modality=last_mod[:, None].clone(),
+            )
         return torch.cat(out, dim=1)
     finally:
         model.train(was_training)

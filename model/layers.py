@@ -14,6 +14,7 @@ Design choices:
 - Every FFN takes ``(x, modality)`` and returns ``(y, stats)`` (stats is None except for MoE),
   so a block does not care which kind it holds.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ NUM_MODALITIES = len(Modality)
 
 @dataclass(kw_only=True)
 class FFNConfig:
-    hidden_dim: int = 0          # 0: 8/3 * dim rounded up to multiple_of
+    hidden_dim: int = 0  # 0: 8/3 * dim rounded up to multiple_of
     multiple_of: int = 64
     # Mixture of transformers: FFN index per Modality id (TEXT, CODE, IMAGE, VIDEO, STRUCTURE).
     # Empty: one FFN shared by all modalities.
@@ -38,7 +39,9 @@ class FFNConfig:
     def __post_init__(self) -> None:
         self.modality_groups = [int(g) for g in self.modality_groups]
         g = self.modality_groups
-        if g and (len(g) != NUM_MODALITIES or min(g) < 0 or sorted(set(g)) != list(range(max(g) + 1))):
+        if g and (
+            len(g) != NUM_MODALITIES or min(g) < 0 or sorted(set(g)) != list(range(max(g) + 1))
+        ):
             raise ValueError(
                 f"ffn.modality_groups needs one FFN index per modality ({NUM_MODALITIES}), "
                 f"using every index 0..max, got {g}"
@@ -104,7 +107,9 @@ class ModalityFFN(nn.Module):
     def __init__(self, dim: int, cfg: FFNConfig) -> None:
         super().__init__()
         hidden = cfg.resolved_hidden_dim(dim)
-        self.experts = nn.ModuleList(SwiGLU(dim, hidden) for _ in range(max(cfg.modality_groups) + 1))
+        self.experts = nn.ModuleList(
+            SwiGLU(dim, hidden) for _ in range(max(cfg.modality_groups) + 1)
+        )
         # A plain tuple, not a buffer: a buffer built on the meta device would come back as garbage.
         self.groups = tuple(cfg.modality_groups)
         self._table: dict[torch.device, Tensor] = {}

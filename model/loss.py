@@ -22,6 +22,7 @@ Design choices:
 - Logit gap: per label token, mean logit over the visual-code slice minus mean logit over the
   text slice (Chameleon's symptom of modality competition), summed per modality.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from model.layers import NUM_MODALITIES
 @dataclass(kw_only=True)
 class LossConfig:
     z_loss_coef: float = 1e-5
-    chunk_size: int = 1024       # label tokens per CE chunk; 0: unchunked reference path
+    chunk_size: int = 1024  # label tokens per CE chunk; 0: unchunked reference path
     ignore_index: int = -100
 
     def __post_init__(self) -> None:
@@ -53,22 +54,22 @@ class LossResult(NamedTuple):
     partitioned weight is gathered again before its backward (with a dataclass it is not, and
     backward fails)."""
 
-    loss: Tensor              # scalar: ce + z_loss_coef * z_loss + aux_loss
-    ce: Tensor                # scalar: mean CE over label tokens
-    z_loss: Tensor            # scalar: mean logZ^2 over label tokens
-    aux_loss: Tensor          # scalar: MoE losses with their coefficients (0 without MoE)
-    num_tokens: Tensor        # scalar long: label tokens
-    ce_sum: Tensor            # [M] float: CE summed per modality
-    count: Tensor             # [M] long: label tokens per modality
-    logz_sum: Tensor          # [M] float: log Z summed per modality
-    hidden_norm_sum: Tensor   # [M] float: final hidden norm summed per modality
-    logit_gap_sum: Tensor     # [M] float: (mean code logit - mean text logit) summed per modality
+    loss: Tensor  # scalar: ce + z_loss_coef * z_loss + aux_loss
+    ce: Tensor  # scalar: mean CE over label tokens
+    z_loss: Tensor  # scalar: mean logZ^2 over label tokens
+    aux_loss: Tensor  # scalar: MoE losses with their coefficients (0 without MoE)
+    num_tokens: Tensor  # scalar long: label tokens
+    ce_sum: Tensor  # [M] float: CE summed per modality
+    count: Tensor  # [M] long: label tokens per modality
+    logz_sum: Tensor  # [M] float: log Z summed per modality
+    hidden_norm_sum: Tensor  # [M] float: final hidden norm summed per modality
+    logit_gap_sum: Tensor  # [M] float: (mean code logit - mean text logit) summed per modality
     moe_load_balance: Tensor  # scalar: mean over MoE layers (0 without MoE)
-    moe_router_z: Tensor      # scalar: mean over MoE layers
-    moe_dropped: Tensor       # scalar: assignments dropped by capacity, all layers
+    moe_router_z: Tensor  # scalar: mean over MoE layers
+    moe_dropped: Tensor  # scalar: assignments dropped by capacity, all layers
     moe_expert_load: Tensor | None = None  # [L_moe, M, E] assignments per layer and modality
 
-    def detach(self) -> "LossResult":
+    def detach(self) -> LossResult:
         return LossResult(*(v.detach() if isinstance(v, Tensor) else v for v in self))
 
     def modality_means(self) -> dict[str, float]:
@@ -87,13 +88,17 @@ class _ChunkedLinearCE(torch.autograd.Function):
         lse = torch.empty_like(ce)
         gap = torch.zeros_like(ce)
         grad_h = torch.empty_like(h) if need_grad else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_grad else None
+        grad_w = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_grad else None
+        )
         for s in range(0, N, chunk_size):
             hc, tc = h[s : s + chunk_size], targets[s : s + chunk_size]
-            logits = (hc @ weight.t()).float()                          # [n, V], the only big buffer
+            logits = (hc @ weight.t()).float()  # [n, V], the only big buffer
             target_logit = logits.gather(1, tc[:, None]).squeeze(1)
             if visual_start < V and text_end > 0:
-                gap[s : s + chunk_size] = logits[:, visual_start:].mean(-1) - logits[:, :text_end].mean(-1)
+                gap[s : s + chunk_size] = logits[:, visual_start:].mean(-1) - logits[
+                    :, :text_end
+                ].mean(-1)
             # log-sum-exp in place (torch.logsumexp would allocate a second [n, V] buffer):
             # afterwards ``logits`` holds exp(logit - max), then the softmax.
             m = logits.amax(dim=-1)
@@ -105,11 +110,13 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 # d/dlogits [ce_scale * (lse - logit_t) + z_scale * lse^2]
                 #   = (ce_scale + 2 z_scale lse) * softmax - ce_scale * onehot(t)
                 g = logits.mul_(((ce_scale + 2.0 * z_scale * lse_c) / sumexp)[:, None])
-                g.scatter_add_(1, tc[:, None], torch.full((tc.shape[0], 1), -ce_scale, device=g.device))
+                g.scatter_add_(
+                    1, tc[:, None], torch.full((tc.shape[0], 1), -ce_scale, device=g.device)
+                )
                 g = g.to(h.dtype)
                 grad_h[s : s + chunk_size] = g @ weight
                 if hc.dtype == torch.float32:
-                    grad_w.addmm_(g.t(), hc)       # no [V, D] temporary
+                    grad_w.addmm_(g.t(), hc)  # no [V, D] temporary
                 else:
                     grad_w += (g.t() @ hc).float()
             logits = g = None  # free this chunk before the next one is made
@@ -127,13 +134,27 @@ class _ChunkedLinearCE(torch.autograd.Function):
             raise RuntimeError("chunked_linear_cross_entropy supports a single backward pass")
         ctx.consumed = True
         grad_h, grad_w = ctx.saved_tensors
-        return (grad_h.mul_(grad_loss.to(grad_h.dtype)), grad_w.mul_(grad_loss.to(grad_w.dtype)),
-                None, None, None, None, None, None)
+        return (
+            grad_h.mul_(grad_loss.to(grad_h.dtype)),
+            grad_w.mul_(grad_loss.to(grad_w.dtype)),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def chunked_linear_cross_entropy(
-    h: Tensor, weight: Tensor, targets: Tensor, *, z_loss_coef: float = 0.0, chunk_size: int = 1024,
-    text_end: int = 0, visual_start: int | None = None,
+    h: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    z_loss_coef: float = 0.0,
+    chunk_size: int = 1024,
+    text_end: int = 0,
+    visual_start: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """h [N, D], weight [V, D], targets [N] -> (mean CE + z_coef * mean lse^2, ce [N], lse [N], gap [N]).
 
@@ -151,7 +172,9 @@ def chunked_linear_cross_entropy(
             if visual_start < V and text_end > 0:
                 gap = logits[:, visual_start:].mean(-1) - logits[:, :text_end].mean(-1)
         return loss, ce.detach(), lse.detach(), gap
-    return _ChunkedLinearCE.apply(h, weight, targets, scale, z_loss_coef * scale, chunk_size, text_end, visual_start)
+    return _ChunkedLinearCE.apply(
+        h, weight, targets, scale, z_loss_coef * scale, chunk_size, text_end, visual_start
+    )
 
 
 def lm_loss(
@@ -174,15 +197,22 @@ def lm_loss(
     mod = label_modality.reshape(-1).index_select(0, idx)
     h = final.reshape(-1, D).index_select(0, idx)
     loss, ce, lse, gap = chunked_linear_cross_entropy(
-        h, weight, targets, z_loss_coef=cfg.z_loss_coef, chunk_size=cfg.chunk_size,
-        text_end=text_end, visual_start=visual_start,
+        h,
+        weight,
+        targets,
+        z_loss_coef=cfg.z_loss_coef,
+        chunk_size=cfg.chunk_size,
+        text_end=text_end,
+        visual_start=visual_start,
     )
     n = idx.numel()
     with torch.no_grad():
         hnorm = residual.reshape(-1, D).index_select(0, idx).float().norm(dim=-1)
 
         def per_mod(x: Tensor) -> Tensor:
-            return torch.zeros(NUM_MODALITIES, dtype=torch.float32, device=x.device).index_add_(0, mod, x.float())
+            return torch.zeros(NUM_MODALITIES, dtype=torch.float32, device=x.device).index_add_(
+                0, mod, x.float()
+            )
 
         count = torch.bincount(mod, minlength=NUM_MODALITIES)
         ce_mean = ce.sum() / max(n, 1)
@@ -212,14 +242,31 @@ class OutputHead(nn.Module):
     """The untied LM head (state-dict key ``output.weight``, like an nn.Linear). With labels its
     forward returns the LossResult; without, float32 logits."""
 
-    def __init__(self, dim: int, vocab_size: int, cfg: LossConfig, *, text_end: int, visual_start: int) -> None:
+    def __init__(
+        self, dim: int, vocab_size: int, cfg: LossConfig, *, text_end: int, visual_start: int
+    ) -> None:
         super().__init__()
         self.cfg, self.text_end, self.visual_start = cfg, text_end, visual_start
         self.weight = nn.Parameter(torch.empty(vocab_size, dim))
 
-    def forward(self, final: Tensor, residual: Tensor | None = None, labels: Tensor | None = None,
-                label_modality: Tensor | None = None, moe: dict[str, Tensor] | None = None) -> LossResult | Tensor:
+    def forward(
+        self,
+        final: Tensor,
+        residual: Tensor | None = None,
+        labels: Tensor | None = None,
+        label_modality: Tensor | None = None,
+        moe: dict[str, Tensor] | None = None,
+    ) -> LossResult | Tensor:
         if labels is None:
             return F.linear(final, self.weight).float()
-        return lm_loss(final, residual, self.weight, labels, label_modality, self.cfg,
-                       text_end=self.text_end, visual_start=self.visual_start, moe=moe)
+        return lm_loss(
+            final,
+            residual,
+            self.weight,
+            labels,
+            label_modality,
+            self.cfg,
+            text_end=self.text_end,
+            visual_start=self.visual_start,
+            moe=moe,
+        )

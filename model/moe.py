@@ -17,6 +17,7 @@ Design choices:
 - Dispatch is a loop over experts with index_select / index_add: simple and exact; every expert
   runs every step (zero rows if unused) so all parameters always receive a gradient.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,17 +32,19 @@ from model.layers import NUM_MODALITIES, SwiGLU
 
 @dataclass(kw_only=True)
 class MoEConfig:
-    num_experts: int = 0             # 0: no MoE (dense or modality-routed FFN)
+    num_experts: int = 0  # 0: no MoE (dense or modality-routed FFN)
     top_k: int = 2
-    hidden_dim: int = 0              # per expert; 0: the FFN's hidden size
-    capacity_factor: float = 1.25    # <= 0: no capacity limit
+    hidden_dim: int = 0  # per expert; 0: the FFN's hidden size
+    capacity_factor: float = 1.25  # <= 0: no capacity limit
     normalize_top_k: bool = True
     load_balance_coef: float = 0.01
     router_z_coef: float = 0.001
 
     def __post_init__(self) -> None:
         if self.num_experts < 0 or (self.num_experts and not 1 <= self.top_k <= self.num_experts):
-            raise ValueError(f"moe.top_k ({self.top_k}) must be in 1..num_experts ({self.num_experts})")
+            raise ValueError(
+                f"moe.top_k ({self.top_k}) must be in 1..num_experts ({self.num_experts})"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -49,10 +52,10 @@ class MoEConfig:
 
 
 class MoEStats(NamedTuple):  # a NamedTuple so DeepSpeed ZeRO-3 sees its tensors
-    load_balance: Tensor   # scalar, differentiable
-    router_z: Tensor       # scalar, differentiable
-    expert_load: Tensor    # [num_modalities, E] assignments (before dropping), float
-    dropped: Tensor        # scalar, assignments dropped by the capacity limit
+    load_balance: Tensor  # scalar, differentiable
+    router_z: Tensor  # scalar, differentiable
+    expert_load: Tensor  # [num_modalities, E] assignments (before dropping), float
+    dropped: Tensor  # scalar, assignments dropped by the capacity limit
 
 
 class MoE(nn.Module):
@@ -60,21 +63,23 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.router = nn.Linear(dim, cfg.num_experts, bias=False)
-        self.experts = nn.ModuleList(SwiGLU(dim, cfg.hidden_dim or hidden_dim) for _ in range(cfg.num_experts))
+        self.experts = nn.ModuleList(
+            SwiGLU(dim, cfg.hidden_dim or hidden_dim) for _ in range(cfg.num_experts)
+        )
 
     def forward(self, x: Tensor, modality: Tensor | None = None) -> tuple[Tensor, MoEStats]:
         cfg, E, k = self.cfg, self.cfg.num_experts, self.cfg.top_k
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         N = xf.shape[0]
-        logits = self.router(xf).float()                      # [N, E]
+        logits = self.router(xf).float()  # [N, E]
         probs = logits.softmax(-1)
-        top_p, top_e = probs.topk(k, dim=-1)                  # [N, k]
+        top_p, top_e = probs.topk(k, dim=-1)  # [N, k]
         if cfg.normalize_top_k:
             top_p = top_p / top_p.sum(-1, keepdim=True)
 
         # Slot-major order: all first choices, then all second choices, ...
-        expert = top_e.t().reshape(-1)                        # [k*N]
+        expert = top_e.t().reshape(-1)  # [k*N]
         weight = top_p.t().reshape(-1)
         token = torch.arange(N, device=x.device).repeat(k)
         keep = torch.ones_like(expert, dtype=torch.bool)
@@ -95,7 +100,11 @@ class MoE(nn.Module):
         load_balance = E * ((counts / (N * k)) * probs.mean(0)).sum()
         router_z = torch.logsumexp(logits, -1).pow(2).mean()
         with torch.no_grad():
-            mod = modality.reshape(-1) if modality is not None else torch.zeros(N, dtype=torch.long, device=x.device)
+            mod = (
+                modality.reshape(-1)
+                if modality is not None
+                else torch.zeros(N, dtype=torch.long, device=x.device)
+            )
             mod = mod.repeat(k)
             expert_load = torch.bincount(mod * E + expert, minlength=NUM_MODALITIES * E)
             expert_load = expert_load.float().view(NUM_MODALITIES, E)

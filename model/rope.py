@@ -15,6 +15,7 @@ Design choices:
   of frame f gets (s + f, s + r, s + c), where ``<eol>`` occupies column W of its row and
   ``<frame>`` sits at (s + f, s, s); after the block p resumes at 1 + the largest component used.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -35,7 +36,9 @@ class RopeConfig:
     def __post_init__(self) -> None:
         self.mrope_sections = [int(s) for s in self.mrope_sections]
         if self.mrope_sections and (len(self.mrope_sections) != 3 or min(self.mrope_sections) < 0):
-            raise ValueError(f"rope.mrope_sections must be 3 non-negative ints (t, h, w), got {self.mrope_sections}")
+            raise ValueError(
+                f"rope.mrope_sections must be 3 non-negative ints (t, h, w), got {self.mrope_sections}"
+            )
         if self.theta <= 0:
             raise ValueError(f"rope.theta must be positive, got {self.theta}")
 
@@ -56,15 +59,20 @@ class RotaryEmbedding(torch.nn.Module):
         self.sections = tuple(cfg.mrope_sections)
 
     def inv_freq(self, device: torch.device) -> Tensor:
-        exponent = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float64) / self.head_dim
+        exponent = (
+            torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float64) / self.head_dim
+        )
         return (1.0 / (self.theta**exponent)).float()
 
-    def forward(self, position_ids: Tensor, position_thw: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, position_ids: Tensor, position_thw: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         inv_freq = self.inv_freq(position_ids.device)  # [hd/2]
         if self.sections and position_thw is not None:
             # Pick, per frequency, the position component of its section: [B, T, hd/2].
             which = torch.repeat_interleave(
-                torch.arange(3, device=position_ids.device), torch.tensor(self.sections, device=position_ids.device)
+                torch.arange(3, device=position_ids.device),
+                torch.tensor(self.sections, device=position_ids.device),
             )
             pos = position_thw.float().index_select(-1, which)
             angles = pos * inv_freq
@@ -98,7 +106,7 @@ class LayoutTracker:
         self.bov, self.eov, self.frame_id = sid("<bov>"), sid("<eov>"), sid("<frame>")
         self.h_first, self.w_first = sid("<h=1>"), sid("<w=1>")
         self.text_modality = int(text_modality)
-        self.p = 0                  # next 1D position outside a grid
+        self.p = 0  # next 1D position outside a grid
         self.block: str | None = None  # None, "image" or "video"
         self.start: int | None = None  # s: 1D position of the block's first grid token
         self.width = 0
@@ -116,7 +124,13 @@ class LayoutTracker:
         tok = int(tok)
         if tok in (self.boi, self.bov):
             self.block = "image" if tok == self.boi else "video"
-            self.start, self.width, self.row, self.col, self.frame = None, 0, 0, 0, -1 if tok == self.bov else 0
+            self.start, self.width, self.row, self.col, self.frame = (
+                None,
+                0,
+                0,
+                0,
+                -1 if tok == self.bov else 0,
+            )
             return self._flat(), Modality.STRUCTURE
         if self.block is not None and self.h_first <= tok < self.h_first + L.max_grid:
             return self._flat(), Modality.STRUCTURE

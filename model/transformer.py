@@ -18,6 +18,7 @@ Design choices:
 - Activation checkpointing is a per-block flag (``activation_checkpoint_every``: 1 = every
   block, 2 = every other, 0 = none), non-reentrant torch.utils.checkpoint.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,8 +29,14 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from data.vocab import Modality, VocabLayout
-from model.attention import (AttentionConfig, AttentionMask, Attention, KVCache, build_attention_mask,
-                             decode_mask)
+from model.attention import (
+    Attention,
+    AttentionConfig,
+    AttentionMask,
+    KVCache,
+    build_attention_mask,
+    decode_mask,
+)
 from model.layers import FeedForward, FFNConfig, ModalityFFN, RMSNorm
 from model.loss import LossConfig, LossResult, OutputHead
 from model.moe import MoE, MoEConfig
@@ -40,8 +47,8 @@ from model.rope import RopeConfig, RotaryEmbedding
 class TransformerConfig:
     # Vocabulary (fill from the run's VocabLayout with ``with_layout``).
     vocab_size: int = 1550
-    text_vocab_size: int = 512       # ids [0, text_vocab_size): text/code, the "text slice"
-    visual_offset: int = 550         # ids [visual_offset, vocab_size): visual codes
+    text_vocab_size: int = 512  # ids [0, text_vocab_size): text/code, the "text slice"
+    visual_offset: int = 550  # ids [visual_offset, vocab_size): visual codes
     # Sizes.
     dim: int = 64
     n_layers: int = 2
@@ -57,8 +64,13 @@ class TransformerConfig:
 
     def __post_init__(self) -> None:
         # Hydra/OmegaConf may hand nested configs over as dicts.
-        for name, cls in (("attention", AttentionConfig), ("rope", RopeConfig), ("ffn", FFNConfig),
-                          ("moe", MoEConfig), ("loss", LossConfig)):
+        for name, cls in (
+            ("attention", AttentionConfig),
+            ("rope", RopeConfig),
+            ("ffn", FFNConfig),
+            ("moe", MoEConfig),
+            ("loss", LossConfig),
+        ):
             if isinstance(getattr(self, name), dict):
                 setattr(self, name, cls(**getattr(self, name)))
         if not 0 <= self.text_vocab_size <= self.visual_offset <= self.vocab_size:
@@ -72,17 +84,23 @@ class TransformerConfig:
             raise ValueError("choose one of moe.num_experts and ffn.modality_groups, not both")
         hd = self.head_dim
         if self.rope.mrope_sections and sum(self.rope.mrope_sections) != hd // 2:
-            raise ValueError(f"rope.mrope_sections {self.rope.mrope_sections} must sum to head_dim // 2 = {hd // 2}")
+            raise ValueError(
+                f"rope.mrope_sections {self.rope.mrope_sections} must sum to head_dim // 2 = {hd // 2}"
+            )
 
     @property
     def head_dim(self) -> int:
         return self.attention.resolved_head_dim(self.dim)
 
-    def with_layout(self, layout: VocabLayout) -> "TransformerConfig":
-        return dataclasses.replace(self, vocab_size=layout.size, text_vocab_size=layout.text_size,
-                                   visual_offset=layout.visual_offset)
+    def with_layout(self, layout: VocabLayout) -> TransformerConfig:
+        return dataclasses.replace(
+            self,
+            vocab_size=layout.size,
+            text_vocab_size=layout.text_size,
+            visual_offset=layout.visual_offset,
+        )
 
-    def build(self, device: torch.device | str | None = None) -> "Transformer":
+    def build(self, device: torch.device | str | None = None) -> Transformer:
         with torch.device(device or "cpu"):
             model = Transformer(self)
         if torch.device(device or "cpu").type != "meta":
@@ -139,8 +157,13 @@ class Transformer(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = OutputHead(cfg.dim, cfg.vocab_size, cfg.loss, text_end=cfg.text_vocab_size,
-                                 visual_start=cfg.visual_offset)
+        self.output = OutputHead(
+            cfg.dim,
+            cfg.vocab_size,
+            cfg.loss,
+            text_end=cfg.text_vocab_size,
+            visual_start=cfg.visual_offset,
+        )
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -161,8 +184,17 @@ class Transformer(nn.Module):
         return n - self.tok_embeddings.weight.numel() if exclude_embeddings else n
 
     # --- the trunk --------------------------------------------------------------------------
-    def _trunk(self, input_ids, *, position_ids, position_thw, modality, mask: AttentionMask,
-               caches=None, cache_start=0):
+    def _trunk(
+        self,
+        input_ids,
+        *,
+        position_ids,
+        position_thw,
+        modality,
+        mask: AttentionMask,
+        caches=None,
+        cache_start=0,
+    ):
         h = self.tok_embeddings(input_ids)
         cos, sin = self.rope(position_ids, position_thw)
         stats = []
@@ -206,15 +238,28 @@ class Transformer(nn.Module):
         if modality is None:
             modality = torch.full_like(input_ids, int(Modality.TEXT))
         if position_ids is None:
-            position_ids = (positions_from_doc_ids(doc_ids) if doc_ids is not None
-                            else torch.arange(T, device=input_ids.device).expand(B, T))
+            position_ids = (
+                positions_from_doc_ids(doc_ids)
+                if doc_ids is not None
+                else torch.arange(T, device=input_ids.device).expand(B, T)
+            )
         mask = build_attention_mask(
-            B, T, input_ids.device, doc_ids=doc_ids, image_ids=image_ids,
+            B,
+            T,
+            input_ids.device,
+            doc_ids=doc_ids,
+            image_ids=image_ids,
             sliding_window=self.cfg.attention.sliding_window,
-            bidirectional_images=self.cfg.attention.bidirectional_images, backend=self.cfg.attention.backend,
+            bidirectional_images=self.cfg.attention.bidirectional_images,
+            backend=self.cfg.attention.backend,
         )
-        h, stats = self._trunk(input_ids, position_ids=position_ids, position_thw=position_thw,
-                               modality=modality, mask=mask)
+        h, stats = self._trunk(
+            input_ids,
+            position_ids=position_ids,
+            position_thw=position_thw,
+            modality=modality,
+            mask=mask,
+        )
         final = self.norm(h)
         if labels is None:
             return self.output(final)
@@ -227,8 +272,17 @@ class Transformer(nn.Module):
     def make_kv_caches(self, batch: int, max_len: int, *, dtype=None, device=None) -> list[KVCache]:
         ref = self.output.weight
         a = self.layers[0].attention
-        return [KVCache(batch, a.n_kv_heads, max_len, a.head_dim, dtype=dtype or ref.dtype,
-                        device=device or ref.device) for _ in self.layers]
+        return [
+            KVCache(
+                batch,
+                a.n_kv_heads,
+                max_len,
+                a.head_dim,
+                dtype=dtype or ref.dtype,
+                device=device or ref.device,
+            )
+            for _ in self.layers
+        ]
 
     @torch.no_grad()
     def decode(
@@ -252,12 +306,24 @@ class Transformer(nn.Module):
             position_ids = torch.arange(start, start + s, device=input_ids.device).expand(B, s)
         window = self.cfg.attention.sliding_window
         if start == 0:
-            mask = build_attention_mask(B, s, input_ids.device, image_ids=image_ids, sliding_window=window,
-                                        bidirectional_images=self.cfg.attention.bidirectional_images,
-                                        backend="sdpa")
+            mask = build_attention_mask(
+                B,
+                s,
+                input_ids.device,
+                image_ids=image_ids,
+                sliding_window=window,
+                bidirectional_images=self.cfg.attention.bidirectional_images,
+                backend="sdpa",
+            )
         else:
             mask = decode_mask(start, s, input_ids.device, sliding_window=window)
-        h, _ = self._trunk(input_ids, position_ids=position_ids, position_thw=position_thw,
-                           modality=modality, mask=mask, caches=caches, cache_start=start)
+        h, _ = self._trunk(
+            input_ids,
+            position_ids=position_ids,
+            position_thw=position_thw,
+            modality=modality,
+            mask=mask,
+            caches=caches,
+            cache_start=start,
+        )
         return self.output(self.norm(h[:, -1]))
-

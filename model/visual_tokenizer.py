@@ -34,6 +34,7 @@ Design choices:
   the decoder's input features: it can interpolate motion from the previous latent without
   looking ahead. The merge and these projections are the only video-specific parameters.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,21 +50,21 @@ from model.fsq import FSQ
 @dataclass(kw_only=True)
 class VisualTokenizerConfig:
     levels: list[int] = field(default_factory=lambda: [8, 5, 5, 5])
-    factor: int = 8                    # spatial downsampling: 4, 8 or 16
+    factor: int = 8  # spatial downsampling: 4, 8 or 16
     # Widths from the encoder's stem (highest resolution) down to the latent resolution; the
     # stem unshuffles by factor / 2**(len-1) pixels.
     enc_channels: list[int] = field(default_factory=lambda: [64, 128])
-    enc_blocks: int = 2                # residual blocks per encoder stage
+    enc_blocks: int = 2  # residual blocks per encoder stage
     # Widths from the latent resolution up; the head pixel-shuffles by factor / 2**(len-1).
     dec_channels: list[int] = field(default_factory=lambda: [192, 96])
     dec_blocks: int = 2
-    norm_groups: int = 8               # GroupNorm groups in residual blocks; 0: no norm
-    colour_path: bool = True           # mean-colour skip around both trunks (see module doc)
-    temporal_factor: int = 4           # frames per latent frame after the first (video)
+    norm_groups: int = 8  # GroupNorm groups in residual blocks; 0: no norm
+    colour_path: bool = True  # mean-colour skip around both trunks (see module doc)
+    temporal_factor: int = 4  # frames per latent frame after the first (video)
     l1: float = 1.0
     l2: float = 1.0
-    grad: float = 0.0                  # weight of the finite-difference (edge) L1 term
-    entropy: float = 0.0               # weight of the code-use bonus (FSQ.marginal_entropy)
+    grad: float = 0.0  # weight of the finite-difference (edge) L1 term
+    entropy: float = 0.0  # weight of the code-use bonus (FSQ.marginal_entropy)
 
     def __post_init__(self) -> None:
         self.levels = [int(x) for x in self.levels]
@@ -73,7 +74,9 @@ class VisualTokenizerConfig:
             raise ValueError(f"factor must be 2, 4, 8 or 16, got {self.factor}")
         for name, ch in (("enc_channels", self.enc_channels), ("dec_channels", self.dec_channels)):
             if not ch or 2 ** (len(ch) - 1) > self.factor:
-                raise ValueError(f"{name} needs 1..{int(math.log2(self.factor)) + 1} widths, got {ch}")
+                raise ValueError(
+                    f"{name} needs 1..{int(math.log2(self.factor)) + 1} widths, got {ch}"
+                )
         if self.temporal_factor < 1:
             raise ValueError("temporal_factor must be >= 1")
 
@@ -81,7 +84,7 @@ class VisualTokenizerConfig:
     def num_codes(self) -> int:
         return math.prod(self.levels)
 
-    def build(self) -> "VisualTokenizer":
+    def build(self) -> VisualTokenizer:
         return VisualTokenizer(self)
 
 
@@ -92,8 +95,14 @@ def _norm(c: int, groups: int) -> nn.Module:
 class ResBlock(nn.Module):
     def __init__(self, c: int, groups: int) -> None:
         super().__init__()
-        self.body = nn.Sequential(_norm(c, groups), nn.SiLU(), nn.Conv2d(c, c, 3, padding=1),
-                                  _norm(c, groups), nn.SiLU(), nn.Conv2d(c, c, 3, padding=1))
+        self.body = nn.Sequential(
+            _norm(c, groups),
+            nn.SiLU(),
+            nn.Conv2d(c, c, 3, padding=1),
+            _norm(c, groups),
+            nn.SiLU(),
+            nn.Conv2d(c, c, 3, padding=1),
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         return x + self.body(x)
@@ -108,7 +117,7 @@ class Encoder(nn.Module):
         self.stem_factor = cfg.factor // 2 ** (len(ch) - 1)
         layers: list[nn.Module] = [nn.Conv2d(3 * self.stem_factor**2, ch[0], 3, padding=1)]
         for i, c in enumerate(ch):
-            if i:   # stride-2 stage: a 2x2 unshuffle + 1x1 conv is cheaper than a strided 3x3
+            if i:  # stride-2 stage: a 2x2 unshuffle + 1x1 conv is cheaper than a strided 3x3
                 layers += [nn.PixelUnshuffle(2), nn.Conv2d(4 * ch[i - 1], c, 1)]
             layers += [ResBlock(c, cfg.norm_groups) for _ in range(cfg.enc_blocks)]
         layers += [_norm(ch[-1], cfg.norm_groups), nn.SiLU()]
@@ -136,11 +145,15 @@ class Decoder(nn.Module):
             if i:
                 layers += [nn.Conv2d(ch[i - 1], 4 * c, 3, padding=1), nn.PixelShuffle(2)]
             layers += [ResBlock(c, g) for _ in range(cfg.dec_blocks)]
-        layers += [_norm(ch[-1], g), nn.SiLU(), nn.Conv2d(ch[-1], 3 * self.head_factor**2, 3, padding=1)]
+        layers += [
+            _norm(ch[-1], g),
+            nn.SiLU(),
+            nn.Conv2d(ch[-1], 3 * self.head_factor**2, 3, padding=1),
+        ]
         self.trunk = nn.Sequential(*layers)
         self.factor = cfg.factor
         self.colour = nn.Conv2d(len(cfg.levels), 3, 1) if cfg.colour_path else None
-        if self.colour is not None:     # start as the colour path alone (module doc)
+        if self.colour is not None:  # start as the colour path alone (module doc)
             nn.init.zeros_(layers[-1].weight)
             nn.init.zeros_(layers[-1].bias)
 
@@ -152,7 +165,9 @@ class Decoder(nn.Module):
         if self.head_factor > 1:
             y = F.pixel_shuffle(y, self.head_factor)
         if self.colour is not None:
-            y = y + F.interpolate(self.colour(q), scale_factor=self.factor, mode="bilinear", align_corners=False)
+            y = y + F.interpolate(
+                self.colour(q), scale_factor=self.factor, mode="bilinear", align_corners=False
+            )
         return y
 
 
@@ -181,7 +196,9 @@ class VisualTokenizer(nn.Module):
     def _check(self, x: Tensor) -> None:
         f = self.cfg.factor
         if x.shape[-3] != 3 or x.shape[-1] % f or x.shape[-2] % f:
-            raise ValueError(f"images need 3 channels and H, W multiples of {f}, got {tuple(x.shape)}")
+            raise ValueError(
+                f"images need 3 channels and H, W multiples of {f}, got {tuple(x.shape)}"
+            )
 
     # --- images ------------------------------------------------------------------------
     def latents(self, x: Tensor) -> Tensor:
@@ -213,11 +230,15 @@ class VisualTokenizer(nn.Module):
         total = c.l1 * l1 + c.l2 * l2
         m = {"l1": l1.detach(), "l2": l2.detach()}
         if c.grad:
-            g = (d[..., 1:, :] - d[..., :-1, :]).abs().mean() + (d[..., 1:] - d[..., :-1]).abs().mean()
+            g = (d[..., 1:, :] - d[..., :-1, :]).abs().mean() + (
+                d[..., 1:] - d[..., :-1]
+            ).abs().mean()
             total = total + c.grad * g
             m["grad"] = g.detach()
-        with torch.no_grad():   # PSNR on [0, 1] of the batch, the number the monitors plot
-            m["psnr"] = 10 * torch.log10(4 / y.detach().float().clamp(-1, 1).sub(x.float()).pow(2).mean())
+        with torch.no_grad():  # PSNR on [0, 1] of the batch, the number the monitors plot
+            m["psnr"] = 10 * torch.log10(
+                4 / y.detach().float().clamp(-1, 1).sub(x.float()).pow(2).mean()
+            )
         return total, m
 
     def forward(self, images: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
@@ -245,7 +266,7 @@ class VisualTokenizer(nn.Module):
         feats = self.encoder(frames.flatten(0, 1))
         feats = feats.view(b, t, *feats.shape[1:])
         lat = [feats[:, 0]]
-        for s in range(1, t, tf):   # group s .. s+tf-1; pad a short group with its own last frame
+        for s in range(1, t, tf):  # group s .. s+tf-1; pad a short group with its own last frame
             grp = [feats[:, min(k, t - 1)] for k in range(s, s + tf)]
             lat.append(self.t_merge(torch.cat(grp, 1)))
         z = self.to_latent(torch.stack(lat, 1).flatten(0, 1))
@@ -286,11 +307,27 @@ class VisualTokenizer(nn.Module):
 # --- presets -------------------------------------------------------------------------------
 def vtok_debug() -> VisualTokenizerConfig:
     """Tiny, for tests: factor 4, 1,000 codes, a few thousand parameters."""
-    return VisualTokenizerConfig(levels=[8, 5, 5, 5], factor=4, enc_channels=[16], enc_blocks=1,
-                                 dec_channels=[16], dec_blocks=1, norm_groups=4, temporal_factor=2)
+    return VisualTokenizerConfig(
+        levels=[8, 5, 5, 5],
+        factor=4,
+        enc_channels=[16],
+        enc_blocks=1,
+        dec_channels=[16],
+        dec_blocks=1,
+        norm_groups=4,
+        temporal_factor=2,
+    )
 
 
 def vtok_cpu() -> VisualTokenizerConfig:
     """The CPU preset (docs/visual_tokenizer.md): factor 4, 1,000 codes, trunks at latent resolution."""
-    return VisualTokenizerConfig(levels=[8, 5, 5, 5], factor=4, enc_channels=[128], enc_blocks=2,
-                                 dec_channels=[192], dec_blocks=3, norm_groups=8, temporal_factor=4)
+    return VisualTokenizerConfig(
+        levels=[8, 5, 5, 5],
+        factor=4,
+        enc_channels=[128],
+        enc_blocks=2,
+        dec_channels=[192],
+        dec_blocks=3,
+        norm_groups=8,
+        temporal_factor=4,
+    )

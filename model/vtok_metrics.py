@@ -18,6 +18,7 @@ Design choices:
   upsampled bilinearly. It spends the same bits per token as the tokenizer, so beating it means
   the network learned more than a thumbnail.
 """
+
 from __future__ import annotations
 
 import math
@@ -53,13 +54,17 @@ def _gauss(size: int, sigma: float, device) -> Tensor:
     return g / g.sum()
 
 
-def ssim(x: Tensor, y: Tensor, data_range: float = 1.0, win: int = 11, sigma: float = 1.5) -> Tensor:
+def ssim(
+    x: Tensor, y: Tensor, data_range: float = 1.0, win: int = 11, sigma: float = 1.5
+) -> Tensor:
     """Per-image mean SSIM of two ``[B, C, H, W]`` batches in ``[0, data_range]``."""
     if x.shape != y.shape or x.dim() != 4:
-        raise ValueError(f"ssim needs two equal [B, C, H, W] shapes, got {tuple(x.shape)}, {tuple(y.shape)}")
+        raise ValueError(
+            f"ssim needs two equal [B, C, H, W] shapes, got {tuple(x.shape)}, {tuple(y.shape)}"
+        )
     x, y = x.float(), y.float()
     win = min(win, x.shape[-1], x.shape[-2])
-    win -= 1 - win % 2                      # odd, so the window has a centre pixel
+    win -= 1 - win % 2  # odd, so the window has a centre pixel
     c = x.shape[1]
     g = _gauss(win, sigma, x.device)
     # Separable filter: a [win, 1] then a [1, win] depthwise conv over the valid region.
@@ -105,7 +110,11 @@ def code_use(indices: Tensor, num_codes: int) -> dict[str, float]:
     """Fraction of codes hit and code perplexity of one set of indices."""
     cu = CodeUse(num_codes)
     cu.update(indices)
-    return {"code_fraction": cu.fraction(), "code_perplexity": cu.perplexity(), "tokens": float(cu.tokens)}
+    return {
+        "code_fraction": cu.fraction(),
+        "code_perplexity": cu.perplexity(),
+        "tokens": float(cu.tokens),
+    }
 
 
 def rgb_levels(num_codes: int) -> tuple[int, int, int]:
@@ -134,8 +143,15 @@ def patch_mean_baseline(images: Tensor, factor: int, num_codes: int) -> Tensor:
     """
     b, c, h, w = images.shape
     if c != 3 or h % factor or w % factor:
-        raise ValueError(f"need [B, 3, H, W] with H, W multiples of {factor}, got {tuple(images.shape)}")
+        raise ValueError(
+            f"need [B, 3, H, W] with H, W multiples of {factor}, got {tuple(images.shape)}"
+        )
     mean = F.avg_pool2d(images.float(), factor)
-    lv = torch.tensor(rgb_levels(num_codes), dtype=torch.float32, device=images.device).view(1, 3, 1, 1) - 1
+    lv = (
+        torch.tensor(rgb_levels(num_codes), dtype=torch.float32, device=images.device).view(
+            1, 3, 1, 1
+        )
+        - 1
+    )
     q = torch.round(mean.clamp(0, 1) * lv) / lv
     return F.interpolate(q, size=(h, w), mode="bilinear", align_corners=False).clamp(0, 1)

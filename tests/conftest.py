@@ -1,4 +1,5 @@
 """Fixtures shared by every test folder: a tiny real corpus, its raw shards, its tokenizers."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,9 +23,18 @@ def tiny_raw(tiny_corpus, tmp_path_factory) -> Path:
     """Raw shards of the tiny corpus (no photos: they are large and slow to decode)."""
     out = tmp_path_factory.mktemp("raw") / "raw"
     c = tiny_corpus
-    s = ingest(out, [f"code:{c / 'code'}", f"text:{c / 'text'}", f"images:{c / 'scenes' / 'scenes.jsonl'}",
-                     f"images:{c / 'digits' / 'digits.csv'}", f"videos:{c / 'clips'}",
-                     f"interleaved:{c / 'interleaved' / 'docs.jsonl'}"], shard_max_samples=16)
+    s = ingest(
+        out,
+        [
+            f"code:{c / 'code'}",
+            f"text:{c / 'text'}",
+            f"images:{c / 'scenes' / 'scenes.jsonl'}",
+            f"images:{c / 'digits' / 'digits.csv'}",
+            f"videos:{c / 'clips'}",
+            f"interleaved:{c / 'interleaved' / 'docs.jsonl'}",
+        ],
+        shard_max_samples=16,
+    )
     assert s["finalized"]
     return out
 
@@ -33,10 +43,11 @@ def tiny_raw(tiny_corpus, tmp_path_factory) -> Path:
 def tiny_tokenizers(tiny_raw, tmp_path_factory) -> tuple[Path, Path]:
     """(text tokenizer folder, visual tokenizer folder) for the tiny raw shards. The visual
     tokenizer is the debug network, untrained: real weights, real codes, no training time."""
+    import torch
+
     from data.train_text_tokenizer import train_text_tokenizer
     from model.visual_tokenizer import vtok_debug
     from train.tasks.vtok import save_visual_tokenizer
-    import torch
 
     root = tmp_path_factory.mktemp("tok")
     train_text_tokenizer([tiny_raw], root / "text", vocab_size=512, max_grid=32)
@@ -55,6 +66,13 @@ def tiny_tokens(tiny_raw, tiny_tokenizers, tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("tokens") / "tokens"
     text, visual = tiny_tokenizers
-    tokenize(tiny_raw, out, text, visual, opts=TokenizeOptions(image_max_pixels=32 * 32, video_max_pixels=32 * 32,
-                                                               video_max_tokens=240))
+    tokenize(
+        tiny_raw,
+        out,
+        text,
+        visual,
+        opts=TokenizeOptions(
+            image_max_pixels=32 * 32, video_max_pixels=32 * 32, video_max_tokens=240
+        ),
+    )
     return out

@@ -1,5 +1,6 @@
 """Builders of small real inputs shared by the tests: images with Pillow, mp4 clips with
 PyAV/libx264, img2dataset-style tars. (tests/ is on pytest's pythonpath: ``import factories``.)"""
+
 from __future__ import annotations
 
 import io
@@ -21,23 +22,37 @@ def png_bytes(w: int = 32, h: int = 24, colour=(200, 30, 30)) -> bytes:
 def jpeg_bytes(w: int = 32, h: int = 24, seed: int = 0) -> bytes:
     rng = np.random.default_rng(seed)
     buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(buf, format="JPEG", quality=90)
+    Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(
+        buf, format="JPEG", quality=90
+    )
     return buf.getvalue()
 
 
 def png_header_bomb(w: int = 30000, h: int = 30000) -> bytes:
     """A tiny PNG whose IHDR claims w x h pixels (its data would not even fill one row)."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
     ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+        + chunk(b"IEND", b"")
+    )
 
 
-def mp4_bytes(frames: int = 8, fps: int = 8, w: int = 32, h: int = 32, pts: list[int] | None = None) -> bytes:
+def mp4_bytes(
+    frames: int = 8, fps: int = 8, w: int = 32, h: int = 32, pts: list[int] | None = None
+) -> bytes:
     """A real H.264 mp4 (PyAV/libx264) of a bright bar moving right; ``pts`` (in 1/fps ticks of a
     1/1000 time base) makes a variable-frame-rate clip."""
-    import av
     from fractions import Fraction
+
+    import av
 
     buf = io.BytesIO()
     with av.open(buf, mode="w", format="mp4") as c:
@@ -49,7 +64,7 @@ def mp4_bytes(frames: int = 8, fps: int = 8, w: int = 32, h: int = 32, pts: list
         for i in range(frames):
             a = np.zeros((h, w, 3), np.uint8)
             x = (i * 3) % (w - 4)
-            a[:, x:x + 4] = (255, 255, 255)
+            a[:, x : x + 4] = (255, 255, 255)
             f = av.VideoFrame.from_ndarray(a, format="rgb24")
             if pts is not None:
                 f.pts, f.time_base = pts[i], Fraction(1, 1000)

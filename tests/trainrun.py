@@ -1,4 +1,5 @@
 """Run ``earlyfuse-train`` in a subprocess, as a user would, and read what it wrote."""
+
 from __future__ import annotations
 
 import json
@@ -8,18 +9,40 @@ import sys
 from pathlib import Path
 
 
-def train(overrides: list[str], *, env: dict | None = None, check: bool = True, nproc: int = 1,
-          timeout: int = 600) -> subprocess.CompletedProcess:
+def train(
+    overrides: list[str],
+    *,
+    env: dict | None = None,
+    check: bool = True,
+    nproc: int = 1,
+    timeout: int = 600,
+) -> subprocess.CompletedProcess:
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(29500 + os.getpid() % 1000), "-m", "train.app"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(29500 + os.getpid() % 1000),
+            "-m",
+            "train.app",
+        ]
     else:
         cmd = [sys.executable, "-m", "train.app"]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    p = subprocess.run(cmd + overrides + ["train.progress=false"], capture_output=True, text=True,
-                       env=full_env, timeout=timeout)
+    p = subprocess.run(
+        cmd + overrides + ["train.progress=false"],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+    )
     if check and p.returncode != 0:
-        raise AssertionError(f"earlyfuse-train failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
+        raise AssertionError(
+            f"earlyfuse-train failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+        )
     return p
 
 

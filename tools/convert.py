@@ -9,6 +9,7 @@ A subcommand module has ``register(subparsers)``, which adds its parser and sets
 ``run=fn(args) -> exit code``; add it to ``SUBCOMMANDS``. Errors that users cause
 (a missing file, a truncated checkpoint, a mismatch) are one line naming the file, exit code 1.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,12 @@ import sys
 from tools.convert_deepspeed import CheckpointError
 from tools.release import ReleaseError
 
-SUBCOMMANDS = ("tools.convert_release", "tools.convert_import", "tools.convert_hf", "tools.convert_universal")
+SUBCOMMANDS = (
+    "tools.convert_release",
+    "tools.convert_import",
+    "tools.convert_hf",
+    "tools.convert_universal",
+)
 
 EPILOG = """\
 examples:
@@ -34,9 +40,12 @@ Run `earlyfuse-convert COMMAND --help` for each command's options. Formats: docs
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="earlyfuse-convert",
-                                description="Convert earlyfuse checkpoints: DeepSpeed run -> release -> new run or Hugging Face.",
-                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="earlyfuse-convert",
+        description="Convert earlyfuse checkpoints: DeepSpeed run -> release -> new run or Hugging Face.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMANDS:
         importlib.import_module(name).register(sub)

@@ -19,6 +19,7 @@ Design choices:
   the run had more ranks than files) is a ``CheckpointError`` naming the file or folder.
 - zero_to_fp32's prints and progress bars are silenced; the caller reports.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,6 +47,7 @@ def _safe_globals() -> list:
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
+
     return [ZeroStageEnum, fragment_address, LossScaler, DynamicLossScaler]
 
 
@@ -55,17 +57,25 @@ def safe_torch_load(path, *, mmap: bool = True, allow_deepspeed: bool = False):
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: file missing")
-    ctx = torch.serialization.safe_globals(_safe_globals()) if allow_deepspeed else contextlib.nullcontext()
+    ctx = (
+        torch.serialization.safe_globals(_safe_globals())
+        if allow_deepspeed
+        else contextlib.nullcontext()
+    )
     try:
         with ctx:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[-1][:300]
-        raise CheckpointError(f"{path}: holds objects other than tensors and plain data; refusing to unpickle "
-                              f"it ({first})") from None
+        raise CheckpointError(
+            f"{path}: holds objects other than tensors and plain data; refusing to unpickle "
+            f"it ({first})"
+        ) from None
     except (RuntimeError, EOFError, OSError, ValueError, KeyError, IndexError) as e:
-        raise CheckpointError(f"{path}: unreadable, truncated or corrupted checkpoint file "
-                              f"({type(e).__name__}: {str(e).strip()[:300]})") from None
+        raise CheckpointError(
+            f"{path}: unreadable, truncated or corrupted checkpoint file "
+            f"({type(e).__name__}: {str(e).strip()[:300]})"
+        ) from None
 
 
 class _SafeTorch(types.ModuleType):
@@ -108,12 +118,16 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Checkpoint:
     run_dir = Path(run_dir)
     root = run_dir / "checkpoints"
     if not root.is_dir():
-        raise CheckpointError(f"{run_dir}: no checkpoints/ folder; is this an earlyfuse-train run folder?")
+        raise CheckpointError(
+            f"{run_dir}: no checkpoints/ folder; is this an earlyfuse-train run folder?"
+        )
     have = sorted(d.name for d in root.iterdir() if d.is_dir() and TAG.match(d.name))
     if step is None:
         latest = root / "latest"
         if not latest.is_file():
-            raise CheckpointError(f"{latest}: missing (no complete checkpoint yet); folders present: {have or 'none'}")
+            raise CheckpointError(
+                f"{latest}: missing (no complete checkpoint yet); folders present: {have or 'none'}"
+            )
         tag = latest.read_text().strip()
     else:
         tag = f"step_{step:08d}"
@@ -125,7 +139,9 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Checkpoint:
         meta = json.loads(meta_path.read_text())
         int(meta["zero_stage"]), int(meta["world_size"])
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{meta_path}: missing or unreadable ({e}); the save of {tag} did not complete") from None
+        raise CheckpointError(
+            f"{meta_path}: missing or unreadable ({e}); the save of {tag} did not complete"
+        ) from None
     return Checkpoint(run_dir, tag, meta)
 
 
@@ -144,15 +160,22 @@ def consolidate(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
 
     quiet = contextlib.redirect_stdout(io.StringIO())
     try:
-        with mock.patch.object(zero_to_fp32, "torch", _SafeTorch()), \
-                mock.patch.object(zero_to_fp32, "tqdm", lambda it, **_: it), quiet:
-            state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(ckpt.folder.parent), tag=ckpt.tag)
+        with (
+            mock.patch.object(zero_to_fp32, "torch", _SafeTorch()),
+            mock.patch.object(zero_to_fp32, "tqdm", lambda it, **_: it),
+            quiet,
+        ):
+            state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(
+                str(ckpt.folder.parent), tag=ckpt.tag
+            )
     except CheckpointError:
         raise
     except (ValueError, FileNotFoundError, KeyError, IndexError, RuntimeError, AssertionError) as e:
-        raise CheckpointError(f"{ckpt.folder}: DeepSpeed could not consolidate this ZeRO-{ckpt.zero_stage} "
-                              f"checkpoint of {ckpt.meta['world_size']} rank(s) "
-                              f"({type(e).__name__}: {str(e).strip()[:400]})") from None
+        raise CheckpointError(
+            f"{ckpt.folder}: DeepSpeed could not consolidate this ZeRO-{ckpt.zero_stage} "
+            f"checkpoint of {ckpt.meta['world_size']} rank(s) "
+            f"({type(e).__name__}: {str(e).strip()[:400]})"
+        ) from None
     # Views into one flat partition share storage (safetensors refuses that): copy each.
     return {k: v.detach().to(torch.float32, copy=True).contiguous() for k, v in state.items()}
 
@@ -180,33 +203,50 @@ def _consolidate_bf16_optimizer(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
     files = sorted(folder.glob("bf16_zero_pp_rank_*_mp_rank_00_optim_states.pt"), key=_rank_of)
     world = int(ckpt.meta["world_size"])
     if [_rank_of(f) for f in files] != list(range(world)):
-        raise CheckpointError(f"{folder}: expected the bf16 optimizer partitions of ranks 0..{world - 1}, found "
-                              f"{[f.name for f in files]}; the save did not complete on every rank")
+        raise CheckpointError(
+            f"{folder}: expected the bf16 optimizer partitions of ranks 0..{world - 1}, found "
+            f"{[f.name for f in files]}; the save did not complete on every rank"
+        )
     model_file = folder / "mp_rank_00_model_states.pt"
     model_states = safe_torch_load(model_file, allow_deepspeed=True)
     pieces: dict[str, list[torch.Tensor]] = {}
     for f in files:
         try:
             opt = safe_torch_load(f, allow_deepspeed=True)["optimizer_state_dict"]
-            for flat, mapping in zip(opt["single_partition_of_fp32_groups"], opt["param_slice_mappings"]):
+            for flat, mapping in zip(
+                opt["single_partition_of_fp32_groups"], opt["param_slice_mappings"]
+            ):
                 for name, frag in mapping.items():
-                    pieces.setdefault(name, []).append(flat.narrow(0, frag.start, frag.numel).float().clone())
+                    pieces.setdefault(name, []).append(
+                        flat.narrow(0, frag.start, frag.numel).float().clone()
+                    )
         except (KeyError, TypeError, AttributeError, RuntimeError) as e:
-            raise CheckpointError(f"{f}: not a DeepSpeed bf16 optimizer partition ({type(e).__name__}: {e})") from None
+            raise CheckpointError(
+                f"{f}: not a DeepSpeed bf16 optimizer partition ({type(e).__name__}: {e})"
+            ) from None
     state: dict[str, torch.Tensor] = {}
     try:
         for group in model_states["param_shapes"]:
             for name, shape in group.items():
                 got = torch.cat(pieces.pop(name)) if name in pieces else torch.empty(0)
                 if got.numel() != math.prod(shape):
-                    raise CheckpointError(f"{folder}: parameter {name!r} has {got.numel()} of its "
-                                          f"{math.prod(shape)} elements in the optimizer partitions")
+                    raise CheckpointError(
+                        f"{folder}: parameter {name!r} has {got.numel()} of its "
+                        f"{math.prod(shape)} elements in the optimizer partitions"
+                    )
                 state[name] = got.view(tuple(shape))
         module = model_states["module"]
-        for name in [*model_states.get("buffer_names", []), *(model_states.get("frozen_param_shapes") or {})]:
-            state[name] = module[name].detach().float().clone()   # not optimised: the module copy is the value
+        for name in [
+            *model_states.get("buffer_names", []),
+            *(model_states.get("frozen_param_shapes") or {}),
+        ]:
+            state[name] = (
+                module[name].detach().float().clone()
+            )  # not optimised: the module copy is the value
     except (KeyError, TypeError) as e:
-        raise CheckpointError(f"{model_file}: lacks the parameter layout DeepSpeed writes ({e})") from None
+        raise CheckpointError(
+            f"{model_file}: lacks the parameter layout DeepSpeed writes ({e})"
+        ) from None
     return state
 
 
@@ -224,4 +264,6 @@ def load_run_config(path: str | Path):
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing") from None
     except Exception as e:  # OmegaConf raises its own error classes
-        raise CheckpointError(f"{path}: not a readable run config ({type(e).__name__}: {e})") from None
+        raise CheckpointError(
+            f"{path}: not a readable run config ({type(e).__name__}: {e})"
+        ) from None

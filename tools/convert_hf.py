@@ -19,6 +19,7 @@ the text tokenizer as ``tokenizer.json`` + ``tokenizer_config.json`` (a
 ``PreTrainedTokenizerFast``; it knows the text ids only, images are ids the layout describes),
 ``vocab_layout.json`` and ``visual_tokenizer/`` copied from the release, and a README.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,9 +41,13 @@ def blocking_features(cfg) -> list[str]:
     """What in a TransformerConfig Qwen3 cannot express (empty: it maps exactly)."""
     out = []
     if cfg.rope.mrope_sections:
-        out.append(f"rope.mrope_sections={cfg.rope.mrope_sections} (M-RoPE: Qwen3 has 1D RoPE only)")
+        out.append(
+            f"rope.mrope_sections={cfg.rope.mrope_sections} (M-RoPE: Qwen3 has 1D RoPE only)"
+        )
     if cfg.reorder_norm:
-        out.append("reorder_norm=true (norms after attention and FFN: Qwen3 normalises their inputs)")
+        out.append(
+            "reorder_norm=true (norms after attention and FFN: Qwen3 normalises their inputs)"
+        )
     if cfg.ffn.modality_groups:
         out.append(f"ffn.modality_groups={cfg.ffn.modality_groups} (one FFN per modality group)")
     if cfg.moe.num_experts:
@@ -60,42 +65,71 @@ def qwen3_config(cfg, *, bos_id: int, eos_id: int, pad_id: int):
     from transformers import Qwen3Config
 
     return Qwen3Config(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn.resolved_hidden_dim(cfg.dim),
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.attention.n_heads,
-        num_key_value_heads=cfg.attention.kv_heads, head_dim=cfg.head_dim, hidden_act="silu",
-        max_position_embeddings=32768, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope.theta,
-        tie_word_embeddings=False, attention_bias=False, use_sliding_window=False,
-        bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id, torch_dtype="float32")
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.dim,
+        intermediate_size=cfg.ffn.resolved_hidden_dim(cfg.dim),
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.attention.n_heads,
+        num_key_value_heads=cfg.attention.kv_heads,
+        head_dim=cfg.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=32768,
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope.theta,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        use_sliding_window=False,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        torch_dtype="float32",
+    )
 
 
 def qwen3_state(state: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
     """Our tensor names -> Qwen3ForCausalLM's (the tensors themselves are unchanged)."""
-    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-             "output.weight": "lm_head.weight"}
-    per_layer = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-                 "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
-                 "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
-                 "attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm",
-                 "feed_forward.mlp.w1": "mlp.gate_proj", "feed_forward.mlp.w3": "mlp.up_proj",
-                 "feed_forward.mlp.w2": "mlp.down_proj"}
+    names = {
+        "tok_embeddings.weight": "model.embed_tokens.weight",
+        "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
+    per_layer = {
+        "attention_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attention.wq": "self_attn.q_proj",
+        "attention.wk": "self_attn.k_proj",
+        "attention.wv": "self_attn.v_proj",
+        "attention.wo": "self_attn.o_proj",
+        "attention.q_norm": "self_attn.q_norm",
+        "attention.k_norm": "self_attn.k_norm",
+        "feed_forward.mlp.w1": "mlp.gate_proj",
+        "feed_forward.mlp.w3": "mlp.up_proj",
+        "feed_forward.mlp.w2": "mlp.down_proj",
+    }
     for i in range(n_layers):
         for ours, theirs in per_layer.items():
             names[f"layers.{i}.{ours}.weight"] = f"model.layers.{i}.{theirs}.weight"
     missing = sorted(set(names) - set(state))
     extra = sorted(set(state) - set(names))
     if missing or extra:
-        raise ReleaseError(f"tensor names do not map onto Qwen3: missing {missing[:4]}, unmapped {extra[:4]}")
+        raise ReleaseError(
+            f"tensor names do not map onto Qwen3: missing {missing[:4]}, unmapped {extra[:4]}"
+        )
     return {names[k]: v for k, v in state.items()}
 
 
 def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=print) -> Path:
     rel, out = Release(release), Path(out)
     if rel.task != "lm":
-        raise ReleaseError(f"{rel.path}: a {rel.task} release; only a language model exports to Hugging Face")
+        raise ReleaseError(
+            f"{rel.path}: a {rel.task} release; only a language model exports to Hugging Face"
+        )
     blocked = blocking_features(rel.model_cfg)
     if blocked:
-        raise ReleaseError(f"{rel.path}: the model does not map onto Qwen3 (the Hugging Face architecture we "
-                           f"export to): " + "; ".join(blocked))
+        raise ReleaseError(
+            f"{rel.path}: the model does not map onto Qwen3 (the Hugging Face architecture we "
+            f"export to): " + "; ".join(blocked)
+        )
     if out.exists() and any(out.iterdir()) and not force:
         raise ReleaseError(f"{out} exists and is not empty (use --force to replace it)")
     from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
@@ -104,12 +138,18 @@ def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=
     hf_cfg = qwen3_config(rel.model_cfg, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id)
     with torch.device("meta"):
         model = Qwen3ForCausalLM(hf_cfg)
-    model.load_state_dict(qwen3_state(rel.state_dict(torch.float32), rel.model_cfg.n_layers), strict=True, assign=True)
+    model.load_state_dict(
+        qwen3_state(rel.state_dict(torch.float32), rel.model_cfg.n_layers), strict=True, assign=True
+    )
     if out.exists():
         shutil.rmtree(out)
     model.save_pretrained(out, safe_serialization=True)
-    fast = PreTrainedTokenizerFast(tokenizer_file=str(rel.path / TOKENIZER), bos_token="<|bos|>",
-                                   eos_token="<|eos|>", pad_token="<|pad|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_file=str(rel.path / TOKENIZER),
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+    )
     fast.save_pretrained(out)
     shutil.copy(rel.path / LAYOUT, out / LAYOUT)
     if (rel.path / "visual_tokenizer").is_dir():
@@ -119,9 +159,12 @@ def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=
         f"(step {rel.step}). Load with `transformers.AutoModelForCausalLM.from_pretrained`. Ids "
         f"0..{rel.layout.text_size - 1} are the text tokenizer's; the structure markers and the "
         f"{rel.layout.num_codes} visual codes follow (vocab_layout.json); visual_tokenizer/ turns codes "
-        "into pixels (earlyfuse's model/visual_tokenizer.py).\n")
-    log(f"wrote {out}: Qwen3ForCausalLM, {sum(p.numel() for p in model.parameters()):,} parameters, "
-        f"vocabulary {rel.model_cfg.vocab_size} (text {rel.layout.text_size}, codes {rel.layout.num_codes})")
+        "into pixels (earlyfuse's model/visual_tokenizer.py).\n"
+    )
+    log(
+        f"wrote {out}: Qwen3ForCausalLM, {sum(p.numel() for p in model.parameters()):,} parameters, "
+        f"vocabulary {rel.model_cfg.vocab_size} (text {rel.layout.text_size}, codes {rel.layout.num_codes})"
+    )
     return out
 
 
@@ -129,19 +172,28 @@ def run(args: argparse.Namespace) -> int:
     try:
         import transformers  # noqa: F401
     except ImportError:
-        raise ReleaseError("the Hugging Face export needs `transformers`: pip install 'earlyfuse[hf]'") from None
+        raise ReleaseError(
+            "the Hugging Face export needs `transformers`: pip install 'earlyfuse[hf]'"
+        ) from None
     export_hf(args.release, args.out, force=args.force)
     return 0
 
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "hf", help="a release -> a Hugging Face model (Qwen3 architecture), where the architecture maps",
+        "hf",
+        help="a release -> a Hugging Face model (Qwen3 architecture), where the architecture maps",
         description="Write RELEASE as a transformers model (Qwen3ForCausalLM) in OUT, loadable with "
-                    "AutoModelForCausalLM.from_pretrained and giving the same logits. A model with a feature "
-                    "Qwen3 lacks (M-RoPE, MoE, modality FFNs, reordered norms, ...) is refused with its name.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("release", metavar="RELEASE", help="a release folder (earlyfuse-convert release)")
-    p.add_argument("out", metavar="OUT", help="folder to write (must not exist or be empty, see --force)")
+        "AutoModelForCausalLM.from_pretrained and giving the same logits. A model with a feature "
+        "Qwen3 lacks (M-RoPE, MoE, modality FFNs, reordered norms, ...) is refused with its name.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "release", metavar="RELEASE", help="a release folder (earlyfuse-convert release)"
+    )
+    p.add_argument(
+        "out", metavar="OUT", help="folder to write (must not exist or be empty, see --force)"
+    )
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.set_defaults(run=run)

@@ -14,6 +14,7 @@ Design choices:
   text tokenizer, every tensor shape. Then it prints the command to run.
 - Without overrides it prints the model overrides that rebuild the release's architecture.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,7 +22,14 @@ import dataclasses
 import shlex
 from pathlib import Path
 
-from tools.release import NOT_ARCHITECTURE, Release, ReleaseError, check_compatible, flat, meta_module
+from tools.release import (
+    NOT_ARCHITECTURE,
+    Release,
+    ReleaseError,
+    check_compatible,
+    flat,
+    meta_module,
+)
 
 EXAMPLES = """\
 examples:
@@ -47,10 +55,16 @@ def hydra_value(v) -> str:
 
 
 def architecture_overrides(rel: Release) -> list[str]:
-    section, cfg = ("model", dataclasses.asdict(rel.model_cfg)) if rel.task == "lm" else \
-        ("vtok", dataclasses.asdict(rel.visual_config()))
-    return [f"{section}.{k}={hydra_value(v)}" for k, v in flat(cfg).items()
-            if k not in NOT_ARCHITECTURE and k not in VOCAB_FIELDS]
+    section, cfg = (
+        ("model", dataclasses.asdict(rel.model_cfg))
+        if rel.task == "lm"
+        else ("vtok", dataclasses.asdict(rel.visual_config()))
+    )
+    return [
+        f"{section}.{k}={hydra_value(v)}"
+        for k, v in flat(cfg).items()
+        if k not in NOT_ARCHITECTURE and k not in VOCAB_FIELDS
+    ]
 
 
 def compose_run_config(overrides: list[str]):
@@ -59,14 +73,16 @@ def compose_run_config(overrides: list[str]):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from train.app import CONFIG_DIR, to_run_config   # importing it registers the schema
+    from train.app import CONFIG_DIR, to_run_config  # importing it registers the schema
 
     try:
         with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
             cfg = compose(config_name="config", overrides=overrides)
         return to_run_config(cfg)[0]
     except (HydraException, OmegaConfBaseException, ValueError) as e:
-        raise ReleaseError(f"the overrides {overrides} do not make a training config: {e}") from None
+        raise ReleaseError(
+            f"the overrides {overrides} do not make a training config: {e}"
+        ) from None
 
 
 def check_against_run(rel: Release, state: dict, overrides: list[str]) -> list[str]:
@@ -82,48 +98,74 @@ def check_against_run(rel: Release, state: dict, overrides: list[str]) -> list[s
     else:
         layout = tok_folder = None
         net_cfg = cfg.vtok
-    return check_compatible(rel, task=cfg.task, net_cfg=net_cfg, reference=meta_module(cfg.task, net_cfg).state_dict(),
-                            layout=layout, tok_folder=tok_folder, state=state,
-                            where=f"release {rel.path} for this run config")
+    return check_compatible(
+        rel,
+        task=cfg.task,
+        net_cfg=net_cfg,
+        reference=meta_module(cfg.task, net_cfg).state_dict(),
+        layout=layout,
+        tok_folder=tok_folder,
+        state=state,
+        where=f"release {rel.path} for this run config",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     rel = Release(args.release)
-    state = rel.state_dict()   # sha256 of every file, names, shapes, finite
+    state = rel.state_dict()  # sha256 of every file, names, shapes, finite
     src = rel.config.get("source", {})
-    print(f"{rel.path}: valid {rel.task} release, {len(state)} tensors, {rel.config.get('parameters', 0):,} "
-          f"parameters, {rel.config.get('dtype')}, from step {src.get('step')} of {src.get('run_dir')}")
+    print(
+        f"{rel.path}: valid {rel.task} release, {len(state)} tensors, {rel.config.get('parameters', 0):,} "
+        f"parameters, {rel.config.get('dtype')}, from step {src.get('step')} of {src.get('run_dir')}"
+    )
     run_dir = Path(args.run_dir)
     latest = run_dir / "checkpoints" / "latest"
     if latest.is_file():
-        raise ReleaseError(f"{run_dir} already has a checkpoint ({latest.read_text().strip()}): a run that resumes "
-                           "ignores train.init_from. Choose a new run folder or remove its checkpoints/.")
+        raise ReleaseError(
+            f"{run_dir} already has a checkpoint ({latest.read_text().strip()}): a run that resumes "
+            "ignores train.init_from. Choose a new run folder or remove its checkpoints/."
+        )
     overrides = [o for o in args.overrides if not o.startswith(("run_dir=", "train.init_from="))]
     tail = [f"run_dir={run_dir}", f"train.init_from={rel.path.resolve()}"]
     if overrides:
         diff = check_against_run(rel, state, overrides + tail)
         print("the run config fits the release (layout, text tokenizer, every tensor shape)")
         if diff:
-            print("note: these fields differ without changing a shape; the run's values will be used:\n"
-                  + "\n".join(diff))
+            print(
+                "note: these fields differ without changing a shape; the run's values will be used:\n"
+                + "\n".join(diff)
+            )
         cmd = ["earlyfuse-train", *overrides, *tail]
         print("start the run with:\n  " + shlex.join(cmd))
     else:
         cmd = ["earlyfuse-train", *tail, *architecture_overrides(rel)]
-        print("start the run with your experiment and data overrides added (data tokenized with the release's "
-              "tokenizers):\n  " + shlex.join(cmd))
+        print(
+            "start the run with your experiment and data overrides added (data tokenized with the release's "
+            "tokenizers):\n  " + shlex.join(cmd)
+        )
     return 0
 
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "import", help="validate a release and print the earlyfuse-train command that starts a run from it",
+        "import",
+        help="validate a release and print the earlyfuse-train command that starts a run from it",
         description="Check RELEASE (files, shapes, finiteness) and, given the training overrides, that it fits the "
-                    "run they define (layout, tokenizer, shapes); print the earlyfuse-train command that starts "
-                    "RUN_DIR from its weights (train.init_from). Writes nothing.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("release", metavar="RELEASE", help="a release folder (earlyfuse-convert release)")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="the new run's folder (must have no checkpoint yet)")
-    p.add_argument("overrides", metavar="OVERRIDE", nargs="*",
-                   help="earlyfuse-train overrides of the new run (e.g. experiment=demo optim.lr=1e-4), checked now")
+        "run they define (layout, tokenizer, shapes); print the earlyfuse-train command that starts "
+        "RUN_DIR from its weights (train.init_from). Writes nothing.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "release", metavar="RELEASE", help="a release folder (earlyfuse-convert release)"
+    )
+    p.add_argument(
+        "run_dir", metavar="RUN_DIR", help="the new run's folder (must have no checkpoint yet)"
+    )
+    p.add_argument(
+        "overrides",
+        metavar="OVERRIDE",
+        nargs="*",
+        help="earlyfuse-train overrides of the new run (e.g. experiment=demo optim.lr=1e-4), checked now",
+    )
     p.set_defaults(run=run)

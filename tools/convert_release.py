@@ -16,6 +16,7 @@ Design choices:
   ``earlyfuse-generate`` encodes an image at the resolution the model was trained on.
 - A vtok run releases its visual tokenizer (``OUT/visual_tokenizer/``, ``task: vtok``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,24 @@ from pathlib import Path
 import torch
 
 from tools.convert_deepspeed import CheckpointError, consolidate, find_checkpoint, load_run_config
-from tools.release import (CONFIG, check_out, DTYPES, FORMAT, LAYOUT, TOKENIZER, VERSION, VISUAL, WEIGHTS, ReleaseError,
-                           check_state, dtype_name, meta_module, param_count, save_safetensors, write_release)
+from tools.release import (
+    CONFIG,
+    DTYPES,
+    FORMAT,
+    LAYOUT,
+    TOKENIZER,
+    VERSION,
+    VISUAL,
+    WEIGHTS,
+    ReleaseError,
+    check_out,
+    check_state,
+    dtype_name,
+    meta_module,
+    param_count,
+    save_safetensors,
+    write_release,
+)
 
 EXAMPLES = """\
 examples:
@@ -71,7 +88,7 @@ def find_tokenizers(run_cfg) -> tuple[Path | None, str]:
     """(the token data's tokenizers/ folder, "") or (None, why not)."""
     from data.loader.table import expand
 
-    if getattr(run_cfg.data, "tokenizers", None):     # the run named its tokenizer folder
+    if getattr(run_cfg.data, "tokenizers", None):  # the run named its tokenizer folder
         folder = Path(run_cfg.data.tokenizers)
         return (folder, "") if folder.is_dir() else (None, f"{folder} (data.tokenizers, missing)")
     tried = []
@@ -99,27 +116,49 @@ def check_tokenizers(folder: Path, layout) -> dict:
     from data.tokenize.visual import load_visual_tokenizer, weights_fingerprint
     from data.vocab import VocabLayout
 
-    need = [folder / TOKENIZER, folder / LAYOUT, folder / VISUAL / WEIGHTS, folder / VISUAL / CONFIG]
+    need = [
+        folder / TOKENIZER,
+        folder / LAYOUT,
+        folder / VISUAL / WEIGHTS,
+        folder / VISUAL / CONFIG,
+    ]
     missing = [str(p) for p in need if not p.is_file()]
     if missing:
-        raise ReleaseError(f"{folder}: tokenizer files missing: {', '.join(missing)} (pass --tokenizers DIR "
-                           "with tokenizer.json, vocab_layout.json and visual_tokenizer/, or --no-tokenizers)")
+        raise ReleaseError(
+            f"{folder}: tokenizer files missing: {', '.join(missing)} (pass --tokenizers DIR "
+            "with tokenizer.json, vocab_layout.json and visual_tokenizer/, or --no-tokenizers)"
+        )
     theirs = VocabLayout.load(folder / LAYOUT)
     if theirs.fingerprint() != layout.fingerprint():
-        raise ReleaseError(f"{folder / LAYOUT}: differs from the checkpoint's vocab_layout.json "
-                           f"({theirs.to_dict()['ranges']} vs {layout.to_dict()['ranges']}); these are not the "
-                           "tokenizers this model was trained with")
+        raise ReleaseError(
+            f"{folder / LAYOUT}: differs from the checkpoint's vocab_layout.json "
+            f"({theirs.to_dict()['ranges']} vs {layout.to_dict()['ranges']}); these are not the "
+            "tokenizers this model was trained with"
+        )
     try:
         text = TextTokenizer.load(folder)
         load_visual_tokenizer(folder / VISUAL, layout)
     except ValueError as e:
         raise ReleaseError(str(e)) from None
-    return {"layout": layout.fingerprint(), "text": text.fingerprint(), "visual": weights_fingerprint(folder / VISUAL)}
+    return {
+        "layout": layout.fingerprint(),
+        "text": text.fingerprint(),
+        "visual": weights_fingerprint(folder / VISUAL),
+    }
 
 
-def make_release(run_dir: str | Path, out: str | Path, *, step: int | None = None, dtype: str = "fp32",
-                 tokenizers: str | Path | None = None, no_tokenizers: bool = False, force: bool = False,
-                 command: list[str] | None = None, log=print) -> dict:
+def make_release(
+    run_dir: str | Path,
+    out: str | Path,
+    *,
+    step: int | None = None,
+    dtype: str = "fp32",
+    tokenizers: str | Path | None = None,
+    no_tokenizers: bool = False,
+    force: bool = False,
+    command: list[str] | None = None,
+    log=print,
+) -> dict:
     """Write the release of one checkpoint of ``run_dir`` to ``out``; returns its config.json."""
     from data.vocab import VocabLayout
 
@@ -130,14 +169,18 @@ def make_release(run_dir: str | Path, out: str | Path, *, step: int | None = Non
     run_cfg = load_run_config(cfg_path if cfg_path.is_file() else run_dir / "config.yaml")
     task = ckpt.meta.get("task", run_cfg.task)
     torch_dtype = DTYPES[dtype]
-    log(f"{ckpt.folder}: task {task}, step {ckpt.step}, ZeRO {ckpt.zero_stage}, {ckpt.meta['world_size']} rank(s)")
+    log(
+        f"{ckpt.folder}: task {task}, step {ckpt.step}, ZeRO {ckpt.zero_stage}, {ckpt.meta['world_size']} rank(s)"
+    )
 
     layout = tok_dir = None
     fingerprints, tok_options = None, {}
     if task == "lm":
         lp = ckpt.folder / LAYOUT
         if not lp.is_file():
-            raise CheckpointError(f"{lp}: missing; an LM checkpoint carries the vocabulary layout it was trained with")
+            raise CheckpointError(
+                f"{lp}: missing; an LM checkpoint carries the vocabulary layout it was trained with"
+            )
         layout = VocabLayout.load(lp)
         net_cfg = run_cfg.model.with_layout(layout)
         if not no_tokenizers:
@@ -148,9 +191,11 @@ def make_release(run_dir: str | Path, out: str | Path, *, step: int | None = Non
             else:
                 tok_dir, why = find_tokenizers(run_cfg)
                 if tok_dir is None:
-                    raise ReleaseError(f"{run_dir}: cannot find the token data's tokenizers/ folder (tried: {why}); "
-                                       "pass --tokenizers DIR (tokenizer.json, vocab_layout.json, visual_tokenizer/) "
-                                       "or --no-tokenizers for weights only")
+                    raise ReleaseError(
+                        f"{run_dir}: cannot find the token data's tokenizers/ folder (tried: {why}); "
+                        "pass --tokenizers DIR (tokenizer.json, vocab_layout.json, visual_tokenizer/) "
+                        "or --no-tokenizers for weights only"
+                    )
             fingerprints = check_tokenizers(tok_dir, layout)
             root = _token_manifest_dir(tok_dir.parent)
             if root is not None:
@@ -164,15 +209,27 @@ def make_release(run_dir: str | Path, out: str | Path, *, step: int | None = Non
     check_state(state, meta_module(task, net_cfg).state_dict(), str(ckpt.folder))
     state = {k: (v.to(torch_dtype) if v.is_floating_point() else v) for k, v in state.items()}
     n_params = param_count(state)
-    log(f"consolidated {len(state)} tensors, {n_params:,} parameters; shapes match the model config")
+    log(
+        f"consolidated {len(state)} tensors, {n_params:,} parameters; shapes match the model config"
+    )
 
     config = {
-        "format": FORMAT, "version": VERSION, "task": task,
+        "format": FORMAT,
+        "version": VERSION,
+        "task": task,
         **({"model": dataclasses.asdict(net_cfg)} if task == "lm" else {}),
-        "dtype": dtype_name(torch_dtype), "tensors": len(state), "parameters": n_params,
-        "source": {"run_dir": str(run_dir), "run_name": run_cfg.name, "tag": ckpt.tag, "step": ckpt.step,
-                   "zero_stage": ckpt.zero_stage, "world_size": ckpt.meta["world_size"],
-                   "bf16": bool(ckpt.meta.get("bf16", False))},
+        "dtype": dtype_name(torch_dtype),
+        "tensors": len(state),
+        "parameters": n_params,
+        "source": {
+            "run_dir": str(run_dir),
+            "run_name": run_cfg.name,
+            "tag": ckpt.tag,
+            "step": ckpt.step,
+            "zero_stage": ckpt.zero_stage,
+            "world_size": ckpt.meta["world_size"],
+            "bf16": bool(ckpt.meta.get("bf16", False)),
+        },
         **({"tokenizers": fingerprints, "tokenize": tok_options} if task == "lm" else {}),
         "created_by": {"command": command or [], "versions": _versions()},
     }
@@ -190,37 +247,71 @@ def make_release(run_dir: str | Path, out: str | Path, *, step: int | None = Non
         else:
             (folder / VISUAL).mkdir()
             save_safetensors(state, folder / VISUAL / WEIGHTS, meta)
-            (folder / VISUAL / CONFIG).write_text(json.dumps(dataclasses.asdict(net_cfg), indent=1) + "\n")
+            (folder / VISUAL / CONFIG).write_text(
+                json.dumps(dataclasses.asdict(net_cfg), indent=1) + "\n"
+            )
 
     config = write_release(out, config, write, force=force)
     log(f"wrote {out}: " + ", ".join(config["files"]))
     if task == "lm" and tok_dir is None:
-        log("note: no tokenizers in this release (--no-tokenizers): earlyfuse-generate cannot use it; "
-            "train.init_from can")
+        log(
+            "note: no tokenizers in this release (--no-tokenizers): earlyfuse-generate cannot use it; "
+            "train.init_from can"
+        )
     return config
 
 
 def run(args: argparse.Namespace) -> int:
-    make_release(args.run_dir, args.out, step=args.step, dtype=args.dtype, tokenizers=args.tokenizers,
-                 no_tokenizers=args.no_tokenizers, force=args.force,
-                 command=["earlyfuse-convert", *sys.argv[1:]] if sys.argv else None)
+    make_release(
+        args.run_dir,
+        args.out,
+        step=args.step,
+        dtype=args.dtype,
+        tokenizers=args.tokenizers,
+        no_tokenizers=args.no_tokenizers,
+        force=args.force,
+        command=["earlyfuse-convert", *sys.argv[1:]] if sys.argv else None,
+    )
     return 0
 
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "release", help="a DeepSpeed checkpoint (any ZeRO stage) -> a portable release folder",
+        "release",
+        help="a DeepSpeed checkpoint (any ZeRO stage) -> a portable release folder",
         description="Consolidate a checkpoint of RUN_DIR (any ZeRO stage, any world size, on CPU) into OUT: "
-                    "model.safetensors, config.json, vocab_layout.json, tokenizer.json, visual_tokenizer/. "
-                    "Tensor names and shapes are checked against the model the run's config builds.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", metavar="RUN_DIR", help="an earlyfuse-train run folder (with checkpoints/)")
-    p.add_argument("out", metavar="OUT", help="release folder to write (must not exist or be empty, see --force)")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: checkpoints/latest)")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="weight dtype stored (default fp32)")
-    p.add_argument("--tokenizers", metavar="DIR", default=None,
-                   help="the tokenizers/ folder of the token data (default: found from the run config's data.sources)")
-    p.add_argument("--no-tokenizers", action="store_true",
-                   help="weights, config and layout only (enough for train.init_from, not for earlyfuse-generate)")
+        "model.safetensors, config.json, vocab_layout.json, tokenizer.json, visual_tokenizer/. "
+        "Tensor names and shapes are checked against the model the run's config builds.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "run_dir", metavar="RUN_DIR", help="an earlyfuse-train run folder (with checkpoints/)"
+    )
+    p.add_argument(
+        "out",
+        metavar="OUT",
+        help="release folder to write (must not exist or be empty, see --force)",
+    )
+    p.add_argument(
+        "--step", type=int, default=None, help="checkpoint step (default: checkpoints/latest)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="weight dtype stored (default fp32)",
+    )
+    p.add_argument(
+        "--tokenizers",
+        metavar="DIR",
+        default=None,
+        help="the tokenizers/ folder of the token data (default: found from the run config's data.sources)",
+    )
+    p.add_argument(
+        "--no-tokenizers",
+        action="store_true",
+        help="weights, config and layout only (enough for train.init_from, not for earlyfuse-generate)",
+    )
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.set_defaults(run=run)

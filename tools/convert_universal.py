@@ -15,6 +15,7 @@ the visual tokenizer's crop stream continues from its position. The run says so.
 A ZeRO-0 checkpoint keeps whole copies of model and optimizer, so it resumes on another world
 size without this step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,30 +38,54 @@ def make_universal(run_dir, step: int | None = None, *, force: bool = False, log
     ck = find_checkpoint(run_dir, step)
     stage, world = int(ck.meta["zero_stage"]), int(ck.meta["world_size"])
     if stage == 0:
-        raise CheckpointError(f"{ck.folder}: a ZeRO-0 checkpoint holds whole copies of model and optimizer; it "
-                              "resumes on any world size as it is (no conversion needed)")
+        raise CheckpointError(
+            f"{ck.folder}: a ZeRO-0 checkpoint holds whole copies of model and optimizer; it "
+            "resumes on any world size as it is (no conversion needed)"
+        )
     out = ck.folder / UNIVERSAL
     if out.exists():
         if not force:
             raise CheckpointError(f"{out} exists (use --force to make it again)")
         shutil.rmtree(out)
-    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal, parse_arguments
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+    from deepspeed.checkpoint.ds_to_universal import parse_arguments
 
     # Our runs do not set Megatron's universal_checkpoint_info: DeepSpeed injects the default
     # (no tensor or pipeline parallelism to undo, which is what we have).
-    argv, sys.argv = sys.argv, ["ds_to_universal", "--input_folder", str(ck.folder), "--output_folder", str(out),
-                                "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"]
+    argv, sys.argv = (
+        sys.argv,
+        [
+            "ds_to_universal",
+            "--input_folder",
+            str(ck.folder),
+            "--output_folder",
+            str(out),
+            "--num_extract_workers",
+            "1",
+            "--num_merge_workers",
+            "1",
+            "--inject_missing_state",
+        ],
+    )
     try:
         ds_to_universal(parse_arguments())
     except (AssertionError, KeyError, RuntimeError, ValueError) as e:
         shutil.rmtree(out, ignore_errors=True)
-        raise CheckpointError(f"{ck.folder}: DeepSpeed could not make a universal checkpoint ({e})") from None
+        raise CheckpointError(
+            f"{ck.folder}: DeepSpeed could not make a universal checkpoint ({e})"
+        ) from None
     finally:
         sys.argv = argv
-    (out / "source.json").write_text(json.dumps({"step": ck.meta.get("step"), "world_size": world,
-                                                 "zero_stage": stage}, indent=1) + "\n")
-    log(f"wrote {out}: {ck.tag} (ZeRO {stage}, {world} rank(s)) as a universal checkpoint; "
-        f"`earlyfuse-train ... run_dir={ck.run_dir}` on any number of ranks resumes from it")
+    (out / "source.json").write_text(
+        json.dumps(
+            {"step": ck.meta.get("step"), "world_size": world, "zero_stage": stage}, indent=1
+        )
+        + "\n"
+    )
+    log(
+        f"wrote {out}: {ck.tag} (ZeRO {stage}, {world} rank(s)) as a universal checkpoint; "
+        f"`earlyfuse-train ... run_dir={ck.run_dir}` on any number of ranks resumes from it"
+    )
     return out
 
 
@@ -71,13 +96,20 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "universal", help="a ZeRO 1-3 checkpoint -> a DeepSpeed universal checkpoint (resume on another world size)",
+        "universal",
+        help="a ZeRO 1-3 checkpoint -> a DeepSpeed universal checkpoint (resume on another world size)",
         description="Write checkpoints/step_N/universal/ beside RUN_DIR's checkpoint: its optimizer and weight "
-                    "shards as one file per parameter, which a run with the same run_dir resumes from on any "
-                    "number of ranks. The LM's loader state is redistributed over the new ranks and "
-                    "workers: it goes on from where it was.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", metavar="RUN_DIR", help="an earlyfuse-train run folder (with checkpoints/)")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: checkpoints/latest)")
+        "shards as one file per parameter, which a run with the same run_dir resumes from on any "
+        "number of ranks. The LM's loader state is redistributed over the new ranks and "
+        "workers: it goes on from where it was.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "run_dir", metavar="RUN_DIR", help="an earlyfuse-train run folder (with checkpoints/)"
+    )
+    p.add_argument(
+        "--step", type=int, default=None, help="checkpoint step (default: checkpoints/latest)"
+    )
     p.add_argument("--force", action="store_true", help="make it again if it exists")
     p.set_defaults(run=run)

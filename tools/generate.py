@@ -20,6 +20,7 @@ Design choices:
   batch without padding, which ``generate`` does not take); a failing line gives an ``error``
   record and the others still run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -97,25 +98,57 @@ class Generator:
         return self._vtok
 
     # --- sampling ------------------------------------------------------------------------------
-    def _run(self, ids: list[int], modality: list[int], *, constraint, stop: list[int], max_new_tokens: int,
-             temperature: float, top_k: int, top_p: float, seed: int, image_ids: list[int] | None = None) -> list[int]:
+    def _run(
+        self,
+        ids: list[int],
+        modality: list[int],
+        *,
+        constraint,
+        stop: list[int],
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        seed: int,
+        image_ids: list[int] | None = None,
+    ) -> list[int]:
         from model.generate import SamplingConfig, generate
 
-        sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                  stop_ids=stop, pad_id=self.text.pad_id)
+        sampling = SamplingConfig(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            stop_ids=stop,
+            pad_id=self.text.pad_id,
+        )
         gen = torch.Generator(device=self.device).manual_seed(int(seed))
         prompt = torch.tensor([ids], dtype=torch.long, device=self.device)
         mod = torch.tensor([modality], dtype=torch.long, device=self.device)
-        img = torch.tensor([image_ids], dtype=torch.long, device=self.device) if image_ids is not None else None
-        out = generate(self.model, prompt, sampling=sampling, constraint=constraint, layout=self.layout,
-                       modality=mod, image_ids=img, generator=gen)
-        return out[0, len(ids):].tolist()
+        img = (
+            torch.tensor([image_ids], dtype=torch.long, device=self.device)
+            if image_ids is not None
+            else None
+        )
+        out = generate(
+            self.model,
+            prompt,
+            sampling=sampling,
+            constraint=constraint,
+            layout=self.layout,
+            modality=mod,
+            image_ids=img,
+            generator=gen,
+        )
+        return out[0, len(ids) :].tolist()
 
     def _text_constraint(self) -> TextOnly:
-        return TextOnly(self.model.cfg.vocab_size, self.layout.text_size, [self.text.pad_id, self.text.bos_id])
+        return TextOnly(
+            self.model.cfg.vocab_size, self.layout.text_size, [self.text.pad_id, self.text.bos_id]
+        )
 
     def _until_eos(self, new: list[int]) -> list[int]:
-        return new[:new.index(self.text.eos_id)] if self.text.eos_id in new else new
+        return new[: new.index(self.text.eos_id)] if self.text.eos_id in new else new
 
     # --- requests ------------------------------------------------------------------------------
     def continue_text(self, prompt: str, *, code: bool = False, **sampling) -> dict:
@@ -124,12 +157,19 @@ class Generator:
         body = self.text.encode(prompt)
         ids = [self.text.bos_id, *body]
         mod = [int(Modality.TEXT)] + [int(Modality.CODE if code else Modality.TEXT)] * len(body)
-        new = self._run(ids, mod, constraint=self._text_constraint(), stop=[self.text.eos_id], **sampling)
+        new = self._run(
+            ids, mod, constraint=self._text_constraint(), stop=[self.text.eos_id], **sampling
+        )
         kept = self._until_eos(new)
         # Decode prompt and continuation together, so a character split across the boundary is whole.
         full, head = self.text.decode(body + kept), self.text.decode(body)
-        cont = full[len(head):] if full.startswith(head) else self.text.decode(kept)
-        return {"kind": "text", "text": cont, "tokens": len(new), "stopped": self.text.eos_id in new}
+        cont = full[len(head) :] if full.startswith(head) else self.text.decode(kept)
+        return {
+            "kind": "text",
+            "text": cont,
+            "tokens": len(new),
+            "stopped": self.text.eos_id in new,
+        }
 
     def encode_image(self, path: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(ids, modality, code grid [H, W]) of an image file's block."""
@@ -139,9 +179,12 @@ class Generator:
 
         try:
             raw = Path(path).read_bytes()
-            prep = ImagePrep(factor=self.vtok.cfg.factor, max_pixels=self.image_max_pixels,
-                             max_grid=self.layout.max_grid)
-            arr = np.array(load_image(raw, prep))   # writable, as torch.from_numpy wants
+            prep = ImagePrep(
+                factor=self.vtok.cfg.factor,
+                max_pixels=self.image_max_pixels,
+                max_grid=self.layout.max_grid,
+            )
+            arr = np.array(load_image(raw, prep))  # writable, as torch.from_numpy wants
         except (OSError, ValueError) as e:
             raise ReleaseError(f"{path}: cannot read the image ({e})") from None
         with torch.no_grad():
@@ -156,64 +199,125 @@ class Generator:
         ids = [self.text.bos_id, *block.tolist(), *body]
         mod = [int(Modality.TEXT), *bmod.tolist(), *[int(Modality.TEXT)] * len(body)]
         image_ids = None
-        if self.model.cfg.attention.bidirectional_images:   # the block sees itself both ways, as in training
+        if (
+            self.model.cfg.attention.bidirectional_images
+        ):  # the block sees itself both ways, as in training
             image_ids = [-1] + [0] * len(block) + [-1] * len(body)
-        new = self._run(ids, mod, constraint=self._text_constraint(), stop=[self.text.eos_id],
-                        image_ids=image_ids, **sampling)
-        return {"kind": "caption", "text": self.text.decode(self._until_eos(new)), "tokens": len(new),
-                "stopped": self.text.eos_id in new, "image_grid": list(codes.shape)}
+        new = self._run(
+            ids,
+            mod,
+            constraint=self._text_constraint(),
+            stop=[self.text.eos_id],
+            image_ids=image_ids,
+            **sampling,
+        )
+        return {
+            "kind": "caption",
+            "text": self.text.decode(self._until_eos(new)),
+            "tokens": len(new),
+            "stopped": self.text.eos_id in new,
+            "image_grid": list(codes.shape),
+        }
 
     def default_max_size(self) -> int:
         """The square grid of the training pixel budget (e.g. 256x256 px at factor 8 -> 32)."""
         side = int(math.sqrt(self.image_max_pixels)) // self.vtok.cfg.factor
         return max(1, min(self.layout.max_grid, side))
 
-    def draw(self, prompt: str, out: str | Path, *, size: tuple[int, int] | None = None,
-             max_size: int | None = None, max_new_tokens: int | None = None, **sampling) -> dict:
+    def draw(
+        self,
+        prompt: str,
+        out: str | Path,
+        *,
+        size: tuple[int, int] | None = None,
+        max_size: int | None = None,
+        max_new_tokens: int | None = None,
+        **sampling,
+    ) -> dict:
         from data.layout import image_block_len, parse_image
-        from model.generate import ImageConstraint
         from data.vocab import Modality
+        from model.generate import ImageConstraint
 
         lay = self.layout
         boi, eoi = lay.structure_id("<boi>"), lay.structure_id("<eoi>")
         m = max_size or self.default_max_size()
-        need = image_block_len(*size) - 1 if size else image_block_len(m, m) - 1   # everything after <boi>
+        need = (
+            image_block_len(*size) - 1 if size else image_block_len(m, m) - 1
+        )  # everything after <boi>
         body = self.text.encode(prompt)
         ids = [self.text.bos_id, *body, boi]
         mod = [int(Modality.TEXT)] * (len(ids) - 1) + [int(Modality.STRUCTURE)]
         try:
-            constraint = ImageConstraint(lay, 1, vocab_size=self.model.cfg.vocab_size, max_h=m, max_w=m, size=size)
+            constraint = ImageConstraint(
+                lay, 1, vocab_size=self.model.cfg.vocab_size, max_h=m, max_w=m, size=size
+            )
         except ValueError as e:
             raise ReleaseError(f"--size: {e}") from None
-        new = self._run(ids, mod, constraint=constraint, stop=[eoi], max_new_tokens=max(need, max_new_tokens or 0),
-                        **sampling)
-        block = [boi, *new[:new.index(eoi) + 1]] if eoi in new else [boi, *new]
-        codes = parse_image(block, lay)     # the grammar guarantees a well-formed block
+        new = self._run(
+            ids,
+            mod,
+            constraint=constraint,
+            stop=[eoi],
+            max_new_tokens=max(need, max_new_tokens or 0),
+            **sampling,
+        )
+        block = [boi, *new[: new.index(eoi) + 1]] if eoi in new else [boi, *new]
+        codes = parse_image(block, lay)  # the grammar guarantees a well-formed block
         with torch.no_grad():
             img = self.vtok.decode(torch.from_numpy(codes)[None].to(self.device))[0]
-        arr = ((img.float().cpu().permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).numpy()
+        arr = (
+            ((img.float().cpu().permute(1, 2, 0) + 1) * 127.5)
+            .round()
+            .clamp(0, 255)
+            .to(torch.uint8)
+            .numpy()
+        )
         from PIL import Image
+
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
         Image.fromarray(arr, "RGB").save(out, format="PNG")
-        return {"kind": "draw", "out": str(out), "grid": list(codes.shape), "pixels": [arr.shape[1], arr.shape[0]],
-                "tokens": len(new)}
+        return {
+            "kind": "draw",
+            "out": str(out),
+            "grid": list(codes.shape),
+            "pixels": [arr.shape[1], arr.shape[0]],
+            "tokens": len(new),
+        }
 
     def request(self, req: dict, defaults: dict) -> dict:
         """One request (a JSONL line, or the command line's) -> its result record."""
-        known = {"id", "prompt", "code", "image", "caption", "draw", "out", "size", "max_size", *SAMPLING_KEYS}
+        known = {
+            "id",
+            "prompt",
+            "code",
+            "image",
+            "caption",
+            "draw",
+            "out",
+            "size",
+            "max_size",
+            *SAMPLING_KEYS,
+        }
         unknown = sorted(set(req) - known)
         if unknown:
             raise ReleaseError(f"unknown request keys {unknown}; known: {sorted(known)}")
         s = {k: req.get(k, defaults[k]) for k in SAMPLING_KEYS}
-        s = {"max_new_tokens": int(s["max_new_tokens"]), "temperature": float(s["temperature"]),
-             "top_k": int(s["top_k"]), "top_p": float(s["top_p"]), "seed": int(s["seed"])}
+        s = {
+            "max_new_tokens": int(s["max_new_tokens"]),
+            "temperature": float(s["temperature"]),
+            "top_k": int(s["top_k"]),
+            "top_p": float(s["top_p"]),
+            "seed": int(s["seed"]),
+        }
         if req.get("draw") is not None:
             if not req.get("out"):
                 raise ReleaseError("a draw request needs 'out' (the PNG to write)")
             size = parse_size(req["size"]) if req.get("size") else None
             s.pop("max_new_tokens")
-            res = self.draw(str(req["draw"]), req["out"], size=size, max_size=req.get("max_size"), **s)
+            res = self.draw(
+                str(req["draw"]), req["out"], size=size, max_size=req.get("max_size"), **s
+            )
         elif req.get("image") is not None:
             res = self.caption(req["image"], str(req.get("prompt") or ""), **s)
         elif req.get("prompt") is not None:
@@ -248,45 +352,82 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="earlyfuse-generate",
         description="Sample from an earlyfuse release (earlyfuse-convert release): continue text or code, caption "
-                    "an image, draw an image to PNG, or run a JSONL file of requests. KV-cached; CPU by default.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "an image, draw an image to PNG, or run a JSONL file of requests. KV-cached; CPU by default.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("release", metavar="RELEASE", help="a release folder")
     p.add_argument("--prompt", help="text to continue (with --image: the start of the caption)")
     p.add_argument("--image", metavar="PATH", help="an image file to caption (with --caption)")
     p.add_argument("--draw", metavar="TEXT", help="draw an image from TEXT (needs --out)")
-    p.add_argument("--batch", metavar="JSONL", help="one request per line (see below); '-' reads stdin")
-    p.add_argument("--caption", action="store_true", help="caption --image (what an image prompt does; may be left out)")
-    p.add_argument("--code", action="store_true", help="the prompt is code (modality code instead of text)")
+    p.add_argument(
+        "--batch", metavar="JSONL", help="one request per line (see below); '-' reads stdin"
+    )
+    p.add_argument(
+        "--caption",
+        action="store_true",
+        help="caption --image (what an image prompt does; may be left out)",
+    )
+    p.add_argument(
+        "--code", action="store_true", help="the prompt is code (modality code instead of text)"
+    )
     p.add_argument("--out", metavar="PNG", help="where --draw writes its image")
-    p.add_argument("--size", metavar="HxW", help="--draw: a fixed grid in tokens (pixels = tokens x the "
-                   "visual tokenizer's factor)")
-    p.add_argument("--max-size", type=int, default=None, help="--draw: largest grid side the model may choose "
-                   "(default: the square grid of the training pixel budget)")
+    p.add_argument(
+        "--size",
+        metavar="HxW",
+        help="--draw: a fixed grid in tokens (pixels = tokens x the visual tokenizer's factor)",
+    )
+    p.add_argument(
+        "--max-size",
+        type=int,
+        default=None,
+        help="--draw: largest grid side the model may choose "
+        "(default: the square grid of the training pixel budget)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=64, help="text and captions (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", metavar="JSONL", help="--batch: write results here instead of stdout")
+    p.add_argument(
+        "--output", metavar="JSONL", help="--batch: write results here instead of stdout"
+    )
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype (default fp32)")
+    p.add_argument(
+        "--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype (default fp32)"
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    modes = [m for m, on in (("--prompt", args.prompt is not None and not args.image), ("--image", args.image),
-                                 ("--draw", args.draw is not None), ("--batch", args.batch)) if on]
+    modes = [
+        m
+        for m, on in (
+            ("--prompt", args.prompt is not None and not args.image),
+            ("--image", args.image),
+            ("--draw", args.draw is not None),
+            ("--batch", args.batch),
+        )
+        if on
+    ]
     if len(modes) != 1:
-        p.error("give one of --prompt TEXT, --image PATH --caption, --draw TEXT --out PNG, --batch JSONL"
-                + (f" (got {' '.join(modes)})" if modes else ""))
+        p.error(
+            "give one of --prompt TEXT, --image PATH --caption, --draw TEXT --out PNG, --batch JSONL"
+            + (f" (got {' '.join(modes)})" if modes else "")
+        )
     if args.caption and not args.image:
         p.error("--caption needs --image PATH")
     if args.draw is not None and not args.out:
         p.error("--draw needs --out PNG")
-    defaults = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
-                "top_p": args.top_p, "seed": args.seed}
+    defaults = {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+    }
     try:
         gen = Generator(Release(args.release), torch.device(args.device), DTYPES[args.dtype])
         if args.batch:
@@ -302,8 +443,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"earlyfuse-generate: error: {e}", file=sys.stderr)
         return 1
     if res["kind"] == "draw":
-        print(f"wrote {res['out']}: {res['grid'][0]}x{res['grid'][1]} tokens, "
-              f"{res['pixels'][0]}x{res['pixels'][1]} pixels")
+        print(
+            f"wrote {res['out']}: {res['grid'][0]}x{res['grid'][1]} tokens, "
+            f"{res['pixels'][0]}x{res['pixels'][1]} pixels"
+        )
     else:
         write_utf8(res["text"] + "\n")
     return 0
@@ -311,7 +454,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_batch(gen: Generator, path: str, output: str | None, defaults: dict) -> int:
     try:
-        lines = (sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")).splitlines()
+        lines = (
+            sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+        ).splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise ReleaseError(f"{path}: cannot read the requests ({e})") from None
     out = open(output, "w", encoding="utf-8") if output else None
@@ -326,10 +471,13 @@ def run_batch(gen: Generator, path: str, output: str | None, defaults: dict) -> 
                 if not isinstance(req, dict):
                     raise ReleaseError("a request is a JSON object")
                 rec = {"line": n, **gen.request(req, defaults)}
-            except (ValueError, ReleaseError) as e:   # json errors are ValueErrors
+            except (ValueError, ReleaseError) as e:  # json errors are ValueErrors
                 failed += 1
-                rec = {"line": n, **({"id": req["id"]} if isinstance(req, dict) and "id" in req else {}),
-                       "error": str(e)}
+                rec = {
+                    "line": n,
+                    **({"id": req["id"]} if isinstance(req, dict) and "id" in req else {}),
+                    "error": str(e),
+                }
             text = json.dumps(rec, ensure_ascii=False) + "\n"
             if out:
                 out.write(text)
@@ -340,7 +488,10 @@ def run_batch(gen: Generator, path: str, output: str | None, defaults: dict) -> 
         if out:
             out.close()
     if failed:
-        print(f"earlyfuse-generate: {failed} of {len(lines)} request(s) failed (see their 'error')", file=sys.stderr)
+        print(
+            f"earlyfuse-generate: {failed} of {len(lines)} request(s) failed (see their 'error')",
+            file=sys.stderr,
+        )
     return 1 if failed else 0
 
 

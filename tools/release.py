@@ -22,6 +22,7 @@ Design choices:
   fingerprints) and that every tensor fits; config fields that differ without changing a shape
   (e.g. ``rope.theta``) are reported and the run's own values win.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,7 +42,12 @@ WEIGHTS = "model.safetensors"
 LAYOUT = "vocab_layout.json"
 TOKENIZER = "tokenizer.json"
 VISUAL = "visual_tokenizer"
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+}
 
 
 class ReleaseError(ValueError):
@@ -69,24 +75,35 @@ def meta_module(task: str, cfg):
         return cfg.build()
 
 
-def check_state(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], where: str,
-                hint: str = "") -> None:
+def check_state(
+    state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], where: str, hint: str = ""
+) -> None:
     """Same tensor names and shapes as ``reference`` and all finite, or a ReleaseError naming the
     first offending tensor (``hint`` is appended, e.g. a config diff)."""
     tail = f"\n{hint}" if hint else ""
     missing = [k for k in reference if k not in state]
     extra = [k for k in state if k not in reference]
     if missing or extra:
-        what = (f"tensor {missing[0]!r} is missing" if missing else f"tensor {extra[0]!r} is not in the model")
-        raise ReleaseError(f"{where}: {what} ({len(state)} tensors found, the model has {len(reference)}; "
-                           f"missing {missing[:5]}, unexpected {extra[:5]}){tail}")
+        what = (
+            f"tensor {missing[0]!r} is missing"
+            if missing
+            else f"tensor {extra[0]!r} is not in the model"
+        )
+        raise ReleaseError(
+            f"{where}: {what} ({len(state)} tensors found, the model has {len(reference)}; "
+            f"missing {missing[:5]}, unexpected {extra[:5]}){tail}"
+        )
     for k, ref in reference.items():
         if tuple(state[k].shape) != tuple(ref.shape):
-            raise ReleaseError(f"{where}: tensor {k!r} has shape {list(state[k].shape)}, the model expects "
-                               f"{list(ref.shape)}{tail}")
+            raise ReleaseError(
+                f"{where}: tensor {k!r} has shape {list(state[k].shape)}, the model expects "
+                f"{list(ref.shape)}{tail}"
+            )
         t = state[k]
         if t.is_floating_point() and t.device.type != "meta" and not bool(torch.isfinite(t).all()):
-            raise ReleaseError(f"{where}: tensor {k!r} holds NaN or Inf values (the run diverged before this step?)")
+            raise ReleaseError(
+                f"{where}: tensor {k!r} holds NaN or Inf values (the run diverged before this step?)"
+            )
 
 
 def flat(d: dict, prefix: str = "") -> dict:
@@ -100,15 +117,31 @@ def flat(d: dict, prefix: str = "") -> dict:
 
 
 # Settings of training or of the kernels, not of the function the weights compute: never reported.
-NOT_ARCHITECTURE = {"activation_checkpoint_every", "init_std", "attention.backend", "attention.compile_flex",
-                    "loss.chunk_size", "loss.z_loss_coef", "loss.ignore_index", "moe.capacity_factor",
-                    "moe.load_balance_coef", "moe.router_z_coef", "l1", "l2", "grad", "entropy"}
+NOT_ARCHITECTURE = {
+    "activation_checkpoint_every",
+    "init_std",
+    "attention.backend",
+    "attention.compile_flex",
+    "loss.chunk_size",
+    "loss.z_loss_coef",
+    "loss.ignore_index",
+    "moe.capacity_factor",
+    "moe.load_balance_coef",
+    "moe.router_z_coef",
+    "l1",
+    "l2",
+    "grad",
+    "entropy",
+}
 
 
 def config_diff(a: dict, b: dict, section: str, names=("release", "run")) -> list[str]:
     fa, fb = flat(a), flat(b)
-    return [f"  {section}.{k}: {names[0]} {fa.get(k)!r}, {names[1]} {fb.get(k)!r}"
-            for k in sorted(set(fa) | set(fb)) if k not in NOT_ARCHITECTURE and fa.get(k) != fb.get(k)]
+    return [
+        f"  {section}.{k}: {names[0]} {fa.get(k)!r}, {names[1]} {fb.get(k)!r}"
+        for k in sorted(set(fa) | set(fb))
+        if k not in NOT_ARCHITECTURE and fa.get(k) != fb.get(k)
+    ]
 
 
 # --- writing -----------------------------------------------------------------------------------
@@ -137,7 +170,7 @@ def write_release(out: str | Path, config: dict, write_files, *, force: bool = F
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         mask = os.umask(0)
         os.umask(mask)
-        for p in files:   # safetensors writes 0600; a release is meant to be shared
+        for p in files:  # safetensors writes 0600; a release is meant to be shared
             os.chmod(p, 0o666 & ~mask)
         config = {**config, "files": {p.relative_to(tmp).as_posix(): sha256_file(p) for p in files}}
         (tmp / CONFIG).write_text(json.dumps(config, indent=1, sort_keys=False) + "\n")
@@ -158,18 +191,26 @@ class Release:
         self.path = Path(path)
         cfg_path = self.path / CONFIG
         if not self.path.is_dir():
-            raise ReleaseError(f"{self.path}: not a folder (a release is the folder `earlyfuse-convert release` wrote)")
+            raise ReleaseError(
+                f"{self.path}: not a folder (a release is the folder `earlyfuse-convert release` wrote)"
+            )
         try:
             self.config = json.loads(cfg_path.read_text())
         except FileNotFoundError:
-            raise ReleaseError(f"{cfg_path}: missing; {self.path} is not a release folder") from None
+            raise ReleaseError(
+                f"{cfg_path}: missing; {self.path} is not a release folder"
+            ) from None
         except (OSError, ValueError) as e:
             raise ReleaseError(f"{cfg_path}: unreadable or corrupted ({e})") from None
         if self.config.get("format") != FORMAT:
-            raise ReleaseError(f"{cfg_path}: format {self.config.get('format')!r}, expected {FORMAT!r}")
+            raise ReleaseError(
+                f"{cfg_path}: format {self.config.get('format')!r}, expected {FORMAT!r}"
+            )
         if int(self.config.get("version", 0)) > VERSION:
-            raise ReleaseError(f"{cfg_path}: release version {self.config['version']} is newer than this "
-                               f"earlyfuse reads ({VERSION}); update earlyfuse")
+            raise ReleaseError(
+                f"{cfg_path}: release version {self.config['version']} is newer than this "
+                f"earlyfuse reads ({VERSION}); update earlyfuse"
+            )
         self.task = self.config.get("task", "lm")
         missing = [f for f in self.config.get("files", {}) if not (self.path / f).is_file()]
         if missing:
@@ -189,8 +230,10 @@ class Release:
             except ValueError as e:
                 raise ReleaseError(str(e)) from None
             if self.layout.size != self.model_cfg.vocab_size:
-                raise ReleaseError(f"{self.path / LAYOUT}: {self.layout.size} ids, but config.json's model has "
-                                   f"vocab_size {self.model_cfg.vocab_size}")
+                raise ReleaseError(
+                    f"{self.path / LAYOUT}: {self.layout.size} ids, but config.json's model has "
+                    f"vocab_size {self.model_cfg.vocab_size}"
+                )
 
     @property
     def step(self) -> int | None:
@@ -204,8 +247,10 @@ class Release:
         """Every file's sha256 against config.json (catches corruption inside a file)."""
         for name, digest in self.config.get("files", {}).items():
             if sha256_file(self.path / name) != digest:
-                raise ReleaseError(f"{self.path / name}: sha256 differs from the one recorded in {CONFIG}; "
-                                   "the file is corrupted or was changed after the release was written")
+                raise ReleaseError(
+                    f"{self.path / name}: sha256 differs from the one recorded in {CONFIG}; "
+                    "the file is corrupted or was changed after the release was written"
+                )
 
     def _load_safetensors(self, path: Path) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
@@ -214,29 +259,43 @@ class Release:
             raise ReleaseError(f"{path}: file missing")
         try:
             return load_file(str(path))
-        except Exception as e:  # safetensors raises SafetensorError / OSError for cut or damaged files
-            raise ReleaseError(f"{path}: unreadable, truncated or corrupted safetensors file ({e})") from None
+        except (
+            Exception
+        ) as e:  # safetensors raises SafetensorError / OSError for cut or damaged files
+            raise ReleaseError(
+                f"{path}: unreadable, truncated or corrupted safetensors file ({e})"
+            ) from None
 
-    def state_dict(self, dtype: torch.dtype | None = torch.float32, *, verify: bool = True) -> dict[str, torch.Tensor]:
+    def state_dict(
+        self, dtype: torch.dtype | None = torch.float32, *, verify: bool = True
+    ) -> dict[str, torch.Tensor]:
         """The weights (the transformer's for lm, the visual tokenizer's for vtok), checked."""
         if verify:
             self.verify_files()
         if self.task == "lm":
             path, ref = self.path / WEIGHTS, meta_module("lm", self.model_cfg).state_dict()
         else:
-            path, ref = self.path / VISUAL / WEIGHTS, meta_module("vtok", self.visual_config()).state_dict()
+            path, ref = (
+                self.path / VISUAL / WEIGHTS,
+                meta_module("vtok", self.visual_config()).state_dict(),
+            )
         state = self._load_safetensors(path)
         check_state(state, ref, str(path))
         return {k: v.to(dtype) for k, v in state.items()} if dtype is not None else state
 
-    def build_model(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, *,
-                    verify: bool = True):
+    def build_model(
+        self,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        *,
+        verify: bool = True,
+    ):
         """The transformer with the release's weights, in eval mode."""
         if self.task != "lm":
             raise ReleaseError(f"{self.path}: a {self.task} release holds no language model")
         state = self.state_dict(dtype=dtype, verify=verify)
         model = self.model_cfg.build("meta")
-        if any(True for _ in model.buffers()):   # a buffer not in the state dict needs a real init
+        if any(True for _ in model.buffers()):  # a buffer not in the state dict needs a real init
             model = self.model_cfg.build(device)
         else:
             model = model.to_empty(device=device)
@@ -247,8 +306,10 @@ class Release:
         from data.text_tokenizer import TextTokenizer
 
         if not (self.path / TOKENIZER).is_file():
-            raise ReleaseError(f"{self.path}: no {TOKENIZER} (released with --no-tokenizers); text cannot be "
-                               "encoded or decoded")
+            raise ReleaseError(
+                f"{self.path}: no {TOKENIZER} (released with --no-tokenizers); text cannot be "
+                "encoded or decoded"
+            )
         try:
             return TextTokenizer.load(self.path)
         except ValueError as e:
@@ -259,8 +320,10 @@ class Release:
 
         p = self.path / VISUAL / CONFIG
         if not p.is_file():
-            raise ReleaseError(f"{self.path}: no {VISUAL}/ (released with --no-tokenizers); images cannot be "
-                               "encoded or decoded")
+            raise ReleaseError(
+                f"{self.path}: no {VISUAL}/ (released with --no-tokenizers); images cannot be "
+                "encoded or decoded"
+            )
         try:
             return VisualTokenizerConfig(**json.loads(p.read_text()))
         except (OSError, ValueError, TypeError) as e:
@@ -269,8 +332,10 @@ class Release:
     def visual_tokenizer(self, device: torch.device | str = "cpu"):
         cfg = self.visual_config()
         if self.layout is not None and tuple(cfg.levels) != tuple(self.layout.fsq_levels):
-            raise ReleaseError(f"{self.path / VISUAL}: FSQ levels {cfg.levels} differ from the layout's "
-                               f"{list(self.layout.fsq_levels)}")
+            raise ReleaseError(
+                f"{self.path / VISUAL}: FSQ levels {cfg.levels} differ from the layout's "
+                f"{list(self.layout.fsq_levels)}"
+            )
         state = self._load_safetensors(self.path / VISUAL / WEIGHTS)
         with torch.device("meta"):
             ref = cfg.build().state_dict()
@@ -281,8 +346,17 @@ class Release:
 
 
 # --- train.init_from ---------------------------------------------------------------------------------
-def check_compatible(rel: Release, *, task: str, net_cfg, reference: dict, layout=None, tok_folder=None,
-                     state: dict | None = None, where: str = "") -> list[str]:
+def check_compatible(
+    rel: Release,
+    *,
+    task: str,
+    net_cfg,
+    reference: dict,
+    layout=None,
+    tok_folder=None,
+    state: dict | None = None,
+    where: str = "",
+) -> list[str]:
     """Can ``rel`` start a run of ``task`` whose network is ``net_cfg`` (state dict ``reference``)
     on token data made with ``layout`` and the text tokenizer in ``tok_folder``? Raises naming what
     differs; returns the config fields that differ without changing a shape."""
@@ -291,21 +365,34 @@ def check_compatible(rel: Release, *, task: str, net_cfg, reference: dict, layou
         raise ReleaseError(f"{where}: a {rel.task} release cannot start a {task} run")
     if task == "lm":
         if layout is not None and rel.layout.fingerprint() != layout.fingerprint():
-            raise ReleaseError(f"{where}: its vocabulary layout {rel.layout.to_dict()['ranges']} differs from the "
-                               f"run's token data ({layout.to_dict()['ranges']}, {tok_folder}); the ids would mean "
-                               "different things. Tokenize the data with the release's tokenizers.")
+            raise ReleaseError(
+                f"{where}: its vocabulary layout {rel.layout.to_dict()['ranges']} differs from the "
+                f"run's token data ({layout.to_dict()['ranges']}, {tok_folder}); the ids would mean "
+                "different things. Tokenize the data with the release's tokenizers."
+            )
         if tok_folder is not None and (rel.path / TOKENIZER).is_file():
             from data.text_tokenizer import TextTokenizer
+
             if rel.text_tokenizer().fingerprint() != TextTokenizer.load(tok_folder).fingerprint():
-                raise ReleaseError(f"{where}: its text tokenizer differs from the one the run's token data was made "
-                                   f"with ({tok_folder}); the ids would mean different things")
+                raise ReleaseError(
+                    f"{where}: its text tokenizer differs from the one the run's token data was made "
+                    f"with ({tok_folder}); the ids would mean different things"
+                )
         diff = config_diff(dataclasses.asdict(rel.model_cfg), dataclasses.asdict(net_cfg), "model")
     else:
-        diff = config_diff(dataclasses.asdict(rel.visual_config()), dataclasses.asdict(net_cfg), "vtok")
+        diff = config_diff(
+            dataclasses.asdict(rel.visual_config()), dataclasses.asdict(net_cfg), "vtok"
+        )
     if state is None:
-        state = meta_module(task, rel.model_cfg if task == "lm" else rel.visual_config()).state_dict()
-    check_state(state, reference, where,
-                hint=("config differences (release vs this run):\n" + "\n".join(diff)) if diff else "")
+        state = meta_module(
+            task, rel.model_cfg if task == "lm" else rel.visual_config()
+        ).state_dict()
+    check_state(
+        state,
+        reference,
+        where,
+        hint=("config differences (release vs this run):\n" + "\n".join(diff)) if diff else "",
+    )
     return diff
 
 
@@ -315,25 +402,41 @@ def init_from_release(model, cfg, task, is_main: bool = True) -> bool:
     say = print if is_main else (lambda *a, **k: None)
     ckpt_latest = Path(cfg.run_dir) / "checkpoints" / "latest"
     if cfg.train.resume and ckpt_latest.is_file():
-        say(f"train.init_from={cfg.train.init_from}: ignored, the run resumes from its own checkpoint "
-            f"{ckpt_latest.read_text().strip()}", flush=True)
+        say(
+            f"train.init_from={cfg.train.init_from}: ignored, the run resumes from its own checkpoint "
+            f"{ckpt_latest.read_text().strip()}",
+            flush=True,
+        )
         return False
     rel = Release(cfg.train.init_from)
     state = rel.state_dict(dtype=None)
     own = model.state_dict()
     lm = cfg.task == "lm"
-    diff = check_compatible(rel, task=cfg.task, net_cfg=model.cfg if lm else cfg.vtok, reference=own,
-                            layout=task.layout if lm else None, tok_folder=task.tok_folder if lm else None,
-                            state=state, where=f"train.init_from={rel.path}")
+    diff = check_compatible(
+        rel,
+        task=cfg.task,
+        net_cfg=model.cfg if lm else cfg.vtok,
+        reference=own,
+        layout=task.layout if lm else None,
+        tok_folder=task.tok_folder if lm else None,
+        state=state,
+        where=f"train.init_from={rel.path}",
+    )
     with torch.no_grad():
         for k, v in own.items():
             v.copy_(state[k].to(v.dtype))
     src = rel.config.get("source", {})
-    say(f"initialised from release {rel.path} (step {src.get('step')} of {src.get('run_dir')}): "
-        f"{len(state)} tensors, {param_count(state):,} parameters", flush=True)
+    say(
+        f"initialised from release {rel.path} (step {src.get('step')} of {src.get('run_dir')}): "
+        f"{len(state)} tensors, {param_count(state):,} parameters",
+        flush=True,
+    )
     if diff:
-        say("note: the run's config differs from the release's in fields that change no shape; the run's "
-            "values are used:\n" + "\n".join(diff), flush=True)
+        say(
+            "note: the run's config differs from the release's in fields that change no shape; the run's "
+            "values are used:\n" + "\n".join(diff),
+            flush=True,
+        )
     return True
 
 

@@ -7,6 +7,7 @@ dataclasses once and hands them to ``train.run.Run``.
     torchrun --nproc_per_node 2 -m train.app experiment=vtok_debug deepspeed.zero_stage=2
     deepspeed --num_gpus 8 --module train.app experiment=...   (--local_rank is handled)
 """
+
 from __future__ import annotations
 
 import sys
@@ -37,7 +38,7 @@ def hydra_main(cfg: DictConfig) -> None:
     run_cfg, resolved = to_run_config(cfg)
     try:
         Run(run_cfg, resolved)()
-    except RunHalted as e:   # a monitor's decision, not a crash: no traceback, a distinct exit code
+    except RunHalted as e:  # a monitor's decision, not a crash: no traceback, a distinct exit code
         print(f"earlyfuse-train: {e}", file=sys.stderr)
         sys.exit(3)
 

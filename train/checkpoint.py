@@ -10,6 +10,7 @@ Design choices:
   leaves ``latest`` on the previous checkpoint; the half-written folder is removed on resume.
 - keep-last-N: older checkpoints are deleted after ``latest`` has moved.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,10 +34,18 @@ def tag_for(step: int) -> str:
 
 def rng_state() -> dict:
     np_state = np.random.get_state()
-    state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
-             "python_version": random.getstate()[0], "python_gauss": random.getstate()[2],
-             "numpy": {"key": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
-                       "has_gauss": int(np_state[3]), "gauss": float(np_state[4])}}
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": list(random.getstate()[1]),
+        "python_version": random.getstate()[0],
+        "python_gauss": random.getstate()[2],
+        "numpy": {
+            "key": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "gauss": float(np_state[4]),
+        },
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -46,7 +55,9 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate((state["python_version"], tuple(state["python"]), state["python_gauss"]))
     n = state["numpy"]
-    np.random.set_state(("MT19937", n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    np.random.set_state(
+        ("MT19937", n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"])
+    )
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -64,7 +75,9 @@ class Checkpointer:
             return None
         tag = p.read_text().strip()
         if not TAG.match(tag) or not (self.dir / tag / "meta.json").is_file():
-            raise ValueError(f"{p} names {tag!r}, which is not a complete checkpoint; delete {p} to start over")
+            raise ValueError(
+                f"{p} names {tag!r}, which is not a complete checkpoint; delete {p} to start over"
+            )
         return tag
 
     def meta(self, tag: str) -> dict:
@@ -75,14 +88,21 @@ class Checkpointer:
         ZeRO-0 checkpoint as it is, and from a ZeRO 1-3 one through its universal/ conversion."""
         meta = self.meta(tag)
         if meta["zero_stage"] != zero_stage:
-            raise ValueError(f"{self.dir / tag} was written with ZeRO stage {meta['zero_stage']}; this run uses "
-                             f"{zero_stage}. Resume with deepspeed.zero_stage={meta['zero_stage']}.")
-        if meta["world_size"] != self.dist.world_size and zero_stage > 0 and not self.universal(tag):
+            raise ValueError(
+                f"{self.dir / tag} was written with ZeRO stage {meta['zero_stage']}; this run uses "
+                f"{zero_stage}. Resume with deepspeed.zero_stage={meta['zero_stage']}."
+            )
+        if (
+            meta["world_size"] != self.dist.world_size
+            and zero_stage > 0
+            and not self.universal(tag)
+        ):
             raise ValueError(
                 f"{self.dir / tag} was written by {meta['world_size']} rank(s); this run has "
                 f"{self.dist.world_size}. Its ZeRO-{zero_stage} shards fit only that world size: make a universal "
                 f"checkpoint with `earlyfuse-convert universal {self.dir.parent}` and rerun this command, or run "
-                f"with {meta['world_size']} rank(s).")
+                f"with {meta['world_size']} rank(s)."
+            )
         return meta
 
     def universal(self, tag: str) -> bool:
@@ -92,8 +112,9 @@ class Checkpointer:
         """Load a checkpoint written by another world size: (client state, this rank's own state if
         the old world had this rank, else None)."""
         load_dir, t = (self.dir / tag, "universal") if zero_stage > 0 else (self.dir, tag)
-        path, client = engine.load_checkpoint(str(load_dir), tag=t, load_optimizer_states=True,
-                                              load_lr_scheduler_states=True)
+        path, client = engine.load_checkpoint(
+            str(load_dir), tag=t, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
         if path is None:
             raise ValueError(f"{load_dir / t}: DeepSpeed could not load this checkpoint")
         rank_file = self.dir / tag / f"rank_{self.dist.rank:05d}.pt"
@@ -109,14 +130,17 @@ class Checkpointer:
             try:
                 out.append(torch.load(f, weights_only=True)["stream"])
             except (OSError, RuntimeError, EOFError, KeyError) as e:
-                raise ValueError(f"{f}: unreadable rank state ({e!r}); every old rank's is needed to move "
-                                 "the loader's position onto this world size") from None
+                raise ValueError(
+                    f"{f}: unreadable rank state ({e!r}); every old rank's is needed to move "
+                    "the loader's position onto this world size"
+                ) from None
         return out
 
     def load(self, engine, tag: str) -> tuple[dict, dict]:
         """(client state saved by rank 0, this rank's own state)."""
-        path, client = engine.load_checkpoint(str(self.dir), tag=tag, load_optimizer_states=True,
-                                              load_lr_scheduler_states=True)
+        path, client = engine.load_checkpoint(
+            str(self.dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
         if path is None:
             raise ValueError(f"{self.dir / tag}: DeepSpeed could not load this checkpoint")
         rank_file = self.dir / tag / f"rank_{self.dist.rank:05d}.pt"
@@ -132,7 +156,9 @@ class Checkpointer:
         if latest is None:
             return []
         last = int(TAG.match(latest).group(1))
-        steps = [int(TAG.match(d.name).group(1)) for d in self._tags() if (d / "meta.json").is_file()]
+        steps = [
+            int(TAG.match(d.name).group(1)) for d in self._tags() if (d / "meta.json").is_file()
+        ]
         return [s for s in steps if s <= last]
 
     def rewind(self, step: int) -> None:
@@ -159,10 +185,16 @@ class Checkpointer:
                 shutil.rmtree(d, ignore_errors=True)
 
     def _tags(self) -> list[Path]:
-        return sorted(d for d in self.dir.iterdir() if d.is_dir() and TAG.match(d.name)) if self.dir.is_dir() else []
+        return (
+            sorted(d for d in self.dir.iterdir() if d.is_dir() and TAG.match(d.name))
+            if self.dir.is_dir()
+            else []
+        )
 
     # --- writing -----------------------------------------------------------------------------
-    def save(self, engine, step: int, *, client: dict, own: dict, meta: dict, files: dict[str, str]) -> str:
+    def save(
+        self, engine, step: int, *, client: dict, own: dict, meta: dict, files: dict[str, str]
+    ) -> str:
         tag = tag_for(step)
         engine.save_checkpoint(str(self.dir), tag=tag, client_state=client, save_latest=False)
         folder = self.dir / tag
@@ -170,7 +202,9 @@ class Checkpointer:
         if self.dist.is_main:
             for name, text in files.items():
                 (folder / name).write_text(text)
-            (folder / "meta.json").write_text(json.dumps({**meta, "step": step, "tag": tag}, indent=1) + "\n")
+            (folder / "meta.json").write_text(
+                json.dumps({**meta, "step": step, "tag": tag}, indent=1) + "\n"
+            )
         if int(os.environ.get("EARLYFUSE_FAULT_KILL_IN_SAVE", "-1")) == step:
             os._exit(137)  # fault injection for the tests: a crash after the files, before `latest`
         barrier()  # every rank's files are written before `latest` may move

@@ -7,6 +7,7 @@ Sections: ``model`` (the transformer, ``model/``), ``vtok`` (the visual tokenize
 tokenizer), ``optim``, ``train``, ``deepspeed``, ``monitor``. A run uses the sections of its
 ``task`` (``lm`` or ``vtok``) and ignores the others.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -23,67 +24,71 @@ TASKS = ("lm", "vtok")
 @dataclass(kw_only=True)
 class OptimConfig:
     lr: float = 3e-4
-    min_lr_ratio: float = 0.1          # final lr = lr x this
+    min_lr_ratio: float = 0.1  # final lr = lr x this
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
-    weight_decay: float = 0.1          # not on norms, biases or embeddings
-    schedule: str = "cosine"           # cosine | wsd | constant
+    weight_decay: float = 0.1  # not on norms, biases or embeddings
+    schedule: str = "cosine"  # cosine | wsd | constant
     warmup_steps: int = 100
-    decay_fraction: float = 0.2        # wsd: share of the steps spent decaying
-    clip_grad: float = 1.0             # 0 = no clipping
+    decay_fraction: float = 0.2  # wsd: share of the steps spent decaying
+    clip_grad: float = 1.0  # 0 = no clipping
     skip_step: SkipStepConfig = field(default_factory=SkipStepConfig)
 
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    steps: int = 100                   # optimizer steps
-    micro_batch: int = 4               # samples per rank per micro-step
-    grad_accum: int = 1                # micro-steps per optimizer step
+    steps: int = 100  # optimizer steps
+    micro_batch: int = 4  # samples per rank per micro-step
+    grad_accum: int = 1  # micro-steps per optimizer step
     log_every: int = 10
-    eval_every: int = 0                # 0: only at the end
+    eval_every: int = 0  # 0: only at the end
     eval_batches: int = 8
-    ckpt_every: int = 0                # 0: only at the end
-    keep_last: int = 2                 # checkpoints kept (older ones deleted)
-    resume: bool = True                # continue from run_dir's latest checkpoint if there is one
-    init_from: str = ""                # a release folder (earlyfuse-convert release) whose weights start a run
-                                       # that has no checkpoint yet; checked against layout, tokenizer, shapes
+    ckpt_every: int = 0  # 0: only at the end
+    keep_last: int = 2  # checkpoints kept (older ones deleted)
+    resume: bool = True  # continue from run_dir's latest checkpoint if there is one
+    init_from: str = ""  # a release folder (earlyfuse-convert release) whose weights start a run
+    # that has no checkpoint yet; checked against layout, tokenizer, shapes
     seed: int = 0
-    deterministic: bool = False        # bit-identical reruns/resumes on CPU (slower kernels)
-    bf16: bool = False                 # bf16 weights/activations, fp32 master weights and grad accumulation
-    peak_tflops: float = 0.0           # for MFU; 0 = known GPU's dense bf16 peak, or a measured CPU matmul rate
-    progress: bool = True              # a progress bar on rank 0
+    deterministic: bool = False  # bit-identical reruns/resumes on CPU (slower kernels)
+    bf16: bool = False  # bf16 weights/activations, fp32 master weights and grad accumulation
+    peak_tflops: float = (
+        0.0  # for MFU; 0 = known GPU's dense bf16 peak, or a measured CPU matmul rate
+    )
+    progress: bool = True  # a progress bar on rank 0
     tensorboard: bool = True
 
 
 @dataclass(kw_only=True)
 class DeepSpeedConfig:
-    zero_stage: int = 0                # 0..3
-    offload_optimizer: bool = False    # ZeRO-Offload of optimizer states to CPU (stage >= 1)
-    config: dict = field(default_factory=dict)   # merged last into the generated ds_config
+    zero_stage: int = 0  # 0..3
+    offload_optimizer: bool = False  # ZeRO-Offload of optimizer states to CPU (stage >= 1)
+    config: dict = field(default_factory=dict)  # merged last into the generated ds_config
 
 
 @dataclass(kw_only=True)
 class ImageDataConfig:
     """Image crops for the visual tokenizer, read from raw shard folders."""
 
-    raw: list[str] = field(default_factory=list)      # raw shard folders
-    sources: list[str] = field(default_factory=list)  # source names to use (default: all with images)
-    crop: int = 32                     # square training crops, a multiple of the spatial factor
-    max_pixels: int = 128 * 128        # images are first resized into this budget (aspect kept)
-    video_frames: bool = True          # also take frames from videos
-    heldout_fraction: float = 0.1      # whole documents held out, chosen by key hash
-    heldout_crops: int = 256           # fixed crops of the held-out documents used for eval
-    cache_images: int = 20000          # decoded images kept in memory
+    raw: list[str] = field(default_factory=list)  # raw shard folders
+    sources: list[str] = field(
+        default_factory=list
+    )  # source names to use (default: all with images)
+    crop: int = 32  # square training crops, a multiple of the spatial factor
+    max_pixels: int = 128 * 128  # images are first resized into this budget (aspect kept)
+    video_frames: bool = True  # also take frames from videos
+    heldout_fraction: float = 0.1  # whole documents held out, chosen by key hash
+    heldout_crops: int = 256  # fixed crops of the held-out documents used for eval
+    cache_images: int = 20000  # decoded images kept in memory
 
 
 @dataclass(kw_only=True)
 class RunConfig:
     task: str = "lm"
     name: str = "run"
-    run_dir: str = "runs/run"          # one folder per run, the same on every rank
+    run_dir: str = "runs/run"  # one folder per run, the same on every rank
     model: TransformerConfig = field(default_factory=TransformerConfig)
     vtok: VisualTokenizerConfig = field(default_factory=VisualTokenizerConfig)
-    data: LoaderConfig = field(default_factory=LoaderConfig)   # the LM's token stream
+    data: LoaderConfig = field(default_factory=LoaderConfig)  # the LM's token stream
     vtok_data: ImageDataConfig = field(default_factory=ImageDataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -94,6 +99,8 @@ class RunConfig:
         if self.task not in TASKS:
             raise ValueError(f"task {self.task!r}: choose one of {TASKS}")
         if self.deepspeed.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"deepspeed.zero_stage {self.deepspeed.zero_stage}: choose 0, 1, 2 or 3")
+            raise ValueError(
+                f"deepspeed.zero_stage {self.deepspeed.zero_stage}: choose 0, 1, 2 or 3"
+            )
         if self.train.steps <= 0 or self.train.micro_batch <= 0 or self.train.grad_accum <= 0:
             raise ValueError("train.steps, train.micro_batch and train.grad_accum must be positive")

@@ -4,6 +4,7 @@ The ``deepspeed`` launcher appends ``--local_rank=N`` to the command line, which
 reject as an unknown override; ``strip_launcher_args`` moves it into ``LOCAL_RANK`` first.
 CPU runs use the gloo backend (DeepSpeed's CPU accelerator), GPU runs NCCL.
 """
+
 from __future__ import annotations
 
 import os
@@ -52,10 +53,19 @@ def _free_port() -> int:
 def init_distributed() -> DistInfo:
     """Join (or create) the process group; a plain ``python`` run becomes a world of one."""
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())),
+        )
     os.environ.setdefault("LOCAL_RANK", "0")
-    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    rank, world, local = (
+        int(os.environ["RANK"]),
+        int(os.environ["WORLD_SIZE"]),
+        int(os.environ["LOCAL_RANK"]),
+    )
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
@@ -63,8 +73,9 @@ def init_distributed() -> DistInfo:
     if not dist.is_initialized():
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False,
-                                   verbose=False)
+        deepspeed.init_distributed(
+            dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False, verbose=False
+        )
     return DistInfo(rank, world, local, device)
 
 

@@ -7,6 +7,7 @@ Design choices:
 - No weight decay on norms, biases and embeddings (1-D tensors and ``nn.Embedding`` weights).
 - bf16 keeps fp32 master weights and accumulates gradients in fp32.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,8 +28,10 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         if not p.requires_grad:
             continue
         (no_decay if p.ndim < 2 or id(p) in no_decay_ids else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
-            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    return [
+        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+    ]
 
 
 def ds_config(cfg: RunConfig, world_size: int) -> dict:
@@ -62,15 +65,27 @@ def build_engine(model: nn.Module, cfg: RunConfig, world_size: int):
     import deepspeed
 
     o = cfg.optim
-    opt = SkipStepAdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                        weight_decay=o.weight_decay)
-    mult = partial(lr_multiplier, total=cfg.train.steps, warmup=o.warmup_steps, schedule=o.schedule,
-                   min_lr_ratio=o.min_lr_ratio, decay_fraction=o.decay_fraction)
+    opt = SkipStepAdamW(
+        param_groups(model, o.weight_decay),
+        lr=o.lr,
+        betas=tuple(o.betas),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+    )
+    mult = partial(
+        lr_multiplier,
+        total=cfg.train.steps,
+        warmup=o.warmup_steps,
+        schedule=o.schedule,
+        min_lr_ratio=o.min_lr_ratio,
+        decay_fraction=o.decay_fraction,
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, mult)
     if cfg.deepspeed.zero_stage == 0 and not cfg.train.bf16:
         opt.clip_grad = o.clip_grad
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
-                                           config=ds_config(cfg, world_size))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=opt, lr_scheduler=sched, config=ds_config(cfg, world_size)
+    )
     return engine, opt, sched
 
 

@@ -9,6 +9,7 @@ not recur once a rollback has abandoned the trajectory they were on.
     EARLYFUSE_FAULT_RANDOM_IMAGE_CODES_FROM=k   from step k every image code is a random code
     EARLYFUSE_FAULT_SHUFFLE_PROBE_FROM=k    from step k the dependence probe's "matched" images are shuffled
 """
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,10 @@ class Faults:
         ids = torch.where(is_code, rnd, ids)
         labels = batch["labels"].clone()
         shifted = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
-        lab_code = (batch["label_modality"] == int(Modality.IMAGE)) & (labels >= layout.visual_offset)
-        labels[lab_code] = shifted[lab_code]                 # labels stay the next input token
+        lab_code = (batch["label_modality"] == int(Modality.IMAGE)) & (
+            labels >= layout.visual_offset
+        )
+        labels[lab_code] = shifted[lab_code]  # labels stay the next input token
         return {**batch, "input_ids": ids, "labels": labels}
 
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ same fields in the same order, so runs can be compared by eye and grepped:
   step 120/1000 | loss 3.412 | text 3.10 code 2.95 image 5.21 video 5.40 | gnorm 1.23 | lr 3.00e-04 |
   12.3k tok/s | MFU 1.2% of 0.50 TFLOP/s | data 2.1% | ETA 3m12s
 """
+
 from __future__ import annotations
 
 import json
@@ -36,16 +37,29 @@ def console_line(m: dict, step: int, total: int, unit: str) -> str:
         v = m.get(k)
         return f.format(v) if isinstance(v, (int, float)) and math.isfinite(v) else "-"
 
-    per_mod = " ".join(f"{n} {g(f'loss/{n}', '{:.2f}')}" for n in MODALITY_NAMES if n != "structure")
-    return (f"step {step}/{total} | loss {g('train/loss')} | {per_mod} | gnorm {g('optim/grad_norm', '{:.2f}')} | "
-            f"lr {g('optim/lr', '{:.2e}')} | {fmt_rate(m.get('throughput/units_per_s', 0.0))} {unit}/s | "
-            f"MFU {g('throughput/mfu', '{:.1%}')} of {g('throughput/peak_tflops', '{:.2f}')} TFLOP/s | "
-            f"data {g('throughput/data_wait', '{:.1%}')} | ETA {fmt_duration(m.get('throughput/eta_s', math.nan))}")
+    per_mod = " ".join(
+        f"{n} {g(f'loss/{n}', '{:.2f}')}" for n in MODALITY_NAMES if n != "structure"
+    )
+    return (
+        f"step {step}/{total} | loss {g('train/loss')} | {per_mod} | gnorm {g('optim/grad_norm', '{:.2f}')} | "
+        f"lr {g('optim/lr', '{:.2e}')} | {fmt_rate(m.get('throughput/units_per_s', 0.0))} {unit}/s | "
+        f"MFU {g('throughput/mfu', '{:.1%}')} of {g('throughput/peak_tflops', '{:.2f}')} TFLOP/s | "
+        f"data {g('throughput/data_wait', '{:.1%}')} | ETA {fmt_duration(m.get('throughput/eta_s', math.nan))}"
+    )
 
 
 class RunLogger:
-    def __init__(self, run_dir: str | Path, *, is_main: bool, total: int, start: int, unit: str,
-                 progress: bool, tensorboard: bool) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        is_main: bool,
+        total: int,
+        start: int,
+        unit: str,
+        progress: bool,
+        tensorboard: bool,
+    ) -> None:
         self.is_main = is_main
         self.total, self.unit = total, unit
         self.jsonl = None
@@ -61,7 +75,9 @@ class RunLogger:
 
             self.tb = SummaryWriter(str(run_dir / "tb"))
         if progress:
-            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, leave=False)
+            self.bar = tqdm(
+                total=total, initial=start, unit="step", dynamic_ncols=True, leave=False
+            )
 
     def write(self, line: str) -> None:
         if not self.is_main:
@@ -74,12 +90,20 @@ class RunLogger:
     def log(self, step: int, metrics: dict, *, console: bool = False) -> None:
         if not self.is_main:
             return
-        record = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))}}
+        record = {
+            "step": step,
+            **{k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))},
+        }
         self.jsonl.write(json.dumps(record, allow_nan=True) + "\n")
         self.jsonl.flush()
         if self.tb:
             for k, v in record.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" and math.isfinite(v):
+                if (
+                    isinstance(v, (int, float))
+                    and not isinstance(v, bool)
+                    and k != "step"
+                    and math.isfinite(v)
+                ):
                     self.tb.add_scalar(k, v, step)
         if console:
             self.write(console_line(metrics, step, self.total, self.unit))

@@ -2,6 +2,7 @@
 everything else (logging, evaluation, checkpoints, monitors) is a callback of ``Run``. A monitor
 that orders a rollback raises ``Rollback``: the run reloads a checkpoint, and the loop starts a
 fresh batch iterator there, first discarding the window of data it was told to skip."""
+
 from __future__ import annotations
 
 import time
@@ -22,20 +23,28 @@ def reduce_sums(sums: Counter, device) -> dict[str, float]:
     import torch
 
     keys = sorted(sums)
-    vec = all_reduce_sum(torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64, device=device))
+    vec = all_reduce_sum(
+        torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64, device=device)
+    )
     return dict(zip(keys, vec.tolist()))
 
 
 def train_loop(run) -> None:
-    engine, task, gate, accum, faults = run.engine, run.task, run.gate, run.cfg.train.grad_accum, run.faults
+    engine, task, gate, accum, faults = (
+        run.engine,
+        run.task,
+        run.gate,
+        run.cfg.train.grad_accum,
+        run.faults,
+    )
     step = run.start_step
     while step < run.cfg.train.steps:
-        with closing(iter(run.stream)) as batches:   # closing stops the loader's workers cleanly
-            for _ in range(run.pending_skip):        # the data window a rollback skips
+        with closing(iter(run.stream)) as batches:  # closing stops the loader's workers cleanly
+            for _ in range(run.pending_skip):  # the data window a rollback skips
                 next(batches)
             run.pending_skip = 0
             try:
-                for step in range(step, run.cfg.train.steps):
+                for step in range(step, run.cfg.train.steps):  # noqa: B020 - resumes from step
                     t0 = time.perf_counter()
                     wait, sums = 0.0, Counter()
                     for micro in range(accum):
@@ -45,7 +54,11 @@ def train_loop(run) -> None:
                         out = task.forward(engine, batch)
                         engine.backward(faults.loss(step + 1, out.loss))
                         sums.update({k: float(v) for k, v in out.sums.items()})
-                        sums.update(loss_sum=float(faults.loss(step + 1, out.loss.detach())), micro=1, units=out.units)
+                        sums.update(
+                            loss_sum=float(faults.loss(step + 1, out.loss.detach())),
+                            micro=1,
+                            units=out.units,
+                        )
                         if micro == accum - 1:
                             # The skip-step gate needs this step's loss, identical on every rank,
                             # before engine.step() applies (or drops) the update.

@@ -12,6 +12,7 @@ each layer's input (``2 * dim``) plus one layer's activations. The fused chunked
 [chunk, V] float32 block instead of the [tokens, V] logits. An estimate (+-25 %): allocator
 fragmentation, the CUDA context (~0.5 GiB) and communication buffers come on top.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,12 +34,24 @@ class MemoryEstimate:
         return self.states_gib + self.activations_gib + self.logits_gib
 
 
-def estimate(cfg, *, micro_batch: int, seq_len: int, grad_accum: int = 1, world_size: int = 1,
-             zero_stage: int = 0, act_ckpt: bool = False) -> MemoryEstimate:
+def estimate(
+    cfg,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    grad_accum: int = 1,
+    world_size: int = 1,
+    zero_stage: int = 0,
+    act_ckpt: bool = False,
+) -> MemoryEstimate:
     """Per-GPU memory of ``cfg`` (a TransformerConfig) under the given parallel setup."""
     n = _param_count(cfg)
     w = max(1, world_size)
-    weights, grads, optim = 2.0 * n, 6.0 * n, 12.0 * n        # bf16 weights; bf16 + fp32 grads; master + moments
+    weights, grads, optim = (
+        2.0 * n,
+        6.0 * n,
+        12.0 * n,
+    )  # bf16 weights; bf16 + fp32 grads; master + moments
     if zero_stage >= 1:
         optim /= w
     if zero_stage >= 2:
@@ -54,23 +67,37 @@ def estimate(cfg, *, micro_batch: int, seq_len: int, grad_accum: int = 1, world_
     else:
         act = tokens * cfg.n_layers * per_layer_token
     chunk = cfg.loss.chunk_size or tokens
-    logits = 4.0 * min(chunk, tokens) * cfg.vocab_size * 2      # the chunk's logits and its gradient
-    return MemoryEstimate(params=n, states_gib=(weights + grads + optim) / GIB, activations_gib=act / GIB,
-                          logits_gib=logits / GIB, tokens_per_step=tokens * grad_accum * w)
+    logits = 4.0 * min(chunk, tokens) * cfg.vocab_size * 2  # the chunk's logits and its gradient
+    return MemoryEstimate(
+        params=n,
+        states_gib=(weights + grads + optim) / GIB,
+        activations_gib=act / GIB,
+        logits_gib=logits / GIB,
+        tokens_per_step=tokens * grad_accum * w,
+    )
 
 
 def _param_count(cfg) -> int:
     d, hd = cfg.dim, cfg.head_dim
     q, kv = cfg.attention.n_heads * hd, cfg.attention.kv_heads * hd
     hidden = cfg.ffn.resolved_hidden_dim(d)
-    per_layer = d * q + 2 * d * kv + q * d + 3 * d * hidden + 2 * d + (2 * hd if cfg.attention.qk_norm else 0)
+    per_layer = (
+        d * q
+        + 2 * d * kv
+        + q * d
+        + 3 * d * hidden
+        + 2 * d
+        + (2 * hd if cfg.attention.qk_norm else 0)
+    )
     return cfg.n_layers * per_layer + 2 * cfg.vocab_size * d + d
 
 
 def main(argv=None) -> None:
     from model.presets import preset
 
-    ap = argparse.ArgumentParser(description="Expected per-GPU memory and tokens per step of a model preset.")
+    ap = argparse.ArgumentParser(
+        description="Expected per-GPU memory and tokens per step of a model preset."
+    )
     ap.add_argument("preset", help="a model preset: debug, small, 125m, 350m, 1b, ...")
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=2048)
@@ -79,11 +106,20 @@ def main(argv=None) -> None:
     ap.add_argument("--zero", type=int, default=1)
     ap.add_argument("--act-ckpt", action="store_true")
     a = ap.parse_args(argv)
-    e = estimate(preset(a.preset), micro_batch=a.micro_batch, seq_len=a.seq_len, grad_accum=a.grad_accum,
-                 world_size=a.gpus, zero_stage=a.zero, act_ckpt=a.act_ckpt)
-    print(f"{a.preset}: {e.params / 1e6:.0f}M parameters; per GPU: model states {e.states_gib:.1f} GiB, "
-          f"activations {e.activations_gib:.1f} GiB, CE chunk {e.logits_gib:.2f} GiB, total ~{e.total_gib:.1f} GiB; "
-          f"{e.tokens_per_step:,} tokens per step")
+    e = estimate(
+        preset(a.preset),
+        micro_batch=a.micro_batch,
+        seq_len=a.seq_len,
+        grad_accum=a.grad_accum,
+        world_size=a.gpus,
+        zero_stage=a.zero,
+        act_ckpt=a.act_ckpt,
+    )
+    print(
+        f"{a.preset}: {e.params / 1e6:.0f}M parameters; per GPU: model states {e.states_gib:.1f} GiB, "
+        f"activations {e.activations_gib:.1f} GiB, CE chunk {e.logits_gib:.2f} GiB, total ~{e.total_gib:.1f} GiB; "
+        f"{e.tokens_per_step:,} tokens per step"
+    )
 
 
 if __name__ == "__main__":

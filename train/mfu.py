@@ -3,6 +3,7 @@
 GPUs: the vendor's dense bf16 peak for known parts. CPUs have no such figure, so we measure
 a float32 matmul for a moment at start-up and say so in the console line ("measured").
 """
+
 from __future__ import annotations
 
 import time
@@ -10,7 +11,14 @@ import time
 import torch
 
 # Dense (non-sparse) bf16 TFLOP/s.
-GPU_PEAKS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "4090": 165.2}
+GPU_PEAKS = {
+    "H200": 989.4,
+    "H100": 989.4,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "A10": 125.0,
+    "4090": 165.2,
+}
 
 
 def measure_cpu_tflops(seconds: float = 0.4, n: int = 1024, tries: int = 4) -> float:

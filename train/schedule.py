@@ -6,6 +6,7 @@
   stable-phase checkpoint and decayed later).
 - ``constant``: warmup, then the peak.
 """
+
 from __future__ import annotations
 
 import math
@@ -13,8 +14,15 @@ import math
 SCHEDULES = ("cosine", "wsd", "constant")
 
 
-def lr_multiplier(step: int, *, total: int, warmup: int, schedule: str, min_lr_ratio: float,
-                  decay_fraction: float = 0.2) -> float:
+def lr_multiplier(
+    step: int,
+    *,
+    total: int,
+    warmup: int,
+    schedule: str,
+    min_lr_ratio: float,
+    decay_fraction: float = 0.2,
+) -> float:
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown lr schedule {schedule!r}; choose one of {SCHEDULES}")
     if warmup > 0 and step < warmup:

@@ -9,12 +9,13 @@ Under DeepSpeed the optimizer we pass in is wrapped (ZeRO 1-3, bf16): the wrappe
 the global gradient norm, clips, then calls our ``step`` once per parameter group. The gate
 is asked once per optimizer step (the first call) and its answer reused for the other groups.
 """
+
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -70,7 +71,12 @@ class SkipStepRule:
         nonfinite = not (math.isfinite(loss) and math.isfinite(grad_norm))
         spike = self.cfg.enabled and step >= self.cfg.min_steps and max(ls, gs) > self.cfg.sigmas
         skip = nonfinite or spike
-        self.last = {"loss_score": ls, "grad_norm_score": gs, "skipped": skip, "nonfinite": nonfinite}
+        self.last = {
+            "loss_score": ls,
+            "grad_norm_score": gs,
+            "skipped": skip,
+            "nonfinite": nonfinite,
+        }
         if skip:
             self.skipped += 1
         else:
@@ -79,7 +85,11 @@ class SkipStepRule:
         return skip
 
     def state_dict(self) -> dict:
-        return {"loss": self.loss.state_dict(), "grad_norm": self.grad_norm.state_dict(), "skipped": self.skipped}
+        return {
+            "loss": self.loss.state_dict(),
+            "grad_norm": self.grad_norm.state_dict(),
+            "skipped": self.skipped,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.loss.load_state_dict(state["loss"])

@@ -10,7 +10,7 @@ import importlib.util
 import json
 import pathlib
 import zlib
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 from PIL import Image

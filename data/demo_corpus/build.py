@@ -24,12 +24,16 @@ from .readme import MARKER, build_readme
 
 def _is_demo_corpus(path: pathlib.Path) -> bool:
     readme = path / "README.md"
-    return readme.is_file() and readme.read_text(encoding="utf-8", errors="replace").startswith(MARKER)
+    return readme.is_file() and readme.read_text(encoding="utf-8", errors="replace").startswith(
+        MARKER
+    )
 
 
 def _check_target(out: pathlib.Path) -> None:
     if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or _is_demo_corpus(out))):
-        raise FileExistsError(f"{out} exists and is not a demo corpus; choose an empty or new folder")
+        raise FileExistsError(
+            f"{out} exists and is not a demo corpus; choose an empty or new folder"
+        )
 
 
 def build(out: pathlib.Path, *, seed: int = 0, scale: float = 1.0, progress: bool = True) -> dict:
@@ -56,23 +60,45 @@ def build(out: pathlib.Path, *, seed: int = 0, scale: float = 1.0, progress: boo
             steps.set_postfix_str(name)
             steps.update()
 
-        done("code", stdlib_code.build_code(stage, seed=seed, count=scaled(stdlib_code.TARGET, scale),
-                                            progress=progress))
+        done(
+            "code",
+            stdlib_code.build_code(
+                stage, seed=seed, count=scaled(stdlib_code.TARGET, scale), progress=progress
+            ),
+        )
         done("text", build_text(stage, seed=seed, scale=scale))
         done("photos", build_photos(stage))
-        done("digits", digits.build_digits(stage, seed=seed, count=scaled(digits.TARGET, scale), progress=progress))
+        done(
+            "digits",
+            digits.build_digits(
+                stage, seed=seed, count=scaled(digits.TARGET, scale), progress=progress
+            ),
+        )
         # At least 4 scenes / clips, so that galleries, shards and every clip kind exist.
-        scene_summary, scene_rows = scenes.build_scenes(stage, seed=seed, count=scaled(scenes.TARGET, scale, 4),
-                                                        progress=progress)
+        scene_summary, scene_rows = scenes.build_scenes(
+            stage, seed=seed, count=scaled(scenes.TARGET, scale, 4), progress=progress
+        )
         done("scenes", scene_summary)
-        clip_summary, clip_rows = clips.build_clips(stage, seed=seed, count=scaled(clips.TARGET, scale, 4),
-                                                    progress=progress)
+        clip_summary, clip_rows = clips.build_clips(
+            stage, seed=seed, count=scaled(clips.TARGET, scale, 4), progress=progress
+        )
         done("clips", clip_summary)
         photos = [p for p, _ in available()]
-        done("interleaved", interleaved.build_interleaved(
-            stage, seed=seed, count=scaled(interleaved.TARGET, scale, 4), scenes=scene_rows, photos=photos,
-            clips=clip_rows))
-        done("wds", wds.build_wds(stage, seed=seed, count=scaled(wds.TARGET, scale, 2), scenes=scene_rows))
+        done(
+            "interleaved",
+            interleaved.build_interleaved(
+                stage,
+                seed=seed,
+                count=scaled(interleaved.TARGET, scale, 4),
+                scenes=scene_rows,
+                photos=photos,
+                clips=clip_rows,
+            ),
+        )
+        done(
+            "wds",
+            wds.build_wds(stage, seed=seed, count=scaled(wds.TARGET, scale, 2), scenes=scene_rows),
+        )
         steps.close()
 
         summary = {"seed": seed, "scale": scale, "parts": parts}

@@ -37,8 +37,12 @@ TARGET = 60
 FPS = (5, 8, 12, 24)
 SIZES = ((64, 64), (96, 64))  # (width, height)
 KINDS = ("motion", "pan", "motion", "zoom")  # half the clips are checkable moving shapes
-MOTION_PHRASES = {"right": "from left to right", "left": "from right to left",
-                  "down": "from top to bottom", "up": "from bottom to top"}
+MOTION_PHRASES = {
+    "right": "from left to right",
+    "left": "from right to left",
+    "down": "from top to bottom",
+    "up": "from bottom to top",
+}
 # Self-similar textures: a pan or zoom across them looks the same either way, so such a
 # caption could not be checked (and says little); clips use the other photos.
 NOT_FOR_CLIPS = {"brick.png", "grass.png", "gravel.png"}
@@ -55,13 +59,20 @@ def encode_mp4(frames: list[np.ndarray], fps: int) -> bytes:
     buf = io.BytesIO()
     # fflags=+bitexact: no encoder-version-dependent or time-dependent metadata in the file.
     with av.open(buf, mode="w", format="mp4", options={"fflags": "+bitexact"}) as container:
-        stream = container.add_stream("libx264", rate=fps,
-                                      options={"crf": "20", "preset": "medium", "threads": "1",
-                                               # x264's macroblock-tree rate control gives
-                                               # different bytes from run to run within one
-                                               # process (seen with libx264 core 165); without
-                                               # it the output is stable, at a small cost in size.
-                                               "x264-params": "mbtree=0"})
+        stream = container.add_stream(
+            "libx264",
+            rate=fps,
+            options={
+                "crf": "20",
+                "preset": "medium",
+                "threads": "1",
+                # x264's macroblock-tree rate control gives
+                # different bytes from run to run within one
+                # process (seen with libx264 core 165); without
+                # it the output is stable, at a small cost in size.
+                "x264-params": "mbtree=0",
+            },
+        )
         stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
         stream.codec_context.thread_count = 1  # multi-threaded x264 is not byte-deterministic
         stream.codec_context.time_base = Fraction(1, fps)
@@ -110,12 +121,21 @@ def motion_clip(rng: np.random.Generator, fps: int) -> tuple[list[np.ndarray], d
         elif shape == "circle":
             draw.ellipse(box, fill=fill)
         else:
-            draw.polygon([(x0, y0 + s - 1), (x0 + s - 1, y0 + s - 1), (x0 + (s - 1) / 2, y0)], fill=fill)
+            draw.polygon(
+                [(x0, y0 + s - 1), (x0 + s - 1, y0 + s - 1), (x0 + (s - 1) / 2, y0)], fill=fill
+            )
         frames.append(np.asarray(image))
     start = [a0, c] if horizontal else [c, a0]
     end = [a1, c] if horizontal else [c, a1]
-    facts = {"kind": "motion", "shape": shape, "colour": colour, "direction": direction,
-             "background": bg, "start": [round(v, 2) for v in start], "end": [round(v, 2) for v in end]}
+    facts = {
+        "kind": "motion",
+        "shape": shape,
+        "colour": colour,
+        "direction": direction,
+        "background": bg,
+        "start": [round(v, 2) for v in start],
+        "end": [round(v, 2) for v in end],
+    }
     return frames, facts, f"{article(colour)} {colour} {shape} moves {MOTION_PHRASES[direction]}"
 
 
@@ -123,11 +143,15 @@ def _load(photo_path: pathlib.Path) -> Image.Image:
     with Image.open(photo_path) as image:
         if image.mode in ("RGBA", "LA", "P"):  # transparent silhouettes: put them on white paper
             rgba = image.convert("RGBA")
-            return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+            return Image.alpha_composite(
+                Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba
+            ).convert("RGB")
         return image.convert("RGB")
 
 
-def _render_boxes(image: Image.Image, boxes: list[tuple[float, float, float, float]], w: int, h: int):
+def _render_boxes(
+    image: Image.Image, boxes: list[tuple[float, float, float, float]], w: int, h: int
+):
     # resize(box=...) crops with sub-pixel precision and filters properly when shrinking.
     return [np.asarray(image.resize((w, h), Image.BILINEAR, box=b)) for b in boxes]
 
@@ -149,16 +173,31 @@ def pan_clip(rng, fps, photo: Photo, image: Image.Image) -> tuple[list[np.ndarra
         x_start = float(rng.uniform(0, pw - cw - travel))
         y = float(rng.uniform(0, ph - ch))
         xs = x_start + np.linspace(0, travel, n)
-        boxes = [(float(x), y, float(x) + cw, y + ch) for x in (xs if direction == "right" else xs[::-1])]
+        boxes = [
+            (float(x), y, float(x) + cw, y + ch) for x in (xs if direction == "right" else xs[::-1])
+        ]
     else:
         travel = min(ph - ch, 0.2 * (n - 1) * ch)
         y_start = float(rng.uniform(0, ph - ch - travel))
         x = float(rng.uniform(0, pw - cw))
         ys = y_start + np.linspace(0, travel, n)
-        boxes = [(x, float(yy), x + cw, float(yy) + ch) for yy in (ys if direction == "down" else ys[::-1])]
-    facts = {"kind": "pan", "direction": direction, "photo": f"../photos/{photo.file}", "subject": photo.subject,
-             "start_box": [round(v, 2) for v in boxes[0]], "end_box": [round(v, 2) for v in boxes[-1]]}
-    return _render_boxes(image, boxes, w, h), facts, f"the camera pans {direction} across a photograph of {photo.subject}"
+        boxes = [
+            (x, float(yy), x + cw, float(yy) + ch)
+            for yy in (ys if direction == "down" else ys[::-1])
+        ]
+    facts = {
+        "kind": "pan",
+        "direction": direction,
+        "photo": f"../photos/{photo.file}",
+        "subject": photo.subject,
+        "start_box": [round(v, 2) for v in boxes[0]],
+        "end_box": [round(v, 2) for v in boxes[-1]],
+    }
+    return (
+        _render_boxes(image, boxes, w, h),
+        facts,
+        f"the camera pans {direction} across a photograph of {photo.subject}",
+    )
 
 
 def zoom_clip(rng, fps, photo: Photo, image: Image.Image) -> tuple[list[np.ndarray], dict, str]:
@@ -175,13 +214,25 @@ def zoom_clip(rng, fps, photo: Photo, image: Image.Image) -> tuple[list[np.ndarr
     cx = float(rng.uniform(cw / 2, pw - cw / 2))
     cy = float(rng.uniform(ch / 2, ph - ch / 2))
     # Geometric steps: a constant zoom rate, as a real camera zoom looks.
-    scales = np.geomspace(1.0, 1.0 / zoom, n) if direction == "in" else np.geomspace(1.0 / zoom, 1.0, n)
+    scales = (
+        np.geomspace(1.0, 1.0 / zoom, n) if direction == "in" else np.geomspace(1.0 / zoom, 1.0, n)
+    )
     boxes = [(cx - cw * k / 2, cy - ch * k / 2, cx + cw * k / 2, cy + ch * k / 2) for k in scales]
-    facts = {"kind": "zoom", "direction": direction, "zoom": round(zoom, 3), "photo": f"../photos/{photo.file}",
-             "subject": photo.subject,
-             "start_box": [round(v, 2) for v in boxes[0]], "end_box": [round(v, 2) for v in boxes[-1]]}
+    facts = {
+        "kind": "zoom",
+        "direction": direction,
+        "zoom": round(zoom, 3),
+        "photo": f"../photos/{photo.file}",
+        "subject": photo.subject,
+        "start_box": [round(v, 2) for v in boxes[0]],
+        "end_box": [round(v, 2) for v in boxes[-1]],
+    }
     verb = "zooms in on" if direction == "in" else "zooms out from"
-    return _render_boxes(image, boxes, w, h), facts, f"the camera {verb} a photograph of {photo.subject}"
+    return (
+        _render_boxes(image, boxes, w, h),
+        facts,
+        f"the camera {verb} a photograph of {photo.subject}",
+    )
 
 
 # ---------------------------------------------------------------- checking
@@ -206,11 +257,15 @@ def _centre_zoom(frame: np.ndarray, zoom: float) -> np.ndarray:
     h, w = frame.shape
     bw, bh = w / zoom, h / zoom
     box = ((w - bw) / 2, (h - bh) / 2, (w + bw) / 2, (h + bh) / 2)
-    return np.asarray(Image.fromarray(frame.astype(np.float32)).resize((w, h), Image.BILINEAR, box=box))
+    return np.asarray(
+        Image.fromarray(frame.astype(np.float32)).resize((w, h), Image.BILINEAR, box=box)
+    )
 
 
 def _centroid(frame: np.ndarray, rgb) -> np.ndarray | None:
-    mask = (np.abs(frame[..., :3].astype(np.int16) - np.array(rgb, np.int16)) <= CLIP_TOL).all(axis=-1)
+    mask = (np.abs(frame[..., :3].astype(np.int16) - np.array(rgb, np.int16)) <= CLIP_TOL).all(
+        axis=-1
+    )
     if mask.sum() < 10:
         return None
     ys, xs = np.nonzero(mask)
@@ -237,7 +292,10 @@ def check_clip(frames: np.ndarray, facts: dict) -> bool:
     if kind == "motion":
         if facts.get("colour") not in PALETTE or direction not in _AXIS:
             return False
-        p0, p1 = _centroid(frames[0], PALETTE[facts["colour"]]), _centroid(frames[-1], PALETTE[facts["colour"]])
+        p0, p1 = (
+            _centroid(frames[0], PALETTE[facts["colour"]]),
+            _centroid(frames[-1], PALETTE[facts["colour"]]),
+        )
         if p0 is None or p1 is None:
             return False
         axis, sign = _AXIS[direction]
@@ -266,7 +324,9 @@ def check_clip(frames: np.ndarray, facts: dict) -> bool:
 # ---------------------------------------------------------------- building
 
 
-def build_clips(out: pathlib.Path, *, seed: int, count: int, progress: bool) -> tuple[dict, list[dict]]:
+def build_clips(
+    out: pathlib.Path, *, seed: int, count: int, progress: bool
+) -> tuple[dict, list[dict]]:
     """Write `count` clips; clip i's kind and fps cycle so that any prefix mixes all of them."""
     photos = [(p, path) for p, path in available() if p.file not in NOT_FOR_CLIPS]
     cache: dict[str, Image.Image] = {}
@@ -286,8 +346,15 @@ def build_clips(out: pathlib.Path, *, seed: int, count: int, progress: bool) -> 
             make = pan_clip if kind == "pan" else zoom_clip
             frames, facts, text = make(rng, fps, photo, cache[photo.file])
         h, w = frames[0].shape[:2]
-        facts.update({"fps": fps, "frames": len(frames), "duration": round(len(frames) / fps, 4),
-                      "width": w, "height": h})
+        facts.update(
+            {
+                "fps": fps,
+                "frames": len(frames),
+                "duration": round(len(frames) / fps, 4),
+                "width": w,
+                "height": h,
+            }
+        )
         name = f"clip_{i:04d}.mp4"
         data = encode_mp4(frames, fps)
         (folder / name).write_bytes(data)

@@ -47,7 +47,9 @@ def build_digits(out: pathlib.Path, *, seed: int, count: int, progress: bool) ->
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(["image", "caption", "label"])
-    for n, i in enumerate(tqdm(picked, desc="digits", unit="img", disable=not progress, leave=False)):
+    for n, i in enumerate(
+        tqdm(picked, desc="digits", unit="img", disable=not progress, leave=False)
+    ):
         rel = f"img/digit_{n:04d}.png"
         total += write_png(folder / rel, render(images[i]))
         writer.writerow([rel, f"a handwritten digit {labels[i]}", int(labels[i])])

@@ -37,12 +37,14 @@ def shape_gallery(rng: np.random.Generator, scenes: list[dict]) -> dict:
     """Two or three scenes, each with its description, then a sentence true of all of them."""
     k = min(len(scenes), int(rng.integers(2, 4)))
     picked = [scenes[i] for i in sorted(rng.choice(len(scenes), size=k, replace=False).tolist())]
-    texts: list[str | None] = [f"Here are {_COUNT_WORDS[k]} small pictures of simple shapes on grey backgrounds."]
+    texts: list[str | None] = [
+        f"Here are {_COUNT_WORDS[k]} small pictures of simple shapes on grey backgrounds."
+    ]
     images: list[str | None] = [None]
     caption_first = bool(rng.integers(2))  # real pages put captions above or below pictures
     for n, scene in enumerate(picked, 1):
         pair = [(f"Picture {n}: {scene['caption']}.", None), (None, f"../scenes/{scene['image']}")]
-        for t, i in (pair if caption_first else pair[::-1]):
+        for t, i in pair if caption_first else pair[::-1]:
             texts.append(t)
             images.append(i)
     kinds = collections.Counter(s["shape"] for scene in picked for s in scene["facts"]["shapes"])
@@ -58,8 +60,11 @@ def photo_note(rng: np.random.Generator, photos: list[Photo]) -> dict:
     """One or two photographs with their captions and where they come from."""
     k = min(len(photos), int(rng.integers(1, 3)))
     picked = [photos[i] for i in sorted(rng.choice(len(photos), size=k, replace=False).tolist())]
-    texts: list[str | None] = ["Sample photographs that ship with Python imaging libraries." if k > 1
-                               else f"A photograph of {picked[0].subject}."]
+    texts: list[str | None] = [
+        "Sample photographs that ship with Python imaging libraries."
+        if k > 1
+        else f"A photograph of {picked[0].subject}."
+    ]
     images: list[str | None] = [None]
     for n, photo in enumerate(picked):
         if n:
@@ -70,30 +75,46 @@ def photo_note(rng: np.random.Generator, photos: list[Photo]) -> dict:
     return {"texts": texts, "images": images}
 
 
-def clip_story(rng: np.random.Generator, clips: list[dict], photos_by_path: dict[str, Photo]) -> dict:
+def clip_story(
+    rng: np.random.Generator, clips: list[dict], photos_by_path: dict[str, Photo]
+) -> dict:
     """Native form: for a pan/zoom clip, its photo then the clip; for a motion clip, the clip alone."""
     clip = clips[int(rng.integers(len(clips)))]
     facts = clip["facts"]
     video = {"type": "video", "path": f"../clips/{clip['file']}"}
     seconds = f"{facts['duration']:g}"
     if facts["kind"] == "motion":
-        return {"segments": [
-            {"type": "text", "text": f"A short animation, {seconds} seconds at {facts['fps']} frames per second."},
-            video,
-            {"type": "text", "text": _sentence(clip["caption"])},
-        ]}
+        return {
+            "segments": [
+                {
+                    "type": "text",
+                    "text": f"A short animation, {seconds} seconds at {facts['fps']} frames per second.",
+                },
+                video,
+                {"type": "text", "text": _sentence(clip["caption"])},
+            ]
+        }
     photo = photos_by_path[facts["photo"]]
-    return {"segments": [
-        {"type": "text", "text": f"A photograph of {photo.subject}."},
-        {"type": "image", "path": facts["photo"]},
-        {"type": "text", "text": photo.caption},
-        {"type": "text", "text": f"The clip below was made from it: {clip['caption']}."},
-        video,
-    ]}
+    return {
+        "segments": [
+            {"type": "text", "text": f"A photograph of {photo.subject}."},
+            {"type": "image", "path": facts["photo"]},
+            {"type": "text", "text": photo.caption},
+            {"type": "text", "text": f"The clip below was made from it: {clip['caption']}."},
+            video,
+        ]
+    }
 
 
-def build_interleaved(out: pathlib.Path, *, seed: int, count: int, scenes: list[dict],
-                      photos: list[Photo], clips: list[dict]) -> dict:
+def build_interleaved(
+    out: pathlib.Path,
+    *,
+    seed: int,
+    count: int,
+    scenes: list[dict],
+    photos: list[Photo],
+    clips: list[dict],
+) -> dict:
     photos_by_path = {f"../photos/{p.file}": p for p in photos}
     docs = []
     for i in range(count):

@@ -17,22 +17,22 @@ def render(summary: dict, photos: list[Photo]) -> str:
     return f"""{MARKER}
 
 A small, real, offline multimodal corpus built by `earlyfuse-prep demo-corpus`
-(seed {summary['seed']}, scale {summary['scale']}, Python {platform.python_version()}).
+(seed {summary["seed"]}, scale {summary["scale"]}, Python {platform.python_version()}).
 Nothing was downloaded: every part comes from files that Python and the `[demo]` extra
 install, or is generated. The same seed and package versions give byte-identical files.
 
 | part | ingest as | contents |
 |---|---|---|
-| `code/` | `code:OUT/code` | {p['code']['files']} Python standard-library modules, copied unchanged (relative paths kept; tests, IDLE, site-packages, files over 60 KB and non-UTF-8 files skipped) |
-| `text/` | `text:OUT/text` | `pydoc_topics.jsonl`: the `help()` topics of `pydoc_data`; `docstrings.jsonl`: stdlib module docstrings over 200 characters ({p['text']['documents']} documents) |
-| `photos/` | `images:OUT/photos` | {p['photos']['images']} photographs shipped by scikit-image and scikit-learn, original bytes, each with a `.txt` caption written for it |
-| `digits/` | `images:OUT/digits/digits.csv` | {p['digits']['images']} of scikit-learn's handwritten digits (8x8, bundled csv.gz) enlarged to 32x32 PNG; captions from the labels |
-| `scenes/` | `images:OUT/scenes/scenes.jsonl` | {p['scenes']['images']} generated pictures of 1-3 shapes; captions state shape, colour and grid position, checkable with `data.demo_corpus.check_scene` |
-| `clips/` | `videos:OUT/clips` | {p['clips']['clips']} H.264 mp4 clips (libx264, yuv420p, 5/8/12/24 fps): moving shapes, pans and zooms across the photos; `captions.jsonl` states the motion, checkable with `data.demo_corpus.check_clip` |
-| `interleaved/` | `interleaved:OUT/interleaved/docs.jsonl` | {p['interleaved']['documents']} documents: OBELICS-style `texts`/`images` lists, and native `segments` (with videos) |
-| `wds/` | `wds:OUT/wds` | one img2dataset-style shard of {p['wds']['samples']} scenes as JPEG (`KEY.jpg`, `KEY.txt`, `KEY.json`) |
+| `code/` | `code:OUT/code` | {p["code"]["files"]} Python standard-library modules, copied unchanged (relative paths kept; tests, IDLE, site-packages, files over 60 KB and non-UTF-8 files skipped) |
+| `text/` | `text:OUT/text` | `pydoc_topics.jsonl`: the `help()` topics of `pydoc_data`; `docstrings.jsonl`: stdlib module docstrings over 200 characters ({p["text"]["documents"]} documents) |
+| `photos/` | `images:OUT/photos` | {p["photos"]["images"]} photographs shipped by scikit-image and scikit-learn, original bytes, each with a `.txt` caption written for it |
+| `digits/` | `images:OUT/digits/digits.csv` | {p["digits"]["images"]} of scikit-learn's handwritten digits (8x8, bundled csv.gz) enlarged to 32x32 PNG; captions from the labels |
+| `scenes/` | `images:OUT/scenes/scenes.jsonl` | {p["scenes"]["images"]} generated pictures of 1-3 shapes; captions state shape, colour and grid position, checkable with `data.demo_corpus.check_scene` |
+| `clips/` | `videos:OUT/clips` | {p["clips"]["clips"]} H.264 mp4 clips (libx264, yuv420p, 5/8/12/24 fps): moving shapes, pans and zooms across the photos; `captions.jsonl` states the motion, checkable with `data.demo_corpus.check_clip` |
+| `interleaved/` | `interleaved:OUT/interleaved/docs.jsonl` | {p["interleaved"]["documents"]} documents: OBELICS-style `texts`/`images` lists, and native `segments` (with videos) |
+| `wds/` | `wds:OUT/wds` | one img2dataset-style shard of {p["wds"]["samples"]} scenes as JPEG (`KEY.jpg`, `KEY.txt`, `KEY.json`) |
 
-Total: {summary['files']} files, {summary['bytes'] / 1e6:.1f} MB.
+Total: {summary["files"]} files, {summary["bytes"] / 1e6:.1f} MB.
 
 ## Sources and licences
 

@@ -45,14 +45,26 @@ SIZES = ((64, 64), (64, 64), (64, 64), (96, 64), (64, 96))  # (width, height); s
 
 # (row, col) of the 3x3 grid -> position name, and how a caption says it.
 POSITIONS: dict[str, tuple[int, int]] = {
-    "top left": (0, 0), "top": (0, 1), "top right": (0, 2),
-    "left": (1, 0), "centre": (1, 1), "right": (1, 2),
-    "bottom left": (2, 0), "bottom": (2, 1), "bottom right": (2, 2),
+    "top left": (0, 0),
+    "top": (0, 1),
+    "top right": (0, 2),
+    "left": (1, 0),
+    "centre": (1, 1),
+    "right": (1, 2),
+    "bottom left": (2, 0),
+    "bottom": (2, 1),
+    "bottom right": (2, 2),
 }
 PHRASES: dict[str, str] = {
-    "top left": "in the top left", "top": "at the top", "top right": "in the top right",
-    "left": "on the left", "centre": "in the centre", "right": "on the right",
-    "bottom left": "in the bottom left", "bottom": "at the bottom", "bottom right": "in the bottom right",
+    "top left": "in the top left",
+    "top": "at the top",
+    "top right": "in the top right",
+    "left": "on the left",
+    "centre": "in the centre",
+    "right": "on the right",
+    "bottom left": "in the bottom left",
+    "bottom": "at the bottom",
+    "bottom right": "in the bottom right",
 }
 
 
@@ -78,9 +90,18 @@ def sample_facts(rng: np.random.Generator) -> dict:
         # keep a 1-pixel margin inside the cell so shapes never touch or cross cell borders
         sx = int(rng.integers(x0 + 1, x1 - s))
         sy = int(rng.integers(y0 + 1, y1 - s))
-        shapes.append({"shape": str(rng.choice(SHAPES)), "colour": str(colour), "position": str(position),
-                       "bbox": [sx, sy, sx + s, sy + s]})
-    background = {"kind": str(rng.choice(["plain", "noisy"])), "colour": str(rng.choice(list(BACKGROUNDS)))}
+        shapes.append(
+            {
+                "shape": str(rng.choice(SHAPES)),
+                "colour": str(colour),
+                "position": str(position),
+                "bbox": [sx, sy, sx + s, sy + s],
+            }
+        )
+    background = {
+        "kind": str(rng.choice(["plain", "noisy"])),
+        "colour": str(rng.choice(list(BACKGROUNDS))),
+    }
     return {"width": int(width), "height": int(height), "shapes": shapes, "background": background}
 
 
@@ -110,17 +131,20 @@ def article(word: str) -> str:
 
 
 def caption(facts: dict) -> str:
-    parts = [f"{article(s['colour'])} {s['colour']} {s['shape']} {PHRASES[s['position']]}" for s in facts["shapes"]]
+    parts = [
+        f"{article(s['colour'])} {s['colour']} {s['shape']} {PHRASES[s['position']]}"
+        for s in facts["shapes"]
+    ]
     shapes = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
     bg = facts["background"]
     return f"{shapes}, on a {bg['kind']} {bg['colour']} background"
 
 
 _SHAPE_RE = re.compile(
-    r"^an? (?P<colour>%s) (?P<shape>%s) (?P<phrase>%s)$"
-    % ("|".join(PALETTE), "|".join(SHAPES), "|".join(re.escape(p) for p in PHRASES.values()))
+    rf"^an? (?P<colour>{'|'.join(PALETTE)}) (?P<shape>{'|'.join(SHAPES)}) "
+    rf"(?P<phrase>{'|'.join(re.escape(p) for p in PHRASES.values())})$"
 )
-_BG_RE = re.compile(r"^on a (?P<kind>plain|noisy) (?P<colour>%s) background$" % "|".join(BACKGROUNDS))
+_BG_RE = re.compile(rf"^on a (?P<kind>plain|noisy) (?P<colour>{'|'.join(BACKGROUNDS)}) background$")
 
 
 def caption_facts(text: str) -> dict:
@@ -137,7 +161,9 @@ def caption_facts(text: str) -> dict:
         m = _SHAPE_RE.match(piece)
         if not m:
             raise ValueError(f"not a scene caption: {text!r} (at {piece!r})")
-        shapes.append({"shape": m["shape"], "colour": m["colour"], "position": by_phrase[m["phrase"]]})
+        shapes.append(
+            {"shape": m["shape"], "colour": m["colour"], "position": by_phrase[m["phrase"]]}
+        )
     return {"shapes": shapes, "background": {"kind": bg["kind"], "colour": bg["colour"]}}
 
 
@@ -175,7 +201,11 @@ def check_scene(image: np.ndarray, facts: dict, *, exhaustive: bool = True) -> b
     shape_mask = np.zeros((h, w), bool)
     stated_cells = set()
     for s in facts["shapes"]:
-        if s.get("colour") not in PALETTE or s.get("position") not in POSITIONS or s.get("shape") not in SHAPES:
+        if (
+            s.get("colour") not in PALETTE
+            or s.get("position") not in POSITIONS
+            or s.get("shape") not in SHAPES
+        ):
             return False
         x0, y0, x1, y1 = cell_box(w, h, s["position"])
         mask = _colour_mask(pixels[y0:y1, x0:x1], PALETTE[s["colour"]])
@@ -210,7 +240,9 @@ def check_scene(image: np.ndarray, facts: dict, *, exhaustive: bool = True) -> b
 # ---------------------------------------------------------------- building
 
 
-def build_scenes(out: pathlib.Path, *, seed: int, count: int, progress: bool) -> tuple[dict, list[dict]]:
+def build_scenes(
+    out: pathlib.Path, *, seed: int, count: int, progress: bool
+) -> tuple[dict, list[dict]]:
     """Write `count` scenes; return the summary and the jsonl rows (other parts reuse them)."""
     rows, total = [], 0
     for i in tqdm(range(count), desc="scenes", unit="img", disable=not progress, leave=False):

@@ -17,7 +17,15 @@ from ._common import rng_for
 
 # Folders that are not "library code": test suites (huge, repetitive), the IDLE app, demos,
 # installed third-party packages (pyenv/venv stdlib dirs contain site-packages), build config.
-SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "turtledemo", "__pycache__"}
+SKIP_DIRS = {
+    "site-packages",
+    "dist-packages",
+    "test",
+    "tests",
+    "idlelib",
+    "turtledemo",
+    "__pycache__",
+}
 MAX_BYTES = 60_000  # one file must not dominate a small corpus
 TARGET = 150
 
@@ -41,7 +49,9 @@ def candidates() -> list[pathlib.Path]:
     # os.walk with pruning (rglob would descend into site-packages and test/: seconds, not ms);
     # sorted because walk order depends on the file system and our output must not.
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith("config-"))
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in SKIP_DIRS and not d.startswith("config-")
+        )
         for name in sorted(filenames):
             path = pathlib.Path(dirpath) / name
             # _sysconfigdata* records this machine's build paths: not portable, not interesting.

@@ -41,9 +41,17 @@ def build_wds(out: pathlib.Path, *, seed: int, count: int, scenes: list[dict]) -
             with Image.open(out / "scenes" / scene["image"]) as png:
                 image = png.convert("RGB")
             buf = io.BytesIO()
-            image.save(buf, format="JPEG", quality=90)  # lossy on purpose: img2dataset shards are JPEG
-            meta = {"key": key, "caption": scene["caption"], "status": "success",
-                    "width": image.width, "height": image.height, "source": f"scenes/{scene['image']}"}
+            image.save(
+                buf, format="JPEG", quality=90
+            )  # lossy on purpose: img2dataset shards are JPEG
+            meta = {
+                "key": key,
+                "caption": scene["caption"],
+                "status": "success",
+                "width": image.width,
+                "height": image.height,
+                "source": f"scenes/{scene['image']}",
+            }
             _add(tar, f"{key}.jpg", buf.getvalue())
             _add(tar, f"{key}.txt", scene["caption"].encode("utf-8"))
             _add(tar, f"{key}.json", json.dumps(meta, ensure_ascii=False).encode("utf-8"))

@@ -1,4 +1,5 @@
 """``earlyfuse-prep ingest``: raw corpora in, raw shards + index + manifest + rejects out."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,16 +9,37 @@ from data.ingest.run import command_line, run_plan
 from data.sources import Limits, parse_sources
 
 
-def ingest(out: str | Path, sources: list[str], *, limits: Limits | None = None,
-           shard_max_bytes: int = 256 << 20, shard_max_samples: int = 0, workers: int = 1,
-           num_partitions: int = 1, partition: int = 0, progress: bool = False,
-           command: list[str] | None = None) -> dict:
+def ingest(
+    out: str | Path,
+    sources: list[str],
+    *,
+    limits: Limits | None = None,
+    shard_max_bytes: int = 256 << 20,
+    shard_max_samples: int = 0,
+    workers: int = 1,
+    num_partitions: int = 1,
+    partition: int = 0,
+    progress: bool = False,
+    command: list[str] | None = None,
+) -> dict:
     """Plan and write shards; returns a summary (see ``run_plan``) with the plan's counts."""
     specs = parse_sources(sources)
-    plan = make_plan(specs, limits or Limits(), shard_max_bytes=shard_max_bytes,
-                     shard_max_samples=shard_max_samples, progress=progress)
-    summary = run_plan(Path(out), plan, workers=workers, num_partitions=num_partitions,
-                       partition=partition, command=command, progress=progress)
+    plan = make_plan(
+        specs,
+        limits or Limits(),
+        shard_max_bytes=shard_max_bytes,
+        shard_max_samples=shard_max_samples,
+        progress=progress,
+    )
+    summary = run_plan(
+        Path(out),
+        plan,
+        workers=workers,
+        num_partitions=num_partitions,
+        partition=partition,
+        command=command,
+        progress=progress,
+    )
     summary["plan"] = plan.describe()
     return summary
 

@@ -11,12 +11,13 @@ Design choices:
 - Duplicate keys are found here, across all sources: the first input keeps the key, later
   ones are rejected naming the first.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Iterator
 
 from tqdm import tqdm
 
@@ -28,9 +29,9 @@ PLAN_VERSION = 1
 
 @dataclass
 class ShardPlan:
-    index: int                 # position in the whole plan (partitions take index % P == I)
-    source: int                # index into Plan.sources
-    name: str                  # "<source>/shard-NNNNNN", without extension
+    index: int  # position in the whole plan (partitions take index % P == I)
+    source: int  # index into Plan.sources
+    name: str  # "<source>/shard-NNNNNN", without extension
     items: list[Item] = field(default_factory=list)
 
 
@@ -42,17 +43,24 @@ class Plan:
     shard_max_samples: int
     shards: list[ShardPlan]
     fingerprint: str
-    counts: dict                # per source: items planned, rejected at plan time
+    counts: dict  # per source: items planned, rejected at plan time
 
     def describe(self) -> dict:
-        return {"fingerprint": self.fingerprint, "num_shards": len(self.shards),
-                "shard_max_bytes": self.shard_max_bytes, "shard_max_samples": self.shard_max_samples,
-                "limits": asdict(self.limits), "version": PLAN_VERSION}
+        return {
+            "fingerprint": self.fingerprint,
+            "num_shards": len(self.shards),
+            "shard_max_bytes": self.shard_max_bytes,
+            "shard_max_samples": self.shard_max_samples,
+            "limits": asdict(self.limits),
+            "version": PLAN_VERSION,
+        }
 
 
 def _item_blob(item: Item) -> bytes:
     rej = item.reject.to_dict() if item.reject else None
-    return json.dumps([item.key, item.label, list(item.ref), item.size, rej], sort_keys=True).encode()
+    return json.dumps(
+        [item.key, item.label, list(item.ref), item.size, rej], sort_keys=True
+    ).encode()
 
 
 def _listed(src) -> Iterator[Item]:
@@ -61,17 +69,33 @@ def _listed(src) -> Iterator[Item]:
     try:
         yield from src.items()
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ValueError(f"source {spec.name} ({spec.kind}:{spec.path}): cannot list inputs: {e}") from e
+        raise ValueError(
+            f"source {spec.name} ({spec.kind}:{spec.path}): cannot list inputs: {e}"
+        ) from e
 
 
-def make_plan(specs: list[SourceSpec], limits: Limits, *, shard_max_bytes: int,
-              shard_max_samples: int, progress: bool = True) -> Plan:
+def make_plan(
+    specs: list[SourceSpec],
+    limits: Limits,
+    *,
+    shard_max_bytes: int,
+    shard_max_samples: int,
+    progress: bool = True,
+) -> Plan:
     if shard_max_bytes <= 0 and shard_max_samples <= 0:
         raise ValueError("set a shard size: --shard-size and/or --shard-samples")
-    h = hashlib.sha256(json.dumps({
-        "version": PLAN_VERSION, "sources": [asdict(s) for s in specs], "limits": asdict(limits),
-        "shard_max_bytes": shard_max_bytes, "shard_max_samples": shard_max_samples,
-    }, sort_keys=True).encode())
+    h = hashlib.sha256(
+        json.dumps(
+            {
+                "version": PLAN_VERSION,
+                "sources": [asdict(s) for s in specs],
+                "limits": asdict(limits),
+                "shard_max_bytes": shard_max_bytes,
+                "shard_max_samples": shard_max_samples,
+            },
+            sort_keys=True,
+        ).encode()
+    )
     first_seen: dict[str, str] = {}
     shards: list[ShardPlan] = []
     counts: dict[str, dict] = {}
@@ -85,16 +109,31 @@ def make_plan(specs: list[SourceSpec], limits: Limits, *, shard_max_bytes: int,
         for item in _listed(src):
             if item.reject is None:
                 if item.key in first_seen:
-                    item = Item(item.key, item.label, ("rejected",), 0, Reject(
-                        item.label, "duplicate-key",
-                        f"key {item.key!r} already used by {first_seen[item.key]}",
-                        key=item.key, source=spec.name))
+                    item = Item(
+                        item.key,
+                        item.label,
+                        ("rejected",),
+                        0,
+                        Reject(
+                            item.label,
+                            "duplicate-key",
+                            f"key {item.key!r} already used by {first_seen[item.key]}",
+                            key=item.key,
+                            source=spec.name,
+                        ),
+                    )
                 else:
                     first_seen[item.key] = f"{spec.name}:{item.label}"
             accepted = item.reject is None
-            full = cur is not None and accepted and cur_samples > 0 and (
-                (shard_max_bytes > 0 and cur_bytes + item.size > shard_max_bytes)
-                or (shard_max_samples > 0 and cur_samples >= shard_max_samples))
+            full = (
+                cur is not None
+                and accepted
+                and cur_samples > 0
+                and (
+                    (shard_max_bytes > 0 and cur_bytes + item.size > shard_max_bytes)
+                    or (shard_max_samples > 0 and cur_samples >= shard_max_samples)
+                )
+            )
             if cur is None or full:
                 cur = ShardPlan(len(shards), si, f"{spec.name}/shard-{k:06d}")
                 shards.append(cur)
@@ -112,4 +151,6 @@ def make_plan(specs: list[SourceSpec], limits: Limits, *, shard_max_bytes: int,
             raise ValueError(f"source {spec.name} ({spec.kind}:{spec.path}): no inputs found")
         counts[spec.name] = {"inputs": n_items, "rejected_at_plan": n_rej}
     bar.close()
-    return Plan(specs, limits, shard_max_bytes, shard_max_samples, shards, h.hexdigest()[:24], counts)
+    return Plan(
+        specs, limits, shard_max_bytes, shard_max_samples, shards, h.hexdigest()[:24], counts
+    )

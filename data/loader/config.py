@@ -1,4 +1,5 @@
 """Typed configuration of the loader (Hydra group ``data/``)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,14 +12,15 @@ class SourceConfig:
     # (``tokens/code/shard-{000000..000041}.tar``), folders (``tokens/code``), fsspec URLs
     # (``s3://bucket/tokens/code/*.tar``) or ``pipe:`` commands (``pipe:aws s3 cp s3://b/x.tar -``).
     shards: list[str] = field(default_factory=list)
-    weight: float = 1.0                # share of the *tokens* delivered, relative to the others
+    weight: float = 1.0  # share of the *tokens* delivered, relative to the others
 
 
 @dataclass(kw_only=True)
 class OnlineTokenizeConfig:
     """How raw sources are tokenized in the workers (the options of ``earlyfuse-prep tokenize``)."""
+
     image_max_pixels: int = 256 * 256
-    video_max_pixels: int = 128 * 128      # per frame
+    video_max_pixels: int = 128 * 128  # per frame
     video_fps: float = 4.0
     video_max_tokens: int = 4096
 
@@ -26,23 +28,27 @@ class OnlineTokenizeConfig:
 @dataclass(kw_only=True)
 class LoaderConfig:
     sources: list[SourceConfig] = field(default_factory=list)
-    validation: list[SourceConfig] = field(default_factory=list)   # held-out shards, evaluated per modality
+    validation: list[SourceConfig] = field(
+        default_factory=list
+    )  # held-out shards, evaluated per modality
     seq_len: int = 2048
-    mode: str = "infinite"             # infinite: sources reshuffled and repeated | epoch: one pass
+    mode: str = "infinite"  # infinite: sources reshuffled and repeated | epoch: one pass
     seed: int = 0
-    shuffle_buffer: int = 1024         # samples are shuffled within windows of this many
+    shuffle_buffer: int = 1024  # samples are shuffled within windows of this many
     shuffle_shards: bool = True
-    num_workers: int = 1               # DataLoader worker processes per rank (0: in the main process)
+    num_workers: int = 1  # DataLoader worker processes per rank (0: in the main process)
     prefetch_factor: int = 4
-    pin_memory: bool = True            # when a GPU is present
-    max_pending: int = 4               # documents held aside while a visual block waits for room
-    oversize: str = "drop_block"       # a visual block longer than a row: drop_block | drop_document
-    max_consecutive_errors: int = 16   # unreadable samples in a row before the run stops
-    stall_seconds: float = 120.0       # a read slower than this is reported
+    pin_memory: bool = True  # when a GPU is present
+    max_pending: int = 4  # documents held aside while a visual block waits for room
+    oversize: str = "drop_block"  # a visual block longer than a row: drop_block | drop_document
+    max_consecutive_errors: int = 16  # unreadable samples in a row before the run stops
+    stall_seconds: float = 120.0  # a read slower than this is reported
     # A tokenizer folder (tokenizer.json, vocab_layout.json, visual_tokenizer/: a token folder's
     # tokenizers/). Raw sources are tokenized with it; token sources must have been made with it.
     # Unset: the token shards' own tokenizers/ copy (local token sources only).
     tokenizers: str | None = None
     tokenize: OnlineTokenizeConfig = field(default_factory=OnlineTokenizeConfig)
-    cache_dir: str | None = None       # where pipe: shards are fetched to (default $TMPDIR/earlyfuse-shards-UID)
-    cache_limit_gb: float = 64.0       # least recently used fetched shards are deleted beyond this
+    cache_dir: str | None = (
+        None  # where pipe: shards are fetched to (default $TMPDIR/earlyfuse-shards-UID)
+    )
+    cache_limit_gb: float = 64.0  # least recently used fetched shards are deleted beyond this

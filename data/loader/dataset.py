@@ -15,6 +15,7 @@ Design choices:
   redistribute it is the count of the new split from where the old one stopped, not the one
   computed here from the start.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -54,7 +55,7 @@ def _worker_init(_worker_id: int) -> None:
 
 
 class _Consumers(IterableDataset):
-    def __init__(self, loader: "PackedLoader") -> None:
+    def __init__(self, loader: PackedLoader) -> None:
         self.ld = loader
 
     def __iter__(self):
@@ -75,15 +76,31 @@ class _Consumers(IterableDataset):
 
 
 class PackedLoader:
-    def __init__(self, cfg: LoaderConfig, tables: list[SampleTable], *, rank: int, world_size: int,
-                 micro_batch: int, pad_id: int, pin_memory: bool | None = None) -> None:
+    def __init__(
+        self,
+        cfg: LoaderConfig,
+        tables: list[SampleTable],
+        *,
+        rank: int,
+        world_size: int,
+        micro_batch: int,
+        pad_id: int,
+        pin_memory: bool | None = None,
+    ) -> None:
         if cfg.mode not in ("infinite", "epoch"):
             raise ValueError(f"data.mode {cfg.mode!r}: choose infinite or epoch")
         self.cfg, self.tables = cfg, tables
-        self.rank, self.world_size, self.micro_batch, self.pad_id = rank, world_size, micro_batch, pad_id
+        self.rank, self.world_size, self.micro_batch, self.pad_id = (
+            rank,
+            world_size,
+            micro_batch,
+            pad_id,
+        )
         self.workers = max(1, cfg.num_workers)
         self.weights = [s.weight for s in cfg.sources] if cfg.sources else [1.0] * len(tables)
-        self.pin = (torch.cuda.is_available() and cfg.pin_memory) if pin_memory is None else pin_memory
+        self.pin = (
+            (torch.cuda.is_available() and cfg.pin_memory) if pin_memory is None else pin_memory
+        )
         self.worker_states: dict[int, dict] = {}
         self.rotation = 0
         self.handed_out = 0
@@ -95,10 +112,20 @@ class PackedLoader:
     def consumers(self) -> int:
         return self.world_size * self.workers
 
-    def make_stream(self, worker: int, *, consumer: int | None = None, dry: bool = False) -> ConsumerStream:
+    def make_stream(
+        self, worker: int, *, consumer: int | None = None, dry: bool = False
+    ) -> ConsumerStream:
         c = self.rank * self.workers + worker if consumer is None else consumer
-        s = ConsumerStream(self.tables, self.weights, self.cfg, consumer=c, consumers=self.consumers,
-                           micro_batch=self.micro_batch, pad_id=self.pad_id, dry=dry)
+        s = ConsumerStream(
+            self.tables,
+            self.weights,
+            self.cfg,
+            consumer=c,
+            consumers=self.consumers,
+            micro_batch=self.micro_batch,
+            pad_id=self.pad_id,
+            dry=dry,
+        )
         s.batch_limit = self.batch_limit
         return s
 
@@ -114,10 +141,16 @@ class PackedLoader:
         return min(counts)
 
     def __iter__(self):
-        dl = DataLoader(_Consumers(self), batch_size=None, num_workers=self.cfg.num_workers,
-                        pin_memory=self.pin, prefetch_factor=self.cfg.prefetch_factor if self.cfg.num_workers else None,
-                        persistent_workers=False, multiprocessing_context="spawn" if self.cfg.num_workers else None,
-                        worker_init_fn=_worker_init if self.cfg.num_workers else None)
+        dl = DataLoader(
+            _Consumers(self),
+            batch_size=None,
+            num_workers=self.cfg.num_workers,
+            pin_memory=self.pin,
+            prefetch_factor=self.cfg.prefetch_factor if self.cfg.num_workers else None,
+            persistent_workers=False,
+            multiprocessing_context="spawn" if self.cfg.num_workers else None,
+            worker_init_fn=_worker_init if self.cfg.num_workers else None,
+        )
         it = iter(dl)
         try:
             for batch in it:
@@ -147,24 +180,42 @@ class PackedLoader:
         return fingerprint == hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
     def state_dict(self) -> dict:
-        return {"version": STATE_VERSION, "fingerprint": self.fingerprint(), "rank": self.rank,
-                "world_size": self.world_size, "workers": self.workers, "seq_len": self.cfg.seq_len,
-                "micro_batch": self.micro_batch, "mode": self.cfg.mode, "handed_out": self.handed_out,
-                "batch_limit": self.batch_limit, "worker_states": {str(k): v for k, v in self.worker_states.items()}}
+        return {
+            "version": STATE_VERSION,
+            "fingerprint": self.fingerprint(),
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "workers": self.workers,
+            "seq_len": self.cfg.seq_len,
+            "micro_batch": self.micro_batch,
+            "mode": self.cfg.mode,
+            "handed_out": self.handed_out,
+            "batch_limit": self.batch_limit,
+            "worker_states": {str(k): v for k, v in self.worker_states.items()},
+        }
 
     def load_state_dict(self, st: dict) -> None:
         if st.get("version") != STATE_VERSION:
             raise ValueError(f"loader state version {st.get('version')}, expected {STATE_VERSION}")
         if not self.accepts(st["fingerprint"]):
-            raise ValueError("the loader state was saved over other shards or tokenizers (fingerprint "
-                             f"{st['fingerprint']} != {self.fingerprint()}); it cannot resume this data")
+            raise ValueError(
+                "the loader state was saved over other shards or tokenizers (fingerprint "
+                f"{st['fingerprint']} != {self.fingerprint()}); it cannot resume this data"
+            )
         for k in ("world_size", "workers", "seq_len", "micro_batch", "mode"):
-            mine = {"world_size": self.world_size, "workers": self.workers, "seq_len": self.cfg.seq_len,
-                    "micro_batch": self.micro_batch, "mode": self.cfg.mode}[k]
+            mine = {
+                "world_size": self.world_size,
+                "workers": self.workers,
+                "seq_len": self.cfg.seq_len,
+                "micro_batch": self.micro_batch,
+                "mode": self.cfg.mode,
+            }[k]
             if st[k] != mine:
-                raise ValueError(f"loader state has {k}={st[k]}, this loader {mine}; use "
-                                 "data.loader.redistribute to map it (docs/loader.md)")
-        if "batch_limit" in st:     # epoch mode: after a redistribute, the count of the new split
+                raise ValueError(
+                    f"loader state has {k}={st[k]}, this loader {mine}; use "
+                    "data.loader.redistribute to map it (docs/loader.md)"
+                )
+        if "batch_limit" in st:  # epoch mode: after a redistribute, the count of the new split
             self.batch_limit = st["batch_limit"]
         self.worker_states = {int(k): v for k, v in st["worker_states"].items()}
         self.handed_out = st["handed_out"]
@@ -173,13 +224,23 @@ class PackedLoader:
     # --- reporting -------------------------------------------------------------------------------
     def delivered(self) -> dict:
         """Tokens per modality and source and the packing figures, over the handed-out batches."""
-        out = {"batches": self.handed_out, "errors": 0, "rows": 0, "real_tokens": 0, "dropped_blocks": 0,
-               "dropped_docs": 0, "tokens_by_modality": [0] * 5, "tokens_by_source": {}}
+        out = {
+            "batches": self.handed_out,
+            "errors": 0,
+            "rows": 0,
+            "real_tokens": 0,
+            "dropped_blocks": 0,
+            "dropped_docs": 0,
+            "tokens_by_modality": [0] * 5,
+            "tokens_by_source": {},
+        }
         for st in self.worker_states.values():
             out["errors"] += st["errors"]
             for k in ("rows", "real_tokens", "dropped_blocks", "dropped_docs"):
                 out[k] += st["stats"][k]
-            out["tokens_by_modality"] = [a + b for a, b in zip(out["tokens_by_modality"], st["tokens_by_modality"])]
+            out["tokens_by_modality"] = [
+                a + b for a, b in zip(out["tokens_by_modality"], st["tokens_by_modality"])
+            ]
             for t, c in zip(self.tables, st["cursors"]):
                 out["tokens_by_source"][t.name] = out["tokens_by_source"].get(t.name, 0) + c[2]
         rows = out["rows"]
@@ -202,32 +263,46 @@ class PackedLoader:
             cursors = st["cursors"] if st else [[0, 0, 0, 0]] * len(self.tables)
             skip = {(s, e): m for s, e, m in st.get("skip", [])} if st else {}
             for s, (t, c) in enumerate(zip(self.tables, cursors)):
-                left = len(t)      # positions of the epoch's order split over the consumers
-                if (s, c[0]) in skip:   # less those a redistribute found consumed before
+                left = len(t)  # positions of the epoch's order split over the consumers
+                if (s, c[0]) in skip:  # less those a redistribute found consumed before
                     left -= int(unpack_mask(skip[(s, c[0])], len(t)).sum())
                 n += len(range(consumer, left, self.consumers)) - c[1]
             n += len(st["pending"]) if st else 0
         return n
 
 
-def build_loader(cfg: LoaderConfig, *, rank: int, world_size: int, micro_batch: int, pad_id: int = 0,
-                 validation: bool = False) -> PackedLoader:
+def build_loader(
+    cfg: LoaderConfig,
+    *,
+    rank: int,
+    world_size: int,
+    micro_batch: int,
+    pad_id: int = 0,
+    validation: bool = False,
+) -> PackedLoader:
     sources = cfg.validation if validation else cfg.sources
     if not sources:
-        raise ValueError("data.validation lists no sources" if validation else "data.sources lists no sources")
+        raise ValueError(
+            "data.validation lists no sources" if validation else "data.sources lists no sources"
+        )
     tables = [load_table(s) for s in sources]
     check_tokenizers(cfg, tables)
     if validation:
         from dataclasses import replace
+
         cfg = replace(cfg, sources=sources, mode="epoch")
     raw = [t.name for t in tables if t.kind == "raw"]
     if raw and cfg.mode == "epoch":
         what = "validation source(s)" if validation else "source(s)"
         fix = "" if validation else " or use data.mode=infinite"
-        raise ValueError(f"{what} {raw} hold raw shards: epoch mode counts every rank's batches from the "
-                         f"token counts of the index, which raw shards do not have; tokenize them "
-                         f"(earlyfuse-prep tokenize){fix}")
-    return PackedLoader(cfg, tables, rank=rank, world_size=world_size, micro_batch=micro_batch, pad_id=pad_id)
+        raise ValueError(
+            f"{what} {raw} hold raw shards: epoch mode counts every rank's batches from the "
+            f"token counts of the index, which raw shards do not have; tokenize them "
+            f"(earlyfuse-prep tokenize){fix}"
+        )
+    return PackedLoader(
+        cfg, tables, rank=rank, world_size=world_size, micro_batch=micro_batch, pad_id=pad_id
+    )
 
 
 def check_tokenizers(cfg: LoaderConfig, tables: list[SampleTable]) -> None:
@@ -240,13 +315,21 @@ def check_tokenizers(cfg: LoaderConfig, tables: list[SampleTable]) -> None:
     for t in tables:
         if t.kind == "raw":
             if want is None:
-                raise ValueError(f"source {t.name} holds raw shards ({t.manifest_url}): set data.tokenizers to "
-                                 "the tokenizer folder to tokenize them with (a token folder's tokenizers/)")
+                raise ValueError(
+                    f"source {t.name} holds raw shards ({t.manifest_url}): set data.tokenizers to "
+                    "the tokenizer folder to tokenize them with (a token folder's tokenizers/)"
+                )
             # The options change the tokens: they belong to what a loader state must match.
             t.tokenizer_fingerprint = want + options_key(online_options(cfg))
             continue
         want = want or t.tokenizer_fingerprint
         if t.tokenizer_fingerprint != want:
-            where = f"the tokenizers in {cfg.tokenizers}" if cfg.tokenizers else f"source {tables[0].name}'s"
-            raise ValueError(f"source {t.name} was tokenized with other tokenizers than {where} "
-                             f"({t.manifest_url}); its ids would mean other things")
+            where = (
+                f"the tokenizers in {cfg.tokenizers}"
+                if cfg.tokenizers
+                else f"source {tables[0].name}'s"
+            )
+            raise ValueError(
+                f"source {t.name} was tokenized with other tokenizers than {where} "
+                f"({t.manifest_url}); its ids would mean other things"
+            )

@@ -13,6 +13,7 @@ Design choices:
   from ``seq_len`` before encoding (a raw source is downscaled where a token shard could only
   drop the block).
 """
+
 from __future__ import annotations
 
 import json
@@ -34,25 +35,37 @@ def folder_fingerprints(folder: str | Path) -> dict:
     """The ``tokenizers`` entry a token manifest would carry for this tokenizer folder."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise ValueError(f"data.tokenizers: {folder} is not a folder (it should hold tokenizer.json, "
-                         "vocab_layout.json and visual_tokenizer/, like a token folder's tokenizers/)")
+        raise ValueError(
+            f"data.tokenizers: {folder} is not a folder (it should hold tokenizer.json, "
+            "vocab_layout.json and visual_tokenizer/, like a token folder's tokenizers/)"
+        )
     text = TextTokenizer.load(folder)
     if not (folder / VISUAL_FOLDER).is_dir():
-        raise ValueError(f"{folder}: no {VISUAL_FOLDER}/ (a tokenizer folder holds tokenizer.json, "
-                         "vocab_layout.json and visual_tokenizer/, like a token folder's tokenizers/)")
-    return {"text": text.fingerprint(), "layout": text.layout.fingerprint(),
-            "visual": weights_fingerprint(folder / VISUAL_FOLDER)}
+        raise ValueError(
+            f"{folder}: no {VISUAL_FOLDER}/ (a tokenizer folder holds tokenizer.json, "
+            "vocab_layout.json and visual_tokenizer/, like a token folder's tokenizers/)"
+        )
+    return {
+        "text": text.fingerprint(),
+        "layout": text.layout.fingerprint(),
+        "visual": weights_fingerprint(folder / VISUAL_FOLDER),
+    }
 
 
-def fitted_options(opts: TokenizeOptions, seq_len: int, factor: int, max_grid: int) -> TokenizeOptions:
+def fitted_options(
+    opts: TokenizeOptions, seq_len: int, factor: int, max_grid: int
+) -> TokenizeOptions:
     """Options under which every image and video block fits in a row of ``seq_len``: an image
     block is 4 + h*w + h tokens (h <= max_grid), a one-frame video block 5 + h*w + h; longer
     videos keep fewer frames (video_max_tokens)."""
     image_pixels = max(factor * factor, (seq_len - 4 - max_grid) * factor * factor)
     frame_pixels = max(factor * factor, (seq_len - 5 - max_grid) * factor * factor)
-    return replace(opts, image_max_pixels=min(opts.image_max_pixels, image_pixels),
-                   video_max_pixels=min(opts.video_max_pixels, frame_pixels),
-                   video_max_tokens=min(opts.video_max_tokens, seq_len))
+    return replace(
+        opts,
+        image_max_pixels=min(opts.image_max_pixels, image_pixels),
+        video_max_pixels=min(opts.video_max_pixels, frame_pixels),
+        video_max_tokens=min(opts.video_max_tokens, seq_len),
+    )
 
 
 def online_options(cfg) -> TokenizeOptions:
@@ -85,7 +98,10 @@ class OnlineTokenizer:
             got = self.encoder.encode_chunk([rd])[0]
         except (KeyError, TypeError, IndexError, AttributeError) as e:
             # A JSON member that is not a document of our schema: rejected, never a dead worker.
-            return None, f"{key}.json is not a document of the raw shard schema ({type(e).__name__}: {e})"
+            return (
+                None,
+                f"{key}.json is not a document of the raw shard schema ({type(e).__name__}: {e})",
+            )
         if isinstance(got, Reject):
             return None, f"{got.reason}: {got.detail}"
         return got, ""

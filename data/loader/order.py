@@ -11,6 +11,7 @@
   consumers split only the rest, the same way. The mask is stored packed (bits, zlib, base64):
   the consumed set is nearly a prefix of the order, so it compresses to a few bytes.
 """
+
 from __future__ import annotations
 
 import base64
@@ -24,8 +25,9 @@ def seed_of(*parts) -> int:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little")
 
 
-def epoch_order(shard: np.ndarray, *, seed: int, epoch: int, source: str, buffer: int,
-                shuffle_shards: bool) -> np.ndarray:
+def epoch_order(
+    shard: np.ndarray, *, seed: int, epoch: int, source: str, buffer: int, shuffle_shards: bool
+) -> np.ndarray:
     """A permutation of sample ids [0, N) for one source and epoch."""
     n_shards = int(shard.max()) + 1 if len(shard) else 0
     rng = np.random.default_rng(seed_of(seed, epoch, source, "order"))
@@ -36,8 +38,8 @@ def epoch_order(shard: np.ndarray, *, seed: int, epoch: int, source: str, buffer
     order = np.argsort(rank_of_shard[shard], kind="stable")
     if buffer > 1:
         for start in range(0, len(order), buffer):
-            window = order[start:start + buffer]
-            order[start:start + buffer] = window[rng.permutation(len(window))]
+            window = order[start : start + buffer]
+            order[start : start + buffer] = window[rng.permutation(len(window))]
     return order
 
 
@@ -47,7 +49,9 @@ def consumer_slice(order: np.ndarray, consumer: int, consumers: int) -> np.ndarr
 
 def pack_mask(mask: np.ndarray) -> str:
     """A boolean mask as text for a loader state (JSON and ``torch.load(weights_only=True)`` safe)."""
-    return base64.b64encode(zlib.compress(np.packbits(mask.astype(bool)).tobytes(), 6)).decode("ascii")
+    return base64.b64encode(zlib.compress(np.packbits(mask.astype(bool)).tobytes(), 6)).decode(
+        "ascii"
+    )
 
 
 def unpack_mask(text: str, n: int) -> np.ndarray:

@@ -16,6 +16,7 @@ Design choices:
 - ``dry=True`` packs lengths only (from the index): the same decisions without reading a tar,
   used to count an epoch's rows on every consumer.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ class Unit:
     start: int
     end: int
     atomic: bool
-    t: int = 0      # latent frames (0: image)
+    t: int = 0  # latent frames (0: image)
     h: int = 0
     w: int = 0
 
@@ -57,14 +58,18 @@ class Doc:
     epoch: int
     length: int
     units: list[Unit]
-    ids: np.ndarray | None = None       # int32 [length] (None when packing dry)
+    ids: np.ndarray | None = None  # int32 [length] (None when packing dry)
     mod: np.ndarray | None = None
-    unit: int = 0                       # next unit to place
-    offset: int = 0                     # tokens of that unit already placed (text only)
+    unit: int = 0  # next unit to place
+    offset: int = 0  # tokens of that unit already placed (text only)
 
     def position(self) -> int:
         """Doc tokens already placed or dropped: where the next piece starts."""
-        return self.units[self.unit].start + self.offset if self.unit < len(self.units) else self.length
+        return (
+            self.units[self.unit].start + self.offset
+            if self.unit < len(self.units)
+            else self.length
+        )
 
     def cursor(self) -> list[int]:
         return [self.source, self.sample, self.epoch, self.unit, self.offset]
@@ -81,7 +86,9 @@ class Row:
     thw: np.ndarray
     image_ids: np.ndarray
     real: int
-    pieces: list[tuple[int, int, int, int]] = field(default_factory=list)   # (source, sample, start, end)
+    pieces: list[tuple[int, int, int, int]] = field(
+        default_factory=list
+    )  # (source, sample, start, end)
 
 
 @dataclass
@@ -96,11 +103,24 @@ class PackStats:
 
 
 class Packer:
-    def __init__(self, seq_len: int, *, pad_id: int, max_pending: int = 4, oversize: str = "drop_block",
-                 dry: bool = False) -> None:
+    def __init__(
+        self,
+        seq_len: int,
+        *,
+        pad_id: int,
+        max_pending: int = 4,
+        oversize: str = "drop_block",
+        dry: bool = False,
+    ) -> None:
         if oversize not in ("drop_block", "drop_document"):
             raise ValueError(f"oversize {oversize!r}: choose drop_block or drop_document")
-        self.L, self.pad_id, self.max_pending, self.oversize, self.dry = seq_len, pad_id, max_pending, oversize, dry
+        self.L, self.pad_id, self.max_pending, self.oversize, self.dry = (
+            seq_len,
+            pad_id,
+            max_pending,
+            oversize,
+            dry,
+        )
         self.pending: list[Doc] = []
         self.stats = PackStats()
 
@@ -141,7 +161,9 @@ class Packer:
         self._flush(doc, row, piece_start, doc_start, pos)
         return "done", pos
 
-    def _flush(self, doc: Doc, row: Row | None, ra: int, a: int, rb: int, cut: bool = False) -> None:
+    def _flush(
+        self, doc: Doc, row: Row | None, ra: int, a: int, rb: int, cut: bool = False
+    ) -> None:
         """Write doc tokens [a, a + rb - ra) at row positions [ra, rb) as one piece. ``cut``: the
         doc's next token starts a dropped block, so the piece's last token predicts nothing."""
         n = rb - ra
@@ -156,8 +178,8 @@ class Packer:
         row.ids[ra:rb] = doc.ids[a:b]
         row.mod[ra:rb] = doc.mod[a:b]
         nxt = min(b + 1, doc.length)
-        row.labels[ra:ra + (nxt - a - 1)] = doc.ids[a + 1:nxt]
-        row.label_mod[ra:ra + (nxt - a - 1)] = doc.mod[a + 1:nxt]
+        row.labels[ra : ra + (nxt - a - 1)] = doc.ids[a + 1 : nxt]
+        row.label_mod[ra : ra + (nxt - a - 1)] = doc.mod[a + 1 : nxt]
         if cut:
             row.labels[rb - 1] = IGNORE
         row.doc_ids[ra:rb] = pid
@@ -165,39 +187,41 @@ class Packer:
         self._thw(doc, row, ra, a, b)
 
     def _thw(self, doc: Doc, row: Row, ra: int, a: int, b: int) -> None:
-        p = 0                       # M-RoPE position of the next token
+        p = 0  # M-RoPE position of the next token
         j = a
         blocks = [u for u in doc.units if u.atomic and u.start >= a and u.end <= b]
-        if not blocks:              # text only (most pieces): t = h = w = the 1-D position
-            row.thw[ra:ra + b - a] = np.arange(b - a)[:, None]
+        if not blocks:  # text only (most pieces): t = h = w = the 1-D position
+            row.thw[ra : ra + b - a] = np.arange(b - a)[:, None]
             return
         n_img = int(row.image_ids.max()) + 1
         for u in blocks + [None]:
             stop = u.start if u else b
-            if stop > j:                                        # text before the block
-                row.thw[ra + j - a:ra + stop - a] = (p + np.arange(stop - j))[:, None]
+            if stop > j:  # text before the block
+                row.thw[ra + j - a : ra + stop - a] = (p + np.arange(stop - j))[:, None]
                 p += stop - j
             if u is None:
                 break
             r0 = ra + u.start - a
-            row.thw[r0:r0 + 3] = (p + np.arange(3))[:, None]    # <boi>/<bov> and the two size tokens
+            row.thw[r0 : r0 + 3] = (p + np.arange(3))[
+                :, None
+            ]  # <boi>/<bov> and the two size tokens
             p += 3
             frames, h, w = max(u.t, 1), u.h, u.w
             k = r0 + 3
             for f in range(frames):
-                if u.t:                                          # video: <frame> marker
+                if u.t:  # video: <frame> marker
                     row.thw[k] = (p + f, p, p)
                     k += 1
                 grid_t = np.full((h, w + 1), p + f)
                 grid_h = np.broadcast_to((p + np.arange(h))[:, None], (h, w + 1))
                 grid_w = np.broadcast_to(p + np.arange(w + 1)[None, :], (h, w + 1))
-                row.thw[k:k + h * (w + 1)] = np.stack([grid_t, grid_h, grid_w], -1).reshape(-1, 3)
-                codes = (row.mod[k:k + h * (w + 1)] == Modality.IMAGE)
-                row.image_ids[k:k + h * (w + 1)][codes] = n_img
+                row.thw[k : k + h * (w + 1)] = np.stack([grid_t, grid_h, grid_w], -1).reshape(-1, 3)
+                codes = row.mod[k : k + h * (w + 1)] == Modality.IMAGE
+                row.image_ids[k : k + h * (w + 1)][codes] = n_img
                 k += h * (w + 1)
             n_img += 1 if u.t == 0 else 0
             p += max(frames, h, w + 1)
-            row.thw[k] = (p, p, p)                                # <eoi>/<eov>
+            row.thw[k] = (p, p, p)  # <eoi>/<eov>
             p += 1
             j = u.end
 
@@ -205,10 +229,17 @@ class Packer:
         if self.dry:
             return None
         L = self.L
-        return Row(ids=np.full(L, self.pad_id, np.int64), mod=np.full(L, int(Modality.TEXT), np.int64),
-                   labels=np.full(L, IGNORE, np.int64), label_mod=np.full(L, int(Modality.TEXT), np.int64),
-                   doc_ids=np.full(L, -1, np.int64), pos=np.zeros(L, np.int64), thw=np.zeros((L, 3), np.int64),
-                   image_ids=np.full(L, -1, np.int64), real=0)
+        return Row(
+            ids=np.full(L, self.pad_id, np.int64),
+            mod=np.full(L, int(Modality.TEXT), np.int64),
+            labels=np.full(L, IGNORE, np.int64),
+            label_mod=np.full(L, int(Modality.TEXT), np.int64),
+            doc_ids=np.full(L, -1, np.int64),
+            pos=np.zeros(L, np.int64),
+            thw=np.zeros((L, 3), np.int64),
+            image_ids=np.full(L, -1, np.int64),
+            real=0,
+        )
 
     # --- one row ----------------------------------------------------------------------------------
     def pack(self, next_doc) -> Row | None:
@@ -244,5 +275,5 @@ class Packer:
             row.real = pos
             if row.pieces:
                 pad = row.doc_ids == -1
-                row.doc_ids[pad] = len(row.pieces)        # padding: its own "document"
+                row.doc_ids[pad] = len(row.pieces)  # padding: its own "document"
         return row if row is not None else Row(*(None,) * 8, real=pos)  # type: ignore[arg-type]

@@ -6,6 +6,7 @@ is a terminal. PNG: one band per row, one cell per token coloured by modality, p
 boundaries marked, padding grey, and each image block drawn from its codes when a visual
 tokenizer is at hand (it is, in the token folder's ``tokenizers/``).
 """
+
 from __future__ import annotations
 
 import json
@@ -21,9 +22,20 @@ from data.loader.dataset import build_loader
 from data.text_tokenizer import TextTokenizer
 from data.vocab import MODALITY_NAMES, Modality
 
-COLOURS = {Modality.TEXT: (66, 133, 244), Modality.CODE: (52, 168, 83), Modality.IMAGE: (251, 188, 5),
-           Modality.VIDEO: (234, 67, 53), Modality.STRUCTURE: (160, 100, 220)}
-ANSI = {Modality.TEXT: "34", Modality.CODE: "32", Modality.IMAGE: "33", Modality.VIDEO: "31", Modality.STRUCTURE: "35"}
+COLOURS = {
+    Modality.TEXT: (66, 133, 244),
+    Modality.CODE: (52, 168, 83),
+    Modality.IMAGE: (251, 188, 5),
+    Modality.VIDEO: (234, 67, 53),
+    Modality.STRUCTURE: (160, 100, 220),
+}
+ANSI = {
+    Modality.TEXT: "34",
+    Modality.CODE: "32",
+    Modality.IMAGE: "33",
+    Modality.VIDEO: "31",
+    Modality.STRUCTURE: "35",
+}
 PAD = (200, 200, 200)
 
 
@@ -36,14 +48,20 @@ def sources_of(token_dir: Path, names: list[str] | None) -> list[SourceConfig]:
     return [SourceConfig(name=n, shards=[str(token_dir / n)]) for n in (names or have)]
 
 
-def rows(token_dir: Path, names: list[str] | None, seq_len: int, n_rows: int, seed: int) -> list[dict]:
-    cfg = LoaderConfig(sources=sources_of(token_dir, names), seq_len=seq_len, num_workers=0, seed=seed)
+def rows(
+    token_dir: Path, names: list[str] | None, seq_len: int, n_rows: int, seed: int
+) -> list[dict]:
+    cfg = LoaderConfig(
+        sources=sources_of(token_dir, names), seq_len=seq_len, num_workers=0, seed=seed
+    )
     loader = build_loader(cfg, rank=0, world_size=1, micro_batch=1)
     out = []
     it = iter(loader)
     for _ in range(n_rows):
         b = next(it)
-        out.append({k: v[0].numpy() if hasattr(v, "numpy") and v.dim() else v for k, v in b.items()})
+        out.append(
+            {k: v[0].numpy() if hasattr(v, "numpy") and v.dim() else v for k, v in b.items()}
+        )
     it.close()
     out.append(loader.delivered())
     return out
@@ -71,9 +89,16 @@ def describe(row: dict, tok: TextTokenizer, colour: bool) -> str:
             m = Modality(int(mod[i]))
             j = i
             if ids[i] in (lay.structure_id("<boi>"), lay.structure_id("<bov>")):
-                end = lay.structure_id("<eoi>") if ids[i] == lay.structure_id("<boi>") else lay.structure_id("<eov>")
+                end = (
+                    lay.structure_id("<eoi>")
+                    if ids[i] == lay.structure_id("<boi>")
+                    else lay.structure_id("<eov>")
+                )
                 j = i + int(np.flatnonzero(ids[i:b] == end)[0]) + 1
-                h, w = int(ids[i + 1] - lay.structure_id("<h=1>") + 1), int(ids[i + 2] - lay.structure_id("<w=1>") + 1)
+                h, w = (
+                    int(ids[i + 1] - lay.structure_id("<h=1>") + 1),
+                    int(ids[i + 2] - lay.structure_id("<w=1>") + 1),
+                )
                 frames = int((ids[i:j] == lay.structure_id("<frame>")).sum())
                 text = f"[image {h}x{w}]" if frames == 0 else f"[video {frames}x{h}x{w}]"
                 m = Modality.IMAGE if frames == 0 else Modality.VIDEO
@@ -81,15 +106,20 @@ def describe(row: dict, tok: TextTokenizer, colour: bool) -> str:
                 while j < b and Modality(int(mod[j])) == m and ids[j] < lay.structure_offset:
                     j += 1
                 j = max(j, i + 1)
-                text = tok.decode(ids[i:j].tolist()) if ids[i] < lay.structure_offset else \
-                    lay.structure[int(ids[i]) - lay.structure_offset]
+                text = (
+                    tok.decode(ids[i:j].tolist())
+                    if ids[i] < lay.structure_offset
+                    else lay.structure[int(ids[i]) - lay.structure_offset]
+                )
             parts.append(f"\x1b[{ANSI[m]}m{text}\x1b[0m" if colour else text)
             i = j
         lines.append(f"  ── piece {len(lines)} ({b - a} tokens) ──\n" + "".join(parts))
     return "\n".join(lines)
 
 
-def render_png(rows_: list[dict], tok: TextTokenizer, path: Path, vtok=None, cell: int = 5, width: int = 128) -> None:
+def render_png(
+    rows_: list[dict], tok: TextTokenizer, path: Path, vtok=None, cell: int = 5, width: int = 128
+) -> None:
     lay = tok.layout
     seq = len(rows_[0]["input_ids"])
     lines = -(-seq // width)
@@ -106,31 +136,45 @@ def render_png(rows_: list[dict], tok: TextTokenizer, path: Path, vtok=None, cel
             x, y = 10 + (i % width) * cell, y0 + (i // width) * cell
             c = PAD if ids[i] == 0 else COLOURS[Modality(int(mod[i]))]
             if i and doc[i] != doc[i - 1]:
-                c = (0, 0, 0)                                  # a piece boundary
+                c = (0, 0, 0)  # a piece boundary
             d.rectangle([x, y, x + cell - 1, y + cell - 1], fill=c)
     img.save(path)
-    if vtok is not None:   # the row's first images, decoded from their codes, beside the bands
+    if vtok is not None:  # the row's first images, decoded from their codes, beside the bands
         import torch
+
         thumbs = []
         for row in rows_:
             ids = row["input_ids"]
             for s in np.flatnonzero(ids == lay.structure_id("<boi>"))[:4]:
                 e = s + int(np.flatnonzero(ids[s:] == lay.structure_id("<eoi>"))[0]) + 1
                 codes = torch.from_numpy(parse_image(ids[s:e], lay))[None]
-                thumbs.append(((vtok.decode(codes)[0].permute(1, 2, 0).numpy() + 1) * 127.5).clip(0, 255).astype(np.uint8))
+                thumbs.append(
+                    ((vtok.decode(codes)[0].permute(1, 2, 0).numpy() + 1) * 127.5)
+                    .clip(0, 255)
+                    .astype(np.uint8)
+                )
         if thumbs:
             h = max(t.shape[0] for t in thumbs)
             strip = np.full((h, sum(t.shape[1] + 4 for t in thumbs), 3), 255, np.uint8)
             x = 0
             for t in thumbs:
-                strip[:t.shape[0], x:x + t.shape[1]] = t
+                strip[: t.shape[0], x : x + t.shape[1]] = t
                 x += t.shape[1] + 4
-            Image.fromarray(strip).resize((strip.shape[1] * 2, strip.shape[0] * 2), Image.NEAREST).save(
-                path.with_name(path.stem + "_images.png"))
+            Image.fromarray(strip).resize(
+                (strip.shape[1] * 2, strip.shape[0] * 2), Image.NEAREST
+            ).save(path.with_name(path.stem + "_images.png"))
 
 
-def preview(token_dir: str | Path, *, sources: list[str] | None = None, seq_len: int = 2048, n_rows: int = 2,
-            seed: int = 0, png: str | Path | None = None, colour: bool | None = None) -> str:
+def preview(
+    token_dir: str | Path,
+    *,
+    sources: list[str] | None = None,
+    seq_len: int = 2048,
+    n_rows: int = 2,
+    seed: int = 0,
+    png: str | Path | None = None,
+    colour: bool | None = None,
+) -> str:
     token_dir = Path(token_dir)
     tok = TextTokenizer.load(token_dir / "tokenizers")
     got = rows(token_dir, sources, seq_len, n_rows, seed)
@@ -140,14 +184,20 @@ def preview(token_dir: str | Path, *, sources: list[str] | None = None, seq_len:
     for r, row in enumerate(packed):
         real = int((row["input_ids"] != 0).sum())
         counts = np.bincount(row["modality"][row["input_ids"] != 0], minlength=len(Modality))
-        out.append(f"row {r}: {real}/{seq_len} real tokens; " +
-                   ", ".join(f"{MODALITY_NAMES[i]} {c}" for i, c in enumerate(counts) if c))
+        out.append(
+            f"row {r}: {real}/{seq_len} real tokens; "
+            + ", ".join(f"{MODALITY_NAMES[i]} {c}" for i, c in enumerate(counts) if c)
+        )
         out.append(describe(row, tok, colour))
     out.append(f"packing efficiency over these rows: {delivered['packing_efficiency']:.1%}")
     if png:
         from data.tokenize.visual import load_visual_tokenizer
+
         vtok_dir = token_dir / "tokenizers" / "visual_tokenizer"
         vtok = load_visual_tokenizer(vtok_dir, tok.layout) if vtok_dir.is_dir() else None
         render_png(packed, tok, Path(png), vtok)
-        out.append(f"wrote {png}" + (f" and {Path(png).with_name(Path(png).stem + '_images.png')}" if vtok else ""))
+        out.append(
+            f"wrote {png}"
+            + (f" and {Path(png).with_name(Path(png).stem + '_images.png')}" if vtok else "")
+        )
     return "\n".join(out)

@@ -25,6 +25,7 @@ Design choices:
   rank needs to talk to another. Same data (fingerprint), ``seq_len`` and mode are required; the
   micro batch may change (a state is taken between batches, never mid-batch).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -44,12 +45,28 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
     for st in old:
         for w, ws in st["worker_states"].items():
             by_consumer[st["rank"] * st["workers"] + int(w)] = ws
-    fresh = {"cursors": [[0, 0, 0, 0]] * len(loader.tables), "pending": [], "errors": 0, "skip": [],
-             "stats": PackStats().as_dict(), "tokens_by_modality": [0] * len(MODALITY_NAMES)}
-    olds = [ws or fresh for ws in by_consumer]       # a worker that never handed out a batch is at 0
+    fresh = {
+        "cursors": [[0, 0, 0, 0]] * len(loader.tables),
+        "pending": [],
+        "errors": 0,
+        "skip": [],
+        "stats": PackStats().as_dict(),
+        "tokens_by_modality": [0] * len(MODALITY_NAMES),
+    }
+    olds = [ws or fresh for ws in by_consumer]  # a worker that never handed out a batch is at 0
     n = loader.consumers
-    new = [{"cursors": [], "pending": [], "batches": 0, "errors": 0, "skip": [], "stats": PackStats().as_dict(),
-            "tokens_by_modality": [0] * len(MODALITY_NAMES)} for _ in range(n)]
+    new = [
+        {
+            "cursors": [],
+            "pending": [],
+            "batches": 0,
+            "errors": 0,
+            "skip": [],
+            "stats": PackStats().as_dict(),
+            "tokens_by_modality": [0] * len(MODALITY_NAMES),
+        }
+        for _ in range(n)
+    ]
     for s, t in enumerate(loader.tables):
         epoch, masks = _consumed(s, len(t), olds)
         total = sum(st["cursors"][s][2] for st in olds)
@@ -64,15 +81,29 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
         to = new[c % n]
         to["errors"] += st["errors"]
         to["stats"] = {k: v + st["stats"][k] for k, v in to["stats"].items()}
-        to["tokens_by_modality"] = [a + b for a, b in zip(to["tokens_by_modality"], st["tokens_by_modality"])]
+        to["tokens_by_modality"] = [
+            a + b for a, b in zip(to["tokens_by_modality"], st["tokens_by_modality"])
+        ]
     limit = _batch_limit(loader, new) if loader.cfg.mode == "epoch" else None
     mine = range(loader.rank * loader.workers, (loader.rank + 1) * loader.workers)
-    return {"version": STATE_VERSION, "fingerprint": loader.fingerprint(), "rank": loader.rank,
-            "world_size": loader.world_size, "workers": loader.workers, "seq_len": loader.cfg.seq_len,
-            "micro_batch": loader.micro_batch, "mode": loader.cfg.mode, "handed_out": 0, "batch_limit": limit,
-            "worker_states": {str(w): new[c] for w, c in enumerate(mine)},
-            "redistributed": {"from_world_size": old[0]["world_size"], "from_workers": old[0]["workers"],
-                              "from_consumers": old_n}}
+    return {
+        "version": STATE_VERSION,
+        "fingerprint": loader.fingerprint(),
+        "rank": loader.rank,
+        "world_size": loader.world_size,
+        "workers": loader.workers,
+        "seq_len": loader.cfg.seq_len,
+        "micro_batch": loader.micro_batch,
+        "mode": loader.cfg.mode,
+        "handed_out": 0,
+        "batch_limit": limit,
+        "worker_states": {str(w): new[c] for w, c in enumerate(mine)},
+        "redistributed": {
+            "from_world_size": old[0]["world_size"],
+            "from_workers": old[0]["workers"],
+            "from_consumers": old_n,
+        },
+    }
 
 
 def _check(old: list[dict], loader: PackedLoader) -> None:
@@ -82,21 +113,29 @@ def _check(old: list[dict], loader: PackedLoader) -> None:
         if st.get("version") != STATE_VERSION:
             raise ValueError(f"loader state version {st.get('version')}, expected {STATE_VERSION}")
         if not loader.accepts(st["fingerprint"]):
-            raise ValueError(f"rank {st['rank']}'s loader state was saved over other shards or tokenizers "
-                             f"(fingerprint {st['fingerprint']} != {loader.fingerprint()}); it cannot be "
-                             "redistributed onto this data")
+            raise ValueError(
+                f"rank {st['rank']}'s loader state was saved over other shards or tokenizers "
+                f"(fingerprint {st['fingerprint']} != {loader.fingerprint()}); it cannot be "
+                "redistributed onto this data"
+            )
         for k, mine in (("seq_len", loader.cfg.seq_len), ("mode", loader.cfg.mode)):
             if st[k] != mine:
-                raise ValueError(f"rank {st['rank']}'s loader state has {k}={st[k]}, this loader {mine}; "
-                                 f"redistribute moves a position between splits, it cannot change {k}")
+                raise ValueError(
+                    f"rank {st['rank']}'s loader state has {k}={st[k]}, this loader {mine}; "
+                    f"redistribute moves a position between splits, it cannot change {k}"
+                )
         for k in ("world_size", "workers"):
             if st[k] != old[0][k]:
-                raise ValueError(f"the old loader states disagree on {k} ({st[k]} != {old[0][k]}): "
-                                 "they are not one run's")
+                raise ValueError(
+                    f"the old loader states disagree on {k} ({st[k]} != {old[0][k]}): "
+                    "they are not one run's"
+                )
     ranks = sorted(st["rank"] for st in old)
     if ranks != list(range(old[0]["world_size"])):
-        raise ValueError(f"redistribute needs one loader state per old rank 0..{old[0]['world_size'] - 1}, "
-                         f"got ranks {ranks}: a missing rank's position would be lost")
+        raise ValueError(
+            f"redistribute needs one loader state per old rank 0..{old[0]['world_size'] - 1}, "
+            f"got ranks {ranks}: a missing rank's position would be lost"
+        )
 
 
 def _consumed(s: int, n: int, olds: list[dict]) -> tuple[int, dict[int, str]]:
@@ -116,16 +155,18 @@ def _consumed(s: int, n: int, olds: list[dict]) -> tuple[int, dict[int, str]]:
     # every cursor (its consumers had read into that epoch, the slower new ones have not yet).
     for e in range(lo, max([hi, *held]) + 1):
         before = unpack_mask(held[e], n) if e in held else np.zeros(n, bool)
-        free = np.flatnonzero(~before)               # positions the old consumers split
+        free = np.flatnonzero(~before)  # positions the old consumers split
         done = before.copy()
         for c, (ec, pc, _tokens, _done) in enumerate(cur):
             if e <= ec:
                 mine = consumer_slice(free, c, len(cur))
                 if pc > len(mine) and e == ec:
-                    raise ValueError(f"an old consumer's cursor ({pc}) is past its slice ({len(mine)}) of "
-                                     f"source {s} epoch {e}: the states are not of this data")
+                    raise ValueError(
+                        f"an old consumer's cursor ({pc}) is past its slice ({len(mine)}) of "
+                        f"source {s} epoch {e}: the states are not of this data"
+                    )
                 done[mine if e < ec else mine[:pc]] = True
-        if done.any():                               # nothing consumed yet: no mask needed
+        if done.any():  # nothing consumed yet: no mask needed
             out[e] = pack_mask(done)
     return lo, out
 

@@ -18,6 +18,7 @@ Design choices:
 - Remote reads are retried (``RETRIES``), then fail as OSError whatever the backend raised, so
   the loader skips and counts the sample like unreadable data.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -50,14 +51,15 @@ def kind(url: str) -> str:
 
 def local_path(url: str) -> str:
     """A local URL as a path (``file://`` stripped)."""
-    return url[len("file://"):] if url.startswith("file://") else url
+    return url[len("file://") :] if url.startswith("file://") else url
 
 
 def _fs(url: str):
     import fsspec
+
     try:
         return fsspec.core.url_to_fs(url)
-    except ImportError as e:     # the scheme's backend is not installed (s3fs, gcsfs, aiohttp)
+    except ImportError as e:  # the scheme's backend is not installed (s3fs, gcsfs, aiohttp)
         raise ValueError(f"{url}: {e}") from None
 
 
@@ -70,14 +72,14 @@ def expand(pattern: str) -> list[str]:
         a, b = m.group(1), m.group(2)
         out = []
         for i in range(int(a), int(b) + 1):
-            out += expand(pattern[:m.start()] + str(i).zfill(len(a)) + pattern[m.end():])
+            out += expand(pattern[: m.start()] + str(i).zfill(len(a)) + pattern[m.end() :])
         return out
     k = kind(pattern)
     if k == "pipe":
         return [pattern]
     if k == "fsspec":
         if pattern.endswith(".tar") and not any(c in pattern for c in "*?["):
-            return [pattern]       # a shard: no listing call (over http that would be a GET of it)
+            return [pattern]  # a shard: no listing call (over http that would be a GET of it)
         fs, path = _fs(pattern)
         if any(c in path for c in "*?["):
             return sorted(fs.unstrip_protocol(p) for p in fs.glob(path))
@@ -107,7 +109,7 @@ def sibling(url: str, name: str, up: int = 0) -> str:
         folder = posixpath.dirname(m.group(1))
         for _ in range(up):
             folder = posixpath.dirname(folder)
-        return url[:m.start()] + posixpath.join(folder, name) + url[m.end():]
+        return url[: m.start()] + posixpath.join(folder, name) + url[m.end() :]
     folder = posixpath.dirname(url)
     for _ in range(up):
         folder = posixpath.dirname(folder)
@@ -121,15 +123,17 @@ def name(url: str) -> str:
 
 def index_url(url: str) -> str:
     base = name(url)
-    stem = base[:-len(".tar")] if base.endswith(".tar") else base
+    stem = base[: -len(".tar")] if base.endswith(".tar") else base
     return sibling(url, stem + ".idx.jsonl")
 
 
 def _run(cmd: str) -> bytes:
-    p = subprocess.run(cmd, shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p = subprocess.run(cmd, shell=True, capture_output=True)
     if p.returncode != 0:
-        raise FileNotFoundError(f"pipe: {cmd!r} exited with {p.returncode}: "
-                                f"{p.stderr.decode(errors='replace').strip()[-400:]}")
+        raise FileNotFoundError(
+            f"pipe: {cmd!r} exited with {p.returncode}: "
+            f"{p.stderr.decode(errors='replace').strip()[-400:]}"
+        )
     return p.stdout
 
 
@@ -137,7 +141,7 @@ def read_bytes(url: str) -> bytes:
     """A small file whole (an index, a manifest). FileNotFoundError when it is not there."""
     k = kind(url)
     if k == "pipe":
-        return _run(url[len("pipe:"):])
+        return _run(url[len("pipe:") :])
     if k == "fsspec":
         fs, path = _fs(url)
         try:
@@ -150,7 +154,7 @@ def read_bytes(url: str) -> bytes:
 def exists(url: str) -> bool:
     k = kind(url)
     if k == "pipe":
-        return True             # known only by running it; a failing command is reported when read
+        return True  # known only by running it; a failing command is reported when read
     if k == "fsspec":
         fs, path = _fs(url)
         return fs.isfile(path)
@@ -164,12 +168,14 @@ def default_cache_dir() -> str:
 class ShardFiles:
     """Open shards, at most ``keep`` at a time (least recently used closed first)."""
 
-    def __init__(self, cache_dir: str | None = None, cache_limit_gb: float = 64.0, keep: int = 8) -> None:
+    def __init__(
+        self, cache_dir: str | None = None, cache_limit_gb: float = 64.0, keep: int = 8
+    ) -> None:
         self.cache_dir = Path(cache_dir or default_cache_dir())
         self.cache_limit = int(cache_limit_gb * 2**30)
         self.keep = keep
         self._open: dict[str, BinaryIO] = {}
-        self._failed: dict[str, tuple[float, str]] = {}   # pipe: fetches that failed lately
+        self._failed: dict[str, tuple[float, str]] = {}  # pipe: fetches that failed lately
 
     def get(self, url: str, min_bytes: int = 0) -> BinaryIO:
         f = self._open.pop(url, None)
@@ -177,7 +183,7 @@ class ShardFiles:
             if len(self._open) >= self.keep:
                 self._open.pop(next(iter(self._open))).close()
             f = self._opener(url, min_bytes)
-        self._open[url] = f            # re-inserted last: the dict's order is the LRU order
+        self._open[url] = f  # re-inserted last: the dict's order is the LRU order
         return f
 
     def read(self, url: str, offset: int, size: int, min_bytes: int = 0) -> bytes:
@@ -197,7 +203,7 @@ class ShardFiles:
                     raise
                 if attempt == RETRIES - 1:
                     raise OSError(f"{url}: read failed {RETRIES} times, the last: {e!r}") from e
-                time.sleep(0.5 * 2 ** attempt)
+                time.sleep(0.5 * 2**attempt)
         if len(data) != size:
             raise ValueError(f"member cut short ({len(data)} of {size} bytes)")
         return data
@@ -222,8 +228,10 @@ class ShardFiles:
             # fail at once with the same error for FAILED_FOR seconds, then it is tried again.
             when, why = self._failed.get(url, (0.0, ""))
             if time.monotonic() - when < FAILED_FOR:
-                raise FileNotFoundError(f"{why} (failed {time.monotonic() - when:.0f} s ago; retried after "
-                                        f"{FAILED_FOR:.0f} s)")
+                raise FileNotFoundError(
+                    f"{why} (failed {time.monotonic() - when:.0f} s ago; retried after "
+                    f"{FAILED_FOR:.0f} s)"
+                )
             try:
                 return open(self.fetch(url, min_bytes), "rb")
             except OSError as e:
@@ -231,6 +239,7 @@ class ShardFiles:
                 raise
         if k == "fsspec":
             import fsspec
+
             # Readahead blocks: a consumer's samples of one shard lie within a shuffle window.
             return fsspec.open(url, "rb", block_size=4 << 20, cache_type="readahead").open()
         return open(local_path(url), "rb")
@@ -243,21 +252,28 @@ class ShardFiles:
         name = hashlib.sha256(url.encode()).hexdigest()[:24]
         path = self.cache_dir / f"{name}.tar"
         with open(self.cache_dir / f"{name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)       # another worker fetching it: wait for it
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another worker fetching it: wait for it
             if path.is_file():
-                os.utime(path)                     # recently used
+                os.utime(path)  # recently used
                 return path
             self._evict()
             part = path.with_suffix(f".part{os.getpid()}")
             with open(part, "wb") as out:
-                p = subprocess.Popen(url[len("pipe:"):], shell=True, stdout=out, stderr=subprocess.PIPE)
+                p = subprocess.Popen(
+                    url[len("pipe:") :], shell=True, stdout=out, stderr=subprocess.PIPE
+                )
                 _, err = p.communicate()
             got = part.stat().st_size
             if p.returncode != 0 or got < min_bytes:
                 part.unlink(missing_ok=True)
-                why = (f"exited with {p.returncode}" if p.returncode else
-                       f"wrote {got} bytes, its index needs at least {min_bytes}")
-                raise FileNotFoundError(f"{url!r} {why}: {err.decode(errors='replace').strip()[-400:]}")
+                why = (
+                    f"exited with {p.returncode}"
+                    if p.returncode
+                    else f"wrote {got} bytes, its index needs at least {min_bytes}"
+                )
+                raise FileNotFoundError(
+                    f"{url!r} {why}: {err.decode(errors='replace').strip()[-400:]}"
+                )
             os.replace(part, path)
             # Which command a cached file came from, for whoever looks into the cache.
             path.with_suffix(".url").write_text(url + "\n")
@@ -275,7 +291,7 @@ class ShardFiles:
                 except FileNotFoundError:
                     continue
                 if ".part" in p.suffix and time.time() - st.st_mtime > 3600:
-                    p.unlink(missing_ok=True)      # left by a fetch that died
+                    p.unlink(missing_ok=True)  # left by a fetch that died
                 elif p.suffix == ".tar":
                     entries.append((st.st_mtime, st.st_size, p))
                 elif p.suffix == ".url" and not p.with_suffix(".tar").exists():
@@ -284,8 +300,8 @@ class ShardFiles:
             now = time.time()
             for mtime, size, p in sorted(entries):
                 if total <= self.cache_limit or now - mtime < 60:
-                    break      # under the limit, or in use right now: never evict this minute's shards
-                p.unlink(missing_ok=True)   # an open reader keeps its inode; the next open refetches
+                    break  # under the limit, or in use right now: never evict this minute's shards
+                p.unlink(missing_ok=True)  # an open reader keeps its inode; the next open refetches
                 total -= size
 
 
@@ -303,4 +319,3 @@ class ShardView:
         data = self.files.read(self.url, self.pos, size, self.min_bytes)
         self.pos += len(data)
         return data
-

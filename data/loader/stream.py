@@ -15,6 +15,7 @@ Design choices:
   fill, counted from the index alone); the samples beyond that are *held back*, counted and
   reported, never repeated.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -38,9 +39,10 @@ from data.loader.table import SampleTable
 from data.tokenize.run import visual_blocks
 from data.vocab import MODALITY_NAMES
 
-
 # The header numpy writes for a 1-D little-endian array (what earlyfuse-prep tokenize stores).
-_NPY_1D = re.compile(rb"\{'descr': '([<|][iu][1248])', 'fortran_order': False, 'shape': \((\d+),\), \}")
+_NPY_1D = re.compile(
+    rb"\{'descr': '([<|][iu][1248])', 'fortran_order': False, 'shape': \((\d+),\), \}"
+)
 
 
 def read_npy(data: bytes) -> np.ndarray:
@@ -51,7 +53,9 @@ def read_npy(data: bytes) -> np.ndarray:
         hlen = int.from_bytes(data[8:10], "little")
         m = _NPY_1D.match(data, 10, 10 + hlen)
         if m:
-            return np.frombuffer(data, dtype=np.dtype(m.group(1).decode()), count=int(m.group(2)), offset=10 + hlen)
+            return np.frombuffer(
+                data, dtype=np.dtype(m.group(1).decode()), count=int(m.group(2)), offset=10 + hlen
+            )
     return np.load(io.BytesIO(data), allow_pickle=False)
 
 
@@ -65,24 +69,27 @@ class Watchdog:
         self._stop = threading.Event()
         if seconds > 0:
             threading.Thread(target=self._watch, daemon=True).start()
-            atexit.register(self._stop.set)   # never left running into interpreter shutdown
+            atexit.register(self._stop.set)  # never left running into interpreter shutdown
 
     def _watch(self) -> None:
         while not self._stop.wait(min(self.seconds, 5.0)):
             cur = self.current
             if cur and time.monotonic() - cur[1] > self.seconds:
                 self.reported += 1
-                print(f"[loader {self.label}] read stalled for {time.monotonic() - cur[1]:.0f} s: {cur[0]}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[loader {self.label}] read stalled for {time.monotonic() - cur[1]:.0f} s: {cur[0]}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 self.current = (cur[0], time.monotonic())
 
 
 @dataclass
 class SourceCursor:
     epoch: int = 0
-    pos: int = 0              # position in this consumer's slice of the epoch order
-    tokens: int = 0           # tokens taken from this source
-    done: bool = False        # epoch mode: this source is exhausted
+    pos: int = 0  # position in this consumer's slice of the epoch order
+    tokens: int = 0  # tokens taken from this source
+    done: bool = False  # epoch mode: this source is exhausted
     # epoch -> packed mask (order.pack_mask) of the positions of that epoch's order consumed
     # before a redistribute; the slice is then taken from the rest. Dropped once passed: every
     # consumer of one state holds the same masks, so the slowest still has any a later
@@ -91,13 +98,25 @@ class SourceCursor:
 
 
 class ConsumerStream:
-    def __init__(self, tables: list[SampleTable], weights: list[float], cfg: LoaderConfig, *, consumer: int,
-                 consumers: int, micro_batch: int, pad_id: int, dry: bool = False) -> None:
+    def __init__(
+        self,
+        tables: list[SampleTable],
+        weights: list[float],
+        cfg: LoaderConfig,
+        *,
+        consumer: int,
+        consumers: int,
+        micro_batch: int,
+        pad_id: int,
+        dry: bool = False,
+    ) -> None:
         self.tables, self.cfg, self.dry = tables, cfg, dry
         total = float(sum(weights))
         self.shares = [w / total for w in weights]
         self.consumer, self.consumers, self.micro_batch = consumer, consumers, micro_batch
-        self.packer = Packer(cfg.seq_len, pad_id=pad_id, max_pending=cfg.max_pending, oversize=cfg.oversize, dry=dry)
+        self.packer = Packer(
+            cfg.seq_len, pad_id=pad_id, max_pending=cfg.max_pending, oversize=cfg.oversize, dry=dry
+        )
         self.cursors = [SourceCursor() for _ in tables]
         self._slices: dict[tuple[int, int], np.ndarray] = {}
         self.errors = 0
@@ -106,7 +125,7 @@ class ConsumerStream:
         self.batch_limit: int | None = None
         self.tokens_by_modality = np.zeros(len(MODALITY_NAMES), np.int64)
         self.files = ShardFiles(cfg.cache_dir, cfg.cache_limit_gb)
-        self._online: OnlineTokenizer | None = None     # built on the first raw document
+        self._online: OnlineTokenizer | None = None  # built on the first raw document
         self.watchdog = None if dry else Watchdog(cfg.stall_seconds, f"consumer {consumer}")
 
     # --- which document next -------------------------------------------------------------------
@@ -114,9 +133,17 @@ class ConsumerStream:
         key = (s, epoch)
         if key not in self._slices:
             t = self.tables[s]
-            order = epoch_order(t.shard, seed=self.cfg.seed, epoch=epoch, source=t.name,
-                                buffer=self.cfg.shuffle_buffer, shuffle_shards=self.cfg.shuffle_shards)
-            self._slices = {k: v for k, v in self._slices.items() if k[0] != s}  # keep one epoch per source
+            order = epoch_order(
+                t.shard,
+                seed=self.cfg.seed,
+                epoch=epoch,
+                source=t.name,
+                buffer=self.cfg.shuffle_buffer,
+                shuffle_shards=self.cfg.shuffle_shards,
+            )
+            self._slices = {
+                k: v for k, v in self._slices.items() if k[0] != s
+            }  # keep one epoch per source
             mask = self.cursors[s].skip.get(epoch)
             if mask is not None:
                 order = order[~unpack_mask(mask, len(order))]
@@ -150,9 +177,11 @@ class ConsumerStream:
                 sl = self._slice(s, c.epoch)
                 if not len(sl):
                     if c.epoch in c.skip:
-                        continue     # the rest of this redistributed epoch went to other consumers
-                    raise ValueError(f"source {self.tables[s].name}: fewer samples than consumers "
-                                     f"({self.consumers}); give it more shards or use fewer workers")
+                        continue  # the rest of this redistributed epoch went to other consumers
+                    raise ValueError(
+                        f"source {self.tables[s].name}: fewer samples than consumers "
+                        f"({self.consumers}); give it more shards or use fewer workers"
+                    )
             sample = int(sl[c.pos])
             c.pos += 1
             doc = self.load(s, sample, c.epoch)
@@ -169,10 +198,14 @@ class ConsumerStream:
     def _encode_raw(self, t: SampleTable, sample: int) -> tuple[np.ndarray, np.ndarray, list]:
         """A raw document tokenized here (data/loader/online.py): ids, modalities, blocks."""
         if self._online is None:
-            self._online = OnlineTokenizer(self.cfg.tokenizers, online_options(self.cfg), self.cfg.seq_len)
+            self._online = OnlineTokenizer(
+                self.cfg.tokenizers, online_options(self.cfg), self.cfg.seq_len
+            )
         si = t.shard[sample]
         view = ShardView(self.files, t.shards[si], t.shard_bytes[si])
-        doc, why = self._online.encode(t.keys[sample], t.members[sample], store.name(t.shards[si]), view)
+        doc, why = self._online.encode(
+            t.keys[sample], t.members[sample], store.name(t.shards[si]), view
+        )
         if doc is None:
             raise ValueError(why)
         return doc.ids.astype(np.int64), doc.modality.astype(np.int64), visual_blocks(doc.spans)
@@ -194,20 +227,36 @@ class ConsumerStream:
                 ids = read_npy(self._read(t, sample, t.ids_at[sample]))
                 mod = read_npy(self._read(t, sample, t.mod_at[sample]))
                 if ids.shape != (length,) or mod.shape != (length,):
-                    raise ValueError(f"{ids.shape[0]} ids / {mod.shape[0]} modalities, the index says {length}")
+                    raise ValueError(
+                        f"{ids.shape[0]} ids / {mod.shape[0]} modalities, the index says {length}"
+                    )
         except (OSError, ValueError, EOFError) as e:
             self.errors += 1
             self.consecutive_errors += 1
-            print(f"[loader] skipped {shard} sample {t.keys[sample]}: {e}", file=sys.stderr, flush=True)
+            print(
+                f"[loader] skipped {shard} sample {t.keys[sample]}: {e}",
+                file=sys.stderr,
+                flush=True,
+            )
             if self.consecutive_errors >= self.cfg.max_consecutive_errors:
-                raise RuntimeError(f"{self.consecutive_errors} unreadable samples in a row, the last "
-                                   f"{shard} {t.keys[sample]}: {e}") from e
+                raise RuntimeError(
+                    f"{self.consecutive_errors} unreadable samples in a row, the last "
+                    f"{shard} {t.keys[sample]}: {e}"
+                ) from e
             return None
         finally:
             if self.watchdog:
                 self.watchdog.current = None
         self.consecutive_errors = 0
-        return Doc(s, sample, epoch, length, units_of(length, blocks), ids.astype(np.int64), mod.astype(np.int64))
+        return Doc(
+            s,
+            sample,
+            epoch,
+            length,
+            units_of(length, blocks),
+            ids.astype(np.int64),
+            mod.astype(np.int64),
+        )
 
     # --- rows and batches --------------------------------------------------------------------------
     def next_row(self) -> Row | None:
@@ -220,27 +269,35 @@ class ConsumerStream:
         while len(rows) < self.micro_batch:
             r = self.next_row()
             if r is None:
-                return None          # the last, incomplete batch of an epoch is held back
+                return None  # the last, incomplete batch of an epoch is held back
             rows.append(r)
         self.batches += 1
         if self.dry:
             return {}
         batch = collate(rows)
-        self.tokens_by_modality += np.bincount(_real_modalities(rows), minlength=len(MODALITY_NAMES))
+        self.tokens_by_modality += np.bincount(
+            _real_modalities(rows), minlength=len(MODALITY_NAMES)
+        )
         batch["tokens_by_source"] = torch.tensor(_tokens_by_source(rows, len(self.tables)))
         return batch
 
     # --- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"cursors": [[c.epoch, c.pos, c.tokens, int(c.done)] for c in self.cursors],
-                "pending": [d.cursor() for d in self.packer.pending], "batches": self.batches,
-                "errors": self.errors, "stats": self.packer.stats.as_dict(),
-                "tokens_by_modality": self.tokens_by_modality.tolist(),
-                "skip": [[s, e, m] for s, c in enumerate(self.cursors) for e, m in sorted(c.skip.items())]}
+        return {
+            "cursors": [[c.epoch, c.pos, c.tokens, int(c.done)] for c in self.cursors],
+            "pending": [d.cursor() for d in self.packer.pending],
+            "batches": self.batches,
+            "errors": self.errors,
+            "stats": self.packer.stats.as_dict(),
+            "tokens_by_modality": self.tokens_by_modality.tolist(),
+            "skip": [
+                [s, e, m] for s, c in enumerate(self.cursors) for e, m in sorted(c.skip.items())
+            ],
+        }
 
     def load_state_dict(self, st: dict) -> None:
         self.cursors = [SourceCursor(e, p, t, bool(d)) for e, p, t, d in st["cursors"]]
-        for s, e, m in st.get("skip", []):       # states from before redistribute have none
+        for s, e, m in st.get("skip", []):  # states from before redistribute have none
             if e >= self.cursors[s].epoch:
                 self.cursors[s].skip[e] = m
         self._slices = {}
@@ -251,7 +308,9 @@ class ConsumerStream:
         pending = []
         for s, sample, epoch, unit, offset in st["pending"]:
             doc = self.load(s, sample, epoch)
-            if doc is None:     # unreadable now: skipped, counted and logged by load(), like any sample
+            if (
+                doc is None
+            ):  # unreadable now: skipped, counted and logged by load(), like any sample
                 continue
             doc.unit, doc.offset = unit, offset
             pending.append(doc)
@@ -259,7 +318,7 @@ class ConsumerStream:
 
 
 def _real_modalities(rows: list[Row]) -> np.ndarray:
-    return np.concatenate([r.mod[:r.real] for r in rows])
+    return np.concatenate([r.mod[: r.real] for r in rows])
 
 
 def _tokens_by_source(rows: list[Row], n: int) -> list[int]:
@@ -273,10 +332,19 @@ def _tokens_by_source(rows: list[Row], n: int) -> list[int]:
 def collate(rows: list[Row]) -> dict:
     def st(name):
         return torch.from_numpy(np.stack([getattr(r, name) for r in rows]))
-    return {"input_ids": st("ids"), "labels": st("labels"), "modality": st("mod"), "label_modality": st("label_mod"),
-            "doc_ids": st("doc_ids"), "position_ids": st("pos"), "position_thw": st("thw"),
-            "image_ids": st("image_ids"), "num_real_tokens": torch.tensor(sum(r.real for r in rows)),
-            "pieces": _pieces(rows)}
+
+    return {
+        "input_ids": st("ids"),
+        "labels": st("labels"),
+        "modality": st("mod"),
+        "label_modality": st("label_mod"),
+        "doc_ids": st("doc_ids"),
+        "position_ids": st("pos"),
+        "position_thw": st("thw"),
+        "image_ids": st("image_ids"),
+        "num_real_tokens": torch.tensor(sum(r.real for r in rows)),
+        "pieces": _pieces(rows),
+    }
 
 
 def _pieces(rows: list[Row]) -> torch.Tensor:
@@ -286,5 +354,5 @@ def _pieces(rows: list[Row]) -> torch.Tensor:
     out = torch.full((len(rows), most, 4), -1, dtype=torch.long)
     for i, r in enumerate(rows):
         if r.pieces:
-            out[i, :len(r.pieces)] = torch.tensor(r.pieces, dtype=torch.long)
+            out[i, : len(r.pieces)] = torch.tensor(r.pieces, dtype=torch.long)
     return out

@@ -10,6 +10,7 @@ The fingerprint covers the shard names and index hashes (not where they live); t
 text tokenizer, vocabulary layout and visual tokenizer weights. Loader state cannot be restored
 onto other data, and sources made with other tokenizers cannot be mixed.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -57,21 +58,21 @@ def tokenizer_key(tokenizers: dict) -> str:
 @dataclass
 class SampleTable:
     name: str
-    shards: list[str]                   # shard URLs
-    shard: np.ndarray                   # int32 [N] shard of each sample
+    shards: list[str]  # shard URLs
+    shard: np.ndarray  # int32 [N] shard of each sample
     keys: list[str]
-    ids_at: np.ndarray                  # int64 [N, 2] offset, size of KEY.ids.npy (token shards)
-    mod_at: np.ndarray                  # int64 [N, 2]
-    tokens: np.ndarray                  # int64 [N] (raw shards: 0, known only once tokenized)
-    blocks: list[list]                  # per sample: [[start, end, t, h, w], ...] (raw: empty)
+    ids_at: np.ndarray  # int64 [N, 2] offset, size of KEY.ids.npy (token shards)
+    mod_at: np.ndarray  # int64 [N, 2]
+    tokens: np.ndarray  # int64 [N] (raw shards: 0, known only once tokenized)
+    blocks: list[list]  # per sample: [[start, end, t, h, w], ...] (raw: empty)
     fingerprint: str
-    tokenizer_fingerprint: str          # tokenizer_key(...) of token shards; "" for raw shards
-    kind: str = "tokens"                # tokens | raw
+    tokenizer_fingerprint: str  # tokenizer_key(...) of token shards; "" for raw shards
+    kind: str = "tokens"  # tokens | raw
     # The fingerprint the loader computed before remote shards (names, sizes, index hashes; the
     # manifest's tokenizers entry whole): states saved then still resume. Local token shards only.
     legacy_fingerprint: str = ""
-    shard_bytes: list[int] = field(default_factory=list)   # per shard: where its last member ends
-    members: list[dict] = field(default_factory=list)   # raw: each sample's index members
+    shard_bytes: list[int] = field(default_factory=list)  # per shard: where its last member ends
+    members: list[dict] = field(default_factory=list)  # raw: each sample's index members
     manifest_url: str = ""
 
     def __len__(self) -> int:
@@ -102,17 +103,23 @@ def load_table(src: SourceConfig) -> SampleTable:
         try:
             raw_idx = store.read_bytes(idx)
         except OSError as e:
-            raise ValueError(f"source {src.name}: shard {tar} has no readable index {idx} ({e})") from None
+            raise ValueError(
+                f"source {src.name}: shard {tar} has no readable index {idx} ({e})"
+            ) from None
         # Name and index (every member's offset, size and hash), not the URL: the same shards
         # moved to object storage keep their fingerprint, and a run's state moves with them.
         h.update(f"{store.name(tar)}\0".encode() + hashlib.sha256(raw_idx).digest())
         if store.kind(tar) == "local":
-            legacy.update(f"{store.name(tar)}\0{Path(tar).stat().st_size}\0".encode()
-                          + hashlib.sha256(raw_idx).digest())
+            legacy.update(
+                f"{store.name(tar)}\0{Path(tar).stat().st_size}\0".encode()
+                + hashlib.sha256(raw_idx).digest()
+            )
         found = find_manifest(tar, seen)
         if found is None:
-            raise ValueError(f"source {src.name}: {tar} is in no shard folder (no manifest.json of format "
-                             f"{TOKEN_FORMAT} or {RAW_FORMAT} in its folder or the two above)")
+            raise ValueError(
+                f"source {src.name}: {tar} is in no shard folder (no manifest.json of format "
+                f"{TOKEN_FORMAT} or {RAW_FORMAT} in its folder or the two above)"
+            )
         m, manifest_url = found
         kinds.add(m["format"])
         if m["format"] == TOKEN_FORMAT:
@@ -135,13 +142,16 @@ def load_table(src: SourceConfig) -> SampleTable:
                 keys.append(e["key"])
                 first = min(int(o) for o, _ in e["members"].values())
                 if first <= last:
-                    raise ValueError(f"offsets go back at sample {e['key']}: this is not one shard's index (a "
-                                     "pipe: command must print one shard: no glob in it)")
+                    raise ValueError(
+                        f"offsets go back at sample {e['key']}: this is not one shard's index (a "
+                        "pipe: command must print one shard: no glob in it)"
+                    )
                 last = max(int(o) + int(n) for o, n in e["members"].values())
                 shard_bytes[si] = max(shard_bytes[si], last)
             except (ValueError, KeyError, TypeError) as err:
-                raise ValueError(f"{idx}:{lineno}: not a {'raw' if raw else 'token'} shard index line "
-                                 f"({err})") from None
+                raise ValueError(
+                    f"{idx}:{lineno}: not a {'raw' if raw else 'token'} shard index line ({err})"
+                ) from None
             shard.append(si)
     if len(kinds) > 1:
         raise ValueError(f"source {src.name}: mixes raw and token shards; make them two sources")
@@ -151,11 +161,26 @@ def load_table(src: SourceConfig) -> SampleTable:
     raw = RAW_FORMAT in kinds
     old = ""
     if not raw and len(legacy_tok) == 1 and all(store.kind(t) == "local" for t in tars):
-        old = json.dumps([legacy.hexdigest()[:16], hashlib.sha256(next(iter(legacy_tok)).encode()).hexdigest()[:16]])
-    return SampleTable(src.name, tars, np.asarray(shard, np.int32), keys,
-                       np.asarray(ids_at, np.int64).reshape(-1, 2), np.asarray(mod_at, np.int64).reshape(-1, 2),
-                       np.zeros(n, np.int64) if raw else np.asarray(tokens, np.int64),
-                       [[] for _ in range(n)] if raw else blocks, h.hexdigest()[:16],
-                       "" if raw else next(iter(tok_keys)), kind="raw" if raw else "tokens", members=members,
-                       manifest_url=manifest_url, legacy_fingerprint=old,
-                       shard_bytes=shard_bytes)
+        old = json.dumps(
+            [
+                legacy.hexdigest()[:16],
+                hashlib.sha256(next(iter(legacy_tok)).encode()).hexdigest()[:16],
+            ]
+        )
+    return SampleTable(
+        src.name,
+        tars,
+        np.asarray(shard, np.int32),
+        keys,
+        np.asarray(ids_at, np.int64).reshape(-1, 2),
+        np.asarray(mod_at, np.int64).reshape(-1, 2),
+        np.zeros(n, np.int64) if raw else np.asarray(tokens, np.int64),
+        [[] for _ in range(n)] if raw else blocks,
+        h.hexdigest()[:16],
+        "" if raw else next(iter(tok_keys)),
+        kind="raw" if raw else "tokens",
+        members=members,
+        manifest_url=manifest_url,
+        legacy_fingerprint=old,
+        shard_bytes=shard_bytes,
+    )

@@ -1,4 +1,5 @@
 """Read a shard index (``*.idx.jsonl``) and check it against its tar."""
+
 from __future__ import annotations
 
 import hashlib
@@ -11,7 +12,11 @@ from data.shards.writer import sample_hash
 
 def index_path_for(tar_path: str | Path) -> Path:
     p = Path(tar_path)
-    return p.with_name(p.name[: -len(".tar")] + ".idx.jsonl") if p.name.endswith(".tar") else p.with_name(p.name + ".idx.jsonl")
+    return (
+        p.with_name(p.name[: -len(".tar")] + ".idx.jsonl")
+        if p.name.endswith(".tar")
+        else p.with_name(p.name + ".idx.jsonl")
+    )
 
 
 def read_index(path: str | Path) -> list[dict]:
@@ -32,8 +37,9 @@ def read_member(tar_path: str | Path, entry: dict, suffix: str) -> bytes:
         f.seek(off)
         data = f.read(size)
     if len(data) != size:
-        raise ValueError(f"{tar_path}: member {entry['key']}.{suffix} cut short "
-                         f"({len(data)} of {size} bytes)")
+        raise ValueError(
+            f"{tar_path}: member {entry['key']}.{suffix} cut short ({len(data)} of {size} bytes)"
+        )
     return data
 
 

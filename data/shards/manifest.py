@@ -7,6 +7,7 @@ Design choices:
   what it holds (shards with sizes and SHA-256, counts per source, modality and reject reason).
 - Every file is written to a temporary name and renamed, so a reader never sees half a file.
 """
+
 from __future__ import annotations
 
 import json
@@ -82,9 +83,19 @@ def finalize(out: Path, records: dict[int, dict]) -> dict:
     rejects: list[dict] = []
     shards = []
     for r in recs:
-        s = sources.setdefault(r["source"], {"name": r["source"], "kind": r["kind"], "path": r["source_path"],
-                                             "samples": 0, "bytes": 0, "shards": 0, "rejects": 0,
-                                             "segments": Counter()})
+        s = sources.setdefault(
+            r["source"],
+            {
+                "name": r["source"],
+                "kind": r["kind"],
+                "path": r["source_path"],
+                "samples": 0,
+                "bytes": 0,
+                "shards": 0,
+                "rejects": 0,
+                "segments": Counter(),
+            },
+        )
         s["samples"] += r["samples"]
         s["bytes"] += r["bytes"]
         s["rejects"] += len(r["rejects"])
@@ -94,20 +105,39 @@ def finalize(out: Path, records: dict[int, dict]) -> dict:
         reasons.update(x["reason"] for x in r["rejects"])
         if r["tar"]:
             s["shards"] += 1
-            shards.append({"path": r["tar"], "index": r["index_file"], "source": r["source"],
-                           "samples": r["samples"], "bytes": r["bytes"], "sha256": r["sha256"],
-                           "index_sha256": r["index_sha256"], "segments": r["segments"]})
+            shards.append(
+                {
+                    "path": r["tar"],
+                    "index": r["index_file"],
+                    "source": r["source"],
+                    "samples": r["samples"],
+                    "bytes": r["bytes"],
+                    "sha256": r["sha256"],
+                    "index_sha256": r["index_sha256"],
+                    "segments": r["segments"],
+                }
+            )
     for s in sources.values():
         s["segments"] = dict(s["segments"])
     manifest = {
-        "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "plan": recs[0]["plan"],
-        "sources": list(sources.values()), "shards": shards,
-        "totals": {"samples": sum(s["samples"] for s in shards), "bytes": sum(s["bytes"] for s in shards),
-                   "shards": len(shards), "segments": dict(seg_total), "rejects": len(rejects),
-                   "rejects_by_reason": dict(sorted(reasons.items())),
-                   "repaired_utf8": sum(r["repaired_utf8"] for r in recs)},
-        "created_by": {"commands": sorted({json.dumps(r["command"]) for r in recs}),
-                       "versions": versions()},
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "plan": recs[0]["plan"],
+        "sources": list(sources.values()),
+        "shards": shards,
+        "totals": {
+            "samples": sum(s["samples"] for s in shards),
+            "bytes": sum(s["bytes"] for s in shards),
+            "shards": len(shards),
+            "segments": dict(seg_total),
+            "rejects": len(rejects),
+            "rejects_by_reason": dict(sorted(reasons.items())),
+            "repaired_utf8": sum(r["repaired_utf8"] for r in recs),
+        },
+        "created_by": {
+            "commands": sorted({json.dumps(r["command"]) for r in recs}),
+            "versions": versions(),
+        },
     }
     manifest["created_by"]["commands"] = [json.loads(c) for c in manifest["created_by"]["commands"]]
     write_json_atomic(out / "rejects.jsonl", None, lines=rejects)
@@ -121,17 +151,23 @@ def merge(out: Path) -> dict:
     """Join the shards that partitioned runs wrote into ``out`` (``earlyfuse-prep merge``)."""
     records = load_records(out)
     if not records:
-        raise ValueError(f"{out}: no ingest records found in {out}/.ingest (is this an ingest output folder?)")
+        raise ValueError(
+            f"{out}: no ingest records found in {out}/.ingest (is this an ingest output folder?)"
+        )
     prints = {r["fingerprint"] for r in records.values()}
     if len(prints) > 1:
-        raise ValueError(f"{out}: records of {len(prints)} different ingests (plans {sorted(prints)}); "
-                         "partitions must be run with identical inputs and flags")
+        raise ValueError(
+            f"{out}: records of {len(prints)} different ingests (plans {sorted(prints)}); "
+            "partitions must be run with identical inputs and flags"
+        )
     missing = missing_shards(records)
     if missing:
         parts = next(iter(records.values()))["partition"][1]
         owners = sorted({i % parts for i in missing})
-        raise ValueError(f"{out}: {len(missing)} shard(s) not written yet (partitions {owners} of "
-                         f"--num-partitions {parts} have not finished); run them, then merge again")
+        raise ValueError(
+            f"{out}: {len(missing)} shard(s) not written yet (partitions {owners} of "
+            f"--num-partitions {parts} have not finished); run them, then merge again"
+        )
     return finalize(out, records)
 
 
@@ -140,8 +176,10 @@ def load_manifest(out: Path) -> dict:
     try:
         m = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ValueError(f"{path}: no manifest (not an ingest output, or its ingest has not finished: "
-                         "run `earlyfuse-prep merge` after all partitions)") from None
+        raise ValueError(
+            f"{path}: no manifest (not an ingest output, or its ingest has not finished: "
+            "run `earlyfuse-prep merge` after all partitions)"
+        ) from None
     except ValueError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
     if m.get("format") != MANIFEST_FORMAT:

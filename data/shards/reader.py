@@ -5,12 +5,14 @@ Design choices:
   caller asks for them, so text-only passes (tokenizer training) never read images or videos.
 - Only the extensions we write are interpreted; nothing is ever unpickled.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 from data.shards.index import read_index
 from data.shards.manifest import load_manifest
@@ -20,7 +22,7 @@ from data.shards.manifest import load_manifest
 class RawDoc:
     key: str
     doc: dict
-    entry: dict          # the index line
+    entry: dict  # the index line
     shard: Path
     _f: BinaryIO
 
@@ -33,7 +35,9 @@ class RawDoc:
         return data
 
 
-def shard_entries(manifest_dir: str | Path, sources: list[str] | None = None) -> list[tuple[Path, Path, dict]]:
+def shard_entries(
+    manifest_dir: str | Path, sources: list[str] | None = None
+) -> list[tuple[Path, Path, dict]]:
     """(tar, index, manifest entry) of every shard in a raw shard folder, optionally by source."""
     root = Path(manifest_dir)
     m = load_manifest(root)
@@ -41,8 +45,11 @@ def shard_entries(manifest_dir: str | Path, sources: list[str] | None = None) ->
     for s in sources or []:
         if s not in known:
             raise ValueError(f"{root}: no source {s!r} (it has {sorted(known)})")
-    return [(root / s["path"], root / s["index"], s) for s in m["shards"]
-            if sources is None or s["source"] in sources]
+    return [
+        (root / s["path"], root / s["index"], s)
+        for s in m["shards"]
+        if sources is None or s["source"] in sources
+    ]
 
 
 class ShardReader:

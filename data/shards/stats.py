@@ -1,5 +1,6 @@
 """``earlyfuse-prep stats DIR``: what a shard folder holds, from its manifest and indexes alone
 (no tar is opened, so it is fast on any size)."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,12 @@ from data.shards.manifest import load_manifest
 def _dist(values: list[float]) -> dict:
     if not values:
         return {"count": 0}
-    return {"count": len(values), "min": min(values), "median": statistics.median(values),
-            "max": max(values)}
+    return {
+        "count": len(values),
+        "min": min(values),
+        "median": statistics.median(values),
+        "max": max(values),
+    }
 
 
 def collect_stats(out: str | Path, *, examples: int = 3) -> dict:
@@ -42,18 +47,31 @@ def collect_stats(out: str | Path, *, examples: int = 3) -> dict:
             for line in f:
                 r = json.loads(line)
                 if len(reject_examples[r["reason"]]) < examples:
-                    reject_examples[r["reason"]].append(f"{r.get('source', '?')}:{r['path']}: {r['detail']}")
+                    reject_examples[r["reason"]].append(
+                        f"{r.get('source', '?')}:{r['path']}: {r['detail']}"
+                    )
     t = m["totals"]
     return {
-        "folder": str(out), "samples": t["samples"], "bytes": t["bytes"], "shards": t["shards"],
-        "segments": t["segments"], "documents_by_content": dict(docs_by_types.most_common()),
-        "sources": [{k: s[k] for k in ("name", "kind", "samples", "bytes", "shards", "rejects")}
-                    for s in m["sources"]],
+        "folder": str(out),
+        "samples": t["samples"],
+        "bytes": t["bytes"],
+        "shards": t["shards"],
+        "segments": t["segments"],
+        "documents_by_content": dict(docs_by_types.most_common()),
+        "sources": [
+            {k: s[k] for k in ("name", "kind", "samples", "bytes", "shards", "rejects")}
+            for s in m["sources"]
+        ],
         "images": {"width": _dist(img_w), "height": _dist(img_h), "pixels": _dist(img_px)},
-        "videos": {"duration_s": _dist(vid_dur), "frames": _dist(vid_frames), "fps": _dist(vid_fps)},
+        "videos": {
+            "duration_s": _dist(vid_dur),
+            "frames": _dist(vid_frames),
+            "fps": _dist(vid_fps),
+        },
         "rejects": t["rejects"],
         "rejects_by_reason": dict(sorted(t["rejects_by_reason"].items(), key=lambda kv: -kv[1])),
-        "reject_examples": dict(reject_examples), "repaired_utf8": t["repaired_utf8"],
+        "reject_examples": dict(reject_examples),
+        "repaired_utf8": t["repaired_utf8"],
     }
 
 
@@ -69,18 +87,28 @@ def format_stats(s: dict) -> str:
     def d(x: dict, fmt: str = "{:g}") -> str:
         if not x["count"]:
             return "none"
-        return (f"{x['count']} · min {fmt.format(x['min'])} · median {fmt.format(x['median'])}"
-                f" · max {fmt.format(x['max'])}")
+        return (
+            f"{x['count']} · min {fmt.format(x['min'])} · median {fmt.format(x['median'])}"
+            f" · max {fmt.format(x['max'])}"
+        )
 
-    lines = [f"{s['folder']}: {s['samples']} samples in {s['shards']} shards, {human_bytes(s['bytes'])}"]
+    lines = [
+        f"{s['folder']}: {s['samples']} samples in {s['shards']} shards, {human_bytes(s['bytes'])}"
+    ]
     lines.append("")
-    lines.append(f"  {'source':<20} {'kind':<12} {'samples':>8} {'shards':>7} {'bytes':>10} {'rejects':>8}")
+    lines.append(
+        f"  {'source':<20} {'kind':<12} {'samples':>8} {'shards':>7} {'bytes':>10} {'rejects':>8}"
+    )
     for src in s["sources"]:
-        lines.append(f"  {src['name']:<20} {src['kind']:<12} {src['samples']:>8} {src['shards']:>7} "
-                     f"{human_bytes(src['bytes']):>10} {src['rejects']:>8}")
+        lines.append(
+            f"  {src['name']:<20} {src['kind']:<12} {src['samples']:>8} {src['shards']:>7} "
+            f"{human_bytes(src['bytes']):>10} {src['rejects']:>8}"
+        )
     lines.append("")
     lines.append("  segments:  " + ", ".join(f"{k} {v}" for k, v in s["segments"].items()))
-    lines.append("  documents: " + ", ".join(f"{k} {v}" for k, v in s["documents_by_content"].items()))
+    lines.append(
+        "  documents: " + ", ".join(f"{k} {v}" for k, v in s["documents_by_content"].items())
+    )
     im, vd = s["images"], s["videos"]
     lines.append(f"  image width:    {d(im['width'])}")
     lines.append(f"  image height:   {d(im['height'])}")

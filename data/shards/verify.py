@@ -1,6 +1,7 @@
 """``earlyfuse-prep verify DIR``: re-hash every shard against the manifest, check each index
 against its tar (names, offsets, sizes, per-sample hashes) and each sample's JSON against
 the schema. Nothing is trusted that is not re-read."""
+
 from __future__ import annotations
 
 import json
@@ -55,12 +56,19 @@ def verify(out: str | Path, *, progress: bool = False) -> dict:
     n_rej = sum(1 for _ in open(rejects, encoding="utf-8")) if rejects.is_file() else 0
     if n_rej != m["totals"]["rejects"]:
         problems.append(f"{rejects}: {n_rej} lines, the manifest counts {m['totals']['rejects']}")
-    return {"folder": str(out), "shards": len(m["shards"]), "samples": samples,
-            "problems": problems, "ok": not problems}
+    return {
+        "folder": str(out),
+        "shards": len(m["shards"]),
+        "samples": samples,
+        "problems": problems,
+        "ok": not problems,
+    }
 
 
 def format_verify(r: dict) -> str:
     head = f"{r['folder']}: {r['shards']} shards, {r['samples']} samples checked"
     if r["ok"]:
         return head + ": OK"
-    return head + f": {len(r['problems'])} problem(s)\n" + "\n".join("  " + p for p in r["problems"])
+    return (
+        head + f": {len(r['problems'])} problem(s)\n" + "\n".join("  " + p for p in r["problems"])
+    )

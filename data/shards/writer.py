@@ -9,6 +9,7 @@ Design choices:
   writer never leaves a shard that looks finished.
 - The tar's SHA-256 is computed on the bytes as they stream out; no second read.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -100,9 +101,14 @@ class ShardWriter:
             # addfile leaves .offset just past the padded data: step back over it.
             padded = -(-len(data) // BLOCK) * BLOCK
             offsets[suffix] = [self._tar.offset - padded, len(data)]
-        entry = {"key": sample.key, "offset": start, "size": self._tar.offset - start,
-                 "members": offsets, "types": sample.segment_types(),
-                 "sha256": sample_hash(members)}
+        entry = {
+            "key": sample.key,
+            "offset": start,
+            "size": self._tar.offset - start,
+            "members": offsets,
+            "types": sample.segment_types(),
+            "sha256": sample_hash(members),
+        }
         if extra_index:
             entry.update(extra_index)
         line = canonical_json(entry) + b"\n"
@@ -122,8 +128,14 @@ class ShardWriter:
         # Index first: a tar never appears without its index.
         os.replace(self._tmp(self.index_path), self.index_path)
         os.replace(self._tmp(self.tar_path), self.tar_path)
-        return ShardResult(str(self.tar_path), str(self.index_path), self.samples,
-                           self._hf.nbytes, self._hf.sha.hexdigest(), self._idx_sha.hexdigest())
+        return ShardResult(
+            str(self.tar_path),
+            str(self.index_path),
+            self.samples,
+            self._hf.nbytes,
+            self._hf.sha.hexdigest(),
+            self._idx_sha.hexdigest(),
+        )
 
     def abort(self) -> None:
         for f in (self._raw, self._idx):

@@ -1,4 +1,5 @@
 """Source kinds for ``earlyfuse-prep ingest --source [NAME=]KIND:PATH``."""
+
 from __future__ import annotations
 
 import re
@@ -13,8 +14,12 @@ from data.sources.text import TextSource
 from data.sources.wds import WdsSource
 
 KINDS: dict[str, type[Source]] = {
-    "text": TextSource, "code": CodeSource, "images": ImagesSource, "videos": VideosSource,
-    "interleaved": InterleavedSource, "wds": WdsSource,
+    "text": TextSource,
+    "code": CodeSource,
+    "images": ImagesSource,
+    "videos": VideosSource,
+    "interleaved": InterleavedSource,
+    "wds": WdsSource,
 }
 
 _SPEC = re.compile(r"^(?:(?P<name>[A-Za-z0-9_-]+)=)?(?P<kind>[a-z]+):(?P<path>.+)$")
@@ -27,8 +32,9 @@ def parse_sources(args: list[str]) -> list[SourceSpec]:
     for arg in args:
         m = _SPEC.match(arg)
         if not m or m["kind"] not in KINDS:
-            raise ValueError(f"--source {arg!r}: expected [NAME=]KIND:PATH with KIND one of "
-                             + ", ".join(KINDS))
+            raise ValueError(
+                f"--source {arg!r}: expected [NAME=]KIND:PATH with KIND one of " + ", ".join(KINDS)
+            )
         path = Path(m["path"]).expanduser()
         if not path.exists():
             raise ValueError(f"--source {arg!r}: {path} does not exist")

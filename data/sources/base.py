@@ -8,12 +8,13 @@ A source kind has two halves:
 - ``load(item)`` runs in a worker: it reads the bytes, validates them and returns a ``Sample``
   or a ``Reject``.
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 from data.media import VIDEO_EXTS, clean_json_text, decode_text, probe_image, probe_video
 from data.schema import MEDIA_PREFIX, Reject, Sample
@@ -22,8 +23,8 @@ from data.schema import MEDIA_PREFIX, Reject, Sample
 @dataclass(frozen=True)
 class SourceSpec:
     kind: str
-    path: str        # absolute
-    name: str        # unique per ingest; prefixes every key and names the shard folder
+    path: str  # absolute
+    name: str  # unique per ingest; prefixes every key and names the shard folder
 
 
 @dataclass(frozen=True)
@@ -37,10 +38,10 @@ class Limits:
 
 @dataclass(frozen=True)
 class Item:
-    key: str                     # the sample key in the shard (source name + local key)
-    label: str                   # where it came from, for people (relative path, file:line)
-    ref: tuple                   # how ``load`` finds it; JSON-able, part of the plan fingerprint
-    size: int                    # estimated bytes in the shard, for cutting shards
+    key: str  # the sample key in the shard (source name + local key)
+    label: str  # where it came from, for people (relative path, file:line)
+    ref: tuple  # how ``load`` finds it; JSON-able, part of the plan fingerprint
+    size: int  # estimated bytes in the shard, for cutting shards
     reject: Reject | None = None
 
 
@@ -48,14 +49,14 @@ class Item:
 class Part:
     """One segment as found in the input, before validation."""
 
-    type: str                          # text | code | image | video
-    text: str | bytes | None = None    # text/code content (bytes are decoded as UTF-8)
-    path: str | None = None            # media file to read, or a label for messages
-    data: bytes | None = None          # media bytes already in hand (e.g. from a tar)
-    lang: str | None = None            # code language
-    role: str | None = None            # e.g. "caption"
-    ext: str | None = None             # video container extension, e.g. ".mp4"
-    label: str | None = None           # how rejects name a media file (default: its path)
+    type: str  # text | code | image | video
+    text: str | bytes | None = None  # text/code content (bytes are decoded as UTF-8)
+    path: str | None = None  # media file to read, or a label for messages
+    data: bytes | None = None  # media bytes already in hand (e.g. from a tar)
+    lang: str | None = None  # code language
+    role: str | None = None  # e.g. "caption"
+    ext: str | None = None  # video container extension, e.g. ".mp4"
+    label: str | None = None  # how rejects name a media file (default: its path)
 
 
 @dataclass
@@ -85,7 +86,9 @@ class Source:
     def rejected_item(self, key: str, path: str, reason: str, detail: str = "") -> Item:
         return Item(key, path, ("rejected",), 0, self.reject(path, reason, detail, key))
 
-    def walk_files(self, skip_dir: Callable[[str], str | None]) -> Iterator["tuple[str, str, Path] | Item"]:
+    def walk_files(
+        self, skip_dir: Callable[[str], str | None]
+    ) -> Iterator[tuple[str, str, Path] | Item]:
         """(key, label, path) of every file under the root, in order; a folder that
         ``skip_dir`` names a reason for is yielded once, as its rejected Item."""
         from data.schema import sanitize_key
@@ -101,8 +104,9 @@ class Source:
         """How a file inside this source is named in rejects and metadata: relative to the root."""
         return rel if self.root.is_dir() else self.root.name
 
-    def assemble(self, key: str, parts: list[Part], meta: dict, origin: dict,
-                 label: str) -> Sample | Reject:
+    def assemble(
+        self, key: str, parts: list[Part], meta: dict, origin: dict, label: str
+    ) -> Sample | Reject:
         return assemble(self, key, parts, meta, origin, label)
 
 
@@ -110,8 +114,9 @@ def with_source(rej: Reject, src: Source, key: str) -> Reject:
     return Reject(rej.path, rej.reason, rej.detail, key=key, source=src.spec.name)
 
 
-def assemble(src: Source, key: str, parts: list[Part], meta: dict, origin: dict,
-             label: str) -> Sample | Reject:
+def assemble(
+    src: Source, key: str, parts: list[Part], meta: dict, origin: dict, label: str
+) -> Sample | Reject:
     """Validate every part and build the sample; the first failing part rejects the document.
 
     ``meta`` holds the input's own fields (a caption file's extra columns, a JSONL record's other
@@ -145,7 +150,9 @@ def assemble(src: Source, key: str, parts: list[Part], meta: dict, origin: dict,
             if data is None:
                 data = read_media(part.path)
                 if isinstance(data, Reject):
-                    return with_source(Reject(part.label or data.path, data.reason, data.detail), src, key)
+                    return with_source(
+                        Reject(part.label or data.path, data.reason, data.detail), src, key
+                    )
             where = part.label or part.path or label
             if part.type == "image":
                 info = probe_image(data, where, max_pixels=lim.max_image_pixels)
@@ -166,8 +173,13 @@ def assemble(src: Source, key: str, parts: list[Part], meta: dict, origin: dict,
     origin = dict(origin)
     if repaired:
         origin["repaired_utf8"] = repaired
-    doc = {"source": src.spec.name, "kind": src.kind, "origin": origin, "meta": meta,
-           "segments": segments}
+    doc = {
+        "source": src.spec.name,
+        "kind": src.kind,
+        "origin": origin,
+        "meta": meta,
+        "segments": segments,
+    }
     return Sample(key, doc, media)
 
 

@@ -10,12 +10,13 @@ PATH is either
 
 A document is ``[media, caption]``; the caption segment carries ``"role": "caption"``.
 """
+
 from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from data.media import IMAGE_EXTS, VIDEO_EXTS
 from data.schema import Reject, Sample, sanitize_key, unsafe_name_reason
@@ -50,8 +51,12 @@ class CaptionedSource(Source):
         elif self.root.suffix.lower() in (".jsonl", ".csv"):
             yield from self._table_items()
         else:
-            yield self.rejected_item(self.key(sanitize_key(self.root.name)), self.root.name,
-                                     "unknown-type", f"{self.kind} takes a folder or a .jsonl/.csv table")
+            yield self.rejected_item(
+                self.key(sanitize_key(self.root.name)),
+                self.root.name,
+                "unknown-type",
+                f"{self.kind} takes a folder or a .jsonl/.csv table",
+            )
 
     # --- a folder of media files -----------------------------------------------------------
     def _folder_items(self) -> Iterator[Item]:
@@ -61,12 +66,15 @@ class CaptionedSource(Source):
                 for lineno, rec in read_table(self.root / table):
                     if isinstance(rec, Reject) or not rec.get("file"):
                         detail = rec.detail if isinstance(rec, Reject) else 'no "file" column'
-                        yield self.rejected_item(self.key(f"{table}-{lineno}"), f"{table}:{lineno}",
-                                                 "bad-record", detail)
+                        yield self.rejected_item(
+                            self.key(f"{table}-{lineno}"), f"{table}:{lineno}", "bad-record", detail
+                        )
                         continue
                     captions[str(rec.pop("file"))] = rec
         files = list(walk(self.root, hidden_dir))
-        media = {rel for rel, skipped in files if not skipped and Path(rel).suffix.lower() in self.exts}
+        media = {
+            rel for rel, skipped in files if not skipped and Path(rel).suffix.lower() in self.exts
+        }
         stems = {str(Path(rel).with_suffix("")) for rel in media}
         for rel, skipped in files:
             key = self.key(sanitize_key(rel))
@@ -79,9 +87,13 @@ class CaptionedSource(Source):
             if rel not in media:
                 if suffix in (".txt", ".json") and str(Path(rel).with_suffix("")) in stems:
                     continue  # a sidecar caption, read with its media file
-                yield self.rejected_item(key, rel, "unknown-type",
-                                         f"not a{'n image' if self.kind == 'images' else ' video'} "
-                                         f"file ({suffix or 'no extension'})")
+                yield self.rejected_item(
+                    key,
+                    rel,
+                    "unknown-type",
+                    f"not a{'n image' if self.kind == 'images' else ' video'} "
+                    f"file ({suffix or 'no extension'})",
+                )
                 continue
             path = self.root / rel
             size = stat_size(path)
@@ -90,8 +102,14 @@ class CaptionedSource(Source):
                 continue
             rec = captions.get(rel)
             txt, js = path.with_suffix(".txt"), path.with_suffix(".json")
-            ref = ("file", str(path), rel, json.dumps(rec, sort_keys=True) if rec is not None else "",
-                   str(txt) if txt.is_file() else "", str(js) if js.is_file() else "")
+            ref = (
+                "file",
+                str(path),
+                rel,
+                json.dumps(rec, sort_keys=True) if rec is not None else "",
+                str(txt) if txt.is_file() else "",
+                str(js) if js.is_file() else "",
+            )
             yield Item(key, rel, ref, size)
 
     # --- a table of media paths and captions ----------------------------------------------
@@ -115,15 +133,23 @@ class CaptionedSource(Source):
                 yield self.rejected_item(key, label, "bad-record", f'no "{self.column}" column')
                 continue
             if "://" in media:
-                yield self.rejected_item(key, label, "missing-media",
-                                         f"{media} is remote; ingest takes local files (download first)")
+                yield self.rejected_item(
+                    key,
+                    label,
+                    "missing-media",
+                    f"{media} is remote; ingest takes local files (download first)",
+                )
                 continue
             path = (base / media) if not Path(media).is_absolute() else Path(media)
             size = stat_size(path)
             if size is None:
-                yield self.rejected_item(key, f"{label} ({media})", "missing-media", "file does not exist")
+                yield self.rejected_item(
+                    key, f"{label} ({media})", "missing-media", "file does not exist"
+                )
                 continue
-            yield Item(key, label, ("row", str(path), label, media, json.dumps(rec, sort_keys=True)), size)
+            yield Item(
+                key, label, ("row", str(path), label, media, json.dumps(rec, sort_keys=True)), size
+            )
 
     # --- worker side -------------------------------------------------------------------------
     def load(self, item: Item) -> Sample | Reject:
@@ -133,7 +159,11 @@ class CaptionedSource(Source):
             caption: str | bytes | None = meta.pop("caption", None)
             if js:
                 raw = read_file(Path(js), rel)
-                rec = raw if isinstance(raw, Reject) else parse_record(raw, str(Path(rel).with_suffix(".json")))
+                rec = (
+                    raw
+                    if isinstance(raw, Reject)
+                    else parse_record(raw, str(Path(rel).with_suffix(".json")))
+                )
                 if isinstance(rec, Reject):
                     return self.reject(rec.path, rec.reason, rec.detail, item.key)
                 caption = rec.pop("caption", caption)
@@ -149,11 +179,18 @@ class CaptionedSource(Source):
             meta = json.loads(rec)
             caption = meta.pop("caption", None)
             origin = {"path": media, "row": label}
-        parts = [Part(self.part_type, path=path, ext=Path(path).suffix.lower(),
-                      label=origin["path"])]
+        parts = [
+            Part(self.part_type, path=path, ext=Path(path).suffix.lower(), label=origin["path"])
+        ]
         if caption is not None:
-            parts.append(Part("text", caption if isinstance(caption, (str, bytes)) else str(caption),
-                              path=label, role="caption"))
+            parts.append(
+                Part(
+                    "text",
+                    caption if isinstance(caption, (str, bytes)) else str(caption),
+                    path=label,
+                    role="caption",
+                )
+            )
         return self.assemble(item.key, parts, meta, origin, label)
 
 

@@ -4,31 +4,88 @@ Skipped, each with a reject line: vendored/generated/hidden folders (one line pe
 per file inside), files whose extension is not a known language, minified files, files over
 ``max_code_bytes``, binaries (a NUL byte) and empty files.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from data.schema import Reject, Sample
 from data.sources.base import Item, Part, Source, read_file, stat_size
 
 LANGS = {
-    ".py": "python", ".pyi": "python", ".c": "c", ".h": "c", ".cc": "cpp", ".cpp": "cpp",
-    ".cxx": "cpp", ".hpp": "cpp", ".hh": "cpp", ".cu": "cuda", ".rs": "rust", ".go": "go",
-    ".java": "java", ".kt": "kotlin", ".scala": "scala", ".js": "javascript", ".mjs": "javascript",
-    ".jsx": "javascript", ".ts": "typescript", ".tsx": "typescript", ".rb": "ruby", ".php": "php",
-    ".cs": "csharp", ".swift": "swift", ".m": "objective-c", ".sh": "shell", ".bash": "shell",
-    ".zsh": "shell", ".pl": "perl", ".lua": "lua", ".r": "r", ".jl": "julia", ".hs": "haskell",
-    ".ml": "ocaml", ".ex": "elixir", ".erl": "erlang", ".clj": "clojure", ".sql": "sql",
-    ".html": "html", ".css": "css", ".scss": "css", ".toml": "toml", ".yaml": "yaml",
-    ".yml": "yaml", ".json": "json", ".xml": "xml", ".md": "markdown", ".rst": "rst",
-    ".tex": "tex", ".cmake": "cmake", ".mk": "make", ".proto": "protobuf", ".zig": "zig",
-    ".dart": "dart", ".f90": "fortran", ".vim": "vim", ".ps1": "powershell", ".bat": "batch",
+    ".py": "python",
+    ".pyi": "python",
+    ".c": "c",
+    ".h": "c",
+    ".cc": "cpp",
+    ".cpp": "cpp",
+    ".cxx": "cpp",
+    ".hpp": "cpp",
+    ".hh": "cpp",
+    ".cu": "cuda",
+    ".rs": "rust",
+    ".go": "go",
+    ".java": "java",
+    ".kt": "kotlin",
+    ".scala": "scala",
+    ".js": "javascript",
+    ".mjs": "javascript",
+    ".jsx": "javascript",
+    ".ts": "typescript",
+    ".tsx": "typescript",
+    ".rb": "ruby",
+    ".php": "php",
+    ".cs": "csharp",
+    ".swift": "swift",
+    ".m": "objective-c",
+    ".sh": "shell",
+    ".bash": "shell",
+    ".zsh": "shell",
+    ".pl": "perl",
+    ".lua": "lua",
+    ".r": "r",
+    ".jl": "julia",
+    ".hs": "haskell",
+    ".ml": "ocaml",
+    ".ex": "elixir",
+    ".erl": "erlang",
+    ".clj": "clojure",
+    ".sql": "sql",
+    ".html": "html",
+    ".css": "css",
+    ".scss": "css",
+    ".toml": "toml",
+    ".yaml": "yaml",
+    ".yml": "yaml",
+    ".json": "json",
+    ".xml": "xml",
+    ".md": "markdown",
+    ".rst": "rst",
+    ".tex": "tex",
+    ".cmake": "cmake",
+    ".mk": "make",
+    ".proto": "protobuf",
+    ".zig": "zig",
+    ".dart": "dart",
+    ".f90": "fortran",
+    ".vim": "vim",
+    ".ps1": "powershell",
+    ".bat": "batch",
 }
 NAMED_LANGS = {"Makefile": "make", "Dockerfile": "dockerfile", "CMakeLists.txt": "cmake"}
 VENDORED_DIRS = {
-    "node_modules", "vendor", "third_party", "third-party", "thirdparty", "site-packages",
-    "dist-packages", "__pycache__", "venv", "bower_components", "Pods",
+    "node_modules",
+    "vendor",
+    "third_party",
+    "third-party",
+    "thirdparty",
+    "site-packages",
+    "dist-packages",
+    "__pycache__",
+    "venv",
+    "bower_components",
+    "Pods",
 }
 GENERATED_SUFFIXES = (".min.js", ".min.css", ".pb.go", "_pb2.py", ".bundle.js")
 
@@ -64,11 +121,16 @@ class CodeSource(Source):
             elif name.endswith(GENERATED_SUFFIXES):
                 yield self.rejected_item(key, label, "vendored", "minified or generated file")
             elif lang is None:
-                yield self.rejected_item(key, label, "unknown-type",
-                                         f"no known language for {Path(name).suffix or name!r}")
+                yield self.rejected_item(
+                    key,
+                    label,
+                    "unknown-type",
+                    f"no known language for {Path(name).suffix or name!r}",
+                )
             elif size > self.limits.max_code_bytes:
-                yield self.rejected_item(key, label, "too-large",
-                                         f"{size} B > limit {self.limits.max_code_bytes} B")
+                yield self.rejected_item(
+                    key, label, "too-large", f"{size} B > limit {self.limits.max_code_bytes} B"
+                )
             else:
                 yield Item(key, label, ("file", str(path), label, lang), size)
 

@@ -8,10 +8,11 @@ Two forms per line (media paths relative to the JSONL file's folder, or absolute
 An ``id`` field names the sample; every other field goes to ``meta``. A document whose media is
 missing or remote is rejected as a whole (reason ``missing-media``), never kept without it.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from data.schema import SEGMENT_TYPES, Reject, Sample, sanitize_key, unsafe_name_reason
 from data.sources.base import Item, Part, Source, stat_size
@@ -58,7 +59,9 @@ def doc_parts(rec: dict, base: Path, label: str) -> list[Part] | Reject:
             if not given:
                 return Reject(label, "bad-record", f"{p.type} segment without a path")
             if "://" in given:
-                return Reject(label, "missing-media", f"{given} is remote; ingest takes local files")
+                return Reject(
+                    label, "missing-media", f"{given} is remote; ingest takes local files"
+                )
             p.path = str(base / given) if not Path(given).is_absolute() else given
             p.ext = Path(given).suffix.lower()
     return parts
@@ -69,8 +72,12 @@ class InterleavedSource(Source):
 
     def items(self) -> Iterator[Item]:
         if self.root.suffix.lower() != ".jsonl" or not self.root.is_file():
-            yield self.rejected_item(self.key(sanitize_key(self.root.name)), str(self.root),
-                                     "unknown-type", "interleaved takes a .jsonl file")
+            yield self.rejected_item(
+                self.key(sanitize_key(self.root.name)),
+                str(self.root),
+                "unknown-type",
+                "interleaved takes a .jsonl file",
+            )
             return
         for lineno, off, length in jsonl_lines(self.root):
             label = f"{self.root.name}:{lineno}"

@@ -1,10 +1,11 @@
 """``text:PATH`` — prose. A ``.txt``/``.md``/``.rst`` file is one document; a ``.jsonl`` file
 holds one document per line (``{"text": ...}``; other fields go to ``meta``)."""
+
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from data.schema import Reject, Sample
 from data.sources.base import Item, Part, Source, hidden_dir, read_file, stat_size
@@ -55,14 +56,24 @@ class TextSource(Source):
                 yield self.rejected_item(key, label, "unreadable-file", "cannot stat")
             elif ext == ".jsonl":
                 for lineno, off, length in jsonl_lines(path):
-                    yield Item(f"{key}-{lineno:08d}", f"{label}:{lineno}", ("line", str(path), label, off, length, lineno), length)
+                    yield Item(
+                        f"{key}-{lineno:08d}",
+                        f"{label}:{lineno}",
+                        ("line", str(path), label, off, length, lineno),
+                        length,
+                    )
             elif ext not in TEXT_EXTS:
-                yield self.rejected_item(key, label, "unknown-type",
-                                         f"not a text file ({ext or 'no extension'}); text takes "
-                                         + ", ".join(sorted(TEXT_EXTS | {'.jsonl'})))
+                yield self.rejected_item(
+                    key,
+                    label,
+                    "unknown-type",
+                    f"not a text file ({ext or 'no extension'}); text takes "
+                    + ", ".join(sorted(TEXT_EXTS | {".jsonl"})),
+                )
             elif size > self.limits.max_text_bytes:
-                yield self.rejected_item(key, label, "too-large",
-                                         f"{size} B > limit {self.limits.max_text_bytes} B")
+                yield self.rejected_item(
+                    key, label, "too-large", f"{size} B > limit {self.limits.max_text_bytes} B"
+                )
             else:
                 yield Item(key, label, ("file", str(path), label), size)
 
@@ -72,7 +83,9 @@ class TextSource(Source):
             raw = read_file(Path(path), label)
             if isinstance(raw, Reject):
                 return self.reject(raw.path, raw.reason, raw.detail, item.key)
-            return self.assemble(item.key, [Part("text", raw, path=label)], {}, {"path": label}, label)
+            return self.assemble(
+                item.key, [Part("text", raw, path=label)], {}, {"path": label}, label
+            )
         _, path, label, off, length, lineno = item.ref
         where = f"{label}:{lineno}"
         rec = parse_record(read_line(path, off, length), where)

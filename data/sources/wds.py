@@ -6,13 +6,14 @@ Members are located by their byte offsets when the plan is made and read by seek
 worker never scans a whole tar for one sample. A tar cut short keeps every sample before the
 cut and records one ``truncated-tar`` reject for the rest.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from data.media import IMAGE_EXTS, VIDEO_EXTS
 from data.schema import Reject, Sample, sanitize_key, unsafe_name_reason
@@ -37,7 +38,10 @@ def list_members(path: Path) -> tuple[list[tuple[str, int, int]], str | None]:
                 if not m.isfile():
                     continue
                 if m.offset_data + m.size > total:
-                    return members, f"ends inside member {m.name!r} (byte {total} of {m.offset_data + m.size})"
+                    return (
+                        members,
+                        f"ends inside member {m.name!r} (byte {total} of {m.offset_data + m.size})",
+                    )
                 members.append((m.name, m.offset_data, m.size))
     except tarfile.ReadError as e:
         after = f" after member {members[-1][0]!r}" if members else ""
@@ -57,8 +61,12 @@ class WdsSource(Source):
             path = self.root / rel if self.root.is_dir() else self.root
             if not rel.endswith(".tar"):
                 if not rel.endswith(".idx.jsonl"):
-                    yield self.rejected_item(self.key(sanitize_key(rel)), label, "unknown-type",
-                                             "wds takes plain .tar shards")
+                    yield self.rejected_item(
+                        self.key(sanitize_key(rel)),
+                        label,
+                        "unknown-type",
+                        "wds takes plain .tar shards",
+                    )
                 continue
             members, broken = list_members(path)
             groups: list[tuple[str, list]] = []
@@ -75,16 +83,26 @@ class WdsSource(Source):
                 if why:
                     yield self.rejected_item(key, where, "unsafe-name", why)
                     continue
-                media = [g for g in group if "." + g[0].rsplit(".", 1)[-1] in IMAGE_EXTS | VIDEO_EXTS]
+                media = [
+                    g for g in group if "." + g[0].rsplit(".", 1)[-1] in IMAGE_EXTS | VIDEO_EXTS
+                ]
                 if not media:
-                    yield self.rejected_item(key, where, "missing-media",
-                                             "no image or video member (" + ", ".join(g[0] for g in group) + ")")
+                    yield self.rejected_item(
+                        key,
+                        where,
+                        "missing-media",
+                        "no image or video member (" + ", ".join(g[0] for g in group) + ")",
+                    )
                     continue
                 size = sum(g[2] for g in group)
                 yield Item(key, where, ("tar", str(path), label, wkey, json.dumps(group)), size)
             if broken:
-                yield self.rejected_item(self.key(sanitize_key(rel) + "-truncated"), label,
-                                         "truncated-tar", broken + "; the samples before it are kept")
+                yield self.rejected_item(
+                    self.key(sanitize_key(rel) + "-truncated"),
+                    label,
+                    "truncated-tar",
+                    broken + "; the samples before it are kept",
+                )
 
     def load(self, item: Item) -> Sample | Reject:
         _, path, label, wkey, group_json = item.ref
@@ -113,25 +131,47 @@ class WdsSource(Source):
                 kind = "image" if last in IMAGE_EXTS else "video"
                 parts.append(Part(kind, path=f"{where}.{ext}", data=data.pop(ext), ext=last))
         if caption is not None:
-            parts.append(Part("text", caption if isinstance(caption, (str, bytes)) else str(caption),
-                              path=where, role="caption"))
+            parts.append(
+                Part(
+                    "text",
+                    caption if isinstance(caption, (str, bytes)) else str(caption),
+                    path=where,
+                    role="caption",
+                )
+            )
         origin = {"path": label, "key": wkey}
         if data:
             origin["ignored_members"] = sorted(data)
         return self.assemble(item.key, parts, meta, origin, where)
 
-    def _load_native(self, item: Item, doc: dict, data: dict[str, bytes], label: str, wkey: str,
-                     where: str) -> Sample | Reject:
+    def _load_native(
+        self, item: Item, doc: dict, data: dict[str, bytes], label: str, wkey: str, where: str
+    ) -> Sample | Reject:
         """A sample in our own schema (an earlier ingest's shard): keep its segments as they are."""
         parts = []
         for i, seg in enumerate(doc["segments"]):
             t = seg.get("type") if isinstance(seg, dict) else None
             if t in ("text", "code"):
-                parts.append(Part(t, seg.get("text", ""), path=where, lang=seg.get("lang"), role=seg.get("role")))
+                parts.append(
+                    Part(
+                        t,
+                        seg.get("text", ""),
+                        path=where,
+                        lang=seg.get("lang"),
+                        role=seg.get("role"),
+                    )
+                )
             elif t in ("image", "video") and seg.get("member") in data:
                 m = seg["member"]
-                parts.append(Part(t, path=f"{where}.{m}", data=data.pop(m), ext="." + m.rsplit(".", 1)[-1]))
+                parts.append(
+                    Part(t, path=f"{where}.{m}", data=data.pop(m), ext="." + m.rsplit(".", 1)[-1])
+                )
             else:
-                return self.reject(where, "bad-record", f"segment {i}: type {t!r} or its member is missing", item.key)
+                return self.reject(
+                    where,
+                    "bad-record",
+                    f"segment {i}: type {t!r} or its member is missing",
+                    item.key,
+                )
         origin = {"path": label, "key": wkey, "from": doc.get("origin", {})}
         return self.assemble(item.key, parts, doc.get("meta", {}), origin, where)

@@ -6,6 +6,7 @@ chunk of documents are encoded in batches of equal shape (the visual tokenizer n
 sizes in a batch; the resolution-free layout makes many shapes). A document whose media cannot
 be decoded becomes a reject with the reason; the others are unaffected.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -26,28 +27,34 @@ from data.vocab import Modality
 @dataclass(frozen=True)
 class TokenizeOptions:
     image_max_pixels: int = 256 * 256
-    video_max_pixels: int = 128 * 128      # per frame
+    video_max_pixels: int = 128 * 128  # per frame
     video_fps: float = 4.0
-    video_max_tokens: int = 4096           # a video block never exceeds this many tokens
+    video_max_tokens: int = 4096  # a video block never exceeds this many tokens
     image_batch: int = 32
 
 
 @dataclass
 class TokenDoc:
     key: str
-    ids: np.ndarray                  # int32 [n]
-    modality: np.ndarray             # uint8 [n]
+    ids: np.ndarray  # int32 [n]
+    modality: np.ndarray  # uint8 [n]
     spans: list[dict] = field(default_factory=list)
     source: str = ""
 
 
 class DocEncoder:
-    def __init__(self, text: TextTokenizer, vtok, opts: TokenizeOptions, device: torch.device) -> None:
+    def __init__(
+        self, text: TextTokenizer, vtok, opts: TokenizeOptions, device: torch.device
+    ) -> None:
         self.text, self.vtok, self.opts, self.device = text, vtok, opts, device
         self.lay = text.layout
         f = vtok.cfg.factor
-        self.image_prep = ImagePrep(factor=f, max_pixels=opts.image_max_pixels, max_grid=self.lay.max_grid)
-        self.video_prep = ImagePrep(factor=f, max_pixels=opts.video_max_pixels, max_grid=self.lay.max_grid)
+        self.image_prep = ImagePrep(
+            factor=f, max_pixels=opts.image_max_pixels, max_grid=self.lay.max_grid
+        )
+        self.video_prep = ImagePrep(
+            factor=f, max_pixels=opts.video_max_pixels, max_grid=self.lay.max_grid
+        )
 
     # --- visual ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -59,7 +66,7 @@ class DocEncoder:
             by_shape[im.shape].append(i)
         for idx in by_shape.values():
             for s in range(0, len(idx), self.opts.image_batch):
-                part = idx[s:s + self.opts.image_batch]
+                part = idx[s : s + self.opts.image_batch]
                 x = to_tensor(np.stack([images[i] for i in part])).to(self.device)
                 codes = self.vtok.encode(x).cpu().numpy()
                 for i, c in zip(part, codes):
@@ -83,9 +90,15 @@ class DocEncoder:
     def encode_video(self, raw: bytes, seg: dict) -> tuple[np.ndarray, list[float]]:
         cap = self.video_frame_cap(seg)
         if cap == 0:
-            raise ValueError(f"one frame alone exceeds video_max_tokens={self.opts.video_max_tokens}")
-        fr = decode_frames(raw, VideoSampling(self.opts.video_fps, cap), self.video_prep,
-                           size=(seg["width"], seg["height"]))
+            raise ValueError(
+                f"one frame alone exceeds video_max_tokens={self.opts.video_max_tokens}"
+            )
+        fr = decode_frames(
+            raw,
+            VideoSampling(self.opts.video_fps, cap),
+            self.video_prep,
+            size=(seg["width"], seg["height"]),
+        )
         x = to_tensor(fr.frames).unsqueeze(0).to(self.device)
         return self.vtok.encode_video(x)[0].cpu().numpy(), [round(float(t), 6) for t in fr.times]
 
@@ -100,12 +113,22 @@ class DocEncoder:
                         where[(di, si)] = len(images)
                         images.append(load_image(rd.member(seg["member"]), self.image_prep))
                     except (OSError, ValueError) as e:
-                        failed[di] = Reject(f"{rd.shard.name}:{rd.key}.{seg['member']}", "unreadable-image", str(e),
-                                            key=rd.key, source=rd.doc.get("source"))
+                        failed[di] = Reject(
+                            f"{rd.shard.name}:{rd.key}.{seg['member']}",
+                            "unreadable-image",
+                            str(e),
+                            key=rd.key,
+                            source=rd.doc.get("source"),
+                        )
         grids = self.encode_images(images) if images else []
         # All text and code of the chunk in one encode_batch call (the tokenizer's parallel path).
-        texts = [(di, si, seg["text"]) for di, rd in enumerate(raw_docs) if di not in failed
-                 for si, seg in enumerate(rd.doc["segments"]) if seg["type"] in ("text", "code")]
+        texts = [
+            (di, si, seg["text"])
+            for di, rd in enumerate(raw_docs)
+            if di not in failed
+            for si, seg in enumerate(rd.doc["segments"])
+            if seg["type"] in ("text", "code")
+        ]
         encoded = self.text.encode_batch([t for _, _, t in texts]) if texts else []
         text_ids = {(di, si): ids for (di, si, _), ids in zip(texts, encoded)}
         out: list[TokenDoc | Reject] = []
@@ -114,14 +137,28 @@ class DocEncoder:
                 out.append(failed[di])
                 continue
             try:
-                out.append(self._assemble(rd, {si: grids[j] for (d, si), j in where.items() if d == di},
-                                          {si: ids for (d, si), ids in text_ids.items() if d == di}))
+                out.append(
+                    self._assemble(
+                        rd,
+                        {si: grids[j] for (d, si), j in where.items() if d == di},
+                        {si: ids for (d, si), ids in text_ids.items() if d == di},
+                    )
+                )
             except ValueError as e:
-                out.append(Reject(f"{rd.shard.name}:{rd.key}", "undecodable-video", str(e), key=rd.key,
-                                  source=rd.doc.get("source")))
+                out.append(
+                    Reject(
+                        f"{rd.shard.name}:{rd.key}",
+                        "undecodable-video",
+                        str(e),
+                        key=rd.key,
+                        source=rd.doc.get("source"),
+                    )
+                )
         return out
 
-    def _assemble(self, rd, grids: dict[int, np.ndarray], text_ids: dict[int, list[int]]) -> TokenDoc:
+    def _assemble(
+        self, rd, grids: dict[int, np.ndarray], text_ids: dict[int, list[int]]
+    ) -> TokenDoc:
         ids: list[np.ndarray] = [np.array([self.text.bos_id])]
         mods: list[np.ndarray] = [np.array([int(Modality.TEXT)])]
         spans = []
@@ -149,11 +186,15 @@ class DocEncoder:
             spans.append(span)
         ids.append(np.array([self.text.eos_id]))
         mods.append(np.array([int(Modality.TEXT)]))
-        return TokenDoc(rd.key, np.concatenate(ids).astype(np.int32), np.concatenate(mods).astype(np.uint8),
-                        spans, rd.doc.get("source", ""))
+        return TokenDoc(
+            rd.key,
+            np.concatenate(ids).astype(np.int32),
+            np.concatenate(mods).astype(np.uint8),
+            spans,
+            rd.doc.get("source", ""),
+        )
 
 
 def tokens_by_modality(doc: TokenDoc) -> dict[str, int]:
     counts = np.bincount(doc.modality, minlength=len(Modality))
     return {m.name.lower(): int(counts[m]) for m in Modality}
-

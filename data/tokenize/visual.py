@@ -1,4 +1,5 @@
 """Load a trained visual tokenizer (``RUN_DIR/visual_tokenizer/``: safetensors + config.json)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -10,7 +11,9 @@ import torch
 from data.vocab import VocabLayout
 
 
-def load_visual_tokenizer(folder: str | Path, layout: VocabLayout, device: torch.device | str = "cpu"):
+def load_visual_tokenizer(
+    folder: str | Path, layout: VocabLayout, device: torch.device | str = "cpu"
+):
     from safetensors.torch import load_file
 
     from model.visual_tokenizer import VisualTokenizerConfig
@@ -20,10 +23,14 @@ def load_visual_tokenizer(folder: str | Path, layout: VocabLayout, device: torch
         cfg = VisualTokenizerConfig(**json.loads((folder / "config.json").read_text()))
         state = load_file(str(folder / "model.safetensors"))
     except (OSError, ValueError, TypeError) as e:
-        raise ValueError(f"{folder}: not a visual tokenizer folder (config.json + model.safetensors): {e}") from None
+        raise ValueError(
+            f"{folder}: not a visual tokenizer folder (config.json + model.safetensors): {e}"
+        ) from None
     if tuple(cfg.levels) != tuple(layout.fsq_levels):
-        raise ValueError(f"{folder}: FSQ levels {cfg.levels} differ from the vocabulary layout's "
-                         f"{list(layout.fsq_levels)}; retrain one of them with the same levels")
+        raise ValueError(
+            f"{folder}: FSQ levels {cfg.levels} differ from the vocabulary layout's "
+            f"{list(layout.fsq_levels)}; retrain one of them with the same levels"
+        )
     model = cfg.build()
     model.load_state_dict(state)
     return model.to(device).eval()

@@ -1,8 +1,8 @@
 """Fixtures for the data tests: a small corpus with every planted fault of issue 2."""
+
 from __future__ import annotations
 
 import pytest
-
 from factories import jpeg_bytes, mp4_bytes, png_bytes, png_header_bomb, write_wds
 
 
@@ -23,23 +23,41 @@ def planted_corpus(tmp_path) -> dict:
     (root / "videos" / "clip.mp4").write_bytes(mp4_bytes())
     (root / "videos" / "empty.mp4").write_bytes(b"")
     (root / "videos" / "captions.jsonl").write_text(
-        '{"file": "clip.mp4", "caption": "a white bar moves right"}\n')
+        '{"file": "clip.mp4", "caption": "a white bar moves right"}\n'
+    )
     (root / "docs.jsonl").write_text(
         '{"texts": ["intro", null, "after"], "images": [null, "images/ok.png", null]}\n'
-        '{"texts": ["lost", null], "images": [null, "images/nope.png"]}\n')
+        '{"texts": ["lost", null], "images": [null, "images/nope.png"]}\n'
+    )
     (root / "wds").mkdir()
-    write_wds(root / "wds" / "00000.tar", [
-        ("000000001", {"jpg": jpeg_bytes(seed=1), "txt": b"first"}),
-        ("000000002", {"jpg": jpeg_bytes(seed=2), "txt": b"second"}),
-        ("000000001", {"jpg": jpeg_bytes(seed=3), "txt": b"dup of first"}),
-        ("../escape", {"jpg": jpeg_bytes(seed=4), "txt": b"evil"}),
-    ])
-    sources = [f"text:{root / 'text'}", f"images:{root / 'images'}", f"videos:{root / 'videos'}",
-               f"interleaved:{root / 'docs.jsonl'}", f"wds:{root / 'wds'}"]
+    write_wds(
+        root / "wds" / "00000.tar",
+        [
+            ("000000001", {"jpg": jpeg_bytes(seed=1), "txt": b"first"}),
+            ("000000002", {"jpg": jpeg_bytes(seed=2), "txt": b"second"}),
+            ("000000001", {"jpg": jpeg_bytes(seed=3), "txt": b"dup of first"}),
+            ("../escape", {"jpg": jpeg_bytes(seed=4), "txt": b"evil"}),
+        ],
+    )
+    sources = [
+        f"text:{root / 'text'}",
+        f"images:{root / 'images'}",
+        f"videos:{root / 'videos'}",
+        f"interleaved:{root / 'docs.jsonl'}",
+        f"wds:{root / 'wds'}",
+    ]
     expected_rejects = {
-        ("text", "latin1.txt", "not-utf8"), ("images", "cut.jpg", "truncated-image"),
-        ("images", "bomb.png", "pixel-limit"), ("videos", "empty.mp4", "empty-video"),
-        ("docs", "docs.jsonl:2", "missing-media"), ("wds", "00000.tar:000000001", "duplicate-key"),
+        ("text", "latin1.txt", "not-utf8"),
+        ("images", "cut.jpg", "truncated-image"),
+        ("images", "bomb.png", "pixel-limit"),
+        ("videos", "empty.mp4", "empty-video"),
+        ("docs", "docs.jsonl:2", "missing-media"),
+        ("wds", "00000.tar:000000001", "duplicate-key"),
         ("wds", "00000.tar:../escape", "unsafe-name"),
     }
-    return {"root": root, "sources": sources, "expected_rejects": expected_rejects, "good_samples": 6}
+    return {
+        "root": root,
+        "sources": sources,
+        "expected_rejects": expected_rejects,
+        "good_samples": 6,
+    }

@@ -34,8 +34,11 @@ def _jsonl(path: pathlib.Path) -> list[dict]:
 
 
 def _digest(root: pathlib.Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +63,16 @@ def _decode(path: pathlib.Path) -> np.ndarray:
 def test_layout_and_summary(corpus):
     out, summary = corpus
     assert sorted(p.name for p in out.iterdir()) == [
-        "README.md", "clips", "code", "digits", "interleaved", "photos", "scenes", "text", "wds"]
+        "README.md",
+        "clips",
+        "code",
+        "digits",
+        "interleaved",
+        "photos",
+        "scenes",
+        "text",
+        "wds",
+    ]
     assert (out / "README.md").read_text().startswith("# earlyfuse demo corpus")
     files = [p for p in out.rglob("*") if p.is_file()]
     assert summary["files"] == len(files)
@@ -89,9 +101,12 @@ def test_photos_are_original_bytes_with_captions(corpus):
     assert {"astronaut.png", "chelsea.png", "china.jpg", "flower.jpg"} <= names
     for photo, src in shipped:
         assert (out / "photos" / photo.file).read_bytes() == src.read_bytes()
-        assert (out / "photos" / photo.file).with_suffix(".txt").read_text().strip() == photo.caption
+        assert (out / "photos" / photo.file).with_suffix(
+            ".txt"
+        ).read_text().strip() == photo.caption
     assert sorted(p.suffix for p in (out / "photos").iterdir()) and all(
-        p.suffix in (".png", ".jpg", ".txt") for p in (out / "photos").iterdir())
+        p.suffix in (".png", ".jpg", ".txt") for p in (out / "photos").iterdir()
+    )
 
 
 def test_digits(corpus):
@@ -154,7 +169,9 @@ def test_same_seed_gives_identical_bytes(corpus, tmp_path):
     assert _digest(tmp_path / "again") == _digest(out)
     # ... and another seed gives other generated content.
     build(tmp_path / "other", seed=1, scale=SCALE, progress=False)
-    assert (tmp_path / "other/scenes/scenes.jsonl").read_bytes() != (out / "scenes/scenes.jsonl").read_bytes()
+    assert (tmp_path / "other/scenes/scenes.jsonl").read_bytes() != (
+        out / "scenes/scenes.jsonl"
+    ).read_bytes()
 
 
 def test_rebuild_replaces_a_corpus_but_refuses_a_foreign_folder(tmp_path):
@@ -176,7 +193,7 @@ def test_rebuild_replaces_a_corpus_but_refuses_a_foreign_folder(tmp_path):
 def test_palette_is_separable():
     colours = list(scenes_mod.PALETTE.values())
     for i, a in enumerate(colours):
-        for b in colours[i + 1:]:
+        for b in colours[i + 1 :]:
             assert max(abs(x - y) for x, y in zip(a, b)) > 2 * scenes_mod.TOL
         for level in scenes_mod.BACKGROUNDS.values():
             for grey in (level - scenes_mod.NOISE, level + scenes_mod.NOISE):
@@ -215,7 +232,9 @@ def _scene_edits(facts: dict) -> list[dict]:
     f["shapes"].append({"shape": "circle", "colour": "red", "position": other_cell})
     edits.append(f)
     f = copy.deepcopy(facts)  # the wrong background
-    f["background"]["colour"] = next(c for c in scenes_mod.BACKGROUNDS if c != facts["background"]["colour"])
+    f["background"]["colour"] = next(
+        c for c in scenes_mod.BACKGROUNDS if c != facts["background"]["colour"]
+    )
     edits.append(f)
     if len(facts["shapes"]) > 1:  # a shape left out (only wrong when the check is exhaustive)
         f = copy.deepcopy(facts)
@@ -276,6 +295,8 @@ def test_check_clip_rejects_a_wrong_colour_or_direction(corpus):
         facts = r["facts"]
         other = next(c for c in scenes_mod.PALETTE if c != facts["colour"])
         assert not check_clip(frames, dict(facts, colour=other))
-        sideways = {"left": "up", "right": "down", "up": "left", "down": "right"}[facts["direction"]]
+        sideways = {"left": "up", "right": "down", "up": "left", "down": "right"}[
+            facts["direction"]
+        ]
         assert not check_clip(frames, dict(facts, direction=sideways))
         assert not check_clip(frames[::-1], facts)  # played backwards

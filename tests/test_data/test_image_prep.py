@@ -1,4 +1,5 @@
 """Image preprocessing: orientation, colour modes, grid-multiple sizes within a budget."""
+
 from __future__ import annotations
 
 import io
@@ -28,17 +29,17 @@ def test_target_sizes_are_grid_multiples_within_budget_keeping_aspect(w, h):
 
 def test_exif_rotation_is_applied():
     im = Image.new("RGB", (40, 20), (255, 0, 0))
-    im.paste((0, 0, 255), (0, 0, 20, 20))      # left half blue
+    im.paste((0, 0, 255), (0, 0, 20, 20))  # left half blue
     exif = Image.Exif()
-    exif[0x0112] = 6                            # rotate 90 CW when displayed
+    exif[0x0112] = 6  # rotate 90 CW when displayed
     a = load_image(encode(im, "JPEG", exif=exif, quality=95), ImagePrep(factor=4, max_pixels=10**6))
-    assert a.shape == (40, 20, 3)               # portrait after orientation
-    assert a[2, 10, 2] > 200 and a[-3, 10, 0] > 200   # blue on top, red at the bottom
+    assert a.shape == (40, 20, 3)  # portrait after orientation
+    assert a[2, 10, 2] > 200 and a[-3, 10, 0] > 200  # blue on top, red at the bottom
 
 
 def test_modes_become_rgb():
     prep = ImagePrep(factor=4, max_pixels=10**6)
-    rgba = Image.new("RGBA", (8, 8), (255, 0, 0, 0))            # fully transparent
+    rgba = Image.new("RGBA", (8, 8), (255, 0, 0, 0))  # fully transparent
     assert load_image(encode(rgba), prep)[0, 0].tolist() == [255, 255, 255]
     grey = Image.new("L", (8, 8), 100)
     assert load_image(encode(grey), prep)[0, 0].tolist() == [100, 100, 100]

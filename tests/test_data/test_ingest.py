@@ -1,4 +1,5 @@
 """earlyfuse-prep ingest end to end on real files: planted faults, determinism, resume, partitions."""
+
 from __future__ import annotations
 
 import json
@@ -11,18 +12,20 @@ from pathlib import Path
 
 import pytest
 import webdataset as wds
+from factories import many_images
 
 from data.cli import EXIT_REJECTS, main
 from data.ingest import ingest
 from data.shards.index import check_index, read_index
 from data.shards.verify import verify
-from factories import many_images
 
 
 def shard_files(out: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(out)): p.read_bytes()
-            for p in sorted(out.rglob("*")) if p.is_file() and ".ingest" not in p.parts
-            and p.name != "manifest.json"}
+    return {
+        str(p.relative_to(out)): p.read_bytes()
+        for p in sorted(out.rglob("*"))
+        if p.is_file() and ".ingest" not in p.parts and p.name != "manifest.json"
+    }
 
 
 def manifest_without_commands(out: Path) -> dict:
@@ -53,13 +56,18 @@ def test_planted_faults_are_rejected_and_good_samples_kept(planted_corpus, tmp_p
     # Every shard is a plain tar that `tar -tf` lists, and webdataset yields every sample.
     urls = [str(out / s["path"]) for s in m["shards"]]
     for url in urls:
-        listed = subprocess.run(["tar", "-tf", url], check=True, capture_output=True, text=True).stdout.split()
+        listed = subprocess.run(
+            ["tar", "-tf", url], check=True, capture_output=True, text=True
+        ).stdout.split()
         assert listed and all("." in name and ".." not in name for name in listed)
     seen = list(wds.WebDataset(urls, shardshuffle=False))
     assert len(seen) == planted_corpus["good_samples"]
     docs = {s["__key__"]: json.loads(s["json"]) for s in seen}
     video = next(d for d in docs.values() if d["kind"] == "videos")
-    assert video["segments"][0]["frames"] == 8 and video["segments"][1]["text"] == "a white bar moves right"
+    assert (
+        video["segments"][0]["frames"] == 8
+        and video["segments"][1]["text"] == "a white bar moves right"
+    )
     inter = next(d for d in docs.values() if d["kind"] == "interleaved")
     assert [s["type"] for s in inter["segments"]] == ["text", "image", "text"]
     assert verify(out)["ok"]
@@ -77,10 +85,13 @@ def test_partitions_then_merge_equal_a_single_run(planted_corpus, tmp_path, caps
     single, parts = tmp_path / "single", tmp_path / "parts"
     ingest(single, planted_corpus["sources"], shard_max_samples=1)
     for i in (0, 1):
-        s = ingest(parts, planted_corpus["sources"], shard_max_samples=1, num_partitions=3, partition=i)
+        s = ingest(
+            parts, planted_corpus["sources"], shard_max_samples=1, num_partitions=3, partition=i
+        )
         assert not s["finalized"] and s["missing"]
     with pytest.raises(ValueError, match=r"partitions \[2\] of --num-partitions 3"):
         from data.shards.manifest import merge
+
         merge(parts)
     s = ingest(parts, planted_corpus["sources"], shard_max_samples=1, num_partitions=3, partition=2)
     assert s["finalized"]  # the last partition to finish writes the manifest
@@ -102,8 +113,19 @@ def test_killed_ingest_resumes_to_the_same_output(tmp_path):
     ref, out = tmp_path / "ref", tmp_path / "out"
 
     def cmd(o: Path) -> list[str]:
-        return [sys.executable, "-m", "data.cli", "ingest", "--out", str(o), "--no-progress",
-                "--source", f"images:{tmp_path / 'imgs'}", "--shard-samples", "1"]
+        return [
+            sys.executable,
+            "-m",
+            "data.cli",
+            "ingest",
+            "--out",
+            str(o),
+            "--no-progress",
+            "--source",
+            f"images:{tmp_path / 'imgs'}",
+            "--shard-samples",
+            "1",
+        ]
 
     subprocess.run(cmd(ref), check=True, capture_output=True)
     total = len(json.loads((ref / "manifest.json").read_text())["shards"])
@@ -160,6 +182,10 @@ def test_ingest_reads_its_own_shards_back_through_wds_kind(planted_corpus, tmp_p
     s = ingest(second, [f"wds:{first / 'wds'}"])
     assert s["manifest"]["totals"]["samples"] == 2
     assert s["manifest"]["totals"]["rejects"] == 0
-    docs = [json.loads(x["json"]) for x in wds.WebDataset([str(p) for p in (second / "wds").glob("*.tar")],
-                                                          shardshuffle=False)]
+    docs = [
+        json.loads(x["json"])
+        for x in wds.WebDataset(
+            [str(p) for p in (second / "wds").glob("*.tar")], shardshuffle=False
+        )
+    ]
     assert sorted(d["segments"][1]["text"] for d in docs) == ["first", "second"]

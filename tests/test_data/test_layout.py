@@ -1,11 +1,18 @@
 """Visual blocks in the sequence and back: round trips and strict parsing."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from data.layout import (image_block_len, image_tokens, parse_image, parse_video, video_block_len,
-                         video_tokens)
+from data.layout import (
+    image_block_len,
+    image_tokens,
+    parse_image,
+    parse_video,
+    video_block_len,
+    video_tokens,
+)
 from data.vocab import Modality, VocabLayout
 
 LAY = VocabLayout(text_size=1000, fsq_levels=(8, 5, 5, 5), max_grid=16)
@@ -16,7 +23,9 @@ def test_image_round_trip_and_shape():
     ids, mod = image_tokens(codes, LAY)
     assert len(ids) == image_block_len(3, 5)
     assert ids[0] == LAY.structure_id("<boi>") and ids[-1] == LAY.structure_id("<eoi>")
-    assert (mod == Modality.IMAGE).sum() == 15 and (mod == Modality.STRUCTURE).sum() == len(ids) - 15
+    assert (mod == Modality.IMAGE).sum() == 15 and (mod == Modality.STRUCTURE).sum() == len(
+        ids
+    ) - 15
     np.testing.assert_array_equal(parse_image(ids, LAY), codes)
 
 
@@ -30,7 +39,7 @@ def test_video_round_trip():
 def test_malformed_blocks_name_the_position():
     ids, _ = image_tokens(np.zeros((2, 2), int), LAY)
     bad = ids.copy()
-    bad[4] = LAY.structure_id("<eol>")   # a row cut short
+    bad[4] = LAY.structure_id("<eol>")  # a row cut short
     with pytest.raises(ValueError, match="position 4: expected a code"):
         parse_image(bad, LAY)
     with pytest.raises(ValueError, match="ends early"):
@@ -40,7 +49,7 @@ def test_malformed_blocks_name_the_position():
     with pytest.raises(ValueError):
         image_tokens(np.full((2, 2), LAY.num_codes), LAY)
     with pytest.raises(ValueError):
-        image_tokens(np.zeros((17, 2), int), LAY)   # beyond max_grid
+        image_tokens(np.zeros((17, 2), int), LAY)  # beyond max_grid
 
 
 def test_layout_ranges_and_persistence(tmp_path):

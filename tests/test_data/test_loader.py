@@ -1,5 +1,6 @@
 """The streaming loader on real token shards: packing invariants, token-weighted mixing, exact
 resume with worker processes, epoch splits across consumers, robustness."""
+
 from __future__ import annotations
 
 import json
@@ -23,7 +24,9 @@ SOURCES = ("code", "text", "scenes", "digits", "clips", "docs")
 def cfg_for(tokens, weights=None, **kw) -> LoaderConfig:
     weights = weights or {s: 1.0 for s in SOURCES}
     srcs = [SourceConfig(name=s, shards=[str(tokens / s)], weight=w) for s, w in weights.items()]
-    return LoaderConfig(sources=srcs, **{"seq_len": 512, "num_workers": 0, "shuffle_buffer": 8, **kw})
+    return LoaderConfig(
+        sources=srcs, **{"seq_len": 512, "num_workers": 0, "shuffle_buffer": 8, **kw}
+    )
 
 
 def take(loader, n):
@@ -40,6 +43,7 @@ def docs_of(tokens):
         t = load_table(SourceConfig(name=s, shards=[str(tokens / s)]))
         for i in range(len(t)):
             import io
+
             with open(t.shards[t.shard[i]], "rb") as f:
                 f.seek(t.ids_at[i][0])
                 ids = np.load(io.BytesIO(f.read(t.ids_at[i][1])), allow_pickle=False)
@@ -56,38 +60,53 @@ def test_rows_keep_blocks_whole_and_labels_true(tiny_tokens, tiny_tokenizers):
     images = 0
     for b in batches:
         for r in range(4):
-            ids, lab, doc = b["input_ids"][r].numpy(), b["labels"][r].numpy(), b["doc_ids"][r].numpy()
-            for start in np.flatnonzero(ids == boi):            # every image block is whole and parses
+            ids, lab, doc = (
+                b["input_ids"][r].numpy(),
+                b["labels"][r].numpy(),
+                b["doc_ids"][r].numpy(),
+            )
+            for start in np.flatnonzero(ids == boi):  # every image block is whole and parses
                 end = start + np.flatnonzero(ids[start:] == eoi)[0] + 1
                 assert (doc[start:end] == doc[start]).all()
                 parse_image(ids[start:end], lay)
                 images += 1
-            pad = ids == 0                                       # <|pad|>: never in real data
+            pad = ids == 0  # <|pad|>: never in real data
             assert (lab[pad] == IGNORE).all() and (doc[pad] == doc.max()).all()
     assert images > 10
     # Every label is the true next token of its document: rows from a consumer stream name
     # their pieces' documents, which we read back from the shards directly.
     from data.loader.stream import ConsumerStream
+
     stream_pieces = 0
     tables = [load_table(SourceConfig(name=s, shards=[str(tiny_tokens / s)])) for s in SOURCES]
-    cs = ConsumerStream(tables, [1.0] * len(SOURCES), cfg_for(tiny_tokens), consumer=0, consumers=1, micro_batch=1, pad_id=0)
+    cs = ConsumerStream(
+        tables,
+        [1.0] * len(SOURCES),
+        cfg_for(tiny_tokens),
+        consumer=0,
+        consumers=1,
+        micro_batch=1,
+        pad_id=0,
+    )
     for _ in range(40):
         row = cs.next_row()
         for pid, (s, sample, a, bnd) in enumerate(row.pieces):
             d = docs[(s, sample)]
             sel = row.doc_ids == pid
             np.testing.assert_array_equal(row.ids[sel], d[a:bnd])
-            want = np.append(d[a + 1:bnd + 1], [IGNORE] * (1 if bnd == len(d) else 0))
+            want = np.append(d[a + 1 : bnd + 1], [IGNORE] * (1 if bnd == len(d) else 0))
             np.testing.assert_array_equal(row.labels[sel], want)
             stream_pieces += 1
-            if a == 0 and bnd == len(d):                         # a whole document: M-RoPE as generation sees it
+            if a == 0 and bnd == len(d):  # a whole document: M-RoPE as generation sees it
                 np.testing.assert_array_equal(row.thw[sel], LayoutTracker.positions(d, lay).numpy())
     assert stream_pieces > 40
 
 
 def test_mix_is_weighted_by_tokens(tiny_tokens):
     weights = {"code": 0.5, "text": 0.3, "scenes": 0.2}
-    loader = build_loader(cfg_for(tiny_tokens, weights, seq_len=2048), rank=0, world_size=1, micro_batch=8)
+    loader = build_loader(
+        cfg_for(tiny_tokens, weights, seq_len=2048), rank=0, world_size=1, micro_batch=8
+    )
     n = 0
     got = defaultdict(int)
     for b in loader:
@@ -134,7 +153,10 @@ def test_epoch_split_over_consumers_has_no_repeats_and_equal_batches(tiny_tokens
     """2 ranks x 2 workers, computed in one process: every consumer yields the same number of
     batches, no sample appears twice, and all the others are reported as held back."""
     from data.loader.dataset import PackedLoader
-    cfg = cfg_for(tiny_tokens, {"scenes": 1.0, "digits": 1.0}, mode="epoch", num_workers=2, seq_len=256)
+
+    cfg = cfg_for(
+        tiny_tokens, {"scenes": 1.0, "digits": 1.0}, mode="epoch", num_workers=2, seq_len=256
+    )
     tables = [load_table(s) for s in cfg.sources]
     seen = []
     counts = []
@@ -148,9 +170,9 @@ def test_epoch_split_over_consumers_has_no_repeats_and_equal_batches(tiny_tokens
             counts.append(n)
             for c_i, c in enumerate(s.cursors):
                 order = s._slice(c_i, 0)
-                seen += [(c_i, int(x)) for x in order[:c.pos]]
+                seen += [(c_i, int(x)) for x in order[: c.pos]]
     assert len(set(counts)) == 1 and counts[0] > 0
-    assert len(seen) == len(set(seen))                      # no sample read twice
+    assert len(seen) == len(set(seen))  # no sample read twice
     total = sum(len(t) for t in tables)
     assert len(seen) <= total
 
@@ -163,22 +185,36 @@ def test_robustness(tiny_tokens, tmp_path):
     tar = t.shards[t.shard[0]]
     data = bytearray(open(tar, "rb").read())
     off = t.ids_at[0][0]
-    data[off:off + 8] = b"garbage!"
+    data[off : off + 8] = b"garbage!"
     open(tar, "wb").write(bytes(data))
-    loader = build_loader(cfg_for(bad, {"code": 1.0}, mode="epoch"), rank=0, world_size=1, micro_batch=1)
+    loader = build_loader(
+        cfg_for(bad, {"code": 1.0}, mode="epoch"), rank=0, world_size=1, micro_batch=1
+    )
     list(loader)
     assert loader.delivered()["errors"] == 1
     with pytest.raises(ValueError, match="does not exist"):
-        build_loader(LoaderConfig(sources=[SourceConfig(name="x", shards=[str(bad / "nope.tar")])]),
-                     rank=0, world_size=1, micro_batch=1)
+        build_loader(
+            LoaderConfig(sources=[SourceConfig(name="x", shards=[str(bad / "nope.tar")])]),
+            rank=0,
+            world_size=1,
+            micro_batch=1,
+        )
 
 
 def test_preview_prints_and_renders_rows(tiny_tokens, tmp_path):
     from data.loader.preview import preview
-    out = preview(tiny_tokens, sources=["scenes", "clips"], seq_len=256, n_rows=2, png=tmp_path / "rows.png",
-                  colour=False)
+
+    out = preview(
+        tiny_tokens,
+        sources=["scenes", "clips"],
+        seq_len=256,
+        n_rows=2,
+        png=tmp_path / "rows.png",
+        colour=False,
+    )
     assert "row 0:" in out and "row 1:" in out and "[image" in out and "packing efficiency" in out
     from PIL import Image
+
     assert Image.open(tmp_path / "rows.png").size[0] > 100
     assert Image.open(tmp_path / "rows_images.png").size[0] > 0
 
@@ -191,14 +227,14 @@ def test_token_before_a_dropped_block_predicts_nothing(tiny_tokens, tiny_tokeniz
     lay = TextTokenizer.load(tiny_tokenizers[0]).layout
     boi = lay.structure_id("<boi>")
     docs = docs_of(tiny_tokens)
-    cfg = cfg_for(tiny_tokens, {"scenes": 1.0}, seq_len=48)            # 8x8 images need 76 tokens
+    cfg = cfg_for(tiny_tokens, {"scenes": 1.0}, seq_len=48)  # 8x8 images need 76 tokens
     tables = [load_table(SourceConfig(name="scenes", shards=[str(tiny_tokens / "scenes")]))]
     cs = ConsumerStream(tables, [1.0], cfg, consumer=0, consumers=1, micro_batch=1, pad_id=0)
     cut = 0
     for _ in range(10):
         row = cs.next_row()
         assert not (row.labels == boi).any()
-        for pid, (s, sample, a, bnd) in enumerate(row.pieces):
+        for pid, (_src, sample, _start, bnd) in enumerate(row.pieces):
             d = docs[(SOURCES.index("scenes"), sample)]
             if bnd < len(d) and d[bnd] == boi:
                 assert row.labels[row.doc_ids == pid][-1] == IGNORE
@@ -217,27 +253,48 @@ def test_two_ranks_under_torchrun_with_uneven_shards(tiny_tokens, tmp_path):
 
     script = Path(__file__).with_name("torchrun_loader.py")
     root = Path(__file__).resolve().parents[2]
-    shard_counts = {s: len(list((tiny_tokens / s).glob("*.tar"))) for s in ("scenes", "digits", "text")}
-    assert len(set(shard_counts.values())) > 1, shard_counts            # uneven
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(29700 + os.getpid() % 200), str(script), str(tmp_path), str(tiny_tokens)]
-    p = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)})
+    shard_counts = {
+        s: len(list((tiny_tokens / s).glob("*.tar"))) for s in ("scenes", "digits", "text")
+    }
+    assert len(set(shard_counts.values())) > 1, shard_counts  # uneven
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(29700 + os.getpid() % 200),
+        str(script),
+        str(tmp_path),
+        str(tiny_tokens),
+    ]
+    p = subprocess.run(
+        cmd,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)},
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["batches"] == ranks[1]["batches"] > 0
-    whole = defaultdict(list)                                   # (source, sample) -> pieces seen
+    whole = defaultdict(list)  # (source, sample) -> pieces seen
     for r in ranks:
         for s, sample, a, b in r["pieces"]:
             whole[(s, sample)].append((a, b))
-    for spans in whole.values():                                 # a document's pieces never overlap
+    for spans in whole.values():  # a document's pieces never overlap
         spans.sort()
         assert all(x[1] <= y[0] for x, y in zip(spans, spans[1:])), spans
     docs = docs_of(tiny_tokens)
     names = ("scenes", "digits", "text")
     total = sum(len(load_table(SourceConfig(name=s, shards=[str(tiny_tokens / s)]))) for s in names)
-    full = sum(1 for (s, sample), spans in whole.items()
-               if sum(b - a for a, b in spans) == len(docs[(SOURCES.index(names[s]), sample)]))
+    full = sum(
+        1
+        for (s, sample), spans in whole.items()
+        if sum(b - a for a, b in spans) == len(docs[(SOURCES.index(names[s]), sample)])
+    )
     held = sum(r["delivered"]["held_back"] for r in ranks)
     assert full + held == total and full > 0, (full, held, total, len(whole))
 
@@ -247,8 +304,14 @@ def test_read_npy_matches_np_load_and_refuses_what_np_load_refuses():
 
     from data.loader.stream import read_npy
 
-    for a in (np.arange(7, dtype=np.int32), np.array([], dtype=np.int32), np.arange(300, dtype=np.uint8),
-              np.arange(5, dtype=np.int64), np.zeros((2, 3), np.int32), np.arange(4, dtype=">i4")):
+    for a in (
+        np.arange(7, dtype=np.int32),
+        np.array([], dtype=np.int32),
+        np.arange(300, dtype=np.uint8),
+        np.arange(5, dtype=np.int64),
+        np.zeros((2, 3), np.int32),
+        np.arange(4, dtype=">i4"),
+    ):
         buf = io.BytesIO()
         np.save(buf, a)
         got = read_npy(buf.getvalue())
@@ -256,8 +319,8 @@ def test_read_npy_matches_np_load_and_refuses_what_np_load_refuses():
     buf = io.BytesIO()
     np.save(buf, np.arange(10, dtype=np.int32))
     with pytest.raises(ValueError):
-        read_npy(buf.getvalue()[:-8])                      # cut short
+        read_npy(buf.getvalue()[:-8])  # cut short
     buf = io.BytesIO()
     np.save(buf, np.array([{"a": 1}], dtype=object), allow_pickle=True)
     with pytest.raises(ValueError):
-        read_npy(buf.getvalue())                           # a pickled object array is never loaded
+        read_npy(buf.getvalue())  # a pickled object array is never loaded

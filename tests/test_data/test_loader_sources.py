@@ -1,5 +1,6 @@
 """Where a loader's shards come from: fsspec URLs and ``pipe:`` commands give the batches local
 paths give; raw shards are tokenized in the workers into the ids offline tokenization gives."""
+
 from __future__ import annotations
 
 import shutil
@@ -7,20 +8,22 @@ import shutil
 import fsspec
 import pytest
 import torch
+from test_data.test_loader import take
 
-from data.loader import LoaderConfig, SourceConfig, build_loader
-from data.loader import store
+from data.loader import LoaderConfig, SourceConfig, build_loader, store
 from data.loader.config import OnlineTokenizeConfig
 from data.loader.table import load_table
 
-from test_data.test_loader import take
-
 # The options tiny_tokens was tokenized with (tests/conftest.py).
-TINY_OPTS = OnlineTokenizeConfig(image_max_pixels=32 * 32, video_max_pixels=32 * 32, video_max_tokens=240)
+TINY_OPTS = OnlineTokenizeConfig(
+    image_max_pixels=32 * 32, video_max_pixels=32 * 32, video_max_tokens=240
+)
 
 
 def cfg(sources, **kw) -> LoaderConfig:
-    return LoaderConfig(sources=sources, **{"seq_len": 256, "num_workers": 0, "shuffle_buffer": 8, **kw})
+    return LoaderConfig(
+        sources=sources, **{"seq_len": 256, "num_workers": 0, "shuffle_buffer": 8, **kw}
+    )
 
 
 def same_batches(a, b) -> None:
@@ -33,14 +36,30 @@ def same_batches(a, b) -> None:
 
 def test_pipe_commands_give_the_local_batches(tiny_tokens, tmp_path):
     n = len(sorted((tiny_tokens / "code").glob("*.tar")))
-    local = [SourceConfig(name="code", shards=[str(tiny_tokens / "code")]),
-             SourceConfig(name="scenes", shards=[str(tiny_tokens / "scenes")])]
-    piped = [SourceConfig(name="code", shards=[f"pipe:cat {tiny_tokens}/code/shard-{{000000..{n - 1:06d}}}.tar"]),
-             SourceConfig(name="scenes", shards=[f"pipe:cat {p}" for p in sorted((tiny_tokens / "scenes").glob("*.tar"))])]
+    local = [
+        SourceConfig(name="code", shards=[str(tiny_tokens / "code")]),
+        SourceConfig(name="scenes", shards=[str(tiny_tokens / "scenes")]),
+    ]
+    piped = [
+        SourceConfig(
+            name="code", shards=[f"pipe:cat {tiny_tokens}/code/shard-{{000000..{n - 1:06d}}}.tar"]
+        ),
+        SourceConfig(
+            name="scenes",
+            shards=[f"pipe:cat {p}" for p in sorted((tiny_tokens / "scenes").glob("*.tar"))],
+        ),
+    ]
     want = take(build_loader(cfg(local), rank=0, world_size=1, micro_batch=2), 6)
     # Two workers share the node-local cache: each shard is fetched once, by whoever needs it first.
-    got = take(build_loader(cfg(piped, num_workers=2, cache_dir=str(tmp_path / "cache")), rank=0, world_size=1,
-                            micro_batch=2), 6)
+    got = take(
+        build_loader(
+            cfg(piped, num_workers=2, cache_dir=str(tmp_path / "cache")),
+            rank=0,
+            world_size=1,
+            micro_batch=2,
+        ),
+        6,
+    )
     want_w = take(build_loader(cfg(local, num_workers=2), rank=0, world_size=1, micro_batch=2), 6)
     same_batches(got, want_w)
     assert len(list((tmp_path / "cache").glob("*.tar"))) >= 1
@@ -57,8 +76,14 @@ def test_a_failing_pipe_command_is_named_at_start(tiny_tokens):
         build_loader(cfg([bad]), rank=0, world_size=1, micro_batch=2)
     with pytest.raises(ValueError, match="must name its shard"):
         store.index_url("pipe:curl -s http://host/shard")
-    assert store.index_url("pipe:cat /a/b/shard-000001.tar|zstd -d") == "pipe:cat /a/b/shard-000001.idx.jsonl|zstd -d"
-    assert store.sibling("pipe:cat '/a/b/shard-000001.tar'", "manifest.json", 1) == "pipe:cat '/a/manifest.json'"
+    assert (
+        store.index_url("pipe:cat /a/b/shard-000001.tar|zstd -d")
+        == "pipe:cat /a/b/shard-000001.idx.jsonl|zstd -d"
+    )
+    assert (
+        store.sibling("pipe:cat '/a/b/shard-000001.tar'", "manifest.json", 1)
+        == "pipe:cat '/a/manifest.json'"
+    )
 
 
 @pytest.fixture
@@ -73,16 +98,26 @@ def memory_tokens(tiny_tokens):
 
 
 def test_fsspec_urls_give_the_local_batches(tiny_tokens, memory_tokens):
-    local = [SourceConfig(name="code", shards=[str(tiny_tokens / "code")], weight=2.0),
-             SourceConfig(name="clips", shards=[str(tiny_tokens / "clips" / "*.tar")])]
-    remote = [SourceConfig(name="code", shards=[f"{memory_tokens}/code"], weight=2.0),       # a folder
-              SourceConfig(name="clips", shards=[f"{memory_tokens}/clips/*.tar"])]           # a glob
+    local = [
+        SourceConfig(name="code", shards=[str(tiny_tokens / "code")], weight=2.0),
+        SourceConfig(name="clips", shards=[str(tiny_tokens / "clips" / "*.tar")]),
+    ]
+    remote = [
+        SourceConfig(name="code", shards=[f"{memory_tokens}/code"], weight=2.0),  # a folder
+        SourceConfig(name="clips", shards=[f"{memory_tokens}/clips/*.tar"]),
+    ]  # a glob
     assert len(load_table(remote[0]).shards) == len(load_table(local[0]).shards) > 0
-    same_batches(take(build_loader(cfg(remote), rank=0, world_size=1, micro_batch=2), 5),
-                 take(build_loader(cfg(local), rank=0, world_size=1, micro_batch=2), 5))
+    same_batches(
+        take(build_loader(cfg(remote), rank=0, world_size=1, micro_batch=2), 5),
+        take(build_loader(cfg(local), rank=0, world_size=1, micro_batch=2), 5),
+    )
     with pytest.raises(ValueError, match="memory://tokens/code/nope.tar does not exist"):
-        build_loader(cfg([SourceConfig(name="x", shards=[f"{memory_tokens}/code/nope.tar"])]),
-                     rank=0, world_size=1, micro_batch=2)
+        build_loader(
+            cfg([SourceConfig(name="x", shards=[f"{memory_tokens}/code/nope.tar"])]),
+            rank=0,
+            world_size=1,
+            micro_batch=2,
+        )
 
 
 def raw_cfg(tiny_raw, tiny_tokens, sources=("code", "scenes", "clips"), **kw) -> LoaderConfig:
@@ -92,6 +127,7 @@ def raw_cfg(tiny_raw, tiny_tokens, sources=("code", "scenes", "clips"), **kw) ->
 
 def token_docs(tiny_tokens, source) -> dict[str, torch.Tensor]:
     from data.loader.stream import read_npy
+
     t = load_table(SourceConfig(name=source, shards=[str(tiny_tokens / source)]))
     out = {}
     for i, key in enumerate(t.keys):
@@ -103,7 +139,9 @@ def token_docs(tiny_tokens, source) -> dict[str, torch.Tensor]:
 
 def test_raw_shards_are_tokenized_in_the_workers_like_offline(tiny_raw, tiny_tokens):
     sources = ("code", "scenes", "clips")
-    ld = build_loader(raw_cfg(tiny_raw, tiny_tokens, sources, num_workers=2), rank=0, world_size=1, micro_batch=2)
+    ld = build_loader(
+        raw_cfg(tiny_raw, tiny_tokens, sources, num_workers=2), rank=0, world_size=1, micro_batch=2
+    )
     assert [t.kind for t in ld.tables] == ["raw"] * 3
     batches = take(ld, 8)
     offline = {s: token_docs(tiny_tokens, s) for s in sources}
@@ -127,7 +165,9 @@ def test_raw_sources_resume_exactly_and_fit_blocks_to_rows(tiny_raw, tiny_tokens
     ld = build_loader(c, rank=0, world_size=1, micro_batch=2)
     take(ld, 3)
     state = ld.state_dict()
-    assert any(w["pending"] for w in state["worker_states"].values())   # held-aside docs are re-encoded
+    assert any(
+        w["pending"] for w in state["worker_states"].values()
+    )  # held-aside docs are re-encoded
     again = build_loader(c, rank=0, world_size=1, micro_batch=2)
     again.load_state_dict(state)
     same_batches(take(again, 4), full[3:])
@@ -144,13 +184,21 @@ def test_raw_sources_need_tokenizers_and_infinite_mode(tiny_raw, tiny_tokens, ti
     with pytest.raises(ValueError, match="raw shards.*set data.tokenizers"):
         build_loader(cfg(src), rank=0, world_size=1, micro_batch=2)
     with pytest.raises(ValueError, match="epoch mode.*raw shards do not have"):
-        build_loader(raw_cfg(tiny_raw, tiny_tokens, ("code",), mode="epoch"), rank=0, world_size=1, micro_batch=2)
+        build_loader(
+            raw_cfg(tiny_raw, tiny_tokens, ("code",), mode="epoch"),
+            rank=0,
+            world_size=1,
+            micro_batch=2,
+        )
     # A token source made with other tokenizers than data.tokenizers is refused by name.
     other = tiny_tokens.parent / "other_tok"
     shutil.copytree(tiny_tokens / "tokenizers", other, dirs_exist_ok=True)
     from safetensors.torch import load_file, save_file
+
     w = load_file(str(other / "visual_tokenizer" / "model.safetensors"))
-    save_file({k: v + 1 for k, v in w.items()}, str(other / "visual_tokenizer" / "model.safetensors"))
+    save_file(
+        {k: v + 1 for k, v in w.items()}, str(other / "visual_tokenizer" / "model.safetensors")
+    )
     tok = [SourceConfig(name="code", shards=[str(tiny_tokens / "code")])]
     with pytest.raises(ValueError, match="source code was tokenized with other tokenizers"):
         build_loader(cfg(tok, tokenizers=str(other)), rank=0, world_size=1, micro_batch=2)
@@ -166,12 +214,18 @@ def test_short_pipe_output_is_an_error_never_cached(tiny_tokens, tmp_path):
     files = store.ShardFiles(str(tmp_path / "cache"))
     with pytest.raises(FileNotFoundError, match="wrote 700 bytes, its index needs at least"):
         files.fetch(f"pipe:{script} {tars[0]}", min_bytes=tars[0].stat().st_size - 1024)
-    assert not list((tmp_path / "cache").glob("*.tar")) and not list((tmp_path / "cache").glob("*.part*"))
+    assert not list((tmp_path / "cache").glob("*.tar")) and not list(
+        (tmp_path / "cache").glob("*.part*")
+    )
     src = SourceConfig(name="code", shards=[f"pipe:{script} {t}" for t in tars])
-    ld = build_loader(cfg([src], max_consecutive_errors=3, cache_dir=str(tmp_path / "cache")), rank=0,
-                      world_size=1, micro_batch=1)
+    ld = build_loader(
+        cfg([src], max_consecutive_errors=3, cache_dir=str(tmp_path / "cache")),
+        rank=0,
+        world_size=1,
+        micro_batch=1,
+    )
     with pytest.raises(RuntimeError, match="3 unreadable samples in a row.*wrote 700 bytes"):
-        ld.make_stream(0).next_doc()                  # each skipped and counted, then the run stops
+        ld.make_stream(0).next_doc()  # each skipped and counted, then the run stops
 
 
 def test_remote_reads_are_retried_then_fail_as_oserror(memory_tokens):
@@ -186,11 +240,12 @@ def test_remote_reads_are_retried_then_fail_as_oserror(memory_tokens):
 
 def test_the_pipe_cache_evicts_the_least_recently_used(tiny_tokens, tmp_path):
     import os
+
     tars = sorted(tiny_tokens.rglob("*.tar"))[:3]
     files = store.ShardFiles(str(tmp_path), cache_limit_gb=0)
     got = [files.fetch(f"pipe:cat {t}") for t in tars[:2]]
-    os.utime(got[0], (1, 1))                 # long unused
-    files.fetch(f"pipe:cat {tars[2]}")       # over the limit: the oldest goes, this minute's stay
+    os.utime(got[0], (1, 1))  # long unused
+    files.fetch(f"pipe:cat {tars[2]}")  # over the limit: the oldest goes, this minute's stay
     assert not got[0].exists() and got[1].exists()
 
 
@@ -199,6 +254,7 @@ def test_a_raw_json_of_another_schema_is_a_reject_not_a_dead_worker(tiny_tokens)
 
     from data.loader.online import OnlineTokenizer
     from data.tokenize.encoder import TokenizeOptions
+
     tok = OnlineTokenizer(tiny_tokens / "tokenizers", TokenizeOptions(), 256)
     for body in (b"[1, 2]", b'{"segments": [{"type": "image"}]}', b"{not json"):
         doc, why = tok.encode("k", {"json": [0, len(body)]}, "x.tar", io.BytesIO(body))
@@ -215,12 +271,18 @@ def test_a_glob_inside_a_pipe_command_is_refused_at_start(tiny_tokens):
 def test_a_failed_fetch_is_not_repeated_for_every_sample(tiny_tokens, tmp_path):
     log = tmp_path / "calls"
     script = tmp_path / "fetch.sh"
-    script.write_text(f'#!/bin/sh\necho "$1" >> {log}\ncase "$1" in *.tar) exit 1;; *) cat "$1";; esac\n')
+    script.write_text(
+        f'#!/bin/sh\necho "$1" >> {log}\ncase "$1" in *.tar) exit 1;; *) cat "$1";; esac\n'
+    )
     script.chmod(0o755)
     tar = sorted((tiny_tokens / "code").glob("*.tar"))[0]
     src = SourceConfig(name="code", shards=[f"pipe:{script} {tar}"])
-    ld = build_loader(cfg([src], max_consecutive_errors=5, cache_dir=str(tmp_path / "c")), rank=0, world_size=1,
-                      micro_batch=1)
+    ld = build_loader(
+        cfg([src], max_consecutive_errors=5, cache_dir=str(tmp_path / "c")),
+        rank=0,
+        world_size=1,
+        micro_batch=1,
+    )
     with pytest.raises(RuntimeError, match="5 unreadable samples in a row.*exited with 1"):
         ld.make_stream(0).next_doc()
     assert sum(line.strip().endswith(".tar") for line in log.read_text().splitlines()) == 1
@@ -244,10 +306,17 @@ def test_a_state_saved_before_remote_shards_still_resumes(tiny_tokens):
     for t in ld.tables:
         h = hashlib.sha256()
         for tar in map(Path, t.shards):
-            h.update(f"{tar.name}\0{tar.stat().st_size}\0".encode()
-                     + hashlib.sha256(index_path_for(tar).read_bytes()).digest())
-        parts.append((t.name, h.hexdigest()[:16],
-                      hashlib.sha256(json.dumps(tokenizers, sort_keys=True).encode()).hexdigest()[:16]))
+            h.update(
+                f"{tar.name}\0{tar.stat().st_size}\0".encode()
+                + hashlib.sha256(index_path_for(tar).read_bytes()).digest()
+            )
+        parts.append(
+            (
+                t.name,
+                h.hexdigest()[:16],
+                hashlib.sha256(json.dumps(tokenizers, sort_keys=True).encode()).hexdigest()[:16],
+            )
+        )
     old = {**st, "fingerprint": hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]}
     assert old["fingerprint"] != st["fingerprint"]
     a, b = (build_loader(cfg(srcs), rank=0, world_size=1, micro_batch=2) for _ in range(2))

@@ -1,12 +1,13 @@
 """Validation of inputs at ingest: text decoding, image and video probes on real bytes."""
+
 from __future__ import annotations
 
 import resource
 
+from factories import jpeg_bytes, mp4_bytes, png_bytes, png_header_bomb
 
 from data.media import decode_text, probe_image, probe_video
 from data.schema import Reject
-from factories import jpeg_bytes, mp4_bytes, png_bytes, png_header_bomb
 
 
 def test_text_is_strict_utf8_unless_repair_is_asked():
@@ -57,7 +58,9 @@ def test_bad_videos_are_rejected_with_a_readable_reason(capfd):
     r = probe_video(b"\x00\x01garbage" * 100, "g.mp4", max_seconds=60)
     assert r.reason == "undecodable-video" and r.detail.isprintable()
     mp4 = mp4_bytes(frames=16)
-    assert probe_video(mp4[: len(mp4) // 2], "cut.mp4", max_seconds=60).reason == "undecodable-video"
+    assert (
+        probe_video(mp4[: len(mp4) // 2], "cut.mp4", max_seconds=60).reason == "undecodable-video"
+    )
     r = probe_video(mp4_bytes(frames=16, fps=8), "long.mp4", max_seconds=1.0)
     assert r.reason == "video-too-long" and "2.0 s" in r.detail
     # decord echoes raw input bytes to the C stderr; the probe keeps them off the terminal.

@@ -2,6 +2,7 @@
 on real token shards. Every document is delivered exactly once over the old and new batches
 (epoch mode, except those held back), nothing repeats within an epoch (infinite mode, through
 repeated redistributions), the mix holds, and a redistributed state resumes exactly."""
+
 from __future__ import annotations
 
 import json
@@ -19,12 +20,16 @@ from data.loader.table import load_table
 
 def cfg_for(tokens, weights, **kw) -> LoaderConfig:
     srcs = [SourceConfig(name=s, shards=[str(tokens / s)], weight=w) for s, w in weights.items()]
-    return LoaderConfig(sources=srcs, **{"seq_len": 256, "num_workers": 0, "shuffle_buffer": 8, **kw})
+    return LoaderConfig(
+        sources=srcs, **{"seq_len": 256, "num_workers": 0, "shuffle_buffer": 8, **kw}
+    )
 
 
 def loaders(cfg, tables, world_size, micro_batch=2):
-    return [PackedLoader(cfg, tables, rank=r, world_size=world_size, micro_batch=micro_batch, pad_id=0)
-            for r in range(world_size)]
+    return [
+        PackedLoader(cfg, tables, rank=r, world_size=world_size, micro_batch=micro_batch, pad_id=0)
+        for r in range(world_size)
+    ]
 
 
 def take(loader, n=None):
@@ -44,7 +49,7 @@ def onto(old_states, cfg, tables, world_size):
     new = loaders(cfg, tables, world_size)
     for ld in new:
         st = redistribute(old_states, ld)
-        assert len(json.dumps(st)) < 64_000                 # masks packed: still kilobytes
+        assert len(json.dumps(st)) < 64_000  # masks packed: still kilobytes
         ld.load_state_dict(json.loads(json.dumps(st)))
     return new
 
@@ -62,24 +67,35 @@ EPOCH = {"scenes": 1.0, "digits": 1.0, "text": 1.0, "docs": 1.0}
 
 
 @pytest.mark.parametrize("world_size,workers", [(1, 2), (3, 0)])
-def test_epoch_mode_delivers_every_document_once_across_a_redistribute(tiny_tokens, world_size, workers):
+def test_epoch_mode_delivers_every_document_once_across_a_redistribute(
+    tiny_tokens, world_size, workers
+):
     cfg = cfg_for(tiny_tokens, EPOCH, mode="epoch")
     tables = [load_table(s) for s in cfg.sources]
     old = loaders(cfg, tables, 2)
-    batches = take(old[0], 3) + take(old[1], 2)            # uneven on purpose: cursors at other places
+    batches = take(old[0], 3) + take(old[1], 2)  # uneven on purpose: cursors at other places
     states = [ld.state_dict() for ld in old]
     new_cfg = cfg_for(tiny_tokens, EPOCH, mode="epoch", num_workers=workers)
     new = onto(states, new_cfg, tables, world_size)
-    assert len({ld.batch_limit for ld in new}) == 1         # every new rank counted the same
+    assert len({ld.batch_limit for ld in new}) == 1  # every new rank counted the same
     runs = [take(ld) for ld in new]
-    assert len({len(r) for r in runs}) == 1 and len(runs[0]) == new[0].batch_limit * new[0].workers > 0
+    assert (
+        len({len(r) for r in runs}) == 1 and len(runs[0]) == new[0].batch_limit * new[0].workers > 0
+    )
     spans = spans_by_doc(batches + [b for r in runs for b in r])
     full = 0
     for (s, sample), sp in spans.items():
         sp.sort()
-        assert all(e0 <= a1 for (_, e0), (a1, _) in zip(sp, sp[1:])), (s, sample, sp)   # no token twice
-        full += sp[0][0] == 0 and sp[-1][1] == tables[s].tokens[sample] and \
-            all(e0 == a1 for (_, e0), (a1, _) in zip(sp, sp[1:]))
+        assert all(e0 <= a1 for (_, e0), (a1, _) in zip(sp, sp[1:])), (
+            s,
+            sample,
+            sp,
+        )  # no token twice
+        full += (
+            sp[0][0] == 0
+            and sp[-1][1] == tables[s].tokens[sample]
+            and all(e0 == a1 for (_, e0), (a1, _) in zip(sp, sp[1:]))
+        )
     held = sum(ld.held_back() for ld in new)
     assert full + held == sum(len(t) for t in tables) and full > held
     # A redistributed state resumes exactly: rank 0 stopped after 3 batches and restored.
@@ -94,7 +110,9 @@ def test_epoch_mode_delivers_every_document_once_across_a_redistribute(tiny_toke
             assert torch.equal(a[key], b[key]), key
 
 
-def test_infinite_mode_repeats_nothing_within_an_epoch_through_redistributes(tiny_tokens, monkeypatch):
+def test_infinite_mode_repeats_nothing_within_an_epoch_through_redistributes(
+    tiny_tokens, monkeypatch
+):
     """2 ranks, then 3, then 1: every (source, sample, epoch) read at most once, every epoch that
     all consumers have passed read in full, and the token mix on target."""
     reads = []
@@ -105,6 +123,7 @@ def test_infinite_mode_repeats_nothing_within_an_epoch_through_redistributes(tin
         if d is not None:
             reads.append((d.source, d.sample, d.epoch))
         return d
+
     monkeypatch.setattr(ConsumerStream, "next_doc", logged)
     weights = {"text": 0.5, "scenes": 0.3, "digits": 0.2}
     cfg = cfg_for(tiny_tokens, weights)
@@ -114,14 +133,14 @@ def test_infinite_mode_repeats_nothing_within_an_epoch_through_redistributes(tin
         for ld in lds:
             batches += take(ld, steps)
         states = [ld.state_dict() for ld in lds]
-        if n_new == 1:      # the second redistribute composes with the masks of the first
+        if n_new == 1:  # the second redistribute composes with the masks of the first
             assert any(ws["skip"] for st in states for ws in st["worker_states"].values())
         lds = onto(states, cfg, tables, n_new)
     batches += take(lds[0], 60)
     assert len(reads) == len(set(reads))
     for s, t in enumerate(tables):
         passed = lds[0].state_dict()["worker_states"]["0"]["cursors"][s][0]
-        assert passed >= 2 or s == 0                        # the small sources went round a few times
+        assert passed >= 2 or s == 0  # the small sources went round a few times
         for e in range(passed):
             assert sorted(x for src, x, ep in reads if src == s and ep == e) == list(range(len(t)))
     got = torch.stack([b["tokens_by_source"] for b in batches]).sum(0).double()
@@ -141,8 +160,13 @@ def test_redistribute_refuses_other_data_and_incomplete_worlds(tiny_tokens):
     with pytest.raises(ValueError, match="one loader state per old rank"):
         redistribute(states[:1], loaders(cfg, tables, 1)[0])
     with pytest.raises(ValueError, match="seq_len"):
-        redistribute(states, loaders(cfg_for(tiny_tokens, {"scenes": 1.0, "digits": 1.0}, seq_len=512), tables, 1)[0])
-    with pytest.raises(ValueError, match="redistribute"):           # plain loading still refuses
+        redistribute(
+            states,
+            loaders(cfg_for(tiny_tokens, {"scenes": 1.0, "digits": 1.0}, seq_len=512), tables, 1)[
+                0
+            ],
+        )
+    with pytest.raises(ValueError, match="redistribute"):  # plain loading still refuses
         loaders(cfg, tables, 1)[0].load_state_dict(states[0])
 
 
@@ -153,7 +177,7 @@ def test_packer_drains_more_held_documents_than_max_pending(tiny_tokens):
     tables = [load_table(s) for s in cfg.sources]
     cs = ConsumerStream(tables, [1.0, 1.0], cfg, consumer=0, consumers=1, micro_batch=1, pad_id=0)
     docs = [cs.load(s, i, 0) for s in (0, 1) for i in range(3)]
-    docs[0].offset = 5                                      # a text document half placed before
+    docs[0].offset = 5  # a text document half placed before
     start = {(d.source, d.sample): d.position() for d in docs}
     cs.packer.pending = docs
     spans = defaultdict(list)
@@ -176,16 +200,29 @@ def test_a_second_redistribute_keeps_masks_beyond_every_cursor():
 
     n = 40
     lengths = np.random.default_rng(0).integers(10, 100, n).astype(np.int64)
-    tables = [SampleTable("s", ["a.tar"], np.zeros(n, np.int32), [f"k{i}" for i in range(n)],
-                          np.zeros((n, 2), np.int64), np.zeros((n, 2), np.int64), lengths,
-                          [[] for _ in range(n)], "fp", "tfp")]
-    cfg = LoaderConfig(sources=[SourceConfig(name="s", shards=["x"])], seq_len=256, num_workers=0, shuffle_buffer=8)
+    tables = [
+        SampleTable(
+            "s",
+            ["a.tar"],
+            np.zeros(n, np.int32),
+            [f"k{i}" for i in range(n)],
+            np.zeros((n, 2), np.int64),
+            np.zeros((n, 2), np.int64),
+            lengths,
+            [[] for _ in range(n)],
+            "fp",
+            "tfp",
+        )
+    ]
+    cfg = LoaderConfig(
+        sources=[SourceConfig(name="s", shards=["x"])], seq_len=256, num_workers=0, shuffle_buffer=8
+    )
     reads = []
 
     def streams(lds, states=None):
         out = []
         for ld in lds:
-            s = ld.make_stream(0, dry=True)          # lengths from the table alone: no tar needed
+            s = ld.make_stream(0, dry=True)  # lengths from the table alone: no tar needed
             if states is not None:
                 s.load_state_dict(states[ld.rank]["worker_states"]["0"])
             out.append(s)
@@ -197,20 +234,32 @@ def test_a_second_redistribute_keeps_masks_beyond_every_cursor():
             reads.append((d.sample, d.epoch))
 
     def states(lds, ss):
-        return [{"version": STATE_VERSION, "fingerprint": ld.fingerprint(), "rank": ld.rank,
-                 "world_size": ld.world_size, "workers": 1, "seq_len": 256, "micro_batch": 1, "mode": "infinite",
-                 "handed_out": 1, "batch_limit": None, "worker_states": {"0": s.state_dict()}}
-                for ld, s in zip(lds, ss)]
+        return [
+            {
+                "version": STATE_VERSION,
+                "fingerprint": ld.fingerprint(),
+                "rank": ld.rank,
+                "world_size": ld.world_size,
+                "workers": 1,
+                "seq_len": 256,
+                "micro_batch": 1,
+                "mode": "infinite",
+                "handed_out": 1,
+                "batch_limit": None,
+                "worker_states": {"0": s.state_dict()},
+            }
+            for ld, s in zip(lds, ss)
+        ]
 
     lds = loaders(cfg, tables, 2, micro_batch=1)
     ss = streams(lds)
-    draw(ss[0], 65)                                   # epoch 3, position 5 of its 20
-    draw(ss[1], 85)                                   # epoch 4, position 5
+    draw(ss[0], 65)  # epoch 3, position 5 of its 20
+    draw(ss[1], 85)  # epoch 4, position 5
     lds2 = loaders(cfg, tables, 2, micro_batch=1)
     old = states(lds, ss)
     ss2 = streams(lds2, [redistribute(old, ld) for ld in lds2])
     draw(ss2[0], 2)
-    draw(ss2[1], 2)                                   # both still in epoch 3
+    draw(ss2[1], 2)  # both still in epoch 3
     ld3 = loaders(cfg, tables, 1, micro_batch=1)
     ss3 = streams(ld3, [redistribute(states(lds2, ss2), ld3[0])])
     draw(ss3[0], 150)

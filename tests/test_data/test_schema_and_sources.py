@@ -1,15 +1,24 @@
 """Keys, source specs and the per-kind listing rules."""
+
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
+from factories import png_bytes
 
 from data.cli import build_parser, parse_size
 from data.ingest import ingest
-from data.schema import REASONS, Reject, is_valid_key, sanitize_key, unsafe_name_reason, validate_doc
+from data.schema import (
+    REASONS,
+    Reject,
+    is_valid_key,
+    sanitize_key,
+    unsafe_name_reason,
+    validate_doc,
+)
 from data.sources import parse_sources
-from factories import png_bytes
 
 
 def test_keys_never_hold_dots_or_separators():
@@ -19,7 +28,11 @@ def test_keys_never_hold_dots_or_separators():
 
 
 def test_unsafe_names_are_named():
-    assert unsafe_name_reason("../x") and unsafe_name_reason("/etc/x") and unsafe_name_reason("a/../../b")
+    assert (
+        unsafe_name_reason("../x")
+        and unsafe_name_reason("/etc/x")
+        and unsafe_name_reason("a/../../b")
+    )
     assert unsafe_name_reason("C:\\x") and unsafe_name_reason("")
     assert unsafe_name_reason("dir/000001") is None
 
@@ -32,15 +45,23 @@ def test_reject_reasons_are_a_closed_list():
 
 def test_validate_doc():
     assert validate_doc({"segments": [{"type": "text", "text": "x"}]}, {"json"}) is None
-    assert "missing" in validate_doc({"segments": [{"type": "image", "member": "img0.png"}]}, {"json"})
+    assert "missing" in validate_doc(
+        {"segments": [{"type": "image", "member": "img0.png"}]}, {"json"}
+    )
     assert validate_doc({"segments": []}, set()) == "no segments"
 
 
 def test_source_specs(tmp_path):
     (tmp_path / "code").mkdir()
     (tmp_path / "t.jsonl").write_text("")
-    specs = parse_sources([f"code:{tmp_path / 'code'}", f"mine=code:{tmp_path / 'code'}",
-                           f"code:{tmp_path / 'code'}", f"text:{tmp_path / 't.jsonl'}"])
+    specs = parse_sources(
+        [
+            f"code:{tmp_path / 'code'}",
+            f"mine=code:{tmp_path / 'code'}",
+            f"code:{tmp_path / 'code'}",
+            f"text:{tmp_path / 't.jsonl'}",
+        ]
+    )
     assert [s.name for s in specs] == ["code", "mine", "code_2", "t"]
     with pytest.raises(ValueError, match="KIND one of"):
         parse_sources([f"pictures:{tmp_path}"])
@@ -49,8 +70,12 @@ def test_source_specs(tmp_path):
 
 
 def test_sizes():
-    assert parse_size("256MB") == 256_000_000 and parse_size("4MiB") == 4 << 20 and parse_size("0") == 0
-    with pytest.raises(Exception):
+    assert (
+        parse_size("256MB") == 256_000_000
+        and parse_size("4MiB") == 4 << 20
+        and parse_size("0") == 0
+    )
+    with pytest.raises(argparse.ArgumentTypeError):
         parse_size("lots")
 
 
@@ -64,7 +89,10 @@ def test_every_subcommand_has_help(capsys):
 
 
 def _rejects(out) -> dict[str, str]:
-    return {r["path"]: r["reason"] for r in map(json.loads, (out / "rejects.jsonl").read_text().splitlines())}
+    return {
+        r["path"]: r["reason"]
+        for r in map(json.loads, (out / "rejects.jsonl").read_text().splitlines())
+    }
 
 
 def test_code_tree_rules(tmp_path):
@@ -83,33 +111,54 @@ def test_code_tree_rules(tmp_path):
     (root / "Makefile").write_text("all:\n\techo hi\n")
     out = tmp_path / "out"
     s = ingest(out, [f"code:{root}"])
-    assert _rejects(out) == {".git/": "vendored", "node_modules/": "vendored", "pkg/blob.py": "binary-file",
-                             "pkg/app.min.js": "vendored", "pkg/logo.png": "unknown-type",
-                             "pkg/huge.py": "too-large"}
+    assert _rejects(out) == {
+        ".git/": "vendored",
+        "node_modules/": "vendored",
+        "pkg/blob.py": "binary-file",
+        "pkg/app.min.js": "vendored",
+        "pkg/logo.png": "unknown-type",
+        "pkg/huge.py": "too-large",
+    }
     assert s["manifest"]["totals"]["samples"] == 3
     import webdataset as wds
-    docs = [json.loads(x["json"]) for x in wds.WebDataset(str(next((out / "repo").glob("*.tar"))),
-                                                          shardshuffle=False)]
+
+    docs = [
+        json.loads(x["json"])
+        for x in wds.WebDataset(str(next((out / "repo").glob("*.tar"))), shardshuffle=False)
+    ]
     by_path = {d["origin"]["path"]: d["segments"][0] for d in docs}
-    assert by_path["pkg/mod.py"] == {"type": "code", "lang": "python", "text": "def f():\n\treturn  1\n"}
+    assert by_path["pkg/mod.py"] == {
+        "type": "code",
+        "lang": "python",
+        "text": "def f():\n\treturn  1\n",
+    }
     assert by_path["Makefile"]["lang"] == "make" and by_path["pkg/lib.rs"]["lang"] == "rust"
 
 
 def test_image_and_video_tables(tmp_path):
     (tmp_path / "img").mkdir()
     (tmp_path / "img" / "a.png").write_bytes(png_bytes())
-    (tmp_path / "t.csv").write_text("image,caption,label\nimg/a.png,a red box,3\nimg/b.png,gone,4\n"
-                                    "http://x/y.jpg,remote,5\n")
-    (tmp_path / "ids.jsonl").write_text('{"image": "img/a.png", "id": "x1"}\n{"image": "img/a.png", "id": "x1"}\n'
-                                        '{"image": "img/a.png", "id": "../up"}\n')
+    (tmp_path / "t.csv").write_text(
+        "image,caption,label\nimg/a.png,a red box,3\nimg/b.png,gone,4\nhttp://x/y.jpg,remote,5\n"
+    )
+    (tmp_path / "ids.jsonl").write_text(
+        '{"image": "img/a.png", "id": "x1"}\n{"image": "img/a.png", "id": "x1"}\n'
+        '{"image": "img/a.png", "id": "../up"}\n'
+    )
     out = tmp_path / "out"
     s = ingest(out, [f"images:{tmp_path / 't.csv'}", f"images:{tmp_path / 'ids.jsonl'}"])
     assert s["manifest"]["totals"]["samples"] == 2
-    assert sorted(_rejects(out).values()) == ["duplicate-key", "missing-media", "missing-media", "unsafe-name"]
+    assert sorted(_rejects(out).values()) == [
+        "duplicate-key",
+        "missing-media",
+        "missing-media",
+        "unsafe-name",
+    ]
 
 
 def test_repair_utf8_keeps_text_and_counts(tmp_path):
     from data.sources import Limits
+
     (tmp_path / "t").mkdir()
     (tmp_path / "t" / "l1.txt").write_bytes("caf\xe9".encode("latin-1"))
     s = ingest(tmp_path / "out", [f"text:{tmp_path / 't'}"], limits=Limits(repair_utf8=True))

@@ -1,4 +1,5 @@
 """The byte-level BPE: exact round trips (property-tested), training from raw shards."""
+
 from __future__ import annotations
 
 import json
@@ -23,12 +24,31 @@ def tok_dir(tmp_path_factory):
     code.mkdir()
     for name in ("textwrap.py", "string.py", "shlex.py", "fnmatch.py"):
         (code / name).write_bytes((STDLIB / name).read_bytes())
-    (root / "prose.jsonl").write_text("\n".join(json.dumps({"text": f"Paragraph {i}: the quick brown fox "
-                                                                    "jumps over the lazy dog. Ünïcödé ✓"})
-                                                for i in range(200)) + "\n")
+    (root / "prose.jsonl").write_text(
+        "\n".join(
+            json.dumps(
+                {"text": f"Paragraph {i}: the quick brown fox jumps over the lazy dog. Ünïcödé ✓"}
+            )
+            for i in range(200)
+        )
+        + "\n"
+    )
     ingest(root / "raw", [f"code:{code}", f"text:{root / 'prose.jsonl'}"])
-    assert main(["train-text-tokenizer", "--in", str(root / "raw"), "--out", str(root / "tok"),
-                 "--vocab-size", "600", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "train-text-tokenizer",
+                "--in",
+                str(root / "raw"),
+                "--out",
+                str(root / "tok"),
+                "--vocab-size",
+                "600",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     return root / "tok"
 
 
@@ -37,7 +57,9 @@ def tok(tok_dir):
     return TextTokenizer.load(tok_dir)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(st.text())
 def test_round_trip_any_unicode(tok, text):
     assert tok.decode(tok.encode(text)) == text
@@ -58,7 +80,7 @@ def test_specials_in_text_are_plain_text(tok):
 
 def test_indentation_is_a_single_token(tok):
     ids = tok.encode("        return self\n")
-    assert tok.decode(ids[:1]) == "       " and len(ids) <= 4   # 7 spaces, then " return"
+    assert tok.decode(ids[:1]) == "       " and len(ids) <= 4  # 7 spaces, then " return"
 
 
 def test_layout_travels_with_the_tokenizer(tok_dir, tok):
@@ -71,9 +93,39 @@ def test_layout_travels_with_the_tokenizer(tok_dir, tok):
 
 def test_weights_fix_the_share_of_characters(tok_dir, tmp_path):
     raw = tok_dir.parent / "raw"
-    assert main(["train-text-tokenizer", "--in", str(raw), "--out", str(tmp_path / "t"), "--vocab-size", "400",
-                 "--weight", "prose=0.5", "--max-chars", "20000", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "train-text-tokenizer",
+                "--in",
+                str(raw),
+                "--out",
+                str(tmp_path / "t"),
+                "--vocab-size",
+                "400",
+                "--weight",
+                "prose=0.5",
+                "--max-chars",
+                "20000",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     used = json.loads((tmp_path / "t" / "text_tokenizer_training.json").read_text())["chars_used"]
     assert used == {"prose": 10000, "code": 10000}
-    assert main(["train-text-tokenizer", "--in", str(raw), "--out", str(tmp_path / "u"),
-                 "--weight", "nope=0.5", "--no-progress"]) == 1
+    assert (
+        main(
+            [
+                "train-text-tokenizer",
+                "--in",
+                str(raw),
+                "--out",
+                str(tmp_path / "u"),
+                "--weight",
+                "nope=0.5",
+                "--no-progress",
+            ]
+        )
+        == 1
+    )

@@ -1,5 +1,6 @@
 """earlyfuse-prep tokenize on real raw shards: every document tokenized or rejected, token shards
 readable without pickle, spans that decode back, resumable, fingerprints enforced."""
+
 from __future__ import annotations
 
 import io
@@ -21,8 +22,25 @@ from data.vocab import Modality
 def tokens(tiny_raw, tiny_tokenizers, tmp_path_factory):
     text, visual = tiny_tokenizers
     out = tmp_path_factory.mktemp("tokens") / "tokens"
-    assert main(["tokenize", "--in", str(tiny_raw), "--out", str(out), "--tokenizer", str(text),
-                 "--visual-tokenizer", str(visual), "--workers", "2", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "tokenize",
+                "--in",
+                str(tiny_raw),
+                "--out",
+                str(out),
+                "--tokenizer",
+                str(text),
+                "--visual-tokenizer",
+                str(visual),
+                "--workers",
+                "2",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -32,7 +50,11 @@ def load_sample(folder, shard, entry):
         for name, (off, size) in entry["members"].items():
             f.seek(off)
             data = f.read(size)
-            out[name] = np.load(io.BytesIO(data), allow_pickle=False) if name.endswith(".npy") else json.loads(data)
+            out[name] = (
+                np.load(io.BytesIO(data), allow_pickle=False)
+                if name.endswith(".npy")
+                else json.loads(data)
+            )
     return out
 
 
@@ -48,18 +70,27 @@ def test_every_document_is_tokenized_and_spans_decode(tiny_raw, tiny_tokenizers,
         for e in read_index(tokens / shard["index"]):
             s = load_sample(tokens, shard, e)
             ids, mod, meta = s["ids.npy"], s["mod.npy"], s["json"]
-            assert ids.dtype == np.int32 and mod.dtype == np.uint8 and len(ids) == len(mod) == meta["tokens"]
+            assert (
+                ids.dtype == np.int32
+                and mod.dtype == np.uint8
+                and len(ids) == len(mod) == meta["tokens"]
+            )
             assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id and ids.max() < lay.size
             for sp in meta["spans"]:
-                seg = ids[sp["start"]:sp["end"]]
+                seg = ids[sp["start"] : sp["end"]]
                 if sp["type"] == "image":
                     assert parse_image(seg, lay).shape == tuple(sp["grid"])
                     seen.add("image")
                 elif sp["type"] == "video":
-                    assert parse_video(seg, lay).shape == tuple(sp["grid"]) and len(sp["times"]) >= 1
+                    assert (
+                        parse_video(seg, lay).shape == tuple(sp["grid"]) and len(sp["times"]) >= 1
+                    )
                     seen.add("video")
                 else:
-                    assert (mod[sp["start"]:sp["end"]] == (Modality.CODE if sp["type"] == "code" else Modality.TEXT)).all()
+                    assert (
+                        mod[sp["start"] : sp["end"]]
+                        == (Modality.CODE if sp["type"] == "code" else Modality.TEXT)
+                    ).all()
                     assert tok.decode(seg.tolist())  # decodes to text
                     seen.add(sp["type"])
     assert seen == {"text", "code", "image", "video"}
@@ -69,9 +100,12 @@ def test_every_document_is_tokenized_and_spans_decode(tiny_raw, tiny_tokenizers,
 
 def test_text_spans_are_the_exact_raw_text(tiny_raw, tiny_tokenizers, tokens):
     from data.shards.reader import iter_docs
+
     tok = TextTokenizer.load(tiny_tokenizers[0])
-    raw_text = {d.key: [s["text"] for s in d.doc["segments"] if s["type"] in ("text", "code")]
-                for d in iter_docs(tiny_raw, ["code", "text"])}
+    raw_text = {
+        d.key: [s["text"] for s in d.doc["segments"] if s["type"] in ("text", "code")]
+        for d in iter_docs(tiny_raw, ["code", "text"])
+    }
     m = json.loads((tokens / "manifest.json").read_text())
     checked = 0
     for shard in m["shards"]:
@@ -79,7 +113,10 @@ def test_text_spans_are_the_exact_raw_text(tiny_raw, tiny_tokenizers, tokens):
             continue
         for e in read_index(tokens / shard["index"]):
             s = load_sample(tokens, shard, e)
-            texts = [tok.decode(s["ids.npy"][sp["start"]:sp["end"]].tolist()) for sp in s["json"]["spans"]]
+            texts = [
+                tok.decode(s["ids.npy"][sp["start"] : sp["end"]].tolist())
+                for sp in s["json"]["spans"]
+            ]
             assert texts == raw_text[e["key"]]
             checked += 1
     assert checked > 5
@@ -92,8 +129,18 @@ def test_resume_and_refusal(tiny_raw, tiny_tokenizers, tokens, tmp_path):
     victim = next(iter(json.loads((out / "manifest.json").read_text())["shards"]))
     before = (out / victim["path"]).read_bytes()
     (out / victim["path"]).unlink()
-    args = ["tokenize", "--in", str(tiny_raw), "--out", str(out), "--tokenizer", str(text),
-            "--visual-tokenizer", str(visual), "--no-progress"]
+    args = [
+        "tokenize",
+        "--in",
+        str(tiny_raw),
+        "--out",
+        str(out),
+        "--tokenizer",
+        str(text),
+        "--visual-tokenizer",
+        str(visual),
+        "--no-progress",
+    ]
     assert main(args) == 0
     assert (out / victim["path"]).read_bytes() == before
     # Other options would make other tokens: the folder is refused rather than mixed.

@@ -1,12 +1,13 @@
 """Frame sampling by real timestamps, on real H.264 clips decoded from bytes by decord."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from factories import mp4_bytes
 
 from data.image_prep import ImagePrep
 from data.video_frames import VideoSampling, decode_frames, pick_frames
-from factories import mp4_bytes
 
 PREP = ImagePrep(factor=8, max_pixels=32 * 32)
 
@@ -20,12 +21,16 @@ def test_source_slower_than_target_gives_every_frame_once_with_true_times():
 
 
 def test_faster_source_is_subsampled_at_target_times():
-    f = decode_frames(mp4_bytes(frames=24, fps=24), VideoSampling(target_fps=8, max_frames=64), PREP)
+    f = decode_frames(
+        mp4_bytes(frames=24, fps=24), VideoSampling(target_fps=8, max_frames=64), PREP
+    )
     np.testing.assert_allclose(f.times, np.arange(8) / 8, atol=1e-6)
 
 
 def test_short_and_single_frame_clips():
-    f = decode_frames(mp4_bytes(frames=5, fps=25), VideoSampling(target_fps=8, max_frames=64), PREP)  # 0.2 s
+    f = decode_frames(
+        mp4_bytes(frames=5, fps=25), VideoSampling(target_fps=8, max_frames=64), PREP
+    )  # 0.2 s
     np.testing.assert_allclose(f.times, [0.0, 0.12], atol=1e-6)
     f = decode_frames(mp4_bytes(frames=1, fps=8), VideoSampling(target_fps=8, max_frames=64), PREP)
     assert f.frames.shape[0] == 1 and f.times.tolist() == [0.0]
@@ -34,7 +39,9 @@ def test_short_and_single_frame_clips():
 def test_variable_frame_rate_clip_is_sampled_by_real_time():
     # Frames at 0, 0.1, 0.2, 0.3 then a 1-second gap: 1.3, 1.4 (ms timestamps).
     pts = [0, 100, 200, 300, 1300, 1400]
-    f = decode_frames(mp4_bytes(frames=6, fps=10, pts=pts), VideoSampling(target_fps=4, max_frames=64), PREP)
+    f = decode_frames(
+        mp4_bytes(frames=6, fps=10, pts=pts), VideoSampling(target_fps=4, max_frames=64), PREP
+    )
     # Targets 0, .25, .5, .75, 1.0, 1.25 -> the frames shown then: starts 0, .2, .3, .3, .3, .3 -> unique.
     np.testing.assert_allclose(f.times, [0.0, 0.2, 0.3], atol=1e-3)
 
@@ -46,8 +53,11 @@ def test_frame_cap_spreads_over_the_whole_clip():
 
 
 def test_frames_are_resized_to_the_grid_and_bad_bytes_raise():
-    f = decode_frames(mp4_bytes(frames=4, fps=8, w=64, h=48),
-                      VideoSampling(8, 8), ImagePrep(factor=8, max_pixels=32 * 24))
+    f = decode_frames(
+        mp4_bytes(frames=4, fps=8, w=64, h=48),
+        VideoSampling(8, 8),
+        ImagePrep(factor=8, max_pixels=32 * 24),
+    )
     assert f.frames.shape[1:] == (24, 32, 3)
     with pytest.raises(ValueError, match="cannot decode video"):
         decode_frames(b"\x00" * 500, VideoSampling(), PREP)

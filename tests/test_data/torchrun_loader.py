@@ -1,6 +1,7 @@
 """Run by test_loader.py under ``torchrun --nproc_per_node 2``: each rank iterates its loader
 (epoch mode, 2 workers) to the end, all-reducing a tensor after every batch as DDP would (an
 uneven batch count would hang here), then writes what it saw to OUT/rank_R.json."""
+
 import json
 import os
 import sys
@@ -15,7 +16,10 @@ def main() -> None:
     out, tokens = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    srcs = [SourceConfig(name=s, shards=[os.path.join(tokens, s)], weight=1.0) for s in ("scenes", "digits", "text")]
+    srcs = [
+        SourceConfig(name=s, shards=[os.path.join(tokens, s)], weight=1.0)
+        for s in ("scenes", "digits", "text")
+    ]
     cfg = LoaderConfig(sources=srcs, seq_len=256, num_workers=2, mode="epoch", shuffle_buffer=8)
     loader = build_loader(cfg, rank=rank, world_size=world, micro_batch=2)
     batches, pieces = 0, []

@@ -1,4 +1,5 @@
 """Shared fixtures: tiny configs and a packed mixed-modality batch built the way the loader packs."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,8 +20,13 @@ LAYOUT = VocabLayout(text_size=512, fsq_levels=(8, 5, 5, 5), max_grid=16)
 def tiny_config(**overrides) -> TransformerConfig:
     """dim 32, 2 layers, 4 heads over 2 KV heads, head_dim 8; fp32 on CPU."""
     attention = overrides.pop("attention", AttentionConfig(n_heads=4, n_kv_heads=2))
-    cfg = TransformerConfig(dim=32, n_layers=2, attention=attention, ffn=FFNConfig(hidden_dim=64),
-                            rope=overrides.pop("rope", RopeConfig()))
+    cfg = TransformerConfig(
+        dim=32,
+        n_layers=2,
+        attention=attention,
+        ffn=FFNConfig(hidden_dim=64),
+        rope=overrides.pop("rope", RopeConfig()),
+    )
     return dataclasses.replace(cfg.with_layout(LAYOUT), **overrides)
 
 
@@ -65,22 +71,40 @@ def pack(docs: list[tuple[list[int], list[int]]], seq_len: int, image_blocks: bo
     thw += [[p, p, p] for p in range(pad)]
     img += [-1] * pad
     t = lambda x: torch.tensor([x], dtype=torch.long)  # noqa: E731
-    return {"input_ids": t(ids), "labels": t(labels), "modality": t(mods), "position_ids": t(pos),
-            "position_thw": t(thw), "doc_ids": t(doc_ids), "image_ids": t(img),
-            "num_real_tokens": torch.tensor(seq_len - pad)}
+    return {
+        "input_ids": t(ids),
+        "labels": t(labels),
+        "modality": t(mods),
+        "position_ids": t(pos),
+        "position_thw": t(thw),
+        "doc_ids": t(doc_ids),
+        "image_ids": t(img),
+        "num_real_tokens": torch.tensor(seq_len - pad),
+    }
 
 
 def cat_rows(rows: list[dict]) -> dict:
-    return {k: torch.cat([r[k] for r in rows]) if r0.dim() else torch.stack([r[k] for r in rows])
-            for k, r0 in rows[0].items()}
+    return {
+        k: torch.cat([r[k] for r in rows]) if r0.dim() else torch.stack([r[k] for r in rows])
+        for k, r0 in rows[0].items()
+    }
 
 
 @pytest.fixture
 def mixed_batch():
     """Two packed rows of 64 with text, code and captioned-image documents and padding."""
     g = torch.Generator().manual_seed(0)
-    row0 = pack([text_doc(20, Modality.TEXT, g), image_doc(3, 4, g), text_doc(14, Modality.CODE, g)], 64)
-    row1 = pack([image_doc(2, 5, g, caption=5), text_doc(18, Modality.CODE, g), text_doc(10, Modality.TEXT, g)], 64)
+    row0 = pack(
+        [text_doc(20, Modality.TEXT, g), image_doc(3, 4, g), text_doc(14, Modality.CODE, g)], 64
+    )
+    row1 = pack(
+        [
+            image_doc(2, 5, g, caption=5),
+            text_doc(18, Modality.CODE, g),
+            text_doc(10, Modality.TEXT, g),
+        ],
+        64,
+    )
     return cat_rows([row0, row1])
 
 
@@ -89,8 +113,14 @@ def kit():
     """The helpers above, for tests (test modules cannot import conftest under importlib mode)."""
     import types
 
-    return types.SimpleNamespace(layout=LAYOUT, tiny_config=tiny_config, image_doc=image_doc,
-                                 text_doc=text_doc, pack=pack, cat_rows=cat_rows)
+    return types.SimpleNamespace(
+        layout=LAYOUT,
+        tiny_config=tiny_config,
+        image_doc=image_doc,
+        text_doc=text_doc,
+        pack=pack,
+        cat_rows=cat_rows,
+    )
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
 """KV-cache decoding against full recomputation; sampling; the image grammar."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,10 +21,14 @@ def _variant(kit, name):
     if name == "plain":
         return kit.tiny_config()
     if name == "mrope+window":
-        return kit.tiny_config(rope=RopeConfig(mrope_sections=[2, 1, 1]),
-                               attention=AttentionConfig(n_heads=4, n_kv_heads=2, sliding_window=6))
+        return kit.tiny_config(
+            rope=RopeConfig(mrope_sections=[2, 1, 1]),
+            attention=AttentionConfig(n_heads=4, n_kv_heads=2, sliding_window=6),
+        )
     if name == "mot":
-        return kit.tiny_config(ffn=dataclasses.replace(kit.tiny_config().ffn, modality_groups=[0, 1, 2, 2, 2]))
+        return kit.tiny_config(
+            ffn=dataclasses.replace(kit.tiny_config().ffn, modality_groups=[0, 1, 2, 2, 2])
+        )
     if name == "moe+reorder":
         return kit.tiny_config(moe=MoEConfig(num_experts=4, top_k=2), reorder_norm=True)
     raise KeyError(name)
@@ -45,13 +50,17 @@ def test_kv_cache_generation_equals_full_recomputation(kit, name):
     # A prompt that opens an image, so decoding runs through grid positions, then text again.
     prompt = torch.tensor([[5, 6, 7, L.structure_id("<boi>")]])
     constraint = ImageConstraint(L, 1, size=(2, 3))
-    out = generate(model, prompt, sampling=SamplingConfig(max_new_tokens=16, temperature=0.0),
-                   constraint=constraint)
+    out = generate(
+        model,
+        prompt,
+        sampling=SamplingConfig(max_new_tokens=16, temperature=0.0),
+        constraint=constraint,
+    )
     assert out.shape == (1, 20)
     check = ImageConstraint(L, 1, size=(2, 3))
     with torch.no_grad():
         for t in range(prompt.shape[1], out.shape[1]):
-            for tok in out[0, t - 1:t].tolist() if t > prompt.shape[1] else out[0, :t].tolist():
+            for tok in out[0, t - 1 : t].tolist() if t > prompt.shape[1] else out[0, :t].tolist():
                 check.observe(0, tok, strict=False)
             logits = _full_logits(model, out[:, :t], L)
             logits = logits.masked_fill(~check.allowed(out.shape[1] - t), float("-inf"))
@@ -60,11 +69,21 @@ def test_kv_cache_generation_equals_full_recomputation(kit, name):
         caches = model.make_kv_caches(1, out.shape[1])
         thw_all = LayoutTracker.positions(out[0].tolist(), L)[None]
         mods = torch.tensor([[int(m) for _, m in map(LayoutTracker(L).push, out[0].tolist())]])
-        step = model.decode(out[:, :4], caches, 0, position_thw=thw_all[:, :4], modality=mods[:, :4])
+        step = model.decode(
+            out[:, :4], caches, 0, position_thw=thw_all[:, :4], modality=mods[:, :4]
+        )
         for t in range(4, out.shape[1]):
-            torch.testing.assert_close(step, _full_logits(model, out[:, :t], L), atol=1e-4, rtol=1e-4)
-            step = model.decode(out[:, t:t + 1], caches, t, position_ids=torch.tensor([[t]]),
-                                position_thw=thw_all[:, t:t + 1], modality=mods[:, t:t + 1])
+            torch.testing.assert_close(
+                step, _full_logits(model, out[:, :t], L), atol=1e-4, rtol=1e-4
+            )
+            step = model.decode(
+                out[:, t : t + 1],
+                caches,
+                t,
+                position_ids=torch.tensor([[t]]),
+                position_thw=thw_all[:, t : t + 1],
+                modality=mods[:, t : t + 1],
+            )
 
 
 def _parse_images(tokens, layout):
@@ -78,7 +97,7 @@ def _parse_images(tokens, layout):
             i += 1
             continue
         end = tokens.index(sid("<eoi>"), i)
-        grids.append(tuple(parse_image(tokens[i:end + 1], layout).shape))
+        grids.append(tuple(parse_image(tokens[i : end + 1], layout).shape))
         i = end + 1
     return grids
 
@@ -88,16 +107,25 @@ def test_constrained_generation_always_yields_decodable_images(kit):
     model = kit.tiny_config().build().eval()
     L = kit.layout
     with torch.no_grad():  # make image tokens likely so that many images are attempted
-        model.output.weight[L.structure_offset:] += 0.3 * model.output.weight[L.structure_offset:].sign()
+        model.output.weight[L.structure_offset :] += (
+            0.3 * model.output.weight[L.structure_offset :].sign()
+        )
     boi = L.structure_id("<boi>")
-    prompts = torch.tensor([[5, 6, boi], [7, 8, 9], [boi, L.size_ids(3, 4)[0], L.size_ids(3, 4)[1]]])
+    prompts = torch.tensor(
+        [[5, 6, boi], [7, 8, 9], [boi, L.size_ids(3, 4)[0], L.size_ids(3, 4)[1]]]
+    )
     total = 0
     for seed in range(6):
         g = torch.Generator().manual_seed(seed)
         n = 25 + 7 * seed  # some budgets are too small for a big image: the grammar must adapt
         c = ImageConstraint(L, 3, max_h=6, max_w=6)
-        out = generate(model, prompts, sampling=SamplingConfig(max_new_tokens=n, temperature=1.5, top_k=200),
-                       constraint=c, generator=g)
+        out = generate(
+            model,
+            prompts,
+            sampling=SamplingConfig(max_new_tokens=n, temperature=1.5, top_k=200),
+            constraint=c,
+            generator=g,
+        )
         for row in out.tolist():
             grids = _parse_images(row, L)
             assert all(h <= 6 and w <= 6 for h, w in grids)
@@ -110,12 +138,21 @@ def test_forced_size_and_budget(kit):
     L = kit.layout
     boi = L.structure_id("<boi>")
     c = ImageConstraint(L, 1, size=(2, 2))
-    out = generate(model, torch.tensor([[3, boi]]), sampling=SamplingConfig(max_new_tokens=9, temperature=1.0),
-                   constraint=c, generator=torch.Generator().manual_seed(0))
+    out = generate(
+        model,
+        torch.tensor([[3, boi]]),
+        sampling=SamplingConfig(max_new_tokens=9, temperature=1.0),
+        constraint=c,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert _parse_images(out[0].tolist(), L) == [(2, 2)]
     with pytest.raises(ValueError, match="cannot finish the image"):
-        generate(model, torch.tensor([[3, boi]]), sampling=SamplingConfig(max_new_tokens=8),
-                 constraint=ImageConstraint(L, 1, size=(2, 2)))
+        generate(
+            model,
+            torch.tensor([[3, boi]]),
+            sampling=SamplingConfig(max_new_tokens=8),
+            constraint=ImageConstraint(L, 1, size=(2, 2)),
+        )
     with pytest.raises(ValueError, match="breaks the image layout"):
         ImageConstraint(L, 1).observe(0, L.code_id(0))
 
@@ -138,8 +175,11 @@ def test_stop_ids_and_padding(kit):
     prompt = torch.tensor([[5, 6], [7, 8]])
     greedy = generate(model, prompt, sampling=SamplingConfig(max_new_tokens=6, temperature=0.0))
     stop = int(greedy[0, 3])
-    out = generate(model, prompt, sampling=SamplingConfig(max_new_tokens=6, temperature=0.0, stop_ids=[stop],
-                                                          pad_id=0))
+    out = generate(
+        model,
+        prompt,
+        sampling=SamplingConfig(max_new_tokens=6, temperature=0.0, stop_ids=[stop], pad_id=0),
+    )
     assert int(out[0, 3]) == stop and (out[0, 4:] == 0).all()
     assert model.training is False
 
@@ -150,7 +190,13 @@ def test_generation_keeps_text_modality_of_prompt(kit):
     model = _variant(kit, "mot").build().eval()
     prompt = torch.tensor([[11, 12, 13]])
     s = SamplingConfig(max_new_tokens=4, temperature=0.0)
-    as_code = generate(model, prompt, sampling=s, layout=kit.layout, modality=torch.full((1, 3), int(Modality.CODE)))
+    as_code = generate(
+        model,
+        prompt,
+        sampling=s,
+        layout=kit.layout,
+        modality=torch.full((1, 3), int(Modality.CODE)),
+    )
     with torch.no_grad():
         full = model(as_code[:, :-1], modality=torch.full((1, 6), int(Modality.CODE)))
     assert int(full[0, -1].argmax()) == int(as_code[0, -1])

@@ -1,4 +1,5 @@
 """The chunked CE against the plain one, and the monitors' sums in the loss result."""
+
 from __future__ import annotations
 
 import math
@@ -31,7 +32,9 @@ def test_chunked_ce_equals_unchunked_values_and_grads(chunk, z):
     h1, w1 = h0.clone().requires_grad_(), w0.clone().requires_grad_()
     h2, w2 = h0.clone().requires_grad_(), w0.clone().requires_grad_()
     ref = _reference(h1, w1, t, z, 100, 250)
-    got = chunked_linear_cross_entropy(h2, w2, t, z_loss_coef=z, chunk_size=chunk, text_end=100, visual_start=250)
+    got = chunked_linear_cross_entropy(
+        h2, w2, t, z_loss_coef=z, chunk_size=chunk, text_end=100, visual_start=250
+    )
     for a, b in zip(ref, got):
         torch.testing.assert_close(b, a.detach(), atol=1e-5, rtol=1e-5)
     (ref[0] * 3.0).backward()  # a non-unit upstream gradient must be honoured too
@@ -44,8 +47,12 @@ def test_chunked_ce_equals_unchunked_values_and_grads(chunk, z):
 def test_unchunked_path_agrees_with_chunked():
     torch.manual_seed(1)
     h, w, t = torch.randn(20, 8), torch.randn(50, 8), torch.randint(0, 50, (20,))
-    a = chunked_linear_cross_entropy(h, w, t, z_loss_coef=1e-3, chunk_size=0, text_end=20, visual_start=30)
-    b = chunked_linear_cross_entropy(h, w, t, z_loss_coef=1e-3, chunk_size=6, text_end=20, visual_start=30)
+    a = chunked_linear_cross_entropy(
+        h, w, t, z_loss_coef=1e-3, chunk_size=0, text_end=20, visual_start=30
+    )
+    b = chunked_linear_cross_entropy(
+        h, w, t, z_loss_coef=1e-3, chunk_size=6, text_end=20, visual_start=30
+    )
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y)
 
@@ -57,7 +64,11 @@ def test_chunked_ce_bf16_close_to_fp32():
     hb, wb = h.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
     got = chunked_linear_cross_entropy(hb, wb, t, chunk_size=8)[0]
     got.backward()
-    assert abs(got.item() - ref.item()) < 2e-2 and hb.grad.dtype == torch.bfloat16 and wb.grad.dtype == torch.bfloat16
+    assert (
+        abs(got.item() - ref.item()) < 2e-2
+        and hb.grad.dtype == torch.bfloat16
+        and wb.grad.dtype == torch.bfloat16
+    )
 
 
 def test_per_modality_sums_add_up_to_the_total(kit, mixed_batch):
@@ -67,17 +78,24 @@ def test_per_modality_sums_add_up_to_the_total(kit, mixed_batch):
     n = int((mixed_batch["labels"] != -100).sum())
     assert int(r.num_tokens) == n == int(r.count.sum())
     torch.testing.assert_close(r.ce_sum.sum() / n, r.ce)
-    torch.testing.assert_close(r.loss.detach(), r.ce + model.cfg.loss.z_loss_coef * r.z_loss + r.aux_loss)
+    torch.testing.assert_close(
+        r.loss.detach(), r.ce + model.cfg.loss.z_loss_coef * r.z_loss + r.aux_loss
+    )
     # Every modality of the batch is present and counted by the modality of the *target* token.
     labels, mods = mixed_batch["labels"], mixed_batch["modality"]
     target_mod = torch.cat([mods[:, 1:], mods[:, -1:]], 1)[labels != -100]
     assert torch.equal(r.count, torch.bincount(target_mod, minlength=len(Modality)))
-    assert all(int(r.count[m]) > 0 for m in (Modality.TEXT, Modality.CODE, Modality.IMAGE, Modality.STRUCTURE))
+    assert all(
+        int(r.count[m]) > 0
+        for m in (Modality.TEXT, Modality.CODE, Modality.IMAGE, Modality.STRUCTURE)
+    )
     # log Z and the logit gap match a direct computation from full logits.
     with torch.no_grad():
         logits = model(**{k: v for k, v in mixed_batch.items() if k != "labels"})[labels != -100]
         lse = torch.logsumexp(logits, -1)
-        gap = logits[:, model.cfg.visual_offset:].mean(-1) - logits[:, :model.cfg.text_vocab_size].mean(-1)
+        gap = logits[:, model.cfg.visual_offset :].mean(-1) - logits[
+            :, : model.cfg.text_vocab_size
+        ].mean(-1)
     per_mod = lambda x: torch.zeros(len(Modality)).index_add_(0, target_mod, x)  # noqa: E731
     torch.testing.assert_close(r.logz_sum, per_mod(lse), atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(r.logit_gap_sum, per_mod(gap), atol=1e-4, rtol=1e-5)

@@ -1,4 +1,5 @@
 """The whole model: overfitting, presets, counts and FLOPs, checkpointing, config handling."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,8 +52,12 @@ def test_every_preset_builds_and_its_counts_match(kit):
 
 
 def test_moe_and_mot_param_counts_match_built_models(kit):
-    cases = [kit.tiny_config(moe=MoEConfig(num_experts=4, top_k=2, hidden_dim=48)),
-             kit.tiny_config(ffn=dataclasses.replace(kit.tiny_config().ffn, modality_groups=[0, 0, 1, 1, 2]))]
+    cases = [
+        kit.tiny_config(moe=MoEConfig(num_experts=4, top_k=2, hidden_dim=48)),
+        kit.tiny_config(
+            ffn=dataclasses.replace(kit.tiny_config().ffn, modality_groups=[0, 0, 1, 1, 2])
+        ),
+    ]
     for cfg in cases:
         pc = param_counts(cfg)
         assert cfg.build("meta").num_params() == pc.total
@@ -76,7 +81,9 @@ def test_flops_per_token(kit):
 def test_activation_checkpointing_gives_identical_loss_and_grads(kit, mixed_batch):
     torch.manual_seed(0)
     a = kit.tiny_config(moe=MoEConfig(num_experts=2, top_k=1)).build()
-    b = kit.tiny_config(moe=MoEConfig(num_experts=2, top_k=1), activation_checkpoint_every=1).build()
+    b = kit.tiny_config(
+        moe=MoEConfig(num_experts=2, top_k=1), activation_checkpoint_every=1
+    ).build()
     b.load_state_dict(a.state_dict())
     ra, rb = a(**mixed_batch), b(**mixed_batch)
     ra.loss.backward()
@@ -100,7 +107,7 @@ def test_depth_scaled_init(kit):
     model = kit.tiny_config(dim=256, n_layers=8).build()
     std = model.cfg.init_std
     wq, wo = model.layers[0].attention.wq.weight, model.layers[0].attention.wo.weight
-    assert abs(wq.std().item() - std * 0.986) < 0.1 * std   # truncated at 3 sigma
+    assert abs(wq.std().item() - std * 0.986) < 0.1 * std  # truncated at 3 sigma
     assert abs(wo.std().item() - std / 4 * 0.986) < 0.1 * std / 4  # / sqrt(2 * 8)
     assert abs(model.output.weight.std().item() - 256**-0.5 * 0.986) < 0.1 * 256**-0.5
     assert all(p.abs().sum() > 0 for p in model.parameters())
@@ -115,16 +122,22 @@ def test_config_validation_and_hydra_round_trip(kit):
     from omegaconf import OmegaConf
 
     cfg = preset("small")
-    cfg = dataclasses.replace(cfg, rope=dataclasses.replace(cfg.rope, mrope_sections=mrope_sections(cfg.head_dim)))
+    cfg = dataclasses.replace(
+        cfg, rope=dataclasses.replace(cfg.rope, mrope_sections=mrope_sections(cfg.head_dim))
+    )
     structured = OmegaConf.structured(cfg)
     back = OmegaConf.to_object(OmegaConf.merge(structured, {"attention": {"sliding_window": 256}}))
     assert isinstance(back, TransformerConfig) and back.attention.sliding_window == 256
-    assert back.rope.mrope_sections == cfg.rope.mrope_sections and sum(back.rope.mrope_sections) == 32
-    with pytest.raises(Exception):
+    assert (
+        back.rope.mrope_sections == cfg.rope.mrope_sections and sum(back.rope.mrope_sections) == 32
+    )
+    with pytest.raises(Exception):  # noqa: B017 - omegaconf's error class varies by version
         OmegaConf.merge(structured, {"attention": {"n_hedas": 3}})  # a typo is an error
     assert TransformerConfig(**{**dataclasses.asdict(kit.tiny_config())}).attention.n_heads == 4
     with pytest.raises(ValueError, match="backend"):
-        kit.tiny_config(attention=dataclasses.replace(kit.tiny_config().attention, backend="xformers"))
+        kit.tiny_config(
+            attention=dataclasses.replace(kit.tiny_config().attention, backend="xformers")
+        )
     with pytest.raises(ValueError, match="visual_offset"):
         TransformerConfig(vocab_size=10, text_vocab_size=5, visual_offset=20)
 
@@ -147,5 +160,7 @@ def test_bf16_model_trains_and_matches_fp32_loss(kit, mixed_batch):
     a, b = fp32(**mixed_batch), bf16(**mixed_batch)
     b.loss.backward()
     assert b.loss.dtype == torch.float32 and abs(a.loss.item() - b.loss.item()) < 0.05
-    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 and torch.isfinite(p.grad).all()
-               for p in bf16.parameters())
+    assert all(
+        p.grad is not None and p.grad.dtype == torch.bfloat16 and torch.isfinite(p.grad).all()
+        for p in bf16.parameters()
+    )

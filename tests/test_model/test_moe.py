@@ -1,4 +1,5 @@
 """Mixture of experts and modality-routed FFNs (mixture of transformers)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,7 +25,9 @@ def test_moe_forward_backward_and_stats(kit, mixed_batch):
     # every token is assigned top_k times per layer
     assert int(r.moe_expert_load[0].sum()) == 2 * mixed_batch["input_ids"].numel()
     for layer in model.layers:
-        assert layer.feed_forward.router.weight.grad.abs().sum() > 0  # the router learns through the aux loss
+        assert (
+            layer.feed_forward.router.weight.grad.abs().sum() > 0
+        )  # the router learns through the aux loss
         for e in layer.feed_forward.experts:
             assert e.w1.weight.grad is not None
     ce = r.ce
@@ -89,20 +92,26 @@ def test_modality_ffn_routes_by_modality():
 
 
 def test_modality_ffn_unused_group_still_gets_a_gradient(kit, mixed_batch):
-    cfg = kit.tiny_config(ffn=dataclasses.replace(kit.tiny_config().ffn, modality_groups=[0, 0, 1, 1, 1]))
+    cfg = kit.tiny_config(
+        ffn=dataclasses.replace(kit.tiny_config().ffn, modality_groups=[0, 0, 1, 1, 1])
+    )
     model = cfg.build()
     b = dict(mixed_batch, modality=torch.zeros_like(mixed_batch["modality"]))  # text only
     model(**b).loss.backward()
     ffn = model.layers[0].feed_forward
-    assert ffn.experts[1].w1.weight.grad is not None and ffn.experts[1].w1.weight.grad.abs().sum() == 0
+    assert (
+        ffn.experts[1].w1.weight.grad is not None and ffn.experts[1].w1.weight.grad.abs().sum() == 0
+    )
 
 
 def test_config_rejects_bad_groups_and_both_kinds(kit):
     with pytest.raises(ValueError, match="modality_groups"):
         FFNConfig(modality_groups=[0, 2, 2, 2, 2])
     with pytest.raises(ValueError, match="not both"):
-        kit.tiny_config(moe=MoEConfig(num_experts=2, top_k=1),
-                        ffn=FFNConfig(hidden_dim=64, modality_groups=[0, 0, 1, 1, 1]))
+        kit.tiny_config(
+            moe=MoEConfig(num_experts=2, top_k=1),
+            ffn=FFNConfig(hidden_dim=64, modality_groups=[0, 0, 1, 1, 1]),
+        )
     with pytest.raises(ValueError, match="top_k"):
         MoEConfig(num_experts=2, top_k=3)
     assert isinstance(SwiGLU(4, 8).w1, torch.nn.Linear)

@@ -1,4 +1,5 @@
 """RoPE and M-RoPE, and the (t, h, w) layout of a token stream."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,9 +32,15 @@ def test_mrope_model_with_equal_thw_equals_1d_model(kit, mixed_batch):
     with torch.no_grad():
         a = plain(b["input_ids"], position_ids=b["position_ids"], doc_ids=b["doc_ids"])
         same = b["position_ids"][..., None].expand(-1, -1, 3)
-        m = mrope(b["input_ids"], position_ids=b["position_ids"], position_thw=same, doc_ids=b["doc_ids"])
-        grid = mrope(b["input_ids"], position_ids=b["position_ids"], position_thw=b["position_thw"],
-                     doc_ids=b["doc_ids"])
+        m = mrope(
+            b["input_ids"], position_ids=b["position_ids"], position_thw=same, doc_ids=b["doc_ids"]
+        )
+        grid = mrope(
+            b["input_ids"],
+            position_ids=b["position_ids"],
+            position_thw=b["position_thw"],
+            doc_ids=b["doc_ids"],
+        )
     assert torch.equal(a, m)
     assert (a - grid).abs().max() > 1e-4  # real (t, h, w) positions do change image tokens
 
@@ -62,7 +69,23 @@ def test_layout_positions_of_an_image(kit):
     sid = L.structure_id
     h2, w3 = L.size_ids(2, 3)
     c = L.code_id(0)
-    ids = [7, 8, sid("<boi>"), h2, w3, c, c, c, sid("<eol>"), c, c, c, sid("<eol>"), sid("<eoi>"), 9]
+    ids = [
+        7,
+        8,
+        sid("<boi>"),
+        h2,
+        w3,
+        c,
+        c,
+        c,
+        sid("<eol>"),
+        c,
+        c,
+        c,
+        sid("<eol>"),
+        sid("<eoi>"),
+        9,
+    ]
     tr = LayoutTracker(L)
     out = [tr.push(t) for t in ids]
     pos = [p for p, _ in out]
@@ -71,7 +94,11 @@ def test_layout_positions_of_an_image(kit):
     assert pos[:5] == [(i, i, i) for i in range(5)]
     assert pos[5:9] == [(s, s, s), (s, s, s + 1), (s, s, s + 2), (s, s, s + 3)]
     assert pos[9:13] == [(s, s + 1, s), (s, s + 1, s + 1), (s, s + 1, s + 2), (s, s + 1, s + 3)]
-    assert pos[13] == (s + 4, s + 4, s + 4) and pos[14] == (s + 5, s + 5, s + 5)  # resume past the grid
+    assert pos[13] == (s + 4, s + 4, s + 4) and pos[14] == (
+        s + 5,
+        s + 5,
+        s + 5,
+    )  # resume past the grid
     assert mods == [0, 0] + [int(Modality.STRUCTURE)] * 3 + [2, 2, 2, 4, 2, 2, 2, 4, 4, 0]
     assert LayoutTracker.positions(ids, L).shape == (15, 3)
 
@@ -81,10 +108,31 @@ def test_layout_positions_of_a_video(kit):
     sid = L.structure_id
     h1, w2 = L.size_ids(1, 2)
     c = L.code_id(1)
-    ids = [sid("<bov>"), h1, w2, sid("<frame>"), c, c, sid("<eol>"), sid("<frame>"), c, c, sid("<eol>"), sid("<eov>")]
+    ids = [
+        sid("<bov>"),
+        h1,
+        w2,
+        sid("<frame>"),
+        c,
+        c,
+        sid("<eol>"),
+        sid("<frame>"),
+        c,
+        c,
+        sid("<eol>"),
+        sid("<eov>"),
+    ]
     tr = LayoutTracker(L)
     out = [tr.push(t) for t in ids]
     s = 3
-    assert [p for p, _ in out][3:11] == [(s, s, s), (s, s, s), (s, s, s + 1), (s, s, s + 2),
-                                         (s + 1, s, s), (s + 1, s, s), (s + 1, s, s + 1), (s + 1, s, s + 2)]
+    assert [p for p, _ in out][3:11] == [
+        (s, s, s),
+        (s, s, s),
+        (s, s, s + 1),
+        (s, s, s + 2),
+        (s + 1, s, s),
+        (s + 1, s, s),
+        (s + 1, s, s + 1),
+        (s + 1, s, s + 2),
+    ]
     assert int(out[4][1]) == Modality.VIDEO

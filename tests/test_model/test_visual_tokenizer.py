@@ -1,4 +1,5 @@
 """FSQ, the visual tokenizer (images and causal video) and its metrics, on real tensors."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,8 +11,16 @@ import torch
 
 from model.fsq import FSQ
 from model.visual_tokenizer import VisualTokenizerConfig, vtok_cpu, vtok_debug
-from model.vtok_metrics import (CodeUse, code_use, patch_mean_baseline, psnr, psnr_of_mse, rgb_levels, ssim,
-                                to_unit)
+from model.vtok_metrics import (
+    CodeUse,
+    code_use,
+    patch_mean_baseline,
+    psnr,
+    psnr_of_mse,
+    rgb_levels,
+    ssim,
+    to_unit,
+)
 
 
 def smooth_images(b: int, h: int, w: int, seed: int = 0) -> torch.Tensor:
@@ -24,7 +33,9 @@ def smooth_images(b: int, h: int, w: int, seed: int = 0) -> torch.Tensor:
         img = a[:, 0, None, None] * xx + a[:, 1, None, None] * yy + a[:, 2, None, None] * 0.3
         for _ in range(3):
             cy, cx, r = torch.rand(3, generator=g)
-            img = img + (torch.rand(3, 1, 1, generator=g) - 0.5) * torch.exp(-((yy - cy) ** 2 + (xx - cx) ** 2) / (0.02 + 0.05 * r))
+            img = img + (torch.rand(3, 1, 1, generator=g) - 0.5) * torch.exp(
+                -((yy - cy) ** 2 + (xx - cx) ** 2) / (0.02 + 0.05 * r)
+            )
         out.append(img)
     return torch.stack(out).clamp(-1, 1)
 
@@ -38,7 +49,9 @@ def test_fsq_index_round_trip(levels):
     codes = q.indices_to_codes(idx, channel_dim=-1)
     assert codes.shape == (len(idx), len(levels))
     assert torch.equal(q.codes_to_indices(codes, channel_dim=-1), idx)
-    if q.num_codes <= 5000:   # small grids: every index is a distinct code, each digit takes its L values
+    if (
+        q.num_codes <= 5000
+    ):  # small grids: every index is a distinct code, each digit takes its L values
         all_codes = q.indices_to_codes(torch.arange(q.num_codes), channel_dim=-1)
         assert all_codes.unique(dim=0).shape[0] == q.num_codes
         for i, lv in enumerate(levels):
@@ -79,7 +92,11 @@ def test_fsq_marginal_entropy_rewards_spread():
     flat = q.marginal_entropy(torch.zeros(16, 4, 4, 4))
     saturated = q.marginal_entropy(torch.full((16, 4, 4, 4), 20.0))
     spread = q.marginal_entropy(torch.randn(16, 4, 4, 4))
-    assert ((0 <= flat) & (flat <= 1)).all() and (spread > flat + 0.3).all() and (spread > saturated + 0.3).all()
+    assert (
+        ((0 <= flat) & (flat <= 1)).all()
+        and (spread > flat + 0.3).all()
+        and (spread > saturated + 0.3).all()
+    )
     z = torch.zeros(8, 4, 2, 2).requires_grad_()
     (1 - q.marginal_entropy(z + 0.1 * torch.randn(8, 4, 2, 2))).mean().backward()
     assert z.grad.abs().sum() > 0
@@ -97,7 +114,9 @@ def test_fsq_rejects_bad_input():
 # --- image tokenizer -----------------------------------------------------------------------
 @pytest.mark.parametrize("factor,hw", [(4, (24, 40)), (8, (16, 48)), (16, (32, 16))])
 def test_encode_decode_shapes_non_square(factor, hw):
-    cfg = dataclasses.replace(vtok_debug(), factor=factor, enc_channels=[8, 16], dec_channels=[16, 8])
+    cfg = dataclasses.replace(
+        vtok_debug(), factor=factor, enc_channels=[8, 16], dec_channels=[16, 8]
+    )
     m = cfg.build().eval()
     x = smooth_images(2, *hw)
     idx = m.encode(x)
@@ -160,8 +179,8 @@ def test_grad_loss_term_is_added():
 # --- video: causal, same code space --------------------------------------------------------
 def _video_model():
     torch.manual_seed(0)
-    m = vtok_debug().build().eval()     # temporal_factor 2
-    with torch.no_grad():               # leave the mean initialisation, so the test sees any leak
+    m = vtok_debug().build().eval()  # temporal_factor 2
+    with torch.no_grad():  # leave the mean initialisation, so the test sees any leak
         m.t_merge.weight.add_(torch.randn_like(m.t_merge.weight) * 0.1)
         m.t_dec.weight.normal_(0, 0.1)
     return m
@@ -172,7 +191,9 @@ def test_video_shapes():
     for t in (1, 2, 3, 6, 7):
         v = smooth_images(2 * t, 16, 24).view(2, t, 3, 16, 24)
         idx = m.encode_video(v)
-        assert idx.shape == (2, m.num_latent_frames(t), 4, 6) == (2, 1 + math.ceil((t - 1) / 2), 4, 6)
+        assert (
+            idx.shape == (2, m.num_latent_frames(t), 4, 6) == (2, 1 + math.ceil((t - 1) / 2), 4, 6)
+        )
         assert m.decode_video(idx, num_frames=t).shape == v.shape
         assert m.decode_video(idx).shape[1] == 1 + (idx.shape[1] - 1) * 2
 
@@ -188,8 +209,12 @@ def test_video_encoder_is_causal():
             w[:, k] = -w[:, k]
             zk = m.video_latents(w)
             group = 0 if k == 0 else 1 + (k - 1) // tf
-            assert torch.equal(zk[:, :group], z[:, :group]), f"frame {k} leaked into an earlier latent"
-            assert not torch.allclose(zk[:, group], z[:, group]), f"frame {k} does not reach latent {group}"
+            assert torch.equal(zk[:, :group], z[:, :group]), (
+                f"frame {k} leaked into an earlier latent"
+            )
+            assert not torch.allclose(zk[:, group], z[:, group]), (
+                f"frame {k} does not reach latent {group}"
+            )
 
 
 def test_video_shares_the_image_code_space():
@@ -208,7 +233,11 @@ def test_video_loss_trains():
     m = vtok_debug().build()
     loss, metrics = m.forward_video(smooth_images(6, 16, 16).view(2, 3, 3, 16, 16))
     loss.backward()
-    assert torch.isfinite(loss) and m.t_merge.weight.grad is not None and m.t_dec.weight.grad is not None
+    assert (
+        torch.isfinite(loss)
+        and m.t_merge.weight.grad is not None
+        and m.t_dec.weight.grad is not None
+    )
 
 
 # --- metrics -------------------------------------------------------------------------------
@@ -228,8 +257,15 @@ def test_ssim_matches_scikit_image():
     y = (x + 0.1 * torch.randn_like(x)).clamp(0, 1)
     ours = ssim(x, y)
     for i in range(2):
-        ref = metrics.structural_similarity(x[i].numpy(), y[i].numpy(), channel_axis=0, gaussian_weights=True,
-                                            sigma=1.5, use_sample_covariance=False, data_range=1.0)
+        ref = metrics.structural_similarity(
+            x[i].numpy(),
+            y[i].numpy(),
+            channel_axis=0,
+            gaussian_weights=True,
+            sigma=1.5,
+            use_sample_covariance=False,
+            data_range=1.0,
+        )
         assert abs(float(ours[i]) - ref) < 1e-4
 
 
@@ -250,7 +286,7 @@ def test_baseline_constant_image_exact_up_to_quantisation():
 def test_baseline_keeps_patch_means_on_smooth_images():
     x = to_unit(smooth_images(2, 32, 32))
     b = patch_mean_baseline(x, 4, 64000)
-    assert float(psnr(b, x).min()) > 25   # a smooth image is nearly a bilinear thumbnail
+    assert float(psnr(b, x).min()) > 25  # a smooth image is nearly a bilinear thumbnail
 
 
 def test_code_use():

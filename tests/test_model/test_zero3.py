@@ -4,6 +4,7 @@ partitions every weight and gathers it around each module's forward and backward
 a weight used outside its module or an output type whose tensors DeepSpeed cannot hook (a
 dataclass LossResult made backward fail). Runs in a subprocess so that the process group does
 not leak into other tests."""
+
 from __future__ import annotations
 
 import json
@@ -58,11 +59,25 @@ def _free_port() -> int:
 
 def test_zero3_matches_plain_pytorch():
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
-           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-    p = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True,
-                       timeout=240)
-    line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(root),
+    }
+    p = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert p.returncode == 0 and line, p.stderr[-3000:]
     for variant, (ds0, ref0, ds1, ref1) in json.loads(line[7:]).items():
         assert abs(ds0 - ref0) < 1e-5, variant

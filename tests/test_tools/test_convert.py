@@ -3,6 +3,7 @@ ZeRO-3 checkpoint become releases whose model gives the checkpoint's own logits 
 validation loss; a bf16 ZeRO-1 release holds the fp32 master weights; a vtok run releases its
 visual tokenizer; a run started from a release (`train.init_from`, ZeRO 2) sees exactly the
 release's weights; truncated, corrupted and pickled-object files are clear errors naming the file."""
+
 from __future__ import annotations
 
 import json
@@ -10,24 +11,38 @@ import shutil
 
 import pytest
 import torch
+from trainrun import metrics, train
 
 from tools.convert import main as convert_main
 from tools.convert_deepspeed import CheckpointError, load_run_config
 from tools.convert_release import make_release
 from tools.release import Release, ReleaseError
-from trainrun import metrics, train
 
 SOURCES = {"scenes": 0.4, "text": 0.4, "code": 0.2}
 
 
 def sources(tokens) -> str:
-    return "[" + ",".join(f"{{name: {s}, shards: [{tokens / s}], weight: {w}}}" for s, w in SOURCES.items()) + "]"
+    return (
+        "["
+        + ",".join(
+            f"{{name: {s}, shards: [{tokens / s}], weight: {w}}}" for s, w in SOURCES.items()
+        )
+        + "]"
+    )
 
 
 def base(tokens, run_dir, steps, *extra):
     val = f"[{{name: heldout, shards: [{tokens / 'scenes'}], weight: 1.0}}]"
-    return ["experiment=debug", f"data.sources={sources(tokens)}", f"data.validation={val}", "train.eval_batches=2",
-            f"run_dir={run_dir}", f"train.steps={steps}", "train.micro_batch=2", *extra]
+    return [
+        "experiment=debug",
+        f"data.sources={sources(tokens)}",
+        f"data.validation={val}",
+        "train.eval_batches=2",
+        f"run_dir={run_dir}",
+        f"train.steps={steps}",
+        "train.micro_batch=2",
+        *extra,
+    ]
 
 
 def quiet(*_a, **_k):
@@ -61,8 +76,14 @@ def val_loss(model, cfg, world_size: int = 1) -> float:
     ce = cnt = 0.0
     with torch.no_grad():
         for rank in range(world_size):
-            loader = build_loader(cfg.data, rank=rank, world_size=world_size, micro_batch=cfg.train.micro_batch,
-                                  pad_id=0, validation=True)
+            loader = build_loader(
+                cfg.data,
+                rank=rank,
+                world_size=world_size,
+                micro_batch=cfg.train.micro_batch,
+                pad_id=0,
+                validation=True,
+            )
             for i, b in enumerate(loader):
                 if i >= cfg.train.eval_batches:
                     break
@@ -76,30 +97,42 @@ def test_zero0_release_gives_the_checkpoints_logits(runs, tmp_path, capsys):
     assert convert_main(["release", str(run), str(out)]) == 0
     assert "shapes match the model config" in capsys.readouterr().out
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["format"] == "earlyfuse-release" and cfg["task"] == "lm" and cfg["dtype"] == "float32"
+    assert (
+        cfg["format"] == "earlyfuse-release" and cfg["task"] == "lm" and cfg["dtype"] == "float32"
+    )
     assert cfg["source"]["step"] == 3 and cfg["source"]["zero_stage"] == 0 and cfg["tensors"] == 25
-    assert set(cfg["files"]) == {"model.safetensors", "vocab_layout.json", "tokenizer.json",
-                                 "visual_tokenizer/config.json", "visual_tokenizer/model.safetensors"}
-    assert cfg["tokenize"]["image_max_pixels"] == 32 * 32      # from the token manifest
+    assert set(cfg["files"]) == {
+        "model.safetensors",
+        "vocab_layout.json",
+        "tokenizer.json",
+        "visual_tokenizer/config.json",
+        "visual_tokenizer/model.safetensors",
+    }
+    assert cfg["tokenize"]["image_max_pixels"] == 32 * 32  # from the token manifest
     rel = Release(out)
     model = rel.build_model()
     assert model.cfg.vocab_size == rel.layout.size
     # The reference: the module DeepSpeed saved, read directly.
-    module = torch.load(run / "checkpoints" / "step_00000003" / "mp_rank_00_model_states.pt",
-                        weights_only=True)["module"]
+    module = torch.load(
+        run / "checkpoints" / "step_00000003" / "mp_rank_00_model_states.pt", weights_only=True
+    )["module"]
     ref = load_run_config(run / "config.yaml").model.with_layout(rel.layout).build()
     ref.load_state_dict(module)
     batch = first_batch(load_run_config(run / "config.yaml"))
     ids = batch["input_ids"]
     with torch.no_grad():
-        assert torch.equal(model(ids, doc_ids=batch["doc_ids"]), ref.eval()(ids, doc_ids=batch["doc_ids"]))
+        assert torch.equal(
+            model(ids, doc_ids=batch["doc_ids"]), ref.eval()(ids, doc_ids=batch["doc_ids"])
+        )
     assert rel.text_tokenizer().decode(rel.text_tokenizer().encode("héllo ✓")) == "héllo ✓"
     assert rel.visual_tokenizer().cfg.levels == list(rel.layout.fsq_levels)
     # bf16: the same tensors rounded, half the bytes.
     make_release(run, tmp_path / "bf16", dtype="bf16", log=quiet)
     half = Release(tmp_path / "bf16").state_dict(dtype=None)
     full = rel.state_dict()
-    assert all(half[k].dtype == torch.bfloat16 and torch.equal(half[k], full[k].bfloat16()) for k in full)
+    assert all(
+        half[k].dtype == torch.bfloat16 and torch.equal(half[k], full[k].bfloat16()) for k in full
+    )
 
 
 def test_zero3_release_reproduces_the_runs_validation_loss(runs, tmp_path):
@@ -125,21 +158,32 @@ def test_two_rank_zero2_checkpoint_releases_on_one_process(tiny_tokens, tmp_path
     assert cfg["source"]["world_size"] == 2
     model = Release(tmp_path / "rel").build_model()
     final = json.loads((run / "final.json").read_text())
-    assert abs(val_loss(model, load_run_config(run / "config.yaml"), world_size=2) - final["val/loss"]) < 1e-6
+    assert (
+        abs(val_loss(model, load_run_config(run / "config.yaml"), world_size=2) - final["val/loss"])
+        < 1e-6
+    )
 
 
 def test_bf16_zero1_release_holds_the_fp32_master_weights(tiny_tokens, tmp_path):
     """bf16 at ZeRO 1 is DeepSpeed's BF16_Optimizer (files zero_to_fp32 cannot read): the release
     holds its fp32 masters, which round to exactly the bf16 weights the module trained with."""
     run = tmp_path / "bf16"
-    train(base(tiny_tokens, run, 2, "deepspeed.zero_stage=1", "train.bf16=true", "data.validation=[]"))
+    train(
+        base(tiny_tokens, run, 2, "deepspeed.zero_stage=1", "train.bf16=true", "data.validation=[]")
+    )
     make_release(run, tmp_path / "rel", log=quiet)
     masters = Release(tmp_path / "rel").state_dict()
-    module = torch.load(run / "checkpoints" / "step_00000002" / "mp_rank_00_model_states.pt",
-                        weights_only=True)["module"]
+    module = torch.load(
+        run / "checkpoints" / "step_00000002" / "mp_rank_00_model_states.pt", weights_only=True
+    )["module"]
     assert module.keys() == masters.keys()
-    assert all(module[k].dtype == torch.bfloat16 and torch.equal(masters[k].bfloat16(), module[k]) for k in module)
-    assert any(not torch.equal(masters[k], module[k].float()) for k in module)   # more precise than bf16
+    assert all(
+        module[k].dtype == torch.bfloat16 and torch.equal(masters[k].bfloat16(), module[k])
+        for k in module
+    )
+    assert any(
+        not torch.equal(masters[k], module[k].float()) for k in module
+    )  # more precise than bf16
 
 
 def test_import_starts_a_run_with_exactly_the_release_weights(runs, tiny_tokens, tmp_path, capsys):
@@ -183,12 +227,17 @@ def test_damaged_files_are_errors_naming_the_file(runs, tmp_path, capsys):
         Release(rel).state_dict()
     # Truncated: unreadable even without the sha256 check.
     w.write_bytes(data[: len(data) // 2])
-    with pytest.raises(ReleaseError, match=r"model.safetensors: unreadable, truncated or corrupted"):
+    with pytest.raises(
+        ReleaseError, match=r"model.safetensors: unreadable, truncated or corrupted"
+    ):
         Release(rel).state_dict(verify=False)
     assert convert_main(["import", str(rel), str(tmp_path / "x")]) == 1
     assert "model.safetensors" in capsys.readouterr().err
 
-    for stage, name in ((0, "mp_rank_00_model_states.pt"), (3, "zero_pp_rank_0_mp_rank_00_optim_states.pt")):
+    for stage, name in (
+        (0, "mp_rank_00_model_states.pt"),
+        (3, "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+    ):
         run = tmp_path / f"run{stage}"
         shutil.copytree(runs[stage], run)
         f = run / "checkpoints" / "step_00000003" / name
@@ -209,14 +258,16 @@ class Evil:
         return (print, ("this must never run",))
 
 
-def test_missing_tokenizers_and_bad_arguments_are_named(runs, tmp_path, tiny_tokens, tiny_tokenizers):
+def test_missing_tokenizers_and_bad_arguments_are_named(
+    runs, tmp_path, tiny_tokens, tiny_tokenizers
+):
     run = tmp_path / "moved"
     shutil.copytree(runs[0], run)
     for p in (run / "config.yaml", run / "checkpoints" / "step_00000003" / "config.yaml"):
         p.write_text(p.read_text().replace(str(tiny_tokens), "/nonexistent/tokens"))
     with pytest.raises(ReleaseError, match="cannot find the token data's tokenizers/ folder"):
         make_release(run, tmp_path / "a", log=quiet)
-    text_only, _ = tiny_tokenizers      # tokenizer.json + layout, no visual_tokenizer/
+    text_only, _ = tiny_tokenizers  # tokenizer.json + layout, no visual_tokenizer/
     with pytest.raises(ReleaseError, match="visual_tokenizer/model.safetensors"):
         make_release(run, tmp_path / "b", tokenizers=text_only, log=quiet)
     cfg = make_release(run, tmp_path / "c", no_tokenizers=True, log=quiet)
@@ -230,17 +281,28 @@ def test_missing_tokenizers_and_bad_arguments_are_named(runs, tmp_path, tiny_tok
 
 
 def test_vtok_run_releases_its_visual_tokenizer(tiny_raw, tmp_path):
-    from data.tokenize.visual import load_visual_tokenizer
-    from data.vocab import VocabLayout
     from safetensors.torch import load_file
 
+    from data.tokenize.visual import load_visual_tokenizer
+    from data.vocab import VocabLayout
+
     run = tmp_path / "vtok"
-    train(["experiment=vtok_debug", f"vtok_data.raw=[{tiny_raw}]", f"run_dir={run}", "train.steps=2",
-           "vtok_data.heldout_crops=16", "deepspeed.zero_stage=1"])
+    train(
+        [
+            "experiment=vtok_debug",
+            f"vtok_data.raw=[{tiny_raw}]",
+            f"run_dir={run}",
+            "train.steps=2",
+            "vtok_data.heldout_crops=16",
+            "deepspeed.zero_stage=1",
+        ]
+    )
     cfg = make_release(run, tmp_path / "rel", log=quiet)
-    assert cfg["task"] == "vtok" and set(cfg["files"]) == {"visual_tokenizer/config.json",
-                                                           "visual_tokenizer/model.safetensors"}
+    assert cfg["task"] == "vtok" and set(cfg["files"]) == {
+        "visual_tokenizer/config.json",
+        "visual_tokenizer/model.safetensors",
+    }
     a = load_file(str(tmp_path / "rel" / "visual_tokenizer" / "model.safetensors"))
-    b = load_file(str(run / "visual_tokenizer" / "model.safetensors"))     # the run's own export
+    b = load_file(str(run / "visual_tokenizer" / "model.safetensors"))  # the run's own export
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     load_visual_tokenizer(tmp_path / "rel" / "visual_tokenizer", VocabLayout(text_size=10))

@@ -1,6 +1,7 @@
 """`earlyfuse-convert hf`: a release of a real debug run becomes a transformers Qwen3 model whose
 logits match ours on a mixed-modality batch (fp32, max |diff| <= 1e-4), whose tokenizer encodes
 text to our ids, and a model with a feature Qwen3 lacks is refused with the feature named."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from data.loader.table import load_table
 from data.loader import SourceConfig
+from data.loader.table import load_table
 from tools.convert import main as convert_main
 from tools.release import Release
 
@@ -35,7 +36,9 @@ def documents(tokens, source: str, n: int, length: int) -> list[np.ndarray]:
     return out
 
 
-def test_hf_export_gives_our_logits_on_text_images_and_video(release, tiny_tokens, tmp_path, capsys):
+def test_hf_export_gives_our_logits_on_text_images_and_video(
+    release, tiny_tokens, tmp_path, capsys
+):
     out = tmp_path / "hf"
     assert convert_main(["hf", str(release), str(out)]) == 0
     assert "Qwen3ForCausalLM" in capsys.readouterr().out
@@ -47,7 +50,7 @@ def test_hf_export_gives_our_logits_on_text_images_and_video(release, tiny_token
     # One document per row (HF has no document masking): captioned scenes and clips, cut to 96 tokens.
     rows = documents(tiny_tokens, "scenes", 2, 96) + documents(tiny_tokens, "clips", 2, 96)
     ids = torch.tensor(np.stack(rows), dtype=torch.long)
-    assert (ids >= lay.visual_offset).any() and (ids < lay.text_size).any()       # mixed: codes and text
+    assert (ids >= lay.visual_offset).any() and (ids < lay.text_size).any()  # mixed: codes and text
     with torch.no_grad():
         a = ours(ids)
         b = hf(input_ids=ids).logits.float()

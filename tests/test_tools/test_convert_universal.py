@@ -1,18 +1,28 @@
 """Resuming on another world size: a 2-process ZeRO-1 run converted with `earlyfuse-convert
 universal` resumes on 1 process and its loss curve continues; a ZeRO-0 LM run resumes on 1
 process directly, its loader's position redistributed from the 2 old ranks (said on the console)."""
+
 from __future__ import annotations
 
 import json
 
-from tools.convert import main as convert_main
 from trainrun import metrics, train
+
+from tools.convert import main as convert_main
 
 
 def vtok(tiny_raw, run, steps, *extra):
-    return ["experiment=vtok_debug", f"vtok_data.raw=[{tiny_raw}]", f"run_dir={run}", f"train.steps={steps}",
-            "train.log_every=1", "vtok_data.heldout_crops=32", "vtok_data.video_frames=false",
-            "train.ckpt_every=4", *extra]
+    return [
+        "experiment=vtok_debug",
+        f"vtok_data.raw=[{tiny_raw}]",
+        f"run_dir={run}",
+        f"train.steps={steps}",
+        "train.log_every=1",
+        "vtok_data.heldout_crops=32",
+        "vtok_data.video_frames=false",
+        "train.ckpt_every=4",
+        *extra,
+    ]
 
 
 def test_universal_checkpoint_resumes_a_zero1_run_on_another_world_size(tiny_raw, tmp_path, capsys):
@@ -22,21 +32,37 @@ def test_universal_checkpoint_resumes_a_zero1_run_on_another_world_size(tiny_raw
     assert "as a universal checkpoint" in capsys.readouterr().out
     assert (run / "checkpoints" / "step_00000004" / "universal" / "zero").is_dir()
     p = train(vtok(tiny_raw, run, 10, "deepspeed.zero_stage=1"))
-    assert "resuming step_00000004 of 2 rank(s) on 1 from its universal checkpoint" in p.stdout + p.stderr
+    assert (
+        "resuming step_00000004 of 2 rank(s) on 1 from its universal checkpoint"
+        in p.stdout + p.stderr
+    )
     m = metrics(run)
     assert sorted(m) == list(range(1, 11))
     late = sum(m[s]["train/loss"] for s in range(5, 11)) / 6
-    assert late < m[1]["train/loss"] and late < 1.5 * m[4]["train/loss"]      # continues, does not restart
-    assert m[5]["optim/lr"] < m[4]["optim/lr"] * 1.5                           # the schedule continued too
-    assert json.loads((run / "checkpoints" / "step_00000010" / "meta.json").read_text())["world_size"] == 1
-    assert convert_main(["universal", str(run), "--step", "4"]) == 1           # exists: --force to redo
+    assert (
+        late < m[1]["train/loss"] and late < 1.5 * m[4]["train/loss"]
+    )  # continues, does not restart
+    assert m[5]["optim/lr"] < m[4]["optim/lr"] * 1.5  # the schedule continued too
+    assert (
+        json.loads((run / "checkpoints" / "step_00000010" / "meta.json").read_text())["world_size"]
+        == 1
+    )
+    assert convert_main(["universal", str(run), "--step", "4"]) == 1  # exists: --force to redo
 
 
 def test_zero0_lm_run_resumes_on_another_world_size_directly(tiny_tokens, tmp_path):
     run = tmp_path / "run"
-    srcs = ",".join(f"{{name: {s}, shards: [{tiny_tokens / s}], weight: 1.0}}" for s in ("scenes", "text"))
-    args = ["experiment=debug", f"data.sources=[{srcs}]", f"run_dir={run}", "train.micro_batch=2",
-            "train.ckpt_every=3", "train.log_every=1"]
+    srcs = ",".join(
+        f"{{name: {s}, shards: [{tiny_tokens / s}], weight: 1.0}}" for s in ("scenes", "text")
+    )
+    args = [
+        "experiment=debug",
+        f"data.sources=[{srcs}]",
+        f"run_dir={run}",
+        "train.micro_batch=2",
+        "train.ckpt_every=3",
+        "train.log_every=1",
+    ]
     train(args + ["train.steps=3"], nproc=2)
     p = train(args + ["train.steps=6"])
     out = p.stdout + p.stderr
@@ -44,10 +70,13 @@ def test_zero0_lm_run_resumes_on_another_world_size_directly(tiny_tokens, tmp_pa
     assert "the loader's state was redistributed from 2 to 1 consumers" in out
     m = metrics(run)
     assert sorted(m) == list(range(1, 7)) and m[6]["train/loss"] < m[1]["train/loss"]
-    p = train(args + ["train.steps=8", "data.num_workers=2"])          # same world size, another split
-    assert "resuming step_00000006: the loader's state was redistributed from 1 to 2 consumers" in p.stdout + p.stderr
+    p = train(args + ["train.steps=8", "data.num_workers=2"])  # same world size, another split
+    assert (
+        "resuming step_00000006: the loader's state was redistributed from 1 to 2 consumers"
+        in p.stdout + p.stderr
+    )
     assert sorted(metrics(run)) == list(range(1, 9))
-    p = train(args + ["train.steps=10", "data.num_workers=2"], nproc=2)   # and onto more ranks
+    p = train(args + ["train.steps=10", "data.num_workers=2"], nproc=2)  # and onto more ranks
     out = p.stdout + p.stderr
     assert "resuming step_00000008 of 1 rank(s) on 2" in out
     assert "the loader's state was redistributed from 2 to 4 consumers" in out

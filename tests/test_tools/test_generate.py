@@ -2,6 +2,7 @@
 UTF-8 (checked on the console script's raw stdout bytes), greedy output is reproducible and seeded
 sampling repeats, images are captioned from their visual-tokenizer codes, drawn images are PNGs
 that decode at the grid's pixel size, and a JSONL batch runs every request, reporting bad ones."""
+
 from __future__ import annotations
 
 import json
@@ -28,23 +29,40 @@ def image(tiny_corpus) -> Path:
 
 
 def run_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tools.generate", *map(str, args)], cwd=ROOT, capture_output=True,
-                          env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "LC_ALL": "C"}, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "tools.generate", *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "LC_ALL": "C"},
+        timeout=120,
+    )
 
 
 def test_text_continuation_is_valid_utf8_and_reproducible(release):
     # LC_ALL=C: a console that claims ASCII still gets UTF-8 bytes.
     p = run_cli(release, "--prompt", "Grüße, 世界 🙂 and", "--max-new-tokens", "24")
     assert p.returncode == 0, p.stderr.decode()[-2000:]
-    text = p.stdout.decode("utf-8")          # strict: raises on invalid UTF-8
+    text = p.stdout.decode("utf-8")  # strict: raises on invalid UTF-8
     assert text.endswith("\n") and len(text) > 1
     again = run_cli(release, "--prompt", "Grüße, 世界 🙂 and", "--max-new-tokens", "24")
-    assert again.stdout == p.stdout          # greedy is deterministic
+    assert again.stdout == p.stdout  # greedy is deterministic
 
 
 def test_code_prompt_sampling_repeats_with_its_seed(release, capsysbinary):
-    args = [str(release), "--code", "--prompt", "def f(x):\n    return", "--temperature", "0.9", "--top-k", "50",
-            "--top-p", "0.95", "--max-new-tokens", "16"]
+    args = [
+        str(release),
+        "--code",
+        "--prompt",
+        "def f(x):\n    return",
+        "--temperature",
+        "0.9",
+        "--top-k",
+        "50",
+        "--top-p",
+        "0.95",
+        "--max-new-tokens",
+        "16",
+    ]
     outs = []
     for seed in ("1", "1"):
         assert generate_main([*args, "--seed", seed]) == 0
@@ -54,23 +72,58 @@ def test_code_prompt_sampling_repeats_with_its_seed(release, capsysbinary):
 
 
 def test_caption_an_image(release, image, capsysbinary):
-    assert generate_main([str(release), "--image", str(image), "--caption", "--max-new-tokens", "12"]) == 0
+    assert (
+        generate_main([str(release), "--image", str(image), "--caption", "--max-new-tokens", "12"])
+        == 0
+    )
     capsysbinary.readouterr().out.decode("utf-8")
-    assert generate_main([str(release), "--image", str(image), "--prompt", "A picture of", "--max-new-tokens", "8"]) == 0
+    assert (
+        generate_main(
+            [
+                str(release),
+                "--image",
+                str(image),
+                "--prompt",
+                "A picture of",
+                "--max-new-tokens",
+                "8",
+            ]
+        )
+        == 0
+    )
     capsysbinary.readouterr().out.decode("utf-8")
 
 
 def test_draw_writes_a_png_that_decodes(release, tmp_path, capsys):
     out = tmp_path / "fixed.png"
-    assert generate_main([str(release), "--draw", "a red square", "--out", str(out), "--size", "4x6"]) == 0
+    assert (
+        generate_main([str(release), "--draw", "a red square", "--out", str(out), "--size", "4x6"])
+        == 0
+    )
     assert "4x6 tokens" in capsys.readouterr().out
     factor = json.loads((release / "visual_tokenizer" / "config.json").read_text())["factor"]
     with Image.open(out) as im:
         im.load()
         assert im.format == "PNG" and im.size == (6 * factor, 4 * factor) and im.mode == "RGB"
-    free = tmp_path / "free.png"   # the model picks the grid (sampled), within --max-size
-    assert generate_main([str(release), "--draw", "a cat", "--out", str(free), "--max-size", "5",
-                          "--temperature", "1.0", "--seed", "3"]) == 0
+    free = tmp_path / "free.png"  # the model picks the grid (sampled), within --max-size
+    assert (
+        generate_main(
+            [
+                str(release),
+                "--draw",
+                "a cat",
+                "--out",
+                str(free),
+                "--max-size",
+                "5",
+                "--temperature",
+                "1.0",
+                "--seed",
+                "3",
+            ]
+        )
+        == 0
+    )
     with Image.open(free) as im:
         im.load()
         assert max(im.size) <= 5 * factor
@@ -79,15 +132,26 @@ def test_draw_writes_a_png_that_decodes(release, tmp_path, capsys):
 
 
 def test_batch_jsonl_runs_every_request(release, image, tmp_path):
-    reqs = [{"id": "t", "prompt": "Once upon a time", "max_new_tokens": 8},
-            {"id": "c", "prompt": "import os", "code": True, "temperature": 0.7, "seed": 2, "max_new_tokens": 8},
-            {"id": "i", "image": str(image), "caption": True, "max_new_tokens": 6},
-            {"id": "d", "draw": "blue sky", "out": str(tmp_path / "sky.png"), "size": "3x3"},
-            {"id": "bad", "prompt": "x", "colour": "red"}]
+    reqs = [
+        {"id": "t", "prompt": "Once upon a time", "max_new_tokens": 8},
+        {
+            "id": "c",
+            "prompt": "import os",
+            "code": True,
+            "temperature": 0.7,
+            "seed": 2,
+            "max_new_tokens": 8,
+        },
+        {"id": "i", "image": str(image), "caption": True, "max_new_tokens": 6},
+        {"id": "d", "draw": "blue sky", "out": str(tmp_path / "sky.png"), "size": "3x3"},
+        {"id": "bad", "prompt": "x", "colour": "red"},
+    ]
     src = tmp_path / "req.jsonl"
     src.write_text("\n".join(json.dumps(r) for r in reqs) + "\nnot json\n", encoding="utf-8")
     out = tmp_path / "out.jsonl"
-    assert generate_main([str(release), "--batch", str(src), "--output", str(out)]) == 1   # two lines failed
+    assert (
+        generate_main([str(release), "--batch", str(src), "--output", str(out)]) == 1
+    )  # two lines failed
     recs = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     assert [r.get("id") for r in recs] == ["t", "c", "i", "d", "bad", None]
     assert [r.get("kind") for r in recs[:4]] == ["text", "text", "caption", "draw"]
@@ -97,7 +161,10 @@ def test_batch_jsonl_runs_every_request(release, image, tmp_path):
     # A request's result does not depend on its neighbours.
     solo = tmp_path / "solo.jsonl"
     solo.write_text(json.dumps(reqs[1]) + "\n")
-    assert generate_main([str(release), "--batch", str(solo), "--output", str(tmp_path / "solo.out")]) == 0
+    assert (
+        generate_main([str(release), "--batch", str(solo), "--output", str(tmp_path / "solo.out")])
+        == 0
+    )
     assert json.loads((tmp_path / "solo.out").read_text())["text"] == recs[1]["text"]
 
 

@@ -1,6 +1,7 @@
 """earlyfuse-report on a synthetic LM run shaped like the real thing (a resume that relogs a step
 range, a half-written last line, validation records, a NaN step, skipped steps, alarms) and on a
 real visual-tokenizer run made by earlyfuse-train."""
+
 from __future__ import annotations
 
 import html
@@ -13,29 +14,55 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
+from trainrun import train
 
 from tools.report import main, write_report
 from tools.report.run import load_run
-from trainrun import train
 
 MODS = ("text", "code", "image", "video", "structure")
 SOURCES = {"code": 0.3, "text": 0.3, "scenes": 0.2, "clips": 0.2}
 ALARMS = [
-    {"step": 120, "signal": "loss_spike", "modality": None, "values": {"score": 9.1, "loss": 7.9}, "action": "skip",
-     "message": "loss 7.9 > mean + 6 sigma"},
-    {"step": 130, "signal": "nonfinite", "modality": None, "values": {"loss": float("nan")}, "action": "skip",
-     "message": "NaN loss: update dropped"},
-    {"step": 175, "signal": "modality_stagnation", "modality": "image", "values": {"ratio": 1.04},
-     "action": "warn", "message": "image loss rising while others improve"},
-    {"step": 205, "signal": "chance_level", "modality": "video", "values": {"ce_norm": 0.97}, "action": "rollback",
-     "message": "video back near chance: roll back to step 150 and skip the window"},
+    {
+        "step": 120,
+        "signal": "loss_spike",
+        "modality": None,
+        "values": {"score": 9.1, "loss": 7.9},
+        "action": "skip",
+        "message": "loss 7.9 > mean + 6 sigma",
+    },
+    {
+        "step": 130,
+        "signal": "nonfinite",
+        "modality": None,
+        "values": {"loss": float("nan")},
+        "action": "skip",
+        "message": "NaN loss: update dropped",
+    },
+    {
+        "step": 175,
+        "signal": "modality_stagnation",
+        "modality": "image",
+        "values": {"ratio": 1.04},
+        "action": "warn",
+        "message": "image loss rising while others improve",
+    },
+    {
+        "step": 205,
+        "signal": "chance_level",
+        "modality": "video",
+        "values": {"ce_norm": 0.97},
+        "action": "rollback",
+        "message": "video back near chance: roll back to step 150 and skip the window",
+    },
 ]
 
 
 def record(step: int, rng: np.random.Generator, bogus: bool = False) -> dict:
     """One optimizer step as the LM task logs it (modalities absent from some steps)."""
     r: dict = {"step": step}
-    present = [m for m in MODS if not (m == "video" and step % 3) and not (m == "code" and step % 2)]
+    present = [
+        m for m in MODS if not (m == "video" and step % 3) and not (m == "code" and step % 2)
+    ]
     floors = {"text": 2.6, "code": 1.9, "image": 4.8, "video": 5.1, "structure": 0.4}
     total_tok, ce_sum = 0, 0.0
     for m in MODS:
@@ -45,7 +72,7 @@ def record(step: int, rng: np.random.Generator, bogus: bool = False) -> dict:
             continue
         ce = floors[m] + 3.5 * math.exp(-step / 40) + rng.normal(0, 0.05)
         if m == "image" and step > 150:
-            ce += (step - 150) * 0.01                  # the image modality drifting back up
+            ce += (step - 150) * 0.01  # the image modality drifting back up
         r[f"loss/{m}"] = ce
         r[f"loss_norm/{m}"] = ce / math.log(4096 if m in ("text", "code") else 1000)
         r[f"monitor/logz/{m}"] = 2.0 + 0.002 * step + rng.normal(0, 0.02)
@@ -60,10 +87,19 @@ def record(step: int, rng: np.random.Generator, bogus: bool = False) -> dict:
         r["train/loss"], grad = float("nan"), float("nan")
     shares = rng.dirichlet([w * 200 for w in SOURCES.values()])
     r.update({f"mix/{s}": float(x) for s, x in zip(SOURCES, shares)})
-    r.update({"optim/grad_norm": grad, "optim/lr": 3e-3 * min(1, step / 20) * (0.5 + 0.5 * math.cos(math.pi * step / 300)),
-              "optim/skipped": float(step in (120, 130)), "optim/skipped_steps": (step >= 120) + (step >= 130),
-              "throughput/units_per_s": 6000 + rng.normal(0, 200), "throughput/step_s": 0.5,
-              "throughput/data_wait": 0.01, "throughput/mfu": 0.31 + rng.normal(0, 0.01), "throughput/eta_s": 50.0})
+    r.update(
+        {
+            "optim/grad_norm": grad,
+            "optim/lr": 3e-3 * min(1, step / 20) * (0.5 + 0.5 * math.cos(math.pi * step / 300)),
+            "optim/skipped": float(step in (120, 130)),
+            "optim/skipped_steps": (step >= 120) + (step >= 130),
+            "throughput/units_per_s": 6000 + rng.normal(0, 200),
+            "throughput/step_s": 0.5,
+            "throughput/data_wait": 0.01,
+            "throughput/mfu": 0.31 + rng.normal(0, 0.01),
+            "throughput/eta_s": 50.0,
+        }
+    )
     if step % 50 == 0:
         for m in MODS:
             v = floors[m] + 3.6 * math.exp(-step / 40) + 0.05
@@ -78,7 +114,9 @@ def synthetic_run(root: Path) -> Path:
     run = root / "synth"
     run.mkdir()
     srcs = "".join(f"  - {{name: {s}, shards: [x/{s}], weight: {w}}}\n" for s, w in SOURCES.items())
-    (run / "config.yaml").write_text(f"task: lm\nname: synth_lm\ntrain:\n  steps: 300\ndata:\n  sources:\n{srcs}")
+    (run / "config.yaml").write_text(
+        f"task: lm\nname: synth_lm\ntrain:\n  steps: 300\ndata:\n  sources:\n{srcs}"
+    )
     rng = np.random.default_rng(0)
     lines = [record(s, rng, bogus=s > 150) for s in range(1, 201)]
     lines += [record(s, rng) for s in range(151, 241)]
@@ -91,7 +129,11 @@ def synthetic_run(root: Path) -> Path:
 
 def assert_self_contained(page: str) -> None:
     assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
-    assert "<link" not in page and "<script" not in page and not re.search(r"""(src|href)=["']?(https?:|//)""", page)
+    assert (
+        "<link" not in page
+        and "<script" not in page
+        and not re.search(r"""(src|href)=["']?(https?:|//)""", page)
+    )
     assert "url(" not in page and "@import" not in page
     for src in re.findall(r"""src=["']?([^"' >]+)""", page):
         assert src.startswith("data:image/png;base64,"), src[:60]
@@ -102,7 +144,7 @@ def test_synthetic_lm_run(tmp_path, capsys):
     data = load_run(run)
     assert data.last_step == 240 and len(data.records) == 240
     assert data.duplicate_records == 50 and data.bad_lines == 1 and data.bad_alarm_lines == 1
-    assert all(data.records[s]["train/loss"] < 20 for s in range(151, 201))    # the resumed pass won
+    assert all(data.records[s]["train/loss"] < 20 for s in range(151, 201))  # the resumed pass won
     assert data.modalities() == list(MODS) and data.sources() == list(SOURCES)
 
     assert main([str(run), "--smooth", "0.8"]) == 0
@@ -118,8 +160,20 @@ def test_synthetic_lm_run(tmp_path, capsys):
         row = re.search(rf"<td>A{i}</td><td class=num>{a['step']}</td><td>{a['signal']}</td>", page)
         assert row, f"alarm A{i} missing from the table"
         assert html.escape(a["message"]) in page
-    for anchor in ("loss", "val", "loss_norm", "mix", "tokens", "grad", "lr", "throughput", "util",
-                   "monitor_logz", "monitor_hidden_norm", "monitor_logit_gap"):
+    for anchor in (
+        "loss",
+        "val",
+        "loss_norm",
+        "mix",
+        "tokens",
+        "grad",
+        "lr",
+        "throughput",
+        "util",
+        "monitor_logz",
+        "monitor_hidden_norm",
+        "monitor_logit_gap",
+    ):
         assert f"<figure id={anchor}>" in page
     assert "240 / 300 (80%)" in page and "50 step record(s) logged again" in page
     assert "EMA factor 0.8" in page and "running or stopped" in page
@@ -127,34 +181,55 @@ def test_synthetic_lm_run(tmp_path, capsys):
 
 def test_report_of_a_real_vtok_run(tiny_raw, tmp_path):
     run = tmp_path / "vtok"
-    train(["experiment=vtok_debug", f"vtok_data.raw=[{tiny_raw}]", f"run_dir={run}", "train.steps=4",
-           "vtok_data.heldout_crops=16"])
+    train(
+        [
+            "experiment=vtok_debug",
+            f"vtok_data.raw=[{tiny_raw}]",
+            f"run_dir={run}",
+            "train.steps=4",
+            "vtok_data.heldout_crops=16",
+        ]
+    )
     out = tmp_path / "elsewhere"
     rep = write_report(run, out=out)
     assert rep.png == out / "report.png" and rep.png.is_file() and not (run / "report").exists()
     assert {"loss", "grad", "lr", "psnr", "ssim", "codes"} <= set(rep.panels)
     page = rep.html.read_text()
     assert_self_contained(page)
-    assert "<td>image</td>" in page and "no alarms" in page and "finished" in page and "4 / 4 (100%)" in page
+    assert (
+        "<td>image</td>" in page
+        and "no alarms" in page
+        and "finished" in page
+        and "4 / 4 (100%)" in page
+    )
     assert "eval/psnr" in page and "eval/baseline_psnr" in page and "Reconstructions" in page
-    assert page.count("data:image/png;base64,") == len(rep.panels) + 1        # the panels and the reconstructions
+    assert (
+        page.count("data:image/png;base64,") == len(rep.panels) + 1
+    )  # the panels and the reconstructions
 
 
 def test_missing_run_folder_fails_clearly(tmp_path, capsys):
     assert main([str(tmp_path / "nope")]) == 1
     assert f"no metrics.jsonl in {tmp_path / 'nope'}" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
-    script = Path(sys.executable).parent / "earlyfuse-report"        # the console script, as a user runs it
+    script = (
+        Path(sys.executable).parent / "earlyfuse-report"
+    )  # the console script, as a user runs it
     p = subprocess.run([str(script), str(tmp_path / "empty")], capture_output=True, text=True)
     assert p.returncode == 1 and str(tmp_path / "empty") in p.stderr and not p.stdout
     h = subprocess.run([str(script), "--help"], capture_output=True, text=True)
-    assert h.returncode == 0 and "--smooth" in h.stdout and "--out" in h.stdout and "alarms" in h.stdout
+    assert (
+        h.returncode == 0
+        and "--smooth" in h.stdout
+        and "--out" in h.stdout
+        and "alarms" in h.stdout
+    )
 
 
 def test_a_run_that_has_just_started(tmp_path):
     run = tmp_path / "young"
     run.mkdir()
-    (run / "metrics.jsonl").write_text('{"step": 1, "train/lo')     # the first line, half-written
+    (run / "metrics.jsonl").write_text('{"step": 1, "train/lo')  # the first line, half-written
     rep = write_report(run)
     assert rep.panels == [] and rep.png.is_file()
     page = rep.html.read_text()

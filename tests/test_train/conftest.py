@@ -1,4 +1,5 @@
 """Fixtures for the training tests."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,16 @@ import numpy as np
 import pytest
 from PIL import Image
 
-COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 60, 220), "yellow": (230, 220, 30),
-           "purple": (140, 40, 170), "orange": (240, 140, 20), "black": (10, 10, 10), "white": (245, 245, 245)}
+COLOURS = {
+    "red": (220, 30, 30),
+    "green": (30, 200, 40),
+    "blue": (30, 60, 220),
+    "yellow": (230, 220, 30),
+    "purple": (140, 40, 170),
+    "orange": (240, 140, 20),
+    "black": (10, 10, 10),
+    "white": (245, 245, 245),
+}
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +36,9 @@ def colour_tokens(tiny_tokenizers, tmp_path_factory) -> Path:
     rows = []
     for i in range(160):
         name = list(COLOURS)[i % len(COLOURS)]
-        px = np.clip(np.array(COLOURS[name]) + rng.integers(-6, 7, (32, 32, 3)), 0, 255).astype(np.uint8)
+        px = np.clip(np.array(COLOURS[name]) + rng.integers(-6, 7, (32, 32, 3)), 0, 255).astype(
+            np.uint8
+        )
         Image.fromarray(px).save(folder / f"c{i:03d}.png")
         rows.append({"image": f"c{i:03d}.png", "caption": f"a {name} square."})
     (folder / "captions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -1,5 +1,6 @@
 """Every preset in configs/ composes onto the typed schema and builds its model; a misspelt key
 is an error that names it."""
+
 from __future__ import annotations
 
 from pathlib import Path

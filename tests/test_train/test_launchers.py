@@ -1,5 +1,6 @@
 """The `deepspeed` launcher starts earlyfuse-train as it would on a GPU node: two processes on
 CPU (gloo), each given `--local_rank=N`, which Hydra alone would reject (train/dist.py strips it)."""
+
 from __future__ import annotations
 
 import json
@@ -12,13 +13,32 @@ from pathlib import Path
 
 def test_deepspeed_launcher_runs_two_ranks(tiny_raw, tmp_path):
     run = tmp_path / "run"
-    launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or shutil.which("deepspeed")
+    launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or shutil.which(
+        "deepspeed"
+    )
     assert launcher, "the deepspeed launcher is installed with deepspeed"
-    cmd = [launcher, "--num_nodes", "1", "--num_gpus", "2", "--master_port", str(29600 + os.getpid() % 300),
-           "--module", "train.app", "experiment=vtok_debug", f"vtok_data.raw=[{tiny_raw}]", f"run_dir={run}",
-           "train.steps=3", "vtok_data.heldout_crops=32", "vtok_data.video_frames=false", "train.progress=false",
-           "deepspeed.zero_stage=2"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        launcher,
+        "--num_nodes",
+        "1",
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(29600 + os.getpid() % 300),
+        "--module",
+        "train.app",
+        "experiment=vtok_debug",
+        f"vtok_data.raw=[{tiny_raw}]",
+        f"run_dir={run}",
+        "train.steps=3",
+        "vtok_data.heldout_crops=32",
+        "vtok_data.video_frames=false",
+        "train.progress=false",
+        "deepspeed.zero_stage=2",
+    ]
+    p = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
     assert "--local_rank=1" in out and "2 rank(s)" in out and "step 3/3 | loss" in out

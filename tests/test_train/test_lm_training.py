@@ -1,21 +1,30 @@
 """The early-fusion LM under DeepSpeed on CPU, on real token shards: every ZeRO stage trains and
 resumes bit-identically from its own checkpoint; a 2-process torchrun run killed with -9
 resumes bit-identically too."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
-
 from trainrun import metrics, train
 
-SOURCES = {"scenes": 0.3, "clips": 0.3, "text": 0.3, "code": 0.1}   # short documents first
+SOURCES = {"scenes": 0.3, "clips": 0.3, "text": 0.3, "code": 0.1}  # short documents first
 
 
 def base(tokens, run_dir, steps, *extra):
-    srcs = ",".join(f"{{name: {s}, shards: [{tokens / s}], weight: {w}}}" for s, w in SOURCES.items())
-    return ["experiment=debug", f"data.sources=[{srcs}]", f"run_dir={run_dir}", f"train.steps={steps}",
-            "train.log_every=1", "train.micro_batch=2", *extra]
+    srcs = ",".join(
+        f"{{name: {s}, shards: [{tokens / s}], weight: {w}}}" for s, w in SOURCES.items()
+    )
+    return [
+        "experiment=debug",
+        f"data.sources=[{srcs}]",
+        f"run_dir={run_dir}",
+        f"train.steps={steps}",
+        "train.log_every=1",
+        "train.micro_batch=2",
+        *extra,
+    ]
 
 
 def test_lm_debug_run_logs_every_modality(tiny_tokens, tmp_path):
@@ -26,7 +35,9 @@ def test_lm_debug_run_logs_every_modality(tiny_tokens, tmp_path):
     m = metrics(run)
     seen = {k for rec in m.values() for k in rec if k.startswith("loss/")}
     assert {"loss/text", "loss/code", "loss/image", "loss/video"} <= seen
-    assert all(abs(sum(m[s][f"mix/{k}"] for k in SOURCES) - 1) < 1e-9 for s in m)   # shares of each step
+    assert all(
+        abs(sum(m[s][f"mix/{k}"] for k in SOURCES) - 1) < 1e-9 for s in m
+    )  # shares of each step
     assert all(sum(m[s][f"mix/{k}"] for s in m) > 0 for k in SOURCES)
     final = json.loads((run / "final.json").read_text())
     assert "val/loss/image" in final and "val/ppl/image" in final
@@ -38,8 +49,11 @@ def test_every_zero_stage_trains_and_resumes_bit_identically(tiny_tokens, tmp_pa
     ref, run = tmp_path / "ref", tmp_path / "run"
     args = [f"deepspeed.zero_stage={stage}"]
     train(base(tiny_tokens, ref, 4, *args))
-    p = train(base(tiny_tokens, run, 4, "train.ckpt_every=2", *args), env={"EARLYFUSE_FAULT_KILL_AT_STEP": "3"},
-              check=False)
+    p = train(
+        base(tiny_tokens, run, 4, "train.ckpt_every=2", *args),
+        env={"EARLYFUSE_FAULT_KILL_AT_STEP": "3"},
+        check=False,
+    )
     assert p.returncode == 137
     train(base(tiny_tokens, run, 4, "train.ckpt_every=2", *args))
     a, b = metrics(ref), metrics(run)
@@ -52,8 +66,12 @@ def test_two_process_run_killed_mid_run_resumes_bit_identically(tiny_tokens, tmp
     ref, run = tmp_path / "ref", tmp_path / "run"
     args = ["deepspeed.zero_stage=2"]
     train(base(tiny_tokens, ref, 6, *args), nproc=2)
-    p = train(base(tiny_tokens, run, 6, "train.ckpt_every=2", *args), nproc=2,
-              env={"EARLYFUSE_FAULT_KILL_AT_STEP": "5"}, check=False)
+    p = train(
+        base(tiny_tokens, run, 6, "train.ckpt_every=2", *args),
+        nproc=2,
+        env={"EARLYFUSE_FAULT_KILL_AT_STEP": "5"},
+        check=False,
+    )
     assert p.returncode != 0
     train(base(tiny_tokens, run, 6, "train.ckpt_every=2", *args), nproc=2)
     a, b = metrics(ref), metrics(run)
@@ -63,18 +81,39 @@ def test_two_process_run_killed_mid_run_resumes_bit_identically(tiny_tokens, tmp
 def test_lm_trains_on_raw_shards_tokenized_by_the_loader(tiny_raw, tiny_tokens, tmp_path):
     """A raw source (tokenized in the loader's worker) mixed with a token source of the same tokenizers."""
     run = tmp_path / "run"
-    srcs = f"[{{name: scenes, shards: [{tiny_raw / 'scenes'}], weight: 0.5}}, " \
-           f"{{name: code, shards: [{tiny_tokens / 'code'}], weight: 0.5}}]"
-    p = train(["experiment=debug", f"data.sources={srcs}", f"run_dir={run}", "train.steps=3", "train.log_every=1",
-               "train.micro_batch=2", f"data.tokenizers={tiny_tokens / 'tokenizers'}",
-               "data.tokenize.image_max_pixels=1024", "data.tokenize.video_max_pixels=1024"])
+    srcs = (
+        f"[{{name: scenes, shards: [{tiny_raw / 'scenes'}], weight: 0.5}}, "
+        f"{{name: code, shards: [{tiny_tokens / 'code'}], weight: 0.5}}]"
+    )
+    p = train(
+        [
+            "experiment=debug",
+            f"data.sources={srcs}",
+            f"run_dir={run}",
+            "train.steps=3",
+            "train.log_every=1",
+            "train.micro_batch=2",
+            f"data.tokenizers={tiny_tokens / 'tokenizers'}",
+            "data.tokenize.image_max_pixels=1024",
+            "data.tokenize.video_max_pixels=1024",
+        ]
+    )
     assert "step 3/3 | loss" in p.stdout
     m = metrics(run)
     assert sum(m[s]["tokens/image"] for s in m) > 0 and sum(m[s]["tokens/code"] for s in m) > 0
     assert all(m[s]["data/skipped"] == 0 for s in m)
     # Raw shards cannot be a validation source: refused at start, not at the first evaluation.
     val = f"[{{name: v, shards: [{tiny_raw / 'scenes'}]}}]"
-    p = train(["experiment=debug", f"data.sources={srcs}", f"run_dir={tmp_path / 'val'}", "train.steps=3",
-               f"data.tokenizers={tiny_tokens / 'tokenizers'}", f"data.validation={val}"], check=False)
+    p = train(
+        [
+            "experiment=debug",
+            f"data.sources={srcs}",
+            f"run_dir={tmp_path / 'val'}",
+            "train.steps=3",
+            f"data.tokenizers={tiny_tokens / 'tokenizers'}",
+            f"data.validation={val}",
+        ],
+        check=False,
+    )
     assert p.returncode != 0 and "data.validation source v holds raw shards" in p.stderr
     assert not (tmp_path / "val" / "metrics.jsonl").exists()

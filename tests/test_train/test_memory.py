@@ -1,4 +1,5 @@
 """The memory estimate behind docs/training.md's preset table."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,7 +20,9 @@ def test_zero_stages_and_checkpointing_only_ever_save_memory():
     kw = dict(micro_batch=4, seq_len=2048, world_size=8)
     states = [estimate(cfg, zero_stage=z, **kw).states_gib for z in range(4)]
     assert states == sorted(states, reverse=True) and states[3] < states[0] / 6
-    assert estimate(cfg, act_ckpt=True, **kw).activations_gib < estimate(cfg, **kw).activations_gib / 5
+    assert (
+        estimate(cfg, act_ckpt=True, **kw).activations_gib < estimate(cfg, **kw).activations_gib / 5
+    )
     one = estimate(cfg, micro_batch=4, seq_len=2048, world_size=1, zero_stage=0)
-    assert one.states_gib == pytest.approx(20 * one.params / 2**30)          # 20 bytes per parameter
+    assert one.states_gib == pytest.approx(20 * one.params / 2**30)  # 20 bytes per parameter
     assert estimate(cfg, grad_accum=4, **kw).tokens_per_step == 4 * 2048 * 4 * 8

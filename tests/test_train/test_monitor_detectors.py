@@ -1,4 +1,5 @@
 """The detectors and probes on their own: synthetic metric streams and a tiny model."""
+
 from __future__ import annotations
 
 import math
@@ -7,7 +8,13 @@ import pytest
 import torch
 
 from train.monitor import Monitor, MonitorConfig
-from train.monitor.config import CollapseConfig, DivergenceConfig, DriftConfig, SpikeConfig, StagnationConfig
+from train.monitor.config import (
+    CollapseConfig,
+    DivergenceConfig,
+    DriftConfig,
+    SpikeConfig,
+    StagnationConfig,
+)
 from train.monitor.detectors import Collapse, Divergence, Drift, Stagnation
 
 LN = {"text": math.log(1000), "image": math.log(1000)}
@@ -32,7 +39,9 @@ def test_collapse_fires_once_when_a_learned_modality_returns_to_chance():
 
 def test_collapse_ignores_a_modality_that_never_learned():
     d = Collapse(CollapseConfig(window=5, min_steps=0), LN)
-    assert not any(d.check(s, step_metrics(0.5 * LN["text"], 0.99 * LN["image"])) for s in range(1, 60))
+    assert not any(
+        d.check(s, step_metrics(0.5 * LN["text"], 0.99 * LN["image"])) for s in range(1, 60)
+    )
 
 
 def test_collapse_weighs_steps_by_tokens_not_by_step():
@@ -40,7 +49,7 @@ def test_collapse_weighs_steps_by_tokens_not_by_step():
     d.check(1, {"loss/image": 0.0, "tokens/image": 1})
     d.check(2, {"loss/image": LN["image"], "tokens/image": 99})
     m = {}
-    d.check(3, m)      # image absent: the window still holds steps 2 and 3
+    d.check(3, m)  # image absent: the window still holds steps 2 and 3
     assert d.win.mean("image") == pytest.approx(LN["image"])
 
 
@@ -49,8 +58,8 @@ def test_stagnation_needs_the_others_to_improve():
     d, quiet = Stagnation(cfg), Stagnation(cfg)
     fired, calm = [], []
     for s in range(1, 41):
-        fired += d.check(s, step_metrics(5.0 - 0.05 * s, 3.0 + 0.01 * s))     # image rises, text falls
-        calm += quiet.check(s, step_metrics(3.0, 3.0))                         # everything flat
+        fired += d.check(s, step_metrics(5.0 - 0.05 * s, 3.0 + 0.01 * s))  # image rises, text falls
+        calm += quiet.check(s, step_metrics(3.0, 3.0))  # everything flat
     assert fired and fired[0].modality == "image" and "rose" in fired[0].message
     assert calm == []
 
@@ -60,23 +69,36 @@ def test_divergence_counts_skipped_steps_and_names_the_first():
     out = []
     for s in range(1, 30):
         out += d.check(s, {"optim/skipped": float(s in (12, 14, 15, 16, 17))})
-    assert len(out) == 1 and out[0].step == 16 and out[0].since == 12 and out[0].action == "rollback"
+    assert (
+        len(out) == 1 and out[0].step == 16 and out[0].since == 12 and out[0].action == "rollback"
+    )
 
 
 def test_drift_fires_on_logz_and_hidden_norm_growth():
     d = Drift(DriftConfig(window=3, min_steps=5, logz_abs=20, hidden_growth=4))
     out = []
     for s in range(1, 40):
-        out += d.check(s, {"monitor/logz/text": 5.0 if s < 30 else 25.0,
-                           "monitor/hidden_norm/text": 1.0 if s < 20 else 5.0})
+        out += d.check(
+            s,
+            {
+                "monitor/logz/text": 5.0 if s < 30 else 25.0,
+                "monitor/hidden_norm/text": 1.0 if s < 20 else 5.0,
+            },
+        )
     assert sorted((a.signal, a.step) for a in out) == [("hidden_drift", 20), ("logz_drift", 30)]
 
 
 def test_monitor_turns_gate_decisions_into_alarms_and_keeps_state():
     mon = Monitor(MonitorConfig(), total_steps=100, chance=LN)
     m = {"train/loss": float("nan"), "optim/grad_norm": float("nan"), "optim/skipped": 1.0}
-    a = mon.check(3, m, {"loss_score": math.inf, "grad_norm_score": math.inf, "skipped": True, "nonfinite": True})
-    assert [(x.signal, x.action) for x in a] == [("nonfinite", "skip")] and m["monitor/nonfinite_steps"] == 1
+    a = mon.check(
+        3,
+        m,
+        {"loss_score": math.inf, "grad_norm_score": math.inf, "skipped": True, "nonfinite": True},
+    )
+    assert [(x.signal, x.action) for x in a] == [("nonfinite", "skip")] and m[
+        "monitor/nonfinite_steps"
+    ] == 1
     assert not mon.healthy()
     st = mon.state_dict()
     other = Monitor(MonitorConfig(), total_steps=100, chance=LN)
@@ -84,8 +106,10 @@ def test_monitor_turns_gate_decisions_into_alarms_and_keeps_state():
     assert other.state_dict() == st and other.nonfinite_steps == 1
 
 
-@pytest.mark.parametrize("section", ["collapse", "stagnation", "drift", "attention", "dependence", "code_use",
-                                     "divergence"])
+@pytest.mark.parametrize(
+    "section",
+    ["collapse", "stagnation", "drift", "attention", "dependence", "code_use", "divergence"],
+)
 def test_skip_is_refused_for_detectors_that_run_after_the_update(section):
     cfg = MonitorConfig()
     getattr(cfg, section).action = "skip"
@@ -102,10 +126,16 @@ def test_unknown_action_is_named():
 def _batch(ids):
     z = torch.zeros_like(ids)
     T = ids.shape[1]
-    return {"input_ids": ids, "labels": ids, "modality": z, "label_modality": z, "doc_ids": z,
-            "position_ids": torch.arange(T).expand_as(ids),
-            "position_thw": torch.arange(T)[None, :, None].expand(ids.shape[0], T, 3).contiguous(),
-            "image_ids": torch.full_like(ids, -1)}
+    return {
+        "input_ids": ids,
+        "labels": ids,
+        "modality": z,
+        "label_modality": z,
+        "doc_ids": z,
+        "position_ids": torch.arange(T).expand_as(ids),
+        "position_thw": torch.arange(T)[None, :, None].expand(ids.shape[0], T, 3).contiguous(),
+        "image_ids": torch.full_like(ids, -1),
+    }
 
 
 def test_attention_probe_scores_are_the_ones_the_model_used():
@@ -139,14 +169,18 @@ def test_attention_probe_scores_are_the_ones_the_model_used():
     p = scores.softmax(-1)
     ent = float(-(p * p.clamp_min(1e-30).log()).sum(-1).mean())
     assert stats["monitor/attn_entropy/L1"] == pytest.approx(ent, rel=1e-5)
-    assert stats["monitor/attn_max_logit"] == max(stats["monitor/attn_max_logit/L0"], stats["monitor/attn_max_logit/L1"])
+    assert stats["monitor/attn_max_logit"] == max(
+        stats["monitor/attn_max_logit/L0"], stats["monitor/attn_max_logit/L1"]
+    )
 
 
 def test_divergence_fires_when_the_loss_stays_high_after_a_spike():
     d = Divergence(DivergenceConfig(window=10, max_skipped=4, max_rise=0.2))
     out = []
     for s in range(1, 60):
-        loss = 5.0 if s < 30 else (20.0 if s == 30 else 7.0)     # one skipped spike, then stuck 40% higher
+        loss = (
+            5.0 if s < 30 else (20.0 if s == 30 else 7.0)
+        )  # one skipped spike, then stuck 40% higher
         out += d.check(s, {"optim/skipped": float(s == 30), "train/loss": loss})
     assert len(out) == 1 and out[0].since == 30 and out[0].step == 40 and "stayed" in out[0].message
 
@@ -155,7 +189,9 @@ def test_divergence_stays_quiet_when_the_run_recovers_by_itself():
     d = Divergence(DivergenceConfig(window=10, max_skipped=4, max_rise=0.2))
     out = []
     for s in range(1, 60):
-        out += d.check(s, {"optim/skipped": float(s in (30, 31)), "train/loss": 30.0 if s in (30, 31) else 5.0})
+        out += d.check(
+            s, {"optim/skipped": float(s in (30, 31)), "train/loss": 30.0 if s in (30, 31) else 5.0}
+        )
     assert out == [] and d.watch is None
 
 
@@ -177,10 +213,11 @@ def test_shuffle_swaps_codes_only_between_blocks_of_the_same_shape():
     ids = torch.tensor(np.stack(rows))
     out, swapped = shuffle_images(ids, blocks, lay)
     assert swapped == 3
-    assert torch.equal(out[2], ids[2])                                   # 2x3: no partner, untouched
+    assert torch.equal(out[2], ids[2])  # 2x3: no partner, untouched
     assert torch.equal(out != ids, (ids >= lay.visual_offset) & (torch.arange(4) != 2)[:, None])
-    assert sorted(int(out[r][out[r] >= lay.visual_offset][0]) for r in (0, 1, 3)) == \
-        sorted(int(ids[r][ids[r] >= lay.visual_offset][0]) for r in (0, 1, 3))
+    assert sorted(int(out[r][out[r] >= lay.visual_offset][0]) for r in (0, 1, 3)) == sorted(
+        int(ids[r][ids[r] >= lay.visual_offset][0]) for r in (0, 1, 3)
+    )
 
 
 def test_stagnation_waits_for_patience_and_ignores_structure():

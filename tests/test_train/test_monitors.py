@@ -1,12 +1,12 @@
 """The monitors on the debug model, with faults injected (issue 7's checks): each run is real
 (DeepSpeed on CPU, real token shards) and each fault is one environment variable
 (``train/faults.py``)."""
+
 from __future__ import annotations
 
 import json
 
 import torch
-
 from trainrun import metrics, train
 
 SOURCES = {"scenes": 0.3, "clips": 0.2, "text": 0.3, "code": 0.2}
@@ -14,11 +14,21 @@ PROBES = ["monitor.attention.every=25", "monitor.dependence.every=25", "monitor.
 
 
 def base(tokens, run_dir, steps, *extra, sources=None, colours=None):
-    srcs = [f"{{name: {s}, shards: [{tokens / s}], weight: {w}}}" for s, w in (sources or SOURCES).items()]
+    srcs = [
+        f"{{name: {s}, shards: [{tokens / s}], weight: {w}}}"
+        for s, w in (sources or SOURCES).items()
+    ]
     if colours is not None:
         srcs.append(f"{{name: colours, shards: [{colours / 'captions'}], weight: 0.5}}")
-    return ["experiment=debug", f"data.sources=[{','.join(srcs)}]", f"run_dir={run_dir}", f"train.steps={steps}",
-            "train.log_every=25", "train.micro_batch=2", *extra]
+    return [
+        "experiment=debug",
+        f"data.sources=[{','.join(srcs)}]",
+        f"run_dir={run_dir}",
+        f"train.steps={steps}",
+        "train.log_every=25",
+        "train.micro_batch=2",
+        *extra,
+    ]
 
 
 def alarms(run_dir) -> list[dict]:
@@ -31,43 +41,74 @@ def test_healthy_run_raises_no_alarm(tiny_tokens, colour_tokens, tmp_path):
     train(base(tiny_tokens, run, 150, *PROBES, colours=colour_tokens))
     assert alarms(run) == [], alarms(run)
     m = metrics(run)
-    for key in ("monitor/attn_max_logit", "monitor/attn_entropy", "monitor/dependence_gap", "monitor/gen_code_entropy"):
+    for key in (
+        "monitor/attn_max_logit",
+        "monitor/attn_entropy",
+        "monitor/dependence_gap",
+        "monitor/gen_code_entropy",
+    ):
         assert key in m[150] and key in m[25], key
     assert "monitor/loss_spike_score" in m[1] and "monitor/norm_ce_window/text" in m[150]
 
 
 def test_random_image_codes_fire_the_collapse_detector(tiny_tokens, tmp_path):
     run, k = tmp_path / "run", 80
-    train(base(tiny_tokens, run, k + 40, "optim.skip_step.enabled=false"),
-          env={"EARLYFUSE_FAULT_RANDOM_IMAGE_CODES_FROM": str(k)})
+    train(
+        base(tiny_tokens, run, k + 40, "optim.skip_step.enabled=false"),
+        env={"EARLYFUSE_FAULT_RANDOM_IMAGE_CODES_FROM": str(k)},
+    )
     fired = [a for a in alarms(run) if a["signal"] == "collapse"]
     assert fired and fired[0]["modality"] == "image", alarms(run)
     assert k < fired[0]["step"] <= k + 30
-    assert all(a["step"] > k for a in alarms(run))            # nothing before the fault
+    assert all(a["step"] > k for a in alarms(run))  # nothing before the fault
 
 
 def test_lr_spike_is_skipped_then_rolled_back_and_recovers(tiny_tokens, tmp_path):
     run, k = tmp_path / "run", 60
-    p = train(base(tiny_tokens, run, 120, "train.ckpt_every=10", "train.keep_last=3", "optim.skip_step.min_steps=20",
-                   "optim.schedule=constant"), env={"EARLYFUSE_FAULT_LR_X100_AT": str(k)})
+    p = train(
+        base(
+            tiny_tokens,
+            run,
+            120,
+            "train.ckpt_every=10",
+            "train.keep_last=3",
+            "optim.skip_step.min_steps=20",
+            "optim.schedule=constant",
+        ),
+        env={"EARLYFUSE_FAULT_LR_X100_AT": str(k)},
+    )
     a = alarms(run)
     spikes = [x for x in a if x["signal"] in ("loss_spike", "grad_norm_spike")]
     rollback = [x for x in a if x["signal"] == "divergence"]
     assert spikes and spikes[0]["action"] == "skip" and k < spikes[0]["step"] <= k + 20, a
     assert rollback and rollback[0]["action"] == "rollback", a
-    assert "ROLLBACK at step" in p.stdout and "back to the checkpoint of step 50" in p.stdout, p.stdout[-3000:]
+    assert "ROLLBACK at step" in p.stdout and "back to the checkpoint of step 50" in p.stdout, (
+        p.stdout[-3000:]
+    )
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     before = [r["train/loss"] for r in recs if 40 < r["step"] <= k]
     after = [r["train/loss"] for r in recs[-20:]]
     assert sum(after) / len(after) <= sum(before) / len(before) + 0.05
-    assert recs[-1]["step"] == 120 and (run / "checkpoints" / "latest").read_text().strip() == "step_00000120"
+    assert (
+        recs[-1]["step"] == 120
+        and (run / "checkpoints" / "latest").read_text().strip() == "step_00000120"
+    )
 
 
 def test_shuffled_probe_images_collapse_the_dependence_gap(tiny_tokens, colour_tokens, tmp_path):
     run, k = tmp_path / "run", 150
-    train(base(tiny_tokens, run, 200, "monitor.dependence.every=25", "monitor.dependence.min_steps=0",
-               sources={"text": 0.2}, colours=colour_tokens),
-          env={"EARLYFUSE_FAULT_SHUFFLE_PROBE_FROM": str(k)})
+    train(
+        base(
+            tiny_tokens,
+            run,
+            200,
+            "monitor.dependence.every=25",
+            "monitor.dependence.min_steps=0",
+            sources={"text": 0.2},
+            colours=colour_tokens,
+        ),
+        env={"EARLYFUSE_FAULT_SHUFFLE_PROBE_FROM": str(k)},
+    )
     m = metrics(run)
     gaps = {s: m[s]["monitor/dependence_gap"] for s in m if "monitor/dependence_gap" in m[s]}
     assert gaps[125] > 0.05, gaps
@@ -78,15 +119,21 @@ def test_shuffled_probe_images_collapse_the_dependence_gap(tiny_tokens, colour_t
 
 def test_nan_loss_is_skipped_counted_and_never_reaches_the_weights(tiny_tokens, tmp_path):
     run, k = tmp_path / "run", 6
-    train(base(tiny_tokens, run, k, "train.ckpt_every=1", "train.keep_last=2"),
-          env={"EARLYFUSE_FAULT_NAN_AT_STEP": str(k)})
+    train(
+        base(tiny_tokens, run, k, "train.ckpt_every=1", "train.keep_last=2"),
+        env={"EARLYFUSE_FAULT_NAN_AT_STEP": str(k)},
+    )
     a = alarms(run)
     assert [(x["step"], x["signal"], x["action"]) for x in a] == [(k, "nonfinite", "skip")]
     m = metrics(run)
     assert m[k]["optim/skipped_steps"] == 1 and m[k]["monitor/nonfinite_steps"] == 1
     ck = run / "checkpoints"
-    prev = torch.load(ck / f"step_{k - 1:08d}" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
-    last = torch.load(ck / f"step_{k:08d}" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    prev = torch.load(ck / f"step_{k - 1:08d}" / "mp_rank_00_model_states.pt", weights_only=False)[
+        "module"
+    ]
+    last = torch.load(ck / f"step_{k:08d}" / "mp_rank_00_model_states.pt", weights_only=False)[
+        "module"
+    ]
     assert prev.keys() == last.keys()
     for name in prev:
         assert torch.equal(prev[name], last[name]), name
@@ -95,8 +142,11 @@ def test_nan_loss_is_skipped_counted_and_never_reaches_the_weights(tiny_tokens, 
 
 def test_halt_stops_the_run_with_exit_code_3_and_names_the_alarm(tiny_tokens, tmp_path):
     run = tmp_path / "run"
-    p = train(base(tiny_tokens, run, 6, "monitor.spike.action=halt"), env={"EARLYFUSE_FAULT_NAN_AT_STEP": "3"},
-              check=False)
+    p = train(
+        base(tiny_tokens, run, 6, "monitor.spike.action=halt"),
+        env={"EARLYFUSE_FAULT_NAN_AT_STEP": "3"},
+        check=False,
+    )
     assert p.returncode == 3, p.stderr[-2000:]
     assert "halted by the monitor at step 3: nonfinite" in p.stderr and "Traceback" not in p.stderr
     assert [(a["step"], a["action"]) for a in alarms(run)] == [(3, "halt")]
@@ -104,8 +154,16 @@ def test_halt_stops_the_run_with_exit_code_3_and_names_the_alarm(tiny_tokens, tm
 
 def test_moe_health_is_logged_per_modality(tiny_tokens, tmp_path):
     run = tmp_path / "run"
-    train(base(tiny_tokens, run, 3, "model.moe.num_experts=4", "model.moe.top_k=2", "train.log_every=1"))
+    train(
+        base(
+            tiny_tokens, run, 3, "model.moe.num_experts=4", "model.moe.top_k=2", "train.log_every=1"
+        )
+    )
     m = metrics(run)
-    loads = {k: v for rec in m.values() for k, v in rec.items() if k.startswith("monitor/moe_max_load/")}
-    assert "monitor/moe_max_load/text" in loads and all(1.0 <= v <= 4.0 for v in loads.values()), loads
+    loads = {
+        k: v for rec in m.values() for k, v in rec.items() if k.startswith("monitor/moe_max_load/")
+    }
+    assert "monitor/moe_max_load/text" in loads and all(1.0 <= v <= 4.0 for v in loads.values()), (
+        loads
+    )
     assert "train/moe_dropped" in m[3]

@@ -1,20 +1,28 @@
 """The visual tokenizer trained by `earlyfuse-train experiment=vtok_debug` on real shards, under
 DeepSpeed on CPU: metrics, export, reconstruction grid, crash and resume."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
+from trainrun import metrics, train
 
 from data.tokenize.visual import load_visual_tokenizer
 from data.vocab import VocabLayout
-from trainrun import metrics, train
 
 
 def base(tiny_raw, run_dir, steps=6, *extra):
-    return ["experiment=vtok_debug", f"vtok_data.raw=[{tiny_raw}]", f"run_dir={run_dir}",
-            f"train.steps={steps}", "train.log_every=1", "vtok_data.heldout_crops=32", *extra]
+    return [
+        "experiment=vtok_debug",
+        f"vtok_data.raw=[{tiny_raw}]",
+        f"run_dir={run_dir}",
+        f"train.steps={steps}",
+        "train.log_every=1",
+        "vtok_data.heldout_crops=32",
+        *extra,
+    ]
 
 
 def test_vtok_run_writes_metrics_export_and_grid(tiny_raw, tmp_path):
@@ -25,10 +33,18 @@ def test_vtok_run_writes_metrics_export_and_grid(tiny_raw, tmp_path):
     assert sorted(m) == [1, 2, 3, 4, 5, 6]
     assert m[6]["loss/image"] < m[1]["loss/image"]
     final = json.loads((run / "final.json").read_text())
-    for k in ("eval/psnr", "eval/ssim", "eval/baseline_psnr", "eval/code_fraction", "eval/code_perplexity"):
+    for k in (
+        "eval/psnr",
+        "eval/ssim",
+        "eval/baseline_psnr",
+        "eval/code_fraction",
+        "eval/code_perplexity",
+    ):
         assert k in final
     assert (run / "vtok_reconstructions.png").stat().st_size > 0
-    assert (run / "tb").is_dir() and (run / "checkpoints" / "latest").read_text().strip() == "step_00000006"
+    assert (run / "tb").is_dir() and (
+        run / "checkpoints" / "latest"
+    ).read_text().strip() == "step_00000006"
     model = load_visual_tokenizer(run / "visual_tokenizer", VocabLayout(text_size=10))
     codes = model.encode(torch.zeros(1, 3, 16, 24))
     assert codes.shape == (1, 4, 6)
@@ -38,17 +54,25 @@ def test_vtok_run_writes_metrics_export_and_grid(tiny_raw, tmp_path):
 def test_killed_run_resumes_bit_identically(tiny_raw, tmp_path, where):
     ref, run = tmp_path / "ref", tmp_path / "run"
     train(base(tiny_raw, ref, 8))
-    env = ({"EARLYFUSE_FAULT_KILL_AT_STEP": "5"} if where == "step" else {"EARLYFUSE_FAULT_KILL_IN_SAVE": "6"})
+    env = (
+        {"EARLYFUSE_FAULT_KILL_AT_STEP": "5"}
+        if where == "step"
+        else {"EARLYFUSE_FAULT_KILL_IN_SAVE": "6"}
+    )
     p = train(base(tiny_raw, run, 8, "train.ckpt_every=3"), env=env, check=False)
     assert p.returncode == 137
     latest = (run / "checkpoints" / "latest").read_text().strip()
-    assert latest == "step_00000003"          # a save cut short never moves `latest`
+    assert latest == "step_00000003"  # a save cut short never moves `latest`
     train(base(tiny_raw, run, 8, "train.ckpt_every=3"))
     a, b = metrics(ref), metrics(run)
     for step in range(1, 9):
         assert a[step]["train/loss"] == b[step]["train/loss"], step
         assert a[step]["optim/grad_norm"] == b[step]["optim/grad_norm"], step
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_00000006", "step_00000008"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "latest",
+        "step_00000006",
+        "step_00000008",
+    ]
 
 
 def test_a_typo_in_an_override_names_the_key(tiny_raw, tmp_path):
@@ -56,7 +80,9 @@ def test_a_typo_in_an_override_names_the_key(tiny_raw, tmp_path):
     assert p.returncode != 0 and "factr" in p.stderr
 
 
-def test_resuming_zero_shards_on_another_world_size_asks_for_a_universal_checkpoint(tiny_raw, tmp_path):
+def test_resuming_zero_shards_on_another_world_size_asks_for_a_universal_checkpoint(
+    tiny_raw, tmp_path
+):
     run = tmp_path / "run"
     train(base(tiny_raw, run, 2, "deepspeed.zero_stage=1"))
     meta = run / "checkpoints" / "step_00000002" / "meta.json"

@@ -12,6 +12,7 @@ Needs only torch: the GPU machine lacks DeepSpeed and the other packages.
     python tools/bench/bench_gpu.py --preset 125m --micro-batch 16 --seq-len 2048 --steps 300
     python tools/bench/bench_gpu.py --preset debug --device cpu --dtype float32 --steps 3 --warmup 1 --seq-len 128
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,12 +46,20 @@ def main(argv=None) -> dict:
     ap.add_argument("--preset", default="125m")
     ap.add_argument("--micro-batch", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--docs", type=int, default=4, help="documents packed per row (document-masked attention)")
+    ap.add_argument(
+        "--docs", type=int, default=4, help="documents packed per row (document-masked attention)"
+    )
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="autocast dtype")
+    ap.add_argument(
+        "--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="autocast dtype"
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the model (FlexAttention is compiled anyway)")
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model (FlexAttention is compiled anyway)",
+    )
     ap.add_argument("--activation-checkpoint", action="store_true")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
@@ -58,9 +67,12 @@ def main(argv=None) -> dict:
     cfg = preset(a.preset)
     if a.activation_checkpoint:
         import dataclasses
+
         cfg = dataclasses.replace(cfg, activation_checkpoint_every=1)
     model = cfg.build(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=dev.type == "cuda")
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=dev.type == "cuda"
+    )
     step_fn = torch.compile(model) if a.compile else model
     gen = torch.Generator().manual_seed(0)
     batches = [batch(cfg, a.micro_batch, a.seq_len, a.docs, dev, gen) for _ in range(4)]
@@ -93,16 +105,35 @@ def main(argv=None) -> dict:
     tps = tokens / dt
     fpt = flops_per_token(cfg, a.seq_len, causal=True)
     peak, source = peak_tflops(0.0, dev)
-    res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
-           "preset": a.preset, "params": sum(p.numel() for p in model.parameters()), "micro_batch": a.micro_batch,
-           "seq_len": a.seq_len, "docs_per_row": a.docs, "dtype": a.dtype, "compile": a.compile,
-           "steps": a.steps, "tokens_per_s": tps, "step_s": dt / a.steps, "tflops": tps * fpt / 1e12,
-           "peak_tflops": peak, "peak_source": source, "mfu": tps * fpt / 1e12 / peak if peak else None,
-           "final_loss": float(loss.detach()), "torch": torch.__version__,
-           "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None}
+    res = {
+        "device": torch.cuda.get_device_name(dev)
+        if dev.type == "cuda"
+        else platform.processor() or "cpu",
+        "preset": a.preset,
+        "params": sum(p.numel() for p in model.parameters()),
+        "micro_batch": a.micro_batch,
+        "seq_len": a.seq_len,
+        "docs_per_row": a.docs,
+        "dtype": a.dtype,
+        "compile": a.compile,
+        "steps": a.steps,
+        "tokens_per_s": tps,
+        "step_s": dt / a.steps,
+        "tflops": tps * fpt / 1e12,
+        "peak_tflops": peak,
+        "peak_source": source,
+        "mfu": tps * fpt / 1e12 / peak if peak else None,
+        "final_loss": float(loss.detach()),
+        "torch": torch.__version__,
+        "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30
+        if dev.type == "cuda"
+        else None,
+    }
     mfu = f"{res['mfu']:.1%}" if res["mfu"] is not None else "n/a"
-    print(f"{a.preset} on {res['device']}: {tps:,.0f} tokens/s, {res['tflops']:.3g} TFLOP/s, MFU {mfu} of "
-          f"{peak:.1f} TFLOP/s ({source}), step {res['step_s'] * 1e3:.1f} ms")
+    print(
+        f"{a.preset} on {res['device']}: {tps:,.0f} tokens/s, {res['tflops']:.3g} TFLOP/s, MFU {mfu} of "
+        f"{peak:.1f} TFLOP/s ({source}), step {res['step_s'] * 1e3:.1f} ms"
+    )
     print(json.dumps(res, indent=1))
     return res
 

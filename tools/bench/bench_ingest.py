@@ -9,6 +9,7 @@ standard library's sources), then for each, in this one process, times
   index, hashing, fsync, manifest).
 Prints MB/s and samples/s for both and the ratio ingest/baseline (the median of --repeat runs).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,7 +51,7 @@ def make_texts(root: Path, n: int) -> None:
     for f in files:
         text = f.read_text(encoding="utf-8", errors="replace")
         for j in range(0, len(text), 6000):
-            (root / f"t{k:05d}.txt").write_text(text[j:j + 6000])
+            (root / f"t{k:05d}.txt").write_text(text[j : j + 6000])
             k += 1
             if k == n:
                 return
@@ -77,7 +78,9 @@ def run_ingest(kind: str, src: Path, out: Path) -> tuple[float, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--images", type=int, default=300)
     ap.add_argument("--texts", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=3)
@@ -86,7 +89,9 @@ def main() -> None:
     try:
         make_images(tmp / "images", a.images)
         make_texts(tmp / "text", a.texts)
-        print(f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}")
+        print(
+            f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}"
+        )
         print(f"{'corpus':<8} {'what':<10} {'MB/s':>8} {'samples/s':>10}   ratio ingest/tarfile")
         for kind, name in (("images", "images"), ("text", "text")):
             src = tmp / name

@@ -14,6 +14,7 @@
 
     .venv/bin/python tools/bench/bench_loader.py [--tokens runs/demo/tokens] [--samples 100000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,7 +76,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--round-tokens", type=int, default=2_000_000, help="tokens per timed round")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--samples", type=int, default=100_000, help="stream length for the RSS and restore figures")
+    ap.add_argument(
+        "--samples", type=int, default=100_000, help="stream length for the RSS and restore figures"
+    )
     a = ap.parse_args(argv)
     if not (a.tokens / "manifest.json").is_file():
         sys.exit(f"{a.tokens}: no token shards; run `make demo` first (or pass --tokens)")
@@ -83,24 +86,40 @@ def main(argv=None) -> dict:
     # Weights = each source's share of the tokens: the mix follows the shards' own proportions, so
     # per token both loops read the same documents (equal weights would favour short documents).
     manifest = json.loads((a.tokens / "manifest.json").read_text())
-    by_source = {s["name"]: (sum(s["tokens"].values()) if isinstance(s["tokens"], dict) else s["tokens"])
-                 for s in manifest.get("sources", []) if "tokens" in s}
+    by_source = {
+        s["name"]: (sum(s["tokens"].values()) if isinstance(s["tokens"], dict) else s["tokens"])
+        for s in manifest.get("sources", [])
+        if "tokens" in s
+    }
     weights = {s: float(by_source.get(s, 1.0)) for s in names}
-    cfg = LoaderConfig(sources=[SourceConfig(name=s, shards=[str(a.tokens / s)], weight=weights[s]) for s in names],
-                       seq_len=a.seq_len, num_workers=0, mode="infinite")
+    cfg = LoaderConfig(
+        sources=[
+            SourceConfig(name=s, shards=[str(a.tokens / s)], weight=weights[s]) for s in names
+        ],
+        seq_len=a.seq_len,
+        num_workers=0,
+        mode="infinite",
+    )
     shards = sorted(glob.glob(str(a.tokens / "*" / "*.tar")))
-    res: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "sources": names,
-                 "shards": len(shards), "seq_len": a.seq_len}
+    res: dict = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "sources": names,
+        "shards": len(shards),
+        "seq_len": a.seq_len,
+    }
 
-    ours(cfg, 200_000), plain_wds(shards, 200_000)          # warm the page cache and imports
+    ours(cfg, 200_000), plain_wds(shards, 200_000)  # warm the page cache and imports
     o, w = [], []
     for _ in range(a.rounds):
         n, dt = ours(cfg, a.round_tokens)
         o.append(n / dt)
         n, dt = plain_wds(shards, a.round_tokens)
         w.append(n / dt)
-    res["throughput"] = {"ours_tokens_per_s": statistics.mean(o), "plain_wds_tokens_per_s": statistics.mean(w),
-                         "ratio": statistics.mean(o) / statistics.mean(w)}
+    res["throughput"] = {
+        "ours_tokens_per_s": statistics.mean(o),
+        "plain_wds_tokens_per_s": statistics.mean(w),
+        "ratio": statistics.mean(o) / statistics.mean(w),
+    }
 
     per_sample = manifest["totals"]["tokens"] / manifest["totals"]["samples"]
     target = int(a.samples * per_sample)
@@ -115,8 +134,14 @@ def main(argv=None) -> dict:
             marks.append(rss_mib())
     late_state = json.loads(json.dumps(loader.state_dict()))
     it.close()
-    res["rss"] = {"tokens": n, "samples_approx": round(n / per_sample), "seconds": time.perf_counter() - t0,
-                  "rss_mib_at_10pct": marks[10], "rss_mib_at_end": rss_mib(), "rss_mib_max": max(marks)}
+    res["rss"] = {
+        "tokens": n,
+        "samples_approx": round(n / per_sample),
+        "seconds": time.perf_counter() - t0,
+        "rss_mib_at_10pct": marks[10],
+        "rss_mib_at_end": rss_mib(),
+        "rss_mib_max": max(marks),
+    }
 
     def restore(state) -> float:
         t = time.perf_counter()
@@ -128,20 +153,30 @@ def main(argv=None) -> dict:
         i.close()
         return dt
 
-    s, l = [], []
+    at_start, late = [], []
     for _ in range(3):
-        s.append(restore(start_state))
-        l.append(restore(late_state))
-    res["restore"] = {"start_s": statistics.median(s), "late_s": statistics.median(l),
-                      "ratio": statistics.median(l) / statistics.median(s), "state_bytes": len(json.dumps(late_state))}
+        at_start.append(restore(start_state))
+        late.append(restore(late_state))
+    res["restore"] = {
+        "start_s": statistics.median(at_start),
+        "late_s": statistics.median(late),
+        "ratio": statistics.median(late) / statistics.median(at_start),
+        "state_bytes": len(json.dumps(late_state)),
+    }
 
     t, r, rs = res["throughput"], res["rss"], res["restore"]
-    print(f"token path: {t['ours_tokens_per_s']:,.0f} tokens/s per core packed at seq_len {a.seq_len}, "
-          f"{t['ratio']:.2f}x plain webdataset + np.load ({t['plain_wds_tokens_per_s']:,.0f} tokens/s) (target >= 0.8)")
-    print(f"RSS: {r['rss_mib_at_10pct']:.0f} MiB at 10 % of {r['samples_approx']:,} samples, {r['rss_mib_at_end']:.0f} MiB "
-          f"at the end (max {r['rss_mib_max']:.0f})")
-    print(f"restore + first batch: {rs['start_s'] * 1e3:.0f} ms at the start, {rs['late_s'] * 1e3:.0f} ms after "
-          f"{r['samples_approx']:,} samples ({rs['ratio']:.2f}x); state {rs['state_bytes']:,} bytes")
+    print(
+        f"token path: {t['ours_tokens_per_s']:,.0f} tokens/s per core packed at seq_len {a.seq_len}, "
+        f"{t['ratio']:.2f}x plain webdataset + np.load ({t['plain_wds_tokens_per_s']:,.0f} tokens/s) (target >= 0.8)"
+    )
+    print(
+        f"RSS: {r['rss_mib_at_10pct']:.0f} MiB at 10 % of {r['samples_approx']:,} samples, {r['rss_mib_at_end']:.0f} MiB "
+        f"at the end (max {r['rss_mib_max']:.0f})"
+    )
+    print(
+        f"restore + first batch: {rs['start_s'] * 1e3:.0f} ms at the start, {rs['late_s'] * 1e3:.0f} ms after "
+        f"{r['samples_approx']:,} samples ({rs['ratio']:.2f}x); state {rs['state_bytes']:,} bytes"
+    )
     print(json.dumps(res, indent=1))
     return res
 

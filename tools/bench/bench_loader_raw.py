@@ -15,6 +15,7 @@ manifest's, so both produce the demo's tokens.
 
     .venv/bin/python tools/bench/bench_loader_raw.py [--raw runs/demo/raw] [--tokens runs/demo/tokens]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,14 +38,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from data.loader import LoaderConfig, SourceConfig, build_loader  # noqa: E402
 from data.loader.config import OnlineTokenizeConfig  # noqa: E402
 
-KINDS = {"image-caption": "scenes", "video-caption": "clips", "photo-caption": "photos", "code (text only)": "code"}
+KINDS = {
+    "image-caption": "scenes",
+    "video-caption": "clips",
+    "photo-caption": "photos",
+    "code (text only)": "code",
+}
 
 
 def ours(cfg: LoaderConfig, seconds: float) -> tuple[int, float]:
     ld = build_loader(cfg, rank=0, world_size=1, micro_batch=1)
     stream = ld.make_stream(0)
     n = len(ld.tables[0])
-    stream.next_batch()                      # the tokenizers load on the first document: not timed
+    stream.next_batch()  # the tokenizers load on the first document: not timed
     start = stream.cursors[0].epoch * n + stream.cursors[0].pos
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
@@ -76,10 +82,16 @@ def offline(raw: Path, source: str, tokens: Path, opts: dict, seconds: float) ->
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     ap.add_argument("--raw", type=Path, default=Path("runs/demo/raw"))
-    ap.add_argument("--tokens", type=Path, default=Path("runs/demo/tokens"), help="for its tokenizers/ and options")
+    ap.add_argument(
+        "--tokens",
+        type=Path,
+        default=Path("runs/demo/tokens"),
+        help="for its tokenizers/ and options",
+    )
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--seconds", type=float, default=8.0, help="per timed round")
     ap.add_argument("--rounds", type=int, default=3)
@@ -87,13 +99,20 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     opts = json.loads((args.tokens / "manifest.json").read_text())["options"]
     online = OnlineTokenizeConfig(**{k: v for k, v in opts.items() if k != "image_batch"})
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads 1; "
-          f"tokenize options {opts}")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads 1; "
+        f"tokenize options {opts}"
+    )
     out = {}
     for kind, source in KINDS.items():
-        cfg = LoaderConfig(sources=[SourceConfig(name=source, shards=[str(args.raw / source)])],
-                           seq_len=args.seq_len, num_workers=0, shuffle_buffer=64,
-                           tokenizers=str(args.tokens / "tokenizers"), tokenize=online)
+        cfg = LoaderConfig(
+            sources=[SourceConfig(name=source, shards=[str(args.raw / source)])],
+            seq_len=args.seq_len,
+            num_workers=0,
+            shuffle_buffer=64,
+            tokenizers=str(args.tokens / "tokenizers"),
+            tokenize=online,
+        )
         rates = {"ours": [], "offline": []}
         for _ in range(args.rounds):
             n, dt = ours(cfg, args.seconds)
@@ -102,8 +121,10 @@ def main(argv=None) -> dict:
             rates["offline"].append(n / dt)
         o, b = statistics.median(rates["ours"]), statistics.median(rates["offline"])
         out[kind] = {"source": source, "ours": o, "offline": b, "ratio": o / b}
-        print(f"{kind:18s} ({source}): {o:8.1f} samples/s per worker online, offline encoder {b:8.1f}, "
-              f"ratio {o / b:.2f}")
+        print(
+            f"{kind:18s} ({source}): {o:8.1f} samples/s per worker online, offline encoder {b:8.1f}, "
+            f"ratio {o / b:.2f}"
+        )
     return out
 
 

@@ -15,6 +15,7 @@
 
     .venv/bin/python tools/bench/bench_model.py [--threads 1] [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,14 @@ class RefBlock(nn.Module):
         self.h, self.kv, self.hd = h, kv, d // h
         self.n1, self.n2 = nn.RMSNorm(d, eps=1e-5), nn.RMSNorm(d, eps=1e-5)
         self.qn, self.kn = nn.RMSNorm(self.hd, eps=1e-5), nn.RMSNorm(self.hd, eps=1e-5)
-        self.wq, self.wk = nn.Linear(d, h * self.hd, bias=False), nn.Linear(d, kv * self.hd, bias=False)
-        self.wv, self.wo = nn.Linear(d, kv * self.hd, bias=False), nn.Linear(h * self.hd, d, bias=False)
+        self.wq, self.wk = (
+            nn.Linear(d, h * self.hd, bias=False),
+            nn.Linear(d, kv * self.hd, bias=False),
+        )
+        self.wv, self.wo = (
+            nn.Linear(d, kv * self.hd, bias=False),
+            nn.Linear(h * self.hd, d, bias=False),
+        )
         self.w1, self.w3 = nn.Linear(d, ffn, bias=False), nn.Linear(d, ffn, bias=False)
         self.w2 = nn.Linear(ffn, d, bias=False)
 
@@ -89,7 +96,9 @@ class RefModel(nn.Module):
         for b in self.blocks:
             x = b(x, cos, sin)
         logits = self.head(self.norm(x)).float()
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
+        return F.cross_entropy(
+            logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100
+        )
 
 
 def copy_weights(ours, ref):
@@ -98,15 +107,22 @@ def copy_weights(ours, ref):
         ref.head.weight.copy_(ours.output.weight)
         for o, r in zip(ours.layers, ref.blocks):
             a, f = o.attention, o.feed_forward.mlp
-            for src, dst in ((a.wq, r.wq), (a.wk, r.wk), (a.wv, r.wv), (a.wo, r.wo), (f.w1, r.w1), (f.w2, r.w2),
-                             (f.w3, r.w3)):
+            for src, dst in (
+                (a.wq, r.wq),
+                (a.wk, r.wk),
+                (a.wv, r.wv),
+                (a.wo, r.wo),
+                (f.w1, r.w1),
+                (f.w2, r.w2),
+                (f.w3, r.w3),
+            ):
                 dst.weight.copy_(src.weight)
 
 
 def time_interleaved(fns: dict, params: dict, warmup: int, iters: int) -> dict[str, list[float]]:
     """fwd+bwd times of each fn, round-robin one call at a time, so load changes on a shared
     machine hit every contender alike."""
-    for name, fn in fns.items():
+    for fn in fns.values():
         for _ in range(warmup):
             fn().backward()
     times = {name: [] for name in fns}
@@ -123,9 +139,15 @@ def time_interleaved(fns: dict, params: dict, warmup: int, iters: int) -> dict[s
 def bench_speed(quick: bool) -> dict:
     V, d, L, h, kv, ffn = 5166, 256, 4, 4, 2, 704
     B, T = (2, 128) if quick else (4, 256)
-    cfg = TransformerConfig(vocab_size=V, text_vocab_size=4096, visual_offset=4166, dim=d, n_layers=L,
-                            attention=AttentionConfig(n_heads=h, n_kv_heads=kv, backend="sdpa"),
-                            ffn=FFNConfig(hidden_dim=ffn))
+    cfg = TransformerConfig(
+        vocab_size=V,
+        text_vocab_size=4096,
+        visual_offset=4166,
+        dim=d,
+        n_layers=L,
+        attention=AttentionConfig(n_heads=h, n_kv_heads=kv, backend="sdpa"),
+        ffn=FFNConfig(hidden_dim=ffn),
+    )
     torch.manual_seed(0)
     ours = cfg.build()
     ref = RefModel(V, d, L, h, kv, ffn)
@@ -138,17 +160,41 @@ def bench_speed(quick: bool) -> dict:
     assert abs(lo - lr) < 1e-2, (lo, lr)  # same function (ours adds the 1e-5 z-loss)
     warm, iters = (2, 4) if quick else (3, 15)
     t = time_interleaved(
-        {"ref": lambda: ref(ids, labels), "ours": lambda: ours(ids, labels=labels).loss,
-         "docs": lambda: ours(ids, labels=labels, doc_ids=docs).loss},
-        {"ref": list(ref.parameters()), "ours": list(ours.parameters()), "docs": list(ours.parameters())},
-        warm, iters)
+        {
+            "ref": lambda: ref(ids, labels),
+            "ours": lambda: ours(ids, labels=labels).loss,
+            "docs": lambda: ours(ids, labels=labels, doc_ids=docs).loss,
+        },
+        {
+            "ref": list(ref.parameters()),
+            "ours": list(ours.parameters()),
+            "docs": list(ours.parameters()),
+        },
+        warm,
+        iters,
+    )
     t_ref, t_ours, t_doc = t["ref"], t["ours"], t["docs"]
     med = statistics.median
-    return {"config": {"vocab": V, "dim": d, "layers": L, "heads": h, "kv_heads": kv, "ffn": ffn, "batch": B,
-                       "seq": T, "params": ours.num_params()},
-            "loss_ours": lo, "loss_ref": lr,
-            "ref_s": med(t_ref), "ours_s": med(t_ours), "ours_4docs_s": med(t_doc),
-            "ratio": med(t_ours) / med(t_ref), "ratio_4docs": med(t_doc) / med(t_ref)}
+    return {
+        "config": {
+            "vocab": V,
+            "dim": d,
+            "layers": L,
+            "heads": h,
+            "kv_heads": kv,
+            "ffn": ffn,
+            "batch": B,
+            "seq": T,
+            "params": ours.num_params(),
+        },
+        "loss_ours": lo,
+        "loss_ref": lr,
+        "ref_s": med(t_ref),
+        "ours_s": med(t_ours),
+        "ours_4docs_s": med(t_doc),
+        "ratio": med(t_ours) / med(t_ref),
+        "ratio_4docs": med(t_doc) / med(t_ref),
+    }
 
 
 # --- CE memory, one variant per fresh process ----------------------------------------------
@@ -192,16 +238,30 @@ def ce_child(chunk: int, N: int, D: int, V: int) -> None:
     loss.backward()
     dt = time.perf_counter() - t0
     peak = _peak_bytes()
-    print(json.dumps({"chunk": chunk, "extra_peak_bytes": peak - before, "seconds": dt, "loss": loss.item(),
-                      "peak_reset": reset}))
+    print(
+        json.dumps(
+            {
+                "chunk": chunk,
+                "extra_peak_bytes": peak - before,
+                "seconds": dt,
+                "loss": loss.item(),
+                "peak_reset": reset,
+            }
+        )
+    )
 
 
 def bench_ce_memory(quick: bool) -> dict:
     N, D, V = (1024, 256, 65536) if quick else (2048, 256, 65536)
     out = {"tokens": N, "dim": D, "vocab": V, "full_fp32_logits_bytes": N * V * 4, "runs": []}
     for chunk in (-1, 0, 1024, 256):
-        r = subprocess.run([sys.executable, __file__, "--ce-child", str(chunk), str(N), str(D), str(V)],
-                           capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        r = subprocess.run(
+            [sys.executable, __file__, "--ce-child", str(chunk), str(N), str(D), str(V)],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         out["runs"].append(json.loads(r.stdout.strip().splitlines()[-1]))
     plain, unchunked = out["runs"][0]["extra_peak_bytes"], out["runs"][1]["extra_peak_bytes"]
     for r in out["runs"]:
@@ -212,8 +272,11 @@ def bench_ce_memory(quick: bool) -> dict:
 
 def machine() -> str:
     try:
-        name = next(l.split(":", 1)[1].strip() for l in subprocess.run(
-            ["lscpu"], capture_output=True, text=True).stdout.splitlines() if l.startswith("Model name"))
+        name = next(
+            ln.split(":", 1)[1].strip()
+            for ln in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+            if ln.startswith("Model name")
+        )
     except Exception:
         name = platform.processor() or "unknown"
     return f"{name}, {os.cpu_count()} CPUs visible, torch {torch.__version__}, Python {platform.python_version()}"
@@ -234,20 +297,30 @@ def main() -> None:
     res["speed"] = s = bench_speed(args.quick)
     print(f"machine: {res['machine']}; torch threads: {args.threads}")
     c = s["config"]
-    print(f"fwd+bwd, {c['params'] / 1e6:.2f}M params (dim {c['dim']}, {c['layers']} layers, vocab {c['vocab']}), "
-          f"batch {c['batch']}x{c['seq']}:")
-    print(f"  reference {s['ref_s'] * 1e3:.1f} ms, ours {s['ours_s'] * 1e3:.1f} ms  -> ratio {s['ratio']:.3f}")
-    print(f"  ours with 4 documents per row (dense block-diagonal mask): {s['ours_4docs_s'] * 1e3:.1f} ms "
-          f"-> ratio {s['ratio_4docs']:.3f}")
+    print(
+        f"fwd+bwd, {c['params'] / 1e6:.2f}M params (dim {c['dim']}, {c['layers']} layers, vocab {c['vocab']}), "
+        f"batch {c['batch']}x{c['seq']}:"
+    )
+    print(
+        f"  reference {s['ref_s'] * 1e3:.1f} ms, ours {s['ours_s'] * 1e3:.1f} ms  -> ratio {s['ratio']:.3f}"
+    )
+    print(
+        f"  ours with 4 documents per row (dense block-diagonal mask): {s['ours_4docs_s'] * 1e3:.1f} ms "
+        f"-> ratio {s['ratio_4docs']:.3f}"
+    )
     res["ce_memory"] = m = bench_ce_memory(args.quick)
-    print(f"CE peak memory, {m['tokens']} label tokens, dim {m['dim']}, vocab {m['vocab']} "
-          f"(full fp32 logits = {m['full_fp32_logits_bytes'] / 2**20:.0f} MiB), fwd+bwd:")
+    print(
+        f"CE peak memory, {m['tokens']} label tokens, dim {m['dim']}, vocab {m['vocab']} "
+        f"(full fp32 logits = {m['full_fp32_logits_bytes'] / 2**20:.0f} MiB), fwd+bwd:"
+    )
     names = {-1: "plain F.cross_entropy", 0: "ours, unchunked (chunk_size=0)"}
     for r in m["runs"]:
         name = names.get(r["chunk"], f"ours, chunk_size={r['chunk']}")
-        print(f"  {name:31s} extra peak RSS {r['extra_peak_bytes'] / 2**20:7.1f} MiB  "
-              f"vs plain {r['ratio_to_plain']:.3f}  vs unchunked {r['ratio_to_unchunked']:.3f}  "
-              f"time {r['seconds']:.2f} s")
+        print(
+            f"  {name:31s} extra peak RSS {r['extra_peak_bytes'] / 2**20:7.1f} MiB  "
+            f"vs plain {r['ratio_to_plain']:.3f}  vs unchunked {r['ratio_to_unchunked']:.3f}  "
+            f"time {r['seconds']:.2f} s"
+        )
     if args.json:
         args.json.write_text(json.dumps(res, indent=2) + "\n")
 

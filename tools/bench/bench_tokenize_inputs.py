@@ -12,6 +12,7 @@
 5. visual tokenizer encode throughput (images/s) on CPU, and on CUDA when present.
 Every pair runs round-robin in rounds, so both sides see the same machine load; medians.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,18 +54,30 @@ def rounds(fns: dict, n: int) -> dict[str, float]:
 
 def bench_text(corpus: Path, n_rounds: int) -> None:
     texts = [p.read_text(encoding="utf-8") for p in sorted((corpus / "code").rglob("*.py"))][:120]
-    texts += [line for p in sorted((corpus / "text").glob("*.jsonl")) for line in p.read_text().splitlines()][:200]
+    texts += [
+        line
+        for p in sorted((corpus / "text").glob("*.jsonl"))
+        for line in p.read_text().splitlines()
+    ][:200]
     tok = train_bpe(texts, 4096)
     tok.encode_special_tokens = True
     from data.text_tokenizer import TextTokenizer
     from data.vocab import VocabLayout
+
     ours = TextTokenizer(tok, VocabLayout(text_size=tok.get_vocab_size()))
     n_tokens = sum(len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False))
     # Both sides end with the ids in Python lists: tokens that can be used.
-    t = rounds({"bare": lambda: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)],
-                "ours": lambda: ours.encode_batch(texts)}, n_rounds)
-    print(f"text    bare encode_batch {n_tokens / t['bare']:>12,.0f} tok/s   ours {n_tokens / t['ours']:>12,.0f} tok/s"
-          f"   ratio {t['bare'] / t['ours']:.3f}")
+    t = rounds(
+        {
+            "bare": lambda: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)],
+            "ours": lambda: ours.encode_batch(texts),
+        },
+        n_rounds,
+    )
+    print(
+        f"text    bare encode_batch {n_tokens / t['bare']:>12,.0f} tok/s   ours {n_tokens / t['ours']:>12,.0f} tok/s"
+        f"   ratio {t['bare'] / t['ours']:.3f}"
+    )
 
 
 def bench_images(corpus: Path, n_rounds: int) -> None:
@@ -80,20 +93,27 @@ def bench_images(corpus: Path, n_rounds: int) -> None:
     def ours():
         for r in raws:
             load_image(r, prep)
+
     t = rounds({"bare": bare, "ours": ours}, n_rounds)
-    print(f"images  bare Pillow       {len(raws) / t['bare']:>12,.1f} img/s   ours {len(raws) / t['ours']:>12,.1f} img/s"
-          f"   ratio {t['bare'] / t['ours']:.3f}   ({len(raws)} real photos, 256x256 budget)")
+    print(
+        f"images  bare Pillow       {len(raws) / t['bare']:>12,.1f} img/s   ours {len(raws) / t['ours']:>12,.1f} img/s"
+        f"   ratio {t['bare'] / t['ours']:.3f}   ({len(raws)} real photos, 256x256 budget)"
+    )
 
 
 def bench_video(corpus: Path, n_rounds: int, decodes: int) -> None:
     import decord
+
     clips = [p.read_bytes() for p in sorted((corpus / "clips").glob("*.mp4"))]
-    sampling, prep = VideoSampling(target_fps=4, max_frames=16), ImagePrep(factor=8, max_pixels=96 * 64)
+    sampling, prep = (
+        VideoSampling(target_fps=4, max_frames=16),
+        ImagePrep(factor=8, max_pixels=96 * 64),
+    )
     plans, sizes = [], []
     for raw in clips:
         vr = decord.VideoReader(io.BytesIO(raw), num_threads=1)
         plans.append(pick_frames(vr.get_frame_timestamp(list(range(len(vr)))), 4, 16).tolist())
-        sizes.append((vr[0].shape[1], vr[0].shape[0]))   # in a shard this comes from the index
+        sizes.append((vr[0].shape[1], vr[0].shape[0]))  # in a shard this comes from the index
         del vr
     n_frames = sum(len(p) for p in plans)
 
@@ -106,46 +126,62 @@ def bench_video(corpus: Path, n_rounds: int, decodes: int) -> None:
     def ours():
         for raw, size in zip(clips, sizes):
             decode_frames(raw, sampling, prep, size=size)
+
     t = rounds({"bare": bare, "ours": ours}, n_rounds)
-    print(f"video   bare decord       {n_frames / t['bare']:>12,.1f} fr/s    ours {n_frames / t['ours']:>12,.1f} fr/s"
-          f"    ratio {t['bare'] / t['ours']:.3f}   ({len(clips)} clips)")
+    print(
+        f"video   bare decord       {n_frames / t['bare']:>12,.1f} fr/s    ours {n_frames / t['ours']:>12,.1f} fr/s"
+        f"    ratio {t['bare'] / t['ours']:.3f}   ({len(clips)} clips)"
+    )
     rss = {}
     for i in range(decodes):
         decode_frames(clips[i % len(clips)], sampling, prep, size=sizes[i % len(clips)])
         if i + 1 in (100, decodes):
             rss[i + 1] = rss_mb()
-    print(f"video   RSS after 100 decodes {rss[100]:.1f} MB, after {decodes}: {rss[decodes]:.1f} MB "
-          f"(ratio {rss[decodes] / rss[100]:.3f})")
+    print(
+        f"video   RSS after 100 decodes {rss[100]:.1f} MB, after {decodes}: {rss[decodes]:.1f} MB "
+        f"(ratio {rss[decodes] / rss[100]:.3f})"
+    )
 
 
 def bench_vtok(n_rounds: int) -> None:
     from model.visual_tokenizer import vtok_cpu
+
     for dev in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
         model = vtok_cpu().build().to(dev).eval()
         x = torch.rand(64, 3, 64, 64, device=dev) * 2 - 1
 
-        def enc():
+        def enc(model=model, x=x, dev=dev):
             with torch.no_grad():
                 model.encode(x)
             if dev == "cuda":
                 torch.cuda.synchronize()
+
         t = rounds({"enc": enc}, n_rounds)
-        print(f"vtok    encode on {dev:<4}     {64 / t['enc']:>12,.1f} img/s   (vtok_cpu, 64x64 images, batch 64)")
+        print(
+            f"vtok    encode on {dev:<4}     {64 / t['enc']:>12,.1f} img/s   (vtok_cpu, 64x64 images, batch 64)"
+        )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--corpus", type=Path, default=None, help="a demo corpus (built in a temp folder if absent)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--corpus", type=Path, default=None, help="a demo corpus (built in a temp folder if absent)"
+    )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--decodes", type=int, default=2000)
     a = ap.parse_args()
     corpus = a.corpus
     if corpus is None or not corpus.is_dir():
         from data.demo_corpus import build
+
         corpus = Path(tempfile.mkdtemp(prefix="bench_tok_")) / "corpus"
         build(corpus, scale=0.5, progress=False)
-    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
+    )
     bench_text(corpus, a.rounds)
     bench_images(corpus, a.rounds)
     bench_video(corpus, a.rounds, a.decodes)

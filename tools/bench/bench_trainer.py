@@ -15,6 +15,7 @@
 
 ``experiment=demo`` needs the demo's token shards (``make demo``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,9 +52,11 @@ class Replay:
 
 
 def compose(overrides: list[str]):
-    from hydra import compose as hcompose, initialize_config_dir
+    from hydra import compose as hcompose
+    from hydra import initialize_config_dir
 
     import train.app as app
+
     with initialize_config_dir(config_dir=app.CONFIG_DIR, version_base="1.3"):
         return app.to_run_config(hcompose("config", overrides=overrides))
 
@@ -63,8 +66,16 @@ def overhead(experiment: str, steps: int, rounds: int, run_dir: Path) -> dict:
     from train.run import Run
     from train.tasks.lm import MODEL_INPUTS
 
-    cfg, yaml = compose([f"experiment={experiment}", f"run_dir={run_dir}", "train.progress=false",
-                         "train.eval_every=0", "train.ckpt_every=0", "train.resume=false"])
+    cfg, yaml = compose(
+        [
+            f"experiment={experiment}",
+            f"run_dir={run_dir}",
+            "train.progress=false",
+            "train.eval_every=0",
+            "train.ckpt_every=0",
+            "train.resume=false",
+        ]
+    )
     run = Run(cfg, yaml)
     it = iter(run.stream)
     batches = [next(it) for _ in range(8 * cfg.train.grad_accum)]
@@ -92,28 +103,49 @@ def overhead(experiment: str, steps: int, rounds: int, run_dir: Path) -> dict:
         run.optimizer.gate = gate
         return (time.perf_counter() - t0) / steps
 
-    ours(), minimal()                                  # warm-up: allocator, first probes
+    ours(), minimal()  # warm-up: allocator, first probes
     o, m = [], []
     for _ in range(rounds):
         o.append(ours())
         m.append(minimal())
     run.log.close()
-    return {"ours_step_s": statistics.mean(o), "minimal_step_s": statistics.mean(m),
-            "ratio": statistics.mean(o) / statistics.mean(m), "rounds": rounds, "steps_per_round": steps}
+    return {
+        "ours_step_s": statistics.mean(o),
+        "minimal_step_s": statistics.mean(m),
+        "ratio": statistics.mean(o) / statistics.mean(m),
+        "rounds": rounds,
+        "steps_per_round": steps,
+    }
 
 
 def data_wait(experiment: str, steps: int, run_dir: Path) -> dict:
-    cmd = [sys.executable, "-m", "train.app", f"experiment={experiment}", f"run_dir={run_dir}",
-           f"train.steps={steps}", "train.progress=false", "train.ckpt_every=0", "train.eval_every=0"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
+    cmd = [
+        sys.executable,
+        "-m",
+        "train.app",
+        f"experiment={experiment}",
+        f"run_dir={run_dir}",
+        f"train.steps={steps}",
+        "train.progress=false",
+        "train.ckpt_every=0",
+        "train.eval_every=0",
+    ]
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode:
         sys.exit(f"the data-wait run failed:\n{p.stderr[-3000:]}")
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     wait = sum(r["throughput/data_wait"] * r["throughput/step_s"] for r in recs)
     total = sum(r["throughput/step_s"] for r in recs)
-    return {"data_wait": wait / total, "steps": len(recs), "max_step_wait": max(r["throughput/data_wait"] for r in recs)}
+    return {
+        "data_wait": wait / total,
+        "steps": len(recs),
+        "max_step_wait": max(r["throughput/data_wait"] for r in recs),
+    }
 
 
 def main(argv=None) -> dict:
@@ -126,14 +158,23 @@ def main(argv=None) -> dict:
     if a.experiment == "demo" and not Path("runs/demo/tokens/text").is_dir():
         sys.exit("runs/demo/tokens: no token shards; run `make demo` first (or pass --experiment)")
     with tempfile.TemporaryDirectory() as tmp:
-        res = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "experiment": a.experiment}
-        res["wait"] = data_wait(a.experiment, a.wait_steps, Path(tmp) / "wait")   # first: a clean process
+        res = {
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "experiment": a.experiment,
+        }
+        res["wait"] = data_wait(
+            a.experiment, a.wait_steps, Path(tmp) / "wait"
+        )  # first: a clean process
         res["overhead"] = overhead(a.experiment, a.steps, a.rounds, Path(tmp) / "overhead")
     o, w = res["overhead"], res["wait"]
-    print(f"trainer overhead: {o['ratio']:.3f}x a minimal loop on the same engine and batches (target <= 1.10); "
-          f"step {o['ours_step_s'] * 1e3:.1f} ms against {o['minimal_step_s'] * 1e3:.1f} ms")
-    print(f"data wait: {w['data_wait']:.2%} of step time over {w['steps']} steps (target < 5%), "
-          f"worst step {w['max_step_wait']:.1%}")
+    print(
+        f"trainer overhead: {o['ratio']:.3f}x a minimal loop on the same engine and batches (target <= 1.10); "
+        f"step {o['ours_step_s'] * 1e3:.1f} ms against {o['minimal_step_s'] * 1e3:.1f} ms"
+    )
+    print(
+        f"data wait: {w['data_wait']:.2%} of step time over {w['steps']} steps (target < 5%), "
+        f"worst step {w['max_step_wait']:.1%}"
+    )
     print(json.dumps(res, indent=1))
     return res
 

@@ -15,6 +15,7 @@ Notable choices:
 - The HTML page inlines every image as base64 and its CSS; it loads nothing, so it can be
   mailed or attached to an issue as one file.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,6 @@ import io
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-
 
 from tools.report.run import NoMetrics, RunData, alarm_step, fmt, load_run
 
@@ -34,31 +34,56 @@ MAX_ALARMS_IN_PNG = 12
 class Report:
     png: Path
     html: Path
-    panels: list[str]         # the panel ids drawn
+    panels: list[str]  # the panel ids drawn
     run: RunData
 
 
 def header_lines(run: RunData, smooth: float) -> list[tuple[str, float, str]]:
     from tools.report.page import alarm_counts, modality_rows, status_of, steps_text
 
-    lines = [(f"earlyfuse report: {run.name}  (task {run.task})", 15, "bold"),
-             (f"step {steps_text(run)}  |  {status_of(run)}  |  {alarm_counts(run)}", 10.5, "normal")]
+    lines = [
+        (f"earlyfuse report: {run.name}  (task {run.task})", 15, "bold"),
+        (f"step {steps_text(run)}  |  {status_of(run)}  |  {alarm_counts(run)}", 10.5, "normal"),
+    ]
     mods = modality_rows(run, smooth)
     if mods:
         which = f"EMA {smooth:g}" if smooth > 0 else "raw"
-        lines.append((f"last train loss ({which}): " + "  ".join(f"{r[0]} {r[2] if smooth > 0 else r[1]}"
-                                                                  for r in mods), 10, "mono"))
-    final = [(k, v) for k, v in sorted(run.final.items()) if k.startswith(("val/loss", "eval/psnr", "eval/ssim",
-                                                                           "eval/baseline", "eval/code_fraction"))]
+        lines.append(
+            (
+                f"last train loss ({which}): "
+                + "  ".join(f"{r[0]} {r[2] if smooth > 0 else r[1]}" for r in mods),
+                10,
+                "mono",
+            )
+        )
+    final = [
+        (k, v)
+        for k, v in sorted(run.final.items())
+        if k.startswith(
+            ("val/loss", "eval/psnr", "eval/ssim", "eval/baseline", "eval/code_fraction")
+        )
+    ]
     if final:
         lines.append(("final: " + "  ".join(f"{k} {fmt(v)}" for k, v in final), 10, "mono"))
     for i, a in enumerate(run.alarms[:MAX_ALARMS_IN_PNG], 1):
         step = alarm_step(a)
         mod = f" [{a['modality']}]" if a.get("modality") else ""
-        lines.append((f"A{i}  step {step if step is not None else '?'}  {a.get('signal', '?')}{mod} -> "
-                      f"{a.get('action', '?')}: {str(a.get('message', ''))[:110]}", 9, "mono"))
+        lines.append(
+            (
+                f"A{i}  step {step if step is not None else '?'}  {a.get('signal', '?')}{mod} -> "
+                f"{a.get('action', '?')}: {str(a.get('message', ''))[:110]}",
+                9,
+                "mono",
+            )
+        )
     if len(run.alarms) > MAX_ALARMS_IN_PNG:
-        lines.append((f"... and {len(run.alarms) - MAX_ALARMS_IN_PNG} more alarms (see report.html)", 9, "mono"))
+        lines.append(
+            (
+                f"... and {len(run.alarms) - MAX_ALARMS_IN_PNG} more alarms (see report.html)",
+                9,
+                "mono",
+            )
+        )
     return lines
 
 
@@ -69,7 +94,7 @@ def compose(header: bytes, panels: list[bytes], columns: int = 2) -> bytes:
     head = Image.open(io.BytesIO(header)).convert("RGB")
     imgs = [Image.open(io.BytesIO(p)).convert("RGB") for p in panels]
     columns = max(1, min(columns, len(imgs)))
-    w, h = (imgs[0].size if imgs else (head.size[0] // columns, 0))
+    w, h = imgs[0].size if imgs else (head.size[0] // columns, 0)
     rows = -(-len(imgs) // columns)
     canvas = Image.new("RGB", (max(w * columns, head.size[0]), head.size[1] + rows * h), "white")
     canvas.paste(head, (0, 0))
@@ -80,14 +105,24 @@ def compose(header: bytes, panels: list[bytes], columns: int = 2) -> bytes:
     return buf.getvalue()
 
 
-def write_report(run_dir: str | Path, out: str | Path | None = None, smooth: float = DEFAULT_SMOOTH) -> Report:
+def write_report(
+    run_dir: str | Path, out: str | Path | None = None, smooth: float = DEFAULT_SMOOTH
+) -> Report:
     """Read RUN_DIR and write ``report.png`` and ``report.html`` into ``out`` (default
     RUN_DIR/report). Raises ``NoMetrics`` when RUN_DIR has no metrics.jsonl."""
     import matplotlib
 
-    matplotlib.use("Agg")   # harmless when pyplot is never imported; guards an interactive default
+    matplotlib.use("Agg")  # harmless when pyplot is never imported; guards an interactive default
     from tools.report.page import html_page
-    from tools.report.panels import PANEL_SIZE, DPI, Ctx, panels_for, render, render_header, x_limits
+    from tools.report.panels import (
+        DPI,
+        PANEL_SIZE,
+        Ctx,
+        panels_for,
+        render,
+        render_header,
+        x_limits,
+    )
 
     if not 0 <= smooth < 1:
         raise ValueError(f"--smooth must be in [0, 1), got {smooth}")
@@ -97,7 +132,9 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, smooth: flo
     ctx = Ctx(run=run, smooth=smooth, xlim=x_limits(run))
     panels = panels_for(run) if run.records or run.final else []
     drawn = [(p.key, p.title, p.note, render(p, ctx)) for p in panels]
-    header = render_header(header_lines(run, smooth), int(PANEL_SIZE[0] * DPI) * (2 if len(drawn) > 1 else 1))
+    header = render_header(
+        header_lines(run, smooth), int(PANEL_SIZE[0] * DPI) * (2 if len(drawn) > 1 else 1)
+    )
     png = out / "report.png"
     png.write_bytes(compose(header, [d[3] for d in drawn]))
     recon = run.run_dir / "vtok_reconstructions.png"
@@ -111,20 +148,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="earlyfuse-report",
         description="Draw every curve of an earlyfuse-train run with the monitors' alarms marked: "
-                    "train loss total and per modality (raw and EMA), validation loss per modality, "
-                    "normalised CE against chance, the delivered data mix, tokens per modality, grad norm "
-                    "with skipped steps, lr, throughput/MFU/data wait, the monitor signals, and for a "
-                    "visual-tokenizer run PSNR/SSIM/code use. Writes OUT/report.png (all panels in one "
-                    "image) and OUT/report.html (one self-contained page: images inlined, summary, "
-                    "evaluation and alarms tables). Safe to run on a run that is still training.",
-        epilog="example: earlyfuse-report runs/demo/lm && open runs/demo/lm/report/report.html")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (holds metrics.jsonl; config.yaml, "
-                   "final.json, alarms.jsonl and vtok_reconstructions.png are used when present)")
-    p.add_argument("--out", metavar="DIR", default=None, help="where to write report.png and report.html "
-                   "(default: RUN_DIR/report)")
-    p.add_argument("--smooth", type=float, default=DEFAULT_SMOOTH, metavar="F",
-                   help=f"EMA factor for train curves, in [0, 1): s = F*s + (1-F)*x, debiased; 0 = raw only "
-                        f"(default {DEFAULT_SMOOTH})")
+        "train loss total and per modality (raw and EMA), validation loss per modality, "
+        "normalised CE against chance, the delivered data mix, tokens per modality, grad norm "
+        "with skipped steps, lr, throughput/MFU/data wait, the monitor signals, and for a "
+        "visual-tokenizer run PSNR/SSIM/code use. Writes OUT/report.png (all panels in one "
+        "image) and OUT/report.html (one self-contained page: images inlined, summary, "
+        "evaluation and alarms tables). Safe to run on a run that is still training.",
+        epilog="example: earlyfuse-report runs/demo/lm && open runs/demo/lm/report/report.html",
+    )
+    p.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        help="a run folder (holds metrics.jsonl; config.yaml, "
+        "final.json, alarms.jsonl and vtok_reconstructions.png are used when present)",
+    )
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        default=None,
+        help="where to write report.png and report.html (default: RUN_DIR/report)",
+    )
+    p.add_argument(
+        "--smooth",
+        type=float,
+        default=DEFAULT_SMOOTH,
+        metavar="F",
+        help=f"EMA factor for train curves, in [0, 1): s = F*s + (1-F)*x, debiased; 0 = raw only "
+        f"(default {DEFAULT_SMOOTH})",
+    )
     args = p.parse_args(argv)
     if not 0 <= args.smooth < 1:
         p.error(f"--smooth must be in [0, 1), got {args.smooth}")
@@ -139,8 +190,10 @@ def main(argv=None) -> int:
         print(f"earlyfuse-report: {e}", file=sys.stderr)
         return 1
     run = rep.run
-    print(f"{run.name} ({run.task}): step {run.last_step}/{run.total_steps or '?'}, {len(rep.panels)} panels, "
-          f"{f'{len(run.alarms)} alarm(s)' if run.alarms else 'no alarms'}")
+    print(
+        f"{run.name} ({run.task}): step {run.last_step}/{run.total_steps or '?'}, {len(rep.panels)} panels, "
+        f"{f'{len(run.alarms)} alarm(s)' if run.alarms else 'no alarms'}"
+    )
     print(f"wrote {rep.png}")
     print(f"wrote {rep.html}")
     return 0

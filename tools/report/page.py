@@ -1,6 +1,7 @@
 """The words and tables of a report: the summary facts (shared by report.png's header and the
 HTML page) and the self-contained HTML page itself (PNG panels inlined as base64, inline CSS,
 no script, nothing fetched)."""
+
 from __future__ import annotations
 
 import base64
@@ -18,7 +19,9 @@ from tools.report.run import RunData, alarm_step, fmt
 def status_of(run: RunData) -> str:
     if run.finished:
         return "finished"
-    when = dt.datetime.fromtimestamp((run.run_dir / "metrics.jsonl").stat().st_mtime, dt.timezone.utc)
+    when = dt.datetime.fromtimestamp(
+        (run.run_dir / "metrics.jsonl").stat().st_mtime, dt.timezone.utc
+    )
     return f"running or stopped (no final.json; metrics last written {when:%Y-%m-%d %H:%M:%S} UTC)"
 
 
@@ -37,24 +40,40 @@ def alarm_counts(run: RunData) -> str:
 
 def overview(run: RunData, smooth: float) -> list[tuple[str, str]]:
     """(field, value) rows of the summary table."""
-    rows = [("run", run.name), ("task", run.task), ("folder", str(run.run_dir)), ("status", status_of(run)),
-            ("steps done / total", steps_text(run))]
+    rows = [
+        ("run", run.name),
+        ("task", run.task),
+        ("folder", str(run.run_dir)),
+        ("status", status_of(run)),
+        ("steps done / total", steps_text(run)),
+    ]
     if "optim/skipped_steps" in run.series:
         rows.append(("skipped updates", fmt(run.last("optim/skipped_steps"))))
     if "throughput/step_s" in run.series:
         secs = float(np.nansum(run.series["throughput/step_s"].values))
-        rows.append(("time in steps", f"{secs / 3600:.2f} h" if secs >= 3600 else f"{secs / 60:.1f} min"))
+        rows.append(
+            ("time in steps", f"{secs / 3600:.2f} h" if secs >= 3600 else f"{secs / 60:.1f} min")
+        )
     notes = []
     if run.duplicate_records:
-        notes.append(f"{run.duplicate_records} step record(s) logged again after a resume (the last one is used)")
+        notes.append(
+            f"{run.duplicate_records} step record(s) logged again after a resume (the last one is used)"
+        )
     if run.bad_lines:
-        notes.append(f"{run.bad_lines} unreadable metrics line(s) skipped (a run being written ends in a partial line)")
+        notes.append(
+            f"{run.bad_lines} unreadable metrics line(s) skipped (a run being written ends in a partial line)"
+        )
     if run.bad_alarm_lines:
         notes.append(f"{run.bad_alarm_lines} unreadable alarms line(s) skipped")
     if notes:
         rows.append(("records", "; ".join(notes)))
     rows.append(("alarms", alarm_counts(run)))
-    rows.append(("smoothing", f"EMA factor {smooth:g} (debiased; raw values drawn faint)" if smooth > 0 else "none"))
+    rows.append(
+        (
+            "smoothing",
+            f"EMA factor {smooth:g} (debiased; raw values drawn faint)" if smooth > 0 else "none",
+        )
+    )
     return rows
 
 
@@ -67,17 +86,31 @@ def modality_rows(run: RunData, smooth: float) -> list[list[str]]:
             e = ema(s.values, smooth)
             smoothed = float(e[np.isfinite(e)][-1]) if np.isfinite(e).any() else None
         tok = run.series.get(f"tokens/{m}")
-        rows.append([m, fmt(run.last(f"loss/{m}")), fmt(smoothed), fmt(run.last(f"loss_norm/{m}")),
-                     fmt(run.last(f"val/loss/{m}")), fmt(run.final.get(f"val/loss/{m}")),
-                     fmt(run.final.get(f"val/ppl/{m}", run.last(f"val/ppl/{m}"))),
-                     human(float(np.nansum(tok.values))) if tok is not None else "-"])
+        rows.append(
+            [
+                m,
+                fmt(run.last(f"loss/{m}")),
+                fmt(smoothed),
+                fmt(run.last(f"loss_norm/{m}")),
+                fmt(run.last(f"val/loss/{m}")),
+                fmt(run.final.get(f"val/loss/{m}")),
+                fmt(run.final.get(f"val/ppl/{m}", run.last(f"val/ppl/{m}"))),
+                human(float(np.nansum(tok.values))) if tok is not None else "-",
+            ]
+        )
     return rows
 
 
 def eval_rows(run: RunData) -> list[list[str]]:
     """Every evaluation figure: its last value during training (and at which step), and final.json's."""
-    keys = sorted({k for k in run.series if k.startswith(("val/", "eval/"))} |
-                  {k for k, v in run.final.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    keys = sorted(
+        {k for k in run.series if k.startswith(("val/", "eval/"))}
+        | {
+            k
+            for k, v in run.final.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
+    )
     rows = []
     for k in keys:
         s = run.series.get(k)
@@ -90,10 +123,23 @@ def alarm_rows(run: RunData) -> list[list[str]]:
     rows = []
     for i, a in enumerate(run.alarms, 1):
         vals = a.get("values")
-        vals = ", ".join(f"{k}={fmt(v)}" for k, v in vals.items()) if isinstance(vals, dict) else fmt(vals)
+        vals = (
+            ", ".join(f"{k}={fmt(v)}" for k, v in vals.items())
+            if isinstance(vals, dict)
+            else fmt(vals)
+        )
         step = alarm_step(a)
-        rows.append([f"A{i}", fmt(step) if step is not None else "?", str(a.get("signal", "?")),
-                     str(a.get("modality") or "-"), str(a.get("action", "?")), vals, str(a.get("message", ""))])
+        rows.append(
+            [
+                f"A{i}",
+                fmt(step) if step is not None else "?",
+                str(a.get("signal", "?")),
+                str(a.get("modality") or "-"),
+                str(a.get("action", "?")),
+                vals,
+                str(a.get("message", "")),
+            ]
+        )
     return rows
 
 
@@ -111,12 +157,18 @@ img.panel{width:760px;max-width:100%} .muted{color:#777} .tag{padding:1px 6px;bo
 """
 
 
-def _table(header: list[str], rows: list[list[str]], num_cols: set[int] = frozenset(),
-           raw_cols: set[int] = frozenset()) -> str:
+def _table(
+    header: list[str],
+    rows: list[list[str]],
+    num_cols: set[int] = frozenset(),
+    raw_cols: set[int] = frozenset(),
+) -> str:
     """Cells are escaped except in ``raw_cols``; ``num_cols`` are right-aligned."""
+
     def cell(i, v):
         body = v if i in raw_cols else html.escape(v)
         return f"<td class=num>{body}</td>" if i in num_cols else f"<td>{body}</td>"
+
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(cell(i, v) for i, v in enumerate(r)) + "</tr>" for r in rows)
     return f"<table><tr>{head}</tr>{body}</table>"
@@ -126,55 +178,93 @@ def _img(png: bytes, alt: str, cls: str = "panel") -> str:
     return f'<img class={cls} alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
 
 
-def html_page(run: RunData, smooth: float, panels: list[tuple[str, str, str, bytes]],
-              reconstructions: bytes | None) -> str:
+def html_page(
+    run: RunData,
+    smooth: float,
+    panels: list[tuple[str, str, str, bytes]],
+    reconstructions: bytes | None,
+) -> str:
     """``panels``: (anchor, title, caption, png) in order."""
     esc = html.escape
-    parts = [f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8>"
-             f"<title>earlyfuse report: {esc(run.name)}</title><style>{CSS}</style></head><body>",
-             f"<h1>earlyfuse report: {esc(run.name)}</h1>",
-             f"<p class=muted>task {esc(run.task)} &middot; step {esc(steps_text(run))} &middot; "
-             f"{esc(alarm_counts(run))} &middot; written {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC "
-             f"by earlyfuse-report</p>",
-             "<h2>Summary</h2>", _table(["field", "value"], [list(r) for r in overview(run, smooth)])]
+    parts = [
+        f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8>"
+        f"<title>earlyfuse report: {esc(run.name)}</title><style>{CSS}</style></head><body>",
+        f"<h1>earlyfuse report: {esc(run.name)}</h1>",
+        f"<p class=muted>task {esc(run.task)} &middot; step {esc(steps_text(run))} &middot; "
+        f"{esc(alarm_counts(run))} &middot; written {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC "
+        f"by earlyfuse-report</p>",
+        "<h2>Summary</h2>",
+        _table(["field", "value"], [list(r) for r in overview(run, smooth)]),
+    ]
     mods = modality_rows(run, smooth)
     if mods:
-        parts += ["<h2>Per modality</h2>",
-                  _table(["modality", "last train loss", f"train loss EMA {smooth:g}", "last CE / ln V",
-                          "last val loss", "final val loss", "val ppl (final, else last)", "label tokens seen"],
-                         mods, num_cols=set(range(1, 8)))]
+        parts += [
+            "<h2>Per modality</h2>",
+            _table(
+                [
+                    "modality",
+                    "last train loss",
+                    f"train loss EMA {smooth:g}",
+                    "last CE / ln V",
+                    "last val loss",
+                    "final val loss",
+                    "val ppl (final, else last)",
+                    "label tokens seen",
+                ],
+                mods,
+                num_cols=set(range(1, 8)),
+            ),
+        ]
     parts.append("<h2>Evaluation</h2>")
     ev = eval_rows(run)
-    parts.append(_table(["figure", "last during training", "final (final.json)"], ev, num_cols={1, 2}) if ev
-                 else "<p class=muted>no evaluation logged yet</p>")
+    parts.append(
+        _table(["figure", "last during training", "final (final.json)"], ev, num_cols={1, 2})
+        if ev
+        else "<p class=muted>no evaluation logged yet</p>"
+    )
     parts.append("<h2>Alarms</h2>")
     rows = alarm_rows(run)
     if rows:
         for r in rows:
             color = ACTION_COLOR.get(r[4], "#555")
             r[4] = f'<span class=tag style="background:{color}">{esc(r[4])}</span>'
-        parts.append(_table(["#", "step", "signal", "modality", "action", "values", "message"], rows, num_cols={1},
-                            raw_cols={4}))
+        parts.append(
+            _table(
+                ["#", "step", "signal", "modality", "action", "values", "message"],
+                rows,
+                num_cols={1},
+                raw_cols={4},
+            )
+        )
     else:
         parts.append("<p>no alarms</p>")
     parts.append("<h2>Curves</h2>")
     if panels:
-        parts.append("<p class=muted>Raw values faint, EMA solid; evaluation values as markers, final.json as stars; "
-                     "alarms as dashed vertical lines labelled A&lt;i&gt; (the rows above) with a diamond on "
-                     "the curve of their modality.</p><div class=grid>")
+        parts.append(
+            "<p class=muted>Raw values faint, EMA solid; evaluation values as markers, final.json as stars; "
+            "alarms as dashed vertical lines labelled A&lt;i&gt; (the rows above) with a diamond on "
+            "the curve of their modality.</p><div class=grid>"
+        )
         for anchor, title, caption, png in panels:
-            parts.append(f"<figure id={esc(anchor)}>{_img(png, title)}"
-                         + (f"<figcaption>{esc(caption)}</figcaption>" if caption else "") + "</figure>")
+            parts.append(
+                f"<figure id={esc(anchor)}>{_img(png, title)}"
+                + (f"<figcaption>{esc(caption)}</figcaption>" if caption else "")
+                + "</figure>"
+            )
         parts.append("</div>")
     else:
         parts.append("<p class=muted>no steps logged yet</p>")
     if reconstructions is not None:
-        parts += ["<h2>Reconstructions</h2><p class=muted>vtok_reconstructions.png: held-out crops, "
-                  "original | reconstruction, one pair per row.</p>",
-                  _img(reconstructions, "visual tokenizer reconstructions", "recon")]
+        parts += [
+            "<h2>Reconstructions</h2><p class=muted>vtok_reconstructions.png: held-out crops, "
+            "original | reconstruction, one pair per row.</p>",
+            _img(reconstructions, "visual tokenizer reconstructions", "recon"),
+        ]
     if run.final:
-        parts += ["<h2>final.json</h2><pre>",
-                  esc(json.dumps(run.final, indent=1, sort_keys=True, default=str,
-                                 allow_nan=True)), "</pre>"]
+        parts += [
+            "<h2>final.json</h2><pre>",
+            esc(json.dumps(run.final, indent=1, sort_keys=True, default=str, allow_nan=True)),
+            "</pre>",
+        ]
     parts.append("</body></html>\n")
     return "".join(parts)

@@ -10,12 +10,13 @@ Conventions every panel follows:
 - every alarm is a dashed vertical line coloured by its action and labelled ``A<i>`` (the row of
   the alarms table), with a marker on its modality's curve where the panel draws one.
 """
+
 from __future__ import annotations
 
 import io
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -25,17 +26,31 @@ from matplotlib.transforms import blended_transform_factory
 
 from tools.report.run import RunData, Series, alarm_step
 
-MODALITY_COLOR = {"text": "#1f77b4", "code": "#2ca02c", "image": "#ff7f0e", "video": "#d62728",
-                  "structure": "#8c564b", "total": "#000000"}
+MODALITY_COLOR = {
+    "text": "#1f77b4",
+    "code": "#2ca02c",
+    "image": "#ff7f0e",
+    "video": "#d62728",
+    "structure": "#8c564b",
+    "total": "#000000",
+}
 EXTRA_COLORS = ["#9467bd", "#17becf", "#bcbd22", "#e377c2", "#7f7f7f"]
-ACTION_COLOR = {"log": "#8a8a8a", "warn": "#d4a017", "skip": "#e377c2", "rollback": "#9467bd", "halt": "#000000"}
+ACTION_COLOR = {
+    "log": "#8a8a8a",
+    "warn": "#d4a017",
+    "skip": "#e377c2",
+    "rollback": "#9467bd",
+    "halt": "#000000",
+}
 UNIT_NAME = {"lm": "tokens", "vtok": "images"}
-MONITOR_TITLES = {"logz": "log Z per modality (softmax normaliser)",
-                  "hidden_norm": "final hidden-state norm per modality",
-                  "logit_gap": "logit gap per modality (code slice minus text slice)"}
-LABEL_ALARMS_UP_TO = 40    # past this many alarms, lines only: labels would overlap
+MONITOR_TITLES = {
+    "logz": "log Z per modality (softmax normaliser)",
+    "hidden_norm": "final hidden-state norm per modality",
+    "logit_gap": "logit gap per modality (code slice minus text slice)",
+}
+LABEL_ALARMS_UP_TO = 40  # past this many alarms, lines only: labels would overlap
 
-PANEL_SIZE = (7.6, 3.5)    # inches; every panel the same, so that report.png is a clean grid
+PANEL_SIZE = (7.6, 3.5)  # inches; every panel the same, so that report.png is a clean grid
 DPI = 100
 
 
@@ -68,15 +83,17 @@ class Ctx:
 
 @dataclass
 class Panel:
-    key: str                     # a short id (the HTML anchor)
+    key: str  # a short id (the HTML anchor)
     title: str
     ylabel: str
-    draw: Callable               # draw(ax, ctx) -> {curve name: (x, y)} for the alarm markers
-    note: str = ""               # a caption for the HTML page
+    draw: Callable  # draw(ax, ctx) -> {curve name: (x, y)} for the alarm markers
+    note: str = ""  # a caption for the HTML page
 
 
 # --- drawing helpers -------------------------------------------------------------------------------
-def train_line(ax, s: Series, ctx: Ctx, label: str, color: str, scale: float = 1.0, lw: float = 1.6):
+def train_line(
+    ax, s: Series, ctx: Ctx, label: str, color: str, scale: float = 1.0, lw: float = 1.6
+):
     """Raw values faint, EMA solid; returns the curve drawn on top."""
     x, y = s.steps, s.values * scale
     if ctx.smooth > 0:
@@ -102,11 +119,22 @@ def nonfinite_marks(ax, s: Series, label: str, color: str = "#b00020") -> None:
     bad = ~np.isfinite(s.values)
     if bad.any():
         tr = blended_transform_factory(ax.transData, ax.transAxes)
-        ax.scatter(s.steps[bad], np.full(bad.sum(), 0.97), transform=tr, marker="x", color=color, s=30,
-                   zorder=5, label=f"{label} NaN/inf ({int(bad.sum())})", clip_on=False)
+        ax.scatter(
+            s.steps[bad],
+            np.full(bad.sum(), 0.97),
+            transform=tr,
+            marker="x",
+            color=color,
+            s=30,
+            zorder=5,
+            label=f"{label} NaN/inf ({int(bad.sum())})",
+            clip_on=False,
+        )
 
 
-def eval_points(ax, run: RunData, key: str, label: str, color: str, marker: str = "o", scale: float = 1.0):
+def eval_points(
+    ax, run: RunData, key: str, label: str, color: str, marker: str = "o", scale: float = 1.0
+):
     """Evaluation values as markers joined by a thin line that runs on to final.json's value,
     drawn as a star at the last step (the final evaluation is not in metrics.jsonl)."""
     xs, ys = np.array([], dtype=np.int64), np.array([])
@@ -126,7 +154,7 @@ def eval_points(ax, run: RunData, key: str, label: str, color: str, marker: str 
     ax.plot(xs, ys, lw=0.9, color=color, marker=marker, ms=5, markevery=list(range(n)), label=label)
     if final:
         ax.plot(xs[-1:], ys[-1:], marker="*", ms=11, color=color, ls="none", mec="black", mew=0.5)
-        ax.has_final_star = True      # render() adds one legend entry saying what the stars are
+        ax.has_final_star = True  # render() adds one legend entry saying what the stars are
     return xs, ys
 
 
@@ -138,18 +166,37 @@ def draw_alarms(ax, ctx: Ctx, curves: dict) -> None:
         step = alarm_step(a)
         if step is not None:
             by_action.setdefault(str(a.get("action", "log")), []).append((i, step, a))
-    dense = len(ctx.run.alarms) > LABEL_ALARMS_UP_TO     # then thin faint lines, no labels or markers
+    dense = len(ctx.run.alarms) > LABEL_ALARMS_UP_TO  # then thin faint lines, no labels or markers
     for action, items in by_action.items():
         color = ACTION_COLOR.get(action, "#555555")
         steps = [step for _, step, _ in items]
-        ax.vlines(steps, 0, 1, transform=tr, colors=color, linestyles="--", alpha=0.35 if dense else 0.85, zorder=1,
-                  linewidth=(1.3 if action in ("rollback", "halt") else 1.0) * (0.6 if dense else 1),
-                  label=f"alarm: {action} ({len(items)})" if dense else f"alarm: {action}")
+        ax.vlines(
+            steps,
+            0,
+            1,
+            transform=tr,
+            colors=color,
+            linestyles="--",
+            alpha=0.35 if dense else 0.85,
+            zorder=1,
+            linewidth=(1.3 if action in ("rollback", "halt") else 1.0) * (0.6 if dense else 1),
+            label=f"alarm: {action} ({len(items)})" if dense else f"alarm: {action}",
+        )
         if dense:
             continue
         for i, step, _ in items:
-            ax.text(step, 1.01, f"A{i}", transform=tr, rotation=90, fontsize=7, color=color, ha="center",
-                    va="bottom", clip_on=False)
+            ax.text(
+                step,
+                1.01,
+                f"A{i}",
+                transform=tr,
+                rotation=90,
+                fontsize=7,
+                color=color,
+                ha="center",
+                va="bottom",
+                clip_on=False,
+            )
         mx, my = [], []
         for _, step, a in items:
             curve = curves.get(a.get("modality") or "total")
@@ -158,26 +205,41 @@ def draw_alarms(ax, ctx: Ctx, curves: dict) -> None:
                 mx.append(step)
                 my.append(np.interp(step, curve[0][ok], curve[1][ok]))
         if mx:
-            ax.plot(mx, my, marker="D", ms=6, color=color, mec="black", mew=0.6, zorder=6, ls="none")
+            ax.plot(
+                mx, my, marker="D", ms=6, color=color, mec="black", mew=0.6, zorder=6, ls="none"
+            )
 
 
 # --- the panels ------------------------------------------------------------------------------------
 def same(a: Series, b: Series | None) -> bool:
-    return b is not None and np.array_equal(a.steps, b.steps) and np.allclose(a.values, b.values, equal_nan=True)
+    return (
+        b is not None
+        and np.array_equal(a.steps, b.steps)
+        and np.allclose(a.values, b.values, equal_nan=True)
+    )
 
 
-def per_modality(prefix: str, *, total: str | None = None, hline: float | None = None, clip: bool = False,
-                 scale: float = 1.0):
+def per_modality(
+    prefix: str,
+    *,
+    total: str | None = None,
+    hline: float | None = None,
+    clip: bool = False,
+    scale: float = 1.0,
+):
     """A panel drawing ``prefix<m>`` for every modality present (and ``total`` in black)."""
+
     def draw(ax, ctx: Ctx):
         run, curves, arrays = ctx.run, {}, []
         mods = run.modalities() + [k for k in run.keys(prefix) if k not in run.modalities()]
         tot = total if total in run.series else None
         if tot and len(mods) == 1 and same(run.series[tot], run.series.get(prefix + mods[0])):
-            tot = None    # one modality whose loss is the total (a vtok run): one line, not two
+            tot = None  # one modality whose loss is the total (a vtok run): one line, not two
         if tot:
             s = run.series[tot]
-            curves["total"] = train_line(ax, s, ctx, "total", MODALITY_COLOR["total"], scale, lw=2.0)
+            curves["total"] = train_line(
+                ax, s, ctx, "total", MODALITY_COLOR["total"], scale, lw=2.0
+            )
             nonfinite_marks(ax, s, "total")
             arrays.append(s.values)
         for i, m in enumerate(mods):
@@ -191,6 +253,7 @@ def per_modality(prefix: str, *, total: str | None = None, hline: float | None =
         if clip:
             robust_ylim(ax, arrays)
         return curves
+
     return draw
 
 
@@ -202,7 +265,9 @@ def draw_val(ax, ctx: Ctx):
             curves[m] = c
         s = run.series.get(f"loss/{m}")
         if s is not None and ctx.smooth > 0 and np.isfinite(s.values).any():
-            ax.plot(s.steps, ema(s.values, ctx.smooth), color=color_of(m, i), lw=0.9, ls="--", alpha=0.5)
+            ax.plot(
+                s.steps, ema(s.values, ctx.smooth), color=color_of(m, i), lw=0.9, ls="--", alpha=0.5
+            )
     c = eval_points(ax, run, "val/loss", "all", "#000000", marker="s")
     if c is not None:
         curves["total"] = c
@@ -217,14 +282,20 @@ def draw_mix(ax, ctx: Ctx):
     ys = []
     for n in names:
         s = run.series[f"mix/{n}"]
-        y = np.interp(grid, s.steps, np.nan_to_num(s.values)) if len(s.steps) else np.zeros(len(grid))
+        y = (
+            np.interp(grid, s.steps, np.nan_to_num(s.values))
+            if len(s.steps)
+            else np.zeros(len(grid))
+        )
         ys.append(ema(y, ctx.smooth) if ctx.smooth > 0 else y)
     ys = np.array(ys)
     ys = ys / np.maximum(ys.sum(axis=0, keepdims=True), 1e-12)
-    ax.stackplot(grid, ys, labels=names, colors=[f"C{i % 10}" for i in range(len(names))], alpha=0.85)
+    ax.stackplot(
+        grid, ys, labels=names, colors=[f"C{i % 10}" for i in range(len(names))], alpha=0.85
+    )
     cum = 0.0
     targets = [(n, run.target_mix[n]) for n in names if n in run.target_mix]
-    for j, (n, w) in enumerate(targets[:-1]):
+    for j, (_name, w) in enumerate(targets[:-1]):
         cum += w
         ax.axhline(cum, color="black", ls="--", lw=0.8, label="target (config)" if j == 0 else None)
     ax.set_ylim(0, 1)
@@ -255,29 +326,46 @@ def draw_grad(ax, ctx: Ctx):
         idx = np.nonzero(np.nan_to_num(sk.values) > 0)[0]
         if len(idx):
             steps = sk.steps[idx]
-            gn = np.interp(steps, s.steps[np.isfinite(s.values)], s.values[np.isfinite(s.values)]) \
-                if np.isfinite(s.values).any() else np.zeros(len(steps))
-            ax.scatter(steps, gn, marker="v", s=40, color="#b00020", zorder=5, label=f"skipped step ({len(idx)})")
+            gn = (
+                np.interp(steps, s.steps[np.isfinite(s.values)], s.values[np.isfinite(s.values)])
+                if np.isfinite(s.values).any()
+                else np.zeros(len(steps))
+            )
+            ax.scatter(
+                steps,
+                gn,
+                marker="v",
+                s=40,
+                color="#b00020",
+                zorder=5,
+                label=f"skipped step ({len(idx)})",
+            )
     return {"total": curve}
 
 
 def draw_simple(keys: list[tuple[str, str, str]], scale: float = 1.0, eval_keys=()):
     """Train series ``(key, label, color)`` and evaluation series ``(key, label, color, marker)``."""
+
     def draw(ax, ctx: Ctx):
         curves = {}
         for k, label, color in keys:
             if ctx.run.has(k):
-                curves.setdefault("total", train_line(ax, ctx.run.series[k], ctx, label, color, scale))
+                curves.setdefault(
+                    "total", train_line(ax, ctx.run.series[k], ctx, label, color, scale)
+                )
         for k, label, color, marker in eval_keys:
             eval_points(ax, ctx.run, k, label, color, marker, scale)
         return curves
+
     return draw
 
 
 def draw_lr(ax, ctx: Ctx):
     s = ctx.run.series["optim/lr"]
     ax.plot(s.steps, s.values, color="#333333", lw=1.6, label="lr")
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))   # no offset text over the title
+    ax.yaxis.set_major_formatter(
+        FuncFormatter(lambda v, _: f"{v:.3g}")
+    )  # no offset text over the title
     return {}
 
 
@@ -299,12 +387,17 @@ def draw_monitor(sig: str):
         run, curves = ctx.run, {}
         if run.has(f"monitor/{sig}"):
             curves["total"] = train_line(ax, run.series[f"monitor/{sig}"], ctx, "all", "#000000")
-        subs = sorted(k[len(f"monitor/{sig}/"):] for k in run.series if k.startswith(f"monitor/{sig}/"))
-        mods = [m for m in run.modalities() if m in subs] + [m for m in subs if m not in run.modalities()]
+        subs = sorted(
+            k[len(f"monitor/{sig}/") :] for k in run.series if k.startswith(f"monitor/{sig}/")
+        )
+        mods = [m for m in run.modalities() if m in subs] + [
+            m for m in subs if m not in run.modalities()
+        ]
         for i, m in enumerate(mods):
             if run.has(f"monitor/{sig}/{m}"):
                 curves[m] = train_line(ax, run.series[f"monitor/{sig}/{m}"], ctx, m, color_of(m, i))
         return curves
+
     return draw
 
 
@@ -314,49 +407,132 @@ def panels_for(run: RunData) -> list[Panel]:
     unit = UNIT_NAME.get(run.task, "units")
     out = []
     if h("train/loss") or run.keys("loss/"):
-        out.append(Panel("loss", "Train loss: total and per modality", "cross-entropy (nats)",
-                         per_modality("loss/", total="train/loss", clip=True)))
-    if any(k.startswith("val/loss") for k in run.series) or any(k.startswith("val/loss") for k in run.final):
-        out.append(Panel("val", "Validation loss per modality", "cross-entropy (nats)", draw_val,
-                         "Markers: each evaluation; stars: final.json; dashed: the train EMA for reference."))
+        out.append(
+            Panel(
+                "loss",
+                "Train loss: total and per modality",
+                "cross-entropy (nats)",
+                per_modality("loss/", total="train/loss", clip=True),
+            )
+        )
+    if any(k.startswith("val/loss") for k in run.series) or any(
+        k.startswith("val/loss") for k in run.final
+    ):
+        out.append(
+            Panel(
+                "val",
+                "Validation loss per modality",
+                "cross-entropy (nats)",
+                draw_val,
+                "Markers: each evaluation; stars: final.json; dashed: the train EMA for reference.",
+            )
+        )
     if run.keys("loss_norm/"):
-        out.append(Panel("loss_norm", "Normalised CE per modality (CE / ln V)", "CE / ln V",
-                         per_modality("loss_norm/", hline=1.0),
-                         "1.0 is chance over the modality's own vocabulary range; near 1.0 late in a run is collapse."))
+        out.append(
+            Panel(
+                "loss_norm",
+                "Normalised CE per modality (CE / ln V)",
+                "CE / ln V",
+                per_modality("loss_norm/", hline=1.0),
+                "1.0 is chance over the modality's own vocabulary range; near 1.0 late in a run is collapse.",
+            )
+        )
     if run.keys("mix/"):
-        out.append(Panel("mix", "Delivered mix by source (share of tokens)", "share", draw_mix,
-                         "Stacked shares of each step's tokens, EMA-smoothed; dashed: cumulative config weights."))
+        out.append(
+            Panel(
+                "mix",
+                "Delivered mix by source (share of tokens)",
+                "share",
+                draw_mix,
+                "Stacked shares of each step's tokens, EMA-smoothed; dashed: cumulative config weights.",
+            )
+        )
     if run.keys("tokens/"):
-        out.append(Panel("tokens", "Label tokens per step by modality", "tokens / step", draw_tokens))
+        out.append(
+            Panel("tokens", "Label tokens per step by modality", "tokens / step", draw_tokens)
+        )
     if h("optim/grad_norm"):
-        out.append(Panel("grad", "Gradient norm (skipped steps marked)", "global grad norm", draw_grad))
+        out.append(
+            Panel("grad", "Gradient norm (skipped steps marked)", "global grad norm", draw_grad)
+        )
     if h("optim/lr"):
         out.append(Panel("lr", "Learning rate", "lr", draw_lr))
     if h("throughput/units_per_s"):
-        out.append(Panel("throughput", f"Throughput ({unit}/s)", f"{unit} / s",
-                         draw_simple([("throughput/units_per_s", f"{unit}/s", "#333333")])))
+        out.append(
+            Panel(
+                "throughput",
+                f"Throughput ({unit}/s)",
+                f"{unit} / s",
+                draw_simple([("throughput/units_per_s", f"{unit}/s", "#333333")]),
+            )
+        )
     if h("throughput/mfu") or h("throughput/data_wait"):
-        out.append(Panel("util", "MFU and data wait", "% ", draw_simple(
-            [("throughput/mfu", "MFU", "#1f77b4"), ("throughput/data_wait", "data wait (share of step)", "#d62728")],
-            scale=100.0)))
+        out.append(
+            Panel(
+                "util",
+                "MFU and data wait",
+                "% ",
+                draw_simple(
+                    [
+                        ("throughput/mfu", "MFU", "#1f77b4"),
+                        ("throughput/data_wait", "data wait (share of step)", "#d62728"),
+                    ],
+                    scale=100.0,
+                ),
+            )
+        )
     for sig in monitor_signals(run):
-        out.append(Panel(f"monitor_{sig}", MONITOR_TITLES.get(sig, f"monitor/{sig}"), sig, draw_monitor(sig)))
+        out.append(
+            Panel(
+                f"monitor_{sig}", MONITOR_TITLES.get(sig, f"monitor/{sig}"), sig, draw_monitor(sig)
+            )
+        )
     if h("vtok/psnr") or h("eval/psnr") or "eval/psnr" in run.final:
-        out.append(Panel("psnr", "Reconstruction PSNR against the patch-mean baseline", "PSNR (dB)", draw_simple(
-            [("vtok/psnr", "train", "#ff7f0e")],
-            eval_keys=[("eval/psnr", "eval (held-out)", "#1f77b4", "o"),
-                       ("eval/baseline_psnr", "baseline", "#7f7f7f", "s")])))
+        out.append(
+            Panel(
+                "psnr",
+                "Reconstruction PSNR against the patch-mean baseline",
+                "PSNR (dB)",
+                draw_simple(
+                    [("vtok/psnr", "train", "#ff7f0e")],
+                    eval_keys=[
+                        ("eval/psnr", "eval (held-out)", "#1f77b4", "o"),
+                        ("eval/baseline_psnr", "baseline", "#7f7f7f", "s"),
+                    ],
+                ),
+            )
+        )
     if h("eval/ssim") or "eval/ssim" in run.final:
-        out.append(Panel("ssim", "SSIM (eval, held-out crops)", "SSIM",
-                         draw_simple([], eval_keys=[("eval/ssim", "SSIM", "#2ca02c", "o")])))
+        out.append(
+            Panel(
+                "ssim",
+                "SSIM (eval, held-out crops)",
+                "SSIM",
+                draw_simple([], eval_keys=[("eval/ssim", "SSIM", "#2ca02c", "o")]),
+            )
+        )
     if h("vtok/code_fraction") or h("eval/code_fraction") or "eval/code_fraction" in run.final:
-        out.append(Panel("codes", "Visual code use (share of the codebook used)", "fraction of codes", draw_simple(
-            [("vtok/code_fraction", "train batch", "#9467bd")],
-            eval_keys=[("eval/code_fraction", "eval", "#17becf", "o")]),
-            "eval/code_perplexity is in the summary table."))
+        out.append(
+            Panel(
+                "codes",
+                "Visual code use (share of the codebook used)",
+                "fraction of codes",
+                draw_simple(
+                    [("vtok/code_fraction", "train batch", "#9467bd")],
+                    eval_keys=[("eval/code_fraction", "eval", "#17becf", "o")],
+                ),
+                "eval/code_perplexity is in the summary table.",
+            )
+        )
     if h("vtok/l1") or h("vtok/l2"):
-        out.append(Panel("recon", "Reconstruction error (train)", "mean error", draw_simple(
-            [("vtok/l1", "L1", "#8c564b"), ("vtok/l2", "L2 (MSE)", "#e377c2")])))
+        out.append(
+            Panel(
+                "recon",
+                "Reconstruction error (train)",
+                "mean error",
+                draw_simple([("vtok/l1", "L1", "#8c564b"), ("vtok/l2", "L2 (MSE)", "#e377c2")]),
+            )
+        )
     return out
 
 
@@ -379,7 +555,17 @@ def render(panel: Panel, ctx: Ctx) -> bytes:
     ax.set_title(panel.title, fontsize=10, loc="left", pad=14 if ctx.run.alarms else 6)
     curves = panel.draw(ax, ctx) or {}
     if getattr(ax, "has_final_star", False):
-        ax.plot([], [], marker="*", ms=9, color="#bbbbbb", mec="black", mew=0.5, ls="none", label="final.json")
+        ax.plot(
+            [],
+            [],
+            marker="*",
+            ms=9,
+            color="#bbbbbb",
+            mec="black",
+            mew=0.5,
+            ls="none",
+            label="final.json",
+        )
     draw_alarms(ax, ctx, curves)
     ax.set_xlim(*ctx.xlim)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -389,7 +575,9 @@ def render(panel: Panel, ctx: Ctx) -> bytes:
     ax.grid(True, alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()
     if handles:
-        ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+        ax.legend(
+            handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False
+        )
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI)
     return buf.getvalue()
@@ -402,8 +590,15 @@ def render_header(lines: list[tuple[str, float, str]], width_px: int) -> bytes:
     FigureCanvasAgg(fig)
     y = 1 - 0.15 / height
     for text, size, weight in lines:
-        fig.text(0.01, y, text, fontsize=size, va="top", weight="bold" if weight == "bold" else "normal",
-                 family="monospace" if weight == "mono" else "sans-serif")
+        fig.text(
+            0.01,
+            y,
+            text,
+            fontsize=size,
+            va="top",
+            weight="bold" if weight == "bold" else "normal",
+            family="monospace" if weight == "mono" else "sans-serif",
+        )
         y -= size * 1.6 / 72 / height
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI)

@@ -9,6 +9,7 @@
   "message"}``; read with the same tolerance, in file order.
 - ``config.yaml`` (name, task, train.steps, data.sources weights) and ``final.json`` are optional.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,8 @@ class NoMetrics(FileNotFoundError):
 
 @dataclass
 class Series:
-    steps: np.ndarray      # int64, increasing
-    values: np.ndarray     # float64, may hold NaN / inf
+    steps: np.ndarray  # int64, increasing
+    values: np.ndarray  # float64, may hold NaN / inf
 
 
 @dataclass
@@ -39,13 +40,13 @@ class RunData:
     name: str
     task: str
     total_steps: int | None
-    records: dict[int, dict]                       # step -> last record
+    records: dict[int, dict]  # step -> last record
     series: dict[str, Series]
-    final: dict = field(default_factory=dict)      # final.json
+    final: dict = field(default_factory=dict)  # final.json
     alarms: list[dict] = field(default_factory=list)
-    target_mix: dict[str, float] = field(default_factory=dict)   # data.sources weights, normalised
-    duplicate_records: int = 0                     # records replaced by a later one for the same step
-    bad_lines: int = 0                             # metrics lines that did not parse
+    target_mix: dict[str, float] = field(default_factory=dict)  # data.sources weights, normalised
+    duplicate_records: int = 0  # records replaced by a later one for the same step
+    bad_lines: int = 0  # metrics lines that did not parse
     bad_alarm_lines: int = 0
 
     @property
@@ -67,13 +68,17 @@ class RunData:
     def keys(self, prefix: str) -> list[str]:
         """Suffixes of the keys ``prefix<suffix>`` that hold at least one finite value (or, for
         ``loss/``, any value at all: a modality whose loss is all NaN is still present)."""
-        found = [k[len(prefix):] for k in self.series if k.startswith(prefix) and "/" not in k[len(prefix):]]
+        found = [
+            k[len(prefix) :]
+            for k in self.series
+            if k.startswith(prefix) and "/" not in k[len(prefix) :]
+        ]
         return [k for k in found if prefix == "loss/" or self.has(prefix + k)]
 
     def modalities(self) -> list[str]:
         """Modalities that have a train or validation loss anywhere (final.json included)."""
         names = set(self.keys("loss/")) | set(self.keys("val/loss/"))
-        names |= {k[len("val/loss/"):] for k in self.final if k.startswith("val/loss/")}
+        names |= {k[len("val/loss/") :] for k in self.final if k.startswith("val/loss/")}
         return order_modalities(names)
 
     def sources(self) -> list[str]:
@@ -132,7 +137,10 @@ def build_series(records: dict[int, dict]) -> dict[str, Series]:
             s, vals = cols.setdefault(k, ([], []))
             s.append(step)
             vals.append(x)
-    return {k: Series(np.asarray(s, dtype=np.int64), np.asarray(v, dtype=np.float64)) for k, (s, v) in cols.items()}
+    return {
+        k: Series(np.asarray(s, dtype=np.int64), np.asarray(v, dtype=np.float64))
+        for k, (s, v) in cols.items()
+    }
 
 
 def _config(run_dir: Path) -> dict:
@@ -143,14 +151,17 @@ def _config(run_dir: Path) -> dict:
         import yaml
 
         cfg = yaml.safe_load(path.read_text())
-    except Exception:   # a config we cannot read costs only the header fields
+    except Exception:  # a config we cannot read costs only the header fields
         return {}
     return cfg if isinstance(cfg, dict) else {}
 
 
 def _target_mix(cfg: dict) -> dict[str, float]:
     try:
-        srcs = [(str(s["name"]), float(s.get("weight", 1.0))) for s in (cfg.get("data") or {}).get("sources") or []]
+        srcs = [
+            (str(s["name"]), float(s.get("weight", 1.0)))
+            for s in (cfg.get("data") or {}).get("sources") or []
+        ]
     except (TypeError, KeyError, ValueError, AttributeError):
         return {}
     total = sum(w for _, w in srcs)
@@ -161,7 +172,9 @@ def load_run(run_dir: str | Path) -> RunData:
     run_dir = Path(run_dir)
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        raise NoMetrics(f"no metrics.jsonl in {run_dir} (is it a run folder written by earlyfuse-train?)")
+        raise NoMetrics(
+            f"no metrics.jsonl in {run_dir} (is it a run folder written by earlyfuse-train?)"
+        )
     raw, bad = read_jsonl(path)
     records: dict[int, dict] = {}
     dup = 0
@@ -184,13 +197,23 @@ def load_run(run_dir: str | Path) -> RunData:
     alarms, bad_alarms = [], 0
     if (run_dir / "alarms.jsonl").is_file():
         alarms, bad_alarms = read_jsonl(run_dir / "alarms.jsonl")
-    return RunData(run_dir=run_dir, name=str(cfg.get("name") or run_dir.resolve().name),
-                   task=str(cfg.get("task") or ("vtok" if any("vtok/" in k for r in records.values() for k in r)
-                                                 else "?")),
-                   total_steps=int(total) if isinstance(total, int) else None, records=records,
-                   series=build_series(records), final=final if isinstance(final, dict) else {},
-                   alarms=alarms, target_mix=_target_mix(cfg), duplicate_records=dup, bad_lines=bad,
-                   bad_alarm_lines=bad_alarms)
+    return RunData(
+        run_dir=run_dir,
+        name=str(cfg.get("name") or run_dir.resolve().name),
+        task=str(
+            cfg.get("task")
+            or ("vtok" if any("vtok/" in k for r in records.values() for k in r) else "?")
+        ),
+        total_steps=int(total) if isinstance(total, int) else None,
+        records=records,
+        series=build_series(records),
+        final=final if isinstance(final, dict) else {},
+        alarms=alarms,
+        target_mix=_target_mix(cfg),
+        duplicate_records=dup,
+        bad_lines=bad,
+        bad_alarm_lines=bad_alarms,
+    )
 
 
 def alarm_step(alarm: dict) -> int | None:

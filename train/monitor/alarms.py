@@ -1,6 +1,7 @@
 """Alarms: what a detector found, written to ``RUN_DIR/alarms.jsonl`` (one JSON object per line:
 step, signal, modality, values, action, message) and shown on the console for ``warn`` and up.
 ``earlyfuse-report`` reads the same file."""
+
 from __future__ import annotations
 
 import json
@@ -14,16 +15,19 @@ from train.monitor.config import SEVERITY
 @dataclass
 class Alarm:
     step: int
-    signal: str                      # e.g. "collapse", "loss_spike", "dependence_gap"
-    action: str                      # log | warn | skip | rollback | halt
+    signal: str  # e.g. "collapse", "loss_spike", "dependence_gap"
+    action: str  # log | warn | skip | rollback | halt
     message: str
     modality: str | None = None
     values: dict = field(default_factory=dict)
-    since: int | None = None         # first step of the trouble (rollback looks before it)
+    since: int | None = None  # first step of the trouble (rollback looks before it)
 
     def to_json(self) -> str:
         d = asdict(self)
-        d["values"] = {k: (v if isinstance(v, (int, str)) or math.isfinite(v) else str(v)) for k, v in self.values.items()}
+        d["values"] = {
+            k: (v if isinstance(v, (int, str)) or math.isfinite(v) else str(v))
+            for k, v in self.values.items()
+        }
         return json.dumps(d, sort_keys=True)
 
     def line(self) -> str:

@@ -6,6 +6,7 @@ a modality that is absent from some steps is weighed by its tokens.
 Each detector fires once when its condition starts and again only after it has cleared
 (``_Latch``): a collapsed modality is one alarm, not one per step.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,7 +50,7 @@ class ModalityWindows:
         q = list(self.steps[name])
         if len(q) < (self.window if recent else 2 * self.window):
             return None
-        part = q[-self.window:] if recent else q[-2 * self.window:-self.window]
+        part = q[-self.window :] if recent else q[-2 * self.window : -self.window]
         n = sum(c for _, c in part)
         return sum(s for s, _ in part) / n if n else None
 
@@ -70,8 +71,8 @@ class Divergence:
     def __init__(self, cfg: DivergenceConfig) -> None:
         self.cfg = cfg
         self.skipped: deque[tuple[int, bool]] = deque(maxlen=cfg.window)
-        self.losses: deque[float] = deque(maxlen=cfg.window)      # accepted, finite losses
-        self.watch: dict | None = None                           # after a spike: {since, ref, losses}
+        self.losses: deque[float] = deque(maxlen=cfg.window)  # accepted, finite losses
+        self.watch: dict | None = None  # after a spike: {since, ref, losses}
         self.latch = _Latch()
 
     def check(self, step: int, m: dict) -> list[Alarm]:
@@ -80,7 +81,7 @@ class Divergence:
         if skipped and self.watch is None and len(self.losses) == self.cfg.window:
             self.watch = {"since": step, "ref": sum(self.losses) / len(self.losses), "losses": []}
         elif self.watch is not None and not skipped and math.isfinite(loss):
-            self.watch["losses"].append(loss)        # what the run does once updates are accepted again
+            self.watch["losses"].append(loss)  # what the run does once updates are accepted again
         if not skipped and math.isfinite(loss):
             self.losses.append(loss)
         n = sum(s for _, s in self.skipped)
@@ -90,17 +91,31 @@ class Divergence:
             w = self.watch
             rise = sum(w["losses"]) / len(w["losses"]) / w["ref"] - 1 if w["ref"] > 0 else 0.0
             if rise <= self.cfg.max_rise:
-                self.watch, rise = None, None                   # the run came back by itself
+                self.watch, rise = None, None  # the run came back by itself
         on = step >= self.cfg.min_steps and (n >= self.cfg.max_skipped or rise is not None)
         if not self.latch.edge("div", on):
             return []
         bad = [s for s, b in self.skipped if b]
         first = self.watch["since"] if self.watch else min(bad)
-        why = (f"{n} of the last {len(self.skipped)} steps were skipped as spikes" if n >= self.cfg.max_skipped else
-               f"the loss stayed {rise:.0%} above its level before the spike for {self.cfg.window} steps")
-        return [Alarm(step, "divergence", self.cfg.action, since=first,
-                      values={"skipped": n, "window": len(self.skipped), "rise": rise if rise is not None else 0.0},
-                      message=f"{why} (trouble began at step {first})")]
+        why = (
+            f"{n} of the last {len(self.skipped)} steps were skipped as spikes"
+            if n >= self.cfg.max_skipped
+            else f"the loss stayed {rise:.0%} above its level before the spike for {self.cfg.window} steps"
+        )
+        return [
+            Alarm(
+                step,
+                "divergence",
+                self.cfg.action,
+                since=first,
+                values={
+                    "skipped": n,
+                    "window": len(self.skipped),
+                    "rise": rise if rise is not None else 0.0,
+                },
+                message=f"{why} (trouble began at step {first})",
+            )
+        ]
 
     def reset(self) -> None:
         self.skipped.clear()
@@ -108,8 +123,12 @@ class Divergence:
         self.latch = _Latch()
 
     def state_dict(self) -> dict:
-        return {"skipped": list(self.skipped), "losses": list(self.losses), "watch": self.watch,
-                "on": sorted(self.latch.on)}
+        return {
+            "skipped": list(self.skipped),
+            "losses": list(self.losses),
+            "watch": self.watch,
+            "on": sorted(self.latch.on),
+        }
 
     def load_state_dict(self, st: dict) -> None:
         self.skipped = deque([tuple(x) for x in st["skipped"]], maxlen=self.cfg.window)
@@ -122,7 +141,7 @@ class Collapse:
     """A modality's normalised CE back near chance (1.0 = a uniform guess over its own ids)."""
 
     def __init__(self, cfg: CollapseConfig, chance: dict[str, float]) -> None:
-        self.cfg, self.chance = cfg, chance          # chance: modality -> ln V_m
+        self.cfg, self.chance = cfg, chance  # chance: modality -> ln V_m
         self.win = ModalityWindows(cfg.window)
         self.best: dict[str, float] = {}
         self.latch = _Latch()
@@ -140,10 +159,18 @@ class Collapse:
             learned = self.best[name] <= self.cfg.threshold - self.cfg.margin
             on = step >= self.cfg.min_steps and learned and norm >= self.cfg.threshold
             if self.latch.edge(name, on):
-                out.append(Alarm(step, "collapse", self.cfg.action, modality=name, since=step - self.cfg.window,
-                                 values={"norm_ce": norm, "best_norm_ce": self.best[name], "ce": ce},
-                                 message=f"{name} loss {ce:.3f} is {norm:.2f} x chance (ln V = {self.chance[name]:.2f}) "
-                                         f"after reaching {self.best[name]:.2f}: it has stopped predicting"))
+                out.append(
+                    Alarm(
+                        step,
+                        "collapse",
+                        self.cfg.action,
+                        modality=name,
+                        since=step - self.cfg.window,
+                        values={"norm_ce": norm, "best_norm_ce": self.best[name], "ce": ce},
+                        message=f"{name} loss {ce:.3f} is {norm:.2f} x chance (ln V = {self.chance[name]:.2f}) "
+                        f"after reaching {self.best[name]:.2f}: it has stopped predicting",
+                    )
+                )
         return out
 
     def state_dict(self) -> dict:
@@ -177,22 +204,33 @@ class Stagnation:
             now, before = self.win.mean(name), self.win.mean(name, recent=False)
             if now is not None and before and name not in self.SKIP:
                 drops[name] = (before - now) / before
-                m[f"monitor/trend/{name}"] = -drops[name]    # relative change of the windowed loss
+                m[f"monitor/trend/{name}"] = -drops[name]  # relative change of the windowed loss
         out = []
         for name, drop in drops.items():
             others = [d for k, d in drops.items() if k != name]
             others_mean = sum(others) / len(others) if others else 0.0
-            cond = (step >= self.cfg.min_steps and bool(others) and drop <= self.cfg.min_drop
-                    and others_mean >= self.cfg.others_drop)
+            cond = (
+                step >= self.cfg.min_steps
+                and bool(others)
+                and drop <= self.cfg.min_drop
+                and others_mean >= self.cfg.others_drop
+            )
             self.streak[name] = self.streak.get(name, 0) + 1 if cond else 0
             if self.latch.edge(name, self.streak[name] >= self.cfg.patience):
                 word = "rose" if drop < 0 else "stalled"
-                out.append(Alarm(step, "stagnation", self.cfg.action, modality=name,
-                                 since=step - self.cfg.window - self.cfg.patience,
-                                 values={"change": -drop, "others_change": -others_mean},
-                                 message=f"{name} loss {word} ({-drop:+.1%} over {self.cfg.window} steps, for "
-                                         f"{self.cfg.patience} steps running) while the other modalities fell "
-                                         f"{others_mean:.1%}"))
+                out.append(
+                    Alarm(
+                        step,
+                        "stagnation",
+                        self.cfg.action,
+                        modality=name,
+                        since=step - self.cfg.window - self.cfg.patience,
+                        values={"change": -drop, "others_change": -others_mean},
+                        message=f"{name} loss {word} ({-drop:+.1%} over {self.cfg.window} steps, for "
+                        f"{self.cfg.patience} steps running) while the other modalities fell "
+                        f"{others_mean:.1%}",
+                    )
+                )
         return out
 
     def state_dict(self) -> dict:
@@ -210,7 +248,7 @@ class Drift:
 
     def __init__(self, cfg: DriftConfig) -> None:
         self.cfg = cfg
-        self.ref: dict[str, list[float]] = {}       # modality -> [sum, count] of the reference window
+        self.ref: dict[str, list[float]] = {}  # modality -> [sum, count] of the reference window
         self.latch = _Latch()
 
     def check(self, step: int, m: dict) -> list[Alarm]:
@@ -227,12 +265,30 @@ class Drift:
             growth = hn / (ref[0] / ref[1]) if ref and ref[1] >= self.cfg.window else 1.0
             m[f"monitor/hidden_growth/{name}"] = growth
             for key, on, values, msg in (
-                    ("logz", abs(logz) > self.cfg.logz_abs, {"logz": logz},
-                     f"log Z of {name} is {logz:.1f} (limit +-{self.cfg.logz_abs:g}): logits are drifting"),
-                    ("hidden", growth > self.cfg.hidden_growth, {"hidden_norm": hn, "growth": growth},
-                     f"final hidden norm of {name} grew {growth:.1f}x its early value (limit {self.cfg.hidden_growth:g}x)")):
+                (
+                    "logz",
+                    abs(logz) > self.cfg.logz_abs,
+                    {"logz": logz},
+                    f"log Z of {name} is {logz:.1f} (limit +-{self.cfg.logz_abs:g}): logits are drifting",
+                ),
+                (
+                    "hidden",
+                    growth > self.cfg.hidden_growth,
+                    {"hidden_norm": hn, "growth": growth},
+                    f"final hidden norm of {name} grew {growth:.1f}x its early value (limit {self.cfg.hidden_growth:g}x)",
+                ),
+            ):
                 if self.latch.edge(f"{key}/{name}", step >= self.cfg.min_steps and on):
-                    out.append(Alarm(step, f"{key}_drift", self.cfg.action, modality=name, values=values, message=msg))
+                    out.append(
+                        Alarm(
+                            step,
+                            f"{key}_drift",
+                            self.cfg.action,
+                            modality=name,
+                            values=values,
+                            message=msg,
+                        )
+                    )
         return out
 
     def state_dict(self) -> dict:

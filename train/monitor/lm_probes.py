@@ -6,6 +6,7 @@ first probe: ``attention`` uses the first ``rows`` rows of a batch; ``dependence
 batches for ``probes`` rows where an image is followed by its caption, and takes this rank's
 share of them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,10 +30,16 @@ class LMProbes:
 
     def _rows(self, want_captions: int):
         d = self.run_cfg.data
-        data = dataclasses.replace(d, sources=d.validation or d.sources, validation=[], num_workers=0,
-                                   mode="infinite")
-        loader = build_loader(data, rank=self.dist.rank, world_size=self.dist.world_size,
-                              micro_batch=self.run_cfg.train.micro_batch, pad_id=0)
+        data = dataclasses.replace(
+            d, sources=d.validation or d.sources, validation=[], num_workers=0, mode="infinite"
+        )
+        loader = build_loader(
+            data,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+            micro_batch=self.run_cfg.train.micro_batch,
+            pad_id=0,
+        )
         first, rows = None, []
         with closing(iter(loader)) as batches:
             for i, b in enumerate(batches):
@@ -41,7 +48,7 @@ class LMProbes:
                     break
                 labels, blocks = probes.caption_rows(b, self.task.layout)
                 for r in sorted({r for r, _, _ in blocks}):
-                    rows.append({k: b[k][r:r + 1] for k in PROBE_KEYS})
+                    rows.append({k: b[k][r : r + 1] for k in PROBE_KEYS})
                 if len(rows) >= want_captions:
                     break
         if want_captions:
@@ -64,7 +71,7 @@ class LMProbes:
         if name == "attention":
             if self._attn_batch is None:
                 first = self._rows(0)
-                self._attn_batch = {k: first[k][:self.cfg.attention.rows] for k in PROBE_KEYS}
+                self._attn_batch = {k: first[k][: self.cfg.attention.rows] for k in PROBE_KEYS}
             return probes.attention_stats(module, self._attn_batch, dev)
         if name == "dependence":
             if self._dep_batch is None:
@@ -74,8 +81,12 @@ class LMProbes:
                 return {}
             fault = fault_step("EARLYFUSE_FAULT_SHUFFLE_PROBE_FROM")
             shuffled = 0 <= fault <= step
-            return probes.dependence_gap(module, self._dep_batch, self.task.layout, dev, fault_shuffled=shuffled)
+            return probes.dependence_gap(
+                module, self._dep_batch, self.task.layout, dev, fault_shuffled=shuffled
+            )
         c = self.cfg.code_use
         per_rank = max(1, c.probes // self.dist.world_size)
         seed = self.run_cfg.train.seed * 1000003 + step * 31 + self.dist.rank
-        return probes.generated_code_use(module, self.task.layout, dev, images=per_rank, grid=c.grid, seed=seed)
+        return probes.generated_code_use(
+            module, self.task.layout, dev, images=per_rank, grid=c.grid, seed=seed
+        )

@@ -17,6 +17,7 @@
 Every rank probes its own rows and the results are reduced as sums and counts (the max logit
 with a max), so the decision is the same on every rank.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,10 +32,19 @@ from model.generate import ImageConstraint, SamplingConfig, generate
 from model.rope import apply_rotary
 from train.dist import all_reduce_max, all_reduce_sum
 
-MODEL_INPUTS = ("input_ids", "modality", "label_modality", "doc_ids", "position_ids", "position_thw", "image_ids")
+MODEL_INPUTS = (
+    "input_ids",
+    "modality",
+    "label_modality",
+    "doc_ids",
+    "position_ids",
+    "position_thw",
+    "image_ids",
+)
 
 
 # --- attention -------------------------------------------------------------------------------------
+
 
 class _AttentionTap:
     """Captures one attention module's q, k (after QK-norm) and cos/sin during a forward."""
@@ -52,7 +62,8 @@ class _AttentionTap:
 
     def _grab(self, key: str):
         def hook(module, args, out):
-            self.store[key] = out      # the norm's output replaces the projection's
+            self.store[key] = out  # the norm's output replaces the projection's
+
         return hook
 
     def qk(self) -> tuple[Tensor, Tensor]:
@@ -79,11 +90,24 @@ def attention_stats(model, batch: dict, device) -> dict[str, float]:
     finally:
         for t in taps:
             t.remove()
-    mask = build_attention_mask(B, T, device, doc_ids=inputs["doc_ids"], image_ids=inputs["image_ids"],
-                                sliding_window=model.cfg.attention.sliding_window,
-                                bidirectional_images=model.cfg.attention.bidirectional_images, backend="sdpa")
-    allowed = mask.dense if mask.dense is not None else torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
-    real = (batch["labels"].to(device) != -100)[:, None, :]          # [B, 1, T] queries that are real tokens
+    mask = build_attention_mask(
+        B,
+        T,
+        device,
+        doc_ids=inputs["doc_ids"],
+        image_ids=inputs["image_ids"],
+        sliding_window=model.cfg.attention.sliding_window,
+        bidirectional_images=model.cfg.attention.bidirectional_images,
+        backend="sdpa",
+    )
+    allowed = (
+        mask.dense
+        if mask.dense is not None
+        else torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
+    )
+    real = (batch["labels"].to(device) != -100)[
+        :, None, :
+    ]  # [B, 1, T] queries that are real tokens
     maxes, ent = [], []
     for t in taps:
         q, k = t.qk()
@@ -91,7 +115,7 @@ def attention_stats(model, batch: dict, device) -> dict[str, float]:
         scores = scores.masked_fill(~allowed, float("-inf"))
         maxes.append(scores.amax())
         p = scores.softmax(-1)
-        h = -(p * p.clamp_min(1e-30).log()).sum(-1)                     # [B, H, T]
+        h = -(p * p.clamp_min(1e-30).log()).sum(-1)  # [B, H, T]
         h = h.masked_fill(~real, 0.0)
         ent.append(torch.stack([h.sum(), real.sum() * q.shape[1]]).double())
     mx = all_reduce_max(torch.stack(maxes).double().cpu())
@@ -105,6 +129,7 @@ def attention_stats(model, batch: dict, device) -> dict[str, float]:
 
 
 # --- cross-modal dependence -----------------------------------------------------------------------
+
 
 def caption_rows(batch: dict, layout: VocabLayout) -> tuple[Tensor, list[tuple[int, int, int]]]:
     """Caption labels (everything else ignored) and the image blocks ``(row, start, end)`` of rows
@@ -129,12 +154,14 @@ def caption_rows(batch: dict, layout: VocabLayout) -> tuple[Tensor, list[tuple[i
     return keep, blocks
 
 
-def shuffle_images(ids: Tensor, blocks: list[tuple[int, int, int]], layout: VocabLayout) -> tuple[Tensor, int]:
+def shuffle_images(
+    ids: Tensor, blocks: list[tuple[int, int, int]], layout: VocabLayout
+) -> tuple[Tensor, int]:
     """Swap the codes of same-shape image blocks in a cycle; returns (ids, images swapped). Two
     blocks have the same shape when their size tokens and their ``<eol>`` pattern agree."""
     groups: dict[tuple, list[tuple[int, int, int]]] = {}
     for r, s, e in blocks:
-        block = ids[r, max(0, s - 3):e]
+        block = ids[r, max(0, s - 3) : e]
         shape = torch.where(block >= layout.visual_offset, torch.full_like(block, -1), block)
         groups.setdefault(tuple(shape.tolist()), []).append((r, s, e))
     out, swapped = ids.clone(), 0
@@ -148,11 +175,13 @@ def shuffle_images(ids: Tensor, blocks: list[tuple[int, int, int]], layout: Voca
 
 
 @torch.no_grad()
-def dependence_gap(model, batch: dict, layout: VocabLayout, device, *, fault_shuffled: bool = False) -> dict[str, float]:
+def dependence_gap(
+    model, batch: dict, layout: VocabLayout, device, *, fault_shuffled: bool = False
+) -> dict[str, float]:
     """Caption CE with matched and with shuffled images, and their gap (nats per caption token)."""
     labels, blocks = caption_rows(batch, layout)
     shuffled, swapped = shuffle_images(batch["input_ids"], blocks, layout)
-    matched = shuffled if fault_shuffled else batch["input_ids"]     # fault injection: both shuffled
+    matched = shuffled if fault_shuffled else batch["input_ids"]  # fault injection: both shuffled
     sums = torch.zeros(3, dtype=torch.float64)
     # Every rank runs the same forwards or none (ZeRO-3 gathers weights collectively).
     if all_reduce_sum(torch.tensor([0.0 if swapped else 1.0], dtype=torch.float64))[0] == 0:
@@ -165,22 +194,34 @@ def dependence_gap(model, batch: dict, layout: VocabLayout, device, *, fault_shu
     if sums[2] == 0:
         return {}
     m, s = float(sums[0] / sums[2]), float(sums[1] / sums[2])
-    return {"monitor/caption_loss_matched": m, "monitor/caption_loss_shuffled": s, "monitor/dependence_gap": s - m}
+    return {
+        "monitor/caption_loss_matched": m,
+        "monitor/caption_loss_shuffled": s,
+        "monitor/dependence_gap": s - m,
+    }
 
 
 # --- generated visual codes ------------------------------------------------------------------------
 
+
 @torch.no_grad()
-def generated_code_use(model, layout: VocabLayout, device, *, images: int, grid: int, seed: int,
-                       bos_id: int = 1) -> dict[str, float]:
+def generated_code_use(
+    model, layout: VocabLayout, device, *, images: int, grid: int, seed: int, bos_id: int = 1
+) -> dict[str, float]:
     """Entropy (normalised) and coverage of the codes in ``images`` drawn ``grid`` x ``grid`` images."""
     boi = layout.structure_id("<boi>")
     prompt = torch.tensor([[bos_id, boi]] * images, dtype=torch.long, device=device)
     constraint = ImageConstraint(layout, images, vocab_size=model.cfg.vocab_size, size=(grid, grid))
     n_new = image_block_len(grid, grid) - 1
     gen = torch.Generator(device=device).manual_seed(seed)
-    out = generate(model, prompt, sampling=SamplingConfig(max_new_tokens=n_new, temperature=1.0),
-                   constraint=constraint, layout=layout, generator=gen)
+    out = generate(
+        model,
+        prompt,
+        sampling=SamplingConfig(max_new_tokens=n_new, temperature=1.0),
+        constraint=constraint,
+        layout=layout,
+        generator=gen,
+    )
     new = out[:, 2:]
     codes = new[(new >= layout.visual_offset) & (new < layout.size)] - layout.visual_offset
     hist = all_reduce_sum(torch.bincount(codes.cpu(), minlength=layout.num_codes).double())
@@ -189,5 +230,7 @@ def generated_code_use(model, layout: VocabLayout, device, *, images: int, grid:
         return {}
     p = hist[hist > 0] / n
     h = float(-(p * p.log()).sum())
-    return {"monitor/gen_code_entropy": h / math.log(max(2.0, min(n, layout.num_codes))),
-            "monitor/gen_code_distinct": float((hist > 0).sum())}
+    return {
+        "monitor/gen_code_entropy": h / math.log(max(2.0, min(n, layout.num_codes))),
+        "monitor/gen_code_distinct": float((hist > 0).sum()),
+    }

@@ -4,11 +4,13 @@ The loop knows nothing of images or tokens: it asks the task for a model, a resu
 stream, a forward pass that returns the loss plus *sums and counts* (reduced across ranks by
 summing, never by averaging per-rank means), and turns those into metrics with the task.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -16,9 +18,11 @@ from torch import nn
 
 @dataclass
 class StepOutput:
-    loss: torch.Tensor                                   # scalar with graph
-    sums: dict[str, torch.Tensor] = field(default_factory=dict)   # detached scalars to sum over ranks
-    units: int = 0                                       # tokens (or pixels) processed, for throughput
+    loss: torch.Tensor  # scalar with graph
+    sums: dict[str, torch.Tensor] = field(
+        default_factory=dict
+    )  # detached scalars to sum over ranks
+    units: int = 0  # tokens (or pixels) processed, for throughput
 
 
 class BatchStream(Protocol):
@@ -28,7 +32,7 @@ class BatchStream(Protocol):
 
 
 class Task(Protocol):
-    unit: str                     # "tok" or "img": what throughput counts
+    unit: str  # "tok" or "img": what throughput counts
 
     def build_model(self) -> nn.Module: ...
     def batches(self) -> BatchStream: ...
@@ -38,5 +42,7 @@ class Task(Protocol):
     def evaluate(self, engine, step: int) -> dict[str, float]: ...
     def finish(self, engine, run_dir: Path) -> dict[str, float]: ...
     def extra_files(self) -> dict[str, str]: ...
-    def chance_levels(self) -> dict[str, float] | None: ...    # ln V per modality, for the collapse monitor
-    def probes(self, monitor_cfg, engine): ...                  # the monitor's probes, or None
+    def chance_levels(
+        self,
+    ) -> dict[str, float] | None: ...  # ln V per modality, for the collapse monitor
+    def probes(self, monitor_cfg, engine): ...  # the monitor's probes, or None

@@ -7,6 +7,7 @@ hidden norm per modality and the code-minus-text logit gap (``monitor/...``), an
 mix by source (``mix/<source>``). Validation runs over the held-out sources (``data.validation``)
 and reports loss and perplexity per modality.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,16 @@ from train.monitor import chance_levels
 from train.monitor.lm_probes import LMProbes
 from train.tasks.base import StepOutput
 
-MODEL_INPUTS = ("input_ids", "labels", "modality", "label_modality", "doc_ids", "position_ids",
-                "position_thw", "image_ids")
+MODEL_INPUTS = (
+    "input_ids",
+    "labels",
+    "modality",
+    "label_modality",
+    "doc_ids",
+    "position_ids",
+    "position_thw",
+    "image_ids",
+)
 
 
 def layout_of_data(cfg: RunConfig) -> tuple[VocabLayout, Path]:
@@ -38,8 +47,10 @@ def layout_of_data(cfg: RunConfig) -> tuple[VocabLayout, Path]:
     else:
         table = load_table(cfg.data.sources[0])
         if table.kind == "raw" or store.kind(table.shards[0]) != "local":
-            raise ValueError(f"source {table.name}: {table.shards[0]} is {'raw' if table.kind == 'raw' else 'remote'}; "
-                             "set data.tokenizers to the tokenizer folder (a token folder's tokenizers/)")
+            raise ValueError(
+                f"source {table.name}: {table.shards[0]} is {'raw' if table.kind == 'raw' else 'remote'}; "
+                "set data.tokenizers to the tokenizer folder (a token folder's tokenizers/)"
+            )
         m, url = find_manifest(table.shards[0])
         folder = Path(store.local_path(url)).parent / m["tokenizers"]["folder"]
     return VocabLayout.load(folder / "vocab_layout.json"), folder
@@ -60,11 +71,13 @@ class LMTask:
         self.cfg, self.dist = cfg, dist
         self.layout, self.tok_folder = layout_of_data(cfg)
         self.model_cfg = cfg.model.with_layout(self.layout)
-        for s in cfg.data.validation:     # found now, not at the first evaluation hours later
+        for s in cfg.data.validation:  # found now, not at the first evaluation hours later
             if load_table(s).kind == "raw":
-                raise ValueError(f"data.validation source {s.name} holds raw shards: validation makes one exact "
-                                 "pass, which needs the token counts of token shards; tokenize it "
-                                 "(earlyfuse-prep tokenize) and name the token folder")
+                raise ValueError(
+                    f"data.validation source {s.name} holds raw shards: validation makes one exact "
+                    "pass, which needs the token counts of token shards; tokenize it "
+                    "(earlyfuse-prep tokenize) and name the token folder"
+                )
         self.source_names = [s.name for s in cfg.data.sources]
         self._val = None
 
@@ -72,8 +85,13 @@ class LMTask:
         return self.model_cfg.build()
 
     def batches(self):
-        return build_loader(self.cfg.data, rank=self.dist.rank, world_size=self.dist.world_size,
-                            micro_batch=self.cfg.train.micro_batch, pad_id=0)
+        return build_loader(
+            self.cfg.data,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+            micro_batch=self.cfg.train.micro_batch,
+            pad_id=0,
+        )
 
     def forward(self, engine, batch: dict) -> StepOutput:
         dev = self.dist.device
@@ -88,7 +106,7 @@ class LMTask:
             sums[f"gap_sum/{name}"] = res.logit_gap_sum[i]
         for i, name in enumerate(self.source_names):
             sums[f"mix_tokens/{name}"] = batch["tokens_by_source"][i]
-        if res.moe_expert_load is not None:     # [layers, modality, expert] assignments
+        if res.moe_expert_load is not None:  # [layers, modality, expert] assignments
             load = res.moe_expert_load.detach().sum(0)
             for i, name in enumerate(MODALITY_NAMES):
                 for e in range(load.shape[1]):
@@ -99,8 +117,11 @@ class LMTask:
         return StepOutput(loss=res.loss, sums=sums, units=int(batch["num_real_tokens"]))
 
     def metrics(self, s: dict[str, float]) -> dict[str, float]:
-        out = {"train/z_loss": s["z_loss_sum"] / s["micro"], "train/aux_loss": s["aux_loss_sum"] / s["micro"],
-               "train/moe_dropped": s["moe_dropped"]}
+        out = {
+            "train/z_loss": s["z_loss_sum"] / s["micro"],
+            "train/aux_loss": s["aux_loss_sum"] / s["micro"],
+            "train/moe_dropped": s["moe_dropped"],
+        }
         sizes = vocab_sizes(self.layout)
         for i, name in enumerate(MODALITY_NAMES):
             n = s[f"count/{name}"]
@@ -112,7 +133,9 @@ class LMTask:
                 out[f"monitor/logz/{name}"] = s[f"logz_sum/{name}"] / n
                 out[f"monitor/hidden_norm/{name}"] = s[f"hnorm_sum/{name}"] / n
                 out[f"monitor/logit_gap/{name}"] = s[f"gap_sum/{name}"] / n
-        for name in MODALITY_NAMES:   # MoE: busiest expert's share over the mean share (1 = balanced)
+        for (
+            name
+        ) in MODALITY_NAMES:  # MoE: busiest expert's share over the mean share (1 = balanced)
             load = [v for k, v in s.items() if k.startswith(f"moe_load/{name}/")]
             if load and sum(load) > 0:
                 out[f"monitor/moe_max_load/{name}"] = max(load) * len(load) / sum(load)
@@ -127,11 +150,17 @@ class LMTask:
     def evaluate(self, engine, step: int) -> dict[str, float]:
         if not self.cfg.data.validation:
             return {}
-        loader = build_loader(self.cfg.data, rank=self.dist.rank, world_size=self.dist.world_size,
-                              micro_batch=self.cfg.train.micro_batch, pad_id=0, validation=True)
+        loader = build_loader(
+            self.cfg.data,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+            micro_batch=self.cfg.train.micro_batch,
+            pad_id=0,
+            validation=True,
+        )
         ce = torch.zeros(len(Modality), dtype=torch.float64)
         cnt = torch.zeros(len(Modality), dtype=torch.float64)
-        with closing(iter(loader)) as batches:   # stops the loader's workers when we stop early
+        with closing(iter(loader)) as batches:  # stops the loader's workers when we stop early
             for i, batch in enumerate(batches):
                 if self.cfg.train.eval_batches and i >= self.cfg.train.eval_batches:
                     break
@@ -158,4 +187,6 @@ class LMTask:
         return {}
 
     def extra_files(self) -> dict[str, str]:
-        return {"vocab_layout.json": json.dumps(self.layout.to_dict(), indent=2, sort_keys=True) + "\n"}
+        return {
+            "vocab_layout.json": json.dumps(self.layout.to_dict(), indent=2, sort_keys=True) + "\n"
+        }
