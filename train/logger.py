@@ -4,7 +4,8 @@ Only rank 0 writes. Metric names are namespaced (OLMo-core style): ``train/…``
 ``optim/…``, ``throughput/…``, ``eval/…``, ``monitor/…``. The console line always has the
 same fields in the same order, so runs can be compared by eye and grepped:
 
-  step 120/1000 | loss 3.412 | text 3.10 code 2.95 image 5.21 video 5.40 | gnorm 1.23 | lr 3.00e-04 |
+  step 120/1000 | loss 3.412 | text 3.10 (u 5.62) code 2.95 (u 4.80) image 5.21 (u 6.40) video 5.40 (u 6.51) |
+  gnorm 1.23 | lr 3.00e-04 |
   12.3k tok/s | MFU 1.2% of 0.50 TFLOP/s | data 2.1% | ETA 3m12s
 """
 
@@ -37,8 +38,12 @@ def console_line(m: dict, step: int, total: int, unit: str) -> str:
         v = m.get(k)
         return f.format(v) if isinstance(v, (int, float)) and math.isfinite(v) else "-"
 
+    # "(u X)": the modality's unigram baseline on the same tokens (data/unigram.py), when known.
     per_mod = " ".join(
-        f"{n} {g(f'loss/{n}', '{:.2f}')}" for n in MODALITY_NAMES if n != "structure"
+        f"{n} {g(f'loss/{n}', '{:.2f}')}"
+        + (f" (u {g(f'unigram/{n}', '{:.2f}')})" if f"unigram/{n}" in m else "")
+        for n in MODALITY_NAMES
+        if n != "structure"
     )
     return (
         f"step {step}/{total} | loss {g('train/loss')} | {per_mod} | gnorm {g('optim/grad_norm', '{:.2f}')} | "

@@ -51,7 +51,11 @@ def header_lines(run: RunData, smooth: float) -> list[tuple[str, float, str]]:
         lines.append(
             (
                 f"last train loss ({which}): "
-                + "  ".join(f"{r[0]} {r[2] if smooth > 0 else r[1]}" for r in mods),
+                + "  ".join(
+                    f"{r[0]} {r[2] if smooth > 0 else r[1]}"
+                    + (f" (u {r[3]})" if r[3] != "-" else "")
+                    for r in mods
+                ),
                 10,
                 "mono",
             )
@@ -60,7 +64,15 @@ def header_lines(run: RunData, smooth: float) -> list[tuple[str, float, str]]:
         (k, v)
         for k, v in sorted(run.final.items())
         if k.startswith(
-            ("val/loss", "eval/psnr", "eval/ssim", "eval/baseline", "eval/code_fraction")
+            (
+                "val/loss",
+                "val/unigram",
+                "eval/psnr",
+                "eval/ssim",
+                "eval/baseline",
+                "eval/palette",
+                "eval/code_fraction",
+            )
         )
     ]
     if final:

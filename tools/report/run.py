@@ -46,6 +46,9 @@ class RunData:
     alarms: list[dict] = field(default_factory=list)
     target_mix: dict[str, float] = field(default_factory=dict)  # data.sources weights, normalised
     duplicate_records: int = 0  # records replaced by a later one for the same step
+    impossible_mfu: int = (
+        0  # steps whose logged MFU exceeded 100 % (a mis-measured peak): not drawn
+    )
     bad_lines: int = 0  # metrics lines that did not parse
     bad_alarm_lines: int = 0
 
@@ -127,6 +130,11 @@ def _number(v) -> float | None:
     return None
 
 
+# Utilisations: a value above 1 (100 %) cannot be true (the peak was measured too low, e.g. on a
+# busy machine); the report never draws or prints one, it counts them instead.
+UTILISATION_KEYS = ("throughput/mfu",)
+
+
 def build_series(records: dict[int, dict]) -> dict[str, Series]:
     cols: dict[str, tuple[list[int], list[float]]] = {}
     for step in sorted(records):
@@ -134,6 +142,8 @@ def build_series(records: dict[int, dict]) -> dict[str, Series]:
             x = _number(v)
             if k == "step" or x is None:
                 continue
+            if k in UTILISATION_KEYS and x > 1.0:
+                x = math.nan
             s, vals = cols.setdefault(k, ([], []))
             s.append(step)
             vals.append(x)
@@ -211,6 +221,11 @@ def load_run(run_dir: str | Path) -> RunData:
         alarms=alarms,
         target_mix=_target_mix(cfg),
         duplicate_records=dup,
+        impossible_mfu=sum(
+            1
+            for r in records.values()
+            if (x := _number(r.get("throughput/mfu"))) is not None and x > 1.0
+        ),
         bad_lines=bad,
         bad_alarm_lines=bad_alarms,
     )

@@ -127,13 +127,14 @@ class VtokTask:
             return {}
         y, idx = self.reconstruct(engine, x)
         n_codes = self.cfg.vtok.num_codes
-        base = patch_mean_baseline(x, self.cfg.vtok.factor, n_codes)
+        # The baseline works on [0, 1] images; the tokenizer's are in [-1, 1].
+        base = patch_mean_baseline(to_unit(x), self.cfg.vtok.factor, n_codes)
         use = code_use(idx, n_codes)
         # Mean over images of per-image PSNR / SSIM, the same for the baseline.
         return {
             "eval/psnr": float(psnr(to_unit(y), to_unit(x)).mean()),
             "eval/ssim": float(ssim(to_unit(y), to_unit(x)).mean()),
-            "eval/baseline_psnr": float(psnr(to_unit(base), to_unit(x)).mean()),
+            "eval/baseline_psnr": float(psnr(base, to_unit(x)).mean()),
             "eval/code_fraction": use["code_fraction"],
             "eval/code_perplexity": use["code_perplexity"],
             "eval/tokens_per_code": idx.numel() / n_codes,
