@@ -17,9 +17,13 @@ def render(summary: dict, photos: list[Photo]) -> str:
     return f"""{MARKER}
 
 A small, real, offline multimodal corpus built by `earlyfuse-prep demo-corpus`
-(seed {summary["seed"]}, scale {summary["scale"]}, Python {platform.python_version()}).
+(seed {summary["seed"]}, scale {summary["scale"]}, split {summary.get("split", "all")},
+Python {platform.python_version()}).
 Nothing was downloaded: every part comes from files that Python and the `[demo]` extra
 install, or is generated. The same seed and package versions give byte-identical files.
+Split `train` and split `heldout` share no real material (modules, docstrings, help topics,
+photos and the clips made from them, digits: divided by a fixed hash of each item's group);
+split `all` has all of it.
 
 | part | ingest as | contents |
 |---|---|---|

@@ -21,15 +21,20 @@ def ingest(
     partition: int = 0,
     progress: bool = False,
     command: list[str] | None = None,
+    exclude_content_of: list[str | Path] | None = None,
 ) -> dict:
-    """Plan and write shards; returns a summary (see ``run_plan``) with the plan's counts."""
+    """Plan and write shards; returns a summary (see ``run_plan``) with the plan's counts.
+    ``exclude_content_of``: raw shard folders (e.g. the training set, for a held-out set) whose
+    documents, media and long texts are rejected here as ``duplicate-of-excluded``."""
     specs = parse_sources(sources)
+    exclude = tuple(str(Path(p)) for p in exclude_content_of or [])
     plan = make_plan(
         specs,
         limits or Limits(),
         shard_max_bytes=shard_max_bytes,
         shard_max_samples=shard_max_samples,
         progress=progress,
+        exclude=exclude,
     )
     summary = run_plan(
         Path(out),
@@ -39,6 +44,7 @@ def ingest(
         partition=partition,
         command=command,
         progress=progress,
+        exclude=exclude,
     )
     summary["plan"] = plan.describe()
     return summary

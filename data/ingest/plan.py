@@ -56,6 +56,20 @@ class Plan:
         }
 
 
+def _manifest_fingerprint(folder: str) -> str:
+    """The shard hashes of a raw folder's manifest (what --exclude-content-of compares with)."""
+    from pathlib import Path
+
+    from data.shards.manifest import load_manifest
+
+    try:
+        m = load_manifest(Path(folder))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--exclude-content-of {folder}: not a raw shard folder ({e})") from None
+    blob = json.dumps([s.get("sha256") for s in m["shards"]]).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
 def _item_blob(item: Item) -> bytes:
     rej = item.reject.to_dict() if item.reject else None
     return json.dumps(
@@ -81,21 +95,20 @@ def make_plan(
     shard_max_bytes: int,
     shard_max_samples: int,
     progress: bool = True,
+    exclude: tuple[str, ...] = (),
 ) -> Plan:
     if shard_max_bytes <= 0 and shard_max_samples <= 0:
         raise ValueError("set a shard size: --shard-size and/or --shard-samples")
-    h = hashlib.sha256(
-        json.dumps(
-            {
-                "version": PLAN_VERSION,
-                "sources": [asdict(s) for s in specs],
-                "limits": asdict(limits),
-                "shard_max_bytes": shard_max_bytes,
-                "shard_max_samples": shard_max_samples,
-            },
-            sort_keys=True,
-        ).encode()
-    )
+    spec = {
+        "version": PLAN_VERSION,
+        "sources": [asdict(s) for s in specs],
+        "limits": asdict(limits),
+        "shard_max_bytes": shard_max_bytes,
+        "shard_max_samples": shard_max_samples,
+    }
+    if exclude:  # which shards of which folders: another training set is another plan
+        spec["exclude"] = [[str(p), _manifest_fingerprint(p)] for p in exclude]
+    h = hashlib.sha256(json.dumps(spec, sort_keys=True).encode())
     first_seen: dict[str, str] = {}
     shards: list[ShardPlan] = []
     counts: dict[str, dict] = {}

@@ -23,11 +23,25 @@ from tqdm import tqdm
 from data.ingest.plan import Plan, ShardPlan
 from data.parallel import run_jobs
 from data.schema import SEGMENT_TYPES, Reject
+from data.shards.content import describe, folder_fingerprints, sample_fingerprints
 from data.shards.manifest import finalize, load_records, record_path, write_json_atomic
 from data.shards.writer import ShardWriter
 from data.sources import Limits, Source, SourceSpec, build_source
 
 _SOURCES: dict[SourceSpec, Source] = {}
+_EXCLUDED: dict[tuple[str, ...], dict[str, tuple[str, str]]] = {}
+
+
+def excluded_fingerprints(folders: tuple[str, ...]) -> dict[str, tuple[str, str]]:
+    """Fingerprint -> (folder, source:key) of every document of the excluded folders; read once
+    per worker process."""
+    if folders not in _EXCLUDED:
+        found: dict[str, tuple[str, str]] = {}
+        for folder in folders:
+            for fp, where in folder_fingerprints(folder).items():
+                found.setdefault(fp, (folder, where))
+        _EXCLUDED[folders] = found
+    return _EXCLUDED[folders]
 
 
 @dataclass
@@ -39,6 +53,7 @@ class ShardJob:
     plan: dict  # Plan.describe(): fingerprint, shard count, limits
     partition: tuple[int, int]
     command: list[str]
+    exclude: tuple[str, ...] = ()  # raw folders whose content this ingest must not repeat
 
 
 def write_shard(job: ShardJob) -> dict:
@@ -52,11 +67,27 @@ def write_shard(job: ShardJob) -> dict:
     rejects: list[dict] = []
     segments = dict.fromkeys(SEGMENT_TYPES, 0)
     repaired = 0
+    excluded = excluded_fingerprints(job.exclude) if job.exclude else {}
     try:
         for item in shard.items:
             got = item.reject or src.load(item)
             if isinstance(got, Reject):
                 rejects.append(got.to_dict())
+                continue
+            content = sample_fingerprints(got)
+            hit = next((fp for fp in content if fp in excluded), None)
+            if hit is not None:
+                folder, where = excluded[hit]
+                rejects.append(
+                    Reject(
+                        item.label,
+                        "duplicate-of-excluded",
+                        f"{describe(hit)} is also in {folder} ({where}); "
+                        "--exclude-content-of keeps it out",
+                        key=item.key,
+                        source=job.spec.name,
+                    ).to_dict()
+                )
                 continue
             if writer is None:
                 writer = ShardWriter(out / tar_rel, out / idx_rel)
@@ -65,7 +96,7 @@ def write_shard(job: ShardJob) -> dict:
                 for s in got.doc["segments"]
                 if "member" in s
             ]
-            writer.write(got, {"media": media} if media else None)
+            writer.write(got, {"content": content, **({"media": media} if media else {})})
             for s in got.doc["segments"]:
                 segments[s["type"]] += 1
             repaired += got.doc["origin"].get("repaired_utf8", 0)
@@ -143,8 +174,11 @@ def run_plan(
     partition: int = 0,
     command: list[str] | None = None,
     progress: bool = True,
+    exclude: tuple[str, ...] = (),
 ) -> dict:
-    """Write this partition's missing shards; finalize when all shards exist. Returns a summary."""
+    """Write this partition's missing shards; finalize when all shards exist. Returns a summary.
+    ``exclude``: raw folders whose documents' content (data/shards/content.py) is rejected here;
+    it must be the one the plan was fingerprinted with."""
     if not (num_partitions >= 1 and 0 <= partition < num_partitions):
         raise ValueError(f"--partition {partition} is outside 0..{num_partitions - 1}")
     out.mkdir(parents=True, exist_ok=True)
@@ -160,6 +194,7 @@ def run_plan(
             plan.describe(),
             (partition, num_partitions),
             command or [],
+            tuple(exclude),
         )
         for s in todo
     ]
