@@ -59,7 +59,7 @@ def describe(fp: str) -> str:
 
 def folder_fingerprints(raw_dir: str | Path) -> dict[str, str]:
     """Every fingerprint of a raw shard folder -> the first ``source:key`` that has it."""
-    from data.shards.reader import shard_entries, iter_shard
+    from data.shards.reader import iter_shard, shard_entries
 
     found: dict[str, str] = {}
     for tar, index, entry in shard_entries(raw_dir):

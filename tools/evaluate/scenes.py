@@ -1,0 +1,170 @@
+"""Checkable generation on held-out scenes: draw a caption and read the drawing back; caption a
+picture and read the caption back.
+
+Scenes (data/demo_corpus/scenes.py) state facts a program can check. For every held-out
+single-shape scene (its caption names one colour, one shape and one of nine cells):
+
+- **drawing**: ``<bos> caption <boi>`` then greedy decoding under the image grammar at the
+  scene's own grid (its size as the tokenizer would encode it), decoded by the visual tokenizer
+  and read by data/demo_corpus/scene_scoring.py: colour, shape and cell against the caption;
+- **captioning**: ``<bos> [the scene's image block]`` then greedy text-only decoding until
+  ``<|eos|>``, parsed with ``caption_facts``: the named colour, shape and cell against the facts
+  (a caption that does not parse scores nothing);
+- **chance**: the same drawings and captions scored against another scene's facts (a fixed
+  derangement), so each figure stands beside what a model that ignores its prompt would get;
+- **tokenizer ceiling**: the true scene encoded and decoded by the visual tokenizer, read by
+  the same classifier: what a perfect language model could reach.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data.demo_corpus.scene_scoring import score
+from data.demo_corpus.scenes import caption_facts
+from data.image_crops import to_tensor
+from data.image_prep import ImagePrep, load_image
+from data.layout import image_block_len, image_tokens, parse_image
+from data.vocab import Modality
+
+ATTRIBUTES = ("colour", "shape", "position", "all")
+
+
+def load_scenes(paths: list[str | Path]) -> list[dict]:
+    """Rows ``{"image": absolute path, "caption", "facts"}`` of scene tables (scenes.jsonl, or an
+    interleaved drawing table whose rows carry ``facts``)."""
+    out = []
+    for p in paths:
+        p = Path(p)
+        for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if "facts" not in row:
+                raise ValueError(f"{p}:{n}: no 'facts' (not a scene table of the demo corpus)")
+            image = row.get("image") or row.get("scene_image")
+            out.append(
+                {"image": str(p.parent / image), "caption": row["caption"], "facts": row["facts"]}
+            )
+    return out
+
+
+def _pixels(img: torch.Tensor) -> np.ndarray:
+    return ((img.float().cpu().permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255).byte().numpy()
+
+
+class SceneJudge:
+    def __init__(self, model, layout, text, vtok, image_max_pixels: int, device) -> None:
+        self.model, self.layout, self.text, self.vtok = model, layout, text, vtok
+        self.device = device
+        self.prep = ImagePrep(
+            factor=vtok.cfg.factor, max_pixels=image_max_pixels, max_grid=layout.max_grid
+        )
+
+    def _generate(self, ids, mod, constraint, stop, n):
+        from model.generate import SamplingConfig, generate
+
+        out = generate(
+            self.model,
+            torch.tensor([ids], device=self.device),
+            sampling=SamplingConfig(
+                max_new_tokens=n, temperature=0.0, stop_ids=stop, pad_id=self.text.pad_id
+            ),
+            constraint=constraint,
+            layout=self.layout,
+            modality=torch.tensor([mod], device=self.device),
+        )
+        return out[0, len(ids) :].tolist()
+
+    @torch.no_grad()
+    def image_of(self, path: str) -> tuple[np.ndarray, np.ndarray]:
+        """(pixels at the tokenizer's size, code grid) of a scene file."""
+        arr = np.array(load_image(Path(path).read_bytes(), self.prep))
+        codes = self.vtok.encode(to_tensor(arr[None]).to(self.device))[0]
+        return arr, codes.cpu().numpy()
+
+    @torch.no_grad()
+    def draw(self, caption: str, grid: tuple[int, int]) -> np.ndarray:
+        from model.generate import ImageConstraint
+
+        lay = self.layout
+        boi, eoi = lay.structure_id("<boi>"), lay.structure_id("<eoi>")
+        body = self.text.encode(caption)
+        ids = [self.text.bos_id, *body, boi]
+        mod = [int(Modality.TEXT)] * (len(ids) - 1) + [int(Modality.STRUCTURE)]
+        constraint = ImageConstraint(lay, 1, vocab_size=self.model.cfg.vocab_size, size=grid)
+        new = self._generate(ids, mod, constraint, [eoi], image_block_len(*grid) - 1)
+        codes = parse_image([boi, *new[: new.index(eoi) + 1]], lay)
+        img = self.vtok.decode(torch.from_numpy(codes)[None].to(self.device))[0]
+        return _pixels(img)
+
+    @torch.no_grad()
+    def caption(self, codes: np.ndarray, max_new_tokens: int = 48) -> str:
+        from tools.generate import TextOnly
+
+        block, bmod = image_tokens(codes, self.layout)
+        ids = [self.text.bos_id, *block.tolist()]
+        mod = [int(Modality.TEXT), *bmod.tolist()]
+        constraint = TextOnly(
+            self.model.cfg.vocab_size, self.layout.text_size, [self.text.pad_id, self.text.bos_id]
+        )
+        new = self._generate(ids, mod, constraint, [self.text.eos_id], max_new_tokens)
+        if self.text.eos_id in new:
+            new = new[: new.index(self.text.eos_id)]
+        return self.text.decode(new)
+
+    @torch.no_grad()
+    def ceiling(self, codes: np.ndarray) -> np.ndarray:
+        return _pixels(self.vtok.decode(torch.from_numpy(codes)[None].to(self.device))[0])
+
+
+def _caption_score(text: str, facts: dict) -> dict[str, bool]:
+    try:
+        got = caption_facts(text.strip().rstrip("."))["shapes"][0]
+    except (ValueError, IndexError):
+        return dict.fromkeys(ATTRIBUTES, False)
+    want = facts["shapes"][0]
+    out = {k: got[k] == want[k] for k in ("colour", "shape", "position")}
+    out["all"] = all(out.values())
+    return out
+
+
+def evaluate_scenes(judge: SceneJudge, scenes: list[dict], *, limit: int = 0, examples: int = 6):
+    """Accuracy per attribute of drawings, captions, their chance levels and the tokenizer's
+    ceiling, over the single-shape scenes (the first ``limit`` when given)."""
+    single = [s for s in scenes if len(s["facts"]["shapes"]) == 1]
+    if limit:
+        single = single[:limit]
+    if len(single) < 2:
+        return {"scenes": len(single)}
+    tallies = {
+        k: dict.fromkeys(ATTRIBUTES, 0)
+        for k in ("draw", "draw_chance", "caption", "caption_chance", "ceiling")
+    }
+    shown = []
+    for i, s in enumerate(single):
+        other = single[(i + 1) % len(single)]["facts"]
+        arr, codes = judge.image_of(s["image"])
+        drawing = judge.draw(s["caption"], tuple(codes.shape))
+        text = judge.caption(codes)
+        for name, got in (
+            ("draw", score(drawing, s["facts"])),
+            ("draw_chance", score(drawing, other)),
+            ("caption", _caption_score(text, s["facts"])),
+            ("caption_chance", _caption_score(text, other)),
+            ("ceiling", score(judge.ceiling(codes), s["facts"])),
+        ):
+            for k, ok in got.items():
+                tallies[name][k] += int(ok)
+        if len(shown) < examples:
+            shown.append({"caption": s["caption"], "generated_caption": text})
+    n = len(single)
+    out = {"scenes": n}
+    for name, t in tallies.items():
+        out[name] = {k: v / n for k, v in t.items()}
+    out["examples"] = shown
+    return out
