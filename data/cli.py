@@ -149,7 +149,7 @@ def _add_ingest(sub) -> None:
         type=Path,
         metavar="RAW_DIR",
         help="a raw shard folder (repeatable), e.g. the training set when ingesting a held-out set: "
-        "a document that repeats one of its documents, media files or texts of 64+ characters is "
+        "a document that repeats one of its documents, media files or texts of 200+ characters is "
         "rejected as duplicate-of-excluded (content hashes: docs/formats.md)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -277,6 +277,13 @@ def _add_demo_corpus(sub) -> None:
         "train and heldout never share an item; build a held-out corpus with --split heldout "
         "and another --seed (default all)",
     )
+    p.add_argument(
+        "--scenes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="N generated scenes, and N drawings (caption then picture), whatever --scale",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_demo_corpus)
 
@@ -285,7 +292,14 @@ def cmd_demo_corpus(a) -> int:
     from data.demo_corpus import build
     from data.shards.stats import human_bytes
 
-    s = build(a.out, seed=a.seed, scale=a.scale, progress=not a.no_progress, split=a.split)
+    s = build(
+        a.out,
+        seed=a.seed,
+        scale=a.scale,
+        progress=not a.no_progress,
+        split=a.split,
+        scene_count=a.scenes,
+    )
     print(
         f"{a.out}: demo corpus, {s['files']} files, {human_bytes(s['bytes'])} in {s['seconds']} s "
         f"(seed {s['seed']}, scale {s['scale']:g}, split {s['split']}); see {a.out / 'README.md'}"

@@ -43,6 +43,7 @@ def build(
     scale: float = 1.0,
     progress: bool = True,
     split: str = "all",
+    scene_count: int | None = None,
 ) -> dict:
     """Build the demo corpus into `out`; return a summary: files and bytes per part.
 
@@ -55,6 +56,8 @@ def build(
     item's group (`_common.in_split`): `train` and `heldout` never share an item, `all` has both.
     Generated parts (scenes, motion clips, interleaved documents, the wds shard) differ by
     `seed`: build a held-out corpus with `split="heldout"` and another seed than training.
+    `scene_count` sets the number of scenes (and as many drawings: caption-then-picture scenes)
+    whatever the scale, for a held-out set large enough to score generation on.
     """
     if scale <= 0:
         raise ValueError(f"scale must be positive, got {scale}")
@@ -98,8 +101,9 @@ def build(
             ),
         )
         # At least 4 scenes / clips, so that galleries, shards and every clip kind exist.
+        n_scenes = scene_count if scene_count is not None else scaled(scenes.TARGET, scale, 4)
         scene_summary, scene_rows = scenes.build_scenes(
-            stage, seed=seed, count=scaled(scenes.TARGET, scale, 4), progress=progress
+            stage, seed=seed, count=n_scenes, progress=progress, drawings=n_scenes
         )
         done("scenes", scene_summary)
         clip_summary, clip_rows = clips.build_clips(

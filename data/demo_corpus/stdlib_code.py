@@ -25,6 +25,7 @@ SKIP_DIRS = {
     "idlelib",
     "turtledemo",
     "__pycache__",
+    "venv",  # the stdlib's venv package: `ingest` takes a folder of that name for a vendored venv
 }
 MAX_BYTES = 60_000  # one file must not dominate a small corpus
 TARGET = 150

@@ -7,8 +7,9 @@ A document's fingerprints are short hashes of
 - ``m:`` each media member's bytes (a photo that is in training alone is not held out inside
   an interleaved page either);
 - ``t:`` each text or code segment of at least ``MIN_TEXT_CHARS`` characters (a docstring copied
-  into another document). Shorter texts are left out on purpose: the captions "a handwritten
-  digit 7" or "a red circle in the centre" recur by design, with different pictures.
+  into another document). Shorter texts are left out on purpose: captions ("a handwritten digit
+  7", a three-shape scene's 160 characters) and template sentences recur by design, with
+  different pictures.
 
 ``earlyfuse-prep ingest`` writes them into every raw index line (``"content"``) and, with
 ``--exclude-content-of TRAIN_RAW``, rejects (``duplicate-of-excluded``) every document that shares
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from data.schema import Sample
 
-MIN_TEXT_CHARS = 64
+MIN_TEXT_CHARS = 200
 DIGEST_CHARS = 16  # 64 bits: collisions are out of reach at any corpus size we index
 
 

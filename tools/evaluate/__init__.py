@@ -127,7 +127,12 @@ def evaluate(args) -> dict:
             int(opts.get("image_max_pixels", 256 * 256)),
             device,
         )
-        out["scenes"] = evaluate_scenes(judge, load_scenes(args.scenes), limit=args.max_scenes)
+        out["scenes"] = evaluate_scenes(
+            judge,
+            load_scenes(args.scenes),
+            limit=args.max_scenes,
+            draw_temperature=args.draw_temperature,
+        )
     out["seconds"] = round(time.perf_counter() - started, 1)
     return out
 
@@ -171,8 +176,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-pairs", type=int, default=200, help="pair documents per source and direction"
     )
     p.add_argument("--max-scenes", type=int, default=0, help="single-shape scenes (default: all)")
+    p.add_argument(
+        "--draw-temperature",
+        type=float,
+        default=0.7,
+        help="sampling temperature of the drawings (seeded per scene; 0 = greedy; default 0.7)",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--verbose", action="store_true", help="say which part runs")
+    p.add_argument(
+        "--no-table", action="store_true", help="do not print the table (--out has the figures)"
+    )
     return p
 
 
@@ -189,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(ev, indent=1) + "\n")
-    print(format_eval(ev))
+    if not args.no_table:
+        print(format_eval(ev))
     if args.out:
         print(f"wrote {args.out}")
     return 0

@@ -4,9 +4,12 @@ picture and read the caption back.
 Scenes (data/demo_corpus/scenes.py) state facts a program can check. For every held-out
 single-shape scene (its caption names one colour, one shape and one of nine cells):
 
-- **drawing**: ``<bos> caption <boi>`` then greedy decoding under the image grammar at the
-  scene's own grid (its size as the tokenizer would encode it), decoded by the visual tokenizer
-  and read by data/demo_corpus/scene_scoring.py: colour, shape and cell against the caption;
+- **drawing**: ``<bos> caption <boi>`` then sampling under the image grammar at the scene's own
+  grid (its size as the tokenizer would encode it), at ``draw_temperature`` (default 0.7) from a
+  generator seeded per scene (reproducible), decoded by the visual tokenizer and read by
+  data/demo_corpus/scene_scoring.py: colour, shape and cell against the caption. Not greedy:
+  the most likely code of every single position is the background's even when the model knows
+  where the shape goes, so a greedy drawing is almost always empty;
 - **captioning**: ``<bos> [the scene's image block]`` then greedy text-only decoding until
   ``<|eos|>``, parsed with ``caption_facts``: the named colour, shape and cell against the facts
   (a caption that does not parse scores nothing);
@@ -65,18 +68,19 @@ class SceneJudge:
             factor=vtok.cfg.factor, max_pixels=image_max_pixels, max_grid=layout.max_grid
         )
 
-    def _generate(self, ids, mod, constraint, stop, n):
+    def _generate(self, ids, mod, constraint, stop, n, temperature=0.0, seed=0):
         from model.generate import SamplingConfig, generate
 
         out = generate(
             self.model,
             torch.tensor([ids], device=self.device),
             sampling=SamplingConfig(
-                max_new_tokens=n, temperature=0.0, stop_ids=stop, pad_id=self.text.pad_id
+                max_new_tokens=n, temperature=temperature, stop_ids=stop, pad_id=self.text.pad_id
             ),
             constraint=constraint,
             layout=self.layout,
             modality=torch.tensor([mod], device=self.device),
+            generator=torch.Generator(device=self.device).manual_seed(seed),
         )
         return out[0, len(ids) :].tolist()
 
@@ -88,7 +92,9 @@ class SceneJudge:
         return arr, codes.cpu().numpy()
 
     @torch.no_grad()
-    def draw(self, caption: str, grid: tuple[int, int]) -> np.ndarray:
+    def draw(
+        self, caption: str, grid: tuple[int, int], temperature: float = 0.7, seed: int = 0
+    ) -> np.ndarray:
         from model.generate import ImageConstraint
 
         lay = self.layout
@@ -97,7 +103,9 @@ class SceneJudge:
         ids = [self.text.bos_id, *body, boi]
         mod = [int(Modality.TEXT)] * (len(ids) - 1) + [int(Modality.STRUCTURE)]
         constraint = ImageConstraint(lay, 1, vocab_size=self.model.cfg.vocab_size, size=grid)
-        new = self._generate(ids, mod, constraint, [eoi], image_block_len(*grid) - 1)
+        new = self._generate(
+            ids, mod, constraint, [eoi], image_block_len(*grid) - 1, temperature, seed
+        )
         codes = parse_image([boi, *new[: new.index(eoi) + 1]], lay)
         img = self.vtok.decode(torch.from_numpy(codes)[None].to(self.device))[0]
         return _pixels(img)
@@ -133,7 +141,14 @@ def _caption_score(text: str, facts: dict) -> dict[str, bool]:
     return out
 
 
-def evaluate_scenes(judge: SceneJudge, scenes: list[dict], *, limit: int = 0, examples: int = 6):
+def evaluate_scenes(
+    judge: SceneJudge,
+    scenes: list[dict],
+    *,
+    limit: int = 0,
+    examples: int = 6,
+    draw_temperature: float = 0.7,
+):
     """Accuracy per attribute of drawings, captions, their chance levels and the tokenizer's
     ceiling, over the single-shape scenes (the first ``limit`` when given)."""
     single = [s for s in scenes if len(s["facts"]["shapes"]) == 1]
@@ -149,7 +164,7 @@ def evaluate_scenes(judge: SceneJudge, scenes: list[dict], *, limit: int = 0, ex
     for i, s in enumerate(single):
         other = single[(i + 1) % len(single)]["facts"]
         arr, codes = judge.image_of(s["image"])
-        drawing = judge.draw(s["caption"], tuple(codes.shape))
+        drawing = judge.draw(s["caption"], tuple(codes.shape), draw_temperature, seed=i)
         text = judge.caption(codes)
         for name, got in (
             ("draw", score(drawing, s["facts"])),
@@ -163,7 +178,7 @@ def evaluate_scenes(judge: SceneJudge, scenes: list[dict], *, limit: int = 0, ex
         if len(shown) < examples:
             shown.append({"caption": s["caption"], "generated_caption": text})
     n = len(single)
-    out = {"scenes": n}
+    out = {"scenes": n, "draw_temperature": draw_temperature}
     for name, t in tallies.items():
         out[name] = {k: v / n for k, v in t.items()}
     out["examples"] = shown

@@ -59,8 +59,8 @@ def format_eval(ev: dict) -> str:
     sc = ev.get("scenes") or {}
     if sc.get("draw"):
         lines.append(
-            f"scenes ({sc['scenes']} held-out single-shape scenes; share right, chance = scored "
-            "against another scene):"
+            f"scenes ({sc['scenes']} held-out single-shape scenes, drawn at temperature "
+            f"{sc.get('draw_temperature', 0):g}; share right, chance = scored against another scene):"
         )
         lines.append(f"  {'':<22}{'colour':>8}{'shape':>8}{'position':>10}{'all':>7}")
         for name, label in (

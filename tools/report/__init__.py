@@ -3,7 +3,7 @@ PNG and one self-contained HTML page; works on a finished run and on one still b
 
 Notable choices:
 - The run folder is the only input (metrics.jsonl, config.yaml, final.json, alarms.jsonl,
-  vtok_reconstructions.png), read as the trainer writes it: the last record of a step wins (a
+  vtok_reconstructions.png, heldout_eval.json), read as the trainer writes it: the last record of a step wins (a
   resumed run appends), a half-written last line is skipped. See ``tools/report/run.py``.
 - Panels are data-driven: a group of signals gets its panel only if the run logged it, so the
   same command reads LM runs, visual-tokenizer runs and the monitor signals still to come
@@ -77,6 +77,18 @@ def header_lines(run: RunData, smooth: float) -> list[tuple[str, float, str]]:
     ]
     if final:
         lines.append(("final: " + "  ".join(f"{k} {fmt(v)}" for k, v in final), 10, "mono"))
+    ev = (run.heldout_eval.get("heldout") or {}).get("total") or {}
+    if ev:
+        lines.append(
+            (
+                "held-out (earlyfuse-eval), CE vs unigram: "
+                + "  ".join(
+                    f"{m} {fmt(f['ce'], 3)}/{fmt(f.get('unigram'), 3)}" for m, f in ev.items()
+                ),
+                10,
+                "mono",
+            )
+        )
     for i, a in enumerate(run.alarms[:MAX_ALARMS_IN_PNG], 1):
         step = alarm_step(a)
         mod = f" [{a['modality']}]" if a.get("modality") else ""
@@ -208,6 +220,10 @@ def main(argv=None) -> int:
     )
     print(f"wrote {rep.png}")
     print(f"wrote {rep.html}")
+    if run.heldout_eval:  # the held-out evaluation (earlyfuse-eval --out RUN_DIR/heldout_eval.json)
+        from tools.evaluate.table import format_eval
+
+        print(format_eval(run.heldout_eval))
     return 0
 
 

@@ -233,6 +233,15 @@ def html_page(
         if ev
         else "<p class=muted>no evaluation logged yet</p>"
     )
+    if run.heldout_eval:
+        from tools.evaluate.table import format_eval
+
+        parts += [
+            "<h2>Held-out evaluation</h2><p class=muted>heldout_eval.json, written by "
+            "earlyfuse-eval (docs/evaluation.md).</p><pre>",
+            esc(format_eval(run.heldout_eval)),
+            "</pre>",
+        ]
     parts.append("<h2>Alarms</h2>")
     rows = alarm_rows(run)
     if rows:

@@ -7,7 +7,8 @@
   half-written. NaN and Infinity (which the logger writes for a NaN loss) are kept as floats.
 - ``alarms.jsonl``: the monitors' alarms, ``{"step", "signal", "modality", "values", "action",
   "message"}``; read with the same tolerance, in file order.
-- ``config.yaml`` (name, task, train.steps, data.sources weights) and ``final.json`` are optional.
+- ``config.yaml`` (name, task, train.steps, data.sources weights), ``final.json`` and
+  ``heldout_eval.json`` (``earlyfuse-eval --out``) are optional.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class RunData:
     records: dict[int, dict]  # step -> last record
     series: dict[str, Series]
     final: dict = field(default_factory=dict)  # final.json
+    heldout_eval: dict = field(default_factory=dict)  # heldout_eval.json (earlyfuse-eval --out)
     alarms: list[dict] = field(default_factory=list)
     target_mix: dict[str, float] = field(default_factory=dict)  # data.sources weights, normalised
     duplicate_records: int = 0  # records replaced by a later one for the same step
@@ -204,6 +206,12 @@ def load_run(run_dir: str | Path) -> RunData:
             final = json.loads((run_dir / "final.json").read_text())
         except ValueError:
             final = {}
+    heldout_eval = {}
+    if (run_dir / "heldout_eval.json").is_file():
+        try:
+            heldout_eval = json.loads((run_dir / "heldout_eval.json").read_text())
+        except ValueError:
+            heldout_eval = {}
     alarms, bad_alarms = [], 0
     if (run_dir / "alarms.jsonl").is_file():
         alarms, bad_alarms = read_jsonl(run_dir / "alarms.jsonl")
@@ -218,6 +226,7 @@ def load_run(run_dir: str | Path) -> RunData:
         records=records,
         series=build_series(records),
         final=final if isinstance(final, dict) else {},
+        heldout_eval=heldout_eval if isinstance(heldout_eval, dict) else {},
         alarms=alarms,
         target_mix=_target_mix(cfg),
         duplicate_records=dup,
