@@ -181,7 +181,10 @@ def consolidate(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
 
 
 def _rank_of(path: Path) -> int:
-    return int(re.search(r"zero_pp_rank_(\d+)_", path.name).group(1))
+    match = re.search(r"zero_pp_rank_(\d+)_", path.name)
+    if match is None:
+        raise CheckpointError(f"{path}: not a ZeRO rank file (zero_pp_rank_N_...)")
+    return int(match.group(1))
 
 
 def _is_bf16_optimizer(folder: Path) -> bool:

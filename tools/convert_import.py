@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import shlex
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tools.release import (
     NOT_ARCHITECTURE,
@@ -30,6 +31,9 @@ from tools.release import (
     flat,
     meta_module,
 )
+
+if TYPE_CHECKING:
+    from data.vocab import VocabLayout
 
 EXAMPLES = """\
 examples:
@@ -56,7 +60,7 @@ def hydra_value(v) -> str:
 
 def architecture_overrides(rel: Release) -> list[str]:
     section, cfg = (
-        ("model", dataclasses.asdict(rel.model_cfg))
+        ("model", dataclasses.asdict(rel.transformer_config))
         if rel.task == "lm"
         else ("vtok", dataclasses.asdict(rel.visual_config()))
     )
@@ -87,6 +91,8 @@ def compose_run_config(overrides: list[str]):
 
 def check_against_run(rel: Release, state: dict, overrides: list[str]) -> list[str]:
     cfg = compose_run_config(overrides)
+    layout: VocabLayout | None = None  # an LM run's
+    tok_folder: Path | None = None
     if cfg.task == "lm":
         from train.tasks.lm import layout_of_data
 
@@ -96,7 +102,6 @@ def check_against_run(rel: Release, state: dict, overrides: list[str]) -> list[s
             raise ReleaseError(f"cannot read the run's token data (data.sources): {e}") from None
         net_cfg = cfg.model.with_layout(layout)
     else:
-        layout = tok_folder = None
         net_cfg = cfg.vtok
     return check_compatible(
         rel,

@@ -63,7 +63,7 @@ examples:
 def _versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
-    out = {"torch": torch.__version__}
+    out: dict[str, str] = {"torch": str(torch.__version__)}
     for pkg in ("earlyfuse", "deepspeed", "safetensors"):
         try:
             out[pkg] = version(pkg)
@@ -173,7 +173,8 @@ def make_release(
         f"{ckpt.folder}: task {task}, step {ckpt.step}, ZeRO {ckpt.zero_stage}, {ckpt.meta['world_size']} rank(s)"
     )
 
-    layout = tok_dir = None
+    layout: VocabLayout | None = None  # an LM checkpoint's
+    tok_dir: Path | None = None
     fingerprints, tok_options = None, {}
     if task == "lm":
         lp = ckpt.folder / LAYOUT
@@ -236,7 +237,7 @@ def make_release(
     meta = {"format": FORMAT, "task": task, "step": str(ckpt.step)}
 
     def write(folder: Path) -> None:
-        if task == "lm":
+        if layout is not None:  # task lm
             save_safetensors(state, folder / WEIGHTS, meta)
             layout.save(folder / LAYOUT)
             if tok_dir is not None:

@@ -85,7 +85,7 @@ class Generator:
 
     def __post_init__(self) -> None:
         self.model = self.release.build_model(self.device, self.dtype)
-        self.layout = self.release.layout
+        self.layout = self.release.vocab_layout
         self.text = self.release.text_tokenizer()
         self._vtok = None
         opts = self.release.config.get("tokenize") or {}

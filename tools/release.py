@@ -32,8 +32,13 @@ import math
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from data.vocab import VocabLayout
+    from model.transformer import TransformerConfig
 
 FORMAT = "earlyfuse-release"
 VERSION = 1
@@ -215,8 +220,8 @@ class Release:
         missing = [f for f in self.config.get("files", {}) if not (self.path / f).is_file()]
         if missing:
             raise ReleaseError(f"{self.path}: files missing: {', '.join(missing)}")
-        self.model_cfg = None
-        self.layout = None
+        self.model_cfg: TransformerConfig | None = None  # lm releases only
+        self.layout: VocabLayout | None = None
         if self.task == "lm":
             from data.vocab import VocabLayout
             from model.transformer import TransformerConfig
@@ -234,6 +239,20 @@ class Release:
                     f"{self.path / LAYOUT}: {self.layout.size} ids, but config.json's model has "
                     f"vocab_size {self.model_cfg.vocab_size}"
                 )
+
+    @property
+    def transformer_config(self) -> TransformerConfig:
+        """The language model's config; a ReleaseError for a release that holds none."""
+        if self.model_cfg is None:
+            raise ReleaseError(f"{self.path}: a {self.task} release holds no language model")
+        return self.model_cfg
+
+    @property
+    def vocab_layout(self) -> VocabLayout:
+        """The id space of the language model; a ReleaseError for a release without one."""
+        if self.layout is None:
+            raise ReleaseError(f"{self.path}: a {self.task} release holds no vocabulary layout")
+        return self.layout
 
     @property
     def step(self) -> int | None:
@@ -294,9 +313,9 @@ class Release:
         if self.task != "lm":
             raise ReleaseError(f"{self.path}: a {self.task} release holds no language model")
         state = self.state_dict(dtype=dtype, verify=verify)
-        model = self.model_cfg.build("meta")
+        model = self.transformer_config.build("meta")
         if any(True for _ in model.buffers()):  # a buffer not in the state dict needs a real init
-            model = self.model_cfg.build(device)
+            model = self.transformer_config.build(device)
         else:
             model = model.to_empty(device=device)
         model.load_state_dict(state, strict=True)
@@ -364,9 +383,9 @@ def check_compatible(
     if rel.task != task:
         raise ReleaseError(f"{where}: a {rel.task} release cannot start a {task} run")
     if task == "lm":
-        if layout is not None and rel.layout.fingerprint() != layout.fingerprint():
+        if layout is not None and rel.vocab_layout.fingerprint() != layout.fingerprint():
             raise ReleaseError(
-                f"{where}: its vocabulary layout {rel.layout.to_dict()['ranges']} differs from the "
+                f"{where}: its vocabulary layout {rel.vocab_layout.to_dict()['ranges']} differs from the "
                 f"run's token data ({layout.to_dict()['ranges']}, {tok_folder}); the ids would mean "
                 "different things. Tokenize the data with the release's tokenizers."
             )
@@ -378,14 +397,16 @@ def check_compatible(
                     f"{where}: its text tokenizer differs from the one the run's token data was made "
                     f"with ({tok_folder}); the ids would mean different things"
                 )
-        diff = config_diff(dataclasses.asdict(rel.model_cfg), dataclasses.asdict(net_cfg), "model")
+        diff = config_diff(
+            dataclasses.asdict(rel.transformer_config), dataclasses.asdict(net_cfg), "model"
+        )
     else:
         diff = config_diff(
             dataclasses.asdict(rel.visual_config()), dataclasses.asdict(net_cfg), "vtok"
         )
     if state is None:
         state = meta_module(
-            task, rel.model_cfg if task == "lm" else rel.visual_config()
+            task, rel.transformer_config if task == "lm" else rel.visual_config()
         ).state_dict()
     check_state(
         state,

@@ -28,22 +28,30 @@ from train.dist import DistInfo, barrier
 TAG = re.compile(r"^step_(\d{8})$")
 
 
+def step_of_tag(tag: str) -> int:
+    """The step of a checkpoint folder name ``step_NNNNNNNN``."""
+    match = TAG.match(tag)
+    if match is None:
+        raise ValueError(f"{tag!r} is not a checkpoint folder name (step_NNNNNNNN)")
+    return int(match.group(1))
+
+
 def tag_for(step: int) -> str:
     return f"step_{step:08d}"
 
 
 def rng_state() -> dict:
-    np_state = np.random.get_state()
+    np_state = np.random.get_state(legacy=False)  # a dict: its types are known to the checker
     state = {
         "torch": torch.get_rng_state(),
         "python": list(random.getstate()[1]),
         "python_version": random.getstate()[0],
         "python_gauss": random.getstate()[2],
         "numpy": {
-            "key": torch.from_numpy(np_state[1].astype(np.int64)),
-            "pos": int(np_state[2]),
-            "has_gauss": int(np_state[3]),
-            "gauss": float(np_state[4]),
+            "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+            "pos": int(np_state["state"]["pos"]),
+            "has_gauss": int(np_state["has_gauss"]),
+            "gauss": float(np_state["gauss"]),
         },
     }
     if torch.cuda.is_available():
@@ -155,10 +163,8 @@ class Checkpointer:
         latest = self.latest()
         if latest is None:
             return []
-        last = int(TAG.match(latest).group(1))
-        steps = [
-            int(TAG.match(d.name).group(1)) for d in self._tags() if (d / "meta.json").is_file()
-        ]
+        last = step_of_tag(latest)
+        steps = [step_of_tag(d.name) for d in self._tags() if (d / "meta.json").is_file()]
         return [s for s in steps if s <= last]
 
     def rewind(self, step: int) -> None:
@@ -170,7 +176,7 @@ class Checkpointer:
             tmp.write_text(tag_for(step) + "\n")
             os.replace(tmp, self.dir / "latest")
             for d in self._tags():
-                if int(TAG.match(d.name).group(1)) > step:
+                if step_of_tag(d.name) > step:
                     shutil.rmtree(d, ignore_errors=True)
         barrier()
 
@@ -179,9 +185,9 @@ class Checkpointer:
         if not self.dist.is_main or not self.dir.is_dir():
             return
         latest = self.latest()
-        last = int(TAG.match(latest).group(1)) if latest else -1
+        last = step_of_tag(latest) if latest else -1
         for d in self._tags():
-            if int(TAG.match(d.name).group(1)) > last:
+            if step_of_tag(d.name) > last:
                 shutil.rmtree(d, ignore_errors=True)
 
     def _tags(self) -> list[Path]:

@@ -88,7 +88,7 @@ class RunLogger:
             print(line, flush=True)
 
     def log(self, step: int, metrics: dict, *, console: bool = False) -> None:
-        if not self.is_main:
+        if self.jsonl is None:  # not the main rank
             return
         record = {
             "step": step,

@@ -82,7 +82,7 @@ def _runs(row: dict):
 def describe(row: dict, tok: TextTokenizer, colour: bool) -> str:
     lay = tok.layout
     ids, mod = row["input_ids"], row["modality"]
-    lines = []
+    lines: list[str] = []
     for a, b in _runs(row):
         parts, i = [], a
         while i < b:
@@ -161,7 +161,7 @@ def render_png(
                 strip[: t.shape[0], x : x + t.shape[1]] = t
                 x += t.shape[1] + 4
             Image.fromarray(strip).resize(
-                (strip.shape[1] * 2, strip.shape[0] * 2), Image.NEAREST
+                (strip.shape[1] * 2, strip.shape[0] * 2), Image.Resampling.NEAREST
             ).save(path.with_name(path.stem + "_images.png"))
 
 

@@ -102,9 +102,9 @@ def load_table(src: SourceConfig) -> SampleTable:
         idx = store.index_url(tar)
         try:
             raw_idx = store.read_bytes(idx)
-        except OSError as e:
+        except OSError as err:
             raise ValueError(
-                f"source {src.name}: shard {tar} has no readable index {idx} ({e})"
+                f"source {src.name}: shard {tar} has no readable index {idx} ({err})"
             ) from None
         # Name and index (every member's offset, size and hash), not the URL: the same shards
         # moved to object storage keep their fingerprint, and a run's state moves with them.
@@ -114,13 +114,13 @@ def load_table(src: SourceConfig) -> SampleTable:
                 f"{store.name(tar)}\0{Path(tar).stat().st_size}\0".encode()
                 + hashlib.sha256(raw_idx).digest()
             )
-        found = find_manifest(tar, seen)
-        if found is None:
+        manifest_found = find_manifest(tar, seen)
+        if manifest_found is None:
             raise ValueError(
                 f"source {src.name}: {tar} is in no shard folder (no manifest.json of format "
                 f"{TOKEN_FORMAT} or {RAW_FORMAT} in its folder or the two above)"
             )
-        m, manifest_url = found
+        m, manifest_url = manifest_found
         kinds.add(m["format"])
         if m["format"] == TOKEN_FORMAT:
             tok_keys.add(tokenizer_key(m["tokenizers"]))

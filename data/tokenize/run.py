@@ -179,7 +179,8 @@ def fingerprint_of(raw_manifest: dict, tok_dir: Path, vtok_dir: Path, opts: Toke
 
 def _done(out: Path, rec: dict | None, fp: str) -> bool:
     return (
-        bool(rec)
+        rec is not None
+        and bool(rec)
         and rec["fingerprint"] == fp
         and (out / rec["tar"]).is_file()
         and (out / rec["tar"]).stat().st_size == rec["bytes"]

@@ -9,6 +9,7 @@ import datetime as dt
 import html
 import json
 from collections import Counter
+from collections.abc import Set
 
 import numpy as np
 
@@ -160,8 +161,8 @@ img.panel{width:760px;max-width:100%} .muted{color:#777} .tag{padding:1px 6px;bo
 def _table(
     header: list[str],
     rows: list[list[str]],
-    num_cols: set[int] = frozenset(),
-    raw_cols: set[int] = frozenset(),
+    num_cols: Set[int] = frozenset(),
+    raw_cols: Set[int] = frozenset(),
 ) -> str:
     """Cells are escaped except in ``raw_cols``; ``num_cols`` are right-aligned."""
 

@@ -186,7 +186,9 @@ def load_run(run_dir: str | Path) -> RunData:
         dup += step in records
         records[step] = rec
     cfg = _config(run_dir)
-    train_cfg = cfg.get("train") if isinstance(cfg.get("train"), dict) else {}
+    train_cfg = cfg.get("train")
+    if not isinstance(train_cfg, dict):
+        train_cfg = {}
     total = train_cfg.get("steps")
     final = {}
     if (run_dir / "final.json").is_file():
@@ -194,7 +196,8 @@ def load_run(run_dir: str | Path) -> RunData:
             final = json.loads((run_dir / "final.json").read_text())
         except ValueError:
             final = {}
-    alarms, bad_alarms = [], 0
+    alarms: list[dict] = []
+    bad_alarms = 0
     if (run_dir / "alarms.jsonl").is_file():
         alarms, bad_alarms = read_jsonl(run_dir / "alarms.jsonl")
     return RunData(

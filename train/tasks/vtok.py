@@ -183,5 +183,5 @@ def save_grid(
         r, c = divmod(i, per_row)
         grid[r * (h + 3) : r * (h + 3) + h, c * (w + 6) : c * (w + 6) + w] = p
     Image.fromarray(grid).resize(
-        (grid.shape[1] * scale, grid.shape[0] * scale), Image.NEAREST
+        (grid.shape[1] * scale, grid.shape[0] * scale), Image.Resampling.NEAREST
     ).save(path)
