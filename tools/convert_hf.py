@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from tools.release import LAYOUT, TOKENIZER, Release, ReleaseError
+from train.release import LAYOUT, TOKENIZER, Release, ReleaseError
 
 EXAMPLES = """\
 examples:

@@ -23,7 +23,7 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tools.release import (
+from train.release import (
     NOT_ARCHITECTURE,
     Release,
     ReleaseError,

@@ -1,5 +1,5 @@
 """``earlyfuse-convert release RUN_DIR OUT``: a checkpoint of any ZeRO stage becomes a release
-folder (tools/release.py): consolidated weights, config, text and visual tokenizers, layout.
+folder (format: train/release.py): consolidated weights, config, text and visual tokenizers, layout.
 
 Design choices:
 - CPU only and any world size: the weights come from tools/convert_deepspeed.py (the module
@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from tools.convert_deepspeed import CheckpointError, consolidate, find_checkpoint, load_run_config
-from tools.release import (
+from tools.release import check_out, dtype_name, save_safetensors, write_release
+from train.release import (
     CONFIG,
     DTYPES,
     FORMAT,
@@ -38,13 +39,9 @@ from tools.release import (
     VISUAL,
     WEIGHTS,
     ReleaseError,
-    check_out,
     check_state,
-    dtype_name,
     meta_module,
     param_count,
-    save_safetensors,
-    write_release,
 )
 
 EXAMPLES = """\

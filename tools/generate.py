@@ -1,4 +1,4 @@
-"""``earlyfuse-generate RELEASE``: sample from a release (tools/release.py) with the KV-cached
+"""``earlyfuse-generate RELEASE``: sample from a release (train/release.py) with the KV-cached
 ``model.generate``: continue text or code, caption an image, draw an image to PNG, or run a
 JSONL file of such requests.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tools.release import DTYPES, Release, ReleaseError
+from train.release import DTYPES, Release, ReleaseError
 
 EXAMPLES = """\
 examples:

@@ -53,7 +53,7 @@ class Run:
         if (
             cfg.train.init_from
         ):  # a release's weights (earlyfuse-convert import); a resuming run ignores it
-            from tools.release import init_from_release
+            from train.init_from import init_from_release
 
             init_from_release(model, cfg, self.task, self.dist.is_main)
         self.ckpt = Checkpointer(self.run_dir, self.dist, cfg.train.keep_last)
