@@ -20,15 +20,13 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from data.names import LAYOUT_FILE, TEXT_TOKENIZER_TRAINING_FILE, TOKENIZER_FILE
 from data.vocab import TEXT_SPECIALS, VocabLayout
 
 SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-TOKENIZER_FILE = "tokenizer.json"
-LAYOUT_FILE = "vocab_layout.json"
-TRAINING_FILE = "text_tokenizer_training.json"
 
 
 def new_bpe() -> Tokenizer:
@@ -113,7 +111,9 @@ def save_tokenizer(tok: Tokenizer, layout: VocabLayout, folder: str | Path, trai
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / TOKENIZER_FILE))
     layout.save(folder / LAYOUT_FILE)
-    (folder / TRAINING_FILE).write_text(json.dumps(training, indent=1, sort_keys=True) + "\n")
+    (folder / TEXT_TOKENIZER_TRAINING_FILE).write_text(
+        json.dumps(training, indent=1, sort_keys=True) + "\n"
+    )
 
 
 def sample_texts(

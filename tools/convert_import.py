@@ -23,6 +23,7 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from train.names import CHECKPOINTS_DIR, LATEST_FILE
 from train.release import (
     NOT_ARCHITECTURE,
     Release,
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         f"parameters, {rel.config.get('dtype')}, from step {src.get('step')} of {src.get('run_dir')}"
     )
     run_dir = Path(args.run_dir)
-    latest = run_dir / "checkpoints" / "latest"
+    latest = run_dir / CHECKPOINTS_DIR / LATEST_FILE
     if latest.is_file():
         raise ReleaseError(
             f"{run_dir} already has a checkpoint ({latest.read_text().strip()}): a run that resumes "

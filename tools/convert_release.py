@@ -27,8 +27,10 @@ from pathlib import Path
 
 import torch
 
+from data.names import MANIFEST_FILE
 from tools.convert_deepspeed import CheckpointError, consolidate, find_checkpoint, load_run_config
 from tools.release import check_out, dtype_name, save_safetensors, write_release
+from train.names import CHECKPOINT_META_FILE, CONFIG_FILE
 from train.release import (
     CONFIG,
     DTYPES,
@@ -71,7 +73,7 @@ def _versions() -> dict:
 
 def _token_manifest_dir(path: Path) -> Path | None:
     for parent in [path, *list(path.parents)[:3]]:
-        m = parent / "manifest.json"
+        m = parent / MANIFEST_FILE
         if m.is_file():
             try:
                 if json.loads(m.read_text()).get("format") == "earlyfuse-token-shards":
@@ -99,11 +101,11 @@ def find_tokenizers(run_cfg) -> tuple[Path | None, str]:
             if root is None:
                 tried.append(f"{found[0]} (no token manifest.json above it)")
                 continue
-            m = json.loads((root / "manifest.json").read_text())
+            m = json.loads((root / MANIFEST_FILE).read_text())
             folder = root / m.get("tokenizers", {}).get("folder", "tokenizers")
             if folder.is_dir():
                 return folder, ""
-            tried.append(f"{folder} (named by {root / 'manifest.json'}, missing)")
+            tried.append(f"{folder} (named by {root / MANIFEST_FILE}, missing)")
     return None, "; ".join(tried) or "the run config names no data.sources"
 
 
@@ -162,8 +164,8 @@ def make_release(
     run_dir = Path(run_dir).resolve()
     check_out(Path(out), force)
     ckpt = find_checkpoint(run_dir, step)
-    cfg_path = ckpt.folder / "config.yaml"
-    run_cfg = load_run_config(cfg_path if cfg_path.is_file() else run_dir / "config.yaml")
+    cfg_path = ckpt.folder / CONFIG_FILE
+    run_cfg = load_run_config(cfg_path if cfg_path.is_file() else run_dir / CONFIG_FILE)
     task = ckpt.meta.get("task", run_cfg.task)
     torch_dtype = DTYPES[dtype]
     log(
@@ -197,11 +199,11 @@ def make_release(
             fingerprints = check_tokenizers(tok_dir, layout)
             root = _token_manifest_dir(tok_dir.parent)
             if root is not None:
-                tok_options = json.loads((root / "manifest.json").read_text()).get("options", {})
+                tok_options = json.loads((root / MANIFEST_FILE).read_text()).get("options", {})
     elif task == "vtok":
         net_cfg = run_cfg.vtok
     else:
-        raise CheckpointError(f"{ckpt.folder / 'meta.json'}: unknown task {task!r}")
+        raise CheckpointError(f"{ckpt.folder / CHECKPOINT_META_FILE}: unknown task {task!r}")
 
     state = consolidate(ckpt)
     check_state(state, meta_module(task, net_cfg).state_dict(), str(ckpt.folder))

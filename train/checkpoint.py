@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from train.dist import DistInfo, barrier
+from train.names import CHECKPOINT_META_FILE, CHECKPOINTS_DIR, LATEST_FILE
 
 TAG = re.compile(r"^step_(\d{8})$")
 
@@ -72,24 +73,24 @@ def set_rng_state(state: dict) -> None:
 
 class Checkpointer:
     def __init__(self, run_dir: str | Path, dist: DistInfo, keep_last: int) -> None:
-        self.dir = Path(run_dir) / "checkpoints"
+        self.dir = Path(run_dir) / CHECKPOINTS_DIR
         self.dist = dist
         self.keep_last = max(1, keep_last)
 
     # --- reading -----------------------------------------------------------------------------
     def latest(self) -> str | None:
-        p = self.dir / "latest"
+        p = self.dir / LATEST_FILE
         if not p.is_file():
             return None
         tag = p.read_text().strip()
-        if not TAG.match(tag) or not (self.dir / tag / "meta.json").is_file():
+        if not TAG.match(tag) or not (self.dir / tag / CHECKPOINT_META_FILE).is_file():
             raise ValueError(
                 f"{p} names {tag!r}, which is not a complete checkpoint; delete {p} to start over"
             )
         return tag
 
     def meta(self, tag: str) -> dict:
-        return json.loads((self.dir / tag / "meta.json").read_text())
+        return json.loads((self.dir / tag / CHECKPOINT_META_FILE).read_text())
 
     def check_compatible(self, tag: str, zero_stage: int) -> dict:
         """The checkpoint's meta; refuses what cannot resume here. Another world size resumes from a
@@ -164,7 +165,7 @@ class Checkpointer:
         if latest is None:
             return []
         last = step_of_tag(latest)
-        steps = [step_of_tag(d.name) for d in self._tags() if (d / "meta.json").is_file()]
+        steps = [step_of_tag(d.name) for d in self._tags() if (d / CHECKPOINT_META_FILE).is_file()]
         return [s for s in steps if s <= last]
 
     def rewind(self, step: int) -> None:
@@ -172,9 +173,9 @@ class Checkpointer:
         trajectory being abandoned)."""
         barrier()
         if self.dist.is_main:
-            tmp = self.dir / "latest.tmp"
+            tmp = self.dir / f"{LATEST_FILE}.tmp"
             tmp.write_text(tag_for(step) + "\n")
-            os.replace(tmp, self.dir / "latest")
+            os.replace(tmp, self.dir / LATEST_FILE)
             for d in self._tags():
                 if step_of_tag(d.name) > step:
                     shutil.rmtree(d, ignore_errors=True)
@@ -208,16 +209,16 @@ class Checkpointer:
         if self.dist.is_main:
             for name, text in files.items():
                 (folder / name).write_text(text)
-            (folder / "meta.json").write_text(
+            (folder / CHECKPOINT_META_FILE).write_text(
                 json.dumps({**meta, "step": step, "tag": tag}, indent=1) + "\n"
             )
         if int(os.environ.get("EARLYFUSE_FAULT_KILL_IN_SAVE", "-1")) == step:
             os._exit(137)  # fault injection for the tests: a crash after the files, before `latest`
         barrier()  # every rank's files are written before `latest` may move
         if self.dist.is_main:
-            tmp = self.dir / "latest.tmp"
+            tmp = self.dir / f"{LATEST_FILE}.tmp"
             tmp.write_text(tag + "\n")
-            os.replace(tmp, self.dir / "latest")
+            os.replace(tmp, self.dir / LATEST_FILE)
             for old in self._tags()[: -self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
         barrier()

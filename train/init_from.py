@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from train.names import CHECKPOINTS_DIR, LATEST_FILE
 from train.release import Release, check_compatible, param_count
 
 
@@ -22,7 +23,7 @@ def init_from_release(model, cfg, task, is_main: bool = True) -> bool:
     """Load ``cfg.train.init_from`` into a freshly built ``model`` (before DeepSpeed wraps it).
     A run that resumes from its own checkpoint ignores it (returns False). Errors name what differs."""
     say = print if is_main else (lambda *a, **k: None)
-    ckpt_latest = Path(cfg.run_dir) / "checkpoints" / "latest"
+    ckpt_latest = Path(cfg.run_dir) / CHECKPOINTS_DIR / LATEST_FILE
     if cfg.train.resume and ckpt_latest.is_file():
         say(
             f"train.init_from={cfg.train.init_from}: ignored, the run resumes from its own checkpoint "

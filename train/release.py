@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from data.names import LAYOUT_FILE, TOKENIZER_FILE, VISUAL_TOKENIZER_DIR
+
 if TYPE_CHECKING:
     from data.vocab import VocabLayout
     from model.transformer import TransformerConfig
@@ -43,9 +45,9 @@ FORMAT = "earlyfuse-release"
 VERSION = 1
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
-LAYOUT = "vocab_layout.json"
-TOKENIZER = "tokenizer.json"
-VISUAL = "visual_tokenizer"
+LAYOUT = LAYOUT_FILE  # the names data/ gives these files, so a release folder is also
+TOKENIZER = TOKENIZER_FILE  # a tokenizer folder (earlyfuse-prep tokenize takes it)
+VISUAL = VISUAL_TOKENIZER_DIR
 DTYPES = {
     "fp32": torch.float32,
     "float32": torch.float32,

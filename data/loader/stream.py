@@ -36,7 +36,7 @@ from data.loader.order import consumer_slice, epoch_order, unpack_mask
 from data.loader.packer import Doc, Packer, Row, units_of
 from data.loader.store import ShardFiles, ShardView
 from data.loader.table import SampleTable
-from data.tokenize.run import visual_blocks
+from data.tokenize.blocks import visual_blocks
 from data.vocab import MODALITY_NAMES
 
 # The header numpy writes for a 1-D little-endian array (what earlyfuse-prep tokenize stores).

@@ -22,6 +22,7 @@ import numpy as np
 
 from data.loader import store
 from data.loader.config import SourceConfig
+from data.names import MANIFEST_FILE
 
 TOKEN_FORMAT = "earlyfuse-token-shards"
 RAW_FORMAT = "earlyfuse-raw-shards"
@@ -37,7 +38,7 @@ def find_manifest(url: str, seen: dict | None = None) -> tuple[dict, str] | None
     source (one read per folder, not per shard: a remote read or a command each)."""
     seen = {} if seen is None else seen
     for up in range(3):
-        m_url = store.sibling(url, "manifest.json", up)
+        m_url = store.sibling(url, MANIFEST_FILE, up)
         if m_url not in seen:
             try:
                 data = json.loads(store.read_bytes(m_url))

@@ -7,15 +7,16 @@ import json
 import tarfile
 from pathlib import Path
 
+from data.names import INDEX_SUFFIX
 from data.shards.writer import sample_hash
 
 
 def index_path_for(tar_path: str | Path) -> Path:
     p = Path(tar_path)
     return (
-        p.with_name(p.name[: -len(".tar")] + ".idx.jsonl")
+        p.with_name(p.name[: -len(".tar")] + INDEX_SUFFIX)
         if p.name.endswith(".tar")
-        else p.with_name(p.name + ".idx.jsonl")
+        else p.with_name(p.name + INDEX_SUFFIX)
     )
 
 

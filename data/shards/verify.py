@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from data.names import REJECTS_FILE
 from data.schema import validate_doc
 from data.shards.index import check_index, file_sha256, read_index
 from data.shards.manifest import load_manifest
@@ -52,7 +53,7 @@ def verify(out: str | Path, *, progress: bool = False) -> dict:
                 why = validate_doc(doc, set(entry["members"]))
                 if why:
                     problems.append(f"{tar}: {entry['key']}: {why}")
-    rejects = out / "rejects.jsonl"
+    rejects = out / REJECTS_FILE
     n_rej = sum(1 for _ in open(rejects, encoding="utf-8")) if rejects.is_file() else 0
     if n_rej != m["totals"]["rejects"]:
         problems.append(f"{rejects}: {n_rej} lines, the manifest counts {m['totals']['rejects']}")

@@ -15,14 +15,13 @@ import numpy as np
 
 from tools.report.panels import ACTION_COLOR, ema, human
 from tools.report.run import RunData, alarm_step, fmt
+from train.names import METRICS_FILE
 
 
 def status_of(run: RunData) -> str:
     if run.finished:
         return "finished"
-    when = dt.datetime.fromtimestamp(
-        (run.run_dir / "metrics.jsonl").stat().st_mtime, dt.timezone.utc
-    )
+    when = dt.datetime.fromtimestamp((run.run_dir / METRICS_FILE).stat().st_mtime, dt.timezone.utc)
     return f"running or stopped (no final.json; metrics last written {when:%Y-%m-%d %H:%M:%S} UTC)"
 
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from train.names import ALARMS_FILE, CONFIG_FILE, FINAL_FILE, METRICS_FILE
+
 # The order the trainer uses (data.vocab.MODALITY_NAMES); not imported, so that the report
 # runs anywhere matplotlib does. A modality not in this list is appended in name order.
 MODALITY_ORDER = ("text", "code", "image", "video", "structure")
@@ -59,7 +61,7 @@ class RunData:
 
     @property
     def finished(self) -> bool:
-        return (self.run_dir / "final.json").is_file()
+        return (self.run_dir / FINAL_FILE).is_file()
 
     def has(self, key: str) -> bool:
         s = self.series.get(key)
@@ -144,7 +146,7 @@ def build_series(records: dict[int, dict]) -> dict[str, Series]:
 
 
 def _config(run_dir: Path) -> dict:
-    path = run_dir / "config.yaml"
+    path = run_dir / CONFIG_FILE
     if not path.is_file():
         return {}
     try:
@@ -170,7 +172,7 @@ def _target_mix(cfg: dict) -> dict[str, float]:
 
 def load_run(run_dir: str | Path) -> RunData:
     run_dir = Path(run_dir)
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS_FILE
     if not path.is_file():
         raise NoMetrics(
             f"no metrics.jsonl in {run_dir} (is it a run folder written by earlyfuse-train?)"
@@ -191,15 +193,15 @@ def load_run(run_dir: str | Path) -> RunData:
         train_cfg = {}
     total = train_cfg.get("steps")
     final = {}
-    if (run_dir / "final.json").is_file():
+    if (run_dir / FINAL_FILE).is_file():
         try:
-            final = json.loads((run_dir / "final.json").read_text())
+            final = json.loads((run_dir / FINAL_FILE).read_text())
         except ValueError:
             final = {}
     alarms: list[dict] = []
     bad_alarms = 0
-    if (run_dir / "alarms.jsonl").is_file():
-        alarms, bad_alarms = read_jsonl(run_dir / "alarms.jsonl")
+    if (run_dir / ALARMS_FILE).is_file():
+        alarms, bad_alarms = read_jsonl(run_dir / ALARMS_FILE)
     return RunData(
         run_dir=run_dir,
         name=str(cfg.get("name") or run_dir.resolve().name),

@@ -19,6 +19,7 @@ import torch
 
 from data.loader import build_loader, store
 from data.loader.table import find_manifest, load_table
+from data.names import LAYOUT_FILE
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
 from model.flops import flops_per_token
 from train.config import RunConfig
@@ -56,7 +57,7 @@ def layout_of_data(cfg: RunConfig) -> tuple[VocabLayout, Path]:
             raise ValueError(f"source {table.name}: {table.shards[0]} is in no shard folder")
         m, url = found
         folder = Path(store.local_path(url)).parent / m["tokenizers"]["folder"]
-    return VocabLayout.load(folder / "vocab_layout.json"), folder
+    return VocabLayout.load(folder / LAYOUT_FILE), folder
 
 
 def vocab_sizes(lay: VocabLayout) -> list[int]:
@@ -189,6 +190,4 @@ class LMTask:
         return {}
 
     def extra_files(self) -> dict[str, str]:
-        return {
-            "vocab_layout.json": json.dumps(self.layout.to_dict(), indent=2, sort_keys=True) + "\n"
-        }
+        return {LAYOUT_FILE: json.dumps(self.layout.to_dict(), indent=2, sort_keys=True) + "\n"}
