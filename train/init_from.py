@@ -31,26 +31,26 @@ def init_from_release(model, cfg, task, is_main: bool = True) -> bool:
             flush=True,
         )
         return False
-    rel = Release(cfg.train.init_from)
-    state = rel.state_dict(dtype=None)
+    release = Release(cfg.train.init_from)
+    state = release.state_dict(dtype=None)
     own = model.state_dict()
-    lm = cfg.task == "lm"
+    is_lm = cfg.task == "lm"
     diff = check_compatible(
-        rel,
+        release,
         task=cfg.task,
-        net_cfg=model.cfg if lm else cfg.vtok,
+        net_cfg=model.cfg if is_lm else cfg.vtok,
         reference=own,
-        layout=task.layout if lm else None,
-        tok_folder=task.tok_folder if lm else None,
+        layout=task.layout if is_lm else None,
+        tok_folder=task.tok_folder if is_lm else None,
         state=state,
-        where=f"train.init_from={rel.path}",
+        where=f"train.init_from={release.path}",
     )
     with torch.no_grad():
-        for k, v in own.items():
-            v.copy_(state[k].to(v.dtype))
-    src = rel.config.get("source", {})
+        for name, tensor in own.items():
+            tensor.copy_(state[name].to(tensor.dtype))
+    source = release.config.get("source", {})
     say(
-        f"initialised from release {rel.path} (step {src.get('step')} of {src.get('run_dir')}): "
+        f"initialised from release {release.path} (step {source.get('step')} of {source.get('run_dir')}): "
         f"{len(state)} tensors, {param_count(state):,} parameters",
         flush=True,
     )

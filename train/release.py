@@ -61,11 +61,11 @@ class ReleaseError(ValueError):
 
 
 def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
+    digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 # --- checking weights ------------------------------------------------------------------------------
@@ -95,26 +95,31 @@ def check_state(
             f"{where}: {what} ({len(state)} tensors found, the model has {len(reference)}; "
             f"missing {missing[:5]}, unexpected {extra[:5]}){tail}"
         )
-    for k, ref in reference.items():
-        if tuple(state[k].shape) != tuple(ref.shape):
+    for name, ref in reference.items():
+        tensor = state[name]
+        if tuple(tensor.shape) != tuple(ref.shape):
             raise ReleaseError(
-                f"{where}: tensor {k!r} has shape {list(state[k].shape)}, the model expects "
+                f"{where}: tensor {name!r} has shape {list(tensor.shape)}, the model expects "
                 f"{list(ref.shape)}{tail}"
             )
-        t = state[k]
-        if t.is_floating_point() and t.device.type != "meta" and not bool(torch.isfinite(t).all()):
+        if (
+            tensor.is_floating_point()
+            and tensor.device.type != "meta"
+            and not bool(torch.isfinite(tensor).all())
+        ):
             raise ReleaseError(
-                f"{where}: tensor {k!r} holds NaN or Inf values (the run diverged before this step?)"
+                f"{where}: tensor {name!r} holds NaN or Inf values (the run diverged before this step?)"
             )
 
 
-def flat(d: dict, prefix: str = "") -> dict:
+def flat(nested: dict, prefix: str = "") -> dict:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: config sections as dotted keys."""
     out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(flat(v, f"{prefix}{k}."))
+    for key, value in nested.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
         else:
-            out[f"{prefix}{k}"] = v
+            out[f"{prefix}{key}"] = value
     return out
 
 
@@ -137,12 +142,13 @@ NOT_ARCHITECTURE = {
 }
 
 
-def config_diff(a: dict, b: dict, section: str, names=("release", "run")) -> list[str]:
-    fa, fb = flat(a), flat(b)
+def config_diff(first: dict, second: dict, section: str, names=("release", "run")) -> list[str]:
+    """The architecture fields that differ between two configs, one line each."""
+    flat_first, flat_second = flat(first), flat(second)
     return [
-        f"  {section}.{k}: {names[0]} {fa.get(k)!r}, {names[1]} {fb.get(k)!r}"
-        for k in sorted(set(fa) | set(fb))
-        if k not in NOT_ARCHITECTURE and fa.get(k) != fb.get(k)
+        f"  {section}.{key}: {names[0]} {flat_first.get(key)!r}, {names[1]} {flat_second.get(key)!r}"
+        for key in sorted(set(flat_first) | set(flat_second))
+        if key not in NOT_ARCHITECTURE and flat_first.get(key) != flat_second.get(key)
     ]
 
 
@@ -295,16 +301,16 @@ class Release:
     def visual_config(self):
         from model.visual_tokenizer import VisualTokenizerConfig
 
-        p = self.path / VISUAL / CONFIG
-        if not p.is_file():
+        config_path = self.path / VISUAL / CONFIG
+        if not config_path.is_file():
             raise ReleaseError(
                 f"{self.path}: no {VISUAL}/ (released with --no-tokenizers); images cannot be "
                 "encoded or decoded"
             )
         try:
-            return VisualTokenizerConfig(**json.loads(p.read_text()))
+            return VisualTokenizerConfig(**json.loads(config_path.read_text()))
         except (OSError, ValueError, TypeError) as e:
-            raise ReleaseError(f"{p}: unreadable visual tokenizer config ({e})") from None
+            raise ReleaseError(f"{config_path}: unreadable visual tokenizer config ({e})") from None
 
     def visual_tokenizer(self, device: torch.device | str = "cpu"):
         cfg = self.visual_config()

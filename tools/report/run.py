@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from train.names import ALARMS_FILE, CONFIG_FILE, FINAL_FILE, METRICS_FILE
+from train.names import ALARMS_FILE, CONFIG_FILE, FINAL_FILE, LOSS, METRICS_FILE, MIX, VAL, VTOK
 
 # The order the trainer uses (data.vocab.MODALITY_NAMES); not imported, so that the report
 # runs anywhere matplotlib does. A modality not in this list is appended in name order.
@@ -75,17 +75,18 @@ class RunData:
             for k in self.series
             if k.startswith(prefix) and "/" not in k[len(prefix) :]
         ]
-        return [k for k in found if prefix == "loss/" or self.has(prefix + k)]
+        return [k for k in found if prefix == LOSS or self.has(prefix + k)]
 
     def modalities(self) -> list[str]:
         """Modalities that have a train or validation loss anywhere (final.json included)."""
-        names = set(self.keys("loss/")) | set(self.keys("val/loss/"))
-        names |= {k[len("val/loss/") :] for k in self.final if k.startswith("val/loss/")}
+        val_loss = VAL + LOSS  # val/loss/<modality>
+        names = set(self.keys(LOSS)) | set(self.keys(val_loss))
+        names |= {k[len(val_loss) :] for k in self.final if k.startswith(val_loss)}
         return order_modalities(names)
 
     def sources(self) -> list[str]:
         """Data sources of the delivered mix, in the config's order, then any others by name."""
-        found = set(self.keys("mix/"))
+        found = set(self.keys(MIX))
         return [s for s in self.target_mix if s in found] + sorted(found - set(self.target_mix))
 
     def last(self, key: str) -> float | None:
@@ -207,7 +208,7 @@ def load_run(run_dir: str | Path) -> RunData:
         name=str(cfg.get("name") or run_dir.resolve().name),
         task=str(
             cfg.get("task")
-            or ("vtok" if any("vtok/" in k for r in records.values() for k in r) else "?")
+            or ("vtok" if any(VTOK in k for r in records.values() for k in r) else "?")
         ),
         total_steps=int(total) if isinstance(total, int) else None,
         records=records,
