@@ -13,6 +13,8 @@ import re
 import sys
 from pathlib import Path
 
+from data.names import REJECTS_FILE
+
 EXIT_REJECTS = 3
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
@@ -185,7 +187,7 @@ def cmd_ingest(a) -> int:
     )
     if t["rejects"]:
         print(
-            f"rejected {t['rejects']} input(s), listed in {a.out / 'rejects.jsonl'}: "
+            f"rejected {t['rejects']} input(s), listed in {a.out / REJECTS_FILE}: "
             + ", ".join(f"{k} {v}" for k, v in t["rejects_by_reason"].items())
         )
         return 0 if a.allow_rejects else EXIT_REJECTS
@@ -453,7 +455,7 @@ def cmd_tokenize(a) -> int:
     )
     if t["rejects"]:
         print(
-            f"rejected {t['rejects']} document(s), listed in {a.out / 'rejects.jsonl'}: "
+            f"rejected {t['rejects']} document(s), listed in {a.out / REJECTS_FILE}: "
             + ", ".join(f"{k} {v}" for k, v in t["rejects_by_reason"].items())
         )
         return EXIT_REJECTS

@@ -67,7 +67,7 @@ def to_rgb(im: Image.Image) -> Image.Image:
 
 def load_image(raw: bytes, prep: ImagePrep) -> np.ndarray:
     """Decode, orient, convert and resize; returns uint8 [H, W, 3] with H, W multiples of factor."""
-    im = Image.open(io.BytesIO(raw))
+    im: Image.Image = Image.open(io.BytesIO(raw))
     orientation = im.getexif().get(0x0112, 1)
     w, h = im.size
     if orientation in _SWAPS_SIDES:
@@ -78,5 +78,5 @@ def load_image(raw: bytes, prep: ImagePrep) -> np.ndarray:
     im = ImageOps.exif_transpose(im)
     im = to_rgb(im)
     if im.size != (tw, th):
-        im = im.resize((tw, th), Image.BICUBIC, reducing_gap=3.0)
+        im = im.resize((tw, th), Image.Resampling.BICUBIC, reducing_gap=3.0)
     return np.asarray(im, dtype=np.uint8)

@@ -20,7 +20,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from data.schema import Reject
 
@@ -133,7 +133,7 @@ def probe_image(raw: bytes, path: str, *, max_pixels: int) -> ImageInfo | Reject
             return ImageInfo(w, h, fmt, IMAGE_FORMATS[fmt], mode)
     except Image.DecompressionBombError as e:
         return Reject(path, "pixel-limit", str(e))
-    except Image.UnidentifiedImageError:
+    except UnidentifiedImageError:
         return Reject(path, "unreadable-image", "not an image Pillow recognises")
     except (OSError, SyntaxError, ValueError, EOFError) as e:
         msg = str(e)
@@ -185,6 +185,7 @@ def probe_video(raw: bytes, path: str, *, max_seconds: float) -> VideoInfo | Rej
         return Reject(path, "empty-video", "zero-byte video")
     import decord  # imported here: decord loads FFmpeg, which text-only runs never need
 
+    err: Exception | None
     with captured_c_stderr() as log:
         try:
             vr = decord.VideoReader(io.BytesIO(raw), num_threads=1)

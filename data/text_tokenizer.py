@@ -14,21 +14,19 @@ Design choices:
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from data.names import LAYOUT_FILE, TEXT_TOKENIZER_TRAINING_FILE, TOKENIZER_FILE
 from data.vocab import TEXT_SPECIALS, VocabLayout
 
 SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-TOKENIZER_FILE = "tokenizer.json"
-LAYOUT_FILE = "vocab_layout.json"
-TRAINING_FILE = "text_tokenizer_training.json"
 
 
 def new_bpe() -> Tokenizer:
@@ -113,11 +111,13 @@ def save_tokenizer(tok: Tokenizer, layout: VocabLayout, folder: str | Path, trai
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / TOKENIZER_FILE))
     layout.save(folder / LAYOUT_FILE)
-    (folder / TRAINING_FILE).write_text(json.dumps(training, indent=1, sort_keys=True) + "\n")
+    (folder / TEXT_TOKENIZER_TRAINING_FILE).write_text(
+        json.dumps(training, indent=1, sort_keys=True) + "\n"
+    )
 
 
 def sample_texts(
-    sources: dict[str, Iterable],
+    sources: dict[str, Callable[[], Iterable[str]]],
     weights: dict[str, float],
     budget_chars: int,
     used: dict[str, int],

@@ -65,6 +65,7 @@ def decode_frames(
     opened once more to learn its size."""
     import decord
 
+    err: Exception | None
     with captured_c_stderr() as log:
         try:
             if size is None:

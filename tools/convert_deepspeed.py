@@ -35,6 +35,8 @@ from unittest import mock
 
 import torch
 
+from train.names import CHECKPOINT_META_FILE, CHECKPOINTS_DIR, LATEST_FILE
+
 TAG = re.compile(r"^step_(\d{8})$")
 
 
@@ -102,7 +104,7 @@ class Checkpoint:
 
     @property
     def folder(self) -> Path:
-        return self.run_dir / "checkpoints" / self.tag
+        return self.run_dir / CHECKPOINTS_DIR / self.tag
 
     @property
     def step(self) -> int:
@@ -116,14 +118,14 @@ class Checkpoint:
 def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Checkpoint:
     """The run's ``latest`` checkpoint, or the one of ``step``; errors list what exists."""
     run_dir = Path(run_dir)
-    root = run_dir / "checkpoints"
+    root = run_dir / CHECKPOINTS_DIR
     if not root.is_dir():
         raise CheckpointError(
             f"{run_dir}: no checkpoints/ folder; is this an earlyfuse-train run folder?"
         )
     have = sorted(d.name for d in root.iterdir() if d.is_dir() and TAG.match(d.name))
     if step is None:
-        latest = root / "latest"
+        latest = root / LATEST_FILE
         if not latest.is_file():
             raise CheckpointError(
                 f"{latest}: missing (no complete checkpoint yet); folders present: {have or 'none'}"
@@ -134,7 +136,7 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Checkpoint:
     if not TAG.match(tag) or not (root / tag).is_dir():
         steps = [int(t[5:]) for t in have]
         raise CheckpointError(f"{root / tag}: no such checkpoint; steps present: {steps or 'none'}")
-    meta_path = root / tag / "meta.json"
+    meta_path = root / tag / CHECKPOINT_META_FILE
     try:
         meta = json.loads(meta_path.read_text())
         int(meta["zero_stage"]), int(meta["world_size"])
@@ -181,7 +183,10 @@ def consolidate(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
 
 
 def _rank_of(path: Path) -> int:
-    return int(re.search(r"zero_pp_rank_(\d+)_", path.name).group(1))
+    match = re.search(r"zero_pp_rank_(\d+)_", path.name)
+    if match is None:
+        raise CheckpointError(f"{path}: not a ZeRO rank file (zero_pp_rank_N_...)")
+    return int(match.group(1))
 
 
 def _is_bf16_optimizer(folder: Path) -> bool:

@@ -1,4 +1,4 @@
-"""``earlyfuse-generate RELEASE``: sample from a release (tools/release.py) with the KV-cached
+"""``earlyfuse-generate RELEASE``: sample from a release (train/release.py) with the KV-cached
 ``model.generate``: continue text or code, caption an image, draw an image to PNG, or run a
 JSONL file of such requests.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tools.release import DTYPES, Release, ReleaseError
+from train.release import DTYPES, Release, ReleaseError
 
 EXAMPLES = """\
 examples:
@@ -85,7 +85,7 @@ class Generator:
 
     def __post_init__(self) -> None:
         self.model = self.release.build_model(self.device, self.dtype)
-        self.layout = self.release.layout
+        self.layout = self.release.vocab_layout
         self.text = self.release.text_tokenizer()
         self._vtok = None
         opts = self.release.config.get("tokenize") or {}

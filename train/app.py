@@ -28,7 +28,9 @@ CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 def to_run_config(cfg: DictConfig) -> tuple[RunConfig, str]:
     """The typed config and its resolved YAML (saved with every checkpoint)."""
     resolved = OmegaConf.to_yaml(cfg, resolve=True)
-    return OmegaConf.to_object(cfg), resolved
+    run_cfg = OmegaConf.to_object(cfg)  # the structured schema makes this a RunConfig
+    assert isinstance(run_cfg, RunConfig)
+    return run_cfg, resolved
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")

@@ -24,8 +24,17 @@ import numpy as np
 import torch
 
 from train.dist import DistInfo, barrier
+from train.names import CHECKPOINT_META_FILE, CHECKPOINTS_DIR, LATEST_FILE
 
 TAG = re.compile(r"^step_(\d{8})$")
+
+
+def step_of_tag(tag: str) -> int:
+    """The step of a checkpoint folder name ``step_NNNNNNNN``."""
+    match = TAG.match(tag)
+    if match is None:
+        raise ValueError(f"{tag!r} is not a checkpoint folder name (step_NNNNNNNN)")
+    return int(match.group(1))
 
 
 def tag_for(step: int) -> str:
@@ -33,17 +42,17 @@ def tag_for(step: int) -> str:
 
 
 def rng_state() -> dict:
-    np_state = np.random.get_state()
+    np_state = np.random.get_state(legacy=False)  # a dict: its types are known to the checker
     state = {
         "torch": torch.get_rng_state(),
         "python": list(random.getstate()[1]),
         "python_version": random.getstate()[0],
         "python_gauss": random.getstate()[2],
         "numpy": {
-            "key": torch.from_numpy(np_state[1].astype(np.int64)),
-            "pos": int(np_state[2]),
-            "has_gauss": int(np_state[3]),
-            "gauss": float(np_state[4]),
+            "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+            "pos": int(np_state["state"]["pos"]),
+            "has_gauss": int(np_state["has_gauss"]),
+            "gauss": float(np_state["gauss"]),
         },
     }
     if torch.cuda.is_available():
@@ -64,24 +73,24 @@ def set_rng_state(state: dict) -> None:
 
 class Checkpointer:
     def __init__(self, run_dir: str | Path, dist: DistInfo, keep_last: int) -> None:
-        self.dir = Path(run_dir) / "checkpoints"
+        self.dir = Path(run_dir) / CHECKPOINTS_DIR
         self.dist = dist
         self.keep_last = max(1, keep_last)
 
     # --- reading -----------------------------------------------------------------------------
     def latest(self) -> str | None:
-        p = self.dir / "latest"
+        p = self.dir / LATEST_FILE
         if not p.is_file():
             return None
         tag = p.read_text().strip()
-        if not TAG.match(tag) or not (self.dir / tag / "meta.json").is_file():
+        if not TAG.match(tag) or not (self.dir / tag / CHECKPOINT_META_FILE).is_file():
             raise ValueError(
                 f"{p} names {tag!r}, which is not a complete checkpoint; delete {p} to start over"
             )
         return tag
 
     def meta(self, tag: str) -> dict:
-        return json.loads((self.dir / tag / "meta.json").read_text())
+        return json.loads((self.dir / tag / CHECKPOINT_META_FILE).read_text())
 
     def check_compatible(self, tag: str, zero_stage: int) -> dict:
         """The checkpoint's meta; refuses what cannot resume here. Another world size resumes from a
@@ -155,10 +164,8 @@ class Checkpointer:
         latest = self.latest()
         if latest is None:
             return []
-        last = int(TAG.match(latest).group(1))
-        steps = [
-            int(TAG.match(d.name).group(1)) for d in self._tags() if (d / "meta.json").is_file()
-        ]
+        last = step_of_tag(latest)
+        steps = [step_of_tag(d.name) for d in self._tags() if (d / CHECKPOINT_META_FILE).is_file()]
         return [s for s in steps if s <= last]
 
     def rewind(self, step: int) -> None:
@@ -166,11 +173,11 @@ class Checkpointer:
         trajectory being abandoned)."""
         barrier()
         if self.dist.is_main:
-            tmp = self.dir / "latest.tmp"
+            tmp = self.dir / f"{LATEST_FILE}.tmp"
             tmp.write_text(tag_for(step) + "\n")
-            os.replace(tmp, self.dir / "latest")
+            os.replace(tmp, self.dir / LATEST_FILE)
             for d in self._tags():
-                if int(TAG.match(d.name).group(1)) > step:
+                if step_of_tag(d.name) > step:
                     shutil.rmtree(d, ignore_errors=True)
         barrier()
 
@@ -179,9 +186,9 @@ class Checkpointer:
         if not self.dist.is_main or not self.dir.is_dir():
             return
         latest = self.latest()
-        last = int(TAG.match(latest).group(1)) if latest else -1
+        last = step_of_tag(latest) if latest else -1
         for d in self._tags():
-            if int(TAG.match(d.name).group(1)) > last:
+            if step_of_tag(d.name) > last:
                 shutil.rmtree(d, ignore_errors=True)
 
     def _tags(self) -> list[Path]:
@@ -202,16 +209,16 @@ class Checkpointer:
         if self.dist.is_main:
             for name, text in files.items():
                 (folder / name).write_text(text)
-            (folder / "meta.json").write_text(
+            (folder / CHECKPOINT_META_FILE).write_text(
                 json.dumps({**meta, "step": step, "tag": tag}, indent=1) + "\n"
             )
         if int(os.environ.get("EARLYFUSE_FAULT_KILL_IN_SAVE", "-1")) == step:
             os._exit(137)  # fault injection for the tests: a crash after the files, before `latest`
         barrier()  # every rank's files are written before `latest` may move
         if self.dist.is_main:
-            tmp = self.dir / "latest.tmp"
+            tmp = self.dir / f"{LATEST_FILE}.tmp"
             tmp.write_text(tag + "\n")
-            os.replace(tmp, self.dir / "latest")
+            os.replace(tmp, self.dir / LATEST_FILE)
             for old in self._tags()[: -self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
         barrier()

@@ -23,7 +23,8 @@ from train.skip_step import SkipStepAdamW
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     no_decay_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in model.parameters():
         if not p.requires_grad:
             continue

@@ -17,6 +17,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from data.vocab import MODALITY_NAMES
+from train.names import METRICS_FILE, TENSORBOARD_DIR
 
 
 def fmt_duration(s: float) -> str:
@@ -69,11 +70,11 @@ class RunLogger:
             return
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self.jsonl = open(run_dir / METRICS_FILE, "a", encoding="utf-8")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(run_dir / "tb"))
+            self.tb = SummaryWriter(str(run_dir / TENSORBOARD_DIR))
         if progress:
             self.bar = tqdm(
                 total=total, initial=start, unit="step", dynamic_ncols=True, leave=False
@@ -88,7 +89,7 @@ class RunLogger:
             print(line, flush=True)
 
     def log(self, step: int, metrics: dict, *, console: bool = False) -> None:
-        if not self.is_main:
+        if self.jsonl is None:  # not the main rank
             return
         record = {
             "step": step,

@@ -6,10 +6,11 @@ fresh batch iterator there, first discarding the window of data it was told to s
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections.abc import Mapping
 from contextlib import closing
 
 from train.dist import all_reduce_sum
+from train.metric_sums import MetricSums
 
 
 class Rollback(Exception):
@@ -18,7 +19,7 @@ class Rollback(Exception):
         self.alarm = alarm
 
 
-def reduce_sums(sums: Counter, device) -> dict[str, float]:
+def reduce_sums(sums: Mapping[str, float], device) -> dict[str, float]:
     """Sum every metric over ranks in one collective (sums and counts, never means)."""
     import torch
 
@@ -46,18 +47,20 @@ def train_loop(run) -> None:
             try:
                 for step in range(step, run.cfg.train.steps):  # noqa: B020 - resumes from step
                     t0 = time.perf_counter()
-                    wait, sums = 0.0, Counter()
+                    wait, sums = 0.0, MetricSums()
                     for micro in range(accum):
                         tw = time.perf_counter()
                         batch = faults.batch(step + 1, next(batches), getattr(task, "layout", None))
                         wait += time.perf_counter() - tw
                         out = task.forward(engine, batch)
                         engine.backward(faults.loss(step + 1, out.loss))
-                        sums.update({k: float(v) for k, v in out.sums.items()})
-                        sums.update(
-                            loss_sum=float(faults.loss(step + 1, out.loss.detach())),
-                            micro=1,
-                            units=out.units,
+                        sums.add({k: float(v) for k, v in out.sums.items()})
+                        sums.add(
+                            {
+                                "loss_sum": float(faults.loss(step + 1, out.loss.detach())),
+                                "micro": 1,
+                                "units": out.units,
+                            }
                         )
                         if micro == accum - 1:
                             # The skip-step gate needs this step's loss, identical on every rank,

@@ -8,20 +8,20 @@ import math
 import os
 import random
 import time
-from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from train.checkpoint import Checkpointer, rng_state, set_rng_state
+from train.checkpoint import Checkpointer, rng_state, set_rng_state, tag_for
 from train.config import RunConfig
 from train.dist import DistInfo, all_reduce_sum, barrier, init_distributed
 from train.engine import build_engine, global_grad_norm
 from train.faults import Faults, fault_step
 from train.logger import RunLogger, console_line
 from train.loop import Rollback, train_loop
+from train.metric_sums import MetricSums
 from train.mfu import peak_tflops
 from train.monitor import AlarmLog, Monitor, strongest
 from train.skip_step import SkipStepRule, UpdateGate
@@ -53,7 +53,7 @@ class Run:
         if (
             cfg.train.init_from
         ):  # a release's weights (earlyfuse-convert import); a resuming run ignores it
-            from tools.release import init_from_release
+            from train.init_from import init_from_release
 
             init_from_release(model, cfg, self.task, self.dist.is_main)
         self.ckpt = Checkpointer(self.run_dir, self.dist, cfg.train.keep_last)
@@ -92,7 +92,7 @@ class Run:
         self._steps_timed = 0
         self._time_sum = 0.0
         self.last_eval: dict = {}
-        self._interval: Counter = Counter()
+        self._interval = MetricSums()
         self._skipped_shown = 0.0
 
     # --- resume / save ---------------------------------------------------------------------------
@@ -153,13 +153,16 @@ class Run:
     def _redistribute_stream(self, tag: str) -> str:
         """Move the token loader's position onto this run's split exactly (docs/loader.md): every
         rank reads all old ranks' loader states and keeps its own share, with no communication."""
+        from data.loader.dataset import PackedLoader
         from data.loader.redistribute import redistribute
 
-        st = redistribute(self.ckpt.load_streams(tag), self.stream)
-        self.stream.load_state_dict(st)
+        stream = self.stream
+        assert isinstance(stream, PackedLoader)  # called only for a movable stream
+        st = redistribute(self.ckpt.load_streams(tag), stream)
+        stream.load_state_dict(st)
         return (
             f"the loader's state was redistributed from {st['redistributed']['from_consumers']} "
-            f"to {self.stream.consumers} consumers"
+            f"to {stream.consumers} consumers"
         )
 
     def _load(self, tag: str) -> None:
@@ -231,7 +234,7 @@ class Run:
             }
         )
         log_now = step % t.log_every == 0 or step == t.steps
-        self._interval.update(sums)
+        self._interval.add(sums)
         if t.eval_every and step % t.eval_every == 0 and step != t.steps:
             m.update(self.evaluate(step))
         if log_now and hasattr(self.stream, "skipped"):
@@ -251,7 +254,7 @@ class Run:
                 "train/loss": self._interval["loss_sum"] / self._interval["micro"],
             }
             self.log.write(console_line(avg, step, t.steps, self.task.unit))
-            self._interval = Counter()
+            self._interval = MetricSums()
             if m.get("data/skipped", 0) > self._skipped_shown:
                 self._skipped_shown = m["data/skipped"]
                 self.log.write(
@@ -273,7 +276,11 @@ class Run:
 
     def data_skipped(self) -> float:
         """Unreadable samples the loaders skipped so far, summed over ranks."""
-        n = torch.tensor([float(self.stream.skipped())], device=self.dist.device)
+        from data.loader.dataset import PackedLoader
+
+        stream = self.stream
+        assert isinstance(stream, PackedLoader)  # the one stream that skips samples
+        n = torch.tensor([float(stream.skipped())], device=self.dist.device)
         return float(all_reduce_sum(n).item())
 
     # --- the monitors' actions -------------------------------------------------------------------
@@ -304,13 +311,13 @@ class Run:
             raise RunHalted(f"halted at step {step}: {alarm.signal} ({alarm.message}) and {why}")
         target = good[-1]
         self.ckpt.rewind(target)
-        self._load(self.ckpt.latest())
+        self._load(tag_for(target))  # what rewind made the latest
         self.monitor.divergence.reset()
         seen = step - target
         self.pending_skip = (
             rb.skip_window or seen
         ) * self.cfg.train.grad_accum + seen * self.cfg.train.grad_accum
-        self._interval = Counter()
+        self._interval = MetricSums()
         if self.dist.is_main:
             self.log.write(
                 f"ROLLBACK at step {step} ({alarm.signal}): back to the checkpoint of step {target}, "

@@ -21,6 +21,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from data.ingest.plan import Plan, ShardPlan
+from data.names import INDEX_SUFFIX, MANIFEST_FILE
 from data.parallel import run_jobs
 from data.schema import SEGMENT_TYPES, Reject
 from data.shards.manifest import finalize, load_records, record_path, write_json_atomic
@@ -47,7 +48,7 @@ def write_shard(job: ShardJob) -> dict:
         job.spec, build_source(job.spec, job.limits)
     )
     out, shard = Path(job.out), job.shard
-    tar_rel, idx_rel = f"{shard.name}.tar", f"{shard.name}.idx.jsonl"
+    tar_rel, idx_rel = f"{shard.name}.tar", f"{shard.name}{INDEX_SUFFIX}"
     writer: ShardWriter | None = None
     rejects: list[dict] = []
     segments = dict.fromkeys(SEGMENT_TYPES, 0)
@@ -112,7 +113,7 @@ def _is_done(out: Path, shard: ShardPlan, fingerprint: str, records: dict[int, d
 
 def check_output_dir(out: Path, plan: Plan) -> dict[int, dict]:
     """Records of earlier runs into ``out``; refuses a folder that holds a different ingest."""
-    manifest = out / "manifest.json"
+    manifest = out / MANIFEST_FILE
     if manifest.is_file():
         try:
             old = json.loads(manifest.read_text())["plan"]["fingerprint"]

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import sys
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -224,7 +225,7 @@ class PackedLoader:
     # --- reporting -------------------------------------------------------------------------------
     def delivered(self) -> dict:
         """Tokens per modality and source and the packing figures, over the handed-out batches."""
-        out = {
+        out: dict[str, Any] = {
             "batches": self.handed_out,
             "errors": 0,
             "rows": 0,

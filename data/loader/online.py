@@ -22,13 +22,12 @@ from pathlib import Path
 
 import torch
 
+from data.names import VISUAL_TOKENIZER_DIR
 from data.schema import Reject
 from data.shards.reader import RawDoc
 from data.text_tokenizer import TextTokenizer
 from data.tokenize.encoder import DocEncoder, TokenDoc, TokenizeOptions
 from data.tokenize.visual import load_visual_tokenizer, weights_fingerprint
-
-VISUAL_FOLDER = "visual_tokenizer"
 
 
 def folder_fingerprints(folder: str | Path) -> dict:
@@ -40,15 +39,15 @@ def folder_fingerprints(folder: str | Path) -> dict:
             "vocab_layout.json and visual_tokenizer/, like a token folder's tokenizers/)"
         )
     text = TextTokenizer.load(folder)
-    if not (folder / VISUAL_FOLDER).is_dir():
+    if not (folder / VISUAL_TOKENIZER_DIR).is_dir():
         raise ValueError(
-            f"{folder}: no {VISUAL_FOLDER}/ (a tokenizer folder holds tokenizer.json, "
+            f"{folder}: no {VISUAL_TOKENIZER_DIR}/ (a tokenizer folder holds tokenizer.json, "
             "vocab_layout.json and visual_tokenizer/, like a token folder's tokenizers/)"
         )
     return {
         "text": text.fingerprint(),
         "layout": text.layout.fingerprint(),
-        "visual": weights_fingerprint(folder / VISUAL_FOLDER),
+        "visual": weights_fingerprint(folder / VISUAL_TOKENIZER_DIR),
     }
 
 
@@ -83,7 +82,7 @@ class OnlineTokenizer:
     def __init__(self, folder: str | Path, opts: TokenizeOptions, seq_len: int) -> None:
         folder = Path(folder)
         text = TextTokenizer.load(folder)
-        vtok = load_visual_tokenizer(folder / VISUAL_FOLDER, text.layout, "cpu")
+        vtok = load_visual_tokenizer(folder / VISUAL_TOKENIZER_DIR, text.layout, "cpu")
         self.opts = fitted_options(opts, seq_len, vtok.cfg.factor, text.layout.max_grid)
         self.encoder = DocEncoder(text, vtok, self.opts, torch.device("cpu"))
 

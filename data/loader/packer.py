@@ -172,6 +172,7 @@ class Packer:
         self.stats.real_tokens += n
         if row is None:
             return
+        assert doc.ids is not None and doc.mod is not None  # read whenever a row is filled
         b = a + n
         pid = len(row.pieces)
         row.pieces.append((doc.source, doc.sample, a, b))

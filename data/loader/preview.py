@@ -19,6 +19,7 @@ from PIL import Image, ImageDraw
 from data.layout import parse_image
 from data.loader.config import LoaderConfig, SourceConfig
 from data.loader.dataset import build_loader
+from data.names import MANIFEST_FILE, TOKENIZERS_DIR, VISUAL_TOKENIZER_DIR
 from data.text_tokenizer import TextTokenizer
 from data.vocab import MODALITY_NAMES, Modality
 
@@ -40,7 +41,7 @@ PAD = (200, 200, 200)
 
 
 def sources_of(token_dir: Path, names: list[str] | None) -> list[SourceConfig]:
-    m = json.loads((token_dir / "manifest.json").read_text())
+    m = json.loads((token_dir / MANIFEST_FILE).read_text())
     have = [s["name"] for s in m["sources"]]
     for n in names or []:
         if n not in have:
@@ -82,7 +83,7 @@ def _runs(row: dict):
 def describe(row: dict, tok: TextTokenizer, colour: bool) -> str:
     lay = tok.layout
     ids, mod = row["input_ids"], row["modality"]
-    lines = []
+    lines: list[str] = []
     for a, b in _runs(row):
         parts, i = [], a
         while i < b:
@@ -161,7 +162,7 @@ def render_png(
                 strip[: t.shape[0], x : x + t.shape[1]] = t
                 x += t.shape[1] + 4
             Image.fromarray(strip).resize(
-                (strip.shape[1] * 2, strip.shape[0] * 2), Image.NEAREST
+                (strip.shape[1] * 2, strip.shape[0] * 2), Image.Resampling.NEAREST
             ).save(path.with_name(path.stem + "_images.png"))
 
 
@@ -176,7 +177,7 @@ def preview(
     colour: bool | None = None,
 ) -> str:
     token_dir = Path(token_dir)
-    tok = TextTokenizer.load(token_dir / "tokenizers")
+    tok = TextTokenizer.load(token_dir / TOKENIZERS_DIR)
     got = rows(token_dir, sources, seq_len, n_rows, seed)
     delivered, packed = got[-1], got[:-1]
     colour = sys.stdout.isatty() if colour is None else colour
@@ -193,7 +194,7 @@ def preview(
     if png:
         from data.tokenize.visual import load_visual_tokenizer
 
-        vtok_dir = token_dir / "tokenizers" / "visual_tokenizer"
+        vtok_dir = token_dir / TOKENIZERS_DIR / VISUAL_TOKENIZER_DIR
         vtok = load_visual_tokenizer(vtok_dir, tok.layout) if vtok_dir.is_dir() else None
         render_png(packed, tok, Path(png), vtok)
         out.append(

@@ -28,6 +28,8 @@ Design choices:
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from data.loader.dataset import STATE_VERSION, PackedLoader
@@ -45,7 +47,7 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
     for st in old:
         for w, ws in st["worker_states"].items():
             by_consumer[st["rank"] * st["workers"] + int(w)] = ws
-    fresh = {
+    fresh: dict[str, Any] = {
         "cursors": [[0, 0, 0, 0]] * len(loader.tables),
         "pending": [],
         "errors": 0,
@@ -55,7 +57,7 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
     }
     olds = [ws or fresh for ws in by_consumer]  # a worker that never handed out a batch is at 0
     n = loader.consumers
-    new = [
+    new: list[dict[str, Any]] = [
         {
             "cursors": [],
             "pending": [],

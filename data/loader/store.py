@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
+from data.names import INDEX_SUFFIX
+
 _BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 # The shard's word in a pipe: command: ends in .tar, followed by a space, quote, pipe, ;, &, ), >
 # or the end. Paths inside commands must not hold spaces.
@@ -124,7 +126,7 @@ def name(url: str) -> str:
 def index_url(url: str) -> str:
     base = name(url)
     stem = base[: -len(".tar")] if base.endswith(".tar") else base
-    return sibling(url, stem + ".idx.jsonl")
+    return sibling(url, stem + INDEX_SUFFIX)
 
 
 def _run(cmd: str) -> bytes:

@@ -36,7 +36,7 @@ from data.loader.order import consumer_slice, epoch_order, unpack_mask
 from data.loader.packer import Doc, Packer, Row, units_of
 from data.loader.store import ShardFiles, ShardView
 from data.loader.table import SampleTable
-from data.tokenize.run import visual_blocks
+from data.tokenize.blocks import visual_blocks
 from data.vocab import MODALITY_NAMES
 
 # The header numpy writes for a 1-D little-endian array (what earlyfuse-prep tokenize stores).
@@ -152,7 +152,8 @@ class ConsumerStream:
 
     def _pick_source(self) -> int | None:
         total = sum(c.tokens for c in self.cursors)
-        best, best_gap = None, None
+        best: int | None = None
+        best_gap = float("-inf")
         for s, c in enumerate(self.cursors):
             if c.done or self.shares[s] <= 0:
                 continue
@@ -198,6 +199,8 @@ class ConsumerStream:
     def _encode_raw(self, t: SampleTable, sample: int) -> tuple[np.ndarray, np.ndarray, list]:
         """A raw document tokenized here (data/loader/online.py): ids, modalities, blocks."""
         if self._online is None:
+            if self.cfg.tokenizers is None:
+                raise ValueError("raw sources need data.tokenizers (the tokenizers to use)")
             self._online = OnlineTokenizer(
                 self.cfg.tokenizers, online_options(self.cfg), self.cfg.seq_len
             )
@@ -265,7 +268,7 @@ class ConsumerStream:
     def next_batch(self) -> dict | None:
         if self.batch_limit is not None and self.batches >= self.batch_limit:
             return None
-        rows = []
+        rows: list[Row] = []
         while len(rows) < self.micro_batch:
             r = self.next_row()
             if r is None:

@@ -22,6 +22,7 @@ import numpy as np
 
 from data.loader import store
 from data.loader.config import SourceConfig
+from data.names import MANIFEST_FILE
 
 TOKEN_FORMAT = "earlyfuse-token-shards"
 RAW_FORMAT = "earlyfuse-raw-shards"
@@ -37,7 +38,7 @@ def find_manifest(url: str, seen: dict | None = None) -> tuple[dict, str] | None
     source (one read per folder, not per shard: a remote read or a command each)."""
     seen = {} if seen is None else seen
     for up in range(3):
-        m_url = store.sibling(url, "manifest.json", up)
+        m_url = store.sibling(url, MANIFEST_FILE, up)
         if m_url not in seen:
             try:
                 data = json.loads(store.read_bytes(m_url))
@@ -102,9 +103,9 @@ def load_table(src: SourceConfig) -> SampleTable:
         idx = store.index_url(tar)
         try:
             raw_idx = store.read_bytes(idx)
-        except OSError as e:
+        except OSError as err:
             raise ValueError(
-                f"source {src.name}: shard {tar} has no readable index {idx} ({e})"
+                f"source {src.name}: shard {tar} has no readable index {idx} ({err})"
             ) from None
         # Name and index (every member's offset, size and hash), not the URL: the same shards
         # moved to object storage keep their fingerprint, and a run's state moves with them.
@@ -114,13 +115,13 @@ def load_table(src: SourceConfig) -> SampleTable:
                 f"{store.name(tar)}\0{Path(tar).stat().st_size}\0".encode()
                 + hashlib.sha256(raw_idx).digest()
             )
-        found = find_manifest(tar, seen)
-        if found is None:
+        manifest_found = find_manifest(tar, seen)
+        if manifest_found is None:
             raise ValueError(
                 f"source {src.name}: {tar} is in no shard folder (no manifest.json of format "
                 f"{TOKEN_FORMAT} or {RAW_FORMAT} in its folder or the two above)"
             )
-        m, manifest_url = found
+        m, manifest_url = manifest_found
         kinds.add(m["format"])
         if m["format"] == TOKEN_FORMAT:
             tok_keys.add(tokenizer_key(m["tokenizers"]))

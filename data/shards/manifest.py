@@ -17,6 +17,8 @@ from collections import Counter
 from importlib import metadata
 from pathlib import Path
 
+from data.names import MANIFEST_FILE, REJECTS_FILE
+
 MANIFEST_FORMAT = "earlyfuse-raw-shards"
 MANIFEST_VERSION = 1
 
@@ -140,8 +142,8 @@ def finalize(out: Path, records: dict[int, dict]) -> dict:
         },
     }
     manifest["created_by"]["commands"] = [json.loads(c) for c in manifest["created_by"]["commands"]]
-    write_json_atomic(out / "rejects.jsonl", None, lines=rejects)
-    write_json_atomic(out / "manifest.json", manifest)
+    write_json_atomic(out / REJECTS_FILE, None, lines=rejects)
+    write_json_atomic(out / MANIFEST_FILE, manifest)
     for stale in out.rglob("*.tmp"):
         stale.unlink(missing_ok=True)
     return manifest
@@ -172,7 +174,7 @@ def merge(out: Path) -> dict:
 
 
 def load_manifest(out: Path) -> dict:
-    path = Path(out) / "manifest.json"
+    path = Path(out) / MANIFEST_FILE
     try:
         m = json.loads(path.read_text())
     except FileNotFoundError:

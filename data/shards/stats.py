@@ -8,6 +8,7 @@ import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from data.names import REJECTS_FILE
 from data.shards.index import read_index
 from data.shards.manifest import load_manifest
 
@@ -41,7 +42,7 @@ def collect_stats(out: str | Path, *, examples: int = 3) -> dict:
                     img_h.append(md["height"])
                     img_px.append(md["width"] * md["height"])
     reject_examples: dict[str, list[str]] = defaultdict(list)
-    rpath = out / "rejects.jsonl"
+    rpath = out / REJECTS_FILE
     if rpath.is_file():
         with open(rpath, encoding="utf-8") as f:
             for line in f:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from data.names import REJECTS_FILE
 from data.schema import validate_doc
 from data.shards.index import check_index, file_sha256, read_index
 from data.shards.manifest import load_manifest
@@ -40,19 +41,19 @@ def verify(out: str | Path, *, progress: bool = False) -> dict:
         if found:
             continue
         with open(tar, "rb") as f:
-            for e in index:
+            for entry in index:
                 samples += 1
-                off, size = e["members"]["json"]
+                off, size = entry["members"]["json"]
                 f.seek(off)
                 try:
                     doc = json.loads(f.read(size))
                 except ValueError as err:
-                    problems.append(f"{tar}: {e['key']}.json is not valid JSON ({err})")
+                    problems.append(f"{tar}: {entry['key']}.json is not valid JSON ({err})")
                     continue
-                why = validate_doc(doc, set(e["members"]))
+                why = validate_doc(doc, set(entry["members"]))
                 if why:
-                    problems.append(f"{tar}: {e['key']}: {why}")
-    rejects = out / "rejects.jsonl"
+                    problems.append(f"{tar}: {entry['key']}: {why}")
+    rejects = out / REJECTS_FILE
     n_rej = sum(1 for _ in open(rejects, encoding="utf-8")) if rejects.is_file() else 0
     if n_rej != m["totals"]["rejects"]:
         problems.append(f"{rejects}: {n_rej} lines, the manifest counts {m['totals']['rejects']}")

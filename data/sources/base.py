@@ -16,7 +16,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from data.media import VIDEO_EXTS, clean_json_text, decode_text, probe_image, probe_video
+from data.media import (
+    VIDEO_EXTS,
+    ImageInfo,
+    VideoInfo,
+    clean_json_text,
+    decode_text,
+    probe_image,
+    probe_video,
+)
 from data.schema import MEDIA_PREFIX, Reject, Sample
 
 
@@ -146,14 +154,15 @@ def assemble(
                 seg["role"] = part.role
             segments.append(seg)
         elif part.type in MEDIA_PREFIX:
-            data = part.data
+            data: bytes | Reject | None = part.data
             if data is None:
                 data = read_media(part.path)
-                if isinstance(data, Reject):
-                    return with_source(
-                        Reject(part.label or data.path, data.reason, data.detail), src, key
-                    )
+            if isinstance(data, Reject):
+                return with_source(
+                    Reject(part.label or data.path, data.reason, data.detail), src, key
+                )
             where = part.label or part.path or label
+            info: ImageInfo | VideoInfo | Reject
             if part.type == "image":
                 info = probe_image(data, where, max_pixels=lim.max_image_pixels)
                 ext = None if isinstance(info, Reject) else info.ext

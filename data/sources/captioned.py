@@ -100,13 +100,13 @@ class CaptionedSource(Source):
             if size is None:
                 yield self.rejected_item(key, rel, "unreadable-file", "cannot stat")
                 continue
-            rec = captions.get(rel)
+            caption = captions.get(rel)
             txt, js = path.with_suffix(".txt"), path.with_suffix(".json")
             ref = (
                 "file",
                 str(path),
                 rel,
-                json.dumps(rec, sort_keys=True) if rec is not None else "",
+                json.dumps(caption, sort_keys=True) if caption is not None else "",
                 str(txt) if txt.is_file() else "",
                 str(js) if js.is_file() else "",
             )

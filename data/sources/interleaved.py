@@ -99,7 +99,7 @@ class InterleavedSource(Source):
             size, missing = length, None
             for p in parts:
                 if p.type in ("image", "video"):
-                    s = stat_size(Path(p.path))
+                    s = stat_size(Path(p.path)) if p.path else None
                     if s is None:
                         missing = p.path
                         break
@@ -112,7 +112,9 @@ class InterleavedSource(Source):
     def load(self, item: Item) -> Sample | Reject:
         _, path, label, off, length, lineno = item.ref
         rec = parse_record(read_line(path, off, length), label)
-        parts = rec if isinstance(rec, Reject) else doc_parts(rec, Path(path).parent, label)
+        if isinstance(rec, Reject):
+            return self.reject(rec.path, rec.reason, rec.detail, item.key)
+        parts = doc_parts(rec, Path(path).parent, label)
         if isinstance(parts, Reject):
             return self.reject(parts.path, parts.reason, parts.detail, item.key)
         rec.pop("id", None)

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from data.media import IMAGE_EXTS, VIDEO_EXTS
+from data.names import INDEX_SUFFIX
 from data.schema import Reject, Sample, sanitize_key, unsafe_name_reason
 from data.sources.base import Item, Part, Source, hidden_dir, walk
 from data.sources.text import parse_record
@@ -60,7 +61,7 @@ class WdsSource(Source):
                 continue
             path = self.root / rel if self.root.is_dir() else self.root
             if not rel.endswith(".tar"):
-                if not rel.endswith(".idx.jsonl"):
+                if not rel.endswith(INDEX_SUFFIX):
                     yield self.rejected_item(
                         self.key(sanitize_key(rel)),
                         label,

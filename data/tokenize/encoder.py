@@ -60,7 +60,7 @@ class DocEncoder:
     @torch.no_grad()
     def encode_images(self, images: list[np.ndarray]) -> list[np.ndarray]:
         """Code grids of images, batched by shape."""
-        out: list[np.ndarray | None] = [None] * len(images)
+        grids: dict[int, np.ndarray] = {}
         by_shape: dict[tuple, list[int]] = defaultdict(list)
         for i, im in enumerate(images):
             by_shape[im.shape].append(i)
@@ -70,8 +70,8 @@ class DocEncoder:
                 x = to_tensor(np.stack([images[i] for i in part])).to(self.device)
                 codes = self.vtok.encode(x).cpu().numpy()
                 for i, c in zip(part, codes):
-                    out[i] = c
-        return out
+                    grids[i] = c
+        return [grids[i] for i in range(len(images))]
 
     def video_frame_cap(self, seg: dict) -> int:
         """Most frames whose block fits ``video_max_tokens`` at this video's grid."""
@@ -105,7 +105,9 @@ class DocEncoder:
     # --- documents -------------------------------------------------------------------------------
     def encode_chunk(self, raw_docs) -> list[TokenDoc | Reject]:
         """Documents of one chunk (``RawDoc`` from data.shards.reader), in order."""
-        images, where, failed = [], {}, {}
+        images: list[np.ndarray] = []
+        where: dict[tuple[int, int], int] = {}  # (document, segment) -> position in images
+        failed: dict[int, Reject] = {}
         for di, rd in enumerate(raw_docs):
             for si, seg in enumerate(rd.doc["segments"]):
                 if seg["type"] == "image" and di not in failed:

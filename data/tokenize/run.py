@@ -28,6 +28,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from data.names import (
+    LAYOUT_FILE,
+    MANIFEST_FILE,
+    REJECTS_FILE,
+    TOKENIZER_FILE,
+    TOKENIZERS_DIR,
+    VISUAL_TOKENIZER_DIR,
+)
 from data.parallel import run_jobs
 from data.schema import Reject, Sample
 from data.shards.manifest import (
@@ -39,7 +47,8 @@ from data.shards.manifest import (
 )
 from data.shards.reader import ShardReader
 from data.shards.writer import ShardWriter
-from data.text_tokenizer import LAYOUT_FILE, TOKENIZER_FILE, TextTokenizer
+from data.text_tokenizer import TextTokenizer
+from data.tokenize.blocks import visual_blocks
 from data.tokenize.encoder import DocEncoder, TokenizeOptions, tokens_by_modality
 from data.tokenize.visual import load_visual_tokenizer, weights_fingerprint
 from data.vocab import MODALITY_NAMES
@@ -74,18 +83,6 @@ def batched(it, n: int):
             chunk = []
     if chunk:
         yield chunk
-
-
-def visual_blocks(spans: list[dict]) -> list[list[int]]:
-    """[start, end, t, h, w] of each image/video block (t = 0 for an image): what a packer needs
-    to keep blocks whole, and M-RoPE positions, from the index alone."""
-    out = []
-    for sp in spans:
-        if sp["type"] == "image":
-            out.append([sp["start"], sp["end"], 0, *sp["grid"]])
-        elif sp["type"] == "video":
-            out.append([sp["start"], sp["end"], *sp["grid"]])
-    return out
 
 
 def npy_bytes(a: np.ndarray) -> bytes:
@@ -179,7 +176,8 @@ def fingerprint_of(raw_manifest: dict, tok_dir: Path, vtok_dir: Path, opts: Toke
 
 def _done(out: Path, rec: dict | None, fp: str) -> bool:
     return (
-        bool(rec)
+        rec is not None
+        and bool(rec)
         and rec["fingerprint"] == fp
         and (out / rec["tar"]).is_file()
         and (out / rec["tar"]).stat().st_size == rec["bytes"]
@@ -204,7 +202,7 @@ def tokenize(
     text = TextTokenizer.load(tok_dir)  # fail early, with the file named, on a bad tokenizer folder
     load_visual_tokenizer(vtok_dir, text.layout)
     fp = fingerprint_of(raw_m, tok_dir, vtok_dir, opts)
-    old = out / "manifest.json"
+    old = out / MANIFEST_FILE
     if old.is_file() and json.loads(old.read_text()).get("fingerprint") != fp:
         raise ValueError(
             f"{out} holds token shards of other inputs, tokenizers or options; "
@@ -255,11 +253,11 @@ def finalize_tokens(
     text: TextTokenizer,
 ) -> dict:
     recs = [records[i] for i in sorted(records)]
-    tdir = out / "tokenizers"
+    tdir = out / TOKENIZERS_DIR
     tdir.mkdir(parents=True, exist_ok=True)
     for name in (TOKENIZER_FILE, LAYOUT_FILE):
         shutil.copyfile(tok_dir / name, tdir / name)
-    shutil.copytree(vtok_dir, tdir / "visual_tokenizer", dirs_exist_ok=True)
+    shutil.copytree(vtok_dir, tdir / VISUAL_TOKENIZER_DIR, dirs_exist_ok=True)
     totals: Counter = Counter()
     rejects = []
     sources: dict[str, dict] = {}
@@ -283,7 +281,7 @@ def finalize_tokens(
             "text": text.fingerprint(),
             "layout": text.layout.fingerprint(),
             "visual": weights_fingerprint(vtok_dir),
-            "folder": "tokenizers",
+            "folder": TOKENIZERS_DIR,
         },
         "options": asdict(opts),
         "sources": list(sources.values()),
@@ -310,6 +308,6 @@ def finalize_tokens(
         },
         "created_by": {"versions": versions()},
     }
-    write_json_atomic(out / "rejects.jsonl", None, lines=rejects)
-    write_json_atomic(out / "manifest.json", manifest)
+    write_json_atomic(out / REJECTS_FILE, None, lines=rejects)
+    write_json_atomic(out / MANIFEST_FILE, manifest)
     return manifest

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from data.names import VISUAL_CONFIG_FILE, VISUAL_WEIGHTS_FILE
 from data.vocab import VocabLayout
 
 
@@ -20,8 +21,8 @@ def load_visual_tokenizer(
 
     folder = Path(folder)
     try:
-        cfg = VisualTokenizerConfig(**json.loads((folder / "config.json").read_text()))
-        state = load_file(str(folder / "model.safetensors"))
+        cfg = VisualTokenizerConfig(**json.loads((folder / VISUAL_CONFIG_FILE).read_text()))
+        state = load_file(str(folder / VISUAL_WEIGHTS_FILE))
     except (OSError, ValueError, TypeError) as e:
         raise ValueError(
             f"{folder}: not a visual tokenizer folder (config.json + model.safetensors): {e}"
@@ -38,7 +39,7 @@ def load_visual_tokenizer(
 
 def weights_fingerprint(folder: str | Path) -> str:
     h = hashlib.sha256()
-    for name in ("config.json", "model.safetensors"):
+    for name in (VISUAL_CONFIG_FILE, VISUAL_WEIGHTS_FILE):
         with open(Path(folder) / name, "rb") as f:
             while chunk := f.read(1 << 20):
                 h.update(chunk)

@@ -16,7 +16,7 @@ from trainrun import metrics, train
 from tools.convert import main as convert_main
 from tools.convert_deepspeed import CheckpointError, load_run_config
 from tools.convert_release import make_release
-from tools.release import Release, ReleaseError
+from train.release import Release, ReleaseError
 
 SOURCES = {"scenes": 0.4, "text": 0.4, "code": 0.2}
 

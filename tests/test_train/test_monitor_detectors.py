@@ -140,11 +140,11 @@ def _batch(ids):
 
 def test_attention_probe_scores_are_the_ones_the_model_used():
     """softmax(recomputed scores) @ v must equal the attention output the model computed."""
-    from model.presets import debug
+    from model.presets import preset
     from train.monitor.probes import _AttentionTap, attention_stats
 
     torch.manual_seed(0)
-    model = debug().build().eval()
+    model = preset("debug").build().eval()
     ids = torch.randint(0, 200, (2, 12))
     attn = model.layers[1].attention
     tap, seen = _AttentionTap(attn), {}

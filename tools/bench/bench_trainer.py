@@ -31,6 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from train.names import METRICS_FILE  # noqa: E402
+
 
 class Replay:
     """A batch stream that replays fixed batches (with the state API the loop expects)."""
@@ -138,7 +140,7 @@ def data_wait(experiment: str, steps: int, run_dir: Path) -> dict:
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode:
         sys.exit(f"the data-wait run failed:\n{p.stderr[-3000:]}")
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(x) for x in (run_dir / METRICS_FILE).read_text().splitlines()]
     wait = sum(r["throughput/data_wait"] * r["throughput/step_s"] for r in recs)
     total = sum(r["throughput/step_s"] for r in recs)
     return {

@@ -25,8 +25,8 @@ PROBE_KEYS = probes.MODEL_INPUTS + ("labels",)
 class LMProbes:
     def __init__(self, cfg: MonitorConfig, run_cfg, task, dist, engine) -> None:
         self.cfg, self.run_cfg, self.task, self.dist, self.engine = cfg, run_cfg, task, dist, engine
-        self._attn_batch = None
-        self._dep_batch = None
+        self._attn_batch: dict | None = None
+        self._dep_batch: dict | None = None
 
     def _rows(self, want_captions: int):
         d = self.run_cfg.data

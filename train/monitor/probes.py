@@ -24,6 +24,7 @@ import math
 
 import torch
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 
 from data.layout import image_block_len
 from data.vocab import Modality, VocabLayout
@@ -50,7 +51,9 @@ class _AttentionTap:
     """Captures one attention module's q, k (after QK-norm) and cos/sin during a forward."""
 
     def __init__(self, attn) -> None:
-        self.attn, self.store, self.handles = attn, {}, []
+        self.attn = attn
+        self.store: dict[str, Tensor] = {}
+        self.handles: list[RemovableHandle] = []
         self.handles.append(attn.register_forward_pre_hook(self._pre))
         for name in ("wq", "wk", "q_norm", "k_norm"):
             mod = getattr(attn, name, None)

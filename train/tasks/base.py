@@ -7,7 +7,7 @@ summing, never by averaging per-rank means), and turns those into metrics with t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -26,7 +26,7 @@ class StepOutput:
 
 
 class BatchStream(Protocol):
-    def __iter__(self) -> Iterator[dict]: ...
+    def __iter__(self) -> Generator[dict, None, None]: ...  # close() stops its workers
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
 

@@ -19,6 +19,7 @@ import torch
 
 from data.loader import build_loader, store
 from data.loader.table import find_manifest, load_table
+from data.names import LAYOUT_FILE
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
 from model.flops import flops_per_token
 from train.config import RunConfig
@@ -51,9 +52,12 @@ def layout_of_data(cfg: RunConfig) -> tuple[VocabLayout, Path]:
                 f"source {table.name}: {table.shards[0]} is {'raw' if table.kind == 'raw' else 'remote'}; "
                 "set data.tokenizers to the tokenizer folder (a token folder's tokenizers/)"
             )
-        m, url = find_manifest(table.shards[0])
+        found = find_manifest(table.shards[0])
+        if found is None:
+            raise ValueError(f"source {table.name}: {table.shards[0]} is in no shard folder")
+        m, url = found
         folder = Path(store.local_path(url)).parent / m["tokenizers"]["folder"]
-    return VocabLayout.load(folder / "vocab_layout.json"), folder
+    return VocabLayout.load(folder / LAYOUT_FILE), folder
 
 
 def vocab_sizes(lay: VocabLayout) -> list[int]:
@@ -133,15 +137,14 @@ class LMTask:
                 out[f"monitor/logz/{name}"] = s[f"logz_sum/{name}"] / n
                 out[f"monitor/hidden_norm/{name}"] = s[f"hnorm_sum/{name}"] / n
                 out[f"monitor/logit_gap/{name}"] = s[f"gap_sum/{name}"] / n
-        for (
-            name
-        ) in MODALITY_NAMES:  # MoE: busiest expert's share over the mean share (1 = balanced)
+        # MoE: busiest expert's share over the mean share (1 = balanced)
+        for name in MODALITY_NAMES:
             load = [v for k, v in s.items() if k.startswith(f"moe_load/{name}/")]
             if load and sum(load) > 0:
                 out[f"monitor/moe_max_load/{name}"] = max(load) * len(load) / sum(load)
-        total = sum(s[f"mix_tokens/{n}"] for n in self.source_names) or 1.0
-        for n in self.source_names:
-            out[f"mix/{n}"] = s[f"mix_tokens/{n}"] / total
+        total = sum(s[f"mix_tokens/{source}"] for source in self.source_names) or 1.0
+        for source in self.source_names:
+            out[f"mix/{source}"] = s[f"mix_tokens/{source}"] / total
         return out
 
     def flops_per_unit(self) -> float:
@@ -187,6 +190,4 @@ class LMTask:
         return {}
 
     def extra_files(self) -> dict[str, str]:
-        return {
-            "vocab_layout.json": json.dumps(self.layout.to_dict(), indent=2, sort_keys=True) + "\n"
-        }
+        return {LAYOUT_FILE: json.dumps(self.layout.to_dict(), indent=2, sort_keys=True) + "\n"}
