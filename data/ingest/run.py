@@ -8,7 +8,7 @@ Design choices:
   the recorded size. A killed run therefore redoes only the shards it had not finished.
 - Rejects travel inside the shard records, so ``rejects.jsonl`` comes out in plan order,
   identical for any worker count or partitioning.
-- Workers are spawned processes that are replaced every few shards (``data.parallel``).
+- Jobs run on an engine (``data.engine``): long-lived local worker processes, or a Ray cluster.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from data.engine import EngineConfig, run_jobs
 from data.ingest.plan import Plan, ShardPlan
-from data.parallel import run_jobs
 from data.schema import SEGMENT_TYPES, Reject
 from data.shards.manifest import finalize, load_records, record_path, write_json_atomic
 from data.shards.writer import ShardWriter
@@ -143,8 +143,11 @@ def run_plan(
     partition: int = 0,
     command: list[str] | None = None,
     progress: bool = True,
+    engine: EngineConfig | None = None,
 ) -> dict:
-    """Write this partition's missing shards; finalize when all shards exist. Returns a summary."""
+    """Write this partition's missing shards; finalize when all shards exist. Returns a summary.
+    ``engine`` says where the jobs run (default: ``workers`` local processes)."""
+    engine = engine or EngineConfig(workers=workers)
     if not (num_partitions >= 1 and 0 <= partition < num_partitions):
         raise ValueError(f"--partition {partition} is outside 0..{num_partitions - 1}")
     out.mkdir(parents=True, exist_ok=True)
@@ -170,7 +173,7 @@ def run_plan(
         unit=" shards",
         disable=not progress,
     )
-    for rec in run_jobs(write_shard, jobs, workers):
+    for rec in run_jobs(write_shard, jobs, engine):
         records[rec["index"]] = rec
         bar.update()
     bar.close()

@@ -12,6 +12,13 @@ Design choices:
   layout and the options; a folder made with any other of them is refused, never mixed.
 - ``.npy`` written with ``allow_pickle=False``; nothing here can execute code on load.
 - The visual tokenizer runs on a GPU when there is one (``--device``), in batches of images.
+- Workers are long-lived (``data.engine``): each loads the BPE once, and the visual
+  tokenizer once, on the first chunk that holds an image or a video. A chunk of text and
+  code only is encoded without torch (``data.tokenize.docs``), so a text corpus never
+  imports it. The parent checks the visual tokenizer's files without building the model.
+- Partitionable like ingest (``--num-partitions/--partition``): partition I takes the
+  shards whose index is I mod P; the last one to finish (or ``earlyfuse-prep merge``)
+  writes the manifest. Every partitioning and engine gives the same bytes.
 """
 
 from __future__ import annotations
@@ -19,16 +26,16 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import shutil
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
-from data.parallel import run_jobs
+from data.engine import EngineConfig, run_jobs
 from data.schema import Reject, Sample
 from data.shards.manifest import (
     load_manifest,
@@ -40,14 +47,14 @@ from data.shards.manifest import (
 from data.shards.reader import ShardReader
 from data.shards.writer import ShardWriter
 from data.text_tokenizer import LAYOUT_FILE, TOKENIZER_FILE, TextTokenizer
-from data.tokenize.encoder import DocEncoder, TokenizeOptions, tokens_by_modality
-from data.tokenize.visual import load_visual_tokenizer, weights_fingerprint
+from data.tokenize.docs import TokenizeOptions, encode_text_chunk, has_visual, tokens_by_modality
+from data.tokenize.vtok_files import check_visual_tokenizer, weights_fingerprint
 from data.vocab import MODALITY_NAMES
 
 FORMAT = "earlyfuse-token-shards"
 STATE_DIR = ".tokenize"
 CHUNK_DOCS = 64
-_ENCODERS: dict = {}
+_CACHE: dict = {}  # per worker process: the BPE and the visual encoder, built once each
 
 
 @dataclass
@@ -61,8 +68,9 @@ class TokenizeJob:
     vtok_dir: str
     opts: TokenizeOptions
     fingerprint: str
-    device: str
-    threads: int
+    device: str | None  # None: cuda if the worker has it, else cpu
+    threads: int  # CPU threads of the worker's BPE and torch (0: leave the defaults)
+    vtok_actors: list | None = None  # ray: GPU actors holding the visual tokenizer
 
 
 def batched(it, n: int):
@@ -94,19 +102,49 @@ def npy_bytes(a: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def _encoder(job: TokenizeJob) -> DocEncoder:
-    key = (job.tok_dir, job.vtok_dir, job.opts, job.device)
-    if key not in _ENCODERS:
+def _text_tokenizer(job: TokenizeJob) -> TextTokenizer:
+    key = ("text", job.tok_dir)
+    if key not in _CACHE:
+        if job.threads and "RAYON_NUM_THREADS" not in os.environ:
+            # Set before the BPE's first parallel call builds its thread pool: N workers on
+            # N cores must not each start N threads.
+            os.environ["RAYON_NUM_THREADS"] = str(job.threads)
+        _CACHE[key] = TextTokenizer.load(job.tok_dir)
+    return _CACHE[key]
+
+
+def _visual_encoder(job: TokenizeJob):
+    """The worker's DocEncoder, built on the first chunk with an image or a video: only then
+    are torch and the visual tokenizer loaded (once per worker)."""
+    key = ("visual", job.tok_dir, job.vtok_dir, job.opts, job.device, bool(job.vtok_actors))
+    if key not in _CACHE:
+        import torch
+
+        from data.tokenize.encoder import DocEncoder
+
         if job.threads:
             torch.set_num_threads(job.threads)
-        text = TextTokenizer.load(job.tok_dir)
-        vtok = load_visual_tokenizer(job.vtok_dir, text.layout, job.device)
-        _ENCODERS[key] = DocEncoder(text, vtok, job.opts, torch.device(job.device))
-    return _ENCODERS[key]
+        text = _text_tokenizer(job)
+        if job.vtok_actors:
+            from data.tokenize.remote_visual import RemoteVisualTokenizer
+
+            vtok, device = RemoteVisualTokenizer(job.vtok_actors, job.vtok_dir), "cpu"
+        else:
+            from data.tokenize.visual import load_visual_tokenizer
+
+            device = job.device or ("cuda" if torch.cuda.is_available() else "cpu")
+            vtok = load_visual_tokenizer(job.vtok_dir, text.layout, device)
+        _CACHE[key] = DocEncoder(text, vtok, job.opts, torch.device(device))
+    return _CACHE[key]
+
+
+def encode_chunk(job: TokenizeJob, chunk: list) -> list:
+    if has_visual(chunk):
+        return _visual_encoder(job).encode_chunk(chunk)
+    return encode_text_chunk(_text_tokenizer(job), chunk)
 
 
 def tokenize_shard(job: TokenizeJob) -> dict:
-    enc = _encoder(job)
     raw, out = Path(job.raw_dir), Path(job.out)
     tar_rel = job.shard["path"]
     idx_rel = job.shard["index"]
@@ -117,7 +155,7 @@ def tokenize_shard(job: TokenizeJob) -> dict:
     try:
         with ShardReader(raw / tar_rel, raw / idx_rel) as stream:
             for chunk in batched(stream, CHUNK_DOCS):
-                for got in enc.encode_chunk(chunk):
+                for got in encode_chunk(job, chunk):
                     if isinstance(got, Reject):
                         rejects.append(got.to_dict())
                         continue
@@ -154,6 +192,9 @@ def tokenize_shard(job: TokenizeJob) -> dict:
         "index_sha256": result.index_sha256,
         "tokens": dict(tokens),
         "rejects": rejects,
+        # What `earlyfuse-prep merge` needs to finish a partitioned run's manifest.
+        "inputs": {"raw": job.raw_dir, "tokenizer": job.tok_dir, "visual": job.vtok_dir},
+        "options": asdict(job.opts),
     }
     write_json_atomic(record_path(out, job.index, STATE_DIR), record)
     return record
@@ -196,13 +237,21 @@ def tokenize(
     workers: int = 1,
     device: str | None = None,
     progress: bool = False,
+    num_partitions: int = 1,
+    partition: int = 0,
+    engine: EngineConfig | None = None,
 ) -> dict:
+    """Tokenize this partition's missing shards; when every shard of the folder is done, write
+    the manifest (then returned, with ``"finalized": True``). Otherwise returns a summary of
+    what this run did and which shards other partitions still owe (``"missing"``)."""
+    if not (num_partitions >= 1 and 0 <= partition < num_partitions):
+        raise ValueError(f"--partition {partition} is outside 0..{num_partitions - 1}")
     raw_dir, out, tok_dir, vtok_dir = Path(raw_dir), Path(out), Path(tok_dir), Path(vtok_dir)
     opts = opts or TokenizeOptions()
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    engine = engine or EngineConfig(workers=workers)
     raw_m = load_manifest(raw_dir)
     text = TextTokenizer.load(tok_dir)  # fail early, with the file named, on a bad tokenizer folder
-    load_visual_tokenizer(vtok_dir, text.layout)
+    check_visual_tokenizer(vtok_dir, text.layout)
     fp = fingerprint_of(raw_m, tok_dir, vtok_dir, opts)
     old = out / "manifest.json"
     if old.is_file() and json.loads(old.read_text()).get("fingerprint") != fp:
@@ -216,11 +265,14 @@ def tokenize(
             f"{out}/{STATE_DIR} holds shards of another tokenization; choose a new --out or delete it"
         )
     n = len(raw_m["shards"])
+    mine = [i for i in range(n) if i % num_partitions == partition]
+    # N local workers on N cores: one BPE/torch thread each (0: the libraries' defaults).
+    threads = 1 if engine.kind == "ray" or engine.workers > 1 else 0
     jobs = [
         TokenizeJob(
             str(raw_dir),
             str(out),
-            s,
+            raw_m["shards"][i],
             i,
             n,
             str(tok_dir),
@@ -228,19 +280,39 @@ def tokenize(
             opts,
             fp,
             device,
-            1 if workers > 1 else 0,
+            threads,
         )
-        for i, s in enumerate(raw_m["shards"])
+        for i in mine
         if not _done(out, records.get(i), fp)
     ]
     bar = tqdm(
-        total=n, initial=n - len(jobs), desc="tokenize", unit=" shards", disable=not progress
+        total=len(mine),
+        initial=len(mine) - len(jobs),
+        desc="tokenize",
+        unit=" shards",
+        disable=not progress,
     )
-    for rec in run_jobs(tokenize_shard, jobs, workers):
+    gpu_setup = None
+    if device is None or device.startswith("cuda"):
+        from data.tokenize.remote_visual import gpu_setup_for
+
+        gpu_setup = gpu_setup_for(str(vtok_dir), str(tok_dir))
+    for rec in run_jobs(tokenize_shard, jobs, engine, gpu_setup=gpu_setup):
         records[rec["index"]] = rec
         bar.update()
     bar.close()
-    return finalize_tokens(out, raw_dir, raw_m, records, tok_dir, vtok_dir, opts, fp, text)
+    records.update(load_records(out, STATE_DIR))  # what other partitions finished meanwhile
+    missing = [i for i in range(n) if not _done(out, records.get(i), fp)]
+    if missing:
+        return {
+            "finalized": False,
+            "written": len(jobs),
+            "skipped_done": len(mine) - len(jobs),
+            "partition": [partition, num_partitions],
+            "missing": missing,
+        }
+    manifest = finalize_tokens(out, raw_dir, raw_m, records, tok_dir, vtok_dir, opts, fp, text)
+    return {**manifest, "finalized": True, "written": len(jobs)}
 
 
 def finalize_tokens(
@@ -313,3 +385,36 @@ def finalize_tokens(
     write_json_atomic(out / "rejects.jsonl", None, lines=rejects)
     write_json_atomic(out / "manifest.json", manifest)
     return manifest
+
+
+def merge_tokens(out: str | Path) -> dict:
+    """Finish a token folder whose partitions all ran (``earlyfuse-prep merge TOKEN_DIR``)."""
+    out = Path(out)
+    records = load_records(out, STATE_DIR)
+    if not records:
+        raise ValueError(f"{out}: no tokenize records in {out}/{STATE_DIR}")
+    prints = {r["fingerprint"] for r in records.values()}
+    if len(prints) > 1:
+        raise ValueError(
+            f"{out}: records of {len(prints)} different tokenizations; partitions must be run "
+            "with identical inputs, tokenizers and options"
+        )
+    first = next(iter(records.values()))
+    if "inputs" not in first:
+        raise ValueError(f"{out}: records written before partitioned tokenize; rerun tokenize")
+    raw_dir, tok_dir, vtok_dir = (Path(first["inputs"][k]) for k in ("raw", "tokenizer", "visual"))
+    fp = first["fingerprint"]
+    missing = [i for i in range(first["num_shards"]) if not _done(out, records.get(i), fp)]
+    if missing:
+        raise ValueError(
+            f"{out}: {len(missing)} token shard(s) not written yet (e.g. {missing[:5]}); run the "
+            "partitions that owe them, then merge again"
+        )
+    opts = TokenizeOptions(**first["options"])
+    text = TextTokenizer.load(tok_dir)
+    raw_m = load_manifest(raw_dir)
+    if fingerprint_of(raw_m, tok_dir, vtok_dir, opts) != fp:
+        raise ValueError(
+            f"{out}: the raw folder or tokenizers changed since these shards were made"
+        )
+    return finalize_tokens(out, raw_dir, raw_m, records, tok_dir, vtok_dir, opts, fp, text)

@@ -1,0 +1,80 @@
+"""Tokenize on Ray with GPUs: the visual tokenizer in a pool of GPU actors, fed by CPU actors.
+
+The CPU actors read shards, decode and resize images and video frames, run the BPE and write
+token shards, exactly as the local engine does; only the visual tokenizer's forward pass goes
+to a GPU actor, through ``RemoteVisualTokenizer``, which stands in for the model inside
+``DocEncoder`` (same ``encode`` / ``encode_video`` / ``cfg``). Batches go round-robin over
+the pool. Outputs match the local engine run on the same kind of device (codes computed on a
+GPU can differ from a CPU's in rare ties of FSQ rounding, on any engine).
+
+This path runs only on a cluster with GPUs; the tests have none (docs/scaling.md).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+
+class VisualActor:
+    """A GPU actor: the visual tokenizer on ``cuda``, loaded once."""
+
+    def __init__(self, vtok_dir: str, tok_dir: str) -> None:
+        from data.text_tokenizer import TextTokenizer
+        from data.tokenize.visual import load_visual_tokenizer
+
+        self.model = load_visual_tokenizer(vtok_dir, TextTokenizer.load(tok_dir).layout, "cuda")
+
+    def encode(self, images: np.ndarray) -> np.ndarray:
+        import torch
+
+        with torch.no_grad():
+            return self.model.encode(torch.from_numpy(images).to("cuda")).cpu().numpy()
+
+    def encode_video(self, frames: np.ndarray) -> np.ndarray:
+        import torch
+
+        with torch.no_grad():
+            return self.model.encode_video(torch.from_numpy(frames).to("cuda")).cpu().numpy()
+
+
+class RemoteVisualTokenizer:
+    """What ``DocEncoder`` needs of the visual tokenizer, computed by GPU actors."""
+
+    def __init__(self, actors: list, vtok_dir: str) -> None:
+        from model.visual_tokenizer import VisualTokenizerConfig
+
+        self.actors = actors
+        self.cfg = VisualTokenizerConfig(**json.loads((Path(vtok_dir) / "config.json").read_text()))
+        self._next = 0
+
+    def _call(self, method: str, x):
+        import ray
+        import torch
+
+        actor = self.actors[self._next % len(self.actors)]
+        self._next += 1
+        out = ray.get(getattr(actor, method).remote(x.detach().cpu().numpy()))
+        return torch.from_numpy(out)
+
+    def encode(self, images):
+        return self._call("encode", images)
+
+    def encode_video(self, frames):
+        return self._call("encode_video", frames)
+
+
+def gpu_setup_for(vtok_dir: str, tok_dir: str) -> Callable:
+    """For ``data.engine.run_jobs``: start one GPU actor per GPU of the cluster and point every
+    tokenize job at them."""
+
+    def setup(ray, n_gpus: int):
+        actor_cls = ray.remote(num_gpus=1)(VisualActor)
+        actors = [actor_cls.remote(vtok_dir, tok_dir) for _ in range(n_gpus)]
+        return (lambda job: replace(job, vtok_actors=actors, device="cpu")), actors
+
+    return setup
