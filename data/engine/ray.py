@@ -24,6 +24,7 @@ Design choices:
 from __future__ import annotations
 
 import os
+import sys
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -100,6 +101,12 @@ def run_ray(
         tries[pos] += 1
         if tries[pos] > engine.retries:
             raise RuntimeError(f"job {pos} failed {tries[pos]} times on ray; the last: {why}")
+        print(
+            f"ray: job {pos} failed: {why}; sent again (try {tries[pos] + 1} of "
+            f"{engine.retries + 1})",
+            file=sys.stderr,
+            flush=True,
+        )
         queue.appendleft((pos, job))
 
     try:
