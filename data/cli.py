@@ -43,6 +43,11 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def path_or_url(text: str) -> Path | str:
+    """A local folder (Path) or an fsspec URL kept as text (``Path`` would fold ``s3://``)."""
+    return text if "://" in text and not text.startswith("file://") else Path(text)
+
+
 def _add_engine_flags(p) -> None:
     """--engine and --ray-address, shared by ingest and tokenize (see docs/scaling.md)."""
     p.add_argument(
@@ -93,7 +98,10 @@ def _add_ingest(sub) -> None:
         "exit status: 0 done, 3 done with rejects (see rejects.jsonl), 1 error, 2 usage",
     )
     p.add_argument(
-        "--out", required=True, type=Path, help="output folder (created; reused to resume)"
+        "--out",
+        required=True,
+        type=path_or_url,
+        help="output folder (created; reused to resume), or an fsspec URL (s3://bucket/shards)",
     )
     p.add_argument(
         "--source",
@@ -212,7 +220,7 @@ def cmd_ingest(a) -> int:
     )
     if t["rejects"]:
         print(
-            f"rejected {t['rejects']} input(s), listed in {a.out / 'rejects.jsonl'}: "
+            f"rejected {t['rejects']} input(s), listed in {a.out}/rejects.jsonl: "
             + ", ".join(f"{k} {v}" for k, v in t["rejects_by_reason"].items())
         )
         return 0 if a.allow_rejects else EXIT_REJECTS
@@ -228,20 +236,33 @@ def _add_merge(sub) -> None:
         "has written into DIR (a shared folder, or copied together), write DIR/manifest.json and "
         "DIR/rejects.jsonl. Fails, naming them, if partitions are missing.",
     )
-    p.add_argument("dir", type=Path)
+    p.add_argument("dir", type=path_or_url, help="the folder (or fsspec URL) of every partition")
     p.set_defaults(func=cmd_merge)
 
 
 def cmd_merge(a) -> int:
-    from data.shards.manifest import merge
+    from data.ingest.run import finalize_folder
+    from data.shards.manifest import merge, missing_shards
+    from data.shards.storage import Folder
     from data.tokenize.run import STATE_DIR, merge_tokens
 
-    if (a.dir / STATE_DIR).is_dir():
+    folder = Folder(a.dir)
+    if folder.sizes(STATE_DIR):
         m = merge_tokens(a.dir)
         t = m["totals"]
         print(f"{a.dir}: merged {len(m['shards'])} token shards, {t['samples']} documents")
         return 0
-    m = merge(a.dir)
+    if folder.remote:  # what `merge` does, through the storage layer
+        records = folder.records(".ingest")
+        if (
+            not records
+            or missing_shards(records)
+            or len({r["fingerprint"] for r in records.values()}) > 1
+        ):
+            raise ValueError(f"{a.dir}: partitions are missing or differ; rerun them, then merge")
+        m = finalize_folder(folder, records)
+    else:
+        m = merge(a.dir)
     t = m["totals"]
     print(f"{a.dir}: merged {t['shards']} shards, {t['samples']} samples, {t['rejects']} rejects")
     return 0
@@ -409,8 +430,21 @@ def _add_tokenize(sub) -> None:
         epilog="example:\n  earlyfuse-prep tokenize --in shards/ --out tokens/ --tokenizer tok/ \\\n"
         "      --visual-tokenizer runs/vtok_cpu/visual_tokenizer --workers 8",
     )
-    p.add_argument("--in", dest="inp", required=True, type=Path, metavar="RAW_DIR")
-    p.add_argument("--out", required=True, type=Path, metavar="TOKEN_DIR")
+    p.add_argument(
+        "--in",
+        dest="inp",
+        required=True,
+        type=path_or_url,
+        metavar="RAW_DIR",
+        help="raw shard folder, or an fsspec URL (s3://bucket/shards)",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        type=path_or_url,
+        metavar="TOKEN_DIR",
+        help="token folder to write, or an fsspec URL",
+    )
     p.add_argument(
         "--tokenizer",
         required=True,
@@ -511,7 +545,7 @@ def cmd_tokenize(a) -> int:
     )
     if t["rejects"]:
         print(
-            f"rejected {t['rejects']} document(s), listed in {a.out / 'rejects.jsonl'}: "
+            f"rejected {t['rejects']} document(s), listed in {a.out}/rejects.jsonl: "
             + ", ".join(f"{k} {v}" for k, v in t["rejects_by_reason"].items())
         )
         return EXIT_REJECTS

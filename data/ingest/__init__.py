@@ -7,6 +7,7 @@ from pathlib import Path
 from data.engine import EngineConfig
 from data.ingest.plan import Plan, make_plan
 from data.ingest.run import command_line, run_plan
+from data.shards.storage import is_remote
 from data.sources import Limits, parse_sources
 
 
@@ -34,7 +35,7 @@ def ingest(
         progress=progress,
     )
     summary = run_plan(
-        Path(out),
+        out if is_remote(out) else Path(out),
         plan,
         workers=workers,
         num_partitions=num_partitions,

@@ -13,7 +13,6 @@ Design choices:
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,8 @@ from tqdm import tqdm
 from data.engine import EngineConfig, run_jobs
 from data.ingest.plan import Plan, ShardPlan
 from data.schema import SEGMENT_TYPES, Reject
-from data.shards.manifest import finalize, load_records, record_path, write_json_atomic
+from data.shards.manifest import finalize, record_path
+from data.shards.storage import Folder, Staging
 from data.shards.writer import ShardWriter
 from data.sources import Limits, Source, SourceSpec, build_source
 
@@ -46,7 +46,15 @@ def write_shard(job: ShardJob) -> dict:
     src = _SOURCES.get(job.spec) or _SOURCES.setdefault(
         job.spec, build_source(job.spec, job.limits)
     )
-    out, shard = Path(job.out), job.shard
+    dest = Folder(job.out)
+    with Staging(dest) as stage:
+        record = _write_shard(job, src, stage)
+    dest.write_json(record_path(Path(""), job.shard.index).as_posix(), record)
+    return record
+
+
+def _write_shard(job: ShardJob, src: Source, stage: Staging) -> dict:
+    shard = job.shard
     tar_rel, idx_rel = f"{shard.name}.tar", f"{shard.name}.idx.jsonl"
     writer: ShardWriter | None = None
     rejects: list[dict] = []
@@ -59,7 +67,7 @@ def write_shard(job: ShardJob) -> dict:
                 rejects.append(got.to_dict())
                 continue
             if writer is None:
-                writer = ShardWriter(out / tar_rel, out / idx_rel)
+                writer = ShardWriter(stage.path(tar_rel), stage.path(idx_rel))
             media = [
                 {k: v for k, v in s.items() if k != "type"}
                 for s in got.doc["segments"]
@@ -74,7 +82,9 @@ def write_shard(job: ShardJob) -> dict:
         if writer:
             writer.abort()
         raise
-    record = {
+    if result:
+        stage.publish([idx_rel, tar_rel])  # object storage: the index first, like the renames
+    return {
         "fingerprint": job.plan["fingerprint"],
         "plan": job.plan,
         "index": shard.index,
@@ -94,28 +104,25 @@ def write_shard(job: ShardJob) -> dict:
         "repaired_utf8": repaired,
         "rejects": rejects,
     }
-    write_json_atomic(record_path(out, shard.index), record)
-    return record
 
 
-def _is_done(out: Path, shard: ShardPlan, fingerprint: str, records: dict[int, dict]) -> bool:
+def _is_done(
+    sizes: dict[str, int], shard: ShardPlan, fingerprint: str, records: dict[int, dict]
+) -> bool:
+    """The shard's record matches the plan and its files are there (``sizes``: one listing)."""
     rec = records.get(shard.index)
     if not rec or rec.get("fingerprint") != fingerprint:
         return False
     if rec["tar"] is None:
         return True
-    tar = out / rec["tar"]
-    return (
-        tar.is_file() and tar.stat().st_size == rec["bytes"] and (out / rec["index_file"]).is_file()
-    )
+    return sizes.get(rec["tar"]) == rec["bytes"] and rec["index_file"] in sizes
 
 
-def check_output_dir(out: Path, plan: Plan) -> dict[int, dict]:
+def check_output_dir(out: Folder, plan: Plan) -> dict[int, dict]:
     """Records of earlier runs into ``out``; refuses a folder that holds a different ingest."""
-    manifest = out / "manifest.json"
-    if manifest.is_file():
+    if out.exists("manifest.json"):
         try:
-            old = json.loads(manifest.read_text())["plan"]["fingerprint"]
+            old = out.read_json("manifest.json")["plan"]["fingerprint"]
         except (ValueError, KeyError):
             old = None
         if old != plan.fingerprint:
@@ -123,7 +130,7 @@ def check_output_dir(out: Path, plan: Plan) -> dict[int, dict]:
                 f"{out} already holds a different ingest (plan {old} != {plan.fingerprint}: "
                 "other inputs or flags); choose a new --out or delete that folder"
             )
-    records = load_records(out)
+    records = out.records(".ingest")
     other = {r["fingerprint"] for r in records.values()} - {plan.fingerprint}
     if other:
         raise ValueError(
@@ -135,7 +142,7 @@ def check_output_dir(out: Path, plan: Plan) -> dict[int, dict]:
 
 
 def run_plan(
-    out: Path,
+    out: str | Path,
     plan: Plan,
     *,
     workers: int = 1,
@@ -150,10 +157,13 @@ def run_plan(
     engine = engine or EngineConfig(workers=workers)
     if not (num_partitions >= 1 and 0 <= partition < num_partitions):
         raise ValueError(f"--partition {partition} is outside 0..{num_partitions - 1}")
-    out.mkdir(parents=True, exist_ok=True)
-    records = check_output_dir(out, plan)
+    dest = Folder(out)
+    if not dest.remote:
+        dest.local.mkdir(parents=True, exist_ok=True)
+    records = check_output_dir(dest, plan)
+    sizes = dest.sizes()
     mine = [s for s in plan.shards if s.index % num_partitions == partition]
-    todo = [s for s in mine if not _is_done(out, s, plan.fingerprint, records)]
+    todo = [s for s in mine if not _is_done(sizes, s, plan.fingerprint, records)]
     jobs = [
         ShardJob(
             str(out),
@@ -177,7 +187,9 @@ def run_plan(
         records[rec["index"]] = rec
         bar.update()
     bar.close()
-    missing = [s.index for s in plan.shards if not _is_done(out, s, plan.fingerprint, records)]
+    records.update(dest.records(".ingest"))  # what other partitions finished meanwhile
+    sizes = dest.sizes()
+    missing = [s.index for s in plan.shards if not _is_done(sizes, s, plan.fingerprint, records)]
     summary = {
         "written": len(jobs),
         "skipped_done": len(mine) - len(todo),
@@ -186,9 +198,19 @@ def run_plan(
         "finalized": False,
     }
     if not missing:
-        summary["manifest"] = finalize(out, records)
+        summary["manifest"] = finalize_folder(dest, records)
         summary["finalized"] = True
     return summary
+
+
+def finalize_folder(dest: Folder, records: dict[int, dict]) -> dict:
+    """manifest.json and rejects.jsonl, written in place or staged and uploaded."""
+    if not dest.remote:
+        return finalize(dest.local, records)
+    with Staging(dest) as stage:
+        manifest = finalize(stage.path(""), records)
+        stage.publish(["rejects.jsonl", "manifest.json"])
+    return manifest
 
 
 def command_line() -> list[str]:

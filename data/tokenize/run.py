@@ -38,13 +38,14 @@ from tqdm import tqdm
 from data.engine import EngineConfig, run_jobs
 from data.schema import Reject, Sample
 from data.shards.manifest import (
+    MANIFEST_FORMAT,
     load_manifest,
-    load_records,
     record_path,
     versions,
     write_json_atomic,
 )
 from data.shards.reader import ShardReader
+from data.shards.storage import Folder, Staging
 from data.shards.writer import ShardWriter
 from data.text_tokenizer import LAYOUT_FILE, TOKENIZER_FILE, TextTokenizer
 from data.tokenize.docs import TokenizeOptions, encode_text_chunk, has_visual, tokens_by_modality
@@ -145,15 +146,29 @@ def encode_chunk(job: TokenizeJob, chunk: list) -> list:
 
 
 def tokenize_shard(job: TokenizeJob) -> dict:
-    raw, out = Path(job.raw_dir), Path(job.out)
+    raw, dest = Folder(job.raw_dir), Folder(job.out)
     tar_rel = job.shard["path"]
     idx_rel = job.shard["index"]
-    writer = ShardWriter(out / tar_rel, out / idx_rel)
+    with Staging(dest) as stage:
+        # A raw shard in object storage is downloaded whole first (every member is read).
+        inputs = stage.path(".inputs") if raw.remote else Path()
+        tar = raw.download(tar_rel, inputs / tar_rel)
+        idx = raw.download(idx_rel, inputs / idx_rel)
+        record = _tokenize_shard(job, tar, idx, stage)
+        stage.publish([idx_rel, tar_rel])
+    dest.write_json(record_path(Path(""), job.index, STATE_DIR).as_posix(), record)
+    return record
+
+
+def _tokenize_shard(job: TokenizeJob, raw_tar: Path, raw_idx: Path, stage: Staging) -> dict:
+    tar_rel = job.shard["path"]
+    idx_rel = job.shard["index"]
+    writer = ShardWriter(stage.path(tar_rel), stage.path(idx_rel))
     rejects: list[dict] = []
     tokens: Counter = Counter()
     docs = 0
     try:
-        with ShardReader(raw / tar_rel, raw / idx_rel) as stream:
+        with ShardReader(raw_tar, raw_idx) as stream:
             for chunk in batched(stream, CHUNK_DOCS):
                 for got in encode_chunk(job, chunk):
                     if isinstance(got, Reject):
@@ -179,7 +194,7 @@ def tokenize_shard(job: TokenizeJob) -> dict:
     except BaseException:
         writer.abort()
         raise
-    record = {
+    return {
         "fingerprint": job.fingerprint,
         "index": job.index,
         "num_shards": job.num_shards,
@@ -196,8 +211,6 @@ def tokenize_shard(job: TokenizeJob) -> dict:
         "inputs": {"raw": job.raw_dir, "tokenizer": job.tok_dir, "visual": job.vtok_dir},
         "options": asdict(job.opts),
     }
-    write_json_atomic(record_path(out, job.index, STATE_DIR), record)
-    return record
 
 
 def fingerprint_of(raw_manifest: dict, tok_dir: Path, vtok_dir: Path, opts: TokenizeOptions) -> str:
@@ -218,13 +231,27 @@ def fingerprint_of(raw_manifest: dict, tok_dir: Path, vtok_dir: Path, opts: Toke
     return h.hexdigest()[:24]
 
 
-def _done(out: Path, rec: dict | None, fp: str) -> bool:
-    return (
-        bool(rec)
-        and rec["fingerprint"] == fp
-        and (out / rec["tar"]).is_file()
-        and (out / rec["tar"]).stat().st_size == rec["bytes"]
-    )
+def _done(sizes: dict[str, int], rec: dict | None, fp: str) -> bool:
+    """The shard's record matches and its tar is there (``sizes``: one listing of the folder)."""
+    if not rec:
+        return False
+    return rec["fingerprint"] == fp and sizes.get(rec["tar"]) == rec["bytes"]
+
+
+def read_raw_manifest(raw: Folder) -> dict:
+    if not raw.remote:
+        return load_manifest(raw.local)
+    try:
+        m = raw.read_json("manifest.json")
+    except FileNotFoundError:
+        raise ValueError(
+            f"{raw.child('manifest.json')}: no manifest (not an ingest output)"
+        ) from None
+    if m.get("format") != MANIFEST_FORMAT:
+        raise ValueError(
+            f"{raw.child('manifest.json')}: format {m.get('format')!r}, expected {MANIFEST_FORMAT!r}"
+        )
+    return m
 
 
 def tokenize(
@@ -246,32 +273,33 @@ def tokenize(
     what this run did and which shards other partitions still owe (``"missing"``)."""
     if not (num_partitions >= 1 and 0 <= partition < num_partitions):
         raise ValueError(f"--partition {partition} is outside 0..{num_partitions - 1}")
-    raw_dir, out, tok_dir, vtok_dir = Path(raw_dir), Path(out), Path(tok_dir), Path(vtok_dir)
+    raw, dest = Folder(raw_dir), Folder(out)
+    tok_dir, vtok_dir = Path(tok_dir), Path(vtok_dir)
     opts = opts or TokenizeOptions()
     engine = engine or EngineConfig(workers=workers)
-    raw_m = load_manifest(raw_dir)
+    raw_m = read_raw_manifest(raw)
     text = TextTokenizer.load(tok_dir)  # fail early, with the file named, on a bad tokenizer folder
     check_visual_tokenizer(vtok_dir, text.layout)
     fp = fingerprint_of(raw_m, tok_dir, vtok_dir, opts)
-    old = out / "manifest.json"
-    if old.is_file() and json.loads(old.read_text()).get("fingerprint") != fp:
+    if dest.exists("manifest.json") and dest.read_json("manifest.json").get("fingerprint") != fp:
         raise ValueError(
             f"{out} holds token shards of other inputs, tokenizers or options; "
             "choose a new --out or delete that folder"
         )
-    records = load_records(out, STATE_DIR)
+    records = dest.records(STATE_DIR)
     if any(r["fingerprint"] != fp for r in records.values()):
         raise ValueError(
             f"{out}/{STATE_DIR} holds shards of another tokenization; choose a new --out or delete it"
         )
     n = len(raw_m["shards"])
     mine = [i for i in range(n) if i % num_partitions == partition]
+    sizes = dest.sizes()
     # N local workers on N cores: one BPE/torch thread each (0: the libraries' defaults).
     threads = 1 if engine.kind == "ray" or engine.workers > 1 else 0
     jobs = [
         TokenizeJob(
-            str(raw_dir),
-            str(out),
+            str(raw),
+            str(dest),
             raw_m["shards"][i],
             i,
             n,
@@ -283,7 +311,7 @@ def tokenize(
             threads,
         )
         for i in mine
-        if not _done(out, records.get(i), fp)
+        if not _done(sizes, records.get(i), fp)
     ]
     bar = tqdm(
         total=len(mine),
@@ -301,8 +329,9 @@ def tokenize(
         records[rec["index"]] = rec
         bar.update()
     bar.close()
-    records.update(load_records(out, STATE_DIR))  # what other partitions finished meanwhile
-    missing = [i for i in range(n) if not _done(out, records.get(i), fp)]
+    records.update(dest.records(STATE_DIR))  # what other partitions finished meanwhile
+    sizes = dest.sizes()
+    missing = [i for i in range(n) if not _done(sizes, records.get(i), fp)]
     if missing:
         return {
             "finalized": False,
@@ -311,13 +340,35 @@ def tokenize(
             "partition": [partition, num_partitions],
             "missing": missing,
         }
-    manifest = finalize_tokens(out, raw_dir, raw_m, records, tok_dir, vtok_dir, opts, fp, text)
+    manifest = finalize_tokens(dest, raw, raw_m, records, tok_dir, vtok_dir, opts, fp, text)
     return {**manifest, "finalized": True, "written": len(jobs)}
 
 
 def finalize_tokens(
-    out: Path,
-    raw_dir: Path,
+    dest: Folder,
+    raw: Folder,
+    raw_m: dict,
+    records: dict,
+    tok_dir: Path,
+    vtok_dir: Path,
+    opts: TokenizeOptions,
+    fp: str,
+    text: TextTokenizer,
+) -> dict:
+    """manifest.json, rejects.jsonl and the tokenizers' copy: in place, or staged and uploaded."""
+    with Staging(dest) as stage:
+        manifest = _finalize_tokens(stage, raw, raw_m, records, tok_dir, vtok_dir, opts, fp, text)
+        copied = sorted(
+            str(p.relative_to(stage.path(""))) for p in stage.path("tokenizers").rglob("*")
+        )
+        stage.publish([c for c in copied if stage.path(c).is_file()])
+        stage.publish(["rejects.jsonl", "manifest.json"])  # the manifest last: the folder is done
+    return manifest
+
+
+def _finalize_tokens(
+    stage: Staging,
+    raw: Folder,
     raw_m: dict,
     records: dict,
     tok_dir: Path,
@@ -327,7 +378,7 @@ def finalize_tokens(
     text: TextTokenizer,
 ) -> dict:
     recs = [records[i] for i in sorted(records)]
-    tdir = out / "tokenizers"
+    tdir = stage.path("tokenizers")
     tdir.mkdir(parents=True, exist_ok=True)
     for name in (TOKENIZER_FILE, LAYOUT_FILE):
         shutil.copyfile(tok_dir / name, tdir / name)
@@ -350,7 +401,10 @@ def finalize_tokens(
         "format": FORMAT,
         "version": 1,
         "fingerprint": fp,
-        "inputs": {"raw": str(raw_dir.resolve()), "raw_plan": raw_m["plan"]["fingerprint"]},
+        "inputs": {
+            "raw": raw.url if raw.remote else str(raw.local.resolve()),
+            "raw_plan": raw_m["plan"]["fingerprint"],
+        },
         "tokenizers": {
             "text": text.fingerprint(),
             "layout": text.layout.fingerprint(),
@@ -382,15 +436,15 @@ def finalize_tokens(
         },
         "created_by": {"versions": versions()},
     }
-    write_json_atomic(out / "rejects.jsonl", None, lines=rejects)
-    write_json_atomic(out / "manifest.json", manifest)
+    write_json_atomic(stage.path("rejects.jsonl"), None, lines=rejects)
+    write_json_atomic(stage.path("manifest.json"), manifest)
     return manifest
 
 
 def merge_tokens(out: str | Path) -> dict:
     """Finish a token folder whose partitions all ran (``earlyfuse-prep merge TOKEN_DIR``)."""
-    out = Path(out)
-    records = load_records(out, STATE_DIR)
+    dest = Folder(out)
+    records = dest.records(STATE_DIR)
     if not records:
         raise ValueError(f"{out}: no tokenize records in {out}/{STATE_DIR}")
     prints = {r["fingerprint"] for r in records.values()}
@@ -402,9 +456,11 @@ def merge_tokens(out: str | Path) -> dict:
     first = next(iter(records.values()))
     if "inputs" not in first:
         raise ValueError(f"{out}: records written before partitioned tokenize; rerun tokenize")
-    raw_dir, tok_dir, vtok_dir = (Path(first["inputs"][k]) for k in ("raw", "tokenizer", "visual"))
+    raw = Folder(first["inputs"]["raw"])
+    tok_dir, vtok_dir = Path(first["inputs"]["tokenizer"]), Path(first["inputs"]["visual"])
     fp = first["fingerprint"]
-    missing = [i for i in range(first["num_shards"]) if not _done(out, records.get(i), fp)]
+    sizes = dest.sizes()
+    missing = [i for i in range(first["num_shards"]) if not _done(sizes, records.get(i), fp)]
     if missing:
         raise ValueError(
             f"{out}: {len(missing)} token shard(s) not written yet (e.g. {missing[:5]}); run the "
@@ -412,9 +468,9 @@ def merge_tokens(out: str | Path) -> dict:
         )
     opts = TokenizeOptions(**first["options"])
     text = TextTokenizer.load(tok_dir)
-    raw_m = load_manifest(raw_dir)
+    raw_m = read_raw_manifest(raw)
     if fingerprint_of(raw_m, tok_dir, vtok_dir, opts) != fp:
         raise ValueError(
             f"{out}: the raw folder or tokenizers changed since these shards were made"
         )
-    return finalize_tokens(out, raw_dir, raw_m, records, tok_dir, vtok_dir, opts, fp, text)
+    return finalize_tokens(dest, raw, raw_m, records, tok_dir, vtok_dir, opts, fp, text)
