@@ -76,7 +76,9 @@ class _Handler(BaseHTTPRequestHandler):
         for k, v in resp.getheaders():
             if k.lower() not in ("transfer-encoding", "content-length", "connection"):
                 self.send_header(k, v)
-        self.send_header("Content-Length", str(len(data)))
+        # A HEAD answer has no body but the object's length (clients read sizes from it).
+        length = resp.getheader("Content-Length") if self.command == "HEAD" else None
+        self.send_header("Content-Length", length or str(len(data)))
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(data)

@@ -49,7 +49,7 @@ class CaptionedSource(Source):
     part_type = ""
 
     def items(self) -> Iterator[Item]:
-        if is_table(self.root):  # .parquet or a Hugging Face save_to_disk folder
+        if is_table(self.spec.path):  # .parquet or a Hugging Face save_to_disk folder
             yield from table_items(self)
             return
         if self.root.is_dir():

@@ -74,7 +74,7 @@ class InterleavedSource(Source):
     kind = "interleaved"
 
     def items(self) -> Iterator[Item]:
-        if is_table(self.root):  # .parquet or a Hugging Face save_to_disk folder
+        if is_table(self.spec.path):  # .parquet or a Hugging Face save_to_disk folder
             yield from table_items(self)
             return
         if self.root.suffix.lower() != ".jsonl" or not self.root.is_file():

@@ -21,6 +21,10 @@ Design choices:
   table's metadata; only an ``id`` column and media *path* columns are read then (for keys and
   missing files). Workers read one row group at a time and keep the last one, so the rows of a
   shard, which are consecutive, cost one read per row group.
+- A table can be an fsspec URL (``--source images:s3://bucket/laion/part-00000.parquet``): a
+  parquet file is read by ranged requests (its footer, then the row groups a worker needs), a
+  Hugging Face folder's Arrow files whole. Media there must be bytes in the table: paths
+  relative to a remote table are rejected (``missing-media``), never fetched one by one.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from data.schema import Reject, Sample, sanitize_key, unsafe_name_reason
+from data.shards.storage import is_remote, retried
 from data.sources.base import Item, Part, Source, stat_size
 
 HF_FILES = ("dataset_info.json", "state.json")
@@ -48,37 +53,75 @@ def import_pyarrow():
     return pyarrow
 
 
-def is_table(root: Path) -> bool:
-    if root.is_file():
-        return root.suffix.lower() == ".parquet"
-    return root.is_dir() and (
-        all((root / f).is_file() for f in HF_FILES) or (root / "dataset_dict.json").is_file()
-    )
+class Location:
+    """A table source's path: a local Path or an fsspec URL (``s3://...``), joined with ``/``."""
+
+    def __init__(self, path: str | Path | Location) -> None:
+        self.text = (path.text if isinstance(path, Location) else str(path)).rstrip("/")
+        self.remote = is_remote(self.text)
+        if self.remote:
+            import fsspec
+
+            self.fs, self.inner = fsspec.core.url_to_fs(self.text)
+
+    def __truediv__(self, name: str) -> Location:
+        return Location(f"{self.text}/{name}" if self.remote else Path(self.text) / name)
+
+    @property
+    def name(self) -> str:
+        return self.text.rsplit("/", 1)[-1]
+
+    def is_file(self) -> bool:
+        if not self.remote:
+            return Path(self.text).is_file()
+        return retried(self.text, lambda: self.fs.isfile(self.inner))
+
+    def read_bytes(self) -> bytes:
+        if not self.remote:
+            return Path(self.text).read_bytes()
+        return retried(self.text, lambda: self.fs.cat_file(self.inner))
+
+    def open(self):
+        """A seekable binary file (ranged reads when remote)."""
+        if not self.remote:
+            return open(self.text, "rb")
+        return retried(self.text, lambda: self.fs.open(self.inner, "rb", cache_type="none"))
 
 
-def table_files(root: Path) -> list[Path]:
+def is_table(root: str | Path | Location) -> bool:
+    """A .parquet file, or a Hugging Face save_to_disk folder (a Dataset or a DatasetDict)."""
+    loc = Location(root)
+    if loc.text.lower().endswith(".parquet"):
+        return loc.is_file()
+    if not loc.remote and not Path(loc.text).is_dir():
+        return False
+    return all((loc / f).is_file() for f in HF_FILES) or (loc / "dataset_dict.json").is_file()
+
+
+def table_files(root: str | Path | Location) -> list[Location]:
     """The data files of a table source, in row order."""
-    if root.is_file():
-        return [root]
-    if (root / "dataset_dict.json").is_file():
-        splits = json.loads((root / "dataset_dict.json").read_text()).get("splits", [])
+    loc = Location(root)
+    if loc.text.lower().endswith(".parquet"):
+        return [loc]
+    if (loc / "dataset_dict.json").is_file():
+        splits = json.loads((loc / "dataset_dict.json").read_bytes()).get("splits", [])
         raise ValueError(
-            f"{root} is a DatasetDict; pass one split's folder, e.g. "
-            + ", ".join(str(root / s) for s in splits)
+            f"{loc.text} is a DatasetDict; pass one split's folder, e.g. "
+            + ", ".join((loc / s).text for s in splits)
         )
-    state = json.loads((root / "state.json").read_text())
-    return [root / f["filename"] for f in state.get("_data_files", [])]
+    state = json.loads((loc / "state.json").read_bytes())
+    return [loc / f["filename"] for f in state.get("_data_files", [])]
 
 
 class TableFile:
     """One parquet or Arrow-stream file: row groups, plan-time columns, rows by position."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, loc: Location) -> None:
         self.pa = import_pyarrow()
-        self.path = path
+        self.loc = loc
         self._group: tuple[int, list[dict]] | None = None
-        if path.suffix.lower() == ".parquet":
-            self.parquet = self.pa.parquet.ParquetFile(str(path))
+        if loc.text.lower().endswith(".parquet"):
+            self.parquet = self.pa.parquet.ParquetFile(loc.text if not loc.remote else loc.open())
             self.schema = self.parquet.schema_arrow
             meta = self.parquet.metadata
             self.groups = [
@@ -86,12 +129,13 @@ class TableFile:
                 for g in range(meta.num_row_groups)
             ]
             self.table = None
-        else:  # a Hugging Face Arrow stream: memory-mapped, one group
+        else:  # a Hugging Face Arrow stream: memory-mapped here, read whole when remote; one group
             self.parquet = None
-            with self.pa.ipc.open_stream(self.pa.memory_map(str(path))) as reader:
+            source = loc.read_bytes() if loc.remote else self.pa.memory_map(loc.text)
+            with self.pa.ipc.open_stream(source) as reader:
                 self.table = reader.read_all()
             self.schema = self.table.schema
-            self.groups = [(self.table.num_rows, max(1, path.stat().st_size))]
+            self.groups = [(self.table.num_rows, max(1, self.table.nbytes))]
 
     def column(self, name: str) -> list:
         if name not in self.schema.names:
@@ -129,7 +173,7 @@ def jsonable(value):
     return str(value)  # dates, decimals: their text
 
 
-def media_value(value, base: Path) -> tuple[bytes | None, str | None, str] | str:
+def media_value(value, base: Location) -> tuple[bytes | None, str | None, str] | str:
     """(bytes, resolved path, path as written) of a media cell, or why it holds no media."""
     if isinstance(value, dict):  # a Hugging Face Image()/Video() struct
         if value.get("bytes"):
@@ -138,9 +182,9 @@ def media_value(value, base: Path) -> tuple[bytes | None, str | None, str] | str
     if isinstance(value, (bytes, bytearray)):
         return (bytes(value), None, "") if value else "empty media bytes"
     if isinstance(value, str) and value:
-        if "://" in value:
-            return f"{value} is remote; ingest takes local files (download first)"
-        return None, str(base / value) if not Path(value).is_absolute() else value, value
+        if "://" in value or base.remote:
+            return f"{value} is remote; ingest reads media bytes in the table or local files"
+        return None, (base / value).text if not Path(value).is_absolute() else value, value
     return "no media in this cell"
 
 
@@ -150,10 +194,12 @@ LIST_COLUMNS = (("texts", "text"), ("images", "image"), ("videos", "video"))
 
 def table_items(src: Source) -> Iterator[Item]:
     """The plan's items of a table source: one per row."""
-    base = src.root if src.root.is_dir() else src.root.parent
+    root = Location(src.spec.path)
+    single = root.text.lower().endswith(".parquet")
+    base = Location(root.text.rsplit("/", 1)[0]) if single else root
     paths = []  # media path columns to check: (column, is_list)
     row = 0
-    for file in table_files(src.root):
+    for file in table_files(root):
         table = TableFile(file)
         pa = table.pa
         names = table.schema.names
@@ -174,7 +220,7 @@ def table_items(src: Source) -> Iterator[Item]:
             raise ValueError(f"{file.name}: no 'text' column (it has {names})")
         ids = table.column("id")
         media = {c: table.column(c) for c in paths}
-        label_file = file.name if src.root.is_file() else str(file.relative_to(src.root))
+        label_file = file.name
         start = 0
         for group, (n, nbytes) in enumerate(table.groups):
             size = max(1, nbytes // max(1, n))
@@ -196,11 +242,11 @@ def table_items(src: Source) -> Iterator[Item]:
                     where = f"{label} ({shown})" if shown else label
                     yield src.rejected_item(key, where, reason, detail)
                     continue
-                yield Item(key, label, ("trow", str(file), group, i, label, pos), size)
+                yield Item(key, label, ("trow", file.text, group, i, label, pos), size)
             start += n
 
 
-def _missing_media(media: dict[str, list], pos: int, base: Path) -> tuple[str, str, str] | None:
+def _missing_media(media: dict[str, list], pos: int, base: Location) -> tuple[str, str, str] | None:
     """(reason, detail, path as written) when a media path of the row is missing or remote."""
     for values in media.values():
         cell = values[pos]
@@ -223,10 +269,12 @@ def load_row(src: Source, item: Item) -> Sample | Reject:
     table = _OPEN.get(file)
     if table is None:
         _OPEN.clear()
-        table = _OPEN[file] = TableFile(Path(file))
+        table = _OPEN[file] = TableFile(Location(file))
     rec = dict(table.row(group, index))
-    base = src.root if src.root.is_dir() else src.root.parent
-    origin = {"path": Path(file).name, "row": pos}
+    root = Location(src.spec.path)
+    single = root.text.lower().endswith(".parquet")
+    base = Location(root.text.rsplit("/", 1)[0]) if single else root
+    origin = {"path": file.rsplit("/", 1)[-1], "row": pos}
     rec.pop("id", None)
     if src.kind == "text":
         text = rec.pop("text", None)
@@ -263,7 +311,7 @@ def _media_part(kind: str, got: tuple[bytes | None, str | None, str], label: str
     return Part(kind, path=path or label, data=data, ext=ext, label=where)
 
 
-def _interleaved_parts(rec: dict, base: Path, label: str) -> list[Part] | Reject:
+def _interleaved_parts(rec: dict, base: Location, label: str) -> list[Part] | Reject:
     lists = [(rec.pop(c, None) or [], t) for c, t in LIST_COLUMNS]
     n = max(len(v) for v, _ in lists)
     if any(v and len(v) != n for v, _ in lists):

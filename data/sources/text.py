@@ -47,7 +47,7 @@ class TextSource(Source):
     kind = "text"
 
     def items(self) -> Iterator[Item]:
-        if is_table(self.root):  # .parquet or a Hugging Face save_to_disk folder
+        if is_table(self.spec.path):  # .parquet or a Hugging Face save_to_disk folder
             yield from table_items(self)
             return
         for got in self.walk_files(hidden_dir):

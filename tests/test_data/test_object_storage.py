@@ -104,3 +104,38 @@ def test_the_loader_reads_s3_token_shards_through_failures(s3, fs, tiny_tokens):
     assert s3.proxy.failed > before
     same_batches(got, take(build_loader(cfg(local), rank=0, world_size=1, micro_batch=2), 5))
     assert "AWS_MAX_ATTEMPTS" not in os.environ
+
+
+def test_parquet_and_hugging_face_sources_read_from_s3(s3, fs, tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    datasets = pytest.importorskip("datasets")
+    from factories import jpeg_bytes
+
+    images = pa.table(
+        {
+            "image": [jpeg_bytes(seed=i) for i in range(6)] + [None],
+            "caption": [f"noise {i}" for i in range(7)],
+        }
+    )
+    pq.write_table(images, tmp_path / "laion.parquet", row_group_size=3)
+    paths = pa.table({"image": ["pics/a.jpg"], "caption": ["a path"]})
+    pq.write_table(paths, tmp_path / "paths.parquet")
+    datasets.Dataset.from_dict({"text": ["one", "two", "three"]}).save_to_disk(
+        str(tmp_path / "hf_text")
+    )
+    for name in ("laion.parquet", "paths.parquet"):
+        fs.put_file(str(tmp_path / name), f"bucket/in/{name}")
+    fs.put(str(tmp_path / "hf_text"), "bucket/in/hf_text", recursive=True)
+
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    ingest(local, [f"images:{tmp_path / 'laion.parquet'}", f"text:{tmp_path / 'hf_text'}"])
+    s = ingest(remote, ["images:s3://bucket/in/laion.parquet", "text:s3://bucket/in/hf_text"])
+    assert s["manifest"]["totals"]["samples"] == 6 + 3
+    assert local_files(remote, ".ingest").keys() == local_files(local, ".ingest").keys()
+    for name, data in local_files(local, ".ingest").items():
+        if name != "manifest.json":  # it names the sources' paths
+            assert local_files(remote, ".ingest")[name] == data, name
+    # Media paths relative to a remote table are never fetched one by one: a reject, named.
+    s = ingest(tmp_path / "paths", ["images:s3://bucket/in/paths.parquet"])
+    assert s["manifest"]["totals"]["rejects_by_reason"] == {"missing-media": 1}
