@@ -56,6 +56,8 @@ def import_pyarrow():
 class Location:
     """A table source's path: a local Path or an fsspec URL (``s3://...``), joined with ``/``."""
 
+    text: str
+
     def __init__(self, path: str | Path | Location) -> None:
         self.text = (path.text if isinstance(path, Location) else str(path)).rstrip("/")
         self.remote = is_remote(self.text)
