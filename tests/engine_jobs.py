@@ -13,7 +13,7 @@ def failing_decodes(n: int) -> int:
     """Feed decord ``n`` clips that are not video (each a real failed decode); the worker's pid."""
     for i in range(n):
         got = probe_video(
-            b"\x00\x00\x00\x18ftypmp42 not a video " + bytes([i]), "x.mp4", max_seconds=9
+            b"\x00\x00\x00\x18ftypmp42 not a video " + str(i).encode(), "x.mp4", max_seconds=9
         )
         assert not hasattr(got, "fps"), "garbage decoded as video"
     return os.getpid()
