@@ -91,7 +91,9 @@ def _add_ingest(sub) -> None:
         "  videos:PATH       the same for videos (column video)\n"
         '  interleaved:PATH  OBELICS-style .jsonl ({"texts": [...], "images": [...]}) or\n'
         '                    {"segments": [...]}, media paths relative to the file\n'
-        "  wds:PATH          existing webdataset .tar shards in img2dataset layout (KEY.jpg + KEY.txt/json)\n\n"
+        "  wds:PATH          existing webdataset .tar shards in img2dataset layout (KEY.jpg + KEY.txt/json)\n"
+        "  text, images, videos and interleaved also take a .parquet table or a Hugging Face\n"
+        "                    save_to_disk folder, local or s3://... (columns: docs/scaling.md)\n\n"
         "example:\n"
         "  earlyfuse-prep ingest --out shards/ --workers 8 --shard-size 256MB \\\n"
         "      --source code:~/src/cpython/Lib --source images:coco/captions.jsonl\n\n"

@@ -86,7 +86,8 @@ def run_ray(
         )
     resources = ray.cluster_resources()
     cpus = max(1, int(resources.get("CPU", 1)))
-    size = min(engine.workers or cpus, len(jobs))
+    # Never more actors than CPUs: an actor waiting for a CPU would hold its job forever.
+    size = min(engine.workers or cpus, cpus, len(jobs))
     actor_cls = ray.remote(num_cpus=1)(PrepWorker)
     adapt: Callable[[J], J] = lambda job: job  # noqa: E731
     gpu_actors: list = []
