@@ -100,3 +100,22 @@ def test_text_only_data_never_imports_torch(tiny_corpus, tiny_tokenizers, tmp_pa
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert "torch imported: False" in out.stdout
+
+
+def test_the_visual_tokenizer_is_built_once_per_worker(
+    tiny_raw, tiny_tokenizers, tmp_path, monkeypatch
+):
+    """Once for the whole run in a worker (here: this process), never in the parent's checks
+    (issue 18: it was built twice, even for text)."""
+    import data.tokenize.visual as visual
+    from data.tokenize import run
+
+    built = []
+    real = visual.load_visual_tokenizer
+    monkeypatch.setattr(
+        visual, "load_visual_tokenizer", lambda *a, **k: built.append(a[0]) or real(*a, **k)
+    )
+    monkeypatch.setattr(run, "_CACHE", {})  # a fresh worker
+    m = tokenize(tiny_raw, tmp_path / "t", *tiny_tokenizers)
+    assert m["totals"]["tokens_by_modality"]["image"] > 0 and len(m["shards"]) > 3
+    assert built == [str(tiny_tokenizers[1])]
