@@ -57,17 +57,22 @@ def parse_sources(args: list[str]) -> list[SourceSpec]:
 
 
 def _remote_spec(arg: str, kind: str, url: str, name: str | None, used: set[str]) -> SourceSpec:
-    """A source in object storage: parquet tables and Hugging Face folders are read there."""
-    if kind not in ("text", "images", "videos", "interleaved") or not is_table(url):
+    """A source in object storage: parquet tables, Hugging Face folders and webdataset tars
+    are read there."""
+    readable = kind == "wds" or (
+        kind in ("text", "images", "videos", "interleaved") and is_table(url)
+    )
+    if not readable:
         raise ValueError(
             f"--source {arg!r}: from object storage ingest reads .parquet tables and Hugging "
-            "Face dataset folders (kinds text, images, videos, interleaved); copy other inputs "
-            "to a local folder first"
+            "Face dataset folders (kinds text, images, videos, interleaved) and webdataset "
+            "tars (wds); copy other inputs to a local folder first"
         )
     if name and name in used:
         raise ValueError(f"--source {arg!r}: the name {name!r} is already taken")
     if not name:
-        base = sanitize_key(url.rstrip("/").rsplit("/", 1)[-1].removesuffix(".parquet"))
+        stem = url.rstrip("/").rsplit("/", 1)[-1]
+        base = sanitize_key(stem.removesuffix(".parquet").removesuffix(".tar"))
         name, n = base, 2
         while name in used:
             name, n = f"{base}_{n}", n + 1

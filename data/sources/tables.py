@@ -123,7 +123,7 @@ class TableFile:
         self.loc = loc
         self._group: tuple[int, list[dict]] | None = None
         if loc.text.lower().endswith(".parquet"):
-            self.parquet = self.pa.parquet.ParquetFile(loc.text if not loc.remote else loc.open())
+            self.parquet = self._reading(lambda: self._open_parquet())
             self.schema = self.parquet.schema_arrow
             meta = self.parquet.metadata
             self.groups = [
@@ -139,16 +139,39 @@ class TableFile:
             self.schema = self.table.schema
             self.groups = [(self.table.num_rows, max(1, self.table.nbytes))]
 
+    def _open_parquet(self):
+        return self.pa.parquet.ParquetFile(
+            self.loc.text if not self.loc.remote else self.loc.open()
+        )
+
+    def _reading(self, call):
+        """``call()``; remote: retried, on a freshly opened file after a failure."""
+        if not self.loc.remote:
+            return call()
+
+        def once():
+            try:
+                return call()
+            except Exception:
+                if getattr(self, "parquet", None) is not None:
+                    self.parquet = self._open_parquet()
+                raise
+
+        return retried(self.loc.text, once)
+
     def column(self, name: str) -> list:
         if name not in self.schema.names:
             return []
         if self.table is not None:
             return self.table.column(name).to_pylist()
-        return self.parquet.read(columns=[name]).column(name).to_pylist()
+        return self._reading(lambda: self.parquet.read(columns=[name])).column(name).to_pylist()
 
     def row(self, group: int, index: int) -> dict:
         if self._group is None or self._group[0] != group:
-            part = self.table if self.table is not None else self.parquet.read_row_group(group)
+            if self.table is not None:
+                part = self.table
+            else:
+                part = self._reading(lambda: self.parquet.read_row_group(group))
             self._group = (group, part.to_pylist())
         return self._group[1][index]
 

@@ -106,7 +106,9 @@ def test_the_loader_reads_s3_token_shards_through_failures(s3, fs, tiny_tokens):
     assert "AWS_MAX_ATTEMPTS" not in os.environ
 
 
-def test_parquet_and_hugging_face_sources_read_from_s3(s3, fs, tmp_path):
+def test_parquet_hugging_face_and_wds_sources_read_from_s3(
+    s3, fs, planted_corpus, tmp_path, monkeypatch
+):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
     datasets = pytest.importorskip("datasets")
@@ -127,15 +129,40 @@ def test_parquet_and_hugging_face_sources_read_from_s3(s3, fs, tmp_path):
     for name in ("laion.parquet", "paths.parquet"):
         fs.put_file(str(tmp_path / name), f"bucket/in/{name}")
     fs.put(str(tmp_path / "hf_text"), "bucket/in/hf_text", recursive=True)
+    wds_dir = planted_corpus["root"] / "wds"  # img2dataset-style tar: a duplicate, an unsafe key
+    fs.put(str(wds_dir), "bucket/in/wds", recursive=True)
 
     local, remote = tmp_path / "local", tmp_path / "remote"
-    ingest(local, [f"images:{tmp_path / 'laion.parquet'}", f"text:{tmp_path / 'hf_text'}"])
-    s = ingest(remote, ["images:s3://bucket/in/laion.parquet", "text:s3://bucket/in/hf_text"])
-    assert s["manifest"]["totals"]["samples"] == 6 + 3
+    ingest(
+        local,
+        [f"images:{tmp_path / 'laion.parquet'}", f"text:{tmp_path / 'hf_text'}", f"wds:{wds_dir}"],
+    )
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # prep's own retries, as above
+    s3.proxy.fail_every, before = 6, s3.proxy.failed
+    try:
+        s = ingest(
+            remote,
+            [
+                "images:s3://bucket/in/laion.parquet",
+                "text:s3://bucket/in/hf_text",
+                "wds:s3://bucket/in/wds",
+            ],
+            workers=2,
+        )
+    finally:
+        s3.proxy.fail_every = 0
+    assert s3.proxy.failed > before
+    assert s["manifest"]["totals"]["samples"] == 6 + 3 + 2
+    assert s["manifest"]["totals"]["rejects_by_reason"] == {
+        "bad-record": 1,
+        "duplicate-key": 1,
+        "unsafe-name": 1,
+    }
     assert local_files(remote, ".ingest").keys() == local_files(local, ".ingest").keys()
     for name, data in local_files(local, ".ingest").items():
         if name != "manifest.json":  # it names the sources' paths
             assert local_files(remote, ".ingest")[name] == data, name
     # Media paths relative to a remote table are never fetched one by one: a reject, named.
+    monkeypatch.delenv("AWS_MAX_ATTEMPTS")
     s = ingest(tmp_path / "paths", ["images:s3://bucket/in/paths.parquet"])
     assert s["manifest"]["totals"]["rejects_by_reason"] == {"missing-media": 1}
