@@ -115,7 +115,7 @@ def main() -> None:
         bare_cmd = [sys.executable, "-c", BARE, str(tmp / "tok" / "tokenizer.json"), *shards]
         prep = str(Path(sys.executable).with_name("earlyfuse-prep"))
         counts = [int(w) for w in a.workers.split(",")]
-        times: dict[str, list[float]] = {"bare": []} | {f"w{w}": [] for w in counts}
+        times: dict[str, list[float]] = {name: [] for name in ["bare"] + [f"w{w}" for w in counts]}
         for r in range(a.repeat):
             times["bare"].append(timed(bare_cmd, env))
             for w in counts:
