@@ -73,7 +73,9 @@ def gpu_setup_for(vtok_dir: str, tok_dir: str) -> Callable:
     tokenize job at them."""
 
     def setup(ray, n_gpus: int):
-        actor_cls = ray.remote(num_gpus=1)(VisualActor)
+        # No CPU reserved: the CPU actors hold every CPU of the cluster, and a GPU actor that
+        # waited for one would never start (the CPU actors would wait on it forever).
+        actor_cls = ray.remote(num_gpus=1, num_cpus=0)(VisualActor)
         actors = [actor_cls.remote(vtok_dir, tok_dir) for _ in range(n_gpus)]
         return (lambda job: replace(job, vtok_actors=actors, device="cpu")), actors
 
