@@ -1,6 +1,6 @@
 """A real two-node Ray cluster on this machine for the engine tests: ``ray start --head`` plus a
-second ``ray start --address``, one CPU each, on loopback, every port chosen free, temp dirs in
-the test's tmp folder. Each node is a ``ray start --block`` in its own process group; stopping
+second ``ray start --address``, one CPU each (the second also declares one logical GPU), on
+loopback, every port chosen free, temp dirs in the test's tmp folder. Each node is a ``ray start --block`` in its own process group; stopping
 kills exactly those groups (never ``ray stop``, which would stop every Ray on the machine)."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class LocalCluster:
         with open(self.root / log, "w") as out:
             self.nodes.append(
                 subprocess.Popen(
-                    [RAY, "start", "--block", "--num-cpus=1", "--num-gpus=0"]
+                    [RAY, "start", "--block", "--num-cpus=1"]
                     + ["--disable-usage-stats"]
                     + ["--object-store-memory=80000000"]
                     + args
@@ -80,6 +80,7 @@ class LocalCluster:
                 "--head",
                 f"--port={self.gcs_port}",
                 f"--temp-dir={self.root / 'h'}",
+                "--num-gpus=0",
                 f"--node-ip-address={HEAD_IP}",
                 "--include-dashboard=false",
                 f"--dashboard-port={free_port()}",
@@ -93,6 +94,9 @@ class LocalCluster:
                 f"--address={self.address}",
                 f"--node-ip-address={NODE2_IP}",
                 f"--temp-dir={self.root / 'n2'}",
+                # A logical GPU (the machine has none): Ray schedules tokenize's GPU actor here,
+                # which then runs the visual tokenizer on the CPU.
+                "--num-gpus=1",
             ],
             "node2.log",
         )

@@ -27,7 +27,7 @@ ENGINES = ("local", "ray")
 @dataclass(frozen=True)
 class EngineConfig:
     kind: str = "local"  # local | ray
-    workers: int = 1  # local: processes; ray: CPU actors (0 = one per CPU of the cluster)
+    workers: int = 0  # local: processes (0 = 1); ray: CPU actors (0 = one per cluster CPU)
     address: str | None = None  # ray: the cluster to join (None: RAY_ADDRESS, or a local one)
     retries: int = WORKER_RETRIES  # a job whose worker died (or, on ray, hit an OSError) again
     recycle_after: int = RECYCLE_AFTER_FAILED_DECODES  # failed video decodes per worker

@@ -93,6 +93,11 @@ def run_ray(
     gpu_actors: list = []
     if gpu_setup is not None and int(resources.get("GPU", 0)) > 0:
         adapt, gpu_actors = gpu_setup(ray, int(resources["GPU"]))
+    print(
+        f"ray: {size} CPU actor(s)" + (f", {len(gpu_actors)} GPU actor(s)" if gpu_actors else ""),
+        file=sys.stderr,
+        flush=True,
+    )
     queue: deque[tuple[int, J]] = deque(enumerate(jobs))
     tries = dict.fromkeys(range(len(jobs)), 0)
     idle = [actor_cls.remote(fn, engine.recycle_after) for _ in range(size)]

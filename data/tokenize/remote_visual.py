@@ -7,7 +7,9 @@ to a GPU actor, through ``RemoteVisualTokenizer``, which stands in for the model
 the pool. Outputs match the local engine run on the same kind of device (codes computed on a
 GPU can differ from a CPU's in rare ties of FSQ rounding, on any engine).
 
-This path runs only on a cluster with GPUs; the tests have none (docs/scaling.md).
+Tested on a Ray node that declares a logical GPU on a machine without one (the actor then runs
+on the CPU): the whole path but CUDA itself, byte-identical to the local engine. Never run on a
+real GPU yet (docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -21,25 +23,31 @@ import numpy as np
 
 
 class VisualActor:
-    """A GPU actor: the visual tokenizer on ``cuda``, loaded once."""
+    """A GPU actor: the visual tokenizer on its GPU, loaded once. On a node that declares GPUs
+    Ray can schedule but CUDA cannot see (the tests' logical GPU), it runs on the CPU."""
 
     def __init__(self, vtok_dir: str, tok_dir: str) -> None:
+        import torch
+
         from data.text_tokenizer import TextTokenizer
         from data.tokenize.visual import load_visual_tokenizer
 
-        self.model = load_visual_tokenizer(vtok_dir, TextTokenizer.load(tok_dir).layout, "cuda")
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        layout = TextTokenizer.load(tok_dir).layout
+        self.model = load_visual_tokenizer(vtok_dir, layout, self.device)
 
     def encode(self, images: np.ndarray) -> np.ndarray:
         import torch
 
         with torch.no_grad():
-            return self.model.encode(torch.from_numpy(images).to("cuda")).cpu().numpy()
+            return self.model.encode(torch.from_numpy(images).to(self.device)).cpu().numpy()
 
     def encode_video(self, frames: np.ndarray) -> np.ndarray:
         import torch
 
         with torch.no_grad():
-            return self.model.encode_video(torch.from_numpy(frames).to("cuda")).cpu().numpy()
+            x = torch.from_numpy(frames).to(self.device)
+            return self.model.encode_video(x).cpu().numpy()
 
 
 class RemoteVisualTokenizer:

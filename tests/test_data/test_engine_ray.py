@@ -83,11 +83,14 @@ def test_ingest_on_ray_survives_a_killed_worker_with_the_local_bytes(
     assert m["totals"]["samples"] == total == sum(s["samples"] for s in m["shards"])
 
 
-def test_tokenize_on_ray_gives_the_local_bytes(cluster, tiny_raw, tiny_tokenizers, tmp_path):
+def test_tokenize_on_ray_gives_the_local_bytes(cluster, tiny_raw, tiny_tokenizers, tmp_path, capfd):
+    """Through the GPU actor pool: the second node declares a logical GPU, so the visual
+    tokenizer runs in a GPU actor (on the CPU here) fed by the CPU actors."""
     local, remote = tmp_path / "local", tmp_path / "ray"
     tokenize(tiny_raw, local, *tiny_tokenizers)
     m = tokenize(
         tiny_raw, remote, *tiny_tokenizers, engine=EngineConfig("ray", address=cluster.address)
     )
     assert m["finalized"]
+    assert "2 CPU actor(s), 1 GPU actor(s)" in capfd.readouterr().err
     assert folder_bytes(remote, ".tokenize") == folder_bytes(local, ".tokenize")
