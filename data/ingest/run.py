@@ -165,8 +165,8 @@ def run_plan(
     mine = [s for s in plan.shards if s.index % num_partitions == partition]
     todo = [s for s in mine if not _is_done(sizes, s, plan.fingerprint, records)]
     jobs = [
-        ShardJob(
-            str(out),
+        ShardJob(  # an absolute path: a Ray actor runs in another folder, maybe on another node
+            dest.absolute(),
             s,
             plan.sources[s.source],
             plan.limits,

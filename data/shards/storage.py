@@ -69,6 +69,10 @@ class Folder:
     def __str__(self) -> str:
         return self.url
 
+    def absolute(self) -> str:
+        """The URL, or the absolute path: what a job sent to another process or node names."""
+        return self.url if self.remote else str(self.local.resolve())
+
     def child(self, rel: str) -> str:
         return f"{self.url}/{rel}" if self.remote else str(self.local / rel)
 

@@ -297,14 +297,14 @@ def tokenize(
     # N local workers on N cores: one BPE/torch thread each (0: the libraries' defaults).
     threads = 1 if engine.kind == "ray" or engine.workers > 1 else 0
     jobs = [
-        TokenizeJob(
-            str(raw),
-            str(dest),
+        TokenizeJob(  # absolute paths: a Ray actor runs in another folder, maybe on another node
+            raw.absolute(),
+            dest.absolute(),
             raw_m["shards"][i],
             i,
             n,
-            str(tok_dir),
-            str(vtok_dir),
+            str(tok_dir.resolve()),
+            str(vtok_dir.resolve()),
             opts,
             fp,
             device,
@@ -324,7 +324,7 @@ def tokenize(
     if device is None or device.startswith("cuda"):
         from data.tokenize.remote_visual import gpu_setup_for
 
-        gpu_setup = gpu_setup_for(str(vtok_dir), str(tok_dir))
+        gpu_setup = gpu_setup_for(str(vtok_dir.resolve()), str(tok_dir.resolve()))
     for rec in run_jobs(tokenize_shard, jobs, engine, gpu_setup=gpu_setup):
         records[rec["index"]] = rec
         bar.update()
