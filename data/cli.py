@@ -45,6 +45,36 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def path_or_url(text: str) -> Path | str:
+    """A local folder (Path) or an fsspec URL kept as text (``Path`` would fold ``s3://``)."""
+    return text if "://" in text and not text.startswith("file://") else Path(text)
+
+
+def _add_engine_flags(p) -> None:
+    """--engine and --ray-address, shared by ingest and tokenize (see docs/scaling.md)."""
+    p.add_argument(
+        "--engine",
+        choices=("local", "ray"),
+        default="local",
+        help="where the shard jobs run: local worker processes (default) or a Ray cluster "
+        "(pip install 'earlyfuse[ray]'; every node must see the inputs and --out)",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="the Ray cluster to join (default: $RAY_ADDRESS, else a local Ray for this command)",
+    )
+
+
+def _engine(a):
+    from data.engine import EngineConfig
+
+    # On ray, --workers bounds the CPU actors; its default (1) means "one per cluster CPU".
+    workers = a.workers if a.engine == "local" or a.workers > 1 else 0
+    return EngineConfig(kind=a.engine, workers=workers, address=a.ray_address)
+
+
 def _add_ingest(sub) -> None:
     p = sub.add_parser(
         "ingest",
@@ -63,14 +93,19 @@ def _add_ingest(sub) -> None:
         "  videos:PATH       the same for videos (column video)\n"
         '  interleaved:PATH  OBELICS-style .jsonl ({"texts": [...], "images": [...]}) or\n'
         '                    {"segments": [...]}, media paths relative to the file\n'
-        "  wds:PATH          existing webdataset .tar shards in img2dataset layout (KEY.jpg + KEY.txt/json)\n\n"
+        "  wds:PATH          existing webdataset .tar shards in img2dataset layout (KEY.jpg + KEY.txt/json)\n"
+        "  text, images, videos and interleaved also take a .parquet table or a Hugging Face\n"
+        "                    save_to_disk folder, local or s3://... (columns: docs/scaling.md)\n\n"
         "example:\n"
         "  earlyfuse-prep ingest --out shards/ --workers 8 --shard-size 256MB \\\n"
         "      --source code:~/src/cpython/Lib --source images:coco/captions.jsonl\n\n"
         "exit status: 0 done, 3 done with rejects (see rejects.jsonl), 1 error, 2 usage",
     )
     p.add_argument(
-        "--out", required=True, type=Path, help="output folder (created; reused to resume)"
+        "--out",
+        required=True,
+        type=path_or_url,
+        help="output folder (created; reused to resume), or an fsspec URL (s3://bucket/shards)",
     )
     p.add_argument(
         "--source",
@@ -108,6 +143,7 @@ def _add_ingest(sub) -> None:
         metavar="I",
         help="which of the P partitions this run writes (0-based)",
     )
+    _add_engine_flags(p)
     p.add_argument(
         "--max-image-pixels",
         type=int,
@@ -171,6 +207,7 @@ def cmd_ingest(a) -> int:
         partition=a.partition,
         progress=not a.no_progress,
         command=command_line(),
+        engine=_engine(a),
     )
     part = f" (partition {a.partition} of {a.num_partitions})" if a.num_partitions > 1 else ""
     print(f"ingest{part}: wrote {s['written']} shard(s), {s['skipped_done']} already done")
@@ -187,7 +224,7 @@ def cmd_ingest(a) -> int:
     )
     if t["rejects"]:
         print(
-            f"rejected {t['rejects']} input(s), listed in {a.out / REJECTS_FILE}: "
+            f"rejected {t['rejects']} input(s), listed in {a.out}/{REJECTS_FILE}: "
             + ", ".join(f"{k} {v}" for k, v in t["rejects_by_reason"].items())
         )
         return 0 if a.allow_rejects else EXIT_REJECTS
@@ -198,19 +235,38 @@ def cmd_ingest(a) -> int:
 def _add_merge(sub) -> None:
     p = sub.add_parser(
         "merge",
-        help="join the shards written by partitioned ingest runs into one manifest",
-        description="After every `ingest --num-partitions P --partition I` run has written "
-        "into DIR (a shared folder, or copied together), write DIR/manifest.json and "
+        help="join the shards written by partitioned ingest or tokenize runs into one manifest",
+        description="After every `ingest` (or `tokenize`) `--num-partitions P --partition I` run "
+        "has written into DIR (a shared folder, or copied together), write DIR/manifest.json and "
         "DIR/rejects.jsonl. Fails, naming them, if partitions are missing.",
     )
-    p.add_argument("dir", type=Path)
+    p.add_argument("dir", type=path_or_url, help="the folder (or fsspec URL) of every partition")
     p.set_defaults(func=cmd_merge)
 
 
 def cmd_merge(a) -> int:
-    from data.shards.manifest import merge
+    from data.ingest.run import finalize_folder
+    from data.shards.manifest import merge, missing_shards
+    from data.shards.storage import Folder
+    from data.tokenize.run import STATE_DIR, merge_tokens
 
-    m = merge(a.dir)
+    folder = Folder(a.dir)
+    if folder.sizes(STATE_DIR):
+        m = merge_tokens(a.dir)
+        t = m["totals"]
+        print(f"{a.dir}: merged {len(m['shards'])} token shards, {t['samples']} documents")
+        return 0
+    if folder.remote:  # what `merge` does, through the storage layer
+        records = folder.records(".ingest")
+        if (
+            not records
+            or missing_shards(records)
+            or len({r["fingerprint"] for r in records.values()}) > 1
+        ):
+            raise ValueError(f"{a.dir}: partitions are missing or differ; rerun them, then merge")
+        m = finalize_folder(folder, records)
+    else:
+        m = merge(a.dir)
     t = m["totals"]
     print(f"{a.dir}: merged {t['shards']} shards, {t['samples']} samples, {t['rejects']} rejects")
     return 0
@@ -373,12 +429,26 @@ def _add_tokenize(sub) -> None:
         "and videos with the visual tokenizer, laid out as <boi> <h=H> <w=W> rows <eol> ... <eoi>.\n"
         "Writes one token shard per raw shard (KEY.ids.npy int32, KEY.mod.npy uint8, KEY.json spans),\n"
         "indexes, manifest.json, rejects.jsonl, and a copy of the tokenizers in OUT/tokenizers/.\n"
-        "Parallel (--workers), resumable (rerun the same command), GPU for images when present.",
+        "Parallel (--workers, or --engine ray), partitionable (--num-partitions/--partition, then\n"
+        "`merge`), resumable (rerun the same command), GPU for images when present.",
         epilog="example:\n  earlyfuse-prep tokenize --in shards/ --out tokens/ --tokenizer tok/ \\\n"
         "      --visual-tokenizer runs/vtok_cpu/visual_tokenizer --workers 8",
     )
-    p.add_argument("--in", dest="inp", required=True, type=Path, metavar="RAW_DIR")
-    p.add_argument("--out", required=True, type=Path, metavar="TOKEN_DIR")
+    p.add_argument(
+        "--in",
+        dest="inp",
+        required=True,
+        type=path_or_url,
+        metavar="RAW_DIR",
+        help="raw shard folder, or an fsspec URL (s3://bucket/shards)",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        type=path_or_url,
+        metavar="TOKEN_DIR",
+        help="token folder to write, or an fsspec URL",
+    )
     p.add_argument(
         "--tokenizer",
         required=True,
@@ -417,7 +487,22 @@ def _add_tokenize(sub) -> None:
         default=4096,
         help="tokens per video block at most; longer clips are sampled more sparsely (default 4096)",
     )
-    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--workers", type=int, default=1, help="parallel worker processes (default 1)")
+    p.add_argument(
+        "--num-partitions",
+        type=int,
+        default=1,
+        metavar="P",
+        help="split the shards across P independent runs (e.g. a Slurm array), then `merge`",
+    )
+    p.add_argument(
+        "--partition",
+        type=int,
+        default=0,
+        metavar="I",
+        help="which of the P partitions this run tokenizes (0-based)",
+    )
+    _add_engine_flags(p)
     p.add_argument(
         "--device",
         default=None,
@@ -428,7 +513,7 @@ def _add_tokenize(sub) -> None:
 
 
 def cmd_tokenize(a) -> int:
-    from data.tokenize.encoder import TokenizeOptions
+    from data.tokenize.docs import TokenizeOptions
     from data.tokenize.run import tokenize
 
     opts = TokenizeOptions(
@@ -443,10 +528,19 @@ def cmd_tokenize(a) -> int:
         a.tokenizer,
         a.visual_tokenizer,
         opts=opts,
-        workers=a.workers,
         device=a.device,
         progress=not a.no_progress,
+        num_partitions=a.num_partitions,
+        partition=a.partition,
+        engine=_engine(a),
     )
+    if not m["finalized"]:
+        print(
+            f"tokenize (partition {a.partition} of {a.num_partitions}): wrote {m['written']} "
+            f"shard(s); {len(m['missing'])} belong to other partitions; when they have all "
+            f"finished, run:\n  earlyfuse-prep merge {a.out}"
+        )
+        return 0
     t = m["totals"]
     print(
         f"{a.out}: {t['samples']} documents, {t['tokens']:,} tokens ("
@@ -455,7 +549,7 @@ def cmd_tokenize(a) -> int:
     )
     if t["rejects"]:
         print(
-            f"rejected {t['rejects']} document(s), listed in {a.out / REJECTS_FILE}: "
+            f"rejected {t['rejects']} document(s), listed in {a.out}/{REJECTS_FILE}: "
             + ", ".join(f"{k} {v}" for k, v in t["rejects_by_reason"].items())
         )
         return EXIT_REJECTS

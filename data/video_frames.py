@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from data.image_prep import ImagePrep
-from data.media import captured_c_stderr
+from data.media import captured_c_stderr, note_decode_failure
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,7 @@ def decode_frames(
         else:
             err = None
     if err is not None:
+        note_decode_failure()
         tail = [ln for ln in (log[0] if log else "").splitlines() if ln.isprintable()]
         raise ValueError(f"cannot decode video: {tail[-1] if tail else err}")
     return Frames(frames, np.asarray(ts)[idx, 0], fps, float(np.asarray(ts)[-1, 1]))

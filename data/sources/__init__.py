@@ -6,10 +6,12 @@ import re
 from pathlib import Path
 
 from data.schema import sanitize_key
+from data.shards.storage import is_remote
 from data.sources.base import Item, Limits, Source, SourceSpec
 from data.sources.captioned import ImagesSource, VideosSource
 from data.sources.code import CodeSource
 from data.sources.interleaved import InterleavedSource
+from data.sources.tables import is_table
 from data.sources.text import TextSource
 from data.sources.wds import WdsSource
 
@@ -35,6 +37,9 @@ def parse_sources(args: list[str]) -> list[SourceSpec]:
             raise ValueError(
                 f"--source {arg!r}: expected [NAME=]KIND:PATH with KIND one of " + ", ".join(KINDS)
             )
+        if is_remote(m["path"]):
+            specs.append(_remote_spec(arg, m["kind"], m["path"], m["name"], used))
+            continue
         path = Path(m["path"]).expanduser()
         if not path.exists():
             raise ValueError(f"--source {arg!r}: {path} does not exist")
@@ -49,6 +54,30 @@ def parse_sources(args: list[str]) -> list[SourceSpec]:
         used.add(name)
         specs.append(SourceSpec(m["kind"], str(path.resolve()), name))
     return specs
+
+
+def _remote_spec(arg: str, kind: str, url: str, name: str | None, used: set[str]) -> SourceSpec:
+    """A source in object storage: parquet tables, Hugging Face folders and webdataset tars
+    are read there."""
+    readable = kind == "wds" or (
+        kind in ("text", "images", "videos", "interleaved") and is_table(url)
+    )
+    if not readable:
+        raise ValueError(
+            f"--source {arg!r}: from object storage ingest reads .parquet tables and Hugging "
+            "Face dataset folders (kinds text, images, videos, interleaved) and webdataset "
+            "tars (wds); copy other inputs to a local folder first"
+        )
+    if name and name in used:
+        raise ValueError(f"--source {arg!r}: the name {name!r} is already taken")
+    if not name:
+        stem = url.rstrip("/").rsplit("/", 1)[-1]
+        base = sanitize_key(stem.removesuffix(".parquet").removesuffix(".tar"))
+        name, n = base, 2
+        while name in used:
+            name, n = f"{base}_{n}", n + 1
+    used.add(name)
+    return SourceSpec(kind, url.rstrip("/"), name)
 
 
 def build_source(spec: SourceSpec, limits: Limits) -> Source:

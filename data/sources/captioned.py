@@ -6,7 +6,9 @@ PATH is either
   ``meta``), or from a ``captions.jsonl`` / ``captions.csv`` at the folder's top with columns
   ``file`` (path relative to the folder) and ``caption``;
 - or a ``.jsonl`` / ``.csv`` table with a column ``image`` (or ``video``), optional ``caption``
-  and ``id``; paths are relative to the table's folder; other columns go to ``meta``.
+  and ``id``; paths are relative to the table's folder; other columns go to ``meta``;
+- or a ``.parquet`` file / Hugging Face ``save_to_disk`` folder with those columns, the media
+  column holding bytes, paths or ``{bytes, path}`` structs (tables.py).
 
 A document is ``[media, caption]``; the caption segment carries ``"role": "caption"``.
 """
@@ -21,6 +23,7 @@ from pathlib import Path
 from data.media import IMAGE_EXTS, VIDEO_EXTS
 from data.schema import Reject, Sample, sanitize_key, unsafe_name_reason
 from data.sources.base import Item, Part, Source, hidden_dir, read_file, stat_size, walk
+from data.sources.tables import is_table, load_row, table_items
 from data.sources.text import parse_record
 
 CAPTION_TABLES = ("captions.jsonl", "captions.csv")
@@ -46,6 +49,9 @@ class CaptionedSource(Source):
     part_type = ""
 
     def items(self) -> Iterator[Item]:
+        if is_table(self.spec.path):  # .parquet or a Hugging Face save_to_disk folder
+            yield from table_items(self)
+            return
         if self.root.is_dir():
             yield from self._folder_items()
         elif self.root.suffix.lower() in (".jsonl", ".csv"):
@@ -55,7 +61,8 @@ class CaptionedSource(Source):
                 self.key(sanitize_key(self.root.name)),
                 self.root.name,
                 "unknown-type",
-                f"{self.kind} takes a folder or a .jsonl/.csv table",
+                f"{self.kind} takes a folder, a .jsonl/.csv/.parquet table or a Hugging Face "
+                "dataset folder",
             )
 
     # --- a folder of media files -----------------------------------------------------------
@@ -153,6 +160,8 @@ class CaptionedSource(Source):
 
     # --- worker side -------------------------------------------------------------------------
     def load(self, item: Item) -> Sample | Reject:
+        if item.ref[0] == "trow":
+            return load_row(self, item)
         if item.ref[0] == "file":
             _, path, rel, table_rec, txt, js = item.ref
             meta = json.loads(table_rec) if table_rec else {}

@@ -10,7 +10,6 @@ be decoded becomes a reject with the reason; the others are unaffected.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -20,26 +19,11 @@ from data.image_prep import ImagePrep, load_image
 from data.layout import image_tokens, video_block_len, video_tokens
 from data.schema import Reject
 from data.text_tokenizer import TextTokenizer
+from data.tokenize.docs import TokenDoc, TokenizeOptions, tokens_by_modality
 from data.video_frames import VideoSampling, decode_frames
 from data.vocab import Modality
 
-
-@dataclass(frozen=True)
-class TokenizeOptions:
-    image_max_pixels: int = 256 * 256
-    video_max_pixels: int = 128 * 128  # per frame
-    video_fps: float = 4.0
-    video_max_tokens: int = 4096  # a video block never exceeds this many tokens
-    image_batch: int = 32
-
-
-@dataclass
-class TokenDoc:
-    key: str
-    ids: np.ndarray  # int32 [n]
-    modality: np.ndarray  # uint8 [n]
-    spans: list[dict] = field(default_factory=list)
-    source: str = ""
+__all__ = ["DocEncoder", "TokenDoc", "TokenizeOptions", "tokens_by_modality"]
 
 
 class DocEncoder:
@@ -195,8 +179,3 @@ class DocEncoder:
             spans,
             rd.doc.get("source", ""),
         )
-
-
-def tokens_by_modality(doc: TokenDoc) -> dict[str, int]:
-    counts = np.bincount(doc.modality, minlength=len(Modality))
-    return {m.name.lower(): int(counts[m]) for m in Modality}

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import torch
 
 from data.names import VISUAL_CONFIG_FILE, VISUAL_WEIGHTS_FILE
+from data.tokenize.vtok_files import weights_fingerprint
 from data.vocab import VocabLayout
+
+__all__ = ["load_visual_tokenizer", "weights_fingerprint"]
 
 
 def load_visual_tokenizer(
@@ -35,12 +37,3 @@ def load_visual_tokenizer(
     model = cfg.build()
     model.load_state_dict(state)
     return model.to(device).eval()
-
-
-def weights_fingerprint(folder: str | Path) -> str:
-    h = hashlib.sha256()
-    for name in (VISUAL_CONFIG_FILE, VISUAL_WEIGHTS_FILE):
-        with open(Path(folder) / name, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-    return h.hexdigest()[:16]
