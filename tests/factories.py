@@ -91,3 +91,38 @@ def many_images(root: Path, n: int, size: int = 128) -> None:
     for i in range(n):
         (root / f"im{i:04d}.jpg").write_bytes(jpeg_bytes(size, size, seed=i))
         (root / f"im{i:04d}.txt").write_text(f"random noise number {i}")
+
+
+class _Payload:
+    """Unpickling this creates ``marker``: proof that a load ran code from the file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def plant_pickle(path: Path, marker: Path) -> None:
+    """Replace a checkpoint file by a pickle whose loading would run code (it creates
+    ``marker``), and, as an attacker able to write the file could, update the size and SHA-256
+    the checkpoint's ``meta.json`` (or a release's ``config.json``) records for it."""
+    import hashlib
+    import json
+
+    import torch
+
+    torch.save({"module": {}, "payload": _Payload(marker)}, path)
+    data = path.read_bytes()
+    for folder in (path.parent, path.parent.parent):
+        meta = folder / "meta.json"
+        rel = str(path.relative_to(folder))
+        if meta.is_file() and rel in json.loads(meta.read_text()).get("files", {}):
+            m = json.loads(meta.read_text())
+            m["files"][rel] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            meta.write_text(json.dumps(m))
+        config = folder / "config.json"
+        if config.is_file() and rel in json.loads(config.read_text()).get("files", {}):
+            c = json.loads(config.read_text())
+            c["files"][rel] = hashlib.sha256(data).hexdigest()
+            config.write_text(json.dumps(c))
