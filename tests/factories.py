@@ -126,3 +126,62 @@ def plant_pickle(path: Path, marker: Path) -> None:
             c = json.loads(config.read_text())
             c["files"][rel] = hashlib.sha256(data).hexdigest()
             config.write_text(json.dumps(c))
+
+
+def flip_token_bytes(tar: Path, k: int, n: int = 256) -> str:
+    """Flip ``n`` bytes inside the ids.npy member of sample ``k`` of a token shard (its data,
+    past the .npy header), in place; returns the sample's key. Index and manifest unchanged."""
+    import json
+
+    entry = json.loads(Path(str(tar)[: -len(".tar")] + ".idx.jsonl").read_text().splitlines()[k])
+    off, size = entry["members"]["ids.npy"]
+    assert size >= 128 + n, f"sample {entry['key']}: ids.npy of {size} bytes is too short"
+    with open(tar, "r+b") as f:
+        f.seek(off + 128)
+        data = f.read(n)
+        f.seek(off + 128)
+        f.write(bytes(b ^ 0x5A for b in data))
+    return entry["key"]
+
+
+def token_sample_with_id(tar: Path, k: int, new_id: int) -> str:
+    """Rewrite a token shard so that sample ``k``'s first id is ``new_id``, with an index, hashes
+    and manifest entry that all agree (a sample that only the vocabulary check can catch)."""
+    import json
+
+    from data.schema import Sample
+    from data.shards.writer import ShardWriter
+    from data.tokenize.run import npy_bytes
+
+    tar = Path(tar)
+    idx = Path(str(tar)[: -len(".tar")] + ".idx.jsonl")
+    entries = [json.loads(line) for line in idx.read_text().splitlines()]
+    raw = tar.read_bytes()
+
+    def member(e, suffix):
+        off, size = e["members"][suffix]
+        return raw[off : off + size]
+
+    writer = ShardWriter(tar, idx)
+    key = ""
+    for i, e in enumerate(entries):
+        ids = np.load(io.BytesIO(member(e, "ids.npy")))
+        if i == k:
+            ids = ids.copy()
+            ids[0] = new_id
+            key = e["key"]
+        extra = {x: e[x] for x in ("tokens", "tokens_by_modality", "blocks") if x in e}
+        doc = json.loads(member(e, "json"))
+        media = [("ids.npy", npy_bytes(ids)), ("mod.npy", member(e, "mod.npy"))]
+        writer.write(Sample(e["key"], doc, media), extra)
+    res = writer.close()
+    for up in (tar.parent, tar.parent.parent):
+        manifest = up / "manifest.json"
+        if manifest.is_file():
+            m = json.loads(manifest.read_text())
+            for s in m["shards"]:
+                if up / s["path"] == tar:
+                    s.update(sha256=res.sha256, index_sha256=res.index_sha256, bytes=res.bytes)
+            manifest.write_text(json.dumps(m))
+            break
+    return key

@@ -53,12 +53,15 @@ class WdsSource(Source):
     kind = "wds"
 
     def items(self) -> Iterator[Item]:
-        for rel, skipped in walk(self.root, hidden_dir):
+        for rel, skipped in walk(self.root, hidden_dir, follow=self.limits.follow_links_outside):
             label = self.display(rel)
-            if skipped:
-                yield self.rejected_item(self.key(sanitize_key(rel)), label, "vendored", skipped)
-                continue
             path = self.root / rel if self.root.is_dir() else self.root
+            skipped = skipped or self.outside(path)
+            if skipped:
+                yield self.rejected_item(
+                    self.key(sanitize_key(rel)), label, skipped.reason, skipped.detail
+                )
+                continue
             if not rel.endswith(".tar"):
                 if not rel.endswith(".idx.jsonl"):
                     yield self.rejected_item(
