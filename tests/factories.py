@@ -45,6 +45,22 @@ def png_header_bomb(w: int = 30000, h: int = 30000) -> bytes:
     )
 
 
+def png_solid(w: int, h: int, colour=(90, 140, 200)) -> bytes:
+    """A real RGB PNG of w x h pixels of one colour, written row by row (no w x h buffer here):
+    12000 x 12000 is ~420 KB on disk and 432 MB once decoded."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    z = zlib.compressobj(9)
+    row = b"\0" + bytes(colour) * w
+    body = b"".join(z.compress(row) for _ in range(h)) + z.flush()
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", body) + chunk(b"IEND", b"")
+
+
 def mp4_bytes(
     frames: int = 8, fps: int = 8, w: int = 32, h: int = 32, pts: list[int] | None = None
 ) -> bytes:
