@@ -200,7 +200,10 @@ class ConsumerStream:
         """A raw document tokenized here (data/loader/online.py): ids, modalities, blocks."""
         if self._online is None:
             self._online = OnlineTokenizer(
-                self.cfg.tokenizers, online_options(self.cfg), self.cfg.seq_len
+                self.cfg.tokenizers,
+                online_options(self.cfg),
+                self.cfg.seq_len,
+                failure_budget=self.cfg.video_failure_budget,
             )
         si = t.shard[sample]
         view = ShardView(self.files, t.shards[si], t.shard_bytes[si])
