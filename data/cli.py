@@ -240,7 +240,10 @@ def cmd_stats(a) -> int:
 
 def _add_verify(sub) -> None:
     p = sub.add_parser(
-        "verify", help="re-hash shards against the manifest and check every index against its tar"
+        "verify",
+        help="re-hash shards against the manifest, check every index against its tar and every "
+        "sample (raw folders: documents against the schema; token folders: ids within the "
+        "vocabulary)",
     )
     p.add_argument("dir", type=Path)
     p.add_argument("--json", action="store_true", help="machine-readable output")

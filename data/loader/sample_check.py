@@ -61,24 +61,47 @@ def attach_id_ranges(cfg: LoaderConfig, tables: list) -> None:
         t.id_ranges = ranges
 
 
+_BITS: dict[bytes, np.ndarray] = {}  # ranges -> per id, a bit for each modality it may carry
+
+
+def _allowed_bits(ranges: np.ndarray) -> np.ndarray:
+    """uint8 [vocabulary + 1]: bit m of entry i says id i may carry modality m; the last entry,
+    0, stands for every id past the vocabulary (lookups clip to it)."""
+    key = ranges.tobytes()
+    if key not in _BITS:
+        bits = np.zeros(int(ranges[:, 1].max()) + 1, np.uint8)
+        for m, (lo, hi) in enumerate(ranges):
+            bits[lo:hi] |= np.uint8(1 << m)
+        _BITS[key] = bits
+    return _BITS[key]
+
+
 def check_ids(ids: np.ndarray, mod: np.ndarray, ranges: np.ndarray | None) -> None:
     """ValueError naming the first bad token when a modality or id lies outside the layout."""
     if ranges is None or not len(ids):
         return
-    lowest = 0 if mod.dtype.kind == "u" else int(mod.min())  # stored as uint8: never below 0
-    if lowest < 0 or int(mod.max()) >= len(ranges):
-        i = int(np.flatnonzero((mod < 0) | (mod >= len(ranges)))[0])
+    bits = _allowed_bits(ranges)
+    # Four whole-array passes. Ids seen as unsigned: a negative one is huge, so the clipped
+    # lookup sends it, like any id past the vocabulary, to the last entry (no bits); a modality
+    # past the 5 bits shifts to 0. Signed modalities (the raw path's int64) are checked >= 0.
+    unsigned = ids.view(ids.dtype.str.replace("i", "u")) if ids.dtype.kind == "i" else ids
+    if (mod.dtype.kind == "u" or int(mod.min()) >= 0) and (
+        (bits.take(unsigned, mode="clip") >> mod) & 1
+    ).all():
+        return
+    mod64, ids64 = mod.astype(np.int64), ids.astype(np.int64)
+    bad_mod = (mod64 < 0) | (mod64 >= len(ranges))
+    if bad_mod.any():
+        i = int(np.flatnonzero(bad_mod)[0])
         raise ValueError(f"token {i}: modality {int(mod[i])} is not one of 0..{len(ranges) - 1}")
-    # One unsigned compare per token: id - lo wraps around below lo, so >= width catches both ends.
-    lo = ranges[:, 0].take(mod)
-    bad = (ids.astype(np.int64) - lo).view(np.uint64) >= (ranges[:, 1] - ranges[:, 0]).take(mod)
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        raise ValueError(
-            f"{int(bad.sum())} id(s) outside their modality's range, the first: token {i} id "
-            f"{int(ids[i])} as {Modality(int(mod[i])).name.lower()} (range "
-            f"{int(lo[i])}..{int(ranges[mod[i], 1]) - 1})"
-        )
+    lo, hi = ranges[mod64, 0], ranges[mod64, 1]
+    bad = (ids64 < lo) | (ids64 >= hi)
+    i = int(np.flatnonzero(bad)[0])
+    raise ValueError(
+        f"{int(bad.sum())} id(s) outside their modality's range, the first: token {i} id "
+        f"{int(ids[i])} as {Modality(int(mod[i])).name.lower()} (range "
+        f"{int(lo[i])}..{int(hi[i]) - 1})"
+    )
 
 
 def read_token_sample(t, sample: int, read: Reader, *, check_hash: bool) -> tuple[bytes, bytes]:

@@ -70,6 +70,21 @@ def sources(tokens: Path) -> list[SourceConfig]:
     ]
 
 
+def docs_read(tokens: Path, n_tokens: int, seq_len: int) -> int:
+    """How many documents a round reads (counted in a round of its own)."""
+    from data.loader.stream import ConsumerStream
+
+    real, count = ConsumerStream.load, [0]
+
+    def counting(self, *a):
+        count[0] += 1
+        return real(self, *a)
+
+    with mock.patch.object(ConsumerStream, "load", counting):
+        one_round(tokens, "ids", n_tokens, seq_len)
+    return count[0]
+
+
 def one_round(tokens: Path, variant: str, n_tokens: int, seq_len: int) -> float:
     cfg = LoaderConfig(
         sources=sources(tokens),
@@ -90,6 +105,45 @@ def one_round(tokens: Path, variant: str, n_tokens: int, seq_len: int) -> float:
         dt = time.perf_counter() - t0
         it.close()
     return n / dt
+
+
+def per_sample_us(tokens: Path, rounds: int) -> dict[str, float]:
+    """Microseconds per sample of each step alone, over every sample of every source, read from
+    the page cache: the reads as before (ids, mods), the checked read (one read + SHA-256), and
+    the id check."""
+    from data.loader.sample_check import attach_id_ranges, check_ids, read_token_sample
+    from data.loader.store import ShardFiles
+    from data.loader.stream import read_npy
+    from data.loader.table import load_table
+
+    cfg = LoaderConfig(sources=sources(tokens))
+    tables = [load_table(s) for s in cfg.sources]
+    attach_id_ranges(cfg, tables)
+    files = ShardFiles(None, 1.0)
+    todo = [(t, i) for t in tables for i in range(len(t))]
+
+    def reader(t, i):
+        si = t.shard[i]
+        return lambda off, size: files.read(t.shards[si], off, size, t.shard_bytes[si])
+
+    arrays = {}
+    for t, i in todo:
+        ids_b, mod_b = read_token_sample(t, i, reader(t, i), check_hash=False)
+        arrays[(id(t), i)] = (read_npy(ids_b).astype("int64"), read_npy(mod_b).astype("int64"))
+    steps = {
+        "read (2 reads)": lambda t, i: read_token_sample(t, i, reader(t, i), check_hash=False),
+        "read+sha256 (1 read)": lambda t, i: read_token_sample(t, i, reader(t, i), check_hash=True),
+        "ids check": lambda t, i: check_ids(*arrays[(id(t), i)], t.id_ranges),
+    }
+    out: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(rounds):
+        for name, fn in steps.items():
+            t0 = time.perf_counter()
+            for t, i in todo:
+                fn(t, i)
+            out[name].append((time.perf_counter() - t0) / len(todo) * 1e6)
+    files.close()
+    return {k: statistics.median(v) for k, v in out.items()}
 
 
 def main() -> None:
@@ -113,6 +167,11 @@ def main() -> None:
         for v in variants:
             med = statistics.median(speed[v])
             print(f"  {v:11s} {med:12,.0f} tok/s   ratio to none {med / base:.3f}")
+        docs = docs_read(tokens, a.tokens_per_round, a.seq_len)
+        per_doc = a.tokens_per_round / base / docs * 1e6
+        print(f"  {docs} documents a round: the loader spends {per_doc:.0f} us a document")
+        for name, us in per_sample_us(tokens, a.rounds).items():
+            print(f"  per sample, {name:21s} {us:7.1f} us ({us / per_doc:.1%} of a document's)")
 
 
 if __name__ == "__main__":
