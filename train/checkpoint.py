@@ -64,14 +64,20 @@ def file_sha256(path: Path, bufsize: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+# A copy of the run's config for people and tools, which they may edit (paths, after moving
+# data); resume never reads it: not in the manifest.
+EDITABLE = {"config.yaml"}
+
+
 def checkpoint_files(folder: Path) -> list[str]:
     """The files a checkpoint's manifest covers: every file of the folder and its subfolders
-    (``universal/`` has its own manifest), relative to ``folder``, but ``meta.json``."""
+    (``universal/`` has its own manifest), relative to ``folder``, but ``meta.json`` and the
+    editable ``config.yaml``."""
     folder = Path(folder)
     return sorted(
         str(p.relative_to(folder))
         for p in folder.rglob("*")
-        if p.is_file() and p.name != META and not p.name.endswith(".tmp")
+        if p.is_file() and p.name not in (META, *EDITABLE) and not p.name.endswith(".tmp")
     )
 
 

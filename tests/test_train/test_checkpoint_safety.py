@@ -76,7 +76,8 @@ def test_a_one_process_run_compiles_no_deepspeed_op(runs):
 def test_every_checkpoint_records_each_files_size_and_hash(runs):
     folder = step_folder(runs["zero2"], 2)
     files = json.loads((folder / "meta.json").read_text())["files"]
-    assert {"mp_rank_00_model_states.pt", "rank_00000.pt", "config.yaml"} <= set(files)
+    assert {"mp_rank_00_model_states.pt", "rank_00000.pt", "vocab_layout.json"} <= set(files)
+    assert "config.yaml" not in files  # a copy for people and tools, editable
     assert any(n.endswith("optim_states.pt") for n in files)
     assert all(len(v["sha256"]) == 64 and v["bytes"] > 0 for v in files.values())
     assert verify_folder(folder) == []
@@ -174,6 +175,7 @@ def test_damaged_checkpoints_are_set_aside_never_silently_step_0(runs, tmp_path,
     r = copy(runs, "zero0", tmp_path)
     # A deletion cut short by a kill, as the old keep-last could leave it: meta.json still there.
     (step_folder(r, 3) / "rank_00000.pt").unlink()
+    (step_folder(r, 3) / "vocab_layout.json").unlink()
     # A flipped byte inside the model states of step 2 (sizes agree, the hash does not).
     f = step_folder(r, 2) / "mp_rank_00_model_states.pt"
     data = bytearray(f.read_bytes())
