@@ -30,6 +30,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -169,7 +170,7 @@ def warn(msg: str) -> None:
 
 
 def rng_state() -> dict:
-    np_state = np.random.get_state()
+    np_state = cast(tuple, np.random.get_state())  # the legacy tuple form
     state: dict = {
         "torch": torch.get_rng_state(),
         "python": list(random.getstate()[1]),

@@ -93,20 +93,22 @@ def verify(out: str | Path, *, progress: bool = False) -> dict:
         if any(not p.endswith("does not match its hash") for p in found):
             continue  # the tar does not match its index: its samples cannot be found
         with open(tar, "rb") as f:
-            for e in index:
+            for entry in index:
                 samples += 1
 
-                def read(suffix, e=e):
+                def read(suffix, e=entry):
                     off, size = e["members"][suffix]
                     f.seek(off)
                     return f.read(size)
 
                 try:
                     why = (
-                        _check_tokens(tar, e, read, ranges) if tokens else _check_raw(tar, e, read)
+                        _check_tokens(tar, entry, read, ranges)
+                        if tokens
+                        else _check_raw(tar, entry, read)
                     )
                 except KeyError as err:
-                    why = f"{e['key']}: member {err} missing"
+                    why = f"{entry['key']}: member {err} missing"
                 if why:
                     problems.append(f"{tar}: {why}")
     rejects = out / "rejects.jsonl"
