@@ -224,7 +224,9 @@ def test_hostile_images_are_error_records_and_cost_no_memory(release, image, tmp
     assert recs[3]["kind"] == "caption"
     assert peak_kb < base_kb + 100_000  # a decode of big.png alone is 432 MB of pixels
     # Above Pillow's own limit, with ours raised: its DecompressionBombError is a record too.
-    _, recs = batch_peak_kb(
-        release, reqs[1:2] + [ok], tmp_path, "pillow", "--max-image-pixels", "10000000000"
-    )
+    src, out = tmp_path / "pillow.jsonl", tmp_path / "pillow.out.jsonl"
+    src.write_text(json.dumps(reqs[1]) + "\n" + json.dumps(ok) + "\n")
+    argv = [str(release), "--batch", str(src), "--output", str(out)]
+    assert generate_main([*argv, "--max-image-pixels", "10000000000"]) == 1
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert "DecompressionBombError" in recs[0]["error"] and recs[1]["kind"] == "caption"
