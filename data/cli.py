@@ -178,6 +178,12 @@ def _add_ingest(sub) -> None:
         help="keep text that is not valid UTF-8, bad bytes replaced by U+FFFD (default: reject it)",
     )
     p.add_argument(
+        "--follow-links-outside",
+        action="store_true",
+        help="read files through symlinks that lead out of a source's folder (default: each "
+        "is rejected as link-outside-source; links inside it are followed)",
+    )
+    p.add_argument(
         "--allow-rejects", action="store_true", help="exit 0 even when some inputs were rejected"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -195,6 +201,7 @@ def cmd_ingest(a) -> int:
         max_text_bytes=a.max_text_bytes,
         max_code_bytes=a.max_code_bytes,
         repair_utf8=a.repair_utf8,
+        follow_links_outside=a.follow_links_outside,
     )
     s = ingest(
         a.out,
@@ -291,7 +298,10 @@ def cmd_stats(a) -> int:
 
 def _add_verify(sub) -> None:
     p = sub.add_parser(
-        "verify", help="re-hash shards against the manifest and check every index against its tar"
+        "verify",
+        help="re-hash shards against the manifest, check every index against its tar and every "
+        "sample (raw folders: documents against the schema; token folders: ids within the "
+        "vocabulary)",
     )
     p.add_argument("dir", type=Path)
     p.add_argument("--json", action="store_true", help="machine-readable output")

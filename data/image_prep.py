@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,11 +66,25 @@ def to_rgb(im: Image.Image) -> Image.Image:
     return im if im.mode == "RGB" else im.convert("RGB")
 
 
-def load_image(raw: bytes, prep: ImagePrep) -> np.ndarray:
-    """Decode, orient, convert and resize; returns uint8 [H, W, 3] with H, W multiples of factor."""
-    im: Image.Image = Image.open(io.BytesIO(raw))
-    orientation = im.getexif().get(0x0112, 1)
+def load_image(raw: bytes, prep: ImagePrep, *, max_source_pixels: int | None = None) -> np.ndarray:
+    """Decode, orient, convert and resize; returns uint8 [H, W, 3] with H, W multiples of factor.
+    ``max_source_pixels``: an image whose header claims more is a ValueError before any pixel is
+    decoded (for untrusted inputs; ingest's ``--max-image-pixels`` did it for shards)."""
+    with warnings.catch_warnings():
+        # With our own cap, Pillow's warning between 89 M and 179 M pixels is noise; above 179 M
+        # it raises DecompressionBombError (not an OSError): a ValueError here like the others.
+        if max_source_pixels is not None:
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            im: Image.Image = Image.open(io.BytesIO(raw))
+        except Image.DecompressionBombError as e:
+            raise ValueError(f"DecompressionBombError: {e}") from None
     w, h = im.size
+    if max_source_pixels is not None and w * h > max_source_pixels:
+        raise ValueError(
+            f"header claims {w}x{h} = {w * h} pixels > limit {max_source_pixels} (not decoded)"
+        )
+    orientation = im.getexif().get(0x0112, 1)
     if orientation in _SWAPS_SIDES:
         w, h = h, w
     tw, th = prep.target_size(w, h)

@@ -65,6 +65,9 @@ def build_engine(model: nn.Module, cfg: RunConfig, world_size: int):
     """(engine, optimizer, scheduler); ``optimizer`` is our SkipStepAdamW (set its ``gate``)."""
     import deepspeed
 
+    from train.ds_env import prepare_deepspeed
+
+    prepare_deepspeed()
     o = cfg.optim
     opt = SkipStepAdamW(
         param_groups(model, o.weight_decay),

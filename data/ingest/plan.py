@@ -51,7 +51,7 @@ class Plan:
             "num_shards": len(self.shards),
             "shard_max_bytes": self.shard_max_bytes,
             "shard_max_samples": self.shard_max_samples,
-            "limits": asdict(self.limits),
+            "limits": self.limits.describe(),
             "version": PLAN_VERSION,
         }
 
@@ -89,7 +89,7 @@ def make_plan(
             {
                 "version": PLAN_VERSION,
                 "sources": [asdict(s) for s in specs],
-                "limits": asdict(limits),
+                "limits": limits.describe(),
                 "shard_max_bytes": shard_max_bytes,
                 "shard_max_samples": shard_max_samples,
             },

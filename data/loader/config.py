@@ -42,6 +42,12 @@ class LoaderConfig:
     max_pending: int = 4  # documents held aside while a visual block waits for room
     oversize: str = "drop_block"  # a visual block longer than a row: drop_block | drop_document
     max_consecutive_errors: int = 16  # unreadable samples in a row before the run stops
+    # Check each token sample against the SHA-256 in its shard index (a corrupted one is skipped
+    # and counted); ids are always checked against their modality's vocabulary range.
+    check_hashes: bool = True
+    # Raw sources: failed video decodes a worker absorbs before it decodes every later clip in a
+    # short-lived child process (decord leaks ~40 KB per failure; data/loader/decode_guard.py)
+    video_failure_budget: int = 64
     stall_seconds: float = 120.0  # a read slower than this is reported
     # A tokenizer folder (tokenizer.json, vocab_layout.json, visual_tokenizer/: a token folder's
     # tokenizers/). Raw sources are tokenized with it; token sources must have been made with it.

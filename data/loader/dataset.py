@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data.loader.config import LoaderConfig
 from data.loader.order import unpack_mask
+from data.loader.sample_check import attach_id_ranges
 from data.loader.stream import ConsumerStream
 from data.loader.table import SampleTable, load_table
 
@@ -288,6 +289,7 @@ def build_loader(
         )
     tables = [load_table(s) for s in sources]
     check_tokenizers(cfg, tables)
+    attach_id_ranges(cfg, tables)  # every sample's ids checked against them as it is read
     if validation:
         from dataclasses import replace
 

@@ -12,6 +12,8 @@ Design choices:
 - No block outgrows a row: the pixel budget of images and the frame count of videos are capped
   from ``seq_len`` before encoding (a raw source is downscaled where a token shard could only
   drop the block).
+- Videos are untrusted bytes: failing decodes leak inside decord, so past a budget of failures
+  a worker decodes each clip in a short-lived child (data/loader/decode_guard.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from data.loader.decode_guard import DEFAULT_BUDGET, DecodeGuard
 from data.names import VISUAL_TOKENIZER_DIR
 from data.schema import Reject
 from data.shards.reader import RawDoc
@@ -79,12 +82,21 @@ def options_key(opts: TokenizeOptions) -> str:
 class OnlineTokenizer:
     """Built lazily in each worker process (tokenizers are not shared across processes)."""
 
-    def __init__(self, folder: str | Path, opts: TokenizeOptions, seq_len: int) -> None:
+    def __init__(
+        self,
+        folder: str | Path,
+        opts: TokenizeOptions,
+        seq_len: int,
+        *,
+        failure_budget: int = DEFAULT_BUDGET,
+    ) -> None:
         folder = Path(folder)
         text = TextTokenizer.load(folder)
         vtok = load_visual_tokenizer(folder / VISUAL_TOKENIZER_DIR, text.layout, "cpu")
         self.opts = fitted_options(opts, seq_len, vtok.cfg.factor, text.layout.max_grid)
         self.encoder = DocEncoder(text, vtok, self.opts, torch.device("cpu"))
+        # Failing clips leak inside decord: past a budget, each is decoded in a child process
+        self.encoder.decode_frames = self.decode_guard = DecodeGuard(failure_budget)
 
     def encode(self, key: str, members: dict, shard_name: str, f) -> tuple[TokenDoc | None, str]:
         """(document, "") or (None, why it was rejected). ``f`` is the open shard."""

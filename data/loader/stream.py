@@ -34,6 +34,7 @@ from data.loader.config import LoaderConfig
 from data.loader.online import OnlineTokenizer, online_options
 from data.loader.order import consumer_slice, epoch_order, unpack_mask
 from data.loader.packer import Doc, Packer, Row, units_of
+from data.loader.sample_check import check_ids, read_token_sample
 from data.loader.store import ShardFiles, ShardView
 from data.loader.table import SampleTable
 from data.tokenize.blocks import visual_blocks
@@ -202,7 +203,10 @@ class ConsumerStream:
             if self.cfg.tokenizers is None:
                 raise ValueError("raw sources need data.tokenizers (the tokenizers to use)")
             self._online = OnlineTokenizer(
-                self.cfg.tokenizers, online_options(self.cfg), self.cfg.seq_len
+                self.cfg.tokenizers,
+                online_options(self.cfg),
+                self.cfg.seq_len,
+                failure_budget=self.cfg.video_failure_budget,
             )
         si = t.shard[sample]
         view = ShardView(self.files, t.shards[si], t.shard_bytes[si])
@@ -227,12 +231,19 @@ class ConsumerStream:
                 length = len(ids)
             else:
                 length, blocks = int(t.tokens[sample]), t.blocks[sample]
-                ids = read_npy(self._read(t, sample, t.ids_at[sample]))
-                mod = read_npy(self._read(t, sample, t.mod_at[sample]))
+                si = t.shard[sample]
+                ids_b, mod_b = read_token_sample(
+                    t,
+                    sample,
+                    lambda off, size: self.files.read(t.shards[si], off, size, t.shard_bytes[si]),
+                    check_hash=self.cfg.check_hashes,
+                )
+                ids, mod = read_npy(ids_b), read_npy(mod_b)
                 if ids.shape != (length,) or mod.shape != (length,):
                     raise ValueError(
                         f"{ids.shape[0]} ids / {mod.shape[0]} modalities, the index says {length}"
                     )
+            check_ids(ids, mod, t.id_ranges)  # an id past the vocabulary would crash the model
         except (OSError, ValueError, EOFError) as e:
             self.errors += 1
             self.consecutive_errors += 1

@@ -75,6 +75,14 @@ class SampleTable:
     shard_bytes: list[int] = field(default_factory=list)  # per shard: where its last member ends
     members: list[dict] = field(default_factory=list)  # raw: each sample's index members
     manifest_url: str = ""
+    # Token shards: where each sample's KEY.json lies and the SHA-256 of its members (the index's
+    # per-sample hash; all zero where the index has none), checked as the sample is read
+    # (data/loader/sample_check.py).
+    json_at: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
+    sha: np.ndarray = field(default_factory=lambda: np.zeros((0, 32), np.uint8))
+    layout_url: str = ""  # the vocabulary layout the token shards were made with
+    # [modality, 2]: the id range [lo, hi) of each modality (set by the loader at start)
+    id_ranges: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.shard)
@@ -83,13 +91,15 @@ class SampleTable:
 def load_table(src: SourceConfig) -> SampleTable:
     tars: list[str] = []
     for pat in src.shards:
-        found = expand(pat)
-        if not found:
+        matched = expand(pat)
+        if not matched:
             raise ValueError(f"source {src.name}: {pat!r} matches no shard")
-        tars += found
+        tars += matched
     if not tars:
         raise ValueError(f"source {src.name}: no shards given")
     shard, keys, ids_at, mod_at, tokens, blocks, members = [], [], [], [], [], [], []
+    json_at, sha = [], []
+    layout_url = ""
     shard_bytes = [0] * len(tars)
     h = hashlib.sha256()
     kinds, tok_keys = set(), set()
@@ -124,6 +134,13 @@ def load_table(src: SourceConfig) -> SampleTable:
         m, manifest_url = manifest_found
         kinds.add(m["format"])
         if m["format"] == TOKEN_FORMAT:
+            if not layout_url:
+                ups = [
+                    u for u in range(3) if store.sibling(tar, "manifest.json", u) == manifest_url
+                ]
+                up = ups[0] if ups else 0
+                folder = m["tokenizers"].get("folder", "tokenizers")
+                layout_url = store.sibling(tar, f"{folder}/vocab_layout.json", up)
             tok_keys.add(tokenizer_key(m["tokenizers"]))
             legacy_tok.add(json.dumps(m["tokenizers"], sort_keys=True))
         raw = m["format"] == RAW_FORMAT
@@ -138,6 +155,10 @@ def load_table(src: SourceConfig) -> SampleTable:
                 else:
                     ids_at.append(e["members"]["ids.npy"])
                     mod_at.append(e["members"]["mod.npy"])
+                    json_at.append(e["members"].get("json", [0, 0]))
+                    # The hash covers every member: checkable from these three only
+                    whole = set(e["members"]) == {"json", "ids.npy", "mod.npy"}
+                    sha.append(bytes.fromhex(e["sha256"]) if whole and "sha256" in e else bytes(32))
                     tokens.append(e["tokens"])
                     blocks.append(e.get("blocks", []))
                 keys.append(e["key"])
@@ -184,4 +205,7 @@ def load_table(src: SourceConfig) -> SampleTable:
         manifest_url=manifest_url,
         legacy_fingerprint=old,
         shard_bytes=shard_bytes,
+        json_at=np.asarray(json_at, np.int64).reshape(-1, 2),
+        sha=np.frombuffer(b"".join(sha), np.uint8).reshape(-1, 32).copy(),
+        layout_url=layout_url,
     )

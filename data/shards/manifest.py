@@ -173,7 +173,7 @@ def merge(out: Path) -> dict:
     return finalize(out, records)
 
 
-def load_manifest(out: Path) -> dict:
+def load_manifest(out: Path, formats: tuple[str, ...] = (MANIFEST_FORMAT,)) -> dict:
     path = Path(out) / MANIFEST_FILE
     try:
         m = json.loads(path.read_text())
@@ -184,6 +184,8 @@ def load_manifest(out: Path) -> dict:
         ) from None
     except ValueError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if m.get("format") != MANIFEST_FORMAT:
-        raise ValueError(f"{path}: format {m.get('format')!r}, expected {MANIFEST_FORMAT!r}")
+    if m.get("format") not in formats:
+        raise ValueError(
+            f"{path}: format {m.get('format')!r}, expected {' or '.join(map(repr, formats))}"
+        )
     return m

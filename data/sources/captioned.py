@@ -69,7 +69,12 @@ class CaptionedSource(Source):
     def _folder_items(self) -> Iterator[Item]:
         captions: dict[str, dict] = {}
         for table in CAPTION_TABLES:
-            if (self.root / table).is_file():
+            outside = self.outside(self.root / table)
+            if (self.root / table).is_file() and outside:
+                yield self.rejected_item(
+                    self.key(sanitize_key(table)), table, outside.reason, outside.detail
+                )
+            elif (self.root / table).is_file():
                 for lineno, rec in read_table(self.root / table):
                     if isinstance(rec, Reject) or not rec.get("file"):
                         detail = rec.detail if isinstance(rec, Reject) else 'no "file" column'
@@ -78,7 +83,7 @@ class CaptionedSource(Source):
                         )
                         continue
                     captions[str(rec.pop("file"))] = rec
-        files = list(walk(self.root, hidden_dir))
+        files = list(walk(self.root, hidden_dir, follow=self.limits.follow_links_outside))
         media = {
             rel for rel, skipped in files if not skipped and Path(rel).suffix.lower() in self.exts
         }
@@ -86,7 +91,7 @@ class CaptionedSource(Source):
         for rel, skipped in files:
             key = self.key(sanitize_key(rel))
             if skipped:
-                yield self.rejected_item(key, rel, "vendored", skipped)
+                yield self.rejected_item(key, rel, skipped.reason, skipped.detail)
                 continue
             if rel in CAPTION_TABLES:
                 continue
@@ -103,12 +108,19 @@ class CaptionedSource(Source):
                 )
                 continue
             path = self.root / rel
+            txt, js = path.with_suffix(".txt"), path.with_suffix(".json")
+            # the media file and its sidecar captions: none may be a link out of the folder
+            outside = next(
+                (o for f in (path, txt, js) if f.exists() and (o := self.outside(f))), None
+            )
+            if outside:
+                yield self.rejected_item(key, rel, outside.reason, outside.detail)
+                continue
             size = stat_size(path)
             if size is None:
                 yield self.rejected_item(key, rel, "unreadable-file", "cannot stat")
                 continue
             caption = captions.get(rel)
-            txt, js = path.with_suffix(".txt"), path.with_suffix(".json")
             ref = (
                 "file",
                 str(path),
@@ -148,6 +160,10 @@ class CaptionedSource(Source):
                 )
                 continue
             path = (base / media) if not Path(media).is_absolute() else Path(media)
+            outside = self.outside(path)
+            if outside:
+                yield self.rejected_item(key, f"{label} ({media})", outside.reason, outside.detail)
+                continue
             size = stat_size(path)
             if size is None:
                 yield self.rejected_item(

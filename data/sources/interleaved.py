@@ -103,6 +103,17 @@ class InterleavedSource(Source):
                 yield self.rejected_item(key, label, parts.reason, parts.detail)
                 continue
             size, missing = length, None
+            outside = next(
+                (
+                    o
+                    for p in parts
+                    if p.type in ("image", "video") and (o := self.outside(p.path or ""))
+                ),
+                None,
+            )
+            if outside:
+                yield self.rejected_item(key, label, outside.reason, outside.detail)
+                continue
             for p in parts:
                 if p.type in ("image", "video"):
                     s = stat_size(Path(p.path)) if p.path else None

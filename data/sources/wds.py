@@ -122,12 +122,15 @@ class WdsSource(Source):
             for label, url in remote_tars(self.spec.path):
                 yield from self._tar_items(label, label, url)
             return
-        for rel, skipped in walk(self.root, hidden_dir):
+        for rel, skipped in walk(self.root, hidden_dir, follow=self.limits.follow_links_outside):
             label = self.display(rel)
-            if skipped:
-                yield self.rejected_item(self.key(sanitize_key(rel)), label, "vendored", skipped)
-                continue
             path = self.root / rel if self.root.is_dir() else self.root
+            skipped = skipped or self.outside(path)
+            if skipped:
+                yield self.rejected_item(
+                    self.key(sanitize_key(rel)), label, skipped.reason, skipped.detail
+                )
+                continue
             if not rel.endswith(".tar"):
                 if not rel.endswith(INDEX_SUFFIX):
                     yield self.rejected_item(

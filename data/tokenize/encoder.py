@@ -39,6 +39,8 @@ class DocEncoder:
         self.video_prep = ImagePrep(
             factor=f, max_pixels=opts.video_max_pixels, max_grid=self.lay.max_grid
         )
+        # How clips are decoded; the loader's workers swap in data/loader/decode_guard.py's
+        self.decode_frames = decode_frames
 
     # --- visual ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -77,7 +79,7 @@ class DocEncoder:
             raise ValueError(
                 f"one frame alone exceeds video_max_tokens={self.opts.video_max_tokens}"
             )
-        fr = decode_frames(
+        fr = self.decode_frames(
             raw,
             VideoSampling(self.opts.video_fps, cap),
             self.video_prep,
