@@ -118,7 +118,7 @@ def test_every_checkpoint_tool_runs_nothing_from_a_crafted_file(runs, tmp_path, 
     from tools.convert import main as convert_main
     from tools.convert_release import make_release
     from tools.convert_universal import make_universal
-    from tools.release import Release, ReleaseError
+    from train.release import Release, ReleaseError
 
     marker = tmp_path / "MARKER"
     z0, z2 = copy(runs, "zero0", tmp_path), copy(runs, "zero2", tmp_path)
