@@ -18,6 +18,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +68,9 @@ class Checkpointer:
         self.dir = Path(run_dir) / "checkpoints"
         self.dist = dist
         self.keep_last = max(1, keep_last)
+        # Called with the step once this rank's files of a save are written, before the barrier
+        # after which `latest` moves. Tests use it to crash a save half-way (train/callbacks/faults.py).
+        self.before_commit: Callable[[int], None] | None = None
 
     # --- reading -----------------------------------------------------------------------------
     def latest(self) -> str | None:
@@ -205,8 +209,8 @@ class Checkpointer:
             (folder / "meta.json").write_text(
                 json.dumps({**meta, "step": step, "tag": tag}, indent=1) + "\n"
             )
-        if int(os.environ.get("EARLYFUSE_FAULT_KILL_IN_SAVE", "-1")) == step:
-            os._exit(137)  # fault injection for the tests: a crash after the files, before `latest`
+        if self.before_commit is not None:
+            self.before_commit(step)
         barrier()  # every rank's files are written before `latest` may move
         if self.dist.is_main:
             tmp = self.dir / "latest.tmp"

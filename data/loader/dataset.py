@@ -150,6 +150,10 @@ class PackedLoader:
             persistent_workers=False,
             multiprocessing_context="spawn" if self.cfg.num_workers else None,
             worker_init_fn=_worker_init if self.cfg.num_workers else None,
+            # A generator of its own: a DataLoader iterator otherwise draws its base seed from the
+            # global torch RNG, which would differ between a resumed and an uninterrupted run.
+            # Our workers seed themselves by hashing (seed, epoch, rank, worker) anyway.
+            generator=torch.Generator().manual_seed(self.cfg.seed * 1000003 + self.rank),
         )
         it = iter(dl)
         try:
@@ -279,13 +283,17 @@ def build_loader(
     micro_batch: int,
     pad_id: int = 0,
     validation: bool = False,
+    tables: list[SampleTable] | None = None,
 ) -> PackedLoader:
+    """``tables``: the sources' sample tables when the caller has read them already (a run reads
+    each index once and shares it between training, evaluation and probes)."""
     sources = cfg.validation if validation else cfg.sources
     if not sources:
         raise ValueError(
             "data.validation lists no sources" if validation else "data.sources lists no sources"
         )
-    tables = [load_table(s) for s in sources]
+    if tables is None:
+        tables = [load_table(s) for s in sources]
     check_tokenizers(cfg, tables)
     if validation:
         from dataclasses import replace

@@ -24,6 +24,7 @@ from data.image_prep import ImagePrep
 from model.vtok_metrics import code_use, patch_mean_baseline, psnr, ssim, to_unit
 from train.config import RunConfig
 from train.dist import DistInfo
+from train.streams import CropStream as CropBatches
 from train.tasks.base import StepOutput
 
 EXPORT_DIR = "visual_tokenizer"
@@ -77,14 +78,15 @@ class VtokTask:
     def build_model(self):
         return self.cfg.vtok.build()
 
-    def batches(self) -> CropStream:
-        return CropStream(
+    def batches(self) -> CropBatches:
+        crops = CropStream(
             self.pool.train,
             crop=self.cfg.vtok_data.crop,
             batch=self.cfg.train.micro_batch,
             seed=self.cfg.train.seed,
             rank=self.dist.rank,
         )
+        return CropBatches(crops)
 
     def _dtype(self, engine) -> torch.dtype:
         return next(engine.module.parameters()).dtype
