@@ -60,3 +60,13 @@ def metrics(run_dir: Path) -> dict[int, dict]:
         rec = json.loads(line)
         out[rec["step"]] = rec
     return out
+
+
+def rng_digests(path: Path, *, rank: int = 0, every: bool = False):
+    """The RNG digests a run logged before each step (fault ``rng_log``): {step: digest}, or with
+    ``every`` all (step, digest) pairs in order (a killed and resumed run logs some steps twice)."""
+    pairs = [
+        (int(step), digest)
+        for step, digest in (ln.split() for ln in Path(f"{path}.{rank}").read_text().splitlines())
+    ]
+    return pairs if every else dict(pairs)

@@ -23,7 +23,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from train.config import RunConfig
-from train.config_check import ConfigError, check_known_keys
+from train.config_check import ConfigError, check_known_keys, unknown_override_keys
 from train.dist import strip_launcher_args
 
 ConfigStore.instance().store(name="run_schema", node=RunConfig)
@@ -82,8 +82,17 @@ def run(cfg: RunConfig, resolved: str, extra_callbacks: CallbackFactory | None =
     return 0
 
 
+def config_groups() -> set[str]:
+    return {p.name for p in Path(CONFIG_DIR).iterdir() if p.is_dir()}
+
+
 def main(extra_callbacks: CallbackFactory | None = None) -> None:
     sys.argv = strip_launcher_args(sys.argv)
+    # Before Hydra: its own message for an unknown key suggests +key=..., which would add it.
+    unknown = unknown_override_keys(sys.argv[1:], RunConfig, config_groups())
+    if unknown:
+        print(f"earlyfuse-train: unknown config key(s): {'; '.join(unknown)}", file=sys.stderr)
+        sys.exit(2)
 
     @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
     def hydra_main(cfg: DictConfig) -> None:

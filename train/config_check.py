@@ -103,6 +103,45 @@ def unknown_keys(tree: Any, schema: type, path: str = "") -> list[str]:
     return found
 
 
+def unknown_override_keys(overrides: list[str], schema: type, groups: set[str]) -> list[str]:
+    """The keys of command-line overrides (``a.b=1``, ``+a.b=1``, ``++a.b=1``, ``~a.b``) that
+    ``schema`` does not have, each with the nearest known name; config group choices
+    (``experiment=debug``) and ``hydra.*`` are Hydra's. Arguments that are not overrides (Hydra's
+    own flags and their values) are left to Hydra."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    found = []
+    for arg in overrides:
+        try:
+            (override,) = parser.parse_overrides([arg])
+        except (HydraException, ValueError):
+            continue
+        key = override.key_or_group
+        if override.package is not None or key.split(".")[0] == "hydra":
+            continue
+        if key in groups:
+            continue  # a group's choice (model=debug); model.dim=... is a key and checked
+        cls: type | None = schema
+        parts = key.split(".")
+        for i, part in enumerate(parts):
+            names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+            if part not in names:
+                path = ".".join(parts[:i])
+                close = difflib.get_close_matches(part, names, n=1)
+                prefix = f"{path}." if path else ""
+                found.append(f"{key}" + (f" (did you mean {prefix}{close[0]}?)" if close else ""))
+                break
+            hint = typing.get_type_hints(cls)[part]
+            if typing.get_origin(hint) is list:
+                break  # an element of a list is not addressed by a dotted key
+            cls = _dataclass_in(hint)
+            if cls is None:
+                break  # a plain value or a free-form dict (deepspeed.config.*)
+    return found
+
+
 def check_known_keys(tree: dict, schema: type) -> None:
     unknown = unknown_keys(tree, schema)
     if unknown:

@@ -16,7 +16,7 @@ Design choices:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import Protocol
 
 from data.image_crops import CropStream as _CropStream
@@ -26,7 +26,7 @@ from data.loader.table import SampleTable, load_table
 
 
 class BatchStream(Protocol):
-    def __iter__(self) -> Iterator[dict]:
+    def __iter__(self) -> Generator[dict, None, None]:
         """Batches of this rank; close the iterator (``contextlib.closing``) to stop workers."""
         ...
 
@@ -77,7 +77,7 @@ class TokenStream:
     def __init__(self, loader: PackedLoader) -> None:
         self.loader = loader
 
-    def __iter__(self) -> Iterator[dict]:
+    def __iter__(self) -> Generator[dict, None, None]:
         return iter(self.loader)
 
     def state_dict(self) -> dict:
@@ -120,7 +120,7 @@ class CropStream:
     def __init__(self, crops: _CropStream) -> None:
         self.crops = crops
 
-    def __iter__(self) -> Iterator[dict]:
+    def __iter__(self) -> Generator[dict, None, None]:
         return iter(self.crops)
 
     def state_dict(self) -> dict:

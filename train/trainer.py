@@ -23,8 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +47,12 @@ class RunHalted(RuntimeError):
     """A monitor ordered the run to stop (its alarm is in alarms.jsonl and on the console)."""
 
 
-def reduce_sums(sums: Counter, device: torch.device) -> dict[str, float]:
+def accumulate(sums: dict[str, float], values: Mapping[str, float]) -> None:
+    for key, value in values.items():
+        sums[key] = sums.get(key, 0.0) + value
+
+
+def reduce_sums(sums: Mapping[str, float], device: torch.device) -> dict[str, float]:
     """Sum every metric over ranks in one collective (sums and counts, never means)."""
     keys = sorted(sums)
     vec = all_reduce_sum(
@@ -101,7 +105,8 @@ class Trainer:
                 if decision.action == HALT:
                     raise RunHalted(decision.reason)
                 if decision.action == STOP:
-                    return self.stop(step, decision)
+                    self.stop(step, decision)
+                    return None
                 step = self.roll_back(decision)
             return self.finish(step)
         finally:
@@ -111,7 +116,8 @@ class Trainer:
         """Optimizer step ``step`` (1-based) over ``grad_accum`` micro-batches; None when the data
         ended before the step was complete (its partial gradients are never applied)."""
         self.callbacks.pre_step(self, step)
-        start, wait, sums = time.perf_counter(), 0.0, Counter()
+        start, wait = time.perf_counter(), 0.0
+        sums: dict[str, float] = {}
         reduced: dict[str, float] = {}
         for micro in range(self.train.grad_accum):
             waited = time.perf_counter()
@@ -121,8 +127,8 @@ class Trainer:
                 return None
             out = self.task.forward(self.engine, batch)
             self.engine.backward(out.loss)
-            sums.update({k: float(v) for k, v in out.sums.items()})
-            sums.update(loss_sum=float(out.loss.detach()), micro=1, units=out.units)
+            accumulate(sums, {k: float(v) for k, v in out.sums.items()})
+            accumulate(sums, {"loss_sum": float(out.loss.detach()), "micro": 1, "units": out.units})
             if micro == self.train.grad_accum - 1:
                 # The skip-step gate needs this step's loss, identical on every rank, before
                 # engine.step() applies (or drops) the update.
@@ -145,7 +151,7 @@ class Trainer:
             self.save_checkpoint(step)
         if self.dist.is_main:
             log.info(
-                f"earlyfuse-train: {decision.reason} received: stopped at step {step} of "
+                f"earlyfuse-train: stopped by {decision.reason} at step {step} of "
                 f"{self.total_steps} with checkpoint {tag_for(step)} in {self.checkpointer.dir}; "
                 "run the same command again to resume"
             )

@@ -71,7 +71,7 @@ class FaultConfig:
 def rng_digest() -> str:
     """A short digest of the global RNG states every step of a run may draw from."""
     h = hashlib.sha256(torch.get_rng_state().numpy().tobytes())
-    key, pos = np.random.get_state()[1:3]
+    _, key, pos, *_ = np.random.get_state(legacy=True)
     h.update(np.asarray(key).tobytes() + str(pos).encode())
     h.update(repr(random.getstate()).encode())
     return h.hexdigest()[:16]

@@ -46,7 +46,7 @@ class Preemption(Callback):
         flag = torch.tensor([1.0 if self.received else 0.0], device=self.device)
         if float(all_reduce_sum(flag).item()) == 0.0:
             return None
-        return Decision(action=STOP, reason=f"{self.received or 'a signal on another rank'}")
+        return Decision(action=STOP, reason=self.received or "a signal to another rank")
 
     def close(self, trainer: Trainer) -> None:
         for sig, handler in self.previous.items():
