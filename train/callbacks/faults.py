@@ -113,11 +113,17 @@ class FaultInjection(Callback):
     def wrap_forward(self, trainer: Trainer) -> None:
         task = trainer.task
         forward = task.forward
-        layout = getattr(task, "layout", None)
+        layout = None
+        if self.cfg.random_image_codes_from >= 0:
+            from train.tasks.lm import LMTask
+
+            if not isinstance(task, LMTask):
+                raise ValueError("fault random_image_codes_from: an LM run only (image codes)")
+            layout = task.layout
 
         def faulty_forward(engine, batch: dict) -> StepOutput:
             codes_from = self.cfg.random_image_codes_from
-            if 0 <= codes_from <= self.step and layout is not None:
+            if layout is not None and 0 <= codes_from <= self.step:
                 batch = random_image_codes(batch, layout, self.generator)
             out = forward(engine, batch)
             if self.step == self.cfg.nan_at_step:
