@@ -29,13 +29,14 @@ import random
 import re
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from train.dist import DistInfo, barrier
-from train.names import CHECKPOINT_META_FILE, CHECKPOINTS_DIR, LATEST_FILE
+from train.names import CHECKPOINT_META_FILE, CHECKPOINTS_DIR, CONFIG_FILE, LATEST_FILE
 from train.safe_load import CheckpointError, safe_torch_load, weights_only_loads
 
 TAG = re.compile(r"^step_(\d{8})$")
@@ -68,7 +69,7 @@ def file_sha256(path: Path, bufsize: int = 1 << 22) -> str:
 
 # A copy of the run's config for people and tools, which they may edit (paths, after moving
 # data); resume never reads it: not in the manifest.
-EDITABLE = {"config.yaml"}
+EDITABLE = {CONFIG_FILE}
 
 
 def checkpoint_files(folder: Path) -> list[str]:
@@ -211,6 +212,9 @@ class Checkpointer:
         self.verify_hashes = verify_hashes
         self._checked = False  # this process has had `latest` checked (main) / waited for it
         self._main_checked = False
+        # Called with the step once this rank's files of a save are written, before the barrier
+        # after which `latest` moves. Tests use it to crash a save half-way (train/callbacks/faults.py).
+        self.before_commit: Callable[[int], None] | None = None
 
     # --- reading -----------------------------------------------------------------------------
     def latest(self) -> str | None:
@@ -413,8 +417,8 @@ class Checkpointer:
         if self.dist.is_main:
             for name, text in files.items():
                 (folder / name).write_text(text)
-        if int(os.environ.get("EARLYFUSE_FAULT_KILL_IN_SAVE", "-1")) == step:
-            os._exit(137)  # fault injection for the tests: a crash after the files, before `latest`
+        if self.before_commit is not None:
+            self.before_commit(step)  # tests crash a save here: files written, `latest` not moved
         barrier()  # every rank's files are written before they are hashed and `latest` moves
         manifest = self._hash_shared(folder)
         if self.dist.is_main:

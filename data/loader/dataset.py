@@ -18,11 +18,8 @@ Design choices:
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import json
-import os
-import sys
 from typing import Any
 
 import torch
@@ -35,25 +32,13 @@ from data.loader.stream import ConsumerStream
 from data.loader.table import SampleTable, load_table
 
 STATE_VERSION = 1
-
-
-def _hard_exit() -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _worker_init(_worker_id: int) -> None:
-    """A worker process leaves with ``os._exit`` once multiprocessing has flushed its queues.
-
-    With torch 2.13 (CPU build) a spawned DataLoader worker that exits normally aborts in about
-    one shutdown in four ("terminate called without an active exception", SIGABRT in a C++
-    destructor during interpreter teardown, no Python frame); the main process then raises
-    "DataLoader worker ... is killed by signal: Aborted" while closing the loader. The atexit
-    hook runs after ``Process._bootstrap`` has joined the queues' feeder threads and before that
-    teardown. A worker that failed still reaches the main process as an exception through the
-    data queue (or as a dead worker), so nothing is hidden."""
-    atexit.register(_hard_exit)
+# Workers are forked from multiprocessing's fork server: a clean single-threaded process (not
+# this one, whose threads and CUDA state a plain fork would copy), and a worker leaves through the
+# fork server's os._exit once its queues are flushed. A spawned worker instead tore down a whole
+# interpreter, and with torch 2.13 (CPU) one that had run the visual tokenizer (online
+# tokenization) aborted in about 1 shutdown of 7 ("terminate called without an active
+# exception", SIGABRT in a C++ destructor, no Python frame), which failed the loader.
+WORKER_START = "forkserver"
 
 
 class _Consumers(IterableDataset):
@@ -150,8 +135,11 @@ class PackedLoader:
             pin_memory=self.pin,
             prefetch_factor=self.cfg.prefetch_factor if self.cfg.num_workers else None,
             persistent_workers=False,
-            multiprocessing_context="spawn" if self.cfg.num_workers else None,
-            worker_init_fn=_worker_init if self.cfg.num_workers else None,
+            multiprocessing_context=WORKER_START if self.cfg.num_workers else None,
+            # A generator of its own: a DataLoader iterator otherwise draws its base seed from the
+            # global torch RNG, which would differ between a resumed and an uninterrupted run.
+            # Our workers seed themselves by hashing (seed, epoch, rank, worker) anyway.
+            generator=torch.Generator().manual_seed(self.cfg.seed * 1000003 + self.rank),
         )
         it = iter(dl)
         try:
@@ -281,13 +269,17 @@ def build_loader(
     micro_batch: int,
     pad_id: int = 0,
     validation: bool = False,
+    tables: list[SampleTable] | None = None,
 ) -> PackedLoader:
+    """``tables``: the sources' sample tables when the caller has read them already (a run reads
+    each index once and shares it between training, evaluation and probes)."""
     sources = cfg.validation if validation else cfg.sources
     if not sources:
         raise ValueError(
             "data.validation lists no sources" if validation else "data.sources lists no sources"
         )
-    tables = [load_table(s) for s in sources]
+    if tables is None:
+        tables = [load_table(s) for s in sources]
     check_tokenizers(cfg, tables)
     attach_id_ranges(cfg, tables)  # every sample's ids checked against them as it is read
     if validation:

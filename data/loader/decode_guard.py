@@ -6,23 +6,26 @@ Design choices:
 - Decoding stays in the worker (no process per clip: most clips decode fine, and ingest has
   already probed every raw shard's videos). Each worker counts its failed decodes.
 - Past ``budget`` failures (a worker that keeps meeting broken clips), every later clip is
-  decoded in a child forked for it: the frames come back through a pipe, whatever decord leaks
-  dies with the child, and the worker's memory stays where it was. A fork of a worker costs a
-  few milliseconds; only such workers pay it. ``os.fork`` rather than multiprocessing: a
-  DataLoader worker is a daemon process, which multiprocessing does not let have children.
+  decoded in a fresh child process started for it (``python -m data.loader.decode_child``):
+  the frames come back through a pipe, whatever decord leaks dies with the child, and the
+  worker's memory stays where it was. A child costs an interpreter start and decord's import
+  (a few hundred milliseconds); only such workers pay it. A subprocess rather than
+  multiprocessing or a bare fork: a DataLoader worker is a daemon process, which
+  multiprocessing does not let have children, and a forked copy of a worker would have to
+  leave through ``os._exit``.
 - A child that dies (a crash inside FFmpeg) is a failed decode like any other: the sample is
   skipped and counted by the stream, never a dead worker.
 """
 
 from __future__ import annotations
 
-import os
 import pickle
-import struct
+import subprocess
 import sys
 
 from data.video_frames import decode_frames
 
+CHILD_COMMAND = [sys.executable, "-m", "data.loader.decode_child"]
 DEFAULT_BUDGET = 64  # failed decodes a worker absorbs (~3 MB of decord leaks) before forking
 
 
@@ -50,38 +53,13 @@ class DecodeGuard:
 
 
 def decode_in_child(raw: bytes, sampling, prep, size=None):
-    """``decode_frames`` in a forked child; its result (or its error) comes back pickled."""
-    read_fd, write_fd = os.pipe()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # the child: decode, send, leave without running any of the parent's cleanup
-        code = 0
-        try:
-            os.close(read_fd)
-            result: tuple[bool, object]
-            try:
-                result = (True, decode_frames(raw, sampling, prep, size))
-            except ValueError as e:
-                result = (False, str(e))
-            blob = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
-            with os.fdopen(write_fd, "wb") as f:
-                f.write(struct.pack("<Q", len(blob)))
-                f.write(blob)
-        except BaseException:  # noqa: BLE001 - nothing may escape into the parent's code
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(write_fd)
-    try:
-        with os.fdopen(read_fd, "rb") as f:
-            head = f.read(8)
-            blob = f.read(struct.unpack("<Q", head)[0]) if len(head) == 8 else b""
-    finally:
-        _, status = os.waitpid(pid, 0)
-    if not blob:
-        raise ValueError(f"cannot decode video: the decoding process died (status {status})")
-    ok, payload = pickle.loads(blob)  # our own child's bytes, never the input's
+    """``decode_frames`` in a fresh Python process (``data.loader.decode_child``); its result (or
+    its error) comes back pickled on its stdout."""
+    job = pickle.dumps((raw, sampling, prep, size), protocol=pickle.HIGHEST_PROTOCOL)
+    done = subprocess.run(CHILD_COMMAND, input=job, capture_output=True)
+    if done.returncode != 0 or not done.stdout:
+        raise ValueError(f"cannot decode video: the decoding process died (exit {done.returncode})")
+    ok, payload = pickle.loads(done.stdout)  # our own child's bytes, never the input's
     if not ok:
         raise ValueError(str(payload))
     return payload

@@ -1,13 +1,13 @@
 """The early-fusion LM under DeepSpeed on CPU, on real token shards: every ZeRO stage trains and
-resumes bit-identically from its own checkpoint; a 2-process torchrun run killed with -9
-resumes bit-identically too."""
+resumes bit-identically from its own checkpoint, the global RNG states included; a 2-process
+torchrun run killed with -9 resumes bit-identically too."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from trainrun import metrics, train
+from trainrun import metrics, rng_digests, train
 
 SOURCES = {"scenes": 0.3, "clips": 0.3, "text": 0.3, "code": 0.1}  # short documents first
 
@@ -48,34 +48,47 @@ def test_lm_debug_run_logs_every_modality(tiny_tokens, tmp_path):
 def test_every_zero_stage_trains_and_resumes_bit_identically(tiny_tokens, tmp_path, stage):
     ref, run = tmp_path / "ref", tmp_path / "run"
     args = [f"deepspeed.zero_stage={stage}"]
-    train(base(tiny_tokens, ref, 4, *args))
+    rng_ref, rng_run = tmp_path / "ref.rng", tmp_path / "run.rng"
+    train(base(tiny_tokens, ref, 4, *args), faults={"rng_log": rng_ref})
     p = train(
         base(tiny_tokens, run, 4, "train.ckpt_every=2", *args),
-        env={"EARLYFUSE_FAULT_KILL_AT_STEP": "3"},
+        faults={"kill_at_step": 3, "rng_log": rng_run},
         check=False,
     )
-    assert p.returncode == 137
-    train(base(tiny_tokens, run, 4, "train.ckpt_every=2", *args))
+    assert p.returncode == -9  # SIGKILL, as kill -9
+    train(base(tiny_tokens, run, 4, "train.ckpt_every=2", *args), faults={"rng_log": rng_run})
     a, b = metrics(ref), metrics(run)
     assert [a[s]["train/loss"] for s in range(1, 5)] == [b[s]["train/loss"] for s in range(1, 5)]
     assert a[4]["train/loss"] < a[1]["train/loss"]
+    # The global RNG before every step, the killed run's and the resumed run's steps 3 and 4
+    # included, is the uninterrupted run's: nothing draws from it between restore and step 3.
+    want, got = rng_digests(rng_ref), rng_digests(rng_run, every=True)
+    assert sorted(want) == [1, 2, 3, 4] and [s for s, _ in got] == [1, 2, 3, 3, 4]
+    assert all(digest == want[s] for s, digest in got), (want, got)
 
 
 @pytest.mark.slow
 def test_two_process_run_killed_mid_run_resumes_bit_identically(tiny_tokens, tmp_path):
     ref, run = tmp_path / "ref", tmp_path / "run"
     args = ["deepspeed.zero_stage=2"]
-    train(base(tiny_tokens, ref, 6, *args), nproc=2)
+    rng_ref, rng_run = tmp_path / "ref.rng", tmp_path / "run.rng"
+    train(base(tiny_tokens, ref, 6, *args), nproc=2, faults={"rng_log": rng_ref})
     p = train(
         base(tiny_tokens, run, 6, "train.ckpt_every=2", *args),
         nproc=2,
-        env={"EARLYFUSE_FAULT_KILL_AT_STEP": "5"},
+        faults={"kill_at_step": 5, "rng_log": rng_run},
         check=False,
     )
     assert p.returncode != 0
-    train(base(tiny_tokens, run, 6, "train.ckpt_every=2", *args), nproc=2)
+    train(
+        base(tiny_tokens, run, 6, "train.ckpt_every=2", *args), nproc=2, faults={"rng_log": rng_run}
+    )
     a, b = metrics(ref), metrics(run)
     assert [a[s]["train/loss"] for s in range(1, 7)] == [b[s]["train/loss"] for s in range(1, 7)]
+    for rank in (0, 1):
+        want = rng_digests(rng_ref, rank=rank)
+        got = rng_digests(rng_run, rank=rank, every=True)
+        assert all(digest == want[s] for s, digest in got), (rank, want, got)
 
 
 def test_lm_trains_on_raw_shards_tokenized_by_the_loader(tiny_raw, tiny_tokens, tmp_path):

@@ -9,13 +9,10 @@ share of them.
 
 from __future__ import annotations
 
-import dataclasses
 from contextlib import closing
 
 import torch
 
-from data.loader import build_loader
-from train.faults import fault_step
 from train.monitor import probes
 from train.monitor.config import MonitorConfig
 
@@ -27,19 +24,12 @@ class LMProbes:
         self.cfg, self.run_cfg, self.task, self.dist, self.engine = cfg, run_cfg, task, dist, engine
         self._attn_batch: dict | None = None
         self._dep_batch: dict | None = None
+        # Fault injection only (train/callbacks/faults.py): from this step on the dependence
+        # probe's "matched" images are shuffled too; -1: never.
+        self.shuffle_matched_from = -1
 
     def _rows(self, want_captions: int):
-        d = self.run_cfg.data
-        data = dataclasses.replace(
-            d, sources=d.validation or d.sources, validation=[], num_workers=0, mode="infinite"
-        )
-        loader = build_loader(
-            data,
-            rank=self.dist.rank,
-            world_size=self.dist.world_size,
-            micro_batch=self.run_cfg.train.micro_batch,
-            pad_id=0,
-        )
+        loader = self.task.probe_stream()
         first, rows = None, []
         with closing(iter(loader)) as batches:
             for i, b in enumerate(batches):
@@ -79,8 +69,7 @@ class LMProbes:
                 self._dep_batch = self._rows(per_rank) or {}
             if not self._dep_batch:
                 return {}
-            fault = fault_step("EARLYFUSE_FAULT_SHUFFLE_PROBE_FROM")
-            shuffled = 0 <= fault <= step
+            shuffled = 0 <= self.shuffle_matched_from <= step
             return probes.dependence_gap(
                 module, self._dep_batch, self.task.layout, dev, fault_shuffled=shuffled
             )

@@ -10,6 +10,7 @@ and reports loss and perplexity per modality.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from contextlib import closing
@@ -17,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from data.loader import build_loader, store
-from data.loader.table import find_manifest, load_table
+from data.loader import LoaderConfig, build_loader, store
+from data.loader.table import find_manifest
 from data.names import LAYOUT_FILE
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
 from model.flops import flops_per_token
@@ -26,6 +27,7 @@ from train.config import RunConfig
 from train.dist import DistInfo, all_reduce_sum
 from train.monitor import chance_levels
 from train.monitor.lm_probes import LMProbes
+from train.streams import TableCache, TokenStream
 from train.tasks.base import StepOutput
 
 MODEL_INPUTS = (
@@ -40,13 +42,13 @@ MODEL_INPUTS = (
 )
 
 
-def layout_of_data(cfg: RunConfig) -> tuple[VocabLayout, Path]:
+def layout_of_data(cfg: RunConfig, tables: TableCache | None = None) -> tuple[VocabLayout, Path]:
     """The vocabulary layout of the run's tokens: ``data.tokenizers`` when given, else the token
     shards' own tokenizers/ copy."""
     if cfg.data.tokenizers:
         folder = Path(cfg.data.tokenizers)
     else:
-        table = load_table(cfg.data.sources[0])
+        table = (tables or TableCache()).get(cfg.data.sources[:1])[0]
         if table.kind == "raw" or store.kind(table.shards[0]) != "local":
             raise ValueError(
                 f"source {table.name}: {table.shards[0]} is {'raw' if table.kind == 'raw' else 'remote'}; "
@@ -73,13 +75,14 @@ class LMTask:
         if cfg.data is None or not cfg.data.sources:
             raise ValueError("task lm needs data.sources (token shard folders); see configs/data/")
         self.cfg, self.dist = cfg, dist
-        self.layout, self.tok_folder = layout_of_data(cfg)
+        self.tables = TableCache()  # every index read once, shared by all loaders of the run
+        self.layout, self.tok_folder = layout_of_data(cfg, self.tables)
         self.model_cfg = cfg.model.with_layout(self.layout)
-        for s in cfg.data.validation:  # found now, not at the first evaluation hours later
-            if load_table(s).kind == "raw":
+        for src, table in zip(cfg.data.validation, self.tables.get(cfg.data.validation)):
+            if table.kind == "raw":  # found now, not at the first evaluation hours later
                 raise ValueError(
-                    f"data.validation source {s.name} holds raw shards: validation makes one exact "
-                    "pass, which needs the token counts of token shards; tokenize it "
+                    f"data.validation source {src.name} holds raw shards: validation makes one "
+                    "exact pass, which needs the token counts of token shards; tokenize it "
                     "(earlyfuse-prep tokenize) and name the token folder"
                 )
         self.source_names = [s.name for s in cfg.data.sources]
@@ -88,14 +91,31 @@ class LMTask:
     def build_model(self):
         return self.model_cfg.build()
 
-    def batches(self):
-        return build_loader(
-            self.cfg.data,
+    def stream(self, data: LoaderConfig, *, validation: bool = False) -> TokenStream:
+        """A loader of this rank over ``data``'s sources (or its validation sources)."""
+        sources = data.validation if validation else data.sources
+        loader = build_loader(
+            data,
             rank=self.dist.rank,
             world_size=self.dist.world_size,
             micro_batch=self.cfg.train.micro_batch,
             pad_id=0,
+            validation=validation,
+            tables=self.tables.get(sources),
         )
+        return TokenStream(loader)
+
+    def batches(self) -> TokenStream:
+        return self.stream(self.cfg.data)
+
+    def probe_stream(self) -> TokenStream:
+        """The probes' rows: the validation sources when the run has them (else the training
+        sources), through a loader of their own (no workers; the training stream is untouched)."""
+        d = self.cfg.data
+        data = dataclasses.replace(
+            d, sources=d.validation or d.sources, validation=[], num_workers=0, mode="infinite"
+        )
+        return self.stream(data)
 
     def forward(self, engine, batch: dict) -> StepOutput:
         dev = self.dist.device
@@ -153,14 +173,7 @@ class LMTask:
     def evaluate(self, engine, step: int) -> dict[str, float]:
         if not self.cfg.data.validation:
             return {}
-        loader = build_loader(
-            self.cfg.data,
-            rank=self.dist.rank,
-            world_size=self.dist.world_size,
-            micro_batch=self.cfg.train.micro_batch,
-            pad_id=0,
-            validation=True,
-        )
+        loader = self.stream(self.cfg.data, validation=True)
         ce = torch.zeros(len(Modality), dtype=torch.float64)
         cnt = torch.zeros(len(Modality), dtype=torch.float64)
         with closing(iter(loader)) as batches:  # stops the loader's workers when we stop early

@@ -25,6 +25,7 @@ from data.names import VISUAL_CONFIG_FILE, VISUAL_TOKENIZER_DIR, VISUAL_WEIGHTS_
 from model.vtok_metrics import code_use, patch_mean_baseline, psnr, ssim, to_unit
 from train.config import RunConfig
 from train.dist import DistInfo
+from train.streams import CropStream as CropBatches
 from train.tasks.base import StepOutput
 
 
@@ -76,14 +77,15 @@ class VtokTask:
     def build_model(self):
         return self.cfg.vtok.build()
 
-    def batches(self) -> CropStream:
-        return CropStream(
+    def batches(self) -> CropBatches:
+        crops = CropStream(
             self.pool.train,
             crop=self.cfg.vtok_data.crop,
             batch=self.cfg.train.micro_batch,
             seed=self.cfg.train.seed,
             rank=self.dist.rank,
         )
+        return CropBatches(crops)
 
     def _dtype(self, engine) -> torch.dtype:
         return next(engine.module.parameters()).dtype
