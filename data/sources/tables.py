@@ -261,7 +261,7 @@ def table_items(src: Source) -> Iterator[Item]:
                         yield src.rejected_item(key, label, "unsafe-name", f"id: {why}")
                         continue
                     key = src.key(sanitize_key(str(rid)))
-                missing = _missing_media(media, pos, base)
+                missing = _missing_media(media, pos, base) or _linked_out(src, media, pos, base)
                 if missing:
                     reason, detail, shown = missing
                     where = f"{label} ({shown})" if shown else label
@@ -283,6 +283,23 @@ def _missing_media(media: dict[str, list], pos: int, base: Location) -> tuple[st
                 return ("missing-media" if "remote" in got else "bad-record"), got, ""
             if got[1] is not None and stat_size(Path(got[1])) is None:
                 return "missing-media", "file does not exist", got[2]
+    return None
+
+
+def _linked_out(src: Source, media: dict[str, list], pos: int, base: Location):
+    """(reason, detail, path as written) when a local media path of the row is a symlink leading
+    out of the table's folder (the same rule as the JSONL/CSV tables: ``Source.outside``)."""
+    if base.remote:
+        return None
+    for values in media.values():
+        cell = values[pos]
+        for value in cell if isinstance(cell, list) else [cell]:
+            got = media_value(value, base) if value is not None else None
+            if got is None or isinstance(got, str) or got[1] is None:
+                continue
+            skip = src.outside(Path(got[1]), Path(base.text).resolve())
+            if skip:
+                return skip.reason, skip.detail, got[2]
     return None
 
 

@@ -10,6 +10,8 @@ import json
 import tarfile
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from factories import mp4_bytes, png_bytes, write_wds
 
@@ -69,6 +71,10 @@ def world(tmp_path) -> dict:
         "".join(json.dumps({"image": p, "caption": c}) + "\n" for p, c in rows)
     )
     (table / "caps.csv").write_text("image,caption\n" + "".join(f"{p},{c}\n" for p, c in rows))
+    pq.write_table(  # a parquet table of paths (pyarrow is in the test extra)
+        pa.table({"image": [p for p, _ in rows], "caption": [c for _, c in rows]}),
+        table / "caps.parquet",
+    )
     (table / "docs.jsonl").write_text(
         json.dumps({"texts": ["fine", None], "images": [None, "img/ok.png"]})
         + "\n"
@@ -93,6 +99,7 @@ def sources(src: Path) -> list[str]:
         f"videos:{src / 'videos'}",
         f"tableimg=images:{src / 'table' / 'caps.jsonl'}",
         f"tablecsv=images:{src / 'table' / 'caps.csv'}",
+        f"tablepq=images:{src / 'table' / 'caps.parquet'}",
         f"interleaved:{src / 'table' / 'docs.jsonl'}",
         f"wds:{src / 'wds'}",
     ]
@@ -121,6 +128,8 @@ def test_links_out_of_every_kind_of_source_are_rejected(world, tmp_path, capsys)
         ("tableimg", "caps.jsonl:3 (linked/secret.png)"),
         ("tablecsv", "caps.csv:3 (img/leak.png)"),
         ("tablecsv", "caps.csv:4 (linked/secret.png)"),
+        ("tablepq", "caps.parquet:row 1 (img/leak.png)"),
+        ("tablepq", "caps.parquet:row 2 (linked/secret.png)"),
         ("docs", "docs.jsonl:2"),
         ("docs", "docs.jsonl:3"),
         ("wds", "leak.tar"),
@@ -143,6 +152,7 @@ def test_links_out_of_every_kind_of_source_are_rejected(world, tmp_path, capsys)
         "videos": 1,
         "tableimg": 1,
         "tablecsv": 1,
+        "tablepq": 1,
         "docs": 1,
         "wds": 1,
     }
