@@ -415,6 +415,24 @@ def _add_tokenize(sub) -> None:
         default=4096,
         help="tokens per video block at most; longer clips are sampled more sparsely (default 4096)",
     )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the row length of the training runs (data.seq_len): every image and video block is "
+        "made to fit N tokens (images downscaled; videos fewer frames, then smaller frames), so the "
+        "loader never drops one. Default: no bound beyond the budgets above; the summary then "
+        "says which data.seq_len the blocks need",
+    )
+    p.add_argument(
+        "--max-block-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="bound blocks to N tokens (e.g. half a row, for tighter packing); with --seq-len "
+        "the smaller of the two",
+    )
     p.add_argument("--workers", type=int, default=1)
     p.add_argument(
         "--device",
@@ -426,14 +444,19 @@ def _add_tokenize(sub) -> None:
 
 
 def cmd_tokenize(a) -> int:
+    from data.tokenize.blocks import describe
     from data.tokenize.encoder import TokenizeOptions
     from data.tokenize.run import tokenize
 
+    caps = [n for n in (a.seq_len, a.max_block_tokens) if n]
+    if any(n < 8 for n in caps):
+        raise ValueError("--seq-len / --max-block-tokens: a visual block needs at least 8 tokens")
     opts = TokenizeOptions(
         image_max_pixels=a.image_max_pixels,
         video_max_pixels=a.video_max_pixels,
         video_fps=a.video_fps,
         video_max_tokens=a.video_max_tokens,
+        max_block_tokens=min(caps) if caps else 0,
     )
     m = tokenize(
         a.inp,
@@ -451,6 +474,8 @@ def cmd_tokenize(a) -> int:
         + ", ".join(f"{k} {v:,}" for k, v in t["tokens_by_modality"].items() if v)
         + ")"
     )
+    for line in describe(m):
+        print(line)
     if t["rejects"]:
         print(
             f"rejected {t['rejects']} document(s), listed in {a.out / 'rejects.jsonl'}: "

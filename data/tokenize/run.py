@@ -40,6 +40,7 @@ from data.shards.manifest import (
 from data.shards.reader import ShardReader
 from data.shards.writer import ShardWriter
 from data.text_tokenizer import LAYOUT_FILE, TOKENIZER_FILE, TextTokenizer
+from data.tokenize.blocks import block_summary
 from data.tokenize.encoder import DocEncoder, TokenizeOptions, tokens_by_modality
 from data.tokenize.visual import load_visual_tokenizer, weights_fingerprint
 from data.vocab import MODALITY_NAMES
@@ -166,7 +167,7 @@ def fingerprint_of(raw_manifest: dict, tok_dir: Path, vtok_dir: Path, opts: Toke
             {
                 "raw_plan": raw_manifest["plan"]["fingerprint"],
                 "raw_shards": [s["sha256"] for s in raw_manifest["shards"]],
-                "opts": asdict(opts),
+                "opts": opts.record(),
             },
             sort_keys=True,
         ).encode()
@@ -272,8 +273,10 @@ def finalize_tokens(
         s["samples"] += r["samples"]
         s["tokens"].update(r["tokens"])
         s["shards"] += 1
+    blocks = block_summary(out, recs)
     for s in sources.values():
         s["tokens"] = {m: s["tokens"].get(m, 0) for m in MODALITY_NAMES}
+        s["blocks"] = blocks[s["name"]]
     manifest = {
         "format": FORMAT,
         "version": 1,
