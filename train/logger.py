@@ -45,6 +45,11 @@ def console_line(m: dict, step: int, total: int, unit: str) -> str:
         f"lr {g('optim/lr', '{:.2e}')} | {fmt_rate(m.get('throughput/units_per_s', 0.0))} {unit}/s | "
         f"MFU {g('throughput/mfu', '{:.1%}')} of {g('throughput/peak_tflops', '{:.2f}')} TFLOP/s | "
         f"data {g('throughput/data_wait', '{:.1%}')} | ETA {fmt_duration(m.get('throughput/eta_s', math.nan))}"
+        + (
+            f" | dropped {m['data/dropped_blocks']:.0f} blocks"
+            if m.get("data/dropped_blocks")
+            else ""
+        )
     )
 
 

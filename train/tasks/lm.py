@@ -4,8 +4,10 @@ Every step logs, from sums and counts reduced over micro-batches and ranks: the 
 modality (``loss/<m>``), normalised CE (``loss_norm/<m>`` = CE / ln V_m, 1.0 = chance over the
 modality's own range of ids), label tokens per modality (``tokens/<m>``), log Z and final
 hidden norm per modality and the code-minus-text logit gap (``monitor/...``), and the delivered
-mix by source (``mix/<source>``). Validation runs over the held-out sources (``data.validation``)
-and reports loss and perplexity per modality.
+mix by source (``mix/<source>``) and visual blocks the loader dropped for being longer than a row
+(``data/dropped_blocks``, per source and modality as ``data/dropped_blocks/<source>/<m>``; only
+with ``data.allow_block_drops``, the run totals in final.json). Validation runs over the held-out
+sources (``data.validation``) and reports loss and perplexity per modality.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from train.monitor import chance_levels
 from train.monitor.lm_probes import LMProbes
 from train.tasks.base import StepOutput
 
+DROPPABLE = ("image", "video")  # modalities whose blocks the loader can drop (batch dropped_blocks)
 MODEL_INPUTS = (
     "input_ids",
     "labels",
@@ -85,13 +88,14 @@ class LMTask:
         return self.model_cfg.build()
 
     def batches(self):
-        return build_loader(
+        self._loader = build_loader(
             self.cfg.data,
             rank=self.dist.rank,
             world_size=self.dist.world_size,
             micro_batch=self.cfg.train.micro_batch,
             pad_id=0,
         )
+        return self._loader
 
     def forward(self, engine, batch: dict) -> StepOutput:
         dev = self.dist.device
@@ -106,6 +110,8 @@ class LMTask:
             sums[f"gap_sum/{name}"] = res.logit_gap_sum[i]
         for i, name in enumerate(self.source_names):
             sums[f"mix_tokens/{name}"] = batch["tokens_by_source"][i]
+            for j, mod in enumerate(DROPPABLE):
+                sums[f"dropped/{name}/{mod}"] = batch["dropped_blocks"][i, j]
         if res.moe_expert_load is not None:  # [layers, modality, expert] assignments
             load = res.moe_expert_load.detach().sum(0)
             for i, name in enumerate(MODALITY_NAMES):
@@ -142,6 +148,10 @@ class LMTask:
         total = sum(s[f"mix_tokens/{n}"] for n in self.source_names) or 1.0
         for n in self.source_names:
             out[f"mix/{n}"] = s[f"mix_tokens/{n}"] / total
+        dropped = {k[len("dropped/") :]: v for k, v in s.items() if k.startswith("dropped/") and v}
+        if dropped or self.cfg.data.allow_block_drops:
+            out["data/dropped_blocks"] = float(sum(dropped.values()))
+            out.update({f"data/dropped_blocks/{k}": v for k, v in dropped.items()})
         return out
 
     def flops_per_unit(self) -> float:
@@ -184,7 +194,17 @@ class LMTask:
         return LMProbes(monitor_cfg, self.cfg, self, self.dist, engine)
 
     def finish(self, engine, run_dir: Path) -> dict[str, float]:
-        return {}
+        """The run's dropped visual blocks over all ranks (the loader's counts survive resumes)."""
+        loader = getattr(self, "_loader", None)
+        if loader is None or not self.cfg.data.allow_block_drops:
+            return {}
+        keys = [(n, m) for n in self.source_names for m in DROPPABLE]
+        counts = loader.dropped_blocks()
+        local = torch.tensor([float(counts.get(n, {}).get(m, 0)) for n, m in keys])
+        total = all_reduce_sum(local.to(self.dist.device)).cpu().tolist()
+        out = {f"data/dropped_blocks/{n}/{m}": v for (n, m), v in zip(keys, total) if v}
+        out["data/dropped_blocks"] = float(sum(total))
+        return out
 
     def extra_files(self) -> dict[str, str]:
         return {
