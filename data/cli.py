@@ -148,7 +148,7 @@ def _add_ingest(sub) -> None:
 
 def cmd_ingest(a) -> int:
     from data.ingest import command_line, ingest
-    from data.shards.stats import human_bytes
+    from data.shards.stats import describe_uncaptioned, human_bytes, media_without_text
     from data.sources import Limits
 
     limits = Limits(
@@ -183,6 +183,9 @@ def cmd_ingest(a) -> int:
         f"{a.out}: {t['samples']} samples in {t['shards']} shards ({human_bytes(t['bytes'])}); "
         f"segments: " + ", ".join(f"{k} {v}" for k, v in t["segments"].items() if v)
     )
+    said = describe_uncaptioned(media_without_text(a.out))
+    if said:
+        print(said)
     if t["rejects"]:
         print(
             f"rejected {t['rejects']} input(s), listed in {a.out / 'rejects.jsonl'}: "
@@ -311,7 +314,8 @@ def _add_train_text_tokenizer(sub) -> None:
         default=[],
         metavar="SOURCE=FRACTION",
         help="fraction of the training characters from one source (e.g. code=0.4); "
-        "sources not named share the rest by size (default: all by size)",
+        "sources not named share the rest by size (default: all by size). A source smaller than "
+        "its fraction gives all it holds, once (never repeated); the summary says what was used",
     )
     p.add_argument(
         "--max-chars",
@@ -355,9 +359,17 @@ def cmd_train_text_tokenizer(a) -> int:
     )
     r = info["layout"]
     print(
-        f"{a.out}: BPE of {info['vocab_size']} ids trained on "
-        + ", ".join(f"{n} {c:,} chars" for n, c in info["chars_used"].items())
+        f"{a.out}: BPE of {info['vocab_size']} ids trained on {sum(info['chars_used'].values()):,} chars:"
     )
+    for n, src in info["sources"].items():
+        print(
+            f"  {n:<16} {src['chars_used']:>12,} chars ({src['share']:.1%})"
+            + (
+                f": all it holds, less than the {src['asked_chars']:,} its weight asked (not repeated)"
+                if src["all_of_it"]
+                else ""
+            )
+        )
     print(f"vocabulary layout: text {r['text']}, structure {r['structure']}, visual {r['visual']}")
     return 0
 

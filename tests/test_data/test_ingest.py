@@ -189,3 +189,22 @@ def test_ingest_reads_its_own_shards_back_through_wds_kind(planted_corpus, tmp_p
         )
     ]
     assert sorted(d["segments"][1]["text"] for d in docs) == ["first", "second"]
+
+
+def test_images_without_captions_are_counted_in_the_summary_and_stats(tmp_path, capsys):
+    from factories import png_bytes
+
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    (pics / "a.png").write_bytes(png_bytes())
+    (pics / "a.txt").write_text("a red rectangle")
+    (pics / "b.png").write_bytes(png_bytes(colour=(0, 0, 200)))  # no caption file
+    out = tmp_path / "out"
+    assert main(["ingest", "--out", str(out), "--no-progress", "--source", f"images:{pics}"]) == 0
+    said = capsys.readouterr().out
+    assert "without a caption or any text: pics: 1 image (kept as media-only documents)" in said
+    assert main(["stats", str(out)]) == 0
+    assert "without a caption or any text: pics: 1 image" in capsys.readouterr().out
+    assert main(["stats", str(out), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["media_without_text"] == {"pics": {"image": 1, "video": 0}}
