@@ -14,7 +14,7 @@ Design choices:
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,7 +117,7 @@ def save_tokenizer(tok: Tokenizer, layout: VocabLayout, folder: str | Path, trai
 
 
 def sample_texts(
-    sources: dict[str, Iterable],
+    sources: dict[str, Callable[[], Iterable[str]]],
     weights: dict[str, float],
     budget_chars: int,
     used: dict[str, int],
