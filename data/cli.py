@@ -93,6 +93,15 @@ def _add_ingest(sub) -> None:
     )
     p.add_argument("--workers", type=int, default=1, help="parallel worker processes (default 1)")
     p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="hold out about this fraction of every source for validation, chosen by a hash of "
+        "each sample's key (stable across reruns and added inputs): written to DIR/val/<source>/ "
+        "(default 0: no split)",
+    )
+    p.add_argument(
         "--num-partitions",
         type=int,
         default=1,
@@ -169,6 +178,7 @@ def cmd_ingest(a) -> int:
         partition=a.partition,
         progress=not a.no_progress,
         command=command_line(),
+        val_fraction=a.val_fraction,
     )
     part = f" (partition {a.partition} of {a.num_partitions})" if a.num_partitions > 1 else ""
     print(f"ingest{part}: wrote {s['written']} shard(s), {s['skipped_done']} already done")
@@ -183,6 +193,12 @@ def cmd_ingest(a) -> int:
         f"{a.out}: {t['samples']} samples in {t['shards']} shards ({human_bytes(t['bytes'])}); "
         f"segments: " + ", ".join(f"{k} {v}" for k, v in t["segments"].items() if v)
     )
+    if a.val_fraction:
+        held = sum(x["samples"] for x in s["manifest"]["sources"] if x["name"].startswith("val/"))
+        print(
+            f"validation split (--val-fraction {a.val_fraction:g}, by key hash): {held} samples "
+            f"in {a.out / 'val'}/<source>/; training data in {a.out}/<source>/"
+        )
     said = describe_uncaptioned(media_without_text(a.out))
     if said:
         print(said)

@@ -28,8 +28,8 @@ def text_sources(in_dirs: list[Path]) -> dict[str, dict]:
         m = load_manifest(d)
         for sh in m["shards"]:
             segs = sh["segments"]
-            if not (segs.get("text") or segs.get("code")):
-                continue
+            if not (segs.get("text") or segs.get("code")) or sh["source"].startswith("val/"):
+                continue  # no text, or held out for validation (ingest --val-fraction)
             name = sh["source"] if len(in_dirs) == 1 else f"{Path(d).name}/{sh['source']}"
             s = out.setdefault(name, {"shards": [], "bytes": 0})
             tar, idx = Path(d) / sh["path"], Path(d) / sh["index"]

@@ -21,6 +21,7 @@ def ingest(
     partition: int = 0,
     progress: bool = False,
     command: list[str] | None = None,
+    val_fraction: float = 0.0,
 ) -> dict:
     """Plan and write shards; returns a summary (see ``run_plan``) with the plan's counts."""
     specs = parse_sources(sources)
@@ -30,6 +31,7 @@ def ingest(
         shard_max_bytes=shard_max_bytes,
         shard_max_samples=shard_max_samples,
         progress=progress,
+        val_fraction=val_fraction,
     )
     summary = run_plan(
         Path(out),

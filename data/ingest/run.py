@@ -79,7 +79,7 @@ def write_shard(job: ShardJob) -> dict:
         "plan": job.plan,
         "index": shard.index,
         "name": shard.name,
-        "source": job.spec.name,
+        "source": job.spec.name if shard.split == "train" else f"val/{job.spec.name}",
         "kind": job.spec.kind,
         "source_path": job.spec.path,
         "partition": list(job.partition),
