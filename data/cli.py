@@ -522,16 +522,33 @@ def _add_preview(sub) -> None:
         "show them: each piece (document run) with text and code decoded and visual blocks\n"
         "summarised; --png draws one band per row, a cell per token coloured by modality,\n"
         "and decodes the rows' images beside it.",
-        epilog="example:\n  earlyfuse-prep preview runs/demo/tokens --seq-len 512 --rows 3 --png rows.png",
+        epilog="examples:\n  earlyfuse-prep preview runs/demo/tokens --seq-len 512 --rows 3 --png rows.png\n"
+        "  earlyfuse-prep preview --config runs/demo/lm/config.yaml --rows 8   # the run's own mix",
     )
-    p.add_argument("tokens", type=Path, metavar="TOKEN_DIR")
+    p.add_argument(
+        "tokens",
+        type=Path,
+        nargs="?",
+        metavar="TOKEN_DIR",
+        help="a token folder (default with --config: the folder of its first source)",
+    )
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="YAML",
+        help="draw rows as a run would: its sources, weights, seq_len and seed, from a run's "
+        "config.yaml (RUN_DIR/config.yaml) or a data config (configs/data/*.yaml)",
+    )
     p.add_argument(
         "--source",
         action="append",
         default=None,
         help="only these sources (repeatable; default all)",
     )
-    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument(
+        "--seq-len", type=int, default=None, help="row length (default: --config's, else 2048)"
+    )
     p.add_argument("--rows", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--png", type=Path, default=None, help="also render the rows to this PNG")
@@ -543,7 +560,13 @@ def cmd_preview(a) -> int:
 
     print(
         preview(
-            a.tokens, sources=a.source, seq_len=a.seq_len, n_rows=a.rows, seed=a.seed, png=a.png
+            a.tokens,
+            sources=a.source,
+            seq_len=a.seq_len,
+            n_rows=a.rows,
+            seed=a.seed,
+            png=a.png,
+            config=a.config,
         )
     )
     return 0

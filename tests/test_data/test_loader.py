@@ -324,3 +324,27 @@ def test_read_npy_matches_np_load_and_refuses_what_np_load_refuses():
     np.save(buf, np.array([{"a": 1}], dtype=object), allow_pickle=True)
     with pytest.raises(ValueError):
         read_npy(buf.getvalue())  # a pickled object array is never loaded
+
+
+def test_preview_draws_rows_with_a_runs_weights_and_counts_drops(tiny_tokens, tmp_path, capsys):
+    from data.cli import main
+
+    cfg = tmp_path / "mine.yaml"
+    cfg.write_text(
+        "sources:\n"
+        f"  - {{name: code, shards: [{tiny_tokens / 'code'}], weight: 0.8}}\n"
+        f"  - {{name: clips, shards: [{tiny_tokens / 'clips'}], weight: 0.2}}\n"
+        "seq_len: 256\nseed: 3\n"
+    )
+    assert main(["preview", "--config", str(cfg), "--rows", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "row 3: " in out and "/256 real tokens" in out
+    assert "tokens by source over these rows (weight): code " in out and "(80%)" in out
+    assert "dropped visual blocks: none" in out
+    # Rows shorter than the clips' video blocks: shown, with every dropped block counted.
+    assert main(["preview", str(tiny_tokens), "--config", str(cfg), "--seq-len", "96"]) == 0
+    out = capsys.readouterr().out
+    assert "DROPPED visual blocks longer than seq_len 96: clips: " in out and " video" in out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("defaults: [demo]\nsources: [{name: x, shards: [y]}]\n")
+    assert main(["preview", "--config", str(bad)]) == 1
