@@ -59,11 +59,9 @@ def config_of(path: Path) -> dict:
         raise ValueError(f"{path}: cannot read it as YAML ({e})") from None
     data = raw.get("data", raw) if isinstance(raw, dict) else None
     if not isinstance(data, dict) or not data.get("sources"):
-        raise ValueError(f"{path}: no data sources (give a run's config.yaml or a data config)")
-    if "defaults" in data:
         raise ValueError(
-            f"{path}: has a defaults list, which only Hydra resolves; give a run's config.yaml "
-            "(RUN_DIR/config.yaml is resolved) or a data config without defaults"
+            f"{path}: no data sources of its own (give a run's config.yaml or a data config that "
+            "lists its sources; a defaults list is not followed here, Hydra resolves it)"
         )
     return data
 

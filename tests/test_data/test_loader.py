@@ -346,5 +346,5 @@ def test_preview_draws_rows_with_a_runs_weights_and_counts_drops(tiny_tokens, tm
     out = capsys.readouterr().out
     assert "DROPPED visual blocks longer than seq_len 96: clips: " in out and " video" in out
     bad = tmp_path / "bad.yaml"
-    bad.write_text("defaults: [demo]\nsources: [{name: x, shards: [y]}]\n")
+    bad.write_text("defaults: [demo]\nseq_len: 256\n")  # its sources only in the defaults
     assert main(["preview", "--config", str(bad)]) == 1
