@@ -92,12 +92,19 @@ def from_loader(data_yaml: Path, steps: int, micro_batch: int, mix_chunk: int, w
     loader = build_loader(cfg, rank=0, world_size=1, micro_batch=micro_batch)
     names = [s.name for s in sources]
     out = []
+    pieces = rows = 0
     it = iter(loader)
     for _ in range(steps):
         b = next(it)
         out.append(dict(zip(names, (float(x) for x in b["tokens_by_source"].tolist()))))
+        pieces += int((b["pieces"][..., 0] >= 0).sum())
+        rows += b["pieces"].shape[0]
     it.close()
-    return out, {s.name: s.weight for s in sources}
+    extra = {
+        "packing_efficiency": loader.delivered()["packing_efficiency"],
+        "pieces_per_row": pieces / max(rows, 1),
+    }
+    return out, {s.name: s.weight for s in sources}, extra
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,21 +121,25 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     if a.run:
         steps, weights = from_run(a.run)
-        rows.append((f"run {a.run}", figures(steps, weights)))
+        rows.append((f"run {a.run}", figures(steps, weights), ""))
     else:
         cases = [(int(c), False) for c in a.mix_chunk.split(",")]
         if a.whole_docs:
             cases.insert(0, (0, True))
         for chunk, whole in cases:
-            steps, weights = from_loader(a.data, a.steps, a.micro_batch, chunk, whole)
+            steps, weights, extra = from_loader(a.data, a.steps, a.micro_batch, chunk, whole)
             what = "whole documents" if whole else f"mix_chunk {chunk or 'seq_len'}"
-            rows.append((f"loader, {what}", figures(steps, weights)))
-    for what, f in rows:
+            more = (
+                f"; packing efficiency {extra['packing_efficiency']:.1%}, "
+                f"{extra['pieces_per_row']:.2f} document pieces per row"
+            )
+            rows.append((f"loader, {what}", figures(steps, weights), more))
+    for what, f, more in rows:
         print(
             f"{what}: {f['dominated_steps']} of {f['steps']} steps "
             f"({f['dominated_share']:.1%}) have one source above {SHARE_OVER:.0%} of the tokens "
             f"while its weight is below {WEIGHT_UNDER:.0%}; mean KL(step mix || weights) "
-            f"{f['mean_kl']:.3f} nats"
+            f"{f['mean_kl']:.3f} nats{more}"
         )
     return 0
 
