@@ -88,8 +88,15 @@ def spans(folder: Path, source: str) -> dict[str, list[dict]]:
     return out
 
 
-def test_every_video_is_tokenized_at_any_aspect_and_fits_the_row(fitted, unfitted):
-    for folder in (fitted, unfitted):
+DEMO_BUDGETS = ["--image-max-pixels", "4096", "--video-max-pixels", "1024", "--video-max-tokens"]
+
+
+def test_every_video_is_tokenized_at_any_aspect_and_fits_the_row(
+    fitted, unfitted, phone_raw, tiny_tokenizers, tmp_path
+):
+    demo = tmp_path / "demo_budgets"  # make demo's flags (the 180x320 clip used to fail there)
+    assert tokenize(phone_raw, demo, tiny_tokenizers, *DEMO_BUDGETS, "512", "--seq-len", "512") == 0
+    for folder in (fitted, unfitted, demo):
         m = json.loads((folder / "manifest.json").read_text())
         assert m["totals"]["rejects"] == 0
         got = spans(folder, "videos")
@@ -100,7 +107,7 @@ def test_every_video_is_tokenized_at_any_aspect_and_fits_the_row(fitted, unfitte
             t, gh, gw = video["grid"]
             assert (gh > gw) == (h > w), (key, video["grid"])  # shown as played, rotation applied
             assert len(video["times"]) >= 1 and video["times"][0] == 0.0  # the first frame at least
-            if folder == fitted:
+            if folder != unfitted:
                 assert video["end"] - video["start"] <= SEQ
     # A clip of two latent frames or more keeps them under a tight budget: fewer frames first.
     sp = spans(fitted, "videos")
