@@ -131,6 +131,12 @@ def test_blocks_longer_than_a_row_stop_the_run_or_are_counted_when_allowed(tiny_
     assert (
         "source clips:" in said and "data.seq_len=96" in said and "--video-max-tokens 240" in said
     )
+    # A validation source is checked at start too, not at the first evaluation.
+    fits = "[{name: scenes, shards: [" + str(tiny_tokens / "scenes") + "]}]"
+    held = "[{name: v, shards: [" + str(tiny_tokens / "clips") + "]}]"
+    only = [a for a in args if not a.startswith("data.sources=")]
+    p = train(only + [f"data.sources={fits}", f"data.validation={held}"], check=False)
+    assert p.returncode != 0 and "data.validation source v:" in p.stdout + p.stderr
     p = train(args + ["data.allow_block_drops=true"])
     assert "| dropped " in p.stdout
     m = metrics(run)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from data.loader import build_loader, store
+from data.loader.fit import check_blocks_fit
 from data.loader.table import find_manifest, load_table
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
 from model.flops import flops_per_token
@@ -75,7 +76,9 @@ class LMTask:
         self.layout, self.tok_folder = layout_of_data(cfg)
         self.model_cfg = cfg.model.with_layout(self.layout)
         for s in cfg.data.validation:  # found now, not at the first evaluation hours later
-            if load_table(s).kind == "raw":
+            table = load_table(s)
+            check_blocks_fit(cfg.data, [table], what="data.validation source")
+            if table.kind == "raw":
                 raise ValueError(
                     f"data.validation source {s.name} holds raw shards: validation makes one exact "
                     "pass, which needs the token counts of token shards; tokenize it "
