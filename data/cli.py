@@ -130,6 +130,15 @@ def _add_ingest(sub) -> None:
     )
     p.add_argument("--workers", type=int, default=1, help="parallel worker processes (default 1)")
     p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="hold out about this fraction of every source for validation, chosen by a hash of "
+        "each sample's key (stable across reruns and added inputs): written to DIR/val/<source>/ "
+        "(default 0: no split)",
+    )
+    p.add_argument(
         "--num-partitions",
         type=int,
         default=1,
@@ -192,7 +201,7 @@ def _add_ingest(sub) -> None:
 
 def cmd_ingest(a) -> int:
     from data.ingest import command_line, ingest
-    from data.shards.stats import human_bytes
+    from data.shards.stats import describe_uncaptioned, human_bytes, media_without_text
     from data.sources import Limits
 
     limits = Limits(
@@ -215,6 +224,7 @@ def cmd_ingest(a) -> int:
         progress=not a.no_progress,
         command=command_line(),
         engine=_engine(a),
+        val_fraction=a.val_fraction,
     )
     part = f" (partition {a.partition} of {a.num_partitions})" if a.num_partitions > 1 else ""
     print(f"ingest{part}: wrote {s['written']} shard(s), {s['skipped_done']} already done")
@@ -229,6 +239,15 @@ def cmd_ingest(a) -> int:
         f"{a.out}: {t['samples']} samples in {t['shards']} shards ({human_bytes(t['bytes'])}); "
         f"segments: " + ", ".join(f"{k} {v}" for k, v in t["segments"].items() if v)
     )
+    if a.val_fraction:
+        held = sum(x["samples"] for x in s["manifest"]["sources"] if x["name"].startswith("val/"))
+        print(
+            f"validation split (--val-fraction {a.val_fraction:g}, by key hash): {held} samples "
+            f"in {a.out / 'val'}/<source>/; training data in {a.out}/<source>/"
+        )
+    said = describe_uncaptioned(media_without_text(a.out))
+    if said:
+        print(said)
     if t["rejects"]:
         print(
             f"rejected {t['rejects']} input(s), listed in {a.out}/{REJECTS_FILE}: "
@@ -379,7 +398,8 @@ def _add_train_text_tokenizer(sub) -> None:
         default=[],
         metavar="SOURCE=FRACTION",
         help="fraction of the training characters from one source (e.g. code=0.4); "
-        "sources not named share the rest by size (default: all by size)",
+        "sources not named share the rest by size (default: all by size). A source smaller than "
+        "its fraction gives all it holds, once (never repeated); the summary says what was used",
     )
     p.add_argument(
         "--max-chars",
@@ -423,9 +443,17 @@ def cmd_train_text_tokenizer(a) -> int:
     )
     r = info["layout"]
     print(
-        f"{a.out}: BPE of {info['vocab_size']} ids trained on "
-        + ", ".join(f"{n} {c:,} chars" for n, c in info["chars_used"].items())
+        f"{a.out}: BPE of {info['vocab_size']} ids trained on {sum(info['chars_used'].values()):,} chars:"
     )
+    for n, src in info["sources"].items():
+        print(
+            f"  {n:<16} {src['chars_used']:>12,} chars ({src['share']:.1%})"
+            + (
+                f": all it holds, less than the {src['asked_chars']:,} its weight asked (not repeated)"
+                if src["all_of_it"]
+                else ""
+            )
+        )
     print(f"vocabulary layout: text {r['text']}, structure {r['structure']}, visual {r['visual']}")
     return 0
 
@@ -497,6 +525,24 @@ def _add_tokenize(sub) -> None:
         default=4096,
         help="tokens per video block at most; longer clips are sampled more sparsely (default 4096)",
     )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the row length of the training runs (data.seq_len): every image and video block is "
+        "made to fit N tokens (images downscaled; videos fewer frames, then smaller frames), so the "
+        "loader never drops one. Default: no bound beyond the budgets above; the summary then "
+        "says which data.seq_len the blocks need",
+    )
+    p.add_argument(
+        "--max-block-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="bound blocks to N tokens (e.g. half a row, for tighter packing); with --seq-len "
+        "the smaller of the two",
+    )
     p.add_argument("--workers", type=int, default=1, help="parallel worker processes (default 1)")
     p.add_argument(
         "--num-partitions",
@@ -523,14 +569,19 @@ def _add_tokenize(sub) -> None:
 
 
 def cmd_tokenize(a) -> int:
+    from data.tokenize.blocks import describe
     from data.tokenize.docs import TokenizeOptions
     from data.tokenize.run import tokenize
 
+    caps = [n for n in (a.seq_len, a.max_block_tokens) if n]
+    if any(n < 8 for n in caps):
+        raise ValueError("--seq-len / --max-block-tokens: a visual block needs at least 8 tokens")
     opts = TokenizeOptions(
         image_max_pixels=a.image_max_pixels,
         video_max_pixels=a.video_max_pixels,
         video_fps=a.video_fps,
         video_max_tokens=a.video_max_tokens,
+        max_block_tokens=min(caps) if caps else 0,
     )
     m = tokenize(
         a.inp,
@@ -557,6 +608,8 @@ def cmd_tokenize(a) -> int:
         + ", ".join(f"{k} {v:,}" for k, v in t["tokens_by_modality"].items() if v)
         + ")"
     )
+    for line in describe(m):
+        print(line)
     if t["rejects"]:
         print(
             f"rejected {t['rejects']} document(s), listed in {a.out}/{REJECTS_FILE}: "
@@ -575,16 +628,33 @@ def _add_preview(sub) -> None:
         "show them: each piece (document run) with text and code decoded and visual blocks\n"
         "summarised; --png draws one band per row, a cell per token coloured by modality,\n"
         "and decodes the rows' images beside it.",
-        epilog="example:\n  earlyfuse-prep preview runs/demo/tokens --seq-len 512 --rows 3 --png rows.png",
+        epilog="examples:\n  earlyfuse-prep preview runs/demo/tokens --seq-len 512 --rows 3 --png rows.png\n"
+        "  earlyfuse-prep preview --config runs/demo/lm/config.yaml --rows 8   # the run's own mix",
     )
-    p.add_argument("tokens", type=Path, metavar="TOKEN_DIR")
+    p.add_argument(
+        "tokens",
+        type=Path,
+        nargs="?",
+        metavar="TOKEN_DIR",
+        help="a token folder (default with --config: the folder of its first source)",
+    )
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="YAML",
+        help="draw rows as a run would: its sources, weights, seq_len and seed, from a run's "
+        "config.yaml (RUN_DIR/config.yaml) or a data config (configs/data/*.yaml)",
+    )
     p.add_argument(
         "--source",
         action="append",
         default=None,
         help="only these sources (repeatable; default all)",
     )
-    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument(
+        "--seq-len", type=int, default=None, help="row length (default: --config's, else 2048)"
+    )
     p.add_argument("--rows", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--png", type=Path, default=None, help="also render the rows to this PNG")
@@ -596,7 +666,13 @@ def cmd_preview(a) -> int:
 
     print(
         preview(
-            a.tokens, sources=a.source, seq_len=a.seq_len, n_rows=a.rows, seed=a.seed, png=a.png
+            a.tokens,
+            sources=a.source,
+            seq_len=a.seq_len,
+            n_rows=a.rows,
+            seed=a.seed,
+            png=a.png,
+            config=a.config,
         )
     )
     return 0

@@ -6,7 +6,9 @@ Design choices:
   colour of their own); greyscale, CMYK and 16-bit modes become 8-bit RGB.
 - The output keeps the aspect ratio, has sides that are multiples of the tokenizer's spatial
   factor, stays within a pixel budget and at most ``max_grid`` tokens per side: grids vary in
-  shape, as the resolution-free layout allows.
+  shape, as the resolution-free layout allows. ``max_tokens`` also bounds the length of the
+  image's block in the sequence (codes, row ends and markers), so a block fits a row of the
+  training run: a larger image is made smaller, never dropped.
 - JPEG is decoded at reduced scale (libjpeg DCT scaling, ``draft``) when the target is smaller,
   which is most of the decode time saved at no visible cost after the resize.
 """
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageOps
 
+from data.layout import image_block_len
+
 _SWAPS_SIDES = {5, 6, 7, 8}  # EXIF orientations that rotate by 90 degrees
 
 
@@ -30,6 +34,7 @@ class ImagePrep:
     max_pixels: int = 256 * 256
     max_grid: int = 64  # tokens per side at most
     upscale: bool = False  # enlarge images smaller than the budget
+    max_tokens: int = 0  # longest block <boi> <h> <w> rows... <eoi> allowed (0: no bound)
 
     def target_size(self, w: int, h: int) -> tuple[int, int]:
         """(width, height): multiples of ``factor``, aspect kept, within the budget."""
@@ -38,6 +43,7 @@ class ImagePrep:
         if not self.upscale:
             s = min(s, 1.0)
         cap = self.max_grid * f
+        s = min(s, cap / w, cap / h)  # the longer side within max_grid, the aspect kept
         tw = min(cap, max(f, round(w * s / f) * f))
         th = min(cap, max(f, round(h * s / f) * f))
         while tw * th > self.max_pixels and max(tw, th) > f:
@@ -45,6 +51,13 @@ class ImagePrep:
                 tw -= f
             else:
                 th -= f
+        if self.max_tokens:
+            # Smaller until the block fits, the side that is relatively larger first (aspect kept).
+            while image_block_len(th // f, tw // f) > self.max_tokens and max(tw, th) > f:
+                if (tw > f and tw * h >= th * w) or th == f:
+                    tw -= f
+                else:
+                    th -= f
         return tw, th
 
 

@@ -122,27 +122,26 @@ def sample_texts(
     budget_chars: int,
     used: dict[str, int],
     *,
-    cycle: bool = True,
+    ran_out: set[str] | None = None,
 ) -> Iterator[str]:
     """Texts from each source up to its share of ``budget_chars`` (share = weight / sum).
 
-    ``sources`` maps a name to a zero-argument callable returning an iterator of texts; with
-    ``cycle`` a source smaller than its share is repeated, so an up-weighted small source
-    really counts more. ``used`` receives the characters taken per source."""
+    ``sources`` maps a name to a zero-argument callable returning an iterator of texts. A source
+    smaller than its share gives all it holds, once: nothing is repeated to fill a share (that
+    would train the merges on copies and overstate what the tokenizer saw); such sources go to
+    ``ran_out``. ``used`` receives the characters taken per source."""
     total = sum(weights.values())
     for name, make_iter in sources.items():
         share = int(budget_chars * weights[name] / total)
         taken = 0
         used[name] = 0
-        while taken < share:
-            got_any = False
-            for text in make_iter():
-                got_any = True
-                if taken >= share:
-                    break
-                piece = text[: share - taken]
-                taken += len(piece)
-                yield piece
-            if not got_any or not cycle:
+        for text in make_iter():
+            if taken >= share:
                 break
+            piece = text[: share - taken]
+            taken += len(piece)
+            yield piece
+        else:
+            if ran_out is not None and taken < share:
+                ran_out.add(name)
         used[name] = taken

@@ -62,10 +62,15 @@ def png_solid(w: int, h: int, colour=(90, 140, 200)) -> bytes:
 
 
 def mp4_bytes(
-    frames: int = 8, fps: int = 8, w: int = 32, h: int = 32, pts: list[int] | None = None
+    frames: int = 8,
+    fps: int = 8,
+    w: int = 32,
+    h: int = 32,
+    pts: list[int] | None = None,
+    pix_fmt: str = "yuv420p",
 ) -> bytes:
     """A real H.264 mp4 (PyAV/libx264) of a bright bar moving right; ``pts`` (in 1/fps ticks of a
-    1/1000 time base) makes a variable-frame-rate clip."""
+    1/1000 time base) makes a variable-frame-rate clip; ``pix_fmt="yuv444p"`` allows odd sizes."""
     from fractions import Fraction
 
     import av
@@ -73,7 +78,7 @@ def mp4_bytes(
     buf = io.BytesIO()
     with av.open(buf, mode="w", format="mp4") as c:
         s = c.add_stream("libx264", rate=fps)
-        s.width, s.height, s.pix_fmt = w, h, "yuv420p"
+        s.width, s.height, s.pix_fmt = w, h, pix_fmt
         s.options = {"threads": "1"}
         if pts is not None:
             s.codec_context.time_base = Fraction(1, 1000)
@@ -89,6 +94,20 @@ def mp4_bytes(
         for p in s.encode():
             c.mux(p)
     return buf.getvalue()
+
+
+def rotated_mp4(raw: bytes, degrees: int) -> bytes:
+    """The mp4 ``raw`` with a rotation in its video track header (the ``tkhd`` display matrix, as
+    phones write a portrait clip stored landscape): players and decord show it turned by
+    ``degrees`` clockwise. FFmpeg 7's muxer ignores the old ``rotate`` tag, so it is patched here."""
+    at = raw.find(b"tkhd") - 4
+    version = raw[at + 8]
+    # size, type, version+flags, times and ids (v0: 4-byte, v1: 8-byte), reserved, layer...volume
+    matrix = at + 12 + (32 if version == 1 else 20) + 8 + 8
+    one = 0x10000
+    a, b, c, d = {90: (0, one, -one, 0), 180: (-one, 0, 0, -one), 270: (0, -one, one, 0)}[degrees]
+    packed = struct.pack(">9i", a, b, 0, c, d, 0, 0, 0, 0x40000000)
+    return raw[:matrix] + packed + raw[matrix + 36 :]
 
 
 def write_wds(path: Path, samples: list[tuple[str, dict[str, bytes]]]) -> None:

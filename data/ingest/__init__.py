@@ -24,6 +24,7 @@ def ingest(
     progress: bool = False,
     command: list[str] | None = None,
     engine: EngineConfig | None = None,
+    val_fraction: float = 0.0,
 ) -> dict:
     """Plan and write shards; returns a summary (see ``run_plan``) with the plan's counts."""
     specs = parse_sources(sources)
@@ -33,6 +34,7 @@ def ingest(
         shard_max_bytes=shard_max_bytes,
         shard_max_samples=shard_max_samples,
         progress=progress,
+        val_fraction=val_fraction,
     )
     summary = run_plan(
         out if is_remote(out) else Path(out),

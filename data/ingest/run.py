@@ -90,7 +90,7 @@ def _write_shard(job: ShardJob, src: Source, stage: Staging) -> dict:
         "plan": job.plan,
         "index": shard.index,
         "name": shard.name,
-        "source": job.spec.name,
+        "source": job.spec.name if shard.split == "train" else f"val/{job.spec.name}",
         "kind": job.spec.kind,
         "source_path": job.spec.path,
         "partition": list(job.partition),

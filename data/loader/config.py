@@ -40,7 +40,13 @@ class LoaderConfig:
     prefetch_factor: int = 4
     pin_memory: bool = True  # when a GPU is present
     max_pending: int = 4  # documents held aside while a visual block waits for room
+    # Documents are handed to the packer in chunks of at most this many tokens (0: seq_len), the
+    # sources interleaved chunk by chunk, so a long document cannot fill many rows in a row.
+    mix_chunk: int = 0
     oversize: str = "drop_block"  # a visual block longer than a row: drop_block | drop_document
+    # A token source whose visual blocks are longer than seq_len is refused at start (they could
+    # only be dropped); true: train anyway, each dropped block counted (data/dropped_blocks).
+    allow_block_drops: bool = False
     max_consecutive_errors: int = 16  # unreadable samples in a row before the run stops
     # Check each token sample against the SHA-256 in its shard index (a corrupted one is skipped
     # and counted); ids are always checked against their modality's vocabulary range.

@@ -26,10 +26,12 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data.loader.config import LoaderConfig
+from data.loader.fit import check_blocks_fit
 from data.loader.order import unpack_mask
 from data.loader.sample_check import attach_id_ranges
 from data.loader.stream import ConsumerStream
 from data.loader.table import SampleTable, load_table
+from data.vocab import MODALITY_NAMES
 
 STATE_VERSION = 1
 # Workers are forked from multiprocessing's fork server: a clean single-threaded process (not
@@ -233,10 +235,21 @@ class PackedLoader:
             ]
             for t, c in zip(self.tables, st["cursors"]):
                 out["tokens_by_source"][t.name] = out["tokens_by_source"].get(t.name, 0) + c[2]
+        out["dropped_by_source"] = self.dropped_blocks()
         rows = out["rows"]
         out["packing_efficiency"] = out["real_tokens"] / (rows * self.cfg.seq_len) if rows else 0.0
         if self.cfg.mode == "epoch":
             out["held_back"] = self.held_back()
+        return out
+
+    def dropped_blocks(self) -> dict[str, dict[str, int]]:
+        """Visual blocks this rank's workers dropped for being longer than a row (as of the last
+        batch handed out): source -> {"image": n, "video": n}, sources with none left out."""
+        out: dict[str, dict[str, int]] = {}
+        for st in self.worker_states.values():
+            for s, m, n in st.get("dropped_by", []):
+                per = out.setdefault(self.tables[s].name, {"image": 0, "video": 0})
+                per[MODALITY_NAMES[m]] += n
         return out
 
     def skipped(self) -> int:
@@ -257,7 +270,8 @@ class PackedLoader:
                 if (s, c[0]) in skip:  # less those a redistribute found consumed before
                     left -= int(unpack_mask(skip[(s, c[0])], len(t)).sum())
                 n += len(range(consumer, left, self.consumers)) - c[1]
-            n += len(st["pending"]) if st else 0
+            if st:  # documents handed out in part: held aside or with chunks still to come
+                n += len({tuple(d[:3]) for d in st["pending"] + st.get("open", [])})
         return n
 
 
@@ -282,6 +296,7 @@ def build_loader(
         tables = [load_table(s) for s in sources]
     check_tokenizers(cfg, tables)
     attach_id_ranges(cfg, tables)  # every sample's ids checked against them as it is read
+    check_blocks_fit(cfg, tables, what="validation source" if validation else "source")
     if validation:
         from dataclasses import replace
 

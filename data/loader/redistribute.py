@@ -50,6 +50,7 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
     fresh: dict[str, Any] = {
         "cursors": [[0, 0, 0, 0]] * len(loader.tables),
         "pending": [],
+        "open": [],
         "errors": 0,
         "skip": [],
         "stats": PackStats().as_dict(),
@@ -61,6 +62,8 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
         {
             "cursors": [],
             "pending": [],
+            "open": [],
+            "dropped_by": [],
             "batches": 0,
             "errors": 0,
             "skip": [],
@@ -77,10 +80,18 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
             st["skip"] += [[s, e, m] for e, m in masks.items()]
     j = 0
     for c, st in enumerate(olds):
-        for d in st["pending"]:
-            new[j % n]["pending"].append(list(d))
-            j += 1
+        # A document held aside may also be open (chunks still to come): it goes to one new
+        # consumer, in both of its lists there.
+        goes_to: dict[tuple, int] = {}
+        for what in ("pending", "open"):
+            for d in st.get(what, []):
+                key = tuple(d[:3])
+                if key not in goes_to:
+                    goes_to[key] = j % n
+                    j += 1
+                new[goes_to[key]][what].append(list(d))
         to = new[c % n]
+        to["dropped_by"] = _sum_drops(to["dropped_by"], st.get("dropped_by", []))
         to["errors"] += st["errors"]
         to["stats"] = {k: v + st["stats"][k] for k, v in to["stats"].items()}
         to["tokens_by_modality"] = [
@@ -106,6 +117,13 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
             "from_consumers": old_n,
         },
     }
+
+
+def _sum_drops(a: list, b: list) -> list:
+    total: dict[tuple[int, int], int] = {}
+    for s, m, k in a + b:
+        total[(s, m)] = total.get((s, m), 0) + k
+    return [[s, m, k] for (s, m), k in sorted(total.items())]
 
 
 def _check(old: list[dict], loader: PackedLoader) -> None:

@@ -28,9 +28,10 @@ _SPEC = re.compile(r"^(?:(?P<name>[A-Za-z0-9_-]+)=)?(?P<kind>[a-z]+):(?P<path>.+
 
 
 def parse_sources(args: list[str]) -> list[SourceSpec]:
-    """Parse ``[NAME=]KIND:PATH`` arguments; names default to the path's stem, made unique."""
+    """Parse ``[NAME=]KIND:PATH`` arguments; names default to the path's stem. Two sources of one
+    name are an error naming both (a silent rename would put one under a name nobody gave)."""
     specs: list[SourceSpec] = []
-    used: set[str] = set()
+    used: dict[str, str] = {}  # name -> the --source that has it
     for arg in args:
         m = _SPEC.match(arg)
         if not m or m["kind"] not in KINDS:
@@ -43,20 +44,25 @@ def parse_sources(args: list[str]) -> list[SourceSpec]:
         path = Path(m["path"]).expanduser()
         if not path.exists():
             raise ValueError(f"--source {arg!r}: {path} does not exist")
-        name = m["name"]
-        if name and name in used:
-            raise ValueError(f"--source {arg!r}: the name {name!r} is already taken")
-        if not name:
-            base = sanitize_key(path.resolve().stem if path.is_file() else path.resolve().name)
-            name, n = base, 2
-            while name in used:
-                name, n = f"{base}_{n}", n + 1
-        used.add(name)
+        name = m["name"] or sanitize_key(
+            path.resolve().stem if path.is_file() else path.resolve().name
+        )
+        if name in used:
+            how = "" if m["name"] else " (from its path)"
+            raise ValueError(
+                f"--source {arg!r}: the name {name!r}{how} is also the name of --source "
+                f"{used[name]!r}; give each its own name, e.g. --source "
+                f"{name}2={m['kind']}:{m['path']} ({path.resolve()} and "
+                f"{Path(used[name].split(':', 1)[1]).expanduser().resolve()})"
+            )
+        used[name] = arg
         specs.append(SourceSpec(m["kind"], str(path.resolve()), name))
     return specs
 
 
-def _remote_spec(arg: str, kind: str, url: str, name: str | None, used: set[str]) -> SourceSpec:
+def _remote_spec(
+    arg: str, kind: str, url: str, name: str | None, used: dict[str, str]
+) -> SourceSpec:
     """A source in object storage: parquet tables, Hugging Face folders and webdataset tars
     are read there."""
     readable = kind == "wds" or (
@@ -68,15 +74,15 @@ def _remote_spec(arg: str, kind: str, url: str, name: str | None, used: set[str]
             "Face dataset folders (kinds text, images, videos, interleaved) and webdataset "
             "tars (wds); copy other inputs to a local folder first"
         )
-    if name and name in used:
-        raise ValueError(f"--source {arg!r}: the name {name!r} is already taken")
     if not name:
         stem = url.rstrip("/").rsplit("/", 1)[-1]
-        base = sanitize_key(stem.removesuffix(".parquet").removesuffix(".tar"))
-        name, n = base, 2
-        while name in used:
-            name, n = f"{base}_{n}", n + 1
-    used.add(name)
+        name = sanitize_key(stem.removesuffix(".parquet").removesuffix(".tar"))
+    if name in used:  # never a silent rename, as for local sources
+        raise ValueError(
+            f"--source {arg!r}: the name {name!r} is also the name of --source {used[name]!r}; "
+            f"give each its own name, e.g. --source {name}2={kind}:{url}"
+        )
+    used[name] = arg
     return SourceSpec(kind, url.rstrip("/"), name)
 
 

@@ -10,7 +10,7 @@ checks it): ``<|bos|> segment … <|eos|>``, text and code as BPE ids.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -26,6 +26,18 @@ class TokenizeOptions:
     video_fps: float = 4.0
     video_max_tokens: int = 4096  # a video block never exceeds this many tokens
     image_batch: int = 32
+    # No image or video block longer than this (0: no bound beyond the budgets above): the row
+    # length of the training runs (``--seq-len``). Images are made smaller to fit; videos keep
+    # fewer frames (down to two latent frames), then smaller frames, then one frame.
+    max_block_tokens: int = 0
+
+    def record(self) -> dict:
+        """The options as fingerprints and manifests record them; ``max_block_tokens`` only when
+        set, so folders made before it existed keep their fingerprint."""
+        out = asdict(self)
+        if not self.max_block_tokens:
+            del out["max_block_tokens"]
+        return out
 
 
 @dataclass

@@ -56,7 +56,7 @@ from data.shards.reader import ShardReader
 from data.shards.storage import Folder, Staging
 from data.shards.writer import ShardWriter
 from data.text_tokenizer import TextTokenizer
-from data.tokenize.blocks import visual_blocks
+from data.tokenize.blocks import block_summary, shard_block_stats, visual_blocks
 from data.tokenize.docs import TokenizeOptions, encode_text_chunk, has_visual, tokens_by_modality
 from data.tokenize.vtok_files import check_visual_tokenizer, weights_fingerprint
 from data.vocab import MODALITY_NAMES
@@ -164,6 +164,7 @@ def _tokenize_shard(job: TokenizeJob, raw_tar: Path, raw_idx: Path, stage: Stagi
     rejects: list[dict] = []
     tokens: Counter = Counter()
     docs = 0
+    doc_blocks: list[list[list[int]]] = []
     try:
         with ShardReader(raw_tar, raw_idx) as stream:
             for chunk in batched(stream, CHUNK_DOCS):
@@ -173,6 +174,7 @@ def _tokenize_shard(job: TokenizeJob, raw_tar: Path, raw_idx: Path, stage: Stagi
                         continue
                     meta = {"source": got.source, "spans": got.spans, "tokens": int(len(got.ids))}
                     by_mod = tokens_by_modality(got)
+                    doc_blocks.append(visual_blocks(got.spans))
                     writer.write(
                         Sample(
                             got.key,
@@ -182,7 +184,7 @@ def _tokenize_shard(job: TokenizeJob, raw_tar: Path, raw_idx: Path, stage: Stagi
                         {
                             "tokens": int(len(got.ids)),
                             "tokens_by_modality": by_mod,
-                            "blocks": visual_blocks(got.spans),
+                            "blocks": doc_blocks[-1],
                         },
                     )
                     tokens.update(by_mod)
@@ -203,6 +205,7 @@ def _tokenize_shard(job: TokenizeJob, raw_tar: Path, raw_idx: Path, stage: Stagi
         "sha256": result.sha256,
         "index_sha256": result.index_sha256,
         "tokens": dict(tokens),
+        "block_stats": shard_block_stats(doc_blocks),
         "rejects": rejects,
         # What `earlyfuse-prep merge` needs to finish a partitioned run's manifest.
         "inputs": {"raw": job.raw_dir, "tokenizer": job.tok_dir, "visual": job.vtok_dir},
@@ -217,7 +220,7 @@ def fingerprint_of(raw_manifest: dict, tok_dir: Path, vtok_dir: Path, opts: Toke
             {
                 "raw_plan": raw_manifest["plan"]["fingerprint"],
                 "raw_shards": [s["sha256"] for s in raw_manifest["shards"]],
-                "opts": asdict(opts),
+                "opts": opts.record(),
             },
             sort_keys=True,
         ).encode()
@@ -392,8 +395,15 @@ def _finalize_tokens(
         s["samples"] += r["samples"]
         s["tokens"].update(r["tokens"])
         s["shards"] += 1
+
+    def read_index_of(rec: dict) -> list[dict]:  # records written before block_stats existed
+        text = stage.dest.read_bytes(rec["index_file"]).decode()
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+    blocks = block_summary(recs, read_index_of)
     for s in sources.values():
         s["tokens"] = {m: s["tokens"].get(m, 0) for m in MODALITY_NAMES}
+        s["blocks"] = blocks[s["name"]]
     manifest = {
         "format": FORMAT,
         "version": 1,

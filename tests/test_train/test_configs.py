@@ -80,3 +80,27 @@ def test_resume_config_differences_are_listed_and_the_breaking_ones_named():
     check_resume_config(saved, saved.replace("10", "5"), world_size=1, allowed=False, **check)
     with pytest.raises(ConfigError, match=r"world size"):
         check_resume_config(saved, saved, world_size=2, allowed=False, **check)
+
+
+def test_data_sources_from_a_users_own_config_dir(tmp_path):
+    """`earlyfuse-train --config-dir MY_CONFIGS data=mine`: the user's data/mine.yaml (here built
+    on the demo's) composes onto the schema, also over an experiment's own data choice; a typo in
+    it is an error naming the key."""
+    import subprocess
+    import sys
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "mine.yaml").write_text(
+        "defaults:\n  - demo\nsources:\n  - {name: notes, shards: [my/tokens/notes], weight: 1.0}\n"
+        "seq_len: 1024\n"
+    )
+    cmd = [sys.executable, "-m", "train.app", "--config-dir", str(tmp_path)]
+    p = subprocess.run(
+        cmd + ["experiment=demo", "data=mine", "--cfg", "job"], capture_output=True, text=True
+    )
+    assert p.returncode == 0, p.stderr
+    assert "- my/tokens/notes" in p.stdout and "seq_len: 1024" in p.stdout
+    assert "runs/demo/val_tokens" in p.stdout  # the rest comes from the demo's data config
+    (tmp_path / "data" / "typo.yaml").write_text("sources: []\nseq_lenn: 3\n")
+    p = subprocess.run(cmd + ["data=typo", "--cfg", "job"], capture_output=True, text=True)
+    assert p.returncode != 0 and "seq_lenn" in p.stderr

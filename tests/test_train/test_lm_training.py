@@ -130,3 +130,30 @@ def test_lm_trains_on_raw_shards_tokenized_by_the_loader(tiny_raw, tiny_tokens, 
     )
     assert p.returncode != 0 and "data.validation source v holds raw shards" in p.stderr
     assert not (tmp_path / "val" / "metrics.jsonl").exists()
+
+
+def test_blocks_longer_than_a_row_stop_the_run_or_are_counted_when_allowed(tiny_tokens, tmp_path):
+    """Rows of 96 tokens cannot hold the clips' video blocks (~220 tokens): the run stops before
+    training naming the source, the budget and seq_len; with data.allow_block_drops it trains and
+    every drop is counted per source and modality (console, metrics.jsonl, final.json)."""
+    run = tmp_path / "run"
+    args = base(tiny_tokens, run, 3, "data.seq_len=96")
+    p = train(args, check=False)
+    said = p.stdout + p.stderr
+    assert p.returncode != 0 and not (run / "metrics.jsonl").exists()
+    assert (
+        "source clips:" in said and "data.seq_len=96" in said and "--video-max-tokens 240" in said
+    )
+    # A validation source is checked at start too, not at the first evaluation.
+    fits = "[{name: scenes, shards: [" + str(tiny_tokens / "scenes") + "]}]"
+    held = "[{name: v, shards: [" + str(tiny_tokens / "clips") + "]}]"
+    only = [a for a in args if not a.startswith("data.sources=")]
+    p = train(only + [f"data.sources={fits}", f"data.validation={held}"], check=False)
+    assert p.returncode != 0 and "data.validation source v:" in p.stdout + p.stderr
+    p = train(args + ["data.allow_block_drops=true"])
+    assert "| dropped " in p.stdout
+    m = metrics(run)
+    per_step = sum(m[s].get("data/dropped_blocks/clips/video", 0) for s in m)
+    assert per_step > 0 and per_step == sum(m[s]["data/dropped_blocks"] for s in m)
+    final = json.loads((run / "final.json").read_text())
+    assert final["data/dropped_blocks/clips/video"] == per_step == final["data/dropped_blocks"]

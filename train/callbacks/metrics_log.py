@@ -65,6 +65,11 @@ def console_line(metrics: dict, step: int, total: int, unit: str) -> str:
         f"{show('throughput/peak_tflops', '{:.2f}')} TFLOP/s | "
         f"data {show('throughput/data_wait', '{:.1%}')} | "
         f"ETA {fmt_duration(metrics.get('throughput/eta_s', math.nan))}"
+        + (
+            f" | dropped {metrics['data/dropped_blocks']:.0f} blocks"
+            if metrics.get("data/dropped_blocks")
+            else ""
+        )
     )
 
 

@@ -4,8 +4,10 @@ Every step logs, from sums and counts reduced over micro-batches and ranks: the 
 modality (``loss/<m>``), normalised CE (``loss_norm/<m>`` = CE / ln V_m, 1.0 = chance over the
 modality's own range of ids), label tokens per modality (``tokens/<m>``), log Z and final
 hidden norm per modality and the code-minus-text logit gap (``monitor/...``), and the delivered
-mix by source (``mix/<source>``). Validation runs over the held-out sources (``data.validation``)
-and reports loss and perplexity per modality.
+mix by source (``mix/<source>``) and visual blocks the loader dropped for being longer than a row
+(``data/dropped_blocks``, per source and modality as ``data/dropped_blocks/<source>/<m>``; only
+with ``data.allow_block_drops``, the run totals in final.json). Validation runs over the held-out
+sources (``data.validation``) and reports loss and perplexity per modality.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 import torch
 
 from data.loader import LoaderConfig, build_loader, store
+from data.loader.fit import check_blocks_fit
 from data.loader.table import find_manifest
 from data.names import LAYOUT_FILE
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
@@ -30,6 +33,7 @@ from train.monitor.lm_probes import LMProbes
 from train.streams import TableCache, TokenStream
 from train.tasks.base import StepOutput
 
+DROPPABLE = ("image", "video")  # modalities whose blocks the loader can drop (batch dropped_blocks)
 MODEL_INPUTS = (
     "input_ids",
     "labels",
@@ -79,6 +83,7 @@ class LMTask:
         self.layout, self.tok_folder = layout_of_data(cfg, self.tables)
         self.model_cfg = cfg.model.with_layout(self.layout)
         for src, table in zip(cfg.data.validation, self.tables.get(cfg.data.validation)):
+            check_blocks_fit(cfg.data, [table], what="data.validation source")
             if table.kind == "raw":  # found now, not at the first evaluation hours later
                 raise ValueError(
                     f"data.validation source {src.name} holds raw shards: validation makes one "
@@ -106,7 +111,9 @@ class LMTask:
         return TokenStream(loader)
 
     def batches(self) -> TokenStream:
-        return self.stream(self.cfg.data)
+        stream = self.stream(self.cfg.data)
+        self._loader = stream.loader  # its dropped-block counts go to final.json (finish)
+        return stream
 
     def probe_stream(self) -> TokenStream:
         """The probes' rows: the validation sources when the run has them (else the training
@@ -130,6 +137,8 @@ class LMTask:
             sums[f"gap_sum/{name}"] = res.logit_gap_sum[i]
         for i, name in enumerate(self.source_names):
             sums[f"mix_tokens/{name}"] = batch["tokens_by_source"][i]
+            for j, mod in enumerate(DROPPABLE):
+                sums[f"dropped/{name}/{mod}"] = batch["dropped_blocks"][i, j]
         if res.moe_expert_load is not None:  # [layers, modality, expert] assignments
             load = res.moe_expert_load.detach().sum(0)
             for i, name in enumerate(MODALITY_NAMES):
@@ -165,6 +174,10 @@ class LMTask:
         total = sum(s[f"mix_tokens/{source}"] for source in self.source_names) or 1.0
         for source in self.source_names:
             out[f"mix/{source}"] = s[f"mix_tokens/{source}"] / total
+        dropped = {k[len("dropped/") :]: v for k, v in s.items() if k.startswith("dropped/") and v}
+        if dropped or self.cfg.data.allow_block_drops:
+            out["data/dropped_blocks"] = float(sum(dropped.values()))
+            out.update({f"data/dropped_blocks/{k}": v for k, v in dropped.items()})
         return out
 
     def flops_per_unit(self) -> float:
@@ -200,7 +213,17 @@ class LMTask:
         return LMProbes(monitor_cfg, self.cfg, self, self.dist, engine)
 
     def finish(self, engine, run_dir: Path) -> dict[str, float]:
-        return {}
+        """The run's dropped visual blocks over all ranks (the loader's counts survive resumes)."""
+        loader = getattr(self, "_loader", None)
+        if loader is None or not self.cfg.data.allow_block_drops:
+            return {}
+        keys = [(n, m) for n in self.source_names for m in DROPPABLE]
+        counts = loader.dropped_blocks()
+        local = torch.tensor([float(counts.get(n, {}).get(m, 0)) for n, m in keys])
+        total = all_reduce_sum(local.to(self.dist.device)).cpu().tolist()
+        out = {f"data/dropped_blocks/{n}/{m}": v for (n, m), v in zip(keys, total) if v}
+        out["data/dropped_blocks"] = float(sum(total))
+        return out
 
     def extra_files(self) -> dict[str, str]:
         return {LAYOUT_FILE: json.dumps(self.layout.to_dict(), indent=2, sort_keys=True) + "\n"}
