@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data.loader.config import LoaderConfig
 from data.loader.fit import check_blocks_fit
-from data.loader.order import unpack_mask
+from data.loader.order import ORDER_VERSION, unpack_mask
 from data.loader.sample_check import attach_id_ranges
 from data.loader.stream import ConsumerStream
 from data.loader.table import SampleTable, load_table
@@ -91,6 +91,8 @@ class PackedLoader:
             (torch.cuda.is_available() and cfg.pin_memory) if pin_memory is None else pin_memory
         )
         self.worker_states: dict[int, dict] = {}
+        # Which epoch order the cursors index (order.py); a restored state says which it used.
+        self.order_version = ORDER_VERSION
         self.rotation = 0
         self.handed_out = 0
         self.batch_limit: int | None = None
@@ -114,6 +116,7 @@ class PackedLoader:
             micro_batch=self.micro_batch,
             pad_id=self.pad_id,
             dry=dry,
+            order_version=self.order_version,
         )
         s.batch_limit = self.batch_limit
         return s
@@ -210,6 +213,8 @@ class PackedLoader:
         if "batch_limit" in st:  # epoch mode: after a redistribute, the count of the new split
             self.batch_limit = st["batch_limit"]
         self.worker_states = {int(k): v for k, v in st["worker_states"].items()}
+        if self.worker_states:  # states saved before order version 2 carry no "order"
+            self.order_version = next(iter(self.worker_states.values())).get("order", 1)
         self.handed_out = st["handed_out"]
         self.rotation = self.handed_out % self.workers
 

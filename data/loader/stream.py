@@ -36,7 +36,14 @@ import torch
 from data.loader import store
 from data.loader.config import LoaderConfig
 from data.loader.online import OnlineTokenizer, online_options
-from data.loader.order import consumer_slice, epoch_order, unpack_mask
+from data.loader.order import (
+    ORDER_VERSION,
+    ConsumerSlice,
+    EpochOrder,
+    consumer_slice,
+    epoch_order,
+    unpack_mask,
+)
 from data.loader.packer import Doc, Packer, Row, units_of
 from data.loader.sample_check import check_ids, read_token_sample
 from data.loader.store import ShardFiles, ShardView
@@ -64,12 +71,22 @@ def read_npy(data: bytes) -> np.ndarray:
     return np.load(io.BytesIO(data), allow_pickle=False)
 
 
+def sample_where(t: SampleTable, sample: int) -> tuple[str, str]:
+    """(shard URL, key) of a sample, for messages; the key is looked up only when needed, and a
+    shard whose index cannot be read gives the sample's number instead."""
+    try:
+        return t.shards[t.shard_of(sample)], t.key_of(sample)
+    except (OSError, ValueError, IndexError):
+        return t.name, f"#{sample}"
+
+
 class Watchdog:
     """Reports a read that has not returned after ``seconds``, naming what it was reading."""
 
     def __init__(self, seconds: float, label: str) -> None:
         self.seconds, self.label = seconds, label
-        self.current: tuple[str, float] | None = None
+        # (what is being read: a label, or (table, sample) formatted only if it stalls; since)
+        self.current: tuple[str | tuple, float] | None = None
         self.reported = 0
         self._stop = threading.Event()
         if seconds > 0:
@@ -81,8 +98,9 @@ class Watchdog:
             cur = self.current
             if cur and time.monotonic() - cur[1] > self.seconds:
                 self.reported += 1
+                what = cur[0] if isinstance(cur[0], str) else " sample ".join(sample_where(*cur[0]))
                 print(
-                    f"[loader {self.label}] read stalled for {time.monotonic() - cur[1]:.0f} s: {cur[0]}",
+                    f"[loader {self.label}] read stalled for {time.monotonic() - cur[1]:.0f} s: {what}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -114,8 +132,10 @@ class ConsumerStream:
         micro_batch: int,
         pad_id: int,
         dry: bool = False,
+        order_version: int = ORDER_VERSION,
     ) -> None:
         self.tables, self.cfg, self.dry = tables, cfg, dry
+        self.order_version = order_version
         total = float(sum(weights))
         self.shares = [w / total for w in weights]
         self.consumer, self.consumers, self.micro_batch = consumer, consumers, micro_batch
@@ -127,7 +147,7 @@ class ConsumerStream:
         # comes from the first whose last chunk is placed). At most max_pending + 1 each.
         self.open: list[list[Doc]] = [[] for _ in tables]
         self.chunk = cfg.mix_chunk or cfg.seq_len
-        self._slices: dict[tuple[int, int], np.ndarray] = {}
+        self._slices: dict[tuple[int, int], np.ndarray | ConsumerSlice] = {}
         self.errors = 0
         self.consecutive_errors = 0
         self.batches = 0
@@ -139,22 +159,31 @@ class ConsumerStream:
         self.watchdog = None if dry else Watchdog(cfg.stall_seconds, f"consumer {consumer}")
 
     # --- which document next -------------------------------------------------------------------
-    def _slice(self, s: int, epoch: int) -> np.ndarray:
+    def _slice(self, s: int, epoch: int) -> np.ndarray | ConsumerSlice:
         key = (s, epoch)
         if key not in self._slices:
             t = self.tables[s]
-            order = epoch_order(
-                t.shard,
+            self._slices = {
+                k: v for k, v in self._slices.items() if k[0] != s
+            }  # keep one epoch per source
+            mask = self.cursors[s].skip.get(epoch)
+            order_args = dict(
                 seed=self.cfg.seed,
                 epoch=epoch,
                 source=t.name,
                 buffer=self.cfg.shuffle_buffer,
                 shuffle_shards=self.cfg.shuffle_shards,
             )
-            self._slices = {
-                k: v for k, v in self._slices.items() if k[0] != s
-            }  # keep one epoch per source
-            mask = self.cursors[s].skip.get(epoch)
+            if self.order_version == 1:  # a state saved before lazy orders: its positions
+                counts = t.shard_counts()
+                shard = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
+                order = epoch_order(shard, **order_args)  # type: ignore[arg-type]
+            else:
+                lazy = EpochOrder(t.shard_counts(), **order_args)  # type: ignore[arg-type]
+                if mask is None:
+                    self._slices[key] = ConsumerSlice(lazy, self.consumer, self.consumers)
+                    return self._slices[key]
+                order = lazy.full()  # a redistributed epoch: the positions left, in order
             if mask is not None:
                 order = order[~unpack_mask(mask, len(order))]
             self._slices[key] = consumer_slice(order, self.consumer, self.consumers)
@@ -226,10 +255,6 @@ class ConsumerStream:
         return self.load(s, sample, c.epoch)
 
     # --- reading ---------------------------------------------------------------------------------
-    def _read(self, t: SampleTable, sample: int, at) -> bytes:
-        si = t.shard[sample]
-        return self.files.read(t.shards[si], int(at[0]), int(at[1]), t.shard_bytes[si])
-
     def _encode_raw(self, t: SampleTable, sample: int) -> tuple[np.ndarray, np.ndarray, list]:
         """A raw document tokenized here (data/loader/online.py): ids, modalities, blocks."""
         if self._online is None:
@@ -241,10 +266,10 @@ class ConsumerStream:
                 self.cfg.seq_len,
                 failure_budget=self.cfg.video_failure_budget,
             )
-        si = t.shard[sample]
-        view = ShardView(self.files, t.shards[si], t.shard_bytes[si])
+        si = t.shard_of(sample)
+        view = ShardView(self.files, t.shards[si], t.shard_end(si))
         doc, why = self._online.encode(
-            t.keys[sample], t.members[sample], store.name(t.shards[si]), view
+            t.key_of(sample), t.members[sample], store.name(t.shards[si]), view
         )
         if doc is None:
             raise ValueError(why)
@@ -253,24 +278,24 @@ class ConsumerStream:
     def load(self, s: int, sample: int, epoch: int) -> Doc | None:
         t = self.tables[s]
         if self.dry:
-            length = int(t.tokens[sample])
-            return Doc(s, sample, epoch, length, units_of(length, t.blocks[sample]))
-        shard = t.shards[t.shard[sample]]
+            length = t.tokens_of(sample)
+            return Doc(s, sample, epoch, length, units_of(length, t.blocks_of(sample)))
         if self.watchdog:
-            self.watchdog.current = (f"{shard} sample {t.keys[sample]}", time.monotonic())
+            self.watchdog.current = ((t, sample), time.monotonic())
         try:
             if t.kind == "raw":
                 ids, mod, blocks = self._encode_raw(t, sample)
                 length = len(ids)
             else:
-                length, blocks = int(t.tokens[sample]), t.blocks[sample]
-                si = t.shard[sample]
+                rec = t.token_sample(sample)
+                length, blocks = rec.tokens, rec.blocks
+                url, end = t.shards[rec.shard], t.shard_end(rec.shard)
                 ids_b, mod_b = read_token_sample(
-                    t,
-                    sample,
-                    lambda off, size: self.files.read(t.shards[si], off, size, t.shard_bytes[si]),
+                    rec,
+                    lambda off, size: self.files.view(url, off, size, end),
                     check_hash=self.cfg.check_hashes,
                 )
+                # Views of the shard's memory map: nothing is copied until the packer places them.
                 ids, mod = read_npy(ids_b), read_npy(mod_b)
                 if ids.shape != (length,) or mod.shape != (length,):
                     raise ValueError(
@@ -280,30 +305,19 @@ class ConsumerStream:
         except (OSError, ValueError, EOFError) as e:
             self.errors += 1
             self.consecutive_errors += 1
-            print(
-                f"[loader] skipped {shard} sample {t.keys[sample]}: {e}",
-                file=sys.stderr,
-                flush=True,
-            )
+            shard, key = sample_where(t, sample)
+            print(f"[loader] skipped {shard} sample {key}: {e}", file=sys.stderr, flush=True)
             if self.consecutive_errors >= self.cfg.max_consecutive_errors:
                 raise RuntimeError(
                     f"{self.consecutive_errors} unreadable samples in a row, the last "
-                    f"{shard} {t.keys[sample]}: {e}"
+                    f"{shard} {key}: {e}"
                 ) from e
             return None
         finally:
             if self.watchdog:
                 self.watchdog.current = None
         self.consecutive_errors = 0
-        return Doc(
-            s,
-            sample,
-            epoch,
-            length,
-            units_of(length, blocks),
-            ids.astype(np.int64),
-            mod.astype(np.int64),
-        )
+        return Doc(s, sample, epoch, length, units_of(length, blocks), ids, mod)
 
     # --- rows and batches --------------------------------------------------------------------------
     def next_row(self) -> Row | None:
@@ -352,9 +366,12 @@ class ConsumerStream:
             "skip": [
                 [s, e, m] for s, c in enumerate(self.cursors) for e, m in sorted(c.skip.items())
             ],
+            "order": self.order_version,
         }
 
     def load_state_dict(self, st: dict) -> None:
+        # Cursors are positions in an epoch order: states from before order version 2 keep theirs.
+        self.order_version = st.get("order", 1)
         self.cursors = [SourceCursor(e, p, t, bool(d)) for e, p, t, d in st["cursors"]]
         for s, e, m in st.get("skip", []):  # states from before redistribute have none
             if e >= self.cursors[s].epoch:
