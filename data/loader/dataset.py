@@ -29,7 +29,7 @@ from data.loader.config import LoaderConfig
 from data.loader.fit import check_blocks_fit
 from data.loader.order import ORDER_VERSION, unpack_mask
 from data.loader.sample_check import attach_id_ranges
-from data.loader.stream import ConsumerStream
+from data.loader.stream import ConsumerStream, PackedBatch
 from data.loader.table import SampleTable, load_table
 from data.vocab import MODALITY_NAMES
 
@@ -59,8 +59,9 @@ class _Consumers(IterableDataset):
             batch = stream.next_batch()
             if batch is None:
                 return
-            batch["_worker"] = worker
-            batch["_state"] = stream.state_dict()
+            assert isinstance(batch, PackedBatch)
+            batch.worker = worker
+            batch.state = stream.state_dict()
             yield batch
 
 
@@ -148,11 +149,10 @@ class PackedLoader:
         )
         it = iter(dl)
         try:
-            for batch in it:
-                w = batch.pop("_worker")
-                self.worker_states[int(w)] = batch.pop("_state")
+            for packed in it:
+                self.worker_states[packed.worker] = packed.state
                 self.handed_out += 1
-                yield batch
+                yield packed.to_dict()
         finally:
             # Closing this generator stops the workers now, not whenever it is garbage collected.
             shutdown = getattr(it, "_shutdown_workers", None)

@@ -116,6 +116,86 @@ class Row:
     tail: Doc | None = None  # the document of the last piece (a next chunk of it joins that piece)
 
 
+_ARANGE = np.arange(1 << 16, dtype=np.int64)
+_BLOCK_POSITIONS: dict[tuple[int, int, int], tuple[np.ndarray, int]] = {}
+
+
+def block_positions(t: int, h: int, w: int) -> tuple[np.ndarray, int]:
+    """(int64 [block tokens, 3] M-RoPE offsets from the block's first position, how far the
+    position moves past the block) of an image (t = 0) or video block of an h x w code grid:
+    ``<boi>``/``<bov>`` and the two size tokens advance all three; per frame (video: after its
+    ``<frame>`` marker at (f, 0, 0)) the codes and row ends take (f, row, col); after the block
+    the position continues past its largest extent, where ``<eoi>``/``<eov>`` sits (Qwen2-VL).
+    Built once per grid shape and reused (a block is one vector add)."""
+    key = (t, h, w)
+    if key not in _BLOCK_POSITIONS:
+        frames = max(t, 1)
+        parts = [np.repeat(np.arange(3)[:, None], 3, 1)]
+        rows = np.repeat(np.arange(h), w + 1)
+        cols = np.tile(np.arange(w + 1), h)
+        for f in range(frames):
+            if t:
+                parts.append(np.asarray([[3 + f, 3, 3]]))
+            parts.append(np.stack([np.full(h * (w + 1), 3 + f), 3 + rows, 3 + cols], -1))
+        extent = 3 + max(frames, h, w + 1)
+        parts.append(np.asarray([[extent] * 3]))
+        offsets = np.concatenate(parts).astype(np.int64)
+        offsets.setflags(write=False)
+        _BLOCK_POSITIONS[key] = (offsets, extent + 1)
+    return _BLOCK_POSITIONS[key]
+
+
+# The per-token fields of a batch, in the order they lie in its buffer, with their padding values.
+ROW_FIELDS = (
+    ("ids", "input_ids", None),  # None: the pad id
+    ("labels", "labels", IGNORE),
+    ("mod", "modality", int(Modality.TEXT)),
+    ("label_mod", "label_modality", int(Modality.TEXT)),
+    ("doc_ids", "doc_ids", -1),
+    ("pos", "position_ids", 0),
+    ("image_ids", "image_ids", -1),
+)
+
+
+class BatchBuffer:
+    """Every per-token field of a batch of ``rows`` rows in one int64 buffer: the fields above,
+    each [rows, L] and contiguous, then ``position_thw`` [rows, L, 3]. Rows are views of it, so
+    the packer writes a batch in place and a worker hands the trainer one tensor (its storage in
+    shared memory when ``shared``), which the trainer splits into views without a copy."""
+
+    def __init__(self, rows: int, seq_len: int, pad_id: int, *, shared: bool = False) -> None:
+        import torch
+
+        self.rows, self.L = rows, seq_len
+        n = rows * seq_len
+        self.tensor = torch.empty(len(ROW_FIELDS) * n + 3 * n, dtype=torch.int64)
+        if shared:
+            self.tensor.share_memory_()
+        flat = self.tensor.numpy()
+        self.fields = {}
+        for i, (attr, _, fill) in enumerate(ROW_FIELDS):
+            view = flat[i * n : (i + 1) * n].reshape(rows, seq_len)
+            view.fill(pad_id if fill is None else fill)
+            self.fields[attr] = view
+        thw = flat[len(ROW_FIELDS) * n :].reshape(rows, seq_len, 3)
+        thw.fill(0)
+        self.fields["thw"] = thw
+
+    def row(self, i: int) -> Row:
+        return Row(**{attr: view[i] for attr, view in self.fields.items()}, real=0)
+
+    @staticmethod
+    def split(tensor, rows: int, seq_len: int) -> dict:
+        """The batch fields of a buffer's tensor, as views: ``input_ids`` ... ``position_thw``."""
+        n = rows * seq_len
+        out = {
+            key: tensor[i * n : (i + 1) * n].view(rows, seq_len)
+            for i, (_, key, _) in enumerate(ROW_FIELDS)
+        }
+        out["position_thw"] = tensor[len(ROW_FIELDS) * n :].view(rows, seq_len, 3)
+        return out
+
+
 @dataclass
 class PackStats:
     rows: int = 0
@@ -234,7 +314,9 @@ class Packer:
         j = a
         blocks = [u for u in doc.units if u.atomic and u.start >= a and u.end <= b]
         if not blocks:  # text only (most pieces): t = h = w = the 1-D position
-            row.thw[ra : ra + b - a] = np.arange(b - a)[:, None]
+            row.thw[ra : ra + b - a] = (
+                _ARANGE[: b - a, None] if b - a <= len(_ARANGE) else (np.arange(b - a)[:, None])
+            )
             return
         n_img = int(row.image_ids.max()) + 1
         for u in blocks + [None]:
@@ -245,50 +327,27 @@ class Packer:
             if u is None:
                 break
             r0 = ra + u.start - a
-            row.thw[r0 : r0 + 3] = (p + np.arange(3))[
-                :, None
-            ]  # <boi>/<bov> and the two size tokens
-            p += 3
-            frames, h, w = max(u.t, 1), u.h, u.w
-            k = r0 + 3
-            for f in range(frames):
-                if u.t:  # video: <frame> marker
-                    row.thw[k] = (p + f, p, p)
-                    k += 1
-                grid_t = np.full((h, w + 1), p + f)
-                grid_h = np.broadcast_to((p + np.arange(h))[:, None], (h, w + 1))
-                grid_w = np.broadcast_to(p + np.arange(w + 1)[None, :], (h, w + 1))
-                row.thw[k : k + h * (w + 1)] = np.stack([grid_t, grid_h, grid_w], -1).reshape(-1, 3)
-                codes = row.mod[k : k + h * (w + 1)] == Modality.IMAGE
-                row.image_ids[k : k + h * (w + 1)][codes] = n_img
-                k += h * (w + 1)
-            n_img += 1 if u.t == 0 else 0
-            p += max(frames, h, w + 1)
-            row.thw[k] = (p, p, p)  # <eoi>/<eov>
-            p += 1
+            offsets, advance = block_positions(u.t, u.h, u.w)
+            end = r0 + len(offsets)
+            np.add(offsets, p, out=row.thw[r0:end])
+            if u.t == 0:  # an image: its codes carry its number (bidirectional attention)
+                codes = row.mod[r0:end] == Modality.IMAGE
+                row.image_ids[r0:end][codes] = n_img
+                n_img += 1
+            p += advance
             j = u.end
 
     def _new_row(self) -> Row | None:
         if self.dry:
             return None
-        L = self.L
-        return Row(
-            ids=np.full(L, self.pad_id, np.int64),
-            mod=np.full(L, int(Modality.TEXT), np.int64),
-            labels=np.full(L, IGNORE, np.int64),
-            label_mod=np.full(L, int(Modality.TEXT), np.int64),
-            doc_ids=np.full(L, -1, np.int64),
-            pos=np.zeros(L, np.int64),
-            thw=np.zeros((L, 3), np.int64),
-            image_ids=np.full(L, -1, np.int64),
-            real=0,
-        )
+        return BatchBuffer(1, self.L, self.pad_id).row(0)
 
     # --- one row ----------------------------------------------------------------------------------
-    def pack(self, next_doc) -> Row | None:
+    def pack(self, next_doc, into: Row | None = None) -> Row | None:
         """The next row, pulling documents from ``next_doc()`` (None when the data has ended);
-        None when nothing is left at all."""
-        row, pos = self._new_row(), 0
+        None when nothing is left at all. ``into``: a blank row to fill (a row of a batch's
+        buffer); else one is made."""
+        row, pos = (into if into is not None or self.dry else self._new_row()), 0
         waiting, self.pending = self.pending, []
         carry: list[Doc] = []
         deferred: list[Doc] = []

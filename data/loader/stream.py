@@ -44,7 +44,7 @@ from data.loader.order import (
     epoch_order,
     unpack_mask,
 )
-from data.loader.packer import Doc, Packer, Row, units_of
+from data.loader.packer import BatchBuffer, Doc, Packer, Row, units_of
 from data.loader.sample_check import check_ids, read_token_sample
 from data.loader.store import ShardFiles, ShardView
 from data.loader.table import SampleTable
@@ -323,27 +323,43 @@ class ConsumerStream:
     def next_row(self) -> Row | None:
         return self.packer.pack(self.next_doc)
 
-    def next_batch(self) -> dict | None:
+    def next_batch(self) -> PackedBatch | dict | None:
+        """The next batch (``PackedBatch``; ``{}`` when packing dry); None at the end."""
         if self.batch_limit is not None and self.batches >= self.batch_limit:
             return None
+        buf = None
+        if not self.dry:
+            # In a worker the buffer lives in shared memory: handing it over copies nothing.
+            buf = BatchBuffer(
+                self.micro_batch,
+                self.cfg.seq_len,
+                self.packer.pad_id,
+                shared=torch.utils.data.get_worker_info() is not None,
+            )
         rows: list[Row] = []
         while len(rows) < self.micro_batch:
-            r = self.next_row()
+            r = self.packer.pack(self.next_doc, buf.row(len(rows)) if buf else None)
             if r is None:
                 return None  # the last, incomplete batch of an epoch is held back
             rows.append(r)
         self.batches += 1
-        if self.dry:
+        if buf is None:
             return {}
-        batch = collate(rows)
         dropped = self.dropped_matrix()
-        batch["dropped_blocks"] = torch.from_numpy(dropped - self._dropped_before)
+        new_drops = dropped - self._dropped_before
         self._dropped_before = dropped
         self.tokens_by_modality += np.bincount(
             _real_modalities(rows), minlength=len(MODALITY_NAMES)
         )
-        batch["tokens_by_source"] = torch.tensor(_tokens_by_source(rows, len(self.tables)))
-        return batch
+        return PackedBatch(
+            buf.tensor,
+            len(rows),
+            self.cfg.seq_len,
+            _pieces(rows),
+            _tokens_by_source(rows, len(self.tables)),
+            new_drops,
+            sum(r.real for r in rows),
+        )
 
     def dropped_matrix(self) -> np.ndarray:
         """[sources, 2]: image and video blocks dropped so far for being longer than a row."""
@@ -419,30 +435,43 @@ def _tokens_by_source(rows: list[Row], n: int) -> list[int]:
     return out
 
 
-def collate(rows: list[Row]) -> dict:
-    def st(name):
-        return torch.from_numpy(np.stack([getattr(r, name) for r in rows]))
+class PackedBatch:
+    """What a consumer hands the trainer's process for one batch: the batch buffer (one tensor:
+    every per-token field, data/loader/packer.BatchBuffer) and a few small numbers. Not a dict
+    or a list, so the DataLoader neither walks it (``default_convert``) nor pins it field by
+    field: ``pin_memory`` pins the one buffer. ``to_dict`` splits it into the batch's tensors,
+    views of that buffer."""
 
-    return {
-        "input_ids": st("ids"),
-        "labels": st("labels"),
-        "modality": st("mod"),
-        "label_modality": st("label_mod"),
-        "doc_ids": st("doc_ids"),
-        "position_ids": st("pos"),
-        "position_thw": st("thw"),
-        "image_ids": st("image_ids"),
-        "num_real_tokens": torch.tensor(sum(r.real for r in rows)),
-        "pieces": _pieces(rows),
-    }
+    def __init__(self, tensor, rows, seq_len, pieces, tokens_by_source, dropped, real) -> None:
+        self.tensor, self.rows, self.seq_len = tensor, rows, seq_len
+        self.pieces, self.tokens_by_source, self.dropped, self.real = (
+            pieces,
+            tokens_by_source,
+            dropped,
+            real,
+        )
+        self.worker = -1
+        self.state: dict | None = None
+
+    def pin_memory(self, device=None) -> PackedBatch:
+        self.tensor = self.tensor.pin_memory(device) if device else self.tensor.pin_memory()
+        return self
+
+    def to_dict(self) -> dict:
+        batch = BatchBuffer.split(self.tensor, self.rows, self.seq_len)
+        batch["num_real_tokens"] = torch.tensor(self.real)
+        batch["pieces"] = torch.from_numpy(self.pieces)
+        batch["dropped_blocks"] = torch.from_numpy(self.dropped)
+        batch["tokens_by_source"] = torch.tensor(self.tokens_by_source)
+        return batch
 
 
-def _pieces(rows: list[Row]) -> torch.Tensor:
-    """[rows, most pieces, 4] (source, sample, start, end) of each row's document pieces, -1 padded:
-    which documents a batch holds (for checks and debugging; the model never sees it)."""
+def _pieces(rows: list[Row]) -> np.ndarray:
+    """int64 [rows, most pieces, 4] (source, sample, start, end) of each row's document pieces,
+    -1 padded: which documents a batch holds (for checks and debugging; the model never sees it)."""
     most = max((len(r.pieces) for r in rows), default=0)
-    out = torch.full((len(rows), most, 4), -1, dtype=torch.long)
+    out = np.full((len(rows), most, 4), -1, dtype=np.int64)
     for i, r in enumerate(rows):
         if r.pieces:
-            out[i, : len(r.pieces)] = torch.tensor(r.pieces, dtype=torch.long)
+            out[i, : len(r.pieces)] = r.pieces
     return out
