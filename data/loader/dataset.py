@@ -25,9 +25,11 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from data.loader import transport
 from data.loader.config import LoaderConfig
 from data.loader.fit import check_blocks_fit
 from data.loader.order import ORDER_VERSION, unpack_mask
+from data.loader.packer import BatchBuffer
 from data.loader.sample_check import attach_id_ranges
 from data.loader.stream import ConsumerStream, PackedBatch
 from data.loader.table import SampleTable, load_table
@@ -55,6 +57,11 @@ class _Consumers(IterableDataset):
         stream = ld.make_stream(worker)
         if ld.worker_states.get(worker):
             stream.load_state_dict(ld.worker_states[worker])
+        if info is not None:  # batches go to the trainer's process through shared slots
+            in_flight = ld.cfg.prefetch_factor * ld.cfg.num_workers
+            stream.ring = transport.SlotRing(
+                in_flight + 2, BatchBuffer.numel(ld.micro_batch, ld.cfg.seq_len)
+            )
         while True:
             batch = stream.next_batch()
             if batch is None:
@@ -148,12 +155,16 @@ class PackedLoader:
             generator=torch.Generator().manual_seed(self.cfg.seed * 1000003 + self.rank),
         )
         it = iter(dl)
+        rings = set()
         try:
             for packed in it:
+                rings.add(packed.token)
                 self.worker_states[packed.worker] = packed.state
                 self.handed_out += 1
                 yield packed.to_dict()
         finally:
+            for token in rings:
+                transport.forget(token)
             # Closing this generator stops the workers now, not whenever it is garbage collected.
             shutdown = getattr(it, "_shutdown_workers", None)
             if shutdown:

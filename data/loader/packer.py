@@ -160,17 +160,17 @@ ROW_FIELDS = (
 class BatchBuffer:
     """Every per-token field of a batch of ``rows`` rows in one int64 buffer: the fields above,
     each [rows, L] and contiguous, then ``position_thw`` [rows, L, 3]. Rows are views of it, so
-    the packer writes a batch in place and a worker hands the trainer one tensor (its storage in
-    shared memory when ``shared``), which the trainer splits into views without a copy."""
+    the packer writes a batch in place and a worker hands the trainer one tensor, which the
+    trainer splits into views without a copy."""
 
-    def __init__(self, rows: int, seq_len: int, pad_id: int, *, shared: bool = False) -> None:
+    def __init__(self, rows: int, seq_len: int, pad_id: int, *, tensor=None) -> None:
         import torch
 
         self.rows, self.L = rows, seq_len
         n = rows * seq_len
-        self.tensor = torch.empty(len(ROW_FIELDS) * n + 3 * n, dtype=torch.int64)
-        if shared:
-            self.tensor.share_memory_()
+        if tensor is None:
+            tensor = torch.empty(self.numel(rows, seq_len), dtype=torch.int64)
+        self.tensor = tensor  # given: a worker's slot of shared memory (data/loader/transport.py)
         flat = self.tensor.numpy()
         self.fields = {}
         for i, (attr, _, fill) in enumerate(ROW_FIELDS):
@@ -180,6 +180,10 @@ class BatchBuffer:
         thw = flat[len(ROW_FIELDS) * n :].reshape(rows, seq_len, 3)
         thw.fill(0)
         self.fields["thw"] = thw
+
+    @staticmethod
+    def numel(rows: int, seq_len: int) -> int:
+        return (len(ROW_FIELDS) + 3) * rows * seq_len
 
     def row(self, i: int) -> Row:
         return Row(**{attr: view[i] for attr, view in self.fields.items()}, real=0)

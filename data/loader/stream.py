@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from data.loader import store
+from data.loader import store, transport
 from data.loader.config import LoaderConfig
 from data.loader.online import OnlineTokenizer, online_options
 from data.loader.order import (
@@ -156,6 +156,7 @@ class ConsumerStream:
         self._dropped_before = np.zeros((len(tables), 2), np.int64)  # as of the last batch
         self.files = ShardFiles(cfg.cache_dir, cfg.cache_limit_gb)
         self._online: OnlineTokenizer | None = None  # built on the first raw document
+        self.ring: transport.SlotRing | None = None  # set in a DataLoader worker
         self.watchdog = None if dry else Watchdog(cfg.stall_seconds, f"consumer {consumer}")
 
     # --- which document next -------------------------------------------------------------------
@@ -327,14 +328,15 @@ class ConsumerStream:
         """The next batch (``PackedBatch``; ``{}`` when packing dry); None at the end."""
         if self.batch_limit is not None and self.batches >= self.batch_limit:
             return None
-        buf = None
+        buf, slot = None, None
         if not self.dry:
-            # In a worker the buffer lives in shared memory: handing it over copies nothing.
+            # In a worker, packed in place into a slot of shared memory (data/loader/transport.py)
+            slot = self.ring.acquire() if self.ring is not None else None
             buf = BatchBuffer(
                 self.micro_batch,
                 self.cfg.seq_len,
                 self.packer.pad_id,
-                shared=torch.utils.data.get_worker_info() is not None,
+                tensor=None if slot is None or self.ring is None else self.ring.data[slot],
             )
         rows: list[Row] = []
         while len(rows) < self.micro_batch:
@@ -351,7 +353,7 @@ class ConsumerStream:
         self.tokens_by_modality += np.bincount(
             _real_modalities(rows), minlength=len(MODALITY_NAMES)
         )
-        return PackedBatch(
+        out = PackedBatch(
             buf.tensor,
             len(rows),
             self.cfg.seq_len,
@@ -360,6 +362,11 @@ class ConsumerStream:
             new_drops,
             sum(r.real for r in rows),
         )
+        if slot is not None and self.ring is not None:
+            out.tensor, out.slot, out.token = None, slot, self.ring.token
+            if not self.ring.sent:  # the slots cross to the trainer once, with the first batch
+                out.ring, self.ring.sent = (self.ring.data, self.ring.flags), True
+        return out
 
     def dropped_matrix(self) -> np.ndarray:
         """[sources, 2]: image and video blocks dropped so far for being longer than a row."""
@@ -452,12 +459,27 @@ class PackedBatch:
         )
         self.worker = -1
         self.state: dict | None = None
+        # Packed in a worker's slot of shared memory (data/loader/transport.py): which one, of
+        # which worker's ring, and (first batch of a worker) the ring's tensors themselves.
+        self.slot: int | None = None
+        self.token = ""
+        self.ring: tuple | None = None
+
+    def take(self, *, pin: bool = False) -> None:
+        """In the trainer's process: copy the batch out of its slot (freeing the slot)."""
+        if self.slot is not None:
+            self.tensor = transport.take(self.token, self.slot, self.ring, pin=pin)
+            self.slot, self.ring = None, None
 
     def pin_memory(self, device=None) -> PackedBatch:
-        self.tensor = self.tensor.pin_memory(device) if device else self.tensor.pin_memory()
+        if self.slot is not None:
+            self.take(pin=True)  # the one copy goes into pinned memory
+        else:
+            self.tensor = self.tensor.pin_memory()
         return self
 
     def to_dict(self) -> dict:
+        self.take()
         batch = BatchBuffer.split(self.tensor, self.rows, self.seq_len)
         batch["num_real_tokens"] = torch.tensor(self.real)
         batch["pieces"] = torch.from_numpy(self.pieces)
