@@ -309,7 +309,7 @@ def build_loader(
             "data.validation lists no sources" if validation else "data.sources lists no sources"
         )
     if tables is None:
-        tables = [load_table(s) for s in sources]
+        tables = [load_table(s, cache_dir=cfg.cache_dir) for s in sources]
     check_tokenizers(cfg, tables)
     attach_id_ranges(cfg, tables)  # every sample's ids checked against them as it is read
     check_blocks_fit(cfg, tables, what="validation source" if validation else "source")

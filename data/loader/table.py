@@ -25,6 +25,8 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import os
+import posixpath
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +50,17 @@ def find_manifest(url: str, seen: dict | None = None) -> tuple[dict, str] | None
     """(manifest, its URL) of the shard folder ``url`` lies in: the first ``manifest.json`` of a
     known format in its folder or the two above. ``seen`` caches reads across the shards of a
     source (one read per folder, not per shard: a remote read or a command each)."""
-    seen = {} if seen is None else seen
+    found = _manifest_of(url, {} if seen is None else seen)
+    return None if found is None else found[:2]
+
+
+def _manifest_of(url: str, seen: dict) -> tuple[dict, str, int] | None:
+    """``find_manifest``, and how many folders above the shard's the manifest is. Shards of one
+    folder (local or fsspec) share the answer, looked up once."""
+    folder = None if store.kind(url) == "pipe" else posixpath.dirname(url)
+    if folder is not None and ("folder", folder) in seen:
+        return seen[("folder", folder)]
+    out = None
     for up in range(3):
         m_url = store.sibling(url, MANIFEST_FILE, up)
         if m_url not in seen:
@@ -59,8 +71,28 @@ def find_manifest(url: str, seen: dict | None = None) -> tuple[dict, str] | None
             ok = isinstance(data, dict) and data.get("format") in (TOKEN_FORMAT, RAW_FORMAT)
             seen[m_url] = data if ok else None
         if seen[m_url] is not None:
-            return seen[m_url], m_url
-    return None
+            out = (seen[m_url], m_url, up)
+            break
+    if folder is not None:
+        seen[("folder", folder)] = out
+    return out
+
+
+class _Listing:
+    """Which files local shard folders hold, one ``os.listdir`` per folder (a stat per shard
+    was most of a start at 1,000 shards)."""
+
+    def __init__(self) -> None:
+        self.names: dict[str, set[str]] = {}
+
+    def has(self, path: str) -> bool:
+        folder, base = os.path.split(path)
+        if folder not in self.names:
+            try:
+                self.names[folder] = set(os.listdir(folder or "."))
+            except OSError:
+                self.names[folder] = set()
+        return base in self.names[folder]
 
 
 def tokenizer_key(tokenizers: dict) -> str:
@@ -382,10 +414,12 @@ def load_table(src: SourceConfig, *, cache_dir: str | None = None) -> SampleTabl
         raise ValueError(f"source {src.name}: no shards given")
     seen: dict = {}
     found = []
+    listing = _Listing()
     for tar in tars:
-        if not store.exists(tar):
+        local = store.kind(tar) == "local"
+        if not (listing.has(store.local_path(tar)) if local else store.exists(tar)):
             raise ValueError(f"source {src.name}: shard {tar} does not exist")
-        manifest_found = find_manifest(tar, seen)
+        manifest_found = _manifest_of(tar, seen)
         if manifest_found is None:
             _read_index(src, tar)  # a missing index is the first thing to name
             raise ValueError(
@@ -393,12 +427,12 @@ def load_table(src: SourceConfig, *, cache_dir: str | None = None) -> SampleTabl
                 f"{TOKEN_FORMAT} or {RAW_FORMAT} in its folder or the two above)"
             )
         found.append(manifest_found)
-    kinds = {m["format"] for m, _ in found}
+    kinds = {f[0]["format"] for f in found}
     if len(kinds) > 1:
         raise ValueError(f"source {src.name}: mixes raw and token shards; make them two sources")
     if RAW_FORMAT in kinds:
-        return _load_raw_table(src, tars, found)
-    return _load_token_table(src, tars, found, cache_dir or store.default_cache_dir())
+        return _load_raw_table(src, tars, [f[:2] for f in found])
+    return _load_token_table(src, tars, found, cache_dir or store.default_cache_dir(), listing)
 
 
 def _read_index(src: SourceConfig, tar: str) -> bytes:
@@ -411,17 +445,19 @@ def _read_index(src: SourceConfig, tar: str) -> bytes:
         ) from None
 
 
-def _relative(tar: str, manifest_url: str) -> str:
-    """The shard's path relative to its manifest's folder (how the manifest names it)."""
+def _relative(tar: str, up: int) -> str:
+    """The shard's path relative to its manifest's folder, ``up`` folders above its own (how
+    the manifest names it)."""
     path = store._tar_word(tar).group(1) if store.kind(tar) == "pipe" else tar
-    for up in range(3):
-        if store.sibling(tar, MANIFEST_FILE, up) == manifest_url:
-            return "/".join(path.split("/")[-(up + 1) :])
-    return ""
+    return "/".join(path.split("/")[-(up + 1) :])
 
 
 def _load_token_table(
-    src: SourceConfig, tars: list[str], found: list[tuple[dict, str]], cache_dir: str
+    src: SourceConfig,
+    tars: list[str],
+    found: list[tuple[dict, str, int]],
+    cache_dir: str,
+    listing: _Listing,
 ) -> TokenTable:
     """Token shards from their manifest's entries (samples, index SHA-256, blocks): no index is
     read. A shard the manifest does not list (or lists without those) has its JSONL index read
@@ -431,15 +467,17 @@ def _load_token_table(
     tok_keys, legacy_tok = set(), set()
     layout_url = ""
     entries: dict[str, dict[str, dict]] = {}
-    for tar, (m, manifest_url) in zip(tars, found):
-        if manifest_url not in entries:
+    for tar, (m, manifest_url, up) in zip(tars, found):
+        if manifest_url not in entries:  # once per manifest, not per shard
             entries[manifest_url] = {e.get("path", ""): e for e in m.get("shards", [])}
-        entry = entries[manifest_url].get(_relative(tar, manifest_url), {})
-        if store.kind(tar) == "local" and not any(
-            Path(store.sibling(tar, _stem(tar) + suffix)).is_file()
-            for suffix in (INDEX_SUFFIX, token_index.SUFFIX)
-        ):
-            _read_index(src, tar)  # names the missing index
+            tok_keys.add(tokenizer_key(m["tokenizers"]))
+            legacy_tok.add(json.dumps(m["tokenizers"], sort_keys=True))
+        entry = entries[manifest_url].get(_relative(tar, up), {})
+        local = store.kind(tar) == "local"
+        if local:
+            stem = store.local_path(tar)[: -len(".tar")]
+            if not (listing.has(stem + INDEX_SUFFIX) or listing.has(stem + token_index.SUFFIX)):
+                _read_index(src, tar)  # names the missing index
         if "samples" in entry and "index_sha256" in entry:
             count, sha, blocks = int(entry["samples"]), entry["index_sha256"], entry.get("blocks")
         else:
@@ -455,18 +493,12 @@ def _load_token_table(
         # Name and index (every member's offset, size and hash), not the URL: the same shards
         # moved to object storage keep their fingerprint, and a run's state moves with them.
         h.update(f"{store.name(tar)}\0".encode() + bytes.fromhex(sha))
-        if store.kind(tar) == "local":
-            legacy.update(
-                f"{store.name(tar)}\0{Path(tar).stat().st_size}\0".encode() + bytes.fromhex(sha)
-            )
+        if local:  # the tar's size: the manifest's for a shard it lists (what a stat would say)
+            size = entry["bytes"] if "bytes" in entry else Path(tar).stat().st_size
+            legacy.update(f"{store.name(tar)}\0{size}\0".encode() + bytes.fromhex(sha))
         if not layout_url:
-            up = next(
-                (u for u in range(3) if store.sibling(tar, MANIFEST_FILE, u) == manifest_url), 0
-            )
             folder = m["tokenizers"].get("folder", "tokenizers")
             layout_url = store.sibling(tar, f"{folder}/vocab_layout.json", up)
-        tok_keys.add(tokenizer_key(m["tokenizers"]))
-        legacy_tok.add(json.dumps(m["tokenizers"], sort_keys=True))
     if len(tok_keys) > 1:
         raise ValueError(f"source {src.name}: its shards were tokenized with different tokenizers")
     old = ""

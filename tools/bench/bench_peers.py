@@ -357,12 +357,10 @@ def main(argv=None) -> dict:
         names = ["earlyfuse", *peers]
         for workers in a.workers:
 
-            def run(name, n_tokens):
+            def run(name, n_tokens, workers=workers):
                 if name == "earlyfuse":
                     return timed(ours_batches(a.tokens, workers, a.seq_len, a.rows), n_tokens)
-                return timed(
-                    peer_batches(name, data[name], workers, a.seq_len, a.rows), n_tokens
-                )
+                return timed(peer_batches(name, data[name], workers, a.seq_len, a.rows), n_tokens)
 
             for name in names:  # warm page cache, imports and the peers' own caches
                 run(name, a.round_tokens // 10)
