@@ -85,6 +85,10 @@ class Doc:
     def cursor(self) -> list[int]:
         return [self.source, self.sample, self.epoch, self.unit, self.offset, self.limit]
 
+    def blocks_in(self, a: int, b: int) -> bool:
+        """Whether doc tokens [a, b) hold a whole visual block."""
+        return any(u.atomic and u.start >= a and u.end <= b for u in self.units)
+
     def chunk_placed(self) -> bool:
         """Every token handed out so far is placed (or dropped): ready for its next chunk."""
         return self.position() >= self.limit
@@ -114,6 +118,11 @@ class Row:
         default_factory=list
     )  # (source, sample, start, end)
     tail: Doc | None = None  # the document of the last piece (a next chunk of it joins that piece)
+    # Placed so far, for ``Packer._finish``: (row start, row end, piece, position offset, label
+    # and label modality of the last token) per stretch of one document, and the pieces that
+    # hold visual blocks: piece -> (document, row start, document start, document end).
+    segments: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
+    visual: dict[int, tuple] = field(default_factory=dict)
 
 
 _ARANGE = np.arange(1 << 16, dtype=np.int64)
@@ -157,6 +166,10 @@ ROW_FIELDS = (
 )
 
 
+def _fields(row: Row) -> dict[str, np.ndarray]:
+    return {attr: getattr(row, attr) for attr, _, _ in ROW_FIELDS} | {"thw": row.thw}
+
+
 class BatchBuffer:
     """Every per-token field of a batch of ``rows`` rows in one int64 buffer: the fields above,
     each [rows, L] and contiguous, then ``position_thw`` [rows, L, 3]. Rows are views of it, so
@@ -172,14 +185,12 @@ class BatchBuffer:
             tensor = torch.empty(self.numel(rows, seq_len), dtype=torch.int64)
         self.tensor = tensor  # given: a worker's slot of shared memory (data/loader/transport.py)
         flat = self.tensor.numpy()
-        self.fields = {}
-        for i, (attr, _, fill) in enumerate(ROW_FIELDS):
-            view = flat[i * n : (i + 1) * n].reshape(rows, seq_len)
-            view.fill(pad_id if fill is None else fill)
-            self.fields[attr] = view
-        thw = flat[len(ROW_FIELDS) * n :].reshape(rows, seq_len, 3)
-        thw.fill(0)
-        self.fields["thw"] = thw
+        # Not filled: the packer writes every position of a row it hands out (Packer._finish).
+        self.fields = {
+            attr: flat[i * n : (i + 1) * n].reshape(rows, seq_len)
+            for i, (attr, _, _) in enumerate(ROW_FIELDS)
+        }
+        self.fields["thw"] = flat[len(ROW_FIELDS) * n :].reshape(rows, seq_len, 3)
 
     @staticmethod
     def numel(rows: int, seq_len: int) -> int:
@@ -303,25 +314,63 @@ class Packer:
         row.tail = doc
         row.ids[ra:rb] = doc.ids[a:b]
         row.mod[ra:rb] = doc.mod[a:b]
-        nxt = min(b + 1, doc.length)
-        row.labels[ra : ra + (nxt - a - 1)] = doc.ids[a + 1 : nxt]
-        row.label_mod[ra : ra + (nxt - a - 1)] = doc.mod[a + 1 : nxt]
-        if cut:
-            row.labels[rb - 1] = IGNORE
-        row.doc_ids[ra:rb] = pid
-        row.pos[ra:rb] = (a - a0) + np.arange(n)
-        row.image_ids[ra0:rb] = -1  # the joined piece's images are numbered again below
-        self._thw(doc, row, ra0, a0, b)
+        # The rest of the row's fields are written in one pass per row (``_finish``): labels,
+        # positions and document ids are the same few vector operations for every piece.
+        if b < doc.length:  # the piece's last token predicts the document's next one
+            tail = (IGNORE if cut else int(doc.ids[b]), int(doc.mod[b]))
+        else:
+            tail = (IGNORE, int(Modality.TEXT))
+        row.segments.append((ra, rb, pid, a - a0, *tail))
+        if doc.blocks_in(a0, b):
+            row.visual[pid] = (doc, ra0, a0, b)
+
+    def finish(self, rows: list[Row], fields: dict[str, np.ndarray]) -> None:
+        """Every field of a batch's rows from their pieces, in one pass over the batch (``fields``:
+        attr -> [rows, L] arrays, ``thw`` [rows, L, 3], whose row i is ``rows[i]``'s): ids and
+        modalities are placed; labels are the next token (the document's next one at a piece's
+        end; -100 after its last token, before a dropped block and on padding), document ids and
+        1-D positions per piece, M-RoPE positions equal to the 1-D ones except in pieces with
+        visual blocks; padding after each row's real tokens."""
+        B, L = len(rows), self.L
+        flat = {k: v.reshape(B * L, *v.shape[2:]) for k, v in fields.items()}
+        real = np.asarray([r.real for r in rows], np.int64)
+        pad = (_ARANGE[:L][None, :] >= real[:, None]).reshape(-1)
+        keep = ~pad
+        ids, mod, labels, label_mod = flat["ids"], flat["mod"], flat["labels"], flat["label_mod"]
+        ids[pad] = self.pad_id
+        mod[pad] = int(Modality.TEXT)
+        labels[:-1] = ids[1:]
+        label_mod[:-1] = mod[1:]
+        segs = [
+            (i * L + sg[0], i * L + sg[1], *sg[2:]) for i, r in enumerate(rows) for sg in r.segments
+        ]
+        seg = np.asarray(segs, np.int64).reshape(-1, 6)
+        lengths = seg[:, 1] - seg[:, 0]
+        labels[seg[:, 1] - 1] = seg[:, 4]
+        label_mod[seg[:, 1] - 1] = seg[:, 5]
+        labels[pad] = IGNORE
+        label_mod[pad] = int(Modality.TEXT)
+        # Real positions, row after row, are the segments one after another.
+        flat["doc_ids"][keep] = np.repeat(seg[:, 2], lengths)
+        flat["doc_ids"][pad] = np.repeat(
+            [len(r.pieces) if r.pieces else -1 for r in rows], L - real
+        )
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(seg) else lengths
+        pos = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(starts - seg[:, 3], lengths)
+        flat["pos"][keep] = pos
+        flat["pos"][pad] = 0
+        flat["thw"][keep] = pos[:, None]
+        flat["thw"][pad] = 0
+        flat["image_ids"][:] = -1
+        for r in rows:
+            for pid in sorted(r.visual):  # images numbered in row order
+                doc, ra0, a0, b = r.visual[pid]
+                self._thw(doc, r, ra0, a0, b)
 
     def _thw(self, doc: Doc, row: Row, ra: int, a: int, b: int) -> None:
         p = 0  # M-RoPE position of the next token
         j = a
         blocks = [u for u in doc.units if u.atomic and u.start >= a and u.end <= b]
-        if not blocks:  # text only (most pieces): t = h = w = the 1-D position
-            row.thw[ra : ra + b - a] = (
-                _ARANGE[: b - a, None] if b - a <= len(_ARANGE) else (np.arange(b - a)[:, None])
-            )
-            return
         n_img = int(row.image_ids.max()) + 1
         for u in blocks + [None]:
             stop = u.start if u else b
@@ -349,8 +398,9 @@ class Packer:
     # --- one row ----------------------------------------------------------------------------------
     def pack(self, next_doc, into: Row | None = None) -> Row | None:
         """The next row, pulling documents from ``next_doc()`` (None when the data has ended);
-        None when nothing is left at all. ``into``: a blank row to fill (a row of a batch's
-        buffer); else one is made."""
+        None when nothing is left at all. ``into``: a blank row of a batch's buffer, whose
+        fields other than ids and modalities ``finish`` writes for the whole batch; without it a
+        row of its own is made and finished."""
         row, pos = (into if into is not None or self.dry else self._new_row()), 0
         waiting, self.pending = self.pending, []
         carry: list[Doc] = []
@@ -379,7 +429,6 @@ class Packer:
         self.stats.rows += 1
         if row is not None:
             row.real = pos
-            if row.pieces:
-                pad = row.doc_ids == -1
-                row.doc_ids[pad] = len(row.pieces)  # padding: its own "document"
+            if into is None:
+                self.finish([row], {k: v[None] for k, v in _fields(row).items()})
         return row if row is not None else Row(*(None,) * 8, real=pos)  # type: ignore[arg-type]

@@ -347,6 +347,7 @@ class ConsumerStream:
         self.batches += 1
         if buf is None:
             return {}
+        self.packer.finish(rows, buf.fields)
         dropped = self.dropped_matrix()
         new_drops = dropped - self._dropped_before
         self._dropped_before = dropped
