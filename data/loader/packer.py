@@ -333,12 +333,17 @@ class Packer:
         visual blocks; padding after each row's real tokens."""
         B, L = len(rows), self.L
         flat = {k: v.reshape(B * L, *v.shape[2:]) for k, v in fields.items()}
-        real = np.asarray([r.real for r in rows], np.int64)
-        pad = (_ARANGE[:L][None, :] >= real[:, None]).reshape(-1)
-        keep = ~pad
+        real = [r.real for r in rows]
         ids, mod, labels, label_mod = flat["ids"], flat["mod"], flat["labels"], flat["label_mod"]
-        ids[pad] = self.pad_id
-        mod[pad] = int(Modality.TEXT)
+        # Real positions, row after row, are the segments one after another; a row with padding
+        # (the last ones of an epoch, or ended by held-aside blocks) is the rare case.
+        short = [i for i in range(B) if real[i] < L]
+        keep: slice | np.ndarray = slice(None)
+        if short:
+            keep = (_ARANGE[:L][None, :] < np.asarray(real)[:, None]).reshape(-1)
+        for i in short:
+            ids[i * L + real[i] : (i + 1) * L] = self.pad_id
+            mod[i * L + real[i] : (i + 1) * L] = int(Modality.TEXT)
         labels[:-1] = ids[1:]
         label_mod[:-1] = mod[1:]
         segs = [
@@ -348,20 +353,19 @@ class Packer:
         lengths = seg[:, 1] - seg[:, 0]
         labels[seg[:, 1] - 1] = seg[:, 4]
         label_mod[seg[:, 1] - 1] = seg[:, 5]
-        labels[pad] = IGNORE
-        label_mod[pad] = int(Modality.TEXT)
-        # Real positions, row after row, are the segments one after another.
         flat["doc_ids"][keep] = np.repeat(seg[:, 2], lengths)
-        flat["doc_ids"][pad] = np.repeat(
-            [len(r.pieces) if r.pieces else -1 for r in rows], L - real
-        )
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(seg) else lengths
-        pos = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(starts - seg[:, 3], lengths)
+        pos = _ARANGE[: int(lengths.sum())] - np.repeat(starts - seg[:, 3], lengths)
         flat["pos"][keep] = pos
-        flat["pos"][pad] = 0
         flat["thw"][keep] = pos[:, None]
-        flat["thw"][pad] = 0
         flat["image_ids"][:] = -1
+        for i in short:
+            padding = slice(i * L + real[i], (i + 1) * L)
+            label_mod[padding] = int(Modality.TEXT)
+            labels[padding] = IGNORE
+            flat["doc_ids"][padding] = len(rows[i].pieces) if rows[i].pieces else -1
+            flat["pos"][padding] = 0
+            flat["thw"][padding] = 0
         for r in rows:
             for pid in sorted(r.visual):  # images numbered in row order
                 doc, ra0, a0, b = r.visual[pid]

@@ -82,6 +82,17 @@ def check_ids(ids: np.ndarray, mod: np.ndarray, ranges: np.ndarray | None) -> No
     """ValueError naming the first bad token when a modality or id lies outside the layout."""
     if ranges is None or not len(ids):
         return
+    # Text and code only (most documents): all ids in [0, text size) is the whole check.
+    text_hi = ranges[int(Modality.TEXT), 1]
+    if (
+        (ranges[int(Modality.TEXT)] == ranges[int(Modality.CODE)]).all()
+        and ranges[int(Modality.TEXT), 0] == 0
+        and int(mod.max()) <= int(Modality.CODE)
+        and int(mod.min()) >= 0
+        and int(ids.min()) >= 0
+        and int(ids.max()) < text_hi
+    ):
+        return
     bits = _allowed_bits(ranges)
     # Four whole-array passes. Ids seen as unsigned: a negative one is huge, so the clipped
     # lookup sends it, like any id past the vocabulary, to the last entry (no bits); a modality

@@ -57,17 +57,25 @@ _NPY_1D = re.compile(
 )
 
 
-def read_npy(data: bytes) -> np.ndarray:
+_HEADERS: dict[bytes, tuple[np.dtype, int]] = {}  # header text -> (dtype, length), parsed once
+
+
+def read_npy(data: bytes | memoryview) -> np.ndarray:
     """``np.load`` of a 1-D integer .npy, without its header parser (``ast.literal_eval`` was 40 %
     of the loader's time on short documents); any other .npy goes through ``np.load`` (pickle
     never allowed). A short or bad payload is a ValueError like np.load's."""
     if data[:8] == b"\x93NUMPY\x01\x00":
         hlen = int.from_bytes(data[8:10], "little")
-        m = _NPY_1D.match(data, 10, 10 + hlen)
-        if m:
-            return np.frombuffer(
-                data, dtype=np.dtype(m.group(1).decode()), count=int(m.group(2)), offset=10 + hlen
-            )
+        header = bytes(data[10 : 10 + hlen])
+        known = _HEADERS.get(header)
+        if known is None:
+            m = _NPY_1D.match(header)
+            if m:
+                known = (np.dtype(m.group(1).decode()), int(m.group(2)))
+                if len(_HEADERS) < 65536:  # one per (dtype, length): documents repeat lengths
+                    _HEADERS[header] = known
+        if known is not None:
+            return np.frombuffer(data, dtype=known[0], count=known[1], offset=10 + hlen)
     return np.load(io.BytesIO(data), allow_pickle=False)
 
 
