@@ -83,21 +83,21 @@ def check_ids(ids: np.ndarray, mod: np.ndarray, ranges: np.ndarray | None) -> No
     if ranges is None or not len(ids):
         return
     # Text and code only (most documents): all ids in [0, text size) is the whole check.
-    text_hi = ranges[int(Modality.TEXT), 1]
+    # Ids seen as unsigned: a negative one is huge, past every range.
+    unsigned = ids.view(ids.dtype.str.replace("i", "u")) if ids.dtype.kind == "i" else ids
+    # Text and code only (most documents): every id below the text size is the whole check.
     if (
-        (ranges[int(Modality.TEXT)] == ranges[int(Modality.CODE)]).all()
-        and ranges[int(Modality.TEXT), 0] == 0
+        ranges[int(Modality.TEXT), 0] == 0
+        and (ranges[int(Modality.TEXT)] == ranges[int(Modality.CODE)]).all()
+        and (mod.dtype.kind == "u" or int(mod.min()) >= 0)
         and int(mod.max()) <= int(Modality.CODE)
-        and int(mod.min()) >= 0
-        and int(ids.min()) >= 0
-        and int(ids.max()) < text_hi
+        and int(unsigned.max()) < ranges[int(Modality.TEXT), 1]
     ):
         return
     bits = _allowed_bits(ranges)
-    # Four whole-array passes. Ids seen as unsigned: a negative one is huge, so the clipped
-    # lookup sends it, like any id past the vocabulary, to the last entry (no bits); a modality
-    # past the 5 bits shifts to 0. Signed modalities (the raw path's int64) are checked >= 0.
-    unsigned = ids.view(ids.dtype.str.replace("i", "u")) if ids.dtype.kind == "i" else ids
+    # Four whole-array passes. The clipped lookup sends an id past the vocabulary (or negative)
+    # to the last entry (no bits); a modality past the 5 bits shifts to 0. Signed modalities
+    # (the raw path's int64) are checked >= 0.
     if (mod.dtype.kind == "u" or int(mod.min()) >= 0) and (
         (bits.take(unsigned, mode="clip") >> mod) & 1
     ).all():
