@@ -157,13 +157,16 @@ class SampleTable:
         return self.blocks[sample]
 
     def token_sample(self, sample: int) -> TokenSample:
+        def at(column: np.ndarray) -> tuple[int, int]:
+            return (int(column[sample][0]), int(column[sample][1])) if len(column) else (0, 0)
+
         return TokenSample(
             self.shard_of(sample),
             int(self.tokens[sample]),
             self.blocks[sample],
-            tuple(int(x) for x in self.json_at[sample]) if len(self.json_at) else (0, 0),
-            tuple(int(x) for x in self.ids_at[sample]),
-            tuple(int(x) for x in self.mod_at[sample]),
+            at(self.json_at),
+            at(self.ids_at),
+            at(self.mod_at),
             self.sha[sample].tobytes() if len(self.sha) else bytes(32),
         )
 

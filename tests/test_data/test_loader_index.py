@@ -60,7 +60,7 @@ def test_the_binary_index_holds_what_the_jsonl_index_says(tiny_tokens):
 
 
 def test_a_start_reads_no_index_and_columns_match_the_jsonl(tiny_tokens, monkeypatch):
-    from data.loader import store, table
+    from data.loader import store
 
     real = store.read_bytes
 
@@ -68,7 +68,7 @@ def test_a_start_reads_no_index_and_columns_match_the_jsonl(tiny_tokens, monkeyp
         assert not url.endswith(".idx.jsonl"), f"{url} read at start"
         return real(url)
 
-    monkeypatch.setattr(table.token_index, "build", None)  # nothing is built either
+    monkeypatch.setattr(token_index, "build", None)  # nothing is built either
     monkeypatch.setattr(store, "read_bytes", no_jsonl)
     ld = build_loader(cfg_for(tiny_tokens), rank=0, world_size=1, micro_batch=2)
     take(ld, 2)  # the samples read through the binary indexes beside the shards
