@@ -335,6 +335,26 @@ def cmd_verify(a) -> int:
     return 0 if r["ok"] else 1
 
 
+def _add_index(sub) -> None:
+    p = sub.add_parser(
+        "index",
+        help="write the loader's binary index (SHARD.idx.bin) beside every shard of a token "
+        "folder made before binary indexes, and each shard's block summary into its manifest "
+        "(a loader then starts without reading any index; without this it builds them into "
+        "its cache on first use)",
+    )
+    p.add_argument("dir", type=Path, help="a token folder (earlyfuse-prep tokenize --out)")
+    p.set_defaults(func=cmd_index)
+
+
+def cmd_index(a) -> int:
+    from data.shards.token_index import index_folder
+
+    r = index_folder(a.dir)
+    print(f"{r['folder']}: {r['written']} of {r['shards']} binary indexes written")
+    return 0
+
+
 def _add_demo_corpus(sub) -> None:
     p = sub.add_parser(
         "demo-corpus",
@@ -689,6 +709,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_merge,
         _add_stats,
         _add_verify,
+        _add_index,
         _add_demo_corpus,
         _add_train_text_tokenizer,
         _add_tokenize,

@@ -25,11 +25,13 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from data.loader import transport
 from data.loader.config import LoaderConfig
 from data.loader.fit import check_blocks_fit
-from data.loader.order import unpack_mask
+from data.loader.order import ORDER_VERSION, unpack_mask
+from data.loader.packer import BatchBuffer
 from data.loader.sample_check import attach_id_ranges
-from data.loader.stream import ConsumerStream
+from data.loader.stream import ConsumerStream, PackedBatch
 from data.loader.table import SampleTable, load_table
 from data.vocab import MODALITY_NAMES
 
@@ -55,12 +57,18 @@ class _Consumers(IterableDataset):
         stream = ld.make_stream(worker)
         if ld.worker_states.get(worker):
             stream.load_state_dict(ld.worker_states[worker])
+        if info is not None:  # batches go to the trainer's process through shared slots
+            in_flight = ld.cfg.prefetch_factor * ld.cfg.num_workers
+            stream.ring = transport.SlotRing(
+                in_flight + 2, BatchBuffer.numel(ld.micro_batch, ld.cfg.seq_len)
+            )
         while True:
             batch = stream.next_batch()
             if batch is None:
                 return
-            batch["_worker"] = worker
-            batch["_state"] = stream.state_dict()
+            assert isinstance(batch, PackedBatch)
+            batch.worker = worker
+            batch.state = stream.state_dict()
             yield batch
 
 
@@ -91,6 +99,8 @@ class PackedLoader:
             (torch.cuda.is_available() and cfg.pin_memory) if pin_memory is None else pin_memory
         )
         self.worker_states: dict[int, dict] = {}
+        # Which epoch order the cursors index (order.py); a restored state says which it used.
+        self.order_version = ORDER_VERSION
         self.rotation = 0
         self.handed_out = 0
         self.batch_limit: int | None = None
@@ -114,6 +124,7 @@ class PackedLoader:
             micro_batch=self.micro_batch,
             pad_id=self.pad_id,
             dry=dry,
+            order_version=self.order_version,
         )
         s.batch_limit = self.batch_limit
         return s
@@ -144,13 +155,16 @@ class PackedLoader:
             generator=torch.Generator().manual_seed(self.cfg.seed * 1000003 + self.rank),
         )
         it = iter(dl)
+        rings = set()
         try:
-            for batch in it:
-                w = batch.pop("_worker")
-                self.worker_states[int(w)] = batch.pop("_state")
+            for packed in it:
+                rings.add(packed.token)
+                self.worker_states[packed.worker] = packed.state
                 self.handed_out += 1
-                yield batch
+                yield packed.to_dict()
         finally:
+            for token in rings:
+                transport.forget(token)
             # Closing this generator stops the workers now, not whenever it is garbage collected.
             shutdown = getattr(it, "_shutdown_workers", None)
             if shutdown:
@@ -210,6 +224,8 @@ class PackedLoader:
         if "batch_limit" in st:  # epoch mode: after a redistribute, the count of the new split
             self.batch_limit = st["batch_limit"]
         self.worker_states = {int(k): v for k, v in st["worker_states"].items()}
+        if self.worker_states:  # states saved before order version 2 carry no "order"
+            self.order_version = next(iter(self.worker_states.values())).get("order", 1)
         self.handed_out = st["handed_out"]
         self.rotation = self.handed_out % self.workers
 
@@ -293,7 +309,7 @@ def build_loader(
             "data.validation lists no sources" if validation else "data.sources lists no sources"
         )
     if tables is None:
-        tables = [load_table(s) for s in sources]
+        tables = [load_table(s, cache_dir=cfg.cache_dir) for s in sources]
     check_tokenizers(cfg, tables)
     attach_id_ranges(cfg, tables)  # every sample's ids checked against them as it is read
     check_blocks_fit(cfg, tables, what="validation source" if validation else "source")

@@ -56,6 +56,8 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
         "stats": PackStats().as_dict(),
         "tokens_by_modality": [0] * len(MODALITY_NAMES),
     }
+    # Positions index the old run's epoch order (order.py): the new states keep its version.
+    order = next((ws.get("order", 1) for ws in by_consumer if ws), loader.order_version)
     olds = [ws or fresh for ws in by_consumer]  # a worker that never handed out a batch is at 0
     n = loader.consumers
     new: list[dict[str, Any]] = [
@@ -69,6 +71,7 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
             "skip": [],
             "stats": PackStats().as_dict(),
             "tokens_by_modality": [0] * len(MODALITY_NAMES),
+            "order": order,
         }
         for _ in range(n)
     ]

@@ -5,7 +5,7 @@ the same step after every restart).
 Design choices:
 - Token samples are checked against the SHA-256 their index records (``sample_hash`` over the
   ``json``, ``ids.npy`` and ``mod.npy`` members). The three members lie next to each other in
-  the tar, so they are read in one read (instead of two for ids and modalities); the extra cost
+  the tar, so one view of the shard covers them (a slice of its memory map); the extra cost
   is hashing a few KB per document (docs/benchmarks.md, ``tools/bench/bench_sample_check.py``).
   ``data.check_hashes=false`` turns it off.
 - Ids are always checked against their modality's range of the vocabulary layout (text and
@@ -28,7 +28,9 @@ from data.loader import store
 from data.loader.config import LoaderConfig
 from data.vocab import Modality, VocabLayout
 
-Reader = Callable[[int, int], bytes]  # (offset, size) -> bytes of this sample's shard
+Buffer = bytes | memoryview
+Reader = Callable[[int, int], Buffer]  # (offset, size) -> bytes of this sample's shard
+_NO_HASH = bytes(32)  # an index without a usable per-sample hash
 
 
 def modality_ranges(layout: VocabLayout) -> np.ndarray:
@@ -80,11 +82,22 @@ def check_ids(ids: np.ndarray, mod: np.ndarray, ranges: np.ndarray | None) -> No
     """ValueError naming the first bad token when a modality or id lies outside the layout."""
     if ranges is None or not len(ids):
         return
-    bits = _allowed_bits(ranges)
-    # Four whole-array passes. Ids seen as unsigned: a negative one is huge, so the clipped
-    # lookup sends it, like any id past the vocabulary, to the last entry (no bits); a modality
-    # past the 5 bits shifts to 0. Signed modalities (the raw path's int64) are checked >= 0.
+    # Text and code only (most documents): all ids in [0, text size) is the whole check.
+    # Ids seen as unsigned: a negative one is huge, past every range.
     unsigned = ids.view(ids.dtype.str.replace("i", "u")) if ids.dtype.kind == "i" else ids
+    # Text and code only (most documents): every id below the text size is the whole check.
+    if (
+        ranges[int(Modality.TEXT), 0] == 0
+        and (ranges[int(Modality.TEXT)] == ranges[int(Modality.CODE)]).all()
+        and (mod.dtype.kind == "u" or int(mod.min()) >= 0)
+        and int(mod.max()) <= int(Modality.CODE)
+        and int(unsigned.max()) < ranges[int(Modality.TEXT), 1]
+    ):
+        return
+    bits = _allowed_bits(ranges)
+    # Four whole-array passes. The clipped lookup sends an id past the vocabulary (or negative)
+    # to the last entry (no bits); a modality past the 5 bits shifts to 0. Signed modalities
+    # (the raw path's int64) are checked >= 0.
     if (mod.dtype.kind == "u" or int(mod.min()) >= 0) and (
         (bits.take(unsigned, mode="clip") >> mod) & 1
     ).all():
@@ -104,22 +117,23 @@ def check_ids(ids: np.ndarray, mod: np.ndarray, ranges: np.ndarray | None) -> No
     )
 
 
-def read_token_sample(t, sample: int, read: Reader, *, check_hash: bool) -> tuple[bytes, bytes]:
-    """(ids.npy bytes, mod.npy bytes) of a token sample, checked against its index hash."""
-    ids_at, mod_at = t.ids_at[sample], t.mod_at[sample]
-    digest = t.sha[sample].tobytes() if check_hash and len(t.sha) else bytes(32)
-    if digest == bytes(32):  # not asked for, or an index without the hash
-        return read(int(ids_at[0]), int(ids_at[1])), read(int(mod_at[0]), int(mod_at[1]))
-    json_at = t.json_at[sample]
-    start = int(min(json_at[0], ids_at[0], mod_at[0]))
-    end = int(max(json_at.sum(), ids_at.sum(), mod_at.sum()))
-    blob = memoryview(read(start, end - start))
-    # data.shards.writer.sample_hash, inlined: (name, size, bytes) of each member in name order
-    h = hashlib.sha256()
-    for name, (off, size) in ((b"ids.npy", ids_at), (b"json", json_at), (b"mod.npy", mod_at)):
-        h.update(b"%s\0%d\0" % (name, size))
-        h.update(blob[off - start : off - start + size])
-    if h.digest() != digest:
-        raise ValueError("its members do not match the SHA-256 in the shard index (corrupted)")
-    i0, m0 = int(ids_at[0]) - start, int(mod_at[0]) - start
-    return bytes(blob[i0 : i0 + int(ids_at[1])]), bytes(blob[m0 : m0 + int(mod_at[1])])
+def read_token_sample(rec, view: Reader, *, check_hash: bool) -> tuple[Buffer, Buffer]:
+    """(ids.npy bytes, mod.npy bytes) of a token sample (``rec``: its ``TokenSample``), checked
+    against its index hash. One view of the shard covers its members (they lie side by side):
+    a slice of a memory map for local shards, one ranged read for remote ones."""
+    (i0, isz), (m0, msz) = rec.ids_at, rec.mod_at
+    hashed = check_hash and rec.sha256 != _NO_HASH
+    start, end = min(i0, m0), max(i0 + isz, m0 + msz)
+    if hashed:
+        j0, jsz = rec.json_at
+        start, end = min(start, j0), max(end, j0 + jsz)
+    blob = memoryview(view(start, end - start))
+    if hashed:
+        # data.shards.writer.sample_hash, inlined: (name, size, bytes) of each member in name order
+        h = hashlib.sha256()
+        for name, off, size in ((b"ids.npy", i0, isz), (b"json", j0, jsz), (b"mod.npy", m0, msz)):
+            h.update(b"%s\0%d\0" % (name, size))
+            h.update(blob[off - start : off - start + size])
+        if h.digest() != rec.sha256:
+            raise ValueError("its members do not match the SHA-256 in the shard index (corrupted)")
+    return blob[i0 - start : i0 - start + isz], blob[m0 - start : m0 - start + msz]

@@ -66,6 +66,23 @@ def _check_tokens(tar: Path, e: dict, read, ranges: np.ndarray | None) -> str | 
     return None
 
 
+def _check_binary_index(out: Path, shard: dict, idx: Path) -> list[str]:
+    """The loader's binary index beside a token shard, when there is one, must be exactly the
+    one its JSONL index gives (the loader would skip a stale one, at a rebuild's cost)."""
+    from data.shards import token_index
+
+    path = token_index.index_path_for(out / shard["path"])
+    if not path.is_file():
+        return []
+    try:
+        want = token_index.build(idx.read_bytes(), where=str(idx))
+    except ValueError as e:
+        return [str(e)]
+    if path.read_bytes() != want:
+        return [f"{path}: not the binary index of {idx.name} (earlyfuse-prep index rewrites it)"]
+    return []
+
+
 def verify(out: str | Path, *, progress: bool = False) -> dict:
     out = Path(out)
     m = load_manifest(out, formats=(MANIFEST_FORMAT, TOKEN_FORMAT))
@@ -87,6 +104,8 @@ def verify(out: str | Path, *, progress: bool = False) -> dict:
         except ValueError as e:
             problems.append(str(e))
             continue
+        if tokens:
+            problems += _check_binary_index(out, shard, idx)
         if len(index) != shard["samples"]:
             problems.append(f"{idx}: {len(index)} samples, the manifest says {shard['samples']}")
         found = check_index(tar, index)

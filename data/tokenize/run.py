@@ -2,7 +2,8 @@
 
 Layout (docs/formats.md, "Token shards"):
   TOKEN_DIR/<source>/shard-NNNNNN.tar    KEY.ids.npy (int32), KEY.mod.npy (uint8), KEY.json (spans)
-  TOKEN_DIR/<source>/shard-NNNNNN.idx.jsonl, TOKEN_DIR/manifest.json, TOKEN_DIR/rejects.jsonl
+  TOKEN_DIR/<source>/shard-NNNNNN.idx.jsonl, .idx.bin (the loader's binary index, from the JSONL)
+  TOKEN_DIR/manifest.json, TOKEN_DIR/rejects.jsonl
   TOKEN_DIR/tokenizers/                  the tokenizers used (text BPE, layout, visual tokenizer)
 
 Design choices:
@@ -37,6 +38,7 @@ from tqdm import tqdm
 
 from data.engine import EngineConfig, run_jobs
 from data.names import (
+    INDEX_SUFFIX,
     LAYOUT_FILE,
     MANIFEST_FILE,
     REJECTS_FILE,
@@ -45,6 +47,7 @@ from data.names import (
     VISUAL_TOKENIZER_DIR,
 )
 from data.schema import Reject, Sample
+from data.shards import token_index
 from data.shards.manifest import (
     MANIFEST_FORMAT,
     load_manifest,
@@ -152,7 +155,7 @@ def tokenize_shard(job: TokenizeJob) -> dict:
         tar = raw.download(tar_rel, inputs / tar_rel)
         idx = raw.download(idx_rel, inputs / idx_rel)
         record = _tokenize_shard(job, tar, idx, stage)
-        stage.publish([idx_rel, tar_rel])
+        stage.publish([idx_rel, record["index_bin"], tar_rel])
     dest.write_json(record_path(Path(""), job.index, STATE_DIR).as_posix(), record)
     return record
 
@@ -193,6 +196,9 @@ def _tokenize_shard(job: TokenizeJob, raw_tar: Path, raw_idx: Path, stage: Stagi
     except BaseException:
         writer.abort()
         raise
+    # The loader's binary index (data/shards/token_index.py), derived from the JSONL just written.
+    bin_rel = binary_index_name(idx_rel)
+    token_index.write(stage.path(bin_rel), token_index.build(stage.path(idx_rel).read_bytes()))
     return {
         "fingerprint": job.fingerprint,
         "index": job.index,
@@ -200,6 +206,7 @@ def _tokenize_shard(job: TokenizeJob, raw_tar: Path, raw_idx: Path, stage: Stagi
         "source": job.shard["source"],
         "tar": tar_rel,
         "index_file": idx_rel,
+        "index_bin": bin_rel,
         "samples": docs,
         "bytes": result.bytes,
         "sha256": result.sha256,
@@ -211,6 +218,12 @@ def _tokenize_shard(job: TokenizeJob, raw_tar: Path, raw_idx: Path, stage: Stagi
         "inputs": {"raw": job.raw_dir, "tokenizer": job.tok_dir, "visual": job.vtok_dir},
         "options": asdict(job.opts),
     }
+
+
+def binary_index_name(idx_rel: str) -> str:
+    """``code/shard-000000.idx.jsonl`` -> ``code/shard-000000.idx.bin``."""
+    stem = idx_rel[: -len(INDEX_SUFFIX)] if idx_rel.endswith(INDEX_SUFFIX) else idx_rel
+    return stem + token_index.SUFFIX
 
 
 def fingerprint_of(raw_manifest: dict, tok_dir: Path, vtok_dir: Path, opts: TokenizeOptions) -> str:
@@ -430,6 +443,9 @@ def _finalize_tokens(
                 "sha256": r["sha256"],
                 "index_sha256": r["index_sha256"],
                 "tokens": r["tokens"],
+                # What the loader's start needs of a shard, so that it reads no index then.
+                **({"index_bin": r["index_bin"]} if "index_bin" in r else {}),
+                **({"blocks": r["block_stats"]} if "block_stats" in r else {}),
             }
             for r in recs
         ],
