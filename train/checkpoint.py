@@ -8,7 +8,9 @@ Design choices:
 - Crash safety: ``latest`` names the newest complete checkpoint and is replaced atomically
   only after a barrier that every rank reaches once its files are on disk. A crash mid-save
   leaves ``latest`` on the previous checkpoint; the half-written folder is removed on resume.
-- keep-last-N: older checkpoints are deleted after ``latest`` has moved.
+- keep-last-N: older checkpoints are deleted after ``latest`` has moved, except the steps in
+  ``protect`` (the monitor's ``protected_steps``: the newest checkpoint from before an open
+  alarm, so that a rollback still has somewhere to go).
 """
 
 from __future__ import annotations
@@ -193,7 +195,15 @@ class Checkpointer:
 
     # --- writing -----------------------------------------------------------------------------
     def save(
-        self, engine, step: int, *, client: dict, own: dict, meta: dict, files: dict[str, str]
+        self,
+        engine,
+        step: int,
+        *,
+        client: dict,
+        own: dict,
+        meta: dict,
+        files: dict[str, str],
+        protect: set[int] | frozenset[int] = frozenset(),
     ) -> str:
         tag = tag_for(step)
         engine.save_checkpoint(str(self.dir), tag=tag, client_state=client, save_latest=False)
@@ -213,6 +223,7 @@ class Checkpointer:
             tmp.write_text(tag + "\n")
             os.replace(tmp, self.dir / "latest")
             for old in self._tags()[: -self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+                if int(old.name[len("step_") :]) not in protect:
+                    shutil.rmtree(old, ignore_errors=True)
         barrier()
         return tag

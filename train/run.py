@@ -201,6 +201,7 @@ class Run:
             own={"stream": self.stream.state_dict(), "rng": rng_state()},
             meta=meta,
             files=files,
+            protect=self.monitor.protected_steps(self.ckpt.complete_steps()),
         )
 
     # --- the step-end callbacks ------------------------------------------------------------------
@@ -305,6 +306,8 @@ class Run:
         target = good[-1]
         self.ckpt.rewind(target)
         self._load(self.ckpt.latest())
+        if rb.cap_lr:  # a divergence the lr caused must not simply recur (train/schedule.py)
+            self.scheduler.cap_here(rb.lr_scale)
         self.monitor.divergence.reset()
         seen = step - target
         self.pending_skip = (
