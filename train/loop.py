@@ -63,7 +63,7 @@ def train_loop(run) -> None:
                             # The skip-step gate needs this step's loss, identical on every rank,
                             # before engine.step() applies (or drops) the update.
                             reduced = reduce_sums(sums, run.dist.device)
-                            gate.begin(step, reduced["loss_sum"] / reduced["micro"])
+                            gate.begin(step, reduced["loss_sum"] / reduced["micro"], reduced)
                             run.scale_lr(faults.lr_scale(step + 1))
                         engine.step()
                     run.step_end(step + 1, reduced, time.perf_counter() - t0, wait)

@@ -54,18 +54,61 @@ class SpikeDetector(RobustTrend):
             self.add(v)
 
 
+MIN_TOKENS = 32  # a modality with fewer label tokens in a step is neither scored nor learned from
+
+
+def modality_parts(sums: dict | None) -> dict[str, tuple[float, float]]:
+    """``{modality: (mean CE, tokens)}`` from a step's reduced sums (``ce_sum/<m>``,
+    ``count/<m>``, as the LM task makes them); empty for a task without them."""
+    out = {}
+    for key, n in (sums or {}).items():
+        if key.startswith("count/") and n:
+            name = key[len("count/") :]
+            ce = sums.get(f"ce_sum/{name}")
+            if ce is not None:
+                out[name] = (ce / n, float(n))
+    return out
+
+
 class SkipStepRule:
-    """Decides, once per optimizer step, whether to drop the update."""
+    """Decides, once per optimizer step, whether to drop the update.
+
+    With per-modality losses (the LM task), the loss is scored *per modality*, each against its
+    own de-trended history, and the scores combined weighted by the step's tokens (Stouffer's
+    weighted z: ``sum(n_m z_m) / sqrt(sum(n_m^2))``). A batch that holds more of a hard modality
+    is then no spike, and neither is the first batch of a modality never seen before (it has no
+    history to be scored against): only a modality that got worse than its own trend counts.
+    Without them (the visual tokenizer), the total loss is scored."""
 
     def __init__(self, cfg: SkipStepConfig) -> None:
         self.cfg = cfg
         self.loss = SpikeDetector(cfg.window, trend=cfg.trend)
         self.grad_norm = SpikeDetector(cfg.window, trend=cfg.trend, log=True)
+        self.by_modality: dict[str, SpikeDetector] = {}
         self.skipped = 0
         self.last: dict = {}
 
-    def decide(self, step: int, loss: float, grad_norm: float) -> bool:
-        ls, gs = self.loss.score(loss), self.grad_norm.score(grad_norm)
+    def loss_score(self, loss: float, parts: dict[str, tuple[float, float]]) -> float:
+        if not parts:
+            return self.loss.score(loss)
+        num = den = 0.0
+        for name, (ce, n) in parts.items():
+            det = self.by_modality.get(name)
+            if det is None or n < MIN_TOKENS or not det.ready():
+                continue
+            z = det.score(ce)
+            num, den = num + n * z, den + n * n
+        return num / math.sqrt(den) if den else 0.0
+
+    def decide(
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        parts: dict[str, tuple[float, float]] | None = None,
+    ) -> bool:
+        parts = parts or {}
+        ls, gs = self.loss_score(loss, parts), self.grad_norm.score(grad_norm)
         nonfinite = not (math.isfinite(loss) and math.isfinite(grad_norm))
         spike = (
             self.cfg.enabled
@@ -84,18 +127,28 @@ class SkipStepRule:
         else:
             self.loss.add(loss)
             self.grad_norm.add(grad_norm)
+            for name, (ce, n) in parts.items():
+                if n >= MIN_TOKENS:
+                    self.by_modality.setdefault(
+                        name, SpikeDetector(self.cfg.window, trend=self.cfg.trend)
+                    ).add(ce)
         return skip
 
     def state_dict(self) -> dict:
         return {
             "loss": self.loss.state_dict(),
             "grad_norm": self.grad_norm.state_dict(),
+            "by_modality": {k: d.state_dict() for k, d in self.by_modality.items()},
             "skipped": self.skipped,
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.loss.load_state_dict(state["loss"])
         self.grad_norm.load_state_dict(state["grad_norm"])
+        self.by_modality = {}
+        for k, st in state.get("by_modality", {}).items():  # absent in older checkpoints
+            self.by_modality[k] = SpikeDetector(self.cfg.window, trend=self.cfg.trend)
+            self.by_modality[k].load_state_dict(st)
         self.skipped = int(state["skipped"])
 
 
@@ -130,13 +183,17 @@ class UpdateGate:
         self.step = 0
         self.loss = 0.0
         self.grad_norm = float("nan")
+        self.parts: dict[str, tuple[float, float]] = {}
         self.decision: bool | None = None
 
-    def begin(self, step: int, loss: float) -> None:
+    def begin(self, step: int, loss: float, sums: dict | None = None) -> None:
+        """A new optimizer step: its loss, and (optional) its reduced sums, whose per-modality
+        CE sums and counts let the rule score each modality against its own history."""
         self.step, self.loss, self.decision, self.grad_norm = step, loss, None, float("nan")
+        self.parts = modality_parts(sums)
 
     def __call__(self) -> bool:
         if self.decision is None:
             self.grad_norm = self.grad_norm_fn()
-            self.decision = self.rule.decide(self.step, self.loss, self.grad_norm)
+            self.decision = self.rule.decide(self.step, self.loss, self.grad_norm, self.parts)
         return self.decision

@@ -49,8 +49,10 @@ class DivergenceConfig(Detector):
     - spikes that persist: at least ``max_skipped`` of the last ``window`` steps skipped;
     - a sustained rise: the loss, with the batch's mix of modalities held fixed, more than
       ``max_rise`` (relative) above its minimum over the last ``horizon`` steps, for
-      ``patience`` steps in a row, the modalities above their own minimum by ``max_rise``
-      holding at least ``min_share`` of the tokens. Each modality's level is its token-weighted
+      ``patience`` steps in a row, the modalities above their own minimum by ``max_rise`` (and
+      ``z`` robust spreads above their median level of the horizon, so a modality that swings
+      with its sources' difficulty must rise beyond its swings) holding at least ``min_share``
+      of the tokens. Each modality's level is its token-weighted
       loss over the last ``level_window`` steps, counted when it holds ``min_tokens`` tokens.
       This rule needs no skipped step: it catches a blow-up the spike gate let through."""
 
@@ -61,7 +63,9 @@ class DivergenceConfig(Detector):
     level_window: int = 10
     horizon: int = 200
     patience: int = 5
+    rise_from: int = 50  # the rise rule starts here (at once after a skipped spike)
     min_share: float = 0.5
+    z: float = 3.0  # a modality rose only when its level is z robust spreads above its median
     min_tokens: int = 256
     min_steps: int = 0  # the rise rule also waits for 2 x level_window steps
 
@@ -93,8 +97,9 @@ class StagnationConfig(Detector):
     min_presence: float = 0.5  # share of a window's steps that must hold the modality
     patience: int = 25
     # starvation: a modality's token share over the last window below this x its highest share
-    # over earlier windows (sampled once a window; shares under 5 % are not watched)
-    starve_ratio: float = 0.4
+    # over earlier windows (sampled once a window; shares under 5 % are not watched), for half
+    # the patience, the modality present in at least min_presence of the window's steps
+    starve_ratio: float = 0.5
 
 
 @dataclass(kw_only=True)

@@ -21,6 +21,7 @@ from train.monitor.config import (
     DriftConfig,
     StagnationConfig,
 )
+from train.monitor.stats import MAD_TO_SIGMA, median
 
 
 class _Latch:
@@ -105,13 +106,23 @@ CONTENT = ("text", "code", "image", "video")  # structure markers are learned in
 
 class Levels:
     """Per modality, the token-weighted loss of the last ``window`` steps (its *level*, counted
-    when the window holds at least ``min_tokens`` tokens) and the minimum level over the last
-    ``horizon`` steps (a monotone queue: O(1) per step)."""
+    when the window holds at least ``min_tokens`` tokens), the minimum level over the last
+    ``horizon`` steps (a monotone queue) and how far the level has wandered over them (the
+    median and 1.4826 x MAD of its values: a modality whose sources differ wildly in difficulty,
+    easy captions and hard prose, swings by itself and needs a bigger rise to count)."""
 
-    def __init__(self, window: int, horizon: int, min_tokens: int) -> None:
+    def __init__(self, window: int, horizon: int, min_tokens: int, history_from: int = 0) -> None:
         self.window, self.horizon, self.min_tokens = window, horizon, min_tokens
+        self.history_from = history_from  # the early fall is no measure of how levels wander
         self.steps: dict[str, deque] = defaultdict(lambda: deque(maxlen=window))
         self.minq: dict[str, deque] = defaultdict(deque)
+        self.history: dict[str, deque] = defaultdict(lambda: deque(maxlen=horizon))
+
+    def spread(self, name: str) -> tuple[float, float]:
+        """(median, robust spread) of the modality's levels over the horizon."""
+        h = self.history[name]
+        mid = median(h)
+        return mid, MAD_TO_SIGMA * median(abs(x - mid) for x in h)
 
     def add(
         self, step: int, m: dict, names: tuple[str, ...] = MODALITY_NAMES, min_tokens: int = -1
@@ -133,6 +144,8 @@ class Levels:
             q.append((step, level))
             while q[0][0] <= step - self.horizon:
                 q.popleft()
+            if step >= self.history_from:
+                self.history[name].append(level)
             out[name] = (level, q[0][1], tokens)
         return out
 
@@ -140,6 +153,7 @@ class Levels:
         return {
             "steps": {k: list(v) for k, v in self.steps.items()},
             "minq": {k: list(v) for k, v in self.minq.items()},
+            "history": {k: list(v) for k, v in self.history.items()},
         }
 
     def load_state_dict(self, st: dict) -> None:
@@ -147,6 +161,8 @@ class Levels:
             self.steps[k] = deque([tuple(x) for x in v], maxlen=self.window)
         for k, v in st["minq"].items():
             self.minq[k] = deque(tuple(x) for x in v)
+        for k, v in st.get("history", {}).items():
+            self.history[k] = deque(v, maxlen=self.horizon)
 
 
 class Divergence:
@@ -168,7 +184,7 @@ class Divergence:
     def __init__(self, cfg: DivergenceConfig) -> None:
         self.cfg = cfg
         self.skipped: deque[tuple[int, bool]] = deque(maxlen=cfg.window)
-        self.levels = Levels(cfg.level_window, cfg.horizon, cfg.min_tokens)
+        self.levels = Levels(cfg.level_window, cfg.horizon, cfg.min_tokens, cfg.rise_from)
         self.seen: set[str] = set()  # content modalities met so far
         self.streak = 0
         self.excursion: int | None = None  # first step of the current rise
@@ -183,11 +199,15 @@ class Divergence:
         m["monitor/skipped_in_window"] = float(n_skipped)
         # A skipped step's loss stays out of the levels (a lone spike is the gate's business).
         total, rises, tokens = self._rise(step, m) if not skipped else (None, {}, {})
-        rising = [k for k, r in rises.items() if r > c.max_rise]
+        # The rise rule waits for the early fall to settle (``rise_from``), except for a rise
+        # right after a skipped spike (that spike's update is the likely cause), and for the
+        # level and its minimum to have had a window each.
+        after_spike = self.last_skip is not None and step - self.last_skip <= 2 * c.level_window
+        rising = [k for k, r in rises.items() if r > c.max_rise and self._clear(k, after_spike)]
         share = sum(tokens[k] for k in rising) / max(sum(tokens.values()), 1e-9)
-        # The rise rule starts once the level and its minimum have had a window each.
         cond = (
             step >= 2 * c.level_window
+            and (step >= c.rise_from or after_spike)
             and total is not None
             and total > c.max_rise
             and share >= c.min_share
@@ -245,6 +265,16 @@ class Divergence:
                 "if it recurs, lower optim.lr or check the batches named in the rise",
             )
         ]
+
+    def _clear(self, name: str, after_spike: bool) -> bool:
+        """The modality's level stands ``z`` robust spreads above its median over the horizon:
+        beyond what it wanders by itself. With too little history to know its swings, only a
+        rise right after a skipped spike counts."""
+        h = self.levels.history[name]
+        if len(h) < self.cfg.level_window:
+            return after_spike
+        mid, spread = self.levels.spread(name)
+        return h[-1] > mid + self.cfg.z * spread
 
     @property
     def watch(self) -> dict | None:
@@ -421,22 +451,27 @@ class Stagnation:
             share = n / total
             m[f"monitor/share/{name}"] = share
             best = self.share_best.get(name, 0.0)
-            on = step >= c.min_steps and best >= 0.05 and share < c.starve_ratio * best
             steady = presence[name] >= c.min_presence  # a bursty modality has no steady share
+            low = steady and step >= c.min_steps and best >= 0.05 and share < c.starve_ratio * best
+            key = f"share/{name}"
+            self.streak[key] = self.streak.get(key, 0) + 1 if low else 0
             if steady and step >= c.min_steps and (step - c.min_steps) % c.window == 0:
                 self.share_best[name] = max(best, share)  # one sample per window
-            if self.latch.edge(f"share/{name}", on, step - c.window):
+            # Half the patience: a share is a count, far less noisy than a loss.
+            on = self.streak[key] >= max(1, c.patience // 2)
+            if self.latch.edge(key, on, step - c.window - c.patience // 2):
                 out.append(
                     Alarm(
                         step,
                         "starvation",
                         c.action,
                         modality=name,
-                        since=step - c.window,
+                        since=step - c.window - c.patience // 2,
                         values={"share": share, "best_share": best},
                         message=f"{name} gets {share:.0%} of the tokens over the last {c.window} "
                         f"steps, down from {best:.0%}",
-                        threshold=f"token share < {c.starve_ratio:g} x its highest window share",
+                        threshold=f"token share < {c.starve_ratio:g} x its highest window share "
+                        f"for {c.patience // 2} steps, present in >= {c.min_presence:.0%} of them",
                         cause=f"the delivered mix shifted away from {name}: a source's content "
                         "changed, or the weights did; its learning stalls or reverses",
                         advice="compare mix/<source> and tokens/<modality> with data.sources' "
