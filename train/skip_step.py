@@ -60,8 +60,9 @@ MIN_TOKENS = 32  # a modality with fewer label tokens in a step is neither score
 def modality_parts(sums: dict | None) -> dict[str, tuple[float, float]]:
     """``{modality: (mean CE, tokens)}`` from a step's reduced sums (``ce_sum/<m>``,
     ``count/<m>``, as the LM task makes them); empty for a task without them."""
-    out = {}
-    for key, n in (sums or {}).items():
+    out: dict[str, tuple[float, float]] = {}
+    sums = sums or {}
+    for key, n in sums.items():
         if key.startswith("count/") and n:
             name = key[len("count/") :]
             ce = sums.get(f"ce_sum/{name}")

@@ -159,11 +159,11 @@ class LMTask:
             if load and sum(load) > 0:
                 out[f"monitor/moe_max_load/{name}"] = max(load) * len(load) / sum(load)
         codes = [s.get(f"code_bucket/{i:02d}", 0.0) for i in range(CODE_BUCKETS)]
-        if sum(codes) > 0:
-            n = sum(codes)
-            h = -sum(c / n * math.log(c / n) for c in codes if c)
-            out["monitor/data_codes"] = n
-            out["monitor/data_code_entropy"] = h / math.log(min(CODE_BUCKETS, max(n, 2)))
+        n_codes = sum(codes)
+        if n_codes > 0:
+            h = -sum(c / n_codes * math.log(c / n_codes) for c in codes if c)
+            out["monitor/data_codes"] = n_codes
+            out["monitor/data_code_entropy"] = h / math.log(min(CODE_BUCKETS, max(n_codes, 2)))
         total = sum(s[f"mix_tokens/{n}"] for n in self.source_names) or 1.0
         for n in self.source_names:
             out[f"mix/{n}"] = s[f"mix_tokens/{n}"] / total
