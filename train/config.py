@@ -41,7 +41,10 @@ class OptimConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    steps: int = 100  # optimizer steps
+    # Optimizer steps; -1: until the data ends (data.mode=epoch only: the loader counts the steps
+    # of one pass at start, and the lr schedule is laid over them). In epoch mode a run whose
+    # steps exceed the data also ends cleanly where the data ends.
+    steps: int = 100
     micro_batch: int = 4  # samples per rank per micro-step
     grad_accum: int = 1  # micro-steps per optimizer step
     log_every: int = 10
@@ -50,6 +53,9 @@ class TrainConfig:
     ckpt_every: int = 0  # 0: only at the end
     keep_last: int = 2  # checkpoints kept (older ones deleted)
     resume: bool = True  # continue from run_dir's latest checkpoint if there is one
+    # On resume, changes to the data, its mix, seq_len, batch sizes, the schedule, the seeds or the
+    # world size are refused (an exact resume would no longer hold) unless this says they are meant.
+    allow_config_change: bool = False
     init_from: str = ""  # a release folder (earlyfuse-convert release) whose weights start a run
     # that has no checkpoint yet; checked against layout, tokenizer, shapes
     seed: int = 0
@@ -106,5 +112,10 @@ class RunConfig:
             raise ValueError(
                 f"deepspeed.zero_stage {self.deepspeed.zero_stage}: choose 0, 1, 2 or 3"
             )
-        if self.train.steps <= 0 or self.train.micro_batch <= 0 or self.train.grad_accum <= 0:
-            raise ValueError("train.steps, train.micro_batch and train.grad_accum must be positive")
+        if self.train.micro_batch <= 0 or self.train.grad_accum <= 0:
+            raise ValueError("train.micro_batch and train.grad_accum must be positive")
+        if self.train.steps <= 0 and self.train.steps != -1:
+            raise ValueError(
+                f"train.steps {self.train.steps}: give a positive number of steps, or -1 to train "
+                "until the data ends (data.mode=epoch)"
+            )

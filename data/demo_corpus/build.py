@@ -12,6 +12,7 @@ import os
 import pathlib
 import shutil
 import time
+from typing import Any
 
 from tqdm import tqdm
 
@@ -101,7 +102,7 @@ def build(out: pathlib.Path, *, seed: int = 0, scale: float = 1.0, progress: boo
         )
         steps.close()
 
-        summary = {"seed": seed, "scale": scale, "parts": parts}
+        summary: dict[str, Any] = {"seed": seed, "scale": scale, "parts": parts}
         summary["files"] = sum(1 for p in stage.rglob("*") if p.is_file()) + 1  # + README.md
         summary["bytes"] = sum(p.stat().st_size for p in stage.rglob("*") if p.is_file())
         readme_bytes = build_readme(stage, summary, photos)

@@ -5,7 +5,13 @@ Design choices:
   does not fit in what is left of a row waits (its document is held aside, at most
   ``max_pending`` documents) while later documents fill the row; the held documents start the
   next rows. A block longer than a whole row is dropped (or its document, ``oversize``) and
-  counted: token shards cannot be re-encoded smaller here.
+  counted per source and modality: token shards cannot be re-encoded smaller here (the loader
+  refuses such sources at start unless drops are allowed, data/loader/fit.py).
+- Documents arrive in *chunks* (``Doc.limit``: the end of the part handed out so far): the
+  stream hands out a long document a chunk at a time, interleaved with other sources' chunks,
+  so one long document cannot fill many rows in a row (data/loader/stream.py). Consecutive
+  chunks of one document that land side by side in a row are joined into one piece, so the
+  chunking costs no context where nothing came between them.
 - Each row is a set of *pieces* (contiguous runs of one document). Attention is masked per
   piece (``doc_ids``), positions restart at 0 in each piece, and every label is the token that
   truly follows in its document (so the last token of a split piece is still trained on);
@@ -62,6 +68,11 @@ class Doc:
     mod: np.ndarray | None = None
     unit: int = 0  # next unit to place
     offset: int = 0  # tokens of that unit already placed (text only)
+    limit: int = -1  # end of the chunk handed out so far (-1: the whole document)
+
+    def __post_init__(self) -> None:
+        if self.limit < 0:
+            self.limit = self.length
 
     def position(self) -> int:
         """Doc tokens already placed or dropped: where the next piece starts."""
@@ -72,7 +83,20 @@ class Doc:
         )
 
     def cursor(self) -> list[int]:
-        return [self.source, self.sample, self.epoch, self.unit, self.offset]
+        return [self.source, self.sample, self.epoch, self.unit, self.offset, self.limit]
+
+    def chunk_placed(self) -> bool:
+        """Every token handed out so far is placed (or dropped): ready for its next chunk."""
+        return self.position() >= self.limit
+
+    def chunk_end(self, size: int) -> int:
+        """Where the chunk after ``limit`` ends: ``size`` tokens on, stretched to the end of a
+        visual block it would cut (a block is never split, not even between chunks)."""
+        target = min(self.limit + size, self.length)
+        for u in self.units:
+            if u.atomic and u.start < target < u.end:
+                return u.end
+        return target
 
 
 @dataclass
@@ -89,6 +113,7 @@ class Row:
     pieces: list[tuple[int, int, int, int]] = field(
         default_factory=list
     )  # (source, sample, start, end)
+    tail: Doc | None = None  # the document of the last piece (a next chunk of it joins that piece)
 
 
 @dataclass
@@ -123,6 +148,12 @@ class Packer:
         )
         self.pending: list[Doc] = []
         self.stats = PackStats()
+        # (source, modality) -> blocks dropped for being longer than a row
+        self.dropped_by: dict[tuple[int, int], int] = {}
+
+    def _count_drop(self, doc: Doc, unit: Unit) -> None:
+        key = (doc.source, int(Modality.VIDEO if unit.t else Modality.IMAGE))
+        self.dropped_by[key] = self.dropped_by.get(key, 0) + 1
 
     # --- one document into the row being built ---------------------------------------------------
     def _place(self, doc: Doc, row: Row | None, pos: int) -> tuple[str, int]:
@@ -130,12 +161,13 @@ class Packer:
         "done" (finished), "full" (row filled, doc continues) or "blocked" (a block must wait)."""
         L = self.L
         piece_start, doc_start = pos, doc.position()
-        while doc.unit < len(doc.units):
+        while doc.unit < len(doc.units) and doc.position() < doc.limit:
             u = doc.units[doc.unit]
             left = u.end - u.start - doc.offset
             if u.atomic:
                 if left > L:
                     self._flush(doc, row, piece_start, doc_start, pos, cut=True)
+                    self._count_drop(doc, u)
                     if self.oversize == "drop_document":
                         self.stats.dropped_docs += 1
                         doc.unit = len(doc.units)
@@ -150,7 +182,7 @@ class Packer:
                 pos += left
                 doc.unit += 1
             else:
-                k = min(left, L - pos)
+                k = min(left, L - pos, doc.limit - doc.position())
                 if k == 0:
                     self._flush(doc, row, piece_start, doc_start, pos)
                     return "full", pos
@@ -172,9 +204,19 @@ class Packer:
         self.stats.real_tokens += n
         if row is None:
             return
+        assert doc.ids is not None and doc.mod is not None  # read whenever a row is filled
         b = a + n
-        pid = len(row.pieces)
-        row.pieces.append((doc.source, doc.sample, a, b))
+        if row.tail is doc and row.pieces[-1][3] == a:
+            # The next chunk of the document just placed, right after it: one piece, so its
+            # tokens attend to the chunk before and positions run on.
+            pid = len(row.pieces) - 1
+            a0 = row.pieces[-1][2]
+            ra0 = ra - (a - a0)
+            row.pieces[-1] = (doc.source, doc.sample, a0, b)
+        else:
+            pid, a0, ra0 = len(row.pieces), a, ra
+            row.pieces.append((doc.source, doc.sample, a, b))
+        row.tail = doc
         row.ids[ra:rb] = doc.ids[a:b]
         row.mod[ra:rb] = doc.mod[a:b]
         nxt = min(b + 1, doc.length)
@@ -183,8 +225,9 @@ class Packer:
         if cut:
             row.labels[rb - 1] = IGNORE
         row.doc_ids[ra:rb] = pid
-        row.pos[ra:rb] = np.arange(n)
-        self._thw(doc, row, ra, a, b)
+        row.pos[ra:rb] = (a - a0) + np.arange(n)
+        row.image_ids[ra0:rb] = -1  # the joined piece's images are numbered again below
+        self._thw(doc, row, ra0, a0, b)
 
     def _thw(self, doc: Doc, row: Row, ra: int, a: int, b: int) -> None:
         p = 0  # M-RoPE position of the next token

@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
+from data.names import INDEX_SUFFIX
+
 _BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 # The shard's word in a pipe: command: ends in .tar, followed by a space, quote, pipe, ;, &, ), >
 # or the end. Paths inside commands must not hold spaces.
@@ -124,7 +126,7 @@ def name(url: str) -> str:
 def index_url(url: str) -> str:
     base = name(url)
     stem = base[: -len(".tar")] if base.endswith(".tar") else base
-    return sibling(url, stem + ".idx.jsonl")
+    return sibling(url, stem + INDEX_SUFFIX)
 
 
 def _run(cmd: str) -> bytes:
@@ -238,10 +240,11 @@ class ShardFiles:
                 self._failed[url] = (time.monotonic(), str(e))
                 raise
         if k == "fsspec":
-            import fsspec
-
             # Readahead blocks: a consumer's samples of one shard lie within a shuffle window.
-            return fsspec.open(url, "rb", block_size=4 << 20, cache_type="readahead").open()
+            # (Through fs.open: fsspec.open would hand these options to the filesystem's
+            # constructor, which s3fs refuses -- found by the moto-backed test.)
+            fs, path = _fs(url)
+            return fs.open(path, "rb", block_size=4 << 20, cache_type="readahead")
         return open(local_path(url), "rb")
 
     def fetch(self, url: str, min_bytes: int = 0) -> Path:

@@ -2,9 +2,13 @@
 group them into batches, and say exactly where it is.
 
 Design choices:
-- Mixing by tokens, deterministically: the next document comes from the source furthest below
-  its share (weight x tokens delivered so far, minus its own tokens). No RNG, shares exact to
-  within one document, and the state is a few counters.
+- Mixing by tokens, deterministically, a chunk at a time: the next chunk (at most
+  ``mix_chunk`` tokens, default ``seq_len``, never cutting a visual block) comes from the
+  source furthest below its share (weight x tokens handed out so far, minus its own tokens).
+  A long document is handed out a chunk at a time (the OLMo / Megatron practice of cutting
+  documents into row-sized instances), so each step carries the mix instead of one source's
+  long document filling many rows. No RNG, shares exact to within one chunk, and the state is
+  a few counters plus the documents handed out in part (``open``).
 - The state (``state_dict``) is cursors, counters and the held-aside documents' positions:
   kilobytes. Restoring recomputes each source's epoch order (hashing, O(samples), the same cost
   at any position) and seeks to the cursor through the index; nothing is replayed.
@@ -34,10 +38,11 @@ from data.loader.config import LoaderConfig
 from data.loader.online import OnlineTokenizer, online_options
 from data.loader.order import consumer_slice, epoch_order, unpack_mask
 from data.loader.packer import Doc, Packer, Row, units_of
+from data.loader.sample_check import check_ids, read_token_sample
 from data.loader.store import ShardFiles, ShardView
 from data.loader.table import SampleTable
-from data.tokenize.run import visual_blocks
-from data.vocab import MODALITY_NAMES
+from data.tokenize.blocks import visual_blocks
+from data.vocab import MODALITY_NAMES, Modality
 
 # The header numpy writes for a 1-D little-endian array (what earlyfuse-prep tokenize stores).
 _NPY_1D = re.compile(
@@ -118,12 +123,17 @@ class ConsumerStream:
             cfg.seq_len, pad_id=pad_id, max_pending=cfg.max_pending, oversize=cfg.oversize, dry=dry
         )
         self.cursors = [SourceCursor() for _ in tables]
+        # Per source: documents with tokens not yet handed out, oldest first (the next chunk
+        # comes from the first whose last chunk is placed). At most max_pending + 1 each.
+        self.open: list[list[Doc]] = [[] for _ in tables]
+        self.chunk = cfg.mix_chunk or cfg.seq_len
         self._slices: dict[tuple[int, int], np.ndarray] = {}
         self.errors = 0
         self.consecutive_errors = 0
         self.batches = 0
         self.batch_limit: int | None = None
         self.tokens_by_modality = np.zeros(len(MODALITY_NAMES), np.int64)
+        self._dropped_before = np.zeros((len(tables), 2), np.int64)  # as of the last batch
         self.files = ShardFiles(cfg.cache_dir, cfg.cache_limit_gb)
         self._online: OnlineTokenizer | None = None  # built on the first raw document
         self.watchdog = None if dry else Watchdog(cfg.stall_seconds, f"consumer {consumer}")
@@ -150,11 +160,21 @@ class ConsumerStream:
             self._slices[key] = consumer_slice(order, self.consumer, self.consumers)
         return self._slices[key]
 
+    def _ready(self, s: int) -> Doc | None:
+        """The first open document of source ``s`` whose chunk so far is placed."""
+        for doc in list(self.open[s]):
+            if doc.position() >= doc.length:  # ended early: its document was dropped (oversize)
+                self.open[s].remove(doc)
+            elif doc.chunk_placed():
+                return doc
+        return None
+
     def _pick_source(self) -> int | None:
         total = sum(c.tokens for c in self.cursors)
-        best, best_gap = None, None
+        best: int | None = None
+        best_gap = float("-inf")
         for s, c in enumerate(self.cursors):
-            if c.done or self.shares[s] <= 0:
+            if self.shares[s] <= 0 or (c.done and self._ready(s) is None):
                 continue
             gap = self.shares[s] * total - c.tokens
             if best is None or gap > best_gap:
@@ -162,33 +182,48 @@ class ConsumerStream:
         return best
 
     def next_doc(self) -> Doc | None:
+        """The next chunk to place: a document whose ``limit`` has moved on by one chunk (the
+        packer places it up to there). None when every source is done (epoch mode)."""
         while True:
             s = self._pick_source()
             if s is None:
                 return None
-            c = self.cursors[s]
-            sl = self._slice(s, c.epoch)
-            if c.pos >= len(sl):
-                if self.cfg.mode == "epoch":
-                    c.done = True
-                    continue
-                c.skip.pop(c.epoch, None)
-                c.epoch, c.pos = c.epoch + 1, 0
-                sl = self._slice(s, c.epoch)
-                if not len(sl):
-                    if c.epoch in c.skip:
-                        continue  # the rest of this redistributed epoch went to other consumers
-                    raise ValueError(
-                        f"source {self.tables[s].name}: fewer samples than consumers "
-                        f"({self.consumers}); give it more shards or use fewer workers"
-                    )
-            sample = int(sl[c.pos])
-            c.pos += 1
-            doc = self.load(s, sample, c.epoch)
+            doc = self._ready(s)
             if doc is None:
-                continue
-            c.tokens += doc.length
+                doc = self._read_next(s)
+                if doc is None:
+                    continue
+                doc.limit = 0
+                self.open[s].append(doc)
+            start = doc.limit
+            doc.limit = doc.chunk_end(self.chunk)
+            self.cursors[s].tokens += doc.limit - start
+            if doc.limit >= doc.length:
+                self.open[s].remove(doc)
             return doc
+
+    def _read_next(self, s: int) -> Doc | None:
+        """The next document of source ``s`` in this consumer's slice; None when it could not be
+        read (skipped and counted) or the source is done (epoch mode)."""
+        c = self.cursors[s]
+        sl = self._slice(s, c.epoch)
+        if c.pos >= len(sl):
+            if self.cfg.mode == "epoch":
+                c.done = True
+                return None
+            c.skip.pop(c.epoch, None)
+            c.epoch, c.pos = c.epoch + 1, 0
+            sl = self._slice(s, c.epoch)
+            if not len(sl):
+                if c.epoch in c.skip:
+                    return None  # the rest of this redistributed epoch went to other consumers
+                raise ValueError(
+                    f"source {self.tables[s].name}: fewer samples than consumers "
+                    f"({self.consumers}); give it more shards or use fewer workers"
+                )
+        sample = int(sl[c.pos])
+        c.pos += 1
+        return self.load(s, sample, c.epoch)
 
     # --- reading ---------------------------------------------------------------------------------
     def _read(self, t: SampleTable, sample: int, at) -> bytes:
@@ -198,8 +233,13 @@ class ConsumerStream:
     def _encode_raw(self, t: SampleTable, sample: int) -> tuple[np.ndarray, np.ndarray, list]:
         """A raw document tokenized here (data/loader/online.py): ids, modalities, blocks."""
         if self._online is None:
+            if self.cfg.tokenizers is None:
+                raise ValueError("raw sources need data.tokenizers (the tokenizers to use)")
             self._online = OnlineTokenizer(
-                self.cfg.tokenizers, online_options(self.cfg), self.cfg.seq_len
+                self.cfg.tokenizers,
+                online_options(self.cfg),
+                self.cfg.seq_len,
+                failure_budget=self.cfg.video_failure_budget,
             )
         si = t.shard[sample]
         view = ShardView(self.files, t.shards[si], t.shard_bytes[si])
@@ -224,12 +264,19 @@ class ConsumerStream:
                 length = len(ids)
             else:
                 length, blocks = int(t.tokens[sample]), t.blocks[sample]
-                ids = read_npy(self._read(t, sample, t.ids_at[sample]))
-                mod = read_npy(self._read(t, sample, t.mod_at[sample]))
+                si = t.shard[sample]
+                ids_b, mod_b = read_token_sample(
+                    t,
+                    sample,
+                    lambda off, size: self.files.read(t.shards[si], off, size, t.shard_bytes[si]),
+                    check_hash=self.cfg.check_hashes,
+                )
+                ids, mod = read_npy(ids_b), read_npy(mod_b)
                 if ids.shape != (length,) or mod.shape != (length,):
                     raise ValueError(
                         f"{ids.shape[0]} ids / {mod.shape[0]} modalities, the index says {length}"
                     )
+            check_ids(ids, mod, t.id_ranges)  # an id past the vocabulary would crash the model
         except (OSError, ValueError, EOFError) as e:
             self.errors += 1
             self.consecutive_errors += 1
@@ -265,7 +312,7 @@ class ConsumerStream:
     def next_batch(self) -> dict | None:
         if self.batch_limit is not None and self.batches >= self.batch_limit:
             return None
-        rows = []
+        rows: list[Row] = []
         while len(rows) < self.micro_batch:
             r = self.next_row()
             if r is None:
@@ -275,17 +322,29 @@ class ConsumerStream:
         if self.dry:
             return {}
         batch = collate(rows)
+        dropped = self.dropped_matrix()
+        batch["dropped_blocks"] = torch.from_numpy(dropped - self._dropped_before)
+        self._dropped_before = dropped
         self.tokens_by_modality += np.bincount(
             _real_modalities(rows), minlength=len(MODALITY_NAMES)
         )
         batch["tokens_by_source"] = torch.tensor(_tokens_by_source(rows, len(self.tables)))
         return batch
 
+    def dropped_matrix(self) -> np.ndarray:
+        """[sources, 2]: image and video blocks dropped so far for being longer than a row."""
+        out = np.zeros((len(self.tables), 2), np.int64)
+        for (s, m), n in self.packer.dropped_by.items():
+            out[s, m - int(Modality.IMAGE)] = n
+        return out
+
     # --- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {
             "cursors": [[c.epoch, c.pos, c.tokens, int(c.done)] for c in self.cursors],
             "pending": [d.cursor() for d in self.packer.pending],
+            "open": [d.cursor() for docs in self.open for d in docs],
+            "dropped_by": [[s, m, n] for (s, m), n in sorted(self.packer.dropped_by.items())],
             "batches": self.batches,
             "errors": self.errors,
             "stats": self.packer.stats.as_dict(),
@@ -305,16 +364,30 @@ class ConsumerStream:
         for k, v in st["stats"].items():
             setattr(self.packer.stats, k, v)
         self.tokens_by_modality = np.asarray(st["tokens_by_modality"], np.int64)
-        pending = []
-        for s, sample, epoch, unit, offset in st["pending"]:
-            doc = self.load(s, sample, epoch)
-            if (
-                doc is None
-            ):  # unreadable now: skipped, counted and logged by load(), like any sample
-                continue
-            doc.unit, doc.offset = unit, offset
-            pending.append(doc)
-        self.packer.pending = pending
+        self.packer.dropped_by = {(s, m): n for s, m, n in st.get("dropped_by", [])}
+        self._dropped_before = self.dropped_matrix()
+        # A document both held aside and open is one object in both lists (keyed by source,
+        # sample, epoch: a consumer reads a sample once per epoch).
+        docs: dict[tuple[int, int, int], Doc | None] = {}
+
+        def restore(cursor: list[int]) -> Doc | None:
+            s, sample, epoch, unit, offset = cursor[:5]
+            key = (s, sample, epoch)
+            if key not in docs:
+                doc = self.load(s, sample, epoch)
+                if doc is not None:  # unreadable now: skipped, counted and logged by load()
+                    doc.unit, doc.offset = unit, offset
+                    # States from before chunked mixing handed out whole documents.
+                    doc.limit = cursor[5] if len(cursor) > 5 else doc.length
+                docs[key] = doc
+            return docs[key]
+
+        self.packer.pending = [d for d in map(restore, st["pending"]) if d is not None]
+        self.open = [[] for _ in self.tables]
+        for cursor in st.get("open", []):
+            doc = restore(cursor)
+            if doc is not None:
+                self.open[doc.source].append(doc)
 
 
 def _real_modalities(rows: list[Row]) -> np.ndarray:

@@ -22,6 +22,7 @@ import numpy as np
 
 from data.loader import store
 from data.loader.config import SourceConfig
+from data.names import MANIFEST_FILE
 
 TOKEN_FORMAT = "earlyfuse-token-shards"
 RAW_FORMAT = "earlyfuse-raw-shards"
@@ -37,7 +38,7 @@ def find_manifest(url: str, seen: dict | None = None) -> tuple[dict, str] | None
     source (one read per folder, not per shard: a remote read or a command each)."""
     seen = {} if seen is None else seen
     for up in range(3):
-        m_url = store.sibling(url, "manifest.json", up)
+        m_url = store.sibling(url, MANIFEST_FILE, up)
         if m_url not in seen:
             try:
                 data = json.loads(store.read_bytes(m_url))
@@ -74,6 +75,14 @@ class SampleTable:
     shard_bytes: list[int] = field(default_factory=list)  # per shard: where its last member ends
     members: list[dict] = field(default_factory=list)  # raw: each sample's index members
     manifest_url: str = ""
+    # Token shards: where each sample's KEY.json lies and the SHA-256 of its members (the index's
+    # per-sample hash; all zero where the index has none), checked as the sample is read
+    # (data/loader/sample_check.py).
+    json_at: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
+    sha: np.ndarray = field(default_factory=lambda: np.zeros((0, 32), np.uint8))
+    layout_url: str = ""  # the vocabulary layout the token shards were made with
+    # [modality, 2]: the id range [lo, hi) of each modality (set by the loader at start)
+    id_ranges: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.shard)
@@ -82,13 +91,15 @@ class SampleTable:
 def load_table(src: SourceConfig) -> SampleTable:
     tars: list[str] = []
     for pat in src.shards:
-        found = expand(pat)
-        if not found:
+        matched = expand(pat)
+        if not matched:
             raise ValueError(f"source {src.name}: {pat!r} matches no shard")
-        tars += found
+        tars += matched
     if not tars:
         raise ValueError(f"source {src.name}: no shards given")
     shard, keys, ids_at, mod_at, tokens, blocks, members = [], [], [], [], [], [], []
+    json_at, sha = [], []
+    layout_url = ""
     shard_bytes = [0] * len(tars)
     h = hashlib.sha256()
     kinds, tok_keys = set(), set()
@@ -102,9 +113,9 @@ def load_table(src: SourceConfig) -> SampleTable:
         idx = store.index_url(tar)
         try:
             raw_idx = store.read_bytes(idx)
-        except OSError as e:
+        except OSError as err:
             raise ValueError(
-                f"source {src.name}: shard {tar} has no readable index {idx} ({e})"
+                f"source {src.name}: shard {tar} has no readable index {idx} ({err})"
             ) from None
         # Name and index (every member's offset, size and hash), not the URL: the same shards
         # moved to object storage keep their fingerprint, and a run's state moves with them.
@@ -114,15 +125,22 @@ def load_table(src: SourceConfig) -> SampleTable:
                 f"{store.name(tar)}\0{Path(tar).stat().st_size}\0".encode()
                 + hashlib.sha256(raw_idx).digest()
             )
-        found = find_manifest(tar, seen)
-        if found is None:
+        manifest_found = find_manifest(tar, seen)
+        if manifest_found is None:
             raise ValueError(
                 f"source {src.name}: {tar} is in no shard folder (no manifest.json of format "
                 f"{TOKEN_FORMAT} or {RAW_FORMAT} in its folder or the two above)"
             )
-        m, manifest_url = found
+        m, manifest_url = manifest_found
         kinds.add(m["format"])
         if m["format"] == TOKEN_FORMAT:
+            if not layout_url:
+                ups = [
+                    u for u in range(3) if store.sibling(tar, "manifest.json", u) == manifest_url
+                ]
+                up = ups[0] if ups else 0
+                folder = m["tokenizers"].get("folder", "tokenizers")
+                layout_url = store.sibling(tar, f"{folder}/vocab_layout.json", up)
             tok_keys.add(tokenizer_key(m["tokenizers"]))
             legacy_tok.add(json.dumps(m["tokenizers"], sort_keys=True))
         raw = m["format"] == RAW_FORMAT
@@ -137,6 +155,10 @@ def load_table(src: SourceConfig) -> SampleTable:
                 else:
                     ids_at.append(e["members"]["ids.npy"])
                     mod_at.append(e["members"]["mod.npy"])
+                    json_at.append(e["members"].get("json", [0, 0]))
+                    # The hash covers every member: checkable from these three only
+                    whole = set(e["members"]) == {"json", "ids.npy", "mod.npy"}
+                    sha.append(bytes.fromhex(e["sha256"]) if whole and "sha256" in e else bytes(32))
                     tokens.append(e["tokens"])
                     blocks.append(e.get("blocks", []))
                 keys.append(e["key"])
@@ -183,4 +205,7 @@ def load_table(src: SourceConfig) -> SampleTable:
         manifest_url=manifest_url,
         legacy_fingerprint=old,
         shard_bytes=shard_bytes,
+        json_at=np.asarray(json_at, np.int64).reshape(-1, 2),
+        sha=np.frombuffer(b"".join(sha), np.uint8).reshape(-1, 32).copy(),
+        layout_url=layout_url,
     )

@@ -140,11 +140,11 @@ def _batch(ids):
 
 def test_attention_probe_scores_are_the_ones_the_model_used():
     """softmax(recomputed scores) @ v must equal the attention output the model computed."""
-    from model.presets import debug
+    from model.presets import preset
     from train.monitor.probes import _AttentionTap, attention_stats
 
     torch.manual_seed(0)
-    model = debug().build().eval()
+    model = preset("debug").build().eval()
     ids = torch.randint(0, 200, (2, 12))
     attn = model.layers[1].attention
     tap, seen = _AttentionTap(attn), {}
@@ -238,11 +238,11 @@ def test_attention_probe_works_without_qk_norm():
     layer's own."""
     import dataclasses
 
-    from model.presets import debug
+    from model.presets import preset
     from train.monitor.probes import _AttentionTap, attention_stats
 
     torch.manual_seed(0)
-    cfg = debug()
+    cfg = preset("debug")
     cfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, qk_norm=False))
     model = cfg.build().eval()
     assert not hasattr(model.layers[0].attention, "q_norm")
@@ -335,12 +335,12 @@ def test_reverse_gap_is_positive_for_a_model_that_reads_the_caption():
     import numpy as np
 
     from data.vocab import VocabLayout
-    from model.presets import debug
+    from model.presets import preset
     from train.monitor.probes import reverse_dependence_gap
 
     lay = VocabLayout(text_size=64, max_grid=8)
     torch.manual_seed(0)
-    model = debug().with_layout(lay).build()
+    model = preset("debug", lay).build()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rng = np.random.default_rng(0)
 

@@ -9,20 +9,20 @@ import datetime as dt
 import html
 import json
 from collections import Counter
+from collections.abc import Set
 
 import numpy as np
 
 from tools.report.lead import Visible, lead_time, loss_visible
 from tools.report.panels import ACTION_COLOR, ema, human
 from tools.report.run import RunData, alarm_step, fmt
+from train.names import METRICS_FILE
 
 
 def status_of(run: RunData) -> str:
     if run.finished:
         return "finished"
-    when = dt.datetime.fromtimestamp(
-        (run.run_dir / "metrics.jsonl").stat().st_mtime, dt.timezone.utc
-    )
+    when = dt.datetime.fromtimestamp((run.run_dir / METRICS_FILE).stat().st_mtime, dt.timezone.utc)
     return f"running or stopped (no final.json; metrics last written {when:%Y-%m-%d %H:%M:%S} UTC)"
 
 
@@ -197,8 +197,8 @@ img.panel{width:760px;max-width:100%} .muted{color:#777} .tag{padding:1px 6px;bo
 def _table(
     header: list[str],
     rows: list[list[str]],
-    num_cols: set[int] = frozenset(),
-    raw_cols: set[int] = frozenset(),
+    num_cols: Set[int] = frozenset(),
+    raw_cols: Set[int] = frozenset(),
 ) -> str:
     """Cells are escaped except in ``raw_cols``; ``num_cols`` are right-aligned."""
 

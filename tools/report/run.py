@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from tools.report.lead import first_pass
+from train.names import ALARMS_FILE, CONFIG_FILE, FINAL_FILE, LOSS, METRICS_FILE, MIX, VAL, VTOK
 
 # The order the trainer uses (data.vocab.MODALITY_NAMES); not imported, so that the report
 # runs anywhere matplotlib does. A modality not in this list is appended in name order.
@@ -65,7 +66,7 @@ class RunData:
 
     @property
     def finished(self) -> bool:
-        return (self.run_dir / "final.json").is_file()
+        return (self.run_dir / FINAL_FILE).is_file()
 
     def has(self, key: str) -> bool:
         s = self.series.get(key)
@@ -79,17 +80,18 @@ class RunData:
             for k in self.series
             if k.startswith(prefix) and "/" not in k[len(prefix) :]
         ]
-        return [k for k in found if prefix == "loss/" or self.has(prefix + k)]
+        return [k for k in found if prefix == LOSS or self.has(prefix + k)]
 
     def modalities(self) -> list[str]:
         """Modalities that have a train or validation loss anywhere (final.json included)."""
-        names = set(self.keys("loss/")) | set(self.keys("val/loss/"))
-        names |= {k[len("val/loss/") :] for k in self.final if k.startswith("val/loss/")}
+        val_loss = VAL + LOSS  # val/loss/<modality>
+        names = set(self.keys(LOSS)) | set(self.keys(val_loss))
+        names |= {k[len(val_loss) :] for k in self.final if k.startswith(val_loss)}
         return order_modalities(names)
 
     def sources(self) -> list[str]:
         """Data sources of the delivered mix, in the config's order, then any others by name."""
-        found = set(self.keys("mix/"))
+        found = set(self.keys(MIX))
         return [s for s in self.target_mix if s in found] + sorted(found - set(self.target_mix))
 
     def last(self, key: str) -> float | None:
@@ -150,7 +152,7 @@ def build_series(records: dict[int, dict]) -> dict[str, Series]:
 
 
 def _config(run_dir: Path) -> dict:
-    path = run_dir / "config.yaml"
+    path = run_dir / CONFIG_FILE
     if not path.is_file():
         return {}
     try:
@@ -176,7 +178,7 @@ def _target_mix(cfg: dict) -> dict[str, float]:
 
 def load_run(run_dir: str | Path) -> RunData:
     run_dir = Path(run_dir)
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS_FILE
     if not path.is_file():
         raise NoMetrics(
             f"no metrics.jsonl in {run_dir} (is it a run folder written by earlyfuse-train?)"
@@ -192,23 +194,26 @@ def load_run(run_dir: str | Path) -> RunData:
         dup += step in records
         records[step] = rec
     cfg = _config(run_dir)
-    train_cfg = cfg.get("train") if isinstance(cfg.get("train"), dict) else {}
+    train_cfg = cfg.get("train")
+    if not isinstance(train_cfg, dict):
+        train_cfg = {}
     total = train_cfg.get("steps")
     final = {}
-    if (run_dir / "final.json").is_file():
+    if (run_dir / FINAL_FILE).is_file():
         try:
-            final = json.loads((run_dir / "final.json").read_text())
+            final = json.loads((run_dir / FINAL_FILE).read_text())
         except ValueError:
             final = {}
-    alarms, bad_alarms = [], 0
-    if (run_dir / "alarms.jsonl").is_file():
-        alarms, bad_alarms = read_jsonl(run_dir / "alarms.jsonl")
+    alarms: list[dict] = []
+    bad_alarms = 0
+    if (run_dir / ALARMS_FILE).is_file():
+        alarms, bad_alarms = read_jsonl(run_dir / ALARMS_FILE)
     return RunData(
         run_dir=run_dir,
         name=str(cfg.get("name") or run_dir.resolve().name),
         task=str(
             cfg.get("task")
-            or ("vtok" if any("vtok/" in k for r in records.values() for k in r) else "?")
+            or ("vtok" if any(VTOK in k for r in records.values() for k in r) else "?")
         ),
         total_steps=int(total) if isinstance(total, int) else None,
         records=records,

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from train.monitor.config import SEVERITY
+from train.names import ALARMS_FILE
 
 
 @dataclass
@@ -55,7 +56,7 @@ class AlarmLog:
     """Appends alarms to the run folder (rank 0) and echoes those of ``warn`` and up."""
 
     def __init__(self, run_dir: Path, *, is_main: bool, write_line) -> None:
-        self.path = Path(run_dir) / "alarms.jsonl"
+        self.path = Path(run_dir) / ALARMS_FILE
         self.is_main, self.write_line = is_main, write_line
         self.count = 0
 

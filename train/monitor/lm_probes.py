@@ -10,13 +10,10 @@ A direction whose rows the data does not have is not probed (its metrics are abs
 
 from __future__ import annotations
 
-import dataclasses
 from contextlib import closing
 
 import torch
 
-from data.loader import build_loader
-from train.faults import fault_step
 from train.monitor import probes
 from train.monitor.config import MonitorConfig
 
@@ -29,19 +26,12 @@ class LMProbes:
         self._attn_batch: dict | None = None
         self._dep_batch: dict | None = None
         self._rev_batch: dict | None = None
+        # Fault injection only (train/callbacks/faults.py): from this step on the dependence
+        # probe's "matched" images are shuffled too; -1: never.
+        self.shuffle_matched_from = -1
 
     def _rows(self, want_captions: int, finder=probes.caption_rows):
-        d = self.run_cfg.data
-        data = dataclasses.replace(
-            d, sources=d.validation or d.sources, validation=[], num_workers=0, mode="infinite"
-        )
-        loader = build_loader(
-            data,
-            rank=self.dist.rank,
-            world_size=self.dist.world_size,
-            micro_batch=self.run_cfg.train.micro_batch,
-            pad_id=0,
-        )
+        loader = self.task.probe_stream()
         first, rows = None, []
         with closing(iter(loader)) as batches:
             for i, b in enumerate(batches):
@@ -86,8 +76,7 @@ class LMProbes:
                 )
             out: dict[str, float] = {}
             if self._dep_batch:
-                fault = fault_step("EARLYFUSE_FAULT_SHUFFLE_PROBE_FROM")
-                shuffled = 0 <= fault <= step
+                shuffled = 0 <= self.shuffle_matched_from <= step
                 out.update(
                     probes.dependence_gap(
                         module, self._dep_batch, self.task.layout, dev, fault_shuffled=shuffled

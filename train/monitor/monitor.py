@@ -76,7 +76,9 @@ class Monitor:
     ) -> None:
         self.cfg, self.total = cfg, total_steps
         self.divergence = Divergence(cfg.divergence)
-        self.detectors: dict = {"divergence": self.divergence}
+        self.detectors: dict[str, Divergence | Collapse | Stagnation | Drift | DataCodeUse] = {
+            "divergence": self.divergence
+        }
         if chance:  # the LM task: per-modality losses exist
             self.detectors.update(
                 collapse=Collapse(cfg.collapse, chance),

@@ -28,6 +28,7 @@ import math
 
 import torch
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 
 from data.layout import image_block_len
 from data.vocab import Modality, VocabLayout
@@ -60,7 +61,9 @@ class _AttentionTap:
     SOURCES = (("wq", "q"), ("wk", "k"), ("q_norm", "q"), ("k_norm", "k"))
 
     def __init__(self, attn) -> None:
-        self.attn, self.store, self.handles = attn, {}, []
+        self.attn = attn
+        self.store: dict[str, Tensor] = {}
+        self.handles: list[RemovableHandle] = []
         self.handles.append(attn.register_forward_pre_hook(self._pre))
         for name, key in self.SOURCES:
             mod = getattr(attn, name, None)
