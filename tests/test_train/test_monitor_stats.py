@@ -282,3 +282,22 @@ def test_spikes_are_scored_per_modality_against_their_own_history():
     other = SkipStepRule(SkipStepConfig(min_steps=20))
     other.load_state_dict(state)
     assert other.state_dict() == state
+
+
+def test_hidden_norm_growth_rate_fires_late_in_a_run_and_once():
+    """Norm growth long after the early reference: doubling within 50 steps is drift, one alarm
+    (hysteresis); a slow healthy growth is not."""
+    from train.monitor.config import DriftConfig
+    from train.monitor.detectors import Drift
+
+    d, slow = Drift(DriftConfig()), Drift(DriftConfig())
+    fired, quiet = [], []
+    for s in range(1, 400):
+        hn = 5.0 * (1 + 0.002 * s) * (1.03 ** max(0, s - 300))  # x2 in ~25 steps from 300
+        fired += d.check(s, {"monitor/logz/text": 7.0, "monitor/hidden_norm/text": hn})
+        quiet += slow.check(
+            s, {"monitor/logz/text": 7.0, "monitor/hidden_norm/text": 5.0 * (1 + 0.004 * s)}
+        )
+    assert quiet == []
+    assert len(fired) == 1 and fired[0].signal == "hidden_drift" and 300 < fired[0].step < 360
+    assert "steps ago" in fired[0].message and fired[0].advice

@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from tools.bench.instab.cases import ACTING, CASES, LOG_ONLY, Case, mix_override  # noqa: E402
 from tools.bench.instab.data import build  # noqa: E402
-from tools.report.lead import first_pass, loss_visible  # noqa: E402
+from tools.report.lead import first_pass, loss_above_control, loss_visible  # noqa: E402
 
 SEVERE = ("warn", "skip", "rollback", "halt")
 DATA = REPO / "runs" / "instab" / "data"  # where configs/experiment/instab_*.yaml read it
@@ -99,6 +99,7 @@ def read_run(run_dir: Path) -> dict:
     out = (run_dir / "stdout.log").read_text() if (run_dir / "stdout.log").is_file() else ""
     vis = loss_visible(first)
     return {
+        "first_pass": first,
         "alarms": alarms,
         "visible": None if vis is None else {"step": vis.step, "series": vis.series},
         "val_loss": final.get("val/loss"),
@@ -108,7 +109,7 @@ def read_run(run_dir: Path) -> dict:
     }
 
 
-def summarize(case: Case, mon: dict, twin: dict | None) -> dict:
+def summarize(case: Case, mon: dict, twin: dict | None, control: dict | None = None) -> dict:
     severe = [a for a in mon["alarms"] if a["action"] in SEVERE]
     early = [a for a in severe if case.onset is not None and a["step"] < case.onset]
     after = [a for a in severe if case.onset is None or a["step"] >= case.onset]
@@ -116,6 +117,11 @@ def summarize(case: Case, mon: dict, twin: dict | None) -> dict:
     vis = mon["visible"] if case.kind == "failure" else None
     if case.kind == "failure" and twin is not None and twin["visible"] is not None:
         vis = twin["visible"]  # the failure as it unfolds without the monitors' actions
+    if case.kind == "failure" and case.same_data and control is not None:
+        traj = (twin or mon)["first_pass"]
+        above = loss_above_control(traj, control["first_pass"])
+        if above is not None and (vis is None or above.step < vis["step"]):
+            vis = {"step": above.step, "series": f"{above.series} vs healthy"}
     lead = None if first is None or vis is None else vis["step"] - first["step"]
     return {
         "detected": first is not None,
@@ -135,7 +141,7 @@ def summarize(case: Case, mon: dict, twin: dict | None) -> dict:
     }
 
 
-def run_case(case: Case, root: Path, data: Path) -> dict:
+def run_case(case: Case, root: Path, data: Path, controls: dict) -> dict:
     rec: dict = {"case": case.__dict__ | {"overrides": list(case.overrides)}}
     rec["run"] = train(case, root / "runs" / case.name, data)
     rec["monitored"] = read_run(root / "runs" / case.name)
@@ -143,7 +149,9 @@ def run_case(case: Case, root: Path, data: Path) -> dict:
     if case.kind == "failure" and acted:
         rec["twin_run"] = train(case, root / "runs" / f"{case.name}-log", data, LOG_ONLY)
         rec["twin"] = read_run(root / "runs" / f"{case.name}-log")
-    rec["summary"] = summarize(case, rec["monitored"], rec.get("twin"))
+    rec["summary"] = summarize(case, rec["monitored"], rec.get("twin"), controls.get(case.control))
+    if case.kind == "healthy":
+        controls[case.name] = rec["monitored"]
     print(f"  done {case.name}: {short(rec)}", flush=True)
     return rec
 
@@ -218,9 +226,12 @@ def main(argv=None) -> int:
         return 0
     print(f"{len(cases)} cases, {a.jobs} at a time, in {a.root}", flush=True)
     # Healthy controls first: the failures are compared with them.
-    cases.sort(key=lambda c: c.kind != "healthy")
+    controls: dict = {}
+    healthy = [c for c in cases if c.kind == "healthy"]
+    failures = [c for c in cases if c.kind != "healthy"]
     with ThreadPoolExecutor(a.jobs) as pool:
-        results = list(pool.map(lambda c: run_case(c, a.root, data), cases))
+        results = list(pool.map(lambda c: run_case(c, a.root, data, controls), healthy))
+        results += list(pool.map(lambda c: run_case(c, a.root, data, controls), failures))
     order = {c.name: i for i, c in enumerate(CASES)}
     results.sort(key=lambda r: order[r["case"]["name"]])
     c1 = os.times()
@@ -234,6 +245,9 @@ def main(argv=None) -> int:
         f"{wall:.0f} s wall, {cpu:.0f} CPU s (user+sys)."
     )
     (a.root / "table.md").write_text(head + "\n\n" + md + "\n")
+    for r in results:  # the trajectories are in the run folders
+        for key in ("monitored", "twin"):
+            r.get(key, {}).pop("first_pass", None)
     (a.root / "results.json").write_text(
         json.dumps({"wall_s": wall, "cpu_s": cpu, "results": results}, indent=1, default=str)
     )

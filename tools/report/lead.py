@@ -7,7 +7,10 @@ steps), stands more than ``rise`` (15 %) above its own running minimum since ``b
 the first step whose loss is not finite. (A 10-step EMA and 10 % fired on four of the six healthy
 controls of the instability suite: a modality with a few hundred tokens a step is that noisy.
 These settings are the tightest silent on all six.) An alarm's **lead time** is the visible step minus the alarm's step:
-positive when the alarm came first.
+positive when the alarm came first. Where a healthy run on the same data exists (the
+instability suite's config-only cases), the failure is also visible at the first step its
+smoothed loss stands 15 % above that run's at the same step (``loss_above_control``): a run
+whose loss stalls far above the healthy one never rises above its own minimum.
 
 A run that rolled back logs some steps twice; the rule reads the *first* pass (the records in
 file order until the step counter first goes back), the trajectory on which the trouble
@@ -76,6 +79,50 @@ def loss_visible(
             if low is not None and level > (1 + rise) * low:
                 return Visible(step, name, level, low)
             lows[name] = level if low is None else min(low, level)
+    return None
+
+
+def _smoothed(records: list[dict], alpha: float) -> dict[int, dict[str, float]]:
+    """step -> {series: token-weighted EMA of its loss} (series: total and content modalities)."""
+    sums: dict[str, list[float]] = {}
+    out: dict[int, dict[str, float]] = {}
+    for r in records:
+        obs = {}
+        loss = r.get("train/loss")
+        if isinstance(loss, (int, float)) and math.isfinite(loss):
+            obs["total"] = (float(loss), 1.0)
+        for m in CONTENT:
+            n = r.get(f"tokens/{m}") or 0.0
+            ce = r.get(f"loss/{m}")
+            if n and isinstance(ce, (int, float)) and math.isfinite(ce):
+                obs[m] = (float(ce), float(n))
+        for name, (ce, n) in obs.items():
+            acc = sums.setdefault(name, [ce * n, n])
+            acc[0] = (1 - alpha) * acc[0] + alpha * ce * n
+            acc[1] = (1 - alpha) * acc[1] + alpha * n
+        out[r["step"]] = {k: v[0] / v[1] for k, v in sums.items()}
+    return out
+
+
+def loss_above_control(
+    records: list[dict],
+    control: list[dict],
+    *,
+    rise: float = 0.15,
+    alpha: float = 0.05,
+    burn_in: int = 20,
+) -> Visible | None:
+    """The first step at which the total or a content modality's smoothed loss stands ``rise``
+    above the same series of a healthy run on the same data at the same step (a failure that
+    shows as a stall rather than a rise never leaves its own minimum); None if never."""
+    ref = _smoothed(control, alpha)
+    for step, levels in _smoothed(records, alpha).items():
+        if step < burn_in or step not in ref:
+            continue
+        for name, level in levels.items():
+            base = ref[step].get(name)
+            if base and level > (1 + rise) * base:
+                return Visible(step, name, level, base)
     return None
 
 

@@ -105,11 +105,15 @@ class StagnationConfig(Detector):
 @dataclass(kw_only=True)
 class DriftConfig(Detector):
     """log Z of a modality beyond +-``logz_abs``, or its final hidden norm ``hidden_growth`` x its
-    value over the first ``window`` steps from ``min_steps`` (norm growth, Chameleon)."""
+    value over the first ``window`` steps from ``min_steps``, or its mean over the last
+    ``window`` steps ``growth_rate`` x its mean ``rate_span`` steps before (0: off): norm growth
+    (Chameleon)."""
 
     window: int = 20
     logz_abs: float = 30.0
     hidden_growth: float = 8.0
+    growth_rate: float = 2.0
+    rate_span: int = 50
 
 
 @dataclass(kw_only=True)

@@ -543,13 +543,28 @@ class Stagnation:
 
 
 class Drift:
-    """log Z far from 0 (softmax normaliser drift) or the final hidden norm growing against its
-    own early value (Chameleon's norm growth, which precedes divergence in mixed-modal runs)."""
+    """log Z far from 0 (softmax normaliser drift), or the final hidden norm growing: against its
+    own early value, or fast (its mean over the last ``window`` steps ``growth_rate`` x its mean
+    ``rate_span`` steps before). Chameleon's norm growth precedes divergence in mixed-modal
+    runs; the rate catches it at any point of a long run, where the early value is long gone."""
 
     def __init__(self, cfg: DriftConfig) -> None:
         self.cfg = cfg
         self.ref: dict[str, list[float]] = {}  # modality -> [sum, count] of the reference window
+        self.recent: dict[str, deque] = defaultdict(
+            lambda: deque(maxlen=cfg.rate_span + cfg.window)
+        )
         self.latch = _Latch()
+
+    def rate(self, name: str) -> float:
+        """Mean hidden norm of the last ``window`` steps over that of the ``window`` steps
+        ``rate_span`` earlier (1.0 until both exist)."""
+        q = list(self.recent[name])
+        w = self.cfg.window
+        if len(q) < self.cfg.rate_span + w:
+            return 1.0
+        old, new = sum(q[:w]) / w, sum(q[-w:]) / w
+        return new / old if old > 0 else 1.0
 
     def check(self, step: int, m: dict) -> list[Alarm]:
         out = []
@@ -564,11 +579,15 @@ class Drift:
             ref = self.ref.get(name)
             growth = hn / (ref[0] / ref[1]) if ref and ref[1] >= self.cfg.window else 1.0
             m[f"monitor/hidden_growth/{name}"] = growth
+            self.recent[name].append(hn)
+            rate = self.rate(name)
+            m[f"monitor/hidden_rate/{name}"] = rate
             # Hysteresis: an open condition clears only below 80 % of its threshold, so a signal
             # hovering at the threshold is one alarm, not one every few steps.
             keep = {k: f"{k}/{name}" in self.latch.on for k in ("logz", "hidden")}
             lz_limit = self.cfg.logz_abs * (0.8 if keep["logz"] else 1.0)
             hn_limit = self.cfg.hidden_growth * (0.8 if keep["hidden"] else 1.0)
+            rate_limit = self.cfg.growth_rate * (0.8 if keep["hidden"] else 1.0)
             for key, on, values, msg, rule in (
                 (
                     "logz",
@@ -579,11 +598,13 @@ class Drift:
                 ),
                 (
                     "hidden",
-                    growth > hn_limit,
-                    {"hidden_norm": hn, "growth": growth},
+                    growth > hn_limit or (self.cfg.growth_rate > 0 and rate > rate_limit),
+                    {"hidden_norm": hn, "growth": growth, "rate": rate},
                     f"final hidden norm of {name} is {hn:.4g}, {growth:.1f}x its value at steps "
-                    f"{self.cfg.min_steps}-{self.cfg.min_steps + self.cfg.window}",
-                    f"hidden norm > {self.cfg.hidden_growth:g}x its early value",
+                    f"{self.cfg.min_steps}-{self.cfg.min_steps + self.cfg.window} and {rate:.1f}x "
+                    f"{self.cfg.rate_span} steps ago",
+                    f"hidden norm > {self.cfg.hidden_growth:g}x its early value, or > "
+                    f"{self.cfg.growth_rate:g}x its value {self.cfg.rate_span} steps before",
                 ),
             ):
                 on = step >= self.cfg.min_steps and on
@@ -608,10 +629,16 @@ class Drift:
         return out
 
     def state_dict(self) -> dict:
-        return {"ref": self.ref, "latch": self.latch.state_dict()}
+        return {
+            "ref": self.ref,
+            "recent": {k: list(v) for k, v in self.recent.items()},
+            "latch": self.latch.state_dict(),
+        }
 
     def load_state_dict(self, st: dict) -> None:
         self.ref = {k: list(v) for k, v in st["ref"].items()}
+        for k, v in st.get("recent", {}).items():
+            self.recent[k] = deque(v, maxlen=self.cfg.rate_span + self.cfg.window)
         self.latch.load_state_dict(st.get("latch") or {"on": st["on"]})
 
 

@@ -40,6 +40,7 @@ class Case:
     mix: str | None = None  # a healthy mix other than the experiment's own
     overrides: tuple[str, ...] = field(default_factory=tuple)
     control: str = "healthy-debug-0"  # the healthy run its outcome is compared with
+    same_data: bool = False  # the control reads the same data: its loss is a reference too
 
 
 CASES = (
@@ -50,6 +51,7 @@ CASES = (
         "no QK-norm, lr x1.5 every 20 steps from step 60",
         onset=60,
         gradual=True,
+        same_data=True,
     ),
     Case(
         "logit-norm-drift",
@@ -58,6 +60,7 @@ CASES = (
         "no z-loss, lr x1.5 every 20 steps from step 60",
         onset=60,
         gradual=True,
+        same_data=True,
     ),
     Case(
         "starvation",
@@ -87,6 +90,7 @@ CASES = (
         "failure",
         "lr x100 for steps 100-119 (optim.lr_changes)",
         onset=100,
+        same_data=True,
     ),
     Case("healthy-debug-0", "instab_healthy", "healthy", "debug recipe, base mix", seed=0),
     Case(
