@@ -579,7 +579,8 @@ class Drift:
             ref = self.ref.get(name)
             growth = hn / (ref[0] / ref[1]) if ref and ref[1] >= self.cfg.window else 1.0
             m[f"monitor/hidden_growth/{name}"] = growth
-            self.recent[name].append(hn)
+            if step >= self.cfg.min_steps:  # the early steps' fast growth is training, not drift
+                self.recent[name].append(hn)
             rate = self.rate(name)
             m[f"monitor/hidden_rate/{name}"] = rate
             # Hysteresis: an open condition clears only below 80 % of its threshold, so a signal
