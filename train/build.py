@@ -147,8 +147,10 @@ def build_trainer(
         Checkpointing(
             every=t.ckpt_every,
             healthy=monitoring.healthy,
-            unhealthy_why=f"steps were skipped as spikes in the last {cfg.monitor.divergence.window}",
+            unhealthy_why="the monitors see trouble (a step skipped as a spike in the last "
+            f"{cfg.monitor.divergence.window}, or the loss rising)",
             is_main=main,
+            protect=monitor.protected_steps,
         ),
         Rollback(monitoring, cfg.monitor.rollback, grad_accum=t.grad_accum, is_main=main),
         Preemption(device=dist.device),

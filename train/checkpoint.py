@@ -15,9 +15,11 @@ Design choices:
   set aside as ``step_N.damaged`` with a warning naming the bad file, and the newest intact
   one is used; if none is intact the run stops with an error listing them, never silently at
   step 0. Checkpoints from before the hashes are trusted as they are (said once).
-- keep-last-N: older checkpoints are deleted after ``latest`` has moved; each is first renamed
-  to ``step_N.deleting`` (one atomic step), so a kill mid-delete never leaves a folder that
-  looks complete. Leftovers are removed at the next save or resume.
+- keep-last-N: older checkpoints are deleted after ``latest`` has moved, except the steps in
+  ``protect`` (the monitor's ``protected_steps``: the newest checkpoint from before an open
+  alarm, so that a rollback still has somewhere to go); each is first renamed to
+  ``step_N.deleting`` (one atomic step), so a kill mid-delete never leaves a folder that looks
+  complete. Leftovers are removed at the next save or resume.
 """
 
 from __future__ import annotations
@@ -405,7 +407,15 @@ class Checkpointer:
 
     # --- writing -----------------------------------------------------------------------------
     def save(
-        self, engine, step: int, *, client: dict, own: dict, meta: dict, files: dict[str, str]
+        self,
+        engine,
+        step: int,
+        *,
+        client: dict,
+        own: dict,
+        meta: dict,
+        files: dict[str, str],
+        protect: set[int] | frozenset[int] = frozenset(),
     ) -> str:
         tag = tag_for(step)
         folder = self.dir / tag
@@ -429,7 +439,8 @@ class Checkpointer:
             )
             write_text_atomic(self.dir / LATEST_FILE, tag + "\n")
             for old in self._tags()[: -self.keep_last]:
-                remove_checkpoint(old)
+                if int(old.name[len("step_") :]) not in protect:
+                    remove_checkpoint(old)
         barrier()
         self._checked = self._main_checked = True  # `latest` is ours now
         return tag

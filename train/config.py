@@ -16,6 +16,7 @@ from data.loader.config import LoaderConfig
 from model.transformer import TransformerConfig
 from model.visual_tokenizer import VisualTokenizerConfig
 from train.monitor.config import MonitorConfig
+from train.schedule import LrChange
 from train.skip_step import SkipStepConfig
 
 TASKS = ("lm", "vtok")
@@ -31,6 +32,9 @@ class OptimConfig:
     schedule: str = "cosine"  # cosine | wsd | constant
     warmup_steps: int = 100
     decay_fraction: float = 0.2  # wsd: share of the steps spent decaying
+    # lr x scale over step ranges, on top of the schedule (train/schedule.py LrChange):
+    # e.g. [{step: 5000, scale: 0.5}] halves the lr from step 5000 on
+    lr_changes: list[LrChange] = field(default_factory=list)
     clip_grad: float = 1.0  # 0 = no clipping
     skip_step: SkipStepConfig = field(default_factory=SkipStepConfig)
 

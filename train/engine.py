@@ -13,11 +13,10 @@ from __future__ import annotations
 import math
 from functools import partial
 
-import torch
 from torch import nn
 
 from train.config import RunConfig
-from train.schedule import lr_multiplier
+from train.schedule import CappedLambdaLR, lr_multiplier
 from train.skip_step import SkipStepAdamW
 
 
@@ -84,8 +83,9 @@ def build_engine(model: nn.Module, cfg: RunConfig, world_size: int, *, total_ste
         schedule=o.schedule,
         min_lr_ratio=o.min_lr_ratio,
         decay_fraction=o.decay_fraction,
+        changes=tuple(o.lr_changes),
     )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, mult)
+    sched = CappedLambdaLR(opt, mult)
     if cfg.deepspeed.zero_stage == 0 and not cfg.train.bf16:
         opt.clip_grad = o.clip_grad
     engine, _, _, _ = deepspeed.initialize(

@@ -134,7 +134,7 @@ class Trainer:
                 # The skip-step gate needs this step's loss, identical on every rank, before
                 # engine.step() applies (or drops) the update.
                 reduced = reduce_sums(sums, self.dist.device)
-                self.gate.begin(step - 1, reduced["loss_sum"] / reduced["micro"])
+                self.gate.begin(step - 1, reduced["loss_sum"] / reduced["micro"], reduced)
             self.engine.step()
         return StepRecord(sums=reduced, seconds=time.perf_counter() - start, data_wait=wait)
 
@@ -172,7 +172,8 @@ class Trainer:
         return final
 
     # --- checkpoints -----------------------------------------------------------------------------
-    def save_checkpoint(self, step: int) -> str:
+    def save_checkpoint(self, step: int, protect: set[int] | frozenset[int] = frozenset()) -> str:
+        """``protect``: older checkpoints keep-last must keep (the monitor's protected steps)."""
         tag = self.checkpointer.save(
             self.engine,
             step,
@@ -180,6 +181,7 @@ class Trainer:
             own={"stream": self.stream.state_dict(), "rng": rng_state()},
             meta=self.save_meta,
             files=self.save_files,
+            protect=protect,
         )
         self.last_saved = step
         return tag

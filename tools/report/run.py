@@ -6,7 +6,10 @@
 - A line that does not parse is skipped and counted: the last line of a running run may be
   half-written. NaN and Infinity (which the logger writes for a NaN loss) are kept as floats.
 - ``alarms.jsonl``: the monitors' alarms, ``{"step", "signal", "modality", "values", "action",
-  "message"}``; read with the same tolerance, in file order.
+  "message", "threshold", "cause", "advice", "since"}`` (the last four may be absent); read
+  with the same tolerance, in file order.
+- The records of the first trajectory (``first_pass``: up to a rollback) are kept apart: the loss
+  rule of tools/report/lead.py reads them to say when a failure became visible in the loss.
 - ``config.yaml`` (name, task, train.steps, data.sources weights) and ``final.json`` are optional.
 """
 
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tools.report.lead import first_pass
 from train.names import ALARMS_FILE, CONFIG_FILE, FINAL_FILE, LOSS, METRICS_FILE, MIX, VAL, VTOK
 
 # The order the trainer uses (data.vocab.MODALITY_NAMES); not imported, so that the report
@@ -47,6 +51,7 @@ class RunData:
     final: dict = field(default_factory=dict)  # final.json
     alarms: list[dict] = field(default_factory=list)
     target_mix: dict[str, float] = field(default_factory=dict)  # data.sources weights, normalised
+    first_pass: list[dict] = field(default_factory=list)  # records until a step first goes back
     duplicate_records: int = 0  # records replaced by a later one for the same step
     bad_lines: int = 0  # metrics lines that did not parse
     bad_alarm_lines: int = 0
@@ -216,6 +221,9 @@ def load_run(run_dir: str | Path) -> RunData:
         final=final if isinstance(final, dict) else {},
         alarms=alarms,
         target_mix=_target_mix(cfg),
+        first_pass=first_pass(
+            [r for r in raw if isinstance(r.get("step"), int) and not isinstance(r["step"], bool)]
+        ),
         duplicate_records=dup,
         bad_lines=bad,
         bad_alarm_lines=bad_alarms,

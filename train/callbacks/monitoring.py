@@ -10,6 +10,9 @@ Design choices:
   checkpoint callback, so that a checkpoint of this very step (taken while the run still looked
   healthy) is among the candidates, as it always was. Its count of rollbacks is not
   checkpointed: loading the checkpoint it returns to must not reset it.
+- After a rollback the lr is capped at ``rollback.lr_scale`` x its value at the checkpoint
+  returned to (``rollback.cap_lr``; ``train/schedule.py``): a divergence the lr caused does not
+  simply recur.
 """
 
 from __future__ import annotations
@@ -108,3 +111,14 @@ class Rollback(Callback):
                 f"rollback {self.count} of at most {self.cfg.max_rollbacks}"
             )
         return Decision(action=ROLLBACK, reason=alarm.signal, to_step=target, skip_batches=skip)
+
+    def on_rollback(self, trainer: Trainer, step: int) -> None:
+        # The checkpoint's scheduler state is loaded by now: cap from the step returned to.
+        scheduler = getattr(trainer.engine, "lr_scheduler", None)
+        if self.cfg.cap_lr and hasattr(scheduler, "cap_here"):
+            cap = scheduler.cap_here(self.cfg.lr_scale)
+            if self.is_main:
+                log.warning(
+                    f"lr capped at {cap:.3g} x the peak from step {step} on "
+                    f"(monitor.rollback.lr_scale {self.cfg.lr_scale:g} x its value there)"
+                )

@@ -66,6 +66,24 @@ def layout_of_data(cfg: RunConfig, tables: TableCache | None = None) -> tuple[Vo
     return VocabLayout.load(folder / LAYOUT_FILE), folder
 
 
+CODE_BUCKETS = 64
+
+
+def code_buckets(batch: dict, layout: VocabLayout) -> dict[str, float]:
+    """The visual codes the step trains on (image and video labels), counted in ``CODE_BUCKETS``
+    buckets (code mod 64): sums the monitor reduces over ranks and turns into the entropy of the
+    codes delivered (``monitor/data_code_entropy``). A visual tokenizer that has degenerated onto
+    a few codes shows at once, before any model probe could."""
+    labels = batch["labels"]
+    visual = (batch["label_modality"] == int(Modality.IMAGE)) | (
+        batch["label_modality"] == int(Modality.VIDEO)
+    )
+    codes = labels[visual & (labels >= layout.visual_offset)] - layout.visual_offset
+    # Every key on every step: the sums are reduced over ranks as one vector of sorted keys.
+    counts = torch.bincount(codes.cpu() % CODE_BUCKETS, minlength=CODE_BUCKETS).tolist()
+    return {f"code_bucket/{i:02d}": float(c) for i, c in enumerate(counts)}
+
+
 def vocab_sizes(lay: VocabLayout) -> list[int]:
     """Ids each modality predicts among, for normalised CE: text and code the BPE, images and
     video the codes, structure its markers."""
@@ -144,6 +162,7 @@ class LMTask:
             for i, name in enumerate(MODALITY_NAMES):
                 for e in range(load.shape[1]):
                     sums[f"moe_load/{name}/{e}"] = load[i, e]
+        sums.update(code_buckets(batch, self.layout))
         sums["z_loss_sum"] = res.z_loss.detach()
         sums["aux_loss_sum"] = res.aux_loss.detach()
         sums["moe_dropped"] = res.moe_dropped.detach()
@@ -171,6 +190,12 @@ class LMTask:
             load = [v for k, v in s.items() if k.startswith(f"moe_load/{name}/")]
             if load and sum(load) > 0:
                 out[f"monitor/moe_max_load/{name}"] = max(load) * len(load) / sum(load)
+        codes = [s.get(f"code_bucket/{i:02d}", 0.0) for i in range(CODE_BUCKETS)]
+        n_codes = sum(codes)
+        if n_codes > 0:
+            h = -sum(c / n_codes * math.log(c / n_codes) for c in codes if c)
+            out["monitor/data_codes"] = n_codes
+            out["monitor/data_code_entropy"] = h / math.log(min(CODE_BUCKETS, max(n_codes, 2)))
         total = sum(s[f"mix_tokens/{source}"] for source in self.source_names) or 1.0
         for source in self.source_names:
             out[f"mix/{source}"] = s[f"mix_tokens/{source}"] / total
