@@ -29,6 +29,7 @@ $(STAMP): pyproject.toml
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 test: lint
 	$(PY) -m pytest
@@ -48,9 +49,12 @@ DEMO_SOURCES = --source code:$(DEMO_DIR)/$(1)/code \
 		--source videos:$(DEMO_DIR)/$(1)/clips \
 		--source interleaved=interleaved:$(DEMO_DIR)/$(1)/interleaved/docs.jsonl \
 		--source wds:$(DEMO_DIR)/$(1)/wds
+# --seq-len 512: every image and video block fits the LM's rows (data.seq_len), none dropped.
 TOKENIZE = $(BIN)/earlyfuse-prep tokenize --tokenizer $(DEMO_DIR)/tok \
 		--visual-tokenizer $(DEMO_DIR)/vtok/visual_tokenizer --image-max-pixels 2304 \
-		--video-max-pixels 1024 --video-max-tokens 512 --workers 2 --no-progress
+		--video-max-pixels 1024 --video-max-tokens 512 --seq-len 512 --workers 2 --no-progress
+DEMO_SCENE = $(DEMO_DIR)/val_corpus/scenes/img/scene_0000.png
+GENERATE = $(BIN)/earlyfuse-generate $(DEMO_DIR)/release
 
 demo: $(STAMP)
 	$(BIN)/earlyfuse-prep demo-corpus --out $(DEMO_DIR)/corpus --split train --no-progress
@@ -70,11 +74,19 @@ demo: $(STAMP)
 	$(TOKENIZE) --in $(DEMO_DIR)/val_raw --out $(DEMO_DIR)/val_tokens
 	$(BIN)/earlyfuse-train experiment=demo run_dir=$(DEMO_DIR)/lm train.progress=false
 	$(BIN)/earlyfuse-report $(DEMO_DIR)/vtok
-	# Held-out evaluation (docs/evaluation.md): per-modality CE against the unigram baseline,
-	# the dependence gap both ways, drawings and captions of held-out scenes read from pixels;
-	# the LM's report (next) draws it and prints its table last.
-	$(BIN)/earlyfuse-convert release $(DEMO_DIR)/lm $(DEMO_DIR)/eval_release --force
-	$(BIN)/earlyfuse-eval $(DEMO_DIR)/eval_release --data $(DEMO_DIR)/val_tokens \
+	@# What the model learned, to look at: a release, then text and code continued (sampled at
+	@# 0.7, seed 0: greedy decoding of a model this small loops), a caption of a held-out scene
+	@# (greedy) and a drawn image (sampled, seed 0) saved as PNG.
+	$(BIN)/earlyfuse-convert release $(DEMO_DIR)/lm $(DEMO_DIR)/release --force
+	@echo "== text: 'The Python'" && $(GENERATE) --prompt "The Python" --max-new-tokens 48 --temperature 0.7 --seed 0
+	@echo "== code: 'import os'" && $(GENERATE) --code --prompt "import os" --max-new-tokens 48 --temperature 0.7 --seed 0
+	@echo "== caption of $(DEMO_SCENE)" && $(GENERATE) --image $(DEMO_SCENE) --caption --max-new-tokens 32
+	@echo "== drawing 'a red circle on the left, on a plain dark grey background'" && $(GENERATE) \
+		--draw "a red circle on the left, on a plain dark grey background" --out $(DEMO_DIR)/drawn.png --temperature 0.8 --seed 0
+	@# Held-out evaluation (docs/evaluation.md): per-modality CE against the unigram baseline,
+	@# the dependence gap both ways, drawings and captions of held-out scenes read from pixels.
+	@# The LM's report (last) draws it and prints its table at the very end.
+	$(BIN)/earlyfuse-eval $(DEMO_DIR)/release --data $(DEMO_DIR)/val_tokens \
 		--train-data $(DEMO_DIR)/tokens --scenes $(DEMO_DIR)/val_corpus/scenes/scenes.jsonl \
 		--scenes $(DEMO_DIR)/val_corpus/scenes/drawings.jsonl --no-table \
 		--out $(DEMO_DIR)/lm/heldout_eval.json

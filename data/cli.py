@@ -13,6 +13,8 @@ import re
 import sys
 from pathlib import Path
 
+from data.names import REJECTS_FILE
+
 EXIT_REJECTS = 3
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
@@ -43,6 +45,36 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def path_or_url(text: str) -> Path | str:
+    """A local folder (Path) or an fsspec URL kept as text (``Path`` would fold ``s3://``)."""
+    return text if "://" in text and not text.startswith("file://") else Path(text)
+
+
+def _add_engine_flags(p) -> None:
+    """--engine and --ray-address, shared by ingest and tokenize (see docs/scaling.md)."""
+    p.add_argument(
+        "--engine",
+        choices=("local", "ray"),
+        default="local",
+        help="where the shard jobs run: local worker processes (default) or a Ray cluster "
+        "(pip install 'earlyfuse[ray]'; every node must see the inputs and --out)",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="the Ray cluster to join (default: $RAY_ADDRESS, else a local Ray for this command)",
+    )
+
+
+def _engine(a):
+    from data.engine import EngineConfig
+
+    # On ray, --workers bounds the CPU actors; its default (1) means "one per cluster CPU".
+    workers = a.workers if a.engine == "local" or a.workers > 1 else 0
+    return EngineConfig(kind=a.engine, workers=workers, address=a.ray_address)
+
+
 def _add_ingest(sub) -> None:
     p = sub.add_parser(
         "ingest",
@@ -61,14 +93,19 @@ def _add_ingest(sub) -> None:
         "  videos:PATH       the same for videos (column video)\n"
         '  interleaved:PATH  OBELICS-style .jsonl ({"texts": [...], "images": [...]}) or\n'
         '                    {"segments": [...]}, media paths relative to the file\n'
-        "  wds:PATH          existing webdataset .tar shards in img2dataset layout (KEY.jpg + KEY.txt/json)\n\n"
+        "  wds:PATH          existing webdataset .tar shards in img2dataset layout (KEY.jpg + KEY.txt/json)\n"
+        "  text, images, videos and interleaved also take a .parquet table or a Hugging Face\n"
+        "                    save_to_disk folder, local or s3://... (columns: docs/scaling.md)\n\n"
         "example:\n"
         "  earlyfuse-prep ingest --out shards/ --workers 8 --shard-size 256MB \\\n"
         "      --source code:~/src/cpython/Lib --source images:coco/captions.jsonl\n\n"
         "exit status: 0 done, 3 done with rejects (see rejects.jsonl), 1 error, 2 usage",
     )
     p.add_argument(
-        "--out", required=True, type=Path, help="output folder (created; reused to resume)"
+        "--out",
+        required=True,
+        type=path_or_url,
+        help="output folder (created; reused to resume), or an fsspec URL (s3://bucket/shards)",
     )
     p.add_argument(
         "--source",
@@ -93,6 +130,15 @@ def _add_ingest(sub) -> None:
     )
     p.add_argument("--workers", type=int, default=1, help="parallel worker processes (default 1)")
     p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="hold out about this fraction of every source for validation, chosen by a hash of "
+        "each sample's key (stable across reruns and added inputs): written to DIR/val/<source>/ "
+        "(default 0: no split)",
+    )
+    p.add_argument(
         "--num-partitions",
         type=int,
         default=1,
@@ -106,6 +152,7 @@ def _add_ingest(sub) -> None:
         metavar="I",
         help="which of the P partitions this run writes (0-based)",
     )
+    _add_engine_flags(p)
     p.add_argument(
         "--max-image-pixels",
         type=int,
@@ -140,6 +187,12 @@ def _add_ingest(sub) -> None:
         help="keep text that is not valid UTF-8, bad bytes replaced by U+FFFD (default: reject it)",
     )
     p.add_argument(
+        "--follow-links-outside",
+        action="store_true",
+        help="read files through symlinks that lead out of a source's folder (default: each "
+        "is rejected as link-outside-source; links inside it are followed)",
+    )
+    p.add_argument(
         "--allow-rejects", action="store_true", help="exit 0 even when some inputs were rejected"
     )
     p.add_argument(
@@ -158,7 +211,7 @@ def _add_ingest(sub) -> None:
 
 def cmd_ingest(a) -> int:
     from data.ingest import command_line, ingest
-    from data.shards.stats import human_bytes
+    from data.shards.stats import describe_uncaptioned, human_bytes, media_without_text
     from data.sources import Limits
 
     limits = Limits(
@@ -167,6 +220,7 @@ def cmd_ingest(a) -> int:
         max_text_bytes=a.max_text_bytes,
         max_code_bytes=a.max_code_bytes,
         repair_utf8=a.repair_utf8,
+        follow_links_outside=a.follow_links_outside,
     )
     s = ingest(
         a.out,
@@ -179,6 +233,8 @@ def cmd_ingest(a) -> int:
         partition=a.partition,
         progress=not a.no_progress,
         command=command_line(),
+        engine=_engine(a),
+        val_fraction=a.val_fraction,
         exclude_content_of=a.exclude_content_of,
     )
     part = f" (partition {a.partition} of {a.num_partitions})" if a.num_partitions > 1 else ""
@@ -194,9 +250,18 @@ def cmd_ingest(a) -> int:
         f"{a.out}: {t['samples']} samples in {t['shards']} shards ({human_bytes(t['bytes'])}); "
         f"segments: " + ", ".join(f"{k} {v}" for k, v in t["segments"].items() if v)
     )
+    if a.val_fraction:
+        held = sum(x["samples"] for x in s["manifest"]["sources"] if x["name"].startswith("val/"))
+        print(
+            f"validation split (--val-fraction {a.val_fraction:g}, by key hash): {held} samples "
+            f"in {a.out / 'val'}/<source>/; training data in {a.out}/<source>/"
+        )
+    said = describe_uncaptioned(media_without_text(a.out))
+    if said:
+        print(said)
     if t["rejects"]:
         print(
-            f"rejected {t['rejects']} input(s), listed in {a.out / 'rejects.jsonl'}: "
+            f"rejected {t['rejects']} input(s), listed in {a.out}/{REJECTS_FILE}: "
             + ", ".join(f"{k} {v}" for k, v in t["rejects_by_reason"].items())
         )
         return 0 if a.allow_rejects else EXIT_REJECTS
@@ -207,19 +272,38 @@ def cmd_ingest(a) -> int:
 def _add_merge(sub) -> None:
     p = sub.add_parser(
         "merge",
-        help="join the shards written by partitioned ingest runs into one manifest",
-        description="After every `ingest --num-partitions P --partition I` run has written "
-        "into DIR (a shared folder, or copied together), write DIR/manifest.json and "
+        help="join the shards written by partitioned ingest or tokenize runs into one manifest",
+        description="After every `ingest` (or `tokenize`) `--num-partitions P --partition I` run "
+        "has written into DIR (a shared folder, or copied together), write DIR/manifest.json and "
         "DIR/rejects.jsonl. Fails, naming them, if partitions are missing.",
     )
-    p.add_argument("dir", type=Path)
+    p.add_argument("dir", type=path_or_url, help="the folder (or fsspec URL) of every partition")
     p.set_defaults(func=cmd_merge)
 
 
 def cmd_merge(a) -> int:
-    from data.shards.manifest import merge
+    from data.ingest.run import finalize_folder
+    from data.shards.manifest import merge, missing_shards
+    from data.shards.storage import Folder
+    from data.tokenize.run import STATE_DIR, merge_tokens
 
-    m = merge(a.dir)
+    folder = Folder(a.dir)
+    if folder.sizes(STATE_DIR):
+        m = merge_tokens(a.dir)
+        t = m["totals"]
+        print(f"{a.dir}: merged {len(m['shards'])} token shards, {t['samples']} documents")
+        return 0
+    if folder.remote:  # what `merge` does, through the storage layer
+        records = folder.records(".ingest")
+        if (
+            not records
+            or missing_shards(records)
+            or len({r["fingerprint"] for r in records.values()}) > 1
+        ):
+            raise ValueError(f"{a.dir}: partitions are missing or differ; rerun them, then merge")
+        m = finalize_folder(folder, records)
+    else:
+        m = merge(a.dir)
     t = m["totals"]
     print(f"{a.dir}: merged {t['shards']} shards, {t['samples']} samples, {t['rejects']} rejects")
     return 0
@@ -244,7 +328,10 @@ def cmd_stats(a) -> int:
 
 def _add_verify(sub) -> None:
     p = sub.add_parser(
-        "verify", help="re-hash shards against the manifest and check every index against its tar"
+        "verify",
+        help="re-hash shards against the manifest, check every index against its tar and every "
+        "sample (raw folders: documents against the schema; token folders: ids within the "
+        "vocabulary)",
     )
     p.add_argument("dir", type=Path)
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -257,6 +344,26 @@ def cmd_verify(a) -> int:
     r = verify(a.dir, progress=not a.json)
     print(json.dumps(r, indent=1) if a.json else format_verify(r))
     return 0 if r["ok"] else 1
+
+
+def _add_index(sub) -> None:
+    p = sub.add_parser(
+        "index",
+        help="write the loader's binary index (SHARD.idx.bin) beside every shard of a token "
+        "folder made before binary indexes, and each shard's block summary into its manifest "
+        "(a loader then starts without reading any index; without this it builds them into "
+        "its cache on first use)",
+    )
+    p.add_argument("dir", type=Path, help="a token folder (earlyfuse-prep tokenize --out)")
+    p.set_defaults(func=cmd_index)
+
+
+def cmd_index(a) -> int:
+    from data.shards.token_index import index_folder
+
+    r = index_folder(a.dir)
+    print(f"{r['folder']}: {r['written']} of {r['shards']} binary indexes written")
+    return 0
 
 
 def _add_demo_corpus(sub) -> None:
@@ -344,7 +451,8 @@ def _add_train_text_tokenizer(sub) -> None:
         default=[],
         metavar="SOURCE=FRACTION",
         help="fraction of the training characters from one source (e.g. code=0.4); "
-        "sources not named share the rest by size (default: all by size)",
+        "sources not named share the rest by size (default: all by size). A source smaller than "
+        "its fraction gives all it holds, once (never repeated); the summary says what was used",
     )
     p.add_argument(
         "--max-chars",
@@ -388,9 +496,17 @@ def cmd_train_text_tokenizer(a) -> int:
     )
     r = info["layout"]
     print(
-        f"{a.out}: BPE of {info['vocab_size']} ids trained on "
-        + ", ".join(f"{n} {c:,} chars" for n, c in info["chars_used"].items())
+        f"{a.out}: BPE of {info['vocab_size']} ids trained on {sum(info['chars_used'].values()):,} chars:"
     )
+    for n, src in info["sources"].items():
+        print(
+            f"  {n:<16} {src['chars_used']:>12,} chars ({src['share']:.1%})"
+            + (
+                f": all it holds, less than the {src['asked_chars']:,} its weight asked (not repeated)"
+                if src["all_of_it"]
+                else ""
+            )
+        )
     print(f"vocabulary layout: text {r['text']}, structure {r['structure']}, visual {r['visual']}")
     return 0
 
@@ -404,12 +520,26 @@ def _add_tokenize(sub) -> None:
         "and videos with the visual tokenizer, laid out as <boi> <h=H> <w=W> rows <eol> ... <eoi>.\n"
         "Writes one token shard per raw shard (KEY.ids.npy int32, KEY.mod.npy uint8, KEY.json spans),\n"
         "indexes, manifest.json, rejects.jsonl, and a copy of the tokenizers in OUT/tokenizers/.\n"
-        "Parallel (--workers), resumable (rerun the same command), GPU for images when present.",
+        "Parallel (--workers, or --engine ray), partitionable (--num-partitions/--partition, then\n"
+        "`merge`), resumable (rerun the same command), GPU for images when present.",
         epilog="example:\n  earlyfuse-prep tokenize --in shards/ --out tokens/ --tokenizer tok/ \\\n"
         "      --visual-tokenizer runs/vtok_cpu/visual_tokenizer --workers 8",
     )
-    p.add_argument("--in", dest="inp", required=True, type=Path, metavar="RAW_DIR")
-    p.add_argument("--out", required=True, type=Path, metavar="TOKEN_DIR")
+    p.add_argument(
+        "--in",
+        dest="inp",
+        required=True,
+        type=path_or_url,
+        metavar="RAW_DIR",
+        help="raw shard folder, or an fsspec URL (s3://bucket/shards)",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        type=path_or_url,
+        metavar="TOKEN_DIR",
+        help="token folder to write, or an fsspec URL",
+    )
     p.add_argument(
         "--tokenizer",
         required=True,
@@ -448,7 +578,40 @@ def _add_tokenize(sub) -> None:
         default=4096,
         help="tokens per video block at most; longer clips are sampled more sparsely (default 4096)",
     )
-    p.add_argument("--workers", type=int, default=1)
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the row length of the training runs (data.seq_len): every image and video block is "
+        "made to fit N tokens (images downscaled; videos fewer frames, then smaller frames), so the "
+        "loader never drops one. Default: no bound beyond the budgets above; the summary then "
+        "says which data.seq_len the blocks need",
+    )
+    p.add_argument(
+        "--max-block-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="bound blocks to N tokens (e.g. half a row, for tighter packing); with --seq-len "
+        "the smaller of the two",
+    )
+    p.add_argument("--workers", type=int, default=1, help="parallel worker processes (default 1)")
+    p.add_argument(
+        "--num-partitions",
+        type=int,
+        default=1,
+        metavar="P",
+        help="split the shards across P independent runs (e.g. a Slurm array), then `merge`",
+    )
+    p.add_argument(
+        "--partition",
+        type=int,
+        default=0,
+        metavar="I",
+        help="which of the P partitions this run tokenizes (0-based)",
+    )
+    _add_engine_flags(p)
     p.add_argument(
         "--device",
         default=None,
@@ -459,14 +622,19 @@ def _add_tokenize(sub) -> None:
 
 
 def cmd_tokenize(a) -> int:
-    from data.tokenize.encoder import TokenizeOptions
+    from data.tokenize.blocks import describe
+    from data.tokenize.docs import TokenizeOptions
     from data.tokenize.run import tokenize
 
+    caps = [n for n in (a.seq_len, a.max_block_tokens) if n]
+    if any(n < 8 for n in caps):
+        raise ValueError("--seq-len / --max-block-tokens: a visual block needs at least 8 tokens")
     opts = TokenizeOptions(
         image_max_pixels=a.image_max_pixels,
         video_max_pixels=a.video_max_pixels,
         video_fps=a.video_fps,
         video_max_tokens=a.video_max_tokens,
+        max_block_tokens=min(caps) if caps else 0,
     )
     m = tokenize(
         a.inp,
@@ -474,19 +642,30 @@ def cmd_tokenize(a) -> int:
         a.tokenizer,
         a.visual_tokenizer,
         opts=opts,
-        workers=a.workers,
         device=a.device,
         progress=not a.no_progress,
+        num_partitions=a.num_partitions,
+        partition=a.partition,
+        engine=_engine(a),
     )
+    if not m["finalized"]:
+        print(
+            f"tokenize (partition {a.partition} of {a.num_partitions}): wrote {m['written']} "
+            f"shard(s); {len(m['missing'])} belong to other partitions; when they have all "
+            f"finished, run:\n  earlyfuse-prep merge {a.out}"
+        )
+        return 0
     t = m["totals"]
     print(
         f"{a.out}: {t['samples']} documents, {t['tokens']:,} tokens ("
         + ", ".join(f"{k} {v:,}" for k, v in t["tokens_by_modality"].items() if v)
         + ")"
     )
+    for line in describe(m):
+        print(line)
     if t["rejects"]:
         print(
-            f"rejected {t['rejects']} document(s), listed in {a.out / 'rejects.jsonl'}: "
+            f"rejected {t['rejects']} document(s), listed in {a.out}/{REJECTS_FILE}: "
             + ", ".join(f"{k} {v}" for k, v in t["rejects_by_reason"].items())
         )
         return EXIT_REJECTS
@@ -502,16 +681,33 @@ def _add_preview(sub) -> None:
         "show them: each piece (document run) with text and code decoded and visual blocks\n"
         "summarised; --png draws one band per row, a cell per token coloured by modality,\n"
         "and decodes the rows' images beside it.",
-        epilog="example:\n  earlyfuse-prep preview runs/demo/tokens --seq-len 512 --rows 3 --png rows.png",
+        epilog="examples:\n  earlyfuse-prep preview runs/demo/tokens --seq-len 512 --rows 3 --png rows.png\n"
+        "  earlyfuse-prep preview --config runs/demo/lm/config.yaml --rows 8   # the run's own mix",
     )
-    p.add_argument("tokens", type=Path, metavar="TOKEN_DIR")
+    p.add_argument(
+        "tokens",
+        type=Path,
+        nargs="?",
+        metavar="TOKEN_DIR",
+        help="a token folder (default with --config: the folder of its first source)",
+    )
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="YAML",
+        help="draw rows as a run would: its sources, weights, seq_len and seed, from a run's "
+        "config.yaml (RUN_DIR/config.yaml) or a data config (configs/data/*.yaml)",
+    )
     p.add_argument(
         "--source",
         action="append",
         default=None,
         help="only these sources (repeatable; default all)",
     )
-    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument(
+        "--seq-len", type=int, default=None, help="row length (default: --config's, else 2048)"
+    )
     p.add_argument("--rows", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--png", type=Path, default=None, help="also render the rows to this PNG")
@@ -523,7 +719,13 @@ def cmd_preview(a) -> int:
 
     print(
         preview(
-            a.tokens, sources=a.source, seq_len=a.seq_len, n_rows=a.rows, seed=a.seed, png=a.png
+            a.tokens,
+            sources=a.source,
+            seq_len=a.seq_len,
+            n_rows=a.rows,
+            seed=a.seed,
+            png=a.png,
+            config=a.config,
         )
     )
     return 0
@@ -540,6 +742,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_merge,
         _add_stats,
         _add_verify,
+        _add_index,
         _add_demo_corpus,
         _add_train_text_tokenizer,
         _add_tokenize,

@@ -45,7 +45,9 @@ def load_pool(
     video_frames: bool,
     limit: int,
 ) -> ImagePool:
-    train, held, skipped = [], [], 0
+    train: list[np.ndarray] = []
+    held: list[np.ndarray] = []
+    skipped = 0
     sampling = VideoSampling(target_fps=2.0, max_frames=4)
     for d in raw_dirs:
         for rd in iter_docs(d, sources or None):

@@ -20,7 +20,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from data.schema import Reject
 
@@ -133,7 +133,7 @@ def probe_image(raw: bytes, path: str, *, max_pixels: int) -> ImageInfo | Reject
             return ImageInfo(w, h, fmt, IMAGE_FORMATS[fmt], mode)
     except Image.DecompressionBombError as e:
         return Reject(path, "pixel-limit", str(e))
-    except Image.UnidentifiedImageError:
+    except UnidentifiedImageError:
         return Reject(path, "unreadable-image", "not an image Pillow recognises")
     except (OSError, SyntaxError, ValueError, EOFError) as e:
         msg = str(e)
@@ -144,6 +144,18 @@ def probe_image(raw: bytes, path: str, *, max_pixels: int) -> ImageInfo | Reject
 
 
 _CAPTURE = None  # one temp file per process, reused: a decode must not pay for a new file
+_DECODE_FAILURES = 0  # failed decord decodes in this process (each leaks ~40 KB inside decord)
+
+
+def note_decode_failure() -> None:
+    """Count a failed decord decode; the prep engines recycle a worker after enough of them."""
+    global _DECODE_FAILURES
+    _DECODE_FAILURES += 1
+
+
+def decode_failures() -> int:
+    """Failed decord decodes in this process so far (``data.engine.local`` reads it)."""
+    return _DECODE_FAILURES
 
 
 @contextmanager
@@ -185,6 +197,7 @@ def probe_video(raw: bytes, path: str, *, max_seconds: float) -> VideoInfo | Rej
         return Reject(path, "empty-video", "zero-byte video")
     import decord  # imported here: decord loads FFmpeg, which text-only runs never need
 
+    err: Exception | None
     with captured_c_stderr() as log:
         try:
             vr = decord.VideoReader(io.BytesIO(raw), num_threads=1)
@@ -202,6 +215,7 @@ def probe_video(raw: bytes, path: str, *, max_seconds: float) -> VideoInfo | Rej
         else:
             err = None
     if err is not None:
+        note_decode_failure()
         detail = _readable_tail(log[0] if log else "") or str(err).split("\n")[0][:200]
         return Reject(path, "undecodable-video", detail)
     if info.duration > max_seconds:

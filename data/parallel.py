@@ -1,35 +1,16 @@
-"""Run per-shard jobs in spawned worker processes (or inline), results as they finish.
-
-Shared by ingest and tokenize. Spawned (not forked) workers, replaced every few jobs: decord
-and FFmpeg state never leaks across many shards, and nothing inherits the parent's threads.
-"""
+"""Kept for callers of the old name: ``run_jobs(fn, jobs, workers)`` on the local engine
+(``data.engine.local``: long-lived workers, recycled only after failed video decodes)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from multiprocessing import get_context
 from typing import TypeVar
+
+from data.engine.local import run_local
 
 J = TypeVar("J")
 R = TypeVar("R")
 
 
 def run_jobs(fn: Callable[[J], R], jobs: list[J], workers: int) -> Iterator[R]:
-    if workers <= 1 or len(jobs) <= 1:
-        for job in jobs:
-            yield fn(job)
-        return
-    with ProcessPoolExecutor(
-        workers, mp_context=get_context("spawn"), max_tasks_per_child=8
-    ) as pool:
-        pending = {pool.submit(fn, j) for j in jobs}
-        try:
-            while pending:
-                done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                for f in done:
-                    yield f.result()
-        except BaseException:
-            for f in pending:
-                f.cancel()
-            raise
+    return run_local(fn, jobs, workers)

@@ -14,21 +14,19 @@ Design choices:
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from data.names import LAYOUT_FILE, TEXT_TOKENIZER_TRAINING_FILE, TOKENIZER_FILE
 from data.vocab import TEXT_SPECIALS, VocabLayout
 
 SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-TOKENIZER_FILE = "tokenizer.json"
-LAYOUT_FILE = "vocab_layout.json"
-TRAINING_FILE = "text_tokenizer_training.json"
 
 
 def new_bpe() -> Tokenizer:
@@ -113,36 +111,37 @@ def save_tokenizer(tok: Tokenizer, layout: VocabLayout, folder: str | Path, trai
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / TOKENIZER_FILE))
     layout.save(folder / LAYOUT_FILE)
-    (folder / TRAINING_FILE).write_text(json.dumps(training, indent=1, sort_keys=True) + "\n")
+    (folder / TEXT_TOKENIZER_TRAINING_FILE).write_text(
+        json.dumps(training, indent=1, sort_keys=True) + "\n"
+    )
 
 
 def sample_texts(
-    sources: dict[str, Iterable],
+    sources: dict[str, Callable[[], Iterable[str]]],
     weights: dict[str, float],
     budget_chars: int,
     used: dict[str, int],
     *,
-    cycle: bool = True,
+    ran_out: set[str] | None = None,
 ) -> Iterator[str]:
     """Texts from each source up to its share of ``budget_chars`` (share = weight / sum).
 
-    ``sources`` maps a name to a zero-argument callable returning an iterator of texts; with
-    ``cycle`` a source smaller than its share is repeated, so an up-weighted small source
-    really counts more. ``used`` receives the characters taken per source."""
+    ``sources`` maps a name to a zero-argument callable returning an iterator of texts. A source
+    smaller than its share gives all it holds, once: nothing is repeated to fill a share (that
+    would train the merges on copies and overstate what the tokenizer saw); such sources go to
+    ``ran_out``. ``used`` receives the characters taken per source."""
     total = sum(weights.values())
     for name, make_iter in sources.items():
         share = int(budget_chars * weights[name] / total)
         taken = 0
         used[name] = 0
-        while taken < share:
-            got_any = False
-            for text in make_iter():
-                got_any = True
-                if taken >= share:
-                    break
-                piece = text[: share - taken]
-                taken += len(piece)
-                yield piece
-            if not got_any or not cycle:
+        for text in make_iter():
+            if taken >= share:
                 break
+            piece = text[: share - taken]
+            taken += len(piece)
+            yield piece
+        else:
+            if ran_out is not None and taken < share:
+                ran_out.add(name)
         used[name] = taken

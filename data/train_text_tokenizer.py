@@ -4,7 +4,10 @@ Sampling: every source (a ``--source`` of an ingest) that holds text or code con
 characters in proportion to its size (estimated from the index: the JSON members' bytes), up
 to ``max_chars`` in all. ``weights`` (``--weight NAME=FRACTION``) fix the fraction of the
 training characters a source provides instead; the sources not named share the rest by size.
-A source smaller than its share is cycled, which is how mixture weights act on BPE counts.
+A source smaller than its share gives all it holds, once, and no more: repeating it would train
+the merges on copies and overstate what the tokenizer saw. The summary (and
+``text_tokenizer_training.json``) says per source the characters used, whether that was all of
+it, and its share of what was trained on.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ def text_sources(in_dirs: list[Path]) -> dict[str, dict]:
         m = load_manifest(d)
         for sh in m["shards"]:
             segs = sh["segments"]
-            if not (segs.get("text") or segs.get("code")):
-                continue
+            if not (segs.get("text") or segs.get("code")) or sh["source"].startswith("val/"):
+                continue  # no text, or held out for validation (ingest --val-fraction)
             name = sh["source"] if len(in_dirs) == 1 else f"{Path(d).name}/{sh['source']}"
             s = out.setdefault(name, {"shards": [], "bytes": 0})
             tar, idx = Path(d) / sh["path"], Path(d) / sh["index"]
@@ -86,10 +89,13 @@ def train_text_tokenizer(
     total_bytes = sum(s["bytes"] for s in sources.values())
     budget = min(max_chars, total_bytes) if not weights else max_chars
     used: dict[str, int] = {}
+    ran_out: set[str] = set()
     texts = sample_texts(
-        {n: _texts_of(sources[n]["shards"]) for n in w}, w, budget, used, cycle=bool(weights)
+        {n: _texts_of(sources[n]["shards"]) for n in w}, w, budget, used, ran_out=ran_out
     )
     tok = train_bpe(texts, vocab_size, progress=progress)
+    trained = sum(used.values()) or 1
+    total_w = sum(w.values())
     layout = VocabLayout(
         text_size=tok.get_vocab_size(), fsq_levels=tuple(fsq_levels), max_grid=max_grid
     )
@@ -100,6 +106,15 @@ def train_text_tokenizer(
         "weights": w,
         "chars_used": used,
         "budget_chars": budget,
+        "sources": {
+            n: {
+                "chars_used": used[n],
+                "asked_chars": int(budget * w[n] / total_w),
+                "all_of_it": n in ran_out,
+                "share": used[n] / trained,
+            }
+            for n in w
+        },
         "layout": layout.to_dict()["ranges"],
     }
     save_tokenizer(tok, layout, out, info)

@@ -10,6 +10,15 @@ Design choices:
   the clip's duration instead of cutting its end.
 - No temp files: decord reads an ``io.BytesIO``. One reader per clip, one thread, released
   at once; ``tools/bench/bench_tokenize_inputs.py`` measures RSS over thousands of decodes.
+- Frames are decoded at their native size and resized here (Pillow, as images are), a few at a
+  time. decord returns 4, 6 or 12 "channels" (and then fails to copy them) for frames of some
+  widths that are not a multiple of 32 (8, 16, 24, 48, 72, ...: its row padding divided by the
+  width), whether the width is the clip's own (a 48x64 clip) or one asked of its resize
+  (``VideoReader(width=24, height=40)`` of a 180x320 clip). Such a clip is decoded instead at its
+  width rounded up to a multiple of 32 (never seen to fail) and resized to the target from there.
+  The shape of every decoded batch is checked.
+- Rotation metadata (a phone's portrait clip stored landscape) is applied by decord: frames come
+  out as the clip is shown, as the ingest probe measured them.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from data.image_prep import ImagePrep
-from data.media import captured_c_stderr
+from data.media import captured_c_stderr, note_decode_failure
 
 
 @dataclass(frozen=True)
@@ -60,33 +69,53 @@ def decode_frames(
 ) -> Frames:
     """Sample and resize a clip's frames; ValueError with decord's reason if it cannot.
 
-    ``size`` (width, height), known from the shard index, lets one reader decode straight at
-    the target size (FFmpeg's scaler: no full-size frames in Python); without it the clip is
-    opened once more to learn its size."""
+    ``size`` (width, height) is accepted for callers that know it from the index; the frames'
+    true size (as decoded, rotation applied) is what the resize uses."""
     import decord
 
+    del size  # the decoded frames say their size; the index can only agree
+    err: Exception | None = None
     with captured_c_stderr() as log:
         try:
-            if size is None:
-                probe = decord.VideoReader(io.BytesIO(raw), num_threads=1)
-                size = probe[0].shape[1], probe[0].shape[0]
-                del probe
-            tw, th = prep.target_size(*size)
-            if (tw, th) != tuple(size):
-                vr = decord.VideoReader(io.BytesIO(raw), num_threads=1, width=tw, height=th)
-            else:
-                vr = decord.VideoReader(io.BytesIO(raw), num_threads=1)
+            vr = decord.VideoReader(io.BytesIO(raw), num_threads=1)
             n = len(vr)
             ts = vr.get_frame_timestamp(list(range(n)))
             fps = float(vr.get_avg_fps())
             idx = pick_frames(ts, sampling.target_fps, sampling.max_frames)
-            frames = vr.get_batch(idx.tolist()).asnumpy()
+            height, width, channels = vr[0].shape
+            shown = (width, height)
+            if channels != 3:  # decord's row padding (see above): decode at a safe width
+                del vr
+                width = -(-width // 32) * 32
+                vr = decord.VideoReader(io.BytesIO(raw), num_threads=1, width=width, height=height)
+            frames = []
+            for at in range(0, len(idx), _DECODE_BATCH):
+                got = vr.get_batch(idx[at : at + _DECODE_BATCH].tolist()).asnumpy()
+                if got.shape[1:] != (height, width, 3):
+                    raise RuntimeError(
+                        f"decord returned frames of shape {got.shape[1:]}, not {(height, width, 3)}"
+                    )
+                frames += [_resize(frame, prep, shown) for frame in got]
             del vr
         except Exception as e:  # decord raises bare RuntimeError/DECORDError
             err = e
-        else:
-            err = None
     if err is not None:
+        note_decode_failure()
         tail = [ln for ln in (log[0] if log else "").splitlines() if ln.isprintable()]
         raise ValueError(f"cannot decode video: {tail[-1] if tail else err}")
-    return Frames(frames, np.asarray(ts)[idx, 0], fps, float(np.asarray(ts)[-1, 1]))
+    return Frames(np.stack(frames), np.asarray(ts)[idx, 0], fps, float(np.asarray(ts)[-1, 1]))
+
+
+_DECODE_BATCH = 8  # frames decoded at native size at once (8 frames of 1080p: 50 MB)
+
+
+def _resize(frame: np.ndarray, prep: ImagePrep, shown: tuple[int, int]) -> np.ndarray:
+    """``frame`` resized to the target of the clip's ``shown`` (width, height): the frame itself
+    may be wider (decoded at a safe width), the aspect of what is shown is kept."""
+    from PIL import Image
+
+    tw, th = prep.target_size(*shown)
+    if (th, tw) == frame.shape[:2]:
+        return np.ascontiguousarray(frame)
+    im = Image.fromarray(frame).resize((tw, th), Image.Resampling.BICUBIC, reducing_gap=3.0)
+    return np.asarray(im, dtype=np.uint8)

@@ -6,7 +6,7 @@ from model.generate import ImageConstraint, SamplingConfig, generate, sample_nex
 from model.layers import FFNConfig, RMSNorm
 from model.loss import LossConfig, LossResult, chunked_linear_cross_entropy
 from model.moe import MoEConfig
-from model.presets import PRESETS, preset
+from model.presets import preset, preset_names
 from model.rope import LayoutTracker, RopeConfig
 from model.transformer import Transformer, TransformerConfig, positions_from_doc_ids
 
@@ -20,7 +20,6 @@ __all__ = [
     "LossConfig",
     "LossResult",
     "MoEConfig",
-    "PRESETS",
     "ParamCounts",
     "RMSNorm",
     "RopeConfig",
@@ -34,5 +33,6 @@ __all__ = [
     "param_counts",
     "positions_from_doc_ids",
     "preset",
+    "preset_names",
     "sample_next",
 ]

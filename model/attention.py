@@ -24,6 +24,7 @@ Design choices:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -35,10 +36,11 @@ from model.layers import RMSNorm
 from model.rope import apply_rotary
 
 try:  # FlexAttention: torch >= 2.5
-    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    HAS_FLEX = True
 except ImportError:  # pragma: no cover - older torch
-    BlockMask = None
-    create_block_mask = flex_attention = None
+    HAS_FLEX = False
 
 BACKENDS = ("auto", "flex", "sdpa")
 
@@ -112,9 +114,9 @@ class AttentionMask(NamedTuple):
 
 def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
-        return "flex" if (flex_attention is not None and device.type == "cuda") else "sdpa"
+        return "flex" if (HAS_FLEX and device.type == "cuda") else "sdpa"
     if backend == "flex":
-        if flex_attention is None:
+        if not HAS_FLEX:
             raise RuntimeError(
                 "attention.backend=flex needs torch >= 2.5 (torch.nn.attention.flex_attention)"
             )
@@ -177,12 +179,12 @@ def decode_mask(
     )
 
 
-_compiled_flex = None
+_compiled_flex: Callable[..., Tensor] | None = None
 
 
 def _flex(q: Tensor, k: Tensor, v: Tensor, block_mask, gqa: bool, compile_flex: bool) -> Tensor:
     global _compiled_flex
-    fn = flex_attention
+    fn: Callable[..., Tensor] = flex_attention
     if compile_flex and q.device.type == "cuda":
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
@@ -195,6 +197,9 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, block_mask, gqa: bool, compile_flex: 
 
 class KVCache(nn.Module):
     """Preallocated keys and values of one layer: [B, Hkv, max_len, hd]."""
+
+    k: Tensor  # buffers, declared for the type checker
+    v: Tensor
 
     def __init__(
         self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, *, dtype, device

@@ -33,6 +33,14 @@ from torch import Tensor, nn
 class FSQ(nn.Module):
     """Quantize the channel dimension ``dim`` (default 1, i.e. NCHW latents) of a tensor."""
 
+    # The buffers registered in __init__, declared so the type checker knows they are tensors.
+    _levels: Tensor
+    _basis: Tensor
+    _half: Tensor
+    _offset: Tensor
+    _shift: Tensor
+    _width: Tensor
+
     def __init__(self, levels: Sequence[int], eps: float = 1e-3) -> None:
         super().__init__()
         levels = [int(x) for x in levels]

@@ -18,6 +18,7 @@ Design choices:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -132,5 +133,5 @@ class ModalityFFN(nn.Module):
         return self._table[device]
 
     def init_weights(self, std: float, out_std: float) -> None:
-        for e in self.experts:
-            e.init_weights(std, out_std)
+        for expert in cast("list[SwiGLU]", self.experts):
+            expert.init_weights(std, out_std)

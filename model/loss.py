@@ -60,7 +60,8 @@ class LossResult(NamedTuple):
     aux_loss: Tensor  # scalar: MoE losses with their coefficients (0 without MoE)
     num_tokens: Tensor  # scalar long: label tokens
     ce_sum: Tensor  # [M] float: CE summed per modality
-    count: Tensor  # [M] long: label tokens per modality
+    # [M] long: label tokens per modality. The field shadows tuple.count, which nothing here calls.
+    count: Tensor  # type: ignore[assignment]
     logz_sum: Tensor  # [M] float: log Z summed per modality
     hidden_norm_sum: Tensor  # [M] float: final hidden norm summed per modality
     logit_gap_sum: Tensor  # [M] float: (mean code logit - mean text logit) summed per modality
@@ -70,7 +71,7 @@ class LossResult(NamedTuple):
     moe_expert_load: Tensor | None = None  # [L_moe, M, E] assignments per layer and modality
 
     def detach(self) -> LossResult:
-        return LossResult(*(v.detach() if isinstance(v, Tensor) else v for v in self))
+        return LossResult._make(v.detach() if isinstance(v, Tensor) else v for v in self)
 
     def modality_means(self) -> dict[str, float]:
         """``loss/<modality>`` for modalities present in this batch (syncs; for logging only)."""
@@ -107,6 +108,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
             ce[s : s + chunk_size] = lse_c - target_logit
             lse[s : s + chunk_size] = lse_c
             if need_grad:
+                assert grad_h is not None and grad_w is not None  # allocated when need_grad
                 # d/dlogits [ce_scale * (lse - logit_t) + z_scale * lse^2]
                 #   = (ce_scale + 2 z_scale lse) * softmax - ce_scale * onehot(t)
                 g = logits.mul_(((ce_scale + 2.0 * z_scale * lse_c) / sumexp)[:, None])
@@ -121,7 +123,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
                     grad_w += (g.t() @ hc).float()
             logits = g = None  # free this chunk before the next one is made
         loss = ce_scale * ce.sum() + z_scale * lse.pow(2).sum()
-        if need_grad:
+        if grad_w is not None:
             ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
         ctx.mark_non_differentiable(ce, lse, gap)
         return loss, ce, lse, gap
@@ -259,6 +261,8 @@ class OutputHead(nn.Module):
     ) -> LossResult | Tensor:
         if labels is None:
             return F.linear(final, self.weight).float()
+        if residual is None or label_modality is None:
+            raise ValueError("a loss needs the pre-norm residual and the labels' modalities")
         return lm_loss(
             final,
             residual,

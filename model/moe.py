@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -113,5 +113,5 @@ class MoE(nn.Module):
 
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.trunc_normal_(self.router.weight, std=std, a=-3 * std, b=3 * std)
-        for e in self.experts:
-            e.init_weights(std, out_std)
+        for expert in cast("list[SwiGLU]", self.experts):
+            expert.init_weights(std, out_std)

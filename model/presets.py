@@ -1,31 +1,68 @@
-"""Model presets, from a CPU debug size to about 1B parameters, as plain factory functions.
+"""Model presets: the YAML files in configs/model/, read without Hydra.
+
+``configs/model/NAME.yaml`` is the one place a preset is written. A training run gets it through
+Hydra (``model=NAME``); everything else (``python -m train.memory``, the GPU benchmark, tests,
+the parameter counts in the docs) reads the same file here, so the two can never drift apart.
 
 Design choices:
-- Each preset is a function returning a fresh ``TransformerConfig`` for a given vocabulary
-  layout (the run's ``vocab_layout.json``); without one it uses a typical layout of its size.
-  Hydra YAMLs in configs/model/ mirror these field by field.
-- Shapes follow Llama 3.2 / OLMo 2 practice: head_dim 64, GQA with 4 query heads per KV head
-  from ``base`` up, SwiGLU hidden ~ 8/3 * dim (4 * dim at 1B), rope theta 500k beyond debug sizes.
-- QK-norm and z-loss stay on (the defaults) in every preset; M-RoPE is off (1D RoPE, as Emu3);
-  ``mrope_sections(head_dim)`` gives the Qwen2-VL split to switch it on.
+- A plain ``yaml.safe_load`` onto ``TransformerConfig``: no Hydra in model/ (only the entry
+  points see it), and the dataclass rejects a misspelt key just as the Hydra schema does (a
+  test checks that both readings agree field by field).
+- A preset holds the architecture, not the vocabulary: a run takes the sizes from its
+  ``vocab_layout.json`` (``with_layout``). To count parameters outside a run each preset has a
+  reference layout, the one it is meant for: ``debug`` the tests' tiny vocabulary, ``demo`` the
+  vocabulary ``make demo`` builds, every other preset the early-fusion vocabulary of a real run.
+- ``markdown_table()`` is the preset table of docs/model.md; a test checks that the table and
+  every parameter count written in the docs and config comments match these files.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from pathlib import Path
 
 from data.vocab import VocabLayout
-from model.attention import AttentionConfig
-from model.layers import FFNConfig
-from model.rope import RopeConfig
+from model.flops import flops_per_token, param_counts
 from model.transformer import TransformerConfig
 
-DEBUG_LAYOUT = VocabLayout(text_size=512, fsq_levels=(8, 5, 5, 5), max_grid=16)  # 1,550 ids
-SMALL_LAYOUT = VocabLayout(text_size=4096, fsq_levels=(8, 5, 5, 5), max_grid=32)  # 5,166 ids
-LARGE_LAYOUT = VocabLayout(
-    text_size=32768, fsq_levels=(8, 8, 8, 5, 5, 5), max_grid=64
-)  # 96,902 ids
+PRESET_DIR = Path(__file__).resolve().parents[1] / "configs" / "model"
+
+# The tests' tiny vocabulary: 512 text ids, FSQ [8,5,5,5] = 1,000 codes, grids up to 16 (1,550 ids).
+DEBUG_LAYOUT = VocabLayout(text_size=512, fsq_levels=(8, 5, 5, 5), max_grid=16)
+# What `make demo` builds (--vocab-size 4096 --max-grid 32, default FSQ levels): 5,166 ids.
+DEMO_LAYOUT = VocabLayout(text_size=4096, fsq_levels=(8, 5, 5, 5), max_grid=32)
+# A real early-fusion run: 32k text ids, FSQ [8,8,8,5,5,5] = 64,000 codes, grids to 64 (96,902 ids).
+GPU_LAYOUT = VocabLayout(text_size=32768, fsq_levels=(8, 8, 8, 5, 5, 5), max_grid=64)
+REFERENCE_LAYOUTS = {"debug": DEBUG_LAYOUT, "demo": DEMO_LAYOUT}
+
+
+def preset_names() -> list[str]:
+    """Every preset, smallest first (by parameters with its reference layout)."""
+    names = [p.stem for p in PRESET_DIR.glob("*.yaml")]
+    return sorted(names, key=lambda name: param_counts(preset(name)).total)
+
+
+def reference_layout(name: str) -> VocabLayout:
+    """The vocabulary a preset is meant for (see the module docstring)."""
+    return REFERENCE_LAYOUTS.get(name, GPU_LAYOUT)
+
+
+def preset(name: str, layout: VocabLayout | None = None, **overrides) -> TransformerConfig:
+    """``configs/model/NAME.yaml`` for ``layout`` (default: its reference layout), with top-level
+    fields replaced (``preset("debug", n_layers=4)``)."""
+    import yaml  # PyYAML: Hydra's own YAML reader, a dependency of ours (docs/dependencies.md)
+
+    path = PRESET_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+        raise KeyError(f"unknown model preset {name!r}; choose from {known} ({PRESET_DIR})")
+    fields = yaml.safe_load(path.read_text()) or {}
+    try:
+        cfg = TransformerConfig(**fields)
+    except TypeError as e:
+        raise ValueError(f"{path}: {e}") from None
+    cfg = cfg.with_layout(layout or reference_layout(name))
+    return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
 
 def mrope_sections(head_dim: int) -> list[int]:
@@ -36,87 +73,30 @@ def mrope_sections(head_dim: int) -> list[int]:
     return [t, h, half - t - h]
 
 
-def _make(
-    layout: VocabLayout,
-    *,
-    dim: int,
-    n_layers: int,
-    n_heads: int,
-    n_kv_heads: int,
-    hidden_dim: int = 0,
-    theta: float = 500_000.0,
-) -> TransformerConfig:
-    return TransformerConfig(
-        dim=dim,
-        n_layers=n_layers,
-        attention=AttentionConfig(n_heads=n_heads, n_kv_heads=n_kv_heads),
-        rope=RopeConfig(theta=theta),
-        ffn=FFNConfig(hidden_dim=hidden_dim),
-    ).with_layout(layout)
+def count_text(n: int) -> str:
+    """How the docs write a parameter count: 0.3M, 2.1M, 124M, 1.37B."""
+    if n >= 1e9:
+        return f"{n / 1e9:.2f}B"
+    if n >= 1e7:
+        return f"{n / 1e6:.0f}M"
+    return f"{n / 1e6:.1f}M"
 
 
-def debug(layout: VocabLayout | None = None) -> TransformerConfig:
-    """0.30M parameters (0.10M outside the embeddings): unit tests and CPU smoke runs."""
-    return _make(
-        layout or DEBUG_LAYOUT, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, theta=10_000.0
-    )
-
-
-def small(layout: VocabLayout | None = None) -> TransformerConfig:
-    """5.6M parameters (3.0M outside the embeddings): CPU demo training."""
-    return _make(
-        layout or SMALL_LAYOUT, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, theta=10_000.0
-    )
-
-
-def gpu_125m(layout: VocabLayout | None = None) -> TransformerConfig:
-    """124M parameters outside the embeddings (273M with the 97k vocabulary, untied): one GPU."""
-    return _make(
-        layout or LARGE_LAYOUT, dim=768, n_layers=18, n_heads=12, n_kv_heads=4, hidden_dim=2304
-    )
-
-
-def gpu_350m(layout: VocabLayout | None = None) -> TransformerConfig:
-    """344M parameters outside the embeddings (592M with the 97k vocabulary)."""
-    return _make(
-        layout or LARGE_LAYOUT, dim=1280, n_layers=20, n_heads=20, n_kv_heads=4, hidden_dim=3456
-    )
-
-
-def base(layout: VocabLayout | None = None) -> TransformerConfig:
-    """224M parameters with the 97k vocabulary (76M outside the embeddings): one GPU."""
-    return _make(
-        layout or LARGE_LAYOUT, dim=768, n_layers=12, n_heads=12, n_kv_heads=4, hidden_dim=2048
-    )
-
-
-def medium(layout: VocabLayout | None = None) -> TransformerConfig:
-    """469M parameters (271M outside the embeddings)."""
-    return _make(
-        layout or LARGE_LAYOUT, dim=1024, n_layers=24, n_heads=16, n_kv_heads=4, hidden_dim=2816
-    )
-
-
-def one_b(layout: VocabLayout | None = None) -> TransformerConfig:
-    """1.37B parameters (0.97B outside the embeddings): the Llama-3.2-1B shape."""
-    return _make(
-        layout or LARGE_LAYOUT, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, hidden_dim=8192
-    )
-
-
-PRESETS: dict[str, Callable[..., TransformerConfig]] = {
-    "debug": debug,
-    "small": small,
-    "base": base,
-    "medium": medium,
-    "125m": gpu_125m,
-    "350m": gpu_350m,
-    "1b": one_b,
-}
-
-
-def preset(name: str, layout: VocabLayout | None = None, **overrides) -> TransformerConfig:
-    """A preset by name, with top-level fields replaced (``preset("debug", n_layers=4)``)."""
-    if name not in PRESETS:
-        raise KeyError(f"unknown model preset {name!r}; choose from {sorted(PRESETS)}")
-    return dataclasses.replace(PRESETS[name](layout), **overrides)
+def markdown_table() -> str:
+    """The preset table of docs/model.md (between its ``presets:begin``/``end`` markers)."""
+    rows = [
+        "| preset | dim | layers | heads/KV | head_dim | FFN | vocab | params | non-emb. "
+        "| GFLOP/tok @2048 | @4096 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in preset_names():
+        cfg = preset(name)
+        counts = param_counts(cfg)
+        rows.append(
+            f"| `{name}` | {cfg.dim} | {cfg.n_layers} | {cfg.attention.n_heads}/"
+            f"{cfg.attention.kv_heads} | {cfg.head_dim} | {cfg.ffn.resolved_hidden_dim(cfg.dim)} "
+            f"| {cfg.vocab_size:,} | {count_text(counts.total)} "
+            f"| {count_text(counts.non_embedding)} | {flops_per_token(cfg, 2048) / 1e9:.3g} "
+            f"| {flops_per_token(cfg, 4096) / 1e9:.3g} |"
+        )
+    return "\n".join(rows) + "\n"

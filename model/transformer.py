@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -118,6 +119,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg.dim, cfg.attention, cfg.norm_eps)
         hidden = cfg.ffn.resolved_hidden_dim(cfg.dim)
+        self.feed_forward: MoE | ModalityFFN | FeedForward
         if cfg.moe.enabled:
             self.feed_forward = MoE(cfg.dim, hidden, cfg.moe)
         elif cfg.ffn.modality_groups:
@@ -170,7 +172,7 @@ class Transformer(nn.Module):
         std = self.cfg.init_std
         out_std = std / (2 * self.cfg.n_layers) ** 0.5
         nn.init.trunc_normal_(self.tok_embeddings.weight, std=std, a=-3 * std, b=3 * std)
-        for layer in self.layers:
+        for layer in self.blocks():
             layer.attention.init_weights(std, out_std)
             layer.feed_forward.init_weights(std, out_std)
             layer.attention_norm.reset_parameters()
@@ -268,16 +270,20 @@ class Transformer(nn.Module):
             label_modality = torch.cat([modality[:, 1:], modality[:, -1:]], dim=1)
         return self.output(final, h, labels, label_modality, self._moe_summary(stats))
 
+    def blocks(self) -> list[Block]:
+        """The layers, typed (an nn.ModuleList only knows it holds modules)."""
+        return cast("list[Block]", list(self.layers))
+
     # --- decoding with a KV cache -----------------------------------------------------------
     def make_kv_caches(self, batch: int, max_len: int, *, dtype=None, device=None) -> list[KVCache]:
         ref = self.output.weight
-        a = self.layers[0].attention
+        attention = self.blocks()[0].attention
         return [
             KVCache(
                 batch,
-                a.n_kv_heads,
+                attention.n_kv_heads,
                 max_len,
-                a.head_dim,
+                attention.head_dim,
                 dtype=dtype or ref.dtype,
                 device=device or ref.device,
             )

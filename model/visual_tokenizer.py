@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -145,17 +146,14 @@ class Decoder(nn.Module):
             if i:
                 layers += [nn.Conv2d(ch[i - 1], 4 * c, 3, padding=1), nn.PixelShuffle(2)]
             layers += [ResBlock(c, g) for _ in range(cfg.dec_blocks)]
-        layers += [
-            _norm(ch[-1], g),
-            nn.SiLU(),
-            nn.Conv2d(ch[-1], 3 * self.head_factor**2, 3, padding=1),
-        ]
+        to_pixels = nn.Conv2d(ch[-1], 3 * self.head_factor**2, 3, padding=1)
+        layers += [_norm(ch[-1], g), nn.SiLU(), to_pixels]
         self.trunk = nn.Sequential(*layers)
         self.factor = cfg.factor
         self.colour = nn.Conv2d(len(cfg.levels), 3, 1) if cfg.colour_path else None
         if self.colour is not None:  # start as the colour path alone (module doc)
-            nn.init.zeros_(layers[-1].weight)
-            nn.init.zeros_(layers[-1].bias)
+            nn.init.zeros_(to_pixels.weight)
+            nn.init.zeros_(cast(Tensor, to_pixels.bias))  # a Conv2d has a bias unless told not
 
     def forward(self, q: Tensor, extra: Tensor | None = None) -> Tensor:
         h = self.inp(q)
@@ -184,10 +182,10 @@ class VisualTokenizer(nn.Module):
         self.t_merge = nn.Conv2d(tf * c, c, 1)
         with torch.no_grad():
             self.t_merge.weight.copy_(torch.eye(c).repeat(1, tf).div(tf).view(c, tf * c, 1, 1))
-            self.t_merge.bias.zero_()
+            cast(Tensor, self.t_merge.bias).zero_()
         self.t_dec = nn.Conv2d(2 * d, tf * cfg.dec_channels[0], 1)
         nn.init.zeros_(self.t_dec.weight)
-        nn.init.zeros_(self.t_dec.bias)
+        nn.init.zeros_(cast(Tensor, self.t_dec.bias))
 
     @property
     def num_codes(self) -> int:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
 
 from data.demo_corpus import build
 from data.ingest import ingest
+
+# Any DeepSpeed op a test builds is built once per virtual environment, never in the home folder
+# that every checkout shares (train/ds_env.py does the same for the project's own entry points).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 
 @pytest.fixture(scope="session")

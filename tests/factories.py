@@ -45,11 +45,32 @@ def png_header_bomb(w: int = 30000, h: int = 30000) -> bytes:
     )
 
 
+def png_solid(w: int, h: int, colour=(90, 140, 200)) -> bytes:
+    """A real RGB PNG of w x h pixels of one colour, written row by row (no w x h buffer here):
+    12000 x 12000 is ~420 KB on disk and 432 MB once decoded."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    z = zlib.compressobj(9)
+    row = b"\0" + bytes(colour) * w
+    body = b"".join(z.compress(row) for _ in range(h)) + z.flush()
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", body) + chunk(b"IEND", b"")
+
+
 def mp4_bytes(
-    frames: int = 8, fps: int = 8, w: int = 32, h: int = 32, pts: list[int] | None = None
+    frames: int = 8,
+    fps: int = 8,
+    w: int = 32,
+    h: int = 32,
+    pts: list[int] | None = None,
+    pix_fmt: str = "yuv420p",
 ) -> bytes:
     """A real H.264 mp4 (PyAV/libx264) of a bright bar moving right; ``pts`` (in 1/fps ticks of a
-    1/1000 time base) makes a variable-frame-rate clip."""
+    1/1000 time base) makes a variable-frame-rate clip; ``pix_fmt="yuv444p"`` allows odd sizes."""
     from fractions import Fraction
 
     import av
@@ -57,7 +78,7 @@ def mp4_bytes(
     buf = io.BytesIO()
     with av.open(buf, mode="w", format="mp4") as c:
         s = c.add_stream("libx264", rate=fps)
-        s.width, s.height, s.pix_fmt = w, h, "yuv420p"
+        s.width, s.height, s.pix_fmt = w, h, pix_fmt
         s.options = {"threads": "1"}
         if pts is not None:
             s.codec_context.time_base = Fraction(1, 1000)
@@ -73,6 +94,20 @@ def mp4_bytes(
         for p in s.encode():
             c.mux(p)
     return buf.getvalue()
+
+
+def rotated_mp4(raw: bytes, degrees: int) -> bytes:
+    """The mp4 ``raw`` with a rotation in its video track header (the ``tkhd`` display matrix, as
+    phones write a portrait clip stored landscape): players and decord show it turned by
+    ``degrees`` clockwise. FFmpeg 7's muxer ignores the old ``rotate`` tag, so it is patched here."""
+    at = raw.find(b"tkhd") - 4
+    version = raw[at + 8]
+    # size, type, version+flags, times and ids (v0: 4-byte, v1: 8-byte), reserved, layer...volume
+    matrix = at + 12 + (32 if version == 1 else 20) + 8 + 8
+    one = 0x10000
+    a, b, c, d = {90: (0, one, -one, 0), 180: (-one, 0, 0, -one), 270: (0, -one, one, 0)}[degrees]
+    packed = struct.pack(">9i", a, b, 0, c, d, 0, 0, 0, 0x40000000)
+    return raw[:matrix] + packed + raw[matrix + 36 :]
 
 
 def write_wds(path: Path, samples: list[tuple[str, dict[str, bytes]]]) -> None:
@@ -129,3 +164,102 @@ def colour_vtok(sample_images=None):
         dec.colour.weight.copy_(sol[:4].T[:, :, None, None])
         dec.colour.bias.copy_(sol[4])
     return model
+
+
+class _Payload:
+    """Unpickling this creates ``marker``: proof that a load ran code from the file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def plant_pickle(path: Path, marker: Path) -> None:
+    """Replace a checkpoint file by a pickle whose loading would run code (it creates
+    ``marker``), and, as an attacker able to write the file could, update the size and SHA-256
+    the checkpoint's ``meta.json`` (or a release's ``config.json``) records for it."""
+    import hashlib
+    import json
+
+    import torch
+
+    torch.save({"module": {}, "payload": _Payload(marker)}, path)
+    data = path.read_bytes()
+    for folder in (path.parent, path.parent.parent):
+        meta = folder / "meta.json"
+        rel = str(path.relative_to(folder))
+        if meta.is_file() and rel in json.loads(meta.read_text()).get("files", {}):
+            m = json.loads(meta.read_text())
+            m["files"][rel] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            meta.write_text(json.dumps(m))
+        config = folder / "config.json"
+        if config.is_file() and rel in json.loads(config.read_text()).get("files", {}):
+            c = json.loads(config.read_text())
+            c["files"][rel] = hashlib.sha256(data).hexdigest()
+            config.write_text(json.dumps(c))
+
+
+def flip_token_bytes(tar: Path, k: int, n: int = 256) -> str:
+    """Flip ``n`` bytes inside the ids.npy member of sample ``k`` of a token shard (its data,
+    past the .npy header), in place; returns the sample's key. Index and manifest unchanged."""
+    import json
+
+    entry = json.loads(Path(str(tar)[: -len(".tar")] + ".idx.jsonl").read_text().splitlines()[k])
+    off, size = entry["members"]["ids.npy"]
+    assert size >= 128 + n, f"sample {entry['key']}: ids.npy of {size} bytes is too short"
+    with open(tar, "r+b") as f:
+        f.seek(off + 128)
+        data = f.read(n)
+        f.seek(off + 128)
+        f.write(bytes(b ^ 0x5A for b in data))
+    return entry["key"]
+
+
+def token_sample_with_id(tar: Path, k: int, new_id: int) -> str:
+    """Rewrite a token shard so that sample ``k``'s first id is ``new_id``, with an index, hashes
+    and manifest entry that all agree (a sample that only the vocabulary check can catch)."""
+    import json
+
+    from data.schema import Sample
+    from data.shards.writer import ShardWriter
+    from data.tokenize.run import npy_bytes
+
+    tar = Path(tar)
+    idx = Path(str(tar)[: -len(".tar")] + ".idx.jsonl")
+    entries = [json.loads(line) for line in idx.read_text().splitlines()]
+    raw = tar.read_bytes()
+
+    def member(e, suffix):
+        off, size = e["members"][suffix]
+        return raw[off : off + size]
+
+    writer = ShardWriter(tar, idx)
+    key = ""
+    for i, e in enumerate(entries):
+        ids = np.load(io.BytesIO(member(e, "ids.npy")))
+        if i == k:
+            ids = ids.copy()
+            ids[0] = new_id
+            key = e["key"]
+        extra = {x: e[x] for x in ("tokens", "tokens_by_modality", "blocks") if x in e}
+        doc = json.loads(member(e, "json"))
+        media = [("ids.npy", npy_bytes(ids)), ("mod.npy", member(e, "mod.npy"))]
+        writer.write(Sample(e["key"], doc, media), extra)
+    res = writer.close()
+    from data.shards import token_index
+
+    binary = token_index.index_path_for(tar)  # the loader's binary index agrees too
+    if binary.is_file():
+        token_index.write(binary, token_index.build(idx.read_bytes()))
+    for up in (tar.parent, tar.parent.parent):
+        manifest = up / "manifest.json"
+        if manifest.is_file():
+            m = json.loads(manifest.read_text())
+            for s in m["shards"]:
+                if up / s["path"] == tar:
+                    s.update(sha256=res.sha256, index_sha256=res.index_sha256, bytes=res.bytes)
+            manifest.write_text(json.dumps(m))
+            break
+    return key

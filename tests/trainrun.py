@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+FAULT_ENTRY = Path(__file__).with_name("train_with_faults.py")
+
 
 def train(
     overrides: list[str],
@@ -16,7 +18,13 @@ def train(
     check: bool = True,
     nproc: int = 1,
     timeout: int = 600,
+    faults: dict | None = None,
 ) -> subprocess.CompletedProcess:
+    """``faults``: {name: value} of train/callbacks/faults.py, injected through the test entry
+    point tests/train_with_faults.py (a normal run never registers them)."""
+    entry = ["-m", "train.app"]
+    if faults:
+        entry = [str(FAULT_ENTRY)] + [f"--fault={k}={v}" for k, v in faults.items()]
     if nproc > 1:
         cmd = [
             sys.executable,
@@ -26,11 +34,10 @@ def train(
             str(nproc),
             "--master_port",
             str(29500 + os.getpid() % 1000),
-            "-m",
-            "train.app",
+            *entry,
         ]
     else:
-        cmd = [sys.executable, "-m", "train.app"]
+        cmd = [sys.executable, *entry]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     p = subprocess.run(
         cmd + overrides + ["train.progress=false"],
@@ -53,3 +60,13 @@ def metrics(run_dir: Path) -> dict[int, dict]:
         rec = json.loads(line)
         out[rec["step"]] = rec
     return out
+
+
+def rng_digests(path: Path, *, rank: int = 0, every: bool = False):
+    """The RNG digests a run logged before each step (fault ``rng_log``): {step: digest}, or with
+    ``every`` all (step, digest) pairs in order (a killed and resumed run logs some steps twice)."""
+    pairs = [
+        (int(step), digest)
+        for step, digest in (ln.split() for ln in Path(f"{path}.{rank}").read_text().splitlines())
+    ]
+    return pairs if every else dict(pairs)

@@ -17,7 +17,7 @@ import importlib
 import sys
 
 from tools.convert_deepspeed import CheckpointError
-from tools.release import ReleaseError
+from train.release import ReleaseError
 
 SUBCOMMANDS = (
     "tools.convert_release",

@@ -11,10 +11,11 @@ Design choices:
   ZeRO 1 is DeepSpeed's BF16_Optimizer, whose files zero_to_fp32 does not read: its per-rank
   parameter fragments are joined here (``_consolidate_bf16_optimizer``).
 - Pickle is never trusted. ``zero_to_fp32`` calls ``torch.load(weights_only=False)``; while it
-  runs, its module-level ``torch`` is swapped for a proxy whose ``load`` is ours:
-  ``weights_only=True`` with an allowlist of the three plain DeepSpeed classes its optimizer
-  states hold (an IntEnum, a dataclass of two ints, the loss scaler's attributes). Anything else
-  in a file is refused, naming the file and the class.
+  runs, ``torch.load`` is train/safe_load.py's: ``weights_only=True`` with an allowlist of the
+  plain DeepSpeed classes its optimizer states hold (an IntEnum, a dataclass of two ints, the
+  loss scaler's attributes). Anything else in a file is refused, naming the file and the class.
+- The checkpoint is checked against the sizes and SHA-256 its ``meta.json`` lists before
+  anything is read (train/checkpoint.py): a truncated or corrupted file is named.
 - Every failure to read (a missing, truncated or corrupted file, a partition missing because
   the run had more ranks than files) is a ``CheckpointError`` naming the file or folder.
 - zero_to_fp32's prints and progress bars are silenced; the caller reports.
@@ -26,70 +27,25 @@ import contextlib
 import io
 import json
 import math
-import pickle
 import re
-import types
 from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
 import torch
 
+from train.names import CHECKPOINT_META_FILE, CHECKPOINTS_DIR, LATEST_FILE
+from train.safe_load import CheckpointError, weights_only_loads
+from train.safe_load import safe_torch_load as _safe_load
+
 TAG = re.compile(r"^step_(\d{8})$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read; the message names the file."""
-
-
-def _safe_globals() -> list:
-    # Imported lazily: only ZeRO >= 1 optimizer states hold these, and importing DeepSpeed costs seconds.
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [ZeroStageEnum, fragment_address, LossScaler, DynamicLossScaler]
+__all__ = ["CheckpointError", "Checkpoint", "consolidate", "find_checkpoint", "safe_torch_load"]
 
 
 def safe_torch_load(path, *, mmap: bool = True, allow_deepspeed: bool = False):
     """``torch.load(weights_only=True)`` on CPU with errors that name the file. ``mmap`` keeps a
     stage-0 file's optimizer moments (as large as the model twice) out of memory."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: file missing")
-    ctx = (
-        torch.serialization.safe_globals(_safe_globals())
-        if allow_deepspeed
-        else contextlib.nullcontext()
-    )
-    try:
-        with ctx:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[-1][:300]
-        raise CheckpointError(
-            f"{path}: holds objects other than tensors and plain data; refusing to unpickle "
-            f"it ({first})"
-        ) from None
-    except (RuntimeError, EOFError, OSError, ValueError, KeyError, IndexError) as e:
-        raise CheckpointError(
-            f"{path}: unreadable, truncated or corrupted checkpoint file "
-            f"({type(e).__name__}: {str(e).strip()[:300]})"
-        ) from None
-
-
-class _SafeTorch(types.ModuleType):
-    """``torch`` for zero_to_fp32, except that ``load`` is ``safe_torch_load``."""
-
-    def __init__(self) -> None:
-        super().__init__("torch")
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def load(f, map_location=None, mmap=None, weights_only=None, **_):
-        return safe_torch_load(f, mmap=bool(mmap), allow_deepspeed=True)
+    return _safe_load(path, mmap=mmap, allow_deepspeed=allow_deepspeed)
 
 
 @dataclass
@@ -102,7 +58,7 @@ class Checkpoint:
 
     @property
     def folder(self) -> Path:
-        return self.run_dir / "checkpoints" / self.tag
+        return self.run_dir / CHECKPOINTS_DIR / self.tag
 
     @property
     def step(self) -> int:
@@ -116,14 +72,14 @@ class Checkpoint:
 def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Checkpoint:
     """The run's ``latest`` checkpoint, or the one of ``step``; errors list what exists."""
     run_dir = Path(run_dir)
-    root = run_dir / "checkpoints"
+    root = run_dir / CHECKPOINTS_DIR
     if not root.is_dir():
         raise CheckpointError(
             f"{run_dir}: no checkpoints/ folder; is this an earlyfuse-train run folder?"
         )
     have = sorted(d.name for d in root.iterdir() if d.is_dir() and TAG.match(d.name))
     if step is None:
-        latest = root / "latest"
+        latest = root / LATEST_FILE
         if not latest.is_file():
             raise CheckpointError(
                 f"{latest}: missing (no complete checkpoint yet); folders present: {have or 'none'}"
@@ -134,7 +90,7 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Checkpoint:
     if not TAG.match(tag) or not (root / tag).is_dir():
         steps = [int(t[5:]) for t in have]
         raise CheckpointError(f"{root / tag}: no such checkpoint; steps present: {steps or 'none'}")
-    meta_path = root / tag / "meta.json"
+    meta_path = root / tag / CHECKPOINT_META_FILE
     try:
         meta = json.loads(meta_path.read_text())
         int(meta["zero_stage"]), int(meta["world_size"])
@@ -142,6 +98,16 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Checkpoint:
         raise CheckpointError(
             f"{meta_path}: missing or unreadable ({e}); the save of {tag} did not complete"
         ) from None
+    from train.checkpoint import verify_folder
+
+    problems = verify_folder(root / tag)
+    if problems:
+        raise CheckpointError(
+            f"{root / tag}: damaged checkpoint: "
+            + "; ".join(problems[:3])
+            + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")
+            + "; pick an intact one with --step"
+        )
     return Checkpoint(run_dir, tag, meta)
 
 
@@ -161,7 +127,7 @@ def consolidate(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
     quiet = contextlib.redirect_stdout(io.StringIO())
     try:
         with (
-            mock.patch.object(zero_to_fp32, "torch", _SafeTorch()),
+            weights_only_loads(),
             mock.patch.object(zero_to_fp32, "tqdm", lambda it, **_: it),
             quiet,
         ):
@@ -181,7 +147,10 @@ def consolidate(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
 
 
 def _rank_of(path: Path) -> int:
-    return int(re.search(r"zero_pp_rank_(\d+)_", path.name).group(1))
+    match = re.search(r"zero_pp_rank_(\d+)_", path.name)
+    if match is None:
+        raise CheckpointError(f"{path}: not a ZeRO rank file (zero_pp_rank_N_...)")
+    return int(match.group(1))
 
 
 def _is_bf16_optimizer(folder: Path) -> bool:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from tools.release import LAYOUT, TOKENIZER, Release, ReleaseError
+from train.release import LAYOUT, TOKENIZER, Release, ReleaseError
 
 EXAMPLES = """\
 examples:
@@ -71,7 +71,9 @@ def blocking_features(cfg) -> list[str]:
 def qwen3_config(cfg, *, bos_id: int, eos_id: int, pad_id: int):
     from transformers import Qwen3Config
 
-    return Qwen3Config(
+    # rope_theta and torch_dtype are the transformers 4.x names; 5.x (typed without them) still
+    # takes them through **kwargs and maps them to rope_parameters and dtype. Both are supported.
+    return Qwen3Config(  # type: ignore[call-arg]
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.dim,
         intermediate_size=cfg.ffn.resolved_hidden_dim(cfg.dim),
@@ -168,7 +170,7 @@ def hf_tokenizer(tokenizer_json: Path, bos_id: int):
 
 
 def readme(rel, tok) -> str:
-    lay = rel.layout
+    lay = rel.vocab_layout
     return f"""# earlyfuse model (Qwen3 architecture)
 
 Exported by `earlyfuse-convert hf` from `{rel.path}` (step {rel.step}). Load it with
@@ -227,7 +229,7 @@ def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=
         raise ReleaseError(
             f"{rel.path}: a {rel.task} release; only a language model exports to Hugging Face"
         )
-    blocked = blocking_features(rel.model_cfg)
+    blocked = blocking_features(rel.transformer_config)
     if blocked:
         raise ReleaseError(
             f"{rel.path}: the model does not map onto Qwen3 (the Hugging Face architecture we "
@@ -238,15 +240,19 @@ def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=
     from transformers import Qwen3ForCausalLM
 
     tok = rel.text_tokenizer()
-    hf_cfg = qwen3_config(rel.model_cfg, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    hf_cfg = qwen3_config(
+        rel.transformer_config, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id
+    )
     with torch.device("meta"):
         model = Qwen3ForCausalLM(hf_cfg)
     model.load_state_dict(
-        qwen3_state(rel.state_dict(torch.float32), rel.model_cfg.n_layers), strict=True, assign=True
+        qwen3_state(rel.state_dict(torch.float32), rel.transformer_config.n_layers),
+        strict=True,
+        assign=True,
     )
     if out.exists():
         shutil.rmtree(out)
-    model.generation_config = generation_config(rel.layout, tok)
+    model.generation_config = generation_config(rel.vocab_layout, tok)
     model.save_pretrained(out, safe_serialization=True)
     fast = hf_tokenizer(rel.path / TOKENIZER, tok.bos_id)
     fast.save_pretrained(out)
@@ -256,7 +262,7 @@ def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=
     (out / "README.md").write_text(readme(rel, tok))
     log(
         f"wrote {out}: Qwen3ForCausalLM, {sum(p.numel() for p in model.parameters()):,} parameters, "
-        f"vocabulary {rel.model_cfg.vocab_size} (text {rel.layout.text_size}, codes {rel.layout.num_codes})"
+        f"vocabulary {rel.transformer_config.vocab_size} (text {rel.vocab_layout.text_size}, codes {rel.vocab_layout.num_codes})"
     )
     return out
 

@@ -21,8 +21,10 @@ import argparse
 import dataclasses
 import shlex
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tools.release import (
+from train.names import CHECKPOINTS_DIR, LATEST_FILE
+from train.release import (
     NOT_ARCHITECTURE,
     Release,
     ReleaseError,
@@ -30,6 +32,9 @@ from tools.release import (
     flat,
     meta_module,
 )
+
+if TYPE_CHECKING:
+    from data.vocab import VocabLayout
 
 EXAMPLES = """\
 examples:
@@ -56,7 +61,7 @@ def hydra_value(v) -> str:
 
 def architecture_overrides(rel: Release) -> list[str]:
     section, cfg = (
-        ("model", dataclasses.asdict(rel.model_cfg))
+        ("model", dataclasses.asdict(rel.transformer_config))
         if rel.task == "lm"
         else ("vtok", dataclasses.asdict(rel.visual_config()))
     )
@@ -87,6 +92,8 @@ def compose_run_config(overrides: list[str]):
 
 def check_against_run(rel: Release, state: dict, overrides: list[str]) -> list[str]:
     cfg = compose_run_config(overrides)
+    layout: VocabLayout | None = None  # an LM run's
+    tok_folder: Path | None = None
     if cfg.task == "lm":
         from train.tasks.lm import layout_of_data
 
@@ -96,7 +103,6 @@ def check_against_run(rel: Release, state: dict, overrides: list[str]) -> list[s
             raise ReleaseError(f"cannot read the run's token data (data.sources): {e}") from None
         net_cfg = cfg.model.with_layout(layout)
     else:
-        layout = tok_folder = None
         net_cfg = cfg.vtok
     return check_compatible(
         rel,
@@ -119,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         f"parameters, {rel.config.get('dtype')}, from step {src.get('step')} of {src.get('run_dir')}"
     )
     run_dir = Path(args.run_dir)
-    latest = run_dir / "checkpoints" / "latest"
+    latest = run_dir / CHECKPOINTS_DIR / LATEST_FILE
     if latest.is_file():
         raise ReleaseError(
             f"{run_dir} already has a checkpoint ({latest.read_text().strip()}): a run that resumes "

@@ -1,5 +1,5 @@
 """``earlyfuse-convert release RUN_DIR OUT``: a checkpoint of any ZeRO stage becomes a release
-folder (tools/release.py): consolidated weights, config, text and visual tokenizers, layout.
+folder (format: train/release.py): consolidated weights, config, text and visual tokenizers, layout.
 
 Design choices:
 - CPU only and any world size: the weights come from tools/convert_deepspeed.py (the module
@@ -27,8 +27,11 @@ from pathlib import Path
 
 import torch
 
+from data.names import MANIFEST_FILE
 from tools.convert_deepspeed import CheckpointError, consolidate, find_checkpoint, load_run_config
-from tools.release import (
+from tools.release import check_out, dtype_name, save_safetensors, write_release
+from train.names import CHECKPOINT_META_FILE, CONFIG_FILE
+from train.release import (
     CONFIG,
     DTYPES,
     FORMAT,
@@ -38,13 +41,9 @@ from tools.release import (
     VISUAL,
     WEIGHTS,
     ReleaseError,
-    check_out,
     check_state,
-    dtype_name,
     meta_module,
     param_count,
-    save_safetensors,
-    write_release,
 )
 
 EXAMPLES = """\
@@ -63,7 +62,7 @@ examples:
 def _versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
-    out = {"torch": torch.__version__}
+    out: dict[str, str] = {"torch": str(torch.__version__)}
     for pkg in ("earlyfuse", "deepspeed", "safetensors"):
         try:
             out[pkg] = version(pkg)
@@ -74,7 +73,7 @@ def _versions() -> dict:
 
 def _token_manifest_dir(path: Path) -> Path | None:
     for parent in [path, *list(path.parents)[:3]]:
-        m = parent / "manifest.json"
+        m = parent / MANIFEST_FILE
         if m.is_file():
             try:
                 if json.loads(m.read_text()).get("format") == "earlyfuse-token-shards":
@@ -102,11 +101,11 @@ def find_tokenizers(run_cfg) -> tuple[Path | None, str]:
             if root is None:
                 tried.append(f"{found[0]} (no token manifest.json above it)")
                 continue
-            m = json.loads((root / "manifest.json").read_text())
+            m = json.loads((root / MANIFEST_FILE).read_text())
             folder = root / m.get("tokenizers", {}).get("folder", "tokenizers")
             if folder.is_dir():
                 return folder, ""
-            tried.append(f"{folder} (named by {root / 'manifest.json'}, missing)")
+            tried.append(f"{folder} (named by {root / MANIFEST_FILE}, missing)")
     return None, "; ".join(tried) or "the run config names no data.sources"
 
 
@@ -165,15 +164,16 @@ def make_release(
     run_dir = Path(run_dir).resolve()
     check_out(Path(out), force)
     ckpt = find_checkpoint(run_dir, step)
-    cfg_path = ckpt.folder / "config.yaml"
-    run_cfg = load_run_config(cfg_path if cfg_path.is_file() else run_dir / "config.yaml")
+    cfg_path = ckpt.folder / CONFIG_FILE
+    run_cfg = load_run_config(cfg_path if cfg_path.is_file() else run_dir / CONFIG_FILE)
     task = ckpt.meta.get("task", run_cfg.task)
     torch_dtype = DTYPES[dtype]
     log(
         f"{ckpt.folder}: task {task}, step {ckpt.step}, ZeRO {ckpt.zero_stage}, {ckpt.meta['world_size']} rank(s)"
     )
 
-    layout = tok_dir = None
+    layout: VocabLayout | None = None  # an LM checkpoint's
+    tok_dir: Path | None = None
     fingerprints, tok_options = None, {}
     if task == "lm":
         lp = ckpt.folder / LAYOUT
@@ -199,11 +199,11 @@ def make_release(
             fingerprints = check_tokenizers(tok_dir, layout)
             root = _token_manifest_dir(tok_dir.parent)
             if root is not None:
-                tok_options = json.loads((root / "manifest.json").read_text()).get("options", {})
+                tok_options = json.loads((root / MANIFEST_FILE).read_text()).get("options", {})
     elif task == "vtok":
         net_cfg = run_cfg.vtok
     else:
-        raise CheckpointError(f"{ckpt.folder / 'meta.json'}: unknown task {task!r}")
+        raise CheckpointError(f"{ckpt.folder / CHECKPOINT_META_FILE}: unknown task {task!r}")
 
     state = consolidate(ckpt)
     check_state(state, meta_module(task, net_cfg).state_dict(), str(ckpt.folder))
@@ -236,7 +236,7 @@ def make_release(
     meta = {"format": FORMAT, "task": task, "step": str(ckpt.step)}
 
     def write(folder: Path) -> None:
-        if task == "lm":
+        if layout is not None:  # task lm
             save_safetensors(state, folder / WEIGHTS, meta)
             layout.save(folder / LAYOUT)
             if tok_dir is not None:

@@ -24,6 +24,8 @@ import shutil
 import sys
 
 from tools.convert_deepspeed import CheckpointError, find_checkpoint
+from train.checkpoint import checkpoint_files, file_manifest
+from train.safe_load import weights_only_loads
 
 EXAMPLES = """\
 examples:
@@ -68,7 +70,11 @@ def make_universal(run_dir, step: int | None = None, *, force: bool = False, log
         ],
     )
     try:
-        ds_to_universal(parse_arguments())
+        with weights_only_loads():  # DeepSpeed's own loads there unpickle nothing but data
+            ds_to_universal(parse_arguments())
+    except CheckpointError:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
     except (AssertionError, KeyError, RuntimeError, ValueError) as e:
         shutil.rmtree(out, ignore_errors=True)
         raise CheckpointError(
@@ -76,9 +82,12 @@ def make_universal(run_dir, step: int | None = None, *, force: bool = False, log
         ) from None
     finally:
         sys.argv = argv
+    # Sizes and hashes of what was written, checked before a resume loads it.
+    files = file_manifest(out, checkpoint_files(out))
     (out / "source.json").write_text(
         json.dumps(
-            {"step": ck.meta.get("step"), "world_size": world, "zero_stage": stage}, indent=1
+            {"step": ck.meta.get("step"), "world_size": world, "zero_stage": stage, "files": files},
+            indent=1,
         )
         + "\n"
     )

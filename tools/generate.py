@@ -1,4 +1,4 @@
-"""``earlyfuse-generate RELEASE``: sample from a release (tools/release.py) with the KV-cached
+"""``earlyfuse-generate RELEASE``: sample from a release (train/release.py) with the KV-cached
 ``model.generate``: continue text or code, caption an image, draw an image to PNG, or run a
 JSONL file of such requests.
 
@@ -18,7 +18,11 @@ Design choices:
   request gives the same output wherever it sits in a batch file.
 - ``--batch`` runs requests one after another (prompts of different lengths cannot share a
   batch without padding, which ``generate`` does not take); a failing line gives an ``error``
-  record and the others still run.
+  record and the others still run, whatever the failure.
+- Input images are untrusted: one whose header claims more than ``--max-image-pixels`` (default
+  64 M, as ingest) is refused before a pixel is decoded, so a small PNG of 12000x12000 pixels
+  cannot take gigabytes; any decoding error (Pillow's ``DecompressionBombError`` included) is
+  an error naming the file.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tools.release import DTYPES, Release, ReleaseError
+from train.release import DTYPES, Release, ReleaseError
+
+MAX_SOURCE_PIXELS = 64_000_000  # input images, by their header (ingest's --max-image-pixels)
 
 EXAMPLES = """\
 examples:
@@ -85,11 +91,12 @@ class Generator:
 
     def __post_init__(self) -> None:
         self.model = self.release.build_model(self.device, self.dtype)
-        self.layout = self.release.layout
+        self.layout = self.release.vocab_layout
         self.text = self.release.text_tokenizer()
         self._vtok = None
         opts = self.release.config.get("tokenize") or {}
         self.image_max_pixels = int(opts.get("image_max_pixels", 256 * 256))
+        self.max_source_pixels = MAX_SOURCE_PIXELS  # --max-image-pixels
 
     @property
     def vtok(self):
@@ -184,9 +191,12 @@ class Generator:
                 max_pixels=self.image_max_pixels,
                 max_grid=self.layout.max_grid,
             )
-            arr = np.array(load_image(raw, prep))  # writable, as torch.from_numpy wants
-        except (OSError, ValueError) as e:
-            raise ReleaseError(f"{path}: cannot read the image ({e})") from None
+            # writable, as torch.from_numpy wants
+            arr = np.array(load_image(raw, prep, max_source_pixels=self.max_source_pixels))
+        except Exception as e:  # noqa: BLE001 - whatever a decoder raises on untrusted bytes
+            raise ReleaseError(
+                f"{path}: cannot read the image ({type(e).__name__}: {str(e)[:300]})"
+            ) from None
         with torch.no_grad():
             codes = self.vtok.encode(to_tensor(arr[None]).to(self.device))[0].cpu().numpy()
         return (*image_tokens(codes, self.layout), codes)
@@ -392,6 +402,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--output", metavar="JSONL", help="--batch: write results here instead of stdout"
     )
+    p.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=MAX_SOURCE_PIXELS,
+        metavar="N",
+        help="refuse input images whose header claims more pixels, before decoding (default 64M)",
+    )
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
     p.add_argument(
         "--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype (default fp32)"
@@ -430,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         gen = Generator(Release(args.release), torch.device(args.device), DTYPES[args.dtype])
+        gen.max_source_pixels = args.max_image_pixels
         if args.batch:
             return run_batch(gen, args.batch, args.output, defaults)
         if args.draw is not None:
@@ -471,12 +489,13 @@ def run_batch(gen: Generator, path: str, output: str | None, defaults: dict) -> 
                 if not isinstance(req, dict):
                     raise ReleaseError("a request is a JSON object")
                 rec = {"line": n, **gen.request(req, defaults)}
-            except (ValueError, ReleaseError) as e:  # json errors are ValueErrors
+            except Exception as e:  # noqa: BLE001 - one bad line never ends the batch
                 failed += 1
+                why = str(e) if isinstance(e, ReleaseError) else f"{type(e).__name__}: {e}"
                 rec = {
                     "line": n,
                     **({"id": req["id"]} if isinstance(req, dict) and "id" in req else {}),
-                    "error": str(e),
+                    "error": why,
                 }
             text = json.dumps(rec, ensure_ascii=False) + "\n"
             if out:

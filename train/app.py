@@ -1,16 +1,21 @@
 """``earlyfuse-train``: the Hydra entry point. The only place that sees Hydra: it composes
 ``configs/`` onto the typed schema (``train.config.RunConfig``), turns the result into
-dataclasses once and hands them to ``train.run.Run``.
+dataclasses once, takes the run folder's lock and hands everything to ``train.build``.
 
     earlyfuse-train experiment=vtok_debug
     earlyfuse-train experiment=vtok_demo train.steps=200 optim.lr=1e-3
     torchrun --nproc_per_node 2 -m train.app experiment=vtok_debug deepspeed.zero_stage=2
     deepspeed --num_gpus 8 --module train.app experiment=...   (--local_rank is handled)
+
+Exit codes: 0 done (or stopped by SIGTERM/SIGUSR1 after a checkpoint), 1 an error, 2 a config
+or run folder that cannot be used (the message says why), 3 halted by a monitor.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import hydra
@@ -18,33 +23,88 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from train.config import RunConfig
+from train.config_check import ConfigError, check_known_keys, unknown_override_keys
 from train.dist import strip_launcher_args
 
 ConfigStore.instance().store(name="run_schema", node=RunConfig)
 # An absolute path: Hydra would otherwise look for a Python package "configs".
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 
+# Extra callbacks for one run, made from its config: tests and the instability suite only.
+CallbackFactory = Callable[[RunConfig], Sequence]
+
 
 def to_run_config(cfg: DictConfig) -> tuple[RunConfig, str]:
     """The typed config and its resolved YAML (saved with every checkpoint)."""
+    check_known_keys(OmegaConf.to_container(cfg, resolve=False), RunConfig)  # type: ignore[arg-type]
     resolved = OmegaConf.to_yaml(cfg, resolve=True)
-    return OmegaConf.to_object(cfg), resolved
+    run_cfg = OmegaConf.to_object(cfg)  # the structured schema makes this a RunConfig
+    assert isinstance(run_cfg, RunConfig)
+    return run_cfg, resolved
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
-def hydra_main(cfg: DictConfig) -> None:
-    from train.run import Run, RunHalted
+def run(cfg: RunConfig, resolved: str, extra_callbacks: CallbackFactory | None = None) -> int:
+    """Train under the run folder's lock; the process's exit code."""
+    import torch
 
-    run_cfg, resolved = to_run_config(cfg)
+    from train.build import build_trainer
+    from train.dist import all_reduce_sum, init_distributed
+    from train.run_lock import RunLock, RunLocked
+    from train.trainer import RunHalted
+
+    dist = init_distributed()
+    if not dist.is_main:  # one console: rank 0's (the others still report warnings and errors)
+        logging.getLogger("train").setLevel(logging.WARNING)
+    lock = RunLock(Path(cfg.run_dir))
     try:
-        Run(run_cfg, resolved)()
+        refused = None
+        if dist.is_main:
+            try:
+                lock.acquire()
+            except RunLocked as e:
+                refused = e
+        # Every rank learns whether rank 0 got the folder, and stops with it if not.
+        flag = torch.tensor([1.0 if refused else 0.0], device=dist.device)
+        if float(all_reduce_sum(flag).item()) > 0:
+            print(
+                f"earlyfuse-train: {refused or 'rank 0 could not lock the run folder'}",
+                file=sys.stderr,
+            )
+            return 2
+        extra = list(extra_callbacks(cfg)) if extra_callbacks else []
+        build_trainer(cfg, resolved, dist, extra_callbacks=extra).fit()
     except RunHalted as e:  # a monitor's decision, not a crash: no traceback, a distinct exit code
         print(f"earlyfuse-train: {e}", file=sys.stderr)
-        sys.exit(3)
+        return 3
+    except ConfigError as e:
+        print(f"earlyfuse-train: {e}", file=sys.stderr)
+        return 2
+    finally:
+        lock.release()
+    return 0
 
 
-def main() -> None:
+def config_groups() -> set[str]:
+    return {p.name for p in Path(CONFIG_DIR).iterdir() if p.is_dir()}
+
+
+def main(extra_callbacks: CallbackFactory | None = None) -> None:
     sys.argv = strip_launcher_args(sys.argv)
+    # Before Hydra: its own message for an unknown key suggests +key=..., which would add it.
+    unknown = unknown_override_keys(sys.argv[1:], RunConfig, config_groups())
+    if unknown:
+        print(f"earlyfuse-train: unknown config key(s): {'; '.join(unknown)}", file=sys.stderr)
+        sys.exit(2)
+
+    @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
+    def hydra_main(cfg: DictConfig) -> None:
+        try:
+            run_cfg, resolved = to_run_config(cfg)
+        except ConfigError as e:
+            print(f"earlyfuse-train: {e}", file=sys.stderr)
+            sys.exit(2)
+        sys.exit(run(run_cfg, resolved, extra_callbacks))
+
     hydra_main()
 
 

@@ -3,47 +3,188 @@
 Design choices:
 - DeepSpeed writes model, optimizer and scheduler (any ZeRO stage; ``zero_to_fp32.py`` beside
   them consolidates). Beside them each rank writes ``rank_RRRRR.pt`` (its RNG states, its loader
-  state, task state), loaded back with ``torch.load(weights_only=True)``; rank 0 writes
-  ``meta.json`` (step, world size, ZeRO stage), the resolved config and the vocabulary layout.
-- Crash safety: ``latest`` names the newest complete checkpoint and is replaced atomically
-  only after a barrier that every rank reaches once its files are on disk. A crash mid-save
-  leaves ``latest`` on the previous checkpoint; the half-written folder is removed on resume.
-- keep-last-N: older checkpoints are deleted after ``latest`` has moved.
+  state, task state); rank 0 writes the resolved config and the vocabulary layout.
+- Nothing is unpickled: every file, DeepSpeed's included, is read weights-only
+  (train/safe_load.py).
+- ``meta.json`` (step, world size, ZeRO stage, and the size and SHA-256 of every file) is written
+  last, after a barrier that every rank reaches once its files are on disk; the ranks share the
+  hashing. Then ``latest`` moves (written to a temporary name, renamed). A crash mid-save leaves
+  ``latest`` on the previous checkpoint; the half-written folder is removed on resume.
+- Resume checks the checkpoint ``latest`` names before loading it: sizes first (a truncated
+  file is found at once), then SHA-256. A damaged checkpoint (or an unreadable ``latest``) is
+  set aside as ``step_N.damaged`` with a warning naming the bad file, and the newest intact
+  one is used; if none is intact the run stops with an error listing them, never silently at
+  step 0. Checkpoints from before the hashes are trusted as they are (said once).
+- keep-last-N: older checkpoints are deleted after ``latest`` has moved, except the steps in
+  ``protect`` (the monitor's ``protected_steps``: the newest checkpoint from before an open
+  alarm, so that a rollback still has somewhere to go); each is first renamed to
+  ``step_N.deleting`` (one atomic step), so a kill mid-delete never leaves a folder that looks
+  complete. Leftovers are removed at the next save or resume.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from train.dist import DistInfo, barrier
+from train.names import CHECKPOINT_META_FILE, CHECKPOINTS_DIR, CONFIG_FILE, LATEST_FILE
+from train.safe_load import CheckpointError, safe_torch_load, weights_only_loads
 
 TAG = re.compile(r"^step_(\d{8})$")
+
+
+def step_of_tag(tag: str) -> int:
+    """The step of a checkpoint folder name ``step_NNNNNNNN``."""
+    match = TAG.match(tag)
+    if match is None:
+        raise ValueError(f"{tag!r} is not a checkpoint folder name (step_NNNNNNNN)")
+    return int(match.group(1))
+
+
+META = CHECKPOINT_META_FILE
+DAMAGED = ".damaged"
+DELETING = ".deleting"
 
 
 def tag_for(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def file_sha256(path: Path, bufsize: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(bufsize):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# A copy of the run's config for people and tools, which they may edit (paths, after moving
+# data); resume never reads it: not in the manifest.
+EDITABLE = {CONFIG_FILE}
+
+
+def checkpoint_files(folder: Path) -> list[str]:
+    """The files a checkpoint's manifest covers: every file of the folder and its subfolders
+    (``universal/`` has its own manifest), relative to ``folder``, but ``meta.json`` and the
+    editable ``config.yaml``."""
+    folder = Path(folder)
+    return sorted(
+        str(p.relative_to(folder))
+        for p in folder.rglob("*")
+        if p.is_file() and p.name not in (META, *EDITABLE) and not p.name.endswith(".tmp")
+    )
+
+
+def file_manifest(folder: Path, names: list[str]) -> dict[str, dict]:
+    """{name: {"bytes": size, "sha256": hex}} of ``names`` inside ``folder``."""
+    out = {}
+    for n in names:
+        p = Path(folder) / n
+        out[n] = {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+    return out
+
+
+def verify_files(folder: Path, files: dict[str, dict], *, hashes: bool = True) -> list[str]:
+    """Problems found checking ``folder`` against a manifest (empty: intact). Sizes first, for
+    every file, so a truncated file is named without hashing anything."""
+    folder = Path(folder)
+    problems = []
+    for n, want in files.items():
+        p = folder / n
+        try:
+            size = p.stat().st_size
+        except OSError:
+            problems.append(f"{p}: missing")
+            continue
+        if size != want["bytes"]:
+            problems.append(f"{p}: {size} bytes, the manifest says {want['bytes']} (truncated?)")
+    if problems or not hashes:
+        return problems
+    for n, want in files.items():
+        if file_sha256(folder / n) != want["sha256"]:
+            problems.append(f"{folder / n}: SHA-256 differs from the manifest (corrupted)")
+    return problems
+
+
+def read_meta(folder: Path) -> dict:
+    """A checkpoint's ``meta.json``; CheckpointError naming it when missing or unreadable."""
+    path = Path(folder) / META
+    try:
+        meta = json.loads(path.read_text())
+        int(meta["step"]), int(meta["world_size"]), int(meta["zero_stage"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: missing or unreadable ({type(e).__name__}: {e})") from None
+    return meta
+
+
+def verify_folder(folder: Path, *, hashes: bool = True) -> list[str]:
+    """Problems of one checkpoint folder (empty: intact): its meta, every file it lists, and
+    the manifest of its ``universal/`` conversion when there is one. A checkpoint written
+    before the manifests existed has nothing to check against and passes."""
+    folder = Path(folder)
+    try:
+        meta = read_meta(folder)
+    except CheckpointError as e:
+        return [str(e)]
+    problems = verify_files(folder, meta.get("files", {}), hashes=hashes)
+    uni = folder / "universal" / "source.json"
+    if uni.is_file():
+        try:
+            files = json.loads(uni.read_text()).get("files", {})
+        except (OSError, ValueError) as e:
+            return [*problems, f"{uni}: unreadable ({e})"]
+        problems += verify_files(uni.parent, files, hashes=hashes)
+    return problems
+
+
+def remove_checkpoint(folder: Path) -> None:
+    """Delete a checkpoint folder so that no kill can leave it looking complete: renamed out of
+    the ``step_N`` names first (atomic), then removed."""
+    folder = Path(folder)
+    if not folder.exists():
+        return
+    doomed = folder.with_name(folder.name + DELETING)
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(folder, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def warn(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
 def rng_state() -> dict:
-    np_state = np.random.get_state()
+    np_state = np.random.get_state(legacy=False)  # a dict: its types are known to the checker
     state = {
         "torch": torch.get_rng_state(),
         "python": list(random.getstate()[1]),
         "python_version": random.getstate()[0],
         "python_gauss": random.getstate()[2],
         "numpy": {
-            "key": torch.from_numpy(np_state[1].astype(np.int64)),
-            "pos": int(np_state[2]),
-            "has_gauss": int(np_state[3]),
-            "gauss": float(np_state[4]),
+            "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+            "pos": int(np_state["state"]["pos"]),
+            "has_gauss": int(np_state["has_gauss"]),
+            "gauss": float(np_state["gauss"]),
         },
     }
     if torch.cuda.is_available():
@@ -63,25 +204,102 @@ def set_rng_state(state: dict) -> None:
 
 
 class Checkpointer:
-    def __init__(self, run_dir: str | Path, dist: DistInfo, keep_last: int) -> None:
-        self.dir = Path(run_dir) / "checkpoints"
+    def __init__(
+        self, run_dir: str | Path, dist: DistInfo, keep_last: int, *, verify_hashes: bool = True
+    ) -> None:
+        self.dir = Path(run_dir) / CHECKPOINTS_DIR
         self.dist = dist
         self.keep_last = max(1, keep_last)
+        # False: resume checks sizes only (docs/checkpoints.md has what hashing costs)
+        self.verify_hashes = verify_hashes
+        self._checked = False  # this process has had `latest` checked (main) / waited for it
+        self._main_checked = False
+        # Called with the step once this rank's files of a save are written, before the barrier
+        # after which `latest` moves. Tests use it to crash a save half-way (train/callbacks/faults.py).
+        self.before_commit: Callable[[int], None] | None = None
 
     # --- reading -----------------------------------------------------------------------------
     def latest(self) -> str | None:
-        p = self.dir / "latest"
+        """The checkpoint to resume from. The first call is collective (every rank makes it):
+        rank 0 checks the checkpoint ``latest`` names and falls back to the newest intact one
+        (``check_latest``) while the others wait; after that it only reads ``latest``."""
+        if not self._checked:
+            self._checked = True
+            if self.dist.is_main:
+                self.check_latest()
+            barrier()
+        return self._pointer()
+
+    def _pointer(self) -> str | None:
+        p = self.dir / LATEST_FILE
         if not p.is_file():
             return None
         tag = p.read_text().strip()
-        if not TAG.match(tag) or not (self.dir / tag / "meta.json").is_file():
-            raise ValueError(
-                f"{p} names {tag!r}, which is not a complete checkpoint; delete {p} to start over"
+        if not TAG.match(tag) or not (self.dir / tag / META).is_file():
+            raise CheckpointError(
+                f"{p} names {tag!r}, which is not a complete checkpoint; delete {p} and the "
+                f"step_* folders beside it to start over"
             )
         return tag
 
+    def check_latest(self) -> str | None:
+        """Rank 0, once: make ``latest`` name an intact checkpoint. Returns it (None: none yet)."""
+        if self._main_checked or not self.dir.is_dir():
+            return None
+        self._main_checked = True
+        for d in self.dir.iterdir():  # a kill mid-delete left these; they hold nothing needed
+            if d.is_dir() and d.name.endswith(DELETING):
+                shutil.rmtree(d, ignore_errors=True)
+        p = self.dir / LATEST_FILE
+        if not p.is_file():
+            return None  # no checkpoint was ever completed (clean_partial removes the rest)
+        named = p.read_text().strip()
+        reasons: list[str] = []  # why `latest` cannot be taken as it is
+        if TAG.match(named):
+            newest: int | None = step_of_tag(named)
+            if not (self.dir / named).is_dir():
+                reasons.append(f"{self.dir / named} is missing")
+        else:
+            newest = None
+            reasons.append(f"{p} is unreadable ({named[:40]!r}: truncated?)")
+        candidates = [
+            d for d in reversed(self._tags()) if newest is None or step_of_tag(d.name) <= newest
+        ]
+        for d in candidates:
+            problems = verify_folder(d, hashes=self.verify_hashes)
+            if not problems:
+                if reasons:
+                    warn(f"resuming from {d}, not {named!r}: " + "; ".join(reasons))
+                    write_text_atomic(p, d.name + "\n")
+                if "files" not in read_meta(d):
+                    print(f"note: {d} predates checkpoint hashes; loaded unchecked", flush=True)
+                return d.name
+            aside = self._set_aside(d)
+            reasons.append(
+                f"{d.name} is damaged ({problems[0]}"
+                + (f"; {len(problems) - 1} more problem(s)" if len(problems) > 1 else "")
+                + f"), set aside as {aside.name}"
+            )
+        raise CheckpointError(
+            f"{self.dir}: no intact checkpoint to resume from ("
+            + "; ".join(reasons or ["no checkpoint folders"])
+            + f"). Restore one, or delete {p} to start over from step 0"
+        )
+
+    def _set_aside(self, d: Path) -> Path:
+        aside, n = d.with_name(d.name + DAMAGED), 1
+        while aside.exists():
+            n += 1
+            aside = d.with_name(f"{d.name}{DAMAGED}{n}")
+        os.replace(d, aside)
+        return aside
+
     def meta(self, tag: str) -> dict:
-        return json.loads((self.dir / tag / "meta.json").read_text())
+        return read_meta(self.dir / tag)
+
+    def verify(self, tag: str) -> list[str]:
+        """Problems of checkpoint ``tag`` (empty: intact); see ``verify_folder``."""
+        return verify_folder(self.dir / tag, hashes=self.verify_hashes)
 
     def check_compatible(self, tag: str, zero_stage: int) -> dict:
         """The checkpoint's meta; refuses what cannot resume here. Another world size resumes from a
@@ -112,13 +330,14 @@ class Checkpointer:
         """Load a checkpoint written by another world size: (client state, this rank's own state if
         the old world had this rank, else None)."""
         load_dir, t = (self.dir / tag, "universal") if zero_stage > 0 else (self.dir, tag)
-        path, client = engine.load_checkpoint(
-            str(load_dir), tag=t, load_optimizer_states=True, load_lr_scheduler_states=True
-        )
+        with weights_only_loads():
+            path, client = engine.load_checkpoint(
+                str(load_dir), tag=t, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
         if path is None:
-            raise ValueError(f"{load_dir / t}: DeepSpeed could not load this checkpoint")
+            raise CheckpointError(f"{load_dir / t}: DeepSpeed could not load this checkpoint")
         rank_file = self.dir / tag / f"rank_{self.dist.rank:05d}.pt"
-        own = torch.load(rank_file, weights_only=True) if rank_file.is_file() else None
+        own = safe_torch_load(rank_file) if rank_file.is_file() else None
         return client or {}, own
 
     def load_streams(self, tag: str) -> list[dict]:
@@ -128,26 +347,23 @@ class Checkpointer:
         for r in range(self.meta(tag)["world_size"]):
             f = self.dir / tag / f"rank_{r:05d}.pt"
             try:
-                out.append(torch.load(f, weights_only=True)["stream"])
-            except (OSError, RuntimeError, EOFError, KeyError) as e:
-                raise ValueError(
-                    f"{f}: unreadable rank state ({e!r}); every old rank's is needed to move "
+                out.append(safe_torch_load(f)["stream"])
+            except (CheckpointError, KeyError, TypeError) as e:
+                raise CheckpointError(
+                    f"{f}: unreadable rank state ({e}); every old rank's is needed to move "
                     "the loader's position onto this world size"
                 ) from None
         return out
 
     def load(self, engine, tag: str) -> tuple[dict, dict]:
         """(client state saved by rank 0, this rank's own state)."""
-        path, client = engine.load_checkpoint(
-            str(self.dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-        )
+        with weights_only_loads():
+            path, client = engine.load_checkpoint(
+                str(self.dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
         if path is None:
-            raise ValueError(f"{self.dir / tag}: DeepSpeed could not load this checkpoint")
-        rank_file = self.dir / tag / f"rank_{self.dist.rank:05d}.pt"
-        try:
-            own = torch.load(rank_file, weights_only=True)
-        except (OSError, RuntimeError, EOFError) as e:
-            raise ValueError(f"{rank_file}: unreadable rank state ({e})") from None
+            raise CheckpointError(f"{self.dir / tag}: DeepSpeed could not load this checkpoint")
+        own = safe_torch_load(self.dir / tag / f"rank_{self.dist.rank:05d}.pt")
         return client or {}, own
 
     def complete_steps(self) -> list[int]:
@@ -155,10 +371,8 @@ class Checkpointer:
         latest = self.latest()
         if latest is None:
             return []
-        last = int(TAG.match(latest).group(1))
-        steps = [
-            int(TAG.match(d.name).group(1)) for d in self._tags() if (d / "meta.json").is_file()
-        ]
+        last = step_of_tag(latest)
+        steps = [step_of_tag(d.name) for d in self._tags() if (d / META).is_file()]
         return [s for s in steps if s <= last]
 
     def rewind(self, step: int) -> None:
@@ -166,23 +380,23 @@ class Checkpointer:
         trajectory being abandoned)."""
         barrier()
         if self.dist.is_main:
-            tmp = self.dir / "latest.tmp"
-            tmp.write_text(tag_for(step) + "\n")
-            os.replace(tmp, self.dir / "latest")
+            write_text_atomic(self.dir / LATEST_FILE, tag_for(step) + "\n")
             for d in self._tags():
-                if int(TAG.match(d.name).group(1)) > step:
-                    shutil.rmtree(d, ignore_errors=True)
+                if step_of_tag(d.name) > step:
+                    remove_checkpoint(d)
         barrier()
 
     def clean_partial(self) -> None:
-        """Remove checkpoint folders newer than ``latest`` (a save that a crash cut short)."""
+        """Remove checkpoint folders newer than ``latest`` (a save that a crash cut short), once
+        ``latest`` names an intact checkpoint (``check_latest``)."""
         if not self.dist.is_main or not self.dir.is_dir():
             return
-        latest = self.latest()
-        last = int(TAG.match(latest).group(1)) if latest else -1
+        self.check_latest()
+        latest = self._pointer()
+        last = step_of_tag(latest) if latest else -1
         for d in self._tags():
-            if int(TAG.match(d.name).group(1)) > last:
-                shutil.rmtree(d, ignore_errors=True)
+            if step_of_tag(d.name) > last:
+                remove_checkpoint(d)
 
     def _tags(self) -> list[Path]:
         return (
@@ -193,26 +407,52 @@ class Checkpointer:
 
     # --- writing -----------------------------------------------------------------------------
     def save(
-        self, engine, step: int, *, client: dict, own: dict, meta: dict, files: dict[str, str]
+        self,
+        engine,
+        step: int,
+        *,
+        client: dict,
+        own: dict,
+        meta: dict,
+        files: dict[str, str],
+        protect: set[int] | frozenset[int] = frozenset(),
     ) -> str:
         tag = tag_for(step)
-        engine.save_checkpoint(str(self.dir), tag=tag, client_state=client, save_latest=False)
         folder = self.dir / tag
+        if self.dist.is_main and (folder / META).exists():
+            (folder / META).unlink()  # a step saved again (after a rollback): incomplete until done
+        barrier()
+        engine.save_checkpoint(str(self.dir), tag=tag, client_state=client, save_latest=False)
         torch.save(own, folder / f"rank_{self.dist.rank:05d}.pt")
         if self.dist.is_main:
             for name, text in files.items():
                 (folder / name).write_text(text)
-            (folder / "meta.json").write_text(
-                json.dumps({**meta, "step": step, "tag": tag}, indent=1) + "\n"
-            )
-        if int(os.environ.get("EARLYFUSE_FAULT_KILL_IN_SAVE", "-1")) == step:
-            os._exit(137)  # fault injection for the tests: a crash after the files, before `latest`
-        barrier()  # every rank's files are written before `latest` may move
+        if self.before_commit is not None:
+            self.before_commit(step)  # tests crash a save here: files written, `latest` not moved
+        barrier()  # every rank's files are written before they are hashed and `latest` moves
+        manifest = self._hash_shared(folder)
         if self.dist.is_main:
-            tmp = self.dir / "latest.tmp"
-            tmp.write_text(tag + "\n")
-            os.replace(tmp, self.dir / "latest")
+            # meta.json last: a folder without it is never taken for a checkpoint
+            write_text_atomic(
+                folder / META,
+                json.dumps({**meta, "step": step, "tag": tag, "files": manifest}, indent=1) + "\n",
+            )
+            write_text_atomic(self.dir / LATEST_FILE, tag + "\n")
             for old in self._tags()[: -self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+                if int(old.name[len("step_") :]) not in protect:
+                    remove_checkpoint(old)
         barrier()
+        self._checked = self._main_checked = True  # `latest` is ours now
         return tag
+
+    def _hash_shared(self, folder: Path) -> dict[str, dict]:
+        """Every file's size and SHA-256, the files dealt out over the ranks (the manifest)."""
+        names = checkpoint_files(folder)
+        mine = file_manifest(folder, names[self.dist.rank :: self.dist.world_size])
+        import torch.distributed as tdist
+
+        if not (tdist.is_initialized() and tdist.get_world_size() > 1):
+            return mine
+        parts: list = [None] * tdist.get_world_size()
+        tdist.all_gather_object(parts, mine)
+        return {k: v for part in parts for k, v in sorted(part.items())}

@@ -16,6 +16,7 @@ from data.loader.config import LoaderConfig
 from model.transformer import TransformerConfig
 from model.visual_tokenizer import VisualTokenizerConfig
 from train.monitor.config import MonitorConfig
+from train.schedule import LrChange
 from train.skip_step import SkipStepConfig
 
 TASKS = ("lm", "vtok")
@@ -31,13 +32,19 @@ class OptimConfig:
     schedule: str = "cosine"  # cosine | wsd | constant
     warmup_steps: int = 100
     decay_fraction: float = 0.2  # wsd: share of the steps spent decaying
+    # lr x scale over step ranges, on top of the schedule (train/schedule.py LrChange):
+    # e.g. [{step: 5000, scale: 0.5}] halves the lr from step 5000 on
+    lr_changes: list[LrChange] = field(default_factory=list)
     clip_grad: float = 1.0  # 0 = no clipping
     skip_step: SkipStepConfig = field(default_factory=SkipStepConfig)
 
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    steps: int = 100  # optimizer steps
+    # Optimizer steps; -1: until the data ends (data.mode=epoch only: the loader counts the steps
+    # of one pass at start, and the lr schedule is laid over them). In epoch mode a run whose
+    # steps exceed the data also ends cleanly where the data ends.
+    steps: int = 100
     micro_batch: int = 4  # samples per rank per micro-step
     grad_accum: int = 1  # micro-steps per optimizer step
     log_every: int = 10
@@ -46,6 +53,9 @@ class TrainConfig:
     ckpt_every: int = 0  # 0: only at the end
     keep_last: int = 2  # checkpoints kept (older ones deleted)
     resume: bool = True  # continue from run_dir's latest checkpoint if there is one
+    # On resume, changes to the data, its mix, seq_len, batch sizes, the schedule, the seeds or the
+    # world size are refused (an exact resume would no longer hold) unless this says they are meant.
+    allow_config_change: bool = False
     init_from: str = ""  # a release folder (earlyfuse-convert release) whose weights start a run
     # that has no checkpoint yet; checked against layout, tokenizer, shapes
     seed: int = 0
@@ -103,5 +113,10 @@ class RunConfig:
             raise ValueError(
                 f"deepspeed.zero_stage {self.deepspeed.zero_stage}: choose 0, 1, 2 or 3"
             )
-        if self.train.steps <= 0 or self.train.micro_batch <= 0 or self.train.grad_accum <= 0:
-            raise ValueError("train.steps, train.micro_batch and train.grad_accum must be positive")
+        if self.train.micro_batch <= 0 or self.train.grad_accum <= 0:
+            raise ValueError("train.micro_batch and train.grad_accum must be positive")
+        if self.train.steps <= 0 and self.train.steps != -1:
+            raise ValueError(
+                f"train.steps {self.train.steps}: give a positive number of steps, or -1 to train "
+                "until the data ends (data.mode=epoch)"
+            )

@@ -73,6 +73,9 @@ def init_distributed() -> DistInfo:
     if not dist.is_initialized():
         import deepspeed
 
+        from train.ds_env import prepare_deepspeed
+
+        prepare_deepspeed()
         deepspeed.init_distributed(
             dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False, verbose=False
         )

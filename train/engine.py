@@ -13,17 +13,17 @@ from __future__ import annotations
 import math
 from functools import partial
 
-import torch
 from torch import nn
 
 from train.config import RunConfig
-from train.schedule import lr_multiplier
+from train.schedule import CappedLambdaLR, lr_multiplier
 from train.skip_step import SkipStepAdamW
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     no_decay_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in model.parameters():
         if not p.requires_grad:
             continue
@@ -60,10 +60,14 @@ def ds_config(cfg: RunConfig, world_size: int) -> dict:
     return conf
 
 
-def build_engine(model: nn.Module, cfg: RunConfig, world_size: int):
-    """(engine, optimizer, scheduler); ``optimizer`` is our SkipStepAdamW (set its ``gate``)."""
+def build_engine(model: nn.Module, cfg: RunConfig, world_size: int, *, total_steps: int = 0):
+    """(engine, optimizer, scheduler); ``optimizer`` is our SkipStepAdamW (set its ``gate``).
+    ``total_steps``: the schedule's length when it is not ``train.steps`` (``train.steps=-1``)."""
     import deepspeed
 
+    from train.ds_env import prepare_deepspeed
+
+    prepare_deepspeed()
     o = cfg.optim
     opt = SkipStepAdamW(
         param_groups(model, o.weight_decay),
@@ -74,13 +78,14 @@ def build_engine(model: nn.Module, cfg: RunConfig, world_size: int):
     )
     mult = partial(
         lr_multiplier,
-        total=cfg.train.steps,
+        total=total_steps or cfg.train.steps,
         warmup=o.warmup_steps,
         schedule=o.schedule,
         min_lr_ratio=o.min_lr_ratio,
         decay_fraction=o.decay_fraction,
+        changes=tuple(o.lr_changes),
     )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, mult)
+    sched = CappedLambdaLR(opt, mult)
     if cfg.deepspeed.zero_stage == 0 and not cfg.train.bf16:
         opt.clip_grad = o.clip_grad
     engine, _, _, _ = deepspeed.initialize(
@@ -93,7 +98,12 @@ def global_grad_norm(engine) -> float:
     """The gradient norm the engine computed for the step in progress (before clipping).
 
     Under ZeRO and bf16 DeepSpeed's optimizer wrapper has it already when it calls our optimizer;
-    a plain fp32 stage-0 engine has full gradients on every rank, so we compute it here."""
+    a plain fp32 stage-0 engine has full gradients on every rank, so we compute it here.
+
+    The wrapper's ``_global_grad_norm`` is private, but DeepSpeed's public accessor cannot serve:
+    ``engine.get_global_grad_norm()`` is refreshed only after ``optimizer.step()`` returns
+    (``DeepSpeedEngine._take_model_step``, DeepSpeed 0.19), so inside the step, where the gate
+    must decide, it still holds the previous step's norm."""
     wrapped = engine.optimizer
     norm = getattr(wrapped, "_global_grad_norm", None)
     if norm is not None and not isinstance(wrapped, SkipStepAdamW):

@@ -98,7 +98,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(
         description="Expected per-GPU memory and tokens per step of a model preset."
     )
-    ap.add_argument("preset", help="a model preset: debug, small, 125m, 350m, 1b, ...")
+    ap.add_argument("preset", help="a model preset (configs/model/): debug, demo, 125m, 350m, 1b")
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--grad-accum", type=int, default=1)

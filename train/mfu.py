@@ -1,7 +1,14 @@
 """The peak throughput MFU is stated against.
 
 GPUs: the vendor's dense bf16 peak for known parts. CPUs have no such figure, so we measure
-a float32 matmul for a moment at start-up and say so in the console line ("measured").
+a float32 matmul for a moment and say so in the console line ("measured").
+
+Design choices:
+- The measurement draws its matrices from a generator of its own: a run's global RNG stream is
+  the same whether or not (and whenever) the peak is measured, so a resumed run draws exactly what
+  the uninterrupted one drew.
+- A busy machine measures low. ``train.callbacks.throughput`` therefore measures again whenever
+  a step ran faster than the measured peak, and keeps the best rate seen; see there.
 """
 
 from __future__ import annotations
@@ -19,13 +26,15 @@ GPU_PEAKS = {
     "A10": 125.0,
     "4090": 165.2,
 }
+MEASURED = "measured fp32 matmul"
 
 
 def measure_cpu_tflops(seconds: float = 0.4, n: int = 1024, tries: int = 4) -> float:
     """The best of ``tries`` short windows of n x n float32 matmuls: a shared machine's other jobs
     only ever slow a window down, and small matrices understate what the cores can do (at 512 a
     convolutional model showed over 100 % "MFU")."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    own = torch.Generator().manual_seed(0)  # never the global RNG (see the module docstring)
+    a, b = torch.randn(n, n, generator=own), torch.randn(n, n, generator=own)
     a @ b
     best = 0.0
     for _ in range(tries):
@@ -46,4 +55,4 @@ def peak_tflops(configured: float, device: torch.device) -> tuple[float, str]:
             if key in name:
                 return val, f"{key} dense bf16"
         return 0.0, f"unknown GPU {name}: set train.peak_tflops"
-    return measure_cpu_tflops(), "measured fp32 matmul"
+    return measure_cpu_tflops(), MEASURED

@@ -12,6 +12,7 @@ import os
 import pathlib
 import shutil
 import time
+from typing import Any
 
 from tqdm import tqdm
 
@@ -128,7 +129,7 @@ def build(
         )
         steps.close()
 
-        summary = {"seed": seed, "scale": scale, "split": split, "parts": parts}
+        summary: dict[str, Any] = {"seed": seed, "scale": scale, "split": split, "parts": parts}
         summary["files"] = sum(1 for p in stage.rglob("*") if p.is_file()) + 1  # + README.md
         summary["bytes"] = sum(p.stat().st_size for p in stage.rglob("*") if p.is_file())
         readme_bytes = build_readme(stage, summary, photos)

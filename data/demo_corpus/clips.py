@@ -153,7 +153,7 @@ def _render_boxes(
     image: Image.Image, boxes: list[tuple[float, float, float, float]], w: int, h: int
 ):
     # resize(box=...) crops with sub-pixel precision and filters properly when shrinking.
-    return [np.asarray(image.resize((w, h), Image.BILINEAR, box=b)) for b in boxes]
+    return [np.asarray(image.resize((w, h), Image.Resampling.BILINEAR, box=b)) for b in boxes]
 
 
 def pan_clip(rng, fps, photo: Photo, image: Image.Image) -> tuple[list[np.ndarray], dict, str]:
@@ -258,7 +258,7 @@ def _centre_zoom(frame: np.ndarray, zoom: float) -> np.ndarray:
     bw, bh = w / zoom, h / zoom
     box = ((w - bw) / 2, (h - bh) / 2, (w + bw) / 2, (h + bh) / 2)
     return np.asarray(
-        Image.fromarray(frame.astype(np.float32)).resize((w, h), Image.BILINEAR, box=box)
+        Image.fromarray(frame.astype(np.float32)).resize((w, h), Image.Resampling.BILINEAR, box=box)
     )
 
 

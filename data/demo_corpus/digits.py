@@ -35,7 +35,7 @@ def render(pixels: np.ndarray) -> np.ndarray:
     """8x8 ink levels -> 32x32 greyscale, dark ink on white paper (how the digits were written)."""
     grey = (255 - pixels * (255 / 16)).round().clip(0, 255).astype(np.uint8)
     # Bilinear rather than nearest: smooth strokes look more like handwriting than 4x4 blocks.
-    return np.asarray(Image.fromarray(grey).resize((SIZE, SIZE), Image.BILINEAR))
+    return np.asarray(Image.fromarray(grey).resize((SIZE, SIZE), Image.Resampling.BILINEAR))
 
 
 def build_digits(

@@ -83,7 +83,7 @@ def _template(shape: str, w: int, h: int, scale: int = 8) -> np.ndarray:
         draw.ellipse([0, 0, W - 1, H - 1], fill=255)
     else:
         draw.polygon([(0, H - 1), (W - 1, H - 1), ((W - 1) / 2, 0)], fill=255)
-    return np.asarray(big.resize((w, h), Image.BOX), np.float32) / 255.0
+    return np.asarray(big.resize((w, h), Image.Resampling.BOX), np.float32) / 255.0
 
 
 def shape_of_blob(mask: np.ndarray) -> str | None:
@@ -98,7 +98,7 @@ def shape_of_blob(mask: np.ndarray) -> str | None:
         name: float(np.abs(_template(name, x1 - x0, y1 - y0) - box).sum())
         for name in ("square", "circle", "triangle")
     }
-    return min(errors, key=errors.get)
+    return min(errors, key=lambda name: errors[name])
 
 
 def position_of(ys: np.ndarray, xs: np.ndarray, width: int, height: int) -> str:
@@ -156,7 +156,7 @@ def true_mask(facts: dict, shape: dict, width: int, height: int) -> np.ndarray:
     else:
         draw.polygon([(x0, y1 - 1), (x1 - 1, y1 - 1), ((x0 + x1 - 1) / 2, y0)], fill=255)
     if (sx, sy) != (1.0, 1.0):
-        big = big.resize((width, height), Image.BILINEAR)
+        big = big.resize((width, height), Image.Resampling.BILINEAR)
     return np.asarray(big) >= 128
 
 

@@ -171,7 +171,7 @@ def caption_facts(text: str) -> dict:
 
 
 def _colour_mask(pixels: np.ndarray, rgb: tuple[int, int, int]) -> np.ndarray:
-    return (np.abs(pixels.astype(np.int16) - np.array(rgb, np.int16)) <= TOL).all(axis=-1)
+    return np.all(np.abs(pixels.astype(np.int16) - np.array(rgb, np.int16)) <= TOL, axis=-1)
 
 
 def shape_of(mask: np.ndarray) -> str | None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from data.engine import EngineConfig
 from data.ingest.plan import Plan, make_plan
 from data.ingest.run import command_line, run_plan
+from data.shards.storage import is_remote
 from data.sources import Limits, parse_sources
 
 
@@ -21,6 +23,8 @@ def ingest(
     partition: int = 0,
     progress: bool = False,
     command: list[str] | None = None,
+    engine: EngineConfig | None = None,
+    val_fraction: float = 0.0,
     exclude_content_of: list[str | Path] | None = None,
 ) -> dict:
     """Plan and write shards; returns a summary (see ``run_plan``) with the plan's counts.
@@ -34,16 +38,18 @@ def ingest(
         shard_max_bytes=shard_max_bytes,
         shard_max_samples=shard_max_samples,
         progress=progress,
+        val_fraction=val_fraction,
         exclude=exclude,
     )
     summary = run_plan(
-        Path(out),
+        out if is_remote(out) else Path(out),
         plan,
         workers=workers,
         num_partitions=num_partitions,
         partition=partition,
         command=command,
         progress=progress,
+        engine=engine,
         exclude=exclude,
     )
     summary["plan"] = plan.describe()

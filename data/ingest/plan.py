@@ -10,6 +10,11 @@ Design choices:
   some of its inputs are rejected.
 - Duplicate keys are found here, across all sources: the first input keeps the key, later
   ones are rejected naming the first.
+- ``val_fraction``: a held-out split by hash of each sample's key (like scikit-learn's
+  ``train_test_split``, but stable: adding or removing other inputs never moves a sample to the
+  other side, and reruns agree). Validation samples go to shards of their own under
+  ``val/<source>/`` (manifest source ``val/<source>``), so ``DIR/<source>`` is training data
+  only and ``DIR/val`` all of the validation data.
 """
 
 from __future__ import annotations
@@ -31,8 +36,9 @@ PLAN_VERSION = 1
 class ShardPlan:
     index: int  # position in the whole plan (partitions take index % P == I)
     source: int  # index into Plan.sources
-    name: str  # "<source>/shard-NNNNNN", without extension
+    name: str  # "<source>/shard-NNNNNN" (validation: "val/<source>/shard-NNNNNN"), no extension
     items: list[Item] = field(default_factory=list)
+    split: str = "train"  # train | val
 
 
 @dataclass
@@ -44,6 +50,7 @@ class Plan:
     shards: list[ShardPlan]
     fingerprint: str
     counts: dict  # per source: items planned, rejected at plan time
+    val_fraction: float = 0.0
 
     def describe(self) -> dict:
         return {
@@ -51,8 +58,9 @@ class Plan:
             "num_shards": len(self.shards),
             "shard_max_bytes": self.shard_max_bytes,
             "shard_max_samples": self.shard_max_samples,
-            "limits": asdict(self.limits),
+            "limits": self.limits.describe(),
             "version": PLAN_VERSION,
+            **({"val_fraction": self.val_fraction} if self.val_fraction else {}),
         }
 
 
@@ -95,30 +103,34 @@ def make_plan(
     shard_max_bytes: int,
     shard_max_samples: int,
     progress: bool = True,
+    val_fraction: float = 0.0,
     exclude: tuple[str, ...] = (),
 ) -> Plan:
     if shard_max_bytes <= 0 and shard_max_samples <= 0:
         raise ValueError("set a shard size: --shard-size and/or --shard-samples")
-    spec = {
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"--val-fraction {val_fraction}: give a fraction in [0, 1)")
+    shape = {
         "version": PLAN_VERSION,
         "sources": [asdict(s) for s in specs],
-        "limits": asdict(limits),
+        "limits": limits.describe(),
         "shard_max_bytes": shard_max_bytes,
         "shard_max_samples": shard_max_samples,
     }
+    if val_fraction:  # only when set: plans made before the split keep their fingerprint
+        shape["val_fraction"] = val_fraction
     if exclude:  # which shards of which folders: another training set is another plan
-        spec["exclude"] = [[str(p), _manifest_fingerprint(p)] for p in exclude]
-    h = hashlib.sha256(json.dumps(spec, sort_keys=True).encode())
+        shape["exclude"] = [[str(p), _manifest_fingerprint(p)] for p in exclude]
+    h = hashlib.sha256(json.dumps(shape, sort_keys=True).encode())
     first_seen: dict[str, str] = {}
     shards: list[ShardPlan] = []
     counts: dict[str, dict] = {}
     bar = tqdm(desc="planning", unit=" inputs", disable=not progress, leave=False)
     for si, spec in enumerate(specs):
         src = build_source(spec, limits)
-        cur: ShardPlan | None = None
-        cur_bytes = cur_samples = 0
+        # One run of shards per split: [current shard, its bytes, its samples, shards so far].
+        runs: dict[str, list] = {"train": [None, 0, 0, 0], "val": [None, 0, 0, 0]}
         n_items = n_rej = 0
-        k = 0
         for item in _listed(src):
             if item.reject is None:
                 if item.key in first_seen:
@@ -138,6 +150,10 @@ def make_plan(
                 else:
                     first_seen[item.key] = f"{spec.name}:{item.label}"
             accepted = item.reject is None
+            # Rejects stay with the training shards (listed once, whatever the split).
+            split = "val" if accepted and in_validation(item.key, val_fraction) else "train"
+            run = runs[split]
+            cur, cur_bytes, cur_samples, k = run
             full = (
                 cur is not None
                 and accepted
@@ -148,7 +164,8 @@ def make_plan(
                 )
             )
             if cur is None or full:
-                cur = ShardPlan(len(shards), si, f"{spec.name}/shard-{k:06d}")
+                folder = spec.name if split == "train" else f"val/{spec.name}"
+                cur = ShardPlan(len(shards), si, f"{folder}/shard-{k:06d}", split=split)
                 shards.append(cur)
                 k += 1
                 cur_bytes = cur_samples = 0
@@ -156,6 +173,7 @@ def make_plan(
             if accepted:
                 cur_bytes += item.size
                 cur_samples += 1
+            run[:] = [cur, cur_bytes, cur_samples, k]
             n_items += 1
             n_rej += not accepted
             h.update(_item_blob(item))
@@ -165,5 +183,21 @@ def make_plan(
         counts[spec.name] = {"inputs": n_items, "rejected_at_plan": n_rej}
     bar.close()
     return Plan(
-        specs, limits, shard_max_bytes, shard_max_samples, shards, h.hexdigest()[:24], counts
+        specs,
+        limits,
+        shard_max_bytes,
+        shard_max_samples,
+        shards,
+        h.hexdigest()[:24],
+        counts,
+        val_fraction,
     )
+
+
+def in_validation(key: str, fraction: float) -> bool:
+    """Whether a sample belongs to the validation split: by a hash of its key alone, so the
+    choice never depends on the other inputs, their order or the worker count."""
+    if fraction <= 0:
+        return False
+    digest = hashlib.sha256(key.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") < fraction * 2.0**64

@@ -8,23 +8,24 @@ Design choices:
   the recorded size. A killed run therefore redoes only the shards it had not finished.
 - Rejects travel inside the shard records, so ``rejects.jsonl`` comes out in plan order,
   identical for any worker count or partitioning.
-- Workers are spawned processes that are replaced every few shards (``data.parallel``).
+- Jobs run on an engine (``data.engine``): long-lived local worker processes, or a Ray cluster.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
+from data.engine import EngineConfig, run_jobs
 from data.ingest.plan import Plan, ShardPlan
-from data.parallel import run_jobs
+from data.names import INDEX_SUFFIX, MANIFEST_FILE, REJECTS_FILE
 from data.schema import SEGMENT_TYPES, Reject
 from data.shards.content import describe, folder_fingerprints, sample_fingerprints
-from data.shards.manifest import finalize, load_records, record_path, write_json_atomic
+from data.shards.manifest import finalize, record_path
+from data.shards.storage import Folder, Staging
 from data.shards.writer import ShardWriter
 from data.sources import Limits, Source, SourceSpec, build_source
 
@@ -61,8 +62,16 @@ def write_shard(job: ShardJob) -> dict:
     src = _SOURCES.get(job.spec) or _SOURCES.setdefault(
         job.spec, build_source(job.spec, job.limits)
     )
-    out, shard = Path(job.out), job.shard
-    tar_rel, idx_rel = f"{shard.name}.tar", f"{shard.name}.idx.jsonl"
+    dest = Folder(job.out)
+    with Staging(dest) as stage:
+        record = _write_shard(job, src, stage)
+    dest.write_json(record_path(Path(""), job.shard.index).as_posix(), record)
+    return record
+
+
+def _write_shard(job: ShardJob, src: Source, stage: Staging) -> dict:
+    shard = job.shard
+    tar_rel, idx_rel = f"{shard.name}.tar", f"{shard.name}{INDEX_SUFFIX}"
     writer: ShardWriter | None = None
     rejects: list[dict] = []
     segments = dict.fromkeys(SEGMENT_TYPES, 0)
@@ -90,7 +99,7 @@ def write_shard(job: ShardJob) -> dict:
                 )
                 continue
             if writer is None:
-                writer = ShardWriter(out / tar_rel, out / idx_rel)
+                writer = ShardWriter(stage.path(tar_rel), stage.path(idx_rel))
             media = [
                 {k: v for k, v in s.items() if k != "type"}
                 for s in got.doc["segments"]
@@ -105,12 +114,14 @@ def write_shard(job: ShardJob) -> dict:
         if writer:
             writer.abort()
         raise
-    record = {
+    if result:
+        stage.publish([idx_rel, tar_rel])  # object storage: the index first, like the renames
+    return {
         "fingerprint": job.plan["fingerprint"],
         "plan": job.plan,
         "index": shard.index,
         "name": shard.name,
-        "source": job.spec.name,
+        "source": job.spec.name if shard.split == "train" else f"val/{job.spec.name}",
         "kind": job.spec.kind,
         "source_path": job.spec.path,
         "partition": list(job.partition),
@@ -125,28 +136,25 @@ def write_shard(job: ShardJob) -> dict:
         "repaired_utf8": repaired,
         "rejects": rejects,
     }
-    write_json_atomic(record_path(out, shard.index), record)
-    return record
 
 
-def _is_done(out: Path, shard: ShardPlan, fingerprint: str, records: dict[int, dict]) -> bool:
+def _is_done(
+    sizes: dict[str, int], shard: ShardPlan, fingerprint: str, records: dict[int, dict]
+) -> bool:
+    """The shard's record matches the plan and its files are there (``sizes``: one listing)."""
     rec = records.get(shard.index)
     if not rec or rec.get("fingerprint") != fingerprint:
         return False
     if rec["tar"] is None:
         return True
-    tar = out / rec["tar"]
-    return (
-        tar.is_file() and tar.stat().st_size == rec["bytes"] and (out / rec["index_file"]).is_file()
-    )
+    return sizes.get(rec["tar"]) == rec["bytes"] and rec["index_file"] in sizes
 
 
-def check_output_dir(out: Path, plan: Plan) -> dict[int, dict]:
+def check_output_dir(out: Folder, plan: Plan) -> dict[int, dict]:
     """Records of earlier runs into ``out``; refuses a folder that holds a different ingest."""
-    manifest = out / "manifest.json"
-    if manifest.is_file():
+    if out.exists(MANIFEST_FILE):
         try:
-            old = json.loads(manifest.read_text())["plan"]["fingerprint"]
+            old = out.read_json(MANIFEST_FILE)["plan"]["fingerprint"]
         except (ValueError, KeyError):
             old = None
         if old != plan.fingerprint:
@@ -154,7 +162,7 @@ def check_output_dir(out: Path, plan: Plan) -> dict[int, dict]:
                 f"{out} already holds a different ingest (plan {old} != {plan.fingerprint}: "
                 "other inputs or flags); choose a new --out or delete that folder"
             )
-    records = load_records(out)
+    records = out.records(".ingest")
     other = {r["fingerprint"] for r in records.values()} - {plan.fingerprint}
     if other:
         raise ValueError(
@@ -166,7 +174,7 @@ def check_output_dir(out: Path, plan: Plan) -> dict[int, dict]:
 
 
 def run_plan(
-    out: Path,
+    out: str | Path,
     plan: Plan,
     *,
     workers: int = 1,
@@ -174,27 +182,33 @@ def run_plan(
     partition: int = 0,
     command: list[str] | None = None,
     progress: bool = True,
+    engine: EngineConfig | None = None,
     exclude: tuple[str, ...] = (),
 ) -> dict:
     """Write this partition's missing shards; finalize when all shards exist. Returns a summary.
-    ``exclude``: raw folders whose documents' content (data/shards/content.py) is rejected here;
-    it must be the one the plan was fingerprinted with."""
+    ``engine`` says where the jobs run (default: ``workers`` local processes). ``exclude``: raw
+    folders whose documents' content (data/shards/content.py) is rejected here; it must be the
+    one the plan was fingerprinted with."""
+    engine = engine or EngineConfig(workers=workers)
     if not (num_partitions >= 1 and 0 <= partition < num_partitions):
         raise ValueError(f"--partition {partition} is outside 0..{num_partitions - 1}")
-    out.mkdir(parents=True, exist_ok=True)
-    records = check_output_dir(out, plan)
+    dest = Folder(out)
+    if not dest.remote:
+        dest.local.mkdir(parents=True, exist_ok=True)
+    records = check_output_dir(dest, plan)
+    sizes = dest.sizes()
     mine = [s for s in plan.shards if s.index % num_partitions == partition]
-    todo = [s for s in mine if not _is_done(out, s, plan.fingerprint, records)]
+    todo = [s for s in mine if not _is_done(sizes, s, plan.fingerprint, records)]
     jobs = [
-        ShardJob(
-            str(out),
+        ShardJob(  # an absolute path: a Ray actor runs in another folder, maybe on another node
+            dest.absolute(),
             s,
             plan.sources[s.source],
             plan.limits,
             plan.describe(),
             (partition, num_partitions),
             command or [],
-            tuple(exclude),
+            tuple(str(Path(p).absolute()) for p in exclude),
         )
         for s in todo
     ]
@@ -205,11 +219,13 @@ def run_plan(
         unit=" shards",
         disable=not progress,
     )
-    for rec in run_jobs(write_shard, jobs, workers):
+    for rec in run_jobs(write_shard, jobs, engine):
         records[rec["index"]] = rec
         bar.update()
     bar.close()
-    missing = [s.index for s in plan.shards if not _is_done(out, s, plan.fingerprint, records)]
+    records.update(dest.records(".ingest"))  # what other partitions finished meanwhile
+    sizes = dest.sizes()
+    missing = [s.index for s in plan.shards if not _is_done(sizes, s, plan.fingerprint, records)]
     summary = {
         "written": len(jobs),
         "skipped_done": len(mine) - len(todo),
@@ -218,9 +234,19 @@ def run_plan(
         "finalized": False,
     }
     if not missing:
-        summary["manifest"] = finalize(out, records)
+        summary["manifest"] = finalize_folder(dest, records)
         summary["finalized"] = True
     return summary
+
+
+def finalize_folder(dest: Folder, records: dict[int, dict]) -> dict:
+    """manifest.json and rejects.jsonl, written in place or staged and uploaded."""
+    if not dest.remote:
+        return finalize(dest.local, records)
+    with Staging(dest) as stage:
+        manifest = finalize(stage.path(""), records)
+        stage.publish([REJECTS_FILE, MANIFEST_FILE])
+    return manifest
 
 
 def command_line() -> list[str]:

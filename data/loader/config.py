@@ -40,8 +40,20 @@ class LoaderConfig:
     prefetch_factor: int = 4
     pin_memory: bool = True  # when a GPU is present
     max_pending: int = 4  # documents held aside while a visual block waits for room
+    # Documents are handed to the packer in chunks of at most this many tokens (0: seq_len), the
+    # sources interleaved chunk by chunk, so a long document cannot fill many rows in a row.
+    mix_chunk: int = 0
     oversize: str = "drop_block"  # a visual block longer than a row: drop_block | drop_document
+    # A token source whose visual blocks are longer than seq_len is refused at start (they could
+    # only be dropped); true: train anyway, each dropped block counted (data/dropped_blocks).
+    allow_block_drops: bool = False
     max_consecutive_errors: int = 16  # unreadable samples in a row before the run stops
+    # Check each token sample against the SHA-256 in its shard index (a corrupted one is skipped
+    # and counted); ids are always checked against their modality's vocabulary range.
+    check_hashes: bool = True
+    # Raw sources: failed video decodes a worker absorbs before it decodes every later clip in a
+    # short-lived child process (decord leaks ~40 KB per failure; data/loader/decode_guard.py)
+    video_failure_budget: int = 64
     stall_seconds: float = 120.0  # a read slower than this is reported
     # A tokenizer folder (tokenizer.json, vocab_layout.json, visual_tokenizer/: a token folder's
     # tokenizers/). Raw sources are tokenized with it; token sources must have been made with it.

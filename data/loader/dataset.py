@@ -18,40 +18,31 @@ Design choices:
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import json
-import os
-import sys
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from data.loader import transport
 from data.loader.config import LoaderConfig
-from data.loader.order import unpack_mask
-from data.loader.stream import ConsumerStream
+from data.loader.fit import check_blocks_fit
+from data.loader.order import ORDER_VERSION, unpack_mask
+from data.loader.packer import BatchBuffer
+from data.loader.sample_check import attach_id_ranges
+from data.loader.stream import ConsumerStream, PackedBatch
 from data.loader.table import SampleTable, load_table
+from data.vocab import MODALITY_NAMES
 
 STATE_VERSION = 1
-
-
-def _hard_exit() -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _worker_init(_worker_id: int) -> None:
-    """A worker process leaves with ``os._exit`` once multiprocessing has flushed its queues.
-
-    With torch 2.13 (CPU build) a spawned DataLoader worker that exits normally aborts in about
-    one shutdown in four ("terminate called without an active exception", SIGABRT in a C++
-    destructor during interpreter teardown, no Python frame); the main process then raises
-    "DataLoader worker ... is killed by signal: Aborted" while closing the loader. The atexit
-    hook runs after ``Process._bootstrap`` has joined the queues' feeder threads and before that
-    teardown. A worker that failed still reaches the main process as an exception through the
-    data queue (or as a dead worker), so nothing is hidden."""
-    atexit.register(_hard_exit)
+# Workers are forked from multiprocessing's fork server: a clean single-threaded process (not
+# this one, whose threads and CUDA state a plain fork would copy), and a worker leaves through the
+# fork server's os._exit once its queues are flushed. A spawned worker instead tore down a whole
+# interpreter, and with torch 2.13 (CPU) one that had run the visual tokenizer (online
+# tokenization) aborted in about 1 shutdown of 7 ("terminate called without an active
+# exception", SIGABRT in a C++ destructor, no Python frame), which failed the loader.
+WORKER_START = "forkserver"
 
 
 class _Consumers(IterableDataset):
@@ -66,12 +57,18 @@ class _Consumers(IterableDataset):
         stream = ld.make_stream(worker)
         if ld.worker_states.get(worker):
             stream.load_state_dict(ld.worker_states[worker])
+        if info is not None:  # batches go to the trainer's process through shared slots
+            in_flight = ld.cfg.prefetch_factor * ld.cfg.num_workers
+            stream.ring = transport.SlotRing(
+                in_flight + 2, BatchBuffer.numel(ld.micro_batch, ld.cfg.seq_len)
+            )
         while True:
             batch = stream.next_batch()
             if batch is None:
                 return
-            batch["_worker"] = worker
-            batch["_state"] = stream.state_dict()
+            assert isinstance(batch, PackedBatch)
+            batch.worker = worker
+            batch.state = stream.state_dict()
             yield batch
 
 
@@ -102,6 +99,8 @@ class PackedLoader:
             (torch.cuda.is_available() and cfg.pin_memory) if pin_memory is None else pin_memory
         )
         self.worker_states: dict[int, dict] = {}
+        # Which epoch order the cursors index (order.py); a restored state says which it used.
+        self.order_version = ORDER_VERSION
         self.rotation = 0
         self.handed_out = 0
         self.batch_limit: int | None = None
@@ -125,6 +124,7 @@ class PackedLoader:
             micro_batch=self.micro_batch,
             pad_id=self.pad_id,
             dry=dry,
+            order_version=self.order_version,
         )
         s.batch_limit = self.batch_limit
         return s
@@ -148,17 +148,23 @@ class PackedLoader:
             pin_memory=self.pin,
             prefetch_factor=self.cfg.prefetch_factor if self.cfg.num_workers else None,
             persistent_workers=False,
-            multiprocessing_context="spawn" if self.cfg.num_workers else None,
-            worker_init_fn=_worker_init if self.cfg.num_workers else None,
+            multiprocessing_context=WORKER_START if self.cfg.num_workers else None,
+            # A generator of its own: a DataLoader iterator otherwise draws its base seed from the
+            # global torch RNG, which would differ between a resumed and an uninterrupted run.
+            # Our workers seed themselves by hashing (seed, epoch, rank, worker) anyway.
+            generator=torch.Generator().manual_seed(self.cfg.seed * 1000003 + self.rank),
         )
         it = iter(dl)
+        rings = set()
         try:
-            for batch in it:
-                w = batch.pop("_worker")
-                self.worker_states[int(w)] = batch.pop("_state")
+            for packed in it:
+                rings.add(packed.token)
+                self.worker_states[packed.worker] = packed.state
                 self.handed_out += 1
-                yield batch
+                yield packed.to_dict()
         finally:
+            for token in rings:
+                transport.forget(token)
             # Closing this generator stops the workers now, not whenever it is garbage collected.
             shutdown = getattr(it, "_shutdown_workers", None)
             if shutdown:
@@ -218,13 +224,15 @@ class PackedLoader:
         if "batch_limit" in st:  # epoch mode: after a redistribute, the count of the new split
             self.batch_limit = st["batch_limit"]
         self.worker_states = {int(k): v for k, v in st["worker_states"].items()}
+        if self.worker_states:  # states saved before order version 2 carry no "order"
+            self.order_version = next(iter(self.worker_states.values())).get("order", 1)
         self.handed_out = st["handed_out"]
         self.rotation = self.handed_out % self.workers
 
     # --- reporting -------------------------------------------------------------------------------
     def delivered(self) -> dict:
         """Tokens per modality and source and the packing figures, over the handed-out batches."""
-        out = {
+        out: dict[str, Any] = {
             "batches": self.handed_out,
             "errors": 0,
             "rows": 0,
@@ -243,10 +251,21 @@ class PackedLoader:
             ]
             for t, c in zip(self.tables, st["cursors"]):
                 out["tokens_by_source"][t.name] = out["tokens_by_source"].get(t.name, 0) + c[2]
+        out["dropped_by_source"] = self.dropped_blocks()
         rows = out["rows"]
         out["packing_efficiency"] = out["real_tokens"] / (rows * self.cfg.seq_len) if rows else 0.0
         if self.cfg.mode == "epoch":
             out["held_back"] = self.held_back()
+        return out
+
+    def dropped_blocks(self) -> dict[str, dict[str, int]]:
+        """Visual blocks this rank's workers dropped for being longer than a row (as of the last
+        batch handed out): source -> {"image": n, "video": n}, sources with none left out."""
+        out: dict[str, dict[str, int]] = {}
+        for st in self.worker_states.values():
+            for s, m, n in st.get("dropped_by", []):
+                per = out.setdefault(self.tables[s].name, {"image": 0, "video": 0})
+                per[MODALITY_NAMES[m]] += n
         return out
 
     def skipped(self) -> int:
@@ -267,7 +286,8 @@ class PackedLoader:
                 if (s, c[0]) in skip:  # less those a redistribute found consumed before
                     left -= int(unpack_mask(skip[(s, c[0])], len(t)).sum())
                 n += len(range(consumer, left, self.consumers)) - c[1]
-            n += len(st["pending"]) if st else 0
+            if st:  # documents handed out in part: held aside or with chunks still to come
+                n += len({tuple(d[:3]) for d in st["pending"] + st.get("open", [])})
         return n
 
 
@@ -279,14 +299,20 @@ def build_loader(
     micro_batch: int,
     pad_id: int = 0,
     validation: bool = False,
+    tables: list[SampleTable] | None = None,
 ) -> PackedLoader:
+    """``tables``: the sources' sample tables when the caller has read them already (a run reads
+    each index once and shares it between training, evaluation and probes)."""
     sources = cfg.validation if validation else cfg.sources
     if not sources:
         raise ValueError(
             "data.validation lists no sources" if validation else "data.sources lists no sources"
         )
-    tables = [load_table(s) for s in sources]
+    if tables is None:
+        tables = [load_table(s, cache_dir=cfg.cache_dir) for s in sources]
     check_tokenizers(cfg, tables)
+    attach_id_ranges(cfg, tables)  # every sample's ids checked against them as it is read
+    check_blocks_fit(cfg, tables, what="validation source" if validation else "source")
     if validation:
         from dataclasses import replace
 

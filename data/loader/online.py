@@ -9,9 +9,11 @@ Design choices:
 - The visual tokenizer runs on the worker's CPU (the GPU belongs to the trainer; a DataLoader
   worker uses one thread). Offline tokenization stays the fast path for large runs
   (docs/benchmarks.md, "Loader, raw path").
-- No block outgrows a row: the pixel budget of images and the frame count of videos are capped
-  from ``seq_len`` before encoding (a raw source is downscaled where a token shard could only
-  drop the block).
+- No block outgrows a row: images and videos are tokenized with ``seq_len`` as their block
+  budget, as ``earlyfuse-prep tokenize --seq-len`` does (images smaller, videos fewer frames,
+  then smaller frames), so nothing is dropped.
+- Videos are untrusted bytes: failing decodes leak inside decord, so past a budget of failures
+  a worker decodes each clip in a short-lived child (data/loader/decode_guard.py).
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ from pathlib import Path
 
 import torch
 
+from data.loader.decode_guard import DEFAULT_BUDGET, DecodeGuard
+from data.names import VISUAL_TOKENIZER_DIR
 from data.schema import Reject
 from data.shards.reader import RawDoc
 from data.text_tokenizer import TextTokenizer
 from data.tokenize.encoder import DocEncoder, TokenDoc, TokenizeOptions
 from data.tokenize.visual import load_visual_tokenizer, weights_fingerprint
-
-VISUAL_FOLDER = "visual_tokenizer"
 
 
 def folder_fingerprints(folder: str | Path) -> dict:
@@ -40,32 +42,24 @@ def folder_fingerprints(folder: str | Path) -> dict:
             "vocab_layout.json and visual_tokenizer/, like a token folder's tokenizers/)"
         )
     text = TextTokenizer.load(folder)
-    if not (folder / VISUAL_FOLDER).is_dir():
+    if not (folder / VISUAL_TOKENIZER_DIR).is_dir():
         raise ValueError(
-            f"{folder}: no {VISUAL_FOLDER}/ (a tokenizer folder holds tokenizer.json, "
+            f"{folder}: no {VISUAL_TOKENIZER_DIR}/ (a tokenizer folder holds tokenizer.json, "
             "vocab_layout.json and visual_tokenizer/, like a token folder's tokenizers/)"
         )
     return {
         "text": text.fingerprint(),
         "layout": text.layout.fingerprint(),
-        "visual": weights_fingerprint(folder / VISUAL_FOLDER),
+        "visual": weights_fingerprint(folder / VISUAL_TOKENIZER_DIR),
     }
 
 
-def fitted_options(
-    opts: TokenizeOptions, seq_len: int, factor: int, max_grid: int
-) -> TokenizeOptions:
-    """Options under which every image and video block fits in a row of ``seq_len``: an image
-    block is 4 + h*w + h tokens (h <= max_grid), a one-frame video block 5 + h*w + h; longer
-    videos keep fewer frames (video_max_tokens)."""
-    image_pixels = max(factor * factor, (seq_len - 4 - max_grid) * factor * factor)
-    frame_pixels = max(factor * factor, (seq_len - 5 - max_grid) * factor * factor)
-    return replace(
-        opts,
-        image_max_pixels=min(opts.image_max_pixels, image_pixels),
-        video_max_pixels=min(opts.video_max_pixels, frame_pixels),
-        video_max_tokens=min(opts.video_max_tokens, seq_len),
-    )
+def fitted_options(opts: TokenizeOptions, seq_len: int) -> TokenizeOptions:
+    """Options under which every image and video block fits in a row of ``seq_len``: what
+    ``earlyfuse-prep tokenize --seq-len`` does (images made smaller, videos given fewer frames,
+    then smaller frames)."""
+    cap = min(x for x in (opts.max_block_tokens, seq_len) if x)
+    return replace(opts, max_block_tokens=cap)
 
 
 def online_options(cfg) -> TokenizeOptions:
@@ -74,18 +68,27 @@ def online_options(cfg) -> TokenizeOptions:
 
 
 def options_key(opts: TokenizeOptions) -> str:
-    return json.dumps(asdict(opts), sort_keys=True)
+    return json.dumps(opts.record(), sort_keys=True)
 
 
 class OnlineTokenizer:
     """Built lazily in each worker process (tokenizers are not shared across processes)."""
 
-    def __init__(self, folder: str | Path, opts: TokenizeOptions, seq_len: int) -> None:
+    def __init__(
+        self,
+        folder: str | Path,
+        opts: TokenizeOptions,
+        seq_len: int,
+        *,
+        failure_budget: int = DEFAULT_BUDGET,
+    ) -> None:
         folder = Path(folder)
         text = TextTokenizer.load(folder)
-        vtok = load_visual_tokenizer(folder / VISUAL_FOLDER, text.layout, "cpu")
-        self.opts = fitted_options(opts, seq_len, vtok.cfg.factor, text.layout.max_grid)
+        vtok = load_visual_tokenizer(folder / VISUAL_TOKENIZER_DIR, text.layout, "cpu")
+        self.opts = fitted_options(opts, seq_len)
         self.encoder = DocEncoder(text, vtok, self.opts, torch.device("cpu"))
+        # Failing clips leak inside decord: past a budget, each is decoded in a child process
+        self.encoder.decode_frames = self.decode_guard = DecodeGuard(failure_budget)
 
     def encode(self, key: str, members: dict, shard_name: str, f) -> tuple[TokenDoc | None, str]:
         """(document, "") or (None, why it was rejected). ``f`` is the open shard."""

@@ -4,6 +4,12 @@
   consumer computes its order alone, for any epoch, in the same time.
 - Shards are shuffled per epoch; samples are shuffled within windows of ``buffer`` consecutive
   positions (a bounded shuffle that keeps reads local to a few shards).
+- The order is computed a window at a time (``EpochOrder``): each window's shuffle has a seed
+  of its own, so position p needs only its window, never the positions before it, and a
+  consumer's start costs the same at 10^4 samples as at 10^9 (only the shard permutation is
+  per epoch, O(shards)). Order version 1 (``epoch_order``: one whole-epoch permutation with
+  the windows drawn in turn from one RNG, O(samples) at every start) is kept for loader states
+  saved before version 2: their positions index that order.
 - Consumer c of C takes positions c, c + C, c + 2C, ... of the epoch order: no sample is read by
   two consumers within an epoch, and every sample is read by one.
 - After a ``redistribute`` (another world size or worker count mid-epoch), an epoch may carry a
@@ -41,6 +47,83 @@ def epoch_order(
             window = order[start : start + buffer]
             order[start : start + buffer] = window[rng.permutation(len(window))]
     return order
+
+
+ORDER_VERSION = 2  # what a fresh loader uses; a state saved without "order" used version 1
+_PLAIN_WINDOW = 4096  # positions computed at a time when there is no sample shuffle
+
+
+class EpochOrder:
+    """Order version 2 of one source and epoch: position -> sample id, a window at a time.
+
+    Positions run over the shards in their shuffled order (each shard's samples in index
+    order); window w (positions [w * buffer, (w + 1) * buffer)) is shuffled by an RNG seeded
+    from (seed, epoch, source, w)."""
+
+    def __init__(
+        self,
+        counts: np.ndarray,
+        *,
+        seed: int,
+        epoch: int,
+        source: str,
+        buffer: int,
+        shuffle_shards: bool,
+    ) -> None:
+        counts = np.asarray(counts, np.int64)
+        rng = np.random.default_rng(seed_of(seed, epoch, source, "order"))
+        perm = rng.permutation(len(counts)) if shuffle_shards else np.arange(len(counts))
+        first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        self.first = first[perm]  # id of the first sample of each shard, shards in order
+        self.starts = np.concatenate([[0], np.cumsum(counts[perm])]).astype(np.int64)
+        self.n = int(self.starts[-1])
+        self.shuffle = buffer > 1
+        self.window = buffer if self.shuffle else _PLAIN_WINDOW
+        self.key = (seed, epoch, source)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def window_samples(self, w: int) -> np.ndarray:
+        """int64: the samples at positions [w * window, (w + 1) * window) (fewer at the end)."""
+        lo = w * self.window
+        hi = min(lo + self.window, self.n)
+        pos = np.arange(lo, hi, dtype=np.int64)
+        if self.shuffle:
+            rng = np.random.default_rng(seed_of(*self.key, "window", w))
+            pos = lo + rng.permutation(hi - lo)
+        shard = np.searchsorted(self.starts, pos, side="right") - 1
+        return self.first[shard] + (pos - self.starts[shard])
+
+    def full(self) -> np.ndarray:
+        """The whole order (O(samples): redistributed epochs only)."""
+        n_windows = -(-self.n // self.window)
+        parts = [self.window_samples(w) for w in range(n_windows)]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+class ConsumerSlice:
+    """Consumer c's positions c, c + C, ... of an ``EpochOrder``, as a lazy sequence of samples
+    (the window under the cursor is computed once and kept)."""
+
+    def __init__(self, order: EpochOrder, consumer: int, consumers: int) -> None:
+        self.order, self.consumer, self.consumers = order, consumer, consumers
+        self.n = len(range(consumer, order.n, consumers))
+        self._w, self._samples = -1, np.zeros(0, np.int64)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return np.asarray([self[i] for i in range(*k.indices(self.n))], np.int64)
+        if not -self.n <= k < self.n:
+            raise IndexError(k)
+        pos = self.consumer + (k % self.n) * self.consumers
+        w = pos // self.order.window
+        if w != self._w:
+            self._w, self._samples = w, self.order.window_samples(w)
+        return int(self._samples[pos - w * self.order.window])
 
 
 def consumer_slice(order: np.ndarray, consumer: int, consumers: int) -> np.ndarray:

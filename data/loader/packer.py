@@ -5,7 +5,13 @@ Design choices:
   does not fit in what is left of a row waits (its document is held aside, at most
   ``max_pending`` documents) while later documents fill the row; the held documents start the
   next rows. A block longer than a whole row is dropped (or its document, ``oversize``) and
-  counted: token shards cannot be re-encoded smaller here.
+  counted per source and modality: token shards cannot be re-encoded smaller here (the loader
+  refuses such sources at start unless drops are allowed, data/loader/fit.py).
+- Documents arrive in *chunks* (``Doc.limit``: the end of the part handed out so far): the
+  stream hands out a long document a chunk at a time, interleaved with other sources' chunks,
+  so one long document cannot fill many rows in a row (data/loader/stream.py). Consecutive
+  chunks of one document that land side by side in a row are joined into one piece, so the
+  chunking costs no context where nothing came between them.
 - Each row is a set of *pieces* (contiguous runs of one document). Attention is masked per
   piece (``doc_ids``), positions restart at 0 in each piece, and every label is the token that
   truly follows in its document (so the last token of a split piece is still trained on);
@@ -62,6 +68,11 @@ class Doc:
     mod: np.ndarray | None = None
     unit: int = 0  # next unit to place
     offset: int = 0  # tokens of that unit already placed (text only)
+    limit: int = -1  # end of the chunk handed out so far (-1: the whole document)
+
+    def __post_init__(self) -> None:
+        if self.limit < 0:
+            self.limit = self.length
 
     def position(self) -> int:
         """Doc tokens already placed or dropped: where the next piece starts."""
@@ -72,7 +83,24 @@ class Doc:
         )
 
     def cursor(self) -> list[int]:
-        return [self.source, self.sample, self.epoch, self.unit, self.offset]
+        return [self.source, self.sample, self.epoch, self.unit, self.offset, self.limit]
+
+    def blocks_in(self, a: int, b: int) -> bool:
+        """Whether doc tokens [a, b) hold a whole visual block."""
+        return any(u.atomic and u.start >= a and u.end <= b for u in self.units)
+
+    def chunk_placed(self) -> bool:
+        """Every token handed out so far is placed (or dropped): ready for its next chunk."""
+        return self.position() >= self.limit
+
+    def chunk_end(self, size: int) -> int:
+        """Where the chunk after ``limit`` ends: ``size`` tokens on, stretched to the end of a
+        visual block it would cut (a block is never split, not even between chunks)."""
+        target = min(self.limit + size, self.length)
+        for u in self.units:
+            if u.atomic and u.start < target < u.end:
+                return u.end
+        return target
 
 
 @dataclass
@@ -89,6 +117,98 @@ class Row:
     pieces: list[tuple[int, int, int, int]] = field(
         default_factory=list
     )  # (source, sample, start, end)
+    tail: Doc | None = None  # the document of the last piece (a next chunk of it joins that piece)
+    # Placed so far, for ``Packer._finish``: (row start, row end, piece, position offset, label
+    # and label modality of the last token) per stretch of one document, and the pieces that
+    # hold visual blocks: piece -> (document, row start, document start, document end).
+    segments: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
+    visual: dict[int, tuple] = field(default_factory=dict)
+
+
+_ARANGE = np.arange(1 << 16, dtype=np.int64)
+_BLOCK_POSITIONS: dict[tuple[int, int, int], tuple[np.ndarray, int]] = {}
+
+
+def block_positions(t: int, h: int, w: int) -> tuple[np.ndarray, int]:
+    """(int64 [block tokens, 3] M-RoPE offsets from the block's first position, how far the
+    position moves past the block) of an image (t = 0) or video block of an h x w code grid:
+    ``<boi>``/``<bov>`` and the two size tokens advance all three; per frame (video: after its
+    ``<frame>`` marker at (f, 0, 0)) the codes and row ends take (f, row, col); after the block
+    the position continues past its largest extent, where ``<eoi>``/``<eov>`` sits (Qwen2-VL).
+    Built once per grid shape and reused (a block is one vector add)."""
+    key = (t, h, w)
+    if key not in _BLOCK_POSITIONS:
+        frames = max(t, 1)
+        parts = [np.repeat(np.arange(3)[:, None], 3, 1)]
+        rows = np.repeat(np.arange(h), w + 1)
+        cols = np.tile(np.arange(w + 1), h)
+        for f in range(frames):
+            if t:
+                parts.append(np.asarray([[3 + f, 3, 3]]))
+            parts.append(np.stack([np.full(h * (w + 1), 3 + f), 3 + rows, 3 + cols], -1))
+        extent = 3 + max(frames, h, w + 1)
+        parts.append(np.asarray([[extent] * 3]))
+        offsets = np.concatenate(parts).astype(np.int64)
+        offsets.setflags(write=False)
+        _BLOCK_POSITIONS[key] = (offsets, extent + 1)
+    return _BLOCK_POSITIONS[key]
+
+
+# The per-token fields of a batch, in the order they lie in its buffer, with their padding values.
+ROW_FIELDS = (
+    ("ids", "input_ids", None),  # None: the pad id
+    ("labels", "labels", IGNORE),
+    ("mod", "modality", int(Modality.TEXT)),
+    ("label_mod", "label_modality", int(Modality.TEXT)),
+    ("doc_ids", "doc_ids", -1),
+    ("pos", "position_ids", 0),
+    ("image_ids", "image_ids", -1),
+)
+
+
+def _fields(row: Row) -> dict[str, np.ndarray]:
+    return {attr: getattr(row, attr) for attr, _, _ in ROW_FIELDS} | {"thw": row.thw}
+
+
+class BatchBuffer:
+    """Every per-token field of a batch of ``rows`` rows in one int64 buffer: the fields above,
+    each [rows, L] and contiguous, then ``position_thw`` [rows, L, 3]. Rows are views of it, so
+    the packer writes a batch in place and a worker hands the trainer one tensor, which the
+    trainer splits into views without a copy."""
+
+    def __init__(self, rows: int, seq_len: int, pad_id: int, *, tensor=None) -> None:
+        import torch
+
+        self.rows, self.L = rows, seq_len
+        n = rows * seq_len
+        if tensor is None:
+            tensor = torch.empty(self.numel(rows, seq_len), dtype=torch.int64)
+        self.tensor = tensor  # given: a worker's slot of shared memory (data/loader/transport.py)
+        flat = self.tensor.numpy()
+        # Not filled: the packer writes every position of a row it hands out (Packer._finish).
+        self.fields = {
+            attr: flat[i * n : (i + 1) * n].reshape(rows, seq_len)
+            for i, (attr, _, _) in enumerate(ROW_FIELDS)
+        }
+        self.fields["thw"] = flat[len(ROW_FIELDS) * n :].reshape(rows, seq_len, 3)
+
+    @staticmethod
+    def numel(rows: int, seq_len: int) -> int:
+        return (len(ROW_FIELDS) + 3) * rows * seq_len
+
+    def row(self, i: int) -> Row:
+        return Row(**{attr: view[i] for attr, view in self.fields.items()}, real=0)
+
+    @staticmethod
+    def split(tensor, rows: int, seq_len: int) -> dict:
+        """The batch fields of a buffer's tensor, as views: ``input_ids`` ... ``position_thw``."""
+        n = rows * seq_len
+        out = {
+            key: tensor[i * n : (i + 1) * n].view(rows, seq_len)
+            for i, (_, key, _) in enumerate(ROW_FIELDS)
+        }
+        out["position_thw"] = tensor[len(ROW_FIELDS) * n :].view(rows, seq_len, 3)
+        return out
 
 
 @dataclass
@@ -123,6 +243,12 @@ class Packer:
         )
         self.pending: list[Doc] = []
         self.stats = PackStats()
+        # (source, modality) -> blocks dropped for being longer than a row
+        self.dropped_by: dict[tuple[int, int], int] = {}
+
+    def _count_drop(self, doc: Doc, unit: Unit) -> None:
+        key = (doc.source, int(Modality.VIDEO if unit.t else Modality.IMAGE))
+        self.dropped_by[key] = self.dropped_by.get(key, 0) + 1
 
     # --- one document into the row being built ---------------------------------------------------
     def _place(self, doc: Doc, row: Row | None, pos: int) -> tuple[str, int]:
@@ -130,12 +256,13 @@ class Packer:
         "done" (finished), "full" (row filled, doc continues) or "blocked" (a block must wait)."""
         L = self.L
         piece_start, doc_start = pos, doc.position()
-        while doc.unit < len(doc.units):
+        while doc.unit < len(doc.units) and doc.position() < doc.limit:
             u = doc.units[doc.unit]
             left = u.end - u.start - doc.offset
             if u.atomic:
                 if left > L:
                     self._flush(doc, row, piece_start, doc_start, pos, cut=True)
+                    self._count_drop(doc, u)
                     if self.oversize == "drop_document":
                         self.stats.dropped_docs += 1
                         doc.unit = len(doc.units)
@@ -150,7 +277,7 @@ class Packer:
                 pos += left
                 doc.unit += 1
             else:
-                k = min(left, L - pos)
+                k = min(left, L - pos, doc.limit - doc.position())
                 if k == 0:
                     self._flush(doc, row, piece_start, doc_start, pos)
                     return "full", pos
@@ -172,27 +299,82 @@ class Packer:
         self.stats.real_tokens += n
         if row is None:
             return
+        assert doc.ids is not None and doc.mod is not None  # read whenever a row is filled
         b = a + n
-        pid = len(row.pieces)
-        row.pieces.append((doc.source, doc.sample, a, b))
+        if row.tail is doc and row.pieces[-1][3] == a:
+            # The next chunk of the document just placed, right after it: one piece, so its
+            # tokens attend to the chunk before and positions run on.
+            pid = len(row.pieces) - 1
+            a0 = row.pieces[-1][2]
+            ra0 = ra - (a - a0)
+            row.pieces[-1] = (doc.source, doc.sample, a0, b)
+        else:
+            pid, a0, ra0 = len(row.pieces), a, ra
+            row.pieces.append((doc.source, doc.sample, a, b))
+        row.tail = doc
         row.ids[ra:rb] = doc.ids[a:b]
         row.mod[ra:rb] = doc.mod[a:b]
-        nxt = min(b + 1, doc.length)
-        row.labels[ra : ra + (nxt - a - 1)] = doc.ids[a + 1 : nxt]
-        row.label_mod[ra : ra + (nxt - a - 1)] = doc.mod[a + 1 : nxt]
-        if cut:
-            row.labels[rb - 1] = IGNORE
-        row.doc_ids[ra:rb] = pid
-        row.pos[ra:rb] = np.arange(n)
-        self._thw(doc, row, ra, a, b)
+        # The rest of the row's fields are written in one pass per row (``_finish``): labels,
+        # positions and document ids are the same few vector operations for every piece.
+        if b < doc.length:  # the piece's last token predicts the document's next one
+            tail = (IGNORE if cut else int(doc.ids[b]), int(doc.mod[b]))
+        else:
+            tail = (IGNORE, int(Modality.TEXT))
+        row.segments.append((ra, rb, pid, a - a0, *tail))
+        if doc.blocks_in(a0, b):
+            row.visual[pid] = (doc, ra0, a0, b)
+
+    def finish(self, rows: list[Row], fields: dict[str, np.ndarray]) -> None:
+        """Every field of a batch's rows from their pieces, in one pass over the batch (``fields``:
+        attr -> [rows, L] arrays, ``thw`` [rows, L, 3], whose row i is ``rows[i]``'s): ids and
+        modalities are placed; labels are the next token (the document's next one at a piece's
+        end; -100 after its last token, before a dropped block and on padding), document ids and
+        1-D positions per piece, M-RoPE positions equal to the 1-D ones except in pieces with
+        visual blocks; padding after each row's real tokens."""
+        B, L = len(rows), self.L
+        flat = {k: v.reshape(B * L, *v.shape[2:]) for k, v in fields.items()}
+        real = [r.real for r in rows]
+        ids, mod, labels, label_mod = flat["ids"], flat["mod"], flat["labels"], flat["label_mod"]
+        # Real positions, row after row, are the segments one after another; a row with padding
+        # (the last ones of an epoch, or ended by held-aside blocks) is the rare case.
+        short = [i for i in range(B) if real[i] < L]
+        keep: slice | np.ndarray = slice(None)
+        if short:
+            keep = (_ARANGE[:L][None, :] < np.asarray(real)[:, None]).reshape(-1)
+        for i in short:
+            ids[i * L + real[i] : (i + 1) * L] = self.pad_id
+            mod[i * L + real[i] : (i + 1) * L] = int(Modality.TEXT)
+        labels[:-1] = ids[1:]
+        label_mod[:-1] = mod[1:]
+        segs = [
+            (i * L + sg[0], i * L + sg[1], *sg[2:]) for i, r in enumerate(rows) for sg in r.segments
+        ]
+        seg = np.asarray(segs, np.int64).reshape(-1, 6)
+        lengths = seg[:, 1] - seg[:, 0]
+        labels[seg[:, 1] - 1] = seg[:, 4]
+        label_mod[seg[:, 1] - 1] = seg[:, 5]
+        flat["doc_ids"][keep] = np.repeat(seg[:, 2], lengths)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(seg) else lengths
+        pos = _ARANGE[: int(lengths.sum())] - np.repeat(starts - seg[:, 3], lengths)
+        flat["pos"][keep] = pos
+        flat["thw"][keep] = pos[:, None]
+        flat["image_ids"][:] = -1
+        for i in short:
+            padding = slice(i * L + real[i], (i + 1) * L)
+            label_mod[padding] = int(Modality.TEXT)
+            labels[padding] = IGNORE
+            flat["doc_ids"][padding] = len(rows[i].pieces) if rows[i].pieces else -1
+            flat["pos"][padding] = 0
+            flat["thw"][padding] = 0
+        for r in rows:
+            for pid in sorted(r.visual):  # images numbered in row order
+                doc, ra0, a0, b = r.visual[pid]
+                self._thw(doc, r, ra0, a0, b)
 
     def _thw(self, doc: Doc, row: Row, ra: int, a: int, b: int) -> None:
         p = 0  # M-RoPE position of the next token
         j = a
         blocks = [u for u in doc.units if u.atomic and u.start >= a and u.end <= b]
-        if not blocks:  # text only (most pieces): t = h = w = the 1-D position
-            row.thw[ra : ra + b - a] = np.arange(b - a)[:, None]
-            return
         n_img = int(row.image_ids.max()) + 1
         for u in blocks + [None]:
             stop = u.start if u else b
@@ -202,50 +384,28 @@ class Packer:
             if u is None:
                 break
             r0 = ra + u.start - a
-            row.thw[r0 : r0 + 3] = (p + np.arange(3))[
-                :, None
-            ]  # <boi>/<bov> and the two size tokens
-            p += 3
-            frames, h, w = max(u.t, 1), u.h, u.w
-            k = r0 + 3
-            for f in range(frames):
-                if u.t:  # video: <frame> marker
-                    row.thw[k] = (p + f, p, p)
-                    k += 1
-                grid_t = np.full((h, w + 1), p + f)
-                grid_h = np.broadcast_to((p + np.arange(h))[:, None], (h, w + 1))
-                grid_w = np.broadcast_to(p + np.arange(w + 1)[None, :], (h, w + 1))
-                row.thw[k : k + h * (w + 1)] = np.stack([grid_t, grid_h, grid_w], -1).reshape(-1, 3)
-                codes = row.mod[k : k + h * (w + 1)] == Modality.IMAGE
-                row.image_ids[k : k + h * (w + 1)][codes] = n_img
-                k += h * (w + 1)
-            n_img += 1 if u.t == 0 else 0
-            p += max(frames, h, w + 1)
-            row.thw[k] = (p, p, p)  # <eoi>/<eov>
-            p += 1
+            offsets, advance = block_positions(u.t, u.h, u.w)
+            end = r0 + len(offsets)
+            np.add(offsets, p, out=row.thw[r0:end])
+            if u.t == 0:  # an image: its codes carry its number (bidirectional attention)
+                codes = row.mod[r0:end] == Modality.IMAGE
+                row.image_ids[r0:end][codes] = n_img
+                n_img += 1
+            p += advance
             j = u.end
 
     def _new_row(self) -> Row | None:
         if self.dry:
             return None
-        L = self.L
-        return Row(
-            ids=np.full(L, self.pad_id, np.int64),
-            mod=np.full(L, int(Modality.TEXT), np.int64),
-            labels=np.full(L, IGNORE, np.int64),
-            label_mod=np.full(L, int(Modality.TEXT), np.int64),
-            doc_ids=np.full(L, -1, np.int64),
-            pos=np.zeros(L, np.int64),
-            thw=np.zeros((L, 3), np.int64),
-            image_ids=np.full(L, -1, np.int64),
-            real=0,
-        )
+        return BatchBuffer(1, self.L, self.pad_id).row(0)
 
     # --- one row ----------------------------------------------------------------------------------
-    def pack(self, next_doc) -> Row | None:
+    def pack(self, next_doc, into: Row | None = None) -> Row | None:
         """The next row, pulling documents from ``next_doc()`` (None when the data has ended);
-        None when nothing is left at all."""
-        row, pos = self._new_row(), 0
+        None when nothing is left at all. ``into``: a blank row of a batch's buffer, whose
+        fields other than ids and modalities ``finish`` writes for the whole batch; without it a
+        row of its own is made and finished."""
+        row, pos = (into if into is not None or self.dry else self._new_row()), 0
         waiting, self.pending = self.pending, []
         carry: list[Doc] = []
         deferred: list[Doc] = []
@@ -273,7 +433,6 @@ class Packer:
         self.stats.rows += 1
         if row is not None:
             row.real = pos
-            if row.pieces:
-                pad = row.doc_ids == -1
-                row.doc_ids[pad] = len(row.pieces)  # padding: its own "document"
+            if into is None:
+                self.finish([row], {k: v[None] for k, v in _fields(row).items()})
         return row if row is not None else Row(*(None,) * 8, real=pos)  # type: ignore[arg-type]

@@ -19,6 +19,7 @@ from PIL import Image, ImageDraw
 from data.layout import parse_image
 from data.loader.config import LoaderConfig, SourceConfig
 from data.loader.dataset import build_loader
+from data.names import MANIFEST_FILE, TOKENIZERS_DIR, VISUAL_TOKENIZER_DIR
 from data.text_tokenizer import TextTokenizer
 from data.vocab import MODALITY_NAMES, Modality
 
@@ -40,7 +41,7 @@ PAD = (200, 200, 200)
 
 
 def sources_of(token_dir: Path, names: list[str] | None) -> list[SourceConfig]:
-    m = json.loads((token_dir / "manifest.json").read_text())
+    m = json.loads((token_dir / MANIFEST_FILE).read_text())
     have = [s["name"] for s in m["sources"]]
     for n in names or []:
         if n not in have:
@@ -48,12 +49,53 @@ def sources_of(token_dir: Path, names: list[str] | None) -> list[SourceConfig]:
     return [SourceConfig(name=n, shards=[str(token_dir / n)]) for n in (names or have)]
 
 
+def config_of(path: Path) -> dict:
+    """The ``data`` section of a run's config.yaml (RUN_DIR/config.yaml, resolved) or a data config
+    (configs/data/*.yaml): its sources with their weights, seq_len, seed, shuffle, mix_chunk."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"{path}: cannot read it as YAML ({e})") from None
+    data = raw.get("data", raw) if isinstance(raw, dict) else None
+    if not isinstance(data, dict) or not data.get("sources"):
+        raise ValueError(
+            f"{path}: no data sources of its own (give a run's config.yaml or a data config that "
+            "lists its sources; a defaults list is not followed here, Hydra resolves it)"
+        )
+    return data
+
+
 def rows(
-    token_dir: Path, names: list[str] | None, seq_len: int, n_rows: int, seed: int
+    token_dir: Path,
+    names: list[str] | None,
+    seq_len: int,
+    n_rows: int,
+    seed: int,
+    config: dict | None = None,
 ) -> list[dict]:
-    cfg = LoaderConfig(
-        sources=sources_of(token_dir, names), seq_len=seq_len, num_workers=0, seed=seed
-    )
+    if config:  # the run's own sources, weights and packing options
+        wanted = set(names or [])
+        srcs = [SourceConfig(**s) for s in config["sources"] if not wanted or s["name"] in wanted]
+        cfg = LoaderConfig(
+            sources=srcs,
+            seq_len=seq_len,
+            seed=int(config.get("seed", seed)),
+            shuffle_buffer=int(config.get("shuffle_buffer", 1024)),
+            mix_chunk=int(config.get("mix_chunk", 0)),
+            max_pending=int(config.get("max_pending", 4)),
+            num_workers=0,
+            allow_block_drops=True,  # shown and counted below, not refused
+        )
+    else:
+        cfg = LoaderConfig(
+            sources=sources_of(token_dir, names),
+            seq_len=seq_len,
+            num_workers=0,
+            seed=seed,
+            allow_block_drops=True,
+        )
     loader = build_loader(cfg, rank=0, world_size=1, micro_batch=1)
     out = []
     it = iter(loader)
@@ -63,7 +105,9 @@ def rows(
             {k: v[0].numpy() if hasattr(v, "numpy") and v.dim() else v for k, v in b.items()}
         )
     it.close()
-    out.append(loader.delivered())
+    delivered = loader.delivered()
+    delivered["weights"] = {s.name: s.weight for s in cfg.sources}
+    out.append(delivered)
     return out
 
 
@@ -82,7 +126,7 @@ def _runs(row: dict):
 def describe(row: dict, tok: TextTokenizer, colour: bool) -> str:
     lay = tok.layout
     ids, mod = row["input_ids"], row["modality"]
-    lines = []
+    lines: list[str] = []
     for a, b in _runs(row):
         parts, i = [], a
         while i < b:
@@ -161,23 +205,30 @@ def render_png(
                 strip[: t.shape[0], x : x + t.shape[1]] = t
                 x += t.shape[1] + 4
             Image.fromarray(strip).resize(
-                (strip.shape[1] * 2, strip.shape[0] * 2), Image.NEAREST
+                (strip.shape[1] * 2, strip.shape[0] * 2), Image.Resampling.NEAREST
             ).save(path.with_name(path.stem + "_images.png"))
 
 
 def preview(
-    token_dir: str | Path,
+    token_dir: str | Path | None,
     *,
     sources: list[str] | None = None,
-    seq_len: int = 2048,
+    seq_len: int | None = None,
     n_rows: int = 2,
     seed: int = 0,
     png: str | Path | None = None,
     colour: bool | None = None,
+    config: str | Path | None = None,
 ) -> str:
+    data = config_of(Path(config)) if config else None
+    if token_dir is None:
+        if data is None:
+            raise ValueError("give a TOKEN_DIR or --config")
+        token_dir = _token_dir_of(data)
     token_dir = Path(token_dir)
-    tok = TextTokenizer.load(token_dir / "tokenizers")
-    got = rows(token_dir, sources, seq_len, n_rows, seed)
+    seq_len = seq_len or int((data or {}).get("seq_len", 2048))
+    tok = TextTokenizer.load(token_dir / TOKENIZERS_DIR)
+    got = rows(token_dir, sources, seq_len, n_rows, seed, data)
     delivered, packed = got[-1], got[:-1]
     colour = sys.stdout.isatty() if colour is None else colour
     out = []
@@ -190,10 +241,33 @@ def preview(
         )
         out.append(describe(row, tok, colour))
     out.append(f"packing efficiency over these rows: {delivered['packing_efficiency']:.1%}")
+    total = sum(delivered["tokens_by_source"].values()) or 1
+    weights = delivered["weights"]
+    wsum = sum(weights.values()) or 1.0
+    out.append(
+        "tokens by source over these rows (weight): "
+        + ", ".join(
+            f"{n} {c / total:.0%} ({weights.get(n, 0) / wsum:.0%})"
+            for n, c in delivered["tokens_by_source"].items()
+        )
+    )
+    dropped = delivered["dropped_by_source"]
+    if dropped:
+        out.append(
+            f"DROPPED visual blocks longer than seq_len {seq_len}: "
+            + "; ".join(
+                f"{n}: " + ", ".join(f"{v} {m}" for m, v in d.items() if v)
+                for n, d in dropped.items()
+            )
+            + " (a training run refuses such sources unless data.allow_block_drops=true; "
+            f"tokenize with --seq-len {seq_len} to fit them)"
+        )
+    else:
+        out.append("dropped visual blocks: none")
     if png:
         from data.tokenize.visual import load_visual_tokenizer
 
-        vtok_dir = token_dir / "tokenizers" / "visual_tokenizer"
+        vtok_dir = token_dir / TOKENIZERS_DIR / VISUAL_TOKENIZER_DIR
         vtok = load_visual_tokenizer(vtok_dir, tok.layout) if vtok_dir.is_dir() else None
         render_png(packed, tok, Path(png), vtok)
         out.append(
@@ -201,3 +275,20 @@ def preview(
             + (f" and {Path(png).with_name(Path(png).stem + '_images.png')}" if vtok else "")
         )
     return "\n".join(out)
+
+
+def _token_dir_of(data: dict) -> Path:
+    """The token folder holding the config's first source (where its manifest and tokenizers/
+    are: the shard folder or one of the two above it)."""
+    from data.loader import store
+    from data.loader.table import expand, find_manifest
+
+    first = data["sources"][0]
+    found = [u for pat in first["shards"] for u in expand(pat)]
+    hit = find_manifest(found[0]) if found else None
+    if hit is None or store.kind(found[0]) != "local":
+        raise ValueError(
+            f"source {first['name']}: no local token folder found for {first['shards']}; "
+            "give TOKEN_DIR"
+        )
+    return Path(store.local_path(hit[1])).parent

@@ -28,6 +28,8 @@ Design choices:
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from data.loader.dataset import STATE_VERSION, PackedLoader
@@ -45,25 +47,31 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
     for st in old:
         for w, ws in st["worker_states"].items():
             by_consumer[st["rank"] * st["workers"] + int(w)] = ws
-    fresh = {
+    fresh: dict[str, Any] = {
         "cursors": [[0, 0, 0, 0]] * len(loader.tables),
         "pending": [],
+        "open": [],
         "errors": 0,
         "skip": [],
         "stats": PackStats().as_dict(),
         "tokens_by_modality": [0] * len(MODALITY_NAMES),
     }
+    # Positions index the old run's epoch order (order.py): the new states keep its version.
+    order = next((ws.get("order", 1) for ws in by_consumer if ws), loader.order_version)
     olds = [ws or fresh for ws in by_consumer]  # a worker that never handed out a batch is at 0
     n = loader.consumers
-    new = [
+    new: list[dict[str, Any]] = [
         {
             "cursors": [],
             "pending": [],
+            "open": [],
+            "dropped_by": [],
             "batches": 0,
             "errors": 0,
             "skip": [],
             "stats": PackStats().as_dict(),
             "tokens_by_modality": [0] * len(MODALITY_NAMES),
+            "order": order,
         }
         for _ in range(n)
     ]
@@ -75,10 +83,18 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
             st["skip"] += [[s, e, m] for e, m in masks.items()]
     j = 0
     for c, st in enumerate(olds):
-        for d in st["pending"]:
-            new[j % n]["pending"].append(list(d))
-            j += 1
+        # A document held aside may also be open (chunks still to come): it goes to one new
+        # consumer, in both of its lists there.
+        goes_to: dict[tuple, int] = {}
+        for what in ("pending", "open"):
+            for d in st.get(what, []):
+                key = tuple(d[:3])
+                if key not in goes_to:
+                    goes_to[key] = j % n
+                    j += 1
+                new[goes_to[key]][what].append(list(d))
         to = new[c % n]
+        to["dropped_by"] = _sum_drops(to["dropped_by"], st.get("dropped_by", []))
         to["errors"] += st["errors"]
         to["stats"] = {k: v + st["stats"][k] for k, v in to["stats"].items()}
         to["tokens_by_modality"] = [
@@ -104,6 +120,13 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
             "from_consumers": old_n,
         },
     }
+
+
+def _sum_drops(a: list, b: list) -> list:
+    total: dict[tuple[int, int], int] = {}
+    for s, m, k in a + b:
+        total[(s, m)] = total.get((s, m), 0) + k
+    return [[s, m, k] for (s, m), k in sorted(total.items())]
 
 
 def _check(old: list[dict], loader: PackedLoader) -> None:

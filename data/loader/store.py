@@ -24,6 +24,7 @@ from __future__ import annotations
 import fcntl
 import glob
 import hashlib
+import mmap
 import os
 import posixpath
 import re
@@ -32,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import BinaryIO
+
+from data.names import INDEX_SUFFIX
 
 _BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 # The shard's word in a pipe: command: ends in .tar, followed by a space, quote, pipe, ;, &, ), >
@@ -124,7 +127,7 @@ def name(url: str) -> str:
 def index_url(url: str) -> str:
     base = name(url)
     stem = base[: -len(".tar")] if base.endswith(".tar") else base
-    return sibling(url, stem + ".idx.jsonl")
+    return sibling(url, stem + INDEX_SUFFIX)
 
 
 def _run(cmd: str) -> bytes:
@@ -166,16 +169,43 @@ def default_cache_dir() -> str:
 
 
 class ShardFiles:
-    """Open shards, at most ``keep`` at a time (least recently used closed first)."""
+    """Open shards, at most ``keep`` file handles at a time (least recently used closed first),
+    and memory maps of local and fetched shards, at most ``keep_maps``."""
 
     def __init__(
-        self, cache_dir: str | None = None, cache_limit_gb: float = 64.0, keep: int = 8
+        self,
+        cache_dir: str | None = None,
+        cache_limit_gb: float = 64.0,
+        keep: int = 8,
+        keep_maps: int = 256,
     ) -> None:
         self.cache_dir = Path(cache_dir or default_cache_dir())
         self.cache_limit = int(cache_limit_gb * 2**30)
-        self.keep = keep
+        self.keep, self.keep_maps = keep, keep_maps
         self._open: dict[str, BinaryIO] = {}
+        self._maps: dict[str, mmap.mmap | bytes] = {}
         self._failed: dict[str, tuple[float, str]] = {}  # pipe: fetches that failed lately
+        self.opened = 0  # shards opened or mapped so far (benchmarks count them)
+
+    def view(self, url: str, offset: int, size: int, min_bytes: int = 0) -> memoryview | bytes:
+        """``size`` bytes at ``offset``: a slice of the shard's memory map (local shards and
+        fetched ``pipe:`` shards: mapped once per process, no read call per sample), or a read
+        (fsspec). A map lives as long as an array made from it: evicting one only forgets it."""
+        if kind(url) == "fsspec":
+            return self.read(url, offset, size, min_bytes)
+        mapped = self._maps.pop(url, None)
+        if mapped is None:
+            if len(self._maps) >= self.keep_maps:
+                self._maps.pop(next(iter(self._maps)))
+            path = self._local_file(url, min_bytes)
+            with open(path, "rb") as f:
+                n = os.fstat(f.fileno()).st_size
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if n else b""
+            self.opened += 1
+        self._maps[url] = mapped  # re-inserted last: the dict's order is the LRU order
+        if offset + size > len(mapped):
+            raise ValueError(f"member cut short ({max(0, len(mapped) - offset)} of {size} bytes)")
+        return memoryview(mapped)[offset : offset + size]
 
     def get(self, url: str, min_bytes: int = 0) -> BinaryIO:
         f = self._open.pop(url, None)
@@ -220,10 +250,11 @@ class ShardFiles:
         for f in self._open.values():
             f.close()
         self._open.clear()
+        self._maps.clear()  # unmapped once no array made from them is left
 
-    def _opener(self, url: str, min_bytes: int) -> BinaryIO:
-        k = kind(url)
-        if k == "pipe":
+    def _local_file(self, url: str, min_bytes: int) -> str:
+        """A local path of a local or ``pipe:`` shard (fetched into the cache)."""
+        if kind(url) == "pipe":
             # A shard whose fetch failed is not fetched again for every one of its samples: they
             # fail at once with the same error for FAILED_FOR seconds, then it is tried again.
             when, why = self._failed.get(url, (0.0, ""))
@@ -233,15 +264,23 @@ class ShardFiles:
                     f"{FAILED_FOR:.0f} s)"
                 )
             try:
-                return open(self.fetch(url, min_bytes), "rb")
+                return str(self.fetch(url, min_bytes))
             except OSError as e:
                 self._failed[url] = (time.monotonic(), str(e))
                 raise
-        if k == "fsspec":
-            import fsspec
+        return local_path(url)
 
+    def _opener(self, url: str, min_bytes: int) -> BinaryIO:
+        self.opened += 1
+        k = kind(url)
+        if k == "pipe":
+            return open(self._local_file(url, min_bytes), "rb")
+        if k == "fsspec":
             # Readahead blocks: a consumer's samples of one shard lie within a shuffle window.
-            return fsspec.open(url, "rb", block_size=4 << 20, cache_type="readahead").open()
+            # (Through fs.open: fsspec.open would hand these options to the filesystem's
+            # constructor, which s3fs refuses -- found by the moto-backed test.)
+            fs, path = _fs(url)
+            return fs.open(path, "rb", block_size=4 << 20, cache_type="readahead")
         return open(local_path(url), "rb")
 
     def fetch(self, url: str, min_bytes: int = 0) -> Path:

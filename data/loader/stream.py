@@ -2,9 +2,13 @@
 group them into batches, and say exactly where it is.
 
 Design choices:
-- Mixing by tokens, deterministically: the next document comes from the source furthest below
-  its share (weight x tokens delivered so far, minus its own tokens). No RNG, shares exact to
-  within one document, and the state is a few counters.
+- Mixing by tokens, deterministically, a chunk at a time: the next chunk (at most
+  ``mix_chunk`` tokens, default ``seq_len``, never cutting a visual block) comes from the
+  source furthest below its share (weight x tokens handed out so far, minus its own tokens).
+  A long document is handed out a chunk at a time (the OLMo / Megatron practice of cutting
+  documents into row-sized instances), so each step carries the mix instead of one source's
+  long document filling many rows. No RNG, shares exact to within one chunk, and the state is
+  a few counters plus the documents handed out in part (``open``).
 - The state (``state_dict``) is cursors, counters and the held-aside documents' positions:
   kilobytes. Restoring recomputes each source's epoch order (hashing, O(samples), the same cost
   at any position) and seeks to the cursor through the index; nothing is replayed.
@@ -29,15 +33,23 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from data.loader import store
+from data.loader import store, transport
 from data.loader.config import LoaderConfig
 from data.loader.online import OnlineTokenizer, online_options
-from data.loader.order import consumer_slice, epoch_order, unpack_mask
-from data.loader.packer import Doc, Packer, Row, units_of
+from data.loader.order import (
+    ORDER_VERSION,
+    ConsumerSlice,
+    EpochOrder,
+    consumer_slice,
+    epoch_order,
+    unpack_mask,
+)
+from data.loader.packer import BatchBuffer, Doc, Packer, Row, units_of
+from data.loader.sample_check import check_ids, read_token_sample
 from data.loader.store import ShardFiles, ShardView
 from data.loader.table import SampleTable
-from data.tokenize.run import visual_blocks
-from data.vocab import MODALITY_NAMES
+from data.tokenize.blocks import visual_blocks
+from data.vocab import MODALITY_NAMES, Modality
 
 # The header numpy writes for a 1-D little-endian array (what earlyfuse-prep tokenize stores).
 _NPY_1D = re.compile(
@@ -45,18 +57,35 @@ _NPY_1D = re.compile(
 )
 
 
-def read_npy(data: bytes) -> np.ndarray:
+_HEADERS: dict[bytes, tuple[np.dtype, int]] = {}  # header text -> (dtype, length), parsed once
+
+
+def read_npy(data: bytes | memoryview) -> np.ndarray:
     """``np.load`` of a 1-D integer .npy, without its header parser (``ast.literal_eval`` was 40 %
     of the loader's time on short documents); any other .npy goes through ``np.load`` (pickle
     never allowed). A short or bad payload is a ValueError like np.load's."""
     if data[:8] == b"\x93NUMPY\x01\x00":
         hlen = int.from_bytes(data[8:10], "little")
-        m = _NPY_1D.match(data, 10, 10 + hlen)
-        if m:
-            return np.frombuffer(
-                data, dtype=np.dtype(m.group(1).decode()), count=int(m.group(2)), offset=10 + hlen
-            )
+        header = bytes(data[10 : 10 + hlen])
+        known = _HEADERS.get(header)
+        if known is None:
+            m = _NPY_1D.match(header)
+            if m:
+                known = (np.dtype(m.group(1).decode()), int(m.group(2)))
+                if len(_HEADERS) < 65536:  # one per (dtype, length): documents repeat lengths
+                    _HEADERS[header] = known
+        if known is not None:
+            return np.frombuffer(data, dtype=known[0], count=known[1], offset=10 + hlen)
     return np.load(io.BytesIO(data), allow_pickle=False)
+
+
+def sample_where(t: SampleTable, sample: int) -> tuple[str, str]:
+    """(shard URL, key) of a sample, for messages; the key is looked up only when needed, and a
+    shard whose index cannot be read gives the sample's number instead."""
+    try:
+        return t.shards[t.shard_of(sample)], t.key_of(sample)
+    except (OSError, ValueError, IndexError):
+        return t.name, f"#{sample}"
 
 
 class Watchdog:
@@ -64,7 +93,8 @@ class Watchdog:
 
     def __init__(self, seconds: float, label: str) -> None:
         self.seconds, self.label = seconds, label
-        self.current: tuple[str, float] | None = None
+        # (what is being read: a label, or (table, sample) formatted only if it stalls; since)
+        self.current: tuple[str | tuple, float] | None = None
         self.reported = 0
         self._stop = threading.Event()
         if seconds > 0:
@@ -76,8 +106,9 @@ class Watchdog:
             cur = self.current
             if cur and time.monotonic() - cur[1] > self.seconds:
                 self.reported += 1
+                what = cur[0] if isinstance(cur[0], str) else " sample ".join(sample_where(*cur[0]))
                 print(
-                    f"[loader {self.label}] read stalled for {time.monotonic() - cur[1]:.0f} s: {cur[0]}",
+                    f"[loader {self.label}] read stalled for {time.monotonic() - cur[1]:.0f} s: {what}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -109,8 +140,10 @@ class ConsumerStream:
         micro_batch: int,
         pad_id: int,
         dry: bool = False,
+        order_version: int = ORDER_VERSION,
     ) -> None:
         self.tables, self.cfg, self.dry = tables, cfg, dry
+        self.order_version = order_version
         total = float(sum(weights))
         self.shares = [w / total for w in weights]
         self.consumer, self.consumers, self.micro_batch = consumer, consumers, micro_batch
@@ -118,43 +151,68 @@ class ConsumerStream:
             cfg.seq_len, pad_id=pad_id, max_pending=cfg.max_pending, oversize=cfg.oversize, dry=dry
         )
         self.cursors = [SourceCursor() for _ in tables]
-        self._slices: dict[tuple[int, int], np.ndarray] = {}
+        # Per source: documents with tokens not yet handed out, oldest first (the next chunk
+        # comes from the first whose last chunk is placed). At most max_pending + 1 each.
+        self.open: list[list[Doc]] = [[] for _ in tables]
+        self.chunk = cfg.mix_chunk or cfg.seq_len
+        self._slices: dict[tuple[int, int], np.ndarray | ConsumerSlice] = {}
         self.errors = 0
         self.consecutive_errors = 0
         self.batches = 0
         self.batch_limit: int | None = None
         self.tokens_by_modality = np.zeros(len(MODALITY_NAMES), np.int64)
+        self._dropped_before = np.zeros((len(tables), 2), np.int64)  # as of the last batch
         self.files = ShardFiles(cfg.cache_dir, cfg.cache_limit_gb)
         self._online: OnlineTokenizer | None = None  # built on the first raw document
+        self.ring: transport.SlotRing | None = None  # set in a DataLoader worker
         self.watchdog = None if dry else Watchdog(cfg.stall_seconds, f"consumer {consumer}")
 
     # --- which document next -------------------------------------------------------------------
-    def _slice(self, s: int, epoch: int) -> np.ndarray:
+    def _slice(self, s: int, epoch: int) -> np.ndarray | ConsumerSlice:
         key = (s, epoch)
         if key not in self._slices:
             t = self.tables[s]
-            order = epoch_order(
-                t.shard,
+            self._slices = {
+                k: v for k, v in self._slices.items() if k[0] != s
+            }  # keep one epoch per source
+            mask = self.cursors[s].skip.get(epoch)
+            order_args = dict(
                 seed=self.cfg.seed,
                 epoch=epoch,
                 source=t.name,
                 buffer=self.cfg.shuffle_buffer,
                 shuffle_shards=self.cfg.shuffle_shards,
             )
-            self._slices = {
-                k: v for k, v in self._slices.items() if k[0] != s
-            }  # keep one epoch per source
-            mask = self.cursors[s].skip.get(epoch)
+            if self.order_version == 1:  # a state saved before lazy orders: its positions
+                counts = t.shard_counts()
+                shard = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
+                order = epoch_order(shard, **order_args)  # type: ignore[arg-type]
+            else:
+                lazy = EpochOrder(t.shard_counts(), **order_args)  # type: ignore[arg-type]
+                if mask is None:
+                    self._slices[key] = ConsumerSlice(lazy, self.consumer, self.consumers)
+                    return self._slices[key]
+                order = lazy.full()  # a redistributed epoch: the positions left, in order
             if mask is not None:
                 order = order[~unpack_mask(mask, len(order))]
             self._slices[key] = consumer_slice(order, self.consumer, self.consumers)
         return self._slices[key]
 
+    def _ready(self, s: int) -> Doc | None:
+        """The first open document of source ``s`` whose chunk so far is placed."""
+        for doc in list(self.open[s]):
+            if doc.position() >= doc.length:  # ended early: its document was dropped (oversize)
+                self.open[s].remove(doc)
+            elif doc.chunk_placed():
+                return doc
+        return None
+
     def _pick_source(self) -> int | None:
         total = sum(c.tokens for c in self.cursors)
-        best, best_gap = None, None
+        best: int | None = None
+        best_gap = float("-inf")
         for s, c in enumerate(self.cursors):
-            if c.done or self.shares[s] <= 0:
+            if self.shares[s] <= 0 or (c.done and self._ready(s) is None):
                 continue
             gap = self.shares[s] * total - c.tokens
             if best is None or gap > best_gap:
@@ -162,49 +220,65 @@ class ConsumerStream:
         return best
 
     def next_doc(self) -> Doc | None:
+        """The next chunk to place: a document whose ``limit`` has moved on by one chunk (the
+        packer places it up to there). None when every source is done (epoch mode)."""
         while True:
             s = self._pick_source()
             if s is None:
                 return None
-            c = self.cursors[s]
-            sl = self._slice(s, c.epoch)
-            if c.pos >= len(sl):
-                if self.cfg.mode == "epoch":
-                    c.done = True
-                    continue
-                c.skip.pop(c.epoch, None)
-                c.epoch, c.pos = c.epoch + 1, 0
-                sl = self._slice(s, c.epoch)
-                if not len(sl):
-                    if c.epoch in c.skip:
-                        continue  # the rest of this redistributed epoch went to other consumers
-                    raise ValueError(
-                        f"source {self.tables[s].name}: fewer samples than consumers "
-                        f"({self.consumers}); give it more shards or use fewer workers"
-                    )
-            sample = int(sl[c.pos])
-            c.pos += 1
-            doc = self.load(s, sample, c.epoch)
+            doc = self._ready(s)
             if doc is None:
-                continue
-            c.tokens += doc.length
+                doc = self._read_next(s)
+                if doc is None:
+                    continue
+                doc.limit = 0
+                self.open[s].append(doc)
+            start = doc.limit
+            doc.limit = doc.chunk_end(self.chunk)
+            self.cursors[s].tokens += doc.limit - start
+            if doc.limit >= doc.length:
+                self.open[s].remove(doc)
             return doc
 
-    # --- reading ---------------------------------------------------------------------------------
-    def _read(self, t: SampleTable, sample: int, at) -> bytes:
-        si = t.shard[sample]
-        return self.files.read(t.shards[si], int(at[0]), int(at[1]), t.shard_bytes[si])
+    def _read_next(self, s: int) -> Doc | None:
+        """The next document of source ``s`` in this consumer's slice; None when it could not be
+        read (skipped and counted) or the source is done (epoch mode)."""
+        c = self.cursors[s]
+        sl = self._slice(s, c.epoch)
+        if c.pos >= len(sl):
+            if self.cfg.mode == "epoch":
+                c.done = True
+                return None
+            c.skip.pop(c.epoch, None)
+            c.epoch, c.pos = c.epoch + 1, 0
+            sl = self._slice(s, c.epoch)
+            if not len(sl):
+                if c.epoch in c.skip:
+                    return None  # the rest of this redistributed epoch went to other consumers
+                raise ValueError(
+                    f"source {self.tables[s].name}: fewer samples than consumers "
+                    f"({self.consumers}); give it more shards or use fewer workers"
+                )
+        sample = int(sl[c.pos])
+        c.pos += 1
+        return self.load(s, sample, c.epoch)
 
+    # --- reading ---------------------------------------------------------------------------------
     def _encode_raw(self, t: SampleTable, sample: int) -> tuple[np.ndarray, np.ndarray, list]:
         """A raw document tokenized here (data/loader/online.py): ids, modalities, blocks."""
         if self._online is None:
+            if self.cfg.tokenizers is None:
+                raise ValueError("raw sources need data.tokenizers (the tokenizers to use)")
             self._online = OnlineTokenizer(
-                self.cfg.tokenizers, online_options(self.cfg), self.cfg.seq_len
+                self.cfg.tokenizers,
+                online_options(self.cfg),
+                self.cfg.seq_len,
+                failure_budget=self.cfg.video_failure_budget,
             )
-        si = t.shard[sample]
-        view = ShardView(self.files, t.shards[si], t.shard_bytes[si])
+        si = t.shard_of(sample)
+        view = ShardView(self.files, t.shards[si], t.shard_end(si))
         doc, why = self._online.encode(
-            t.keys[sample], t.members[sample], store.name(t.shards[si]), view
+            t.key_of(sample), t.members[sample], store.name(t.shards[si]), view
         )
         if doc is None:
             raise ValueError(why)
@@ -213,79 +287,110 @@ class ConsumerStream:
     def load(self, s: int, sample: int, epoch: int) -> Doc | None:
         t = self.tables[s]
         if self.dry:
-            length = int(t.tokens[sample])
-            return Doc(s, sample, epoch, length, units_of(length, t.blocks[sample]))
-        shard = t.shards[t.shard[sample]]
+            length = t.tokens_of(sample)
+            return Doc(s, sample, epoch, length, units_of(length, t.blocks_of(sample)))
         if self.watchdog:
-            self.watchdog.current = (f"{shard} sample {t.keys[sample]}", time.monotonic())
+            self.watchdog.current = ((t, sample), time.monotonic())
         try:
             if t.kind == "raw":
                 ids, mod, blocks = self._encode_raw(t, sample)
                 length = len(ids)
             else:
-                length, blocks = int(t.tokens[sample]), t.blocks[sample]
-                ids = read_npy(self._read(t, sample, t.ids_at[sample]))
-                mod = read_npy(self._read(t, sample, t.mod_at[sample]))
+                rec = t.token_sample(sample)
+                length, blocks = rec.tokens, rec.blocks
+                url, end = t.shards[rec.shard], t.shard_end(rec.shard)
+                ids_b, mod_b = read_token_sample(
+                    rec,
+                    lambda off, size: self.files.view(url, off, size, end),
+                    check_hash=self.cfg.check_hashes,
+                )
+                # Views of the shard's memory map: nothing is copied until the packer places them.
+                ids, mod = read_npy(ids_b), read_npy(mod_b)
                 if ids.shape != (length,) or mod.shape != (length,):
                     raise ValueError(
                         f"{ids.shape[0]} ids / {mod.shape[0]} modalities, the index says {length}"
                     )
+            check_ids(ids, mod, t.id_ranges)  # an id past the vocabulary would crash the model
         except (OSError, ValueError, EOFError) as e:
             self.errors += 1
             self.consecutive_errors += 1
-            print(
-                f"[loader] skipped {shard} sample {t.keys[sample]}: {e}",
-                file=sys.stderr,
-                flush=True,
-            )
+            shard, key = sample_where(t, sample)
+            print(f"[loader] skipped {shard} sample {key}: {e}", file=sys.stderr, flush=True)
             if self.consecutive_errors >= self.cfg.max_consecutive_errors:
                 raise RuntimeError(
                     f"{self.consecutive_errors} unreadable samples in a row, the last "
-                    f"{shard} {t.keys[sample]}: {e}"
+                    f"{shard} {key}: {e}"
                 ) from e
             return None
         finally:
             if self.watchdog:
                 self.watchdog.current = None
         self.consecutive_errors = 0
-        return Doc(
-            s,
-            sample,
-            epoch,
-            length,
-            units_of(length, blocks),
-            ids.astype(np.int64),
-            mod.astype(np.int64),
-        )
+        return Doc(s, sample, epoch, length, units_of(length, blocks), ids, mod)
 
     # --- rows and batches --------------------------------------------------------------------------
     def next_row(self) -> Row | None:
         return self.packer.pack(self.next_doc)
 
-    def next_batch(self) -> dict | None:
+    def next_batch(self) -> PackedBatch | dict | None:
+        """The next batch (``PackedBatch``; ``{}`` when packing dry); None at the end."""
         if self.batch_limit is not None and self.batches >= self.batch_limit:
             return None
-        rows = []
+        buf, slot = None, None
+        if not self.dry:
+            # In a worker, packed in place into a slot of shared memory (data/loader/transport.py)
+            slot = self.ring.acquire() if self.ring is not None else None
+            buf = BatchBuffer(
+                self.micro_batch,
+                self.cfg.seq_len,
+                self.packer.pad_id,
+                tensor=None if slot is None or self.ring is None else self.ring.data[slot],
+            )
+        rows: list[Row] = []
         while len(rows) < self.micro_batch:
-            r = self.next_row()
+            r = self.packer.pack(self.next_doc, buf.row(len(rows)) if buf else None)
             if r is None:
                 return None  # the last, incomplete batch of an epoch is held back
             rows.append(r)
         self.batches += 1
-        if self.dry:
+        if buf is None:
             return {}
-        batch = collate(rows)
+        self.packer.finish(rows, buf.fields)
+        dropped = self.dropped_matrix()
+        new_drops = dropped - self._dropped_before
+        self._dropped_before = dropped
         self.tokens_by_modality += np.bincount(
             _real_modalities(rows), minlength=len(MODALITY_NAMES)
         )
-        batch["tokens_by_source"] = torch.tensor(_tokens_by_source(rows, len(self.tables)))
-        return batch
+        out = PackedBatch(
+            buf.tensor,
+            len(rows),
+            self.cfg.seq_len,
+            _pieces(rows),
+            _tokens_by_source(rows, len(self.tables)),
+            new_drops,
+            sum(r.real for r in rows),
+        )
+        if slot is not None and self.ring is not None:
+            out.tensor, out.slot, out.token = None, slot, self.ring.token
+            if not self.ring.sent:  # the slots cross to the trainer once, with the first batch
+                out.ring, self.ring.sent = (self.ring.data, self.ring.flags), True
+        return out
+
+    def dropped_matrix(self) -> np.ndarray:
+        """[sources, 2]: image and video blocks dropped so far for being longer than a row."""
+        out = np.zeros((len(self.tables), 2), np.int64)
+        for (s, m), n in self.packer.dropped_by.items():
+            out[s, m - int(Modality.IMAGE)] = n
+        return out
 
     # --- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {
             "cursors": [[c.epoch, c.pos, c.tokens, int(c.done)] for c in self.cursors],
             "pending": [d.cursor() for d in self.packer.pending],
+            "open": [d.cursor() for docs in self.open for d in docs],
+            "dropped_by": [[s, m, n] for (s, m), n in sorted(self.packer.dropped_by.items())],
             "batches": self.batches,
             "errors": self.errors,
             "stats": self.packer.stats.as_dict(),
@@ -293,9 +398,12 @@ class ConsumerStream:
             "skip": [
                 [s, e, m] for s, c in enumerate(self.cursors) for e, m in sorted(c.skip.items())
             ],
+            "order": self.order_version,
         }
 
     def load_state_dict(self, st: dict) -> None:
+        # Cursors are positions in an epoch order: states from before order version 2 keep theirs.
+        self.order_version = st.get("order", 1)
         self.cursors = [SourceCursor(e, p, t, bool(d)) for e, p, t, d in st["cursors"]]
         for s, e, m in st.get("skip", []):  # states from before redistribute have none
             if e >= self.cursors[s].epoch:
@@ -305,16 +413,30 @@ class ConsumerStream:
         for k, v in st["stats"].items():
             setattr(self.packer.stats, k, v)
         self.tokens_by_modality = np.asarray(st["tokens_by_modality"], np.int64)
-        pending = []
-        for s, sample, epoch, unit, offset in st["pending"]:
-            doc = self.load(s, sample, epoch)
-            if (
-                doc is None
-            ):  # unreadable now: skipped, counted and logged by load(), like any sample
-                continue
-            doc.unit, doc.offset = unit, offset
-            pending.append(doc)
-        self.packer.pending = pending
+        self.packer.dropped_by = {(s, m): n for s, m, n in st.get("dropped_by", [])}
+        self._dropped_before = self.dropped_matrix()
+        # A document both held aside and open is one object in both lists (keyed by source,
+        # sample, epoch: a consumer reads a sample once per epoch).
+        docs: dict[tuple[int, int, int], Doc | None] = {}
+
+        def restore(cursor: list[int]) -> Doc | None:
+            s, sample, epoch, unit, offset = cursor[:5]
+            key = (s, sample, epoch)
+            if key not in docs:
+                doc = self.load(s, sample, epoch)
+                if doc is not None:  # unreadable now: skipped, counted and logged by load()
+                    doc.unit, doc.offset = unit, offset
+                    # States from before chunked mixing handed out whole documents.
+                    doc.limit = cursor[5] if len(cursor) > 5 else doc.length
+                docs[key] = doc
+            return docs[key]
+
+        self.packer.pending = [d for d in map(restore, st["pending"]) if d is not None]
+        self.open = [[] for _ in self.tables]
+        for cursor in st.get("open", []):
+            doc = restore(cursor)
+            if doc is not None:
+                self.open[doc.source].append(doc)
 
 
 def _real_modalities(rows: list[Row]) -> np.ndarray:
@@ -329,30 +451,58 @@ def _tokens_by_source(rows: list[Row], n: int) -> list[int]:
     return out
 
 
-def collate(rows: list[Row]) -> dict:
-    def st(name):
-        return torch.from_numpy(np.stack([getattr(r, name) for r in rows]))
+class PackedBatch:
+    """What a consumer hands the trainer's process for one batch: the batch buffer (one tensor:
+    every per-token field, data/loader/packer.BatchBuffer) and a few small numbers. Not a dict
+    or a list, so the DataLoader neither walks it (``default_convert``) nor pins it field by
+    field: ``pin_memory`` pins the one buffer. ``to_dict`` splits it into the batch's tensors,
+    views of that buffer."""
 
-    return {
-        "input_ids": st("ids"),
-        "labels": st("labels"),
-        "modality": st("mod"),
-        "label_modality": st("label_mod"),
-        "doc_ids": st("doc_ids"),
-        "position_ids": st("pos"),
-        "position_thw": st("thw"),
-        "image_ids": st("image_ids"),
-        "num_real_tokens": torch.tensor(sum(r.real for r in rows)),
-        "pieces": _pieces(rows),
-    }
+    def __init__(self, tensor, rows, seq_len, pieces, tokens_by_source, dropped, real) -> None:
+        self.tensor, self.rows, self.seq_len = tensor, rows, seq_len
+        self.pieces, self.tokens_by_source, self.dropped, self.real = (
+            pieces,
+            tokens_by_source,
+            dropped,
+            real,
+        )
+        self.worker = -1
+        self.state: dict | None = None
+        # Packed in a worker's slot of shared memory (data/loader/transport.py): which one, of
+        # which worker's ring, and (first batch of a worker) the ring's tensors themselves.
+        self.slot: int | None = None
+        self.token = ""
+        self.ring: tuple | None = None
+
+    def take(self, *, pin: bool = False) -> None:
+        """In the trainer's process: copy the batch out of its slot (freeing the slot)."""
+        if self.slot is not None:
+            self.tensor = transport.take(self.token, self.slot, self.ring, pin=pin)
+            self.slot, self.ring = None, None
+
+    def pin_memory(self, device=None) -> PackedBatch:
+        if self.slot is not None:
+            self.take(pin=True)  # the one copy goes into pinned memory
+        else:
+            self.tensor = self.tensor.pin_memory()
+        return self
+
+    def to_dict(self) -> dict:
+        self.take()
+        batch = BatchBuffer.split(self.tensor, self.rows, self.seq_len)
+        batch["num_real_tokens"] = torch.tensor(self.real)
+        batch["pieces"] = torch.from_numpy(self.pieces)
+        batch["dropped_blocks"] = torch.from_numpy(self.dropped)
+        batch["tokens_by_source"] = torch.tensor(self.tokens_by_source)
+        return batch
 
 
-def _pieces(rows: list[Row]) -> torch.Tensor:
-    """[rows, most pieces, 4] (source, sample, start, end) of each row's document pieces, -1 padded:
-    which documents a batch holds (for checks and debugging; the model never sees it)."""
+def _pieces(rows: list[Row]) -> np.ndarray:
+    """int64 [rows, most pieces, 4] (source, sample, start, end) of each row's document pieces,
+    -1 padded: which documents a batch holds (for checks and debugging; the model never sees it)."""
     most = max((len(r.pieces) for r in rows), default=0)
-    out = torch.full((len(rows), most, 4), -1, dtype=torch.long)
+    out = np.full((len(rows), most, 4), -1, dtype=np.int64)
     for i, r in enumerate(rows):
         if r.pieces:
-            out[i, : len(r.pieces)] = torch.tensor(r.pieces, dtype=torch.long)
+            out[i, : len(r.pieces)] = r.pieces
     return out

@@ -6,15 +6,28 @@ fast path) or *raw* shards (``earlyfuse-prep ingest``: documents and media, toke
 the loader's workers). Which one is read from the manifest above the shards. Shards may be local
 paths, fsspec URLs or ``pipe:`` commands (data/loader/store.py).
 
-The fingerprint covers the shard names and index hashes (not where they live); the tokenizer fingerprint the
-text tokenizer, vocabulary layout and visual tokenizer weights. Loader state cannot be restored
-onto other data, and sources made with other tokenizers cannot be mixed.
+Design choices:
+- Token sources start in O(shards), not O(samples): the manifest gives each shard's sample
+  count, the SHA-256 of its index and its block statistics, and a sample's record (offsets,
+  tokens, blocks, hash) is looked up in the shard's memory-mapped binary index
+  (``SHARD.idx.bin``, data/shards/token_index.py) only when it is read. Folders made before
+  binary indexes get one built from the JSONL index into the cache on first use.
+- Raw sources (small runs, tokenized online) read their JSONL indexes whole, as before.
+- The fingerprint covers the shard names and index hashes (not where they live; the manifest's
+  ``index_sha256`` is the hash of the JSONL index, so it equals what hashing the index gave);
+  the tokenizer fingerprint the text tokenizer, vocabulary layout and visual tokenizer weights.
+  Loader state cannot be restored onto other data, and sources made with other tokenizers
+  cannot be mixed.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
+import os
+import posixpath
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +35,8 @@ import numpy as np
 
 from data.loader import store
 from data.loader.config import SourceConfig
+from data.names import INDEX_SUFFIX, MANIFEST_FILE
+from data.shards import token_index
 
 TOKEN_FORMAT = "earlyfuse-token-shards"
 RAW_FORMAT = "earlyfuse-raw-shards"
@@ -35,9 +50,19 @@ def find_manifest(url: str, seen: dict | None = None) -> tuple[dict, str] | None
     """(manifest, its URL) of the shard folder ``url`` lies in: the first ``manifest.json`` of a
     known format in its folder or the two above. ``seen`` caches reads across the shards of a
     source (one read per folder, not per shard: a remote read or a command each)."""
-    seen = {} if seen is None else seen
+    found = _manifest_of(url, {} if seen is None else seen)
+    return None if found is None else found[:2]
+
+
+def _manifest_of(url: str, seen: dict) -> tuple[dict, str, int] | None:
+    """``find_manifest``, and how many folders above the shard's the manifest is. Shards of one
+    folder (local or fsspec) share the answer, looked up once."""
+    folder = None if store.kind(url) == "pipe" else posixpath.dirname(url)
+    if folder is not None and ("folder", folder) in seen:
+        return seen[("folder", folder)]
+    out = None
     for up in range(3):
-        m_url = store.sibling(url, "manifest.json", up)
+        m_url = store.sibling(url, MANIFEST_FILE, up)
         if m_url not in seen:
             try:
                 data = json.loads(store.read_bytes(m_url))
@@ -46,8 +71,28 @@ def find_manifest(url: str, seen: dict | None = None) -> tuple[dict, str] | None
             ok = isinstance(data, dict) and data.get("format") in (TOKEN_FORMAT, RAW_FORMAT)
             seen[m_url] = data if ok else None
         if seen[m_url] is not None:
-            return seen[m_url], m_url
-    return None
+            out = (seen[m_url], m_url, up)
+            break
+    if folder is not None:
+        seen[("folder", folder)] = out
+    return out
+
+
+class _Listing:
+    """Which files local shard folders hold, one ``os.listdir`` per folder (a stat per shard
+    was most of a start at 1,000 shards)."""
+
+    def __init__(self) -> None:
+        self.names: dict[str, set[str]] = {}
+
+    def has(self, path: str) -> bool:
+        folder, base = os.path.split(path)
+        if folder not in self.names:
+            try:
+                self.names[folder] = set(os.listdir(folder or "."))
+            except OSError:
+                self.names[folder] = set()
+        return base in self.names[folder]
 
 
 def tokenizer_key(tokenizers: dict) -> str:
@@ -57,6 +102,10 @@ def tokenizer_key(tokenizers: dict) -> str:
 
 @dataclass
 class SampleTable:
+    """Every sample of a source held in memory: raw sources (their index's members), and tables
+    built directly (tests). Token sources are ``TokenTable``s, read lazily through the binary
+    index; the loader uses only the methods below, which both provide."""
+
     name: str
     shards: list[str]  # shard URLs
     shard: np.ndarray  # int32 [N] shard of each sample
@@ -74,71 +123,428 @@ class SampleTable:
     shard_bytes: list[int] = field(default_factory=list)  # per shard: where its last member ends
     members: list[dict] = field(default_factory=list)  # raw: each sample's index members
     manifest_url: str = ""
+    # Token shards: where each sample's KEY.json lies and the SHA-256 of its members (the index's
+    # per-sample hash; all zero where the index has none), checked as the sample is read
+    # (data/loader/sample_check.py).
+    json_at: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
+    sha: np.ndarray = field(default_factory=lambda: np.zeros((0, 32), np.uint8))
+    layout_url: str = ""  # the vocabulary layout the token shards were made with
+    # [modality, 2]: the id range [lo, hi) of each modality (set by the loader at start)
+    id_ranges: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.shard)
 
+    # --- what the loader asks of a table (TokenTable answers the same lazily) ----------------
+    def shard_counts(self) -> np.ndarray:
+        """int64 [shards]: samples per shard. Samples are numbered shard after shard."""
+        return np.bincount(np.asarray(self.shard, np.int64), minlength=len(self.shards))
 
-def load_table(src: SourceConfig) -> SampleTable:
+    def shard_of(self, sample: int) -> int:
+        return int(self.shard[sample])
+
+    def shard_end(self, si: int) -> int:
+        """Where shard ``si``'s last member ends (a fetched copy must be at least this long)."""
+        return self.shard_bytes[si] if si < len(self.shard_bytes) else 0
+
+    def key_of(self, sample: int) -> str:
+        return self.keys[sample]
+
+    def tokens_of(self, sample: int) -> int:
+        return int(self.tokens[sample])
+
+    def blocks_of(self, sample: int) -> list:
+        return self.blocks[sample]
+
+    def token_sample(self, sample: int) -> TokenSample:
+        def at(column: np.ndarray) -> tuple[int, int]:
+            return (int(column[sample][0]), int(column[sample][1])) if len(column) else (0, 0)
+
+        return TokenSample(
+            self.shard_of(sample),
+            int(self.tokens[sample]),
+            self.blocks[sample],
+            at(self.json_at),
+            at(self.ids_at),
+            at(self.mod_at),
+            self.sha[sample].tobytes() if len(self.sha) else bytes(32),
+        )
+
+    def block_stats(self) -> dict[str, dict[str, int]]:
+        """{"image"/"video": {"blocks", "longest"}} over every sample."""
+        return token_index.block_stats(
+            np.asarray([b for bs in self.blocks for b in bs], np.int64).reshape(-1, 5)
+        )
+
+    def all_blocks(self) -> Iterator[list]:
+        """Every sample's blocks (the slow path: an exact count once something is too long)."""
+        return iter(self.blocks)
+
+
+@dataclass
+class TokenSample:
+    """What reading and packing one token sample needs, from its index record."""
+
+    shard: int
+    tokens: int
+    blocks: list
+    json_at: tuple[int, int]
+    ids_at: tuple[int, int]
+    mod_at: tuple[int, int]
+    sha256: bytes  # zeros: no usable hash in the index
+
+
+# Columns a TokenTable builds on demand, for tools and tests that look at a whole source.
+_COLUMNS = (
+    "shard",
+    "keys",
+    "ids_at",
+    "mod_at",
+    "json_at",
+    "tokens",
+    "blocks",
+    "sha",
+    "shard_bytes",
+)
+
+
+class TokenTable(SampleTable):
+    """A token source whose samples stay in their shards' binary indexes (``SHARD.idx.bin``,
+    data/shards/token_index.py) until they are read: built from the manifest alone (per shard:
+    samples, index hash, blocks), so it costs the same at 10^4 samples as at 10^9. Each process
+    memory-maps a shard's index when it first reads from that shard; a stale or missing one is
+    built from the JSONL index into the cache (``cache_dir/index``, named by the JSONL's hash).
+    Pickled (to a worker) without its maps."""
+
+    def __init__(
+        self,
+        name: str,
+        shards: list[str],
+        counts: list[int],
+        index_sha: list[str],
+        *,
+        fingerprint: str,
+        tokenizer_fingerprint: str,
+        legacy_fingerprint: str,
+        manifest_url: str,
+        layout_url: str,
+        cache_dir: str,
+        shard_blocks: list[dict | None],
+    ) -> None:
+        self.name, self.shards = name, shards
+        self.counts = np.asarray(counts, np.int64)
+        self.starts = [0, *np.cumsum(self.counts).tolist()]
+        self.index_sha = index_sha
+        self.fingerprint, self.tokenizer_fingerprint = fingerprint, tokenizer_fingerprint
+        self.kind, self.legacy_fingerprint = "tokens", legacy_fingerprint
+        self.manifest_url, self.layout_url = manifest_url, layout_url
+        self.members = []
+        self.id_ranges = None
+        self.cache_dir = cache_dir
+        self.shard_blocks = shard_blocks
+        self._indexes: dict[int, token_index.TokenIndex] = {}
+        self._columns: dict[str, object] = {}
+
+    def __repr__(self) -> str:
+        return f"TokenTable({self.name!r}, {len(self.shards)} shards, {len(self)} samples)"
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_indexes": {}, "_columns": {}}
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def index(self, si: int) -> token_index.TokenIndex:
+        """Shard ``si``'s binary index, mapped on first use."""
+        idx = self._indexes.get(si)
+        if idx is None:
+            idx = resolve_index(self.shards[si], self.index_sha[si], self.cache_dir)
+            if len(idx) != self.counts[si]:
+                raise ValueError(
+                    f"{store.index_url(self.shards[si])}: {len(idx)} samples, its manifest "
+                    f"says {self.counts[si]}"
+                )
+            self._indexes[si] = idx
+        return idx
+
+    def _locate(self, sample: int) -> tuple[int, int]:
+        if not 0 <= sample < self.starts[-1]:
+            raise IndexError(f"sample {sample} of a source of {self.starts[-1]}")
+        si = bisect.bisect_right(self.starts, sample) - 1
+        return si, sample - self.starts[si]
+
+    def shard_counts(self) -> np.ndarray:
+        return self.counts
+
+    def shard_of(self, sample: int) -> int:
+        return self._locate(sample)[0]
+
+    def shard_end(self, si: int) -> int:
+        return int(self.index(si).header["shard_bytes"])
+
+    def key_of(self, sample: int) -> str:
+        si, i = self._locate(sample)
+        return self.index(si).key(i)
+
+    def tokens_of(self, sample: int) -> int:
+        si, i = self._locate(sample)
+        return int(self.index(si).records["tokens"][i])
+
+    def blocks_of(self, sample: int) -> list:
+        si, i = self._locate(sample)
+        return self.index(si).blocks_of(i).tolist()
+
+    def token_sample(self, sample: int) -> TokenSample:
+        si, i = self._locate(sample)
+        idx = self.index(si)
+        (json_at, ids_at, mod_at, tokens, b0, nb, _k0, _nk, sha) = idx.records[i].tolist()
+        return TokenSample(
+            si,
+            tokens,
+            idx.blocks[b0 : b0 + nb].tolist() if nb else [],
+            tuple(json_at),
+            tuple(ids_at),
+            tuple(mod_at),
+            bytes(sha),
+        )
+
+    def block_stats(self) -> dict[str, dict[str, int]]:
+        out = {m: {"blocks": 0, "longest": 0} for m in ("image", "video")}
+        for si in range(len(self.shards)):
+            got = self.shard_blocks[si] or self.index(si).header["blocks"]
+            for m, row in out.items():
+                row["blocks"] += int(got[m]["blocks"])
+                row["longest"] = max(row["longest"], int(got[m]["longest"]))
+        return out
+
+    def all_blocks(self) -> Iterator[list]:
+        for si in range(len(self.shards)):
+            idx = self.index(si)
+            for i in range(len(idx)):
+                yield idx.blocks_of(i).tolist()
+
+    def __getattr__(self, name: str):
+        # Whole columns, built on first use (tools and tests; the loader never asks for them).
+        if name.startswith("_") or name not in _COLUMNS:
+            raise AttributeError(name)
+        if name not in self._columns:
+            self._columns[name] = self._column(name)
+        return self._columns[name]
+
+    def _column(self, name: str):
+        idx = [self.index(si) for si in range(len(self.shards))]
+        if name == "shard":
+            return np.repeat(np.arange(len(self.shards), dtype=np.int32), self.counts)
+        if name == "keys":
+            return [x.key(i) for x in idx for i in range(len(x))]
+        if name == "blocks":
+            return [x.blocks_of(i).tolist() for x in idx for i in range(len(x))]
+        if name == "shard_bytes":
+            return [int(x.header["shard_bytes"]) for x in idx]
+        field_of = {"ids_at": "ids", "mod_at": "mod", "json_at": "json"}
+        if name in field_of:
+            return np.concatenate([x.records[field_of[name]] for x in idx]).reshape(-1, 2)
+        if name == "tokens":
+            return np.concatenate([x.records["tokens"] for x in idx]).astype(np.int64)
+        return np.concatenate([x.records["sha256"] for x in idx]).reshape(-1, 32)
+
+
+def resolve_index(tar: str, index_sha: str, cache_dir: str) -> token_index.TokenIndex:
+    """Shard ``tar``'s binary index for the JSONL index of SHA-256 ``index_sha``: the one beside
+    the shard when it was made from that JSONL, else the cache's (``cache_dir/index/SHA.idx.bin``),
+    else one built now from the JSONL (and kept in the cache for the node's other consumers)."""
+    beside = store.sibling(tar, _stem(tar) + token_index.SUFFIX)
+    cached = Path(cache_dir) / "index" / f"{index_sha}{token_index.SUFFIX}"
+    try:
+        if store.kind(beside) == "local":
+            idx = token_index.TokenIndex.open(store.local_path(beside))
+            if idx.header["index_sha256"] == index_sha:
+                return idx
+        elif cached.is_file():
+            pass  # fetched before by a consumer of this node
+        else:
+            data = store.read_bytes(beside)
+            idx = token_index.TokenIndex.from_buffer(data, where=beside)
+            if idx.header["index_sha256"] == index_sha:
+                _keep(cached, data)
+                return idx
+    except (OSError, ValueError):
+        pass  # none beside the shard (folders made before binary indexes), or not this one
+    if cached.is_file():
+        try:
+            return token_index.TokenIndex.open(cached)
+        except ValueError:
+            cached.unlink(missing_ok=True)  # cut short by a full disk: built again below
+    url = store.index_url(tar)
+    jsonl = store.read_bytes(url)
+    got = hashlib.sha256(jsonl).hexdigest()
+    if got != index_sha:
+        raise ValueError(
+            f"{url}: its SHA-256 ({got[:16]}) is not the {index_sha[:16]} its manifest records: "
+            "the index changed after the folder was written (earlyfuse-prep verify tells more)"
+        )
+    data = token_index.build(jsonl, where=url)
+    _keep(cached, data)
+    return token_index.TokenIndex.from_buffer(data, where=url)
+
+
+def _keep(path: Path, data: bytes) -> None:
+    """Best effort: a cache that cannot be written costs a rebuild per process, nothing more."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        token_index.write(path, data)
+    except OSError:
+        pass
+
+
+def _stem(url: str) -> str:
+    base = store.name(url)
+    return base[: -len(".tar")] if base.endswith(".tar") else base
+
+
+def load_table(src: SourceConfig, *, cache_dir: str | None = None) -> SampleTable:
+    """The sample table of one source: a ``TokenTable`` (token shards: the manifest alone, no
+    per-sample work) or a ``SampleTable`` of raw shards (their JSONL indexes read whole).
+    ``cache_dir``: where binary indexes missing beside their shards are built (default: the
+    ``pipe:`` cache, data.cache_dir)."""
     tars: list[str] = []
     for pat in src.shards:
-        found = expand(pat)
-        if not found:
+        matched = expand(pat)
+        if not matched:
             raise ValueError(f"source {src.name}: {pat!r} matches no shard")
-        tars += found
+        tars += matched
     if not tars:
         raise ValueError(f"source {src.name}: no shards given")
-    shard, keys, ids_at, mod_at, tokens, blocks, members = [], [], [], [], [], [], []
-    shard_bytes = [0] * len(tars)
-    h = hashlib.sha256()
-    kinds, tok_keys = set(), set()
-    manifest_url = ""
     seen: dict = {}
-    legacy = hashlib.sha256()
-    legacy_tok = set()
-    for si, tar in enumerate(tars):
-        if not store.exists(tar):
+    found = []
+    listing = _Listing()
+    for tar in tars:
+        local = store.kind(tar) == "local"
+        if not (listing.has(store.local_path(tar)) if local else store.exists(tar)):
             raise ValueError(f"source {src.name}: shard {tar} does not exist")
-        idx = store.index_url(tar)
-        try:
-            raw_idx = store.read_bytes(idx)
-        except OSError as e:
-            raise ValueError(
-                f"source {src.name}: shard {tar} has no readable index {idx} ({e})"
-            ) from None
-        # Name and index (every member's offset, size and hash), not the URL: the same shards
-        # moved to object storage keep their fingerprint, and a run's state moves with them.
-        h.update(f"{store.name(tar)}\0".encode() + hashlib.sha256(raw_idx).digest())
-        if store.kind(tar) == "local":
-            legacy.update(
-                f"{store.name(tar)}\0{Path(tar).stat().st_size}\0".encode()
-                + hashlib.sha256(raw_idx).digest()
-            )
-        found = find_manifest(tar, seen)
-        if found is None:
+        manifest_found = _manifest_of(tar, seen)
+        if manifest_found is None:
+            _read_index(src, tar)  # a missing index is the first thing to name
             raise ValueError(
                 f"source {src.name}: {tar} is in no shard folder (no manifest.json of format "
                 f"{TOKEN_FORMAT} or {RAW_FORMAT} in its folder or the two above)"
             )
-        m, manifest_url = found
-        kinds.add(m["format"])
-        if m["format"] == TOKEN_FORMAT:
+        found.append(manifest_found)
+    kinds = {f[0]["format"] for f in found}
+    if len(kinds) > 1:
+        raise ValueError(f"source {src.name}: mixes raw and token shards; make them two sources")
+    if RAW_FORMAT in kinds:
+        return _load_raw_table(src, tars, [f[:2] for f in found])
+    return _load_token_table(src, tars, found, cache_dir or store.default_cache_dir(), listing)
+
+
+def _read_index(src: SourceConfig, tar: str) -> bytes:
+    idx = store.index_url(tar)
+    try:
+        return store.read_bytes(idx)
+    except OSError as err:
+        raise ValueError(
+            f"source {src.name}: shard {tar} has no readable index {idx} ({err})"
+        ) from None
+
+
+def _relative(tar: str, up: int) -> str:
+    """The shard's path relative to its manifest's folder, ``up`` folders above its own (how
+    the manifest names it)."""
+    path = store._tar_word(tar).group(1) if store.kind(tar) == "pipe" else tar
+    return "/".join(path.split("/")[-(up + 1) :])
+
+
+def _load_token_table(
+    src: SourceConfig,
+    tars: list[str],
+    found: list[tuple[dict, str, int]],
+    cache_dir: str,
+    listing: _Listing,
+) -> TokenTable:
+    """Token shards from their manifest's entries (samples, index SHA-256, blocks): no index is
+    read. A shard the manifest does not list (or lists without those) has its JSONL index read
+    now, and its binary index built into the cache."""
+    h, legacy = hashlib.sha256(), hashlib.sha256()
+    counts, shas, shard_blocks = [], [], []
+    tok_keys, legacy_tok = set(), set()
+    layout_url = ""
+    entries: dict[str, dict[str, dict]] = {}
+    for tar, (m, manifest_url, up) in zip(tars, found):
+        if manifest_url not in entries:  # once per manifest, not per shard
+            entries[manifest_url] = {e.get("path", ""): e for e in m.get("shards", [])}
             tok_keys.add(tokenizer_key(m["tokenizers"]))
             legacy_tok.add(json.dumps(m["tokenizers"], sort_keys=True))
-        raw = m["format"] == RAW_FORMAT
+        entry = entries[manifest_url].get(_relative(tar, up), {})
+        local = store.kind(tar) == "local"
+        if local:
+            stem = store.local_path(tar)[: -len(".tar")]
+            if not (listing.has(stem + INDEX_SUFFIX) or listing.has(stem + token_index.SUFFIX)):
+                _read_index(src, tar)  # names the missing index
+        if "samples" in entry and "index_sha256" in entry:
+            count, sha, blocks = int(entry["samples"]), entry["index_sha256"], entry.get("blocks")
+        else:
+            raw_idx = _read_index(src, tar)
+            sha = hashlib.sha256(raw_idx).hexdigest()
+            data = token_index.build(raw_idx, where=store.index_url(tar))
+            _keep(Path(cache_dir) / "index" / f"{sha}{token_index.SUFFIX}", data)
+            header = token_index.TokenIndex.from_buffer(data).header
+            count, blocks = int(header["samples"]), header["blocks"]
+        counts.append(count)
+        shas.append(sha)
+        shard_blocks.append(blocks)
+        # Name and index (every member's offset, size and hash), not the URL: the same shards
+        # moved to object storage keep their fingerprint, and a run's state moves with them.
+        h.update(f"{store.name(tar)}\0".encode() + bytes.fromhex(sha))
+        if local:  # the tar's size: the manifest's for a shard it lists (what a stat would say)
+            size = entry["bytes"] if "bytes" in entry else Path(tar).stat().st_size
+            legacy.update(f"{store.name(tar)}\0{size}\0".encode() + bytes.fromhex(sha))
+        if not layout_url:
+            folder = m["tokenizers"].get("folder", "tokenizers")
+            layout_url = store.sibling(tar, f"{folder}/vocab_layout.json", up)
+    if len(tok_keys) > 1:
+        raise ValueError(f"source {src.name}: its shards were tokenized with different tokenizers")
+    old = ""
+    if len(legacy_tok) == 1 and all(store.kind(t) == "local" for t in tars):
+        old = json.dumps(
+            [
+                legacy.hexdigest()[:16],
+                hashlib.sha256(next(iter(legacy_tok)).encode()).hexdigest()[:16],
+            ]
+        )
+    return TokenTable(
+        src.name,
+        tars,
+        counts,
+        shas,
+        fingerprint=h.hexdigest()[:16],
+        tokenizer_fingerprint=next(iter(tok_keys)),
+        legacy_fingerprint=old,
+        manifest_url=found[-1][1],
+        layout_url=layout_url,
+        cache_dir=cache_dir,
+        shard_blocks=shard_blocks,
+    )
+
+
+def _load_raw_table(
+    src: SourceConfig, tars: list[str], found: list[tuple[dict, str]]
+) -> SampleTable:
+    """Raw shards: every JSONL index read whole (each sample's members, for online tokenizing)."""
+    shard, keys, members = [], [], []
+    shard_bytes = [0] * len(tars)
+    h = hashlib.sha256()
+    for si, tar in enumerate(tars):
+        raw_idx = _read_index(src, tar)
+        idx = store.index_url(tar)
+        h.update(f"{store.name(tar)}\0".encode() + hashlib.sha256(raw_idx).digest())
         last = -1
         for lineno, line in enumerate(raw_idx.splitlines(), 1):
             try:
                 e = json.loads(line)
-                if raw:
-                    if "json" not in e["members"]:
-                        raise KeyError("members.json")
-                    members.append(e["members"])
-                else:
-                    ids_at.append(e["members"]["ids.npy"])
-                    mod_at.append(e["members"]["mod.npy"])
-                    tokens.append(e["tokens"])
-                    blocks.append(e.get("blocks", []))
+                if "json" not in e["members"]:
+                    raise KeyError("members.json")
+                members.append(e["members"])
                 keys.append(e["key"])
                 first = min(int(o) for o, _ in e["members"].values())
                 if first <= last:
@@ -149,38 +555,22 @@ def load_table(src: SourceConfig) -> SampleTable:
                 last = max(int(o) + int(n) for o, n in e["members"].values())
                 shard_bytes[si] = max(shard_bytes[si], last)
             except (ValueError, KeyError, TypeError) as err:
-                raise ValueError(
-                    f"{idx}:{lineno}: not a {'raw' if raw else 'token'} shard index line ({err})"
-                ) from None
+                raise ValueError(f"{idx}:{lineno}: not a raw shard index line ({err})") from None
             shard.append(si)
-    if len(kinds) > 1:
-        raise ValueError(f"source {src.name}: mixes raw and token shards; make them two sources")
-    if len(tok_keys) > 1:
-        raise ValueError(f"source {src.name}: its shards were tokenized with different tokenizers")
     n = len(shard)
-    raw = RAW_FORMAT in kinds
-    old = ""
-    if not raw and len(legacy_tok) == 1 and all(store.kind(t) == "local" for t in tars):
-        old = json.dumps(
-            [
-                legacy.hexdigest()[:16],
-                hashlib.sha256(next(iter(legacy_tok)).encode()).hexdigest()[:16],
-            ]
-        )
     return SampleTable(
         src.name,
         tars,
         np.asarray(shard, np.int32),
         keys,
-        np.asarray(ids_at, np.int64).reshape(-1, 2),
-        np.asarray(mod_at, np.int64).reshape(-1, 2),
-        np.zeros(n, np.int64) if raw else np.asarray(tokens, np.int64),
-        [[] for _ in range(n)] if raw else blocks,
+        np.zeros((n, 2), np.int64),
+        np.zeros((n, 2), np.int64),
+        np.zeros(n, np.int64),
+        [[] for _ in range(n)],
         h.hexdigest()[:16],
-        "" if raw else next(iter(tok_keys)),
-        kind="raw" if raw else "tokens",
+        "",
+        kind="raw",
         members=members,
-        manifest_url=manifest_url,
-        legacy_fingerprint=old,
+        manifest_url=found[-1][1],
         shard_bytes=shard_bytes,
     )

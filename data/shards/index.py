@@ -7,15 +7,16 @@ import json
 import tarfile
 from pathlib import Path
 
+from data.names import INDEX_SUFFIX
 from data.shards.writer import sample_hash
 
 
 def index_path_for(tar_path: str | Path) -> Path:
     p = Path(tar_path)
     return (
-        p.with_name(p.name[: -len(".tar")] + ".idx.jsonl")
+        p.with_name(p.name[: -len(".tar")] + INDEX_SUFFIX)
         if p.name.endswith(".tar")
-        else p.with_name(p.name + ".idx.jsonl")
+        else p.with_name(p.name + INDEX_SUFFIX)
     )
 
 
@@ -74,11 +75,11 @@ def check_index(tar_path: str | Path, index: list[dict]) -> list[str]:
             problems.append(f"{tar_path}: members are in a different order than the index says")
         return problems
     with open(tar_path, "rb") as f:
-        for e in index:
+        for entry in index:
             members = []
-            for suffix, (off, size) in e["members"].items():
+            for suffix, (off, size) in entry["members"].items():
                 f.seek(off)
                 members.append((suffix, f.read(size)))
-            if sample_hash(members) != e["sha256"]:
-                problems.append(f"{tar_path}: sample {e['key']} does not match its hash")
+            if sample_hash(members) != entry["sha256"]:
+                problems.append(f"{tar_path}: sample {entry['key']} does not match its hash")
     return problems

@@ -17,6 +17,8 @@ from collections import Counter
 from importlib import metadata
 from pathlib import Path
 
+from data.names import MANIFEST_FILE, REJECTS_FILE
+
 MANIFEST_FORMAT = "earlyfuse-raw-shards"
 MANIFEST_VERSION = 1
 
@@ -140,8 +142,8 @@ def finalize(out: Path, records: dict[int, dict]) -> dict:
         },
     }
     manifest["created_by"]["commands"] = [json.loads(c) for c in manifest["created_by"]["commands"]]
-    write_json_atomic(out / "rejects.jsonl", None, lines=rejects)
-    write_json_atomic(out / "manifest.json", manifest)
+    write_json_atomic(out / REJECTS_FILE, None, lines=rejects)
+    write_json_atomic(out / MANIFEST_FILE, manifest)
     for stale in out.rglob("*.tmp"):
         stale.unlink(missing_ok=True)
     return manifest
@@ -171,8 +173,8 @@ def merge(out: Path) -> dict:
     return finalize(out, records)
 
 
-def load_manifest(out: Path) -> dict:
-    path = Path(out) / "manifest.json"
+def load_manifest(out: Path, formats: tuple[str, ...] = (MANIFEST_FORMAT,)) -> dict:
+    path = Path(out) / MANIFEST_FILE
     try:
         m = json.loads(path.read_text())
     except FileNotFoundError:
@@ -182,6 +184,8 @@ def load_manifest(out: Path) -> dict:
         ) from None
     except ValueError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if m.get("format") != MANIFEST_FORMAT:
-        raise ValueError(f"{path}: format {m.get('format')!r}, expected {MANIFEST_FORMAT!r}")
+    if m.get("format") not in formats:
+        raise ValueError(
+            f"{path}: format {m.get('format')!r}, expected {' or '.join(map(repr, formats))}"
+        )
     return m

@@ -62,14 +62,13 @@ class ShardReader:
 
     def __enter__(self) -> Iterator[RawDoc]:
         self._f = open(self.tar, "rb")
-        return self._docs()
+        return self._docs(self._f)
 
     def __exit__(self, *exc) -> None:
         if self._f:
             self._f.close()
 
-    def _docs(self) -> Iterator[RawDoc]:
-        f = self._f
+    def _docs(self, f: BinaryIO) -> Iterator[RawDoc]:
         for e in self.entries:
             off, size = e["members"]["json"]
             f.seek(off)

@@ -8,6 +8,7 @@ import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from data.names import REJECTS_FILE
 from data.shards.index import read_index
 from data.shards.manifest import load_manifest
 
@@ -28,9 +29,14 @@ def collect_stats(out: str | Path, *, examples: int = 3) -> dict:
     m = load_manifest(out)
     img_w, img_h, img_px, vid_dur, vid_frames, vid_fps = [], [], [], [], [], []
     docs_by_types: Counter = Counter()
+    uncaptioned: dict[str, dict[str, int]] = {}
     for shard in m["shards"]:
         for e in read_index(out / shard["index"]):
             docs_by_types["+".join(sorted(set(e["types"])))] += 1
+            if _without_text(e["types"]):
+                per = uncaptioned.setdefault(shard["source"], {"image": 0, "video": 0})
+                for kind in set(e["types"]) & {"image", "video"}:
+                    per[kind] += 1
             for md in e.get("media", []):
                 if "frames" in md:
                     vid_dur.append(md["duration"])
@@ -41,7 +47,7 @@ def collect_stats(out: str | Path, *, examples: int = 3) -> dict:
                     img_h.append(md["height"])
                     img_px.append(md["width"] * md["height"])
     reject_examples: dict[str, list[str]] = defaultdict(list)
-    rpath = out / "rejects.jsonl"
+    rpath = out / REJECTS_FILE
     if rpath.is_file():
         with open(rpath, encoding="utf-8") as f:
             for line in f:
@@ -68,11 +74,42 @@ def collect_stats(out: str | Path, *, examples: int = 3) -> dict:
             "frames": _dist(vid_frames),
             "fps": _dist(vid_fps),
         },
+        # Documents of images or videos with no text at all (e.g. an image without a caption
+        # file): kept, but counted, since a captioned source is usually meant to be captioned.
+        "media_without_text": uncaptioned,
         "rejects": t["rejects"],
         "rejects_by_reason": dict(sorted(t["rejects_by_reason"].items(), key=lambda kv: -kv[1])),
         "reject_examples": dict(reject_examples),
         "repaired_utf8": t["repaired_utf8"],
     }
+
+
+def _without_text(types: list[str]) -> bool:
+    return bool(set(types) & {"image", "video"}) and not set(types) & {"text", "code"}
+
+
+def media_without_text(out: str | Path) -> dict[str, dict[str, int]]:
+    """source -> {"image": n, "video": n}: documents holding media and no text (no caption)."""
+    out = Path(out)
+    found: dict[str, dict[str, int]] = {}
+    for shard in load_manifest(out)["shards"]:
+        for e in read_index(out / shard["index"]):
+            if _without_text(e["types"]):
+                per = found.setdefault(shard["source"], {"image": 0, "video": 0})
+                for kind in set(e["types"]) & {"image", "video"}:
+                    per[kind] += 1
+    return found
+
+
+def describe_uncaptioned(found: dict[str, dict[str, int]]) -> str | None:
+    """One line for a summary, or None when every image and video has text beside it."""
+    if not found:
+        return None
+    parts = [
+        f"{src}: " + ", ".join(f"{n} {kind}{'s' if n > 1 else ''}" for kind, n in per.items() if n)
+        for src, per in sorted(found.items())
+    ]
+    return "without a caption or any text: " + "; ".join(parts) + " (kept as media-only documents)"
 
 
 def human_bytes(n: float) -> str:
@@ -115,6 +152,8 @@ def format_stats(s: dict) -> str:
     lines.append(f"  video seconds:  {d(vd['duration_s'], '{:.2f}')}")
     lines.append(f"  video frames:   {d(vd['frames'])}")
     lines.append(f"  video fps:      {d(vd['fps'], '{:.2f}')}")
+    said = describe_uncaptioned(s["media_without_text"])
+    lines.append(f"  {said}" if said else "  without a caption or any text: none")
     lines.append("")
     if s["rejects"]:
         lines.append(f"  rejects: {s['rejects']} (all in rejects.jsonl)")

@@ -6,10 +6,12 @@ import re
 from pathlib import Path
 
 from data.schema import sanitize_key
+from data.shards.storage import is_remote
 from data.sources.base import Item, Limits, Source, SourceSpec
 from data.sources.captioned import ImagesSource, VideosSource
 from data.sources.code import CodeSource
 from data.sources.interleaved import InterleavedSource
+from data.sources.tables import is_table
 from data.sources.text import TextSource
 from data.sources.wds import WdsSource
 
@@ -26,29 +28,62 @@ _SPEC = re.compile(r"^(?:(?P<name>[A-Za-z0-9_-]+)=)?(?P<kind>[a-z]+):(?P<path>.+
 
 
 def parse_sources(args: list[str]) -> list[SourceSpec]:
-    """Parse ``[NAME=]KIND:PATH`` arguments; names default to the path's stem, made unique."""
+    """Parse ``[NAME=]KIND:PATH`` arguments; names default to the path's stem. Two sources of one
+    name are an error naming both (a silent rename would put one under a name nobody gave)."""
     specs: list[SourceSpec] = []
-    used: set[str] = set()
+    used: dict[str, str] = {}  # name -> the --source that has it
     for arg in args:
         m = _SPEC.match(arg)
         if not m or m["kind"] not in KINDS:
             raise ValueError(
                 f"--source {arg!r}: expected [NAME=]KIND:PATH with KIND one of " + ", ".join(KINDS)
             )
+        if is_remote(m["path"]):
+            specs.append(_remote_spec(arg, m["kind"], m["path"], m["name"], used))
+            continue
         path = Path(m["path"]).expanduser()
         if not path.exists():
             raise ValueError(f"--source {arg!r}: {path} does not exist")
-        name = m["name"]
-        if name and name in used:
-            raise ValueError(f"--source {arg!r}: the name {name!r} is already taken")
-        if not name:
-            base = sanitize_key(path.resolve().stem if path.is_file() else path.resolve().name)
-            name, n = base, 2
-            while name in used:
-                name, n = f"{base}_{n}", n + 1
-        used.add(name)
+        name = m["name"] or sanitize_key(
+            path.resolve().stem if path.is_file() else path.resolve().name
+        )
+        if name in used:
+            how = "" if m["name"] else " (from its path)"
+            raise ValueError(
+                f"--source {arg!r}: the name {name!r}{how} is also the name of --source "
+                f"{used[name]!r}; give each its own name, e.g. --source "
+                f"{name}2={m['kind']}:{m['path']} ({path.resolve()} and "
+                f"{Path(used[name].split(':', 1)[1]).expanduser().resolve()})"
+            )
+        used[name] = arg
         specs.append(SourceSpec(m["kind"], str(path.resolve()), name))
     return specs
+
+
+def _remote_spec(
+    arg: str, kind: str, url: str, name: str | None, used: dict[str, str]
+) -> SourceSpec:
+    """A source in object storage: parquet tables, Hugging Face folders and webdataset tars
+    are read there."""
+    readable = kind == "wds" or (
+        kind in ("text", "images", "videos", "interleaved") and is_table(url)
+    )
+    if not readable:
+        raise ValueError(
+            f"--source {arg!r}: from object storage ingest reads .parquet tables and Hugging "
+            "Face dataset folders (kinds text, images, videos, interleaved) and webdataset "
+            "tars (wds); copy other inputs to a local folder first"
+        )
+    if not name:
+        stem = url.rstrip("/").rsplit("/", 1)[-1]
+        name = sanitize_key(stem.removesuffix(".parquet").removesuffix(".tar"))
+    if name in used:  # never a silent rename, as for local sources
+        raise ValueError(
+            f"--source {arg!r}: the name {name!r} is also the name of --source {used[name]!r}; "
+            f"give each its own name, e.g. --source {name}2={kind}:{url}"
+        )
+    used[name] = arg
+    return SourceSpec(kind, url.rstrip("/"), name)
 
 
 def build_source(spec: SourceSpec, limits: Limits) -> Source:

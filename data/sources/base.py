@@ -13,10 +13,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
-from data.media import VIDEO_EXTS, clean_json_text, decode_text, probe_image, probe_video
+from data.media import (
+    VIDEO_EXTS,
+    ImageInfo,
+    VideoInfo,
+    clean_json_text,
+    decode_text,
+    probe_image,
+    probe_video,
+)
 from data.schema import MEDIA_PREFIX, Reject, Sample
 
 
@@ -34,6 +43,40 @@ class Limits:
     max_text_bytes: int = 16 << 20
     max_code_bytes: int = 1 << 20
     repair_utf8: bool = False
+    # Read files through symlinks that lead out of a source's folder (default: rejected)
+    follow_links_outside: bool = False
+
+    def describe(self) -> dict:
+        """The limits for the plan fingerprint; the default of a later flag is left out, so plans
+        made before it existed keep their fingerprint."""
+        d = asdict(self)
+        if not d["follow_links_outside"]:
+            del d["follow_links_outside"]
+        return d
+
+
+LINK_OUTSIDE = "link-outside-source"
+
+
+class Skip(NamedTuple):
+    """Why ``walk`` did not enter a folder (or list a file): a reject reason and its detail."""
+
+    reason: str
+    detail: str
+
+
+def outside_root(path: Path, root: Path) -> Skip | None:
+    """Why reading ``path`` would follow a symlink out of ``root`` (a resolved folder), or None.
+    ``path`` as written (".." folded, no link followed) inside ``root`` must really be there: no
+    symlink on its way (the file's, or a folder's) may lead out. A path written to lie outside
+    ``root`` (a JSONL/CSV table may name media anywhere) must really be where it is written:
+    the file itself may not be a symlink out of its folder."""
+    lexical = Path(os.path.abspath(path))
+    base = root if lexical.is_relative_to(root) else lexical.parent.resolve()
+    real = lexical.resolve()
+    if not real.is_relative_to(base):
+        return Skip(LINK_OUTSIDE, f"{path} is a symlink to {real}, outside {base}")
+    return None
 
 
 @dataclass(frozen=True)
@@ -77,6 +120,18 @@ class Source:
     def root(self) -> Path:
         return Path(self.spec.path)
 
+    @property
+    def folder(self) -> Path:
+        """The source's root folder: the folder given, or the folder of the file given."""
+        return self.root if self.root.is_dir() else self.root.parent
+
+    def outside(self, path: Path | str, root: Path | None = None) -> Skip | None:
+        """Why ``path`` must not be read (a symlink leads out of ``root``, default the source's
+        folder; see ``outside_root``), unless ``--follow-links-outside`` allows it."""
+        if self.limits.follow_links_outside:
+            return None
+        return outside_root(Path(path), root or self.folder)
+
     def key(self, local: str) -> str:
         return f"{self.spec.name}-{local}"
 
@@ -90,15 +145,18 @@ class Source:
         self, skip_dir: Callable[[str], str | None]
     ) -> Iterator[tuple[str, str, Path] | Item]:
         """(key, label, path) of every file under the root, in order; a folder that
-        ``skip_dir`` names a reason for is yielded once, as its rejected Item."""
+        ``skip_dir`` names a reason for is yielded once, as its rejected Item, and so is a file or
+        folder whose symlink leads out of the root."""
         from data.schema import sanitize_key
 
-        for rel, skipped in walk(self.root, skip_dir):
+        for rel, skipped in walk(self.root, skip_dir, follow=self.limits.follow_links_outside):
             key, label = self.key(sanitize_key(rel)), self.display(rel)
+            path = self.root / rel if self.root.is_dir() else self.root
+            skipped = skipped or self.outside(path)
             if skipped:
-                yield self.rejected_item(key, label, "vendored", skipped)
+                yield self.rejected_item(key, label, skipped.reason, skipped.detail)
             else:
-                yield key, label, (self.root / rel if self.root.is_dir() else self.root)
+                yield key, label, path
 
     def display(self, rel: str) -> str:
         """How a file inside this source is named in rejects and metadata: relative to the root."""
@@ -146,14 +204,15 @@ def assemble(
                 seg["role"] = part.role
             segments.append(seg)
         elif part.type in MEDIA_PREFIX:
-            data = part.data
+            data: bytes | Reject | None = part.data
             if data is None:
                 data = read_media(part.path)
-                if isinstance(data, Reject):
-                    return with_source(
-                        Reject(part.label or data.path, data.reason, data.detail), src, key
-                    )
+            if isinstance(data, Reject):
+                return with_source(
+                    Reject(part.label or data.path, data.reason, data.detail), src, key
+                )
             where = part.label or part.path or label
+            info: ImageInfo | VideoInfo | Reject
             if part.type == "image":
                 info = probe_image(data, where, max_pixels=lim.max_image_pixels)
                 ext = None if isinstance(info, Reject) else info.ext
@@ -202,22 +261,38 @@ def read_file(path: Path, label: str) -> bytes | Reject:
         return Reject(label, "unreadable-file", str(e))
 
 
-def walk(root: Path, skip_dir: Callable[[str], str | None]) -> Iterator[tuple[str, str | None]]:
+def walk(
+    root: Path, skip_dir: Callable[[str], str | None], *, follow: bool = False
+) -> Iterator[tuple[str, Skip | None]]:
     """Files under ``root`` as sorted relative paths; a skipped folder is yielded once as
-    ``("dir/", reason)`` and not entered. A file ``root`` yields just its own name."""
+    ``("dir/", Skip("vendored", why))`` and not entered. A symlinked folder is not entered when
+    it leads inside ``root`` (its files are listed where they really are); one that leads out is
+    yielded as ``("dir/", Skip("link-outside-source", ...))``, or entered with ``follow``. Files
+    are yielded whatever their links: the caller checks them (``Source.outside``). A file
+    ``root`` yields just its own name."""
     if root.is_file():
         yield root.name, None
         return
-    for dirpath, dirnames, filenames in os.walk(root):
+    real_root = root.resolve()
+    seen = {real_root}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         rel_dir = os.path.relpath(dirpath, root)
         rel_dir = "" if rel_dir == "." else rel_dir + "/"
         keep = []
         for d in sorted(dirnames):
             why = skip_dir(d)
+            full = Path(dirpath, d)
             if why:
-                yield f"{rel_dir}{d}/", why
-            else:
+                yield f"{rel_dir}{d}/", Skip("vendored", why)
+            elif not full.is_symlink():
                 keep.append(d)
+            elif not (real := full.resolve()).is_relative_to(real_root):
+                if not follow:
+                    detail = f"a symlink leads to {real}, outside the source's folder {real_root}"
+                    yield f"{rel_dir}{d}/", Skip(LINK_OUTSIDE, detail)
+                elif real not in seen:  # followed once each (a link back would loop)
+                    seen.add(real)
+                    keep.append(d)
         dirnames[:] = keep
         for fname in sorted(filenames):
             yield f"{rel_dir}{fname}", None

@@ -6,7 +6,9 @@ PATH is either
   ``meta``), or from a ``captions.jsonl`` / ``captions.csv`` at the folder's top with columns
   ``file`` (path relative to the folder) and ``caption``;
 - or a ``.jsonl`` / ``.csv`` table with a column ``image`` (or ``video``), optional ``caption``
-  and ``id``; paths are relative to the table's folder; other columns go to ``meta``.
+  and ``id``; paths are relative to the table's folder; other columns go to ``meta``;
+- or a ``.parquet`` file / Hugging Face ``save_to_disk`` folder with those columns, the media
+  column holding bytes, paths or ``{bytes, path}`` structs (tables.py).
 
 A document is ``[media, caption]``; the caption segment carries ``"role": "caption"``.
 """
@@ -21,6 +23,7 @@ from pathlib import Path
 from data.media import IMAGE_EXTS, VIDEO_EXTS
 from data.schema import Reject, Sample, sanitize_key, unsafe_name_reason
 from data.sources.base import Item, Part, Source, hidden_dir, read_file, stat_size, walk
+from data.sources.tables import is_table, load_row, table_items
 from data.sources.text import parse_record
 
 CAPTION_TABLES = ("captions.jsonl", "captions.csv")
@@ -46,6 +49,9 @@ class CaptionedSource(Source):
     part_type = ""
 
     def items(self) -> Iterator[Item]:
+        if is_table(self.spec.path):  # .parquet or a Hugging Face save_to_disk folder
+            yield from table_items(self)
+            return
         if self.root.is_dir():
             yield from self._folder_items()
         elif self.root.suffix.lower() in (".jsonl", ".csv"):
@@ -55,14 +61,20 @@ class CaptionedSource(Source):
                 self.key(sanitize_key(self.root.name)),
                 self.root.name,
                 "unknown-type",
-                f"{self.kind} takes a folder or a .jsonl/.csv table",
+                f"{self.kind} takes a folder, a .jsonl/.csv/.parquet table or a Hugging Face "
+                "dataset folder",
             )
 
     # --- a folder of media files -----------------------------------------------------------
     def _folder_items(self) -> Iterator[Item]:
         captions: dict[str, dict] = {}
         for table in CAPTION_TABLES:
-            if (self.root / table).is_file():
+            outside = self.outside(self.root / table)
+            if (self.root / table).is_file() and outside:
+                yield self.rejected_item(
+                    self.key(sanitize_key(table)), table, outside.reason, outside.detail
+                )
+            elif (self.root / table).is_file():
                 for lineno, rec in read_table(self.root / table):
                     if isinstance(rec, Reject) or not rec.get("file"):
                         detail = rec.detail if isinstance(rec, Reject) else 'no "file" column'
@@ -71,7 +83,7 @@ class CaptionedSource(Source):
                         )
                         continue
                     captions[str(rec.pop("file"))] = rec
-        files = list(walk(self.root, hidden_dir))
+        files = list(walk(self.root, hidden_dir, follow=self.limits.follow_links_outside))
         media = {
             rel for rel, skipped in files if not skipped and Path(rel).suffix.lower() in self.exts
         }
@@ -79,7 +91,7 @@ class CaptionedSource(Source):
         for rel, skipped in files:
             key = self.key(sanitize_key(rel))
             if skipped:
-                yield self.rejected_item(key, rel, "vendored", skipped)
+                yield self.rejected_item(key, rel, skipped.reason, skipped.detail)
                 continue
             if rel in CAPTION_TABLES:
                 continue
@@ -96,17 +108,24 @@ class CaptionedSource(Source):
                 )
                 continue
             path = self.root / rel
+            txt, js = path.with_suffix(".txt"), path.with_suffix(".json")
+            # the media file and its sidecar captions: none may be a link out of the folder
+            outside = next(
+                (o for f in (path, txt, js) if f.exists() and (o := self.outside(f))), None
+            )
+            if outside:
+                yield self.rejected_item(key, rel, outside.reason, outside.detail)
+                continue
             size = stat_size(path)
             if size is None:
                 yield self.rejected_item(key, rel, "unreadable-file", "cannot stat")
                 continue
-            rec = captions.get(rel)
-            txt, js = path.with_suffix(".txt"), path.with_suffix(".json")
+            caption = captions.get(rel)
             ref = (
                 "file",
                 str(path),
                 rel,
-                json.dumps(rec, sort_keys=True) if rec is not None else "",
+                json.dumps(caption, sort_keys=True) if caption is not None else "",
                 str(txt) if txt.is_file() else "",
                 str(js) if js.is_file() else "",
             )
@@ -141,6 +160,10 @@ class CaptionedSource(Source):
                 )
                 continue
             path = (base / media) if not Path(media).is_absolute() else Path(media)
+            outside = self.outside(path)
+            if outside:
+                yield self.rejected_item(key, f"{label} ({media})", outside.reason, outside.detail)
+                continue
             size = stat_size(path)
             if size is None:
                 yield self.rejected_item(
@@ -153,6 +176,8 @@ class CaptionedSource(Source):
 
     # --- worker side -------------------------------------------------------------------------
     def load(self, item: Item) -> Sample | Reject:
+        if item.ref[0] == "trow":
+            return load_row(self, item)
         if item.ref[0] == "file":
             _, path, rel, table_rec, txt, js = item.ref
             meta = json.loads(table_rec) if table_rec else {}

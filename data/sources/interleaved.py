@@ -5,6 +5,8 @@ Two forms per line (media paths relative to the JSONL file's folder, or absolute
   lists aligned; at each position the non-null entries are taken in the order text, image, video.
 - native: ``{"segments": [{"type": "text"|"code"|"image"|"video", "text": ..., "lang": ...,
   "path": ...}]}``.
+The same OBELICS lists as columns of a ``.parquet`` file or a Hugging Face ``save_to_disk``
+folder, images as bytes, paths or ``{bytes, path}`` structs (tables.py).
 An ``id`` field names the sample; every other field goes to ``meta``. A document whose media is
 missing or remote is rejected as a whole (reason ``missing-media``), never kept without it.
 """
@@ -16,6 +18,7 @@ from pathlib import Path
 
 from data.schema import SEGMENT_TYPES, Reject, Sample, sanitize_key, unsafe_name_reason
 from data.sources.base import Item, Part, Source, stat_size
+from data.sources.tables import is_table, load_row, table_items
 from data.sources.text import jsonl_lines, parse_record, read_line
 
 OBELICS_LISTS = (("texts", "text"), ("images", "image"), ("videos", "video"))
@@ -71,12 +74,15 @@ class InterleavedSource(Source):
     kind = "interleaved"
 
     def items(self) -> Iterator[Item]:
+        if is_table(self.spec.path):  # .parquet or a Hugging Face save_to_disk folder
+            yield from table_items(self)
+            return
         if self.root.suffix.lower() != ".jsonl" or not self.root.is_file():
             yield self.rejected_item(
                 self.key(sanitize_key(self.root.name)),
                 str(self.root),
                 "unknown-type",
-                "interleaved takes a .jsonl file",
+                "interleaved takes a .jsonl or .parquet file or a Hugging Face dataset folder",
             )
             return
         for lineno, off, length in jsonl_lines(self.root):
@@ -97,9 +103,20 @@ class InterleavedSource(Source):
                 yield self.rejected_item(key, label, parts.reason, parts.detail)
                 continue
             size, missing = length, None
+            outside = next(
+                (
+                    o
+                    for p in parts
+                    if p.type in ("image", "video") and (o := self.outside(p.path or ""))
+                ),
+                None,
+            )
+            if outside:
+                yield self.rejected_item(key, label, outside.reason, outside.detail)
+                continue
             for p in parts:
                 if p.type in ("image", "video"):
-                    s = stat_size(Path(p.path))
+                    s = stat_size(Path(p.path)) if p.path else None
                     if s is None:
                         missing = p.path
                         break
@@ -110,9 +127,13 @@ class InterleavedSource(Source):
             yield Item(key, label, ("line", str(self.root), label, off, length, lineno), size)
 
     def load(self, item: Item) -> Sample | Reject:
+        if item.ref[0] == "trow":
+            return load_row(self, item)
         _, path, label, off, length, lineno = item.ref
         rec = parse_record(read_line(path, off, length), label)
-        parts = rec if isinstance(rec, Reject) else doc_parts(rec, Path(path).parent, label)
+        if isinstance(rec, Reject):
+            return self.reject(rec.path, rec.reason, rec.detail, item.key)
+        parts = doc_parts(rec, Path(path).parent, label)
         if isinstance(parts, Reject):
             return self.reject(parts.path, parts.reason, parts.detail, item.key)
         rec.pop("id", None)

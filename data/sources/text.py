@@ -1,5 +1,6 @@
 """``text:PATH`` — prose. A ``.txt``/``.md``/``.rst`` file is one document; a ``.jsonl`` file
-holds one document per line (``{"text": ...}``; other fields go to ``meta``)."""
+holds one document per line (``{"text": ...}``; other fields go to ``meta``); a ``.parquet``
+file or a Hugging Face ``save_to_disk`` folder one per row (a ``text`` column; tables.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 from data.schema import Reject, Sample
 from data.sources.base import Item, Part, Source, hidden_dir, read_file, stat_size
+from data.sources.tables import is_table, load_row, table_items
 
 TEXT_EXTS = {".txt", ".md", ".rst", ".text"}
 
@@ -45,6 +47,9 @@ class TextSource(Source):
     kind = "text"
 
     def items(self) -> Iterator[Item]:
+        if is_table(self.spec.path):  # .parquet or a Hugging Face save_to_disk folder
+            yield from table_items(self)
+            return
         for got in self.walk_files(hidden_dir):
             if isinstance(got, Item):
                 yield got
@@ -78,6 +83,8 @@ class TextSource(Source):
                 yield Item(key, label, ("file", str(path), label), size)
 
     def load(self, item: Item) -> Sample | Reject:
+        if item.ref[0] == "trow":
+            return load_row(self, item)
         if item.ref[0] == "file":
             _, path, label = item.ref
             raw = read_file(Path(path), label)

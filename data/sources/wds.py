@@ -5,6 +5,10 @@ img2dataset / video2dataset layout: ``KEY.jpg`` (or png/webp, or ``KEY.mp4``) wi
 Members are located by their byte offsets when the plan is made and read by seeking, so a
 worker never scans a whole tar for one sample. A tar cut short keeps every sample before the
 cut and records one ``truncated-tar`` reject for the rest.
+
+PATH may be an fsspec URL (``wds:s3://bucket/laion/``, a folder of ``.tar`` or one ``.tar``):
+the plan reads each tar once, in order, to list its members; workers read members by ranged
+requests (docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from data.media import IMAGE_EXTS, VIDEO_EXTS
+from data.names import INDEX_SUFFIX
 from data.schema import Reject, Sample, sanitize_key, unsafe_name_reason
+from data.shards.storage import is_remote, retried
 from data.sources.base import Item, Part, Source, hidden_dir, walk
 from data.sources.text import parse_record
 
@@ -28,39 +34,105 @@ def split_member(name: str) -> tuple[str, str]:
     return (f"{d}/{stem}" if d else stem), ext.lower()
 
 
-def list_members(path: Path) -> tuple[list[tuple[str, int, int]], str | None]:
+def _open(path: str):
+    """A tar's file, local or remote (fsspec: ranged reads, a block cache for scanning)."""
+    if not is_remote(path):
+        return open(path, "rb")
+    import fsspec
+
+    fs, inner = fsspec.core.url_to_fs(path)
+    return retried(path, lambda: fs.open(inner, "rb", block_size=4 << 20, cache_type="readahead"))
+
+
+_REMOTE: dict[str, object] = {}  # per worker: the remote tar being read (its samples come in order)
+
+
+def _reader(path: str):
+    """A local tar opened for this sample, or the worker's open handle on a remote one."""
+    if not is_remote(path):
+        return open(path, "rb")
+    if path not in _REMOTE:
+        for old in _REMOTE.values():
+            old.close()  # type: ignore[attr-defined]
+        _REMOTE.clear()
+        _REMOTE[path] = _open(path)
+    return _REMOTE[path]
+
+
+def read_members(path: str, group: list) -> dict[str, bytes]:
+    """The bytes of one sample's members; remote reads retried on a fresh handle."""
+
+    def once() -> dict[str, bytes]:
+        f = _reader(path)
+        try:
+            data = {}
+            for ext, off, size in group:
+                f.seek(off)
+                data[ext] = f.read(size)
+            return data
+        except Exception:
+            _REMOTE.pop(path, None)
+            raise
+        finally:
+            if not is_remote(path):
+                f.close()
+
+    return retried(path, once) if is_remote(path) else once()
+
+
+def list_members(path: Path | str) -> tuple[list[tuple[str, int, int]], str | None]:
     """(name, data offset, size) of the regular members, and why the listing stopped early."""
     members: list[tuple[str, int, int]] = []
-    total = os.path.getsize(path)
     try:
-        with tarfile.open(path, mode="r:") as tf:
-            for m in tf:
-                if not m.isfile():
-                    continue
-                if m.offset_data + m.size > total:
-                    return (
-                        members,
-                        f"ends inside member {m.name!r} (byte {total} of {m.offset_data + m.size})",
-                    )
-                members.append((m.name, m.offset_data, m.size))
-    except tarfile.ReadError as e:
+        with _open(str(path)) as f:
+            total = f.seek(0, os.SEEK_END)
+            f.seek(0)
+            with tarfile.open(fileobj=f, mode="r:") as tf:
+                for m in tf:
+                    if not m.isfile():
+                        continue
+                    if m.offset_data + m.size > total:
+                        return (
+                            members,
+                            f"ends inside member {m.name!r} (byte {total} of {m.offset_data + m.size})",
+                        )
+                    members.append((m.name, m.offset_data, m.size))
+    except (tarfile.ReadError, OSError) as e:
         after = f" after member {members[-1][0]!r}" if members else ""
         return members, f"unreadable{after}: {e}"
     return members, None
+
+
+def remote_tars(url: str) -> list[tuple[str, str]]:
+    """(label, URL) of the tars of a remote wds source: one .tar, or every .tar below a folder."""
+    if url.endswith(".tar"):
+        return [(url.rsplit("/", 1)[-1], url)]
+    import fsspec
+
+    fs, inner = fsspec.core.url_to_fs(url)
+    found = sorted(n for n in retried(url, lambda: fs.find(inner)) if n.endswith(".tar"))
+    return [(n[len(inner) + 1 :], f"{url}/{n[len(inner) + 1 :]}") for n in found]
 
 
 class WdsSource(Source):
     kind = "wds"
 
     def items(self) -> Iterator[Item]:
-        for rel, skipped in walk(self.root, hidden_dir):
+        if is_remote(self.spec.path):
+            for label, url in remote_tars(self.spec.path):
+                yield from self._tar_items(label, label, url)
+            return
+        for rel, skipped in walk(self.root, hidden_dir, follow=self.limits.follow_links_outside):
             label = self.display(rel)
-            if skipped:
-                yield self.rejected_item(self.key(sanitize_key(rel)), label, "vendored", skipped)
-                continue
             path = self.root / rel if self.root.is_dir() else self.root
+            skipped = skipped or self.outside(path)
+            if skipped:
+                yield self.rejected_item(
+                    self.key(sanitize_key(rel)), label, skipped.reason, skipped.detail
+                )
+                continue
             if not rel.endswith(".tar"):
-                if not rel.endswith(".idx.jsonl"):
+                if not rel.endswith(INDEX_SUFFIX):
                     yield self.rejected_item(
                         self.key(sanitize_key(rel)),
                         label,
@@ -68,50 +140,48 @@ class WdsSource(Source):
                         "wds takes plain .tar shards",
                     )
                 continue
-            members, broken = list_members(path)
-            groups: list[tuple[str, list]] = []
-            for name, off, size in members:
-                key, ext = split_member(name)
-                if groups and groups[-1][0] == key:
-                    groups[-1][1].append((ext, off, size))
-                else:
-                    groups.append((key, [(ext, off, size)]))
-            for wkey, group in groups:
-                why = unsafe_name_reason(wkey)
-                key = self.key(sanitize_key(wkey))
-                where = f"{label}:{wkey}"
-                if why:
-                    yield self.rejected_item(key, where, "unsafe-name", why)
-                    continue
-                media = [
-                    g for g in group if "." + g[0].rsplit(".", 1)[-1] in IMAGE_EXTS | VIDEO_EXTS
-                ]
-                if not media:
-                    yield self.rejected_item(
-                        key,
-                        where,
-                        "missing-media",
-                        "no image or video member (" + ", ".join(g[0] for g in group) + ")",
-                    )
-                    continue
-                size = sum(g[2] for g in group)
-                yield Item(key, where, ("tar", str(path), label, wkey, json.dumps(group)), size)
-            if broken:
+            yield from self._tar_items(rel, label, str(path))
+
+    def _tar_items(self, rel: str, label: str, path: str) -> Iterator[Item]:
+        """The samples of one tar, grouped by key, in member order."""
+        members, broken = list_members(path)
+        groups: list[tuple[str, list]] = []
+        for name, off, size in members:
+            key, ext = split_member(name)
+            if groups and groups[-1][0] == key:
+                groups[-1][1].append((ext, off, size))
+            else:
+                groups.append((key, [(ext, off, size)]))
+        for wkey, group in groups:
+            why = unsafe_name_reason(wkey)
+            key = self.key(sanitize_key(wkey))
+            where = f"{label}:{wkey}"
+            if why:
+                yield self.rejected_item(key, where, "unsafe-name", why)
+                continue
+            media = [g for g in group if "." + g[0].rsplit(".", 1)[-1] in IMAGE_EXTS | VIDEO_EXTS]
+            if not media:
                 yield self.rejected_item(
-                    self.key(sanitize_key(rel) + "-truncated"),
-                    label,
-                    "truncated-tar",
-                    broken + "; the samples before it are kept",
+                    key,
+                    where,
+                    "missing-media",
+                    "no image or video member (" + ", ".join(g[0] for g in group) + ")",
                 )
+                continue
+            size = sum(g[2] for g in group)
+            yield Item(key, where, ("tar", str(path), label, wkey, json.dumps(group)), size)
+        if broken:
+            yield self.rejected_item(
+                self.key(sanitize_key(rel) + "-truncated"),
+                label,
+                "truncated-tar",
+                broken + "; the samples before it are kept",
+            )
 
     def load(self, item: Item) -> Sample | Reject:
         _, path, label, wkey, group_json = item.ref
         where = f"{label}:{wkey}"
-        data: dict[str, bytes] = {}
-        with open(path, "rb") as f:
-            for ext, off, size in json.loads(group_json):
-                f.seek(off)
-                data[ext] = f.read(size)
+        data = read_members(path, json.loads(group_json))
         meta: dict = {}
         caption: str | bytes | None = None
         if "json" in data:

@@ -9,8 +9,9 @@ be decoded becomes a reject with the reason; the others are unaffected.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -20,26 +21,13 @@ from data.image_prep import ImagePrep, load_image
 from data.layout import image_tokens, video_block_len, video_tokens
 from data.schema import Reject
 from data.text_tokenizer import TextTokenizer
+from data.tokenize.docs import TokenDoc, TokenizeOptions, tokens_by_modality
 from data.video_frames import VideoSampling, decode_frames
 from data.vocab import Modality
 
+__all__ = ["DocEncoder", "TokenDoc", "TokenizeOptions", "tokens_by_modality"]
 
-@dataclass(frozen=True)
-class TokenizeOptions:
-    image_max_pixels: int = 256 * 256
-    video_max_pixels: int = 128 * 128  # per frame
-    video_fps: float = 4.0
-    video_max_tokens: int = 4096  # a video block never exceeds this many tokens
-    image_batch: int = 32
-
-
-@dataclass
-class TokenDoc:
-    key: str
-    ids: np.ndarray  # int32 [n]
-    modality: np.ndarray  # uint8 [n]
-    spans: list[dict] = field(default_factory=list)
-    source: str = ""
+MIN_VIDEO_LATENTS = 2  # the first frame and one group: a clip keeps some motion before shrinking
 
 
 class DocEncoder:
@@ -50,17 +38,23 @@ class DocEncoder:
         self.lay = text.layout
         f = vtok.cfg.factor
         self.image_prep = ImagePrep(
-            factor=f, max_pixels=opts.image_max_pixels, max_grid=self.lay.max_grid
+            factor=f,
+            max_pixels=opts.image_max_pixels,
+            max_grid=self.lay.max_grid,
+            max_tokens=opts.max_block_tokens,
         )
         self.video_prep = ImagePrep(
             factor=f, max_pixels=opts.video_max_pixels, max_grid=self.lay.max_grid
         )
+        # How clips are decoded; the loader's workers swap in data/loader/decode_guard.py's
+        self.decode_frames = decode_frames
+        self.video_budget = min(x for x in (opts.video_max_tokens, opts.max_block_tokens) if x)
 
     # --- visual ----------------------------------------------------------------------------------
     @torch.no_grad()
     def encode_images(self, images: list[np.ndarray]) -> list[np.ndarray]:
         """Code grids of images, batched by shape."""
-        out: list[np.ndarray | None] = [None] * len(images)
+        grids: dict[int, np.ndarray] = {}
         by_shape: dict[tuple, list[int]] = defaultdict(list)
         for i, im in enumerate(images):
             by_shape[im.shape].append(i)
@@ -70,42 +64,47 @@ class DocEncoder:
                 x = to_tensor(np.stack([images[i] for i in part])).to(self.device)
                 codes = self.vtok.encode(x).cpu().numpy()
                 for i, c in zip(part, codes):
-                    out[i] = c
-        return out
+                    grids[i] = c
+        return [grids[i] for i in range(len(images))]
 
-    def video_frame_cap(self, seg: dict) -> int:
-        """Most frames whose block fits ``video_max_tokens`` at this video's grid."""
-        f = self.vtok.cfg.factor
+    def video_plan(self, seg: dict) -> tuple[ImagePrep, int]:
+        """(frame preparation, most frames) under which this video's block fits the budget:
+        all the frames the clip yields at ``video_fps`` if they fit; else fewer frames, down to
+        two latent frames; else smaller frames with two latents; one latent frame only when the
+        clip yields one frame, or when even a one-code grid cannot carry two."""
+        f, tf = self.vtok.cfg.factor, self.vtok.cfg.temporal_factor
+        budget = self.video_budget
         tw, th = self.video_prep.target_size(seg["width"], seg["height"])
         h, w = th // f, tw // f
-        tf = self.vtok.cfg.temporal_factor
-        lat = 1
-        while video_block_len(lat + 1, h, w) <= self.opts.video_max_tokens:
-            lat += 1
-        if video_block_len(1, h, w) > self.opts.video_max_tokens:
-            return 0
-        return 1 + (lat - 1) * tf
+        wanted = _frames_at(seg, self.opts.video_fps)
+        latents = 1 + -(-(wanted - 1) // tf)  # the causal tokenizer: 1 + ceil((T - 1) / tf)
+        lat = latents
+        while lat > 1 and video_block_len(lat, h, w) > budget:
+            lat -= 1
+        floor = min(MIN_VIDEO_LATENTS, latents)
+        if lat < floor and video_block_len(floor, 1, 1) <= budget:
+            lat = floor
+        # Each latent frame is 1 + h * (w + 1) tokens; an image block of the same grid is
+        # 4 + h * (w + 1): this image-block bound gives the frame grid that fits ``lat`` latents.
+        frame_cap = (budget - 4) // lat + 3
+        prep = replace(self.video_prep, max_tokens=frame_cap)
+        return prep, 1 + (lat - 1) * tf
 
     @torch.no_grad()
     def encode_video(self, raw: bytes, seg: dict) -> tuple[np.ndarray, list[float]]:
-        cap = self.video_frame_cap(seg)
-        if cap == 0:
-            raise ValueError(
-                f"one frame alone exceeds video_max_tokens={self.opts.video_max_tokens}"
-            )
-        fr = decode_frames(
-            raw,
-            VideoSampling(self.opts.video_fps, cap),
-            self.video_prep,
-            size=(seg["width"], seg["height"]),
-        )
+        prep, max_frames = self.video_plan(seg)
+        if video_block_len(1, 1, 1) > self.video_budget:
+            raise ValueError(f"a video block cannot fit in {self.video_budget} tokens")
+        fr = self.decode_frames(raw, VideoSampling(self.opts.video_fps, max_frames), prep)
         x = to_tensor(fr.frames).unsqueeze(0).to(self.device)
         return self.vtok.encode_video(x)[0].cpu().numpy(), [round(float(t), 6) for t in fr.times]
 
     # --- documents -------------------------------------------------------------------------------
     def encode_chunk(self, raw_docs) -> list[TokenDoc | Reject]:
         """Documents of one chunk (``RawDoc`` from data.shards.reader), in order."""
-        images, where, failed = [], {}, {}
+        images: list[np.ndarray] = []
+        where: dict[tuple[int, int], int] = {}  # (document, segment) -> position in images
+        failed: dict[int, Reject] = {}
         for di, rd in enumerate(raw_docs):
             for si, seg in enumerate(rd.doc["segments"]):
                 if seg["type"] == "image" and di not in failed:
@@ -195,6 +194,10 @@ class DocEncoder:
         )
 
 
-def tokens_by_modality(doc: TokenDoc) -> dict[str, int]:
-    counts = np.bincount(doc.modality, minlength=len(Modality))
-    return {m.name.lower(): int(counts[m]) for m in Modality}
+def _frames_at(seg: dict, fps: float) -> int:
+    """Frames a clip yields sampled at ``fps`` (as data.video_frames.pick_frames picks them),
+    from its index metadata; a clip without it is taken as long."""
+    duration, frames = seg.get("duration"), seg.get("frames")
+    if not duration or not frames:
+        return 10**6
+    return max(1, min(int(frames), math.ceil(float(duration) * fps - 1e-6)))

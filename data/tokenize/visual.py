@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import torch
 
+from data.names import VISUAL_CONFIG_FILE, VISUAL_WEIGHTS_FILE
+from data.tokenize.vtok_files import weights_fingerprint
 from data.vocab import VocabLayout
+
+__all__ = ["load_visual_tokenizer", "weights_fingerprint"]
 
 
 def load_visual_tokenizer(
@@ -20,8 +23,8 @@ def load_visual_tokenizer(
 
     folder = Path(folder)
     try:
-        cfg = VisualTokenizerConfig(**json.loads((folder / "config.json").read_text()))
-        state = load_file(str(folder / "model.safetensors"))
+        cfg = VisualTokenizerConfig(**json.loads((folder / VISUAL_CONFIG_FILE).read_text()))
+        state = load_file(str(folder / VISUAL_WEIGHTS_FILE))
     except (OSError, ValueError, TypeError) as e:
         raise ValueError(
             f"{folder}: not a visual tokenizer folder (config.json + model.safetensors): {e}"
@@ -34,12 +37,3 @@ def load_visual_tokenizer(
     model = cfg.build()
     model.load_state_dict(state)
     return model.to(device).eval()
-
-
-def weights_fingerprint(folder: str | Path) -> str:
-    h = hashlib.sha256()
-    for name in ("config.json", "model.safetensors"):
-        with open(Path(folder) / name, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-    return h.hexdigest()[:16]

@@ -189,3 +189,69 @@ def test_ingest_reads_its_own_shards_back_through_wds_kind(planted_corpus, tmp_p
         )
     ]
     assert sorted(d["segments"][1]["text"] for d in docs) == ["first", "second"]
+
+
+def test_images_without_captions_are_counted_in_the_summary_and_stats(tmp_path, capsys):
+    from factories import png_bytes
+
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    (pics / "a.png").write_bytes(png_bytes())
+    (pics / "a.txt").write_text("a red rectangle")
+    (pics / "b.png").write_bytes(png_bytes(colour=(0, 0, 200)))  # no caption file
+    out = tmp_path / "out"
+    assert main(["ingest", "--out", str(out), "--no-progress", "--source", f"images:{pics}"]) == 0
+    said = capsys.readouterr().out
+    assert "without a caption or any text: pics: 1 image (kept as media-only documents)" in said
+    assert main(["stats", str(out)]) == 0
+    assert "without a caption or any text: pics: 1 image" in capsys.readouterr().out
+    assert main(["stats", str(out), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["media_without_text"] == {"pics": {"image": 1, "video": 0}}
+
+
+def test_val_fraction_holds_out_a_stable_split_by_key_hash(tmp_path, tiny_tokenizers):
+    from data.ingest.plan import in_validation
+    from data.loader import LoaderConfig, SourceConfig, build_loader
+    from data.tokenize.run import tokenize
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    for i in range(60):
+        (notes / f"n{i:03d}.txt").write_text(f"note number {i}: " + "words " * (i % 7 + 3))
+
+    def split(out):
+        assert main(["ingest", "--out", str(out), "--no-progress", "--val-fraction", "0.25",
+                     "--source", f"text:{notes}"]) == 0  # fmt: skip
+        m = json.loads((out / "manifest.json").read_text())
+        keys = {}
+        for sh in m["shards"]:
+            for e in read_index(out / sh["index"]):
+                keys[e["key"]] = sh["source"]
+        return m, keys
+
+    m, keys = split(tmp_path / "a")
+    assert {s["name"] for s in m["sources"]} == {"notes", "val/notes"}
+    assert all((tmp_path / "a" / sh["path"]).parts[-3] == "val" for sh in m["shards"]
+               if sh["source"] == "val/notes")  # fmt: skip
+    val = {k for k, s in keys.items() if s == "val/notes"}
+    assert len(keys) == 60 and 5 <= len(val) <= 25  # about a quarter
+    assert val == {k for k in keys if in_validation(k, 0.25)}
+    # Stable: more inputs never move a sample to the other side.
+    for i in range(60, 90):
+        (notes / f"n{i:03d}.txt").write_text(f"a later note {i}")
+    _, more = split(tmp_path / "b")
+    assert {k for k, s in more.items() if s == "val/notes"} >= val
+    assert {k for k, s in more.items() if s == "notes"} >= set(keys) - val
+    # Tokenized as usual; DIR/val is the validation side, DIR/<source> training only.
+    text, visual = tiny_tokenizers
+    tokenize(tmp_path / "a", tmp_path / "tok", text, visual)
+    cfg = LoaderConfig(
+        sources=[SourceConfig(name="notes", shards=[str(tmp_path / "tok" / "notes")])],
+        validation=[SourceConfig(name="heldout", shards=[str(tmp_path / "tok" / "val")])],
+        seq_len=64,
+        num_workers=0,
+    )
+    train = build_loader(cfg, rank=0, world_size=1, micro_batch=1)
+    held = build_loader(cfg, rank=0, world_size=1, micro_batch=1, validation=True)
+    assert len(train.tables[0]) == 60 - len(val) and len(held.tables[0]) == len(val)

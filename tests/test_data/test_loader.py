@@ -324,3 +324,55 @@ def test_read_npy_matches_np_load_and_refuses_what_np_load_refuses():
     np.save(buf, np.array([{"a": 1}], dtype=object), allow_pickle=True)
     with pytest.raises(ValueError):
         read_npy(buf.getvalue())  # a pickled object array is never loaded
+
+
+def test_preview_draws_rows_with_a_runs_weights_and_counts_drops(tiny_tokens, tmp_path, capsys):
+    from data.cli import main
+
+    cfg = tmp_path / "mine.yaml"
+    cfg.write_text(
+        "sources:\n"
+        f"  - {{name: code, shards: [{tiny_tokens / 'code'}], weight: 0.8}}\n"
+        f"  - {{name: clips, shards: [{tiny_tokens / 'clips'}], weight: 0.2}}\n"
+        "seq_len: 256\nseed: 3\n"
+    )
+    assert main(["preview", "--config", str(cfg), "--rows", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "row 3: " in out and "/256 real tokens" in out
+    assert "tokens by source over these rows (weight): code " in out and "(80%)" in out
+    assert "dropped visual blocks: none" in out
+    # Rows shorter than the clips' video blocks: shown, with every dropped block counted.
+    assert main(["preview", str(tiny_tokens), "--config", str(cfg), "--seq-len", "96"]) == 0
+    out = capsys.readouterr().out
+    assert "DROPPED visual blocks longer than seq_len 96: clips: " in out and " video" in out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("defaults: [demo]\nseq_len: 256\n")  # its sources only in the defaults
+    assert main(["preview", "--config", str(bad)]) == 1
+
+
+def test_each_step_carries_the_mix_not_one_long_document(tiny_tokens):
+    """code (long stdlib modules) at 10 %: handed out whole, one module fills step after step;
+    handed out a row-sized chunk at a time, no step is given over to it, and the mix holds."""
+    from tools.bench.bench_mix import figures
+
+    weights = {"code": 0.1, "scenes": 0.5, "text": 0.4}
+
+    def steps(mix_chunk):
+        ld = build_loader(
+            cfg_for(tiny_tokens, weights, seq_len=256, mix_chunk=mix_chunk),
+            rank=0,
+            world_size=1,
+            micro_batch=2,
+        )
+        got = [
+            dict(zip(weights, map(float, b["tokens_by_source"].tolist()))) for b in take(ld, 150)
+        ]
+        return figures(got, weights), ld.delivered()
+
+    whole, _ = steps(10**9)
+    chunked, delivered = steps(0)
+    assert whole["dominated_steps"] >= 5  # the failure this guards against is real here
+    assert chunked["dominated_steps"] == 0 and chunked["mean_kl"] < whole["mean_kl"] / 2
+    total = sum(delivered["tokens_by_source"].values())
+    for name, w in weights.items():
+        assert abs(delivered["tokens_by_source"][name] / total - w) < 0.03

@@ -174,9 +174,16 @@ def test_raw_sources_resume_exactly_and_fit_blocks_to_rows(tiny_raw, tiny_tokens
     # Rows of 96 tokens: raw images are encoded small enough to fit (token shards drop them).
     assert ld.delivered()["dropped_blocks"] == 0
     tok = [SourceConfig(name=s, shards=[str(tiny_tokens / s)]) for s in ("scenes", "clips", "code")]
-    t = build_loader(cfg(tok, seq_len=96), rank=0, world_size=1, micro_batch=2)
-    take(t, 7)
-    assert t.delivered()["dropped_blocks"] > 0
+    with pytest.raises(ValueError, match=r"source clips: 4 of its 4 video blocks .*seq_len=96"):
+        build_loader(cfg(tok, seq_len=96), rank=0, world_size=1, micro_batch=2)
+    t = build_loader(
+        cfg(tok, seq_len=96, allow_block_drops=True), rank=0, world_size=1, micro_batch=2
+    )
+    batches = take(t, 7)
+    d = t.delivered()
+    assert d["dropped_blocks"] > 0
+    assert d["dropped_by_source"]["clips"]["video"] == d["dropped_blocks"]
+    assert int(sum(b["dropped_blocks"].sum() for b in batches)) == d["dropped_blocks"]
 
 
 def test_raw_sources_need_tokenizers_and_infinite_mode(tiny_raw, tiny_tokens, tiny_tokenizers):

@@ -116,15 +116,15 @@ def test_infinite_mode_repeats_nothing_within_an_epoch_through_redistributes(
     """2 ranks, then 3, then 1: every (source, sample, epoch) read at most once, every epoch that
     all consumers have passed read in full, and the token mix on target."""
     reads = []
-    next_doc = ConsumerStream.next_doc
+    read_next = ConsumerStream._read_next  # a new document read (next_doc hands out chunks)
 
-    def logged(self):
-        d = next_doc(self)
+    def logged(self, s):
+        d = read_next(self, s)
         if d is not None:
             reads.append((d.source, d.sample, d.epoch))
         return d
 
-    monkeypatch.setattr(ConsumerStream, "next_doc", logged)
+    monkeypatch.setattr(ConsumerStream, "_read_next", logged)
     weights = {"text": 0.5, "scenes": 0.3, "digits": 0.2}
     cfg = cfg_for(tiny_tokens, weights)
     tables = [load_table(s) for s in cfg.sources]

@@ -58,11 +58,20 @@ def test_source_specs(tmp_path):
         [
             f"code:{tmp_path / 'code'}",
             f"mine=code:{tmp_path / 'code'}",
-            f"code:{tmp_path / 'code'}",
             f"text:{tmp_path / 't.jsonl'}",
         ]
     )
-    assert [s.name for s in specs] == ["code", "mine", "code_2", "t"]
+    assert [s.name for s in specs] == ["code", "mine", "t"]
+    # Two sources of one name: an error naming both paths, never a silent rename (issue 13).
+    (tmp_path / "other" / "code").mkdir(parents=True)
+    with pytest.raises(ValueError) as e:
+        parse_sources([f"code:{tmp_path / 'code'}", f"text:{tmp_path / 'other' / 'code'}"])
+    assert "'code' (from its path) is also the name of" in str(e.value)
+    assert str(tmp_path / "code") in str(e.value) and str(tmp_path / "other" / "code") in str(
+        e.value
+    )
+    with pytest.raises(ValueError, match="'t' is also the name of"):
+        parse_sources([f"text:{tmp_path / 't.jsonl'}", f"t=code:{tmp_path / 'code'}"])
     with pytest.raises(ValueError, match="KIND one of"):
         parse_sources([f"pictures:{tmp_path}"])
     with pytest.raises(ValueError, match="does not exist"):

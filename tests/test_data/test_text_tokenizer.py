@@ -129,3 +129,24 @@ def test_weights_fix_the_share_of_characters(tok_dir, tmp_path):
         )
         == 1
     )
+
+
+def test_a_source_smaller_than_its_weight_is_used_once_never_repeated(tok_dir, tmp_path, capsys):
+    """prose holds ~15k characters; asked for 90 % of 1M it gives all it has, once, and the
+    summary says so (it used to be cycled ~60 times and reported as 900k characters)."""
+    raw = tok_dir.parent / "raw"
+    prose = sum(
+        len(f"Paragraph {i}: the quick brown fox jumps over the lazy dog. Ünïcödé ✓")
+        for i in range(200)
+    )
+    args = ["train-text-tokenizer", "--in", str(raw), "--out", str(tmp_path / "t")]
+    args += ["--vocab-size", "400", "--weight", "prose=0.9", "--max-chars", "1M", "--no-progress"]
+    assert main(args) == 0
+    info = json.loads((tmp_path / "t" / "text_tokenizer_training.json").read_text())
+    assert info["chars_used"]["prose"] == prose
+    assert (
+        info["sources"]["prose"]["all_of_it"] and info["sources"]["prose"]["asked_chars"] == 900_000
+    )
+    assert info["chars_used"]["code"] <= info["sources"]["code"]["asked_chars"] <= 100_000
+    out = capsys.readouterr().out
+    assert f"{prose:,} chars" in out and "all it holds" in out and "not repeated" in out

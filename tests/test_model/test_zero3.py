@@ -21,6 +21,8 @@ pytest.importorskip("deepspeed")
 SCRIPT = r"""
 import dataclasses, json, os, sys, torch
 import deepspeed
+from train.ds_env import prepare_deepspeed
+prepare_deepspeed()  # no shm_comm op built (train/ds_env.py)
 from model import preset
 from model.moe import MoEConfig
 out = {}

@@ -11,12 +11,13 @@ import shutil
 
 import pytest
 import torch
+from factories import plant_pickle
 from trainrun import metrics, train
 
 from tools.convert import main as convert_main
 from tools.convert_deepspeed import CheckpointError, load_run_config
 from tools.convert_release import make_release
-from tools.release import Release, ReleaseError
+from train.release import Release, ReleaseError
 
 SOURCES = {"scenes": 0.4, "text": 0.4, "code": 0.2}
 
@@ -242,20 +243,18 @@ def test_damaged_files_are_errors_naming_the_file(runs, tmp_path, capsys):
         shutil.copytree(runs[stage], run)
         f = run / "checkpoints" / "step_00000003" / name
         f.write_bytes(f.read_bytes()[:5000])
-        with pytest.raises(CheckpointError, match=f"{name}: unreadable, truncated or corrupted"):
+        # Found by the sizes meta.json records, before anything is read.
+        with pytest.raises(CheckpointError, match=f"{name}: 5000 bytes, the manifest says"):
             make_release(run, tmp_path / f"out{stage}", log=quiet)
         assert not (tmp_path / f"out{stage}").exists()
-    # A pickled object of any other class is refused, not executed.
+    # A pickled object of any other class is refused, not executed (even with its hash in
+    # meta.json made to match).
     run = tmp_path / "run0"
     f = run / "checkpoints" / "step_00000003" / "mp_rank_00_model_states.pt"
-    torch.save({"module": {}, "payload": Evil()}, f)
+    plant_pickle(f, tmp_path / "MARKER")
     with pytest.raises(CheckpointError, match="refusing to unpickle"):
         make_release(run, tmp_path / "out", log=quiet)
-
-
-class Evil:
-    def __reduce__(self):
-        return (print, ("this must never run",))
+    assert not (tmp_path / "MARKER").exists()
 
 
 def test_missing_tokenizers_and_bad_arguments_are_named(

@@ -14,7 +14,7 @@ import torch
 from data.loader import SourceConfig
 from data.loader.table import load_table
 from tools.convert import main as convert_main
-from tools.release import Release
+from train.release import Release
 
 transformers = pytest.importorskip("transformers")
 

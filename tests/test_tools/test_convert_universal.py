@@ -31,7 +31,8 @@ def test_universal_checkpoint_resumes_a_zero1_run_on_another_world_size(tiny_raw
     assert convert_main(["universal", str(run)]) == 0
     assert "as a universal checkpoint" in capsys.readouterr().out
     assert (run / "checkpoints" / "step_00000004" / "universal" / "zero").is_dir()
-    p = train(vtok(tiny_raw, run, 10, "deepspeed.zero_stage=1"))
+    # More steps on another world size: meant, so said (train.allow_config_change).
+    p = train(vtok(tiny_raw, run, 10, "deepspeed.zero_stage=1", "train.allow_config_change=true"))
     assert (
         "resuming step_00000004 of 2 rank(s) on 1 from its universal checkpoint"
         in p.stdout + p.stderr
@@ -62,6 +63,7 @@ def test_zero0_lm_run_resumes_on_another_world_size_directly(tiny_tokens, tmp_pa
         "train.micro_batch=2",
         "train.ckpt_every=3",
         "train.log_every=1",
+        "train.allow_config_change=true",  # each resume below adds steps or changes the world
     ]
     train(args + ["train.steps=3"], nproc=2)
     p = train(args + ["train.steps=6"])

@@ -22,14 +22,13 @@ from data.demo_corpus import scenes as scenes_mod
 from data.demo_corpus._common import rng_for
 from data.layout import image_tokens
 from data.loader.packer import Doc, Packer, units_of
-from data.loader.stream import collate
 from data.text_tokenizer import TextTokenizer
 from data.vocab import Modality
 from model import presets
-from model.dependence import CAPTION, DRAWING, dependence_gaps, find_pair
 from tools.evaluate import main as eval_main
 from tools.evaluate.heldout import MODEL_INPUTS, token_byte_lengths
 from tools.evaluate.scenes import SceneJudge, evaluate_scenes
+from train.monitor.pair_dependence import CAPTION, DRAWING, collate, dependence_gaps, find_pair
 
 
 def test_eval_command_on_a_release(debug_release, tiny_tokens, tiny_corpus, tmp_path, capsys):
@@ -116,7 +115,7 @@ def _docs(tok, layout, vtok, scenes, captions):
 
 def _train(layout, docs, steps: int, seed: int):
     torch.manual_seed(seed)
-    model = presets.debug(layout).build()
+    model = presets.preset("debug", layout).build()
     opt = torch.optim.AdamW(model.parameters(), lr=4e-3, weight_decay=0.0)
     rows = []
     for ids, mod, blocks in docs:  # one document per row, as evaluation runs them

@@ -171,3 +171,62 @@ def test_batch_jsonl_runs_every_request(release, image, tmp_path):
 def test_unusable_release_is_a_clear_error(release, tmp_path, capsys):
     assert generate_main([str(tmp_path), "--prompt", "x"]) == 1
     assert "config.json: missing" in capsys.readouterr().err
+
+
+PEAK_RSS = (
+    "import resource, sys; from tools.generate import main; rc = main(sys.argv[1:]); "
+    "print('PEAK_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); "
+    "sys.exit(rc)"
+)
+
+
+def batch_peak_kb(release, requests: list[dict], tmp_path, name: str, *extra) -> tuple[int, list]:
+    """Run a --batch in its own process: (its peak RSS in KB, its result records)."""
+    src, out = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.out.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    p = subprocess.run(
+        [sys.executable, "-c", PEAK_RSS, str(release), "--batch", str(src), "--output", str(out)]
+        + list(extra),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
+    peak = int(p.stderr.split("PEAK_KB")[1].split()[0])
+    return peak, [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_hostile_images_are_error_records_and_cost_no_memory(release, image, tmp_path):
+    """Before: a 420 KB PNG of 12000x12000 pixels took the process to 1.45 GB, and Pillow's
+    DecompressionBombError ended the whole batch after its line."""
+    from factories import png_header_bomb, png_solid
+
+    big = tmp_path / "big.png"  # 144 M pixels: Pillow only warns below 179 M and decodes it
+    big.write_bytes(png_solid(12000, 12000))
+    bomb = tmp_path / "bomb.png"  # 900 M pixels: Pillow raises DecompressionBombError
+    bomb.write_bytes(png_header_bomb(30000, 30000))
+    junk = tmp_path / "junk.png"
+    junk.write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    ok = {"id": "ok", "image": str(image), "caption": True, "max_new_tokens": 2}
+    base_kb, _ = batch_peak_kb(release, [ok], tmp_path, "base")
+    reqs = [
+        {"id": "big", "image": str(big), "caption": True},
+        {"id": "bomb", "image": str(bomb), "caption": True},
+        {"id": "junk", "image": str(junk), "caption": True},
+        ok,
+    ]
+    peak_kb, recs = batch_peak_kb(release, reqs, tmp_path, "hostile")
+    assert [r.get("id") for r in recs] == ["big", "bomb", "junk", "ok"]
+    assert "12000x12000 = 144000000 pixels > limit 64000000" in recs[0]["error"]
+    assert str(big) in recs[0]["error"]
+    assert str(bomb) in recs[1]["error"] and str(junk) in recs[2]["error"]
+    assert recs[3]["kind"] == "caption"
+    assert peak_kb < base_kb + 100_000  # a decode of big.png alone is 432 MB of pixels
+    # Above Pillow's own limit, with ours raised: its DecompressionBombError is a record too.
+    src, out = tmp_path / "pillow.jsonl", tmp_path / "pillow.out.jsonl"
+    src.write_text(json.dumps(reqs[1]) + "\n" + json.dumps(ok) + "\n")
+    argv = [str(release), "--batch", str(src), "--output", str(out)]
+    assert generate_main([*argv, "--max-image-pixels", "10000000000"]) == 1
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert "DecompressionBombError" in recs[0]["error"] and recs[1]["kind"] == "caption"

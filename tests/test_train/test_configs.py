@@ -1,16 +1,20 @@
 """Every preset in configs/ composes onto the typed schema and builds its model; a misspelt key
-is an error that names it."""
+is an error that names it and the nearest known one, also when Hydra's `+key=` adds it; a resume
+lists how the config changed and refuses the changes that break an exact resume."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
+from trainrun import train
 
 import train.app as app
 from data.vocab import VocabLayout
+from train.config_check import ConfigError, check_resume_config, config_diff
 
 CONFIGS = Path(app.CONFIG_DIR)
 LAYOUT = VocabLayout(text_size=512, fsq_levels=(8, 5, 5, 5), max_grid=16)
@@ -23,8 +27,8 @@ def composed(overrides: list[str]):
 
 def presets():
     for group in sorted(p for p in CONFIGS.iterdir() if p.is_dir()):
-        for yaml in sorted(group.glob("*.yaml")):
-            yield f"{group.name}={yaml.stem}"
+        for preset in sorted(group.glob("*.yaml")):
+            yield f"{group.name}={preset.stem}"
 
 
 @pytest.mark.parametrize("choice", list(presets()))
@@ -42,3 +46,61 @@ def test_a_misspelt_override_names_the_key():
         composed(["optim.lrr=1"])
     with pytest.raises(Exception, match="n_layer"):
         composed(["model.n_layer=3"])
+
+
+def test_a_key_added_with_plus_is_still_checked_against_the_schema():
+    """Hydra's `+key=` adds a key even to the typed schema; to_run_config refuses it by name."""
+    with pytest.raises(ConfigError, match=r"optim\.lrr \(did you mean optim\.lr\?\)"):
+        composed(["+optim.lrr=1"])
+    with pytest.raises(ConfigError, match="unknown config key"):
+        composed(["+foo=1"])
+    cfg = composed(["+deepspeed.config.foo=1"])  # a free-form dict: anything goes
+    assert cfg.deepspeed.config["foo"] == 1
+
+
+@pytest.mark.parametrize("override", ["optim.lrr=1", "+optim.lrr=1", "++model.n_layer=3"])
+def test_earlyfuse_train_refuses_an_unknown_key_in_either_form(override, tmp_path):
+    p = train(["experiment=debug", f"run_dir={tmp_path / 'r'}", override], check=False)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "unknown config key" in p.stderr and "did you mean" in p.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_resume_config_differences_are_listed_and_the_breaking_ones_named():
+    saved = "task: lm\ntrain:\n  steps: 150\n  micro_batch: 4\n  log_every: 10\n"
+    new = "task: lm\ntrain:\n  steps: 70\n  micro_batch: 4\n  log_every: 5\n"
+    assert config_diff(yaml.safe_load(saved), yaml.safe_load(new)) == [
+        ("train.log_every", 10, 5),
+        ("train.steps", 150, 70),
+    ]
+    check = dict(saved_world_size=1, where="ck/step_1/config.yaml", show=False)
+    with pytest.raises(ConfigError, match=r"break an exact resume: train\.steps\. Undo"):
+        check_resume_config(saved, new, world_size=1, allowed=False, **check)
+    check_resume_config(saved, new, world_size=1, allowed=True, **check)
+    check_resume_config(saved, saved.replace("10", "5"), world_size=1, allowed=False, **check)
+    with pytest.raises(ConfigError, match=r"world size"):
+        check_resume_config(saved, saved, world_size=2, allowed=False, **check)
+
+
+def test_data_sources_from_a_users_own_config_dir(tmp_path):
+    """`earlyfuse-train --config-dir MY_CONFIGS data=mine`: the user's data/mine.yaml (here built
+    on the demo's) composes onto the schema, also over an experiment's own data choice; a typo in
+    it is an error naming the key."""
+    import subprocess
+    import sys
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "mine.yaml").write_text(
+        "defaults:\n  - demo\nsources:\n  - {name: notes, shards: [my/tokens/notes], weight: 1.0}\n"
+        "seq_len: 1024\n"
+    )
+    cmd = [sys.executable, "-m", "train.app", "--config-dir", str(tmp_path)]
+    p = subprocess.run(
+        cmd + ["experiment=demo", "data=mine", "--cfg", "job"], capture_output=True, text=True
+    )
+    assert p.returncode == 0, p.stderr
+    assert "- my/tokens/notes" in p.stdout and "seq_len: 1024" in p.stdout
+    assert "runs/demo/val_tokens" in p.stdout  # the rest comes from the demo's data config
+    (tmp_path / "data" / "typo.yaml").write_text("sources: []\nseq_lenn: 3\n")
+    p = subprocess.run(cmd + ["data=typo", "--cfg", "job"], capture_output=True, text=True)
+    assert p.returncode != 0 and "seq_lenn" in p.stderr

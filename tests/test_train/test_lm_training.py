@@ -1,13 +1,13 @@
 """The early-fusion LM under DeepSpeed on CPU, on real token shards: every ZeRO stage trains and
-resumes bit-identically from its own checkpoint; a 2-process torchrun run killed with -9
-resumes bit-identically too."""
+resumes bit-identically from its own checkpoint, the global RNG states included; a 2-process
+torchrun run killed with -9 resumes bit-identically too."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from trainrun import metrics, train
+from trainrun import metrics, rng_digests, train
 
 SOURCES = {"scenes": 0.3, "clips": 0.3, "text": 0.3, "code": 0.1}  # short documents first
 
@@ -48,34 +48,47 @@ def test_lm_debug_run_logs_every_modality(tiny_tokens, tmp_path):
 def test_every_zero_stage_trains_and_resumes_bit_identically(tiny_tokens, tmp_path, stage):
     ref, run = tmp_path / "ref", tmp_path / "run"
     args = [f"deepspeed.zero_stage={stage}"]
-    train(base(tiny_tokens, ref, 4, *args))
+    rng_ref, rng_run = tmp_path / "ref.rng", tmp_path / "run.rng"
+    train(base(tiny_tokens, ref, 4, *args), faults={"rng_log": rng_ref})
     p = train(
         base(tiny_tokens, run, 4, "train.ckpt_every=2", *args),
-        env={"EARLYFUSE_FAULT_KILL_AT_STEP": "3"},
+        faults={"kill_at_step": 3, "rng_log": rng_run},
         check=False,
     )
-    assert p.returncode == 137
-    train(base(tiny_tokens, run, 4, "train.ckpt_every=2", *args))
+    assert p.returncode == -9  # SIGKILL, as kill -9
+    train(base(tiny_tokens, run, 4, "train.ckpt_every=2", *args), faults={"rng_log": rng_run})
     a, b = metrics(ref), metrics(run)
     assert [a[s]["train/loss"] for s in range(1, 5)] == [b[s]["train/loss"] for s in range(1, 5)]
     assert a[4]["train/loss"] < a[1]["train/loss"]
+    # The global RNG before every step, the killed run's and the resumed run's steps 3 and 4
+    # included, is the uninterrupted run's: nothing draws from it between restore and step 3.
+    want, got = rng_digests(rng_ref), rng_digests(rng_run, every=True)
+    assert sorted(want) == [1, 2, 3, 4] and [s for s, _ in got] == [1, 2, 3, 3, 4]
+    assert all(digest == want[s] for s, digest in got), (want, got)
 
 
 @pytest.mark.slow
 def test_two_process_run_killed_mid_run_resumes_bit_identically(tiny_tokens, tmp_path):
     ref, run = tmp_path / "ref", tmp_path / "run"
     args = ["deepspeed.zero_stage=2"]
-    train(base(tiny_tokens, ref, 6, *args), nproc=2)
+    rng_ref, rng_run = tmp_path / "ref.rng", tmp_path / "run.rng"
+    train(base(tiny_tokens, ref, 6, *args), nproc=2, faults={"rng_log": rng_ref})
     p = train(
         base(tiny_tokens, run, 6, "train.ckpt_every=2", *args),
         nproc=2,
-        env={"EARLYFUSE_FAULT_KILL_AT_STEP": "5"},
+        faults={"kill_at_step": 5, "rng_log": rng_run},
         check=False,
     )
     assert p.returncode != 0
-    train(base(tiny_tokens, run, 6, "train.ckpt_every=2", *args), nproc=2)
+    train(
+        base(tiny_tokens, run, 6, "train.ckpt_every=2", *args), nproc=2, faults={"rng_log": rng_run}
+    )
     a, b = metrics(ref), metrics(run)
     assert [a[s]["train/loss"] for s in range(1, 7)] == [b[s]["train/loss"] for s in range(1, 7)]
+    for rank in (0, 1):
+        want = rng_digests(rng_ref, rank=rank)
+        got = rng_digests(rng_run, rank=rank, every=True)
+        assert all(digest == want[s] for s, digest in got), (rank, want, got)
 
 
 def test_lm_trains_on_raw_shards_tokenized_by_the_loader(tiny_raw, tiny_tokens, tmp_path):
@@ -117,3 +130,30 @@ def test_lm_trains_on_raw_shards_tokenized_by_the_loader(tiny_raw, tiny_tokens, 
     )
     assert p.returncode != 0 and "data.validation source v holds raw shards" in p.stderr
     assert not (tmp_path / "val" / "metrics.jsonl").exists()
+
+
+def test_blocks_longer_than_a_row_stop_the_run_or_are_counted_when_allowed(tiny_tokens, tmp_path):
+    """Rows of 96 tokens cannot hold the clips' video blocks (~220 tokens): the run stops before
+    training naming the source, the budget and seq_len; with data.allow_block_drops it trains and
+    every drop is counted per source and modality (console, metrics.jsonl, final.json)."""
+    run = tmp_path / "run"
+    args = base(tiny_tokens, run, 3, "data.seq_len=96")
+    p = train(args, check=False)
+    said = p.stdout + p.stderr
+    assert p.returncode != 0 and not (run / "metrics.jsonl").exists()
+    assert (
+        "source clips:" in said and "data.seq_len=96" in said and "--video-max-tokens 240" in said
+    )
+    # A validation source is checked at start too, not at the first evaluation.
+    fits = "[{name: scenes, shards: [" + str(tiny_tokens / "scenes") + "]}]"
+    held = "[{name: v, shards: [" + str(tiny_tokens / "clips") + "]}]"
+    only = [a for a in args if not a.startswith("data.sources=")]
+    p = train(only + [f"data.sources={fits}", f"data.validation={held}"], check=False)
+    assert p.returncode != 0 and "data.validation source v:" in p.stdout + p.stderr
+    p = train(args + ["data.allow_block_drops=true"])
+    assert "| dropped " in p.stdout
+    m = metrics(run)
+    per_step = sum(m[s].get("data/dropped_blocks/clips/video", 0) for s in m)
+    assert per_step > 0 and per_step == sum(m[s]["data/dropped_blocks"] for s in m)
+    final = json.loads((run / "final.json").read_text())
+    assert final["data/dropped_blocks/clips/video"] == per_step == final["data/dropped_blocks"]

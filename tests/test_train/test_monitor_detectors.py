@@ -140,11 +140,11 @@ def _batch(ids):
 
 def test_attention_probe_scores_are_the_ones_the_model_used():
     """softmax(recomputed scores) @ v must equal the attention output the model computed."""
-    from model.presets import debug
+    from model.presets import preset
     from train.monitor.probes import _AttentionTap, attention_stats
 
     torch.manual_seed(0)
-    model = debug().build().eval()
+    model = preset("debug").build().eval()
     ids = torch.randint(0, 200, (2, 12))
     attn = model.layers[1].attention
     tap, seen = _AttentionTap(attn), {}
@@ -230,3 +230,133 @@ def test_stagnation_waits_for_patience_and_ignores_structure():
         m.update({"loss/structure": 3.0, "tokens/structure": 100})
         fired += d.check(s, m)
     assert fired == []
+
+
+def test_attention_probe_works_without_qk_norm():
+    """Issue 16: a model without QK-norm crashed at its first probe (KeyError 'q'). Without the
+    norms the projections' outputs are q and k; the recomputed attention must still be the
+    layer's own."""
+    import dataclasses
+
+    from model.presets import preset
+    from train.monitor.probes import _AttentionTap, attention_stats
+
+    torch.manual_seed(0)
+    cfg = preset("debug")
+    cfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, qk_norm=False))
+    model = cfg.build().eval()
+    assert not hasattr(model.layers[0].attention, "q_norm")
+    ids = torch.randint(0, 200, (2, 12))
+    attn = model.layers[0].attention
+    tap, seen = _AttentionTap(attn), {}
+    h1 = attn.wv.register_forward_hook(lambda m, a, o: seen.__setitem__("v", o))
+    h2 = attn.wo.register_forward_pre_hook(lambda m, a: seen.__setitem__("out", a[0]))
+    with torch.no_grad():
+        model(ids)
+    for h in (h1, h2):
+        h.remove()
+    tap.remove()
+    q, k = tap.qk()
+    B, T = ids.shape
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    v = seen["v"].view(B, T, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
+    v = v.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=1)
+    out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, -1)
+    torch.testing.assert_close(out, seen["out"], atol=1e-5, rtol=1e-4)
+    stats = attention_stats(model, _batch(ids), torch.device("cpu"))
+    assert stats["monitor/attn_max_logit/L0"] == pytest.approx(float(scores.amax()), rel=1e-5)
+
+
+def _caption_first_rows(lay, captions, grids):
+    """Rows ``<bos> caption <boi> size codes... <eoi> <eos>`` with real modalities, labels and ids
+    as the packer makes them (one document per row)."""
+    import numpy as np
+
+    from data.layout import image_tokens
+    from data.vocab import Modality
+
+    rows, mods = [], []
+    for cap, grid in zip(captions, grids):
+        img, img_mod = image_tokens(grid, lay)
+        ids = np.concatenate([[1], cap, img, [2]])
+        mod = np.concatenate([[0], np.full(len(cap), int(Modality.TEXT)), img_mod, [0]])
+        rows.append(ids)
+        mods.append(mod)
+    T = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), T, dtype=torch.long)
+    mod = torch.zeros(len(rows), T, dtype=torch.long)
+    image_ids = torch.full((len(rows), T), -1, dtype=torch.long)
+    for i, (r, m) in enumerate(zip(rows, mods)):
+        ids[i, : len(r)] = torch.tensor(r)
+        mod[i, : len(m)] = torch.tensor(m)
+        image_ids[i, : len(m)] = torch.where(torch.tensor(m) == int(Modality.IMAGE), 0, -1)
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    label_mod = torch.zeros_like(mod)
+    label_mod[:, :-1] = mod[:, 1:]
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "modality": mod,
+        "label_modality": label_mod,
+        "doc_ids": torch.zeros_like(ids),
+        "position_ids": torch.arange(T).expand_as(ids),
+        "position_thw": torch.arange(T)[None, :, None].expand(len(rows), T, 3).contiguous(),
+        "image_ids": image_ids,
+    }
+
+
+def test_reverse_probe_finds_captions_before_images_and_swaps_same_length_ones():
+    import numpy as np
+
+    from data.vocab import Modality, VocabLayout
+    from train.monitor.probes import image_after_caption_rows, shuffle_captions
+
+    lay = VocabLayout(text_size=100, max_grid=8)
+    caps = [[10, 11, 12], [20, 21, 22], [30, 31], [40, 41, 42]]
+    grids = [np.full((2, 2), 1), np.full((2, 2), 2), np.full((2, 2), 3), np.full((2, 3), 4)]
+    batch = _caption_first_rows(lay, caps, grids)
+    keep, pairs = image_after_caption_rows(batch, lay)
+    # the caption run starts at <bos> (a text token, the same in every row)
+    assert [(r, a, b) for r, a, b, _, _ in pairs] == [(0, 0, 4), (1, 0, 4), (2, 0, 3), (3, 0, 4)]
+    kept = keep != -100  # only image codes are scored
+    assert kept.any() and bool((batch["label_modality"][kept] == int(Modality.IMAGE)).all())
+    out, swapped = shuffle_captions(batch["input_ids"], pairs)
+    assert swapped == 2  # rows 0 and 1: same caption length, same 2x2 image
+    assert out[0, 1:4].tolist() == caps[1] and out[1, 1:4].tolist() == caps[0]
+    assert torch.equal(out[2:], batch["input_ids"][2:])  # other length / other shape: untouched
+    assert torch.equal(out[:, 4:], batch["input_ids"][:, 4:])  # images never touched
+
+
+def test_reverse_gap_is_positive_for_a_model_that_reads_the_caption():
+    """A model trained for a few steps on caption -> image pairs where the caption names the
+    image's only code scores the codes better after their own caption."""
+    import numpy as np
+
+    from data.vocab import VocabLayout
+    from model.presets import preset
+    from train.monitor.probes import reverse_dependence_gap
+
+    lay = VocabLayout(text_size=64, max_grid=8)
+    torch.manual_seed(0)
+    model = preset("debug", lay).build()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rng = np.random.default_rng(0)
+
+    def batch(n):
+        colour = rng.integers(0, 8, n)
+        caps = [[10 + int(c), 30] for c in colour]
+        grids = [np.full((2, 2), int(c) * 7) for c in colour]
+        return _caption_first_rows(lay, caps, grids)
+
+    for _ in range(150):
+        b = batch(16)
+        loss = model(**{k: b[k] for k in b}).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    out = reverse_dependence_gap(model, batch(16), lay, torch.device("cpu"))
+    assert out["monitor/dependence_gap_reverse"] > 0.5, out
+    assert out["monitor/image_loss_shuffled"] > out["monitor/image_loss_matched"]

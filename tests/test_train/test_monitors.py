@@ -1,6 +1,6 @@
 """The monitors on the debug model, with faults injected (issue 7's checks): each run is real
-(DeepSpeed on CPU, real token shards) and each fault is one environment variable
-(``train/faults.py``)."""
+(DeepSpeed on CPU, real token shards) and each fault is one option of the test-only fault
+callback (``train/callbacks/faults.py``, through tests/train_with_faults.py)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_random_image_codes_fire_the_collapse_detector(tiny_tokens, tmp_path):
     run, k = tmp_path / "run", 80
     train(
         base(tiny_tokens, run, k + 40, "optim.skip_step.enabled=false"),
-        env={"EARLYFUSE_FAULT_RANDOM_IMAGE_CODES_FROM": str(k)},
+        faults={"random_image_codes_from": k},
     )
     fired = [a for a in alarms(run) if a["signal"] == "collapse"]
     assert fired and fired[0]["modality"] == "image", alarms(run)
@@ -74,8 +74,11 @@ def test_lr_spike_is_skipped_then_rolled_back_and_recovers(tiny_tokens, tmp_path
             "train.keep_last=3",
             "optim.skip_step.min_steps=20",
             "optim.schedule=constant",
+            # Chunks of 64 tokens: every 2-row step carries the mix, so the loss of a healthy step
+            # varies little and the fault's spike stands out by the 6-sigma rule.
+            "data.mix_chunk=64",
         ),
-        env={"EARLYFUSE_FAULT_LR_X100_AT": str(k)},
+        faults={"lr_x100_at": k},
     )
     a = alarms(run)
     spikes = [x for x in a if x["signal"] in ("loss_spike", "grad_norm_spike")]
@@ -107,7 +110,7 @@ def test_shuffled_probe_images_collapse_the_dependence_gap(tiny_tokens, colour_t
             sources={"text": 0.2},
             colours=colour_tokens,
         ),
-        env={"EARLYFUSE_FAULT_SHUFFLE_PROBE_FROM": str(k)},
+        faults={"shuffle_probe_from": k},
     )
     m = metrics(run)
     gaps = {s: m[s]["monitor/dependence_gap"] for s in m if "monitor/dependence_gap" in m[s]}
@@ -121,7 +124,7 @@ def test_nan_loss_is_skipped_counted_and_never_reaches_the_weights(tiny_tokens, 
     run, k = tmp_path / "run", 6
     train(
         base(tiny_tokens, run, k, "train.ckpt_every=1", "train.keep_last=2"),
-        env={"EARLYFUSE_FAULT_NAN_AT_STEP": str(k)},
+        faults={"nan_at_step": k},
     )
     a = alarms(run)
     assert [(x["step"], x["signal"], x["action"]) for x in a] == [(k, "nonfinite", "skip")]
@@ -144,7 +147,7 @@ def test_halt_stops_the_run_with_exit_code_3_and_names_the_alarm(tiny_tokens, tm
     run = tmp_path / "run"
     p = train(
         base(tiny_tokens, run, 6, "monitor.spike.action=halt"),
-        env={"EARLYFUSE_FAULT_NAN_AT_STEP": "3"},
+        faults={"nan_at_step": 3},
         check=False,
     )
     assert p.returncode == 3, p.stderr[-2000:]

@@ -54,13 +54,9 @@ def test_vtok_run_writes_metrics_export_and_grid(tiny_raw, tmp_path):
 def test_killed_run_resumes_bit_identically(tiny_raw, tmp_path, where):
     ref, run = tmp_path / "ref", tmp_path / "run"
     train(base(tiny_raw, ref, 8))
-    env = (
-        {"EARLYFUSE_FAULT_KILL_AT_STEP": "5"}
-        if where == "step"
-        else {"EARLYFUSE_FAULT_KILL_IN_SAVE": "6"}
-    )
-    p = train(base(tiny_raw, run, 8, "train.ckpt_every=3"), env=env, check=False)
-    assert p.returncode == 137
+    faults = {"kill_at_step": 5} if where == "step" else {"kill_in_save": 6}
+    p = train(base(tiny_raw, run, 8, "train.ckpt_every=3"), faults=faults, check=False)
+    assert p.returncode == -9  # SIGKILL, as kill -9
     latest = (run / "checkpoints" / "latest").read_text().strip()
     assert latest == "step_00000003"  # a save cut short never moves `latest`
     train(base(tiny_raw, run, 8, "train.ckpt_every=3"))

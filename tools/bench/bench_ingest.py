@@ -37,7 +37,7 @@ def make_images(root: Path, n: int) -> None:
     for i in range(n):
         # Smooth random fields compress like photos, not like white noise.
         small = rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)
-        im = Image.fromarray(small).resize((384, 256), Image.BICUBIC)
+        im = Image.fromarray(small).resize((384, 256), Image.Resampling.BICUBIC)
         buf = io.BytesIO()
         im.save(buf, format="JPEG", quality=90)
         (root / f"im{i:05d}.jpg").write_bytes(buf.getvalue())

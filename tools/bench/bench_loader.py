@@ -127,7 +127,8 @@ def main(argv=None) -> dict:
     it = iter(loader)
     next(it)
     start_state = json.loads(json.dumps(loader.state_dict()))
-    n, marks, t0 = 0, [], time.perf_counter()
+    marks: list[float] = []
+    n, t0 = 0, time.perf_counter()
     while n < target:
         n += int(next(it)["num_real_tokens"])
         if len(marks) < 100 and n >= target * len(marks) / 100:

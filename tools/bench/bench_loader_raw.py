@@ -113,7 +113,7 @@ def main(argv=None) -> dict:
             tokenizers=str(args.tokens / "tokenizers"),
             tokenize=online,
         )
-        rates = {"ours": [], "offline": []}
+        rates: dict[str, list[float]] = {"ours": [], "offline": []}
         for _ in range(args.rounds):
             n, dt = ours(cfg, args.seconds)
             rates["ours"].append(n / dt)

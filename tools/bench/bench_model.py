@@ -125,7 +125,7 @@ def time_interleaved(fns: dict, params: dict, warmup: int, iters: int) -> dict[s
     for fn in fns.values():
         for _ in range(warmup):
             fn().backward()
-    times = {name: [] for name in fns}
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(iters):
         for name, fn in fns.items():
             for p in params[name]:
@@ -253,18 +253,19 @@ def ce_child(chunk: int, N: int, D: int, V: int) -> None:
 
 def bench_ce_memory(quick: bool) -> dict:
     N, D, V = (1024, 256, 65536) if quick else (2048, 256, 65536)
-    out = {"tokens": N, "dim": D, "vocab": V, "full_fp32_logits_bytes": N * V * 4, "runs": []}
+    runs: list[dict] = []
+    out = {"tokens": N, "dim": D, "vocab": V, "full_fp32_logits_bytes": N * V * 4, "runs": runs}
     for chunk in (-1, 0, 1024, 256):
-        r = subprocess.run(
+        child = subprocess.run(
             [sys.executable, __file__, "--ce-child", str(chunk), str(N), str(D), str(V)],
             capture_output=True,
             text=True,
             check=True,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
-        out["runs"].append(json.loads(r.stdout.strip().splitlines()[-1]))
-    plain, unchunked = out["runs"][0]["extra_peak_bytes"], out["runs"][1]["extra_peak_bytes"]
-    for r in out["runs"]:
+        runs.append(json.loads(child.stdout.strip().splitlines()[-1]))
+    plain, unchunked = runs[0]["extra_peak_bytes"], runs[1]["extra_peak_bytes"]
+    for r in runs:
         r["ratio_to_plain"] = r["extra_peak_bytes"] / plain
         r["ratio_to_unchunked"] = r["extra_peak_bytes"] / unchunked
     return out

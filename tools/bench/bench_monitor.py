@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from train.names import METRICS_FILE
+
 
 def run(experiment: str, out: Path, steps: int, *extra: str) -> list[dict]:
     cmd = [
@@ -41,7 +43,7 @@ def run(experiment: str, out: Path, steps: int, *extra: str) -> list[dict]:
     subprocess.run(
         cmd, check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"}
     )
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(x) for x in (out / METRICS_FILE).read_text().splitlines()]
 
 
 def main(argv=None) -> dict:

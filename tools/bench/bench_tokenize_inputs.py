@@ -41,7 +41,7 @@ def rss_mb() -> float:
 
 def rounds(fns: dict, n: int) -> dict[str, float]:
     """Median seconds of each function over n round-robin rounds (after one warm-up each)."""
-    times = {k: [] for k in fns}
+    times: dict[str, list[float]] = {k: [] for k in fns}
     for f in fns.values():
         f()
     for _ in range(n):
@@ -88,7 +88,7 @@ def bench_images(corpus: Path, n_rounds: int) -> None:
 
     def bare():
         for r, s in zip(raws, sizes):
-            Image.open(io.BytesIO(r)).convert("RGB").resize(s, Image.BICUBIC)
+            Image.open(io.BytesIO(r)).convert("RGB").resize(s, Image.Resampling.BICUBIC)
 
     def ours():
         for r in raws:

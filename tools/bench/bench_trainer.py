@@ -1,8 +1,8 @@
 """Trainer overhead and data wait (issue 6), on CPU, in one process.
 
-1. Overhead: our training loop (``train.loop.train_loop`` with every ``Run.step_end`` callback:
+1. Overhead: our training step (``Trainer.train_step`` and every callback's ``post_step``:
    sums reduced over ranks, the skip-step gate, metrics, JSONL and TensorBoard logs, the
-   monitors and their probes) against a minimal loop that drives the **same** DeepSpeed engine
+   monitors and their probes, the preemption check) against a minimal loop that drives the **same** DeepSpeed engine
    and model on the **same** batches: ``loss = engine(**batch).loss; engine.backward(loss);
    engine.step()``. Batches are drawn once beforehand and replayed to both, so the loader is
    not in the comparison; the two loops alternate in rounds. Printed: the ratio of their mean
@@ -31,9 +31,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from train.names import METRICS_FILE  # noqa: E402
+
 
 class Replay:
-    """A batch stream that replays fixed batches (with the state API the loop expects)."""
+    """A batch stream that replays fixed batches (``train.streams.BatchStream``)."""
 
     def __init__(self, batches: list[dict]) -> None:
         self.batches, self.k = batches, 0
@@ -50,6 +52,19 @@ class Replay:
     def load_state_dict(self, st: dict) -> None:
         self.k = st["k"]
 
+    def resume(self, own, every_rank) -> None:
+        if own is not None:
+            self.load_state_dict(own)
+
+    def skipped(self) -> int:
+        return 0
+
+    def delivered(self) -> dict[str, float]:
+        return {}
+
+    def batches_per_rank(self) -> None:
+        return None
+
 
 def compose(overrides: list[str]):
     from hydra import compose as hcompose
@@ -62,8 +77,10 @@ def compose(overrides: list[str]):
 
 
 def overhead(experiment: str, steps: int, rounds: int, run_dir: Path) -> dict:
-    from train.loop import train_loop
-    from train.run import Run
+    from contextlib import closing
+
+    from train.build import build_trainer
+    from train.dist import init_distributed
     from train.tasks.lm import MODEL_INPUTS
 
     cfg, yaml = compose(
@@ -76,23 +93,29 @@ def overhead(experiment: str, steps: int, rounds: int, run_dir: Path) -> dict:
             "train.resume=false",
         ]
     )
-    run = Run(cfg, yaml)
-    it = iter(run.stream)
-    batches = [next(it) for _ in range(8 * cfg.train.grad_accum)]
-    it.close()
-    run.stream = Replay(batches)
-    engine, accum = run.engine, cfg.train.grad_accum
+    trainer = build_trainer(cfg, yaml, init_distributed())
+    with closing(iter(trainer.stream)) as it:
+        batches = [next(it) for _ in range(8 * cfg.train.grad_accum)]
+    trainer.stream = Replay(batches)
+    engine, accum = trainer.engine, cfg.train.grad_accum
+    trainer.total_steps = 10**9
+    trainer.callbacks.pre_train(trainer, 0)
+    done = 0
 
     def ours() -> float:
-        start = run.start_step
-        run.cfg.train.steps = start + steps
+        """What Trainer.fit does per step: the step, then every callback's post_step."""
+        nonlocal done
         t0 = time.perf_counter()
-        train_loop(run)
-        run.start_step = start + steps
+        with closing(iter(trainer.stream)) as stream:
+            for _ in range(steps):
+                done += 1
+                record = trainer.train_step(done, stream)
+                assert record is not None  # replayed batches never end
+                trainer.callbacks.post_step(trainer, done, record)
         return (time.perf_counter() - t0) / steps
 
     def minimal() -> float:
-        gate, run.optimizer.gate = run.optimizer.gate, None
+        gate, trainer.optimizer.gate = trainer.optimizer.gate, None
         t0 = time.perf_counter()
         for i in range(steps):
             for m in range(accum):
@@ -100,7 +123,7 @@ def overhead(experiment: str, steps: int, rounds: int, run_dir: Path) -> dict:
                 loss = engine(**{k: b[k] for k in MODEL_INPUTS}).loss
                 engine.backward(loss)
                 engine.step()
-        run.optimizer.gate = gate
+        trainer.optimizer.gate = gate
         return (time.perf_counter() - t0) / steps
 
     ours(), minimal()  # warm-up: allocator, first probes
@@ -108,7 +131,7 @@ def overhead(experiment: str, steps: int, rounds: int, run_dir: Path) -> dict:
     for _ in range(rounds):
         o.append(ours())
         m.append(minimal())
-    run.log.close()
+    trainer.callbacks.close(trainer)
     return {
         "ours_step_s": statistics.mean(o),
         "minimal_step_s": statistics.mean(m),
@@ -138,7 +161,7 @@ def data_wait(experiment: str, steps: int, run_dir: Path) -> dict:
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode:
         sys.exit(f"the data-wait run failed:\n{p.stderr[-3000:]}")
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(x) for x in (run_dir / METRICS_FILE).read_text().splitlines()]
     wait = sum(r["throughput/data_wait"] * r["throughput/step_s"] for r in recs)
     total = sum(r["throughput/step_s"] for r in recs)
     return {

@@ -190,7 +190,9 @@ def save_grid(model, crops: torch.Tensor, path: Path, device, n: int = 12, zoom:
     rows = [to_unit(x), to_unit(y), b]  # originals, reconstructions, baseline
     grid = torch.cat([torch.cat(list(r.cpu()), 2) for r in rows], 1)
     a = (grid.permute(1, 2, 0).numpy() * 255 + 0.5).astype(np.uint8)
-    Image.fromarray(a).resize((a.shape[1] * zoom, a.shape[0] * zoom), Image.NEAREST).save(path)
+    Image.fromarray(a).resize(
+        (a.shape[1] * zoom, a.shape[0] * zoom), Image.Resampling.NEAREST
+    ).save(path)
 
 
 def parse_sets(items: list[str]) -> dict:

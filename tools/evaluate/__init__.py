@@ -7,7 +7,7 @@ held-out data, per modality and across modalities (docs/evaluation.md).
 - **Held out?** With ``--train-data`` every held-out document's ids are hashed and looked up
   among the training documents': a held-out document that is also a training document is
   counted and named in a warning (its figures measure memorisation).
-- **Dependence, both directions** (model/dependence.py): for image-then-caption documents, the
+- **Dependence, both directions** (train/monitor/pair_dependence.py): for image-then-caption documents, the
   caption's CE after its own image vs another's; for caption-then-image documents, the image
   codes' CE after their own caption vs another's.
 - **Checkable generation** (tools/evaluate/scenes.py, with ``--scenes``): held-out scene captions
@@ -69,9 +69,9 @@ def evaluate(args) -> dict:
 
     from data.token_docs import iter_documents, source_tables
     from data.unigram import Unigram
-    from model.dependence import dependence_gaps, find_pair
     from tools.evaluate.heldout import heldout_losses, token_byte_lengths
-    from tools.release import Release
+    from train.monitor.pair_dependence import dependence_gaps, find_pair
+    from train.release import Release
 
     started = time.perf_counter()
     device = torch.device(args.device)
@@ -80,7 +80,7 @@ def evaluate(args) -> dict:
         raise ValueError(f"{rel.path}: a {rel.task} release; earlyfuse-eval takes a language model")
     model = rel.build_model(device)
     text = rel.text_tokenizer()
-    layout = rel.layout
+    layout = rel.vocab_layout
     val = source_tables(args.data)
     out: dict = {"release": str(rel.path), "step": rel.step, "data": str(args.data)}
     seq_len = args.seq_len or run_seq_len(rel) or 2048
@@ -104,7 +104,8 @@ def evaluate(args) -> dict:
         max_docs=args.max_docs,
     )
     say("dependence ...")
-    pairs, per_group = [], {}
+    pairs: list = []
+    per_group: dict[tuple[str, str], int] = {}
     for d in iter_documents(val):
         p = find_pair(d.source, d.key, d.ids, d.modality, d.blocks)
         if p is None:
@@ -192,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from tools.evaluate.table import format_eval
-    from tools.release import ReleaseError
+    from train.release import ReleaseError
 
     args = build_parser().parse_args(argv)
     try:

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 
 from data.loader.packer import Doc, Packer, units_of
-from data.loader.stream import collate
 from data.token_docs import iter_documents
 from data.vocab import MODALITY_NAMES, Modality
+from train.monitor.pair_dependence import collate
 
 MODEL_INPUTS = (
     "input_ids",

@@ -160,7 +160,7 @@ def evaluate_scenes(
         k: dict.fromkeys(ATTRIBUTES, 0)
         for k in ("draw", "draw_chance", "caption", "caption_chance", "ceiling")
     }
-    shown = []
+    shown: list[dict] = []
     for i, s in enumerate(single):
         other = single[(i + 1) % len(single)]["facts"]
         arr, codes = judge.image_of(s["image"])
@@ -178,7 +178,7 @@ def evaluate_scenes(
         if len(shown) < examples:
             shown.append({"caption": s["caption"], "generated_caption": text})
     n = len(single)
-    out = {"scenes": n, "draw_temperature": draw_temperature}
+    out: dict = {"scenes": n, "draw_temperature": draw_temperature}
     for name, t in tallies.items():
         out[name] = {k: v / n for k, v in t.items()}
     out["examples"] = shown

@@ -89,13 +89,19 @@ def header_lines(run: RunData, smooth: float) -> list[tuple[str, float, str]]:
                 "mono",
             )
         )
+    from tools.report.page import lead_text, visible_of, visible_text
+
+    visible = visible_of(run)
+    if run.alarms:
+        lines.append((f"loss visible: {visible_text(visible)}", 10, "mono"))
     for i, a in enumerate(run.alarms[:MAX_ALARMS_IN_PNG], 1):
         step = alarm_step(a)
         mod = f" [{a['modality']}]" if a.get("modality") else ""
         lines.append(
             (
                 f"A{i}  step {step if step is not None else '?'}  {a.get('signal', '?')}{mod} -> "
-                f"{a.get('action', '?')}: {str(a.get('message', ''))[:110]}",
+                f"{a.get('action', '?')} (lead {lead_text(step, visible)}): "
+                f"{str(a.get('message', ''))[:100]}",
                 9,
                 "mono",
             )

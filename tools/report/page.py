@@ -9,19 +9,20 @@ import datetime as dt
 import html
 import json
 from collections import Counter
+from collections.abc import Set
 
 import numpy as np
 
+from tools.report.lead import Visible, lead_time, loss_visible
 from tools.report.panels import ACTION_COLOR, ema, human
 from tools.report.run import RunData, alarm_step, fmt
+from train.names import METRICS_FILE
 
 
 def status_of(run: RunData) -> str:
     if run.finished:
         return "finished"
-    when = dt.datetime.fromtimestamp(
-        (run.run_dir / "metrics.jsonl").stat().st_mtime, dt.timezone.utc
-    )
+    when = dt.datetime.fromtimestamp((run.run_dir / METRICS_FILE).stat().st_mtime, dt.timezone.utc)
     return f"running or stopped (no final.json; metrics last written {when:%Y-%m-%d %H:%M:%S} UTC)"
 
 
@@ -73,6 +74,7 @@ def overview(run: RunData, smooth: float) -> list[tuple[str, str]]:
     if notes:
         rows.append(("records", "; ".join(notes)))
     rows.append(("alarms", alarm_counts(run)))
+    rows.append(("loss visible", visible_text(visible_of(run))))
     rows.append(
         (
             "smoothing",
@@ -127,8 +129,33 @@ def eval_rows(run: RunData) -> list[list[str]]:
     return rows
 
 
+def visible_of(run: RunData) -> Visible | None:
+    return loss_visible(run.first_pass) if run.first_pass else None
+
+
+def visible_text(v: Visible | None) -> str:
+    """The loss rule's verdict (tools/report/lead.py), for the summary."""
+    if v is None:
+        return "never (no loss EMA 15 % above its running minimum, nothing non-finite)"
+    if v.series == "non-finite":
+        return f"step {v.step}: a non-finite loss"
+    return (
+        f"step {v.step}: {v.series} loss EMA {v.level:.3f}, {v.level / v.minimum - 1:+.0%} over "
+        f"its running minimum {v.minimum:.3f} (rule: 15 %)"
+    )
+
+
+def lead_text(step: int | None, visible: Visible | None) -> str:
+    lead = lead_time(step, visible) if step is not None else None
+    if lead is None:
+        return "-"
+    return f"{lead:+d} (before the loss)" if lead > 0 else f"{lead:+d}"
+
+
 def alarm_rows(run: RunData) -> list[list[str]]:
+    """One row per alarm; the last column is its lead over the loss rule (steps; + = earlier)."""
     rows = []
+    visible = visible_of(run)
     for i, a in enumerate(run.alarms, 1):
         vals = a.get("values")
         vals = (
@@ -145,7 +172,17 @@ def alarm_rows(run: RunData) -> list[list[str]]:
                 str(a.get("modality") or "-"),
                 str(a.get("action", "?")),
                 vals,
-                str(a.get("message", "")),
+                " ".join(
+                    x
+                    for x in (
+                        str(a.get("message", "")),
+                        f"[rule: {a['threshold']}]" if a.get("threshold") else "",
+                        f"Likely cause: {a['cause']}." if a.get("cause") else "",
+                        f"What to do: {a['advice']}." if a.get("advice") else "",
+                    )
+                    if x
+                ),
+                lead_text(step, visible),
             ]
         )
     return rows
@@ -168,8 +205,8 @@ img.panel{width:760px;max-width:100%} .muted{color:#777} .tag{padding:1px 6px;bo
 def _table(
     header: list[str],
     rows: list[list[str]],
-    num_cols: set[int] = frozenset(),
-    raw_cols: set[int] = frozenset(),
+    num_cols: Set[int] = frozenset(),
+    raw_cols: Set[int] = frozenset(),
 ) -> str:
     """Cells are escaped except in ``raw_cols``; ``num_cols`` are right-aligned."""
 
@@ -250,7 +287,7 @@ def html_page(
             r[4] = f'<span class=tag style="background:{color}">{esc(r[4])}</span>'
         parts.append(
             _table(
-                ["#", "step", "signal", "modality", "action", "values", "message"],
+                ["#", "step", "signal", "modality", "action", "values", "message", "lead (steps)"],
                 rows,
                 num_cols={1},
                 raw_cols={4},

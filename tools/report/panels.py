@@ -142,12 +142,12 @@ def eval_points(
     if s is not None:
         ok = np.isfinite(s.values)
         xs, ys = s.steps[ok], s.values[ok] * scale
-    v = run.final.get(key)
-    final = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    if final:
+    value = run.final.get(key)
+    final = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if isinstance(value, (int, float)) and final:
         fx = run.total_steps or run.last_step
         keep = xs != fx
-        xs, ys = np.append(xs[keep], fx), np.append(ys[keep], v * scale)
+        xs, ys = np.append(xs[keep], fx), np.append(ys[keep], value * scale)
     if not len(xs):
         return None
     n = len(xs) - final
@@ -243,11 +243,11 @@ def per_modality(
             nonfinite_marks(ax, s, "total")
             arrays.append(s.values)
         for i, m in enumerate(mods):
-            s = run.series.get(prefix + m)
-            if s is None or not np.isfinite(s.values).any():
+            series = run.series.get(prefix + m)
+            if series is None or not np.isfinite(series.values).any():
                 continue
-            curves[m] = train_line(ax, s, ctx, m, color_of(m, i), scale)
-            arrays.append(s.values * scale)
+            curves[m] = train_line(ax, series, ctx, m, color_of(m, i), scale)
+            arrays.append(series.values * scale)
         if hline is not None:
             ax.axhline(hline, color="black", ls=":", lw=1.2, label=f"chance ({hline:g})")
         if clip:
@@ -288,10 +288,10 @@ def draw_mix(ax, ctx: Ctx):
             else np.zeros(len(grid))
         )
         ys.append(ema(y, ctx.smooth) if ctx.smooth > 0 else y)
-    ys = np.array(ys)
-    ys = ys / np.maximum(ys.sum(axis=0, keepdims=True), 1e-12)
+    stack = np.array(ys)
+    stack = stack / np.maximum(stack.sum(axis=0, keepdims=True), 1e-12)
     ax.stackplot(
-        grid, ys, labels=names, colors=[f"C{i % 10}" for i in range(len(names))], alpha=0.85
+        grid, stack, labels=names, colors=[f"C{i % 10}" for i in range(len(names))], alpha=0.85
     )
     cum = 0.0
     targets = [(n, run.target_mix[n]) for n in names if n in run.target_mix]
@@ -347,7 +347,7 @@ def draw_simple(keys: list[tuple[str, str, str]], scale: float = 1.0, eval_keys=
     """Train series ``(key, label, color)`` and evaluation series ``(key, label, color, marker)``."""
 
     def draw(ax, ctx: Ctx):
-        curves = {}
+        curves: dict[str, object] = {}
         for k, label, color in keys:
             if ctx.run.has(k):
                 curves.setdefault(

@@ -6,7 +6,10 @@
 - A line that does not parse is skipped and counted: the last line of a running run may be
   half-written. NaN and Infinity (which the logger writes for a NaN loss) are kept as floats.
 - ``alarms.jsonl``: the monitors' alarms, ``{"step", "signal", "modality", "values", "action",
-  "message"}``; read with the same tolerance, in file order.
+  "message", "threshold", "cause", "advice", "since"}`` (the last four may be absent); read
+  with the same tolerance, in file order.
+- The records of the first trajectory (``first_pass``: up to a rollback) are kept apart: the loss
+  rule of tools/report/lead.py reads them to say when a failure became visible in the loss.
 - ``config.yaml`` (name, task, train.steps, data.sources weights), ``final.json`` and
   ``heldout_eval.json`` (``earlyfuse-eval --out``) are optional.
 """
@@ -19,6 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from tools.report.lead import first_pass
+from train.names import ALARMS_FILE, CONFIG_FILE, FINAL_FILE, LOSS, METRICS_FILE, MIX, VAL, VTOK
 
 # The order the trainer uses (data.vocab.MODALITY_NAMES); not imported, so that the report
 # runs anywhere matplotlib does. A modality not in this list is appended in name order.
@@ -47,6 +53,7 @@ class RunData:
     heldout_eval: dict = field(default_factory=dict)  # heldout_eval.json (earlyfuse-eval --out)
     alarms: list[dict] = field(default_factory=list)
     target_mix: dict[str, float] = field(default_factory=dict)  # data.sources weights, normalised
+    first_pass: list[dict] = field(default_factory=list)  # records until a step first goes back
     duplicate_records: int = 0  # records replaced by a later one for the same step
     impossible_mfu: int = (
         0  # steps whose logged MFU exceeded 100 % (a mis-measured peak): not drawn
@@ -64,7 +71,7 @@ class RunData:
 
     @property
     def finished(self) -> bool:
-        return (self.run_dir / "final.json").is_file()
+        return (self.run_dir / FINAL_FILE).is_file()
 
     def has(self, key: str) -> bool:
         s = self.series.get(key)
@@ -78,17 +85,18 @@ class RunData:
             for k in self.series
             if k.startswith(prefix) and "/" not in k[len(prefix) :]
         ]
-        return [k for k in found if prefix == "loss/" or self.has(prefix + k)]
+        return [k for k in found if prefix == LOSS or self.has(prefix + k)]
 
     def modalities(self) -> list[str]:
         """Modalities that have a train or validation loss anywhere (final.json included)."""
-        names = set(self.keys("loss/")) | set(self.keys("val/loss/"))
-        names |= {k[len("val/loss/") :] for k in self.final if k.startswith("val/loss/")}
+        val_loss = VAL + LOSS  # val/loss/<modality>
+        names = set(self.keys(LOSS)) | set(self.keys(val_loss))
+        names |= {k[len(val_loss) :] for k in self.final if k.startswith(val_loss)}
         return order_modalities(names)
 
     def sources(self) -> list[str]:
         """Data sources of the delivered mix, in the config's order, then any others by name."""
-        found = set(self.keys("mix/"))
+        found = set(self.keys(MIX))
         return [s for s in self.target_mix if s in found] + sorted(found - set(self.target_mix))
 
     def last(self, key: str) -> float | None:
@@ -156,7 +164,7 @@ def build_series(records: dict[int, dict]) -> dict[str, Series]:
 
 
 def _config(run_dir: Path) -> dict:
-    path = run_dir / "config.yaml"
+    path = run_dir / CONFIG_FILE
     if not path.is_file():
         return {}
     try:
@@ -182,7 +190,7 @@ def _target_mix(cfg: dict) -> dict[str, float]:
 
 def load_run(run_dir: str | Path) -> RunData:
     run_dir = Path(run_dir)
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS_FILE
     if not path.is_file():
         raise NoMetrics(
             f"no metrics.jsonl in {run_dir} (is it a run folder written by earlyfuse-train?)"
@@ -198,12 +206,14 @@ def load_run(run_dir: str | Path) -> RunData:
         dup += step in records
         records[step] = rec
     cfg = _config(run_dir)
-    train_cfg = cfg.get("train") if isinstance(cfg.get("train"), dict) else {}
+    train_cfg = cfg.get("train")
+    if not isinstance(train_cfg, dict):
+        train_cfg = {}
     total = train_cfg.get("steps")
     final = {}
-    if (run_dir / "final.json").is_file():
+    if (run_dir / FINAL_FILE).is_file():
         try:
-            final = json.loads((run_dir / "final.json").read_text())
+            final = json.loads((run_dir / FINAL_FILE).read_text())
         except ValueError:
             final = {}
     heldout_eval = {}
@@ -212,15 +222,16 @@ def load_run(run_dir: str | Path) -> RunData:
             heldout_eval = json.loads((run_dir / "heldout_eval.json").read_text())
         except ValueError:
             heldout_eval = {}
-    alarms, bad_alarms = [], 0
-    if (run_dir / "alarms.jsonl").is_file():
-        alarms, bad_alarms = read_jsonl(run_dir / "alarms.jsonl")
+    alarms: list[dict] = []
+    bad_alarms = 0
+    if (run_dir / ALARMS_FILE).is_file():
+        alarms, bad_alarms = read_jsonl(run_dir / ALARMS_FILE)
     return RunData(
         run_dir=run_dir,
         name=str(cfg.get("name") or run_dir.resolve().name),
         task=str(
             cfg.get("task")
-            or ("vtok" if any("vtok/" in k for r in records.values() for k in r) else "?")
+            or ("vtok" if any(VTOK in k for r in records.values() for k in r) else "?")
         ),
         total_steps=int(total) if isinstance(total, int) else None,
         records=records,
@@ -229,6 +240,9 @@ def load_run(run_dir: str | Path) -> RunData:
         heldout_eval=heldout_eval if isinstance(heldout_eval, dict) else {},
         alarms=alarms,
         target_mix=_target_mix(cfg),
+        first_pass=first_pass(
+            [r for r in raw if isinstance(r.get("step"), int) and not isinstance(r["step"], bool)]
+        ),
         duplicate_records=dup,
         impossible_mfu=sum(
             1

@@ -1,5 +1,7 @@
 """Alarms: what a detector found, written to ``RUN_DIR/alarms.jsonl`` (one JSON object per line:
-step, signal, modality, values, action, message) and shown on the console for ``warn`` and up.
+step, signal, modality, values, action, message, threshold, cause, advice, since) and shown on
+the console for ``warn`` and up. Every alarm says what to do: the threshold it crossed, the
+likely cause and the advice (what the action does, or what a person should check).
 ``earlyfuse-report`` reads the same file."""
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from train.monitor.config import SEVERITY
+from train.names import ALARMS_FILE
 
 
 @dataclass
@@ -20,7 +23,10 @@ class Alarm:
     message: str
     modality: str | None = None
     values: dict = field(default_factory=dict)
-    since: int | None = None  # first step of the trouble (rollback looks before it)
+    since: int | None = None  # the step the trouble began (rollback looks before it)
+    threshold: str = ""  # the rule that fired, with its numbers
+    cause: str = ""  # the likely cause
+    advice: str = ""  # what the action does / what a person should check
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -32,7 +38,14 @@ class Alarm:
 
     def line(self) -> str:
         where = f" [{self.modality}]" if self.modality else ""
-        return f"ALARM step {self.step} {self.signal}{where} -> {self.action}: {self.message}"
+        out = f"ALARM step {self.step} {self.signal}{where} -> {self.action}: {self.message}"
+        if self.threshold:
+            out += f" [rule: {self.threshold}]"
+        if self.cause:
+            out += f"\n  likely cause: {self.cause}"
+        if self.advice:
+            out += f"\n  what to do: {self.advice}"
+        return out
 
 
 def strongest(alarms: list[Alarm]) -> Alarm | None:
@@ -43,7 +56,7 @@ class AlarmLog:
     """Appends alarms to the run folder (rank 0) and echoes those of ``warn`` and up."""
 
     def __init__(self, run_dir: Path, *, is_main: bool, write_line) -> None:
-        self.path = Path(run_dir) / "alarms.jsonl"
+        self.path = Path(run_dir) / ALARMS_FILE
         self.is_main, self.write_line = is_main, write_line
         self.count = 0
 

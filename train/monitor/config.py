@@ -44,15 +44,30 @@ class SpikeConfig(Detector):
 
 @dataclass(kw_only=True)
 class DivergenceConfig(Detector):
-    """Spikes that persist: at least ``max_skipped`` of the last ``window`` steps skipped, or the
-    loss of the ``window`` steps after a skipped spike more than ``max_rise`` (relative) above
-    that of the ``window`` steps before it."""
+    """A run that has left its trajectory, by either of two rules:
+
+    - spikes that persist: at least ``max_skipped`` of the last ``window`` steps skipped;
+    - a sustained rise: the loss, with the batch's mix of modalities held fixed, more than
+      ``max_rise`` (relative) above its minimum over the last ``horizon`` steps, for
+      ``patience`` steps in a row, the modalities above their own minimum by ``max_rise`` (and
+      ``z`` robust spreads above their median level of the horizon, so a modality that swings
+      with its sources' difficulty must rise beyond its swings) holding at least ``min_share``
+      of the tokens. Each modality's level is its token-weighted
+      loss over the last ``level_window`` steps, counted when it holds ``min_tokens`` tokens.
+      This rule needs no skipped step: it catches a blow-up the spike gate let through."""
 
     action: str = "rollback"
     window: int = 20
     max_skipped: int = 4
     max_rise: float = 0.2
-    min_steps: int = 0
+    level_window: int = 10
+    horizon: int = 200
+    patience: int = 5
+    rise_from: int = 50  # the rise rule starts here (at once after a skipped spike)
+    min_share: float = 0.5
+    z: float = 3.0  # a modality rose only when its level is z robust spreads above its median
+    min_tokens: int = 256
+    min_steps: int = 0  # the rise rule also waits for 2 x level_window steps
 
 
 @dataclass(kw_only=True)
@@ -63,28 +78,42 @@ class CollapseConfig(Detector):
     window: int = 20
     threshold: float = 0.95
     margin: float = 0.2
+    min_tokens: int = 256  # a window with fewer tokens of the modality is not judged
 
 
 @dataclass(kw_only=True)
 class StagnationConfig(Detector):
     """A modality's loss over the last ``window`` steps against the ``window`` before: it fell by
     less than ``min_drop`` (relative) or rose, while the other modalities fell by at least
-    ``others_drop`` on average, for ``patience`` steps in a row (structure markers excluded)."""
+    ``others_drop`` on average (token-weighted), the two changes at least ``z`` standard errors
+    apart, each window holding at least ``min_tokens`` tokens of the modality in at least
+    ``min_presence`` of its steps, for ``patience`` steps in a row (structure markers excluded)."""
 
     window: int = 50
     min_drop: float = 0.0
     others_drop: float = 0.02
+    z: float = 3.0
+    min_tokens: int = 1000
+    min_presence: float = 0.5  # share of a window's steps that must hold the modality
     patience: int = 25
+    # starvation: a modality's token share over the last window below this x its highest share
+    # over earlier windows (sampled once a window; shares under 5 % are not watched), for half
+    # the patience, the modality present in at least min_presence of the window's steps
+    starve_ratio: float = 0.5
 
 
 @dataclass(kw_only=True)
 class DriftConfig(Detector):
     """log Z of a modality beyond +-``logz_abs``, or its final hidden norm ``hidden_growth`` x its
-    value over the first ``window`` steps from ``min_steps`` (norm growth, Chameleon)."""
+    value over the first ``window`` steps from ``min_steps``, or its mean over the last
+    ``window`` steps ``growth_rate`` x its mean ``rate_span`` steps before (0: off): norm growth
+    (Chameleon)."""
 
     window: int = 20
     logz_abs: float = 30.0
     hidden_growth: float = 8.0
+    growth_rate: float = 2.0
+    rate_span: int = 50
 
 
 @dataclass(kw_only=True)
@@ -100,29 +129,43 @@ class AttentionProbeConfig(ProbeConfig):
 
     rows: int = 2
     max_logit: float = 50.0
+    max_growth: float = (
+        0.0  # also alarm when the max logit is this many times the first probe's (0: off)
+    )
     min_entropy: float = 0.05
 
 
 @dataclass(kw_only=True)
 class DependenceConfig(ProbeConfig):
     """Caption loss after the matched image minus after another document's image, on probe
-    documents (image then caption). Alarm when the gap, once at least ``arm_gap`` nats, falls
-    below ``min_gap``: the text has stopped using the image."""
+    documents (image then caption); with ``reverse``, also the image codes' loss after their own
+    caption minus after another caption (caption then image). Alarm, per direction, when the
+    gap, once at least ``arm_gap`` nats, falls below ``min_gap``: one modality has stopped using
+    the other."""
 
     probes: int = 8
-    arm_gap: float = 0.05
-    min_gap: float = 0.01
+    reverse: bool = True
+    arm_gap: float = 0.1
+    min_gap: float = 0.02
 
 
 @dataclass(kw_only=True)
 class CodeUseConfig(ProbeConfig):
-    """Images drawn from ``probes`` prompts (greedy-free sampling, ``grid`` x ``grid`` codes):
-    entropy of the generated codes over ln(min(codes drawn, codebook)). Alarm below
-    ``min_entropy`` (the model draws few distinct codes)."""
+    """Visual code use, two ways. Every step, the codes the model is *trained on* (image and
+    video labels, folded into 64 buckets): alarm when their normalised entropy over the last
+    ``data_window`` steps (weighted by codes) falls below ``min_data_entropy`` with at least
+    ``data_min_codes`` codes in the window, or more than ``max_data_drop`` below its highest
+    window: the visual tokenizer feeding the run has degenerated. Every ``every`` steps (probe), images drawn from ``probes`` prompts (sampling,
+    ``grid`` x ``grid`` codes): alarm when the entropy of the generated codes over
+    ln(min(codes drawn, codebook)) is below ``min_entropy`` (the model draws few codes)."""
 
     probes: int = 4
     grid: int = 4
     min_entropy: float = 0.3
+    data_window: int = 20
+    min_data_entropy: float = 0.4
+    max_data_drop: float = 0.15  # or this far below its highest window entropy
+    data_min_codes: int = 1000
 
 
 @dataclass(kw_only=True)
@@ -130,6 +173,10 @@ class RollbackConfig:
     margin: int = 5  # the checkpoint must be this many steps before the trouble began
     skip_window: int = 0  # steps of data skipped past those already seen (0: as many as seen)
     max_rollbacks: int = 3  # then halt: a run that keeps diverging needs a person
+    # After a rollback the lr never exceeds lr_scale x its value at the checkpoint returned to
+    # (an lr the run was stable at): a divergence caused by the lr then does not simply recur.
+    cap_lr: bool = True
+    lr_scale: float = 0.5  # the cap is this x the lr at that checkpoint (OPT lowered it each time)
 
 
 @dataclass(kw_only=True)

@@ -10,26 +10,49 @@ Each detector fires once when its condition starts and again only after it has c
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import defaultdict, deque
 
 from data.vocab import MODALITY_NAMES
 from train.monitor.alarms import Alarm
-from train.monitor.config import CollapseConfig, DivergenceConfig, DriftConfig, StagnationConfig
+from train.monitor.config import (
+    CodeUseConfig,
+    CollapseConfig,
+    DivergenceConfig,
+    DriftConfig,
+    StagnationConfig,
+)
+from train.monitor.stats import MAD_TO_SIGMA, median
 
 
 class _Latch:
-    """Which (signal, modality) conditions are on now; fire on the rising edge only."""
+    """Which (signal, modality) conditions are on now; fire on the rising edge only. Each open
+    condition remembers ``since``, the step its trouble began: while it is open, the
+    newest checkpoint before that step is kept (``Monitor.protected_steps``)."""
 
     def __init__(self) -> None:
         self.on: set[str] = set()
+        self.since: dict[str, int] = {}
 
-    def edge(self, key: str, condition: bool) -> bool:
+    def edge(self, key: str, condition: bool, since: int | None = None) -> bool:
         if condition and key not in self.on:
             self.on.add(key)
+            if since is not None:
+                self.since[key] = since
             return True
         if not condition:
             self.on.discard(key)
+            self.since.pop(key, None)
         return False
+
+    def open_since(self) -> list[int]:
+        return [s for k, s in self.since.items() if k in self.on]
+
+    def state_dict(self) -> dict:
+        return {"on": sorted(self.on), "since": dict(self.since)}
+
+    def load_state_dict(self, st: dict) -> None:
+        self.on = set(st["on"])
+        self.since = {k: int(v) for k, v in st.get("since", {}).items() if k in self.on}
 
 
 class ModalityWindows:
@@ -45,14 +68,30 @@ class ModalityWindows:
             ce = m.get(f"loss/{name}", 0.0) if n else 0.0
             self.steps[name].append((ce * n, n) if math.isfinite(ce) else (0.0, 0.0))
 
-    def mean(self, name: str, recent: bool = True) -> float | None:
-        """Token-weighted CE of the last ``window`` steps (``recent``) or the ``window`` before."""
+    def part(self, name: str, recent: bool = True) -> list | None:
         q = list(self.steps[name])
         if len(q) < (self.window if recent else 2 * self.window):
             return None
-        part = q[-self.window :] if recent else q[-2 * self.window : -self.window]
+        return q[-self.window :] if recent else q[-2 * self.window : -self.window]
+
+    def mean(self, name: str, recent: bool = True) -> float | None:
+        """Token-weighted CE of the last ``window`` steps (``recent``) or the ``window`` before."""
+        part = self.part(name, recent) or []
         n = sum(c for _, c in part)
         return sum(s for s, _ in part) / n if n else None
+
+    def stats(self, name: str, recent: bool = True) -> tuple[float, float, float, float] | None:
+        """(token-weighted mean CE, its standard error, tokens, share of the window's steps that
+        hold the modality) of one window. The error is the sandwich estimate over the steps
+        (weights = tokens): a window whose steps disagree, or whose tokens sit in a few steps, is
+        known to be uncertain."""
+        part = self.part(name, recent)
+        n = sum(c for _, c in part) if part else 0
+        if not part or not n:
+            return None
+        mean = sum(s for s, _ in part) / n
+        var = sum(c * c * (s / c - mean) ** 2 for s, c in part if c) / (n * n)
+        return mean, math.sqrt(var), n, sum(1 for _, c in part if c) / len(part)
 
     def state_dict(self) -> dict:
         return {k: list(v) for k, v in self.steps.items()}
@@ -62,79 +101,242 @@ class ModalityWindows:
             self.steps[k] = deque([tuple(x) for x in v], maxlen=2 * self.window)
 
 
+CONTENT = ("text", "code", "image", "video")  # structure markers are learned in a few steps
+
+
+class Levels:
+    """Per modality, the token-weighted loss of the last ``window`` steps (its *level*, counted
+    when the window holds at least ``min_tokens`` tokens), the minimum level over the last
+    ``horizon`` steps (a monotone queue) and how far the level has wandered over them (the
+    median and 1.4826 x MAD of its values: a modality whose sources differ wildly in difficulty,
+    easy captions and hard prose, swings by itself and needs a bigger rise to count)."""
+
+    def __init__(self, window: int, horizon: int, min_tokens: int, history_from: int = 0) -> None:
+        self.window, self.horizon, self.min_tokens = window, horizon, min_tokens
+        self.history_from = history_from  # the early fall is no measure of how levels wander
+        self.steps: dict[str, deque] = defaultdict(lambda: deque(maxlen=window))
+        self.minq: dict[str, deque] = defaultdict(deque)
+        self.history: dict[str, deque] = defaultdict(lambda: deque(maxlen=horizon))
+
+    def spread(self, name: str) -> tuple[float, float]:
+        """(median, robust spread) of the modality's levels over the horizon."""
+        h = self.history[name]
+        mid = median(h)
+        return mid, MAD_TO_SIGMA * median(abs(x - mid) for x in h)
+
+    def add(
+        self, step: int, m: dict, names: tuple[str, ...] = MODALITY_NAMES, min_tokens: int = -1
+    ) -> dict[str, tuple[float, float, float]]:
+        """Take one step; returns ``{modality: (level, minimum, tokens in the window)}``."""
+        out = {}
+        need = self.min_tokens if min_tokens < 0 else min_tokens
+        for name in names:
+            n = m.get(f"tokens/{name}", 0.0)
+            ce = m.get(f"loss/{name}", 0.0) if n else 0.0
+            self.steps[name].append((ce * n, n) if math.isfinite(ce) else (0.0, 0.0))
+            tokens = sum(c for _, c in self.steps[name])
+            if tokens < need or tokens <= 0:
+                continue
+            level = sum(x for x, _ in self.steps[name]) / tokens
+            q = self.minq[name]
+            while q and q[-1][1] >= level:
+                q.pop()
+            q.append((step, level))
+            while q[0][0] <= step - self.horizon:
+                q.popleft()
+            if step >= self.history_from:
+                self.history[name].append(level)
+            out[name] = (level, q[0][1], tokens)
+        return out
+
+    def state_dict(self) -> dict:
+        return {
+            "steps": {k: list(v) for k, v in self.steps.items()},
+            "minq": {k: list(v) for k, v in self.minq.items()},
+            "history": {k: list(v) for k, v in self.history.items()},
+        }
+
+    def load_state_dict(self, st: dict) -> None:
+        for k, v in st["steps"].items():
+            self.steps[k] = deque([tuple(x) for x in v], maxlen=self.window)
+        for k, v in st["minq"].items():
+            self.minq[k] = deque(tuple(x) for x in v)
+        for k, v in st.get("history", {}).items():
+            self.history[k] = deque(v, maxlen=self.horizon)
+
+
 class Divergence:
-    """Spikes that skip-step alone does not cure: a skipped update leaves the weights as they
-    were, so a run pushed off course keeps spiking (``max_skipped`` of the last ``window`` steps
-    skipped), or its loss is accepted again but stays high (the mean loss of the ``window`` steps
-    after a skipped spike more than ``max_rise`` above the mean of the ``window`` steps before it)."""
+    """A run pushed off its trajectory. Two rules, either fires:
+
+    - spikes that persist: a skipped update leaves the weights as they were, so a run pushed off
+      course keeps spiking (``max_skipped`` of the last ``window`` steps skipped);
+    - a sustained rise, which needs no skip (the spike gate may have let the blow-up through, or
+      it was too gradual to be a spike): each modality's level against its own minimum over the
+      last ``horizon`` steps, combined with the current window's token counts as weights, so a
+      batch that holds more of a hard modality is not a rise. The modalities that rose must hold
+      at least ``min_share`` of the tokens: one small modality going its own way (a source that
+      broke, a modality starved) is ``collapse`` or ``stagnation``, a warning, not a reason to
+      roll back.
+
+    ``since`` is the step the rise began (or the first skipped step): a rollback goes to a
+    checkpoint at least ``monitor.rollback.margin`` steps before it."""
 
     def __init__(self, cfg: DivergenceConfig) -> None:
         self.cfg = cfg
         self.skipped: deque[tuple[int, bool]] = deque(maxlen=cfg.window)
-        self.losses: deque[float] = deque(maxlen=cfg.window)  # accepted, finite losses
-        self.watch: dict | None = None  # after a spike: {since, ref, losses}
+        self.levels = Levels(cfg.level_window, cfg.horizon, cfg.min_tokens, cfg.rise_from)
+        self.seen: set[str] = set()  # content modalities met so far
+        self.streak = 0
+        self.excursion: int | None = None  # first step of the current rise
+        self.last_skip: int | None = None
         self.latch = _Latch()
 
     def check(self, step: int, m: dict) -> list[Alarm]:
-        skipped, loss = bool(m.get("optim/skipped", 0.0)), m.get("train/loss", math.nan)
+        c = self.cfg
+        skipped = bool(m.get("optim/skipped", 0.0))
         self.skipped.append((step, skipped))
-        if skipped and self.watch is None and len(self.losses) == self.cfg.window:
-            self.watch = {"since": step, "ref": sum(self.losses) / len(self.losses), "losses": []}
-        elif self.watch is not None and not skipped and math.isfinite(loss):
-            self.watch["losses"].append(loss)  # what the run does once updates are accepted again
-        if not skipped and math.isfinite(loss):
-            self.losses.append(loss)
-        n = sum(s for _, s in self.skipped)
-        m["monitor/skipped_in_window"] = float(n)
-        rise = None
-        if self.watch is not None and len(self.watch["losses"]) >= self.cfg.window:
-            w = self.watch
-            rise = sum(w["losses"]) / len(w["losses"]) / w["ref"] - 1 if w["ref"] > 0 else 0.0
-            if rise <= self.cfg.max_rise:
-                self.watch, rise = None, None  # the run came back by itself
-        on = step >= self.cfg.min_steps and (n >= self.cfg.max_skipped or rise is not None)
-        if not self.latch.edge("div", on):
-            return []
-        bad = [s for s, b in self.skipped if b]
-        first = self.watch["since"] if self.watch else min(bad)
-        why = (
-            f"{n} of the last {len(self.skipped)} steps were skipped as spikes"
-            if n >= self.cfg.max_skipped
-            else f"the loss stayed {rise:.0%} above its level before the spike for {self.cfg.window} steps"
+        n_skipped = sum(s for _, s in self.skipped)
+        m["monitor/skipped_in_window"] = float(n_skipped)
+        # A skipped step's loss stays out of the levels (a lone spike is the gate's business).
+        total, rises, tokens = self._rise(step, m) if not skipped else (None, {}, {})
+        # The rise rule waits for the early fall to settle (``rise_from``), except for a rise
+        # right after a skipped spike (that spike's update is the likely cause), and for the
+        # level and its minimum to have had a window each.
+        after_spike = self.last_skip is not None and step - self.last_skip <= 2 * c.level_window
+        rising = [k for k, r in rises.items() if r > c.max_rise and self._clear(k, after_spike)]
+        share = sum(tokens[k] for k in rising) / max(sum(tokens.values()), 1e-9)
+        cond = (
+            step >= 2 * c.level_window
+            and (step >= c.rise_from or after_spike)
+            and total is not None
+            and total > c.max_rise
+            and share >= c.min_share
         )
+        if not skipped:
+            self.streak = self.streak + 1 if cond else 0
+            if total is not None and total > c.max_rise / 4:
+                self.excursion = self.excursion or step
+            elif total is not None:
+                self.excursion = None
+        if skipped:
+            self.last_skip = step
+        bad = [s for s, b in self.skipped if b]
+        by_skips = n_skipped >= c.max_skipped
+        on = step >= c.min_steps and (by_skips or self.streak >= c.patience)
+        # The trouble began at the first skipped spike of the window, or where the rise began
+        # (at a spike skipped just before it, if any: the update before that spike did it).
+        if by_skips:
+            since = min(bad)
+        else:
+            since = self.excursion or step
+            if self.last_skip is not None and 0 <= since - self.last_skip <= c.level_window:
+                since = self.last_skip
+        if not self.latch.edge("div", on, since):
+            return []
+        if by_skips:
+            why = f"{n_skipped} of the last {len(self.skipped)} steps were skipped as spikes"
+            threshold = f"{c.max_skipped} skipped in {c.window} steps"
+        else:
+            why = (
+                f"the loss (mix held fixed) stayed {total:+.0%} over its minimum of the last "
+                f"{c.horizon} steps for {self.streak} steps; risen: "
+                + ", ".join(f"{k} {rises[k]:+.0%}" for k in rising)
+            )
+            threshold = (
+                f"rise > {c.max_rise:.0%} for {c.patience} steps, in modalities holding >= "
+                f"{c.min_share:.0%} of the tokens"
+            )
         return [
             Alarm(
                 step,
                 "divergence",
-                self.cfg.action,
-                since=first,
+                c.action,
+                since=since,
                 values={
-                    "skipped": n,
-                    "window": len(self.skipped),
-                    "rise": rise if rise is not None else 0.0,
+                    "skipped": n_skipped,
+                    "rise": total or 0.0,
+                    **{f"rise/{k}": v for k, v in rises.items()},
                 },
-                message=f"{why} (trouble began at step {first})",
+                message=f"{why} (trouble began at step {since})",
+                threshold=threshold,
+                cause="an update too large for the weights (learning rate too high for this point of "
+                "training, a bad batch, or optimizer state blown up): the run has left its trajectory",
+                advice="roll back to a checkpoint before the trouble and skip the data seen since; "
+                "if it recurs, lower optim.lr or check the batches named in the rise",
             )
         ]
 
+    def _clear(self, name: str, after_spike: bool) -> bool:
+        """The modality's level stands ``z`` robust spreads above its median over the horizon:
+        beyond what it wanders by itself. With too little history to know its swings, only a
+        rise right after a skipped spike counts."""
+        h = self.levels.history[name]
+        if len(h) < self.cfg.level_window:
+            return after_spike
+        mid, spread = self.levels.spread(name)
+        return h[-1] > mid + self.cfg.z * spread
+
+    @property
+    def watch(self) -> dict | None:
+        """The rise being watched (where it began, how many steps it has held), or None."""
+        if self.excursion is None:
+            return None
+        return {"since": self.excursion, "streak": self.streak}
+
+    def _rise(self, step: int, m: dict) -> tuple[float | None, dict[str, float], dict[str, float]]:
+        """(the mix-held-fixed rise, each content modality's rise, its tokens in the window)."""
+        obs, names, need = m, MODALITY_NAMES, -1
+        if not any(m.get(f"tokens/{k}") for k in MODALITY_NAMES):
+            # No per-modality losses (the visual tokenizer's task): the total loss, alone, a
+            # full window of steps.
+            loss = m.get("train/loss", math.nan)
+            obs = {"tokens/total": 1.0, "loss/total": loss} if math.isfinite(loss) else {}
+            names, need = ("total",), self.cfg.level_window
+        levels = self.levels.add(step, obs, names, need)
+        excess = base = 0.0
+        rises, counts = {}, {}
+        for name, (level, low, tokens) in levels.items():
+            if name in CONTENT or name == "total":
+                self.seen.add(name)
+                rises[name] = level / low - 1 if low > 0 else 0.0
+                counts[name] = tokens
+                m[f"monitor/rise/{name}"] = rises[name]
+            excess += tokens * (level - low)
+            base += tokens * low
+        if base <= 0:
+            return None, rises, counts
+        m["monitor/rise/total"] = excess / base
+        return excess / base, rises, counts
+
+    def troubled(self) -> bool:
+        """A step was skipped in the window, or the loss is rising: no checkpoint to return to."""
+        return any(bad for _, bad in self.skipped) or self.streak > 0
+
     def reset(self) -> None:
         self.skipped.clear()
-        self.watch = None
+        self.streak, self.excursion, self.last_skip = 0, None, None
         self.latch = _Latch()
 
     def state_dict(self) -> dict:
         return {
             "skipped": list(self.skipped),
-            "losses": list(self.losses),
-            "watch": self.watch,
-            "on": sorted(self.latch.on),
+            "levels": self.levels.state_dict(),
+            "seen": sorted(self.seen),
+            "streak": self.streak,
+            "excursion": self.excursion,
+            "last_skip": self.last_skip,
+            "latch": self.latch.state_dict(),
         }
 
     def load_state_dict(self, st: dict) -> None:
         self.skipped = deque([tuple(x) for x in st["skipped"]], maxlen=self.cfg.window)
-        self.losses = deque(st.get("losses", []), maxlen=self.cfg.window)
-        self.watch = st.get("watch")
-        self.latch.on = set(st["on"])
+        if "levels" in st:  # states saved before the rise rule have none
+            self.levels.load_state_dict(st["levels"])
+        self.seen = set(st.get("seen", []))
+        self.streak = int(st.get("streak", 0))
+        self.excursion = st.get("excursion")
+        self.last_skip = st.get("last_skip")
+        self.latch.load_state_dict(st.get("latch") or {"on": st["on"]})
 
 
 class Collapse:
@@ -150,15 +352,16 @@ class Collapse:
         self.win.add(m)
         out = []
         for name in MODALITY_NAMES:
-            ce = self.win.mean(name)
-            if ce is None or name not in self.chance:
+            st = self.win.stats(name)
+            if st is None or st[2] < self.cfg.min_tokens or name not in self.chance:
                 continue
+            ce = st[0]
             norm = ce / self.chance[name]
             m[f"monitor/norm_ce_window/{name}"] = norm
             self.best[name] = min(self.best.get(name, math.inf), norm)
             learned = self.best[name] <= self.cfg.threshold - self.cfg.margin
             on = step >= self.cfg.min_steps and learned and norm >= self.cfg.threshold
-            if self.latch.edge(name, on):
+            if self.latch.edge(name, on, step - self.cfg.window):
                 out.append(
                     Alarm(
                         step,
@@ -169,25 +372,36 @@ class Collapse:
                         values={"norm_ce": norm, "best_norm_ce": self.best[name], "ce": ce},
                         message=f"{name} loss {ce:.3f} is {norm:.2f} x chance (ln V = {self.chance[name]:.2f}) "
                         f"after reaching {self.best[name]:.2f}: it has stopped predicting",
+                        threshold=f"CE / ln V over {self.cfg.window} steps >= {self.cfg.threshold:g} "
+                        f"after having been <= {self.cfg.threshold - self.cfg.margin:g}",
+                        cause=f"the {name} data turned to noise (broken source, tokenizer mismatch, "
+                        f"a degenerate visual tokenizer) or the model lost {name} entirely",
+                        advice=f"inspect recent {name} batches (mix/<source> names the sources) "
+                        "and roll back to before the collapse once the data is fixed",
                     )
                 )
         return out
 
     def state_dict(self) -> dict:
-        return {"win": self.win.state_dict(), "best": self.best, "on": sorted(self.latch.on)}
+        return {"win": self.win.state_dict(), "best": self.best, "latch": self.latch.state_dict()}
 
     def load_state_dict(self, st: dict) -> None:
         self.win.load_state_dict(st["win"])
         self.best = dict(st["best"])
-        self.latch.on = set(st["on"])
+        self.latch.load_state_dict(st.get("latch") or {"on": st["on"]})
 
 
 class Stagnation:
     """One modality stops improving (or gets worse) against its own trailing window while the
-    others still improve: the symptom of modality competition in early fusion. Structure
-    markers are left out (they are learned in a few steps and would make every other modality
-    look slow), and the condition must hold for ``patience`` consecutive steps: a single noisy
-    window of long, hard documents is not a stall."""
+    others still improve: the symptom of modality competition or starvation in early fusion.
+
+    Robust to a batch mix that swings: window means weigh steps by their tokens of the modality,
+    a window needs ``min_tokens`` of them spread over at least ``min_presence`` of its steps (a
+    modality that arrives in bursts, one long document filling a few batches, changes with the
+    document, not with the model), and the difference between this modality's change and the
+    others' must exceed ``z`` standard errors (estimated from the steps' own spread). Structure markers are left out
+    (learned in a few steps, they would make every other modality look slow), and the condition
+    must hold for ``patience`` consecutive steps."""
 
     SKIP = ("structure",)
 
@@ -195,61 +409,162 @@ class Stagnation:
         self.cfg = cfg
         self.win = ModalityWindows(cfg.window)
         self.streak: dict[str, int] = {}
+        self.share_best: dict[str, float] = {}
         self.latch = _Latch()
 
-    def check(self, step: int, m: dict) -> list[Alarm]:
-        self.win.add(m)
-        drops = {}
+    def _changes(self, m: dict) -> dict[str, tuple[float, float, float]]:
+        """modality -> (relative change of its windowed loss, its standard error, tokens)."""
+        out = {}
         for name in MODALITY_NAMES:
-            now, before = self.win.mean(name), self.win.mean(name, recent=False)
-            if now is not None and before and name not in self.SKIP:
-                drops[name] = (before - now) / before
-                m[f"monitor/trend/{name}"] = -drops[name]  # relative change of the windowed loss
+            if name in self.SKIP:
+                continue
+            now, before = self.win.stats(name), self.win.stats(name, recent=False)
+            if now is None or before is None or before[0] <= 0:
+                continue
+            if min(now[2], before[2]) < self.cfg.min_tokens:
+                continue
+            if min(now[3], before[3]) < self.cfg.min_presence:
+                continue  # a modality that comes in bursts (one long document at a time)
+            change = now[0] / before[0] - 1
+            se = (now[0] / before[0]) * math.hypot(
+                now[1] / max(now[0], 1e-9), before[1] / before[0]
+            )
+            out[name] = (change, se, now[2])
+            m[f"monitor/trend/{name}"] = change  # relative change of the windowed loss
+        return out
+
+    def _starved(self, step: int, m: dict) -> list[Alarm]:
+        """A modality whose share of the tokens fell to ``starve_ratio`` of its highest share
+        over earlier windows: the mix shifted (a source changed content, a weight was changed)
+        and it is being starved, whatever its loss does yet."""
+        c = self.cfg
+        parts = {k: self.win.part(k) for k in MODALITY_NAMES if k not in self.SKIP}
+        if any(v is None for v in parts.values()):
+            return []
+        tokens = {k: sum(n for _, n in v or []) for k, v in parts.items()}
+        presence = {k: sum(1 for _, n in v or [] if n) / c.window for k, v in parts.items()}
+        total = sum(tokens.values())
         out = []
-        for name, drop in drops.items():
-            others = [d for k, d in drops.items() if k != name]
-            others_mean = sum(others) / len(others) if others else 0.0
+        for name, n in tokens.items():
+            if not total:
+                break
+            share = n / total
+            m[f"monitor/share/{name}"] = share
+            best = self.share_best.get(name, 0.0)
+            steady = presence[name] >= c.min_presence  # a bursty modality has no steady share
+            low = steady and step >= c.min_steps and best >= 0.05 and share < c.starve_ratio * best
+            key = f"share/{name}"
+            self.streak[key] = self.streak.get(key, 0) + 1 if low else 0
+            if steady and step >= c.min_steps and (step - c.min_steps) % c.window == 0:
+                self.share_best[name] = max(best, share)  # one sample per window
+            # Half the patience: a share is a count, far less noisy than a loss.
+            on = self.streak[key] >= max(1, c.patience // 2)
+            if self.latch.edge(key, on, step - c.window - c.patience // 2):
+                out.append(
+                    Alarm(
+                        step,
+                        "starvation",
+                        c.action,
+                        modality=name,
+                        since=step - c.window - c.patience // 2,
+                        values={"share": share, "best_share": best},
+                        message=f"{name} gets {share:.0%} of the tokens over the last {c.window} "
+                        f"steps, down from {best:.0%}",
+                        threshold=f"token share < {c.starve_ratio:g} x its highest window share "
+                        f"for {c.patience // 2} steps, present in >= {c.min_presence:.0%} of them",
+                        cause=f"the delivered mix shifted away from {name}: a source's content "
+                        "changed, or the weights did; its learning stalls or reverses",
+                        advice="compare mix/<source> and tokens/<modality> with data.sources' "
+                        f"weights; restore {name}'s share if the shift was not meant",
+                    )
+                )
+        return out
+
+    def check(self, step: int, m: dict) -> list[Alarm]:
+        c = self.cfg
+        self.win.add(m)
+        changes = self._changes(m)
+        out = self._starved(step, m)
+        for name, (change, se, _) in changes.items():
+            others = {k: v for k, v in changes.items() if k != name}
+            tokens = sum(v[2] for v in others.values())
+            if not others or not tokens:
+                self.streak[name] = 0
+                continue
+            others_change = sum(v[0] * v[2] for v in others.values()) / tokens
+            others_se = math.sqrt(sum((v[1] * v[2]) ** 2 for v in others.values())) / tokens
+            gap = change - others_change
             cond = (
-                step >= self.cfg.min_steps
-                and bool(others)
-                and drop <= self.cfg.min_drop
-                and others_mean >= self.cfg.others_drop
+                step >= c.min_steps
+                and change >= -c.min_drop
+                and others_change <= -c.others_drop
+                and gap > c.z * math.hypot(se, others_se)
             )
             self.streak[name] = self.streak.get(name, 0) + 1 if cond else 0
-            if self.latch.edge(name, self.streak[name] >= self.cfg.patience):
-                word = "rose" if drop < 0 else "stalled"
+            since = step - c.window - c.patience
+            if self.latch.edge(name, self.streak[name] >= c.patience, since):
+                word = "rose" if change > 0 else "stalled"
                 out.append(
                     Alarm(
                         step,
                         "stagnation",
-                        self.cfg.action,
+                        c.action,
                         modality=name,
-                        since=step - self.cfg.window - self.cfg.patience,
-                        values={"change": -drop, "others_change": -others_mean},
-                        message=f"{name} loss {word} ({-drop:+.1%} over {self.cfg.window} steps, for "
-                        f"{self.cfg.patience} steps running) while the other modalities fell "
-                        f"{others_mean:.1%}",
+                        since=since,
+                        values={
+                            "change": change,
+                            "others_change": others_change,
+                            "z": gap / max(math.hypot(se, others_se), 1e-12),
+                        },
+                        message=f"{name} loss {word} ({change:+.1%} over {c.window} steps, for "
+                        f"{c.patience} steps running) while the other modalities fell "
+                        f"{-others_change:.1%}",
+                        threshold=f"change >= {-c.min_drop:+.0%} while the others fall >= "
+                        f"{c.others_drop:.0%}, {c.z:g} standard errors apart, for {c.patience} steps",
+                        cause=f"{name} is losing the competition for the model's capacity or is "
+                        f"starved of tokens (tokens/{name}, mix/<source>), or its data changed",
+                        advice=f"check the delivered mix (mix/<source>, tokens/{name}) against the "
+                        f"weights and the {name} sources; raise its weight or the model's capacity",
                     )
                 )
         return out
 
     def state_dict(self) -> dict:
-        return {"win": self.win.state_dict(), "streak": self.streak, "on": sorted(self.latch.on)}
+        return {
+            "win": self.win.state_dict(),
+            "streak": self.streak,
+            "latch": self.latch.state_dict(),
+        }
 
     def load_state_dict(self, st: dict) -> None:
         self.win.load_state_dict(st["win"])
         self.streak = dict(st.get("streak", {}))
-        self.latch.on = set(st["on"])
+        self.latch.load_state_dict(st.get("latch") or {"on": st["on"]})
 
 
 class Drift:
-    """log Z far from 0 (softmax normaliser drift) or the final hidden norm growing against its
-    own early value (Chameleon's norm growth, which precedes divergence in mixed-modal runs)."""
+    """log Z far from 0 (softmax normaliser drift), or the final hidden norm growing: against its
+    own early value, or fast (its mean over the last ``window`` steps ``growth_rate`` x its mean
+    ``rate_span`` steps before). Chameleon's norm growth precedes divergence in mixed-modal
+    runs; the rate catches it at any point of a long run, where the early value is long gone."""
 
     def __init__(self, cfg: DriftConfig) -> None:
         self.cfg = cfg
         self.ref: dict[str, list[float]] = {}  # modality -> [sum, count] of the reference window
+        self.recent: dict[str, deque] = defaultdict(
+            lambda: deque(maxlen=cfg.rate_span + cfg.window)
+        )
         self.latch = _Latch()
+
+    def rate(self, name: str) -> float:
+        """Mean hidden norm of the last ``window`` steps over that of the ``window`` steps
+        ``rate_span`` earlier (1.0 until both exist)."""
+        q = list(self.recent[name])
+        w = self.cfg.window
+        if len(q) < self.cfg.rate_span + w:
+            return 1.0
+        old, new = sum(q[:w]) / w, sum(q[-w:]) / w
+        return new / old if old > 0 else 1.0
 
     def check(self, step: int, m: dict) -> list[Alarm]:
         out = []
@@ -264,21 +579,37 @@ class Drift:
             ref = self.ref.get(name)
             growth = hn / (ref[0] / ref[1]) if ref and ref[1] >= self.cfg.window else 1.0
             m[f"monitor/hidden_growth/{name}"] = growth
-            for key, on, values, msg in (
+            if step >= self.cfg.min_steps:  # the early steps' fast growth is training, not drift
+                self.recent[name].append(hn)
+            rate = self.rate(name)
+            m[f"monitor/hidden_rate/{name}"] = rate
+            # Hysteresis: an open condition clears only below 80 % of its threshold, so a signal
+            # hovering at the threshold is one alarm, not one every few steps.
+            keep = {k: f"{k}/{name}" in self.latch.on for k in ("logz", "hidden")}
+            lz_limit = self.cfg.logz_abs * (0.8 if keep["logz"] else 1.0)
+            hn_limit = self.cfg.hidden_growth * (0.8 if keep["hidden"] else 1.0)
+            rate_limit = self.cfg.growth_rate * (0.8 if keep["hidden"] else 1.0)
+            for key, on, values, msg, rule in (
                 (
                     "logz",
-                    abs(logz) > self.cfg.logz_abs,
+                    abs(logz) > lz_limit,
                     {"logz": logz},
-                    f"log Z of {name} is {logz:.1f} (limit +-{self.cfg.logz_abs:g}): logits are drifting",
+                    f"log Z of {name} is {logz:.1f}: the output logits are drifting",
+                    f"|log Z| > {self.cfg.logz_abs:g}",
                 ),
                 (
                     "hidden",
-                    growth > self.cfg.hidden_growth,
-                    {"hidden_norm": hn, "growth": growth},
-                    f"final hidden norm of {name} grew {growth:.1f}x its early value (limit {self.cfg.hidden_growth:g}x)",
+                    growth > hn_limit or (self.cfg.growth_rate > 0 and rate > rate_limit),
+                    {"hidden_norm": hn, "growth": growth, "rate": rate},
+                    f"final hidden norm of {name} is {hn:.4g}, {growth:.1f}x its value at steps "
+                    f"{self.cfg.min_steps}-{self.cfg.min_steps + self.cfg.window} and {rate:.1f}x "
+                    f"{self.cfg.rate_span} steps ago",
+                    f"hidden norm > {self.cfg.hidden_growth:g}x its early value, or > "
+                    f"{self.cfg.growth_rate:g}x its value {self.cfg.rate_span} steps before",
                 ),
             ):
-                if self.latch.edge(f"{key}/{name}", step >= self.cfg.min_steps and on):
+                on = step >= self.cfg.min_steps and on
+                if self.latch.edge(f"{key}/{name}", on, step - self.cfg.window):
                     out.append(
                         Alarm(
                             step,
@@ -286,14 +617,84 @@ class Drift:
                             self.cfg.action,
                             modality=name,
                             values=values,
+                            since=step - self.cfg.window,
                             message=msg,
+                            threshold=rule,
+                            cause="norm growth: the lr is too high for this model without its "
+                            "stabilisers (z-loss, QK-norm), or modalities compete through the "
+                            "softmax (Chameleon); it precedes a divergence",
+                            advice="keep the checkpoint from before it; lower optim.lr, check "
+                            "model.loss.z_loss_coef and model.attention.qk_norm",
                         )
                     )
         return out
 
     def state_dict(self) -> dict:
-        return {"ref": self.ref, "on": sorted(self.latch.on)}
+        return {
+            "ref": self.ref,
+            "recent": {k: list(v) for k, v in self.recent.items()},
+            "latch": self.latch.state_dict(),
+        }
 
     def load_state_dict(self, st: dict) -> None:
         self.ref = {k: list(v) for k, v in st["ref"].items()}
-        self.latch.on = set(st["on"])
+        for k, v in st.get("recent", {}).items():
+            self.recent[k] = deque(v, maxlen=self.cfg.rate_span + self.cfg.window)
+        self.latch.load_state_dict(st.get("latch") or {"on": st["on"]})
+
+
+class DataCodeUse:
+    """The visual codes a run trains on, every step (``monitor/data_code_entropy`` from the
+    task: the entropy of the step's image and video label codes folded into 64 buckets): a
+    visual tokenizer that emits a handful of codes shows the moment its output reaches the
+    batches, long before the model's own drawings (the ``code_use`` probe) degrade, and while
+    the image loss, if anything, *falls* (constant codes are easy to predict)."""
+
+    def __init__(self, cfg: CodeUseConfig) -> None:
+        self.cfg = cfg
+        self.steps: deque[tuple[float, float]] = deque(maxlen=cfg.data_window)
+        self.best = 0.0  # the highest window entropy seen (from min_steps)
+        self.latch = _Latch()
+
+    def check(self, step: int, m: dict) -> list[Alarm]:
+        c = self.cfg
+        n, h = m.get("monitor/data_codes", 0.0), m.get("monitor/data_code_entropy")
+        self.steps.append((h * n, n) if h is not None and n else (0.0, 0.0))
+        total = sum(x for _, x in self.steps)
+        if total < c.data_min_codes:
+            return []
+        ent = sum(x for x, _ in self.steps) / total
+        m["monitor/data_code_entropy_window"] = ent
+        if step >= c.min_steps and len(self.steps) == c.data_window:
+            self.best = max(self.best, ent)
+        dropped = self.best > 0 and ent < (1 - c.max_data_drop) * self.best
+        on = step >= c.min_steps and (ent < c.min_data_entropy or dropped)
+        if not self.latch.edge("data", on, step - c.data_window):
+            return []
+        return [
+            Alarm(
+                step,
+                "data_code_entropy",
+                c.action,
+                modality="image",
+                since=step - c.data_window,
+                values={"entropy": ent, "best": self.best, "codes": total},
+                message=f"the visual codes in the last {c.data_window} steps' batches have a "
+                f"normalised entropy of {ent:.2f} (it was {self.best:.2f}; {total:.0f} codes): "
+                "a few codes dominate",
+                threshold=f"entropy of the trained-on codes (64 buckets) < {c.min_data_entropy:g}, "
+                f"or {c.max_data_drop:.0%} below its highest window",
+                cause="the visual tokenizer (or the image data) degenerated: most images map to "
+                "a few codes; the image loss falls because the codes became trivial",
+                advice="stop feeding these shards: check the visual tokenizer's reconstructions "
+                "and `earlyfuse-prep stats` code use of the sources named in mix/<source>",
+            )
+        ]
+
+    def state_dict(self) -> dict:
+        return {"steps": list(self.steps), "best": self.best, "latch": self.latch.state_dict()}
+
+    def load_state_dict(self, st: dict) -> None:
+        self.steps = deque([tuple(x) for x in st["steps"]], maxlen=self.cfg.data_window)
+        self.best = float(st.get("best", 0.0))
+        self.latch.load_state_dict(st["latch"])

@@ -3,19 +3,17 @@
 Probe rows come from the validation sources when the run has them (else the training sources),
 through a loader of their own (no workers; the training stream is not touched), read once at the
 first probe: ``attention`` uses the first ``rows`` rows of a batch; ``dependence`` scans up to 64
-batches for ``probes`` rows where an image is followed by its caption, and takes this rank's
-share of them.
+batches for ``probes`` rows where an image is followed by its caption, and as many where a
+caption is followed by its image (the reverse direction), and takes this rank's share of them.
+A direction whose rows the data does not have is not probed (its metrics are absent).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from contextlib import closing
 
 import torch
 
-from data.loader import build_loader
-from train.faults import fault_step
 from train.monitor import probes
 from train.monitor.config import MonitorConfig
 
@@ -25,29 +23,23 @@ PROBE_KEYS = probes.MODEL_INPUTS + ("labels",)
 class LMProbes:
     def __init__(self, cfg: MonitorConfig, run_cfg, task, dist, engine) -> None:
         self.cfg, self.run_cfg, self.task, self.dist, self.engine = cfg, run_cfg, task, dist, engine
-        self._attn_batch = None
-        self._dep_batch = None
+        self._attn_batch: dict | None = None
+        self._dep_batch: dict | None = None
+        self._rev_batch: dict | None = None
+        # Fault injection only (train/callbacks/faults.py): from this step on the dependence
+        # probe's "matched" images are shuffled too; -1: never.
+        self.shuffle_matched_from = -1
 
-    def _rows(self, want_captions: int):
-        d = self.run_cfg.data
-        data = dataclasses.replace(
-            d, sources=d.validation or d.sources, validation=[], num_workers=0, mode="infinite"
-        )
-        loader = build_loader(
-            data,
-            rank=self.dist.rank,
-            world_size=self.dist.world_size,
-            micro_batch=self.run_cfg.train.micro_batch,
-            pad_id=0,
-        )
+    def _rows(self, want_captions: int, finder=probes.caption_rows):
+        loader = self.task.probe_stream()
         first, rows = None, []
         with closing(iter(loader)) as batches:
             for i, b in enumerate(batches):
                 first = first or b
                 if not want_captions or i >= 64:
                     break
-                labels, blocks = probes.caption_rows(b, self.task.layout)
-                for r in sorted({r for r, _, _ in blocks}):
+                labels, blocks = finder(b, self.task.layout)
+                for r in sorted({blk[0] for blk in blocks}):
                     rows.append({k: b[k][r : r + 1] for k in PROBE_KEYS})
                 if len(rows) >= want_captions:
                     break
@@ -77,13 +69,24 @@ class LMProbes:
             if self._dep_batch is None:
                 per_rank = max(1, self.cfg.dependence.probes // self.dist.world_size)
                 self._dep_batch = self._rows(per_rank) or {}
-            if not self._dep_batch:
-                return {}
-            fault = fault_step("EARLYFUSE_FAULT_SHUFFLE_PROBE_FROM")
-            shuffled = 0 <= fault <= step
-            return probes.dependence_gap(
-                module, self._dep_batch, self.task.layout, dev, fault_shuffled=shuffled
-            )
+                self._rev_batch = (
+                    self._rows(per_rank, probes.image_after_caption_rows) or {}
+                    if self.cfg.dependence.reverse
+                    else {}
+                )
+            out: dict[str, float] = {}
+            if self._dep_batch:
+                shuffled = 0 <= self.shuffle_matched_from <= step
+                out.update(
+                    probes.dependence_gap(
+                        module, self._dep_batch, self.task.layout, dev, fault_shuffled=shuffled
+                    )
+                )
+            if self._rev_batch:
+                out.update(
+                    probes.reverse_dependence_gap(module, self._rev_batch, self.task.layout, dev)
+                )
+            return out
         c = self.cfg.code_use
         per_rank = max(1, c.probes // self.dist.world_size)
         seed = self.run_cfg.train.seed * 1000003 + step * 31 + self.dist.rank

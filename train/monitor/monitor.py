@@ -1,10 +1,19 @@
 """The run's monitor: the per-step detectors, the probes every N steps, and the alarms they raise.
 
-``Run.step_end`` calls ``check(step, metrics)`` once per optimizer step with the step's metrics
-(reduced over ranks); it adds the ``monitor/...`` signals to those metrics and returns the new
-alarms. The loss/grad-norm spike and the NaN/Inf check run *before* the update, in the skip-step
-gate (``train/skip_step.py``); ``check`` turns what the gate decided into alarms. The run then
-acts on the strongest alarm (``Run.act``): rollback and halt are the run's to carry out.
+``Run.step_end`` calls ``check(step, metrics, rule_last)`` once per optimizer step with the
+step's metrics (reduced over ranks); it adds the ``monitor/...`` signals to those metrics and
+returns the new alarms. The loss/grad-norm spike and the NaN/Inf check run *before* the update,
+in the skip-step gate (``train/skip_step.py``); ``check`` turns what the gate decided into
+alarms. The run then acts on the strongest alarm (``Run.act``): rollback and halt are the run's
+to carry out.
+
+Two questions the run asks between steps:
+
+- ``healthy()``: is now a good moment for a checkpoint (nothing skipped and no loss rising)?
+- ``protected_steps(checkpoint_steps)``: which checkpoints keep-last must not delete: while any
+  alarm's condition is open, the newest checkpoint from at least ``rollback.margin`` steps
+  before the earliest open trouble (``earliest_open_alarm_step()``), so a rollback, or a person,
+  can still go back to before it.
 """
 
 from __future__ import annotations
@@ -15,12 +24,45 @@ import time
 from data.vocab import MODALITY_NAMES
 from train.monitor.alarms import Alarm
 from train.monitor.config import SEVERITY, MonitorConfig
-from train.monitor.detectors import Collapse, Divergence, Drift, Stagnation
+from train.monitor.detectors import Collapse, DataCodeUse, Divergence, Drift, Stagnation
 
 
 def chance_levels(sizes: list[int]) -> dict[str, float]:
     """ln V_m per modality: the CE of a uniform guess over the ids a modality predicts among."""
     return {n: math.log(v) for n, v in zip(MODALITY_NAMES, sizes) if v > 1}
+
+
+# Per probe signal: (likely cause, what to do) for the alarm's text.
+PROBE_ADVICE = {
+    "attn_logit": (
+        "attention logits growing without bound (q and k norms growing; Wortsman et al. 2023): "
+        "attention is about to collapse onto single tokens, then the loss diverges",
+        "turn on QK-norm (model.attention.qk_norm=true) or lower optim.lr; keep the checkpoint "
+        "from before this probe",
+    ),
+    "attn_entropy": (
+        "attention collapsed onto one or two tokens per query (entropy collapse), the step "
+        "before a divergence",
+        "turn on QK-norm or lower optim.lr; roll back to the checkpoint before this probe",
+    ),
+    "dependence_gap": (
+        "the captions no longer use their images: the model predicts text from text alone "
+        "(modality competition, or the image tokens stopped carrying information)",
+        "check the image data and visual tokenizer (monitor/gen_code_entropy), the mix "
+        "(mix/<source>) and the image loss",
+    ),
+    "dependence_gap_reverse": (
+        "the image codes no longer use the caption before them: the model draws images "
+        "regardless of the text",
+        "check the caption-then-image data in the mix and the image loss",
+    ),
+    "gen_code_entropy": (
+        "the model draws few distinct visual codes: its visual side collapsed, or the visual "
+        "tokenizer feeding it codes has degenerated onto a few codes",
+        "check the code use of the training images (earlyfuse-prep stats) and the visual "
+        "tokenizer; roll back to before the collapse once the data is fixed",
+    ),
+}
 
 
 class Monitor:
@@ -34,16 +76,22 @@ class Monitor:
     ) -> None:
         self.cfg, self.total = cfg, total_steps
         self.divergence = Divergence(cfg.divergence)
-        self.detectors = {"divergence": self.divergence}
+        self.detectors: dict[str, Divergence | Collapse | Stagnation | Drift | DataCodeUse] = {
+            "divergence": self.divergence
+        }
         if chance:  # the LM task: per-modality losses exist
             self.detectors.update(
                 collapse=Collapse(cfg.collapse, chance),
                 stagnation=Stagnation(cfg.stagnation),
                 drift=Drift(cfg.drift),
+                code_use=DataCodeUse(cfg.code_use),
             )
         self.probes = probes  # train.monitor.lm_probes.LMProbes or None
         self.nonfinite_steps = 0
         self.probe_latch: set[str] = set()
+        self.probe_since: dict[str, int] = {}  # open probe alarm -> last probe step before it
+        self.probe_last: dict[str, int] = {}  # probe -> step it last ran
+        self.probe_ref: dict[str, float] = {}  # attention: max logit at the first probe
 
     # --- per step ----------------------------------------------------------------------------------
     def check(self, step: int, m: dict, rule_last: dict) -> list[Alarm]:
@@ -81,6 +129,10 @@ class Monitor:
                     since=step,
                     message=f"loss {values['loss']:.4g}, grad norm {values['grad_norm']:.4g}: "
                     "the update was skipped, the weights are untouched",
+                    threshold="loss or grad norm not finite",
+                    cause="an overflow in the forward or backward pass (lr too high, a bad batch, "
+                    "bf16 range exceeded)",
+                    advice="nothing while it stays isolated; several in a row trigger divergence",
                 )
             ]
         which = "loss_spike" if last["loss_score"] >= last["grad_norm_score"] else "grad_norm_spike"
@@ -92,7 +144,14 @@ class Monitor:
                 values=values,
                 since=step,
                 message=f"loss {values['loss']:.4g} ({last['loss_score']:.1f} sigma), grad norm "
-                f"{values['grad_norm']:.4g} ({last['grad_norm_score']:.1f} sigma): update skipped",
+                f"{values['grad_norm']:.4g} ({last['grad_norm_score']:.1f} sigma): "
+                + ("update skipped" if self.cfg.spike.action == "skip" else "update applied"),
+                threshold="loss (grad norm) above its de-trended prediction by more than "
+                "optim.skip_step.sigmas (grad_norm_sigmas) robust sigmas",
+                cause="a batch or an update unlike the recent ones (the step before pushed the "
+                "weights too far, or this batch is unusual)",
+                advice="the update is dropped (weights and optimizer moments untouched); spikes "
+                "that persist trigger divergence",
             )
         ]
 
@@ -107,74 +166,142 @@ class Monitor:
             m.update(values)
             m[f"throughput/probe_s/{name}"] = time.perf_counter() - t0
             out += self._probe_alarms(name, step, values)
+            self.probe_last[name] = step
         return out
 
     def _probe_alarms(self, name: str, step: int, v: dict) -> list[Alarm]:
         c = getattr(self.cfg, name)
-        found: list[tuple[str, bool, str]] = []
+        found: list[tuple[str, bool, str, str, str | None]] = []  # signal, on, msg, rule, modality
         if name == "attention" and v:
+            mx = v["monitor/attn_max_logit"]
+            ref = self.probe_ref.setdefault("attn_max_logit", mx)
+            m_growth = mx / ref if ref > 0 else 1.0
+            v = {**v, "monitor/attn_logit_growth": m_growth}
             found.append(
                 (
                     "attn_logit",
-                    v["monitor/attn_max_logit"] > c.max_logit,
-                    f"max attention logit {v['monitor/attn_max_logit']:.1f} > {c.max_logit:g}",
+                    mx > c.max_logit or (c.max_growth > 0 and m_growth > c.max_growth),
+                    f"max attention logit {mx:.1f}, {m_growth:.1f}x its value at the first probe",
+                    f"max logit > {c.max_logit:g} or > {c.max_growth:g}x the first probe's",
+                    None,
                 )
             )
             found.append(
                 (
                     "attn_entropy",
                     v["monitor/attn_entropy"] < c.min_entropy,
-                    f"attention entropy {v['monitor/attn_entropy']:.3f} nats < {c.min_entropy:g}: attention collapsed",
+                    f"attention entropy {v['monitor/attn_entropy']:.3f} nats: attention collapsed",
+                    f"mean attention entropy < {c.min_entropy:g} nats",
+                    None,
                 )
             )
         elif name == "dependence" and v:
-            gap = v["monitor/dependence_gap"]
-            if gap >= c.arm_gap:
-                self.probe_latch.add("dep_armed")
-            found.append(
+            for signal, gap_key, what in (
+                ("dependence_gap", "monitor/dependence_gap", "captions after their own image"),
                 (
-                    "dependence_gap",
-                    "dep_armed" in self.probe_latch and gap < c.min_gap,
-                    f"captions no longer depend on their images: loss {v['monitor/caption_loss_matched']:.3f} "
-                    f"with the matched image, {v['monitor/caption_loss_shuffled']:.3f} with another "
-                    f"(gap {gap:.3f} < {c.min_gap:g} nats, was >= {c.arm_gap:g})",
+                    "dependence_gap_reverse",
+                    "monitor/dependence_gap_reverse",
+                    "image codes after their own caption",
+                ),
+            ):
+                if gap_key not in v:
+                    continue
+                gap = v[gap_key]
+                if gap >= c.arm_gap:
+                    self.probe_latch.add(f"{signal}_armed")
+                found.append(
+                    (
+                        signal,
+                        f"{signal}_armed" in self.probe_latch and gap < c.min_gap,
+                        f"{what} are predicted no better than after another one: gap {gap:.3f} "
+                        f"nats (was >= {c.arm_gap:g})",
+                        f"gap < {c.min_gap:g} nats after having reached {c.arm_gap:g}",
+                        "text" if signal == "dependence_gap" else "image",
+                    )
                 )
-            )
         elif name == "code_use" and v:
             found.append(
                 (
                     "gen_code_entropy",
                     v["monitor/gen_code_entropy"] < c.min_entropy,
-                    f"generated images use {v['monitor/gen_code_distinct']:.0f} distinct codes, normalised "
-                    f"entropy {v['monitor/gen_code_entropy']:.2f} < {c.min_entropy:g}",
+                    f"generated images use {v['monitor/gen_code_distinct']:.0f} distinct codes, "
+                    f"normalised entropy {v['monitor/gen_code_entropy']:.2f}",
+                    f"normalised entropy of generated codes < {c.min_entropy:g}",
+                    "image",
                 )
             )
         out = []
-        for signal, on, msg in found:
+        prev = self.probe_last.get(name, 0)
+        for signal, on, msg, rule, modality in found:
             on = on and step >= c.min_steps
             if on and signal not in self.probe_latch:
+                cause, advice = PROBE_ADVICE[signal]
+                self.probe_since[signal] = prev + 1  # after the last probe that was fine
                 out.append(
                     Alarm(
                         step,
                         signal,
                         c.action,
-                        modality=None if name == "attention" else "image",
+                        modality=modality,
                         values={k.split("/", 1)[1]: x for k, x in v.items() if "/L" not in k},
+                        since=prev + 1,
                         message=msg,
+                        threshold=rule,
+                        cause=cause,
+                        advice=advice,
                     )
                 )
-            (self.probe_latch.add if on else self.probe_latch.discard)(signal)
+            if on:
+                self.probe_latch.add(signal)
+            else:
+                self.probe_latch.discard(signal)
+                self.probe_since.pop(signal, None)
         return out
 
-    # --- health and state --------------------------------------------------------------------------
+    # --- health, retention and state ---------------------------------------------------------------
     def healthy(self) -> bool:
-        """No step skipped in the divergence window: a checkpoint now is a good one to return to."""
-        return not any(bad for _, bad in self.divergence.skipped)
+        """No step skipped in the divergence window and no loss rising: a checkpoint now is a
+        good one to return to."""
+        return not self.divergence.troubled()
+
+    def earliest_open_alarm_step(self) -> int | None:
+        """The step the oldest trouble still open began (an alarm whose condition has not
+        cleared, a skipped step in the divergence window, or a rise in progress); None when all
+        is quiet."""
+        found = self.open_troubles()
+        return min(found) if found else None
+
+    def protected_steps(self, checkpoint_steps: list[int]) -> set[int]:
+        """The checkpoints keep-last must keep: for each open trouble, the newest checkpoint at
+        least ``rollback.margin`` steps before it began (so a rollback lands before it), or, when
+        none is that old, the oldest there is (the best left)."""
+        if not checkpoint_steps:
+            return set()
+        margin = self.cfg.rollback.margin
+        out = set()
+        for since in self.open_troubles():
+            good = [s for s in checkpoint_steps if s <= since - margin]
+            out.add(max(good) if good else min(checkpoint_steps))
+        return out
+
+    def open_troubles(self) -> list[int]:
+        """The steps at which each open trouble began."""
+        found = [s for det in self.detectors.values() for s in det.latch.open_since()]
+        found += list(self.probe_since.values())
+        skipped = [s for s, bad in self.divergence.skipped if bad]
+        if skipped:
+            found.append(min(skipped))
+        if self.divergence.excursion is not None:  # the loss has begun to rise
+            found.append(self.divergence.excursion)
+        return found
 
     def state_dict(self) -> dict:
         return {
             "detectors": {k: d.state_dict() for k, d in self.detectors.items()},
             "probe_latch": sorted(self.probe_latch),
+            "probe_since": dict(self.probe_since),
+            "probe_last": dict(self.probe_last),
+            "probe_ref": dict(self.probe_ref),
             "nonfinite_steps": self.nonfinite_steps,
         }
 
@@ -183,6 +310,9 @@ class Monitor:
             if k in st.get("detectors", {}):
                 d.load_state_dict(st["detectors"][k])
         self.probe_latch = set(st.get("probe_latch", []))
+        self.probe_since = {k: int(v) for k, v in st.get("probe_since", {}).items()}
+        self.probe_last = {k: int(v) for k, v in st.get("probe_last", {}).items()}
+        self.probe_ref = {k: float(v) for k, v in st.get("probe_ref", {}).items()}
         self.nonfinite_steps = int(st.get("nonfinite_steps", 0))
 
 

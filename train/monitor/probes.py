@@ -10,6 +10,10 @@
   with the image it came with against with another image of the same shape (the codes are
   swapped between same-shape blocks, so positions and masks stay identical). Early fusion is
   only working if the gap is clearly above zero.
+- ``reverse_dependence_gap``: the other direction, on rows holding a caption followed by its
+  image: the image codes' CE after their own caption against after another caption of the same
+  length (captions swapped between images of the same shape). Above zero when the visual
+  tokens use the text before them (what drawing an image from text needs).
 - ``generated_code_use``: images drawn from the model under the grid constraint; the entropy of
   the codes drawn, normalised by ln(min(draws, codebook)). A model that draws few distinct codes
   has collapsed its visual side even when its teacher-forced image loss looks fine.
@@ -24,6 +28,7 @@ import math
 
 import torch
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 
 from data.layout import image_block_len
 from data.vocab import Modality, VocabLayout
@@ -47,15 +52,23 @@ MODEL_INPUTS = (
 
 
 class _AttentionTap:
-    """Captures one attention module's q, k (after QK-norm) and cos/sin during a forward."""
+    """Captures one attention module's q, k (after QK-norm when the model has it) and cos/sin
+    during a forward."""
+
+    # module -> what its output is. The norms run after the projections, so with QK-norm their
+    # output replaces the projection's; without it (the configuration whose attention logits
+    # grow, and that this probe exists for) the projections' outputs are q and k.
+    SOURCES = (("wq", "q"), ("wk", "k"), ("q_norm", "q"), ("k_norm", "k"))
 
     def __init__(self, attn) -> None:
-        self.attn, self.store, self.handles = attn, {}, []
+        self.attn = attn
+        self.store: dict[str, Tensor] = {}
+        self.handles: list[RemovableHandle] = []
         self.handles.append(attn.register_forward_pre_hook(self._pre))
-        for name in ("wq", "wk", "q_norm", "k_norm"):
+        for name, key in self.SOURCES:
             mod = getattr(attn, name, None)
             if mod is not None:
-                self.handles.append(mod.register_forward_hook(self._grab(name[0])))
+                self.handles.append(mod.register_forward_hook(self._grab(key)))
 
     def _pre(self, module, args):
         self.store["cos"], self.store["sin"] = args[1], args[2]
@@ -198,6 +211,83 @@ def dependence_gap(
         "monitor/caption_loss_matched": m,
         "monitor/caption_loss_shuffled": s,
         "monitor/dependence_gap": s - m,
+    }
+
+
+def image_after_caption_rows(
+    batch: dict, layout: VocabLayout
+) -> tuple[Tensor, list[tuple[int, int, int, int, int]]]:
+    """The reverse direction: image-code labels (everything else ignored) and
+    ``(row, caption start, caption end, codes start, codes end)`` of image blocks that follow a
+    run of text in the same document (a caption before its image)."""
+    ids, labels, lmod, mod = (
+        batch["input_ids"],
+        batch["labels"],
+        batch["label_modality"],
+        batch["modality"],
+    )
+    img, doc = batch["image_ids"], batch["doc_ids"]
+    keep = torch.full_like(labels, -100)
+    pairs = []
+    for r in range(ids.shape[0]):
+        for i in sorted(set(img[r].tolist()) - {-1}):
+            pos = (img[r] == i).nonzero().squeeze(1)
+            s, e = int(pos[0]), int(pos[-1]) + 1
+            b = s - 3  # <boi> and the two size tokens come before the codes
+            if int(mod[r, s]) != int(Modality.IMAGE) or b < 1:
+                continue
+            a = b
+            while a > 0 and doc[r, a - 1] == doc[r, s] and int(mod[r, a - 1]) == int(Modality.TEXT):
+                a -= 1
+            if a == b:
+                continue
+            codes = (lmod[r, b:e] == int(Modality.IMAGE)) & (labels[r, b:e] != -100)
+            if codes.any():
+                keep[r, b:e] = torch.where(codes, labels[r, b:e], keep[r, b:e])
+                pairs.append((r, a, b, s, e))
+    return keep, pairs
+
+
+def shuffle_captions(
+    ids: Tensor, pairs: list[tuple[int, int, int, int, int]]
+) -> tuple[Tensor, int]:
+    """Swap the captions of images in a cycle among pairs whose caption length and image shape
+    agree (so every position, mask and M-RoPE index stays the same); returns (ids, swapped)."""
+    groups: dict[tuple, list[tuple[int, int, int]]] = {}
+    for r, a, b, s, e in pairs:
+        shape = tuple(ids[r, b:s].tolist()) + (e - s,)  # size tokens and the block's length
+        groups.setdefault((b - a, shape), []).append((r, a, b))
+    out, swapped = ids.clone(), 0
+    for g in groups.values():
+        if len(g) < 2:
+            continue
+        for (r, a, b), (r2, a2, b2) in zip(g, g[1:] + g[:1]):
+            out[r, a:b] = ids[r2, a2:b2]
+        swapped += len(g)
+    return out, swapped
+
+
+@torch.no_grad()
+def reverse_dependence_gap(model, batch: dict, layout: VocabLayout, device) -> dict[str, float]:
+    """Image-code CE after the image's own caption and after another image's caption, and their
+    gap (nats per code): do the visual tokens attend to the text before them?"""
+    labels, pairs = image_after_caption_rows(batch, layout)
+    shuffled, swapped = shuffle_captions(batch["input_ids"], pairs)
+    sums = torch.zeros(3, dtype=torch.float64)
+    if all_reduce_sum(torch.tensor([0.0 if swapped else 1.0], dtype=torch.float64))[0] == 0:
+        inputs = {k: batch[k].to(device) for k in MODEL_INPUTS if k != "input_ids"}
+        for i, ids in enumerate((batch["input_ids"], shuffled)):
+            res = model(input_ids=ids.to(device), labels=labels.to(device), **inputs)
+            sums[i] = float(res.ce_sum[int(Modality.IMAGE)])
+        sums[2] = float(res.count[int(Modality.IMAGE)])
+    sums = all_reduce_sum(sums)
+    if sums[2] == 0:
+        return {}
+    m, s = float(sums[0] / sums[2]), float(sums[1] / sums[2])
+    return {
+        "monitor/image_loss_matched": m,
+        "monitor/image_loss_shuffled": s,
+        "monitor/dependence_gap_reverse": s - m,
     }
 
 

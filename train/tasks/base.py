@@ -7,13 +7,14 @@ summing, never by averaging per-rank means), and turns those into metrics with t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import torch
 from torch import nn
+
+from train.streams import BatchStream
 
 
 @dataclass
@@ -23,12 +24,6 @@ class StepOutput:
         default_factory=dict
     )  # detached scalars to sum over ranks
     units: int = 0  # tokens (or pixels) processed, for throughput
-
-
-class BatchStream(Protocol):
-    def __iter__(self) -> Iterator[dict]: ...
-    def state_dict(self) -> dict: ...
-    def load_state_dict(self, state: dict) -> None: ...
 
 
 class Task(Protocol):

@@ -4,8 +4,10 @@ Every step logs, from sums and counts reduced over micro-batches and ranks: the 
 modality (``loss/<m>``), normalised CE (``loss_norm/<m>`` = CE / ln V_m, 1.0 = chance over the
 modality's own range of ids), label tokens per modality (``tokens/<m>``), log Z and final
 hidden norm per modality and the code-minus-text logit gap (``monitor/...``), and the delivered
-mix by source (``mix/<source>``). Validation runs over the held-out sources (``data.validation``)
-and reports loss and perplexity per modality.
+mix by source (``mix/<source>``) and visual blocks the loader dropped for being longer than a row
+(``data/dropped_blocks``, per source and modality as ``data/dropped_blocks/<source>/<m>``; only
+with ``data.allow_block_drops``, the run totals in final.json). Validation runs over the held-out
+sources (``data.validation``) and reports loss and perplexity per modality.
 
 Beside every loss stands the unigram baseline (data/unigram.py: the training tokens' own
 frequencies per modality, add-one smoothed, counted once at start): ``unigram/<m>`` on the
@@ -17,6 +19,7 @@ say so: ``val/batches``, ``val/complete``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from contextlib import closing
@@ -24,8 +27,10 @@ from pathlib import Path
 
 import torch
 
-from data.loader import build_loader, store
-from data.loader.table import find_manifest, load_table
+from data.loader import LoaderConfig, build_loader, store
+from data.loader.fit import check_blocks_fit
+from data.loader.table import find_manifest
+from data.names import LAYOUT_FILE
 from data.unigram import Unigram
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
 from model.flops import flops_per_token
@@ -33,8 +38,10 @@ from train.config import RunConfig
 from train.dist import DistInfo, all_reduce_sum
 from train.monitor import chance_levels
 from train.monitor.lm_probes import LMProbes
+from train.streams import TableCache, TokenStream
 from train.tasks.base import StepOutput
 
+DROPPABLE = ("image", "video")  # modalities whose blocks the loader can drop (batch dropped_blocks)
 MODEL_INPUTS = (
     "input_ids",
     "labels",
@@ -47,21 +54,42 @@ MODEL_INPUTS = (
 )
 
 
-def layout_of_data(cfg: RunConfig) -> tuple[VocabLayout, Path]:
+def layout_of_data(cfg: RunConfig, tables: TableCache | None = None) -> tuple[VocabLayout, Path]:
     """The vocabulary layout of the run's tokens: ``data.tokenizers`` when given, else the token
     shards' own tokenizers/ copy."""
     if cfg.data.tokenizers:
         folder = Path(cfg.data.tokenizers)
     else:
-        table = load_table(cfg.data.sources[0])
+        table = (tables or TableCache()).get(cfg.data.sources[:1])[0]
         if table.kind == "raw" or store.kind(table.shards[0]) != "local":
             raise ValueError(
                 f"source {table.name}: {table.shards[0]} is {'raw' if table.kind == 'raw' else 'remote'}; "
                 "set data.tokenizers to the tokenizer folder (a token folder's tokenizers/)"
             )
-        m, url = find_manifest(table.shards[0])
+        found = find_manifest(table.shards[0])
+        if found is None:
+            raise ValueError(f"source {table.name}: {table.shards[0]} is in no shard folder")
+        m, url = found
         folder = Path(store.local_path(url)).parent / m["tokenizers"]["folder"]
-    return VocabLayout.load(folder / "vocab_layout.json"), folder
+    return VocabLayout.load(folder / LAYOUT_FILE), folder
+
+
+CODE_BUCKETS = 64
+
+
+def code_buckets(batch: dict, layout: VocabLayout) -> dict[str, float]:
+    """The visual codes the step trains on (image and video labels), counted in ``CODE_BUCKETS``
+    buckets (code mod 64): sums the monitor reduces over ranks and turns into the entropy of the
+    codes delivered (``monitor/data_code_entropy``). A visual tokenizer that has degenerated onto
+    a few codes shows at once, before any model probe could."""
+    labels = batch["labels"]
+    visual = (batch["label_modality"] == int(Modality.IMAGE)) | (
+        batch["label_modality"] == int(Modality.VIDEO)
+    )
+    codes = labels[visual & (labels >= layout.visual_offset)] - layout.visual_offset
+    # Every key on every step: the sums are reduced over ranks as one vector of sorted keys.
+    counts = torch.bincount(codes.cpu() % CODE_BUCKETS, minlength=CODE_BUCKETS).tolist()
+    return {f"code_bucket/{i:02d}": float(c) for i, c in enumerate(counts)}
 
 
 UNIGRAM_MAX_TOKENS = 50_000_000  # per source: the baseline reads at most this many tokens of each
@@ -80,18 +108,20 @@ class LMTask:
         if cfg.data is None or not cfg.data.sources:
             raise ValueError("task lm needs data.sources (token shard folders); see configs/data/")
         self.cfg, self.dist = cfg, dist
-        self.layout, self.tok_folder = layout_of_data(cfg)
+        self.tables = TableCache()  # every index read once, shared by all loaders of the run
+        self.layout, self.tok_folder = layout_of_data(cfg, self.tables)
         self.model_cfg = cfg.model.with_layout(self.layout)
-        for s in cfg.data.validation:  # found now, not at the first evaluation hours later
-            if load_table(s).kind == "raw":
+        for src, table in zip(cfg.data.validation, self.tables.get(cfg.data.validation)):
+            check_blocks_fit(cfg.data, [table], what="data.validation source")
+            if table.kind == "raw":  # found now, not at the first evaluation hours later
                 raise ValueError(
-                    f"data.validation source {s.name} holds raw shards: validation makes one exact "
-                    "pass, which needs the token counts of token shards; tokenize it "
+                    f"data.validation source {src.name} holds raw shards: validation makes one "
+                    "exact pass, which needs the token counts of token shards; tokenize it "
                     "(earlyfuse-prep tokenize) and name the token folder"
                 )
         self.source_names = [s.name for s in cfg.data.sources]
         self._val = None
-        tables = [load_table(s) for s in cfg.data.sources]
+        tables = self.tables.get(cfg.data.sources)
         if all(t.kind == "tokens" for t in tables):
             self.unigram: Unigram | None = Unigram.from_tables(
                 tables, self.layout, max_tokens=UNIGRAM_MAX_TOKENS
@@ -103,14 +133,33 @@ class LMTask:
     def build_model(self):
         return self.model_cfg.build()
 
-    def batches(self):
-        return build_loader(
-            self.cfg.data,
+    def stream(self, data: LoaderConfig, *, validation: bool = False) -> TokenStream:
+        """A loader of this rank over ``data``'s sources (or its validation sources)."""
+        sources = data.validation if validation else data.sources
+        loader = build_loader(
+            data,
             rank=self.dist.rank,
             world_size=self.dist.world_size,
             micro_batch=self.cfg.train.micro_batch,
             pad_id=0,
+            validation=validation,
+            tables=self.tables.get(sources),
         )
+        return TokenStream(loader)
+
+    def batches(self) -> TokenStream:
+        stream = self.stream(self.cfg.data)
+        self._loader = stream.loader  # its dropped-block counts go to final.json (finish)
+        return stream
+
+    def probe_stream(self) -> TokenStream:
+        """The probes' rows: the validation sources when the run has them (else the training
+        sources), through a loader of their own (no workers; the training stream is untouched)."""
+        d = self.cfg.data
+        data = dataclasses.replace(
+            d, sources=d.validation or d.sources, validation=[], num_workers=0, mode="infinite"
+        )
+        return self.stream(data)
 
     def forward(self, engine, batch: dict) -> StepOutput:
         dev = self.dist.device
@@ -125,6 +174,8 @@ class LMTask:
             sums[f"gap_sum/{name}"] = res.logit_gap_sum[i]
         for i, name in enumerate(self.source_names):
             sums[f"mix_tokens/{name}"] = batch["tokens_by_source"][i]
+            for j, mod in enumerate(DROPPABLE):
+                sums[f"dropped/{name}/{mod}"] = batch["dropped_blocks"][i, j]
         if self.unigram is not None:
             uni, _ = self.unigram.nll_sums(
                 batch["labels"], batch["label_modality"], self._unigram_lp
@@ -136,6 +187,7 @@ class LMTask:
             for i, name in enumerate(MODALITY_NAMES):
                 for e in range(load.shape[1]):
                     sums[f"moe_load/{name}/{e}"] = load[i, e]
+        sums.update(code_buckets(batch, self.layout))
         sums["z_loss_sum"] = res.z_loss.detach()
         sums["aux_loss_sum"] = res.aux_loss.detach()
         sums["moe_dropped"] = res.moe_dropped.detach()
@@ -160,15 +212,24 @@ class LMTask:
                 out[f"monitor/logz/{name}"] = s[f"logz_sum/{name}"] / n
                 out[f"monitor/hidden_norm/{name}"] = s[f"hnorm_sum/{name}"] / n
                 out[f"monitor/logit_gap/{name}"] = s[f"gap_sum/{name}"] / n
-        for (
-            name
-        ) in MODALITY_NAMES:  # MoE: busiest expert's share over the mean share (1 = balanced)
+        # MoE: busiest expert's share over the mean share (1 = balanced)
+        for name in MODALITY_NAMES:
             load = [v for k, v in s.items() if k.startswith(f"moe_load/{name}/")]
             if load and sum(load) > 0:
                 out[f"monitor/moe_max_load/{name}"] = max(load) * len(load) / sum(load)
-        total = sum(s[f"mix_tokens/{n}"] for n in self.source_names) or 1.0
-        for n in self.source_names:
-            out[f"mix/{n}"] = s[f"mix_tokens/{n}"] / total
+        codes = [s.get(f"code_bucket/{i:02d}", 0.0) for i in range(CODE_BUCKETS)]
+        n_codes = sum(codes)
+        if n_codes > 0:
+            h = -sum(c / n_codes * math.log(c / n_codes) for c in codes if c)
+            out["monitor/data_codes"] = n_codes
+            out["monitor/data_code_entropy"] = h / math.log(min(CODE_BUCKETS, max(n_codes, 2)))
+        total = sum(s[f"mix_tokens/{source}"] for source in self.source_names) or 1.0
+        for source in self.source_names:
+            out[f"mix/{source}"] = s[f"mix_tokens/{source}"] / total
+        dropped = {k[len("dropped/") :]: v for k, v in s.items() if k.startswith("dropped/") and v}
+        if dropped or self.cfg.data.allow_block_drops:
+            out["data/dropped_blocks"] = float(sum(dropped.values()))
+            out.update({f"data/dropped_blocks/{k}": v for k, v in dropped.items()})
         return out
 
     def flops_per_unit(self) -> float:
@@ -177,14 +238,7 @@ class LMTask:
     def evaluate(self, engine, step: int) -> dict[str, float]:
         if not self.cfg.data.validation:
             return {}
-        loader = build_loader(
-            self.cfg.data,
-            rank=self.dist.rank,
-            world_size=self.dist.world_size,
-            micro_batch=self.cfg.train.micro_batch,
-            pad_id=0,
-            validation=True,
-        )
+        loader = self.stream(self.cfg.data, validation=True)
         ce = torch.zeros(len(Modality), dtype=torch.float64)
         cnt = torch.zeros(len(Modality), dtype=torch.float64)
         uni = torch.zeros(len(Modality), dtype=torch.float64)
@@ -218,6 +272,7 @@ class LMTask:
                 out["val/unigram"] = float(uni.sum() / cnt.sum())
         # Whether this was the whole held-out set (eval_batches = 0) or its first batches.
         out["val/complete"] = complete
+        out["val/batches"] = float(batches_read)
         return out
 
     def chance_levels(self) -> dict[str, float]:
@@ -227,9 +282,17 @@ class LMTask:
         return LMProbes(monitor_cfg, self.cfg, self, self.dist, engine)
 
     def finish(self, engine, run_dir: Path) -> dict[str, float]:
-        return {}
+        """The run's dropped visual blocks over all ranks (the loader's counts survive resumes)."""
+        loader = getattr(self, "_loader", None)
+        if loader is None or not self.cfg.data.allow_block_drops:
+            return {}
+        keys = [(n, m) for n in self.source_names for m in DROPPABLE]
+        counts = loader.dropped_blocks()
+        local = torch.tensor([float(counts.get(n, {}).get(m, 0)) for n, m in keys])
+        total = all_reduce_sum(local.to(self.dist.device)).cpu().tolist()
+        out = {f"data/dropped_blocks/{n}/{m}": v for (n, m), v in zip(keys, total) if v}
+        out["data/dropped_blocks"] = float(sum(total))
+        return out
 
     def extra_files(self) -> dict[str, str]:
-        return {
-            "vocab_layout.json": json.dumps(self.layout.to_dict(), indent=2, sort_keys=True) + "\n"
-        }
+        return {LAYOUT_FILE: json.dumps(self.layout.to_dict(), indent=2, sort_keys=True) + "\n"}

@@ -35,6 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from data.image_crops import CropStream, fixed_crops, load_pool, to_tensor
 from data.image_prep import ImagePrep
+from data.names import VISUAL_CONFIG_FILE, VISUAL_TOKENIZER_DIR, VISUAL_WEIGHTS_FILE
 from model.vtok_metrics import (
     code_use,
     detail_strata,
@@ -48,9 +49,8 @@ from model.vtok_metrics import (
 )
 from train.config import RunConfig
 from train.dist import DistInfo
+from train.streams import CropStream as CropBatches
 from train.tasks.base import StepOutput
-
-EXPORT_DIR = "visual_tokenizer"
 
 
 def full_state_dict(engine, zero_stage: int) -> dict[str, torch.Tensor]:
@@ -68,8 +68,8 @@ def save_visual_tokenizer(state: dict[str, torch.Tensor], cfg, folder: Path) -> 
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / VISUAL_WEIGHTS_FILE))
+    (folder / VISUAL_CONFIG_FILE).write_text(json.dumps(asdict(cfg), indent=1) + "\n")
 
 
 class VtokTask:
@@ -105,14 +105,15 @@ class VtokTask:
     def build_model(self):
         return self.cfg.vtok.build()
 
-    def batches(self) -> CropStream:
-        return CropStream(
+    def batches(self) -> CropBatches:
+        crops = CropStream(
             self.pool.train,
             crop=self.cfg.vtok_data.crop,
             batch=self.cfg.train.micro_batch,
             seed=self.cfg.train.seed,
             rank=self.dist.rank,
         )
+        return CropBatches(crops)
 
     def _dtype(self, engine) -> torch.dtype:
         return next(engine.module.parameters()).dtype
@@ -224,7 +225,7 @@ class VtokTask:
         state = full_state_dict(engine, self.cfg.deepspeed.zero_stage)
         if not self.dist.is_main:
             return {}
-        save_visual_tokenizer(state, self.cfg.vtok, run_dir / EXPORT_DIR)
+        save_visual_tokenizer(state, self.cfg.vtok, run_dir / VISUAL_TOKENIZER_DIR)
         x = self.eval_images[:16]
         y, _ = self.reconstruct(engine, x)
         save_grid(x, y, run_dir / "vtok_reconstructions.png")
@@ -287,5 +288,5 @@ def save_grid(
         r, c = divmod(i, per_row)
         grid[r * (h + 3) : r * (h + 3) + h, c * (w + 6) : c * (w + 6) + w] = p
     Image.fromarray(grid).resize(
-        (grid.shape[1] * scale, grid.shape[0] * scale), Image.NEAREST
+        (grid.shape[1] * scale, grid.shape[0] * scale), Image.Resampling.NEAREST
     ).save(path)

@@ -9,8 +9,10 @@ minus after its own: 0 means the model ignores the context; a model that reads i
 wrong one. Contexts are swapped along a fixed derangement within one source (document i takes
 document i+1's context), so the figure is deterministic and every context is used once.
 
-Used by ``earlyfuse-eval`` (tools/evaluate/) on held-out token shards; reusable by a training
-probe (it needs only a model and token documents). Each document runs alone, packed the way the
+Used by ``earlyfuse-eval`` (tools/evaluate/) on held-out token shards. The training monitor's
+probes (train/monitor/probes.py ``dependence_gap`` / ``reverse_dependence_gap``) measure the same
+two gaps cheaply inside packed batches during a run; this module scores whole documents, one at
+a time, for the final evaluation. Each document runs alone, packed the way the
 loader packs it (data/loader/packer.py: positions, M-RoPE positions, image ids), so any model
 configuration sees what it saw in training.
 """
@@ -22,13 +24,24 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from data.loader.packer import Doc, Packer, units_of
-from data.loader.stream import collate
+from data.loader.packer import ROW_FIELDS, Doc, Packer, Row, units_of
 from data.vocab import Modality
 
 CAPTION = "caption"  # image first, the caption is the target
 DRAWING = "drawing"  # caption first, the image is the target
 MODEL_INPUTS = ("input_ids", "modality", "doc_ids", "position_ids", "position_thw", "image_ids")
+
+
+def collate(rows: list[Row]) -> dict[str, torch.Tensor]:
+    """Rows packed one by one (``Packer.pack`` without a batch buffer, each finished) as a batch
+    with the loader's field names (data/loader/packer.py ``ROW_FIELDS``)."""
+    out = {
+        key: torch.from_numpy(np.stack([getattr(r, attr) for r in rows]))
+        for attr, key, _ in ROW_FIELDS
+    }
+    out["position_thw"] = torch.from_numpy(np.stack([r.thw for r in rows]))
+    out["num_real_tokens"] = torch.tensor(sum(r.real for r in rows))
+    return out
 
 
 @dataclass
@@ -108,6 +121,7 @@ def document_batch(ids: np.ndarray, mod: np.ndarray, blocks) -> dict:
         return doc
 
     row = packer.pack(next_doc)
+    assert row is not None, "a document that fits its own row always packs"
     return collate([row])
 
 

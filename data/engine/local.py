@@ -1,0 +1,196 @@
+"""The local engine: per-shard jobs in long-lived spawned worker processes on this machine.
+
+Design choices:
+- Workers live for the whole run: a worker pays its imports and builds its tokenizers once
+  (``data.engine.worker_cache``), then takes job after job over its own pipe. The old pool
+  replaced every worker after 8 jobs, which re-imported torch and reloaded the visual
+  tokenizer each time (issue 18).
+- A worker is replaced only when it has seen ``recycle_after`` failed video decodes:
+  decord leaks about 40 KB per failing decode (DESIGN.md), so on untrusted video a worker's
+  memory stays bounded by ``recycle_after * 40 KB`` instead of growing with the corpus. The
+  count comes from ``data.media.decode_failures()``, bumped wherever decord fails.
+- ``workers <= 1`` runs jobs in this process (no spawn, no imports twice) until this
+  process itself has seen ``recycle_after`` failed decodes; the remaining jobs then go to one
+  spawned worker that is recycled like the others, so the parent never grows without bound.
+- A worker that dies (killed, out of memory, a crash in native code) has its job retried on
+  a fresh worker, ``retries`` times; outputs are written under temporary names and renamed,
+  so a retried shard is the same bytes. A job that raises is not retried: the exception
+  (with the worker's traceback as its cause) stops the run, as a bad input folder should.
+- Spawned, not forked: nothing inherits the parent's threads (tokenizers, torch) or locks.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterator
+from multiprocessing import get_context
+from multiprocessing.connection import Connection, wait
+from typing import Any, TypeVar
+
+from data.media import decode_failures
+
+J = TypeVar("J")
+R = TypeVar("R")
+
+RECYCLE_AFTER_FAILED_DECODES = 256  # ~10 MB of decord's leak per worker at most
+WORKER_RETRIES = 2
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in a worker, attached as the parent's ``__cause__``."""
+
+    def __str__(self) -> str:
+        return "\n" + str(self.args[0])
+
+
+class WorkerDied(RuntimeError):
+    pass
+
+
+def _worker_main(conn: Connection, fn: Callable, recycle_after: int) -> None:
+    """A worker's loop: a job in, ``(ok, result-or-error, retire)`` out, until told to stop."""
+    start = decode_failures()
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, KeyboardInterrupt):
+            return
+        if job is None:
+            return
+        try:
+            reply: tuple[bool, Any] = (True, fn(job))
+        except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent
+            reply = (False, _portable(e))
+        retire = recycle_after > 0 and decode_failures() - start >= recycle_after
+        conn.send((*reply, retire))
+        if retire:
+            return
+
+
+def _portable(e: BaseException) -> tuple[BaseException, str]:
+    """The exception (or a RuntimeError naming it when it cannot be pickled) and its traceback."""
+    import pickle
+
+    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    try:
+        pickle.loads(pickle.dumps(e))
+    except Exception:  # noqa: BLE001 - any pickling failure: send its text instead
+        e = RuntimeError(f"{type(e).__name__}: {e}")
+    return e, tb
+
+
+class _Worker:
+    def __init__(self, ctx, fn: Callable, recycle_after: int) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_worker_main, args=(child, fn, recycle_after), daemon=True, name="prep-worker"
+        )
+        self.proc.start()
+        child.close()
+        self.job: tuple[int, Any] | None = None  # (position, job) being run
+
+    def stop(self, *, kill: bool = False) -> None:
+        if kill and self.proc.is_alive():
+            self.proc.kill()
+        elif self.proc.is_alive():
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass
+        self.proc.join(timeout=None if not kill else 5)
+        self.conn.close()
+
+
+def run_pool(
+    fn: Callable[[J], R],
+    jobs: list[J],
+    workers: int,
+    *,
+    recycle_after: int = RECYCLE_AFTER_FAILED_DECODES,
+    retries: int = WORKER_RETRIES,
+    on_start: Callable[[int], None] | None = None,
+) -> Iterator[R]:
+    """Results of ``fn(job)`` as they finish, from ``workers`` spawned processes.
+    ``on_start(pid)`` is called for every worker started (tests watch recycling with it)."""
+    ctx = get_context("spawn")
+    queue: deque[tuple[int, J]] = deque(enumerate(jobs))
+    tries = dict.fromkeys(range(len(jobs)), 0)
+    pool: list[_Worker] = []
+
+    def start() -> _Worker:
+        w = _Worker(ctx, fn, recycle_after)
+        if on_start:
+            on_start(w.proc.pid)
+        pool.append(w)
+        return w
+
+    try:
+        for _ in range(min(workers, len(jobs))):
+            start()
+        while queue or any(w.job for w in pool):
+            for w in pool:
+                if w.job is None and queue:
+                    w.job = queue.popleft()
+                    w.conn.send(w.job[1])
+            busy = [w for w in pool if w.job is not None]
+            for conn in wait([w.conn for w in busy]):
+                w = next(x for x in busy if x.conn is conn)
+                pos, job = w.job  # type: ignore[misc]
+                w.job = None
+                try:
+                    ok, value, retire = w.conn.recv()
+                except (EOFError, OSError):
+                    w.proc.join()
+                    pool.remove(w)
+                    tries[pos] += 1
+                    if tries[pos] > retries:
+                        raise WorkerDied(
+                            f"a worker died {tries[pos]} times running job {pos} "
+                            f"(exit code {w.proc.exitcode}); giving up"
+                        ) from None
+                    queue.appendleft((pos, job))
+                    start()
+                    continue
+                if retire:
+                    pool.remove(w)
+                    w.proc.join()
+                    w.conn.close()
+                    if queue:
+                        start()
+                if not ok:
+                    exc, tb = value
+                    raise exc from RemoteTraceback(tb)
+                yield value
+    finally:
+        for w in pool:
+            w.stop(kill=w.job is not None or w.proc.exitcode is not None)
+
+
+def run_local(
+    fn: Callable[[J], R],
+    jobs: list[J],
+    workers: int = 1,
+    *,
+    recycle_after: int = RECYCLE_AFTER_FAILED_DECODES,
+    retries: int = WORKER_RETRIES,
+) -> Iterator[R]:
+    """``workers`` > 1: a pool; otherwise inline here, moving to one recycled worker only once
+    this process has seen ``recycle_after`` failed decodes (see the module's docstring)."""
+    if workers > 1 and len(jobs) > 1:
+        yield from run_pool(fn, jobs, workers, recycle_after=recycle_after, retries=retries)
+        return
+    start = decode_failures()
+    for i, job in enumerate(jobs):
+        yield fn(job)
+        if recycle_after > 0 and decode_failures() - start >= recycle_after and i + 1 < len(jobs):
+            yield from run_pool(fn, jobs[i + 1 :], 1, recycle_after=recycle_after, retries=retries)
+            return
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

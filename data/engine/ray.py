@@ -1,0 +1,148 @@
+"""The Ray engine (``--engine ray``, the optional extra ``ray``): shard jobs on a Ray cluster.
+
+Design choices:
+- The CPU work (reading inputs, decoding and checking media, BPE, writing shards) runs in a
+  pool of long-lived CPU actors, one CPU each, one per CPU of the cluster by default
+  (``--workers N`` for fewer). Actors rather than stateless Ray tasks, because a worker must
+  keep what it built (tokenizers, the visual tokenizer: loaded once per worker) and must be
+  replaced after ``recycle_after`` failed video decodes (decord leaks ~40 KB per failure), a
+  condition known only after a job ran; a task's ``max_calls`` is fixed in advance.
+- Tokenize adds, when the cluster has GPUs, a pool of GPU actors (one GPU each) holding the
+  visual tokenizer; the CPU actors send them batches of decoded images and frames
+  (``gpu_setup``). Not exercised by the tests (no GPU here): see docs/scaling.md.
+- Failures: an actor that dies (its process killed, its node lost) is replaced and its job
+  sent again, up to ``retries`` times; a job that raised ``OSError`` (a storage hiccup) is
+  sent again too; any other exception stops the run with the job's own error. A job rerun
+  writes the same bytes (outputs go to temporary names first), so a kill never leaves a shard
+  missing, half-written or twice.
+- Every node must see the same inputs and the same output folder (a shared file system, or
+  object storage through fsspec URLs) and have the same earlyfuse installed.
+- The driver joins the cluster at ``address`` (default: ``RAY_ADDRESS``, else a local Ray
+  started for this command and stopped after it).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from data.media import decode_failures
+
+if TYPE_CHECKING:
+    from data.engine import EngineConfig
+
+J = TypeVar("J")
+R = TypeVar("R")
+
+
+class PrepWorker:
+    """A CPU actor: runs jobs with ``fn`` and says when it has seen enough failed decodes."""
+
+    def __init__(self, fn: Callable, recycle_after: int) -> None:
+        self.fn, self.recycle_after = fn, recycle_after
+        self.start = decode_failures()
+
+    def run(self, job) -> tuple[Any, bool]:
+        result = self.fn(job)
+        failed = decode_failures() - self.start
+        return result, self.recycle_after > 0 and failed >= self.recycle_after
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ValueError(
+            "--engine ray needs Ray: pip install 'earlyfuse[ray]' (on every node)"
+        ) from None
+    return ray
+
+
+def run_ray(
+    fn: Callable[[J], R],
+    jobs: list[J],
+    engine: EngineConfig,
+    *,
+    gpu_setup: Callable | None = None,
+) -> Iterator[R]:
+    if not jobs:
+        return
+    ray = import_ray()
+    from ray.exceptions import RayActorError, RayTaskError, WorkerCrashedError
+
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(
+            address=engine.address or os.environ.get("RAY_ADDRESS"),
+            log_to_driver=False,
+            include_dashboard=False,
+            configure_logging=False,
+        )
+    resources = ray.cluster_resources()
+    cpus = max(1, int(resources.get("CPU", 1)))
+    # Never more actors than CPUs: an actor waiting for a CPU would hold its job forever.
+    size = min(engine.workers or cpus, cpus, len(jobs))
+    actor_cls = ray.remote(num_cpus=1)(PrepWorker)
+    adapt: Callable[[J], J] = lambda job: job  # noqa: E731
+    gpu_actors: list = []
+    if gpu_setup is not None and int(resources.get("GPU", 0)) > 0:
+        adapt, gpu_actors = gpu_setup(ray, int(resources["GPU"]))
+    print(
+        f"ray: {size} CPU actor(s)" + (f", {len(gpu_actors)} GPU actor(s)" if gpu_actors else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+    queue: deque[tuple[int, J]] = deque(enumerate(jobs))
+    tries = dict.fromkeys(range(len(jobs)), 0)
+    idle = [actor_cls.remote(fn, engine.recycle_after) for _ in range(size)]
+    inflight: dict = {}  # object ref -> (actor, position, job)
+
+    def again(pos: int, job: J, why: str) -> None:
+        tries[pos] += 1
+        if tries[pos] > engine.retries:
+            raise RuntimeError(f"job {pos} failed {tries[pos]} times on ray; the last: {why}")
+        print(
+            f"ray: job {pos} failed: {why}; sent again (try {tries[pos] + 1} of "
+            f"{engine.retries + 1})",
+            file=sys.stderr,
+            flush=True,
+        )
+        queue.appendleft((pos, job))
+
+    try:
+        while queue or inflight:
+            while idle and queue:
+                actor = idle.pop()
+                pos, job = queue.popleft()
+                inflight[actor.run.remote(adapt(job))] = (actor, pos, job)
+            ready, _ = ray.wait(list(inflight), num_returns=1)
+            actor, pos, job = inflight.pop(ready[0])
+            try:
+                result, retire = ray.get(ready[0])
+            except (RayActorError, WorkerCrashedError) as e:
+                ray.kill(actor)
+                idle.append(actor_cls.remote(fn, engine.recycle_after))
+                again(pos, job, f"its worker died ({type(e).__name__})")
+                continue
+            except RayTaskError as e:
+                idle.append(actor)
+                if isinstance(e.cause, OSError):
+                    again(pos, job, repr(e.cause))
+                    continue
+                raise e.as_instanceof_cause() from None
+            if retire:
+                ray.kill(actor)
+                actor = actor_cls.remote(fn, engine.recycle_after)
+            idle.append(actor)
+            yield result
+    finally:
+        for actor in idle + [a for a, _, _ in inflight.values()] + gpu_actors:
+            ray.kill(actor)
+        if started_here:
+            ray.shutdown()

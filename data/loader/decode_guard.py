@@ -1,0 +1,65 @@
+"""Video decoding of untrusted inputs in the loader's workers, with a bound on what decord can
+leak: each failing decode leaks ~40 KB inside decord (decord issues #208, #197, #157), ~23 MB
+per 600 failures, for as long as the worker lives.
+
+Design choices:
+- Decoding stays in the worker (no process per clip: most clips decode fine, and ingest has
+  already probed every raw shard's videos). Each worker counts its failed decodes.
+- Past ``budget`` failures (a worker that keeps meeting broken clips), every later clip is
+  decoded in a fresh child process started for it (``python -m data.loader.decode_child``):
+  the frames come back through a pipe, whatever decord leaks dies with the child, and the
+  worker's memory stays where it was. A child costs an interpreter start and decord's import
+  (a few hundred milliseconds); only such workers pay it. A subprocess rather than
+  multiprocessing or a bare fork: a DataLoader worker is a daemon process, which
+  multiprocessing does not let have children, and a forked copy of a worker would have to
+  leave through ``os._exit``.
+- A child that dies (a crash inside FFmpeg) is a failed decode like any other: the sample is
+  skipped and counted by the stream, never a dead worker.
+"""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+
+from data.video_frames import decode_frames
+
+CHILD_COMMAND = [sys.executable, "-m", "data.loader.decode_child"]
+DEFAULT_BUDGET = 64  # failed decodes a worker absorbs (~3 MB of decord leaks) before forking
+
+
+class DecodeGuard:
+    """``decode_frames`` with this process's failures counted (one guard per worker)."""
+
+    def __init__(self, budget: int = DEFAULT_BUDGET) -> None:
+        self.budget = budget
+        self.failures = 0
+        self.isolated = 0  # decodes run in a child
+
+    def __call__(self, raw: bytes, sampling, prep, size=None):
+        if self.failures < self.budget:
+            try:
+                return decode_frames(raw, sampling, prep, size)
+            except ValueError:
+                self.failures += 1
+                raise
+        self.isolated += 1
+        try:
+            return decode_in_child(raw, sampling, prep, size)
+        except ValueError:
+            self.failures += 1
+            raise
+
+
+def decode_in_child(raw: bytes, sampling, prep, size=None):
+    """``decode_frames`` in a fresh Python process (``data.loader.decode_child``); its result (or
+    its error) comes back pickled on its stdout."""
+    job = pickle.dumps((raw, sampling, prep, size), protocol=pickle.HIGHEST_PROTOCOL)
+    done = subprocess.run(CHILD_COMMAND, input=job, capture_output=True)
+    if done.returncode != 0 or not done.stdout:
+        raise ValueError(f"cannot decode video: the decoding process died (exit {done.returncode})")
+    ok, payload = pickle.loads(done.stdout)  # our own child's bytes, never the input's
+    if not ok:
+        raise ValueError(str(payload))
+    return payload

@@ -1,0 +1,66 @@
+"""Before the first batch: does every visual block of every token source fit in a row?
+
+A block longer than ``seq_len`` can only be dropped by the packer (token shards cannot be
+re-encoded smaller), so a source whose images were tokenized at a larger budget than the run's
+rows would silently train on its captions alone. The manifest gives every shard's longest
+block (or its binary index's header does), so this is known at start, at no per-sample cost: such a source is refused, naming it, the budget it was tokenized
+with and ``seq_len``, unless ``data.allow_block_drops`` accepts the drops (counted as they
+happen). Raw sources are tokenized in the workers with budgets fitted to the row: never refused.
+"""
+
+from __future__ import annotations
+
+from data.loader.config import LoaderConfig
+from data.loader.table import SampleTable, find_manifest
+
+
+def oversize_blocks(table: SampleTable, seq_len: int) -> dict[str, list[int]]:
+    """modality -> [blocks longer than seq_len, blocks in all, the longest] of a token source.
+    From the per-shard summaries (the manifest's, or each binary index's header): no sample is
+    looked at unless some block is too long, and then only to count them for the message."""
+    out = {m: [0, got["blocks"], got["longest"]] for m, got in table.block_stats().items()}
+    if all(row[2] <= seq_len for row in out.values()):
+        return out
+    for blocks in table.all_blocks():
+        for start, end, t, *_ in blocks:
+            out["video" if t else "image"][0] += int(end) - int(start) > seq_len
+    return out
+
+
+def _budget(table: SampleTable) -> str:
+    found = find_manifest(table.shards[0]) if table.shards else None
+    opts = (found[0].get("options") or {}) if found else {}
+    if not opts:
+        return "its tokenize options are unknown"
+    parts = [f"--image-max-pixels {opts.get('image_max_pixels')}"]
+    parts.append(f"--video-max-tokens {opts.get('video_max_tokens')}")
+    if opts.get("max_block_tokens"):
+        parts.append(f"--seq-len {opts['max_block_tokens']}")
+    return "tokenized with " + " ".join(parts)
+
+
+def check_blocks_fit(cfg: LoaderConfig, tables: list[SampleTable], *, what: str) -> None:
+    """ValueError naming each token source whose blocks would be dropped at ``cfg.seq_len``,
+    unless ``cfg.allow_block_drops``."""
+    if cfg.allow_block_drops:
+        return
+    problems, longest = [], 0
+    for t in tables:
+        if t.kind != "tokens":
+            continue
+        for modality, (over, total, most) in oversize_blocks(t, cfg.seq_len).items():
+            if over:
+                longest = max(longest, most)
+                problems.append(
+                    f"{what} {t.name}: {over} of its {total} {modality} blocks are longer than "
+                    f"data.seq_len={cfg.seq_len} (the longest {most} tokens; {_budget(t)})"
+                )
+    if problems:
+        raise ValueError(
+            "visual blocks longer than a row would be dropped, so the model would never see them:\n  "
+            + "\n  ".join(problems)
+            + f"\nFix: tokenize again with `earlyfuse-prep tokenize ... --seq-len {cfg.seq_len}` "
+            f"(images and videos are made small enough to fit), or raise data.seq_len to at least "
+            f"{longest}, or set data.allow_block_drops=true to train without those blocks "
+            "(each dropped block is counted: data/dropped_blocks in metrics.jsonl and final.json)"
+        )

@@ -1,0 +1,139 @@
+"""Checks on every sample the loader reads, so that one corrupted sample is skipped and counted
+instead of crashing the run (the model's embedding would fail on an id past the vocabulary, at
+the same step after every restart).
+
+Design choices:
+- Token samples are checked against the SHA-256 their index records (``sample_hash`` over the
+  ``json``, ``ids.npy`` and ``mod.npy`` members). The three members lie next to each other in
+  the tar, so one view of the shard covers them (a slice of its memory map); the extra cost
+  is hashing a few KB per document (docs/benchmarks.md, ``tools/bench/bench_sample_check.py``).
+  ``data.check_hashes=false`` turns it off.
+- Ids are always checked against their modality's range of the vocabulary layout (text and
+  code: the BPE; image and video: the visual codes; structure: the markers): a vectorised
+  compare, microseconds. It also guards raw sources tokenized online.
+- A failed check is a ValueError: the stream skips the sample, counts it in ``data/skipped``
+  and logs its shard and key, like any unreadable sample.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from data.loader import store
+from data.loader.config import LoaderConfig
+from data.vocab import Modality, VocabLayout
+
+Buffer = bytes | memoryview
+Reader = Callable[[int, int], Buffer]  # (offset, size) -> bytes of this sample's shard
+_NO_HASH = bytes(32)  # an index without a usable per-sample hash
+
+
+def modality_ranges(layout: VocabLayout) -> np.ndarray:
+    """[modality, 2]: the ids [lo, hi) each modality may hold."""
+    out = np.zeros((len(Modality), 2), np.int64)
+    out[Modality.TEXT] = out[Modality.CODE] = (0, layout.text_size)
+    out[Modality.IMAGE] = out[Modality.VIDEO] = (layout.visual_offset, layout.size)
+    out[Modality.STRUCTURE] = (layout.structure_offset, layout.visual_offset)
+    return out
+
+
+def attach_id_ranges(cfg: LoaderConfig, tables: list) -> None:
+    """Give every table its modality ranges: from ``data.tokenizers`` when set, else the layout
+    the token shards were made with (all sources share one, loader/dataset.check_tokenizers)."""
+    if cfg.tokenizers:
+        url = str(Path(cfg.tokenizers) / "vocab_layout.json")
+    else:
+        url = next((t.layout_url for t in tables if t.layout_url), "")
+    if not url:
+        return  # raw sources need data.tokenizers: refused at start elsewhere
+    try:
+        layout = VocabLayout.from_dict(json.loads(store.read_bytes(url)))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"{url}: the vocabulary layout of the loader's sources is unreadable ({e}); "
+            "set data.tokenizers to the tokenizer folder"
+        ) from None
+    ranges = modality_ranges(layout)
+    for t in tables:
+        t.id_ranges = ranges
+
+
+_BITS: dict[bytes, np.ndarray] = {}  # ranges -> per id, a bit for each modality it may carry
+
+
+def _allowed_bits(ranges: np.ndarray) -> np.ndarray:
+    """uint8 [vocabulary + 1]: bit m of entry i says id i may carry modality m; the last entry,
+    0, stands for every id past the vocabulary (lookups clip to it)."""
+    key = ranges.tobytes()
+    if key not in _BITS:
+        bits = np.zeros(int(ranges[:, 1].max()) + 1, np.uint8)
+        for m, (lo, hi) in enumerate(ranges):
+            bits[lo:hi] |= np.uint8(1 << m)
+        _BITS[key] = bits
+    return _BITS[key]
+
+
+def check_ids(ids: np.ndarray, mod: np.ndarray, ranges: np.ndarray | None) -> None:
+    """ValueError naming the first bad token when a modality or id lies outside the layout."""
+    if ranges is None or not len(ids):
+        return
+    # Text and code only (most documents): all ids in [0, text size) is the whole check.
+    # Ids seen as unsigned: a negative one is huge, past every range.
+    unsigned = ids.view(ids.dtype.str.replace("i", "u")) if ids.dtype.kind == "i" else ids
+    # Text and code only (most documents): every id below the text size is the whole check.
+    if (
+        ranges[int(Modality.TEXT), 0] == 0
+        and (ranges[int(Modality.TEXT)] == ranges[int(Modality.CODE)]).all()
+        and (mod.dtype.kind == "u" or int(mod.min()) >= 0)
+        and int(mod.max()) <= int(Modality.CODE)
+        and int(unsigned.max()) < ranges[int(Modality.TEXT), 1]
+    ):
+        return
+    bits = _allowed_bits(ranges)
+    # Four whole-array passes. The clipped lookup sends an id past the vocabulary (or negative)
+    # to the last entry (no bits); a modality past the 5 bits shifts to 0. Signed modalities
+    # (the raw path's int64) are checked >= 0.
+    if (mod.dtype.kind == "u" or int(mod.min()) >= 0) and (
+        (bits.take(unsigned, mode="clip") >> mod) & 1
+    ).all():
+        return
+    mod64, ids64 = mod.astype(np.int64), ids.astype(np.int64)
+    bad_mod = (mod64 < 0) | (mod64 >= len(ranges))
+    if bad_mod.any():
+        i = int(np.flatnonzero(bad_mod)[0])
+        raise ValueError(f"token {i}: modality {int(mod[i])} is not one of 0..{len(ranges) - 1}")
+    lo, hi = ranges[mod64, 0], ranges[mod64, 1]
+    bad = (ids64 < lo) | (ids64 >= hi)
+    i = int(np.flatnonzero(bad)[0])
+    raise ValueError(
+        f"{int(bad.sum())} id(s) outside their modality's range, the first: token {i} id "
+        f"{int(ids[i])} as {Modality(int(mod[i])).name.lower()} (range "
+        f"{int(lo[i])}..{int(hi[i]) - 1})"
+    )
+
+
+def read_token_sample(rec, view: Reader, *, check_hash: bool) -> tuple[Buffer, Buffer]:
+    """(ids.npy bytes, mod.npy bytes) of a token sample (``rec``: its ``TokenSample``), checked
+    against its index hash. One view of the shard covers its members (they lie side by side):
+    a slice of a memory map for local shards, one ranged read for remote ones."""
+    (i0, isz), (m0, msz) = rec.ids_at, rec.mod_at
+    hashed = check_hash and rec.sha256 != _NO_HASH
+    start, end = min(i0, m0), max(i0 + isz, m0 + msz)
+    if hashed:
+        j0, jsz = rec.json_at
+        start, end = min(start, j0), max(end, j0 + jsz)
+    blob = memoryview(view(start, end - start))
+    if hashed:
+        # data.shards.writer.sample_hash, inlined: (name, size, bytes) of each member in name order
+        h = hashlib.sha256()
+        for name, off, size in ((b"ids.npy", i0, isz), (b"json", j0, jsz), (b"mod.npy", m0, msz)):
+            h.update(b"%s\0%d\0" % (name, size))
+            h.update(blob[off - start : off - start + size])
+        if h.digest() != rec.sha256:
+            raise ValueError("its members do not match the SHA-256 in the shard index (corrupted)")
+    return blob[i0 - start : i0 - start + isz], blob[m0 - start : m0 - start + msz]

@@ -1,0 +1,198 @@
+"""Folders of shards that live on this machine or in object storage (fsspec URLs: ``s3://``,
+``gs://``, ``az://``, ``memory://`` ...), for prep's ``--out`` and tokenize's ``--in``.
+
+Design choices:
+- Writers never stream into object storage: a shard is written to a local staging folder
+  exactly as it would be locally (same bytes, same hashes), then uploaded whole, index first,
+  and the shard's record last. An object PUT is atomic, so the record is the completion marker
+  there as the renamed file is here; a job killed mid-upload leaves no record and is redone.
+- Every remote call is retried (``RETRIES``, with backoff) and then fails as ``OSError``
+  naming the URL, whatever the backend raised: a flaky server slows a job down, it does not
+  kill it (the S3 client retries too; this covers what it gives up on).
+- Readers of a remote raw shard download it (tar and index) to local staging first: tokenize
+  reads every member of it anyway, and a local file makes every later read cheap.
+- The backend of a scheme (``s3fs`` for ``s3://``: the optional extra ``s3``) is imported by
+  fsspec on first use; its endpoint and credentials come from the usual settings
+  (``AWS_ENDPOINT_URL_S3``, ``AWS_ACCESS_KEY_ID``, ``~/.aws/config``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+RETRIES = 5
+T = TypeVar("T")
+
+
+def is_remote(url: str | Path) -> bool:
+    text = str(url)
+    return "://" in text and not text.startswith("file://")
+
+
+def retried(what: str, call: Callable[[], T], retries: int = RETRIES) -> T:
+    """``call()``; on an error other than a missing file, again after 0.2, 0.4, ... s."""
+    for attempt in range(retries):
+        try:
+            return call()
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
+            if attempt == retries - 1:
+                raise OSError(f"{what}: failed {retries} times, the last: {e!r}") from e
+            time.sleep(0.2 * 2**attempt)
+    raise AssertionError("unreachable")
+
+
+class Folder:
+    """A folder addressed by a local path or an fsspec URL; files named relative to it."""
+
+    def __init__(self, url: str | Path) -> None:
+        self.url = str(url).rstrip("/") if is_remote(url) else str(url)
+        self.remote = is_remote(url)
+        if self.remote:
+            import fsspec
+
+            try:
+                self.fs, self.root = fsspec.core.url_to_fs(self.url)
+            except ImportError as e:  # s3fs, gcsfs ... not installed
+                raise ValueError(f"{self.url}: {e} (e.g. pip install 'earlyfuse[s3]')") from None
+        else:
+            self.local = Path(url)
+
+    def __str__(self) -> str:
+        return self.url
+
+    def absolute(self) -> str:
+        """The URL, or the absolute path: what a job sent to another process or node names."""
+        return self.url if self.remote else str(self.local.resolve())
+
+    def child(self, rel: str) -> str:
+        return f"{self.url}/{rel}" if self.remote else str(self.local / rel)
+
+    def _path(self, rel: str) -> str:
+        return f"{self.root}/{rel}"
+
+    # --- reading ---------------------------------------------------------------------------
+    def read_bytes(self, rel: str) -> bytes:
+        """The file's bytes; FileNotFoundError naming it when it is not there."""
+        if not self.remote:
+            return (self.local / rel).read_bytes()
+        try:
+            return retried(self.child(rel), lambda: self.fs.cat_file(self._path(rel)))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self.child(rel)} does not exist") from None
+
+    def read_json(self, rel: str):
+        return json.loads(self.read_bytes(rel))
+
+    def exists(self, rel: str) -> bool:
+        if not self.remote:
+            return (self.local / rel).is_file()
+        return retried(self.child(rel), lambda: self.fs.isfile(self._path(rel)))
+
+    def sizes(self, under: str = "") -> dict[str, int]:
+        """Relative name -> size of every file below ``under``, in one listing."""
+        if not self.remote:
+            base = self.local / under if under else self.local
+            if not base.is_dir():
+                return {}
+            return {
+                str(p.relative_to(self.local)): p.stat().st_size
+                for p in base.rglob("*")
+                if p.is_file()
+            }
+        path = self._path(under) if under else self.root
+        try:
+            found = retried(self.url, lambda: self.fs.find(path, detail=True))
+        except FileNotFoundError:
+            return {}
+        self.fs.invalidate_cache()
+        return {name[len(self.root) + 1 :]: int(info["size"]) for name, info in found.items()}
+
+    def records(self, state_dir: str) -> dict[int, dict]:
+        """The per-shard records in ``state_dir`` (index -> record); a record cut short is
+        skipped, so its shard is redone."""
+        if not self.remote:
+            from data.shards.manifest import load_records
+
+            return load_records(self.local, state_dir)
+        names = sorted(
+            n for n in self.sizes(state_dir) if n.endswith(".json") and "/shard-" in "/" + n
+        )
+        out = {}
+        if names:
+            blobs = retried(self.url, lambda: self.fs.cat([self._path(n) for n in names]))
+            for blob in blobs.values():
+                try:
+                    rec = json.loads(blob)
+                    out[int(rec["index"])] = rec
+                except (ValueError, KeyError, TypeError):
+                    continue
+        return out
+
+    def download(self, rel: str, dest: Path) -> Path:
+        if not self.remote:
+            return self.local / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        retried(self.child(rel), lambda: self.fs.get_file(self._path(rel), str(dest)))
+        return dest
+
+    # --- writing ---------------------------------------------------------------------------
+    def write_json(self, rel: str, obj=None, *, lines: list | None = None) -> None:
+        """Atomically (a renamed temp file here, one PUT there)."""
+        from data.shards.manifest import write_json_atomic
+
+        if not self.remote:
+            write_json_atomic(self.local / rel, obj, lines=lines)
+            return
+        if lines is not None:
+            text = "".join(json.dumps(x, ensure_ascii=False, sort_keys=True) + "\n" for x in lines)
+        else:
+            text = json.dumps(obj, indent=1, ensure_ascii=False, sort_keys=True) + "\n"
+        data = text.encode("utf-8")
+        retried(self.child(rel), lambda: self.fs.pipe_file(self._path(rel), data))
+
+    def upload(self, local: Path, rel: str) -> None:
+        retried(self.child(rel), lambda: self.fs.put_file(str(local), self._path(rel)))
+
+
+class Staging:
+    """Where a job writes the files it publishes: the folder itself when it is local, else a
+    private temp folder whose files ``publish`` uploads (in the order given) and removes."""
+
+    def __init__(self, dest: Folder) -> None:
+        self.dest = dest
+        self.tmp = None if not dest.remote else Path(tempfile.mkdtemp(prefix="earlyfuse-stage-"))
+
+    def path(self, rel: str) -> Path:
+        return (self.tmp or self.dest.local) / rel
+
+    def publish(self, rels: list[str]) -> None:
+        if self.tmp is None:
+            return
+        for rel in rels:
+            self.dest.upload(self.tmp / rel, rel)
+
+    def close(self) -> None:
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> Staging:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def scratch_dir() -> Path:
+    """A per-process temp folder for downloaded inputs."""
+    path = Path(tempfile.gettempdir()) / f"earlyfuse-inputs-{os.getpid()}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path

@@ -1,0 +1,230 @@
+"""The binary index of a token shard (``SHARD.idx.bin``): what the loader needs of every sample,
+in fixed-size records it memory-maps, so that starting a loader costs the same at 10^4 samples
+as at 10^9 (nothing per sample is read until a sample is).
+
+The JSONL index (``SHARD.idx.jsonl``) stays the human-readable record and what ``verify``
+checks; the binary index is derived from it, one to one, and names the SHA-256 of the JSONL it
+was made from, so a stale one is never used (the loader compares it with the manifest's
+``index_sha256`` and builds a fresh one into its cache instead).
+
+Layout: four ``.npy`` arrays back to back (``np.load`` on an open file reads them in turn, no
+pickle anywhere)::
+
+    header   uint8 [k]   UTF-8 JSON: format, version, index_sha256 (of the JSONL), samples,
+                         tokens, shard_bytes (end of the last member), blocks (per modality:
+                         count and longest, as the manifest's)
+    records  [samples]   RECORD (below): member offsets and sizes, tokens, where the sample's
+                         blocks and key lie, its SHA-256
+    blocks   int64 [b, 5]   [start, end, t, h, w] of every visual block, samples in order
+    keys     uint8 [c]   every key's UTF-8 bytes, back to back
+
+Design choices:
+- Fixed records, looked up by position: a sample costs one slice of a memory map, no parsing.
+- A sample's hash is kept only where the index line's members are exactly ``json``,
+  ``ids.npy``, ``mod.npy`` (the loader checks the hash over those three); otherwise zeros,
+  as the loader always did for indexes without a usable hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+FORMAT = "earlyfuse-token-index"
+VERSION = 1
+SUFFIX = ".idx.bin"  # SHARD.tar -> SHARD.idx.bin, beside SHARD.idx.jsonl
+_MEMBERS = ("json", "ids.npy", "mod.npy")
+
+RECORD = np.dtype(
+    [
+        ("json", "<i8", (2,)),  # [data offset, size] in the tar
+        ("ids", "<i8", (2,)),
+        ("mod", "<i8", (2,)),
+        ("tokens", "<i8"),
+        ("block_start", "<i8"),  # first row of ``blocks``
+        ("block_count", "<i4"),
+        ("key_start", "<i8"),  # first byte in ``keys``
+        ("key_len", "<i4"),
+        ("sha256", "u1", (32,)),
+    ]
+)
+
+
+def block_stats(blocks: np.ndarray) -> dict[str, dict[str, int]]:
+    """{"image"/"video": {"blocks", "longest"}} of ``[b, 5]`` blocks (t = 0: an image)."""
+    out = {}
+    for name, sel in (("image", blocks[:, 2] == 0), ("video", blocks[:, 2] != 0)):
+        lengths = blocks[sel, 1] - blocks[sel, 0]
+        out[name] = {"blocks": int(sel.sum()), "longest": int(lengths.max()) if len(lengths) else 0}
+    return out
+
+
+def build(jsonl: bytes, *, where: str = "index") -> bytes:
+    """The binary index of a token shard's JSONL index (its bytes); ValueError naming the line
+    when one is not a token index line or the offsets go back (not one shard's index)."""
+    lines = jsonl.splitlines()
+    records = np.zeros(len(lines), RECORD)
+    blocks: list[list[int]] = []
+    keys = bytearray()
+    last, shard_bytes = -1, 0
+    for i, line in enumerate(lines):
+        try:
+            e = json.loads(line)
+            members = e["members"]
+            rec = records[i]
+            for name, field in (("json", "json"), ("ids.npy", "ids"), ("mod.npy", "mod")):
+                rec[field] = members.get(name, [0, 0]) if name == "json" else members[name]
+            rec["tokens"] = int(e["tokens"])
+            got = e.get("blocks", [])
+            rec["block_start"], rec["block_count"] = len(blocks), len(got)
+            blocks += [[int(x) for x in b] for b in got]
+            key = e["key"].encode()
+            rec["key_start"], rec["key_len"] = len(keys), len(key)
+            keys += key
+            if set(members) == set(_MEMBERS) and "sha256" in e:
+                rec["sha256"] = np.frombuffer(bytes.fromhex(e["sha256"]), np.uint8)
+            first = min(int(o) for o, _ in members.values())
+            if first <= last:
+                raise ValueError(
+                    f"offsets go back at sample {e['key']}: this is not one shard's index (a "
+                    "pipe: command must print one shard: no glob in it)"
+                )
+            last = max(int(o) + int(n) for o, n in members.values())
+            shard_bytes = max(shard_bytes, last)
+        except (ValueError, KeyError, TypeError, IndexError) as err:
+            raise ValueError(f"{where}:{i + 1}: not a token shard index line ({err})") from None
+    block_arr = np.asarray(blocks, np.int64).reshape(-1, 5)
+    header = {
+        "format": FORMAT,
+        "version": VERSION,
+        "index_sha256": hashlib.sha256(jsonl).hexdigest(),
+        "samples": len(lines),
+        "tokens": int(records["tokens"].sum()),
+        "shard_bytes": shard_bytes,
+        "blocks": block_stats(block_arr),
+    }
+    out = io.BytesIO()
+    for arr in (
+        np.frombuffer(json.dumps(header, sort_keys=True).encode(), np.uint8),
+        records,
+        block_arr,
+        np.frombuffer(bytes(keys), np.uint8),
+    ):
+        np.save(out, arr, allow_pickle=False)
+    return out.getvalue()
+
+
+def write(path: str | Path, data: bytes) -> None:
+    """``data`` to ``path`` through a temporary name (readers never see half a file)."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def index_path_for(tar_path: str | Path) -> Path:
+    p = Path(tar_path)
+    stem = p.name[: -len(".tar")] if p.name.endswith(".tar") else p.name
+    return p.with_name(stem + SUFFIX)
+
+
+@dataclass
+class TokenIndex:
+    """One shard's binary index, memory-mapped (or over bytes fetched from a remote store)."""
+
+    header: dict
+    records: np.ndarray
+    blocks: np.ndarray
+    keys: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def key(self, i: int) -> str:
+        r = self.records[i]
+        start = int(r["key_start"])
+        return self.keys[start : start + int(r["key_len"])].tobytes().decode()
+
+    def blocks_of(self, i: int) -> np.ndarray:
+        r = self.records[i]
+        start = int(r["block_start"])
+        return self.blocks[start : start + int(r["block_count"])]
+
+    @classmethod
+    def open(cls, path: str | Path) -> TokenIndex:
+        """Memory-map a binary index file (ValueError when it is not one)."""
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        return cls.from_buffer(buf, where=str(path))
+
+    @classmethod
+    def from_buffer(cls, buf, *, where: str = "index") -> TokenIndex:
+        arrays = []
+        view = memoryview(buf)
+        pos = 0
+        try:
+            for _ in range(4):
+                f = io.BytesIO(view[pos : pos + 4096])
+                version = np.lib.format.read_magic(f)
+                if version == (1, 0):
+                    shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+                else:
+                    shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+                if fortran or dtype.hasobject:
+                    raise ValueError("not a plain C-order array")
+                start = pos + f.tell()
+                count = int(np.prod(shape)) if shape else 1
+                arr = np.frombuffer(buf, dtype, count=count, offset=start).reshape(shape)
+                arrays.append(arr)
+                pos = start + count * dtype.itemsize
+            header = json.loads(arrays[0].tobytes())
+        except (ValueError, EOFError, UnicodeDecodeError) as e:
+            raise ValueError(f"{where}: not a binary token index ({e})") from None
+        if header.get("format") != FORMAT or arrays[1].dtype != RECORD:
+            raise ValueError(f"{where}: not a binary token index (format {header.get('format')!r})")
+        if header.get("version") != VERSION:
+            raise ValueError(
+                f"{where}: binary index version {header.get('version')}, expected {VERSION}"
+            )
+        return cls(header, arrays[1], arrays[2].reshape(-1, 5), arrays[3])
+
+
+def index_folder(out: str | Path) -> dict:
+    """``earlyfuse-prep index TOKEN_DIR``: write the binary index beside every shard of a token
+    folder made before binary indexes (or whose binary index is stale), and add each shard's
+    ``index_bin`` and ``blocks`` to its manifest, so that a loader's start reads no index."""
+    from data.shards.manifest import load_manifest, write_json_atomic
+
+    out = Path(out)
+    m = load_manifest(out, formats=("earlyfuse-token-shards",))
+    written = 0
+    for shard in m["shards"]:
+        jsonl = (out / shard["index"]).read_bytes()
+        if hashlib.sha256(jsonl).hexdigest() != shard["index_sha256"]:
+            raise ValueError(
+                f"{out / shard['index']}: SHA-256 differs from the manifest (earlyfuse-prep "
+                "verify tells more); not indexed"
+            )
+        rel = index_path_for(shard["path"]).as_posix()
+        path = out / rel
+        try:
+            current = TokenIndex.open(path).header.get("index_sha256") == shard["index_sha256"]
+        except (OSError, ValueError):
+            current = False
+        data = None if current else build(jsonl, where=str(out / shard["index"]))
+        if data is not None:
+            write(path, data)
+            written += 1
+        shard["index_bin"] = rel
+        shard["blocks"] = TokenIndex.open(path).header["blocks"]
+    write_json_atomic(out / "manifest.json", m)
+    return {"folder": str(out), "shards": len(m["shards"]), "written": written}

@@ -1,0 +1,376 @@
+"""Columnar tables as sources: a ``.parquet`` file or a Hugging Face ``save_to_disk`` folder,
+for the kinds ``text``, ``images``, ``videos`` and ``interleaved`` (the optional extra
+``parquet``: pyarrow).
+
+One row is one document, with the same rejects and accounting as the JSONL/CSV tables:
+- ``text``: a ``text`` column.
+- ``images`` / ``videos``: an ``image`` (``video``) column holding the bytes, a path relative
+  to the table's folder, or a Hugging Face ``Image()`` struct ``{bytes, path}``; optional
+  ``caption`` and ``id``.
+- ``interleaved``: OBELICS-style aligned lists ``texts`` and ``images`` (and ``videos``), each
+  image as bytes, a path or a ``{bytes, path}`` struct; ``null`` where the position holds the
+  other kind.
+Every other column goes to the document's ``meta`` (JSON values only; bytes are left out).
+
+Design choices:
+- A Hugging Face folder (``dataset_info.json`` + ``state.json`` + ``data-*.arrow``) is read
+  with pyarrow directly: its files are Arrow IPC streams, memory-mapped here, so neither the
+  ``datasets`` package nor a copy of the data is needed. A ``DatasetDict`` folder (splits in
+  subfolders) is refused with the split folders named.
+- The plan reads no media: rows are located as (file, row group, row) and sized from the
+  table's metadata; only an ``id`` column and media *path* columns are read then (for keys and
+  missing files). Workers read one row group at a time and keep the last one, so the rows of a
+  shard, which are consecutive, cost one read per row group.
+- A table can be an fsspec URL (``--source images:s3://bucket/laion/part-00000.parquet``): a
+  parquet file is read by ranged requests (its footer, then the row groups a worker needs), a
+  Hugging Face folder's Arrow files whole. Media there must be bytes in the table: paths
+  relative to a remote table are rejected (``missing-media``), never fetched one by one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+from data.schema import Reject, Sample, sanitize_key, unsafe_name_reason
+from data.shards.storage import is_remote, retried
+from data.sources.base import Item, Part, Source, stat_size
+
+HF_FILES = ("dataset_info.json", "state.json")
+
+
+def import_pyarrow():
+    try:
+        import pyarrow
+        import pyarrow.ipc  # noqa: F401
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            "parquet and Hugging Face dataset sources need pyarrow: pip install 'earlyfuse[parquet]'"
+        ) from None
+    return pyarrow
+
+
+class Location:
+    """A table source's path: a local Path or an fsspec URL (``s3://...``), joined with ``/``."""
+
+    text: str
+
+    def __init__(self, path: str | Path | Location) -> None:
+        self.text = (path.text if isinstance(path, Location) else str(path)).rstrip("/")
+        self.remote = is_remote(self.text)
+        if self.remote:
+            import fsspec
+
+            self.fs, self.inner = fsspec.core.url_to_fs(self.text)
+
+    def __truediv__(self, name: str) -> Location:
+        return Location(f"{self.text}/{name}" if self.remote else Path(self.text) / name)
+
+    @property
+    def name(self) -> str:
+        return self.text.rsplit("/", 1)[-1]
+
+    def is_file(self) -> bool:
+        if not self.remote:
+            return Path(self.text).is_file()
+        return retried(self.text, lambda: self.fs.isfile(self.inner))
+
+    def read_bytes(self) -> bytes:
+        if not self.remote:
+            return Path(self.text).read_bytes()
+        return retried(self.text, lambda: self.fs.cat_file(self.inner))
+
+    def open(self):
+        """A seekable binary file (ranged reads when remote)."""
+        if not self.remote:
+            return open(self.text, "rb")
+        return retried(self.text, lambda: self.fs.open(self.inner, "rb", cache_type="none"))
+
+
+def is_table(root: str | Path | Location) -> bool:
+    """A .parquet file, or a Hugging Face save_to_disk folder (a Dataset or a DatasetDict)."""
+    loc = Location(root)
+    if loc.text.lower().endswith(".parquet"):
+        return loc.is_file()
+    if not loc.remote and not Path(loc.text).is_dir():
+        return False
+    return all((loc / f).is_file() for f in HF_FILES) or (loc / "dataset_dict.json").is_file()
+
+
+def table_files(root: str | Path | Location) -> list[Location]:
+    """The data files of a table source, in row order."""
+    loc = Location(root)
+    if loc.text.lower().endswith(".parquet"):
+        return [loc]
+    if (loc / "dataset_dict.json").is_file():
+        splits = json.loads((loc / "dataset_dict.json").read_bytes()).get("splits", [])
+        raise ValueError(
+            f"{loc.text} is a DatasetDict; pass one split's folder, e.g. "
+            + ", ".join((loc / s).text for s in splits)
+        )
+    state = json.loads((loc / "state.json").read_bytes())
+    return [loc / f["filename"] for f in state.get("_data_files", [])]
+
+
+class TableFile:
+    """One parquet or Arrow-stream file: row groups, plan-time columns, rows by position."""
+
+    def __init__(self, loc: Location) -> None:
+        self.pa = import_pyarrow()
+        self.loc = loc
+        self._group: tuple[int, list[dict]] | None = None
+        if loc.text.lower().endswith(".parquet"):
+            self.parquet = self._reading(lambda: self._open_parquet())
+            self.schema = self.parquet.schema_arrow
+            meta = self.parquet.metadata
+            self.groups = [
+                (meta.row_group(g).num_rows, meta.row_group(g).total_byte_size)
+                for g in range(meta.num_row_groups)
+            ]
+            self.table = None
+        else:  # a Hugging Face Arrow stream: memory-mapped here, read whole when remote; one group
+            self.parquet = None
+            source = loc.read_bytes() if loc.remote else self.pa.memory_map(loc.text)
+            with self.pa.ipc.open_stream(source) as reader:
+                self.table = reader.read_all()
+            self.schema = self.table.schema
+            self.groups = [(self.table.num_rows, max(1, self.table.nbytes))]
+
+    def _open_parquet(self):
+        return self.pa.parquet.ParquetFile(
+            self.loc.text if not self.loc.remote else self.loc.open()
+        )
+
+    def _reading(self, call):
+        """``call()``; remote: retried, on a freshly opened file after a failure."""
+        if not self.loc.remote:
+            return call()
+
+        def once():
+            try:
+                return call()
+            except Exception:
+                if getattr(self, "parquet", None) is not None:
+                    self.parquet = self._open_parquet()
+                raise
+
+        return retried(self.loc.text, once)
+
+    def column(self, name: str) -> list:
+        if name not in self.schema.names:
+            return []
+        if self.table is not None:
+            return self.table.column(name).to_pylist()
+        return self._reading(lambda: self.parquet.read(columns=[name])).column(name).to_pylist()
+
+    def row(self, group: int, index: int) -> dict:
+        if self._group is None or self._group[0] != group:
+            if self.table is not None:
+                part = self.table
+            else:
+                part = self._reading(lambda: self.parquet.read_row_group(group))
+            self._group = (group, part.to_pylist())
+        return self._group[1][index]
+
+
+def _is_path_type(pa, t) -> bool:
+    """A column (or list element) that holds paths, which the plan checks exist."""
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        t = t.value_type
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def jsonable(value):
+    """A cell as JSON for ``meta``; bytes and other non-JSON values are left out (None)."""
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items() if not isinstance(v, bytes)}
+    if isinstance(value, bytes):
+        return None
+    return str(value)  # dates, decimals: their text
+
+
+def media_value(value, base: Location) -> tuple[bytes | None, str | None, str] | str:
+    """(bytes, resolved path, path as written) of a media cell, or why it holds no media."""
+    if isinstance(value, dict):  # a Hugging Face Image()/Video() struct
+        if value.get("bytes"):
+            return value["bytes"], None, ""
+        value = value.get("path")
+    if isinstance(value, (bytes, bytearray)):
+        return (bytes(value), None, "") if value else "empty media bytes"
+    if isinstance(value, str) and value:
+        if "://" in value or base.remote:
+            return f"{value} is remote; ingest reads media bytes in the table or local files"
+        return None, (base / value).text if not Path(value).is_absolute() else value, value
+    return "no media in this cell"
+
+
+MEDIA_COLUMNS = {"images": "image", "videos": "video"}
+LIST_COLUMNS = (("texts", "text"), ("images", "image"), ("videos", "video"))
+
+
+def table_items(src: Source) -> Iterator[Item]:
+    """The plan's items of a table source: one per row."""
+    root = Location(src.spec.path)
+    single = root.text.lower().endswith(".parquet")
+    base = Location(root.text.rsplit("/", 1)[0]) if single else root
+    paths = []  # media path columns to check: (column, is_list)
+    row = 0
+    for file in table_files(root):
+        table = TableFile(file)
+        pa = table.pa
+        names = table.schema.names
+        if src.kind == "interleaved":
+            if not any(c in names for c, _ in LIST_COLUMNS):
+                raise ValueError(f"{file.name}: no texts/images/videos columns (OBELICS layout)")
+            paths = [
+                c
+                for c in ("images", "videos")
+                if c in names and _is_path_type(pa, table.schema.field(c).type)
+            ]
+        elif src.kind in MEDIA_COLUMNS:
+            col = MEDIA_COLUMNS[src.kind]
+            if col not in names:
+                raise ValueError(f"{file.name}: no {col!r} column (it has {names})")
+            paths = [col] if _is_path_type(pa, table.schema.field(col).type) else []
+        elif "text" not in names:
+            raise ValueError(f"{file.name}: no 'text' column (it has {names})")
+        ids = table.column("id")
+        media = {c: table.column(c) for c in paths}
+        label_file = file.name
+        start = 0
+        for group, (n, nbytes) in enumerate(table.groups):
+            size = max(1, nbytes // max(1, n))
+            for i in range(n):
+                pos = start + i
+                label = f"{label_file}:row {pos}"
+                key = src.key(f"{row:08d}")
+                rid = ids[pos] if ids else None
+                row += 1
+                if rid not in (None, ""):
+                    why = unsafe_name_reason(str(rid))
+                    if why:
+                        yield src.rejected_item(key, label, "unsafe-name", f"id: {why}")
+                        continue
+                    key = src.key(sanitize_key(str(rid)))
+                missing = _missing_media(media, pos, base) or _linked_out(src, media, pos, base)
+                if missing:
+                    reason, detail, shown = missing
+                    where = f"{label} ({shown})" if shown else label
+                    yield src.rejected_item(key, where, reason, detail)
+                    continue
+                yield Item(key, label, ("trow", file.text, group, i, label, pos), size)
+            start += n
+
+
+def _missing_media(media: dict[str, list], pos: int, base: Location) -> tuple[str, str, str] | None:
+    """(reason, detail, path as written) when a media path of the row is missing or remote."""
+    for values in media.values():
+        cell = values[pos]
+        for value in cell if isinstance(cell, list) else [cell]:
+            if value is None:
+                continue
+            got = media_value(value, base)
+            if isinstance(got, str):
+                return ("missing-media" if "remote" in got else "bad-record"), got, ""
+            if got[1] is not None and stat_size(Path(got[1])) is None:
+                return "missing-media", "file does not exist", got[2]
+    return None
+
+
+def _linked_out(src: Source, media: dict[str, list], pos: int, base: Location):
+    """(reason, detail, path as written) when a local media path of the row is a symlink leading
+    out of the table's folder (the same rule as the JSONL/CSV tables: ``Source.outside``)."""
+    if base.remote:
+        return None
+    for values in media.values():
+        cell = values[pos]
+        for value in cell if isinstance(cell, list) else [cell]:
+            got = media_value(value, base) if value is not None else None
+            if got is None or isinstance(got, str) or got[1] is None:
+                continue
+            skip = src.outside(Path(got[1]), Path(base.text).resolve())
+            if skip:
+                return skip.reason, skip.detail, got[2]
+    return None
+
+
+_OPEN: dict[str, TableFile] = {}  # per worker: the last table read, and its row group
+
+
+def load_row(src: Source, item: Item) -> Sample | Reject:
+    _, file, group, index, label, pos = item.ref
+    table = _OPEN.get(file)
+    if table is None:
+        _OPEN.clear()
+        table = _OPEN[file] = TableFile(Location(file))
+    rec = dict(table.row(group, index))
+    root = Location(src.spec.path)
+    single = root.text.lower().endswith(".parquet")
+    base = Location(root.text.rsplit("/", 1)[0]) if single else root
+    origin = {"path": file.rsplit("/", 1)[-1], "row": pos}
+    rec.pop("id", None)
+    if src.kind == "text":
+        text = rec.pop("text", None)
+        if not isinstance(text, str):
+            return src.reject(label, "bad-record", 'no string in column "text"', item.key)
+        if len(text.encode("utf-8", errors="surrogatepass")) > src.limits.max_text_bytes:
+            return src.reject(
+                label, "too-large", f"text over the limit {src.limits.max_text_bytes} B", item.key
+            )
+        parts = [Part("text", text, path=label)]
+    elif src.kind in MEDIA_COLUMNS:
+        col = MEDIA_COLUMNS[src.kind]
+        got = media_value(rec.pop(col, None), base)
+        if isinstance(got, str):
+            return src.reject(label, "bad-record", got, item.key)
+        parts = [_media_part(src.kind[:-1], got, label)]
+        caption = rec.pop("caption", None)
+        if caption is not None:
+            parts.append(Part("text", str(caption), path=label, role="caption"))
+    else:
+        got_parts = _interleaved_parts(rec, base, label)
+        if isinstance(got_parts, Reject):
+            return src.reject(label, got_parts.reason, got_parts.detail, item.key)
+        parts = got_parts
+    meta = {k: v for k, v in ((k, jsonable(v)) for k, v in rec.items()) if v is not None}
+    return src.assemble(item.key, parts, meta, origin, label)
+
+
+def _media_part(kind: str, got: tuple[bytes | None, str | None, str], label: str) -> Part:
+    """A media part; rejects name it ``LABEL (path as written)`` like the JSONL tables do."""
+    data, path, shown = got
+    ext = Path(path).suffix.lower() if path else (".mp4" if kind == "video" else None)
+    where = f"{label} ({shown})" if shown else label
+    return Part(kind, path=path or label, data=data, ext=ext, label=where)
+
+
+def _interleaved_parts(rec: dict, base: Location, label: str) -> list[Part] | Reject:
+    lists = [(rec.pop(c, None) or [], t) for c, t in LIST_COLUMNS]
+    n = max(len(v) for v, _ in lists)
+    if any(v and len(v) != n for v, _ in lists):
+        return Reject(label, "bad-record", "texts/images/videos lists differ in length")
+    parts = []
+    for i in range(n):
+        for values, t in lists:
+            v = values[i] if values else None
+            if v is None:
+                continue
+            if t == "text":
+                if not isinstance(v, str):
+                    return Reject(label, "bad-record", f"text at position {i} is not a string")
+                parts.append(Part("text", v, path=label))
+                continue
+            got = media_value(v, base)
+            if isinstance(got, str):
+                return Reject(label, "bad-record", f"{t} at position {i}: {got}")
+            parts.append(_media_part(t, got, f"{label}:{t} {i}"))
+    return parts

@@ -1,0 +1,99 @@
+"""The visual blocks of tokenized documents.
+
+- ``visual_blocks``: the blocks of one document, as a token shard's index records them
+  (``blocks``). Written by ``earlyfuse-prep tokenize`` for every token document and computed the
+  same way by the loader for raw shards it tokenizes itself: a library module, so that the loader
+  never imports the tokenize command.
+- ``block_summary`` / ``describe``: what a token folder's blocks need of a row, per source,
+  counted from the indexes. The manifest of ``earlyfuse-prep tokenize`` records per source and
+  modality how many image and video blocks there are and the longest (in tokens), and how many
+  documents were rejected for their media; the summary prints it. A run whose ``data.seq_len`` is
+  below the longest block would drop blocks, which the loader refuses at start
+  (data/loader/fit.py); ``--seq-len`` at tokenize time makes every block fit.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+
+def visual_blocks(spans: list[dict]) -> list[list[int]]:
+    """[start, end, t, h, w] of each image/video block (t = 0 for an image): what a packer needs
+    to keep blocks whole, and M-RoPE positions, from the index alone."""
+    out = []
+    for span in spans:
+        if span["type"] == "image":
+            out.append([span["start"], span["end"], 0, *span["grid"]])
+        elif span["type"] == "video":
+            out.append([span["start"], span["end"], *span["grid"]])
+    return out
+
+
+MEDIA_REJECTS = {
+    "image": ("unreadable-image",),
+    "video": ("undecodable-video",),
+}
+
+
+def shard_block_stats(blocks_of_docs) -> dict[str, dict]:
+    """{"image": {"blocks", "longest"}, "video": {...}} of one shard, from each document's
+    ``visual_blocks`` (tokenize keeps it in the shard's record, so the manifest never re-reads
+    indexes, which may lie in object storage)."""
+    stats = {m: {"blocks": 0, "longest": 0} for m in MEDIA_REJECTS}
+    for blocks in blocks_of_docs:
+        for start, end, t, *_ in blocks:
+            row = stats["video" if t else "image"]
+            row["blocks"] += 1
+            row["longest"] = max(row["longest"], int(end) - int(start))
+    return stats
+
+
+def block_summary(records: list[dict], read_index_of=None) -> dict[str, dict]:
+    """source -> {"image": {"blocks", "longest", "rejected"}, "video": {...}} of the token shards
+    ``records`` (tokenize's per-shard records). A record written before ``block_stats`` existed
+    is counted from its index through ``read_index_of(record)`` (an iterable of index entries)."""
+    summary: dict[str, dict] = {}
+    for rec in records:
+        per = summary.setdefault(
+            rec["source"],
+            {m: {"blocks": 0, "longest": 0, "rejected": 0} for m in MEDIA_REJECTS},
+        )
+        stats = rec.get("block_stats")
+        if stats is None and read_index_of is not None:
+            stats = shard_block_stats(e.get("blocks", []) for e in read_index_of(rec))
+        for modality, got in (stats or {}).items():
+            per[modality]["blocks"] += got["blocks"]
+            per[modality]["longest"] = max(per[modality]["longest"], got["longest"])
+        reasons = Counter(r["reason"] for r in rec["rejects"])
+        for modality, why in MEDIA_REJECTS.items():
+            per[modality]["rejected"] += sum(reasons[r] for r in why)
+    return summary
+
+
+def describe(manifest: dict) -> list[str]:
+    """Lines for the tokenize summary: per source, its blocks and the longest, and what a run's
+    ``data.seq_len`` must be for none to be dropped."""
+    lines = []
+    cap = (manifest.get("options") or {}).get("max_block_tokens") or 0
+    longest_all = 0
+    for src in manifest["sources"]:
+        parts = []
+        for modality, b in (src.get("blocks") or {}).items():
+            if b["blocks"] or b["rejected"]:
+                parts.append(
+                    f"{b['blocks']} {modality} blocks, longest {b['longest']} tokens"
+                    + (f", {b['rejected']} rejected (rejects.jsonl)" if b["rejected"] else "")
+                )
+                longest_all = max(longest_all, b["longest"])
+        if parts:
+            lines.append(f"  {src['name']}: " + "; ".join(parts))
+    if not lines:
+        return []
+    if cap and longest_all <= cap:
+        lines.append(f"every block fits a row of {cap} tokens (--seq-len {cap}): none dropped")
+    else:
+        lines.append(
+            f"rows must hold {longest_all} tokens for no block to be dropped: train with "
+            f"data.seq_len >= {longest_all}, or tokenize with --seq-len SEQ_LEN to fit the blocks"
+        )
+    return ["visual blocks:", *lines]

@@ -1,0 +1,97 @@
+"""Token documents, tokenize options, and the text-only path: everything of tokenize that needs
+no torch.
+
+A worker whose chunk of documents holds no image or video encodes it here, with the BPE alone,
+so text and code corpora never import torch nor load the visual tokenizer (issue 18: a text
+worker paid ~4 s of imports and a model build for nothing). The result is the same, id for id
+and span for span, as ``DocEncoder.encode_chunk`` (tests/test_data/test_tokenize_engines.py
+checks it): ``<|bos|> segment … <|eos|>``, text and code as BPE ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from data.vocab import Modality
+
+VISUAL_TYPES = ("image", "video")
+
+
+@dataclass(frozen=True)
+class TokenizeOptions:
+    image_max_pixels: int = 256 * 256
+    video_max_pixels: int = 128 * 128  # per frame
+    video_fps: float = 4.0
+    video_max_tokens: int = 4096  # a video block never exceeds this many tokens
+    image_batch: int = 32
+    # No image or video block longer than this (0: no bound beyond the budgets above): the row
+    # length of the training runs (``--seq-len``). Images are made smaller to fit; videos keep
+    # fewer frames (down to two latent frames), then smaller frames, then one frame.
+    max_block_tokens: int = 0
+
+    def record(self) -> dict:
+        """The options as fingerprints and manifests record them; ``max_block_tokens`` only when
+        set, so folders made before it existed keep their fingerprint."""
+        out = asdict(self)
+        if not self.max_block_tokens:
+            del out["max_block_tokens"]
+        return out
+
+
+@dataclass
+class TokenDoc:
+    key: str
+    ids: np.ndarray  # int32 [n]
+    modality: np.ndarray  # uint8 [n]
+    spans: list[dict] = field(default_factory=list)
+    source: str = ""
+
+
+def tokens_by_modality(doc: TokenDoc) -> dict[str, int]:
+    counts = np.bincount(doc.modality, minlength=len(Modality))
+    return {m.name.lower(): int(counts[m]) for m in Modality}
+
+
+def has_visual(raw_docs) -> bool:
+    return any(s["type"] in VISUAL_TYPES for rd in raw_docs for s in rd.doc["segments"])
+
+
+def encode_text_chunk(text, raw_docs) -> list[TokenDoc]:
+    """Documents of text and code only (``has_visual`` is False), in order; one
+    ``encode_batch`` call for the whole chunk (the tokenizer's parallel path)."""
+    pieces = [
+        seg["text"]
+        for rd in raw_docs
+        for seg in rd.doc["segments"]
+        if seg["type"] in ("text", "code")
+    ]
+    encoded = iter(text.encode_batch(pieces) if pieces else [])
+    out = []
+    for rd in raw_docs:
+        ids: list[int] = [text.bos_id]
+        mods: list[int] = [int(Modality.TEXT)]
+        spans = []
+        for seg in rd.doc["segments"]:
+            piece = next(encoded)
+            mod = int(Modality.TEXT if seg["type"] == "text" else Modality.CODE)
+            span: dict = {"type": seg["type"]}
+            if seg.get("role"):
+                span["role"] = seg["role"]
+            span.update(start=len(ids), end=len(ids) + len(piece))
+            ids.extend(piece)
+            mods.extend([mod] * len(piece))
+            spans.append(span)
+        ids.append(text.eos_id)
+        mods.append(int(Modality.TEXT))
+        out.append(
+            TokenDoc(
+                rd.key,
+                np.asarray(ids, dtype=np.int32),
+                np.asarray(mods, dtype=np.uint8),
+                spans,
+                rd.doc.get("source", ""),
+            )
+        )
+    return out

@@ -1,0 +1,46 @@
+"""The visual tokenizer's folder checked and fingerprinted without torch (the parent process of
+``tokenize`` and text-only workers never import it; the model is built in the workers)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+from data.names import VISUAL_CONFIG_FILE as CONFIG
+from data.names import VISUAL_WEIGHTS_FILE as WEIGHTS
+from data.vocab import VocabLayout
+
+
+def weights_fingerprint(folder: str | Path) -> str:
+    h = hashlib.sha256()
+    for name in (CONFIG, WEIGHTS):
+        with open(Path(folder) / name, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def check_visual_tokenizer(folder: str | Path, layout: VocabLayout) -> dict:
+    """The folder's config, after checking that both files are there and readable and that its
+    FSQ levels are the layout's; ValueError naming the folder and the problem otherwise."""
+    folder = Path(folder)
+    try:
+        cfg = json.loads((folder / CONFIG).read_text())
+        with open(folder / WEIGHTS, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        if not isinstance(cfg, dict) or not isinstance(header, dict):
+            raise ValueError("unexpected contents")
+    except (OSError, ValueError, struct.error) as e:
+        raise ValueError(
+            f"{folder}: not a visual tokenizer folder ({CONFIG} + {WEIGHTS}): {e}"
+        ) from None
+    levels = cfg.get("levels")
+    if levels is None or tuple(levels) != tuple(layout.fsq_levels):
+        raise ValueError(
+            f"{folder}: FSQ levels {levels} differ from the vocabulary layout's "
+            f"{list(layout.fsq_levels)}; retrain one of them with the same levels"
+        )
+    return cfg

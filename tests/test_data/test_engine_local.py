@@ -1,0 +1,45 @@
+"""The local engine: long-lived workers, recycled only after failed video decodes (decord leaks
+~40 KB per failure), a dead worker's job retried, a job's own error raised with its traceback."""
+
+from __future__ import annotations
+
+import pytest
+from engine_jobs import die_once, failing_decodes, raise_value_error
+
+from data.engine.local import RemoteTraceback, run_local, run_pool
+from data.media import decode_failures
+
+
+def test_workers_live_across_jobs_and_are_recycled_after_failed_decodes():
+    started: list[int] = []
+    # Clean jobs: one worker does them all (the old pool replaced it every 8 jobs).
+    pids = list(run_pool(failing_decodes, [0] * 12, 1, recycle_after=5, on_start=started.append))
+    assert len(set(pids)) == 1 and len(started) == 1
+    # 3 failed decodes per job, recycled at 5: each worker does two jobs, then a fresh one starts.
+    started.clear()
+    pids = list(run_pool(failing_decodes, [3] * 6, 1, recycle_after=5, on_start=started.append))
+    assert len(started) == 3
+    assert pids[0] == pids[1] != pids[2] == pids[3] != pids[4] == pids[5]
+
+
+def test_inline_run_moves_to_a_recycled_worker_once_this_process_has_failed_enough():
+    import os
+
+    before = decode_failures()
+    pids = list(run_local(failing_decodes, [2] * 4, 1, recycle_after=3))
+    assert decode_failures() - before == 4  # two inline jobs, then the parent stops decoding
+    assert pids[:2] == [os.getpid()] * 2 and os.getpid() not in pids[2:]
+
+
+def test_a_dead_workers_job_is_retried_on_a_fresh_worker(tmp_path):
+    started: list[int] = []
+    marker = str(tmp_path / "died")
+    got = list(run_pool(die_once, [marker], 2, on_start=started.append))
+    assert got == ["survived"] and len(started) == 2
+
+
+def test_a_jobs_own_error_stops_the_run_with_the_workers_traceback():
+    with pytest.raises(ValueError, match=r"job [12] is bad input") as info:
+        list(run_pool(raise_value_error, [1, 2], 2))
+    assert isinstance(info.value.__cause__, RemoteTraceback)
+    assert "raise_value_error" in str(info.value.__cause__)

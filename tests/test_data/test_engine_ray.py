@@ -1,0 +1,96 @@
+"""--engine ray on a real two-node Ray cluster on this machine (tests/ray_cluster.py): ingest and
+tokenize write the local engine's bytes, also when a Ray worker is killed mid-job."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from factories import many_images
+
+pytest.importorskip("ray")
+
+from ray_cluster import ENV, LocalCluster  # noqa: E402
+
+from data.engine import EngineConfig  # noqa: E402
+from data.ingest import ingest  # noqa: E402
+from data.tokenize.run import tokenize  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = LocalCluster(tmp_path_factory.mktemp("r")).start()
+    yield c
+    c.stop()
+
+
+def folder_bytes(out: Path, state: str) -> dict[str, bytes]:
+    """Every file but the per-shard records and the manifest's list of commands."""
+    files = {
+        str(p.relative_to(out)): p.read_bytes()
+        for p in sorted(out.rglob("*"))
+        if p.is_file() and state not in p.parts and p.name != "manifest.json"
+    }
+    m = json.loads((out / "manifest.json").read_text())
+    m.get("created_by", {}).pop("commands", None)
+    files["manifest.json"] = json.dumps(m, sort_keys=True).encode()
+    return files
+
+
+def test_ingest_on_ray_survives_a_killed_worker_with_the_local_bytes(
+    cluster, planted_corpus, tmp_path
+):
+    many_images(tmp_path / "many", 40, size=64)
+    sources = planted_corpus["sources"] + [f"images:{tmp_path / 'many'}"]
+    local, remote = tmp_path / "local", tmp_path / "ray"
+    ingest(local, sources, shard_max_samples=1, shard_max_bytes=0)
+
+    cmd = [sys.executable, "-m", "data.cli", "ingest", "--out", str(remote), "--no-progress"]
+    cmd += [
+        "--engine",
+        "ray",
+        "--ray-address",
+        cluster.address,
+        "--shard-samples",
+        "1",
+        "--shard-size",
+        "0",
+    ]
+    cmd += ["--allow-rejects"] + [a for s in sources for a in ("--source", s)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    killed = None
+    deadline = time.monotonic() + 240
+    while killed is None and proc.poll() is None and time.monotonic() < deadline:
+        records = list((remote / ".ingest").glob("shard-*.json"))
+        busy = cluster.worker_pids("ray::PrepWorker.run")
+        if len(records) >= 3 and busy:
+            killed = busy[0]
+            os.kill(killed, signal.SIGKILL)  # a Ray worker of this cluster, in the middle of a job
+        time.sleep(0.005)
+    out, err = proc.communicate(timeout=300)
+    assert killed is not None, f"no busy worker seen to kill:\n{err[-2000:]}"
+    assert proc.returncode == 0, err[-3000:]
+    assert "sent again" in err  # the killed worker's job ran once more, elsewhere
+    assert folder_bytes(remote, ".ingest") == folder_bytes(local, ".ingest")
+    m = json.loads((remote / "manifest.json").read_text())
+    total = planted_corpus["good_samples"] + 40
+    assert m["totals"]["samples"] == total == sum(s["samples"] for s in m["shards"])
+
+
+def test_tokenize_on_ray_gives_the_local_bytes(cluster, tiny_raw, tiny_tokenizers, tmp_path, capfd):
+    """Through the GPU actor pool: the second node declares a logical GPU, so the visual
+    tokenizer runs in a GPU actor (on the CPU here) fed by the CPU actors."""
+    local, remote = tmp_path / "local", tmp_path / "ray"
+    tokenize(tiny_raw, local, *tiny_tokenizers)
+    m = tokenize(
+        tiny_raw, remote, *tiny_tokenizers, engine=EngineConfig("ray", address=cluster.address)
+    )
+    assert m["finalized"]
+    assert "2 CPU actor(s), 1 GPU actor(s)" in capfd.readouterr().err
+    assert folder_bytes(remote, ".tokenize") == folder_bytes(local, ".tokenize")

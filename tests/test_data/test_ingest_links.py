@@ -1,0 +1,171 @@
+"""Ingest never follows a symlink out of a source's folder (issue 14, item 3). Before: a link
+``code/pkg/x.py -> /etc/passwd`` put /etc/passwd into the shards. Each kind gets real symlinks
+to real files outside its folder (a secret text file, a valid PNG and a valid mp4 that ingest
+would otherwise take): every one is rejected as ``link-outside-source`` and nothing of it
+reaches a shard; links inside the folder are followed; ``--follow-links-outside`` reads them."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from factories import mp4_bytes, png_bytes, write_wds
+
+from data.cli import EXIT_REJECTS, main
+from data.ingest import ingest
+from data.sources import Limits
+
+SECRET = "root:x:0:0:the secret stand-in for /etc/passwd:/root:/bin/bash\n"
+
+
+@pytest.fixture()
+def world(tmp_path) -> dict:
+    """Outside files (a secret, an image, a video, a tar) and one source per kind holding links
+    to them, next to an ordinary file and a link that stays inside."""
+    out = tmp_path / "outside"
+    out.mkdir()
+    (out / "passwd").write_text(SECRET)
+    (out / "secret.png").write_bytes(png_bytes(24, 16, (1, 2, 3)))
+    (out / "secret.mp4").write_bytes(mp4_bytes(frames=6))
+    (out / "pkg").mkdir()
+    (out / "pkg" / "leak.py").write_text("SECRET = 'outside'\n")
+    write_wds(out / "secret.tar", [("s0", {"jpg": png_bytes(8, 8), "txt": b"outside"})])
+
+    src = tmp_path / "src"
+    code = src / "code" / "pkg"
+    code.mkdir(parents=True)
+    (code / "ok.py").write_text("def ok():\n    return 1\n")
+    (code / "x.py").symlink_to(out / "passwd")
+    (code / "inside.py").symlink_to(code / "ok.py")  # a link inside the folder: fine
+    (src / "code" / "vendor_link").symlink_to(out / "pkg", target_is_directory=True)
+
+    text = src / "text"
+    text.mkdir()
+    (text / "ok.txt").write_text("An ordinary paragraph of prose.\n")
+    (text / "notes.txt").symlink_to(out / "passwd")
+
+    images = src / "images"
+    images.mkdir()
+    (images / "ok.png").write_bytes(png_bytes())
+    (images / "ok.txt").write_text("an ordinary caption")
+    (images / "leak.png").symlink_to(out / "secret.png")
+    (images / "cap.png").write_bytes(png_bytes(16, 16))
+    (images / "cap.txt").symlink_to(out / "passwd")  # a sidecar caption leading out
+
+    videos = src / "videos"
+    videos.mkdir()
+    (videos / "ok.mp4").write_bytes(mp4_bytes())
+    (videos / "leak.mp4").symlink_to(out / "secret.mp4")
+
+    table = src / "table"
+    (table / "img").mkdir(parents=True)
+    (table / "img" / "ok.png").write_bytes(png_bytes())
+    (table / "img" / "leak.png").symlink_to(out / "secret.png")
+    (table / "linked").symlink_to(out, target_is_directory=True)  # a folder leading out
+    rows = [("img/ok.png", "ok"), ("img/leak.png", "leak"), ("linked/secret.png", "dir link")]
+    (table / "caps.jsonl").write_text(
+        "".join(json.dumps({"image": p, "caption": c}) + "\n" for p, c in rows)
+    )
+    (table / "caps.csv").write_text("image,caption\n" + "".join(f"{p},{c}\n" for p, c in rows))
+    pq.write_table(  # a parquet table of paths (pyarrow is in the test extra)
+        pa.table({"image": [p for p, _ in rows], "caption": [c for _, c in rows]}),
+        table / "caps.parquet",
+    )
+    (table / "docs.jsonl").write_text(
+        json.dumps({"texts": ["fine", None], "images": [None, "img/ok.png"]})
+        + "\n"
+        + json.dumps({"texts": ["leaks", None], "images": [None, "img/leak.png"]})
+        + "\n"
+        + json.dumps({"segments": [{"type": "video", "path": "linked/secret.mp4"}]})
+        + "\n"
+    )
+
+    wds_dir = src / "wds"
+    wds_dir.mkdir()
+    write_wds(wds_dir / "ok.tar", [("a0", {"jpg": png_bytes(8, 8), "txt": b"inside"})])
+    (wds_dir / "leak.tar").symlink_to(out / "secret.tar")
+    return {"outside": out, "src": src}
+
+
+def sources(src: Path) -> list[str]:
+    return [
+        f"code:{src / 'code'}",
+        f"text:{src / 'text'}",
+        f"images:{src / 'images'}",
+        f"videos:{src / 'videos'}",
+        f"tableimg=images:{src / 'table' / 'caps.jsonl'}",
+        f"tablecsv=images:{src / 'table' / 'caps.csv'}",
+        f"tablepq=images:{src / 'table' / 'caps.parquet'}",
+        f"interleaved:{src / 'table' / 'docs.jsonl'}",
+        f"wds:{src / 'wds'}",
+    ]
+
+
+def shard_bytes(out: Path) -> bytes:
+    return b"".join(p.read_bytes() for p in sorted(out.rglob("*.tar")))
+
+
+def test_links_out_of_every_kind_of_source_are_rejected(world, tmp_path, capsys):
+    out = tmp_path / "shards"
+    argv = ["ingest", "--out", str(out), "--no-progress"]
+    for s in sources(world["src"]):
+        argv += ["--source", s]
+    assert main(argv) == EXIT_REJECTS
+    rejects = [json.loads(x) for x in (out / "rejects.jsonl").read_text().splitlines()]
+    links = {(r["source"], r["path"]) for r in rejects if r["reason"] == "link-outside-source"}
+    assert links == {
+        ("code", "pkg/x.py"),
+        ("code", "vendor_link/"),
+        ("text", "notes.txt"),
+        ("images", "leak.png"),
+        ("images", "cap.png"),
+        ("videos", "leak.mp4"),
+        ("tableimg", "caps.jsonl:2 (img/leak.png)"),
+        ("tableimg", "caps.jsonl:3 (linked/secret.png)"),
+        ("tablecsv", "caps.csv:3 (img/leak.png)"),
+        ("tablecsv", "caps.csv:4 (linked/secret.png)"),
+        ("tablepq", "caps.parquet:row 1 (img/leak.png)"),
+        ("tablepq", "caps.parquet:row 2 (linked/secret.png)"),
+        ("docs", "docs.jsonl:2"),
+        ("docs", "docs.jsonl:3"),
+        ("wds", "leak.tar"),
+    }
+    assert all(str(world["outside"]) in r["detail"] for r in rejects if "link" in r["reason"])
+    assert {r["reason"] for r in rejects} == {"link-outside-source"}
+    data = shard_bytes(out)
+    assert b"the secret stand-in" not in data and b"SECRET = 'outside'" not in data
+    assert b"outside" not in data.replace(str(world["outside"]).encode(), b"")
+    for name in ("secret.png", "secret.mp4"):
+        assert (world["outside"] / name).read_bytes() not in data
+    assert (world["src"] / "videos" / "ok.mp4").read_bytes() in data
+    # What stayed inside was ingested, the inside link included.
+    m = json.loads((out / "manifest.json").read_text())
+    per = {s["name"]: s["samples"] for s in m["sources"]}
+    assert per == {
+        "code": 2,
+        "text": 1,
+        "images": 1,
+        "videos": 1,
+        "tableimg": 1,
+        "tablecsv": 1,
+        "tablepq": 1,
+        "docs": 1,
+        "wds": 1,
+    }
+    with tarfile.open(next((out / "code").glob("*.tar"))) as tf:
+        assert {"code-pkg_inside_py.json", "code-pkg_ok_py.json"} <= set(tf.getnames())
+
+
+def test_follow_links_outside_reads_them_when_asked(world, tmp_path):
+    out = tmp_path / "shards"
+    s = ingest(out, sources(world["src"]), limits=Limits(follow_links_outside=True))
+    assert s["finalized"]
+    reasons = [json.loads(x)["reason"] for x in (out / "rejects.jsonl").read_text().splitlines()]
+    assert "link-outside-source" not in reasons
+    data = shard_bytes(out)
+    assert b"the secret stand-in" in data and b"SECRET = 'outside'" in data
+    assert (world["outside"] / "secret.mp4").read_bytes() in data

@@ -1,0 +1,83 @@
+"""Token shards are verifiable and the loader checks every sample it reads (issue 14, item 2):
+256 bytes flipped inside one sample's ids, or an id past the vocabulary with every hash made to
+agree, are found by ``earlyfuse-prep verify`` and skipped, counted and named by the loader."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from factories import flip_token_bytes, token_sample_with_id
+
+from data.cli import main as prep_main
+from data.loader import build_loader
+from data.loader.config import LoaderConfig, SourceConfig
+from data.shards.verify import verify
+from data.vocab import VocabLayout
+
+
+@pytest.fixture()
+def tokens(tiny_tokens, tmp_path):
+    out = tmp_path / "tokens"
+    shutil.copytree(tiny_tokens, out)
+    return out
+
+
+def layout(tokens) -> VocabLayout:
+    return VocabLayout.load(tokens / "tokenizers" / "vocab_layout.json")
+
+
+def read_all(tokens, source, *, check_hashes=True):
+    """Every document of one source, one epoch, one consumer: (documents, skipped)."""
+    cfg = LoaderConfig(
+        sources=[SourceConfig(name=source, shards=[str(tokens / source)])],
+        seq_len=256,
+        num_workers=0,
+        mode="epoch",
+        check_hashes=check_hashes,
+    )
+    loader = build_loader(cfg, rank=0, world_size=1, micro_batch=1)
+    stream = loader.make_stream(0)
+    docs = 0
+    while stream.next_doc() is not None:
+        docs += 1
+    return docs, stream.errors
+
+
+def test_verify_accepts_an_intact_token_folder(tokens, capsys):
+    r = verify(tokens)
+    assert r["ok"] and r["format"] == "earlyfuse-token-shards" and r["samples"] > 0
+    assert prep_main(["verify", str(tokens)]) == 0
+    assert ": OK" in capsys.readouterr().out
+
+
+def test_flipped_bytes_in_a_token_sample_are_found_and_skipped(tokens, capfd):
+    tar = tokens / "scenes" / "shard-000000.tar"
+    intact, _ = read_all(tokens, "scenes")
+    key = flip_token_bytes(tar, 3)
+    problems = verify(tokens)["problems"]
+    assert f"{tar}: SHA-256 differs from the manifest" in problems
+    assert f"{tar}: sample {key} does not match its hash" in problems
+    assert prep_main(["verify", str(tokens)]) == 1
+    capfd.readouterr()
+    docs, skipped = read_all(tokens, "scenes")
+    assert (docs, skipped) == (intact - 1, 1)
+    err = capfd.readouterr().err
+    assert f"[loader] skipped {tar} sample {key}: its members do not match the SHA-256" in err
+    # Without the hash check the ids are still checked against the vocabulary: still skipped.
+    assert read_all(tokens, "scenes", check_hashes=False) == (intact - 1, 1)
+    assert "outside their modality's range" in capfd.readouterr().err
+
+
+def test_an_id_past_the_vocabulary_is_found_and_skipped(tokens, capfd):
+    tar = tokens / "digits" / "shard-000000.tar"
+    intact, _ = read_all(tokens, "digits")
+    size = layout(tokens).size
+    key = token_sample_with_id(tar, 2, size + 7)
+    assert verify(tokens)["problems"] == [
+        f"{tar}: {key}: 1 id(s) outside their modality's range, the first: token 0 id "
+        f"{size + 7} as text (range 0..{layout(tokens).text_size - 1})"  # its <|bos|>
+    ]
+    capfd.readouterr()
+    assert read_all(tokens, "digits") == (intact - 1, 1)
+    assert f"[loader] skipped {tar} sample {key}: 1 id(s) outside" in capfd.readouterr().err

@@ -1,0 +1,64 @@
+"""The instability suite's machinery (tools/bench/instability.py) on run folders shaped like the
+trainer's: reading a run, the loss rule on its first pass, the summary and the table. The suite
+itself (real runs, ~10 minutes) is a benchmark, not a test."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from tools.bench.instab.cases import CASES, mix_override
+from tools.bench.instability import read_run, summarize, table
+
+
+def write_run(folder, *, blow_up_at=None, alarms=(), rollback_to=None, val=3.4):
+    folder.mkdir(parents=True)
+    recs = []
+    for s in range(1, 201):
+        loss = 3.0 + 4.0 * math.exp(-s / 20)
+        if blow_up_at and s > blow_up_at:
+            loss *= 2
+        recs.append({"step": s, "train/loss": loss, "loss/text": loss, "tokens/text": 512})
+    if rollback_to:  # the surviving trajectory relogs steps after the rollback
+        recs += [{**r, "train/loss": 3.1} for r in recs[rollback_to:]]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (folder / "alarms.jsonl").write_text("".join(json.dumps(a) + "\n" for a in alarms))
+    (folder / "final.json").write_text(json.dumps({"val/loss": val}))
+    out = f"ROLLBACK at step {blow_up_at + 5}\n" if rollback_to else ""
+    (folder / "stdout.log").write_text(out)
+
+
+def test_read_summarize_and_tabulate(tmp_path):
+    lr_jump = next(c for c in CASES if c.name == "lr-jump")
+    healthy = next(c for c in CASES if c.name == "healthy-debug-0")
+    alarms = [
+        {"step": 102, "signal": "loss_spike", "action": "skip", "modality": None},
+        {"step": 105, "signal": "divergence", "action": "rollback", "modality": None},
+    ]
+    write_run(tmp_path / "mon", blow_up_at=101, alarms=alarms, rollback_to=90, val=3.36)
+    write_run(tmp_path / "twin", blow_up_at=101, val=5.6)
+    write_run(tmp_path / "healthy", val=3.34)
+    mon, twin, ok = (read_run(tmp_path / n) for n in ("mon", "twin", "healthy"))
+    visible = mon["visible"]["step"]  # read on the first pass, before the relogged steps
+    assert 102 <= visible <= 110 and mon["rollbacks"] == 1 and mon["val_loss"] == 3.36
+    assert ok["visible"] is None
+    s = summarize(lr_jump, mon, twin)
+    assert s["detected"] and s["first"]["signal"] == "loss_spike" and s["lead"] == visible - 102
+    results = [
+        {"case": lr_jump.__dict__, "run": {"rc": 0}, "monitored": mon, "twin": twin, "summary": s},
+        {
+            "case": healthy.__dict__,
+            "run": {"rc": 0},
+            "monitored": ok,
+            "summary": summarize(healthy, ok, None),
+        },
+    ]
+    md = table(results)
+    assert "| lr-jump |" in md and "loss_spike @102 (skip)" in md and "3.360 (1 rollback)" in md
+    assert "5.600" in md and "| healthy-debug-0 |" in md and "none (goal)" in md
+
+
+def test_mixes_name_every_healthy_source():
+    text = mix_override("code-heavy", "/data")
+    assert text.startswith("data.sources=[") and text.count("{name:") == 7
+    assert "{name: code, shards: [/data/code], weight: 0.45}" in text

@@ -1,0 +1,208 @@
+"""Checkpoints that cannot take a run over or stop it (issue 14, items 1, 4 and 11), on real
+DeepSpeed checkpoints written by real runs:
+
+- a crafted pickle (its unpickling would create a marker file) in the model states, the
+  optimizer states or our own rank state file runs nothing, on resume and in every tool that
+  reads checkpoints or releases; the error names the file;
+- a truncated model states file of the newest checkpoint, a truncated ``latest`` pointer and a
+  checkpoint whose deletion was cut short make the run fall back to the newest intact
+  checkpoint with a warning naming the bad file (never to step 0); none intact is an error;
+- a one-process run compiles no DeepSpeed op.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from factories import plant_pickle
+from trainrun import metrics, train
+
+from train.checkpoint import Checkpointer, remove_checkpoint, verify_folder
+from train.dist import DistInfo
+from train.safe_load import CheckpointError
+
+SOURCES = {"scenes": 0.4, "text": 0.4, "code": 0.2}
+ONE = DistInfo(0, 1, 0, torch.device("cpu"))
+
+
+def base(tokens, run_dir, steps, *extra):
+    srcs = ",".join(
+        f"{{name: {s}, shards: [{tokens / s}], weight: {w}}}" for s, w in SOURCES.items()
+    )
+    return [
+        "experiment=debug",
+        f"data.sources=[{srcs}]",
+        f"run_dir={run_dir}",
+        f"train.steps={steps}",
+        "train.micro_batch=2",
+        "train.log_every=1",
+        # the tests resume copies of these runs with more steps: a change they mean
+        "train.allow_config_change=true",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_tokens, tmp_path_factory):
+    """A ZeRO-0 fp32 run with a checkpoint at every step (its console output and an emptied
+    TORCH_EXTENSIONS_DIR kept), and a ZeRO-2 bf16 run (optimizer states of DeepSpeed's classes)."""
+    root = tmp_path_factory.mktemp("ckpt_safety")
+    ext = root / "torch_extensions"
+    ext.mkdir()
+    p = train(
+        base(tiny_tokens, root / "zero0", 3, "train.ckpt_every=1", "train.keep_last=3"),
+        env={"TORCH_EXTENSIONS_DIR": str(ext)},
+    )
+    train(base(tiny_tokens, root / "zero2", 2, "deepspeed.zero_stage=2", "train.bf16=true"))
+    return {"zero0": root / "zero0", "zero2": root / "zero2", "ext": ext, "log": p}
+
+
+def copy(runs, name, tmp_path):
+    shutil.copytree(runs[name], tmp_path / name)
+    return tmp_path / name
+
+
+def step_folder(run, step):
+    return run / "checkpoints" / f"step_{step:08d}"
+
+
+def test_a_one_process_run_compiles_no_deepspeed_op(runs):
+    assert list(runs["ext"].iterdir()) == []
+    out = runs["log"].stdout + runs["log"].stderr
+    assert "Building extension" not in out and "shm_comm" not in out
+
+
+def test_every_checkpoint_records_each_files_size_and_hash(runs):
+    folder = step_folder(runs["zero2"], 2)
+    files = json.loads((folder / "meta.json").read_text())["files"]
+    assert {"mp_rank_00_model_states.pt", "rank_00000.pt", "vocab_layout.json"} <= set(files)
+    assert "config.yaml" not in files  # a copy for people and tools, editable
+    assert any(n.endswith("optim_states.pt") for n in files)
+    assert all(len(v["sha256"]) == 64 and v["bytes"] > 0 for v in files.values())
+    assert verify_folder(folder) == []
+
+
+@pytest.mark.parametrize(
+    "run,step,name",
+    [
+        ("zero0", 3, "mp_rank_00_model_states.pt"),
+        ("zero2", 2, "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+    ],
+)
+def test_resume_runs_nothing_from_a_crafted_deepspeed_file(
+    runs, tiny_tokens, tmp_path, run, step, name
+):
+    """Before: DeepSpeed's engine unpickled it with weights_only=False and the payload ran."""
+    r = copy(runs, run, tmp_path)
+    marker = tmp_path / "MARKER"
+    plant_pickle(step_folder(r, step) / name, marker)  # its hash updated in meta.json too
+    extra = ["deepspeed.zero_stage=2", "train.bf16=true"] if run == "zero2" else []
+    p = train(base(tiny_tokens, r, step + 1, *extra), check=False)
+    assert p.returncode != 0
+    assert f"{step_folder(r, step) / name}: holds objects other than tensors" in p.stderr
+    assert not marker.exists()
+
+
+def test_a_crafted_rank_state_file_runs_nothing(runs, tmp_path):
+    r = copy(runs, "zero0", tmp_path)
+    marker = tmp_path / "MARKER"
+    f = step_folder(r, 3) / "rank_00000.pt"
+    plant_pickle(f, marker)
+    with pytest.raises(CheckpointError, match=f"{f}: holds objects other than tensors"):
+        Checkpointer(r, ONE, 3).load_streams("step_00000003")
+    assert not marker.exists()
+
+
+def test_every_checkpoint_tool_runs_nothing_from_a_crafted_file(runs, tmp_path, capsys):
+    from tools.convert import main as convert_main
+    from tools.convert_release import make_release
+    from tools.convert_universal import make_universal
+    from train.release import Release, ReleaseError
+
+    marker = tmp_path / "MARKER"
+    z0, z2 = copy(runs, "zero0", tmp_path), copy(runs, "zero2", tmp_path)
+    rel = tmp_path / "rel"
+    make_release(z0, rel, log=lambda *a, **k: None)  # from the intact checkpoint
+    plant_pickle(step_folder(z0, 3) / "mp_rank_00_model_states.pt", marker)
+    plant_pickle(step_folder(z2, 2) / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", marker)
+    for call in (
+        lambda: make_release(z0, tmp_path / "out0", log=lambda *a, **k: None),
+        lambda: make_release(z2, tmp_path / "out2", log=lambda *a, **k: None),
+        lambda: make_universal(z2, log=lambda *a, **k: None),
+    ):
+        with pytest.raises(CheckpointError, match="holds objects other than tensors"):
+            call()
+    assert not (step_folder(z2, 2) / "universal").exists()
+    # The release tools (hf, import, train.init_from) read safetensors only: a pickle in its
+    # place is refused as unreadable, naming it.
+    weights = rel / "model.safetensors"
+    plant_pickle(weights, marker)
+    with pytest.raises(ReleaseError, match="model.safetensors"):
+        Release(rel).state_dict()  # what train.init_from reads
+    for argv in (["hf", str(rel), str(tmp_path / "hf")], ["import", str(rel), str(tmp_path / "x")]):
+        assert convert_main(argv) == 1
+        assert "model.safetensors" in capsys.readouterr().err
+    assert not marker.exists()
+
+
+def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(runs, tiny_tokens, tmp_path):
+    """Before: torch's 'PytorchStreamReader ... central directory', naming no file, at every start."""
+    r = copy(runs, "zero0", tmp_path)
+    bad = step_folder(r, 3) / "mp_rank_00_model_states.pt"
+    bad.write_bytes(bad.read_bytes()[:100_000])
+    p = train(base(tiny_tokens, r, 4, "train.ckpt_every=1", "train.keep_last=3"))
+    assert f"resuming from {step_folder(r, 2)}" in p.stderr and str(bad) in p.stderr
+    assert "steps 2->4" in p.stdout
+    # Resumed exactly: step 3 again, the same loss as the uninterrupted run's step 3.
+    assert metrics(r)[3]["train/loss"] == metrics(runs["zero0"])[3]["train/loss"]
+    assert (r / "checkpoints" / "step_00000003.damaged").is_dir()
+    assert verify_folder(step_folder(r, 3)) == [] and verify_folder(step_folder(r, 4)) == []
+
+
+@pytest.mark.parametrize("content", ["", "step_000", "\x00\x00\x00"])
+def test_a_truncated_latest_pointer_falls_back_to_the_newest_intact(
+    runs, tmp_path, capsys, content
+):
+    r = copy(runs, "zero0", tmp_path)
+    (r / "checkpoints" / "latest").write_text(content)
+    assert Checkpointer(r, ONE, 3).latest() == "step_00000003"
+    assert "checkpoints/latest is unreadable" in capsys.readouterr().err
+    assert (r / "checkpoints" / "latest").read_text().strip() == "step_00000003"
+
+
+def test_damaged_checkpoints_are_set_aside_never_silently_step_0(runs, tmp_path, capsys):
+    r = copy(runs, "zero0", tmp_path)
+    # A deletion cut short by a kill, as the old keep-last could leave it: meta.json still there.
+    (step_folder(r, 3) / "rank_00000.pt").unlink()
+    (step_folder(r, 3) / "vocab_layout.json").unlink()
+    # A flipped byte inside the model states of step 2 (sizes agree, the hash does not).
+    f = step_folder(r, 2) / "mp_rank_00_model_states.pt"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    ck = Checkpointer(r, ONE, 3)
+    assert ck.latest() == "step_00000001"
+    err = capsys.readouterr().err
+    assert "rank_00000.pt: missing" in err and "mp_rank_00_model_states.pt: SHA-256 differs" in err
+    assert ck.complete_steps() == [1]
+    # Nothing intact left: an error naming every damaged checkpoint, not a fresh start.
+    (step_folder(r, 1) / "mp_rank_00_model_states.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="no intact checkpoint.*step_00000001 is damaged"):
+        Checkpointer(r, ONE, 3).latest()
+
+
+def test_a_deletion_cut_short_never_leaves_a_folder_that_looks_complete(runs, tmp_path):
+    r = copy(runs, "zero0", tmp_path)
+    # A kill during keep-last deletion, after its first step (the rename): some files are gone.
+    doomed = step_folder(r, 1).with_name("step_00000001.deleting")
+    step_folder(r, 1).rename(doomed)
+    (doomed / "mp_rank_00_model_states.pt").unlink()
+    ck = Checkpointer(r, ONE, 3)
+    assert ck.complete_steps() == [2, 3]
+    assert not doomed.exists()  # removed when the run started again
+    remove_checkpoint(step_folder(r, 2))
+    assert not step_folder(r, 2).exists()
+    assert sorted(d.name for d in (r / "checkpoints").iterdir()) == ["latest", "step_00000003"]

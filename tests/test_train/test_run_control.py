@@ -1,0 +1,149 @@
+"""A run controlled from outside, as a cluster would, with real training processes: a second run
+on a live folder is refused; SIGTERM (or SIGUSR1, on any one rank) checkpoints at the next step
+and exits 0; the resume lists the config changes and refuses those that break an exact resume
+unless told; in epoch mode a run ends cleanly where the data ends."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from trainrun import metrics, train
+
+SOURCES = {"scenes": 0.3, "clips": 0.3, "text": 0.3, "code": 0.1}
+
+
+def base(tokens, run_dir, steps, *extra, sources=None):
+    srcs = ",".join(
+        f"{{name: {s}, shards: [{tokens / s}], weight: {w}}}"
+        for s, w in (sources or SOURCES).items()
+    )
+    return [
+        "experiment=debug",
+        f"data.sources=[{srcs}]",
+        f"run_dir={run_dir}",
+        f"train.steps={steps}",
+        "train.log_every=1",
+        "train.micro_batch=2",
+        *extra,
+    ]
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen:
+    """A training process in the background, its output in ``log`` (no pipe to fill up)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with log.open("w") as out:
+        return subprocess.Popen(
+            [*cmd, "train.progress=false"], stdout=out, stderr=subprocess.STDOUT, env=env
+        )
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, log: Path) -> None:
+    """Until the run has logged ``step`` (a deadline only against a hang, not a speed check)."""
+    deadline = time.monotonic() + 900
+    path = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-4000:]
+        if path.is_file() and any(
+            json.loads(ln)["step"] >= step for ln in path.read_text().splitlines() if ln.strip()
+        ):
+            return
+        time.sleep(0.5)
+    proc.kill()
+    raise AssertionError(f"no step {step} in time:\n{log.read_text()[-4000:]}")
+
+
+def test_live_folder_refused_sigterm_checkpoints_and_the_resume_checks_config(
+    tiny_tokens, tmp_path
+):
+    run, log = tmp_path / "run", tmp_path / "first.log"
+    args = base(tiny_tokens, run, 1000, "train.ckpt_every=3")
+    first = start([sys.executable, "-m", "train.app", *args], log)
+    try:
+        wait_for_step(run, 4, first, log)
+        second = train(args, check=False)  # a real second process on the live folder
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert f"is in use by a live run: pid {first.pid} on host" in second.stderr
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=600) == 0, log.read_text()[-4000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+    out = log.read_text()
+    found = re.findall(r"stopped by SIGTERM at step (\d+) of 1000 with checkpoint (step_\d+)", out)
+    assert len(found) == 1, out[-3000:]  # one clear line
+    stopped, tag = int(found[0][0]), found[0][1]
+    assert stopped >= 4 and tag == f"step_{stopped:08d}"
+    assert (run / "checkpoints" / "latest").read_text().strip() == tag  # newer than step 3's
+    assert max(metrics(run)) == stopped and not (run / "final.json").exists()
+
+    # Fewer steps on resume changes the schedule: listed, refused, then accepted when meant.
+    more = base(tiny_tokens, run, stopped + 2, "train.ckpt_every=3")
+    p = train(more, check=False)
+    assert p.returncode == 2 and "break an exact resume: train.steps" in p.stderr
+    assert f"train.steps: 1000 -> {stopped + 2} (breaks an exact resume)" in p.stdout
+    p = train([*more, "train.allow_config_change=true"])
+    assert f"resuming {tag}" in p.stdout
+    m = metrics(run)
+    assert sorted(m) == list(range(1, stopped + 3))
+    assert (run / "final.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tiny_tokens, tmp_path):
+    run, log = tmp_path / "run", tmp_path / "torchrun.log"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    port = ["--master_port", str(29700 + os.getpid() % 200)]
+    args = base(tiny_tokens, run, 1000, "deepspeed.zero_stage=2")
+    proc = start([*launcher, *port, "-m", "train.app", *args], log)
+    try:
+        wait_for_step(run, 3, proc, log)
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        rank1 = [
+            int(c)
+            for c in children
+            if "RANK=1" in Path(f"/proc/{c}/environ").read_text().split("\0")
+        ]
+        assert len(rank1) == 1, children
+        os.kill(rank1[0], signal.SIGUSR1)  # rank 1 only: rank 0 must learn it and stop with it
+        assert proc.wait(timeout=600) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = log.read_text()
+    found = re.findall(r"stopped by a signal to another rank at step (\d+)", out)
+    assert len(found) == 1, out[-3000:]
+    tag = f"step_{int(found[0]):08d}"
+    ckpt = run / "checkpoints" / tag
+    assert (run / "checkpoints" / "latest").read_text().strip() == tag
+    assert (ckpt / "rank_00000.pt").is_file() and (ckpt / "rank_00001.pt").is_file()
+
+
+def test_epoch_mode_ends_with_the_data_and_steps_minus_one_counts_them(tiny_tokens, tmp_path):
+    # The scenes source holds 5 batches of 2 rows of 256 tokens per epoch (one rank).
+    scenes = {"scenes": 1.0}
+    run = tmp_path / "over"
+    p = train(base(tiny_tokens, run, 10, "data.mode=epoch", sources=scenes))
+    assert "the data ended after step 5 of 10 (data.mode=epoch)" in p.stdout
+    assert sorted(metrics(run)) == [1, 2, 3, 4, 5]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000005"
+    assert json.loads((run / "final.json").read_text())["data/skipped"] == 0
+
+    run = tmp_path / "until_end"
+    p = train(base(tiny_tokens, run, -1, "data.mode=epoch", "train.grad_accum=2", sources=scenes))
+    assert "steps 0->2" in p.stdout  # 5 batches: 2 whole steps of 2 micro-batches
+    assert sorted(metrics(run)) == [1, 2] and (run / "final.json").is_file()
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+
+    p = train(base(tiny_tokens, tmp_path / "inf", -1, sources=scenes), check=False)
+    assert (
+        p.returncode == 2
+        and "train.steps=-1 (until the data ends) needs data.mode=epoch" in p.stderr
+    )

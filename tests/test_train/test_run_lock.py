@@ -1,0 +1,57 @@
+"""One live run per run folder (train/run_lock.py), with real processes: a live holder refuses a
+second taker by name; a holder killed with -9 leaves a stale lock that the next run takes over."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from train.run_lock import RunLock, RunLocked, pid_alive, process_start
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from train.run_lock import RunLock
+RunLock(Path(sys.argv[1])).acquire()
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_live_holder_refuses_and_a_killed_one_leaves_a_stale_lock(tmp_path, caplog):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RunLocked, match=f"in use by a live run: pid {holder.pid} on host"):
+            RunLock(tmp_path).acquire()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    lock = RunLock(tmp_path)
+    with caplog.at_level(logging.INFO, logger="train.run_lock"):
+        lock.acquire()  # the kernel released the dead holder's flock: stale, taken over
+    assert f"pid {holder.pid}" in caplog.text and "stale" in caplog.text
+    assert str(os.getpid()) in (tmp_path / "run.lock").read_text()
+    lock.release()
+    assert (tmp_path / "run.lock").read_text() == ""  # emptied, never deleted
+    again = RunLock(tmp_path)
+    again.acquire()  # a cleanly released lock: nothing to say
+    again.release()
+
+
+def test_pid_checks_for_filesystems_without_flock():
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead = int(done.stdout)
+    assert not pid_alive(dead, None)  # reaped: no such process (pids are not reused this fast)
+    me, start = os.getpid(), process_start(os.getpid())
+    assert start is not None and pid_alive(me, start)
+    assert not pid_alive(me, start + 1)  # same pid, another process start: a reused pid

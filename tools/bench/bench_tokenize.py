@@ -1,0 +1,150 @@
+"""``earlyfuse-prep tokenize`` against a bare ``tokenizers.encode_batch`` script, on the same
+documents, in the same run (issue 18: goal >= 0.9x the bare script at 1 worker, >= 1.8x from
+1 to 2 workers).
+
+    python tools/bench/bench_tokenize.py [--mb 24] [--repeat 3] [--workers 1,2]
+
+Builds a text and code corpus from the standard library's sources in a temp folder, ingests it
+into raw shards (512 KB each), trains a 4096-id BPE and saves an untrained debug visual
+tokenizer (text needs none, tokenize requires the folder). Then, each as a whole command in a
+fresh process, every process with one BPE thread (``RAYON_NUM_THREADS=1``, so that N workers
+use N cores and the bare script one):
+- bare: a script that reads each raw shard with ``tarfile``, parses each ``KEY.json``, encodes
+  all text segments with ``encode_batch`` (64 documents a call) and makes int32 arrays;
+- tokenize: ``earlyfuse-prep tokenize --workers N`` (token shards, index, hashes, manifest).
+Prints the median seconds of ``--repeat`` runs, MB/s, and the ratios bare/tokenize (speed of
+tokenize relative to the bare script) and workers-N/workers-1. Installs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+BARE = textwrap.dedent(
+    """
+    import json, sys, tarfile
+    import numpy as np
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(sys.argv[1])
+    total = 0
+    for tar in sys.argv[2:]:
+        with tarfile.open(tar) as tf:
+            docs = [json.load(tf.extractfile(m)) for m in tf if m.name.endswith(".json")]
+        for i in range(0, len(docs), 64):
+            texts = [s["text"] for d in docs[i : i + 64] for s in d["segments"]]
+            for e in tok.encode_batch(texts, add_special_tokens=False):
+                total += len(np.asarray(e.ids, dtype=np.int32))
+    print(total)
+    """
+)
+
+
+def make_corpus(root: Path, megabytes: float) -> None:
+    """Code files and prose-like text files cut from the stdlib, ``megabytes`` in all."""
+    (root / "code").mkdir(parents=True)
+    (root / "text").mkdir()
+    budget = int(megabytes * 1e6)
+    k = 0
+    for f in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        try:
+            data = f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if not data.strip() or len(data) > 200_000:
+            continue
+        folder = "code" if k % 2 else "text"
+        name = f"f{k:05d}.py" if folder == "code" else f"f{k:05d}.txt"
+        (root / folder / name).write_text(data)
+        budget -= len(data.encode())
+        k += 1
+        if budget <= 0:
+            return
+
+
+def timed(cmd: list[str], env: dict) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    # Large enough that the spawn and imports of a second worker (~0.5 s) do not decide the
+    # 1 -> 2 worker ratio on a quiet machine (~4 MB/s per core here).
+    ap.add_argument("--mb", type=float, default=24.0, help="corpus size in MB (default 24)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--workers", default="1,2", help="worker counts to run (default 1,2)")
+    a = ap.parse_args()
+    from data.ingest import ingest
+    from data.train_text_tokenizer import train_text_tokenizer
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_tokenize_"))
+    try:
+        make_corpus(tmp / "corpus", a.mb)
+        raw = tmp / "raw"
+        ingest(
+            raw,
+            [f"code:{tmp / 'corpus' / 'code'}", f"text:{tmp / 'corpus' / 'text'}"],
+            shard_max_bytes=512_000,
+        )
+        train_text_tokenizer([raw], tmp / "tok", vocab_size=4096, max_chars=3_000_000)
+        import torch
+
+        from model.visual_tokenizer import vtok_debug
+        from train.tasks.vtok import save_visual_tokenizer
+
+        torch.manual_seed(0)
+        save_visual_tokenizer(vtok_debug().build().state_dict(), vtok_debug(), tmp / "vtok")
+        shards = sorted(str(p) for p in raw.rglob("*.tar"))
+        mb = sum(Path(s).stat().st_size for s in shards) / 1e6
+        env = {**os.environ, "RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "true"}
+        bare_cmd = [sys.executable, "-c", BARE, str(tmp / "tok" / "tokenizer.json"), *shards]
+        prep = str(Path(sys.executable).with_name("earlyfuse-prep"))
+        counts = [int(w) for w in a.workers.split(",")]
+        times: dict[str, list[float]] = {name: [] for name in ["bare"] + [f"w{w}" for w in counts]}
+        for r in range(a.repeat):
+            times["bare"].append(timed(bare_cmd, env))
+            for w in counts:
+                out = tmp / f"tokens_{w}_{r}"
+                cmd = [prep, "tokenize", "--in", str(raw), "--out", str(out), "--no-progress"]
+                cmd += ["--tokenizer", str(tmp / "tok"), "--visual-tokenizer", str(tmp / "vtok")]
+                times[f"w{w}"].append(timed(cmd + ["--workers", str(w)], env))
+                shutil.rmtree(out)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        load = os.getloadavg()
+        print(
+            f"machine: {platform.machine()}, {os.cpu_count()} cores, python "
+            f"{platform.python_version()}; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}"
+        )
+        print(f"corpus: {len(shards)} raw shards, {mb:.1f} MB; median of {a.repeat} runs")
+        print(f"{'what':<22} {'seconds':>8} {'MB/s':>7} {'vs bare':>8} {'vs 1 worker':>12}")
+        print(f"{'bare encode_batch':<22} {med['bare']:8.2f} {mb / med['bare']:7.2f}")
+        for w in counts:
+            t = med[f"w{w}"]
+            base = f"{med['w1'] / t:12.2f}" if "w1" in med else ""
+            print(
+                f"{'tokenize --workers ' + str(w):<22} {t:8.2f} {mb / t:7.2f} "
+                f"{med['bare'] / t:8.2f} {base}"
+            )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,381 @@
+"""The instability suite's data: a small real corpus, tokenized, plus token sources that turn bad
+part-way through (docs/monitors.md, "Measured on real instabilities").
+
+Nothing is injected into training: every pathology is *data* that the real loader reads. A
+source is read in its stored order when a run sets ``data.shuffle_shards=false`` and a small
+``data.shuffle_buffer``, so a source written as "healthy documents, then bad ones" turns bad at a
+known point of the stream; the loader mixes sources by tokens, so that point is a known step:
+``onset_tokens = step x tokens per step x the source's share``.
+
+Built once under ``ROOT`` (about 15 s; reused while its ``built.json`` matches the options):
+
+- ``base/``: the demo corpus at a small scale (code, prose, scenes, digits, clips, interleaved
+  documents) and captioned colour squares in both orders (image then caption, caption then
+  image: the cross-modal dependence probes need both), ingested, a 512-token BPE and the
+  untrained debug visual tokenizer (real codes, no training time), tokenized.
+- ``suite/``: one token folder holding every source the cases read. Long text and code
+  documents are cut into pieces of at most ``piece`` tokens, so a batch holds many documents
+  and several sources (a 12k-token file would otherwise fill 25 batches of the debug run and
+  make a modality's loss jump with each new file). Sources ending in ``_bad`` are a healthy
+  prefix followed by a pathology:
+
+  ``code_bad``     code whose ids become uniformly random text ids (garbage ids)
+  ``images_bad``   scenes and digits whose image codes become near-constant (a visual tokenizer
+                   whose codes degenerate: 90 % one code, the rest 3 others)
+  ``shift_bad``    text and code documents, then only images: the run's mix shifts from
+                   mostly text/code to mostly images (modality starvation)
+
+  ``val`` holds every 10th document of code, text, images and both colour sources, left out of
+  the training sources: the final validation loss of every case is measured on the same clean
+  held-out documents.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from data.loader.stream import read_npy
+from data.schema import Sample
+from data.shards.index import read_index, read_member
+from data.shards.writer import ShardWriter
+from data.tokenize.run import npy_bytes, visual_blocks
+from data.vocab import MODALITY_NAMES, Modality, VocabLayout
+
+VERSION = 5  # bump when what is built changes
+DOCS_PER_SHARD = 64
+COLOURS = {
+    "red": (220, 30, 30),
+    "green": (30, 200, 40),
+    "blue": (30, 60, 220),
+    "yellow": (230, 220, 30),
+    "purple": (140, 40, 170),
+    "orange": (240, 140, 20),
+    "black": (10, 10, 10),
+    "white": (245, 245, 245),
+}
+
+
+@dataclass
+class TokenDoc:
+    key: str
+    ids: np.ndarray  # int32
+    mod: np.ndarray  # uint8
+    meta: dict  # the token shard's KEY.json: source, spans, tokens
+
+    @property
+    def blocks(self) -> list[list[int]]:
+        return visual_blocks(self.meta["spans"])
+
+
+# --- the base corpus ---------------------------------------------------------------------------------
+
+
+def _colour_corpus(folder: Path, count: int) -> None:
+    """Solid colour squares with "a red square." captions: a caption that is a function of its
+    image, so a model that reads its images learns a clear dependence (both directions)."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    rows, docs = [], []
+    names = list(COLOURS)
+    for i in range(count):
+        name = names[i % len(names)]
+        px = np.clip(np.array(COLOURS[name]) + rng.integers(-6, 7, (32, 32, 3)), 0, 255)
+        Image.fromarray(px.astype(np.uint8)).save(folder / f"c{i:04d}.png")
+        rows.append({"image": f"c{i:04d}.png", "caption": f"a {name} square."})
+        docs.append(
+            {
+                "id": f"cf{i:04d}",
+                "segments": [
+                    {"type": "text", "text": f"a {name} square."},
+                    {"type": "image", "path": f"c{i:04d}.png"},
+                ],
+            }
+        )
+    (folder / "captions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "caption_first.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+
+
+def build_base(root: Path, *, scale: float, colours: int) -> Path:
+    """Raw shards, tokenizers and token shards of the base corpus; returns the token folder."""
+    import torch
+
+    from data.demo_corpus import build
+    from data.ingest import ingest
+    from data.tokenize.encoder import TokenizeOptions
+    from data.tokenize.run import tokenize
+    from data.train_text_tokenizer import train_text_tokenizer
+    from model.visual_tokenizer import vtok_debug
+    from train.tasks.vtok import save_visual_tokenizer
+
+    corpus = root / "corpus"
+    build(corpus, scale=scale, progress=False)
+    _colour_corpus(root / "colours", colours)
+    specs = [
+        f"code:{corpus / 'code'}",
+        f"text:{corpus / 'text'}",
+        f"images:{corpus / 'scenes' / 'scenes.jsonl'}",
+        f"images:{corpus / 'digits' / 'digits.csv'}",
+        f"videos:{corpus / 'clips'}",
+        f"interleaved:{corpus / 'interleaved' / 'docs.jsonl'}",
+        f"colours=images:{root / 'colours' / 'captions.jsonl'}",
+        f"colours_first=interleaved:{root / 'colours' / 'caption_first.jsonl'}",
+    ]
+    summary = ingest(root / "raw", specs, shard_max_samples=64)
+    if not summary["finalized"]:
+        raise RuntimeError(f"ingest of the suite's corpus did not finish: {summary}")
+    train_text_tokenizer([root / "raw"], root / "tok" / "text", vocab_size=512, max_grid=32)
+    torch.manual_seed(0)
+    vcfg = vtok_debug()
+    save_visual_tokenizer(vcfg.build().state_dict(), vcfg, root / "tok" / "visual")
+    tokenize(
+        root / "raw",
+        root / "tokens",
+        root / "tok" / "text",
+        root / "tok" / "visual",
+        opts=TokenizeOptions(
+            image_max_pixels=32 * 32, video_max_pixels=32 * 32, video_max_tokens=240
+        ),
+    )
+    return root / "tokens"
+
+
+def read_source(tokens: Path, source: str) -> list[TokenDoc]:
+    """Every document of one source of a token folder, in stored order."""
+    docs = []
+    for idx in sorted((tokens / source).glob("*.idx.jsonl")):
+        tar = idx.with_name(idx.name[: -len(".idx.jsonl")] + ".tar")
+        for e in read_index(idx):
+            docs.append(
+                TokenDoc(
+                    e["key"],
+                    read_npy(read_member(tar, e, "ids.npy")).astype(np.int32),
+                    read_npy(read_member(tar, e, "mod.npy")).astype(np.uint8),
+                    json.loads(read_member(tar, e, "json")),
+                )
+            )
+    if not docs:
+        raise ValueError(f"{tokens / source}: no documents")
+    return docs
+
+
+# --- transformations -----------------------------------------------------------------------------------
+
+
+def split_long(doc: TokenDoc, piece: int) -> list[TokenDoc]:
+    """A text or code document cut into pieces of at most ``piece`` tokens, each keeping the
+    document's first (bos) and last (eos) token; documents with a visual block stay whole."""
+    if doc.blocks or len(doc.ids) <= piece:
+        return [doc]
+    body = piece - 2
+    out = []
+    for i, start in enumerate(range(1, len(doc.ids) - 1, body)):
+        end = min(start + body, len(doc.ids) - 1)
+        ids = np.concatenate([doc.ids[:1], doc.ids[start:end], doc.ids[-1:]])
+        mod = np.concatenate([doc.mod[:1], doc.mod[start:end], doc.mod[-1:]])
+        kind = MODALITY_NAMES[int(np.bincount(mod).argmax())]
+        meta = {
+            "source": doc.meta["source"],
+            "spans": [{"type": kind, "start": 1, "end": len(ids) - 1}],
+            "tokens": len(ids),
+        }
+        out.append(TokenDoc(f"{doc.key}-p{i:03d}", ids, mod, meta))
+    return out
+
+
+def garbage(doc: TokenDoc, rng: np.random.Generator, layout: VocabLayout) -> TokenDoc:
+    """Every text/code id (bos and eos kept) replaced by a uniformly random text id: a source
+    whose extraction broke and now yields noise."""
+    ids = doc.ids.copy()
+    inner = np.zeros(len(ids), bool)
+    inner[1:-1] = True
+    inner &= (doc.mod == int(Modality.TEXT)) | (doc.mod == int(Modality.CODE))
+    ids[inner] = rng.integers(3, layout.text_size, int(inner.sum()))
+    return TokenDoc(doc.key + "-garbage", ids, doc.mod, doc.meta)
+
+
+def degenerate_codes(
+    doc: TokenDoc, rng: np.random.Generator, layout: VocabLayout, codes: list[int]
+) -> TokenDoc:
+    """Image codes replaced by ``codes[0]`` 90 % of the time, else one of the others: a visual
+    tokenizer that has collapsed onto a handful of codes."""
+    ids = doc.ids.copy()
+    is_code = (doc.mod == int(Modality.IMAGE)) & (ids >= layout.visual_offset)
+    n = int(is_code.sum())
+    pick = np.where(rng.random(n) < 0.9, codes[0], rng.choice(codes[1:], n))
+    ids[is_code] = layout.visual_offset + pick
+    return TokenDoc(doc.key + "-collapsed", ids, doc.mod, doc.meta)
+
+
+def prefix_then(
+    healthy: list[TokenDoc], bad: list[TokenDoc], *, onset_tokens: int, tail_tokens: int
+) -> list[TokenDoc]:
+    """Healthy documents (cycled) up to ``onset_tokens``, then bad ones (cycled) for
+    ``tail_tokens`` more: the source turns bad once the run has read ``onset_tokens`` of it."""
+    out: list[TokenDoc] = []
+    for pool, budget, tag in ((healthy, onset_tokens, "h"), (bad, tail_tokens, "b")):
+        got, i = 0, 0
+        while got < budget:
+            d = pool[i % len(pool)]
+            out.append(TokenDoc(f"{tag}{len(out):05d}-{d.key}", d.ids, d.mod, d.meta))
+            got += len(d.ids)
+            i += 1
+    return out
+
+
+# --- writing -------------------------------------------------------------------------------------------
+
+
+def write_source(out: Path, name: str, docs: list[TokenDoc]) -> list[dict]:
+    """Token shards of one source (``DOCS_PER_SHARD`` documents each); the manifest entries."""
+    entries = []
+    for n, start in enumerate(range(0, len(docs), DOCS_PER_SHARD)):
+        rel = f"{name}/shard-{n:06d}"
+        w = ShardWriter(out / f"{rel}.tar", out / f"{rel}.idx.jsonl")
+        tokens = dict.fromkeys(MODALITY_NAMES, 0)
+        for d in docs[start : start + DOCS_PER_SHARD]:
+            counts = np.bincount(d.mod, minlength=len(MODALITY_NAMES))
+            by_mod = {m: int(counts[i]) for i, m in enumerate(MODALITY_NAMES)}
+            meta = {**d.meta, "source": name}
+            w.write(
+                Sample(d.key, meta, [("ids.npy", npy_bytes(d.ids)), ("mod.npy", npy_bytes(d.mod))]),
+                {"tokens": len(d.ids), "tokens_by_modality": by_mod, "blocks": d.blocks},
+            )
+            for m, c in by_mod.items():
+                tokens[m] += c
+        r = w.close()
+        entries.append(
+            {
+                "path": f"{rel}.tar",
+                "index": f"{rel}.idx.jsonl",
+                "source": name,
+                "samples": r.samples,
+                "bytes": r.bytes,
+                "sha256": r.sha256,
+                "index_sha256": r.index_sha256,
+                "tokens": tokens,
+            }
+        )
+    return entries
+
+
+def write_folder(out: Path, base_tokens: Path, sources: dict[str, list[TokenDoc]]) -> None:
+    """A token folder (shards, manifest, the base's tokenizers) holding ``sources``."""
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    base = json.loads((base_tokens / "manifest.json").read_text())
+    shutil.copytree(base_tokens / "tokenizers", out / "tokenizers")
+    shards = [e for name, docs in sources.items() for e in write_source(out, name, docs)]
+    manifest = {
+        "format": base["format"],
+        "version": base["version"],
+        "fingerprint": base["fingerprint"] + "-instab",
+        "inputs": {"derived_from": str(base_tokens.resolve())},
+        "tokenizers": base["tokenizers"],
+        "options": base["options"],
+        "sources": [
+            {"name": n, "samples": len(d), "tokens": sum(len(x.ids) for x in d)}
+            for n, d in sources.items()
+        ],
+        "shards": shards,
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+
+
+# --- the suite's folder --------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class DataPlan:
+    """Where the bad sources turn bad: in tokens of that source (see ``onset_tokens``)."""
+
+    scale: float = 0.25
+    colours: int = 256
+    piece: int = 128  # longest text/code document, in tokens
+    # Tokens of a source read before it turns bad; the configs' weights make these steps
+    # (1024 tokens a step): code_bad at 0.25 -> step 150, images_bad at 0.2 -> step 120,
+    # shift_bad at 0.5 -> step 120.
+    code_bad_onset: int = 38_400
+    images_bad_onset: int = 24_576
+    shift_bad_onset: int = 61_440
+    tail: int = 400_000  # tokens of each pathology (longer than any run reads)
+
+    def key(self) -> dict:
+        return {"version": VERSION, **self.__dict__}
+
+
+def onset_tokens(step: int, *, tokens_per_step: int, share: float) -> int:
+    """Tokens a source of token share ``share`` has delivered after ``step`` steps."""
+    return int(step * tokens_per_step * share)
+
+
+def build(root: Path, plan: DataPlan | None = None, *, log=print) -> Path:
+    """The suite's token folder ``root/suite`` (built once, reused while ``plan`` is the same)."""
+    plan = plan or DataPlan()
+    root = Path(root)
+    stamp = root / "built.json"
+    if stamp.is_file() and json.loads(stamp.read_text()) == plan.key():
+        return root / "suite"
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    log(f"building the suite's corpus in {root} (once)")
+    base = build_base(root / "base", scale=plan.scale, colours=plan.colours)
+    layout = VocabLayout.load(base / "tokenizers" / "vocab_layout.json")
+    rng = np.random.default_rng(0)
+
+    def pieces(name: str) -> list[TokenDoc]:
+        """Long documents cut into pieces, the pieces shuffled (the runs read sources in stored
+        order: unshuffled, one file's pieces would fill a stretch of batches)."""
+        out = [p for d in read_source(base, name) for p in split_long(d, plan.piece)]
+        return [out[i] for i in rng.permutation(len(out))]
+
+    def held_out(docs: list[TokenDoc]) -> tuple[list[TokenDoc], list[TokenDoc]]:
+        return [d for i, d in enumerate(docs) if i % 10], docs[::10]
+
+    code, val_code = held_out(pieces("code"))
+    text, val_text = held_out(pieces("text"))
+    scenes, digits = read_source(base, "scenes"), read_source(base, "digits")
+    # Interleave: a source read in order then mixes its documents' kinds evenly.
+    images, val_images = held_out([d for pair in zip(scenes, digits) for d in pair])
+    colours, val_colours = held_out(read_source(base, "colours"))
+    colours_first, val_first = held_out(read_source(base, "colours_first"))
+    codes = np.concatenate([d.ids[d.mod == int(Modality.IMAGE)] for d in images])
+    codes = codes[codes >= layout.visual_offset] - layout.visual_offset
+    common = [int(c) for c in np.argsort(np.bincount(codes, minlength=layout.num_codes))[::-1][:4]]
+    textcode = [d for pair in zip(text, code) for d in pair]
+    sources = {
+        "code": code,
+        "text": text,
+        "images": images,
+        "clips": read_source(base, "clips"),
+        "docs": read_source(base, "docs"),
+        "colours": colours,
+        "colours_first": colours_first,
+        "val": val_code + val_text + val_images + val_colours + val_first,
+        "code_bad": prefix_then(
+            code,
+            [garbage(d, rng, layout) for d in code],
+            onset_tokens=plan.code_bad_onset,
+            tail_tokens=plan.tail,
+        ),
+        "images_bad": prefix_then(
+            images,
+            [degenerate_codes(d, rng, layout, common) for d in images],
+            onset_tokens=plan.images_bad_onset,
+            tail_tokens=plan.tail // 4,
+        ),
+        "shift_bad": prefix_then(
+            textcode, images, onset_tokens=plan.shift_bad_onset, tail_tokens=plan.tail
+        ),
+    }
+    write_folder(root / "suite", base, sources)
+    stamp.write_text(json.dumps(plan.key(), indent=1) + "\n")
+    return root / "suite"

@@ -1,0 +1,132 @@
+"""When does a failure become visible in the loss, and which alarms came before it (lead time)?
+
+The *loss rule* is an objective stand-in for "a person looking at the loss curve would see it":
+the first step, from step ``burn_in`` on, at which the total loss or one content modality's loss
+(text, code, image, video), smoothed by a token-weighted EMA (factor ``alpha`` 0.05, about 20
+steps), stands more than ``rise`` (15 %) above its own running minimum since ``burn_in``; or
+the first step whose loss is not finite. (A 10-step EMA and 10 % fired on four of the six healthy
+controls of the instability suite: a modality with a few hundred tokens a step is that noisy.
+These settings are the tightest silent on all six.) An alarm's **lead time** is the visible step minus the alarm's step:
+positive when the alarm came first. Where a healthy run on the same data exists (the
+instability suite's config-only cases), the failure is also visible at the first step its
+smoothed loss stands 15 % above that run's at the same step (``loss_above_control``): a run
+whose loss stalls far above the healthy one never rises above its own minimum.
+
+A run that rolled back logs some steps twice; the rule reads the *first* pass (the records in
+file order until the step counter first goes back), the trajectory on which the trouble
+happened. ``earlyfuse-report`` marks the visible step and each alarm's lead in its alarms table;
+``tools/bench/instability.py`` uses the same rule for its table.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+CONTENT = ("text", "code", "image", "video")
+
+
+@dataclass(frozen=True)
+class Visible:
+    step: int
+    series: str  # "total" or a modality, or "non-finite"
+    level: float  # the smoothed loss at that step (NaN for non-finite)
+    minimum: float  # its running minimum
+
+
+def first_pass(records: list[dict]) -> list[dict]:
+    """The records of the first trajectory: in file order, up to the first step that goes back."""
+    out, last = [], -1
+    for r in records:
+        step = r.get("step")
+        if not isinstance(step, int):
+            continue
+        if step <= last:
+            break
+        out.append(r)
+        last = step
+    return out
+
+
+def loss_visible(
+    records: list[dict], *, rise: float = 0.15, alpha: float = 0.05, burn_in: int = 20
+) -> Visible | None:
+    """The first step at which the loss rule holds on ``records`` (one trajectory, in step order);
+    None when the loss never shows a failure."""
+    sums: dict[str, list[float]] = {}  # series -> [EMA of CE x tokens, EMA of tokens]
+    lows: dict[str, float] = {}
+    for r in records:
+        step = r["step"]
+        loss = r.get("train/loss")
+        if isinstance(loss, (int, float)) and not math.isfinite(loss):
+            return Visible(step, "non-finite", math.nan, math.nan)
+        obs = {}
+        if isinstance(loss, (int, float)):
+            obs["total"] = (float(loss), 1.0)
+        for m in CONTENT:
+            n = r.get(f"tokens/{m}") or 0.0
+            ce = r.get(f"loss/{m}")
+            if n and isinstance(ce, (int, float)) and math.isfinite(ce):
+                obs[m] = (float(ce), float(n))
+        for name, (ce, n) in obs.items():
+            acc = sums.setdefault(name, [ce * n, n])
+            acc[0] = (1 - alpha) * acc[0] + alpha * ce * n
+            acc[1] = (1 - alpha) * acc[1] + alpha * n
+            level = acc[0] / acc[1]
+            if step < burn_in:
+                continue
+            low = lows.get(name)
+            if low is not None and level > (1 + rise) * low:
+                return Visible(step, name, level, low)
+            lows[name] = level if low is None else min(low, level)
+    return None
+
+
+def _smoothed(records: list[dict], alpha: float) -> dict[int, dict[str, float]]:
+    """step -> {series: token-weighted EMA of its loss} (series: total and content modalities)."""
+    sums: dict[str, list[float]] = {}
+    out: dict[int, dict[str, float]] = {}
+    for r in records:
+        obs = {}
+        loss = r.get("train/loss")
+        if isinstance(loss, (int, float)) and math.isfinite(loss):
+            obs["total"] = (float(loss), 1.0)
+        for m in CONTENT:
+            n = r.get(f"tokens/{m}") or 0.0
+            ce = r.get(f"loss/{m}")
+            if n and isinstance(ce, (int, float)) and math.isfinite(ce):
+                obs[m] = (float(ce), float(n))
+        for name, (ce, n) in obs.items():
+            acc = sums.setdefault(name, [ce * n, n])
+            acc[0] = (1 - alpha) * acc[0] + alpha * ce * n
+            acc[1] = (1 - alpha) * acc[1] + alpha * n
+        out[r["step"]] = {k: v[0] / v[1] for k, v in sums.items()}
+    return out
+
+
+def loss_above_control(
+    records: list[dict],
+    control: list[dict],
+    *,
+    rise: float = 0.15,
+    alpha: float = 0.05,
+    burn_in: int = 20,
+) -> Visible | None:
+    """The first step at which the total or a content modality's smoothed loss stands ``rise``
+    above the same series of a healthy run on the same data at the same step (a failure that
+    shows as a stall rather than a rise never leaves its own minimum); None if never."""
+    ref = _smoothed(control, alpha)
+    for step, levels in _smoothed(records, alpha).items():
+        if step < burn_in or step not in ref:
+            continue
+        for name, level in levels.items():
+            base = ref[step].get(name)
+            if base and level > (1 + rise) * base:
+                return Visible(step, name, level, base)
+    return None
+
+
+def lead_time(alarm_step: int, visible: Visible | None) -> int | None:
+    """Steps by which an alarm preceded the loss rule (negative: it came after); None when the
+    loss never showed the failure."""
+    return None if visible is None else visible.step - alarm_step

@@ -1,0 +1,186 @@
+"""Assembling a run: seeds, task, model, DeepSpeed engine, batch stream, monitor, and the
+callbacks, registered here once, in the order their hooks run (``train/callbacks/base.py``).
+
+A test or a suite adds callbacks of its own with ``extra_callbacks`` (they run last, e.g. the
+fault injection of ``train/callbacks/faults.py``); a normal run registers exactly the list below.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from train.callbacks.base import Callback, Callbacks
+from train.callbacks.checkpointing import Checkpointing
+from train.callbacks.data_health import DataHealth
+from train.callbacks.evaluation import Evaluation
+from train.callbacks.metrics_log import JsonlSink, MetricSink, MetricsLog, TensorBoardSink
+from train.callbacks.monitoring import Monitoring, Rollback
+from train.callbacks.preemption import Preemption
+from train.callbacks.progress import ProgressBar
+from train.callbacks.run_info import RunInfo
+from train.callbacks.step_metrics import SkipStep, StepMetrics
+from train.callbacks.throughput import Throughput
+from train.checkpoint import Checkpointer
+from train.config import RunConfig, TrainConfig
+from train.config_check import ConfigError
+from train.dist import DistInfo
+from train.engine import build_engine, global_grad_norm
+from train.monitor import AlarmLog, Monitor
+from train.names import CONFIG_FILE, METRICS_FILE
+from train.skip_step import SkipStepRule, UpdateGate
+from train.streams import BatchStream
+from train.tasks import build_task
+from train.trainer import Trainer
+
+
+def seed_everything(seed: int, rank: int, deterministic: bool) -> None:
+    random.seed(seed + rank)
+    np.random.seed((seed + rank) % 2**32)
+    torch.manual_seed(seed + rank)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def total_steps(train: TrainConfig, stream: BatchStream) -> int:
+    """``train.steps``, or with ``train.steps=-1`` the optimizer steps the data holds: one pass in
+    epoch mode, counted by the loader at start (every rank yields the same number of batches), so
+    the lr schedule has a length."""
+    if train.steps > 0:
+        return train.steps
+    batches = stream.batches_per_rank()
+    if batches is None:
+        raise ConfigError(
+            "train.steps=-1 (until the data ends) needs data.mode=epoch: an infinite stream never "
+            "ends; give train.steps a number"
+        )
+    steps = batches // train.grad_accum
+    if steps < 1:
+        raise ConfigError(
+            f"train.steps=-1: the data holds {batches} batch(es) per rank, fewer than one step of "
+            f"train.grad_accum={train.grad_accum}"
+        )
+    return steps
+
+
+def resuming_universal(checkpointer: Checkpointer, world_size: int) -> bool:
+    """Resuming a ZeRO checkpoint of another world size through its universal/ conversion."""
+    tag = checkpointer.latest() if checkpointer.dir.is_dir() else None
+    return (
+        tag is not None
+        and checkpointer.meta(tag)["world_size"] != world_size
+        and checkpointer.universal(tag)
+    )
+
+
+def build_trainer(
+    cfg: RunConfig,
+    resolved_yaml: str,
+    dist: DistInfo,
+    *,
+    extra_callbacks: Sequence[Callback] = (),
+) -> Trainer:
+    seed_everything(cfg.train.seed, dist.rank, cfg.train.deterministic)
+    task = build_task(cfg, dist)
+    model = task.build_model()
+    if (
+        cfg.train.init_from
+    ):  # a release's weights (earlyfuse-convert import); a resuming run ignores it
+        from train.init_from import init_from_release
+
+        init_from_release(model, cfg, task, dist.is_main)
+    run_dir = Path(cfg.run_dir)
+    checkpointer = Checkpointer(run_dir, dist, cfg.train.keep_last)
+    if cfg.train.resume and resuming_universal(checkpointer, dist.world_size):
+        # DeepSpeed reads this flag when the engine is built: the ZeRO optimizer then loads the
+        # per-parameter files of checkpoints/step_N/universal/ for this world size.
+        cfg.deepspeed.config = {**cfg.deepspeed.config, "checkpoint": {"load_universal": True}}
+    stream = task.batches()
+    steps = total_steps(cfg.train, stream)
+    flops_per_unit = task.flops_per_unit()  # here: it may build a model (global RNG) before resume
+    engine, optimizer, scheduler = build_engine(model, cfg, dist.world_size, total_steps=steps)
+    rule = SkipStepRule(cfg.optim.skip_step)
+    gate = UpdateGate(rule, lambda: global_grad_norm(engine))
+    optimizer.gate = gate
+    monitor = Monitor(
+        cfg.monitor,
+        total_steps=steps,
+        chance=task.chance_levels(),
+        probes=task.probes(cfg.monitor, engine),
+    )
+    main, t = dist.is_main, cfg.train
+    monitoring = Monitoring(monitor, AlarmLog(run_dir, is_main=main, write_line=log_alarm), rule)
+    sinks: list[MetricSink] = []
+    if main:
+        sinks.append(JsonlSink(run_dir / METRICS_FILE))
+        if t.tensorboard:
+            sinks.append(TensorBoardSink(run_dir / "tb"))
+    precision = "bf16" if t.bf16 else "fp32"
+    describe = (
+        f"run {cfg.name} ({cfg.task}) in {run_dir}: {dist.world_size} rank(s) on "
+        f"{dist.device.type}, ZeRO {cfg.deepspeed.zero_stage}, {precision}"
+    )
+    callbacks = [
+        RunInfo(run_dir=run_dir, resolved_yaml=resolved_yaml, describe=describe, is_main=main),
+        StepMetrics(task_metrics=task.metrics, lr=lambda: scheduler.get_last_lr()[0]),
+        SkipStep(rule, gate),
+        Throughput(
+            flops_per_unit=flops_per_unit,
+            world_size=dist.world_size,
+            device=dist.device,
+            configured_peak=t.peak_tflops,
+            is_main=main,
+        ),
+        Evaluation(task.evaluate, every=t.eval_every, is_main=main),
+        DataHealth(stream, log_every=t.log_every, device=dist.device, is_main=main),
+        monitoring,
+        MetricsLog(
+            sinks, log_every=t.log_every, unit=task.unit, task_metrics=task.metrics, is_main=main
+        ),
+        ProgressBar(enabled=t.progress and main),
+        Checkpointing(
+            every=t.ckpt_every,
+            healthy=monitoring.healthy,
+            unhealthy_why="the monitors see trouble (a step skipped as a spike in the last "
+            f"{cfg.monitor.divergence.window}, or the loss rising)",
+            is_main=main,
+            protect=monitor.protected_steps,
+        ),
+        Rollback(monitoring, cfg.monitor.rollback, grad_accum=t.grad_accum, is_main=main),
+        Preemption(device=dist.device),
+        *extra_callbacks,
+    ]
+    return Trainer(
+        train=t,
+        dist=dist,
+        task=task,
+        engine=engine,
+        optimizer=optimizer,
+        gate=gate,
+        stream=stream,
+        checkpointer=checkpointer,
+        callbacks=Callbacks(callbacks),
+        total_steps=steps,
+        run_dir=run_dir,
+        zero_stage=cfg.deepspeed.zero_stage,
+        resolved_yaml=resolved_yaml,
+        save_meta={
+            "world_size": dist.world_size,
+            "zero_stage": cfg.deepspeed.zero_stage,
+            "task": cfg.task,
+            "bf16": t.bf16,
+        },
+        save_files={CONFIG_FILE: resolved_yaml, **task.extra_files()},
+    )
+
+
+def log_alarm(line: str) -> None:
+    import logging
+
+    logging.getLogger("train.monitor").warning(line)

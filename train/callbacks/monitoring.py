@@ -1,0 +1,124 @@
+"""The monitors (``train/monitor/``) as callbacks: ``Monitoring`` runs the detectors and probes on
+every step's metrics and records their alarms; ``Rollback`` turns a rollback alarm into the
+loop's decision to go back to a good checkpoint (PaLM's recipe).
+
+Design choices:
+- The monitor's state (detector windows, latches) is checkpointed under ``monitor``, as before.
+- A halt is a ``Decision``: the loop stops and the entry point exits with code 3.
+- ``Rollback`` picks the newest complete checkpoint at least ``monitor.rollback.margin`` steps
+  before the trouble began, and skips the data seen since plus a window. It runs after the
+  checkpoint callback, so that a checkpoint of this very step (taken while the run still looked
+  healthy) is among the candidates, as it always was. Its count of rollbacks is not
+  checkpointed: loading the checkpoint it returns to must not reset it.
+- After a rollback the lr is capped at ``rollback.lr_scale`` x its value at the checkpoint
+  returned to (``rollback.cap_lr``; ``train/schedule.py``): a divergence the lr caused does not
+  simply recur.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from train.callbacks.base import HALT, ROLLBACK, Callback, Decision, StepRecord
+from train.monitor import AlarmLog, Monitor
+from train.monitor import strongest as strongest_alarm
+from train.monitor.alarms import Alarm
+from train.monitor.config import RollbackConfig
+from train.skip_step import SkipStepRule
+
+if TYPE_CHECKING:
+    from train.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+class Monitoring(Callback):
+    state_key = "monitor"
+
+    def __init__(self, monitor: Monitor, alarm_log: AlarmLog, rule: SkipStepRule) -> None:
+        self.monitor, self.alarm_log, self.rule = monitor, alarm_log, rule
+        self.alarms: list[Alarm] = []  # this step's
+
+    def post_step(self, trainer: Trainer, step: int, record: StepRecord) -> Decision | None:
+        start = time.perf_counter()
+        self.alarms = self.monitor.check(step, record.metrics, self.rule.last)
+        self.alarm_log.record(self.alarms)
+        record.metrics["monitor/alarms"] = float(self.alarm_log.count)
+        # The detectors and any probe of this step.
+        record.metrics["throughput/monitor_s"] = time.perf_counter() - start
+        alarm = strongest_alarm(self.alarms)
+        if alarm is None or alarm.action != "halt":
+            return None
+        where = f" [{alarm.modality}]" if alarm.modality else ""
+        return Decision(
+            action=HALT,
+            reason=f"halted by the monitor at step {alarm.step}: {alarm.signal}{where}: "
+            f"{alarm.message}",
+        )
+
+    def healthy(self) -> bool:
+        """No step skipped in the divergence window: a checkpoint now is one to return to."""
+        return self.monitor.healthy()
+
+    def on_rollback(self, trainer: Trainer, step: int) -> None:
+        self.monitor.divergence.reset()
+
+    def state_dict(self) -> dict:
+        return self.monitor.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.monitor.load_state_dict(state)
+
+
+class Rollback(Callback):
+    def __init__(
+        self, monitoring: Monitoring, cfg: RollbackConfig, *, grad_accum: int, is_main: bool
+    ) -> None:
+        self.monitoring, self.cfg, self.grad_accum, self.is_main = (
+            monitoring,
+            cfg,
+            grad_accum,
+            is_main,
+        )
+        self.count = 0
+
+    def post_step(self, trainer: Trainer, step: int, record: StepRecord) -> Decision | None:
+        alarm = strongest_alarm(self.monitoring.alarms)
+        if alarm is None or alarm.action != "rollback":
+            return None
+        self.count += 1
+        since = alarm.since if alarm.since is not None else alarm.step
+        good = [s for s in trainer.checkpointer.complete_steps() if s <= since - self.cfg.margin]
+        if self.count > self.cfg.max_rollbacks or not good:
+            why = (
+                f"{self.cfg.max_rollbacks} rollbacks already"
+                if good
+                else f"no checkpoint at or before step {since - self.cfg.margin} to roll back to"
+            )
+            return Decision(
+                action=HALT,
+                reason=f"halted at step {step}: {alarm.signal} ({alarm.message}) and {why}",
+            )
+        target = good[-1]
+        seen = step - target
+        skip = (self.cfg.skip_window or seen) * self.grad_accum + seen * self.grad_accum
+        if self.is_main:
+            log.warning(
+                f"ROLLBACK at step {step} ({alarm.signal}): back to the checkpoint of step "
+                f"{target}, skipping {skip} batches ({seen} already seen + the window); "
+                f"rollback {self.count} of at most {self.cfg.max_rollbacks}"
+            )
+        return Decision(action=ROLLBACK, reason=alarm.signal, to_step=target, skip_batches=skip)
+
+    def on_rollback(self, trainer: Trainer, step: int) -> None:
+        # The checkpoint's scheduler state is loaded by now: cap from the step returned to.
+        scheduler = getattr(trainer.engine, "lr_scheduler", None)
+        if self.cfg.cap_lr and hasattr(scheduler, "cap_here"):
+            cap = scheduler.cap_here(self.cfg.lr_scale)
+            if self.is_main:
+                log.warning(
+                    f"lr capped at {cap:.3g} x the peak from step {step} on "
+                    f"(monitor.rollback.lr_scale {self.cfg.lr_scale:g} x its value there)"
+                )

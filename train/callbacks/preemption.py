@@ -1,0 +1,54 @@
+"""Preemption: SIGTERM or SIGUSR1 makes the run checkpoint at the next step boundary and exit 0.
+
+Slurm (and most schedulers) announce a preemption or the end of a time limit with a signal some
+time ahead (``sbatch --signal=USR1@120``; docs/training.md). The handler only notes the signal;
+after every step the ranks agree on it (a sum over ranks, so every rank stops at the same step
+even when the signal reached them at different moments), and the loop then saves a checkpoint and
+returns. A second signal of the same kind while the first is pending kills the process as the
+signal normally would (a way out if the save itself hangs).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import TYPE_CHECKING
+
+import torch
+
+from train.callbacks.base import STOP, Callback, Decision, StepRecord
+from train.dist import all_reduce_sum
+
+if TYPE_CHECKING:
+    from train.trainer import Trainer
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preemption(Callback):
+    def __init__(self, *, device: torch.device) -> None:
+        self.device = device
+        self.received: str | None = None
+        self.previous: dict[int, object] = {}
+
+    def pre_train(self, trainer: Trainer, step: int) -> None:
+        for sig in SIGNALS:
+            self.previous[sig] = signal.signal(sig, self.on_signal)
+
+    def on_signal(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.received == name:  # the second one: die as the signal would have made us
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.received = name
+
+    def post_step(self, trainer: Trainer, step: int, record: StepRecord) -> Decision | None:
+        flag = torch.tensor([1.0 if self.received else 0.0], device=self.device)
+        if float(all_reduce_sum(flag).item()) == 0.0:
+            return None
+        return Decision(action=STOP, reason=self.received or "a signal to another rank")
+
+    def close(self, trainer: Trainer) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self.previous = {}

@@ -1,0 +1,32 @@
+"""The run's opening line on the console and its resolved config in ``RUN_DIR/config.yaml``."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from train.callbacks.base import Callback
+from train.names import CONFIG_FILE
+
+if TYPE_CHECKING:
+    from train.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+class RunInfo(Callback):
+    def __init__(self, *, run_dir: Path, resolved_yaml: str, describe: str, is_main: bool) -> None:
+        self.run_dir, self.resolved_yaml, self.describe, self.is_main = (
+            run_dir,
+            resolved_yaml,
+            describe,
+            is_main,
+        )
+
+    def pre_train(self, trainer: Trainer, step: int) -> None:
+        if not self.is_main:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / CONFIG_FILE).write_text(self.resolved_yaml)
+        log.info(f"{self.describe}, steps {step}->{trainer.total_steps}")

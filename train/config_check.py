@@ -1,0 +1,216 @@
+"""Two checks of a run's config that its types alone do not make.
+
+- Unknown keys. Hydra refuses ``optim.lrr=1`` against the typed schema, but ``+optim.lrr=1`` (the
+  form its own error message suggests) adds the key anyway, and ``OmegaConf.to_object`` then sets
+  a stray attribute that nothing reads. Every key of the composed config is therefore checked
+  against the dataclasses of ``train/config.py`` (free-form dicts such as ``deepspeed.config``
+  excepted), and an unknown one is an error that suggests the nearest known name.
+- Resuming. The checkpoint's resolved config is compared with the new one; every difference is
+  printed, and those that break an exact resume (the data and its mix, ``seq_len``, batch sizes,
+  the schedule and its length, seeds, the world size) are refused unless
+  ``train.allow_config_change=true`` says they are meant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import typing
+from typing import Any
+
+import yaml
+
+log = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message says what to change."""
+
+
+# Keys (or sections) whose change makes the resumed run another run than the saved one.
+RESUME_CRITICAL: dict[str, tuple[str, ...]] = {
+    "any": (
+        "task",
+        "train.micro_batch",
+        "train.grad_accum",
+        "train.steps",
+        "train.seed",
+        "optim.lr",
+        "optim.min_lr_ratio",
+        "optim.schedule",
+        "optim.warmup_steps",
+        "optim.decay_fraction",
+    ),
+    "lm": (
+        "data.sources",
+        "data.seq_len",
+        "data.mode",
+        "data.seed",
+        "data.shuffle_buffer",
+        "data.shuffle_shards",
+        "data.max_pending",
+        "data.oversize",
+        "data.tokenize",
+        "data.tokenizers",
+    ),
+    "vtok": (
+        "vtok_data.raw",
+        "vtok_data.sources",
+        "vtok_data.crop",
+        "vtok_data.max_pixels",
+        "vtok_data.video_frames",
+        "vtok_data.heldout_fraction",
+    ),
+}
+WORLD_SIZE = "world size (ranks)"
+
+
+# --- unknown keys ----------------------------------------------------------------------------------
+def _dataclass_in(hint: Any) -> type | None:
+    """The dataclass a field's type holds (itself, in a list, or in an Optional), if any."""
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+        return hint
+    for arg in typing.get_args(hint):
+        found = _dataclass_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def unknown_keys(tree: Any, schema: type, path: str = "") -> list[str]:
+    """The keys of ``tree`` (a config as plain dicts and lists) that ``schema`` does not have,
+    dotted, each with the nearest known name when one is close."""
+    if not isinstance(tree, dict):
+        return []
+    hints = typing.get_type_hints(schema)
+    names = [f.name for f in dataclasses.fields(schema)]
+    found = []
+    for key, value in tree.items():
+        where = f"{path}{key}"
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            found.append(where + (f" (did you mean {path}{close[0]}?)" if close else ""))
+            continue
+        inner = _dataclass_in(hints[key])
+        if inner is None:
+            continue  # a plain value or a free-form dict
+        if isinstance(value, dict):
+            found += unknown_keys(value, inner, f"{where}.")
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                found += unknown_keys(item, inner, f"{where}[{i}].")
+    return found
+
+
+def unknown_override_keys(overrides: list[str], schema: type, groups: set[str]) -> list[str]:
+    """The keys of command-line overrides (``a.b=1``, ``+a.b=1``, ``++a.b=1``, ``~a.b``) that
+    ``schema`` does not have, each with the nearest known name; config group choices
+    (``experiment=debug``) and ``hydra.*`` are Hydra's. Arguments that are not overrides (Hydra's
+    own flags and their values) are left to Hydra."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    found = []
+    for arg in overrides:
+        try:
+            (override,) = parser.parse_overrides([arg])
+        except (HydraException, ValueError):
+            continue
+        key = override.key_or_group
+        if override.package is not None or key.split(".")[0] == "hydra":
+            continue
+        if key in groups:
+            continue  # a group's choice (model=debug); model.dim=... is a key and checked
+        cls: type | None = schema
+        parts = key.split(".")
+        for i, part in enumerate(parts):
+            names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+            if part not in names:
+                path = ".".join(parts[:i])
+                close = difflib.get_close_matches(part, names, n=1)
+                prefix = f"{path}." if path else ""
+                found.append(f"{key}" + (f" (did you mean {prefix}{close[0]}?)" if close else ""))
+                break
+            hint = typing.get_type_hints(cls)[part]
+            if typing.get_origin(hint) is list:
+                break  # an element of a list is not addressed by a dotted key
+            cls = _dataclass_in(hint)
+            if cls is None:
+                break  # a plain value or a free-form dict (deepspeed.config.*)
+    return found
+
+
+def check_known_keys(tree: dict, schema: type) -> None:
+    unknown = unknown_keys(tree, schema)
+    if unknown:
+        raise ConfigError(
+            "unknown config key(s): "
+            + "; ".join(unknown)
+            + " (every key must be a field of train/config.py's schema, also with Hydra's +key=)"
+        )
+
+
+# --- resuming --------------------------------------------------------------------------------------
+def flatten(tree: Any, path: str = "") -> dict[str, Any]:
+    """Dotted keys of nested dicts; lists are values (a changed source list is one change)."""
+    if not isinstance(tree, dict):
+        return {path.rstrip("."): tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(flatten(value, f"{path}{key}."))
+    return out
+
+
+def config_diff(saved: dict, new: dict) -> list[tuple[str, Any, Any]]:
+    old_flat, new_flat = flatten(saved), flatten(new)
+    missing = object()
+    out = []
+    for key in sorted(set(old_flat) | set(new_flat)):
+        a, b = old_flat.get(key, missing), new_flat.get(key, missing)
+        if a != b:
+            out.append((key, None if a is missing else a, None if b is missing else b))
+    return out
+
+
+def breaks_resume(key: str, task: str) -> bool:
+    prefixes = RESUME_CRITICAL["any"] + RESUME_CRITICAL.get(task, ())
+    return key == WORLD_SIZE or any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def check_resume_config(
+    saved_yaml: str | None,
+    new_yaml: str,
+    *,
+    saved_world_size: int,
+    world_size: int,
+    allowed: bool,
+    where: str,
+    show: bool,
+) -> None:
+    """Print how the new config differs from the checkpoint's; refuse the differences that break
+    an exact resume unless ``allowed``."""
+    new = yaml.safe_load(new_yaml) or {}
+    diffs = config_diff(yaml.safe_load(saved_yaml) or {}, new) if saved_yaml is not None else []
+    if saved_world_size != world_size:
+        diffs.append((WORLD_SIZE, saved_world_size, world_size))
+    if not diffs:
+        return
+    task = str(new.get("task", "lm"))
+    breaking = [d for d in diffs if breaks_resume(d[0], task)]
+    if show:
+        lines = [
+            f"  {key}: {old!r} -> {value!r}"
+            + (" (breaks an exact resume)" if breaks_resume(key, task) else "")
+            for key, old, value in diffs
+        ]
+        log.info(f"config changes since the checkpoint ({where}):\n" + "\n".join(lines))
+    if breaking and not allowed:
+        names = ", ".join(key for key, _, _ in breaking)
+        raise ConfigError(
+            f"resuming {where.rsplit('/', 1)[0]} with changes that break an exact resume: {names}. "
+            "Undo them, or rerun with train.allow_config_change=true if they are meant (the "
+            "resumed run then differs from an uninterrupted one; the schedule follows the new "
+            "values from the saved step on)"
+        )

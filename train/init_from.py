@@ -1,0 +1,63 @@
+"""``train.init_from``: a fresh run starts from a release's weights (train/release.py).
+
+Design choices:
+- Loaded into the freshly built model before DeepSpeed wraps it, so every ZeRO stage and world
+  size starts the same way.
+- A run that resumes from its own checkpoint ignores ``init_from``: the checkpoint already holds
+  the weights it started from and everything since.
+- Every check is ``train.release.check_compatible``: the ids must mean the same and every tensor
+  must fit; fields that differ without changing a shape are reported, and the run's values win.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from train.names import CHECKPOINTS_DIR, LATEST_FILE
+from train.release import Release, check_compatible, param_count
+
+
+def init_from_release(model, cfg, task, is_main: bool = True) -> bool:
+    """Load ``cfg.train.init_from`` into a freshly built ``model`` (before DeepSpeed wraps it).
+    A run that resumes from its own checkpoint ignores it (returns False). Errors name what differs."""
+    say = print if is_main else (lambda *a, **k: None)
+    ckpt_latest = Path(cfg.run_dir) / CHECKPOINTS_DIR / LATEST_FILE
+    if cfg.train.resume and ckpt_latest.is_file():
+        say(
+            f"train.init_from={cfg.train.init_from}: ignored, the run resumes from its own checkpoint "
+            f"{ckpt_latest.read_text().strip()}",
+            flush=True,
+        )
+        return False
+    release = Release(cfg.train.init_from)
+    state = release.state_dict(dtype=None)
+    own = model.state_dict()
+    is_lm = cfg.task == "lm"
+    diff = check_compatible(
+        release,
+        task=cfg.task,
+        net_cfg=model.cfg if is_lm else cfg.vtok,
+        reference=own,
+        layout=task.layout if is_lm else None,
+        tok_folder=task.tok_folder if is_lm else None,
+        state=state,
+        where=f"train.init_from={release.path}",
+    )
+    with torch.no_grad():
+        for name, tensor in own.items():
+            tensor.copy_(state[name].to(tensor.dtype))
+    source = release.config.get("source", {})
+    say(
+        f"initialised from release {release.path} (step {source.get('step')} of {source.get('run_dir')}): "
+        f"{len(state)} tensors, {param_count(state):,} parameters",
+        flush=True,
+    )
+    if diff:
+        say(
+            "note: the run's config differs from the release's in fields that change no shape; the run's "
+            "values are used:\n" + "\n".join(diff),
+            flush=True,
+        )
+    return True

@@ -1,0 +1,45 @@
+"""Names of a run's artifacts and metric namespaces: one spelling, shared by the trainer that
+writes them and the tools that read them (``earlyfuse-report``, ``earlyfuse-convert``).
+
+A run folder (``run_dir``, the same on every rank)::
+
+    config.yaml          the resolved config (also inside every checkpoint)
+    metrics.jsonl        one record per optimizer step: {"step": N, "<namespace>/<name>": value}
+    alarms.jsonl         the monitors' alarms, one JSON object per line
+    final.json           written when the run completes: final evaluation and totals
+    tb/                  TensorBoard events
+    checkpoints/latest   the tag of the newest complete checkpoint
+    checkpoints/step_NNNNNNNN/meta.json   step, world size, ZeRO stage of one checkpoint
+
+Metric names are ``<namespace>/<name>`` (OLMo-core style), e.g. ``loss/image``.
+"""
+
+from __future__ import annotations
+
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+ALARMS_FILE = "alarms.jsonl"
+FINAL_FILE = "final.json"
+TENSORBOARD_DIR = "tb"
+CHECKPOINTS_DIR = "checkpoints"
+LATEST_FILE = "latest"  # inside checkpoints/
+CHECKPOINT_META_FILE = "meta.json"  # inside checkpoints/<tag>/
+
+# Metric namespaces: every metric name is one of these followed by a name.
+TRAIN = "train/"  # the objective: train/loss, train/z_loss, train/aux_loss
+LOSS = "loss/"  # training CE per modality: loss/text, loss/image, ...
+LOSS_NORM = "loss_norm/"  # CE / ln V per modality: 1.0 is chance
+TOKENS = "tokens/"  # label tokens per modality in the step
+MIX = "mix/"  # delivered token share per data source
+VAL = "val/"  # validation: val/loss, val/loss/<modality>, val/ppl/<modality>
+EVAL = "eval/"  # task evaluations (vtok: eval/psnr, eval/ssim, ...)
+OPTIM = "optim/"  # optim/lr, optim/grad_norm, optim/skipped, optim/skipped_steps
+THROUGHPUT = "throughput/"  # units/s, MFU, data wait, step and monitor seconds, ETA
+MONITOR = "monitor/"  # detectors and probes: monitor/<signal>[/<modality>]
+DATA = "data/"  # loader health: data/skipped
+VTOK = "vtok/"  # visual tokenizer training terms: vtok/l1, vtok/psnr, ...
+
+TRAIN_LOSS = TRAIN + "loss"
+GRAD_NORM = OPTIM + "grad_norm"
+LEARNING_RATE = OPTIM + "lr"
+DATA_SKIPPED = DATA + "skipped"

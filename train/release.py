@@ -1,0 +1,385 @@
+"""The release folder: a trained model outside its training run. This module reads and checks one
+(``earlyfuse-generate``, the exporters, ``train.init_from``); tools/release.py writes one
+(``earlyfuse-convert release``). It lives in train/ because a run starts from a release
+(train/init_from.py) and nothing may import tools/ (docs/design.md). Format in
+docs/checkpoints.md.
+
+    OUT/config.json            format, version, task, the model config with its vocabulary sizes,
+                               dtype, tensor count, source run and step, fingerprints, sha256 of files
+    OUT/model.safetensors      the transformer's full weights (fp32 or bf16)        [task lm]
+    OUT/vocab_layout.json      the id space                                         [task lm]
+    OUT/tokenizer.json         the text tokenizer (byte-level BPE)                  [task lm]
+    OUT/visual_tokenizer/      config.json + model.safetensors (the FSQ autoencoder)
+
+Design choices:
+- Weights only as safetensors: no pickle ever reaches a release, and reading one runs no code.
+- ``config.json`` records the sha256 of every file, so a corrupted byte in the middle of a file
+  (which safetensors itself would load without complaint) is an error naming the file.
+- Tensor names and shapes are checked against the model the config builds (on the meta
+  device, no memory), and every tensor must be finite; a mismatch names the tensor.
+- A vtok run releases just its visual tokenizer (``task: vtok``): the same folder that
+  ``earlyfuse-prep tokenize`` takes as ``OUT/visual_tokenizer``.
+- ``check_compatible`` decides whether a release can start a run: the ids must mean the same
+  (layout and text tokenizer fingerprints) and every tensor must fit; config fields that differ
+  without changing a shape (e.g. ``rope.theta``) are reported and the run's own values win.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from data.names import LAYOUT_FILE, TOKENIZER_FILE, VISUAL_TOKENIZER_DIR
+
+if TYPE_CHECKING:
+    from data.vocab import VocabLayout
+    from model.transformer import TransformerConfig
+
+FORMAT = "earlyfuse-release"
+VERSION = 1
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+LAYOUT = LAYOUT_FILE  # the names data/ gives these files, so a release folder is also
+TOKENIZER = TOKENIZER_FILE  # a tokenizer folder (earlyfuse-prep tokenize takes it)
+VISUAL = VISUAL_TOKENIZER_DIR
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+class ReleaseError(ValueError):
+    """A release (or the run it is made from) that cannot be used; the message names the file."""
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# --- checking weights ------------------------------------------------------------------------------
+def meta_module(task: str, cfg):
+    """The network a config builds, on the meta device (shapes without memory)."""
+    if task == "lm":
+        return cfg.build("meta")
+    with torch.device("meta"):
+        return cfg.build()
+
+
+def check_state(
+    state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], where: str, hint: str = ""
+) -> None:
+    """Same tensor names and shapes as ``reference`` and all finite, or a ReleaseError naming the
+    first offending tensor (``hint`` is appended, e.g. a config diff)."""
+    tail = f"\n{hint}" if hint else ""
+    missing = [k for k in reference if k not in state]
+    extra = [k for k in state if k not in reference]
+    if missing or extra:
+        what = (
+            f"tensor {missing[0]!r} is missing"
+            if missing
+            else f"tensor {extra[0]!r} is not in the model"
+        )
+        raise ReleaseError(
+            f"{where}: {what} ({len(state)} tensors found, the model has {len(reference)}; "
+            f"missing {missing[:5]}, unexpected {extra[:5]}){tail}"
+        )
+    for name, ref in reference.items():
+        tensor = state[name]
+        if tuple(tensor.shape) != tuple(ref.shape):
+            raise ReleaseError(
+                f"{where}: tensor {name!r} has shape {list(tensor.shape)}, the model expects "
+                f"{list(ref.shape)}{tail}"
+            )
+        if (
+            tensor.is_floating_point()
+            and tensor.device.type != "meta"
+            and not bool(torch.isfinite(tensor).all())
+        ):
+            raise ReleaseError(
+                f"{where}: tensor {name!r} holds NaN or Inf values (the run diverged before this step?)"
+            )
+
+
+def flat(nested: dict, prefix: str = "") -> dict:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: config sections as dotted keys."""
+    out = {}
+    for key, value in nested.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+# Settings of training or of the kernels, not of the function the weights compute: never reported.
+NOT_ARCHITECTURE = {
+    "activation_checkpoint_every",
+    "init_std",
+    "attention.backend",
+    "attention.compile_flex",
+    "loss.chunk_size",
+    "loss.z_loss_coef",
+    "loss.ignore_index",
+    "moe.capacity_factor",
+    "moe.load_balance_coef",
+    "moe.router_z_coef",
+    "l1",
+    "l2",
+    "grad",
+    "entropy",
+}
+
+
+def config_diff(first: dict, second: dict, section: str, names=("release", "run")) -> list[str]:
+    """The architecture fields that differ between two configs, one line each."""
+    flat_first, flat_second = flat(first), flat(second)
+    return [
+        f"  {section}.{key}: {names[0]} {flat_first.get(key)!r}, {names[1]} {flat_second.get(key)!r}"
+        for key in sorted(set(flat_first) | set(flat_second))
+        if key not in NOT_ARCHITECTURE and flat_first.get(key) != flat_second.get(key)
+    ]
+
+
+# --- reading ---------------------------------------------------------------------------------------
+class Release:
+    """A release folder, checked on open (format, version, files present)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        cfg_path = self.path / CONFIG
+        if not self.path.is_dir():
+            raise ReleaseError(
+                f"{self.path}: not a folder (a release is the folder `earlyfuse-convert release` wrote)"
+            )
+        try:
+            self.config = json.loads(cfg_path.read_text())
+        except FileNotFoundError:
+            raise ReleaseError(
+                f"{cfg_path}: missing; {self.path} is not a release folder"
+            ) from None
+        except (OSError, ValueError) as e:
+            raise ReleaseError(f"{cfg_path}: unreadable or corrupted ({e})") from None
+        if self.config.get("format") != FORMAT:
+            raise ReleaseError(
+                f"{cfg_path}: format {self.config.get('format')!r}, expected {FORMAT!r}"
+            )
+        if int(self.config.get("version", 0)) > VERSION:
+            raise ReleaseError(
+                f"{cfg_path}: release version {self.config['version']} is newer than this "
+                f"earlyfuse reads ({VERSION}); update earlyfuse"
+            )
+        self.task = self.config.get("task", "lm")
+        missing = [f for f in self.config.get("files", {}) if not (self.path / f).is_file()]
+        if missing:
+            raise ReleaseError(f"{self.path}: files missing: {', '.join(missing)}")
+        self.model_cfg: TransformerConfig | None = None  # lm releases only
+        self.layout: VocabLayout | None = None
+        if self.task == "lm":
+            from data.vocab import VocabLayout
+            from model.transformer import TransformerConfig
+
+            try:
+                self.model_cfg = TransformerConfig(**self.config["model"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise ReleaseError(f"{cfg_path}: bad 'model' section ({e})") from None
+            try:
+                self.layout = VocabLayout.load(self.path / LAYOUT)
+            except ValueError as e:
+                raise ReleaseError(str(e)) from None
+            if self.layout.size != self.model_cfg.vocab_size:
+                raise ReleaseError(
+                    f"{self.path / LAYOUT}: {self.layout.size} ids, but config.json's model has "
+                    f"vocab_size {self.model_cfg.vocab_size}"
+                )
+
+    @property
+    def transformer_config(self) -> TransformerConfig:
+        """The language model's config; a ReleaseError for a release that holds none."""
+        if self.model_cfg is None:
+            raise ReleaseError(f"{self.path}: a {self.task} release holds no language model")
+        return self.model_cfg
+
+    @property
+    def vocab_layout(self) -> VocabLayout:
+        """The id space of the language model; a ReleaseError for a release without one."""
+        if self.layout is None:
+            raise ReleaseError(f"{self.path}: a {self.task} release holds no vocabulary layout")
+        return self.layout
+
+    @property
+    def step(self) -> int | None:
+        return self.config.get("source", {}).get("step")
+
+    @property
+    def has_tokenizers(self) -> bool:
+        return (self.path / TOKENIZER).is_file() and (self.path / VISUAL / WEIGHTS).is_file()
+
+    def verify_files(self) -> None:
+        """Every file's sha256 against config.json (catches corruption inside a file)."""
+        for name, digest in self.config.get("files", {}).items():
+            if sha256_file(self.path / name) != digest:
+                raise ReleaseError(
+                    f"{self.path / name}: sha256 differs from the one recorded in {CONFIG}; "
+                    "the file is corrupted or was changed after the release was written"
+                )
+
+    def _load_safetensors(self, path: Path) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        if not path.is_file():
+            raise ReleaseError(f"{path}: file missing")
+        try:
+            return load_file(str(path))
+        except (
+            Exception
+        ) as e:  # safetensors raises SafetensorError / OSError for cut or damaged files
+            raise ReleaseError(
+                f"{path}: unreadable, truncated or corrupted safetensors file ({e})"
+            ) from None
+
+    def state_dict(
+        self, dtype: torch.dtype | None = torch.float32, *, verify: bool = True
+    ) -> dict[str, torch.Tensor]:
+        """The weights (the transformer's for lm, the visual tokenizer's for vtok), checked."""
+        if verify:
+            self.verify_files()
+        if self.task == "lm":
+            path, ref = self.path / WEIGHTS, meta_module("lm", self.model_cfg).state_dict()
+        else:
+            path, ref = (
+                self.path / VISUAL / WEIGHTS,
+                meta_module("vtok", self.visual_config()).state_dict(),
+            )
+        state = self._load_safetensors(path)
+        check_state(state, ref, str(path))
+        return {k: v.to(dtype) for k, v in state.items()} if dtype is not None else state
+
+    def build_model(
+        self,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        *,
+        verify: bool = True,
+    ):
+        """The transformer with the release's weights, in eval mode."""
+        if self.task != "lm":
+            raise ReleaseError(f"{self.path}: a {self.task} release holds no language model")
+        state = self.state_dict(dtype=dtype, verify=verify)
+        model = self.transformer_config.build("meta")
+        if any(True for _ in model.buffers()):  # a buffer not in the state dict needs a real init
+            model = self.transformer_config.build(device)
+        else:
+            model = model.to_empty(device=device)
+        model.load_state_dict(state, strict=True)
+        return model.to(device=device, dtype=dtype).eval()
+
+    def text_tokenizer(self):
+        from data.text_tokenizer import TextTokenizer
+
+        if not (self.path / TOKENIZER).is_file():
+            raise ReleaseError(
+                f"{self.path}: no {TOKENIZER} (released with --no-tokenizers); text cannot be "
+                "encoded or decoded"
+            )
+        try:
+            return TextTokenizer.load(self.path)
+        except ValueError as e:
+            raise ReleaseError(str(e)) from None
+
+    def visual_config(self):
+        from model.visual_tokenizer import VisualTokenizerConfig
+
+        config_path = self.path / VISUAL / CONFIG
+        if not config_path.is_file():
+            raise ReleaseError(
+                f"{self.path}: no {VISUAL}/ (released with --no-tokenizers); images cannot be "
+                "encoded or decoded"
+            )
+        try:
+            return VisualTokenizerConfig(**json.loads(config_path.read_text()))
+        except (OSError, ValueError, TypeError) as e:
+            raise ReleaseError(f"{config_path}: unreadable visual tokenizer config ({e})") from None
+
+    def visual_tokenizer(self, device: torch.device | str = "cpu"):
+        cfg = self.visual_config()
+        if self.layout is not None and tuple(cfg.levels) != tuple(self.layout.fsq_levels):
+            raise ReleaseError(
+                f"{self.path / VISUAL}: FSQ levels {cfg.levels} differ from the layout's "
+                f"{list(self.layout.fsq_levels)}"
+            )
+        state = self._load_safetensors(self.path / VISUAL / WEIGHTS)
+        with torch.device("meta"):
+            ref = cfg.build().state_dict()
+        check_state(state, ref, str(self.path / VISUAL / WEIGHTS))
+        model = cfg.build()
+        model.load_state_dict(state)
+        return model.to(device).eval()
+
+
+# --- can a release start a run? ------------------------------------------------------------------
+def check_compatible(
+    rel: Release,
+    *,
+    task: str,
+    net_cfg,
+    reference: dict,
+    layout=None,
+    tok_folder=None,
+    state: dict | None = None,
+    where: str = "",
+) -> list[str]:
+    """Can ``rel`` start a run of ``task`` whose network is ``net_cfg`` (state dict ``reference``)
+    on token data made with ``layout`` and the text tokenizer in ``tok_folder``? Raises naming what
+    differs; returns the config fields that differ without changing a shape."""
+    where = where or str(rel.path)
+    if rel.task != task:
+        raise ReleaseError(f"{where}: a {rel.task} release cannot start a {task} run")
+    if task == "lm":
+        if layout is not None and rel.vocab_layout.fingerprint() != layout.fingerprint():
+            raise ReleaseError(
+                f"{where}: its vocabulary layout {rel.vocab_layout.to_dict()['ranges']} differs from the "
+                f"run's token data ({layout.to_dict()['ranges']}, {tok_folder}); the ids would mean "
+                "different things. Tokenize the data with the release's tokenizers."
+            )
+        if tok_folder is not None and (rel.path / TOKENIZER).is_file():
+            from data.text_tokenizer import TextTokenizer
+
+            if rel.text_tokenizer().fingerprint() != TextTokenizer.load(tok_folder).fingerprint():
+                raise ReleaseError(
+                    f"{where}: its text tokenizer differs from the one the run's token data was made "
+                    f"with ({tok_folder}); the ids would mean different things"
+                )
+        diff = config_diff(
+            dataclasses.asdict(rel.transformer_config), dataclasses.asdict(net_cfg), "model"
+        )
+    else:
+        diff = config_diff(
+            dataclasses.asdict(rel.visual_config()), dataclasses.asdict(net_cfg), "vtok"
+        )
+    if state is None:
+        state = meta_module(
+            task, rel.transformer_config if task == "lm" else rel.visual_config()
+        ).state_dict()
+    check_state(
+        state,
+        reference,
+        where,
+        hint=("config differences (release vs this run):\n" + "\n".join(diff)) if diff else "",
+    )
+    return diff
+
+
+def param_count(state: dict[str, torch.Tensor]) -> int:
+    return int(sum(math.prod(t.shape) for t in state.values()))

@@ -1,0 +1,148 @@
+"""The one interface training, evaluation and the probes read batches through.
+
+A task hands the trainer a ``BatchStream``; the trainer never asks what kind it is. Two kinds
+exist: ``TokenStream`` (the LM's packed rows, ``data.loader.PackedLoader``) and ``CropStream``
+(the visual tokenizer's image crops, ``data.image_crops.CropStream``).
+
+Design choices:
+- Resuming is the stream's own policy (``resume``): it is given this rank's saved state (None when
+  the old world had no such rank) and a way to read every old rank's state. The token loader loads
+  its own state when the split (world size, workers, micro batch) is unchanged and otherwise
+  redistributes every old rank's position onto the new split, exactly (docs/loader.md); the crop
+  stream has one counter per rank and starts afresh when it cannot take its predecessor's.
+- Shard indexes are read once per run (``TableCache``) and shared by the training loader, every
+  evaluation and the probes: an index can be megabytes and remote.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from typing import Protocol
+
+from data.image_crops import CropStream as _CropStream
+from data.loader.config import SourceConfig
+from data.loader.dataset import PackedLoader
+from data.loader.table import SampleTable, load_table
+
+
+class BatchStream(Protocol):
+    def __iter__(self) -> Generator[dict, None, None]:
+        """Batches of this rank; close the iterator (``contextlib.closing``) to stop workers."""
+        ...
+
+    def state_dict(self) -> dict:
+        """This rank's position, small (kilobytes), saved in every checkpoint."""
+        ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def resume(self, own: dict | None, every_rank: Callable[[], list[dict]]) -> str | None:
+        """Continue from a checkpoint: ``own`` is this rank's saved state (None if the old world
+        had no such rank), ``every_rank()`` reads all old ranks' states. Returns a note for the
+        console when the position had to be moved or dropped, else None."""
+        ...
+
+    def skipped(self) -> int:
+        """Unreadable samples skipped so far on this rank."""
+        ...
+
+    def delivered(self) -> dict[str, float]:
+        """Tokens (or images) delivered so far on this rank, per source."""
+        ...
+
+    def batches_per_rank(self) -> int | None:
+        """Batches one rank yields in all (epoch mode), None when the stream never ends."""
+        ...
+
+
+class TableCache:
+    """Every source's sample table, read once per run and shared."""
+
+    def __init__(self) -> None:
+        self._tables: dict[tuple[str, tuple[str, ...]], SampleTable] = {}
+
+    def get(self, sources: list[SourceConfig]) -> list[SampleTable]:
+        out = []
+        for src in sources:
+            key = (src.name, tuple(src.shards))
+            if key not in self._tables:
+                self._tables[key] = load_table(src)
+            out.append(self._tables[key])
+        return out
+
+
+class TokenStream:
+    """The LM's packed rows (``data.loader``) behind ``BatchStream``."""
+
+    def __init__(self, loader: PackedLoader) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Generator[dict, None, None]:
+        return iter(self.loader)
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+
+    def resume(self, own: dict | None, every_rank: Callable[[], list[dict]]) -> str | None:
+        ld = self.loader
+        split = {"world_size": ld.world_size, "workers": ld.workers, "micro_batch": ld.micro_batch}
+        if own is not None and all(own.get(k) == v for k, v in split.items()):
+            ld.load_state_dict(own)
+            return None
+        # Another world size, worker count or micro batch: a split of its own, computed by every
+        # rank from all old ranks' states (no communication).
+        from data.loader.redistribute import redistribute
+
+        state = redistribute(every_rank(), ld)
+        ld.load_state_dict(state)
+        return (
+            f"the loader's state was redistributed from "
+            f"{state['redistributed']['from_consumers']} to {ld.consumers} consumers"
+        )
+
+    def skipped(self) -> int:
+        return self.loader.skipped()
+
+    def delivered(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self.loader.delivered()["tokens_by_source"].items()}
+
+    def batches_per_rank(self) -> int | None:
+        limit = self.loader.batch_limit
+        return None if limit is None else limit * self.loader.workers
+
+
+class CropStream:
+    """The visual tokenizer's random crops (``data.image_crops``) behind ``BatchStream``."""
+
+    def __init__(self, crops: _CropStream) -> None:
+        self.crops = crops
+
+    def __iter__(self) -> Generator[dict, None, None]:
+        return iter(self.crops)
+
+    def state_dict(self) -> dict:
+        return self.crops.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.crops.load_state_dict(state)
+
+    def resume(self, own: dict | None, every_rank: Callable[[], list[dict]]) -> str | None:
+        if own is None:
+            return f"rank {self.crops.rank} had no predecessor: a fresh data stream"
+        try:
+            self.crops.load_state_dict(own)
+        except (ValueError, KeyError):
+            return "the data stream starts afresh (its state cannot be moved to another world size)"
+        return None
+
+    def skipped(self) -> int:
+        return 0  # unreadable images are skipped (and counted) when the pool is loaded
+
+    def delivered(self) -> dict[str, float]:
+        return {"images": float(self.crops.k * self.crops.batch)}
+
+    def batches_per_rank(self) -> int | None:
+        return None

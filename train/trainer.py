@@ -1,0 +1,240 @@
+"""The trainer: the loop, and the state a checkpoint holds. Everything else a run does (metrics and
+their sinks, evaluation, checkpoint timing, monitors, rollback, preemption, speed, progress) is a
+callback (``train/callbacks/``), registered once in ``train/build.py``.
+
+One iteration of ``fit`` is one optimizer step over ``grad_accum`` micro-batches, then the
+callbacks' ``post_step``; the strongest ``Decision`` they return is acted on here:
+
+- ``rollback``: reload the checkpoint it names, start a fresh batch iterator and first discard
+  the window of data it says to skip;
+- ``stop`` (a preemption signal): checkpoint this step and return (exit code 0);
+- ``halt``: raise ``RunHalted`` (exit code 3).
+
+In epoch mode the data may end before ``total_steps``: the run then finishes at the last complete
+step (final evaluation, checkpoint, final.json) like a run that reached its end.
+
+Checkpoints (``Checkpointer``, ``train/checkpoint.py``) hold the model, optimizer and scheduler
+(DeepSpeed), rank 0's client state (the union of the callbacks' ``state_dict``s, plus ``step``)
+and each rank's own state (its batch stream's position and its RNG states).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import closing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from train.callbacks.base import HALT, STOP, Callbacks, Decision, StepRecord
+from train.checkpoint import Checkpointer, rng_state, set_rng_state, tag_for
+from train.config import TrainConfig
+from train.config_check import check_resume_config
+from train.dist import DistInfo, all_reduce_sum, barrier
+from train.names import CONFIG_FILE, FINAL_FILE
+from train.skip_step import SkipStepAdamW, UpdateGate
+from train.streams import BatchStream
+from train.tasks.base import Task
+
+log = logging.getLogger(__name__)
+
+
+class RunHalted(RuntimeError):
+    """A monitor ordered the run to stop (its alarm is in alarms.jsonl and on the console)."""
+
+
+def accumulate(sums: dict[str, float], values: Mapping[str, float]) -> None:
+    for key, value in values.items():
+        sums[key] = sums.get(key, 0.0) + value
+
+
+def reduce_sums(sums: Mapping[str, float], device: torch.device) -> dict[str, float]:
+    """Sum every metric over ranks in one collective (sums and counts, never means)."""
+    keys = sorted(sums)
+    vec = all_reduce_sum(
+        torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64, device=device)
+    )
+    return dict(zip(keys, vec.tolist()))
+
+
+@dataclass(kw_only=True, eq=False)
+class Trainer:
+    train: TrainConfig
+    dist: DistInfo
+    task: Task
+    engine: Any  # deepspeed.DeepSpeedEngine
+    optimizer: SkipStepAdamW
+    gate: UpdateGate
+    stream: BatchStream
+    checkpointer: Checkpointer
+    callbacks: Callbacks
+    total_steps: int  # train.steps, or the steps the data holds (train.steps=-1, epoch mode)
+    run_dir: Path
+    zero_stage: int
+    resolved_yaml: str  # saved with every checkpoint and compared on resume
+    save_meta: dict  # meta.json fields of every checkpoint (besides step and tag)
+    save_files: dict[str, str]  # files written beside every checkpoint
+    skip_batches: int = 0  # batches to discard before the next step (after a rollback)
+    last_saved: int = -1  # the step of the newest checkpoint written or loaded
+
+    # --- the loop --------------------------------------------------------------------------------
+    def fit(self) -> dict[str, float] | None:
+        """Train from the latest checkpoint (or step 0) to ``total_steps``; final.json's contents,
+        or None when a signal stopped the run early (after a checkpoint)."""
+        step = self.resume() if self.train.resume else 0
+        try:
+            self.callbacks.pre_train(self, step)
+            while step < self.total_steps:
+                decision: Decision | None = None
+                with closing(iter(self.stream)) as batches:  # closing stops the loader's workers
+                    for _ in range(self.skip_batches):  # the data window a rollback skips
+                        next(batches)
+                    self.skip_batches = 0
+                    while decision is None and step < self.total_steps:
+                        record = self.train_step(step + 1, batches)
+                        if record is None:  # epoch mode: the data ended before total_steps
+                            break
+                        step += 1
+                        decision = self.callbacks.post_step(self, step, record)
+                if decision is None or (decision.action == STOP and step >= self.total_steps):
+                    break  # the end, of the steps or of the data (a signal at the end: no matter)
+                if decision.action == HALT:
+                    raise RunHalted(decision.reason)
+                if decision.action == STOP:
+                    self.stop(step, decision)
+                    return None
+                step = self.roll_back(decision)
+            return self.finish(step)
+        finally:
+            self.callbacks.close(self)
+
+    def train_step(self, step: int, batches: Iterator[dict]) -> StepRecord | None:
+        """Optimizer step ``step`` (1-based) over ``grad_accum`` micro-batches; None when the data
+        ended before the step was complete (its partial gradients are never applied)."""
+        self.callbacks.pre_step(self, step)
+        start, wait = time.perf_counter(), 0.0
+        sums: dict[str, float] = {}
+        reduced: dict[str, float] = {}
+        for micro in range(self.train.grad_accum):
+            waited = time.perf_counter()
+            batch = next(batches, None)
+            wait += time.perf_counter() - waited
+            if batch is None:
+                return None
+            out = self.task.forward(self.engine, batch)
+            self.engine.backward(out.loss)
+            accumulate(sums, {k: float(v) for k, v in out.sums.items()})
+            accumulate(sums, {"loss_sum": float(out.loss.detach()), "micro": 1, "units": out.units})
+            if micro == self.train.grad_accum - 1:
+                # The skip-step gate needs this step's loss, identical on every rank, before
+                # engine.step() applies (or drops) the update.
+                reduced = reduce_sums(sums, self.dist.device)
+                self.gate.begin(step - 1, reduced["loss_sum"] / reduced["micro"], reduced)
+            self.engine.step()
+        return StepRecord(sums=reduced, seconds=time.perf_counter() - start, data_wait=wait)
+
+    # --- acting on decisions ---------------------------------------------------------------------
+    def roll_back(self, decision: Decision) -> int:
+        self.checkpointer.rewind(decision.to_step)
+        self.load_checkpoint(tag_for(decision.to_step))
+        self.last_saved = decision.to_step
+        self.skip_batches = decision.skip_batches
+        self.callbacks.on_rollback(self, decision.to_step)
+        return decision.to_step
+
+    def stop(self, step: int, decision: Decision) -> None:
+        if self.last_saved != step:
+            self.save_checkpoint(step)
+        if self.dist.is_main:
+            log.info(
+                f"earlyfuse-train: stopped by {decision.reason} at step {step} of "
+                f"{self.total_steps} with checkpoint {tag_for(step)} in {self.checkpointer.dir}; "
+                "run the same command again to resume"
+            )
+
+    def finish(self, step: int) -> dict[str, float]:
+        if step < self.total_steps and self.dist.is_main:
+            log.info(
+                f"the data ended after step {step} of {self.total_steps} (data.mode=epoch): "
+                "finishing there"
+            )
+        final: dict = {}
+        self.callbacks.post_train(self, step, final)  # final evaluation, data counts, checkpoint
+        final.update(self.task.finish(self.engine, self.run_dir))
+        if self.dist.is_main:
+            text = json.dumps(final, indent=1, sort_keys=True) + "\n"
+            (self.run_dir / FINAL_FILE).write_text(text)
+        return final
+
+    # --- checkpoints -----------------------------------------------------------------------------
+    def save_checkpoint(self, step: int, protect: set[int] | frozenset[int] = frozenset()) -> str:
+        """``protect``: older checkpoints keep-last must keep (the monitor's protected steps)."""
+        tag = self.checkpointer.save(
+            self.engine,
+            step,
+            client={**self.callbacks.state_dict(), "step": step},
+            own={"stream": self.stream.state_dict(), "rng": rng_state()},
+            meta=self.save_meta,
+            files=self.save_files,
+            protect=protect,
+        )
+        self.last_saved = step
+        return tag
+
+    def resume(self) -> int:
+        """Load the run folder's latest checkpoint, if it has one; the step to go on from."""
+        self.checkpointer.clean_partial()
+        barrier()
+        tag = self.checkpointer.latest()
+        if tag is None:
+            return 0
+        meta = self.checkpointer.check_compatible(tag, self.zero_stage)
+        saved = self.checkpointer.dir / tag / CONFIG_FILE
+        check_resume_config(
+            saved.read_text() if saved.is_file() else None,
+            self.resolved_yaml,
+            saved_world_size=meta["world_size"],
+            world_size=self.dist.world_size,
+            allowed=self.train.allow_config_change,
+            where=str(saved),
+            show=self.dist.is_main,
+        )
+        other_world = meta["world_size"] != self.dist.world_size
+        notes = self.load_checkpoint(tag, other_world=other_world)
+        self.last_saved = int(meta["step"])
+        if self.dist.is_main:
+            head = f"resuming {tag}"
+            if other_world:
+                universal = " from its universal checkpoint" if self.zero_stage else ""
+                head += f" of {meta['world_size']} rank(s) on {self.dist.world_size}{universal}"
+            log.info(
+                head + ((";" if other_world else ":") + " " + "; ".join(notes) if notes else "")
+            )
+        return int(meta["step"])
+
+    def load_checkpoint(self, tag: str, *, other_world: bool = False) -> list[str]:
+        """Load checkpoint ``tag`` into the engine, the callbacks, the stream and the RNG; notes
+        for the console (a stream moved onto another split, a rank without a predecessor)."""
+        if other_world:
+            client, own = self.checkpointer.load_resharded(self.engine, tag, self.zero_stage)
+        else:
+            client, own = self.checkpointer.load(self.engine, tag)
+        self.callbacks.load_state_dict(client)
+        notes = []
+        note = self.stream.resume(
+            own["stream"] if own else None, lambda: self.checkpointer.load_streams(tag)
+        )
+        if note:
+            notes.append(note)
+        if own is None:
+            notes.append(f"rank {self.dist.rank} had no predecessor: fresh RNG")
+        else:
+            # Last, and nothing draws from the global RNG from here to the first step: a resumed
+            # run draws exactly what the uninterrupted one drew.
+            set_rng_state(own["rng"])
+        return notes
