@@ -88,7 +88,8 @@ demo: $(STAMP)
 	@# The LM's report (last) draws it and prints its table at the very end.
 	$(BIN)/earlyfuse-eval $(DEMO_DIR)/release --data $(DEMO_DIR)/val_tokens \
 		--train-data $(DEMO_DIR)/tokens --scenes $(DEMO_DIR)/val_corpus/scenes/scenes.jsonl \
-		--scenes $(DEMO_DIR)/val_corpus/scenes/drawings.jsonl --no-table \
+		--scenes $(DEMO_DIR)/val_corpus/scenes/drawings.jsonl --max-pairs 60 --max-scenes 40 \
+		--no-table \
 		--out $(DEMO_DIR)/lm/heldout_eval.json
 	$(BIN)/earlyfuse-report $(DEMO_DIR)/lm
 

@@ -168,7 +168,9 @@ def test_shuffled_pairs_show_no_dependence_and_draw_at_chance(tiny_tokenizers, t
     results = {}
     for name, model in models.items():
         judge = SceneJudge(model, layout, tok, vtok, 32 * 32, "cpu")
-        results[name] = evaluate_scenes(judge, rows)
+        # Greedy: a model this overfit draws its scenes exactly, and the figures do not
+        # depend on a sampler's luck.
+        results[name] = evaluate_scenes(judge, rows, draw_temperature=0.0)
     m, s = results["matched"], results["shuffled"]
     assert m["ceiling"]["colour"] > 0.5  # the tokenizer keeps the colour
     assert m["draw"]["colour"] > m["draw_chance"]["colour"] + 0.25, m
