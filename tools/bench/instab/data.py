@@ -43,7 +43,8 @@ from data.loader.stream import read_npy
 from data.schema import Sample
 from data.shards.index import read_index, read_member
 from data.shards.writer import ShardWriter
-from data.tokenize.run import npy_bytes, visual_blocks
+from data.tokenize.blocks import visual_blocks
+from data.tokenize.run import npy_bytes
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
 
 VERSION = 5  # bump when what is built changes
