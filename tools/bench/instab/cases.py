@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from train.monitor.config import DETECTORS
+
 # Healthy mixes: the same sources as instab_healthy, other weights.
 _SOURCES = ("code", "text", "images", "clips", "docs", "colours", "colours_first")
 MIXES = {
@@ -132,16 +134,6 @@ CASES = (
 # skip-step gate drops spiking updates by itself (optim.skip_step), so it is switched off too
 # (a non-finite step is still skipped: there is nothing else to do with it).
 LOG_ONLY = ("optim.skip_step.enabled=false",) + tuple(
-    f"monitor.{d}.action=log"
-    for d in (
-        "spike",
-        "divergence",
-        "collapse",
-        "stagnation",
-        "drift",
-        "attention",
-        "dependence",
-        "code_use",
-    )
+    f"monitor.{name}.action=log" for name in DETECTORS
 )
 ACTING = ("skip", "rollback", "halt")  # the actions that change a run
