@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TypeVar
 
 RETRIES = 5
-T = TypeVar("T")
+ResultT = TypeVar("ResultT")
 
 
 def is_remote(url: str | Path) -> bool:
@@ -36,7 +36,7 @@ def is_remote(url: str | Path) -> bool:
     return "://" in text and not text.startswith("file://")
 
 
-def retried(what: str, call: Callable[[], T], retries: int = RETRIES) -> T:
+def retried(what: str, call: Callable[[], ResultT], retries: int = RETRIES) -> ResultT:
     """``call()``; on an error other than a missing file, again after 0.2, 0.4, ... s."""
     for attempt in range(retries):
         try:
