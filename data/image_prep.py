@@ -100,7 +100,8 @@ def load_image(raw: bytes, prep: ImagePrep, *, max_source_pixels: int | None = N
     width, height = image.size
     if max_source_pixels is not None and width * height > max_source_pixels:
         raise ValueError(
-            f"header claims {width}x{height} = {width * height} pixels > limit {max_source_pixels} (not decoded)"
+            f"header claims {width}x{height} = {width * height} pixels > limit "
+            f"{max_source_pixels} (not decoded)"
         )
     orientation = image.getexif().get(0x0112, 1)
     if orientation in _SWAPS_SIDES:

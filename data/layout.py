@@ -124,7 +124,8 @@ class _Reader:
                 token = self.next()
                 if not self.lay.is_code(token):
                     raise ValueError(
-                        f"position {self.pos - 1}: expected a code (row {row}, col {col}), got {self.name(token)}"
+                        f"position {self.pos - 1}: expected a code (row {row}, col {col}), "
+                        f"got {self.name(token)}"
                     )
                 codes[row, col] = token - self.lay.visual_offset
             self.take("<eol>")

@@ -121,7 +121,8 @@ def probe_image(raw: bytes, path: str, *, max_pixels: int) -> ImageInfo | Reject
                 return Reject(
                     path,
                     "pixel-limit",
-                    f"header claims {width}x{height} = {width * height} pixels > limit {max_pixels}",
+                    f"header claims {width}x{height} = {width * height} pixels > limit "
+                    f"{max_pixels}",
                 )
             fmt, mode = image.format or "?", image.mode
             if fmt not in IMAGE_FORMATS:

@@ -62,7 +62,8 @@ class AttentionConfig:
         kv_heads = self.n_kv_heads or self.n_heads
         if self.n_heads <= 0 or kv_heads <= 0 or self.n_heads % kv_heads:
             raise ValueError(
-                f"attention.n_heads ({self.n_heads}) must be a positive multiple of n_kv_heads ({kv_heads})"
+                f"attention.n_heads ({self.n_heads}) must be a positive multiple of "
+                f"n_kv_heads ({kv_heads})"
             )
         if self.sliding_window < 0:
             raise ValueError("attention.sliding_window must be >= 0")

@@ -86,7 +86,8 @@ class TransformerConfig:
         head_dim = self.head_dim
         if self.rope.mrope_sections and sum(self.rope.mrope_sections) != head_dim // 2:
             raise ValueError(
-                f"rope.mrope_sections {self.rope.mrope_sections} must sum to head_dim // 2 = {head_dim // 2}"
+                f"rope.mrope_sections {self.rope.mrope_sections} must sum to "
+                f"head_dim // 2 = {head_dim // 2}"
             )
 
     @property

@@ -275,7 +275,8 @@ class VisualTokenizer(nn.Module):
         feats = self.encoder(frames.flatten(0, 1))
         feats = feats.view(batch_size, num_frames, *feats.shape[1:])
         latent_frames = [feats[:, 0]]
-        # group group_start .. group_start + group_size - 1; pad a short group with its own last frame
+        # frames group_start .. group_start + group_size - 1; a short last group is padded with
+        # its own last frame
         for group_start in range(1, num_frames, group_size):
             group = [
                 feats[:, min(frame, num_frames - 1)]

@@ -97,7 +97,7 @@ def make_plan(
         raise ValueError(f"--val-fraction {val_fraction}: give a fraction in [0, 1)")
     shape = {
         "version": PLAN_VERSION,
-        "sources": [asdict(spec_entry) for spec_entry in specs],
+        "sources": [asdict(source_spec) for source_spec in specs],
         "limits": limits.describe(),
         "shard_max_bytes": shard_max_bytes,
         "shard_max_samples": shard_max_samples,

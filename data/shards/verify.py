@@ -58,7 +58,10 @@ def _check_tokens(tar: Path, e: dict, read, ranges: np.ndarray | None) -> str | 
         return f"{e['key']}: unreadable ids/modalities ({err})"
     num_tokens = e.get("tokens")
     if ids.shape != (num_tokens,) or mod.shape != (num_tokens,):
-        return f"{e['key']}: {ids.shape[0]} ids / {mod.shape[0]} modalities, the index says {num_tokens}"
+        return (
+            f"{e['key']}: {ids.shape[0]} ids / {mod.shape[0]} modalities, "
+            f"the index says {num_tokens}"
+        )
     try:
         check_ids(ids.astype(np.int64), mod.astype(np.int64), ranges)
     except ValueError as err:

@@ -96,7 +96,8 @@ def list_members(path: Path | str) -> tuple[list[tuple[str, int, int]], str | No
                     if member.offset_data + member.size > total:
                         return (
                             members,
-                            f"ends inside member {member.name!r} (byte {total} of {member.offset_data + member.size})",
+                            f"ends inside member {member.name!r} "
+                            f"(byte {total} of {member.offset_data + member.size})",
                         )
                     members.append((member.name, member.offset_data, member.size))
     except (tarfile.ReadError, OSError) as e:

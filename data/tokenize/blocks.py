@@ -81,7 +81,8 @@ def describe(manifest: dict) -> list[str]:
         for modality, block_stats in (src.get("blocks") or {}).items():
             if block_stats["blocks"] or block_stats["rejected"]:
                 parts.append(
-                    f"{block_stats['blocks']} {modality} blocks, longest {block_stats['longest']} tokens"
+                    f"{block_stats['blocks']} {modality} blocks, "
+                    f"longest {block_stats['longest']} tokens"
                     + (
                         f", {block_stats['rejected']} rejected (rejects.jsonl)"
                         if block_stats["rejected"]

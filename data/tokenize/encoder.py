@@ -79,7 +79,7 @@ class DocEncoder:
         target_w, target_h = self.video_prep.target_size(seg["width"], seg["height"])
         grid_h, grid_w = target_h // factor, target_w // factor
         wanted = _frames_at(seg, self.opts.video_fps)
-        latents = 1 + -(-(wanted - 1) // group_size)  # the causal tokenizer: 1 + ceil((T - 1) / tf)
+        latents = 1 + -(-(wanted - 1) // group_size)  # causal: 1 + ceil((T - 1) / group_size)
         num_latents = latents
         while num_latents > 1 and video_block_len(num_latents, grid_h, grid_w) > budget:
             num_latents -= 1
@@ -87,7 +87,8 @@ class DocEncoder:
         if num_latents < floor and video_block_len(floor, 1, 1) <= budget:
             num_latents = floor
         # Each latent frame is 1 + h * (w + 1) tokens; an image block of the same grid is
-        # 4 + h * (w + 1): this image-block bound gives the frame grid that fits ``lat`` latents.
+        # 4 + h * (w + 1): this image-block bound gives the frame grid that fits ``num_latents``
+        # latents.
         frame_cap = (budget - 4) // num_latents + 3
         prep = replace(self.video_prep, max_tokens=frame_cap)
         return prep, 1 + (num_latents - 1) * group_size

@@ -262,7 +262,8 @@ def read_raw_manifest(raw: Folder) -> dict:
         ) from None
     if manifest.get("format") != MANIFEST_FORMAT:
         raise ValueError(
-            f"{raw.child(MANIFEST_FILE)}: format {manifest.get('format')!r}, expected {MANIFEST_FORMAT!r}"
+            f"{raw.child(MANIFEST_FILE)}: format {manifest.get('format')!r}, "
+            f"expected {MANIFEST_FORMAT!r}"
         )
     return manifest
 
