@@ -25,7 +25,8 @@ MIXES = {
 def mix_override(mix: str, root: str) -> str:
     """``data.sources=[...]`` for a named mix of the healthy sources under ``root``."""
     items = ", ".join(
-        f"{{name: {s}, shards: [{root}/{s}], weight: {w}}}" for s, w in zip(_SOURCES, MIXES[mix])
+        f"{{name: {source}, shards: [{root}/{source}], weight: {weight}}}"
+        for source, weight in zip(_SOURCES, MIXES[mix])
     )
     return f"data.sources=[{items}]"
 
