@@ -231,12 +231,11 @@ class BatchBuffer:
     @staticmethod
     def split(tensor, rows: int, seq_len: int) -> dict:
         """The batch fields of a buffer's tensor, as views: ``input_ids`` ... ``position_thw``."""
-        n = rows * seq_len
-        out = {
-            key: tensor[i * n : (i + 1) * n].view(rows, seq_len)
-            for i, (_, key, _) in enumerate(ROW_FIELDS)
-        }
-        out["position_thw"] = tensor[len(ROW_FIELDS) * n :].view(rows, seq_len, 3)
+        n, k = rows * seq_len, len(ROW_FIELDS)
+        # Three torch calls for every view (slicing a tensor field by field cost ~5 us a view)
+        fields = tensor[: k * n].view(k, rows, seq_len).unbind(0)
+        out = {key: view for (_, key, _), view in zip(ROW_FIELDS, fields)}
+        out["position_thw"] = tensor[k * n :].view(rows, seq_len, 3)
         return out
 
 

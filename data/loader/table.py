@@ -325,7 +325,9 @@ class TokenTable(SampleTable):
         if not 0 <= sample < self.starts[-1]:
             raise IndexError(f"sample {sample} of a source of {self.starts[-1]}")
         si = bisect.bisect_right(self.starts, sample) - 1
-        idx = self._indexes.get(si) or self.index(si)
+        idx = self._indexes.get(si)
+        if idx is None:
+            idx = self.index(si)
         j0, jsz, i0, isz, m0, msz, tokens, b0, nb, _k0, _nk, sha = _RECORD.unpack_from(
             idx.records.data, (sample - self.starts[si]) * _RECORD.size
         )
