@@ -24,8 +24,8 @@ from data.video_frames import VideoSampling, decode_frames
 
 
 def heldout(key: str, fraction: float) -> bool:
-    h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
-    return h < fraction
+    hash_fraction = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
+    return hash_fraction < fraction
 
 
 @dataclass
@@ -49,19 +49,19 @@ def load_pool(
     held: list[np.ndarray] = []
     skipped = 0
     sampling = VideoSampling(target_fps=2.0, max_frames=4)
-    for d in raw_dirs:
-        for rd in iter_docs(d, sources or None):
+    for raw_dir in raw_dirs:
+        for raw_doc in iter_docs(raw_dir, sources or None):
             if len(train) + len(held) >= limit:
                 break
-            target = held if heldout(rd.key, heldout_fraction) else train
-            for seg in rd.doc["segments"]:
+            target = held if heldout(raw_doc.key, heldout_fraction) else train
+            for seg in raw_doc.doc["segments"]:
                 try:
                     if seg["type"] == "image":
-                        arrays = [load_image(rd.member(seg["member"]), prep)]
+                        arrays = [load_image(raw_doc.member(seg["member"]), prep)]
                     elif seg["type"] == "video" and video_frames:
                         arrays = list(
                             decode_frames(
-                                rd.member(seg["member"]),
+                                raw_doc.member(seg["member"]),
                                 sampling,
                                 prep,
                                 size=(seg["width"], seg["height"]),
@@ -72,9 +72,9 @@ def load_pool(
                 except (OSError, ValueError):
                     skipped += 1
                     continue
-                for a in arrays:
-                    if a.shape[0] >= crop and a.shape[1] >= crop:
-                        target.append(a)
+                for array in arrays:
+                    if array.shape[0] >= crop and array.shape[1] >= crop:
+                        target.append(array)
                     else:
                         skipped += 1
     if not train:
@@ -106,14 +106,14 @@ class CropStream:
 
     def batch_at(self, k: int) -> dict:
         rng = np.random.default_rng([self.seed, self.rank, k])
-        c = self.crop
-        out = np.empty((self.batch, c, c, 3), dtype=np.uint8)
-        for i, j in enumerate(rng.integers(0, len(self.images), self.batch)):
-            im = self.images[j]
-            y = rng.integers(0, im.shape[0] - c + 1)
-            x = rng.integers(0, im.shape[1] - c + 1)
-            patch = im[y : y + c, x : x + c]
-            out[i] = patch[:, ::-1] if rng.random() < 0.5 else patch
+        size = self.crop
+        out = np.empty((self.batch, size, size, 3), dtype=np.uint8)
+        for slot, image_index in enumerate(rng.integers(0, len(self.images), self.batch)):
+            image = self.images[image_index]
+            top = rng.integers(0, image.shape[0] - size + 1)
+            left = rng.integers(0, image.shape[1] - size + 1)
+            patch = image[top : top + size, left : left + size]
+            out[slot] = patch[:, ::-1] if rng.random() < 0.5 else patch
         return {"images": to_tensor(out)}
 
     def state_dict(self) -> dict:
@@ -129,9 +129,9 @@ def fixed_crops(images: list[np.ndarray], crop: int, count: int, seed: int = 123
         return torch.empty(0, 3, crop, crop)
     rng = np.random.default_rng(seed)
     out = []
-    for i in range(count):
-        im = images[i % len(images)]
-        y = rng.integers(0, im.shape[0] - crop + 1)
-        x = rng.integers(0, im.shape[1] - crop + 1)
-        out.append(im[y : y + crop, x : x + crop])
+    for index in range(count):
+        image = images[index % len(images)]
+        top = rng.integers(0, image.shape[0] - crop + 1)
+        left = rng.integers(0, image.shape[1] - crop + 1)
+        out.append(image[top : top + crop, left : left + crop])
     return to_tensor(np.stack(out))

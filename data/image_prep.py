@@ -38,45 +38,50 @@ class ImagePrep:
 
     def target_size(self, w: int, h: int) -> tuple[int, int]:
         """(width, height): multiples of ``factor``, aspect kept, within the budget."""
-        f = self.factor
-        s = math.sqrt(self.max_pixels / (w * h))
+        factor = self.factor
+        scale = math.sqrt(self.max_pixels / (w * h))
         if not self.upscale:
-            s = min(s, 1.0)
-        cap = self.max_grid * f
-        s = min(s, cap / w, cap / h)  # the longer side within max_grid, the aspect kept
-        tw = min(cap, max(f, round(w * s / f) * f))
-        th = min(cap, max(f, round(h * s / f) * f))
-        while tw * th > self.max_pixels and max(tw, th) > f:
-            if tw >= th:
-                tw -= f
+            scale = min(scale, 1.0)
+        cap = self.max_grid * factor
+        scale = min(scale, cap / w, cap / h)  # the longer side within max_grid, the aspect kept
+        target_w = min(cap, max(factor, round(w * scale / factor) * factor))
+        target_h = min(cap, max(factor, round(h * scale / factor) * factor))
+        while target_w * target_h > self.max_pixels and max(target_w, target_h) > factor:
+            if target_w >= target_h:
+                target_w -= factor
             else:
-                th -= f
+                target_h -= factor
         if self.max_tokens:
             # Smaller until the block fits, the side that is relatively larger first (aspect kept).
-            while image_block_len(th // f, tw // f) > self.max_tokens and max(tw, th) > f:
-                if (tw > f and tw * h >= th * w) or th == f:
-                    tw -= f
+            while (
+                image_block_len(target_h // factor, target_w // factor) > self.max_tokens
+                and max(target_w, target_h) > factor
+            ):
+                if (target_w > factor and target_w * h >= target_h * w) or target_h == factor:
+                    target_w -= factor
                 else:
-                    th -= f
-        return tw, th
+                    target_h -= factor
+        return target_w, target_h
 
 
-def to_rgb(im: Image.Image) -> Image.Image:
-    if im.mode == "P" and "transparency" in im.info:
-        im = im.convert("RGBA")
-    if im.mode in ("RGBA", "LA", "PA"):
-        rgba = im.convert("RGBA")
-        bg = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(bg, rgba).convert("RGB")
-    if im.mode in ("I;16", "I;16B", "I;16L", "I"):
-        a = np.asarray(im, dtype=np.float32)
-        a = a / max(1.0, float(a.max())) * 255.0 if im.mode == "I" else a / 257.0
-        return Image.fromarray(a.clip(0, 255).astype(np.uint8)).convert("RGB")
-    if im.mode == "F":
-        a = np.asarray(im, dtype=np.float32)
-        a = (a - a.min()) / max(1e-12, float(a.max() - a.min())) * 255.0
-        return Image.fromarray(a.astype(np.uint8)).convert("RGB")
-    return im if im.mode == "RGB" else im.convert("RGB")
+def to_rgb(image: Image.Image) -> Image.Image:
+    if image.mode == "P" and "transparency" in image.info:
+        image = image.convert("RGBA")
+    if image.mode in ("RGBA", "LA", "PA"):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
+        pixels = np.asarray(image, dtype=np.float32)
+        pixels = (
+            pixels / max(1.0, float(pixels.max())) * 255.0 if image.mode == "I" else pixels / 257.0
+        )
+        return Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).convert("RGB")
+    if image.mode == "F":
+        pixels = np.asarray(image, dtype=np.float32)
+        pixels = (pixels - pixels.min()) / max(1e-12, float(pixels.max() - pixels.min())) * 255.0
+        return Image.fromarray(pixels.astype(np.uint8)).convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")
 
 
 def load_image(raw: bytes, prep: ImagePrep, *, max_source_pixels: int | None = None) -> np.ndarray:
@@ -89,22 +94,25 @@ def load_image(raw: bytes, prep: ImagePrep, *, max_source_pixels: int | None = N
         if max_source_pixels is not None:
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         try:
-            im: Image.Image = Image.open(io.BytesIO(raw))
+            image: Image.Image = Image.open(io.BytesIO(raw))
         except Image.DecompressionBombError as e:
             raise ValueError(f"DecompressionBombError: {e}") from None
-    w, h = im.size
-    if max_source_pixels is not None and w * h > max_source_pixels:
+    width, height = image.size
+    if max_source_pixels is not None and width * height > max_source_pixels:
         raise ValueError(
-            f"header claims {w}x{h} = {w * h} pixels > limit {max_source_pixels} (not decoded)"
+            f"header claims {width}x{height} = {width * height} pixels > limit "
+            f"{max_source_pixels} (not decoded)"
         )
-    orientation = im.getexif().get(0x0112, 1)
+    orientation = image.getexif().get(0x0112, 1)
     if orientation in _SWAPS_SIDES:
-        w, h = h, w
-    tw, th = prep.target_size(w, h)
-    if im.format == "JPEG":
-        im.draft("RGB", (tw, th) if orientation not in _SWAPS_SIDES else (th, tw))
-    im = ImageOps.exif_transpose(im)
-    im = to_rgb(im)
-    if im.size != (tw, th):
-        im = im.resize((tw, th), Image.Resampling.BICUBIC, reducing_gap=3.0)
-    return np.asarray(im, dtype=np.uint8)
+        width, height = height, width
+    target_w, target_h = prep.target_size(width, height)
+    if image.format == "JPEG":
+        image.draft(
+            "RGB", (target_w, target_h) if orientation not in _SWAPS_SIDES else (target_h, target_w)
+        )
+    image = ImageOps.exif_transpose(image)
+    image = to_rgb(image)
+    if image.size != (target_w, target_h):
+        image = image.resize((target_w, target_h), Image.Resampling.BICUBIC, reducing_gap=3.0)
+    return np.asarray(image, dtype=np.uint8)

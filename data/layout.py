@@ -22,10 +22,10 @@ from data.vocab import Modality, VocabLayout
 
 
 def _rows(codes: np.ndarray, lay: VocabLayout, eol: int) -> np.ndarray:
-    h, w = codes.shape
-    grid = np.empty((h, w + 1), dtype=np.int64)
-    grid[:, :w] = codes.astype(np.int64) + lay.visual_offset
-    grid[:, w] = eol
+    height, width = codes.shape
+    grid = np.empty((height, width + 1), dtype=np.int64)
+    grid[:, :width] = codes.astype(np.int64) + lay.visual_offset
+    grid[:, width] = eol
     return grid.reshape(-1)
 
 
@@ -40,10 +40,14 @@ def image_tokens(codes: np.ndarray, lay: VocabLayout) -> tuple[np.ndarray, np.nd
     if codes.ndim != 2:
         raise ValueError(f"image codes must be [H, W], got shape {codes.shape}")
     _check_codes(codes, lay)
-    h, w = codes.shape
+    height, width = codes.shape
     sid = lay.structure_id
     ids = np.concatenate(
-        [[sid("<boi>"), *lay.size_ids(h, w)], _rows(codes, lay, sid("<eol>")), [sid("<eoi>")]]
+        [
+            [sid("<boi>"), *lay.size_ids(height, width)],
+            _rows(codes, lay, sid("<eol>")),
+            [sid("<eoi>")],
+        ]
     ).astype(np.int64)
     return ids, modality_of(ids, lay, Modality.IMAGE)
 
@@ -54,9 +58,9 @@ def video_tokens(codes: np.ndarray, lay: VocabLayout) -> tuple[np.ndarray, np.nd
     if codes.ndim != 3 or codes.shape[0] < 1:
         raise ValueError(f"video codes must be [T>=1, H, W], got shape {codes.shape}")
     _check_codes(codes, lay)
-    _, h, w = codes.shape
+    _, height, width = codes.shape
     sid = lay.structure_id
-    parts = [np.array([sid("<bov>"), *lay.size_ids(h, w)])]
+    parts = [np.array([sid("<bov>"), *lay.size_ids(height, width)])]
     for frame in codes:
         parts += [np.array([sid("<frame>")]), _rows(frame, lay, sid("<eol>"))]
     parts.append(np.array([sid("<eov>")]))
@@ -80,7 +84,7 @@ def video_block_len(t: int, h: int, w: int) -> int:
 
 class _Reader:
     def __init__(self, ids, lay: VocabLayout):
-        self.ids = [int(x) for x in ids]
+        self.ids = [int(token) for token in ids]
         self.lay = lay
         self.pos = 0
 
@@ -104,8 +108,8 @@ class _Reader:
     def size(self) -> tuple[int, int]:
         out = []
         for axis in "hw":
-            i = self.next()
-            name = self.name(i)
+            token = self.next()
+            name = self.name(token)
             if not name.startswith(f"<{axis}="):
                 raise ValueError(
                     f"position {self.pos - 1}: expected a <{axis}=K> size token, got {name}"
@@ -115,14 +119,15 @@ class _Reader:
 
     def rows(self, h: int, w: int) -> np.ndarray:
         codes = np.empty((h, w), dtype=np.int64)
-        for r in range(h):
-            for c in range(w):
-                i = self.next()
-                if not self.lay.is_code(i):
+        for row in range(h):
+            for col in range(w):
+                token = self.next()
+                if not self.lay.is_code(token):
                     raise ValueError(
-                        f"position {self.pos - 1}: expected a code (row {r}, col {c}), got {self.name(i)}"
+                        f"position {self.pos - 1}: expected a code (row {row}, col {col}), "
+                        f"got {self.name(token)}"
                     )
-                codes[r, c] = i - self.lay.visual_offset
+                codes[row, col] = token - self.lay.visual_offset
             self.take("<eol>")
         return codes
 
@@ -133,29 +138,31 @@ class _Reader:
 
 def parse_image(ids, lay: VocabLayout) -> np.ndarray:
     """The code grid [H, W] of an image block; ValueError if the block is malformed."""
-    rd = _Reader(ids, lay)
-    rd.take("<boi>")
-    h, w = rd.size()
-    codes = rd.rows(h, w)
-    rd.take("<eoi>")
-    rd.done()
+    reader = _Reader(ids, lay)
+    reader.take("<boi>")
+    height, width = reader.size()
+    codes = reader.rows(height, width)
+    reader.take("<eoi>")
+    reader.done()
     return codes
 
 
 def parse_video(ids, lay: VocabLayout) -> np.ndarray:
     """The latent code grids [T, H, W] of a video block; ValueError if malformed."""
-    rd = _Reader(ids, lay)
-    rd.take("<bov>")
-    h, w = rd.size()
+    reader = _Reader(ids, lay)
+    reader.take("<bov>")
+    height, width = reader.size()
     frames = []
     while True:
-        i = rd.next()
-        if i == lay.structure_id("<eov>"):
+        token = reader.next()
+        if token == lay.structure_id("<eov>"):
             break
-        if i != lay.structure_id("<frame>"):
-            raise ValueError(f"position {rd.pos - 1}: expected <frame> or <eov>, got {rd.name(i)}")
-        frames.append(rd.rows(h, w))
-    rd.done()
+        if token != lay.structure_id("<frame>"):
+            raise ValueError(
+                f"position {reader.pos - 1}: expected <frame> or <eov>, got {reader.name(token)}"
+            )
+        frames.append(reader.rows(height, width))
+    reader.done()
     if not frames:
         raise ValueError("video block without frames")
     return np.stack(frames)

@@ -104,8 +104,8 @@ def clean_json_text(text: str, path: str, *, repair: bool) -> tuple[str, int] | 
                 f"lone surrogate at character {e.start} (rejected; "
                 "--repair-utf8 keeps such text with U+FFFD)",
             )
-        fixed = "".join("\ufffd" if 0xD800 <= ord(c) <= 0xDFFF else c for c in text)
-        return fixed, sum(1 for c in text if 0xD800 <= ord(c) <= 0xDFFF)
+        fixed = "".join("\ufffd" if 0xD800 <= ord(char) <= 0xDFFF else char for char in text)
+        return fixed, sum(1 for char in text if 0xD800 <= ord(char) <= 0xDFFF)
 
 
 def probe_image(raw: bytes, path: str, *, max_pixels: int) -> ImageInfo | Reject:
@@ -115,22 +115,23 @@ def probe_image(raw: bytes, path: str, *, max_pixels: int) -> ImageInfo | Reject
         with warnings.catch_warnings():
             # Our own limit is checked below; Pillow's warning between 89 M and 179 M is noise.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            im = Image.open(io.BytesIO(raw))
-            w, h = im.size
-            if w * h > max_pixels:
+            image = Image.open(io.BytesIO(raw))
+            width, height = image.size
+            if width * height > max_pixels:
                 return Reject(
                     path,
                     "pixel-limit",
-                    f"header claims {w}x{h} = {w * h} pixels > limit {max_pixels}",
+                    f"header claims {width}x{height} = {width * height} pixels > limit "
+                    f"{max_pixels}",
                 )
-            fmt, mode = im.format or "?", im.mode
+            fmt, mode = image.format or "?", image.mode
             if fmt not in IMAGE_FORMATS:
                 return Reject(path, "unreadable-image", f"unsupported image format {fmt}")
             # A full pass over the data finds truncation; JPEG's DCT scaling (draft) still reads
             # every entropy-coded byte but skips most of the pixel work: ~2.5x faster.
-            im.draft("RGB", (max(1, w // 8), max(1, h // 8)))
-            im.load()
-            return ImageInfo(w, h, fmt, IMAGE_FORMATS[fmt], mode)
+            image.draft("RGB", (max(1, width // 8), max(1, height // 8)))
+            image.load()
+            return ImageInfo(width, height, fmt, IMAGE_FORMATS[fmt], mode)
     except Image.DecompressionBombError as e:
         return Reject(path, "pixel-limit", str(e))
     except UnidentifiedImageError:
@@ -187,7 +188,7 @@ def _readable_tail(log: str) -> str:
     """The last line of an FFmpeg/decord log that is plain text (decord echoes input bytes)."""
     for line in reversed(log.splitlines()):
         line = line.strip()
-        if line and all(c.isprintable() for c in line) and len(line) < 300:
+        if line and all(char.isprintable() for char in line) and len(line) < 300:
             return line
     return ""
 
@@ -200,16 +201,16 @@ def probe_video(raw: bytes, path: str, *, max_seconds: float) -> VideoInfo | Rej
     err: Exception | None
     with captured_c_stderr() as log:
         try:
-            vr = decord.VideoReader(io.BytesIO(raw), num_threads=1)
-            n = len(vr)
-            if n == 0:
+            reader = decord.VideoReader(io.BytesIO(raw), num_threads=1)
+            num_frames = len(reader)
+            if num_frames == 0:
                 raise RuntimeError("no frames")
-            fps = float(vr.get_avg_fps())
-            duration = float(vr.get_frame_timestamp([n - 1])[0][1])
-            first = vr[0].shape
-            vr[n - 1]  # decoding the last frame catches a stream cut short
-            info = VideoInfo(int(first[1]), int(first[0]), n, fps, duration)
-            del vr
+            fps = float(reader.get_avg_fps())
+            duration = float(reader.get_frame_timestamp([num_frames - 1])[0][1])
+            first = reader[0].shape
+            reader[num_frames - 1]  # decoding the last frame catches a stream cut short
+            info = VideoInfo(int(first[1]), int(first[0]), num_frames, fps, duration)
+            del reader
         except Exception as e:  # decord raises bare RuntimeError/DECORDError for every failure
             err = e
         else:

@@ -8,9 +8,9 @@ from typing import TypeVar
 
 from data.engine.local import run_local
 
-J = TypeVar("J")
-R = TypeVar("R")
+JobT = TypeVar("JobT")
+ResultT = TypeVar("ResultT")
 
 
-def run_jobs(fn: Callable[[J], R], jobs: list[J], workers: int) -> Iterator[R]:
+def run_jobs(fn: Callable[[JobT], ResultT], jobs: list[JobT], workers: int) -> Iterator[ResultT]:
     return run_local(fn, jobs, workers)

@@ -63,7 +63,7 @@ def unsafe_name_reason(name: str) -> str | None:
     if name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name):
         return f"absolute path {name!r}"
     parts = re.split(r"[/\\]", name)
-    if any(p == ".." for p in parts):
+    if any(part == ".." for part in parts):
         return f"parent-directory component in {name!r}"
     if "\x00" in name:
         return "NUL byte in name"
@@ -85,12 +85,12 @@ class Reject:
             raise ValueError(f"unknown reject reason {self.reason!r}")
 
     def to_dict(self) -> dict:
-        d = {"path": self.path, "reason": self.reason, "detail": self.detail}
+        record = {"path": self.path, "reason": self.reason, "detail": self.detail}
         if self.key is not None:
-            d["key"] = self.key
+            record["key"] = self.key
         if self.source is not None:
-            d["source"] = self.source
-        return d
+            record["source"] = self.source
+        return record
 
 
 @dataclass
@@ -107,7 +107,7 @@ class Sample:
 
     def segment_types(self) -> list[str]:
         """Types of the raw document's segments (or of a token document's spans)."""
-        return [s["type"] for s in self.doc.get("segments", self.doc.get("spans", []))]
+        return [seg["type"] for seg in self.doc.get("segments", self.doc.get("spans", []))]
 
 
 def canonical_json(obj) -> bytes:
@@ -121,12 +121,12 @@ def validate_doc(doc: dict, member_names: set[str]) -> str | None:
     segs = doc.get("segments")
     if not isinstance(segs, list) or not segs:
         return "no segments"
-    for i, s in enumerate(segs):
-        t = s.get("type") if isinstance(s, dict) else None
-        if t not in SEGMENT_TYPES:
-            return f"segment {i}: unknown type {t!r}"
-        if t in ("text", "code") and not isinstance(s.get("text"), str):
-            return f"segment {i}: {t} without text"
-        if t in MEDIA_PREFIX and s.get("member") not in member_names:
-            return f"segment {i}: member {s.get('member')!r} missing from the sample"
+    for index, seg in enumerate(segs):
+        kind = seg.get("type") if isinstance(seg, dict) else None
+        if kind not in SEGMENT_TYPES:
+            return f"segment {index}: unknown type {kind!r}"
+        if kind in ("text", "code") and not isinstance(seg.get("text"), str):
+            return f"segment {index}: {kind} without text"
+        if kind in MEDIA_PREFIX and seg.get("member") not in member_names:
+            return f"segment {index}: member {seg.get('member')!r} missing from the sample"
     return None

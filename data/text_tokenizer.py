@@ -70,7 +70,7 @@ class TextTokenizer:
 
     def __post_init__(self) -> None:
         self.tok.encode_special_tokens = True
-        ids = [self.tok.token_to_id(s) for s in TEXT_SPECIALS]
+        ids = [self.tok.token_to_id(special) for special in TEXT_SPECIALS]
         if None in ids:
             raise ValueError(f"tokenizer lacks the specials {TEXT_SPECIALS}")
         self.pad_id, self.bos_id, self.eos_id = ids
@@ -95,7 +95,7 @@ class TextTokenizer:
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+        return [encoding.ids for encoding in self.tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False)

@@ -24,20 +24,22 @@ from data.vocab import VocabLayout
 def text_sources(in_dirs: list[Path]) -> dict[str, dict]:
     """name -> {"shards": [(tar, index)], "bytes": estimated text bytes} over all folders."""
     out: dict[str, dict] = {}
-    for d in in_dirs:
-        m = load_manifest(d)
-        for sh in m["shards"]:
-            segs = sh["segments"]
-            if not (segs.get("text") or segs.get("code")) or sh["source"].startswith("val/"):
+    for folder in in_dirs:
+        manifest = load_manifest(folder)
+        for shard in manifest["shards"]:
+            segs = shard["segments"]
+            if not (segs.get("text") or segs.get("code")) or shard["source"].startswith("val/"):
                 continue  # no text, or held out for validation (ingest --val-fraction)
-            name = sh["source"] if len(in_dirs) == 1 else f"{Path(d).name}/{sh['source']}"
-            s = out.setdefault(name, {"shards": [], "bytes": 0})
-            tar, idx = Path(d) / sh["path"], Path(d) / sh["index"]
-            s["shards"].append((tar, idx))
-            s["bytes"] += sum(
-                e["members"]["json"][1]
-                for e in read_index(idx)
-                if "text" in e["types"] or "code" in e["types"]
+            name = (
+                shard["source"] if len(in_dirs) == 1 else f"{Path(folder).name}/{shard['source']}"
+            )
+            entry = out.setdefault(name, {"shards": [], "bytes": 0})
+            tar, idx = Path(folder) / shard["path"], Path(folder) / shard["index"]
+            entry["shards"].append((tar, idx))
+            entry["bytes"] += sum(
+                record["members"]["json"][1]
+                for record in read_index(idx)
+                if "text" in record["types"] or "code" in record["types"]
             )
     if not out:
         raise ValueError(f"no text or code in {', '.join(map(str, in_dirs))}")
@@ -50,22 +52,22 @@ def resolve_weights(sources: dict[str, dict], fixed: dict[str, float]) -> dict[s
         raise ValueError(
             f"--weight names unknown source(s) {sorted(unknown)}; sources with text: {sorted(sources)}"
         )
-    if any(w < 0 for w in fixed.values()) or sum(fixed.values()) > 1 + 1e-9:
+    if any(weight < 0 for weight in fixed.values()) or sum(fixed.values()) > 1 + 1e-9:
         raise ValueError(f"--weight fractions must be >= 0 and sum to at most 1 (got {fixed})")
-    rest = [n for n in sources if n not in fixed]
-    rest_bytes = sum(sources[n]["bytes"] for n in rest)
+    rest = [name for name in sources if name not in fixed]
+    rest_bytes = sum(sources[name]["bytes"] for name in rest)
     left = 1.0 - sum(fixed.values())
     weights = dict(fixed)
-    for n in rest:
-        weights[n] = left * sources[n]["bytes"] / rest_bytes if rest_bytes else 0.0
-    return {n: w for n, w in weights.items() if w > 0}
+    for name in rest:
+        weights[name] = left * sources[name]["bytes"] / rest_bytes if rest_bytes else 0.0
+    return {name: weight for name, weight in weights.items() if weight > 0}
 
 
 def _texts_of(shards: list[tuple[Path, Path]]):
     def make():
         for tar, idx in shards:
-            for d in iter_shard(tar, idx):
-                for seg in d.doc["segments"]:
+            for raw_doc in iter_shard(tar, idx):
+                for seg in raw_doc.doc["segments"]:
                     if seg["type"] in ("text", "code"):
                         yield seg["text"]
 
@@ -83,37 +85,41 @@ def train_text_tokenizer(
     max_grid: int = 64,
     progress: bool = False,
 ) -> dict:
-    dirs = [Path(d) for d in in_dirs]
+    dirs = [Path(folder) for folder in in_dirs]
     sources = text_sources(dirs)
-    w = resolve_weights(sources, weights or {})
-    total_bytes = sum(s["bytes"] for s in sources.values())
+    mix = resolve_weights(sources, weights or {})
+    total_bytes = sum(source["bytes"] for source in sources.values())
     budget = min(max_chars, total_bytes) if not weights else max_chars
     used: dict[str, int] = {}
     ran_out: set[str] = set()
     texts = sample_texts(
-        {n: _texts_of(sources[n]["shards"]) for n in w}, w, budget, used, ran_out=ran_out
+        {name: _texts_of(sources[name]["shards"]) for name in mix},
+        mix,
+        budget,
+        used,
+        ran_out=ran_out,
     )
     tok = train_bpe(texts, vocab_size, progress=progress)
     trained = sum(used.values()) or 1
-    total_w = sum(w.values())
+    total_w = sum(mix.values())
     layout = VocabLayout(
         text_size=tok.get_vocab_size(), fsq_levels=tuple(fsq_levels), max_grid=max_grid
     )
     info = {
-        "inputs": [str(d) for d in dirs],
+        "inputs": [str(folder) for folder in dirs],
         "vocab_size": tok.get_vocab_size(),
         "requested_vocab_size": vocab_size,
-        "weights": w,
+        "weights": mix,
         "chars_used": used,
         "budget_chars": budget,
         "sources": {
-            n: {
-                "chars_used": used[n],
-                "asked_chars": int(budget * w[n] / total_w),
-                "all_of_it": n in ran_out,
-                "share": used[n] / trained,
+            name: {
+                "chars_used": used[name],
+                "asked_chars": int(budget * mix[name] / total_w),
+                "all_of_it": name in ran_out,
+                "share": used[name] / trained,
             }
-            for n in w
+            for name in mix
         },
         "layout": layout.to_dict()["ranges"],
     }

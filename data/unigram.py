@@ -68,11 +68,11 @@ class Unigram:
         """[modalities, vocab] float64 log p(id | modality); ids outside the range get the
         smoothed probability of an unseen id of the range."""
         out = torch.empty(self.counts.shape, dtype=torch.float64)
-        for m, (a, b) in enumerate(modality_ranges(self.layout)):
-            c = torch.from_numpy(self.counts[m]).double()
+        for modality, (a, b) in enumerate(modality_ranges(self.layout)):
+            c = torch.from_numpy(self.counts[modality]).double()
             total = float(c[a:b].sum()) + (b - a)
-            out[m] = math.log(1.0 / total)
-            out[m, a:b] = ((c[a:b] + 1.0) / total).log()
+            out[modality] = math.log(1.0 / total)
+            out[modality, a:b] = ((c[a:b] + 1.0) / total).log()
         return out
 
     def nll_sums(
@@ -90,11 +90,11 @@ class Unigram:
 
     def entropy(self) -> dict[str, float]:
         """The baseline on the training tokens themselves (its cross-entropy with itself)."""
-        lp = self.log_probs()
+        log_probs_of = self.log_probs()
         out = {}
-        for m in Modality:
-            c = torch.from_numpy(self.counts[m]).double()
+        for modality in Modality:
+            c = torch.from_numpy(self.counts[modality]).double()
             n = float(c.sum())
             if n:
-                out[m.name.lower()] = float(-(c * lp[m]).sum() / n)
+                out[modality.name.lower()] = float(-(c * log_probs_of[modality]).sum() / n)
         return out

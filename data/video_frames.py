@@ -42,18 +42,18 @@ class VideoSampling:
 def pick_frames(timestamps: np.ndarray, target_fps: float, max_frames: int) -> np.ndarray:
     """Indices of the frames to decode, given decord's [n, 2] (start, end) times in seconds."""
     starts = np.asarray(timestamps, dtype=np.float64)[:, 0]
-    n = len(starts)
-    if n == 0:
+    num_frames = len(starts)
+    if num_frames == 0:
         raise ValueError("video has no frames")
-    t0 = starts[0]
-    end = max(float(np.asarray(timestamps)[-1, 1]), t0)
-    count = max(1, math.ceil((end - t0) * target_fps - 1e-6))
+    first_start = starts[0]
+    end = max(float(np.asarray(timestamps)[-1, 1]), first_start)
+    count = max(1, math.ceil((end - first_start) * target_fps - 1e-6))
     if count > max_frames:
-        targets = t0 + (end - t0) * np.arange(max_frames) / max_frames
+        targets = first_start + (end - first_start) * np.arange(max_frames) / max_frames
     else:
-        targets = t0 + np.arange(count) / target_fps
-    idx = np.searchsorted(starts, targets + 1e-9, side="right") - 1
-    return np.unique(np.clip(idx, 0, n - 1))
+        targets = first_start + np.arange(count) / target_fps
+    picked = np.searchsorted(starts, targets + 1e-9, side="right") - 1
+    return np.unique(np.clip(picked, 0, num_frames - 1))
 
 
 @dataclass
@@ -77,33 +77,42 @@ def decode_frames(
     err: Exception | None = None
     with captured_c_stderr() as log:
         try:
-            vr = decord.VideoReader(io.BytesIO(raw), num_threads=1)
-            n = len(vr)
-            ts = vr.get_frame_timestamp(list(range(n)))
-            fps = float(vr.get_avg_fps())
-            idx = pick_frames(ts, sampling.target_fps, sampling.max_frames)
-            height, width, channels = vr[0].shape
+            reader = decord.VideoReader(io.BytesIO(raw), num_threads=1)
+            num_frames = len(reader)
+            timestamps = reader.get_frame_timestamp(list(range(num_frames)))
+            fps = float(reader.get_avg_fps())
+            picked = pick_frames(timestamps, sampling.target_fps, sampling.max_frames)
+            height, width, channels = reader[0].shape
             shown = (width, height)
             if channels != 3:  # decord's row padding (see above): decode at a safe width
-                del vr
+                del reader
                 width = -(-width // 32) * 32
-                vr = decord.VideoReader(io.BytesIO(raw), num_threads=1, width=width, height=height)
+                reader = decord.VideoReader(
+                    io.BytesIO(raw), num_threads=1, width=width, height=height
+                )
             frames = []
-            for at in range(0, len(idx), _DECODE_BATCH):
-                got = vr.get_batch(idx[at : at + _DECODE_BATCH].tolist()).asnumpy()
+            for batch_start in range(0, len(picked), _DECODE_BATCH):
+                got = reader.get_batch(
+                    picked[batch_start : batch_start + _DECODE_BATCH].tolist()
+                ).asnumpy()
                 if got.shape[1:] != (height, width, 3):
                     raise RuntimeError(
                         f"decord returned frames of shape {got.shape[1:]}, not {(height, width, 3)}"
                     )
                 frames += [_resize(frame, prep, shown) for frame in got]
-            del vr
+            del reader
         except Exception as e:  # decord raises bare RuntimeError/DECORDError
             err = e
     if err is not None:
         note_decode_failure()
-        tail = [ln for ln in (log[0] if log else "").splitlines() if ln.isprintable()]
+        tail = [line for line in (log[0] if log else "").splitlines() if line.isprintable()]
         raise ValueError(f"cannot decode video: {tail[-1] if tail else err}")
-    return Frames(np.stack(frames), np.asarray(ts)[idx, 0], fps, float(np.asarray(ts)[-1, 1]))
+    return Frames(
+        np.stack(frames),
+        np.asarray(timestamps)[picked, 0],
+        fps,
+        float(np.asarray(timestamps)[-1, 1]),
+    )
 
 
 _DECODE_BATCH = 8  # frames decoded at native size at once (8 frames of 1080p: 50 MB)
@@ -114,8 +123,10 @@ def _resize(frame: np.ndarray, prep: ImagePrep, shown: tuple[int, int]) -> np.nd
     may be wider (decoded at a safe width), the aspect of what is shown is kept."""
     from PIL import Image
 
-    tw, th = prep.target_size(*shown)
-    if (th, tw) == frame.shape[:2]:
+    target_w, target_h = prep.target_size(*shown)
+    if (target_h, target_w) == frame.shape[:2]:
         return np.ascontiguousarray(frame)
-    im = Image.fromarray(frame).resize((tw, th), Image.Resampling.BICUBIC, reducing_gap=3.0)
-    return np.asarray(im, dtype=np.uint8)
+    image = Image.fromarray(frame).resize(
+        (target_w, target_h), Image.Resampling.BICUBIC, reducing_gap=3.0
+    )
+    return np.asarray(image, dtype=np.uint8)

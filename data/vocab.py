@@ -26,7 +26,7 @@ class Modality(IntEnum):
     STRUCTURE = 4
 
 
-MODALITY_NAMES = tuple(m.name.lower() for m in Modality)
+MODALITY_NAMES = tuple(modality.name.lower() for modality in Modality)
 
 # Text-side specials live inside the BPE vocabulary (the tokenizer knows them).
 TEXT_SPECIALS = ("<|pad|>", "<|bos|>", "<|eos|>")
@@ -38,8 +38,8 @@ STRUCTURE_MARKERS = ("<boi>", "<eoi>", "<eol>", "<bov>", "<eov>", "<frame>")
 def structure_names(max_grid: int) -> list[str]:
     return (
         list(STRUCTURE_MARKERS)
-        + [f"<h={k}>" for k in range(1, max_grid + 1)]
-        + [f"<w={k}>" for k in range(1, max_grid + 1)]
+        + [f"<h={size}>" for size in range(1, max_grid + 1)]
+        + [f"<w={size}>" for size in range(1, max_grid + 1)]
     )
 
 
@@ -54,7 +54,7 @@ class VocabLayout:
     def __post_init__(self) -> None:
         if not self.structure:
             object.__setattr__(self, "structure", tuple(structure_names(self.max_grid)))
-        object.__setattr__(self, "fsq_levels", tuple(int(x) for x in self.fsq_levels))
+        object.__setattr__(self, "fsq_levels", tuple(int(level) for level in self.fsq_levels))
 
     # --- ranges -------------------------------------------------------------------------
     @property
@@ -67,10 +67,10 @@ class VocabLayout:
 
     @property
     def num_codes(self) -> int:
-        n = 1
-        for lv in self.fsq_levels:
-            n *= lv
-        return n
+        product = 1
+        for level in self.fsq_levels:
+            product *= level
+        return product
 
     @property
     def size(self) -> int:
@@ -95,15 +95,15 @@ class VocabLayout:
 
     # --- persistence ----------------------------------------------------------------------
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["fsq_levels"] = list(self.fsq_levels)
-        d["structure"] = list(self.structure)
-        d["ranges"] = {
+        record = asdict(self)
+        record["fsq_levels"] = list(self.fsq_levels)
+        record["structure"] = list(self.structure)
+        record["ranges"] = {
             "text": [0, self.text_size],
             "structure": [self.structure_offset, self.visual_offset],
             "visual": [self.visual_offset, self.size],
         }
-        return d
+        return record
 
     @classmethod
     def from_dict(cls, d: dict) -> VocabLayout:

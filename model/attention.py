@@ -59,10 +59,11 @@ class AttentionConfig:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"attention.backend must be one of {BACKENDS}, got {self.backend!r}")
-        kv = self.n_kv_heads or self.n_heads
-        if self.n_heads <= 0 or kv <= 0 or self.n_heads % kv:
+        kv_heads = self.n_kv_heads or self.n_heads
+        if self.n_heads <= 0 or kv_heads <= 0 or self.n_heads % kv_heads:
             raise ValueError(
-                f"attention.n_heads ({self.n_heads}) must be a positive multiple of n_kv_heads ({kv})"
+                f"attention.n_heads ({self.n_heads}) must be a positive multiple of "
+                f"n_kv_heads ({kv_heads})"
             )
         if self.sliding_window < 0:
             raise ValueError("attention.sliding_window must be >= 0")
@@ -87,15 +88,15 @@ class AttentionConfig:
 def _allowed(b, q, kv, *, doc: Tensor | None, img: Tensor | None, window: int, q_offset: int = 0):
     """May query q attend to key kv in row b? Works on broadcast index tensors and inside
     FlexAttention's vmap alike. ``q_offset`` shifts query positions (KV-cache decoding)."""
-    qa = q + q_offset
-    ok = qa >= kv
+    query_pos = q + q_offset
+    allowed = query_pos >= kv
     if window:
-        ok = ok & (qa - kv < window)
+        allowed = allowed & (query_pos - kv < window)
     if img is not None:
-        ok = ok | ((img[b, qa] == img[b, kv]) & (img[b, qa] >= 0))
+        allowed = allowed | ((img[b, query_pos] == img[b, kv]) & (img[b, query_pos] >= 0))
     if doc is not None:
-        ok = ok & (doc[b, qa] == doc[b, kv])
-    return ok
+        allowed = allowed & (doc[b, query_pos] == doc[b, kv])
+    return allowed
 
 
 class AttentionMask(NamedTuple):
@@ -141,30 +142,32 @@ def build_attention_mask(
 ) -> AttentionMask:
     """Build the mask for a [batch, seq_len] batch once; pass it to every layer."""
     backend = resolve_backend(backend, device)
-    img = image_ids if (bidirectional_images and image_ids is not None) else None
+    bidir_image_ids = image_ids if (bidirectional_images and image_ids is not None) else None
     doc = doc_ids
     if doc is not None and bool((doc == doc[:, :1]).all()):
         doc = None  # one document per row: the causal fast path is exact
     if backend == "flex":
 
-        def mask_mod(b, h, q, kv):
-            return _allowed(b, q, kv, doc=doc, img=img, window=sliding_window)
+        def mask_mod(row_index, h, q, kv):
+            return _allowed(row_index, q, kv, doc=doc, img=bidir_image_ids, window=sliding_window)
 
-        bm = create_block_mask(
+        block_mask = create_block_mask(
             mask_mod,
-            batch if (doc is not None or img is not None) else None,
+            batch if (doc is not None or bidir_image_ids is not None) else None,
             None,
             seq_len,
             seq_len,
             device=device,
         )
-        return AttentionMask(block_mask=bm)
-    if doc is None and img is None and not sliding_window:
+        return AttentionMask(block_mask=block_mask)
+    if doc is None and bidir_image_ids is None and not sliding_window:
         return AttentionMask(causal=True)
-    b = torch.arange(batch, device=device)[:, None, None, None]
+    row_index = torch.arange(batch, device=device)[:, None, None, None]
     q = torch.arange(seq_len, device=device)[None, None, :, None]
     kv = torch.arange(seq_len, device=device)[None, None, None, :]
-    return AttentionMask(dense=_allowed(b, q, kv, doc=doc, img=img, window=sliding_window))
+    return AttentionMask(
+        dense=_allowed(row_index, q, kv, doc=doc, img=bidir_image_ids, window=sliding_window)
+    )
 
 
 def decode_mask(
@@ -184,12 +187,12 @@ _compiled_flex: Callable[..., Tensor] | None = None
 
 def _flex(q: Tensor, k: Tensor, v: Tensor, block_mask, gqa: bool, compile_flex: bool) -> Tensor:
     global _compiled_flex
-    fn: Callable[..., Tensor] = flex_attention
+    attend: Callable[..., Tensor] = flex_attention
     if compile_flex and q.device.type == "cuda":
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
-        fn = _compiled_flex
-    return fn(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+        attend = _compiled_flex
+    return attend(q, k, v, block_mask=block_mask, enable_gqa=gqa)
 
 
 # --- the module ----------------------------------------------------------------------------
@@ -244,13 +247,13 @@ class Attention(nn.Module):
         cache: KVCache | None = None,
         cache_start: int = 0,
     ) -> Tensor:
-        B, T, _ = x.shape
+        B, T, _ = x.shape  # batch, sequence length
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, hd]
+        q, k, v = (tensor.transpose(1, 2) for tensor in (q, k, v))  # [B, H, T, hd]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(cache_start, k, v)
@@ -269,8 +272,8 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
     def init_weights(self, std: float, out_std: float) -> None:
-        for w in (self.wq, self.wk, self.wv):
-            nn.init.trunc_normal_(w.weight, std=std, a=-3 * std, b=3 * std)
+        for projection in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(projection.weight, std=std, a=-3 * std, b=3 * std)
         nn.init.trunc_normal_(self.wo.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
         if self.cfg.qk_norm:
             self.q_norm.reset_parameters()

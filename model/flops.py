@@ -30,28 +30,28 @@ class ParamCounts:
 
 
 def param_counts(cfg: TransformerConfig) -> ParamCounts:
-    d, a, hd = cfg.dim, cfg.attention, cfg.head_dim
+    dim, attn_cfg, head_dim = cfg.dim, cfg.attention, cfg.head_dim
     attn = (
-        d * a.n_heads * hd
-        + 2 * d * a.kv_heads * hd
-        + a.n_heads * hd * d
-        + (2 * hd if a.qk_norm else 0)
+        dim * attn_cfg.n_heads * head_dim
+        + 2 * dim * attn_cfg.kv_heads * head_dim
+        + attn_cfg.n_heads * head_dim * dim
+        + (2 * head_dim if attn_cfg.qk_norm else 0)
     )
-    hidden = cfg.ffn.resolved_hidden_dim(d)
+    hidden = cfg.ffn.resolved_hidden_dim(dim)
     if cfg.moe.enabled:
-        eh = cfg.moe.hidden_dim or hidden
-        ffn_total = d * cfg.moe.num_experts + cfg.moe.num_experts * 3 * d * eh
-        ffn_active = d * cfg.moe.num_experts + cfg.moe.top_k * 3 * d * eh
+        expert_hidden = cfg.moe.hidden_dim or hidden
+        ffn_total = dim * cfg.moe.num_experts + cfg.moe.num_experts * 3 * dim * expert_hidden
+        ffn_active = dim * cfg.moe.num_experts + cfg.moe.top_k * 3 * dim * expert_hidden
     elif cfg.ffn.modality_groups:
-        ffn_total = (max(cfg.ffn.modality_groups) + 1) * 3 * d * hidden
-        ffn_active = 3 * d * hidden
+        ffn_total = (max(cfg.ffn.modality_groups) + 1) * 3 * dim * hidden
+        ffn_active = 3 * dim * hidden
     else:
-        ffn_total = ffn_active = 3 * d * hidden
-    layer_total = attn + ffn_total + 2 * d
-    layer_active = attn + ffn_active + 2 * d
-    emb = out = cfg.vocab_size * d
-    non_emb = cfg.n_layers * layer_total + d
-    active_non_emb = cfg.n_layers * layer_active + d
+        ffn_total = ffn_active = 3 * dim * hidden
+    layer_total = attn + ffn_total + 2 * dim
+    layer_active = attn + ffn_active + 2 * dim
+    emb = out = cfg.vocab_size * dim
+    non_emb = cfg.n_layers * layer_total + dim
+    active_non_emb = cfg.n_layers * layer_active + dim
     return ParamCounts(
         total=emb + out + non_emb,
         embedding=emb,
@@ -64,18 +64,18 @@ def param_counts(cfg: TransformerConfig) -> ParamCounts:
 
 def attention_context(cfg: TransformerConfig, seq_len: int, *, causal: bool = False) -> float:
     """Mean number of keys per query that the FLOP count charges for."""
-    w = cfg.attention.sliding_window or seq_len
+    window = cfg.attention.sliding_window or seq_len
     if not causal:
-        return float(min(w, seq_len))
-    if w >= seq_len:
+        return float(min(window, seq_len))
+    if window >= seq_len:
         return (seq_len + 1) / 2
-    return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
+    return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
 
 
 def flops_per_token(cfg: TransformerConfig, seq_len: int, *, causal: bool = False) -> float:
     """Training (forward + backward) FLOPs per token at ``seq_len``, attention included."""
-    pc = param_counts(cfg)
-    dense = 6 * (pc.active_non_embedding + pc.output)
+    counts = param_counts(cfg)
+    dense = 6 * (counts.active_non_embedding + counts.output)
     attn = (
         12
         * cfg.n_layers

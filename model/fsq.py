@@ -43,23 +43,23 @@ class FSQ(nn.Module):
 
     def __init__(self, levels: Sequence[int], eps: float = 1e-3) -> None:
         super().__init__()
-        levels = [int(x) for x in levels]
+        levels = [int(level) for level in levels]
         if not levels or min(levels) < 2:
             raise ValueError(f"FSQ levels must be integers >= 2, got {levels}")
         self.levels_list = levels
         self.eps = eps
-        lv = torch.tensor(levels, dtype=torch.float32)
+        levels_float = torch.tensor(levels, dtype=torch.float32)
         basis = torch.cumprod(torch.tensor([1] + levels[:-1], dtype=torch.long), 0)
-        half = (lv - 1) * (1 - eps) / 2
-        offset = torch.where(lv % 2 == 0, 0.5, 0.0)
+        half = (levels_float - 1) * (1 - eps) / 2
+        offset = torch.where(levels_float % 2 == 0, 0.5, 0.0)
         # Buffers, so .to(device) moves them; persistent=False keeps them out of checkpoints
         # (they follow from the levels, which the config stores).
-        self.register_buffer("_levels", lv, persistent=False)
+        self.register_buffer("_levels", levels_float, persistent=False)
         self.register_buffer("_basis", basis, persistent=False)
         self.register_buffer("_half", half, persistent=False)
         self.register_buffer("_offset", offset, persistent=False)
         self.register_buffer("_shift", torch.atanh(offset / half), persistent=False)
-        self.register_buffer("_width", torch.floor(lv / 2), persistent=False)
+        self.register_buffer("_width", torch.floor(levels_float / 2), persistent=False)
 
     @property
     def dim(self) -> int:
@@ -88,11 +88,11 @@ class FSQ(nn.Module):
     def forward(self, z: Tensor, channel_dim: int = 1) -> tuple[Tensor, Tensor]:
         """Return (quantized latents normalised to ~[-1, 1], same shape as z; integer indices)."""
         dtype = z.dtype
-        zl = self._view(z.float(), channel_dim)
-        b = self.bound(zl)
-        q = b + (torch.round(b) - b).detach()  # straight-through rounding
-        idx = self._digits_to_indices(torch.round(b).detach())
-        return (q / self._width).movedim(-1, channel_dim).to(dtype), idx
+        flat_latents = self._view(z.float(), channel_dim)
+        bounded = self.bound(flat_latents)
+        quantized = bounded + (torch.round(bounded) - bounded).detach()  # straight-through rounding
+        indices = self._digits_to_indices(torch.round(bounded).detach())
+        return (quantized / self._width).movedim(-1, channel_dim).to(dtype), indices
 
     def marginal_entropy(self, z: Tensor, channel_dim: int = 1, tau: float = 0.5) -> Tensor:
         """Normalised entropy (0..1) of each level's soft marginal over a batch of latents ``z``.
@@ -103,18 +103,18 @@ class FSQ(nn.Module):
         sharpness part that deterministic rounding makes unnecessary); it also pulls latents out
         of tanh's flat tails, where they lose gradient and information.
         """
-        b = self.bound(self._view(z.float(), channel_dim)).reshape(-1, self.dim)  # [N, d]
+        bounded = self.bound(self._view(z.float(), channel_dim)).reshape(-1, self.dim)  # [N, d]
         lmax = int(self._levels.max())
         grid = (
             torch.arange(lmax, device=z.device, dtype=torch.float32) - self._width[:, None]
         )  # [d, Lmax]
         valid = torch.arange(lmax, device=z.device)[None] < self._levels[:, None]
-        logits = (-((b[:, :, None] - grid[None]) ** 2) / tau).masked_fill(
+        logits = (-((bounded[:, :, None] - grid[None]) ** 2) / tau).masked_fill(
             ~valid[None], float("-inf")
         )
-        p = logits.softmax(-1).mean(0)  # [d, Lmax]
-        h = -(p * p.clamp_min(1e-12).log()).sum(-1)
-        return h / self._levels.log()
+        marginal = logits.softmax(-1).mean(0)  # [d, Lmax]
+        entropy = -(marginal * marginal.clamp_min(1e-12).log()).sum(-1)
+        return entropy / self._levels.log()
 
     # --- codes <-> indices ---------------------------------------------------------------
     def _digits_to_indices(self, rounded: Tensor) -> Tensor:
@@ -124,8 +124,8 @@ class FSQ(nn.Module):
 
     def codes_to_indices(self, codes: Tensor, channel_dim: int = 1) -> Tensor:
         """Normalised quantized codes (as returned by forward) -> integer indices."""
-        zl = self._view(codes.float(), channel_dim)
-        return self._digits_to_indices(torch.round(zl * self._width))
+        flat_codes = self._view(codes.float(), channel_dim)
+        return self._digits_to_indices(torch.round(flat_codes * self._width))
 
     def indices_to_codes(self, indices: Tensor, channel_dim: int = 1) -> Tensor:
         """Integer indices -> normalised codes; the level axis is inserted at ``channel_dim``."""

@@ -82,72 +82,72 @@ class ImageConstraint:
     def tokens_to_finish(self, b: int) -> int:
         """Fewest tokens that close row b's open image (0 outside one)."""
         hmin, wmin = self._min_wh()
-        s = self.state[b]
-        if s == NEED_H:
+        state = self.state[b]
+        if state == NEED_H:
             return 1 + 1 + hmin * (wmin + 1) + 1
-        if s == NEED_W:
+        if state == NEED_W:
             return 1 + self.H[b] * (wmin + 1) + 1
-        if s == GRID:
+        if state == GRID:
             return (
                 (self.W[b] - self.col[b]) + 1 + (self.H[b] - self.row[b] - 1) * (self.W[b] + 1) + 1
             )
-        return 1 if s == NEED_EOI else 0
+        return 1 if state == NEED_EOI else 0
 
     def allowed(self, remaining: int) -> Tensor:
         """[B, V] bool: what each row may sample when ``remaining`` tokens (this one included) are left."""
         rows = []
         hmin, wmin = self._min_wh()
-        for b in range(self.B):
-            s, m = self.state[b], torch.zeros(self.V, dtype=torch.bool)
-            if s == OUT:
-                m = self._out.clone()
-                m[self.boi] = remaining >= 4 + hmin * (wmin + 1)
-            elif s == NEED_H:
-                hi = min(self.max_h, (remaining - 3) // (wmin + 1))
-                lo, hi = (self.size[0], self.size[0]) if self.size else (1, hi)
-                m[self.h0 + lo - 1 : self.h0 + hi] = True
-            elif s == NEED_W:
-                hi = min(self.max_w, (remaining - 2) // self.H[b] - 1)
-                lo, hi = (self.size[1], self.size[1]) if self.size else (1, hi)
-                m[self.w0 + lo - 1 : self.w0 + hi] = True
-            elif s == GRID:
-                m = self._codes.clone() if self.col[b] < self.W[b] else m
-                m[self.eol] = self.col[b] == self.W[b]
+        for row_index in range(self.B):
+            state, mask = self.state[row_index], torch.zeros(self.V, dtype=torch.bool)
+            if state == OUT:
+                mask = self._out.clone()
+                mask[self.boi] = remaining >= 4 + hmin * (wmin + 1)
+            elif state == NEED_H:
+                high = min(self.max_h, (remaining - 3) // (wmin + 1))
+                low, high = (self.size[0], self.size[0]) if self.size else (1, high)
+                mask[self.h0 + low - 1 : self.h0 + high] = True
+            elif state == NEED_W:
+                high = min(self.max_w, (remaining - 2) // self.H[row_index] - 1)
+                low, high = (self.size[1], self.size[1]) if self.size else (1, high)
+                mask[self.w0 + low - 1 : self.w0 + high] = True
+            elif state == GRID:
+                mask = self._codes.clone() if self.col[row_index] < self.W[row_index] else mask
+                mask[self.eol] = self.col[row_index] == self.W[row_index]
             else:
-                m[self.eoi] = True
-            rows.append(m)
+                mask[self.eoi] = True
+            rows.append(mask)
         return torch.stack(rows)
 
     # --- state ------------------------------------------------------------------------------
     def observe(self, b: int, tok: int, *, strict: bool = True) -> None:
         """Advance row b past ``tok``; a token the grammar forbids raises ValueError. With
         ``strict=False`` (prompts) anything goes outside an image block, e.g. a video to caption."""
-        tok, s = int(tok), self.state[b]
-        ok = True
-        if s == OUT:
-            ok = not strict or tok == self.boi or (tok < self.V and bool(self._out[tok]))
+        tok, state = int(tok), self.state[b]
+        legal = True
+        if state == OUT:
+            legal = not strict or tok == self.boi or (tok < self.V and bool(self._out[tok]))
             if tok == self.boi:
                 self.state[b] = NEED_H
-        elif s == NEED_H:
-            ok = self.h0 <= tok < self.h0 + self.layout.max_grid
+        elif state == NEED_H:
+            legal = self.h0 <= tok < self.h0 + self.layout.max_grid
             self.H[b], self.state[b] = tok - self.h0 + 1, NEED_W
-        elif s == NEED_W:
-            ok = self.w0 <= tok < self.w0 + self.layout.max_grid
+        elif state == NEED_W:
+            legal = self.w0 <= tok < self.w0 + self.layout.max_grid
             self.W[b], self.state[b], self.row[b], self.col[b] = tok - self.w0 + 1, GRID, 0, 0
-        elif s == GRID:
+        elif state == GRID:
             if self.col[b] < self.W[b]:
-                ok = self.layout.is_code(tok)
+                legal = self.layout.is_code(tok)
                 self.col[b] += 1
             else:
-                ok = tok == self.eol
+                legal = tok == self.eol
                 self.row[b], self.col[b] = self.row[b] + 1, 0
                 if self.row[b] == self.H[b]:
                     self.state[b] = NEED_EOI
         else:
-            ok = tok == self.eoi
+            legal = tok == self.eoi
             self.state[b] = OUT
-        if not ok:
-            raise ValueError(f"token {tok} breaks the image layout in row {b} (state {s})")
+        if not legal:
+            raise ValueError(f"token {tok} breaks the image layout in row {b} (state {state})")
 
 
 def sample_next(
@@ -184,8 +184,8 @@ def generate(
 ) -> Tensor:
     """Continue ``prompt_ids`` [B, T0] (equal-length prompts) by up to max_new_tokens: [B, T0 + n]."""
     cfg = sampling or SamplingConfig()
-    B, T0 = prompt_ids.shape
-    n, device = cfg.max_new_tokens, prompt_ids.device
+    batch_size, prompt_len = prompt_ids.shape
+    max_new, device = cfg.max_new_tokens, prompt_ids.device
     layout = layout or (constraint.layout if constraint is not None else None)
     if model.cfg.rope.mrope_sections and layout is None:
         raise ValueError("an M-RoPE model needs the vocabulary layout to place generated tokens")
@@ -198,59 +198,76 @@ def generate(
             else torch.full_like(prompt_ids, int(Modality.TEXT))
         )
         thw = None
-        trackers = [LayoutTracker(layout) for _ in range(B)] if layout is not None else None
+        trackers = (
+            [LayoutTracker(layout) for _ in range(batch_size)] if layout is not None else None
+        )
         if trackers is not None:
-            rows = [[trackers[b].push(int(t)) for t in prompt_ids[b].tolist()] for b in range(B)]
+            rows = [
+                [trackers[row_index].push(int(token)) for token in prompt_ids[row_index].tolist()]
+                for row_index in range(batch_size)
+            ]
             thw = torch.tensor(
-                [[p for p, _ in r] for r in rows], dtype=torch.long, device=device
-            ).reshape(B, T0, 3)
+                [[position for position, _ in row_positions] for row_positions in rows],
+                dtype=torch.long,
+                device=device,
+            ).reshape(batch_size, prompt_len, 3)
             if modality is None:
                 mod = torch.tensor(
-                    [[m for _, m in r] for r in rows], dtype=torch.long, device=device
+                    [[modality_id for _, modality_id in row_positions] for row_positions in rows],
+                    dtype=torch.long,
+                    device=device,
                 )
-            for b in range(B):  # generated text continues the prompt's last text-like modality
-                textlike = [int(m) for m in mod[b].tolist() if m in (Modality.TEXT, Modality.CODE)]
-                trackers[b].text_modality = textlike[-1] if textlike else int(Modality.TEXT)
+            # generated text continues the prompt's last text-like modality
+            for row_index in range(batch_size):
+                textlike = [
+                    int(modality_id)
+                    for modality_id in mod[row_index].tolist()
+                    if modality_id in (Modality.TEXT, Modality.CODE)
+                ]
+                trackers[row_index].text_modality = textlike[-1] if textlike else int(Modality.TEXT)
         if constraint is not None:
-            for b in range(B):
-                for t in prompt_ids[b].tolist():
-                    constraint.observe(b, t, strict=False)
-                if constraint.tokens_to_finish(b) > n:
+            for row_index in range(batch_size):
+                for token in prompt_ids[row_index].tolist():
+                    constraint.observe(row_index, token, strict=False)
+                if constraint.tokens_to_finish(row_index) > max_new:
                     raise ValueError(
-                        f"max_new_tokens={n} cannot finish the image that prompt row {b} opened"
+                        f"max_new_tokens={max_new} cannot finish the image that prompt row "
+                        f"{row_index} opened"
                     )
-        caches = model.make_kv_caches(B, T0 + n, device=device)
+        caches = model.make_kv_caches(batch_size, prompt_len + max_new, device=device)
         logits = model.decode(
             prompt_ids, caches, 0, position_thw=thw, modality=mod, image_ids=image_ids
         )
         out = [prompt_ids]
-        finished = torch.zeros(B, dtype=torch.bool, device=device)
+        finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
         last_mod = mod[:, -1].clone()
         stop = torch.tensor(cfg.stop_ids, dtype=torch.long, device=device)
-        for step in range(n):
+        for step in range(max_new):
             if constraint is not None:
-                logits = logits.masked_fill(~constraint.allowed(n - step).to(device), float("-inf"))
+                logits = logits.masked_fill(
+                    ~constraint.allowed(max_new - step).to(device), float("-inf")
+                )
             nxt = sample_next(logits, cfg, generator)
             nxt = torch.where(finished, torch.full_like(nxt, cfg.pad_id), nxt)
             out.append(nxt[:, None])
-            step_thw = torch.zeros(B, 1, 3, dtype=torch.long, device=device)
-            for b, tok in enumerate(nxt.tolist()):
-                if finished[b]:
+            step_thw = torch.zeros(batch_size, 1, 3, dtype=torch.long, device=device)
+            for row_index, tok in enumerate(nxt.tolist()):
+                if finished[row_index]:
                     continue
                 if constraint is not None:
-                    constraint.observe(b, tok)
+                    constraint.observe(row_index, tok)
                 if trackers is not None:
-                    pos, m = trackers[b].push(tok)
-                    step_thw[b, 0] = torch.tensor(pos)
-                    last_mod[b] = int(m)
+                    pos, modality_id = trackers[row_index].push(tok)
+                    step_thw[row_index, 0] = torch.tensor(pos)
+                    last_mod[row_index] = int(modality_id)
             finished |= torch.isin(nxt, stop)
-            if bool(finished.all()) or step == n - 1:
+            if bool(finished.all()) or step == max_new - 1:
                 break
-            pos1d = torch.full((B, 1), T0 + step, dtype=torch.long, device=device)
+            pos1d = torch.full((batch_size, 1), prompt_len + step, dtype=torch.long, device=device)
             logits = model.decode(
                 nxt[:, None],
                 caches,
-                T0 + step,
+                prompt_len + step,
                 position_ids=pos1d,
                 position_thw=step_thw if trackers is not None else None,
                 modality=last_mod[:, None].clone(),

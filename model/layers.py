@@ -38,21 +38,23 @@ class FFNConfig:
     modality_groups: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.modality_groups = [int(g) for g in self.modality_groups]
-        g = self.modality_groups
-        if g and (
-            len(g) != NUM_MODALITIES or min(g) < 0 or sorted(set(g)) != list(range(max(g) + 1))
+        self.modality_groups = [int(group) for group in self.modality_groups]
+        groups = self.modality_groups
+        if groups and (
+            len(groups) != NUM_MODALITIES
+            or min(groups) < 0
+            or sorted(set(groups)) != list(range(max(groups) + 1))
         ):
             raise ValueError(
                 f"ffn.modality_groups needs one FFN index per modality ({NUM_MODALITIES}), "
-                f"using every index 0..max, got {g}"
+                f"using every index 0..max, got {groups}"
             )
 
     def resolved_hidden_dim(self, dim: int) -> int:
         if self.hidden_dim:
             return self.hidden_dim
-        h = int(8 * dim / 3)
-        return self.multiple_of * ((h + self.multiple_of - 1) // self.multiple_of)
+        hidden = int(8 * dim / 3)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
 
 class RMSNorm(nn.Module):
@@ -62,9 +64,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        x_float = x.float()
+        x_float = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x_float * self.weight.float()).to(x.dtype)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -83,8 +85,8 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
     def init_weights(self, std: float, out_std: float) -> None:
-        for w in (self.w1, self.w3):
-            nn.init.trunc_normal_(w.weight, std=std, a=-3 * std, b=3 * std)
+        for projection in (self.w1, self.w3):
+            nn.init.trunc_normal_(projection.weight, std=std, a=-3 * std, b=3 * std)
         nn.init.trunc_normal_(self.w2.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
 
 
@@ -117,14 +119,14 @@ class ModalityFFN(nn.Module):
 
     def forward(self, x: Tensor, modality: Tensor | None = None) -> tuple[Tensor, None]:
         shape = x.shape
-        xf = x.reshape(-1, shape[-1])
+        flat = x.reshape(-1, shape[-1])
         if modality is None:
-            modality = torch.zeros(xf.shape[0], dtype=torch.long, device=x.device)
+            modality = torch.zeros(flat.shape[0], dtype=torch.long, device=x.device)
         group = self.group_of_table(x.device)[modality.reshape(-1)]
-        out = torch.zeros_like(xf)
-        for g, expert in enumerate(self.experts):
-            idx = (group == g).nonzero().squeeze(1)
-            out = out.index_copy(0, idx, expert(xf.index_select(0, idx)))
+        out = torch.zeros_like(flat)
+        for group_id, expert in enumerate(self.experts):
+            rows = (group == group_id).nonzero().squeeze(1)
+            out = out.index_copy(0, rows, expert(flat.index_select(0, rows)))
         return out.reshape(shape), None
 
     def group_of_table(self, device: torch.device) -> Tensor:

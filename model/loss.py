@@ -71,62 +71,71 @@ class LossResult(NamedTuple):
     moe_expert_load: Tensor | None = None  # [L_moe, M, E] assignments per layer and modality
 
     def detach(self) -> LossResult:
-        return LossResult._make(v.detach() if isinstance(v, Tensor) else v for v in self)
+        return LossResult._make(
+            value.detach() if isinstance(value, Tensor) else value for value in self
+        )
 
     def modality_means(self) -> dict[str, float]:
         """``loss/<modality>`` for modalities present in this batch (syncs; for logging only)."""
         count = self.count.clamp(min=1).float()
-        ce = (self.ce_sum / count).tolist()
-        return {f"loss/{n}": ce[i] for i, n in enumerate(MODALITY_NAMES) if int(self.count[i]) > 0}
+        ce_means = (self.ce_sum / count).tolist()
+        return {
+            f"loss/{name}": ce_means[i]
+            for i, name in enumerate(MODALITY_NAMES)
+            if int(self.count[i]) > 0
+        }
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, ce_scale, z_scale, chunk_size, text_end, visual_start):
-        N, V = h.shape[0], weight.shape[0]
+        num_tokens, vocab_size = h.shape[0], weight.shape[0]
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        ce = torch.empty(N, dtype=torch.float32, device=h.device)
-        lse = torch.empty_like(ce)
-        gap = torch.zeros_like(ce)
+        ce_per_token = torch.empty(num_tokens, dtype=torch.float32, device=h.device)
+        lse = torch.empty_like(ce_per_token)
+        gap = torch.zeros_like(ce_per_token)
         grad_h = torch.empty_like(h) if need_grad else None
         grad_w = (
             torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_grad else None
         )
-        for s in range(0, N, chunk_size):
-            hc, tc = h[s : s + chunk_size], targets[s : s + chunk_size]
-            logits = (hc @ weight.t()).float()  # [n, V], the only big buffer
-            target_logit = logits.gather(1, tc[:, None]).squeeze(1)
-            if visual_start < V and text_end > 0:
-                gap[s : s + chunk_size] = logits[:, visual_start:].mean(-1) - logits[
+        for start in range(0, num_tokens, chunk_size):
+            hidden_chunk = h[start : start + chunk_size]
+            target_chunk = targets[start : start + chunk_size]
+            logits = (hidden_chunk @ weight.t()).float()  # [n, V], the only big buffer
+            target_logit = logits.gather(1, target_chunk[:, None]).squeeze(1)
+            if visual_start < vocab_size and text_end > 0:
+                gap[start : start + chunk_size] = logits[:, visual_start:].mean(-1) - logits[
                     :, :text_end
                 ].mean(-1)
             # log-sum-exp in place (torch.logsumexp would allocate a second [n, V] buffer):
             # afterwards ``logits`` holds exp(logit - max), then the softmax.
-            m = logits.amax(dim=-1)
-            sumexp = logits.sub_(m[:, None]).exp_().sum(-1)
-            lse_c = m + sumexp.log()
-            ce[s : s + chunk_size] = lse_c - target_logit
-            lse[s : s + chunk_size] = lse_c
+            row_max = logits.amax(dim=-1)
+            sumexp = logits.sub_(row_max[:, None]).exp_().sum(-1)
+            lse_c = row_max + sumexp.log()
+            ce_per_token[start : start + chunk_size] = lse_c - target_logit
+            lse[start : start + chunk_size] = lse_c
             if need_grad:
                 assert grad_h is not None and grad_w is not None  # allocated when need_grad
                 # d/dlogits [ce_scale * (lse - logit_t) + z_scale * lse^2]
                 #   = (ce_scale + 2 z_scale lse) * softmax - ce_scale * onehot(t)
-                g = logits.mul_(((ce_scale + 2.0 * z_scale * lse_c) / sumexp)[:, None])
-                g.scatter_add_(
-                    1, tc[:, None], torch.full((tc.shape[0], 1), -ce_scale, device=g.device)
+                grad_logits = logits.mul_(((ce_scale + 2.0 * z_scale * lse_c) / sumexp)[:, None])
+                grad_logits.scatter_add_(
+                    1,
+                    target_chunk[:, None],
+                    torch.full((target_chunk.shape[0], 1), -ce_scale, device=grad_logits.device),
                 )
-                g = g.to(h.dtype)
-                grad_h[s : s + chunk_size] = g @ weight
-                if hc.dtype == torch.float32:
-                    grad_w.addmm_(g.t(), hc)  # no [V, D] temporary
+                grad_logits = grad_logits.to(h.dtype)
+                grad_h[start : start + chunk_size] = grad_logits @ weight
+                if hidden_chunk.dtype == torch.float32:
+                    grad_w.addmm_(grad_logits.t(), hidden_chunk)  # no [V, D] temporary
                 else:
-                    grad_w += (g.t() @ hc).float()
-            logits = g = None  # free this chunk before the next one is made
-        loss = ce_scale * ce.sum() + z_scale * lse.pow(2).sum()
+                    grad_w += (grad_logits.t() @ hidden_chunk).float()
+            logits = grad_logits = None  # free this chunk before the next one is made
+        loss = ce_scale * ce_per_token.sum() + z_scale * lse.pow(2).sum()
         if grad_w is not None:
             ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
-        ctx.mark_non_differentiable(ce, lse, gap)
-        return loss, ce, lse, gap
+        ctx.mark_non_differentiable(ce_per_token, lse, gap)
+        return loss, ce_per_token, lse, gap
 
     @staticmethod
     def backward(ctx, grad_loss, *_unused):
@@ -161,19 +170,19 @@ def chunked_linear_cross_entropy(
     """h [N, D], weight [V, D], targets [N] -> (mean CE + z_coef * mean lse^2, ce [N], lse [N], gap [N]).
 
     ``chunk_size`` 0 runs the plain, unchunked autograd reference (same results)."""
-    N, V = h.shape[0], weight.shape[0]
-    visual_start = V if visual_start is None else visual_start
-    scale = 1.0 / max(N, 1)
+    num_tokens, vocab_size = h.shape[0], weight.shape[0]
+    visual_start = vocab_size if visual_start is None else visual_start
+    scale = 1.0 / max(num_tokens, 1)
     if chunk_size <= 0:
         logits = (h @ weight.t()).float()
         lse = torch.logsumexp(logits, -1)
-        ce = F.cross_entropy(logits, targets, reduction="none")
-        loss = ce.sum() * scale + z_loss_coef * scale * lse.pow(2).sum()
+        ce_per_token = F.cross_entropy(logits, targets, reduction="none")
+        loss = ce_per_token.sum() * scale + z_loss_coef * scale * lse.pow(2).sum()
         with torch.no_grad():
-            gap = torch.zeros_like(ce)
-            if visual_start < V and text_end > 0:
+            gap = torch.zeros_like(ce_per_token)
+            if visual_start < vocab_size and text_end > 0:
                 gap = logits[:, visual_start:].mean(-1) - logits[:, :text_end].mean(-1)
-        return loss, ce.detach(), lse.detach(), gap
+        return loss, ce_per_token.detach(), lse.detach(), gap
     return _ChunkedLinearCE.apply(
         h, weight, targets, scale, z_loss_coef * scale, chunk_size, text_end, visual_start
     )
@@ -192,14 +201,14 @@ def lm_loss(
     moe: dict[str, Tensor] | None = None,
 ) -> LossResult:
     """final: normed hidden [B, T, D]; residual: pre-norm hidden (for the norm monitor)."""
-    D = final.shape[-1]
+    dim = final.shape[-1]
     flat = labels.reshape(-1)
-    idx = (flat != cfg.ignore_index).nonzero().squeeze(1)
-    targets = flat.index_select(0, idx)
-    mod = label_modality.reshape(-1).index_select(0, idx)
-    h = final.reshape(-1, D).index_select(0, idx)
-    loss, ce, lse, gap = chunked_linear_cross_entropy(
-        h,
+    label_index = (flat != cfg.ignore_index).nonzero().squeeze(1)
+    targets = flat.index_select(0, label_index)
+    label_mods = label_modality.reshape(-1).index_select(0, label_index)
+    hidden = final.reshape(-1, dim).index_select(0, label_index)
+    loss, ce_per_token, lse, gap = chunked_linear_cross_entropy(
+        hidden,
         weight,
         targets,
         z_loss_coef=cfg.z_loss_coef,
@@ -207,18 +216,18 @@ def lm_loss(
         text_end=text_end,
         visual_start=visual_start,
     )
-    n = idx.numel()
+    num_labels = label_index.numel()
     with torch.no_grad():
-        hnorm = residual.reshape(-1, D).index_select(0, idx).float().norm(dim=-1)
+        hnorm = residual.reshape(-1, dim).index_select(0, label_index).float().norm(dim=-1)
 
         def per_mod(x: Tensor) -> Tensor:
             return torch.zeros(NUM_MODALITIES, dtype=torch.float32, device=x.device).index_add_(
-                0, mod, x.float()
+                0, label_mods, x.float()
             )
 
-        count = torch.bincount(mod, minlength=NUM_MODALITIES)
-        ce_mean = ce.sum() / max(n, 1)
-        z_mean = lse.pow(2).sum() / max(n, 1)
+        count = torch.bincount(label_mods, minlength=NUM_MODALITIES)
+        ce_mean = ce_per_token.sum() / max(num_labels, 1)
+        z_mean = lse.pow(2).sum() / max(num_labels, 1)
     zero = loss.new_zeros(())
     moe = moe or {}
     aux = moe.get("aux_loss", zero)
@@ -227,8 +236,8 @@ def lm_loss(
         ce=ce_mean,
         z_loss=z_mean,
         aux_loss=aux.detach(),
-        num_tokens=torch.tensor(n, device=loss.device),
-        ce_sum=per_mod(ce),
+        num_tokens=torch.tensor(num_labels, device=loss.device),
+        ce_sum=per_mod(ce_per_token),
         count=count,
         logz_sum=per_mod(lse),
         hidden_norm_sum=per_mod(hnorm),

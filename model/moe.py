@@ -68,46 +68,49 @@ class MoE(nn.Module):
         )
 
     def forward(self, x: Tensor, modality: Tensor | None = None) -> tuple[Tensor, MoEStats]:
-        cfg, E, k = self.cfg, self.cfg.num_experts, self.cfg.top_k
+        cfg, num_experts, top_k = self.cfg, self.cfg.num_experts, self.cfg.top_k
         shape = x.shape
-        xf = x.reshape(-1, shape[-1])
-        N = xf.shape[0]
-        logits = self.router(xf).float()  # [N, E]
+        flat = x.reshape(-1, shape[-1])
+        num_tokens = flat.shape[0]
+        logits = self.router(flat).float()  # [N, E]
         probs = logits.softmax(-1)
-        top_p, top_e = probs.topk(k, dim=-1)  # [N, k]
+        top_p, top_e = probs.topk(top_k, dim=-1)  # [N, k]
         if cfg.normalize_top_k:
             top_p = top_p / top_p.sum(-1, keepdim=True)
 
         # Slot-major order: all first choices, then all second choices, ...
         expert = top_e.t().reshape(-1)  # [k*N]
         weight = top_p.t().reshape(-1)
-        token = torch.arange(N, device=x.device).repeat(k)
+        token = torch.arange(num_tokens, device=x.device).repeat(top_k)
         keep = torch.ones_like(expert, dtype=torch.bool)
         if self.training and cfg.capacity_factor > 0:
-            capacity = math.ceil(cfg.capacity_factor * N * k / E)
-            onehot = torch.nn.functional.one_hot(expert, E)
+            capacity = math.ceil(cfg.capacity_factor * num_tokens * top_k / num_experts)
+            onehot = torch.nn.functional.one_hot(expert, num_experts)
             rank_in_expert = (onehot.cumsum(0) * onehot).sum(-1) - 1
             keep = rank_in_expert < capacity
 
-        out = torch.zeros_like(xf)
-        for e, mlp in enumerate(self.experts):
-            sel = ((expert == e) & keep).nonzero().squeeze(1)
+        out = torch.zeros_like(flat)
+        for expert_id, mlp in enumerate(self.experts):
+            sel = ((expert == expert_id) & keep).nonzero().squeeze(1)
             tok = token.index_select(0, sel)
-            y = mlp(xf.index_select(0, tok)) * weight.index_select(0, sel)[:, None].to(x.dtype)
-            out = out.index_add(0, tok, y)
+            gate = weight.index_select(0, sel)[:, None].to(x.dtype)
+            expert_out = mlp(flat.index_select(0, tok)) * gate
+            out = out.index_add(0, tok, expert_out)
 
-        counts = torch.bincount(expert, minlength=E).float()
-        load_balance = E * ((counts / (N * k)) * probs.mean(0)).sum()
+        counts = torch.bincount(expert, minlength=num_experts).float()
+        load_balance = num_experts * ((counts / (num_tokens * top_k)) * probs.mean(0)).sum()
         router_z = torch.logsumexp(logits, -1).pow(2).mean()
         with torch.no_grad():
             mod = (
                 modality.reshape(-1)
                 if modality is not None
-                else torch.zeros(N, dtype=torch.long, device=x.device)
+                else torch.zeros(num_tokens, dtype=torch.long, device=x.device)
             )
-            mod = mod.repeat(k)
-            expert_load = torch.bincount(mod * E + expert, minlength=NUM_MODALITIES * E)
-            expert_load = expert_load.float().view(NUM_MODALITIES, E)
+            mod = mod.repeat(top_k)
+            expert_load = torch.bincount(
+                mod * num_experts + expert, minlength=NUM_MODALITIES * num_experts
+            )
+            expert_load = expert_load.float().view(NUM_MODALITIES, num_experts)
             dropped = (~keep).sum().float()
         return out.reshape(shape), MoEStats(load_balance, router_z, expert_load, dropped)
 

@@ -38,7 +38,7 @@ REFERENCE_LAYOUTS = {"debug": DEBUG_LAYOUT, "demo": DEMO_LAYOUT}
 
 def preset_names() -> list[str]:
     """Every preset, smallest first (by parameters with its reference layout)."""
-    names = [p.stem for p in PRESET_DIR.glob("*.yaml")]
+    names = [path.stem for path in PRESET_DIR.glob("*.yaml")]
     return sorted(names, key=lambda name: param_counts(preset(name)).total)
 
 
@@ -54,7 +54,7 @@ def preset(name: str, layout: VocabLayout | None = None, **overrides) -> Transfo
 
     path = PRESET_DIR / f"{name}.yaml"
     if not path.is_file():
-        known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+        known = sorted(preset_path.stem for preset_path in PRESET_DIR.glob("*.yaml"))
         raise KeyError(f"unknown model preset {name!r}; choose from {known} ({PRESET_DIR})")
     fields = yaml.safe_load(path.read_text()) or {}
     try:
@@ -68,9 +68,9 @@ def preset(name: str, layout: VocabLayout | None = None, **overrides) -> Transfo
 def mrope_sections(head_dim: int) -> list[int]:
     """Qwen2-VL's t:h:w = 2:3:3 split of the head_dim/2 rotary frequencies."""
     half = head_dim // 2
-    t = half // 4
-    h = (half - t) // 2
-    return [t, h, half - t - h]
+    time_freqs = half // 4
+    height_freqs = (half - time_freqs) // 2
+    return [time_freqs, height_freqs, half - time_freqs - height_freqs]
 
 
 def count_text(n: int) -> str:

@@ -34,7 +34,7 @@ class RopeConfig:
     mrope_sections: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.mrope_sections = [int(s) for s in self.mrope_sections]
+        self.mrope_sections = [int(section) for section in self.mrope_sections]
         if self.mrope_sections and (len(self.mrope_sections) != 3 or min(self.mrope_sections) < 0):
             raise ValueError(
                 f"rope.mrope_sections must be 3 non-negative ints (t, h, w), got {self.mrope_sections}"
@@ -84,10 +84,10 @@ class RotaryEmbedding(torch.nn.Module):
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: [B, H, T, hd]; cos/sin: [B, T, hd]. Computed in float32, returned in x's dtype."""
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    out = xf * cos[:, None] + rotated * sin[:, None]
+    x_float = x.float()
+    half = x_float.shape[-1] // 2
+    rotated = torch.cat([-x_float[..., half:], x_float[..., :half]], dim=-1)
+    out = x_float * cos[:, None] + rotated * sin[:, None]
     return out.to(x.dtype)
 
 
@@ -120,7 +120,7 @@ class LayoutTracker:
 
     def push(self, tok: int) -> tuple[tuple[int, int, int], int]:
         """Returns ((t, h, w), modality) of ``tok`` and advances the state."""
-        L = self.layout
+        layout = self.layout
         tok = int(tok)
         if tok in (self.boi, self.bov):
             self.block = "image" if tok == self.boi else "video"
@@ -132,36 +132,41 @@ class LayoutTracker:
                 -1 if tok == self.bov else 0,
             )
             return self._flat(), Modality.STRUCTURE
-        if self.block is not None and self.h_first <= tok < self.h_first + L.max_grid:
+        if self.block is not None and self.h_first <= tok < self.h_first + layout.max_grid:
             return self._flat(), Modality.STRUCTURE
-        if self.block is not None and self.w_first <= tok < self.w_first + L.max_grid:
+        if self.block is not None and self.w_first <= tok < self.w_first + layout.max_grid:
             self.width = tok - self.w_first + 1
             return self._flat(), Modality.STRUCTURE
         if tok in (self.eoi, self.eov):
             self.block, self.start = None, None
             self.p = max(self.p, self.max_used + 1)
             return self._flat(), Modality.STRUCTURE
-        if self.block is not None and (tok == self.frame_id or tok == self.eol or L.is_code(tok)):
-            s = self._grid_start()
+        if self.block is not None and (
+            tok == self.frame_id or tok == self.eol or layout.is_code(tok)
+        ):
+            grid_start = self._grid_start()
             if tok == self.frame_id:
                 self.frame, self.row, self.col = self.frame + 1, 0, 0
-                return self._grid(s, 0, 0), Modality.STRUCTURE
+                return self._grid(grid_start, 0, 0), Modality.STRUCTURE
             if tok == self.eol:
-                pos = self._grid(s, self.row, max(self.col, self.width))
+                pos = self._grid(grid_start, self.row, max(self.col, self.width))
                 self.row, self.col = self.row + 1, 0
                 return pos, Modality.STRUCTURE
-            pos = self._grid(s, self.row, self.col)
+            pos = self._grid(grid_start, self.row, self.col)
             self.col += 1
             return pos, Modality.IMAGE if self.block == "image" else Modality.VIDEO
-        if L.structure_offset <= tok < L.visual_offset or L.is_code(tok):
-            return self._flat(), Modality.STRUCTURE if tok < L.visual_offset else Modality.IMAGE
+        if layout.structure_offset <= tok < layout.visual_offset or layout.is_code(tok):
+            return (
+                self._flat(),
+                Modality.STRUCTURE if tok < layout.visual_offset else Modality.IMAGE,
+            )
         return self._flat(), self.text_modality
 
     def _flat(self) -> tuple[int, int, int]:
-        p = self.p
+        position = self.p
         self.p += 1
-        self.max_used = max(self.max_used, p)
-        return (p, p, p)
+        self.max_used = max(self.max_used, position)
+        return (position, position, position)
 
     def _grid(self, s: int, r: int, c: int) -> tuple[int, int, int]:
         pos = (s + max(self.frame, 0), s + r, s + c)
@@ -171,5 +176,7 @@ class LayoutTracker:
     @classmethod
     def positions(cls, ids, layout: VocabLayout) -> Tensor:
         """(t, h, w) positions of one document, [T, 3] long."""
-        tr = cls(layout)
-        return torch.tensor([tr.push(int(t))[0] for t in ids], dtype=torch.long).reshape(-1, 3)
+        tracker = cls(layout)
+        return torch.tensor(
+            [tracker.push(int(token))[0] for token in ids], dtype=torch.long
+        ).reshape(-1, 3)

@@ -83,10 +83,11 @@ class TransformerConfig:
             raise ValueError("dim and n_layers must be positive")
         if self.moe.enabled and self.ffn.modality_groups:
             raise ValueError("choose one of moe.num_experts and ffn.modality_groups, not both")
-        hd = self.head_dim
-        if self.rope.mrope_sections and sum(self.rope.mrope_sections) != hd // 2:
+        head_dim = self.head_dim
+        if self.rope.mrope_sections and sum(self.rope.mrope_sections) != head_dim // 2:
             raise ValueError(
-                f"rope.mrope_sections {self.rope.mrope_sections} must sum to head_dim // 2 = {hd // 2}"
+                f"rope.mrope_sections {self.rope.mrope_sections} must sum to "
+                f"head_dim // 2 = {head_dim // 2}"
             )
 
     @property
@@ -134,21 +135,23 @@ class Block(nn.Module):
 
     def _forward(self, x, cos, sin, mask, modality, cache=None, cache_start=0):
         if self.reorder_norm:
-            h = x + self.attention_norm(self.attention(x, cos, sin, mask, cache, cache_start))
-            y, stats = self.feed_forward(h, modality)
-            return h + self.ffn_norm(y), stats
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask, cache, cache_start)
-        y, stats = self.feed_forward(self.ffn_norm(h), modality)
-        return h + y, stats
+            hidden = x + self.attention_norm(self.attention(x, cos, sin, mask, cache, cache_start))
+            ffn_out, stats = self.feed_forward(hidden, modality)
+            return hidden + self.ffn_norm(ffn_out), stats
+        hidden = x + self.attention(self.attention_norm(x), cos, sin, mask, cache, cache_start)
+        ffn_out, stats = self.feed_forward(self.ffn_norm(hidden), modality)
+        return hidden + ffn_out, stats
 
 
 def positions_from_doc_ids(doc_ids: Tensor) -> Tensor:
     """1D positions that restart at 0 at every document start: [B, T] long."""
-    B, T = doc_ids.shape
-    idx = torch.arange(T, device=doc_ids.device).expand(B, T)
+    batch_size, seq_len = doc_ids.shape
+    positions = torch.arange(seq_len, device=doc_ids.device).expand(batch_size, seq_len)
     start = torch.ones_like(doc_ids, dtype=torch.bool)
     start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    return idx - torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return (
+        positions - torch.where(start, positions, torch.zeros_like(positions)).cummax(dim=1).values
+    )
 
 
 class Transformer(nn.Module):
@@ -182,8 +185,8 @@ class Transformer(nn.Module):
         nn.init.trunc_normal_(self.output.weight, std=head_std, a=-3 * head_std, b=3 * head_std)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.tok_embeddings.weight.numel() if exclude_embeddings else n
+        total = sum(param.numel() for param in self.parameters())
+        return total - self.tok_embeddings.weight.numel() if exclude_embeddings else total
 
     # --- the trunk --------------------------------------------------------------------------
     def _trunk(
@@ -197,27 +200,28 @@ class Transformer(nn.Module):
         caches=None,
         cache_start=0,
     ):
-        h = self.tok_embeddings(input_ids)
+        hidden = self.tok_embeddings(input_ids)
         cos, sin = self.rope(position_ids, position_thw)
         stats = []
-        for i, layer in enumerate(self.layers):
-            cache = caches[i] if caches is not None else None
-            h, s = layer(h, cos, sin, mask, modality, cache, cache_start)
-            if s is not None:
-                stats.append(s)
-        return h, stats
+        for layer_index, layer in enumerate(self.layers):
+            cache = caches[layer_index] if caches is not None else None
+            hidden, layer_stats = layer(hidden, cos, sin, mask, modality, cache, cache_start)
+            if layer_stats is not None:
+                stats.append(layer_stats)
+        return hidden, stats
 
     def _moe_summary(self, stats) -> dict[str, Tensor] | None:
         if not stats:
             return None
-        lb = torch.stack([s.load_balance for s in stats]).mean()
-        z = torch.stack([s.router_z for s in stats]).mean()
+        load_balance = torch.stack([layer_stats.load_balance for layer_stats in stats]).mean()
+        router_z = torch.stack([layer_stats.router_z for layer_stats in stats]).mean()
         return {
-            "aux_loss": self.cfg.moe.load_balance_coef * lb + self.cfg.moe.router_z_coef * z,
-            "load_balance": lb,
-            "router_z": z,
-            "dropped": torch.stack([s.dropped for s in stats]).sum(),
-            "expert_load": torch.stack([s.expert_load for s in stats]),
+            "aux_loss": self.cfg.moe.load_balance_coef * load_balance
+            + self.cfg.moe.router_z_coef * router_z,
+            "load_balance": load_balance,
+            "router_z": router_z,
+            "dropped": torch.stack([layer_stats.dropped for layer_stats in stats]).sum(),
+            "expert_load": torch.stack([layer_stats.expert_load for layer_stats in stats]),
         }
 
     def forward(
@@ -236,18 +240,18 @@ class Transformer(nn.Module):
         """All tensors [B, T] (position_thw [B, T, 3]). Missing ones default to: one document
         per row, positions from doc_ids (restarting per document), modality TEXT, no images.
         Returns a LossResult when ``labels`` (already shifted) are given, else logits [B, T, V]."""
-        B, T = input_ids.shape
+        batch_size, seq_len = input_ids.shape
         if modality is None:
             modality = torch.full_like(input_ids, int(Modality.TEXT))
         if position_ids is None:
             position_ids = (
                 positions_from_doc_ids(doc_ids)
                 if doc_ids is not None
-                else torch.arange(T, device=input_ids.device).expand(B, T)
+                else torch.arange(seq_len, device=input_ids.device).expand(batch_size, seq_len)
             )
         mask = build_attention_mask(
-            B,
-            T,
+            batch_size,
+            seq_len,
             input_ids.device,
             doc_ids=doc_ids,
             image_ids=image_ids,
@@ -255,20 +259,20 @@ class Transformer(nn.Module):
             bidirectional_images=self.cfg.attention.bidirectional_images,
             backend=self.cfg.attention.backend,
         )
-        h, stats = self._trunk(
+        hidden, stats = self._trunk(
             input_ids,
             position_ids=position_ids,
             position_thw=position_thw,
             modality=modality,
             mask=mask,
         )
-        final = self.norm(h)
+        final = self.norm(hidden)
         if labels is None:
             return self.output(final)
         if label_modality is None:
             # The target of position i is the token at i + 1; the last position keeps its own.
             label_modality = torch.cat([modality[:, 1:], modality[:, -1:]], dim=1)
-        return self.output(final, h, labels, label_modality, self._moe_summary(stats))
+        return self.output(final, hidden, labels, label_modality, self._moe_summary(stats))
 
     def blocks(self) -> list[Block]:
         """The layers, typed (an nn.ModuleList only knows it holds modules)."""
@@ -305,16 +309,18 @@ class Transformer(nn.Module):
         """Run ``input_ids`` [B, s] at positions start.. against the caches; logits of the last
         position, [B, V] float32. The prompt (start == 0) may carry image_ids for bidirectional
         image attention; later steps are causal."""
-        B, s = input_ids.shape
+        batch_size, num_new = input_ids.shape
         if modality is None:
             modality = torch.full_like(input_ids, int(Modality.TEXT))
         if position_ids is None:
-            position_ids = torch.arange(start, start + s, device=input_ids.device).expand(B, s)
+            position_ids = torch.arange(start, start + num_new, device=input_ids.device).expand(
+                batch_size, num_new
+            )
         window = self.cfg.attention.sliding_window
         if start == 0:
             mask = build_attention_mask(
-                B,
-                s,
+                batch_size,
+                num_new,
                 input_ids.device,
                 image_ids=image_ids,
                 sliding_window=window,
@@ -322,8 +328,8 @@ class Transformer(nn.Module):
                 backend="sdpa",
             )
         else:
-            mask = decode_mask(start, s, input_ids.device, sliding_window=window)
-        h, _ = self._trunk(
+            mask = decode_mask(start, num_new, input_ids.device, sliding_window=window)
+        hidden, _ = self._trunk(
             input_ids,
             position_ids=position_ids,
             position_thw=position_thw,
@@ -332,4 +338,4 @@ class Transformer(nn.Module):
             caches=caches,
             cache_start=start,
         )
-        return self.output(self.norm(h[:, -1]))
+        return self.output(self.norm(hidden[:, -1]))

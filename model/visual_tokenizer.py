@@ -68,15 +68,18 @@ class VisualTokenizerConfig:
     entropy: float = 0.0  # weight of the code-use bonus (FSQ.marginal_entropy)
 
     def __post_init__(self) -> None:
-        self.levels = [int(x) for x in self.levels]
-        self.enc_channels = [int(x) for x in self.enc_channels]
-        self.dec_channels = [int(x) for x in self.dec_channels]
+        self.levels = [int(value) for value in self.levels]
+        self.enc_channels = [int(value) for value in self.enc_channels]
+        self.dec_channels = [int(value) for value in self.dec_channels]
         if self.factor not in (2, 4, 8, 16):
             raise ValueError(f"factor must be 2, 4, 8 or 16, got {self.factor}")
-        for name, ch in (("enc_channels", self.enc_channels), ("dec_channels", self.dec_channels)):
-            if not ch or 2 ** (len(ch) - 1) > self.factor:
+        for name, widths in (
+            ("enc_channels", self.enc_channels),
+            ("dec_channels", self.dec_channels),
+        ):
+            if not widths or 2 ** (len(widths) - 1) > self.factor:
                 raise ValueError(
-                    f"{name} needs 1..{int(math.log2(self.factor)) + 1} widths, got {ch}"
+                    f"{name} needs 1..{int(math.log2(self.factor)) + 1} widths, got {widths}"
                 )
         if self.temporal_factor < 1:
             raise ValueError("temporal_factor must be >= 1")
@@ -114,23 +117,23 @@ class Encoder(nn.Module):
 
     def __init__(self, cfg: VisualTokenizerConfig) -> None:
         super().__init__()
-        ch = cfg.enc_channels
-        self.stem_factor = cfg.factor // 2 ** (len(ch) - 1)
-        layers: list[nn.Module] = [nn.Conv2d(3 * self.stem_factor**2, ch[0], 3, padding=1)]
-        for i, c in enumerate(ch):
-            if i:  # stride-2 stage: a 2x2 unshuffle + 1x1 conv is cheaper than a strided 3x3
-                layers += [nn.PixelUnshuffle(2), nn.Conv2d(4 * ch[i - 1], c, 1)]
-            layers += [ResBlock(c, cfg.norm_groups) for _ in range(cfg.enc_blocks)]
-        layers += [_norm(ch[-1], cfg.norm_groups), nn.SiLU()]
+        widths = cfg.enc_channels
+        self.stem_factor = cfg.factor // 2 ** (len(widths) - 1)
+        layers: list[nn.Module] = [nn.Conv2d(3 * self.stem_factor**2, widths[0], 3, padding=1)]
+        for stage, width in enumerate(widths):
+            if stage:  # stride-2 stage: a 2x2 unshuffle + 1x1 conv is cheaper than a strided 3x3
+                layers += [nn.PixelUnshuffle(2), nn.Conv2d(4 * widths[stage - 1], width, 1)]
+            layers += [ResBlock(width, cfg.norm_groups) for _ in range(cfg.enc_blocks)]
+        layers += [_norm(widths[-1], cfg.norm_groups), nn.SiLU()]
         self.trunk = nn.Sequential(*layers)
         self.factor = cfg.factor
-        self.colour = nn.Conv2d(3, ch[-1], 1) if cfg.colour_path else None
+        self.colour = nn.Conv2d(3, widths[-1], 1) if cfg.colour_path else None
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.trunk(F.pixel_unshuffle(x, self.stem_factor) if self.stem_factor > 1 else x)
+        features = self.trunk(F.pixel_unshuffle(x, self.stem_factor) if self.stem_factor > 1 else x)
         if self.colour is not None:
-            h = h + self.colour(F.avg_pool2d(x, self.factor))
-        return h
+            features = features + self.colour(F.avg_pool2d(x, self.factor))
+        return features
 
 
 class Decoder(nn.Module):
@@ -138,16 +141,19 @@ class Decoder(nn.Module):
 
     def __init__(self, cfg: VisualTokenizerConfig) -> None:
         super().__init__()
-        ch, g = cfg.dec_channels, cfg.norm_groups
-        self.head_factor = cfg.factor // 2 ** (len(ch) - 1)
-        self.inp = nn.Conv2d(len(cfg.levels), ch[0], 3, padding=1)
+        widths, groups = cfg.dec_channels, cfg.norm_groups
+        self.head_factor = cfg.factor // 2 ** (len(widths) - 1)
+        self.inp = nn.Conv2d(len(cfg.levels), widths[0], 3, padding=1)
         layers: list[nn.Module] = []
-        for i, c in enumerate(ch):
-            if i:
-                layers += [nn.Conv2d(ch[i - 1], 4 * c, 3, padding=1), nn.PixelShuffle(2)]
-            layers += [ResBlock(c, g) for _ in range(cfg.dec_blocks)]
-        to_pixels = nn.Conv2d(ch[-1], 3 * self.head_factor**2, 3, padding=1)
-        layers += [_norm(ch[-1], g), nn.SiLU(), to_pixels]
+        for stage, width in enumerate(widths):
+            if stage:
+                layers += [
+                    nn.Conv2d(widths[stage - 1], 4 * width, 3, padding=1),
+                    nn.PixelShuffle(2),
+                ]
+            layers += [ResBlock(width, groups) for _ in range(cfg.dec_blocks)]
+        to_pixels = nn.Conv2d(widths[-1], 3 * self.head_factor**2, 3, padding=1)
+        layers += [_norm(widths[-1], groups), nn.SiLU(), to_pixels]
         self.trunk = nn.Sequential(*layers)
         self.factor = cfg.factor
         self.colour = nn.Conv2d(len(cfg.levels), 3, 1) if cfg.colour_path else None
@@ -156,17 +162,17 @@ class Decoder(nn.Module):
             nn.init.zeros_(cast(Tensor, to_pixels.bias))  # a Conv2d has a bias unless told not
 
     def forward(self, q: Tensor, extra: Tensor | None = None) -> Tensor:
-        h = self.inp(q)
+        features = self.inp(q)
         if extra is not None:
-            h = h + extra
-        y = self.trunk(h)
+            features = features + extra
+        pixels = self.trunk(features)
         if self.head_factor > 1:
-            y = F.pixel_shuffle(y, self.head_factor)
+            pixels = F.pixel_shuffle(pixels, self.head_factor)
         if self.colour is not None:
-            y = y + F.interpolate(
+            pixels = pixels + F.interpolate(
                 self.colour(q), scale_factor=self.factor, mode="bilinear", align_corners=False
             )
-        return y
+        return pixels
 
 
 class VisualTokenizer(nn.Module):
@@ -177,13 +183,18 @@ class VisualTokenizer(nn.Module):
         self.encoder = Encoder(cfg)
         self.to_latent = nn.Conv2d(cfg.enc_channels[-1], len(cfg.levels), 1)
         self.decoder = Decoder(cfg)
-        tf, c, d = cfg.temporal_factor, cfg.enc_channels[-1], len(cfg.levels)
+        group_size, enc_width, code_dim = cfg.temporal_factor, cfg.enc_channels[-1], len(cfg.levels)
         # Video: causal merge of a group's features (init: mean) and per-offset decoder inputs.
-        self.t_merge = nn.Conv2d(tf * c, c, 1)
+        self.t_merge = nn.Conv2d(group_size * enc_width, enc_width, 1)
         with torch.no_grad():
-            self.t_merge.weight.copy_(torch.eye(c).repeat(1, tf).div(tf).view(c, tf * c, 1, 1))
+            self.t_merge.weight.copy_(
+                torch.eye(enc_width)
+                .repeat(1, group_size)
+                .div(group_size)
+                .view(enc_width, group_size * enc_width, 1, 1)
+            )
             cast(Tensor, self.t_merge.bias).zero_()
-        self.t_dec = nn.Conv2d(2 * d, tf * cfg.dec_channels[0], 1)
+        self.t_dec = nn.Conv2d(2 * code_dim, group_size * cfg.dec_channels[0], 1)
         nn.init.zeros_(self.t_dec.weight)
         nn.init.zeros_(cast(Tensor, self.t_dec.bias))
 
@@ -192,10 +203,10 @@ class VisualTokenizer(nn.Module):
         return self.fsq.num_codes
 
     def _check(self, x: Tensor) -> None:
-        f = self.cfg.factor
-        if x.shape[-3] != 3 or x.shape[-1] % f or x.shape[-2] % f:
+        factor = self.cfg.factor
+        if x.shape[-3] != 3 or x.shape[-1] % factor or x.shape[-2] % factor:
             raise ValueError(
-                f"images need 3 channels and H, W multiples of {f}, got {tuple(x.shape)}"
+                f"images need 3 channels and H, W multiples of {factor}, got {tuple(x.shape)}"
             )
 
     # --- images ------------------------------------------------------------------------
@@ -222,35 +233,35 @@ class VisualTokenizer(nn.Module):
         return self.decoder(self.fsq.indices_to_codes(indices)).clamp(-1, 1)
 
     def loss(self, y: Tensor, x: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        c = self.cfg
-        d = y.float() - x.float()
-        l1, l2 = d.abs().mean(), d.pow(2).mean()
-        total = c.l1 * l1 + c.l2 * l2
-        m = {"l1": l1.detach(), "l2": l2.detach()}
-        if c.grad:
-            g = (d[..., 1:, :] - d[..., :-1, :]).abs().mean() + (
-                d[..., 1:] - d[..., :-1]
+        cfg = self.cfg
+        diff = y.float() - x.float()
+        l1_loss, l2_loss = diff.abs().mean(), diff.pow(2).mean()
+        total = cfg.l1 * l1_loss + cfg.l2 * l2_loss
+        metrics = {"l1": l1_loss.detach(), "l2": l2_loss.detach()}
+        if cfg.grad:
+            grad_loss = (diff[..., 1:, :] - diff[..., :-1, :]).abs().mean() + (
+                diff[..., 1:] - diff[..., :-1]
             ).abs().mean()
-            total = total + c.grad * g
-            m["grad"] = g.detach()
+            total = total + cfg.grad * grad_loss
+            metrics["grad"] = grad_loss.detach()
         with torch.no_grad():  # PSNR on [0, 1] of the batch, the number the monitors plot
-            m["psnr"] = 10 * torch.log10(
+            metrics["psnr"] = 10 * torch.log10(
                 4 / y.detach().float().clamp(-1, 1).sub(x.float()).pow(2).mean()
             )
-        return total, m
+        return total, metrics
 
     def forward(self, images: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """One training step's loss: ``loss, metrics = model(images)``, images in [-1, 1]."""
-        z = self.latents(images)
-        q, idx = self.fsq(z)
-        loss, m = self.loss(self.decoder(q), images)
+        latents = self.latents(images)
+        codes, indices = self.fsq(latents)
+        loss, metrics = self.loss(self.decoder(codes), images)
         if self.cfg.entropy:
-            h = self.fsq.marginal_entropy(z)
-            loss = loss + self.cfg.entropy * (1 - h).mean()
-            m["level_entropy"] = h.detach().mean()
+            level_entropy = self.fsq.marginal_entropy(latents)
+            loss = loss + self.cfg.entropy * (1 - level_entropy).mean()
+            metrics["level_entropy"] = level_entropy.detach().mean()
         with torch.no_grad():
-            m["code_fraction"] = torch.tensor(idx.unique().numel() / self.num_codes)
-        return loss, m
+            metrics["code_fraction"] = torch.tensor(indices.unique().numel() / self.num_codes)
+        return loss, metrics
 
     # --- video -------------------------------------------------------------------------
     def num_latent_frames(self, t: int) -> int:
@@ -258,17 +269,22 @@ class VisualTokenizer(nn.Module):
 
     def video_latents(self, frames: Tensor) -> Tensor:
         """``[B, T, 3, H, W]`` -> continuous latents ``[B, T_lat, d, h, w]`` before FSQ."""
-        b, t = frames.shape[:2]
+        batch_size, num_frames = frames.shape[:2]
         self._check(frames)
-        tf = self.cfg.temporal_factor
+        group_size = self.cfg.temporal_factor
         feats = self.encoder(frames.flatten(0, 1))
-        feats = feats.view(b, t, *feats.shape[1:])
-        lat = [feats[:, 0]]
-        for s in range(1, t, tf):  # group s .. s+tf-1; pad a short group with its own last frame
-            grp = [feats[:, min(k, t - 1)] for k in range(s, s + tf)]
-            lat.append(self.t_merge(torch.cat(grp, 1)))
-        z = self.to_latent(torch.stack(lat, 1).flatten(0, 1))
-        return z.view(b, len(lat), *z.shape[1:])
+        feats = feats.view(batch_size, num_frames, *feats.shape[1:])
+        latent_frames = [feats[:, 0]]
+        # frames group_start .. group_start + group_size - 1; a short last group is padded with
+        # its own last frame
+        for group_start in range(1, num_frames, group_size):
+            group = [
+                feats[:, min(frame, num_frames - 1)]
+                for frame in range(group_start, group_start + group_size)
+            ]
+            latent_frames.append(self.t_merge(torch.cat(group, 1)))
+        latents = self.to_latent(torch.stack(latent_frames, 1).flatten(0, 1))
+        return latents.view(batch_size, len(latent_frames), *latents.shape[1:])
 
     def quantize_video(self, frames: Tensor) -> tuple[Tensor, Tensor]:
         """``[B, T, 3, H, W]`` -> (codes ``[B, T_lat, d, h, w]``, indices ``[B, T_lat, h, w]``)."""
@@ -279,13 +295,21 @@ class VisualTokenizer(nn.Module):
         return self.quantize_video(frames)[1]
 
     def decode_video_codes(self, q: Tensor, num_frames: int | None = None) -> Tensor:
-        b, tl = q.shape[:2]
-        tf, c0 = self.cfg.temporal_factor, self.cfg.dec_channels[0]
+        batch_size, num_latent = q.shape[:2]
+        group_size, dec_width = self.cfg.temporal_factor, self.cfg.dec_channels[0]
         out = [self.decoder(q[:, 0])]
-        for j in range(1, tl):
-            extra = self.t_dec(torch.cat([q[:, j - 1], q[:, j]], 1)).view(b, tf, c0, *q.shape[-2:])
-            qj = q[:, j].unsqueeze(1).expand(-1, tf, -1, -1, -1).flatten(0, 1)
-            out.append(self.decoder(qj, extra.flatten(0, 1)).view(b, tf, 3, *out[0].shape[-2:]))
+        for latent in range(1, num_latent):
+            extra = self.t_dec(torch.cat([q[:, latent - 1], q[:, latent]], 1)).view(
+                batch_size, group_size, dec_width, *q.shape[-2:]
+            )
+            latent_codes = (
+                q[:, latent].unsqueeze(1).expand(-1, group_size, -1, -1, -1).flatten(0, 1)
+            )
+            out.append(
+                self.decoder(latent_codes, extra.flatten(0, 1)).view(
+                    batch_size, group_size, 3, *out[0].shape[-2:]
+                )
+            )
         video = torch.cat([out[0].unsqueeze(1)] + out[1:], 1)
         return video[:, :num_frames] if num_frames is not None else video
 
@@ -293,13 +317,13 @@ class VisualTokenizer(nn.Module):
     def decode_video(self, indices: Tensor, num_frames: int | None = None) -> Tensor:
         """``[B, T_lat, h, w]`` -> ``[B, T, 3, H, W]``; T = 1 + (T_lat-1) * temporal_factor unless
         ``num_frames`` (the original count) trims the padding of a short last group."""
-        q = self.fsq.indices_to_codes(indices, channel_dim=2)
-        return self.decode_video_codes(q, num_frames).clamp(-1, 1)
+        codes = self.fsq.indices_to_codes(indices, channel_dim=2)
+        return self.decode_video_codes(codes, num_frames).clamp(-1, 1)
 
     def forward_video(self, frames: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        q, _ = self.quantize_video(frames)
-        y = self.decode_video_codes(q, frames.shape[1])
-        return self.loss(y.flatten(0, 1), frames.flatten(0, 1))
+        codes, _ = self.quantize_video(frames)
+        recon = self.decode_video_codes(codes, frames.shape[1])
+        return self.loss(recon.flatten(0, 1), frames.flatten(0, 1))
 
 
 # --- presets -------------------------------------------------------------------------------

@@ -40,16 +40,16 @@ Run `earlyfuse-convert COMMAND --help` for each command's options. Formats: docs
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         prog="earlyfuse-convert",
         description="Convert earlyfuse checkpoints: DeepSpeed run -> release -> new run or Hugging Face.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMANDS:
         importlib.import_module(name).register(sub)
-    return p
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

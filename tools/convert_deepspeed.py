@@ -77,7 +77,9 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Checkpoint:
         raise CheckpointError(
             f"{run_dir}: no checkpoints/ folder; is this an earlyfuse-train run folder?"
         )
-    have = sorted(d.name for d in root.iterdir() if d.is_dir() and TAG.match(d.name))
+    have = sorted(
+        folder.name for folder in root.iterdir() if folder.is_dir() and TAG.match(folder.name)
+    )
     if step is None:
         latest = root / LATEST_FILE
         if not latest.is_file():
@@ -88,7 +90,7 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Checkpoint:
     else:
         tag = f"step_{step:08d}"
     if not TAG.match(tag) or not (root / tag).is_dir():
-        steps = [int(t[5:]) for t in have]
+        steps = [int(tag_name[5:]) for tag_name in have]
         raise CheckpointError(f"{root / tag}: no such checkpoint; steps present: {steps or 'none'}")
     meta_path = root / tag / CHECKPOINT_META_FILE
     try:
@@ -119,7 +121,9 @@ def consolidate(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
         module = state.get("module") if isinstance(state, dict) else None
         if not isinstance(module, dict) or not module:
             raise CheckpointError(f"{path}: holds no 'module' weights")
-        return {k: v.detach().to(torch.float32, copy=True) for k, v in module.items()}
+        return {
+            name: tensor.detach().to(torch.float32, copy=True) for name, tensor in module.items()
+        }
     if _is_bf16_optimizer(ckpt.folder):
         return _consolidate_bf16_optimizer(ckpt)
     from deepspeed.utils import zero_to_fp32
@@ -143,7 +147,10 @@ def consolidate(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
             f"({type(e).__name__}: {str(e).strip()[:400]})"
         ) from None
     # Views into one flat partition share storage (safetensors refuses that): copy each.
-    return {k: v.detach().to(torch.float32, copy=True).contiguous() for k, v in state.items()}
+    return {
+        name: tensor.detach().to(torch.float32, copy=True).contiguous()
+        for name, tensor in state.items()
+    }
 
 
 def _rank_of(path: Path) -> int:
@@ -171,17 +178,17 @@ def _consolidate_bf16_optimizer(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
     folder = ckpt.folder
     files = sorted(folder.glob("bf16_zero_pp_rank_*_mp_rank_00_optim_states.pt"), key=_rank_of)
     world = int(ckpt.meta["world_size"])
-    if [_rank_of(f) for f in files] != list(range(world)):
+    if [_rank_of(part_file) for part_file in files] != list(range(world)):
         raise CheckpointError(
             f"{folder}: expected the bf16 optimizer partitions of ranks 0..{world - 1}, found "
-            f"{[f.name for f in files]}; the save did not complete on every rank"
+            f"{[part_file.name for part_file in files]}; the save did not complete on every rank"
         )
     model_file = folder / "mp_rank_00_model_states.pt"
     model_states = safe_torch_load(model_file, allow_deepspeed=True)
     pieces: dict[str, list[torch.Tensor]] = {}
-    for f in files:
+    for part_file in files:
         try:
-            opt = safe_torch_load(f, allow_deepspeed=True)["optimizer_state_dict"]
+            opt = safe_torch_load(part_file, allow_deepspeed=True)["optimizer_state_dict"]
             for flat, mapping in zip(
                 opt["single_partition_of_fp32_groups"], opt["param_slice_mappings"]
             ):
@@ -191,7 +198,7 @@ def _consolidate_bf16_optimizer(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
                     )
         except (KeyError, TypeError, AttributeError, RuntimeError) as e:
             raise CheckpointError(
-                f"{f}: not a DeepSpeed bf16 optimizer partition ({type(e).__name__}: {e})"
+                f"{part_file}: not a DeepSpeed bf16 optimizer partition ({type(e).__name__}: {e})"
             ) from None
     state: dict[str, torch.Tensor] = {}
     try:

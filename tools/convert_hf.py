@@ -124,7 +124,7 @@ def qwen3_state(state: dict[str, torch.Tensor], n_layers: int) -> dict[str, torc
         raise ReleaseError(
             f"tensor names do not map onto Qwen3: missing {missing[:4]}, unmapped {extra[:4]}"
         )
-    return {names[k]: v for k, v in state.items()}
+    return {names[name]: tensor for name, tensor in state.items()}
 
 
 def non_text_ids(layout, tok) -> list[int]:
@@ -261,7 +261,7 @@ def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=
         shutil.copytree(rel.path / "visual_tokenizer", out / "visual_tokenizer")
     (out / "README.md").write_text(readme(rel, tok))
     log(
-        f"wrote {out}: Qwen3ForCausalLM, {sum(p.numel() for p in model.parameters()):,} parameters, "
+        f"wrote {out}: Qwen3ForCausalLM, {sum(param.numel() for param in model.parameters()):,} parameters, "
         f"vocabulary {rel.transformer_config.vocab_size} (text {rel.vocab_layout.text_size}, codes {rel.vocab_layout.num_codes})"
     )
     return out
@@ -279,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
+    parser = sub.add_parser(
         "hf",
         help="a release -> a Hugging Face model (Qwen3 architecture), where the architecture maps",
         description="Write RELEASE as a transformers model (Qwen3ForCausalLM) in OUT, loadable with "
@@ -288,11 +288,11 @@ def register(sub) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
+    parser.add_argument(
         "release", metavar="RELEASE", help="a release folder (earlyfuse-convert release)"
     )
-    p.add_argument(
+    parser.add_argument(
         "out", metavar="OUT", help="folder to write (must not exist or be empty, see --force)"
     )
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    p.set_defaults(run=run)
+    parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    parser.set_defaults(run=run)

@@ -55,7 +55,7 @@ def hydra_value(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (list, tuple)):
-        return "[" + ",".join(hydra_value(x) for x in v) + "]"
+        return "[" + ",".join(hydra_value(item) for item in v) + "]"
     return str(v)
 
 
@@ -66,9 +66,9 @@ def architecture_overrides(rel: Release) -> list[str]:
         else ("vtok", dataclasses.asdict(rel.visual_config()))
     )
     return [
-        f"{section}.{k}={hydra_value(v)}"
-        for k, v in flat(cfg).items()
-        if k not in NOT_ARCHITECTURE and k not in VOCAB_FIELDS
+        f"{section}.{key}={hydra_value(value)}"
+        for key, value in flat(cfg).items()
+        if key not in NOT_ARCHITECTURE and key not in VOCAB_FIELDS
     ]
 
 
@@ -131,7 +131,11 @@ def run(args: argparse.Namespace) -> int:
             f"{run_dir} already has a checkpoint ({latest.read_text().strip()}): a run that resumes "
             "ignores train.init_from. Choose a new run folder or remove its checkpoints/."
         )
-    overrides = [o for o in args.overrides if not o.startswith(("run_dir=", "train.init_from="))]
+    overrides = [
+        override
+        for override in args.overrides
+        if not override.startswith(("run_dir=", "train.init_from="))
+    ]
     tail = [f"run_dir={run_dir}", f"train.init_from={rel.path.resolve()}"]
     if overrides:
         diff = check_against_run(rel, state, overrides + tail)
@@ -153,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
+    parser = sub.add_parser(
         "import",
         help="validate a release and print the earlyfuse-train command that starts a run from it",
         description="Check RELEASE (files, shapes, finiteness) and, given the training overrides, that it fits the "
@@ -162,16 +166,16 @@ def register(sub) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
+    parser.add_argument(
         "release", metavar="RELEASE", help="a release folder (earlyfuse-convert release)"
     )
-    p.add_argument(
+    parser.add_argument(
         "run_dir", metavar="RUN_DIR", help="the new run's folder (must have no checkpoint yet)"
     )
-    p.add_argument(
+    parser.add_argument(
         "overrides",
         metavar="OVERRIDE",
         nargs="*",
         help="earlyfuse-train overrides of the new run (e.g. experiment=demo optim.lr=1e-4), checked now",
     )
-    p.set_defaults(run=run)
+    parser.set_defaults(run=run)

@@ -73,10 +73,10 @@ def _versions() -> dict:
 
 def _token_manifest_dir(path: Path) -> Path | None:
     for parent in [path, *list(path.parents)[:3]]:
-        m = parent / MANIFEST_FILE
-        if m.is_file():
+        manifest = parent / MANIFEST_FILE
+        if manifest.is_file():
             try:
-                if json.loads(m.read_text()).get("format") == "earlyfuse-token-shards":
+                if json.loads(manifest.read_text()).get("format") == "earlyfuse-token-shards":
                     return parent
             except ValueError:
                 return None
@@ -101,8 +101,8 @@ def find_tokenizers(run_cfg) -> tuple[Path | None, str]:
             if root is None:
                 tried.append(f"{found[0]} (no token manifest.json above it)")
                 continue
-            m = json.loads((root / MANIFEST_FILE).read_text())
-            folder = root / m.get("tokenizers", {}).get("folder", "tokenizers")
+            manifest = json.loads((root / MANIFEST_FILE).read_text())
+            folder = root / manifest.get("tokenizers", {}).get("folder", "tokenizers")
             if folder.is_dir():
                 return folder, ""
             tried.append(f"{folder} (named by {root / MANIFEST_FILE}, missing)")
@@ -121,7 +121,7 @@ def check_tokenizers(folder: Path, layout) -> dict:
         folder / VISUAL / WEIGHTS,
         folder / VISUAL / CONFIG,
     ]
-    missing = [str(p) for p in need if not p.is_file()]
+    missing = [str(path) for path in need if not path.is_file()]
     if missing:
         raise ReleaseError(
             f"{folder}: tokenizer files missing: {', '.join(missing)} (pass --tokenizers DIR "
@@ -176,12 +176,12 @@ def make_release(
     tok_dir: Path | None = None
     fingerprints, tok_options = None, {}
     if task == "lm":
-        lp = ckpt.folder / LAYOUT
-        if not lp.is_file():
+        layout_path = ckpt.folder / LAYOUT
+        if not layout_path.is_file():
             raise CheckpointError(
-                f"{lp}: missing; an LM checkpoint carries the vocabulary layout it was trained with"
+                f"{layout_path}: missing; an LM checkpoint carries the vocabulary layout it was trained with"
             )
-        layout = VocabLayout.load(lp)
+        layout = VocabLayout.load(layout_path)
         net_cfg = run_cfg.model.with_layout(layout)
         if not no_tokenizers:
             if tokenizers is not None:
@@ -207,7 +207,10 @@ def make_release(
 
     state = consolidate(ckpt)
     check_state(state, meta_module(task, net_cfg).state_dict(), str(ckpt.folder))
-    state = {k: (v.to(torch_dtype) if v.is_floating_point() else v) for k, v in state.items()}
+    state = {
+        key: (tensor.to(torch_dtype) if tensor.is_floating_point() else tensor)
+        for key, tensor in state.items()
+    }
     n_params = param_count(state)
     log(
         f"consolidated {len(state)} tensors, {n_params:,} parameters; shapes match the model config"
@@ -276,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
+    parser = sub.add_parser(
         "release",
         help="a DeepSpeed checkpoint (any ZeRO stage) -> a portable release folder",
         description="Consolidate a checkpoint of RUN_DIR (any ZeRO stage, any world size, on CPU) into OUT: "
@@ -285,33 +288,33 @@ def register(sub) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
+    parser.add_argument(
         "run_dir", metavar="RUN_DIR", help="an earlyfuse-train run folder (with checkpoints/)"
     )
-    p.add_argument(
+    parser.add_argument(
         "out",
         metavar="OUT",
         help="release folder to write (must not exist or be empty, see --force)",
     )
-    p.add_argument(
+    parser.add_argument(
         "--step", type=int, default=None, help="checkpoint step (default: checkpoints/latest)"
     )
-    p.add_argument(
+    parser.add_argument(
         "--dtype",
         choices=["fp32", "bf16"],
         default="fp32",
         help="weight dtype stored (default fp32)",
     )
-    p.add_argument(
+    parser.add_argument(
         "--tokenizers",
         metavar="DIR",
         default=None,
         help="the tokenizers/ folder of the token data (default: found from the run config's data.sources)",
     )
-    p.add_argument(
+    parser.add_argument(
         "--no-tokenizers",
         action="store_true",
         help="weights, config and layout only (enough for train.init_from, not for earlyfuse-generate)",
     )
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    p.set_defaults(run=run)
+    parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    parser.set_defaults(run=run)

@@ -37,14 +37,14 @@ UNIVERSAL = "universal"
 
 
 def make_universal(run_dir, step: int | None = None, *, force: bool = False, log=print):
-    ck = find_checkpoint(run_dir, step)
-    stage, world = int(ck.meta["zero_stage"]), int(ck.meta["world_size"])
+    ckpt = find_checkpoint(run_dir, step)
+    stage, world = int(ckpt.meta["zero_stage"]), int(ckpt.meta["world_size"])
     if stage == 0:
         raise CheckpointError(
-            f"{ck.folder}: a ZeRO-0 checkpoint holds whole copies of model and optimizer; it "
+            f"{ckpt.folder}: a ZeRO-0 checkpoint holds whole copies of model and optimizer; it "
             "resumes on any world size as it is (no conversion needed)"
         )
-    out = ck.folder / UNIVERSAL
+    out = ckpt.folder / UNIVERSAL
     if out.exists():
         if not force:
             raise CheckpointError(f"{out} exists (use --force to make it again)")
@@ -59,7 +59,7 @@ def make_universal(run_dir, step: int | None = None, *, force: bool = False, log
         [
             "ds_to_universal",
             "--input_folder",
-            str(ck.folder),
+            str(ckpt.folder),
             "--output_folder",
             str(out),
             "--num_extract_workers",
@@ -78,7 +78,7 @@ def make_universal(run_dir, step: int | None = None, *, force: bool = False, log
     except (AssertionError, KeyError, RuntimeError, ValueError) as e:
         shutil.rmtree(out, ignore_errors=True)
         raise CheckpointError(
-            f"{ck.folder}: DeepSpeed could not make a universal checkpoint ({e})"
+            f"{ckpt.folder}: DeepSpeed could not make a universal checkpoint ({e})"
         ) from None
     finally:
         sys.argv = argv
@@ -86,14 +86,19 @@ def make_universal(run_dir, step: int | None = None, *, force: bool = False, log
     files = file_manifest(out, checkpoint_files(out))
     (out / "source.json").write_text(
         json.dumps(
-            {"step": ck.meta.get("step"), "world_size": world, "zero_stage": stage, "files": files},
+            {
+                "step": ckpt.meta.get("step"),
+                "world_size": world,
+                "zero_stage": stage,
+                "files": files,
+            },
             indent=1,
         )
         + "\n"
     )
     log(
-        f"wrote {out}: {ck.tag} (ZeRO {stage}, {world} rank(s)) as a universal checkpoint; "
-        f"`earlyfuse-train ... run_dir={ck.run_dir}` on any number of ranks resumes from it"
+        f"wrote {out}: {ckpt.tag} (ZeRO {stage}, {world} rank(s)) as a universal checkpoint; "
+        f"`earlyfuse-train ... run_dir={ckpt.run_dir}` on any number of ranks resumes from it"
     )
     return out
 
@@ -104,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
+    parser = sub.add_parser(
         "universal",
         help="a ZeRO 1-3 checkpoint -> a DeepSpeed universal checkpoint (resume on another world size)",
         description="Write checkpoints/step_N/universal/ beside RUN_DIR's checkpoint: its optimizer and weight "
@@ -114,11 +119,11 @@ def register(sub) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
+    parser.add_argument(
         "run_dir", metavar="RUN_DIR", help="an earlyfuse-train run folder (with checkpoints/)"
     )
-    p.add_argument(
+    parser.add_argument(
         "--step", type=int, default=None, help="checkpoint step (default: checkpoints/latest)"
     )
-    p.add_argument("--force", action="store_true", help="make it again if it exists")
-    p.set_defaults(run=run)
+    parser.add_argument("--force", action="store_true", help="make it again if it exists")
+    parser.set_defaults(run=run)

@@ -250,16 +250,16 @@ class Generator:
 
         lay = self.layout
         boi, eoi = lay.structure_id("<boi>"), lay.structure_id("<eoi>")
-        m = max_size or self.default_max_size()
+        side = max_size or self.default_max_size()
         need = (
-            image_block_len(*size) - 1 if size else image_block_len(m, m) - 1
+            image_block_len(*size) - 1 if size else image_block_len(side, side) - 1
         )  # everything after <boi>
         body = self.text.encode(prompt)
         ids = [self.text.bos_id, *body, boi]
         mod = [int(Modality.TEXT)] * (len(ids) - 1) + [int(Modality.STRUCTURE)]
         try:
             constraint = ImageConstraint(
-                lay, 1, vocab_size=self.model.cfg.vocab_size, max_h=m, max_w=m, size=size
+                lay, 1, vocab_size=self.model.cfg.vocab_size, max_h=side, max_w=side, size=size
             )
         except ValueError as e:
             raise ReleaseError(f"--size: {e}") from None
@@ -312,26 +312,28 @@ class Generator:
         unknown = sorted(set(req) - known)
         if unknown:
             raise ReleaseError(f"unknown request keys {unknown}; known: {sorted(known)}")
-        s = {k: req.get(k, defaults[k]) for k in SAMPLING_KEYS}
-        s = {
-            "max_new_tokens": int(s["max_new_tokens"]),
-            "temperature": float(s["temperature"]),
-            "top_k": int(s["top_k"]),
-            "top_p": float(s["top_p"]),
-            "seed": int(s["seed"]),
+        sampling = {key: req.get(key, defaults[key]) for key in SAMPLING_KEYS}
+        sampling = {
+            "max_new_tokens": int(sampling["max_new_tokens"]),
+            "temperature": float(sampling["temperature"]),
+            "top_k": int(sampling["top_k"]),
+            "top_p": float(sampling["top_p"]),
+            "seed": int(sampling["seed"]),
         }
         if req.get("draw") is not None:
             if not req.get("out"):
                 raise ReleaseError("a draw request needs 'out' (the PNG to write)")
             size = parse_size(req["size"]) if req.get("size") else None
-            s.pop("max_new_tokens")
+            sampling.pop("max_new_tokens")
             res = self.draw(
-                str(req["draw"]), req["out"], size=size, max_size=req.get("max_size"), **s
+                str(req["draw"]), req["out"], size=size, max_size=req.get("max_size"), **sampling
             )
         elif req.get("image") is not None:
-            res = self.caption(req["image"], str(req.get("prompt") or ""), **s)
+            res = self.caption(req["image"], str(req.get("prompt") or ""), **sampling)
         elif req.get("prompt") is not None:
-            res = self.continue_text(str(req["prompt"]), code=bool(req.get("code", False)), **s)
+            res = self.continue_text(
+                str(req["prompt"]), code=bool(req.get("code", False)), **sampling
+            )
         else:
             raise ReleaseError("a request needs 'prompt', 'image' (to caption) or 'draw' (+ 'out')")
         return {**({"id": req["id"]} if "id" in req else {}), **res}
@@ -339,8 +341,8 @@ class Generator:
 
 def parse_size(text) -> tuple[int, int]:
     try:
-        h, w = (int(x) for x in str(text).lower().split("x"))
-        return h, w
+        height, width = (int(part) for part in str(text).lower().split("x"))
+        return height, width
     except ValueError:
         raise ReleaseError(f"size {text!r}: write it as HxW in tokens, e.g. 8x8") from None
 
@@ -359,85 +361,89 @@ def write_utf8(text: str, stream=None) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         prog="earlyfuse-generate",
         description="Sample from an earlyfuse release (earlyfuse-convert release): continue text or code, caption "
         "an image, draw an image to PNG, or run a JSONL file of requests. KV-cached; CPU by default.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("release", metavar="RELEASE", help="a release folder")
-    p.add_argument("--prompt", help="text to continue (with --image: the start of the caption)")
-    p.add_argument("--image", metavar="PATH", help="an image file to caption (with --caption)")
-    p.add_argument("--draw", metavar="TEXT", help="draw an image from TEXT (needs --out)")
-    p.add_argument(
+    parser.add_argument("release", metavar="RELEASE", help="a release folder")
+    parser.add_argument(
+        "--prompt", help="text to continue (with --image: the start of the caption)"
+    )
+    parser.add_argument("--image", metavar="PATH", help="an image file to caption (with --caption)")
+    parser.add_argument("--draw", metavar="TEXT", help="draw an image from TEXT (needs --out)")
+    parser.add_argument(
         "--batch", metavar="JSONL", help="one request per line (see below); '-' reads stdin"
     )
-    p.add_argument(
+    parser.add_argument(
         "--caption",
         action="store_true",
         help="caption --image (what an image prompt does; may be left out)",
     )
-    p.add_argument(
+    parser.add_argument(
         "--code", action="store_true", help="the prompt is code (modality code instead of text)"
     )
-    p.add_argument("--out", metavar="PNG", help="where --draw writes its image")
-    p.add_argument(
+    parser.add_argument("--out", metavar="PNG", help="where --draw writes its image")
+    parser.add_argument(
         "--size",
         metavar="HxW",
         help="--draw: a fixed grid in tokens (pixels = tokens x the visual tokenizer's factor)",
     )
-    p.add_argument(
+    parser.add_argument(
         "--max-size",
         type=int,
         default=None,
         help="--draw: largest grid side the model may choose "
         "(default: the square grid of the training pixel budget)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=64, help="text and captions (default 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=64, help="text and captions (default 64)"
+    )
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
         "--output", metavar="JSONL", help="--batch: write results here instead of stdout"
     )
-    p.add_argument(
+    parser.add_argument(
         "--max-image-pixels",
         type=int,
         default=MAX_SOURCE_PIXELS,
         metavar="N",
         help="refuse input images whose header claims more pixels, before decoding (default 64M)",
     )
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
-    p.add_argument(
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+    parser.add_argument(
         "--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype (default fp32)"
     )
-    return p
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = build_parser()
-    args = p.parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     modes = [
-        m
-        for m, on in (
+        mode
+        for mode, chosen in (
             ("--prompt", args.prompt is not None and not args.image),
             ("--image", args.image),
             ("--draw", args.draw is not None),
             ("--batch", args.batch),
         )
-        if on
+        if chosen
     ]
     if len(modes) != 1:
-        p.error(
+        parser.error(
             "give one of --prompt TEXT, --image PATH --caption, --draw TEXT --out PNG, --batch JSONL"
             + (f" (got {' '.join(modes)})" if modes else "")
         )
     if args.caption and not args.image:
-        p.error("--caption needs --image PATH")
+        parser.error("--caption needs --image PATH")
     if args.draw is not None and not args.out:
-        p.error("--draw needs --out PNG")
+        parser.error("--draw needs --out PNG")
     defaults = {
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
@@ -480,7 +486,7 @@ def run_batch(gen: Generator, path: str, output: str | None, defaults: dict) -> 
     out = open(output, "w", encoding="utf-8") if output else None
     failed = 0
     try:
-        for n, line in enumerate(lines, 1):
+        for line_no, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             req = None
@@ -488,12 +494,12 @@ def run_batch(gen: Generator, path: str, output: str | None, defaults: dict) -> 
                 req = json.loads(line)
                 if not isinstance(req, dict):
                     raise ReleaseError("a request is a JSON object")
-                rec = {"line": n, **gen.request(req, defaults)}
+                rec = {"line": line_no, **gen.request(req, defaults)}
             except Exception as e:  # noqa: BLE001 - one bad line never ends the batch
                 failed += 1
                 why = str(e) if isinstance(e, ReleaseError) else f"{type(e).__name__}: {e}"
                 rec = {
-                    "line": n,
+                    "line": line_no,
                     **({"id": req["id"]} if isinstance(req, dict) and "id" in req else {}),
                     "error": why,
                 }

@@ -114,14 +114,14 @@ def build_trainer(
         chance=task.chance_levels(),
         probes=task.probes(cfg.monitor, engine),
     )
-    main, t = dist.is_main, cfg.train
+    main, train_cfg = dist.is_main, cfg.train
     monitoring = Monitoring(monitor, AlarmLog(run_dir, is_main=main, write_line=log_alarm), rule)
     sinks: list[MetricSink] = []
     if main:
         sinks.append(JsonlSink(run_dir / METRICS_FILE))
-        if t.tensorboard:
+        if train_cfg.tensorboard:
             sinks.append(TensorBoardSink(run_dir / "tb"))
-    precision = "bf16" if t.bf16 else "fp32"
+    precision = "bf16" if train_cfg.bf16 else "fp32"
     describe = (
         f"run {cfg.name} ({cfg.task}) in {run_dir}: {dist.world_size} rank(s) on "
         f"{dist.device.type}, ZeRO {cfg.deepspeed.zero_stage}, {precision}"
@@ -134,30 +134,34 @@ def build_trainer(
             flops_per_unit=flops_per_unit,
             world_size=dist.world_size,
             device=dist.device,
-            configured_peak=t.peak_tflops,
+            configured_peak=train_cfg.peak_tflops,
             is_main=main,
         ),
-        Evaluation(task.evaluate, every=t.eval_every, is_main=main),
-        DataHealth(stream, log_every=t.log_every, device=dist.device, is_main=main),
+        Evaluation(task.evaluate, every=train_cfg.eval_every, is_main=main),
+        DataHealth(stream, log_every=train_cfg.log_every, device=dist.device, is_main=main),
         monitoring,
         MetricsLog(
-            sinks, log_every=t.log_every, unit=task.unit, task_metrics=task.metrics, is_main=main
+            sinks,
+            log_every=train_cfg.log_every,
+            unit=task.unit,
+            task_metrics=task.metrics,
+            is_main=main,
         ),
-        ProgressBar(enabled=t.progress and main),
+        ProgressBar(enabled=train_cfg.progress and main),
         Checkpointing(
-            every=t.ckpt_every,
+            every=train_cfg.ckpt_every,
             healthy=monitoring.healthy,
             unhealthy_why="the monitors see trouble (a step skipped as a spike in the last "
             f"{cfg.monitor.divergence.window}, or the loss rising)",
             is_main=main,
             protect=monitor.protected_steps,
         ),
-        Rollback(monitoring, cfg.monitor.rollback, grad_accum=t.grad_accum, is_main=main),
+        Rollback(monitoring, cfg.monitor.rollback, grad_accum=train_cfg.grad_accum, is_main=main),
         Preemption(device=dist.device),
         *extra_callbacks,
     ]
     return Trainer(
-        train=t,
+        train=train_cfg,
         dist=dist,
         task=task,
         engine=engine,
@@ -174,7 +178,7 @@ def build_trainer(
             "world_size": dist.world_size,
             "zero_stage": cfg.deepspeed.zero_stage,
             "task": cfg.task,
-            "bf16": t.bf16,
+            "bf16": train_cfg.bf16,
         },
         save_files={CONFIG_FILE: resolved_yaml, **task.extra_files()},
     )

@@ -62,11 +62,11 @@ def tag_for(step: int) -> str:
 
 
 def file_sha256(path: Path, bufsize: int = 1 << 22) -> str:
-    h = hashlib.sha256()
+    digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(bufsize):
-            h.update(chunk)
-    return h.hexdigest()
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 # A copy of the run's config for people and tools, which they may edit (paths, after moving
@@ -80,18 +80,18 @@ def checkpoint_files(folder: Path) -> list[str]:
     editable ``config.yaml``."""
     folder = Path(folder)
     return sorted(
-        str(p.relative_to(folder))
-        for p in folder.rglob("*")
-        if p.is_file() and p.name not in (META, *EDITABLE) and not p.name.endswith(".tmp")
+        str(path.relative_to(folder))
+        for path in folder.rglob("*")
+        if path.is_file() and path.name not in (META, *EDITABLE) and not path.name.endswith(".tmp")
     )
 
 
 def file_manifest(folder: Path, names: list[str]) -> dict[str, dict]:
     """{name: {"bytes": size, "sha256": hex}} of ``names`` inside ``folder``."""
     out = {}
-    for n in names:
-        p = Path(folder) / n
-        out[n] = {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+    for name in names:
+        path = Path(folder) / name
+        out[name] = {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
     return out
 
 
@@ -100,20 +100,20 @@ def verify_files(folder: Path, files: dict[str, dict], *, hashes: bool = True) -
     every file, so a truncated file is named without hashing anything."""
     folder = Path(folder)
     problems = []
-    for n, want in files.items():
-        p = folder / n
+    for name, want in files.items():
+        path = folder / name
         try:
-            size = p.stat().st_size
+            size = path.stat().st_size
         except OSError:
-            problems.append(f"{p}: missing")
+            problems.append(f"{path}: missing")
             continue
         if size != want["bytes"]:
-            problems.append(f"{p}: {size} bytes, the manifest says {want['bytes']} (truncated?)")
+            problems.append(f"{path}: {size} bytes, the manifest says {want['bytes']} (truncated?)")
     if problems or not hashes:
         return problems
-    for n, want in files.items():
-        if file_sha256(folder / n) != want["sha256"]:
-            problems.append(f"{folder / n}: SHA-256 differs from the manifest (corrupted)")
+    for name, want in files.items():
+        if file_sha256(folder / name) != want["sha256"]:
+            problems.append(f"{folder / name}: SHA-256 differs from the manifest (corrupted)")
     return problems
 
 
@@ -195,9 +195,15 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate((state["python_version"], tuple(state["python"]), state["python_gauss"]))
-    n = state["numpy"]
+    numpy_state = state["numpy"]
     np.random.set_state(
-        ("MT19937", n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"])
+        (
+            "MT19937",
+            numpy_state["key"].numpy().astype(np.uint32),
+            numpy_state["pos"],
+            numpy_state["has_gauss"],
+            numpy_state["gauss"],
+        )
     )
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -231,13 +237,13 @@ class Checkpointer:
         return self._pointer()
 
     def _pointer(self) -> str | None:
-        p = self.dir / LATEST_FILE
-        if not p.is_file():
+        pointer = self.dir / LATEST_FILE
+        if not pointer.is_file():
             return None
-        tag = p.read_text().strip()
+        tag = pointer.read_text().strip()
         if not TAG.match(tag) or not (self.dir / tag / META).is_file():
             raise CheckpointError(
-                f"{p} names {tag!r}, which is not a complete checkpoint; delete {p} and the "
+                f"{pointer} names {tag!r}, which is not a complete checkpoint; delete {pointer} and the "
                 f"step_* folders beside it to start over"
             )
         return tag
@@ -247,13 +253,13 @@ class Checkpointer:
         if self._main_checked or not self.dir.is_dir():
             return None
         self._main_checked = True
-        for d in self.dir.iterdir():  # a kill mid-delete left these; they hold nothing needed
-            if d.is_dir() and d.name.endswith(DELETING):
-                shutil.rmtree(d, ignore_errors=True)
-        p = self.dir / LATEST_FILE
-        if not p.is_file():
+        for folder in self.dir.iterdir():  # a kill mid-delete left these; they hold nothing needed
+            if folder.is_dir() and folder.name.endswith(DELETING):
+                shutil.rmtree(folder, ignore_errors=True)
+        pointer = self.dir / LATEST_FILE
+        if not pointer.is_file():
             return None  # no checkpoint was ever completed (clean_partial removes the rest)
-        named = p.read_text().strip()
+        named = pointer.read_text().strip()
         reasons: list[str] = []  # why `latest` cannot be taken as it is
         if TAG.match(named):
             newest: int | None = step_of_tag(named)
@@ -261,37 +267,41 @@ class Checkpointer:
                 reasons.append(f"{self.dir / named} is missing")
         else:
             newest = None
-            reasons.append(f"{p} is unreadable ({named[:40]!r}: truncated?)")
+            reasons.append(f"{pointer} is unreadable ({named[:40]!r}: truncated?)")
         candidates = [
-            d for d in reversed(self._tags()) if newest is None or step_of_tag(d.name) <= newest
+            folder
+            for folder in reversed(self._tags())
+            if newest is None or step_of_tag(folder.name) <= newest
         ]
-        for d in candidates:
-            problems = verify_folder(d, hashes=self.verify_hashes)
+        for folder in candidates:
+            problems = verify_folder(folder, hashes=self.verify_hashes)
             if not problems:
                 if reasons:
-                    warn(f"resuming from {d}, not {named!r}: " + "; ".join(reasons))
-                    write_text_atomic(p, d.name + "\n")
-                if "files" not in read_meta(d):
-                    print(f"note: {d} predates checkpoint hashes; loaded unchecked", flush=True)
-                return d.name
-            aside = self._set_aside(d)
+                    warn(f"resuming from {folder}, not {named!r}: " + "; ".join(reasons))
+                    write_text_atomic(pointer, folder.name + "\n")
+                if "files" not in read_meta(folder):
+                    print(
+                        f"note: {folder} predates checkpoint hashes; loaded unchecked", flush=True
+                    )
+                return folder.name
+            aside = self._set_aside(folder)
             reasons.append(
-                f"{d.name} is damaged ({problems[0]}"
+                f"{folder.name} is damaged ({problems[0]}"
                 + (f"; {len(problems) - 1} more problem(s)" if len(problems) > 1 else "")
                 + f"), set aside as {aside.name}"
             )
         raise CheckpointError(
             f"{self.dir}: no intact checkpoint to resume from ("
             + "; ".join(reasons or ["no checkpoint folders"])
-            + f"). Restore one, or delete {p} to start over from step 0"
+            + f"). Restore one, or delete {pointer} to start over from step 0"
         )
 
-    def _set_aside(self, d: Path) -> Path:
-        aside, n = d.with_name(d.name + DAMAGED), 1
+    def _set_aside(self, folder: Path) -> Path:
+        aside, attempt = folder.with_name(folder.name + DAMAGED), 1
         while aside.exists():
-            n += 1
-            aside = d.with_name(f"{d.name}{DAMAGED}{n}")
-        os.replace(d, aside)
+            attempt += 1
+            aside = folder.with_name(f"{folder.name}{DAMAGED}{attempt}")
+        os.replace(folder, aside)
         return aside
 
     def meta(self, tag: str) -> dict:
@@ -329,13 +339,18 @@ class Checkpointer:
     def load_resharded(self, engine, tag: str, zero_stage: int) -> tuple[dict, dict | None]:
         """Load a checkpoint written by another world size: (client state, this rank's own state if
         the old world had this rank, else None)."""
-        load_dir, t = (self.dir / tag, "universal") if zero_stage > 0 else (self.dir, tag)
+        load_dir, load_tag = (self.dir / tag, "universal") if zero_stage > 0 else (self.dir, tag)
         with weights_only_loads():
             path, client = engine.load_checkpoint(
-                str(load_dir), tag=t, load_optimizer_states=True, load_lr_scheduler_states=True
+                str(load_dir),
+                tag=load_tag,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=True,
             )
         if path is None:
-            raise CheckpointError(f"{load_dir / t}: DeepSpeed could not load this checkpoint")
+            raise CheckpointError(
+                f"{load_dir / load_tag}: DeepSpeed could not load this checkpoint"
+            )
         rank_file = self.dir / tag / f"rank_{self.dist.rank:05d}.pt"
         own = safe_torch_load(rank_file) if rank_file.is_file() else None
         return client or {}, own
@@ -344,13 +359,13 @@ class Checkpointer:
         """The data stream state of every rank that wrote ``tag``, in rank order: a loader moved onto
         another world size needs all of them (data.loader.redistribute), not only its own rank's."""
         out = []
-        for r in range(self.meta(tag)["world_size"]):
-            f = self.dir / tag / f"rank_{r:05d}.pt"
+        for rank in range(self.meta(tag)["world_size"]):
+            rank_file = self.dir / tag / f"rank_{rank:05d}.pt"
             try:
-                out.append(safe_torch_load(f)["stream"])
+                out.append(safe_torch_load(rank_file)["stream"])
             except (CheckpointError, KeyError, TypeError) as e:
                 raise CheckpointError(
-                    f"{f}: unreadable rank state ({e}); every old rank's is needed to move "
+                    f"{rank_file}: unreadable rank state ({e}); every old rank's is needed to move "
                     "the loader's position onto this world size"
                 ) from None
         return out
@@ -372,8 +387,8 @@ class Checkpointer:
         if latest is None:
             return []
         last = step_of_tag(latest)
-        steps = [step_of_tag(d.name) for d in self._tags() if (d / META).is_file()]
-        return [s for s in steps if s <= last]
+        steps = [step_of_tag(folder.name) for folder in self._tags() if (folder / META).is_file()]
+        return [step for step in steps if step <= last]
 
     def rewind(self, step: int) -> None:
         """Make ``step`` the latest checkpoint and delete the newer ones (a rollback: they hold the
@@ -381,9 +396,9 @@ class Checkpointer:
         barrier()
         if self.dist.is_main:
             write_text_atomic(self.dir / LATEST_FILE, tag_for(step) + "\n")
-            for d in self._tags():
-                if step_of_tag(d.name) > step:
-                    remove_checkpoint(d)
+            for folder in self._tags():
+                if step_of_tag(folder.name) > step:
+                    remove_checkpoint(folder)
         barrier()
 
     def clean_partial(self) -> None:
@@ -394,13 +409,17 @@ class Checkpointer:
         self.check_latest()
         latest = self._pointer()
         last = step_of_tag(latest) if latest else -1
-        for d in self._tags():
-            if step_of_tag(d.name) > last:
-                remove_checkpoint(d)
+        for folder in self._tags():
+            if step_of_tag(folder.name) > last:
+                remove_checkpoint(folder)
 
     def _tags(self) -> list[Path]:
         return (
-            sorted(d for d in self.dir.iterdir() if d.is_dir() and TAG.match(d.name))
+            sorted(
+                folder
+                for folder in self.dir.iterdir()
+                if folder.is_dir() and TAG.match(folder.name)
+            )
             if self.dir.is_dir()
             else []
         )
@@ -455,4 +474,4 @@ class Checkpointer:
             return mine
         parts: list = [None] * tdist.get_world_size()
         tdist.all_gather_object(parts, mine)
-        return {k: v for part in parts for k, v in sorted(part.items())}
+        return {name: entry for part in parts for name, entry in sorted(part.items())}

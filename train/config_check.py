@@ -84,7 +84,7 @@ def unknown_keys(tree: Any, schema: type, path: str = "") -> list[str]:
     if not isinstance(tree, dict):
         return []
     hints = typing.get_type_hints(schema)
-    names = [f.name for f in dataclasses.fields(schema)]
+    names = [field.name for field in dataclasses.fields(schema)]
     found = []
     for key, value in tree.items():
         where = f"{path}{key}"
@@ -126,7 +126,7 @@ def unknown_override_keys(overrides: list[str], schema: type, groups: set[str]) 
         cls: type | None = schema
         parts = key.split(".")
         for i, part in enumerate(parts):
-            names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+            names = [field.name for field in dataclasses.fields(cls)]  # type: ignore[arg-type]
             if part not in names:
                 path = ".".join(parts[:i])
                 close = difflib.get_close_matches(part, names, n=1)
@@ -168,15 +168,23 @@ def config_diff(saved: dict, new: dict) -> list[tuple[str, Any, Any]]:
     missing = object()
     out = []
     for key in sorted(set(old_flat) | set(new_flat)):
-        a, b = old_flat.get(key, missing), new_flat.get(key, missing)
-        if a != b:
-            out.append((key, None if a is missing else a, None if b is missing else b))
+        old_value, new_value = old_flat.get(key, missing), new_flat.get(key, missing)
+        if old_value != new_value:
+            out.append(
+                (
+                    key,
+                    None if old_value is missing else old_value,
+                    None if new_value is missing else new_value,
+                )
+            )
     return out
 
 
 def breaks_resume(key: str, task: str) -> bool:
     prefixes = RESUME_CRITICAL["any"] + RESUME_CRITICAL.get(task, ())
-    return key == WORLD_SIZE or any(key == p or key.startswith(p + ".") for p in prefixes)
+    return key == WORLD_SIZE or any(
+        key == prefix or key.startswith(prefix + ".") for prefix in prefixes
+    )
 
 
 def check_resume_config(
@@ -198,7 +206,7 @@ def check_resume_config(
     if not diffs:
         return
     task = str(new.get("task", "lm"))
-    breaking = [d for d in diffs if breaks_resume(d[0], task)]
+    breaking = [diff for diff in diffs if breaks_resume(diff[0], task)]
     if show:
         lines = [
             f"  {key}: {old!r} -> {value!r}"

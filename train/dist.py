@@ -30,17 +30,17 @@ class DistInfo:
 def strip_launcher_args(argv: list[str]) -> list[str]:
     out = []
     skip = False
-    for i, a in enumerate(argv):
+    for i, arg in enumerate(argv):
         if skip:
             skip = False
             continue
-        if a.startswith("--local_rank=") or a.startswith("--local-rank="):
-            os.environ["LOCAL_RANK"] = a.split("=", 1)[1]
-        elif a in ("--local_rank", "--local-rank") and i + 1 < len(argv):
+        if arg.startswith("--local_rank=") or arg.startswith("--local-rank="):
+            os.environ["LOCAL_RANK"] = arg.split("=", 1)[1]
+        elif arg in ("--local_rank", "--local-rank") and i + 1 < len(argv):
             os.environ["LOCAL_RANK"] = argv[i + 1]
             skip = True
         else:
-            out.append(a)
+            out.append(arg)
     return out
 
 
@@ -82,20 +82,20 @@ def init_distributed() -> DistInfo:
     return DistInfo(rank, world, local, device)
 
 
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum over ranks (a no-op in a world of one). Reduce sums and counts, never means."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        t = t.clone()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
 
 
-def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
     """Elementwise max over ranks (for extremes such as the largest attention logit)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        t = t.clone()
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
 
 
 def barrier() -> None:

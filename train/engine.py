@@ -21,13 +21,15 @@ from train.skip_step import SkipStepAdamW
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    no_decay_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    no_decay_ids = {
+        id(module.weight) for module in model.modules() if isinstance(module, nn.Embedding)
+    }
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
-    for p in model.parameters():
-        if not p.requires_grad:
+    for param in model.parameters():
+        if not param.requires_grad:
             continue
-        (no_decay if p.ndim < 2 or id(p) in no_decay_ids else decay).append(p)
+        (no_decay if param.ndim < 2 or id(param) in no_decay_ids else decay).append(param)
     return [
         {"params": decay, "weight_decay": weight_decay, "name": "decay"},
         {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
@@ -35,28 +37,32 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def ds_config(cfg: RunConfig, world_size: int) -> dict:
-    t, d = cfg.train, cfg.deepspeed
+    train_cfg, ds_cfg = cfg.train, cfg.deepspeed
     conf: dict = {
-        "train_micro_batch_size_per_gpu": t.micro_batch,
-        "gradient_accumulation_steps": t.grad_accum,
-        "train_batch_size": t.micro_batch * t.grad_accum * world_size,
+        "train_micro_batch_size_per_gpu": train_cfg.micro_batch,
+        "gradient_accumulation_steps": train_cfg.grad_accum,
+        "train_batch_size": train_cfg.micro_batch * train_cfg.grad_accum * world_size,
         "gradient_clipping": cfg.optim.clip_grad,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
-        "zero_optimization": {"stage": d.zero_stage},
+        "zero_optimization": {"stage": ds_cfg.zero_stage},
         "zero_allow_untested_optimizer": True,
     }
-    if d.zero_stage == 0 and not t.bf16:
+    if ds_cfg.zero_stage == 0 and not train_cfg.bf16:
         # DeepSpeed would clip before our optimizer sees the gradients; SkipStepAdamW clips
         # after the skip-step gate has read the unclipped norm instead.
         conf["gradient_clipping"] = 0.0
-    if t.bf16:
+    if train_cfg.bf16:
         conf["bf16"] = {"enabled": True}
         conf["data_types"] = {"grad_accum_dtype": "fp32"}
-    if d.offload_optimizer and d.zero_stage >= 1:
+    if ds_cfg.offload_optimizer and ds_cfg.zero_stage >= 1:
         conf["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-    for k, v in d.config.items():
-        conf[k] = {**conf[k], **v} if isinstance(v, dict) and isinstance(conf.get(k), dict) else v
+    for key, value in ds_cfg.config.items():
+        conf[key] = (
+            {**conf[key], **value}
+            if isinstance(value, dict) and isinstance(conf.get(key), dict)
+            else value
+        )
     return conf
 
 
@@ -68,26 +74,26 @@ def build_engine(model: nn.Module, cfg: RunConfig, world_size: int, *, total_ste
     from train.ds_env import prepare_deepspeed
 
     prepare_deepspeed()
-    o = cfg.optim
+    optim_cfg = cfg.optim
     opt = SkipStepAdamW(
-        param_groups(model, o.weight_decay),
-        lr=o.lr,
-        betas=tuple(o.betas),
-        eps=o.eps,
-        weight_decay=o.weight_decay,
+        param_groups(model, optim_cfg.weight_decay),
+        lr=optim_cfg.lr,
+        betas=tuple(optim_cfg.betas),
+        eps=optim_cfg.eps,
+        weight_decay=optim_cfg.weight_decay,
     )
     mult = partial(
         lr_multiplier,
         total=total_steps or cfg.train.steps,
-        warmup=o.warmup_steps,
-        schedule=o.schedule,
-        min_lr_ratio=o.min_lr_ratio,
-        decay_fraction=o.decay_fraction,
-        changes=tuple(o.lr_changes),
+        warmup=optim_cfg.warmup_steps,
+        schedule=optim_cfg.schedule,
+        min_lr_ratio=optim_cfg.min_lr_ratio,
+        decay_fraction=optim_cfg.decay_fraction,
+        changes=tuple(optim_cfg.lr_changes),
     )
     sched = CappedLambdaLR(opt, mult)
     if cfg.deepspeed.zero_stage == 0 and not cfg.train.bf16:
-        opt.clip_grad = o.clip_grad
+        opt.clip_grad = optim_cfg.clip_grad
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=opt, lr_scheduler=sched, config=ds_config(cfg, world_size)
     )
@@ -108,8 +114,8 @@ def global_grad_norm(engine) -> float:
     norm = getattr(wrapped, "_global_grad_norm", None)
     if norm is not None and not isinstance(wrapped, SkipStepAdamW):
         return float(norm)
-    sq = 0.0
-    for p in engine.module.parameters():
-        if p.grad is not None:
-            sq += float(p.grad.detach().float().pow(2).sum())
-    return math.sqrt(sq)
+    sum_sq = 0.0
+    for param in engine.module.parameters():
+        if param.grad is not None:
+            sum_sq += float(param.grad.detach().float().pow(2).sum())
+    return math.sqrt(sum_sq)

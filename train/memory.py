@@ -45,19 +45,16 @@ def estimate(
     act_ckpt: bool = False,
 ) -> MemoryEstimate:
     """Per-GPU memory of ``cfg`` (a TransformerConfig) under the given parallel setup."""
-    n = _param_count(cfg)
-    w = max(1, world_size)
-    weights, grads, optim = (
-        2.0 * n,
-        6.0 * n,
-        12.0 * n,
-    )  # bf16 weights; bf16 + fp32 grads; master + moments
+    num_params = _param_count(cfg)
+    shards = max(1, world_size)
+    # bf16 weights; bf16 + fp32 grads; master + moments
+    weights, grads, optim = 2.0 * num_params, 6.0 * num_params, 12.0 * num_params
     if zero_stage >= 1:
-        optim /= w
+        optim /= shards
     if zero_stage >= 2:
-        grads /= w
+        grads /= shards
     if zero_stage >= 3:
-        weights /= w
+        weights /= shards
     hidden = cfg.ffn.resolved_hidden_dim(cfg.dim)
     kv_dim = cfg.attention.kv_heads * cfg.head_dim
     per_layer_token = 2 * (6 * cfg.dim + 2 * kv_dim + 5 * hidden)
@@ -69,56 +66,61 @@ def estimate(
     chunk = cfg.loss.chunk_size or tokens
     logits = 4.0 * min(chunk, tokens) * cfg.vocab_size * 2  # the chunk's logits and its gradient
     return MemoryEstimate(
-        params=n,
+        params=num_params,
         states_gib=(weights + grads + optim) / GIB,
         activations_gib=act / GIB,
         logits_gib=logits / GIB,
-        tokens_per_step=tokens * grad_accum * w,
+        tokens_per_step=tokens * grad_accum * shards,
     )
 
 
 def _param_count(cfg) -> int:
-    d, hd = cfg.dim, cfg.head_dim
-    q, kv = cfg.attention.n_heads * hd, cfg.attention.kv_heads * hd
-    hidden = cfg.ffn.resolved_hidden_dim(d)
+    dim, head_dim = cfg.dim, cfg.head_dim
+    q_dim, kv_dim = cfg.attention.n_heads * head_dim, cfg.attention.kv_heads * head_dim
+    hidden = cfg.ffn.resolved_hidden_dim(dim)
     per_layer = (
-        d * q
-        + 2 * d * kv
-        + q * d
-        + 3 * d * hidden
-        + 2 * d
-        + (2 * hd if cfg.attention.qk_norm else 0)
+        dim * q_dim
+        + 2 * dim * kv_dim
+        + q_dim * dim
+        + 3 * dim * hidden
+        + 2 * dim
+        + (2 * head_dim if cfg.attention.qk_norm else 0)
     )
-    return cfg.n_layers * per_layer + 2 * cfg.vocab_size * d + d
+    return cfg.n_layers * per_layer + 2 * cfg.vocab_size * dim + dim
 
 
 def main(argv=None) -> None:
     from model.presets import preset
 
-    ap = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         description="Expected per-GPU memory and tokens per step of a model preset."
     )
-    ap.add_argument("preset", help="a model preset (configs/model/): debug, demo, 125m, 350m, 1b")
-    ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--grad-accum", type=int, default=1)
-    ap.add_argument("--gpus", type=int, default=1)
-    ap.add_argument("--zero", type=int, default=1)
-    ap.add_argument("--act-ckpt", action="store_true")
-    a = ap.parse_args(argv)
-    e = estimate(
-        preset(a.preset),
-        micro_batch=a.micro_batch,
-        seq_len=a.seq_len,
-        grad_accum=a.grad_accum,
-        world_size=a.gpus,
-        zero_stage=a.zero,
-        act_ckpt=a.act_ckpt,
+    parser.add_argument(
+        "preset", help="a model preset (configs/model/): debug, demo, 125m, 350m, 1b"
+    )
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--gpus", type=int, default=1)
+    parser.add_argument("--zero", type=int, default=1)
+    parser.add_argument("--act-ckpt", action="store_true")
+    args = parser.parse_args(argv)
+    result = estimate(
+        preset(args.preset),
+        micro_batch=args.micro_batch,
+        seq_len=args.seq_len,
+        grad_accum=args.grad_accum,
+        world_size=args.gpus,
+        zero_stage=args.zero,
+        act_ckpt=args.act_ckpt,
     )
     print(
-        f"{a.preset}: {e.params / 1e6:.0f}M parameters; per GPU: model states {e.states_gib:.1f} GiB, "
-        f"activations {e.activations_gib:.1f} GiB, CE chunk {e.logits_gib:.2f} GiB, total ~{e.total_gib:.1f} GiB; "
-        f"{e.tokens_per_step:,} tokens per step"
+        f"{args.preset}: {result.params / 1e6:.0f}M parameters; per GPU: "
+        f"model states {result.states_gib:.1f} GiB, "
+        f"activations {result.activations_gib:.1f} GiB, "
+        f"CE chunk {result.logits_gib:.2f} GiB, "
+        f"total ~{result.total_gib:.1f} GiB; "
+        f"{result.tokens_per_step:,} tokens per step"
     )
 
 

@@ -38,11 +38,11 @@ def measure_cpu_tflops(seconds: float = 0.4, n: int = 1024, tries: int = 4) -> f
     a @ b
     best = 0.0
     for _ in range(tries):
-        reps, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds / tries:
+        reps, started = 0, time.perf_counter()
+        while time.perf_counter() - started < seconds / tries:
             a @ b
             reps += 1
-        best = max(best, 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12)
+        best = max(best, 2 * n**3 * reps / (time.perf_counter() - started) / 1e12)
     return best
 
 

@@ -83,8 +83,8 @@ def check_state(
     """Same tensor names and shapes as ``reference`` and all finite, or a ReleaseError naming the
     first offending tensor (``hint`` is appended, e.g. a config diff)."""
     tail = f"\n{hint}" if hint else ""
-    missing = [k for k in reference if k not in state]
-    extra = [k for k in state if k not in reference]
+    missing = [tensor_name for tensor_name in reference if tensor_name not in state]
+    extra = [tensor_name for tensor_name in state if tensor_name not in reference]
     if missing or extra:
         what = (
             f"tensor {missing[0]!r} is missing"
@@ -181,7 +181,11 @@ class Release:
                 f"earlyfuse reads ({VERSION}); update earlyfuse"
             )
         self.task = self.config.get("task", "lm")
-        missing = [f for f in self.config.get("files", {}) if not (self.path / f).is_file()]
+        missing = [
+            file_name
+            for file_name in self.config.get("files", {})
+            if not (self.path / file_name).is_file()
+        ]
         if missing:
             raise ReleaseError(f"{self.path}: files missing: {', '.join(missing)}")
         self.model_cfg: TransformerConfig | None = None  # lm releases only
@@ -264,7 +268,11 @@ class Release:
             )
         state = self._load_safetensors(path)
         check_state(state, ref, str(path))
-        return {k: v.to(dtype) for k, v in state.items()} if dtype is not None else state
+        return (
+            {tensor_name: tensor.to(dtype) for tensor_name, tensor in state.items()}
+            if dtype is not None
+            else state
+        )
 
     def build_model(
         self,
@@ -382,4 +390,4 @@ def check_compatible(
 
 
 def param_count(state: dict[str, torch.Tensor]) -> int:
-    return int(sum(math.prod(t.shape) for t in state.values()))
+    return int(sum(math.prod(tensor.shape) for tensor in state.values()))

@@ -65,8 +65,8 @@ def safe_torch_load(
         with allowed:
             return _TORCH_LOAD(f, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        why = next((ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln), str(e))
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        why = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), str(e))
         raise CheckpointError(
             f"{_name(f)}: holds objects other than tensors and plain data; refusing to "
             f"unpickle it ({why[:300]})"

@@ -69,9 +69,9 @@ def lr_multiplier(
         min_lr_ratio=min_lr_ratio,
         decay_fraction=decay_fraction,
     )
-    for c in changes:
-        if c.applies(step):
-            base *= c.scale
+    for change in changes:
+        if change.applies(step):
+            base *= change.scale
     return base
 
 
@@ -106,18 +106,20 @@ class CappedLambdaLR(LambdaLR):
         self.uncapped = multiplier
 
         def capped(step: int) -> float:
-            m = multiplier(step)
-            return m if self.cap is None else min(m, self.cap)
+            value = multiplier(step)
+            return value if self.cap is None else min(value, self.cap)
 
         super().__init__(optimizer, capped)
 
     def state_dict(self) -> dict:
         # The multiplier comes from the config (a resumed run may change optim.lr_changes),
         # never from the checkpoint: only the cap and the step travel.
-        return {k: v for k, v in super().state_dict().items() if k != "uncapped"}
+        return {key: value for key, value in super().state_dict().items() if key != "uncapped"}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "uncapped"})
+        super().load_state_dict(
+            {key: value for key, value in state_dict.items() if key != "uncapped"}
+        )
 
     def cap_here(self, scale: float = 1.0) -> float:
         """From now on the multiplier never exceeds ``scale`` x what it is at the current step

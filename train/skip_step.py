@@ -50,8 +50,8 @@ class SpikeDetector(RobustTrend):
         # A state saved by the mean/std rule holds raw values only: replay them.
         self.values.clear()
         self.residuals.clear()
-        for v in state["values"]:
-            self.add(v)
+        for value in state["values"]:
+            self.add(value)
 
 
 MIN_TOKENS = 32  # a modality with fewer label tokens in a step is neither scored nor learned from
@@ -62,12 +62,12 @@ def modality_parts(sums: dict | None) -> dict[str, tuple[float, float]]:
     ``count/<m>``, as the LM task makes them); empty for a task without them."""
     out: dict[str, tuple[float, float]] = {}
     sums = sums or {}
-    for key, n in sums.items():
-        if key.startswith("count/") and n:
+    for key, count in sums.items():
+        if key.startswith("count/") and count:
             name = key[len("count/") :]
-            ce = sums.get(f"ce_sum/{name}")
-            if ce is not None:
-                out[name] = (ce / n, float(n))
+            ce_sum = sums.get(f"ce_sum/{name}")
+            if ce_sum is not None:
+                out[name] = (ce_sum / count, float(count))
     return out
 
 
@@ -93,12 +93,12 @@ class SkipStepRule:
         if not parts:
             return self.loss.score(loss)
         num = den = 0.0
-        for name, (ce, n) in parts.items():
+        for name, (mean_ce, tokens) in parts.items():
             det = self.by_modality.get(name)
-            if det is None or n < MIN_TOKENS or not det.ready():
+            if det is None or tokens < MIN_TOKENS or not det.ready():
                 continue
-            z = det.score(ce)
-            num, den = num + n * z, den + n * n
+            score = det.score(mean_ce)
+            num, den = num + tokens * score, den + tokens * tokens
         return num / math.sqrt(den) if den else 0.0
 
     def decide(
@@ -109,17 +109,17 @@ class SkipStepRule:
         parts: dict[str, tuple[float, float]] | None = None,
     ) -> bool:
         parts = parts or {}
-        ls, gs = self.loss_score(loss, parts), self.grad_norm.score(grad_norm)
+        loss_score, grad_score = self.loss_score(loss, parts), self.grad_norm.score(grad_norm)
         nonfinite = not (math.isfinite(loss) and math.isfinite(grad_norm))
         spike = (
             self.cfg.enabled
             and step >= self.cfg.min_steps
-            and (ls > self.cfg.sigmas or gs > self.cfg.grad_norm_sigmas)
+            and (loss_score > self.cfg.sigmas or grad_score > self.cfg.grad_norm_sigmas)
         )
         skip = nonfinite or spike
         self.last = {
-            "loss_score": ls,
-            "grad_norm_score": gs,
+            "loss_score": loss_score,
+            "grad_norm_score": grad_score,
             "skipped": skip,
             "nonfinite": nonfinite,
         }
@@ -128,18 +128,20 @@ class SkipStepRule:
         else:
             self.loss.add(loss)
             self.grad_norm.add(grad_norm)
-            for name, (ce, n) in parts.items():
-                if n >= MIN_TOKENS:
+            for name, (mean_ce, tokens) in parts.items():
+                if tokens >= MIN_TOKENS:
                     self.by_modality.setdefault(
                         name, SpikeDetector(self.cfg.window, trend=self.cfg.trend)
-                    ).add(ce)
+                    ).add(mean_ce)
         return skip
 
     def state_dict(self) -> dict:
         return {
             "loss": self.loss.state_dict(),
             "grad_norm": self.grad_norm.state_dict(),
-            "by_modality": {k: d.state_dict() for k, d in self.by_modality.items()},
+            "by_modality": {
+                name: detector.state_dict() for name, detector in self.by_modality.items()
+            },
             "skipped": self.skipped,
         }
 
@@ -147,9 +149,11 @@ class SkipStepRule:
         self.loss.load_state_dict(state["loss"])
         self.grad_norm.load_state_dict(state["grad_norm"])
         self.by_modality = {}
-        for k, st in state.get("by_modality", {}).items():  # absent in older checkpoints
-            self.by_modality[k] = SpikeDetector(self.cfg.window, trend=self.cfg.trend)
-            self.by_modality[k].load_state_dict(st)
+        for name, detector_state in state.get(
+            "by_modality", {}
+        ).items():  # absent in older checkpoints
+            self.by_modality[name] = SpikeDetector(self.cfg.window, trend=self.cfg.trend)
+            self.by_modality[name].load_state_dict(detector_state)
         self.skipped = int(state["skipped"])
 
 
@@ -169,7 +173,12 @@ class SkipStepAdamW(torch.optim.AdamW):
         if self.gate is not None and self.gate():
             return None
         if self.clip_grad > 0:
-            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            params = [
+                param
+                for group in self.param_groups
+                for param in group["params"]
+                if param.grad is not None
+            ]
             torch.nn.utils.clip_grad_norm_(params, self.clip_grad)
         return super().step(closure)
 

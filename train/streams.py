@@ -87,27 +87,34 @@ class TokenStream:
         self.loader.load_state_dict(state)
 
     def resume(self, own: dict | None, every_rank: Callable[[], list[dict]]) -> str | None:
-        ld = self.loader
-        split = {"world_size": ld.world_size, "workers": ld.workers, "micro_batch": ld.micro_batch}
-        if own is not None and all(own.get(k) == v for k, v in split.items()):
-            ld.load_state_dict(own)
+        loader = self.loader
+        split = {
+            "world_size": loader.world_size,
+            "workers": loader.workers,
+            "micro_batch": loader.micro_batch,
+        }
+        if own is not None and all(own.get(key) == value for key, value in split.items()):
+            loader.load_state_dict(own)
             return None
         # Another world size, worker count or micro batch: a split of its own, computed by every
         # rank from all old ranks' states (no communication).
         from data.loader.redistribute import redistribute
 
-        state = redistribute(every_rank(), ld)
-        ld.load_state_dict(state)
+        state = redistribute(every_rank(), loader)
+        loader.load_state_dict(state)
         return (
             f"the loader's state was redistributed from "
-            f"{state['redistributed']['from_consumers']} to {ld.consumers} consumers"
+            f"{state['redistributed']['from_consumers']} to {loader.consumers} consumers"
         )
 
     def skipped(self) -> int:
         return self.loader.skipped()
 
     def delivered(self) -> dict[str, float]:
-        return {k: float(v) for k, v in self.loader.delivered()["tokens_by_source"].items()}
+        return {
+            source: float(tokens)
+            for source, tokens in self.loader.delivered()["tokens_by_source"].items()
+        }
 
     def batches_per_rank(self) -> int | None:
         limit = self.loader.batch_limit

@@ -57,7 +57,7 @@ def reduce_sums(sums: Mapping[str, float], device: torch.device) -> dict[str, fl
     """Sum every metric over ranks in one collective (sums and counts, never means)."""
     keys = sorted(sums)
     vec = all_reduce_sum(
-        torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64, device=device)
+        torch.tensor([float(sums[key]) for key in keys], dtype=torch.float64, device=device)
     )
     return dict(zip(keys, vec.tolist()))
 
@@ -128,7 +128,7 @@ class Trainer:
                 return None
             out = self.task.forward(self.engine, batch)
             self.engine.backward(out.loss)
-            accumulate(sums, {k: float(v) for k, v in out.sums.items()})
+            accumulate(sums, {name: float(value) for name, value in out.sums.items()})
             accumulate(sums, {"loss_sum": float(out.loss.detach()), "micro": 1, "units": out.units})
             if micro == self.train.grad_accum - 1:
                 # The skip-step gate needs this step's loss, identical on every rank, before

@@ -50,25 +50,30 @@ def _largest_blob(mask: np.ndarray) -> np.ndarray:
     seen = np.zeros_like(mask, bool)
     best: list[tuple[int, int]] = []
     h, w = mask.shape
-    for y0, x0 in zip(*np.nonzero(mask)):
-        if seen[y0, x0]:
+    for top, left in zip(*np.nonzero(mask)):
+        if seen[top, left]:
             continue
-        stack, blob = [(int(y0), int(x0))], []
-        seen[y0, x0] = True
+        stack, blob = [(int(top), int(left))], []
+        seen[top, left] = True
         while stack:
             y, x = stack.pop()
             blob.append((y, x))
-            for dy, dx in ((1, 0), (-1, 0), (0, 1), (0, -1)):
-                ny, nx = y + dy, x + dx
-                if 0 <= ny < h and 0 <= nx < w and mask[ny, nx] and not seen[ny, nx]:
-                    seen[ny, nx] = True
-                    stack.append((ny, nx))
+            for row_step, col_step in ((1, 0), (-1, 0), (0, 1), (0, -1)):
+                n_rows, n_cols = y + row_step, x + col_step
+                if (
+                    0 <= n_rows < h
+                    and 0 <= n_cols < w
+                    and mask[n_rows, n_cols]
+                    and not seen[n_rows, n_cols]
+                ):
+                    seen[n_rows, n_cols] = True
+                    stack.append((n_rows, n_cols))
         if len(blob) > len(best):
             best = blob
     out = np.zeros_like(mask, bool)
     if best:
-        ys, xs = zip(*best)
-        out[list(ys), list(xs)] = True
+        rows, cols = zip(*best)
+        out[list(rows), list(cols)] = True
     return out
 
 
@@ -89,23 +94,23 @@ def _template(shape: str, w: int, h: int, scale: int = 8) -> np.ndarray:
 def shape_of_blob(mask: np.ndarray) -> str | None:
     """The shape whose template, filling the blob's bounding box, agrees with the most pixels
     of the box (coverage-weighted, so half-covered edge pixels count half)."""
-    ys, xs = np.nonzero(mask)
-    if len(xs) < 4:
+    rows, cols = np.nonzero(mask)
+    if len(cols) < 4:
         return None
-    y0, y1, x0, x1 = ys.min(), ys.max() + 1, xs.min(), xs.max() + 1
-    box = mask[y0:y1, x0:x1].astype(np.float32)
+    top, bottom, left, right = rows.min(), rows.max() + 1, cols.min(), cols.max() + 1
+    box = mask[top:bottom, left:right].astype(np.float32)
     errors = {
-        name: float(np.abs(_template(name, x1 - x0, y1 - y0) - box).sum())
+        name: float(np.abs(_template(name, right - left, bottom - top) - box).sum())
         for name in ("square", "circle", "triangle")
     }
     return min(errors, key=lambda name: errors[name])
 
 
-def position_of(ys: np.ndarray, xs: np.ndarray, width: int, height: int) -> str:
-    cy, cx = float(ys.mean()), float(xs.mean())
+def position_of(rows: np.ndarray, cols: np.ndarray, width: int, height: int) -> str:
+    centre_row, centre_col = float(rows.mean()), float(cols.mean())
     for name in POSITIONS:
-        x0, y0, x1, y1 = cell_box(width, height, name)
-        if x0 <= cx < x1 and y0 <= cy < y1:
+        left, top, right, bottom = cell_box(width, height, name)
+        if left <= centre_col < right and top <= centre_row < bottom:
             return name
     return "centre"  # unreachable for a centroid inside the image
 
@@ -121,11 +126,11 @@ def read_scene(image: np.ndarray) -> dict:
         return {"colour": None, "shape": None, "position": None, "pixels": int(counts.max())}
     k = int(counts.argmax())
     mask = labels == k
-    ys, xs = np.nonzero(mask)
+    rows, cols = np.nonzero(mask)
     return {
         "colour": NAMES[k],
         "shape": shape_of_blob(_largest_blob(mask)),
-        "position": position_of(ys, xs, w, h),
+        "position": position_of(rows, cols, w, h),
         "pixels": int(counts[k]),
     }
 
@@ -145,16 +150,18 @@ def true_mask(facts: dict, shape: dict, width: int, height: int) -> np.ndarray:
     """The pixels of one shape of a scene at another resolution (what it covers, as drawn by
     scenes.render, scaled)."""
     sx, sy = width / facts["width"], height / facts["height"]
-    x0, y0, x1, y1 = shape["bbox"]
+    left, top, right, bottom = shape["bbox"]
     big = Image.new("L", (facts["width"], facts["height"]), 0)
     draw = ImageDraw.Draw(big)
-    box = [x0, y0, x1 - 1, y1 - 1]
+    box = [left, top, right - 1, bottom - 1]
     if shape["shape"] == "square":
         draw.rectangle(box, fill=255)
     elif shape["shape"] == "circle":
         draw.ellipse(box, fill=255)
     else:
-        draw.polygon([(x0, y1 - 1), (x1 - 1, y1 - 1), ((x0 + x1 - 1) / 2, y0)], fill=255)
+        draw.polygon(
+            [(left, bottom - 1), (right - 1, bottom - 1), ((left + right - 1) / 2, top)], fill=255
+        )
     if (sx, sy) != (1.0, 1.0):
         big = big.resize((width, height), Image.Resampling.BILINEAR)
     return np.asarray(big) >= 128
@@ -168,9 +175,9 @@ def shape_iou(image: np.ndarray, facts: dict) -> list[float]:
     out = []
     for s in facts["shapes"]:
         truth = true_mask(facts, s, w, h)
-        x0, y0, x1, y1 = cell_box(w, h, s["position"])
+        left, top, right, bottom = cell_box(w, h, s["position"])
         got = np.zeros_like(truth)
-        got[y0:y1, x0:x1] = labels[y0:y1, x0:x1] == NAMES.index(s["colour"])
+        got[top:bottom, left:right] = labels[top:bottom, left:right] == NAMES.index(s["colour"])
         union = int((got | truth).sum())
         out.append(int((got & truth).sum()) / union if union else 0.0)
     return out

@@ -18,8 +18,8 @@ from typing import TypeVar
 
 from data.engine.local import RECYCLE_AFTER_FAILED_DECODES, WORKER_RETRIES, run_local
 
-J = TypeVar("J")
-R = TypeVar("R")
+JobT = TypeVar("JobT")
+ResultT = TypeVar("ResultT")
 
 ENGINES = ("local", "ray")
 
@@ -40,12 +40,12 @@ class EngineConfig:
 
 
 def run_jobs(
-    fn: Callable[[J], R],
-    jobs: list[J],
+    fn: Callable[[JobT], ResultT],
+    jobs: list[JobT],
     engine: EngineConfig | None = None,
     *,
     gpu_setup: Callable | None = None,
-) -> Iterator[R]:
+) -> Iterator[ResultT]:
     """Results of ``fn(job)`` for every job, in the order they finish.
 
     ``gpu_setup(ray_module, n_gpus)`` (ray only, when the cluster has GPUs) returns a function

@@ -31,8 +31,8 @@ from typing import Any, TypeVar
 
 from data.media import decode_failures
 
-J = TypeVar("J")
-R = TypeVar("R")
+JobT = TypeVar("JobT")
+ResultT = TypeVar("ResultT")
 
 RECYCLE_AFTER_FAILED_DECODES = 256  # ~10 MB of decord's leak per worker at most
 WORKER_RETRIES = 2
@@ -69,16 +69,16 @@ def _worker_main(conn: Connection, fn: Callable, recycle_after: int) -> None:
             return
 
 
-def _portable(e: BaseException) -> tuple[BaseException, str]:
+def _portable(error: BaseException) -> tuple[BaseException, str]:
     """The exception (or a RuntimeError naming it when it cannot be pickled) and its traceback."""
     import pickle
 
-    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    trace_text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
     try:
-        pickle.loads(pickle.dumps(e))
+        pickle.loads(pickle.dumps(error))
     except Exception:  # noqa: BLE001 - any pickling failure: send its text instead
-        e = RuntimeError(f"{type(e).__name__}: {e}")
-    return e, tb
+        error = RuntimeError(f"{type(error).__name__}: {error}")
+    return error, trace_text
 
 
 class _Worker:
@@ -104,88 +104,94 @@ class _Worker:
 
 
 def run_pool(
-    fn: Callable[[J], R],
-    jobs: list[J],
+    fn: Callable[[JobT], ResultT],
+    jobs: list[JobT],
     workers: int,
     *,
     recycle_after: int = RECYCLE_AFTER_FAILED_DECODES,
     retries: int = WORKER_RETRIES,
     on_start: Callable[[int], None] | None = None,
-) -> Iterator[R]:
+) -> Iterator[ResultT]:
     """Results of ``fn(job)`` as they finish, from ``workers`` spawned processes.
     ``on_start(pid)`` is called for every worker started (tests watch recycling with it)."""
     ctx = get_context("spawn")
-    queue: deque[tuple[int, J]] = deque(enumerate(jobs))
+    queue: deque[tuple[int, JobT]] = deque(enumerate(jobs))
     tries = dict.fromkeys(range(len(jobs)), 0)
     pool: list[_Worker] = []
 
     def start() -> _Worker:
-        w = _Worker(ctx, fn, recycle_after)
+        worker = _Worker(ctx, fn, recycle_after)
         if on_start:
-            on_start(w.proc.pid)
-        pool.append(w)
-        return w
+            on_start(worker.proc.pid)
+        pool.append(worker)
+        return worker
 
     try:
         for _ in range(min(workers, len(jobs))):
             start()
-        while queue or any(w.job for w in pool):
-            for w in pool:
-                if w.job is None and queue:
-                    w.job = queue.popleft()
-                    w.conn.send(w.job[1])
-            busy = [w for w in pool if w.job is not None]
-            for conn in wait([w.conn for w in busy]):
-                w = next(x for x in busy if x.conn is conn)
-                pos, job = w.job  # type: ignore[misc]
-                w.job = None
+        while queue or any(worker.job for worker in pool):
+            for worker in pool:
+                if worker.job is None and queue:
+                    worker.job = queue.popleft()
+                    worker.conn.send(worker.job[1])
+            busy = [worker for worker in pool if worker.job is not None]
+            for conn in wait([worker.conn for worker in busy]):
+                worker = next(other for other in busy if other.conn is conn)
+                pos, job = worker.job  # type: ignore[misc]
+                worker.job = None
                 try:
-                    ok, value, retire = w.conn.recv()
+                    succeeded, value, retire = worker.conn.recv()
                 except (EOFError, OSError):
-                    w.proc.join()
-                    pool.remove(w)
+                    worker.proc.join()
+                    pool.remove(worker)
                     tries[pos] += 1
                     if tries[pos] > retries:
                         raise WorkerDied(
                             f"a worker died {tries[pos]} times running job {pos} "
-                            f"(exit code {w.proc.exitcode}); giving up"
+                            f"(exit code {worker.proc.exitcode}); giving up"
                         ) from None
                     queue.appendleft((pos, job))
                     start()
                     continue
                 if retire:
-                    pool.remove(w)
-                    w.proc.join()
-                    w.conn.close()
+                    pool.remove(worker)
+                    worker.proc.join()
+                    worker.conn.close()
                     if queue:
                         start()
-                if not ok:
-                    exc, tb = value
-                    raise exc from RemoteTraceback(tb)
+                if not succeeded:
+                    exc, trace_text = value
+                    raise exc from RemoteTraceback(trace_text)
                 yield value
     finally:
-        for w in pool:
-            w.stop(kill=w.job is not None or w.proc.exitcode is not None)
+        for worker in pool:
+            worker.stop(kill=worker.job is not None or worker.proc.exitcode is not None)
 
 
 def run_local(
-    fn: Callable[[J], R],
-    jobs: list[J],
+    fn: Callable[[JobT], ResultT],
+    jobs: list[JobT],
     workers: int = 1,
     *,
     recycle_after: int = RECYCLE_AFTER_FAILED_DECODES,
     retries: int = WORKER_RETRIES,
-) -> Iterator[R]:
+) -> Iterator[ResultT]:
     """``workers`` > 1: a pool; otherwise inline here, moving to one recycled worker only once
     this process has seen ``recycle_after`` failed decodes (see the module's docstring)."""
     if workers > 1 and len(jobs) > 1:
         yield from run_pool(fn, jobs, workers, recycle_after=recycle_after, retries=retries)
         return
     start = decode_failures()
-    for i, job in enumerate(jobs):
+    for index, job in enumerate(jobs):
         yield fn(job)
-        if recycle_after > 0 and decode_failures() - start >= recycle_after and i + 1 < len(jobs):
-            yield from run_pool(fn, jobs[i + 1 :], 1, recycle_after=recycle_after, retries=retries)
+        if (
+            recycle_after > 0
+            and decode_failures() - start >= recycle_after
+            and index + 1 < len(jobs)
+        ):
+            yield from run_pool(
+                fn, jobs[index + 1 :], 1, recycle_after=recycle_after, retries=retries
+            )
             return
 
 

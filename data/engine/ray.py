@@ -34,8 +34,8 @@ from data.media import decode_failures
 if TYPE_CHECKING:
     from data.engine import EngineConfig
 
-J = TypeVar("J")
-R = TypeVar("R")
+JobT = TypeVar("JobT")
+ResultT = TypeVar("ResultT")
 
 
 class PrepWorker:
@@ -65,12 +65,12 @@ def import_ray():
 
 
 def run_ray(
-    fn: Callable[[J], R],
-    jobs: list[J],
+    fn: Callable[[JobT], ResultT],
+    jobs: list[JobT],
     engine: EngineConfig,
     *,
     gpu_setup: Callable | None = None,
-) -> Iterator[R]:
+) -> Iterator[ResultT]:
     if not jobs:
         return
     ray = import_ray()
@@ -89,7 +89,7 @@ def run_ray(
     # Never more actors than CPUs: an actor waiting for a CPU would hold its job forever.
     size = min(engine.workers or cpus, cpus, len(jobs))
     actor_cls = ray.remote(num_cpus=1)(PrepWorker)
-    adapt: Callable[[J], J] = lambda job: job  # noqa: E731
+    adapt: Callable[[JobT], JobT] = lambda job: job  # noqa: E731
     gpu_actors: list = []
     if gpu_setup is not None and int(resources.get("GPU", 0)) > 0:
         adapt, gpu_actors = gpu_setup(ray, int(resources["GPU"]))
@@ -98,12 +98,12 @@ def run_ray(
         file=sys.stderr,
         flush=True,
     )
-    queue: deque[tuple[int, J]] = deque(enumerate(jobs))
+    queue: deque[tuple[int, JobT]] = deque(enumerate(jobs))
     tries = dict.fromkeys(range(len(jobs)), 0)
     idle = [actor_cls.remote(fn, engine.recycle_after) for _ in range(size)]
     inflight: dict = {}  # object ref -> (actor, position, job)
 
-    def again(pos: int, job: J, why: str) -> None:
+    def again(pos: int, job: JobT, why: str) -> None:
         tries[pos] += 1
         if tries[pos] > engine.retries:
             raise RuntimeError(f"job {pos} failed {tries[pos]} times on ray; the last: {why}")
@@ -142,7 +142,7 @@ def run_ray(
             idle.append(actor)
             yield result
     finally:
-        for actor in idle + [a for a, _, _ in inflight.values()] + gpu_actors:
+        for actor in idle + [busy_actor for busy_actor, _, _ in inflight.values()] + gpu_actors:
             ray.kill(actor)
         if started_here:
             ray.shutdown()

@@ -112,7 +112,7 @@ def make_plan(
         raise ValueError(f"--val-fraction {val_fraction}: give a fraction in [0, 1)")
     shape = {
         "version": PLAN_VERSION,
-        "sources": [asdict(s) for s in specs],
+        "sources": [asdict(source_spec) for source_spec in specs],
         "limits": limits.describe(),
         "shard_max_bytes": shard_max_bytes,
         "shard_max_samples": shard_max_samples,
@@ -120,13 +120,13 @@ def make_plan(
     if val_fraction:  # only when set: plans made before the split keep their fingerprint
         shape["val_fraction"] = val_fraction
     if exclude:  # which shards of which folders: another training set is another plan
-        shape["exclude"] = [[str(p), _manifest_fingerprint(p)] for p in exclude]
-    h = hashlib.sha256(json.dumps(shape, sort_keys=True).encode())
+        shape["exclude"] = [[str(folder), _manifest_fingerprint(folder)] for folder in exclude]
+    digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode())
     first_seen: dict[str, str] = {}
     shards: list[ShardPlan] = []
     counts: dict[str, dict] = {}
     bar = tqdm(desc="planning", unit=" inputs", disable=not progress, leave=False)
-    for si, spec in enumerate(specs):
+    for source_index, spec in enumerate(specs):
         src = build_source(spec, limits)
         # One run of shards per split: [current shard, its bytes, its samples, shards so far].
         runs: dict[str, list] = {"train": [None, 0, 0, 0], "val": [None, 0, 0, 0]}
@@ -153,7 +153,7 @@ def make_plan(
             # Rejects stay with the training shards (listed once, whatever the split).
             split = "val" if accepted and in_validation(item.key, val_fraction) else "train"
             run = runs[split]
-            cur, cur_bytes, cur_samples, k = run
+            cur, cur_bytes, cur_samples, shard_no = run
             full = (
                 cur is not None
                 and accepted
@@ -165,18 +165,20 @@ def make_plan(
             )
             if cur is None or full:
                 folder = spec.name if split == "train" else f"val/{spec.name}"
-                cur = ShardPlan(len(shards), si, f"{folder}/shard-{k:06d}", split=split)
+                cur = ShardPlan(
+                    len(shards), source_index, f"{folder}/shard-{shard_no:06d}", split=split
+                )
                 shards.append(cur)
-                k += 1
+                shard_no += 1
                 cur_bytes = cur_samples = 0
             cur.items.append(item)
             if accepted:
                 cur_bytes += item.size
                 cur_samples += 1
-            run[:] = [cur, cur_bytes, cur_samples, k]
+            run[:] = [cur, cur_bytes, cur_samples, shard_no]
             n_items += 1
             n_rej += not accepted
-            h.update(_item_blob(item))
+            digest.update(_item_blob(item))
             bar.update()
         if not n_items:
             raise ValueError(f"source {spec.name} ({spec.kind}:{spec.path}): no inputs found")
@@ -188,7 +190,7 @@ def make_plan(
         shard_max_bytes,
         shard_max_samples,
         shards,
-        h.hexdigest()[:24],
+        digest.hexdigest()[:24],
         counts,
         val_fraction,
     )

@@ -101,13 +101,13 @@ def _write_shard(job: ShardJob, src: Source, stage: Staging) -> dict:
             if writer is None:
                 writer = ShardWriter(stage.path(tar_rel), stage.path(idx_rel))
             media = [
-                {k: v for k, v in s.items() if k != "type"}
-                for s in got.doc["segments"]
-                if "member" in s
+                {field: value for field, value in seg.items() if field != "type"}
+                for seg in got.doc["segments"]
+                if "member" in seg
             ]
             writer.write(got, {"content": content, **({"media": media} if media else {})})
-            for s in got.doc["segments"]:
-                segments[s["type"]] += 1
+            for seg in got.doc["segments"]:
+                segments[seg["type"]] += 1
             repaired += got.doc["origin"].get("repaired_utf8", 0)
         result = writer.close() if writer else None
     except BaseException:
@@ -163,7 +163,7 @@ def check_output_dir(out: Folder, plan: Plan) -> dict[int, dict]:
                 "other inputs or flags); choose a new --out or delete that folder"
             )
     records = out.records(".ingest")
-    other = {r["fingerprint"] for r in records.values()} - {plan.fingerprint}
+    other = {record["fingerprint"] for record in records.values()} - {plan.fingerprint}
     if other:
         raise ValueError(
             f"{out}/.ingest holds shards of a different ingest (plan {sorted(other)[0]} != "
@@ -197,20 +197,20 @@ def run_plan(
         dest.local.mkdir(parents=True, exist_ok=True)
     records = check_output_dir(dest, plan)
     sizes = dest.sizes()
-    mine = [s for s in plan.shards if s.index % num_partitions == partition]
-    todo = [s for s in mine if not _is_done(sizes, s, plan.fingerprint, records)]
+    mine = [shard for shard in plan.shards if shard.index % num_partitions == partition]
+    todo = [shard for shard in mine if not _is_done(sizes, shard, plan.fingerprint, records)]
     jobs = [
         ShardJob(  # an absolute path: a Ray actor runs in another folder, maybe on another node
             dest.absolute(),
-            s,
-            plan.sources[s.source],
+            shard,
+            plan.sources[shard.source],
             plan.limits,
             plan.describe(),
             (partition, num_partitions),
             command or [],
             tuple(str(Path(p).absolute()) for p in exclude),
         )
-        for s in todo
+        for shard in todo
     ]
     bar = tqdm(
         total=len(mine),
@@ -225,7 +225,11 @@ def run_plan(
     bar.close()
     records.update(dest.records(".ingest"))  # what other partitions finished meanwhile
     sizes = dest.sizes()
-    missing = [s.index for s in plan.shards if not _is_done(sizes, s, plan.fingerprint, records)]
+    missing = [
+        shard.index
+        for shard in plan.shards
+        if not _is_done(sizes, shard, plan.fingerprint, records)
+    ]
     summary = {
         "written": len(jobs),
         "skipped_done": len(mine) - len(todo),

@@ -26,12 +26,16 @@ Design choices:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 
 from data.vocab import Modality
 
 IGNORE = -100
+# Modalities as plain ints: an IntEnum member next to a numpy array costs an enum attribute
+# lookup per operation (numpy probes it for __array_ufunc__ and the like).
+_TEXT, _IMAGE, _VIDEO = int(Modality.TEXT), int(Modality.IMAGE), int(Modality.VIDEO)
 
 
 @dataclass
@@ -45,6 +49,8 @@ class Unit:
 
 
 def units_of(length: int, blocks: list) -> list[Unit]:
+    if not blocks:  # text and code only: most documents
+        return [Unit(0, length, False)] if length else []
     units, pos = [], 0
     for b in sorted(blocks):
         start, end = int(b[0]), int(b[1])
@@ -73,6 +79,8 @@ class Doc:
     def __post_init__(self) -> None:
         if self.limit < 0:
             self.limit = self.length
+        # units_of makes one text unit at most when there is no block
+        self.has_blocks = len(self.units) > 1 or (len(self.units) == 1 and self.units[0].atomic)
 
     def position(self) -> int:
         """Doc tokens already placed or dropped: where the next piece starts."""
@@ -126,6 +134,16 @@ class Row:
 
 
 _ARANGE = np.arange(1 << 16, dtype=np.int64)
+
+
+def _arange(n: int) -> np.ndarray:
+    """0 .. n - 1 (int64), a view of one cached range grown as batches need."""
+    global _ARANGE
+    if n > len(_ARANGE):
+        _ARANGE = np.arange(max(n, 2 * len(_ARANGE)), dtype=np.int64)
+    return _ARANGE[:n]
+
+
 _BLOCK_POSITIONS: dict[tuple[int, int, int], tuple[np.ndarray, int]] = {}
 
 
@@ -197,17 +215,27 @@ class BatchBuffer:
         return (len(ROW_FIELDS) + 3) * rows * seq_len
 
     def row(self, i: int) -> Row:
-        return Row(**{attr: view[i] for attr, view in self.fields.items()}, real=0)
+        f = self.fields
+        return Row(
+            f["ids"][i],
+            f["mod"][i],
+            f["labels"][i],
+            f["label_mod"][i],
+            f["doc_ids"][i],
+            f["pos"][i],
+            f["thw"][i],
+            f["image_ids"][i],
+            0,
+        )
 
     @staticmethod
     def split(tensor, rows: int, seq_len: int) -> dict:
         """The batch fields of a buffer's tensor, as views: ``input_ids`` ... ``position_thw``."""
-        n = rows * seq_len
-        out = {
-            key: tensor[i * n : (i + 1) * n].view(rows, seq_len)
-            for i, (_, key, _) in enumerate(ROW_FIELDS)
-        }
-        out["position_thw"] = tensor[len(ROW_FIELDS) * n :].view(rows, seq_len, 3)
+        n, k = rows * seq_len, len(ROW_FIELDS)
+        # Three torch calls for every view (slicing a tensor field by field cost ~5 us a view)
+        fields = tensor[: k * n].view(k, rows, seq_len).unbind(0)
+        out = {key: view for (_, key, _), view in zip(ROW_FIELDS, fields)}
+        out["position_thw"] = tensor[k * n :].view(rows, seq_len, 3)
         return out
 
 
@@ -247,25 +275,28 @@ class Packer:
         self.dropped_by: dict[tuple[int, int], int] = {}
 
     def _count_drop(self, doc: Doc, unit: Unit) -> None:
-        key = (doc.source, int(Modality.VIDEO if unit.t else Modality.IMAGE))
+        key = (doc.source, _VIDEO if unit.t else _IMAGE)
         self.dropped_by[key] = self.dropped_by.get(key, 0) + 1
 
     # --- one document into the row being built ---------------------------------------------------
     def _place(self, doc: Doc, row: Row | None, pos: int) -> tuple[str, int]:
         """Place as much of ``doc`` as fits from ``pos``; returns (outcome, new pos) with outcome
         "done" (finished), "full" (row filled, doc continues) or "blocked" (a block must wait)."""
-        L = self.L
+        L, units, limit = self.L, doc.units, doc.limit
         piece_start, doc_start = pos, doc.position()
-        while doc.unit < len(doc.units) and doc.position() < doc.limit:
-            u = doc.units[doc.unit]
-            left = u.end - u.start - doc.offset
+        while doc.unit < len(units):
+            u = units[doc.unit]
+            at = u.start + doc.offset  # doc.position()
+            if at >= limit:
+                break
+            left = u.end - at
             if u.atomic:
                 if left > L:
                     self._flush(doc, row, piece_start, doc_start, pos, cut=True)
                     self._count_drop(doc, u)
                     if self.oversize == "drop_document":
                         self.stats.dropped_docs += 1
-                        doc.unit = len(doc.units)
+                        doc.unit = len(units)
                         return "done", pos
                     self.stats.dropped_blocks += 1
                     doc.unit += 1
@@ -277,14 +308,15 @@ class Packer:
                 pos += left
                 doc.unit += 1
             else:
-                k = min(left, L - pos, doc.limit - doc.position())
+                k = min(left, L - pos, limit - at)
                 if k == 0:
                     self._flush(doc, row, piece_start, doc_start, pos)
                     return "full", pos
                 pos += k
-                doc.offset += k
-                if doc.offset == u.end - u.start:
+                if k == left:
                     doc.unit, doc.offset = doc.unit + 1, 0
+                else:
+                    doc.offset += k
         self._flush(doc, row, piece_start, doc_start, pos)
         return "done", pos
 
@@ -319,9 +351,9 @@ class Packer:
         if b < doc.length:  # the piece's last token predicts the document's next one
             tail = (IGNORE if cut else int(doc.ids[b]), int(doc.mod[b]))
         else:
-            tail = (IGNORE, int(Modality.TEXT))
+            tail = (IGNORE, _TEXT)
         row.segments.append((ra, rb, pid, a - a0, *tail))
-        if doc.blocks_in(a0, b):
+        if doc.has_blocks and doc.blocks_in(a0, b):
             row.visual[pid] = (doc, ra0, a0, b)
 
     def finish(self, rows: list[Row], fields: dict[str, np.ndarray]) -> None:
@@ -333,66 +365,77 @@ class Packer:
         visual blocks; padding after each row's real tokens."""
         B, L = len(rows), self.L
         flat = {k: v.reshape(B * L, *v.shape[2:]) for k, v in fields.items()}
-        real = [r.real for r in rows]
         ids, mod, labels, label_mod = flat["ids"], flat["mod"], flat["labels"], flat["label_mod"]
-        # Real positions, row after row, are the segments one after another; a row with padding
-        # (the last ones of an epoch, or ended by held-aside blocks) is the rare case.
-        short = [i for i in range(B) if real[i] < L]
-        keep: slice | np.ndarray = slice(None)
-        if short:
-            keep = (_ARANGE[:L][None, :] < np.asarray(real)[:, None]).reshape(-1)
-        for i in short:
-            ids[i * L + real[i] : (i + 1) * L] = self.pad_id
-            mod[i * L + real[i] : (i + 1) * L] = int(Modality.TEXT)
+        # The segments of every row one after another, and after a row's real tokens its padding
+        # as one more segment (piece = the row's piece count, or -1 in an empty row): together
+        # they tile the batch, so each field is one vector operation with no mask.
+        counts, padded = [], []
+        for i, r in enumerate(rows):
+            if r.real < L:
+                r.segments.append((r.real, L, len(r.pieces) if r.pieces else -1, 0, IGNORE, 0))
+                padded.append(i)
+            counts.append(len(r.segments))
+        seg = np.fromiter(
+            chain.from_iterable(chain.from_iterable(r.segments for r in rows)),
+            np.int64,
+            count=6 * sum(counts),
+        ).reshape(-1, 6)
+        for i in padded:  # the padding segment is the finishing pass's, not the row's
+            rows[i].segments.pop()
+            ids[i * L + rows[i].real : (i + 1) * L] = self.pad_id
+            mod[i * L + rows[i].real : (i + 1) * L] = _TEXT
+        base = np.repeat(_arange(B) * L, counts)
+        seg[:, 0] += base
+        seg[:, 1] += base
+        lengths = seg[:, 1] - seg[:, 0]
         labels[:-1] = ids[1:]
         label_mod[:-1] = mod[1:]
-        segs = [
-            (i * L + sg[0], i * L + sg[1], *sg[2:]) for i, r in enumerate(rows) for sg in r.segments
-        ]
-        seg = np.asarray(segs, np.int64).reshape(-1, 6)
-        lengths = seg[:, 1] - seg[:, 0]
         labels[seg[:, 1] - 1] = seg[:, 4]
         label_mod[seg[:, 1] - 1] = seg[:, 5]
-        flat["doc_ids"][keep] = np.repeat(seg[:, 2], lengths)
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(seg) else lengths
-        pos = _ARANGE[: int(lengths.sum())] - np.repeat(starts - seg[:, 3], lengths)
-        flat["pos"][keep] = pos
-        flat["thw"][keep] = pos[:, None]
+        flat["doc_ids"][:] = np.repeat(seg[:, 2], lengths)
+        pos = flat["pos"]
+        np.subtract(_arange(B * L), np.repeat(seg[:, 0] - seg[:, 3], lengths), out=pos)
         flat["image_ids"][:] = -1
-        for i in short:
-            padding = slice(i * L + real[i], (i + 1) * L)
-            label_mod[padding] = int(Modality.TEXT)
+        for i in padded:
+            padding = slice(i * L + rows[i].real, (i + 1) * L)
             labels[padding] = IGNORE
-            flat["doc_ids"][padding] = len(rows[i].pieces) if rows[i].pieces else -1
-            flat["pos"][padding] = 0
-            flat["thw"][padding] = 0
+            label_mod[padding] = _TEXT
+            pos[padding] = 0
+        # M-RoPE: the 1-D positions in all three (strided copies are far cheaper than a
+        # broadcast into the [n, 3] view), then the pieces with visual blocks rewritten.
+        thw = flat["thw"].reshape(-1)
+        thw[0::3] = pos
+        thw[1::3] = pos
+        thw[2::3] = pos
         for r in rows:
+            n_img = 0
             for pid in sorted(r.visual):  # images numbered in row order
                 doc, ra0, a0, b = r.visual[pid]
-                self._thw(doc, r, ra0, a0, b)
+                n_img = self._thw(doc, r, ra0, a0, b, n_img)
 
-    def _thw(self, doc: Doc, row: Row, ra: int, a: int, b: int) -> None:
-        p = 0  # M-RoPE position of the next token
-        j = a
-        blocks = [u for u in doc.units if u.atomic and u.start >= a and u.end <= b]
-        n_img = int(row.image_ids.max()) + 1
-        for u in blocks + [None]:
-            stop = u.start if u else b
-            if stop > j:  # text before the block
-                row.thw[ra + j - a : ra + stop - a] = (p + np.arange(stop - j))[:, None]
-                p += stop - j
-            if u is None:
-                break
+    def _thw(self, doc: Doc, row: Row, ra: int, a: int, b: int, n_img: int) -> int:
+        """M-RoPE positions of a piece (row positions from ``ra``, doc tokens [a, b)) whose thw
+        already holds its 1-D positions: each block takes its template added to where it starts;
+        the text after it moves on by how far the block moved the position beyond its length.
+        Numbers its images from ``n_img``; returns the next number."""
+        shift = 0  # M-RoPE position minus 1-D position of the text so far
+        thw = row.thw
+        last = ra + b - a
+        for u in doc.units:
+            if not u.atomic or u.start < a or u.end > b:
+                continue
             r0 = ra + u.start - a
             offsets, advance = block_positions(u.t, u.h, u.w)
             end = r0 + len(offsets)
-            np.add(offsets, p, out=row.thw[r0:end])
+            np.add(offsets, r0 - ra + shift, out=thw[r0:end])
             if u.t == 0:  # an image: its codes carry its number (bidirectional attention)
-                codes = row.mod[r0:end] == Modality.IMAGE
-                row.image_ids[r0:end][codes] = n_img
+                np.copyto(row.image_ids[r0:end], n_img, where=row.mod[r0:end] == _IMAGE)
                 n_img += 1
-            p += advance
-            j = u.end
+            moved = advance - len(offsets)
+            shift += moved
+            if moved and end < last:
+                thw[end:last] += moved  # the text after the block (and later blocks, rewritten)
+        return n_img
 
     def _new_row(self) -> Row | None:
         if self.dry:

@@ -78,30 +78,56 @@ def _allowed_bits(ranges: np.ndarray) -> np.ndarray:
     return _BITS[key]
 
 
+_TEXT_BELOW: dict[int, tuple[np.ndarray, int]] = {}  # id(ranges) -> (ranges, text size or -1)
+_UNSIGNED = {np.dtype(f"<i{n}"): np.dtype(f"<u{n}") for n in (1, 2, 4, 8)}
+_CODE = int(Modality.CODE)
+
+
+def _text_below(ranges: np.ndarray) -> int:
+    """The text size when text and code share the ids [0, text size) (then a text or code
+    document is checked by its largest id alone), else -1. Computed once per ranges array."""
+    got = _TEXT_BELOW.get(id(ranges))
+    if got is None or got[0] is not ranges:
+        text, code = ranges[int(Modality.TEXT)], ranges[_CODE]
+        below = int(text[1]) if text[0] == 0 and (text == code).all() else -1
+        if len(_TEXT_BELOW) > 64:  # loaders come and go (tests): keep it small
+            _TEXT_BELOW.clear()
+        got = _TEXT_BELOW[id(ranges)] = (ranges, below)  # the array is kept: its id stays its own
+    return got[1]
+
+
 def check_ids(ids: np.ndarray, mod: np.ndarray, ranges: np.ndarray | None) -> None:
     """ValueError naming the first bad token when a modality or id lies outside the layout."""
     if ranges is None or not len(ids):
         return
-    # Text and code only (most documents): all ids in [0, text size) is the whole check.
     # Ids seen as unsigned: a negative one is huge, past every range.
-    unsigned = ids.view(ids.dtype.str.replace("i", "u")) if ids.dtype.kind == "i" else ids
+    if ids.dtype.kind == "i":
+        unsigned = ids.view(_UNSIGNED.get(ids.dtype) or ids.dtype.str.replace("i", "u"))
+    else:
+        unsigned = ids
+    unsigned_mod = mod.dtype.kind == "u"
     # Text and code only (most documents): every id below the text size is the whole check.
+    text_below = _text_below(ranges)
     if (
-        ranges[int(Modality.TEXT), 0] == 0
-        and (ranges[int(Modality.TEXT)] == ranges[int(Modality.CODE)]).all()
-        and (mod.dtype.kind == "u" or int(mod.min()) >= 0)
-        and int(mod.max()) <= int(Modality.CODE)
-        and int(unsigned.max()) < ranges[int(Modality.TEXT), 1]
+        text_below > 0
+        and (unsigned_mod or int(mod.min()) >= 0)
+        and int(mod.max()) <= _CODE
+        and int(unsigned.max()) < text_below
     ):
         return
     bits = _allowed_bits(ranges)
-    # Four whole-array passes. The clipped lookup sends an id past the vocabulary (or negative)
+    # Three whole-array passes. The clipped lookup sends an id past the vocabulary (or negative)
     # to the last entry (no bits); a modality past the 5 bits shifts to 0. Signed modalities
     # (the raw path's int64) are checked >= 0.
-    if (mod.dtype.kind == "u" or int(mod.min()) >= 0) and (
-        (bits.take(unsigned, mode="clip") >> mod) & 1
-    ).all():
-        return
+    usable = unsigned_mod or int(mod.min()) >= 0
+    if usable and ids.dtype.kind == "i" and ids.dtype.itemsize == 8:
+        # take() reads uint64 indices as intp: a negative id would wrap round to a valid one
+        usable = int(ids.min()) >= 0
+    if usable:
+        allowed = bits.take(unsigned, mode="clip")
+        np.right_shift(allowed, mod, out=allowed, casting="unsafe")
+        if np.bitwise_and.reduce(allowed) & 1:  # bit 0 set in every entry
+            return
     mod64, ids64 = mod.astype(np.int64), ids.astype(np.int64)
     bad_mod = (mod64 < 0) | (mod64 >= len(ranges))
     if bad_mod.any():
@@ -119,21 +145,42 @@ def check_ids(ids: np.ndarray, mod: np.ndarray, ranges: np.ndarray | None) -> No
 
 def read_token_sample(rec, view: Reader, *, check_hash: bool) -> tuple[Buffer, Buffer]:
     """(ids.npy bytes, mod.npy bytes) of a token sample (``rec``: its ``TokenSample``), checked
-    against its index hash. One view of the shard covers its members (they lie side by side):
-    a slice of a memory map for local shards, one ranged read for remote ones."""
-    (i0, isz), (m0, msz) = rec.ids_at, rec.mod_at
-    hashed = check_hash and rec.sha256 != _NO_HASH
+    against its index hash (``read_members``)."""
+    (j0, jsz), (i0, isz), (m0, msz) = rec.json_at, rec.ids_at, rec.mod_at
+    return read_members(j0, jsz, i0, isz, m0, msz, rec.sha256, view, check_hash)
+
+
+def read_members(
+    j0: int,
+    jsz: int,
+    i0: int,
+    isz: int,
+    m0: int,
+    msz: int,
+    sha256: bytes,
+    view: Reader,
+    check_hash: bool,
+) -> tuple[Buffer, Buffer]:
+    """(ids.npy bytes, mod.npy bytes) of a token sample whose ``json``, ``ids.npy`` and
+    ``mod.npy`` members lie at (offset, size) ``j0, jsz`` / ``i0, isz`` / ``m0, msz`` of its
+    shard, checked against ``sha256`` (its index's; zeros: none). One view of the shard covers
+    the members (they lie side by side): a slice of a memory map for local shards, one ranged
+    read for remote ones. Positional and flat: it runs once per document read."""
+    hashed = check_hash and sha256 != _NO_HASH
     start, end = min(i0, m0), max(i0 + isz, m0 + msz)
     if hashed:
-        j0, jsz = rec.json_at
         start, end = min(start, j0), max(end, j0 + jsz)
     blob = memoryview(view(start, end - start))
+    ids = blob[i0 - start : i0 - start + isz]
+    mod = blob[m0 - start : m0 - start + msz]
     if hashed:
         # data.shards.writer.sample_hash, inlined: (name, size, bytes) of each member in name order
-        h = hashlib.sha256()
-        for name, off, size in ((b"ids.npy", i0, isz), (b"json", j0, jsz), (b"mod.npy", m0, msz)):
-            h.update(b"%s\0%d\0" % (name, size))
-            h.update(blob[off - start : off - start + size])
-        if h.digest() != rec.sha256:
+        h = hashlib.sha256(b"ids.npy\0%d\0" % isz)
+        h.update(ids)
+        h.update(b"json\0%d\0" % jsz)
+        h.update(blob[j0 - start : j0 - start + jsz])
+        h.update(b"mod.npy\0%d\0" % msz)
+        h.update(mod)
+        if h.digest() != sha256:
             raise ValueError("its members do not match the SHA-256 in the shard index (corrupted)")
-    return blob[i0 - start : i0 - start + isz], blob[m0 - start : m0 - start + msz]
+    return ids, mod

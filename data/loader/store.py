@@ -183,7 +183,7 @@ class ShardFiles:
         self.cache_limit = int(cache_limit_gb * 2**30)
         self.keep, self.keep_maps = keep, keep_maps
         self._open: dict[str, BinaryIO] = {}
-        self._maps: dict[str, mmap.mmap | bytes] = {}
+        self._maps: dict[str, memoryview] = {}
         self._failed: dict[str, tuple[float, str]] = {}  # pipe: fetches that failed lately
         self.opened = 0  # shards opened or mapped so far (benchmarks count them)
 
@@ -191,21 +191,22 @@ class ShardFiles:
         """``size`` bytes at ``offset``: a slice of the shard's memory map (local shards and
         fetched ``pipe:`` shards: mapped once per process, no read call per sample), or a read
         (fsspec). A map lives as long as an array made from it: evicting one only forgets it."""
-        if kind(url) == "fsspec":
-            return self.read(url, offset, size, min_bytes)
         mapped = self._maps.pop(url, None)
         if mapped is None:
+            if kind(url) == "fsspec":
+                return self.read(url, offset, size, min_bytes)
             if len(self._maps) >= self.keep_maps:
                 self._maps.pop(next(iter(self._maps)))
             path = self._local_file(url, min_bytes)
             with open(path, "rb") as f:
                 n = os.fstat(f.fileno()).st_size
-                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if n else b""
+                # Kept as a memoryview of the map: a slice per sample, nothing else made.
+                mapped = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if n else b"")
             self.opened += 1
         self._maps[url] = mapped  # re-inserted last: the dict's order is the LRU order
         if offset + size > len(mapped):
             raise ValueError(f"member cut short ({max(0, len(mapped) - offset)} of {size} bytes)")
-        return memoryview(mapped)[offset : offset + size]
+        return mapped[offset : offset + size]
 
     def get(self, url: str, min_bytes: int = 0) -> BinaryIO:
         f = self._open.pop(url, None)

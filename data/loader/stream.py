@@ -45,7 +45,7 @@ from data.loader.order import (
     unpack_mask,
 )
 from data.loader.packer import BatchBuffer, Doc, Packer, Row, units_of
-from data.loader.sample_check import check_ids, read_token_sample
+from data.loader.sample_check import check_ids, read_members
 from data.loader.store import ShardFiles, ShardView
 from data.loader.table import SampleTable
 from data.tokenize.blocks import visual_blocks
@@ -296,13 +296,18 @@ class ConsumerStream:
                 ids, mod, blocks = self._encode_raw(t, sample)
                 length = len(ids)
             else:
-                rec = t.token_sample(sample)
-                length, blocks = rec.tokens, rec.blocks
-                url, end = t.shards[rec.shard], t.shard_end(rec.shard)
-                ids_b, mod_b = read_token_sample(
-                    rec,
-                    lambda off, size: self.files.view(url, off, size, end),
-                    check_hash=self.cfg.check_hashes,
+                si, length, blocks, j0, jsz, i0, isz, m0, msz, sha = t.locate_members(sample)
+                url = t.shards[si]
+                ids_b, mod_b = read_members(
+                    j0,
+                    jsz,
+                    i0,
+                    isz,
+                    m0,
+                    msz,
+                    sha,
+                    lambda off, size: self.files.view(url, off, size, t.shard_end(si)),
+                    self.cfg.check_hashes,
                 )
                 # Views of the shard's memory map: nothing is copied until the packer places them.
                 ids, mod = read_npy(ids_b), read_npy(mod_b)

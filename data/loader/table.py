@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import posixpath
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,12 @@ from data.names import INDEX_SUFFIX, MANIFEST_FILE
 from data.shards import token_index
 
 TOKEN_FORMAT = "earlyfuse-token-shards"
+# One record of a binary index (token_index.RECORD, packed): json, ids, mod (offset, size),
+# tokens, block start and count, key start and length, SHA-256. Unpacked straight from the
+# memory map: one call per document read, no numpy scalar or array made.
+_RECORD = struct.Struct("<6qqqiqi32s")
+assert _RECORD.size == token_index.RECORD.itemsize
+_NO_BLOCKS: list = []
 RAW_FORMAT = "earlyfuse-raw-shards"
 
 
@@ -169,6 +176,12 @@ class SampleTable:
             at(self.mod_at),
             self.sha[sample].tobytes() if len(self.sha) else bytes(32),
         )
+
+    def locate_members(self, sample: int) -> tuple:
+        """What reading a token sample needs, flat (it runs once per document): (shard, tokens,
+        blocks, json offset, size, ids offset, size, mod offset, size, SHA-256)."""
+        r = self.token_sample(sample)
+        return (r.shard, r.tokens, r.blocks, *r.json_at, *r.ids_at, *r.mod_at, r.sha256)
 
     def block_stats(self) -> dict[str, dict[str, int]]:
         """{"image"/"video": {"blocks", "longest"}} over every sample."""
@@ -307,6 +320,19 @@ class TokenTable(SampleTable):
             tuple(mod_at),
             bytes(sha),
         )
+
+    def locate_members(self, sample: int) -> tuple:
+        if not 0 <= sample < self.starts[-1]:
+            raise IndexError(f"sample {sample} of a source of {self.starts[-1]}")
+        si = bisect.bisect_right(self.starts, sample) - 1
+        idx = self._indexes.get(si)
+        if idx is None:
+            idx = self.index(si)
+        j0, jsz, i0, isz, m0, msz, tokens, b0, nb, _k0, _nk, sha = _RECORD.unpack_from(
+            idx.records.data, (sample - self.starts[si]) * _RECORD.size
+        )
+        blocks = idx.blocks[b0 : b0 + nb].tolist() if nb else _NO_BLOCKS
+        return si, tokens, blocks, j0, jsz, i0, isz, m0, msz, sha
 
     def block_stats(self) -> dict[str, dict[str, int]]:
         out = {m: {"blocks": 0, "longest": 0} for m in ("image", "video")}

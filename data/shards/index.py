@@ -12,11 +12,11 @@ from data.shards.writer import sample_hash
 
 
 def index_path_for(tar_path: str | Path) -> Path:
-    p = Path(tar_path)
+    tar = Path(tar_path)
     return (
-        p.with_name(p.name[: -len(".tar")] + INDEX_SUFFIX)
-        if p.name.endswith(".tar")
-        else p.with_name(p.name + INDEX_SUFFIX)
+        tar.with_name(tar.name[: -len(".tar")] + INDEX_SUFFIX)
+        if tar.name.endswith(".tar")
+        else tar.with_name(tar.name + INDEX_SUFFIX)
     )
 
 
@@ -45,31 +45,34 @@ def read_member(tar_path: str | Path, entry: dict, suffix: str) -> bytes:
 
 
 def file_sha256(path: str | Path, bufsize: int = 1 << 20) -> str:
-    h = hashlib.sha256()
+    digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(bufsize):
-            h.update(chunk)
-    return h.hexdigest()
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def check_index(tar_path: str | Path, index: list[dict]) -> list[str]:
     """Problems found when the tar's real members are compared with its index (empty = fine)."""
     problems: list[str] = []
     expected = []
-    for e in index:
-        for suffix, (off, size) in e["members"].items():
-            expected.append((f"{e['key']}.{suffix}", off, size))
-    expected.sort(key=lambda m: m[1])  # index lines keep members by name; the tar by offset
+    for index_entry in index:
+        for suffix, (off, size) in index_entry["members"].items():
+            expected.append((f"{index_entry['key']}.{suffix}", off, size))
+    # index lines keep members by name; the tar by offset
+    expected.sort(key=lambda member: member[1])
     try:
         with tarfile.open(tar_path, mode="r:") as tf:
-            actual = [(m.name, m.offset_data, m.size) for m in tf if m.isfile()]
+            actual = [
+                (member.name, member.offset_data, member.size) for member in tf if member.isfile()
+            ]
     except (tarfile.TarError, OSError) as e:
         return [f"{tar_path}: unreadable tar ({e})"]
     if actual != expected:
-        a, x = set(actual), set(expected)
-        for name, off, size in sorted(x - a)[:5]:
+        actual_set, expected_set = set(actual), set(expected)
+        for name, off, size in sorted(expected_set - actual_set)[:5]:
             problems.append(f"{tar_path}: index lists {name} at {off} ({size} B), the tar does not")
-        for name, off, size in sorted(a - x)[:5]:
+        for name, off, size in sorted(actual_set - expected_set)[:5]:
             problems.append(f"{tar_path}: tar holds {name} at {off} ({size} B), the index does not")
         if not problems:
             problems.append(f"{tar_path}: members are in a different order than the index says")

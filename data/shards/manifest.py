@@ -28,8 +28,8 @@ def write_json_atomic(path: Path, obj, *, lines: list | None = None) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         if lines is not None:
-            for x in lines:
-                f.write(json.dumps(x, ensure_ascii=False, sort_keys=True) + "\n")
+            for line in lines:
+                f.write(json.dumps(line, ensure_ascii=False, sort_keys=True) + "\n")
         else:
             json.dump(obj, f, indent=1, ensure_ascii=False, sort_keys=True)
             f.write("\n")
@@ -44,11 +44,11 @@ def record_path(out: Path, index: int, state_dir: str = ".ingest") -> Path:
 
 def load_records(out: Path, state_dir: str = ".ingest") -> dict[int, dict]:
     records = {}
-    d = Path(out) / state_dir
-    if d.is_dir():
-        for p in sorted(d.glob("shard-*.json")):
+    state_path = Path(out) / state_dir
+    if state_path.is_dir():
+        for record_file in sorted(state_path.glob("shard-*.json")):
             try:
-                rec = json.loads(p.read_text())
+                rec = json.loads(record_file.read_text())
                 records[int(rec["index"])] = rec
             except (ValueError, KeyError, OSError):
                 continue  # a record cut short by a kill: that shard is simply redone
@@ -68,8 +68,8 @@ def versions() -> dict:
 def missing_shards(records: dict[int, dict]) -> list[int]:
     if not records:
         return []
-    n = next(iter(records.values()))["plan"]["num_shards"]
-    return [i for i in range(n) if i not in records]
+    num_shards = next(iter(records.values()))["plan"]["num_shards"]
+    return [index for index in range(num_shards) if index not in records]
 
 
 def finalize(out: Path, records: dict[int, dict]) -> dict:
@@ -78,19 +78,19 @@ def finalize(out: Path, records: dict[int, dict]) -> dict:
     missing = missing_shards(records)
     if missing or not records:
         raise ValueError(f"{out}: {len(missing)} shard(s) not written yet: {missing[:10]}")
-    recs = [records[i] for i in sorted(records)]
+    recs = [records[index] for index in sorted(records)]
     sources: dict[str, dict] = {}
     seg_total: Counter = Counter()
     reasons: Counter = Counter()
     rejects: list[dict] = []
     shards = []
-    for r in recs:
-        s = sources.setdefault(
-            r["source"],
+    for record in recs:
+        source = sources.setdefault(
+            record["source"],
             {
-                "name": r["source"],
-                "kind": r["kind"],
-                "path": r["source_path"],
+                "name": record["source"],
+                "kind": record["kind"],
+                "path": record["source_path"],
                 "samples": 0,
                 "bytes": 0,
                 "shards": 0,
@@ -98,29 +98,29 @@ def finalize(out: Path, records: dict[int, dict]) -> dict:
                 "segments": Counter(),
             },
         )
-        s["samples"] += r["samples"]
-        s["bytes"] += r["bytes"]
-        s["rejects"] += len(r["rejects"])
-        s["segments"].update(r["segments"])
-        seg_total.update(r["segments"])
-        rejects.extend(r["rejects"])
-        reasons.update(x["reason"] for x in r["rejects"])
-        if r["tar"]:
-            s["shards"] += 1
+        source["samples"] += record["samples"]
+        source["bytes"] += record["bytes"]
+        source["rejects"] += len(record["rejects"])
+        source["segments"].update(record["segments"])
+        seg_total.update(record["segments"])
+        rejects.extend(record["rejects"])
+        reasons.update(reject["reason"] for reject in record["rejects"])
+        if record["tar"]:
+            source["shards"] += 1
             shards.append(
                 {
-                    "path": r["tar"],
-                    "index": r["index_file"],
-                    "source": r["source"],
-                    "samples": r["samples"],
-                    "bytes": r["bytes"],
-                    "sha256": r["sha256"],
-                    "index_sha256": r["index_sha256"],
-                    "segments": r["segments"],
+                    "path": record["tar"],
+                    "index": record["index_file"],
+                    "source": record["source"],
+                    "samples": record["samples"],
+                    "bytes": record["bytes"],
+                    "sha256": record["sha256"],
+                    "index_sha256": record["index_sha256"],
+                    "segments": record["segments"],
                 }
             )
-    for s in sources.values():
-        s["segments"] = dict(s["segments"])
+    for source in sources.values():
+        source["segments"] = dict(source["segments"])
     manifest = {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
@@ -128,20 +128,22 @@ def finalize(out: Path, records: dict[int, dict]) -> dict:
         "sources": list(sources.values()),
         "shards": shards,
         "totals": {
-            "samples": sum(s["samples"] for s in shards),
-            "bytes": sum(s["bytes"] for s in shards),
+            "samples": sum(source["samples"] for source in shards),
+            "bytes": sum(source["bytes"] for source in shards),
             "shards": len(shards),
             "segments": dict(seg_total),
             "rejects": len(rejects),
             "rejects_by_reason": dict(sorted(reasons.items())),
-            "repaired_utf8": sum(r["repaired_utf8"] for r in recs),
+            "repaired_utf8": sum(record["repaired_utf8"] for record in recs),
         },
         "created_by": {
-            "commands": sorted({json.dumps(r["command"]) for r in recs}),
+            "commands": sorted({json.dumps(record["command"]) for record in recs}),
             "versions": versions(),
         },
     }
-    manifest["created_by"]["commands"] = [json.loads(c) for c in manifest["created_by"]["commands"]]
+    manifest["created_by"]["commands"] = [
+        json.loads(command) for command in manifest["created_by"]["commands"]
+    ]
     write_json_atomic(out / REJECTS_FILE, None, lines=rejects)
     write_json_atomic(out / MANIFEST_FILE, manifest)
     for stale in out.rglob("*.tmp"):
@@ -156,7 +158,7 @@ def merge(out: Path) -> dict:
         raise ValueError(
             f"{out}: no ingest records found in {out}/.ingest (is this an ingest output folder?)"
         )
-    prints = {r["fingerprint"] for r in records.values()}
+    prints = {record["fingerprint"] for record in records.values()}
     if len(prints) > 1:
         raise ValueError(
             f"{out}: records of {len(prints)} different ingests (plans {sorted(prints)}); "
@@ -165,7 +167,7 @@ def merge(out: Path) -> dict:
     missing = missing_shards(records)
     if missing:
         parts = next(iter(records.values()))["partition"][1]
-        owners = sorted({i % parts for i in missing})
+        owners = sorted({index % parts for index in missing})
         raise ValueError(
             f"{out}: {len(missing)} shard(s) not written yet (partitions {owners} of "
             f"--num-partitions {parts} have not finished); run them, then merge again"
@@ -176,7 +178,7 @@ def merge(out: Path) -> dict:
 def load_manifest(out: Path, formats: tuple[str, ...] = (MANIFEST_FORMAT,)) -> dict:
     path = Path(out) / MANIFEST_FILE
     try:
-        m = json.loads(path.read_text())
+        manifest = json.loads(path.read_text())
     except FileNotFoundError:
         raise ValueError(
             f"{path}: no manifest (not an ingest output, or its ingest has not finished: "
@@ -184,8 +186,8 @@ def load_manifest(out: Path, formats: tuple[str, ...] = (MANIFEST_FORMAT,)) -> d
         ) from None
     except ValueError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if m.get("format") not in formats:
+    if manifest.get("format") not in formats:
         raise ValueError(
-            f"{path}: format {m.get('format')!r}, expected {' or '.join(map(repr, formats))}"
+            f"{path}: format {manifest.get('format')!r}, expected {' or '.join(map(repr, formats))}"
         )
-    return m
+    return manifest

@@ -40,15 +40,15 @@ def shard_entries(
 ) -> list[tuple[Path, Path, dict]]:
     """(tar, index, manifest entry) of every shard in a raw shard folder, optionally by source."""
     root = Path(manifest_dir)
-    m = load_manifest(root)
-    known = {s["name"] for s in m["sources"]}
-    for s in sources or []:
-        if s not in known:
-            raise ValueError(f"{root}: no source {s!r} (it has {sorted(known)})")
+    manifest = load_manifest(root)
+    known = {source["name"] for source in manifest["sources"]}
+    for source in sources or []:
+        if source not in known:
+            raise ValueError(f"{root}: no source {source!r} (it has {sorted(known)})")
     return [
-        (root / s["path"], root / s["index"], s)
-        for s in m["shards"]
-        if sources is None or s["source"] in sources
+        (root / source["path"], root / source["index"], source)
+        for source in manifest["shards"]
+        if sources is None or source["source"] in sources
     ]
 
 
@@ -69,15 +69,17 @@ class ShardReader:
             self._f.close()
 
     def _docs(self, f: BinaryIO) -> Iterator[RawDoc]:
-        for e in self.entries:
-            off, size = e["members"]["json"]
+        for entry in self.entries:
+            off, size = entry["members"]["json"]
             f.seek(off)
             raw = f.read(size)
             try:
                 doc = json.loads(raw)
             except ValueError as err:
-                raise ValueError(f"{self.tar}: {e['key']}.json is not valid JSON ({err})") from None
-            yield RawDoc(e["key"], doc, e, self.tar, f)
+                raise ValueError(
+                    f"{self.tar}: {entry['key']}.json is not valid JSON ({err})"
+                ) from None
+            yield RawDoc(entry["key"], doc, entry, self.tar, f)
 
 
 def iter_shard(tar: Path, index: Path) -> Iterator[RawDoc]:

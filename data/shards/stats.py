@@ -26,47 +26,47 @@ def _dist(values: list[float]) -> dict:
 
 def collect_stats(out: str | Path, *, examples: int = 3) -> dict:
     out = Path(out)
-    m = load_manifest(out)
+    manifest = load_manifest(out)
     img_w, img_h, img_px, vid_dur, vid_frames, vid_fps = [], [], [], [], [], []
     docs_by_types: Counter = Counter()
     uncaptioned: dict[str, dict[str, int]] = {}
-    for shard in m["shards"]:
-        for e in read_index(out / shard["index"]):
-            docs_by_types["+".join(sorted(set(e["types"])))] += 1
-            if _without_text(e["types"]):
+    for shard in manifest["shards"]:
+        for entry in read_index(out / shard["index"]):
+            docs_by_types["+".join(sorted(set(entry["types"])))] += 1
+            if _without_text(entry["types"]):
                 per = uncaptioned.setdefault(shard["source"], {"image": 0, "video": 0})
-                for kind in set(e["types"]) & {"image", "video"}:
+                for kind in set(entry["types"]) & {"image", "video"}:
                     per[kind] += 1
-            for md in e.get("media", []):
-                if "frames" in md:
-                    vid_dur.append(md["duration"])
-                    vid_frames.append(md["frames"])
-                    vid_fps.append(md["fps"])
+            for media in entry.get("media", []):
+                if "frames" in media:
+                    vid_dur.append(media["duration"])
+                    vid_frames.append(media["frames"])
+                    vid_fps.append(media["fps"])
                 else:
-                    img_w.append(md["width"])
-                    img_h.append(md["height"])
-                    img_px.append(md["width"] * md["height"])
+                    img_w.append(media["width"])
+                    img_h.append(media["height"])
+                    img_px.append(media["width"] * media["height"])
     reject_examples: dict[str, list[str]] = defaultdict(list)
     rpath = out / REJECTS_FILE
     if rpath.is_file():
         with open(rpath, encoding="utf-8") as f:
             for line in f:
-                r = json.loads(line)
-                if len(reject_examples[r["reason"]]) < examples:
-                    reject_examples[r["reason"]].append(
-                        f"{r.get('source', '?')}:{r['path']}: {r['detail']}"
+                reject = json.loads(line)
+                if len(reject_examples[reject["reason"]]) < examples:
+                    reject_examples[reject["reason"]].append(
+                        f"{reject.get('source', '?')}:{reject['path']}: {reject['detail']}"
                     )
-    t = m["totals"]
+    totals = manifest["totals"]
     return {
         "folder": str(out),
-        "samples": t["samples"],
-        "bytes": t["bytes"],
-        "shards": t["shards"],
-        "segments": t["segments"],
+        "samples": totals["samples"],
+        "bytes": totals["bytes"],
+        "shards": totals["shards"],
+        "segments": totals["segments"],
         "documents_by_content": dict(docs_by_types.most_common()),
         "sources": [
-            {k: s[k] for k in ("name", "kind", "samples", "bytes", "shards", "rejects")}
-            for s in m["sources"]
+            {key: source[key] for key in ("name", "kind", "samples", "bytes", "shards", "rejects")}
+            for source in manifest["sources"]
         ],
         "images": {"width": _dist(img_w), "height": _dist(img_h), "pixels": _dist(img_px)},
         "videos": {
@@ -77,10 +77,12 @@ def collect_stats(out: str | Path, *, examples: int = 3) -> dict:
         # Documents of images or videos with no text at all (e.g. an image without a caption
         # file): kept, but counted, since a captioned source is usually meant to be captioned.
         "media_without_text": uncaptioned,
-        "rejects": t["rejects"],
-        "rejects_by_reason": dict(sorted(t["rejects_by_reason"].items(), key=lambda kv: -kv[1])),
+        "rejects": totals["rejects"],
+        "rejects_by_reason": dict(
+            sorted(totals["rejects_by_reason"].items(), key=lambda item: -item[1])
+        ),
         "reject_examples": dict(reject_examples),
-        "repaired_utf8": t["repaired_utf8"],
+        "repaired_utf8": totals["repaired_utf8"],
     }
 
 
@@ -93,10 +95,10 @@ def media_without_text(out: str | Path) -> dict[str, dict[str, int]]:
     out = Path(out)
     found: dict[str, dict[str, int]] = {}
     for shard in load_manifest(out)["shards"]:
-        for e in read_index(out / shard["index"]):
-            if _without_text(e["types"]):
+        for entry in read_index(out / shard["index"]):
+            if _without_text(entry["types"]):
                 per = found.setdefault(shard["source"], {"image": 0, "video": 0})
-                for kind in set(e["types"]) & {"image", "video"}:
+                for kind in set(entry["types"]) & {"image", "video"}:
                     per[kind] += 1
     return found
 
@@ -106,7 +108,10 @@ def describe_uncaptioned(found: dict[str, dict[str, int]]) -> str | None:
     if not found:
         return None
     parts = [
-        f"{src}: " + ", ".join(f"{n} {kind}{'s' if n > 1 else ''}" for kind, n in per.items() if n)
+        f"{src}: "
+        + ", ".join(
+            f"{count} {kind}{'s' if count > 1 else ''}" for kind, count in per.items() if count
+        )
         for src, per in sorted(found.items())
     ]
     return "without a caption or any text: " + "; ".join(parts) + " (kept as media-only documents)"
@@ -121,7 +126,7 @@ def human_bytes(n: float) -> str:
 
 
 def format_stats(s: dict) -> str:
-    def d(x: dict, fmt: str = "{:g}") -> str:
+    def describe_dist(x: dict, fmt: str = "{:g}") -> str:
         if not x["count"]:
             return "none"
         return (
@@ -142,25 +147,28 @@ def format_stats(s: dict) -> str:
             f"{human_bytes(src['bytes']):>10} {src['rejects']:>8}"
         )
     lines.append("")
-    lines.append("  segments:  " + ", ".join(f"{k} {v}" for k, v in s["segments"].items()))
     lines.append(
-        "  documents: " + ", ".join(f"{k} {v}" for k, v in s["documents_by_content"].items())
+        "  segments:  " + ", ".join(f"{name} {count}" for name, count in s["segments"].items())
     )
-    im, vd = s["images"], s["videos"]
-    lines.append(f"  image width:    {d(im['width'])}")
-    lines.append(f"  image height:   {d(im['height'])}")
-    lines.append(f"  video seconds:  {d(vd['duration_s'], '{:.2f}')}")
-    lines.append(f"  video frames:   {d(vd['frames'])}")
-    lines.append(f"  video fps:      {d(vd['fps'], '{:.2f}')}")
+    lines.append(
+        "  documents: "
+        + ", ".join(f"{name} {count}" for name, count in s["documents_by_content"].items())
+    )
+    images, videos = s["images"], s["videos"]
+    lines.append(f"  image width:    {describe_dist(images['width'])}")
+    lines.append(f"  image height:   {describe_dist(images['height'])}")
+    lines.append(f"  video seconds:  {describe_dist(videos['duration_s'], '{:.2f}')}")
+    lines.append(f"  video frames:   {describe_dist(videos['frames'])}")
+    lines.append(f"  video fps:      {describe_dist(videos['fps'], '{:.2f}')}")
     said = describe_uncaptioned(s["media_without_text"])
     lines.append(f"  {said}" if said else "  without a caption or any text: none")
     lines.append("")
     if s["rejects"]:
         lines.append(f"  rejects: {s['rejects']} (all in rejects.jsonl)")
-        for reason, n in s["rejects_by_reason"].items():
-            lines.append(f"    {reason:<20} {n}")
-            for ex in s["reject_examples"].get(reason, []):
-                lines.append(f"        e.g. {ex}")
+        for reason, num_rejects in s["rejects_by_reason"].items():
+            lines.append(f"    {reason:<20} {num_rejects}")
+            for example in s["reject_examples"].get(reason, []):
+                lines.append(f"        e.g. {example}")
     else:
         lines.append("  rejects: none")
     if s["repaired_utf8"]:

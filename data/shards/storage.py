@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TypeVar
 
 RETRIES = 5
-T = TypeVar("T")
+ResultT = TypeVar("ResultT")
 
 
 def is_remote(url: str | Path) -> bool:
@@ -36,7 +36,7 @@ def is_remote(url: str | Path) -> bool:
     return "://" in text and not text.startswith("file://")
 
 
-def retried(what: str, call: Callable[[], T], retries: int = RETRIES) -> T:
+def retried(what: str, call: Callable[[], ResultT], retries: int = RETRIES) -> ResultT:
     """``call()``; on an error other than a missing file, again after 0.2, 0.4, ... s."""
     for attempt in range(retries):
         try:
@@ -104,9 +104,9 @@ class Folder:
             if not base.is_dir():
                 return {}
             return {
-                str(p.relative_to(self.local)): p.stat().st_size
-                for p in base.rglob("*")
-                if p.is_file()
+                str(file_path.relative_to(self.local)): file_path.stat().st_size
+                for file_path in base.rglob("*")
+                if file_path.is_file()
             }
         path = self._path(under) if under else self.root
         try:
@@ -124,11 +124,13 @@ class Folder:
 
             return load_records(self.local, state_dir)
         names = sorted(
-            n for n in self.sizes(state_dir) if n.endswith(".json") and "/shard-" in "/" + n
+            name
+            for name in self.sizes(state_dir)
+            if name.endswith(".json") and "/shard-" in "/" + name
         )
         out = {}
         if names:
-            blobs = retried(self.url, lambda: self.fs.cat([self._path(n) for n in names]))
+            blobs = retried(self.url, lambda: self.fs.cat([self._path(name) for name in names]))
             for blob in blobs.values():
                 try:
                     rec = json.loads(blob)
@@ -153,7 +155,9 @@ class Folder:
             write_json_atomic(self.local / rel, obj, lines=lines)
             return
         if lines is not None:
-            text = "".join(json.dumps(x, ensure_ascii=False, sort_keys=True) + "\n" for x in lines)
+            text = "".join(
+                json.dumps(line, ensure_ascii=False, sort_keys=True) + "\n" for line in lines
+            )
         else:
             text = json.dumps(obj, indent=1, ensure_ascii=False, sort_keys=True) + "\n"
         data = text.encode("utf-8")

@@ -74,32 +74,34 @@ def build(jsonl: bytes, *, where: str = "index") -> bytes:
     blocks: list[list[int]] = []
     keys = bytearray()
     last, shard_bytes = -1, 0
-    for i, line in enumerate(lines):
+    for line_no, line in enumerate(lines):
         try:
-            e = json.loads(line)
-            members = e["members"]
-            rec = records[i]
+            entry = json.loads(line)
+            members = entry["members"]
+            rec = records[line_no]
             for name, field in (("json", "json"), ("ids.npy", "ids"), ("mod.npy", "mod")):
                 rec[field] = members.get(name, [0, 0]) if name == "json" else members[name]
-            rec["tokens"] = int(e["tokens"])
-            got = e.get("blocks", [])
+            rec["tokens"] = int(entry["tokens"])
+            got = entry.get("blocks", [])
             rec["block_start"], rec["block_count"] = len(blocks), len(got)
-            blocks += [[int(x) for x in b] for b in got]
-            key = e["key"].encode()
+            blocks += [[int(value) for value in block] for block in got]
+            key = entry["key"].encode()
             rec["key_start"], rec["key_len"] = len(keys), len(key)
             keys += key
-            if set(members) == set(_MEMBERS) and "sha256" in e:
-                rec["sha256"] = np.frombuffer(bytes.fromhex(e["sha256"]), np.uint8)
-            first = min(int(o) for o, _ in members.values())
+            if set(members) == set(_MEMBERS) and "sha256" in entry:
+                rec["sha256"] = np.frombuffer(bytes.fromhex(entry["sha256"]), np.uint8)
+            first = min(int(offset) for offset, _ in members.values())
             if first <= last:
                 raise ValueError(
-                    f"offsets go back at sample {e['key']}: this is not one shard's index (a "
+                    f"offsets go back at sample {entry['key']}: this is not one shard's index (a "
                     "pipe: command must print one shard: no glob in it)"
                 )
-            last = max(int(o) + int(n) for o, n in members.values())
+            last = max(int(offset) + int(size) for offset, size in members.values())
             shard_bytes = max(shard_bytes, last)
         except (ValueError, KeyError, TypeError, IndexError) as err:
-            raise ValueError(f"{where}:{i + 1}: not a token shard index line ({err})") from None
+            raise ValueError(
+                f"{where}:{line_no + 1}: not a token shard index line ({err})"
+            ) from None
     block_arr = np.asarray(blocks, np.int64).reshape(-1, 5)
     header = {
         "format": FORMAT,
@@ -131,9 +133,9 @@ def write(path: str | Path, data: bytes) -> None:
 
 
 def index_path_for(tar_path: str | Path) -> Path:
-    p = Path(tar_path)
-    stem = p.name[: -len(".tar")] if p.name.endswith(".tar") else p.name
-    return p.with_name(stem + SUFFIX)
+    tar = Path(tar_path)
+    stem = tar.name[: -len(".tar")] if tar.name.endswith(".tar") else tar.name
+    return tar.with_name(stem + SUFFIX)
 
 
 @dataclass
@@ -149,14 +151,14 @@ class TokenIndex:
         return len(self.records)
 
     def key(self, i: int) -> str:
-        r = self.records[i]
-        start = int(r["key_start"])
-        return self.keys[start : start + int(r["key_len"])].tobytes().decode()
+        record = self.records[i]
+        start = int(record["key_start"])
+        return self.keys[start : start + int(record["key_len"])].tobytes().decode()
 
     def blocks_of(self, i: int) -> np.ndarray:
-        r = self.records[i]
-        start = int(r["block_start"])
-        return self.blocks[start : start + int(r["block_count"])]
+        record = self.records[i]
+        start = int(record["block_start"])
+        return self.blocks[start : start + int(record["block_count"])]
 
     @classmethod
     def open(cls, path: str | Path) -> TokenIndex:
@@ -173,15 +175,15 @@ class TokenIndex:
         pos = 0
         try:
             for _ in range(4):
-                f = io.BytesIO(view[pos : pos + 4096])
-                version = np.lib.format.read_magic(f)
+                header_stream = io.BytesIO(view[pos : pos + 4096])
+                version = np.lib.format.read_magic(header_stream)
                 if version == (1, 0):
-                    shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+                    shape, fortran, dtype = np.lib.format.read_array_header_1_0(header_stream)
                 else:
-                    shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+                    shape, fortran, dtype = np.lib.format.read_array_header_2_0(header_stream)
                 if fortran or dtype.hasobject:
                     raise ValueError("not a plain C-order array")
-                start = pos + f.tell()
+                start = pos + header_stream.tell()
                 count = int(np.prod(shape)) if shape else 1
                 arr = np.frombuffer(buf, dtype, count=count, offset=start).reshape(shape)
                 arrays.append(arr)
@@ -205,9 +207,9 @@ def index_folder(out: str | Path) -> dict:
     from data.shards.manifest import load_manifest, write_json_atomic
 
     out = Path(out)
-    m = load_manifest(out, formats=("earlyfuse-token-shards",))
+    manifest = load_manifest(out, formats=("earlyfuse-token-shards",))
     written = 0
-    for shard in m["shards"]:
+    for shard in manifest["shards"]:
         jsonl = (out / shard["index"]).read_bytes()
         if hashlib.sha256(jsonl).hexdigest() != shard["index_sha256"]:
             raise ValueError(
@@ -226,5 +228,5 @@ def index_folder(out: str | Path) -> dict:
             written += 1
         shard["index_bin"] = rel
         shard["blocks"] = TokenIndex.open(path).header["blocks"]
-    write_json_atomic(out / "manifest.json", m)
-    return {"folder": str(out), "shards": len(m["shards"]), "written": written}
+    write_json_atomic(out / "manifest.json", manifest)
+    return {"folder": str(out), "shards": len(manifest["shards"]), "written": written}

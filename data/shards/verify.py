@@ -56,9 +56,12 @@ def _check_tokens(tar: Path, e: dict, read, ranges: np.ndarray | None) -> str | 
         ids, mod = read_npy(read("ids.npy")), read_npy(read("mod.npy"))
     except (ValueError, KeyError, EOFError) as err:
         return f"{e['key']}: unreadable ids/modalities ({err})"
-    n = e.get("tokens")
-    if ids.shape != (n,) or mod.shape != (n,):
-        return f"{e['key']}: {ids.shape[0]} ids / {mod.shape[0]} modalities, the index says {n}"
+    num_tokens = e.get("tokens")
+    if ids.shape != (num_tokens,) or mod.shape != (num_tokens,):
+        return (
+            f"{e['key']}: {ids.shape[0]} ids / {mod.shape[0]} modalities, "
+            f"the index says {num_tokens}"
+        )
     try:
         check_ids(ids.astype(np.int64), mod.astype(np.int64), ranges)
     except ValueError as err:
@@ -85,12 +88,12 @@ def _check_binary_index(out: Path, shard: dict, idx: Path) -> list[str]:
 
 def verify(out: str | Path, *, progress: bool = False) -> dict:
     out = Path(out)
-    m = load_manifest(out, formats=(MANIFEST_FORMAT, TOKEN_FORMAT))
-    tokens = m["format"] == TOKEN_FORMAT
+    manifest = load_manifest(out, formats=(MANIFEST_FORMAT, TOKEN_FORMAT))
+    tokens = manifest["format"] == TOKEN_FORMAT
     problems: list[str] = []
-    ranges = _token_ranges(out, m, problems) if tokens else None
+    ranges = _token_ranges(out, manifest, problems) if tokens else None
     samples = 0
-    for shard in tqdm(m["shards"], desc="verify", unit=" shards", disable=not progress):
+    for shard in tqdm(manifest["shards"], desc="verify", unit=" shards", disable=not progress):
         tar, idx = out / shard["path"], out / shard["index"]
         if not tar.is_file() or not idx.is_file():
             problems.append(f"{tar if not tar.is_file() else idx}: missing")
@@ -110,7 +113,7 @@ def verify(out: str | Path, *, progress: bool = False) -> dict:
             problems.append(f"{idx}: {len(index)} samples, the manifest says {shard['samples']}")
         found = check_index(tar, index)
         problems.extend(found)
-        if any(not p.endswith("does not match its hash") for p in found):
+        if any(not problem.endswith("does not match its hash") for problem in found):
             continue  # the tar does not match its index: its samples cannot be found
         with open(tar, "rb") as f:
             for entry in index:
@@ -133,12 +136,14 @@ def verify(out: str | Path, *, progress: bool = False) -> dict:
                     problems.append(f"{tar}: {why}")
     rejects = out / REJECTS_FILE
     n_rej = sum(1 for _ in open(rejects, encoding="utf-8")) if rejects.is_file() else 0
-    if n_rej != m["totals"]["rejects"]:
-        problems.append(f"{rejects}: {n_rej} lines, the manifest counts {m['totals']['rejects']}")
+    if n_rej != manifest["totals"]["rejects"]:
+        problems.append(
+            f"{rejects}: {n_rej} lines, the manifest counts {manifest['totals']['rejects']}"
+        )
     return {
         "folder": str(out),
-        "format": m["format"],
-        "shards": len(m["shards"]),
+        "format": manifest["format"],
+        "shards": len(manifest["shards"]),
         "samples": samples,
         "problems": problems,
         "ok": not problems,
@@ -150,5 +155,7 @@ def format_verify(r: dict) -> str:
     if r["ok"]:
         return head + ": OK"
     return (
-        head + f": {len(r['problems'])} problem(s)\n" + "\n".join("  " + p for p in r["problems"])
+        head
+        + f": {len(r['problems'])} problem(s)\n"
+        + "\n".join("  " + problem for problem in r["problems"])
     )

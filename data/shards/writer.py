@@ -57,11 +57,11 @@ class ShardResult:
 
 def sample_hash(members: list[tuple[str, bytes]]) -> str:
     """SHA-256 over (name, size, bytes) of each member, in name order."""
-    h = hashlib.sha256()
+    digest = hashlib.sha256()
     for name, data in sorted(members):
-        h.update(name.encode() + b"\0" + str(len(data)).encode() + b"\0")
-        h.update(data)
-    return h.hexdigest()
+        digest.update(name.encode() + b"\0" + str(len(data)).encode() + b"\0")
+        digest.update(data)
+    return digest.hexdigest()
 
 
 _USTAR_MAX_SIZE = 8**11 - 1  # larger members need a PAX size record
@@ -72,20 +72,20 @@ def member_header(name: str, size: int) -> bytes:
     a name under 100 bytes needs no PAX record, so the header is the plain ustar one and is
     built directly (tarfile's PAX checks cost ~15 % of a text ingest); the same bytes either
     way (tests/test_data/test_engine_local.py checks)."""
-    ti = tarinfo(name, size)
+    info = tarinfo(name, size)
     if len(name) < 100 and name.isascii() and size <= _USTAR_MAX_SIZE:
-        return ti.tobuf(tarfile.USTAR_FORMAT, "ascii", "strict")
-    return ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+        return info.tobuf(tarfile.USTAR_FORMAT, "ascii", "strict")
+    return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
 
 
 def tarinfo(name: str, size: int) -> tarfile.TarInfo:
-    ti = tarfile.TarInfo(name)
-    ti.size = size
-    ti.mtime = 0
-    ti.mode = 0o644
-    ti.uid = ti.gid = 0
-    ti.uname = ti.gname = ""
-    return ti
+    info = tarfile.TarInfo(name)
+    info.size = size
+    info.mtime = 0
+    info.mode = 0o644
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info
 
 
 class ShardWriter:
@@ -158,10 +158,10 @@ class ShardWriter:
         )
 
     def abort(self) -> None:
-        for f in (self._raw, self._idx):
+        for handle in (self._raw, self._idx):
             try:
-                f.close()
+                handle.close()
             except OSError:
                 pass
-        for p in (self.tar_path, self.index_path):
-            self._tmp(p).unlink(missing_ok=True)
+        for path in (self.tar_path, self.index_path):
+            self._tmp(path).unlink(missing_ok=True)

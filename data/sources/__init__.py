@@ -33,30 +33,30 @@ def parse_sources(args: list[str]) -> list[SourceSpec]:
     specs: list[SourceSpec] = []
     used: dict[str, str] = {}  # name -> the --source that has it
     for arg in args:
-        m = _SPEC.match(arg)
-        if not m or m["kind"] not in KINDS:
+        match = _SPEC.match(arg)
+        if not match or match["kind"] not in KINDS:
             raise ValueError(
                 f"--source {arg!r}: expected [NAME=]KIND:PATH with KIND one of " + ", ".join(KINDS)
             )
-        if is_remote(m["path"]):
-            specs.append(_remote_spec(arg, m["kind"], m["path"], m["name"], used))
+        if is_remote(match["path"]):
+            specs.append(_remote_spec(arg, match["kind"], match["path"], match["name"], used))
             continue
-        path = Path(m["path"]).expanduser()
+        path = Path(match["path"]).expanduser()
         if not path.exists():
             raise ValueError(f"--source {arg!r}: {path} does not exist")
-        name = m["name"] or sanitize_key(
+        name = match["name"] or sanitize_key(
             path.resolve().stem if path.is_file() else path.resolve().name
         )
         if name in used:
-            how = "" if m["name"] else " (from its path)"
+            how = "" if match["name"] else " (from its path)"
             raise ValueError(
                 f"--source {arg!r}: the name {name!r}{how} is also the name of --source "
                 f"{used[name]!r}; give each its own name, e.g. --source "
-                f"{name}2={m['kind']}:{m['path']} ({path.resolve()} and "
+                f"{name}2={match['kind']}:{match['path']} ({path.resolve()} and "
                 f"{Path(used[name].split(':', 1)[1]).expanduser().resolve()})"
             )
         used[name] = arg
-        specs.append(SourceSpec(m["kind"], str(path.resolve()), name))
+        specs.append(SourceSpec(match["kind"], str(path.resolve()), name))
     return specs
 
 

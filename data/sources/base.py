@@ -49,10 +49,10 @@ class Limits:
     def describe(self) -> dict:
         """The limits for the plan fingerprint; the default of a later flag is left out, so plans
         made before it existed keep their fingerprint."""
-        d = asdict(self)
-        if not d["follow_links_outside"]:
-            del d["follow_links_outside"]
-        return d
+        fields = asdict(self)
+        if not fields["follow_links_outside"]:
+            del fields["follow_links_outside"]
+        return fields
 
 
 LINK_OUTSIDE = "link-outside-source"
@@ -279,20 +279,20 @@ def walk(
         rel_dir = os.path.relpath(dirpath, root)
         rel_dir = "" if rel_dir == "." else rel_dir + "/"
         keep = []
-        for d in sorted(dirnames):
-            why = skip_dir(d)
-            full = Path(dirpath, d)
+        for dirname in sorted(dirnames):
+            why = skip_dir(dirname)
+            full = Path(dirpath, dirname)
             if why:
-                yield f"{rel_dir}{d}/", Skip("vendored", why)
+                yield f"{rel_dir}{dirname}/", Skip("vendored", why)
             elif not full.is_symlink():
-                keep.append(d)
+                keep.append(dirname)
             elif not (real := full.resolve()).is_relative_to(real_root):
                 if not follow:
                     detail = f"a symlink leads to {real}, outside the source's folder {real_root}"
-                    yield f"{rel_dir}{d}/", Skip(LINK_OUTSIDE, detail)
+                    yield f"{rel_dir}{dirname}/", Skip(LINK_OUTSIDE, detail)
                 elif real not in seen:  # followed once each (a link back would loop)
                     seen.add(real)
-                    keep.append(d)
+                    keep.append(dirname)
         dirnames[:] = keep
         for fname in sorted(filenames):
             yield f"{rel_dir}{fname}", None

@@ -35,7 +35,10 @@ def read_table(path: Path) -> Iterator[tuple[int, dict | Reject]]:
         with open(path, newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f)
             for row in reader:
-                yield reader.line_num, {k: v for k, v in row.items() if k is not None}
+                yield (
+                    reader.line_num,
+                    {column: value for column, value in row.items() if column is not None},
+                )
         return
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
@@ -108,10 +111,15 @@ class CaptionedSource(Source):
                 )
                 continue
             path = self.root / rel
-            txt, js = path.with_suffix(".txt"), path.with_suffix(".json")
+            txt, json_path = path.with_suffix(".txt"), path.with_suffix(".json")
             # the media file and its sidecar captions: none may be a link out of the folder
             outside = next(
-                (o for f in (path, txt, js) if f.exists() and (o := self.outside(f))), None
+                (
+                    skip
+                    for sidecar in (path, txt, json_path)
+                    if sidecar.exists() and (skip := self.outside(sidecar))
+                ),
+                None,
             )
             if outside:
                 yield self.rejected_item(key, rel, outside.reason, outside.detail)
@@ -127,7 +135,7 @@ class CaptionedSource(Source):
                 rel,
                 json.dumps(caption, sort_keys=True) if caption is not None else "",
                 str(txt) if txt.is_file() else "",
-                str(js) if js.is_file() else "",
+                str(json_path) if json_path.is_file() else "",
             )
             yield Item(key, rel, ref, size)
 
@@ -179,11 +187,11 @@ class CaptionedSource(Source):
         if item.ref[0] == "trow":
             return load_row(self, item)
         if item.ref[0] == "file":
-            _, path, rel, table_rec, txt, js = item.ref
+            _, path, rel, table_rec, txt, json_path = item.ref
             meta = json.loads(table_rec) if table_rec else {}
             caption: str | bytes | None = meta.pop("caption", None)
-            if js:
-                raw = read_file(Path(js), rel)
+            if json_path:
+                raw = read_file(Path(json_path), rel)
                 rec = (
                     raw
                     if isinstance(raw, Reject)

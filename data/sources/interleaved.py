@@ -32,41 +32,45 @@ def doc_parts(rec: dict, base: Path, label: str) -> list[Part] | Reject:
         if not isinstance(segs, list):
             return Reject(label, "bad-record", '"segments" must be a list')
         parts = []
-        for i, s in enumerate(segs):
-            t = s.get("type") if isinstance(s, dict) else None
-            if t not in SEGMENT_TYPES:
-                return Reject(label, "bad-record", f"segment {i}: unknown type {t!r}")
-            if t in ("text", "code"):
-                parts.append(Part(t, s.get("text") or "", path=label, lang=s.get("lang")))
+        for position, seg in enumerate(segs):
+            kind = seg.get("type") if isinstance(seg, dict) else None
+            if kind not in SEGMENT_TYPES:
+                return Reject(label, "bad-record", f"segment {position}: unknown type {kind!r}")
+            if kind in ("text", "code"):
+                parts.append(Part(kind, seg.get("text") or "", path=label, lang=seg.get("lang")))
             else:
-                parts.append(Part(t, path=s.get("path") or s.get("file") or ""))
-    elif any(k in rec for k, _ in OBELICS_LISTS):
-        lists = [(rec.pop(k, None) or [], t) for k, t in OBELICS_LISTS]
-        n = max(len(v) for v, _ in lists)
-        if any(v and len(v) != n for v, _ in lists):
+                parts.append(Part(kind, path=seg.get("path") or seg.get("file") or ""))
+    elif any(column in rec for column, _ in OBELICS_LISTS):
+        lists = [(rec.pop(column, None) or [], kind) for column, kind in OBELICS_LISTS]
+        length = max(len(column_values) for column_values, _ in lists)
+        if any(column_values and len(column_values) != length for column_values, _ in lists):
             return Reject(label, "bad-record", "texts/images/videos lists differ in length")
         parts = []
-        for i in range(n):
-            for values, t in lists:
-                v = values[i] if values else None
-                if v is None:
+        for position in range(length):
+            for values, kind in lists:
+                value = values[position] if values else None
+                if value is None:
                     continue
-                if not isinstance(v, str):
-                    return Reject(label, "bad-record", f"{t} at position {i} is not a string")
-                parts.append(Part(t, v, path=label) if t == "text" else Part(t, path=v))
+                if not isinstance(value, str):
+                    return Reject(
+                        label, "bad-record", f"{kind} at position {position} is not a string"
+                    )
+                parts.append(
+                    Part(kind, value, path=label) if kind == "text" else Part(kind, path=value)
+                )
     else:
         return Reject(label, "bad-record", 'neither "segments" nor OBELICS "texts"/"images" lists')
-    for p in parts:
-        if p.type in ("image", "video"):
-            given = p.path or ""
+    for part in parts:
+        if part.type in ("image", "video"):
+            given = part.path or ""
             if not given:
-                return Reject(label, "bad-record", f"{p.type} segment without a path")
+                return Reject(label, "bad-record", f"{part.type} segment without a path")
             if "://" in given:
                 return Reject(
                     label, "missing-media", f"{given} is remote; ingest takes local files"
                 )
-            p.path = str(base / given) if not Path(given).is_absolute() else given
-            p.ext = Path(given).suffix.lower()
+            part.path = str(base / given) if not Path(given).is_absolute() else given
+            part.ext = Path(given).suffix.lower()
     return parts
 
 
@@ -105,22 +109,22 @@ class InterleavedSource(Source):
             size, missing = length, None
             outside = next(
                 (
-                    o
-                    for p in parts
-                    if p.type in ("image", "video") and (o := self.outside(p.path or ""))
+                    skip
+                    for part in parts
+                    if part.type in ("image", "video") and (skip := self.outside(part.path or ""))
                 ),
                 None,
             )
             if outside:
                 yield self.rejected_item(key, label, outside.reason, outside.detail)
                 continue
-            for p in parts:
-                if p.type in ("image", "video"):
-                    s = stat_size(Path(p.path)) if p.path else None
-                    if s is None:
-                        missing = p.path
+            for part in parts:
+                if part.type in ("image", "video"):
+                    media_size = stat_size(Path(part.path)) if part.path else None
+                    if media_size is None:
+                        missing = part.path
                         break
-                    size += s
+                    size += media_size
             if missing:
                 yield self.rejected_item(key, label, "missing-media", f"{missing} does not exist")
                 continue

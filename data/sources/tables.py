@@ -97,7 +97,7 @@ def is_table(root: str | Path | Location) -> bool:
         return loc.is_file()
     if not loc.remote and not Path(loc.text).is_dir():
         return False
-    return all((loc / f).is_file() for f in HF_FILES) or (loc / "dataset_dict.json").is_file()
+    return all((loc / name).is_file() for name in HF_FILES) or (loc / "dataset_dict.json").is_file()
 
 
 def table_files(root: str | Path | Location) -> list[Location]:
@@ -109,10 +109,10 @@ def table_files(root: str | Path | Location) -> list[Location]:
         splits = json.loads((loc / "dataset_dict.json").read_bytes()).get("splits", [])
         raise ValueError(
             f"{loc.text} is a DatasetDict; pass one split's folder, e.g. "
-            + ", ".join((loc / s).text for s in splits)
+            + ", ".join((loc / split).text for split in splits)
         )
     state = json.loads((loc / "state.json").read_bytes())
-    return [loc / f["filename"] for f in state.get("_data_files", [])]
+    return [loc / entry["filename"] for entry in state.get("_data_files", [])]
 
 
 class TableFile:
@@ -127,8 +127,8 @@ class TableFile:
             self.schema = self.parquet.schema_arrow
             meta = self.parquet.metadata
             self.groups = [
-                (meta.row_group(g).num_rows, meta.row_group(g).total_byte_size)
-                for g in range(meta.num_row_groups)
+                (meta.row_group(group).num_rows, meta.row_group(group).total_byte_size)
+                for group in range(meta.num_row_groups)
             ]
             self.table = None
         else:  # a Hugging Face Arrow stream: memory-mapped here, read whole when remote; one group
@@ -176,11 +176,11 @@ class TableFile:
         return self._group[1][index]
 
 
-def _is_path_type(pa, t) -> bool:
+def _is_path_type(pa, arrow_type) -> bool:
     """A column (or list element) that holds paths, which the plan checks exist."""
-    if pa.types.is_list(t) or pa.types.is_large_list(t):
-        t = t.value_type
-    return pa.types.is_string(t) or pa.types.is_large_string(t)
+    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
+        arrow_type = arrow_type.value_type
+    return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
 
 
 def jsonable(value):
@@ -190,9 +190,11 @@ def jsonable(value):
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
+        return [jsonable(item) for item in value]
     if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items() if not isinstance(v, bytes)}
+        return {
+            str(key): jsonable(item) for key, item in value.items() if not isinstance(item, bytes)
+        }
     if isinstance(value, bytes):
         return None
     return str(value)  # dates, decimals: their text
@@ -226,31 +228,31 @@ def table_items(src: Source) -> Iterator[Item]:
     row = 0
     for file in table_files(root):
         table = TableFile(file)
-        pa = table.pa
+        arrow = table.pa
         names = table.schema.names
         if src.kind == "interleaved":
-            if not any(c in names for c, _ in LIST_COLUMNS):
+            if not any(column in names for column, _ in LIST_COLUMNS):
                 raise ValueError(f"{file.name}: no texts/images/videos columns (OBELICS layout)")
             paths = [
-                c
-                for c in ("images", "videos")
-                if c in names and _is_path_type(pa, table.schema.field(c).type)
+                column
+                for column in ("images", "videos")
+                if column in names and _is_path_type(arrow, table.schema.field(column).type)
             ]
         elif src.kind in MEDIA_COLUMNS:
             col = MEDIA_COLUMNS[src.kind]
             if col not in names:
                 raise ValueError(f"{file.name}: no {col!r} column (it has {names})")
-            paths = [col] if _is_path_type(pa, table.schema.field(col).type) else []
+            paths = [col] if _is_path_type(arrow, table.schema.field(col).type) else []
         elif "text" not in names:
             raise ValueError(f"{file.name}: no 'text' column (it has {names})")
         ids = table.column("id")
-        media = {c: table.column(c) for c in paths}
+        media = {column: table.column(column) for column in paths}
         label_file = file.name
         start = 0
-        for group, (n, nbytes) in enumerate(table.groups):
-            size = max(1, nbytes // max(1, n))
-            for i in range(n):
-                pos = start + i
+        for group, (num_rows, nbytes) in enumerate(table.groups):
+            size = max(1, nbytes // max(1, num_rows))
+            for row_in_group in range(num_rows):
+                pos = start + row_in_group
                 label = f"{label_file}:row {pos}"
                 key = src.key(f"{row:08d}")
                 rid = ids[pos] if ids else None
@@ -267,8 +269,8 @@ def table_items(src: Source) -> Iterator[Item]:
                     where = f"{label} ({shown})" if shown else label
                     yield src.rejected_item(key, where, reason, detail)
                     continue
-                yield Item(key, label, ("trow", file.text, group, i, label, pos), size)
-            start += n
+                yield Item(key, label, ("trow", file.text, group, row_in_group, label, pos), size)
+            start += num_rows
 
 
 def _missing_media(media: dict[str, list], pos: int, base: Location) -> tuple[str, str, str] | None:
@@ -341,7 +343,11 @@ def load_row(src: Source, item: Item) -> Sample | Reject:
         if isinstance(got_parts, Reject):
             return src.reject(label, got_parts.reason, got_parts.detail, item.key)
         parts = got_parts
-    meta = {k: v for k, v in ((k, jsonable(v)) for k, v in rec.items()) if v is not None}
+    meta = {
+        key: value
+        for key, value in ((key, jsonable(value)) for key, value in rec.items())
+        if value is not None
+    }
     return src.assemble(item.key, parts, meta, origin, label)
 
 
@@ -354,23 +360,25 @@ def _media_part(kind: str, got: tuple[bytes | None, str | None, str], label: str
 
 
 def _interleaved_parts(rec: dict, base: Location, label: str) -> list[Part] | Reject:
-    lists = [(rec.pop(c, None) or [], t) for c, t in LIST_COLUMNS]
-    n = max(len(v) for v, _ in lists)
-    if any(v and len(v) != n for v, _ in lists):
+    lists = [(rec.pop(column, None) or [], kind) for column, kind in LIST_COLUMNS]
+    length = max(len(column_values) for column_values, _ in lists)
+    if any(column_values and len(column_values) != length for column_values, _ in lists):
         return Reject(label, "bad-record", "texts/images/videos lists differ in length")
     parts = []
-    for i in range(n):
-        for values, t in lists:
-            v = values[i] if values else None
-            if v is None:
+    for position in range(length):
+        for values, kind in lists:
+            value = values[position] if values else None
+            if value is None:
                 continue
-            if t == "text":
-                if not isinstance(v, str):
-                    return Reject(label, "bad-record", f"text at position {i} is not a string")
-                parts.append(Part("text", v, path=label))
+            if kind == "text":
+                if not isinstance(value, str):
+                    return Reject(
+                        label, "bad-record", f"text at position {position} is not a string"
+                    )
+                parts.append(Part("text", value, path=label))
                 continue
-            got = media_value(v, base)
+            got = media_value(value, base)
             if isinstance(got, str):
-                return Reject(label, "bad-record", f"{t} at position {i}: {got}")
-            parts.append(_media_part(t, got, f"{label}:{t} {i}"))
+                return Reject(label, "bad-record", f"{kind} at position {position}: {got}")
+            parts.append(_media_part(kind, got, f"{label}:{kind} {position}"))
     return parts

@@ -29,9 +29,9 @@ from data.sources.text import parse_record
 
 def split_member(name: str) -> tuple[str, str]:
     """webdataset's rule: the key is everything before the first dot of the file name."""
-    d, _, base = name.rpartition("/")
+    folder, _, base = name.rpartition("/")
     stem, dot, ext = base.partition(".")
-    return (f"{d}/{stem}" if d else stem), ext.lower()
+    return (f"{folder}/{stem}" if folder else stem), ext.lower()
 
 
 def _open(path: str):
@@ -40,8 +40,10 @@ def _open(path: str):
         return open(path, "rb")
     import fsspec
 
-    fs, inner = fsspec.core.url_to_fs(path)
-    return retried(path, lambda: fs.open(inner, "rb", block_size=4 << 20, cache_type="readahead"))
+    filesystem, inner = fsspec.core.url_to_fs(path)
+    return retried(
+        path, lambda: filesystem.open(inner, "rb", block_size=4 << 20, cache_type="readahead")
+    )
 
 
 _REMOTE: dict[str, object] = {}  # per worker: the remote tar being read (its samples come in order)
@@ -63,19 +65,19 @@ def read_members(path: str, group: list) -> dict[str, bytes]:
     """The bytes of one sample's members; remote reads retried on a fresh handle."""
 
     def once() -> dict[str, bytes]:
-        f = _reader(path)
+        handle = _reader(path)
         try:
             data = {}
             for ext, off, size in group:
-                f.seek(off)
-                data[ext] = f.read(size)
+                handle.seek(off)
+                data[ext] = handle.read(size)
             return data
         except Exception:
             _REMOTE.pop(path, None)
             raise
         finally:
             if not is_remote(path):
-                f.close()
+                handle.close()
 
     return retried(path, once) if is_remote(path) else once()
 
@@ -87,16 +89,17 @@ def list_members(path: Path | str) -> tuple[list[tuple[str, int, int]], str | No
         with _open(str(path)) as f:
             total = f.seek(0, os.SEEK_END)
             f.seek(0)
-            with tarfile.open(fileobj=f, mode="r:") as tf:
-                for m in tf:
-                    if not m.isfile():
+            with tarfile.open(fileobj=f, mode="r:") as archive:
+                for member in archive:
+                    if not member.isfile():
                         continue
-                    if m.offset_data + m.size > total:
+                    if member.offset_data + member.size > total:
                         return (
                             members,
-                            f"ends inside member {m.name!r} (byte {total} of {m.offset_data + m.size})",
+                            f"ends inside member {member.name!r} "
+                            f"(byte {total} of {member.offset_data + member.size})",
                         )
-                    members.append((m.name, m.offset_data, m.size))
+                    members.append((member.name, member.offset_data, member.size))
     except (tarfile.ReadError, OSError) as e:
         after = f" after member {members[-1][0]!r}" if members else ""
         return members, f"unreadable{after}: {e}"
@@ -109,9 +112,16 @@ def remote_tars(url: str) -> list[tuple[str, str]]:
         return [(url.rsplit("/", 1)[-1], url)]
     import fsspec
 
-    fs, inner = fsspec.core.url_to_fs(url)
-    found = sorted(n for n in retried(url, lambda: fs.find(inner)) if n.endswith(".tar"))
-    return [(n[len(inner) + 1 :], f"{url}/{n[len(inner) + 1 :]}") for n in found]
+    filesystem, inner = fsspec.core.url_to_fs(url)
+    found = sorted(
+        found_path
+        for found_path in retried(url, lambda: filesystem.find(inner))
+        if found_path.endswith(".tar")
+    )
+    return [
+        (found_path[len(inner) + 1 :], f"{url}/{found_path[len(inner) + 1 :]}")
+        for found_path in found
+    ]
 
 
 class WdsSource(Source):
@@ -159,16 +169,20 @@ class WdsSource(Source):
             if why:
                 yield self.rejected_item(key, where, "unsafe-name", why)
                 continue
-            media = [g for g in group if "." + g[0].rsplit(".", 1)[-1] in IMAGE_EXTS | VIDEO_EXTS]
+            media = [
+                member
+                for member in group
+                if "." + member[0].rsplit(".", 1)[-1] in IMAGE_EXTS | VIDEO_EXTS
+            ]
             if not media:
                 yield self.rejected_item(
                     key,
                     where,
                     "missing-media",
-                    "no image or video member (" + ", ".join(g[0] for g in group) + ")",
+                    "no image or video member (" + ", ".join(member[0] for member in group) + ")",
                 )
                 continue
-            size = sum(g[2] for g in group)
+            size = sum(member[2] for member in group)
             yield Item(key, where, ("tar", str(path), label, wkey, json.dumps(group)), size)
         if broken:
             yield self.rejected_item(
@@ -219,28 +233,33 @@ class WdsSource(Source):
     ) -> Sample | Reject:
         """A sample in our own schema (an earlier ingest's shard): keep its segments as they are."""
         parts = []
-        for i, seg in enumerate(doc["segments"]):
-            t = seg.get("type") if isinstance(seg, dict) else None
-            if t in ("text", "code"):
+        for index, seg in enumerate(doc["segments"]):
+            kind = seg.get("type") if isinstance(seg, dict) else None
+            if kind in ("text", "code"):
                 parts.append(
                     Part(
-                        t,
+                        kind,
                         seg.get("text", ""),
                         path=where,
                         lang=seg.get("lang"),
                         role=seg.get("role"),
                     )
                 )
-            elif t in ("image", "video") and seg.get("member") in data:
-                m = seg["member"]
+            elif kind in ("image", "video") and seg.get("member") in data:
+                member_name = seg["member"]
                 parts.append(
-                    Part(t, path=f"{where}.{m}", data=data.pop(m), ext="." + m.rsplit(".", 1)[-1])
+                    Part(
+                        kind,
+                        path=f"{where}.{member_name}",
+                        data=data.pop(member_name),
+                        ext="." + member_name.rsplit(".", 1)[-1],
+                    )
                 )
             else:
                 return self.reject(
                     where,
                     "bad-record",
-                    f"segment {i}: type {t!r} or its member is missing",
+                    f"segment {index}: type {kind!r} or its member is missing",
                     item.key,
                 )
         origin = {"path": label, "key": wkey, "from": doc.get("origin", {})}

@@ -39,10 +39,10 @@ def shard_block_stats(blocks_of_docs) -> dict[str, dict]:
     """{"image": {"blocks", "longest"}, "video": {...}} of one shard, from each document's
     ``visual_blocks`` (tokenize keeps it in the shard's record, so the manifest never re-reads
     indexes, which may lie in object storage)."""
-    stats = {m: {"blocks": 0, "longest": 0} for m in MEDIA_REJECTS}
+    stats = {modality: {"blocks": 0, "longest": 0} for modality in MEDIA_REJECTS}
     for blocks in blocks_of_docs:
-        for start, end, t, *_ in blocks:
-            row = stats["video" if t else "image"]
+        for start, end, frames, *_ in blocks:
+            row = stats["video" if frames else "image"]
             row["blocks"] += 1
             row["longest"] = max(row["longest"], int(end) - int(start))
     return stats
@@ -56,17 +56,17 @@ def block_summary(records: list[dict], read_index_of=None) -> dict[str, dict]:
     for rec in records:
         per = summary.setdefault(
             rec["source"],
-            {m: {"blocks": 0, "longest": 0, "rejected": 0} for m in MEDIA_REJECTS},
+            {media: {"blocks": 0, "longest": 0, "rejected": 0} for media in MEDIA_REJECTS},
         )
         stats = rec.get("block_stats")
         if stats is None and read_index_of is not None:
-            stats = shard_block_stats(e.get("blocks", []) for e in read_index_of(rec))
+            stats = shard_block_stats(entry.get("blocks", []) for entry in read_index_of(rec))
         for modality, got in (stats or {}).items():
             per[modality]["blocks"] += got["blocks"]
             per[modality]["longest"] = max(per[modality]["longest"], got["longest"])
-        reasons = Counter(r["reason"] for r in rec["rejects"])
+        reasons = Counter(reason["reason"] for reason in rec["rejects"])
         for modality, why in MEDIA_REJECTS.items():
-            per[modality]["rejected"] += sum(reasons[r] for r in why)
+            per[modality]["rejected"] += sum(reasons[reason] for reason in why)
     return summary
 
 
@@ -78,13 +78,18 @@ def describe(manifest: dict) -> list[str]:
     longest_all = 0
     for src in manifest["sources"]:
         parts = []
-        for modality, b in (src.get("blocks") or {}).items():
-            if b["blocks"] or b["rejected"]:
+        for modality, block_stats in (src.get("blocks") or {}).items():
+            if block_stats["blocks"] or block_stats["rejected"]:
                 parts.append(
-                    f"{b['blocks']} {modality} blocks, longest {b['longest']} tokens"
-                    + (f", {b['rejected']} rejected (rejects.jsonl)" if b["rejected"] else "")
+                    f"{block_stats['blocks']} {modality} blocks, "
+                    f"longest {block_stats['longest']} tokens"
+                    + (
+                        f", {block_stats['rejected']} rejected (rejects.jsonl)"
+                        if block_stats["rejected"]
+                        else ""
+                    )
                 )
-                longest_all = max(longest_all, b["longest"])
+                longest_all = max(longest_all, block_stats["longest"])
         if parts:
             lines.append(f"  {src['name']}: " + "; ".join(parts))
     if not lines:

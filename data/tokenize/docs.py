@@ -51,11 +51,13 @@ class TokenDoc:
 
 def tokens_by_modality(doc: TokenDoc) -> dict[str, int]:
     counts = np.bincount(doc.modality, minlength=len(Modality))
-    return {m.name.lower(): int(counts[m]) for m in Modality}
+    return {modality.name.lower(): int(counts[modality]) for modality in Modality}
 
 
 def has_visual(raw_docs) -> bool:
-    return any(s["type"] in VISUAL_TYPES for rd in raw_docs for s in rd.doc["segments"])
+    return any(
+        seg["type"] in VISUAL_TYPES for raw_doc in raw_docs for seg in raw_doc.doc["segments"]
+    )
 
 
 def encode_text_chunk(text, raw_docs) -> list[TokenDoc]:
@@ -63,17 +65,17 @@ def encode_text_chunk(text, raw_docs) -> list[TokenDoc]:
     ``encode_batch`` call for the whole chunk (the tokenizer's parallel path)."""
     pieces = [
         seg["text"]
-        for rd in raw_docs
-        for seg in rd.doc["segments"]
+        for raw_doc in raw_docs
+        for seg in raw_doc.doc["segments"]
         if seg["type"] in ("text", "code")
     ]
     encoded = iter(text.encode_batch(pieces) if pieces else [])
     out = []
-    for rd in raw_docs:
+    for raw_doc in raw_docs:
         ids: list[int] = [text.bos_id]
         mods: list[int] = [int(Modality.TEXT)]
         spans = []
-        for seg in rd.doc["segments"]:
+        for seg in raw_doc.doc["segments"]:
             piece = next(encoded)
             mod = int(Modality.TEXT if seg["type"] == "text" else Modality.CODE)
             span: dict = {"type": seg["type"]}
@@ -87,11 +89,11 @@ def encode_text_chunk(text, raw_docs) -> list[TokenDoc]:
         mods.append(int(Modality.TEXT))
         out.append(
             TokenDoc(
-                rd.key,
+                raw_doc.key,
                 np.asarray(ids, dtype=np.int32),
                 np.asarray(mods, dtype=np.uint8),
                 spans,
-                rd.doc.get("source", ""),
+                raw_doc.doc.get("source", ""),
             )
         )
     return out

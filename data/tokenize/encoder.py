@@ -36,19 +36,21 @@ class DocEncoder:
     ) -> None:
         self.text, self.vtok, self.opts, self.device = text, vtok, opts, device
         self.lay = text.layout
-        f = vtok.cfg.factor
+        factor = vtok.cfg.factor
         self.image_prep = ImagePrep(
-            factor=f,
+            factor=factor,
             max_pixels=opts.image_max_pixels,
             max_grid=self.lay.max_grid,
             max_tokens=opts.max_block_tokens,
         )
         self.video_prep = ImagePrep(
-            factor=f, max_pixels=opts.video_max_pixels, max_grid=self.lay.max_grid
+            factor=factor, max_pixels=opts.video_max_pixels, max_grid=self.lay.max_grid
         )
         # How clips are decoded; the loader's workers swap in data/loader/decode_guard.py's
         self.decode_frames = decode_frames
-        self.video_budget = min(x for x in (opts.video_max_tokens, opts.max_block_tokens) if x)
+        self.video_budget = min(
+            limit for limit in (opts.video_max_tokens, opts.max_block_tokens) if limit
+        )
 
     # --- visual ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -56,48 +58,51 @@ class DocEncoder:
         """Code grids of images, batched by shape."""
         grids: dict[int, np.ndarray] = {}
         by_shape: dict[tuple, list[int]] = defaultdict(list)
-        for i, im in enumerate(images):
-            by_shape[im.shape].append(i)
-        for idx in by_shape.values():
-            for s in range(0, len(idx), self.opts.image_batch):
-                part = idx[s : s + self.opts.image_batch]
-                x = to_tensor(np.stack([images[i] for i in part])).to(self.device)
-                codes = self.vtok.encode(x).cpu().numpy()
-                for i, c in zip(part, codes):
-                    grids[i] = c
-        return [grids[i] for i in range(len(images))]
+        for index, image in enumerate(images):
+            by_shape[image.shape].append(index)
+        for indices in by_shape.values():
+            for start in range(0, len(indices), self.opts.image_batch):
+                part = indices[start : start + self.opts.image_batch]
+                batch = to_tensor(np.stack([images[index] for index in part])).to(self.device)
+                codes = self.vtok.encode(batch).cpu().numpy()
+                for index, grid in zip(part, codes):
+                    grids[index] = grid
+        return [grids[index] for index in range(len(images))]
 
     def video_plan(self, seg: dict) -> tuple[ImagePrep, int]:
         """(frame preparation, most frames) under which this video's block fits the budget:
         all the frames the clip yields at ``video_fps`` if they fit; else fewer frames, down to
         two latent frames; else smaller frames with two latents; one latent frame only when the
         clip yields one frame, or when even a one-code grid cannot carry two."""
-        f, tf = self.vtok.cfg.factor, self.vtok.cfg.temporal_factor
+        factor, group_size = self.vtok.cfg.factor, self.vtok.cfg.temporal_factor
         budget = self.video_budget
-        tw, th = self.video_prep.target_size(seg["width"], seg["height"])
-        h, w = th // f, tw // f
+        target_w, target_h = self.video_prep.target_size(seg["width"], seg["height"])
+        grid_h, grid_w = target_h // factor, target_w // factor
         wanted = _frames_at(seg, self.opts.video_fps)
-        latents = 1 + -(-(wanted - 1) // tf)  # the causal tokenizer: 1 + ceil((T - 1) / tf)
-        lat = latents
-        while lat > 1 and video_block_len(lat, h, w) > budget:
-            lat -= 1
+        latents = 1 + -(-(wanted - 1) // group_size)  # causal: 1 + ceil((T - 1) / group_size)
+        num_latents = latents
+        while num_latents > 1 and video_block_len(num_latents, grid_h, grid_w) > budget:
+            num_latents -= 1
         floor = min(MIN_VIDEO_LATENTS, latents)
-        if lat < floor and video_block_len(floor, 1, 1) <= budget:
-            lat = floor
+        if num_latents < floor and video_block_len(floor, 1, 1) <= budget:
+            num_latents = floor
         # Each latent frame is 1 + h * (w + 1) tokens; an image block of the same grid is
-        # 4 + h * (w + 1): this image-block bound gives the frame grid that fits ``lat`` latents.
-        frame_cap = (budget - 4) // lat + 3
+        # 4 + h * (w + 1): this image-block bound gives the frame grid that fits ``num_latents``
+        # latents.
+        frame_cap = (budget - 4) // num_latents + 3
         prep = replace(self.video_prep, max_tokens=frame_cap)
-        return prep, 1 + (lat - 1) * tf
+        return prep, 1 + (num_latents - 1) * group_size
 
     @torch.no_grad()
     def encode_video(self, raw: bytes, seg: dict) -> tuple[np.ndarray, list[float]]:
         prep, max_frames = self.video_plan(seg)
         if video_block_len(1, 1, 1) > self.video_budget:
             raise ValueError(f"a video block cannot fit in {self.video_budget} tokens")
-        fr = self.decode_frames(raw, VideoSampling(self.opts.video_fps, max_frames), prep)
-        x = to_tensor(fr.frames).unsqueeze(0).to(self.device)
-        return self.vtok.encode_video(x)[0].cpu().numpy(), [round(float(t), 6) for t in fr.times]
+        clip = self.decode_frames(raw, VideoSampling(self.opts.video_fps, max_frames), prep)
+        frames_tensor = to_tensor(clip.frames).unsqueeze(0).to(self.device)
+        return self.vtok.encode_video(frames_tensor)[0].cpu().numpy(), [
+            round(float(time), 6) for time in clip.times
+        ]
 
     # --- documents -------------------------------------------------------------------------------
     def encode_chunk(self, raw_docs) -> list[TokenDoc | Reject]:
@@ -105,52 +110,62 @@ class DocEncoder:
         images: list[np.ndarray] = []
         where: dict[tuple[int, int], int] = {}  # (document, segment) -> position in images
         failed: dict[int, Reject] = {}
-        for di, rd in enumerate(raw_docs):
-            for si, seg in enumerate(rd.doc["segments"]):
-                if seg["type"] == "image" and di not in failed:
+        for doc_index, raw_doc in enumerate(raw_docs):
+            for seg_index, seg in enumerate(raw_doc.doc["segments"]):
+                if seg["type"] == "image" and doc_index not in failed:
                     try:
-                        where[(di, si)] = len(images)
-                        images.append(load_image(rd.member(seg["member"]), self.image_prep))
+                        where[(doc_index, seg_index)] = len(images)
+                        images.append(load_image(raw_doc.member(seg["member"]), self.image_prep))
                     except (OSError, ValueError) as e:
-                        failed[di] = Reject(
-                            f"{rd.shard.name}:{rd.key}.{seg['member']}",
+                        failed[doc_index] = Reject(
+                            f"{raw_doc.shard.name}:{raw_doc.key}.{seg['member']}",
                             "unreadable-image",
                             str(e),
-                            key=rd.key,
-                            source=rd.doc.get("source"),
+                            key=raw_doc.key,
+                            source=raw_doc.doc.get("source"),
                         )
         grids = self.encode_images(images) if images else []
         # All text and code of the chunk in one encode_batch call (the tokenizer's parallel path).
         texts = [
-            (di, si, seg["text"])
-            for di, rd in enumerate(raw_docs)
-            if di not in failed
-            for si, seg in enumerate(rd.doc["segments"])
+            (doc_index, seg_index, seg["text"])
+            for doc_index, raw_doc in enumerate(raw_docs)
+            if doc_index not in failed
+            for seg_index, seg in enumerate(raw_doc.doc["segments"])
             if seg["type"] in ("text", "code")
         ]
-        encoded = self.text.encode_batch([t for _, _, t in texts]) if texts else []
-        text_ids = {(di, si): ids for (di, si, _), ids in zip(texts, encoded)}
+        encoded = self.text.encode_batch([text for _, _, text in texts]) if texts else []
+        text_ids = {
+            (doc_index, seg_index): ids for (doc_index, seg_index, _), ids in zip(texts, encoded)
+        }
         out: list[TokenDoc | Reject] = []
-        for di, rd in enumerate(raw_docs):
-            if di in failed:
-                out.append(failed[di])
+        for doc_index, raw_doc in enumerate(raw_docs):
+            if doc_index in failed:
+                out.append(failed[doc_index])
                 continue
             try:
                 out.append(
                     self._assemble(
-                        rd,
-                        {si: grids[j] for (d, si), j in where.items() if d == di},
-                        {si: ids for (d, si), ids in text_ids.items() if d == di},
+                        raw_doc,
+                        {
+                            seg_index: grids[image_pos]
+                            for (owner, seg_index), image_pos in where.items()
+                            if owner == doc_index
+                        },
+                        {
+                            seg_index: ids
+                            for (owner, seg_index), ids in text_ids.items()
+                            if owner == doc_index
+                        },
                     )
                 )
             except ValueError as e:
                 out.append(
                     Reject(
-                        f"{rd.shard.name}:{rd.key}",
+                        f"{raw_doc.shard.name}:{raw_doc.key}",
                         "undecodable-video",
                         str(e),
-                        key=rd.key,
-                        source=rd.doc.get("source"),
+                        key=raw_doc.key,
+                        source=raw_doc.doc.get("source"),
                     )
                 )
         return out
@@ -162,17 +177,17 @@ class DocEncoder:
         mods: list[np.ndarray] = [np.array([int(Modality.TEXT)])]
         spans = []
         pos = 1
-        for si, seg in enumerate(rd.doc["segments"]):
-            t = seg["type"]
-            span: dict = {"type": t}
-            if t in ("text", "code"):
-                piece = np.asarray(text_ids[si], dtype=np.int64)
-                mod = np.full(len(piece), int(Modality.TEXT if t == "text" else Modality.CODE))
+        for seg_index, seg in enumerate(rd.doc["segments"]):
+            kind = seg["type"]
+            span: dict = {"type": kind}
+            if kind in ("text", "code"):
+                piece = np.asarray(text_ids[seg_index], dtype=np.int64)
+                mod = np.full(len(piece), int(Modality.TEXT if kind == "text" else Modality.CODE))
                 if seg.get("role"):
                     span["role"] = seg["role"]
-            elif t == "image":
-                piece, mod = image_tokens(grids[si], self.lay)
-                span["grid"] = list(grids[si].shape)
+            elif kind == "image":
+                piece, mod = image_tokens(grids[seg_index], self.lay)
+                span["grid"] = list(grids[seg_index].shape)
             else:
                 codes, times = self.encode_video(rd.member(seg["member"]), seg)
                 piece, mod = video_tokens(codes, self.lay)

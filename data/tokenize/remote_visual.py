@@ -46,8 +46,8 @@ class VisualActor:
         import torch
 
         with torch.no_grad():
-            x = torch.from_numpy(frames).to(self.device)
-            return self.model.encode_video(x).cpu().numpy()
+            frames_tensor = torch.from_numpy(frames).to(self.device)
+            return self.model.encode_video(frames_tensor).cpu().numpy()
 
 
 class RemoteVisualTokenizer:

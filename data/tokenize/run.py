@@ -88,8 +88,8 @@ class TokenizeJob:
 
 def batched(it, n: int):
     chunk = []
-    for x in it:
-        chunk.append(x)
+    for item in it:
+        chunk.append(item)
         if len(chunk) == n:
             yield chunk
             chunk = []
@@ -227,21 +227,21 @@ def binary_index_name(idx_rel: str) -> str:
 
 
 def fingerprint_of(raw_manifest: dict, tok_dir: Path, vtok_dir: Path, opts: TokenizeOptions) -> str:
-    h = hashlib.sha256()
-    h.update(
+    digest = hashlib.sha256()
+    digest.update(
         json.dumps(
             {
                 "raw_plan": raw_manifest["plan"]["fingerprint"],
-                "raw_shards": [s["sha256"] for s in raw_manifest["shards"]],
+                "raw_shards": [shard["sha256"] for shard in raw_manifest["shards"]],
                 "opts": opts.record(),
             },
             sort_keys=True,
         ).encode()
     )
-    h.update((tok_dir / TOKENIZER_FILE).read_bytes())
-    h.update((tok_dir / LAYOUT_FILE).read_bytes())
-    h.update(weights_fingerprint(vtok_dir).encode())
-    return h.hexdigest()[:24]
+    digest.update((tok_dir / TOKENIZER_FILE).read_bytes())
+    digest.update((tok_dir / LAYOUT_FILE).read_bytes())
+    digest.update(weights_fingerprint(vtok_dir).encode())
+    return digest.hexdigest()[:24]
 
 
 def _done(sizes: dict[str, int], rec: dict | None, fp: str) -> bool:
@@ -255,16 +255,17 @@ def read_raw_manifest(raw: Folder) -> dict:
     if not raw.remote:
         return load_manifest(raw.local)
     try:
-        m = raw.read_json(MANIFEST_FILE)
+        manifest = raw.read_json(MANIFEST_FILE)
     except FileNotFoundError:
         raise ValueError(
             f"{raw.child(MANIFEST_FILE)}: no manifest (not an ingest output)"
         ) from None
-    if m.get("format") != MANIFEST_FORMAT:
+    if manifest.get("format") != MANIFEST_FORMAT:
         raise ValueError(
-            f"{raw.child(MANIFEST_FILE)}: format {m.get('format')!r}, expected {MANIFEST_FORMAT!r}"
+            f"{raw.child(MANIFEST_FILE)}: format {manifest.get('format')!r}, "
+            f"expected {MANIFEST_FORMAT!r}"
         )
-    return m
+    return manifest
 
 
 def tokenize(
@@ -293,19 +294,26 @@ def tokenize(
     raw_m = read_raw_manifest(raw)
     text = TextTokenizer.load(tok_dir)  # fail early, with the file named, on a bad tokenizer folder
     check_visual_tokenizer(vtok_dir, text.layout)
-    fp = fingerprint_of(raw_m, tok_dir, vtok_dir, opts)
-    if dest.exists(MANIFEST_FILE) and dest.read_json(MANIFEST_FILE).get("fingerprint") != fp:
+    fingerprint = fingerprint_of(raw_m, tok_dir, vtok_dir, opts)
+    if (
+        dest.exists(MANIFEST_FILE)
+        and dest.read_json(MANIFEST_FILE).get("fingerprint") != fingerprint
+    ):
         raise ValueError(
             f"{out} holds token shards of other inputs, tokenizers or options; "
             "choose a new --out or delete that folder"
         )
     records = dest.records(STATE_DIR)
-    if any(r["fingerprint"] != fp for r in records.values()):
+    if any(record["fingerprint"] != fingerprint for record in records.values()):
         raise ValueError(
             f"{out}/{STATE_DIR} holds shards of another tokenization; choose a new --out or delete it"
         )
-    n = len(raw_m["shards"])
-    mine = [i for i in range(n) if i % num_partitions == partition]
+    num_shards = len(raw_m["shards"])
+    mine = [
+        shard_index
+        for shard_index in range(num_shards)
+        if shard_index % num_partitions == partition
+    ]
     sizes = dest.sizes()
     # N local workers on N cores: one BPE/torch thread each (0: the libraries' defaults).
     threads = 1 if engine.kind == "ray" or engine.workers > 1 else 0
@@ -313,18 +321,18 @@ def tokenize(
         TokenizeJob(  # absolute paths: a Ray actor runs in another folder, maybe on another node
             raw.absolute(),
             dest.absolute(),
-            raw_m["shards"][i],
-            i,
-            n,
+            raw_m["shards"][shard_index],
+            shard_index,
+            num_shards,
             str(tok_dir.resolve()),
             str(vtok_dir.resolve()),
             opts,
-            fp,
+            fingerprint,
             device,
             threads,
         )
-        for i in mine
-        if not _done(sizes, records.get(i), fp)
+        for shard_index in mine
+        if not _done(sizes, records.get(shard_index), fingerprint)
     ]
     bar = tqdm(
         total=len(mine),
@@ -344,7 +352,11 @@ def tokenize(
     bar.close()
     records.update(dest.records(STATE_DIR))  # what other partitions finished meanwhile
     sizes = dest.sizes()
-    missing = [i for i in range(n) if not _done(sizes, records.get(i), fp)]
+    missing = [
+        shard_index
+        for shard_index in range(num_shards)
+        if not _done(sizes, records.get(shard_index), fingerprint)
+    ]
     if missing:
         return {
             "finalized": False,
@@ -353,7 +365,9 @@ def tokenize(
             "partition": [partition, num_partitions],
             "missing": missing,
         }
-    manifest = finalize_tokens(dest, raw, raw_m, records, tok_dir, vtok_dir, opts, fp, text)
+    manifest = finalize_tokens(
+        dest, raw, raw_m, records, tok_dir, vtok_dir, opts, fingerprint, text
+    )
     return {**manifest, "finalized": True, "written": len(jobs)}
 
 
@@ -372,9 +386,9 @@ def finalize_tokens(
     with Staging(dest) as stage:
         manifest = _finalize_tokens(stage, raw, raw_m, records, tok_dir, vtok_dir, opts, fp, text)
         copied = sorted(
-            str(p.relative_to(stage.path(""))) for p in stage.path(TOKENIZERS_DIR).rglob("*")
+            str(path.relative_to(stage.path(""))) for path in stage.path(TOKENIZERS_DIR).rglob("*")
         )
-        stage.publish([c for c in copied if stage.path(c).is_file()])
+        stage.publish([rel_path for rel_path in copied if stage.path(rel_path).is_file()])
         stage.publish([REJECTS_FILE, MANIFEST_FILE])  # the manifest last: the folder is done
     return manifest
 
@@ -399,24 +413,27 @@ def _finalize_tokens(
     totals: Counter = Counter()
     rejects = []
     sources: dict[str, dict] = {}
-    for r in recs:
-        totals.update(r["tokens"])
-        rejects.extend(r["rejects"])
-        s = sources.setdefault(
-            r["source"], {"name": r["source"], "samples": 0, "tokens": Counter(), "shards": 0}
+    for record in recs:
+        totals.update(record["tokens"])
+        rejects.extend(record["rejects"])
+        source = sources.setdefault(
+            record["source"],
+            {"name": record["source"], "samples": 0, "tokens": Counter(), "shards": 0},
         )
-        s["samples"] += r["samples"]
-        s["tokens"].update(r["tokens"])
-        s["shards"] += 1
+        source["samples"] += record["samples"]
+        source["tokens"].update(record["tokens"])
+        source["shards"] += 1
 
     def read_index_of(rec: dict) -> list[dict]:  # records written before block_stats existed
         text = stage.dest.read_bytes(rec["index_file"]).decode()
         return [json.loads(line) for line in text.splitlines() if line.strip()]
 
     blocks = block_summary(recs, read_index_of)
-    for s in sources.values():
-        s["tokens"] = {m: s["tokens"].get(m, 0) for m in MODALITY_NAMES}
-        s["blocks"] = blocks[s["name"]]
+    for source in sources.values():
+        source["tokens"] = {
+            modality: source["tokens"].get(modality, 0) for modality in MODALITY_NAMES
+        }
+        source["blocks"] = blocks[source["name"]]
     manifest = {
         "format": FORMAT,
         "version": 1,
@@ -435,27 +452,29 @@ def _finalize_tokens(
         "sources": list(sources.values()),
         "shards": [
             {
-                "path": r["tar"],
-                "index": r["index_file"],
-                "source": r["source"],
-                "samples": r["samples"],
-                "bytes": r["bytes"],
-                "sha256": r["sha256"],
-                "index_sha256": r["index_sha256"],
-                "tokens": r["tokens"],
+                "path": record["tar"],
+                "index": record["index_file"],
+                "source": record["source"],
+                "samples": record["samples"],
+                "bytes": record["bytes"],
+                "sha256": record["sha256"],
+                "index_sha256": record["index_sha256"],
+                "tokens": record["tokens"],
                 # What the loader's start needs of a shard, so that it reads no index then.
-                **({"index_bin": r["index_bin"]} if "index_bin" in r else {}),
-                **({"blocks": r["block_stats"]} if "block_stats" in r else {}),
+                **({"index_bin": record["index_bin"]} if "index_bin" in record else {}),
+                **({"blocks": record["block_stats"]} if "block_stats" in record else {}),
             }
-            for r in recs
+            for record in recs
         ],
         "totals": {
-            "samples": sum(r["samples"] for r in recs),
-            "bytes": sum(r["bytes"] for r in recs),
+            "samples": sum(record["samples"] for record in recs),
+            "bytes": sum(record["bytes"] for record in recs),
             "tokens": sum(totals.values()),
-            "tokens_by_modality": {m: totals.get(m, 0) for m in MODALITY_NAMES},
+            "tokens_by_modality": {
+                modality: totals.get(modality, 0) for modality in MODALITY_NAMES
+            },
             "rejects": len(rejects),
-            "rejects_by_reason": dict(Counter(r["reason"] for r in rejects)),
+            "rejects_by_reason": dict(Counter(record["reason"] for record in rejects)),
         },
         "created_by": {"versions": versions()},
     }
@@ -470,7 +489,7 @@ def merge_tokens(out: str | Path) -> dict:
     records = dest.records(STATE_DIR)
     if not records:
         raise ValueError(f"{out}: no tokenize records in {out}/{STATE_DIR}")
-    prints = {r["fingerprint"] for r in records.values()}
+    prints = {record["fingerprint"] for record in records.values()}
     if len(prints) > 1:
         raise ValueError(
             f"{out}: records of {len(prints)} different tokenizations; partitions must be run "
@@ -481,9 +500,13 @@ def merge_tokens(out: str | Path) -> dict:
         raise ValueError(f"{out}: records written before partitioned tokenize; rerun tokenize")
     raw = Folder(first["inputs"]["raw"])
     tok_dir, vtok_dir = Path(first["inputs"]["tokenizer"]), Path(first["inputs"]["visual"])
-    fp = first["fingerprint"]
+    fingerprint = first["fingerprint"]
     sizes = dest.sizes()
-    missing = [i for i in range(first["num_shards"]) if not _done(sizes, records.get(i), fp)]
+    missing = [
+        shard_index
+        for shard_index in range(first["num_shards"])
+        if not _done(sizes, records.get(shard_index), fingerprint)
+    ]
     if missing:
         raise ValueError(
             f"{out}: {len(missing)} token shard(s) not written yet (e.g. {missing[:5]}); run the "
@@ -492,8 +515,8 @@ def merge_tokens(out: str | Path) -> dict:
     opts = TokenizeOptions(**first["options"])
     text = TextTokenizer.load(tok_dir)
     raw_m = read_raw_manifest(raw)
-    if fingerprint_of(raw_m, tok_dir, vtok_dir, opts) != fp:
+    if fingerprint_of(raw_m, tok_dir, vtok_dir, opts) != fingerprint:
         raise ValueError(
             f"{out}: the raw folder or tokenizers changed since these shards were made"
         )
-    return finalize_tokens(dest, raw, raw_m, records, tok_dir, vtok_dir, opts, fp, text)
+    return finalize_tokens(dest, raw, raw_m, records, tok_dir, vtok_dir, opts, fingerprint, text)

@@ -14,12 +14,12 @@ from data.vocab import VocabLayout
 
 
 def weights_fingerprint(folder: str | Path) -> str:
-    h = hashlib.sha256()
+    digest = hashlib.sha256()
     for name in (CONFIG, WEIGHTS):
         with open(Path(folder) / name, "rb") as f:
             while chunk := f.read(1 << 20):
-                h.update(chunk)
-    return h.hexdigest()[:16]
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
 
 
 def check_visual_tokenizer(folder: str | Path, layout: VocabLayout) -> dict:
@@ -29,8 +29,8 @@ def check_visual_tokenizer(folder: str | Path, layout: VocabLayout) -> dict:
     try:
         cfg = json.loads((folder / CONFIG).read_text())
         with open(folder / WEIGHTS, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
         if not isinstance(cfg, dict) or not isinstance(header, dict):
             raise ValueError("unexpected contents")
     except (OSError, ValueError, struct.error) as e:

@@ -81,3 +81,26 @@ def test_an_id_past_the_vocabulary_is_found_and_skipped(tokens, capfd):
     capfd.readouterr()
     assert read_all(tokens, "digits") == (intact - 1, 1)
     assert f"[loader] skipped {tar} sample {key}: 1 id(s) outside" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int64"])  # token shards / the raw path's arrays
+def test_check_ids_finds_each_kind_of_bad_token(dtype):
+    import numpy as np
+
+    from data.loader.sample_check import check_ids
+
+    # text and code [0, 2048), structure [2048, 3000), image and video codes [3000, 4000)
+    ranges = np.array([[0, 2048], [0, 2048], [3000, 4000], [3000, 4000], [2048, 3000]])
+    mod_dtype = "uint8" if dtype == "int32" else "int64"
+    good_ids, good_mod = [1, 3500, 2050, 5], [0, 2, 4, 1]
+    check_ids(np.array(good_ids, dtype), np.array(good_mod, mod_dtype), ranges)
+    cases = [
+        ([1, 3500, 2050, 2100], good_mod, "token 3 id 2100 as code"),
+        ([-1, 3500, 2050, 5], good_mod, "token 0 id -1 as text"),  # int64 once wrapped to 0
+        ([1, 4000, 2050, 5], good_mod, "token 1 id 4000 as image"),
+        ([1, 3500, 2050, 5], [0, 2, 4, 9], "token 3: modality 9"),
+        ([1, 2, 3, 3001], [0, 0, 0, 1], "token 3 id 3001 as code"),  # text/code only
+    ]
+    for ids, mod, message in cases:
+        with pytest.raises(ValueError, match=message):
+            check_ids(np.array(ids, dtype), np.array(mod, mod_dtype), ranges)

@@ -29,16 +29,18 @@ from train.safe_load import safe_torch_load  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("run_dir", type=Path)
-    ap.add_argument("--step", type=int, default=None, help="default: checkpoints/latest")
-    ap.add_argument("--rounds", type=int, default=7)
-    a = ap.parse_args()
-    root = a.run_dir / "checkpoints"
-    tag = f"step_{a.step:08d}" if a.step is not None else (root / "latest").read_text().strip()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--step", type=int, default=None, help="default: checkpoints/latest")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    root = args.run_dir / "checkpoints"
+    tag = (
+        f"step_{args.step:08d}" if args.step is not None else (root / "latest").read_text().strip()
+    )
     folder = root / tag
     files = json.loads((folder / "meta.json").read_text())["files"]
-    total = sum(f["bytes"] for f in files.values())
+    total = sum(entry["bytes"] for entry in files.values())
 
     def load_all() -> None:
         for name in files:
@@ -50,17 +52,17 @@ def main() -> None:
         "sha256": lambda: verify_files(folder, files, hashes=True),
         "load": load_all,
     }
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    for r in range(a.rounds + 1):
+    times: dict[str, list[float]] = {variant: [] for variant in variants}
+    for round_no in range(args.rounds + 1):
         for name, fn in variants.items():
-            t0 = time.perf_counter()
+            started = time.perf_counter()
             fn()
-            if r:  # round 0 warms the page cache
-                times[name].append(time.perf_counter() - t0)
-    print(f"{folder}: {len(files)} files, {total / 1e6:.1f} MB, {a.rounds} rounds")
-    med = {k: statistics.median(v) for k, v in times.items()}
-    for name, t in med.items():
-        print(f"  {name:7s} {t * 1e3:9.2f} ms  {total / 1e6 / t:9.0f} MB/s")
+            if round_no:  # round 0 warms the page cache
+                times[name].append(time.perf_counter() - started)
+    print(f"{folder}: {len(files)} files, {total / 1e6:.1f} MB, {args.rounds} rounds")
+    med = {variant: statistics.median(samples) for variant, samples in times.items()}
+    for name, seconds in med.items():
+        print(f"  {name:7s} {seconds * 1e3:9.2f} ms  {total / 1e6 / seconds:9.0f} MB/s")
     print(f"  sha256 / load = {med['sha256'] / med['load']:.2f}")
 
 

@@ -60,24 +60,24 @@ print(json.dumps({"failed": failed, "grown_mb": grown, "good_ms": per_good * 1e3
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--failures", type=int, default=600)
-    ap.add_argument("--good", type=int, default=50)
-    a = ap.parse_args()
-    print(f"{a.failures} failing decodes, then {a.good} good 64x64 clips (16 frames, 8 kept)")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--failures", type=int, default=600)
+    parser.add_argument("--good", type=int, default=50)
+    args = parser.parse_args()
+    print(f"{args.failures} failing decodes, then {args.good} good 64x64 clips (16 frames, 8 kept)")
     for variant in ("plain", "guard"):
         out = subprocess.run(
-            [sys.executable, "-c", CHILD, str(ROOT), variant, str(a.failures), str(a.good)],
+            [sys.executable, "-c", CHILD, str(ROOT), variant, str(args.failures), str(args.good)],
             capture_output=True,
             text=True,
             check=True,
             env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
         ).stdout
-        r = json.loads(out.strip().splitlines()[-1])
+        result = json.loads(out.strip().splitlines()[-1])
         print(
-            f"  {variant:6s} failed {r['failed']:4d}  RSS +{r['grown_mb']:6.1f} MB "
-            f"({r['grown_mb'] * 1024 / max(1, r['failed']):5.1f} KB/failure)  "
-            f"good clip {r['good_ms']:6.1f} ms"
+            f"  {variant:6s} failed {result['failed']:4d}  RSS +{result['grown_mb']:6.1f} MB "
+            f"({result['grown_mb'] * 1024 / max(1, result['failed']):5.1f} KB/failure)  "
+            f"good clip {result['good_ms']:6.1f} ms"
         )
 
 

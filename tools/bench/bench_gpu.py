@@ -35,37 +35,37 @@ def batch(cfg, micro_batch: int, seq_len: int, docs: int, device, gen) -> dict:
     ids = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len + 1), generator=gen).to(device)
     bounds = torch.linspace(0, seq_len, docs + 1).long()[1:-1]
     doc = torch.zeros(seq_len, dtype=torch.long)
-    for b in bounds:
-        doc[b:] += 1
+    for bound in bounds:
+        doc[bound:] += 1
     doc = doc.expand(micro_batch, seq_len).contiguous().to(device)
     return {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "doc_ids": doc}
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="125m")
-    ap.add_argument("--micro-batch", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument(
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="125m")
+    parser.add_argument("--micro-batch", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument(
         "--docs", type=int, default=4, help="documents packed per row (document-masked attention)"
     )
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument(
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument(
         "--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="autocast dtype"
     )
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument(
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
         "--compile",
         action="store_true",
         help="torch.compile the model (FlexAttention is compiled anyway)",
     )
-    ap.add_argument("--activation-checkpoint", action="store_true")
-    a = ap.parse_args(argv)
-    dev = torch.device(a.device)
+    parser.add_argument("--activation-checkpoint", action="store_true")
+    args = parser.parse_args(argv)
+    dev = torch.device(args.device)
     torch.manual_seed(0)
-    cfg = preset(a.preset)
-    if a.activation_checkpoint:
+    cfg = preset(args.preset)
+    if args.activation_checkpoint:
         import dataclasses
 
         cfg = dataclasses.replace(cfg, activation_checkpoint_every=1)
@@ -73,10 +73,10 @@ def main(argv=None) -> dict:
     opt = torch.optim.AdamW(
         model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=dev.type == "cuda"
     )
-    step_fn = torch.compile(model) if a.compile else model
+    step_fn = torch.compile(model) if args.compile else model
     gen = torch.Generator().manual_seed(0)
-    batches = [batch(cfg, a.micro_batch, a.seq_len, a.docs, dev, gen) for _ in range(4)]
-    dtype = getattr(torch, a.dtype)
+    batches = [batch(cfg, args.micro_batch, args.seq_len, args.docs, dev, gen) for _ in range(4)]
+    dtype = getattr(torch, args.dtype)
 
     def step(b):
         with torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32):
@@ -91,34 +91,34 @@ def main(argv=None) -> dict:
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
-    for i in range(a.warmup):
+    for i in range(args.warmup):
         step(batches[i % len(batches)])
     sync()
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for i in range(a.steps):
+    started = time.perf_counter()
+    for i in range(args.steps):
         loss = step(batches[i % len(batches)])
     sync()
-    dt = time.perf_counter() - t0
-    tokens = a.steps * a.micro_batch * a.seq_len
-    tps = tokens / dt
-    fpt = flops_per_token(cfg, a.seq_len, causal=True)
+    seconds = time.perf_counter() - started
+    tokens = args.steps * args.micro_batch * args.seq_len
+    tps = tokens / seconds
+    fpt = flops_per_token(cfg, args.seq_len, causal=True)
     peak, source = peak_tflops(0.0, dev)
     res = {
         "device": torch.cuda.get_device_name(dev)
         if dev.type == "cuda"
         else platform.processor() or "cpu",
-        "preset": a.preset,
-        "params": sum(p.numel() for p in model.parameters()),
-        "micro_batch": a.micro_batch,
-        "seq_len": a.seq_len,
-        "docs_per_row": a.docs,
-        "dtype": a.dtype,
-        "compile": a.compile,
-        "steps": a.steps,
+        "preset": args.preset,
+        "params": sum(param.numel() for param in model.parameters()),
+        "micro_batch": args.micro_batch,
+        "seq_len": args.seq_len,
+        "docs_per_row": args.docs,
+        "dtype": args.dtype,
+        "compile": args.compile,
+        "steps": args.steps,
         "tokens_per_s": tps,
-        "step_s": dt / a.steps,
+        "step_s": seconds / args.steps,
         "tflops": tps * fpt / 1e12,
         "peak_tflops": peak,
         "peak_source": source,
@@ -131,7 +131,7 @@ def main(argv=None) -> dict:
     }
     mfu = f"{res['mfu']:.1%}" if res["mfu"] is not None else "n/a"
     print(
-        f"{a.preset} on {res['device']}: {tps:,.0f} tokens/s, {res['tflops']:.3g} TFLOP/s, MFU {mfu} of "
+        f"{args.preset} on {res['device']}: {tps:,.0f} tokens/s, {res['tflops']:.3g} TFLOP/s, MFU {mfu} of "
         f"{peak:.1f} TFLOP/s ({source}), step {res['step_s'] * 1e3:.1f} ms"
     )
     print(json.dumps(res, indent=1))

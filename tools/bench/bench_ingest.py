@@ -37,9 +37,9 @@ def make_images(root: Path, n: int) -> None:
     for i in range(n):
         # Smooth random fields compress like photos, not like white noise.
         small = rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)
-        im = Image.fromarray(small).resize((384, 256), Image.Resampling.BICUBIC)
+        image = Image.fromarray(small).resize((384, 256), Image.Resampling.BICUBIC)
         buf = io.BytesIO()
-        im.save(buf, format="JPEG", quality=90)
+        image.save(buf, format="JPEG", quality=90)
         (root / f"im{i:05d}.jpg").write_bytes(buf.getvalue())
         (root / f"im{i:05d}.txt").write_text(f"a smooth random field, number {i}")
 
@@ -47,48 +47,48 @@ def make_images(root: Path, n: int) -> None:
 def make_texts(root: Path, n: int) -> None:
     root.mkdir(parents=True)
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-    k = 0
-    for f in files:
-        text = f.read_text(encoding="utf-8", errors="replace")
+    count = 0
+    for path in files:
+        text = path.read_text(encoding="utf-8", errors="replace")
         for j in range(0, len(text), 6000):
-            (root / f"t{k:05d}.txt").write_text(text[j : j + 6000])
-            k += 1
-            if k == n:
+            (root / f"t{count:05d}.txt").write_text(text[j : j + 6000])
+            count += 1
+            if count == n:
                 return
 
 
 def tar_baseline(src: Path, out: Path) -> tuple[float, int, int]:
-    t0 = time.perf_counter()
+    started = time.perf_counter()
     nbytes = nfiles = 0
     with tarfile.open(out, "w") as tf:
-        for p in sorted(src.iterdir()):
-            data = p.read_bytes()
-            ti = tarfile.TarInfo(p.name)
-            ti.size = len(data)
-            tf.addfile(ti, io.BytesIO(data))
+        for path in sorted(src.iterdir()):
+            data = path.read_bytes()
+            info = tarfile.TarInfo(path.name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
             nbytes += len(data)
             nfiles += 1
-    return time.perf_counter() - t0, nbytes, nfiles
+    return time.perf_counter() - started, nbytes, nfiles
 
 
 def run_ingest(kind: str, src: Path, out: Path) -> tuple[float, int]:
-    t0 = time.perf_counter()
-    s = ingest(out, [f"{kind}:{src}"], workers=1, shard_max_bytes=64 << 20)
-    return time.perf_counter() - t0, s["manifest"]["totals"]["samples"]
+    started = time.perf_counter()
+    summary = ingest(out, [f"{kind}:{src}"], workers=1, shard_max_bytes=64 << 20)
+    return time.perf_counter() - started, summary["manifest"]["totals"]["samples"]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--images", type=int, default=300)
-    ap.add_argument("--texts", type=int, default=2000)
-    ap.add_argument("--repeat", type=int, default=3)
-    a = ap.parse_args()
+    parser.add_argument("--images", type=int, default=300)
+    parser.add_argument("--texts", type=int, default=2000)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench_ingest_"))
     try:
-        make_images(tmp / "images", a.images)
-        make_texts(tmp / "text", a.texts)
+        make_images(tmp / "images", args.images)
+        make_texts(tmp / "text", args.texts)
         print(
             f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}"
         )
@@ -96,17 +96,21 @@ def main() -> None:
         for kind, name in (("images", "images"), ("text", "text")):
             src = tmp / name
             base, ours = [], []
-            for r in range(a.repeat):
-                t, nbytes, nfiles = tar_baseline(src, tmp / f"base{r}.tar")
-                n_samples = a.images if kind == "images" else nfiles
-                base.append(t)
-                t2, got = run_ingest(kind, src, tmp / f"out_{name}_{r}")
+            for round_no in range(args.repeat):
+                base_s, nbytes, nfiles = tar_baseline(src, tmp / f"base{round_no}.tar")
+                n_samples = args.images if kind == "images" else nfiles
+                base.append(base_s)
+                ingest_s, got = run_ingest(kind, src, tmp / f"out_{name}_{round_no}")
                 assert got == n_samples, (got, n_samples)
-                ours.append(t2)
-            tb, ti = statistics.median(base), statistics.median(ours)
-            mb = nbytes / 1e6
-            print(f"{kind:<8} {'tarfile':<10} {mb / tb:8.1f} {n_samples / tb:10.0f}")
-            print(f"{kind:<8} {'ingest':<10} {mb / ti:8.1f} {n_samples / ti:10.0f}   {tb / ti:.3f}")
+                ours.append(ingest_s)
+            base_median, ingest_median = statistics.median(base), statistics.median(ours)
+            megabytes = nbytes / 1e6
+            print(
+                f"{kind:<8} {'tarfile':<10} {megabytes / base_median:8.1f} {n_samples / base_median:10.0f}"
+            )
+            print(
+                f"{kind:<8} {'ingest':<10} {megabytes / ingest_median:8.1f} {n_samples / ingest_median:10.0f}   {base_median / ingest_median:.3f}"
+            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

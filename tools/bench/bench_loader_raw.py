@@ -47,17 +47,17 @@ KINDS = {
 
 
 def ours(cfg: LoaderConfig, seconds: float) -> tuple[int, float]:
-    ld = build_loader(cfg, rank=0, world_size=1, micro_batch=1)
-    stream = ld.make_stream(0)
-    n = len(ld.tables[0])
+    loader = build_loader(cfg, rank=0, world_size=1, micro_batch=1)
+    stream = loader.make_stream(0)
+    table_len = len(loader.tables[0])
     stream.next_batch()  # the tokenizers load on the first document: not timed
-    start = stream.cursors[0].epoch * n + stream.cursors[0].pos
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
+    start = stream.cursors[0].epoch * table_len + stream.cursors[0].pos
+    started = time.perf_counter()
+    while time.perf_counter() - started < seconds:
         stream.next_batch()
-    dt = time.perf_counter() - t0
-    c = stream.cursors[0]
-    return c.epoch * n + c.pos - start, dt
+    seconds_taken = time.perf_counter() - started
+    cursor = stream.cursors[0]
+    return cursor.epoch * table_len + cursor.pos - start, seconds_taken
 
 
 def offline(raw: Path, source: str, tokens: Path, opts: dict, seconds: float) -> tuple[int, float]:
@@ -70,35 +70,37 @@ def offline(raw: Path, source: str, tokens: Path, opts: dict, seconds: float) ->
     text = TextTokenizer.load(tokens / "tokenizers")
     vtok = load_visual_tokenizer(tokens / "tokenizers" / "visual_tokenizer", text.layout)
     enc = DocEncoder(text, vtok, TokenizeOptions(**opts), torch.device("cpu"))
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
+    samples, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
         for tar, idx, _ in shard_entries(raw, [source]):
             with ShardReader(tar, idx) as docs:
                 for chunk in batched(docs, CHUNK_DOCS):
-                    n += len(enc.encode_chunk(chunk))
-            if time.perf_counter() - t0 >= seconds:
+                    samples += len(enc.encode_chunk(chunk))
+            if time.perf_counter() - started >= seconds:
                 break
-    return n, time.perf_counter() - t0
+    return samples, time.perf_counter() - started
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    ap.add_argument("--raw", type=Path, default=Path("runs/demo/raw"))
-    ap.add_argument(
+    parser.add_argument("--raw", type=Path, default=Path("runs/demo/raw"))
+    parser.add_argument(
         "--tokens",
         type=Path,
         default=Path("runs/demo/tokens"),
         help="for its tokenizers/ and options",
     )
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--seconds", type=float, default=8.0, help="per timed round")
-    ap.add_argument("--rounds", type=int, default=3)
-    args = ap.parse_args(argv)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--seconds", type=float, default=8.0, help="per timed round")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     opts = json.loads((args.tokens / "manifest.json").read_text())["options"]
-    online = OnlineTokenizeConfig(**{k: v for k, v in opts.items() if k != "image_batch"})
+    online = OnlineTokenizeConfig(
+        **{key: value for key, value in opts.items() if key != "image_batch"}
+    )
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads 1; "
         f"tokenize options {opts}"
@@ -115,15 +117,23 @@ def main(argv=None) -> dict:
         )
         rates: dict[str, list[float]] = {"ours": [], "offline": []}
         for _ in range(args.rounds):
-            n, dt = ours(cfg, args.seconds)
-            rates["ours"].append(n / dt)
-            n, dt = offline(args.raw, source, args.tokens, opts, args.seconds)
-            rates["offline"].append(n / dt)
-        o, b = statistics.median(rates["ours"]), statistics.median(rates["offline"])
-        out[kind] = {"source": source, "ours": o, "offline": b, "ratio": o / b}
+            samples, seconds_taken = ours(cfg, args.seconds)
+            rates["ours"].append(samples / seconds_taken)
+            samples, seconds_taken = offline(args.raw, source, args.tokens, opts, args.seconds)
+            rates["offline"].append(samples / seconds_taken)
+        online_rate, offline_rate = (
+            statistics.median(rates["ours"]),
+            statistics.median(rates["offline"]),
+        )
+        out[kind] = {
+            "source": source,
+            "ours": online_rate,
+            "offline": offline_rate,
+            "ratio": online_rate / offline_rate,
+        }
         print(
-            f"{kind:18s} ({source}): {o:8.1f} samples/s per worker online, offline encoder {b:8.1f}, "
-            f"ratio {o / b:.2f}"
+            f"{kind:18s} ({source}): {online_rate:8.1f} samples/s per worker online, offline encoder {offline_rate:8.1f}, "
+            f"ratio {online_rate / offline_rate:.2f}"
         )
     return out
 

@@ -36,23 +36,29 @@ def figures(steps: list[dict[str, float]], weights: dict[str, float]) -> dict:
     """``steps``: per step, tokens (or shares) per source. Returns the step count, the steps
     dominated by a small source, their share and the mean KL of the step mix from the target."""
     total_w = sum(weights.values())
-    target = {s: w / total_w for s, w in weights.items()}
+    target = {source: weight / total_w for source, weight in weights.items()}
     dominated, kls = 0, []
     for mix in steps:
-        total = sum(mix.get(s, 0.0) for s in target)
+        total = sum(mix.get(source, 0.0) for source in target)
         if total <= 0:
             continue
-        share = {s: mix.get(s, 0.0) / total for s in target}
+        share = {source: mix.get(source, 0.0) / total for source in target}
         dominated += any(
-            share[s] > SHARE_OVER and target[s] < WEIGHT_UNDER for s in target if target[s] > 0
+            share[source] > SHARE_OVER and target[source] < WEIGHT_UNDER
+            for source in target
+            if target[source] > 0
         )
-        kls.append(sum(p * math.log(p / target[s]) for s, p in share.items() if p > 0))
-    n = len(kls)
+        kls.append(
+            sum(
+                prob * math.log(prob / target[source]) for source, prob in share.items() if prob > 0
+            )
+        )
+    count = len(kls)
     return {
-        "steps": n,
+        "steps": count,
         "dominated_steps": dominated,
-        "dominated_share": dominated / n if n else 0.0,
-        "mean_kl": sum(kls) / n if n else 0.0,
+        "dominated_share": dominated / count if count else 0.0,
+        "mean_kl": sum(kls) / count if count else 0.0,
     }
 
 
@@ -60,18 +66,20 @@ def from_run(run: Path) -> tuple[list[dict[str, float]], dict[str, float]]:
     import yaml
 
     cfg = yaml.safe_load((run / "config.yaml").read_text())
-    weights = {s["name"]: float(s.get("weight", 1.0)) for s in cfg["data"]["sources"]}
+    weights = {
+        source["name"]: float(source.get("weight", 1.0)) for source in cfg["data"]["sources"]
+    }
     by_step: dict[int, dict[str, float]] = {}
-    with open(run / "metrics.jsonl", encoding="utf-8") as f:
-        for line in f:
+    with open(run / "metrics.jsonl", encoding="utf-8") as metrics_file:
+        for line in metrics_file:
             try:
                 rec = json.loads(line)
             except ValueError:  # a half-written last line of a running job
                 continue
-            mix = {k[4:]: v for k, v in rec.items() if k.startswith("mix/")}
+            mix = {key[4:]: value for key, value in rec.items() if key.startswith("mix/")}
             if mix and "step" in rec:
                 by_step[int(rec["step"])] = mix  # after a resume the last record of a step wins
-    return [by_step[k] for k in sorted(by_step)], weights
+    return [by_step[key] for key in sorted(by_step)], weights
 
 
 def from_loader(data_yaml: Path, steps: int, micro_batch: int, mix_chunk: int, whole: bool):
@@ -80,7 +88,7 @@ def from_loader(data_yaml: Path, steps: int, micro_batch: int, mix_chunk: int, w
     from data.loader import LoaderConfig, SourceConfig, build_loader
 
     raw = yaml.safe_load(data_yaml.read_text())
-    sources = [SourceConfig(**s) for s in raw["sources"]]
+    sources = [SourceConfig(**source) for source in raw["sources"]]
     cfg = LoaderConfig(
         sources=sources,
         seq_len=int(raw.get("seq_len", 2048)),
@@ -90,56 +98,66 @@ def from_loader(data_yaml: Path, steps: int, micro_batch: int, mix_chunk: int, w
         mix_chunk=10**12 if whole else mix_chunk,  # one chunk = a whole document
     )
     loader = build_loader(cfg, rank=0, world_size=1, micro_batch=micro_batch)
-    names = [s.name for s in sources]
+    names = [source.name for source in sources]
     out = []
     pieces = rows = 0
-    it = iter(loader)
+    batches = iter(loader)
     for _ in range(steps):
-        b = next(it)
-        out.append(dict(zip(names, (float(x) for x in b["tokens_by_source"].tolist()))))
-        pieces += int((b["pieces"][..., 0] >= 0).sum())
-        rows += b["pieces"].shape[0]
-    it.close()
+        batch = next(batches)
+        out.append(
+            dict(zip(names, (float(tokens) for tokens in batch["tokens_by_source"].tolist())))
+        )
+        pieces += int((batch["pieces"][..., 0] >= 0).sum())
+        rows += batch["pieces"].shape[0]
+    batches.close()
     extra = {
         "packing_efficiency": loader.delivered()["packing_efficiency"],
         "pieces_per_row": pieces / max(rows, 1),
     }
-    return out, {s.name: s.weight for s in sources}, extra
+    return out, {source.name: source.weight for source in sources}, extra
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--run", type=Path, help="a training run folder (metrics.jsonl, config.yaml)")
-    p.add_argument("--data", type=Path, help="a data config (configs/data/*.yaml) for the loader")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--micro-batch", type=int, default=8, help="rows per step (x grad_accum)")
-    p.add_argument("--mix-chunk", default="0", help="comma-separated data.mix_chunk values")
-    p.add_argument("--whole-docs", action="store_true", help="also measure whole documents")
-    a = p.parse_args(argv)
-    if bool(a.run) == bool(a.data):
-        p.error("give --run or --data")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument(
+        "--run", type=Path, help="a training run folder (metrics.jsonl, config.yaml)"
+    )
+    parser.add_argument(
+        "--data", type=Path, help="a data config (configs/data/*.yaml) for the loader"
+    )
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--micro-batch", type=int, default=8, help="rows per step (x grad_accum)")
+    parser.add_argument("--mix-chunk", default="0", help="comma-separated data.mix_chunk values")
+    parser.add_argument("--whole-docs", action="store_true", help="also measure whole documents")
+    args = parser.parse_args(argv)
+    if bool(args.run) == bool(args.data):
+        parser.error("give --run or --data")
     rows = []
-    if a.run:
-        steps, weights = from_run(a.run)
-        rows.append((f"run {a.run}", figures(steps, weights), ""))
+    if args.run:
+        steps, weights = from_run(args.run)
+        rows.append((f"run {args.run}", figures(steps, weights), ""))
     else:
-        cases = [(int(c), False) for c in a.mix_chunk.split(",")]
-        if a.whole_docs:
+        cases = [(int(chunk_text), False) for chunk_text in args.mix_chunk.split(",")]
+        if args.whole_docs:
             cases.insert(0, (0, True))
         for chunk, whole in cases:
-            steps, weights, extra = from_loader(a.data, a.steps, a.micro_batch, chunk, whole)
+            steps, weights, extra = from_loader(
+                args.data, args.steps, args.micro_batch, chunk, whole
+            )
             what = "whole documents" if whole else f"mix_chunk {chunk or 'seq_len'}"
             more = (
                 f"; packing efficiency {extra['packing_efficiency']:.1%}, "
                 f"{extra['pieces_per_row']:.2f} document pieces per row"
             )
             rows.append((f"loader, {what}", figures(steps, weights), more))
-    for what, f, more in rows:
+    for what, result, more in rows:
         print(
-            f"{what}: {f['dominated_steps']} of {f['steps']} steps "
-            f"({f['dominated_share']:.1%}) have one source above {SHARE_OVER:.0%} of the tokens "
+            f"{what}: {result['dominated_steps']} of {result['steps']} steps "
+            f"({result['dominated_share']:.1%}) have one source above {SHARE_OVER:.0%} of the tokens "
             f"while its weight is below {WEIGHT_UNDER:.0%}; mean KL(step mix || weights) "
-            f"{f['mean_kl']:.3f} nats{more}"
+            f"{result['mean_kl']:.3f} nats{more}"
         )
     return 0
 

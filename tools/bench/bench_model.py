@@ -93,8 +93,8 @@ class RefModel(nn.Module):
         ang = torch.arange(T).float()[:, None] * inv
         cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
         x = self.emb(ids)
-        for b in self.blocks:
-            x = b(x, cos, sin)
+        for block in self.blocks:
+            x = block(x, cos, sin)
         logits = self.head(self.norm(x)).float()
         return F.cross_entropy(
             logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100
@@ -105,16 +105,16 @@ def copy_weights(ours, ref):
     with torch.no_grad():
         ref.emb.weight.copy_(ours.tok_embeddings.weight)
         ref.head.weight.copy_(ours.output.weight)
-        for o, r in zip(ours.layers, ref.blocks):
-            a, f = o.attention, o.feed_forward.mlp
+        for our_layer, ref_block in zip(ours.layers, ref.blocks):
+            attn, mlp = our_layer.attention, our_layer.feed_forward.mlp
             for src, dst in (
-                (a.wq, r.wq),
-                (a.wk, r.wk),
-                (a.wv, r.wv),
-                (a.wo, r.wo),
-                (f.w1, r.w1),
-                (f.w2, r.w2),
-                (f.w3, r.w3),
+                (attn.wq, ref_block.wq),
+                (attn.wk, ref_block.wk),
+                (attn.wv, ref_block.wv),
+                (attn.wo, ref_block.wo),
+                (mlp.w1, ref_block.w1),
+                (mlp.w2, ref_block.w2),
+                (mlp.w3, ref_block.w3),
             ):
                 dst.weight.copy_(src.weight)
 
@@ -128,38 +128,41 @@ def time_interleaved(fns: dict, params: dict, warmup: int, iters: int) -> dict[s
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(iters):
         for name, fn in fns.items():
-            for p in params[name]:
-                p.grad = None
-            t = time.perf_counter()
+            for param in params[name]:
+                param.grad = None
+            started = time.perf_counter()
             fn().backward()
-            times[name].append(time.perf_counter() - t)
+            times[name].append(time.perf_counter() - started)
     return times
 
 
 def bench_speed(quick: bool) -> dict:
-    V, d, L, h, kv, ffn = 5166, 256, 4, 4, 2, 704
+    vocab, dim, n_layers, n_heads, n_kv_heads, ffn = 5166, 256, 4, 4, 2, 704
     B, T = (2, 128) if quick else (4, 256)
     cfg = TransformerConfig(
-        vocab_size=V,
+        vocab_size=vocab,
         text_vocab_size=4096,
         visual_offset=4166,
-        dim=d,
-        n_layers=L,
-        attention=AttentionConfig(n_heads=h, n_kv_heads=kv, backend="sdpa"),
+        dim=dim,
+        n_layers=n_layers,
+        attention=AttentionConfig(n_heads=n_heads, n_kv_heads=n_kv_heads, backend="sdpa"),
         ffn=FFNConfig(hidden_dim=ffn),
     )
     torch.manual_seed(0)
     ours = cfg.build()
-    ref = RefModel(V, d, L, h, kv, ffn)
+    ref = RefModel(vocab, dim, n_layers, n_heads, n_kv_heads, ffn)
     copy_weights(ours, ref)
-    ids = torch.randint(0, V, (B, T))
+    ids = torch.randint(0, vocab, (B, T))
     labels = torch.cat([ids[:, 1:], torch.full((B, 1), -100)], 1)
     docs = (torch.arange(T) // (T // 4)).expand(B, T)  # 4 documents per row
     with torch.no_grad():
-        lo, lr = ours(ids, labels=labels).loss.item(), ref(ids, labels).item()
-    assert abs(lo - lr) < 1e-2, (lo, lr)  # same function (ours adds the 1e-5 z-loss)
+        loss_ours, loss_ref = ours(ids, labels=labels).loss.item(), ref(ids, labels).item()
+    assert abs(loss_ours - loss_ref) < 1e-2, (
+        loss_ours,
+        loss_ref,
+    )  # same function (ours adds the 1e-5 z-loss)
     warm, iters = (2, 4) if quick else (3, 15)
-    t = time_interleaved(
+    times = time_interleaved(
         {
             "ref": lambda: ref(ids, labels),
             "ours": lambda: ours(ids, labels=labels).loss,
@@ -173,22 +176,22 @@ def bench_speed(quick: bool) -> dict:
         warm,
         iters,
     )
-    t_ref, t_ours, t_doc = t["ref"], t["ours"], t["docs"]
+    t_ref, t_ours, t_doc = times["ref"], times["ours"], times["docs"]
     med = statistics.median
     return {
         "config": {
-            "vocab": V,
-            "dim": d,
-            "layers": L,
-            "heads": h,
-            "kv_heads": kv,
+            "vocab": vocab,
+            "dim": dim,
+            "layers": n_layers,
+            "heads": n_heads,
+            "kv_heads": n_kv_heads,
             "ffn": ffn,
             "batch": B,
             "seq": T,
             "params": ours.num_params(),
         },
-        "loss_ours": lo,
-        "loss_ref": lr,
+        "loss_ours": loss_ours,
+        "loss_ref": loss_ref,
         "ref_s": med(t_ref),
         "ours_s": med(t_ours),
         "ours_4docs_s": med(t_doc),
@@ -223,27 +226,29 @@ def _peak_bytes() -> int:
 
 def ce_child(chunk: int, N: int, D: int, V: int) -> None:
     torch.manual_seed(0)
-    h = torch.randn(N, D, requires_grad=True)
-    w = torch.randn(V, D).mul_(D**-0.5).requires_grad_()
-    t = torch.randint(0, V, (N,))
-    w.grad = torch.zeros_like(w)  # the parameter's .grad exists in training either way
-    h.grad = torch.zeros_like(h)
+    hidden = torch.randn(N, D, requires_grad=True)
+    weight = torch.randn(V, D).mul_(D**-0.5).requires_grad_()
+    targets = torch.randint(0, V, (N,))
+    weight.grad = torch.zeros_like(weight)  # the parameter's .grad exists in training either way
+    hidden.grad = torch.zeros_like(hidden)
     before = _rss_bytes()
     reset = _reset_peak()
-    t0 = time.perf_counter()
+    started = time.perf_counter()
     if chunk < 0:  # the usual plain PyTorch: full fp32 logits, F.cross_entropy, no z-loss
-        loss = F.cross_entropy((h @ w.t()).float(), t)
+        loss = F.cross_entropy((hidden @ weight.t()).float(), targets)
     else:
-        loss = chunked_linear_cross_entropy(h, w, t, z_loss_coef=1e-5, chunk_size=chunk)[0]
+        loss = chunked_linear_cross_entropy(
+            hidden, weight, targets, z_loss_coef=1e-5, chunk_size=chunk
+        )[0]
     loss.backward()
-    dt = time.perf_counter() - t0
+    seconds = time.perf_counter() - started
     peak = _peak_bytes()
     print(
         json.dumps(
             {
                 "chunk": chunk,
                 "extra_peak_bytes": peak - before,
-                "seconds": dt,
+                "seconds": seconds,
                 "loss": loss.item(),
                 "peak_reset": reset,
             }
@@ -265,18 +270,20 @@ def bench_ce_memory(quick: bool) -> dict:
         )
         runs.append(json.loads(child.stdout.strip().splitlines()[-1]))
     plain, unchunked = runs[0]["extra_peak_bytes"], runs[1]["extra_peak_bytes"]
-    for r in runs:
-        r["ratio_to_plain"] = r["extra_peak_bytes"] / plain
-        r["ratio_to_unchunked"] = r["extra_peak_bytes"] / unchunked
+    for run in runs:
+        run["ratio_to_plain"] = run["extra_peak_bytes"] / plain
+        run["ratio_to_unchunked"] = run["extra_peak_bytes"] / unchunked
     return out
 
 
 def machine() -> str:
     try:
         name = next(
-            ln.split(":", 1)[1].strip()
-            for ln in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-            if ln.startswith("Model name")
+            line.split(":", 1)[1].strip()
+            for line in subprocess.run(
+                ["lscpu"], capture_output=True, text=True
+            ).stdout.splitlines()
+            if line.startswith("Model name")
         )
     except Exception:
         name = platform.processor() or "unknown"
@@ -288,39 +295,39 @@ def main() -> None:
         torch.set_num_threads(1)
         ce_child(*map(int, sys.argv[2:6]))
         return
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
-    ap.add_argument("--json", type=Path, help="also write the results here")
-    args = ap.parse_args()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
     torch.set_num_threads(args.threads)
     res = {"machine": machine(), "threads": args.threads}
-    res["speed"] = s = bench_speed(args.quick)
+    res["speed"] = speed = bench_speed(args.quick)
     print(f"machine: {res['machine']}; torch threads: {args.threads}")
-    c = s["config"]
+    config = speed["config"]
     print(
-        f"fwd+bwd, {c['params'] / 1e6:.2f}M params (dim {c['dim']}, {c['layers']} layers, vocab {c['vocab']}), "
-        f"batch {c['batch']}x{c['seq']}:"
+        f"fwd+bwd, {config['params'] / 1e6:.2f}M params (dim {config['dim']}, {config['layers']} layers, vocab {config['vocab']}), "
+        f"batch {config['batch']}x{config['seq']}:"
     )
     print(
-        f"  reference {s['ref_s'] * 1e3:.1f} ms, ours {s['ours_s'] * 1e3:.1f} ms  -> ratio {s['ratio']:.3f}"
+        f"  reference {speed['ref_s'] * 1e3:.1f} ms, ours {speed['ours_s'] * 1e3:.1f} ms  -> ratio {speed['ratio']:.3f}"
     )
     print(
-        f"  ours with 4 documents per row (dense block-diagonal mask): {s['ours_4docs_s'] * 1e3:.1f} ms "
-        f"-> ratio {s['ratio_4docs']:.3f}"
+        f"  ours with 4 documents per row (dense block-diagonal mask): {speed['ours_4docs_s'] * 1e3:.1f} ms "
+        f"-> ratio {speed['ratio_4docs']:.3f}"
     )
-    res["ce_memory"] = m = bench_ce_memory(args.quick)
+    res["ce_memory"] = ce_memory = bench_ce_memory(args.quick)
     print(
-        f"CE peak memory, {m['tokens']} label tokens, dim {m['dim']}, vocab {m['vocab']} "
-        f"(full fp32 logits = {m['full_fp32_logits_bytes'] / 2**20:.0f} MiB), fwd+bwd:"
+        f"CE peak memory, {ce_memory['tokens']} label tokens, dim {ce_memory['dim']}, vocab {ce_memory['vocab']} "
+        f"(full fp32 logits = {ce_memory['full_fp32_logits_bytes'] / 2**20:.0f} MiB), fwd+bwd:"
     )
     names = {-1: "plain F.cross_entropy", 0: "ours, unchunked (chunk_size=0)"}
-    for r in m["runs"]:
-        name = names.get(r["chunk"], f"ours, chunk_size={r['chunk']}")
+    for run in ce_memory["runs"]:
+        name = names.get(run["chunk"], f"ours, chunk_size={run['chunk']}")
         print(
-            f"  {name:31s} extra peak RSS {r['extra_peak_bytes'] / 2**20:7.1f} MiB  "
-            f"vs plain {r['ratio_to_plain']:.3f}  vs unchunked {r['ratio_to_unchunked']:.3f}  "
-            f"time {r['seconds']:.2f} s"
+            f"  {name:31s} extra peak RSS {run['extra_peak_bytes'] / 2**20:7.1f} MiB  "
+            f"vs plain {run['ratio_to_plain']:.3f}  vs unchunked {run['ratio_to_unchunked']:.3f}  "
+            f"time {run['seconds']:.2f} s"
         )
     if args.json:
         args.json.write_text(json.dumps(res, indent=2) + "\n")

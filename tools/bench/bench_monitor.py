@@ -43,48 +43,53 @@ def run(experiment: str, out: Path, steps: int, *extra: str) -> list[dict]:
     subprocess.run(
         cmd, check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"}
     )
-    return [json.loads(x) for x in (out / METRICS_FILE).read_text().splitlines()]
+    return [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--experiment", default="demo")
-    a = ap.parse_args(argv)
-    if a.experiment == "demo" and not Path("runs/demo/tokens/text").is_dir():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--experiment", default="demo")
+    args = parser.parse_args(argv)
+    if args.experiment == "demo" and not Path("runs/demo/tokens/text").is_dir():
         sys.exit("runs/demo/tokens: no token shards; run `make demo` first (or pass --experiment)")
     with tempfile.TemporaryDirectory() as tmp:
-        on = run(a.experiment, Path(tmp) / "on", a.steps)
-        off = run(a.experiment, Path(tmp) / "off", a.steps, "monitor.enabled=false")
-    step_s = sum(r["throughput/step_s"] for r in on)
-    mon_s = sum(r["throughput/monitor_s"] for r in on)
-    probe_steps = [r for r in on if "monitor/attn_max_logit" in r]
+        on_recs = run(args.experiment, Path(tmp) / "on", args.steps)
+        off_recs = run(args.experiment, Path(tmp) / "off", args.steps, "monitor.enabled=false")
+    step_s = sum(rec["throughput/step_s"] for rec in on_recs)
+    mon_s = sum(rec["throughput/monitor_s"] for rec in on_recs)
+    probe_steps = [rec for rec in on_recs if "monitor/attn_max_logit" in rec]
     res = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "steps": a.steps,
-        "mean_step_s": step_s / len(on),
-        "mean_monitor_s": mon_s / len(on),
+        "steps": args.steps,
+        "mean_step_s": step_s / len(on_recs),
+        "mean_monitor_s": mon_s / len(on_recs),
         "monitor_fraction": mon_s / step_s,
-        "probe_step_monitor_s": sum(r["throughput/monitor_s"] for r in probe_steps)
+        "probe_step_monitor_s": sum(rec["throughput/monitor_s"] for rec in probe_steps)
         / max(1, len(probe_steps)),
         "detector_only_monitor_s": (
-            sum(r["throughput/monitor_s"] for r in on if r not in probe_steps)
-            / max(1, len(on) - len(probe_steps))
+            sum(rec["throughput/monitor_s"] for rec in on_recs if rec not in probe_steps)
+            / max(1, len(on_recs) - len(probe_steps))
         ),
-        "mean_step_s_monitor_off": sum(r["throughput/step_s"] for r in off) / len(off),
-        "monitor_s_when_off": sum(r["throughput/monitor_s"] for r in off) / len(off),
+        "mean_step_s_monitor_off": sum(rec["throughput/step_s"] for rec in off_recs)
+        / len(off_recs),
+        "monitor_s_when_off": sum(rec["throughput/monitor_s"] for rec in off_recs) / len(off_recs),
     }
     print(
-        f"monitor overhead: {res['monitor_fraction']:.2%} of step time (target <= 2%) over {a.steps} steps; "
+        f"monitor overhead: {res['monitor_fraction']:.2%} of step time (target <= 2%) over {args.steps} steps; "
         f"step {res['mean_step_s'] * 1e3:.1f} ms (monitors off: {res['mean_step_s_monitor_off'] * 1e3:.1f} ms); "
         f"detectors {res['detector_only_monitor_s'] * 1e3:.2f} ms/step, a probe step "
         f"{res['probe_step_monitor_s'] * 1e3:.0f} ms"
     )
     res["probe_s"] = {
-        k.rsplit("/", 1)[1]: sum(r[k] for r in probe_steps) / len(probe_steps)
-        for k in sorted({k for r in probe_steps for k in r if k.startswith("throughput/probe_s/")})
+        key.rsplit("/", 1)[1]: sum(rec[key] for rec in probe_steps) / len(probe_steps)
+        for key in sorted(
+            {key for rec in probe_steps for key in rec if key.startswith("throughput/probe_s/")}
+        )
     }
-    print("per probe (s): " + ", ".join(f"{k} {v:.3f}" for k, v in res["probe_s"].items()))
+    print(
+        "per probe (s): " + ", ".join(f"{key} {value:.3f}" for key, value in res["probe_s"].items())
+    )
     print(json.dumps(res, indent=1))
     return res
 

@@ -122,17 +122,20 @@ def per_sample_us(tokens: Path, rounds: int) -> dict[str, float]:
     files = ShardFiles(None, 1.0)
     todo = [(t, i) for t in tables for i in range(len(t))]
 
-    def reader(t, i):
-        si = t.shard[i]
-        return lambda off, size: files.read(t.shards[si], off, size, t.shard_bytes[si])
+    def read(t, i, check_hash: bool):
+        rec = t.token_sample(i)
+        url, end = t.shards[rec.shard], t.shard_end(rec.shard)
+        return read_token_sample(
+            rec, lambda off, size: files.view(url, off, size, end), check_hash=check_hash
+        )
 
     arrays = {}
     for t, i in todo:
-        ids_b, mod_b = read_token_sample(t, i, reader(t, i), check_hash=False)
+        ids_b, mod_b = read(t, i, False)
         arrays[(id(t), i)] = (read_npy(ids_b).astype("int64"), read_npy(mod_b).astype("int64"))
     steps = {
-        "read (2 reads)": lambda t, i: read_token_sample(t, i, reader(t, i), check_hash=False),
-        "read+sha256 (1 read)": lambda t, i: read_token_sample(t, i, reader(t, i), check_hash=True),
+        "read (1 view)": lambda t, i: read(t, i, False),
+        "read+sha256 (1 view)": lambda t, i: read(t, i, True),
         "ids check": lambda t, i: check_ids(*arrays[(id(t), i)], t.id_ranges),
     }
     out: dict[str, list[float]] = {k: [] for k in steps}

@@ -58,45 +58,45 @@ def make_corpus(root: Path, megabytes: float) -> None:
     (root / "code").mkdir(parents=True)
     (root / "text").mkdir()
     budget = int(megabytes * 1e6)
-    k = 0
-    for f in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+    count = 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
         try:
-            data = f.read_text(encoding="utf-8")
+            data = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
         if not data.strip() or len(data) > 200_000:
             continue
-        folder = "code" if k % 2 else "text"
-        name = f"f{k:05d}.py" if folder == "code" else f"f{k:05d}.txt"
+        folder = "code" if count % 2 else "text"
+        name = f"f{count:05d}.py" if folder == "code" else f"f{count:05d}.txt"
         (root / folder / name).write_text(data)
         budget -= len(data.encode())
-        k += 1
+        count += 1
         if budget <= 0:
             return
 
 
 def timed(cmd: list[str], env: dict) -> float:
-    t0 = time.perf_counter()
+    started = time.perf_counter()
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    return time.perf_counter() - t0
+    return time.perf_counter() - started
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     # Large enough that the spawn and imports of a second worker (~0.5 s) do not decide the
     # 1 -> 2 worker ratio on a quiet machine (~4 MB/s per core here).
-    ap.add_argument("--mb", type=float, default=24.0, help="corpus size in MB (default 24)")
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--workers", default="1,2", help="worker counts to run (default 1,2)")
-    a = ap.parse_args()
+    parser.add_argument("--mb", type=float, default=24.0, help="corpus size in MB (default 24)")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--workers", default="1,2", help="worker counts to run (default 1,2)")
+    args = parser.parse_args()
     from data.ingest import ingest
     from data.train_text_tokenizer import train_text_tokenizer
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_tokenize_"))
     try:
-        make_corpus(tmp / "corpus", a.mb)
+        make_corpus(tmp / "corpus", args.mb)
         raw = tmp / "raw"
         ingest(
             raw,
@@ -111,36 +111,38 @@ def main() -> None:
 
         torch.manual_seed(0)
         save_visual_tokenizer(vtok_debug().build().state_dict(), vtok_debug(), tmp / "vtok")
-        shards = sorted(str(p) for p in raw.rglob("*.tar"))
-        mb = sum(Path(s).stat().st_size for s in shards) / 1e6
+        shards = sorted(str(path) for path in raw.rglob("*.tar"))
+        megabytes = sum(Path(shard).stat().st_size for shard in shards) / 1e6
         env = {**os.environ, "RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "true"}
         bare_cmd = [sys.executable, "-c", BARE, str(tmp / "tok" / "tokenizer.json"), *shards]
         prep = str(Path(sys.executable).with_name("earlyfuse-prep"))
-        counts = [int(w) for w in a.workers.split(",")]
-        times: dict[str, list[float]] = {name: [] for name in ["bare"] + [f"w{w}" for w in counts]}
-        for r in range(a.repeat):
+        counts = [int(workers) for workers in args.workers.split(",")]
+        times: dict[str, list[float]] = {
+            name: [] for name in ["bare"] + [f"w{workers}" for workers in counts]
+        }
+        for round_no in range(args.repeat):
             times["bare"].append(timed(bare_cmd, env))
-            for w in counts:
-                out = tmp / f"tokens_{w}_{r}"
+            for workers in counts:
+                out = tmp / f"tokens_{workers}_{round_no}"
                 cmd = [prep, "tokenize", "--in", str(raw), "--out", str(out), "--no-progress"]
                 cmd += ["--tokenizer", str(tmp / "tok"), "--visual-tokenizer", str(tmp / "vtok")]
-                times[f"w{w}"].append(timed(cmd + ["--workers", str(w)], env))
+                times[f"w{workers}"].append(timed(cmd + ["--workers", str(workers)], env))
                 shutil.rmtree(out)
-        med = {k: statistics.median(v) for k, v in times.items()}
+        med = {key: statistics.median(samples) for key, samples in times.items()}
         load = os.getloadavg()
         print(
             f"machine: {platform.machine()}, {os.cpu_count()} cores, python "
             f"{platform.python_version()}; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}"
         )
-        print(f"corpus: {len(shards)} raw shards, {mb:.1f} MB; median of {a.repeat} runs")
+        print(f"corpus: {len(shards)} raw shards, {megabytes:.1f} MB; median of {args.repeat} runs")
         print(f"{'what':<22} {'seconds':>8} {'MB/s':>7} {'vs bare':>8} {'vs 1 worker':>12}")
-        print(f"{'bare encode_batch':<22} {med['bare']:8.2f} {mb / med['bare']:7.2f}")
-        for w in counts:
-            t = med[f"w{w}"]
-            base = f"{med['w1'] / t:12.2f}" if "w1" in med else ""
+        print(f"{'bare encode_batch':<22} {med['bare']:8.2f} {megabytes / med['bare']:7.2f}")
+        for workers in counts:
+            seconds = med[f"w{workers}"]
+            base = f"{med['w1'] / seconds:12.2f}" if "w1" in med else ""
             print(
-                f"{'tokenize --workers ' + str(w):<22} {t:8.2f} {mb / t:7.2f} "
-                f"{med['bare'] / t:8.2f} {base}"
+                f"{'tokenize --workers ' + str(workers):<22} {seconds:8.2f} {megabytes / seconds:7.2f} "
+                f"{med['bare'] / seconds:8.2f} {base}"
             )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

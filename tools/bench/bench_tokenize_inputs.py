@@ -41,23 +41,25 @@ def rss_mb() -> float:
 
 def rounds(fns: dict, n: int) -> dict[str, float]:
     """Median seconds of each function over n round-robin rounds (after one warm-up each)."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for f in fns.values():
-        f()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
     for _ in range(n):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+        for name, fn in fns.items():
+            started = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(samples) for name, samples in times.items()}
 
 
 def bench_text(corpus: Path, n_rounds: int) -> None:
-    texts = [p.read_text(encoding="utf-8") for p in sorted((corpus / "code").rglob("*.py"))][:120]
+    texts = [path.read_text(encoding="utf-8") for path in sorted((corpus / "code").rglob("*.py"))][
+        :120
+    ]
     texts += [
         line
-        for p in sorted((corpus / "text").glob("*.jsonl"))
-        for line in p.read_text().splitlines()
+        for path in sorted((corpus / "text").glob("*.jsonl"))
+        for line in path.read_text().splitlines()
     ][:200]
     tok = train_bpe(texts, 4096)
     tok.encode_special_tokens = True
@@ -65,72 +67,80 @@ def bench_text(corpus: Path, n_rounds: int) -> None:
     from data.vocab import VocabLayout
 
     ours = TextTokenizer(tok, VocabLayout(text_size=tok.get_vocab_size()))
-    n_tokens = sum(len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False))
+    n_tokens = sum(
+        len(encoding.ids) for encoding in tok.encode_batch(texts, add_special_tokens=False)
+    )
     # Both sides end with the ids in Python lists: tokens that can be used.
-    t = rounds(
+    times = rounds(
         {
-            "bare": lambda: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)],
+            "bare": lambda: [
+                encoding.ids for encoding in tok.encode_batch(texts, add_special_tokens=False)
+            ],
             "ours": lambda: ours.encode_batch(texts),
         },
         n_rounds,
     )
     print(
-        f"text    bare encode_batch {n_tokens / t['bare']:>12,.0f} tok/s   ours {n_tokens / t['ours']:>12,.0f} tok/s"
-        f"   ratio {t['bare'] / t['ours']:.3f}"
+        f"text    bare encode_batch {n_tokens / times['bare']:>12,.0f} tok/s   ours {n_tokens / times['ours']:>12,.0f} tok/s"
+        f"   ratio {times['bare'] / times['ours']:.3f}"
     )
 
 
 def bench_images(corpus: Path, n_rounds: int) -> None:
     files = sorted((corpus / "photos").glob("*.jpg")) + sorted((corpus / "photos").glob("*.png"))
-    raws = [f.read_bytes() for f in files]
+    raws = [path.read_bytes() for path in files]
     prep = ImagePrep(factor=8, max_pixels=256 * 256)
-    sizes = [prep.target_size(*Image.open(io.BytesIO(r)).size) for r in raws]
+    sizes = [prep.target_size(*Image.open(io.BytesIO(raw)).size) for raw in raws]
 
     def bare():
-        for r, s in zip(raws, sizes):
-            Image.open(io.BytesIO(r)).convert("RGB").resize(s, Image.Resampling.BICUBIC)
+        for raw, size in zip(raws, sizes):
+            Image.open(io.BytesIO(raw)).convert("RGB").resize(size, Image.Resampling.BICUBIC)
 
     def ours():
-        for r in raws:
-            load_image(r, prep)
+        for raw in raws:
+            load_image(raw, prep)
 
-    t = rounds({"bare": bare, "ours": ours}, n_rounds)
+    times = rounds({"bare": bare, "ours": ours}, n_rounds)
     print(
-        f"images  bare Pillow       {len(raws) / t['bare']:>12,.1f} img/s   ours {len(raws) / t['ours']:>12,.1f} img/s"
-        f"   ratio {t['bare'] / t['ours']:.3f}   ({len(raws)} real photos, 256x256 budget)"
+        f"images  bare Pillow       {len(raws) / times['bare']:>12,.1f} img/s   ours {len(raws) / times['ours']:>12,.1f} img/s"
+        f"   ratio {times['bare'] / times['ours']:.3f}   ({len(raws)} real photos, 256x256 budget)"
     )
 
 
 def bench_video(corpus: Path, n_rounds: int, decodes: int) -> None:
     import decord
 
-    clips = [p.read_bytes() for p in sorted((corpus / "clips").glob("*.mp4"))]
+    clips = [path.read_bytes() for path in sorted((corpus / "clips").glob("*.mp4"))]
     sampling, prep = (
         VideoSampling(target_fps=4, max_frames=16),
         ImagePrep(factor=8, max_pixels=96 * 64),
     )
     plans, sizes = [], []
     for raw in clips:
-        vr = decord.VideoReader(io.BytesIO(raw), num_threads=1)
-        plans.append(pick_frames(vr.get_frame_timestamp(list(range(len(vr)))), 4, 16).tolist())
-        sizes.append((vr[0].shape[1], vr[0].shape[0]))  # in a shard this comes from the index
-        del vr
-    n_frames = sum(len(p) for p in plans)
+        reader = decord.VideoReader(io.BytesIO(raw), num_threads=1)
+        plans.append(
+            pick_frames(reader.get_frame_timestamp(list(range(len(reader)))), 4, 16).tolist()
+        )
+        sizes.append(
+            (reader[0].shape[1], reader[0].shape[0])
+        )  # in a shard this comes from the index
+        del reader
+    n_frames = sum(len(plan) for plan in plans)
 
     def bare():
         for raw, idx in zip(clips, plans):
-            vr = decord.VideoReader(io.BytesIO(raw), num_threads=1)
-            vr.get_batch(idx).asnumpy()
-            del vr
+            reader = decord.VideoReader(io.BytesIO(raw), num_threads=1)
+            reader.get_batch(idx).asnumpy()
+            del reader
 
     def ours():
         for raw, size in zip(clips, sizes):
             decode_frames(raw, sampling, prep, size=size)
 
-    t = rounds({"bare": bare, "ours": ours}, n_rounds)
+    times = rounds({"bare": bare, "ours": ours}, n_rounds)
     print(
-        f"video   bare decord       {n_frames / t['bare']:>12,.1f} fr/s    ours {n_frames / t['ours']:>12,.1f} fr/s"
-        f"    ratio {t['bare'] / t['ours']:.3f}   ({len(clips)} clips)"
+        f"video   bare decord       {n_frames / times['bare']:>12,.1f} fr/s    ours {n_frames / times['ours']:>12,.1f} fr/s"
+        f"    ratio {times['bare'] / times['ours']:.3f}   ({len(clips)} clips)"
     )
     rss = {}
     for i in range(decodes):
@@ -156,23 +166,23 @@ def bench_vtok(n_rounds: int) -> None:
             if dev == "cuda":
                 torch.cuda.synchronize()
 
-        t = rounds({"enc": enc}, n_rounds)
+        times = rounds({"enc": enc}, n_rounds)
         print(
-            f"vtok    encode on {dev:<4}     {64 / t['enc']:>12,.1f} img/s   (vtok_cpu, 64x64 images, batch 64)"
+            f"vtok    encode on {dev:<4}     {64 / times['enc']:>12,.1f} img/s   (vtok_cpu, 64x64 images, batch 64)"
         )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument(
+    parser.add_argument(
         "--corpus", type=Path, default=None, help="a demo corpus (built in a temp folder if absent)"
     )
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--decodes", type=int, default=2000)
-    a = ap.parse_args()
-    corpus = a.corpus
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--decodes", type=int, default=2000)
+    args = parser.parse_args()
+    corpus = args.corpus
     if corpus is None or not corpus.is_dir():
         from data.demo_corpus import build
 
@@ -182,10 +192,10 @@ def main() -> None:
         f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads"
     )
-    bench_text(corpus, a.rounds)
-    bench_images(corpus, a.rounds)
-    bench_video(corpus, a.rounds, a.decodes)
-    bench_vtok(a.rounds)
+    bench_text(corpus, args.rounds)
+    bench_images(corpus, args.rounds)
+    bench_video(corpus, args.rounds, args.decodes)
+    bench_vtok(args.rounds)
 
 
 if __name__ == "__main__":

@@ -42,9 +42,9 @@ class Replay:
 
     def __iter__(self):
         while True:
-            b = self.batches[self.k % len(self.batches)]
+            batch = self.batches[self.k % len(self.batches)]
             self.k += 1
-            yield b
+            yield batch
 
     def state_dict(self) -> dict:
         return {"k": self.k}
@@ -94,8 +94,8 @@ def overhead(experiment: str, steps: int, rounds: int, run_dir: Path) -> dict:
         ]
     )
     trainer = build_trainer(cfg, yaml, init_distributed())
-    with closing(iter(trainer.stream)) as it:
-        batches = [next(it) for _ in range(8 * cfg.train.grad_accum)]
+    with closing(iter(trainer.stream)) as stream_iter:
+        batches = [next(stream_iter) for _ in range(8 * cfg.train.grad_accum)]
     trainer.stream = Replay(batches)
     engine, accum = trainer.engine, cfg.train.grad_accum
     trainer.total_steps = 10**9
@@ -105,37 +105,37 @@ def overhead(experiment: str, steps: int, rounds: int, run_dir: Path) -> dict:
     def ours() -> float:
         """What Trainer.fit does per step: the step, then every callback's post_step."""
         nonlocal done
-        t0 = time.perf_counter()
+        started = time.perf_counter()
         with closing(iter(trainer.stream)) as stream:
             for _ in range(steps):
                 done += 1
                 record = trainer.train_step(done, stream)
                 assert record is not None  # replayed batches never end
                 trainer.callbacks.post_step(trainer, done, record)
-        return (time.perf_counter() - t0) / steps
+        return (time.perf_counter() - started) / steps
 
     def minimal() -> float:
         gate, trainer.optimizer.gate = trainer.optimizer.gate, None
-        t0 = time.perf_counter()
+        started = time.perf_counter()
         for i in range(steps):
-            for m in range(accum):
-                b = batches[(i * accum + m) % len(batches)]
-                loss = engine(**{k: b[k] for k in MODEL_INPUTS}).loss
+            for micro in range(accum):
+                batch = batches[(i * accum + micro) % len(batches)]
+                loss = engine(**{key: batch[key] for key in MODEL_INPUTS}).loss
                 engine.backward(loss)
                 engine.step()
         trainer.optimizer.gate = gate
-        return (time.perf_counter() - t0) / steps
+        return (time.perf_counter() - started) / steps
 
     ours(), minimal()  # warm-up: allocator, first probes
-    o, m = [], []
+    ours_times, minimal_times = [], []
     for _ in range(rounds):
-        o.append(ours())
-        m.append(minimal())
+        ours_times.append(ours())
+        minimal_times.append(minimal())
     trainer.callbacks.close(trainer)
     return {
-        "ours_step_s": statistics.mean(o),
-        "minimal_step_s": statistics.mean(m),
-        "ratio": statistics.mean(o) / statistics.mean(m),
+        "ours_step_s": statistics.mean(ours_times),
+        "minimal_step_s": statistics.mean(minimal_times),
+        "ratio": statistics.mean(ours_times) / statistics.mean(minimal_times),
         "rounds": rounds,
         "steps_per_round": steps,
     }
@@ -154,49 +154,49 @@ def data_wait(experiment: str, steps: int, run_dir: Path) -> dict:
         "train.eval_every=0",
     ]
     env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     }
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if p.returncode:
-        sys.exit(f"the data-wait run failed:\n{p.stderr[-3000:]}")
-    recs = [json.loads(x) for x in (run_dir / METRICS_FILE).read_text().splitlines()]
-    wait = sum(r["throughput/data_wait"] * r["throughput/step_s"] for r in recs)
-    total = sum(r["throughput/step_s"] for r in recs)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode:
+        sys.exit(f"the data-wait run failed:\n{proc.stderr[-3000:]}")
+    recs = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
+    wait = sum(rec["throughput/data_wait"] * rec["throughput/step_s"] for rec in recs)
+    total = sum(rec["throughput/step_s"] for rec in recs)
     return {
         "data_wait": wait / total,
         "steps": len(recs),
-        "max_step_wait": max(r["throughput/data_wait"] for r in recs),
+        "max_step_wait": max(rec["throughput/data_wait"] for rec in recs),
     }
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--experiment", default="demo")
-    ap.add_argument("--steps", type=int, default=40, help="steps per round of each loop")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--wait-steps", type=int, default=150, help="steps of the data-wait run")
-    a = ap.parse_args(argv)
-    if a.experiment == "demo" and not Path("runs/demo/tokens/text").is_dir():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--experiment", default="demo")
+    parser.add_argument("--steps", type=int, default=40, help="steps per round of each loop")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--wait-steps", type=int, default=150, help="steps of the data-wait run")
+    args = parser.parse_args(argv)
+    if args.experiment == "demo" and not Path("runs/demo/tokens/text").is_dir():
         sys.exit("runs/demo/tokens: no token shards; run `make demo` first (or pass --experiment)")
     with tempfile.TemporaryDirectory() as tmp:
         res = {
             "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-            "experiment": a.experiment,
+            "experiment": args.experiment,
         }
         res["wait"] = data_wait(
-            a.experiment, a.wait_steps, Path(tmp) / "wait"
+            args.experiment, args.wait_steps, Path(tmp) / "wait"
         )  # first: a clean process
-        res["overhead"] = overhead(a.experiment, a.steps, a.rounds, Path(tmp) / "overhead")
-    o, w = res["overhead"], res["wait"]
+        res["overhead"] = overhead(args.experiment, args.steps, args.rounds, Path(tmp) / "overhead")
+    overhead_res, wait_res = res["overhead"], res["wait"]
     print(
-        f"trainer overhead: {o['ratio']:.3f}x a minimal loop on the same engine and batches (target <= 1.10); "
-        f"step {o['ours_step_s'] * 1e3:.1f} ms against {o['minimal_step_s'] * 1e3:.1f} ms"
+        f"trainer overhead: {overhead_res['ratio']:.3f}x a minimal loop on the same engine and batches (target <= 1.10); "
+        f"step {overhead_res['ours_step_s'] * 1e3:.1f} ms against {overhead_res['minimal_step_s'] * 1e3:.1f} ms"
     )
     print(
-        f"data wait: {w['data_wait']:.2%} of step time over {w['steps']} steps (target < 5%), "
-        f"worst step {w['max_step_wait']:.1%}"
+        f"data wait: {wait_res['data_wait']:.2%} of step time over {wait_res['steps']} steps (target < 5%), "
+        f"worst step {wait_res['max_step_wait']:.1%}"
     )
     print(json.dumps(res, indent=1))
     return res

@@ -58,22 +58,25 @@ def ensure_corpus(folder: Path) -> Path:
 def load_folder(folder: Path) -> dict[str, torch.Tensor]:
     """name -> [3, H, W] float in [-1, 1] at native size (multiples of 4)."""
     out = {}
-    for p in sorted(folder.iterdir()):
-        if p.suffix.lower() in (".png", ".jpg", ".jpeg"):
-            a = load_image(p.read_bytes(), _NATIVE)
-            out[p.stem] = torch.from_numpy(np.array(a)).permute(2, 0, 1).float() / 127.5 - 1
+    for path in sorted(folder.iterdir()):
+        if path.suffix.lower() in (".png", ".jpg", ".jpeg"):
+            image = load_image(path.read_bytes(), _NATIVE)
+            out[path.stem] = torch.from_numpy(np.array(image)).permute(2, 0, 1).float() / 127.5 - 1
     return out
 
 
 def eval_crops(photos: list[torch.Tensor], crop: int, n_min: int, seed: int) -> torch.Tensor:
-    g = np.random.default_rng(seed)
+    rng = np.random.default_rng(seed)
     per = math.ceil(n_min / len(photos))
     crops = []
-    for im in photos:
-        _, h, w = im.shape
+    for photo in photos:
+        _, height, width = photo.shape
         for _ in range(per):
-            y, x = int(g.integers(0, h - crop + 1)), int(g.integers(0, w - crop + 1))
-            crops.append(im[:, y : y + crop, x : x + crop])
+            top, left = (
+                int(rng.integers(0, height - crop + 1)),
+                int(rng.integers(0, width - crop + 1)),
+            )
+            crops.append(photo[:, top : top + crop, left : left + crop])
     return torch.stack(crops)
 
 
@@ -84,51 +87,51 @@ class CropSampler:
         imgs = list(images)
         if half_scale:  # a second, antialiased half-size copy: coarser structure per crop
             imgs += [
-                F.interpolate(i[None], scale_factor=0.5, mode="bilinear", antialias=True)[0]
-                for i in images
-                if min(i.shape[1:]) >= 4 * crop
+                F.interpolate(image[None], scale_factor=0.5, mode="bilinear", antialias=True)[0]
+                for image in images
+                if min(image.shape[1:]) >= 4 * crop
             ]
-        self.images = [i for i in imgs if min(i.shape[1:]) >= crop]
-        area = np.array([math.sqrt(i.shape[1] * i.shape[2]) for i in self.images])
+        self.images = [image for image in imgs if min(image.shape[1:]) >= crop]
+        area = np.array([math.sqrt(image.shape[1] * image.shape[2]) for image in self.images])
         self.p = area / area.sum()  # sqrt(area): big photos more often, small ones still seen
         self.crop, self.g = crop, np.random.default_rng(seed)
 
     def batch(self, n: int) -> torch.Tensor:
         out = torch.empty(n, 3, self.crop, self.crop)
-        for k, i in enumerate(self.g.choice(len(self.images), size=n, p=self.p)):
-            im = self.images[i]
-            y = int(self.g.integers(0, im.shape[1] - self.crop + 1))
-            x = int(self.g.integers(0, im.shape[2] - self.crop + 1))
-            c = im[:, y : y + self.crop, x : x + self.crop]
-            out[k] = c.flip(-1) if self.g.random() < 0.5 else c
+        for slot, pick in enumerate(self.g.choice(len(self.images), size=n, p=self.p)):
+            image = self.images[pick]
+            top = int(self.g.integers(0, image.shape[1] - self.crop + 1))
+            left = int(self.g.integers(0, image.shape[2] - self.crop + 1))
+            patch = image[:, top : top + self.crop, left : left + self.crop]
+            out[slot] = patch.flip(-1) if self.g.random() < 0.5 else patch
         return out
 
 
 @torch.no_grad()
 def evaluate(model, crops: torch.Tensor, device, bs: int = 128) -> dict:
     model.eval()
-    cu = CodeUse(model.num_codes)
-    se = se_b = ss = ss_b = 0.0
-    for s in range(0, len(crops), bs):
-        x = crops[s : s + bs].to(device)
+    code_use = CodeUse(model.num_codes)
+    sq_err = sq_err_base = ssim_sum = ssim_sum_base = 0.0
+    for start in range(0, len(crops), bs):
+        x = crops[start : start + bs].to(device)
         idx = model.encode(x)
-        cu.update(idx)
-        y, t = to_unit(model.decode(idx)), to_unit(x)
-        b = patch_mean_baseline(t, model.cfg.factor, model.num_codes)
-        se += float(((y - t) ** 2).flatten(1).mean(1).sum())
-        se_b += float(((b - t) ** 2).flatten(1).mean(1).sum())
-        ss += float(ssim(y, t).sum())
-        ss_b += float(ssim(b, t).sum())
-    n = len(crops)
+        code_use.update(idx)
+        recon, target = to_unit(model.decode(idx)), to_unit(x)
+        baseline = patch_mean_baseline(target, model.cfg.factor, model.num_codes)
+        sq_err += float(((recon - target) ** 2).flatten(1).mean(1).sum())
+        sq_err_base += float(((baseline - target) ** 2).flatten(1).mean(1).sum())
+        ssim_sum += float(ssim(recon, target).sum())
+        ssim_sum_base += float(ssim(baseline, target).sum())
+    count = len(crops)
     return {
-        "psnr": float(psnr_of_mse(se / n)),
-        "ssim": ss / n,
-        "baseline_psnr": float(psnr_of_mse(se_b / n)),
-        "baseline_ssim": ss_b / n,
-        "code_fraction": cu.fraction(),
-        "code_perplexity": cu.perplexity(),
-        "tokens": cu.tokens,
-        "images": n,
+        "psnr": float(psnr_of_mse(sq_err / count)),
+        "ssim": ssim_sum / count,
+        "baseline_psnr": float(psnr_of_mse(sq_err_base / count)),
+        "baseline_ssim": ssim_sum_base / count,
+        "code_fraction": code_use.fraction(),
+        "code_perplexity": code_use.perplexity(),
+        "tokens": code_use.tokens,
+        "images": count,
     }
 
 
@@ -140,17 +143,26 @@ def evaluate_video(model, clips: Path, device, n: int = 4) -> dict:
 
     model.eval()
     prep = ImagePrep(factor=model.cfg.factor, max_pixels=96 * 96, max_grid=64)
-    se_v = se_i = 0.0
+    sq_err_video = sq_err_frames = 0.0
     frames = tokens_v = tokens_i = 0
     for path in sorted(clips.glob("*.mp4"))[:n]:
-        f = decode_frames(path.read_bytes(), VideoSampling(target_fps=8, max_frames=9), prep).frames
-        x = torch.from_numpy(np.array(f)).permute(0, 3, 1, 2).float().div(127.5).sub(1).to(device)
+        frames_np = decode_frames(
+            path.read_bytes(), VideoSampling(target_fps=8, max_frames=9), prep
+        ).frames
+        x = (
+            torch.from_numpy(np.array(frames_np))
+            .permute(0, 3, 1, 2)
+            .float()
+            .div(127.5)
+            .sub(1)
+            .to(device)
+        )
         idx = model.encode_video(x[None])
-        y = to_unit(model.decode_video(idx, num_frames=len(x))[0])
-        yi = to_unit(model.decode(model.encode(x)))
-        t = to_unit(x)
-        se_v += float(((y - t) ** 2).sum() / t[0].numel())
-        se_i += float(((yi - t) ** 2).sum() / t[0].numel())
+        recon = to_unit(model.decode_video(idx, num_frames=len(x))[0])
+        recon_per_frame = to_unit(model.decode(model.encode(x)))
+        target = to_unit(x)
+        sq_err_video += float(((recon - target) ** 2).sum() / target[0].numel())
+        sq_err_frames += float(((recon_per_frame - target) ** 2).sum() / target[0].numel())
         frames, tokens_v, tokens_i = (
             frames + len(x),
             tokens_v + idx.numel(),
@@ -161,9 +173,9 @@ def evaluate_video(model, clips: Path, device, n: int = 4) -> dict:
     return {
         "clips": min(n, len(list(clips.glob("*.mp4")))),
         "frames": frames,
-        "video_psnr": float(psnr_of_mse(se_v / frames)),
+        "video_psnr": float(psnr_of_mse(sq_err_video / frames)),
         "video_tokens": tokens_v,
-        "per_frame_psnr": float(psnr_of_mse(se_i / frames)),
+        "per_frame_psnr": float(psnr_of_mse(sq_err_frames / frames)),
         "per_frame_tokens": tokens_i,
     }
 
@@ -173,186 +185,192 @@ def encode_speed(model, device, size: int, bs: int, seconds: float = 3.0) -> flo
     model.eval()
     x = torch.rand(bs, 3, size, size, device=device) * 2 - 1
     model.encode(x)  # warm-up
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
+    images, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
         model.encode(x)
-        n += bs
+        images += bs
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return n / (time.perf_counter() - t0)
+    return images / (time.perf_counter() - started)
 
 
 def save_grid(model, crops: torch.Tensor, path: Path, device, n: int = 12, zoom: int = 3) -> None:
     with torch.no_grad():
         x = crops[:n].to(device)
-        y = model.decode(model.encode(x))
-        b = patch_mean_baseline(to_unit(x), model.cfg.factor, model.num_codes)
-    rows = [to_unit(x), to_unit(y), b]  # originals, reconstructions, baseline
-    grid = torch.cat([torch.cat(list(r.cpu()), 2) for r in rows], 1)
-    a = (grid.permute(1, 2, 0).numpy() * 255 + 0.5).astype(np.uint8)
-    Image.fromarray(a).resize(
-        (a.shape[1] * zoom, a.shape[0] * zoom), Image.Resampling.NEAREST
+        recon = model.decode(model.encode(x))
+        baseline = patch_mean_baseline(to_unit(x), model.cfg.factor, model.num_codes)
+    rows = [to_unit(x), to_unit(recon), baseline]  # originals, reconstructions, baseline
+    grid = torch.cat([torch.cat(list(row.cpu()), 2) for row in rows], 1)
+    pixels = (grid.permute(1, 2, 0).numpy() * 255 + 0.5).astype(np.uint8)
+    Image.fromarray(pixels).resize(
+        (pixels.shape[1] * zoom, pixels.shape[0] * zoom), Image.Resampling.NEAREST
     ).save(path)
 
 
 def parse_sets(items: list[str]) -> dict:
     out = {}
-    for it in items:
-        k, v = it.split("=", 1)
+    for item in items:
+        key, value = item.split("=", 1)
         try:
-            out[k] = ast.literal_eval(v)
+            out[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
-            out[k] = v
+            out[key] = value
     return out
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--corpus", type=Path, default=Path("/tmp/vtok_corpus"))
-    ap.add_argument("--out", type=Path, default=Path("/tmp/vtok_bench"))
-    ap.add_argument("--preset", default="vtok_cpu")
-    ap.add_argument("--set", nargs="*", default=[], help="config overrides key=value")
-    ap.add_argument("--minutes", type=float, default=15.0)
-    ap.add_argument(
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--corpus", type=Path, default=Path("/tmp/vtok_corpus"))
+    parser.add_argument("--out", type=Path, default=Path("/tmp/vtok_bench"))
+    parser.add_argument("--preset", default="vtok_cpu")
+    parser.add_argument("--set", nargs="*", default=[], help="config overrides key=value")
+    parser.add_argument("--minutes", type=float, default=15.0)
+    parser.add_argument(
         "--clock",
         choices=["cpu", "wall"],
         default="cpu",
         help="budget clock: cpu = this process's CPU seconds / threads (what an unloaded "
         "machine with that many cores would take; robust to other jobs), or wall",
     )
-    ap.add_argument(
+    parser.add_argument(
         "--steps",
         type=int,
         default=0,
         help="ablations: schedule by steps and stop there (--minutes stays a cap); "
         "on a shared CPU equal steps compare configs, equal minutes do not",
     )
-    ap.add_argument("--crop", type=int, default=32)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--final-lr", type=float, default=0.02, help="as a fraction of --lr")
-    ap.add_argument("--warmup", type=int, default=100, help="steps")
-    ap.add_argument("--wd", type=float, default=1e-4)
-    ap.add_argument("--ema", type=float, default=0.0, help="EMA decay of weights for eval (0: off)")
-    ap.add_argument("--half-scale", action="store_true", help="also train on half-size photos")
-    ap.add_argument("--mix", type=float, default=0.0, help="fraction of crops from scenes+digits")
-    ap.add_argument("--eval-crops", type=int, default=320)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument(
+    parser.add_argument("--crop", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--final-lr", type=float, default=0.02, help="as a fraction of --lr")
+    parser.add_argument("--warmup", type=int, default=100, help="steps")
+    parser.add_argument("--wd", type=float, default=1e-4)
+    parser.add_argument(
+        "--ema", type=float, default=0.0, help="EMA decay of weights for eval (0: off)"
+    )
+    parser.add_argument("--half-scale", action="store_true", help="also train on half-size photos")
+    parser.add_argument(
+        "--mix", type=float, default=0.0, help="fraction of crops from scenes+digits"
+    )
+    parser.add_argument("--eval-crops", type=int, default=320)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
         "--amp",
         choices=["bf16", "none"],
         default="bf16",
         help="bf16 autocast (CPU: ~1.7x faster on AVX512-BF16, measured)",
     )
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args(argv)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
 
-    torch.set_num_threads(a.threads)
+    torch.set_num_threads(args.threads)
     torch.set_flush_denormal(
         True
     )  # tiny weights near zero-initialised convs must not hit slow denormal paths
-    torch.manual_seed(a.seed)
+    torch.manual_seed(args.seed)
     dev = torch.device(
-        ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
+        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     )
-    cfg = getattr(vt, a.preset)()
-    for k, v in parse_sets(a.set).items():
-        if not hasattr(cfg, k):
-            raise SystemExit(f"unknown config key {k!r}")
-        setattr(cfg, k, v)
+    cfg = getattr(vt, args.preset)()
+    for key, value in parse_sets(args.set).items():
+        if not hasattr(cfg, key):
+            raise SystemExit(f"unknown config key {key!r}")
+        setattr(cfg, key, value)
     cfg.__post_init__()
     # channels_last: oneDNN's native layout for convs; with bf16 it was the fastest combination
     model = cfg.build().to(dev, memory_format=torch.channels_last)
-    params = sum(p.numel() for p in model.parameters())
+    params = sum(param.numel() for param in model.parameters())
 
-    corpus = ensure_corpus(a.corpus)
+    corpus = ensure_corpus(args.corpus)
     photos = load_folder(corpus / "photos")
-    train = [v for k, v in photos.items() if k not in HELD_OUT]
-    held = [photos[k] for k in HELD_OUT]
-    tok_per_crop = (a.crop // cfg.factor) ** 2
-    n_eval = max(a.eval_crops, math.ceil(10 * cfg.num_codes / tok_per_crop))
-    crops = eval_crops(held, a.crop, n_eval, seed=1234)
-    sampler = CropSampler(train, a.crop, a.half_scale, a.seed)
+    train = [value for key, value in photos.items() if key not in HELD_OUT]
+    held = [photos[key] for key in HELD_OUT]
+    tok_per_crop = (args.crop // cfg.factor) ** 2
+    n_eval = max(args.eval_crops, math.ceil(10 * cfg.num_codes / tok_per_crop))
+    crops = eval_crops(held, args.crop, n_eval, seed=1234)
+    sampler = CropSampler(train, args.crop, args.half_scale, args.seed)
     extra = None
-    if a.mix > 0:
-        ims = list(load_folder(corpus / "scenes" / "img").values()) + list(
+    if args.mix > 0:
+        images = list(load_folder(corpus / "scenes" / "img").values()) + list(
             load_folder(corpus / "digits" / "img").values()
         )
-        extra = CropSampler(ims, a.crop, False, a.seed + 1)
+        extra = CropSampler(images, args.crop, False, args.seed + 1)
 
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.99), weight_decay=a.wd)
-    ema = copy.deepcopy(model) if a.ema else None
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=args.wd)
+    ema = copy.deepcopy(model) if args.ema else None
 
     def clock() -> float:
-        return time.process_time() / a.threads if a.clock == "cpu" else time.perf_counter()
+        return time.process_time() / args.threads if args.clock == "cpu" else time.perf_counter()
 
-    budget, step, seen, t0, last = a.minutes * 60, 0, 0, clock(), 0.0
-    w0 = time.perf_counter()
+    budget, step, seen, start_clock, last = args.minutes * 60, 0, 0, clock(), 0.0
+    start_wall = time.perf_counter()
     print(
         f"params {params / 1e6:.3f}M  train photos {len(train)}  held-out crops {len(crops)}  device {dev}",
         flush=True,
     )
-    while (el := clock() - t0) < budget and not (a.steps and step >= a.steps):
-        p = step / a.steps if a.steps else el / budget
+    while (el := clock() - start_clock) < budget and not (args.steps and step >= args.steps):
+        progress = step / args.steps if args.steps else el / budget
         lr = (
-            a.lr
-            * min(1.0, (step + 1) / a.warmup)
-            * (a.final_lr + (1 - a.final_lr) * 0.5 * (1 + math.cos(math.pi * p)))
+            args.lr
+            * min(1.0, (step + 1) / args.warmup)
+            * (args.final_lr + (1 - args.final_lr) * 0.5 * (1 + math.cos(math.pi * progress)))
         )
-        for gr in opt.param_groups:
-            gr["lr"] = lr
+        for group in opt.param_groups:
+            group["lr"] = lr
         if extra is not None:
-            k = int(round(a.batch * a.mix))
-            x = torch.cat([sampler.batch(a.batch - k), extra.batch(k)])
+            num_extra = int(round(args.batch * args.mix))
+            batch = torch.cat([sampler.batch(args.batch - num_extra), extra.batch(num_extra)])
         else:
-            x = sampler.batch(a.batch)
+            batch = sampler.batch(args.batch)
         model.train()
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.amp == "bf16"):
-            loss, m = model(x.to(dev, memory_format=torch.channels_last))
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.amp == "bf16"):
+            loss, metrics = model(batch.to(dev, memory_format=torch.channels_last))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         if ema is not None:
             with torch.no_grad():
-                for pe, pm in zip(ema.parameters(), model.parameters()):
-                    pe.lerp_(pm, 1 - a.ema)
-        step, seen = step + 1, seen + len(x)
+                for ema_param, param in zip(ema.parameters(), model.parameters()):
+                    ema_param.lerp_(param, 1 - args.ema)
+        step, seen = step + 1, seen + len(batch)
         if el - last > 30:
             last = el
             print(
-                f"{el / 60:5.1f} min ({a.clock})  step {step}  loss {loss.item():.4f}  psnr {m['psnr']:.2f}  "
-                f"lr {lr:.2e}  {seen / el:.0f} img/s  wall {(time.perf_counter() - w0) / 60:.1f} min",
+                f"{el / 60:5.1f} min ({args.clock})  step {step}  loss {loss.item():.4f}  psnr {metrics['psnr']:.2f}  "
+                f"lr {lr:.2e}  {seen / el:.0f} img/s  wall {(time.perf_counter() - start_wall) / 60:.1f} min",
                 flush=True,
             )
-    train_s, wall_s = clock() - t0, time.perf_counter() - w0
+    train_s, wall_s = clock() - start_clock, time.perf_counter() - start_wall
     final = ema if ema is not None else model
     res = evaluate(final, crops, dev)
     res.update(
         train_minutes=train_s / 60,
         wall_minutes=wall_s / 60,
-        clock=a.clock,
+        clock=args.clock,
         steps=step,
         images_seen=seen,
         params=params,
         config=vars(cfg),
-        args={k: str(v) for k, v in vars(a).items()},
+        args={key: str(value) for key, value in vars(args).items()},
         device=str(dev),
         cpu=platform.processor(),
         encode_img_s={
-            f"{a.crop}px_b64": encode_speed(final, dev, a.crop, 64),
+            f"{args.crop}px_b64": encode_speed(final, dev, args.crop, 64),
             "256px_b8": encode_speed(final, dev, 256, 8),
         },
     )
     res["video"] = evaluate_video(final, corpus / "clips", dev)
     if ema is not None:
         res["no_ema"] = {
-            k: v for k, v in evaluate(model, crops, dev).items() if k in ("psnr", "ssim")
+            key: value
+            for key, value in evaluate(model, crops, dev).items()
+            if key in ("psnr", "ssim")
         }
-    a.out.mkdir(parents=True, exist_ok=True)
-    save_grid(final, crops[:: max(1, len(crops) // 12)], a.out / "grid.png", dev)
-    torch.save({"config": vars(cfg), "state_dict": final.state_dict()}, a.out / "vtok.pt")
-    (a.out / "result.json").write_text(json.dumps(res, indent=1))
+    args.out.mkdir(parents=True, exist_ok=True)
+    save_grid(final, crops[:: max(1, len(crops) // 12)], args.out / "grid.png", dev)
+    torch.save({"config": vars(cfg), "state_dict": final.state_dict()}, args.out / "vtok.pt")
+    (args.out / "result.json").write_text(json.dumps(res, indent=1))
     print(
         f"held-out: PSNR {res['psnr']:.2f} dB (baseline {res['baseline_psnr']:.2f})  SSIM {res['ssim']:.3f} "
         f"(baseline {res['baseline_ssim']:.3f})  codes hit {res['code_fraction']:.1%} of {model.num_codes} "

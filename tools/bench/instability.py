@@ -68,15 +68,15 @@ def train(case: Case, run_dir: Path, data: Path, extra: tuple[str, ...] = ()) ->
             "TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions")
         ),
     }
-    t0 = time.perf_counter()
+    started = time.perf_counter()
     with open(run_dir / "stdout.log", "w") as out, open(run_dir / "stderr.log", "w") as err:
-        p = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, env=env)
-        _, status, usage = os.wait4(p.pid, 0)
-        p.returncode = os.waitstatus_to_exitcode(status)
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
     return {
-        "rc": p.returncode,
+        "rc": proc.returncode,
         "cpu_s": usage.ru_utime + usage.ru_stime,
-        "wall_s": time.perf_counter() - t0,
+        "wall_s": time.perf_counter() - started,
         "cmd": " ".join(cmd[2:]),
     }
 
@@ -84,18 +84,18 @@ def train(case: Case, run_dir: Path, data: Path, extra: tuple[str, ...] = ()) ->
 def read_run(run_dir: Path) -> dict:
     """What one run did: its alarms, the loss rule on its first pass, its final losses."""
     lines = (run_dir / "metrics.jsonl").read_text().splitlines() if run_dir.exists() else []
-    recs = [json.loads(x) for x in lines if x.strip()]
+    recs = [json.loads(line) for line in lines if line.strip()]
     first = first_pass(recs)
     alarms_path = run_dir / "alarms.jsonl"
     alarms = (
-        [json.loads(x) for x in alarms_path.read_text().splitlines() if x.strip()]
+        [json.loads(line) for line in alarms_path.read_text().splitlines() if line.strip()]
         if alarms_path.is_file()
         else []
     )
     final_path = run_dir / "final.json"
     final = json.loads(final_path.read_text()) if final_path.is_file() else {}
-    last = {r["step"]: r for r in recs}
-    tail = [last[s]["train/loss"] for s in sorted(last)[-20:]]
+    last = {rec["step"]: rec for rec in recs}
+    tail = [last[step]["train/loss"] for step in sorted(last)[-20:]]
     out = (run_dir / "stdout.log").read_text() if (run_dir / "stdout.log").is_file() else ""
     vis = loss_visible(first)
     return {
@@ -110,9 +110,9 @@ def read_run(run_dir: Path) -> dict:
 
 
 def summarize(case: Case, mon: dict, twin: dict | None, control: dict | None = None) -> dict:
-    severe = [a for a in mon["alarms"] if a["action"] in SEVERE]
-    early = [a for a in severe if case.onset is not None and a["step"] < case.onset]
-    after = [a for a in severe if case.onset is None or a["step"] >= case.onset]
+    severe = [alarm for alarm in mon["alarms"] if alarm["action"] in SEVERE]
+    early = [alarm for alarm in severe if case.onset is not None and alarm["step"] < case.onset]
+    after = [alarm for alarm in severe if case.onset is None or alarm["step"] >= case.onset]
     first = after[0] if after else None
     vis = mon["visible"] if case.kind == "failure" else None
     if case.kind == "failure" and twin is not None and twin["visible"] is not None:
@@ -133,11 +133,13 @@ def summarize(case: Case, mon: dict, twin: dict | None, control: dict | None = N
             "step": first["step"],
             "action": first["action"],
         },
-        "before_onset": [(a["step"], a["signal"], a.get("modality")) for a in early],
-        "signals": sorted({(a["signal"], a.get("modality") or "") for a in severe}),
+        "before_onset": [
+            (alarm["step"], alarm["signal"], alarm.get("modality")) for alarm in early
+        ],
+        "signals": sorted({(alarm["signal"], alarm.get("modality") or "") for alarm in severe}),
         "visible": vis,
         "lead": lead,
-        "actions": sorted({a["action"] for a in severe}),
+        "actions": sorted({alarm["action"] for alarm in severe}),
     }
 
 
@@ -145,7 +147,10 @@ def run_case(case: Case, root: Path, data: Path, controls: dict) -> dict:
     rec: dict = {"case": case.__dict__ | {"overrides": list(case.overrides)}}
     rec["run"] = train(case, root / "runs" / case.name, data)
     rec["monitored"] = read_run(root / "runs" / case.name)
-    acted = any(a["action"] in ACTING for a in rec["monitored"]["alarms"]) or rec["run"]["rc"] == 3
+    acted = (
+        any(alarm["action"] in ACTING for alarm in rec["monitored"]["alarms"])
+        or rec["run"]["rc"] == 3
+    )
     if case.kind == "failure" and acted:
         rec["twin_run"] = train(case, root / "runs" / f"{case.name}-log", data, LOG_ONLY)
         rec["twin"] = read_run(root / "runs" / f"{case.name}-log")
@@ -157,10 +162,10 @@ def run_case(case: Case, root: Path, data: Path, controls: dict) -> dict:
 
 
 def short(rec: dict) -> str:
-    s = rec["summary"]
-    first = s["first"]
+    summary = rec["summary"]
+    first = summary["first"]
     det = f"{first['signal']}@{first['step']}" if first else "none"
-    return f"first alarm {det}, loss visible {s['visible']}, rc {rec['run']['rc']}"
+    return f"first alarm {det}, loss visible {summary['visible']}, rc {rec['run']['rc']}"
 
 
 def fmt_loss(x) -> str:
@@ -168,90 +173,97 @@ def fmt_loss(x) -> str:
 
 
 def table(results: list[dict]) -> str:
-    by_name = {r["case"]["name"]: r for r in results}
+    by_name = {result["case"]["name"]: result for result in results}
     rows = [
         "| case | what | first warn+ alarm (step, action) | loss visible (rule) | lead | "
         "other signals | final val loss: monitors / log only / healthy |",
         "|---|---|---|---|---|---|---|",
     ]
-    for r in results:
-        c, s, mon = r["case"], r["summary"], r["monitored"]
-        first = s["first"]
+    for result in results:
+        case, summary, mon = result["case"], result["summary"], result["monitored"]
+        first = summary["first"]
         det = (
             f"{first['signal']}{'[' + first['modality'] + ']' if first['modality'] else ''} "
             f"@{first['step']} ({first['action']})"
             if first
             else "**none**"
         )
-        vis = s["visible"]
+        vis = summary["visible"]
         vis_s = f"{vis['step']} ({vis['series']})" if vis else "never"
-        lead = "-" if s["lead"] is None else f"{s['lead']:+d}"
-        others = ", ".join(f"{sig}{'[' + m + ']' if m else ''}" for sig, m in s["signals"])
-        if s["before_onset"]:
-            others += f"; **{len(s['before_onset'])} before onset**"
-        control = by_name.get(c["control"], {}).get("monitored", {})
-        twin = r.get("twin")
+        lead = "-" if summary["lead"] is None else f"{summary['lead']:+d}"
+        others = ", ".join(
+            f"{sig}{'[' + modality + ']' if modality else ''}"
+            for sig, modality in summary["signals"]
+        )
+        if summary["before_onset"]:
+            others += f"; **{len(summary['before_onset'])} before onset**"
+        control = by_name.get(case["control"], {}).get("monitored", {})
+        twin = result.get("twin")
         twin_s = fmt_loss(twin["val_loss"]) if twin else "= (no action changed the run)"
         outcome = fmt_loss(mon["val_loss"])
-        if r["run"]["rc"] == 3:
+        if result["run"]["rc"] == 3:
             outcome = f"halted @{mon['steps_done']}"
         if mon["rollbacks"]:
             outcome += f" ({mon['rollbacks']} rollback{'s' if mon['rollbacks'] > 1 else ''})"
-        if c["kind"] == "healthy":
+        if case["kind"] == "healthy":
             det = det if first else "none (goal)"
             twin_s, lead = "", "-"
         rows.append(
-            f"| {c['name']} | {c['what']} | {det} | {vis_s} | {lead} | {others or '-'} | "
+            f"| {case['name']} | {case['what']} | {det} | {vis_s} | {lead} | {others or '-'} | "
             f"{outcome} / {twin_s} / {fmt_loss(control.get('val_loss'))} |"
         )
     return "\n".join(rows)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--root", type=Path, default=REPO / "runs" / "instab")
-    ap.add_argument("--cases", nargs="*", help="case names (default: all)")
-    ap.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
-    ap.add_argument("--prepare-only", action="store_true", help="build the data and stop")
-    a = ap.parse_args(argv)
-    t0 = time.perf_counter()
-    c0 = os.times()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--root", type=Path, default=REPO / "runs" / "instab")
+    parser.add_argument("--cases", nargs="*", help="case names (default: all)")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
+    parser.add_argument("--prepare-only", action="store_true", help="build the data and stop")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    times_before = os.times()
     data = build(DATA)
-    cases = [c for c in CASES if not a.cases or c.name in a.cases]
-    unknown = set(a.cases or []) - {c.name for c in CASES}
+    cases = [case for case in CASES if not args.cases or case.name in args.cases]
+    unknown = set(args.cases or []) - {case.name for case in CASES}
     if unknown:
-        sys.exit(f"unknown case(s) {sorted(unknown)}; choose from {[c.name for c in CASES]}")
-    if a.prepare_only:
+        sys.exit(f"unknown case(s) {sorted(unknown)}; choose from {[case.name for case in CASES]}")
+    if args.prepare_only:
         print(f"data ready in {data}")
         return 0
-    print(f"{len(cases)} cases, {a.jobs} at a time, in {a.root}", flush=True)
+    print(f"{len(cases)} cases, {args.jobs} at a time, in {args.root}", flush=True)
     # Healthy controls first: the failures are compared with them.
     controls: dict = {}
-    healthy = [c for c in cases if c.kind == "healthy"]
-    failures = [c for c in cases if c.kind != "healthy"]
-    with ThreadPoolExecutor(a.jobs) as pool:
-        results = list(pool.map(lambda c: run_case(c, a.root, data, controls), healthy))
-        results += list(pool.map(lambda c: run_case(c, a.root, data, controls), failures))
-    order = {c.name: i for i, c in enumerate(CASES)}
-    results.sort(key=lambda r: order[r["case"]["name"]])
-    c1 = os.times()
-    cpu = sum(r["run"]["cpu_s"] + r.get("twin_run", {}).get("cpu_s", 0.0) for r in results)
-    cpu += (c1.user - c0.user) + (c1.system - c0.system)  # this process: data prep, reading
-    wall = time.perf_counter() - t0
-    md = table(results)
+    healthy = [case for case in cases if case.kind == "healthy"]
+    failures = [case for case in cases if case.kind != "healthy"]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        results = list(pool.map(lambda case: run_case(case, args.root, data, controls), healthy))
+        results += list(pool.map(lambda case: run_case(case, args.root, data, controls), failures))
+    order = {case.name: i for i, case in enumerate(CASES)}
+    results.sort(key=lambda result: order[result["case"]["name"]])
+    times_after = os.times()
+    cpu = sum(
+        result["run"]["cpu_s"] + result.get("twin_run", {}).get("cpu_s", 0.0) for result in results
+    )
+    cpu += (times_after.user - times_before.user) + (
+        times_after.system - times_before.system
+    )  # this process: data prep, reading
+    wall = time.perf_counter() - started
+    markdown = table(results)
     head = (
         f"Measured on {platform.node() or 'this machine'} ({os.cpu_count()} CPUs), "
-        f"{len(results)} cases + {sum('twin' in r for r in results)} log-only twins: "
+        f"{len(results)} cases + {sum('twin' in result for result in results)} log-only twins: "
         f"{wall:.0f} s wall, {cpu:.0f} CPU s (user+sys)."
     )
-    (a.root / "table.md").write_text(head + "\n\n" + md + "\n")
-    for r in results:  # the trajectories are in the run folders
+    (args.root / "table.md").write_text(head + "\n\n" + markdown + "\n")
+    for result in results:  # the trajectories are in the run folders
         for key in ("monitored", "twin"):
-            r.get(key, {}).pop("first_pass", None)
-    (a.root / "results.json").write_text(
+            result.get(key, {}).pop("first_pass", None)
+    (args.root / "results.json").write_text(
         json.dumps({"wall_s": wall, "cpu_s": cpu, "results": results}, indent=1, default=str)
     )
-    print("\n" + head + "\n\n" + md)
+    print("\n" + head + "\n\n" + markdown)
     return 0
 
 

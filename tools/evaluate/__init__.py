@@ -54,13 +54,13 @@ def overlap(val_tables, train_tables) -> dict:
     """Held-out documents whose ids equal a training document's."""
     from data.token_docs import iter_documents
 
-    seen = {d.content_hash() for d in iter_documents(train_tables)}
+    seen = {doc.content_hash() for doc in iter_documents(train_tables)}
     by_source: dict[str, int] = {}
     checked = 0
-    for d in iter_documents(val_tables):
+    for doc in iter_documents(val_tables):
         checked += 1
-        if d.content_hash() in seen:
-            by_source[d.source] = by_source.get(d.source, 0) + 1
+        if doc.content_hash() in seen:
+            by_source[doc.source] = by_source.get(doc.source, 0) + 1
     return {"checked": checked, "documents": sum(by_source.values()), "by_source": by_source}
 
 
@@ -106,14 +106,14 @@ def evaluate(args) -> dict:
     say("dependence ...")
     pairs: list = []
     per_group: dict[tuple[str, str], int] = {}
-    for d in iter_documents(val):
-        p = find_pair(d.source, d.key, d.ids, d.modality, d.blocks)
-        if p is None:
+    for doc in iter_documents(val):
+        pair = find_pair(doc.source, doc.key, doc.ids, doc.modality, doc.blocks)
+        if pair is None:
             continue
-        g = (p.source, p.direction)
-        if per_group.get(g, 0) < args.max_pairs:
-            per_group[g] = per_group.get(g, 0) + 1
-            pairs.append(p)
+        group = (pair.source, pair.direction)
+        if per_group.get(group, 0) < args.max_pairs:
+            per_group[group] = per_group.get(group, 0) + 1
+            pairs.append(pair)
     out["dependence"] = dependence_gaps(model, pairs, device)
     if args.scenes:
         from tools.evaluate.scenes import SceneJudge, evaluate_scenes, load_scenes
@@ -139,7 +139,7 @@ def evaluate(args) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    pair = argparse.ArgumentParser(
         prog="earlyfuse-eval",
         description="Evaluate a release on held-out token shards: per-modality CE, bits per byte, "
         "unigram baseline and margin; the cross-modal dependence gap in both directions; drawing "
@@ -147,19 +147,19 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
+    pair.add_argument(
         "release", metavar="RELEASE", help="a release folder (earlyfuse-convert release)"
     )
-    p.add_argument(
+    pair.add_argument(
         "--data", required=True, metavar="VAL_TOKENS", help="held-out token folder (prep tokenize)"
     )
-    p.add_argument(
+    pair.add_argument(
         "--train-data",
         metavar="TRAIN_TOKENS",
         help="the training token folder: unigram baseline, and a check that no held-out document "
         "is a training document",
     )
-    p.add_argument(
+    pair.add_argument(
         "--scenes",
         action="append",
         default=[],
@@ -167,28 +167,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="held-out scene tables of the demo corpus (scenes.jsonl, drawings.jsonl): drawing "
         "and captioning scored from pixels (repeatable)",
     )
-    p.add_argument("--out", metavar="JSON", help="write the figures here")
-    p.add_argument("--seq-len", type=int, default=0, help="row length (default: the run's)")
-    p.add_argument("--batch-rows", type=int, default=8)
-    p.add_argument(
+    pair.add_argument("--out", metavar="JSON", help="write the figures here")
+    pair.add_argument("--seq-len", type=int, default=0, help="row length (default: the run's)")
+    pair.add_argument("--batch-rows", type=int, default=8)
+    pair.add_argument(
         "--max-docs", type=int, default=0, help="first N documents per source (default: all)"
     )
-    p.add_argument(
+    pair.add_argument(
         "--max-pairs", type=int, default=200, help="pair documents per source and direction"
     )
-    p.add_argument("--max-scenes", type=int, default=0, help="single-shape scenes (default: all)")
-    p.add_argument(
+    pair.add_argument(
+        "--max-scenes", type=int, default=0, help="single-shape scenes (default: all)"
+    )
+    pair.add_argument(
         "--draw-temperature",
         type=float,
         default=0.7,
         help="sampling temperature of the drawings (seeded per scene; 0 = greedy; default 0.7)",
     )
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--verbose", action="store_true", help="say which part runs")
-    p.add_argument(
+    pair.add_argument("--device", default="cpu")
+    pair.add_argument("--verbose", action="store_true", help="say which part runs")
+    pair.add_argument(
         "--no-table", action="store_true", help="do not print the table (--out has the figures)"
     )
-    return p
+    return pair
 
 
 def main(argv: list[str] | None = None) -> int:

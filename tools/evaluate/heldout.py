@@ -37,18 +37,18 @@ def _bytes_to_unicode() -> dict[int, str]:
     keep = list(range(ord("!"), ord("~") + 1))
     keep += list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
+    for byte_value in range(256):
+        if byte_value in keep:
+            table[byte_value] = chr(byte_value)
         else:
-            table[b] = chr(256 + extra)
+            table[byte_value] = chr(256 + extra)
             extra += 1
     return table
 
 
 def token_byte_lengths(text_tokenizer) -> np.ndarray:
     """UTF-8 bytes each text id stands for (specials: 0), for bits per byte."""
-    char_to_byte = {c: b for b, c in _bytes_to_unicode().items()}
+    char_to_byte = {char: byte_value for byte_value, char in _bytes_to_unicode().items()}
     size = text_tokenizer.layout.text_size
     out = np.zeros(size, np.int64)
     specials = {text_tokenizer.pad_id, text_tokenizer.bos_id, text_tokenizer.eos_id}
@@ -56,7 +56,7 @@ def token_byte_lengths(text_tokenizer) -> np.ndarray:
         tok = text_tokenizer.tok.id_to_token(i)
         if i in specials or tok is None:
             continue
-        out[i] = sum(1 for c in tok if c in char_to_byte)
+        out[i] = sum(1 for char in tok if char in char_to_byte)
     return out
 
 
@@ -68,8 +68,8 @@ def _rows(table, packer: Packer, max_docs: int):
         d = next(docs, None)
         if d is None:
             return None
-        n = len(d.ids)
-        return Doc(0, 0, 0, n, units_of(n, d.blocks), d.ids.astype(np.int64), d.modality)
+        count = len(d.ids)
+        return Doc(0, 0, 0, count, units_of(count, d.blocks), d.ids.astype(np.int64), d.modality)
 
     while (row := packer.pack(next_doc)) is not None:
         yield row
@@ -92,13 +92,13 @@ def heldout_losses(
     ce, positive = better than token frequencies), and for text and code ``bpb``."""
     lp = unigram.log_probs() if unigram is not None else None
     n_mod = len(Modality)
-    total = {k: np.zeros(n_mod) for k in ("ce", "n", "uni", "bytes")}
+    total = {key: np.zeros(n_mod) for key in ("ce", "n", "uni", "bytes")}
     sources, docs_read, dropped = {}, {}, {}
-    for t in tables:
-        acc = {k: np.zeros(n_mod) for k in ("ce", "n", "uni", "bytes")}
+    for source_table in tables:
+        acc = {key: np.zeros(n_mod) for key in ("ce", "n", "uni", "bytes")}
         rows = []
         packer = Packer(seq_len, pad_id=0)
-        gen = _rows(t, packer, max_docs)
+        gen = _rows(source_table, packer, max_docs)
         while True:
             row = next(gen, None)
             if row is not None:
@@ -106,7 +106,7 @@ def heldout_losses(
             if rows and (row is None or len(rows) == batch_rows):
                 batch = collate(rows)
                 rows = []
-                res = model(**{k: batch[k].to(device) for k in MODEL_INPUTS})
+                res = model(**{key: batch[key].to(device) for key in MODEL_INPUTS})
                 acc["ce"] += res.ce_sum.detach().double().cpu().numpy()
                 acc["n"] += res.count.detach().double().cpu().numpy()
                 labels, lmod = batch["labels"], batch["label_modality"]
@@ -114,17 +114,19 @@ def heldout_losses(
                     acc["uni"] += unigram.nll_sums(labels, lmod, lp)[0].numpy()
                 if byte_lengths is not None:
                     keep = (labels >= 0) & (labels < len(byte_lengths))
-                    b = byte_lengths[labels[keep].numpy()]
+                    byte_value = byte_lengths[labels[keep].numpy()]
                     acc["bytes"] += np.bincount(
-                        lmod[keep].numpy(), weights=b, minlength=n_mod
+                        lmod[keep].numpy(), weights=byte_value, minlength=n_mod
                     ).astype(np.float64)
             if row is None:
                 break
-        sources[t.name] = _figures(acc, unigram is not None, byte_lengths is not None)
-        docs_read[t.name] = len(t) if not max_docs else min(len(t), max_docs)
-        dropped[t.name] = packer.stats.dropped_blocks
-        for k in total:
-            total[k] += acc[k]
+        sources[source_table.name] = _figures(acc, unigram is not None, byte_lengths is not None)
+        docs_read[source_table.name] = (
+            len(source_table) if not max_docs else min(len(source_table), max_docs)
+        )
+        dropped[source_table.name] = packer.stats.dropped_blocks
+        for key in total:
+            total[key] += acc[key]
     return {
         "sources": sources,
         "total": _figures(total, unigram is not None, byte_lengths is not None),
@@ -137,15 +139,15 @@ def heldout_losses(
 def _figures(acc: dict, with_unigram: bool, with_bytes: bool) -> dict:
     out = {}
     for i, name in enumerate(MODALITY_NAMES):
-        n = acc["n"][i]
-        if not n:
+        count = acc["n"][i]
+        if not count:
             continue
-        f = {"ce": float(acc["ce"][i] / n), "tokens": int(n)}
+        figures = {"ce": float(acc["ce"][i] / count), "tokens": int(count)}
         if with_unigram:
-            f["unigram"] = float(acc["uni"][i] / n)
-            f["margin"] = f["unigram"] - f["ce"]
+            figures["unigram"] = float(acc["uni"][i] / count)
+            figures["margin"] = figures["unigram"] - figures["ce"]
         if with_bytes and name in ("text", "code") and acc["bytes"][i]:
-            f["bpb"] = float(acc["ce"][i] / math.log(2) / acc["bytes"][i])
-            f["bytes"] = int(acc["bytes"][i])
-        out[name] = f
+            figures["bpb"] = float(acc["ce"][i] / math.log(2) / acc["bytes"][i])
+            figures["bytes"] = int(acc["bytes"][i])
+        out[name] = figures
     return out

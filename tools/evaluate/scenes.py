@@ -41,17 +41,23 @@ def load_scenes(paths: list[str | Path]) -> list[dict]:
     """Rows ``{"image": absolute path, "caption", "facts"}`` of scene tables (scenes.jsonl, or an
     interleaved drawing table whose rows carry ``facts``)."""
     out = []
-    for p in paths:
-        p = Path(p)
-        for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+    for path in paths:
+        path = Path(path)
+        for count, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if not line.strip():
                 continue
             row = json.loads(line)
             if "facts" not in row:
-                raise ValueError(f"{p}:{n}: no 'facts' (not a scene table of the demo corpus)")
+                raise ValueError(
+                    f"{path}:{count}: no 'facts' (not a scene table of the demo corpus)"
+                )
             image = row.get("image") or row.get("scene_image")
             out.append(
-                {"image": str(p.parent / image), "caption": row["caption"], "facts": row["facts"]}
+                {
+                    "image": str(path.parent / image),
+                    "caption": row["caption"],
+                    "facts": row["facts"],
+                }
             )
     return out
 
@@ -68,14 +74,17 @@ class SceneJudge:
             factor=vtok.cfg.factor, max_pixels=image_max_pixels, max_grid=layout.max_grid
         )
 
-    def _generate(self, ids, mod, constraint, stop, n, temperature=0.0, seed=0):
+    def _generate(self, ids, mod, constraint, stop, count, temperature=0.0, seed=0):
         from model.generate import SamplingConfig, generate
 
         out = generate(
             self.model,
             torch.tensor([ids], device=self.device),
             sampling=SamplingConfig(
-                max_new_tokens=n, temperature=temperature, stop_ids=stop, pad_id=self.text.pad_id
+                max_new_tokens=count,
+                temperature=temperature,
+                stop_ids=stop,
+                pad_id=self.text.pad_id,
             ),
             constraint=constraint,
             layout=self.layout,
@@ -136,7 +145,10 @@ def _caption_score(text: str, facts: dict) -> dict[str, bool]:
     except (ValueError, IndexError):
         return dict.fromkeys(ATTRIBUTES, False)
     want = facts["shapes"][0]
-    out = {k: got[k] == want[k] for k in ("colour", "shape", "position")}
+    out = {
+        attribute: got[attribute] == want[attribute]
+        for attribute in ("colour", "shape", "position")
+    }
     out["all"] = all(out.values())
     return out
 
@@ -151,35 +163,35 @@ def evaluate_scenes(
 ):
     """Accuracy per attribute of drawings, captions, their chance levels and the tokenizer's
     ceiling, over the single-shape scenes (the first ``limit`` when given)."""
-    single = [s for s in scenes if len(s["facts"]["shapes"]) == 1]
+    single = [scene for scene in scenes if len(scene["facts"]["shapes"]) == 1]
     if limit:
         single = single[:limit]
     if len(single) < 2:
         return {"scenes": len(single)}
     tallies = {
-        k: dict.fromkeys(ATTRIBUTES, 0)
-        for k in ("draw", "draw_chance", "caption", "caption_chance", "ceiling")
+        attribute: dict.fromkeys(ATTRIBUTES, 0)
+        for attribute in ("draw", "draw_chance", "caption", "caption_chance", "ceiling")
     }
     shown: list[dict] = []
-    for i, s in enumerate(single):
+    for i, scene in enumerate(single):
         other = single[(i + 1) % len(single)]["facts"]
-        arr, codes = judge.image_of(s["image"])
-        drawing = judge.draw(s["caption"], tuple(codes.shape), draw_temperature, seed=i)
+        arr, codes = judge.image_of(scene["image"])
+        drawing = judge.draw(scene["caption"], tuple(codes.shape), draw_temperature, seed=i)
         text = judge.caption(codes)
         for name, got in (
-            ("draw", score(drawing, s["facts"])),
+            ("draw", score(drawing, scene["facts"])),
             ("draw_chance", score(drawing, other)),
-            ("caption", _caption_score(text, s["facts"])),
+            ("caption", _caption_score(text, scene["facts"])),
             ("caption_chance", _caption_score(text, other)),
-            ("ceiling", score(judge.ceiling(codes), s["facts"])),
+            ("ceiling", score(judge.ceiling(codes), scene["facts"])),
         ):
-            for k, ok in got.items():
-                tallies[name][k] += int(ok)
+            for attribute, ok in got.items():
+                tallies[name][attribute] += int(ok)
         if len(shown) < examples:
-            shown.append({"caption": s["caption"], "generated_caption": text})
-    n = len(single)
-    out: dict = {"scenes": n, "draw_temperature": draw_temperature}
+            shown.append({"caption": scene["caption"], "generated_caption": text})
+    count = len(single)
+    out: dict = {"scenes": count, "draw_temperature": draw_temperature}
     for name, t in tallies.items():
-        out[name] = {k: v / n for k, v in t.items()}
+        out[name] = {attribute: v / count for attribute, v in t.items()}
     out["examples"] = shown
     return out

@@ -6,26 +6,26 @@ from __future__ import annotations
 MODALITIES = ("text", "code", "image", "video", "structure")
 
 
-def _f(v, spec=".3f") -> str:
-    return "-" if v is None else format(v, spec)
+def _f(value, spec=".3f") -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def format_eval(ev: dict) -> str:
     lines = [f"held-out evaluation of {ev.get('release', '?')} (step {ev.get('step', '?')})"]
-    ho = ev.get("heldout") or {}
+    held = ev.get("heldout") or {}
     if ev.get("overlap"):
-        o = ev["overlap"]
-        if o["documents"]:
+        other = ev["overlap"]
+        if other["documents"]:
             lines.append(
-                f"WARNING: {o['documents']} of {o['checked']} held-out documents also occur in "
-                f"the training data ({', '.join(f'{k} {v}' for k, v in o['by_source'].items())}): "
+                f"WARNING: {other['documents']} of {other['checked']} held-out documents also occur in "
+                f"the training data ({', '.join(f'{k} {v}' for k, v in other['by_source'].items())}): "
                 "their figures measure memorisation"
             )
         else:
             lines.append(
-                f"held out: none of the {o['checked']} documents occurs in the training data"
+                f"held out: none of the {other['checked']} documents occurs in the training data"
             )
-    tot = ho.get("total") or {}
+    tot = held.get("total") or {}
     if tot:
         lines.append(
             "per modality (nats per token; margin = unigram - CE, > 0 beats token frequencies):"
@@ -33,14 +33,14 @@ def format_eval(ev: dict) -> str:
         lines.append(
             f"  {'modality':<10}{'CE':>8}{'unigram':>9}{'margin':>8}{'bits/byte':>11}{'tokens':>10}"
         )
-        for m in MODALITIES:
-            f = tot.get(m)
-            if f:
+        for modality in MODALITIES:
+            fig = tot.get(modality)
+            if fig:
                 lines.append(
-                    f"  {m:<10}{_f(f['ce']):>8}{_f(f.get('unigram')):>9}{_f(f.get('margin')):>8}"
-                    f"{_f(f.get('bpb')):>11}{f['tokens']:>10,}"
+                    f"  {modality:<10}{_f(fig['ce']):>8}{_f(fig.get('unigram')):>9}{_f(fig.get('margin')):>8}"
+                    f"{_f(fig.get('bpb')):>11}{fig['tokens']:>10,}"
                 )
-        if ho.get("sampled"):
+        if held.get("sampled"):
             lines.append("  (a sample: the first documents of each source, --max-docs)")
     dep = ev.get("dependence") or {}
     if dep:
@@ -50,17 +50,17 @@ def format_eval(ev: dict) -> str:
         lines.append(
             f"  {'source/direction':<26}{'pairs':>6}{'own':>8}{'other':>8}{'gap':>8}  target"
         )
-        for k, d in dep.items():
-            what = "caption text" if d["direction"] == "caption" else "image codes"
+        for key, row in dep.items():
+            what = "caption text" if row["direction"] == "caption" else "image codes"
             lines.append(
-                f"  {k:<26}{d['pairs']:>6}{_f(d['ce_own']):>8}{_f(d['ce_other']):>8}"
-                f"{_f(d['gap']):>8}  {what}"
+                f"  {key:<26}{row['pairs']:>6}{_f(row['ce_own']):>8}{_f(row['ce_other']):>8}"
+                f"{_f(row['gap']):>8}  {what}"
             )
-    sc = ev.get("scenes") or {}
-    if sc.get("draw"):
+    scene_figs = ev.get("scenes") or {}
+    if scene_figs.get("draw"):
         lines.append(
-            f"scenes ({sc['scenes']} held-out single-shape scenes, drawn at temperature "
-            f"{sc.get('draw_temperature', 0):g}; share right, chance = scored against another scene):"
+            f"scenes ({scene_figs['scenes']} held-out single-shape scenes, drawn at temperature "
+            f"{scene_figs.get('draw_temperature', 0):g}; share right, chance = scored against another scene):"
         )
         lines.append(f"  {'':<22}{'colour':>8}{'shape':>8}{'position':>10}{'all':>7}")
         for name, label in (
@@ -70,9 +70,9 @@ def format_eval(ev: dict) -> str:
             ("caption_chance", "  chance"),
             ("ceiling", "tokenizer ceiling"),
         ):
-            a = sc[name]
+            attr = scene_figs[name]
             lines.append(
-                f"  {label:<22}{a['colour']:>8.0%}{a['shape']:>8.0%}{a['position']:>10.0%}"
-                f"{a['all']:>7.0%}"
+                f"  {label:<22}{attr['colour']:>8.0%}{attr['shape']:>8.0%}{attr['position']:>10.0%}"
+                f"{attr['all']:>7.0%}"
             )
     return "\n".join(lines)

@@ -37,13 +37,13 @@ class Visible:
 def first_pass(records: list[dict]) -> list[dict]:
     """The records of the first trajectory: in file order, up to the first step that goes back."""
     out, last = [], -1
-    for r in records:
-        step = r.get("step")
+    for record in records:
+        step = record.get("step")
         if not isinstance(step, int):
             continue
         if step <= last:
             break
-        out.append(r)
+        out.append(record)
         last = step
     return out
 
@@ -55,24 +55,12 @@ def loss_visible(
     None when the loss never shows a failure."""
     sums: dict[str, list[float]] = {}  # series -> [EMA of CE x tokens, EMA of tokens]
     lows: dict[str, float] = {}
-    for r in records:
-        step = r["step"]
-        loss = r.get("train/loss")
+    for record in records:
+        step = record["step"]
+        loss = record.get("train/loss")
         if isinstance(loss, (int, float)) and not math.isfinite(loss):
             return Visible(step, "non-finite", math.nan, math.nan)
-        obs = {}
-        if isinstance(loss, (int, float)):
-            obs["total"] = (float(loss), 1.0)
-        for m in CONTENT:
-            n = r.get(f"tokens/{m}") or 0.0
-            ce = r.get(f"loss/{m}")
-            if n and isinstance(ce, (int, float)) and math.isfinite(ce):
-                obs[m] = (float(ce), float(n))
-        for name, (ce, n) in obs.items():
-            acc = sums.setdefault(name, [ce * n, n])
-            acc[0] = (1 - alpha) * acc[0] + alpha * ce * n
-            acc[1] = (1 - alpha) * acc[1] + alpha * n
-            level = acc[0] / acc[1]
+        for name, level in _update(sums, _observed(record), alpha).items():
             if step < burn_in:
                 continue
             low = lows.get(name)
@@ -86,22 +74,38 @@ def _smoothed(records: list[dict], alpha: float) -> dict[int, dict[str, float]]:
     """step -> {series: token-weighted EMA of its loss} (series: total and content modalities)."""
     sums: dict[str, list[float]] = {}
     out: dict[int, dict[str, float]] = {}
-    for r in records:
-        obs = {}
-        loss = r.get("train/loss")
-        if isinstance(loss, (int, float)) and math.isfinite(loss):
-            obs["total"] = (float(loss), 1.0)
-        for m in CONTENT:
-            n = r.get(f"tokens/{m}") or 0.0
-            ce = r.get(f"loss/{m}")
-            if n and isinstance(ce, (int, float)) and math.isfinite(ce):
-                obs[m] = (float(ce), float(n))
-        for name, (ce, n) in obs.items():
-            acc = sums.setdefault(name, [ce * n, n])
-            acc[0] = (1 - alpha) * acc[0] + alpha * ce * n
-            acc[1] = (1 - alpha) * acc[1] + alpha * n
-        out[r["step"]] = {k: v[0] / v[1] for k, v in sums.items()}
+    for record in records:
+        _update(sums, _observed(record), alpha)
+        out[record["step"]] = {name: acc[0] / acc[1] for name, acc in sums.items()}
     return out
+
+
+def _observed(record: dict) -> dict[str, tuple[float, float]]:
+    """series -> (loss, token weight) of one metrics record: the finite total loss (weight 1)
+    and each content modality's loss with the tokens it was measured on."""
+    observed = {}
+    loss = record.get("train/loss")
+    if isinstance(loss, (int, float)) and math.isfinite(loss):
+        observed["total"] = (float(loss), 1.0)
+    for modality in CONTENT:
+        tokens = record.get(f"tokens/{modality}") or 0.0
+        mean_ce = record.get(f"loss/{modality}")
+        if tokens and isinstance(mean_ce, (int, float)) and math.isfinite(mean_ce):
+            observed[modality] = (float(mean_ce), float(tokens))
+    return observed
+
+
+def _update(
+    sums: dict[str, list[float]], observed: dict[str, tuple[float, float]], alpha: float
+) -> dict[str, float]:
+    """Fold one record's observations into the token-weighted EMAs; the updated levels."""
+    levels = {}
+    for name, (mean_ce, tokens) in observed.items():
+        acc = sums.setdefault(name, [mean_ce * tokens, tokens])
+        acc[0] = (1 - alpha) * acc[0] + alpha * mean_ce * tokens
+        acc[1] = (1 - alpha) * acc[1] + alpha * tokens
+        levels[name] = acc[0] / acc[1]
+    return levels
 
 
 def loss_above_control(

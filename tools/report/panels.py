@@ -65,9 +65,9 @@ def ema(values: np.ndarray, factor: float) -> np.ndarray:
     if factor <= 0:
         return values.astype(float).copy()
     acc = weight = 0.0
-    for i, v in enumerate(values.tolist()):
-        if math.isfinite(v):
-            acc = factor * acc + (1 - factor) * v
+    for i, value in enumerate(values.tolist()):
+        if math.isfinite(value):
+            acc = factor * acc + (1 - factor) * value
             weight = factor * weight + (1 - factor)
         if weight > 0:
             out[i] = acc / weight
@@ -95,34 +95,44 @@ def train_line(
     ax, s: Series, ctx: Ctx, label: str, color: str, scale: float = 1.0, lw: float = 1.6
 ):
     """Raw values faint, EMA solid; returns the curve drawn on top."""
-    x, y = s.steps, s.values * scale
+    steps, values = s.steps, s.values * scale
     if ctx.smooth > 0:
-        ax.plot(x, y, color=color, alpha=0.22, lw=0.8)
-        y = ema(y, ctx.smooth)
-    ax.plot(x, y, color=color, lw=lw, label=label, marker="o" if len(x) <= 12 else None, ms=3)
-    return x, y
+        ax.plot(steps, values, color=color, alpha=0.22, lw=0.8)
+        values = ema(values, ctx.smooth)
+    ax.plot(
+        steps,
+        values,
+        color=color,
+        lw=lw,
+        label=label,
+        marker="o" if len(steps) <= 12 else None,
+        ms=3,
+    )
+    return steps, values
 
 
 def robust_ylim(ax, arrays: list[np.ndarray]) -> None:
     """Keep a few huge spikes from flattening the whole curve: clip the y range when the maximum
     is far beyond the bulk (the title says so), otherwise leave matplotlib's limits."""
-    vals = np.concatenate([a[np.isfinite(a)] for a in arrays]) if arrays else np.array([])
+    vals = (
+        np.concatenate([array[np.isfinite(array)] for array in arrays]) if arrays else np.array([])
+    )
     if vals.size < 20:
         return
-    lo, q = float(vals.min()), float(np.percentile(vals, 99))
-    if vals.max() > q + 3 * (q - lo) and q > lo:
-        ax.set_ylim(lo - 0.05 * (q - lo), q + 0.6 * (q - lo))
+    low, p99 = float(vals.min()), float(np.percentile(vals, 99))
+    if vals.max() > p99 + 3 * (p99 - low) and p99 > low:
+        ax.set_ylim(low - 0.05 * (p99 - low), p99 + 0.6 * (p99 - low))
         ax.set_title(ax.get_title() + "  [y clipped: spikes above]", fontsize=10)
 
 
 def nonfinite_marks(ax, s: Series, label: str, color: str = "#b00020") -> None:
     bad = ~np.isfinite(s.values)
     if bad.any():
-        tr = blended_transform_factory(ax.transData, ax.transAxes)
+        blend = blended_transform_factory(ax.transData, ax.transAxes)
         ax.scatter(
             s.steps[bad],
             np.full(bad.sum(), 0.97),
-            transform=tr,
+            transform=blend,
             marker="x",
             color=color,
             s=30,
@@ -137,35 +147,46 @@ def eval_points(
 ):
     """Evaluation values as markers joined by a thin line that runs on to final.json's value,
     drawn as a star at the last step (the final evaluation is not in metrics.jsonl)."""
-    xs, ys = np.array([], dtype=np.int64), np.array([])
-    s = run.series.get(key)
-    if s is not None:
-        ok = np.isfinite(s.values)
-        xs, ys = s.steps[ok], s.values[ok] * scale
+    steps, values = np.array([], dtype=np.int64), np.array([])
+    series = run.series.get(key)
+    if series is not None:
+        finite = np.isfinite(series.values)
+        steps, values = series.steps[finite], series.values[finite] * scale
     value = run.final.get(key)
     final = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if isinstance(value, (int, float)) and final:
-        fx = run.total_steps or run.last_step
-        keep = xs != fx
-        xs, ys = np.append(xs[keep], fx), np.append(ys[keep], value * scale)
-    if not len(xs):
+        final_step = run.total_steps or run.last_step
+        keep = steps != final_step
+        steps, values = np.append(steps[keep], final_step), np.append(values[keep], value * scale)
+    if not len(steps):
         return None
-    n = len(xs) - final
-    ax.plot(xs, ys, lw=0.9, color=color, marker=marker, ms=5, markevery=list(range(n)), label=label)
+    num_marked = len(steps) - final
+    ax.plot(
+        steps,
+        values,
+        lw=0.9,
+        color=color,
+        marker=marker,
+        ms=5,
+        markevery=list(range(num_marked)),
+        label=label,
+    )
     if final:
-        ax.plot(xs[-1:], ys[-1:], marker="*", ms=11, color=color, ls="none", mec="black", mew=0.5)
+        ax.plot(
+            steps[-1:], values[-1:], marker="*", ms=11, color=color, ls="none", mec="black", mew=0.5
+        )
         ax.has_final_star = True  # render() adds one legend entry saying what the stars are
-    return xs, ys
+    return steps, values
 
 
 def draw_alarms(ax, ctx: Ctx, curves: dict) -> None:
     """One collection of lines (and one of markers) per action, so thousands of alarms stay cheap."""
-    tr = blended_transform_factory(ax.transData, ax.transAxes)
+    blend = blended_transform_factory(ax.transData, ax.transAxes)
     by_action: dict[str, list[tuple[int, int, dict]]] = {}
-    for i, a in enumerate(ctx.run.alarms, 1):
-        step = alarm_step(a)
+    for i, alarm in enumerate(ctx.run.alarms, 1):
+        step = alarm_step(alarm)
         if step is not None:
-            by_action.setdefault(str(a.get("action", "log")), []).append((i, step, a))
+            by_action.setdefault(str(alarm.get("action", "log")), []).append((i, step, alarm))
     dense = len(ctx.run.alarms) > LABEL_ALARMS_UP_TO  # then thin faint lines, no labels or markers
     for action, items in by_action.items():
         color = ACTION_COLOR.get(action, "#555555")
@@ -174,7 +195,7 @@ def draw_alarms(ax, ctx: Ctx, curves: dict) -> None:
             steps,
             0,
             1,
-            transform=tr,
+            transform=blend,
             colors=color,
             linestyles="--",
             alpha=0.35 if dense else 0.85,
@@ -189,7 +210,7 @@ def draw_alarms(ax, ctx: Ctx, curves: dict) -> None:
                 step,
                 1.01,
                 f"A{i}",
-                transform=tr,
+                transform=blend,
                 rotation=90,
                 fontsize=7,
                 color=color,
@@ -197,16 +218,24 @@ def draw_alarms(ax, ctx: Ctx, curves: dict) -> None:
                 va="bottom",
                 clip_on=False,
             )
-        mx, my = [], []
-        for _, step, a in items:
-            curve = curves.get(a.get("modality") or "total")
+        marker_steps, marker_values = [], []
+        for _, step, alarm in items:
+            curve = curves.get(alarm.get("modality") or "total")
             if curve is not None and np.isfinite(curve[1]).any():
-                ok = np.isfinite(curve[1])
-                mx.append(step)
-                my.append(np.interp(step, curve[0][ok], curve[1][ok]))
-        if mx:
+                finite = np.isfinite(curve[1])
+                marker_steps.append(step)
+                marker_values.append(np.interp(step, curve[0][finite], curve[1][finite]))
+        if marker_steps:
             ax.plot(
-                mx, my, marker="D", ms=6, color=color, mec="black", mew=0.6, zorder=6, ls="none"
+                marker_steps,
+                marker_values,
+                marker="D",
+                ms=6,
+                color=color,
+                mec="black",
+                mew=0.6,
+                zorder=6,
+                ls="none",
             )
 
 
@@ -231,22 +260,22 @@ def per_modality(
 
     def draw(ax, ctx: Ctx):
         run, curves, arrays = ctx.run, {}, []
-        mods = run.modalities() + [k for k in run.keys(prefix) if k not in run.modalities()]
+        mods = run.modalities() + [key for key in run.keys(prefix) if key not in run.modalities()]
         tot = total if total in run.series else None
         if tot and len(mods) == 1 and same(run.series[tot], run.series.get(prefix + mods[0])):
             tot = None  # one modality whose loss is the total (a vtok run): one line, not two
         if tot:
-            s = run.series[tot]
+            total_series = run.series[tot]
             curves["total"] = train_line(
-                ax, s, ctx, "total", MODALITY_COLOR["total"], scale, lw=2.0
+                ax, total_series, ctx, "total", MODALITY_COLOR["total"], scale, lw=2.0
             )
-            nonfinite_marks(ax, s, "total")
-            arrays.append(s.values)
-        for i, m in enumerate(mods):
-            series = run.series.get(prefix + m)
+            nonfinite_marks(ax, total_series, "total")
+            arrays.append(total_series.values)
+        for i, modality in enumerate(mods):
+            series = run.series.get(prefix + modality)
             if series is None or not np.isfinite(series.values).any():
                 continue
-            curves[m] = train_line(ax, series, ctx, m, color_of(m, i), scale)
+            curves[modality] = train_line(ax, series, ctx, modality, color_of(modality, i), scale)
             arrays.append(series.values * scale)
         if hline is not None:
             ax.axhline(hline, color="black", ls=":", lw=1.2, label=f"chance ({hline:g})")
@@ -259,18 +288,23 @@ def per_modality(
 
 def draw_val(ax, ctx: Ctx):
     run, curves = ctx.run, {}
-    for i, m in enumerate(run.modalities()):
-        c = eval_points(ax, run, f"val/loss/{m}", m, color_of(m, i))
-        if c is not None:
-            curves[m] = c
-        s = run.series.get(f"loss/{m}")
-        if s is not None and ctx.smooth > 0 and np.isfinite(s.values).any():
+    for i, modality in enumerate(run.modalities()):
+        points = eval_points(ax, run, f"val/loss/{modality}", modality, color_of(modality, i))
+        if points is not None:
+            curves[modality] = points
+        series = run.series.get(f"loss/{modality}")
+        if series is not None and ctx.smooth > 0 and np.isfinite(series.values).any():
             ax.plot(
-                s.steps, ema(s.values, ctx.smooth), color=color_of(m, i), lw=0.9, ls="--", alpha=0.5
+                series.steps,
+                ema(series.values, ctx.smooth),
+                color=color_of(modality, i),
+                lw=0.9,
+                ls="--",
+                alpha=0.5,
             )
-    c = eval_points(ax, run, "val/loss", "all", "#000000", marker="s")
-    if c is not None:
-        curves["total"] = c
+    points = eval_points(ax, run, "val/loss", "all", "#000000", marker="s")
+    if points is not None:
+        curves["total"] = points
     ax.plot([], [], color="#777777", ls="--", lw=0.9, label="train EMA (ref.)")
     return curves
 
@@ -278,25 +312,27 @@ def draw_val(ax, ctx: Ctx):
 def draw_mix(ax, ctx: Ctx):
     run = ctx.run
     names = run.sources()
-    grid = np.array(sorted(set().union(*(run.series[f"mix/{n}"].steps.tolist() for n in names))))
-    ys = []
-    for n in names:
-        s = run.series[f"mix/{n}"]
-        y = (
-            np.interp(grid, s.steps, np.nan_to_num(s.values))
-            if len(s.steps)
+    grid = np.array(
+        sorted(set().union(*(run.series[f"mix/{name}"].steps.tolist() for name in names)))
+    )
+    curves = []
+    for name in names:
+        series = run.series[f"mix/{name}"]
+        curve = (
+            np.interp(grid, series.steps, np.nan_to_num(series.values))
+            if len(series.steps)
             else np.zeros(len(grid))
         )
-        ys.append(ema(y, ctx.smooth) if ctx.smooth > 0 else y)
-    stack = np.array(ys)
+        curves.append(ema(curve, ctx.smooth) if ctx.smooth > 0 else curve)
+    stack = np.array(curves)
     stack = stack / np.maximum(stack.sum(axis=0, keepdims=True), 1e-12)
     ax.stackplot(
         grid, stack, labels=names, colors=[f"C{i % 10}" for i in range(len(names))], alpha=0.85
     )
     cum = 0.0
-    targets = [(n, run.target_mix[n]) for n in names if n in run.target_mix]
-    for j, (_name, w) in enumerate(targets[:-1]):
-        cum += w
+    targets = [(name, run.target_mix[name]) for name in names if name in run.target_mix]
+    for j, (_name, weight) in enumerate(targets[:-1]):
+        cum += weight
         ax.axhline(cum, color="black", ls="--", lw=0.8, label="target (config)" if j == 0 else None)
     ax.set_ylim(0, 1)
     return {}
@@ -304,36 +340,42 @@ def draw_mix(ax, ctx: Ctx):
 
 def draw_tokens(ax, ctx: Ctx):
     run, curves = ctx.run, {}
-    for i, m in enumerate(run.keys("tokens/")):
-        s = run.series[f"tokens/{m}"]
-        if not (np.nan_to_num(s.values) > 0).any():
+    for i, modality in enumerate(run.keys("tokens/")):
+        series = run.series[f"tokens/{modality}"]
+        if not (np.nan_to_num(series.values) > 0).any():
             continue
-        total = float(np.nansum(s.values))
-        curves[m] = train_line(ax, s, ctx, f"{m} ({human(total)} total)", color_of(m, i))
+        total = float(np.nansum(series.values))
+        curves[modality] = train_line(
+            ax, series, ctx, f"{modality} ({human(total)} total)", color_of(modality, i)
+        )
     return curves
 
 
 def draw_grad(ax, ctx: Ctx):
     run = ctx.run
-    s = run.series["optim/grad_norm"]
-    curve = train_line(ax, s, ctx, "grad norm", "#333333")
-    ok = np.isfinite(s.values) & (s.values > 0)
-    if ok.sum() > 1 and s.values[ok].max() / s.values[ok].min() > 30:
+    series = run.series["optim/grad_norm"]
+    curve = train_line(ax, series, ctx, "grad norm", "#333333")
+    positive = np.isfinite(series.values) & (series.values > 0)
+    if positive.sum() > 1 and series.values[positive].max() / series.values[positive].min() > 30:
         ax.set_yscale("log")
-    nonfinite_marks(ax, s, "grad norm")
-    sk = run.series.get("optim/skipped")
-    if sk is not None:
-        idx = np.nonzero(np.nan_to_num(sk.values) > 0)[0]
+    nonfinite_marks(ax, series, "grad norm")
+    skipped = run.series.get("optim/skipped")
+    if skipped is not None:
+        idx = np.nonzero(np.nan_to_num(skipped.values) > 0)[0]
         if len(idx):
-            steps = sk.steps[idx]
-            gn = (
-                np.interp(steps, s.steps[np.isfinite(s.values)], s.values[np.isfinite(s.values)])
-                if np.isfinite(s.values).any()
+            steps = skipped.steps[idx]
+            norms_at_skips = (
+                np.interp(
+                    steps,
+                    series.steps[np.isfinite(series.values)],
+                    series.values[np.isfinite(series.values)],
+                )
+                if np.isfinite(series.values).any()
                 else np.zeros(len(steps))
             )
             ax.scatter(
                 steps,
-                gn,
+                norms_at_skips,
                 marker="v",
                 s=40,
                 color="#b00020",
@@ -348,21 +390,21 @@ def draw_simple(keys: list[tuple[str, str, str]], scale: float = 1.0, eval_keys=
 
     def draw(ax, ctx: Ctx):
         curves: dict[str, object] = {}
-        for k, label, color in keys:
-            if ctx.run.has(k):
+        for key, label, color in keys:
+            if ctx.run.has(key):
                 curves.setdefault(
-                    "total", train_line(ax, ctx.run.series[k], ctx, label, color, scale)
+                    "total", train_line(ax, ctx.run.series[key], ctx, label, color, scale)
                 )
-        for k, label, color, marker in eval_keys:
-            eval_points(ax, ctx.run, k, label, color, marker, scale)
+        for key, label, color, marker in eval_keys:
+            eval_points(ax, ctx.run, key, label, color, marker, scale)
         return curves
 
     return draw
 
 
 def draw_lr(ax, ctx: Ctx):
-    s = ctx.run.series["optim/lr"]
-    ax.plot(s.steps, s.values, color="#333333", lw=1.6, label="lr")
+    series = ctx.run.series["optim/lr"]
+    ax.plot(series.steps, series.values, color="#333333", lw=1.6, label="lr")
     ax.yaxis.set_major_formatter(
         FuncFormatter(lambda v, _: f"{v:.3g}")
     )  # no offset text over the title
@@ -378,8 +420,12 @@ def human(x: float) -> str:
 
 def monitor_signals(run: RunData) -> list[str]:
     """``monitor/<signal>/<m>`` and ``monitor/<signal>`` groups, the known ones first."""
-    sigs = {k.split("/")[1] for k in run.series if k.startswith("monitor/") and run.has(k)}
-    return [s for s in MONITOR_TITLES if s in sigs] + sorted(sigs - set(MONITOR_TITLES))
+    signals = {
+        key.split("/")[1] for key in run.series if key.startswith("monitor/") and run.has(key)
+    }
+    return [signal for signal in MONITOR_TITLES if signal in signals] + sorted(
+        signals - set(MONITOR_TITLES)
+    )
 
 
 def draw_monitor(sig: str):
@@ -388,14 +434,20 @@ def draw_monitor(sig: str):
         if run.has(f"monitor/{sig}"):
             curves["total"] = train_line(ax, run.series[f"monitor/{sig}"], ctx, "all", "#000000")
         subs = sorted(
-            k[len(f"monitor/{sig}/") :] for k in run.series if k.startswith(f"monitor/{sig}/")
+            key[len(f"monitor/{sig}/") :] for key in run.series if key.startswith(f"monitor/{sig}/")
         )
-        mods = [m for m in run.modalities() if m in subs] + [
-            m for m in subs if m not in run.modalities()
+        mods = [modality for modality in run.modalities() if modality in subs] + [
+            modality for modality in subs if modality not in run.modalities()
         ]
-        for i, m in enumerate(mods):
-            if run.has(f"monitor/{sig}/{m}"):
-                curves[m] = train_line(ax, run.series[f"monitor/{sig}/{m}"], ctx, m, color_of(m, i))
+        for i, modality in enumerate(mods):
+            if run.has(f"monitor/{sig}/{modality}"):
+                curves[modality] = train_line(
+                    ax,
+                    run.series[f"monitor/{sig}/{modality}"],
+                    ctx,
+                    modality,
+                    color_of(modality, i),
+                )
         return curves
 
     return draw
@@ -403,10 +455,10 @@ def draw_monitor(sig: str):
 
 def panels_for(run: RunData) -> list[Panel]:
     """The panels this run has data for, in reading order."""
-    h = run.has
+    has = run.has
     unit = UNIT_NAME.get(run.task, "units")
     out = []
-    if h("train/loss") or run.keys("loss/"):
+    if has("train/loss") or run.keys("loss/"):
         out.append(
             Panel(
                 "loss",
@@ -415,8 +467,8 @@ def panels_for(run: RunData) -> list[Panel]:
                 per_modality("loss/", total="train/loss", clip=True),
             )
         )
-    if any(k.startswith("val/loss") for k in run.series) or any(
-        k.startswith("val/loss") for k in run.final
+    if any(key.startswith("val/loss") for key in run.series) or any(
+        key.startswith("val/loss") for key in run.final
     ):
         out.append(
             Panel(
@@ -451,13 +503,13 @@ def panels_for(run: RunData) -> list[Panel]:
         out.append(
             Panel("tokens", "Label tokens per step by modality", "tokens / step", draw_tokens)
         )
-    if h("optim/grad_norm"):
+    if has("optim/grad_norm"):
         out.append(
             Panel("grad", "Gradient norm (skipped steps marked)", "global grad norm", draw_grad)
         )
-    if h("optim/lr"):
+    if has("optim/lr"):
         out.append(Panel("lr", "Learning rate", "lr", draw_lr))
-    if h("throughput/units_per_s"):
+    if has("throughput/units_per_s"):
         out.append(
             Panel(
                 "throughput",
@@ -466,7 +518,7 @@ def panels_for(run: RunData) -> list[Panel]:
                 draw_simple([("throughput/units_per_s", f"{unit}/s", "#333333")]),
             )
         )
-    if h("throughput/mfu") or h("throughput/data_wait"):
+    if has("throughput/mfu") or has("throughput/data_wait"):
         out.append(
             Panel(
                 "util",
@@ -487,7 +539,7 @@ def panels_for(run: RunData) -> list[Panel]:
                 f"monitor_{sig}", MONITOR_TITLES.get(sig, f"monitor/{sig}"), sig, draw_monitor(sig)
             )
         )
-    if h("vtok/psnr") or h("eval/psnr") or "eval/psnr" in run.final:
+    if has("vtok/psnr") or has("eval/psnr") or "eval/psnr" in run.final:
         out.append(
             Panel(
                 "psnr",
@@ -502,7 +554,7 @@ def panels_for(run: RunData) -> list[Panel]:
                 ),
             )
         )
-    if h("eval/ssim") or "eval/ssim" in run.final:
+    if has("eval/ssim") or "eval/ssim" in run.final:
         out.append(
             Panel(
                 "ssim",
@@ -511,7 +563,7 @@ def panels_for(run: RunData) -> list[Panel]:
                 draw_simple([], eval_keys=[("eval/ssim", "SSIM", "#2ca02c", "o")]),
             )
         )
-    if h("vtok/code_fraction") or h("eval/code_fraction") or "eval/code_fraction" in run.final:
+    if has("vtok/code_fraction") or has("eval/code_fraction") or "eval/code_fraction" in run.final:
         out.append(
             Panel(
                 "codes",
@@ -524,7 +576,7 @@ def panels_for(run: RunData) -> list[Panel]:
                 "eval/code_perplexity is in the summary table.",
             )
         )
-    if h("vtok/l1") or h("vtok/l2"):
+    if has("vtok/l1") or has("vtok/l2"):
         out.append(
             Panel(
                 "recon",
@@ -537,14 +589,14 @@ def panels_for(run: RunData) -> list[Panel]:
 
 
 def x_limits(run: RunData) -> tuple[float, float]:
-    xs = run.steps + [s for s in map(alarm_step, run.alarms) if s is not None]
+    steps = run.steps + [step for step in map(alarm_step, run.alarms) if step is not None]
     if run.final and run.total_steps:
-        xs.append(run.total_steps)
-    if not xs:
+        steps.append(run.total_steps)
+    if not steps:
         return 0.0, 1.0
-    lo, hi = min(xs), max(xs)
-    pad = max(0.5, 0.02 * (hi - lo))
-    return lo - pad, hi + pad
+    low, high = min(steps), max(steps)
+    pad = max(0.5, 0.02 * (high - low))
+    return low - pad, high + pad
 
 
 def render(panel: Panel, ctx: Ctx) -> bytes:
@@ -588,18 +640,18 @@ def render_header(lines: list[tuple[str, float, str]], width_px: int) -> bytes:
     height = 0.3 + sum(size for _, size, _ in lines) * 1.6 / 72
     fig = Figure(figsize=(width_px / DPI, height), dpi=DPI)
     FigureCanvasAgg(fig)
-    y = 1 - 0.15 / height
+    top = 1 - 0.15 / height
     for text, size, weight in lines:
         fig.text(
             0.01,
-            y,
+            top,
             text,
             fontsize=size,
             va="top",
             weight="bold" if weight == "bold" else "normal",
             family="monospace" if weight == "mono" else "sans-serif",
         )
-        y -= size * 1.6 / 72 / height
+        top -= size * 1.6 / 72 / height
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI)
     return buf.getvalue()

@@ -115,7 +115,7 @@ class Rollback(Callback):
     def on_rollback(self, trainer: Trainer, step: int) -> None:
         # The checkpoint's scheduler state is loaded by now: cap from the step returned to.
         scheduler = getattr(trainer.engine, "lr_scheduler", None)
-        if self.cfg.cap_lr and hasattr(scheduler, "cap_here"):
+        if self.cfg.cap_lr and scheduler is not None and hasattr(scheduler, "cap_here"):
             cap = scheduler.cap_here(self.cfg.lr_scale)
             if self.is_main:
                 log.warning(

@@ -29,12 +29,12 @@ class Alarm:
     advice: str = ""  # what the action does / what a person should check
 
     def to_json(self) -> str:
-        d = asdict(self)
-        d["values"] = {
-            k: (v if isinstance(v, (int, str)) or math.isfinite(v) else str(v))
-            for k, v in self.values.items()
+        fields = asdict(self)
+        fields["values"] = {
+            key: (value if isinstance(value, (int, str)) or math.isfinite(value) else str(value))
+            for key, value in self.values.items()
         }
-        return json.dumps(d, sort_keys=True)
+        return json.dumps(fields, sort_keys=True)
 
     def line(self) -> str:
         where = f" [{self.modality}]" if self.modality else ""
@@ -66,8 +66,8 @@ class AlarmLog:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:
-            for a in alarms:
-                f.write(a.to_json() + "\n")
-        for a in alarms:
-            if SEVERITY[a.action] >= SEVERITY["warn"]:
-                self.write_line(a.line())
+            for alarm in alarms:
+                f.write(alarm.to_json() + "\n")
+        for alarm in alarms:
+            if SEVERITY[alarm.action] >= SEVERITY["warn"]:
+                self.write_line(alarm.line())

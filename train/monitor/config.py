@@ -179,6 +179,19 @@ class RollbackConfig:
     lr_scale: float = 0.5  # the cap is this x the lr at that checkpoint (OPT lowered it each time)
 
 
+# The detectors that have an action (the fields of MonitorConfig that are detector sections).
+DETECTORS = (
+    "spike",
+    "divergence",
+    "collapse",
+    "stagnation",
+    "drift",
+    "attention",
+    "dependence",
+    "code_use",
+)
+
+
 @dataclass(kw_only=True)
 class MonitorConfig:
     enabled: bool = True
@@ -193,14 +206,5 @@ class MonitorConfig:
     rollback: RollbackConfig = field(default_factory=RollbackConfig)
 
     def __post_init__(self) -> None:
-        for name in (
-            "spike",
-            "divergence",
-            "collapse",
-            "stagnation",
-            "drift",
-            "attention",
-            "dependence",
-            "code_use",
-        ):
+        for name in DETECTORS:
             getattr(self, name).validate(name)

@@ -45,14 +45,16 @@ class _Latch:
         return False
 
     def open_since(self) -> list[int]:
-        return [s for k, s in self.since.items() if k in self.on]
+        return [since for key, since in self.since.items() if key in self.on]
 
     def state_dict(self) -> dict:
         return {"on": sorted(self.on), "since": dict(self.since)}
 
     def load_state_dict(self, st: dict) -> None:
         self.on = set(st["on"])
-        self.since = {k: int(v) for k, v in st.get("since", {}).items() if k in self.on}
+        self.since = {
+            key: int(value) for key, value in st.get("since", {}).items() if key in self.on
+        }
 
 
 class ModalityWindows:
@@ -60,25 +62,27 @@ class ModalityWindows:
 
     def __init__(self, window: int) -> None:
         self.window = window
-        self.steps: dict[str, deque] = {m: deque(maxlen=2 * window) for m in MODALITY_NAMES}
+        self.steps: dict[str, deque] = {
+            modality: deque(maxlen=2 * window) for modality in MODALITY_NAMES
+        }
 
-    def add(self, m: dict) -> None:
+    def add(self, metrics: dict) -> None:
         for name in MODALITY_NAMES:
-            n = m.get(f"tokens/{name}", 0.0)
-            ce = m.get(f"loss/{name}", 0.0) if n else 0.0
-            self.steps[name].append((ce * n, n) if math.isfinite(ce) else (0.0, 0.0))
+            tokens = metrics.get(f"tokens/{name}", 0.0)
+            loss = metrics.get(f"loss/{name}", 0.0) if tokens else 0.0
+            self.steps[name].append((loss * tokens, tokens) if math.isfinite(loss) else (0.0, 0.0))
 
     def part(self, name: str, recent: bool = True) -> list | None:
-        q = list(self.steps[name])
-        if len(q) < (self.window if recent else 2 * self.window):
+        pairs = list(self.steps[name])
+        if len(pairs) < (self.window if recent else 2 * self.window):
             return None
-        return q[-self.window :] if recent else q[-2 * self.window : -self.window]
+        return pairs[-self.window :] if recent else pairs[-2 * self.window : -self.window]
 
     def mean(self, name: str, recent: bool = True) -> float | None:
         """Token-weighted CE of the last ``window`` steps (``recent``) or the ``window`` before."""
         part = self.part(name, recent) or []
-        n = sum(c for _, c in part)
-        return sum(s for s, _ in part) / n if n else None
+        tokens = sum(count for _, count in part)
+        return sum(ce_sum for ce_sum, _ in part) / tokens if tokens else None
 
     def stats(self, name: str, recent: bool = True) -> tuple[float, float, float, float] | None:
         """(token-weighted mean CE, its standard error, tokens, share of the window's steps that
@@ -86,19 +90,21 @@ class ModalityWindows:
         (weights = tokens): a window whose steps disagree, or whose tokens sit in a few steps, is
         known to be uncertain."""
         part = self.part(name, recent)
-        n = sum(c for _, c in part) if part else 0
-        if not part or not n:
+        tokens = sum(count for _, count in part) if part else 0
+        if not part or not tokens:
             return None
-        mean = sum(s for s, _ in part) / n
-        var = sum(c * c * (s / c - mean) ** 2 for s, c in part if c) / (n * n)
-        return mean, math.sqrt(var), n, sum(1 for _, c in part if c) / len(part)
+        mean = sum(ce_sum for ce_sum, _ in part) / tokens
+        var = sum(
+            count * count * (ce_sum / count - mean) ** 2 for ce_sum, count in part if count
+        ) / (tokens * tokens)
+        return mean, math.sqrt(var), tokens, sum(1 for _, count in part if count) / len(part)
 
     def state_dict(self) -> dict:
-        return {k: list(v) for k, v in self.steps.items()}
+        return {name: list(pairs) for name, pairs in self.steps.items()}
 
     def load_state_dict(self, st: dict) -> None:
-        for k, v in st.items():
-            self.steps[k] = deque([tuple(x) for x in v], maxlen=2 * self.window)
+        for name, pairs in st.items():
+            self.steps[name] = deque([tuple(pair) for pair in pairs], maxlen=2 * self.window)
 
 
 CONTENT = ("text", "code", "image", "video")  # structure markers are learned in a few steps
@@ -120,49 +126,53 @@ class Levels:
 
     def spread(self, name: str) -> tuple[float, float]:
         """(median, robust spread) of the modality's levels over the horizon."""
-        h = self.history[name]
-        mid = median(h)
-        return mid, MAD_TO_SIGMA * median(abs(x - mid) for x in h)
+        levels = self.history[name]
+        mid = median(levels)
+        return mid, MAD_TO_SIGMA * median(abs(level - mid) for level in levels)
 
     def add(
-        self, step: int, m: dict, names: tuple[str, ...] = MODALITY_NAMES, min_tokens: int = -1
+        self,
+        step: int,
+        metrics: dict,
+        names: tuple[str, ...] = MODALITY_NAMES,
+        min_tokens: int = -1,
     ) -> dict[str, tuple[float, float, float]]:
         """Take one step; returns ``{modality: (level, minimum, tokens in the window)}``."""
         out = {}
         need = self.min_tokens if min_tokens < 0 else min_tokens
         for name in names:
-            n = m.get(f"tokens/{name}", 0.0)
-            ce = m.get(f"loss/{name}", 0.0) if n else 0.0
-            self.steps[name].append((ce * n, n) if math.isfinite(ce) else (0.0, 0.0))
-            tokens = sum(c for _, c in self.steps[name])
+            count = metrics.get(f"tokens/{name}", 0.0)
+            loss = metrics.get(f"loss/{name}", 0.0) if count else 0.0
+            self.steps[name].append((loss * count, count) if math.isfinite(loss) else (0.0, 0.0))
+            tokens = sum(tokens_in_step for _, tokens_in_step in self.steps[name])
             if tokens < need or tokens <= 0:
                 continue
-            level = sum(x for x, _ in self.steps[name]) / tokens
-            q = self.minq[name]
-            while q and q[-1][1] >= level:
-                q.pop()
-            q.append((step, level))
-            while q[0][0] <= step - self.horizon:
-                q.popleft()
+            level = sum(ce_sum for ce_sum, _ in self.steps[name]) / tokens
+            minima = self.minq[name]
+            while minima and minima[-1][1] >= level:
+                minima.pop()
+            minima.append((step, level))
+            while minima[0][0] <= step - self.horizon:
+                minima.popleft()
             if step >= self.history_from:
                 self.history[name].append(level)
-            out[name] = (level, q[0][1], tokens)
+            out[name] = (level, minima[0][1], tokens)
         return out
 
     def state_dict(self) -> dict:
         return {
-            "steps": {k: list(v) for k, v in self.steps.items()},
-            "minq": {k: list(v) for k, v in self.minq.items()},
-            "history": {k: list(v) for k, v in self.history.items()},
+            "steps": {name: list(queue) for name, queue in self.steps.items()},
+            "minq": {name: list(queue) for name, queue in self.minq.items()},
+            "history": {name: list(queue) for name, queue in self.history.items()},
         }
 
     def load_state_dict(self, st: dict) -> None:
-        for k, v in st["steps"].items():
-            self.steps[k] = deque([tuple(x) for x in v], maxlen=self.window)
-        for k, v in st["minq"].items():
-            self.minq[k] = deque(tuple(x) for x in v)
-        for k, v in st.get("history", {}).items():
-            self.history[k] = deque(v, maxlen=self.horizon)
+        for name, queue in st["steps"].items():
+            self.steps[name] = deque([tuple(pair) for pair in queue], maxlen=self.window)
+        for name, queue in st["minq"].items():
+            self.minq[name] = deque(tuple(pair) for pair in queue)
+        for name, queue in st.get("history", {}).items():
+            self.history[name] = deque(queue, maxlen=self.horizon)
 
 
 class Divergence:
@@ -191,71 +201,75 @@ class Divergence:
         self.last_skip: int | None = None
         self.latch = _Latch()
 
-    def check(self, step: int, m: dict) -> list[Alarm]:
-        c = self.cfg
-        skipped = bool(m.get("optim/skipped", 0.0))
+    def check(self, step: int, metrics: dict) -> list[Alarm]:
+        cfg = self.cfg
+        skipped = bool(metrics.get("optim/skipped", 0.0))
         self.skipped.append((step, skipped))
-        n_skipped = sum(s for _, s in self.skipped)
-        m["monitor/skipped_in_window"] = float(n_skipped)
+        n_skipped = sum(was_skipped for _, was_skipped in self.skipped)
+        metrics["monitor/skipped_in_window"] = float(n_skipped)
         # A skipped step's loss stays out of the levels (a lone spike is the gate's business).
-        total, rises, tokens = self._rise(step, m) if not skipped else (None, {}, {})
+        total, rises, tokens = self._rise(step, metrics) if not skipped else (None, {}, {})
         # The rise rule waits for the early fall to settle (``rise_from``), except for a rise
         # right after a skipped spike (that spike's update is the likely cause), and for the
         # level and its minimum to have had a window each.
-        after_spike = self.last_skip is not None and step - self.last_skip <= 2 * c.level_window
-        rising = [k for k, r in rises.items() if r > c.max_rise and self._clear(k, after_spike)]
-        share = sum(tokens[k] for k in rising) / max(sum(tokens.values()), 1e-9)
+        after_spike = self.last_skip is not None and step - self.last_skip <= 2 * cfg.level_window
+        rising = [
+            name
+            for name, rise in rises.items()
+            if rise > cfg.max_rise and self._clear(name, after_spike)
+        ]
+        share = sum(tokens[name] for name in rising) / max(sum(tokens.values()), 1e-9)
         cond = (
-            step >= 2 * c.level_window
-            and (step >= c.rise_from or after_spike)
+            step >= 2 * cfg.level_window
+            and (step >= cfg.rise_from or after_spike)
             and total is not None
-            and total > c.max_rise
-            and share >= c.min_share
+            and total > cfg.max_rise
+            and share >= cfg.min_share
         )
         if not skipped:
             self.streak = self.streak + 1 if cond else 0
-            if total is not None and total > c.max_rise / 4:
+            if total is not None and total > cfg.max_rise / 4:
                 self.excursion = self.excursion or step
             elif total is not None:
                 self.excursion = None
         if skipped:
             self.last_skip = step
-        bad = [s for s, b in self.skipped if b]
-        by_skips = n_skipped >= c.max_skipped
-        on = step >= c.min_steps and (by_skips or self.streak >= c.patience)
+        bad = [skipped_step for skipped_step, was_skipped in self.skipped if was_skipped]
+        by_skips = n_skipped >= cfg.max_skipped
+        firing = step >= cfg.min_steps and (by_skips or self.streak >= cfg.patience)
         # The trouble began at the first skipped spike of the window, or where the rise began
         # (at a spike skipped just before it, if any: the update before that spike did it).
         if by_skips:
             since = min(bad)
         else:
             since = self.excursion or step
-            if self.last_skip is not None and 0 <= since - self.last_skip <= c.level_window:
+            if self.last_skip is not None and 0 <= since - self.last_skip <= cfg.level_window:
                 since = self.last_skip
-        if not self.latch.edge("div", on, since):
+        if not self.latch.edge("div", firing, since):
             return []
         if by_skips:
             why = f"{n_skipped} of the last {len(self.skipped)} steps were skipped as spikes"
-            threshold = f"{c.max_skipped} skipped in {c.window} steps"
+            threshold = f"{cfg.max_skipped} skipped in {cfg.window} steps"
         else:
             why = (
                 f"the loss (mix held fixed) stayed {total:+.0%} over its minimum of the last "
-                f"{c.horizon} steps for {self.streak} steps; risen: "
-                + ", ".join(f"{k} {rises[k]:+.0%}" for k in rising)
+                f"{cfg.horizon} steps for {self.streak} steps; risen: "
+                + ", ".join(f"{name} {rises[name]:+.0%}" for name in rising)
             )
             threshold = (
-                f"rise > {c.max_rise:.0%} for {c.patience} steps, in modalities holding >= "
-                f"{c.min_share:.0%} of the tokens"
+                f"rise > {cfg.max_rise:.0%} for {cfg.patience} steps, in modalities holding >= "
+                f"{cfg.min_share:.0%} of the tokens"
             )
         return [
             Alarm(
                 step,
                 "divergence",
-                c.action,
+                cfg.action,
                 since=since,
                 values={
                     "skipped": n_skipped,
                     "rise": total or 0.0,
-                    **{f"rise/{k}": v for k, v in rises.items()},
+                    **{f"rise/{name}": rise_value for name, rise_value in rises.items()},
                 },
                 message=f"{why} (trouble began at step {since})",
                 threshold=threshold,
@@ -270,11 +284,11 @@ class Divergence:
         """The modality's level stands ``z`` robust spreads above its median over the horizon:
         beyond what it wanders by itself. With too little history to know its swings, only a
         rise right after a skipped spike counts."""
-        h = self.levels.history[name]
-        if len(h) < self.cfg.level_window:
+        levels = self.levels.history[name]
+        if len(levels) < self.cfg.level_window:
             return after_spike
         mid, spread = self.levels.spread(name)
-        return h[-1] > mid + self.cfg.z * spread
+        return levels[-1] > mid + self.cfg.z * spread
 
     @property
     def watch(self) -> dict | None:
@@ -283,13 +297,15 @@ class Divergence:
             return None
         return {"since": self.excursion, "streak": self.streak}
 
-    def _rise(self, step: int, m: dict) -> tuple[float | None, dict[str, float], dict[str, float]]:
+    def _rise(
+        self, step: int, metrics: dict
+    ) -> tuple[float | None, dict[str, float], dict[str, float]]:
         """(the mix-held-fixed rise, each content modality's rise, its tokens in the window)."""
-        obs, names, need = m, MODALITY_NAMES, -1
-        if not any(m.get(f"tokens/{k}") for k in MODALITY_NAMES):
+        obs, names, need = metrics, MODALITY_NAMES, -1
+        if not any(metrics.get(f"tokens/{modality}") for modality in MODALITY_NAMES):
             # No per-modality losses (the visual tokenizer's task): the total loss, alone, a
             # full window of steps.
-            loss = m.get("train/loss", math.nan)
+            loss = metrics.get("train/loss", math.nan)
             obs = {"tokens/total": 1.0, "loss/total": loss} if math.isfinite(loss) else {}
             names, need = ("total",), self.cfg.level_window
         levels = self.levels.add(step, obs, names, need)
@@ -300,12 +316,12 @@ class Divergence:
                 self.seen.add(name)
                 rises[name] = level / low - 1 if low > 0 else 0.0
                 counts[name] = tokens
-                m[f"monitor/rise/{name}"] = rises[name]
+                metrics[f"monitor/rise/{name}"] = rises[name]
             excess += tokens * (level - low)
             base += tokens * low
         if base <= 0:
             return None, rises, counts
-        m["monitor/rise/total"] = excess / base
+        metrics["monitor/rise/total"] = excess / base
         return excess / base, rises, counts
 
     def troubled(self) -> bool:
@@ -329,7 +345,7 @@ class Divergence:
         }
 
     def load_state_dict(self, st: dict) -> None:
-        self.skipped = deque([tuple(x) for x in st["skipped"]], maxlen=self.cfg.window)
+        self.skipped = deque([tuple(pair) for pair in st["skipped"]], maxlen=self.cfg.window)
         if "levels" in st:  # states saved before the rise rule have none
             self.levels.load_state_dict(st["levels"])
         self.seen = set(st.get("seen", []))
@@ -348,20 +364,20 @@ class Collapse:
         self.best: dict[str, float] = {}
         self.latch = _Latch()
 
-    def check(self, step: int, m: dict) -> list[Alarm]:
-        self.win.add(m)
+    def check(self, step: int, metrics: dict) -> list[Alarm]:
+        self.win.add(metrics)
         out = []
         for name in MODALITY_NAMES:
-            st = self.win.stats(name)
-            if st is None or st[2] < self.cfg.min_tokens or name not in self.chance:
+            stats = self.win.stats(name)
+            if stats is None or stats[2] < self.cfg.min_tokens or name not in self.chance:
                 continue
-            ce = st[0]
-            norm = ce / self.chance[name]
-            m[f"monitor/norm_ce_window/{name}"] = norm
+            loss = stats[0]
+            norm = loss / self.chance[name]
+            metrics[f"monitor/norm_ce_window/{name}"] = norm
             self.best[name] = min(self.best.get(name, math.inf), norm)
             learned = self.best[name] <= self.cfg.threshold - self.cfg.margin
-            on = step >= self.cfg.min_steps and learned and norm >= self.cfg.threshold
-            if self.latch.edge(name, on, step - self.cfg.window):
+            firing = step >= self.cfg.min_steps and learned and norm >= self.cfg.threshold
+            if self.latch.edge(name, firing, step - self.cfg.window):
                 out.append(
                     Alarm(
                         step,
@@ -369,8 +385,8 @@ class Collapse:
                         self.cfg.action,
                         modality=name,
                         since=step - self.cfg.window,
-                        values={"norm_ce": norm, "best_norm_ce": self.best[name], "ce": ce},
-                        message=f"{name} loss {ce:.3f} is {norm:.2f} x chance (ln V = {self.chance[name]:.2f}) "
+                        values={"norm_ce": norm, "best_norm_ce": self.best[name], "ce": loss},
+                        message=f"{name} loss {loss:.3f} is {norm:.2f} x chance (ln V = {self.chance[name]:.2f}) "
                         f"after reaching {self.best[name]:.2f}: it has stopped predicting",
                         threshold=f"CE / ln V over {self.cfg.window} steps >= {self.cfg.threshold:g} "
                         f"after having been <= {self.cfg.threshold - self.cfg.margin:g}",
@@ -412,7 +428,7 @@ class Stagnation:
         self.share_best: dict[str, float] = {}
         self.latch = _Latch()
 
-    def _changes(self, m: dict) -> dict[str, tuple[float, float, float]]:
+    def _changes(self, metrics: dict) -> dict[str, tuple[float, float, float]]:
         """modality -> (relative change of its windowed loss, its standard error, tokens)."""
         out = {}
         for name in MODALITY_NAMES:
@@ -426,52 +442,66 @@ class Stagnation:
             if min(now[3], before[3]) < self.cfg.min_presence:
                 continue  # a modality that comes in bursts (one long document at a time)
             change = now[0] / before[0] - 1
-            se = (now[0] / before[0]) * math.hypot(
+            std_err = (now[0] / before[0]) * math.hypot(
                 now[1] / max(now[0], 1e-9), before[1] / before[0]
             )
-            out[name] = (change, se, now[2])
-            m[f"monitor/trend/{name}"] = change  # relative change of the windowed loss
+            out[name] = (change, std_err, now[2])
+            metrics[f"monitor/trend/{name}"] = change  # relative change of the windowed loss
         return out
 
-    def _starved(self, step: int, m: dict) -> list[Alarm]:
+    def _starved(self, step: int, metrics: dict) -> list[Alarm]:
         """A modality whose share of the tokens fell to ``starve_ratio`` of its highest share
         over earlier windows: the mix shifted (a source changed content, a weight was changed)
         and it is being starved, whatever its loss does yet."""
-        c = self.cfg
-        parts = {k: self.win.part(k) for k in MODALITY_NAMES if k not in self.SKIP}
-        if any(v is None for v in parts.values()):
+        cfg = self.cfg
+        parts = {
+            modality: self.win.part(modality)
+            for modality in MODALITY_NAMES
+            if modality not in self.SKIP
+        }
+        if any(part is None for part in parts.values()):
             return []
-        tokens = {k: sum(n for _, n in v or []) for k, v in parts.items()}
-        presence = {k: sum(1 for _, n in v or [] if n) / c.window for k, v in parts.items()}
+        tokens = {
+            modality: sum(count for _, count in part or []) for modality, part in parts.items()
+        }
+        presence = {
+            modality: sum(1 for _, count in part or [] if count) / cfg.window
+            for modality, part in parts.items()
+        }
         total = sum(tokens.values())
         out = []
-        for name, n in tokens.items():
+        for name, count in tokens.items():
             if not total:
                 break
-            share = n / total
-            m[f"monitor/share/{name}"] = share
+            share = count / total
+            metrics[f"monitor/share/{name}"] = share
             best = self.share_best.get(name, 0.0)
-            steady = presence[name] >= c.min_presence  # a bursty modality has no steady share
-            low = steady and step >= c.min_steps and best >= 0.05 and share < c.starve_ratio * best
+            steady = presence[name] >= cfg.min_presence  # a bursty modality has no steady share
+            low = (
+                steady
+                and step >= cfg.min_steps
+                and best >= 0.05
+                and share < cfg.starve_ratio * best
+            )
             key = f"share/{name}"
             self.streak[key] = self.streak.get(key, 0) + 1 if low else 0
-            if steady and step >= c.min_steps and (step - c.min_steps) % c.window == 0:
+            if steady and step >= cfg.min_steps and (step - cfg.min_steps) % cfg.window == 0:
                 self.share_best[name] = max(best, share)  # one sample per window
             # Half the patience: a share is a count, far less noisy than a loss.
-            on = self.streak[key] >= max(1, c.patience // 2)
-            if self.latch.edge(key, on, step - c.window - c.patience // 2):
+            firing = self.streak[key] >= max(1, cfg.patience // 2)
+            if self.latch.edge(key, firing, step - cfg.window - cfg.patience // 2):
                 out.append(
                     Alarm(
                         step,
                         "starvation",
-                        c.action,
+                        cfg.action,
                         modality=name,
-                        since=step - c.window - c.patience // 2,
+                        since=step - cfg.window - cfg.patience // 2,
                         values={"share": share, "best_share": best},
-                        message=f"{name} gets {share:.0%} of the tokens over the last {c.window} "
+                        message=f"{name} gets {share:.0%} of the tokens over the last {cfg.window} "
                         f"steps, down from {best:.0%}",
-                        threshold=f"token share < {c.starve_ratio:g} x its highest window share "
-                        f"for {c.patience // 2} steps, present in >= {c.min_presence:.0%} of them",
+                        threshold=f"token share < {cfg.starve_ratio:g} x its highest window share "
+                        f"for {cfg.patience // 2} steps, present in >= {cfg.min_presence:.0%} of them",
                         cause=f"the delivered mix shifted away from {name}: a source's content "
                         "changed, or the weights did; its learning stalls or reverses",
                         advice="compare mix/<source> and tokens/<modality> with data.sources' "
@@ -480,47 +510,54 @@ class Stagnation:
                 )
         return out
 
-    def check(self, step: int, m: dict) -> list[Alarm]:
-        c = self.cfg
-        self.win.add(m)
-        changes = self._changes(m)
-        out = self._starved(step, m)
-        for name, (change, se, _) in changes.items():
-            others = {k: v for k, v in changes.items() if k != name}
-            tokens = sum(v[2] for v in others.values())
+    def check(self, step: int, metrics: dict) -> list[Alarm]:
+        cfg = self.cfg
+        self.win.add(metrics)
+        changes = self._changes(metrics)
+        out = self._starved(step, metrics)
+        for name, (change, std_err, _) in changes.items():
+            others = {other: other_stats for other, other_stats in changes.items() if other != name}
+            tokens = sum(other_stats[2] for other_stats in others.values())
             if not others or not tokens:
                 self.streak[name] = 0
                 continue
-            others_change = sum(v[0] * v[2] for v in others.values()) / tokens
-            others_se = math.sqrt(sum((v[1] * v[2]) ** 2 for v in others.values())) / tokens
+            others_change = (
+                sum(other_stats[0] * other_stats[2] for other_stats in others.values()) / tokens
+            )
+            others_se = (
+                math.sqrt(
+                    sum((other_stats[1] * other_stats[2]) ** 2 for other_stats in others.values())
+                )
+                / tokens
+            )
             gap = change - others_change
             cond = (
-                step >= c.min_steps
-                and change >= -c.min_drop
-                and others_change <= -c.others_drop
-                and gap > c.z * math.hypot(se, others_se)
+                step >= cfg.min_steps
+                and change >= -cfg.min_drop
+                and others_change <= -cfg.others_drop
+                and gap > cfg.z * math.hypot(std_err, others_se)
             )
             self.streak[name] = self.streak.get(name, 0) + 1 if cond else 0
-            since = step - c.window - c.patience
-            if self.latch.edge(name, self.streak[name] >= c.patience, since):
+            since = step - cfg.window - cfg.patience
+            if self.latch.edge(name, self.streak[name] >= cfg.patience, since):
                 word = "rose" if change > 0 else "stalled"
                 out.append(
                     Alarm(
                         step,
                         "stagnation",
-                        c.action,
+                        cfg.action,
                         modality=name,
                         since=since,
                         values={
                             "change": change,
                             "others_change": others_change,
-                            "z": gap / max(math.hypot(se, others_se), 1e-12),
+                            "z": gap / max(math.hypot(std_err, others_se), 1e-12),
                         },
-                        message=f"{name} loss {word} ({change:+.1%} over {c.window} steps, for "
-                        f"{c.patience} steps running) while the other modalities fell "
+                        message=f"{name} loss {word} ({change:+.1%} over {cfg.window} steps, for "
+                        f"{cfg.patience} steps running) while the other modalities fell "
                         f"{-others_change:.1%}",
-                        threshold=f"change >= {-c.min_drop:+.0%} while the others fall >= "
-                        f"{c.others_drop:.0%}, {c.z:g} standard errors apart, for {c.patience} steps",
+                        threshold=f"change >= {-cfg.min_drop:+.0%} while the others fall >= "
+                        f"{cfg.others_drop:.0%}, {cfg.z:g} standard errors apart, for {cfg.patience} steps",
                         cause=f"{name} is losing the competition for the model's capacity or is "
                         f"starved of tokens (tokens/{name}, mix/<source>), or its data changed",
                         advice=f"check the delivered mix (mix/<source>, tokens/{name}) against the "
@@ -559,37 +596,40 @@ class Drift:
     def rate(self, name: str) -> float:
         """Mean hidden norm of the last ``window`` steps over that of the ``window`` steps
         ``rate_span`` earlier (1.0 until both exist)."""
-        q = list(self.recent[name])
-        w = self.cfg.window
-        if len(q) < self.cfg.rate_span + w:
+        norms = list(self.recent[name])
+        window = self.cfg.window
+        if len(norms) < self.cfg.rate_span + window:
             return 1.0
-        old, new = sum(q[:w]) / w, sum(q[-w:]) / w
+        old, new = sum(norms[:window]) / window, sum(norms[-window:]) / window
         return new / old if old > 0 else 1.0
 
-    def check(self, step: int, m: dict) -> list[Alarm]:
+    def check(self, step: int, metrics: dict) -> list[Alarm]:
         out = []
         for name in MODALITY_NAMES:
-            logz, hn = m.get(f"monitor/logz/{name}"), m.get(f"monitor/hidden_norm/{name}")
-            if logz is None or hn is None:
+            logz, hidden_norm = (
+                metrics.get(f"monitor/logz/{name}"),
+                metrics.get(f"monitor/hidden_norm/{name}"),
+            )
+            if logz is None or hidden_norm is None:
                 continue
             if step >= self.cfg.min_steps:
-                r = self.ref.setdefault(name, [0.0, 0.0])
-                if r[1] < self.cfg.window:
-                    r[0], r[1] = r[0] + hn, r[1] + 1
+                ref_sum = self.ref.setdefault(name, [0.0, 0.0])
+                if ref_sum[1] < self.cfg.window:
+                    ref_sum[0], ref_sum[1] = ref_sum[0] + hidden_norm, ref_sum[1] + 1
             ref = self.ref.get(name)
-            growth = hn / (ref[0] / ref[1]) if ref and ref[1] >= self.cfg.window else 1.0
-            m[f"monitor/hidden_growth/{name}"] = growth
+            growth = hidden_norm / (ref[0] / ref[1]) if ref and ref[1] >= self.cfg.window else 1.0
+            metrics[f"monitor/hidden_growth/{name}"] = growth
             if step >= self.cfg.min_steps:  # the early steps' fast growth is training, not drift
-                self.recent[name].append(hn)
+                self.recent[name].append(hidden_norm)
             rate = self.rate(name)
-            m[f"monitor/hidden_rate/{name}"] = rate
+            metrics[f"monitor/hidden_rate/{name}"] = rate
             # Hysteresis: an open condition clears only below 80 % of its threshold, so a signal
             # hovering at the threshold is one alarm, not one every few steps.
-            keep = {k: f"{k}/{name}" in self.latch.on for k in ("logz", "hidden")}
+            keep = {signal: f"{signal}/{name}" in self.latch.on for signal in ("logz", "hidden")}
             lz_limit = self.cfg.logz_abs * (0.8 if keep["logz"] else 1.0)
             hn_limit = self.cfg.hidden_growth * (0.8 if keep["hidden"] else 1.0)
             rate_limit = self.cfg.growth_rate * (0.8 if keep["hidden"] else 1.0)
-            for key, on, values, msg, rule in (
+            for key, firing, values, msg, rule in (
                 (
                     "logz",
                     abs(logz) > lz_limit,
@@ -600,16 +640,16 @@ class Drift:
                 (
                     "hidden",
                     growth > hn_limit or (self.cfg.growth_rate > 0 and rate > rate_limit),
-                    {"hidden_norm": hn, "growth": growth, "rate": rate},
-                    f"final hidden norm of {name} is {hn:.4g}, {growth:.1f}x its value at steps "
+                    {"hidden_norm": hidden_norm, "growth": growth, "rate": rate},
+                    f"final hidden norm of {name} is {hidden_norm:.4g}, {growth:.1f}x its value at steps "
                     f"{self.cfg.min_steps}-{self.cfg.min_steps + self.cfg.window} and {rate:.1f}x "
                     f"{self.cfg.rate_span} steps ago",
                     f"hidden norm > {self.cfg.hidden_growth:g}x its early value, or > "
                     f"{self.cfg.growth_rate:g}x its value {self.cfg.rate_span} steps before",
                 ),
             ):
-                on = step >= self.cfg.min_steps and on
-                if self.latch.edge(f"{key}/{name}", on, step - self.cfg.window):
+                firing = step >= self.cfg.min_steps and firing
+                if self.latch.edge(f"{key}/{name}", firing, step - self.cfg.window):
                     out.append(
                         Alarm(
                             step,
@@ -632,14 +672,14 @@ class Drift:
     def state_dict(self) -> dict:
         return {
             "ref": self.ref,
-            "recent": {k: list(v) for k, v in self.recent.items()},
+            "recent": {name: list(norms) for name, norms in self.recent.items()},
             "latch": self.latch.state_dict(),
         }
 
     def load_state_dict(self, st: dict) -> None:
-        self.ref = {k: list(v) for k, v in st["ref"].items()}
-        for k, v in st.get("recent", {}).items():
-            self.recent[k] = deque(v, maxlen=self.cfg.rate_span + self.cfg.window)
+        self.ref = {name: list(norms) for name, norms in st["ref"].items()}
+        for name, norms in st.get("recent", {}).items():
+            self.recent[name] = deque(norms, maxlen=self.cfg.rate_span + self.cfg.window)
         self.latch.load_state_dict(st.get("latch") or {"on": st["on"]})
 
 
@@ -656,34 +696,37 @@ class DataCodeUse:
         self.best = 0.0  # the highest window entropy seen (from min_steps)
         self.latch = _Latch()
 
-    def check(self, step: int, m: dict) -> list[Alarm]:
-        c = self.cfg
-        n, h = m.get("monitor/data_codes", 0.0), m.get("monitor/data_code_entropy")
-        self.steps.append((h * n, n) if h is not None and n else (0.0, 0.0))
-        total = sum(x for _, x in self.steps)
-        if total < c.data_min_codes:
+    def check(self, step: int, metrics: dict) -> list[Alarm]:
+        cfg = self.cfg
+        codes, entropy = (
+            metrics.get("monitor/data_codes", 0.0),
+            metrics.get("monitor/data_code_entropy"),
+        )
+        self.steps.append((entropy * codes, codes) if entropy is not None and codes else (0.0, 0.0))
+        total = sum(step_codes for _, step_codes in self.steps)
+        if total < cfg.data_min_codes:
             return []
-        ent = sum(x for x, _ in self.steps) / total
-        m["monitor/data_code_entropy_window"] = ent
-        if step >= c.min_steps and len(self.steps) == c.data_window:
+        ent = sum(weighted for weighted, _ in self.steps) / total
+        metrics["monitor/data_code_entropy_window"] = ent
+        if step >= cfg.min_steps and len(self.steps) == cfg.data_window:
             self.best = max(self.best, ent)
-        dropped = self.best > 0 and ent < (1 - c.max_data_drop) * self.best
-        on = step >= c.min_steps and (ent < c.min_data_entropy or dropped)
-        if not self.latch.edge("data", on, step - c.data_window):
+        dropped = self.best > 0 and ent < (1 - cfg.max_data_drop) * self.best
+        firing = step >= cfg.min_steps and (ent < cfg.min_data_entropy or dropped)
+        if not self.latch.edge("data", firing, step - cfg.data_window):
             return []
         return [
             Alarm(
                 step,
                 "data_code_entropy",
-                c.action,
+                cfg.action,
                 modality="image",
-                since=step - c.data_window,
+                since=step - cfg.data_window,
                 values={"entropy": ent, "best": self.best, "codes": total},
-                message=f"the visual codes in the last {c.data_window} steps' batches have a "
+                message=f"the visual codes in the last {cfg.data_window} steps' batches have a "
                 f"normalised entropy of {ent:.2f} (it was {self.best:.2f}; {total:.0f} codes): "
                 "a few codes dominate",
-                threshold=f"entropy of the trained-on codes (64 buckets) < {c.min_data_entropy:g}, "
-                f"or {c.max_data_drop:.0%} below its highest window",
+                threshold=f"entropy of the trained-on codes (64 buckets) < {cfg.min_data_entropy:g}, "
+                f"or {cfg.max_data_drop:.0%} below its highest window",
                 cause="the visual tokenizer (or the image data) degenerated: most images map to "
                 "a few codes; the image loss falls because the codes became trivial",
                 advice="stop feeding these shards: check the visual tokenizer's reconstructions "
@@ -695,6 +738,6 @@ class DataCodeUse:
         return {"steps": list(self.steps), "best": self.best, "latch": self.latch.state_dict()}
 
     def load_state_dict(self, st: dict) -> None:
-        self.steps = deque([tuple(x) for x in st["steps"]], maxlen=self.cfg.data_window)
+        self.steps = deque([tuple(pair) for pair in st["steps"]], maxlen=self.cfg.data_window)
         self.best = float(st.get("best", 0.0))
         self.latch.load_state_dict(st["latch"])

@@ -29,7 +29,7 @@ from train.monitor.detectors import Collapse, DataCodeUse, Divergence, Drift, St
 
 def chance_levels(sizes: list[int]) -> dict[str, float]:
     """ln V_m per modality: the CE of a uniform guess over the ids a modality predicts among."""
-    return {n: math.log(v) for n, v in zip(MODALITY_NAMES, sizes) if v > 1}
+    return {modality: math.log(size) for modality, size in zip(MODALITY_NAMES, sizes) if size > 1}
 
 
 # Per probe signal: (likely cause, what to do) for the alarm's text.
@@ -105,17 +105,17 @@ class Monitor:
             alarms += self._probe(step, m)
         return alarms
 
-    def _spikes(self, step: int, m: dict, last: dict) -> list[Alarm]:
-        m["monitor/loss_spike_score"] = _finite(last.get("loss_score", 0.0))
-        m["monitor/grad_norm_spike_score"] = _finite(last.get("grad_norm_score", 0.0))
+    def _spikes(self, step: int, metrics: dict, last: dict) -> list[Alarm]:
+        metrics["monitor/loss_spike_score"] = _finite(last.get("loss_score", 0.0))
+        metrics["monitor/grad_norm_spike_score"] = _finite(last.get("grad_norm_score", 0.0))
         if last.get("nonfinite"):
             self.nonfinite_steps += 1
-        m["monitor/nonfinite_steps"] = float(self.nonfinite_steps)
+        metrics["monitor/nonfinite_steps"] = float(self.nonfinite_steps)
         if not last.get("skipped") or not self.cfg.spike.enabled:
             return []
         values = {
-            "loss": m.get("train/loss", math.nan),
-            "grad_norm": m.get("optim/grad_norm", math.nan),
+            "loss": metrics.get("train/loss", math.nan),
+            "grad_norm": metrics.get("optim/grad_norm", math.nan),
             "loss_score": last["loss_score"],
             "grad_norm_score": last["grad_norm_score"],
         }
@@ -155,47 +155,52 @@ class Monitor:
             )
         ]
 
-    def _probe(self, step: int, m: dict) -> list[Alarm]:
+    def _probe(self, step: int, metrics: dict) -> list[Alarm]:
         out = []
         for name in ("attention", "dependence", "code_use"):
-            c = getattr(self.cfg, name)
-            if not (c.enabled and c.every) or not (step % c.every == 0 or step == self.total):
+            probe_cfg = getattr(self.cfg, name)
+            if not (probe_cfg.enabled and probe_cfg.every) or not (
+                step % probe_cfg.every == 0 or step == self.total
+            ):
                 continue
-            t0 = time.perf_counter()
+            started = time.perf_counter()
             values = self.probes.run(name, step)
-            m.update(values)
-            m[f"throughput/probe_s/{name}"] = time.perf_counter() - t0
+            metrics.update(values)
+            metrics[f"throughput/probe_s/{name}"] = time.perf_counter() - started
             out += self._probe_alarms(name, step, values)
             self.probe_last[name] = step
         return out
 
-    def _probe_alarms(self, name: str, step: int, v: dict) -> list[Alarm]:
-        c = getattr(self.cfg, name)
-        found: list[tuple[str, bool, str, str, str | None]] = []  # signal, on, msg, rule, modality
-        if name == "attention" and v:
-            mx = v["monitor/attn_max_logit"]
-            ref = self.probe_ref.setdefault("attn_max_logit", mx)
-            m_growth = mx / ref if ref > 0 else 1.0
-            v = {**v, "monitor/attn_logit_growth": m_growth}
+    def _probe_alarms(self, name: str, step: int, values: dict) -> list[Alarm]:
+        probe_cfg = getattr(self.cfg, name)
+        found: list[
+            tuple[str, bool, str, str, str | None]
+        ] = []  # signal, firing, msg, rule, modality
+        if name == "attention" and values:
+            max_logit = values["monitor/attn_max_logit"]
+            ref = self.probe_ref.setdefault("attn_max_logit", max_logit)
+            m_growth = max_logit / ref if ref > 0 else 1.0
+            values = {**values, "monitor/attn_logit_growth": m_growth}
             found.append(
                 (
                     "attn_logit",
-                    mx > c.max_logit or (c.max_growth > 0 and m_growth > c.max_growth),
-                    f"max attention logit {mx:.1f}, {m_growth:.1f}x its value at the first probe",
-                    f"max logit > {c.max_logit:g} or > {c.max_growth:g}x the first probe's",
+                    max_logit > probe_cfg.max_logit
+                    or (probe_cfg.max_growth > 0 and m_growth > probe_cfg.max_growth),
+                    f"max attention logit {max_logit:.1f}, {m_growth:.1f}x its value at the first probe",
+                    f"max logit > {probe_cfg.max_logit:g} or > {probe_cfg.max_growth:g}x the first probe's",
                     None,
                 )
             )
             found.append(
                 (
                     "attn_entropy",
-                    v["monitor/attn_entropy"] < c.min_entropy,
-                    f"attention entropy {v['monitor/attn_entropy']:.3f} nats: attention collapsed",
-                    f"mean attention entropy < {c.min_entropy:g} nats",
+                    values["monitor/attn_entropy"] < probe_cfg.min_entropy,
+                    f"attention entropy {values['monitor/attn_entropy']:.3f} nats: attention collapsed",
+                    f"mean attention entropy < {probe_cfg.min_entropy:g} nats",
                     None,
                 )
             )
-        elif name == "dependence" and v:
+        elif name == "dependence" and values:
             for signal, gap_key, what in (
                 ("dependence_gap", "monitor/dependence_gap", "captions after their own image"),
                 (
@@ -204,46 +209,50 @@ class Monitor:
                     "image codes after their own caption",
                 ),
             ):
-                if gap_key not in v:
+                if gap_key not in values:
                     continue
-                gap = v[gap_key]
-                if gap >= c.arm_gap:
+                gap = values[gap_key]
+                if gap >= probe_cfg.arm_gap:
                     self.probe_latch.add(f"{signal}_armed")
                 found.append(
                     (
                         signal,
-                        f"{signal}_armed" in self.probe_latch and gap < c.min_gap,
+                        f"{signal}_armed" in self.probe_latch and gap < probe_cfg.min_gap,
                         f"{what} are predicted no better than after another one: gap {gap:.3f} "
-                        f"nats (was >= {c.arm_gap:g})",
-                        f"gap < {c.min_gap:g} nats after having reached {c.arm_gap:g}",
+                        f"nats (was >= {probe_cfg.arm_gap:g})",
+                        f"gap < {probe_cfg.min_gap:g} nats after having reached {probe_cfg.arm_gap:g}",
                         "text" if signal == "dependence_gap" else "image",
                     )
                 )
-        elif name == "code_use" and v:
+        elif name == "code_use" and values:
             found.append(
                 (
                     "gen_code_entropy",
-                    v["monitor/gen_code_entropy"] < c.min_entropy,
-                    f"generated images use {v['monitor/gen_code_distinct']:.0f} distinct codes, "
-                    f"normalised entropy {v['monitor/gen_code_entropy']:.2f}",
-                    f"normalised entropy of generated codes < {c.min_entropy:g}",
+                    values["monitor/gen_code_entropy"] < probe_cfg.min_entropy,
+                    f"generated images use {values['monitor/gen_code_distinct']:.0f} distinct codes, "
+                    f"normalised entropy {values['monitor/gen_code_entropy']:.2f}",
+                    f"normalised entropy of generated codes < {probe_cfg.min_entropy:g}",
                     "image",
                 )
             )
         out = []
         prev = self.probe_last.get(name, 0)
-        for signal, on, msg, rule, modality in found:
-            on = on and step >= c.min_steps
-            if on and signal not in self.probe_latch:
+        for signal, firing, msg, rule, modality in found:
+            firing = firing and step >= probe_cfg.min_steps
+            if firing and signal not in self.probe_latch:
                 cause, advice = PROBE_ADVICE[signal]
                 self.probe_since[signal] = prev + 1  # after the last probe that was fine
                 out.append(
                     Alarm(
                         step,
                         signal,
-                        c.action,
+                        probe_cfg.action,
                         modality=modality,
-                        values={k.split("/", 1)[1]: x for k, x in v.items() if "/L" not in k},
+                        values={
+                            key.split("/", 1)[1]: value
+                            for key, value in values.items()
+                            if "/L" not in key
+                        },
                         since=prev + 1,
                         message=msg,
                         threshold=rule,
@@ -251,7 +260,7 @@ class Monitor:
                         advice=advice,
                     )
                 )
-            if on:
+            if firing:
                 self.probe_latch.add(signal)
             else:
                 self.probe_latch.discard(signal)
@@ -280,15 +289,17 @@ class Monitor:
         margin = self.cfg.rollback.margin
         out = set()
         for since in self.open_troubles():
-            good = [s for s in checkpoint_steps if s <= since - margin]
+            good = [ckpt_step for ckpt_step in checkpoint_steps if ckpt_step <= since - margin]
             out.add(max(good) if good else min(checkpoint_steps))
         return out
 
     def open_troubles(self) -> list[int]:
         """The steps at which each open trouble began."""
-        found = [s for det in self.detectors.values() for s in det.latch.open_since()]
+        found = [
+            since_step for det in self.detectors.values() for since_step in det.latch.open_since()
+        ]
         found += list(self.probe_since.values())
-        skipped = [s for s, bad in self.divergence.skipped if bad]
+        skipped = [since_step for since_step, bad in self.divergence.skipped if bad]
         if skipped:
             found.append(min(skipped))
         if self.divergence.excursion is not None:  # the loss has begun to rise
@@ -297,7 +308,7 @@ class Monitor:
 
     def state_dict(self) -> dict:
         return {
-            "detectors": {k: d.state_dict() for k, d in self.detectors.items()},
+            "detectors": {name: detector.state_dict() for name, detector in self.detectors.items()},
             "probe_latch": sorted(self.probe_latch),
             "probe_since": dict(self.probe_since),
             "probe_last": dict(self.probe_last),
@@ -306,13 +317,13 @@ class Monitor:
         }
 
     def load_state_dict(self, st: dict) -> None:
-        for k, d in self.detectors.items():
-            if k in st.get("detectors", {}):
-                d.load_state_dict(st["detectors"][k])
+        for key, detector in self.detectors.items():
+            if key in st.get("detectors", {}):
+                detector.load_state_dict(st["detectors"][key])
         self.probe_latch = set(st.get("probe_latch", []))
-        self.probe_since = {k: int(v) for k, v in st.get("probe_since", {}).items()}
-        self.probe_last = {k: int(v) for k, v in st.get("probe_last", {}).items()}
-        self.probe_ref = {k: float(v) for k, v in st.get("probe_ref", {}).items()}
+        self.probe_since = {key: int(value) for key, value in st.get("probe_since", {}).items()}
+        self.probe_last = {key: int(value) for key, value in st.get("probe_last", {}).items()}
+        self.probe_ref = {key: float(value) for key, value in st.get("probe_ref", {}).items()}
         self.nonfinite_steps = int(st.get("nonfinite_steps", 0))
 
 

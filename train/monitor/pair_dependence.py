@@ -36,11 +36,11 @@ def collate(rows: list[Row]) -> dict[str, torch.Tensor]:
     """Rows packed one by one (``Packer.pack`` without a batch buffer, each finished) as a batch
     with the loader's field names (data/loader/packer.py ``ROW_FIELDS``)."""
     out = {
-        key: torch.from_numpy(np.stack([getattr(r, attr) for r in rows]))
+        key: torch.from_numpy(np.stack([getattr(row, attr) for row in rows]))
         for attr, key, _ in ROW_FIELDS
     }
-    out["position_thw"] = torch.from_numpy(np.stack([r.thw for r in rows]))
-    out["num_real_tokens"] = torch.tensor(sum(r.real for r in rows))
+    out["position_thw"] = torch.from_numpy(np.stack([row.thw for row in rows]))
+    out["num_real_tokens"] = torch.tensor(sum(row.real for row in rows))
     return out
 
 
@@ -111,7 +111,7 @@ def _document(pair: Pair, donor: Pair) -> tuple[np.ndarray, np.ndarray, list, np
 def document_batch(ids: np.ndarray, mod: np.ndarray, blocks) -> dict:
     """One document as the loader would pack it alone in a row of its own length."""
     packer = Packer(len(ids), pad_id=0)
-    doc = Doc(0, 0, 0, len(ids), units_of(len(ids), [list(b) for b in blocks]), ids, mod)
+    doc = Doc(0, 0, 0, len(ids), units_of(len(ids), [list(block) for block in blocks]), ids, mod)
     done = [False]
 
     def next_doc():
@@ -130,7 +130,7 @@ def target_nll(model, pair: Pair, donor: Pair, device) -> tuple[float, int]:
     """(sum of -log p, count) of the pair's target tokens after ``donor``'s context."""
     ids, mod, blocks, mask = _document(pair, donor)
     batch = document_batch(ids, mod, blocks)
-    logits = model(**{k: batch[k].to(device) for k in MODEL_INPUTS})[0].float()
+    logits = model(**{key: batch[key].to(device) for key in MODEL_INPUTS})[0].float()
     labels = batch["labels"][0].to(device)
     keep = torch.from_numpy(mask).to(device) & (labels >= 0)
     logp = torch.log_softmax(logits[keep], dim=-1)
@@ -142,28 +142,28 @@ def dependence_gaps(model, pairs: list[Pair], device) -> dict:
     """Per (source, direction): the target's CE after its own context and after another's, the
     gap (other - own, nats per target token) and the pair and token counts."""
     groups: dict[tuple[str, str], list[Pair]] = {}
-    for p in pairs:
-        groups.setdefault((p.source, p.direction), []).append(p)
+    for pair in pairs:
+        groups.setdefault((pair.source, pair.direction), []).append(pair)
     out = {}
     for (source, direction), group in sorted(groups.items()):
         if len(group) < 2:
             continue
         own = other = 0.0
-        n = 0
-        for i, p in enumerate(group):
+        count = 0
+        for i, pair in enumerate(group):
             q = group[(i + 1) % len(group)]
-            a, k = target_nll(model, p, p, device)
-            b, k2 = target_nll(model, p, q, device)
-            if k != k2:  # the target is the same tokens either way
+            a, key = target_nll(model, pair, pair, device)
+            block, k2 = target_nll(model, pair, q, device)
+            if key != k2:  # the target is the same tokens either way
                 raise AssertionError("target token count changed with the context")
-            own, other, n = own + a, other + b, n + k
+            own, other, count = own + a, other + block, count + key
         out[f"{source}/{direction}"] = {
             "source": source,
             "direction": direction,
             "pairs": len(group),
-            "tokens": n,
-            "ce_own": own / n,
-            "ce_other": other / n,
-            "gap": (other - own) / n,
+            "tokens": count,
+            "ce_own": own / count,
+            "ce_other": other / count,
+            "gap": (other - own) / count,
         }
     return out

@@ -25,20 +25,20 @@ MAD_TO_SIGMA = 1.4826  # MAD x this = standard deviation, for normally distribut
 
 
 def median(values) -> float:
-    xs = sorted(values)
-    n = len(xs)
-    if n == 0:
+    ordered = sorted(values)
+    count = len(ordered)
+    if count == 0:
         return math.nan
-    mid = n // 2
-    return xs[mid] if n % 2 else 0.5 * (xs[mid - 1] + xs[mid])
+    mid = count // 2
+    return ordered[mid] if count % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
 
 
 def theil_sen(values: list[float]) -> tuple[float, float]:
     """(intercept, slope) of the robust line through ``values`` at x = 0, 1, ..., n - 1."""
-    n = len(values)
-    slopes = [(values[j] - values[i]) / (j - i) for i in range(n) for j in range(i + 1, n)]
+    count = len(values)
+    slopes = [(values[j] - values[i]) / (j - i) for i in range(count) for j in range(i + 1, count)]
     slope = median(slopes) if slopes else 0.0
-    intercept = median(v - slope * i for i, v in enumerate(values))
+    intercept = median(value - slope * i for i, value in enumerate(values))
     return intercept, slope
 
 
@@ -80,9 +80,11 @@ class RobustTrend:
         median): the MAD alone under-states heavy-tailed noise, such as a loss that swings with
         the batch's mix of modalities and sources, and would turn every swing into a spike."""
         center = median(self.residuals)
-        mad = median(abs(r - center) for r in self.residuals)
-        n = len(self.residuals)
-        std = math.sqrt(sum((r - center) ** 2 for r in self.residuals) / max(n - 1, 1))
+        mad = median(abs(residual - center) for residual in self.residuals)
+        count = len(self.residuals)
+        std = math.sqrt(
+            sum((residual - center) ** 2 for residual in self.residuals) / max(count - 1, 1)
+        )
         level = abs(self.values[-1]) if self.values else 0.0
         floor = self.abs_floor if self.log else max(self.rel_floor * level, 1e-12)
         return max(MAD_TO_SIGMA * mad, std, floor)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from train.monitor.config import DETECTORS
+
 # Healthy mixes: the same sources as instab_healthy, other weights.
 _SOURCES = ("code", "text", "images", "clips", "docs", "colours", "colours_first")
 MIXES = {
@@ -23,7 +25,8 @@ MIXES = {
 def mix_override(mix: str, root: str) -> str:
     """``data.sources=[...]`` for a named mix of the healthy sources under ``root``."""
     items = ", ".join(
-        f"{{name: {s}, shards: [{root}/{s}], weight: {w}}}" for s, w in zip(_SOURCES, MIXES[mix])
+        f"{{name: {source}, shards: [{root}/{source}], weight: {weight}}}"
+        for source, weight in zip(_SOURCES, MIXES[mix])
     )
     return f"data.sources=[{items}]"
 
@@ -132,16 +135,6 @@ CASES = (
 # skip-step gate drops spiking updates by itself (optim.skip_step), so it is switched off too
 # (a non-finite step is still skipped: there is nothing else to do with it).
 LOG_ONLY = ("optim.skip_step.enabled=false",) + tuple(
-    f"monitor.{d}.action=log"
-    for d in (
-        "spike",
-        "divergence",
-        "collapse",
-        "stagnation",
-        "drift",
-        "attention",
-        "dependence",
-        "code_use",
-    )
+    f"monitor.{name}.action=log" for name in DETECTORS
 )
 ACTING = ("skip", "rollback", "halt")  # the actions that change a run

@@ -43,7 +43,8 @@ from data.loader.stream import read_npy
 from data.schema import Sample
 from data.shards.index import read_index, read_member
 from data.shards.writer import ShardWriter
-from data.tokenize.run import npy_bytes, visual_blocks
+from data.tokenize.blocks import visual_blocks
+from data.tokenize.run import npy_bytes
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
 
 VERSION = 5  # bump when what is built changes
@@ -86,8 +87,8 @@ def _colour_corpus(folder: Path, count: int) -> None:
     names = list(COLOURS)
     for i in range(count):
         name = names[i % len(names)]
-        px = np.clip(np.array(COLOURS[name]) + rng.integers(-6, 7, (32, 32, 3)), 0, 255)
-        Image.fromarray(px.astype(np.uint8)).save(folder / f"c{i:04d}.png")
+        pixels = np.clip(np.array(COLOURS[name]) + rng.integers(-6, 7, (32, 32, 3)), 0, 255)
+        Image.fromarray(pixels.astype(np.uint8)).save(folder / f"c{i:04d}.png")
         rows.append({"image": f"c{i:04d}.png", "caption": f"a {name} square."})
         docs.append(
             {
@@ -98,8 +99,8 @@ def _colour_corpus(folder: Path, count: int) -> None:
                 ],
             }
         )
-    (folder / "captions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (folder / "caption_first.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (folder / "captions.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (folder / "caption_first.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in docs))
 
 
 def build_base(root: Path, *, scale: float, colours: int) -> Path:
@@ -151,13 +152,13 @@ def read_source(tokens: Path, source: str) -> list[TokenDoc]:
     docs = []
     for idx in sorted((tokens / source).glob("*.idx.jsonl")):
         tar = idx.with_name(idx.name[: -len(".idx.jsonl")] + ".tar")
-        for e in read_index(idx):
+        for entry in read_index(idx):
             docs.append(
                 TokenDoc(
-                    e["key"],
-                    read_npy(read_member(tar, e, "ids.npy")).astype(np.int32),
-                    read_npy(read_member(tar, e, "mod.npy")).astype(np.uint8),
-                    json.loads(read_member(tar, e, "json")),
+                    entry["key"],
+                    read_npy(read_member(tar, entry, "ids.npy")).astype(np.int32),
+                    read_npy(read_member(tar, entry, "mod.npy")).astype(np.uint8),
+                    json.loads(read_member(tar, entry, "json")),
                 )
             )
     if not docs:
@@ -207,8 +208,8 @@ def degenerate_codes(
     tokenizer that has collapsed onto a handful of codes."""
     ids = doc.ids.copy()
     is_code = (doc.mod == int(Modality.IMAGE)) & (ids >= layout.visual_offset)
-    n = int(is_code.sum())
-    pick = np.where(rng.random(n) < 0.9, codes[0], rng.choice(codes[1:], n))
+    num_codes = int(is_code.sum())
+    pick = np.where(rng.random(num_codes) < 0.9, codes[0], rng.choice(codes[1:], num_codes))
     ids[is_code] = layout.visual_offset + pick
     return TokenDoc(doc.key + "-collapsed", ids, doc.mod, doc.meta)
 
@@ -220,12 +221,12 @@ def prefix_then(
     ``tail_tokens`` more: the source turns bad once the run has read ``onset_tokens`` of it."""
     out: list[TokenDoc] = []
     for pool, budget, tag in ((healthy, onset_tokens, "h"), (bad, tail_tokens, "b")):
-        got, i = 0, 0
+        got, index = 0, 0
         while got < budget:
-            d = pool[i % len(pool)]
-            out.append(TokenDoc(f"{tag}{len(out):05d}-{d.key}", d.ids, d.mod, d.meta))
-            got += len(d.ids)
-            i += 1
+            doc = pool[index % len(pool)]
+            out.append(TokenDoc(f"{tag}{len(out):05d}-{doc.key}", doc.ids, doc.mod, doc.meta))
+            got += len(doc.ids)
+            index += 1
     return out
 
 
@@ -235,30 +236,34 @@ def prefix_then(
 def write_source(out: Path, name: str, docs: list[TokenDoc]) -> list[dict]:
     """Token shards of one source (``DOCS_PER_SHARD`` documents each); the manifest entries."""
     entries = []
-    for n, start in enumerate(range(0, len(docs), DOCS_PER_SHARD)):
-        rel = f"{name}/shard-{n:06d}"
-        w = ShardWriter(out / f"{rel}.tar", out / f"{rel}.idx.jsonl")
+    for shard_no, start in enumerate(range(0, len(docs), DOCS_PER_SHARD)):
+        rel = f"{name}/shard-{shard_no:06d}"
+        writer = ShardWriter(out / f"{rel}.tar", out / f"{rel}.idx.jsonl")
         tokens = dict.fromkeys(MODALITY_NAMES, 0)
-        for d in docs[start : start + DOCS_PER_SHARD]:
-            counts = np.bincount(d.mod, minlength=len(MODALITY_NAMES))
-            by_mod = {m: int(counts[i]) for i, m in enumerate(MODALITY_NAMES)}
-            meta = {**d.meta, "source": name}
-            w.write(
-                Sample(d.key, meta, [("ids.npy", npy_bytes(d.ids)), ("mod.npy", npy_bytes(d.mod))]),
-                {"tokens": len(d.ids), "tokens_by_modality": by_mod, "blocks": d.blocks},
+        for doc in docs[start : start + DOCS_PER_SHARD]:
+            counts = np.bincount(doc.mod, minlength=len(MODALITY_NAMES))
+            by_mod = {modality: int(counts[i]) for i, modality in enumerate(MODALITY_NAMES)}
+            meta = {**doc.meta, "source": name}
+            writer.write(
+                Sample(
+                    doc.key,
+                    meta,
+                    [("ids.npy", npy_bytes(doc.ids)), ("mod.npy", npy_bytes(doc.mod))],
+                ),
+                {"tokens": len(doc.ids), "tokens_by_modality": by_mod, "blocks": doc.blocks},
             )
-            for m, c in by_mod.items():
-                tokens[m] += c
-        r = w.close()
+            for modality, count in by_mod.items():
+                tokens[modality] += count
+        written = writer.close()
         entries.append(
             {
                 "path": f"{rel}.tar",
                 "index": f"{rel}.idx.jsonl",
                 "source": name,
-                "samples": r.samples,
-                "bytes": r.bytes,
-                "sha256": r.sha256,
-                "index_sha256": r.index_sha256,
+                "samples": written.samples,
+                "bytes": written.bytes,
+                "sha256": written.sha256,
+                "index_sha256": written.index_sha256,
                 "tokens": tokens,
             }
         )
@@ -272,7 +277,7 @@ def write_folder(out: Path, base_tokens: Path, sources: dict[str, list[TokenDoc]
     out.mkdir(parents=True)
     base = json.loads((base_tokens / "manifest.json").read_text())
     shutil.copytree(base_tokens / "tokenizers", out / "tokenizers")
-    shards = [e for name, docs in sources.items() for e in write_source(out, name, docs)]
+    shards = [entry for name, docs in sources.items() for entry in write_source(out, name, docs)]
     manifest = {
         "format": base["format"],
         "version": base["version"],
@@ -281,8 +286,12 @@ def write_folder(out: Path, base_tokens: Path, sources: dict[str, list[TokenDoc]
         "tokenizers": base["tokenizers"],
         "options": base["options"],
         "sources": [
-            {"name": n, "samples": len(d), "tokens": sum(len(x.ids) for x in d)}
-            for n, d in sources.items()
+            {
+                "name": source_name,
+                "samples": len(source_docs),
+                "tokens": sum(len(doc.ids) for doc in source_docs),
+            }
+            for source_name, source_docs in sources.items()
         ],
         "shards": shards,
     }
@@ -334,23 +343,32 @@ def build(root: Path, plan: DataPlan | None = None, *, log=print) -> Path:
     def pieces(name: str) -> list[TokenDoc]:
         """Long documents cut into pieces, the pieces shuffled (the runs read sources in stored
         order: unshuffled, one file's pieces would fill a stretch of batches)."""
-        out = [p for d in read_source(base, name) for p in split_long(d, plan.piece)]
+        out = [
+            piece_doc
+            for doc in read_source(base, name)
+            for piece_doc in split_long(doc, plan.piece)
+        ]
         return [out[i] for i in rng.permutation(len(out))]
 
     def held_out(docs: list[TokenDoc]) -> tuple[list[TokenDoc], list[TokenDoc]]:
-        return [d for i, d in enumerate(docs) if i % 10], docs[::10]
+        return [doc for i, doc in enumerate(docs) if i % 10], docs[::10]
 
     code, val_code = held_out(pieces("code"))
     text, val_text = held_out(pieces("text"))
     scenes, digits = read_source(base, "scenes"), read_source(base, "digits")
     # Interleave: a source read in order then mixes its documents' kinds evenly.
-    images, val_images = held_out([d for pair in zip(scenes, digits) for d in pair])
+    images, val_images = held_out([document for pair in zip(scenes, digits) for document in pair])
     colours, val_colours = held_out(read_source(base, "colours"))
     colours_first, val_first = held_out(read_source(base, "colours_first"))
-    codes = np.concatenate([d.ids[d.mod == int(Modality.IMAGE)] for d in images])
+    codes = np.concatenate(
+        [document.ids[document.mod == int(Modality.IMAGE)] for document in images]
+    )
     codes = codes[codes >= layout.visual_offset] - layout.visual_offset
-    common = [int(c) for c in np.argsort(np.bincount(codes, minlength=layout.num_codes))[::-1][:4]]
-    textcode = [d for pair in zip(text, code) for d in pair]
+    common = [
+        int(code_id)
+        for code_id in np.argsort(np.bincount(codes, minlength=layout.num_codes))[::-1][:4]
+    ]
+    textcode = [document for pair in zip(text, code) for document in pair]
     sources = {
         "code": code,
         "text": text,
@@ -362,13 +380,13 @@ def build(root: Path, plan: DataPlan | None = None, *, log=print) -> Path:
         "val": val_code + val_text + val_images + val_colours + val_first,
         "code_bad": prefix_then(
             code,
-            [garbage(d, rng, layout) for d in code],
+            [garbage(document, rng, layout) for document in code],
             onset_tokens=plan.code_bad_onset,
             tail_tokens=plan.tail,
         ),
         "images_bad": prefix_then(
             images,
-            [degenerate_codes(d, rng, layout, common) for d in images],
+            [degenerate_codes(document, rng, layout, common) for document in images],
             onset_tokens=plan.images_bad_onset,
             tail_tokens=plan.tail // 4,
         ),
