@@ -33,6 +33,16 @@ examples:
   earlyfuse-eval runs/demo/release --data runs/demo/val_tokens --train-data runs/demo/tokens \\
       --scenes runs/demo/val_corpus/scenes/scenes.jsonl --out runs/demo/lm/heldout_eval.json
   earlyfuse-eval releases/x --data val_tokens --max-docs 200 --device cuda
+
+what the table says (docs/evaluation.md explains every figure):
+  margin = unigram - CE per modality: above 0 the model beats the training tokens' own
+    frequencies; structure tokens (<eol>, <eoi>) should cost nearly nothing.
+  gap = CE of the target after another document's context - after its own (nats per target
+    token): near 0, captions ignore their pictures (caption) or pictures their captions (drawing).
+  scenes: share of drawn / captioned held-out scenes with the right colour, shape and cell,
+    beside chance (scored against another scene) and the visual tokenizer's own ceiling.
+  The held-out data must be made with the release's tokenizers and never seen in training
+    (earlyfuse-prep ingest --exclude-content-of TRAIN_RAW); --train-data checks the second.
 """
 
 
