@@ -195,6 +195,16 @@ def _add_ingest(sub) -> None:
     p.add_argument(
         "--allow-rejects", action="store_true", help="exit 0 even when some inputs were rejected"
     )
+    p.add_argument(
+        "--exclude-content-of",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="RAW_DIR",
+        help="a raw shard folder (repeatable), e.g. the training set when ingesting a held-out set: "
+        "a document that repeats one of its documents, media files or texts of 200+ characters is "
+        "rejected as duplicate-of-excluded (content hashes: docs/formats.md)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_ingest)
 
@@ -225,6 +235,7 @@ def cmd_ingest(a) -> int:
         command=command_line(),
         engine=_engine(a),
         val_fraction=a.val_fraction,
+        exclude_content_of=a.exclude_content_of,
     )
     part = f" (partition {a.partition} of {a.num_partitions})" if a.num_partitions > 1 else ""
     print(f"ingest{part}: wrote {s['written']} shard(s), {s['skipped_done']} already done")
@@ -365,6 +376,21 @@ def _add_demo_corpus(sub) -> None:
     p.add_argument(
         "--scale", type=float, default=1.0, help="multiply every part's size (default 1.0)"
     )
+    p.add_argument(
+        "--split",
+        choices=["all", "train", "heldout"],
+        default="all",
+        help="which share of the real material (modules, docstrings, help topics, photos, digits): "
+        "train and heldout never share an item; build a held-out corpus with --split heldout "
+        "and another --seed (default all)",
+    )
+    p.add_argument(
+        "--scenes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="N generated scenes, and N drawings (caption then picture), whatever --scale",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_demo_corpus)
 
@@ -373,10 +399,17 @@ def cmd_demo_corpus(a) -> int:
     from data.demo_corpus import build
     from data.shards.stats import human_bytes
 
-    s = build(a.out, seed=a.seed, scale=a.scale, progress=not a.no_progress)
+    s = build(
+        a.out,
+        seed=a.seed,
+        scale=a.scale,
+        progress=not a.no_progress,
+        split=a.split,
+        scene_count=a.scenes,
+    )
     print(
         f"{a.out}: demo corpus, {s['files']} files, {human_bytes(s['bytes'])} in {s['seconds']} s "
-        f"(seed {s['seed']}, scale {s['scale']:g}); see {a.out / 'README.md'}"
+        f"(seed {s['seed']}, scale {s['scale']:g}, split {s['split']}); see {a.out / 'README.md'}"
     )
     for name, part in s["parts"].items():
         counts = ", ".join(f"{v} {k}" for k, v in part.items() if k != "bytes")

@@ -153,5 +153,87 @@ def patch_mean_baseline(images: Tensor, factor: int, num_codes: int) -> Tensor:
         )
         - 1
     )
-    q = torch.round(mean.clamp(0, 1) * lv) / lv
-    return F.interpolate(q, size=(h, w), mode="bilinear", align_corners=False).clamp(0, 1)
+    quantised = torch.round(mean.clamp(0, 1) * lv) / lv
+    return F.interpolate(quantised, size=(h, w), mode="bilinear", align_corners=False).clamp(0, 1)
+
+
+# --- the sceptic's baselines and detail strata (issue 17) --------------------------------------
+
+
+def patch_means(images: Tensor, factor: int) -> Tensor:
+    """[B, 3, H, W] -> [B, 3, H/f, W/f] mean colour of every patch."""
+    return F.avg_pool2d(images.float(), factor)
+
+
+def thumbnail(images: Tensor, factor: int) -> Tensor:
+    """Unquantised patch means upsampled bilinearly: the best a mean-colour thumbnail can do."""
+    height, width = images.shape[-2:]
+    return F.interpolate(
+        patch_means(images, factor), size=(height, width), mode="bilinear", align_corners=False
+    ).clamp(0, 1)
+
+
+def nearest(points: Tensor, centres: Tensor, chunk: int = 8192) -> Tensor:
+    """Index of the nearest centre of each row of ``x`` (in chunks: [N, k] never exists whole)."""
+    return torch.cat(
+        [
+            torch.cdist(points[i : i + chunk], centres).argmin(1)
+            for i in range(0, len(points), chunk)
+        ]
+    )
+
+
+def kmeans(
+    points: Tensor, k: int, *, iters: int = 10, seed: int = 0, max_points: int = 20000
+) -> Tensor:
+    """Lloyd's k-means on [N, D] points: the centres [k, D]. Seeded with k distinct points drawn
+    at random (from at most ``max_points``, also drawn at random); an empty cluster takes the
+    point furthest from its centre, so all k centres are used."""
+    generator = torch.Generator().manual_seed(seed)
+    points = points.float()
+    if len(points) > max_points:
+        points = points[torch.randperm(len(points), generator=generator)[:max_points]]
+    n_points = points.shape[0]
+    if n_points <= k:
+        return points.clone()
+    centres = points[torch.randperm(n_points, generator=generator)[:k]].clone()
+    for _ in range(iters):
+        assign = nearest(points, centres)
+        sums = torch.zeros_like(centres).index_add_(0, assign, points)
+        counts = torch.bincount(assign, minlength=k).float()
+        empty = counts == 0
+        centres = torch.where(empty[:, None], centres, sums / counts.clamp(min=1)[:, None])
+        if empty.any():
+            far = ((points - centres[assign]) ** 2).sum(1).topk(int(empty.sum())).indices
+            centres[empty] = points[far]
+    return centres
+
+
+def learn_palette(images: Tensor, factor: int, num_codes: int, *, seed: int = 0) -> Tensor:
+    """A palette of ``num_codes`` colours (k-means of the patch means of ``images``, [0, 1]):
+    the same bits per token as a tokenizer with that many codes."""
+    means = patch_means(images, factor).permute(0, 2, 3, 1).reshape(-1, 3)
+    return kmeans(means, num_codes, seed=seed).clamp(0, 1)
+
+
+def palette_baseline(images: Tensor, factor: int, palette: Tensor) -> Tensor:
+    """Each patch's mean colour replaced by its nearest palette colour, upsampled bilinearly."""
+    batch, _, height, width = images.shape
+    means = patch_means(images, factor)
+    flat = means.permute(0, 2, 3, 1).reshape(-1, 3)
+    quantised = palette[nearest(flat, palette.to(flat))]
+    quantised = quantised.view(batch, height // factor, width // factor, 3).permute(0, 3, 1, 2)
+    return F.interpolate(
+        quantised, size=(height, width), mode="bilinear", align_corners=False
+    ).clamp(0, 1)
+
+
+FLAT_PSNR = 30.0  # a crop is "flat" when its unquantised thumbnail already reaches this PSNR
+
+
+def detail_strata(images: Tensor, factor: int) -> dict[str, Tensor]:
+    """Boolean masks ``flat`` / ``detailed`` over a set of [0, 1] crops: flat when the mean-colour
+    thumbnail alone reconstructs it to ``FLAT_PSNR`` dB or better (a sky, a wall, a background),
+    detailed otherwise (edges, texture, small shapes): what a tokenizer must keep beyond colour."""
+    thumb_psnr = psnr(thumbnail(images, factor), images)
+    return {"flat": thumb_psnr >= FLAT_PSNR, "detailed": thumb_psnr < FLAT_PSNR}

@@ -128,6 +128,44 @@ def many_images(root: Path, n: int, size: int = 128) -> None:
         (root / f"im{i:04d}.txt").write_text(f"random noise number {i}")
 
 
+def colour_vtok(sample_images=None):
+    """A real VisualTokenizer (the debug preset) whose weights are *set*, not trained: each 4x4
+    patch's mean colour is quantised (R to 8 levels, G and B to 5) and decoded back to the mean
+    colour of its bin, found by least squares on ``sample_images`` ([N, 3, H, W] in [-1, 1]). It
+    keeps colours and coarse positions, which is what tests of scene scoring need, in no time."""
+    import torch
+
+    from model.visual_tokenizer import vtok_debug
+
+    torch.manual_seed(0)
+    model = vtok_debug().build().eval()
+    enc, dec = model.encoder, model.decoder
+    with torch.no_grad():
+        final_norm = enc.trunk[-2]  # GroupNorm before the last SiLU: zero it, the trunk gives 0
+        final_norm.weight.zero_()
+        final_norm.bias.zero_()
+        enc.colour.weight.zero_()
+        enc.colour.bias.zero_()
+        for c in range(3):
+            enc.colour.weight[c, c] = 1.0  # channels 0..2 = the patch's mean R, G, B
+        model.to_latent.weight.zero_()
+        model.to_latent.bias.zero_()
+        for c, gain in enumerate((1.6, 1.2, 1.2)):
+            model.to_latent.weight[c, c] = gain
+        if sample_images is None:
+            grid = torch.linspace(-1, 1, 9)
+            cols = torch.cartesian_prod(grid, grid, grid)  # 729 flat colours
+            sample_images = cols[:, :, None, None].expand(-1, -1, 4, 4)
+        q, _ = model.quantize(sample_images)
+        means = torch.nn.functional.avg_pool2d(sample_images, 4)
+        qf = torch.cat([q.permute(0, 2, 3, 1).reshape(-1, 4), torch.ones(q.numel() // 4, 1)], 1)
+        target = means.permute(0, 2, 3, 1).reshape(-1, 3)
+        sol = torch.linalg.lstsq(qf, target).solution  # [5, 3]
+        dec.colour.weight.copy_(sol[:4].T[:, :, None, None])
+        dec.colour.bias.copy_(sol[4])
+    return model
+
+
 class _Payload:
     """Unpickling this creates ``marker``: proof that a load ran code from the file."""
 

@@ -18,6 +18,13 @@ OUT: ``config.json`` and ``model.safetensors`` (``save_pretrained``), ``generati
 the text tokenizer as ``tokenizer.json`` + ``tokenizer_config.json`` (a
 ``PreTrainedTokenizerFast``; it knows the text ids only, images are ids the layout describes),
 ``vocab_layout.json`` and ``visual_tokenizer/`` copied from the release, and a README.
+
+It generates like ``earlyfuse-generate`` out of the box: the tokenizer puts ``<|bos|>`` before
+every text (our documents start with it; without it the model is off its training
+distribution), and ``generation_config.json`` carries bos/eos/pad and ``suppress_tokens`` = every
+id that is not text (pad, bos, the structure markers and the visual codes), which is exactly
+``earlyfuse-generate``'s text-only mask; greedy ``model.generate`` then gives our tokens (tested).
+The README says how to lift the restriction (``suppress_tokens=None``) to sample image blocks.
 """
 
 from __future__ import annotations
@@ -120,6 +127,102 @@ def qwen3_state(state: dict[str, torch.Tensor], n_layers: int) -> dict[str, torc
     return {names[name]: tensor for name, tensor in state.items()}
 
 
+def non_text_ids(layout, tok) -> list[int]:
+    """Every id a text continuation must not produce: pad, bos, structure markers, visual codes
+    (``earlyfuse-generate``'s ``TextOnly`` mask, as a list)."""
+    return [tok.pad_id, tok.bos_id, *range(layout.text_size, layout.size)]
+
+
+def generation_config(layout, tok):
+    """Greedy text generation with our specials; non-text ids suppressed (lift with
+    ``suppress_tokens=None`` to sample image blocks)."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        bos_token_id=tok.bos_id,
+        eos_token_id=tok.eos_id,
+        pad_token_id=tok.pad_id,
+        do_sample=False,
+        max_new_tokens=64,
+        suppress_tokens=non_text_ids(layout, tok),
+    )
+
+
+def hf_tokenizer(tokenizer_json: Path, bos_id: int):
+    """Our BPE as a ``PreTrainedTokenizerFast`` that starts every text with ``<|bos|>`` (a
+    post-processor in tokenizer.json, which every loader of the file applies) and adds no eos,
+    so a prompt is what our documents begin with."""
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer.from_file(str(tokenizer_json))
+    backend.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A",
+        pair="<|bos|> $A <|bos|> $B",
+        special_tokens=[("<|bos|>", bos_id)],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+    )
+
+
+def readme(rel, tok) -> str:
+    lay = rel.vocab_layout
+    return f"""# earlyfuse model (Qwen3 architecture)
+
+Exported by `earlyfuse-convert hf` from `{rel.path}` (step {rel.step}). Load it with
+`transformers.AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`.
+
+## Ids
+
+- `0..{lay.text_size - 1}`: the text tokenizer's (byte-level BPE); `<|pad|>` {tok.pad_id},
+  `<|bos|>` {tok.bos_id}, `<|eos|>` {tok.eos_id}. The tokenizer puts `<|bos|>` before every text,
+  as our training documents start (`add_special_tokens=False` leaves it out).
+- `{lay.structure_offset}..{lay.visual_offset - 1}`: structure markers (`<boi>`, `<eol>`, sizes ...);
+  `{lay.visual_offset}..{lay.size - 1}`: the {lay.num_codes} visual codes (`vocab_layout.json`).
+  `visual_tokenizer/` turns a grid of codes into pixels (earlyfuse's `model/visual_tokenizer.py`).
+
+## Text generation
+
+`generation_config.json` makes `model.generate` produce text only, like `earlyfuse-generate`: it
+lists every non-text id (pad, bos, structure markers, visual codes) in `suppress_tokens`, and
+stops at `<|eos|>`. Greedy decoding then gives the same tokens as `earlyfuse-generate`:
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+tok = AutoTokenizer.from_pretrained("OUT")
+model = AutoModelForCausalLM.from_pretrained("OUT")
+ids = tok("The cat sat on", return_tensors="pt").input_ids  # starts with <|bos|>
+out = model.generate(ids, max_new_tokens=30)
+print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+```
+
+Without that list (`model.generate(ids, suppress_tokens=None)`) the model samples over the
+whole vocabulary, visual codes included. To restrict any other way, a logits processor that
+keeps ids `< {lay.text_size}` does the same:
+
+```python
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+class TextOnly(LogitsProcessor):
+    def __call__(self, input_ids, scores):
+        scores[:, {lay.text_size}:] = -float("inf")
+        scores[:, [{tok.pad_id}, {tok.bos_id}]] = -float("inf")
+        return scores
+
+model.generate(ids, suppress_tokens=None, logits_processor=LogitsProcessorList([TextOnly()]))
+```
+
+Images are blocks `<boi> <h=H> <w=W> (W codes <eol>) x H <eoi>`: drawing one needs the grid
+grammar that `earlyfuse-generate --draw` enforces; Hugging Face generation does not know it.
+"""
+
+
 def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=print) -> Path:
     rel, out = Release(release), Path(out)
     if rel.task != "lm":
@@ -134,7 +237,7 @@ def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=
         )
     if out.exists() and any(out.iterdir()) and not force:
         raise ReleaseError(f"{out} exists and is not empty (use --force to replace it)")
-    from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
     tok = rel.text_tokenizer()
     hf_cfg = qwen3_config(
@@ -149,24 +252,14 @@ def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=
     )
     if out.exists():
         shutil.rmtree(out)
+    model.generation_config = generation_config(rel.vocab_layout, tok)
     model.save_pretrained(out, safe_serialization=True)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_file=str(rel.path / TOKENIZER),
-        bos_token="<|bos|>",
-        eos_token="<|eos|>",
-        pad_token="<|pad|>",
-    )
+    fast = hf_tokenizer(rel.path / TOKENIZER, tok.bos_id)
     fast.save_pretrained(out)
     shutil.copy(rel.path / LAYOUT, out / LAYOUT)
     if (rel.path / "visual_tokenizer").is_dir():
         shutil.copytree(rel.path / "visual_tokenizer", out / "visual_tokenizer")
-    (out / "README.md").write_text(
-        f"# earlyfuse model (Qwen3 architecture)\n\nExported by `earlyfuse-convert hf` from `{rel.path}` "
-        f"(step {rel.step}). Load with `transformers.AutoModelForCausalLM.from_pretrained`. Ids "
-        f"0..{rel.vocab_layout.text_size - 1} are the text tokenizer's; the structure markers and the "
-        f"{rel.vocab_layout.num_codes} visual codes follow (vocab_layout.json); visual_tokenizer/ turns codes "
-        "into pixels (earlyfuse's model/visual_tokenizer.py).\n"
-    )
+    (out / "README.md").write_text(readme(rel, tok))
     log(
         f"wrote {out}: Qwen3ForCausalLM, {sum(param.numel() for param in model.parameters()):,} parameters, "
         f"vocabulary {rel.transformer_config.vocab_size} (text {rel.vocab_layout.text_size}, codes {rel.vocab_layout.num_codes})"

@@ -23,6 +23,23 @@ def rng_for(seed: int, part: str, index: int = 0) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(part.encode()), index])
 
 
+SPLITS = ("all", "train", "heldout")
+HELDOUT_ONE_IN = 5  # about one item of real material in five goes to the held-out split
+
+
+def in_split(group: str, split: str) -> bool:
+    """Whether real material of this group (a file name, a top-level package, a digit's index)
+    belongs to ``split``. ``train`` and ``heldout`` are disjoint and together make ``all``; the
+    choice is a fixed hash of the group, so it is the same on every machine and at every scale,
+    and the generated parts never decide it."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if split == "all":
+        return True
+    held = zlib.crc32(f"heldout:{group}".encode()) % HELDOUT_ONE_IN == 0
+    return held if split == "heldout" else not held
+
+
 def package_dir(name: str) -> pathlib.Path | None:
     """Folder of an installed package *without importing it* (skimage/sklearn imports cost
     seconds on a 2-core machine; we only need the data files they ship)."""

@@ -17,7 +17,7 @@ from typing import Any
 from tqdm import tqdm
 
 from . import clips, digits, interleaved, scenes, stdlib_code, wds
-from ._common import scaled
+from ._common import SPLITS, scaled
 from .photos import available, build_photos
 from .prose import build_text
 from .readme import MARKER, build_readme
@@ -37,15 +37,33 @@ def _check_target(out: pathlib.Path) -> None:
         )
 
 
-def build(out: pathlib.Path, *, seed: int = 0, scale: float = 1.0, progress: bool = True) -> dict:
+def build(
+    out: pathlib.Path,
+    *,
+    seed: int = 0,
+    scale: float = 1.0,
+    progress: bool = True,
+    split: str = "all",
+    scene_count: int | None = None,
+) -> dict:
     """Build the demo corpus into `out`; return a summary: files and bytes per part.
 
     `scale` multiplies every generated or sampled count (code files, digits, scenes, clips,
     documents, shard samples); photos are always all present. Item i of a part depends only
     on (seed, i), so a small corpus is a prefix of a larger one with the same seed.
+
+    `split` divides the real material (standard-library modules and their docstrings, pydoc
+    topics, photos and the clips made from them, handwritten digits) by a fixed hash of each
+    item's group (`_common.in_split`): `train` and `heldout` never share an item, `all` has both.
+    Generated parts (scenes, motion clips, interleaved documents, the wds shard) differ by
+    `seed`: build a held-out corpus with `split="heldout"` and another seed than training.
+    `scene_count` sets the number of scenes (and as many drawings: caption-then-picture scenes)
+    whatever the scale, for a held-out set large enough to score generation on.
     """
     if scale <= 0:
         raise ValueError(f"scale must be positive, got {scale}")
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     out = pathlib.Path(out)
     _check_target(out)
     stage = out.parent / f".{out.name}.partial-{os.getpid()}"
@@ -64,27 +82,36 @@ def build(out: pathlib.Path, *, seed: int = 0, scale: float = 1.0, progress: boo
         done(
             "code",
             stdlib_code.build_code(
-                stage, seed=seed, count=scaled(stdlib_code.TARGET, scale), progress=progress
+                stage,
+                seed=seed,
+                count=scaled(stdlib_code.TARGET, scale),
+                progress=progress,
+                split=split,
             ),
         )
-        done("text", build_text(stage, seed=seed, scale=scale))
-        done("photos", build_photos(stage))
+        done("text", build_text(stage, seed=seed, scale=scale, split=split))
+        done("photos", build_photos(stage, split))
         done(
             "digits",
             digits.build_digits(
-                stage, seed=seed, count=scaled(digits.TARGET, scale), progress=progress
+                stage,
+                seed=seed,
+                count=scaled(digits.TARGET, scale),
+                progress=progress,
+                split=split,
             ),
         )
         # At least 4 scenes / clips, so that galleries, shards and every clip kind exist.
+        n_scenes = scene_count if scene_count is not None else scaled(scenes.TARGET, scale, 4)
         scene_summary, scene_rows = scenes.build_scenes(
-            stage, seed=seed, count=scaled(scenes.TARGET, scale, 4), progress=progress
+            stage, seed=seed, count=n_scenes, progress=progress, drawings=n_scenes
         )
         done("scenes", scene_summary)
         clip_summary, clip_rows = clips.build_clips(
-            stage, seed=seed, count=scaled(clips.TARGET, scale, 4), progress=progress
+            stage, seed=seed, count=scaled(clips.TARGET, scale, 4), progress=progress, split=split
         )
         done("clips", clip_summary)
-        photos = [p for p, _ in available()]
+        photos = [p for p, _ in available(split)]
         done(
             "interleaved",
             interleaved.build_interleaved(
@@ -102,7 +129,7 @@ def build(out: pathlib.Path, *, seed: int = 0, scale: float = 1.0, progress: boo
         )
         steps.close()
 
-        summary: dict[str, Any] = {"seed": seed, "scale": scale, "parts": parts}
+        summary: dict[str, Any] = {"seed": seed, "scale": scale, "split": split, "parts": parts}
         summary["files"] = sum(1 for p in stage.rglob("*") if p.is_file()) + 1  # + README.md
         summary["bytes"] = sum(p.stat().st_size for p in stage.rglob("*") if p.is_file())
         readme_bytes = build_readme(stage, summary, photos)

@@ -325,10 +325,11 @@ def check_clip(frames: np.ndarray, facts: dict) -> bool:
 
 
 def build_clips(
-    out: pathlib.Path, *, seed: int, count: int, progress: bool
+    out: pathlib.Path, *, seed: int, count: int, progress: bool, split: str = "all"
 ) -> tuple[dict, list[dict]]:
-    """Write `count` clips; clip i's kind and fps cycle so that any prefix mixes all of them."""
-    photos = [(p, path) for p, path in available() if p.file not in NOT_FOR_CLIPS]
+    """Write `count` clips; clip i's kind and fps cycle so that any prefix mixes all of them.
+    Pans and zooms use the photos of ``split`` only (a held-out clip never shows a training photo)."""
+    photos = [(p, path) for p, path in available(split) if p.file not in NOT_FOR_CLIPS]
     cache: dict[str, Image.Image] = {}
     folder = out / "clips"
     folder.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from ._common import package_dir, rng_for, write_png, write_text
+from ._common import in_split, package_dir, rng_for, write_png, write_text
 
 SIZE = 32
 TARGET = 300
@@ -38,10 +38,15 @@ def render(pixels: np.ndarray) -> np.ndarray:
     return np.asarray(Image.fromarray(grey).resize((SIZE, SIZE), Image.Resampling.BILINEAR))
 
 
-def build_digits(out: pathlib.Path, *, seed: int, count: int, progress: bool) -> dict:
+def build_digits(
+    out: pathlib.Path, *, seed: int, count: int, progress: bool, split: str = "all"
+) -> dict:
     images, labels = load_digits_raw()
     rng = rng_for(seed, "digits")
-    picked = sorted(rng.choice(len(labels), size=min(count, len(labels)), replace=False).tolist())
+    pool = [i for i in range(len(labels)) if in_split(f"digit:{i}", split)]
+    picked = sorted(
+        pool[j] for j in rng.choice(len(pool), size=min(count, len(pool)), replace=False).tolist()
+    )
     folder = out / "digits"
     total = 0
     buf = io.StringIO()

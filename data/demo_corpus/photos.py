@@ -16,7 +16,7 @@ import dataclasses
 import pathlib
 import shutil
 
-from ._common import package_dir, write_text
+from ._common import in_split, package_dir, write_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,16 +226,26 @@ def source_path(photo: Photo) -> pathlib.Path | None:
     return path if path.is_file() else None
 
 
-def available() -> list[tuple[Photo, pathlib.Path]]:
-    """The catalogue entries whose files exist in this environment, in catalogue order."""
-    return [(p, src) for p in CATALOGUE if (src := source_path(p)) is not None]
+def split_group(photo: Photo) -> str:
+    """The two views of the stereo pair (motorcycle_left/right) are one group: never split."""
+    return photo.file.replace("_left", "").replace("_right", "")
 
 
-def build_photos(out: pathlib.Path) -> dict:
+def available(split: str = "all") -> list[tuple[Photo, pathlib.Path]]:
+    """The catalogue entries of ``split`` whose files exist in this environment, in catalogue
+    order."""
+    return [
+        (p, src)
+        for p in CATALOGUE
+        if in_split(split_group(p), split) and (src := source_path(p)) is not None
+    ]
+
+
+def build_photos(out: pathlib.Path, split: str = "all") -> dict:
     folder = out / "photos"
     folder.mkdir(parents=True, exist_ok=True)
     total = files = 0
-    for photo, src in available():
+    for photo, src in available(split):
         dst = folder / photo.file
         shutil.copyfile(src, dst)  # original bytes, unchanged
         total += dst.stat().st_size

@@ -15,8 +15,8 @@ import io
 import pathlib
 import tokenize
 
-from ._common import rng_for, write_jsonl
-from .stdlib_code import candidates, stdlib_dir
+from ._common import in_split, rng_for, write_jsonl
+from .stdlib_code import candidates, split_group, stdlib_dir
 
 MIN_DOCSTRING = 200
 
@@ -44,10 +44,10 @@ def module_name(rel: pathlib.Path) -> str:
     return ".".join(parts)
 
 
-def build_text(out: pathlib.Path, *, seed: int, scale: float) -> dict:
+def build_text(out: pathlib.Path, *, seed: int, scale: float, split: str = "all") -> dict:
     from pydoc_data.topics import topics  # stdlib; the text of help("keyword") topics
 
-    names = sorted(topics)
+    names = sorted(n for n in topics if in_split(f"topic:{n}", split))
     # Below scale 1 keep a seeded subset; at scale >= 1 everything (there is no more to add).
     keep = _subset(len(names), scale, rng_for(seed, "pydoc"))
     topic_rows = [{"id": names[i], "text": topics[names[i]].strip()} for i in keep]
@@ -56,6 +56,8 @@ def build_text(out: pathlib.Path, *, seed: int, scale: float) -> dict:
     root = stdlib_dir()
     docs = []
     for rel in candidates():
+        if not in_split(split_group(rel), split):
+            continue
         doc = module_docstring(root / rel)
         if doc and len(doc.strip()) > MIN_DOCSTRING:
             docs.append({"id": module_name(rel), "text": doc.strip()})

@@ -17,9 +17,13 @@ def render(summary: dict, photos: list[Photo]) -> str:
     return f"""{MARKER}
 
 A small, real, offline multimodal corpus built by `earlyfuse-prep demo-corpus`
-(seed {summary["seed"]}, scale {summary["scale"]}, Python {platform.python_version()}).
+(seed {summary["seed"]}, scale {summary["scale"]}, split {summary.get("split", "all")},
+Python {platform.python_version()}).
 Nothing was downloaded: every part comes from files that Python and the `[demo]` extra
 install, or is generated. The same seed and package versions give byte-identical files.
+Split `train` and split `heldout` share no real material (modules, docstrings, help topics,
+photos and the clips made from them, digits: divided by a fixed hash of each item's group);
+split `all` has all of it.
 
 | part | ingest as | contents |
 |---|---|---|
@@ -27,7 +31,7 @@ install, or is generated. The same seed and package versions give byte-identical
 | `text/` | `text:OUT/text` | `pydoc_topics.jsonl`: the `help()` topics of `pydoc_data`; `docstrings.jsonl`: stdlib module docstrings over 200 characters ({p["text"]["documents"]} documents) |
 | `photos/` | `images:OUT/photos` | {p["photos"]["images"]} photographs shipped by scikit-image and scikit-learn, original bytes, each with a `.txt` caption written for it |
 | `digits/` | `images:OUT/digits/digits.csv` | {p["digits"]["images"]} of scikit-learn's handwritten digits (8x8, bundled csv.gz) enlarged to 32x32 PNG; captions from the labels |
-| `scenes/` | `images:OUT/scenes/scenes.jsonl` | {p["scenes"]["images"]} generated pictures of 1-3 shapes; captions state shape, colour and grid position, checkable with `data.demo_corpus.check_scene` |
+| `scenes/` | `images:OUT/scenes/scenes.jsonl`, `interleaved:OUT/scenes/drawings.jsonl` | {p["scenes"]["images"]} generated pictures of 1-3 shapes; captions state shape, colour and grid position, checkable with `data.demo_corpus.check_scene`; `scenes.jsonl` puts the picture first (captioning), `drawings.jsonl` ({p["scenes"].get("drawings", 0)} of them) the caption first (drawing), each row with its facts |
 | `clips/` | `videos:OUT/clips` | {p["clips"]["clips"]} H.264 mp4 clips (libx264, yuv420p, 5/8/12/24 fps): moving shapes, pans and zooms across the photos; `captions.jsonl` states the motion, checkable with `data.demo_corpus.check_clip` |
 | `interleaved/` | `interleaved:OUT/interleaved/docs.jsonl` | {p["interleaved"]["documents"]} documents: OBELICS-style `texts`/`images` lists, and native `segments` (with videos) |
 | `wds/` | `wds:OUT/wds` | one img2dataset-style shard of {p["wds"]["samples"]} scenes as JPEG (`KEY.jpg`, `KEY.txt`, `KEY.json`) |

@@ -241,9 +241,12 @@ def check_scene(image: np.ndarray, facts: dict, *, exhaustive: bool = True) -> b
 
 
 def build_scenes(
-    out: pathlib.Path, *, seed: int, count: int, progress: bool
+    out: pathlib.Path, *, seed: int, count: int, progress: bool, drawings: int = 0
 ) -> tuple[dict, list[dict]]:
-    """Write `count` scenes; return the summary and the jsonl rows (other parts reuse them)."""
+    """Write `count` scenes (`scenes.jsonl`: picture then caption, the captioning layout) and
+    `drawings` more (`drawings.jsonl`: caption then picture, the layout a model learns to draw
+    from, OBELICS-style with the facts beside). Returns the summary and the scenes.jsonl rows
+    (other parts reuse them)."""
     rows, total = [], 0
     for i in tqdm(range(count), desc="scenes", unit="img", disable=not progress, leave=False):
         rng = rng_for(seed, "scenes", i)
@@ -252,4 +255,22 @@ def build_scenes(
         total += write_png(out / "scenes" / rel, render(facts, rng))
         rows.append({"image": rel, "caption": caption(facts), "facts": facts})
     total += write_jsonl(out / "scenes" / "scenes.jsonl", rows)
-    return {"images": count, "bytes": total}, rows
+    drawn = []
+    for i in range(drawings):
+        rng = rng_for(seed, "drawings", i)
+        facts = sample_facts(rng)
+        rel = f"img/drawing_{i:04d}.png"
+        total += write_png(out / "scenes" / rel, render(facts, rng))
+        text = caption(facts)
+        drawn.append(
+            {
+                "texts": [text, None],
+                "images": [None, rel],
+                "caption": text,
+                "image": rel,
+                "facts": facts,
+            }
+        )
+    if drawings:
+        total += write_jsonl(out / "scenes" / "drawings.jsonl", drawn)
+    return {"images": count + drawings, "drawings": drawings, "bytes": total}, rows

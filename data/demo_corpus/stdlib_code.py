@@ -13,7 +13,7 @@ import sysconfig
 
 from tqdm import tqdm
 
-from ._common import rng_for
+from ._common import in_split, rng_for
 
 # Folders that are not "library code": test suites (huge, repetitive), the IDLE app, demos,
 # installed third-party packages (pyenv/venv stdlib dirs contain site-packages), build config.
@@ -25,6 +25,7 @@ SKIP_DIRS = {
     "idlelib",
     "turtledemo",
     "__pycache__",
+    "venv",  # the stdlib's venv package: `ingest` takes a folder of that name for a vendored venv
 }
 MAX_BYTES = 60_000  # one file must not dominate a small corpus
 TARGET = 150
@@ -65,10 +66,19 @@ def candidates() -> list[pathlib.Path]:
     return found
 
 
-def build_code(out: pathlib.Path, *, seed: int, count: int, progress: bool) -> dict:
-    """Copy `count` modules chosen by the seed; bytes unchanged, relative paths kept."""
+def split_group(rel: pathlib.Path) -> str:
+    """What decides a module's split: its top-level package (``email/mime/text.py`` -> ``email``),
+    so near-identical siblings (the ``encodings/cp125x.py`` tables) never straddle the split;
+    a top-level module is its own group. Its docstring (prose.py) goes the same way."""
+    return rel.parts[0] if len(rel.parts) > 1 else rel.name
+
+
+def build_code(
+    out: pathlib.Path, *, seed: int, count: int, progress: bool, split: str = "all"
+) -> dict:
+    """Copy `count` modules of the split chosen by the seed; bytes unchanged, relative paths kept."""
     root = stdlib_dir()
-    pool = candidates()
+    pool = [rel for rel in candidates() if in_split(split_group(rel), split)]
     rng = rng_for(seed, "code")
     picked = sorted(rng.choice(len(pool), size=min(count, len(pool)), replace=False).tolist())
     total = 0

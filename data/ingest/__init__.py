@@ -25,9 +25,13 @@ def ingest(
     command: list[str] | None = None,
     engine: EngineConfig | None = None,
     val_fraction: float = 0.0,
+    exclude_content_of: list[str | Path] | None = None,
 ) -> dict:
-    """Plan and write shards; returns a summary (see ``run_plan``) with the plan's counts."""
+    """Plan and write shards; returns a summary (see ``run_plan``) with the plan's counts.
+    ``exclude_content_of``: raw shard folders (e.g. the training set, for a held-out set) whose
+    documents, media and long texts are rejected here as ``duplicate-of-excluded``."""
     specs = parse_sources(sources)
+    exclude = tuple(str(Path(p)) for p in exclude_content_of or [])
     plan = make_plan(
         specs,
         limits or Limits(),
@@ -35,6 +39,7 @@ def ingest(
         shard_max_samples=shard_max_samples,
         progress=progress,
         val_fraction=val_fraction,
+        exclude=exclude,
     )
     summary = run_plan(
         out if is_remote(out) else Path(out),
@@ -45,6 +50,7 @@ def ingest(
         command=command,
         progress=progress,
         engine=engine,
+        exclude=exclude,
     )
     summary["plan"] = plan.describe()
     return summary

@@ -64,6 +64,20 @@ class Plan:
         }
 
 
+def _manifest_fingerprint(folder: str) -> str:
+    """The shard hashes of a raw folder's manifest (what --exclude-content-of compares with)."""
+    from pathlib import Path
+
+    from data.shards.manifest import load_manifest
+
+    try:
+        m = load_manifest(Path(folder))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--exclude-content-of {folder}: not a raw shard folder ({e})") from None
+    blob = json.dumps([s.get("sha256") for s in m["shards"]]).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
 def _item_blob(item: Item) -> bytes:
     rej = item.reject.to_dict() if item.reject else None
     return json.dumps(
@@ -90,6 +104,7 @@ def make_plan(
     shard_max_samples: int,
     progress: bool = True,
     val_fraction: float = 0.0,
+    exclude: tuple[str, ...] = (),
 ) -> Plan:
     if shard_max_bytes <= 0 and shard_max_samples <= 0:
         raise ValueError("set a shard size: --shard-size and/or --shard-samples")
@@ -104,6 +119,8 @@ def make_plan(
     }
     if val_fraction:  # only when set: plans made before the split keep their fingerprint
         shape["val_fraction"] = val_fraction
+    if exclude:  # which shards of which folders: another training set is another plan
+        shape["exclude"] = [[str(folder), _manifest_fingerprint(folder)] for folder in exclude]
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode())
     first_seen: dict[str, str] = {}
     shards: list[ShardPlan] = []

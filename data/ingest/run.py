@@ -23,12 +23,26 @@ from data.engine import EngineConfig, run_jobs
 from data.ingest.plan import Plan, ShardPlan
 from data.names import INDEX_SUFFIX, MANIFEST_FILE, REJECTS_FILE
 from data.schema import SEGMENT_TYPES, Reject
+from data.shards.content import describe, folder_fingerprints, sample_fingerprints
 from data.shards.manifest import finalize, record_path
 from data.shards.storage import Folder, Staging
 from data.shards.writer import ShardWriter
 from data.sources import Limits, Source, SourceSpec, build_source
 
 _SOURCES: dict[SourceSpec, Source] = {}
+_EXCLUDED: dict[tuple[str, ...], dict[str, tuple[str, str]]] = {}
+
+
+def excluded_fingerprints(folders: tuple[str, ...]) -> dict[str, tuple[str, str]]:
+    """Fingerprint -> (folder, source:key) of every document of the excluded folders; read once
+    per worker process."""
+    if folders not in _EXCLUDED:
+        found: dict[str, tuple[str, str]] = {}
+        for folder in folders:
+            for fp, where in folder_fingerprints(folder).items():
+                found.setdefault(fp, (folder, where))
+        _EXCLUDED[folders] = found
+    return _EXCLUDED[folders]
 
 
 @dataclass
@@ -40,6 +54,7 @@ class ShardJob:
     plan: dict  # Plan.describe(): fingerprint, shard count, limits
     partition: tuple[int, int]
     command: list[str]
+    exclude: tuple[str, ...] = ()  # raw folders whose content this ingest must not repeat
 
 
 def write_shard(job: ShardJob) -> dict:
@@ -61,11 +76,27 @@ def _write_shard(job: ShardJob, src: Source, stage: Staging) -> dict:
     rejects: list[dict] = []
     segments = dict.fromkeys(SEGMENT_TYPES, 0)
     repaired = 0
+    excluded = excluded_fingerprints(job.exclude) if job.exclude else {}
     try:
         for item in shard.items:
             got = item.reject or src.load(item)
             if isinstance(got, Reject):
                 rejects.append(got.to_dict())
+                continue
+            content = sample_fingerprints(got)
+            hit = next((fp for fp in content if fp in excluded), None)
+            if hit is not None:
+                folder, where = excluded[hit]
+                rejects.append(
+                    Reject(
+                        item.label,
+                        "duplicate-of-excluded",
+                        f"{describe(hit)} is also in {folder} ({where}); "
+                        "--exclude-content-of keeps it out",
+                        key=item.key,
+                        source=job.spec.name,
+                    ).to_dict()
+                )
                 continue
             if writer is None:
                 writer = ShardWriter(stage.path(tar_rel), stage.path(idx_rel))
@@ -74,7 +105,7 @@ def _write_shard(job: ShardJob, src: Source, stage: Staging) -> dict:
                 for seg in got.doc["segments"]
                 if "member" in seg
             ]
-            writer.write(got, {"media": media} if media else None)
+            writer.write(got, {"content": content, **({"media": media} if media else {})})
             for seg in got.doc["segments"]:
                 segments[seg["type"]] += 1
             repaired += got.doc["origin"].get("repaired_utf8", 0)
@@ -152,9 +183,12 @@ def run_plan(
     command: list[str] | None = None,
     progress: bool = True,
     engine: EngineConfig | None = None,
+    exclude: tuple[str, ...] = (),
 ) -> dict:
     """Write this partition's missing shards; finalize when all shards exist. Returns a summary.
-    ``engine`` says where the jobs run (default: ``workers`` local processes)."""
+    ``engine`` says where the jobs run (default: ``workers`` local processes). ``exclude``: raw
+    folders whose documents' content (data/shards/content.py) is rejected here; it must be the
+    one the plan was fingerprinted with."""
     engine = engine or EngineConfig(workers=workers)
     if not (num_partitions >= 1 and 0 <= partition < num_partitions):
         raise ValueError(f"--partition {partition} is outside 0..{num_partitions - 1}")
@@ -174,6 +208,7 @@ def run_plan(
             plan.describe(),
             (partition, num_partitions),
             command or [],
+            tuple(str(Path(p).absolute()) for p in exclude),
         )
         for shard in todo
     ]

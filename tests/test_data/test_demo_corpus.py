@@ -178,7 +178,9 @@ def test_rebuild_replaces_a_corpus_but_refuses_a_foreign_folder(tmp_path):
     out = tmp_path / "c"
     build(out, seed=0, scale=0.1, progress=False)
     build(out, seed=0, scale=0.02, progress=False)  # smaller: the old extra files must go
-    assert len(list((out / "scenes" / "img").iterdir())) == 8
+    # 8 scenes and as many drawings (caption-then-picture scenes): nothing left of the bigger build
+    assert len(list((out / "scenes" / "img").glob("scene_*.png"))) == 8
+    assert len(list((out / "scenes" / "img").iterdir())) == 16
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")

@@ -74,3 +74,39 @@ def test_a_feature_qwen3_lacks_is_refused_by_name(release, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "does not map onto Qwen3" in err and "rope.mrope_sections=[4, 2, 2] (M-RoPE" in err
     assert not (tmp_path / "hf").exists()
+
+
+def test_hf_greedy_text_generation_equals_earlyfuse_generate(release, tmp_path):
+    """AutoTokenizer starts the prompt with <|bos|>, generation_config.json suppresses every
+    non-text id, so transformers' greedy generate gives earlyfuse-generate's tokens."""
+    from tools.generate import Generator
+
+    out = tmp_path / "hf"
+    assert convert_main(["hf", str(release), str(out)]) == 0
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    rel = Release(release)
+    ours = Generator(rel, torch.device("cpu"))
+    lay = rel.layout
+    for prompt in ("The cat sat on", "def add(a, b):"):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        assert ids[0, 0].item() == ours.text.bos_id
+        assert ids[0, 1:].tolist() == ours.text.encode(prompt)
+        got = hf.generate(ids, max_new_tokens=30)[0, ids.shape[1] :].tolist()
+        want = ours._run(
+            [ours.text.bos_id, *ours.text.encode(prompt)],
+            [0] * ids.shape[1],
+            constraint=ours._text_constraint(),
+            stop=[ours.text.eos_id],
+            max_new_tokens=30,
+            temperature=0.0,
+            top_k=0,
+            top_p=1.0,
+            seed=0,
+        )
+        assert got == want and len(got) >= 5, (got, want)
+        assert all(t < lay.text_size and t not in (tok.pad_token_id, tok.bos_token_id) for t in got)
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert (gen["bos_token_id"], gen["eos_token_id"], gen["pad_token_id"]) == (1, 2, 0)
+    assert set(gen["suppress_tokens"]) == {0, 1, *range(lay.text_size, lay.size)}
+    assert "suppress_tokens=None" in (out / "README.md").read_text()

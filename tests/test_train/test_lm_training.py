@@ -41,6 +41,13 @@ def test_lm_debug_run_logs_every_modality(tiny_tokens, tmp_path):
     assert all(sum(m[s][f"mix/{k}"] for s in m) > 0 for k in SOURCES)
     final = json.loads((run / "final.json").read_text())
     assert "val/loss/image" in final and "val/ppl/image" in final
+    # The unigram baseline beside every loss: console, metrics.jsonl, final.json (issue 17).
+    assert "(u " in p.stdout
+    assert any("unigram/image" in rec for rec in m.values())
+    assert final["val/margin/image"] == pytest.approx(
+        final["val/unigram/image"] - final["val/loss/image"]
+    )
+    assert final["val/complete"] in (0.0, 1.0) and final["val/batches"] <= 2
     assert (run / "checkpoints" / "step_00000008" / "vocab_layout.json").is_file()
 
 

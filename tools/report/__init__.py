@@ -3,7 +3,7 @@ PNG and one self-contained HTML page; works on a finished run and on one still b
 
 Notable choices:
 - The run folder is the only input (metrics.jsonl, config.yaml, final.json, alarms.jsonl,
-  vtok_reconstructions.png), read as the trainer writes it: the last record of a step wins (a
+  vtok_reconstructions.png, heldout_eval.json), read as the trainer writes it: the last record of a step wins (a
   resumed run appends), a half-written last line is skipped. See ``tools/report/run.py``.
 - Panels are data-driven: a group of signals gets its panel only if the run logged it, so the
   same command reads LM runs, visual-tokenizer runs and the monitor signals still to come
@@ -51,7 +51,11 @@ def header_lines(run: RunData, smooth: float) -> list[tuple[str, float, str]]:
         lines.append(
             (
                 f"last train loss ({which}): "
-                + "  ".join(f"{r[0]} {r[2] if smooth > 0 else r[1]}" for r in mods),
+                + "  ".join(
+                    f"{r[0]} {r[2] if smooth > 0 else r[1]}"
+                    + (f" (u {r[3]})" if r[3] != "-" else "")
+                    for r in mods
+                ),
                 10,
                 "mono",
             )
@@ -60,11 +64,31 @@ def header_lines(run: RunData, smooth: float) -> list[tuple[str, float, str]]:
         (k, v)
         for k, v in sorted(run.final.items())
         if k.startswith(
-            ("val/loss", "eval/psnr", "eval/ssim", "eval/baseline", "eval/code_fraction")
+            (
+                "val/loss",
+                "val/unigram",
+                "eval/psnr",
+                "eval/ssim",
+                "eval/baseline",
+                "eval/palette",
+                "eval/code_fraction",
+            )
         )
     ]
     if final:
         lines.append(("final: " + "  ".join(f"{k} {fmt(v)}" for k, v in final), 10, "mono"))
+    ev = (run.heldout_eval.get("heldout") or {}).get("total") or {}
+    if ev:
+        lines.append(
+            (
+                "held-out (earlyfuse-eval), CE vs unigram: "
+                + "  ".join(
+                    f"{m} {fmt(f['ce'], 3)}/{fmt(f.get('unigram'), 3)}" for m, f in ev.items()
+                ),
+                10,
+                "mono",
+            )
+        )
     from tools.report.page import lead_text, visible_of, visible_text
 
     visible = visible_of(run)
@@ -202,6 +226,10 @@ def main(argv=None) -> int:
     )
     print(f"wrote {rep.png}")
     print(f"wrote {rep.html}")
+    if run.heldout_eval:  # the held-out evaluation (earlyfuse-eval --out RUN_DIR/heldout_eval.json)
+        from tools.evaluate.table import format_eval
+
+        print(format_eval(run.heldout_eval))
     return 0
 
 

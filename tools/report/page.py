@@ -64,6 +64,11 @@ def overview(run: RunData, smooth: float) -> list[tuple[str, str]]:
         notes.append(
             f"{run.bad_lines} unreadable metrics line(s) skipped (a run being written ends in a partial line)"
         )
+    if run.impossible_mfu:
+        notes.append(
+            f"{run.impossible_mfu} step(s) logged an MFU above 100 % (the peak was measured too "
+            "low): not drawn"
+        )
     if run.bad_alarm_lines:
         notes.append(f"{run.bad_alarm_lines} unreadable alarms line(s) skipped")
     if notes:
@@ -93,9 +98,12 @@ def modality_rows(run: RunData, smooth: float) -> list[list[str]]:
                 m,
                 fmt(run.last(f"loss/{m}")),
                 fmt(smoothed),
+                fmt(run.last(f"unigram/{m}")),
                 fmt(run.last(f"loss_norm/{m}")),
                 fmt(run.last(f"val/loss/{m}")),
                 fmt(run.final.get(f"val/loss/{m}")),
+                fmt(run.final.get(f"val/unigram/{m}", run.last(f"val/unigram/{m}"))),
+                fmt(run.final.get(f"val/margin/{m}", run.last(f"val/margin/{m}"))),
                 fmt(run.final.get(f"val/ppl/{m}", run.last(f"val/ppl/{m}"))),
                 human(float(np.nansum(tok.values))) if tok is not None else "-",
             ]
@@ -242,14 +250,17 @@ def html_page(
                     "modality",
                     "last train loss",
                     f"train loss EMA {smooth:g}",
+                    "train unigram baseline (last)",
                     "last CE / ln V",
                     "last val loss",
                     "final val loss",
+                    "val unigram baseline",
+                    "margin (baseline - loss)",
                     "val ppl (final, else last)",
                     "label tokens seen",
                 ],
                 mods,
-                num_cols=set(range(1, 8)),
+                num_cols=set(range(1, 11)),
             ),
         ]
     parts.append("<h2>Evaluation</h2>")
@@ -259,6 +270,15 @@ def html_page(
         if ev
         else "<p class=muted>no evaluation logged yet</p>"
     )
+    if run.heldout_eval:
+        from tools.evaluate.table import format_eval
+
+        parts += [
+            "<h2>Held-out evaluation</h2><p class=muted>heldout_eval.json, written by "
+            "earlyfuse-eval (docs/evaluation.md).</p><pre>",
+            esc(format_eval(run.heldout_eval)),
+            "</pre>",
+        ]
     parts.append("<h2>Alarms</h2>")
     rows = alarm_rows(run)
     if rows:

@@ -10,7 +10,8 @@
   with the same tolerance, in file order.
 - The records of the first trajectory (``first_pass``: up to a rollback) are kept apart: the loss
   rule of tools/report/lead.py reads them to say when a failure became visible in the loss.
-- ``config.yaml`` (name, task, train.steps, data.sources weights) and ``final.json`` are optional.
+- ``config.yaml`` (name, task, train.steps, data.sources weights), ``final.json`` and
+  ``heldout_eval.json`` (``earlyfuse-eval --out``) are optional.
 """
 
 from __future__ import annotations
@@ -49,10 +50,14 @@ class RunData:
     records: dict[int, dict]  # step -> last record
     series: dict[str, Series]
     final: dict = field(default_factory=dict)  # final.json
+    heldout_eval: dict = field(default_factory=dict)  # heldout_eval.json (earlyfuse-eval --out)
     alarms: list[dict] = field(default_factory=list)
     target_mix: dict[str, float] = field(default_factory=dict)  # data.sources weights, normalised
     first_pass: list[dict] = field(default_factory=list)  # records until a step first goes back
     duplicate_records: int = 0  # records replaced by a later one for the same step
+    impossible_mfu: int = (
+        0  # steps whose logged MFU exceeded 100 % (a mis-measured peak): not drawn
+    )
     bad_lines: int = 0  # metrics lines that did not parse
     bad_alarm_lines: int = 0
 
@@ -135,6 +140,11 @@ def _number(v) -> float | None:
     return None
 
 
+# Utilisations: a value above 1 (100 %) cannot be true (the peak was measured too low, e.g. on a
+# busy machine); the report never draws or prints one, it counts them instead.
+UTILISATION_KEYS = ("throughput/mfu",)
+
+
 def build_series(records: dict[int, dict]) -> dict[str, Series]:
     cols: dict[str, tuple[list[int], list[float]]] = {}
     for step in sorted(records):
@@ -142,6 +152,8 @@ def build_series(records: dict[int, dict]) -> dict[str, Series]:
             x = _number(v)
             if k == "step" or x is None:
                 continue
+            if k in UTILISATION_KEYS and x > 1.0:
+                x = math.nan
             s, vals = cols.setdefault(k, ([], []))
             s.append(step)
             vals.append(x)
@@ -204,6 +216,12 @@ def load_run(run_dir: str | Path) -> RunData:
             final = json.loads((run_dir / FINAL_FILE).read_text())
         except ValueError:
             final = {}
+    heldout_eval = {}
+    if (run_dir / "heldout_eval.json").is_file():
+        try:
+            heldout_eval = json.loads((run_dir / "heldout_eval.json").read_text())
+        except ValueError:
+            heldout_eval = {}
     alarms: list[dict] = []
     bad_alarms = 0
     if (run_dir / ALARMS_FILE).is_file():
@@ -219,12 +237,18 @@ def load_run(run_dir: str | Path) -> RunData:
         records=records,
         series=build_series(records),
         final=final if isinstance(final, dict) else {},
+        heldout_eval=heldout_eval if isinstance(heldout_eval, dict) else {},
         alarms=alarms,
         target_mix=_target_mix(cfg),
         first_pass=first_pass(
             [r for r in raw if isinstance(r.get("step"), int) and not isinstance(r["step"], bool)]
         ),
         duplicate_records=dup,
+        impossible_mfu=sum(
+            1
+            for r in records.values()
+            if (x := _number(r.get("throughput/mfu"))) is not None and x > 1.0
+        ),
         bad_lines=bad,
         bad_alarm_lines=bad_alarms,
     )

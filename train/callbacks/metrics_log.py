@@ -5,8 +5,8 @@ Metric names are namespaced (OLMo-core style): ``train/…``, ``loss/<m>``, ``op
 ``throughput/…``, ``eval/…``, ``val/…``, ``monitor/…``, ``data/…``. The console line always has
 the same fields in the same order, so runs can be compared by eye and grepped:
 
-  step 120/1000 | loss 3.412 | text 3.10 code 2.95 image 5.21 video 5.40 | gnorm 1.23 | lr 3.00e-04 |
-  12.3k tok/s | MFU 1.2% of 0.50 TFLOP/s | data 2.1% | ETA 3m12s
+  step 120/1000 | loss 3.412 | text 3.10 (u 5.62) code 2.95 (u 4.80) image 5.21 (u 6.40) video 5.40 (u 6.51) |
+  gnorm 1.23 | lr 3.00e-04 | 12.3k tok/s | MFU 1.2% of 0.50 TFLOP/s | data 2.1% | ETA 3m12s
 
 Design choices:
 - The console line averages the whole log interval from its sums and counts (not the last step),
@@ -54,8 +54,12 @@ def console_line(metrics: dict, step: int, total: int, unit: str) -> str:
         finite = isinstance(value, (int, float)) and math.isfinite(value)
         return fmt.format(value) if finite else "-"
 
+    # "(u X)": the modality's unigram baseline on the same tokens (data/unigram.py), when known.
     per_modality = " ".join(
-        f"{name} {show(f'loss/{name}', '{:.2f}')}" for name in MODALITY_NAMES if name != "structure"
+        f"{name} {show(f'loss/{name}', '{:.2f}')}"
+        + (f" (u {show(f'unigram/{name}', '{:.2f}')})" if f"unigram/{name}" in metrics else "")
+        for name in MODALITY_NAMES
+        if name != "structure"
     )
     rate = fmt_rate(metrics.get("throughput/units_per_s", 0.0))
     return (

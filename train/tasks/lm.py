@@ -8,6 +8,13 @@ mix by source (``mix/<source>``) and visual blocks the loader dropped for being 
 (``data/dropped_blocks``, per source and modality as ``data/dropped_blocks/<source>/<m>``; only
 with ``data.allow_block_drops``, the run totals in final.json). Validation runs over the held-out
 sources (``data.validation``) and reports loss and perplexity per modality.
+
+Beside every loss stands the unigram baseline (data/unigram.py: the training tokens' own
+frequencies per modality, add-one smoothed, counted once at start): ``unigram/<m>`` on the
+training batches, ``val/unigram/<m>`` and ``val/margin/<m>`` (baseline minus loss: positive means
+the model predicts better than token frequencies alone) on the held-out set. Validation is one
+exact pass over the whole held-out set unless ``train.eval_batches`` caps it (then the figures
+say so: ``val/batches``, ``val/complete``).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from data.loader import LoaderConfig, build_loader, store
 from data.loader.fit import check_blocks_fit
 from data.loader.table import find_manifest
 from data.names import LAYOUT_FILE
+from data.unigram import Unigram
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
 from model.flops import flops_per_token
 from train.config import RunConfig
@@ -84,6 +92,9 @@ def code_buckets(batch: dict, layout: VocabLayout) -> dict[str, float]:
     return {f"code_bucket/{i:02d}": float(c) for i, c in enumerate(counts)}
 
 
+UNIGRAM_MAX_TOKENS = 50_000_000  # per source: the baseline reads at most this many tokens of each
+
+
 def vocab_sizes(lay: VocabLayout) -> list[int]:
     """Ids each modality predicts among, for normalised CE: text and code the BPE, images and
     video the codes, structure its markers."""
@@ -110,6 +121,14 @@ class LMTask:
                 )
         self.source_names = [s.name for s in cfg.data.sources]
         self._val = None
+        tables = self.tables.get(cfg.data.sources)
+        if all(t.kind == "tokens" for t in tables):
+            self.unigram: Unigram | None = Unigram.from_tables(
+                tables, self.layout, max_tokens=UNIGRAM_MAX_TOKENS
+            )
+            self._unigram_lp = self.unigram.log_probs()
+        else:  # raw sources are tokenized online: no token counts before training
+            self.unigram = None
 
     def build_model(self):
         return self.model_cfg.build()
@@ -157,6 +176,12 @@ class LMTask:
             sums[f"mix_tokens/{name}"] = batch["tokens_by_source"][i]
             for j, mod in enumerate(DROPPABLE):
                 sums[f"dropped/{name}/{mod}"] = batch["dropped_blocks"][i, j]
+        if self.unigram is not None:
+            uni, _ = self.unigram.nll_sums(
+                batch["labels"], batch["label_modality"], self._unigram_lp
+            )
+            for i, name in enumerate(MODALITY_NAMES):
+                sums[f"uni_sum/{name}"] = uni[i]
         if res.moe_expert_load is not None:  # [layers, modality, expert] assignments
             load = res.moe_expert_load.detach().sum(0)
             for i, name in enumerate(MODALITY_NAMES):
@@ -182,6 +207,8 @@ class LMTask:
                 ce = s[f"ce_sum/{name}"] / n
                 out[f"loss/{name}"] = ce
                 out[f"loss_norm/{name}"] = ce / math.log(sizes[i])
+                if f"uni_sum/{name}" in s:
+                    out[f"unigram/{name}"] = s[f"uni_sum/{name}"] / n
                 out[f"monitor/logz/{name}"] = s[f"logz_sum/{name}"] / n
                 out[f"monitor/hidden_norm/{name}"] = s[f"hnorm_sum/{name}"] / n
                 out[f"monitor/logit_gap/{name}"] = s[f"gap_sum/{name}"] / n
@@ -214,21 +241,38 @@ class LMTask:
         loader = self.stream(self.cfg.data, validation=True)
         ce = torch.zeros(len(Modality), dtype=torch.float64)
         cnt = torch.zeros(len(Modality), dtype=torch.float64)
+        uni = torch.zeros(len(Modality), dtype=torch.float64)
+        batches_read, complete = 0, 1.0
         with closing(iter(loader)) as batches:  # stops the loader's workers when we stop early
             for i, batch in enumerate(batches):
                 if self.cfg.train.eval_batches and i >= self.cfg.train.eval_batches:
+                    complete = 0.0
                     break
                 res = engine(**{k: batch[k].to(self.dist.device) for k in MODEL_INPUTS})
                 ce += res.ce_sum.detach().double().cpu()
                 cnt += res.count.detach().double().cpu()
-        ce, cnt = all_reduce_sum(ce), all_reduce_sum(cnt)
+                if self.unigram is not None:
+                    uni += self.unigram.nll_sums(
+                        batch["labels"], batch["label_modality"], self._unigram_lp
+                    )[0]
+                batches_read += 1
+        ce, cnt, uni = all_reduce_sum(ce), all_reduce_sum(cnt), all_reduce_sum(uni)
         out = {}
         for i, name in enumerate(MODALITY_NAMES):
             if cnt[i] > 0:
                 out[f"val/loss/{name}"] = float(ce[i] / cnt[i])
                 out[f"val/ppl/{name}"] = math.exp(min(50.0, float(ce[i] / cnt[i])))
+                if self.unigram is not None:
+                    out[f"val/unigram/{name}"] = float(uni[i] / cnt[i])
+                    out[f"val/margin/{name}"] = float((uni[i] - ce[i]) / cnt[i])
+                out[f"val/tokens/{name}"] = float(cnt[i])
         if cnt.sum() > 0:
             out["val/loss"] = float(ce.sum() / cnt.sum())
+            if self.unigram is not None:
+                out["val/unigram"] = float(uni.sum() / cnt.sum())
+        # Whether this was the whole held-out set (eval_batches = 0) or its first batches.
+        out["val/complete"] = complete
+        out["val/batches"] = float(batches_read)
         return out
 
     def chance_levels(self) -> dict[str, float]:

@@ -1,0 +1,227 @@
+"""``earlyfuse-eval RELEASE --data VAL_TOKENS``: what a released model has learned, measured on
+held-out data, per modality and across modalities (docs/evaluation.md).
+
+- **Per modality** (tools/evaluate/heldout.py): CE on every held-out document, packed as in
+  training; bits per byte for text and code; with ``--train-data`` the unigram baseline
+  (data/unigram.py: the training tokens' frequencies, add-one smoothed) and the margin.
+- **Held out?** With ``--train-data`` every held-out document's ids are hashed and looked up
+  among the training documents': a held-out document that is also a training document is
+  counted and named in a warning (its figures measure memorisation).
+- **Dependence, both directions** (train/monitor/pair_dependence.py): for image-then-caption documents, the
+  caption's CE after its own image vs another's; for caption-then-image documents, the image
+  codes' CE after their own caption vs another's.
+- **Checkable generation** (tools/evaluate/scenes.py, with ``--scenes``): held-out scene captions
+  drawn and read back by a pixel classifier; held-out scenes captioned and the caption parsed;
+  each against its chance level and the visual tokenizer's ceiling.
+
+Writes JSON (``--out``) and prints a table; ``earlyfuse-report RUN_DIR`` shows
+``RUN_DIR/heldout_eval.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+EVAL_FILE = "heldout_eval.json"  # in a run folder: earlyfuse-report shows it
+
+EXAMPLES = """\
+examples:
+  earlyfuse-eval runs/demo/release --data runs/demo/val_tokens --train-data runs/demo/tokens \\
+      --scenes runs/demo/val_corpus/scenes/scenes.jsonl --out runs/demo/lm/heldout_eval.json
+  earlyfuse-eval releases/x --data val_tokens --max-docs 200 --device cuda
+
+what the table says (docs/evaluation.md explains every figure):
+  margin = unigram - CE per modality: above 0 the model beats the training tokens' own
+    frequencies; structure tokens (<eol>, <eoi>) should cost nearly nothing.
+  gap = CE of the target after another document's context - after its own (nats per target
+    token): near 0, captions ignore their pictures (caption) or pictures their captions (drawing).
+  scenes: share of drawn / captioned held-out scenes with the right colour, shape and cell,
+    beside chance (scored against another scene) and the visual tokenizer's own ceiling.
+  The held-out data must be made with the release's tokenizers and never seen in training
+    (earlyfuse-prep ingest --exclude-content-of TRAIN_RAW); --train-data checks the second.
+"""
+
+
+def run_seq_len(release) -> int | None:
+    """data.seq_len of the run the release came from, when its config is still there."""
+    run_dir = release.config.get("source", {}).get("run_dir")
+    if not run_dir or not (Path(run_dir) / "config.yaml").is_file():
+        return None
+    import yaml
+
+    try:
+        cfg = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
+        return int(cfg["data"]["seq_len"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def overlap(val_tables, train_tables) -> dict:
+    """Held-out documents whose ids equal a training document's."""
+    from data.token_docs import iter_documents
+
+    seen = {doc.content_hash() for doc in iter_documents(train_tables)}
+    by_source: dict[str, int] = {}
+    checked = 0
+    for doc in iter_documents(val_tables):
+        checked += 1
+        if doc.content_hash() in seen:
+            by_source[doc.source] = by_source.get(doc.source, 0) + 1
+    return {"checked": checked, "documents": sum(by_source.values()), "by_source": by_source}
+
+
+def evaluate(args) -> dict:
+    import torch
+
+    from data.token_docs import iter_documents, source_tables
+    from data.unigram import Unigram
+    from tools.evaluate.heldout import heldout_losses, token_byte_lengths
+    from train.monitor.pair_dependence import dependence_gaps, find_pair
+    from train.release import Release
+
+    started = time.perf_counter()
+    device = torch.device(args.device)
+    rel = Release(args.release)
+    if rel.task != "lm":
+        raise ValueError(f"{rel.path}: a {rel.task} release; earlyfuse-eval takes a language model")
+    model = rel.build_model(device)
+    text = rel.text_tokenizer()
+    layout = rel.vocab_layout
+    val = source_tables(args.data)
+    out: dict = {"release": str(rel.path), "step": rel.step, "data": str(args.data)}
+    seq_len = args.seq_len or run_seq_len(rel) or 2048
+    out["seq_len"] = seq_len
+    unigram = None
+    if args.train_data:
+        train = source_tables(args.train_data)
+        out["train_data"] = str(args.train_data)
+        out["overlap"] = overlap(val, train)
+        unigram = Unigram.from_tables(train, layout)
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.verbose else (lambda *a: 0)
+    say("held-out losses ...")
+    out["heldout"] = heldout_losses(
+        model,
+        val,
+        seq_len=seq_len,
+        device=device,
+        unigram=unigram,
+        byte_lengths=token_byte_lengths(text),
+        batch_rows=args.batch_rows,
+        max_docs=args.max_docs,
+    )
+    say("dependence ...")
+    pairs: list = []
+    per_group: dict[tuple[str, str], int] = {}
+    for doc in iter_documents(val):
+        pair = find_pair(doc.source, doc.key, doc.ids, doc.modality, doc.blocks)
+        if pair is None:
+            continue
+        group = (pair.source, pair.direction)
+        if per_group.get(group, 0) < args.max_pairs:
+            per_group[group] = per_group.get(group, 0) + 1
+            pairs.append(pair)
+    out["dependence"] = dependence_gaps(model, pairs, device)
+    if args.scenes:
+        from tools.evaluate.scenes import SceneJudge, evaluate_scenes, load_scenes
+
+        say("scenes ...")
+        opts = rel.config.get("tokenize") or {}
+        judge = SceneJudge(
+            model,
+            layout,
+            text,
+            rel.visual_tokenizer(device),
+            int(opts.get("image_max_pixels", 256 * 256)),
+            device,
+        )
+        out["scenes"] = evaluate_scenes(
+            judge,
+            load_scenes(args.scenes),
+            limit=args.max_scenes,
+            draw_temperature=args.draw_temperature,
+        )
+    out["seconds"] = round(time.perf_counter() - started, 1)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    pair = argparse.ArgumentParser(
+        prog="earlyfuse-eval",
+        description="Evaluate a release on held-out token shards: per-modality CE, bits per byte, "
+        "unigram baseline and margin; the cross-modal dependence gap in both directions; drawing "
+        "and captioning of held-out scenes scored from pixels. Prints a table, writes JSON.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    pair.add_argument(
+        "release", metavar="RELEASE", help="a release folder (earlyfuse-convert release)"
+    )
+    pair.add_argument(
+        "--data", required=True, metavar="VAL_TOKENS", help="held-out token folder (prep tokenize)"
+    )
+    pair.add_argument(
+        "--train-data",
+        metavar="TRAIN_TOKENS",
+        help="the training token folder: unigram baseline, and a check that no held-out document "
+        "is a training document",
+    )
+    pair.add_argument(
+        "--scenes",
+        action="append",
+        default=[],
+        metavar="JSONL",
+        help="held-out scene tables of the demo corpus (scenes.jsonl, drawings.jsonl): drawing "
+        "and captioning scored from pixels (repeatable)",
+    )
+    pair.add_argument("--out", metavar="JSON", help="write the figures here")
+    pair.add_argument("--seq-len", type=int, default=0, help="row length (default: the run's)")
+    pair.add_argument("--batch-rows", type=int, default=8)
+    pair.add_argument(
+        "--max-docs", type=int, default=0, help="first N documents per source (default: all)"
+    )
+    pair.add_argument(
+        "--max-pairs", type=int, default=200, help="pair documents per source and direction"
+    )
+    pair.add_argument(
+        "--max-scenes", type=int, default=0, help="single-shape scenes (default: all)"
+    )
+    pair.add_argument(
+        "--draw-temperature",
+        type=float,
+        default=0.7,
+        help="sampling temperature of the drawings (seeded per scene; 0 = greedy; default 0.7)",
+    )
+    pair.add_argument("--device", default="cpu")
+    pair.add_argument("--verbose", action="store_true", help="say which part runs")
+    pair.add_argument(
+        "--no-table", action="store_true", help="do not print the table (--out has the figures)"
+    )
+    return pair
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tools.evaluate.table import format_eval
+    from train.release import ReleaseError
+
+    args = build_parser().parse_args(argv)
+    try:
+        ev = evaluate(args)
+    except (ReleaseError, ValueError, OSError) as e:
+        print(f"earlyfuse-eval: error: {e}", file=sys.stderr)
+        return 1
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(ev, indent=1) + "\n")
+    if not args.no_table:
+        print(format_eval(ev))
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

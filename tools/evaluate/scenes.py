@@ -1,0 +1,197 @@
+"""Checkable generation on held-out scenes: draw a caption and read the drawing back; caption a
+picture and read the caption back.
+
+Scenes (data/demo_corpus/scenes.py) state facts a program can check. For every held-out
+single-shape scene (its caption names one colour, one shape and one of nine cells):
+
+- **drawing**: ``<bos> caption <boi>`` then sampling under the image grammar at the scene's own
+  grid (its size as the tokenizer would encode it), at ``draw_temperature`` (default 0.7) from a
+  generator seeded per scene (reproducible), decoded by the visual tokenizer and read by
+  data/demo_corpus/scene_scoring.py: colour, shape and cell against the caption. Not greedy:
+  the most likely code of every single position is the background's even when the model knows
+  where the shape goes, so a greedy drawing is almost always empty;
+- **captioning**: ``<bos> [the scene's image block]`` then greedy text-only decoding until
+  ``<|eos|>``, parsed with ``caption_facts``: the named colour, shape and cell against the facts
+  (a caption that does not parse scores nothing);
+- **chance**: the same drawings and captions scored against another scene's facts (a fixed
+  derangement), so each figure stands beside what a model that ignores its prompt would get;
+- **tokenizer ceiling**: the true scene encoded and decoded by the visual tokenizer, read by
+  the same classifier: what a perfect language model could reach.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data.demo_corpus.scene_scoring import score
+from data.demo_corpus.scenes import caption_facts
+from data.image_crops import to_tensor
+from data.image_prep import ImagePrep, load_image
+from data.layout import image_block_len, image_tokens, parse_image
+from data.vocab import Modality
+
+ATTRIBUTES = ("colour", "shape", "position", "all")
+
+
+def load_scenes(paths: list[str | Path]) -> list[dict]:
+    """Rows ``{"image": absolute path, "caption", "facts"}`` of scene tables (scenes.jsonl, or an
+    interleaved drawing table whose rows carry ``facts``)."""
+    out = []
+    for path in paths:
+        path = Path(path)
+        for count, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if "facts" not in row:
+                raise ValueError(
+                    f"{path}:{count}: no 'facts' (not a scene table of the demo corpus)"
+                )
+            image = row.get("image") or row.get("scene_image")
+            out.append(
+                {
+                    "image": str(path.parent / image),
+                    "caption": row["caption"],
+                    "facts": row["facts"],
+                }
+            )
+    return out
+
+
+def _pixels(img: torch.Tensor) -> np.ndarray:
+    return ((img.float().cpu().permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255).byte().numpy()
+
+
+class SceneJudge:
+    def __init__(self, model, layout, text, vtok, image_max_pixels: int, device) -> None:
+        self.model, self.layout, self.text, self.vtok = model, layout, text, vtok
+        self.device = device
+        self.prep = ImagePrep(
+            factor=vtok.cfg.factor, max_pixels=image_max_pixels, max_grid=layout.max_grid
+        )
+
+    def _generate(self, ids, mod, constraint, stop, count, temperature=0.0, seed=0):
+        from model.generate import SamplingConfig, generate
+
+        out = generate(
+            self.model,
+            torch.tensor([ids], device=self.device),
+            sampling=SamplingConfig(
+                max_new_tokens=count,
+                temperature=temperature,
+                stop_ids=stop,
+                pad_id=self.text.pad_id,
+            ),
+            constraint=constraint,
+            layout=self.layout,
+            modality=torch.tensor([mod], device=self.device),
+            generator=torch.Generator(device=self.device).manual_seed(seed),
+        )
+        return out[0, len(ids) :].tolist()
+
+    @torch.no_grad()
+    def image_of(self, path: str) -> tuple[np.ndarray, np.ndarray]:
+        """(pixels at the tokenizer's size, code grid) of a scene file."""
+        arr = np.array(load_image(Path(path).read_bytes(), self.prep))
+        codes = self.vtok.encode(to_tensor(arr[None]).to(self.device))[0]
+        return arr, codes.cpu().numpy()
+
+    @torch.no_grad()
+    def draw(
+        self, caption: str, grid: tuple[int, int], temperature: float = 0.7, seed: int = 0
+    ) -> np.ndarray:
+        from model.generate import ImageConstraint
+
+        lay = self.layout
+        boi, eoi = lay.structure_id("<boi>"), lay.structure_id("<eoi>")
+        body = self.text.encode(caption)
+        ids = [self.text.bos_id, *body, boi]
+        mod = [int(Modality.TEXT)] * (len(ids) - 1) + [int(Modality.STRUCTURE)]
+        constraint = ImageConstraint(lay, 1, vocab_size=self.model.cfg.vocab_size, size=grid)
+        new = self._generate(
+            ids, mod, constraint, [eoi], image_block_len(*grid) - 1, temperature, seed
+        )
+        codes = parse_image([boi, *new[: new.index(eoi) + 1]], lay)
+        img = self.vtok.decode(torch.from_numpy(codes)[None].to(self.device))[0]
+        return _pixels(img)
+
+    @torch.no_grad()
+    def caption(self, codes: np.ndarray, max_new_tokens: int = 48) -> str:
+        from tools.generate import TextOnly
+
+        block, bmod = image_tokens(codes, self.layout)
+        ids = [self.text.bos_id, *block.tolist()]
+        mod = [int(Modality.TEXT), *bmod.tolist()]
+        constraint = TextOnly(
+            self.model.cfg.vocab_size, self.layout.text_size, [self.text.pad_id, self.text.bos_id]
+        )
+        new = self._generate(ids, mod, constraint, [self.text.eos_id], max_new_tokens)
+        if self.text.eos_id in new:
+            new = new[: new.index(self.text.eos_id)]
+        return self.text.decode(new)
+
+    @torch.no_grad()
+    def ceiling(self, codes: np.ndarray) -> np.ndarray:
+        return _pixels(self.vtok.decode(torch.from_numpy(codes)[None].to(self.device))[0])
+
+
+def _caption_score(text: str, facts: dict) -> dict[str, bool]:
+    try:
+        got = caption_facts(text.strip().rstrip("."))["shapes"][0]
+    except (ValueError, IndexError):
+        return dict.fromkeys(ATTRIBUTES, False)
+    want = facts["shapes"][0]
+    out = {
+        attribute: got[attribute] == want[attribute]
+        for attribute in ("colour", "shape", "position")
+    }
+    out["all"] = all(out.values())
+    return out
+
+
+def evaluate_scenes(
+    judge: SceneJudge,
+    scenes: list[dict],
+    *,
+    limit: int = 0,
+    examples: int = 6,
+    draw_temperature: float = 0.7,
+):
+    """Accuracy per attribute of drawings, captions, their chance levels and the tokenizer's
+    ceiling, over the single-shape scenes (the first ``limit`` when given)."""
+    single = [scene for scene in scenes if len(scene["facts"]["shapes"]) == 1]
+    if limit:
+        single = single[:limit]
+    if len(single) < 2:
+        return {"scenes": len(single)}
+    tallies = {
+        attribute: dict.fromkeys(ATTRIBUTES, 0)
+        for attribute in ("draw", "draw_chance", "caption", "caption_chance", "ceiling")
+    }
+    shown: list[dict] = []
+    for i, scene in enumerate(single):
+        other = single[(i + 1) % len(single)]["facts"]
+        arr, codes = judge.image_of(scene["image"])
+        drawing = judge.draw(scene["caption"], tuple(codes.shape), draw_temperature, seed=i)
+        text = judge.caption(codes)
+        for name, got in (
+            ("draw", score(drawing, scene["facts"])),
+            ("draw_chance", score(drawing, other)),
+            ("caption", _caption_score(text, scene["facts"])),
+            ("caption_chance", _caption_score(text, other)),
+            ("ceiling", score(judge.ceiling(codes), scene["facts"])),
+        ):
+            for attribute, ok in got.items():
+                tallies[name][attribute] += int(ok)
+        if len(shown) < examples:
+            shown.append({"caption": scene["caption"], "generated_caption": text})
+    count = len(single)
+    out: dict = {"scenes": count, "draw_temperature": draw_temperature}
+    for name, t in tallies.items():
+        out[name] = {attribute: v / count for attribute, v in t.items()}
+    out["examples"] = shown
+    return out

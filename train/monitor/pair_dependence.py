@@ -1,0 +1,169 @@
+"""Cross-modal dependence on whole documents: does a caption depend on its image, and an image
+on its caption?
+
+A *pair* document holds one image block and text on one side of it: ``<bos> [image] caption
+<eos>`` (captioning direction) or ``<bos> caption [image] <eos>`` (drawing direction). The
+*target* is what comes second (the caption's text tokens, or the image block's code tokens); the
+*context* is what comes first. The gap is the target's mean CE after another document's context
+minus after its own: 0 means the model ignores the context; a model that reads it pays on a
+wrong one. Contexts are swapped along a fixed derangement within one source (document i takes
+document i+1's context), so the figure is deterministic and every context is used once.
+
+Used by ``earlyfuse-eval`` (tools/evaluate/) on held-out token shards. The training monitor's
+probes (train/monitor/probes.py ``dependence_gap`` / ``reverse_dependence_gap``) measure the same
+two gaps cheaply inside packed batches during a run; this module scores whole documents, one at
+a time, for the final evaluation. Each document runs alone, packed the way the
+loader packs it (data/loader/packer.py: positions, M-RoPE positions, image ids), so any model
+configuration sees what it saw in training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from data.loader.packer import ROW_FIELDS, Doc, Packer, Row, units_of
+from data.vocab import Modality
+
+CAPTION = "caption"  # image first, the caption is the target
+DRAWING = "drawing"  # caption first, the image is the target
+MODEL_INPUTS = ("input_ids", "modality", "doc_ids", "position_ids", "position_thw", "image_ids")
+
+
+def collate(rows: list[Row]) -> dict[str, torch.Tensor]:
+    """Rows packed one by one (``Packer.pack`` without a batch buffer, each finished) as a batch
+    with the loader's field names (data/loader/packer.py ``ROW_FIELDS``)."""
+    out = {
+        key: torch.from_numpy(np.stack([getattr(row, attr) for row in rows]))
+        for attr, key, _ in ROW_FIELDS
+    }
+    out["position_thw"] = torch.from_numpy(np.stack([row.thw for row in rows]))
+    out["num_real_tokens"] = torch.tensor(sum(row.real for row in rows))
+    return out
+
+
+@dataclass
+class Pair:
+    """One pair document cut into (bos, first part, second part, eos)."""
+
+    source: str
+    key: str
+    direction: str  # CAPTION or DRAWING
+    bos: np.ndarray  # ids [1]
+    first: tuple[np.ndarray, np.ndarray]  # (ids, modality) of the context
+    second: tuple[np.ndarray, np.ndarray]  # of the target
+    eos: np.ndarray  # ids, possibly empty
+    grid: tuple[int, int]  # (h, w) of its image block
+
+    @property
+    def image(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.first if self.direction == CAPTION else self.second
+
+
+def find_pair(source: str, key: str, ids, modality, blocks) -> Pair | None:
+    """The pair structure of a token document, or None when it is not one image block with
+    text on exactly one side (interleaved pages, videos and bare images are not pairs)."""
+    ids, modality = np.asarray(ids), np.asarray(modality)
+    if len(blocks) != 1 or int(blocks[0][2]) != 0:  # one image (t = 0), no video
+        return None
+    start, end = int(blocks[0][0]), int(blocks[0][1])
+    last = len(ids) - 1 if modality[-1] == Modality.TEXT else len(ids)  # the closing <eos>
+    before, after = (1, start), (end, last)
+    text_before = before[1] > before[0]
+    text_after = after[1] > after[0]
+    if text_before == text_after:
+        return None
+    image = (ids[start:end], modality[start:end])
+    text_span = before if text_before else after
+    text = (ids[text_span[0] : text_span[1]], modality[text_span[0] : text_span[1]])
+    if not (modality[text_span[0] : text_span[1]] == Modality.TEXT).all():
+        return None
+    direction = DRAWING if text_before else CAPTION
+    first, second = (text, image) if text_before else (image, text)
+    grid = (int(blocks[0][3]), int(blocks[0][4]))
+    return Pair(source, key, direction, ids[:1], first, second, ids[last:], grid)
+
+
+def _document(pair: Pair, donor: Pair) -> tuple[np.ndarray, np.ndarray, list, np.ndarray]:
+    """``pair``'s document with ``donor``'s context: ids, modality, visual blocks, and which
+    labels are the target's scored tokens (caption text, or the image block's codes: the block's
+    structure tokens are fixed by its size and left out)."""
+    context = donor.first
+    ids = np.concatenate([pair.bos, context[0], pair.second[0], pair.eos]).astype(np.int64)
+    mod = np.concatenate(
+        [[int(Modality.TEXT)], context[1], pair.second[1], [int(Modality.TEXT)] * len(pair.eos)]
+    ).astype(np.int64)
+    if pair.direction == CAPTION:
+        start, length, (h, w) = 1, len(context[0]), donor.grid
+    else:
+        start, length, (h, w) = 1 + len(context[0]), len(pair.second[0]), pair.grid
+    blocks = [[start, start + length, 0, h, w]]
+    # Labels are shifted by one: the label at position j is token j + 1.
+    target_start = 1 + len(context[0])
+    want = Modality.TEXT if pair.direction == CAPTION else Modality.IMAGE
+    mask = np.zeros(len(ids), bool)
+    mask[target_start - 1 : target_start - 1 + len(pair.second[0])] = pair.second[1] == want
+    return ids, mod, blocks, mask
+
+
+def document_batch(ids: np.ndarray, mod: np.ndarray, blocks) -> dict:
+    """One document as the loader would pack it alone in a row of its own length."""
+    packer = Packer(len(ids), pad_id=0)
+    doc = Doc(0, 0, 0, len(ids), units_of(len(ids), [list(block) for block in blocks]), ids, mod)
+    done = [False]
+
+    def next_doc():
+        if done[0]:
+            return None
+        done[0] = True
+        return doc
+
+    row = packer.pack(next_doc)
+    assert row is not None, "a document that fits its own row always packs"
+    return collate([row])
+
+
+@torch.no_grad()
+def target_nll(model, pair: Pair, donor: Pair, device) -> tuple[float, int]:
+    """(sum of -log p, count) of the pair's target tokens after ``donor``'s context."""
+    ids, mod, blocks, mask = _document(pair, donor)
+    batch = document_batch(ids, mod, blocks)
+    logits = model(**{key: batch[key].to(device) for key in MODEL_INPUTS})[0].float()
+    labels = batch["labels"][0].to(device)
+    keep = torch.from_numpy(mask).to(device) & (labels >= 0)
+    logp = torch.log_softmax(logits[keep], dim=-1)
+    nll = -logp.gather(1, labels[keep][:, None]).squeeze(1)
+    return float(nll.sum()), int(keep.sum())
+
+
+def dependence_gaps(model, pairs: list[Pair], device) -> dict:
+    """Per (source, direction): the target's CE after its own context and after another's, the
+    gap (other - own, nats per target token) and the pair and token counts."""
+    groups: dict[tuple[str, str], list[Pair]] = {}
+    for pair in pairs:
+        groups.setdefault((pair.source, pair.direction), []).append(pair)
+    out = {}
+    for (source, direction), group in sorted(groups.items()):
+        if len(group) < 2:
+            continue
+        own = other = 0.0
+        count = 0
+        for i, pair in enumerate(group):
+            q = group[(i + 1) % len(group)]
+            a, key = target_nll(model, pair, pair, device)
+            block, k2 = target_nll(model, pair, q, device)
+            if key != k2:  # the target is the same tokens either way
+                raise AssertionError("target token count changed with the context")
+            own, other, count = own + a, other + block, count + key
+        out[f"{source}/{direction}"] = {
+            "source": source,
+            "direction": direction,
+            "pairs": len(group),
+            "tokens": count,
+            "ce_own": own / count,
+            "ce_other": other / count,
+            "gap": (other - own) / count,
+        }
+    return out
