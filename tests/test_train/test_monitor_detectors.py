@@ -311,22 +311,30 @@ def test_reverse_probe_finds_captions_before_images_and_swaps_same_length_ones()
     import numpy as np
 
     from data.vocab import Modality, VocabLayout
-    from train.monitor.probes import image_after_caption_rows, shuffle_captions
+    from train.monitor.probes import image_after_caption_rows, swap_images_after_captions
 
     lay = VocabLayout(text_size=100, max_grid=8)
     caps = [[10, 11, 12], [20, 21, 22], [30, 31], [40, 41, 42]]
     grids = [np.full((2, 2), 1), np.full((2, 2), 2), np.full((2, 2), 3), np.full((2, 3), 4)]
     batch = _caption_first_rows(lay, caps, grids)
     keep, pairs = image_after_caption_rows(batch, lay)
-    # the caption run starts at <bos> (a text token, the same in every row)
-    assert [(r, a, b) for r, a, b, _, _ in pairs] == [(0, 0, 4), (1, 0, 4), (2, 0, 3), (3, 0, 4)]
+    # the caption run starts after <bos> (a text token, the same in every row)
+    assert [(r, a, b) for r, a, b, _, _ in pairs] == [(0, 1, 4), (1, 1, 4), (2, 1, 3), (3, 1, 4)]
+    # an image that opens its document (only <bos> before it) has no caption before it
+    lone = _caption_first_rows(lay, [[]], [np.full((2, 2), 1)])
+    assert image_after_caption_rows(lone, lay)[1] == []
     kept = keep != -100  # only image codes are scored
     assert kept.any() and bool((batch["label_modality"][kept] == int(Modality.IMAGE)).all())
-    out, swapped = shuffle_captions(batch["input_ids"], pairs)
-    assert swapped == 2  # rows 0 and 1: same caption length, same 2x2 image
-    assert out[0, 1:4].tolist() == caps[1] and out[1, 1:4].tolist() == caps[0]
-    assert torch.equal(out[2:], batch["input_ids"][2:])  # other length / other shape: untouched
-    assert torch.equal(out[:, 4:], batch["input_ids"][:, 4:])  # images never touched
+    ids = batch["input_ids"]
+    out, out_labels, swapped = swap_images_after_captions(ids, keep, pairs)
+    assert swapped == 3  # rows 0-2: 2x2 images, captions of any length; row 3 is 2x3
+    (_, _, b0, _, e0), (_, _, b1, _, e1), (_, _, b2, _, e2) = pairs[:3]
+    assert torch.equal(out[0, b0:e0], ids[1, b1:e1]) and torch.equal(out[2, b2:e2], ids[0, b0:e0])
+    assert torch.equal(out_labels[0, b0:e0], keep[1, b1:e1])  # the code labels move with them
+    for row, (_, _, block_start, _, _) in enumerate(pairs):
+        assert torch.equal(out[row, :block_start], ids[row, :block_start])  # captions stay
+    assert torch.equal(out[3], ids[3]) and torch.equal(out_labels[3], keep[3])
+    assert int((out_labels != -100).sum()) == int((keep != -100).sum())
 
 
 def test_reverse_gap_is_positive_for_a_model_that_reads_the_caption():

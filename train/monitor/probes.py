@@ -215,11 +215,14 @@ def dependence_gap(
 
 
 def image_after_caption_rows(
-    batch: dict, layout: VocabLayout
+    batch: dict, layout: VocabLayout, *, bos_id: int = 1
 ) -> tuple[Tensor, list[tuple[int, int, int, int, int]]]:
     """The reverse direction: image-code labels (everything else ignored) and
     ``(row, caption start, caption end, codes start, codes end)`` of image blocks that follow a
-    run of text in the same document (a caption before its image)."""
+    run of text in the same document (a caption before its image). The document's ``<bos>`` is
+    not part of the caption: an image that opens its document (a caption after it) has none,
+    and counting ``<bos>`` alone as one made every such pair a no-op swap (the demo logged a
+    reverse gap of exactly 0.0)."""
     ids, labels, lmod, mod = (
         batch["input_ids"],
         batch["labels"],
@@ -239,6 +242,8 @@ def image_after_caption_rows(
             a = b
             while a > 0 and doc[r, a - 1] == doc[r, s] and int(mod[r, a - 1]) == int(Modality.TEXT):
                 a -= 1
+            while a < b and int(ids[r, a]) == bos_id:
+                a += 1
             if a == b:
                 continue
             codes = (lmod[r, b:e] == int(Modality.IMAGE)) & (labels[r, b:e] != -100)
@@ -248,23 +253,28 @@ def image_after_caption_rows(
     return keep, pairs
 
 
-def shuffle_captions(
-    ids: Tensor, pairs: list[tuple[int, int, int, int, int]]
-) -> tuple[Tensor, int]:
-    """Swap the captions of images in a cycle among pairs whose caption length and image shape
-    agree (so every position, mask and M-RoPE index stays the same); returns (ids, swapped)."""
+def swap_images_after_captions(
+    ids: Tensor, labels: Tensor, pairs: list[tuple[int, int, int, int, int]]
+) -> tuple[Tensor, Tensor, int]:
+    """Give each caption another pair's image: cycle the image blocks (``<boi>``, sizes, codes)
+    among pairs whose images have the same shape, their code labels moving with them. Every
+    caption keeps its length and every block its position, mask and M-RoPE indices, so captions
+    of any length mix (swapping the captions instead needs equal lengths, which real captions
+    rarely have). Returns (ids, labels, swapped)."""
     groups: dict[tuple, list[tuple[int, int, int]]] = {}
-    for r, a, b, s, e in pairs:
-        shape = tuple(ids[r, b:s].tolist()) + (e - s,)  # size tokens and the block's length
-        groups.setdefault((b - a, shape), []).append((r, a, b))
-    out, swapped = ids.clone(), 0
-    for g in groups.values():
-        if len(g) < 2:
+    for row, _, block_start, codes_start, codes_end in pairs:
+        # the size tokens and the block's length fix the shape
+        shape = tuple(ids[row, block_start:codes_start].tolist()) + (codes_end - codes_start,)
+        groups.setdefault(shape, []).append((row, block_start, codes_end))
+    out_ids, out_labels, swapped = ids.clone(), labels.clone(), 0
+    for group in groups.values():
+        if len(group) < 2:
             continue
-        for (r, a, b), (r2, a2, b2) in zip(g, g[1:] + g[:1]):
-            out[r, a:b] = ids[r2, a2:b2]
-        swapped += len(g)
-    return out, swapped
+        for (row, start, end), (row2, start2, end2) in zip(group, group[1:] + group[:1]):
+            out_ids[row, start:end] = ids[row2, start2:end2]
+            out_labels[row, start:end] = labels[row2, start2:end2]
+        swapped += len(group)
+    return out_ids, out_labels, swapped
 
 
 @torch.no_grad()
@@ -272,22 +282,26 @@ def reverse_dependence_gap(model, batch: dict, layout: VocabLayout, device) -> d
     """Image-code CE after the image's own caption and after another image's caption, and their
     gap (nats per code): do the visual tokens attend to the text before them?"""
     labels, pairs = image_after_caption_rows(batch, layout)
-    shuffled, swapped = shuffle_captions(batch["input_ids"], pairs)
+    shuffled, shuffled_labels, swapped = swap_images_after_captions(
+        batch["input_ids"], labels, pairs
+    )
     sums = torch.zeros(3, dtype=torch.float64)
     if all_reduce_sum(torch.tensor([0.0 if swapped else 1.0], dtype=torch.float64))[0] == 0:
         inputs = {k: batch[k].to(device) for k in MODEL_INPUTS if k != "input_ids"}
-        for i, ids in enumerate((batch["input_ids"], shuffled)):
-            res = model(input_ids=ids.to(device), labels=labels.to(device), **inputs)
-            sums[i] = float(res.ce_sum[int(Modality.IMAGE)])
-        sums[2] = float(res.count[int(Modality.IMAGE)])
+        for index, (ids, scored) in enumerate(
+            ((batch["input_ids"], labels), (shuffled, shuffled_labels))
+        ):
+            result = model(input_ids=ids.to(device), labels=scored.to(device), **inputs)
+            sums[index] = float(result.ce_sum[int(Modality.IMAGE)])
+        sums[2] = float(result.count[int(Modality.IMAGE)])
     sums = all_reduce_sum(sums)
     if sums[2] == 0:
         return {}
-    m, s = float(sums[0] / sums[2]), float(sums[1] / sums[2])
+    matched, mismatched = float(sums[0] / sums[2]), float(sums[1] / sums[2])
     return {
-        "monitor/image_loss_matched": m,
-        "monitor/image_loss_shuffled": s,
-        "monitor/dependence_gap_reverse": s - m,
+        "monitor/image_loss_matched": matched,
+        "monitor/image_loss_shuffled": mismatched,
+        "monitor/dependence_gap_reverse": mismatched - matched,
     }
 
 
