@@ -368,3 +368,27 @@ def test_reverse_gap_is_positive_for_a_model_that_reads_the_caption():
     out = reverse_dependence_gap(model, batch(16), lay, torch.device("cpu"))
     assert out["monitor/dependence_gap_reverse"] > 0.5, out
     assert out["monitor/image_loss_shuffled"] > out["monitor/image_loss_matched"]
+
+
+def test_stagnation_errors_count_a_documents_chunks_as_one_draw():
+    """A long document's row-sized chunks reach the model over neighbouring steps, so a hard or
+    easy file moves several steps' loss together (the demo's code: 512 tokens a step, one chunk
+    of one file). With no trend in the modality that must not read as a rise: the standard
+    errors treat ``block_steps`` consecutive steps as one draw. A real rise still fires."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    difficulty = rng.uniform(-1.0, 1.0, 40)  # each file's, no trend
+
+    def alarms(block: int, spread: float, rise: float) -> list:
+        per_step = 4.5 + spread * np.repeat(difficulty, 6)[:200] + rng.normal(0, 0.2, 200)
+        detector = Stagnation(StagnationConfig(min_steps=0, block_steps=block))
+        fired = []
+        for step in range(1, 201):
+            code = per_step[step - 1] * (1 + rise * max(0, step - 100) / 100)
+            fired += detector.check(step, step_metrics(5.0 - 0.01 * step, code))
+        return [alarm for alarm in fired if alarm.modality == "image"]
+
+    assert alarms(1, 3.0, 0.0)  # files of 1.5-7.5 nats, as if every step were a fresh draw
+    assert alarms(StagnationConfig().block_steps, 3.0, 0.0) == []
+    assert alarms(StagnationConfig().block_steps, 0.5, 1.0)  # the loss doubles in 100 steps

@@ -86,7 +86,7 @@ class StagnationConfig(Detector):
     """A modality's loss over the last ``window`` steps against the ``window`` before: it fell by
     less than ``min_drop`` (relative) or rose, while the other modalities fell by at least
     ``others_drop`` on average (token-weighted), the two changes at least ``z`` standard errors
-    apart, each window holding at least ``min_tokens`` tokens of the modality in at least
+    apart (errors over blocks of ``block_steps`` consecutive steps), each window holding at least ``min_tokens`` tokens of the modality in at least
     ``min_presence`` of its steps, for ``patience`` steps in a row (structure markers excluded)."""
 
     window: int = 50
@@ -96,6 +96,9 @@ class StagnationConfig(Detector):
     min_tokens: int = 1000
     min_presence: float = 0.5  # share of a window's steps that must hold the modality
     patience: int = 25
+    # the standard errors treat runs of this many consecutive steps as one draw (a long
+    # document's chunks arrive over neighbouring steps; 1: every step independent)
+    block_steps: int = 5
     # starvation: a modality's token share over the last window below this x its highest share
     # over earlier windows (sampled once a window; shares under 5 % are not watched), for half
     # the patience, the modality present in at least min_presence of the window's steps

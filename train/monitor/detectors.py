@@ -84,20 +84,30 @@ class ModalityWindows:
         tokens = sum(count for _, count in part)
         return sum(ce_sum for ce_sum, _ in part) / tokens if tokens else None
 
-    def stats(self, name: str, recent: bool = True) -> tuple[float, float, float, float] | None:
+    def stats(
+        self, name: str, recent: bool = True, block: int = 1
+    ) -> tuple[float, float, float, float] | None:
         """(token-weighted mean CE, its standard error, tokens, share of the window's steps that
-        hold the modality) of one window. The error is the sandwich estimate over the steps
-        (weights = tokens): a window whose steps disagree, or whose tokens sit in a few steps, is
-        known to be uncertain."""
+        hold the modality) of one window. The error is the sandwich estimate over blocks of
+        ``block`` consecutive steps (weights = tokens): a window whose steps disagree, or whose
+        tokens sit in a few steps, is known to be uncertain. Blocks, because neighbouring steps
+        are not independent: a long document's row-sized chunks reach the model over
+        consecutive steps, so a hard or easy file moves several steps' loss together, and an
+        error computed as if every step were a fresh draw is too small (batch means)."""
         part = self.part(name, recent)
         tokens = sum(count for _, count in part) if part else 0
         if not part or not tokens:
             return None
+        presence = sum(1 for _, count in part if count) / len(part)
         mean = sum(ce_sum for ce_sum, _ in part) / tokens
+        blocks = [
+            (sum(ce for ce, _ in part[i : i + block]), sum(n for _, n in part[i : i + block]))
+            for i in range(0, len(part), block)
+        ]
         var = sum(
-            count * count * (ce_sum / count - mean) ** 2 for ce_sum, count in part if count
+            count * count * (ce_sum / count - mean) ** 2 for ce_sum, count in blocks if count
         ) / (tokens * tokens)
-        return mean, math.sqrt(var), tokens, sum(1 for _, count in part if count) / len(part)
+        return mean, math.sqrt(var), tokens, presence
 
     def state_dict(self) -> dict:
         return {name: list(pairs) for name, pairs in self.steps.items()}
@@ -434,7 +444,9 @@ class Stagnation:
         for name in MODALITY_NAMES:
             if name in self.SKIP:
                 continue
-            now, before = self.win.stats(name), self.win.stats(name, recent=False)
+            block = self.cfg.block_steps
+            now = self.win.stats(name, block=block)
+            before = self.win.stats(name, recent=False, block=block)
             if now is None or before is None or before[0] <= 0:
                 continue
             if min(now[2], before[2]) < self.cfg.min_tokens:
