@@ -8,16 +8,21 @@ index), plus the source and key it came from.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 from data.loader.config import SourceConfig
+from data.loader.sample_check import check_ids, read_token_sample
 from data.loader.store import ShardFiles
 from data.loader.stream import read_npy
 from data.loader.table import SampleTable, load_table
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,18 +62,44 @@ def source_tables(folder_or_sources) -> list[SampleTable]:
     return tables
 
 
+def _view(files: ShardFiles, url: str, end: int, offset: int, size: int):
+    return files.view(url, offset, size, end)
+
+
 def iter_documents(
-    tables: list[SampleTable], *, max_docs_per_source: int = 0
+    tables: list[SampleTable],
+    *,
+    max_docs_per_source: int = 0,
+    ranges: np.ndarray | None = None,
+    skipped: list[tuple[str, str, str]] | None = None,
 ) -> Iterator[TokenDocument]:
-    """Every document of every table in index order (or the first ``max_docs_per_source``)."""
+    """Every document of every table in index order (or the first ``max_docs_per_source``),
+    checked like the loader checks them (issue 14): the members' SHA-256 against the index and,
+    with ``ranges`` (``data.loader.sample_check.modality_ranges``), every id within its
+    modality's range. A document that fails is left out, never raised: one corrupted sample must
+    not stop a run at start (the unigram baseline reads every training document) or an
+    evaluation. Each one left out is logged and appended to ``skipped`` as (source, key, why)."""
     files = ShardFiles()
     try:
-        for t in tables:
-            n = len(t) if not max_docs_per_source else min(len(t), max_docs_per_source)
-            for i in range(n):
-                url = t.shards[t.shard[i]]
-                ids = read_npy(files.read(url, int(t.ids_at[i][0]), int(t.ids_at[i][1])))
-                mod = read_npy(files.read(url, int(t.mod_at[i][0]), int(t.mod_at[i][1])))
-                yield TokenDocument(t.name, t.keys[i], ids, mod, list(t.blocks[i]))
+        for table in tables:
+            count = len(table) if not max_docs_per_source else min(len(table), max_docs_per_source)
+            for index in range(count):
+                try:
+                    record = table.token_sample(index)
+                    url, end = table.shards[record.shard], table.shard_end(record.shard)
+                    view = functools.partial(_view, files, url, end)
+                    ids_bytes, mod_bytes = read_token_sample(record, view, check_hash=True)
+                    # copies: the views of the shard's map end with this generator
+                    ids, mod = read_npy(ids_bytes).copy(), read_npy(mod_bytes).copy()
+                    check_ids(ids, mod, ranges)
+                except (OSError, ValueError, EOFError) as error:
+                    key = table.keys[index]
+                    log.warning(f"source {table.name}: document {key} left out: {error}")
+                    if skipped is not None:
+                        skipped.append((table.name, key, str(error)))
+                    continue
+                yield TokenDocument(
+                    table.name, table.keys[index], ids, mod, list(table.blocks[index])
+                )
     finally:
         files.close()

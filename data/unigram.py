@@ -48,13 +48,15 @@ class Unigram:
 
     @classmethod
     def from_tables(cls, tables, layout: VocabLayout, *, max_tokens: int = 0) -> Unigram:
+        from data.loader.sample_check import modality_ranges as id_ranges
         from data.token_docs import iter_documents
 
         counts = np.zeros((len(Modality), layout.size), np.int64)
         docs, capped = 0, []
+        ranges = id_ranges(layout)  # a corrupted document is left out, not counted (or raised)
         for t in tables:
             seen = 0
-            for doc in iter_documents([t]):
+            for doc in iter_documents([t], ranges=ranges):
                 ids, mod = doc.ids[1:].astype(np.int64), doc.modality[1:].astype(np.int64)
                 np.add.at(counts, (mod, ids), 1)
                 docs += 1
