@@ -43,3 +43,16 @@ TRAIN_LOSS = TRAIN + "loss"
 GRAD_NORM = OPTIM + "grad_norm"
 LEARNING_RATE = OPTIM + "lr"
 DATA_SKIPPED = DATA + "skipped"
+
+# The packed batch's fields the model's forward takes as keyword arguments (Transformer.forward);
+# "labels" and "label_modality" only matter where it computes the loss.
+MODEL_INPUTS = (
+    "input_ids",
+    "labels",
+    "modality",
+    "label_modality",
+    "doc_ids",
+    "position_ids",
+    "position_thw",
+    "image_ids",
+)

@@ -62,7 +62,8 @@ def runs(tiny_tokens, tmp_path_factory):
 
 def first_batch(cfg):
     from train.dist import DistInfo
-    from train.tasks.lm import MODEL_INPUTS, LMTask
+    from train.names import MODEL_INPUTS
+    from train.tasks.lm import LMTask
 
     batch = next(iter(LMTask(cfg, DistInfo(0, 1, 0, torch.device("cpu"))).batches()))
     return {k: batch[k] for k in MODEL_INPUTS}
@@ -72,7 +73,7 @@ def val_loss(model, cfg, world_size: int = 1) -> float:
     """The run's final evaluation, recomputed: the same loaders (one per rank), batches and sums
     as LMTask.evaluate."""
     from data.loader import build_loader
-    from train.tasks.lm import MODEL_INPUTS
+    from train.names import MODEL_INPUTS
 
     ce = cnt = 0.0
     with torch.no_grad():

@@ -81,7 +81,7 @@ def overhead(experiment: str, steps: int, rounds: int, run_dir: Path) -> dict:
 
     from train.build import build_trainer
     from train.dist import init_distributed
-    from train.tasks.lm import MODEL_INPUTS
+    from train.names import MODEL_INPUTS
 
     cfg, yaml = compose(
         [

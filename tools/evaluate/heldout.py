@@ -18,17 +18,7 @@ from data.loader.packer import Doc, Packer, units_of
 from data.token_docs import iter_documents
 from data.vocab import MODALITY_NAMES, Modality
 from train.monitor.pair_dependence import collate
-
-MODEL_INPUTS = (
-    "input_ids",
-    "labels",
-    "modality",
-    "label_modality",
-    "doc_ids",
-    "position_ids",
-    "position_thw",
-    "image_ids",
-)
+from train.names import MODEL_INPUTS
 
 
 def _bytes_to_unicode() -> dict[int, str]:

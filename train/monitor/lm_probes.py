@@ -16,8 +16,9 @@ import torch
 
 from train.monitor import probes
 from train.monitor.config import MonitorConfig
+from train.names import MODEL_INPUTS
 
-PROBE_KEYS = probes.MODEL_INPUTS + ("labels",)
+PROBE_KEYS = MODEL_INPUTS  # every field a probe row carries
 
 
 class LMProbes:

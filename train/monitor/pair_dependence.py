@@ -26,10 +26,11 @@ import torch
 
 from data.loader.packer import ROW_FIELDS, Doc, Packer, Row, units_of
 from data.vocab import Modality
+from train import names
 
 CAPTION = "caption"  # image first, the caption is the target
 DRAWING = "drawing"  # caption first, the image is the target
-MODEL_INPUTS = ("input_ids", "modality", "doc_ids", "position_ids", "position_thw", "image_ids")
+MODEL_INPUTS = tuple(key for key in names.MODEL_INPUTS if key not in ("labels", "label_modality"))
 
 
 def collate(rows: list[Row]) -> dict[str, torch.Tensor]:

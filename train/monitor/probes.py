@@ -35,17 +35,10 @@ from data.vocab import Modality, VocabLayout
 from model.attention import build_attention_mask
 from model.generate import ImageConstraint, SamplingConfig, generate
 from model.rope import apply_rotary
+from train import names
 from train.dist import all_reduce_max, all_reduce_sum
 
-MODEL_INPUTS = (
-    "input_ids",
-    "modality",
-    "label_modality",
-    "doc_ids",
-    "position_ids",
-    "position_thw",
-    "image_ids",
-)
+MODEL_INPUTS = tuple(key for key in names.MODEL_INPUTS if key != "labels")  # labels: per probe
 
 
 # --- attention -------------------------------------------------------------------------------------

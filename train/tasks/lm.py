@@ -38,20 +38,11 @@ from train.config import RunConfig
 from train.dist import DistInfo, all_reduce_sum
 from train.monitor import chance_levels
 from train.monitor.lm_probes import LMProbes
+from train.names import MODEL_INPUTS
 from train.streams import TableCache, TokenStream
 from train.tasks.base import StepOutput
 
 DROPPABLE = ("image", "video")  # modalities whose blocks the loader can drop (batch dropped_blocks)
-MODEL_INPUTS = (
-    "input_ids",
-    "labels",
-    "modality",
-    "label_modality",
-    "doc_ids",
-    "position_ids",
-    "position_thw",
-    "image_ids",
-)
 
 
 def layout_of_data(cfg: RunConfig, tables: TableCache | None = None) -> tuple[VocabLayout, Path]:
