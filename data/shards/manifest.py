@@ -23,6 +23,21 @@ MANIFEST_FORMAT = "earlyfuse-raw-shards"
 MANIFEST_VERSION = 1
 
 
+def shard_entry(record: dict, **extra) -> dict:
+    """A manifest's line for one shard, from a shard job's record (ingest and tokenize alike);
+    ``extra``: what the kind adds after the common fields (segments, tokens, ...)."""
+    return {
+        "path": record["tar"],
+        "index": record["index_file"],
+        "source": record["source"],
+        "samples": record["samples"],
+        "bytes": record["bytes"],
+        "sha256": record["sha256"],
+        "index_sha256": record["index_sha256"],
+        **extra,
+    }
+
+
 def write_json_atomic(path: Path, obj, *, lines: list | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -107,18 +122,7 @@ def finalize(out: Path, records: dict[int, dict]) -> dict:
         reasons.update(reject["reason"] for reject in record["rejects"])
         if record["tar"]:
             source["shards"] += 1
-            shards.append(
-                {
-                    "path": record["tar"],
-                    "index": record["index_file"],
-                    "source": record["source"],
-                    "samples": record["samples"],
-                    "bytes": record["bytes"],
-                    "sha256": record["sha256"],
-                    "index_sha256": record["index_sha256"],
-                    "segments": record["segments"],
-                }
-            )
+            shards.append(shard_entry(record, segments=record["segments"]))
     for source in sources.values():
         source["segments"] = dict(source["segments"])
     manifest = {

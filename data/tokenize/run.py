@@ -52,6 +52,7 @@ from data.shards.manifest import (
     MANIFEST_FORMAT,
     load_manifest,
     record_path,
+    shard_entry,
     versions,
     write_json_atomic,
 )
@@ -451,19 +452,13 @@ def _finalize_tokens(
         "options": asdict(opts),
         "sources": list(sources.values()),
         "shards": [
-            {
-                "path": record["tar"],
-                "index": record["index_file"],
-                "source": record["source"],
-                "samples": record["samples"],
-                "bytes": record["bytes"],
-                "sha256": record["sha256"],
-                "index_sha256": record["index_sha256"],
-                "tokens": record["tokens"],
+            shard_entry(
+                record,
+                tokens=record["tokens"],
                 # What the loader's start needs of a shard, so that it reads no index then.
                 **({"index_bin": record["index_bin"]} if "index_bin" in record else {}),
                 **({"blocks": record["block_stats"]} if "block_stats" in record else {}),
-            }
+            )
             for record in recs
         ],
         "totals": {
