@@ -191,10 +191,20 @@ class ShardFiles:
         """``size`` bytes at ``offset``: a slice of the shard's memory map (local shards and
         fetched ``pipe:`` shards: mapped once per process, no read call per sample), or a read
         (fsspec). A map lives as long as an array made from it: evicting one only forgets it."""
+        mapped = self.mapped(url, min_bytes)
+        if mapped is None:
+            return self.read(url, offset, size, min_bytes)
+        if offset + size > len(mapped):
+            raise ValueError(f"member cut short ({max(0, len(mapped) - offset)} of {size} bytes)")
+        return mapped[offset : offset + size]
+
+    def mapped(self, url: str, min_bytes: int = 0) -> memoryview | None:
+        """The whole shard's memory map (local and fetched ``pipe:`` shards; None for fsspec
+        URLs, which are read by ranges)."""
         mapped = self._maps.pop(url, None)
         if mapped is None:
             if kind(url) == "fsspec":
-                return self.read(url, offset, size, min_bytes)
+                return None
             if len(self._maps) >= self.keep_maps:
                 self._maps.pop(next(iter(self._maps)))
             path = self._local_file(url, min_bytes)
@@ -204,9 +214,7 @@ class ShardFiles:
                 mapped = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if n else b"")
             self.opened += 1
         self._maps[url] = mapped  # re-inserted last: the dict's order is the LRU order
-        if offset + size > len(mapped):
-            raise ValueError(f"member cut short ({max(0, len(mapped) - offset)} of {size} bytes)")
-        return mapped[offset : offset + size]
+        return mapped
 
     def get(self, url: str, min_bytes: int = 0) -> BinaryIO:
         f = self._open.pop(url, None)

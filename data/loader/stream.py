@@ -46,6 +46,7 @@ from data.loader.order import (
 )
 from data.loader.packer import BatchBuffer, Doc, Packer, Row, units_of
 from data.loader.sample_check import check_ids, read_members
+from data.loader.shard_check import ReadyDoc, ready_documents
 from data.loader.store import ShardFiles, ShardView
 from data.loader.table import SampleTable
 from data.tokenize.blocks import visual_blocks
@@ -115,6 +116,10 @@ class Watchdog:
                 self.current = (cur[0], time.monotonic())
 
 
+_UNCHECKED = object()  # a shard not yet checked whole
+_KEEP_SHARDS = 256  # as many as ShardFiles keeps memory maps of: the documents are views of them
+
+
 @dataclass
 class SourceCursor:
     epoch: int = 0
@@ -166,6 +171,9 @@ class ConsumerStream:
         self._online: OnlineTokenizer | None = None  # built on the first raw document
         self.ring: transport.SlotRing | None = None  # set in a DataLoader worker
         self.watchdog = None if dry else Watchdog(cfg.stall_seconds, f"consumer {consumer}")
+        # (source, shard) -> its documents when the shard passed the whole-shard check, None when
+        # it did not (data/loader/shard_check.py); least recently used dropped past _KEEP_SHARDS.
+        self._checked: dict[tuple[int, int], list[ReadyDoc] | None] = {}
 
     # --- which document next -------------------------------------------------------------------
     def _slice(self, s: int, epoch: int) -> np.ndarray | ConsumerSlice:
@@ -284,11 +292,44 @@ class ConsumerStream:
             raise ValueError(why)
         return doc.ids.astype(np.int64), doc.modality.astype(np.int64), visual_blocks(doc.spans)
 
+    def _checked_shard(self, s: int, t: SampleTable, si: int) -> list[ReadyDoc] | None:
+        """Shard ``si``'s documents when it passes the whole-shard check (checked on first use)."""
+        key = (s, si)
+        docs = self._checked.pop(key, _UNCHECKED)
+        if docs is _UNCHECKED:
+            url = t.shards[si]
+            if self.watchdog:
+                self.watchdog.current = (f"checking shard {url}", time.monotonic())
+            try:
+                mapped = self.files.mapped(url, t.shard_end(si))
+                docs = None
+                if mapped is not None:
+                    docs = ready_documents(
+                        mapped,
+                        t.index(si),  # type: ignore[attr-defined]
+                        shard_sha256=t.shard_sha256[si],  # type: ignore[attr-defined]
+                        id_ranges=t.id_ranges,
+                        check_hash=self.cfg.check_hashes,
+                    )
+            except (OSError, ValueError):
+                return None  # not remembered: read document by document, which names the error
+            if len(self._checked) >= _KEEP_SHARDS:
+                self._checked.pop(next(iter(self._checked)))
+        self._checked[key] = docs  # re-inserted last: the dict's order is the LRU order
+        return docs
+
     def load(self, s: int, sample: int, epoch: int) -> Doc | None:
         t = self.tables[s]
         if self.dry:
             length = t.tokens_of(sample)
             return Doc(s, sample, epoch, length, units_of(length, t.blocks_of(sample)))
+        if getattr(t, "shard_sha256", None) is not None:  # a TokenTable
+            si, i = t.locate(sample)  # type: ignore[attr-defined]
+            docs = self._checked_shard(s, t, si)
+            if docs is not None:  # a checked shard: the document is ready, nothing to check
+                ids, mod, blocks = docs[i]
+                self.consecutive_errors = 0
+                return Doc(s, sample, epoch, len(ids), units_of(len(ids), blocks), ids, mod)
         if self.watchdog:
             self.watchdog.current = ((t, sample), time.monotonic())
         try:

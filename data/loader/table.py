@@ -243,6 +243,7 @@ class TokenTable(SampleTable):
         layout_url: str,
         cache_dir: str,
         shard_blocks: list[dict | None],
+        shard_sha256: list[str] | None = None,
     ) -> None:
         self.name, self.shards = name, shards
         self.counts = np.asarray(counts, np.int64)
@@ -255,6 +256,9 @@ class TokenTable(SampleTable):
         self.id_ranges = None
         self.cache_dir = cache_dir
         self.shard_blocks = shard_blocks
+        # Per shard: the SHA-256 of the whole tar its manifest records ("" where none), checked
+        # once when a consumer first reads from it (data/loader/shard_check.py).
+        self.shard_sha256 = shard_sha256 or [""] * len(shards)
         self._indexes: dict[int, token_index.TokenIndex] = {}
         self._columns: dict[str, object] = {}
 
@@ -279,6 +283,10 @@ class TokenTable(SampleTable):
                 )
             self._indexes[si] = idx
         return idx
+
+    def locate(self, sample: int) -> tuple[int, int]:
+        """(shard, position in it) of a sample."""
+        return self._locate(sample)
 
     def _locate(self, sample: int) -> tuple[int, int]:
         if not 0 <= sample < self.starts[-1]:
@@ -492,7 +500,7 @@ def _load_token_table(
     read. A shard the manifest does not list (or lists without those) has its JSONL index read
     now, and its binary index built into the cache."""
     h, legacy = hashlib.sha256(), hashlib.sha256()
-    counts, shas, shard_blocks = [], [], []
+    counts, shas, shard_blocks, tar_shas = [], [], [], []
     tok_keys, legacy_tok = set(), set()
     layout_url = ""
     entries: dict[str, dict[str, dict]] = {}
@@ -518,6 +526,7 @@ def _load_token_table(
             count, blocks = int(header["samples"]), header["blocks"]
         counts.append(count)
         shas.append(sha)
+        tar_shas.append(str(entry.get("sha256", "")) if "index_sha256" in entry else "")
         shard_blocks.append(blocks)
         # Name and index (every member's offset, size and hash), not the URL: the same shards
         # moved to object storage keep their fingerprint, and a run's state moves with them.
@@ -550,6 +559,7 @@ def _load_token_table(
         layout_url=layout_url,
         cache_dir=cache_dir,
         shard_blocks=shard_blocks,
+        shard_sha256=tar_shas,
     )
 
 

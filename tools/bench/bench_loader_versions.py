@@ -1,0 +1,105 @@
+"""The token loader of this checkout against the same loader of another checkout (the code before
+a change), on the same token folder, in the same minutes (issue 18, item 5).
+
+Each measurement is a fresh Python process with ``PYTHONPATH`` set to one checkout: it builds
+the loader exactly as ``tools/bench/bench_peers.py`` does (every source of the folder, weights
+by its tokens, rows of ``--seq-len``, batches of ``--rows``, ``num_workers`` 0 or 1), takes one
+batch (start-up, not timed), then times ``--round-tokens`` real tokens. The two checkouts
+alternate, the order swapped each round; medians, and the ratio this / baseline per mode.
+
+    git archive COMMIT | tar -x -C /tmp/base     # the code before, as plain files
+    .venv/bin/python tools/bench/bench_loader_versions.py --baseline /tmp/base \\
+        --tokens runs/demo/tokens [--rounds 5] [--workers 0 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parents[2]
+
+# Run in the child with PYTHONPATH = the checkout under test: prints one JSON line.
+_CHILD = r"""
+import json, sys, time
+from pathlib import Path
+import data.loader
+from data.loader import LoaderConfig, SourceConfig, build_loader
+
+tokens, workers, seq_len, rows, n_tokens = Path(sys.argv[1]), *map(int, sys.argv[2:6])
+manifest = json.loads((tokens / "manifest.json").read_text())
+share = {s["name"]: sum(s["tokens"].values()) for s in manifest["sources"]}
+names = sorted(p.name for p in tokens.iterdir() if p.is_dir() and list(p.glob("*.tar")))
+cfg = LoaderConfig(
+    sources=[SourceConfig(name=s, shards=[str(tokens / s)], weight=float(share.get(s, 1)))
+             for s in names],
+    seq_len=seq_len, num_workers=workers, mode="infinite",
+)
+it = iter(build_loader(cfg, rank=0, world_size=1, micro_batch=rows))
+next(it)
+n, t0 = 0, time.perf_counter()
+while n < n_tokens:
+    n += int(next(it)["num_real_tokens"])
+rate = n / (time.perf_counter() - t0)
+print(json.dumps({"loader": data.loader.__file__, "tokens_per_s": rate}))
+it.close()
+"""
+
+
+def measure(checkout: Path, tokens: Path, workers: int, a: argparse.Namespace) -> float:
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    args = [str(tokens), str(workers), str(a.seq_len), str(a.rows), str(a.round_tokens)]
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, *args],
+        env=env,
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    # The loader must come from the checkout named, not from an installed copy.
+    if not got["loader"].startswith(str(checkout.resolve())):
+        raise SystemExit(f"{checkout}: the loader was imported from {got['loader']}")
+    return float(got["tokens_per_s"])
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--baseline", type=Path, required=True, help="checkout of the code before")
+    ap.add_argument("--tokens", type=Path, default=Path("runs/demo/tokens"))
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--round-tokens", type=int, default=3_000_000)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--workers", type=int, nargs="+", default=[0, 1])
+    a = ap.parse_args(argv)
+    tokens = a.tokens.resolve()
+    checkouts = {"baseline": a.baseline.resolve(), "this": HERE}
+    res: dict = {"load_before": os.getloadavg(), "modes": {}}
+    for workers in a.workers:
+        rates: dict[str, list[float]] = {name: [] for name in checkouts}
+        for r in range(a.rounds):
+            order = list(checkouts) if r % 2 == 0 else list(reversed(checkouts))
+            for name in order:
+                rates[name].append(measure(checkouts[name], tokens, workers, a))
+        med = {name: statistics.median(v) for name, v in rates.items()}
+        res["modes"][f"workers={workers}"] = {"rates": rates, "medians": med}
+        print(
+            f"num_workers={workers}: baseline {med['baseline'] / 1e6:.2f} M tokens/s, this "
+            f"{med['this'] / 1e6:.2f} M tokens/s: {med['this'] / med['baseline']:.2f}x "
+            f"(medians of {a.rounds} rounds)",
+            flush=True,
+        )
+    res["load_after"] = os.getloadavg()
+    print(json.dumps(res))
+    return res
+
+
+if __name__ == "__main__":
+    main()
