@@ -109,7 +109,7 @@ class ConsumerSlice:
     def __init__(self, order: EpochOrder, consumer: int, consumers: int) -> None:
         self.order, self.consumer, self.consumers = order, consumer, consumers
         self.n = len(range(consumer, order.n, consumers))
-        self._w, self._samples = -1, np.zeros(0, np.int64)
+        self._w, self._samples = -1, []
 
     def __len__(self) -> int:
         return self.n
@@ -122,8 +122,9 @@ class ConsumerSlice:
         pos = self.consumer + (k % self.n) * self.consumers
         w = pos // self.order.window
         if w != self._w:
-            self._w, self._samples = w, self.order.window_samples(w)
-        return int(self._samples[pos - w * self.order.window])
+            # a list: indexing it gives an int (a numpy array gives a scalar to convert)
+            self._w, self._samples = w, self.order.window_samples(w).tolist()
+        return self._samples[pos - w * self.order.window]
 
 
 def consumer_slice(order: np.ndarray, consumer: int, consumers: int) -> np.ndarray:

@@ -131,6 +131,11 @@ class Row:
     # hold visual blocks: piece -> (document, row start, document start, document end).
     segments: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
     visual: dict[int, tuple] = field(default_factory=dict)
+    # The ids and modalities of the placed stretches, in row order (views of the documents):
+    # ``Packer.finish`` writes a whole batch's with one ``concatenate`` each (two slice
+    # assignments per stretch cost more than the copies themselves).
+    id_parts: list[np.ndarray] = field(default_factory=list)
+    mod_parts: list[np.ndarray] = field(default_factory=list)
 
 
 _ARANGE = np.arange(1 << 16, dtype=np.int64)
@@ -189,10 +194,12 @@ def _fields(row: Row) -> dict[str, np.ndarray]:
 
 
 class BatchBuffer:
-    """Every per-token field of a batch of ``rows`` rows in one int64 buffer: the fields above,
+    """Every per-token field of a batch of ``rows`` rows in one integer buffer: the fields above,
     each [rows, L] and contiguous, then ``position_thw`` [rows, L, 3]. Rows are views of it, so
     the packer writes a batch in place and a worker hands the trainer one tensor, which the
-    trainer splits into views without a copy."""
+    trainer splits into views without a copy. int64 (what the trainer receives), or int32 in a
+    worker's slot of shared memory: every field fits, and packing and handing over then move
+    half the bytes (the trainer's process widens it as it copies it out, transport.take)."""
 
     def __init__(self, rows: int, seq_len: int, pad_id: int, *, tensor=None) -> None:
         import torch
@@ -270,6 +277,8 @@ class Packer:
             dry,
         )
         self.pending: list[Doc] = []
+        self._pad_ids = np.full(seq_len, pad_id, np.int64)  # a row's padding (finish)
+        self._pad_mod = np.full(seq_len, _TEXT, np.int64)
         self.stats = PackStats()
         # (source, modality) -> blocks dropped for being longer than a row
         self.dropped_by: dict[tuple[int, int], int] = {}
@@ -344,8 +353,8 @@ class Packer:
             pid, a0, ra0 = len(row.pieces), a, ra
             row.pieces.append((doc.source, doc.sample, a, b))
         row.tail = doc
-        row.ids[ra:rb] = doc.ids[a:b]
-        row.mod[ra:rb] = doc.mod[a:b]
+        row.id_parts.append(doc.ids[a:b])
+        row.mod_parts.append(doc.mod[a:b])
         # The rest of the row's fields are written in one pass per row (``_finish``): labels,
         # positions and document ids are the same few vector operations for every piece.
         if b < doc.length:  # the piece's last token predicts the document's next one
@@ -359,7 +368,7 @@ class Packer:
     def finish(self, rows: list[Row], fields: dict[str, np.ndarray]) -> None:
         """Every field of a batch's rows from their pieces, in one pass over the batch (``fields``:
         attr -> [rows, L] arrays, ``thw`` [rows, L, 3], whose row i is ``rows[i]``'s): ids and
-        modalities are placed; labels are the next token (the document's next one at a piece's
+        modalities are copied from the pieces (padding after a row's real tokens); labels are the next token (the document's next one at a piece's
         end; -100 after its last token, before a dropped block and on padding), document ids and
         1-D positions per piece, M-RoPE positions equal to the 1-D ones except in pieces with
         visual blocks; padding after each row's real tokens."""
@@ -370,11 +379,19 @@ class Packer:
         # as one more segment (piece = the row's piece count, or -1 in an empty row): together
         # they tile the batch, so each field is one vector operation with no mask.
         counts, padded = [], []
+        id_parts: list[np.ndarray] = []
+        mod_parts: list[np.ndarray] = []
         for i, r in enumerate(rows):
+            id_parts += r.id_parts
+            mod_parts += r.mod_parts
             if r.real < L:
                 r.segments.append((r.real, L, len(r.pieces) if r.pieces else -1, 0, IGNORE, 0))
                 padded.append(i)
+                id_parts.append(self._pad_ids[: L - r.real])
+                mod_parts.append(self._pad_mod[: L - r.real])
             counts.append(len(r.segments))
+        np.concatenate(id_parts, out=ids, casting="unsafe")
+        np.concatenate(mod_parts, out=mod, casting="unsafe")
         seg = np.fromiter(
             chain.from_iterable(chain.from_iterable(r.segments for r in rows)),
             np.int64,
@@ -382,8 +399,6 @@ class Packer:
         ).reshape(-1, 6)
         for i in padded:  # the padding segment is the finishing pass's, not the row's
             rows[i].segments.pop()
-            ids[i * L + rows[i].real : (i + 1) * L] = self.pad_id
-            mod[i * L + rows[i].real : (i + 1) * L] = _TEXT
         base = np.repeat(_arange(B) * L, counts)
         seg[:, 0] += base
         seg[:, 1] += base
@@ -446,7 +461,7 @@ class Packer:
     def pack(self, next_doc, into: Row | None = None) -> Row | None:
         """The next row, pulling documents from ``next_doc()`` (None when the data has ended);
         None when nothing is left at all. ``into``: a blank row of a batch's buffer, whose
-        fields other than ids and modalities ``finish`` writes for the whole batch; without it a
+        fields ``finish`` writes for the whole batch; without it a
         row of its own is made and finished."""
         row, pos = (into if into is not None or self.dry else self._new_row()), 0
         waiting, self.pending = self.pending, []

@@ -12,7 +12,7 @@ Design choices:
   and the ids of the whole shard checked against their modalities' vocabulary ranges in one
   vectorised pass (``check_ids`` over the concatenation).
 - A shard that passes is kept as a list of ready documents (ids and modalities are views of
-  the memory map, blocks as lists): reading one is a list lookup.
+  the memory map, and the units the packer places): reading one is a list lookup.
 - A shard that fails anything (tar changed since the manifest, a corrupted document, an id out
   of range), that has no shard digest (a folder written before, or a shard its manifest does
   not list), or that cannot be mapped (fsspec URLs: hashing would read the whole shard over
@@ -27,11 +27,13 @@ import hashlib
 
 import numpy as np
 
+from data.loader.packer import Unit, units_of
 from data.loader.sample_check import check_ids
 from data.shards import token_index
 
-# (ids, modalities, visual blocks [[start, end, t, h, w], ...]) of one document
-ReadyDoc = tuple[np.ndarray, np.ndarray, list]
+# (ids, modalities, packing units: data/loader/packer.units_of) of one document. Units are never
+# changed by the packer (a Doc keeps its place in them), so one list serves every read.
+ReadyDoc = tuple[np.ndarray, np.ndarray, list[Unit]]
 
 
 def ready_documents(
@@ -64,7 +66,7 @@ def ready_documents(
             if ids.shape != (length,) or mod.shape != (length,):
                 return None
             blocks = index.blocks[b0 : b0 + nb].tolist() if nb else []
-            docs.append((ids, mod, blocks))
+            docs.append((ids, mod, units_of(length, blocks)))
         if docs and id_ranges is not None:
             check_ids(
                 np.concatenate([doc[0] for doc in docs]),

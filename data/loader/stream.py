@@ -327,9 +327,9 @@ class ConsumerStream:
             si, i = t.locate(sample)  # type: ignore[attr-defined]
             docs = self._checked_shard(s, t, si)
             if docs is not None:  # a checked shard: the document is ready, nothing to check
-                ids, mod, blocks = docs[i]
+                ids, mod, units = docs[i]
                 self.consecutive_errors = 0
-                return Doc(s, sample, epoch, len(ids), units_of(len(ids), blocks), ids, mod)
+                return Doc(s, sample, epoch, len(ids), units, ids, mod)
         if self.watchdog:
             self.watchdog.current = ((t, sample), time.monotonic())
         try:

@@ -9,8 +9,10 @@ Design choices:
   file descriptor. Here a worker owns ``slots`` buffers in shared memory for the whole
   iteration; it packs each batch straight into a free one and sends only the slot's number.
   The first message of a worker carries the slots themselves (their descriptors cross once).
-- The trainer's process copies a received slot out (one ``memcpy`` of the batch; into pinned
-  memory when the DataLoader pins) and marks it free, so the trainer owns its batch outright
+- Slots hold the batch as int32 (every field fits): the worker packs half the bytes. The
+  trainer's process copies a received slot out, widened to the int64 the trainer takes (one
+  pass over the batch, as the plain copy was; into pinned memory when the DataLoader pins),
+  and marks it free, so the trainer owns its batch outright
   and the worker can reuse the slot: nothing the trainer keeps can be overwritten.
 - Slots outnumber the batches a DataLoader lets a worker have in flight (``prefetch_factor``
   per worker, plus the one being packed). Should none be free for a second anyway, the worker
@@ -35,7 +37,9 @@ class SlotRing:
 
     def __init__(self, slots: int, numel: int) -> None:
         self.token = f"{os.getpid()}-{time.monotonic_ns()}"  # this worker's run, for the registry
-        self.data = torch.empty((slots, numel), dtype=torch.int64).share_memory_()
+        # int32: every batch field fits (ids, positions, document and image numbers), and the
+        # worker writes half the bytes; the trainer's copy out widens to int64 (take).
+        self.data = torch.empty((slots, numel), dtype=torch.int32).share_memory_()
         self.flags = torch.zeros(slots, dtype=torch.int32).share_memory_()
         self.sent = False  # the trainer has been sent the slots (with the first batch)
 
@@ -65,7 +69,7 @@ def take(token: str, slot: int, ring: tuple | None, *, pin: bool = False) -> tor
             _rings[token] = ring
         data, flags = _rings[token]
     src = data[slot].numpy()
-    out = torch.empty(src.shape, dtype=data.dtype, pin_memory=pin)
+    out = torch.empty(src.shape, dtype=torch.int64, pin_memory=pin)  # widened: what models take
     # numpy's copy: one thread. torch's copy_ of a tensor this size splits over the intra-op
     # threads, and waiting for them took ms on a loaded machine where the copy takes 0.1 ms.
     np.copyto(out.numpy(), src)
