@@ -216,13 +216,17 @@ class ConsumerStream:
         return None
 
     def _pick_source(self) -> int | None:
-        total = sum(c.tokens for c in self.cursors)
+        cursors, shares = self.cursors, self.shares
+        total = 0
+        for c in cursors:
+            total += c.tokens
         best: int | None = None
-        best_gap = float("-inf")
-        for s, c in enumerate(self.cursors):
-            if self.shares[s] <= 0 or (c.done and self._ready(s) is None):
+        best_gap = 0.0
+        for s, c in enumerate(cursors):
+            share = shares[s]
+            if share <= 0 or (c.done and self._ready(s) is None):
                 continue
-            gap = self.shares[s] * total - c.tokens
+            gap = share * total - c.tokens
             if best is None or gap > best_gap:
                 best, best_gap = s, gap
         return best
@@ -536,10 +540,11 @@ class PackedBatch:
     def to_dict(self) -> dict:
         self.take()
         batch = BatchBuffer.split(self.tensor, self.rows, self.seq_len)
-        batch["num_real_tokens"] = torch.tensor(self.real)
+        # from_numpy: torch.tensor of Python numbers costs several times more, per batch
+        batch["num_real_tokens"] = torch.from_numpy(np.array(self.real, np.int64))
         batch["pieces"] = torch.from_numpy(self.pieces)
         batch["dropped_blocks"] = torch.from_numpy(self.dropped)
-        batch["tokens_by_source"] = torch.tensor(self.tokens_by_source)
+        batch["tokens_by_source"] = torch.from_numpy(np.asarray(self.tokens_by_source, np.int64))
         return batch
 
 

@@ -1,0 +1,126 @@
+"""Token shards checked whole when first read (data/loader/shard_check.py, issue 18): a shard whose
+tar matches its manifest's SHA-256 and whose ids all lie in their ranges is read without
+per-document checks; a shard that fails, or has no digest, is read and checked document by
+document, so a bad document costs that document only. Either way the batches are the same."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import pytest
+import torch
+from factories import flip_token_bytes, token_sample_with_id
+
+from data.loader import build_loader
+from data.loader.config import LoaderConfig, SourceConfig
+from data.vocab import VocabLayout
+
+SOURCES = ("code", "text", "scenes", "digits", "clips", "docs")
+
+
+@pytest.fixture()
+def tokens(tiny_tokens, tmp_path):
+    out = tmp_path / "tokens"
+    shutil.copytree(tiny_tokens, out)
+    return out
+
+
+def config(tokens, sources=SOURCES, **kw) -> LoaderConfig:
+    return LoaderConfig(
+        sources=[SourceConfig(name=s, shards=[str(tokens / s)]) for s in sources],
+        **{"seq_len": 256, "num_workers": 0, "shuffle_buffer": 8, "mode": "epoch", **kw},
+    )
+
+
+def read_source(tokens, source, **kw):
+    """One epoch of one source, one consumer: (documents read, skipped, the stream)."""
+    loader = build_loader(config(tokens, (source,), **kw), rank=0, world_size=1, micro_batch=1)
+    stream = loader.make_stream(0)
+    docs = 0
+    while stream.next_doc() is not None:
+        docs += 1
+    return docs, stream.errors, stream
+
+
+def checked(stream) -> dict[int, bool]:
+    """Shard -> whether it passed the whole-shard check (read without per-document checks)."""
+    return {si: docs is not None for (_, si), docs in stream._checked.items()}
+
+
+def batches(tokens, n=12, **kw) -> list[dict]:
+    loader = build_loader(
+        config(tokens, mode="infinite", **kw), rank=0, world_size=1, micro_batch=2
+    )
+    it = iter(loader)
+    out = [next(it) for _ in range(n)]
+    it.close()
+    return out
+
+
+def drop_shard_digests(tokens) -> None:
+    """The token manifest as a folder written without shard digests would have it."""
+    path = tokens / "manifest.json"
+    manifest = json.loads(path.read_text())
+    for shard in manifest["shards"]:
+        del shard["sha256"]
+    path.write_text(json.dumps(manifest))
+
+
+def test_tokenize_records_each_tars_sha256_and_intact_shards_pass_whole(tokens):
+    manifest = json.loads((tokens / "manifest.json").read_text())
+    for shard in manifest["shards"]:
+        assert shard["sha256"] == hashlib.sha256((tokens / shard["path"]).read_bytes()).hexdigest()
+    for source in SOURCES:
+        docs, skipped, stream = read_source(tokens, source)
+        assert docs > 0 and skipped == 0
+        assert checked(stream) and all(checked(stream).values()), source
+
+
+def test_a_flipped_byte_costs_its_document_only(tokens, capfd):
+    intact, _, _ = read_source(tokens, "scenes")
+    tar = tokens / "scenes" / "shard-000000.tar"
+    key = flip_token_bytes(tar, 3, n=1)  # one byte of one document's ids
+    docs, skipped, stream = read_source(tokens, "scenes")
+    # the shard no longer matches its digest: read document by document, the bad one skipped
+    assert checked(stream)[0] is False
+    assert (docs, skipped) == (intact - 1, 1)
+    err = capfd.readouterr().err
+    assert f"[loader] skipped {tar} sample {key}: its members do not match the SHA-256" in err
+
+
+def test_an_id_out_of_range_fails_the_whole_shard_check_and_costs_one_document(tokens, capfd):
+    intact, _, _ = read_source(tokens, "digits")
+    tar = tokens / "digits" / "shard-000000.tar"
+    size = VocabLayout.load(tokens / "tokenizers" / "vocab_layout.json").size
+    key = token_sample_with_id(tar, 2, size + 7)  # every hash agrees: only the id check finds it
+    docs, skipped, stream = read_source(tokens, "digits")
+    assert checked(stream)[0] is False
+    assert (docs, skipped) == (intact - 1, 1)
+    assert f"[loader] skipped {tar} sample {key}: 1 id(s) outside" in capfd.readouterr().err
+
+
+def test_shards_without_a_digest_still_load_with_the_same_batches(tokens):
+    before = batches(tokens)
+    drop_shard_digests(tokens)
+    docs, skipped, stream = read_source(tokens, "scenes")
+    assert docs > 0 and skipped == 0 and not any(checked(stream).values())
+    after = batches(tokens)
+    for a, b in zip(before, after):
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+    # Without hash checks the whole-shard id check still runs (no digest needed).
+    _, _, stream = read_source(tokens, "scenes", check_hashes=False)
+    assert all(checked(stream).values())
+
+
+def test_a_worker_packs_int32_and_the_trainer_gets_the_same_int64_batches(tokens):
+    in_process = batches(tokens, n=8)
+    with_worker = batches(tokens, n=8, num_workers=1)
+    for a, b in zip(in_process, with_worker):
+        assert set(a) == set(b)
+        for key in a:
+            assert b[key].dtype == a[key].dtype, key
+            assert torch.equal(a[key], b[key]), key
+        assert b["input_ids"].dtype == torch.int64 and b["labels"].dtype == torch.int64
