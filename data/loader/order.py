@@ -109,7 +109,8 @@ class ConsumerSlice:
     def __init__(self, order: EpochOrder, consumer: int, consumers: int) -> None:
         self.order, self.consumer, self.consumers = order, consumer, consumers
         self.n = len(range(consumer, order.n, consumers))
-        self._w, self._samples = -1, []
+        self._w = -1
+        self._samples: list[int] = []
 
     def __len__(self) -> int:
         return self.n

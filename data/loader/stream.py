@@ -116,7 +116,6 @@ class Watchdog:
                 self.current = (cur[0], time.monotonic())
 
 
-_UNCHECKED = object()  # a shard not yet checked whole
 _KEEP_SHARDS = 256  # as many as ShardFiles keeps memory maps of: the documents are views of them
 
 
@@ -299,8 +298,10 @@ class ConsumerStream:
     def _checked_shard(self, s: int, t: SampleTable, si: int) -> list[ReadyDoc] | None:
         """Shard ``si``'s documents when it passes the whole-shard check (checked on first use)."""
         key = (s, si)
-        docs = self._checked.pop(key, _UNCHECKED)
-        if docs is _UNCHECKED:
+        docs: list[ReadyDoc] | None
+        if key in self._checked:
+            docs = self._checked.pop(key)
+        else:
             url = t.shards[si]
             if self.watchdog:
                 self.watchdog.current = (f"checking shard {url}", time.monotonic())
