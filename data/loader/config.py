@@ -51,6 +51,10 @@ class LoaderConfig:
     # Check each token sample against the SHA-256 in its shard index (a corrupted one is skipped
     # and counted); ids are always checked against their modality's vocabulary range.
     check_hashes: bool = True
+    # A token shard is checked whole when first read (data/loader/shard_check.py) only while at
+    # most this many consumers (ranks x workers) share it: each hashes the whole shard but reads
+    # 1/consumers of it, so with many the per-document checks cost less. 0: never.
+    whole_shard_check_max_consumers: int = 8
     # Raw sources: failed video decodes a worker absorbs before it decodes every later clip in a
     # short-lived child process (decord leaks ~40 KB per failure; data/loader/decode_guard.py)
     video_failure_budget: int = 64

@@ -19,6 +19,9 @@ Design choices:
   the network) is read as before: each document read and checked on its own, so a bad
   document costs that document only, and is skipped, counted and named as always.
 - ``check_hashes=False``: no hash is computed; the id check of the whole shard still runs.
+- Each consumer checks the shards it reads from, and consumers (ranks x workers) each read
+  1/consumers of every shard: beyond ``whole_shard_check_max_consumers`` (default 8) a
+  consumer would hash far more than it reads, so shards are then checked document by document.
 """
 
 from __future__ import annotations

@@ -173,6 +173,7 @@ class ConsumerStream:
         # (source, shard) -> its documents when the shard passed the whole-shard check, None when
         # it did not (data/loader/shard_check.py); least recently used dropped past _KEEP_SHARDS.
         self._checked: dict[tuple[int, int], list[ReadyDoc] | None] = {}
+        self._check_whole = consumers <= cfg.whole_shard_check_max_consumers
 
     # --- which document next -------------------------------------------------------------------
     def _slice(self, s: int, epoch: int) -> np.ndarray | ConsumerSlice:
@@ -328,7 +329,7 @@ class ConsumerStream:
         if self.dry:
             length = t.tokens_of(sample)
             return Doc(s, sample, epoch, length, units_of(length, t.blocks_of(sample)))
-        if getattr(t, "shard_sha256", None) is not None:  # a TokenTable
+        if self._check_whole and getattr(t, "shard_sha256", None) is not None:  # a TokenTable
             si, i = t.locate(sample)  # type: ignore[attr-defined]
             docs = self._checked_shard(s, t, si)
             if docs is not None:  # a checked shard: the document is ready, nothing to check

@@ -115,6 +115,12 @@ def test_shards_without_a_digest_still_load_with_the_same_batches(tokens):
     assert all(checked(stream).values())
 
 
+def test_shards_shared_by_many_consumers_are_checked_document_by_document(tokens):
+    whole = read_source(tokens, "scenes")
+    alone = read_source(tokens, "scenes", whole_shard_check_max_consumers=0)
+    assert alone[2]._checked == {} and (alone[0], alone[1]) == (whole[0], whole[1])
+
+
 def test_a_worker_packs_int32_and_the_trainer_gets_the_same_int64_batches(tokens):
     in_process = batches(tokens, n=8)
     with_worker = batches(tokens, n=8, num_workers=1)
