@@ -46,7 +46,7 @@ from data.loader.order import (
 )
 from data.loader.packer import BatchBuffer, Doc, Packer, Row, units_of
 from data.loader.sample_check import check_ids, read_members
-from data.loader.shard_check import ReadyDoc, ready_documents
+from data.loader.shard_check import CheckedShard, check_shard
 from data.loader.store import ShardFiles, ShardView
 from data.loader.table import SampleTable
 from data.tokenize.blocks import visual_blocks
@@ -116,7 +116,7 @@ class Watchdog:
                 self.current = (cur[0], time.monotonic())
 
 
-_KEEP_SHARDS = 256  # as many as ShardFiles keeps memory maps of: the documents are views of them
+_KEEP_SHARDS = 256  # as many as ShardFiles keeps memory maps of (a checked shard holds its map)
 
 
 @dataclass
@@ -170,9 +170,9 @@ class ConsumerStream:
         self._online: OnlineTokenizer | None = None  # built on the first raw document
         self.ring: transport.SlotRing | None = None  # set in a DataLoader worker
         self.watchdog = None if dry else Watchdog(cfg.stall_seconds, f"consumer {consumer}")
-        # (source, shard) -> its documents when the shard passed the whole-shard check, None when
-        # it did not (data/loader/shard_check.py); least recently used dropped past _KEEP_SHARDS.
-        self._checked: dict[tuple[int, int], list[ReadyDoc] | None] = {}
+        # (source, shard) -> the shard when it passed the whole-shard check, None when it did not
+        # (data/loader/shard_check.py); least recently used dropped past _KEEP_SHARDS.
+        self._checked: dict[tuple[int, int], CheckedShard | None] = {}
         self._check_whole = consumers <= cfg.whole_shard_check_max_consumers
 
     # --- which document next -------------------------------------------------------------------
@@ -296,10 +296,10 @@ class ConsumerStream:
             raise ValueError(why)
         return doc.ids.astype(np.int64), doc.modality.astype(np.int64), visual_blocks(doc.spans)
 
-    def _checked_shard(self, s: int, t: SampleTable, si: int) -> list[ReadyDoc] | None:
-        """Shard ``si``'s documents when it passes the whole-shard check (checked on first use)."""
+    def _checked_shard(self, s: int, t: SampleTable, si: int) -> CheckedShard | None:
+        """Shard ``si`` when it passes the whole-shard check (checked on first use)."""
         key = (s, si)
-        docs: list[ReadyDoc] | None
+        docs: CheckedShard | None
         if key in self._checked:
             docs = self._checked.pop(key)
         else:
@@ -310,7 +310,7 @@ class ConsumerStream:
                 mapped = self.files.mapped(url, t.shard_end(si))
                 docs = None
                 if mapped is not None:
-                    docs = ready_documents(
+                    docs = check_shard(
                         mapped,
                         t.index(si),  # type: ignore[attr-defined]
                         shard_sha256=t.shard_sha256[si],  # type: ignore[attr-defined]
@@ -331,9 +331,9 @@ class ConsumerStream:
             return Doc(s, sample, epoch, length, units_of(length, t.blocks_of(sample)))
         if self._check_whole and getattr(t, "shard_sha256", None) is not None:  # a TokenTable
             si, i = t.locate(sample)  # type: ignore[attr-defined]
-            docs = self._checked_shard(s, t, si)
-            if docs is not None:  # a checked shard: the document is ready, nothing to check
-                ids, mod, units = docs[i]
+            checked = self._checked_shard(s, t, si)
+            if checked is not None:  # a checked shard: nothing to parse or check
+                ids, mod, units = checked.document(i)
                 self.consecutive_errors = 0
                 return Doc(s, sample, epoch, len(ids), units, ids, mod)
         if self.watchdog:

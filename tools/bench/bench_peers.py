@@ -9,8 +9,9 @@ arrays per item) and an Energon dataset (the webdataset tars, prepared by Energo
 a ``CrudeWebdataset`` with a cooker). Each peer's documents go through a minimal packer of the
 same row length (concatenate, cut into rows of ``--seq-len``, ids and modalities as tensors);
 earlyfuse runs its whole loader (index, hashed order, token-weighted mix of the folder's
-sources, per-sample SHA-256 and vocabulary checks, packing that keeps visual blocks whole,
-labels, document ids, 1-D and M-RoPE positions, image ids).
+sources, SHA-256 and vocabulary checks -- each shard's whole tar and every id when the shard is
+first read, per document where that fails --, packing that keeps visual blocks whole, labels,
+document ids, 1-D and M-RoPE positions, image ids).
 
 Two modes: in-process (``num_workers=0``) and one DataLoader worker (the packing runs in the
 worker for every loader; Energon's own ``get_loader`` runs its worker). Timing starts after a
