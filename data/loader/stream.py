@@ -299,18 +299,18 @@ class ConsumerStream:
     def _checked_shard(self, s: int, t: SampleTable, si: int) -> CheckedShard | None:
         """Shard ``si`` when it passes the whole-shard check (checked on first use)."""
         key = (s, si)
-        docs: CheckedShard | None
+        shard: CheckedShard | None
         if key in self._checked:
-            docs = self._checked.pop(key)
+            shard = self._checked.pop(key)
         else:
             url = t.shards[si]
             if self.watchdog:
                 self.watchdog.current = (f"checking shard {url}", time.monotonic())
             try:
                 mapped = self.files.mapped(url, t.shard_end(si))
-                docs = None
+                shard = None
                 if mapped is not None:
-                    docs = check_shard(
+                    shard = check_shard(
                         mapped,
                         t.index(si),  # type: ignore[attr-defined]
                         shard_sha256=t.shard_sha256[si],  # type: ignore[attr-defined]
@@ -319,10 +319,13 @@ class ConsumerStream:
                     )
             except (OSError, ValueError):
                 return None  # not remembered: read document by document, which names the error
+            finally:
+                if self.watchdog:
+                    self.watchdog.current = None  # checked: nothing is being read any more
             if len(self._checked) >= _KEEP_SHARDS:
                 self._checked.pop(next(iter(self._checked)))
-        self._checked[key] = docs  # re-inserted last: the dict's order is the LRU order
-        return docs
+        self._checked[key] = shard  # re-inserted last: the dict's order is the LRU order
+        return shard
 
     def load(self, s: int, sample: int, epoch: int) -> Doc | None:
         t = self.tables[s]

@@ -76,6 +76,7 @@ def test_tokenize_records_each_tars_sha256_and_intact_shards_pass_whole(tokens):
         docs, skipped, stream = read_source(tokens, source)
         assert docs > 0 and skipped == 0
         assert checked(stream) and all(checked(stream).values()), source
+        assert stream.watchdog.current is None  # a check done is not a read that stalls
 
 
 def test_a_flipped_byte_costs_its_document_only(tokens, capfd):
