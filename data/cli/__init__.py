@@ -1,0 +1,54 @@
+"""``earlyfuse-prep``: the data-preparation command line (see README, "Data preparation").
+
+Exit status: 0 done; 1 a fatal error (message on stderr); 2 bad usage; 3 ``ingest`` finished
+but rejected some inputs (each listed in DIR/rejects.jsonl) — pass ``--allow-rejects`` to get 0;
+``verify`` exits 1 when it finds a problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from data.cli.common import EXIT_REJECTS, parse_size, path_or_url
+from data.cli.demo_corpus import _add_demo_corpus
+from data.cli.ingest import _add_ingest, _add_merge
+from data.cli.preview import _add_preview
+from data.cli.shards import _add_index, _add_stats, _add_verify
+from data.cli.text_tokenizer import _add_train_text_tokenizer
+from data.cli.tokenize import _add_tokenize
+
+__all__ = ["EXIT_REJECTS", "build_parser", "main", "parse_size", "path_or_url"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="earlyfuse-prep",
+        description="earlyfuse data preparation: raw corpora -> shards -> tokenizers -> token shards.",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (
+        _add_ingest,
+        _add_merge,
+        _add_stats,
+        _add_verify,
+        _add_index,
+        _add_demo_corpus,
+        _add_train_text_tokenizer,
+        _add_tokenize,
+        _add_preview,
+    ):
+        add(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as e:
+        print(f"earlyfuse-prep {args.command}: error: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,66 @@
+"""What the subcommands share: sizes like 256MB, paths or URLs, the engine flags, exit 3."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+EXIT_REJECTS = 3
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
+
+
+def parse_size(text: str) -> int:
+    """'256MB' -> 256000000, '4MiB' -> 4194304, '0' -> 0 (no limit)."""
+    m = _SIZE.match(text)
+    unit = (m.group(2) or "").lower() if m else None
+    if not m or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 256MB, 4MiB, 1G)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def path_or_url(text: str) -> Path | str:
+    """A local folder (Path) or an fsspec URL kept as text (``Path`` would fold ``s3://``)."""
+    return text if "://" in text and not text.startswith("file://") else Path(text)
+
+
+def _add_engine_flags(p) -> None:
+    """--engine and --ray-address, shared by ingest and tokenize (see docs/scaling.md)."""
+    p.add_argument(
+        "--engine",
+        choices=("local", "ray"),
+        default="local",
+        help="where the shard jobs run: local worker processes (default) or a Ray cluster "
+        "(pip install 'earlyfuse[ray]'; every node must see the inputs and --out)",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="the Ray cluster to join (default: $RAY_ADDRESS, else a local Ray for this command)",
+    )
+
+
+def _engine(a):
+    from data.engine import EngineConfig
+
+    # On ray, --workers bounds the CPU actors; its default (1) means "one per cluster CPU".
+    workers = a.workers if a.engine == "local" or a.workers > 1 else 0
+    return EngineConfig(kind=a.engine, workers=workers, address=a.ray_address)

@@ -1,0 +1,243 @@
+"""``earlyfuse-prep ingest`` and ``merge``: raw corpora into raw shards, partitions into one manifest."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from data.cli.common import EXIT_REJECTS, _add_engine_flags, _engine, parse_size, path_or_url
+from data.names import REJECTS_FILE
+
+
+def _add_ingest(sub) -> None:
+    p = sub.add_parser(
+        "ingest",
+        help="turn raw corpora into raw shards (tar + index), manifest.json and rejects.jsonl",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Turn raw corpora into webdataset shards: DIR/<source>/shard-NNNNNN.tar with an index\n"
+        "each (.idx.jsonl), DIR/manifest.json and DIR/rejects.jsonl (every input that did not become a\n"
+        "sample, with its reason). Deterministic, parallel, resumable after a kill (rerun the same\n"
+        "command), and partitionable across machines (--num-partitions/--partition, then `merge`).",
+        epilog="source kinds (--source [NAME=]KIND:PATH, repeatable; NAME defaults to PATH's stem):\n"
+        '  text:PATH         .txt/.md/.rst files (one document each) or .jsonl with a "text" field\n'
+        "  code:PATH         a source tree: one document per file, language from the extension;\n"
+        "                    vendored/hidden folders, binaries, minified and huge files are rejected\n"
+        "  images:PATH       a folder of images (captions from NAME.txt/NAME.json sidecars or a\n"
+        "                    captions.jsonl/.csv with file,caption) or a .jsonl/.csv with image,caption\n"
+        "  videos:PATH       the same for videos (column video)\n"
+        '  interleaved:PATH  OBELICS-style .jsonl ({"texts": [...], "images": [...]}) or\n'
+        '                    {"segments": [...]}, media paths relative to the file\n'
+        "  wds:PATH          existing webdataset .tar shards in img2dataset layout (KEY.jpg + KEY.txt/json)\n"
+        "  text, images, videos and interleaved also take a .parquet table or a Hugging Face\n"
+        "                    save_to_disk folder, local or s3://... (columns: docs/scaling.md)\n\n"
+        "example:\n"
+        "  earlyfuse-prep ingest --out shards/ --workers 8 --shard-size 256MB \\\n"
+        "      --source code:~/src/cpython/Lib --source images:coco/captions.jsonl\n\n"
+        "exit status: 0 done, 3 done with rejects (see rejects.jsonl), 1 error, 2 usage",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        type=path_or_url,
+        help="output folder (created; reused to resume), or an fsspec URL (s3://bucket/shards)",
+    )
+    p.add_argument(
+        "--source",
+        action="append",
+        required=True,
+        metavar="[NAME=]KIND:PATH",
+        help="an input corpus; repeat for several",
+    )
+    p.add_argument(
+        "--shard-size",
+        type=parse_size,
+        default=parse_size("256MB"),
+        metavar="SIZE",
+        help="target shard size in input bytes, e.g. 256MB (default), 0 = no limit",
+    )
+    p.add_argument(
+        "--shard-samples",
+        type=int,
+        default=0,
+        metavar="N",
+        help="at most N samples per shard (default 0 = no limit)",
+    )
+    p.add_argument("--workers", type=int, default=1, help="parallel worker processes (default 1)")
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="hold out about this fraction of every source for validation, chosen by a hash of "
+        "each sample's key (stable across reruns and added inputs): written to DIR/val/<source>/ "
+        "(default 0: no split)",
+    )
+    p.add_argument(
+        "--num-partitions",
+        type=int,
+        default=1,
+        metavar="P",
+        help="split the shards across P independent runs (e.g. a Slurm array)",
+    )
+    p.add_argument(
+        "--partition",
+        type=int,
+        default=0,
+        metavar="I",
+        help="which of the P partitions this run writes (0-based)",
+    )
+    _add_engine_flags(p)
+    p.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=64_000_000,
+        metavar="N",
+        help="reject images whose header claims more pixels, before decoding (default 64M)",
+    )
+    p.add_argument(
+        "--max-video-seconds",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="reject longer videos (default 600)",
+    )
+    p.add_argument(
+        "--max-code-bytes",
+        type=parse_size,
+        default=parse_size("1MiB"),
+        metavar="SIZE",
+        help="reject larger source files (default 1MiB)",
+    )
+    p.add_argument(
+        "--max-text-bytes",
+        type=parse_size,
+        default=parse_size("16MiB"),
+        metavar="SIZE",
+        help="reject larger text files (default 16MiB)",
+    )
+    p.add_argument(
+        "--repair-utf8",
+        action="store_true",
+        help="keep text that is not valid UTF-8, bad bytes replaced by U+FFFD (default: reject it)",
+    )
+    p.add_argument(
+        "--follow-links-outside",
+        action="store_true",
+        help="read files through symlinks that lead out of a source's folder (default: each "
+        "is rejected as link-outside-source; links inside it are followed)",
+    )
+    p.add_argument(
+        "--allow-rejects", action="store_true", help="exit 0 even when some inputs were rejected"
+    )
+    p.add_argument(
+        "--exclude-content-of",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="RAW_DIR",
+        help="a raw shard folder (repeatable), e.g. the training set when ingesting a held-out set: "
+        "a document that repeats one of its documents, media files or texts of 200+ characters is "
+        "rejected as duplicate-of-excluded (content hashes: docs/formats.md)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_ingest)
+
+
+def cmd_ingest(a) -> int:
+    from data.ingest import command_line, ingest
+    from data.shards.stats import describe_uncaptioned, human_bytes, media_without_text
+    from data.sources import Limits
+
+    limits = Limits(
+        max_image_pixels=a.max_image_pixels,
+        max_video_seconds=a.max_video_seconds,
+        max_text_bytes=a.max_text_bytes,
+        max_code_bytes=a.max_code_bytes,
+        repair_utf8=a.repair_utf8,
+        follow_links_outside=a.follow_links_outside,
+    )
+    s = ingest(
+        a.out,
+        a.source,
+        limits=limits,
+        shard_max_bytes=a.shard_size,
+        shard_max_samples=a.shard_samples,
+        workers=a.workers,
+        num_partitions=a.num_partitions,
+        partition=a.partition,
+        progress=not a.no_progress,
+        command=command_line(),
+        engine=_engine(a),
+        val_fraction=a.val_fraction,
+        exclude_content_of=a.exclude_content_of,
+    )
+    part = f" (partition {a.partition} of {a.num_partitions})" if a.num_partitions > 1 else ""
+    print(f"ingest{part}: wrote {s['written']} shard(s), {s['skipped_done']} already done")
+    if not s["finalized"]:
+        print(
+            f"{len(s['missing'])} shard(s) belong to other partitions; when they have all finished, run:\n"
+            f"  earlyfuse-prep merge {a.out}"
+        )
+        return 0
+    t = s["manifest"]["totals"]
+    print(
+        f"{a.out}: {t['samples']} samples in {t['shards']} shards ({human_bytes(t['bytes'])}); "
+        f"segments: " + ", ".join(f"{k} {v}" for k, v in t["segments"].items() if v)
+    )
+    if a.val_fraction:
+        held = sum(x["samples"] for x in s["manifest"]["sources"] if x["name"].startswith("val/"))
+        print(
+            f"validation split (--val-fraction {a.val_fraction:g}, by key hash): {held} samples "
+            f"in {a.out / 'val'}/<source>/; training data in {a.out}/<source>/"
+        )
+    said = describe_uncaptioned(media_without_text(a.out))
+    if said:
+        print(said)
+    if t["rejects"]:
+        print(
+            f"rejected {t['rejects']} input(s), listed in {a.out}/{REJECTS_FILE}: "
+            + ", ".join(f"{k} {v}" for k, v in t["rejects_by_reason"].items())
+        )
+        return 0 if a.allow_rejects else EXIT_REJECTS
+    print("rejected: none")
+    return 0
+
+
+def _add_merge(sub) -> None:
+    p = sub.add_parser(
+        "merge",
+        help="join the shards written by partitioned ingest or tokenize runs into one manifest",
+        description="After every `ingest` (or `tokenize`) `--num-partitions P --partition I` run "
+        "has written into DIR (a shared folder, or copied together), write DIR/manifest.json and "
+        "DIR/rejects.jsonl. Fails, naming them, if partitions are missing.",
+    )
+    p.add_argument("dir", type=path_or_url, help="the folder (or fsspec URL) of every partition")
+    p.set_defaults(func=cmd_merge)
+
+
+def cmd_merge(a) -> int:
+    from data.ingest.run import finalize_folder
+    from data.shards.manifest import merge, missing_shards
+    from data.shards.storage import Folder
+    from data.tokenize.run import STATE_DIR, merge_tokens
+
+    folder = Folder(a.dir)
+    if folder.sizes(STATE_DIR):
+        m = merge_tokens(a.dir)
+        t = m["totals"]
+        print(f"{a.dir}: merged {len(m['shards'])} token shards, {t['samples']} documents")
+        return 0
+    if folder.remote:  # what `merge` does, through the storage layer
+        records = folder.records(".ingest")
+        if (
+            not records
+            or missing_shards(records)
+            or len({r["fingerprint"] for r in records.values()}) > 1
+        ):
+            raise ValueError(f"{a.dir}: partitions are missing or differ; rerun them, then merge")
+        m = finalize_folder(folder, records)
+    else:
+        m = merge(a.dir)
+    t = m["totals"]
+    print(f"{a.dir}: merged {t['shards']} shards, {t['samples']} samples, {t['rejects']} rejects")
+    return 0

@@ -1,0 +1,170 @@
+"""``earlyfuse-prep tokenize``: raw shards into token shards with both tokenizers."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from data.cli.common import EXIT_REJECTS, _add_engine_flags, _engine, path_or_url
+from data.names import REJECTS_FILE
+
+
+def _add_tokenize(sub) -> None:
+    p = sub.add_parser(
+        "tokenize",
+        help="turn raw shards into token shards (ids, modality, spans) with both tokenizers",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Tokenize every document of a raw shard folder: text and code with the BPE, images\n"
+        "and videos with the visual tokenizer, laid out as <boi> <h=H> <w=W> rows <eol> ... <eoi>.\n"
+        "Writes one token shard per raw shard (KEY.ids.npy int32, KEY.mod.npy uint8, KEY.json spans),\n"
+        "indexes, manifest.json, rejects.jsonl, and a copy of the tokenizers in OUT/tokenizers/.\n"
+        "Parallel (--workers, or --engine ray), partitionable (--num-partitions/--partition, then\n"
+        "`merge`), resumable (rerun the same command), GPU for images when present.",
+        epilog="example:\n  earlyfuse-prep tokenize --in shards/ --out tokens/ --tokenizer tok/ \\\n"
+        "      --visual-tokenizer runs/vtok_cpu/visual_tokenizer --workers 8",
+    )
+    p.add_argument(
+        "--in",
+        dest="inp",
+        required=True,
+        type=path_or_url,
+        metavar="RAW_DIR",
+        help="raw shard folder, or an fsspec URL (s3://bucket/shards)",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        type=path_or_url,
+        metavar="TOKEN_DIR",
+        help="token folder to write, or an fsspec URL",
+    )
+    p.add_argument(
+        "--tokenizer",
+        required=True,
+        type=Path,
+        metavar="TOK_DIR",
+        help="folder of train-text-tokenizer (tokenizer.json + vocab_layout.json)",
+    )
+    p.add_argument(
+        "--visual-tokenizer",
+        required=True,
+        type=Path,
+        metavar="VTOK_DIR",
+        help="RUN_DIR/visual_tokenizer of a vtok training run",
+    )
+    p.add_argument(
+        "--image-max-pixels",
+        type=int,
+        default=256 * 256,
+        help="pixel budget per image (default 65536)",
+    )
+    p.add_argument(
+        "--video-max-pixels",
+        type=int,
+        default=128 * 128,
+        help="pixel budget per video frame (default 16384)",
+    )
+    p.add_argument(
+        "--video-fps",
+        type=float,
+        default=4.0,
+        help="frames sampled per second of video (default 4)",
+    )
+    p.add_argument(
+        "--video-max-tokens",
+        type=int,
+        default=4096,
+        help="tokens per video block at most; longer clips are sampled more sparsely (default 4096)",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the row length of the training runs (data.seq_len): every image and video block is "
+        "made to fit N tokens (images downscaled; videos fewer frames, then smaller frames), so the "
+        "loader never drops one. Default: no bound beyond the budgets above; the summary then "
+        "says which data.seq_len the blocks need",
+    )
+    p.add_argument(
+        "--max-block-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="bound blocks to N tokens (e.g. half a row, for tighter packing); with --seq-len "
+        "the smaller of the two",
+    )
+    p.add_argument("--workers", type=int, default=1, help="parallel worker processes (default 1)")
+    p.add_argument(
+        "--num-partitions",
+        type=int,
+        default=1,
+        metavar="P",
+        help="split the shards across P independent runs (e.g. a Slurm array), then `merge`",
+    )
+    p.add_argument(
+        "--partition",
+        type=int,
+        default=0,
+        metavar="I",
+        help="which of the P partitions this run tokenizes (0-based)",
+    )
+    _add_engine_flags(p)
+    p.add_argument(
+        "--device",
+        default=None,
+        help="device of the visual tokenizer (default: cuda if present, else cpu)",
+    )
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_tokenize)
+
+
+def cmd_tokenize(a) -> int:
+    from data.tokenize.blocks import describe
+    from data.tokenize.docs import TokenizeOptions
+    from data.tokenize.run import tokenize
+
+    caps = [n for n in (a.seq_len, a.max_block_tokens) if n]
+    if any(n < 8 for n in caps):
+        raise ValueError("--seq-len / --max-block-tokens: a visual block needs at least 8 tokens")
+    opts = TokenizeOptions(
+        image_max_pixels=a.image_max_pixels,
+        video_max_pixels=a.video_max_pixels,
+        video_fps=a.video_fps,
+        video_max_tokens=a.video_max_tokens,
+        max_block_tokens=min(caps) if caps else 0,
+    )
+    m = tokenize(
+        a.inp,
+        a.out,
+        a.tokenizer,
+        a.visual_tokenizer,
+        opts=opts,
+        device=a.device,
+        progress=not a.no_progress,
+        num_partitions=a.num_partitions,
+        partition=a.partition,
+        engine=_engine(a),
+    )
+    if not m["finalized"]:
+        print(
+            f"tokenize (partition {a.partition} of {a.num_partitions}): wrote {m['written']} "
+            f"shard(s); {len(m['missing'])} belong to other partitions; when they have all "
+            f"finished, run:\n  earlyfuse-prep merge {a.out}"
+        )
+        return 0
+    t = m["totals"]
+    print(
+        f"{a.out}: {t['samples']} documents, {t['tokens']:,} tokens ("
+        + ", ".join(f"{k} {v:,}" for k, v in t["tokens_by_modality"].items() if v)
+        + ")"
+    )
+    for line in describe(m):
+        print(line)
+    if t["rejects"]:
+        print(
+            f"rejected {t['rejects']} document(s), listed in {a.out}/{REJECTS_FILE}: "
+            + ", ".join(f"{k} {v}" for k, v in t["rejects_by_reason"].items())
+        )
+        return EXIT_REJECTS
+    return 0
