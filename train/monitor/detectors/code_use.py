@@ -1,0 +1,69 @@
+"""``DataCodeUse``: the entropy of the visual codes the run trains on, every step."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from train.monitor.alarms import Alarm
+from train.monitor.config import CodeUseConfig
+from train.monitor.detectors.common import _Latch
+
+
+class DataCodeUse:
+    """The visual codes a run trains on, every step (``monitor/data_code_entropy`` from the
+    task: the entropy of the step's image and video label codes folded into 64 buckets): a
+    visual tokenizer that emits a handful of codes shows the moment its output reaches the
+    batches, long before the model's own drawings (the ``code_use`` probe) degrade, and while
+    the image loss, if anything, *falls* (constant codes are easy to predict)."""
+
+    def __init__(self, cfg: CodeUseConfig) -> None:
+        self.cfg = cfg
+        self.steps: deque[tuple[float, float]] = deque(maxlen=cfg.data_window)
+        self.best = 0.0  # the highest window entropy seen (from min_steps)
+        self.latch = _Latch()
+
+    def check(self, step: int, metrics: dict) -> list[Alarm]:
+        cfg = self.cfg
+        codes, entropy = (
+            metrics.get("monitor/data_codes", 0.0),
+            metrics.get("monitor/data_code_entropy"),
+        )
+        self.steps.append((entropy * codes, codes) if entropy is not None and codes else (0.0, 0.0))
+        total = sum(step_codes for _, step_codes in self.steps)
+        if total < cfg.data_min_codes:
+            return []
+        ent = sum(weighted for weighted, _ in self.steps) / total
+        metrics["monitor/data_code_entropy_window"] = ent
+        if step >= cfg.min_steps and len(self.steps) == cfg.data_window:
+            self.best = max(self.best, ent)
+        dropped = self.best > 0 and ent < (1 - cfg.max_data_drop) * self.best
+        firing = step >= cfg.min_steps and (ent < cfg.min_data_entropy or dropped)
+        if not self.latch.edge("data", firing, step - cfg.data_window):
+            return []
+        return [
+            Alarm(
+                step,
+                "data_code_entropy",
+                cfg.action,
+                modality="image",
+                since=step - cfg.data_window,
+                values={"entropy": ent, "best": self.best, "codes": total},
+                message=f"the visual codes in the last {cfg.data_window} steps' batches have a "
+                f"normalised entropy of {ent:.2f} (it was {self.best:.2f}; {total:.0f} codes): "
+                "a few codes dominate",
+                threshold=f"entropy of the trained-on codes (64 buckets) < {cfg.min_data_entropy:g}, "
+                f"or {cfg.max_data_drop:.0%} below its highest window",
+                cause="the visual tokenizer (or the image data) degenerated: most images map to "
+                "a few codes; the image loss falls because the codes became trivial",
+                advice="stop feeding these shards: check the visual tokenizer's reconstructions "
+                "and `earlyfuse-prep stats` code use of the sources named in mix/<source>",
+            )
+        ]
+
+    def state_dict(self) -> dict:
+        return {"steps": list(self.steps), "best": self.best, "latch": self.latch.state_dict()}
+
+    def load_state_dict(self, st: dict) -> None:
+        self.steps = deque([tuple(pair) for pair in st["steps"]], maxlen=self.cfg.data_window)
+        self.best = float(st.get("best", 0.0))
+        self.latch.load_state_dict(st["latch"])

@@ -1,0 +1,184 @@
+"""``Stagnation``: one modality stops improving while the others improve, or is starved of tokens."""
+
+from __future__ import annotations
+
+import math
+
+from data.vocab import MODALITY_NAMES
+from train.monitor.alarms import Alarm
+from train.monitor.config import StagnationConfig
+from train.monitor.detectors.common import ModalityWindows, _Latch
+
+
+class Stagnation:
+    """One modality stops improving (or gets worse) against its own trailing window while the
+    others still improve: the symptom of modality competition or starvation in early fusion.
+
+    Robust to a batch mix that swings: window means weigh steps by their tokens of the modality,
+    a window needs ``min_tokens`` of them spread over at least ``min_presence`` of its steps (a
+    modality that arrives in bursts, one long document filling a few batches, changes with the
+    document, not with the model), and the difference between this modality's change and the
+    others' must exceed ``z`` standard errors (estimated from the steps' own spread). Structure markers are left out
+    (learned in a few steps, they would make every other modality look slow), and the condition
+    must hold for ``patience`` consecutive steps."""
+
+    SKIP = ("structure",)
+
+    def __init__(self, cfg: StagnationConfig) -> None:
+        self.cfg = cfg
+        self.win = ModalityWindows(cfg.window)
+        self.streak: dict[str, int] = {}
+        self.share_best: dict[str, float] = {}
+        self.latch = _Latch()
+
+    def _changes(self, metrics: dict) -> dict[str, tuple[float, float, float]]:
+        """modality -> (relative change of its windowed loss, its standard error, tokens)."""
+        out = {}
+        for name in MODALITY_NAMES:
+            if name in self.SKIP:
+                continue
+            block = self.cfg.block_steps
+            now = self.win.stats(name, block=block)
+            before = self.win.stats(name, recent=False, block=block)
+            if now is None or before is None or before[0] <= 0:
+                continue
+            if min(now[2], before[2]) < self.cfg.min_tokens:
+                continue
+            if min(now[3], before[3]) < self.cfg.min_presence:
+                continue  # a modality that comes in bursts (one long document at a time)
+            change = now[0] / before[0] - 1
+            std_err = (now[0] / before[0]) * math.hypot(
+                now[1] / max(now[0], 1e-9), before[1] / before[0]
+            )
+            out[name] = (change, std_err, now[2])
+            metrics[f"monitor/trend/{name}"] = change  # relative change of the windowed loss
+        return out
+
+    def _starved(self, step: int, metrics: dict) -> list[Alarm]:
+        """A modality whose share of the tokens fell to ``starve_ratio`` of its highest share
+        over earlier windows: the mix shifted (a source changed content, a weight was changed)
+        and it is being starved, whatever its loss does yet."""
+        cfg = self.cfg
+        parts = {
+            modality: self.win.part(modality)
+            for modality in MODALITY_NAMES
+            if modality not in self.SKIP
+        }
+        if any(part is None for part in parts.values()):
+            return []
+        tokens = {
+            modality: sum(count for _, count in part or []) for modality, part in parts.items()
+        }
+        presence = {
+            modality: sum(1 for _, count in part or [] if count) / cfg.window
+            for modality, part in parts.items()
+        }
+        total = sum(tokens.values())
+        out = []
+        for name, count in tokens.items():
+            if not total:
+                break
+            share = count / total
+            metrics[f"monitor/share/{name}"] = share
+            best = self.share_best.get(name, 0.0)
+            steady = presence[name] >= cfg.min_presence  # a bursty modality has no steady share
+            low = (
+                steady
+                and step >= cfg.min_steps
+                and best >= 0.05
+                and share < cfg.starve_ratio * best
+            )
+            key = f"share/{name}"
+            self.streak[key] = self.streak.get(key, 0) + 1 if low else 0
+            if steady and step >= cfg.min_steps and (step - cfg.min_steps) % cfg.window == 0:
+                self.share_best[name] = max(best, share)  # one sample per window
+            # Half the patience: a share is a count, far less noisy than a loss.
+            firing = self.streak[key] >= max(1, cfg.patience // 2)
+            if self.latch.edge(key, firing, step - cfg.window - cfg.patience // 2):
+                out.append(
+                    Alarm(
+                        step,
+                        "starvation",
+                        cfg.action,
+                        modality=name,
+                        since=step - cfg.window - cfg.patience // 2,
+                        values={"share": share, "best_share": best},
+                        message=f"{name} gets {share:.0%} of the tokens over the last {cfg.window} "
+                        f"steps, down from {best:.0%}",
+                        threshold=f"token share < {cfg.starve_ratio:g} x its highest window share "
+                        f"for {cfg.patience // 2} steps, present in >= {cfg.min_presence:.0%} of them",
+                        cause=f"the delivered mix shifted away from {name}: a source's content "
+                        "changed, or the weights did; its learning stalls or reverses",
+                        advice="compare mix/<source> and tokens/<modality> with data.sources' "
+                        f"weights; restore {name}'s share if the shift was not meant",
+                    )
+                )
+        return out
+
+    def check(self, step: int, metrics: dict) -> list[Alarm]:
+        cfg = self.cfg
+        self.win.add(metrics)
+        changes = self._changes(metrics)
+        out = self._starved(step, metrics)
+        for name, (change, std_err, _) in changes.items():
+            others = {other: other_stats for other, other_stats in changes.items() if other != name}
+            tokens = sum(other_stats[2] for other_stats in others.values())
+            if not others or not tokens:
+                self.streak[name] = 0
+                continue
+            others_change = (
+                sum(other_stats[0] * other_stats[2] for other_stats in others.values()) / tokens
+            )
+            others_se = (
+                math.sqrt(
+                    sum((other_stats[1] * other_stats[2]) ** 2 for other_stats in others.values())
+                )
+                / tokens
+            )
+            gap = change - others_change
+            cond = (
+                step >= cfg.min_steps
+                and change >= -cfg.min_drop
+                and others_change <= -cfg.others_drop
+                and gap > cfg.z * math.hypot(std_err, others_se)
+            )
+            self.streak[name] = self.streak.get(name, 0) + 1 if cond else 0
+            since = step - cfg.window - cfg.patience
+            if self.latch.edge(name, self.streak[name] >= cfg.patience, since):
+                word = "rose" if change > 0 else "stalled"
+                out.append(
+                    Alarm(
+                        step,
+                        "stagnation",
+                        cfg.action,
+                        modality=name,
+                        since=since,
+                        values={
+                            "change": change,
+                            "others_change": others_change,
+                            "z": gap / max(math.hypot(std_err, others_se), 1e-12),
+                        },
+                        message=f"{name} loss {word} ({change:+.1%} over {cfg.window} steps, for "
+                        f"{cfg.patience} steps running) while the other modalities fell "
+                        f"{-others_change:.1%}",
+                        threshold=f"change >= {-cfg.min_drop:+.0%} while the others fall >= "
+                        f"{cfg.others_drop:.0%}, {cfg.z:g} standard errors apart, for {cfg.patience} steps",
+                        cause=f"{name} is losing the competition for the model's capacity or is "
+                        f"starved of tokens (tokens/{name}, mix/<source>), or its data changed",
+                        advice=f"check the delivered mix (mix/<source>, tokens/{name}) against the "
+                        f"weights and the {name} sources; raise its weight or the model's capacity",
+                    )
+                )
+        return out
+
+    def state_dict(self) -> dict:
+        return {
+            "win": self.win.state_dict(),
+            "streak": self.streak,
+            "latch": self.latch.state_dict(),
+        }
+
+    def load_state_dict(self, st: dict) -> None:
+        self.win.load_state_dict(st["win"])
+        self.streak = dict(st.get("streak", {}))
+        self.latch.load_state_dict(st.get("latch") or {"on": st["on"]})
