@@ -170,6 +170,82 @@ def sample_next(
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
+class _Decoder:
+    """One batch of prompts run against its own KV caches: the prefill, then one token a step.
+    Knows each generated token's (t, h, w) position and modality from ``LayoutTracker``."""
+
+    def __init__(self, model, prompt_ids, *, layout, modality, image_ids, max_new) -> None:
+        self.model = model
+        batch_size, self.prompt_len = prompt_ids.shape
+        device = self.device = prompt_ids.device
+        mod = (
+            modality.clone()
+            if modality is not None
+            else torch.full_like(prompt_ids, int(Modality.TEXT))
+        )
+        thw = None
+        self.trackers = (
+            [LayoutTracker(layout) for _ in range(batch_size)] if layout is not None else None
+        )
+        if self.trackers is not None:
+            rows = [
+                [self.trackers[row].push(int(token)) for token in prompt_ids[row].tolist()]
+                for row in range(batch_size)
+            ]
+            thw = torch.tensor(
+                [[position for position, _ in row_positions] for row_positions in rows],
+                dtype=torch.long,
+                device=device,
+            ).reshape(batch_size, self.prompt_len, 3)
+            if modality is None:
+                mod = torch.tensor(
+                    [[modality_id for _, modality_id in row_positions] for row_positions in rows],
+                    dtype=torch.long,
+                    device=device,
+                )
+            # generated text continues the prompt's last text-like modality
+            for row in range(batch_size):
+                textlike = [
+                    int(modality_id)
+                    for modality_id in mod[row].tolist()
+                    if modality_id in (Modality.TEXT, Modality.CODE)
+                ]
+                self.trackers[row].text_modality = textlike[-1] if textlike else int(Modality.TEXT)
+        self.caches = model.make_kv_caches(batch_size, self.prompt_len + max_new, device=device)
+        self.logits = model.decode(
+            prompt_ids, self.caches, 0, position_thw=thw, modality=mod, image_ids=image_ids
+        )
+        self.last_mod = mod[:, -1].clone()
+        self.steps = 0
+
+    def advance(self, nxt: Tensor, finished: Tensor) -> None:
+        """Feed the sampled tokens [B] (rows already finished are left where they were)."""
+        batch_size = nxt.shape[0]
+        step_thw = torch.zeros(batch_size, 1, 3, dtype=torch.long, device=self.device)
+        if self.trackers is not None:
+            for row, tok in enumerate(nxt.tolist()):
+                if not finished[row]:
+                    pos, modality_id = self.trackers[row].push(tok)
+                    step_thw[row, 0] = torch.tensor(pos)
+                    self.last_mod[row] = int(modality_id)
+        start = self.prompt_len + self.steps
+        self.steps += 1
+        self.logits = self.model.decode(
+            nxt[:, None],
+            self.caches,
+            start,
+            position_ids=torch.full((batch_size, 1), start, dtype=torch.long, device=self.device),
+            position_thw=step_thw if self.trackers is not None else None,
+            modality=self.last_mod[:, None].clone(),
+        )
+
+
+def guide(conditional: Tensor, unconditional: Tensor, scale: float) -> Tensor:
+    """Classifier-free guidance on log-probabilities: u + scale * (c - u) (scale 1: c)."""
+    cond, uncond = conditional.float().log_softmax(-1), unconditional.float().log_softmax(-1)
+    return uncond + scale * (cond - uncond)
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -181,68 +257,66 @@ def generate(
     modality: Tensor | None = None,
     image_ids: Tensor | None = None,
     generator: torch.Generator | None = None,
+    unconditional_ids: Tensor | None = None,
+    guidance: float = 1.0,
 ) -> Tensor:
-    """Continue ``prompt_ids`` [B, T0] (equal-length prompts) by up to max_new_tokens: [B, T0 + n]."""
+    """Continue ``prompt_ids`` [B, T0] (equal-length prompts) by up to max_new_tokens: [B, T0 + n].
+
+    With ``unconditional_ids`` [B, T1] (the same request without its condition, e.g. only
+    ``<bos> <boi>`` where the prompt is ``<bos> caption <boi>``) and ``guidance`` > 1, every step
+    samples from classifier-free guided log-probabilities (``guide``), as Make-A-Scene, Parti
+    and Chameleon draw images; both prompts see the same sampled tokens."""
     cfg = sampling or SamplingConfig()
-    batch_size, prompt_len = prompt_ids.shape
+    batch_size = prompt_ids.shape[0]
     max_new, device = cfg.max_new_tokens, prompt_ids.device
     layout = layout or (constraint.layout if constraint is not None else None)
-    if model.cfg.rope.mrope_sections and layout is None:
-        raise ValueError("an M-RoPE model needs the vocabulary layout to place generated tokens")
+    if (model.cfg.rope.mrope_sections or model.cfg.grid_embedding) and layout is None:
+        raise ValueError(
+            "an M-RoPE or grid-embedding model needs the vocabulary layout to place generated tokens"
+        )
+    guided = unconditional_ids is not None and guidance != 1.0
+    if unconditional_ids is not None and unconditional_ids.shape[0] != batch_size:
+        raise ValueError("unconditional_ids needs as many rows as prompt_ids")
     was_training = model.training
     model.eval()
     try:
-        mod = (
-            modality.clone()
-            if modality is not None
-            else torch.full_like(prompt_ids, int(Modality.TEXT))
-        )
-        thw = None
-        trackers = (
-            [LayoutTracker(layout) for _ in range(batch_size)] if layout is not None else None
-        )
-        if trackers is not None:
-            rows = [
-                [trackers[row_index].push(int(token)) for token in prompt_ids[row_index].tolist()]
-                for row_index in range(batch_size)
-            ]
-            thw = torch.tensor(
-                [[position for position, _ in row_positions] for row_positions in rows],
-                dtype=torch.long,
-                device=device,
-            ).reshape(batch_size, prompt_len, 3)
-            if modality is None:
-                mod = torch.tensor(
-                    [[modality_id for _, modality_id in row_positions] for row_positions in rows],
-                    dtype=torch.long,
-                    device=device,
-                )
-            # generated text continues the prompt's last text-like modality
-            for row_index in range(batch_size):
-                textlike = [
-                    int(modality_id)
-                    for modality_id in mod[row_index].tolist()
-                    if modality_id in (Modality.TEXT, Modality.CODE)
-                ]
-                trackers[row_index].text_modality = textlike[-1] if textlike else int(Modality.TEXT)
         if constraint is not None:
-            for row_index in range(batch_size):
-                for token in prompt_ids[row_index].tolist():
-                    constraint.observe(row_index, token, strict=False)
-                if constraint.tokens_to_finish(row_index) > max_new:
+            for row in range(batch_size):
+                for token in prompt_ids[row].tolist():
+                    constraint.observe(row, token, strict=False)
+                if constraint.tokens_to_finish(row) > max_new:
                     raise ValueError(
                         f"max_new_tokens={max_new} cannot finish the image that prompt row "
-                        f"{row_index} opened"
+                        f"{row} opened"
                     )
-        caches = model.make_kv_caches(batch_size, prompt_len + max_new, device=device)
-        logits = model.decode(
-            prompt_ids, caches, 0, position_thw=thw, modality=mod, image_ids=image_ids
-        )
+        decoders = [
+            _Decoder(
+                model,
+                prompt_ids,
+                layout=layout,
+                modality=modality,
+                image_ids=image_ids,
+                max_new=max_new,
+            )
+        ]
+        if guided and unconditional_ids is not None:
+            decoders.append(
+                _Decoder(
+                    model,
+                    unconditional_ids,
+                    layout=layout,
+                    modality=None,
+                    image_ids=None,
+                    max_new=max_new,
+                )
+            )
         out = [prompt_ids]
         finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
-        last_mod = mod[:, -1].clone()
         stop = torch.tensor(cfg.stop_ids, dtype=torch.long, device=device)
         for step in range(max_new):
+            logits = decoders[0].logits
+            if guided:
+                logits = guide(logits, decoders[1].logits, guidance)
             if constraint is not None:
                 logits = logits.masked_fill(
                     ~constraint.allowed(max_new - step).to(device), float("-inf")
@@ -250,28 +324,16 @@ def generate(
             nxt = sample_next(logits, cfg, generator)
             nxt = torch.where(finished, torch.full_like(nxt, cfg.pad_id), nxt)
             out.append(nxt[:, None])
-            step_thw = torch.zeros(batch_size, 1, 3, dtype=torch.long, device=device)
-            for row_index, tok in enumerate(nxt.tolist()):
-                if finished[row_index]:
-                    continue
-                if constraint is not None:
-                    constraint.observe(row_index, tok)
-                if trackers is not None:
-                    pos, modality_id = trackers[row_index].push(tok)
-                    step_thw[row_index, 0] = torch.tensor(pos)
-                    last_mod[row_index] = int(modality_id)
+            if constraint is not None:
+                for row, tok in enumerate(nxt.tolist()):
+                    if not finished[row]:
+                        constraint.observe(row, tok)
+            was_finished = finished.clone()
             finished |= torch.isin(nxt, stop)
             if bool(finished.all()) or step == max_new - 1:
                 break
-            pos1d = torch.full((batch_size, 1), prompt_len + step, dtype=torch.long, device=device)
-            logits = model.decode(
-                nxt[:, None],
-                caches,
-                prompt_len + step,
-                position_ids=pos1d,
-                position_thw=step_thw if trackers is not None else None,
-                modality=last_mod[:, None].clone(),
-            )
+            for decoder in decoders:
+                decoder.advance(nxt, was_finished)
         return torch.cat(out, dim=1)
     finally:
         model.train(was_training)

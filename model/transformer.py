@@ -50,12 +50,18 @@ class TransformerConfig:
     vocab_size: int = 1550
     text_vocab_size: int = 512  # ids [0, text_vocab_size): text/code, the "text slice"
     visual_offset: int = 550  # ids [visual_offset, vocab_size): visual codes
+    max_grid: int = 64  # largest image side in tokens (the layout's; sizes the grid embedding)
     # Sizes.
     dim: int = 64
     n_layers: int = 2
     norm_eps: float = 1e-5
     reorder_norm: bool = False
     init_std: float = 0.02
+    # A learned embedding of an image code's row and column, added to its input embedding
+    # (DALL-E's row/column embeddings). RoPE only tells attention how far apart two tokens are,
+    # so without it a small model must count <eol> tokens to know where in the picture a code
+    # sits: "in the top left" has nothing to bind to (docs/benchmarks.md, "The demo, held out").
+    grid_embedding: bool = False
     activation_checkpoint_every: int = 0
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     rope: RopeConfig = field(default_factory=RopeConfig)
@@ -100,6 +106,7 @@ class TransformerConfig:
             vocab_size=layout.size,
             text_vocab_size=layout.text_size,
             visual_offset=layout.visual_offset,
+            max_grid=layout.max_grid,
         )
 
     def build(self, device: torch.device | str | None = None) -> Transformer:
@@ -159,6 +166,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.grid_rows = nn.Embedding(cfg.max_grid, cfg.dim) if cfg.grid_embedding else None
+        self.grid_cols = nn.Embedding(cfg.max_grid, cfg.dim) if cfg.grid_embedding else None
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -175,6 +184,9 @@ class Transformer(nn.Module):
         std = self.cfg.init_std
         out_std = std / (2 * self.cfg.n_layers) ** 0.5
         nn.init.trunc_normal_(self.tok_embeddings.weight, std=std, a=-3 * std, b=3 * std)
+        for grid in (self.grid_rows, self.grid_cols):
+            if grid is not None:
+                nn.init.trunc_normal_(grid.weight, std=std, a=-3 * std, b=3 * std)
         for layer in self.blocks():
             layer.attention.init_weights(std, out_std)
             layer.feed_forward.init_weights(std, out_std)
@@ -201,6 +213,8 @@ class Transformer(nn.Module):
         cache_start=0,
     ):
         hidden = self.tok_embeddings(input_ids)
+        if self.grid_rows is not None and self.grid_cols is not None and position_thw is not None:
+            hidden = hidden + self._grid_embedding(position_thw, modality)
         cos, sin = self.rope(position_ids, position_thw)
         stats = []
         for layer_index, layer in enumerate(self.layers):
@@ -209,6 +223,17 @@ class Transformer(nn.Module):
             if layer_stats is not None:
                 stats.append(layer_stats)
         return hidden, stats
+
+    def _grid_embedding(self, position_thw: Tensor, modality: Tensor) -> Tensor:
+        """Row and column embeddings of image codes, zero elsewhere. An image's codes sit at
+        (t, h, w) = (s, s + row, s + col) (LayoutTracker), so row = h - t and col = w - t.
+        Video codes are left out: their t also counts frames, so h - t is not their row."""
+        assert self.grid_rows is not None and self.grid_cols is not None
+        image = (modality == int(Modality.IMAGE)).unsqueeze(-1)
+        last = self.cfg.max_grid - 1
+        rows = (position_thw[..., 1] - position_thw[..., 0]).clamp(0, last)
+        cols = (position_thw[..., 2] - position_thw[..., 0]).clamp(0, last)
+        return (self.grid_rows(rows) + self.grid_cols(cols)) * image
 
     def _moe_summary(self, stats) -> dict[str, Tensor] | None:
         if not stats:

@@ -51,6 +51,8 @@ def blocking_features(cfg) -> list[str]:
         out.append(
             f"rope.mrope_sections={cfg.rope.mrope_sections} (M-RoPE: Qwen3 has 1D RoPE only)"
         )
+    if getattr(cfg, "grid_embedding", False):
+        out.append("grid_embedding=true (row/column embeddings of image codes: Qwen3 has none)")
     if cfg.reorder_norm:
         out.append(
             "reorder_norm=true (norms after attention and FFN: Qwen3 normalises their inputs)"

@@ -25,6 +25,8 @@ def _variant(kit, name):
             rope=RopeConfig(mrope_sections=[2, 1, 1]),
             attention=AttentionConfig(n_heads=4, n_kv_heads=2, sliding_window=6),
         )
+    if name == "grid":
+        return kit.tiny_config(grid_embedding=True)
     if name == "mot":
         return kit.tiny_config(
             ffn=dataclasses.replace(kit.tiny_config().ffn, modality_groups=[0, 1, 2, 2, 2])
@@ -42,7 +44,7 @@ def _full_logits(model, ids, layout):
     return model(ids, position_thw=thw, modality=mods)[:, -1]
 
 
-@pytest.mark.parametrize("name", ["plain", "mrope+window", "mot", "moe+reorder"])
+@pytest.mark.parametrize("name", ["plain", "mrope+window", "grid", "mot", "moe+reorder"])
 def test_kv_cache_generation_equals_full_recomputation(kit, name):
     torch.manual_seed(0)
     model = _variant(kit, name).build().eval()
@@ -200,3 +202,46 @@ def test_generation_keeps_text_modality_of_prompt(kit):
     with torch.no_grad():
         full = model(as_code[:, :-1], modality=torch.full((1, 6), int(Modality.CODE)))
     assert int(full[0, -1].argmax()) == int(as_code[0, -1])
+
+
+def test_guided_drawing_follows_the_guided_log_probabilities(kit):
+    """Classifier-free guidance: each greedy step takes the argmax of u + s (c - u), with c after
+    the caption and u after the same request without it; s = 1 is plain generation."""
+    from model.generate import guide
+
+    torch.manual_seed(0)
+    model = kit.tiny_config(grid_embedding=True).build().eval()
+    L = kit.layout
+    boi = L.structure_id("<boi>")
+    prompt = torch.tensor([[1, 5, 6, 7, boi]])
+    unconditional = torch.tensor([[1, boi]])
+    sampling = SamplingConfig(max_new_tokens=9, temperature=0.0)
+
+    def run(scale):
+        return generate(
+            model,
+            prompt,
+            sampling=sampling,
+            constraint=ImageConstraint(L, 1, size=(2, 2)),
+            unconditional_ids=unconditional,
+            guidance=scale,
+        )
+
+    plain = generate(
+        model, prompt, sampling=sampling, constraint=ImageConstraint(L, 1, size=(2, 2))
+    )
+    assert torch.equal(run(1.0), plain)
+    out = run(4.0)
+    check = ImageConstraint(L, 1, size=(2, 2))
+    for token in prompt[0].tolist():
+        check.observe(0, token, strict=False)
+    new = out[0, prompt.shape[1] :].tolist()
+    for step, token in enumerate(new):
+        cond = _full_logits(model, out[:, : prompt.shape[1] + step], L)
+        uncond = _full_logits(
+            model, torch.cat([unconditional, out[:, prompt.shape[1] :][:, :step]], 1), L
+        )
+        guided = guide(cond, uncond, 4.0).masked_fill(~check.allowed(9 - step), float("-inf"))
+        assert int(guided.argmax(-1)) == token, f"step {step}"
+        check.observe(0, token)
+    assert new[-1] == L.structure_id("<eoi>")

@@ -166,3 +166,23 @@ def test_bf16_model_trains_and_matches_fp32_loss(kit, mixed_batch):
         p.grad is not None and p.grad.dtype == torch.bfloat16 and torch.isfinite(p.grad).all()
         for p in bf16.parameters()
     )
+
+
+def test_grid_embedding_marks_where_an_image_code_sits(kit):
+    """Row/column embeddings reach image codes only: moving text positions changes nothing, and
+    the same code at another grid cell gets another input (it is what lets "in the top left"
+    bind to a place in the picture)."""
+    torch.manual_seed(0)
+    model = kit.tiny_config(grid_embedding=True).build().eval()
+    assert model.grid_rows is not None and model.grid_cols is not None
+    image, text = int(Modality.IMAGE), int(Modality.TEXT)
+    modality = torch.tensor([[text, image, image, image]])
+    # (t, h, w): a text token, then codes at (row 0, col 0), (0, 1) and (1, 0) of a block at s=1.
+    thw = torch.tensor([[[0, 0, 0], [1, 1, 1], [1, 1, 2], [1, 2, 1]]])
+    extra = model._grid_embedding(thw, modality)
+    assert extra[0, 0].abs().sum() == 0  # text: nothing added
+    torch.testing.assert_close(extra[0, 1], model.grid_rows.weight[0] + model.grid_cols.weight[0])
+    torch.testing.assert_close(extra[0, 2], model.grid_rows.weight[0] + model.grid_cols.weight[1])
+    torch.testing.assert_close(extra[0, 3], model.grid_rows.weight[1] + model.grid_cols.weight[0])
+    # Without the option the parameters do not exist (old checkpoints load unchanged).
+    assert kit.tiny_config().build().grid_rows is None

@@ -69,10 +69,12 @@ def test_a_feature_qwen3_lacks_is_refused_by_name(release, tmp_path, capsys):
     shutil.copytree(release, bad)
     cfg = json.loads((bad / "config.json").read_text())
     cfg["model"]["rope"]["mrope_sections"] = [4, 2, 2]
+    cfg["model"]["grid_embedding"] = True
     (bad / "config.json").write_text(json.dumps(cfg))
     assert convert_main(["hf", str(bad), str(tmp_path / "hf")]) == 1
     err = capsys.readouterr().err
     assert "does not map onto Qwen3" in err and "rope.mrope_sections=[4, 2, 2] (M-RoPE" in err
+    assert "grid_embedding=true (row/column embeddings" in err
     assert not (tmp_path / "hf").exists()
 
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -129,6 +130,18 @@ def test_draw_writes_a_png_that_decodes(release, tmp_path, capsys):
         assert max(im.size) <= 5 * factor
     assert generate_main([str(release), "--draw", "x", "--out", str(free), "--size", "99x99"]) == 1
     assert "outside 1..32" in capsys.readouterr().err
+    # Classifier-free guidance: seeded draws repeat, and the guided picture is another one
+    # (its codes come from other log-probabilities; model/generate.py tests the arithmetic).
+    pictures = []
+    for name, scale in (("plain", "1"), ("guided", "4"), ("guided_again", "4")):
+        path = tmp_path / f"{name}.png"
+        argv = ["--draw", "a red square", "--out", str(path), "--size", "4x4"]
+        argv += ["--temperature", "1", "--seed", "5", "--guidance", scale]
+        assert generate_main([str(release), *argv]) == 0
+        with Image.open(path) as im:
+            pictures.append(np.asarray(im.convert("RGB")))
+    assert np.array_equal(pictures[1], pictures[2])
+    assert not np.array_equal(pictures[0], pictures[1])
 
 
 def test_batch_jsonl_runs_every_request(release, image, tmp_path):

@@ -143,6 +143,7 @@ def evaluate(args) -> dict:
             load_scenes(args.scenes),
             limit=args.max_scenes,
             draw_temperature=args.draw_temperature,
+            draw_guidance=args.draw_guidance,
         )
     out["seconds"] = round(time.perf_counter() - started, 1)
     return out
@@ -194,6 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.7,
         help="sampling temperature of the drawings (seeded per scene; 0 = greedy; default 0.7)",
+    )
+    pair.add_argument(
+        "--draw-guidance",
+        type=float,
+        default=1.0,
+        help="classifier-free guidance of the drawings: log-probabilities after the caption pushed "
+        "away from those after no caption by this factor (1 = off; docs/evaluation.md)",
     )
     pair.add_argument("--device", default="cpu")
     pair.add_argument("--verbose", action="store_true", help="say which part runs")

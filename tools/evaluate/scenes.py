@@ -74,7 +74,18 @@ class SceneJudge:
             factor=vtok.cfg.factor, max_pixels=image_max_pixels, max_grid=layout.max_grid
         )
 
-    def _generate(self, ids, mod, constraint, stop, count, temperature=0.0, seed=0):
+    def _generate(
+        self,
+        ids,
+        mod,
+        constraint,
+        stop,
+        count,
+        temperature=0.0,
+        seed=0,
+        unconditional=None,
+        guidance=1.0,
+    ):
         from model.generate import SamplingConfig, generate
 
         out = generate(
@@ -90,6 +101,10 @@ class SceneJudge:
             layout=self.layout,
             modality=torch.tensor([mod], device=self.device),
             generator=torch.Generator(device=self.device).manual_seed(seed),
+            unconditional_ids=(
+                torch.tensor([unconditional], device=self.device) if unconditional else None
+            ),
+            guidance=guidance,
         )
         return out[0, len(ids) :].tolist()
 
@@ -102,7 +117,12 @@ class SceneJudge:
 
     @torch.no_grad()
     def draw(
-        self, caption: str, grid: tuple[int, int], temperature: float = 0.7, seed: int = 0
+        self,
+        caption: str,
+        grid: tuple[int, int],
+        temperature: float = 0.7,
+        seed: int = 0,
+        guidance: float = 1.0,
     ) -> np.ndarray:
         from model.generate import ImageConstraint
 
@@ -113,7 +133,15 @@ class SceneJudge:
         mod = [int(Modality.TEXT)] * (len(ids) - 1) + [int(Modality.STRUCTURE)]
         constraint = ImageConstraint(lay, 1, vocab_size=self.model.cfg.vocab_size, size=grid)
         new = self._generate(
-            ids, mod, constraint, [eoi], image_block_len(*grid) - 1, temperature, seed
+            ids,
+            mod,
+            constraint,
+            [eoi],
+            image_block_len(*grid) - 1,
+            temperature,
+            seed,
+            unconditional=[self.text.bos_id, boi],  # the same picture asked for with no caption
+            guidance=guidance,
         )
         codes = parse_image([boi, *new[: new.index(eoi) + 1]], lay)
         img = self.vtok.decode(torch.from_numpy(codes)[None].to(self.device))[0]
@@ -160,6 +188,7 @@ def evaluate_scenes(
     limit: int = 0,
     examples: int = 6,
     draw_temperature: float = 0.7,
+    draw_guidance: float = 1.0,
 ):
     """Accuracy per attribute of drawings, captions, their chance levels and the tokenizer's
     ceiling, over the single-shape scenes (the first ``limit`` when given)."""
@@ -176,7 +205,9 @@ def evaluate_scenes(
     for i, scene in enumerate(single):
         other = single[(i + 1) % len(single)]["facts"]
         arr, codes = judge.image_of(scene["image"])
-        drawing = judge.draw(scene["caption"], tuple(codes.shape), draw_temperature, seed=i)
+        drawing = judge.draw(
+            scene["caption"], tuple(codes.shape), draw_temperature, seed=i, guidance=draw_guidance
+        )
         text = judge.caption(codes)
         for name, got in (
             ("draw", score(drawing, scene["facts"])),
@@ -190,7 +221,11 @@ def evaluate_scenes(
         if len(shown) < examples:
             shown.append({"caption": scene["caption"], "generated_caption": text})
     count = len(single)
-    out: dict = {"scenes": count, "draw_temperature": draw_temperature}
+    out: dict = {
+        "scenes": count,
+        "draw_temperature": draw_temperature,
+        "draw_guidance": draw_guidance,
+    }
     for name, t in tallies.items():
         out[name] = {attribute: v / count for attribute, v in t.items()}
     out["examples"] = shown
