@@ -60,6 +60,12 @@ class VisualTokenizerConfig:
     dec_channels: list[int] = field(default_factory=lambda: [192, 96])
     dec_blocks: int = 2
     norm_groups: int = 8  # GroupNorm groups in residual blocks; 0: no norm
+    # Each code from its own patch only: the encoder's convs are 1x1 and its norms per position
+    # (a 3x3 conv or a GroupNorm lets a code see its neighbours, or the whole image). A language
+    # model reads codes in raster order, so codes that already carry what lies below or to the
+    # right of them hand it the picture before it is drawn: it learns to read those hints instead
+    # of the caption, and cannot draw without them (docs/visual_tokenizer.md, "Local codes").
+    local_encoder: bool = False
     colour_path: bool = True  # mean-colour skip around both trunks (see module doc)
     temporal_factor: int = 4  # frames per latent frame after the first (video)
     l1: float = 1.0
@@ -96,16 +102,32 @@ def _norm(c: int, groups: int) -> nn.Module:
     return nn.GroupNorm(math.gcd(groups, c), c) if groups else nn.Identity()
 
 
-class ResBlock(nn.Module):
-    def __init__(self, c: int, groups: int) -> None:
+class ChannelNorm(nn.Module):
+    """LayerNorm over the channels of each position alone (a GroupNorm pools the whole map)."""
+
+    def __init__(self, c: int) -> None:
         super().__init__()
+        self.norm = nn.LayerNorm(c)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+def _encoder_norm(c: int, cfg: VisualTokenizerConfig) -> nn.Module:
+    return ChannelNorm(c) if cfg.local_encoder else _norm(c, cfg.norm_groups)
+
+
+class ResBlock(nn.Module):
+    def __init__(self, c: int, groups: int, *, kernel: int = 3, norm=None) -> None:
+        super().__init__()
+        make_norm = norm or (lambda width: _norm(width, groups))
         self.body = nn.Sequential(
-            _norm(c, groups),
+            make_norm(c),
             nn.SiLU(),
-            nn.Conv2d(c, c, 3, padding=1),
-            _norm(c, groups),
+            nn.Conv2d(c, c, kernel, padding=kernel // 2),
+            make_norm(c),
             nn.SiLU(),
-            nn.Conv2d(c, c, 3, padding=1),
+            nn.Conv2d(c, c, kernel, padding=kernel // 2),
         )
 
     def forward(self, x: Tensor) -> Tensor:
@@ -119,12 +141,19 @@ class Encoder(nn.Module):
         super().__init__()
         widths = cfg.enc_channels
         self.stem_factor = cfg.factor // 2 ** (len(widths) - 1)
-        layers: list[nn.Module] = [nn.Conv2d(3 * self.stem_factor**2, widths[0], 3, padding=1)]
+        kernel = 1 if cfg.local_encoder else 3
+        norm = lambda width: _encoder_norm(width, cfg)  # noqa: E731
+        layers: list[nn.Module] = [
+            nn.Conv2d(3 * self.stem_factor**2, widths[0], kernel, padding=kernel // 2)
+        ]
         for stage, width in enumerate(widths):
             if stage:  # stride-2 stage: a 2x2 unshuffle + 1x1 conv is cheaper than a strided 3x3
                 layers += [nn.PixelUnshuffle(2), nn.Conv2d(4 * widths[stage - 1], width, 1)]
-            layers += [ResBlock(width, cfg.norm_groups) for _ in range(cfg.enc_blocks)]
-        layers += [_norm(widths[-1], cfg.norm_groups), nn.SiLU()]
+            layers += [
+                ResBlock(width, cfg.norm_groups, kernel=kernel, norm=norm)
+                for _ in range(cfg.enc_blocks)
+            ]
+        layers += [norm(widths[-1]), nn.SiLU()]
         self.trunk = nn.Sequential(*layers)
         self.factor = cfg.factor
         self.colour = nn.Conv2d(3, widths[-1], 1) if cfg.colour_path else None

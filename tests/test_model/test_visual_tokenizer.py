@@ -217,6 +217,25 @@ def test_video_encoder_is_causal():
             )
 
 
+@pytest.mark.parametrize("enc_channels", [[32], [16, 32]])
+def test_local_encoder_codes_see_only_their_own_patch(enc_channels):
+    """With ``local_encoder`` a patch's pixels reach its own latent and no other; without it
+    (3x3 convs, GroupNorm over the whole map) they reach every latent of the image: what lets a
+    raster-order language model read a shape from the codes before it."""
+    cfg = dict(levels=[5, 5, 5], factor=4, enc_channels=enc_channels, dec_channels=[32])
+    x = smooth_images(1, 16, 24)
+    y = x.clone()
+    y[:, :, 4:8, 8:12] = 1.0  # latent (1, 2)
+    for local in (True, False):
+        m = VisualTokenizerConfig(**cfg, local_encoder=local).build().eval()
+        with torch.no_grad():
+            changed = (m.encoder(x) - m.encoder(y)).abs().amax(1)[0] > 1e-6
+        if local:
+            assert changed.nonzero().tolist() == [[1, 2]]
+        else:
+            assert changed.sum() > 1
+
+
 def test_video_shares_the_image_code_space():
     m = _video_model()
     v = smooth_images(5, 16, 24).unsqueeze(0)
