@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ from data.vocab import Modality
 from model import presets
 from tools.evaluate import main as eval_main
 from tools.evaluate.heldout import MODEL_INPUTS, token_byte_lengths
-from tools.evaluate.scenes import SceneJudge, evaluate_scenes
+from tools.evaluate.scenes import SceneJudge, evaluate_scenes, load_scenes
 from train.monitor.pair_dependence import CAPTION, DRAWING, collate, dependence_gaps, find_pair
 
 
@@ -68,6 +69,20 @@ def test_eval_command_on_a_release(debug_release, tiny_tokens, tiny_corpus, tmp_
     assert "scenes/caption" in ev["dependence"]
     assert ev["scenes"]["scenes"] == 3 and set(ev["scenes"]["draw"]) >= {"colour", "all"}
     assert "per modality" in printed and "dependence" in printed and "drawn from caption" in printed
+
+
+def test_scenes_read_from_raw_shards_are_the_ingested_scenes(tiny_corpus, tiny_raw, tmp_path):
+    """``--scenes RAW_DIR`` scores the scenes that ingest wrote (the held-out set as it is),
+    with the bytes of their pictures; a scene that ingest kept out is not scored."""
+    table = load_scenes([tiny_corpus / "scenes" / "scenes.jsonl"])
+    shards = load_scenes([tiny_raw])
+    assert len(shards) == len(table) > 0  # clips carry facts too, but are not scenes
+    for from_table, from_shards in zip(table, shards):
+        assert from_shards["caption"] == from_table["caption"]
+        assert from_shards["facts"] == from_table["facts"]
+        assert from_shards["image"] == Path(from_table["image"]).read_bytes()
+    with pytest.raises(ValueError, match="not a raw shard folder"):
+        load_scenes([tmp_path])
 
 
 def test_token_byte_lengths_count_utf8_bytes(tiny_tokenizers):

@@ -174,9 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--scenes",
         action="append",
         default=[],
-        metavar="JSONL",
-        help="held-out scene tables of the demo corpus (scenes.jsonl, drawings.jsonl): drawing "
-        "and captioning scored from pixels (repeatable)",
+        metavar="PATH",
+        help="held-out scenes of the demo corpus, drawn and captioned and scored from pixels "
+        "(repeatable): a raw shard folder (the held-out ingest output: scenes that ingest kept "
+        "out as duplicates of training documents are not scored) or a scene table "
+        "(scenes.jsonl, drawings.jsonl)",
     )
     pair.add_argument("--out", metavar="JSON", help="write the figures here")
     pair.add_argument("--seq-len", type=int, default=0, help="row length (default: the run's)")

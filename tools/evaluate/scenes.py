@@ -2,7 +2,7 @@
 picture and read the caption back.
 
 Scenes (data/demo_corpus/scenes.py) state facts a program can check. For every held-out
-single-shape scene (its caption names one colour, one shape and one of nine cells):
+single-shape scene (its caption names one colour, one shape and one of the four cells):
 
 - **drawing**: ``<bos> caption <boi>`` then sampling under the image grammar at the scene's own
   grid (its size as the tokenizer would encode it), at ``draw_temperature`` (default 0.7) from a
@@ -38,27 +38,51 @@ ATTRIBUTES = ("colour", "shape", "position", "all")
 
 
 def load_scenes(paths: list[str | Path]) -> list[dict]:
-    """Rows ``{"image": absolute path, "caption", "facts"}`` of scene tables (scenes.jsonl, or an
-    interleaved drawing table whose rows carry ``facts``)."""
+    """Rows ``{"image": path or PNG bytes, "caption", "facts"}`` of held-out scenes, from scene
+    tables of the demo corpus (scenes.jsonl, or an interleaved drawing table whose rows carry
+    ``facts``) or from a raw shard folder (``earlyfuse-prep ingest`` output: every sample whose
+    metadata carries a scene's ``facts``). The shard folder is the honest choice: a scene that ingest kept
+    out of the held-out set (``--exclude-content-of``: the same picture is a training document)
+    is not scored either."""
     out = []
     for path in paths:
         path = Path(path)
-        for count, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if "facts" not in row:
-                raise ValueError(
-                    f"{path}:{count}: no 'facts' (not a scene table of the demo corpus)"
-                )
-            image = row.get("image") or row.get("scene_image")
-            out.append(
-                {
-                    "image": str(path.parent / image),
-                    "caption": row["caption"],
-                    "facts": row["facts"],
-                }
-            )
+        out.extend(_shard_scenes(path) if path.is_dir() else _table_scenes(path))
+    return out
+
+
+def _table_scenes(path: Path) -> list[dict]:
+    out = []
+    for count, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if "facts" not in row:
+            raise ValueError(f"{path}:{count}: no 'facts' (not a scene table of the demo corpus)")
+        image = row.get("image") or row.get("scene_image")
+        out.append(
+            {"image": str(path.parent / image), "caption": row["caption"], "facts": row["facts"]}
+        )
+    return out
+
+
+def _shard_scenes(folder: Path) -> list[dict]:
+    from data.shards.reader import iter_docs
+
+    if not (folder / "manifest.json").is_file():
+        raise ValueError(f"{folder}: not a raw shard folder (no manifest.json; see ingest --help)")
+    out = []
+    for raw in iter_docs(folder):
+        meta = raw.doc.get("meta") or {}
+        if "shapes" not in (meta.get("facts") or {}):  # not a scene (a clip has facts too)
+            continue
+        segments = raw.doc.get("segments", [])
+        images = [seg["member"] for seg in segments if seg.get("type") == "image"]
+        texts = [seg["text"] for seg in segments if seg.get("type") == "text"]
+        caption = meta.get("caption") or (texts[0] if texts else None)
+        if len(images) != 1 or caption is None:
+            raise ValueError(f"{raw.shard}: {raw.key} has facts but not one image and a caption")
+        out.append({"image": raw.member(images[0]), "caption": caption, "facts": meta["facts"]})
     return out
 
 
@@ -109,9 +133,10 @@ class SceneJudge:
         return out[0, len(ids) :].tolist()
 
     @torch.no_grad()
-    def image_of(self, path: str) -> tuple[np.ndarray, np.ndarray]:
-        """(pixels at the tokenizer's size, code grid) of a scene file."""
-        arr = np.array(load_image(Path(path).read_bytes(), self.prep))
+    def image_of(self, image: str | bytes) -> tuple[np.ndarray, np.ndarray]:
+        """(pixels at the tokenizer's size, code grid) of a scene (a file, or its bytes)."""
+        data = image if isinstance(image, bytes) else Path(image).read_bytes()
+        arr = np.array(load_image(data, self.prep))
         codes = self.vtok.encode(to_tensor(arr[None]).to(self.device))[0]
         return arr, codes.cpu().numpy()
 
