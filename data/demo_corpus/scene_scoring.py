@@ -4,13 +4,13 @@
 visual tokenizer is blurred at shape edges and shifted in colour, and a drawing may be
 anything. This classifier is deliberately simple and documented (docs/evaluation.md):
 
-1. **Pixel labels.** Every pixel takes the nearest (Euclidean RGB) of the nine palette colours
+1. **Pixel labels.** Every pixel takes the nearest (Euclidean RGB) of the six palette colours
    and the three background greys (96, 128, 160); a pixel nearest a grey is background. A pixel
    further than ``MAX_DISTANCE`` from every reference is background too (a muddy blend of two
    colours is no evidence of either).
 2. **Colour.** The palette colour with the most pixels, if it has at least ``MIN_PIXELS``
    (scaled to the image area); otherwise nothing was drawn.
-3. **Position.** The 3 x 3 cell (``scenes.cell_box``) holding the centroid of that colour's
+3. **Position.** The grid cell (``scenes.cell_box``: the four quadrants) holding the centroid of that colour's
    pixels.
 4. **Shape.** That colour's largest 4-connected blob, compared with a square, a circle and an
    upright triangle each filling the blob's bounding box (drawn at 8x and averaged down, so edge

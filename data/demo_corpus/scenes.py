@@ -1,11 +1,16 @@
 """Scenes part: generated pictures whose captions state facts that can be checked from pixels.
 
-A scene is 1-3 flat-coloured shapes (circle, square, triangle), each inside its own cell of a
-3x3 grid (the cell names the position: "top left" ... "centre" ... "bottom right"), on a
-plain or noisy grey background. Shapes are drawn without anti-aliasing, in colours chosen
-so that every pair differs by more than 2 x TOL in some channel and every colour differs
-from any background pixel by more than TOL, so a colour is recovered exactly from the
-pixels of a lossless PNG.
+A scene is a 32x32 picture of 1-2 flat-coloured shapes (circle, square, triangle) in six
+colours, each centred in its own quadrant (the cell names the position: "top left", "top
+right", "bottom left", "bottom right"), on a plain or noisy grey background. Drawings (caption
+then picture) show one shape each. The scenes are kept this simple on purpose: at the demo's
+scale (a 2.1M-parameter LM trained for minutes) a model learns to *draw* a caption only when
+the caption decides where the shape lies and a shape covers a good share of the picture's 64
+codes; with nine colours, nine cells, shapes anywhere in their cell and 64x64 pictures it drew
+at chance (docs/benchmarks.md, "The demo, held out", has the ablation). Shapes are drawn
+without anti-aliasing, in colours chosen so that every pair differs by more than 2 x TOL in
+some channel and every colour differs from any background pixel by more than TOL, so a colour
+is recovered exactly from the pixels of a lossless PNG.
 
 `check_scene(image, facts)` verifies a caption from the pixels alone; `caption_facts`
 turns a caption string back into facts, so an edited caption ("a green circle ..." instead
@@ -24,7 +29,7 @@ from tqdm import tqdm
 
 from ._common import rng_for, write_jsonl, write_png
 
-TARGET = 400
+TARGET = 1500  # and as many drawings: the demo LM sees each a few times (docs/benchmarks.md)
 TOL = 40  # max per-channel distance of a pixel to its colour
 
 PALETTE: dict[str, tuple[int, int, int]] = {
@@ -34,62 +39,52 @@ PALETTE: dict[str, tuple[int, int, int]] = {
     "yellow": (235, 225, 20),
     "white": (245, 245, 245),
     "black": (10, 10, 10),
-    "orange": (245, 125, 0),
-    "purple": (130, 20, 170),
-    "cyan": (0, 200, 220),
 }
 BACKGROUNDS: dict[str, int] = {"dark grey": 96, "grey": 128, "light grey": 160}
 NOISE = 12  # +- amplitude of the "noisy" background
 SHAPES = ("circle", "square", "triangle")
-SIZES = ((64, 64), (64, 64), (64, 64), (96, 64), (64, 96))  # (width, height); square most often
+SIZES = ((32, 32),)  # (width, height)
 
-# (row, col) of the 3x3 grid -> position name, and how a caption says it.
+GRID = 2  # cells per side
+# (row, col) of the grid -> position name, and how a caption says it.
 POSITIONS: dict[str, tuple[int, int]] = {
     "top left": (0, 0),
-    "top": (0, 1),
-    "top right": (0, 2),
-    "left": (1, 0),
-    "centre": (1, 1),
-    "right": (1, 2),
-    "bottom left": (2, 0),
-    "bottom": (2, 1),
-    "bottom right": (2, 2),
+    "top right": (0, 1),
+    "bottom left": (1, 0),
+    "bottom right": (1, 1),
 }
-PHRASES: dict[str, str] = {
-    "top left": "in the top left",
-    "top": "at the top",
-    "top right": "in the top right",
-    "left": "on the left",
-    "centre": "in the centre",
-    "right": "on the right",
-    "bottom left": "in the bottom left",
-    "bottom": "at the bottom",
-    "bottom right": "in the bottom right",
-}
+PHRASES: dict[str, str] = {name: f"in the {name}" for name in POSITIONS}
 
 
 def cell_box(width: int, height: int, position: str) -> tuple[int, int, int, int]:
     """Pixel box [x0, y0, x1, y1) of a named grid cell (same arithmetic in drawing and checking)."""
     row, col = POSITIONS[position]
-    return col * width // 3, row * height // 3, (col + 1) * width // 3, (row + 1) * height // 3
+    return (
+        col * width // GRID,
+        row * height // GRID,
+        (col + 1) * width // GRID,
+        (row + 1) * height // GRID,
+    )
 
 
 # ---------------------------------------------------------------- generation
 
 
-def sample_facts(rng: np.random.Generator) -> dict:
+def sample_facts(rng: np.random.Generator, *, max_shapes: int = 2) -> dict:
     width, height = SIZES[rng.integers(len(SIZES))]
-    n = int(rng.integers(1, 4))
+    n = int(rng.integers(1, max_shapes + 1))
     cells = rng.choice(list(POSITIONS), size=n, replace=False)
     colours = rng.choice(list(PALETTE), size=n, replace=False)
     shapes = []
     for position, colour in zip(cells, colours):
         x0, y0, x1, y1 = cell_box(width, height, str(position))
         m = min(x1 - x0, y1 - y0)
-        s = int(rng.integers(int(0.55 * m), int(0.85 * m) + 1))
-        # keep a 1-pixel margin inside the cell so shapes never touch or cross cell borders
-        sx = int(rng.integers(x0 + 1, x1 - s))
-        sy = int(rng.integers(y0 + 1, y1 - s))
+        # Centred in its cell at 70-80 % of the cell, +-1 pixel: where a shape lies follows
+        # from its position phrase, so a model can learn to draw it there (a shape anywhere
+        # in its cell leaves a drawing model nothing to anchor on at the demo's scale).
+        s = int(rng.integers(int(0.7 * m), int(0.8 * m) + 1))
+        sx = (x0 + x1 - s) // 2 + int(rng.integers(-1, 2))
+        sy = (y0 + y1 - s) // 2 + int(rng.integers(-1, 2))
         shapes.append(
             {
                 "shape": str(rng.choice(SHAPES)),
@@ -258,7 +253,9 @@ def build_scenes(
     drawn = []
     for i in range(drawings):
         rng = rng_for(seed, "drawings", i)
-        facts = sample_facts(rng)
+        # One shape per drawing: the caption then says where the one shape goes, and every
+        # drawing teaches that; two-shape scenes are captioned (scenes.jsonl), not drawn.
+        facts = sample_facts(rng, max_shapes=1)
         rel = f"img/drawing_{i:04d}.png"
         total += write_png(out / "scenes" / rel, render(facts, rng))
         text = caption(facts)

@@ -20,6 +20,7 @@ from PIL import Image
 
 from data.demo_corpus import build, caption_facts, check_clip, check_scene
 from data.demo_corpus import scenes as scenes_mod
+from data.demo_corpus._common import scaled
 from data.demo_corpus.photos import available
 
 decord = pytest.importorskip("decord")
@@ -178,9 +179,10 @@ def test_rebuild_replaces_a_corpus_but_refuses_a_foreign_folder(tmp_path):
     out = tmp_path / "c"
     build(out, seed=0, scale=0.1, progress=False)
     build(out, seed=0, scale=0.02, progress=False)  # smaller: the old extra files must go
-    # 8 scenes and as many drawings (caption-then-picture scenes): nothing left of the bigger build
-    assert len(list((out / "scenes" / "img").glob("scene_*.png"))) == 8
-    assert len(list((out / "scenes" / "img").iterdir())) == 16
+    # the smaller build's scenes and as many drawings: nothing left of the bigger build
+    n_scenes = scaled(scenes_mod.TARGET, 0.02, 4)
+    assert len(list((out / "scenes" / "img").glob("scene_*.png"))) == n_scenes
+    assert len(list((out / "scenes" / "img").iterdir())) == 2 * n_scenes
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
@@ -205,16 +207,20 @@ def test_palette_is_separable():
 def test_check_scene_accepts_every_generated_scene(corpus):
     out, _ = corpus
     rows = _jsonl(out / "scenes" / "scenes.jsonl")
-    assert len(rows) == 40
+    assert len(rows) == scaled(scenes_mod.TARGET, SCALE, 4)
     sizes = set()
     for r in rows:
         image = _pixels(out / "scenes" / r["image"])
         sizes.add(image.shape[:2])
         assert image.shape[:2] == (r["facts"]["height"], r["facts"]["width"])
-        assert 1 <= len(r["facts"]["shapes"]) <= 3
+        assert 1 <= len(r["facts"]["shapes"]) <= 2
         assert check_scene(image, r["facts"])
         assert check_scene(image, caption_facts(r["caption"]))  # from the caption text alone
-    assert len(sizes) > 1
+    assert sizes == {(height, width) for width, height in scenes_mod.SIZES}
+    # drawings (caption then picture) name one shape each, and their pictures show it
+    for r in _jsonl(out / "scenes" / "drawings.jsonl"):
+        assert len(r["facts"]["shapes"]) == 1
+        assert check_scene(_pixels(out / "scenes" / r["image"]), caption_facts(r["caption"]))
 
 
 def _scene_edits(facts: dict) -> list[dict]:
