@@ -38,7 +38,7 @@ IGNORE = -100
 _TEXT, _IMAGE, _VIDEO = int(Modality.TEXT), int(Modality.IMAGE), int(Modality.VIDEO)
 
 
-@dataclass
+@dataclass(slots=True)
 class Unit:
     start: int
     end: int
@@ -63,7 +63,7 @@ def units_of(length: int, blocks: list) -> list[Unit]:
     return units
 
 
-@dataclass
+@dataclass(slots=True)
 class Doc:
     source: int
     sample: int
@@ -75,12 +75,20 @@ class Doc:
     unit: int = 0  # next unit to place
     offset: int = 0  # tokens of that unit already placed (text only)
     limit: int = -1  # end of the chunk handed out so far (-1: the whole document)
+    # Its visual blocks (the atomic units), in order: what block checks iterate.
+    blocks: list[Unit] = field(init=False, compare=False, repr=False)
+    has_blocks: bool = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.limit < 0:
             self.limit = self.length
         # units_of makes one text unit at most when there is no block
-        self.has_blocks = len(self.units) > 1 or (len(self.units) == 1 and self.units[0].atomic)
+        units = self.units
+        if len(units) > 1 or (units and units[0].atomic):
+            self.blocks = [u for u in units if u.atomic]
+        else:
+            self.blocks = []
+        self.has_blocks = bool(self.blocks)
 
     def position(self) -> int:
         """Doc tokens already placed or dropped: where the next piece starts."""
@@ -95,7 +103,10 @@ class Doc:
 
     def blocks_in(self, a: int, b: int) -> bool:
         """Whether doc tokens [a, b) hold a whole visual block."""
-        return any(u.atomic and u.start >= a and u.end <= b for u in self.units)
+        for u in self.blocks:
+            if u.start >= a and u.end <= b:
+                return True
+        return False
 
     def chunk_placed(self) -> bool:
         """Every token handed out so far is placed (or dropped): ready for its next chunk."""
@@ -105,8 +116,8 @@ class Doc:
         """Where the chunk after ``limit`` ends: ``size`` tokens on, stretched to the end of a
         visual block it would cut (a block is never split, not even between chunks)."""
         target = min(self.limit + size, self.length)
-        for u in self.units:
-            if u.atomic and u.start < target < u.end:
+        for u in self.blocks:
+            if u.start < target < u.end:
                 return u.end
         return target
 
@@ -358,7 +369,7 @@ class Packer:
         # The rest of the row's fields are written in one pass per row (``_finish``): labels,
         # positions and document ids are the same few vector operations for every piece.
         if b < doc.length:  # the piece's last token predicts the document's next one
-            tail = (IGNORE if cut else int(doc.ids[b]), int(doc.mod[b]))
+            tail = (IGNORE if cut else doc.ids.item(b), doc.mod.item(b))
         else:
             tail = (IGNORE, _TEXT)
         row.segments.append((ra, rb, pid, a - a0, *tail))
@@ -436,8 +447,8 @@ class Packer:
         shift = 0  # M-RoPE position minus 1-D position of the text so far
         thw = row.thw
         last = ra + b - a
-        for u in doc.units:
-            if not u.atomic or u.start < a or u.end > b:
+        for u in doc.blocks:
+            if u.start < a or u.end > b:
                 continue
             r0 = ra + u.start - a
             offsets, advance = block_positions(u.t, u.h, u.w)

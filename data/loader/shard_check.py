@@ -60,13 +60,14 @@ class CheckedShard:
 
     def document(self, i: int) -> tuple[np.ndarray, np.ndarray, list[Unit]]:
         """(ids, modalities, packing units) of document ``i``: views of the shard's map."""
-        length = int(self.lengths[i])
-        ids = np.frombuffer(self.mapped, self.ids_dtype, length, int(self.ids_at[i]))
-        mod = np.frombuffer(self.mapped, self.mod_dtype, length, int(self.mod_at[i]))
-        count = int(self.block_count[i])
+        # .item(): a Python int straight away (int(array[i]) makes a numpy scalar first)
+        length = self.lengths.item(i)
+        ids = np.frombuffer(self.mapped, self.ids_dtype, length, self.ids_at.item(i))
+        mod = np.frombuffer(self.mapped, self.mod_dtype, length, self.mod_at.item(i))
+        count = self.block_count.item(i)
         if not count:
-            return ids, mod, units_of(length, [])
-        start = int(self.block_start[i])
+            return ids, mod, [Unit(0, length, False)] if length else []  # units_of, no block
+        start = self.block_start.item(i)
         return ids, mod, units_of(length, self.index.blocks[start : start + count].tolist())
 
 

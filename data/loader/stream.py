@@ -173,6 +173,8 @@ class ConsumerStream:
         # (source, shard) -> the shard when it passed the whole-shard check, None when it did not
         # (data/loader/shard_check.py); least recently used dropped past _KEEP_SHARDS.
         self._checked: dict[tuple[int, int], CheckedShard | None] = {}
+        self._used: dict[tuple[int, int], int] = {}  # when each was last used (self._tick)
+        self._tick = 0
         self._check_whole = consumers <= cfg.whole_shard_check_max_consumers
 
     # --- which document next -------------------------------------------------------------------
@@ -299,32 +301,33 @@ class ConsumerStream:
     def _checked_shard(self, s: int, t: SampleTable, si: int) -> CheckedShard | None:
         """Shard ``si`` when it passes the whole-shard check (checked on first use)."""
         key = (s, si)
-        shard: CheckedShard | None
+        self._tick += 1
         if key in self._checked:
-            shard = self._checked.pop(key)
-        else:
-            url = t.shards[si]
+            self._used[key] = self._tick
+            return self._checked[key]
+        url = t.shards[si]
+        if self.watchdog:
+            self.watchdog.current = (f"checking shard {url}", time.monotonic())
+        try:
+            mapped = self.files.mapped(url, t.shard_end(si))
+            shard = None
+            if mapped is not None:
+                shard = check_shard(
+                    mapped,
+                    t.index(si),  # type: ignore[attr-defined]
+                    shard_sha256=t.shard_sha256[si],  # type: ignore[attr-defined]
+                    id_ranges=t.id_ranges,
+                    check_hash=self.cfg.check_hashes,
+                )
+        except (OSError, ValueError):
+            return None  # not remembered: read document by document, which names the error
+        finally:
             if self.watchdog:
-                self.watchdog.current = (f"checking shard {url}", time.monotonic())
-            try:
-                mapped = self.files.mapped(url, t.shard_end(si))
-                shard = None
-                if mapped is not None:
-                    shard = check_shard(
-                        mapped,
-                        t.index(si),  # type: ignore[attr-defined]
-                        shard_sha256=t.shard_sha256[si],  # type: ignore[attr-defined]
-                        id_ranges=t.id_ranges,
-                        check_hash=self.cfg.check_hashes,
-                    )
-            except (OSError, ValueError):
-                return None  # not remembered: read document by document, which names the error
-            finally:
-                if self.watchdog:
-                    self.watchdog.current = None  # checked: nothing is being read any more
-            if len(self._checked) >= _KEEP_SHARDS:
-                self._checked.pop(next(iter(self._checked)))
-        self._checked[key] = shard  # re-inserted last: the dict's order is the LRU order
+                self.watchdog.current = None  # checked: nothing is being read any more
+        if len(self._checked) >= _KEEP_SHARDS:  # the least recently used goes
+            oldest = min(self._used, key=self._used.__getitem__)
+            del self._checked[oldest], self._used[oldest]
+        self._checked[key], self._used[key] = shard, self._tick
         return shard
 
     def load(self, s: int, sample: int, epoch: int) -> Doc | None:
@@ -414,17 +417,14 @@ class ConsumerStream:
         dropped = self.dropped_matrix()
         new_drops = dropped - self._dropped_before
         self._dropped_before = dropped
-        self.tokens_by_modality += np.bincount(
-            _real_modalities(rows), minlength=len(MODALITY_NAMES)
-        )
+        real = sum(r.real for r in rows)
+        # The modalities of the real tokens: every token's, less the padding's (all text)
+        by_modality = np.bincount(buf.fields["mod"].reshape(-1), minlength=len(MODALITY_NAMES))
+        by_modality[int(Modality.TEXT)] -= len(rows) * self.cfg.seq_len - real
+        self.tokens_by_modality += by_modality
+        by_source = _tokens_by_source(rows, len(self.tables))
         out = PackedBatch(
-            buf.tensor,
-            len(rows),
-            self.cfg.seq_len,
-            _pieces(rows),
-            _tokens_by_source(rows, len(self.tables)),
-            new_drops,
-            sum(r.real for r in rows),
+            buf.tensor, len(rows), self.cfg.seq_len, _pieces(rows), by_source, new_drops, real
         )
         if slot is not None and self.ring is not None:
             out.tensor, out.slot, out.token = None, slot, self.ring.token
@@ -494,18 +494,6 @@ class ConsumerStream:
                 self.open[doc.source].append(doc)
 
 
-def _real_modalities(rows: list[Row]) -> np.ndarray:
-    return np.concatenate([r.mod[: r.real] for r in rows])
-
-
-def _tokens_by_source(rows: list[Row], n: int) -> list[int]:
-    out = [0] * n
-    for r in rows:
-        for s, _, a, b in r.pieces:
-            out[s] += b - a
-    return out
-
-
 class PackedBatch:
     """What a consumer hands the trainer's process for one batch: the batch buffer (one tensor:
     every per-token field, data/loader/packer.BatchBuffer) and a few small numbers. Not a dict
@@ -551,6 +539,14 @@ class PackedBatch:
         batch["dropped_blocks"] = torch.from_numpy(self.dropped)
         batch["tokens_by_source"] = torch.from_numpy(np.asarray(self.tokens_by_source, np.int64))
         return batch
+
+
+def _tokens_by_source(rows: list[Row], n: int) -> list[int]:
+    out = [0] * n
+    for r in rows:
+        for s, _, a, b in r.pieces:
+            out[s] += b - a
+    return out
 
 
 def _pieces(rows: list[Row]) -> np.ndarray:
