@@ -303,10 +303,14 @@ class Packer:
         """Place as much of ``doc`` as fits from ``pos``; returns (outcome, new pos) with outcome
         "done" (finished), "full" (row filled, doc continues) or "blocked" (a block must wait)."""
         L, units, limit = self.L, doc.units, doc.limit
-        piece_start, doc_start = pos, doc.position()
-        while doc.unit < len(units):
-            u = units[doc.unit]
-            at = u.start + doc.offset  # doc.position()
+        # The cursor in locals (written back before the last flush: _flush does not read it)
+        n_units, unit, offset = len(units), doc.unit, doc.offset
+        piece_start = pos
+        doc_start = units[unit].start + offset if unit < n_units else doc.length  # position()
+        outcome = "done"
+        while unit < n_units:
+            u = units[unit]
+            at = u.start + offset
             if at >= limit:
                 break
             left = u.end - at
@@ -316,29 +320,31 @@ class Packer:
                     self._count_drop(doc, u)
                     if self.oversize == "drop_document":
                         self.stats.dropped_docs += 1
-                        doc.unit = len(units)
+                        doc.unit, doc.offset = n_units, offset
                         return "done", pos
                     self.stats.dropped_blocks += 1
-                    doc.unit += 1
-                    piece_start, doc_start = pos, doc.position()
+                    unit += 1
+                    piece_start = pos
+                    doc_start = units[unit].start + offset if unit < n_units else doc.length
                     continue
                 if left > L - pos:
-                    self._flush(doc, row, piece_start, doc_start, pos)
-                    return ("full" if pos == L else "blocked"), pos
+                    outcome = "full" if pos == L else "blocked"
+                    break
                 pos += left
-                doc.unit += 1
+                unit += 1
             else:
                 k = min(left, L - pos, limit - at)
                 if k == 0:
-                    self._flush(doc, row, piece_start, doc_start, pos)
-                    return "full", pos
+                    outcome = "full"
+                    break
                 pos += k
                 if k == left:
-                    doc.unit, doc.offset = doc.unit + 1, 0
+                    unit, offset = unit + 1, 0
                 else:
-                    doc.offset += k
+                    offset += k
+        doc.unit, doc.offset = unit, offset
         self._flush(doc, row, piece_start, doc_start, pos)
-        return "done", pos
+        return outcome, pos
 
     def _flush(
         self, doc: Doc, row: Row | None, ra: int, a: int, rb: int, cut: bool = False

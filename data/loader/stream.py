@@ -176,6 +176,10 @@ class ConsumerStream:
         self._used: dict[tuple[int, int], int] = {}  # when each was last used (self._tick)
         self._tick = 0
         self._check_whole = consumers <= cfg.whole_shard_check_max_consumers
+        # Per source: read through whole-shard checks (token tables with shard digests)
+        self._whole = [
+            self._check_whole and getattr(t, "shard_sha256", None) is not None for t in tables
+        ]
 
     # --- which document next -------------------------------------------------------------------
     def _slice(self, s: int, epoch: int) -> np.ndarray | ConsumerSlice:
@@ -335,7 +339,7 @@ class ConsumerStream:
         if self.dry:
             length = t.tokens_of(sample)
             return Doc(s, sample, epoch, length, units_of(length, t.blocks_of(sample)))
-        if self._check_whole and getattr(t, "shard_sha256", None) is not None:  # a TokenTable
+        if self._whole[s]:
             si, i = t.locate(sample)  # type: ignore[attr-defined]
             checked = self._checked_shard(s, t, si)
             if checked is not None:  # a checked shard: nothing to parse or check
