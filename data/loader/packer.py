@@ -305,6 +305,19 @@ class Packer:
         L, units, limit = self.L, doc.units, doc.limit
         # The cursor in locals (written back before the last flush: _flush does not read it)
         n_units, unit, offset = len(units), doc.unit, doc.offset
+        if not doc.blocks:  # text only (one unit, or none): the loop below, unrolled
+            at = offset if unit < n_units else doc.length
+            k = min(L - pos, limit - at) if at < limit else 0  # limit <= length
+            if at >= limit:
+                outcome = "done"
+            elif k == 0:
+                outcome = "full"
+            elif at + k == doc.length:
+                doc.unit, doc.offset, outcome = 1, 0, "done"
+            else:
+                doc.offset, outcome = at + k, ("full" if at + k < limit else "done")
+            self._flush(doc, row, pos, at, pos + k)
+            return outcome, pos + k
         piece_start = pos
         doc_start = units[unit].start + offset if unit < n_units else doc.length  # position()
         outcome = "done"
