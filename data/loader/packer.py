@@ -247,6 +247,23 @@ class BatchBuffer:
         )
 
     @staticmethod
+    def split_unpinned(tensor, rows: int, seq_len: int) -> dict:
+        """``split`` for a tensor in ordinary memory: the same fields, each a tensor over its part
+        of the buffer made from a numpy view (``torch.from_numpy``, far lighter than torch's
+        slicing: between two packed batches torch's views cost ~30 us a batch here). A pinned
+        buffer goes through ``split``: its views must stay views of the pinned tensor."""
+        import torch
+
+        n, k = rows * seq_len, len(ROW_FIELDS)
+        flat = tensor.numpy()
+        out = {
+            key: torch.from_numpy(flat[i * n : (i + 1) * n].reshape(rows, seq_len))
+            for i, (_, key, _) in enumerate(ROW_FIELDS)
+        }
+        out["position_thw"] = torch.from_numpy(flat[k * n :].reshape(rows, seq_len, 3))
+        return out
+
+    @staticmethod
     def split(tensor, rows: int, seq_len: int) -> dict:
         """The batch fields of a buffer's tensor, as views: ``input_ids`` ... ``position_thw``."""
         n, k = rows * seq_len, len(ROW_FIELDS)

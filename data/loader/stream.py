@@ -520,6 +520,7 @@ class PackedBatch:
         self.slot: int | None = None
         self.token = ""
         self.ring: tuple | None = None
+        self.pinned = False  # the buffer is in pinned memory (pin_memory)
 
     def take(self, *, pin: bool = False) -> None:
         """In the trainer's process: copy the batch out of its slot (freeing the slot)."""
@@ -532,11 +533,13 @@ class PackedBatch:
             self.take(pin=True)  # the one copy goes into pinned memory
         else:
             self.tensor = self.tensor.pin_memory()
+        self.pinned = True
         return self
 
     def to_dict(self) -> dict:
         self.take()
-        batch = BatchBuffer.split(self.tensor, self.rows, self.seq_len)
+        split = BatchBuffer.split if self.pinned else BatchBuffer.split_unpinned
+        batch = split(self.tensor, self.rows, self.seq_len)
         # from_numpy: torch.tensor of Python numbers costs several times more, per batch
         batch["num_real_tokens"] = torch.from_numpy(np.array(self.real, np.int64))
         batch["pieces"] = torch.from_numpy(self.pieces)
