@@ -159,6 +159,8 @@ class ConsumerStream:
         self.order_version = order_version
         total = float(sum(weights))
         self.shares = [w / total for w in weights]
+        # (source, share) of the sources that get a share, in order: what the mix picks from
+        self._mixed = [(s, share) for s, share in enumerate(self.shares) if share > 0]
         self.consumer, self.consumers, self.micro_batch = consumer, consumers, micro_batch
         self.packer = Packer(
             cfg.seq_len, pad_id=pad_id, max_pending=cfg.max_pending, oversize=cfg.oversize, dry=dry
@@ -223,6 +225,8 @@ class ConsumerStream:
 
     def _ready(self, s: int) -> Doc | None:
         """The first open document of source ``s`` whose chunk so far is placed."""
+        if not self.open[s]:  # most calls: nothing open
+            return None
         for doc in list(self.open[s]):
             if doc.position() >= doc.length:  # ended early: its document was dropped (oversize)
                 self.open[s].remove(doc)
@@ -231,17 +235,15 @@ class ConsumerStream:
         return None
 
     def _pick_source(self) -> int | None:
-        cursors, shares = self.cursors, self.shares
-        total = 0
-        for c in cursors:
-            total += c.tokens
+        cursors = self.cursors
+        tokens = [c.tokens for c in cursors]
+        total = sum(tokens)
         best: int | None = None
         best_gap = 0.0
-        for s, c in enumerate(cursors):
-            share = shares[s]
-            if share <= 0 or (c.done and self._ready(s) is None):
+        for s, share in self._mixed:
+            if cursors[s].done and self._ready(s) is None:
                 continue
-            gap = share * total - c.tokens
+            gap = share * total - tokens[s]
             if best is None or gap > best_gap:
                 best, best_gap = s, gap
         return best
@@ -254,16 +256,20 @@ class ConsumerStream:
             if s is None:
                 return None
             doc = self._ready(s)
-            if doc is None:
+            fresh = doc is None
+            if fresh:
                 doc = self._read_next(s)
                 if doc is None:
                     continue
                 doc.limit = 0
-                self.open[s].append(doc)
             start = doc.limit
             doc.limit = doc.chunk_end(self.chunk)
             self.cursors[s].tokens += doc.limit - start
-            if doc.limit >= doc.length:
+            # Open while chunks of it are still to come (most documents fit one chunk: never)
+            if doc.limit < doc.length:
+                if fresh:
+                    self.open[s].append(doc)
+            elif not fresh:
                 self.open[s].remove(doc)
             return doc
 
@@ -271,7 +277,9 @@ class ConsumerStream:
         """The next document of source ``s`` in this consumer's slice; None when it could not be
         read (skipped and counted) or the source is done (epoch mode)."""
         c = self.cursors[s]
-        sl = self._slice(s, c.epoch)
+        sl = self._slices.get((s, c.epoch))
+        if sl is None:
+            sl = self._slice(s, c.epoch)
         if c.pos >= len(sl):
             if self.cfg.mode == "epoch":
                 c.done = True
