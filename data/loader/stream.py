@@ -257,7 +257,7 @@ class ConsumerStream:
                 return None
             doc = self._ready(s)
             fresh = doc is None
-            if fresh:
+            if doc is None:
                 doc = self._read_next(s)
                 if doc is None:
                     continue
