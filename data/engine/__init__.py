@@ -48,8 +48,9 @@ def run_jobs(
 ) -> Iterator[ResultT]:
     """Results of ``fn(job)`` for every job, in the order they finish.
 
-    ``gpu_setup(ray_module, n_gpus)`` (ray only, when the cluster has GPUs) returns a function
-    that adapts each job to use GPU actors it created (tokenize's visual tokenizer pool)."""
+    ``gpu_setup(ray_module, n_gpus)`` (ray only, when the cluster has GPUs) returns a
+    ``data.engine.ray.GpuPool``: GPU actors it started and how to point each job at them
+    (tokenize's visual tokenizer pool)."""
     engine = engine or EngineConfig()
     if engine.kind == "ray":
         from data.engine.ray import run_ray

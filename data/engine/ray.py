@@ -8,13 +8,20 @@ Design choices:
   replaced after ``recycle_after`` failed video decodes (decord leaks ~40 KB per failure), a
   condition known only after a job ran; a task's ``max_calls`` is fixed in advance.
 - Tokenize adds, when the cluster has GPUs, a pool of GPU actors (one GPU each) holding the
-  visual tokenizer; the CPU actors send them batches of decoded images and frames
-  (``gpu_setup``). Not exercised by the tests (no GPU here): see docs/scaling.md.
+  visual tokenizer (``GpuPool``, made by ``gpu_setup``); the CPU actors send them batches of
+  decoded images and frames. An actor that CUDA cannot serve computes on the CPU and says so
+  (the driver prints each GPU actor's line).
 - Failures: an actor that dies (its process killed, its node lost) is replaced and its job
-  sent again, up to ``retries`` times; a job that raised ``OSError`` (a storage hiccup) is
-  sent again too; any other exception stops the run with the job's own error. A job rerun
-  writes the same bytes (outputs go to temporary names first), so a kill never leaves a shard
-  missing, half-written or twice.
+  sent again, up to ``retries`` times; a GPU actor that dies is replaced too, and the jobs that
+  were calling it (they fail with Ray's ``RayActorError``) are sent again; a job that raised
+  ``OSError`` (a storage hiccup) is sent again too; any other exception stops the run with the
+  job's own error. A job rerun writes the same bytes (outputs go to temporary names first), so
+  a kill never leaves a shard missing, half-written or twice.
+- Tested (tests/test_data/test_engine_ray.py, a real two-node Ray cluster on one machine whose
+  second node declares one *logical* GPU): ingest and tokenize byte-identical to the local
+  engine, a CPU actor killed mid-job, the GPU actor pool (the actor on that logical GPU runs the
+  visual tokenizer on the CPU) and a GPU actor killed mid-run. Not tested: CUDA itself (no GPU
+  here), several GPUs, a lost node (a replacement GPU actor then waits for a GPU).
 - Every node must see the same inputs and the same output folder (a shared file system, or
   object storage through fsspec URLs) and have the same earlyfuse installed.
 - The driver joins the cluster at ``address`` (default: ``RAY_ADDRESS``, else a local Ray
@@ -54,6 +61,38 @@ class PrepWorker:
         return os.getpid()
 
 
+class GpuPool:
+    """Actors that jobs call into (tokenize: the visual tokenizer), one per GPU of the cluster.
+    ``start()`` starts one; ``point(job, actors)`` is the job made to call them. Actors have a
+    ``describe()`` method (a line saying where they compute), which is also how a dead one is
+    found: ``replace_dead`` starts a new actor for each one whose call fails."""
+
+    def __init__(
+        self, ray, *, start: Callable[[], Any], point: Callable[[Any, list], Any], size: int
+    ) -> None:
+        self.ray, self.start, self.point = ray, start, point
+        self.actors = [start() for _ in range(size)]
+
+    def adapt(self, job):
+        return self.point(job, list(self.actors))
+
+    def describe(self) -> list[str]:
+        return self.ray.get([actor.describe.remote() for actor in self.actors])
+
+    def replace_dead(self) -> int:
+        from ray.exceptions import RayActorError
+
+        replaced = 0
+        for i, actor in enumerate(self.actors):
+            try:
+                self.ray.get(actor.describe.remote())
+            except RayActorError:
+                self.ray.kill(actor)
+                self.actors[i] = self.start()
+                replaced += 1
+        return replaced
+
+
 def import_ray():
     try:
         import ray
@@ -90,11 +129,12 @@ def run_ray(
     size = min(engine.workers or cpus, cpus, len(jobs))
     actor_cls = ray.remote(num_cpus=1)(PrepWorker)
     adapt: Callable[[JobT], JobT] = lambda job: job  # noqa: E731
-    gpu_actors: list = []
+    pool: GpuPool | None = None
     if gpu_setup is not None and int(resources.get("GPU", 0)) > 0:
-        adapt, gpu_actors = gpu_setup(ray, int(resources["GPU"]))
+        pool = gpu_setup(ray, int(resources["GPU"]))
+        adapt = pool.adapt
     print(
-        f"ray: {size} CPU actor(s)" + (f", {len(gpu_actors)} GPU actor(s)" if gpu_actors else ""),
+        f"ray: {size} CPU actor(s)" + (f", {len(pool.actors)} GPU actor(s)" if pool else ""),
         file=sys.stderr,
         flush=True,
     )
@@ -116,6 +156,9 @@ def run_ray(
         queue.appendleft((pos, job))
 
     try:
+        if pool is not None:  # waits for the GPU actors to have loaded their model
+            for i, line in enumerate(pool.describe()):
+                print(f"ray: GPU actor {i}: {line}", file=sys.stderr, flush=True)
         while queue or inflight:
             while idle and queue:
                 actor = idle.pop()
@@ -125,24 +168,33 @@ def run_ray(
             actor, pos, job = inflight.pop(ready[0])
             try:
                 result, retire = ray.get(ready[0])
+            except RayTaskError as e:
+                # The job raised (caught first: a job that called a dead GPU actor raises an
+                # error that is both a RayTaskError and a RayActorError, its worker alive).
+                idle.append(actor)
+                if isinstance(e.cause, RayActorError) and pool is not None:
+                    replaced = pool.replace_dead()
+                    if replaced:
+                        print(f"ray: {replaced} GPU actor(s) replaced", file=sys.stderr, flush=True)
+                    again(pos, job, f"a GPU actor it called died ({type(e.cause).__name__})")
+                    continue
+                if isinstance(e.cause, OSError):
+                    again(pos, job, repr(e.cause))
+                    continue
+                raise e.as_instanceof_cause() from None
             except (RayActorError, WorkerCrashedError) as e:
                 ray.kill(actor)
                 idle.append(actor_cls.remote(fn, engine.recycle_after))
                 again(pos, job, f"its worker died ({type(e).__name__})")
                 continue
-            except RayTaskError as e:
-                idle.append(actor)
-                if isinstance(e.cause, OSError):
-                    again(pos, job, repr(e.cause))
-                    continue
-                raise e.as_instanceof_cause() from None
             if retire:
                 ray.kill(actor)
                 actor = actor_cls.remote(fn, engine.recycle_after)
             idle.append(actor)
             yield result
     finally:
-        for actor in idle + [busy_actor for busy_actor, _, _ in inflight.values()] + gpu_actors:
+        busy = [busy_actor for busy_actor, _, _ in inflight.values()]
+        for actor in idle + busy + (pool.actors if pool else []):
             ray.kill(actor)
         if started_here:
             ray.shutdown()

@@ -141,6 +141,9 @@ class PackedLoader:
         return min(counts)
 
     def __iter__(self):
+        if self.cfg.num_workers == 0:
+            yield from self._in_process()
+            return
         dl = DataLoader(
             _Consumers(self),
             batch_size=None,
@@ -169,6 +172,17 @@ class PackedLoader:
             shutdown = getattr(it, "_shutdown_workers", None)
             if shutdown:
                 shutdown()
+
+    def _in_process(self):
+        """``num_workers=0``: the one consumer's batches straight from its stream, as a DataLoader
+        without workers would hand them out (pinned when it would pin), minus its per-batch
+        bookkeeping (a fetcher, a sampler, a profiler range: ~10 % of a batch here)."""
+        for packed in _Consumers(self):
+            if self.pin:
+                packed.pin_memory()
+            self.worker_states[packed.worker] = packed.state
+            self.handed_out += 1
+            yield packed.to_dict()
 
     # --- state -----------------------------------------------------------------------------------
     def fingerprint(self) -> str:

@@ -38,7 +38,7 @@ IGNORE = -100
 _TEXT, _IMAGE, _VIDEO = int(Modality.TEXT), int(Modality.IMAGE), int(Modality.VIDEO)
 
 
-@dataclass
+@dataclass(slots=True)
 class Unit:
     start: int
     end: int
@@ -63,7 +63,7 @@ def units_of(length: int, blocks: list) -> list[Unit]:
     return units
 
 
-@dataclass
+@dataclass(slots=True)
 class Doc:
     source: int
     sample: int
@@ -75,12 +75,20 @@ class Doc:
     unit: int = 0  # next unit to place
     offset: int = 0  # tokens of that unit already placed (text only)
     limit: int = -1  # end of the chunk handed out so far (-1: the whole document)
+    # Its visual blocks (the atomic units), in order: what block checks iterate.
+    blocks: list[Unit] = field(init=False, compare=False, repr=False)
+    has_blocks: bool = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.limit < 0:
             self.limit = self.length
         # units_of makes one text unit at most when there is no block
-        self.has_blocks = len(self.units) > 1 or (len(self.units) == 1 and self.units[0].atomic)
+        units = self.units
+        if len(units) > 1 or (units and units[0].atomic):
+            self.blocks = [u for u in units if u.atomic]
+        else:
+            self.blocks = []
+        self.has_blocks = bool(self.blocks)
 
     def position(self) -> int:
         """Doc tokens already placed or dropped: where the next piece starts."""
@@ -95,7 +103,10 @@ class Doc:
 
     def blocks_in(self, a: int, b: int) -> bool:
         """Whether doc tokens [a, b) hold a whole visual block."""
-        return any(u.atomic and u.start >= a and u.end <= b for u in self.units)
+        for u in self.blocks:
+            if u.start >= a and u.end <= b:
+                return True
+        return False
 
     def chunk_placed(self) -> bool:
         """Every token handed out so far is placed (or dropped): ready for its next chunk."""
@@ -105,8 +116,8 @@ class Doc:
         """Where the chunk after ``limit`` ends: ``size`` tokens on, stretched to the end of a
         visual block it would cut (a block is never split, not even between chunks)."""
         target = min(self.limit + size, self.length)
-        for u in self.units:
-            if u.atomic and u.start < target < u.end:
+        for u in self.blocks:
+            if u.start < target < u.end:
                 return u.end
         return target
 
@@ -236,6 +247,23 @@ class BatchBuffer:
         )
 
     @staticmethod
+    def split_unpinned(tensor, rows: int, seq_len: int) -> dict:
+        """``split`` for a tensor in ordinary memory: the same fields, each a tensor over its part
+        of the buffer made from a numpy view (``torch.from_numpy``, far lighter than torch's
+        slicing: between two packed batches torch's views cost ~30 us a batch here). A pinned
+        buffer goes through ``split``: its views must stay views of the pinned tensor."""
+        import torch
+
+        n, k = rows * seq_len, len(ROW_FIELDS)
+        flat = tensor.numpy()
+        out = {
+            key: torch.from_numpy(flat[i * n : (i + 1) * n].reshape(rows, seq_len))
+            for i, (_, key, _) in enumerate(ROW_FIELDS)
+        }
+        out["position_thw"] = torch.from_numpy(flat[k * n :].reshape(rows, seq_len, 3))
+        return out
+
+    @staticmethod
     def split(tensor, rows: int, seq_len: int) -> dict:
         """The batch fields of a buffer's tensor, as views: ``input_ids`` ... ``position_thw``."""
         n, k = rows * seq_len, len(ROW_FIELDS)
@@ -292,10 +320,27 @@ class Packer:
         """Place as much of ``doc`` as fits from ``pos``; returns (outcome, new pos) with outcome
         "done" (finished), "full" (row filled, doc continues) or "blocked" (a block must wait)."""
         L, units, limit = self.L, doc.units, doc.limit
-        piece_start, doc_start = pos, doc.position()
-        while doc.unit < len(units):
-            u = units[doc.unit]
-            at = u.start + doc.offset  # doc.position()
+        # The cursor in locals (written back before the last flush: _flush does not read it)
+        n_units, unit, offset = len(units), doc.unit, doc.offset
+        if not doc.blocks:  # text only (one unit, or none): the loop below, unrolled
+            at = offset if unit < n_units else doc.length
+            k = min(L - pos, limit - at) if at < limit else 0  # limit <= length
+            if at >= limit:
+                outcome = "done"
+            elif k == 0:
+                outcome = "full"
+            elif at + k == doc.length:
+                doc.unit, doc.offset, outcome = 1, 0, "done"
+            else:
+                doc.offset, outcome = at + k, ("full" if at + k < limit else "done")
+            self._flush(doc, row, pos, at, pos + k)
+            return outcome, pos + k
+        piece_start = pos
+        doc_start = units[unit].start + offset if unit < n_units else doc.length  # position()
+        outcome = "done"
+        while unit < n_units:
+            u = units[unit]
+            at = u.start + offset
             if at >= limit:
                 break
             left = u.end - at
@@ -305,29 +350,31 @@ class Packer:
                     self._count_drop(doc, u)
                     if self.oversize == "drop_document":
                         self.stats.dropped_docs += 1
-                        doc.unit = len(units)
+                        doc.unit, doc.offset = n_units, offset
                         return "done", pos
                     self.stats.dropped_blocks += 1
-                    doc.unit += 1
-                    piece_start, doc_start = pos, doc.position()
+                    unit += 1
+                    piece_start = pos
+                    doc_start = units[unit].start + offset if unit < n_units else doc.length
                     continue
                 if left > L - pos:
-                    self._flush(doc, row, piece_start, doc_start, pos)
-                    return ("full" if pos == L else "blocked"), pos
+                    outcome = "full" if pos == L else "blocked"
+                    break
                 pos += left
-                doc.unit += 1
+                unit += 1
             else:
                 k = min(left, L - pos, limit - at)
                 if k == 0:
-                    self._flush(doc, row, piece_start, doc_start, pos)
-                    return "full", pos
+                    outcome = "full"
+                    break
                 pos += k
                 if k == left:
-                    doc.unit, doc.offset = doc.unit + 1, 0
+                    unit, offset = unit + 1, 0
                 else:
-                    doc.offset += k
+                    offset += k
+        doc.unit, doc.offset = unit, offset
         self._flush(doc, row, piece_start, doc_start, pos)
-        return "done", pos
+        return outcome, pos
 
     def _flush(
         self, doc: Doc, row: Row | None, ra: int, a: int, rb: int, cut: bool = False
@@ -358,7 +405,7 @@ class Packer:
         # The rest of the row's fields are written in one pass per row (``_finish``): labels,
         # positions and document ids are the same few vector operations for every piece.
         if b < doc.length:  # the piece's last token predicts the document's next one
-            tail = (IGNORE if cut else int(doc.ids[b]), int(doc.mod[b]))
+            tail = (IGNORE if cut else doc.ids.item(b), doc.mod.item(b))
         else:
             tail = (IGNORE, _TEXT)
         row.segments.append((ra, rb, pid, a - a0, *tail))
@@ -436,8 +483,8 @@ class Packer:
         shift = 0  # M-RoPE position minus 1-D position of the text so far
         thw = row.thw
         last = ra + b - a
-        for u in doc.units:
-            if not u.atomic or u.start < a or u.end > b:
+        for u in doc.blocks:
+            if u.start < a or u.end > b:
                 continue
             r0 = ra + u.start - a
             offsets, advance = block_positions(u.t, u.h, u.w)

@@ -60,13 +60,14 @@ class CheckedShard:
 
     def document(self, i: int) -> tuple[np.ndarray, np.ndarray, list[Unit]]:
         """(ids, modalities, packing units) of document ``i``: views of the shard's map."""
-        length = int(self.lengths[i])
-        ids = np.frombuffer(self.mapped, self.ids_dtype, length, int(self.ids_at[i]))
-        mod = np.frombuffer(self.mapped, self.mod_dtype, length, int(self.mod_at[i]))
-        count = int(self.block_count[i])
+        # .item(): a Python int straight away (int(array[i]) makes a numpy scalar first)
+        length = self.lengths.item(i)
+        ids = np.frombuffer(self.mapped, self.ids_dtype, length, self.ids_at.item(i))
+        mod = np.frombuffer(self.mapped, self.mod_dtype, length, self.mod_at.item(i))
+        count = self.block_count.item(i)
         if not count:
-            return ids, mod, units_of(length, [])
-        start = int(self.block_start[i])
+            return ids, mod, [Unit(0, length, False)] if length else []  # units_of, no block
+        start = self.block_start.item(i)
         return ids, mod, units_of(length, self.index.blocks[start : start + count].tolist())
 
 
@@ -80,29 +81,39 @@ def check_shard(
 ) -> CheckedShard | None:
     """The shard (``mapped``: the whole tar) when it passes the checks above; None when it does
     not (its documents are then read and checked one by one)."""
-    from data.loader.stream import read_npy  # the loader's header-cached .npy reader
+    from data.loader.stream import npy_layout  # the loader's header-cached .npy parser
 
     if check_hash and (
         not shard_sha256 or hashlib.sha256(mapped).hexdigest() != shard_sha256.lower()
     ):
         return None
     records = index.records
-    base = np.frombuffer(mapped, np.uint8).ctypes.data if len(mapped) else 0
     ids_at, mod_at, all_ids, all_mod = [], [], [], []
     dtypes = set()
     try:
         for (i0, isz), (m0, msz), length in zip(
             records["ids"].tolist(), records["mod"].tolist(), records["tokens"].tolist()
         ):
-            ids = read_npy(mapped[i0 : i0 + isz])
-            mod = read_npy(mapped[m0 : m0 + msz])
-            if ids.shape != (length,) or mod.shape != (length,):
+            # Where the values lie, from the headers: arithmetic, not a pointer per array. Any
+            # other kind of .npy (which np.load would copy out of the map) is read document by
+            # document.
+            ids_layout = npy_layout(mapped[i0 : i0 + isz])
+            mod_layout = npy_layout(mapped[m0 : m0 + msz])
+            if ids_layout is None or mod_layout is None:
                 return None
-            dtypes.add((ids.dtype, mod.dtype))
-            ids_at.append(ids.ctypes.data - base)
-            mod_at.append(mod.ctypes.data - base)
-            all_ids.append(ids)
-            all_mod.append(mod)
+            (ids_dtype, n_ids, ids_off), (mod_dtype, n_mod, mod_off) = ids_layout, mod_layout
+            if n_ids != length or n_mod != length:
+                return None
+            if (
+                ids_off + length * ids_dtype.itemsize > isz
+                or mod_off + length * mod_dtype.itemsize > msz
+            ):
+                return None  # a short payload
+            dtypes.add((ids_dtype, mod_dtype))
+            ids_at.append(i0 + ids_off)
+            mod_at.append(m0 + mod_off)
+            all_ids.append(np.frombuffer(mapped, ids_dtype, length, i0 + ids_off))
+            all_mod.append(np.frombuffer(mapped, mod_dtype, length, m0 + mod_off))
         if len(dtypes) > 1:
             return None  # not as tokenize writes shards: read document by document
         if all_ids and id_ranges is not None:

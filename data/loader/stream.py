@@ -61,22 +61,31 @@ _NPY_1D = re.compile(
 _HEADERS: dict[bytes, tuple[np.dtype, int]] = {}  # header text -> (dtype, length), parsed once
 
 
+def npy_layout(data: bytes | memoryview) -> tuple[np.dtype, int, int] | None:
+    """(dtype, length, where the values start) of a 1-D little-endian integer .npy with a version
+    1 header, the kind tokenize writes; None for any other kind."""
+    if data[:8] != b"\x93NUMPY\x01\x00":
+        return None
+    hlen = int.from_bytes(data[8:10], "little")
+    header = bytes(data[10 : 10 + hlen])
+    known = _HEADERS.get(header)
+    if known is None:
+        m = _NPY_1D.match(header)
+        if not m:
+            return None
+        known = (np.dtype(m.group(1).decode()), int(m.group(2)))
+        if len(_HEADERS) < 65536:  # one per (dtype, length): documents repeat lengths
+            _HEADERS[header] = known
+    return known[0], known[1], 10 + hlen
+
+
 def read_npy(data: bytes | memoryview) -> np.ndarray:
     """``np.load`` of a 1-D integer .npy, without its header parser (``ast.literal_eval`` was 40 %
     of the loader's time on short documents); any other .npy goes through ``np.load`` (pickle
     never allowed). A short or bad payload is a ValueError like np.load's."""
-    if data[:8] == b"\x93NUMPY\x01\x00":
-        hlen = int.from_bytes(data[8:10], "little")
-        header = bytes(data[10 : 10 + hlen])
-        known = _HEADERS.get(header)
-        if known is None:
-            m = _NPY_1D.match(header)
-            if m:
-                known = (np.dtype(m.group(1).decode()), int(m.group(2)))
-                if len(_HEADERS) < 65536:  # one per (dtype, length): documents repeat lengths
-                    _HEADERS[header] = known
-        if known is not None:
-            return np.frombuffer(data, dtype=known[0], count=known[1], offset=10 + hlen)
+    layout = npy_layout(data)
+    if layout is not None:
+        return np.frombuffer(data, dtype=layout[0], count=layout[1], offset=layout[2])
     return np.load(io.BytesIO(data), allow_pickle=False)
 
 
@@ -150,6 +159,8 @@ class ConsumerStream:
         self.order_version = order_version
         total = float(sum(weights))
         self.shares = [w / total for w in weights]
+        # (source, share) of the sources that get a share, in order: what the mix picks from
+        self._mixed = [(s, share) for s, share in enumerate(self.shares) if share > 0]
         self.consumer, self.consumers, self.micro_batch = consumer, consumers, micro_batch
         self.packer = Packer(
             cfg.seq_len, pad_id=pad_id, max_pending=cfg.max_pending, oversize=cfg.oversize, dry=dry
@@ -173,7 +184,13 @@ class ConsumerStream:
         # (source, shard) -> the shard when it passed the whole-shard check, None when it did not
         # (data/loader/shard_check.py); least recently used dropped past _KEEP_SHARDS.
         self._checked: dict[tuple[int, int], CheckedShard | None] = {}
+        self._used: dict[tuple[int, int], int] = {}  # when each was last used (self._tick)
+        self._tick = 0
         self._check_whole = consumers <= cfg.whole_shard_check_max_consumers
+        # Per source: read through whole-shard checks (token tables with shard digests)
+        self._whole = [
+            self._check_whole and getattr(t, "shard_sha256", None) is not None for t in tables
+        ]
 
     # --- which document next -------------------------------------------------------------------
     def _slice(self, s: int, epoch: int) -> np.ndarray | ConsumerSlice:
@@ -208,6 +225,8 @@ class ConsumerStream:
 
     def _ready(self, s: int) -> Doc | None:
         """The first open document of source ``s`` whose chunk so far is placed."""
+        if not self.open[s]:  # most calls: nothing open
+            return None
         for doc in list(self.open[s]):
             if doc.position() >= doc.length:  # ended early: its document was dropped (oversize)
                 self.open[s].remove(doc)
@@ -216,17 +235,15 @@ class ConsumerStream:
         return None
 
     def _pick_source(self) -> int | None:
-        cursors, shares = self.cursors, self.shares
-        total = 0
-        for c in cursors:
-            total += c.tokens
+        cursors = self.cursors
+        tokens = [c.tokens for c in cursors]
+        total = sum(tokens)
         best: int | None = None
         best_gap = 0.0
-        for s, c in enumerate(cursors):
-            share = shares[s]
-            if share <= 0 or (c.done and self._ready(s) is None):
+        for s, share in self._mixed:
+            if cursors[s].done and self._ready(s) is None:
                 continue
-            gap = share * total - c.tokens
+            gap = share * total - tokens[s]
             if best is None or gap > best_gap:
                 best, best_gap = s, gap
         return best
@@ -239,16 +256,20 @@ class ConsumerStream:
             if s is None:
                 return None
             doc = self._ready(s)
+            fresh = doc is None
             if doc is None:
                 doc = self._read_next(s)
                 if doc is None:
                     continue
                 doc.limit = 0
-                self.open[s].append(doc)
             start = doc.limit
             doc.limit = doc.chunk_end(self.chunk)
             self.cursors[s].tokens += doc.limit - start
-            if doc.limit >= doc.length:
+            # Open while chunks of it are still to come (most documents fit one chunk: never)
+            if doc.limit < doc.length:
+                if fresh:
+                    self.open[s].append(doc)
+            elif not fresh:
                 self.open[s].remove(doc)
             return doc
 
@@ -256,7 +277,9 @@ class ConsumerStream:
         """The next document of source ``s`` in this consumer's slice; None when it could not be
         read (skipped and counted) or the source is done (epoch mode)."""
         c = self.cursors[s]
-        sl = self._slice(s, c.epoch)
+        sl = self._slices.get((s, c.epoch))
+        if sl is None:
+            sl = self._slice(s, c.epoch)
         if c.pos >= len(sl):
             if self.cfg.mode == "epoch":
                 c.done = True
@@ -299,32 +322,33 @@ class ConsumerStream:
     def _checked_shard(self, s: int, t: SampleTable, si: int) -> CheckedShard | None:
         """Shard ``si`` when it passes the whole-shard check (checked on first use)."""
         key = (s, si)
-        shard: CheckedShard | None
+        self._tick += 1
         if key in self._checked:
-            shard = self._checked.pop(key)
-        else:
-            url = t.shards[si]
+            self._used[key] = self._tick
+            return self._checked[key]
+        url = t.shards[si]
+        if self.watchdog:
+            self.watchdog.current = (f"checking shard {url}", time.monotonic())
+        try:
+            mapped = self.files.mapped(url, t.shard_end(si))
+            shard = None
+            if mapped is not None:
+                shard = check_shard(
+                    mapped,
+                    t.index(si),  # type: ignore[attr-defined]
+                    shard_sha256=t.shard_sha256[si],  # type: ignore[attr-defined]
+                    id_ranges=t.id_ranges,
+                    check_hash=self.cfg.check_hashes,
+                )
+        except (OSError, ValueError):
+            return None  # not remembered: read document by document, which names the error
+        finally:
             if self.watchdog:
-                self.watchdog.current = (f"checking shard {url}", time.monotonic())
-            try:
-                mapped = self.files.mapped(url, t.shard_end(si))
-                shard = None
-                if mapped is not None:
-                    shard = check_shard(
-                        mapped,
-                        t.index(si),  # type: ignore[attr-defined]
-                        shard_sha256=t.shard_sha256[si],  # type: ignore[attr-defined]
-                        id_ranges=t.id_ranges,
-                        check_hash=self.cfg.check_hashes,
-                    )
-            except (OSError, ValueError):
-                return None  # not remembered: read document by document, which names the error
-            finally:
-                if self.watchdog:
-                    self.watchdog.current = None  # checked: nothing is being read any more
-            if len(self._checked) >= _KEEP_SHARDS:
-                self._checked.pop(next(iter(self._checked)))
-        self._checked[key] = shard  # re-inserted last: the dict's order is the LRU order
+                self.watchdog.current = None  # checked: nothing is being read any more
+        if len(self._checked) >= _KEEP_SHARDS:  # the least recently used goes
+            oldest = min(self._used, key=self._used.__getitem__)
+            del self._checked[oldest], self._used[oldest]
+        self._checked[key], self._used[key] = shard, self._tick
         return shard
 
     def load(self, s: int, sample: int, epoch: int) -> Doc | None:
@@ -332,7 +356,7 @@ class ConsumerStream:
         if self.dry:
             length = t.tokens_of(sample)
             return Doc(s, sample, epoch, length, units_of(length, t.blocks_of(sample)))
-        if self._check_whole and getattr(t, "shard_sha256", None) is not None:  # a TokenTable
+        if self._whole[s]:
             si, i = t.locate(sample)  # type: ignore[attr-defined]
             checked = self._checked_shard(s, t, si)
             if checked is not None:  # a checked shard: nothing to parse or check
@@ -414,17 +438,14 @@ class ConsumerStream:
         dropped = self.dropped_matrix()
         new_drops = dropped - self._dropped_before
         self._dropped_before = dropped
-        self.tokens_by_modality += np.bincount(
-            _real_modalities(rows), minlength=len(MODALITY_NAMES)
-        )
+        real = sum(r.real for r in rows)
+        # The modalities of the real tokens: every token's, less the padding's (all text)
+        by_modality = np.bincount(buf.fields["mod"].reshape(-1), minlength=len(MODALITY_NAMES))
+        by_modality[int(Modality.TEXT)] -= len(rows) * self.cfg.seq_len - real
+        self.tokens_by_modality += by_modality
+        by_source = _tokens_by_source(rows, len(self.tables))
         out = PackedBatch(
-            buf.tensor,
-            len(rows),
-            self.cfg.seq_len,
-            _pieces(rows),
-            _tokens_by_source(rows, len(self.tables)),
-            new_drops,
-            sum(r.real for r in rows),
+            buf.tensor, len(rows), self.cfg.seq_len, _pieces(rows), by_source, new_drops, real
         )
         if slot is not None and self.ring is not None:
             out.tensor, out.slot, out.token = None, slot, self.ring.token
@@ -494,18 +515,6 @@ class ConsumerStream:
                 self.open[doc.source].append(doc)
 
 
-def _real_modalities(rows: list[Row]) -> np.ndarray:
-    return np.concatenate([r.mod[: r.real] for r in rows])
-
-
-def _tokens_by_source(rows: list[Row], n: int) -> list[int]:
-    out = [0] * n
-    for r in rows:
-        for s, _, a, b in r.pieces:
-            out[s] += b - a
-    return out
-
-
 class PackedBatch:
     """What a consumer hands the trainer's process for one batch: the batch buffer (one tensor:
     every per-token field, data/loader/packer.BatchBuffer) and a few small numbers. Not a dict
@@ -528,6 +537,7 @@ class PackedBatch:
         self.slot: int | None = None
         self.token = ""
         self.ring: tuple | None = None
+        self.pinned = False  # the buffer is in pinned memory (pin_memory)
 
     def take(self, *, pin: bool = False) -> None:
         """In the trainer's process: copy the batch out of its slot (freeing the slot)."""
@@ -540,17 +550,27 @@ class PackedBatch:
             self.take(pin=True)  # the one copy goes into pinned memory
         else:
             self.tensor = self.tensor.pin_memory()
+        self.pinned = True
         return self
 
     def to_dict(self) -> dict:
         self.take()
-        batch = BatchBuffer.split(self.tensor, self.rows, self.seq_len)
+        split = BatchBuffer.split if self.pinned else BatchBuffer.split_unpinned
+        batch = split(self.tensor, self.rows, self.seq_len)
         # from_numpy: torch.tensor of Python numbers costs several times more, per batch
         batch["num_real_tokens"] = torch.from_numpy(np.array(self.real, np.int64))
         batch["pieces"] = torch.from_numpy(self.pieces)
         batch["dropped_blocks"] = torch.from_numpy(self.dropped)
         batch["tokens_by_source"] = torch.from_numpy(np.asarray(self.tokens_by_source, np.int64))
         return batch
+
+
+def _tokens_by_source(rows: list[Row], n: int) -> list[int]:
+    out = [0] * n
+    for r in rows:
+        for s, _, a, b in r.pieces:
+            out[s] += b - a
+    return out
 
 
 def _pieces(rows: list[Row]) -> np.ndarray:

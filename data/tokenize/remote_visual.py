@@ -8,13 +8,17 @@ the pool. Outputs match the local engine run on the same kind of device (codes c
 GPU can differ from a CPU's in rare ties of FSQ rounding, on any engine).
 
 Tested on a Ray node that declares a logical GPU on a machine without one (the actor then runs
-on the CPU): the whole path but CUDA itself, byte-identical to the local engine. Never run on a
-real GPU yet (docs/scaling.md).
+on the CPU, and says so): the whole path but CUDA itself, byte-identical to the local engine,
+also when the GPU actor is killed mid-run (the Ray engine replaces it and sends the jobs that
+were calling it again). Never run on a real GPU yet (docs/scaling.md).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -33,8 +37,25 @@ class VisualActor:
         from data.tokenize.visual import load_visual_tokenizer
 
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cpu":
+            # Ray gave this actor a GPU that CUDA cannot see (a logical GPU, or a broken driver):
+            # it still works, on the CPU, and says so (here in the worker's log, and through
+            # ``describe`` in the driver's output).
+            print(f"VisualActor: {self.where()}", file=sys.stderr, flush=True)
         layout = TextTokenizer.load(tok_dir).layout
         self.model = load_visual_tokenizer(vtok_dir, layout, self.device)
+
+    def where(self) -> str:
+        if self.device == "cpu":
+            return (
+                f"no CUDA device visible on {socket.gethostname()} (pid {os.getpid()}); "
+                "the visual tokenizer runs on the CPU"
+            )
+        return f"the visual tokenizer on {self.device} on {socket.gethostname()}"
+
+    def describe(self) -> str:
+        """Where it computes (the Ray engine's pool also pings actors with it)."""
+        return self.where()
 
     def encode(self, images: np.ndarray) -> np.ndarray:
         import torch
@@ -77,14 +98,19 @@ class RemoteVisualTokenizer:
 
 
 def gpu_setup_for(vtok_dir: str, tok_dir: str) -> Callable:
-    """For ``data.engine.run_jobs``: start one GPU actor per GPU of the cluster and point every
-    tokenize job at them."""
+    """For ``data.engine.run_jobs``: a pool of one GPU actor per GPU of the cluster, every
+    tokenize job pointed at its actors (data/engine/ray.py replaces one that dies)."""
+    from data.engine.ray import GpuPool
 
-    def setup(ray, n_gpus: int):
+    def setup(ray, n_gpus: int) -> GpuPool:
         # No CPU reserved: the CPU actors hold every CPU of the cluster, and a GPU actor that
         # waited for one would never start (the CPU actors would wait on it forever).
         actor_cls = ray.remote(num_gpus=1, num_cpus=0)(VisualActor)
-        actors = [actor_cls.remote(vtok_dir, tok_dir) for _ in range(n_gpus)]
-        return (lambda job: replace(job, vtok_actors=actors, device="cpu")), actors
+        return GpuPool(
+            ray,
+            start=lambda: actor_cls.remote(vtok_dir, tok_dir),
+            point=lambda job, actors: replace(job, vtok_actors=actors, device="cpu"),
+            size=n_gpus,
+        )
 
     return setup

@@ -118,7 +118,9 @@ def _text_tokenizer(job: TokenizeJob) -> TextTokenizer:
 def _visual_encoder(job: TokenizeJob):
     """The worker's DocEncoder, built on the first chunk with an image or a video: only then
     are torch and the visual tokenizer loaded (once per worker)."""
-    key = ("visual", job.tok_dir, job.vtok_dir, job.opts, job.device, bool(job.vtok_actors))
+    # The GPU actors themselves belong to the key: the Ray engine replaces one that died, and a
+    # worker must then call the new one, not keep an encoder bound to the dead one.
+    key = ("visual", job.tok_dir, job.vtok_dir, job.opts, job.device, tuple(job.vtok_actors or ()))
     if key not in _CACHE:
         import torch
 

@@ -92,5 +92,42 @@ def test_tokenize_on_ray_gives_the_local_bytes(cluster, tiny_raw, tiny_tokenizer
         tiny_raw, remote, *tiny_tokenizers, engine=EngineConfig("ray", address=cluster.address)
     )
     assert m["finalized"]
-    assert "2 CPU actor(s), 1 GPU actor(s)" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert "2 CPU actor(s), 1 GPU actor(s)" in err
+    assert "GPU actor 0: no CUDA device visible" in err  # a logical GPU: the CPU computes
+    assert folder_bytes(remote, ".tokenize") == folder_bytes(local, ".tokenize")
+
+
+def test_tokenize_on_ray_replaces_a_killed_gpu_actor_with_the_local_bytes(
+    cluster, tiny_tokenizers, tmp_path
+):
+    """The GPU actor (on the second node's logical GPU) killed mid-run: the driver replaces it,
+    the jobs that were calling it are sent again, and the folder is the local engine's."""
+    many_images(tmp_path / "many", 24, size=64)
+    raw = tmp_path / "raw"
+    assert ingest(raw, [f"images:{tmp_path / 'many'}"], shard_max_samples=1)["finalized"]
+    text, visual = tiny_tokenizers
+    local, remote = tmp_path / "local", tmp_path / "ray"
+    tokenize(raw, local, text, visual)
+
+    cmd = [sys.executable, "-m", "data.cli", "tokenize", "--in", str(raw), "--out", str(remote)]
+    cmd += ["--tokenizer", str(text), "--visual-tokenizer", str(visual), "--no-progress"]
+    cmd += ["--engine", "ray", "--ray-address", cluster.address]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    killed, busy = None, False
+    deadline = time.monotonic() + 240
+    while killed is None and proc.poll() is None and time.monotonic() < deadline:
+        if len(list((remote / ".tokenize").glob("*.json"))) >= 2:  # mid-run: most jobs to come
+            encoding = cluster.worker_pids("ray::VisualActor.encode")
+            actors = encoding or cluster.worker_pids("ray::VisualActor")
+            if actors:
+                killed, busy = actors[0], bool(encoding)
+                os.kill(killed, signal.SIGKILL)
+        time.sleep(0.005)
+    out, err = proc.communicate(timeout=300)
+    assert killed is not None, f"no GPU actor seen to kill:\n{err[-2000:]}"
+    assert proc.returncode == 0, err[-3000:]
+    assert "GPU actor 0: no CUDA device visible" in err  # the fallback says so
+    assert "1 GPU actor(s) replaced" in err, (busy, err[-3000:])
+    assert "a GPU actor it called died" in err and "sent again" in err
     assert folder_bytes(remote, ".tokenize") == folder_bytes(local, ".tokenize")

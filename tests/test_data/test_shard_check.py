@@ -131,3 +131,46 @@ def test_a_worker_packs_int32_and_the_trainer_gets_the_same_int64_batches(tokens
             assert b[key].dtype == a[key].dtype, key
             assert torch.equal(a[key], b[key]), key
         assert b["input_ids"].dtype == torch.int64 and b["labels"].dtype == torch.int64
+
+
+def test_a_member_stored_other_than_tokenize_writes_it_is_never_read_from_a_wrong_place():
+    """The whole-shard check locates each document's values in the shard's map from its .npy
+    header. A member np.load reads but written otherwise (a version 2 header; a Fortran-ordered
+    or 2-D array) is not located: the shard goes document by document (np.load copies), never
+    read at a guessed offset. A short payload fails the same way."""
+    import io
+
+    import numpy as np
+
+    from data.loader.shard_check import check_shard
+    from data.shards.token_index import RECORD, TokenIndex
+
+    def shard(version=None, ids=None):
+        ids = np.arange(5, dtype="<i4") if ids is None else ids
+        mod = np.zeros(5, np.uint8)
+        parts, at = [], 0
+        record = np.zeros(1, RECORD)
+        for name, array in (("ids", ids), ("mod", mod)):
+            buf = io.BytesIO()
+            np.lib.format.write_array(buf, array, version=version if name == "ids" else None)
+            data = buf.getvalue()
+            record[name] = (at, len(data))
+            parts.append(data)
+            at += len(data)
+        record["tokens"] = 5
+        blob = b"".join(parts)
+        index = TokenIndex({}, record, np.zeros((0, 5), np.int64), np.zeros(0, np.uint8))
+        return memoryview(blob), index
+
+    def whole(mapped, index):
+        return check_shard(mapped, index, shard_sha256="", id_ranges=None, check_hash=False)
+
+    good = whole(*shard())
+    assert good is not None
+    ids, mod, _ = good.document(0)
+    assert ids.tolist() == [0, 1, 2, 3, 4] and mod.tolist() == [0] * 5
+    assert whole(*shard(version=(2, 0))) is None
+    assert whole(*shard(ids=np.asfortranarray(np.arange(6, dtype="<i4").reshape(2, 3)))) is None
+    mapped, index = shard()
+    index.records["ids"][0, 1] -= 1  # the index claims one byte fewer than the values need
+    assert whole(mapped, index) is None

@@ -10,6 +10,13 @@ alternate, the order swapped each round; medians, and the ratio this / baseline 
     git archive COMMIT | tar -x -C /tmp/base     # the code before, as plain files
     .venv/bin/python tools/bench/bench_loader_versions.py --baseline /tmp/base \\
         --tokens runs/demo/tokens [--rounds 5] [--workers 0 1]
+
+``--check`` compares instead of timing: for each of a few loader settings (``CHECKS``: rows of
+2,048; rows of 512 with chunked mixing; epoch mode at 256 with whole documents dropped for
+blocks longer than a row; rows of 128 with such blocks dropped) and each ``--workers``, both
+checkouts hash every tensor of up to ``--check-batches`` batches (values, dtypes, shapes, keys)
+and the loader's state after them; any difference is printed and the exit status is 1. A
+change to the loader that should not change what it delivers must pass it.
 """
 
 from __future__ import annotations
@@ -51,6 +58,71 @@ it.close()
 """
 
 
+# The same loader, hashing what it delivers: one JSON line with the digest and the batch count.
+_CHECK_CHILD = r"""
+import hashlib, json, sys
+from pathlib import Path
+import data.loader
+from data.loader import LoaderConfig, SourceConfig, build_loader
+
+tokens, workers, limit, settings = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+settings = json.loads(settings)
+rows = settings.pop("rows")
+manifest = json.loads((tokens / "manifest.json").read_text())
+share = {s["name"]: sum(s["tokens"].values()) for s in manifest["sources"]}
+names = sorted(p.name for p in tokens.iterdir() if p.is_dir() and list(p.glob("*.tar")))
+cfg = LoaderConfig(
+    sources=[SourceConfig(name=s, shards=[str(tokens / s)], weight=float(share.get(s, 1)))
+             for s in names],
+    num_workers=workers, **settings,
+)
+loader = build_loader(cfg, rank=0, world_size=1, micro_batch=rows)
+digest, n = hashlib.sha256(), 0
+for batch in loader:
+    for key in sorted(batch):
+        t = batch[key]
+        digest.update(f"{key} {t.dtype} {tuple(t.shape)}".encode())
+        digest.update(t.contiguous().numpy().tobytes())
+    n += 1
+    if n >= limit:
+        break
+digest.update(json.dumps(loader.state_dict(), sort_keys=True).encode())
+print(json.dumps({"loader": data.loader.__file__, "digest": digest.hexdigest(), "batches": n}))
+"""
+
+# Loader settings the check runs (besides the token folder's sources, weighted by their tokens).
+CHECKS: dict[str, dict] = {
+    "rows of 2048": {"seq_len": 2048, "rows": 8},
+    "rows of 512, chunks of 256": {"seq_len": 512, "rows": 4, "mix_chunk": 256},
+    "epoch, 256, drop documents": {
+        "seq_len": 256,
+        "rows": 8,  # the whole epoch within the default --check-batches
+        "mode": "epoch",
+        "oversize": "drop_document",
+        "allow_block_drops": True,
+    },
+    "rows of 128, drop blocks": {"seq_len": 128, "rows": 4, "allow_block_drops": True},
+}
+
+
+def check(checkout: Path, tokens: Path, workers: int, settings: dict, limit: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    args = [str(tokens), str(workers), str(limit), json.dumps(settings)]
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHECK_CHILD, *args],
+        env=env,
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode:
+        raise SystemExit(f"{checkout}: the loader failed:\n{proc.stderr[-3000:]}")
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    if not got["loader"].startswith(str(checkout.resolve())):
+        raise SystemExit(f"{checkout}: the loader was imported from {got['loader']}")
+    return got
+
+
 def measure(checkout: Path, tokens: Path, workers: int, a: argparse.Namespace) -> float:
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     args = [str(tokens), str(workers), str(a.seq_len), str(a.rows), str(a.round_tokens)]
@@ -78,9 +150,30 @@ def main(argv=None) -> dict:
     ap.add_argument("--round-tokens", type=int, default=3_000_000)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--check", action="store_true", help="compare batch hashes, not speed")
+    ap.add_argument("--check-batches", type=int, default=600)
     a = ap.parse_args(argv)
     tokens = a.tokens.resolve()
     checkouts = {"baseline": a.baseline.resolve(), "this": HERE}
+    if a.check:
+        differ = 0
+        for name, settings in CHECKS.items():
+            for workers in a.workers:
+                got = {
+                    who: check(path, tokens, workers, settings, a.check_batches)
+                    for who, path in checkouts.items()
+                }
+                same = got["baseline"]["digest"] == got["this"]["digest"]
+                differ += not same
+                print(
+                    f"{name}, num_workers={workers}: {got['this']['batches']} batches "
+                    f"(baseline {got['baseline']['batches']}): "
+                    + ("identical" if same else "DIFFERENT"),
+                    flush=True,
+                )
+        if differ:
+            raise SystemExit(f"{differ} setting(s) deliver other batches than the baseline")
+        return {"identical": True}
     res: dict = {"load_before": os.getloadavg(), "modes": {}}
     for workers in a.workers:
         rates: dict[str, list[float]] = {name: [] for name in checkouts}
