@@ -59,6 +59,9 @@ _NPY_1D = re.compile(
 )
 
 
+_TEXT_M = int(Modality.TEXT)
+_NOT_TEXT = [int(m) for m in Modality if m != Modality.TEXT]
+
 _HEADERS: dict[bytes, tuple[np.dtype, int]] = {}  # header text -> (dtype, length), parsed once
 
 
@@ -446,9 +449,12 @@ class ConsumerStream:
         new_drops = dropped - self._dropped_before
         self._dropped_before = dropped
         real = int(compact.real.sum())
-        # The modalities of the real tokens: every token's, less the padding's (all text)
-        by_modality = np.bincount(mod, minlength=len(MODALITY_NAMES))
-        by_modality[int(Modality.TEXT)] -= n - real
+        # The modalities of the real tokens: one count per modality other than text (a third of
+        # what np.bincount took), text the rest (padding is text)
+        by_modality = np.zeros(len(MODALITY_NAMES), np.int64)
+        for m in _NOT_TEXT:
+            by_modality[m] = np.count_nonzero(mod == m)
+        by_modality[_TEXT_M] = real - by_modality.sum()
         self.tokens_by_modality += by_modality
         by_source = _tokens_by_source(rows, len(self.tables))
         out = PackedBatch(compact, _pieces(rows), by_source, new_drops, real, buffer=buffer)
