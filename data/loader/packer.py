@@ -19,6 +19,9 @@ Design choices:
 - M-RoPE positions (t, h, w): text advances all three by one per token; inside a visual block
   the codes and row ends take (t0 + frame, t0 + row, t0 + col), and the position after the
   block continues past its largest extent (Qwen2-VL's scheme).
+- A batch leaves the packer compact (``Packer.compact``: ids, modalities, a table of segments
+  and one of visual blocks); data/loader/expand.py derives every other per-token field from it
+  where the batch is handed out.
 - ``dry=True`` packs lengths only (from the index): the same decisions without reading a tar,
   used to count an epoch's rows on every consumer.
 """
@@ -183,7 +186,7 @@ class BatchBuffer:
         self.pinned = pin
         flat = self.tensor.numpy()
         # Not filled: expand writes every position of the batch.
-        self.fields = {
+        self.fields: dict[str, np.ndarray] = {
             attr: flat[i * n : (i + 1) * n].reshape(rows, seq_len)
             for i, (attr, _, _) in enumerate(ROW_FIELDS)
         }
@@ -369,8 +372,8 @@ class Packer:
         row.tail = doc
         row.id_parts.append(doc.ids[a:b])
         row.mod_parts.append(doc.mod[a:b])
-        # The rest of the row's fields are written in one pass per row (``_finish``): labels,
-        # positions and document ids are the same few vector operations for every piece.
+        # The rest of the fields follow from the segments, for a whole batch at once
+        # (``compact``, then data/loader/expand.py): labels, positions, document ids.
         if b < doc.length:  # the piece's last token predicts the document's next one
             tail = (IGNORE if cut else doc.ids.item(b), doc.mod.item(b))
         else:
@@ -416,9 +419,9 @@ class Packer:
         for r in rows:  # the padding segment is the batch's, not the row's
             if r.real < L:
                 r.segments.pop()
-        base = np.repeat(arange(B) * L, counts)
-        seg[:, 0] += base
-        seg[:, 1] += base
+        row_starts = np.repeat(arange(B) * L, counts)
+        seg[:, 0] += row_starts
+        seg[:, 1] += row_starts
         blocks = np.asarray(block_rows, np.int64).reshape(-1, 5)
         return CompactBatch(B, L, ids, mod, seg, blocks, real)
 

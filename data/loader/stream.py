@@ -583,8 +583,8 @@ class PackedBatch:
                 self.slot, self.ring = None, None
             c.ids = c.mod = None  # views of a slot a worker now reuses, or of the buffer
             self.expanded = True
-        elif pin and not self.buffer.pinned:  # expanded already: copied into pinned memory
-            assert self.buffer is not None
+        elif pin and self.buffer is not None and not self.buffer.pinned:
+            # expanded already: copied into pinned memory
             pinned = BatchBuffer(c.rows, c.seq_len, 0, pin=True)
             pinned.tensor.copy_(self.buffer.tensor)
             self.buffer = pinned

@@ -39,9 +39,10 @@ def _stream(tokens, micro_batch: int, **kw) -> ConsumerStream:
 def _rows_one_by_one(tokens, n_rows: int, **kw) -> dict[str, np.ndarray]:
     """The batch fields of ``n_rows`` rows, each packed and finished on its own."""
     stream = _stream(tokens, 1, **kw)
-    rows = [stream.next_row() for _ in range(n_rows)]
+    rows = [row for _ in range(n_rows) if (row := stream.next_row()) is not None]
+    assert len(rows) == n_rows
     out = {key: np.stack([getattr(r, attr) for r in rows]) for attr, key, _ in ROW_FIELDS}
-    out["position_thw"] = np.stack([r.thw for r in rows])
+    out["position_thw"] = np.stack([r.thw for r in rows if r.thw is not None])
     out["num_real_tokens"] = np.array(sum(r.real for r in rows))
     return out
 
