@@ -42,22 +42,24 @@ class SlotRing:
         self.data = torch.empty((slots, numel), dtype=torch.int32).share_memory_()
         self.flags = torch.zeros(slots, dtype=torch.int32).share_memory_()
         self.sent = False  # the trainer has been sent the slots (with the first batch)
+        self._flags = self.flags.numpy()  # numpy views: a torch call per flag cost microseconds
 
     def acquire(self) -> int | None:
         """A free slot (marked full: the worker packs into it), or None after ``_WAIT_S``."""
         deadline = time.monotonic() + _WAIT_S
         while True:
-            free = (self.flags == _FREE).nonzero()
+            free = np.flatnonzero(self._flags == _FREE)
             if len(free):
                 i = int(free[0])
-                self.flags[i] = _FULL
+                self._flags[i] = _FULL
                 return i
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.001)
 
 
-_rings: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # trainer side: token -> (data, flags)
+# Trainer side: token -> (data, flags) as numpy views of the ring's shared tensors
+_rings: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 _lock = threading.Lock()  # the DataLoader's pin-memory thread takes batches out too
 
 
@@ -67,9 +69,9 @@ def slot(token: str, index: int, ring: tuple | None) -> np.ndarray:
     calls ``free``."""
     with _lock:
         if ring is not None:
-            _rings[token] = ring
+            _rings[token] = (ring[0].numpy(), ring[1].numpy())
         data, _ = _rings[token]
-    return data[index].numpy()
+    return data[index]
 
 
 def free(token: str, index: int) -> None:
