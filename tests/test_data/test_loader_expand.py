@@ -73,6 +73,7 @@ def test_batches_expand_to_the_rows_packed_one_by_one(tiny_tokens, settings):
     # images only: their videos are longer, dropped)
     assert (want["image_ids"] > (0 if not settings else -1)).any()
     assert (want["modality"] == int(Modality.VIDEO)).any() == (not settings)
+    assert int(want["num_real_tokens"]) < want["input_ids"].size  # rows with padding
 
 
 def test_a_worker_batch_crosses_as_its_compact_layout(tiny_tokens):
