@@ -27,9 +27,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data.loader import transport
 from data.loader.config import LoaderConfig
+from data.loader.expand import slot_numel
 from data.loader.fit import check_blocks_fit
 from data.loader.order import ORDER_VERSION, unpack_mask
-from data.loader.packer import BatchBuffer
 from data.loader.sample_check import attach_id_ranges
 from data.loader.stream import ConsumerStream, PackedBatch
 from data.loader.table import SampleTable, load_table
@@ -60,8 +60,10 @@ class _Consumers(IterableDataset):
         if info is not None:  # batches go to the trainer's process through shared slots
             in_flight = ld.cfg.prefetch_factor * ld.cfg.num_workers
             stream.ring = transport.SlotRing(
-                in_flight + 2, BatchBuffer.numel(ld.micro_batch, ld.cfg.seq_len)
+                in_flight + 2, slot_numel(ld.micro_batch, ld.cfg.seq_len)
             )
+        else:
+            stream.pin = ld.pin
         while True:
             batch = stream.next_batch()
             if batch is None:
@@ -179,7 +181,7 @@ class PackedLoader:
         bookkeeping (a fetcher, a sampler, a profiler range: ~10 % of a batch here)."""
         for packed in _Consumers(self):
             if self.pin:
-                packed.pin_memory()
+                packed.pin_memory()  # (its buffer is pinned already: nothing to do)
             self.worker_states[packed.worker] = packed.state
             self.handed_out += 1
             yield packed.to_dict()

@@ -19,6 +19,9 @@ Design choices:
 - M-RoPE positions (t, h, w): text advances all three by one per token; inside a visual block
   the codes and row ends take (t0 + frame, t0 + row, t0 + col), and the position after the
   block continues past its largest extent (Qwen2-VL's scheme).
+- A batch leaves the packer compact (``Packer.compact``: ids, modalities, a table of segments
+  and one of visual blocks); data/loader/expand.py derives every other per-token field from it
+  where the batch is handed out.
 - ``dry=True`` packs lengths only (from the index): the same decisions without reading a tar,
   used to count an epoch's rows on every consumer.
 """
@@ -30,9 +33,10 @@ from itertools import chain
 
 import numpy as np
 
+from data.loader.expand import IGNORE, CompactBatch, arange, expand
 from data.vocab import Modality
 
-IGNORE = -100
+__all__ = ["IGNORE", "CompactBatch", "Doc", "Packer", "Row", "Unit", "units_of"]
 # Modalities as plain ints: an IntEnum member next to a numpy array costs an enum attribute
 # lookup per operation (numpy probes it for __array_ufunc__ and the like).
 _TEXT, _IMAGE, _VIDEO = int(Modality.TEXT), int(Modality.IMAGE), int(Modality.VIDEO)
@@ -124,68 +128,31 @@ class Doc:
 
 @dataclass
 class Row:
-    ids: np.ndarray
-    mod: np.ndarray
-    labels: np.ndarray
-    label_mod: np.ndarray
-    doc_ids: np.ndarray
-    pos: np.ndarray
-    thw: np.ndarray
-    image_ids: np.ndarray
-    real: int
+    # Per-token fields of a row packed on its own (``Packer.pack`` without ``into``); None in a
+    # batch's blank rows, whose fields ``expand`` writes for the whole batch at once.
+    ids: np.ndarray | None = None
+    mod: np.ndarray | None = None
+    labels: np.ndarray | None = None
+    label_mod: np.ndarray | None = None
+    doc_ids: np.ndarray | None = None
+    pos: np.ndarray | None = None
+    thw: np.ndarray | None = None
+    image_ids: np.ndarray | None = None
+    real: int = 0
     pieces: list[tuple[int, int, int, int]] = field(
         default_factory=list
     )  # (source, sample, start, end)
     tail: Doc | None = None  # the document of the last piece (a next chunk of it joins that piece)
-    # Placed so far, for ``Packer._finish``: (row start, row end, piece, position offset, label
+    # Placed so far, for ``Packer.compact``: (row start, row end, piece, position offset, label
     # and label modality of the last token) per stretch of one document, and the pieces that
     # hold visual blocks: piece -> (document, row start, document start, document end).
     segments: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
     visual: dict[int, tuple] = field(default_factory=dict)
     # The ids and modalities of the placed stretches, in row order (views of the documents):
-    # ``Packer.finish`` writes a whole batch's with one ``concatenate`` each (two slice
+    # ``Packer.compact`` writes a whole batch's with one ``concatenate`` each (two slice
     # assignments per stretch cost more than the copies themselves).
     id_parts: list[np.ndarray] = field(default_factory=list)
     mod_parts: list[np.ndarray] = field(default_factory=list)
-
-
-_ARANGE = np.arange(1 << 16, dtype=np.int64)
-
-
-def _arange(n: int) -> np.ndarray:
-    """0 .. n - 1 (int64), a view of one cached range grown as batches need."""
-    global _ARANGE
-    if n > len(_ARANGE):
-        _ARANGE = np.arange(max(n, 2 * len(_ARANGE)), dtype=np.int64)
-    return _ARANGE[:n]
-
-
-_BLOCK_POSITIONS: dict[tuple[int, int, int], tuple[np.ndarray, int]] = {}
-
-
-def block_positions(t: int, h: int, w: int) -> tuple[np.ndarray, int]:
-    """(int64 [block tokens, 3] M-RoPE offsets from the block's first position, how far the
-    position moves past the block) of an image (t = 0) or video block of an h x w code grid:
-    ``<boi>``/``<bov>`` and the two size tokens advance all three; per frame (video: after its
-    ``<frame>`` marker at (f, 0, 0)) the codes and row ends take (f, row, col); after the block
-    the position continues past its largest extent, where ``<eoi>``/``<eov>`` sits (Qwen2-VL).
-    Built once per grid shape and reused (a block is one vector add)."""
-    key = (t, h, w)
-    if key not in _BLOCK_POSITIONS:
-        frames = max(t, 1)
-        parts = [np.repeat(np.arange(3)[:, None], 3, 1)]
-        rows = np.repeat(np.arange(h), w + 1)
-        cols = np.tile(np.arange(w + 1), h)
-        for f in range(frames):
-            if t:
-                parts.append(np.asarray([[3 + f, 3, 3]]))
-            parts.append(np.stack([np.full(h * (w + 1), 3 + f), 3 + rows, 3 + cols], -1))
-        extent = 3 + max(frames, h, w + 1)
-        parts.append(np.asarray([[extent] * 3]))
-        offsets = np.concatenate(parts).astype(np.int64)
-        offsets.setflags(write=False)
-        _BLOCK_POSITIONS[key] = (offsets, extent + 1)
-    return _BLOCK_POSITIONS[key]
 
 
 # The per-token fields of a batch, in the order they lie in its buffer, with their padding values.
@@ -205,28 +172,31 @@ def _fields(row: Row) -> dict[str, np.ndarray]:
 
 
 class BatchBuffer:
-    """Every per-token field of a batch of ``rows`` rows in one integer buffer: the fields above,
-    each [rows, L] and contiguous, then ``position_thw`` [rows, L, 3]. Rows are views of it, so
-    the packer writes a batch in place and a worker hands the trainer one tensor, which the
-    trainer splits into views without a copy. int64 (what the trainer receives), or int32 in a
-    worker's slot of shared memory: every field fits, and packing and handing over then move
-    half the bytes (the trainer's process widens it as it copies it out, transport.take)."""
+    """Every per-token field of a batch of ``rows`` rows in one int64 buffer: the fields above,
+    each [rows, L] and contiguous, then ``position_thw`` [rows, L, 3]. Rows are views of it;
+    ``expand`` (data/loader/expand.py) writes a compact batch into it, and the trainer gets its
+    views without a copy (``split``). ``pin``: in pinned memory (for a copy to the GPU)."""
 
-    def __init__(self, rows: int, seq_len: int, pad_id: int, *, tensor=None) -> None:
+    def __init__(self, rows: int, seq_len: int, pad_id: int, *, pin: bool = False) -> None:
         import torch
 
         self.rows, self.L = rows, seq_len
         n = rows * seq_len
-        if tensor is None:
-            tensor = torch.empty(self.numel(rows, seq_len), dtype=torch.int64)
-        self.tensor = tensor  # given: a worker's slot of shared memory (data/loader/transport.py)
+        self.tensor = torch.empty(self.numel(rows, seq_len), dtype=torch.int64, pin_memory=pin)
+        self.pinned = pin
         flat = self.tensor.numpy()
-        # Not filled: the packer writes every position of a row it hands out (Packer._finish).
-        self.fields = {
+        # Not filled: expand writes every position of the batch.
+        self.fields: dict[str, np.ndarray] = {
             attr: flat[i * n : (i + 1) * n].reshape(rows, seq_len)
             for i, (attr, _, _) in enumerate(ROW_FIELDS)
         }
         self.fields["thw"] = flat[len(ROW_FIELDS) * n :].reshape(rows, seq_len, 3)
+
+    def split(self) -> dict:
+        """The batch's tensors (``input_ids`` ... ``position_thw``), views of the buffer."""
+        if self.pinned:
+            return BatchBuffer.split_pinned(self.tensor, self.rows, self.L)
+        return BatchBuffer.split_unpinned(self.tensor, self.rows, self.L)
 
     @staticmethod
     def numel(rows: int, seq_len: int) -> int:
@@ -251,7 +221,7 @@ class BatchBuffer:
         """``split`` for a tensor in ordinary memory: the same fields, each a tensor over its part
         of the buffer made from a numpy view (``torch.from_numpy``, far lighter than torch's
         slicing: between two packed batches torch's views cost ~30 us a batch here). A pinned
-        buffer goes through ``split``: its views must stay views of the pinned tensor."""
+        buffer goes through ``split_pinned``: its views must stay views of the pinned tensor."""
         import torch
 
         n, k = rows * seq_len, len(ROW_FIELDS)
@@ -264,7 +234,7 @@ class BatchBuffer:
         return out
 
     @staticmethod
-    def split(tensor, rows: int, seq_len: int) -> dict:
+    def split_pinned(tensor, rows: int, seq_len: int) -> dict:
         """The batch fields of a buffer's tensor, as views: ``input_ids`` ... ``position_thw``."""
         n, k = rows * seq_len, len(ROW_FIELDS)
         # Three torch calls for every view (slicing a tensor field by field cost ~5 us a view)
@@ -402,8 +372,8 @@ class Packer:
         row.tail = doc
         row.id_parts.append(doc.ids[a:b])
         row.mod_parts.append(doc.mod[a:b])
-        # The rest of the row's fields are written in one pass per row (``_finish``): labels,
-        # positions and document ids are the same few vector operations for every piece.
+        # The rest of the fields follow from the segments, for a whole batch at once
+        # (``compact``, then data/loader/expand.py): labels, positions, document ids.
         if b < doc.length:  # the piece's last token predicts the document's next one
             tail = (IGNORE if cut else doc.ids.item(b), doc.mod.item(b))
         else:
@@ -412,31 +382,33 @@ class Packer:
         if doc.has_blocks and doc.blocks_in(a0, b):
             row.visual[pid] = (doc, ra0, a0, b)
 
-    def finish(self, rows: list[Row], fields: dict[str, np.ndarray]) -> None:
-        """Every field of a batch's rows from their pieces, in one pass over the batch (``fields``:
-        attr -> [rows, L] arrays, ``thw`` [rows, L, 3], whose row i is ``rows[i]``'s): ids and
-        modalities are copied from the pieces (padding after a row's real tokens); labels are the next token (the document's next one at a piece's
-        end; -100 after its last token, before a dropped block and on padding), document ids and
-        1-D positions per piece, M-RoPE positions equal to the 1-D ones except in pieces with
-        visual blocks; padding after each row's real tokens."""
+    def compact(self, rows: list[Row], ids: np.ndarray, mod: np.ndarray) -> CompactBatch:
+        """A batch of ``rows`` in the compact layout (data/loader/expand.py), its ids and
+        modalities written into ``ids`` and ``mod`` ([rows * L], any integer dtype: the final
+        int64 fields in-process, int32 and uint8 in a worker's slot), padding after each row's
+        real tokens. The rows' segments, and after a row's real tokens its padding as one more
+        (piece = the row's piece count, or -1 in an empty row), tile the batch."""
         B, L = len(rows), self.L
-        flat = {k: v.reshape(B * L, *v.shape[2:]) for k, v in fields.items()}
-        ids, mod, labels, label_mod = flat["ids"], flat["mod"], flat["labels"], flat["label_mod"]
-        # The segments of every row one after another, and after a row's real tokens its padding
-        # as one more segment (piece = the row's piece count, or -1 in an empty row): together
-        # they tile the batch, so each field is one vector operation with no mask.
-        counts, padded = [], []
-        id_parts: list[np.ndarray] = []
-        mod_parts: list[np.ndarray] = []
+        counts, id_parts, mod_parts = [], [], []
+        real = np.empty(B, np.int64)
+        block_rows: list[tuple[int, int, int, int, int]] = []
         for i, r in enumerate(rows):
             id_parts += r.id_parts
             mod_parts += r.mod_parts
+            real[i] = r.real
             if r.real < L:
                 r.segments.append((r.real, L, len(r.pieces) if r.pieces else -1, 0, IGNORE, 0))
-                padded.append(i)
                 id_parts.append(self._pad_ids[: L - r.real])
                 mod_parts.append(self._pad_mod[: L - r.real])
             counts.append(len(r.segments))
+            if r.visual:
+                base = i * L
+                for pid in sorted(r.visual):  # blocks in row order (images numbered so)
+                    doc, ra, a, b = r.visual[pid]
+                    last = base + ra + b - a
+                    for u in doc.blocks:
+                        if u.start >= a and u.end <= b:
+                            block_rows.append((base + ra + u.start - a, last, u.t, u.h, u.w))
         np.concatenate(id_parts, out=ids, casting="unsafe")
         np.concatenate(mod_parts, out=mod, casting="unsafe")
         seg = np.fromiter(
@@ -444,65 +416,31 @@ class Packer:
             np.int64,
             count=6 * sum(counts),
         ).reshape(-1, 6)
-        for i in padded:  # the padding segment is the finishing pass's, not the row's
-            rows[i].segments.pop()
-        base = np.repeat(_arange(B) * L, counts)
-        seg[:, 0] += base
-        seg[:, 1] += base
-        lengths = seg[:, 1] - seg[:, 0]
-        labels[:-1] = ids[1:]
-        label_mod[:-1] = mod[1:]
-        labels[seg[:, 1] - 1] = seg[:, 4]
-        label_mod[seg[:, 1] - 1] = seg[:, 5]
-        flat["doc_ids"][:] = np.repeat(seg[:, 2], lengths)
-        pos = flat["pos"]
-        np.subtract(_arange(B * L), np.repeat(seg[:, 0] - seg[:, 3], lengths), out=pos)
-        flat["image_ids"][:] = -1
-        for i in padded:
-            padding = slice(i * L + rows[i].real, (i + 1) * L)
-            labels[padding] = IGNORE
-            label_mod[padding] = _TEXT
-            pos[padding] = 0
-        # M-RoPE: the 1-D positions in all three (strided copies are far cheaper than a
-        # broadcast into the [n, 3] view), then the pieces with visual blocks rewritten.
-        thw = flat["thw"].reshape(-1)
-        thw[0::3] = pos
-        thw[1::3] = pos
-        thw[2::3] = pos
-        for r in rows:
-            n_img = 0
-            for pid in sorted(r.visual):  # images numbered in row order
-                doc, ra0, a0, b = r.visual[pid]
-                n_img = self._thw(doc, r, ra0, a0, b, n_img)
+        for r in rows:  # the padding segment is the batch's, not the row's
+            if r.real < L:
+                r.segments.pop()
+        row_starts = np.repeat(arange(B) * L, counts)
+        seg[:, 0] += row_starts
+        seg[:, 1] += row_starts
+        blocks = np.asarray(block_rows, np.int64).reshape(-1, 5)
+        return CompactBatch(B, L, ids, mod, seg, blocks, real)
 
-    def _thw(self, doc: Doc, row: Row, ra: int, a: int, b: int, n_img: int) -> int:
-        """M-RoPE positions of a piece (row positions from ``ra``, doc tokens [a, b)) whose thw
-        already holds its 1-D positions: each block takes its template added to where it starts;
-        the text after it moves on by how far the block moved the position beyond its length.
-        Numbers its images from ``n_img``; returns the next number."""
-        shift = 0  # M-RoPE position minus 1-D position of the text so far
-        thw = row.thw
-        last = ra + b - a
-        for u in doc.blocks:
-            if u.start < a or u.end > b:
-                continue
-            r0 = ra + u.start - a
-            offsets, advance = block_positions(u.t, u.h, u.w)
-            end = r0 + len(offsets)
-            np.add(offsets, r0 - ra + shift, out=thw[r0:end])
-            if u.t == 0:  # an image: its codes carry its number (bidirectional attention)
-                np.copyto(row.image_ids[r0:end], n_img, where=row.mod[r0:end] == _IMAGE)
-                n_img += 1
-            moved = advance - len(offsets)
-            shift += moved
-            if moved and end < last:
-                thw[end:last] += moved  # the text after the block (and later blocks, rewritten)
-        return n_img
+    def finish(self, rows: list[Row], fields: dict[str, np.ndarray]) -> None:
+        """Every field of a batch's rows (``fields``: attr -> [rows, L] arrays, ``thw``
+        [rows, L, 3], whose row i is ``rows[i]``'s): the compact batch expanded
+        (data/loader/expand.py)."""
+        n = len(rows) * self.L
+        batch = self.compact(rows, fields["ids"].reshape(n), fields["mod"].reshape(n))
+        expand(batch, fields)
 
     def _new_row(self) -> Row | None:
         if self.dry:
             return None
         return BatchBuffer(1, self.L, self.pad_id).row(0)
+
+    def blank_row(self) -> Row | None:
+        """A row of a batch (no fields of its own: the batch is compacted and expanded whole)."""
+        return None if self.dry else Row()
 
     # --- one row ----------------------------------------------------------------------------------
     def pack(self, next_doc, into: Row | None = None) -> Row | None:
@@ -540,4 +478,4 @@ class Packer:
             row.real = pos
             if into is None:
                 self.finish([row], {k: v[None] for k, v in _fields(row).items()})
-        return row if row is not None else Row(*(None,) * 8, real=pos)  # type: ignore[arg-type]
+        return row if row is not None else Row(real=pos)

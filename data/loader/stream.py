@@ -35,6 +35,7 @@ import torch
 
 from data.loader import store, transport
 from data.loader.config import LoaderConfig
+from data.loader.expand import CompactBatch, expand, slot_views
 from data.loader.online import OnlineTokenizer, online_options
 from data.loader.order import (
     ORDER_VERSION,
@@ -57,6 +58,9 @@ _NPY_1D = re.compile(
     rb"\{'descr': '([<|][iu][1248])', 'fortran_order': False, 'shape': \((\d+),\), \}"
 )
 
+
+_TEXT_M = int(Modality.TEXT)
+_NOT_TEXT = [int(m) for m in Modality if m != Modality.TEXT]
 
 _HEADERS: dict[bytes, tuple[np.dtype, int]] = {}  # header text -> (dtype, length), parsed once
 
@@ -180,6 +184,7 @@ class ConsumerStream:
         self.files = ShardFiles(cfg.cache_dir, cfg.cache_limit_gb)
         self._online: OnlineTokenizer | None = None  # built on the first raw document
         self.ring: transport.SlotRing | None = None  # set in a DataLoader worker
+        self.pin = False  # in-process: batches expanded into pinned memory (set by the loader)
         self.watchdog = None if dry else Watchdog(cfg.stall_seconds, f"consumer {consumer}")
         # (source, shard) -> the shard when it passed the whole-shard check, None when it did not
         # (data/loader/shard_check.py); least recently used dropped past _KEEP_SHARDS.
@@ -415,42 +420,48 @@ class ConsumerStream:
         """The next batch (``PackedBatch``; ``{}`` when packing dry); None at the end."""
         if self.batch_limit is not None and self.batches >= self.batch_limit:
             return None
-        buf, slot = None, None
-        if not self.dry:
-            # In a worker, packed in place into a slot of shared memory (data/loader/transport.py)
-            slot = self.ring.acquire() if self.ring is not None else None
-            buf = BatchBuffer(
-                self.micro_batch,
-                self.cfg.seq_len,
-                self.packer.pad_id,
-                tensor=None if slot is None or self.ring is None else self.ring.data[slot],
-            )
+        packer = self.packer
         rows: list[Row] = []
         while len(rows) < self.micro_batch:
-            r = self.packer.pack(self.next_doc, buf.row(len(rows)) if buf else None)
+            r = packer.pack(self.next_doc, packer.blank_row())
             if r is None:
                 return None  # the last, incomplete batch of an epoch is held back
             rows.append(r)
         self.batches += 1
-        if buf is None:
+        if self.dry:
             return {}
-        self.packer.finish(rows, buf.fields)
+        B, L = len(rows), self.cfg.seq_len
+        n = B * L
+        ring, slot, buffer = self.ring, None, None
+        if ring is not None:
+            # In a worker: the compact batch straight into a slot of shared memory
+            # (data/loader/transport.py), or ordinary arrays when none is free
+            slot = ring.acquire()
+            if slot is not None:
+                ids, mod = slot_views(ring.data[slot].numpy(), B, L)
+            else:
+                ids, mod = np.empty(n, np.int32), np.empty(n, np.uint8)
+        else:  # in-process: the ids and modalities straight into the batch's int64 fields
+            buffer = BatchBuffer(B, L, packer.pad_id, pin=self.pin)
+            ids, mod = buffer.fields["ids"].reshape(n), buffer.fields["mod"].reshape(n)
+        compact = packer.compact(rows, ids, mod)
         dropped = self.dropped_matrix()
         new_drops = dropped - self._dropped_before
         self._dropped_before = dropped
-        real = sum(r.real for r in rows)
-        # The modalities of the real tokens: every token's, less the padding's (all text)
-        by_modality = np.bincount(buf.fields["mod"].reshape(-1), minlength=len(MODALITY_NAMES))
-        by_modality[int(Modality.TEXT)] -= len(rows) * self.cfg.seq_len - real
+        real = int(compact.real.sum())
+        # The modalities of the real tokens: one count per modality other than text (a third of
+        # what np.bincount took), text the rest (padding is text)
+        by_modality = np.zeros(len(MODALITY_NAMES), np.int64)
+        for m in _NOT_TEXT:
+            by_modality[m] = np.count_nonzero(mod == m)
+        by_modality[_TEXT_M] = real - by_modality.sum()
         self.tokens_by_modality += by_modality
         by_source = _tokens_by_source(rows, len(self.tables))
-        out = PackedBatch(
-            buf.tensor, len(rows), self.cfg.seq_len, _pieces(rows), by_source, new_drops, real
-        )
-        if slot is not None and self.ring is not None:
-            out.tensor, out.slot, out.token = None, slot, self.ring.token
-            if not self.ring.sent:  # the slots cross to the trainer once, with the first batch
-                out.ring, self.ring.sent = (self.ring.data, self.ring.flags), True
+        out = PackedBatch(compact, _pieces(rows), by_source, new_drops, real, buffer=buffer)
+        if slot is not None and ring is not None:
+            out.compact, out.slot, out.token = compact.tables(), slot, ring.token
+            if not ring.sent:  # the slots cross to the trainer once, with the first batch
+                out.ring, ring.sent = (ring.data, ring.flags), True
         return out
 
     def dropped_matrix(self) -> np.ndarray:
@@ -516,20 +527,33 @@ class ConsumerStream:
 
 
 class PackedBatch:
-    """What a consumer hands the trainer's process for one batch: the batch buffer (one tensor:
-    every per-token field, data/loader/packer.BatchBuffer) and a few small numbers. Not a dict
-    or a list, so the DataLoader neither walks it (``default_convert``) nor pins it field by
-    field: ``pin_memory`` pins the one buffer. ``to_dict`` splits it into the batch's tensors,
-    views of that buffer."""
+    """What a consumer hands the trainer's process for one batch: the batch in its compact
+    layout (data/loader/expand.py; from a worker, its per-token part in a slot of shared
+    memory) and a few small numbers. Not a dict or a list, so the DataLoader neither walks it
+    (``default_convert``) nor pins it field by field: ``pin_memory`` expands it into pinned
+    memory. ``to_dict`` expands it (once) and splits the result into the batch's tensors, views
+    of one buffer."""
 
-    def __init__(self, tensor, rows, seq_len, pieces, tokens_by_source, dropped, real) -> None:
-        self.tensor, self.rows, self.seq_len = tensor, rows, seq_len
-        self.pieces, self.tokens_by_source, self.dropped, self.real = (
+    def __init__(
+        self,
+        compact: CompactBatch,
+        pieces: np.ndarray,
+        tokens_by_source: list[int],
+        dropped: np.ndarray,
+        real: int,
+        *,
+        buffer: BatchBuffer | None = None,
+    ) -> None:
+        self.compact, self.pieces, self.tokens_by_source, self.dropped, self.real = (
+            compact,
             pieces,
             tokens_by_source,
             dropped,
             real,
         )
+        # In-process: the batch's int64 buffer, its ids and modalities already written there
+        self.buffer = buffer
+        self.expanded = False
         self.worker = -1
         self.state: dict | None = None
         # Packed in a worker's slot of shared memory (data/loader/transport.py): which one, of
@@ -537,26 +561,42 @@ class PackedBatch:
         self.slot: int | None = None
         self.token = ""
         self.ring: tuple | None = None
-        self.pinned = False  # the buffer is in pinned memory (pin_memory)
 
-    def take(self, *, pin: bool = False) -> None:
-        """In the trainer's process: copy the batch out of its slot (freeing the slot)."""
-        if self.slot is not None:
-            self.tensor = transport.take(self.token, self.slot, self.ring, pin=pin)
-            self.slot, self.ring = None, None
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["buffer"] = None  # only made in the trainer's process (or in-process)
+        return state
+
+    def expand(self, *, pin: bool = False) -> BatchBuffer:
+        """The batch's per-token fields (in the trainer's process: from the slot, which is then
+        freed), once; ``pin``: in pinned memory."""
+        c = self.compact
+        if not self.expanded:
+            if self.buffer is None or (pin and not self.buffer.pinned):
+                self.buffer = BatchBuffer(c.rows, c.seq_len, 0, pin=pin)
+            if self.slot is not None:
+                view = transport.slot(self.token, self.slot, self.ring)
+                c.ids, c.mod = slot_views(view, c.rows, c.seq_len)
+            expand(c, self.buffer.fields)
+            if self.slot is not None:
+                transport.free(self.token, self.slot)
+                self.slot, self.ring = None, None
+            c.ids = c.mod = None  # views of a slot a worker now reuses, or of the buffer
+            self.expanded = True
+        elif pin and self.buffer is not None and not self.buffer.pinned:
+            # expanded already: copied into pinned memory
+            pinned = BatchBuffer(c.rows, c.seq_len, 0, pin=True)
+            pinned.tensor.copy_(self.buffer.tensor)
+            self.buffer = pinned
+        assert self.buffer is not None
+        return self.buffer
 
     def pin_memory(self, device=None) -> PackedBatch:
-        if self.slot is not None:
-            self.take(pin=True)  # the one copy goes into pinned memory
-        else:
-            self.tensor = self.tensor.pin_memory()
-        self.pinned = True
+        self.expand(pin=True)
         return self
 
     def to_dict(self) -> dict:
-        self.take()
-        split = BatchBuffer.split if self.pinned else BatchBuffer.split_unpinned
-        batch = split(self.tensor, self.rows, self.seq_len)
+        batch = self.expand().split()
         # from_numpy: torch.tensor of Python numbers costs several times more, per batch
         batch["num_real_tokens"] = torch.from_numpy(np.array(self.real, np.int64))
         batch["pieces"] = torch.from_numpy(self.pieces)

@@ -9,14 +9,15 @@ Design choices:
   file descriptor. Here a worker owns ``slots`` buffers in shared memory for the whole
   iteration; it packs each batch straight into a free one and sends only the slot's number.
   The first message of a worker carries the slots themselves (their descriptors cross once).
-- Slots hold the batch as int32 (every field fits): the worker packs half the bytes. The
-  trainer's process copies a received slot out, widened to the int64 the trainer takes (one
-  pass over the batch, as the plain copy was; into pinned memory when the DataLoader pins),
-  and marks it free, so the trainer owns its batch outright
-  and the worker can reuse the slot: nothing the trainer keeps can be overwritten.
+- Slots hold the batch in its compact layout (data/loader/expand.py: an int32 id and a uint8
+  modality a token, 5 bytes; the segment and block tables travel in the message, pickled:
+  a few hundred bytes). The trainer's process expands a received slot into the batch's int64
+  fields (into pinned memory when the DataLoader pins) and marks it free, so the trainer owns
+  its batch outright and the worker can reuse the slot: nothing the trainer keeps can be
+  overwritten.
 - Slots outnumber the batches a DataLoader lets a worker have in flight (``prefetch_factor``
   per worker, plus the one being packed). Should none be free for a second anyway, the worker
-  packs into an ordinary tensor, which the queue hands over the usual way: slower, never stuck.
+  packs into ordinary arrays, which the queue hands over pickled: slower, never stuck.
 """
 
 from __future__ import annotations
@@ -37,44 +38,47 @@ class SlotRing:
 
     def __init__(self, slots: int, numel: int) -> None:
         self.token = f"{os.getpid()}-{time.monotonic_ns()}"  # this worker's run, for the registry
-        # int32: every batch field fits (ids, positions, document and image numbers), and the
-        # worker writes half the bytes; the trainer's copy out widens to int64 (take).
+        # int32: the compact layout's ids, and its modalities four to an element (expand.py)
         self.data = torch.empty((slots, numel), dtype=torch.int32).share_memory_()
         self.flags = torch.zeros(slots, dtype=torch.int32).share_memory_()
         self.sent = False  # the trainer has been sent the slots (with the first batch)
+        self._flags = self.flags.numpy()  # numpy views: a torch call per flag cost microseconds
 
     def acquire(self) -> int | None:
         """A free slot (marked full: the worker packs into it), or None after ``_WAIT_S``."""
         deadline = time.monotonic() + _WAIT_S
         while True:
-            free = (self.flags == _FREE).nonzero()
+            free = np.flatnonzero(self._flags == _FREE)
             if len(free):
                 i = int(free[0])
-                self.flags[i] = _FULL
+                self._flags[i] = _FULL
                 return i
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.001)
 
 
-_rings: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # trainer side: token -> (data, flags)
+# Trainer side: token -> (data, flags) as numpy views of the ring's shared tensors
+_rings: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 _lock = threading.Lock()  # the DataLoader's pin-memory thread takes batches out too
 
 
-def take(token: str, slot: int, ring: tuple | None, *, pin: bool = False) -> torch.Tensor:
-    """Copy slot ``slot`` of the ring ``token`` out (``ring``: its tensors, sent with a worker's
-    first batch) and free the slot."""
+def slot(token: str, index: int, ring: tuple | None) -> np.ndarray:
+    """Slot ``index`` of the ring ``token`` (``ring``: its tensors, sent with a worker's first
+    batch), as a numpy view: the trainer's process expands the batch straight from it, then
+    calls ``free``."""
     with _lock:
         if ring is not None:
-            _rings[token] = ring
-        data, flags = _rings[token]
-    src = data[slot].numpy()
-    out = torch.empty(src.shape, dtype=torch.int64, pin_memory=pin)  # widened: what models take
-    # numpy's copy: one thread. torch's copy_ of a tensor this size splits over the intra-op
-    # threads, and waiting for them took ms on a loaded machine where the copy takes 0.1 ms.
-    np.copyto(out.numpy(), src)
-    flags[slot] = _FREE
-    return out
+            _rings[token] = (ring[0].numpy(), ring[1].numpy())
+        data, _ = _rings[token]
+    return data[index]
+
+
+def free(token: str, index: int) -> None:
+    """Give slot ``index`` back to its worker (the batch has been expanded out of it)."""
+    with _lock:
+        _, flags = _rings[token]
+    flags[index] = _FREE
 
 
 def forget(token: str) -> None:

@@ -11,7 +11,9 @@ same row length (concatenate, cut into rows of ``--seq-len``, ids and modalities
 earlyfuse runs its whole loader (index, hashed order, token-weighted mix of the folder's
 sources, SHA-256 and vocabulary checks -- each shard's whole tar and every id when the shard is
 first read, per document where that fails --, packing that keeps visual blocks whole, labels,
-document ids, 1-D and M-RoPE positions, image ids).
+document ids, 1-D and M-RoPE positions, image ids). Its batches leave the packer compact and
+are expanded to those fields inside the timed loop (in-process right after packing; with a
+worker, in this process after the queue), so the comparison counts the whole path.
 
 Two modes: in-process (``num_workers=0``) and one DataLoader worker (the packing runs in the
 worker for every loader; Energon's own ``get_loader`` runs its worker). Timing starts after a

@@ -1,0 +1,100 @@
+"""The compact batch layout (data/loader/expand.py): a batch packed compact and expanded equals
+the same rows packed and finished one by one, in-process, through a worker's slot of shared
+memory and through the fallback when no slot is free (pickled)."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+from data.loader import LoaderConfig, SourceConfig, transport
+from data.loader.expand import slot_numel
+from data.loader.packer import ROW_FIELDS
+from data.loader.stream import ConsumerStream, PackedBatch
+from data.loader.table import load_table
+from data.vocab import Modality
+
+SOURCES = ("code", "text", "scenes", "digits", "clips", "docs")
+
+
+def _stream(tokens, micro_batch: int, **kw) -> ConsumerStream:
+    tables = [load_table(SourceConfig(name=s, shards=[str(tokens / s)])) for s in SOURCES]
+    cfg = LoaderConfig(
+        sources=[SourceConfig(name=s, shards=[str(tokens / s)]) for s in SOURCES],
+        **{"seq_len": 256, "shuffle_buffer": 8, **kw},
+    )
+    return ConsumerStream(
+        tables,
+        [1.0] * len(SOURCES),
+        cfg,
+        consumer=0,
+        consumers=1,
+        micro_batch=micro_batch,
+        pad_id=0,
+    )
+
+
+def _rows_one_by_one(tokens, n_rows: int, **kw) -> dict[str, np.ndarray]:
+    """The batch fields of ``n_rows`` rows, each packed and finished on its own."""
+    stream = _stream(tokens, 1, **kw)
+    rows = [row for _ in range(n_rows) if (row := stream.next_row()) is not None]
+    assert len(rows) == n_rows
+    out = {key: np.stack([getattr(r, attr) for r in rows]) for attr, key, _ in ROW_FIELDS}
+    out["position_thw"] = np.stack([r.thw for r in rows if r.thw is not None])
+    out["num_real_tokens"] = np.array(sum(r.real for r in rows))
+    return out
+
+
+def _batches(stream: ConsumerStream, n: int, *, pickled: bool = False) -> list[dict]:
+    out = []
+    for _ in range(n):
+        packed = stream.next_batch()
+        assert isinstance(packed, PackedBatch)
+        if pickled:  # what the worker queue does to a batch (its ring aside)
+            packed.ring = None
+            packed = pickle.loads(pickle.dumps(packed))
+        out.append({k: v.numpy() for k, v in packed.to_dict().items()})
+    return out
+
+
+@pytest.mark.parametrize("settings", [{}, {"seq_len": 128, "allow_block_drops": True}])
+def test_batches_expand_to_the_rows_packed_one_by_one(tiny_tokens, settings):
+    rows, batches = 4, 6
+    want = _rows_one_by_one(tiny_tokens, rows * batches, **settings)
+    got = _batches(_stream(tiny_tokens, rows, **settings), batches)
+    for key in (*want.keys() - {"num_real_tokens"},):
+        joined = np.concatenate([b[key] for b in got])
+        assert joined.dtype == np.int64, key
+        np.testing.assert_array_equal(joined, want[key], err_msg=key)
+    assert sum(int(b["num_real_tokens"]) for b in got) == int(want["num_real_tokens"])
+    # What the comparison covered: several images in a row, video blocks (rows of 128 hold
+    # images only: their videos are longer, dropped)
+    assert (want["image_ids"] > (0 if not settings else -1)).any()
+    assert (want["modality"] == int(Modality.VIDEO)).any() == (not settings)
+    assert int(want["num_real_tokens"]) < want["input_ids"].size  # rows with padding
+
+
+def test_a_worker_batch_crosses_as_its_compact_layout(tiny_tokens):
+    rows = 4
+    in_process = _batches(_stream(tiny_tokens, rows), 4)
+    stream = _stream(tiny_tokens, rows)
+    stream.ring = transport.SlotRing(2, slot_numel(rows, stream.cfg.seq_len))
+    try:
+        first = stream.next_batch()
+        assert isinstance(first, PackedBatch) and first.slot is not None
+        assert first.compact.ids is None  # the per-token part is in the slot, not the message
+        assert int(stream.ring.flags[first.slot]) == 1
+        got = [{k: v.numpy() for k, v in first.to_dict().items()}]
+        assert int(stream.ring.flags.sum()) == 0  # expanded out of the slot, the slot freed
+        got += _batches(stream, 1)
+        # No free slot (the trainer holds them all): ordinary arrays, pickled across
+        stream.ring.flags[:] = 1
+        got += _batches(stream, 2, pickled=True)
+    finally:
+        transport.forget(stream.ring.token)
+    for a, b in zip(in_process, got, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
