@@ -58,9 +58,12 @@ def format_eval(ev: dict) -> str:
             )
     scene_figs = ev.get("scenes") or {}
     if scene_figs.get("draw"):
+        guidance = scene_figs.get("draw_guidance", 1.0)
+        guided = f" with classifier-free guidance {guidance:g}" if guidance != 1.0 else ""
         lines.append(
             f"scenes ({scene_figs['scenes']} held-out single-shape scenes, drawn at temperature "
-            f"{scene_figs.get('draw_temperature', 0):g}; share right, chance = scored against another scene):"
+            f"{scene_figs.get('draw_temperature', 0):g}{guided}; share right, chance = scored "
+            "against another scene):"
         )
         lines.append(f"  {'':<22}{'colour':>8}{'shape':>8}{'position':>10}{'all':>7}")
         for name, label in (
