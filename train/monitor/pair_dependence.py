@@ -40,7 +40,10 @@ def collate(rows: list[Row]) -> dict[str, torch.Tensor]:
         key: torch.from_numpy(np.stack([getattr(row, attr) for row in rows]))
         for attr, key, _ in ROW_FIELDS
     }
-    out["position_thw"] = torch.from_numpy(np.stack([row.thw for row in rows]))
+    # Rows packed on their own carry every field (None only in a batch's blank rows).
+    thw = [row.thw for row in rows if row.thw is not None]
+    assert len(thw) == len(rows), "collate takes rows packed on their own"
+    out["position_thw"] = torch.from_numpy(np.stack(thw))
     out["num_real_tokens"] = torch.tensor(sum(row.real for row in rows))
     return out
 
