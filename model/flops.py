@@ -22,7 +22,7 @@ from model.transformer import TransformerConfig
 @dataclass(frozen=True, kw_only=True)
 class ParamCounts:
     total: int
-    embedding: int  # input embedding table
+    embedding: int  # input embedding tables (tokens, and image rows/columns when on)
     output: int  # LM head
     non_embedding: int  # total - embedding - output
     active: int  # parameters one token uses (MoE: top_k experts; MoT: one group)
@@ -49,7 +49,9 @@ def param_counts(cfg: TransformerConfig) -> ParamCounts:
         ffn_total = ffn_active = 3 * dim * hidden
     layer_total = attn + ffn_total + 2 * dim
     layer_active = attn + ffn_active + 2 * dim
-    emb = out = cfg.vocab_size * dim
+    out = cfg.vocab_size * dim
+    # Row and column embeddings of image codes are input embeddings too (gathers, no FLOPs).
+    emb = out + (2 * cfg.max_grid * dim if cfg.grid_embedding else 0)
     non_emb = cfg.n_layers * layer_total + dim
     active_non_emb = cfg.n_layers * layer_active + dim
     return ParamCounts(

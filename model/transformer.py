@@ -198,7 +198,10 @@ class Transformer(nn.Module):
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         total = sum(param.numel() for param in self.parameters())
-        return total - self.tok_embeddings.weight.numel() if exclude_embeddings else total
+        if not exclude_embeddings:
+            return total
+        tables = [self.tok_embeddings, self.grid_rows, self.grid_cols]
+        return total - sum(table.weight.numel() for table in tables if table is not None)
 
     # --- the trunk --------------------------------------------------------------------------
     def _trunk(

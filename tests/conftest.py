@@ -18,9 +18,12 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_exte
 
 @pytest.fixture(scope="session")
 def tiny_corpus(tmp_path_factory) -> Path:
-    """The demo corpus at 5 % scale (seconds to build): code, prose, scenes, digits, clips."""
+    """The demo corpus at 5 % scale (seconds to build): code, prose, scenes, digits, clips. 20
+    scenes, not 5 % of the demo's 1,500: tests count on the scenes source filling 2 shards of 16
+    samples and a few batches per epoch (tests/test_data/test_loader_sources.py,
+    test_redistribute.py, tests/test_train/test_run_control.py)."""
     root = tmp_path_factory.mktemp("corpus") / "corpus"
-    build(root, scale=0.05, progress=False)
+    build(root, scale=0.05, progress=False, scene_count=20)
     return root
 
 
