@@ -7,7 +7,8 @@ Notable choices:
   resumed run appends), a half-written last line is skipped. See ``tools/report/run.py``.
 - Panels are data-driven: a group of signals gets its panel only if the run logged it, so the
   same command reads LM runs, visual-tokenizer runs and the monitor signals still to come
-  (any ``monitor/<signal>[/<modality>]`` key gets a panel). See ``tools/report/panels.py``.
+  (any ``monitor/<signal>[/<modality>]`` key gets a panel). See ``tools/report/panels.py``
+  (and its helpers in ``draw.py``, the figure in ``render.py``).
 - Smoothing is a debiased EMA (``--smooth``, default 0.9) drawn over the raw values, which stay
   visible and faint: a spike is never smoothed out of sight.
 - matplotlib draws on bare ``Figure`` objects with the Agg canvas (no pyplot, no display, no
@@ -143,16 +144,10 @@ def write_report(
     import matplotlib
 
     matplotlib.use("Agg")  # harmless when pyplot is never imported; guards an interactive default
+    from tools.report.draw import Ctx
     from tools.report.page import html_page
-    from tools.report.panels import (
-        DPI,
-        PANEL_SIZE,
-        Ctx,
-        panels_for,
-        render,
-        render_header,
-        x_limits,
-    )
+    from tools.report.panels import panels_for
+    from tools.report.render import DPI, PANEL_SIZE, render, render_header, x_limits
 
     if not 0 <= smooth < 1:
         raise ValueError(f"--smooth must be in [0, 1), got {smooth}")

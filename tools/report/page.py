@@ -13,8 +13,8 @@ from collections.abc import Set
 
 import numpy as np
 
+from tools.report.draw import ACTION_COLOR, ema, human
 from tools.report.lead import Visible, lead_time, loss_visible
-from tools.report.panels import ACTION_COLOR, ema, human
 from tools.report.run import RunData, alarm_step, fmt
 from train.names import METRICS_FILE
 
