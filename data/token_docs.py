@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from data.loader.config import SourceConfig
+from data.loader.npy import read_npy
 from data.loader.sample_check import check_ids, read_token_sample
 from data.loader.store import ShardFiles
-from data.loader.stream import read_npy
 from data.loader.table import SampleTable, load_table
 
 log = logging.getLogger(__name__)

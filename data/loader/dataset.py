@@ -30,8 +30,9 @@ from data.loader.config import LoaderConfig
 from data.loader.expand import slot_numel
 from data.loader.fit import check_blocks_fit
 from data.loader.order import ORDER_VERSION, unpack_mask
+from data.loader.packed_batch import PackedBatch
 from data.loader.sample_check import attach_id_ranges
-from data.loader.stream import ConsumerStream, PackedBatch
+from data.loader.stream import ConsumerStream
 from data.loader.table import SampleTable, load_table
 from data.vocab import MODALITY_NAMES
 

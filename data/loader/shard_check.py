@@ -81,7 +81,7 @@ def check_shard(
 ) -> CheckedShard | None:
     """The shard (``mapped``: the whole tar) when it passes the checks above; None when it does
     not (its documents are then read and checked one by one)."""
-    from data.loader.stream import npy_layout  # the loader's header-cached .npy parser
+    from data.loader.npy import npy_layout  # the loader's header-cached .npy parser
 
     if check_hash and (
         not shard_sha256 or hashlib.sha256(mapped).hexdigest() != shard_sha256.lower()

@@ -18,24 +18,22 @@ Design choices:
 - Epoch mode: every consumer packs the same number of batches (the fewest any consumer can
   fill, counted from the index alone); the samples beyond that are *held back*, counted and
   reported, never repeated.
+
+Beside it: the batch it hands the trainer (packed_batch.py), the state's format and restore
+(stream_state.py), the fast ``.npy`` reader (npy.py) and the stall watchdog (watchdog.py).
 """
 
 from __future__ import annotations
 
-import atexit
-import io
-import re
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from data.loader import store, transport
 from data.loader.config import LoaderConfig
-from data.loader.expand import CompactBatch, expand, slot_views
+from data.loader.expand import slot_views
+from data.loader.npy import read_npy
 from data.loader.online import OnlineTokenizer, online_options
 from data.loader.order import (
     ORDER_VERSION,
@@ -45,104 +43,22 @@ from data.loader.order import (
     epoch_order,
     unpack_mask,
 )
+from data.loader.packed_batch import PackedBatch, pieces_of, tokens_by_source_of
 from data.loader.packer import BatchBuffer, Doc, Packer, Row, units_of
 from data.loader.sample_check import check_ids, read_members
 from data.loader.shard_check import CheckedShard, check_shard
 from data.loader.store import ShardFiles, ShardView
+from data.loader.stream_state import SourceCursor, load_state, save_state
 from data.loader.table import SampleTable
+from data.loader.watchdog import Watchdog, sample_where
 from data.tokenize.blocks import visual_blocks
 from data.vocab import MODALITY_NAMES, Modality
-
-# The header numpy writes for a 1-D little-endian array (what earlyfuse-prep tokenize stores).
-_NPY_1D = re.compile(
-    rb"\{'descr': '([<|][iu][1248])', 'fortran_order': False, 'shape': \((\d+),\), \}"
-)
-
 
 _TEXT_M = int(Modality.TEXT)
 _NOT_TEXT = [int(m) for m in Modality if m != Modality.TEXT]
 
-_HEADERS: dict[bytes, tuple[np.dtype, int]] = {}  # header text -> (dtype, length), parsed once
-
-
-def npy_layout(data: bytes | memoryview) -> tuple[np.dtype, int, int] | None:
-    """(dtype, length, where the values start) of a 1-D little-endian integer .npy with a version
-    1 header, the kind tokenize writes; None for any other kind."""
-    if data[:8] != b"\x93NUMPY\x01\x00":
-        return None
-    hlen = int.from_bytes(data[8:10], "little")
-    header = bytes(data[10 : 10 + hlen])
-    known = _HEADERS.get(header)
-    if known is None:
-        m = _NPY_1D.match(header)
-        if not m:
-            return None
-        known = (np.dtype(m.group(1).decode()), int(m.group(2)))
-        if len(_HEADERS) < 65536:  # one per (dtype, length): documents repeat lengths
-            _HEADERS[header] = known
-    return known[0], known[1], 10 + hlen
-
-
-def read_npy(data: bytes | memoryview) -> np.ndarray:
-    """``np.load`` of a 1-D integer .npy, without its header parser (``ast.literal_eval`` was 40 %
-    of the loader's time on short documents); any other .npy goes through ``np.load`` (pickle
-    never allowed). A short or bad payload is a ValueError like np.load's."""
-    layout = npy_layout(data)
-    if layout is not None:
-        return np.frombuffer(data, dtype=layout[0], count=layout[1], offset=layout[2])
-    return np.load(io.BytesIO(data), allow_pickle=False)
-
-
-def sample_where(t: SampleTable, sample: int) -> tuple[str, str]:
-    """(shard URL, key) of a sample, for messages; the key is looked up only when needed, and a
-    shard whose index cannot be read gives the sample's number instead."""
-    try:
-        return t.shards[t.shard_of(sample)], t.key_of(sample)
-    except (OSError, ValueError, IndexError):
-        return t.name, f"#{sample}"
-
-
-class Watchdog:
-    """Reports a read that has not returned after ``seconds``, naming what it was reading."""
-
-    def __init__(self, seconds: float, label: str) -> None:
-        self.seconds, self.label = seconds, label
-        # (what is being read: a label, or (table, sample) formatted only if it stalls; since)
-        self.current: tuple[str | tuple, float] | None = None
-        self.reported = 0
-        self._stop = threading.Event()
-        if seconds > 0:
-            threading.Thread(target=self._watch, daemon=True).start()
-            atexit.register(self._stop.set)  # never left running into interpreter shutdown
-
-    def _watch(self) -> None:
-        while not self._stop.wait(min(self.seconds, 5.0)):
-            cur = self.current
-            if cur and time.monotonic() - cur[1] > self.seconds:
-                self.reported += 1
-                what = cur[0] if isinstance(cur[0], str) else " sample ".join(sample_where(*cur[0]))
-                print(
-                    f"[loader {self.label}] read stalled for {time.monotonic() - cur[1]:.0f} s: {what}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                self.current = (cur[0], time.monotonic())
-
 
 _KEEP_SHARDS = 256  # as many as ShardFiles keeps memory maps of (a checked shard holds its map)
-
-
-@dataclass
-class SourceCursor:
-    epoch: int = 0
-    pos: int = 0  # position in this consumer's slice of the epoch order
-    tokens: int = 0  # tokens taken from this source
-    done: bool = False  # epoch mode: this source is exhausted
-    # epoch -> packed mask (order.pack_mask) of the positions of that epoch's order consumed
-    # before a redistribute; the slice is then taken from the rest. Dropped once passed: every
-    # consumer of one state holds the same masks, so the slowest still has any a later
-    # redistribute needs.
-    skip: dict[int, str] = field(default_factory=dict)
 
 
 class ConsumerStream:
@@ -456,8 +372,8 @@ class ConsumerStream:
             by_modality[m] = np.count_nonzero(mod == m)
         by_modality[_TEXT_M] = real - by_modality.sum()
         self.tokens_by_modality += by_modality
-        by_source = _tokens_by_source(rows, len(self.tables))
-        out = PackedBatch(compact, _pieces(rows), by_source, new_drops, real, buffer=buffer)
+        by_source = tokens_by_source_of(rows, len(self.tables))
+        out = PackedBatch(compact, pieces_of(rows), by_source, new_drops, real, buffer=buffer)
         if slot is not None and ring is not None:
             out.compact, out.slot, out.token = compact.tables(), slot, ring.token
             if not ring.sent:  # the slots cross to the trainer once, with the first batch
@@ -471,154 +387,9 @@ class ConsumerStream:
             out[s, m - int(Modality.IMAGE)] = n
         return out
 
-    # --- state -----------------------------------------------------------------------------------
+    # --- state (its format, and restoring it, in stream_state.py) -------------------------------
     def state_dict(self) -> dict:
-        return {
-            "cursors": [[c.epoch, c.pos, c.tokens, int(c.done)] for c in self.cursors],
-            "pending": [d.cursor() for d in self.packer.pending],
-            "open": [d.cursor() for docs in self.open for d in docs],
-            "dropped_by": [[s, m, n] for (s, m), n in sorted(self.packer.dropped_by.items())],
-            "batches": self.batches,
-            "errors": self.errors,
-            "stats": self.packer.stats.as_dict(),
-            "tokens_by_modality": self.tokens_by_modality.tolist(),
-            "skip": [
-                [s, e, m] for s, c in enumerate(self.cursors) for e, m in sorted(c.skip.items())
-            ],
-            "order": self.order_version,
-        }
+        return save_state(self)
 
     def load_state_dict(self, st: dict) -> None:
-        # Cursors are positions in an epoch order: states from before order version 2 keep theirs.
-        self.order_version = st.get("order", 1)
-        self.cursors = [SourceCursor(e, p, t, bool(d)) for e, p, t, d in st["cursors"]]
-        for s, e, m in st.get("skip", []):  # states from before redistribute have none
-            if e >= self.cursors[s].epoch:
-                self.cursors[s].skip[e] = m
-        self._slices = {}
-        self.batches, self.errors = st["batches"], st["errors"]
-        for k, v in st["stats"].items():
-            setattr(self.packer.stats, k, v)
-        self.tokens_by_modality = np.asarray(st["tokens_by_modality"], np.int64)
-        self.packer.dropped_by = {(s, m): n for s, m, n in st.get("dropped_by", [])}
-        self._dropped_before = self.dropped_matrix()
-        # A document both held aside and open is one object in both lists (keyed by source,
-        # sample, epoch: a consumer reads a sample once per epoch).
-        docs: dict[tuple[int, int, int], Doc | None] = {}
-
-        def restore(cursor: list[int]) -> Doc | None:
-            s, sample, epoch, unit, offset = cursor[:5]
-            key = (s, sample, epoch)
-            if key not in docs:
-                doc = self.load(s, sample, epoch)
-                if doc is not None:  # unreadable now: skipped, counted and logged by load()
-                    doc.unit, doc.offset = unit, offset
-                    # States from before chunked mixing handed out whole documents.
-                    doc.limit = cursor[5] if len(cursor) > 5 else doc.length
-                docs[key] = doc
-            return docs[key]
-
-        self.packer.pending = [d for d in map(restore, st["pending"]) if d is not None]
-        self.open = [[] for _ in self.tables]
-        for cursor in st.get("open", []):
-            doc = restore(cursor)
-            if doc is not None:
-                self.open[doc.source].append(doc)
-
-
-class PackedBatch:
-    """What a consumer hands the trainer's process for one batch: the batch in its compact
-    layout (data/loader/expand.py; from a worker, its per-token part in a slot of shared
-    memory) and a few small numbers. Not a dict or a list, so the DataLoader neither walks it
-    (``default_convert``) nor pins it field by field: ``pin_memory`` expands it into pinned
-    memory. ``to_dict`` expands it (once) and splits the result into the batch's tensors, views
-    of one buffer."""
-
-    def __init__(
-        self,
-        compact: CompactBatch,
-        pieces: np.ndarray,
-        tokens_by_source: list[int],
-        dropped: np.ndarray,
-        real: int,
-        *,
-        buffer: BatchBuffer | None = None,
-    ) -> None:
-        self.compact, self.pieces, self.tokens_by_source, self.dropped, self.real = (
-            compact,
-            pieces,
-            tokens_by_source,
-            dropped,
-            real,
-        )
-        # In-process: the batch's int64 buffer, its ids and modalities already written there
-        self.buffer = buffer
-        self.expanded = False
-        self.worker = -1
-        self.state: dict | None = None
-        # Packed in a worker's slot of shared memory (data/loader/transport.py): which one, of
-        # which worker's ring, and (first batch of a worker) the ring's tensors themselves.
-        self.slot: int | None = None
-        self.token = ""
-        self.ring: tuple | None = None
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["buffer"] = None  # only made in the trainer's process (or in-process)
-        return state
-
-    def expand(self, *, pin: bool = False) -> BatchBuffer:
-        """The batch's per-token fields (in the trainer's process: from the slot, which is then
-        freed), once; ``pin``: in pinned memory."""
-        c = self.compact
-        if not self.expanded:
-            if self.buffer is None or (pin and not self.buffer.pinned):
-                self.buffer = BatchBuffer(c.rows, c.seq_len, 0, pin=pin)
-            if self.slot is not None:
-                view = transport.slot(self.token, self.slot, self.ring)
-                c.ids, c.mod = slot_views(view, c.rows, c.seq_len)
-            expand(c, self.buffer.fields)
-            if self.slot is not None:
-                transport.free(self.token, self.slot)
-                self.slot, self.ring = None, None
-            c.ids = c.mod = None  # views of a slot a worker now reuses, or of the buffer
-            self.expanded = True
-        elif pin and self.buffer is not None and not self.buffer.pinned:
-            # expanded already: copied into pinned memory
-            pinned = BatchBuffer(c.rows, c.seq_len, 0, pin=True)
-            pinned.tensor.copy_(self.buffer.tensor)
-            self.buffer = pinned
-        assert self.buffer is not None
-        return self.buffer
-
-    def pin_memory(self, device=None) -> PackedBatch:
-        self.expand(pin=True)
-        return self
-
-    def to_dict(self) -> dict:
-        batch = self.expand().split()
-        # from_numpy: torch.tensor of Python numbers costs several times more, per batch
-        batch["num_real_tokens"] = torch.from_numpy(np.array(self.real, np.int64))
-        batch["pieces"] = torch.from_numpy(self.pieces)
-        batch["dropped_blocks"] = torch.from_numpy(self.dropped)
-        batch["tokens_by_source"] = torch.from_numpy(np.asarray(self.tokens_by_source, np.int64))
-        return batch
-
-
-def _tokens_by_source(rows: list[Row], n: int) -> list[int]:
-    out = [0] * n
-    for r in rows:
-        for s, _, a, b in r.pieces:
-            out[s] += b - a
-    return out
-
-
-def _pieces(rows: list[Row]) -> np.ndarray:
-    """int64 [rows, most pieces, 4] (source, sample, start, end) of each row's document pieces,
-    -1 padded: which documents a batch holds (for checks and debugging; the model never sees it)."""
-    most = max((len(r.pieces) for r in rows), default=0)
-    out = np.full((len(rows), most, 4), -1, dtype=np.int64)
-    for i, r in enumerate(rows):
-        if r.pieces:
-            out[i, : len(r.pieces)] = r.pieces
-    return out
+        load_state(self, st)

@@ -11,8 +11,9 @@ import pytest
 
 from data.loader import LoaderConfig, SourceConfig, transport
 from data.loader.expand import slot_numel
+from data.loader.packed_batch import PackedBatch
 from data.loader.packer import ROW_FIELDS
-from data.loader.stream import ConsumerStream, PackedBatch
+from data.loader.stream import ConsumerStream
 from data.loader.table import load_table
 from data.vocab import Modality
 

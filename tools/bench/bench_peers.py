@@ -67,8 +67,8 @@ def sources(tokens: Path) -> list[str]:
 def read_documents(tokens: Path) -> list[tuple[np.ndarray, np.ndarray]]:
     """Every document of the folder, in shard order: (ids int32, modalities uint8)."""
     from data.loader import SourceConfig
+    from data.loader.npy import read_npy
     from data.loader.store import ShardFiles
-    from data.loader.stream import read_npy
     from data.loader.table import load_table
 
     files, docs = ShardFiles(), []

@@ -111,9 +111,9 @@ def per_sample_us(tokens: Path, rounds: int) -> dict[str, float]:
     """Microseconds per sample of each step alone, over every sample of every source, read from
     the page cache: the reads as before (ids, mods), the checked read (one read + SHA-256), and
     the id check."""
+    from data.loader.npy import read_npy
     from data.loader.sample_check import attach_id_ranges, check_ids, read_token_sample
     from data.loader.store import ShardFiles
-    from data.loader.stream import read_npy
     from data.loader.table import load_table
 
     cfg = LoaderConfig(sources=sources(tokens))

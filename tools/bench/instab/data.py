@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.loader.stream import read_npy
+from data.loader.npy import read_npy
 from data.schema import Sample
 from data.shards.index import read_index, read_member
 from data.shards.writer import ShardWriter

@@ -1,0 +1,113 @@
+"""What a consumer hands the trainer's process for one batch (``PackedBatch``), and the two small
+per-batch tables built from its rows (tokens per source, each row's document pieces). Separate
+from the stream (stream.py), which decides what goes into a batch: this is how a batch travels
+(a slot of shared memory from a worker, pinned memory in the trainer) and is expanded into the
+tensors the trainer reads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from data.loader import transport
+from data.loader.expand import CompactBatch, expand, slot_views
+from data.loader.packer import BatchBuffer, Row
+
+
+class PackedBatch:
+    """What a consumer hands the trainer's process for one batch: the batch in its compact
+    layout (data/loader/expand.py; from a worker, its per-token part in a slot of shared
+    memory) and a few small numbers. Not a dict or a list, so the DataLoader neither walks it
+    (``default_convert``) nor pins it field by field: ``pin_memory`` expands it into pinned
+    memory. ``to_dict`` expands it (once) and splits the result into the batch's tensors, views
+    of one buffer."""
+
+    def __init__(
+        self,
+        compact: CompactBatch,
+        pieces: np.ndarray,
+        tokens_by_source: list[int],
+        dropped: np.ndarray,
+        real: int,
+        *,
+        buffer: BatchBuffer | None = None,
+    ) -> None:
+        self.compact, self.pieces, self.tokens_by_source, self.dropped, self.real = (
+            compact,
+            pieces,
+            tokens_by_source,
+            dropped,
+            real,
+        )
+        # In-process: the batch's int64 buffer, its ids and modalities already written there
+        self.buffer = buffer
+        self.expanded = False
+        self.worker = -1
+        self.state: dict | None = None
+        # Packed in a worker's slot of shared memory (data/loader/transport.py): which one, of
+        # which worker's ring, and (first batch of a worker) the ring's tensors themselves.
+        self.slot: int | None = None
+        self.token = ""
+        self.ring: tuple | None = None
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["buffer"] = None  # only made in the trainer's process (or in-process)
+        return state
+
+    def expand(self, *, pin: bool = False) -> BatchBuffer:
+        """The batch's per-token fields (in the trainer's process: from the slot, which is then
+        freed), once; ``pin``: in pinned memory."""
+        c = self.compact
+        if not self.expanded:
+            if self.buffer is None or (pin and not self.buffer.pinned):
+                self.buffer = BatchBuffer(c.rows, c.seq_len, 0, pin=pin)
+            if self.slot is not None:
+                view = transport.slot(self.token, self.slot, self.ring)
+                c.ids, c.mod = slot_views(view, c.rows, c.seq_len)
+            expand(c, self.buffer.fields)
+            if self.slot is not None:
+                transport.free(self.token, self.slot)
+                self.slot, self.ring = None, None
+            c.ids = c.mod = None  # views of a slot a worker now reuses, or of the buffer
+            self.expanded = True
+        elif pin and self.buffer is not None and not self.buffer.pinned:
+            # expanded already: copied into pinned memory
+            pinned = BatchBuffer(c.rows, c.seq_len, 0, pin=True)
+            pinned.tensor.copy_(self.buffer.tensor)
+            self.buffer = pinned
+        assert self.buffer is not None
+        return self.buffer
+
+    def pin_memory(self, device=None) -> PackedBatch:
+        self.expand(pin=True)
+        return self
+
+    def to_dict(self) -> dict:
+        batch = self.expand().split()
+        # from_numpy: torch.tensor of Python numbers costs several times more, per batch
+        batch["num_real_tokens"] = torch.from_numpy(np.array(self.real, np.int64))
+        batch["pieces"] = torch.from_numpy(self.pieces)
+        batch["dropped_blocks"] = torch.from_numpy(self.dropped)
+        batch["tokens_by_source"] = torch.from_numpy(np.asarray(self.tokens_by_source, np.int64))
+        return batch
+
+
+def tokens_by_source_of(rows: list[Row], n: int) -> list[int]:
+    out = [0] * n
+    for r in rows:
+        for s, _, a, b in r.pieces:
+            out[s] += b - a
+    return out
+
+
+def pieces_of(rows: list[Row]) -> np.ndarray:
+    """int64 [rows, most pieces, 4] (source, sample, start, end) of each row's document pieces,
+    -1 padded: which documents a batch holds (for checks and debugging; the model never sees it)."""
+    most = max((len(r.pieces) for r in rows), default=0)
+    out = np.full((len(rows), most, 4), -1, dtype=np.int64)
+    for i, r in enumerate(rows):
+        if r.pieces:
+            out[i, : len(r.pieces)] = r.pieces
+    return out

@@ -1,0 +1,91 @@
+"""A consumer stream's state: the per-source cursors, what ``state_dict`` saves (cursors, counters,
+the positions of the documents held aside or handed out in part) and how a saved state is put
+back, states written by older versions included. Separate from the stream's work (stream.py:
+mixing, reading, packing) because the state is a format with a life of its own: it is saved in
+every checkpoint, read back by later versions and rewritten for another split by
+redistribute.py. These functions read and set the stream's fields, private ones included: they
+are the two halves of its ``state_dict``/``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from data.loader.packer import Doc
+
+if TYPE_CHECKING:
+    from data.loader.stream import ConsumerStream
+
+
+@dataclass
+class SourceCursor:
+    epoch: int = 0
+    pos: int = 0  # position in this consumer's slice of the epoch order
+    tokens: int = 0  # tokens taken from this source
+    done: bool = False  # epoch mode: this source is exhausted
+    # epoch -> packed mask (order.pack_mask) of the positions of that epoch's order consumed
+    # before a redistribute; the slice is then taken from the rest. Dropped once passed: every
+    # consumer of one state holds the same masks, so the slowest still has any a later
+    # redistribute needs.
+    skip: dict[int, str] = field(default_factory=dict)
+
+
+def save_state(stream: ConsumerStream) -> dict:
+    """The stream's position as plain lists and numbers (``ConsumerStream.state_dict``)."""
+    return {
+        "cursors": [[c.epoch, c.pos, c.tokens, int(c.done)] for c in stream.cursors],
+        "pending": [d.cursor() for d in stream.packer.pending],
+        "open": [d.cursor() for docs in stream.open for d in docs],
+        "dropped_by": [[s, m, n] for (s, m), n in sorted(stream.packer.dropped_by.items())],
+        "batches": stream.batches,
+        "errors": stream.errors,
+        "stats": stream.packer.stats.as_dict(),
+        "tokens_by_modality": stream.tokens_by_modality.tolist(),
+        "skip": [
+            [s, e, m] for s, c in enumerate(stream.cursors) for e, m in sorted(c.skip.items())
+        ],
+        "order": stream.order_version,
+    }
+
+
+def load_state(stream: ConsumerStream, st: dict) -> None:
+    """Put ``stream`` where ``st`` says (``ConsumerStream.load_state_dict``); the held-aside and
+    open documents are read again from their shards."""
+    # Cursors are positions in an epoch order: states from before order version 2 keep theirs.
+    stream.order_version = st.get("order", 1)
+    stream.cursors = [SourceCursor(e, p, t, bool(d)) for e, p, t, d in st["cursors"]]
+    for s, e, m in st.get("skip", []):  # states from before redistribute have none
+        if e >= stream.cursors[s].epoch:
+            stream.cursors[s].skip[e] = m
+    stream._slices = {}
+    stream.batches, stream.errors = st["batches"], st["errors"]
+    for k, v in st["stats"].items():
+        setattr(stream.packer.stats, k, v)
+    stream.tokens_by_modality = np.asarray(st["tokens_by_modality"], np.int64)
+    stream.packer.dropped_by = {(s, m): n for s, m, n in st.get("dropped_by", [])}
+    stream._dropped_before = stream.dropped_matrix()
+    # A document both held aside and open is one object in both lists (keyed by source,
+    # sample, epoch: a consumer reads a sample once per epoch).
+    docs: dict[tuple[int, int, int], Doc | None] = {}
+
+    def restore(cursor: list[int]) -> Doc | None:
+        s, sample, epoch, unit, offset = cursor[:5]
+        key = (s, sample, epoch)
+        if key not in docs:
+            doc = stream.load(s, sample, epoch)
+            if doc is not None:  # unreadable now: skipped, counted and logged by load()
+                doc.unit, doc.offset = unit, offset
+                # States from before chunked mixing handed out whole documents.
+                doc.limit = cursor[5] if len(cursor) > 5 else doc.length
+            docs[key] = doc
+        return docs[key]
+
+    stream.packer.pending = [d for d in map(restore, st["pending"]) if d is not None]
+    stream.open = [[] for _ in stream.tables]
+    for cursor in st.get("open", []):
+        doc = restore(cursor)
+        if doc is not None:
+            stream.open[doc.source].append(doc)
