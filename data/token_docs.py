@@ -20,7 +20,8 @@ from data.loader.config import SourceConfig
 from data.loader.npy import read_npy
 from data.loader.sample_check import check_ids, read_token_sample
 from data.loader.store import ShardFiles
-from data.loader.table import SampleTable, load_table
+from data.loader.table import SampleTable
+from data.loader.table_load import load_table
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,8 @@ from typing import Protocol
 from data.image_crops import CropStream as _CropStream
 from data.loader.config import SourceConfig
 from data.loader.dataset import PackedLoader
-from data.loader.table import SampleTable, load_table
+from data.loader.table import SampleTable
+from data.loader.table_load import load_table
 
 
 class BatchStream(Protocol):

@@ -33,7 +33,8 @@ from data.loader.order import ORDER_VERSION, unpack_mask
 from data.loader.packed_batch import PackedBatch
 from data.loader.sample_check import attach_id_ranges
 from data.loader.stream import ConsumerStream
-from data.loader.table import SampleTable, load_table
+from data.loader.table import SampleTable
+from data.loader.table_load import load_table
 from data.vocab import MODALITY_NAMES
 
 STATE_VERSION = 1
@@ -352,7 +353,7 @@ def check_tokenizers(cfg: LoaderConfig, tables: list[SampleTable]) -> None:
     """All sources must speak one vocabulary: token sources made with one set of tokenizers (the
     ``data.tokenizers`` folder, when given), raw sources tokenized with that folder."""
     from data.loader.online import folder_fingerprints, online_options, options_key
-    from data.loader.table import tokenizer_key
+    from data.loader.table_load import tokenizer_key
 
     want = tokenizer_key(folder_fingerprints(cfg.tokenizers)) if cfg.tokenizers else None
     for t in tables:

@@ -11,7 +11,8 @@ happen). Raw sources are tokenized in the workers with budgets fitted to the row
 from __future__ import annotations
 
 from data.loader.config import LoaderConfig
-from data.loader.table import SampleTable, find_manifest
+from data.loader.table import SampleTable
+from data.loader.table_load import find_manifest
 
 
 def oversize_blocks(table: SampleTable, seq_len: int) -> dict[str, list[int]]:

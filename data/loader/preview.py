@@ -281,7 +281,7 @@ def _token_dir_of(data: dict) -> Path:
     """The token folder holding the config's first source (where its manifest and tokenizers/
     are: the shard folder or one of the two above it)."""
     from data.loader import store
-    from data.loader.table import expand, find_manifest
+    from data.loader.table_load import expand, find_manifest
 
     first = data["sources"][0]
     found = [u for pat in first["shards"] for u in expand(pat)]

@@ -69,7 +69,7 @@ def _fs(url: str):
 def expand(pattern: str) -> list[str]:
     """Brace ranges ({000..041}, zero padding kept), then globs; a folder means its *.tar (deep).
     ``pipe:`` commands take brace ranges only: one command, one shard (a glob inside a command
-    would print several; table.py refuses the index that results)."""
+    would print several; table_load.py refuses the index that results)."""
     m = _BRACE.search(pattern)
     if m:
         a, b = m.group(1), m.group(2)

@@ -1,32 +1,26 @@
 """Every sample of one source, from its shards' indexes: where its members lie, its token count
-and its visual blocks. Built once at start; no tar is opened.
+and its visual blocks. These are the tables the loader reads (``SampleTable``, and the lazy
+``TokenTable`` of token shards); building one from a source's shards and their manifest is
+table_load.py (``load_table``), kept apart because finding manifests, checking them and
+computing fingerprints is start-up work, while these classes answer the loader's per-document
+questions for the whole run (and are pickled to its workers).
 
 A source is either *token* shards (``earlyfuse-prep tokenize``: ids and modalities stored, the
 fast path) or *raw* shards (``earlyfuse-prep ingest``: documents and media, tokenized online in
-the loader's workers). Which one is read from the manifest above the shards. Shards may be local
-paths, fsspec URLs or ``pipe:`` commands (data/loader/store.py).
+the loader's workers). Shards may be local paths, fsspec URLs or ``pipe:`` commands
+(data/loader/store.py).
 
 Design choices:
-- Token sources start in O(shards), not O(samples): the manifest gives each shard's sample
-  count, the SHA-256 of its index and its block statistics, and a sample's record (offsets,
-  tokens, blocks, hash) is looked up in the shard's memory-mapped binary index
-  (``SHARD.idx.bin``, data/shards/token_index.py) only when it is read. Folders made before
-  binary indexes get one built from the JSONL index into the cache on first use.
-- Raw sources (small runs, tokenized online) read their JSONL indexes whole, as before.
-- The fingerprint covers the shard names and index hashes (not where they live; the manifest's
-  ``index_sha256`` is the hash of the JSONL index, so it equals what hashing the index gave);
-  the tokenizer fingerprint the text tokenizer, vocabulary layout and visual tokenizer weights.
-  Loader state cannot be restored onto other data, and sources made with other tokenizers
-  cannot be mixed.
+- Token sources start in O(shards), not O(samples): a sample's record (offsets, tokens,
+  blocks, hash) is looked up in the shard's memory-mapped binary index (``SHARD.idx.bin``,
+  data/shards/token_index.py) only when it is read. Folders made before binary indexes get one
+  built from the JSONL index into the cache on first use.
 """
 
 from __future__ import annotations
 
 import bisect
 import hashlib
-import json
-import os
-import posixpath
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,76 +29,14 @@ from pathlib import Path
 import numpy as np
 
 from data.loader import store
-from data.loader.config import SourceConfig
-from data.names import INDEX_SUFFIX, MANIFEST_FILE
 from data.shards import token_index
 
-TOKEN_FORMAT = "earlyfuse-token-shards"
 # One record of a binary index (token_index.RECORD, packed): json, ids, mod (offset, size),
 # tokens, block start and count, key start and length, SHA-256. Unpacked straight from the
 # memory map: one call per document read, no numpy scalar or array made.
 _RECORD = struct.Struct("<6qqqiqi32s")
 assert _RECORD.size == token_index.RECORD.itemsize
 _NO_BLOCKS: list = []
-RAW_FORMAT = "earlyfuse-raw-shards"
-
-
-def expand(pattern: str) -> list[str]:
-    return store.expand(pattern)
-
-
-def find_manifest(url: str, seen: dict | None = None) -> tuple[dict, str] | None:
-    """(manifest, its URL) of the shard folder ``url`` lies in: the first ``manifest.json`` of a
-    known format in its folder or the two above. ``seen`` caches reads across the shards of a
-    source (one read per folder, not per shard: a remote read or a command each)."""
-    found = _manifest_of(url, {} if seen is None else seen)
-    return None if found is None else found[:2]
-
-
-def _manifest_of(url: str, seen: dict) -> tuple[dict, str, int] | None:
-    """``find_manifest``, and how many folders above the shard's the manifest is. Shards of one
-    folder (local or fsspec) share the answer, looked up once."""
-    folder = None if store.kind(url) == "pipe" else posixpath.dirname(url)
-    if folder is not None and ("folder", folder) in seen:
-        return seen[("folder", folder)]
-    out = None
-    for up in range(3):
-        m_url = store.sibling(url, MANIFEST_FILE, up)
-        if m_url not in seen:
-            try:
-                data = json.loads(store.read_bytes(m_url))
-            except (OSError, ValueError):
-                data = None
-            ok = isinstance(data, dict) and data.get("format") in (TOKEN_FORMAT, RAW_FORMAT)
-            seen[m_url] = data if ok else None
-        if seen[m_url] is not None:
-            out = (seen[m_url], m_url, up)
-            break
-    if folder is not None:
-        seen[("folder", folder)] = out
-    return out
-
-
-class _Listing:
-    """Which files local shard folders hold, one ``os.listdir`` per folder (a stat per shard
-    was most of a start at 1,000 shards)."""
-
-    def __init__(self) -> None:
-        self.names: dict[str, set[str]] = {}
-
-    def has(self, path: str) -> bool:
-        folder, base = os.path.split(path)
-        if folder not in self.names:
-            try:
-                self.names[folder] = set(os.listdir(folder or "."))
-            except OSError:
-                self.names[folder] = set()
-        return base in self.names[folder]
-
-
-def tokenizer_key(tokenizers: dict) -> str:
-    """One string for a manifest's ``tokenizers`` entry (the folder's name left out)."""
-    return json.dumps({k: tokenizers[k] for k in ("text", "layout", "visual")}, sort_keys=True)
 
 
 @dataclass
@@ -400,7 +332,7 @@ def resolve_index(tar: str, index_sha: str, cache_dir: str) -> token_index.Token
             data = store.read_bytes(beside)
             idx = token_index.TokenIndex.from_buffer(data, where=beside)
             if idx.header["index_sha256"] == index_sha:
-                _keep(cached, data)
+                keep_cached(cached, data)
                 return idx
     except (OSError, ValueError):
         pass  # none beside the shard (folders made before binary indexes), or not this one
@@ -418,11 +350,11 @@ def resolve_index(tar: str, index_sha: str, cache_dir: str) -> token_index.Token
             "the index changed after the folder was written (earlyfuse-prep verify tells more)"
         )
     data = token_index.build(jsonl, where=url)
-    _keep(cached, data)
+    keep_cached(cached, data)
     return token_index.TokenIndex.from_buffer(data, where=url)
 
 
-def _keep(path: Path, data: bytes) -> None:
+def keep_cached(path: Path, data: bytes) -> None:
     """Best effort: a cache that cannot be written costs a rebuild per process, nothing more."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -434,179 +366,3 @@ def _keep(path: Path, data: bytes) -> None:
 def _stem(url: str) -> str:
     base = store.name(url)
     return base[: -len(".tar")] if base.endswith(".tar") else base
-
-
-def load_table(src: SourceConfig, *, cache_dir: str | None = None) -> SampleTable:
-    """The sample table of one source: a ``TokenTable`` (token shards: the manifest alone, no
-    per-sample work) or a ``SampleTable`` of raw shards (their JSONL indexes read whole).
-    ``cache_dir``: where binary indexes missing beside their shards are built (default: the
-    ``pipe:`` cache, data.cache_dir)."""
-    tars: list[str] = []
-    for pat in src.shards:
-        matched = expand(pat)
-        if not matched:
-            raise ValueError(f"source {src.name}: {pat!r} matches no shard")
-        tars += matched
-    if not tars:
-        raise ValueError(f"source {src.name}: no shards given")
-    seen: dict = {}
-    found = []
-    listing = _Listing()
-    for tar in tars:
-        local = store.kind(tar) == "local"
-        if not (listing.has(store.local_path(tar)) if local else store.exists(tar)):
-            raise ValueError(f"source {src.name}: shard {tar} does not exist")
-        manifest_found = _manifest_of(tar, seen)
-        if manifest_found is None:
-            _read_index(src, tar)  # a missing index is the first thing to name
-            raise ValueError(
-                f"source {src.name}: {tar} is in no shard folder (no manifest.json of format "
-                f"{TOKEN_FORMAT} or {RAW_FORMAT} in its folder or the two above)"
-            )
-        found.append(manifest_found)
-    kinds = {f[0]["format"] for f in found}
-    if len(kinds) > 1:
-        raise ValueError(f"source {src.name}: mixes raw and token shards; make them two sources")
-    if RAW_FORMAT in kinds:
-        return _load_raw_table(src, tars, [f[:2] for f in found])
-    return _load_token_table(src, tars, found, cache_dir or store.default_cache_dir(), listing)
-
-
-def _read_index(src: SourceConfig, tar: str) -> bytes:
-    idx = store.index_url(tar)
-    try:
-        return store.read_bytes(idx)
-    except OSError as err:
-        raise ValueError(
-            f"source {src.name}: shard {tar} has no readable index {idx} ({err})"
-        ) from None
-
-
-def _relative(tar: str, up: int) -> str:
-    """The shard's path relative to its manifest's folder, ``up`` folders above its own (how
-    the manifest names it)."""
-    path = store._tar_word(tar).group(1) if store.kind(tar) == "pipe" else tar
-    return "/".join(path.split("/")[-(up + 1) :])
-
-
-def _load_token_table(
-    src: SourceConfig,
-    tars: list[str],
-    found: list[tuple[dict, str, int]],
-    cache_dir: str,
-    listing: _Listing,
-) -> TokenTable:
-    """Token shards from their manifest's entries (samples, index SHA-256, blocks): no index is
-    read. A shard the manifest does not list (or lists without those) has its JSONL index read
-    now, and its binary index built into the cache."""
-    h, legacy = hashlib.sha256(), hashlib.sha256()
-    counts, shas, shard_blocks, tar_shas = [], [], [], []
-    tok_keys, legacy_tok = set(), set()
-    layout_url = ""
-    entries: dict[str, dict[str, dict]] = {}
-    for tar, (m, manifest_url, up) in zip(tars, found):
-        if manifest_url not in entries:  # once per manifest, not per shard
-            entries[manifest_url] = {e.get("path", ""): e for e in m.get("shards", [])}
-            tok_keys.add(tokenizer_key(m["tokenizers"]))
-            legacy_tok.add(json.dumps(m["tokenizers"], sort_keys=True))
-        entry = entries[manifest_url].get(_relative(tar, up), {})
-        local = store.kind(tar) == "local"
-        if local:
-            stem = store.local_path(tar)[: -len(".tar")]
-            if not (listing.has(stem + INDEX_SUFFIX) or listing.has(stem + token_index.SUFFIX)):
-                _read_index(src, tar)  # names the missing index
-        if "samples" in entry and "index_sha256" in entry:
-            count, sha, blocks = int(entry["samples"]), entry["index_sha256"], entry.get("blocks")
-        else:
-            raw_idx = _read_index(src, tar)
-            sha = hashlib.sha256(raw_idx).hexdigest()
-            data = token_index.build(raw_idx, where=store.index_url(tar))
-            _keep(Path(cache_dir) / "index" / f"{sha}{token_index.SUFFIX}", data)
-            header = token_index.TokenIndex.from_buffer(data).header
-            count, blocks = int(header["samples"]), header["blocks"]
-        counts.append(count)
-        shas.append(sha)
-        tar_shas.append(str(entry.get("sha256", "")) if "index_sha256" in entry else "")
-        shard_blocks.append(blocks)
-        # Name and index (every member's offset, size and hash), not the URL: the same shards
-        # moved to object storage keep their fingerprint, and a run's state moves with them.
-        h.update(f"{store.name(tar)}\0".encode() + bytes.fromhex(sha))
-        if local:  # the tar's size: the manifest's for a shard it lists (what a stat would say)
-            size = entry["bytes"] if "bytes" in entry else Path(tar).stat().st_size
-            legacy.update(f"{store.name(tar)}\0{size}\0".encode() + bytes.fromhex(sha))
-        if not layout_url:
-            folder = m["tokenizers"].get("folder", "tokenizers")
-            layout_url = store.sibling(tar, f"{folder}/vocab_layout.json", up)
-    if len(tok_keys) > 1:
-        raise ValueError(f"source {src.name}: its shards were tokenized with different tokenizers")
-    old = ""
-    if len(legacy_tok) == 1 and all(store.kind(t) == "local" for t in tars):
-        old = json.dumps(
-            [
-                legacy.hexdigest()[:16],
-                hashlib.sha256(next(iter(legacy_tok)).encode()).hexdigest()[:16],
-            ]
-        )
-    return TokenTable(
-        src.name,
-        tars,
-        counts,
-        shas,
-        fingerprint=h.hexdigest()[:16],
-        tokenizer_fingerprint=next(iter(tok_keys)),
-        legacy_fingerprint=old,
-        manifest_url=found[-1][1],
-        layout_url=layout_url,
-        cache_dir=cache_dir,
-        shard_blocks=shard_blocks,
-        shard_sha256=tar_shas,
-    )
-
-
-def _load_raw_table(
-    src: SourceConfig, tars: list[str], found: list[tuple[dict, str]]
-) -> SampleTable:
-    """Raw shards: every JSONL index read whole (each sample's members, for online tokenizing)."""
-    shard, keys, members = [], [], []
-    shard_bytes = [0] * len(tars)
-    h = hashlib.sha256()
-    for si, tar in enumerate(tars):
-        raw_idx = _read_index(src, tar)
-        idx = store.index_url(tar)
-        h.update(f"{store.name(tar)}\0".encode() + hashlib.sha256(raw_idx).digest())
-        last = -1
-        for lineno, line in enumerate(raw_idx.splitlines(), 1):
-            try:
-                e = json.loads(line)
-                if "json" not in e["members"]:
-                    raise KeyError("members.json")
-                members.append(e["members"])
-                keys.append(e["key"])
-                first = min(int(o) for o, _ in e["members"].values())
-                if first <= last:
-                    raise ValueError(
-                        f"offsets go back at sample {e['key']}: this is not one shard's index (a "
-                        "pipe: command must print one shard: no glob in it)"
-                    )
-                last = max(int(o) + int(n) for o, n in e["members"].values())
-                shard_bytes[si] = max(shard_bytes[si], last)
-            except (ValueError, KeyError, TypeError) as err:
-                raise ValueError(f"{idx}:{lineno}: not a raw shard index line ({err})") from None
-            shard.append(si)
-    n = len(shard)
-    return SampleTable(
-        src.name,
-        tars,
-        np.asarray(shard, np.int32),
-        keys,
-        np.zeros((n, 2), np.int64),
-        np.zeros((n, 2), np.int64),
-        np.zeros(n, np.int64),
-        [[] for _ in range(n)],
-        h.hexdigest()[:16],
-        "",
-        kind="raw",
-        members=members,
-        manifest_url=found[-1][1],
-        shard_bytes=shard_bytes,
-    )

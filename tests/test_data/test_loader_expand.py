@@ -14,7 +14,7 @@ from data.loader.expand import slot_numel
 from data.loader.packed_batch import PackedBatch
 from data.loader.packer import ROW_FIELDS
 from data.loader.stream import ConsumerStream
-from data.loader.table import load_table
+from data.loader.table_load import load_table
 from data.vocab import Modality
 
 SOURCES = ("code", "text", "scenes", "digits", "clips", "docs")

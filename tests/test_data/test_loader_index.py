@@ -16,7 +16,8 @@ from data.loader import build_loader
 from data.loader.config import SourceConfig
 from data.loader.dataset import PackedLoader
 from data.loader.order import ConsumerSlice, EpochOrder
-from data.loader.table import TokenTable, load_table
+from data.loader.table import TokenTable
+from data.loader.table_load import load_table
 from data.shards import token_index
 from data.shards.index import read_index
 

@@ -12,7 +12,7 @@ from test_data.test_loader import take
 
 from data.loader import LoaderConfig, SourceConfig, build_loader, store
 from data.loader.config import OnlineTokenizeConfig
-from data.loader.table import load_table
+from data.loader.table_load import load_table
 
 # The options tiny_tokens was tokenized with (tests/conftest.py).
 TINY_OPTS = OnlineTokenizeConfig(

@@ -15,7 +15,7 @@ from data.loader import LoaderConfig, SourceConfig
 from data.loader.dataset import PackedLoader
 from data.loader.redistribute import redistribute
 from data.loader.stream import ConsumerStream
-from data.loader.table import load_table
+from data.loader.table_load import load_table
 
 
 def cfg_for(tokens, weights, **kw) -> LoaderConfig:

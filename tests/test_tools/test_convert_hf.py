@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from data.loader import SourceConfig
-from data.loader.table import load_table
+from data.loader.table_load import load_table
 from tools.convert import main as convert_main
 from train.release import Release
 

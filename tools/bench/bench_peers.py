@@ -69,7 +69,7 @@ def read_documents(tokens: Path) -> list[tuple[np.ndarray, np.ndarray]]:
     from data.loader import SourceConfig
     from data.loader.npy import read_npy
     from data.loader.store import ShardFiles
-    from data.loader.table import load_table
+    from data.loader.table_load import load_table
 
     files, docs = ShardFiles(), []
     for name in sources(tokens):

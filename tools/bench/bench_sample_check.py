@@ -114,7 +114,7 @@ def per_sample_us(tokens: Path, rounds: int) -> dict[str, float]:
     from data.loader.npy import read_npy
     from data.loader.sample_check import attach_id_ranges, check_ids, read_token_sample
     from data.loader.store import ShardFiles
-    from data.loader.table import load_table
+    from data.loader.table_load import load_table
 
     cfg = LoaderConfig(sources=sources(tokens))
     tables = [load_table(s) for s in cfg.sources]

@@ -29,7 +29,7 @@ import torch
 
 from data.loader import LoaderConfig, build_loader, store
 from data.loader.fit import check_blocks_fit
-from data.loader.table import find_manifest
+from data.loader.table_load import find_manifest
 from data.names import LAYOUT_FILE
 from data.unigram import Unigram
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
