@@ -224,7 +224,7 @@ def token_sample_with_id(tar: Path, k: int, new_id: int) -> str:
 
     from data.schema import Sample
     from data.shards.writer import ShardWriter
-    from data.tokenize.run import npy_bytes
+    from data.tokenize.shard_job import npy_bytes
 
     tar = Path(tar)
     idx = Path(str(tar)[: -len(".tar")] + ".idx.jsonl")

@@ -219,7 +219,8 @@ def cmd_merge(a) -> int:
     from data.ingest.run import finalize_folder
     from data.shards.manifest import merge, missing_shards
     from data.shards.storage import Folder
-    from data.tokenize.run import STATE_DIR, merge_tokens
+    from data.tokenize.run import merge_tokens
+    from data.tokenize.shard_job import STATE_DIR
 
     folder = Folder(a.dir)
     if folder.sizes(STATE_DIR):

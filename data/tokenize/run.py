@@ -1,4 +1,7 @@
-"""Tokenize a raw shard folder into a token shard folder.
+"""Tokenize a raw shard folder into a token shard folder: the driver (``earlyfuse-prep
+tokenize`` and ``merge``). It plans one job per raw shard, skips the ones already done, runs the
+rest on the engine, and writes the folder's manifest when every shard is there. The job itself
+(one raw shard in, one token shard out, run in the workers) is shard_job.py.
 
 Layout (docs/formats.md, "Token shards"):
   TOKEN_DIR/<source>/shard-NNNNNN.tar    KEY.ids.npy (int32), KEY.mod.npy (uint8), KEY.json (spans)
@@ -11,12 +14,8 @@ Design choices:
   (a shard is done when its record in ``TOKEN_DIR/.tokenize/`` matches the fingerprint).
 - The fingerprint covers the raw folder (its plan and shard hashes), both tokenizers, the
   layout and the options; a folder made with any other of them is refused, never mixed.
-- ``.npy`` written with ``allow_pickle=False``; nothing here can execute code on load.
-- The visual tokenizer runs on a GPU when there is one (``--device``), in batches of images.
-- Workers are long-lived (``data.engine``): each loads the BPE once, and the visual
-  tokenizer once, on the first chunk that holds an image or a video. A chunk of text and
-  code only is encoded without torch (``data.tokenize.docs``), so a text corpus never
-  imports it. The parent checks the visual tokenizer's files without building the model.
+- The visual tokenizer runs on a GPU when there is one (``--device``), in batches of images
+  (shard_job.py). The parent checks the visual tokenizer's files without building the model.
 - Partitionable like ingest (``--num-partitions/--partition``): partition I takes the
   shards whose index is I mod P; the last one to finish (or ``earlyfuse-prep merge``)
   writes the manifest. Every partitioning and engine gives the same bytes.
@@ -25,20 +24,16 @@ Design choices:
 from __future__ import annotations
 
 import hashlib
-import io
 import json
-import os
 import shutil
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
 
 from data.engine import EngineConfig, run_jobs
 from data.names import (
-    INDEX_SUFFIX,
     LAYOUT_FILE,
     MANIFEST_FILE,
     REJECTS_FILE,
@@ -46,187 +41,22 @@ from data.names import (
     TOKENIZERS_DIR,
     VISUAL_TOKENIZER_DIR,
 )
-from data.schema import Reject, Sample
-from data.shards import token_index
 from data.shards.manifest import (
     MANIFEST_FORMAT,
     load_manifest,
-    record_path,
     shard_entry,
     versions,
     write_json_atomic,
 )
-from data.shards.reader import ShardReader
 from data.shards.storage import Folder, Staging
-from data.shards.writer import ShardWriter
 from data.text_tokenizer import TextTokenizer
-from data.tokenize.blocks import block_summary, shard_block_stats, visual_blocks
-from data.tokenize.docs import TokenizeOptions, encode_text_chunk, has_visual, tokens_by_modality
+from data.tokenize.blocks import block_summary
+from data.tokenize.docs import TokenizeOptions
+from data.tokenize.shard_job import STATE_DIR, TokenizeJob, tokenize_shard
 from data.tokenize.vtok_files import check_visual_tokenizer, weights_fingerprint
 from data.vocab import MODALITY_NAMES
 
 FORMAT = "earlyfuse-token-shards"
-STATE_DIR = ".tokenize"
-CHUNK_DOCS = 64
-_CACHE: dict = {}  # per worker process: the BPE and the visual encoder, built once each
-
-
-@dataclass
-class TokenizeJob:
-    raw_dir: str
-    out: str
-    shard: dict  # the raw manifest's entry
-    index: int
-    num_shards: int
-    tok_dir: str
-    vtok_dir: str
-    opts: TokenizeOptions
-    fingerprint: str
-    device: str | None  # None: cuda if the worker has it, else cpu
-    threads: int  # CPU threads of the worker's BPE and torch (0: leave the defaults)
-    vtok_actors: list | None = None  # ray: GPU actors holding the visual tokenizer
-
-
-def batched(it, n: int):
-    chunk = []
-    for item in it:
-        chunk.append(item)
-        if len(chunk) == n:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
-
-
-def npy_bytes(a: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, a, allow_pickle=False)
-    return buf.getvalue()
-
-
-def _text_tokenizer(job: TokenizeJob) -> TextTokenizer:
-    key = ("text", job.tok_dir)
-    if key not in _CACHE:
-        if job.threads and "RAYON_NUM_THREADS" not in os.environ:
-            # Set before the BPE's first parallel call builds its thread pool: N workers on
-            # N cores must not each start N threads.
-            os.environ["RAYON_NUM_THREADS"] = str(job.threads)
-        _CACHE[key] = TextTokenizer.load(job.tok_dir)
-    return _CACHE[key]
-
-
-def _visual_encoder(job: TokenizeJob):
-    """The worker's DocEncoder, built on the first chunk with an image or a video: only then
-    are torch and the visual tokenizer loaded (once per worker)."""
-    # The GPU actors themselves belong to the key: the Ray engine replaces one that died, and a
-    # worker must then call the new one, not keep an encoder bound to the dead one.
-    key = ("visual", job.tok_dir, job.vtok_dir, job.opts, job.device, tuple(job.vtok_actors or ()))
-    if key not in _CACHE:
-        import torch
-
-        from data.tokenize.encoder import DocEncoder
-
-        if job.threads:
-            torch.set_num_threads(job.threads)
-        text = _text_tokenizer(job)
-        if job.vtok_actors:
-            from data.tokenize.remote_visual import RemoteVisualTokenizer
-
-            vtok, device = RemoteVisualTokenizer(job.vtok_actors, job.vtok_dir), "cpu"
-        else:
-            from data.tokenize.visual import load_visual_tokenizer
-
-            device = job.device or ("cuda" if torch.cuda.is_available() else "cpu")
-            vtok = load_visual_tokenizer(job.vtok_dir, text.layout, device)
-        _CACHE[key] = DocEncoder(text, vtok, job.opts, torch.device(device))
-    return _CACHE[key]
-
-
-def encode_chunk(job: TokenizeJob, chunk: list) -> list:
-    if has_visual(chunk):
-        return _visual_encoder(job).encode_chunk(chunk)
-    return encode_text_chunk(_text_tokenizer(job), chunk)
-
-
-def tokenize_shard(job: TokenizeJob) -> dict:
-    raw, dest = Folder(job.raw_dir), Folder(job.out)
-    tar_rel = job.shard["path"]
-    idx_rel = job.shard["index"]
-    with Staging(dest) as stage:
-        # A raw shard in object storage is downloaded whole first (every member is read).
-        inputs = stage.path(".inputs") if raw.remote else Path()
-        tar = raw.download(tar_rel, inputs / tar_rel)
-        idx = raw.download(idx_rel, inputs / idx_rel)
-        record = _tokenize_shard(job, tar, idx, stage)
-        stage.publish([idx_rel, record["index_bin"], tar_rel])
-    dest.write_json(record_path(Path(""), job.index, STATE_DIR).as_posix(), record)
-    return record
-
-
-def _tokenize_shard(job: TokenizeJob, raw_tar: Path, raw_idx: Path, stage: Staging) -> dict:
-    tar_rel = job.shard["path"]
-    idx_rel = job.shard["index"]
-    writer = ShardWriter(stage.path(tar_rel), stage.path(idx_rel))
-    rejects: list[dict] = []
-    tokens: Counter = Counter()
-    docs = 0
-    doc_blocks: list[list[list[int]]] = []
-    try:
-        with ShardReader(raw_tar, raw_idx) as stream:
-            for chunk in batched(stream, CHUNK_DOCS):
-                for got in encode_chunk(job, chunk):
-                    if isinstance(got, Reject):
-                        rejects.append(got.to_dict())
-                        continue
-                    meta = {"source": got.source, "spans": got.spans, "tokens": int(len(got.ids))}
-                    by_mod = tokens_by_modality(got)
-                    doc_blocks.append(visual_blocks(got.spans))
-                    writer.write(
-                        Sample(
-                            got.key,
-                            meta,
-                            [("ids.npy", npy_bytes(got.ids)), ("mod.npy", npy_bytes(got.modality))],
-                        ),
-                        {
-                            "tokens": int(len(got.ids)),
-                            "tokens_by_modality": by_mod,
-                            "blocks": doc_blocks[-1],
-                        },
-                    )
-                    tokens.update(by_mod)
-                    docs += 1
-        result = writer.close()
-    except BaseException:
-        writer.abort()
-        raise
-    # The loader's binary index (data/shards/token_index.py), derived from the JSONL just written.
-    bin_rel = binary_index_name(idx_rel)
-    token_index.write(stage.path(bin_rel), token_index.build(stage.path(idx_rel).read_bytes()))
-    return {
-        "fingerprint": job.fingerprint,
-        "index": job.index,
-        "num_shards": job.num_shards,
-        "source": job.shard["source"],
-        "tar": tar_rel,
-        "index_file": idx_rel,
-        "index_bin": bin_rel,
-        "samples": docs,
-        "bytes": result.bytes,
-        "sha256": result.sha256,
-        "index_sha256": result.index_sha256,
-        "tokens": dict(tokens),
-        "block_stats": shard_block_stats(doc_blocks),
-        "rejects": rejects,
-        # What `earlyfuse-prep merge` needs to finish a partitioned run's manifest.
-        "inputs": {"raw": job.raw_dir, "tokenizer": job.tok_dir, "visual": job.vtok_dir},
-        "options": asdict(job.opts),
-    }
-
-
-def binary_index_name(idx_rel: str) -> str:
-    """``code/shard-000000.idx.jsonl`` -> ``code/shard-000000.idx.bin``."""
-    stem = idx_rel[: -len(INDEX_SUFFIX)] if idx_rel.endswith(INDEX_SUFFIX) else idx_rel
-    return stem + token_index.SUFFIX
 
 
 def fingerprint_of(raw_manifest: dict, tok_dir: Path, vtok_dir: Path, opts: TokenizeOptions) -> str:

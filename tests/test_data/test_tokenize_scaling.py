@@ -14,7 +14,8 @@ from data.cli import main
 from data.ingest import ingest
 from data.shards.reader import iter_shard, shard_entries
 from data.tokenize.docs import encode_text_chunk, has_visual
-from data.tokenize.run import CHUNK_DOCS, batched, tokenize
+from data.tokenize.run import tokenize
+from data.tokenize.shard_job import CHUNK_DOCS, batched
 
 
 def folder_bytes(out: Path) -> dict[str, bytes]:
@@ -108,14 +109,14 @@ def test_the_visual_tokenizer_is_built_once_per_worker(
     """Once for the whole run in a worker (here: this process), never in the parent's checks
     (issue 18: it was built twice, even for text)."""
     import data.tokenize.visual as visual
-    from data.tokenize import run
+    from data.tokenize import shard_job
 
     built = []
     real = visual.load_visual_tokenizer
     monkeypatch.setattr(
         visual, "load_visual_tokenizer", lambda *a, **k: built.append(a[0]) or real(*a, **k)
     )
-    monkeypatch.setattr(run, "_CACHE", {})  # a fresh worker
+    monkeypatch.setattr(shard_job, "_CACHE", {})  # a fresh worker
     m = tokenize(tiny_raw, tmp_path / "t", *tiny_tokenizers)
     assert m["totals"]["tokens_by_modality"]["image"] > 0 and len(m["shards"]) > 3
     assert built == [str(tiny_tokenizers[1])]

@@ -64,7 +64,7 @@ def offline(raw: Path, source: str, tokens: Path, opts: dict, seconds: float) ->
     from data.shards.reader import ShardReader, shard_entries
     from data.text_tokenizer import TextTokenizer
     from data.tokenize.encoder import DocEncoder, TokenizeOptions
-    from data.tokenize.run import CHUNK_DOCS, batched
+    from data.tokenize.shard_job import CHUNK_DOCS, batched
     from data.tokenize.visual import load_visual_tokenizer
 
     text = TextTokenizer.load(tokens / "tokenizers")

@@ -44,7 +44,7 @@ from data.schema import Sample
 from data.shards.index import read_index, read_member
 from data.shards.writer import ShardWriter
 from data.tokenize.blocks import visual_blocks
-from data.tokenize.run import npy_bytes
+from data.tokenize.shard_job import npy_bytes
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
 
 VERSION = 5  # bump when what is built changes
