@@ -81,7 +81,7 @@ def test_a_feature_qwen3_lacks_is_refused_by_name(release, tmp_path, capsys):
 def test_hf_greedy_text_generation_equals_earlyfuse_generate(release, tmp_path):
     """AutoTokenizer starts the prompt with <|bos|>, generation_config.json suppresses every
     non-text id, so transformers' greedy generate gives earlyfuse-generate's tokens."""
-    from tools.generate import Generator
+    from tools.generate_requests import Generator
 
     out = tmp_path / "hf"
     assert convert_main(["hf", str(release), str(out)]) == 0

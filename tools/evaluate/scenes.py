@@ -33,6 +33,7 @@ from data.image_crops import to_tensor
 from data.image_prep import ImagePrep, load_image
 from data.layout import image_block_len, image_tokens, parse_image
 from data.vocab import Modality
+from tools.prompts import draw_prompt
 
 ATTRIBUTES = ("colour", "shape", "position", "all")
 
@@ -153,19 +154,17 @@ class SceneJudge:
 
         lay = self.layout
         boi, eoi = lay.structure_id("<boi>"), lay.structure_id("<eoi>")
-        body = self.text.encode(caption)
-        ids = [self.text.bos_id, *body, boi]
-        mod = [int(Modality.TEXT)] * (len(ids) - 1) + [int(Modality.STRUCTURE)]
+        asked = draw_prompt(self.text.encode(caption), bos_id=self.text.bos_id, layout=lay)
         constraint = ImageConstraint(lay, 1, vocab_size=self.model.cfg.vocab_size, size=grid)
         new = self._generate(
-            ids,
-            mod,
+            asked.ids,
+            asked.modality,
             constraint,
             [eoi],
             image_block_len(*grid) - 1,
             temperature,
             seed,
-            unconditional=[self.text.bos_id, boi],  # the same picture asked for with no caption
+            unconditional=asked.unconditional,  # the same picture asked for with no caption
             guidance=guidance,
         )
         codes = parse_image([boi, *new[: new.index(eoi) + 1]], lay)
@@ -174,7 +173,7 @@ class SceneJudge:
 
     @torch.no_grad()
     def caption(self, codes: np.ndarray, max_new_tokens: int = 48) -> str:
-        from tools.generate import TextOnly
+        from tools.generate_requests import TextOnly
 
         block, bmod = image_tokens(codes, self.layout)
         ids = [self.text.bos_id, *block.tolist()]

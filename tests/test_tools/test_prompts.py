@@ -1,0 +1,33 @@
+"""The drawing prompt that earlyfuse-generate --draw and the held-out scene evaluation share."""
+
+from __future__ import annotations
+
+from data.text_tokenizer import TextTokenizer
+from data.vocab import Modality
+from tools.prompts import draw_prompt
+
+
+def test_draw_prompt_is_what_generate_and_the_scene_evaluation_built(tiny_tokenizers):
+    text = TextTokenizer.load(tiny_tokenizers[0])
+    layout = text.layout
+    caption = "a red circle in the top left cell"
+    body = text.encode(caption)
+    boi = layout.structure_id("<boi>")
+    assert len(body) > 1 and boi >= layout.text_size  # a real caption, a structure token
+
+    asked = draw_prompt(body, bos_id=text.bos_id, layout=layout)
+
+    # What tools/generate.py (Generator.draw) and tools/evaluate/scenes.py (SceneJudge.draw)
+    # each wrote out before: <bos> caption <boi>, text then structure, and <bos> <boi>.
+    assert asked.ids == [text.bos_id, *body, boi]
+    assert asked.modality == [int(Modality.TEXT)] * (1 + len(body)) + [int(Modality.STRUCTURE)]
+    assert asked.unconditional == [text.bos_id, boi]
+    assert len(asked.modality) == len(asked.ids)
+    # The unconditional side is the same request with its caption taken out, nothing else.
+    assert asked.unconditional == [asked.ids[0], *asked.ids[1 + len(body) :]]
+    assert text.decode(asked.ids[1:-1]) == caption
+
+    # No caption at all: the request is its own unconditional twin.
+    empty = draw_prompt([], bos_id=text.bos_id, layout=layout)
+    assert empty.ids == empty.unconditional == [text.bos_id, boi]
+    assert empty.modality == [int(Modality.TEXT), int(Modality.STRUCTURE)]

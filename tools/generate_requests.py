@@ -1,0 +1,337 @@
+"""What ``earlyfuse-generate`` does with a release (train/release.py): the ``Generator`` loads it
+once and serves requests with the KV-cached ``model.generate``: continue text or code, caption
+an image, draw an image to PNG. The command line and the JSONL batch runner are
+tools/generate.py; this file is separate so that other code (the HF export's check, the
+evaluation's text-only constraint) can use the requests without the command's parsing.
+
+Design choices:
+- Prompts are built the way the token shards are (data/tokenize/encoder.py): a document starts
+  with ``<|bos|>``; an image is an Emu3-style block from the release's visual tokenizer at the
+  training pixel budget (config.json ``tokenize.image_max_pixels``); text ends with ``<|eos|>``.
+  The drawing prompt and its unconditional twin come from tools/prompts.py.
+- Text and captions are sampled under a text-only mask (no pad, no bos, no structure tokens,
+  no codes), so what is printed is the BPE's decode: valid UTF-8, always (a byte sequence the
+  model leaves incomplete decodes to U+FFFD). ``<|eos|>`` ends it.
+- Drawing ends the prompt with ``<boi>`` and samples under ``ImageConstraint``: the grid size
+  is the model's choice up to ``--max-size`` (default: the square grid of the training pixel
+  budget) or fixed by ``--size HxW``, and the token budget always fits the image, so the block
+  always parses and decodes. ``<eoi>`` ends it.
+- Input images are untrusted: one whose header claims more than ``--max-image-pixels`` (default
+  64 M, as ingest) is refused before a pixel is decoded, so a small PNG of 12000x12000 pixels
+  cannot take gigabytes; any decoding error (Pillow's ``DecompressionBombError`` included) is
+  an error naming the file.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tools.prompts import draw_prompt
+from train.release import Release, ReleaseError
+
+MAX_SOURCE_PIXELS = 64_000_000  # input images, by their header (ingest's --max-image-pixels)
+SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+
+
+class TextOnly:
+    """A ``generate`` constraint (same interface as ImageConstraint): only text ids, no pad/bos."""
+
+    def __init__(self, vocab_size: int, text_size: int, banned: list[int]) -> None:
+        self.mask = torch.zeros(vocab_size, dtype=torch.bool)
+        self.mask[:text_size] = True
+        self.mask[banned] = False
+
+    def observe(self, b: int, tok: int, strict: bool = True) -> None:
+        pass
+
+    def tokens_to_finish(self, b: int) -> int:
+        return 0
+
+    def allowed(self, remaining: int) -> torch.Tensor:
+        return self.mask[None]
+
+
+@dataclass
+class Generator:
+    """A release loaded once (model, tokenizers) and the requests it serves."""
+
+    release: Release
+    device: torch.device
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        self.model = self.release.build_model(self.device, self.dtype)
+        self.layout = self.release.vocab_layout
+        self.text = self.release.text_tokenizer()
+        self._vtok = None
+        opts = self.release.config.get("tokenize") or {}
+        self.image_max_pixels = int(opts.get("image_max_pixels", 256 * 256))
+        self.max_source_pixels = MAX_SOURCE_PIXELS  # --max-image-pixels
+
+    @property
+    def vtok(self):
+        if self._vtok is None:
+            self._vtok = self.release.visual_tokenizer(self.device)
+        return self._vtok
+
+    # --- sampling ------------------------------------------------------------------------------
+    def _run(
+        self,
+        ids: list[int],
+        modality: list[int],
+        *,
+        constraint,
+        stop: list[int],
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        seed: int,
+        image_ids: list[int] | None = None,
+        unconditional: list[int] | None = None,
+        guidance: float = 1.0,
+    ) -> list[int]:
+        from model.generate import SamplingConfig, generate
+
+        sampling = SamplingConfig(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            stop_ids=stop,
+            pad_id=self.text.pad_id,
+        )
+        gen = torch.Generator(device=self.device).manual_seed(int(seed))
+        prompt = torch.tensor([ids], dtype=torch.long, device=self.device)
+        mod = torch.tensor([modality], dtype=torch.long, device=self.device)
+        img = (
+            torch.tensor([image_ids], dtype=torch.long, device=self.device)
+            if image_ids is not None
+            else None
+        )
+        out = generate(
+            self.model,
+            prompt,
+            sampling=sampling,
+            constraint=constraint,
+            layout=self.layout,
+            modality=mod,
+            image_ids=img,
+            generator=gen,
+            unconditional_ids=(
+                torch.tensor([unconditional], dtype=torch.long, device=self.device)
+                if unconditional is not None
+                else None
+            ),
+            guidance=guidance,
+        )
+        return out[0, len(ids) :].tolist()
+
+    def _text_constraint(self) -> TextOnly:
+        return TextOnly(
+            self.model.cfg.vocab_size, self.layout.text_size, [self.text.pad_id, self.text.bos_id]
+        )
+
+    def _until_eos(self, new: list[int]) -> list[int]:
+        return new[: new.index(self.text.eos_id)] if self.text.eos_id in new else new
+
+    # --- requests ------------------------------------------------------------------------------
+    def continue_text(self, prompt: str, *, code: bool = False, **sampling) -> dict:
+        from data.vocab import Modality
+
+        body = self.text.encode(prompt)
+        ids = [self.text.bos_id, *body]
+        mod = [int(Modality.TEXT)] + [int(Modality.CODE if code else Modality.TEXT)] * len(body)
+        new = self._run(
+            ids, mod, constraint=self._text_constraint(), stop=[self.text.eos_id], **sampling
+        )
+        kept = self._until_eos(new)
+        # Decode prompt and continuation together, so a character split across the boundary is whole.
+        full, head = self.text.decode(body + kept), self.text.decode(body)
+        cont = full[len(head) :] if full.startswith(head) else self.text.decode(kept)
+        return {
+            "kind": "text",
+            "text": cont,
+            "tokens": len(new),
+            "stopped": self.text.eos_id in new,
+        }
+
+    def encode_image(self, path: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, modality, code grid [H, W]) of an image file's block."""
+        from data.image_crops import to_tensor
+        from data.image_prep import ImagePrep, load_image
+        from data.layout import image_tokens
+
+        try:
+            raw = Path(path).read_bytes()
+            prep = ImagePrep(
+                factor=self.vtok.cfg.factor,
+                max_pixels=self.image_max_pixels,
+                max_grid=self.layout.max_grid,
+            )
+            # writable, as torch.from_numpy wants
+            arr = np.array(load_image(raw, prep, max_source_pixels=self.max_source_pixels))
+        except Exception as e:  # noqa: BLE001 - whatever a decoder raises on untrusted bytes
+            raise ReleaseError(
+                f"{path}: cannot read the image ({type(e).__name__}: {str(e)[:300]})"
+            ) from None
+        with torch.no_grad():
+            codes = self.vtok.encode(to_tensor(arr[None]).to(self.device))[0].cpu().numpy()
+        return (*image_tokens(codes, self.layout), codes)
+
+    def caption(self, image: str | Path, prompt: str = "", **sampling) -> dict:
+        from data.vocab import Modality
+
+        block, bmod, codes = self.encode_image(image)
+        body = self.text.encode(prompt) if prompt else []
+        ids = [self.text.bos_id, *block.tolist(), *body]
+        mod = [int(Modality.TEXT), *bmod.tolist(), *[int(Modality.TEXT)] * len(body)]
+        image_ids = None
+        if (
+            self.model.cfg.attention.bidirectional_images
+        ):  # the block sees itself both ways, as in training
+            image_ids = [-1] + [0] * len(block) + [-1] * len(body)
+        new = self._run(
+            ids,
+            mod,
+            constraint=self._text_constraint(),
+            stop=[self.text.eos_id],
+            image_ids=image_ids,
+            **sampling,
+        )
+        return {
+            "kind": "caption",
+            "text": self.text.decode(self._until_eos(new)),
+            "tokens": len(new),
+            "stopped": self.text.eos_id in new,
+            "image_grid": list(codes.shape),
+        }
+
+    def default_max_size(self) -> int:
+        """The square grid of the training pixel budget (e.g. 256x256 px at factor 8 -> 32)."""
+        side = int(math.sqrt(self.image_max_pixels)) // self.vtok.cfg.factor
+        return max(1, min(self.layout.max_grid, side))
+
+    def draw(
+        self,
+        prompt: str,
+        out: str | Path,
+        *,
+        size: tuple[int, int] | None = None,
+        max_size: int | None = None,
+        max_new_tokens: int | None = None,
+        guidance: float = 1.0,
+        **sampling,
+    ) -> dict:
+        from data.layout import image_block_len, parse_image
+        from model.generate import ImageConstraint
+
+        lay = self.layout
+        boi, eoi = lay.structure_id("<boi>"), lay.structure_id("<eoi>")
+        side = max_size or self.default_max_size()
+        need = (
+            image_block_len(*size) - 1 if size else image_block_len(side, side) - 1
+        )  # everything after <boi>
+        asked = draw_prompt(self.text.encode(prompt), bos_id=self.text.bos_id, layout=lay)
+        try:
+            constraint = ImageConstraint(
+                lay, 1, vocab_size=self.model.cfg.vocab_size, max_h=side, max_w=side, size=size
+            )
+        except ValueError as e:
+            raise ReleaseError(f"--size: {e}") from None
+        new = self._run(
+            asked.ids,
+            asked.modality,
+            constraint=constraint,
+            stop=[eoi],
+            max_new_tokens=max(need, max_new_tokens or 0),
+            # guidance contrasts the caption with the same request without it: <bos> <boi>
+            unconditional=asked.unconditional,
+            guidance=guidance,
+            **sampling,
+        )
+        block = [boi, *new[: new.index(eoi) + 1]] if eoi in new else [boi, *new]
+        codes = parse_image(block, lay)  # the grammar guarantees a well-formed block
+        with torch.no_grad():
+            img = self.vtok.decode(torch.from_numpy(codes)[None].to(self.device))[0]
+        arr = (
+            ((img.float().cpu().permute(1, 2, 0) + 1) * 127.5)
+            .round()
+            .clamp(0, 255)
+            .to(torch.uint8)
+            .numpy()
+        )
+        from PIL import Image
+
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(arr, "RGB").save(out, format="PNG")
+        return {
+            "kind": "draw",
+            "out": str(out),
+            "grid": list(codes.shape),
+            "pixels": [arr.shape[1], arr.shape[0]],
+            "tokens": len(new),
+        }
+
+    def request(self, req: dict, defaults: dict) -> dict:
+        """One request (a JSONL line, or the command line's) -> its result record."""
+        known = {
+            "id",
+            "prompt",
+            "code",
+            "image",
+            "caption",
+            "draw",
+            "out",
+            "size",
+            "max_size",
+            "guidance",
+            *SAMPLING_KEYS,
+        }
+        unknown = sorted(set(req) - known)
+        if unknown:
+            raise ReleaseError(f"unknown request keys {unknown}; known: {sorted(known)}")
+        sampling = {key: req.get(key, defaults[key]) for key in SAMPLING_KEYS}
+        sampling = {
+            "max_new_tokens": int(sampling["max_new_tokens"]),
+            "temperature": float(sampling["temperature"]),
+            "top_k": int(sampling["top_k"]),
+            "top_p": float(sampling["top_p"]),
+            "seed": int(sampling["seed"]),
+        }
+        if req.get("draw") is not None:
+            if not req.get("out"):
+                raise ReleaseError("a draw request needs 'out' (the PNG to write)")
+            size = parse_size(req["size"]) if req.get("size") else None
+            sampling.pop("max_new_tokens")
+            res = self.draw(
+                str(req["draw"]),
+                req["out"],
+                size=size,
+                max_size=req.get("max_size"),
+                guidance=float(req.get("guidance", defaults.get("guidance", 1.0))),
+                **sampling,
+            )
+        elif req.get("image") is not None:
+            res = self.caption(req["image"], str(req.get("prompt") or ""), **sampling)
+        elif req.get("prompt") is not None:
+            res = self.continue_text(
+                str(req["prompt"]), code=bool(req.get("code", False)), **sampling
+            )
+        else:
+            raise ReleaseError("a request needs 'prompt', 'image' (to caption) or 'draw' (+ 'out')")
+        return {**({"id": req["id"]} if "id" in req else {}), **res}
+
+
+def parse_size(text) -> tuple[int, int]:
+    try:
+        height, width = (int(part) for part in str(text).lower().split("x"))
+        return height, width
+    except ValueError:
+        raise ReleaseError(f"size {text!r}: write it as HxW in tokens, e.g. 8x8") from None
