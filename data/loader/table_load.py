@@ -2,7 +2,8 @@
 manifest of each shard's folder, and reading from it what the table needs, so that a token
 source starts without reading any index. Separate from the table classes (table.py) because
 this is start-up work done once per source (manifests, listings, fingerprints), while the
-tables serve every document read for the rest of the run.
+tables serve every document read for the rest of the run. A table is built once, at start; no
+tar is opened.
 
 Which kind a source is (token or raw shards) is read from the manifest above the shards.
 
