@@ -4,7 +4,7 @@ A scene is a 32x32 picture of 1-2 flat-coloured shapes (circle, square, triangle
 colours, each centred in its own quadrant (the cell names the position: "top left", "top
 right", "bottom left", "bottom right"), on a plain or noisy grey background. Drawings (caption
 then picture) show one shape each. The scenes are kept this simple on purpose: at the demo's
-scale (a 2.1M-parameter LM trained for minutes) a model learns to *draw* a caption only when
+scale (a 1.9M-parameter LM trained for minutes) a model learns to *draw* a caption only when
 the caption decides where the shape lies and a shape covers a good share of the picture's 64
 codes; with nine colours, nine cells, shapes anywhere in their cell and 64x64 pictures it drew
 at chance (docs/benchmarks.md, "The demo, held out", has the ablation). Shapes are drawn

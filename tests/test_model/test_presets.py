@@ -64,7 +64,6 @@ CLAIMS = [
             ("1b", "total"),
         ],
     ),
-    ("docs/benchmarks.md", r"the (\S+)-parameter demo model", [("demo", "total")]),
     ("docs/benchmarks.md", r"On the (\S+)-parameter debug model", [("debug", "total")]),
 ]
 
