@@ -195,3 +195,28 @@ def test_shuffled_pairs_show_no_dependence_and_draw_at_chance(tiny_tokenizers, t
     assert m["draw"]["colour"] > m["draw_chance"]["colour"] + 0.25, m
     assert abs(s["draw"]["colour"] - s["draw_chance"]["colour"]) < 0.2, s
     assert abs(s["caption"]["colour"] - s["caption_chance"]["colour"]) < 0.2, s
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_scene_captions_read_the_picture_as_earlyfuse_generate_does(
+    debug_release, tiny_corpus, bidirectional
+):
+    """The evaluation's captions are what `earlyfuse-generate --caption` prints for the same
+    picture, also for a model whose image blocks attend both ways (it must pass the block's
+    image ids, or it scores a model that reads its pictures differently)."""
+    from tools.generate_requests import Generator
+    from train.release import Release
+
+    gen = Generator(Release(debug_release), torch.device("cpu"))
+    gen.model.cfg.attention.bidirectional_images = bidirectional
+    torch.manual_seed(0)  # random weights: greedy text follows every change of attention
+    with torch.no_grad():
+        for param in gen.model.parameters():
+            param.normal_(0.0, 0.3)
+    judge = SceneJudge(gen.model, gen.layout, gen.text, gen.vtok, gen.image_max_pixels, "cpu")
+    for image in sorted((tiny_corpus / "scenes").rglob("*.png"))[:3]:
+        _, codes = judge.image_of(str(image))
+        ours = gen.caption(
+            str(image), max_new_tokens=12, temperature=0.0, top_k=0, top_p=1.0, seed=0
+        )["text"]
+        assert judge.caption(codes, max_new_tokens=12) == ours, image.name

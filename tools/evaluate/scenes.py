@@ -110,6 +110,7 @@ class SceneJudge:
         seed=0,
         unconditional=None,
         guidance=1.0,
+        image_ids=None,
     ):
         from model.generate import SamplingConfig, generate
 
@@ -130,6 +131,9 @@ class SceneJudge:
                 torch.tensor([unconditional], device=self.device) if unconditional else None
             ),
             guidance=guidance,
+            image_ids=(
+                torch.tensor([image_ids], device=self.device) if image_ids is not None else None
+            ),
         )
         return out[0, len(ids) :].tolist()
 
@@ -181,7 +185,14 @@ class SceneJudge:
         constraint = TextOnly(
             self.model.cfg.vocab_size, self.layout.text_size, [self.text.pad_id, self.text.bos_id]
         )
-        new = self._generate(ids, mod, constraint, [self.text.eos_id], max_new_tokens)
+        # A model trained with bidirectional image blocks reads its block both ways, as
+        # earlyfuse-generate --caption does (tools/generate_requests.py).
+        image_ids = None
+        if self.model.cfg.attention.bidirectional_images:
+            image_ids = [-1] + [0] * len(block)
+        new = self._generate(
+            ids, mod, constraint, [self.text.eos_id], max_new_tokens, image_ids=image_ids
+        )
         if self.text.eos_id in new:
             new = new[: new.index(self.text.eos_id)]
         return self.text.decode(new)
