@@ -69,7 +69,7 @@ demo: $(STAMP)
 	$(BIN)/earlyfuse-prep verify $(DEMO_DIR)/raw
 	$(BIN)/earlyfuse-prep stats $(DEMO_DIR)/raw
 	$(BIN)/earlyfuse-prep train-text-tokenizer --in $(DEMO_DIR)/raw --out $(DEMO_DIR)/tok \
-		--vocab-size 4096 --max-grid 32 --fsq-levels 6,5,5 --no-progress
+		--vocab-size 4096 --max-grid 32 --fsq-levels 8,6,5 --no-progress
 	$(BIN)/earlyfuse-train experiment=vtok_demo run_dir=$(DEMO_DIR)/vtok \
 		'vtok_data.raw=[$(DEMO_DIR)/raw]' train.progress=false
 	$(TOKENIZE) --in $(DEMO_DIR)/raw --out $(DEMO_DIR)/tokens

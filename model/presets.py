@@ -29,8 +29,8 @@ PRESET_DIR = Path(__file__).resolve().parents[1] / "configs" / "model"
 
 # The tests' tiny vocabulary: 512 text ids, FSQ [8,5,5,5] = 1,000 codes, grids up to 16 (1,550 ids).
 DEBUG_LAYOUT = VocabLayout(text_size=512, fsq_levels=(8, 5, 5, 5), max_grid=16)
-# What `make demo` builds (--vocab-size 4096 --max-grid 32 --fsq-levels 6,5,5): 4,316 ids.
-DEMO_LAYOUT = VocabLayout(text_size=4096, fsq_levels=(6, 5, 5), max_grid=32)
+# What `make demo` builds (--vocab-size 4096 --max-grid 32 --fsq-levels 8,6,5): 4,406 ids.
+DEMO_LAYOUT = VocabLayout(text_size=4096, fsq_levels=(8, 6, 5), max_grid=32)
 # A real early-fusion run: 32k text ids, FSQ [8,8,8,5,5,5] = 64,000 codes, grids to 64 (96,902 ids).
 GPU_LAYOUT = VocabLayout(text_size=32768, fsq_levels=(8, 8, 8, 5, 5, 5), max_grid=64)
 REFERENCE_LAYOUTS = {"debug": DEBUG_LAYOUT, "demo": DEMO_LAYOUT}
