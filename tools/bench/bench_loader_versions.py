@@ -31,20 +31,29 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[2]
 
+# Both children: every source of a token folder, weighted by its tokens (as bench_peers.py).
+_SOURCES = r"""
+manifest = json.loads((tokens / "manifest.json").read_text())
+share = {s["name"]: sum(s["tokens"].values()) for s in manifest["sources"]}
+names = sorted(p.name for p in tokens.iterdir() if p.is_dir() and list(p.glob("*.tar")))
+sources = [SourceConfig(name=s, shards=[str(tokens / s)], weight=float(share.get(s, 1)))
+           for s in names]
+"""
+
 # Run in the child with PYTHONPATH = the checkout under test: prints one JSON line.
-_CHILD = r"""
+_CHILD = (
+    r"""
 import json, sys, time
 from pathlib import Path
 import data.loader
 from data.loader import LoaderConfig, SourceConfig, build_loader
 
 tokens, workers, seq_len, rows, n_tokens = Path(sys.argv[1]), *map(int, sys.argv[2:6])
-manifest = json.loads((tokens / "manifest.json").read_text())
-share = {s["name"]: sum(s["tokens"].values()) for s in manifest["sources"]}
-names = sorted(p.name for p in tokens.iterdir() if p.is_dir() and list(p.glob("*.tar")))
+"""
+    + _SOURCES
+    + r"""
 cfg = LoaderConfig(
-    sources=[SourceConfig(name=s, shards=[str(tokens / s)], weight=float(share.get(s, 1)))
-             for s in names],
+    sources=sources,
     seq_len=seq_len, num_workers=workers, mode="infinite",
 )
 it = iter(build_loader(cfg, rank=0, world_size=1, micro_batch=rows))
@@ -56,10 +65,12 @@ rate = n / (time.perf_counter() - t0)
 print(json.dumps({"loader": data.loader.__file__, "tokens_per_s": rate}))
 it.close()
 """
+)
 
 
 # The same loader, hashing what it delivers: one JSON line with the digest and the batch count.
-_CHECK_CHILD = r"""
+_CHECK_CHILD = (
+    r"""
 import hashlib, json, sys
 from pathlib import Path
 import data.loader
@@ -68,12 +79,11 @@ from data.loader import LoaderConfig, SourceConfig, build_loader
 tokens, workers, limit, settings = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 settings = json.loads(settings)
 rows = settings.pop("rows")
-manifest = json.loads((tokens / "manifest.json").read_text())
-share = {s["name"]: sum(s["tokens"].values()) for s in manifest["sources"]}
-names = sorted(p.name for p in tokens.iterdir() if p.is_dir() and list(p.glob("*.tar")))
+"""
+    + _SOURCES
+    + r"""
 cfg = LoaderConfig(
-    sources=[SourceConfig(name=s, shards=[str(tokens / s)], weight=float(share.get(s, 1)))
-             for s in names],
+    sources=sources,
     num_workers=workers, **settings,
 )
 loader = build_loader(cfg, rank=0, world_size=1, micro_batch=rows)
@@ -89,6 +99,7 @@ for batch in loader:
 digest.update(json.dumps(loader.state_dict(), sort_keys=True).encode())
 print(json.dumps({"loader": data.loader.__file__, "digest": digest.hexdigest(), "batches": n}))
 """
+)
 
 # Loader settings the check runs (besides the token folder's sources, weighted by their tokens).
 CHECKS: dict[str, dict] = {
