@@ -51,8 +51,6 @@ def blocking_features(cfg) -> list[str]:
         out.append(
             f"rope.mrope_sections={cfg.rope.mrope_sections} (M-RoPE: Qwen3 has 1D RoPE only)"
         )
-    if getattr(cfg, "grid_embedding", False):
-        out.append("grid_embedding=true (row/column embeddings of image codes: Qwen3 has none)")
     if cfg.reorder_norm:
         out.append(
             "reorder_norm=true (norms after attention and FFN: Qwen3 normalises their inputs)"
@@ -70,12 +68,14 @@ def blocking_features(cfg) -> list[str]:
     return out
 
 
-def qwen3_config(cfg, *, bos_id: int, eos_id: int, pad_id: int):
+def qwen3_config(cfg, *, bos_id: int, eos_id: int, pad_id: int, config_class=None, **extra):
+    """Qwen3Config (or ``config_class``, a subclass) of a TransformerConfig; ``extra`` fields
+    are stored as they are (the remote code's ``earlyfuse_grid``, ``auto_map``)."""
     from transformers import Qwen3Config
 
     # rope_theta and torch_dtype are the transformers 4.x names; 5.x (typed without them) still
     # takes them through **kwargs and maps them to rope_parameters and dtype. Both are supported.
-    return Qwen3Config(  # type: ignore[call-arg]
+    return (config_class or Qwen3Config)(  # type: ignore[call-arg]
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.dim,
         intermediate_size=cfg.ffn.resolved_hidden_dim(cfg.dim),
@@ -94,7 +94,30 @@ def qwen3_config(cfg, *, bos_id: int, eos_id: int, pad_id: int):
         eos_token_id=eos_id,
         pad_token_id=pad_id,
         torch_dtype="float32",
+        **extra,
     )
+
+
+# Grid embeddings export as Hugging Face remote code: this file, written beside the weights.
+REMOTE_CODE = Path(__file__).parent / "hf_remote" / "modeling_earlyfuse.py"
+GRID_TABLES = ("grid_rows.weight", "grid_cols.weight")  # same names in both models
+
+
+def grid_ids(layout) -> dict[str, int]:
+    """The remote code's ``earlyfuse_grid``: the ids that shape image and video blocks, the code
+    range and the largest grid side (its row/column tables' length)."""
+    sid = layout.structure_id
+    return {
+        "max_grid": layout.max_grid,
+        "code_start": layout.visual_offset,
+        "code_end": layout.size,
+        "boi": sid("<boi>"),
+        "eoi": sid("<eoi>"),
+        "bov": sid("<bov>"),
+        "eov": sid("<eov>"),
+        "eol": sid("<eol>"),
+        "frame": sid("<frame>"),
+    }
 
 
 def qwen3_state(state: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
@@ -242,16 +265,28 @@ def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=
     from transformers import Qwen3ForCausalLM
 
     tok = rel.text_tokenizer()
-    hf_cfg = qwen3_config(
-        rel.transformer_config, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id
-    )
+    cfg = rel.transformer_config
+    state = rel.state_dict(torch.float32)
+    grid_tables = {name: state.pop(name) for name in GRID_TABLES if name in state}
+    model_class: type = Qwen3ForCausalLM
+    extra: dict = {}
+    if cfg.grid_embedding:
+        from tools.hf_remote.modeling_earlyfuse import EarlyfuseConfig, EarlyfuseForCausalLM
+
+        module = REMOTE_CODE.stem
+        model_class = EarlyfuseForCausalLM
+        extra = {
+            "config_class": EarlyfuseConfig,
+            "earlyfuse_grid": grid_ids(rel.vocab_layout),
+            "auto_map": {
+                "AutoConfig": f"{module}.EarlyfuseConfig",
+                "AutoModelForCausalLM": f"{module}.EarlyfuseForCausalLM",
+            },
+        }
+    hf_cfg = qwen3_config(cfg, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id, **extra)
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(hf_cfg)
-    model.load_state_dict(
-        qwen3_state(rel.state_dict(torch.float32), rel.transformer_config.n_layers),
-        strict=True,
-        assign=True,
-    )
+        model = model_class(hf_cfg)
+    model.load_state_dict(qwen3_state(state, cfg.n_layers) | grid_tables, strict=True, assign=True)
     if out.exists():
         shutil.rmtree(out)
     model.generation_config = generation_config(rel.vocab_layout, tok)
@@ -261,9 +296,11 @@ def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=
     shutil.copy(rel.path / LAYOUT, out / LAYOUT)
     if (rel.path / "visual_tokenizer").is_dir():
         shutil.copytree(rel.path / "visual_tokenizer", out / "visual_tokenizer")
+    if cfg.grid_embedding:
+        shutil.copy(REMOTE_CODE, out / REMOTE_CODE.name)
     (out / "README.md").write_text(readme(rel, tok))
     log(
-        f"wrote {out}: Qwen3ForCausalLM, {sum(param.numel() for param in model.parameters()):,} parameters, "
+        f"wrote {out}: {type(model).__name__}, {sum(param.numel() for param in model.parameters()):,} parameters, "
         f"vocabulary {rel.transformer_config.vocab_size} (text {rel.vocab_layout.text_size}, codes {rel.vocab_layout.num_codes})"
     )
     return out
