@@ -8,8 +8,15 @@ vocabulary layout is kept beside them), and ``AutoModelForCausalLM.from_pretrain
 our logits for any token sequence, text, images and video alike (tested on a mixed-modality
 batch, fp32, max |difference| <= 1e-4).
 
-Features Qwen3 does not have are refused with an error naming them: M-RoPE (3D positions for
-images), reordered norms, mixture-of-transformers FFNs, MoE, sliding-window attention,
+Row and column embeddings of image codes (``grid_embedding``, the demo's model) export as
+Qwen3 plus remote code: ``tools/hf_remote/modeling_earlyfuse.py`` is written beside the weights,
+``config.json`` points ``auto_map`` at it, the two tables sit in the safetensors, and
+``from_pretrained(OUT, trust_remote_code=True)`` gives ``EarlyfuseForCausalLM`` (a
+``Qwen3ForCausalLM`` whose image codes get their row's and column's embedding, placed from the
+whole token history, in ``generate`` too). Without grid embeddings nothing changes: plain Qwen3.
+
+Other features Qwen3 does not have are refused with an error naming them: M-RoPE (3D positions
+for images), reordered norms, mixture-of-transformers FFNs, MoE, sliding-window attention,
 bidirectional attention inside images, no QK-norm. Where our model would use several
 documents per row (document masking), Hugging Face sees one sequence: pass one document per
 row, as ``generate`` does.
@@ -17,7 +24,8 @@ row, as ``generate`` does.
 OUT: ``config.json`` and ``model.safetensors`` (``save_pretrained``), ``generation_config.json``,
 the text tokenizer as ``tokenizer.json`` + ``tokenizer_config.json`` (a
 ``PreTrainedTokenizerFast``; it knows the text ids only, images are ids the layout describes),
-``vocab_layout.json`` and ``visual_tokenizer/`` copied from the release, and a README.
+``vocab_layout.json`` and ``visual_tokenizer/`` copied from the release, a README, and with grid
+embeddings ``modeling_earlyfuse.py``.
 
 It generates like ``earlyfuse-generate`` out of the box: the tokenizer puts ``<|bos|>`` before
 every text (our documents start with it; without it the model is off its training
@@ -196,11 +204,13 @@ def hf_tokenizer(tokenizer_json: Path, bos_id: int):
 
 def readme(rel, tok) -> str:
     lay = rel.vocab_layout
-    return f"""# earlyfuse model (Qwen3 architecture)
+    grid = bool(rel.transformer_config.grid_embedding)
+    load = 'from_pretrained("OUT", trust_remote_code=True)' if grid else 'from_pretrained("OUT")'
+    return f"""# earlyfuse model (Qwen3 architecture{" + row/column embeddings, remote code" if grid else ""})
 
 Exported by `earlyfuse-convert hf` from `{rel.path}` (step {rel.step}). Load it with
-`transformers.AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`.
-
+`transformers.AutoModelForCausalLM.{load}` and `AutoTokenizer.from_pretrained`.
+{grid_readme(lay) if grid else ""}
 ## Ids
 
 - `0..{lay.text_size - 1}`: the text tokenizer's (byte-level BPE); `<|pad|>` {tok.pad_id},
@@ -220,7 +230,7 @@ stops at `<|eos|>`. Greedy decoding then gives the same tokens as `earlyfuse-gen
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 tok = AutoTokenizer.from_pretrained("OUT")
-model = AutoModelForCausalLM.from_pretrained("OUT")
+model = AutoModelForCausalLM.{load}
 ids = tok("The cat sat on", return_tensors="pt").input_ids  # starts with <|bos|>
 out = model.generate(ids, max_new_tokens=30)
 print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
@@ -245,6 +255,24 @@ model.generate(ids, suppress_tokens=None, logits_processor=LogitsProcessorList([
 
 Images are blocks `<boi> <h=H> <w=W> (W codes <eol>) x H <eoi>`: drawing one needs the grid
 grammar that `earlyfuse-generate --draw` enforces; Hugging Face generation does not know it.
+"""
+
+
+def grid_readme(lay) -> str:
+    return f"""
+## Row and column embeddings (remote code)
+
+This model adds a learned row and column embedding to the input embedding of every image code
+(Qwen3 has none). `modeling_earlyfuse.py`, in this folder, holds the model class
+`EarlyfuseForCausalLM`: a `Qwen3ForCausalLM` with two more tables (`grid_rows`, `grid_cols`,
+{lay.max_grid} rows each, in `model.safetensors`). `config.json` maps the Auto classes to it, so
+loading needs `trust_remote_code=True` (it runs that file; it imports only torch and
+transformers and needs no network). A code's row is the number of `<eol>` since its image's
+`<boi>`, its column the number of codes since its row began, both read from the whole sequence;
+video codes get none. `forward` on whole sequences and `model.generate` (KV cache) place them
+themselves; driving the cache by hand, pass
+`image_grid=image_grid_of(all_ids, model.config.earlyfuse_grid)[:, -n:]` for the n new tokens
+(`image_grid_of = sys.modules[type(model).__module__].image_grid_of`).
 """
 
 
@@ -322,7 +350,9 @@ def register(sub) -> None:
         "hf",
         help="a release -> a Hugging Face model (Qwen3 architecture), where the architecture maps",
         description="Write RELEASE as a transformers model (Qwen3ForCausalLM) in OUT, loadable with "
-        "AutoModelForCausalLM.from_pretrained and giving the same logits. A model with a feature "
+        "AutoModelForCausalLM.from_pretrained and giving the same logits. Row/column embeddings of "
+        "image codes (model.grid_embedding, the demo's model) ship as remote code in OUT "
+        "(modeling_earlyfuse.py; load with trust_remote_code=True). A model with another feature "
         "Qwen3 lacks (M-RoPE, MoE, modality FFNs, reordered norms, ...) is refused with its name.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,

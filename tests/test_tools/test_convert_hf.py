@@ -51,6 +51,7 @@ def test_hf_export_gives_our_logits_on_text_images_and_video(
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "qwen3" and "auto_map" not in config
     assert not list(out.glob("*.py"))
+    assert "trust_remote_code" not in (out / "README.md").read_text()
     rel = Release(release)
     ours = rel.build_model().eval()
     lay = rel.layout
@@ -228,6 +229,7 @@ def test_grid_embeddings_export_as_remote_code_with_our_logits(grid_export, tiny
     assert config["model_type"] == "earlyfuse_qwen3"
     assert config["architectures"] == ["EarlyfuseForCausalLM"]
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_earlyfuse.EarlyfuseForCausalLM"
+    assert 'from_pretrained("OUT", trust_remote_code=True)' in (out / "README.md").read_text()
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         out, trust_remote_code=True, dtype=torch.float32
     ).eval()
