@@ -8,8 +8,15 @@ vocabulary layout is kept beside them), and ``AutoModelForCausalLM.from_pretrain
 our logits for any token sequence, text, images and video alike (tested on a mixed-modality
 batch, fp32, max |difference| <= 1e-4).
 
-Features Qwen3 does not have are refused with an error naming them: M-RoPE (3D positions for
-images), reordered norms, mixture-of-transformers FFNs, MoE, sliding-window attention,
+Row and column embeddings of image codes (``grid_embedding``, the demo's model) export as
+Qwen3 plus remote code: ``tools/hf_remote/modeling_earlyfuse.py`` is written beside the weights,
+``config.json`` points ``auto_map`` at it, the two tables sit in the safetensors, and
+``from_pretrained(OUT, trust_remote_code=True)`` gives ``EarlyfuseForCausalLM`` (a
+``Qwen3ForCausalLM`` whose image codes get their row's and column's embedding, placed from the
+whole token history, in ``generate`` too). Without grid embeddings nothing changes: plain Qwen3.
+
+Other features Qwen3 does not have are refused with an error naming them: M-RoPE (3D positions
+for images), reordered norms, mixture-of-transformers FFNs, MoE, sliding-window attention,
 bidirectional attention inside images, no QK-norm. Where our model would use several
 documents per row (document masking), Hugging Face sees one sequence: pass one document per
 row, as ``generate`` does.
@@ -17,7 +24,8 @@ row, as ``generate`` does.
 OUT: ``config.json`` and ``model.safetensors`` (``save_pretrained``), ``generation_config.json``,
 the text tokenizer as ``tokenizer.json`` + ``tokenizer_config.json`` (a
 ``PreTrainedTokenizerFast``; it knows the text ids only, images are ids the layout describes),
-``vocab_layout.json`` and ``visual_tokenizer/`` copied from the release, and a README.
+``vocab_layout.json`` and ``visual_tokenizer/`` copied from the release, a README, and with grid
+embeddings ``modeling_earlyfuse.py``.
 
 It generates like ``earlyfuse-generate`` out of the box: the tokenizer puts ``<|bos|>`` before
 every text (our documents start with it; without it the model is off its training
@@ -51,8 +59,6 @@ def blocking_features(cfg) -> list[str]:
         out.append(
             f"rope.mrope_sections={cfg.rope.mrope_sections} (M-RoPE: Qwen3 has 1D RoPE only)"
         )
-    if getattr(cfg, "grid_embedding", False):
-        out.append("grid_embedding=true (row/column embeddings of image codes: Qwen3 has none)")
     if cfg.reorder_norm:
         out.append(
             "reorder_norm=true (norms after attention and FFN: Qwen3 normalises their inputs)"
@@ -70,12 +76,14 @@ def blocking_features(cfg) -> list[str]:
     return out
 
 
-def qwen3_config(cfg, *, bos_id: int, eos_id: int, pad_id: int):
+def qwen3_config(cfg, *, bos_id: int, eos_id: int, pad_id: int, config_class=None, **extra):
+    """Qwen3Config (or ``config_class``, a subclass) of a TransformerConfig; ``extra`` fields
+    are stored as they are (the remote code's ``earlyfuse_grid``, ``auto_map``)."""
     from transformers import Qwen3Config
 
     # rope_theta and torch_dtype are the transformers 4.x names; 5.x (typed without them) still
     # takes them through **kwargs and maps them to rope_parameters and dtype. Both are supported.
-    return Qwen3Config(  # type: ignore[call-arg]
+    return (config_class or Qwen3Config)(  # type: ignore[call-arg]
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.dim,
         intermediate_size=cfg.ffn.resolved_hidden_dim(cfg.dim),
@@ -94,7 +102,30 @@ def qwen3_config(cfg, *, bos_id: int, eos_id: int, pad_id: int):
         eos_token_id=eos_id,
         pad_token_id=pad_id,
         torch_dtype="float32",
+        **extra,
     )
+
+
+# Grid embeddings export as Hugging Face remote code: this file, written beside the weights.
+REMOTE_CODE = Path(__file__).parent / "hf_remote" / "modeling_earlyfuse.py"
+GRID_TABLES = ("grid_rows.weight", "grid_cols.weight")  # same names in both models
+
+
+def grid_ids(layout) -> dict[str, int]:
+    """The remote code's ``earlyfuse_grid``: the ids that shape image and video blocks, the code
+    range and the largest grid side (its row/column tables' length)."""
+    sid = layout.structure_id
+    return {
+        "max_grid": layout.max_grid,
+        "code_start": layout.visual_offset,
+        "code_end": layout.size,
+        "boi": sid("<boi>"),
+        "eoi": sid("<eoi>"),
+        "bov": sid("<bov>"),
+        "eov": sid("<eov>"),
+        "eol": sid("<eol>"),
+        "frame": sid("<frame>"),
+    }
 
 
 def qwen3_state(state: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
@@ -173,11 +204,13 @@ def hf_tokenizer(tokenizer_json: Path, bos_id: int):
 
 def readme(rel, tok) -> str:
     lay = rel.vocab_layout
-    return f"""# earlyfuse model (Qwen3 architecture)
+    grid = bool(rel.transformer_config.grid_embedding)
+    load = 'from_pretrained("OUT", trust_remote_code=True)' if grid else 'from_pretrained("OUT")'
+    return f"""# earlyfuse model (Qwen3 architecture{" + row/column embeddings, remote code" if grid else ""})
 
 Exported by `earlyfuse-convert hf` from `{rel.path}` (step {rel.step}). Load it with
-`transformers.AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`.
-
+`transformers.AutoModelForCausalLM.{load}` and `AutoTokenizer.from_pretrained`.
+{grid_readme(lay) if grid else ""}
 ## Ids
 
 - `0..{lay.text_size - 1}`: the text tokenizer's (byte-level BPE); `<|pad|>` {tok.pad_id},
@@ -197,7 +230,7 @@ stops at `<|eos|>`. Greedy decoding then gives the same tokens as `earlyfuse-gen
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 tok = AutoTokenizer.from_pretrained("OUT")
-model = AutoModelForCausalLM.from_pretrained("OUT")
+model = AutoModelForCausalLM.{load}
 ids = tok("The cat sat on", return_tensors="pt").input_ids  # starts with <|bos|>
 out = model.generate(ids, max_new_tokens=30)
 print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
@@ -225,6 +258,24 @@ grammar that `earlyfuse-generate --draw` enforces; Hugging Face generation does 
 """
 
 
+def grid_readme(lay) -> str:
+    return f"""
+## Row and column embeddings (remote code)
+
+This model adds a learned row and column embedding to the input embedding of every image code
+(Qwen3 has none). `modeling_earlyfuse.py`, in this folder, holds the model class
+`EarlyfuseForCausalLM`: a `Qwen3ForCausalLM` with two more tables (`grid_rows`, `grid_cols`,
+{lay.max_grid} rows each, in `model.safetensors`). `config.json` maps the Auto classes to it, so
+loading needs `trust_remote_code=True` (it runs that file; it imports only torch and
+transformers and needs no network). A code's row is the number of `<eol>` since its image's
+`<boi>`, its column the number of codes since its row began, both read from the whole sequence;
+video codes get none. `forward` on whole sequences and `model.generate` (KV cache) place them
+themselves; driving the cache by hand, pass
+`image_grid=image_grid_of(all_ids, model.config.earlyfuse_grid)[:, -n:]` for the n new tokens
+(`image_grid_of = sys.modules[type(model).__module__].image_grid_of`).
+"""
+
+
 def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=print) -> Path:
     rel, out = Release(release), Path(out)
     if rel.task != "lm":
@@ -242,16 +293,28 @@ def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=
     from transformers import Qwen3ForCausalLM
 
     tok = rel.text_tokenizer()
-    hf_cfg = qwen3_config(
-        rel.transformer_config, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id
-    )
+    cfg = rel.transformer_config
+    state = rel.state_dict(torch.float32)
+    grid_tables = {name: state.pop(name) for name in GRID_TABLES if name in state}
+    model_class: type = Qwen3ForCausalLM
+    extra: dict = {}
+    if cfg.grid_embedding:
+        from tools.hf_remote.modeling_earlyfuse import EarlyfuseConfig, EarlyfuseForCausalLM
+
+        module = REMOTE_CODE.stem
+        model_class = EarlyfuseForCausalLM
+        extra = {
+            "config_class": EarlyfuseConfig,
+            "earlyfuse_grid": grid_ids(rel.vocab_layout),
+            "auto_map": {
+                "AutoConfig": f"{module}.EarlyfuseConfig",
+                "AutoModelForCausalLM": f"{module}.EarlyfuseForCausalLM",
+            },
+        }
+    hf_cfg = qwen3_config(cfg, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id, **extra)
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(hf_cfg)
-    model.load_state_dict(
-        qwen3_state(rel.state_dict(torch.float32), rel.transformer_config.n_layers),
-        strict=True,
-        assign=True,
-    )
+        model = model_class(hf_cfg)
+    model.load_state_dict(qwen3_state(state, cfg.n_layers) | grid_tables, strict=True, assign=True)
     if out.exists():
         shutil.rmtree(out)
     model.generation_config = generation_config(rel.vocab_layout, tok)
@@ -261,9 +324,11 @@ def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=
     shutil.copy(rel.path / LAYOUT, out / LAYOUT)
     if (rel.path / "visual_tokenizer").is_dir():
         shutil.copytree(rel.path / "visual_tokenizer", out / "visual_tokenizer")
+    if cfg.grid_embedding:
+        shutil.copy(REMOTE_CODE, out / REMOTE_CODE.name)
     (out / "README.md").write_text(readme(rel, tok))
     log(
-        f"wrote {out}: Qwen3ForCausalLM, {sum(param.numel() for param in model.parameters()):,} parameters, "
+        f"wrote {out}: {type(model).__name__}, {sum(param.numel() for param in model.parameters()):,} parameters, "
         f"vocabulary {rel.transformer_config.vocab_size} (text {rel.vocab_layout.text_size}, codes {rel.vocab_layout.num_codes})"
     )
     return out
@@ -285,7 +350,9 @@ def register(sub) -> None:
         "hf",
         help="a release -> a Hugging Face model (Qwen3 architecture), where the architecture maps",
         description="Write RELEASE as a transformers model (Qwen3ForCausalLM) in OUT, loadable with "
-        "AutoModelForCausalLM.from_pretrained and giving the same logits. A model with a feature "
+        "AutoModelForCausalLM.from_pretrained and giving the same logits. Row/column embeddings of "
+        "image codes (model.grid_embedding, the demo's model) ship as remote code in OUT "
+        "(modeling_earlyfuse.py; load with trust_remote_code=True). A model with another feature "
         "Qwen3 lacks (M-RoPE, MoE, modality FFNs, reordered norms, ...) is refused with its name.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,

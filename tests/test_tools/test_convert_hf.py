@@ -1,11 +1,14 @@
 """`earlyfuse-convert hf`: a release of a real debug run becomes a transformers Qwen3 model whose
 logits match ours on a mixed-modality batch (fp32, max |diff| <= 1e-4), whose tokenizer encodes
-text to our ids, and a model with a feature Qwen3 lacks is refused with the feature named."""
+text to our ids, and a model with a feature Qwen3 lacks is refused with the feature named. A
+model with row/column embeddings of image codes exports as Qwen3 plus remote code
+(tools/hf_remote/modeling_earlyfuse.py) with our logits and our greedy tokens."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from typing import Any
 
 import numpy as np
 import pytest
@@ -44,6 +47,11 @@ def test_hf_export_gives_our_logits_on_text_images_and_video(
     assert "Qwen3ForCausalLM" in capsys.readouterr().out
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert type(hf).__name__ == "Qwen3ForCausalLM"
+    # Without grid embeddings: plain Qwen3, no remote code.
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen3" and "auto_map" not in config
+    assert not list(out.glob("*.py"))
+    assert "trust_remote_code" not in (out / "README.md").read_text()
     rel = Release(release)
     ours = rel.build_model().eval()
     lay = rel.layout
@@ -69,12 +77,12 @@ def test_a_feature_qwen3_lacks_is_refused_by_name(release, tmp_path, capsys):
     shutil.copytree(release, bad)
     cfg = json.loads((bad / "config.json").read_text())
     cfg["model"]["rope"]["mrope_sections"] = [4, 2, 2]
-    cfg["model"]["grid_embedding"] = True
+    cfg["model"]["reorder_norm"] = True
     (bad / "config.json").write_text(json.dumps(cfg))
     assert convert_main(["hf", str(bad), str(tmp_path / "hf")]) == 1
     err = capsys.readouterr().err
     assert "does not map onto Qwen3" in err and "rope.mrope_sections=[4, 2, 2] (M-RoPE" in err
-    assert "grid_embedding=true (row/column embeddings" in err
+    assert "reorder_norm=true" in err and "grid_embedding" not in err  # grids export (remote code)
     assert not (tmp_path / "hf").exists()
 
 
@@ -112,3 +120,218 @@ def test_hf_greedy_text_generation_equals_earlyfuse_generate(release, tmp_path):
     assert (gen["bos_token_id"], gen["eos_token_id"], gen["pad_token_id"]) == (1, 2, 0)
     assert set(gen["suppress_tokens"]) == {0, 1, *range(lay.text_size, lay.size)}
     assert "suppress_tokens=None" in (out / "README.md").read_text()
+
+
+# --- grid embeddings: Qwen3 + remote code ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def grid_export(tiny_tokens, tmp_path_factory):
+    """Four steps of the debug LM with row/column embeddings of image codes, released and
+    exported (the remote-code path)."""
+    from trainrun import train
+
+    from tools.convert_release import make_release
+
+    root = tmp_path_factory.mktemp("grid")
+    srcs = ",".join(
+        f"{{name: {s}, shards: [{tiny_tokens / s}], weight: 1.0}}" for s in ("scenes", "clips")
+    )
+    train(
+        [
+            "experiment=debug",
+            f"data.sources=[{srcs}]",
+            f"run_dir={root / 'run'}",
+            "train.steps=4",
+            "train.micro_batch=2",
+            "model.grid_embedding=true",
+        ]
+    )
+    make_release(root / "run", root / "rel", log=lambda *a, **k: None)
+    assert convert_main(["hf", str(root / "rel"), str(root / "hf")]) == 0
+    return root / "rel", root / "hf"
+
+
+def tracked(ids: list[int], layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(position_thw [1, T, 3], modality [1, T]) of one sequence, as earlyfuse-generate places it."""
+    from model.rope import LayoutTracker
+
+    tracker = LayoutTracker(layout)
+    pushed = [tracker.push(token) for token in ids]
+    thw = torch.tensor([position for position, _ in pushed], dtype=torch.long)
+    return thw[None], torch.tensor([[int(modality) for _, modality in pushed]])
+
+
+def image_block(doc: np.ndarray, layout) -> list[int]:
+    """The first image block (<boi> .. <eoi>) of a document."""
+    ids = doc.tolist()
+    start = ids.index(layout.structure_id("<boi>"))
+    return ids[start : ids.index(layout.structure_id("<eoi>"), start) + 1]
+
+
+def test_remote_code_places_codes_where_our_layout_tracker_does(grid_export):
+    """Rows and columns from the whole sequence, vectorised, equal h - t and w - t of our (t, h,
+    w) positions for every image code, also in malformed streams (a <frame> inside an image, an
+    image reopened before it closed, stray codes, rows longer than declared); video codes get
+    none."""
+    import random
+
+    from data.layout import image_tokens, video_tokens
+    from data.vocab import Modality
+
+    rel, out = grid_export
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    remote = __import__(type(hf).__module__, fromlist=["image_grid_of"])
+    layout = Release(rel).vocab_layout
+    sid = layout.structure_id
+    markers = [sid(name) for name in ("<boi>", "<eoi>", "<eol>", "<bov>", "<eov>", "<frame>")]
+    pool = (
+        markers * 3 + [sid("<h=3>"), sid("<w=2>"), 5, 9] + [layout.code_id(c) for c in range(8)] * 4
+    )
+    rng = random.Random(0)
+
+    def block() -> list[int]:  # a well-formed image or video block of a random grid
+        height, width = rng.randint(1, 6), rng.randint(1, 6)
+        if rng.random() < 0.3:
+            codes = np.array(
+                [[[rng.randrange(8) for _ in range(width)] for _ in range(height)]] * 2
+            )
+            return video_tokens(codes, layout)[0].tolist()
+        codes = np.array([[rng.randrange(8) for _ in range(width)] for _ in range(height)])
+        return image_tokens(codes, layout)[0].tolist()
+
+    streams = []
+    for _ in range(4):  # well-formed blocks, and noise between them and inside them
+        stream: list[int] = []
+        while len(stream) < 400:
+            stream += block() if rng.random() < 0.5 else []
+            stream += [rng.choice(pool) for _ in range(rng.randint(0, 6))]
+        streams.append(stream[:400])
+    ids = torch.tensor(streams)
+    grid = remote.image_grid_of(ids, hf.config.earlyfuse_grid)
+    last = layout.max_grid - 1
+    for row, stream in enumerate(streams):
+        thw, modality = tracked(stream, layout)
+        image = modality[0] == int(Modality.IMAGE)
+        want_rows = torch.where(image, (thw[0, :, 1] - thw[0, :, 0]).clamp(0, last), 0)
+        want_cols = torch.where(image, (thw[0, :, 2] - thw[0, :, 0]).clamp(0, last), 0)
+        assert grid[row, :, 2].bool().tolist() == image.tolist()
+        assert grid[row, :, 0].tolist() == want_rows.tolist()
+        assert grid[row, :, 1].tolist() == want_cols.tolist()
+        assert (modality == int(Modality.VIDEO)).any()  # video codes were there, and left out
+    assert (grid[..., 0] >= 4).any() and (grid[..., 1] >= 4).any()
+
+
+def test_grid_embeddings_export_as_remote_code_with_our_logits(grid_export, tiny_tokens):
+    rel_path, out = grid_export
+    assert (out / "modeling_earlyfuse.py").is_file()
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "earlyfuse_qwen3"
+    assert config["architectures"] == ["EarlyfuseForCausalLM"]
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_earlyfuse.EarlyfuseForCausalLM"
+    assert 'from_pretrained("OUT", trust_remote_code=True)' in (out / "README.md").read_text()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        out, trust_remote_code=True, dtype=torch.float32
+    ).eval()
+    # Loaded from the export folder's copy, not from earlyfuse's source tree.
+    assert type(hf).__name__ == "EarlyfuseForCausalLM"
+    assert type(hf).__module__.startswith("transformers_modules")
+    rel = Release(rel_path)
+    ours = rel.build_model().eval()
+    layout = rel.vocab_layout
+    scenes = documents(tiny_tokens, "scenes", 3, 400)
+    clip = documents(tiny_tokens, "clips", 1, 160)[0].tolist()
+    text = scenes[0].tolist()[: scenes[0].tolist().index(layout.structure_id("<boi>"))]
+    first, second = image_block(scenes[1], layout), image_block(scenes[2], layout)
+    sequences = {
+        "text, an image, text": scenes[0].tolist(),
+        "two images": [*text, *first, *text[1:6], *second, *text[1:4]],
+        "a video": clip,
+    }
+    assert scenes[0].tolist().index(layout.structure_id("<eoi>")) < len(scenes[0]) - 3
+    zeroed = rel.build_model().eval()
+    with torch.no_grad():
+        assert zeroed.grid_rows is not None and zeroed.grid_cols is not None
+        zeroed.grid_rows.weight.zero_()
+        zeroed.grid_cols.weight.zero_()
+    for name, sequence in sequences.items():
+        ids = torch.tensor([sequence])
+        thw, modality = tracked(sequence, layout)
+        with torch.no_grad():
+            want = ours(ids, position_thw=thw, modality=modality)
+            got = hf(input_ids=ids).logits.float()
+            without_grid = zeroed(ids, position_thw=thw, modality=modality)
+            swapped = hf(input_ids=ids, image_grid=hf_grid(hf, ids)[..., [1, 0, 2]]).logits
+        diff = (want - got).abs().max().item()
+        assert diff <= 1e-4, (name, diff)
+        if name == "a video":  # video codes get no grid embedding, in both
+            assert (want - without_grid).abs().max().item() == 0.0
+        else:  # the grid tables matter here, and rows are not columns
+            assert (want - without_grid).abs().max().item() > 1e-2, name
+            assert (want - swapped).abs().max().item() > 1e-2, name
+
+
+def hf_grid(hf, ids: torch.Tensor) -> torch.Tensor:
+    remote = __import__(type(hf).__module__, fromlist=["image_grid_of"])
+    return remote.image_grid_of(ids, hf.config.earlyfuse_grid)
+
+
+def test_grid_model_greedy_generation_equals_earlyfuse_generate(grid_export, tiny_tokens):
+    """A caption after an image (text-only, the export's generation_config) and a continuation
+    inside an open image (every id allowed: codes generated against the KV cache get their rows
+    and columns from the whole history) are our generate's tokens."""
+    from data.vocab import Modality
+    from tools.generate_requests import Generator
+
+    rel_path, out = grid_export
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        out, trust_remote_code=True, dtype=torch.float32
+    ).eval()
+    rel = Release(rel_path)
+    ours = Generator(rel, torch.device("cpu"))
+    layout, bos, eos = rel.vocab_layout, ours.text.bos_id, ours.text.eos_id
+    scenes = documents(tiny_tokens, "scenes", 2, 400)
+    first, second = image_block(scenes[0], layout), image_block(scenes[1], layout)
+    sampling: dict[str, Any] = dict(temperature=0.0, top_k=0, top_p=1.0, seed=0, stop=[eos])
+    for prompt in ([bos, *first], [bos, *first, *second]):
+        _, modality = tracked(prompt, layout)
+        ids = torch.tensor([prompt])
+        got = hf.generate(ids, max_new_tokens=12)[0, len(prompt) :].tolist()
+        want = ours._run(
+            prompt,
+            modality[0].tolist(),
+            constraint=ours._text_constraint(),
+            max_new_tokens=12,
+            **sampling,
+        )
+        assert got == want and all(token < layout.text_size for token in got), (got, want)
+    # Stop half way through the second row of the second image: codes and <eol>s come next.
+    width = second[2] - layout.structure_id("<w=1>") + 1
+    prompt = [bos, *first, *second[: 3 + width + 1 + width // 2]]
+    _, modality = tracked(prompt, layout)
+    ids = torch.tensor([prompt])
+    result = hf.generate(
+        ids,
+        max_new_tokens=24,
+        suppress_tokens=None,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    got = result.sequences[0, len(prompt) :].tolist()
+    want = ours._run(prompt, modality[0].tolist(), constraint=None, max_new_tokens=24, **sampling)
+    assert got == want, (got, want)
+    assert sum(layout.is_code(token) for token in got) >= 4, got  # it drew codes
+    # Each step's logits (the KV-cached path) are our model's over the whole sequence.
+    full = result.sequences
+    thw, modality = tracked(full[0].tolist(), layout)
+    with torch.no_grad():
+        whole = ours.model(full, position_thw=thw, modality=modality)[0, len(prompt) - 1 : -1]
+    steps = torch.stack(result.logits, dim=1)[0].float()
+    assert (whole - steps).abs().max().item() <= 1e-4
+    # By hand with a cache, codes without the history's image_grid are refused, not misplaced.
+    with torch.no_grad():
+        first = hf(input_ids=ids[:, :-3], use_cache=True)
+        cache = getattr(first, "cache", None) or first.past_key_values
+        with pytest.raises(ValueError, match="image codes after a KV cache"):
+            hf(input_ids=ids[:, -3:], past_key_values=cache)
+    assert int(Modality.IMAGE) in modality[0].tolist()
