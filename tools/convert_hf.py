@@ -206,10 +206,12 @@ def readme(rel, tok) -> str:
     lay = rel.vocab_layout
     grid = bool(rel.transformer_config.grid_embedding)
     load = 'from_pretrained("OUT", trust_remote_code=True)' if grid else 'from_pretrained("OUT")'
+    # AutoTokenizer reads config.json too: without the flag it asks on stdin whether to run
+    # modeling_earlyfuse.py (the config class lives there).
     return f"""# earlyfuse model (Qwen3 architecture{" + row/column embeddings, remote code" if grid else ""})
 
 Exported by `earlyfuse-convert hf` from `{rel.path}` (step {rel.step}). Load it with
-`transformers.AutoModelForCausalLM.{load}` and `AutoTokenizer.from_pretrained`.
+`transformers.AutoModelForCausalLM.{load}` and `AutoTokenizer.{load}`.
 {grid_readme(lay) if grid else ""}
 ## Ids
 
@@ -229,7 +231,7 @@ stops at `<|eos|>`. Greedy decoding then gives the same tokens as `earlyfuse-gen
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-tok = AutoTokenizer.from_pretrained("OUT")
+tok = AutoTokenizer.{load}
 model = AutoModelForCausalLM.{load}
 ids = tok("The cat sat on", return_tensors="pt").input_ids  # starts with <|bos|>
 out = model.generate(ids, max_new_tokens=30)
