@@ -53,6 +53,26 @@ def train(
     return p
 
 
+def release_debug_run(tokens: Path, root: Path, sources: tuple[str, ...], *extra: str) -> Path:
+    """Four steps of the debug LM on ``sources`` (token folders under ``tokens``) with the
+    ``extra`` overrides, released into ``root / "rel"``."""
+    from tools.convert_release import make_release
+
+    srcs = ",".join(f"{{name: {s}, shards: [{tokens / s}], weight: 1.0}}" for s in sources)
+    train(
+        [
+            "experiment=debug",
+            f"data.sources=[{srcs}]",
+            f"run_dir={root / 'run'}",
+            "train.steps=4",
+            "train.micro_batch=2",
+            *extra,
+        ]
+    )
+    make_release(root / "run", root / "rel", log=lambda *a, **k: None)
+    return root / "rel"
+
+
 def metrics(run_dir: Path) -> dict[int, dict]:
     """The last record logged for each step (a resumed run logs some steps twice)."""
     out: dict[int, dict] = {}

@@ -129,25 +129,10 @@ def test_hf_greedy_text_generation_equals_earlyfuse_generate(release, tmp_path):
 def grid_export(tiny_tokens, tmp_path_factory):
     """Four steps of the debug LM with row/column embeddings of image codes, released and
     exported (the remote-code path)."""
-    from trainrun import train
-
-    from tools.convert_release import make_release
+    from trainrun import release_debug_run
 
     root = tmp_path_factory.mktemp("grid")
-    srcs = ",".join(
-        f"{{name: {s}, shards: [{tiny_tokens / s}], weight: 1.0}}" for s in ("scenes", "clips")
-    )
-    train(
-        [
-            "experiment=debug",
-            f"data.sources=[{srcs}]",
-            f"run_dir={root / 'run'}",
-            "train.steps=4",
-            "train.micro_batch=2",
-            "model.grid_embedding=true",
-        ]
-    )
-    make_release(root / "run", root / "rel", log=lambda *a, **k: None)
+    release_debug_run(tiny_tokens, root, ("scenes", "clips"), "model.grid_embedding=true")
     assert convert_main(["hf", str(root / "rel"), str(root / "hf")]) == 0
     return root / "rel", root / "hf"
 

@@ -116,11 +116,12 @@ CHECKS: dict[str, dict] = {
 }
 
 
-def check(checkout: Path, tokens: Path, workers: int, settings: dict, limit: int) -> dict:
+def run_child(checkout: Path, script: str, args: list[str]) -> dict:
+    """One child on ``checkout`` (PYTHONPATH): its last JSON line, after checking that the
+    loader came from the checkout named, not from an installed copy."""
     env = {**os.environ, "PYTHONPATH": str(checkout)}
-    args = [str(tokens), str(workers), str(limit), json.dumps(settings)]
     proc = subprocess.run(
-        [sys.executable, "-c", _CHECK_CHILD, *args],
+        [sys.executable, "-c", script, *args],
         env=env,
         cwd=checkout,
         capture_output=True,
@@ -134,22 +135,15 @@ def check(checkout: Path, tokens: Path, workers: int, settings: dict, limit: int
     return got
 
 
+def check(checkout: Path, tokens: Path, workers: int, settings: dict, limit: int) -> dict:
+    return run_child(
+        checkout, _CHECK_CHILD, [str(tokens), str(workers), str(limit), json.dumps(settings)]
+    )
+
+
 def measure(checkout: Path, tokens: Path, workers: int, a: argparse.Namespace) -> float:
-    env = {**os.environ, "PYTHONPATH": str(checkout)}
     args = [str(tokens), str(workers), str(a.seq_len), str(a.rows), str(a.round_tokens)]
-    out = subprocess.run(
-        [sys.executable, "-c", _CHILD, *args],
-        env=env,
-        cwd=checkout,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    got = json.loads(out.strip().splitlines()[-1])
-    # The loader must come from the checkout named, not from an installed copy.
-    if not got["loader"].startswith(str(checkout.resolve())):
-        raise SystemExit(f"{checkout}: the loader was imported from {got['loader']}")
-    return float(got["tokens_per_s"])
+    return float(run_child(checkout, _CHILD, args)["tokens_per_s"])
 
 
 def main(argv=None) -> dict:
