@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tools.prompts import draw_prompt
+from tools.prompts import caption_prompt, draw_prompt
 from train.release import Release, ReleaseError
 
 MAX_SOURCE_PIXELS = 64_000_000  # input images, by their header (ingest's --max-image-pixels)
@@ -185,23 +185,20 @@ class Generator:
         return (*image_tokens(codes, self.layout), codes)
 
     def caption(self, image: str | Path, prompt: str = "", **sampling) -> dict:
-        from data.vocab import Modality
-
         block, bmod, codes = self.encode_image(image)
-        body = self.text.encode(prompt) if prompt else []
-        ids = [self.text.bos_id, *block.tolist(), *body]
-        mod = [int(Modality.TEXT), *bmod.tolist(), *[int(Modality.TEXT)] * len(body)]
-        image_ids = None
-        if (
-            self.model.cfg.attention.bidirectional_images
-        ):  # the block sees itself both ways, as in training
-            image_ids = [-1] + [0] * len(block) + [-1] * len(body)
+        asked = caption_prompt(
+            block,
+            bmod,
+            self.text.encode(prompt) if prompt else [],
+            bos_id=self.text.bos_id,
+            bidirectional_images=self.model.cfg.attention.bidirectional_images,
+        )
         new = self._run(
-            ids,
-            mod,
+            asked.ids,
+            asked.modality,
             constraint=self._text_constraint(),
             stop=[self.text.eos_id],
-            image_ids=image_ids,
+            image_ids=asked.image_ids,
             **sampling,
         )
         return {

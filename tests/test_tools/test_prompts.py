@@ -31,3 +31,30 @@ def test_draw_prompt_is_what_generate_and_the_scene_evaluation_built(tiny_tokeni
     empty = draw_prompt([], bos_id=text.bos_id, layout=layout)
     assert empty.ids == empty.unconditional == [text.bos_id, boi]
     assert empty.modality == [int(Modality.TEXT), int(Modality.STRUCTURE)]
+
+
+def test_caption_prompt_is_what_generate_and_the_scene_evaluation_built(tiny_tokenizers):
+    import numpy as np
+
+    from data.layout import image_tokens
+    from tools.prompts import caption_prompt
+
+    text = TextTokenizer.load(tiny_tokenizers[0])
+    block, bmod = image_tokens(np.arange(6).reshape(2, 3), text.layout)
+    body = text.encode("a red")
+    for bidirectional in (False, True):
+        asked = caption_prompt(
+            block, bmod, body, bos_id=text.bos_id, bidirectional_images=bidirectional
+        )
+        # What Generator.caption wrote out before (SceneJudge.caption: the same, no text after).
+        assert asked.ids == [text.bos_id, *block.tolist(), *body]
+        assert asked.modality == [
+            int(Modality.TEXT),
+            *bmod.tolist(),
+            *[int(Modality.TEXT)] * len(body),
+        ]
+        want = [-1] + [0] * len(block) + [-1] * len(body) if bidirectional else None
+        assert asked.image_ids == want
+    bare = caption_prompt(block, bmod, [], bos_id=text.bos_id, bidirectional_images=True)
+    assert bare.ids == [text.bos_id, *block.tolist()]
+    assert bare.image_ids == [-1] + [0] * len(block)

@@ -32,8 +32,7 @@ from data.demo_corpus.scenes import caption_facts
 from data.image_crops import to_tensor
 from data.image_prep import ImagePrep, load_image
 from data.layout import image_block_len, image_tokens, parse_image
-from data.vocab import Modality
-from tools.prompts import draw_prompt
+from tools.prompts import caption_prompt, draw_prompt
 
 ATTRIBUTES = ("colour", "shape", "position", "all")
 
@@ -180,18 +179,24 @@ class SceneJudge:
         from tools.generate_requests import TextOnly
 
         block, bmod = image_tokens(codes, self.layout)
-        ids = [self.text.bos_id, *block.tolist()]
-        mod = [int(Modality.TEXT), *bmod.tolist()]
+        # As earlyfuse-generate --caption asks (tools/prompts.py), bidirectional blocks included.
+        asked = caption_prompt(
+            block,
+            bmod,
+            [],
+            bos_id=self.text.bos_id,
+            bidirectional_images=self.model.cfg.attention.bidirectional_images,
+        )
         constraint = TextOnly(
             self.model.cfg.vocab_size, self.layout.text_size, [self.text.pad_id, self.text.bos_id]
         )
-        # A model trained with bidirectional image blocks reads its block both ways, as
-        # earlyfuse-generate --caption does (tools/generate_requests.py).
-        image_ids = None
-        if self.model.cfg.attention.bidirectional_images:
-            image_ids = [-1] + [0] * len(block)
         new = self._generate(
-            ids, mod, constraint, [self.text.eos_id], max_new_tokens, image_ids=image_ids
+            asked.ids,
+            asked.modality,
+            constraint,
+            [self.text.eos_id],
+            max_new_tokens,
+            image_ids=asked.image_ids,
         )
         if self.text.eos_id in new:
             new = new[: new.index(self.text.eos_id)]
