@@ -13,7 +13,7 @@ Design choices:
   queue (reading straight from the worker's slot of shared memory, data/loader/transport.py),
   and in-process right after packing. What it writes is bit for bit what the packer wrote
   field by field before (tools/bench/bench_loader_versions.py --check compares the two).
-- numpy, not torch: on this path each torch call costs several microseconds of dispatch, and
+- numpy (or compiled with numba, expand_kernel.py), not torch: on this path each torch call costs several microseconds of dispatch, and
   torch splits large copies over its intra-op threads, which on a loaded machine waited ms for a
   copy that takes 0.1 ms (data/loader/transport.py). The outputs are torch tensors all the same:
   ``fields`` are numpy views of the batch's one torch buffer (packer.BatchBuffer).
@@ -122,6 +122,14 @@ def block_positions(t: int, h: int, w: int) -> tuple[np.ndarray, int]:
 
 
 def expand(batch: CompactBatch, fields: dict[str, np.ndarray]) -> None:
+    """``expand_numpy``, compiled (data/loader/expand_kernel.py) where numba is installed."""
+    if _compiled is not None:
+        _compiled(batch, fields)
+    else:
+        expand_numpy(batch, fields)
+
+
+def expand_numpy(batch: CompactBatch, fields: dict[str, np.ndarray]) -> None:
     """Write every per-token field of ``batch`` into ``fields`` (packer.BatchBuffer's: attr ->
     [rows, seq_len] arrays, ``thw`` [rows, seq_len, 3]):
 
@@ -167,6 +175,12 @@ def expand(batch: CompactBatch, fields: dict[str, np.ndarray]) -> None:
         thw_flat[0::3] = pos
         thw_flat[1::3] = pos
         thw_flat[2::3] = pos
+
+
+try:
+    from data.loader.expand_kernel import expand_compiled as _compiled
+except ImportError:  # numba absent: numpy
+    _compiled = None
 
 
 def _visual(

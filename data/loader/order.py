@@ -111,6 +111,7 @@ class ConsumerSlice:
         self.n = len(range(consumer, order.n, consumers))
         self._w = -1
         self._samples: list[int] = []
+        self._take_w, self._take_samples = -1, np.zeros(0, np.int64)
 
     def __len__(self) -> int:
         return self.n
@@ -126,6 +127,20 @@ class ConsumerSlice:
             # a list: indexing it gives an int (a numpy array gives a scalar to convert)
             self._w, self._samples = w, self.order.window_samples(w).tolist()
         return self._samples[pos - w * self.order.window]
+
+    def take(self, a: int, b: int) -> np.ndarray:
+        """int64: the samples at slice positions [a, b) (0 <= a <= b <= len), a window at a
+        time."""
+        pos = self.consumer + np.arange(a, b, dtype=np.int64) * self.consumers
+        win = self.order.window
+        out = np.empty(len(pos), np.int64)
+        w_of = pos // win
+        for w in np.unique(w_of).tolist():
+            if w != self._take_w:  # the window under the cursor, kept (as in __getitem__)
+                self._take_w, self._take_samples = w, self.order.window_samples(w)
+            sel = w_of == w
+            out[sel] = self._take_samples[pos[sel] - w * win]
+        return out
 
 
 def consumer_slice(order: np.ndarray, consumer: int, consumers: int) -> np.ndarray:

@@ -100,6 +100,7 @@ class ConsumerStream:
         self.files = ShardFiles(cfg.cache_dir, cfg.cache_limit_gb)
         self._online: OnlineTokenizer | None = None  # built on the first raw document
         self.ring: transport.SlotRing | None = None  # set in a DataLoader worker
+        self._fast = None  # the compiled loop (fast_stream.FastPath), made at the first batch
         self.pin = False  # in-process: batches expanded into pinned memory (set by the loader)
         self.watchdog = None if dry else Watchdog(cfg.stall_seconds, f"consumer {consumer}")
         # (source, shard) -> the shard when it passed the whole-shard check, None when it did not
@@ -337,16 +338,21 @@ class ConsumerStream:
         if self.batch_limit is not None and self.batches >= self.batch_limit:
             return None
         packer = self.packer
-        rows: list[Row] = []
-        while len(rows) < self.micro_batch:
-            r = packer.pack(self.next_doc, packer.blank_row())
-            if r is None:
-                return None  # the last, incomplete batch of an epoch is held back
-            rows.append(r)
-        self.batches += 1
         if self.dry:
+            for _ in range(self.micro_batch):
+                if packer.pack(self.next_doc) is None:
+                    return None
+            self.batches += 1
             return {}
-        B, L = len(rows), self.cfg.seq_len
+        fast = self._fast_path()
+        rows: list[Row] = []
+        if fast is None:
+            while len(rows) < self.micro_batch:
+                r = packer.pack(self.next_doc, packer.blank_row())
+                if r is None:
+                    return None  # the last, incomplete batch of an epoch is held back
+                rows.append(r)
+        B, L = self.micro_batch, self.cfg.seq_len
         n = B * L
         ring, slot, buffer = self.ring, None, None
         if ring is not None:
@@ -360,25 +366,49 @@ class ConsumerStream:
         else:  # in-process: the ids and modalities straight into the batch's int64 fields
             buffer = BatchBuffer(B, L, packer.pad_id, pin=self.pin)
             ids, mod = buffer.fields["ids"].reshape(n), buffer.fields["mod"].reshape(n)
-        compact = packer.compact(rows, ids, mod)
-        dropped = self.dropped_matrix()
+        if fast is None:
+            compact = packer.compact(rows, ids, mod)
+            dropped = self.dropped_matrix()
+            by_source = tokens_by_source_of(rows, len(self.tables))
+            pieces = pieces_of(rows)
+            real = int(compact.real.sum())
+            # The modalities of the real tokens: one count per modality other than text (a
+            # third of what np.bincount took), text the rest (padding is text)
+            by_modality = np.zeros(len(MODALITY_NAMES), np.int64)
+            for m in _NOT_TEXT:
+                by_modality[m] = np.count_nonzero(mod == m)
+            by_modality[_TEXT_M] = real - by_modality.sum()
+        else:
+            packed = fast.pack(ids, mod)
+            if packed is None:
+                if slot is not None and ring is not None:
+                    ring.release(slot)
+                return None  # the last, incomplete batch of an epoch is held back
+            compact, pieces, by_source, by_modality = packed
+            dropped = fast.dropped_matrix()
+            real = int(compact.real.sum())
+        self.batches += 1
         new_drops = dropped - self._dropped_before
         self._dropped_before = dropped
-        real = int(compact.real.sum())
-        # The modalities of the real tokens: one count per modality other than text (a third of
-        # what np.bincount took), text the rest (padding is text)
-        by_modality = np.zeros(len(MODALITY_NAMES), np.int64)
-        for m in _NOT_TEXT:
-            by_modality[m] = np.count_nonzero(mod == m)
-        by_modality[_TEXT_M] = real - by_modality.sum()
         self.tokens_by_modality += by_modality
-        by_source = tokens_by_source_of(rows, len(self.tables))
-        out = PackedBatch(compact, pieces_of(rows), by_source, new_drops, real, buffer=buffer)
+        out = PackedBatch(compact, pieces, by_source, new_drops, real, buffer=buffer)
         if slot is not None and ring is not None:
             out.compact, out.slot, out.token = compact.tables(), slot, ring.token
             if not ring.sent:  # the slots cross to the trainer once, with the first batch
                 out.ring, ring.sent = (ring.data, ring.flags), True
         return out
+
+    def _fast_path(self):
+        """The compiled loop (data/loader/fast_stream.py), built from the stream's fields on
+        first use; None where it is off (``data.compiled_packer``) or numba is absent."""
+        if self._fast is None and self.cfg.compiled_packer:
+            try:
+                from data.loader.fast_stream import FastPath
+            except ImportError:  # numba missing: the Python path
+                self.cfg.compiled_packer = False
+                return None
+            self._fast = FastPath(self)
+        return self._fast
 
     def dropped_matrix(self) -> np.ndarray:
         """[sources, 2]: image and video blocks dropped so far for being longer than a row."""
@@ -389,7 +419,8 @@ class ConsumerStream:
 
     # --- state (its format, and restoring it, in stream_state.py) -------------------------------
     def state_dict(self) -> dict:
-        return save_state(self)
+        return self._fast.state_dict() if self._fast is not None else save_state(self)
 
     def load_state_dict(self, st: dict) -> None:
         load_state(self, st)
+        self._fast = None  # rebuilt from the restored fields at the next batch

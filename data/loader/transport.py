@@ -57,6 +57,10 @@ class SlotRing:
                 return None
             time.sleep(0.001)
 
+    def release(self, i: int) -> None:
+        """Give back a slot acquired but not sent (no batch was packed into it)."""
+        self._flags[i] = _FREE
+
 
 # Trainer side: token -> (data, flags) as numpy views of the ring's shared tensors
 _rings: dict[str, tuple[np.ndarray, np.ndarray]] = {}

@@ -110,11 +110,27 @@ def test_epoch_mode_delivers_every_document_once_across_a_redistribute(
             assert torch.equal(a[key], b[key]), key
 
 
+def _through_redistributes(cfg, tables) -> tuple[list[dict], list]:
+    """2 ranks for 15 steps, then 3 for 6, then 1 for 60: the batches, and the last loaders."""
+    batches, lds = [], loaders(cfg, tables, 2)
+    for n_new, steps in ((3, 15), (1, 6)):
+        for ld in lds:
+            batches += take(ld, steps)
+        states = [ld.state_dict() for ld in lds]
+        if n_new == 1:  # the second redistribute composes with the masks of the first
+            assert any(ws["skip"] for st in states for ws in st["worker_states"].values())
+        lds = onto(states, cfg, tables, n_new)
+    batches += take(lds[0], 60)
+    return batches, lds
+
+
 def test_infinite_mode_repeats_nothing_within_an_epoch_through_redistributes(
     tiny_tokens, monkeypatch
 ):
     """2 ranks, then 3, then 1: every (source, sample, epoch) read at most once, every epoch that
-    all consumers have passed read in full, and the token mix on target."""
+    all consumers have passed read in full, and the token mix on target. Reads are logged on
+    the Python path (the compiled loop reads ahead, and what it read ahead is read again after a
+    restore); the compiled loop then gives the same batches through the same redistributes."""
     reads = []
     read_next = ConsumerStream._read_next  # a new document read (next_doc hands out chunks)
 
@@ -126,17 +142,9 @@ def test_infinite_mode_repeats_nothing_within_an_epoch_through_redistributes(
 
     monkeypatch.setattr(ConsumerStream, "_read_next", logged)
     weights = {"text": 0.5, "scenes": 0.3, "digits": 0.2}
-    cfg = cfg_for(tiny_tokens, weights)
+    cfg = cfg_for(tiny_tokens, weights, compiled_packer=False)
     tables = [load_table(s) for s in cfg.sources]
-    batches, lds = [], loaders(cfg, tables, 2)
-    for n_new, steps in ((3, 15), (1, 6)):
-        for ld in lds:
-            batches += take(ld, steps)
-        states = [ld.state_dict() for ld in lds]
-        if n_new == 1:  # the second redistribute composes with the masks of the first
-            assert any(ws["skip"] for st in states for ws in st["worker_states"].values())
-        lds = onto(states, cfg, tables, n_new)
-    batches += take(lds[0], 60)
+    batches, lds = _through_redistributes(cfg, tables)
     assert len(reads) == len(set(reads))
     for s, t in enumerate(tables):
         passed = lds[0].state_dict()["worker_states"]["0"]["cursors"][s][0]
@@ -146,6 +154,13 @@ def test_infinite_mode_repeats_nothing_within_an_epoch_through_redistributes(
     got = torch.stack([b["tokens_by_source"] for b in batches]).sum(0).double()
     for share, w in zip((got / got.sum()).tolist(), weights.values()):
         assert abs(share - w) < 0.03, (share, w)
+    compiled, compiled_lds = _through_redistributes(cfg_for(tiny_tokens, weights), tables)
+    assert len(compiled) == len(batches)
+    for a, b in zip(batches, compiled):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+    assert compiled_lds[0].state_dict() == lds[0].state_dict()
 
 
 def test_redistribute_refuses_other_data_and_incomplete_worlds(tiny_tokens):
