@@ -42,6 +42,11 @@ class LoaderConfig:
     # Mix and pack in the compiled loop (data/loader/pack_kernel.py; numba). False: the Python
     # path, which packs the same batches ~3x slower (kept for comparison and where numba is absent)
     compiled_packer: bool = True
+    # Where the training stream's batches are expanded into the model's per-token fields (labels,
+    # positions, document and image ids): auto (on the GPU when training on one, else in the
+    # loader) | trainer (always by the trainer, on its device: data/loader/expand_torch.py) |
+    # loader (always in the loader, ten int64 fields a token). Evaluation and probes: loader.
+    expand: str = "auto"
     max_pending: int = 4  # documents held aside while a visual block waits for room
     # Documents are handed to the packer in chunks of at most this many tokens (0: seq_len), the
     # sources interleaved chunk by chunk, so a long document cannot fill many rows in a row.

@@ -72,7 +72,7 @@ class _Consumers(IterableDataset):
                 return
             assert isinstance(batch, PackedBatch)
             batch.worker = worker
-            batch.state = stream.state_dict()
+            batch.state = stream.state()  # a dict, or a snapshot made one when asked for
             yield batch
 
 
@@ -102,7 +102,10 @@ class PackedLoader:
         self.pin = (
             (torch.cuda.is_available() and cfg.pin_memory) if pin_memory is None else pin_memory
         )
-        self.worker_states: dict[int, dict] = {}
+        self._worker_states: dict = {}  # worker -> state dict or snapshot (worker_states)
+        # Batches handed out compact, for the trainer to expand on its device
+        # (data/loader/expand_torch.py); set by the LM task's training stream (data.expand)
+        self.compact = False
         # Which epoch order the cursors index (order.py); a restored state says which it used.
         self.order_version = ORDER_VERSION
         self.rotation = 0
@@ -131,6 +134,7 @@ class PackedLoader:
             order_version=self.order_version,
         )
         s.batch_limit = self.batch_limit
+        s.compact_out = self.compact and not dry
         return s
 
     def _epoch_batches(self) -> int:
@@ -166,7 +170,7 @@ class PackedLoader:
         try:
             for packed in it:
                 rings.add(packed.token)
-                self.worker_states[packed.worker] = packed.state
+                self._worker_states[packed.worker] = packed.state
                 self.handed_out += 1
                 yield packed.to_dict()
         finally:
@@ -184,9 +188,22 @@ class PackedLoader:
         for packed in _Consumers(self):
             if self.pin:
                 packed.pin_memory()  # (its buffer is pinned already: nothing to do)
-            self.worker_states[packed.worker] = packed.state
+            self._worker_states[packed.worker] = packed.state
             self.handed_out += 1
             yield packed.to_dict()
+
+    @property
+    def worker_states(self) -> dict[int, dict]:
+        """Each worker's state after its last batch handed out (snapshots made dicts here)."""
+        states = self._worker_states
+        for w, st in states.items():
+            if not isinstance(st, dict):
+                states[w] = st.to_dict()
+        return states
+
+    @worker_states.setter
+    def worker_states(self, states: dict[int, dict]) -> None:
+        self._worker_states = states
 
     # --- state -----------------------------------------------------------------------------------
     def fingerprint(self) -> str:

@@ -38,18 +38,6 @@ if TYPE_CHECKING:
 _IMAGE, _VIDEO = int(Modality.IMAGE), int(Modality.VIDEO)
 
 
-def _cursor_of(docs: np.ndarray, d: int) -> list[int]:
-    r = docs[d]
-    return [
-        int(r[K.D_SRC]),
-        int(r[K.D_SAMPLE]),
-        int(r[K.D_EPOCH]),
-        int(r[K.D_UNIT]),
-        int(r[K.D_OFF]),
-        int(r[K.D_LIMIT]),
-    ]
-
-
 class FastPath:
     def __init__(self, stream: ConsumerStream) -> None:
         self.stream = stream
@@ -398,40 +386,71 @@ class FastPath:
     # --- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """What ``stream_state.save_state`` saves, read from the arrays."""
-        stream, src, st, docs = self.stream, self.src, self.st, self.docs
-        cursors = [
-            [int(r[K.S_CEPOCH]), int(r[K.S_CPOS]), int(r[K.S_TOKENS]), int(r[K.S_DONE])]
-            for r in src
-        ]
-        dropped = [
-            [s, m, int(src[s, col])]
-            for s in range(len(src))
-            for m, col in ((_IMAGE, K.S_DROP_IMAGE), (_VIDEO, K.S_DROP_VIDEO))
-            if src[s, col]
-        ]
+        return self.snapshot().to_dict()
+
+    def snapshot(self) -> FastState:
+        """The state after the last batch, as copies of the few array rows it needs (a few
+        microseconds; made into ``state_dict``'s lists only when asked for)."""
+        src, st = self.src, self.st
+        rows = [self.pending[: st[K.ST_NPENDING]]]
+        rows += [self.opened[s, : src[s, K.S_NOPEN]] for s in range(len(src))]
+        cursors = self.docs[np.concatenate(rows)][:, _CURSOR_COLS]
+        stream = self.stream
+        return FastState(
+            src[:, _SRC_COLS].copy(),
+            cursors,
+            int(st[K.ST_NPENDING]),
+            st[_STAT_COLS].copy(),
+            stream.batches,
+            stream.errors,
+            stream.tokens_by_modality.copy(),
+            self.skip,
+            stream.order_version,
+        )
+
+
+_CURSOR_COLS = [K.D_SRC, K.D_SAMPLE, K.D_EPOCH, K.D_UNIT, K.D_OFF, K.D_LIMIT]
+_SRC_COLS = [K.S_CEPOCH, K.S_CPOS, K.S_TOKENS, K.S_DONE, K.S_DROP_IMAGE, K.S_DROP_VIDEO]
+_STAT_COLS = [K.ST_STAT_ROWS, K.ST_STAT_REAL, K.ST_STAT_DBLOCKS, K.ST_STAT_DDOCS]
+
+
+class FastState:
+    """A consumer stream's state as a few arrays: what a batch carries from a worker (pickled
+    small) and the loader keeps; ``to_dict`` gives ``stream_state.save_state``'s format."""
+
+    def __init__(self, src, cursors, n_pending, stats, batches, errors, by_modality, skip, order):
+        self.src, self.cursors, self.n_pending, self.stats = src, cursors, n_pending, stats
+        self.batches, self.errors, self.by_modality = batches, errors, by_modality
+        self.skip, self.order = skip, order
+
+    def to_dict(self) -> dict:
+        src = self.src.tolist()
+        cursors = self.cursors.tolist()
+        rows, real, dblocks, ddocs = self.stats.tolist()
         return {
-            "cursors": cursors,
-            "pending": [_cursor_of(docs, d) for d in self.pending[: st[K.ST_NPENDING]]],
-            "open": [
-                _cursor_of(docs, d)
-                for s in range(len(src))
-                for d in self.opened[s, : src[s, K.S_NOPEN]]
+            "cursors": [r[:4] for r in src],
+            "pending": cursors[: self.n_pending],
+            "open": cursors[self.n_pending :],
+            "dropped_by": [
+                [s, m, n]
+                for s, r in enumerate(src)
+                for m, n in ((_IMAGE, r[4]), (_VIDEO, r[5]))
+                if n
             ],
-            "dropped_by": dropped,
-            "batches": stream.batches,
-            "errors": stream.errors,
+            "batches": self.batches,
+            "errors": self.errors,
             "stats": {
-                "rows": int(st[K.ST_STAT_ROWS]),
-                "real_tokens": int(st[K.ST_STAT_REAL]),
-                "dropped_blocks": int(st[K.ST_STAT_DBLOCKS]),
-                "dropped_docs": int(st[K.ST_STAT_DDOCS]),
+                "rows": rows,
+                "real_tokens": real,
+                "dropped_blocks": dblocks,
+                "dropped_docs": ddocs,
             },
-            "tokens_by_modality": stream.tokens_by_modality.tolist(),
+            "tokens_by_modality": self.by_modality.tolist(),
             "skip": [
                 [s, e, m]
                 for s in range(len(src))
                 for e, m in sorted(self.skip[s].items())
-                if e >= src[s, K.S_CEPOCH]
+                if e >= src[s][0]
             ],
-            "order": stream.order_version,
+            "order": self.order,
         }

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from data.loader import LoaderConfig, build_loader, store
+from data.loader.expand_torch import expand_batch
 from data.loader.fit import check_blocks_fit
 from data.loader.table_load import find_manifest
 from data.names import LAYOUT_FILE
@@ -141,7 +142,16 @@ class LMTask:
     def batches(self) -> TokenStream:
         stream = self.stream(self.cfg.data)
         self._loader = stream.loader  # its dropped-block counts go to final.json (finish)
+        stream.loader.compact = self.expands_batches()
         return stream
+
+    def expands_batches(self) -> bool:
+        """Whether the training stream hands out compact batches that ``forward`` expands on the
+        device (``data.expand``; auto: when the device is a GPU)."""
+        how = self.cfg.data.expand
+        if how not in ("auto", "trainer", "loader"):
+            raise ValueError(f"data.expand {how!r}: choose auto, trainer or loader")
+        return how == "trainer" or (how == "auto" and torch.device(self.dist.device).type == "cuda")
 
     def probe_stream(self) -> TokenStream:
         """The probes' rows: the validation sources when the run has them (else the training
@@ -154,7 +164,8 @@ class LMTask:
 
     def forward(self, engine, batch: dict) -> StepOutput:
         dev = self.dist.device
-        inputs = {k: batch[k].to(dev, non_blocking=True) for k in MODEL_INPUTS}
+        batch = expand_batch(batch, dev, MODEL_INPUTS)  # a compact batch expanded on the device
+        inputs = {k: batch[k] for k in MODEL_INPUTS}
         res = engine(**inputs)
         sums = {}
         for i, name in enumerate(MODALITY_NAMES):

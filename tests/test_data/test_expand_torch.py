@@ -1,0 +1,86 @@
+"""A compact batch expanded three ways -- numpy (data/loader/expand.py), compiled
+(expand_kernel.py) and by the trainer in torch (expand_torch.py) -- gives the same fields; a
+loader that hands batches out compact, expanded by ``expand_batch``, gives what a loader that
+expands them gives, in-process and through a worker."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from data.loader import build_loader
+from data.loader.config import LoaderConfig, SourceConfig
+from data.loader.expand import CompactBatch, expand_numpy
+from data.loader.expand_kernel import expand_compiled
+from data.loader.expand_torch import expand_batch, expand_fields, is_compact
+from data.loader.packer import BatchBuffer
+from data.vocab import Modality
+
+SOURCES = ("code", "text", "scenes", "digits", "clips", "docs")
+
+
+def config(tokens, **kw) -> LoaderConfig:
+    return LoaderConfig(
+        sources=[SourceConfig(name=s, shards=[str(tokens / s)]) for s in SOURCES],
+        **{"seq_len": 256, "num_workers": 0, "shuffle_buffer": 8, **kw},
+    )
+
+
+@pytest.mark.parametrize("settings", [{}, {"seq_len": 128, "allow_block_drops": True}])
+def test_numpy_compiled_and_torch_expansions_agree(tiny_tokens, settings):
+    stream = build_loader(config(tiny_tokens, **settings), rank=0, world_size=1, micro_batch=4)
+    stream = stream.make_stream(0)
+    seen_video = seen_images = False
+    for _ in range(12):
+        c = stream.next_batch().compact
+        B, L = c.rows, c.seq_len
+        ids, mod = c.ids.astype(np.int32), c.mod.astype(np.uint8)  # as a worker's slot holds them
+        outs = []
+        for how in (expand_numpy, expand_compiled):
+            buf = BatchBuffer(B, L, 0)
+            how(CompactBatch(B, L, ids, mod, c.segments, c.blocks, c.real), buf.fields)
+            outs.append(buf.split())
+        outs.append(
+            expand_fields(
+                torch.from_numpy(ids).view(B, L),
+                torch.from_numpy(mod).view(B, L),
+                torch.from_numpy(c.segments),
+                torch.from_numpy(c.blocks),
+                torch.from_numpy(c.real),
+                device="cpu",
+            )
+        )
+        for other in outs[1:]:
+            assert other.keys() == outs[0].keys()
+            for key in outs[0]:
+                assert other[key].dtype == torch.int64, key
+                assert torch.equal(outs[0][key], other[key]), key
+        mods = outs[0]["modality"]
+        seen_video |= bool((mods == int(Modality.VIDEO)).any())
+        # images (rows of 256: a second image in a row too)
+        seen_images |= bool((outs[0]["image_ids"] > (-1 if settings else 0)).any())
+    assert seen_images and seen_video == (not settings)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_compact_loader_expanded_by_the_trainer_gives_the_same_batches(tiny_tokens, workers):
+    def batches(compact: bool) -> list[dict]:
+        loader = build_loader(
+            config(tiny_tokens, num_workers=workers), rank=0, world_size=1, micro_batch=3
+        )
+        loader.compact = compact
+        it = iter(loader)
+        out = [next(it) for _ in range(10)]
+        it.close()
+        return out
+
+    full, compact = batches(False), batches(True)
+    for a, b in zip(full, compact):
+        assert is_compact(b) and not is_compact(a)
+        assert b["input_ids"].dtype == torch.int32 and b["modality"].dtype == torch.uint8
+        b = expand_batch(b, "cpu")
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key].dtype == b[key].dtype, key
+            assert torch.equal(a[key], b[key]), key
