@@ -21,6 +21,7 @@ Design choices:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -177,6 +178,7 @@ def expand_numpy(batch: CompactBatch, fields: dict[str, np.ndarray]) -> None:
         thw_flat[2::3] = pos
 
 
+_compiled: Callable[[CompactBatch, dict], None] | None
 try:
     from data.loader.expand_kernel import expand_compiled as _compiled
 except ImportError:  # numba absent: numpy

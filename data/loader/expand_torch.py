@@ -105,12 +105,14 @@ def _visual(blocks, pos, mod, thw, image_ids, n, L, device) -> None:
     thw += shift[:, None]
     # Each block token: its offset in the grid in place of its index in the block
     total = int(size.sum())
-    which = torch.repeat_interleave(torch.arange(len(blocks), device=device), size, output_size=total)
+    which = torch.repeat_interleave(
+        torch.arange(len(blocks), device=device), size, output_size=total
+    )
     q = torch.arange(total, device=device) - torch.repeat_interleave(
         size.cumsum(0) - size, size, output_size=total
     )
     at = start[which] + q
-    bt, bh, bw = t[which], h[which], w[which]
+    bt, bw = t[which], w[which]
     j = (q - 3).clamp(min=0)
     f = j // per_frame[which]
     r = j % per_frame[which] - (bt > 0).long()  # -1: the frame's marker

@@ -26,16 +26,22 @@ import numpy as np
 from numba import typed
 
 from data.loader import pack_kernel as K
-from data.loader.stage_kernel import fill_units, gather_tokens
+from data.loader.expand import CompactBatch
 from data.loader.order import ConsumerSlice
 from data.loader.packer import Doc
-from data.loader.expand import CompactBatch
+from data.loader.shard_check import CheckedShard
+from data.loader.stage_kernel import fill_units, gather_tokens
 from data.vocab import MODALITY_NAMES, Modality
 
 if TYPE_CHECKING:
     from data.loader.stream import ConsumerStream
 
 _IMAGE, _VIDEO = int(Modality.IMAGE), int(Modality.VIDEO)
+
+
+def _tokens_of(doc: Doc) -> tuple[np.ndarray, np.ndarray]:
+    assert doc.ids is not None and doc.mod is not None  # read (never a dry document here)
+    return doc.ids, doc.mod
 
 
 class FastPath:
@@ -99,7 +105,7 @@ class FastPath:
         pending = [row_of(doc) for doc in packer.pending]
         opened = [[row_of(doc) for doc in docs] for docs in stream.open]
         for s, docs in enumerate(by_source):  # staged before the lists refer to them
-            self._stage(s, [(index[id(d)], d.ids, d.mod) for d in docs], [])
+            self._stage(s, [(index[id(d)], *_tokens_of(d)) for d in docs], [])
         self.pending[: len(pending)] = pending
         self.st[K.ST_NPENDING] = len(pending)
         for s, rows in enumerate(opened):
@@ -197,15 +203,14 @@ class FastPath:
         starts = self._starts[s]
         si = np.searchsorted(starts, samples, side="right") - 1
         ok = np.ones(k, bool)
-        shards = {}
+        shards: dict[int, CheckedShard] = {}
         for u in np.unique(si).tolist():
             checked = stream._checked_shard(s, t, u)
-            good = (
+            if (
                 checked is not None
                 and checked.ids_dtype == np.dtype("<i4")
                 and checked.mod_dtype == np.dtype("u1")
-            )
-            if good:
+            ):
                 shards[u] = checked
             else:
                 ok &= si != u
@@ -233,10 +238,21 @@ class FastPath:
         u_at = self.nunits
         out_groups = []
         for mapped, sel, ids_at, mod_at, checked, _j in groups:
-            gu0, gnu, gnb = np.empty(len(sel), np.int64), np.empty(len(sel), np.int64), np.empty(len(sel), np.int64)
+            gu0, gnu, gnb = (
+                np.empty(len(sel), np.int64),
+                np.empty(len(sel), np.int64),
+                np.empty(len(sel), np.int64),
+            )
             u_at = fill_units(
-                self.units, u_at, lengths[sel], bstart[sel], bcount[sel],
-                checked.index.blocks, gu0, gnu, gnb,
+                self.units,
+                u_at,
+                lengths[sel],
+                bstart[sel],
+                bcount[sel],
+                checked.index.blocks,
+                gu0,
+                gnu,
+                gnb,
             )
             u0[sel], nu[sel], nblk[sel] = gu0, gnu, gnb
             out_groups.append((mapped, sel, ids_at, mod_at))
@@ -283,7 +299,7 @@ class FastPath:
                     break
                 continue  # unreadable: skipped and counted by the stream
             d = self._add(doc, (cursor.epoch, cursor.pos))
-            new.append((d, doc.ids, doc.mod))
+            new.append((d, *_tokens_of(doc)))
             order.append(np.asarray([d], np.int64))
             tokens += doc.length
             count += 1

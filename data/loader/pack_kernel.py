@@ -279,7 +279,9 @@ def _place(docs, units, src, ids_l, mod_l, st, out, d, pos, L, drop_document):
         left = units[u, U_END] - at
         if units[u, U_ATOMIC]:
             if left > L:
-                _flush(docs, units, src, ids_l, mod_l, st, out, d, piece_start, doc_start, pos, True, L)
+                _flush(
+                    docs, units, src, ids_l, mod_l, st, out, d, piece_start, doc_start, pos, True, L
+                )
                 if units[u, U_T]:
                     src[docs[d, D_SRC], S_DROP_VIDEO] += 1
                 else:
@@ -402,7 +404,9 @@ def pack_batch(
                     defer[nd] = d
                     nd += 1
                     continue
-                outcome, pos = _place(docs, units, src, ids_l, mod_l, st, out, d, pos, L, drop_document)
+                outcome, pos = _place(
+                    docs, units, src, ids_l, mod_l, st, out, d, pos, L, drop_document
+                )
                 if outcome == _FULL:
                     carry[nc] = d
                     nc += 1

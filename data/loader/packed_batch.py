@@ -99,6 +99,7 @@ class PackedBatch:
                 if self.slot is not None:
                     view = transport.slot(self.token, self.slot, self.ring)
                     c.ids, c.mod = slot_views(view, c.rows, c.seq_len)
+                assert c.ids is not None and c.mod is not None
                 np.copyto(ids.numpy().reshape(-1), c.ids)
                 np.copyto(mod.numpy().reshape(-1), c.mod)
                 if self.slot is not None:

@@ -36,7 +36,11 @@ def fill_units(units, u_at, lengths, bstart, bcount, blocks, u0, nu, nblk):
                 units[u_at, 2] = units[u_at, 3] = units[u_at, 4] = units[u_at, 5] = 0
                 u_at += 1
             units[u_at, 0], units[u_at, 1], units[u_at, 2] = start, end, 1
-            units[u_at, 3], units[u_at, 4], units[u_at, 5] = blocks[b, 2], blocks[b, 3], blocks[b, 4]
+            units[u_at, 3], units[u_at, 4], units[u_at, 5] = (
+                blocks[b, 2],
+                blocks[b, 3],
+                blocks[b, 4],
+            )
             u_at += 1
             pos = end
         if pos < length:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -52,6 +53,9 @@ from data.loader.store import ShardFiles, ShardView
 from data.loader.stream_state import SourceCursor, load_state, save_state
 from data.loader.table import SampleTable
 from data.loader.watchdog import Watchdog, sample_where
+
+if TYPE_CHECKING:
+    from data.loader.fast_stream import FastPath
 from data.tokenize.blocks import visual_blocks
 from data.vocab import MODALITY_NAMES, Modality
 
@@ -101,7 +105,7 @@ class ConsumerStream:
         self.files = ShardFiles(cfg.cache_dir, cfg.cache_limit_gb)
         self._online: OnlineTokenizer | None = None  # built on the first raw document
         self.ring: transport.SlotRing | None = None  # set in a DataLoader worker
-        self._fast = None  # the compiled loop (fast_stream.FastPath), made at the first batch
+        self._fast: FastPath | None = None  # the compiled loop, made at the first batch
         self.compact_out = False  # hand batches out compact (PackedLoader.compact)
         self.pin = False  # in-process: batches expanded into pinned memory (set by the loader)
         self.watchdog = None if dry else Watchdog(cfg.stall_seconds, f"consumer {consumer}")
@@ -410,7 +414,7 @@ class ConsumerStream:
                 out.ring, ring.sent = (ring.data, ring.flags), True
         return out
 
-    def _fast_path(self):
+    def _fast_path(self) -> FastPath | None:
         """The compiled loop (data/loader/fast_stream.py), built from the stream's fields on
         first use; None where it is off (``data.compiled_packer``) or numba is absent."""
         if self._fast is None and self.cfg.compiled_packer:

@@ -79,7 +79,9 @@ def test_the_compiled_loop_packs_what_the_python_path_packs(tiny_tokens, setting
 @pytest.mark.parametrize("first_compiled", [True, False])
 def test_a_state_of_one_path_resumes_in_the_other(tiny_tokens, first_compiled):
     whole, _, _ = run(tiny_tokens, 30, seq_len=512, mix_chunk=96)
-    head, states, _ = run(tiny_tokens, 13, seq_len=512, mix_chunk=96, compiled_packer=first_compiled)
+    head, states, _ = run(
+        tiny_tokens, 13, seq_len=512, mix_chunk=96, compiled_packer=first_compiled
+    )
     assert states[-1]["worker_states"]["0"]["open"] or states[-1]["worker_states"]["0"]["pending"]
     tail, _, _ = run(
         tiny_tokens, 17, states[-1], seq_len=512, mix_chunk=96, compiled_packer=not first_compiled

@@ -34,7 +34,6 @@ import numpy as np
 import torch
 
 from data.loader.expand_torch import expand_batch
-
 from data.vocab import Modality
 from train.callbacks.base import Callback, StepRecord
 from train.tasks.base import StepOutput
