@@ -11,9 +11,16 @@ same row length (concatenate, cut into rows of ``--seq-len``, ids and modalities
 earlyfuse runs its whole loader (index, hashed order, token-weighted mix of the folder's
 sources, SHA-256 and vocabulary checks -- each shard's whole tar and every id when the shard is
 first read, per document where that fails --, packing that keeps visual blocks whole, labels,
-document ids, 1-D and M-RoPE positions, image ids). Its batches leave the packer compact and
-are expanded to those fields inside the timed loop (in-process right after packing; with a
-worker, in this process after the queue), so the comparison counts the whole path.
+document ids, 1-D and M-RoPE positions, image ids), twice:
+
+- ``earlyfuse``: batches handed out compact, as the training stream of a GPU run receives them
+  (``data.expand=auto`` on a GPU): int32 ids and uint8 modalities a token plus the tables of
+  segments and visual blocks; the trainer expands them on the GPU (data/loader/expand_torch.py),
+  which this script does not time. The peers' minimal packers likewise hand out ids and
+  modalities and leave labels and positions to the trainer.
+- ``earlyfuse-expanded``: every field expanded in the loader (ten int64 fields a token), as a
+  CPU run (and evaluation, the probes, the tools) receives them; in-process right after packing,
+  with a worker in this process after the queue.
 
 Two modes: in-process (``num_workers=0``) and one DataLoader worker (the packing runs in the
 worker for every loader; Energon's own ``get_loader`` runs its worker). Timing starts after a
@@ -293,7 +300,7 @@ def peer_batches(name: str, data, workers: int, seq_len: int, rows: int):
     return iter(DataLoader(Dataset(), batch_size=None, num_workers=workers))
 
 
-def ours_batches(tokens: Path, workers: int, seq_len: int, rows: int):
+def ours_batches(tokens: Path, workers: int, seq_len: int, rows: int, *, compact: bool):
     from data.loader import LoaderConfig, SourceConfig, build_loader
 
     manifest = json.loads((tokens / "manifest.json").read_text())
@@ -307,7 +314,9 @@ def ours_batches(tokens: Path, workers: int, seq_len: int, rows: int):
         num_workers=workers,
         mode="infinite",
     )
-    return iter(build_loader(cfg, rank=0, world_size=1, micro_batch=rows))
+    loader = build_loader(cfg, rank=0, world_size=1, micro_batch=rows)
+    loader.compact = compact  # what the LM task sets for a GPU run (data.expand)
+    return iter(loader)
 
 
 def timed(batches, n_tokens: int) -> tuple[float, float]:
@@ -365,12 +374,15 @@ def main(argv=None) -> dict:
             "load_before": os.getloadavg(),
             "modes": {},
         }
-        names = ["earlyfuse", *peers]
+        names = ["earlyfuse", "earlyfuse-expanded", *peers]
         for workers in a.workers:
 
             def run(name, n_tokens, workers=workers):
-                if name == "earlyfuse":
-                    return timed(ours_batches(a.tokens, workers, a.seq_len, a.rows), n_tokens)
+                if name.startswith("earlyfuse"):
+                    batches = ours_batches(
+                        a.tokens, workers, a.seq_len, a.rows, compact=name == "earlyfuse"
+                    )
+                    return timed(batches, n_tokens)
                 return timed(peer_batches(name, data[name], workers, a.seq_len, a.rows), n_tokens)
 
             for name in names:  # warm page cache, imports and the peers' own caches
@@ -391,6 +403,7 @@ def main(argv=None) -> dict:
                     "spread": (max(rates[n]) - min(rates[n])) / med[n],
                     "first_batch_s": statistics.median(starts[n]),
                     "earlyfuse_ratio": med["earlyfuse"] / med[n],
+                    "expanded_ratio": med["earlyfuse-expanded"] / med[n],
                 }
                 for n in names
             }
@@ -398,9 +411,9 @@ def main(argv=None) -> dict:
             for n in names:
                 m = res["modes"][f"workers={workers}"][n]
                 print(
-                    f"  {n:11s} {m['tokens_per_s']:>12,.0f} tokens/s  spread {m['spread']:4.0%}"
+                    f"  {n:18s} {m['tokens_per_s']:>12,.0f} tokens/s  spread {m['spread']:4.0%}"
                     f"  first batch {m['first_batch_s'] * 1e3:6.0f} ms  earlyfuse/this "
-                    f"{m['earlyfuse_ratio']:.2f}x"
+                    f"{m['earlyfuse_ratio']:.2f}x  expanded/this {m['expanded_ratio']:.2f}x"
                 )
         res["load_after"] = os.getloadavg()
         print(json.dumps(res, indent=1))
