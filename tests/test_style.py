@@ -20,9 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Share of short names per package, at most. Measured when the check was added (issue 15):
 # model 9.3 %, data 18.2 %, train 25.1 %, tools 38.1 %; then train 12.8 % and tools 15.0 % after
-# the monitors, checkpointing, report, converters and bench scripts were renamed. Each ceiling
+# the monitors, checkpointing, report, converters and bench scripts were renamed; data 15.0 % after
+# the loader was renamed with its compiled loop (issue 18). Each ceiling
 # leaves about one point for the work in flight. Lower them as packages are cleaned.
-CEILINGS = {"model": 0.10, "data": 0.19, "train": 0.14, "tools": 0.16}
+CEILINGS = {"model": 0.10, "data": 0.16, "train": 0.14, "tools": 0.16}
 
 SHORT = 2  # a name of at most this many characters is short
 

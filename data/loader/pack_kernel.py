@@ -16,7 +16,7 @@ Design choices:
   of ``ConsumerStream.load``) into a queue per source: a row of ``docs`` each, their packing
   units in ``units``, their tokens in a staging array per source (int32 ids, uint8
   modalities). When a queue runs dry mid-batch the kernel returns ``NEED`` with the source, at a
-  point it can resume from (the row being built is kept in ``st``); Python reads more and calls
+  point it can resume from (the row being built is kept in ``state``); Python reads more and calls
   again.
 - All state lives in the arrays below, so the stream's ``state_dict`` reads it from there.
 """
@@ -63,7 +63,7 @@ U_START, U_END, U_ATOMIC, U_T, U_H, U_W = range(6)
     S_DROP_VIDEO,
 ) = range(11)
 N_SRC_COLS = 11
-# st entries (the packer's and the batch's progress)
+# state entries (the packer's and the batch's progress)
 (
     ST_NPENDING,
     ST_ROW_ACTIVE,
@@ -86,44 +86,44 @@ N_SRC_COLS = 11
 ) = range(18)
 N_ST = 18
 # return codes of pack_batch
-OK, NEED, END = 0, 1, 2
+PACKED, NEED, END = 0, 1, 2
 # outcomes of placing a document
 _DONE, _FULL, _BLOCKED = 0, 1, 2
 
 
 @njit(cache=True, inline="always")
-def _position(docs, units, d):
-    u = docs[d, D_UNIT]
-    if u < docs[d, D_NU]:
-        return units[docs[d, D_U0] + u, U_START] + docs[d, D_OFF]
-    return docs[d, D_LEN]
+def _position(docs, units, doc):
+    unit_at = docs[doc, D_UNIT]
+    if unit_at < docs[doc, D_NU]:
+        return units[docs[doc, D_U0] + unit_at, U_START] + docs[doc, D_OFF]
+    return docs[doc, D_LEN]
 
 
 @njit(cache=True, inline="always")
-def _chunk_end(docs, units, d, size):
-    target = min(docs[d, D_LIMIT] + size, docs[d, D_LEN])
-    u0 = docs[d, D_U0]
-    for k in range(u0, u0 + docs[d, D_NU]):
-        if units[k, U_ATOMIC] and units[k, U_START] < target < units[k, U_END]:
-            return units[k, U_END]
+def _chunk_end(docs, units, doc, size):
+    target = min(docs[doc, D_LIMIT] + size, docs[doc, D_LEN])
+    unit0 = docs[doc, D_U0]
+    for idx in range(unit0, unit0 + docs[doc, D_NU]):
+        if units[idx, U_ATOMIC] and units[idx, U_START] < target < units[idx, U_END]:
+            return units[idx, U_END]
     return target
 
 
 @njit(cache=True, inline="always")
-def _ready(docs, units, src, opened, s):
-    """The first open document of source s whose chunk so far is placed (-1: none); documents
+def _ready(docs, units, src, opened, source):
+    """The first open document of ``source`` whose chunk so far is placed (-1: none); documents
     that ended early (dropped) leave the list."""
     i = 0
-    while i < src[s, S_NOPEN]:
-        d = opened[s, i]
-        p = _position(docs, units, d)
-        if p >= docs[d, D_LEN]:
-            n = src[s, S_NOPEN]
-            opened[s, i : n - 1] = opened[s, i + 1 : n].copy()
-            src[s, S_NOPEN] = n - 1
+    while i < src[source, S_NOPEN]:
+        doc = opened[source, i]
+        placed = _position(docs, units, doc)
+        if placed >= docs[doc, D_LEN]:
+            count = src[source, S_NOPEN]
+            opened[source, i : count - 1] = opened[source, i + 1 : count].copy()
+            src[source, S_NOPEN] = count - 1
             continue
-        if p >= docs[d, D_LIMIT]:
-            return d
+        if placed >= docs[doc, D_LIMIT]:
+            return doc
         i += 1
     return -1
 
@@ -131,169 +131,188 @@ def _ready(docs, units, src, opened, s):
 @njit(cache=True, inline="always")
 def _pick_source(docs, units, src, opened, shares, mixed):
     total = 0
-    for s in range(src.shape[0]):
-        total += src[s, S_TOKENS]
+    for source in range(src.shape[0]):
+        total += src[source, S_TOKENS]
     best = -1
     best_gap = 0.0
-    for s in mixed:
-        if src[s, S_DONE] and _ready(docs, units, src, opened, s) < 0:
+    for source in mixed:
+        if src[source, S_DONE] and _ready(docs, units, src, opened, source) < 0:
             continue
-        gap = shares[s] * total - src[s, S_TOKENS]
+        gap = shares[source] * total - src[source, S_TOKENS]
         if best < 0 or gap > best_gap:
-            best, best_gap = s, gap
+            best, best_gap = source, gap
     return best
 
 
 @njit(cache=True, inline="always")
-def _next_doc(docs, units, src, opened, queue, shares, mixed, st, chunk):
+def _next_doc(docs, units, src, opened, queue, shares, mixed, state, chunk):
     """The next chunk's document (its limit moved on); -1 when every source is done, -2 when
-    a source's queue ran dry (st[ST_NEED] says which; nothing was changed)."""
+    a source's queue ran dry (state[ST_NEED] says which; nothing was changed)."""
     while True:
-        s = _pick_source(docs, units, src, opened, shares, mixed)
-        if s < 0:
+        source = _pick_source(docs, units, src, opened, shares, mixed)
+        if source < 0:
             return -1
-        d = _ready(docs, units, src, opened, s)
-        fresh = d < 0
+        doc = _ready(docs, units, src, opened, source)
+        fresh = doc < 0
         if fresh:
-            if src[s, S_QLEN] == 0:
-                if src[s, S_ENDED]:
-                    src[s, S_DONE] = 1
+            if src[source, S_QLEN] == 0:
+                if src[source, S_ENDED]:
+                    src[source, S_DONE] = 1
                     continue
-                st[ST_NEED] = s
+                state[ST_NEED] = source
                 return -2
-            head = src[s, S_QHEAD]
-            d = queue[s, head]
-            src[s, S_QHEAD] = head + 1  # refilled from 0 only when empty: never wraps
-            src[s, S_QLEN] -= 1
-            src[s, S_CEPOCH], src[s, S_CPOS] = docs[d, D_CEPOCH], docs[d, D_CPOS]
-            docs[d, D_LIMIT] = 0
-        start = docs[d, D_LIMIT]
-        docs[d, D_LIMIT] = _chunk_end(docs, units, d, chunk)
-        src[s, S_TOKENS] += docs[d, D_LIMIT] - start
-        if docs[d, D_LIMIT] < docs[d, D_LEN]:
+            head = src[source, S_QHEAD]
+            doc = queue[source, head]
+            src[source, S_QHEAD] = head + 1  # refilled from 0 only when empty: never wraps
+            src[source, S_QLEN] -= 1
+            src[source, S_CEPOCH], src[source, S_CPOS] = docs[doc, D_CEPOCH], docs[doc, D_CPOS]
+            docs[doc, D_LIMIT] = 0
+        start = docs[doc, D_LIMIT]
+        docs[doc, D_LIMIT] = _chunk_end(docs, units, doc, chunk)
+        src[source, S_TOKENS] += docs[doc, D_LIMIT] - start
+        if docs[doc, D_LIMIT] < docs[doc, D_LEN]:
             if fresh:
-                n = src[s, S_NOPEN]
-                opened[s, n] = d
-                src[s, S_NOPEN] = n + 1
+                count = src[source, S_NOPEN]
+                opened[source, count] = doc
+                src[source, S_NOPEN] = count + 1
         elif not fresh:
-            n = src[s, S_NOPEN]
-            for i in range(n):
-                if opened[s, i] == d:
-                    opened[s, i : n - 1] = opened[s, i + 1 : n].copy()
-                    src[s, S_NOPEN] = n - 1
+            count = src[source, S_NOPEN]
+            for i in range(count):
+                if opened[source, i] == doc:
+                    opened[source, i : count - 1] = opened[source, i + 1 : count].copy()
+                    src[source, S_NOPEN] = count - 1
                     break
-        return d
+        return doc
 
 
 @njit(cache=True, inline="always")
-def _blocks_in(docs, units, d, a, b):
-    u0 = docs[d, D_U0]
-    for k in range(u0, u0 + docs[d, D_NU]):
-        if units[k, U_ATOMIC] and units[k, U_START] >= a and units[k, U_END] <= b:
+def _blocks_in(docs, units, doc, doc_a, doc_b):
+    unit0 = docs[doc, D_U0]
+    for idx in range(unit0, unit0 + docs[doc, D_NU]):
+        if units[idx, U_ATOMIC] and units[idx, U_START] >= doc_a and units[idx, U_END] <= doc_b:
             return True
     return False
 
 
 @njit(cache=True, inline="always")
-def _flush(docs, units, src, ids_l, mod_l, st, out, d, ra, a, rb, cut, L):
-    """Doc tokens [a, a + rb - ra) at row positions [ra, rb) as one piece (Packer._flush)."""
+def _flush(docs, units, src, ids_l, mod_l, state, out, doc, row_a, doc_a, row_b, cut, L):
+    """Doc tokens [doc_a, doc_a + row_b - row_a) at row positions [row_a, row_b), one piece
+    (Packer._flush)."""
     out_ids, out_mod, seg, pieces, vis, mod_count = out
-    n = rb - ra
-    if n <= 0:
+    count = row_b - row_a
+    if count <= 0:
         return
-    st[ST_STAT_REAL] += n
-    b = a + n
-    s = docs[d, D_SRC]
-    p0, np_ = st[ST_ROW_P0], st[ST_NPIECES]
+    state[ST_STAT_REAL] += count
+    doc_b = doc_a + count
+    source = docs[doc, D_SRC]
+    piece0, np_ = state[ST_ROW_P0], state[ST_NPIECES]
     last = np_ - 1
-    if st[ST_TAIL] == d and np_ > p0 and pieces[last, 3] == a:
-        pid = last - p0
-        a0 = pieces[last, 2]
-        ra0 = ra - (a - a0)
-        pieces[last, 3] = b
+    if state[ST_TAIL] == doc and np_ > piece0 and pieces[last, 3] == doc_a:
+        pid = last - piece0
+        piece_a = pieces[last, 2]
+        row_piece_a = row_a - (doc_a - piece_a)
+        pieces[last, 3] = doc_b
     else:
-        pid, a0, ra0 = np_ - p0, a, ra
+        pid, piece_a, row_piece_a = np_ - piece0, doc_a, row_a
         pieces[np_, 0], pieces[np_, 1], pieces[np_, 2], pieces[np_, 3] = (
-            s,
-            docs[d, D_SAMPLE],
-            a,
-            b,
+            source,
+            docs[doc, D_SAMPLE],
+            doc_a,
+            doc_b,
         )
-        st[ST_NPIECES] = np_ + 1
-    st[ST_TAIL] = d
-    base = st[ST_ROWS_DONE] * L
-    ids, mod, tok = ids_l[s], mod_l[s], docs[d, D_TOK]
-    out_ids[base + ra : base + rb] = ids[tok + a : tok + b]
-    out_mod[base + ra : base + rb] = mod[tok + a : tok + b]
-    if b < docs[d, D_LEN]:
-        label = IGNORE if cut else ids[tok + b]
-        label_mod = mod[tok + b]
+        state[ST_NPIECES] = np_ + 1
+    state[ST_TAIL] = doc
+    base = state[ST_ROWS_DONE] * L
+    ids, mod, tok = ids_l[source], mod_l[source], docs[doc, D_TOK]
+    out_ids[base + row_a : base + row_b] = ids[tok + doc_a : tok + doc_b]
+    out_mod[base + row_a : base + row_b] = mod[tok + doc_a : tok + doc_b]
+    if doc_b < docs[doc, D_LEN]:
+        label = IGNORE if cut else ids[tok + doc_b]
+        label_mod = mod[tok + doc_b]
     else:
         label, label_mod = IGNORE, TEXT
-    k = st[ST_NSEG]
-    seg[k, 0], seg[k, 1], seg[k, 2], seg[k, 3], seg[k, 4], seg[k, 5] = (
-        base + ra,
-        base + rb,
+    idx = state[ST_NSEG]
+    seg[idx, 0], seg[idx, 1], seg[idx, 2], seg[idx, 3], seg[idx, 4], seg[idx, 5] = (
+        base + row_a,
+        base + row_b,
         pid,
-        a - a0,
+        doc_a - piece_a,
         label,
         label_mod,
     )
-    st[ST_NSEG] = k + 1
-    src[s, S_BATCH_TOKENS] += n
-    if docs[d, D_NBLK] and _blocks_in(docs, units, d, a0, b):
-        v = st[ST_NVIS]
-        if v > 0 and vis[v - 1, 0] == pid:
-            v -= 1
-        vis[v, 0], vis[v, 1], vis[v, 2], vis[v, 3], vis[v, 4] = pid, d, ra0, a0, b
-        st[ST_NVIS] = v + 1
+    state[ST_NSEG] = idx + 1
+    src[source, S_BATCH_TOKENS] += count
+    if docs[doc, D_NBLK] and _blocks_in(docs, units, doc, piece_a, doc_b):
+        slot = state[ST_NVIS]
+        if slot > 0 and vis[slot - 1, 0] == pid:
+            slot -= 1
+        vis[slot, 0], vis[slot, 1], vis[slot, 2], vis[slot, 3], vis[slot, 4] = (
+            pid,
+            doc,
+            row_piece_a,
+            piece_a,
+            doc_b,
+        )
+        state[ST_NVIS] = slot + 1
 
 
 @njit(cache=True, inline="always")
-def _place(docs, units, src, ids_l, mod_l, st, out, d, pos, L, drop_document):
-    """Place as much of document d as fits from pos (Packer._place): (outcome, new pos)."""
-    n_units, unit, offset = docs[d, D_NU], docs[d, D_UNIT], docs[d, D_OFF]
-    limit, length, u0 = docs[d, D_LIMIT], docs[d, D_LEN], docs[d, D_U0]
-    if docs[d, D_NBLK] == 0:  # text only
-        at = offset if unit < n_units else length
-        k = min(L - pos, limit - at) if at < limit else 0
-        if at >= limit:
+def _place(docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_document):
+    """Place as much of document ``doc`` as fits from pos (Packer._place): (outcome, new pos)."""
+    n_units, unit, offset = docs[doc, D_NU], docs[doc, D_UNIT], docs[doc, D_OFF]
+    limit, length, unit0 = docs[doc, D_LIMIT], docs[doc, D_LEN], docs[doc, D_U0]
+    if docs[doc, D_NBLK] == 0:  # text only
+        doc_at = offset if unit < n_units else length
+        idx = min(L - pos, limit - doc_at) if doc_at < limit else 0
+        if doc_at >= limit:
             outcome = _DONE
-        elif k == 0:
+        elif idx == 0:
             outcome = _FULL
-        elif at + k == length:
-            docs[d, D_UNIT], docs[d, D_OFF], outcome = 1, 0, _DONE
+        elif doc_at + idx == length:
+            docs[doc, D_UNIT], docs[doc, D_OFF], outcome = 1, 0, _DONE
         else:
-            docs[d, D_OFF] = at + k
-            outcome = _FULL if at + k < limit else _DONE
-        _flush(docs, units, src, ids_l, mod_l, st, out, d, pos, at, pos + k, False, L)
-        return outcome, pos + k
+            docs[doc, D_OFF] = doc_at + idx
+            outcome = _FULL if doc_at + idx < limit else _DONE
+        _flush(docs, units, src, ids_l, mod_l, state, out, doc, pos, doc_at, pos + idx, False, L)
+        return outcome, pos + idx
     piece_start = pos
-    doc_start = units[u0 + unit, U_START] + offset if unit < n_units else length
+    doc_start = units[unit0 + unit, U_START] + offset if unit < n_units else length
     outcome = _DONE
     while unit < n_units:
-        u = u0 + unit
-        at = units[u, U_START] + offset
-        if at >= limit:
+        unit_at = unit0 + unit
+        doc_at = units[unit_at, U_START] + offset
+        if doc_at >= limit:
             break
-        left = units[u, U_END] - at
-        if units[u, U_ATOMIC]:
+        left = units[unit_at, U_END] - doc_at
+        if units[unit_at, U_ATOMIC]:
             if left > L:
                 _flush(
-                    docs, units, src, ids_l, mod_l, st, out, d, piece_start, doc_start, pos, True, L
+                    docs,
+                    units,
+                    src,
+                    ids_l,
+                    mod_l,
+                    state,
+                    out,
+                    doc,
+                    piece_start,
+                    doc_start,
+                    pos,
+                    True,
+                    L,
                 )
-                if units[u, U_T]:
-                    src[docs[d, D_SRC], S_DROP_VIDEO] += 1
+                if units[unit_at, U_T]:
+                    src[docs[doc, D_SRC], S_DROP_VIDEO] += 1
                 else:
-                    src[docs[d, D_SRC], S_DROP_IMAGE] += 1
+                    src[docs[doc, D_SRC], S_DROP_IMAGE] += 1
                 if drop_document:
-                    st[ST_STAT_DDOCS] += 1
-                    docs[d, D_UNIT], docs[d, D_OFF] = n_units, offset
+                    state[ST_STAT_DDOCS] += 1
+                    docs[doc, D_UNIT], docs[doc, D_OFF] = n_units, offset
                     return _DONE, pos
-                st[ST_STAT_DBLOCKS] += 1
+                state[ST_STAT_DBLOCKS] += 1
                 unit += 1
                 piece_start = pos
-                doc_start = units[u0 + unit, U_START] + offset if unit < n_units else length
+                doc_start = units[unit0 + unit, U_START] + offset if unit < n_units else length
                 continue
             if left > L - pos:
                 outcome = _FULL if pos == L else _BLOCKED
@@ -301,33 +320,33 @@ def _place(docs, units, src, ids_l, mod_l, st, out, d, pos, L, drop_document):
             pos += left
             unit += 1
         else:
-            k = min(left, L - pos, limit - at)
-            if k == 0:
+            idx = min(left, L - pos, limit - doc_at)
+            if idx == 0:
                 outcome = _FULL
                 break
-            pos += k
-            if k == left:
+            pos += idx
+            if idx == left:
                 unit, offset = unit + 1, 0
             else:
-                offset += k
-    docs[d, D_UNIT], docs[d, D_OFF] = unit, offset
-    _flush(docs, units, src, ids_l, mod_l, st, out, d, piece_start, doc_start, pos, False, L)
+                offset += idx
+    docs[doc, D_UNIT], docs[doc, D_OFF] = unit, offset
+    _flush(docs, units, src, ids_l, mod_l, state, out, doc, piece_start, doc_start, pos, False, L)
     return outcome, pos
 
 
 @njit(cache=True, inline="always")
-def _end_row(docs, units, st, out, blocks, real, pos, L, pad_id):
+def _end_row(docs, units, state, out, blocks, real, pos, L, pad_id):
     """A row's padding (one more segment) and its visual blocks (Packer.compact, one row)."""
     out_ids, out_mod, seg, pieces, vis, mod_count = out
-    r = st[ST_ROWS_DONE]
-    base = r * L
-    real[r] = pos
+    row = state[ST_ROWS_DONE]
+    base = row * L
+    real[row] = pos
     if pos < L:
         out_ids[base + pos : base + L] = pad_id
         out_mod[base + pos : base + L] = TEXT
-        npieces = st[ST_NPIECES] - st[ST_ROW_P0]
-        k = st[ST_NSEG]
-        seg[k, 0], seg[k, 1], seg[k, 2], seg[k, 3], seg[k, 4], seg[k, 5] = (
+        npieces = state[ST_NPIECES] - state[ST_ROW_P0]
+        idx = state[ST_NSEG]
+        seg[idx, 0], seg[idx, 1], seg[idx, 2], seg[idx, 3], seg[idx, 4], seg[idx, 5] = (
             base + pos,
             base + L,
             npieces if npieces else -1,
@@ -335,21 +354,21 @@ def _end_row(docs, units, st, out, blocks, real, pos, L, pad_id):
             IGNORE,
             0,
         )
-        st[ST_NSEG] = k + 1
-    nb = st[ST_NBLK]
-    for v in range(st[ST_NVIS]):
-        d, ra, a, b = vis[v, 1], vis[v, 2], vis[v, 3], vis[v, 4]
-        last = base + ra + b - a
-        u0 = docs[d, D_U0]
-        for k in range(u0, u0 + docs[d, D_NU]):
-            if units[k, U_ATOMIC] and units[k, U_START] >= a and units[k, U_END] <= b:
-                blocks[nb, 0] = base + ra + units[k, U_START] - a
-                blocks[nb, 1] = last
-                blocks[nb, 2] = units[k, U_T]
-                blocks[nb, 3] = units[k, U_H]
-                blocks[nb, 4] = units[k, U_W]
-                nb += 1
-    st[ST_NBLK] = nb
+        state[ST_NSEG] = idx + 1
+    n_blocks = state[ST_NBLK]
+    for slot in range(state[ST_NVIS]):
+        doc, row_a, doc_a, doc_b = vis[slot, 1], vis[slot, 2], vis[slot, 3], vis[slot, 4]
+        last = base + row_a + doc_b - doc_a
+        unit0 = docs[doc, D_U0]
+        for idx in range(unit0, unit0 + docs[doc, D_NU]):
+            if units[idx, U_ATOMIC] and units[idx, U_START] >= doc_a and units[idx, U_END] <= doc_b:
+                blocks[n_blocks, 0] = base + row_a + units[idx, U_START] - doc_a
+                blocks[n_blocks, 1] = last
+                blocks[n_blocks, 2] = units[idx, U_T]
+                blocks[n_blocks, 3] = units[idx, U_H]
+                blocks[n_blocks, 4] = units[idx, U_W]
+                n_blocks += 1
+    state[ST_NBLK] = n_blocks
 
 
 @njit(cache=True)
@@ -364,7 +383,7 @@ def pack_batch(
     defer,
     shares,
     mixed,
-    st,
+    state,
     ids_l,
     mod_l,
     out_ids,
@@ -383,83 +402,91 @@ def pack_batch(
     drop_document,
     pad_id,
 ):
-    """Pack rows until the batch has ``B`` (OK), a queue runs dry (NEED: st[ST_NEED] is the
+    """Pack rows until the batch has ``B`` (PACKED), a queue runs dry (NEED: state[ST_NEED] is the
     source; call again once it has documents) or the data ended (END: the incomplete batch is
     held back, as ``ConsumerStream.next_batch`` does)."""
     out = (out_ids, out_mod, seg, pieces, vis, mod_count)
-    if not st[ST_BATCH_ACTIVE]:
-        st[ST_BATCH_ACTIVE] = 1
-        st[ST_ROWS_DONE] = st[ST_NSEG] = st[ST_NBLK] = st[ST_NPIECES] = 0
+    if not state[ST_BATCH_ACTIVE]:
+        state[ST_BATCH_ACTIVE] = 1
+        state[ST_ROWS_DONE] = state[ST_NSEG] = state[ST_NBLK] = state[ST_NPIECES] = 0
         src[:, S_BATCH_TOKENS] = 0
-    while st[ST_ROWS_DONE] < B:
-        if not st[ST_ROW_ACTIVE]:  # a new row: the documents held aside go first
-            st[ST_ROW_ACTIVE] = 1
-            st[ST_ROW_P0] = st[ST_NPIECES]
-            st[ST_TAIL] = -1
-            st[ST_NVIS] = 0
-            pos, nc, nd = 0, 0, 0
-            for i in range(st[ST_NPENDING]):
-                d = pending[i]
+    while state[ST_ROWS_DONE] < B:
+        if not state[ST_ROW_ACTIVE]:  # a new row: the documents held aside go first
+            state[ST_ROW_ACTIVE] = 1
+            state[ST_ROW_P0] = state[ST_NPIECES]
+            state[ST_TAIL] = -1
+            state[ST_NVIS] = 0
+            pos, n_carry, n_defer = 0, 0, 0
+            for i in range(state[ST_NPENDING]):
+                doc = pending[i]
                 if pos == L:
-                    defer[nd] = d
-                    nd += 1
+                    defer[n_defer] = doc
+                    n_defer += 1
                     continue
                 outcome, pos = _place(
-                    docs, units, src, ids_l, mod_l, st, out, d, pos, L, drop_document
+                    docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_document
                 )
                 if outcome == _FULL:
-                    carry[nc] = d
-                    nc += 1
+                    carry[n_carry] = doc
+                    n_carry += 1
                 elif outcome == _BLOCKED:
-                    defer[nd] = d
-                    nd += 1
-            st[ST_NPENDING] = 0
+                    defer[n_defer] = doc
+                    n_defer += 1
+            state[ST_NPENDING] = 0
         else:  # resumed after NEED
-            pos, nc, nd = st[ST_POS], st[ST_NCARRY], st[ST_NDEFER]
-        while pos < L and nd < max_pending:
-            d = _next_doc(docs, units, src, opened, queue, shares, mixed, st, chunk)
-            if d == -2:
-                st[ST_POS], st[ST_NCARRY], st[ST_NDEFER] = pos, nc, nd
+            pos, n_carry, n_defer = state[ST_POS], state[ST_NCARRY], state[ST_NDEFER]
+        while pos < L and n_defer < max_pending:
+            doc = _next_doc(docs, units, src, opened, queue, shares, mixed, state, chunk)
+            if doc == -2:
+                state[ST_POS], state[ST_NCARRY], state[ST_NDEFER] = pos, n_carry, n_defer
                 return NEED
-            if d == -1:
+            if doc == -1:
                 break
-            outcome, pos = _place(docs, units, src, ids_l, mod_l, st, out, d, pos, L, drop_document)
+            outcome, pos = _place(
+                docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_document
+            )
             if outcome == _FULL:
-                carry[nc] = d
-                nc += 1
+                carry[n_carry] = doc
+                n_carry += 1
             elif outcome == _BLOCKED:
-                defer[nd] = d
-                nd += 1
-        pending[:nc] = carry[:nc]
-        pending[nc : nc + nd] = defer[:nd]
-        st[ST_NPENDING] = nc + nd
-        st[ST_ROW_ACTIVE] = 0
-        if pos == 0 and nc + nd == 0:
-            st[ST_BATCH_ACTIVE] = 0
+                defer[n_defer] = doc
+                n_defer += 1
+        pending[:n_carry] = carry[:n_carry]
+        pending[n_carry : n_carry + n_defer] = defer[:n_defer]
+        state[ST_NPENDING] = n_carry + n_defer
+        state[ST_ROW_ACTIVE] = 0
+        if pos == 0 and n_carry + n_defer == 0:
+            state[ST_BATCH_ACTIVE] = 0
             return END
-        st[ST_STAT_ROWS] += 1
-        row_pieces[st[ST_ROWS_DONE]] = st[ST_NPIECES] - st[ST_ROW_P0]
-        _end_row(docs, units, st, out, blocks, real, pos, L, pad_id)
-        st[ST_ROWS_DONE] += 1
-    st[ST_BATCH_ACTIVE] = 0
+        state[ST_STAT_ROWS] += 1
+        row_pieces[state[ST_ROWS_DONE]] = state[ST_NPIECES] - state[ST_ROW_P0]
+        _end_row(docs, units, state, out, blocks, real, pos, L, pad_id)
+        state[ST_ROWS_DONE] += 1
+    state[ST_BATCH_ACTIVE] = 0
     _count_modalities(out_mod, real, L, mod_count)
-    return OK
+    return PACKED
 
 
 @njit(cache=True)
 def _count_modalities(out_mod, real, L, mod_count):
     """Real tokens per modality (data/vocab.py's five: text, code, image, video, structure;
     padding is not counted)."""
-    c0 = c1 = c2 = c3 = c4 = 0
-    for r in range(real.shape[0]):
-        for i in range(r * L, r * L + real[r]):
-            m = out_mod[i]
-            c0 += m == 0
-            c1 += m == 1
-            c2 += m == 2
-            c3 += m == 3
-            c4 += m == 4
-    mod_count[0], mod_count[1], mod_count[2], mod_count[3], mod_count[4] = c0, c1, c2, c3, c4
+    n_text = n_code = n_image = n_video = n_structure = 0
+    for row in range(real.shape[0]):
+        for i in range(row * L, row * L + real[row]):
+            modality = out_mod[i]
+            n_text += modality == 0
+            n_code += modality == 1
+            n_image += modality == 2
+            n_video += modality == 3
+            n_structure += modality == 4
+    mod_count[0], mod_count[1], mod_count[2], mod_count[3], mod_count[4] = (
+        n_text,
+        n_code,
+        n_image,
+        n_video,
+        n_structure,
+    )
 
 
 @njit(cache=True)
@@ -468,12 +495,12 @@ def pieces_table(pieces, row_pieces):
     padded (packed_batch.pieces_of)."""
     B = row_pieces.shape[0]
     most = 0
-    for r in range(B):
-        most = max(most, row_pieces[r])
+    for row in range(B):
+        most = max(most, row_pieces[row])
     out = np.full((B, most, 4), -1, np.int64)
-    k = 0
-    for r in range(B):
-        for j in range(row_pieces[r]):
-            out[r, j, :] = pieces[k, :]
-            k += 1
+    idx = 0
+    for row in range(B):
+        for j in range(row_pieces[row]):
+            out[row, j, :] = pieces[idx, :]
+            idx += 1
     return out

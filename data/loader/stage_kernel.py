@@ -10,36 +10,36 @@ from numba import njit
 
 
 @njit(cache=True)
-def fill_units(units, u_at, lengths, bstart, bcount, blocks, u0, nu, nblk):
+def fill_units(units, u_at, lengths, bstart, bcount, blocks, unit0, n_units, nblk):
     """Write each document's units from ``u_at`` on (``packer.units_of``: text between the
     visual blocks, blocks in order of start); ``u0``/``nu``/``nblk`` get where they lie, how
     many and how many are blocks. Returns the next free unit row."""
-    for j in range(lengths.shape[0]):
-        length, count = lengths[j], bcount[j]
-        u0[j] = u_at
+    for doc in range(lengths.shape[0]):
+        length, count = lengths[doc], bcount[doc]
+        unit0[doc] = u_at
         if count == 0:
-            nblk[j] = 0
+            nblk[doc] = 0
             if length:
                 units[u_at, 0], units[u_at, 1] = 0, length
                 units[u_at, 2] = units[u_at, 3] = units[u_at, 4] = units[u_at, 5] = 0
                 u_at += 1
-            nu[j] = u_at - u0[j]
+            n_units[doc] = u_at - unit0[doc]
             continue
-        first = bstart[j]
+        first = bstart[doc]
         order = np.argsort(blocks[first : first + count, 0], kind="mergesort")
         pos = 0
-        for q in order:
-            b = first + q
-            start, end = blocks[b, 0], blocks[b, 1]
+        for in_order in order:
+            block = first + in_order
+            start, end = blocks[block, 0], blocks[block, 1]
             if start > pos:
                 units[u_at, 0], units[u_at, 1] = pos, start
                 units[u_at, 2] = units[u_at, 3] = units[u_at, 4] = units[u_at, 5] = 0
                 u_at += 1
             units[u_at, 0], units[u_at, 1], units[u_at, 2] = start, end, 1
             units[u_at, 3], units[u_at, 4], units[u_at, 5] = (
-                blocks[b, 2],
-                blocks[b, 3],
-                blocks[b, 4],
+                blocks[block, 2],
+                blocks[block, 3],
+                blocks[block, 4],
             )
             u_at += 1
             pos = end
@@ -47,8 +47,8 @@ def fill_units(units, u_at, lengths, bstart, bcount, blocks, u0, nu, nblk):
             units[u_at, 0], units[u_at, 1] = pos, length
             units[u_at, 2] = units[u_at, 3] = units[u_at, 4] = units[u_at, 5] = 0
             u_at += 1
-        nu[j] = u_at - u0[j]
-        nblk[j] = count
+        n_units[doc] = u_at - unit0[doc]
+        nblk[doc] = count
     return u_at
 
 
@@ -56,7 +56,9 @@ def fill_units(units, u_at, lengths, bstart, bcount, blocks, u0, nu, nblk):
 def gather_tokens(mapped, ids_at, mod_at, lengths, dst, ids_out, mod_out):
     """Copy each document's int32 ids and uint8 modalities out of a shard's map (``mapped``:
     its bytes) to ``dst`` onwards in the staging arrays."""
-    for j in range(lengths.shape[0]):
-        n, a, m, o = lengths[j], ids_at[j], mod_at[j], dst[j]
-        ids_out[o : o + n] = mapped[a : a + 4 * n].view(np.int32)
-        mod_out[o : o + n] = mapped[m : m + n]
+    for doc in range(lengths.shape[0]):
+        length_n, ids_from, mod_from, dst_at = lengths[doc], ids_at[doc], mod_at[doc], dst[doc]
+        ids_out[dst_at : dst_at + length_n] = mapped[ids_from : ids_from + 4 * length_n].view(
+            np.int32
+        )
+        mod_out[dst_at : dst_at + length_n] = mapped[mod_from : mod_from + length_n]
