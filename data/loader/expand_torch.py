@@ -38,9 +38,8 @@ def expand_batch(batch: dict, device, keys=None) -> dict:
     if not is_compact(batch):
         keys = keys if keys is not None else [k for k, v in batch.items() if _per_token(v, batch)]
         return {**batch, **{k: batch[k].to(device, non_blocking=True) for k in keys}}
-    fields = expand_fields(
-        *(batch[k].to(device, non_blocking=True) for k in COMPACT_KEYS), device=device
-    )
+    ids, mod, seg, blocks, real = (batch[k] for k in COMPACT_KEYS)
+    fields = expand_fields(ids, mod, seg, blocks, real, device=device)
     rest = {k: v for k, v in batch.items() if k not in COMPACT_KEYS}
     return {**rest, **fields}
 
@@ -50,11 +49,15 @@ def _per_token(v, batch) -> bool:
 
 
 def expand_fields(ids, mod, seg, blocks, real, *, device) -> dict[str, torch.Tensor]:
-    """input_ids ... position_thw (int64, [rows, L] / [rows, L, 3]) of a compact batch: ids
-    and modalities [rows, L] (any integer dtype), segments [n, 6], blocks [k, 5], real [rows]
-    (data/loader/expand.py's CompactBatch)."""
+    """input_ids ... position_thw (int64, [rows, L] / [rows, L, 3]) on ``device`` of a compact
+    batch given on the CPU: ids and modalities [rows, L] (any integer dtype), segments [n, 6],
+    blocks [k, 5], real [rows] (data/loader/expand.py's CompactBatch). What depends on a block
+    only is worked out on the CPU from its small table; on the device every operation is per
+    token and none waits for the device (no boolean indexing, no size read back)."""
     B, L = ids.shape
     n = B * L
+    plan = _block_plan(blocks, L) if len(blocks) else None
+    ids, mod, seg, real = (x.to(device, non_blocking=True) for x in (ids, mod, seg, real))
     ids = ids.reshape(n).long()
     mod = mod.reshape(n).long()
     starts, ends = seg[:, 0], seg[:, 1]
@@ -66,16 +69,17 @@ def expand_fields(ids, mod, seg, blocks, real, *, device) -> dict[str, torch.Ten
     label_mod[:-1] = mod[1:]
     label_mod[ends - 1] = seg[:, 5]
     doc_ids = torch.repeat_interleave(seg[:, 2], lengths, output_size=n)
-    flat = torch.arange(n, device=device)
-    pos = flat - torch.repeat_interleave(starts - seg[:, 3], lengths, output_size=n)
+    pos = torch.arange(n, device=device) - torch.repeat_interleave(
+        starts - seg[:, 3], lengths, output_size=n
+    )
     padding = (torch.arange(L, device=device)[None, :] >= real[:, None]).reshape(n)
-    labels[padding] = IGNORE
-    label_mod[padding] = _TEXT
-    pos[padding] = 0
+    labels = torch.where(padding, IGNORE, labels)
+    label_mod = torch.where(padding, _TEXT, label_mod)
+    pos = torch.where(padding, 0, pos)
     image_ids = torch.full_like(ids, -1)
     thw = pos[:, None].repeat(1, 3)
-    if len(blocks):
-        _visual(blocks, pos, mod, thw, image_ids, n, L, device)
+    if plan is not None:
+        _visual(plan, pos, mod, thw, image_ids, n, device)
     shape = (B, L)
     return {
         "input_ids": ids.view(shape),
@@ -89,51 +93,66 @@ def expand_fields(ids, mod, seg, blocks, real, *, device) -> dict[str, torch.Ten
     }
 
 
-def _visual(blocks, pos, mod, thw, image_ids, n, L, device) -> None:
+def _block_plan(blocks: torch.Tensor, L: int) -> dict:
+    """Per block, on the CPU (a few dozen rows): its start, where its piece ends, its grid,
+    its length in tokens, how far it moves the position past its length, and its image number
+    in its row (-1: a video); and the blocks' tokens in all."""
+    blocks = blocks.cpu()
     start, last, t, h, w = blocks.unbind(1)
     frames = t.clamp(min=1)
     per_frame = h * (w + 1) + (t > 0).long()  # a video frame starts with its <frame> marker
     size = 3 + frames * per_frame + 1
     extent = 3 + torch.maximum(torch.maximum(frames, h), w + 1)
-    moved = extent + 1 - size  # how far the block moves the position beyond its length
+    number = torch.full_like(t, -1)  # images numbered within their row, in order
+    row, count = -1, 0
+    for k, (begin, grid_t) in enumerate(zip(start.tolist(), t.tolist())):
+        if grid_t == 0:
+            if begin // L != row:
+                row, count = begin // L, 0
+            number[k] = count
+            count += 1
+    return {
+        "start": start,
+        "last": last,
+        "t": t,
+        "w": w,
+        "per_frame": per_frame,
+        "size": size,
+        "extent": extent,
+        "moved": extent + 1 - size,
+        "number": number,
+        "total": int(size.sum()),
+    }
+
+
+def _visual(plan: dict, pos, mod, thw, image_ids, n, device) -> None:
+    on = {k: v.to(device, non_blocking=True) for k, v in plan.items() if k != "total"}
+    total, size = plan["total"], on["size"]
     # Shift of every token: +moved from each block's end to its piece's end (blocks of one piece
     # add up; another piece's are cancelled where theirs ends)
     delta = torch.zeros(n + 1, dtype=torch.long, device=device)
-    delta.index_add_(0, start + size, moved)
-    delta.index_add_(0, last, -moved)
-    shift = delta[:n].cumsum(0)
-    thw += shift[:, None]
+    delta.index_add_(0, on["start"] + size, on["moved"])
+    delta.index_add_(0, on["last"], -on["moved"])
+    thw += delta[:n].cumsum(0)[:, None]
     # Each block token: its offset in the grid in place of its index in the block
-    total = int(size.sum())
-    which = torch.repeat_interleave(
-        torch.arange(len(blocks), device=device), size, output_size=total
-    )
+    which = torch.repeat_interleave(torch.arange(len(size), device=device), size, output_size=total)
     q = torch.arange(total, device=device) - torch.repeat_interleave(
         size.cumsum(0) - size, size, output_size=total
     )
-    at = start[which] + q
-    bt, bw = t[which], w[which]
+    at = on["start"][which] + q
+    video, width = on["t"][which] > 0, on["w"][which] + 1
     j = (q - 3).clamp(min=0)
-    f = j // per_frame[which]
-    r = j % per_frame[which] - (bt > 0).long()  # -1: the frame's marker
-    y, x = r.clamp(min=0) // (bw + 1), r.clamp(min=0) % (bw + 1)
-    off = torch.stack([3 + f, 3 + y, 3 + x], 1)
-    off[r < 0] = torch.stack([3 + f, torch.full_like(f, 3), torch.full_like(f, 3)], 1)[r < 0]
-    head = q < 3  # <boi>/<bov> and the two size tokens
-    off[head] = q[head, None].expand(-1, 3)
-    tail = q == size[which] - 1
-    off[tail] = extent[which][tail, None].expand(-1, 3)
+    frame = j // on["per_frame"][which]
+    cell = j % on["per_frame"][which] - video.long()  # -1: the frame's marker
+    marker = cell < 0
+    grid_y = torch.where(marker, 0, cell.clamp(min=0) // width)
+    grid_x = torch.where(marker, 0, cell.clamp(min=0) % width)
+    off = torch.stack([3 + frame, 3 + grid_y, 3 + grid_x], 1)
+    head = (q < 3)[:, None]  # <boi>/<bov> and the two size tokens: (q, q, q)
+    tail = (q == size[which] - 1)[:, None]  # <eoi>/<eov>: past the largest extent
+    off = torch.where(head, q[:, None], off)
+    off = torch.where(tail, on["extent"][which][:, None], off)
     thw[at] += off - q[:, None]
     # Images: their codes carry the image's number in its row
-    img = torch.nonzero(t == 0).squeeze(1)
-    if len(img):
-        row = start[img] // L
-        first = torch.ones_like(row, dtype=torch.bool)
-        first[1:] = row[1:] != row[:-1]
-        group = first.long().cumsum(0) - 1
-        group_start = torch.nonzero(first).squeeze(1)
-        number = torch.arange(len(img), device=device) - group_start[group]
-        per_block = torch.full((len(blocks),), -1, dtype=torch.long, device=device)
-        per_block[img] = number
-        code = (per_block[which] >= 0) & (mod[at] == _IMAGE)
-        image_ids[at[code]] = per_block[which][code]
+    number = on["number"][which]
+    image_ids[at] = torch.where((number >= 0) & (mod[at] == _IMAGE), number, image_ids[at])
