@@ -173,6 +173,8 @@ def _next_doc(docs, units, src, opened, queue, shares, mixed, state, chunk):
         if docs[doc, D_LIMIT] < docs[doc, D_LEN]:
             if fresh:
                 count = src[source, S_NOPEN]
+                if count == opened.shape[1]:  # bounded by max_pending + 2; never unchecked
+                    raise RuntimeError("pack_kernel: more open documents than max_pending allows")
                 opened[source, count] = doc
                 src[source, S_NOPEN] = count + 1
         elif not fresh:
