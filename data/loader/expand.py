@@ -13,9 +13,11 @@ Design choices:
   queue (reading straight from the worker's slot of shared memory, data/loader/transport.py),
   and in-process right after packing. What it writes is bit for bit what the packer wrote
   field by field before (tools/bench/bench_loader_versions.py --check compares the two).
-- numpy (or compiled with numba, expand_kernel.py), not torch: on this path each torch call costs several microseconds of dispatch, and
-  torch splits large copies over its intra-op threads, which on a loaded machine waited ms for a
-  copy that takes 0.1 ms (data/loader/transport.py). The outputs are torch tensors all the same:
+- numpy (and the same compiled with numba where it is installed, expand_kernel.py: one pass
+  instead of ~13), not torch: on this path each torch call costs several microseconds of
+  dispatch, and torch splits large copies over its intra-op threads, which on a loaded machine
+  waited ms for a copy that takes 0.1 ms (data/loader/transport.py). A GPU run's trainer
+  expands on the GPU instead (expand_torch.py, ``data.expand``). The outputs are torch tensors all the same:
   ``fields`` are numpy views of the batch's one torch buffer (packer.BatchBuffer).
 """
 

@@ -53,11 +53,11 @@ from data.loader.store import ShardFiles, ShardView
 from data.loader.stream_state import SourceCursor, load_state, save_state
 from data.loader.table import SampleTable
 from data.loader.watchdog import Watchdog, sample_where
+from data.tokenize.blocks import visual_blocks
+from data.vocab import MODALITY_NAMES, Modality
 
 if TYPE_CHECKING:
     from data.loader.fast_stream import FastPath
-from data.tokenize.blocks import visual_blocks
-from data.vocab import MODALITY_NAMES, Modality
 
 _TEXT_M = int(Modality.TEXT)
 _NOT_TEXT = [int(m) for m in Modality if m != Modality.TEXT]
@@ -391,7 +391,12 @@ class ConsumerStream:
                 by_modality[m] = np.count_nonzero(mod == m)
             by_modality[_TEXT_M] = real - by_modality.sum()
         else:
-            packed = fast.pack(ids, mod)
+            try:
+                packed = fast.pack(ids, mod)
+            except BaseException:
+                if slot is not None and ring is not None:
+                    ring.release(slot)
+                raise
             if packed is None:
                 if slot is not None and ring is not None:
                     ring.release(slot)
