@@ -5,8 +5,11 @@ into the other, through a worker, and over a shard that fails its check."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -111,3 +114,49 @@ def test_a_shard_that_fails_its_check_is_read_one_by_one_with_the_same_skips(
     errors = [st[-1]["worker_states"]["0"]["errors"] for st in (want_states, got_states)]
     assert 1 <= errors[0] <= errors[1] <= errors[0] + 1
     assert f"sample {key}" in err and f"sample {key}" in capfd.readouterr().err
+
+
+def test_without_numba_the_python_path_gives_the_same_batches(tiny_tokens):
+    """numba is a dependency, but a loader imported where it is missing falls back to the
+    Python path and numpy's expansion (a subprocess with ``numba`` made unimportable)."""
+    script = f"""
+import sys, hashlib
+sys.modules["numba"] = None  # import numba -> ImportError
+import torch
+from data.loader import build_loader
+from data.loader.config import LoaderConfig, SourceConfig
+from data.loader import expand
+assert expand._compiled is None
+cfg = LoaderConfig(sources=[SourceConfig(name=s, shards=[str({str(tiny_tokens)!r}) + "/" + s])
+                            for s in {SOURCES!r}], seq_len=256, num_workers=0, shuffle_buffer=8)
+loader = build_loader(cfg, rank=0, world_size=1, micro_batch=3)
+it = iter(loader)
+h = hashlib.sha256()
+for _ in range(8):
+    batch = next(it)
+    for key in sorted(batch):
+        h.update(key.encode() + batch[key].numpy().tobytes())
+assert loader.make_stream(0)._fast_path() is None and not cfg.compiled_packer
+print(h.hexdigest())
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    ).stdout.split()[-1]
+    loader = build_loader(
+        LoaderConfig(
+            sources=[SourceConfig(name=s, shards=[str(tiny_tokens / s)]) for s in SOURCES],
+            seq_len=256,
+            num_workers=0,
+            shuffle_buffer=8,
+        ),
+        rank=0,
+        world_size=1,
+        micro_batch=3,
+    )
+    it = iter(loader)
+    h = hashlib.sha256()
+    for _ in range(8):
+        batch = next(it)
+        for key in sorted(batch):
+            h.update(key.encode() + batch[key].numpy().tobytes())
+    assert out == h.hexdigest()
