@@ -60,6 +60,10 @@ def expand_fields(seg, blocks, real, ids, mod, labels, label_mod, doc_ids, pos, 
         base = pos[start] + shift
         frames = max(t, 1)
         extent = 3 + max(frames, h, w + 1)
+        size = 3 + frames * (h * (w + 1) + (1 if t else 0)) + 1
+        if start < 0 or start + size > last or last > thw.shape[0]:
+            # numpy's expansion raises on such a block too (a grid that disagrees with its span)
+            raise ValueError("expand: a visual block's grid does not fit where it lies")
         tok = start
         for cell in range(3):  # <boi>/<bov> and the two size tokens
             thw[tok, 0] = base + cell

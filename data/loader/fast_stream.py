@@ -59,12 +59,16 @@ class FastPath:
         self.units = np.zeros((16384, 6), np.int64)
         self.ndocs = self.nunits = 0
         self.src = np.zeros((n_sources, kernel.N_SRC_COLS), np.int64)
-        cap = cfg.max_pending + 2
-        self.opened = np.zeros((n_sources, 2 * cap), np.int64)
+        # Held-aside and open documents: at most max_pending + 2 each in steady state, but a state
+        # redistributed from many consumers onto fewer brings all of theirs (redistribute.py)
+        cap = 2 * (cfg.max_pending + 2)
+        most_open = max((len(docs) for docs in stream.open), default=0)
+        self.opened = np.zeros((n_sources, max(cap, most_open + cap)), np.int64)
+        cap = max(2 * cap, len(packer.pending) + cap)
         self.queue = np.zeros((n_sources, 1024), np.int64)
-        self.pending = np.zeros(4 * cap, np.int64)
-        self.carry = np.zeros(4 * cap, np.int64)
-        self.defer = np.zeros(4 * cap, np.int64)
+        self.pending = np.zeros(cap, np.int64)
+        self.carry = np.zeros(cap, np.int64)
+        self.defer = np.zeros(cap, np.int64)
         self.shares = np.asarray(stream.shares, np.float64)
         self.mixed = np.asarray([source for source, _ in stream._mixed], np.int64)
         self.state = np.zeros(kernel.N_ST, np.int64)
@@ -90,6 +94,14 @@ class FastPath:
             )
             self.src[source, kernel.S_ENDED] = int(cur.done)
             self.src[source, kernel.S_CEPOCH], self.src[source, kernel.S_CPOS] = cur.epoch, cur.pos
+            self.src[source, kernel.S_END_EPOCH], self.src[source, kernel.S_END_POS] = (
+                cur.epoch,
+                cur.pos,
+            )
+        # Skips: counted by the stream when its documents are read ahead; a state counts those
+        # before each source's last document taken (and at its end), as the Python path does
+        self.base_errors = stream.errors
+        self.read_errors = [0] * n_sources
         for (source, modality), count in packer.dropped_by.items():
             self.src[source, kernel.S_DROP_VIDEO if modality == _VIDEO else kernel.S_DROP_IMAGE] = (
                 count
@@ -108,7 +120,7 @@ class FastPath:
 
         def row_of(doc: Doc) -> int:
             if id(doc) not in index:
-                index[id(doc)] = self._add(doc, (-1, -1))
+                index[id(doc)] = self._add(doc, (-1, -1, 0))
                 by_source[doc.source].append(doc)
             return index[id(doc)]
 
@@ -123,7 +135,7 @@ class FastPath:
             self.src[source, kernel.S_NOPEN] = len(rows)
 
     # --- documents into the arrays ----------------------------------------------------------------
-    def _add(self, doc: Doc, cursor: tuple[int, int]) -> int:
+    def _add(self, doc: Doc, cursor: tuple[int, int, int]) -> int:
         """A row of ``docs`` (and its units) for ``doc``; its tokens are staged by ``_stage``."""
         if self.ndocs == len(self.docs):
             self.docs = np.concatenate([self.docs, np.zeros_like(self.docs)])
@@ -301,6 +313,7 @@ class FastPath:
         block[:, kernel.D_U0], block[:, kernel.D_NU], block[:, kernel.D_NBLK] = unit0, n_units, nblk
         block[:, kernel.D_CEPOCH] = cur.epoch
         block[:, kernel.D_CPOS] = cur.pos + 1 + np.arange(n_run)
+        block[:, kernel.D_CERRS] = self.read_errors[source]
         self.ndocs = first_doc + n_run
         cur.pos += n_run
         stream.consecutive_errors = 0
@@ -329,13 +342,18 @@ class FastPath:
                     tokens += int(self.docs[run[0], kernel.D_LEN].sum())
                     count += len(run[0])
                     continue
+            errors = stream.errors
             doc = stream._read_next(source)
+            self.read_errors[source] += stream.errors - errors
             if doc is None:
                 if cursor.done:
                     src[source, kernel.S_ENDED] = 1
+                    src[source, kernel.S_END_EPOCH] = cursor.epoch
+                    src[source, kernel.S_END_POS] = cursor.pos
+                    src[source, kernel.S_END_ERRS] = self.read_errors[source]
                     break
                 continue  # unreadable: skipped and counted by the stream
-            drow = self._add(doc, (cursor.epoch, cursor.pos))
+            drow = self._add(doc, (cursor.epoch, cursor.pos, self.read_errors[source]))
             new.append((drow, *_tokens_of(doc)))
             order.append(np.asarray([drow], np.int64))
             tokens += doc.length
@@ -459,7 +477,7 @@ class FastPath:
             int(state[kernel.ST_NPENDING]),
             state[_STAT_COLS].copy(),
             stream.batches,
-            stream.errors,
+            self.base_errors + int(src[:, kernel.S_CERRS].sum()),
             stream.tokens_by_modality.copy(),
             self.skip,
             stream.order_version,

@@ -44,8 +44,9 @@ TEXT = 0  # Modality.TEXT (data/vocab.py; tests check they agree)
     D_NBLK,
     D_CEPOCH,
     D_CPOS,
-) = range(13)
-N_DOC_COLS = 13
+    D_CERRS,
+) = range(14)
+N_DOC_COLS = 14
 # units columns: start, end, atomic, t, h, w
 U_START, U_END, U_ATOMIC, U_T, U_H, U_W = range(6)
 # src columns (per source)
@@ -61,8 +62,12 @@ U_START, U_END, U_ATOMIC, U_T, U_H, U_W = range(6)
     S_BATCH_TOKENS,
     S_DROP_IMAGE,
     S_DROP_VIDEO,
-) = range(11)
-N_SRC_COLS = 11
+    S_CERRS,
+    S_END_EPOCH,
+    S_END_POS,
+    S_END_ERRS,
+) = range(15)
+N_SRC_COLS = 15
 # state entries (the packer's and the batch's progress)
 (
     ST_NPENDING,
@@ -157,7 +162,13 @@ def _next_doc(docs, units, src, opened, queue, shares, mixed, state, chunk):
         if fresh:
             if src[source, S_QLEN] == 0:
                 if src[source, S_ENDED]:
+                    # where the read-ahead found the end (past any unreadable last documents)
                     src[source, S_DONE] = 1
+                    src[source, S_CEPOCH], src[source, S_CPOS] = (
+                        src[source, S_END_EPOCH],
+                        src[source, S_END_POS],
+                    )
+                    src[source, S_CERRS] = src[source, S_END_ERRS]
                     continue
                 state[ST_NEED] = source
                 return -2
@@ -166,6 +177,7 @@ def _next_doc(docs, units, src, opened, queue, shares, mixed, state, chunk):
             src[source, S_QHEAD] = head + 1  # refilled from 0 only when empty: never wraps
             src[source, S_QLEN] -= 1
             src[source, S_CEPOCH], src[source, S_CPOS] = docs[doc, D_CEPOCH], docs[doc, D_CPOS]
+            src[source, S_CERRS] = docs[doc, D_CERRS]  # the skips read before it, now taken
             docs[doc, D_LIMIT] = 0
         start = docs[doc, D_LIMIT]
         docs[doc, D_LIMIT] = _chunk_end(docs, units, doc, chunk)
@@ -364,6 +376,8 @@ def _end_row(docs, units, state, out, blocks, real, pos, L, pad_id):
         unit0 = docs[doc, D_U0]
         for idx in range(unit0, unit0 + docs[doc, D_NU]):
             if units[idx, U_ATOMIC] and units[idx, U_START] >= doc_a and units[idx, U_END] <= doc_b:
+                if n_blocks == blocks.shape[0]:  # blocks shorter than 4 tokens: a bad index
+                    raise ValueError("pack_kernel: more visual blocks than a batch can hold")
                 blocks[n_blocks, 0] = base + row_a + units[idx, U_START] - doc_a
                 blocks[n_blocks, 1] = last
                 blocks[n_blocks, 2] = units[idx, U_T]

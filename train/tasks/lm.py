@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from data.loader import LoaderConfig, build_loader, store
-from data.loader.expand_torch import expand_batch
+from data.loader.expand_torch import expand_batch, is_compact
 from data.loader.fit import check_blocks_fit
 from data.loader.table_load import find_manifest
 from data.names import LAYOUT_FILE
@@ -164,8 +164,18 @@ class LMTask:
 
     def forward(self, engine, batch: dict) -> StepOutput:
         dev = self.dist.device
+        host = batch
         batch = expand_batch(batch, dev, MODEL_INPUTS)  # a compact batch expanded on the device
         inputs = {k: batch[k] for k in MODEL_INPUTS}
+        # What the labels hold is counted before the model is queued: from the CPU batch, or for a
+        # compact batch from its labels on the device, whose reading back then waits for the few
+        # expansion kernels only (after the forward it would wait for the whole forward pass)
+        labelled = batch if is_compact(host) else host
+        buckets = code_buckets(labelled, self.layout)
+        if self.unigram is not None:
+            uni, _ = self.unigram.nll_sums(
+                labelled["labels"], labelled["label_modality"], self._unigram_lp
+            )
         res = engine(**inputs)
         sums = {}
         for i, name in enumerate(MODALITY_NAMES):
@@ -179,9 +189,6 @@ class LMTask:
             for j, mod in enumerate(DROPPABLE):
                 sums[f"dropped/{name}/{mod}"] = batch["dropped_blocks"][i, j]
         if self.unigram is not None:
-            uni, _ = self.unigram.nll_sums(
-                batch["labels"], batch["label_modality"], self._unigram_lp
-            )
             for i, name in enumerate(MODALITY_NAMES):
                 sums[f"uni_sum/{name}"] = uni[i]
         if res.moe_expert_load is not None:  # [layers, modality, expert] assignments
@@ -189,7 +196,7 @@ class LMTask:
             for i, name in enumerate(MODALITY_NAMES):
                 for e in range(load.shape[1]):
                     sums[f"moe_load/{name}/{e}"] = load[i, e]
-        sums.update(code_buckets(batch, self.layout))
+        sums.update(buckets)
         sums["z_loss_sum"] = res.z_loss.detach()
         sums["aux_loss_sum"] = res.aux_loss.detach()
         sums["moe_dropped"] = res.moe_dropped.detach()
