@@ -43,10 +43,13 @@ class LoaderConfig:
     # path, which packs the same batches ~3x slower (kept for comparison and where numba is absent)
     compiled_packer: bool = True
     # Where the training stream's batches are expanded into the model's per-token fields (labels,
-    # positions, document and image ids): auto (on the GPU when training on one, else in the
-    # loader) | trainer (always by the trainer, on its device: data/loader/expand_torch.py) |
-    # loader (always in the loader, ten int64 fields a token). Evaluation and probes: loader.
-    expand: str = "auto"
+    # positions, document and image ids): loader (compiled, in the loader: ten int64 fields a
+    # token) | trainer (the loader hands out ids, modalities and two small tables; the LM task
+    # expands them on its device, data/loader/expand_torch.py). On an H200 the trainer's way
+    # cost its process ~1.5 ms a batch of 8 x 2,048, 8x the loader's way (expanding on the CPU
+    # and copying; tools/bench/bench_expand_device.py), so loader is the default. Evaluation
+    # and probes: always loader.
+    expand: str = "loader"
     max_pending: int = 4  # documents held aside while a visual block waits for room
     # Documents are handed to the packer in chunks of at most this many tokens (0: seq_len), the
     # sources interleaved chunk by chunk, so a long document cannot fill many rows in a row.

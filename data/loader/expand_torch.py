@@ -2,14 +2,17 @@
 takes: the same values as ``expand.expand`` (tests/test_data/test_expand_torch.py compares them).
 
 Design choices:
-- Why: a loader that hands the trainer ten int64 fields a token spends most of its CPU time
-  writing them (~1.3 MB a batch of 8 x 2,048) and copying them to the GPU; the compact batch is
-  5 bytes a token plus two small tables, and expanding it is a few dozen vector operations,
-  microseconds on a GPU. What the peers of the field hand out is ids (and here modalities) too;
-  their trainers shift labels and compute positions on the device as well.
-- Which runs use it: the training stream of an LM run whose device is a GPU (``data.expand:
-  auto``), or any run with ``data.expand: trainer`` (on CPU too: how the tests run this path).
-  Evaluation, the probes and tools read fully expanded batches from their own loaders.
+- Why it exists: a loader that hands the trainer ten int64 fields a token spends much of its
+  CPU time writing them (~1.3 MB a batch of 8 x 2,048); the compact batch is 5 bytes a token
+  plus two small tables. What the peers of the field hand out is ids (and here modalities);
+  their trainers shift labels and compute positions themselves.
+- Why it is not the default (``data.expand: loader``): measured on an H200
+  (tools/bench/bench_expand_device.py), these ~40 small operations cost the trainer's process
+  1.4-1.7 ms a batch of 8 x 2,048 (kernel launches and the small tables' copies), 7.6-8.7x
+  what expanding the batch on the CPU and queueing its 1.3 MB copy from pinned memory cost. Kept as
+  ``data.expand: trainer`` for batches whose CPU expansion would cost more than that, and tested
+  on the CPU (a debug run trains bit-identically either way). Evaluation, the probes and tools
+  read fully expanded batches.
 - Vectorised without a loop over blocks: M-RoPE's shift after a visual block is a cumulative
   sum of +shift at the block's end and -shift at its piece's end; each block token's (t, h, w)
   offset follows from its index in the block and the block's grid.

@@ -169,9 +169,9 @@ def test_blocks_longer_than_a_row_stop_the_run_or_are_counted_when_allowed(tiny_
 def test_batches_expanded_by_the_trainer_train_exactly_as_batches_expanded_by_the_loader(
     tiny_tokens, tmp_path
 ):
-    """data.expand=trainer (what a GPU run does: the loader hands out compact batches, the LM
-    task expands them on its device, data/loader/expand_torch.py) against data.expand=loader:
-    the same losses, per modality too, at every step."""
+    """data.expand=trainer (the loader hands out compact batches, the LM task expands them on
+    its device, data/loader/expand_torch.py) against data.expand=loader (the default): the same
+    losses, per modality too, at every step."""
     runs = {}
     for how in ("loader", "trainer"):
         train(base(tiny_tokens, tmp_path / how, 8, f"data.expand={how}"))

@@ -147,11 +147,11 @@ class LMTask:
 
     def expands_batches(self) -> bool:
         """Whether the training stream hands out compact batches that ``forward`` expands on the
-        device (``data.expand``; auto: when the device is a GPU)."""
+        device (``data.expand=trainer``)."""
         how = self.cfg.data.expand
-        if how not in ("auto", "trainer", "loader"):
-            raise ValueError(f"data.expand {how!r}: choose auto, trainer or loader")
-        return how == "trainer" or (how == "auto" and torch.device(self.dist.device).type == "cuda")
+        if how not in ("trainer", "loader"):
+            raise ValueError(f"data.expand {how!r}: choose loader or trainer")
+        return how == "trainer"
 
     def probe_stream(self) -> TokenStream:
         """The probes' rows: the validation sources when the run has them (else the training
