@@ -17,9 +17,7 @@ def expand_fields(seg, blocks, real, ids, mod, labels, label_mod, doc_ids, pos, 
     for seg_i in range(seg.shape[0]):
         seg_a, seg_b, piece, offset = seg[seg_i, 0], seg[seg_i, 1], seg[seg_i, 2], seg[seg_i, 3]
         position = offset
-        for tok in range(seg_a, seg_b - 1):
-            labels[tok] = ids[tok + 1]
-            label_mod[tok] = mod[tok + 1]
+        for tok in range(seg_a, seg_b):
             doc_ids[tok] = piece
             pos[tok] = position
             image_ids[tok] = -1
@@ -27,16 +25,12 @@ def expand_fields(seg, blocks, real, ids, mod, labels, label_mod, doc_ids, pos, 
             thw[tok, 1] = position
             thw[tok, 2] = position
             position += 1
+        for tok in range(seg_a, seg_b - 1):  # the next token; the segment's last: its own label
+            labels[tok] = ids[tok + 1]
+            label_mod[tok] = mod[tok + 1]
         if seg_b > seg_a:
-            tok = seg_b - 1
-            labels[tok] = seg[seg_i, 4]
-            label_mod[tok] = seg[seg_i, 5]
-            doc_ids[tok] = piece
-            pos[tok] = position
-            image_ids[tok] = -1
-            thw[tok, 0] = position
-            thw[tok, 1] = position
-            thw[tok, 2] = position
+            labels[seg_b - 1] = seg[seg_i, 4]
+            label_mod[seg_b - 1] = seg[seg_i, 5]
     for row_i in range(real.shape[0]):  # padding: positions 0, nothing to predict
         for tok in range(row_i * L + real[row_i], (row_i + 1) * L):
             labels[tok] = IGNORE

@@ -387,6 +387,23 @@ def _end_row(docs, units, state, out, blocks, real, pos, L, pad_id):
     state[ST_NBLK] = n_blocks
 
 
+@njit(cache=True, inline="always")
+def _place_held(
+    docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_document,
+    carry, defer, n_carry, n_defer,
+):  # fmt: skip
+    """``_place``, then the document held aside when it filled the row (carried into the next)
+    or a block of it must wait (deferred), as ``Packer.pack`` does: (pos, carried, deferred)."""
+    outcome, pos = _place(docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_document)
+    if outcome == _FULL:
+        carry[n_carry] = doc
+        n_carry += 1
+    elif outcome == _BLOCKED:
+        defer[n_defer] = doc
+        n_defer += 1
+    return pos, n_carry, n_defer
+
+
 @njit(cache=True)
 def pack_batch(
     docs,
@@ -439,15 +456,10 @@ def pack_batch(
                     defer[n_defer] = doc
                     n_defer += 1
                     continue
-                outcome, pos = _place(
-                    docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_document
-                )
-                if outcome == _FULL:
-                    carry[n_carry] = doc
-                    n_carry += 1
-                elif outcome == _BLOCKED:
-                    defer[n_defer] = doc
-                    n_defer += 1
+                pos, n_carry, n_defer = _place_held(
+                    docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_document,
+                    carry, defer, n_carry, n_defer,
+                )  # fmt: skip
             state[ST_NPENDING] = 0
         else:  # resumed after NEED
             pos, n_carry, n_defer = state[ST_POS], state[ST_NCARRY], state[ST_NDEFER]
@@ -458,15 +470,10 @@ def pack_batch(
                 return NEED
             if doc == -1:
                 break
-            outcome, pos = _place(
-                docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_document
-            )
-            if outcome == _FULL:
-                carry[n_carry] = doc
-                n_carry += 1
-            elif outcome == _BLOCKED:
-                defer[n_defer] = doc
-                n_defer += 1
+            pos, n_carry, n_defer = _place_held(
+                docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_document,
+                carry, defer, n_carry, n_defer,
+            )  # fmt: skip
         pending[:n_carry] = carry[:n_carry]
         pending[n_carry : n_carry + n_defer] = defer[:n_defer]
         state[ST_NPENDING] = n_carry + n_defer

@@ -5,11 +5,11 @@ into the other, through a worker, and over a shard that fails its check."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -167,47 +167,23 @@ def test_a_state_redistributed_onto_fewer_consumers_resumes_in_the_compiled_loop
     assert out[0][1] == out[1][1]
 
 
-def test_without_numba_the_python_path_gives_the_same_batches(tiny_tokens):
+def test_without_numba_the_python_path_gives_the_same_batches(tiny_tokens, tmp_path):
     """numba is a dependency, but a loader imported where it is missing falls back to the
     Python path and numpy's expansion (a subprocess with ``numba`` made unimportable)."""
+    here = Path(__file__).resolve().parent
     script = f"""
-import sys, hashlib
+import sys
 sys.modules["numba"] = None  # import numba -> ImportError
+sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]
 import torch
-from data.loader import build_loader
-from data.loader.config import LoaderConfig, SourceConfig
+from pathlib import Path
 from data.loader import expand
+from test_pack_kernel import run
 assert expand._compiled is None
-cfg = LoaderConfig(sources=[SourceConfig(name=s, shards=[str({str(tiny_tokens)!r}) + "/" + s])
-                            for s in {SOURCES!r}], seq_len=256, num_workers=0, shuffle_buffer=8)
-loader = build_loader(cfg, rank=0, world_size=1, micro_batch=3)
-it = iter(loader)
-h = hashlib.sha256()
-for _ in range(8):
-    batch = next(it)
-    for key in sorted(batch):
-        h.update(key.encode() + batch[key].numpy().tobytes())
-assert loader.make_stream(0)._fast_path() is None and not cfg.compiled_packer
-print(h.hexdigest())
+batches, _, loader = run(Path({str(tiny_tokens)!r}), 8)
+assert loader.make_stream(0)._fast_path() is None and not loader.cfg.compiled_packer
+torch.save(batches, {str(tmp_path / "batches.pt")!r})
 """
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, check=True
-    ).stdout.split()[-1]
-    loader = build_loader(
-        LoaderConfig(
-            sources=[SourceConfig(name=s, shards=[str(tiny_tokens / s)]) for s in SOURCES],
-            seq_len=256,
-            num_workers=0,
-            shuffle_buffer=8,
-        ),
-        rank=0,
-        world_size=1,
-        micro_batch=3,
-    )
-    it = iter(loader)
-    h = hashlib.sha256()
-    for _ in range(8):
-        batch = next(it)
-        for key in sorted(batch):
-            h.update(key.encode() + batch[key].numpy().tobytes())
-    assert out == h.hexdigest()
+    subprocess.run([sys.executable, "-c", script], check=True)
+    without = torch.load(tmp_path / "batches.pt")
+    assert_same(run(tiny_tokens, 8)[0], without)
