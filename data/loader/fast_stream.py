@@ -2,16 +2,13 @@
 arrays it works on, how documents reach them, and the stream's state read back from them.
 
 Design choices:
-- Documents are read by the stream's own ``_read_next`` (order, epochs, the whole-shard and
-  per-document checks, skips and their log lines: all unchanged), a few batches' worth of one
-  source at a time, when the kernel says that source's queue ran dry. Their tokens are copied
-  into that source's staging arrays (int32 ids, uint8 modalities; documents still being placed
-  are carried over), so the kernel reads every document from one place whatever shard or
-  kind it came from.
+- Documents reach the arrays a few batches of one source at a time, when the kernel says that
+  source's queue ran dry (fast_intake.py says how).
 - Reading ahead moves the stream's cursors (``stream.cursors``) past what has been packed; the
   cursor a saved state holds is the one recorded with the last document the kernel took from
-  each queue. Read errors are therefore counted when a document is read ahead, not when it
-  would have been packed; the batches are the same.
+  each queue, and its skips those read before that document (or before the source's end), as
+  the Python path counts them.
+- The state after each batch is a snapshot of a few array rows (fast_state.py).
 - The stream's Python fields (``open``, ``packer.pending``, ``packer.stats``, ``cursors``) are
   the starting point (a fresh stream or a restored state) and are not kept up to date while
   the kernel runs: ``state_dict`` reads the kernel's arrays. Restoring a state drops this
@@ -26,25 +23,20 @@ import numpy as np
 from numba import typed
 
 from data.loader import pack_kernel as kernel
+from data.loader.batch_tables import count_modalities, pieces_table
 from data.loader.expand import CompactBatch
-from data.loader.order import ConsumerSlice
+from data.loader.fast_intake import DocumentIntake, tokens_of
+from data.loader.fast_state import CURSOR_COLS, SRC_COLS, STAT_COLS, FastState
 from data.loader.packer import Doc
-from data.loader.shard_check import CheckedShard
-from data.loader.stage_kernel import fill_units, gather_tokens
 from data.vocab import MODALITY_NAMES, Modality
 
 if TYPE_CHECKING:
     from data.loader.stream import ConsumerStream
 
-_IMAGE, _VIDEO = int(Modality.IMAGE), int(Modality.VIDEO)
+_VIDEO = int(Modality.VIDEO)
 
 
-def _tokens_of(doc: Doc) -> tuple[np.ndarray, np.ndarray]:
-    assert doc.ids is not None and doc.mod is not None  # read (never a dry document here)
-    return doc.ids, doc.mod
-
-
-class FastPath:
+class FastPath(DocumentIntake):
     def __init__(self, stream: ConsumerStream) -> None:
         self.stream = stream
         cfg, packer = stream.cfg, stream.packer
@@ -80,7 +72,6 @@ class FastPath:
         self.pieces = np.zeros((size, 4), np.int64)
         self.row_pieces = np.zeros(self.B, np.int64)
         self.vis = np.zeros((self.L, 5), np.int64)
-        self.mod_count = np.zeros(len(MODALITY_NAMES), np.int64)
         # Per source: where each shard's samples start (token tables; runs of checked shards)
         self._starts = [
             np.asarray(getattr(table, "starts", [0]), np.int64) for table in stream.tables
@@ -127,274 +118,12 @@ class FastPath:
         pending = [row_of(doc) for doc in packer.pending]
         opened = [[row_of(doc) for doc in docs] for docs in stream.open]
         for source, docs in enumerate(by_source):  # staged before the lists refer to them
-            self._stage(source, [(index[id(doc)], *_tokens_of(doc)) for doc in docs], [])
+            self._stage(source, [(index[id(doc)], *tokens_of(doc)) for doc in docs], [])
         self.pending[: len(pending)] = pending
         self.state[kernel.ST_NPENDING] = len(pending)
         for source, rows in enumerate(opened):
             self.opened[source, : len(rows)] = rows
             self.src[source, kernel.S_NOPEN] = len(rows)
-
-    # --- documents into the arrays ----------------------------------------------------------------
-    def _add(self, doc: Doc, cursor: tuple[int, int, int]) -> int:
-        """A row of ``docs`` (and its units) for ``doc``; its tokens are staged by ``_stage``."""
-        if self.ndocs == len(self.docs):
-            self.docs = np.concatenate([self.docs, np.zeros_like(self.docs)])
-        n_units = len(doc.units)
-        while self.nunits + n_units > len(self.units):
-            self.units = np.concatenate([self.units, np.zeros_like(self.units)])
-        drow, unit0 = self.ndocs, self.nunits
-        for at, unit in enumerate(doc.units, unit0):
-            self.units[at] = (unit.start, unit.end, int(unit.atomic), unit.t, unit.h, unit.w)
-        self.docs[drow] = (
-            doc.source,
-            doc.sample,
-            doc.epoch,
-            doc.length,
-            doc.unit,
-            doc.offset,
-            doc.limit,
-            0,
-            unit0,
-            n_units,
-            len(doc.blocks),
-            *cursor,
-        )
-        self.ndocs, self.nunits = drow + 1, unit0 + n_units
-        return drow
-
-    def _live(self, source: int) -> list[int]:
-        """Rows of source ``source``'s documents whose tokens may still be placed (no repeats)."""
-        src, state = self.src, self.state
-        rows = list(self.opened[source, : src[source, kernel.S_NOPEN]])
-        rows += list(self.pending[: state[kernel.ST_NPENDING]])
-        if state[kernel.ST_ROW_ACTIVE]:
-            rows += list(self.carry[: state[kernel.ST_NCARRY]]) + list(
-                self.defer[: state[kernel.ST_NDEFER]]
-            )
-        head = src[source, kernel.S_QHEAD]
-        rows += list(self.queue[source, head : head + src[source, kernel.S_QLEN]])
-        seen: dict[int, None] = {}
-        for drow in rows:
-            if self.docs[drow, kernel.D_SRC] == source:
-                seen[int(drow)] = None
-        return list(seen)
-
-    def _stage(
-        self, source: int, new: list[tuple[int, np.ndarray, np.ndarray]], runs: list
-    ) -> None:
-        """Source ``source``'s staging arrays: its live documents' tokens, then the new documents':
-        ``new`` (row, ids, modalities) read one by one and ``runs`` (``_fast_run``) in order."""
-        old_ids, old_mod = self.ids_l[source], self.mod_l[source]
-        live = self._live(source)
-        rows = np.asarray(live + [drow for drow, _, _ in new], np.int64)
-        for run in runs:
-            rows = np.concatenate([rows, run[0]])
-        lengths = self.docs[rows, kernel.D_LEN]
-        starts_at = np.cumsum(lengths) - lengths
-        old_at = self.docs[rows[: len(live)], kernel.D_TOK]
-        self.docs[rows, kernel.D_TOK] = starts_at
-        ids = np.empty(int(lengths.sum()), np.int32)
-        mod = np.empty(len(ids), np.uint8)
-        for drow, old_start, size in zip(live, old_at.tolist(), lengths[: len(live)].tolist()):
-            offset = int(self.docs[drow, kernel.D_TOK])
-            ids[offset : offset + size], mod[offset : offset + size] = (
-                old_ids[old_start : old_start + size],
-                old_mod[old_start : old_start + size],
-            )
-        for drow, doc_ids, doc_mod in new:
-            offset = int(self.docs[drow, kernel.D_TOK])
-            ids[offset : offset + len(doc_ids)], mod[offset : offset + len(doc_ids)] = (
-                doc_ids,
-                doc_mod,
-            )
-        for run_rows, groups in runs:
-            for mapped, sel, ids_at, mod_at in groups:
-                drow = run_rows[sel]
-                gather_tokens(
-                    mapped,
-                    ids_at,
-                    mod_at,
-                    self.docs[drow, kernel.D_LEN],
-                    self.docs[drow, kernel.D_TOK],
-                    ids,
-                    mod,
-                )
-        self.ids_l[source], self.mod_l[source] = ids, mod
-
-    def _fast_run(self, source: int, most: int):
-        """The next documents of source ``source`` (at most ``most``, in one epoch) that lie in
-        shards that passed the whole-shard check, added as rows without a ``Doc`` each:
-        (their rows, per shard (map bytes, which of them, where their ids and modalities
-        start)) -- None when the next document is not such (it is read one by one)."""
-        stream = self.stream
-        table, cur = stream.tables[source], stream.cursors[source]
-        order_slice = stream._slices.get((source, cur.epoch))
-        if order_slice is None:
-            order_slice = stream._slice(source, cur.epoch)
-        n_run = min(len(order_slice) - cur.pos, most)
-        if n_run <= 0:
-            return None
-        if isinstance(order_slice, ConsumerSlice):
-            samples = order_slice.take(cur.pos, cur.pos + n_run)
-        else:  # a redistributed epoch, or an order version 1 state: the slice as an array
-            samples = np.asarray(order_slice[cur.pos : cur.pos + n_run], np.int64)
-        starts = self._starts[source]
-        shard_of = np.searchsorted(starts, samples, side="right") - 1
-        usable = np.ones(n_run, bool)
-        shards: dict[int, CheckedShard] = {}
-        for shard in np.unique(shard_of).tolist():
-            checked = stream._checked_shard(source, table, shard)
-            if (
-                checked is not None
-                and checked.ids_dtype == np.dtype("<i4")
-                and checked.mod_dtype == np.dtype("u1")
-            ):
-                shards[shard] = checked
-            else:
-                usable &= shard_of != shard
-        if not usable.all():  # the run ends before the first document it cannot take
-            n_run = int(np.argmin(usable))
-        if n_run == 0:
-            return None
-        samples, shard_of = samples[:n_run], shard_of[:n_run]
-        in_shards = samples - starts[shard_of]
-        lengths = np.empty(n_run, np.int64)
-        bstart, bcount = np.empty(n_run, np.int64), np.empty(n_run, np.int64)
-        groups = []
-        for shard in np.unique(shard_of).tolist():
-            checked = shards[shard]
-            sel = np.flatnonzero(shard_of == shard)
-            in_shard = in_shards[sel]
-            lengths[sel] = checked.lengths[in_shard]
-            bstart[sel], bcount[sel] = checked.block_start[in_shard], checked.block_count[in_shard]
-            mapped = np.frombuffer(checked.mapped, np.uint8)
-            groups.append(
-                (mapped, sel, checked.ids_at[in_shard], checked.mod_at[in_shard], checked)
-            )
-        # rows of docs, then units (per shard: its blocks table)
-        first_doc = self.ndocs
-        self._reserve(n_run, int((2 * bcount + 1).sum()))
-        rows = np.arange(first_doc, first_doc + n_run, dtype=np.int64)
-        unit0, n_units, nblk = (
-            np.empty(n_run, np.int64),
-            np.empty(n_run, np.int64),
-            np.empty(n_run, np.int64),
-        )
-        u_at = self.nunits
-        out_groups = []
-        for mapped, sel, ids_at, mod_at, checked in groups:
-            gu0, gnu, gnb = (
-                np.empty(len(sel), np.int64),
-                np.empty(len(sel), np.int64),
-                np.empty(len(sel), np.int64),
-            )
-            u_at = fill_units(
-                self.units,
-                u_at,
-                lengths[sel],
-                bstart[sel],
-                bcount[sel],
-                checked.index.blocks,
-                gu0,
-                gnu,
-                gnb,
-            )
-            unit0[sel], n_units[sel], nblk[sel] = gu0, gnu, gnb
-            out_groups.append((mapped, sel, ids_at, mod_at))
-        self.nunits = u_at
-        block = self.docs[first_doc : first_doc + n_run]
-        block[:, kernel.D_SRC], block[:, kernel.D_SAMPLE], block[:, kernel.D_EPOCH] = (
-            source,
-            samples,
-            cur.epoch,
-        )
-        block[:, kernel.D_LEN], block[:, kernel.D_UNIT], block[:, kernel.D_OFF] = lengths, 0, 0
-        block[:, kernel.D_LIMIT], block[:, kernel.D_TOK] = lengths, 0
-        block[:, kernel.D_U0], block[:, kernel.D_NU], block[:, kernel.D_NBLK] = unit0, n_units, nblk
-        block[:, kernel.D_CEPOCH] = cur.epoch
-        block[:, kernel.D_CPOS] = cur.pos + 1 + np.arange(n_run)
-        block[:, kernel.D_CERRS] = self.read_errors[source]
-        self.ndocs = first_doc + n_run
-        cur.pos += n_run
-        stream.consecutive_errors = 0
-        return rows, out_groups
-
-    def _reserve(self, docs: int, units: int) -> None:
-        while self.ndocs + docs > len(self.docs):
-            self.docs = np.concatenate([self.docs, np.zeros_like(self.docs)])
-        while self.nunits + units > len(self.units):
-            self.units = np.concatenate([self.units, np.zeros_like(self.units)])
-
-    def _refill(self, source: int) -> None:
-        """Read source ``source``'s next documents into its (empty) queue: runs of checked shards'
-        documents at once, any other one by one through the stream (which checks, skips and
-        counts as always)."""
-        stream, src = self.stream, self.src
-        cursor = stream.cursors[source]
-        new, runs, order, tokens, count = [], [], [], 0, 0
-        cap = self.queue.shape[1]
-        while tokens < self.refill_tokens and count < cap:
-            if stream._whole[source]:
-                run = self._fast_run(source, min(256, cap - count))
-                if run is not None:
-                    runs.append(run)
-                    order.append(run[0])
-                    tokens += int(self.docs[run[0], kernel.D_LEN].sum())
-                    count += len(run[0])
-                    continue
-            errors = stream.errors
-            doc = stream._read_next(source)
-            self.read_errors[source] += stream.errors - errors
-            if doc is None:
-                if cursor.done:
-                    src[source, kernel.S_ENDED] = 1
-                    src[source, kernel.S_END_EPOCH] = cursor.epoch
-                    src[source, kernel.S_END_POS] = cursor.pos
-                    src[source, kernel.S_END_ERRS] = self.read_errors[source]
-                    break
-                continue  # unreadable: skipped and counted by the stream
-            drow = self._add(doc, (cursor.epoch, cursor.pos, self.read_errors[source]))
-            new.append((drow, *_tokens_of(doc)))
-            order.append(np.asarray([drow], np.int64))
-            tokens += doc.length
-            count += 1
-        self._stage(source, new, runs)  # before the queue lists them: they are not live tokens yet
-        rows = np.concatenate(order) if order else np.zeros(0, np.int64)
-        self.queue[source, : len(rows)] = rows
-        src[source, kernel.S_QHEAD], src[source, kernel.S_QLEN] = 0, len(rows)
-
-    def _compact(self) -> None:
-        """Between batches: drop the rows of documents nothing refers to any more."""
-        src, state = self.src, self.state
-        live = [self.pending[: state[kernel.ST_NPENDING]]]
-        for source in range(len(src)):
-            live.append(self.opened[source, : src[source, kernel.S_NOPEN]])
-            head = src[source, kernel.S_QHEAD]
-            live.append(self.queue[source, head : head + src[source, kernel.S_QLEN]])
-        keep = np.unique(np.concatenate(live))
-        remap = np.full(self.ndocs, -1, np.int64)
-        remap[keep] = np.arange(len(keep))
-        docs = self.docs[keep]
-        # their units, in order
-        n_units = docs[:, kernel.D_NU]
-        starts = np.repeat(docs[:, kernel.D_U0] - np.cumsum(n_units) + n_units, n_units)
-        take = starts + np.arange(int(n_units.sum()))
-        units = self.units[take]
-        docs[:, kernel.D_U0] = np.cumsum(n_units) - n_units
-        self.docs[: len(keep)] = docs
-        self.units[: len(units)] = units
-        self.ndocs, self.nunits = len(keep), len(units)
-        n_pending = state[kernel.ST_NPENDING]
-        self.pending[:n_pending] = remap[self.pending[:n_pending]]
-        for source in range(len(src)):
-            n_open = src[source, kernel.S_NOPEN]
-            self.opened[source, :n_open] = remap[self.opened[source, :n_open]]
-            queued = self.queue[
-                source,
-                src[source, kernel.S_QHEAD] : src[source, kernel.S_QHEAD]
-                + src[source, kernel.S_QLEN],
-            ]
-            queued[:] = remap[queued]
 
     # --- batches -------------------------------------------------------------------------------------
     def pack(self, ids: np.ndarray, mod: np.ndarray) -> tuple | None:
@@ -407,10 +136,11 @@ class FastPath:
         state = self.state
         seg = self.seg[: state[kernel.ST_NSEG]].copy()
         blocks = self.blocks[: state[kernel.ST_NBLK]].copy()
-        by_modality = self.mod_count.copy()
+        by_modality = np.zeros(len(MODALITY_NAMES), np.int64)
+        count_modalities(mod, real, self.L, by_modality)
         return (
             CompactBatch(self.B, self.L, ids, mod, seg, blocks, real),
-            kernel.pieces_table(self.pieces, self.row_pieces),
+            pieces_table(self.pieces, self.row_pieces),
             self.src[:, kernel.S_BATCH_TOKENS].tolist(),
             by_modality,
         )
@@ -441,7 +171,6 @@ class FastPath:
                 self.row_pieces,
                 self.vis,
                 real,
-                self.mod_count,
                 self.B,
                 self.L,
                 self.chunk,
@@ -469,82 +198,16 @@ class FastPath:
         src, state = self.src, self.state
         rows = [self.pending[: state[kernel.ST_NPENDING]]]
         rows += [self.opened[source, : src[source, kernel.S_NOPEN]] for source in range(len(src))]
-        cursors = self.docs[np.concatenate(rows)][:, _CURSOR_COLS]
+        cursors = self.docs[np.concatenate(rows)][:, CURSOR_COLS]
         stream = self.stream
         return FastState(
-            src[:, _SRC_COLS].copy(),
+            src[:, SRC_COLS].copy(),
             cursors,
             int(state[kernel.ST_NPENDING]),
-            state[_STAT_COLS].copy(),
+            state[STAT_COLS].copy(),
             stream.batches,
             self.base_errors + int(src[:, kernel.S_CERRS].sum()),
             stream.tokens_by_modality.copy(),
             self.skip,
             stream.order_version,
         )
-
-
-_CURSOR_COLS = [
-    kernel.D_SRC,
-    kernel.D_SAMPLE,
-    kernel.D_EPOCH,
-    kernel.D_UNIT,
-    kernel.D_OFF,
-    kernel.D_LIMIT,
-]
-_SRC_COLS = [
-    kernel.S_CEPOCH,
-    kernel.S_CPOS,
-    kernel.S_TOKENS,
-    kernel.S_DONE,
-    kernel.S_DROP_IMAGE,
-    kernel.S_DROP_VIDEO,
-]
-_STAT_COLS = [
-    kernel.ST_STAT_ROWS,
-    kernel.ST_STAT_REAL,
-    kernel.ST_STAT_DBLOCKS,
-    kernel.ST_STAT_DDOCS,
-]
-
-
-class FastState:
-    """A consumer stream's state as a few arrays: what a batch carries from a worker (pickled
-    small) and the loader keeps; ``to_dict`` gives ``stream_state.save_state``'s format."""
-
-    def __init__(self, src, cursors, n_pending, stats, batches, errors, by_modality, skip, order):
-        self.src, self.cursors, self.n_pending, self.stats = src, cursors, n_pending, stats
-        self.batches, self.errors, self.by_modality = batches, errors, by_modality
-        self.skip, self.order = skip, order
-
-    def to_dict(self) -> dict:
-        src = self.src.tolist()
-        cursors = self.cursors.tolist()
-        rows, real, dblocks, ddocs = self.stats.tolist()
-        return {
-            "cursors": [rec[:4] for rec in src],
-            "pending": cursors[: self.n_pending],
-            "open": cursors[self.n_pending :],
-            "dropped_by": [
-                [source, modality, dropped]
-                for source, rec in enumerate(src)
-                for modality, dropped in ((_IMAGE, rec[4]), (_VIDEO, rec[5]))
-                if dropped
-            ],
-            "batches": self.batches,
-            "errors": self.errors,
-            "stats": {
-                "rows": rows,
-                "real_tokens": real,
-                "dropped_blocks": dblocks,
-                "dropped_docs": ddocs,
-            },
-            "tokens_by_modality": self.by_modality.tolist(),
-            "skip": [
-                [source, epoch, mask]
-                for source in range(len(src))
-                for epoch, mask in sorted(self.skip[source].items())
-                if epoch >= src[source][0]
-            ],
-            "order": self.order,
-        }

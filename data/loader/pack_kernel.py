@@ -23,7 +23,6 @@ Design choices:
 
 from __future__ import annotations
 
-import numpy as np
 from numba import njit
 
 IGNORE = -100
@@ -212,7 +211,7 @@ def _blocks_in(docs, units, doc, doc_a, doc_b):
 def _flush(docs, units, src, ids_l, mod_l, state, out, doc, row_a, doc_a, row_b, cut, L):
     """Doc tokens [doc_a, doc_a + row_b - row_a) at row positions [row_a, row_b), one piece
     (Packer._flush)."""
-    out_ids, out_mod, seg, pieces, vis, mod_count = out
+    out_ids, out_mod, seg, pieces, vis = out
     count = row_b - row_a
     if count <= 0:
         return
@@ -351,7 +350,7 @@ def _place(docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_documen
 @njit(cache=True, inline="always")
 def _end_row(docs, units, state, out, blocks, real, pos, L, pad_id):
     """A row's padding (one more segment) and its visual blocks (Packer.compact, one row)."""
-    out_ids, out_mod, seg, pieces, vis, mod_count = out
+    out_ids, out_mod, seg, pieces, vis = out
     row = state[ST_ROWS_DONE]
     base = row * L
     real[row] = pos
@@ -427,7 +426,6 @@ def pack_batch(
     row_pieces,
     vis,
     real,
-    mod_count,
     B,
     L,
     chunk,
@@ -438,7 +436,7 @@ def pack_batch(
     """Pack rows until the batch has ``B`` (PACKED), a queue runs dry (NEED: state[ST_NEED] is the
     source; call again once it has documents) or the data ended (END: the incomplete batch is
     held back, as ``ConsumerStream.next_batch`` does)."""
-    out = (out_ids, out_mod, seg, pieces, vis, mod_count)
+    out = (out_ids, out_mod, seg, pieces, vis)
     if not state[ST_BATCH_ACTIVE]:
         state[ST_BATCH_ACTIVE] = 1
         state[ST_ROWS_DONE] = state[ST_NSEG] = state[ST_NBLK] = state[ST_NPIECES] = 0
@@ -486,44 +484,4 @@ def pack_batch(
         _end_row(docs, units, state, out, blocks, real, pos, L, pad_id)
         state[ST_ROWS_DONE] += 1
     state[ST_BATCH_ACTIVE] = 0
-    _count_modalities(out_mod, real, L, mod_count)
     return PACKED
-
-
-@njit(cache=True)
-def _count_modalities(out_mod, real, L, mod_count):
-    """Real tokens per modality (data/vocab.py's five: text, code, image, video, structure;
-    padding is not counted)."""
-    n_text = n_code = n_image = n_video = n_structure = 0
-    for row in range(real.shape[0]):
-        for i in range(row * L, row * L + real[row]):
-            modality = out_mod[i]
-            n_text += modality == 0
-            n_code += modality == 1
-            n_image += modality == 2
-            n_video += modality == 3
-            n_structure += modality == 4
-    mod_count[0], mod_count[1], mod_count[2], mod_count[3], mod_count[4] = (
-        n_text,
-        n_code,
-        n_image,
-        n_video,
-        n_structure,
-    )
-
-
-@njit(cache=True)
-def pieces_table(pieces, row_pieces):
-    """int64 [rows, most pieces, 4] (source, sample, start, end) of each row's pieces, -1
-    padded (packed_batch.pieces_of)."""
-    B = row_pieces.shape[0]
-    most = 0
-    for row in range(B):
-        most = max(most, row_pieces[row])
-    out = np.full((B, most, 4), -1, np.int64)
-    idx = 0
-    for row in range(B):
-        for j in range(row_pieces[row]):
-            out[row, j, :] = pieces[idx, :]
-            idx += 1
-    return out

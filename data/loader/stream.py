@@ -444,7 +444,7 @@ class ConsumerStream:
 
     def state(self):
         """``state_dict``, or where the compiled loop runs, its arrays' snapshot
-        (fast_stream.FastState: ``to_dict`` makes the same dict), cheaper to take per batch."""
+        (fast_state.FastState: ``to_dict`` makes the same dict), cheaper to take per batch."""
         return self._fast.snapshot() if self._fast is not None else save_state(self)
 
     def load_state_dict(self, st: dict) -> None:

@@ -1,0 +1,317 @@
+"""How documents reach the compiled loop's arrays (fast_stream.FastPath): read ahead a source
+at a time, their rows, units and tokens added, and the rows nothing refers to any more dropped.
+
+Design choices:
+- Documents are read by the stream's own ``_read_next`` (order, epochs, the whole-shard and
+  per-document checks, skips and their log lines: all unchanged), a few batches' worth of one
+  source at a time, when the kernel says that source's queue ran dry; runs of documents of
+  shards that passed the whole-shard check are added at once, without a Python object each
+  (stage_kernel.py).
+- Their tokens are copied into that source's staging arrays (int32 ids, uint8 modalities;
+  documents still being placed are carried over), so the kernel reads every document from one
+  place whatever shard or kind it came from.
+- Skips are counted per source as documents are read ahead, and each document's row records the
+  count so far: a state counts a skip once the kernel takes a document after it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import typed
+
+from data.loader import pack_kernel as kernel
+from data.loader.order import ConsumerSlice
+from data.loader.packer import Doc
+from data.loader.shard_check import CheckedShard
+from data.loader.stage_kernel import fill_units, gather_tokens
+
+
+def tokens_of(doc: Doc) -> tuple[np.ndarray, np.ndarray]:
+    assert doc.ids is not None and doc.mod is not None  # read (never a dry document here)
+    return doc.ids, doc.mod
+
+
+class DocumentIntake:
+    """The document half of ``FastPath`` (its arrays are made in ``FastPath.__init__``)."""
+
+    stream: Any
+    docs: np.ndarray
+    units: np.ndarray
+    ndocs: int
+    nunits: int
+    src: np.ndarray
+    state: np.ndarray
+    opened: np.ndarray
+    queue: np.ndarray
+    pending: np.ndarray
+    carry: np.ndarray
+    defer: np.ndarray
+    ids_l: typed.List
+    mod_l: typed.List
+    refill_tokens: int
+    read_errors: list[int]
+    _starts: list[np.ndarray]
+
+    # --- documents into the arrays ----------------------------------------------------------------
+    def _add(self, doc: Doc, cursor: tuple[int, int, int]) -> int:
+        """A row of ``docs`` (and its units) for ``doc``; its tokens are staged by ``_stage``."""
+        if self.ndocs == len(self.docs):
+            self.docs = np.concatenate([self.docs, np.zeros_like(self.docs)])
+        n_units = len(doc.units)
+        while self.nunits + n_units > len(self.units):
+            self.units = np.concatenate([self.units, np.zeros_like(self.units)])
+        drow, unit0 = self.ndocs, self.nunits
+        for at, unit in enumerate(doc.units, unit0):
+            self.units[at] = (unit.start, unit.end, int(unit.atomic), unit.t, unit.h, unit.w)
+        self.docs[drow] = (
+            doc.source,
+            doc.sample,
+            doc.epoch,
+            doc.length,
+            doc.unit,
+            doc.offset,
+            doc.limit,
+            0,
+            unit0,
+            n_units,
+            len(doc.blocks),
+            *cursor,
+        )
+        self.ndocs, self.nunits = drow + 1, unit0 + n_units
+        return drow
+
+    def _live(self, source: int) -> list[int]:
+        """Rows of source ``source``'s documents whose tokens may still be placed (no repeats)."""
+        src, state = self.src, self.state
+        rows = list(self.opened[source, : src[source, kernel.S_NOPEN]])
+        rows += list(self.pending[: state[kernel.ST_NPENDING]])
+        if state[kernel.ST_ROW_ACTIVE]:
+            rows += list(self.carry[: state[kernel.ST_NCARRY]]) + list(
+                self.defer[: state[kernel.ST_NDEFER]]
+            )
+        head = src[source, kernel.S_QHEAD]
+        rows += list(self.queue[source, head : head + src[source, kernel.S_QLEN]])
+        seen: dict[int, None] = {}
+        for drow in rows:
+            if self.docs[drow, kernel.D_SRC] == source:
+                seen[int(drow)] = None
+        return list(seen)
+
+    def _stage(
+        self, source: int, new: list[tuple[int, np.ndarray, np.ndarray]], runs: list
+    ) -> None:
+        """Source ``source``'s staging arrays: its live documents' tokens, then the new documents':
+        ``new`` (row, ids, modalities) read one by one and ``runs`` (``_fast_run``) in order."""
+        old_ids, old_mod = self.ids_l[source], self.mod_l[source]
+        live = self._live(source)
+        rows = np.asarray(live + [drow for drow, _, _ in new], np.int64)
+        for run in runs:
+            rows = np.concatenate([rows, run[0]])
+        lengths = self.docs[rows, kernel.D_LEN]
+        starts_at = np.cumsum(lengths) - lengths
+        old_at = self.docs[rows[: len(live)], kernel.D_TOK]
+        self.docs[rows, kernel.D_TOK] = starts_at
+        ids = np.empty(int(lengths.sum()), np.int32)
+        mod = np.empty(len(ids), np.uint8)
+        for drow, old_start, size in zip(live, old_at.tolist(), lengths[: len(live)].tolist()):
+            offset = int(self.docs[drow, kernel.D_TOK])
+            ids[offset : offset + size], mod[offset : offset + size] = (
+                old_ids[old_start : old_start + size],
+                old_mod[old_start : old_start + size],
+            )
+        for drow, doc_ids, doc_mod in new:
+            offset = int(self.docs[drow, kernel.D_TOK])
+            ids[offset : offset + len(doc_ids)], mod[offset : offset + len(doc_ids)] = (
+                doc_ids,
+                doc_mod,
+            )
+        for run_rows, groups in runs:
+            for mapped, sel, ids_at, mod_at in groups:
+                drow = run_rows[sel]
+                gather_tokens(
+                    mapped,
+                    ids_at,
+                    mod_at,
+                    self.docs[drow, kernel.D_LEN],
+                    self.docs[drow, kernel.D_TOK],
+                    ids,
+                    mod,
+                )
+        self.ids_l[source], self.mod_l[source] = ids, mod
+
+    def _fast_run(self, source: int, most: int):
+        """The next documents of source ``source`` (at most ``most``, in one epoch) that lie in
+        shards that passed the whole-shard check, added as rows without a ``Doc`` each:
+        (their rows, per shard (map bytes, which of them, where their ids and modalities
+        start)) -- None when the next document is not such (it is read one by one)."""
+        stream = self.stream
+        table, cur = stream.tables[source], stream.cursors[source]
+        order_slice = stream._slices.get((source, cur.epoch))
+        if order_slice is None:
+            order_slice = stream._slice(source, cur.epoch)
+        n_run = min(len(order_slice) - cur.pos, most)
+        if n_run <= 0:
+            return None
+        if isinstance(order_slice, ConsumerSlice):
+            samples = order_slice.take(cur.pos, cur.pos + n_run)
+        else:  # a redistributed epoch, or an order version 1 state: the slice as an array
+            samples = np.asarray(order_slice[cur.pos : cur.pos + n_run], np.int64)
+        starts = self._starts[source]
+        shard_of = np.searchsorted(starts, samples, side="right") - 1
+        usable = np.ones(n_run, bool)
+        shards: dict[int, CheckedShard] = {}
+        for shard in np.unique(shard_of).tolist():
+            checked = stream._checked_shard(source, table, shard)
+            if (
+                checked is not None
+                and checked.ids_dtype == np.dtype("<i4")
+                and checked.mod_dtype == np.dtype("u1")
+            ):
+                shards[shard] = checked
+            else:
+                usable &= shard_of != shard
+        if not usable.all():  # the run ends before the first document it cannot take
+            n_run = int(np.argmin(usable))
+        if n_run == 0:
+            return None
+        samples, shard_of = samples[:n_run], shard_of[:n_run]
+        in_shards = samples - starts[shard_of]
+        lengths = np.empty(n_run, np.int64)
+        bstart, bcount = np.empty(n_run, np.int64), np.empty(n_run, np.int64)
+        groups = []
+        for shard in np.unique(shard_of).tolist():
+            checked = shards[shard]
+            sel = np.flatnonzero(shard_of == shard)
+            in_shard = in_shards[sel]
+            lengths[sel] = checked.lengths[in_shard]
+            bstart[sel], bcount[sel] = checked.block_start[in_shard], checked.block_count[in_shard]
+            mapped = np.frombuffer(checked.mapped, np.uint8)
+            groups.append(
+                (mapped, sel, checked.ids_at[in_shard], checked.mod_at[in_shard], checked)
+            )
+        # rows of docs, then units (per shard: its blocks table)
+        first_doc = self.ndocs
+        self._reserve(n_run, int((2 * bcount + 1).sum()))
+        rows = np.arange(first_doc, first_doc + n_run, dtype=np.int64)
+        unit0, n_units, nblk = (
+            np.empty(n_run, np.int64),
+            np.empty(n_run, np.int64),
+            np.empty(n_run, np.int64),
+        )
+        u_at = self.nunits
+        out_groups = []
+        for mapped, sel, ids_at, mod_at, checked in groups:
+            gu0, gnu, gnb = (
+                np.empty(len(sel), np.int64),
+                np.empty(len(sel), np.int64),
+                np.empty(len(sel), np.int64),
+            )
+            u_at = fill_units(
+                self.units,
+                u_at,
+                lengths[sel],
+                bstart[sel],
+                bcount[sel],
+                checked.index.blocks,
+                gu0,
+                gnu,
+                gnb,
+            )
+            unit0[sel], n_units[sel], nblk[sel] = gu0, gnu, gnb
+            out_groups.append((mapped, sel, ids_at, mod_at))
+        self.nunits = u_at
+        block = self.docs[first_doc : first_doc + n_run]
+        block[:, kernel.D_SRC], block[:, kernel.D_SAMPLE], block[:, kernel.D_EPOCH] = (
+            source,
+            samples,
+            cur.epoch,
+        )
+        block[:, kernel.D_LEN], block[:, kernel.D_UNIT], block[:, kernel.D_OFF] = lengths, 0, 0
+        block[:, kernel.D_LIMIT], block[:, kernel.D_TOK] = lengths, 0
+        block[:, kernel.D_U0], block[:, kernel.D_NU], block[:, kernel.D_NBLK] = unit0, n_units, nblk
+        block[:, kernel.D_CEPOCH] = cur.epoch
+        block[:, kernel.D_CPOS] = cur.pos + 1 + np.arange(n_run)
+        block[:, kernel.D_CERRS] = self.read_errors[source]
+        self.ndocs = first_doc + n_run
+        cur.pos += n_run
+        stream.consecutive_errors = 0
+        return rows, out_groups
+
+    def _reserve(self, docs: int, units: int) -> None:
+        while self.ndocs + docs > len(self.docs):
+            self.docs = np.concatenate([self.docs, np.zeros_like(self.docs)])
+        while self.nunits + units > len(self.units):
+            self.units = np.concatenate([self.units, np.zeros_like(self.units)])
+
+    def _refill(self, source: int) -> None:
+        """Read source ``source``'s next documents into its (empty) queue: runs of checked shards'
+        documents at once, any other one by one through the stream (which checks, skips and
+        counts as always)."""
+        stream, src = self.stream, self.src
+        cursor = stream.cursors[source]
+        new, runs, order, tokens, count = [], [], [], 0, 0
+        cap = self.queue.shape[1]
+        while tokens < self.refill_tokens and count < cap:
+            if stream._whole[source]:
+                run = self._fast_run(source, min(256, cap - count))
+                if run is not None:
+                    runs.append(run)
+                    order.append(run[0])
+                    tokens += int(self.docs[run[0], kernel.D_LEN].sum())
+                    count += len(run[0])
+                    continue
+            errors = stream.errors
+            doc = stream._read_next(source)
+            self.read_errors[source] += stream.errors - errors
+            if doc is None:
+                if cursor.done:
+                    src[source, kernel.S_ENDED] = 1
+                    src[source, kernel.S_END_EPOCH] = cursor.epoch
+                    src[source, kernel.S_END_POS] = cursor.pos
+                    src[source, kernel.S_END_ERRS] = self.read_errors[source]
+                    break
+                continue  # unreadable: skipped and counted by the stream
+            drow = self._add(doc, (cursor.epoch, cursor.pos, self.read_errors[source]))
+            new.append((drow, *tokens_of(doc)))
+            order.append(np.asarray([drow], np.int64))
+            tokens += doc.length
+            count += 1
+        self._stage(source, new, runs)  # before the queue lists them: they are not live tokens yet
+        rows = np.concatenate(order) if order else np.zeros(0, np.int64)
+        self.queue[source, : len(rows)] = rows
+        src[source, kernel.S_QHEAD], src[source, kernel.S_QLEN] = 0, len(rows)
+
+    def _compact(self) -> None:
+        """Between batches: drop the rows of documents nothing refers to any more."""
+        src, state = self.src, self.state
+        live = [self.pending[: state[kernel.ST_NPENDING]]]
+        for source in range(len(src)):
+            live.append(self.opened[source, : src[source, kernel.S_NOPEN]])
+            head = src[source, kernel.S_QHEAD]
+            live.append(self.queue[source, head : head + src[source, kernel.S_QLEN]])
+        keep = np.unique(np.concatenate(live))
+        remap = np.full(self.ndocs, -1, np.int64)
+        remap[keep] = np.arange(len(keep))
+        docs = self.docs[keep]
+        # their units, in order
+        n_units = docs[:, kernel.D_NU]
+        starts = np.repeat(docs[:, kernel.D_U0] - np.cumsum(n_units) + n_units, n_units)
+        take = starts + np.arange(int(n_units.sum()))
+        units = self.units[take]
+        docs[:, kernel.D_U0] = np.cumsum(n_units) - n_units
+        self.docs[: len(keep)] = docs
+        self.units[: len(units)] = units
+        self.ndocs, self.nunits = len(keep), len(units)
+        n_pending = state[kernel.ST_NPENDING]
+        self.pending[:n_pending] = remap[self.pending[:n_pending]]
+        for source in range(len(src)):
+            n_open = src[source, kernel.S_NOPEN]
+            self.opened[source, :n_open] = remap[self.opened[source, :n_open]]
+            queued = self.queue[
+                source,
+                src[source, kernel.S_QHEAD] : src[source, kernel.S_QHEAD]
+                + src[source, kernel.S_QLEN],
+            ]
+            queued[:] = remap[queued]

@@ -1,0 +1,81 @@
+"""The state of a consumer stream whose batches the compiled loop packs (fast_stream.py), as
+a snapshot of a few rows of its arrays: taken after every batch (a few microseconds; a worker's
+batch carries it to the trainer's process, pickled small) and made the dict
+``stream_state.save_state`` writes only when a checkpoint asks for it. Columns it copies, and
+how they become that dict, stand together here.
+"""
+
+from __future__ import annotations
+
+from data.loader import pack_kernel as kernel
+from data.vocab import Modality
+
+_IMAGE, _VIDEO = int(Modality.IMAGE), int(Modality.VIDEO)
+
+# docs columns of a held-aside or open document's cursor (stream_state's [source, sample,
+# epoch, unit, offset, limit]); src columns of a source (cursor, then image/video drops);
+# the packer's stats
+CURSOR_COLS = [
+    kernel.D_SRC,
+    kernel.D_SAMPLE,
+    kernel.D_EPOCH,
+    kernel.D_UNIT,
+    kernel.D_OFF,
+    kernel.D_LIMIT,
+]
+SRC_COLS = [
+    kernel.S_CEPOCH,
+    kernel.S_CPOS,
+    kernel.S_TOKENS,
+    kernel.S_DONE,
+    kernel.S_DROP_IMAGE,
+    kernel.S_DROP_VIDEO,
+]
+STAT_COLS = [
+    kernel.ST_STAT_ROWS,
+    kernel.ST_STAT_REAL,
+    kernel.ST_STAT_DBLOCKS,
+    kernel.ST_STAT_DDOCS,
+]
+
+
+class FastState:
+    """A consumer stream's state as a few arrays: what a batch carries from a worker (pickled
+    small) and the loader keeps; ``to_dict`` gives ``stream_state.save_state``'s format."""
+
+    def __init__(self, src, cursors, n_pending, stats, batches, errors, by_modality, skip, order):
+        self.src, self.cursors, self.n_pending, self.stats = src, cursors, n_pending, stats
+        self.batches, self.errors, self.by_modality = batches, errors, by_modality
+        self.skip, self.order = skip, order
+
+    def to_dict(self) -> dict:
+        src = self.src.tolist()
+        cursors = self.cursors.tolist()
+        rows, real, dblocks, ddocs = self.stats.tolist()
+        return {
+            "cursors": [rec[:4] for rec in src],
+            "pending": cursors[: self.n_pending],
+            "open": cursors[self.n_pending :],
+            "dropped_by": [
+                [source, modality, dropped]
+                for source, rec in enumerate(src)
+                for modality, dropped in ((_IMAGE, rec[4]), (_VIDEO, rec[5]))
+                if dropped
+            ],
+            "batches": self.batches,
+            "errors": self.errors,
+            "stats": {
+                "rows": rows,
+                "real_tokens": real,
+                "dropped_blocks": dblocks,
+                "dropped_docs": ddocs,
+            },
+            "tokens_by_modality": self.by_modality.tolist(),
+            "skip": [
+                [source, epoch, mask]
+                for source in range(len(src))
+                for epoch, mask in sorted(self.skip[source].items())
+                if epoch >= src[source][0]
+            ],
+            "order": self.order,
+        }
