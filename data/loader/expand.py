@@ -8,7 +8,8 @@ Design choices:
   (t, h, w) and where its piece ends. Everything else the model takes (labels, label
   modalities, document ids, 1-D and M-RoPE positions, image ids) follows from those by a few
   vector operations, so the packer writes 5 bytes a token (int32 id, uint8 modality) and a
-  table, and a DataLoader worker hands over that instead of ten int64 fields a token.
+  table, and a DataLoader worker hands over that instead of ten fields a token (44 bytes:
+  int64 labels, the rest int32; packer.BATCH_DTYPES).
 - ``expand`` runs where the batch is handed out: in the trainer's process after the worker
   queue (reading straight from the worker's slot of shared memory, data/loader/transport.py),
   and in-process right after packing. What it writes is bit for bit what the packer wrote

@@ -13,32 +13,45 @@ TEXT, IMAGE = 0, 2  # Modality.TEXT, Modality.IMAGE (a test checks they agree)
 
 
 @njit(cache=True)
-def expand_fields(seg, blocks, real, ids, mod, labels, label_mod, doc_ids, pos, image_ids, thw, L):
+def expand_fields(
+    seg, blocks, real, ids, mod_in, mod, labels, label_mod, doc_ids, pos, image_ids, thw, L
+):
+    # ``thw``: flat [n * 3]. Each field is written by a loop of its own over a contiguous range
+    # (LLVM vectorises those), not all fields in one loop over the tokens: measured 1.4x faster.
+    n = ids.shape[0]
+    # labels: the next token's id/modality (a shifted copy), fixed at segment ends and padding
+    for tok in range(n - 1):
+        labels[tok] = ids[tok + 1]
+    for tok in range(n):  # the modalities widened (uint8 -> the field's dtype) on the way
+        mod[tok] = mod_in[tok]
+    for tok in range(n - 1):
+        label_mod[tok] = mod_in[tok + 1]
+    for tok in range(n):
+        image_ids[tok] = -1
     for seg_i in range(seg.shape[0]):
         seg_a, seg_b, piece, offset = seg[seg_i, 0], seg[seg_i, 1], seg[seg_i, 2], seg[seg_i, 3]
-        position = offset
+        if seg_b <= seg_a:
+            continue
+        labels[seg_b - 1] = seg[seg_i, 4]
+        label_mod[seg_b - 1] = seg[seg_i, 5]
         for tok in range(seg_a, seg_b):
             doc_ids[tok] = piece
-            pos[tok] = position
-            image_ids[tok] = -1
-            thw[tok, 0] = position
-            thw[tok, 1] = position
-            thw[tok, 2] = position
-            position += 1
-        for tok in range(seg_a, seg_b - 1):  # the next token; the segment's last: its own label
-            labels[tok] = ids[tok + 1]
-            label_mod[tok] = mod[tok + 1]
-        if seg_b > seg_a:
-            labels[seg_b - 1] = seg[seg_i, 4]
-            label_mod[seg_b - 1] = seg[seg_i, 5]
+        base = offset - seg_a
+        for tok in range(seg_a, seg_b):
+            pos[tok] = base + tok
     for row_i in range(real.shape[0]):  # padding: positions 0, nothing to predict
-        for tok in range(row_i * L + real[row_i], (row_i + 1) * L):
+        a, b = row_i * L + real[row_i], (row_i + 1) * L
+        for tok in range(a, b):
             labels[tok] = IGNORE
+        for tok in range(a, b):
             label_mod[tok] = TEXT
+        for tok in range(a, b):
             pos[tok] = 0
-            thw[tok, 0] = 0
-            thw[tok, 1] = 0
-            thw[tok, 2] = 0
+    for tok in range(n):
+        p = pos[tok]
+        thw[3 * tok] = p
+        thw[3 * tok + 1] = p
+        thw[3 * tok + 2] = p
     row, n_img, shift = -1, 0, 0
     n_blocks = blocks.shape[0]
     for block in range(n_blocks):
@@ -49,42 +62,46 @@ def expand_fields(seg, blocks, real, ids, mod, labels, label_mod, doc_ids, pos, 
             blocks[block, 3],
             blocks[block, 4],
         )
-        if block == 0 or blocks[block - 1, 1] != last:  # the first block of its piece
+        if block == 0 or blocks[block - 1, 1] != last:
             shift = 0
         base = pos[start] + shift
         frames = max(t, 1)
         extent = 3 + max(frames, h, w + 1)
         size = 3 + frames * (h * (w + 1) + (1 if t else 0)) + 1
-        if start < 0 or start + size > last or last > thw.shape[0]:
-            # numpy's expansion raises on such a block too (a grid that disagrees with its span)
+        if start < 0 or start + size > last or 3 * last > thw.shape[0]:
             raise ValueError("expand: a visual block's grid does not fit where it lies")
-        tok = start
-        for cell in range(3):  # <boi>/<bov> and the two size tokens
-            thw[tok, 0] = base + cell
-            thw[tok, 1] = base + cell
-            thw[tok, 2] = base + cell
-            tok += 1
+        k = 3 * start
+        for cell in range(3):
+            v = base + cell
+            thw[k] = v
+            thw[k + 1] = v
+            thw[k + 2] = v
+            k += 3
         for frame in range(frames):
-            if t:  # a video frame's marker
-                thw[tok, 0] = base + 3 + frame
-                thw[tok, 1] = base + 3
-                thw[tok, 2] = base + 3
-                tok += 1
+            f = base + 3 + frame
+            if t:
+                thw[k] = f
+                thw[k + 1] = base + 3
+                thw[k + 2] = base + 3
+                k += 3
             for grid_y in range(h):
+                y = base + 3 + grid_y
+                x0 = base + 3
                 for grid_x in range(w + 1):
-                    thw[tok, 0] = base + 3 + frame
-                    thw[tok, 1] = base + 3 + grid_y
-                    thw[tok, 2] = base + 3 + grid_x
-                    tok += 1
-        thw[tok, 0] = base + extent
-        thw[tok, 1] = base + extent
-        thw[tok, 2] = base + extent
-        end = tok + 1
-        if t == 0:  # an image: its codes carry its number in the row
+                    thw[k] = f
+                    thw[k + 1] = y
+                    thw[k + 2] = x0 + grid_x
+                    k += 3
+        v = base + extent
+        thw[k] = v
+        thw[k + 1] = v
+        thw[k + 2] = v
+        end = k // 3 + 1
+        if t == 0:
             if start // L != row:
                 row, n_img = start // L, 0
             for cell in range(start, end):
-                if mod[cell] == IMAGE:
+                if mod_in[cell] == IMAGE:
                     image_ids[cell] = n_img
             n_img += 1
         shift += extent + 1 - (end - start)
@@ -92,10 +109,8 @@ def expand_fields(seg, blocks, real, ids, mod, labels, label_mod, doc_ids, pos, 
             blocks[block + 1, 0] if block + 1 < n_blocks and blocks[block + 1, 1] == last else last
         )
         if shift:
-            for cell in range(end, stop):
-                thw[cell, 0] += shift
-                thw[cell, 1] += shift
-                thw[cell, 2] += shift
+            for cell in range(3 * end, 3 * stop):
+                thw[cell] += shift
 
 
 def expand_compiled(batch, fields: dict) -> None:
@@ -105,19 +120,20 @@ def expand_compiled(batch, fields: dict) -> None:
     frame = {seg_i: v.reshape(n, *v.shape[2:]) for seg_i, v in fields.items()}
     if not np.may_share_memory(frame["ids"], batch.ids):
         np.copyto(frame["ids"], batch.ids)
-    if not np.may_share_memory(frame["mod"], batch.mod):
-        np.copyto(frame["mod"], batch.mod)
+    # uint8 (as the packers write them; modalities are < 5): one compiled signature
+    mod_in = batch.mod if batch.mod.dtype == np.uint8 else batch.mod.astype(np.uint8)
     expand_fields(
         batch.segments,
         batch.blocks,
         batch.real,
         frame["ids"],
+        mod_in,
         frame["mod"],
         frame["labels"],
         frame["label_mod"],
         frame["doc_ids"],
         frame["pos"],
         frame["image_ids"],
-        frame["thw"],
+        frame["thw"].reshape(-1),
         L,
     )

@@ -2,14 +2,15 @@
 takes: the same values as ``expand.expand`` (tests/test_data/test_expand_torch.py compares them).
 
 Design choices:
-- Why it exists: a loader that hands the trainer ten int64 fields a token spends much of its
-  CPU time writing them (~1.3 MB a batch of 8 x 2,048); the compact batch is 5 bytes a token
+- Why it exists: a loader that hands the trainer ten fields a token spends much of its
+  CPU time writing them (~0.7 MB a batch of 8 x 2,048; 1.3 MB when all were int64); the compact batch is 5 bytes a token
   plus two small tables. What the peers of the field hand out is ids (and here modalities);
   their trainers shift labels and compute positions themselves.
 - Why it is not the default (``data.expand: loader``): measured on an H200
   (tools/bench/bench_expand_device.py), these ~40 small operations cost the trainer's process
   1.4-1.7 ms a batch of 8 x 2,048 (kernel launches and the small tables' copies), 7.6-8.7x
-  what expanding the batch on the CPU and queueing its 1.3 MB copy from pinned memory cost. Kept as
+  what expanding the batch on the CPU and queueing its 1.3 MB copy from pinned memory cost (then
+  all int64; now 0.7 MB). Kept as
   ``data.expand: trainer`` for batches whose CPU expansion would cost more than that, and tested
   on the CPU (a debug run trains bit-identically either way). Evaluation, the probes and tools
   read fully expanded batches.
@@ -52,7 +53,8 @@ def _per_token(v, batch) -> bool:
 
 
 def expand_fields(ids, mod, seg, blocks, real, *, device) -> dict[str, torch.Tensor]:
-    """input_ids ... position_thw (int64, [rows, L] / [rows, L, 3]) on ``device`` of a compact
+    """input_ids ... position_thw ([rows, L] / [rows, L, 3], the dtypes of the loader's expansion:
+    int64 labels, the rest int32, packer.BATCH_DTYPES) on ``device`` of a compact
     batch given on the CPU: ids and modalities [rows, L] (any integer dtype), segments [n, 6],
     blocks [k, 5], real [rows] (data/loader/expand.py's CompactBatch). What depends on a block
     only is worked out on the CPU from its small table; on the device every operation is per
@@ -84,15 +86,16 @@ def expand_fields(ids, mod, seg, blocks, real, *, device) -> dict[str, torch.Ten
     if plan is not None:
         _visual(plan, pos, mod, thw, image_ids, n, device)
     shape = (B, L)
+    narrow = torch.int32  # computed in int64 (what repeat_interleave and indexing give)
     return {
-        "input_ids": ids.view(shape),
+        "input_ids": ids.view(shape).to(narrow),
         "labels": labels.view(shape),
-        "modality": mod.view(shape),
-        "label_modality": label_mod.view(shape),
-        "doc_ids": doc_ids.view(shape),
-        "position_ids": pos.view(shape),
-        "image_ids": image_ids.view(shape),
-        "position_thw": thw.view(B, L, 3),
+        "modality": mod.view(shape).to(narrow),
+        "label_modality": label_mod.view(shape).to(narrow),
+        "doc_ids": doc_ids.view(shape).to(narrow),
+        "position_ids": pos.view(shape).to(narrow),
+        "image_ids": image_ids.view(shape).to(narrow),
+        "position_thw": thw.view(B, L, 3).to(narrow),
     }
 
 

@@ -7,6 +7,9 @@ how they become that dict, stand together here.
 
 from __future__ import annotations
 
+import numpy as np
+from numba import njit
+
 from data.loader import pack_kernel as kernel
 from data.vocab import Modality
 
@@ -37,6 +40,45 @@ STAT_COLS = [
     kernel.ST_STAT_DBLOCKS,
     kernel.ST_STAT_DDOCS,
 ]
+_COLS = tuple(np.asarray(cols, np.int64) for cols in (SRC_COLS, CURSOR_COLS, STAT_COLS))
+
+
+@njit(cache=True)
+def _copy_rows(
+    src, state, pending, n_pending, opened, n_open, docs, src_cols, cursor_cols, stat_cols
+):
+    """The snapshot's arrays in one compiled call (numpy's fancy indexing, a few calls per
+    source, cost ~11 us a batch here): the sources' cursor columns, the held-aside then each
+    source's open documents' cursor columns, the packer's stats."""
+    out_src = np.empty((src.shape[0], src_cols.shape[0]), np.int64)
+    for s in range(src.shape[0]):
+        for j in range(src_cols.shape[0]):
+            out_src[s, j] = src[s, src_cols[j]]
+    total = n_pending
+    for s in range(src.shape[0]):
+        total += src[s, n_open]
+    cursors = np.empty((total, cursor_cols.shape[0]), np.int64)
+    at = 0
+    for i in range(n_pending):
+        for j in range(cursor_cols.shape[0]):
+            cursors[at, j] = docs[pending[i], cursor_cols[j]]
+        at += 1
+    for s in range(src.shape[0]):
+        for i in range(src[s, n_open]):
+            for j in range(cursor_cols.shape[0]):
+                cursors[at, j] = docs[opened[s, i], cursor_cols[j]]
+            at += 1
+    stats = np.empty(stat_cols.shape[0], np.int64)
+    for j in range(stat_cols.shape[0]):
+        stats[j] = state[stat_cols[j]]
+    return out_src, cursors, stats
+
+
+def snapshot_arrays(src, state, pending, opened, docs) -> tuple:
+    """(source columns, cursors of the held-aside then the open documents, stats) of the
+    compiled loop's arrays after a batch."""
+    n_pending = int(state[kernel.ST_NPENDING])
+    return _copy_rows(src, state, pending, n_pending, opened, kernel.S_NOPEN, docs, *_COLS)
 
 
 class FastState:

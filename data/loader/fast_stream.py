@@ -26,7 +26,7 @@ from data.loader import pack_kernel as kernel
 from data.loader.batch_tables import count_modalities, pieces_table
 from data.loader.expand import CompactBatch
 from data.loader.fast_intake import DocumentIntake, tokens_of
-from data.loader.fast_state import CURSOR_COLS, SRC_COLS, STAT_COLS, FastState
+from data.loader.fast_state import FastState, snapshot_arrays
 from data.loader.packer import Doc
 from data.vocab import MODALITY_NAMES, Modality
 
@@ -137,7 +137,7 @@ class FastPath(DocumentIntake):
         seg = self.seg[: state[kernel.ST_NSEG]].copy()
         blocks = self.blocks[: state[kernel.ST_NBLK]].copy()
         by_modality = np.zeros(len(MODALITY_NAMES), np.int64)
-        count_modalities(mod, real, self.L, by_modality)
+        count_modalities(mod, real, by_modality)
         return (
             CompactBatch(self.B, self.L, ids, mod, seg, blocks, real),
             pieces_table(self.pieces, self.row_pieces),
@@ -195,18 +195,18 @@ class FastPath(DocumentIntake):
     def snapshot(self) -> FastState:
         """The state after the last batch, as copies of the few array rows it needs (a few
         microseconds; made into ``state_dict``'s lists only when asked for)."""
-        src, state = self.src, self.state
-        rows = [self.pending[: state[kernel.ST_NPENDING]]]
-        rows += [self.opened[source, : src[source, kernel.S_NOPEN]] for source in range(len(src))]
-        cursors = self.docs[np.concatenate(rows)][:, CURSOR_COLS]
+        state = self.state
+        sources, cursors, stats = snapshot_arrays(
+            self.src, state, self.pending, self.opened, self.docs
+        )
         stream = self.stream
         return FastState(
-            src[:, SRC_COLS].copy(),
+            sources,
             cursors,
             int(state[kernel.ST_NPENDING]),
-            state[STAT_COLS].copy(),
+            stats,
             stream.batches,
-            self.base_errors + int(src[:, kernel.S_CERRS].sum()),
+            self.base_errors + int(self.src[:, kernel.S_CERRS].sum()),
             stream.tokens_by_modality.copy(),
             self.skip,
             stream.order_version,

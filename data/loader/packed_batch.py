@@ -40,7 +40,7 @@ class PackedBatch:
             dropped,
             real,
         )
-        # In-process: the batch's int64 buffer, its ids and modalities already written there
+        # In-process: the batch's buffer, its ids already written there
         self.buffer = buffer
         # Handed out compact (``to_dict``: the trainer expands it, data/loader/expand_torch.py):
         # in-process its ids and modalities as tensors already (int32, uint8 [rows, L])

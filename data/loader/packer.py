@@ -155,7 +155,7 @@ class Row:
     mod_parts: list[np.ndarray] = field(default_factory=list)
 
 
-# The per-token fields of a batch, in the order they lie in its buffer, with their padding values.
+# The per-token fields of a batch, with their padding values.
 ROW_FIELDS = (
     ("ids", "input_ids", None),  # None: the pad id
     ("labels", "labels", IGNORE),
@@ -165,6 +165,17 @@ ROW_FIELDS = (
     ("pos", "position_ids", 0),
     ("image_ids", "image_ids", -1),
 )
+# Their dtypes. Labels are int64: cross-entropy and its gathers and scatters take int64 targets.
+# Everything else is int32: ids, positions and document or image numbers fit many times over,
+# and embeddings, indexing and comparisons take int32. The loader writes (and a GPU run copies to
+# the device) 44 bytes a token instead of 80 with int64 everywhere, as before: writing them was
+# most of what expanding a batch cost (docs/benchmarks.md). Modalities are int32, not uint8:
+# torch reads a uint8 index tensor as a boolean mask (model/layers.py indexes by modality).
+BATCH_DTYPES: dict[str, np.dtype] = {key: np.dtype(np.int32) for _, key, _ in ROW_FIELDS}
+BATCH_DTYPES |= {"labels": np.dtype(np.int64), "position_thw": np.dtype(np.int32)}
+# The int32 fields in the order they lie in a batch's buffer, after the labels
+_INT32_ROW = tuple(attr for attr, _, _ in ROW_FIELDS if attr != "labels")
+_KEY = {attr: key for attr, key, _ in ROW_FIELDS}
 
 
 def _fields(row: Row) -> dict[str, np.ndarray]:
@@ -172,25 +183,28 @@ def _fields(row: Row) -> dict[str, np.ndarray]:
 
 
 class BatchBuffer:
-    """Every per-token field of a batch of ``rows`` rows in one int64 buffer: the fields above,
-    each [rows, L] and contiguous, then ``position_thw`` [rows, L, 3]. Rows are views of it;
-    ``expand`` (data/loader/expand.py) writes a compact batch into it, and the trainer gets its
-    views without a copy (``split``). ``pin``: in pinned memory (for a copy to the GPU)."""
+    """Every per-token field of a batch of ``rows`` rows in one buffer of bytes: ``labels``
+    (int64 [rows, L]), then the other fields above (int32 [rows, L] each), then ``position_thw``
+    (int32 [rows, L, 3]), each contiguous. Rows are views of it; ``expand``
+    (data/loader/expand.py) writes a compact batch into it, and the trainer gets its views
+    without a copy (``split``). ``pin``: in pinned memory (for a copy to the GPU)."""
 
     def __init__(self, rows: int, seq_len: int, pad_id: int, *, pin: bool = False) -> None:
         import torch
 
         self.rows, self.L = rows, seq_len
-        n = rows * seq_len
-        self.tensor = torch.empty(self.numel(rows, seq_len), dtype=torch.int64, pin_memory=pin)
+        self.tensor = torch.empty(self.nbytes(rows, seq_len), dtype=torch.uint8, pin_memory=pin)
         self.pinned = pin
+        n, k = rows * seq_len, len(_INT32_ROW)
         flat = self.tensor.numpy()
+        int32 = flat[8 * n :].view(np.int32)
         # Not filled: expand writes every position of the batch.
         self.fields: dict[str, np.ndarray] = {
-            attr: flat[i * n : (i + 1) * n].reshape(rows, seq_len)
-            for i, (attr, _, _) in enumerate(ROW_FIELDS)
+            "labels": flat[: 8 * n].view(np.int64).reshape(rows, seq_len)
         }
-        self.fields["thw"] = flat[len(ROW_FIELDS) * n :].reshape(rows, seq_len, 3)
+        for i, attr in enumerate(_INT32_ROW):
+            self.fields[attr] = int32[i * n : (i + 1) * n].reshape(rows, seq_len)
+        self.fields["thw"] = int32[k * n :].reshape(rows, seq_len, 3)
 
     def split(self) -> dict:
         """The batch's tensors (``input_ids`` ... ``position_thw``), views of the buffer."""
@@ -199,8 +213,8 @@ class BatchBuffer:
         return BatchBuffer.split_unpinned(self.tensor, self.rows, self.L)
 
     @staticmethod
-    def numel(rows: int, seq_len: int) -> int:
-        return (len(ROW_FIELDS) + 3) * rows * seq_len
+    def nbytes(rows: int, seq_len: int) -> int:
+        return (8 + 4 * (len(_INT32_ROW) + 3)) * rows * seq_len
 
     def row(self, i: int) -> Row:
         f = self.fields
@@ -224,24 +238,33 @@ class BatchBuffer:
         buffer goes through ``split_pinned``: its views must stay views of the pinned tensor."""
         import torch
 
-        n, k = rows * seq_len, len(ROW_FIELDS)
+        n, k = rows * seq_len, len(_INT32_ROW)
         flat = tensor.numpy()
-        out = {
-            key: torch.from_numpy(flat[i * n : (i + 1) * n].reshape(rows, seq_len))
-            for i, (_, key, _) in enumerate(ROW_FIELDS)
-        }
-        out["position_thw"] = torch.from_numpy(flat[k * n :].reshape(rows, seq_len, 3))
-        return out
+        int32 = flat[8 * n :].view(np.int32)
+        out = {"labels": torch.from_numpy(flat[: 8 * n].view(np.int64).reshape(rows, seq_len))}
+        for i, attr in enumerate(_INT32_ROW):
+            out[_KEY[attr]] = torch.from_numpy(int32[i * n : (i + 1) * n].reshape(rows, seq_len))
+        out["position_thw"] = torch.from_numpy(int32[k * n :].reshape(rows, seq_len, 3))
+        return {key: out[key] for key in _SPLIT_ORDER}
 
     @staticmethod
     def split_pinned(tensor, rows: int, seq_len: int) -> dict:
         """The batch fields of a buffer's tensor, as views: ``input_ids`` ... ``position_thw``."""
-        n, k = rows * seq_len, len(ROW_FIELDS)
-        # Three torch calls for every view (slicing a tensor field by field cost ~5 us a view)
-        fields = tensor[: k * n].view(k, rows, seq_len).unbind(0)
-        out = {key: view for (_, key, _), view in zip(ROW_FIELDS, fields)}
-        out["position_thw"] = tensor[k * n :].view(rows, seq_len, 3)
-        return out
+        import torch
+
+        n, k = rows * seq_len, len(_INT32_ROW)
+        # A few torch calls for all the views (slicing a tensor field by field cost ~5 us a view)
+        int32 = tensor[8 * n :].view(torch.int32)
+        out = dict(
+            zip((_KEY[a] for a in _INT32_ROW), int32[: k * n].view(k, rows, seq_len).unbind(0))
+        )
+        out["labels"] = tensor[: 8 * n].view(torch.int64).view(rows, seq_len)
+        out["position_thw"] = int32[k * n :].view(rows, seq_len, 3)
+        return {key: out[key] for key in _SPLIT_ORDER}
+
+
+# The order of a split batch's keys (ROW_FIELDS', then position_thw), whatever the buffer's layout
+_SPLIT_ORDER = tuple(key for _, key, _ in ROW_FIELDS) + ("position_thw",)
 
 
 @dataclass
@@ -384,8 +407,8 @@ class Packer:
 
     def compact(self, rows: list[Row], ids: np.ndarray, mod: np.ndarray) -> CompactBatch:
         """A batch of ``rows`` in the compact layout (data/loader/expand.py), its ids and
-        modalities written into ``ids`` and ``mod`` ([rows * L], any integer dtype: the final
-        int64 fields in-process, int32 and uint8 in a worker's slot), padding after each row's
+        modalities written into ``ids`` and ``mod`` ([rows * L], any integer dtype: int32 ids
+        and uint8 modalities, in-process the ids straight into their field), padding after each row's
         real tokens. The rows' segments, and after a row's real tokens its padding as one more
         (piece = the row's piece count, or -1 in an empty row), tile the batch."""
         B, L = len(rows), self.L
@@ -430,7 +453,8 @@ class Packer:
         [rows, L, 3], whose row i is ``rows[i]``'s): the compact batch expanded
         (data/loader/expand.py)."""
         n = len(rows) * self.L
-        batch = self.compact(rows, fields["ids"].reshape(n), fields["mod"].reshape(n))
+        # uint8 modalities, as everywhere else (one compiled signature of expand)
+        batch = self.compact(rows, fields["ids"].reshape(n), np.empty(n, np.uint8))
         expand(batch, fields)
 
     def _new_row(self) -> Row | None:

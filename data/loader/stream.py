@@ -209,22 +209,31 @@ class ConsumerStream:
         if sl is None:
             sl = self._slice(s, c.epoch)
         if c.pos >= len(sl):
-            if self.cfg.mode == "epoch":
-                c.done = True
+            if not self.next_epoch(s):
                 return None
-            c.skip.pop(c.epoch, None)
-            c.epoch, c.pos = c.epoch + 1, 0
             sl = self._slice(s, c.epoch)
-            if not len(sl):
-                if c.epoch in c.skip:
-                    return None  # the rest of this redistributed epoch went to other consumers
-                raise ValueError(
-                    f"source {self.tables[s].name}: fewer samples than consumers "
-                    f"({self.consumers}); give it more shards or use fewer workers"
-                )
         sample = int(sl[c.pos])
         c.pos += 1
         return self.load(s, sample, c.epoch)
+
+    def next_epoch(self, s: int) -> bool:
+        """Source ``s``'s cursor, at the end of its slice of an epoch, moved to the next epoch's
+        start (infinite mode); False when there is nothing to read there: the source is done
+        (epoch mode: marked so) or the rest of a redistributed epoch went to other consumers."""
+        c = self.cursors[s]
+        if self.cfg.mode == "epoch":
+            c.done = True
+            return False
+        c.skip.pop(c.epoch, None)
+        c.epoch, c.pos = c.epoch + 1, 0
+        if not len(self._slice(s, c.epoch)):
+            if c.epoch in c.skip:
+                return False
+            raise ValueError(
+                f"source {self.tables[s].name}: fewer samples than consumers "
+                f"({self.consumers}); give it more shards or use fewer workers"
+            )
+        return True
 
     # --- reading ---------------------------------------------------------------------------------
     def _encode_raw(self, t: SampleTable, sample: int) -> tuple[np.ndarray, np.ndarray, list]:
@@ -375,9 +384,10 @@ class ConsumerStream:
                 torch.empty((B, L), dtype=torch.uint8, pin_memory=self.pin),
             )
             ids, mod = tensors[0].numpy().reshape(n), tensors[1].numpy().reshape(n)
-        else:  # in-process: the ids and modalities straight into the batch's int64 fields
+        else:  # in-process: the ids straight into the batch's field, the modalities as uint8
+            # (what the compiled loop writes everywhere; expand widens them into their field)
             buffer = BatchBuffer(B, L, packer.pad_id, pin=self.pin)
-            ids, mod = buffer.fields["ids"].reshape(n), buffer.fields["mod"].reshape(n)
+            ids, mod = buffer.fields["ids"].reshape(n), np.empty(n, np.uint8)
         if fast is None:
             compact = packer.compact(rows, ids, mod)
             dropped = self.dropped_matrix()

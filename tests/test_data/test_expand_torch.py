@@ -14,7 +14,7 @@ from data.loader.config import LoaderConfig, SourceConfig
 from data.loader.expand import CompactBatch, expand_numpy
 from data.loader.expand_kernel import expand_compiled
 from data.loader.expand_torch import expand_batch, expand_fields, is_compact
-from data.loader.packer import BatchBuffer
+from data.loader.packer import BATCH_DTYPES, BatchBuffer
 from data.vocab import Modality
 
 SOURCES = ("code", "text", "scenes", "digits", "clips", "docs")
@@ -54,7 +54,7 @@ def test_numpy_compiled_and_torch_expansions_agree(tiny_tokens, settings):
         for other in outs[1:]:
             assert other.keys() == outs[0].keys()
             for key in outs[0]:
-                assert other[key].dtype == torch.int64, key
+                assert other[key].numpy().dtype == BATCH_DTYPES[key], key
                 assert torch.equal(outs[0][key], other[key]), key
         mods = outs[0]["modality"]
         seen_video |= bool((mods == int(Modality.VIDEO)).any())

@@ -12,7 +12,7 @@ import pytest
 from data.loader import LoaderConfig, SourceConfig, transport
 from data.loader.expand import slot_numel
 from data.loader.packed_batch import PackedBatch
-from data.loader.packer import ROW_FIELDS
+from data.loader.packer import BATCH_DTYPES, ROW_FIELDS
 from data.loader.stream import ConsumerStream
 from data.loader.table_load import load_table
 from data.vocab import Modality
@@ -67,7 +67,7 @@ def test_batches_expand_to_the_rows_packed_one_by_one(tiny_tokens, settings):
     got = _batches(_stream(tiny_tokens, rows, **settings), batches)
     for key in (*want.keys() - {"num_real_tokens"},):
         joined = np.concatenate([b[key] for b in got])
-        assert joined.dtype == np.int64, key
+        assert joined.dtype == BATCH_DTYPES[key], key
         np.testing.assert_array_equal(joined, want[key], err_msg=key)
     assert sum(int(b["num_real_tokens"]) for b in got) == int(want["num_real_tokens"])
     # What the comparison covered: several images in a row, video blocks (rows of 128 hold

@@ -122,7 +122,7 @@ def test_shards_shared_by_many_consumers_are_checked_document_by_document(tokens
     assert alone[2]._checked == {} and (alone[0], alone[1]) == (whole[0], whole[1])
 
 
-def test_a_worker_packs_int32_and_the_trainer_gets_the_same_int64_batches(tokens):
+def test_a_worker_packs_int32_and_the_trainer_gets_the_same_batches(tokens):
     in_process = batches(tokens, n=8)
     with_worker = batches(tokens, n=8, num_workers=1)
     for a, b in zip(in_process, with_worker):
@@ -130,7 +130,8 @@ def test_a_worker_packs_int32_and_the_trainer_gets_the_same_int64_batches(tokens
         for key in a:
             assert b[key].dtype == a[key].dtype, key
             assert torch.equal(a[key], b[key]), key
-        assert b["input_ids"].dtype == torch.int64 and b["labels"].dtype == torch.int64
+        # packer.BATCH_DTYPES: int64 labels (cross-entropy targets), the rest int32
+        assert b["input_ids"].dtype == torch.int32 and b["labels"].dtype == torch.int64
 
 
 def test_a_member_stored_other_than_tokenize_writes_it_is_never_read_from_a_wrong_place():

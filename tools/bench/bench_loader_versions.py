@@ -16,7 +16,9 @@ alternate, the order swapped each round; medians, and the ratio this / baseline 
 blocks longer than a row; rows of 128 with such blocks dropped) and each ``--workers``, both
 checkouts hash every tensor of up to ``--check-batches`` batches (values, dtypes, shapes, keys)
 and the loader's state after them; any difference is printed and the exit status is 1. A
-change to the loader that should not change what it delivers must pass it.
+change to the loader that should not change what it delivers must pass it. ``--values``
+compares integer tensors by value (widened to int64), not by dtype: a change of dtypes only
+(issue 18's last round made the per-token fields int32) passes it.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ from data.loader import LoaderConfig, SourceConfig, build_loader
 
 tokens, workers, limit, settings = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 settings = json.loads(settings)
+values_only = sys.argv[5] == "values"  # integers compared as int64 values, dtypes aside
 rows = settings.pop("rows")
 """
     + _SOURCES
@@ -90,9 +93,11 @@ loader = build_loader(cfg, rank=0, world_size=1, micro_batch=rows)
 digest, n = hashlib.sha256(), 0
 for batch in loader:
     for key in sorted(batch):
-        t = batch[key]
-        digest.update(f"{key} {t.dtype} {tuple(t.shape)}".encode())
-        digest.update(t.contiguous().numpy().tobytes())
+        t = batch[key].contiguous().numpy()
+        if values_only and t.dtype.kind in "iu":
+            t = t.astype("<i8")
+        digest.update(f"{key} {'' if values_only else t.dtype} {tuple(t.shape)}".encode())
+        digest.update(t.tobytes())
     n += 1
     if n >= limit:
         break
@@ -135,10 +140,11 @@ def run_child(checkout: Path, script: str, args: list[str]) -> dict:
     return got
 
 
-def check(checkout: Path, tokens: Path, workers: int, settings: dict, limit: int) -> dict:
-    return run_child(
-        checkout, _CHECK_CHILD, [str(tokens), str(workers), str(limit), json.dumps(settings)]
-    )
+def check(
+    checkout: Path, tokens: Path, workers: int, settings: dict, limit: int, values: bool
+) -> dict:
+    args = [str(tokens), str(workers), str(limit), json.dumps(settings)]
+    return run_child(checkout, _CHECK_CHILD, [*args, "values" if values else "exact"])
 
 
 def measure(checkout: Path, tokens: Path, workers: int, a: argparse.Namespace) -> float:
@@ -157,6 +163,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--check", action="store_true", help="compare batch hashes, not speed")
     ap.add_argument("--check-batches", type=int, default=600)
+    ap.add_argument(
+        "--values",
+        action="store_true",
+        help="with --check: compare integer tensors by value (as int64), not by dtype and bytes",
+    )
     a = ap.parse_args(argv)
     tokens = a.tokens.resolve()
     checkouts = {"baseline": a.baseline.resolve(), "this": HERE}
@@ -165,7 +176,7 @@ def main(argv=None) -> dict:
         for name, settings in CHECKS.items():
             for workers in a.workers:
                 got = {
-                    who: check(path, tokens, workers, settings, a.check_batches)
+                    who: check(path, tokens, workers, settings, a.check_batches, a.values)
                     for who, path in checkouts.items()
                 }
                 same = got["baseline"]["digest"] == got["this"]["digest"]
