@@ -16,8 +16,10 @@ TEXT, IMAGE = 0, 2  # Modality.TEXT, Modality.IMAGE (a test checks they agree)
 def expand_fields(
     seg, blocks, real, ids, mod_in, mod, labels, label_mod, doc_ids, pos, image_ids, thw, L
 ):
-    # ``thw``: flat [n * 3]. Each field is written by a loop of its own over a contiguous range
-    # (LLVM vectorises those), not all fields in one loop over the tokens: measured 1.4x faster.
+    # ``thw``: flat [n * 3]. Each field is written by a loop of its own over a contiguous range,
+    # indexed from 0 (a view per segment): LLVM vectorises such loops, whereas an index that
+    # starts at a value read from memory keeps numba's check for negative indices in the loop
+    # and the loop scalar (measured: doc ids and positions 11 -> 3 us a batch of 16k tokens).
     n = ids.shape[0]
     # labels: the next token's id/modality (a shifted copy), fixed at segment ends and padding
     for tok in range(n - 1):
@@ -32,26 +34,35 @@ def expand_fields(
         seg_a, seg_b, piece, offset = seg[seg_i, 0], seg[seg_i, 1], seg[seg_i, 2], seg[seg_i, 3]
         if seg_b <= seg_a:
             continue
+        if seg_a < 0 or seg_b > n:
+            raise ValueError("expand: a segment lies outside the batch")
         labels[seg_b - 1] = seg[seg_i, 4]
         label_mod[seg_b - 1] = seg[seg_i, 5]
-        for tok in range(seg_a, seg_b):
-            doc_ids[tok] = piece
-        base = offset - seg_a
-        for tok in range(seg_a, seg_b):
-            pos[tok] = base + tok
+        seg_doc, seg_pos, seg_thw = (
+            doc_ids[seg_a:seg_b],
+            pos[seg_a:seg_b],
+            thw[3 * seg_a : 3 * seg_b],
+        )
+        for k in range(seg_doc.shape[0]):
+            seg_doc[k] = piece
+        for k in range(seg_pos.shape[0]):
+            seg_pos[k] = offset + k
+        for k in range(seg_pos.shape[0]):  # M-RoPE: the 1-D position in all three
+            seg_thw[3 * k] = offset + k
+            seg_thw[3 * k + 1] = offset + k
+            seg_thw[3 * k + 2] = offset + k
     for row_i in range(real.shape[0]):  # padding: positions 0, nothing to predict
         a, b = row_i * L + real[row_i], (row_i + 1) * L
-        for tok in range(a, b):
-            labels[tok] = IGNORE
-        for tok in range(a, b):
-            label_mod[tok] = TEXT
-        for tok in range(a, b):
-            pos[tok] = 0
-    for tok in range(n):
-        p = pos[tok]
-        thw[3 * tok] = p
-        thw[3 * tok + 1] = p
-        thw[3 * tok + 2] = p
+        pad_labels, pad_mod, pad_pos = labels[a:b], label_mod[a:b], pos[a:b]
+        pad_thw = thw[3 * a : 3 * b]
+        for k in range(pad_labels.shape[0]):
+            pad_labels[k] = IGNORE
+        for k in range(pad_mod.shape[0]):
+            pad_mod[k] = TEXT
+        for k in range(pad_pos.shape[0]):
+            pad_pos[k] = 0
+        for k in range(pad_thw.shape[0]):
+            pad_thw[k] = 0
     row, n_img, shift = -1, 0, 0
     n_blocks = blocks.shape[0]
     for block in range(n_blocks):

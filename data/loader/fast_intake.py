@@ -25,7 +25,7 @@ from data.loader import pack_kernel as kernel
 from data.loader.order import ConsumerSlice
 from data.loader.packer import Doc
 from data.loader.shard_check import CheckedShard
-from data.loader.stage_kernel import fill_units, gather_tokens
+from data.loader.stage_kernel import fill_units, gather_tokens, take_rows
 
 
 def tokens_of(doc: Doc) -> tuple[np.ndarray, np.ndarray]:
@@ -127,18 +127,11 @@ class DocumentIntake:
                 doc_ids,
                 doc_mod,
             )
-        for run_rows, groups in runs:
-            for mapped, sel, ids_at, mod_at in groups:
-                drow = run_rows[sel]
-                gather_tokens(
-                    mapped,
-                    ids_at,
-                    mod_at,
-                    self.docs[drow, kernel.D_LEN],
-                    self.docs[drow, kernel.D_TOK],
-                    ids,
-                    mod,
-                )
+        for run_rows, groups, ids_at, mod_at in runs:
+            lengths = self.docs[run_rows, kernel.D_LEN]
+            dst = self.docs[run_rows, kernel.D_TOK]
+            for mapped, sel in groups:
+                gather_tokens(mapped, sel, ids_at, mod_at, lengths, dst, ids, mod)
         self.ids_l[source], self.mod_l[source] = ids, mod
 
     def _fast_run(self, source: int, most: int):
@@ -183,51 +176,41 @@ class DocumentIntake:
         if n_run == 0:
             return None
         samples, shard_of = samples[:n_run], shard_of[:n_run]
-        in_shards = samples - starts[shard_of]
-        lengths = np.empty(n_run, np.int64)
+        in_shard = samples - starts[shard_of]
+        # The run's documents grouped by shard (positions in the run, in order within a shard):
+        # one compiled call per group and step, not a dozen numpy calls
+        uniq, inverse = np.unique(shard_of, return_inverse=True)
+        by_shard = np.argsort(inverse, kind="stable")
+        bounds = np.concatenate([[0], np.cumsum(np.bincount(inverse))]).tolist()
+        lengths, ids_at, mod_at = (np.empty(n_run, np.int64) for _ in range(3))
         bstart, bcount = np.empty(n_run, np.int64), np.empty(n_run, np.int64)
         groups = []
-        for shard in np.unique(shard_of).tolist():
+        for g, shard in enumerate(uniq.tolist()):
             checked = shards[shard]
-            sel = np.flatnonzero(shard_of == shard)
-            in_shard = in_shards[sel]
-            lengths[sel] = checked.lengths[in_shard]
-            bstart[sel], bcount[sel] = checked.block_start[in_shard], checked.block_count[in_shard]
-            mapped = np.frombuffer(checked.mapped, np.uint8)
-            groups.append(
-                (mapped, sel, checked.ids_at[in_shard], checked.mod_at[in_shard], checked)
-            )
+            sel = by_shard[bounds[g] : bounds[g + 1]]
+            take_rows(sel, in_shard, checked.table, lengths, ids_at, mod_at, bstart, bcount)
+            groups.append((checked, sel))
         # rows of docs, then units (per shard: its blocks table)
         first_doc = self.ndocs
         self._reserve(n_run, int((2 * bcount + 1).sum()))
         rows = np.arange(first_doc, first_doc + n_run, dtype=np.int64)
-        unit0, n_units, nblk = (
-            np.empty(n_run, np.int64),
-            np.empty(n_run, np.int64),
-            np.empty(n_run, np.int64),
-        )
+        unit0, n_units, nblk = (np.empty(n_run, np.int64) for _ in range(3))
         u_at = self.nunits
-        out_groups = []
-        for mapped, sel, ids_at, mod_at, checked in groups:
-            gu0, gnu, gnb = (
-                np.empty(len(sel), np.int64),
-                np.empty(len(sel), np.int64),
-                np.empty(len(sel), np.int64),
-            )
+        for checked, sel in groups:
             u_at = fill_units(
                 self.units,
                 u_at,
-                lengths[sel],
-                bstart[sel],
-                bcount[sel],
+                sel,
+                lengths,
+                bstart,
+                bcount,
                 checked.index.blocks,
-                gu0,
-                gnu,
-                gnb,
+                unit0,
+                n_units,
+                nblk,
             )
-            unit0[sel], n_units[sel], nblk[sel] = gu0, gnu, gnb
-            out_groups.append((mapped, sel, ids_at, mod_at))
         self.nunits = u_at
+        out_groups = [(checked.bytes, sel) for checked, sel in groups]
         block = self.docs[first_doc : first_doc + n_run]
         block[:, kernel.D_SRC], block[:, kernel.D_SAMPLE], block[:, kernel.D_EPOCH] = (
             source,
@@ -243,7 +226,7 @@ class DocumentIntake:
         self.ndocs = first_doc + n_run
         cur.pos += n_run
         stream.consecutive_errors = 0
-        return rows, out_groups
+        return rows, out_groups, ids_at, mod_at
 
     def _reserve(self, docs: int, units: int) -> None:
         while self.ndocs + docs > len(self.docs):

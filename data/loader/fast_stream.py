@@ -185,7 +185,9 @@ class FastPath(DocumentIntake):
             self._refill(int(self.state[kernel.ST_NEED]))
 
     def dropped_matrix(self) -> np.ndarray:
-        return self.src[:, [kernel.S_DROP_IMAGE, kernel.S_DROP_VIDEO]].copy()
+        # adjacent columns (a slice; fancy indexing cost ~5 us a batch)
+        assert kernel.S_DROP_VIDEO == kernel.S_DROP_IMAGE + 1
+        return self.src[:, kernel.S_DROP_IMAGE : kernel.S_DROP_VIDEO + 1].copy()
 
     # --- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -57,6 +57,12 @@ class CheckedShard:
         self.lengths = index.records["tokens"]
         self.block_start = index.records["block_start"]
         self.block_count = index.records["block_count"]
+        # The same per document as one table (length, first block, blocks, ids at, modalities
+        # at), and the map as bytes: what the compiled loop's intake reads (stage_kernel.py)
+        self.table = np.stack(
+            [self.lengths, self.block_start, self.block_count, self.ids_at, self.mod_at], 1
+        ).astype(np.int64)
+        self.bytes = np.frombuffer(mapped, np.uint8)
 
     def document(self, i: int) -> tuple[np.ndarray, np.ndarray, list[Unit]]:
         """(ids, modalities, packing units) of document ``i``: views of the shard's map."""
