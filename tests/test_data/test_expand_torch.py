@@ -84,3 +84,17 @@ def test_a_compact_loader_expanded_by_the_trainer_gives_the_same_batches(tiny_to
         for key in a:
             assert a[key].dtype == b[key].dtype, key
             assert torch.equal(a[key], b[key]), key
+
+
+def test_pinned_and_unpinned_splits_give_the_same_views():
+    """A pinned batch buffer (a GPU run's) is split with torch views, an unpinned one with numpy
+    views: the same keys in the same order, dtypes (packer.BATCH_DTYPES), shapes and memory."""
+    buf = BatchBuffer(3, 16, 0)
+    buf.tensor.copy_(torch.randint(0, 255, buf.tensor.shape, dtype=torch.uint8))
+    a = BatchBuffer.split_unpinned(buf.tensor, 3, 16)
+    b = BatchBuffer.split_pinned(buf.tensor, 3, 16)  # torch's views work on any tensor
+    assert list(a) == list(b) == list(BATCH_DTYPES)
+    for key in a:
+        assert a[key].numpy().dtype == b[key].numpy().dtype == BATCH_DTYPES[key], key
+        assert a[key].data_ptr() == b[key].data_ptr() and torch.equal(a[key], b[key]), key
+    assert a["position_thw"].shape == (3, 16, 3) and a["labels"].shape == (3, 16)

@@ -186,3 +186,53 @@ def test_grid_embedding_marks_where_an_image_code_sits(kit):
     torch.testing.assert_close(extra[0, 3], model.grid_rows.weight[1] + model.grid_cols.weight[0])
     # Without the option the parameters do not exist (old checkpoints load unchanged).
     assert kit.tiny_config().build().grid_rows is None
+
+
+@pytest.mark.parametrize("ffn", ["modality_groups", "moe"])
+def test_the_loaders_narrow_dtypes_give_what_int64_gives(kit, mixed_batch, ffn):
+    """The loader hands out int32 fields and int64 labels (data/loader/packer.BATCH_DTYPES):
+    loss, logits and gradients equal those of the same batch in int64, through everything that
+    reads them (M-RoPE, the grid embedding, per-modality FFN groups and MoE, document masks and
+    bidirectional images; FlexAttention's mask too, which on CPU runs without gradients)."""
+    from data.loader.packer import BATCH_DTYPES
+    from model.attention import AttentionConfig
+    from model.rope import RopeConfig
+
+    narrow = {
+        k: v.to(getattr(torch, BATCH_DTYPES[k].name)) if k in BATCH_DTYPES else v
+        for k, v in mixed_batch.items()
+    }
+    assert narrow["input_ids"].dtype == torch.int32 and narrow["labels"].dtype == torch.int64
+    assert narrow["modality"].dtype == torch.int32  # not uint8: a uint8 index is a mask
+    attention = AttentionConfig(n_heads=4, n_kv_heads=2, bidirectional_images=True)
+    by_modality = (
+        {"ffn": dataclasses.replace(kit.tiny_config().ffn, modality_groups=[0, 0, 1, 1, 0])}
+        if ffn == "modality_groups"
+        else {"moe": MoEConfig(num_experts=2, top_k=1)}
+    )
+    cfg = kit.tiny_config(
+        rope=RopeConfig(mrope_sections=mrope_sections(8)),
+        grid_embedding=True,
+        attention=attention,
+        **by_modality,
+    )
+    torch.manual_seed(0)
+    model = cfg.build()
+    results = []
+    for batch in (mixed_batch, narrow):
+        model.zero_grad()
+        r = model(**batch)
+        r.loss.backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        results.append((r.loss.detach(), r.ce_sum.detach(), grads))
+    (loss_a, ce_a, grads_a), (loss_b, ce_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b) and torch.equal(ce_a, ce_b)
+    assert len(grads_a) == len(grads_b) and all(map(torch.equal, grads_a, grads_b))
+    flex_cfg = dataclasses.replace(cfg, attention=dataclasses.replace(attention, backend="flex"))
+    flex = flex_cfg.build().eval()
+    flex.load_state_dict(model.state_dict())
+    without = ("labels",)
+    with torch.no_grad():
+        a = flex(**{k: v for k, v in mixed_batch.items() if k not in without})
+        b = flex(**{k: v for k, v in narrow.items() if k not in without})
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
