@@ -43,26 +43,26 @@ def expand_fields(
             pos[seg_a:seg_b],
             thw[3 * seg_a : 3 * seg_b],
         )
-        for k in range(seg_doc.shape[0]):
-            seg_doc[k] = piece
-        for k in range(seg_pos.shape[0]):
-            seg_pos[k] = offset + k
-        for k in range(seg_pos.shape[0]):  # M-RoPE: the 1-D position in all three
-            seg_thw[3 * k] = offset + k
-            seg_thw[3 * k + 1] = offset + k
-            seg_thw[3 * k + 2] = offset + k
+        for at in range(seg_doc.shape[0]):
+            seg_doc[at] = piece
+        for at in range(seg_pos.shape[0]):
+            seg_pos[at] = offset + at
+        for at in range(seg_pos.shape[0]):  # M-RoPE: the 1-D position in all three
+            seg_thw[3 * at] = offset + at
+            seg_thw[3 * at + 1] = offset + at
+            seg_thw[3 * at + 2] = offset + at
     for row_i in range(real.shape[0]):  # padding: positions 0, nothing to predict
-        a, b = row_i * L + real[row_i], (row_i + 1) * L
-        pad_labels, pad_mod, pad_pos = labels[a:b], label_mod[a:b], pos[a:b]
-        pad_thw = thw[3 * a : 3 * b]
-        for k in range(pad_labels.shape[0]):
-            pad_labels[k] = IGNORE
-        for k in range(pad_mod.shape[0]):
-            pad_mod[k] = TEXT
-        for k in range(pad_pos.shape[0]):
-            pad_pos[k] = 0
-        for k in range(pad_thw.shape[0]):
-            pad_thw[k] = 0
+        pad_a, pad_b = row_i * L + real[row_i], (row_i + 1) * L
+        pad_labels, pad_mod, pad_pos = labels[pad_a:pad_b], label_mod[pad_a:pad_b], pos[pad_a:pad_b]
+        pad_thw = thw[3 * pad_a : 3 * pad_b]
+        for at in range(pad_labels.shape[0]):
+            pad_labels[at] = IGNORE
+        for at in range(pad_mod.shape[0]):
+            pad_mod[at] = TEXT
+        for at in range(pad_pos.shape[0]):
+            pad_pos[at] = 0
+        for at in range(pad_thw.shape[0]):
+            pad_thw[at] = 0
     row, n_img, shift = -1, 0, 0
     n_blocks = blocks.shape[0]
     for block in range(n_blocks):

@@ -185,9 +185,9 @@ class DocumentIntake:
         lengths, ids_at, mod_at = (np.empty(n_run, np.int64) for _ in range(3))
         bstart, bcount = np.empty(n_run, np.int64), np.empty(n_run, np.int64)
         groups = []
-        for g, shard in enumerate(uniq.tolist()):
+        for group, shard in enumerate(uniq.tolist()):
             checked = shards[shard]
-            sel = by_shard[bounds[g] : bounds[g + 1]]
+            sel = by_shard[bounds[group] : bounds[group + 1]]
             take_rows(sel, in_shard, checked.table, lengths, ids_at, mod_at, bstart, bcount)
             groups.append((checked, sel))
         # rows of docs, then units (per shard: its blocks table)

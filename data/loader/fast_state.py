@@ -51,26 +51,26 @@ def _copy_rows(
     source, cost ~11 us a batch here): the sources' cursor columns, the held-aside then each
     source's open documents' cursor columns, the packer's stats."""
     out_src = np.empty((src.shape[0], src_cols.shape[0]), np.int64)
-    for s in range(src.shape[0]):
-        for j in range(src_cols.shape[0]):
-            out_src[s, j] = src[s, src_cols[j]]
+    for source in range(src.shape[0]):
+        for col in range(src_cols.shape[0]):
+            out_src[source, col] = src[source, src_cols[col]]
     total = n_pending
-    for s in range(src.shape[0]):
-        total += src[s, n_open]
+    for source in range(src.shape[0]):
+        total += src[source, n_open]
     cursors = np.empty((total, cursor_cols.shape[0]), np.int64)
     at = 0
-    for i in range(n_pending):
-        for j in range(cursor_cols.shape[0]):
-            cursors[at, j] = docs[pending[i], cursor_cols[j]]
+    for held in range(n_pending):
+        for col in range(cursor_cols.shape[0]):
+            cursors[at, col] = docs[pending[held], cursor_cols[col]]
         at += 1
-    for s in range(src.shape[0]):
-        for i in range(src[s, n_open]):
-            for j in range(cursor_cols.shape[0]):
-                cursors[at, j] = docs[opened[s, i], cursor_cols[j]]
+    for source in range(src.shape[0]):
+        for held in range(src[source, n_open]):
+            for col in range(cursor_cols.shape[0]):
+                cursors[at, col] = docs[opened[source, held], cursor_cols[col]]
             at += 1
     stats = np.empty(stat_cols.shape[0], np.int64)
-    for j in range(stat_cols.shape[0]):
-        stats[j] = state[stat_cols[j]]
+    for col in range(stat_cols.shape[0]):
+        stats[col] = state[stat_cols[col]]
     return out_src, cursors, stats
 
 

@@ -237,8 +237,16 @@ def _flush(docs, units, src, ids_l, mod_l, state, out, doc, row_a, doc_a, row_b,
     state[ST_TAIL] = doc
     base = state[ST_ROWS_DONE] * L
     ids, mod, tok = ids_l[source], mod_l[source], docs[doc, D_TOK]
-    out_ids[base + row_a : base + row_b] = ids[tok + doc_a : tok + doc_b]
-    out_mod[base + row_a : base + row_b] = mod[tok + doc_a : tok + doc_b]
+    # Element loops over views indexed from 0, not slice assignments (which check the two
+    # sides for overlap per piece; see stage_kernel.gather_tokens)
+    dst_ids, src_ids = out_ids[base + row_a : base + row_b], ids[tok + doc_a : tok + doc_b]
+    dst_mod, src_mod = out_mod[base + row_a : base + row_b], mod[tok + doc_a : tok + doc_b]
+    if dst_ids.shape[0] != row_b - row_a or src_ids.shape[0] != row_b - row_a:
+        raise ValueError("pack_batch: a piece lies outside the batch or its document")
+    for at in range(dst_ids.shape[0]):
+        dst_ids[at] = src_ids[at]
+    for at in range(dst_mod.shape[0]):
+        dst_mod[at] = src_mod[at]
     if doc_b < docs[doc, D_LEN]:
         label = IGNORE if cut else ids[tok + doc_b]
         label_mod = mod[tok + doc_b]

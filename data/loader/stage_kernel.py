@@ -79,11 +79,11 @@ def gather_tokens(mapped, sel, ids_at, mod_at, lengths, dst, ids_out, mod_out):
         out_ids = ids_out[dst_at : dst_at + length_n]
         if src_ids.shape[0] != length_n or out_ids.shape[0] != length_n:
             raise ValueError("gather_tokens: a document lies outside its shard or the staging")
-        for k in range(length_n):
-            out_ids[k] = src_ids[k]
+        for tok in range(length_n):
+            out_ids[tok] = src_ids[tok]
         src_mod = mapped[mod_from : mod_from + length_n]
         out_mod = mod_out[dst_at : dst_at + length_n]
         if src_mod.shape[0] != length_n or out_mod.shape[0] != length_n:
             raise ValueError("gather_tokens: a document lies outside its shard or the staging")
-        for k in range(length_n):
-            out_mod[k] = src_mod[k]
+        for tok in range(length_n):
+            out_mod[tok] = src_mod[tok]
