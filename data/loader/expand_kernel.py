@@ -16,11 +16,23 @@ TEXT, IMAGE = 0, 2  # Modality.TEXT, Modality.IMAGE (a test checks they agree)
 def expand_fields(
     seg, blocks, real, ids, mod_in, mod, labels, label_mod, doc_ids, pos, image_ids, thw, L
 ):
+    """The per-token fields ([rows, L] each, ``thw`` [rows, L, 3]; C-contiguous) of a compact
+    batch, written flat."""
+    # reshape, not ravel: numba's reshape refuses a non-contiguous array where ravel would
+    # silently write into a copy
+    n = ids.size
+    ids, mod, labels, label_mod = (
+        ids.reshape(n),
+        mod.reshape(n),
+        labels.reshape(n),
+        label_mod.reshape(n),
+    )
+    doc_ids, pos, image_ids = doc_ids.reshape(n), pos.reshape(n), image_ids.reshape(n)
+    thw = thw.reshape(3 * n)
     # ``thw``: flat [n * 3]. Each field is written by a loop of its own over a contiguous range,
     # indexed from 0 (a view per segment): LLVM vectorises such loops, whereas an index that
     # starts at a value read from memory keeps numba's check for negative indices in the loop
     # and the loop scalar (measured: doc ids and positions 11 -> 3 us a batch of 16k tokens).
-    n = ids.shape[0]
     # labels: the next token's id/modality (a shifted copy), fixed at segment ends and padding
     for tok in range(n - 1):
         labels[tok] = ids[tok + 1]
@@ -125,26 +137,27 @@ def expand_fields(
 
 
 def expand_compiled(batch, fields: dict) -> None:
-    """``expand.expand``'s contract, compiled."""
+    """``expand.expand``'s contract, compiled. The fields go in as they are ([rows, L], ``thw``
+    [rows, L, 3], C-contiguous): the kernel flattens them (a view, free inside numba; eight
+    reshapes here cost ~4 us a batch)."""
     B, L = batch.rows, batch.seq_len
-    n = B * L
-    frame = {seg_i: v.reshape(n, *v.shape[2:]) for seg_i, v in fields.items()}
-    if not np.may_share_memory(frame["ids"], batch.ids):
-        np.copyto(frame["ids"], batch.ids)
+    ids = fields["ids"]
+    if not np.may_share_memory(ids, batch.ids):
+        np.copyto(ids.reshape(B * L), batch.ids)
     # uint8 (as the packers write them; modalities are < 5): one compiled signature
     mod_in = batch.mod if batch.mod.dtype == np.uint8 else batch.mod.astype(np.uint8)
     expand_fields(
         batch.segments,
         batch.blocks,
         batch.real,
-        frame["ids"],
+        ids,
         mod_in,
-        frame["mod"],
-        frame["labels"],
-        frame["label_mod"],
-        frame["doc_ids"],
-        frame["pos"],
-        frame["image_ids"],
-        frame["thw"].reshape(-1),
+        fields["mod"],
+        fields["labels"],
+        fields["label_mod"],
+        fields["doc_ids"],
+        fields["pos"],
+        fields["image_ids"],
+        fields["thw"],
         L,
     )

@@ -210,7 +210,13 @@ class BatchBuffer:
         """The batch's tensors (``input_ids`` ... ``position_thw``), views of the buffer."""
         if self.pinned:
             return BatchBuffer.split_pinned(self.tensor, self.rows, self.L)
-        return BatchBuffer.split_unpinned(self.tensor, self.rows, self.L)
+        import torch
+
+        # split_unpinned's views, from the numpy views this buffer holds already
+        fields = self.fields
+        return {
+            _KEY.get(attr, "position_thw"): torch.from_numpy(fields[attr]) for attr in _SPLIT_ATTRS
+        }
 
     @staticmethod
     def nbytes(rows: int, seq_len: int) -> int:
@@ -265,6 +271,7 @@ class BatchBuffer:
 
 # The order of a split batch's keys (ROW_FIELDS', then position_thw), whatever the buffer's layout
 _SPLIT_ORDER = tuple(key for _, key, _ in ROW_FIELDS) + ("position_thw",)
+_SPLIT_ATTRS = tuple(attr for attr, _, _ in ROW_FIELDS) + ("thw",)
 
 
 @dataclass
