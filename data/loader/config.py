@@ -43,8 +43,8 @@ class LoaderConfig:
     # path, which packs the same batches ~3x slower (kept for comparison and where numba is absent)
     compiled_packer: bool = True
     # Where the training stream's batches are expanded into the model's per-token fields (labels,
-    # positions, document and image ids): loader (compiled, in the loader: ten int64 fields a
-    # token) | trainer (the loader hands out ids, modalities and two small tables; the LM task
+    # positions, document and image ids): loader (compiled, in the loader: ten fields a token,
+    # int32 with int64 labels) | trainer (the loader hands out ids, modalities and two small tables; the LM task
     # expands them on its device, data/loader/expand_torch.py). On an H200 the trainer's way
     # cost its process ~1.5 ms a batch of 8 x 2,048, 8x the loader's way (expanding on the CPU
     # and copying; tools/bench/bench_expand_device.py), so loader is the default. Evaluation

@@ -12,8 +12,9 @@ Design choices:
   int64 labels, the rest int32; packer.BATCH_DTYPES).
 - ``expand`` runs where the batch is handed out: in the trainer's process after the worker
   queue (reading straight from the worker's slot of shared memory, data/loader/transport.py),
-  and in-process right after packing. What it writes is bit for bit what the packer wrote
-  field by field before (tools/bench/bench_loader_versions.py --check compares the two).
+  and in-process right after packing. What it writes is, value for value, what the packer
+  wrote field by field before (tools/bench/bench_loader_versions.py --check --values compares
+  the two; the dtypes have since narrowed).
 - numpy (and the same compiled with numba where it is installed, expand_kernel.py: one pass
   instead of ~13), not torch: on this path each torch call costs several microseconds of
   dispatch, and torch splits large copies over its intra-op threads, which on a loaded machine

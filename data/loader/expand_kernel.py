@@ -87,12 +87,12 @@ def expand_fields(
         )
         if block == 0 or blocks[block - 1, 1] != last:
             shift = 0
-        base = pos[start] + shift
         frames = max(t, 1)
         extent = 3 + max(frames, h, w + 1)
         size = 3 + frames * (h * (w + 1) + (1 if t else 0)) + 1
-        if start < 0 or start + size > last or 3 * last > thw.shape[0]:
+        if start < 0 or start + size > last or last > n:
             raise ValueError("expand: a visual block's grid does not fit where it lies")
+        base = pos[start] + shift
         k = 3 * start
         for cell in range(3):
             v = base + cell
@@ -131,6 +131,8 @@ def expand_fields(
         stop = (
             blocks[block + 1, 0] if block + 1 < n_blocks and blocks[block + 1, 1] == last else last
         )
+        if stop < end or stop > last:
+            raise ValueError("expand: a piece's next visual block starts inside this one")
         if shift:
             for cell in range(3 * end, 3 * stop):
                 thw[cell] += shift
@@ -142,6 +144,8 @@ def expand_compiled(batch, fields: dict) -> None:
     reshapes here cost ~4 us a batch)."""
     B, L = batch.rows, batch.seq_len
     ids = fields["ids"]
+    if batch.ids.shape != (B * L,) or batch.mod.shape != (B * L,):
+        raise ValueError(f"expand: ids and modalities must be [{B * L}] for {B} x {L}")
     if not np.may_share_memory(ids, batch.ids):
         np.copyto(ids.reshape(B * L), batch.ids)
     # uint8 (as the packers write them; modalities are < 5): one compiled signature

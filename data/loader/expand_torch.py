@@ -63,8 +63,10 @@ def expand_fields(ids, mod, seg, blocks, real, *, device) -> dict[str, torch.Ten
     n = B * L
     plan = _block_plan(blocks, L) if len(blocks) else None
     ids, mod, seg, real = (x.to(device, non_blocking=True) for x in (ids, mod, seg, real))
-    ids = ids.reshape(n).long()
-    mod = mod.reshape(n).long()
+    # int64 to compute with (index_put and repeat_interleave want one dtype); the fields handed
+    # on are the narrow ones, so the ids and modalities as they came (int32 ids: no cast)
+    ids_in, mod_in = ids.reshape(n), mod.reshape(n)
+    ids, mod = ids_in.long(), mod_in.long()
     starts, ends = seg[:, 0], seg[:, 1]
     lengths = ends - starts
     labels = torch.empty_like(ids)
@@ -88,9 +90,9 @@ def expand_fields(ids, mod, seg, blocks, real, *, device) -> dict[str, torch.Ten
     shape = (B, L)
     narrow = torch.int32  # computed in int64 (what repeat_interleave and indexing give)
     return {
-        "input_ids": ids.view(shape).to(narrow),
+        "input_ids": ids_in.view(shape).to(narrow),
         "labels": labels.view(shape),
-        "modality": mod.view(shape).to(narrow),
+        "modality": mod_in.view(shape).to(narrow),
         "label_modality": label_mod.view(shape).to(narrow),
         "doc_ids": doc_ids.view(shape).to(narrow),
         "position_ids": pos.view(shape).to(narrow),

@@ -135,10 +135,13 @@ class DocumentIntake:
         self.ids_l[source], self.mod_l[source] = ids, mod
 
     def _fast_run(self, source: int, most: int):
-        """The next documents of source ``source`` (at most ``most``, in one epoch) that lie in
-        shards that passed the whole-shard check, added as rows without a ``Doc`` each:
-        (their rows, per shard (map bytes, which of them, where their ids and modalities
-        start)) -- None when the next document is not such (it is read one by one)."""
+        """The next documents of source ``source`` (at most ``most``, in one epoch; at an
+        epoch's end, of the next epoch) that lie in shards that passed the whole-shard check,
+        added as rows without a ``Doc`` each: (their rows, per shard (its map's bytes, which
+        of the run's positions are its documents), where each document's ids and where its
+        modalities start in its map) -- None when the next document is not such (it is read
+        one by one) or when the source has nothing to read here (done, or a redistributed
+        epoch's rest went to other consumers: ``_read_next`` then says which)."""
         stream = self.stream
         table, cur = stream.tables[source], stream.cursors[source]
         order_slice = stream._slices.get((source, cur.epoch))

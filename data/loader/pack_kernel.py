@@ -241,7 +241,12 @@ def _flush(docs, units, src, ids_l, mod_l, state, out, doc, row_a, doc_a, row_b,
     # sides for overlap per piece; see stage_kernel.gather_tokens)
     dst_ids, src_ids = out_ids[base + row_a : base + row_b], ids[tok + doc_a : tok + doc_b]
     dst_mod, src_mod = out_mod[base + row_a : base + row_b], mod[tok + doc_a : tok + doc_b]
-    if dst_ids.shape[0] != row_b - row_a or src_ids.shape[0] != row_b - row_a:
+    if (
+        dst_ids.shape[0] != count
+        or src_ids.shape[0] != count
+        or dst_mod.shape[0] != count
+        or src_mod.shape[0] != count
+    ):
         raise ValueError("pack_batch: a piece lies outside the batch or its document")
     for at in range(dst_ids.shape[0]):
         dst_ids[at] = src_ids[at]

@@ -11,8 +11,8 @@ Design choices:
   The first message of a worker carries the slots themselves (their descriptors cross once).
 - Slots hold the batch in its compact layout (data/loader/expand.py: an int32 id and a uint8
   modality a token, 5 bytes; the segment and block tables travel in the message, pickled:
-  a few hundred bytes). The trainer's process expands a received slot into the batch's int64
-  fields (into pinned memory when the DataLoader pins) and marks it free, so the trainer owns
+  a few hundred bytes). The trainer's process expands a received slot into the batch's
+  fields (int32, labels int64) (into pinned memory when the DataLoader pins) and marks it free, so the trainer owns
   its batch outright and the worker can reuse the slot: nothing the trainer keeps can be
   overwritten.
 - Slots outnumber the batches a DataLoader lets a worker have in flight (``prefetch_factor``

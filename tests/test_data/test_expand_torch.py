@@ -98,3 +98,28 @@ def test_pinned_and_unpinned_splits_give_the_same_views():
         assert a[key].numpy().dtype == b[key].numpy().dtype == BATCH_DTYPES[key], key
         assert a[key].data_ptr() == b[key].data_ptr() and torch.equal(a[key], b[key]), key
     assert a["position_thw"].shape == (3, 16, 3) and a["labels"].shape == (3, 16)
+
+
+def test_the_compiled_expansion_refuses_tables_that_do_not_fit_the_batch():
+    """numba checks no bounds: expand_compiled checks what it is given before it writes."""
+    B, L = 2, 16
+    ids, mod = np.zeros(B * L, np.int32), np.zeros(B * L, np.uint8)
+    seg = np.asarray([[0, L, 0, 0, -100, 0], [L, 2 * L, 0, 0, -100, 0]], np.int64)
+    real = np.asarray([L, L], np.int64)
+    none = np.zeros((0, 5), np.int64)
+    expand_compiled(CompactBatch(B, L, ids, mod, seg, none, real), BatchBuffer(B, L, 0).fields)
+    with pytest.raises(ValueError, match="ids and modalities"):
+        short = CompactBatch(B, L, ids, mod[:-1], seg, none, real)
+        expand_compiled(short, BatchBuffer(B, L, 0).fields)
+    with pytest.raises(ValueError, match="segment"):
+        outside = seg.copy()
+        outside[1, 1] = 2 * L + 5
+        expand_compiled(
+            CompactBatch(B, L, ids, mod, outside, none, real), BatchBuffer(B, L, 0).fields
+        )
+    # a 1 x 1 image block is 3 + 2 + 1 = 6 tokens; a second one starting inside the first
+    blocks = np.asarray([[0, L, 0, 1, 1], [2, L, 0, 1, 1]], np.int64)
+    with pytest.raises(ValueError, match="visual block"):
+        expand_compiled(
+            CompactBatch(B, L, ids, mod, seg, blocks, real), BatchBuffer(B, L, 0).fields
+        )

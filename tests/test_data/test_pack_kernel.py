@@ -187,3 +187,54 @@ torch.save(batches, {str(tmp_path / "batches.pt")!r})
     subprocess.run([sys.executable, "-c", script], check=True)
     without = torch.load(tmp_path / "batches.pt")
     assert_same(run(tiny_tokens, 8)[0], without)
+
+
+def test_both_paths_leave_a_redistributed_epoch_for_the_next_the_same_way(tiny_tokens):
+    """A state redistributed from three ranks onto two carries skip masks (what the old ranks
+    read of the epoch); packing on past the end of that masked epoch into the next one
+    (infinite mode) gives the same batches and states on both paths, after every batch: the
+    compiled loop's runs roll into the next epoch themselves (``ConsumerStream.next_epoch``)."""
+    from data.loader.dataset import PackedLoader
+    from data.loader.redistribute import redistribute
+    from data.loader.table_load import load_table
+
+    kw = {"seq_len": 512, "max_pending": 1, "sources": SOURCES[:4]}
+    cfg = config(tiny_tokens, compiled_packer=False, **kw)
+    tables = [load_table(s) for s in cfg.sources]
+    states = []
+    for rank in range(3):
+        old = PackedLoader(cfg, tables, rank=rank, world_size=3, micro_batch=1, pad_id=0)
+        it = iter(old)
+        for _ in range(4):
+            next(it)
+        it.close()
+        states.append(old.state_dict())
+    runs = []
+    for compiled in (False, True):
+        new = PackedLoader(
+            config(tiny_tokens, compiled_packer=compiled, **kw),
+            tables,
+            rank=1,
+            world_size=2,
+            micro_batch=1,
+            pad_id=0,
+        )
+        state = json.loads(json.dumps(redistribute(states, new)))
+        start = state["worker_states"]["0"]
+        assert start["skip"]  # masked epochs: what the old ranks had read
+        new.load_state_dict(state)
+        batches, after = [], []
+        it = iter(new)
+        for batch in it:
+            batches.append(batch)
+            after.append(json.loads(json.dumps(new.state_dict())))
+            epochs = [cursor[0] for cursor in after[-1]["worker_states"]["0"]["cursors"]]
+            if min(epochs) > max(cursor[0] for cursor in start["cursors"]) or len(batches) == 400:
+                break
+        it.close()
+        runs.append((batches, after, epochs))
+    (a, a_states, a_epochs), (b, b_states, b_epochs) = runs
+    assert_same(a, b)
+    assert a_states == b_states
+    # every source went on into an epoch after the redistributed one
+    assert min(a_epochs) > max(cursor[0] for cursor in start["cursors"]), a_epochs

@@ -13,7 +13,8 @@ sources, SHA-256 and vocabulary checks -- each shard's whole tar and every id wh
 first read, per document where that fails --, packing that keeps visual blocks whole, labels,
 document ids, 1-D and M-RoPE positions, image ids), twice:
 
-- ``earlyfuse``: every field expanded in the loader (ten int64 fields a token), as training
+- ``earlyfuse``: every field expanded in the loader (ten fields a token: int32,
+  labels int64), as training
   (``data.expand=loader``, the default), evaluation, the probes and the tools receive them;
   in-process right after packing, with a worker in this process after the queue.
 - ``earlyfuse-compact``: batches handed out compact (``data.expand=trainer``): int32 ids and
