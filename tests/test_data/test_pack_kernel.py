@@ -128,38 +128,43 @@ def test_a_shard_that_fails_its_check_is_read_one_by_one_with_the_same_skips(
     assert tail_states[-1] == want_states[-1]
 
 
-def test_a_state_redistributed_onto_fewer_consumers_resumes_in_the_compiled_loop(tiny_tokens):
-    """Eight ranks onto one: the one consumer takes every old consumer's held-aside and open
-    documents, more than max_pending (redistribute.py); both paths drain them the same way."""
+def _redistributed(tokens, kw: dict, old_world: int, old_batches: int, rank: int, world: int):
+    """For each path (Python, compiled): a loader of ``rank`` of ``world`` consumers, restored
+    from the states of ``old_world`` ranks that packed ``old_batches`` batches each
+    (redistribute.py), and the restored state."""
     from data.loader.dataset import PackedLoader
     from data.loader.redistribute import redistribute
     from data.loader.table_load import load_table
 
-    # sources with at least eight samples (one for each old rank)
-    kw = {"seq_len": 512, "mix_chunk": 64, "max_pending": 1, "sources": SOURCES[:4]}
-    cfg = config(tiny_tokens, compiled_packer=False, **kw)
+    cfg = config(tokens, compiled_packer=False, **kw)
     tables = [load_table(s) for s in cfg.sources]
     states = []
-    for rank in range(8):
-        old = PackedLoader(cfg, tables, rank=rank, world_size=8, micro_batch=1, pad_id=0)
+    for old_rank in range(old_world):
+        old = PackedLoader(
+            cfg, tables, rank=old_rank, world_size=old_world, micro_batch=1, pad_id=0
+        )
         it = iter(old)
-        next(it)
+        for _ in range(old_batches):
+            next(it)
         it.close()
         states.append(old.state_dict())
-    out = []
     for compiled in (False, True):
-        new = PackedLoader(
-            config(tiny_tokens, compiled_packer=compiled, **kw),
-            tables,
-            rank=0,
-            world_size=1,
-            micro_batch=1,
-            pad_id=0,
-        )
+        new_cfg = config(tokens, compiled_packer=compiled, **kw)
+        new = PackedLoader(new_cfg, tables, rank=rank, world_size=world, micro_batch=1, pad_id=0)
         state = json.loads(json.dumps(redistribute(states, new)))
+        new.load_state_dict(state)
+        yield new, state
+
+
+def test_a_state_redistributed_onto_fewer_consumers_resumes_in_the_compiled_loop(tiny_tokens):
+    """Eight ranks onto one: the one consumer takes every old consumer's held-aside and open
+    documents, more than max_pending (redistribute.py); both paths drain them the same way."""
+    # sources with at least eight samples (one for each old rank)
+    kw = {"seq_len": 512, "mix_chunk": 64, "max_pending": 1, "sources": SOURCES[:4]}
+    out = []
+    for new, state in _redistributed(tiny_tokens, kw, 8, 1, 0, 1):
         held = state["worker_states"]["0"]
         assert len(held["open"]) > 2 * (1 + 2)  # more than the steady-state capacity
-        new.load_state_dict(state)
         it = iter(new)
         out.append(([next(it) for _ in range(20)], new.state_dict()))
         it.close()
@@ -194,47 +199,24 @@ def test_both_paths_leave_a_redistributed_epoch_for_the_next_the_same_way(tiny_t
     read of the epoch); packing on past the end of that masked epoch into the next one
     (infinite mode) gives the same batches and states on both paths, after every batch: the
     compiled loop's runs roll into the next epoch themselves (``ConsumerStream.next_epoch``)."""
-    from data.loader.dataset import PackedLoader
-    from data.loader.redistribute import redistribute
-    from data.loader.table_load import load_table
-
     kw = {"seq_len": 512, "max_pending": 1, "sources": SOURCES[:4]}
-    cfg = config(tiny_tokens, compiled_packer=False, **kw)
-    tables = [load_table(s) for s in cfg.sources]
-    states = []
-    for rank in range(3):
-        old = PackedLoader(cfg, tables, rank=rank, world_size=3, micro_batch=1, pad_id=0)
-        it = iter(old)
-        for _ in range(4):
-            next(it)
-        it.close()
-        states.append(old.state_dict())
     runs = []
-    for compiled in (False, True):
-        new = PackedLoader(
-            config(tiny_tokens, compiled_packer=compiled, **kw),
-            tables,
-            rank=1,
-            world_size=2,
-            micro_batch=1,
-            pad_id=0,
-        )
-        state = json.loads(json.dumps(redistribute(states, new)))
+    for new, state in _redistributed(tiny_tokens, kw, 3, 4, 1, 2):
         start = state["worker_states"]["0"]
         assert start["skip"]  # masked epochs: what the old ranks had read
-        new.load_state_dict(state)
+        last_epoch = max(cursor[0] for cursor in start["cursors"])
         batches, after = [], []
         it = iter(new)
         for batch in it:
             batches.append(batch)
             after.append(json.loads(json.dumps(new.state_dict())))
             epochs = [cursor[0] for cursor in after[-1]["worker_states"]["0"]["cursors"]]
-            if min(epochs) > max(cursor[0] for cursor in start["cursors"]) or len(batches) == 400:
+            if min(epochs) > last_epoch or len(batches) == 400:
                 break
         it.close()
         runs.append((batches, after, epochs))
-    (a, a_states, a_epochs), (b, b_states, b_epochs) = runs
+    (a, a_states, a_epochs), (b, b_states, _) = runs
     assert_same(a, b)
     assert a_states == b_states
     # every source went on into an epoch after the redistributed one
-    assert min(a_epochs) > max(cursor[0] for cursor in start["cursors"]), a_epochs
+    assert min(a_epochs) > last_epoch, a_epochs
