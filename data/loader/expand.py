@@ -9,7 +9,7 @@ Design choices:
   modalities, document ids, 1-D and M-RoPE positions, image ids) follows from those by a few
   vector operations, so the packer writes 5 bytes a token (int32 id, uint8 modality) and a
   table, and a DataLoader worker hands over that instead of ten fields a token (44 bytes:
-  int64 labels, the rest int32; packer.BATCH_DTYPES).
+  int64 labels, the rest int32; batch_buffer.BATCH_DTYPES).
 - ``expand`` runs where the batch is handed out: in the trainer's process after the worker
   queue (reading straight from the worker's slot of shared memory, data/loader/transport.py),
   and in-process right after packing. What it writes is, value for value, what the packer
@@ -20,7 +20,7 @@ Design choices:
   dispatch, and torch splits large copies over its intra-op threads, which on a loaded machine
   waited ms for a copy that takes 0.1 ms (data/loader/transport.py). A GPU run's trainer
   expands on the GPU instead (expand_torch.py, ``data.expand``). The outputs are torch tensors all the same:
-  ``fields`` are numpy views of the batch's one torch buffer (packer.BatchBuffer).
+  ``fields`` are numpy views of the batch's one torch buffer (batch_buffer.BatchBuffer).
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def expand(batch: CompactBatch, fields: dict[str, np.ndarray]) -> None:
 
 
 def expand_numpy(batch: CompactBatch, fields: dict[str, np.ndarray]) -> None:
-    """Write every per-token field of ``batch`` into ``fields`` (packer.BatchBuffer's: attr ->
+    """Write every per-token field of ``batch`` into ``fields`` (batch_buffer.BatchBuffer's: attr ->
     [rows, seq_len] arrays, ``thw`` [rows, seq_len, 3]):
 
     - ``ids``, ``mod``: copied (widened) from the batch, unless they already are these arrays;

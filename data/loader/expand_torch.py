@@ -54,7 +54,7 @@ def _per_token(v, batch) -> bool:
 
 def expand_fields(ids, mod, seg, blocks, real, *, device) -> dict[str, torch.Tensor]:
     """input_ids ... position_thw ([rows, L] / [rows, L, 3], the dtypes of the loader's expansion:
-    int64 labels, the rest int32, packer.BATCH_DTYPES) on ``device`` of a compact
+    int64 labels, the rest int32, batch_buffer.BATCH_DTYPES) on ``device`` of a compact
     batch given on the CPU: ids and modalities [rows, L] (any integer dtype), segments [n, 6],
     blocks [k, 5], real [rows] (data/loader/expand.py's CompactBatch). What depends on a block
     only is worked out on the CPU from its small table; on the device every operation is per

@@ -11,8 +11,9 @@ import numpy as np
 import torch
 
 from data.loader import transport
+from data.loader.batch_buffer import BatchBuffer
 from data.loader.expand import CompactBatch, expand, slot_views
-from data.loader.packer import BatchBuffer, Row
+from data.loader.packer import Row
 
 
 class PackedBatch:

@@ -33,6 +33,7 @@ from itertools import chain
 
 import numpy as np
 
+from data.loader.batch_buffer import ROW_FIELDS, BatchBuffer
 from data.loader.expand import IGNORE, CompactBatch, arange, expand
 from data.vocab import Modality
 
@@ -155,123 +156,24 @@ class Row:
     mod_parts: list[np.ndarray] = field(default_factory=list)
 
 
-# The per-token fields of a batch, with their padding values.
-ROW_FIELDS = (
-    ("ids", "input_ids", None),  # None: the pad id
-    ("labels", "labels", IGNORE),
-    ("mod", "modality", int(Modality.TEXT)),
-    ("label_mod", "label_modality", int(Modality.TEXT)),
-    ("doc_ids", "doc_ids", -1),
-    ("pos", "position_ids", 0),
-    ("image_ids", "image_ids", -1),
-)
-# Their dtypes. Labels are int64: cross-entropy and its gathers and scatters take int64 targets.
-# Everything else is int32: ids, positions and document or image numbers fit many times over,
-# and embeddings, indexing and comparisons take int32. The loader writes (and a GPU run copies to
-# the device) 44 bytes a token instead of 80 with int64 everywhere, as before: writing them was
-# most of what expanding a batch cost (docs/benchmarks.md). Modalities are int32, not uint8:
-# torch reads a uint8 index tensor as a boolean mask (model/layers.py indexes by modality).
-BATCH_DTYPES: dict[str, np.dtype] = {key: np.dtype(np.int32) for _, key, _ in ROW_FIELDS}
-BATCH_DTYPES |= {"labels": np.dtype(np.int64), "position_thw": np.dtype(np.int32)}
-# The int32 fields in the order they lie in a batch's buffer, after the labels
-_INT32_ROW = tuple(attr for attr, _, _ in ROW_FIELDS if attr != "labels")
-_KEY = {attr: key for attr, key, _ in ROW_FIELDS}
-
-
 def _fields(row: Row) -> dict[str, np.ndarray]:
     return {attr: getattr(row, attr) for attr, _, _ in ROW_FIELDS} | {"thw": row.thw}
 
 
-class BatchBuffer:
-    """Every per-token field of a batch of ``rows`` rows in one buffer of bytes: ``labels``
-    (int64 [rows, L]), then the other fields above (int32 [rows, L] each), then ``position_thw``
-    (int32 [rows, L, 3]), each contiguous. Rows are views of it; ``expand``
-    (data/loader/expand.py) writes a compact batch into it, and the trainer gets its views
-    without a copy (``split``). ``pin``: in pinned memory (for a copy to the GPU)."""
-
-    def __init__(self, rows: int, seq_len: int, pad_id: int, *, pin: bool = False) -> None:
-        import torch
-
-        self.rows, self.L = rows, seq_len
-        self.tensor = torch.empty(self.nbytes(rows, seq_len), dtype=torch.uint8, pin_memory=pin)
-        self.pinned = pin
-        n, k = rows * seq_len, len(_INT32_ROW)
-        flat = self.tensor.numpy()
-        int32 = flat[8 * n :].view(np.int32)
-        # Not filled: expand writes every position of the batch.
-        self.fields: dict[str, np.ndarray] = {
-            "labels": flat[: 8 * n].view(np.int64).reshape(rows, seq_len)
-        }
-        for i, attr in enumerate(_INT32_ROW):
-            self.fields[attr] = int32[i * n : (i + 1) * n].reshape(rows, seq_len)
-        self.fields["thw"] = int32[k * n :].reshape(rows, seq_len, 3)
-
-    def split(self) -> dict:
-        """The batch's tensors (``input_ids`` ... ``position_thw``), views of the buffer."""
-        if self.pinned:
-            return BatchBuffer.split_pinned(self.tensor, self.rows, self.L)
-        import torch
-
-        # split_unpinned's views, from the numpy views this buffer holds already
-        fields = self.fields
-        return {
-            _KEY.get(attr, "position_thw"): torch.from_numpy(fields[attr]) for attr in _SPLIT_ATTRS
-        }
-
-    @staticmethod
-    def nbytes(rows: int, seq_len: int) -> int:
-        return (8 + 4 * (len(_INT32_ROW) + 3)) * rows * seq_len
-
-    def row(self, i: int) -> Row:
-        f = self.fields
-        return Row(
-            f["ids"][i],
-            f["mod"][i],
-            f["labels"][i],
-            f["label_mod"][i],
-            f["doc_ids"][i],
-            f["pos"][i],
-            f["thw"][i],
-            f["image_ids"][i],
-            0,
-        )
-
-    @staticmethod
-    def split_unpinned(tensor, rows: int, seq_len: int) -> dict:
-        """``split`` for a tensor in ordinary memory: the same fields, each a tensor over its part
-        of the buffer made from a numpy view (``torch.from_numpy``, far lighter than torch's
-        slicing: between two packed batches torch's views cost ~30 us a batch here). A pinned
-        buffer goes through ``split_pinned``: its views must stay views of the pinned tensor."""
-        import torch
-
-        n, k = rows * seq_len, len(_INT32_ROW)
-        flat = tensor.numpy()
-        int32 = flat[8 * n :].view(np.int32)
-        out = {"labels": torch.from_numpy(flat[: 8 * n].view(np.int64).reshape(rows, seq_len))}
-        for i, attr in enumerate(_INT32_ROW):
-            out[_KEY[attr]] = torch.from_numpy(int32[i * n : (i + 1) * n].reshape(rows, seq_len))
-        out["position_thw"] = torch.from_numpy(int32[k * n :].reshape(rows, seq_len, 3))
-        return {key: out[key] for key in _SPLIT_ORDER}
-
-    @staticmethod
-    def split_pinned(tensor, rows: int, seq_len: int) -> dict:
-        """The batch fields of a buffer's tensor, as views: ``input_ids`` ... ``position_thw``."""
-        import torch
-
-        n, k = rows * seq_len, len(_INT32_ROW)
-        # A few torch calls for all the views (slicing a tensor field by field cost ~5 us a view)
-        int32 = tensor[8 * n :].view(torch.int32)
-        out = dict(
-            zip((_KEY[a] for a in _INT32_ROW), int32[: k * n].view(k, rows, seq_len).unbind(0))
-        )
-        out["labels"] = tensor[: 8 * n].view(torch.int64).view(rows, seq_len)
-        out["position_thw"] = int32[k * n :].view(rows, seq_len, 3)
-        return {key: out[key] for key in _SPLIT_ORDER}
-
-
-# The order of a split batch's keys (ROW_FIELDS', then position_thw), whatever the buffer's layout
-_SPLIT_ORDER = tuple(key for _, key, _ in ROW_FIELDS) + ("position_thw",)
-_SPLIT_ATTRS = tuple(attr for attr, _, _ in ROW_FIELDS) + ("thw",)
+def _row_of(buffer: BatchBuffer) -> Row:
+    """The one row of a one-row buffer, its fields views of the buffer."""
+    f = {attr: view[0] for attr, view in buffer.fields.items()}
+    return Row(
+        f["ids"],
+        f["mod"],
+        f["labels"],
+        f["label_mod"],
+        f["doc_ids"],
+        f["pos"],
+        f["thw"],
+        f["image_ids"],
+        0,
+    )
 
 
 @dataclass
@@ -467,7 +369,7 @@ class Packer:
     def _new_row(self) -> Row | None:
         if self.dry:
             return None
-        return BatchBuffer(1, self.L, self.pad_id).row(0)
+        return _row_of(BatchBuffer(1, self.L, self.pad_id))
 
     def blank_row(self) -> Row | None:
         """A row of a batch (no fields of its own: the batch is compacted and expanded whole)."""

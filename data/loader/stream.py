@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from data.loader import store, transport
+from data.loader.batch_buffer import BatchBuffer
 from data.loader.config import LoaderConfig
 from data.loader.expand import slot_views
 from data.loader.npy import read_npy
@@ -46,7 +47,7 @@ from data.loader.order import (
     unpack_mask,
 )
 from data.loader.packed_batch import PackedBatch, pieces_of, tokens_by_source_of
-from data.loader.packer import BatchBuffer, Doc, Packer, Row, units_of
+from data.loader.packer import Doc, Packer, Row, units_of
 from data.loader.sample_check import check_ids, read_members
 from data.loader.shard_check import CheckedShard, check_shard
 from data.loader.store import ShardFiles, ShardView

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from data.loader import build_loader
+from data.loader.batch_buffer import BATCH_DTYPES, BatchBuffer
 from data.loader.config import LoaderConfig, SourceConfig
 from data.loader.expand import CompactBatch, expand_numpy
 from data.loader.expand_kernel import expand_compiled
 from data.loader.expand_torch import expand_batch, expand_fields, is_compact
-from data.loader.packer import BATCH_DTYPES, BatchBuffer
 from data.vocab import Modality
 
 SOURCES = ("code", "text", "scenes", "digits", "clips", "docs")
@@ -88,10 +88,10 @@ def test_a_compact_loader_expanded_by_the_trainer_gives_the_same_batches(tiny_to
 
 def test_pinned_and_unpinned_splits_give_the_same_views():
     """A pinned batch buffer (a GPU run's) is split with torch views, an unpinned one with numpy
-    views: the same keys in the same order, dtypes (packer.BATCH_DTYPES), shapes and memory."""
+    views: the same keys in the same order, dtypes (batch_buffer.BATCH_DTYPES), shapes and memory."""
     buf = BatchBuffer(3, 16, 0)
     buf.tensor.copy_(torch.randint(0, 255, buf.tensor.shape, dtype=torch.uint8))
-    a = BatchBuffer.split_unpinned(buf.tensor, 3, 16)
+    a = buf.split()
     b = BatchBuffer.split_pinned(buf.tensor, 3, 16)  # torch's views work on any tensor
     assert list(a) == list(b) == list(BATCH_DTYPES)
     for key in a:

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from data.loader import LoaderConfig, SourceConfig, transport
+from data.loader.batch_buffer import BATCH_DTYPES, ROW_FIELDS
 from data.loader.expand import slot_numel
 from data.loader.packed_batch import PackedBatch
-from data.loader.packer import BATCH_DTYPES, ROW_FIELDS
 from data.loader.stream import ConsumerStream
 from data.loader.table_load import load_table
 from data.vocab import Modality

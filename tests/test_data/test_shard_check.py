@@ -130,7 +130,7 @@ def test_a_worker_packs_int32_and_the_trainer_gets_the_same_batches(tokens):
         for key in a:
             assert b[key].dtype == a[key].dtype, key
             assert torch.equal(a[key], b[key]), key
-        # packer.BATCH_DTYPES: int64 labels (cross-entropy targets), the rest int32
+        # batch_buffer.BATCH_DTYPES: int64 labels (cross-entropy targets), the rest int32
         assert b["input_ids"].dtype == torch.int32 and b["labels"].dtype == torch.int64
 
 

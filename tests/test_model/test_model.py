@@ -190,11 +190,11 @@ def test_grid_embedding_marks_where_an_image_code_sits(kit):
 
 @pytest.mark.parametrize("ffn", ["modality_groups", "moe"])
 def test_the_loaders_narrow_dtypes_give_what_int64_gives(kit, mixed_batch, ffn):
-    """The loader hands out int32 fields and int64 labels (data/loader/packer.BATCH_DTYPES):
+    """The loader hands out int32 fields and int64 labels (data/loader/batch_buffer.BATCH_DTYPES):
     loss, logits and gradients equal those of the same batch in int64, through everything that
     reads them (M-RoPE, the grid embedding, per-modality FFN groups and MoE, document masks and
     bidirectional images; FlexAttention's mask too, which on CPU runs without gradients)."""
-    from data.loader.packer import BATCH_DTYPES
+    from data.loader.batch_buffer import BATCH_DTYPES
     from model.attention import AttentionConfig
     from model.rope import RopeConfig
 

@@ -59,9 +59,9 @@ def timed(fn, items, device) -> tuple[float, float]:
 
 
 def main(argv=None) -> dict:
+    from data.loader.batch_buffer import BatchBuffer
     from data.loader.expand import CompactBatch, expand
     from data.loader.expand_torch import expand_fields
-    from data.loader.packer import BatchBuffer
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=Path, default=Path("runs/demo/tokens"))

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 # (module, owner, attribute, label), outermost first
 PARTS = (
     ("data.loader.stream", "ConsumerStream", "next_batch", "next_batch"),
-    ("data.loader.packer", "BatchBuffer", "__init__", "  batch buffer"),
+    ("data.loader.batch_buffer", "BatchBuffer", "__init__", "  batch buffer"),
     ("data.loader.fast_stream", "FastPath", "pack", "  fast.pack"),
     ("data.loader.fast_stream", "FastPath", "_run", "    compiled loop + reading ahead"),
     ("data.loader.fast_intake", "DocumentIntake", "_refill", "      reading ahead"),
@@ -33,7 +33,7 @@ PARTS = (
     ("data.loader.stream", "ConsumerStream", "state", "state snapshot"),
     ("data.loader.packed_batch", "PackedBatch", "to_dict", "to_dict"),
     ("data.loader.packed_batch", None, "expand", "  expand"),
-    ("data.loader.packer", "BatchBuffer", "split", "  split into tensors"),
+    ("data.loader.batch_buffer", "BatchBuffer", "split", "  split into tensors"),
 )
 
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from data.loader.packer import ROW_FIELDS, Doc, Packer, Row, units_of
+from data.loader.batch_buffer import ROW_FIELDS
+from data.loader.packer import Doc, Packer, Row, units_of
 from data.vocab import Modality
 from train import names
 
@@ -35,7 +36,7 @@ MODEL_INPUTS = tuple(key for key in names.MODEL_INPUTS if key not in ("labels", 
 
 def collate(rows: list[Row]) -> dict[str, torch.Tensor]:
     """Rows packed one by one (``Packer.pack`` without a batch buffer, each finished) as a batch
-    with the loader's field names (data/loader/packer.py ``ROW_FIELDS``)."""
+    with the loader's field names (data/loader/batch_buffer.py ``ROW_FIELDS``)."""
     out = {
         key: torch.from_numpy(np.stack([getattr(row, attr) for row in rows]))
         for attr, key, _ in ROW_FIELDS
