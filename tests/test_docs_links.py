@@ -3,6 +3,7 @@ to a file outside the checkout works in one workspace and is dead in every clone
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -21,3 +22,50 @@ def test_links_stay_inside_the_repository_and_resolve(page):
         path = (page.parent / target.split("#")[0]).resolve()
         assert path.is_relative_to(ROOT), f"{page.name}: {target} points outside the repository"
         assert path.exists(), f"{page.name}: {target} does not exist"
+
+
+# A repository path written in backticks (`data/loader/stream.py`, `configs/model/`) in the docs
+# or in a docstring must name a file or folder that exists: a renamed module otherwise leaves
+# readers at a dead end. Metric names (`data/skipped`, `train/loss`) have no file suffix and no
+# trailing slash, so they are not taken for paths; placeholders (`NAME`, `<kind>`, `*`) are skipped.
+TOP_FOLDERS = ("data/", "model/", "train/", "tools/", "tests/", "configs/", "docs/", ".ci/")
+SUFFIXES = (".py", ".md", ".yaml", ".yml", ".json", ".sh", ".toml")
+BACKTICKED = re.compile(r"`([^`\s]+)`")
+PLACEHOLDER = re.compile(r"[*{}<>$…]|\b[A-Z][A-Z_]{2,}\b")
+
+
+def repository_paths(text: str):
+    for token in BACKTICKED.findall(text):
+        path = token.split("#")[0].split("::")[0].rstrip(",.:;")
+        if not path.startswith(TOP_FOLDERS) or PLACEHOLDER.search(path):
+            continue
+        if path.endswith(SUFFIXES) or path.endswith("/"):
+            yield path
+
+
+def docstrings(path: Path):
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            text = ast.get_docstring(node)
+            if text:
+                yield text
+
+
+def test_repository_paths_in_docs_and_docstrings_exist():
+    missing = []
+    for page in PAGES:
+        missing += [
+            f"{page.name}: {p}"
+            for p in repository_paths(page.read_text())
+            if not (ROOT / p).exists()
+        ]
+    for package in ("data", "model", "train", "tools"):
+        for module in sorted((ROOT / package).rglob("*.py")):
+            for text in docstrings(module):
+                missing += [
+                    f"{module.relative_to(ROOT)}: {p}"
+                    for p in repository_paths(text)
+                    if not (ROOT / p).exists()
+                ]
+    assert not missing, "paths that do not exist:\n" + "\n".join(missing)
