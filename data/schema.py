@@ -27,6 +27,8 @@ REASONS = {
     "to --exclude-content-of already holds",
     "empty-document": "a document with no content (empty text, no segments)",
     "link-outside-source": "a symlink that leads out of the source's folder (--follow-links-outside reads it)",
+    "outside-tree": "a media path a table gives that leads out of the table's folder ('..', "
+    "an absolute path; --allow-outside-paths reads it)",
     "missing-media": "a referenced image or video file that does not exist or is remote",
     "not-utf8": "text that is not valid UTF-8 (use --repair-utf8 to keep it with U+FFFD)",
     "pixel-limit": "an image whose header claims more pixels than --max-image-pixels",

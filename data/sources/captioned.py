@@ -168,7 +168,7 @@ class CaptionedSource(Source):
                 )
                 continue
             path = (base / media) if not Path(media).is_absolute() else Path(media)
-            outside = self.outside(path)
+            outside = self.outside_tree(media, base) or self.outside(path)
             if outside:
                 yield self.rejected_item(key, f"{label} ({media})", outside.reason, outside.detail)
                 continue

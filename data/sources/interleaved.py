@@ -111,7 +111,11 @@ class InterleavedSource(Source):
                 (
                     skip
                     for part in parts
-                    if part.type in ("image", "video") and (skip := self.outside(part.path or ""))
+                    if part.type in ("image", "video")
+                    and (
+                        skip := self.outside_tree(part.path or "", self.root.parent)
+                        or self.outside(part.path or "")
+                    )
                 ),
                 None,
             )
