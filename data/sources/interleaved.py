@@ -18,8 +18,9 @@ from pathlib import Path
 
 from data.schema import SEGMENT_TYPES, Reject, Sample, sanitize_key, unsafe_name_reason
 from data.sources.base import Item, Part, Source, stat_size
+from data.sources.rows import blank_line, parse_record
 from data.sources.tables import is_table, load_row, table_items
-from data.sources.text import jsonl_lines, parse_record, read_line
+from data.sources.text import jsonl_lines, read_line
 
 OBELICS_LISTS = (("texts", "text"), ("images", "image"), ("videos", "video"))
 
@@ -92,7 +93,11 @@ class InterleavedSource(Source):
         for lineno, off, length in jsonl_lines(self.root):
             label = f"{self.root.name}:{lineno}"
             key = self.key(f"{lineno:08d}")
-            rec = parse_record(read_line(self.root, off, length), label)
+            rec = parse_record(read_line(self.root, off, length), label) if length else None
+            if rec is None:
+                rej = blank_line(label)
+                yield self.rejected_item(key, label, rej.reason, rej.detail)
+                continue
             if isinstance(rec, Reject):
                 yield self.rejected_item(key, label, rec.reason, rec.detail)
                 continue

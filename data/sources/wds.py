@@ -28,7 +28,7 @@ from data.names import INDEX_SUFFIX
 from data.schema import Reject, Sample, sanitize_key, unsafe_name_reason
 from data.shards.storage import is_remote, retried
 from data.sources.base import Item, Part, Source, hidden_dir, walk
-from data.sources.text import parse_record
+from data.sources.rows import parse_record
 
 
 def split_member(name: str) -> tuple[str, str]:
