@@ -7,7 +7,9 @@ PATH is either
   ``file`` (path relative to the folder) and ``caption`` (a row whose file is not in the
   folder is a ``missing-media`` reject, a second row for one file a ``duplicate-key``);
 - or a ``.jsonl`` / ``.csv`` table with a column ``image`` (or ``video``), optional ``caption``
-  and ``id``; paths are relative to the table's folder; other columns go to ``meta``;
+  and ``id``; paths are relative to the table's folder and stay inside it (``outside-tree``
+  otherwise, unless ``--allow-outside-paths``); other columns go to ``meta``; malformed rows
+  and blank lines are rejects naming their line (rows.py);
 - or a ``.parquet`` file / Hugging Face ``save_to_disk`` folder with those columns, the media
   column holding bytes, paths or ``{bytes, path}`` structs (tables.py).
 

@@ -1,6 +1,7 @@
 """``interleaved:PATH`` — documents mixing text and media, one JSON object per line.
 
-Two forms per line (media paths relative to the JSONL file's folder, or absolute):
+Two forms per line (media paths relative to the JSONL file's folder, or absolute; a path that
+leads out of that folder is an ``outside-tree`` reject unless ``--allow-outside-paths``):
 - OBELICS: ``{"texts": [str|null, ...], "images": [path|null, ...], "videos": [...]?}``, the
   lists aligned; at each position the non-null entries are taken in the order text, image, video.
 - native: ``{"segments": [{"type": "text"|"code"|"image"|"video", "text": ..., "lang": ...,

@@ -6,7 +6,8 @@ One row is one document, with the same rejects and accounting as the JSONL/CSV t
 - ``text``: a ``text`` column.
 - ``images`` / ``videos``: an ``image`` (``video``) column holding the bytes, a path relative
   to the table's folder, or a Hugging Face ``Image()`` struct ``{bytes, path}``; optional
-  ``caption`` and ``id``.
+  ``caption`` and ``id``. A path must stay inside the table's folder (``outside-tree``
+  otherwise, unless ``--allow-outside-paths``), as in the JSONL/CSV tables.
 - ``interleaved``: OBELICS-style aligned lists ``texts`` and ``images`` (and ``videos``), each
   image as bytes, a path or a ``{bytes, path}`` struct; ``null`` where the position holds the
   other kind.
