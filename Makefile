@@ -40,7 +40,9 @@ test-slow: $(STAMP)
 # The demo, end to end on CPU (README "Quick start"): a small real corpus built offline ->
 # raw shards -> text BPE and visual tokenizer -> token shards -> the early-fusion LM.
 # Every step is resumable: rerunning `make demo` redoes only what is missing.
-DEMO_SOURCES = --source code:$(DEMO_DIR)/$(1)/code \
+# --allow-outside-paths: interleaved/docs.jsonl names the corpus's photos, scenes and clips in
+# its sibling folders (../photos/...), which a table may read only when allowed.
+DEMO_SOURCES = --allow-outside-paths --source code:$(DEMO_DIR)/$(1)/code \
 		--source text:$(DEMO_DIR)/$(1)/text \
 		--source images:$(DEMO_DIR)/$(1)/photos \
 		--source images:$(DEMO_DIR)/$(1)/scenes/scenes.jsonl \

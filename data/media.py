@@ -7,7 +7,7 @@ Design choices:
   work). Width and height are the header's; the original bytes are what gets stored.
 - Videos: probed with decord from the bytes (no temp file), first and last frame decoded.
   decord writes FFmpeg's complaints, raw input bytes included, straight to the C stderr; the
-  probe captures fd 2 and keeps the last readable line as the reject detail.
+  probe captures fd 2 and keeps FFmpeg's reasons, without the bytes, as the reject detail.
 - Text: strict UTF-8 by default; ``repair=True`` replaces bad bytes with U+FFFD and counts them.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import tempfile
 import warnings
 from contextlib import contextmanager
@@ -184,13 +185,40 @@ def captured_c_stderr():
         out.append(tmp.read(65536).decode("utf-8", errors="replace"))
 
 
-def _readable_tail(log: str) -> str:
-    """The last line of an FFmpeg/decord log that is plain text (decord echoes input bytes)."""
-    for line in reversed(log.splitlines()):
-        line = line.strip()
-        if line and all(char.isprintable() for char in line) and len(line) < 300:
-            return line
-    return ""
+_FFMPEG_LINE = re.compile(r"^\[[^\]]* @ 0x[0-9a-fA-F]+\] (.+)$")  # [mov,mp4,... @ 0x55..] text
+_DECORD_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: ")  # [19:21:25] src/x.cc:83:
+
+
+def _readable(text: str) -> bool:
+    """Plain ASCII words, not a run of the input's bytes."""
+    return (
+        len(text) < 200
+        and text.isascii()
+        and text.isprintable()
+        and re.search("[A-Za-z]{3,}", text) is not None
+    )
+
+
+def decord_message(log: str, err: BaseException | None) -> str:
+    """What FFmpeg and decord said about a failed decode, for a reject's detail. decord echoes
+    the input's bytes into its "ERROR opening: <bytes>, <FFmpeg's reason>" line, so only the
+    reason after the last ", " is kept; FFmpeg's own lines (``[demuxer @ 0x..] text``) are kept
+    when they are plain text. Never the raw bytes, never a stray fragment of them."""
+    said: list[str] = []
+    for line in log.splitlines():
+        found = _FFMPEG_LINE.match(line.strip())
+        if found and _readable(found.group(1).strip()):
+            said.append(found.group(1).strip())
+    if "ERROR opening:" in log:
+        reason = log.rsplit("ERROR opening:", 1)[1].rpartition(", ")[2].strip()
+        if _readable(reason):
+            said.append(reason)
+    elif err is not None:
+        first = _DECORD_PREFIX.sub("", str(err).strip().split("\n")[0])
+        if _readable(first) and not first.startswith("Error reading"):
+            said.append(first)
+    unique = list(dict.fromkeys(said))[-3:]
+    return "; ".join(unique) or "FFmpeg gave no readable reason"
 
 
 def probe_video(raw: bytes, path: str, *, max_seconds: float) -> VideoInfo | Reject:
@@ -217,7 +245,7 @@ def probe_video(raw: bytes, path: str, *, max_seconds: float) -> VideoInfo | Rej
             err = None
     if err is not None:
         note_decode_failure()
-        detail = _readable_tail(log[0] if log else "") or str(err).split("\n")[0][:200]
+        detail = "decord cannot read it: " + decord_message(log[0] if log else "", err)
         return Reject(path, "undecodable-video", detail)
     if info.duration > max_seconds:
         return Reject(path, "video-too-long", f"{info.duration:.1f} s > limit {max_seconds:g} s")

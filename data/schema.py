@@ -21,17 +21,22 @@ MEDIA_PREFIX = {"image": "img", "video": "vid"}
 # Reason codes a reject can carry, with what they mean (printed by `earlyfuse-prep stats`).
 REASONS = {
     "bad-record": "a JSONL/CSV record that is not valid JSON or lacks a required field",
+    "bad-row": "a CSV row with more or fewer fields than its header, or a quote never closed",
+    "blank-line": "a blank line in a JSONL or CSV table (no record; listed so every line counts)",
     "binary-file": "a file in a source tree that holds binary data",
     "duplicate-key": "a sample key that an earlier input already used",
     "duplicate-of-excluded": "content (document, media file or long text) that a folder given "
     "to --exclude-content-of already holds",
     "empty-document": "a document with no content (empty text, no segments)",
     "link-outside-source": "a symlink that leads out of the source's folder (--follow-links-outside reads it)",
+    "outside-tree": "a media path a table gives that leads out of the table's folder ('..', "
+    "an absolute path; --allow-outside-paths reads it)",
     "missing-media": "a referenced image or video file that does not exist or is remote",
     "not-utf8": "text that is not valid UTF-8 (use --repair-utf8 to keep it with U+FFFD)",
     "pixel-limit": "an image whose header claims more pixels than --max-image-pixels",
     "too-large": "a file over the size limit of its kind",
-    "truncated-tar": "an input tar that ends in the middle of a member",
+    "truncated-tar": "an input tar cut short (inside a member, its header or before the end blocks)",
+    "corrupt-tar": "an input tar with a damaged member header, or data after its end blocks",
     "truncated-image": "an image whose data ends early",
     "undecodable-video": "a video that decord cannot open or decode",
     "unknown-type": "a file whose extension the source kind does not take",

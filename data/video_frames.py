@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from data.image_prep import ImagePrep
-from data.media import captured_c_stderr, note_decode_failure
+from data.media import captured_c_stderr, decord_message, note_decode_failure
 
 
 @dataclass(frozen=True)
@@ -105,8 +105,7 @@ def decode_frames(
             err = e
     if err is not None:
         note_decode_failure()
-        tail = [line for line in (log[0] if log else "").splitlines() if line.isprintable()]
-        raise ValueError(f"cannot decode video: {tail[-1] if tail else err}")
+        raise ValueError(f"cannot decode video: {decord_message(log[0] if log else '', err)}")
     return Frames(
         np.stack(frames),
         np.asarray(timestamps)[picked, 0],

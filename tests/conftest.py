@@ -10,6 +10,7 @@ import pytest
 
 from data.demo_corpus import build
 from data.ingest import ingest
+from data.sources import Limits
 
 # Any DeepSpeed op a test builds is built once per virtual environment, never in the home folder
 # that every checkout shares (train/ds_env.py does the same for the project's own entry points).
@@ -43,6 +44,8 @@ def tiny_raw(tiny_corpus, tmp_path_factory) -> Path:
             f"interleaved:{c / 'interleaved' / 'docs.jsonl'}",
         ],
         shard_max_samples=16,
+        # the corpus's interleaved documents name its photos, scenes and clips in sibling folders
+        limits=Limits(allow_outside_paths=True),
     )
     assert s["finalized"]
     return out

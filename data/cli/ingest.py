@@ -29,7 +29,14 @@ def _add_ingest(sub) -> None:
         '                    {"segments": [...]}, media paths relative to the file\n'
         "  wds:PATH          existing webdataset .tar shards in img2dataset layout (KEY.jpg + KEY.txt/json)\n"
         "  text, images, videos and interleaved also take a .parquet table or a Hugging Face\n"
-        "                    save_to_disk folder, local or s3://... (columns: docs/scaling.md)\n\n"
+        "                    save_to_disk folder, local or s3://... (columns: docs/scaling.md)\n"
+        "  a table's media paths must stay inside the table's folder (else each such row is\n"
+        "                    rejected as outside-tree; --allow-outside-paths reads them)\n"
+        "  every line of a JSONL/CSV table is a sample or a reject naming its line: a CSV row\n"
+        "                    whose fields do not match the header or whose quote is never closed\n"
+        "                    is bad-row, a blank line blank-line (docs/formats.md lists reasons)\n"
+        "  a wds tar cut short or damaged keeps the samples before the break and is listed as\n"
+        "                    truncated-tar or corrupt-tar, saying where and what was lost\n\n"
         "example:\n"
         "  earlyfuse-prep ingest --out shards/ --workers 8 --shard-size 256MB \\\n"
         "      --source code:~/src/cpython/Lib --source images:coco/captions.jsonl\n\n"
@@ -127,6 +134,13 @@ def _add_ingest(sub) -> None:
         "is rejected as link-outside-source; links inside it are followed)",
     )
     p.add_argument(
+        "--allow-outside-paths",
+        action="store_true",
+        help="read media paths that a table (JSONL, CSV, parquet, Hugging Face folder) gives "
+        "outside its own folder, through '..' or as an absolute path (default: each such row is "
+        "rejected as outside-tree)",
+    )
+    p.add_argument(
         "--allow-rejects", action="store_true", help="exit 0 even when some inputs were rejected"
     )
     p.add_argument(
@@ -155,6 +169,7 @@ def cmd_ingest(a) -> int:
         max_code_bytes=a.max_code_bytes,
         repair_utf8=a.repair_utf8,
         follow_links_outside=a.follow_links_outside,
+        allow_outside_paths=a.allow_outside_paths,
     )
     s = ingest(
         a.out,

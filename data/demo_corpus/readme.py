@@ -33,7 +33,7 @@ split `all` has all of it.
 | `digits/` | `images:OUT/digits/digits.csv` | {p["digits"]["images"]} of scikit-learn's handwritten digits (8x8, bundled csv.gz) enlarged to 32x32 PNG; captions from the labels |
 | `scenes/` | `images:OUT/scenes/scenes.jsonl`, `interleaved:OUT/scenes/drawings.jsonl` | {p["scenes"]["images"]} generated pictures of 1-3 shapes; captions state shape, colour and grid position, checkable with `data.demo_corpus.check_scene`; `scenes.jsonl` puts the picture first (captioning), `drawings.jsonl` ({p["scenes"].get("drawings", 0)} of them) the caption first (drawing), each row with its facts |
 | `clips/` | `videos:OUT/clips` | {p["clips"]["clips"]} H.264 mp4 clips (libx264, yuv420p, 5/8/12/24 fps): moving shapes, pans and zooms across the photos; `captions.jsonl` states the motion, checkable with `data.demo_corpus.check_clip` |
-| `interleaved/` | `interleaved:OUT/interleaved/docs.jsonl` | {p["interleaved"]["documents"]} documents: OBELICS-style `texts`/`images` lists, and native `segments` (with videos) |
+| `interleaved/` | `interleaved:OUT/interleaved/docs.jsonl`, with `--allow-outside-paths` (its media paths lead to the sibling folders: `../photos/…`) | {p["interleaved"]["documents"]} documents: OBELICS-style `texts`/`images` lists, and native `segments` (with videos) |
 | `wds/` | `wds:OUT/wds` | one img2dataset-style shard of {p["wds"]["samples"]} scenes as JPEG (`KEY.jpg`, `KEY.txt`, `KEY.json`) |
 
 Total: {summary["files"]} files, {summary["bytes"] / 1e6:.1f} MB.

@@ -45,17 +45,38 @@ class Limits:
     repair_utf8: bool = False
     # Read files through symlinks that lead out of a source's folder (default: rejected)
     follow_links_outside: bool = False
+    # Read media paths a table gives that lead out of the table's folder (default: rejected)
+    allow_outside_paths: bool = False
 
     def describe(self) -> dict:
         """The limits for the plan fingerprint; the default of a later flag is left out, so plans
-        made before it existed keep their fingerprint."""
+        made before it existed keep their fingerprint. ``allow_outside_paths`` is always left
+        out: its whole effect is on the planned items (an outside path is an item read, or one
+        carrying its reject), which the fingerprint hashes one by one."""
         fields = asdict(self)
         if not fields["follow_links_outside"]:
             del fields["follow_links_outside"]
+        del fields["allow_outside_paths"]
         return fields
 
 
 LINK_OUTSIDE = "link-outside-source"
+OUTSIDE_TREE = "outside-tree"
+
+
+def leaves_folder(written: str, base: Path) -> str | None:
+    """Why a media path as a table wrote it leads out of the table's folder ``base``, or None.
+    ``..`` are folded without following links (a link out is ``outside_root``'s to find); an
+    absolute path inside ``base`` stays inside."""
+    folder = os.path.normpath(base)
+    target = os.path.normpath(os.path.join(folder, written))
+    if Path(target).is_relative_to(folder):
+        return None
+    how = "an absolute path" if os.path.isabs(written) else "a path whose '..' lead"
+    return (
+        f"{written} is {how} outside the table's folder {folder} "
+        "(--allow-outside-paths reads such paths)"
+    )
 
 
 class Skip(NamedTuple):
@@ -69,8 +90,8 @@ def outside_root(path: Path, root: Path) -> Skip | None:
     """Why reading ``path`` would follow a symlink out of ``root`` (a resolved folder), or None.
     ``path`` as written (".." folded, no link followed) inside ``root`` must really be there: no
     symlink on its way (the file's, or a folder's) may lead out. A path written to lie outside
-    ``root`` (a JSONL/CSV table may name media anywhere) must really be where it is written:
-    the file itself may not be a symlink out of its folder."""
+    ``root`` (a table's media path, read only under ``--allow-outside-paths``) must really be
+    where it is written: the file itself may not be a symlink out of its folder."""
     lexical = Path(os.path.abspath(path))
     base = root if lexical.is_relative_to(root) else lexical.parent.resolve()
     real = lexical.resolve()
@@ -131,6 +152,14 @@ class Source:
         if self.limits.follow_links_outside:
             return None
         return outside_root(Path(path), root or self.folder)
+
+    def outside_tree(self, written: str, base: Path) -> Skip | None:
+        """Why a media path a table gives must not be read: it leads out of the table's folder
+        ``base`` (see ``leaves_folder``), unless ``--allow-outside-paths`` allows it."""
+        if self.limits.allow_outside_paths:
+            return None
+        why = leaves_folder(written, base)
+        return Skip(OUTSIDE_TREE, why) if why else None
 
     def key(self, local: str) -> str:
         return f"{self.spec.name}-{local}"

@@ -4,9 +4,12 @@ PATH is either
 - a folder: every image (or video) file below it is one document; its caption comes from a
   sidecar ``NAME.txt`` (or the ``caption`` field of ``NAME.json``, whose other fields go to
   ``meta``), or from a ``captions.jsonl`` / ``captions.csv`` at the folder's top with columns
-  ``file`` (path relative to the folder) and ``caption``;
+  ``file`` (path relative to the folder) and ``caption`` (a row whose file is not in the
+  folder is a ``missing-media`` reject, a second row for one file a ``duplicate-key``);
 - or a ``.jsonl`` / ``.csv`` table with a column ``image`` (or ``video``), optional ``caption``
-  and ``id``; paths are relative to the table's folder; other columns go to ``meta``;
+  and ``id``; paths are relative to the table's folder and stay inside it (``outside-tree``
+  otherwise, unless ``--allow-outside-paths``); other columns go to ``meta``; malformed rows
+  and blank lines are rejects naming their line (rows.py);
 - or a ``.parquet`` file / Hugging Face ``save_to_disk`` folder with those columns, the media
   column holding bytes, paths or ``{bytes, path}`` structs (tables.py).
 
@@ -15,7 +18,6 @@ A document is ``[media, caption]``; the caption segment carries ``"role": "capti
 
 from __future__ import annotations
 
-import csv
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,27 +25,10 @@ from pathlib import Path
 from data.media import IMAGE_EXTS, VIDEO_EXTS
 from data.schema import Reject, Sample, sanitize_key, unsafe_name_reason
 from data.sources.base import Item, Part, Source, hidden_dir, read_file, stat_size, walk
+from data.sources.rows import parse_record, read_table
 from data.sources.tables import is_table, load_row, table_items
-from data.sources.text import parse_record
 
 CAPTION_TABLES = ("captions.jsonl", "captions.csv")
-
-
-def read_table(path: Path) -> Iterator[tuple[int, dict | Reject]]:
-    """(line number, record) of a JSONL or CSV table; a bad JSON line yields a Reject."""
-    if path.suffix.lower() == ".csv":
-        with open(path, newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            for row in reader:
-                yield (
-                    reader.line_num,
-                    {column: value for column, value in row.items() if column is not None},
-                )
-        return
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                yield lineno, parse_record(line, f"{path.name}:{lineno}")
 
 
 class CaptionedSource(Source):
@@ -71,6 +56,7 @@ class CaptionedSource(Source):
     # --- a folder of media files -----------------------------------------------------------
     def _folder_items(self) -> Iterator[Item]:
         captions: dict[str, dict] = {}
+        caption_rows: dict[str, str] = {}  # file -> the row that captions it ("captions.csv:3")
         for table in CAPTION_TABLES:
             outside = self.outside(self.root / table)
             if (self.root / table).is_file() and outside:
@@ -80,13 +66,35 @@ class CaptionedSource(Source):
             elif (self.root / table).is_file():
                 for lineno, rec in read_table(self.root / table):
                     if isinstance(rec, Reject) or not rec.get("file"):
-                        detail = rec.detail if isinstance(rec, Reject) else 'no "file" column'
+                        reason, detail = (
+                            (rec.reason, rec.detail)
+                            if isinstance(rec, Reject)
+                            else ("bad-record", 'no "file" column')
+                        )
                         yield self.rejected_item(
-                            self.key(f"{table}-{lineno}"), f"{table}:{lineno}", "bad-record", detail
+                            self.key(f"{table}-{lineno}"), f"{table}:{lineno}", reason, detail
                         )
                         continue
-                    captions[str(rec.pop("file"))] = rec
+                    file, row = str(rec.pop("file")), f"{table}:{lineno}"
+                    if file in caption_rows:
+                        yield self.rejected_item(
+                            self.key(f"{table}-{lineno}"),
+                            row,
+                            "duplicate-key",
+                            f"{file} already has its caption from {caption_rows[file]}",
+                        )
+                        continue
+                    captions[file], caption_rows[file] = rec, row
         files = list(walk(self.root, hidden_dir, follow=self.limits.follow_links_outside))
+        listed = {rel for rel, _ in files}
+        for file, row in caption_rows.items():
+            if file not in listed:  # a caption row must not vanish because its file is absent
+                yield self.rejected_item(
+                    self.key(sanitize_key(row)),
+                    f"{row} ({file})",
+                    "missing-media",
+                    f"no file {file} in the folder (paths are relative to it)",
+                )
         media = {
             rel for rel, skipped in files if not skipped and Path(rel).suffix.lower() in self.exts
         }
@@ -168,7 +176,7 @@ class CaptionedSource(Source):
                 )
                 continue
             path = (base / media) if not Path(media).is_absolute() else Path(media)
-            outside = self.outside(path)
+            outside = self.outside_tree(media, base) or self.outside(path)
             if outside:
                 yield self.rejected_item(key, f"{label} ({media})", outside.reason, outside.detail)
                 continue

@@ -1,6 +1,7 @@
 """``interleaved:PATH`` — documents mixing text and media, one JSON object per line.
 
-Two forms per line (media paths relative to the JSONL file's folder, or absolute):
+Two forms per line (media paths relative to the JSONL file's folder, or absolute; a path that
+leads out of that folder is an ``outside-tree`` reject unless ``--allow-outside-paths``):
 - OBELICS: ``{"texts": [str|null, ...], "images": [path|null, ...], "videos": [...]?}``, the
   lists aligned; at each position the non-null entries are taken in the order text, image, video.
 - native: ``{"segments": [{"type": "text"|"code"|"image"|"video", "text": ..., "lang": ...,
@@ -18,8 +19,9 @@ from pathlib import Path
 
 from data.schema import SEGMENT_TYPES, Reject, Sample, sanitize_key, unsafe_name_reason
 from data.sources.base import Item, Part, Source, stat_size
+from data.sources.rows import blank_line, parse_record
 from data.sources.tables import is_table, load_row, table_items
-from data.sources.text import jsonl_lines, parse_record, read_line
+from data.sources.text import jsonl_lines, read_line
 
 OBELICS_LISTS = (("texts", "text"), ("images", "image"), ("videos", "video"))
 
@@ -92,7 +94,11 @@ class InterleavedSource(Source):
         for lineno, off, length in jsonl_lines(self.root):
             label = f"{self.root.name}:{lineno}"
             key = self.key(f"{lineno:08d}")
-            rec = parse_record(read_line(self.root, off, length), label)
+            rec = parse_record(read_line(self.root, off, length), label) if length else None
+            if rec is None:
+                rej = blank_line(label)
+                yield self.rejected_item(key, label, rej.reason, rej.detail)
+                continue
             if isinstance(rec, Reject):
                 yield self.rejected_item(key, label, rec.reason, rec.detail)
                 continue
@@ -111,7 +117,11 @@ class InterleavedSource(Source):
                 (
                     skip
                     for part in parts
-                    if part.type in ("image", "video") and (skip := self.outside(part.path or ""))
+                    if part.type in ("image", "video")
+                    and (
+                        skip := self.outside_tree(part.path or "", self.root.parent)
+                        or self.outside(part.path or "")
+                    )
                 ),
                 None,
             )

@@ -6,7 +6,8 @@ One row is one document, with the same rejects and accounting as the JSONL/CSV t
 - ``text``: a ``text`` column.
 - ``images`` / ``videos``: an ``image`` (``video``) column holding the bytes, a path relative
   to the table's folder, or a Hugging Face ``Image()`` struct ``{bytes, path}``; optional
-  ``caption`` and ``id``.
+  ``caption`` and ``id``. A path must stay inside the table's folder (``outside-tree``
+  otherwise, unless ``--allow-outside-paths``), as in the JSONL/CSV tables.
 - ``interleaved``: OBELICS-style aligned lists ``texts`` and ``images`` (and ``videos``), each
   image as bytes, a path or a ``{bytes, path}`` struct; ``null`` where the position holds the
   other kind.
@@ -263,7 +264,11 @@ def table_items(src: Source) -> Iterator[Item]:
                         yield src.rejected_item(key, label, "unsafe-name", f"id: {why}")
                         continue
                     key = src.key(sanitize_key(str(rid)))
-                missing = _missing_media(media, pos, base) or _linked_out(src, media, pos, base)
+                missing = (
+                    _linked_out(src, media, pos, base, tree=True)
+                    or _missing_media(media, pos, base)
+                    or _linked_out(src, media, pos, base)
+                )
                 if missing:
                     reason, detail, shown = missing
                     where = f"{label} ({shown})" if shown else label
@@ -288,9 +293,10 @@ def _missing_media(media: dict[str, list], pos: int, base: Location) -> tuple[st
     return None
 
 
-def _linked_out(src: Source, media: dict[str, list], pos: int, base: Location):
+def _linked_out(src: Source, media: dict[str, list], pos: int, base: Location, tree=False):
     """(reason, detail, path as written) when a local media path of the row is a symlink leading
-    out of the table's folder (the same rule as the JSONL/CSV tables: ``Source.outside``)."""
+    out of the table's folder, or with ``tree`` a path written to lead out of it (the same rules
+    as the JSONL/CSV tables: ``Source.outside`` and ``Source.outside_tree``)."""
     if base.remote:
         return None
     for values in media.values():
@@ -299,7 +305,10 @@ def _linked_out(src: Source, media: dict[str, list], pos: int, base: Location):
             got = media_value(value, base) if value is not None else None
             if got is None or isinstance(got, str) or got[1] is None:
                 continue
-            skip = src.outside(Path(got[1]), Path(base.text).resolve())
+            if tree:
+                skip = src.outside_tree(got[2], Path(base.text))
+            else:
+                skip = src.outside(Path(got[1]), Path(base.text).resolve())
             if skip:
                 return skip.reason, skip.detail, got[2]
     return None
@@ -334,14 +343,17 @@ def load_row(src: Source, item: Item) -> Sample | Reject:
         got = media_value(rec.pop(col, None), base)
         if isinstance(got, str):
             return src.reject(label, "bad-record", got, item.key)
+        refused = _refused_path(src, got, base, label)
+        if refused:
+            return src.reject(refused.path, refused.reason, refused.detail, item.key)
         parts = [_media_part(src.kind[:-1], got, label)]
         caption = rec.pop("caption", None)
         if caption is not None:
             parts.append(Part("text", str(caption), path=label, role="caption"))
     else:
-        got_parts = _interleaved_parts(rec, base, label)
+        got_parts = _interleaved_parts(src, rec, base, label)
         if isinstance(got_parts, Reject):
-            return src.reject(label, got_parts.reason, got_parts.detail, item.key)
+            return src.reject(got_parts.path, got_parts.reason, got_parts.detail, item.key)
         parts = got_parts
     meta = {
         key: value
@@ -359,7 +371,21 @@ def _media_part(kind: str, got: tuple[bytes | None, str | None, str], label: str
     return Part(kind, path=path or label, data=data, ext=ext, label=where)
 
 
-def _interleaved_parts(rec: dict, base: Location, label: str) -> list[Part] | Reject:
+def _refused_path(
+    src: Source, got: tuple[bytes | None, str | None, str], base: Location, label: str
+) -> Reject | None:
+    """Why a media path read from a row must not be read (it leads out of the table's folder,
+    as written or through a symlink). The plan checks path columns; a Hugging Face ``{bytes,
+    path}`` struct shows its path only here, where the row is read."""
+    if got[1] is None or base.remote:
+        return None
+    skip = src.outside_tree(got[2], Path(base.text)) or src.outside(
+        Path(got[1]), Path(base.text).resolve()
+    )
+    return Reject(f"{label} ({got[2]})", skip.reason, skip.detail) if skip else None
+
+
+def _interleaved_parts(src: Source, rec: dict, base: Location, label: str) -> list[Part] | Reject:
     lists = [(rec.pop(column, None) or [], kind) for column, kind in LIST_COLUMNS]
     length = max(len(column_values) for column_values, _ in lists)
     if any(column_values and len(column_values) != length for column_values, _ in lists):
@@ -380,5 +406,8 @@ def _interleaved_parts(rec: dict, base: Location, label: str) -> list[Part] | Re
             got = media_value(value, base)
             if isinstance(got, str):
                 return Reject(label, "bad-record", f"{kind} at position {position}: {got}")
+            refused = _refused_path(src, got, base, label)
+            if refused:
+                return refused
             parts.append(_media_part(kind, got, f"{label}:{kind} {position}"))
     return parts

@@ -4,24 +4,24 @@ file or a Hugging Face ``save_to_disk`` folder one per row (a ``text`` column; t
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 from data.schema import Reject, Sample
 from data.sources.base import Item, Part, Source, hidden_dir, read_file, stat_size
+from data.sources.rows import blank_line, parse_record
 from data.sources.tables import is_table, load_row, table_items
 
 TEXT_EXTS = {".txt", ".md", ".rst", ".text"}
 
 
 def jsonl_lines(path) -> Iterator[tuple[int, int, int]]:
-    """(line number, byte offset, length) of every non-blank line, read in binary."""
+    """(line number, byte offset, length) of every line, read in binary; a blank line (empty or
+    only whitespace) has length 0, for the caller to list as a ``blank-line`` reject."""
     off = 0
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
-            if line.strip():
-                yield lineno, off, len(line)
+            yield lineno, off, len(line) if line.strip() else 0
             off += len(line)
 
 
@@ -29,18 +29,6 @@ def read_line(path, offset: int, length: int) -> bytes:
     with open(path, "rb") as f:
         f.seek(offset)
         return f.read(length)
-
-
-def parse_record(raw: bytes, label: str) -> dict | Reject:
-    try:
-        rec = json.loads(raw)
-    except UnicodeDecodeError as e:
-        return Reject(label, "not-utf8", f"invalid UTF-8 in JSON line at byte {e.start}")
-    except ValueError as e:
-        return Reject(label, "bad-record", f"not valid JSON ({e})")
-    if not isinstance(rec, dict):
-        return Reject(label, "bad-record", "a JSON line must be an object")
-    return rec
 
 
 class TextSource(Source):
@@ -61,6 +49,12 @@ class TextSource(Source):
                 yield self.rejected_item(key, label, "unreadable-file", "cannot stat")
             elif ext == ".jsonl":
                 for lineno, off, length in jsonl_lines(path):
+                    if not length:
+                        rej = blank_line(f"{label}:{lineno}")
+                        yield self.rejected_item(
+                            f"{key}-{lineno:08d}", rej.path, rej.reason, rej.detail
+                        )
+                        continue
                     yield Item(
                         f"{key}-{lineno:08d}",
                         f"{label}:{lineno}",

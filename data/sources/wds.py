@@ -3,8 +3,11 @@ img2dataset / video2dataset layout: ``KEY.jpg`` (or png/webp, or ``KEY.mp4``) wi
 ``KEY.txt`` (the caption) and/or ``KEY.json`` (its ``caption`` field; the rest goes to meta).
 
 Members are located by their byte offsets when the plan is made and read by seeking, so a
-worker never scans a whole tar for one sample. A tar cut short keeps every sample before the
-cut and records one ``truncated-tar`` reject for the rest.
+worker never scans a whole tar for one sample. A tar that stops before its end-of-archive
+blocks (cut inside a member, inside a header or between members) keeps every whole sample
+before the cut and records one ``truncated-tar`` reject saying where it stopped and what was
+lost; a sample that may have had members after the cut is left out and named there. A damaged
+header with data after it, or data after the end blocks, is a ``corrupt-tar`` reject.
 
 PATH may be an fsspec URL (``wds:s3://bucket/laion/``, a folder of ``.tar`` or one ``.tar``):
 the plan reads each tar once, in order, to list its members; workers read members by ranged
@@ -18,13 +21,14 @@ import os
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 from data.media import IMAGE_EXTS, VIDEO_EXTS
 from data.names import INDEX_SUFFIX
 from data.schema import Reject, Sample, sanitize_key, unsafe_name_reason
 from data.shards.storage import is_remote, retried
 from data.sources.base import Item, Part, Source, hidden_dir, walk
-from data.sources.text import parse_record
+from data.sources.rows import parse_record
 
 
 def split_member(name: str) -> tuple[str, str]:
@@ -82,8 +86,22 @@ def read_members(path: str, group: list) -> dict[str, bytes]:
     return retried(path, once) if is_remote(path) else once()
 
 
-def list_members(path: Path | str) -> tuple[list[tuple[str, int, int]], str | None]:
-    """(name, data offset, size) of the regular members, and why the listing stopped early."""
+class TarBreak(NamedTuple):
+    """Where and how a tar's listing stopped before its end-of-archive blocks."""
+
+    reason: str  # truncated-tar | corrupt-tar
+    what: str  # for people: where it stopped and why
+    name: str  # the member at the break: its whole name, the part of it that is there, or ""
+    whole: bool  # whether ``name`` is the member's whole name
+    after_end: bool = False  # the break lies after the end-of-archive blocks: every member listed
+
+
+def list_members(path: Path | str) -> tuple[list[tuple[str, int, int]], TarBreak | None]:
+    """(name, data offset, size) of the regular members, and why the listing stopped early.
+
+    tarfile takes a short or invalid header after the first member for the end of the archive,
+    so the bytes where it stopped are checked here: the end-of-archive blocks (zeros) are the
+    only proper end; anything else is a cut or damage that would lose the rest unseen."""
     members: list[tuple[str, int, int]] = []
     try:
         with _open(str(path)) as f:
@@ -91,19 +109,67 @@ def list_members(path: Path | str) -> tuple[list[tuple[str, int, int]], str | No
             f.seek(0)
             with tarfile.open(fileobj=f, mode="r:") as archive:
                 for member in archive:
-                    if not member.isfile():
-                        continue
-                    if member.offset_data + member.size > total:
-                        return (
-                            members,
-                            f"ends inside member {member.name!r} "
-                            f"(byte {total} of {member.offset_data + member.size})",
-                        )
-                    members.append((member.name, member.offset_data, member.size))
+                    end = member.offset_data + member.size
+                    if end > total:
+                        what = f"ends inside member {member.name!r} (byte {total} of {end})"
+                        return members, TarBreak("truncated-tar", what, member.name, True)
+                    if member.isfile():
+                        members.append((member.name, member.offset_data, member.size))
+                stop = archive.offset
+            return members, _check_end(f, stop, total, members)
     except (tarfile.ReadError, OSError) as e:
         after = f" after member {members[-1][0]!r}" if members else ""
-        return members, f"unreadable{after}: {e}"
-    return members, None
+        return members, TarBreak("truncated-tar", f"unreadable{after}: {e}", "", False)
+
+
+def _check_end(f, stop: int, total: int, members: list) -> TarBreak | None:
+    """Why the bytes at ``stop`` (where tarfile stopped listing) are not a proper end, or None."""
+    f.seek(stop)
+    block = f.read(512)
+    last = f" after member {members[-1][0]!r}" if members else ""
+    if not block:
+        what = f"ends at byte {total}{last}, without the end-of-archive blocks"
+        return TarBreak("truncated-tar", what, "", False)
+    if block.count(0) == len(block):
+        # the end-of-archive blocks (cut inside them loses nothing); data after them would be
+        # a second archive appended to the first, which tar readers never reach
+        while chunk := f.read(1 << 20):
+            if chunk.count(0) != len(chunk):
+                what = f"holds data after its end-of-archive blocks at byte {stop}"
+                return TarBreak("corrupt-tar", what, "", False, after_end=True)
+        return None
+    name, whole = _header_name(block)
+    shown = (
+        f"member {name!r}"
+        if whole
+        else f"a member whose name starts {name!r}"
+        if name
+        else "a member whose name is unreadable"
+    )
+    if len(block) < 512:
+        what = f"ends at byte {total}, inside the header of {shown} (bytes {stop}-{stop + 511})"
+        return TarBreak("truncated-tar", what, name, whole)
+    what = (
+        f"holds no valid member header at byte {stop} ({shown}){last}; "
+        f"its {total - stop} bytes from there are not read"
+    )
+    return TarBreak("corrupt-tar", what, name, whole)
+
+
+def _header_name(block: bytes) -> tuple[str, bool]:
+    """The member name in a (possibly cut or damaged) 512-byte tar header, and whether it is
+    whole: the 100-byte name field up to its NUL, after the ustar prefix field if there is one."""
+    field, nul, _ = block[:100].partition(b"\0")
+    ended = bool(nul) or len(block) >= 100
+    ustar = len(block) >= 500 and block[257:262] == b"ustar"
+    prefix = block[345:500].split(b"\0", 1)[0] if ustar else b""
+    name = field.decode("utf-8", errors="replace")
+    if prefix:
+        name = prefix.decode("utf-8", errors="replace") + "/" + name
+    whole = ended and name.isprintable() and "\ufffd" not in name
+    # a cut before the ustar prefix field may hide a folder in front of the name; the key's
+    # last part is still known, which is what the caller compares
+    return name, whole
 
 
 def remote_tars(url: str) -> list[tuple[str, str]]:
@@ -122,6 +188,44 @@ def remote_tars(url: str) -> list[tuple[str, str]]:
         (found_path[len(inner) + 1 :], f"{url}/{found_path[len(inner) + 1 :]}")
         for found_path in found
     ]
+
+
+def _cut_sample(groups: list[tuple[str, list]], broken: TarBreak) -> tuple[str, list] | None:
+    """The last sample listed when it may have had members after the break: its key is the
+    key of the member at the break, or that member's name is too damaged or cut to tell."""
+    if not groups or broken.after_end:
+        return None
+    last_key = groups[-1][0]
+    if broken.whole and "." in broken.name.rpartition("/")[2]:
+        key = split_member(broken.name)[0]
+        # a header cut before its ustar prefix field shows the name without its folder
+        if last_key != key and not last_key.endswith("/" + key):
+            return None
+    return groups[-1]
+
+
+def _what_is_lost(broken: TarBreak, cut: tuple[str, list] | None) -> str:
+    """What a break cost, for the reject's detail."""
+    known = broken.whole and "." in broken.name.rpartition("/")[2]
+    if known:
+        said = f"sample {split_member(broken.name)[0]!r} and every sample after it are lost"
+        if cut is not None:
+            said += (
+                " (its members before the break too: "
+                + ", ".join(f"{cut[0]}.{member[0]}" for member in cut[1])
+                + ")"
+            )
+        return said
+    if broken.after_end:
+        return "the samples of the appended archive are not read"
+    said = (
+        "the sample of that member and every sample after it are lost"
+        if broken.name
+        else "whatever followed is lost"
+    )
+    if cut is not None:
+        said += f"; sample {cut[0]!r} may be incomplete and is left out"
+    return said
 
 
 class WdsSource(Source):
@@ -162,6 +266,9 @@ class WdsSource(Source):
                 groups[-1][1].append((ext, off, size))
             else:
                 groups.append((key, [(ext, off, size)]))
+        lost = _cut_sample(groups, broken) if broken else None
+        if lost is not None:
+            groups.pop()  # its members after the cut are gone: never kept without them
         for wkey, group in groups:
             why = unsafe_name_reason(wkey)
             key = self.key(sanitize_key(wkey))
@@ -188,8 +295,9 @@ class WdsSource(Source):
             yield self.rejected_item(
                 self.key(sanitize_key(rel) + "-truncated"),
                 label,
-                "truncated-tar",
-                broken + "; the samples before it are kept",
+                broken.reason,
+                f"{broken.what}: {_what_is_lost(broken, lost)}; "
+                f"the {len(groups)} sample(s) before it are kept",
             )
 
     def load(self, item: Item) -> Sample | Reject:

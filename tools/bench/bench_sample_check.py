@@ -36,6 +36,7 @@ def build_tokens(root: Path, scale: float) -> Path:
 
     from data.demo_corpus import build
     from data.ingest import ingest
+    from data.sources import Limits
     from data.tokenize.encoder import TokenizeOptions
     from data.tokenize.run import tokenize
     from data.train_text_tokenizer import train_text_tokenizer
@@ -52,7 +53,8 @@ def build_tokens(root: Path, scale: float) -> Path:
         f"videos:{c / 'clips'}",
         f"interleaved:{c / 'interleaved' / 'docs.jsonl'}",
     ]
-    ingest(root / "raw", kinds, shard_max_samples=64)
+    # the interleaved documents name the corpus's photos and clips in sibling folders
+    ingest(root / "raw", kinds, shard_max_samples=64, limits=Limits(allow_outside_paths=True))
     train_text_tokenizer([root / "raw"], root / "tok", vocab_size=2048, max_grid=32)
     torch.manual_seed(0)
     cfg = vtok_debug()

@@ -109,6 +109,7 @@ def build_base(root: Path, *, scale: float, colours: int) -> Path:
 
     from data.demo_corpus import build
     from data.ingest import ingest
+    from data.sources import Limits
     from data.tokenize.encoder import TokenizeOptions
     from data.tokenize.run import tokenize
     from data.train_text_tokenizer import train_text_tokenizer
@@ -128,7 +129,10 @@ def build_base(root: Path, *, scale: float, colours: int) -> Path:
         f"colours=images:{root / 'colours' / 'captions.jsonl'}",
         f"colours_first=interleaved:{root / 'colours' / 'caption_first.jsonl'}",
     ]
-    summary = ingest(root / "raw", specs, shard_max_samples=64)
+    # the interleaved documents name the corpus's photos and clips in sibling folders
+    summary = ingest(
+        root / "raw", specs, shard_max_samples=64, limits=Limits(allow_outside_paths=True)
+    )
     if not summary["finalized"]:
         raise RuntimeError(f"ingest of the suite's corpus did not finish: {summary}")
     train_text_tokenizer([root / "raw"], root / "tok" / "text", vocab_size=512, max_grid=32)

@@ -1,0 +1,132 @@
+"""Rows of JSONL and CSV tables, with every malformed row reported at the line it starts on.
+
+Design choices:
+- CSV is parsed with Python's ``csv`` module in strict mode, so a quote that is never closed,
+  or text after a closing quote, is an error rather than a silently merged field. A malformed
+  record is reported (``bad-row``, naming its first line) and parsing starts again on the line
+  after that first line: one stray quote costs its own row, never the rows it would swallow.
+  A quoted field over ``csv.field_size_limit()`` characters (128 KiB) is such an error too,
+  which also bounds how far an unclosed quote is read before the rows after it are recovered.
+- A row with more or fewer fields than the header is a ``bad-row`` (a comma inside an unquoted
+  caption would otherwise cut the caption at the comma and drop the rest).
+- A blank line (empty or only whitespace) in a JSONL or CSV table holds no document; it is
+  listed as a ``blank-line`` reject naming its line, so every line of a table is accounted for.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+
+from data.schema import Reject
+
+BLANK_LINE = "blank-line"
+BAD_ROW = "bad-row"
+
+
+def blank_line(label: str) -> Reject:
+    return Reject(label, BLANK_LINE, "a blank line: no record")
+
+
+def parse_record(raw: bytes, label: str) -> dict | Reject:
+    try:
+        rec = json.loads(raw)
+    except UnicodeDecodeError as e:
+        return Reject(label, "not-utf8", f"invalid UTF-8 in JSON line at byte {e.start}")
+    except ValueError as e:
+        return Reject(label, "bad-record", f"not valid JSON ({e})")
+    if not isinstance(rec, dict):
+        return Reject(label, "bad-record", "a JSON line must be an object")
+    return rec
+
+
+def csv_records(path: Path) -> Iterator[tuple[int, list[str] | str]]:
+    """(line number where it starts, fields) of every record of a CSV file, or (line number,
+    why the record starting there is malformed). A blank line is the record ``[]``."""
+    pending: deque[tuple[int, str]] = deque()  # lines to parse again after a malformed record
+    taken: list[tuple[int, str]] = []  # the lines of the record being parsed
+
+    with open(path, newline="", encoding="utf-8") as f:
+        numbered = enumerate(f, 1)
+
+        def feed() -> Iterator[str]:
+            while True:
+                got = pending.popleft() if pending else next(numbered, None)
+                if got is None:
+                    return
+                taken.append(got)
+                yield got[1]
+
+        while True:
+            reader = csv.reader(feed(), strict=True)
+            try:
+                for fields in reader:
+                    first = taken[0][0]
+                    taken.clear()
+                    yield first, fields
+                return
+            except csv.Error as e:
+                first, again = taken[0][0], taken[1:]
+                taken.clear()
+                pending.extendleft(reversed(again))
+                yield first, _csv_problem(str(e), len(again) + 1)
+
+
+def _csv_problem(error: str, lines: int) -> str:
+    """What a ``csv.Error`` means for the person who wrote the file."""
+    if "unexpected end of data" in error:
+        return "a quote opened in this row is never closed (the file ends inside it)"
+    if "field larger than field limit" in error:
+        return (
+            f"a field runs over {csv.field_size_limit()} characters ({lines} lines): a quote "
+            "opened in this row is probably never closed"
+        )
+    if "expected after" in error:
+        return (
+            f"text follows a closing quote ({error}; the row runs over {lines} line(s)): a quote "
+            "opened in this row is never closed, or a quote inside a field is not doubled"
+        )
+    return error
+
+
+def read_table(path: Path) -> Iterator[tuple[int, dict | Reject]]:
+    """(line number, record) of a JSONL or CSV table; a bad JSON line, a malformed CSV row or a
+    blank line yields a Reject. A CSV's first record is its header; a malformed header is an
+    error naming the file (no row could be read against it)."""
+    if path.suffix.lower() == ".csv":
+        header: list[str] | None = None
+        for lineno, fields in csv_records(path):
+            label = f"{path.name}:{lineno}"
+            if header is None:
+                if isinstance(fields, str):
+                    raise ValueError(f"{label}: the header row is malformed: {fields}")
+                if fields:
+                    header = fields
+                else:
+                    yield lineno, blank_line(label)
+                continue
+            if isinstance(fields, str):
+                yield lineno, Reject(label, BAD_ROW, fields)
+            elif not fields or (len(fields) == 1 and not fields[0].strip() and len(header) > 1):
+                yield lineno, blank_line(label)
+            elif len(fields) != len(header):
+                yield (
+                    lineno,
+                    Reject(
+                        label,
+                        BAD_ROW,
+                        f"{len(fields)} field{'s' if len(fields) != 1 else ''}, the header has "
+                        f"{len(header)} ({', '.join(header)}); a field holding a comma must be "
+                        'quoted ("...")',
+                    ),
+                )
+            else:
+                yield lineno, dict(zip(header, fields, strict=True))
+        return
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            label = f"{path.name}:{lineno}"
+            yield lineno, parse_record(line, label) if line.strip() else blank_line(label)

@@ -1,0 +1,117 @@
+"""A webdataset input tar cut short, wherever the cut falls, is reported at ingest: the tar named,
+the reason ``truncated-tar`` (or ``corrupt-tar`` for a damaged header with data after it), and
+what was lost. Before: a cut inside a member's 512-byte header ended the listing silently (rc 0,
+"rejected: none"), because Python's tarfile takes a short or bad header after the first member
+for the end of the archive; and a sample whose members straddled the cut was kept without them."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+from factories import jpeg_bytes, write_wds
+
+from data.cli import EXIT_REJECTS, main
+
+
+def five_samples(path: Path) -> dict[str, int]:
+    """A 5-sample tar (s0..s4, each a jpg and a caption); the header offset of every member."""
+    write_wds(
+        path,
+        [(f"s{n}", {"jpg": jpeg_bytes(seed=n), "txt": f"caption {n}".encode()}) for n in range(5)],
+    )
+    with tarfile.open(path) as archive:
+        return {member.name: member.offset for member in archive.getmembers()}
+
+
+def ingest_cut(tmp_path: Path, cut_at: int) -> tuple[int, list[dict], dict]:
+    tar = tmp_path / "in" / "cut.tar"
+    tar.write_bytes(tar.read_bytes()[:cut_at])
+    out = tmp_path / "out"
+    status = main(["ingest", "--out", str(out), "--no-progress", "--source", f"wds:{tar.parent}"])
+    rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    return status, rejects, json.loads((out / "manifest.json").read_text())
+
+
+@pytest.fixture()
+def offsets(tmp_path) -> dict[str, int]:
+    (tmp_path / "in").mkdir()
+    return five_samples(tmp_path / "in" / "cut.tar")
+
+
+def test_a_cut_inside_a_member_header_is_reported(tmp_path, offsets, capsys):
+    # Inside the header of sample 3's first member, past its name field: the name is readable.
+    status, rejects, manifest = ingest_cut(tmp_path, offsets["s3.jpg"] + 300)
+    assert status == EXIT_REJECTS
+    assert "rejected 1 input(s)" in capsys.readouterr().out
+    assert manifest["totals"]["samples"] == 3
+    (reject,) = rejects
+    assert (reject["path"], reject["reason"]) == ("cut.tar", "truncated-tar")
+    detail = reject["detail"]
+    assert "inside the header of member 's3.jpg'" in detail
+    assert f"byte {offsets['s3.jpg'] + 300}" in detail
+    assert "sample 's3' and every sample after it are lost" in detail
+    assert "3 sample(s) before it are kept" in detail
+
+
+def test_a_cut_inside_the_name_of_a_header_leaves_out_the_sample_it_may_belong_to(
+    tmp_path, offsets
+):
+    # Only "s" of "s3.jpg" is there: the member may have been s2's, so s2 is not kept without it.
+    status, rejects, manifest = ingest_cut(tmp_path, offsets["s3.jpg"] + 1)
+    assert status == EXIT_REJECTS and manifest["totals"]["samples"] == 2
+    (reject,) = rejects
+    assert reject["reason"] == "truncated-tar"
+    assert "sample 's2' may be incomplete and is left out" in reject["detail"]
+
+
+def test_a_sample_cut_between_its_members_is_left_out_and_named(tmp_path, offsets):
+    # Inside the data of s3's caption: s3's image is complete but the sample is not.
+    status, rejects, manifest = ingest_cut(tmp_path, offsets["s3.txt"] + 512 + 3)
+    assert status == EXIT_REJECTS and manifest["totals"]["samples"] == 3
+    (reject,) = rejects
+    assert reject["reason"] == "truncated-tar"
+    assert "ends inside member 's3.txt'" in reject["detail"]
+    assert "sample 's3' and every sample after it are lost" in reject["detail"]
+
+
+def test_a_cut_on_a_member_boundary_is_reported(tmp_path, offsets):
+    # Exactly where s3's first header would start: no end-of-archive blocks follow.
+    status, rejects, manifest = ingest_cut(tmp_path, offsets["s3.jpg"])
+    assert status == EXIT_REJECTS and manifest["totals"]["samples"] == 2
+    (reject,) = rejects
+    assert reject["reason"] == "truncated-tar"
+    assert "without the end-of-archive blocks" in reject["detail"]
+
+
+def test_a_damaged_header_with_data_after_it_is_reported(tmp_path, offsets):
+    tar = tmp_path / "in" / "cut.tar"
+    data = bytearray(tar.read_bytes())
+    data[offsets["s3.jpg"] + 148 : offsets["s3.jpg"] + 156] = b"garbage!"  # its checksum
+    tar.write_bytes(bytes(data))
+    status, rejects, manifest = ingest_cut(tmp_path, len(data))
+    assert status == EXIT_REJECTS and manifest["totals"]["samples"] == 3
+    (reject,) = rejects
+    assert reject["reason"] == "corrupt-tar"
+    assert f"byte {offsets['s3.jpg']}" in reject["detail"]
+    assert "sample 's3' and every sample after it are lost" in reject["detail"]
+
+
+def test_a_whole_tar_and_its_end_padding_give_no_reject(tmp_path, offsets, capsys):
+    tar = tmp_path / "in" / "cut.tar"
+    status, rejects, manifest = ingest_cut(tmp_path, tar.stat().st_size)
+    assert status == 0 and rejects == [] and manifest["totals"]["samples"] == 5
+    assert "rejected: none" in capsys.readouterr().out
+
+
+def test_a_second_archive_appended_after_the_end_blocks_is_reported(tmp_path, offsets):
+    tar = tmp_path / "in" / "cut.tar"
+    five_samples(tmp_path / "second.tar")
+    tar.write_bytes(tar.read_bytes() + (tmp_path / "second.tar").read_bytes())
+    status, rejects, manifest = ingest_cut(tmp_path, tar.stat().st_size)
+    assert status == EXIT_REJECTS and manifest["totals"]["samples"] == 5
+    (reject,) = rejects
+    assert reject["reason"] == "corrupt-tar"
+    assert "data after its end-of-archive blocks" in reject["detail"]

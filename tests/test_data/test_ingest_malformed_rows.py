@@ -1,0 +1,156 @@
+"""Malformed table rows are rejects that name their line, never silent changes. Before: a CSV row
+``a.png,too,many,fields`` became the caption "too" with the rest dropped; an unterminated quote
+swallowed the next row into one ``missing-media`` reject; a blank JSONL line was neither a
+sample nor a reject; an undecodable video's reject detail could read ``3`` (decord echoes the
+input's bytes into its message)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from factories import mp4_bytes, png_bytes
+
+from data.cli import EXIT_REJECTS, main
+from data.media import probe_video
+
+
+def run_ingest(out: Path, *sources: str) -> tuple[int, list[dict], dict]:
+    argv = ["ingest", "--out", str(out), "--no-progress"]
+    for source in sources:
+        argv += ["--source", source]
+    status = main(argv)
+    rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    return status, rejects, json.loads((out / "manifest.json").read_text())
+
+
+def captions_of(out: Path) -> dict[str, str]:
+    import webdataset as wds
+
+    urls = [str(path) for path in sorted(out.rglob("*.tar"))]
+    found = {}
+    for sample in wds.WebDataset(urls, shardshuffle=False):
+        doc = json.loads(sample["json"])
+        found[doc["origin"]["path"]] = " ".join(
+            seg["text"] for seg in doc["segments"] if seg["type"] == "text"
+        )
+    return found
+
+
+def test_malformed_csv_rows_are_rejected_naming_their_line(tmp_path):
+    for name in ("ok", "a", "b", "c", "d", "e"):
+        (tmp_path / f"{name}.png").write_bytes(png_bytes())
+    (tmp_path / "caps.csv").write_text(
+        "image,caption\n"  # line 1
+        "ok.png,a fine caption\n"  # 2
+        "a.png,too,many,fields\n"  # 3: four fields under a two-column header
+        'd.png,"a caption over\ntwo lines, quoted"\n'  # 4-5: a proper quoted newline
+        "e.png\n"  # 6: one field
+        '"b.png,an unterminated quote\n'  # 7: the quote is never closed
+        "c.png,the row after it\n"  # 8: still a row of its own
+    )
+    status, rejects, manifest = run_ingest(tmp_path / "out", f"images:{tmp_path / 'caps.csv'}")
+    assert status == EXIT_REJECTS
+    got = {r["path"]: (r["reason"], r["detail"]) for r in rejects}
+    assert set(got) == {"caps.csv:3", "caps.csv:6", "caps.csv:7"}
+    assert got["caps.csv:3"][0] == "bad-row"
+    assert "4 fields" in got["caps.csv:3"][1] and "header has 2" in got["caps.csv:3"][1]
+    assert got["caps.csv:6"][0] == "bad-row" and "1 field" in got["caps.csv:6"][1]
+    assert got["caps.csv:7"][0] == "bad-row"
+    assert "quote" in got["caps.csv:7"][1] and "never closed" in got["caps.csv:7"][1]
+    assert captions_of(tmp_path / "out") == {
+        "ok.png": "a fine caption",
+        "d.png": "a caption over\ntwo lines, quoted",
+        "c.png": "the row after it",
+    }
+    assert manifest["totals"]["samples"] == 3
+
+
+def test_a_quote_closed_rows_later_is_reported_and_the_rows_between_are_kept(tmp_path):
+    for name in ("a", "b", "c"):
+        (tmp_path / f"{name}.png").write_bytes(png_bytes())
+    (tmp_path / "caps.csv").write_text(
+        'image,caption\na.png,"opens here\nb.png,plain\nc.png,"quoted, with a comma"\n'
+    )
+    status, rejects, _ = run_ingest(tmp_path / "out", f"images:{tmp_path / 'caps.csv'}")
+    assert [(r["path"], r["reason"]) for r in rejects] == [("caps.csv:2", "bad-row")]
+    assert "quote" in rejects[0]["detail"]
+    assert captions_of(tmp_path / "out") == {"b.png": "plain", "c.png": "quoted, with a comma"}
+
+
+def test_a_captions_csv_in_a_folder_rejects_its_malformed_rows(tmp_path):
+    (tmp_path / "pics").mkdir()
+    for name in ("a", "b"):
+        (tmp_path / "pics" / f"{name}.png").write_bytes(png_bytes())
+    (tmp_path / "pics" / "captions.csv").write_text("file,caption\na.png,fine\nb.png,too,many\n")
+    status, rejects, _ = run_ingest(tmp_path / "out", f"images:{tmp_path / 'pics'}")
+    assert [(r["path"], r["reason"]) for r in rejects] == [("captions.csv:3", "bad-row")]
+    assert captions_of(tmp_path / "out") == {"a.png": "fine", "b.png": ""}
+
+
+def test_caption_rows_for_absent_or_already_captioned_files_are_listed(tmp_path):
+    (tmp_path / "pics").mkdir()
+    (tmp_path / "pics" / "a.png").write_bytes(png_bytes())
+    (tmp_path / "pics" / "captions.jsonl").write_text(
+        '{"file": "a.png", "caption": "first"}\n'
+        '{"file": "gone.png", "caption": "its file is absent"}\n'
+        '{"file": "a.png", "caption": "second"}\n'
+    )
+    status, rejects, _ = run_ingest(tmp_path / "out", f"images:{tmp_path / 'pics'}")
+    assert status == EXIT_REJECTS
+    assert [(r["path"], r["reason"]) for r in rejects] == [
+        ("captions.jsonl:3", "duplicate-key"),
+        ("captions.jsonl:2 (gone.png)", "missing-media"),
+    ]
+    assert "captions.jsonl:1" in rejects[0]["detail"]
+    assert captions_of(tmp_path / "out") == {"a.png": "first"}
+
+
+def test_blank_jsonl_and_csv_lines_are_listed(tmp_path):
+    (tmp_path / "ok.png").write_bytes(png_bytes())
+    (tmp_path / "notes.jsonl").write_text('{"text": "one"}\n\n{"text": "two"}\n   \n')
+    (tmp_path / "caps.jsonl").write_text('{"image": "ok.png"}\n\n')
+    (tmp_path / "caps.csv").write_text("image,caption\n\nok.png,x\n")
+    (tmp_path / "docs.jsonl").write_text('\n{"texts": ["a"], "images": [null]}\n')
+    status, rejects, manifest = run_ingest(
+        tmp_path / "out",
+        f"text:{tmp_path / 'notes.jsonl'}",
+        f"images:{tmp_path / 'caps.jsonl'}",
+        f"csv=images:{tmp_path / 'caps.csv'}",
+        f"interleaved:{tmp_path / 'docs.jsonl'}",
+    )
+    assert status == EXIT_REJECTS
+    assert {(r["path"], r["reason"]) for r in rejects} == {
+        ("notes.jsonl:2", "blank-line"),
+        ("notes.jsonl:4", "blank-line"),
+        ("caps.jsonl:2", "blank-line"),
+        ("caps.csv:2", "blank-line"),
+        ("docs.jsonl:1", "blank-line"),
+    }
+    assert manifest["totals"]["samples"] == 5
+
+
+def test_an_undecodable_videos_reject_detail_is_a_readable_message(tmp_path):
+    cut = mp4_bytes()
+    inputs = {
+        "three": b"3",
+        "noise": bytes(range(256)) * 4 + b"\n3\n",
+        "text": b"hello, this is not a video\n" * 8,
+        "cut": cut[: len(cut) // 2],
+        "random": os.urandom(3000),
+    }
+    for name, raw in inputs.items():
+        reject = probe_video(raw, f"{name}.mp4", max_seconds=60)
+        assert reject.reason == "undecodable-video", name
+        assert reject.detail.startswith("decord cannot read it: "), (name, reject.detail)
+        message = reject.detail.removeprefix("decord cannot read it: ")
+        assert message.isascii() and message.isprintable() and len(message) > 10, reject.detail
+        assert "hello" not in message and "opening" not in message, reject.detail
+    assert "moov atom not found" in probe_video(inputs["cut"], "c.mp4", max_seconds=60).detail
+    # through ingest: the reject in rejects.jsonl reads the same
+    (tmp_path / "clips").mkdir()
+    (tmp_path / "clips" / "bad.mp4").write_bytes(b"3")
+    _, rejects, _ = run_ingest(tmp_path / "out", f"videos:{tmp_path / 'clips'}")
+    (reject,) = rejects
+    assert reject["detail"] == "decord cannot read it: Invalid data found when processing input"
