@@ -27,8 +27,14 @@ def base(tiny_raw, run_dir, steps=6, *extra):
 
 def test_vtok_run_writes_metrics_export_and_grid(tiny_raw, tmp_path):
     run = tmp_path / "run"
-    p = train(base(tiny_raw, run))
+    # The levels come from the text tokenizer's layout (vtok_data.tokenizer), not the preset's.
+    VocabLayout(text_size=300, fsq_levels=(8, 6, 5), max_grid=16).save(tmp_path / "layout.json")
+    p = train(base(tiny_raw, run, 6, f"vtok_data.tokenizer={tmp_path / 'layout.json'}"))
     assert "step 6/6 | loss" in p.stdout and "image" in p.stdout
+    print(p.stdout[-3000:], p.stderr[-3000:])
+    assert "vtok.levels [8, 5, 5, 5] -> [8, 6, 5]" in p.stdout
+    saved = json.loads((run / "visual_tokenizer" / "config.json").read_text())
+    assert saved["levels"] == [8, 6, 5]
     m = metrics(run)
     assert sorted(m) == [1, 2, 3, 4, 5, 6]
     assert m[6]["loss/image"] < m[1]["loss/image"]
@@ -45,7 +51,9 @@ def test_vtok_run_writes_metrics_export_and_grid(tiny_raw, tmp_path):
     assert (run / "tb").is_dir() and (
         run / "checkpoints" / "latest"
     ).read_text().strip() == "step_00000006"
-    model = load_visual_tokenizer(run / "visual_tokenizer", VocabLayout(text_size=10))
+    model = load_visual_tokenizer(
+        run / "visual_tokenizer", VocabLayout(text_size=10, fsq_levels=(8, 6, 5))
+    )
     codes = model.encode(torch.zeros(1, 3, 16, 24))
     assert codes.shape == (1, 4, 6)
 
