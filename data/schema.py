@@ -23,6 +23,7 @@ REASONS = {
     "bad-record": "a JSONL/CSV record that is not valid JSON or lacks a required field",
     "binary-file": "a file in a source tree that holds binary data",
     "duplicate-key": "a sample key that an earlier input already used",
+    "duplicate": "a document whose whole content repeats an earlier one's (ingest --dedupe)",
     "duplicate-of-excluded": "content (document, media file or long text) that a folder given "
     "to --exclude-content-of already holds",
     "empty-document": "a document with no content (empty text, no segments)",
