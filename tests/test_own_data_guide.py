@@ -208,3 +208,61 @@ def test_the_readme_and_the_help_give_the_guide_s_vocabularies():
         shown = {vocabulary_of(argv) for argv in tokenizer_commands(text)}
         assert shown == guide, f"{where} shows {shown}, docs/own_data.md {guide}"
         assert "vtok_data.tokenizer=tok/" in text
+
+
+# Appended to a command of the guide to keep the run short: Hydra takes the last value of a key.
+SHORTER = {"experiment=vtok_demo": " train.steps=4", "experiment=demo": " train.steps=4"}
+
+
+def small_corpus(home: Path) -> None:
+    """~/corpus as the guide lays it out: a source tree, prose, captioned photos and videos."""
+    from factories import jpeg_bytes, mp4_bytes
+
+    corpus = home / "corpus"
+    for folder in ("code/pkg", "notes", "photos", "videos"):
+        (corpus / folder).mkdir(parents=True)
+    for i in range(30):
+        (corpus / "code" / "pkg" / f"mod{i}.py").write_text(
+            f'"""Module {i}."""\n\n\ndef value_{i}(x):\n    return x * {i} + {i % 7}\n'
+        )
+        (corpus / "notes" / f"note{i}.txt").write_text(
+            f"Note {i}: the river rose {i} feet in the night and the town counted its boats."
+        )
+    for i in range(1, 13):
+        (corpus / "photos" / f"IMG_{i:04d}.jpg").write_bytes(jpeg_bytes(96, 72, seed=i))
+        (corpus / "photos" / f"IMG_{i:04d}.txt").write_text(f"photo number {i} of the trip")
+    for i in range(4):
+        (corpus / "videos" / f"clip{i}.mp4").write_bytes(mp4_bytes(frames=16, w=64, h=48))
+        (corpus / "videos" / f"clip{i}.txt").write_text(f"clip {i}: a square moves")
+
+
+@pytest.mark.slow
+def test_the_cpu_try_runs_as_written(tmp_path, user_configs):
+    """Every command of the CPU try, run by bash as the page writes it (the two training runs
+    cut to 4 steps), on a small corpus with every source kind the guide names."""
+    import os
+    import subprocess
+    import sys
+
+    small_corpus(tmp_path)
+    env = {
+        **os.environ,
+        "HOME": str(tmp_path),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "OMP_NUM_THREADS": "1",
+    }
+    lines = []
+    for label, body in blocks("bash"):
+        if label in (None, "CPU try"):
+            lines += [line for line in body.replace("\\\n", " ").splitlines() if line.strip()]
+    for line in lines:
+        line = line.split("#")[0].strip() if not line.lstrip().startswith("#") else ""
+        if not line or "runs/mine/config.yaml" in line and not (tmp_path / "runs/mine").exists():
+            continue
+        line += next((extra for key, extra in SHORTER.items() if f" {key} " in f"{line} "), "")
+        done = subprocess.run(
+            ["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, f"{line}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert (tmp_path / "runs/mine/report/report.png").is_file()
+    assert (tmp_path / "bicycle.png").is_file()
