@@ -178,3 +178,26 @@ def test_a_validation_split_too_small_to_measure_a_source_is_warned(tmp_path, ca
     assert prep_main([*argv, "--val-fraction", "0.1", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "warning: validation holds" in out and "notes document(s)" in out
+
+
+def test_dedupe_across_partitions_and_merge(tmp_path):
+    """Partitioned ingests dedupe once every shard exists; `merge` afterwards changes nothing."""
+    notes = text_folder(tmp_path / "notes", TEXTS)
+    raw = tmp_path / "raw"
+    for part in (0, 1):
+        ingest(
+            raw,
+            [f"text:{notes}"],
+            shard_max_samples=1,
+            num_partitions=2,
+            partition=part,
+            dedupe=True,
+        )
+    rejects = (raw / "rejects.jsonl").read_text()
+    assert [json.loads(line)["key"] for line in rejects.splitlines()] == [
+        "notes-c_txt",
+        "notes-d_txt",
+    ]
+    assert prep_main(["merge", str(raw)]) == 0
+    assert (raw / "rejects.jsonl").read_text() == rejects
+    assert collect_stats(raw)["samples"] == 2 and verify(raw)["ok"]
