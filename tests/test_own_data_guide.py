@@ -152,6 +152,10 @@ def test_the_recipe_agrees_with_itself(recipe, user_configs, tmp_path, monkeypat
         f"layout has {levels}: tokenize would refuse it"
     )
     assert any(same_path(raw, ingest.out) for raw in vtok.vtok_data.raw)
+    ingested = {spec.name for spec in parse_sources(ingest.source)}
+    assert set(vtok.vtok_data.sources) <= ingested, (
+        "the visual tokenizer names a source not ingested"
+    )
     assert same_path(tokenize.visual_tokenizer, Path(vtok.run_dir) / "visual_tokenizer")
 
     # The image budget: a square image's grid within the layout's, and its block within a row.
@@ -170,7 +174,6 @@ def test_the_recipe_agrees_with_itself(recipe, user_configs, tmp_path, monkeypat
     )
     for source in [*lm.data.sources, *lm.data.validation]:
         assert all(Path(shard).parts[0] == str(tokenize.out).rstrip("/") for shard in source.shards)
-    ingested = {spec.name for spec in parse_sources(ingest.source)}
     assert {source.name for source in lm.data.sources} == ingested
 
     release = convert_parser().parse_args(one(cmds, "earlyfuse-convert", "release")[1:])
