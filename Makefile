@@ -72,7 +72,7 @@ demo: $(STAMP)
 	$(BIN)/earlyfuse-prep stats $(DEMO_DIR)/raw
 	$(BIN)/earlyfuse-prep train-text-tokenizer --in $(DEMO_DIR)/raw --out $(DEMO_DIR)/tok \
 		--vocab-size 4096 --max-grid 32 --fsq-levels 8,6,5 --no-progress
-	$(BIN)/earlyfuse-train experiment=vtok_demo run_dir=$(DEMO_DIR)/vtok \
+	$(BIN)/earlyfuse-train experiment=vtok_demo run_dir=$(DEMO_DIR)/vtok vtok_data.tokenizer=$(DEMO_DIR)/tok \
 		'vtok_data.raw=[$(DEMO_DIR)/raw]' train.progress=false
 	$(TOKENIZE) --in $(DEMO_DIR)/raw --out $(DEMO_DIR)/tokens
 	$(TOKENIZE) --in $(DEMO_DIR)/val_raw --out $(DEMO_DIR)/val_tokens

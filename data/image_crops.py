@@ -13,12 +13,13 @@ Design choices:
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from data.image_prep import ImagePrep, load_image
+from data.image_prep import ImagePrep, describe_member, load_image
 from data.shards.reader import iter_docs
 from data.video_frames import VideoSampling, decode_frames
 
@@ -33,6 +34,25 @@ class ImagePool:
     train: list[np.ndarray]
     heldout: list[np.ndarray]
     skipped: int  # images smaller than a crop, or undecodable
+    # source -> {"small": count, "unreadable": count, "examples": ["key (WxH)", ...]}
+    skipped_by_source: dict[str, dict] = field(default_factory=dict)
+
+    def describe_skipped(self, crop: int) -> str:
+        """What was skipped, where, and what to do about it ("" when nothing was)."""
+        if not self.skipped:
+            return ""
+        parts = []
+        for source, got in sorted(self.skipped_by_source.items()):
+            counts = ", ".join(
+                f"{got[reason]} {reason}" for reason in ("small", "unreadable") if got[reason]
+            )
+            parts.append(f"{source}: {counts} (e.g. {', '.join(got['examples'])})")
+        return (
+            f"{self.skipped} image(s) or frame(s) skipped, smaller than the {crop}x{crop} crop after "
+            f"resizing into vtok_data.max_pixels, or unreadable: {'; '.join(parts)}. To train on "
+            "small ones, lower vtok_data.crop (a multiple of vtok.factor); to leave a source out, "
+            "name the others in vtok_data.sources"
+        )
 
 
 def load_pool(
@@ -48,6 +68,17 @@ def load_pool(
     train: list[np.ndarray] = []
     held: list[np.ndarray] = []
     skipped = 0
+    by_source: dict[str, dict] = {}
+
+    def skip(raw_doc, reason: str, what: str) -> None:
+        nonlocal skipped
+        skipped += 1
+        source = Path(raw_doc.shard).parent.name  # shards/NAME/shard-N.tar
+        got = by_source.setdefault(source, {"small": 0, "unreadable": 0, "examples": []})
+        got[reason] += 1
+        if len(got["examples"]) < 3:
+            got["examples"].append(f"{raw_doc.key} ({what})")
+
     sampling = VideoSampling(target_fps=2.0, max_frames=4)
     for raw_dir in raw_dirs:
         for raw_doc in iter_docs(raw_dir, sources or None):
@@ -57,7 +88,9 @@ def load_pool(
             for seg in raw_doc.doc["segments"]:
                 try:
                     if seg["type"] == "image":
-                        arrays = [load_image(raw_doc.member(seg["member"]), prep)]
+                        member = seg["member"]
+                        name = describe_member(raw_doc, member)
+                        arrays = [load_image(raw_doc.member(member), prep, name=name)]
                     elif seg["type"] == "video" and video_frames:
                         arrays = list(
                             decode_frames(
@@ -69,19 +102,20 @@ def load_pool(
                         )
                     else:
                         continue
-                except (OSError, ValueError):
-                    skipped += 1
+                except (OSError, ValueError) as e:
+                    skip(raw_doc, "unreadable", str(e)[:80])
                     continue
                 for array in arrays:
                     if array.shape[0] >= crop and array.shape[1] >= crop:
                         target.append(array)
                     else:
-                        skipped += 1
+                        skip(raw_doc, "small", f"{array.shape[1]}x{array.shape[0]}")
     if not train:
         raise ValueError(
             f"no training image of at least {crop}x{crop} in {raw_dirs} (sources {sources or 'all'})"
+            + (f"; {skipped} skipped: {by_source}" if skipped else "")
         )
-    return ImagePool(train, held, skipped)
+    return ImagePool(train, held, skipped, by_source)
 
 
 def to_tensor(batch: np.ndarray) -> torch.Tensor:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import io
 import math
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,10 +86,45 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
-def load_image(raw: bytes, prep: ImagePrep, *, max_source_pixels: int | None = None) -> np.ndarray:
+@contextmanager
+def warnings_naming(name: str | None) -> Iterator[None]:
+    """Pillow's warnings ("Corrupt EXIF data", "Truncated File Read") name no file: those raised
+    inside this block are issued again with ``name`` in front, so the user can find the file."""
+    if not name:
+        yield
+        return
+    caught: list[warnings.WarningMessage] = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+    finally:  # an image that then fails to decode still has its warnings named
+        for got in caught:
+            warnings.warn_explicit(f"{name}: {got.message}", got.category, got.filename, got.lineno)
+
+
+def describe_member(raw_doc, member: str) -> str:
+    """``SHARD:KEY.MEMBER (from ORIGINAL_PATH)``: where a raw document's media member is."""
+    origin = raw_doc.doc.get("origin", {}).get("path")
+    return f"{raw_doc.shard}:{raw_doc.key}.{member}" + (f" (from {origin})" if origin else "")
+
+
+def load_image(
+    raw: bytes,
+    prep: ImagePrep,
+    *,
+    max_source_pixels: int | None = None,
+    name: str | None = None,
+) -> np.ndarray:
     """Decode, orient, convert and resize; returns uint8 [H, W, 3] with H, W multiples of factor.
     ``max_source_pixels``: an image whose header claims more is a ValueError before any pixel is
-    decoded (for untrusted inputs; ingest's ``--max-image-pixels`` did it for shards)."""
+    decoded (for untrusted inputs; ingest's ``--max-image-pixels`` did it for shards). ``name``:
+    the file or member the bytes are, put in front of any warning the decoder raises."""
+    with warnings_naming(name):
+        return _load_image(raw, prep, max_source_pixels)
+
+
+def _load_image(raw: bytes, prep: ImagePrep, max_source_pixels: int | None) -> np.ndarray:
     with warnings.catch_warnings():
         # With our own cap, Pillow's warning between 89 M and 179 M pixels is noise; above 179 M
         # it raises DecompressionBombError (not an OSError): a ValueError here like the others.

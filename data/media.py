@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
 
+from data.image_prep import warnings_naming
 from data.schema import Reject
 
 IMAGE_FORMATS = {
@@ -113,7 +114,7 @@ def probe_image(raw: bytes, path: str, *, max_pixels: int) -> ImageInfo | Reject
     if not raw:
         return Reject(path, "unreadable-image", "zero-byte file")
     try:
-        with warnings.catch_warnings():
+        with warnings_naming(path), warnings.catch_warnings():
             # Our own limit is checked below; Pillow's warning between 89 M and 179 M is noise.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(raw))

@@ -25,6 +25,7 @@ REASONS = {
     "blank-line": "a blank line in a JSONL or CSV table (no record; listed so every line counts)",
     "binary-file": "a file in a source tree that holds binary data",
     "duplicate-key": "a sample key that an earlier input already used",
+    "duplicate": "a document whose whole content repeats an earlier one's (ingest --dedupe)",
     "duplicate-of-excluded": "content (document, media file or long text) that a folder given "
     "to --exclude-content-of already holds",
     "empty-document": "a document with no content (empty text, no segments)",

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from data.names import MANIFEST_FILE
+from data.tokenize.blocks import image_grids
 from tools.convert_deepspeed import CheckpointError, consolidate, find_checkpoint, load_run_config
 from tools.release import check_out, dtype_name, save_safetensors, write_release
 from train.names import CHECKPOINT_META_FILE, CONFIG_FILE
@@ -199,7 +200,12 @@ def make_release(
             fingerprints = check_tokenizers(tok_dir, layout)
             root = _token_manifest_dir(tok_dir.parent)
             if root is not None:
-                tok_options = json.loads((root / MANIFEST_FILE).read_text()).get("options", {})
+                manifest = json.loads((root / MANIFEST_FILE).read_text())
+                tok_options = dict(manifest.get("options", {}))
+                # The grids the images were trained at: earlyfuse-generate --draw picks from them.
+                grids = image_grids(manifest)
+                if grids:
+                    tok_options["image_grids"] = grids
     elif task == "vtok":
         net_cfg = run_cfg.vtok
     else:

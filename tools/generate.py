@@ -34,7 +34,8 @@ examples:
   earlyfuse-generate releases/demo --code --prompt "def fibonacci(n):" --temperature 0.8 --top-p 0.95 --seed 1
   # caption an image (optionally start the caption with --prompt)
   earlyfuse-generate releases/demo --image photo.jpg --caption
-  # draw an image from text; the model picks the grid up to --max-size, or fix it with --size
+  # draw an image from text at the training images' most common grid; --size fixes another,
+  # --max-size lets the model choose
   earlyfuse-generate releases/demo --draw "a red circle on blue" --out circle.png --size 8x8 --temperature 1
   # the same with classifier-free guidance (the caption's pull on every code, times 3)
   earlyfuse-generate releases/demo --draw "a red circle on blue" --out circle.png --guidance 3 --temperature 1
@@ -90,14 +91,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--size",
         metavar="HxW",
-        help="--draw: a fixed grid in tokens (pixels = tokens x the visual tokenizer's factor)",
+        help="--draw: a fixed grid in tokens (pixels = tokens x the visual tokenizer's factor); "
+        "default: the grid most of the training images had (recorded by tokenize, carried by the "
+        "release)",
     )
     parser.add_argument(
         "--max-size",
         type=int,
         default=None,
-        help="--draw: largest grid side the model may choose "
-        "(default: the square grid of the training pixel budget)",
+        help="--draw: let the model choose the grid, up to this side (without --size or "
+        "--max-size: the training images' most common grid; for a release without those counts, "
+        "the model's choice up to the square grid of the training pixel budget)",
     )
     parser.add_argument(
         "--max-new-tokens", type=int, default=64, help="text and captions (default 64)"
@@ -179,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     if res["kind"] == "draw":
         print(
             f"wrote {res['out']}: {res['grid'][0]}x{res['grid'][1]} tokens, "
-            f"{res['pixels'][0]}x{res['pixels'][1]} pixels"
+            f"{res['pixels'][0]}x{res['pixels'][1]} pixels (grid: {res['grid_from']})"
         )
     else:
         write_utf8(res["text"] + "\n")

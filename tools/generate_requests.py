@@ -12,10 +12,12 @@ Design choices:
 - Text and captions are sampled under a text-only mask (no pad, no bos, no structure tokens,
   no codes), so what is printed is the BPE's decode: valid UTF-8, always (a byte sequence the
   model leaves incomplete decodes to U+FFFD). ``<|eos|>`` ends it.
-- Drawing ends the prompt with ``<boi>`` and samples under ``ImageConstraint``: the grid size
-  is the model's choice up to ``--max-size`` (default: the square grid of the training pixel
-  budget) or fixed by ``--size HxW``, and the token budget always fits the image, so the block
-  always parses and decodes. ``<eoi>`` ends it.
+- Drawing ends the prompt with ``<boi>`` and samples under ``ImageConstraint``: the grid is
+  fixed by ``--size HxW``, or the model's choice up to ``--max-size``; with neither, it is the
+  grid most of the training images had (config.json ``tokenize.image_grids``, counted by
+  tokenize), or for a release without those counts the model's choice up to the square grid of
+  the training pixel budget. The token budget always fits the image, so the block always parses
+  and decodes. ``<eoi>`` ends it.
 - Input images are untrusted: one whose header claims more than ``--max-image-pixels`` (default
   64 M, as ingest) is refused before a pixel is decoded, so a small PNG of 12000x12000 pixels
   cannot take gigabytes; any decoding error (Pillow's ``DecompressionBombError`` included) is
@@ -71,6 +73,8 @@ class Generator:
         self._vtok = None
         opts = self.release.config.get("tokenize") or {}
         self.image_max_pixels = int(opts.get("image_max_pixels", 256 * 256))
+        # "HxW" -> image blocks of the token data at that grid (config.json tokenize.image_grids)
+        self.image_grids: dict[str, int] = dict(opts.get("image_grids") or {})
         self.max_source_pixels = MAX_SOURCE_PIXELS  # --max-image-pixels
 
     @property
@@ -209,6 +213,14 @@ class Generator:
             "image_grid": list(codes.shape),
         }
 
+    def training_grid(self) -> tuple[int, int] | None:
+        """The grid most of the training images had (None when the release does not say): a model
+        that saw 6x6 icons draws a 6x6 icon, not a larger grid it never learned to fill."""
+        if not self.image_grids:
+            return None
+        most = max(self.image_grids.items(), key=lambda item: (item[1], item[0]))[0]
+        return parse_size(most)
+
     def default_max_size(self) -> int:
         """The square grid of the training pixel budget (e.g. 256x256 px at factor 8 -> 32)."""
         side = int(math.sqrt(self.image_max_pixels)) // self.vtok.cfg.factor
@@ -230,7 +242,11 @@ class Generator:
 
         lay = self.layout
         boi, eoi = lay.structure_id("<boi>"), lay.structure_id("<eoi>")
-        side = max_size or self.default_max_size()
+        grid_from = "given" if size else ("the model's choice" if max_size else "")
+        if size is None and max_size is None:
+            size = self.training_grid()
+            grid_from = "the training images' most common" if size else "the model's choice"
+        side = max([max_size or self.default_max_size(), *(size or ())])
         need = (
             image_block_len(*size) - 1 if size else image_block_len(side, side) - 1
         )  # everything after <boi>
@@ -272,6 +288,7 @@ class Generator:
             "kind": "draw",
             "out": str(out),
             "grid": list(codes.shape),
+            "grid_from": grid_from,
             "pixels": [arr.shape[1], arr.shape[0]],
             "tokens": len(new),
         }

@@ -34,9 +34,45 @@ CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 CallbackFactory = Callable[[RunConfig], Sequence]
 
 
+def levels_from_layout(cfg: DictConfig) -> None:
+    """A visual tokenizer run given the text tokenizer's folder (``vtok_data.tokenizer``) takes its
+    FSQ levels from the vocabulary layout there: the levels are chosen once, by
+    ``train-text-tokenizer --fsq-levels``, and tokenize never meets a mismatch."""
+    folder = cfg.vtok_data.get("tokenizer") if "vtok_data" in cfg else ""
+    if cfg.get("task") != "vtok" or not folder:
+        return
+    from data.names import LAYOUT_FILE
+    from data.vocab import VocabLayout
+
+    path = Path(folder)
+    try:
+        layout = VocabLayout.load(path / LAYOUT_FILE if path.is_dir() else path)
+    except ValueError as e:
+        raise ConfigError(f"vtok_data.tokenizer: {e}") from None
+    levels = list(layout.fsq_levels)
+    if list(cfg.vtok.levels) != levels:
+        print(
+            f"earlyfuse-train: vtok.levels {list(cfg.vtok.levels)} -> {levels}, the FSQ levels of "
+            f"{folder} (vtok_data.tokenizer)"
+        )
+        cfg.vtok.levels = levels
+
+
+def name_after_data(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """A run that picks its own data config on the command line (``data=mine``) and gives no
+    ``name=`` is named after that data, not after the experiment whose recipe it borrows: the
+    run folder's default, the logs and the report's title then say whose data it was."""
+    pairs = [override.lstrip("+~").split("=", 1) for override in overrides if "=" in override]
+    chosen = dict((key, value) for key, value in pairs if key in ("name", "data"))
+    if "name" in chosen or not chosen.get("data") or chosen["data"] == "none":
+        return
+    cfg.name = Path(chosen["data"]).name
+
+
 def to_run_config(cfg: DictConfig) -> tuple[RunConfig, str]:
     """The typed config and its resolved YAML (saved with every checkpoint)."""
     check_known_keys(OmegaConf.to_container(cfg, resolve=False), RunConfig)  # type: ignore[arg-type]
+    levels_from_layout(cfg)
     resolved = OmegaConf.to_yaml(cfg, resolve=True)
     run_cfg = OmegaConf.to_object(cfg)  # the structured schema makes this a RunConfig
     assert isinstance(run_cfg, RunConfig)
@@ -98,6 +134,9 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
 
     @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
     def hydra_main(cfg: DictConfig) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        name_after_data(cfg, list(HydraConfig.get().overrides.task))
         try:
             run_cfg, resolved = to_run_config(cfg)
         except ConfigError as e:

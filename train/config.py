@@ -80,6 +80,9 @@ class ImageDataConfig:
     """Image crops for the visual tokenizer, read from raw shard folders."""
 
     raw: list[str] = field(default_factory=list)  # raw shard folders
+    # The text tokenizer's folder (train-text-tokenizer --out), or its vocab_layout.json: when
+    # given, vtok.levels are taken from the layout's fsq_levels, so the two always agree.
+    tokenizer: str = ""
     sources: list[str] = field(
         default_factory=list
     )  # source names to use (default: all with images)

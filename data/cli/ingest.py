@@ -8,6 +8,10 @@ from pathlib import Path
 from data.cli.common import EXIT_REJECTS, _add_engine_flags, _engine, parse_size, path_or_url
 from data.names import REJECTS_FILE
 
+# Fewer held-out documents than this and a source's validation figures (its CE, its margin over
+# the unigram baseline) rest on a handful of files: noise, not a measurement.
+MIN_VAL_DOCS = 10
+
 
 def _add_ingest(sub) -> None:
     p = sub.add_parser(
@@ -77,7 +81,8 @@ def _add_ingest(sub) -> None:
         metavar="F",
         help="hold out about this fraction of every source for validation, chosen by a hash of "
         "each sample's key (stable across reruns and added inputs): written to DIR/val/<source>/ "
-        "(default 0: no split)",
+        f"(default 0: no split). A source with fewer than {MIN_VAL_DOCS} held-out documents is "
+        "warned about",
     )
     p.add_argument(
         "--num-partitions",
@@ -153,6 +158,13 @@ def _add_ingest(sub) -> None:
         "a document that repeats one of its documents, media files or texts of 200+ characters is "
         "rejected as duplicate-of-excluded (content hashes: docs/formats.md)",
     )
+    p.add_argument(
+        "--dedupe",
+        action="store_true",
+        help="leave out every document whose whole content (texts and media bytes, in order) "
+        "repeats an earlier one's, each listed in rejects.jsonl as duplicate (the first training "
+        "copy is kept; `stats` counts duplicates without it). Needs a local --out",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_ingest)
 
@@ -185,6 +197,7 @@ def cmd_ingest(a) -> int:
         engine=_engine(a),
         val_fraction=a.val_fraction,
         exclude_content_of=a.exclude_content_of,
+        dedupe=a.dedupe,
     )
     part = f" (partition {a.partition} of {a.num_partitions})" if a.num_partitions > 1 else ""
     print(f"ingest{part}: wrote {s['written']} shard(s), {s['skipped_done']} already done")
@@ -205,6 +218,8 @@ def cmd_ingest(a) -> int:
             f"validation split (--val-fraction {a.val_fraction:g}, by key hash): {held} samples "
             f"in {a.out / 'val'}/<source>/; training data in {a.out}/<source>/"
         )
+        for line in thin_validation(s["manifest"]["sources"], a.val_fraction):
+            print(line)
     said = describe_uncaptioned(media_without_text(a.out))
     if said:
         print(said)
@@ -216,6 +231,30 @@ def cmd_ingest(a) -> int:
         return 0 if a.allow_rejects else EXIT_REJECTS
     print("rejected: none")
     return 0
+
+
+def thin_validation(sources: list[dict], fraction: float) -> list[str]:
+    """A warning per source whose validation split has fewer than ``MIN_VAL_DOCS`` documents."""
+    counts: dict[str, list[int]] = {}
+    for source in sources:
+        name = source["name"].removeprefix("val/")
+        counts.setdefault(name, [0, 0])[source["name"].startswith("val/")] += source["samples"]
+    out = []
+    for name, (train, held) in sorted(counts.items()):
+        if held >= MIN_VAL_DOCS:
+            continue
+        total = train + held
+        need = min(1.0, MIN_VAL_DOCS / total) if total else 1.0
+        out.append(
+            f"warning: validation holds {held} of {total} {name} document(s) (fewer than "
+            f"{MIN_VAL_DOCS}): its validation figures would rest on {held or 'no'} document(s). "
+            + (
+                f"Raise --val-fraction to about {need:.2g}, or hold out a set of your own."
+                if need < 0.5
+                else "The source is too small to split: hold out a set of your own for it."
+            )
+        )
+    return out
 
 
 def _add_merge(sub) -> None:
@@ -253,6 +292,14 @@ def cmd_merge(a) -> int:
             raise ValueError(f"{a.dir}: partitions are missing or differ; rerun them, then merge")
         m = finalize_folder(folder, records)
     else:
+        from data.ingest.dedupe import dedupe_shards
+        from data.shards.manifest import load_records
+
+        records = load_records(a.dir)
+        if any(record.get("plan", {}).get("dedupe") for record in records.values()) and not (
+            missing_shards(records)
+        ):
+            dedupe_shards(a.dir, records)
         m = merge(a.dir)
     t = m["totals"]
     print(f"{a.dir}: merged {t['shards']} shards, {t['samples']} samples, {t['rejects']} rejects")

@@ -16,9 +16,19 @@ def _add_train_text_tokenizer(sub) -> None:
         description="Train a byte-level BPE (Hugging Face tokenizers) on the text and code segments of\n"
         "raw shard folders. Writes OUT/tokenizer.json, OUT/vocab_layout.json (the id space every\n"
         "later stage and checkpoint uses: text BPE, structure tokens, visual codes) and\n"
-        "OUT/text_tokenizer_training.json (what it was trained on).",
-        epilog="example:\n  earlyfuse-prep train-text-tokenizer --in shards/ --out tok/ --vocab-size 32000 \\\n"
-        "      --weight code=0.4 --max-chars 500M --fsq-levels 8,8,8,5,5,5",
+        "OUT/text_tokenizer_training.json (what it was trained on).\n\n"
+        "The vocabulary is chosen here, once: --vocab-size, --fsq-levels and --max-grid go into\n"
+        "vocab_layout.json; train the visual tokenizer with vtok_data.tokenizer=OUT so that its\n"
+        "FSQ levels are read from there (tokenize refuses a visual tokenizer whose levels differ).",
+        epilog="examples (docs/own_data.md has both recipes whole):\n"
+        "  # a CPU try (the demo's vocabulary), then its visual tokenizer\n"
+        "  earlyfuse-prep train-text-tokenizer --in shards/ --out tok/ --vocab-size 4096 \\\n"
+        "      --fsq-levels 8,6,5 --max-grid 32\n"
+        "  earlyfuse-train experiment=vtok_demo 'vtok_data.raw=[shards/]' vtok_data.tokenizer=tok/\n"
+        "  # a GPU run\n"
+        "  earlyfuse-prep train-text-tokenizer --in shards/ --out tok/ --vocab-size 32000 \\\n"
+        "      --weight code=0.4 --max-chars 500M --fsq-levels 8,8,8,5,5,5 --max-grid 64\n"
+        "  earlyfuse-train experiment=vtok_cpu 'vtok_data.raw=[shards/]' vtok_data.tokenizer=tok/",
     )
     p.add_argument(
         "--in",
@@ -34,7 +44,8 @@ def _add_train_text_tokenizer(sub) -> None:
         "--vocab-size",
         type=int,
         default=32000,
-        help="BPE size incl. its 3 specials (default 32000)",
+        help="BPE size incl. its 3 specials (default 32000, for GPU-sized models; 4096 for a CPU "
+        "try, whose small model a 32k vocabulary would mostly be embeddings)",
     )
     p.add_argument(
         "--weight",
@@ -55,7 +66,9 @@ def _add_train_text_tokenizer(sub) -> None:
     p.add_argument(
         "--fsq-levels",
         default="8,5,5,5",
-        help="FSQ levels of the visual tokenizer, fixing the number of visual codes (default 8,5,5,5)",
+        help="FSQ levels of the visual tokenizer, fixing the number of visual codes (default "
+        "8,5,5,5 = 1,000 codes; the demo's 8,6,5 = 240; 8,8,8,5,5,5 = 64,000 for GPU runs). A "
+        "visual tokenizer trained with vtok_data.tokenizer=OUT takes these levels",
     )
     p.add_argument(
         "--max-grid", type=int, default=64, help="largest image side in tokens (default 64)"

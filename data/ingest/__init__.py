@@ -26,10 +26,16 @@ def ingest(
     engine: EngineConfig | None = None,
     val_fraction: float = 0.0,
     exclude_content_of: list[str | Path] | None = None,
+    dedupe: bool = False,
 ) -> dict:
     """Plan and write shards; returns a summary (see ``run_plan``) with the plan's counts.
     ``exclude_content_of``: raw shard folders (e.g. the training set, for a held-out set) whose
-    documents, media and long texts are rejected here as ``duplicate-of-excluded``."""
+    documents, media and long texts are rejected here as ``duplicate-of-excluded``. ``dedupe``:
+    a document repeating an earlier one's whole content is left out, a ``duplicate`` reject."""
+    if dedupe and is_remote(out):
+        raise ValueError(
+            f"--dedupe rewrites the shards that held a duplicate and needs a local --out, not {out}"
+        )
     specs = parse_sources(sources)
     exclude = tuple(str(Path(p)) for p in exclude_content_of or [])
     plan = make_plan(
@@ -40,6 +46,7 @@ def ingest(
         progress=progress,
         val_fraction=val_fraction,
         exclude=exclude,
+        dedupe=dedupe,
     )
     summary = run_plan(
         out if is_remote(out) else Path(out),

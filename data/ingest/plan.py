@@ -51,6 +51,7 @@ class Plan:
     fingerprint: str
     counts: dict  # per source: items planned, rejected at plan time
     val_fraction: float = 0.0
+    dedupe: bool = False  # leave out exact duplicate documents (data/ingest/dedupe.py)
 
     def describe(self) -> dict:
         return {
@@ -61,6 +62,7 @@ class Plan:
             "limits": self.limits.describe(),
             "version": PLAN_VERSION,
             **({"val_fraction": self.val_fraction} if self.val_fraction else {}),
+            **({"dedupe": True} if self.dedupe else {}),
         }
 
 
@@ -105,6 +107,7 @@ def make_plan(
     progress: bool = True,
     val_fraction: float = 0.0,
     exclude: tuple[str, ...] = (),
+    dedupe: bool = False,
 ) -> Plan:
     if shard_max_bytes <= 0 and shard_max_samples <= 0:
         raise ValueError("set a shard size: --shard-size and/or --shard-samples")
@@ -121,6 +124,8 @@ def make_plan(
         shape["val_fraction"] = val_fraction
     if exclude:  # which shards of which folders: another training set is another plan
         shape["exclude"] = [[str(folder), _manifest_fingerprint(folder)] for folder in exclude]
+    if dedupe:
+        shape["dedupe"] = True
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode())
     first_seen: dict[str, str] = {}
     shards: list[ShardPlan] = []
@@ -193,6 +198,7 @@ def make_plan(
         digest.hexdigest()[:24],
         counts,
         val_fraction,
+        dedupe,
     )
 
 

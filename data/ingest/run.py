@@ -238,6 +238,10 @@ def run_plan(
         "finalized": False,
     }
     if not missing:
+        if plan.dedupe and not dest.remote:
+            from data.ingest.dedupe import dedupe_shards
+
+            dedupe_shards(dest.local, records)
         summary["manifest"] = finalize_folder(dest, records)
         summary["finalized"] = True
     return summary

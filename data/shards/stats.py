@@ -30,9 +30,18 @@ def collect_stats(out: str | Path, *, examples: int = 3) -> dict:
     img_w, img_h, img_px, vid_dur, vid_frames, vid_fps = [], [], [], [], [], []
     docs_by_types: Counter = Counter()
     uncaptioned: dict[str, dict[str, int]] = {}
+    first_of: dict[str, str] = {}  # whole-document fingerprint -> its first source:key
+    duplicates: list[str] = []
     for shard in manifest["shards"]:
         for entry in read_index(out / shard["index"]):
             docs_by_types["+".join(sorted(set(entry["types"])))] += 1
+            whole = (entry.get("content") or [None])[0]  # "d:...", written by ingest
+            if whole is not None:
+                where = f"{shard['source']}:{entry['key']}"
+                if whole in first_of:
+                    duplicates.append(f"{where} = {first_of[whole]}")
+                else:
+                    first_of[whole] = where
             if _without_text(entry["types"]):
                 per = uncaptioned.setdefault(shard["source"], {"image": 0, "video": 0})
                 for kind in set(entry["types"]) & {"image", "video"}:
@@ -77,6 +86,9 @@ def collect_stats(out: str | Path, *, examples: int = 3) -> dict:
         # Documents of images or videos with no text at all (e.g. an image without a caption
         # file): kept, but counted, since a captioned source is usually meant to be captioned.
         "media_without_text": uncaptioned,
+        # Documents whose whole content (every segment's text or media bytes, in order) repeats an
+        # earlier document's: `ingest --dedupe` leaves them out.
+        "duplicates": {"documents": len(duplicates), "examples": duplicates[:examples]},
         "rejects": totals["rejects"],
         "rejects_by_reason": dict(
             sorted(totals["rejects_by_reason"].items(), key=lambda item: -item[1])
@@ -162,6 +174,14 @@ def format_stats(s: dict) -> str:
     lines.append(f"  video fps:      {describe_dist(videos['fps'], '{:.2f}')}")
     said = describe_uncaptioned(s["media_without_text"])
     lines.append(f"  {said}" if said else "  without a caption or any text: none")
+    dup = s.get("duplicates", {"documents": 0})
+    if dup["documents"]:
+        lines.append(
+            f"  exact duplicates: {dup['documents']} document(s) repeat an earlier one "
+            f"(e.g. {'; '.join(dup['examples'])}); ingest --dedupe leaves them out"
+        )
+    else:
+        lines.append("  exact duplicates: none")
     lines.append("")
     if s["rejects"]:
         lines.append(f"  rejects: {s['rejects']} (all in rejects.jsonl)")

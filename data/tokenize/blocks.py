@@ -39,17 +39,21 @@ def shard_block_stats(blocks_of_docs) -> dict[str, dict]:
     """{"image": {"blocks", "longest"}, "video": {...}} of one shard, from each document's
     ``visual_blocks`` (tokenize keeps it in the shard's record, so the manifest never re-reads
     indexes, which may lie in object storage)."""
-    stats = {modality: {"blocks": 0, "longest": 0} for modality in MEDIA_REJECTS}
+    stats: dict[str, dict] = {modality: {"blocks": 0, "longest": 0} for modality in MEDIA_REJECTS}
+    grids: Counter = Counter()  # "HxW" of every image block: what earlyfuse-generate draws
     for blocks in blocks_of_docs:
-        for start, end, frames, *_ in blocks:
+        for start, end, frames, height, width in blocks:
             row = stats["video" if frames else "image"]
             row["blocks"] += 1
             row["longest"] = max(row["longest"], int(end) - int(start))
+            if not frames:
+                grids[f"{int(height)}x{int(width)}"] += 1
+    stats["image"]["grids"] = dict(grids)
     return stats
 
 
 def block_summary(records: list[dict], read_index_of=None) -> dict[str, dict]:
-    """source -> {"image": {"blocks", "longest", "rejected"}, "video": {...}} of the token shards
+    """source -> {"image": {"blocks", "longest", "rejected", "grids"}, "video": {...}} of the token shards
     ``records`` (tokenize's per-shard records). A record written before ``block_stats`` existed
     is counted from its index through ``read_index_of(record)`` (an iterable of index entries)."""
     summary: dict[str, dict] = {}
@@ -64,10 +68,22 @@ def block_summary(records: list[dict], read_index_of=None) -> dict[str, dict]:
         for modality, got in (stats or {}).items():
             per[modality]["blocks"] += got["blocks"]
             per[modality]["longest"] = max(per[modality]["longest"], got["longest"])
+            if "grids" in got:
+                merged = Counter(per[modality].get("grids", {})) + Counter(got["grids"])
+                per[modality]["grids"] = dict(merged)
         reasons = Counter(reason["reason"] for reason in rec["rejects"])
         for modality, why in MEDIA_REJECTS.items():
             per[modality]["rejected"] += sum(reasons[reason] for reason in why)
     return summary
+
+
+def image_grids(manifest: dict) -> dict[str, int]:
+    """ "HxW" -> image blocks of that grid, over every source of a token folder's manifest (empty
+    for a folder tokenized before the grids were counted)."""
+    total: Counter = Counter()
+    for src in manifest.get("sources", []):
+        total.update(((src.get("blocks") or {}).get("image") or {}).get("grids") or {})
+    return dict(total.most_common())
 
 
 def describe(manifest: dict) -> list[str]:

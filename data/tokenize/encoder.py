@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from data.image_crops import to_tensor
-from data.image_prep import ImagePrep, load_image
+from data.image_prep import ImagePrep, describe_member, load_image
 from data.layout import image_tokens, video_block_len, video_tokens
 from data.schema import Reject
 from data.text_tokenizer import TextTokenizer
@@ -115,7 +115,13 @@ class DocEncoder:
                 if seg["type"] == "image" and doc_index not in failed:
                     try:
                         where[(doc_index, seg_index)] = len(images)
-                        images.append(load_image(raw_doc.member(seg["member"]), self.image_prep))
+                        images.append(
+                            load_image(
+                                raw_doc.member(seg["member"]),
+                                self.image_prep,
+                                name=describe_member(raw_doc, seg["member"]),
+                            )
+                        )
                     except (OSError, ValueError) as e:
                         failed[doc_index] = Reject(
                             f"{raw_doc.shard.name}:{raw_doc.key}.{seg['member']}",

@@ -6,6 +6,7 @@ delivers every image or refuses to start naming the budget; drops are counted wh
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -142,6 +143,13 @@ def test_photos_larger_than_a_row_are_downscaled_to_fit_never_dropped(fitted, un
             for v in small.values()
         ),
         "rejected": 0,
+        # how many image blocks have each grid (earlyfuse-generate --draw takes the commonest)
+        "grids": dict(
+            Counter(
+                "{}x{}".format(*next(x for x in v if x["type"] == "image")["grid"])
+                for v in small.values()
+            )
+        ),
     }
     assert m["options"]["max_block_tokens"] == SEQ
 

@@ -144,6 +144,20 @@ def test_draw_writes_a_png_that_decodes(release, tmp_path, capsys):
     assert not np.array_equal(pictures[0], pictures[1])
 
 
+def test_draw_picks_the_grid_most_training_images_had(release, tmp_path, capsys):
+    """Tokenize counts the image grids, the release carries them, --draw uses the most common."""
+    grids = json.loads((release / "config.json").read_text())["tokenize"]["image_grids"]
+    most = max(grids.items(), key=lambda item: (item[1], item[0]))[0]
+    out = tmp_path / "default.png"
+    assert generate_main([str(release), "--draw", "a red square", "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert f"{most} tokens" in said and "grid: the training images' most common" in said
+    factor = json.loads((release / "visual_tokenizer" / "config.json").read_text())["factor"]
+    height, width = map(int, most.split("x"))
+    with Image.open(out) as im:
+        assert im.size == (width * factor, height * factor)
+
+
 def test_batch_jsonl_runs_every_request(release, image, tmp_path):
     reqs = [
         {"id": "t", "prompt": "Once upon a time", "max_new_tokens": 8},

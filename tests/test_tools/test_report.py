@@ -5,6 +5,7 @@ real visual-tokenizer run made by earlyfuse-train."""
 from __future__ import annotations
 
 import html
+import io
 import json
 import math
 import re
@@ -151,7 +152,10 @@ def test_synthetic_lm_run(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "synth_lm (lm): step 240/300" in out and "4 alarm(s)" in out
     png, page = run / "report" / "report.png", (run / "report" / "report.html").read_text()
+    # The summary page: the header over the four main panels, two rows; every panel after it.
     with Image.open(png) as im:
+        assert im.format == "PNG" and im.size[0] >= 1400 and 2 * 300 < im.size[1] < 2 * 350 + 500
+    with Image.open(run / "report" / "report_panels.png") as im:
         assert im.format == "PNG" and im.size[0] >= 1400 and im.size[1] > 6 * 300
     assert_self_contained(page)
     for m in MODS:
@@ -234,3 +238,21 @@ def test_a_run_that_has_just_started(tmp_path):
     assert rep.panels == [] and rep.png.is_file()
     page = rep.html.read_text()
     assert "no steps logged yet" in page and "no alarms" in page
+
+
+def test_the_header_wraps_inside_the_page_and_the_summary_leads_with_the_main_panels():
+    from tools.report import summary_of
+    from tools.report.render import render_header, wrap_lines
+
+    long = ("val/loss/image 2.4137  " * 30).strip()
+    lines = [("earlyfuse report: a run with a long name " * 3, 15, "bold"), (long, 10, "mono")]
+    wrapped = wrap_lines(lines, 1520)
+    assert len(wrapped) > 4 and all(text.strip() for text, _, _ in wrapped)
+    assert " ".join(text.strip() for text, _, _ in wrapped[-4:]).count("val/loss/image") > 5
+    with Image.open(io.BytesIO(render_header(lines, 1520))) as im:
+        pixels = np.asarray(im.convert("L"))
+    assert pixels.shape[1] == 1520 and pixels[:, -8:].min() > 240, "text runs off the right edge"
+    assert pixels[:, :200].min() < 100  # the text is there
+
+    drawn = [(key, "", "", b"") for key in ("loss", "grad", "lr", "mix", "val", "throughput")]
+    assert [entry[0] for entry in summary_of(drawn)] == ["loss", "val", "mix", "grad"]

@@ -104,3 +104,26 @@ def test_data_sources_from_a_users_own_config_dir(tmp_path):
     (tmp_path / "data" / "typo.yaml").write_text("sources: []\nseq_lenn: 3\n")
     p = subprocess.run(cmd + ["data=typo", "--cfg", "job"], capture_output=True, text=True)
     assert p.returncode != 0 and "seq_lenn" in p.stderr
+
+
+def test_a_run_given_its_own_data_config_is_named_after_it(tmp_path, monkeypatch):
+    """`earlyfuse-train --config-dir DIR experiment=demo data=mine` (no name=) is the run "mine",
+    its run folder runs/mine; a name= given wins; without data= the experiment's name stays."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "mine.yaml").write_text("defaults:\n  - demo\nseq_len: 256\n")
+    seen = []
+    monkeypatch.setattr(app, "run", lambda cfg, resolved, extra=None: seen.append(cfg) or 0)
+    for argv in (
+        ["experiment=demo", "data=mine"],
+        ["experiment=demo", "data=mine", "name=try2"],
+        ["experiment=demo"],
+    ):
+        monkeypatch.setattr("sys.argv", ["earlyfuse-train", "--config-dir", str(tmp_path), *argv])
+        with pytest.raises(SystemExit) as done:
+            app.main()
+        assert done.value.code == 0
+    assert [(cfg.name, cfg.run_dir, cfg.data.seq_len) for cfg in seen] == [
+        ("mine", "runs/mine", 256),
+        ("try2", "runs/try2", 256),
+        ("demo", "runs/demo", 512),
+    ]

@@ -11,6 +11,7 @@ from trainrun import metrics, train
 
 from data.tokenize.visual import load_visual_tokenizer
 from data.vocab import VocabLayout
+from train.tasks.vtok import below_baselines
 
 
 def base(tiny_raw, run_dir, steps=6, *extra):
@@ -27,8 +28,13 @@ def base(tiny_raw, run_dir, steps=6, *extra):
 
 def test_vtok_run_writes_metrics_export_and_grid(tiny_raw, tmp_path):
     run = tmp_path / "run"
-    p = train(base(tiny_raw, run))
+    # The levels come from the text tokenizer's layout (vtok_data.tokenizer), not the preset's.
+    VocabLayout(text_size=300, fsq_levels=(8, 6, 5), max_grid=16).save(tmp_path / "layout.json")
+    p = train(base(tiny_raw, run, 6, f"vtok_data.tokenizer={tmp_path / 'layout.json'}"))
     assert "step 6/6 | loss" in p.stdout and "image" in p.stdout
+    assert "vtok.levels [8, 5, 5, 5] -> [8, 6, 5]" in p.stdout
+    saved = json.loads((run / "visual_tokenizer" / "config.json").read_text())
+    assert saved["levels"] == [8, 6, 5]
     m = metrics(run)
     assert sorted(m) == [1, 2, 3, 4, 5, 6]
     assert m[6]["loss/image"] < m[1]["loss/image"]
@@ -41,11 +47,20 @@ def test_vtok_run_writes_metrics_export_and_grid(tiny_raw, tmp_path):
         "eval/code_perplexity",
     ):
         assert k in final
+    # Six steps end far below the equal-bits baselines: said on the console and in final.json.
+    assert final["eval/psnr"] < final["eval/baseline_psnr"]
+    assert "is below the equal-bits baseline(s) mean-colour" in p.stdout
+    assert any("below the equal-bits" in line for line in final["warnings"])
+    assert final["skipped_images"] == sum(
+        got["small"] + got["unreadable"] for got in final["skipped_by_source"].values()
+    )
     assert (run / "vtok_reconstructions.png").stat().st_size > 0
     assert (run / "tb").is_dir() and (
         run / "checkpoints" / "latest"
     ).read_text().strip() == "step_00000006"
-    model = load_visual_tokenizer(run / "visual_tokenizer", VocabLayout(text_size=10))
+    model = load_visual_tokenizer(
+        run / "visual_tokenizer", VocabLayout(text_size=10, fsq_levels=(8, 6, 5))
+    )
     codes = model.encode(torch.zeros(1, 3, 16, 24))
     assert codes.shape == (1, 4, 6)
 
@@ -88,3 +103,12 @@ def test_resuming_zero_shards_on_another_world_size_asks_for_a_universal_checkpo
     p = train(base(tiny_raw, run, 4, "deepspeed.zero_stage=1"), check=False)
     assert p.returncode != 0 and "written by 2 rank(s)" in p.stderr
     assert f"earlyfuse-convert universal {run}" in p.stderr
+
+
+def test_below_baselines_names_the_baselines_beaten_and_what_to_do():
+    figures = {"eval/psnr": 20.0, "eval/baseline_psnr": 20.14, "eval/palette_psnr": 20.62}
+    said = below_baselines(figures)
+    assert "held-out PSNR 20.00 dB is below" in said
+    assert "mean-colour 20.14 dB, palette 20.62 dB" in said and "vtok.entropy" in said
+    assert below_baselines({**figures, "eval/psnr": 21.0}) == ""
+    assert below_baselines({}) == ""

@@ -12,7 +12,9 @@ Notable choices:
 - Smoothing is a debiased EMA (``--smooth``, default 0.9) drawn over the raw values, which stay
   visible and faint: a spike is never smoothed out of sight.
 - matplotlib draws on bare ``Figure`` objects with the Agg canvas (no pyplot, no display, no
-  global state); report.png is the panels composed in a grid under a text header with Pillow.
+  global state). report.png is the page read at a glance: the text header (wrapped to its
+  width) over the main panels (loss, validation, ...); report_panels.png has every panel in a
+  grid; both composed with Pillow.
 - The HTML page inlines every image as base64 and its CSS; it loads nothing, so it can be
   mailed or attached to an issue as one file.
 """
@@ -29,11 +31,16 @@ from tools.report.run import NoMetrics, RunData, alarm_step, fmt, load_run
 
 DEFAULT_SMOOTH = 0.9
 MAX_ALARMS_IN_PNG = 12
+# report.png is the page read at a glance: the header and these panels (those the run has, in
+# this order, up to SUMMARY_COUNT); report_panels.png has every panel.
+SUMMARY_PANELS = ("loss", "val", "psnr", "loss_norm", "codes", "mix")
+SUMMARY_COUNT = 4
 
 
 @dataclass
 class Report:
-    png: Path
+    png: Path  # the summary page: header and the main panels
+    panels_png: Path  # every panel
     html: Path
     panels: list[str]  # the panel ids drawn
     run: RunData
@@ -136,6 +143,14 @@ def compose(header: bytes, panels: list[bytes], columns: int = 2) -> bytes:
     return buf.getvalue()
 
 
+def summary_of(drawn: list[tuple]) -> list[tuple]:
+    """The panels of the summary page: the main ones this run has, else the first ones."""
+    by_key = {entry[0]: entry for entry in drawn}
+    chosen = [by_key[key] for key in SUMMARY_PANELS if key in by_key][:SUMMARY_COUNT]
+    rest = [entry for entry in drawn if entry not in chosen]
+    return chosen + rest[: SUMMARY_COUNT - len(chosen)]
+
+
 def write_report(
     run_dir: str | Path, out: str | Path | None = None, smooth: float = DEFAULT_SMOOTH
 ) -> Report:
@@ -157,16 +172,21 @@ def write_report(
     ctx = Ctx(run=run, smooth=smooth, xlim=x_limits(run))
     panels = panels_for(run) if run.records or run.final else []
     drawn = [(p.key, p.title, p.note, render(p, ctx)) for p in panels]
-    header = render_header(
-        header_lines(run, smooth), int(PANEL_SIZE[0] * DPI) * (2 if len(drawn) > 1 else 1)
-    )
+    width = int(PANEL_SIZE[0] * DPI) * (2 if len(drawn) > 1 else 1)
     png = out / "report.png"
-    png.write_bytes(compose(header, [d[3] for d in drawn]))
+    png.write_bytes(
+        compose(render_header(header_lines(run, smooth), width), [d[3] for d in summary_of(drawn)])
+    )
+    title: list[tuple[str, float, str]] = [
+        (f"earlyfuse report: {run.name}: every panel ({len(drawn)})", 13.0, "bold")
+    ]
+    panels_png = out / "report_panels.png"
+    panels_png.write_bytes(compose(render_header(title, width), [d[3] for d in drawn]))
     recon = run.run_dir / "vtok_reconstructions.png"
     page = html_page(run, smooth, drawn, recon.read_bytes() if recon.is_file() else None)
     html = out / "report.html"
     html.write_text(page, encoding="utf-8")
-    return Report(png=png, html=html, panels=[d[0] for d in drawn], run=run)
+    return Report(png=png, panels_png=panels_png, html=html, panels=[d[0] for d in drawn], run=run)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -176,8 +196,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "train loss total and per modality (raw and EMA), validation loss per modality, "
         "normalised CE against chance, the delivered data mix, tokens per modality, grad norm "
         "with skipped steps, lr, throughput/MFU/data wait, the monitor signals, and for a "
-        "visual-tokenizer run PSNR/SSIM/code use. Writes OUT/report.png (all panels in one "
-        "image) and OUT/report.html (one self-contained page: images inlined, summary, "
+        "visual-tokenizer run PSNR/SSIM/code use. Writes OUT/report.png (the summary: a header "
+        "and the main panels), OUT/report_panels.png (every panel) and OUT/report.html (one self-contained page: images inlined, summary, "
         "evaluation and alarms tables). Safe to run on a run that is still training.",
         epilog="example: earlyfuse-report runs/demo/lm && open runs/demo/lm/report/report.html",
     )
@@ -191,7 +211,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--out",
         metavar="DIR",
         default=None,
-        help="where to write report.png and report.html (default: RUN_DIR/report)",
+        help="where to write report.png, report_panels.png and report.html (default: "
+        "RUN_DIR/report)",
     )
     p.add_argument(
         "--smooth",
@@ -219,7 +240,7 @@ def main(argv=None) -> int:
         f"{run.name} ({run.task}): step {run.last_step}/{run.total_steps or '?'}, {len(rep.panels)} panels, "
         f"{f'{len(run.alarms)} alarm(s)' if run.alarms else 'no alarms'}"
     )
-    print(f"wrote {rep.png}")
+    print(f"wrote {rep.png} (summary) and {rep.panels_png.name} (every panel)")
     print(f"wrote {rep.html}")
     if run.heldout_eval:  # the held-out evaluation (earlyfuse-eval --out RUN_DIR/heldout_eval.json)
         from tools.evaluate.table import format_eval

@@ -11,6 +11,7 @@ import io
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.font_manager import FontProperties
 from matplotlib.ticker import MaxNLocator
 
 from tools.report.draw import Ctx, draw_alarms
@@ -19,6 +20,7 @@ from tools.report.run import RunData, alarm_step
 
 PANEL_SIZE = (7.6, 3.5)  # inches; every panel the same, so that report.png is a clean grid
 DPI = 100
+MARGIN = 0.01  # of the header's width, left and right
 
 
 def x_limits(run: RunData) -> tuple[float, float]:
@@ -68,15 +70,49 @@ def render(panel: Panel, ctx: Ctx) -> bytes:
     return buf.getvalue()
 
 
+def _font(size: float, style: str) -> FontProperties:
+    return FontProperties(
+        size=size,
+        weight="bold" if style == "bold" else "normal",
+        family="monospace" if style == "mono" else "sans-serif",
+    )
+
+
+def wrap_lines(lines: list[tuple[str, float, str]], width_px: int) -> list[tuple[str, float, str]]:
+    """The header's lines broken at spaces so that none is wider than the strip (measured with
+    the renderer's own font metrics); a continuation is indented."""
+    renderer = FigureCanvasAgg(Figure(dpi=DPI)).get_renderer()
+    room = width_px * (1 - 2 * MARGIN)
+
+    def width(text: str, font: FontProperties) -> float:
+        return renderer.get_text_width_height_descent(text, font, ismath=False)[0]
+
+    out = []
+    for text, size, style in lines:
+        font = _font(size, style)
+        current = ""
+        for word in text.split(" "):
+            trial = f"{current} {word}" if current else word
+            if current.strip() and width(trial, font) > room:
+                out.append((current, size, style))
+                current = "    " + word
+            else:
+                current = trial
+        out.append((current, size, style))
+    return out
+
+
 def render_header(lines: list[tuple[str, float, str]], width_px: int) -> bytes:
-    """The top strip of report.png: ``(text, fontsize, style)`` lines, style bold, normal or mono."""
+    """The top strip of report.png: ``(text, fontsize, style)`` lines, style bold, normal or mono,
+    wrapped to the strip's width."""
+    lines = wrap_lines(lines, width_px)
     height = 0.3 + sum(size for _, size, _ in lines) * 1.6 / 72
     fig = Figure(figsize=(width_px / DPI, height), dpi=DPI)
     FigureCanvasAgg(fig)
     top = 1 - 0.15 / height
     for text, size, weight in lines:
         fig.text(
-            0.01,
+            MARGIN,
             top,
             text,
             fontsize=size,

@@ -25,6 +25,7 @@ At the end: a PNG grid of originals beside reconstructions and the trained netwo
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict
 from pathlib import Path
 
@@ -51,6 +52,8 @@ from train.config import RunConfig
 from train.dist import DistInfo
 from train.streams import CropStream as CropBatches
 from train.tasks.base import StepOutput
+
+log = logging.getLogger(__name__)
 
 
 def full_state_dict(engine, zero_stage: int) -> dict[str, torch.Tensor]:
@@ -94,6 +97,10 @@ class VtokTask:
             video_frames=d.video_frames,
             limit=d.cache_images,
         )
+        said = self.pool.describe_skipped(d.crop)
+        if said and dist.is_main:
+            log.warning(f"vtok: {said}")
+        self.last_eval: dict[str, float] = {}
         self.eval_images = fixed_crops(
             self.pool.heldout or self.pool.train, d.crop, d.heldout_crops
         )
@@ -182,6 +189,7 @@ class VtokTask:
                 for k, e in mse.items():
                     out[f"{prefix}{k}psnr"] = float(psnr_of_mse(e[mask].mean()))
         out.update(self.scene_figures(engine))
+        self.last_eval = out
         return out
 
     def scene_figures(self, engine) -> dict[str, float]:
@@ -229,11 +237,17 @@ class VtokTask:
         x = self.eval_images[:16]
         y, _ = self.reconstruct(engine, x)
         save_grid(x, y, run_dir / "vtok_reconstructions.png")
-        return {
+        out: dict = {
             "images_in_pool": len(self.pool.train),
             "heldout_images": len(self.pool.heldout),
             "skipped_images": self.pool.skipped,
+            "skipped_by_source": self.pool.skipped_by_source,
         }
+        below = below_baselines(self.last_eval)
+        if below:
+            log.warning(f"vtok: {below}")
+            out["warnings"] = [below]
+        return out
 
     def extra_files(self) -> dict[str, str]:
         return {}
@@ -243,6 +257,28 @@ class VtokTask:
 
     def probes(self, monitor_cfg, engine) -> None:
         return None
+
+
+def below_baselines(figures: dict[str, float]) -> str:
+    """A warning when the tokenizer's held-out PSNR is below a baseline spending the same bits
+    per token ("" when it beats both, or there was no evaluation): such a tokenizer is worse
+    than quantising each patch's mean colour, and an LM trained on its codes inherits that."""
+    psnr = figures.get("eval/psnr")
+    if psnr is None:
+        return ""
+    rivals = {
+        name: figures[key]
+        for name, key in (("mean-colour", "eval/baseline_psnr"), ("palette", "eval/palette_psnr"))
+        if key in figures and figures[key] > psnr
+    }
+    if not rivals:
+        return ""
+    beaten = ", ".join(f"{name} {value:.2f} dB" for name, value in rivals.items())
+    return (
+        f"held-out PSNR {psnr:.2f} dB is below the equal-bits baseline(s) {beaten}: train longer "
+        "(train.steps), on more images, or with the level-entropy bonus (vtok.entropy); "
+        "docs/visual_tokenizer.md, 'What the figures mean'"
+    )
 
 
 def to_uint8(images: torch.Tensor) -> list[np.ndarray]:

@@ -1,0 +1,203 @@
+"""What a user acts on is said, on real shards: images the visual tokenizer skips for being
+smaller than its crop (how many, which sources, what to do); the file behind a decoder warning
+such as Pillow's "Corrupt EXIF data"; exact duplicate documents, counted by `stats` and left out
+by `ingest --dedupe` (listed as `duplicate` rejects); a validation split too small to measure a
+source."""
+
+from __future__ import annotations
+
+import io
+import json
+import warnings
+
+from factories import png_solid
+from PIL import Image
+
+from data.cli import main as prep_main
+from data.cli.ingest import MIN_VAL_DOCS, thin_validation
+from data.image_crops import load_pool
+from data.image_prep import ImagePrep
+from data.ingest import ingest
+from data.shards.stats import collect_stats, format_stats
+from data.shards.verify import verify
+
+# A JPEG whose EXIF block claims an entry longer than the block: Pillow warns "Corrupt EXIF data"
+# when it reads the EXIF (to orient the image), without saying which file it was reading.
+BAD_EXIF = b"Exif\x00\x00II*\x00\x08\x00\x00\x00\x05\x00\x0f\x01\x02\x00\xff\xff\x00\x00"
+
+
+def corrupt_exif_jpeg() -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), (200, 10, 10)).save(buf, "JPEG", exif=BAD_EXIF)
+    return buf.getvalue()
+
+
+def image_folder(root, sizes: dict[str, int]):
+    root.mkdir(parents=True)
+    for name, side in sizes.items():
+        (root / f"{name}.png").write_bytes(png_solid(side, side, (10 * side % 255, 90, 200)))
+        (root / f"{name}.txt").write_text(f"a {side} pixel square called {name}")
+    return root
+
+
+def test_images_smaller_than_the_crop_are_counted_by_source_with_what_to_do(tmp_path):
+    icons = image_folder(tmp_path / "icons", {"i1": 16, "i2": 24, "i3": 20})
+    photos = image_folder(tmp_path / "photos", {"p1": 64, "p2": 96})
+    raw = tmp_path / "raw"
+    assert ingest(raw, [f"icons=images:{icons}", f"photos=images:{photos}"])["finalized"]
+    pool = load_pool(
+        [str(raw)],
+        sources=None,
+        prep=ImagePrep(factor=4, max_pixels=128 * 128, max_grid=64),
+        crop=32,
+        heldout_fraction=0.0,
+        video_frames=False,
+        limit=100,
+    )
+    assert len(pool.train) == 2 and pool.skipped == 3
+    assert pool.skipped_by_source["icons"]["small"] == 3 and "photos" not in pool.skipped_by_source
+    said = pool.describe_skipped(32)
+    assert said.startswith("3 image(s) or frame(s) skipped, smaller than the 32x32 crop")
+    assert "icons: 3 small (e.g. " in said and "(16x16)" in said
+    assert "lower vtok_data.crop" in said and "vtok_data.sources" in said
+
+
+def test_a_decoder_warning_names_the_file_at_ingest_and_when_decoding_shards(tmp_path):
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    (photos / "IMG_0042.jpg").write_bytes(corrupt_exif_jpeg())
+    (photos / "IMG_0042.txt").write_text("a red rectangle")
+    raw = tmp_path / "raw"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert ingest(raw, [f"images:{photos}"])["finalized"]  # one worker: in this process
+    said = [str(w.message) for w in caught if "Corrupt EXIF" in str(w.message)]
+    assert said and all("IMG_0042.jpg: Corrupt EXIF data" in line for line in said), said
+
+    # The visual tokenizer's pool (and tokenize) name the shard, the key and the original file.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_pool(
+            [str(raw)],
+            sources=None,
+            prep=ImagePrep(factor=4, max_pixels=64 * 64, max_grid=64),
+            crop=16,
+            heldout_fraction=0.0,
+            video_frames=False,
+            limit=10,
+        )
+    said = [str(w.message) for w in caught if "Corrupt EXIF" in str(w.message)]
+    assert said and all(".tar:" in line and "(from IMG_0042.jpg)" in line for line in said), said
+
+
+def text_folder(root, texts: dict[str, str]):
+    root.mkdir(parents=True)
+    for name, text in texts.items():
+        (root / f"{name}.txt").write_text(text)
+    return root
+
+
+TEXTS = {
+    "a": "the same note, kept twice",
+    "b": "another note entirely",
+    "c": "the same note, kept twice",
+    "d": "the same note, kept twice",
+}
+
+
+def test_stats_counts_exact_duplicates(tmp_path):
+    notes = text_folder(tmp_path / "notes", TEXTS)
+    raw = tmp_path / "raw"
+    assert ingest(raw, [f"text:{notes}"])["finalized"]
+    stats = collect_stats(raw)
+    assert stats["samples"] == 4 and stats["duplicates"]["documents"] == 2
+    assert "notes:notes-c_txt = notes:notes-a_txt" in stats["duplicates"]["examples"]
+    assert "exact duplicates: 2 document(s) repeat an earlier one" in format_stats(stats)
+
+
+def test_ingest_dedupe_leaves_duplicates_out_and_lists_them(tmp_path, capsys):
+    notes = text_folder(tmp_path / "notes", TEXTS)
+    raw = tmp_path / "raw"
+    argv = ["ingest", "--out", str(raw), "--source", f"text:{notes}", "--dedupe", "--no-progress"]
+    assert prep_main(argv) == 3  # done, with rejects
+    assert "rejected 2 input(s)" in capsys.readouterr().out
+    totals = json.loads((raw / "manifest.json").read_text())["totals"]
+    assert totals["samples"] == 2 and totals["rejects_by_reason"] == {"duplicate": 2}
+    rejects = [json.loads(line) for line in (raw / "rejects.jsonl").read_text().splitlines()]
+    assert [(r["reason"], r["key"]) for r in rejects] == [
+        ("duplicate", "notes-c_txt"),
+        ("duplicate", "notes-d_txt"),
+    ]
+    assert all("the same content as notes:notes-a_txt" in r["detail"] for r in rejects)
+    assert collect_stats(raw)["samples"] == 2 and collect_stats(raw)["duplicates"]["documents"] == 0
+    assert verify(raw)["ok"], verify(raw)["problems"]
+    assert prep_main(argv) == 3  # a rerun finds everything done and changes nothing
+    again = [json.loads(line) for line in (raw / "rejects.jsonl").read_text().splitlines()]
+    assert again == rejects and verify(raw)["ok"]
+
+
+def test_dedupe_keeps_the_training_copy_of_a_held_out_duplicate(tmp_path):
+    # Two copies, the first (in listing order) held out by its key's hash, the second not: the
+    # training copy is kept, whatever the order.
+    from data.ingest.plan import in_validation
+
+    def held_out(name: str) -> bool:
+        return in_validation(f"notes-{name}_txt", 0.5)
+
+    names = [f"k{i:02d}" for i in range(40)]
+    held = next(name for name in names if held_out(name))
+    kept = next(name for name in names if not held_out(name) and name > held)
+    notes = text_folder(tmp_path / "notes", {held: "one text, twice", kept: "one text, twice"})
+    raw = tmp_path / "raw"
+    summary = ingest(raw, [f"text:{notes}"], val_fraction=0.5, dedupe=True)
+    by_source = {s["name"]: s["samples"] for s in summary["manifest"]["sources"]}
+    assert by_source == {"notes": 1, "val/notes": 0}
+    rejects = [json.loads(line) for line in (raw / "rejects.jsonl").read_text().splitlines()]
+    assert [(r["reason"], r["key"]) for r in rejects] == [("duplicate", f"notes-{held}_txt")]
+    assert f"the same content as notes:notes-{kept}_txt" in rejects[0]["detail"]
+
+
+def test_a_validation_split_too_small_to_measure_a_source_is_warned(tmp_path, capsys):
+    sources = [
+        {"name": "code", "samples": 41},
+        {"name": "val/code", "samples": 1},
+        {"name": "notes", "samples": 900},
+        {"name": "val/notes", "samples": 100},
+        {"name": "tiny", "samples": 6},
+    ]
+    lines = thin_validation(sources, 0.1)
+    assert len(lines) == 2
+    assert lines[0].startswith(
+        f"warning: validation holds 1 of 42 code document(s) (fewer than {MIN_VAL_DOCS})"
+    )
+    assert "Raise --val-fraction to about 0.24" in lines[0]
+    assert "validation holds 0 of 6 tiny" in lines[1] and "too small to split" in lines[1]
+
+    notes = text_folder(tmp_path / "notes", {f"n{i}": f"note number {i}" for i in range(30)})
+    argv = ["ingest", "--out", str(tmp_path / "raw"), "--source", f"text:{notes}"]
+    assert prep_main([*argv, "--val-fraction", "0.1", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: validation holds" in out and "notes document(s)" in out
+
+
+def test_dedupe_across_partitions_and_merge(tmp_path):
+    """Partitioned ingests dedupe once every shard exists; `merge` afterwards changes nothing."""
+    notes = text_folder(tmp_path / "notes", TEXTS)
+    raw = tmp_path / "raw"
+    for part in (0, 1):
+        ingest(
+            raw,
+            [f"text:{notes}"],
+            shard_max_samples=1,
+            num_partitions=2,
+            partition=part,
+            dedupe=True,
+        )
+    rejects = (raw / "rejects.jsonl").read_text()
+    assert [json.loads(line)["key"] for line in rejects.splitlines()] == [
+        "notes-c_txt",
+        "notes-d_txt",
+    ]
+    assert prep_main(["merge", str(raw)]) == 0
+    assert (raw / "rejects.jsonl").read_text() == rejects
+    assert collect_stats(raw)["samples"] == 2 and verify(raw)["ok"]
