@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from train.config_check import ConfigError
+
 
 @dataclass(frozen=True)
 class SequenceGroups:
@@ -51,4 +53,20 @@ def new_sequence_groups(degree: int) -> SequenceGroups:
         rank=rank % degree,
         data_rank=rank // degree,
         data_size=world_size // degree,
+    )
+
+
+def check_run(degree: int, world_size: int) -> None:
+    """At the start of a run: ``train.sequence_parallel`` must divide the world. The trainer
+    itself does not split rows yet, so a degree above 1 is refused rather than ignored."""
+    if degree == 1:
+        return
+    try:
+        sequence_parallel_ranks(world_size, degree)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    raise ConfigError(
+        f"train.sequence_parallel={degree}: the trainer does not run sequence-parallel yet (the "
+        "layer, its process groups and its tests exist; what is missing is listed in "
+        "docs/long_context.md, 'Not built yet')"
     )
