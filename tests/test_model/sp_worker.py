@@ -8,7 +8,9 @@ group, and writes the largest differences to OUT/rank_R.json:
 - ``loss``, ``ce``: the reduced SP loss and CE against the reference's; ``count``: per-modality
   label counts equal (0 or 1);
 - ``grad``: the parameter gradients summed over the SP group against the reference's;
-- ``flex_logits`` (cases with ``flex``): the same forward with FlexAttention's BlockMask, no grad.
+- ``flex_logits`` (cases with ``flex``): the same forward with FlexAttention's BlockMask, no grad;
+- ``deepspeed/zero1``, ``deepspeed/zero2`` (case ``images``): one DeepSpeed step over DP 2 x SP 2
+  against the single-process step (``deepspeed_case``).
 """
 
 import dataclasses
@@ -25,6 +27,8 @@ from model.attention import AttentionConfig
 from model.sequence_parallel import apply_sequence_parallel, reduce_loss, shard_row
 from model.transformer import TransformerConfig
 from train.sequence_groups import SequenceGroups, new_sequence_groups
+
+DEEPSPEED_CASE = "images"
 
 
 def gather_tokens(local: torch.Tensor, group, degree: int) -> torch.Tensor:
@@ -96,6 +100,53 @@ def run_case(cfg: TransformerConfig, batch: dict, groups: SequenceGroups, flex: 
     return got
 
 
+def deepspeed_case(cfg: TransformerConfig, batch: dict, stage: int) -> dict:
+    """ZeRO ``stage`` over DP 2 x SP 2, DeepSpeed told the SP groups through its own
+    ``parallel_state_sp`` as ``mpu``: SP group g trains on row g. One SGD step (its update is
+    proportional to the gradient, unlike Adam's first step) must equal the single-process step on
+    the mean of the two rows' losses: gradients summed over SP, averaged over DP."""
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    degree = 2
+    sp_group = parallel_state_sp.get_sequence_parallel_group()
+    sp_rank, data_rank = dist.get_rank() % degree, dist.get_rank() // degree
+    torch.manual_seed(0)
+    ref, model = cfg.build(), cfg.build()
+    model.load_state_dict(ref.state_dict())
+    ref_losses = [
+        ref(**{key: value[row : row + 1] for key, value in batch.items() if value.dim()})
+        for row in (0, 1)
+    ]
+    (sum(result.loss for result in ref_losses) / 2).backward()
+    torch.optim.SGD(ref.parameters(), lr=0.5).step()
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": 0.0,
+        "zero_allow_untested_optimizer": True,
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        config=config,
+        mpu=parallel_state_sp,
+    )
+    apply_sequence_parallel(engine.module, sp_group)
+    row = {key: value[data_rank : data_rank + 1] for key, value in batch.items() if value.dim()}
+    result = reduce_loss(engine(**shard_row(row, cfg, rank=sp_rank, degree=degree)), sp_group)
+    engine.backward(result.loss)
+    engine.step()
+    trained = dict(engine.module.named_parameters())
+    return {
+        "loss": abs(float(result.loss) - float(ref_losses[data_rank].loss)),
+        "weights": max(
+            float((trained[name].detach() - param.detach()).abs().max())
+            for name, param in ref.named_parameters()
+        ),
+    }
+
+
 def main() -> None:
     cases, out = Path(sys.argv[1]), Path(sys.argv[2])
     torch.set_num_threads(1)
@@ -111,7 +162,22 @@ def main() -> None:
             results[f"{spec_path.stem}/sp{degree}"] = run_case(
                 cfg, batch, groups[degree], spec.get("flex", False)
             )
+    if dist.get_world_size() == 4:
+        import deepspeed
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+        from train.ds_env import prepare_deepspeed
+
+        prepare_deepspeed()  # no shm_comm op built (train/ds_env.py)
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+        parallel_state_sp.initialize_sequence_parallel(2)
+        spec_path = cases / f"{DEEPSPEED_CASE}.json"
+        cfg = TransformerConfig(**json.loads(spec_path.read_text())["config"])
+        batch = load_file(spec_path.with_suffix(".safetensors"))
+        for stage in (1, 2):
+            results[f"deepspeed/zero{stage}"] = deepspeed_case(cfg, batch, stage)
     (out / f"rank_{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
+    dist.barrier()  # no rank tears its connections down while another still uses them
     dist.destroy_process_group()
 
 

@@ -57,7 +57,9 @@ def test_sp_matches_one_process_on_2_and_4_ranks(kit, tmp_path):
     """torchrun with 4 gloo processes: SP 2 (two groups: data parallel 2 x SP 2) and SP 4.
     Case ``images``: M-RoPE, grid embeddings, bidirectional image blocks, 4 query heads over 2 KV
     heads (split at SP 2, replicated at SP 4), also run with FlexAttention's BlockMask (forward).
-    Case ``mqa``: one KV head (replicated 2 and 4 times) and a sliding window of 12."""
+    Case ``mqa``: one KV head (replicated 2 and 4 times) and a sliding window of 12.
+    Then DeepSpeed ZeRO 1 and 2 over DP 2 x SP 2 (``parallel_state_sp`` as its mpu): one SGD
+    step equals the single-process step on the two rows."""
     batch = packed_rows(kit)
     cases = {
         "images": (
@@ -101,7 +103,11 @@ def test_sp_matches_one_process_on_2_and_4_ranks(kit, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in range(4):
         results = json.loads((out / f"rank_{rank}.json").read_text())
-        assert set(results) == {f"{name}/sp{degree}" for name in cases for degree in (2, 4)}
+        layer = {f"{name}/sp{degree}" for name in cases for degree in (2, 4)}
+        assert set(results) == layer | {"deepspeed/zero1", "deepspeed/zero2"}
+        for stage in (1, 2):
+            got = results.pop(f"deepspeed/zero{stage}")
+            assert got["loss"] < TOLERANCE and got["weights"] < TOLERANCE, (stage, got)
         for key, got in results.items():
             docs, images = got["straddle"]
             assert docs > 0 and images > 0, (key, got)  # the boundaries cut documents and images
