@@ -57,7 +57,8 @@ def test_sp_matches_one_process_on_2_and_4_ranks(kit, tmp_path):
     """torchrun with 4 gloo processes: SP 2 (two groups: data parallel 2 x SP 2) and SP 4.
     Case ``images``: M-RoPE, grid embeddings, bidirectional image blocks, 4 query heads over 2 KV
     heads (split at SP 2, replicated at SP 4), also run with FlexAttention's BlockMask (forward).
-    Case ``mqa``: one KV head (replicated 2 and 4 times) and a sliding window of 12.
+    Case ``mqa``: one KV head (replicated 2 and 4 times), a sliding window of 12 and activation
+    checkpointing (backward recomputes each block, all-to-alls included).
     Then DeepSpeed ZeRO 1 and 2 over DP 2 x SP 2 (``parallel_state_sp`` as its mpu): one SGD
     step equals the single-process step on the two rows."""
     batch = packed_rows(kit)
@@ -71,7 +72,10 @@ def test_sp_matches_one_process_on_2_and_4_ranks(kit, tmp_path):
             True,
         ),
         "mqa": (
-            kit.tiny_config(attention=AttentionConfig(n_heads=4, n_kv_heads=1, sliding_window=12)),
+            kit.tiny_config(
+                attention=AttentionConfig(n_heads=4, n_kv_heads=1, sliding_window=12),
+                activation_checkpoint_every=1,
+            ),
             False,
         ),
     }
