@@ -18,6 +18,8 @@ Design choices:
 - Bidirectional image blocks (``image_ids`` >= 0 marks the tokens of one image): meant for
   understanding-only image tokens. It leaks the future into next-token prediction of those
   tokens, so put no labels on image tokens when it is on. Generation decodes causally.
+- Sequence parallelism (model/sequence_parallel.py) swaps sequence for heads around the core
+  (``Attention.sequence_parallel``), so the core and its mask are the same for a whole row.
 - KV cache: preallocated [B, Hkv, max_len, hd] per layer; decoding always uses SDPA with an
   explicit mask (prefill may use the document/image mask of the prompt).
 """
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +36,9 @@ from torch import Tensor, nn
 
 from model.layers import RMSNorm
 from model.rope import apply_rotary
+
+if TYPE_CHECKING:
+    from model.sequence_parallel import UlyssesAttention
 
 try:  # FlexAttention: torch >= 2.5
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -237,6 +242,8 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, norm_eps)
             self.k_norm = RMSNorm(self.head_dim, norm_eps)
+        # Set by model.sequence_parallel.apply_sequence_parallel: x holds a shard of the sequence.
+        self.sequence_parallel: UlyssesAttention | None = None
 
     def forward(
         self,
@@ -257,7 +264,9 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(cache_start, k, v)
-        gqa = self.n_kv_heads != self.n_heads
+        if self.sequence_parallel is not None:  # the whole sequence, a share of the heads
+            q, k, v = self.sequence_parallel.scatter_heads(q, k, v)
+        gqa = k.shape[1] != q.shape[1]
         if mask.block_mask is not None:
             out = _flex(q, k, v, mask.block_mask, gqa, self.cfg.compile_flex)
         else:
@@ -269,6 +278,8 @@ class Attention(nn.Module):
                 is_causal=mask.causal and mask.dense is None,
                 enable_gqa=gqa,
             )
+        if self.sequence_parallel is not None:
+            out = self.sequence_parallel.gather_heads(out)
         return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
     def init_weights(self, std: float, out_std: float) -> None:

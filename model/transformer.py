@@ -264,9 +264,12 @@ class Transformer(nn.Module):
         image_ids: Tensor | None = None,
         label_modality: Tensor | None = None,
         num_real_tokens: Tensor | int | None = None,  # accepted so ``model(**batch)`` works; unused
+        mask: AttentionMask | None = None,
     ) -> LossResult | Tensor:
         """All tensors [B, T] (position_thw [B, T, 3]). Missing ones default to: one document
         per row, positions from doc_ids (restarting per document), modality TEXT, no images.
+        ``mask``: an attention mask built already (a sequence-parallel shard brings its whole
+        row's, model/sequence_parallel.py); else it is built here from doc_ids and image_ids.
         Returns a LossResult when ``labels`` (already shifted) are given, else logits [B, T, V]."""
         batch_size, seq_len = input_ids.shape
         if modality is None:
@@ -277,16 +280,17 @@ class Transformer(nn.Module):
                 if doc_ids is not None
                 else torch.arange(seq_len, device=input_ids.device).expand(batch_size, seq_len)
             )
-        mask = build_attention_mask(
-            batch_size,
-            seq_len,
-            input_ids.device,
-            doc_ids=doc_ids,
-            image_ids=image_ids,
-            sliding_window=self.cfg.attention.sliding_window,
-            bidirectional_images=self.cfg.attention.bidirectional_images,
-            backend=self.cfg.attention.backend,
-        )
+        if mask is None:
+            mask = build_attention_mask(
+                batch_size,
+                seq_len,
+                input_ids.device,
+                doc_ids=doc_ids,
+                image_ids=image_ids,
+                sliding_window=self.cfg.attention.sliding_window,
+                bidirectional_images=self.cfg.attention.bidirectional_images,
+                backend=self.cfg.attention.backend,
+            )
         hidden, stats = self._trunk(
             input_ids,
             position_ids=position_ids,

@@ -33,6 +33,7 @@ from train.dist import DistInfo
 from train.engine import build_engine, global_grad_norm
 from train.monitor import AlarmLog, Monitor
 from train.names import CONFIG_FILE, METRICS_FILE
+from train.sequence_groups import check_run as check_sequence_parallel_run
 from train.skip_step import SkipStepRule, UpdateGate
 from train.streams import BatchStream
 from train.tasks import build_task
@@ -86,6 +87,7 @@ def build_trainer(
     *,
     extra_callbacks: Sequence[Callback] = (),
 ) -> Trainer:
+    check_sequence_parallel_run(cfg.train.sequence_parallel, dist.world_size)
     seed_everything(cfg.train.seed, dist.rank, cfg.train.deterministic)
     task = build_task(cfg, dist)
     model = task.build_model()

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from data.loader.config import LoaderConfig
+from model.sequence_parallel import check_sequence_parallel
 from model.transformer import TransformerConfig
 from model.visual_tokenizer import VisualTokenizerConfig
 from train.monitor.config import MonitorConfig
@@ -66,6 +67,10 @@ class TrainConfig:
     )
     progress: bool = True  # a progress bar on rank 0
     tensorboard: bool = True
+    # Ranks that share one row, each holding a contiguous 1/N of its tokens (Ulysses sequence
+    # parallelism, model/sequence_parallel.py); 1: off. N must divide model.attention.n_heads,
+    # data.seq_len and the number of processes (docs/long_context.md).
+    sequence_parallel: int = 1
 
 
 @dataclass(kw_only=True)
@@ -118,8 +123,23 @@ class RunConfig:
             )
         if self.train.micro_batch <= 0 or self.train.grad_accum <= 0:
             raise ValueError("train.micro_batch and train.grad_accum must be positive")
+        if self.train.sequence_parallel != 1:
+            self._check_sequence_parallel()
         if self.train.steps <= 0 and self.train.steps != -1:
             raise ValueError(
                 f"train.steps {self.train.steps}: give a positive number of steps, or -1 to train "
                 "until the data ends (data.mode=epoch)"
             )
+
+    def _check_sequence_parallel(self) -> None:
+        degree = self.train.sequence_parallel
+        if self.task != "lm":
+            raise ValueError(
+                f"train.sequence_parallel={degree}: only the lm task splits its rows (task={self.task})"
+            )
+        try:
+            check_sequence_parallel(
+                n_heads=self.model.attention.n_heads, seq_len=self.data.seq_len, degree=degree
+            )
+        except ValueError as err:
+            raise ValueError(f"train.sequence_parallel={degree}: {err}") from None

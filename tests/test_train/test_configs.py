@@ -127,3 +127,28 @@ def test_a_run_given_its_own_data_config_is_named_after_it(tmp_path, monkeypatch
         ("try2", "runs/try2", 256),
         ("demo", "runs/demo", 512),
     ]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.sequence_parallel=3"], r"sequence_parallel=3: .*model\.attention\.n_heads = 4"),
+        (["train.sequence_parallel=2", "data.seq_len=2047"], r"2047 tokens, data\.seq_len"),
+        (["train.sequence_parallel=0"], "must be >= 1"),
+        (["task=vtok", "train.sequence_parallel=2"], "only the lm task"),
+    ],
+)
+def test_sequence_parallel_is_validated_against_heads_and_row_length(overrides, message):
+    assert composed(["train.sequence_parallel=2"]).train.sequence_parallel == 2
+    with pytest.raises(ValueError, match=message):
+        composed(overrides)
+
+
+def test_a_sequence_parallel_run_is_refused_until_the_trainer_splits_rows():
+    from train.sequence_groups import check_run
+
+    check_run(1, 3)
+    with pytest.raises(ConfigError, match=r"train\.sequence_parallel=2 .* \(3\)"):
+        check_run(2, 3)
+    with pytest.raises(ConfigError, match="does not run sequence-parallel yet"):
+        check_run(2, 4)

@@ -1,0 +1,72 @@
+"""The sequence-parallel (SP) process groups beside data parallelism.
+
+A world of W ranks with SP degree P forms W / P groups of P consecutive ranks: ranks
+[0, P), [P, 2P), ... Launchers number the ranks of one node consecutively, so an SP group sits
+inside a node whenever P divides the GPUs per node: its two all-to-alls per attention layer stay
+on the fast links, and only data parallelism crosses nodes. The ranks of one SP group work on
+the same rows (each on its own shard of T/P tokens, model/sequence_parallel.py); the W / P
+groups are the data-parallel replicas. A rank's data-parallel rank is its group's index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from train.config_check import ConfigError
+
+
+@dataclass(frozen=True)
+class SequenceGroups:
+    degree: int  # P: ranks per SP group
+    group: object | None  # this rank's SP process group (None when P = 1)
+    rank: int  # this rank's place in its SP group: which shard of the row it holds
+    data_rank: int  # which SP group this rank is in (its data-parallel rank)
+    data_size: int  # how many SP groups (data-parallel replicas) there are
+
+
+def sequence_parallel_ranks(world_size: int, degree: int) -> list[list[int]]:
+    """The global ranks of every SP group, in order."""
+    if degree < 1 or world_size % degree:
+        raise ValueError(
+            f"train.sequence_parallel={degree} must be >= 1 and divide the number of "
+            f"processes ({world_size})"
+        )
+    return [list(range(start, start + degree)) for start in range(0, world_size, degree)]
+
+
+def new_sequence_groups(degree: int) -> SequenceGroups:
+    """Create the SP groups of the current world (every rank must call this, with the same
+    ``degree``: ``new_group`` is collective) and return this rank's."""
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    members_of_groups = sequence_parallel_ranks(world_size, degree)
+    group = None
+    if degree > 1:
+        for members in members_of_groups:
+            made = dist.new_group(members)  # every rank creates every group, in the same order
+            if rank in members:
+                group = made
+    return SequenceGroups(
+        degree=degree,
+        group=group,
+        rank=rank % degree,
+        data_rank=rank // degree,
+        data_size=world_size // degree,
+    )
+
+
+def check_run(degree: int, world_size: int) -> None:
+    """At the start of a run: ``train.sequence_parallel`` must divide the world. The trainer
+    itself does not split rows yet, so a degree above 1 is refused rather than ignored."""
+    if degree == 1:
+        return
+    try:
+        sequence_parallel_ranks(world_size, degree)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    raise ConfigError(
+        f"train.sequence_parallel={degree}: the trainer does not run sequence-parallel yet (the "
+        "layer, its process groups and its tests exist; what is missing is listed in "
+        "docs/long_context.md, 'Not built yet')"
+    )
