@@ -443,7 +443,8 @@ class Checkpointer:
         if self.dist.is_main and (folder / META).exists():
             (folder / META).unlink()  # a step saved again (after a rollback): incomplete until done
         barrier()
-        previous = self._pointer() if (self.dir / LATEST_FILE).is_file() else None
+        pointer = self.dir / LATEST_FILE
+        previous = pointer.read_text().strip() if pointer.is_file() else None
         try:
             self._write(engine, folder, step, client, own, meta, files, protect)
         except (OSError, RuntimeError) as error:

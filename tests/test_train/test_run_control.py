@@ -85,10 +85,13 @@ def test_live_folder_refused_sigterm_checkpoints_and_the_resume_checks_config(
     assert (run / "checkpoints" / "latest").read_text().strip() == tag  # newer than step 3's
     assert max(metrics(run)) == stopped and not (run / "final.json").exists()
 
-    # Fewer steps on resume changes the schedule: listed, refused, then accepted when meant.
+    # Fewer steps on resume changes the schedule, another loader worker count the data order:
+    # listed, refused, then (the steps) accepted when meant.
     more = base(tiny_tokens, run, stopped + 2, "train.ckpt_every=3")
-    p = train(more, check=False)
-    assert p.returncode == 2 and "break an exact resume: train.steps" in p.stderr
+    p = train([*more, "data.num_workers=2"], check=False)
+    assert p.returncode == 2
+    assert "break an exact resume: data.num_workers, train.steps" in p.stderr
+    assert "data.num_workers: 0 -> 2 (breaks an exact resume)" in p.stdout
     assert f"train.steps: 1000 -> {stopped + 2} (breaks an exact resume)" in p.stdout
     p = train([*more, "train.allow_config_change=true"])
     assert f"resuming {tag}" in p.stdout
