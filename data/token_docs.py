@@ -24,6 +24,7 @@ from data.loader.table import SampleTable
 from data.loader.table_load import load_table
 
 log = logging.getLogger(__name__)
+LOGGED_PER_SOURCE = 5  # unreadable documents of one source named one by one, then a count
 
 
 @dataclass
@@ -79,11 +80,14 @@ def iter_documents(
     with ``ranges`` (``data.loader.sample_check.modality_ranges``), every id within its
     modality's range. A document that fails is left out, never raised: one corrupted sample must
     not stop a run at start (the unigram baseline reads every training document) or an
-    evaluation. Each one left out is logged and appended to ``skipped`` as (source, key, why)."""
+    evaluation. Each one left out is appended to ``skipped`` as (source, key, why) and the first
+    ``LOGGED_PER_SOURCE`` of a source are logged, then one line with how many more (a source
+    corrupted whole would otherwise print a line per document)."""
     files = ShardFiles()
     try:
         for table in tables:
             count = len(table) if not max_docs_per_source else min(len(table), max_docs_per_source)
+            left_out = 0
             for index in range(count):
                 try:
                     record = table.token_sample(index)
@@ -95,12 +99,19 @@ def iter_documents(
                     check_ids(ids, mod, ranges)
                 except (OSError, ValueError, EOFError) as error:
                     key = table.keys[index]
-                    log.warning(f"source {table.name}: document {key} left out: {error}")
+                    left_out += 1
+                    if left_out <= LOGGED_PER_SOURCE:
+                        log.warning(f"source {table.name}: document {key} left out: {error}")
                     if skipped is not None:
                         skipped.append((table.name, key, str(error)))
                     continue
                 yield TokenDocument(
                     table.name, table.keys[index], ids, mod, list(table.blocks[index])
+                )
+            if left_out > LOGGED_PER_SOURCE:
+                log.warning(
+                    f"source {table.name}: {left_out - LOGGED_PER_SOURCE} more document(s) left "
+                    f"out ({left_out} of the {count} read)"
                 )
     finally:
         files.close()

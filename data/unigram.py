@@ -47,7 +47,15 @@ class Unigram:
     capped_sources: tuple[str, ...] = ()
 
     @classmethod
-    def from_tables(cls, tables, layout: VocabLayout, *, max_tokens: int = 0) -> Unigram:
+    def from_tables(
+        cls,
+        tables,
+        layout: VocabLayout,
+        *,
+        max_tokens: int = 0,
+        skipped: list[tuple[str, str, str]] | None = None,
+    ) -> Unigram:
+        """``skipped``: filled with (source, key, why) of every document left out as unreadable."""
         from data.loader.sample_check import modality_ranges as id_ranges
         from data.token_docs import iter_documents
 
@@ -56,7 +64,7 @@ class Unigram:
         ranges = id_ranges(layout)  # a corrupted document is left out, not counted (or raised)
         for t in tables:
             seen = 0
-            for doc in iter_documents([t], ranges=ranges):
+            for doc in iter_documents([t], ranges=ranges, skipped=skipped):
                 ids, mod = doc.ids[1:].astype(np.int64), doc.modality[1:].astype(np.int64)
                 np.add.at(counts, (mod, ids), 1)
                 docs += 1

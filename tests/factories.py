@@ -263,3 +263,23 @@ def token_sample_with_id(tar: Path, k: int, new_id: int) -> str:
             manifest.write_text(json.dumps(m))
             break
     return key
+
+
+def corrupt_every_sample(tar: Path) -> list[str]:
+    """Flip the last byte of every sample's ids.npy in a token shard, in place, after its index
+    and manifest were written (as a disk or a copy could): every sample then fails its SHA-256.
+    Returns the keys."""
+    import json
+
+    keys = []
+    lines = Path(str(tar)[: -len(".tar")] + ".idx.jsonl").read_text().splitlines()
+    with open(tar, "r+b") as f:
+        for line in lines:
+            entry = json.loads(line)
+            off, size = entry["members"]["ids.npy"]
+            f.seek(off + size - 1)
+            byte = f.read(1)[0]
+            f.seek(off + size - 1)
+            f.write(bytes([byte ^ 0x5A]))
+            keys.append(entry["key"])
+    return keys

@@ -19,9 +19,12 @@ def train(
     nproc: int = 1,
     timeout: int = 600,
     faults: dict | None = None,
+    file_size_limit: int | None = None,
 ) -> subprocess.CompletedProcess:
     """``faults``: {name: value} of train/callbacks/faults.py, injected through the test entry
-    point tests/train_with_faults.py (a normal run never registers them)."""
+    point tests/train_with_faults.py (a normal run never registers them). ``file_size_limit``:
+    the most bytes the run may write into one file (``ulimit -f``; a write past it fails with
+    EFBIG, as on a full disk, SIGXFSZ being ignored)."""
     entry = ["-m", "train.app"]
     if faults:
         entry = [str(FAULT_ENTRY)] + [f"--fault={k}={v}" for k, v in faults.items()]
@@ -39,12 +42,21 @@ def train(
     else:
         cmd = [sys.executable, *entry]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+
+    def limit_file_size() -> None:
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+
     p = subprocess.run(
         cmd + overrides + ["train.progress=false"],
         capture_output=True,
         text=True,
         env=full_env,
         timeout=timeout,
+        preexec_fn=limit_file_size if file_size_limit else None,
     )
     if check and p.returncode != 0:
         raise AssertionError(

@@ -7,8 +7,9 @@ dataclasses once, takes the run folder's lock and hands everything to ``train.bu
     torchrun --nproc_per_node 2 -m train.app experiment=vtok_debug deepspeed.zero_stage=2
     deepspeed --num_gpus 8 --module train.app experiment=...   (--local_rank is handled)
 
-Exit codes: 0 done (or stopped by SIGTERM/SIGUSR1 after a checkpoint), 1 an error, 2 a config
-or run folder that cannot be used (the message says why), 3 halted by a monitor.
+Exit codes: 0 done (or stopped by SIGTERM/SIGUSR1 after a checkpoint), 1 an error, 2 a config,
+checkpoint or run folder that cannot be used (a refused or damaged checkpoint, a disk full during
+a save; one line says why), 3 halted by a monitor.
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ def run(cfg: RunConfig, resolved: str, extra_callbacks: CallbackFactory | None =
     from train.build import build_trainer
     from train.dist import all_reduce_sum, init_distributed
     from train.run_lock import RunLock, RunLocked
+    from train.safe_load import CheckpointError
+    from train.save_errors import CheckpointWriteError
     from train.trainer import RunHalted
 
     dist = init_distributed()
@@ -108,11 +111,17 @@ def run(cfg: RunConfig, resolved: str, extra_callbacks: CallbackFactory | None =
             )
             return 2
         extra = list(extra_callbacks(cfg)) if extra_callbacks else []
-        build_trainer(cfg, resolved, dist, extra_callbacks=extra).fit()
+        if build_trainer(cfg, resolved, dist, extra_callbacks=extra).fit() is None:
+            # Stopped by a signal, checkpoint written: a success for earlyfuse-torchrun too
+            from train.launch import note_stopped
+
+            note_stopped(dist.rank)
     except RunHalted as e:  # a monitor's decision, not a crash: no traceback, a distinct exit code
         print(f"earlyfuse-train: {e}", file=sys.stderr)
         return 3
-    except ConfigError as e:
+    except (ConfigError, CheckpointError, CheckpointWriteError) as e:
+        # A config, a checkpoint or a run folder that cannot be used: the message says what to
+        # do, a traceback would only bury it.
         print(f"earlyfuse-train: {e}", file=sys.stderr)
         return 2
     finally:

@@ -9,12 +9,17 @@ Design choices:
 - ``meta.json`` (step, world size, ZeRO stage, and the size and SHA-256 of every file) is written
   last, after a barrier that every rank reaches once its files are on disk; the ranks share the
   hashing. Then ``latest`` moves (written to a temporary name, renamed). A crash mid-save leaves
-  ``latest`` on the previous checkpoint; the half-written folder is removed on resume.
+  ``latest`` on the previous checkpoint; the half-written folder is removed on resume, with a
+  warning. A crash between the first checkpoint's ``meta.json`` and its ``latest`` leaves a
+  complete checkpoint and no ``latest``: the next start resumes from it and says so. A save that
+  fails (disk full, a file-size limit, a folder that cannot be written) is one error saying
+  which, where, and that ``latest`` still names the previous checkpoint (train/save_errors.py).
 - Resume checks the checkpoint ``latest`` names before loading it: sizes first (a truncated
   file is found at once), then SHA-256. A damaged checkpoint (or an unreadable ``latest``) is
-  set aside as ``step_N.damaged`` with a warning naming the bad file, and the newest intact
-  one is used; if none is intact the run stops with an error listing them, never silently at
-  step 0. Checkpoints from before the hashes are trusted as they are (said once).
+  set aside as ``step_N.damaged`` (its ``DAMAGED.txt`` says why, so a later start that finds
+  ``latest`` naming it reports it damaged, not missing) with a warning naming the bad file, and
+  the newest intact one is used; if none is intact the run stops with an error listing them,
+  never silently at step 0. Checkpoints from before the hashes are trusted as they are.
 - keep-last-N: older checkpoints are deleted after ``latest`` has moved, except the steps in
   ``protect`` (the monitor's ``protected_steps``: the newest checkpoint from before an open
   alarm, so that a rollback still has somewhere to go); each is first renamed to
@@ -27,19 +32,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import re
 import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from train.dist import DistInfo, barrier
 from train.names import CHECKPOINT_META_FILE, CHECKPOINTS_DIR, CONFIG_FILE, LATEST_FILE
 from train.safe_load import CheckpointError, safe_torch_load, weights_only_loads
+from train.save_errors import CheckpointWriteError, describe_write_failure
 
 TAG = re.compile(r"^step_(\d{8})$")
 
@@ -55,6 +59,7 @@ def step_of_tag(tag: str) -> int:
 META = CHECKPOINT_META_FILE
 DAMAGED = ".damaged"
 DELETING = ".deleting"
+DAMAGED_NOTE = "DAMAGED.txt"  # in a folder set aside: what was wrong with it
 
 
 def tag_for(step: int) -> str:
@@ -173,42 +178,6 @@ def warn(msg: str) -> None:
     print(f"warning: {msg}", file=sys.stderr, flush=True)
 
 
-def rng_state() -> dict:
-    np_state = np.random.get_state(legacy=False)  # a dict: its types are known to the checker
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": list(random.getstate()[1]),
-        "python_version": random.getstate()[0],
-        "python_gauss": random.getstate()[2],
-        "numpy": {
-            "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
-            "pos": int(np_state["state"]["pos"]),
-            "has_gauss": int(np_state["has_gauss"]),
-            "gauss": float(np_state["gauss"]),
-        },
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate((state["python_version"], tuple(state["python"]), state["python_gauss"]))
-    numpy_state = state["numpy"]
-    np.random.set_state(
-        (
-            "MT19937",
-            numpy_state["key"].numpy().astype(np.uint32),
-            numpy_state["pos"],
-            numpy_state["has_gauss"],
-            numpy_state["gauss"],
-        )
-    )
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
 class Checkpointer:
     def __init__(
         self, run_dir: str | Path, dist: DistInfo, keep_last: int, *, verify_hashes: bool = True
@@ -258,13 +227,13 @@ class Checkpointer:
                 shutil.rmtree(folder, ignore_errors=True)
         pointer = self.dir / LATEST_FILE
         if not pointer.is_file():
-            return None  # no checkpoint was ever completed (clean_partial removes the rest)
+            return self._adopt_unnamed()
         named = pointer.read_text().strip()
         reasons: list[str] = []  # why `latest` cannot be taken as it is
         if TAG.match(named):
             newest: int | None = step_of_tag(named)
             if not (self.dir / named).is_dir():
-                reasons.append(f"{self.dir / named} is missing")
+                reasons.append(self._why_missing(named))
         else:
             newest = None
             reasons.append(f"{pointer} is unreadable ({named[:40]!r}: truncated?)")
@@ -284,7 +253,7 @@ class Checkpointer:
                         f"note: {folder} predates checkpoint hashes; loaded unchecked", flush=True
                     )
                 return folder.name
-            aside = self._set_aside(folder)
+            aside = self._set_aside(folder, problems)
             reasons.append(
                 f"{folder.name} is damaged ({problems[0]}"
                 + (f"; {len(problems) - 1} more problem(s)" if len(problems) > 1 else "")
@@ -296,12 +265,42 @@ class Checkpointer:
             + f"). Restore one, or delete {pointer} to start over from step 0"
         )
 
-    def _set_aside(self, folder: Path) -> Path:
+    def _adopt_unnamed(self) -> str | None:
+        """No ``latest``: no checkpoint was ever completed, or a run was killed after writing
+        its first checkpoint's ``meta.json`` (written last: the checkpoint is complete) and before
+        ``latest``. Such a checkpoint, intact, becomes ``latest`` with a warning; anything else
+        is left to clean_partial."""
+        for folder in reversed(self._tags()):
+            if (folder / META).is_file() and not verify_folder(folder, hashes=self.verify_hashes):
+                pointer = self.dir / LATEST_FILE
+                warn(
+                    f"{pointer} is missing but {folder} is complete (the run was stopped between "
+                    f"writing its {META} and {LATEST_FILE}): resuming from it"
+                )
+                write_text_atomic(pointer, folder.name + "\n")
+                return folder.name
+        return None
+
+    def _why_missing(self, tag: str) -> str:
+        """Why the checkpoint ``latest`` names is not there: set aside as damaged by an earlier
+        start (its note says why), or gone."""
+        asides = sorted(self.dir.glob(f"{tag}{DAMAGED}*"))
+        if not asides:
+            return f"{self.dir / tag} is missing"
+        note = asides[-1] / DAMAGED_NOTE
+        why = note.read_text().strip() if note.is_file() else "what was wrong was not recorded"
+        return f"{tag} is damaged ({why}); an earlier start set it aside as {asides[-1].name}"
+
+    def _set_aside(self, folder: Path, problems: list[str]) -> Path:
         aside, attempt = folder.with_name(folder.name + DAMAGED), 1
         while aside.exists():
             attempt += 1
             aside = folder.with_name(f"{folder.name}{DAMAGED}{attempt}")
         os.replace(folder, aside)
+        try:  # for the next start, which finds `latest` naming a folder that is gone
+            (aside / DAMAGED_NOTE).write_text("; ".join(problems) + "\n")
+        except OSError:
+            pass  # a note only: the warning said it already
         return aside
 
     def meta(self, tag: str) -> dict:
@@ -411,6 +410,9 @@ class Checkpointer:
         last = step_of_tag(latest) if latest else -1
         for folder in self._tags():
             if step_of_tag(folder.name) > last:
+                warn(
+                    f"removing {folder}: newer than {LATEST_FILE}, left by a save that did not complete"
+                )
                 remove_checkpoint(folder)
 
     def _tags(self) -> list[Path]:
@@ -441,6 +443,26 @@ class Checkpointer:
         if self.dist.is_main and (folder / META).exists():
             (folder / META).unlink()  # a step saved again (after a rollback): incomplete until done
         barrier()
+        pointer = self.dir / LATEST_FILE
+        previous = pointer.read_text().strip() if pointer.is_file() else None
+        try:
+            self._write(engine, folder, step, client, own, meta, files, protect)
+        except (OSError, RuntimeError) as error:
+            kept = (
+                f"{self.dir / LATEST_FILE} still names {previous}, which is intact: run the same "
+                "command again once this is fixed to resume from it"
+                if previous
+                else "no earlier checkpoint exists: a rerun starts at step 0"
+            )
+            raise CheckpointWriteError(
+                f"checkpoint {folder} could not be written: {describe_write_failure(folder, error)}"
+                f". {kept} (the incomplete {tag} is removed then)"
+            ) from error
+        self._checked = self._main_checked = True  # `latest` is ours now
+        return tag
+
+    def _write(self, engine, folder, step, client, own, meta, files, protect) -> None:
+        tag = folder.name
         engine.save_checkpoint(str(self.dir), tag=tag, client_state=client, save_latest=False)
         torch.save(own, folder / f"rank_{self.dist.rank:05d}.pt")
         if self.dist.is_main:
@@ -461,8 +483,6 @@ class Checkpointer:
                 if int(old.name[len("step_") :]) not in protect:
                     remove_checkpoint(old)
         barrier()
-        self._checked = self._main_checked = True  # `latest` is ours now
-        return tag
 
     def _hash_shared(self, folder: Path) -> dict[str, dict]:
         """Every file's size and SHA-256, the files dealt out over the ranks (the manifest)."""

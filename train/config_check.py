@@ -7,7 +7,7 @@
   excepted), and an unknown one is an error that suggests the nearest known name.
 - Resuming. The checkpoint's resolved config is compared with the new one; every difference is
   printed, and those that break an exact resume (the data and its mix, ``seq_len``, batch sizes,
-  the schedule and its length, seeds, the world size) are refused unless
+  the schedule and its length, seeds, the world size, the LM loader's worker count) are refused unless
   ``train.allow_config_change=true`` says they are meant.
 """
 
@@ -135,11 +135,27 @@ def unknown_override_keys(overrides: list[str], schema: type, groups: set[str]) 
                 break
             hint = typing.get_type_hints(cls)[part]
             if typing.get_origin(hint) is list:
-                break  # an element of a list is not addressed by a dotted key
+                # An element of a list is not addressed by a dotted key, but a list given whole
+                # (data.sources=[{name: a, shardz: ...}]) has its elements' keys checked here: Hydra
+                # would refuse them with a traceback and no suggestion.
+                inner = _dataclass_in(hint)
+                if inner is not None and i == len(parts) - 1:
+                    value = _override_value(override)
+                    for index, item in enumerate(value if isinstance(value, list) else []):
+                        found += unknown_keys(item, inner, f"{key}[{index}].")
+                break
             cls = _dataclass_in(hint)
             if cls is None:
                 break  # a plain value or a free-form dict (deepspeed.config.*)
     return found
+
+
+def _override_value(override) -> Any:
+    """An override's value as plain lists and dicts (None when Hydra cannot make one)."""
+    try:
+        return override.value()
+    except Exception:  # an interpolation or a sweep: Hydra's own error names it
+        return None
 
 
 def check_known_keys(tree: dict, schema: type) -> None:
@@ -180,7 +196,20 @@ def config_diff(saved: dict, new: dict) -> list[tuple[str, Any, Any]]:
     return out
 
 
-def breaks_resume(key: str, task: str) -> bool:
+def _consumers_per_rank(workers: Any) -> int:
+    try:
+        return max(1, int(workers))
+    except (TypeError, ValueError):
+        return -1  # unreadable: counts as a change
+
+
+def breaks_resume(key: str, task: str, old: Any = None, new: Any = None) -> bool:
+    if key == "data.num_workers":
+        # Each of a rank's loader workers is a consumer with its own slice of the data and the
+        # rank takes their batches in turn, so the data order depends on the worker count
+        # (0 and 1 are one consumer alike). Another count resumes by redistributing the
+        # position (docs/loader.md): no sample lost or repeated, but not the same batches.
+        return task == "lm" and _consumers_per_rank(old) != _consumers_per_rank(new)
     prefixes = RESUME_CRITICAL["any"] + RESUME_CRITICAL.get(task, ())
     return key == WORLD_SIZE or any(
         key == prefix or key.startswith(prefix + ".") for prefix in prefixes
@@ -206,11 +235,11 @@ def check_resume_config(
     if not diffs:
         return
     task = str(new.get("task", "lm"))
-    breaking = [diff for diff in diffs if breaks_resume(diff[0], task)]
+    breaking = [diff for diff in diffs if breaks_resume(diff[0], task, diff[1], diff[2])]
     if show:
         lines = [
             f"  {key}: {old!r} -> {value!r}"
-            + (" (breaks an exact resume)" if breaks_resume(key, task) else "")
+            + (" (breaks an exact resume)" if breaks_resume(key, task, old, value) else "")
             for key, old, value in diffs
         ]
         log.info(f"config changes since the checkpoint ({where}):\n" + "\n".join(lines))

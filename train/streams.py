@@ -43,8 +43,8 @@ class BatchStream(Protocol):
         console when the position had to be moved or dropped, else None."""
         ...
 
-    def skipped(self) -> int:
-        """Unreadable samples skipped so far on this rank."""
+    def skipped(self) -> set[str]:
+        """The unreadable samples skipped so far on this rank, each named once."""
         ...
 
     def delivered(self) -> dict[str, float]:
@@ -108,8 +108,8 @@ class TokenStream:
             f"{state['redistributed']['from_consumers']} to {loader.consumers} consumers"
         )
 
-    def skipped(self) -> int:
-        return self.loader.skipped()
+    def skipped(self) -> set[str]:
+        return self.loader.skipped_samples()
 
     def delivered(self) -> dict[str, float]:
         return {
@@ -146,8 +146,8 @@ class CropStream:
             return "the data stream starts afresh (its state cannot be moved to another world size)"
         return None
 
-    def skipped(self) -> int:
-        return 0  # unreadable images are skipped (and counted) when the pool is loaded
+    def skipped(self) -> set[str]:
+        return set()  # unreadable images are skipped (and counted) when the pool is loaded
 
     def delivered(self) -> dict[str, float]:
         return {"images": float(self.crops.k * self.crops.batch)}

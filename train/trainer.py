@@ -32,11 +32,12 @@ from typing import Any
 import torch
 
 from train.callbacks.base import HALT, STOP, Callbacks, Decision, StepRecord
-from train.checkpoint import Checkpointer, rng_state, set_rng_state, tag_for
+from train.checkpoint import Checkpointer, tag_for
 from train.config import TrainConfig
 from train.config_check import check_resume_config
 from train.dist import DistInfo, all_reduce_sum, barrier
 from train.names import CONFIG_FILE, FINAL_FILE
+from train.rng_state import rng_state, set_rng_state
 from train.skip_step import SkipStepAdamW, UpdateGate
 from train.streams import BatchStream
 from train.tasks.base import Task

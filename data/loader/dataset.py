@@ -35,6 +35,7 @@ from data.loader.sample_check import attach_id_ranges
 from data.loader.stream import ConsumerStream
 from data.loader.table import SampleTable
 from data.loader.table_load import load_table
+from data.loader.watchdog import sample_where
 from data.vocab import MODALITY_NAMES
 
 STATE_VERSION = 1
@@ -103,6 +104,7 @@ class PackedLoader:
             (torch.cuda.is_available() and cfg.pin_memory) if pin_memory is None else pin_memory
         )
         self._worker_states: dict = {}  # worker -> state dict or snapshot (worker_states)
+        self._names: dict[tuple[int, int], str] = {}  # (source, sample) -> "SHARD KEY"
         # Batches handed out compact, for the trainer to expand on its device
         # (data/loader/expand_torch.py); set by the LM task's training stream (data.expand)
         self.compact = False
@@ -304,8 +306,20 @@ class PackedLoader:
         return out
 
     def skipped(self) -> int:
-        """Unreadable samples this rank's workers skipped (as of the last batch handed out)."""
+        """Skips of unreadable samples by this rank's workers (as of the last batch handed out;
+        a sample skipped in two epochs counts twice: ``skipped_samples`` names each once)."""
         return sum(st["errors"] for st in self.worker_states.values())
+
+    def skipped_samples(self) -> set[str]:
+        """``"SHARD KEY"`` of every sample this rank's workers skipped as unreadable (as of the
+        last batch handed out), each once."""
+        pairs = {
+            (s, sample) for st in self.worker_states.values() for s, sample in st.get("skipped", [])
+        }
+        for s, sample in pairs - self._names.keys():
+            shard, key = sample_where(self.tables[s], sample)
+            self._names[(s, sample)] = f"{shard} {key}"
+        return {self._names[pair] for pair in pairs}
 
     def held_back(self) -> int:
         """Epoch mode: documents of this rank's slices not delivered in full (never read, or held

@@ -85,10 +85,12 @@ class FastState:
     """A consumer stream's state as a few arrays: what a batch carries from a worker (pickled
     small) and the loader keeps; ``to_dict`` gives ``stream_state.save_state``'s format."""
 
-    def __init__(self, src, cursors, n_pending, stats, batches, errors, by_modality, skip, order):
+    def __init__(
+        self, src, cursors, n_pending, stats, batches, errors, by_modality, skip, order, skipped
+    ):
         self.src, self.cursors, self.n_pending, self.stats = src, cursors, n_pending, stats
         self.batches, self.errors, self.by_modality = batches, errors, by_modality
-        self.skip, self.order = skip, order
+        self.skip, self.order, self.skipped = skip, order, skipped
 
     def to_dict(self) -> dict:
         src = self.src.tolist()
@@ -106,6 +108,7 @@ class FastState:
             ],
             "batches": self.batches,
             "errors": self.errors,
+            "skipped": self.skipped,
             "stats": {
                 "rows": rows,
                 "real_tokens": real,

@@ -28,6 +28,7 @@ from data.loader.expand import CompactBatch
 from data.loader.fast_intake import DocumentIntake, tokens_of
 from data.loader.fast_state import FastState, snapshot_arrays
 from data.loader.packer import Doc
+from data.loader.stream_state import skipped_samples
 from data.vocab import MODALITY_NAMES, Modality
 
 if TYPE_CHECKING:
@@ -92,6 +93,7 @@ class FastPath(DocumentIntake):
         # Skips: counted by the stream when its documents are read ahead; a state counts those
         # before each source's last document taken (and at its end), as the Python path does
         self.base_errors = stream.errors
+        self.base_skips = [len(events) for events in stream.skip_events]
         self.read_errors = [0] * n_sources
         for (source, modality), count in packer.dropped_by.items():
             self.src[source, kernel.S_DROP_VIDEO if modality == _VIDEO else kernel.S_DROP_IMAGE] = (
@@ -212,4 +214,8 @@ class FastPath(DocumentIntake):
             stream.tokens_by_modality.copy(),
             self.skip,
             stream.order_version,
+            skipped_samples(
+                stream,
+                [base + int(n) for base, n in zip(self.base_skips, self.src[:, kernel.S_CERRS])],
+            ),
         )

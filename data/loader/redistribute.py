@@ -100,6 +100,11 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
         to["tokens_by_modality"] = [
             a + b for a, b in zip(to["tokens_by_modality"], st["tokens_by_modality"])
         ]
+    # The samples skipped before, named once: every new consumer carries them all (the count
+    # of distinct skipped samples is a union, data/skipped).
+    skipped = sorted({(s, sample) for st in olds for s, sample in st.get("skipped", [])})
+    for st in new:
+        st["skipped"] = [list(pair) for pair in skipped]
     limit = _batch_limit(loader, new) if loader.cfg.mode == "epoch" else None
     mine = range(loader.rank * loader.workers, (loader.rank + 1) * loader.workers)
     return {

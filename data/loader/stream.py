@@ -97,7 +97,12 @@ class ConsumerStream:
         self.open: list[list[Doc]] = [[] for _ in tables]
         self.chunk = cfg.mix_chunk or cfg.seq_len
         self._slices: dict[tuple[int, int], np.ndarray | ConsumerSlice] = {}
-        self.errors = 0
+        self.errors = 0  # skips, a sample skipped again (a later epoch) counted again
+        # Per source, the samples skipped since the state was restored, in read order, and the
+        # distinct ones the restored state had skipped: the state names each skipped sample once
+        # (stream_state.skipped_samples), so data/skipped counts samples, not skips.
+        self.skip_events: list[list[int]] = [[] for _ in tables]
+        self.skipped_before: list[list[int]] = [[] for _ in tables]
         self.consecutive_errors = 0
         self.batches = 0
         self.batch_limit: int | None = None
@@ -330,6 +335,7 @@ class ConsumerStream:
             check_ids(ids, mod, t.id_ranges)  # an id past the vocabulary would crash the model
         except (OSError, ValueError, EOFError) as e:
             self.errors += 1
+            self.skip_events[s].append(sample)
             self.consecutive_errors += 1
             shard, key = sample_where(t, sample)
             print(f"[loader] skipped {shard} sample {key}: {e}", file=sys.stderr, flush=True)

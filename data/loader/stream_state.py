@@ -33,6 +33,20 @@ class SourceCursor:
     skip: dict[int, str] = field(default_factory=dict)
 
 
+def skipped_samples(stream: ConsumerStream, taken: list[int] | None = None) -> list[list[int]]:
+    """[[source, sample], ...]: every sample skipped as unreadable so far, once, oldest first.
+    ``taken``: per source, how many of the skips since the restore count yet (the compiled loop
+    reads ahead: a skip counts once a document after it is taken); None: all."""
+    out = []
+    for s, (before, events) in enumerate(zip(stream.skipped_before, stream.skip_events)):
+        if not before and not events:
+            continue
+        seen = dict.fromkeys(before)
+        seen.update(dict.fromkeys(events if taken is None else events[: taken[s]]))
+        out += [[s, sample] for sample in seen]
+    return out
+
+
 def save_state(stream: ConsumerStream) -> dict:
     """The stream's position as plain lists and numbers (``ConsumerStream.state_dict``)."""
     return {
@@ -42,6 +56,7 @@ def save_state(stream: ConsumerStream) -> dict:
         "dropped_by": [[s, m, n] for (s, m), n in sorted(stream.packer.dropped_by.items())],
         "batches": stream.batches,
         "errors": stream.errors,
+        "skipped": skipped_samples(stream),
         "stats": stream.packer.stats.as_dict(),
         "tokens_by_modality": stream.tokens_by_modality.tolist(),
         "skip": [
@@ -62,6 +77,10 @@ def load_state(stream: ConsumerStream, st: dict) -> None:
             stream.cursors[s].skip[e] = m
     stream._slices = {}
     stream.batches, stream.errors = st["batches"], st["errors"]
+    stream.skip_events = [[] for _ in stream.tables]
+    stream.skipped_before = [[] for _ in stream.tables]
+    for s, sample in st.get("skipped", []):  # states from before it name none
+        stream.skipped_before[s].append(sample)
     for k, v in st["stats"].items():
         setattr(stream.packer.stats, k, v)
     stream.tokens_by_modality = np.asarray(st["tokens_by_modality"], np.int64)

@@ -7,7 +7,12 @@ DeepSpeed checkpoints written by real runs:
 - a truncated model states file of the newest checkpoint, a truncated ``latest`` pointer and a
   checkpoint whose deletion was cut short make the run fall back to the newest intact
   checkpoint with a warning naming the bad file (never to step 0); none intact is an error;
-- a one-process run compiles no DeepSpeed op.
+- a one-process run compiles no DeepSpeed op;
+- a save that cannot be written (a file-size limit, as a full disk; a folder that cannot be
+  written) says so, where, and that ``latest`` still names the intact previous checkpoint;
+  refused and damaged checkpoints end the run with one line and exit code 2; a checkpoint set
+  aside as damaged is reported damaged by later starts too, not missing; a first checkpoint
+  complete but for ``latest`` (a kill between the two) is resumed from, with a warning.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from trainrun import metrics, train
 from train.checkpoint import Checkpointer, remove_checkpoint, verify_folder
 from train.dist import DistInfo
 from train.safe_load import CheckpointError
+from train.save_errors import describe_write_failure
 
 SOURCES = {"scenes": 0.4, "text": 0.4, "code": 0.2}
 ONE = DistInfo(0, 1, 0, torch.device("cpu"))
@@ -101,8 +107,9 @@ def test_resume_runs_nothing_from_a_crafted_deepspeed_file(
     plant_pickle(step_folder(r, step) / name, marker)  # its hash updated in meta.json too
     extra = ["deepspeed.zero_stage=2", "train.bf16=true"] if run == "zero2" else []
     p = train(base(tiny_tokens, r, step + 1, *extra), check=False)
-    assert p.returncode != 0
+    assert p.returncode == 2  # one line saying why, no traceback
     assert f"{step_folder(r, step) / name}: holds objects other than tensors" in p.stderr
+    assert "Traceback" not in p.stderr
     assert not marker.exists()
 
 
@@ -206,3 +213,77 @@ def test_a_deletion_cut_short_never_leaves_a_folder_that_looks_complete(runs, tm
     remove_checkpoint(step_folder(r, 2))
     assert not step_folder(r, 2).exists()
     assert sorted(d.name for d in (r / "checkpoints").iterdir()) == ["latest", "step_00000003"]
+
+
+def test_a_save_past_a_file_size_limit_says_so_and_keeps_the_previous_checkpoint(
+    runs, tiny_tokens, tmp_path
+):
+    """Before: 'RuntimeError: basic_ios::clear: iostream error' (or 'unexpected pos ...'), a
+    traceback naming no file. A full disk reaches torch the same way (checked with a tmpfs)."""
+    r = copy(runs, "zero0", tmp_path)
+    args = base(tiny_tokens, r, 5, "train.ckpt_every=1", "train.keep_last=3")
+    p = train(args, check=False, file_size_limit=1 << 20)  # the model states are ~3.6 MB
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    folder = step_folder(r, 4)
+    assert (
+        f"checkpoint {folder} could not be written: a file reached the file-size limit of this "
+        "process (ulimit -f: 1048576 bytes)"
+    ) in p.stderr
+    assert f"{r / 'checkpoints' / 'latest'} still names step_00000003, which is intact" in p.stderr
+    assert (r / "checkpoints" / "latest").read_text().strip() == "step_00000003"
+    assert verify_folder(step_folder(r, 3)) == []
+
+
+def test_a_folder_that_cannot_be_written_is_named():
+    """Before: 'Parent directory .../step_00000008 does not exist' from torch."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        blocker = Path(tmp) / "step_00000008"
+        blocker.write_text("a file where the checkpoint's folder should be")
+        try:
+            torch.save({"x": torch.zeros(3)}, blocker / "rank_00000.pt")
+        except (OSError, RuntimeError) as e:
+            why = describe_write_failure(blocker, e)
+        assert why.startswith(f"{blocker} cannot be written") and "not a folder" in why
+
+
+def test_a_damaged_only_checkpoint_stays_reported_damaged_and_stops_with_one_line(
+    runs, tiny_tokens, tmp_path
+):
+    """keep_last=1: the only checkpoint damaged. Before: set aside, then the next start said
+    'step_00000003 is missing', and either start ended in a traceback with exit code 1."""
+    r = copy(runs, "zero0", tmp_path)
+    for step in (1, 2):
+        remove_checkpoint(step_folder(r, step))
+    (step_folder(r, 3) / "rank_00000.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="step_00000003 is damaged .*rank_00000.pt: 0 bytes"):
+        Checkpointer(r, ONE, 1).latest()
+    p = train(base(tiny_tokens, r, 4, "train.keep_last=1"), check=False)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "no intact checkpoint to resume from (step_00000003 is damaged" in p.stderr
+    assert (
+        "rank_00000.pt: 0 bytes" in p.stderr and "set it aside as step_00000003.damaged" in p.stderr
+    )
+    assert "is missing" not in p.stderr
+
+
+def test_a_kill_between_the_first_meta_and_latest_resumes_from_it_with_a_warning(
+    runs, tmp_path, capsys
+):
+    """Before: no `latest` meant step 0, and the complete checkpoint was deleted without a word."""
+    r = copy(runs, "zero0", tmp_path)
+    (r / "checkpoints" / "latest").unlink()
+    for step in (2, 3):
+        remove_checkpoint(step_folder(r, step))
+    shutil.copytree(step_folder(r, 1), step_folder(r, 2))  # a save of step 2 cut short ...
+    (step_folder(r, 2) / "meta.json").unlink()  # ... before its meta.json
+    ck = Checkpointer(r, ONE, 3)
+    ck.clean_partial()
+    assert ck.latest() == "step_00000001"
+    err = capsys.readouterr().err
+    assert "latest is missing but" in err and "step_00000001 is complete" in err
+    assert f"removing {step_folder(r, 2)}: newer than latest" in err
+    assert not step_folder(r, 2).exists()

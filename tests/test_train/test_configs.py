@@ -152,3 +152,31 @@ def test_a_sequence_parallel_run_is_refused_until_the_trainer_splits_rows():
         check_run(2, 3)
     with pytest.raises(ConfigError, match="does not run sequence-parallel yet"):
         check_run(2, 4)
+
+
+def test_another_loader_worker_count_breaks_an_exact_resume_unless_it_is_one_consumer_alike():
+    """Before: data.num_workers changed freely, and the resumed run differed from both
+    uninterrupted ones (each worker is a consumer with a slice of its own)."""
+    saved = "task: lm\ndata:\n  num_workers: 1\n"
+    check = dict(saved_world_size=1, world_size=1, where="ck/step_1/config.yaml", show=False)
+    with pytest.raises(ConfigError, match=r"break an exact resume: data\.num_workers\. Undo"):
+        check_resume_config(saved, saved.replace("1", "2"), allowed=False, **check)
+    check_resume_config(saved, saved.replace("1", "2"), allowed=True, **check)
+    check_resume_config(saved, saved.replace("1", "0"), allowed=False, **check)  # one consumer
+    vtok = "task: vtok\ndata:\n  num_workers: 1\n"  # the crops do not depend on it
+    check_resume_config(vtok, vtok.replace("1", "3"), allowed=False, **check)
+
+
+def test_a_typo_inside_a_list_element_of_an_override_names_the_key(tmp_path):
+    """Before: Hydra's own error, a traceback without a suggestion, exit code 1."""
+    from train.config import RunConfig
+    from train.config_check import unknown_override_keys
+
+    bad = "data.sources=[{name: a, shardz: [x]}, {name: b, shards: [y], wieght: 2}]"
+    assert unknown_override_keys([bad], RunConfig, {"experiment"}) == [
+        "data.sources[0].shardz (did you mean data.sources[0].shards?)",
+        "data.sources[1].wieght (did you mean data.sources[1].weight?)",
+    ]
+    p = train(["experiment=debug", f"run_dir={tmp_path / 'r'}", bad], check=False)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "did you mean data.sources[0].shards?" in p.stderr and "Traceback" not in p.stderr

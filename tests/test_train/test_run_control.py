@@ -1,7 +1,8 @@
 """A run controlled from outside, as a cluster would, with real training processes: a second run
 on a live folder is refused; SIGTERM (or SIGUSR1, on any one rank) checkpoints at the next step
 and exits 0; the resume lists the config changes and refuses those that break an exact resume
-unless told; in epoch mode a run ends cleanly where the data ends."""
+unless told; in epoch mode a run ends cleanly where the data ends; a signal to
+earlyfuse-torchrun itself ends the launcher with exit code 0 once the checkpoint is written."""
 
 from __future__ import annotations
 
@@ -84,10 +85,13 @@ def test_live_folder_refused_sigterm_checkpoints_and_the_resume_checks_config(
     assert (run / "checkpoints" / "latest").read_text().strip() == tag  # newer than step 3's
     assert max(metrics(run)) == stopped and not (run / "final.json").exists()
 
-    # Fewer steps on resume changes the schedule: listed, refused, then accepted when meant.
+    # Fewer steps on resume changes the schedule, another loader worker count the data order:
+    # listed, refused, then (the steps) accepted when meant.
     more = base(tiny_tokens, run, stopped + 2, "train.ckpt_every=3")
-    p = train(more, check=False)
-    assert p.returncode == 2 and "break an exact resume: train.steps" in p.stderr
+    p = train([*more, "data.num_workers=2"], check=False)
+    assert p.returncode == 2
+    assert "break an exact resume: data.num_workers, train.steps" in p.stderr
+    assert "data.num_workers: 0 -> 2 (breaks an exact resume)" in p.stdout
     assert f"train.steps: 1000 -> {stopped + 2} (breaks an exact resume)" in p.stdout
     p = train([*more, "train.allow_config_change=true"])
     assert f"resuming {tag}" in p.stdout
@@ -147,3 +151,30 @@ def test_epoch_mode_ends_with_the_data_and_steps_minus_one_counts_them(tiny_toke
         p.returncode == 2
         and "train.steps=-1 (until the data ends) needs data.mode=epoch" in p.stderr
     )
+
+
+def test_earlyfuse_torchrun_exits_0_when_its_signal_stopped_the_run_after_a_checkpoint(
+    tiny_tokens, tmp_path
+):
+    """A signal to the launcher itself, as a scheduler sends it. Before, with plain torchrun:
+    'SignalException: Process ... got signal: 15' and exit code 1 although every worker had saved
+    and exited 0 (and a SIGUSR1, which torchrun does not handle by default, killed torchrun)."""
+    run, log = tmp_path / "run", tmp_path / "launcher.log"
+    launcher = [sys.executable, "-m", "train.launch", "--nproc_per_node", "1"]
+    port = ["--master_port", str(29900 + os.getpid() % 90)]
+    args = base(tiny_tokens, run, 1000, sources={"scenes": 1.0})
+    proc = start([*launcher, *port, "-m", "train.app", *args], log)
+    try:
+        wait_for_step(run, 2, proc, log)
+        proc.send_signal(signal.SIGUSR1)
+        assert proc.wait(timeout=600) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = log.read_text()
+    found = re.findall(r"stopped by SIGUSR1 at step (\d+) of 1000 with checkpoint (step_\d+)", out)
+    assert len(found) == 1, out[-3000:]
+    assert (
+        "earlyfuse-torchrun: SIGUSR1: every worker stopped after its checkpoint; exit code 0" in out
+    )
+    assert (run / "checkpoints" / "latest").read_text().strip() == found[0][1]

@@ -56,8 +56,8 @@ class Replay:
         if own is not None:
             self.load_state_dict(own)
 
-    def skipped(self) -> int:
-        return 0
+    def skipped(self) -> set[str]:
+        return set()
 
     def delivered(self) -> dict[str, float]:
         return {}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from contextlib import closing
 from pathlib import Path
@@ -36,6 +37,7 @@ from data.unigram import Unigram
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
 from model.flops import flops_per_token
 from train.config import RunConfig
+from train.config_check import ConfigError
 from train.dist import DistInfo, all_reduce_sum
 from train.monitor import chance_levels
 from train.monitor.lm_probes import LMProbes
@@ -43,6 +45,7 @@ from train.names import MODEL_INPUTS
 from train.streams import TableCache, TokenStream
 from train.tasks.base import StepOutput
 
+log = logging.getLogger(__name__)
 DROPPABLE = ("image", "video")  # modalities whose blocks the loader can drop (batch dropped_blocks)
 
 
@@ -87,6 +90,42 @@ def code_buckets(batch: dict, layout: VocabLayout) -> dict[str, float]:
 UNIGRAM_MAX_TOKENS = 50_000_000  # per source: the baseline reads at most this many tokens of each
 
 
+def leave_out_unreadable_sources(
+    sources: list, tables: list, unreadable: list[tuple[str, str, str]], is_main: bool
+) -> None:
+    """Bad data never stops a run, and a source none of whose documents can be read would: the
+    loader skips each one it meets and stops after ``data.max_consecutive_errors`` in a row, at
+    the first step and again on every restart. The start-up pass over every training document
+    (the unigram baseline) finds such a source; it is left out of the mix (its weight set to 0:
+    the loader's state keeps its place, so a resume decides the same) with one warning naming
+    it. When no source is left, the run is refused here, before any training."""
+    bad: dict[str, int] = {}
+    for source, _key, _why in unreadable:
+        bad[source] = bad.get(source, 0) + 1
+    dead = [
+        (src, table)
+        for src, table in zip(sources, tables)
+        if src.weight > 0 and len(table) and bad.get(table.name, 0) >= len(table)
+    ]
+    if not dead:
+        return
+    names = ", ".join(f"{table.name} ({len(table)} documents)" for _, table in dead)
+    example = next(f"{key}: {why}" for source, key, why in unreadable if source == dead[0][1].name)
+    if len(dead) == sum(1 for src in sources if src.weight > 0):
+        raise ConfigError(
+            f"no training source has a readable document: every document of {names} failed its "
+            f"check (the first: {example}); repair or re-make the shards (earlyfuse-prep verify)"
+        )
+    for src, _ in dead:
+        src.weight = 0.0
+    if is_main:
+        log.warning(
+            f"data: source(s) {names} left out of the mix: not one of their documents can be "
+            f"read (the first: {example}); the run trains on the other sources, in the ratio "
+            "of their weights. Repair or re-make those shards (earlyfuse-prep verify)"
+        )
+
+
 def vocab_sizes(lay: VocabLayout) -> list[int]:
     """Ids each modality predicts among, for normalised CE: text and code the BPE, images and
     video the codes, structure its markers."""
@@ -115,10 +154,12 @@ class LMTask:
         self._val = None
         tables = self.tables.get(cfg.data.sources)
         if all(t.kind == "tokens" for t in tables):
+            unreadable: list[tuple[str, str, str]] = []
             self.unigram: Unigram | None = Unigram.from_tables(
-                tables, self.layout, max_tokens=UNIGRAM_MAX_TOKENS
+                tables, self.layout, max_tokens=UNIGRAM_MAX_TOKENS, skipped=unreadable
             )
             self._unigram_lp = self.unigram.log_probs()
+            leave_out_unreadable_sources(cfg.data.sources, tables, unreadable, dist.is_main)
         else:  # raw sources are tokenized online: no token counts before training
             self.unigram = None
 

@@ -1,0 +1,82 @@
+"""``earlyfuse-torchrun`` (``python -m train.launch``): ``torchrun`` with its own options, for
+which a run stopped by SIGTERM or SIGUSR1 after its checkpoint is a success (exit code 0).
+
+    earlyfuse-torchrun --nproc_per_node 8 -m train.app experiment=gpu_350m run_dir=runs/350m
+
+Why a wrapper: torchrun answers a SIGTERM it receives itself (a scheduler's preemption, its
+time limit) by passing it on to its workers, waiting for them (``--shutdown-timeout``) and then
+raising ``SignalException``, so it exits 1 with a traceback even when every worker saved its
+checkpoint and exited 0; schedulers read that as a failure. Nothing in torchrun's options
+changes it, and the workers' exit codes are not reported past that point. So every worker of a
+run that stops by a signal leaves a note (``train/app.py``) in a folder this wrapper names in
+``EARLYFUSE_STOP_NOTES``; when torchrun raises ``SignalException`` and every local worker left
+its note, the exit code is 0, else 128 + the signal's number (what the signal alone would give).
+
+Two defaults differ from torchrun's, each overridden by its own option: SIGUSR1 is among the
+signals handled and passed on (``--signals-to-handle``: Slurm's ``--signal=USR1@120``), and the
+workers get 300 s, not 30, between the signal and SIGKILL (``--shutdown-timeout``): enough for a
+step and a checkpoint of the small and mid-sized presets; raise it for larger ones.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+STOP_NOTES_ENV = "EARLYFUSE_STOP_NOTES"
+SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+SHUTDOWN_TIMEOUT_S = "300"
+
+
+def note_stopped(rank: int) -> None:
+    """A worker's note that it stopped after its checkpoint (a launcher's folder; none: nothing)."""
+    folder = os.environ.get(STOP_NOTES_ENV)
+    if folder and Path(folder).is_dir():
+        local_world = os.environ.get("LOCAL_WORLD_SIZE", "1")
+        (Path(folder) / f"rank_{rank:05d}").write_text(local_world + "\n")
+
+
+def all_stopped(folder: Path) -> bool:
+    """Every local worker left its note (each names how many local workers there are)."""
+    notes = list(folder.glob("rank_*"))
+    try:
+        wanted = {int(note.read_text()) for note in notes}
+    except (OSError, ValueError):
+        return False
+    return len(wanted) == 1 and len(notes) == wanted.pop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import main as torchrun_main
+
+    args = sys.argv[1:] if argv is None else argv
+    # torchrun reads its options' defaults from PET_<OPTION> (an option given wins)
+    os.environ.setdefault("PET_SIGNALS_TO_HANDLE", SIGNALS)
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT_S)
+    with tempfile.TemporaryDirectory(prefix="earlyfuse-stop-") as notes:
+        os.environ[STOP_NOTES_ENV] = notes
+        try:
+            torchrun_main(args)
+        except SignalException as e:
+            name = e.sigval.name
+            if all_stopped(Path(notes)):
+                print(
+                    f"earlyfuse-torchrun: {name}: every worker stopped after its checkpoint; "
+                    "exit code 0 (run the same command again to resume)",
+                    file=sys.stderr,
+                )
+                return 0
+            print(
+                f"earlyfuse-torchrun: {name}: not every worker stopped after a checkpoint; "
+                f"exit code {128 + int(e.sigval)}",
+                file=sys.stderr,
+            )
+            return 128 + int(e.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
