@@ -25,7 +25,8 @@ Design choices:
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from contextlib import closing
 from dataclasses import dataclass
 from itertools import chain
 
@@ -44,10 +45,6 @@ class HeldoutBatch:
     number: int  # its place in the pass (0, 1, ...), the sources' batches interleaved
     source: int  # the table its rows came from
     rows: list[Row]
-
-    @property
-    def real_tokens(self) -> int:
-        return sum(row.real for row in self.rows)
 
 
 @dataclass
@@ -134,7 +131,9 @@ class HeldoutPass:
                 return
             yield rows
 
-    def __iter__(self) -> Iterator[HeldoutBatch]:
+    def __iter__(self) -> Generator[HeldoutBatch, None, None]:
+        self.batches = 0
+        self.counts = [SourceCounts() for _ in self.tables]
         with tqdm(
             total=self.documents(), desc="held-out", unit=" docs", disable=not self.progress
         ) as bar:
@@ -180,14 +179,15 @@ class RankShare:
     def __iter__(self) -> Iterator[HeldoutBatch | None]:
         world, cap = self.world_size, self.limit * self.world_size
         seen = 0  # batches of the pass within every rank's limit
-        for batch in self.heldout:
-            if cap and batch.number >= cap:
-                self.complete = False
-                break
-            seen = batch.number + 1
-            if batch.number % world == self.rank:
-                self.evaluated += 1
-                yield batch
+        with closing(iter(self.heldout)) as batches:  # its shard files closed when we stop early
+            for batch in batches:
+                if cap and batch.number >= cap:
+                    self.complete = False
+                    break
+                seen = batch.number + 1
+                if batch.number % world == self.rank:
+                    self.evaluated += 1
+                    yield batch
         # rank 0 evaluated the most: ceil(seen / world), which is the limit when capped
         for _ in range(-(-seen // world) - self.evaluated):
             self.blank += 1

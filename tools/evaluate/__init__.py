@@ -33,6 +33,8 @@ examples:
   earlyfuse-eval runs/demo/release --data runs/demo/val_tokens --train-data runs/demo/tokens \\
       --scenes runs/demo/val_corpus/scenes/scenes.jsonl --out runs/demo/lm/heldout_eval.json
   earlyfuse-eval releases/x --data val_tokens --max-docs 200 --device cuda
+  earlyfuse-eval releases/mine --data tokens/val --train-data tokens   # ingest --val-fraction's split
+  earlyfuse-eval releases/mine --data s3://bucket/tokens/val              # any fsspec URL
 
 what the table says (docs/evaluation.md explains every figure):
   margin = unigram - CE per modality: above 0 the model beats the training tokens' own
