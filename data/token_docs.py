@@ -11,8 +11,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-from collections.abc import Iterator
+import os
+import posixpath
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -22,6 +25,7 @@ from data.loader.sample_check import check_ids, read_token_sample
 from data.loader.store import ShardFiles
 from data.loader.table import SampleTable
 from data.loader.table_load import load_table
+from data.names import INDEX_SUFFIX
 
 log = logging.getLogger(__name__)
 LOGGED_PER_SOURCE = 5  # unreadable documents of one source named one by one, then a count
@@ -41,18 +45,12 @@ class TokenDocument:
 
 
 def source_tables(folder_or_sources) -> list[SampleTable]:
-    """The sample tables of a token folder (one source per sub-folder holding shards) or of a
-    list of ``SourceConfig``."""
-    from pathlib import Path
-
+    """The sample tables of a token folder, local or an fsspec URL (``s3://bucket/tokens``): one
+    source per sub-folder holding shards (``tokens/code``, ``tokens/photos``; a folder that holds
+    shards itself is one source), so ``tokens/val``, where ingest's ``--val-fraction`` split
+    lands, gives its held-out sources. Or the tables of a list of ``SourceConfig``."""
     if isinstance(folder_or_sources, (str, Path)):
-        root = Path(folder_or_sources)
-        if not (root / "manifest.json").is_file():
-            raise ValueError(f"{root}: not a token shard folder (no manifest.json)")
-        names = sorted(p.name for p in root.iterdir() if p.is_dir() and any(p.glob("*.idx.jsonl")))
-        if not names:
-            raise ValueError(f"{root}: no source folder with shards")
-        sources = [SourceConfig(name=n, shards=[str(root / n)]) for n in names]
+        sources = folder_sources(folder_or_sources)
     else:
         sources = list(folder_or_sources)
     tables = [load_table(s) for s in sources]
@@ -62,6 +60,31 @@ def source_tables(folder_or_sources) -> list[SampleTable]:
                 f"source {t.name}: raw shards; tokenize them (earlyfuse-prep tokenize)"
             )
     return tables
+
+
+def folder_sources(url: str | Path) -> list[SourceConfig]:
+    """One source per folder directly below ``url`` holding shard indexes (named after it), or
+    ``url`` itself when it holds them; sorted by name."""
+    from data.shards.storage import Folder
+
+    root = Folder(url)
+    found = sorted(
+        {
+            posixpath.dirname(rel.replace(os.sep, "/"))
+            for rel in root.sizes()
+            if rel.endswith(INDEX_SUFFIX)
+        }
+    )
+    if "" in found:  # the folder holds shards itself
+        return [SourceConfig(name=posixpath.basename(root.url.rstrip("/")), shards=[root.url])]
+    names = [name for name in found if "/" not in name]
+    if not names:
+        where = f" (only deeper: {', '.join(found[:3])})" if found else ""
+        raise ValueError(
+            f"{root.url}: no shards here or in a folder directly below{where}; give a token "
+            "folder (earlyfuse-prep tokenize --out) or one of its source folders"
+        )
+    return [SourceConfig(name=name, shards=[root.child(name)]) for name in names]
 
 
 def _view(files: ShardFiles, url: str, end: int, offset: int, size: int):
@@ -74,9 +97,11 @@ def iter_documents(
     max_docs_per_source: int = 0,
     ranges: np.ndarray | None = None,
     skipped: list[tuple[str, str, str]] | None = None,
+    samples: Iterable[int] | None = None,
 ) -> Iterator[TokenDocument]:
-    """Every document of every table in index order (or the first ``max_docs_per_source``),
-    checked like the loader checks them (issue 14): the members' SHA-256 against the index and,
+    """Every document of every table in index order (or the first ``max_docs_per_source``; or
+    with one table, its documents numbered in ``samples``, in that order),
+    checked like the loader checks them: the members' SHA-256 against the index and,
     with ``ranges`` (``data.loader.sample_check.modality_ranges``), every id within its
     modality's range. A document that fails is left out, never raised: one corrupted sample must
     not stop a run at start (the unigram baseline reads every training document) or an
@@ -85,10 +110,12 @@ def iter_documents(
     corrupted whole would otherwise print a line per document)."""
     files = ShardFiles()
     try:
+        if samples is not None and len(tables) != 1:
+            raise ValueError("iter_documents: samples are numbers within one table")
         for table in tables:
             count = len(table) if not max_docs_per_source else min(len(table), max_docs_per_source)
             left_out = 0
-            for index in range(count):
+            for index in range(count) if samples is None else samples:
                 try:
                     record = table.token_sample(index)
                     url, end = table.shards[record.shard], table.shard_end(record.shard)

@@ -54,25 +54,47 @@ class Unigram:
         *,
         max_tokens: int = 0,
         skipped: list[tuple[str, str, str]] | None = None,
+        progress: bool = False,
     ) -> Unigram:
         """``skipped``: filled with (source, key, why) of every document left out as unreadable."""
+        from tqdm import tqdm
+
         from data.loader.sample_check import modality_ranges as id_ranges
         from data.token_docs import iter_documents
 
-        counts = np.zeros((len(Modality), layout.size), np.int64)
+        size = layout.size
+        flat = np.zeros(len(Modality) * size, np.int64)  # [modality * size + id]
         docs, capped = 0, []
         ranges = id_ranges(layout)  # a corrupted document is left out, not counted (or raised)
-        for t in tables:
-            seen = 0
-            for doc in iter_documents([t], ranges=ranges, skipped=skipped):
-                ids, mod = doc.ids[1:].astype(np.int64), doc.modality[1:].astype(np.int64)
-                np.add.at(counts, (mod, ids), 1)
-                docs += 1
-                seen += len(ids)
-                if max_tokens and seen >= max_tokens:
-                    capped.append(t.name)
-                    break
-        return cls(counts, layout, docs, tuple(capped))
+        total = sum(len(t) for t in tables)
+        keys: list[np.ndarray] = []  # modality * size + id of documents not yet counted
+        pending = 0
+
+        def count() -> None:
+            # one bincount per million tokens or so: np.add.at per document costs far more
+            nonlocal flat, pending
+            if keys:
+                flat += np.bincount(np.concatenate(keys), minlength=len(flat))
+                keys.clear()
+                pending = 0
+
+        with tqdm(total=total, desc="unigram", unit=" docs", disable=not progress) as bar:
+            for t in tables:
+                seen = 0
+                for doc in iter_documents([t], ranges=ranges, skipped=skipped):
+                    ids, mod = doc.ids[1:].astype(np.int64), doc.modality[1:].astype(np.int64)
+                    keys.append(mod * size + ids)
+                    pending += len(ids)
+                    if pending >= 1 << 20:
+                        count()
+                    docs += 1
+                    bar.update(1)
+                    seen += len(ids)
+                    if max_tokens and seen >= max_tokens:
+                        capped.append(t.name)
+                        break
+            count()
+        return cls(flat.reshape(len(Modality), size), layout, docs, tuple(capped))
 
     def log_probs(self) -> torch.Tensor:
         """[modalities, vocab] float64 log p(id | modality); ids outside the range get the

@@ -50,6 +50,8 @@ class TrainConfig:
     grad_accum: int = 1  # micro-steps per optimizer step
     log_every: int = 10
     eval_every: int = 0  # 0: only at the end
+    # Validation batches (micro_batch rows) per rank; 0: the whole held-out set, each token once
+    # (data/loader/heldout.py; val/complete says whether a cap left some out)
     eval_batches: int = 8
     ckpt_every: int = 0  # 0: only at the end
     keep_last: int = 2  # checkpoints kept (older ones deleted)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from data.cli.common import path_or_url
+
 
 def _add_preview(sub) -> None:
     p = sub.add_parser(
@@ -20,10 +22,11 @@ def _add_preview(sub) -> None:
     )
     p.add_argument(
         "tokens",
-        type=Path,
+        type=path_or_url,
         nargs="?",
         metavar="TOKEN_DIR",
-        help="a token folder (default with --config: the folder of its first source)",
+        help="a token folder or its fsspec URL (default with --config: the folder of its first "
+        "source)",
     )
     p.add_argument(
         "--config",

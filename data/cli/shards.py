@@ -5,12 +5,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from data.cli.common import path_or_url
+
 
 def _add_stats(sub) -> None:
     p = sub.add_parser(
-        "stats", help="samples, bytes, modalities, media sizes and reject reasons of a shard folder"
+        "stats",
+        help="what a shard folder holds: a raw folder's samples, bytes, modalities, media sizes "
+        "and reject reasons; a token folder's documents, tokens and visual blocks per source and "
+        "modality (a folder or an fsspec URL)",
     )
-    p.add_argument("dir", type=Path)
+    p.add_argument("dir", type=path_or_url, help="a raw or token shard folder, or its URL")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_stats)
 
@@ -28,9 +33,9 @@ def _add_verify(sub) -> None:
         "verify",
         help="re-hash shards against the manifest, check every index against its tar and every "
         "sample (raw folders: documents against the schema; token folders: ids within the "
-        "vocabulary)",
+        "vocabulary); a folder or an fsspec URL (shards are downloaded one at a time)",
     )
-    p.add_argument("dir", type=Path)
+    p.add_argument("dir", type=path_or_url, help="a raw or token shard folder, or its URL")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_verify)
 

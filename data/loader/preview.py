@@ -10,6 +10,7 @@ tokenizer is at hand (it is, in the token folder's ``tokenizers/``).
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from data.layout import parse_image
 from data.loader.config import LoaderConfig, SourceConfig
 from data.loader.dataset import build_loader
 from data.names import MANIFEST_FILE, TOKENIZERS_DIR, VISUAL_TOKENIZER_DIR
+from data.shards.storage import Folder
 from data.text_tokenizer import TextTokenizer
 from data.vocab import MODALITY_NAMES, Modality
 
@@ -40,13 +42,29 @@ ANSI = {
 PAD = (200, 200, 200)
 
 
-def sources_of(token_dir: Path, names: list[str] | None) -> list[SourceConfig]:
-    m = json.loads((token_dir / MANIFEST_FILE).read_text())
+def sources_of(token_dir: Folder, names: list[str] | None) -> list[SourceConfig]:
+    m = json.loads(token_dir.read_bytes(MANIFEST_FILE))
     have = [s["name"] for s in m["sources"]]
     for n in names or []:
         if n not in have:
             raise ValueError(f"{token_dir}: no source {n!r} (it has {have})")
-    return [SourceConfig(name=n, shards=[str(token_dir / n)]) for n in (names or have)]
+    return [SourceConfig(name=n, shards=[token_dir.child(n)]) for n in (names or have)]
+
+
+def local_tokenizers(token_dir: Folder) -> Path:
+    """The token folder's tokenizers/ as a local folder: itself, or for a remote token folder a
+    copy downloaded into a temporary folder (a few MB: text tokenizer, layout, visual weights)."""
+    if not token_dir.remote:
+        return token_dir.local / TOKENIZERS_DIR
+    import tempfile
+
+    dest = Path(tempfile.mkdtemp(prefix="earlyfuse-tokenizers-"))
+    files = token_dir.sizes(TOKENIZERS_DIR)
+    if not files:
+        raise ValueError(f"{token_dir.child(TOKENIZERS_DIR)}: no tokenizers there")
+    for rel in files:
+        token_dir.download(rel, dest / rel)
+    return dest / TOKENIZERS_DIR
 
 
 def config_of(path: Path) -> dict:
@@ -68,7 +86,7 @@ def config_of(path: Path) -> dict:
 
 
 def rows(
-    token_dir: Path,
+    token_dir: Folder,
     names: list[str] | None,
     seq_len: int,
     n_rows: int,
@@ -225,70 +243,76 @@ def preview(
         if data is None:
             raise ValueError("give a TOKEN_DIR or --config")
         token_dir = _token_dir_of(data)
-    token_dir = Path(token_dir)
+    folder = Folder(token_dir)
     seq_len = seq_len or int((data or {}).get("seq_len", 2048))
-    tok = TextTokenizer.load(token_dir / TOKENIZERS_DIR)
-    got = rows(token_dir, sources, seq_len, n_rows, seed, data)
-    delivered, packed = got[-1], got[:-1]
-    colour = sys.stdout.isatty() if colour is None else colour
-    out = []
-    for r, row in enumerate(packed):
-        real = int((row["input_ids"] != 0).sum())
-        counts = np.bincount(row["modality"][row["input_ids"] != 0], minlength=len(Modality))
-        out.append(
-            f"row {r}: {real}/{seq_len} real tokens; "
-            + ", ".join(f"{MODALITY_NAMES[i]} {c}" for i, c in enumerate(counts) if c)
-        )
-        out.append(describe(row, tok, colour))
-    out.append(f"packing efficiency over these rows: {delivered['packing_efficiency']:.1%}")
-    total = sum(delivered["tokens_by_source"].values()) or 1
-    weights = delivered["weights"]
-    wsum = sum(weights.values()) or 1.0
-    out.append(
-        "tokens by source over these rows (weight): "
-        + ", ".join(
-            f"{n} {c / total:.0%} ({weights.get(n, 0) / wsum:.0%})"
-            for n, c in delivered["tokens_by_source"].items()
-        )
-    )
-    dropped = delivered["dropped_by_source"]
-    if dropped:
-        out.append(
-            f"DROPPED visual blocks longer than seq_len {seq_len}: "
-            + "; ".join(
-                f"{n}: " + ", ".join(f"{v} {m}" for m, v in d.items() if v)
-                for n, d in dropped.items()
+    tokenizers = local_tokenizers(folder)
+    try:
+        tok = TextTokenizer.load(tokenizers)
+        got = rows(folder, sources, seq_len, n_rows, seed, data)
+        delivered, packed = got[-1], got[:-1]
+        colour = sys.stdout.isatty() if colour is None else colour
+        out = []
+        for r, row in enumerate(packed):
+            real = int((row["input_ids"] != 0).sum())
+            counts = np.bincount(row["modality"][row["input_ids"] != 0], minlength=len(Modality))
+            out.append(
+                f"row {r}: {real}/{seq_len} real tokens; "
+                + ", ".join(f"{MODALITY_NAMES[i]} {c}" for i, c in enumerate(counts) if c)
             )
-            + " (a training run refuses such sources unless data.allow_block_drops=true; "
-            f"tokenize with --seq-len {seq_len} to fit them)"
-        )
-    else:
-        out.append("dropped visual blocks: none")
-    if png:
-        from data.tokenize.visual import load_visual_tokenizer
-
-        vtok_dir = token_dir / TOKENIZERS_DIR / VISUAL_TOKENIZER_DIR
-        vtok = load_visual_tokenizer(vtok_dir, tok.layout) if vtok_dir.is_dir() else None
-        render_png(packed, tok, Path(png), vtok)
+            out.append(describe(row, tok, colour))
+        out.append(f"packing efficiency over these rows: {delivered['packing_efficiency']:.1%}")
+        total = sum(delivered["tokens_by_source"].values()) or 1
+        weights = delivered["weights"]
+        wsum = sum(weights.values()) or 1.0
         out.append(
-            f"wrote {png}"
-            + (f" and {Path(png).with_name(Path(png).stem + '_images.png')}" if vtok else "")
+            "tokens by source over these rows (weight): "
+            + ", ".join(
+                f"{n} {c / total:.0%} ({weights.get(n, 0) / wsum:.0%})"
+                for n, c in delivered["tokens_by_source"].items()
+            )
         )
-    return "\n".join(out)
+        dropped = delivered["dropped_by_source"]
+        if dropped:
+            out.append(
+                f"DROPPED visual blocks longer than seq_len {seq_len}: "
+                + "; ".join(
+                    f"{n}: " + ", ".join(f"{v} {m}" for m, v in d.items() if v)
+                    for n, d in dropped.items()
+                )
+                + " (a training run refuses such sources unless data.allow_block_drops=true; "
+                f"tokenize with --seq-len {seq_len} to fit them)"
+            )
+        else:
+            out.append("dropped visual blocks: none")
+        if png:
+            from data.tokenize.visual import load_visual_tokenizer
+
+            vtok_dir = tokenizers / VISUAL_TOKENIZER_DIR
+            vtok = load_visual_tokenizer(vtok_dir, tok.layout) if vtok_dir.is_dir() else None
+            render_png(packed, tok, Path(png), vtok)
+            out.append(
+                f"wrote {png}"
+                + (f" and {Path(png).with_name(Path(png).stem + '_images.png')}" if vtok else "")
+            )
+        return "\n".join(out)
+    finally:
+        if folder.remote:  # the downloaded copy
+            shutil.rmtree(tokenizers.parent, ignore_errors=True)
 
 
-def _token_dir_of(data: dict) -> Path:
+def _token_dir_of(data: dict) -> str:
     """The token folder holding the config's first source (where its manifest and tokenizers/
-    are: the shard folder or one of the two above it)."""
+    are: the shard folder or one of the two above it), a path or an fsspec URL."""
+    import posixpath
+
     from data.loader import store
     from data.loader.table_load import expand, find_manifest
 
     first = data["sources"][0]
     found = [u for pat in first["shards"] for u in expand(pat)]
     hit = find_manifest(found[0]) if found else None
-    if hit is None or store.kind(found[0]) != "local":
+    if hit is None or store.kind(found[0]) == "pipe":
         raise ValueError(
-            f"source {first['name']}: no local token folder found for {first['shards']}; "
-            "give TOKEN_DIR"
+            f"source {first['name']}: no token folder found for {first['shards']}; give TOKEN_DIR"
         )
-    return Path(store.local_path(hit[1])).parent
+    return posixpath.dirname(store.local_path(hit[1]))

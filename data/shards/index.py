@@ -21,14 +21,27 @@ def index_path_for(tar_path: str | Path) -> Path:
 
 
 def read_index(path: str | Path) -> list[dict]:
-    entries = []
     with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            try:
-                entries.append(json.loads(line))
-            except ValueError as e:
-                raise ValueError(f"{path}:{lineno}: not a JSON index line ({e})") from None
+        return parse_index(f, str(path))
+
+
+def parse_index(lines, where: str) -> list[dict]:
+    """The entries of an index's lines (an open file, or its bytes split at newlines);
+    ``where`` names it in an error."""
+    entries = []
+    for lineno, line in enumerate(lines, 1):
+        try:
+            entries.append(json.loads(line))
+        except ValueError as e:
+            raise ValueError(f"{where}:{lineno}: not a JSON index line ({e})") from None
     return entries
+
+
+def index_of(folder, rel: str) -> list[dict]:
+    """The entries of index ``rel`` of a ``data.shards.storage.Folder`` (local or remote)."""
+    if not folder.remote:
+        return read_index(folder.local / rel)
+    return parse_index(folder.read_bytes(rel).splitlines(), folder.child(rel))
 
 
 def read_member(tar_path: str | Path, entry: dict, suffix: str) -> bytes:

@@ -179,10 +179,14 @@ def merge(out: Path) -> dict:
     return finalize(out, records)
 
 
-def load_manifest(out: Path, formats: tuple[str, ...] = (MANIFEST_FORMAT,)) -> dict:
-    path = Path(out) / MANIFEST_FILE
+def load_manifest(out: str | Path, formats: tuple[str, ...] = (MANIFEST_FORMAT,)) -> dict:
+    """The manifest of the shard folder ``out``: a local path or an fsspec URL (``s3://...``)."""
+    from data.shards.storage import Folder
+
+    folder = Folder(out)
+    path = folder.child(MANIFEST_FILE)
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(folder.read_bytes(MANIFEST_FILE))
     except FileNotFoundError:
         raise ValueError(
             f"{path}: no manifest (not an ingest output, or its ingest has not finished: "

@@ -1,5 +1,7 @@
 """``earlyfuse-prep stats DIR``: what a shard folder holds, from its manifest and indexes alone
-(no tar is opened, so it is fast on any size)."""
+(no tar is opened, so it is fast on any size). ``DIR`` is a local folder or an fsspec URL
+(``s3://bucket/raw``); a raw folder (ingest) is described here, a token folder (tokenize) by
+data/shards/token_stats.py."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from data.names import REJECTS_FILE
-from data.shards.index import read_index
-from data.shards.manifest import load_manifest
+from data.shards.index import index_of
+from data.shards.manifest import MANIFEST_FORMAT, load_manifest
+from data.shards.storage import Folder
 
 
 def _dist(values: list[float]) -> dict:
@@ -25,15 +28,19 @@ def _dist(values: list[float]) -> dict:
 
 
 def collect_stats(out: str | Path, *, examples: int = 3) -> dict:
-    out = Path(out)
-    manifest = load_manifest(out)
+    from data.shards.token_stats import TOKEN_FORMAT, collect_token_stats
+
+    folder = Folder(out)
+    manifest = load_manifest(out, formats=(MANIFEST_FORMAT, TOKEN_FORMAT))
+    if manifest["format"] == TOKEN_FORMAT:
+        return collect_token_stats(folder, manifest, examples=examples)
     img_w, img_h, img_px, vid_dur, vid_frames, vid_fps = [], [], [], [], [], []
     docs_by_types: Counter = Counter()
     uncaptioned: dict[str, dict[str, int]] = {}
     first_of: dict[str, str] = {}  # whole-document fingerprint -> its first source:key
     duplicates: list[str] = []
     for shard in manifest["shards"]:
-        for entry in read_index(out / shard["index"]):
+        for entry in index_of(folder, shard["index"]):
             docs_by_types["+".join(sorted(set(entry["types"])))] += 1
             whole = (entry.get("content") or [None])[0]  # "d:...", written by ingest
             if whole is not None:
@@ -55,19 +62,10 @@ def collect_stats(out: str | Path, *, examples: int = 3) -> dict:
                     img_w.append(media["width"])
                     img_h.append(media["height"])
                     img_px.append(media["width"] * media["height"])
-    reject_examples: dict[str, list[str]] = defaultdict(list)
-    rpath = out / REJECTS_FILE
-    if rpath.is_file():
-        with open(rpath, encoding="utf-8") as f:
-            for line in f:
-                reject = json.loads(line)
-                if len(reject_examples[reject["reason"]]) < examples:
-                    reject_examples[reject["reason"]].append(
-                        f"{reject.get('source', '?')}:{reject['path']}: {reject['detail']}"
-                    )
     totals = manifest["totals"]
     return {
-        "folder": str(out),
+        "folder": str(folder),
+        "format": manifest["format"],
         "samples": totals["samples"],
         "bytes": totals["bytes"],
         "shards": totals["shards"],
@@ -93,9 +91,23 @@ def collect_stats(out: str | Path, *, examples: int = 3) -> dict:
         "rejects_by_reason": dict(
             sorted(totals["rejects_by_reason"].items(), key=lambda item: -item[1])
         ),
-        "reject_examples": dict(reject_examples),
+        "reject_examples": reject_examples(folder, examples),
         "repaired_utf8": totals["repaired_utf8"],
     }
+
+
+def reject_examples(folder: Folder, examples: int) -> dict[str, list[str]]:
+    """The first ``examples`` rejects of each reason in the folder's rejects.jsonl."""
+    found: dict[str, list[str]] = defaultdict(list)
+    if folder.exists(REJECTS_FILE):
+        for line in folder.read_bytes(REJECTS_FILE).decode("utf-8").splitlines():
+            reject = json.loads(line)
+            if len(found[reject["reason"]]) < examples:
+                where = reject.get("path", reject.get("key", "?"))
+                found[reject["reason"]].append(
+                    f"{reject.get('source', '?')}:{where}: {reject.get('detail', '')}"
+                )
+    return dict(found)
 
 
 def _without_text(types: list[str]) -> bool:
@@ -104,10 +116,10 @@ def _without_text(types: list[str]) -> bool:
 
 def media_without_text(out: str | Path) -> dict[str, dict[str, int]]:
     """source -> {"image": n, "video": n}: documents holding media and no text (no caption)."""
-    out = Path(out)
+    folder = Folder(out)
     found: dict[str, dict[str, int]] = {}
     for shard in load_manifest(out)["shards"]:
-        for entry in read_index(out / shard["index"]):
+        for entry in index_of(folder, shard["index"]):
             if _without_text(entry["types"]):
                 per = found.setdefault(shard["source"], {"image": 0, "video": 0})
                 for kind in set(entry["types"]) & {"image", "video"}:
@@ -138,6 +150,11 @@ def human_bytes(n: float) -> str:
 
 
 def format_stats(s: dict) -> str:
+    if s.get("format") == "earlyfuse-token-shards":
+        from data.shards.token_stats import format_token_stats
+
+        return format_token_stats(s)
+
     def describe_dist(x: dict, fmt: str = "{:g}") -> str:
         if not x["count"]:
             return "none"

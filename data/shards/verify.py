@@ -3,11 +3,15 @@ against its tar (names, offsets, sizes, per-sample hashes) and each sample: a ra
 against the schema; a token sample's spans, ids and modalities (lengths as the index says, every
 id inside its modality's range of the folder's vocabulary layout). Nothing is trusted that is
 not re-read. Raw folders (``earlyfuse-prep ingest``) and token folders (``earlyfuse-prep
-tokenize``) alike."""
+tokenize``) alike, local or at an fsspec URL (``s3://bucket/tokens``): a remote shard is
+downloaded whole to a temporary folder (every byte is hashed anyway: one GET is the cheapest
+read), checked there and deleted before the next, and named by its URL in every problem."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -17,19 +21,20 @@ from data.names import REJECTS_FILE
 from data.schema import validate_doc
 from data.shards.index import check_index, file_sha256, read_index
 from data.shards.manifest import MANIFEST_FORMAT, load_manifest
+from data.shards.storage import Folder
 
 TOKEN_FORMAT = "earlyfuse-token-shards"  # data/tokenize/run.py (not imported: it pulls in torch)
 
 
-def _token_ranges(out: Path, m: dict, problems: list[str]) -> np.ndarray | None:
+def _token_ranges(folder: Folder, m: dict, problems: list[str]) -> np.ndarray | None:
     from data.loader.sample_check import modality_ranges
     from data.vocab import VocabLayout
 
-    path = out / m.get("tokenizers", {}).get("folder", "tokenizers") / "vocab_layout.json"
+    rel = f"{m.get('tokenizers', {}).get('folder', 'tokenizers')}/vocab_layout.json"
     try:
-        return modality_ranges(VocabLayout.load(path))
-    except ValueError as e:
-        problems.append(f"{e}; token ids not checked against the vocabulary")
+        return modality_ranges(VocabLayout.from_dict(json.loads(folder.read_bytes(rel))))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        problems.append(f"{folder.child(rel)}: {e}; token ids not checked against the vocabulary")
         return None
 
 
@@ -69,85 +74,136 @@ def _check_tokens(tar: Path, e: dict, read, ranges: np.ndarray | None) -> str | 
     return None
 
 
-def _check_binary_index(out: Path, shard: dict, idx: Path) -> list[str]:
+def _check_binary_index(folder: Folder, shard: dict, idx: Path) -> list[str]:
     """The loader's binary index beside a token shard, when there is one, must be exactly the
     one its JSONL index gives (the loader would skip a stale one, at a rebuild's cost)."""
     from data.shards import token_index
 
-    path = token_index.index_path_for(out / shard["path"])
-    if not path.is_file():
+    rel = str(token_index.index_path_for(Path(shard["path"])))
+    if not folder.exists(rel):
         return []
     try:
-        want = token_index.build(idx.read_bytes(), where=str(idx))
+        want = token_index.build(idx.read_bytes(), where=folder.child(shard["index"]))
     except ValueError as e:
         return [str(e)]
-    if path.read_bytes() != want:
-        return [f"{path}: not the binary index of {idx.name} (earlyfuse-prep index rewrites it)"]
+    if folder.read_bytes(rel) != want:
+        return [
+            f"{folder.child(rel)}: not the binary index of {idx.name} (earlyfuse-prep index "
+            "rewrites it)"
+        ]
     return []
 
 
 def verify(out: str | Path, *, progress: bool = False) -> dict:
-    out = Path(out)
+    folder = Folder(out)
     manifest = load_manifest(out, formats=(MANIFEST_FORMAT, TOKEN_FORMAT))
     tokens = manifest["format"] == TOKEN_FORMAT
     problems: list[str] = []
-    ranges = _token_ranges(out, manifest, problems) if tokens else None
+    ranges = _token_ranges(folder, manifest, problems) if tokens else None
     samples = 0
-    for shard in tqdm(manifest["shards"], desc="verify", unit=" shards", disable=not progress):
-        tar, idx = out / shard["path"], out / shard["index"]
-        if not tar.is_file() or not idx.is_file():
-            problems.append(f"{tar if not tar.is_file() else idx}: missing")
-            continue
-        if file_sha256(tar) != shard["sha256"]:
-            problems.append(f"{tar}: SHA-256 differs from the manifest")
-        if file_sha256(idx) != shard["index_sha256"]:
-            problems.append(f"{idx}: SHA-256 differs from the manifest")
-        try:
-            index = read_index(idx)
-        except ValueError as e:
-            problems.append(str(e))
-            continue
-        if tokens:
-            problems += _check_binary_index(out, shard, idx)
-        if len(index) != shard["samples"]:
-            problems.append(f"{idx}: {len(index)} samples, the manifest says {shard['samples']}")
-        found = check_index(tar, index)
-        problems.extend(found)
-        if any(not problem.endswith("does not match its hash") for problem in found):
-            continue  # the tar does not match its index: its samples cannot be found
-        with open(tar, "rb") as f:
-            for entry in index:
-                samples += 1
-
-                def read(suffix, e=entry):
-                    off, size = e["members"][suffix]
-                    f.seek(off)
-                    return f.read(size)
-
-                try:
-                    why = (
-                        _check_tokens(tar, entry, read, ranges)
-                        if tokens
-                        else _check_raw(tar, entry, read)
-                    )
-                except KeyError as err:
-                    why = f"{entry['key']}: member {err} missing"
-                if why:
-                    problems.append(f"{tar}: {why}")
-    rejects = out / REJECTS_FILE
-    n_rej = sum(1 for _ in open(rejects, encoding="utf-8")) if rejects.is_file() else 0
+    with tempfile.TemporaryDirectory(prefix="earlyfuse-verify-") as tmp:
+        for shard in tqdm(manifest["shards"], desc="verify", unit=" shards", disable=not progress):
+            tar, idx = (_fetch(folder, shard[key], Path(tmp)) for key in ("path", "index"))
+            if tar is None or idx is None:
+                problems.append(
+                    f"{folder.child(shard['path' if tar is None else 'index'])}: missing"
+                )
+                continue
+            named = _Names(folder, {tar: shard["path"], idx: shard["index"]})
+            found, counted = _check_shard(folder, shard, tar, idx, tokens, ranges)
+            problems += [named.text(problem) for problem in found]
+            samples += counted
+            if folder.remote:  # one shard on disk at a time
+                shutil.rmtree(tmp, ignore_errors=True)
+                Path(tmp).mkdir(exist_ok=True)
+    n_rej = 0
+    if folder.exists(REJECTS_FILE):
+        n_rej = len(folder.read_bytes(REJECTS_FILE).splitlines())
     if n_rej != manifest["totals"]["rejects"]:
         problems.append(
-            f"{rejects}: {n_rej} lines, the manifest counts {manifest['totals']['rejects']}"
+            f"{folder.child(REJECTS_FILE)}: {n_rej} lines, the manifest counts "
+            f"{manifest['totals']['rejects']}"
         )
     return {
-        "folder": str(out),
+        "folder": str(folder),
         "format": manifest["format"],
         "shards": len(manifest["shards"]),
         "samples": samples,
         "problems": problems,
         "ok": not problems,
     }
+
+
+def _fetch(folder: Folder, rel: str, tmp: Path) -> Path | None:
+    """The file ``rel`` as a local file (a remote one downloaded into ``tmp``); None: missing."""
+    if not folder.remote:
+        path = folder.local / rel
+        return path if path.is_file() else None
+    try:
+        return folder.download(rel, tmp / rel)
+    except FileNotFoundError:
+        return None
+
+
+class _Names:
+    """A downloaded shard's files named by their URLs in problems (local files: themselves)."""
+
+    def __init__(self, folder: Folder, rels: dict[Path, str]) -> None:
+        self.urls = {str(path): folder.child(rel) for path, rel in rels.items()}
+        self.remote = folder.remote
+
+    def __call__(self, path: Path) -> str:
+        return self.urls[str(path)] if self.remote else str(path)
+
+    def text(self, problem: str) -> str:
+        if self.remote:
+            for path, url in self.urls.items():
+                problem = problem.replace(path, url)
+        return problem
+
+
+def _check_shard(
+    folder: Folder, shard: dict, tar: Path, idx: Path, tokens: bool, ranges
+) -> tuple[list[str], int]:
+    """(problems, samples checked) of one shard whose tar and index are local files."""
+    problems: list[str] = []
+    if file_sha256(tar) != shard["sha256"]:
+        problems.append(f"{tar}: SHA-256 differs from the manifest")
+    if file_sha256(idx) != shard["index_sha256"]:
+        problems.append(f"{idx}: SHA-256 differs from the manifest")
+    try:
+        index = read_index(idx)
+    except ValueError as e:
+        return [*problems, str(e)], 0
+    if tokens:
+        problems += _check_binary_index(folder, shard, idx)
+    if len(index) != shard["samples"]:
+        problems.append(f"{idx}: {len(index)} samples, the manifest says {shard['samples']}")
+    found = check_index(tar, index)
+    problems.extend(found)
+    if any(not problem.endswith("does not match its hash") for problem in found):
+        return problems, 0  # the tar does not match its index: its samples cannot be found
+    samples = 0
+    with open(tar, "rb") as f:
+        for entry in index:
+            samples += 1
+
+            def read(suffix, e=entry):
+                off, size = e["members"][suffix]
+                f.seek(off)
+                return f.read(size)
+
+            try:
+                why = (
+                    _check_tokens(tar, entry, read, ranges)
+                    if tokens
+                    else _check_raw(tar, entry, read)
+                )
+            except KeyError as err:
+                why = f"{entry['key']}: member {err} missing"
+            if why:
+                problems.append(f"{tar}: {why}")
+    return problems, samples
 
 
 def format_verify(r: dict) -> str:

@@ -70,25 +70,26 @@ def first_batch(cfg):
 
 
 def val_loss(model, cfg, world_size: int = 1) -> float:
-    """The run's final evaluation, recomputed: the same loaders (one per rank), batches and sums
-    as LMTask.evaluate."""
-    from data.loader import build_loader
+    """The run's final evaluation, recomputed: the same held-out pass, each rank's share of its
+    batches and the same sums as LMTask.evaluate."""
+    from data.loader.heldout import HeldoutPass, RankShare
+    from data.token_docs import source_tables
     from train.names import MODEL_INPUTS
 
     ce = cnt = 0.0
+    tables = source_tables(cfg.data.validation)
     with torch.no_grad():
         for rank in range(world_size):
-            loader = build_loader(
-                cfg.data,
-                rank=rank,
-                world_size=world_size,
-                micro_batch=cfg.train.micro_batch,
-                pad_id=0,
-                validation=True,
+            heldout = HeldoutPass(
+                tables, seq_len=cfg.data.seq_len, batch_rows=cfg.train.micro_batch
             )
-            for i, b in enumerate(loader):
-                if i >= cfg.train.eval_batches:
-                    break
+            share = RankShare(
+                heldout, rank=rank, world_size=world_size, limit=cfg.train.eval_batches
+            )
+            for part in share:
+                if part is None:
+                    continue
+                b = heldout.tensors(part)
                 r = model(**{k: b[k] for k in MODEL_INPUTS})
                 ce, cnt = ce + r.ce_sum.double().sum().item(), cnt + r.count.double().sum().item()
     return ce / cnt

@@ -33,6 +33,8 @@ examples:
   earlyfuse-eval runs/demo/release --data runs/demo/val_tokens --train-data runs/demo/tokens \\
       --scenes runs/demo/val_corpus/scenes/scenes.jsonl --out runs/demo/lm/heldout_eval.json
   earlyfuse-eval releases/x --data val_tokens --max-docs 200 --device cuda
+  earlyfuse-eval releases/mine --data tokens/val --train-data tokens   # ingest --val-fraction's split
+  earlyfuse-eval releases/mine --data s3://bucket/tokens/val              # any fsspec URL
 
 what the table says (docs/evaluation.md explains every figure):
   margin = unigram - CE per modality: above 0 the model beats the training tokens' own
@@ -46,28 +48,46 @@ what the table says (docs/evaluation.md explains every figure):
 """
 
 
-def run_seq_len(release) -> int | None:
-    """data.seq_len of the run the release came from, when its config is still there."""
+def run_data_options(release) -> dict:
+    """``seq_len`` and ``micro_batch`` of the run the release came from, when its config is still
+    there: the rows and batches its validation evaluated (empty otherwise)."""
     run_dir = release.config.get("source", {}).get("run_dir")
     if not run_dir or not (Path(run_dir) / "config.yaml").is_file():
-        return None
+        return {}
     import yaml
 
+    out = {}
     try:
         cfg = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
-        return int(cfg["data"]["seq_len"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    except (OSError, ValueError):
+        return {}
+    for key, section, name in (
+        ("seq_len", "data", "seq_len"),
+        ("micro_batch", "train", "micro_batch"),
+    ):
+        try:
+            out[key] = int(cfg[section][name])
+        except (KeyError, TypeError, ValueError):
+            pass
+    return out
 
 
-def overlap(val_tables, train_tables) -> dict:
+def overlap(val_tables, train_tables, *, progress: bool = False) -> dict:
     """Held-out documents whose ids equal a training document's."""
+    from tqdm import tqdm
+
     from data.token_docs import iter_documents
 
-    seen = {doc.content_hash() for doc in iter_documents(train_tables)}
+    def docs(tables, what):
+        total = sum(len(t) for t in tables)
+        return tqdm(
+            iter_documents(tables), total=total, desc=what, unit=" docs", disable=not progress
+        )
+
+    seen = {doc.content_hash() for doc in docs(train_tables, "training hashes")}
     by_source: dict[str, int] = {}
     checked = 0
-    for doc in iter_documents(val_tables):
+    for doc in docs(val_tables, "held-out hashes"):
         checked += 1
         if doc.content_hash() in seen:
             by_source[doc.source] = by_source.get(doc.source, 0) + 1
@@ -76,6 +96,7 @@ def overlap(val_tables, train_tables) -> dict:
 
 def evaluate(args) -> dict:
     import torch
+    from tqdm import tqdm
 
     from data.token_docs import iter_documents, source_tables
     from data.unigram import Unigram
@@ -93,15 +114,20 @@ def evaluate(args) -> dict:
     layout = rel.vocab_layout
     val = source_tables(args.data)
     out: dict = {"release": str(rel.path), "step": rel.step, "data": str(args.data)}
-    seq_len = args.seq_len or run_seq_len(rel) or 2048
-    out["seq_len"] = seq_len
+    run = run_data_options(rel)
+    seq_len = args.seq_len or run.get("seq_len") or 2048
+    batch_rows = args.batch_rows or run.get("micro_batch") or 8
+    out["seq_len"], out["batch_rows"] = seq_len, batch_rows
+    progress = not args.no_progress
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.verbose else (lambda *a: 0)
     unigram = None
     if args.train_data:
         train = source_tables(args.train_data)
         out["train_data"] = str(args.train_data)
-        out["overlap"] = overlap(val, train)
-        unigram = Unigram.from_tables(train, layout)
-    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.verbose else (lambda *a: 0)
+        say("overlap with the training documents ...")
+        out["overlap"] = overlap(val, train, progress=progress)
+        say("unigram baseline ...")
+        unigram = Unigram.from_tables(train, layout, progress=progress)
     say("held-out losses ...")
     out["heldout"] = heldout_losses(
         model,
@@ -110,13 +136,20 @@ def evaluate(args) -> dict:
         device=device,
         unigram=unigram,
         byte_lengths=token_byte_lengths(text),
-        batch_rows=args.batch_rows,
+        batch_rows=batch_rows,
         max_docs=args.max_docs,
+        progress=progress,
     )
     say("dependence ...")
     pairs: list = []
     per_group: dict[tuple[str, str], int] = {}
-    for doc in iter_documents(val):
+    for doc in tqdm(
+        iter_documents(val),
+        total=sum(len(t) for t in val),
+        desc="pairs",
+        unit=" docs",
+        disable=not progress,
+    ):
         pair = find_pair(doc.source, doc.key, doc.ids, doc.modality, doc.blocks)
         if pair is None:
             continue
@@ -124,7 +157,7 @@ def evaluate(args) -> dict:
         if per_group.get(group, 0) < args.max_pairs:
             per_group[group] = per_group.get(group, 0) + 1
             pairs.append(pair)
-    out["dependence"] = dependence_gaps(model, pairs, device)
+    out["dependence"] = dependence_gaps(model, pairs, device, progress=progress)
     if args.scenes:
         from tools.evaluate.scenes import SceneJudge, evaluate_scenes, load_scenes
 
@@ -144,6 +177,7 @@ def evaluate(args) -> dict:
             limit=args.max_scenes,
             draw_temperature=args.draw_temperature,
             draw_guidance=args.draw_guidance,
+            progress=progress,
         )
     out["seconds"] = round(time.perf_counter() - started, 1)
     return out
@@ -162,13 +196,18 @@ def build_parser() -> argparse.ArgumentParser:
         "release", metavar="RELEASE", help="a release folder (earlyfuse-convert release)"
     )
     pair.add_argument(
-        "--data", required=True, metavar="VAL_TOKENS", help="held-out token folder (prep tokenize)"
+        "--data",
+        required=True,
+        metavar="VAL_TOKENS",
+        help="held-out token shards, a folder or an fsspec URL: a token folder (one source per "
+        "sub-folder with shards), the held-out split ingest --val-fraction put under it "
+        "(TOKENS/val), or one source's folder",
     )
     pair.add_argument(
         "--train-data",
         metavar="TRAIN_TOKENS",
-        help="the training token folder: unigram baseline, and a check that no held-out document "
-        "is a training document",
+        help="the training token folder (or URL): unigram baseline, and a check that no held-out "
+        "document is a training document",
     )
     pair.add_argument(
         "--scenes",
@@ -182,7 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pair.add_argument("--out", metavar="JSON", help="write the figures here")
     pair.add_argument("--seq-len", type=int, default=0, help="row length (default: the run's)")
-    pair.add_argument("--batch-rows", type=int, default=8)
+    pair.add_argument(
+        "--batch-rows",
+        type=int,
+        default=0,
+        help="rows per forward pass (default: the run's train.micro_batch, else 8)",
+    )
     pair.add_argument(
         "--max-docs", type=int, default=0, help="first N documents per source (default: all)"
     )
@@ -207,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pair.add_argument("--device", default="cpu")
     pair.add_argument("--verbose", action="store_true", help="say which part runs")
+    pair.add_argument(
+        "--no-progress", action="store_true", help="no progress bars (they go to stderr)"
+    )
     pair.add_argument(
         "--no-table", action="store_true", help="do not print the table (--out has the figures)"
     )

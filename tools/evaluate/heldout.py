@@ -1,10 +1,11 @@
 """Per source and modality: CE on held-out token shards, the unigram baseline, the margin, bits
 per byte for text and code.
 
-Documents are packed in index order into rows of ``seq_len`` exactly as the loader packs them
-(data/loader/packer.py: text split across rows, visual blocks never), so the figures are the
-trainer's validation figures; every document of every source is read once (``max_docs`` takes
-the first N of each source instead: a stated, per-source sample).
+Documents are packed in index order into rows of ``seq_len`` by data/loader/heldout.py, the
+pass training validation makes (text split across rows, visual blocks never), so with the run's
+``seq_len`` and micro-batch these are the trainer's validation figures; every document of every
+source is read once (``max_docs`` takes the first N of each source instead: a stated,
+per-source sample).
 """
 
 from __future__ import annotations
@@ -14,10 +15,8 @@ import math
 import numpy as np
 import torch
 
-from data.loader.packer import Doc, Packer, units_of
-from data.token_docs import iter_documents
+from data.loader.heldout import HeldoutPass
 from data.vocab import MODALITY_NAMES, Modality
-from train.monitor.pair_dependence import collate
 from train.names import MODEL_INPUTS
 
 
@@ -50,21 +49,6 @@ def token_byte_lengths(text_tokenizer) -> np.ndarray:
     return out
 
 
-def _rows(table, packer: Packer, max_docs: int):
-    """Packed rows of one source's documents, in index order."""
-    docs = iter_documents([table], max_docs_per_source=max_docs)
-
-    def next_doc():
-        d = next(docs, None)
-        if d is None:
-            return None
-        count = len(d.ids)
-        return Doc(0, 0, 0, count, units_of(count, d.blocks), d.ids.astype(np.int64), d.modality)
-
-    while (row := packer.pack(next_doc)) is not None:
-        yield row
-
-
 @torch.no_grad()
 def heldout_losses(
     model,
@@ -76,53 +60,41 @@ def heldout_losses(
     byte_lengths: np.ndarray | None = None,
     batch_rows: int = 8,
     max_docs: int = 0,
+    progress: bool = False,
 ) -> dict:
     """``{"sources": {name: {modality: figures}}, "total": {modality: figures}}``; figures are
     ``ce`` (nats per token), ``tokens``, and with a unigram ``unigram`` and ``margin`` (unigram -
     ce, positive = better than token frequencies), and for text and code ``bpb``."""
     lp = unigram.log_probs() if unigram is not None else None
     n_mod = len(Modality)
-    total = {key: np.zeros(n_mod) for key in ("ce", "n", "uni", "bytes")}
-    sources, docs_read, dropped = {}, {}, {}
-    for source_table in tables:
-        acc = {key: np.zeros(n_mod) for key in ("ce", "n", "uni", "bytes")}
-        rows = []
-        packer = Packer(seq_len, pad_id=0)
-        gen = _rows(source_table, packer, max_docs)
-        while True:
-            row = next(gen, None)
-            if row is not None:
-                rows.append(row)
-            if rows and (row is None or len(rows) == batch_rows):
-                batch = collate(rows)
-                rows = []
-                res = model(**{key: batch[key].to(device) for key in MODEL_INPUTS})
-                acc["ce"] += res.ce_sum.detach().double().cpu().numpy()
-                acc["n"] += res.count.detach().double().cpu().numpy()
-                labels, lmod = batch["labels"], batch["label_modality"]
-                if lp is not None:
-                    acc["uni"] += unigram.nll_sums(labels, lmod, lp)[0].numpy()
-                if byte_lengths is not None:
-                    keep = (labels >= 0) & (labels < len(byte_lengths))
-                    byte_value = byte_lengths[labels[keep].numpy()]
-                    acc["bytes"] += np.bincount(
-                        lmod[keep].numpy(), weights=byte_value, minlength=n_mod
-                    ).astype(np.float64)
-            if row is None:
-                break
-        sources[source_table.name] = _figures(acc, unigram is not None, byte_lengths is not None)
-        docs_read[source_table.name] = (
-            len(source_table) if not max_docs else min(len(source_table), max_docs)
-        )
-        dropped[source_table.name] = packer.stats.dropped_blocks
-        for key in total:
-            total[key] += acc[key]
+    acc = [{key: np.zeros(n_mod) for key in ("ce", "n", "uni", "bytes")} for _ in tables]
+    heldout = HeldoutPass(
+        tables, seq_len=seq_len, batch_rows=batch_rows, max_docs=max_docs, progress=progress
+    )
+    for part in heldout:
+        batch = heldout.tensors(part)
+        res = model(**{key: batch[key].to(device) for key in MODEL_INPUTS})
+        into = acc[part.source]
+        into["ce"] += res.ce_sum.detach().double().cpu().numpy()
+        into["n"] += res.count.detach().double().cpu().numpy()
+        labels, lmod = batch["labels"], batch["label_modality"]
+        if lp is not None:
+            into["uni"] += unigram.nll_sums(labels, lmod, lp)[0].numpy()
+        if byte_lengths is not None:
+            keep = (labels >= 0) & (labels < len(byte_lengths))
+            byte_value = byte_lengths[labels[keep].numpy()]
+            into["bytes"] += np.bincount(
+                lmod[keep].numpy(), weights=byte_value, minlength=n_mod
+            ).astype(np.float64)
+    total = {key: sum(a[key] for a in acc) for key in ("ce", "n", "uni", "bytes")}
+    with_uni, with_bytes = unigram is not None, byte_lengths is not None
     return {
-        "sources": sources,
-        "total": _figures(total, unigram is not None, byte_lengths is not None),
-        "documents": docs_read,
+        "sources": {t.name: _figures(a, with_uni, with_bytes) for t, a in zip(tables, acc)},
+        "total": _figures(total, with_uni, with_bytes),
+        "documents": {t.name: c.documents for t, c in zip(tables, heldout.counts)},
         "sampled": bool(max_docs),
-        "dropped": dropped,
+        "dropped": {t.name: c.dropped_blocks for t, c in zip(tables, heldout.counts)},
+        "skipped": {t.name: c.skipped for t, c in zip(tables, heldout.counts) if c.skipped},
     }
 
 

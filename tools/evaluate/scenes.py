@@ -229,6 +229,7 @@ def evaluate_scenes(
     examples: int = 6,
     draw_temperature: float = 0.7,
     draw_guidance: float = 1.0,
+    progress: bool = False,
 ):
     """Accuracy per attribute of drawings, captions, their chance levels and the tokenizer's
     ceiling, over the single-shape scenes (the first ``limit`` when given)."""
@@ -242,7 +243,9 @@ def evaluate_scenes(
         for attribute in ("draw", "draw_chance", "caption", "caption_chance", "ceiling")
     }
     shown: list[dict] = []
-    for i, scene in enumerate(single):
+    from tqdm import tqdm
+
+    for i, scene in enumerate(tqdm(single, desc="scenes", unit=" scenes", disable=not progress)):
         other = single[(i + 1) % len(single)]["facts"]
         arr, codes = judge.image_of(scene["image"])
         drawing = judge.draw(

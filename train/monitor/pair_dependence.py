@@ -143,9 +143,12 @@ def target_nll(model, pair: Pair, donor: Pair, device) -> tuple[float, int]:
     return float(nll.sum()), int(keep.sum())
 
 
-def dependence_gaps(model, pairs: list[Pair], device) -> dict:
+def dependence_gaps(model, pairs: list[Pair], device, *, progress: bool = False) -> dict:
     """Per (source, direction): the target's CE after its own context and after another's, the
     gap (other - own, nats per target token) and the pair and token counts."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(pairs), desc="dependence", unit=" pairs", disable=not progress)
     groups: dict[tuple[str, str], list[Pair]] = {}
     for pair in pairs:
         groups.setdefault((pair.source, pair.direction), []).append(pair)
@@ -162,6 +165,7 @@ def dependence_gaps(model, pairs: list[Pair], device) -> dict:
             if key != k2:  # the target is the same tokens either way
                 raise AssertionError("target token count changed with the context")
             own, other, count = own + a, other + block, count + key
+            bar.update(1)
         out[f"{source}/{direction}"] = {
             "source": source,
             "direction": direction,
@@ -171,4 +175,5 @@ def dependence_gaps(model, pairs: list[Pair], device) -> dict:
             "ce_other": other / count,
             "gap": (other - own) / count,
         }
+    bar.close()
     return out

@@ -13,8 +13,9 @@ Beside every loss stands the unigram baseline (data/unigram.py: the training tok
 frequencies per modality, add-one smoothed, counted once at start): ``unigram/<m>`` on the
 training batches, ``val/unigram/<m>`` and ``val/margin/<m>`` (baseline minus loss: positive means
 the model predicts better than token frequencies alone) on the held-out set. Validation is one
-exact pass over the whole held-out set unless ``train.eval_batches`` caps it (then the figures
-say so: ``val/batches``, ``val/complete``).
+exact pass over the whole held-out set (data/loader/heldout.py, the pass ``earlyfuse-eval``
+makes: the same tokens and CE), every rank evaluating its share, unless ``train.eval_batches``
+caps it (then the figures say so: ``val/batches``, ``val/complete``).
 """
 
 from __future__ import annotations
@@ -23,14 +24,16 @@ import dataclasses
 import json
 import logging
 import math
-from contextlib import closing
 from pathlib import Path
 
 import torch
 
 from data.loader import LoaderConfig, build_loader, store
+from data.loader.dataset import check_tokenizers
 from data.loader.expand_torch import expand_batch, is_compact
 from data.loader.fit import check_blocks_fit
+from data.loader.heldout import HeldoutPass, RankShare
+from data.loader.sample_check import modality_ranges
 from data.loader.table_load import find_manifest
 from data.names import LAYOUT_FILE
 from data.unigram import Unigram
@@ -150,6 +153,8 @@ class LMTask:
                     "exact pass, which needs the token counts of token shards; tokenize it "
                     "(earlyfuse-prep tokenize) and name the token folder"
                 )
+        if cfg.data.validation:  # one vocabulary: held-out ids must mean what training ids mean
+            check_tokenizers(cfg.data, self.tables.get(cfg.data.sources + cfg.data.validation))
         self.source_names = [s.name for s in cfg.data.sources]
         self._val = None
         tables = self.tables.get(cfg.data.sources)
@@ -166,17 +171,16 @@ class LMTask:
     def build_model(self):
         return self.model_cfg.build()
 
-    def stream(self, data: LoaderConfig, *, validation: bool = False) -> TokenStream:
-        """A loader of this rank over ``data``'s sources (or its validation sources)."""
-        sources = data.validation if validation else data.sources
+    def stream(self, data: LoaderConfig) -> TokenStream:
+        """A loader of this rank over ``data``'s sources (validation reads its own way:
+        ``evaluate``)."""
         loader = build_loader(
             data,
             rank=self.dist.rank,
             world_size=self.dist.world_size,
             micro_batch=self.cfg.train.micro_batch,
             pad_id=0,
-            validation=validation,
-            tables=self.tables.get(sources),
+            tables=self.tables.get(data.sources),
         )
         return TokenStream(loader)
 
@@ -286,27 +290,41 @@ class LMTask:
         return float(flops_per_token(self.model_cfg, self.cfg.data.seq_len))
 
     def evaluate(self, engine, step: int) -> dict[str, float]:
+        """One exact pass over the held-out sources (data/loader/heldout.py: the batches
+        ``earlyfuse-eval`` evaluates), this rank's share of it, capped at ``train.eval_batches``
+        batches a rank."""
         if not self.cfg.data.validation:
             return {}
-        loader = self.stream(self.cfg.data, validation=True)
+        heldout = HeldoutPass(
+            self.tables.get(self.cfg.data.validation),
+            seq_len=self.cfg.data.seq_len,
+            batch_rows=self.cfg.train.micro_batch,
+            ranges=modality_ranges(self.layout),
+        )
+        share = RankShare(
+            heldout,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+            limit=self.cfg.train.eval_batches,
+        )
         ce = torch.zeros(len(Modality), dtype=torch.float64)
         cnt = torch.zeros(len(Modality), dtype=torch.float64)
         uni = torch.zeros(len(Modality), dtype=torch.float64)
-        batches_read, complete = 0, 1.0
-        with closing(iter(loader)) as batches:  # stops the loader's workers when we stop early
-            for i, batch in enumerate(batches):
-                if self.cfg.train.eval_batches and i >= self.cfg.train.eval_batches:
-                    complete = 0.0
-                    break
-                res = engine(**{k: batch[k].to(self.dist.device) for k in MODEL_INPUTS})
-                ce += res.ce_sum.detach().double().cpu()
-                cnt += res.count.detach().double().cpu()
-                if self.unigram is not None:
-                    uni += self.unigram.nll_sums(
-                        batch["labels"], batch["label_modality"], self._unigram_lp
-                    )[0]
-                batches_read += 1
-        ce, cnt, uni = all_reduce_sum(ce), all_reduce_sum(cnt), all_reduce_sum(uni)
+        for part in share:
+            batch = heldout.tensors(part)
+            res = engine(**{k: batch[k].to(self.dist.device) for k in MODEL_INPUTS})
+            if part is None:  # a blank batch: run so that every rank runs as often
+                continue
+            ce += res.ce_sum.detach().double().cpu()
+            cnt += res.count.detach().double().cpu()
+            if self.unigram is not None:
+                uni += self.unigram.nll_sums(
+                    batch["labels"], batch["label_modality"], self._unigram_lp
+                )[0]
+        flags = torch.tensor([share.evaluated, not share.complete], dtype=torch.float64)
+        # One reduction, on the device (NCCL reduces device tensors only)
+        sums = all_reduce_sum(torch.cat([ce, cnt, uni, flags]).to(self.dist.device)).cpu()
+        ce, cnt, uni, flags = sums.split([len(ce), len(cnt), len(uni), len(flags)])
         out = {}
         for i, name in enumerate(MODALITY_NAMES):
             if cnt[i] > 0:
@@ -320,9 +338,10 @@ class LMTask:
             out["val/loss"] = float(ce.sum() / cnt.sum())
             if self.unigram is not None:
                 out["val/unigram"] = float(uni.sum() / cnt.sum())
-        # Whether this was the whole held-out set (eval_batches = 0) or its first batches.
-        out["val/complete"] = complete
-        out["val/batches"] = float(batches_read)
+        # Whether this was the whole held-out set or its first batches (train.eval_batches), and
+        # the batches evaluated on all ranks together.
+        out["val/complete"] = float(flags[1] == 0)
+        out["val/batches"] = float(flags[0])
         return out
 
     def chance_levels(self) -> dict[str, float]:

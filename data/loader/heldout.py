@@ -1,0 +1,194 @@
+"""One exact pass over held-out token shards, packed into batches: what training validation
+(train/tasks/lm.py) and ``earlyfuse-eval`` (tools/evaluate/heldout.py) both evaluate, so that
+the two count the same tokens and compute the same CE.
+
+Design choices:
+- Every document of every source is read once, in index order, and packed into rows of
+  ``seq_len`` by the training packer (packer.py: text split across rows, a visual block never),
+  the documents of each shard folder into rows of their own: the rows do not depend on how the
+  folders are grouped into sources (one validation source over ``tokens/val`` packs exactly as
+  ``earlyfuse-eval --data tokens/val``, which makes a source of each folder below it). A
+  folder's last rows make a short batch, filled up with blank rows (every label ignored):
+  nothing is held back to even out batches, as the training loader's epoch mode does, so no
+  token is left out whatever the batch size.
+- The folders take turns batch by batch, so a capped pass (``train.eval_batches``) sees the
+  first documents of every folder, not the whole of the first one.
+- No worker processes: a held-out set is small beside the training data, and one reader in the
+  evaluating process is what keeps the pass exact whatever ``data.num_workers`` is (workers
+  that each take a share can each have less than a batch). With several ranks, every rank packs
+  the same batches and evaluates every world-size-th one (``RankShare``): the ranks share the
+  forward passes and together evaluate the whole pass once. A rank with one batch fewer than
+  another runs a blank batch, so that every rank calls the model as often (ZeRO-3 gathers the
+  parameters collectively in every forward).
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Generator, Iterator
+from contextlib import closing
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from data.loader.batch_buffer import BatchBuffer
+from data.loader.packer import Doc, Packer, Row, units_of
+from data.loader.table import SampleTable
+from data.token_docs import iter_documents
+
+
+@dataclass
+class HeldoutBatch:
+    number: int  # its place in the pass (0, 1, ...), the sources' batches interleaved
+    source: int  # the table its rows came from
+    rows: list[Row]
+
+
+@dataclass
+class SourceCounts:
+    documents: int = 0  # read and packed
+    skipped: int = 0  # unreadable or corrupted, left out (iter_documents logs each)
+    dropped_blocks: int = 0  # visual blocks longer than a row (only where drops are allowed)
+
+
+class HeldoutPass:
+    """``for batch in HeldoutPass(tables, seq_len=..., batch_rows=...)``: every document of
+    ``tables`` (or the first ``max_docs`` of each) in batches of ``batch_rows`` rows;
+    ``tensors(batch)`` gives a batch's fields as the loader hands them out. ``counts`` holds
+    per source what was read, once the pass is over."""
+
+    def __init__(
+        self,
+        tables: list[SampleTable],
+        *,
+        seq_len: int,
+        batch_rows: int,
+        max_docs: int = 0,
+        pad_id: int = 0,
+        ranges: np.ndarray | None = None,
+        progress: bool = False,
+    ) -> None:
+        if batch_rows < 1:
+            raise ValueError(f"batch_rows {batch_rows}: give at least 1")
+        self.tables, self.seq_len, self.batch_rows = tables, seq_len, batch_rows
+        self.max_docs, self.pad_id, self.ranges, self.progress = max_docs, pad_id, ranges, progress
+        self.counts = [SourceCounts() for _ in tables]
+        self.batches = 0  # batches handed out so far
+        # finish() reads the rows alone (and the row length): one packer serves every batch
+        self._finisher = Packer(seq_len, pad_id=pad_id)
+
+    def documents(self) -> int:
+        """Documents the whole pass reads (the tables' counts, or ``max_docs`` of each)."""
+        return sum(min(len(t), self.max_docs) if self.max_docs else len(t) for t in self.tables)
+
+    def parts(self) -> list[tuple[int, str, list[range]]]:
+        """(table, shard folder, its samples) of every folder of every table's shards: what is
+        packed into rows of its own."""
+        out: list[tuple[int, str, list[range]]] = []
+        for s, table in enumerate(self.tables):
+            end = min(len(table), self.max_docs) if self.max_docs else len(table)
+            folders: dict[str, list[range]] = {}
+            start = 0
+            for url, count in zip(table.shards, table.shard_counts().tolist()):
+                if start < end:
+                    folder = folders.setdefault(posixpath.dirname(url), [])
+                    folder.append(range(start, min(start + count, end)))
+                start += count
+            out += [(s, folder, samples) for folder, samples in folders.items()]
+        return out
+
+    def _part_batches(self, s: int, samples: list[range], bar) -> Iterator[list[Row]]:
+        table, counts = self.tables[s], self.counts[s]
+        skipped: list = []
+        docs = iter_documents(
+            [table], ranges=self.ranges, skipped=skipped, samples=chain.from_iterable(samples)
+        )
+
+        def next_doc() -> Doc | None:
+            doc = next(docs, None)
+            counts.skipped += len(skipped)
+            skipped.clear()
+            if doc is None:
+                return None
+            counts.documents += 1
+            bar.update(1)
+            n = len(doc.ids)
+            return Doc(s, 0, 0, n, units_of(n, doc.blocks), doc.ids.astype(np.int64), doc.modality)
+
+        packer = Packer(self.seq_len, pad_id=self.pad_id)
+        while True:
+            rows: list[Row] = []
+            while len(rows) < self.batch_rows:
+                row = packer.pack(next_doc, into=Row())
+                if row is None:
+                    break
+                rows.append(row)
+            if not rows:
+                counts.dropped_blocks += packer.stats.dropped_blocks
+                return
+            yield rows
+
+    def __iter__(self) -> Generator[HeldoutBatch, None, None]:
+        self.batches = 0
+        self.counts = [SourceCounts() for _ in self.tables]
+        with tqdm(
+            total=self.documents(), desc="held-out", unit=" docs", disable=not self.progress
+        ) as bar:
+            streams = {
+                k: (s, self._part_batches(s, samples, bar))
+                for k, (s, _, samples) in enumerate(self.parts())
+            }
+            while streams:  # the parts take turns, a batch each
+                for k in list(streams):
+                    s, stream = streams[k]
+                    rows = next(stream, None)
+                    if rows is None:
+                        del streams[k]
+                        continue
+                    yield HeldoutBatch(self.batches, s, rows)
+                    self.batches += 1
+
+    def tensors(self, batch: HeldoutBatch | None) -> dict[str, torch.Tensor]:
+        """The batch's per-token fields (data/loader/batch_buffer.py) and ``num_real_tokens``,
+        its rows filled up to ``batch_rows`` with blank ones; None: a blank batch."""
+        rows = list(batch.rows) if batch is not None else []
+        rows += [Row() for _ in range(self.batch_rows - len(rows))]
+        buffer = BatchBuffer(self.batch_rows, self.seq_len, self.pad_id)
+        self._finisher.finish(rows, buffer.fields)
+        out = buffer.split()
+        out["num_real_tokens"] = torch.tensor(sum(row.real for row in rows))
+        return out
+
+
+class RankShare:
+    """The batches of a pass one rank evaluates: every ``world_size``-th from ``rank``, the first
+    ``limit`` of them (0: all), then blank ones (None) until it has run as many as the rank with
+    the most. ``complete`` (once iterated): whether the ranks together evaluated the whole pass.
+    Every rank reads the pass up to the first batch past every rank's limit, so all reach the
+    same answers."""
+
+    def __init__(self, heldout: HeldoutPass, *, rank: int, world_size: int, limit: int = 0):
+        self.heldout, self.rank, self.world_size, self.limit = heldout, rank, world_size, limit
+        self.evaluated = 0  # real batches of this rank
+        self.blank = 0
+        self.complete = True
+
+    def __iter__(self) -> Iterator[HeldoutBatch | None]:
+        world, cap = self.world_size, self.limit * self.world_size
+        seen = 0  # batches of the pass within every rank's limit
+        with closing(iter(self.heldout)) as batches:  # its shard files closed when we stop early
+            for batch in batches:
+                if cap and batch.number >= cap:
+                    self.complete = False
+                    break
+                seen = batch.number + 1
+                if batch.number % world == self.rank:
+                    self.evaluated += 1
+                    yield batch
+        # rank 0 evaluated the most: ceil(seen / world), which is the limit when capped
+        for _ in range(-(-seen // world) - self.evaluated):
+            self.blank += 1
+            yield None
