@@ -10,9 +10,9 @@ Design choices:
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
+import torch
 from torch import nn
 
 from train.config import RunConfig
@@ -114,8 +114,8 @@ def global_grad_norm(engine) -> float:
     norm = getattr(wrapped, "_global_grad_norm", None)
     if norm is not None and not isinstance(wrapped, SkipStepAdamW):
         return float(norm)
-    sum_sq = 0.0
-    for param in engine.module.parameters():
-        if param.grad is not None:
-            sum_sq += float(param.grad.detach().float().pow(2).sum())
-    return math.sqrt(sum_sq)
+    grads = [param.grad.detach() for param in engine.module.parameters() if param.grad is not None]
+    if not grads:
+        return 0.0
+    # One read-back for the whole model (not one per parameter: each waits for the device)
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))

@@ -104,3 +104,25 @@ def test_data_sources_from_a_users_own_config_dir(tmp_path):
     (tmp_path / "data" / "typo.yaml").write_text("sources: []\nseq_lenn: 3\n")
     p = subprocess.run(cmd + ["data=typo", "--cfg", "job"], capture_output=True, text=True)
     assert p.returncode != 0 and "seq_lenn" in p.stderr
+
+
+@pytest.mark.parametrize("value", ["true", "false", "auto", "True"])
+def test_train_compile_takes_auto_true_false(value):
+    assert composed(["experiment=debug", f"train.compile={value}"]).train.compile == value.lower()
+    with pytest.raises(Exception, match="train.compile 'sometimes'"):
+        composed(["experiment=debug", "train.compile=sometimes"])
+
+
+def test_train_compile_auto_compiles_on_cuda_below_zero3_only():
+    from train.build import compile_model
+    from train.config import TrainConfig
+
+    auto = TrainConfig()
+    assert auto.compiles("cuda", 2) and not auto.compiles("cuda", 3)
+    assert not auto.compiles("cpu", 0)  # make demo and CPU CI stay eager
+    assert TrainConfig(compile="true").compiles("cpu", 3)
+    assert not TrainConfig(compile="false").compiles("cuda", 0)
+    vtok = composed(["experiment=vtok_debug"]).vtok.build()
+    assert compile_model(vtok, asked=False) is False  # auto: left eager
+    with pytest.raises(ConfigError, match="no compiled form"):
+        compile_model(vtok, asked=True)
