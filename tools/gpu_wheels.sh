@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Fill .whl/ in the project checkout with the packages the GPU machine lacks (it has torch,
 # numba, tokenizers, safetensors, tensorboard, matplotlib, transformers; not DeepSpeed, Hydra,
-# webdataset, decord, nor pytest, which tools/gpu_check.sh runs the GPU tests with). Run from the project root on a machine that reaches the package index,
-# bring .whl/ along to the GPU machine, and run the line this script prints last there first.
+# webdataset, decord, nor pytest, which tools/gpu_check.sh runs the GPU tests with). Run from
+# the project root on a machine that reaches the package index, bring .whl/ along to the GPU
+# machine, and run the line this script prints last there first.
 # DeepSpeed ships only as an sdist: it is built here into a pure-Python wheel (DS_BUILD_OPS=0;
 # its ops are JIT-built there if a run needs them).
 set -euo pipefail

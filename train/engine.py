@@ -117,5 +117,6 @@ def global_grad_norm(engine) -> float:
     grads = [param.grad.detach() for param in engine.module.parameters() if param.grad is not None]
     if not grads:
         return 0.0
+    norms = torch.stack([torch.linalg.vector_norm(grad) for grad in grads])
     # One read-back for the whole model (not one per parameter: each waits for the device)
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+    return float(torch.linalg.vector_norm(norms))

@@ -30,12 +30,13 @@ class StepSums:
         self.vector: torch.Tensor | None = None
         self.host: dict[str, float] = {}
 
-    def _on_device(self, value) -> bool:
-        return torch.is_tensor(value) and value.device.type == self.device.type
-
     def add(self, values: Mapping[str, torch.Tensor | float]) -> None:
         """Add one micro-batch's values, key by key (the same keys every micro-batch)."""
-        device = {k: v for k, v in values.items() if self._on_device(v)}
+        device: dict[str, torch.Tensor] = {
+            k: v
+            for k, v in values.items()
+            if isinstance(v, torch.Tensor) and v.device.type == self.device.type
+        }
         for key, value in values.items():
             if key not in device:
                 self.host[key] = self.host.get(key, 0.0) + float(value)  # a host number

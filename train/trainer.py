@@ -29,8 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from train.callbacks.base import HALT, STOP, Callbacks, Decision, StepRecord
 from train.checkpoint import Checkpointer, rng_state, set_rng_state, tag_for
 from train.config import TrainConfig

@@ -170,7 +170,9 @@ def test_the_old_host_syncs_are_caught():
 def test_one_doc_rows_flag_chooses_the_causal_path_without_reading_doc_ids(kit):
     doc = torch.tensor([[0, 0, 0, 1], [0, 0, 0, 0]])
     assert build_attention_mask(2, 4, doc.device, doc_ids=doc, backend="sdpa").dense is not None
-    flagged = build_attention_mask(2, 4, doc.device, doc_ids=doc[:, :1].expand(2, 4), backend="sdpa")
+    flagged = build_attention_mask(
+        2, 4, doc.device, doc_ids=doc[:, :1].expand(2, 4), backend="sdpa"
+    )
     assert flagged.causal
     told = build_attention_mask(
         2, 4, doc.device, doc_ids=torch.zeros(2, 4, dtype=torch.long), one_doc_rows=False

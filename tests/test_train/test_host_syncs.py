@@ -39,7 +39,7 @@ def test_a_step_between_log_steps_reads_the_device_once(tiny_tokens, tmp_path):
     # (this fp32 ZeRO-0 engine's; under bf16 or ZeRO DeepSpeed's optimizer reads its own).
     expected = {
         line_of("train/step_sums.py", ".tolist()"): 1,
-        line_of("train/engine.py", "return float(torch.linalg.vector_norm"): 1,
+        line_of("train/engine.py", "return float(torch.linalg.vector_norm(norms))"): 1,
     }
     for step in (1, 2, 4, 5):  # not log steps (log_every 3), no evaluation, no checkpoint
         assert steps[step] == expected, (step, steps[step])

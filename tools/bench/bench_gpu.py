@@ -40,7 +40,12 @@ def batch(cfg, micro_batch: int, seq_len: int, docs: int, device, gen) -> dict:
         doc[bound:] += 1
     doc = doc.expand(micro_batch, seq_len).contiguous().to(device)
     # The loader's flag: rows of several documents (the model then never reads doc ids back)
-    return {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "doc_ids": doc, "one_doc_rows": docs <= 1}
+    return {
+        "input_ids": ids[:, :-1],
+        "labels": ids[:, 1:],
+        "doc_ids": doc,
+        "one_doc_rows": docs <= 1,
+    }
 
 
 def main(argv=None) -> dict:

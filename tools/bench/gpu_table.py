@@ -10,7 +10,9 @@ import json
 import sys
 from pathlib import Path
 
-HEAD = "| what | compile | tokens/s | MFU | step ms | peak GiB | loss |\n|---|---|---|---|---|---|---|"
+HEAD = (
+    "| what | compile | tokens/s | MFU | step ms | peak GiB | loss |\n|---|---|---|---|---|---|---|"
+)
 
 
 def bench_rows(out: Path) -> list[str]:
