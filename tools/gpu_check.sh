@@ -40,6 +40,10 @@ bench() {  # bench NAME SECONDS ARGS...
 }
 bench bench-125m-eager 40 --preset 125m --micro-batch 16 --steps 30 --warmup 5
 bench bench-125m-compiled 75 --preset 125m --micro-batch 16 --steps 30 --warmup 5 --compile
+if grep -q "illegal memory access" "$out/bench-125m-compiled.log"; then  # name the kernel
+  step bench-125m-compiled-blocking 45 env CUDA_LAUNCH_BLOCKING=1 "$py" tools/bench/bench_gpu.py \
+    --preset 125m --micro-batch 16 --seq-len 2048 --steps 2 --warmup 1 --compile
+fi
 bench bench-1b-eager 45 --preset 1b --micro-batch 8 --steps 20 --warmup 3
 bench bench-1b-compiled 75 --preset 1b --micro-batch 8 --steps 20 --warmup 3 --compile
 if [ -d "$data/tokens" ]; then
