@@ -6,6 +6,7 @@ Design choices:
   DeepSpeed owns partitioning, bf16 master weights, gradient accumulation and clipping.
 - No weight decay on norms, biases and embeddings (1-D tensors and ``nn.Embedding`` weights).
 - bf16 keeps fp32 master weights and accumulates gradients in fp32.
+- AdamW is torch's fused kernel on a GPU (one launch for the update).
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ def build_engine(model: nn.Module, cfg: RunConfig, world_size: int, *, total_ste
         betas=tuple(optim_cfg.betas),
         eps=optim_cfg.eps,
         weight_decay=optim_cfg.weight_decay,
+        # One fused kernel for the whole update on a GPU (the default for-each path launches
+        # several per parameter group); an offloaded optimizer steps on the CPU
+        fused=torch.cuda.is_available() and not cfg.deepspeed.offload_optimizer,
     )
     mult = partial(
         lr_multiplier,
