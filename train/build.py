@@ -14,12 +14,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 
 from train.callbacks.base import Callback, Callbacks
 from train.callbacks.checkpointing import Checkpointing
 from train.callbacks.data_health import DataHealth
 from train.callbacks.evaluation import Evaluation
-from train.callbacks.metrics_log import JsonlSink, MetricSink, MetricsLog, TensorBoardSink
+from train.callbacks.metrics_log import (
+    JsonlSink,
+    MetricSink,
+    MetricsLog,
+    TensorBoardSink,
+    WandbSink,
+)
 from train.callbacks.monitoring import Monitoring, Rollback
 from train.callbacks.preemption import Preemption
 from train.callbacks.progress import ProgressBar
@@ -140,6 +147,11 @@ def build_trainer(
         sinks.append(JsonlSink(run_dir / METRICS_FILE))
         if train_cfg.tensorboard:
             sinks.append(TensorBoardSink(run_dir / "tb"))
+        if train_cfg.wandb:
+            config = yaml.safe_load(resolved_yaml)
+            sinks.append(
+                WandbSink(run_dir, project=train_cfg.wandb_project, name=cfg.name, config=config)
+            )
     precision = "bf16" if train_cfg.bf16 else "fp32"
     describe = (
         f"run {cfg.name} ({cfg.task}) in {run_dir}: {dist.world_size} rank(s) on "

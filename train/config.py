@@ -67,6 +67,10 @@ class TrainConfig:
     )
     progress: bool = True  # a progress bar on rank 0
     tensorboard: bool = True
+    # Weights & Biases beside TensorBoard, same metric names (pip install 'earlyfuse[wandb]';
+    # WANDB_MODE=offline logs to RUN_DIR/wandb without an account)
+    wandb: bool = False
+    wandb_project: str = "earlyfuse"
     # torch.compile each transformer block and the loss head (fullgraph; model.compile_blocks):
     # auto: on CUDA below ZeRO-3 (whose parameter hooks compiled code does not see), off on CPU,
     # where compiling a small model costs more than it saves; true | false: as said.
