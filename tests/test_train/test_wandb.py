@@ -1,5 +1,6 @@
 """Weights & Biases as an optional sink (``train.wandb=true``), offline: the same metric names as
-TensorBoard and metrics.jsonl at every step, and a resumed run continuing the same W&B run. Skipped where the optional ``wandb`` extra is not installed."""
+TensorBoard and metrics.jsonl at every step, and a resumed run continuing the same W&B run.
+Skipped where the optional ``wandb`` extra is not installed."""
 
 from __future__ import annotations
 
