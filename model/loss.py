@@ -5,7 +5,8 @@ Design choices:
   ignore). Every position goes through the output head and an ignored one is weighted 0: picking
   the label positions out first (``nonzero``) would make a shape that depends on the data, which
   waits for the device and breaks a compiled graph. The cost is the head's work on the ignored
-  positions (padding, and image tokens when bidirectional images leave them unlabelled).
+  positions (padding, and image tokens when bidirectional images leave them unlabelled). Eager
+  on the CPU, where nothing waits, only the label positions go through it.
 - CE and z-loss are one fused, chunked op (``chunked_linear_cross_entropy``): for each chunk of
   label tokens, logits = h @ W^T are made in the compute dtype and upcast to float32 one chunk
   at a time; log Z, the target logit and the monitors' reductions are read off that chunk, and
@@ -212,15 +213,23 @@ def lm_loss(
     """final: normed hidden [B, T, D]; residual: pre-norm hidden (for the norm monitor)."""
     dim = final.shape[-1]
     flat = labels.reshape(-1)
+    hidden, residual = final.reshape(-1, dim), residual.reshape(-1, dim)
+    label_mods = label_modality.reshape(-1).long()
+    if final.device.type == "cpu" and not torch.compiler.is_compiling():
+        # Eager on the CPU nothing waits for a read-back: only the label positions go through
+        # the head (the same values; the compiled tests compare the two ways)
+        keep = (flat != cfg.ignore_index).nonzero().squeeze(1)
+        flat, hidden, residual, label_mods = (
+            tensor.index_select(0, keep) for tensor in (flat, hidden, residual, label_mods)
+        )
     # Every position, ignored ones weighted 0 (no nonzero(): no data-dependent shape, no sync)
     is_label = flat != cfg.ignore_index
     num_labels = is_label.sum()
     weight_of = is_label.float()
     token_scale = weight_of / num_labels.clamp(min=1).float()
     targets = torch.where(is_label, flat, torch.zeros_like(flat))
-    label_mods = label_modality.reshape(-1).long()
     loss, ce_per_token, lse, gap = chunked_linear_cross_entropy(
-        final.reshape(-1, dim),
+        hidden,
         weight,
         targets,
         z_loss_coef=cfg.z_loss_coef,
@@ -230,7 +239,7 @@ def lm_loss(
         token_scale=token_scale,
     )
     with torch.no_grad():
-        hnorm = residual.reshape(-1, dim).float().norm(dim=-1)
+        hnorm = residual.float().norm(dim=-1)
 
         def per_mod(x: Tensor) -> Tensor:
             return torch.zeros(NUM_MODALITIES, dtype=torch.float32, device=x.device).index_add_(
