@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 DEMO_DIR ?= runs/demo
 STAMP := $(VENV)/.earlyfuse-installed
 
-.PHONY: demo test test-slow lint bench venv clean-demo
+.PHONY: demo test test-slow test-gpu gpu-check lint bench venv clean-demo
 
 venv: $(STAMP)
 
@@ -36,6 +36,15 @@ test: lint
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow
+
+# On a CUDA machine (skipped elsewhere): tests/test_gpu. docs/benchmarks.md, "The GPU check".
+test-gpu: $(STAMP)
+	$(PY) -m pytest -m gpu tests/test_gpu
+
+# The prepared GPU check: GPU tests, throughput table, the trainer; logs in $(OUT).
+OUT ?= runs/gpu_check
+gpu-check:
+	PYTHON=$(if $(wildcard $(PY)),$(PY),python3) tools/gpu_check.sh $(OUT)
 
 # The demo, end to end on CPU (README "Quick start"): a small real corpus built offline ->
 # raw shards -> text BPE and visual tokenizer -> token shards -> the early-fusion LM.

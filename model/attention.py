@@ -6,7 +6,17 @@ Design choices:
   FlexAttention ``mask_mod`` and the dense boolean mask for SDPA are both made from it, so the
   two backends cannot drift apart (tested to agree).
 - The mask is built ONCE per batch (``build_attention_mask``) and shared by every layer: building
-  a FlexAttention block mask can cost more than the attention itself.
+  a FlexAttention block mask can cost more than the attention itself. On CUDA the block mask is
+  built by FlexAttention's compiled builder (``_compile=True``): the uncompiled one materialises
+  the [T, T] mask first.
+- No host sync: whether every row holds one document (then plain causal attention is exact) is
+  decided on the CPU, from the loader's batch (``one_doc_rows``, from its table of document
+  pieces) or from CPU doc ids; doc ids already on a GPU without the flag get the document mask
+  (always exact) rather than a read-back. So a compiled block (``torch.compile(fullgraph=True)``)
+  never breaks its graph on the mask.
+- A block mask is checked against the queries and keys it is used with (its batch, query and
+  key lengths, plain ints): FlexAttention reads outside its tensors when they do not match, which
+  surfaces as a CUDA "illegal memory access" far from the cause.
 - Backend ``auto`` picks FlexAttention on CUDA (compiled, block-sparse: skips the cross-document
   blocks) and SDPA with an explicit boolean mask elsewhere. On CPU, FlexAttention has no
   backward (torch 2.13 raises), so ``flex`` on CPU is allowed only without gradients.
@@ -144,12 +154,19 @@ def build_attention_mask(
     sliding_window: int = 0,
     bidirectional_images: bool = False,
     backend: str = "auto",
+    one_doc_rows: bool | None = None,
 ) -> AttentionMask:
-    """Build the mask for a [batch, seq_len] batch once; pass it to every layer."""
+    """Build the mask for a [batch, seq_len] batch once; pass it to every layer.
+
+    ``one_doc_rows``: the caller knows (on the CPU) whether every row holds at most one
+    document; None: found from ``doc_ids`` when they are on the CPU, else the document mask is
+    used (exact either way; never a read-back from the device)."""
     backend = resolve_backend(backend, device)
     bidir_image_ids = image_ids if (bidirectional_images and image_ids is not None) else None
     doc = doc_ids
-    if doc is not None and bool((doc == doc[:, :1]).all()):
+    if doc is not None and one_doc_rows is None and doc.device.type == "cpu":
+        one_doc_rows = bool((doc == doc[:, :1]).all())  # on the host: no device to wait for
+    if one_doc_rows:
         doc = None  # one document per row: the causal fast path is exact
     if backend == "flex":
 
@@ -163,6 +180,7 @@ def build_attention_mask(
             seq_len,
             seq_len,
             device=device,
+            _compile=device.type == "cuda",
         )
         return AttentionMask(block_mask=block_mask)
     if doc is None and bidir_image_ids is None and not sliding_window:
@@ -190,10 +208,25 @@ def decode_mask(
 _compiled_flex: Callable[..., Tensor] | None = None
 
 
+def check_block_mask(block_mask, q: Tensor, k: Tensor) -> None:
+    """The block mask was built for these queries and keys (plain ints: no sync, and a compiled
+    graph keeps them as guards)."""
+    mask_batch, _, q_len, kv_len = block_mask.shape
+    if (q_len, kv_len) != (q.shape[-2], k.shape[-2]) or mask_batch not in (1, q.shape[0]):
+        raise ValueError(
+            f"attention mask built for batch {mask_batch}, {q_len} queries and {kv_len} keys, "
+            f"used with batch {q.shape[0]}, {q.shape[-2]} queries and {k.shape[-2]} keys: "
+            "build it for the batch it is used with (build_attention_mask)"
+        )
+
+
 def _flex(q: Tensor, k: Tensor, v: Tensor, block_mask, gqa: bool, compile_flex: bool) -> Tensor:
     global _compiled_flex
+    check_block_mask(block_mask, q, k)
     attend: Callable[..., Tensor] = flex_attention
-    if compile_flex and q.device.type == "cuda":
+    if torch.compiler.is_compiling():
+        pass  # inside a compiled block: FlexAttention is compiled with it
+    elif compile_flex and q.device.type == "cuda":
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
         attend = _compiled_flex

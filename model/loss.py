@@ -2,7 +2,11 @@
 
 Design choices:
 - Labels are already shifted: ``labels[b, i]`` is the token predicted at position i (-100 to
-  ignore). Only label positions go through the output head.
+  ignore). Every position goes through the output head and an ignored one is weighted 0: picking
+  the label positions out first (``nonzero``) would make a shape that depends on the data, which
+  waits for the device and breaks a compiled graph. The cost is the head's work on the ignored
+  positions (padding, and image tokens when bidirectional images leave them unlabelled). Eager
+  on the CPU, where nothing waits, only the label positions go through it.
 - CE and z-loss are one fused, chunked op (``chunked_linear_cross_entropy``): for each chunk of
   label tokens, logits = h @ W^T are made in the compute dtype and upcast to float32 one chunk
   at a time; log Z, the target logit and the monitors' reductions are read off that chunk, and
@@ -10,8 +14,9 @@ Design choices:
   chunk is freed (Liger-style fused linear cross-entropy). Peak memory is one [chunk, V] float32
   block instead of [N, V]; there is no second pass over the logits and no recomputation in
   backward, which only scales the stored gradients by the incoming scalar.
-- The differentiable output is the scalar ``mean(CE) + z_coef * mean(logZ^2)`` (PaLM z-loss);
-  per-token CE and log Z come out detached, for the monitors.
+- The differentiable output is the scalar ``mean(CE) + z_coef * mean(logZ^2)`` (PaLM z-loss)
+  over the label tokens, a sum weighted per token (``1 / labels`` on a label, 0 elsewhere): the
+  count stays on the device; per-token CE and log Z come out detached, for the monitors.
 - Per-modality sums and counts (never means) so monitors can reduce them across ranks exactly.
   A label's modality is the modality of the *target* token (``label_modality``, by default the
   next position's ``modality``).
@@ -88,7 +93,7 @@ class LossResult(NamedTuple):
 
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, targets, ce_scale, z_scale, chunk_size, text_end, visual_start):
+    def forward(ctx, h, weight, targets, token_scale, z_coef, chunk_size, text_end, visual_start):
         num_tokens, vocab_size = h.shape[0], weight.shape[0]
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         ce_per_token = torch.empty(num_tokens, dtype=torch.float32, device=h.device)
@@ -101,6 +106,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         for start in range(0, num_tokens, chunk_size):
             hidden_chunk = h[start : start + chunk_size]
             target_chunk = targets[start : start + chunk_size]
+            ce_scale = token_scale[start : start + chunk_size]
             logits = (hidden_chunk @ weight.t()).float()  # [n, V], the only big buffer
             target_logit = logits.gather(1, target_chunk[:, None]).squeeze(1)
             if visual_start < vocab_size and text_end > 0:
@@ -116,14 +122,12 @@ class _ChunkedLinearCE(torch.autograd.Function):
             lse[start : start + chunk_size] = lse_c
             if need_grad:
                 assert grad_h is not None and grad_w is not None  # allocated when need_grad
-                # d/dlogits [ce_scale * (lse - logit_t) + z_scale * lse^2]
-                #   = (ce_scale + 2 z_scale lse) * softmax - ce_scale * onehot(t)
-                grad_logits = logits.mul_(((ce_scale + 2.0 * z_scale * lse_c) / sumexp)[:, None])
-                grad_logits.scatter_add_(
-                    1,
-                    target_chunk[:, None],
-                    torch.full((target_chunk.shape[0], 1), -ce_scale, device=grad_logits.device),
+                # per token, with s its scale: d/dlogits s * [(lse - logit_t) + z_coef * lse^2]
+                #   = s * (1 + 2 z_coef lse) * softmax - s * onehot(t)
+                grad_logits = logits.mul_(
+                    (ce_scale * (1.0 + 2.0 * z_coef * lse_c) / sumexp)[:, None]
                 )
+                grad_logits.scatter_add_(1, target_chunk[:, None], -ce_scale[:, None])
                 grad_logits = grad_logits.to(h.dtype)
                 grad_h[start : start + chunk_size] = grad_logits @ weight
                 if hidden_chunk.dtype == torch.float32:
@@ -131,7 +135,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 else:
                     grad_w += (grad_logits.t() @ hidden_chunk).float()
             logits = grad_logits = None  # free this chunk before the next one is made
-        loss = ce_scale * ce_per_token.sum() + z_scale * lse.pow(2).sum()
+        loss = (token_scale * (ce_per_token + z_coef * lse.pow(2))).sum()
         if grad_w is not None:
             ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
         ctx.mark_non_differentiable(ce_per_token, lse, gap)
@@ -166,25 +170,31 @@ def chunked_linear_cross_entropy(
     chunk_size: int = 1024,
     text_end: int = 0,
     visual_start: int | None = None,
+    token_scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """h [N, D], weight [V, D], targets [N] -> (mean CE + z_coef * mean lse^2, ce [N], lse [N], gap [N]).
 
+    ``token_scale`` [N] float32: each token's weight in the loss (default ``1 / N`` each: the
+    mean); a token of weight 0 contributes nothing, to the loss or to the gradients.
     ``chunk_size`` 0 runs the plain, unchunked autograd reference (same results)."""
     num_tokens, vocab_size = h.shape[0], weight.shape[0]
     visual_start = vocab_size if visual_start is None else visual_start
-    scale = 1.0 / max(num_tokens, 1)
+    if token_scale is None:
+        token_scale = torch.full(
+            (num_tokens,), 1.0 / max(num_tokens, 1), dtype=torch.float32, device=h.device
+        )
     if chunk_size <= 0:
         logits = (h @ weight.t()).float()
         lse = torch.logsumexp(logits, -1)
         ce_per_token = F.cross_entropy(logits, targets, reduction="none")
-        loss = ce_per_token.sum() * scale + z_loss_coef * scale * lse.pow(2).sum()
+        loss = (token_scale * (ce_per_token + z_loss_coef * lse.pow(2))).sum()
         with torch.no_grad():
             gap = torch.zeros_like(ce_per_token)
             if visual_start < vocab_size and text_end > 0:
                 gap = logits[:, visual_start:].mean(-1) - logits[:, :text_end].mean(-1)
         return loss, ce_per_token.detach(), lse.detach(), gap
     return _ChunkedLinearCE.apply(
-        h, weight, targets, scale, z_loss_coef * scale, chunk_size, text_end, visual_start
+        h, weight, targets, token_scale, z_loss_coef, chunk_size, text_end, visual_start
     )
 
 
@@ -203,10 +213,21 @@ def lm_loss(
     """final: normed hidden [B, T, D]; residual: pre-norm hidden (for the norm monitor)."""
     dim = final.shape[-1]
     flat = labels.reshape(-1)
-    label_index = (flat != cfg.ignore_index).nonzero().squeeze(1)
-    targets = flat.index_select(0, label_index)
-    label_mods = label_modality.reshape(-1).index_select(0, label_index)
-    hidden = final.reshape(-1, dim).index_select(0, label_index)
+    hidden, residual = final.reshape(-1, dim), residual.reshape(-1, dim)
+    label_mods = label_modality.reshape(-1).long()
+    if final.device.type == "cpu" and not torch.compiler.is_compiling():
+        # Eager on the CPU nothing waits for a read-back: only the label positions go through
+        # the head (the same values; the compiled tests compare the two ways)
+        keep = (flat != cfg.ignore_index).nonzero().squeeze(1)
+        flat, hidden, residual, label_mods = (
+            tensor.index_select(0, keep) for tensor in (flat, hidden, residual, label_mods)
+        )
+    # Every position, ignored ones weighted 0 (no nonzero(): no data-dependent shape, no sync)
+    is_label = flat != cfg.ignore_index
+    num_labels = is_label.sum()
+    weight_of = is_label.float()
+    token_scale = weight_of / num_labels.clamp(min=1).float()
+    targets = torch.where(is_label, flat, torch.zeros_like(flat))
     loss, ce_per_token, lse, gap = chunked_linear_cross_entropy(
         hidden,
         weight,
@@ -215,19 +236,22 @@ def lm_loss(
         chunk_size=cfg.chunk_size,
         text_end=text_end,
         visual_start=visual_start,
+        token_scale=token_scale,
     )
-    num_labels = label_index.numel()
     with torch.no_grad():
-        hnorm = residual.reshape(-1, dim).index_select(0, label_index).float().norm(dim=-1)
+        hnorm = residual.float().norm(dim=-1)
 
         def per_mod(x: Tensor) -> Tensor:
             return torch.zeros(NUM_MODALITIES, dtype=torch.float32, device=x.device).index_add_(
-                0, label_mods, x.float()
+                0, label_mods, x.float() * weight_of
             )
 
-        count = torch.bincount(label_mods, minlength=NUM_MODALITIES)
-        ce_mean = ce_per_token.sum() / max(num_labels, 1)
-        z_mean = lse.pow(2).sum() / max(num_labels, 1)
+        # scatter, not bincount: bincount's length depends on the data (a read-back)
+        count = torch.zeros(NUM_MODALITIES, dtype=torch.long, device=flat.device).index_add_(
+            0, label_mods, is_label.long()
+        )
+        ce_mean = (ce_per_token * token_scale).sum()
+        z_mean = (lse.pow(2) * token_scale).sum()
     zero = loss.new_zeros(())
     moe = moe or {}
     aux = moe.get("aux_loss", zero)
@@ -236,7 +260,7 @@ def lm_loss(
         ce=ce_mean,
         z_loss=z_mean,
         aux_loss=aux.detach(),
-        num_tokens=torch.tensor(num_labels, device=loss.device),
+        num_tokens=num_labels,
         ce_sum=per_mod(ce_per_token),
         count=count,
         logz_sum=per_mod(lse),

@@ -70,9 +70,13 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq = self.inv_freq(position_ids.device)  # [hd/2]
         if self.sections and position_thw is not None:
             # Pick, per frequency, the position component of its section: [B, T, hd/2].
-            which = torch.repeat_interleave(
-                torch.arange(3, device=position_ids.device),
-                torch.tensor(self.sections, device=position_ids.device),
+            # Made on the device (a tensor of the sections copied from the host would make the
+            # host wait for the device at every forward)
+            which = torch.cat(
+                [
+                    torch.full((size,), part, dtype=torch.long, device=position_ids.device)
+                    for part, size in enumerate(self.sections)
+                ]
             )
             pos = position_thw.float().index_select(-1, which)
             angles = pos * inv_freq

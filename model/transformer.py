@@ -17,6 +17,12 @@ Design choices:
   wraps it as is and calls ``engine.backward(result.loss)``.
 - Activation checkpointing is a per-block flag (``activation_checkpoint_every``: 1 = every
   block, 2 = every other, 0 = none), non-reentrant torch.utils.checkpoint.
+- ``compile_blocks`` compiles each block and the loss head on their own (``torch.compile``,
+  ``fullgraph=True``: a graph break is an error, not a silent slowdown), as torchtitan and
+  OLMo-core do: one block's graph is compiled once and reused by every layer, and the mask and
+  RoPE tables built once per batch come in as inputs. A block with a modality-routed FFN or a
+  MoE compiles its attention only: their routing picks rows by the data (``nonzero``).
+  ``Module.compile`` leaves the module tree and the state-dict keys as they are.
 """
 
 from __future__ import annotations
@@ -227,6 +233,14 @@ class Transformer(nn.Module):
                 stats.append(layer_stats)
         return hidden, stats
 
+    def compile_blocks(self, *, backend: str = "inductor") -> None:
+        """Compile every block (or, for routed FFNs, its attention) and the loss head, each
+        with ``fullgraph=True`` and static shapes (a packed batch's shape never changes)."""
+        for layer in self.blocks():
+            target = layer if isinstance(layer.feed_forward, FeedForward) else layer.attention
+            target.compile(fullgraph=True, dynamic=False, backend=backend)
+        self.output.compile(fullgraph=True, dynamic=False, backend=backend)
+
     def _grid_embedding(self, position_thw: Tensor, modality: Tensor) -> Tensor:
         """Row and column embeddings of image codes, zero elsewhere. An image's codes sit at
         (t, h, w) = (s, s + row, s + col) (LayoutTracker), so row = h - t and col = w - t.
@@ -265,11 +279,15 @@ class Transformer(nn.Module):
         label_modality: Tensor | None = None,
         num_real_tokens: Tensor | int | None = None,  # accepted so ``model(**batch)`` works; unused
         mask: AttentionMask | None = None,
+        one_doc_rows: bool | None = None,
     ) -> LossResult | Tensor:
         """All tensors [B, T] (position_thw [B, T, 3]). Missing ones default to: one document
         per row, positions from doc_ids (restarting per document), modality TEXT, no images.
         ``mask``: an attention mask built already (a sequence-parallel shard brings its whole
         row's, model/sequence_parallel.py); else it is built here from doc_ids and image_ids.
+        ``one_doc_rows``: every row holds at most one document, known on the CPU (the loader's
+        batch says so); None: worked out without a read-back from the device
+        (``build_attention_mask``).
         Returns a LossResult when ``labels`` (already shifted) are given, else logits [B, T, V]."""
         batch_size, seq_len = input_ids.shape
         if modality is None:
@@ -290,6 +308,7 @@ class Transformer(nn.Module):
                 sliding_window=self.cfg.attention.sliding_window,
                 bidirectional_images=self.cfg.attention.bidirectional_images,
                 backend=self.cfg.attention.backend,
+                one_doc_rows=one_doc_rows,
             )
         hidden, stats = self._trunk(
             input_ids,

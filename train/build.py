@@ -14,12 +14,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 
 from train.callbacks.base import Callback, Callbacks
 from train.callbacks.checkpointing import Checkpointing
 from train.callbacks.data_health import DataHealth
 from train.callbacks.evaluation import Evaluation
-from train.callbacks.metrics_log import JsonlSink, MetricSink, MetricsLog, TensorBoardSink
+from train.callbacks.metrics_log import (
+    JsonlSink,
+    MetricSink,
+    MetricsLog,
+    TensorBoardSink,
+    WandbSink,
+)
 from train.callbacks.monitoring import Monitoring, Rollback
 from train.callbacks.preemption import Preemption
 from train.callbacks.progress import ProgressBar
@@ -70,6 +77,22 @@ def total_steps(train: TrainConfig, stream: BatchStream) -> int:
     return steps
 
 
+def compile_model(model: torch.nn.Module, *, asked: bool) -> bool:
+    """``train.compile``: the LM's blocks and loss head (model/transformer.py). A model without a
+    compiled form (the visual tokenizer) is left as it is, or refused when compiling was
+    ``asked`` for explicitly. Whether the model is compiled now."""
+    compile_blocks = getattr(model, "compile_blocks", None)
+    if compile_blocks is None:
+        if asked:
+            raise ConfigError(
+                f"train.compile=true: {type(model).__name__} has no compiled form; "
+                "set train.compile to auto or false"
+            )
+        return False
+    compile_blocks()
+    return True
+
+
 def resuming_universal(checkpointer: Checkpointer, world_size: int) -> bool:
     """Resuming a ZeRO checkpoint of another world size through its universal/ conversion."""
     tag = checkpointer.latest() if checkpointer.dir.is_dir() else None
@@ -97,6 +120,9 @@ def build_trainer(
         from train.init_from import init_from_release
 
         init_from_release(model, cfg, task, dist.is_main)
+    compiled = cfg.train.compiles(dist.device.type, cfg.deepspeed.zero_stage)
+    if compiled:
+        compiled = compile_model(model, asked=cfg.train.compile == "true")
     run_dir = Path(cfg.run_dir)
     checkpointer = Checkpointer(run_dir, dist, cfg.train.keep_last)
     if cfg.train.resume and resuming_universal(checkpointer, dist.world_size):
@@ -123,10 +149,16 @@ def build_trainer(
         sinks.append(JsonlSink(run_dir / METRICS_FILE))
         if train_cfg.tensorboard:
             sinks.append(TensorBoardSink(run_dir / "tb"))
+        if train_cfg.wandb:
+            config = yaml.safe_load(resolved_yaml)
+            sinks.append(
+                WandbSink(run_dir, project=train_cfg.wandb_project, name=cfg.name, config=config)
+            )
     precision = "bf16" if train_cfg.bf16 else "fp32"
     describe = (
         f"run {cfg.name} ({cfg.task}) in {run_dir}: {dist.world_size} rank(s) on "
         f"{dist.device.type}, ZeRO {cfg.deepspeed.zero_stage}, {precision}"
+        + (", compiled" if compiled else "")
     )
     callbacks = [
         RunInfo(run_dir=run_dir, resolved_yaml=resolved_yaml, describe=describe, is_main=main),

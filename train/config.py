@@ -21,6 +21,7 @@ from train.schedule import LrChange
 from train.skip_step import SkipStepConfig
 
 TASKS = ("lm", "vtok")
+COMPILE_CHOICES = ("auto", "true", "false")
 
 
 @dataclass(kw_only=True)
@@ -73,6 +74,27 @@ class TrainConfig:
     # parallelism, model/sequence_parallel.py); 1: off. N must divide model.attention.n_heads,
     # data.seq_len and the number of processes (docs/long_context.md).
     sequence_parallel: int = 1
+    # Weights & Biases beside TensorBoard, same metric names (pip install 'earlyfuse[wandb]';
+    # WANDB_MODE=offline logs to RUN_DIR/wandb without an account)
+    wandb: bool = False
+    wandb_project: str = "earlyfuse"
+    # torch.compile each transformer block and the loss head (fullgraph; model.compile_blocks):
+    # auto: on CUDA below ZeRO-3 (whose parameter hooks compiled code does not see), off on CPU,
+    # where compiling a small model costs more than it saves; true | false: as said.
+    compile: str = "auto"
+
+    def __post_init__(self) -> None:
+        self.compile = str(self.compile).lower()  # YAML's and the command line's true/false too
+        if self.compile not in COMPILE_CHOICES:
+            raise ValueError(
+                f"train.compile {self.compile!r}: choose one of {', '.join(COMPILE_CHOICES)}"
+            )
+
+    def compiles(self, device_type: str, zero_stage: int) -> bool:
+        """Whether this run compiles its model (``compile`` resolved on its device)."""
+        if self.compile == "auto":
+            return device_type == "cuda" and zero_stage < 3
+        return self.compile == "true"
 
 
 @dataclass(kw_only=True)

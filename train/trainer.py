@@ -23,22 +23,21 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from train.callbacks.base import HALT, STOP, Callbacks, Decision, StepRecord
 from train.checkpoint import Checkpointer, tag_for
 from train.config import TrainConfig
 from train.config_check import check_resume_config
-from train.dist import DistInfo, all_reduce_sum, barrier
+from train.dist import DistInfo, barrier
 from train.names import CONFIG_FILE, FINAL_FILE
 from train.rng_state import rng_state, set_rng_state
 from train.skip_step import SkipStepAdamW, UpdateGate
+from train.step_sums import StepSums
 from train.streams import BatchStream
 from train.tasks.base import Task
 
@@ -47,20 +46,6 @@ log = logging.getLogger(__name__)
 
 class RunHalted(RuntimeError):
     """A monitor ordered the run to stop (its alarm is in alarms.jsonl and on the console)."""
-
-
-def accumulate(sums: dict[str, float], values: Mapping[str, float]) -> None:
-    for key, value in values.items():
-        sums[key] = sums.get(key, 0.0) + value
-
-
-def reduce_sums(sums: Mapping[str, float], device: torch.device) -> dict[str, float]:
-    """Sum every metric over ranks in one collective (sums and counts, never means)."""
-    keys = sorted(sums)
-    vec = all_reduce_sum(
-        torch.tensor([float(sums[key]) for key in keys], dtype=torch.float64, device=device)
-    )
-    return dict(zip(keys, vec.tolist()))
 
 
 @dataclass(kw_only=True, eq=False)
@@ -119,7 +104,7 @@ class Trainer:
         ended before the step was complete (its partial gradients are never applied)."""
         self.callbacks.pre_step(self, step)
         start, wait = time.perf_counter(), 0.0
-        sums: dict[str, float] = {}
+        sums = StepSums(self.dist.device)  # on the device until the step's one read-back
         reduced: dict[str, float] = {}
         for micro in range(self.train.grad_accum):
             waited = time.perf_counter()
@@ -129,12 +114,13 @@ class Trainer:
                 return None
             out = self.task.forward(self.engine, batch)
             self.engine.backward(out.loss)
-            accumulate(sums, {name: float(value) for name, value in out.sums.items()})
-            accumulate(sums, {"loss_sum": float(out.loss.detach()), "micro": 1, "units": out.units})
+            sums.add({**out.sums, "loss_sum": out.loss.detach(), "micro": 1, "units": out.units})
             if micro == self.train.grad_accum - 1:
                 # The skip-step gate needs this step's loss, identical on every rank, before
-                # engine.step() applies (or drops) the update.
-                reduced = reduce_sums(sums, self.dist.device)
+                # engine.step() applies (or drops) the update: the step's one read-back, which
+                # also carries the callbacks' flags (a preemption signal) to every rank.
+                sums.add(self.callbacks.step_flags(self))
+                reduced = sums.reduce()
                 self.gate.begin(step - 1, reduced["loss_sum"] / reduced["micro"], reduced)
             self.engine.step()
         return StepRecord(sums=reduced, seconds=time.perf_counter() - start, data_wait=wait)

@@ -133,6 +133,10 @@ class PackedBatch:
         # from_numpy: torch.tensor of Python numbers costs several times more, per batch
         batch["num_real_tokens"] = torch.from_numpy(np.array(self.real, np.int64))
         batch["pieces"] = torch.from_numpy(self.pieces)
+        # Every row holds at most one document piece: causal attention is then exact and the
+        # model skips the document mask (decided here, on the CPU, so the model never reads its
+        # doc ids back from the GPU to find out)
+        batch["one_doc_rows"] = torch.from_numpy(np.array(self.pieces.shape[1] <= 1))
         batch["dropped_blocks"] = torch.from_numpy(self.dropped)
         batch["tokens_by_source"] = torch.from_numpy(np.asarray(self.tokens_by_source, np.int64))
         return batch

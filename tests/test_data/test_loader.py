@@ -376,3 +376,18 @@ def test_each_step_carries_the_mix_not_one_long_document(tiny_tokens):
     total = sum(delivered["tokens_by_source"].values())
     for name, w in weights.items():
         assert abs(delivered["tokens_by_source"][name] / total - w) < 0.03
+
+
+def test_one_doc_rows_flag_says_whether_every_row_holds_one_document(tiny_tokens):
+    """The batch tells the model, on the CPU, when causal attention is exact (every row's real
+    tokens are one document): the model then never reads its doc ids back from the GPU."""
+    seen = set()
+    for seq_len in (32, 512):
+        cfg = cfg_for(tiny_tokens, {"code": 1.0, "text": 1.0}, seq_len=seq_len)
+        for batch in take(build_loader(cfg, rank=0, world_size=1, micro_batch=2), 6):
+            doc, real = batch["doc_ids"], batch["labels"] != -100
+            one_doc = all(len(set(doc[row][doc[row] >= 0].tolist())) <= 1 for row in range(2))
+            assert bool(batch["one_doc_rows"]) == one_doc, (seq_len, doc)
+            assert real.any()
+            seen.add(one_doc)
+    assert seen == {True, False}

@@ -180,3 +180,25 @@ def test_a_typo_inside_a_list_element_of_an_override_names_the_key(tmp_path):
     p = train(["experiment=debug", f"run_dir={tmp_path / 'r'}", bad], check=False)
     assert p.returncode == 2, p.stderr[-2000:]
     assert "did you mean data.sources[0].shards?" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("value", ["true", "false", "auto", "True"])
+def test_train_compile_takes_auto_true_false(value):
+    assert composed(["experiment=debug", f"train.compile={value}"]).train.compile == value.lower()
+    with pytest.raises(Exception, match="train.compile 'sometimes'"):
+        composed(["experiment=debug", "train.compile=sometimes"])
+
+
+def test_train_compile_auto_compiles_on_cuda_below_zero3_only():
+    from train.build import compile_model
+    from train.config import TrainConfig
+
+    auto = TrainConfig()
+    assert auto.compiles("cuda", 2) and not auto.compiles("cuda", 3)
+    assert not auto.compiles("cpu", 0)  # make demo and CPU CI stay eager
+    assert TrainConfig(compile="true").compiles("cpu", 3)
+    assert not TrainConfig(compile="false").compiles("cuda", 0)
+    vtok = composed(["experiment=vtok_debug"]).vtok.build()
+    assert compile_model(vtok, asked=False) is False  # auto: left eager
+    with pytest.raises(ConfigError, match="no compiled form"):
+        compile_model(vtok, asked=True)

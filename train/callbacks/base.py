@@ -6,6 +6,10 @@ order the callbacks were registered (``train/build.py`` registers them, once):
     pre_train(trainer, step)            after the resume, before the first step (``step``: where
                                         the run starts)
     pre_step(trainer, step)             before step ``step`` (1-based) draws its first batch
+    step_flags(trainer)                 before the step's sums are reduced over ranks: numbers
+                                        to sum with them (``record.sums`` has their totals), so
+                                        that every rank learns them without a collective of
+                                        their own
     post_step(trainer, step, record)    after the optimizer step: read ``record.sums`` (reduced over
                                         ranks), add to ``record.metrics``, return a ``Decision``
                                         or None
@@ -86,6 +90,9 @@ class Callback:
     def pre_step(self, trainer: Trainer, step: int) -> None:
         pass
 
+    def step_flags(self, trainer: Trainer) -> dict[str, float]:
+        return {}
+
     def post_step(self, trainer: Trainer, step: int, record: StepRecord) -> Decision | None:
         return None
 
@@ -127,6 +134,12 @@ class Callbacks:
     def pre_step(self, trainer: Trainer, step: int) -> None:
         for c in self.items:
             c.pre_step(trainer, step)
+
+    def step_flags(self, trainer: Trainer) -> dict[str, float]:
+        flags: dict[str, float] = {}
+        for c in self.items:
+            flags.update(c.step_flags(trainer))
+        return flags
 
     def post_step(self, trainer: Trainer, step: int, record: StepRecord) -> Decision | None:
         # Every callback sees every step, even after an earlier one decided something.

@@ -1,5 +1,6 @@
-"""Where each step's metrics go: ``metrics.jsonl`` and TensorBoard every step, one fixed-field
-console line (through Python ``logging``) every ``train.log_every`` steps.
+"""Where each step's metrics go: ``metrics.jsonl``, TensorBoard and (``train.wandb``) Weights &
+Biases every step, one fixed-field console line (through Python ``logging``) every
+``train.log_every`` steps.
 
 Metric names are namespaced (OLMo-core style): ``train/…``, ``loss/<m>``, ``optim/…``,
 ``throughput/…``, ``eval/…``, ``val/…``, ``monitor/…``, ``data/…``. The console line always has
@@ -17,6 +18,7 @@ Design choices:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -115,6 +117,47 @@ class TensorBoardSink:
 
     def close(self) -> None:
         self.writer.close()
+
+
+class WandbSink:
+    """Weights & Biases (``train.wandb``): every finite number under the same name as in
+    TensorBoard, at its step; the resolved config as the run's config; its files in
+    ``RUN_DIR/wandb``. The W&B run's id is made from the run folder, so a resumed run continues
+    the same W&B run. Where it logs (account, offline) is W&B's own environment: ``WANDB_MODE``
+    (``offline`` writes locally, ``wandb sync`` uploads later), ``WANDB_ENTITY``, ... A step
+    logged again after a resume or a rollback is older than the newest step W&B has, and W&B
+    keeps the first value it was given (metrics.jsonl keeps both)."""
+
+    def __init__(self, run_dir: Path, *, project: str, name: str, config: dict) -> None:
+        try:
+            import wandb
+        except ImportError as e:
+            raise ImportError(
+                "train.wandb=true needs the wandb package: pip install 'earlyfuse[wandb]'"
+            ) from e
+        folder = run_dir.resolve()
+        folder.mkdir(parents=True, exist_ok=True)
+        run_id = hashlib.sha256(str(folder).encode()).hexdigest()[:16]
+        self.run = wandb.init(
+            project=project,
+            name=name,
+            id=run_id,
+            resume="allow",
+            dir=str(folder),
+            config=config,
+        )
+
+    def write(self, step: int, metrics: dict) -> None:
+        numbers = {
+            key: value
+            for key, value in metrics.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+            if math.isfinite(value)
+        }
+        self.run.log(numbers, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 class MetricsLog(Callback):

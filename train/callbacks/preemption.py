@@ -2,9 +2,10 @@
 
 Slurm (and most schedulers) announce a preemption or the end of a time limit with a signal some
 time ahead (``sbatch --signal=USR1@120``; docs/training.md). The handler only notes the signal;
-after every step the ranks agree on it (a sum over ranks, so every rank stops at the same step
-even when the signal reached them at different moments), and the loop then saves a checkpoint and
-returns. A second signal of the same kind while the first is pending kills the process as the
+every step the ranks agree on it (a flag summed over ranks with the step's own sums, so every rank
+stops at the same step even when the signal reached them at different moments, and no collective
+or wait for the device of its own), and the loop then saves a checkpoint and returns. A second
+signal of the same kind while the first is pending kills the process as the
 signal normally would (a way out if the save itself hangs).
 """
 
@@ -17,12 +18,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from train.callbacks.base import STOP, Callback, Decision, StepRecord
-from train.dist import all_reduce_sum
 
 if TYPE_CHECKING:
     from train.trainer import Trainer
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+FLAG = "signal/preempt"  # ranks that received a signal, in a step's reduced sums
 
 
 class Preemption(Callback):
@@ -42,9 +43,11 @@ class Preemption(Callback):
             os.kill(os.getpid(), signum)
         self.received = name
 
+    def step_flags(self, trainer: Trainer) -> dict[str, float]:
+        return {FLAG: 1.0 if self.received else 0.0}
+
     def post_step(self, trainer: Trainer, step: int, record: StepRecord) -> Decision | None:
-        flag = torch.tensor([1.0 if self.received else 0.0], device=self.device)
-        if float(all_reduce_sum(flag).item()) == 0.0:
+        if not record.sums.get(FLAG):
             return None
         return Decision(action=STOP, reason=self.received or "a signal to another rank")
 

@@ -75,19 +75,29 @@ def layout_of_data(cfg: RunConfig, tables: TableCache | None = None) -> tuple[Vo
 CODE_BUCKETS = 64
 
 
-def code_buckets(batch: dict, layout: VocabLayout) -> dict[str, float]:
+def code_buckets(batch: dict, layout: VocabLayout) -> dict[str, torch.Tensor]:
     """The visual codes the step trains on (image and video labels), counted in ``CODE_BUCKETS``
     buckets (code mod 64): sums the monitor reduces over ranks and turns into the entropy of the
     codes delivered (``monitor/data_code_entropy``). A visual tokenizer that has degenerated onto
     a few codes shows at once, before any model probe could."""
-    labels = batch["labels"]
-    visual = (batch["label_modality"] == int(Modality.IMAGE)) | (
-        batch["label_modality"] == int(Modality.VIDEO)
-    )
-    codes = labels[visual & (labels >= layout.visual_offset)] - layout.visual_offset
+    labels = batch["labels"].reshape(-1)
+    label_modality = batch["label_modality"].reshape(-1)
+    visual = (label_modality == int(Modality.IMAGE)) | (label_modality == int(Modality.VIDEO))
+    visual &= labels >= layout.visual_offset
+    # Counted where the labels are, without a shape that depends on them (boolean indexing,
+    # bincount): anything else goes to one spare bucket, dropped.
+    bucket = torch.where(visual, (labels - layout.visual_offset) % CODE_BUCKETS, CODE_BUCKETS)
+    counts = torch.zeros(CODE_BUCKETS + 1, dtype=torch.float32, device=labels.device)
+    counts.index_add_(0, bucket, torch.ones_like(bucket, dtype=torch.float32))
     # Every key on every step: the sums are reduced over ranks as one vector of sorted keys.
-    counts = torch.bincount(codes.cpu() % CODE_BUCKETS, minlength=CODE_BUCKETS).tolist()
-    return {f"code_bucket/{i:02d}": float(c) for i, c in enumerate(counts)}
+    return {f"code_bucket/{i:02d}": counts[i] for i in range(CODE_BUCKETS)}
+
+
+def one_doc_rows(batch: dict) -> bool | None:
+    """The loader's word on whether every row holds one document (a host array: read without
+    waiting for the device); None for a batch without it (the model then finds out itself)."""
+    flag = batch.get("one_doc_rows")
+    return None if flag is None else bool(flag.numpy())
 
 
 UNIGRAM_MAX_TOKENS = 50_000_000  # per source: the baseline reads at most this many tokens of each
@@ -212,9 +222,11 @@ class LMTask:
         host = batch
         batch = expand_batch(batch, dev, MODEL_INPUTS)  # a compact batch expanded on the device
         inputs = {k: batch[k] for k in MODEL_INPUTS}
+        inputs["one_doc_rows"] = one_doc_rows(host)
         # What the labels hold is counted before the model is queued: from the CPU batch, or for a
-        # compact batch from its labels on the device, whose reading back then waits for the few
-        # expansion kernels only (after the forward it would wait for the whole forward pass)
+        # compact batch from its labels on the device (the code buckets stay there; the unigram
+        # baseline reads the labels back, which then waits for the few expansion kernels only,
+        # not for the whole forward pass)
         labelled = batch if is_compact(host) else host
         buckets = code_buckets(labelled, self.layout)
         if self.unigram is not None:
@@ -245,7 +257,8 @@ class LMTask:
         sums["z_loss_sum"] = res.z_loss.detach()
         sums["aux_loss_sum"] = res.aux_loss.detach()
         sums["moe_dropped"] = res.moe_dropped.detach()
-        return StepOutput(loss=res.loss, sums=sums, units=int(batch["num_real_tokens"]))
+        # The loader's count, on the host: no wait for the device
+        return StepOutput(loss=res.loss, sums=sums, units=int(host["num_real_tokens"].numpy()))
 
     def metrics(self, s: dict[str, float]) -> dict[str, float]:
         out = {
@@ -312,7 +325,8 @@ class LMTask:
         uni = torch.zeros(len(Modality), dtype=torch.float64)
         for part in share:
             batch = heldout.tensors(part)
-            res = engine(**{k: batch[k].to(self.dist.device) for k in MODEL_INPUTS})
+            inputs = {k: batch[k].to(self.dist.device) for k in MODEL_INPUTS}
+            res = engine(**inputs, one_doc_rows=one_doc_rows(batch))
             if part is None:  # a blank batch: run so that every rank runs as often
                 continue
             ce += res.ce_sum.detach().double().cpu()
