@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -230,6 +231,43 @@ def test_a_save_past_a_file_size_limit_says_so_and_keeps_the_previous_checkpoint
         f"checkpoint {folder} could not be written: a file reached the file-size limit of this "
         "process (ulimit -f: 1048576 bytes)"
     ) in p.stderr
+    assert f"{r / 'checkpoints' / 'latest'} still names step_00000003, which is intact" in p.stderr
+    assert (r / "checkpoints" / "latest").read_text().strip() == "step_00000003"
+    assert verify_folder(step_folder(r, 3)) == []
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A tmpfs mount point (a real file system that fills up), where mounting is allowed (root
+    in a sandbox, CI); skipped elsewhere. Sized by the test with ``mount -o remount``."""
+    point = tmp_path / "tmpfs"
+    point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(point)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield point
+    finally:
+        subprocess.run(["umount", "-l", str(point)], capture_output=True)
+
+
+def test_a_save_on_a_full_disk_says_so_and_keeps_the_previous_checkpoint(
+    runs, tiny_tokens, small_tmpfs
+):
+    """A real ENOSPC: the run folder on a file system with room for what it holds and less than
+    one more checkpoint."""
+    r = small_tmpfs / "zero0"
+    shutil.copytree(runs["zero0"], r)
+    used = sum(f.stat().st_size for f in r.rglob("*") if f.is_file())
+    checkpoint = sum(f.stat().st_size for f in step_folder(r, 3).rglob("*") if f.is_file())
+    size_kb = (used + checkpoint // 2) // 1024
+    subprocess.run(["mount", "-o", f"remount,size={size_kb}k", str(small_tmpfs)], check=True)
+    p = train(base(tiny_tokens, r, 5, "train.ckpt_every=1", "train.keep_last=3"), check=False)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    assert "could not be written: the disk is full" in p.stderr, p.stderr[-3000:]
     assert f"{r / 'checkpoints' / 'latest'} still names step_00000003, which is intact" in p.stderr
     assert (r / "checkpoints" / "latest").read_text().strip() == "step_00000003"
     assert verify_folder(step_folder(r, 3)) == []
