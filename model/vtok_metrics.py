@@ -157,7 +157,7 @@ def patch_mean_baseline(images: Tensor, factor: int, num_codes: int) -> Tensor:
     return F.interpolate(quantised, size=(h, w), mode="bilinear", align_corners=False).clamp(0, 1)
 
 
-# --- the sceptic's baselines and detail strata (issue 17) --------------------------------------
+# --- the sceptic's baselines and detail strata --------------------------------------
 
 
 def patch_means(images: Tensor, factor: int) -> Tensor:

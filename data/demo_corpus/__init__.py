@@ -1,5 +1,5 @@
 """Offline demo corpus: a small, real multimodal corpus built from what Python and the `[demo]`
-extra install (issue 2, item 7).
+extra install.
 
     from data.demo_corpus import build
     build(pathlib.Path("demo_raw"), seed=0, scale=1.0)   # ~ seconds on 2 cores

@@ -2,9 +2,8 @@
 
 Design choices:
 - Workers live for the whole run: a worker pays its imports and builds its tokenizers once
-  (``data.engine.worker_cache``), then takes job after job over its own pipe. The old pool
-  replaced every worker after 8 jobs, which re-imported torch and reloaded the visual
-  tokenizer each time (issue 18).
+  (``data.engine.worker_cache``), then takes job after job over its own pipe: replacing
+  workers every few jobs would re-import torch and reload the visual tokenizer each time.
 - A worker is replaced only when it has seen ``recycle_after`` failed video decodes:
   decord leaks about 40 KB per failing decode (DESIGN.md), so on untrusted video a worker's
   memory stays bounded by ``recycle_after * 40 KB`` instead of growing with the corpus. The

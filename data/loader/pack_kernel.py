@@ -4,8 +4,7 @@ arrays instead of Python objects, a whole batch per call.
 
 Design choices:
 - Why compiled: in Python each chunk handed out and each piece placed cost ~10-30 us of
-  interpreter work (issue 18: the loader ran at 0.25x LitData in-process, with the Python per
-  document the biggest share). Compiled, a batch's ~20 documents and ~40 pieces cost a few
+  interpreter work, the biggest share of the loader's time in Python. Compiled, a batch's ~20 documents and ~40 pieces cost a few
   microseconds; what is left is copying tokens.
 - A transliteration, not a new algorithm: every branch of the Python path has its counterpart
   here, in the same order, so that both give the same batches bit for bit

@@ -1,6 +1,6 @@
 """Token shards checked whole, once, when a consumer first reads from them, so that their
-documents are then handed out without any per-document check (issue 18: reading and checking
-each document on its own was ~30 us of the loader's ~70 us a document).
+documents are then handed out without any per-document check (reading and checking each
+document on its own would cost about as much as the rest of the loader's work on it).
 
 Design choices:
 - The shard-level digest is the SHA-256 of the whole tar that ``earlyfuse-prep tokenize`` (and

@@ -2,8 +2,8 @@
 no torch.
 
 A worker whose chunk of documents holds no image or video encodes it here, with the BPE alone,
-so text and code corpora never import torch nor load the visual tokenizer (issue 18: a text
-worker paid ~4 s of imports and a model build for nothing). The result is the same, id for id
+so text and code corpora never import torch nor load the visual tokenizer (seconds of imports
+and a model build that a text worker would pay for nothing). The result is the same, id for id
 and span for span, as ``DocEncoder.encode_chunk`` (tests/test_data/test_tokenize_engines.py
 checks it): ``<|bos|> segment … <|eos|>``, text and code as BPE ids.
 """

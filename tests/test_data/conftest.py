@@ -1,4 +1,4 @@
-"""Fixtures for the data tests: a small corpus with every planted fault of issue 2."""
+"""Fixtures for the data tests: a small corpus with every kind of planted fault."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from factories import jpeg_bytes, mp4_bytes, png_bytes, png_header_bomb, write_w
 
 @pytest.fixture
 def planted_corpus(tmp_path) -> dict:
-    """A small corpus with one of each planted fault (issue 2's check) beside good inputs."""
+    """A small corpus with one of each planted fault beside good inputs."""
     root = tmp_path / "in"
     (root / "text").mkdir(parents=True)
     (root / "text" / "good.txt").write_text("A plain paragraph of prose.\n")

@@ -1,4 +1,4 @@
-"""Visual blocks that fit the row (issue 13): photos larger than a row and phone-like videos
+"""Visual blocks that fit the row: photos larger than a row and phone-like videos
 (portrait, odd sizes, rotation metadata, one frame, shorter than a sampling interval) go through
 real ingest, real decord and real tokenize; at README defaults and seq_len 512 the loader either
 delivers every image or refuses to start naming the budget; drops are counted when allowed."""

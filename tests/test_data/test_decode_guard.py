@@ -1,4 +1,4 @@
-"""Failing video decodes cannot grow a loader worker without bound (issue 14, item 10): past a
+"""Failing video decodes cannot grow a loader worker without bound: past a
 budget of failures a worker decodes each clip in a forked child (data/loader/decode_guard.py).
 Its frames are the in-process frames exactly, its failures are ValueErrors like decord's, a
 child that dies is a failed decode, and it works inside a real DataLoader worker (a daemon

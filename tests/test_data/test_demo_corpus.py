@@ -1,4 +1,4 @@
-"""The offline demo corpus (issue 2, item 7): layout, determinism, and checkable captions.
+"""The offline demo corpus: layout, determinism, and checkable captions.
 
 One small build (scale 0.1) is shared by the module; a second build with the same seed must
 be byte-identical. Clips are decoded from bytes with decord, as the loader will.

@@ -1,4 +1,4 @@
-"""Held-out data that is held out (issue 17): the demo corpus's train and heldout splits share no
+"""Held-out data that is held out: the demo corpus's train and heldout splits share no
 real material, and `ingest --exclude-content-of TRAIN_RAW` rejects every document, media file or
 long text that the training shards already hold, naming where it is."""
 

@@ -1,4 +1,4 @@
-"""Ingest never follows a symlink out of a source's folder (issue 14, item 3). Before: a link
+"""Ingest never follows a symlink out of a source's folder. Before: a link
 ``code/pkg/x.py -> /etc/passwd`` put /etc/passwd into the shards. Each kind gets real symlinks
 to real files outside its folder (a secret text file, a valid PNG and a valid mp4 that ingest
 would otherwise take): every one is rejected as ``link-outside-source`` and nothing of it

@@ -1,4 +1,4 @@
-"""The loader's O(1) start (issue 18, item 5): binary shard indexes, manifest-only tables, lazy
+"""The loader's O(1) start: binary shard indexes, manifest-only tables, lazy
 epoch orders, and batches handed over from a worker through shared slots."""
 
 from __future__ import annotations

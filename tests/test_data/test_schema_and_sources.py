@@ -62,7 +62,7 @@ def test_source_specs(tmp_path):
         ]
     )
     assert [s.name for s in specs] == ["code", "mine", "t"]
-    # Two sources of one name: an error naming both paths, never a silent rename (issue 13).
+    # Two sources of one name: an error naming both paths, never a silent rename.
     (tmp_path / "other" / "code").mkdir(parents=True)
     with pytest.raises(ValueError) as e:
         parse_sources([f"code:{tmp_path / 'code'}", f"text:{tmp_path / 'other' / 'code'}"])

@@ -1,4 +1,4 @@
-"""Token shards checked whole when first read (data/loader/shard_check.py, issue 18): a shard whose
+"""Token shards checked whole when first read (data/loader/shard_check.py): a shard whose
 tar matches its manifest's SHA-256 and whose ids all lie in their ranges is read without
 per-document checks; a shard that fails, or has no digest, is read and checked document by
 document, so a bad document costs that document only. Either way the batches are the same."""

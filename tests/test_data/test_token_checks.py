@@ -1,4 +1,4 @@
-"""Token shards are verifiable and the loader checks every sample it reads (issue 14, item 2):
+"""Token shards are verifiable and the loader checks every sample it reads:
 256 bytes flipped inside one sample's ids, or an id past the vocabulary with every hash made to
 agree, are found by ``earlyfuse-prep verify`` and skipped, counted and named by the loader."""
 

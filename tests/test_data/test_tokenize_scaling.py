@@ -107,7 +107,7 @@ def test_the_visual_tokenizer_is_built_once_per_worker(
     tiny_raw, tiny_tokenizers, tmp_path, monkeypatch
 ):
     """Once for the whole run in a worker (here: this process), never in the parent's checks
-    (issue 18: it was built twice, even for text)."""
+    (building it twice, even for text, cost seconds)."""
     import data.tokenize.visual as visual
     from data.tokenize import shard_job
 

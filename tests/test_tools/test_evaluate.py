@@ -1,4 +1,4 @@
-"""`earlyfuse-eval` (issue 17): the figures it prints are the ones it claims, and they mean what
+"""`earlyfuse-eval`: the figures it prints are the ones it claims, and they mean what
 they say. A model trained on scenes whose captions are shuffled against their pictures shows no
 dependence gap and draws at chance, while the same model trained on matched pairs does not.
 

@@ -1,4 +1,4 @@
-"""A corrupted token sample cannot stop a run (issue 14, item 2). Before: 256 bytes flipped in one
+"""A corrupted token sample cannot stop a run. Before: 256 bytes flipped in one
 sample's ids crashed the model's embedding ('IndexError: index out of range in self') at the
 same step after every restart. Now the loader skips it, counts it in data/skipped and names its
 shard and key, and the run finishes. A source none of whose samples can be read is left out of

@@ -1,4 +1,4 @@
-"""Checkpoints that cannot take a run over or stop it (issue 14, items 1, 4 and 11), on real
+"""Checkpoints that cannot take a run over or stop it, on real
 DeepSpeed checkpoints written by real runs:
 
 - a crafted pickle (its unpickling would create a marker file) in the model states, the

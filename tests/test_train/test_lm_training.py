@@ -41,7 +41,7 @@ def test_lm_debug_run_logs_every_modality(tiny_tokens, tmp_path):
     assert all(sum(m[s][f"mix/{k}"] for s in m) > 0 for k in SOURCES)
     final = json.loads((run / "final.json").read_text())
     assert "val/loss/image" in final and "val/ppl/image" in final
-    # The unigram baseline beside every loss: console, metrics.jsonl, final.json (issue 17).
+    # The unigram baseline beside every loss: console, metrics.jsonl, final.json.
     assert "(u " in p.stdout
     assert any("unigram/image" in rec for rec in m.values())
     assert final["val/margin/image"] == pytest.approx(

@@ -233,7 +233,7 @@ def test_stagnation_waits_for_patience_and_ignores_structure():
 
 
 def test_attention_probe_works_without_qk_norm():
-    """Issue 16: a model without QK-norm crashed at its first probe (KeyError 'q'). Without the
+    """A model without QK-norm crashed at its first probe (KeyError 'q'). Without the
     norms the projections' outputs are q and k; the recomputed attention must still be the
     layer's own."""
     import dataclasses

@@ -1,4 +1,4 @@
-"""The robust statistics behind the detectors (issue 16), on loss curves shaped like real runs: an
+"""The robust statistics behind the detectors, on loss curves shaped like real runs: an
 early fall, a plateau with batch-to-batch noise, then a blow-up or a mix that swings."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_theil_sen_and_median():
 
 
 def test_a_blow_up_after_an_early_fall_is_caught_at_default_settings():
-    """Issue 16: at step 100 of a run whose loss fell from 7.8, a doubled loss scored 2.7 sigma
+    """At step 100 of a run whose loss fell from 7.8, a doubled loss scored 2.7 sigma
     under mean/std of the last 128 steps; the de-trended robust score skips it."""
     loss = curve(150)
     grad = np.random.default_rng(1).lognormal(np.log(1.5), 0.15, 150)
@@ -258,7 +258,7 @@ def test_lr_changes_and_the_rollback_cap():
 
 
 def test_spikes_are_scored_per_modality_against_their_own_history():
-    """Issue 16's bursty corpus: 40 steps of one code file, then the first text and images ever
+    """A bursty corpus: 40 steps of one code file, then the first text and images ever
     (loss 7+ against the code's 2.5) is no spike; every modality doubling at once is."""
     rng = np.random.default_rng(0)
     grad = rng.lognormal(np.log(3.0), 0.3, 100)

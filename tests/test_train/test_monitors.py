@@ -1,4 +1,4 @@
-"""The monitors on the debug model, with faults injected (issue 7's checks): each run is real
+"""The monitors on the debug model, with faults injected: each run is real
 (DeepSpeed on CPU, real token shards) and each fault is one option of the test-only fault
 callback (``train/callbacks/faults.py``, through tests/train_with_faults.py)."""
 

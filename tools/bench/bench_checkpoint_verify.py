@@ -1,4 +1,4 @@
-"""What checking a checkpoint costs at resume (issue 14, item 4), against what resuming reads
+"""What checking a checkpoint costs at resume, against what resuming reads
 anyway, in one process, round-robin over ``--rounds``:
 
 - ``sizes``: every file's size against ``meta.json`` (finds a truncated file);

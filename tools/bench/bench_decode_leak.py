@@ -1,4 +1,4 @@
-"""Memory of a process that meets failing video decodes (issue 14, item 10), and what the
+"""Memory of a process that meets failing video decodes, and what the
 loader's guard (data/loader/decode_guard.py) costs.
 
 Each variant runs in a fresh process that has imported torch and the visual stack, as a

@@ -1,7 +1,7 @@
 """Where to expand a packed batch on a GPU run (``data.expand``, docs/loader.md): the trainer's
 process expanding a compact batch on the GPU (``expand_torch.expand_fields``) against the
 loader's way, the batch expanded on the CPU (compiled where numba is installed, else numpy) and
-its ten fields (int32, labels int64; all int64 until issue 18's last round) copied from
+its ten fields (int32, labels int64) copied from
 pinned memory. Both in this process, on the same batches;
 prints the host time of each a batch and their ratio.
 

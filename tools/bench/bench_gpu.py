@@ -1,4 +1,4 @@
-"""GPU throughput and MFU of a model preset (issue 6), prepared to run in under 5 minutes on one
+"""GPU throughput and MFU of a model preset, prepared to run in under 5 minutes on one
 H100/H200: a few hundred bf16 training steps of ``model/`` on packed rows of random token ids.
 
 What runs is the model and its loss exactly as training runs them (``Transformer`` with the fused

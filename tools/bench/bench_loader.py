@@ -1,4 +1,4 @@
-"""Loader benchmarks (issue 4), on the demo's token shards (``make demo``), in one process:
+"""Loader benchmarks, on the demo's token shards (``make demo``), in one process:
 
 1. Throughput of the token-shard path on one core: our loader (``num_workers=0``, so this
    process is the one worker: read through the index, order, mix by tokens, pack rows of

@@ -1,4 +1,4 @@
-"""Where a batch's time goes in the token loader, in-process (issue 18, item 5): the loader
+"""Where a batch's time goes in the token loader, in-process: the loader
 built as ``tools/bench/bench_peers.py`` builds it (every source of a token folder, weighted by
 its tokens), ``--warmup`` batches untimed, then ``--batches`` batches with each part of the
 path wrapped in a ``perf_counter`` timer. Prints microseconds a batch per part and its share

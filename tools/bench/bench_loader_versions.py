@@ -1,5 +1,5 @@
 """The token loader of this checkout against the same loader of another checkout (the code before
-a change), on the same token folder, in the same minutes (issue 18, item 5).
+a change), on the same token folder, in the same minutes.
 
 Each measurement is a fresh Python process with ``PYTHONPATH`` set to one checkout: it builds
 the loader exactly as ``tools/bench/bench_peers.py`` does (every source of the folder, weights
@@ -18,7 +18,7 @@ checkouts hash every tensor of up to ``--check-batches`` batches (values, dtypes
 and the loader's state after them; any difference is printed and the exit status is 1. A
 change to the loader that should not change what it delivers must pass it. ``--values``
 compares integer tensors by value (widened to int64), not by dtype: a change of dtypes only
-(issue 18's last round made the per-token fields int32) passes it.
+(e.g. per-token fields narrowed from int64 to int32) passes it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""How well each training step carries the configured mix (issue 13).
+"""How well each training step carries the configured mix.
 
 Two figures over the steps of a run:
 - the share of steps in which one source holds more than 60 % of the step's tokens while its
@@ -16,7 +16,7 @@ depend on the model), for a data config, the run's micro batch and step count:
         --micro-batch 8 [--mix-chunk 0,256]
 
 Each ``--mix-chunk`` value is measured in turn (0: ``seq_len``, the default). ``--whole-docs``
-measures the old behaviour too (every document handed out whole, as before issue 13).
+measures the old behaviour too (every document handed out whole).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Benchmarks of the model (issue 5), on CPU, in one run:
+"""Benchmarks of the model, on CPU, in one run:
 
 1. forward+backward time of ``model.Transformer`` against a plain-PyTorch reference transformer
    of the same size and architecture (RMSNorm, GQA with QK-norm, RoPE, SwiGLU, untied head,

@@ -1,4 +1,4 @@
-"""Monitor overhead (issue 7): the time the monitors take per step as a fraction of the step.
+"""Monitor overhead: the time the monitors take per step as a fraction of the step.
 
 Runs ``earlyfuse-train experiment=demo`` (the demo's 2.6M-parameter model on the demo's token
 shards, with its validation set as the probe rows; ``make demo`` first) twice in this command: with the default monitors (every detector, the three probes every 100

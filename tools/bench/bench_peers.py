@@ -1,5 +1,5 @@
 """earlyfuse's loader against the loaders of the field on the same documents, in one process
-(issue 18, item 5): webdataset, MosaicML Streaming (``mosaicml-streaming``), LitData
+webdataset, MosaicML Streaming (``mosaicml-streaming``), LitData
 (``litdata``) and Megatron-Energon (``megatron-energon``).
 
 Every token document of a token folder (ids int32 and modalities uint8, as tokenize wrote them)

@@ -1,4 +1,4 @@
-"""What the loader's per-sample checks cost (issue 14, item 2), in one process, round-robin:
+"""What the loader's per-sample checks cost, in one process, round-robin:
 
 - ``none``: no check at all (``check_ids`` replaced by a no-op here, hashes off): the loader as
   it was before the checks;

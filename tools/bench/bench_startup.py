@@ -1,4 +1,4 @@
-"""Loader start-up against the number of samples (issue 18, item 5): flat, or linear?
+"""Loader start-up against the number of samples: flat, or linear?
 
 A synthetic token folder of tiny documents (``--tokens-per-doc`` text tokens each) is written to
 a temporary folder: one real shard of ``--shard-samples`` documents (tar, JSONL index, binary

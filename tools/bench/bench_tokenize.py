@@ -1,5 +1,5 @@
 """``earlyfuse-prep tokenize`` against a bare ``tokenizers.encode_batch`` script, on the same
-documents, in the same run (issue 18: goal >= 0.9x the bare script at 1 worker, >= 1.8x from
+documents, in the same run (the goal: >= 0.9x the bare script at 1 worker, >= 1.8x from
 1 to 2 workers).
 
     python tools/bench/bench_tokenize.py [--mb 24] [--repeat 3] [--workers 1,2]

@@ -1,4 +1,4 @@
-"""Tokenizer input paths against their bare libraries, in one process (issue 3's benchmarks).
+"""Tokenizer input paths against their bare libraries, in one process.
 
     python tools/bench/bench_tokenize_inputs.py [--corpus runs/demo/corpus] [--decodes 2000]
 

@@ -1,4 +1,4 @@
-"""Trainer overhead and data wait (issue 6), on CPU, in one process.
+"""Trainer overhead and data wait, on CPU, in one process.
 
 1. Overhead: our training step (``Trainer.train_step`` and every callback's ``post_step``:
    sums reduced over ranks, the skip-step gate, metrics, JSONL and TensorBoard logs, the

@@ -1,4 +1,4 @@
-"""The monitors on real instabilities (issue 16): recall, lead time, false alarms and recovery.
+"""The monitors on real instabilities: recall, lead time, false alarms and recovery.
 
 Every case is a real run of ``earlyfuse-train experiment=instab_*`` (configs/experiment/), one
 subprocess each, with the default monitors (configs/monitor/default.yaml); nothing is injected
