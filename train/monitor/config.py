@@ -158,13 +158,17 @@ class CodeUseConfig(ProbeConfig):
     video labels, folded into 64 buckets): alarm when their normalised entropy over the last
     ``data_window`` steps (weighted by codes) falls below ``min_data_entropy`` with at least
     ``data_min_codes`` codes in the window, or more than ``max_data_drop`` below its highest
-    window: the visual tokenizer feeding the run has degenerated. Every ``every`` steps (probe), images drawn from ``probes`` prompts (sampling,
-    ``grid`` x ``grid`` codes): alarm when the entropy of the generated codes over
-    ln(min(codes drawn, codebook)) is below ``min_entropy`` (the model draws few codes)."""
+    window: the visual tokenizer feeding the run has degenerated (the floor only once the
+    window has been above it: data whose images are simple from the start is no degeneration).
+    Every ``every`` steps (probe), images drawn from ``probes`` prompts (sampling, ``grid`` x
+    ``grid`` codes): alarm when the entropy of the generated codes over ln(min(codes drawn,
+    codebook)) is below ``min_entropy`` and below ``min_ratio`` x the same entropy of as many
+    codes of the run's own images (the model draws fewer codes than its data holds)."""
 
     probes: int = 4
     grid: int = 4
     min_entropy: float = 0.3
+    min_ratio: float = 0.5
     data_window: int = 20
     min_data_entropy: float = 0.4
     max_data_drop: float = 0.15  # or this far below its highest window entropy

@@ -6,6 +6,9 @@ first probe: ``attention`` uses the first ``rows`` rows of a batch; ``dependence
 batches for ``probes`` rows where an image is followed by its caption, and as many where a
 caption is followed by its image (the reverse direction), and takes this rank's share of them.
 A direction whose rows the data does not have is not probed (its metrics are absent).
+``code_use`` reads the codes of up to 8 x ``probes`` images of the same rows once, the yardstick
+its drawings are judged against (``monitor/ref_code_entropy``; absent when the rows hold no
+image).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from train.monitor.config import MonitorConfig
 from train.names import MODEL_INPUTS
 
 PROBE_KEYS = MODEL_INPUTS  # every field a probe row carries
+REF_GROUPS = 8  # groups of real images the generated codes' yardstick averages over
 
 
 class LMProbes:
@@ -27,6 +31,7 @@ class LMProbes:
         self._attn_batch: dict | None = None
         self._dep_batch: dict | None = None
         self._rev_batch: dict | None = None
+        self._ref_codes: dict[str, float] | None = None  # the data's code use, read once
         # Fault injection only (train/callbacks/faults.py): from this step on the dependence
         # probe's "matched" images are shuffled too; -1: never.
         self.shuffle_matched_from = -1
@@ -90,7 +95,26 @@ class LMProbes:
             return out
         c = self.cfg.code_use
         per_rank = max(1, c.probes // self.dist.world_size)
+        if self._ref_codes is None:
+            self._ref_codes = probes.reference_code_use(
+                self._images(per_rank * REF_GROUPS),
+                self.task.layout,
+                per_group=per_rank,
+                grid=c.grid,
+                groups=REF_GROUPS,
+            )
         seed = self.run_cfg.train.seed * 1000003 + step * 31 + self.dist.rank
-        return probes.generated_code_use(
+        drawn = probes.generated_code_use(
             module, self.task.layout, dev, images=per_rank, grid=c.grid, seed=seed
         )
+        return {**drawn, **self._ref_codes} if drawn else drawn
+
+    def _images(self, want: int) -> list[torch.Tensor]:
+        """The codes of up to ``want`` images of the probe rows (at most 64 batches scanned)."""
+        found: list[torch.Tensor] = []
+        with closing(iter(self.task.probe_stream())) as batches:
+            for i, batch in enumerate(batches):
+                found += probes.image_codes(batch, self.task.layout)
+                if len(found) >= want or i >= 63:
+                    break
+        return found[:want]

@@ -225,13 +225,20 @@ class Monitor:
                     )
                 )
         elif name == "code_use" and values:
+            # Judged against the same entropy on the run's own images: a model that draws flat
+            # colours faithfully draws few codes, and one that has not learned to draw yet is no
+            # collapse. Without images in the data there is nothing to judge the drawings by.
+            drawn, ref = values["monitor/gen_code_entropy"], values.get("monitor/ref_code_entropy")
             found.append(
                 (
                     "gen_code_entropy",
-                    values["monitor/gen_code_entropy"] < probe_cfg.min_entropy,
+                    ref is not None
+                    and drawn < probe_cfg.min_entropy
+                    and drawn < probe_cfg.min_ratio * ref,
                     f"generated images use {values['monitor/gen_code_distinct']:.0f} distinct codes, "
-                    f"normalised entropy {values['monitor/gen_code_entropy']:.2f}",
-                    f"normalised entropy of generated codes < {probe_cfg.min_entropy:g}",
+                    f"normalised entropy {drawn:.2f} against {ref or 0.0:.2f} in the run's own images",
+                    f"normalised entropy of generated codes < {probe_cfg.min_entropy:g} and < "
+                    f"{probe_cfg.min_ratio:g} x that of as many codes of the run's images",
                     "image",
                 )
             )

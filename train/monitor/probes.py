@@ -17,6 +17,9 @@
 - ``generated_code_use``: images drawn from the model under the grid constraint; the entropy of
   the codes drawn, normalised by ln(min(draws, codebook)). A model that draws few distinct codes
   has collapsed its visual side even when its teacher-forced image loss looks fine.
+- ``reference_code_use``: the same statistic on the images the run trains on (as many images,
+  as many codes from each), the yardstick the drawn codes are judged against: images of flat
+  colours use a few codes each, and a model that draws them faithfully draws few codes too.
 
 Every rank probes its own rows and the results are reduced as sums and counts (the max logit
 with a max), so the decision is the same on every rank.
@@ -331,3 +334,50 @@ def generated_code_use(
         "monitor/gen_code_entropy": h / math.log(max(2.0, min(n, layout.num_codes))),
         "monitor/gen_code_distinct": float((hist > 0).sum()),
     }
+
+
+def image_codes(batch: dict, layout: VocabLayout) -> list[Tensor]:
+    """The visual codes of every image block of a batch (videos left out: the probe draws
+    images), one tensor per image, in raster order."""
+    ids, img, mod = batch["input_ids"], batch["image_ids"], batch["modality"]
+    out = []
+    for row in range(ids.shape[0]):
+        for image in sorted(set(img[row].tolist()) - {-1}):
+            pos = (img[row] == image).nonzero().squeeze(1)
+            if int(mod[row, int(pos[0])]) != int(Modality.IMAGE):
+                continue
+            codes = ids[row, pos]
+            codes = codes[codes >= layout.visual_offset] - layout.visual_offset
+            if len(codes):
+                out.append(codes.cpu())
+    return out
+
+
+def code_entropy(codes: Tensor, num_codes: int) -> float:
+    """Entropy of ``codes`` over ln(min(len(codes), num_codes)): 1 = every code different (or
+    spread as evenly as the codebook allows), 0 = one code."""
+    hist = torch.bincount(codes, minlength=num_codes).double()
+    total = float(hist.sum())
+    share = hist[hist > 0] / total
+    return float(-(share * share.log()).sum()) / math.log(max(2.0, min(total, num_codes)))
+
+
+def reference_code_use(
+    images: list[Tensor], layout: VocabLayout, *, per_group: int, grid: int, groups: int = 8
+) -> dict[str, float]:
+    """``generated_code_use``'s entropy on real images: groups of ``per_group`` images, ``grid``
+    x ``grid`` codes evenly spaced through each (all of a smaller image), the mean over up to
+    ``groups`` groups; summed over ranks. Absent when no rank has a whole group."""
+    want = grid * grid
+    sums = torch.zeros(2, dtype=torch.float64)
+    for start in range(0, min(len(images), per_group * groups) - per_group + 1, per_group):
+        picked = []
+        for codes in images[start : start + per_group]:
+            step = max(1, len(codes) // want)
+            picked.append(codes[::step][:want])
+        sums[0] += code_entropy(torch.cat(picked), layout.num_codes)
+        sums[1] += 1
+    sums = all_reduce_sum(sums)
+    if sums[1] == 0:
+        return {}
+    return {"monitor/ref_code_entropy": float(sums[0] / sums[1])}

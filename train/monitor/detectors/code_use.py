@@ -37,7 +37,10 @@ class DataCodeUse:
         if step >= cfg.min_steps and len(self.steps) == cfg.data_window:
             self.best = max(self.best, ent)
         dropped = self.best > 0 and ent < (1 - cfg.max_data_drop) * self.best
-        firing = step >= cfg.min_steps and (ent < cfg.min_data_entropy or dropped)
+        # The floor is armed once a window has been above it: a run whose images are simple from
+        # the start (flat colours, a few codes each) has nothing that degenerated.
+        below = self.best >= cfg.min_data_entropy and ent < cfg.min_data_entropy
+        firing = step >= cfg.min_steps and (below or dropped)
         if not self.latch.edge("data", firing, step - cfg.data_window):
             return []
         return [
@@ -51,8 +54,8 @@ class DataCodeUse:
                 message=f"the visual codes in the last {cfg.data_window} steps' batches have a "
                 f"normalised entropy of {ent:.2f} (it was {self.best:.2f}; {total:.0f} codes): "
                 "a few codes dominate",
-                threshold=f"entropy of the trained-on codes (64 buckets) < {cfg.min_data_entropy:g}, "
-                f"or {cfg.max_data_drop:.0%} below its highest window",
+                threshold=f"entropy of the trained-on codes (64 buckets) < {cfg.min_data_entropy:g} "
+                f"after having been above it, or {cfg.max_data_drop:.0%} below its highest window",
                 cause="the visual tokenizer (or the image data) degenerated: most images map to "
                 "a few codes; the image loss falls because the codes became trivial",
                 advice="stop feeding these shards: check the visual tokenizer's reconstructions "
