@@ -17,22 +17,27 @@ from train.monitor.detectors import DataCodeUse, Stagnation
 LAYOUT = VocabLayout(text_size=512, max_grid=32)
 
 
-def probe(monitor: Monitor, step: int, drawn: float, ref: float | None) -> list[str]:
-    values = {"monitor/gen_code_entropy": drawn, "monitor/gen_code_distinct": 4.0}
+def probe(monitor: Monitor, step: int, drawn: float, alike: float, ref: float | None) -> list[str]:
+    values = {
+        "monitor/gen_code_entropy": drawn,
+        "monitor/gen_code_distinct": 7.0,
+        "monitor/gen_image_diversity": alike,
+    }
     if ref is not None:
-        values["monitor/ref_code_entropy"] = ref
+        values["monitor/ref_image_diversity"] = ref
     return [alarm.signal for alarm in monitor._probe_alarms("code_use", step, values)]
 
 
 def test_generated_codes_are_judged_against_the_runs_own_images():
     chance = {"text": math.log(512), "image": math.log(1000)}
     monitor = Monitor(MonitorConfig(), total_steps=300, chance=chance)
-    # Four flat squares drawn faithfully: 4 codes (0.17), as few as four real squares hold.
-    assert probe(monitor, 100, drawn=0.17, ref=0.3) == []
+    # 16 flat squares drawn faithfully (the debug preset on colour squares, step 200): 7 codes,
+    # an entropy of 0.14, but the squares differ from each other as the data's do.
+    assert probe(monitor, 100, drawn=0.14, alike=0.65, ref=0.75) == []
     # No images in the data: nothing to judge the drawings by.
-    assert probe(monitor, 200, drawn=0.05, ref=None) == []
-    # Varied images in the data, the model draws one or two codes: a collapse.
-    assert probe(monitor, 300, drawn=0.1, ref=0.8) == ["gen_code_entropy"]
+    assert probe(monitor, 200, drawn=0.05, alike=0.05, ref=None) == []
+    # Varied images in the data, the model draws every image alike from a code or two.
+    assert probe(monitor, 300, drawn=0.1, alike=0.1, ref=0.75) == ["gen_code_entropy"]
 
 
 def feed(detector: DataCodeUse, steps: range, entropy) -> list[int]:
@@ -99,6 +104,11 @@ def test_reference_code_use_reads_the_codes_of_real_image_blocks():
         image_codes(image_batch(varied), LAYOUT), LAYOUT, per_group=4, grid=4
     )
     assert math.isclose(ref_flat["monitor/ref_code_entropy"], math.log(4) / math.log(64))
+    assert ref_flat["monitor/ref_image_diversity"] == 1.0  # four colours: four leading codes
     assert ref_varied["monitor/ref_code_entropy"] > 0.85
+    alike = reference_code_use(
+        image_codes(image_batch([[5] * 64] * 8), LAYOUT), LAYOUT, per_group=4, grid=4
+    )
+    assert alike == {"monitor/ref_code_entropy": 0.0, "monitor/ref_image_diversity": 0.0}
     assert reference_code_use(flat_codes[:3], LAYOUT, per_group=4, grid=4) == {}  # no whole group
     assert code_entropy(torch.tensor([5] * 16), LAYOUT.num_codes) == 0.0

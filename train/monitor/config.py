@@ -162,8 +162,9 @@ class CodeUseConfig(ProbeConfig):
     window has been above it: data whose images are simple from the start is no degeneration).
     Every ``every`` steps (probe), images drawn from ``probes`` prompts (sampling, ``grid`` x
     ``grid`` codes): alarm when the entropy of the generated codes over ln(min(codes drawn,
-    codebook)) is below ``min_entropy`` and below ``min_ratio`` x the same entropy of as many
-    codes of the run's own images (the model draws fewer codes than its data holds)."""
+    codebook)) is below ``min_entropy`` and the drawn images' dominant codes vary less than
+    ``min_ratio`` x as much as those of as many of the run's own images (the drawings use few
+    codes and look alike; never without images in the data)."""
 
     # 16 drawings, not 4: four flat squares drawn faithfully are four codes, an entropy of 0.17
     probes: int = 16

@@ -225,20 +225,23 @@ class Monitor:
                     )
                 )
         elif name == "code_use" and values:
-            # Judged against the same entropy on the run's own images: a model that draws flat
-            # colours faithfully draws few codes, and one that has not learned to draw yet is no
-            # collapse. Without images in the data there is nothing to judge the drawings by.
-            drawn, ref = values["monitor/gen_code_entropy"], values.get("monitor/ref_code_entropy")
+            # A collapse is drawings that use few codes *and* look alike, more alike than the
+            # run's own images: flat squares of several colours use few codes but differ, and a
+            # run without images has nothing to judge its drawings by.
+            drawn = values["monitor/gen_code_entropy"]
+            alike = values.get("monitor/gen_image_diversity", 0.0)
+            ref = values.get("monitor/ref_image_diversity")
             found.append(
                 (
                     "gen_code_entropy",
                     ref is not None
                     and drawn < probe_cfg.min_entropy
-                    and drawn < probe_cfg.min_ratio * ref,
+                    and alike < probe_cfg.min_ratio * ref,
                     f"generated images use {values['monitor/gen_code_distinct']:.0f} distinct codes, "
-                    f"normalised entropy {drawn:.2f} against {ref or 0.0:.2f} in the run's own images",
-                    f"normalised entropy of generated codes < {probe_cfg.min_entropy:g} and < "
-                    f"{probe_cfg.min_ratio:g} x that of as many codes of the run's images",
+                    f"normalised entropy {drawn:.2f}; their dominant codes vary {alike:.2f} "
+                    f"against {ref or 0.0:.2f} in the run's own images",
+                    f"normalised entropy of generated codes < {probe_cfg.min_entropy:g} and the "
+                    f"images' dominant codes < {probe_cfg.min_ratio:g} x as varied as the data's",
                     "image",
                 )
             )

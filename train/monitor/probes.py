@@ -17,9 +17,10 @@
 - ``generated_code_use``: images drawn from the model under the grid constraint; the entropy of
   the codes drawn, normalised by ln(min(draws, codebook)). A model that draws few distinct codes
   has collapsed its visual side even when its teacher-forced image loss looks fine.
-- ``reference_code_use``: the same statistic on the images the run trains on (as many images,
-  as many codes from each), the yardstick the drawn codes are judged against: images of flat
-  colours use a few codes each, and a model that draws them faithfully draws few codes too.
+  With it, how alike the drawn images are: the entropy of each image's dominant code across
+  the images (flat squares of several colours differ; a collapsed model draws them all alike).
+- ``reference_code_use``: the same statistics on the images the run trains on (as many images,
+  as many codes from each), the yardstick the drawings are judged against.
 
 Every rank probes its own rows and the results are reduced as sums and counts (the max logit
 with a max), so the decision is the same on every rank.
@@ -323,17 +324,40 @@ def generated_code_use(
         generator=gen,
     )
     new = out[:, 2:]
-    codes = new[(new >= layout.visual_offset) & (new < layout.size)] - layout.visual_offset
+    valid = (new >= layout.visual_offset) & (new < layout.size)
+    codes = new[valid] - layout.visual_offset
     hist = all_reduce_sum(torch.bincount(codes.cpu(), minlength=layout.num_codes).double())
     n = float(hist.sum())
     if n == 0:
         return {}
-    p = hist[hist > 0] / n
-    h = float(-(p * p.log()).sum())
+    dominant = [
+        int(torch.bincount(row[keep] - layout.visual_offset).argmax())
+        for row, keep in zip(new.cpu(), valid.cpu())
+        if keep.any()
+    ]
+    by_image = all_reduce_sum(
+        torch.bincount(
+            torch.tensor(dominant, dtype=torch.long), minlength=layout.num_codes
+        ).double()
+    )
     return {
-        "monitor/gen_code_entropy": h / math.log(max(2.0, min(n, layout.num_codes))),
+        "monitor/gen_code_entropy": _entropy(hist) / math.log(max(2.0, min(n, layout.num_codes))),
         "monitor/gen_code_distinct": float((hist > 0).sum()),
+        "monitor/gen_image_diversity": _diversity(by_image, layout.num_codes),
     }
+
+
+def _entropy(hist: Tensor) -> float:
+    share = hist[hist > 0] / hist.sum()
+    return float(-(share * share.log()).sum())
+
+
+def _diversity(dominant_hist: Tensor, num_codes: int) -> float:
+    """Entropy of the images' dominant codes over ln(min(images, codebook)): 1 = every image
+    led by another code, 0 = all led by one. Flat squares of several colours score high; a
+    model that draws every image alike scores near 0."""
+    images = float(dominant_hist.sum())
+    return _entropy(dominant_hist) / math.log(max(2.0, min(images, num_codes)))
 
 
 def image_codes(batch: dict, layout: VocabLayout) -> list[Tensor]:
@@ -357,27 +381,32 @@ def code_entropy(codes: Tensor, num_codes: int) -> float:
     """Entropy of ``codes`` over ln(min(len(codes), num_codes)): 1 = every code different (or
     spread as evenly as the codebook allows), 0 = one code."""
     hist = torch.bincount(codes, minlength=num_codes).double()
-    total = float(hist.sum())
-    share = hist[hist > 0] / total
-    return float(-(share * share.log()).sum()) / math.log(max(2.0, min(total, num_codes)))
+    return _entropy(hist) / math.log(max(2.0, min(float(hist.sum()), num_codes)))
 
 
 def reference_code_use(
     images: list[Tensor], layout: VocabLayout, *, per_group: int, grid: int, groups: int = 8
 ) -> dict[str, float]:
-    """``generated_code_use``'s entropy on real images: groups of ``per_group`` images, ``grid``
-    x ``grid`` codes evenly spaced through each (all of a smaller image), the mean over up to
-    ``groups`` groups; summed over ranks. Absent when no rank has a whole group."""
+    """``generated_code_use``'s statistics on real images: groups of ``per_group`` images,
+    ``grid`` x ``grid`` codes evenly spaced through each (all of a smaller image), the means over
+    up to ``groups`` groups; summed over ranks. Absent when no rank has a whole group."""
     want = grid * grid
-    sums = torch.zeros(2, dtype=torch.float64)
+    sums = torch.zeros(3, dtype=torch.float64)
     for start in range(0, min(len(images), per_group * groups) - per_group + 1, per_group):
         picked = []
         for codes in images[start : start + per_group]:
             step = max(1, len(codes) // want)
             picked.append(codes[::step][:want])
+        dominant = torch.tensor([int(torch.bincount(codes).argmax()) for codes in picked])
         sums[0] += code_entropy(torch.cat(picked), layout.num_codes)
-        sums[1] += 1
+        sums[1] += _diversity(
+            torch.bincount(dominant, minlength=layout.num_codes).double(), layout.num_codes
+        )
+        sums[2] += 1
     sums = all_reduce_sum(sums)
-    if sums[1] == 0:
+    if sums[2] == 0:
         return {}
-    return {"monitor/ref_code_entropy": float(sums[0] / sums[1])}
+    return {
+        "monitor/ref_code_entropy": float(sums[0] / sums[2]),
+        "monitor/ref_image_diversity": float(sums[1] / sums[2]),
+    }
