@@ -229,17 +229,17 @@ class Monitor:
             # run's own images: flat squares of several colours use few codes but differ, and a
             # run without images has nothing to judge its drawings by.
             drawn = values["monitor/gen_code_entropy"]
-            alike = values.get("monitor/gen_image_diversity", 0.0)
-            ref = values.get("monitor/ref_image_diversity")
+            variety = values.get("monitor/gen_image_diversity", 0.0)
+            data_variety = values.get("monitor/ref_image_diversity")
             found.append(
                 (
                     "gen_code_entropy",
-                    ref is not None
+                    data_variety is not None
                     and drawn < probe_cfg.min_entropy
-                    and alike < probe_cfg.min_ratio * ref,
+                    and variety < probe_cfg.min_ratio * data_variety,
                     f"generated images use {values['monitor/gen_code_distinct']:.0f} distinct codes, "
-                    f"normalised entropy {drawn:.2f}; their dominant codes vary {alike:.2f} "
-                    f"against {ref or 0.0:.2f} in the run's own images",
+                    f"normalised entropy {drawn:.2f}; their dominant codes vary {variety:.2f} "
+                    f"against {data_variety or 0.0:.2f} in the run's own images",
                     f"normalised entropy of generated codes < {probe_cfg.min_entropy:g} and the "
                     f"images' dominant codes < {probe_cfg.min_ratio:g} x as varied as the data's",
                     "image",
