@@ -82,9 +82,10 @@ def image_batch(images: list[list[int]]) -> dict:
     """One row holding ``images`` as image blocks (structure around them, text between)."""
     ids, img, mod = [1], [-1], [int(Modality.TEXT)]
     for number, codes in enumerate(images):
-        ids += [LAYOUT.structure_id("<boi>")] + [LAYOUT.visual_offset + code for code in codes]
-        img += [-1] + [number] * len(codes)
-        mod += [int(Modality.STRUCTURE)] + [int(Modality.IMAGE)] * len(codes)
+        ids += [LAYOUT.structure_id("<boi>"), *LAYOUT.size_ids(8, len(codes) // 8)]
+        ids += [LAYOUT.visual_offset + code for code in codes]
+        img += [-1, -1, -1] + [number] * len(codes)
+        mod += [int(Modality.STRUCTURE)] * 3 + [int(Modality.IMAGE)] * len(codes)
         ids += [LAYOUT.structure_id("<eoi>"), 7]  # and a text token after the image
         img += [-1, -1]
         mod += [int(Modality.STRUCTURE), int(Modality.TEXT)]
@@ -97,18 +98,17 @@ def test_reference_code_use_reads_the_codes_of_real_image_blocks():
 
     flat = [[colour] * 64 for colour in (3, 9, 27, 81)] * 8
     varied = [list(range(start, start + 64)) for start in range(0, 320, 10)]
-    flat_codes = image_codes(image_batch(flat), LAYOUT)
-    assert len(flat_codes) == 32 and flat_codes[0].tolist() == [3] * 64
-    ref_flat = reference_code_use(flat_codes, LAYOUT, per_group=4, grid=4)
-    ref_varied = reference_code_use(
-        image_codes(image_batch(varied), LAYOUT), LAYOUT, per_group=4, grid=4
-    )
+    found = image_codes(image_batch(flat), LAYOUT)
+    assert len(found) == 32 and found[0][0].tolist() == [3] * 64 and found[0][1] == (8, 8)
+    flat_codes = [codes for codes, _ in found]
+    ref_flat = reference_code_use(flat_codes, LAYOUT, per_group=4, want=16)
+    varied_codes = [codes for codes, _ in image_codes(image_batch(varied), LAYOUT)]
+    ref_varied = reference_code_use(varied_codes, LAYOUT, per_group=4, want=16)
     assert math.isclose(ref_flat["monitor/ref_code_entropy"], math.log(4) / math.log(64))
     assert ref_flat["monitor/ref_image_diversity"] == 1.0  # four colours: four leading codes
     assert ref_varied["monitor/ref_code_entropy"] > 0.85
-    alike = reference_code_use(
-        image_codes(image_batch([[5] * 64] * 8), LAYOUT), LAYOUT, per_group=4, grid=4
-    )
+    same = [codes for codes, _ in image_codes(image_batch([[5] * 64] * 8), LAYOUT)]
+    alike = reference_code_use(same, LAYOUT, per_group=4, want=16)
     assert alike == {"monitor/ref_code_entropy": 0.0, "monitor/ref_image_diversity": 0.0}
-    assert reference_code_use(flat_codes[:3], LAYOUT, per_group=4, grid=4) == {}  # no whole group
+    assert reference_code_use(flat_codes[:3], LAYOUT, per_group=4, want=16) == {}  # no group
     assert code_entropy(torch.tensor([5] * 16), LAYOUT.num_codes) == 0.0
