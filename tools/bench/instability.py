@@ -10,7 +10,7 @@ minimum, or non-finite), the lead time, what the monitors did, and the final val
 with the monitors' actions, with every action set to ``log`` (run only when an action changed
 the run: otherwise the two runs are the same), and of the healthy control.
 
-    .venv/bin/python tools/bench/instability.py                 # everything, ~10 min on 2 cores
+    .venv/bin/python tools/bench/instability.py                 # everything, ~15 min on 2 cores
     .venv/bin/python tools/bench/instability.py --cases lr-jump healthy-debug-0 --jobs 1
     .venv/bin/python tools/bench/instability.py --prepare-only   # only build the data
 
