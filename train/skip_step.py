@@ -35,7 +35,7 @@ class SkipStepConfig:
     sigmas: float = 6.0  # for the loss
     # For the gradient norm, scored in log space: its tails are heavier (a batch unlike the
     # others moves it 2-3x while the loss stays put; healthy debug runs reach 6 sigma).
-    grad_norm_sigmas: float = 9.0
+    grad_norm_sigmas: float = 12.0
     min_steps: int = 64
     trend: int = 16  # accepted values the local trend is fitted to
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import math
 
-from tools.bench.instab.cases import CASES, mix_override
+from tools.bench.instab.cases import CASES, MIXES, mix_override
 from tools.bench.instability import read_run, summarize, table
 
 
@@ -59,6 +59,20 @@ def test_read_summarize_and_tabulate(tmp_path):
 
 
 def test_mixes_name_every_healthy_source():
-    text = mix_override("code-heavy", "/data")
-    assert text.startswith("data.sources=[") and text.count("{name:") == 7
-    assert "{name: code, shards: [/data/code], weight: 0.45}" in text
+    sources, validation = mix_override("code-heavy", "/data")
+    assert sources.startswith("data.sources=[") and sources.count("{name:") == 7
+    assert "{name: code, shards: [/data/suite/code], weight: 0.45}" in sources
+    assert validation == "data.validation=[{name: val, shards: [/data/suite/val], weight: 1.0}]"
+    assert mix_override("code-only", "/data", validation=False)[1] == "data.validation=[]"
+    assert "[/data/suite_tv/scenes]" in mix_override("code-text-scenes", "/data")[0]
+
+
+def test_healthy_controls_reach_beyond_what_the_detectors_were_tuned_on():
+    healthy = [case for case in CASES if case.kind == "healthy"]
+    assert all(case.mix is None or case.mix in MIXES for case in CASES)
+    assert {"debug", "demo"} <= {case.experiment for case in healthy}  # the presets as they are
+    assert {"text-only", "code-only", "video-only", "images-small"} <= {
+        case.mix for case in healthy
+    }
+    assert any(case.resume_at for case in healthy) and len({case.seed for case in healthy}) >= 12
+    assert any("train.steps=100" in case.overrides for case in healthy)

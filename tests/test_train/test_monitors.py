@@ -46,6 +46,8 @@ def test_healthy_run_raises_no_alarm(tiny_tokens, colour_tokens, tmp_path):
         "monitor/attn_entropy",
         "monitor/dependence_gap",
         "monitor/gen_code_entropy",
+        "monitor/gen_image_diversity",
+        "monitor/ref_image_diversity",  # the run's own images, the drawings' yardstick
     ):
         assert key in m[150] and key in m[25], key
     assert "monitor/loss_spike_score" in m[1] and "monitor/norm_ce_window/text" in m[150]

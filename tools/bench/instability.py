@@ -10,7 +10,7 @@ minimum, or non-finite), the lead time, what the monitors did, and the final val
 with the monitors' actions, with every action set to ``log`` (run only when an action changed
 the run: otherwise the two runs are the same), and of the healthy control.
 
-    .venv/bin/python tools/bench/instability.py                 # everything, ~10 min on 2 cores
+    .venv/bin/python tools/bench/instability.py                 # everything, ~15 min on 2 cores
     .venv/bin/python tools/bench/instability.py --cases lr-jump healthy-debug-0 --jobs 1
     .venv/bin/python tools/bench/instability.py --prepare-only   # only build the data
 
@@ -44,23 +44,40 @@ DATA = REPO / "runs" / "instab" / "data"  # where configs/experiment/instab_*.ya
 
 
 def train(case: Case, run_dir: Path, data: Path, extra: tuple[str, ...] = ()) -> dict:
-    """One ``earlyfuse-train`` subprocess; returns its exit code and CPU/wall seconds."""
+    """One ``earlyfuse-train`` subprocess (two for a case that is killed and resumed: the first
+    dies like kill -9 after step ``resume_at``, the second resumes from its checkpoint); returns
+    the exit code and CPU/wall seconds."""
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "train.app",
+    args = [
         f"experiment={case.experiment}",
         f"run_dir={run_dir}",
         f"train.seed={case.seed}",
         f"data.seed={case.seed}",
         "train.progress=false",
-        *([mix_override(case.mix, str(data))] if case.mix else []),
+        *(mix_override(case.mix, str(data.parent), validation=case.validation) if case.mix else []),
         *case.overrides,
         *extra,
     ]
+    runs = [[sys.executable, "-m", "train.app", *args]]
+    if case.resume_at is not None:  # a preemption: the fault callback kills the process
+        faults = ["--fault", f"kill_at_step={case.resume_at}"]
+        runs.insert(
+            0, [sys.executable, str(REPO / "tests" / "train_with_faults.py"), *faults, *args]
+        )
+    out = {"rc": 0, "cpu_s": 0.0, "wall_s": 0.0, "cmd": " ".join(args)}
+    for i, cmd in enumerate(runs):
+        one = _subprocess(cmd, run_dir, append=i > 0)
+        out["cpu_s"] += one["cpu_s"]
+        out["wall_s"] += one["wall_s"]
+        out["rc"] = one["rc"]
+        if i < len(runs) - 1:
+            out["killed_rc"] = one["rc"]
+    return out
+
+
+def _subprocess(cmd: list[str], run_dir: Path, append: bool) -> dict:
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -69,7 +86,8 @@ def train(case: Case, run_dir: Path, data: Path, extra: tuple[str, ...] = ()) ->
         ),
     }
     started = time.perf_counter()
-    with open(run_dir / "stdout.log", "w") as out, open(run_dir / "stderr.log", "w") as err:
+    mode = "a" if append else "w"
+    with open(run_dir / "stdout.log", mode) as out, open(run_dir / "stderr.log", mode) as err:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, env=env)
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
@@ -77,7 +95,6 @@ def train(case: Case, run_dir: Path, data: Path, extra: tuple[str, ...] = ()) ->
         "rc": proc.returncode,
         "cpu_s": usage.ru_utime + usage.ru_stime,
         "wall_s": time.perf_counter() - started,
-        "cmd": " ".join(cmd[2:]),
     }
 
 

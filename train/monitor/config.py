@@ -155,19 +155,26 @@ class DependenceConfig(ProbeConfig):
 @dataclass(kw_only=True)
 class CodeUseConfig(ProbeConfig):
     """Visual code use, two ways. Every step, the codes the model is *trained on* (image and
-    video labels, folded into 64 buckets): alarm when their normalised entropy over the last
-    ``data_window`` steps (weighted by codes) falls below ``min_data_entropy`` with at least
-    ``data_min_codes`` codes in the window, or more than ``max_data_drop`` below its highest
-    window: the visual tokenizer feeding the run has degenerated. Every ``every`` steps (probe), images drawn from ``probes`` prompts (sampling,
-    ``grid`` x ``grid`` codes): alarm when the entropy of the generated codes over
-    ln(min(codes drawn, codebook)) is below ``min_entropy`` (the model draws few codes)."""
+    video labels, folded into 64 buckets), their normalised entropy over the last
+    ``data_window`` steps (weighted by codes, at least ``data_min_codes`` codes in the window):
+    alarm when it is more than ``max_data_drop`` below its median window of the last 200 steps,
+    or below ``min_data_entropy`` once that median has stood ``max_data_drop`` above it: the
+    visual tokenizer feeding the run has degenerated (data whose images are simple from the
+    start is no degeneration). Every ``every`` steps (probe), ``probes`` images drawn (sampling)
+    at the shape of the run's own images (``grid`` x ``grid`` codes without images): alarm when
+    the entropy of the generated codes over ln(min(codes drawn, codebook)) is below
+    ``min_entropy`` and the drawn images' dominant codes vary less than ``min_ratio`` x as much
+    as those of as many of the run's own images (the drawings use few codes and look alike;
+    never without images in the data)."""
 
-    probes: int = 4
+    # 16 drawings, not 4: four flat squares drawn faithfully are four codes, an entropy of 0.17
+    probes: int = 16
     grid: int = 4
     min_entropy: float = 0.3
+    min_ratio: float = 0.5
     data_window: int = 20
     min_data_entropy: float = 0.4
-    max_data_drop: float = 0.15  # or this far below its highest window entropy
+    max_data_drop: float = 0.15  # or this far below its median window entropy
     data_min_codes: int = 1000
 
 

@@ -6,6 +6,9 @@ first probe: ``attention`` uses the first ``rows`` rows of a batch; ``dependence
 batches for ``probes`` rows where an image is followed by its caption, and as many where a
 caption is followed by its image (the reverse direction), and takes this rank's share of them.
 A direction whose rows the data does not have is not probed (its metrics are absent).
+``code_use`` reads the codes of up to 8 x ``probes`` images of the same rows once: the yardstick
+its drawings are judged against (``monitor/ref_*``; absent when the rows hold no image), and the
+shape it draws at (their most common one; ``grid`` x ``grid`` without images).
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ from contextlib import closing
 
 import torch
 
+from train.dist import all_reduce_sum
 from train.monitor import probes
 from train.monitor.config import MonitorConfig
 from train.names import MODEL_INPUTS
 
 PROBE_KEYS = MODEL_INPUTS  # every field a probe row carries
+REF_GROUPS = 8  # groups of real images the generated codes' yardstick averages over
 
 
 class LMProbes:
@@ -27,6 +32,8 @@ class LMProbes:
         self._attn_batch: dict | None = None
         self._dep_batch: dict | None = None
         self._rev_batch: dict | None = None
+        self._ref_codes: dict[str, float] | None = None  # the data's code use, read once
+        self._draw_size = (cfg.code_use.grid, cfg.code_use.grid)  # the images' shape, once read
         # Fault injection only (train/callbacks/faults.py): from this step on the dependence
         # probe's "matched" images are shuffled too; -1: never.
         self.shuffle_matched_from = -1
@@ -90,7 +97,39 @@ class LMProbes:
             return out
         c = self.cfg.code_use
         per_rank = max(1, c.probes // self.dist.world_size)
+        if self._ref_codes is None:
+            found = self._images(per_rank * REF_GROUPS)
+            # Drawn at the run's most common image shape, counted over every rank so that all
+            # draw the same number of tokens (ZeRO-3 gathers weights in every forward).
+            side = self.task.layout.max_grid
+            shapes = torch.zeros(side * side, dtype=torch.float64)
+            for _, (rows, cols) in found:
+                shapes[(rows - 1) * side + cols - 1] += 1
+            shapes = all_reduce_sum(shapes)
+            common = int(shapes.argmax())
+            self._draw_size = (
+                (common // side + 1, common % side + 1) if shapes.sum() else (c.grid, c.grid)
+            )
+            self._ref_codes = probes.reference_code_use(
+                [codes for codes, _ in found],
+                self.task.layout,
+                per_group=per_rank,
+                want=self._draw_size[0] * self._draw_size[1],
+                groups=REF_GROUPS,
+            )
         seed = self.run_cfg.train.seed * 1000003 + step * 31 + self.dist.rank
-        return probes.generated_code_use(
-            module, self.task.layout, dev, images=per_rank, grid=c.grid, seed=seed
+        drawn = probes.generated_code_use(
+            module, self.task.layout, dev, images=per_rank, size=self._draw_size, seed=seed
         )
+        return {**drawn, **self._ref_codes} if drawn else drawn
+
+    def _images(self, want: int) -> list[tuple[torch.Tensor, tuple[int, int]]]:
+        """The codes and shapes of up to ``want`` images of the probe rows (at most 64 batches
+        scanned)."""
+        found: list[tuple[torch.Tensor, tuple[int, int]]] = []
+        with closing(iter(self.task.probe_stream())) as batches:
+            for i, batch in enumerate(batches):
+                found += probes.image_codes(batch, self.task.layout)
+                if len(found) >= want or i >= 63:
+                    break
+        return found[:want]

@@ -225,13 +225,23 @@ class Monitor:
                     )
                 )
         elif name == "code_use" and values:
+            # A collapse is drawings that use few codes *and* look alike, more alike than the
+            # run's own images: flat squares of several colours use few codes but differ, and a
+            # run without images has nothing to judge its drawings by.
+            drawn = values["monitor/gen_code_entropy"]
+            variety = values.get("monitor/gen_image_diversity", 0.0)
+            data_variety = values.get("monitor/ref_image_diversity")
             found.append(
                 (
                     "gen_code_entropy",
-                    values["monitor/gen_code_entropy"] < probe_cfg.min_entropy,
+                    data_variety is not None
+                    and drawn < probe_cfg.min_entropy
+                    and variety < probe_cfg.min_ratio * data_variety,
                     f"generated images use {values['monitor/gen_code_distinct']:.0f} distinct codes, "
-                    f"normalised entropy {values['monitor/gen_code_entropy']:.2f}",
-                    f"normalised entropy of generated codes < {probe_cfg.min_entropy:g}",
+                    f"normalised entropy {drawn:.2f}; their dominant codes vary {variety:.2f} "
+                    f"against {data_variety or 0.0:.2f} in the run's own images",
+                    f"normalised entropy of generated codes < {probe_cfg.min_entropy:g} and the "
+                    f"images' dominant codes < {probe_cfg.min_ratio:g} x as varied as the data's",
                     "image",
                 )
             )

@@ -14,9 +14,14 @@
   image: the image codes' CE after their own caption against after another caption of the same
   length (captions swapped between images of the same shape). Above zero when the visual
   tokens use the text before them (what drawing an image from text needs).
-- ``generated_code_use``: images drawn from the model under the grid constraint; the entropy of
+- ``generated_code_use``: images drawn from the model under the grid constraint (at the shape of
+  the run's own images: a shape it never saw is no test of what it learned); the entropy of
   the codes drawn, normalised by ln(min(draws, codebook)). A model that draws few distinct codes
   has collapsed its visual side even when its teacher-forced image loss looks fine.
+  With it, how alike the drawn images are: the entropy of each image's dominant code across
+  the images (flat squares of several colours differ; a collapsed model draws them all alike).
+- ``reference_code_use``: the same statistics on the images the run trains on (as many images,
+  as many codes from each), the yardstick the drawings are judged against.
 
 Every rank probes its own rows and the results are reduced as sums and counts (the max logit
 with a max), so the decision is the same on every rank.
@@ -303,13 +308,21 @@ def reverse_dependence_gap(model, batch: dict, layout: VocabLayout, device) -> d
 
 @torch.no_grad()
 def generated_code_use(
-    model, layout: VocabLayout, device, *, images: int, grid: int, seed: int, bos_id: int = 1
+    model,
+    layout: VocabLayout,
+    device,
+    *,
+    images: int,
+    size: tuple[int, int],
+    seed: int,
+    bos_id: int = 1,
 ) -> dict[str, float]:
-    """Entropy (normalised) and coverage of the codes in ``images`` drawn ``grid`` x ``grid`` images."""
+    """Entropy (normalised) and coverage of the codes in ``images`` drawn images of ``size``
+    (rows, columns of codes)."""
     boi = layout.structure_id("<boi>")
     prompt = torch.tensor([[bos_id, boi]] * images, dtype=torch.long, device=device)
-    constraint = ImageConstraint(layout, images, vocab_size=model.cfg.vocab_size, size=(grid, grid))
-    n_new = image_block_len(grid, grid) - 1
+    constraint = ImageConstraint(layout, images, vocab_size=model.cfg.vocab_size, size=size)
+    n_new = image_block_len(*size) - 1
     gen = torch.Generator(device=device).manual_seed(seed)
     out = generate(
         model,
@@ -320,14 +333,98 @@ def generated_code_use(
         generator=gen,
     )
     new = out[:, 2:]
-    codes = new[(new >= layout.visual_offset) & (new < layout.size)] - layout.visual_offset
+    valid = (new >= layout.visual_offset) & (new < layout.size)
+    codes = new[valid] - layout.visual_offset
     hist = all_reduce_sum(torch.bincount(codes.cpu(), minlength=layout.num_codes).double())
     n = float(hist.sum())
     if n == 0:
         return {}
-    p = hist[hist > 0] / n
-    h = float(-(p * p.log()).sum())
+    dominant = [
+        int(torch.bincount(row[keep] - layout.visual_offset).argmax())
+        for row, keep in zip(new.cpu(), valid.cpu())
+        if keep.any()
+    ]
+    by_image = all_reduce_sum(
+        torch.bincount(
+            torch.tensor(dominant, dtype=torch.long), minlength=layout.num_codes
+        ).double()
+    )
     return {
-        "monitor/gen_code_entropy": h / math.log(max(2.0, min(n, layout.num_codes))),
+        "monitor/gen_code_entropy": _entropy(hist) / math.log(max(2.0, min(n, layout.num_codes))),
         "monitor/gen_code_distinct": float((hist > 0).sum()),
+        "monitor/gen_image_diversity": _diversity(by_image, layout.num_codes),
+    }
+
+
+def _entropy(hist: Tensor) -> float:
+    share = hist[hist > 0] / hist.sum()
+    return float(-(share * share.log()).sum())
+
+
+def _diversity(dominant_hist: Tensor, num_codes: int) -> float:
+    """Entropy of the images' dominant codes over ln(min(images, codebook)): 1 = every image
+    led by another code, 0 = all led by one. Flat squares of several colours score high; a
+    model that draws every image alike scores near 0."""
+    images = float(dominant_hist.sum())
+    return _entropy(dominant_hist) / math.log(max(2.0, min(images, num_codes)))
+
+
+def image_codes(batch: dict, layout: VocabLayout) -> list[tuple[Tensor, tuple[int, int]]]:
+    """The visual codes of every image block of a batch (videos left out: the probe draws
+    images), one tensor per image in raster order, with the image's shape (rows, columns of
+    codes) read from the size tokens before its codes."""
+    ids, img, mod = batch["input_ids"], batch["image_ids"], batch["modality"]
+    out = []
+    for row in range(ids.shape[0]):
+        for image in sorted(set(img[row].tolist()) - {-1}):
+            pos = (img[row] == image).nonzero().squeeze(1)
+            start = int(pos[0])
+            if int(mod[row, start]) != int(Modality.IMAGE) or start < 2:
+                continue
+            names = [
+                layout.structure[int(ids[row, start - back]) - layout.structure_offset]
+                if layout.structure_offset <= int(ids[row, start - back]) < layout.visual_offset
+                else ""
+                for back in (2, 1)
+            ]
+            if not (names[0].startswith("<h=") and names[1].startswith("<w=")):
+                continue
+            codes = ids[row, pos]
+            codes = codes[codes >= layout.visual_offset] - layout.visual_offset
+            if len(codes):
+                out.append((codes.cpu(), (int(names[0][3:-1]), int(names[1][3:-1]))))
+    return out
+
+
+def code_entropy(codes: Tensor, num_codes: int) -> float:
+    """Entropy of ``codes`` over ln(min(len(codes), num_codes)): 1 = every code different (or
+    spread as evenly as the codebook allows), 0 = one code."""
+    hist = torch.bincount(codes, minlength=num_codes).double()
+    return _entropy(hist) / math.log(max(2.0, min(float(hist.sum()), num_codes)))
+
+
+def reference_code_use(
+    images: list[Tensor], layout: VocabLayout, *, per_group: int, want: int, groups: int = 8
+) -> dict[str, float]:
+    """``generated_code_use``'s statistics on real images: groups of ``per_group`` images,
+    ``want`` codes evenly spaced through each (all of a smaller image), the means over up to
+    ``groups`` groups; summed over ranks. Absent when no rank has a whole group."""
+    sums = torch.zeros(3, dtype=torch.float64)
+    for start in range(0, min(len(images), per_group * groups) - per_group + 1, per_group):
+        picked = []
+        for codes in images[start : start + per_group]:
+            step = max(1, len(codes) // want)
+            picked.append(codes[::step][:want])
+        dominant = torch.tensor([int(torch.bincount(codes).argmax()) for codes in picked])
+        sums[0] += code_entropy(torch.cat(picked), layout.num_codes)
+        sums[1] += _diversity(
+            torch.bincount(dominant, minlength=layout.num_codes).double(), layout.num_codes
+        )
+        sums[2] += 1
+    sums = all_reduce_sum(sums)
+    if sums[2] == 0:
+        return {}
+    return {
+        "monitor/ref_code_entropy": float(sums[0] / sums[2]),
+        "monitor/ref_image_diversity": float(sums[1] / sums[2]),
     }

@@ -28,12 +28,19 @@ Built once under ``ROOT`` (about 15 s; reused while its ``built.json`` matches t
   ``val`` holds every 10th document of code, text, images and both colour sources, left out of
   the training sources: the final validation loss of every case is measured on the same clean
   held-out documents.
+- ``suite_tv/``: the healthy sources again (and ``scenes`` alone), their pictures and clips
+  tokenized by a *trained* visual tokenizer (``experiment=vtok_debug``, ``vtok_steps`` steps on
+  the base corpus), as a user's own pipeline makes them: flat colours and plain backgrounds map
+  onto a few codes, so a healthy model draws few codes too (the untrained tokenizer of
+  ``suite/`` spreads them). Text and code are the same pieces as ``suite/``'s.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +54,7 @@ from data.tokenize.blocks import visual_blocks
 from data.tokenize.shard_job import npy_bytes
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
 
-VERSION = 5  # bump when what is built changes
+VERSION = 6  # bump when what is built changes
 DOCS_PER_SHARD = 64
 COLOURS = {
     "red": (220, 30, 30),
@@ -149,6 +156,43 @@ def build_base(root: Path, *, scale: float, colours: int) -> Path:
         ),
     )
     return root / "tokens"
+
+
+def tokenize_trained(root: Path, steps: int) -> Path:
+    """The base corpus tokenized again with a visual tokenizer trained ``steps`` steps on it (a
+    real ``earlyfuse-train experiment=vtok_debug`` run); returns the token folder."""
+    from data.tokenize.encoder import TokenizeOptions
+    from data.tokenize.run import tokenize
+
+    repo = Path(__file__).resolve().parents[3]
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "train.app",
+            "experiment=vtok_debug",
+            f"run_dir={root / 'vtok'}",
+            f"train.steps={steps}",
+            "train.progress=false",
+            "train.tensorboard=false",
+            f"vtok_data.raw=[{root / 'raw'}]",
+        ],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+    )
+    if run.returncode:
+        raise RuntimeError(f"training the suite's visual tokenizer failed:\n{run.stderr[-2000:]}")
+    tokenize(
+        root / "raw",
+        root / "tokens_tv",
+        root / "tok" / "text",
+        root / "vtok" / "visual_tokenizer",
+        opts=TokenizeOptions(
+            image_max_pixels=32 * 32, video_max_pixels=32 * 32, video_max_tokens=240
+        ),
+    )
+    return root / "tokens_tv"
 
 
 def read_source(tokens: Path, source: str) -> list[TokenDoc]:
@@ -319,6 +363,7 @@ class DataPlan:
     images_bad_onset: int = 24_576
     shift_bad_onset: int = 61_440
     tail: int = 400_000  # tokens of each pathology (longer than any run reads)
+    vtok_steps: int = 200  # training steps of suite_tv's visual tokenizer
 
     def key(self) -> dict:
         return {"version": VERSION, **self.__dict__}
@@ -399,5 +444,30 @@ def build(root: Path, plan: DataPlan | None = None, *, log=print) -> Path:
         ),
     }
     write_folder(root / "suite", base, sources)
+    trained = tokenize_trained(root / "base", plan.vtok_steps)
+    tv_images, tv_val_images = held_out(
+        [
+            document
+            for pair in zip(read_source(trained, "scenes"), read_source(trained, "digits"))
+            for document in pair
+        ]
+    )
+    tv_colours, tv_val_colours = held_out(read_source(trained, "colours"))
+    tv_first, tv_val_first = held_out(read_source(trained, "colours_first"))
+    write_folder(
+        root / "suite_tv",
+        trained,
+        {
+            "code": code,
+            "text": text,
+            "images": tv_images,
+            "scenes": read_source(trained, "scenes"),
+            "clips": read_source(trained, "clips"),
+            "docs": read_source(trained, "docs"),
+            "colours": tv_colours,
+            "colours_first": tv_first,
+            "val": val_code + val_text + tv_val_images + tv_val_colours + tv_val_first,
+        },
+    )
     stamp.write_text(json.dumps(plan.key(), indent=1) + "\n")
     return root / "suite"

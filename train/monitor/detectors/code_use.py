@@ -7,6 +7,9 @@ from collections import deque
 from train.monitor.alarms import Alarm
 from train.monitor.config import CodeUseConfig
 from train.monitor.detectors.common import _Latch
+from train.monitor.stats import median
+
+HISTORY = 10  # data windows whose median is the typical level
 
 
 class DataCodeUse:
@@ -19,7 +22,13 @@ class DataCodeUse:
     def __init__(self, cfg: CodeUseConfig) -> None:
         self.cfg = cfg
         self.steps: deque[tuple[float, float]] = deque(maxlen=cfg.data_window)
-        self.best = 0.0  # the highest window entropy seen (from min_steps)
+        # The window entropies of the last HISTORY windows' worth of steps (from min_steps): their
+        # median is the run's typical level. Not their maximum: a window holds the codes of a
+        # few dozen images, so its entropy swings with which images it holds, and the highest
+        # swing of a long run is no level the data ever had (images at 10 % of a healthy mix
+        # swung 0.41-0.48, 15 % below the highest).
+        self.history: deque[float] = deque(maxlen=HISTORY * cfg.data_window)
+        self.best = 0.0  # the highest typical level so far
         self.latch = _Latch()
 
     def check(self, step: int, metrics: dict) -> list[Alarm]:
@@ -34,10 +43,16 @@ class DataCodeUse:
             return []
         ent = sum(weighted for weighted, _ in self.steps) / total
         metrics["monitor/data_code_entropy_window"] = ent
+        typical = median(self.history) if len(self.history) >= cfg.data_window else 0.0
+        self.best = max(self.best, typical)
         if step >= cfg.min_steps and len(self.steps) == cfg.data_window:
-            self.best = max(self.best, ent)
-        dropped = self.best > 0 and ent < (1 - cfg.max_data_drop) * self.best
-        firing = step >= cfg.min_steps and (ent < cfg.min_data_entropy or dropped)
+            self.history.append(ent)
+        dropped = typical > 0 and ent < (1 - cfg.max_data_drop) * typical
+        # The floor counts only as a fall: once the typical level has stood the drop's margin
+        # above it. A run whose images are simple from the start (flat colours, a few codes
+        # each) has nothing that degenerated.
+        armed = self.best * (1 - cfg.max_data_drop) >= cfg.min_data_entropy
+        firing = step >= cfg.min_steps and (dropped or (armed and ent < cfg.min_data_entropy))
         if not self.latch.edge("data", firing, step - cfg.data_window):
             return []
         return [
@@ -47,12 +62,13 @@ class DataCodeUse:
                 cfg.action,
                 modality="image",
                 since=step - cfg.data_window,
-                values={"entropy": ent, "best": self.best, "codes": total},
+                values={"entropy": ent, "typical": typical, "best": self.best, "codes": total},
                 message=f"the visual codes in the last {cfg.data_window} steps' batches have a "
-                f"normalised entropy of {ent:.2f} (it was {self.best:.2f}; {total:.0f} codes): "
+                f"normalised entropy of {ent:.2f} (typically {typical:.2f}; {total:.0f} codes): "
                 "a few codes dominate",
-                threshold=f"entropy of the trained-on codes (64 buckets) < {cfg.min_data_entropy:g}, "
-                f"or {cfg.max_data_drop:.0%} below its highest window",
+                threshold=f"entropy of the trained-on codes (64 buckets) {cfg.max_data_drop:.0%} "
+                f"below its median window, or < {cfg.min_data_entropy:g} after a median that "
+                f"stood {cfg.max_data_drop:.0%} above it",
                 cause="the visual tokenizer (or the image data) degenerated: most images map to "
                 "a few codes; the image loss falls because the codes became trivial",
                 advice="stop feeding these shards: check the visual tokenizer's reconstructions "
@@ -61,9 +77,15 @@ class DataCodeUse:
         ]
 
     def state_dict(self) -> dict:
-        return {"steps": list(self.steps), "best": self.best, "latch": self.latch.state_dict()}
+        return {
+            "steps": list(self.steps),
+            "history": list(self.history),
+            "best": self.best,
+            "latch": self.latch.state_dict(),
+        }
 
     def load_state_dict(self, st: dict) -> None:
         self.steps = deque([tuple(pair) for pair in st["steps"]], maxlen=self.cfg.data_window)
+        self.history = deque(st.get("history", []), maxlen=HISTORY * self.cfg.data_window)
         self.best = float(st.get("best", 0.0))
         self.latch.load_state_dict(st["latch"])

@@ -175,10 +175,12 @@ class Stagnation:
         return {
             "win": self.win.state_dict(),
             "streak": self.streak,
+            "share_best": self.share_best,
             "latch": self.latch.state_dict(),
         }
 
     def load_state_dict(self, st: dict) -> None:
         self.win.load_state_dict(st["win"])
         self.streak = dict(st.get("streak", {}))
+        self.share_best = {key: float(value) for key, value in st.get("share_best", {}).items()}
         self.latch.load_state_dict(st.get("latch") or {"on": st["on"]})

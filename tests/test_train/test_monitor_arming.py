@@ -1,0 +1,114 @@
+"""Rules that must not fire on a healthy run that has not learned what they watch yet, or whose
+data is simple from the start (docs/monitors.md, "Armed or relative"): the generated-code rule
+is judged against the run's own images, the data-code floor is armed by a window above it, and
+starvation's reference share survives a resume."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from data.vocab import Modality, VocabLayout
+from train.monitor import Monitor, MonitorConfig
+from train.monitor.config import CodeUseConfig, StagnationConfig
+from train.monitor.detectors import DataCodeUse, Stagnation
+
+LAYOUT = VocabLayout(text_size=512, max_grid=32)
+
+
+def probe(monitor: Monitor, step: int, drawn: float, alike: float, ref: float | None) -> list[str]:
+    values = {
+        "monitor/gen_code_entropy": drawn,
+        "monitor/gen_code_distinct": 7.0,
+        "monitor/gen_image_diversity": alike,
+    }
+    if ref is not None:
+        values["monitor/ref_image_diversity"] = ref
+    return [alarm.signal for alarm in monitor._probe_alarms("code_use", step, values)]
+
+
+def test_generated_codes_are_judged_against_the_runs_own_images():
+    chance = {"text": math.log(512), "image": math.log(1000)}
+    monitor = Monitor(MonitorConfig(), total_steps=300, chance=chance)
+    # 16 flat squares drawn faithfully (the debug preset on colour squares, step 200): 7 codes,
+    # an entropy of 0.14, but the squares differ from each other as the data's do.
+    assert probe(monitor, 100, drawn=0.14, alike=0.65, ref=0.75) == []
+    # No images in the data: nothing to judge the drawings by.
+    assert probe(monitor, 200, drawn=0.05, alike=0.05, ref=None) == []
+    # Varied images in the data, the model draws every image alike from a code or two.
+    assert probe(monitor, 300, drawn=0.1, alike=0.1, ref=0.75) == ["gen_code_entropy"]
+
+
+def feed(detector: DataCodeUse, steps: range, entropy) -> list[int]:
+    fired = []
+    for step in steps:
+        value = entropy(step) if callable(entropy) else entropy
+        metrics = {"monitor/data_codes": 100.0, "monitor/data_code_entropy": value}
+        fired += [alarm.step for alarm in detector.check(step, metrics)]
+    return fired
+
+
+def test_data_code_rules_fire_on_a_fall_not_on_simple_or_swinging_images():
+    assert feed(DataCodeUse(CodeUseConfig()), range(1, 301), 0.35) == []  # simple from the start
+    # A few images a window: the window entropy swings (by about +-0.08); its highest swing is no
+    # level the data had, and 15 % below it is still inside the swings.
+    swinging = DataCodeUse(CodeUseConfig())
+    assert feed(swinging, range(1, 401), lambda step: 0.6 + 0.1 * math.sin(step / 10)) == []
+    fallen = DataCodeUse(CodeUseConfig())
+    assert feed(fallen, range(1, 151), 0.7) == []
+    fired = feed(fallen, range(151, 201), 0.3)
+    assert len(fired) == 1 and 151 < fired[0] <= 170
+
+
+def test_starvation_reference_share_survives_a_resume():
+    cfg = StagnationConfig(window=10, min_steps=10, patience=4)
+    first = Stagnation(cfg)
+    for step in range(1, 41):
+        first.check(
+            step, {"loss/text": 3.0, "tokens/text": 500, "loss/code": 3.0, "tokens/code": 500}
+        )
+    resumed = Stagnation(cfg)
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.share_best == first.share_best and resumed.share_best["code"] >= 0.45
+    fired = []
+    for step in range(41, 61):  # code's share falls to 20 %
+        metrics = {"loss/text": 3.0, "tokens/text": 800, "loss/code": 3.0, "tokens/code": 200}
+        fired += [(alarm.signal, alarm.modality) for alarm in resumed.check(step, metrics)]
+    assert fired == [("starvation", "code")]
+
+
+def image_batch(images: list[list[int]]) -> dict:
+    """One row holding ``images`` as image blocks (structure around them, text between)."""
+    ids, img, mod = [1], [-1], [int(Modality.TEXT)]
+    for number, codes in enumerate(images):
+        ids += [LAYOUT.structure_id("<boi>"), *LAYOUT.size_ids(8, len(codes) // 8)]
+        ids += [LAYOUT.visual_offset + code for code in codes]
+        img += [-1, -1, -1] + [number] * len(codes)
+        mod += [int(Modality.STRUCTURE)] * 3 + [int(Modality.IMAGE)] * len(codes)
+        ids += [LAYOUT.structure_id("<eoi>"), 7]  # and a text token after the image
+        img += [-1, -1]
+        mod += [int(Modality.STRUCTURE), int(Modality.TEXT)]
+    as_row = {"input_ids": ids, "image_ids": img, "modality": mod}
+    return {key: torch.tensor([value]) for key, value in as_row.items()}
+
+
+def test_reference_code_use_reads_the_codes_of_real_image_blocks():
+    from train.monitor.probes import code_entropy, image_codes, reference_code_use
+
+    flat = [[colour] * 64 for colour in (3, 9, 27, 81)] * 8
+    varied = [list(range(start, start + 64)) for start in range(0, 320, 10)]
+    found = image_codes(image_batch(flat), LAYOUT)
+    assert len(found) == 32 and found[0][0].tolist() == [3] * 64 and found[0][1] == (8, 8)
+    flat_codes = [codes for codes, _ in found]
+    ref_flat = reference_code_use(flat_codes, LAYOUT, per_group=4, want=16)
+    varied_codes = [codes for codes, _ in image_codes(image_batch(varied), LAYOUT)]
+    ref_varied = reference_code_use(varied_codes, LAYOUT, per_group=4, want=16)
+    assert math.isclose(ref_flat["monitor/ref_code_entropy"], math.log(4) / math.log(64))
+    assert ref_flat["monitor/ref_image_diversity"] == 1.0  # four colours: four leading codes
+    assert ref_varied["monitor/ref_code_entropy"] > 0.85
+    same = [codes for codes, _ in image_codes(image_batch([[5] * 64] * 8), LAYOUT)]
+    alike = reference_code_use(same, LAYOUT, per_group=4, want=16)
+    assert alike == {"monitor/ref_code_entropy": 0.0, "monitor/ref_image_diversity": 0.0}
+    assert reference_code_use(flat_codes[:3], LAYOUT, per_group=4, want=16) == {}  # no group
+    assert code_entropy(torch.tensor([5] * 16), LAYOUT.num_codes) == 0.0
