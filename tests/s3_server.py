@@ -108,6 +108,11 @@ class S3Server:
 
         logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto logs every request
         self.moto.start()
+        # moto keeps its buckets per process, not per server: start each server empty
+        reset = http.client.HTTPConnection("127.0.0.1", self.moto._server.server_port, timeout=60)
+        reset.request("POST", "/moto-api/reset")
+        assert reset.getresponse().status == 200, "moto did not reset its state"
+        reset.close()
         self.proxy = FlakyProxy(self.moto._server.server_port)
         threading.Thread(target=self.proxy.serve_forever, daemon=True).start()
         self.env["AWS_ENDPOINT_URL_S3"] = f"http://127.0.0.1:{self.proxy.server_port}"
@@ -115,6 +120,7 @@ class S3Server:
         for k, v in self.env.items():
             self._saved[k] = os.environ.get(k)
             os.environ[k] = v
+        _forget_clients()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -126,3 +132,13 @@ class S3Server:
         self.proxy.shutdown()
         self.proxy.server_close()
         self.moto.stop()
+        _forget_clients()
+
+
+def _forget_clients() -> None:
+    """fsspec keeps one S3 file system per set of arguments, with its client bound to the
+    endpoint of its day: a second server (another test module's, on another port) must not be
+    reached through the first one's cached client."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
