@@ -254,7 +254,7 @@ def test_the_cpu_try_runs_as_written(tmp_path, user_configs):
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
         "OMP_NUM_THREADS": "1",
     }
-    lines = []
+    lines, said = [], {}
     for label, body in blocks("bash"):
         if label in (None, "CPU try"):
             lines += [line for line in body.replace("\\\n", " ").splitlines() if line.strip()]
@@ -267,5 +267,8 @@ def test_the_cpu_try_runs_as_written(tmp_path, user_configs):
             ["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True
         )
         assert done.returncode == 0, f"{line}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        said[line.split()[0]] = done.stdout
     assert (tmp_path / "runs/mine/report/report.png").is_file()
     assert (tmp_path / "bicycle.png").is_file()
+    assert (tmp_path / "hf/mine/config.json").is_file()
+    assert "text" in said["earlyfuse-eval"]  # its table, per modality
