@@ -10,11 +10,13 @@ groups are the data-parallel replicas. A rank's data-parallel rank is its group'
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from train.config_check import ConfigError
+from train.dist import DistInfo
 
 
 @dataclass(frozen=True)
@@ -57,16 +59,39 @@ def new_sequence_groups(degree: int) -> SequenceGroups:
 
 
 def check_run(degree: int, world_size: int) -> None:
-    """At the start of a run: ``train.sequence_parallel`` must divide the world. The trainer
-    itself does not split rows yet, so a degree above 1 is refused rather than ignored."""
-    if degree == 1:
-        return
+    """At the start of a run: ``train.sequence_parallel`` must divide the number of processes."""
     try:
         sequence_parallel_ranks(world_size, degree)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    raise ConfigError(
-        f"train.sequence_parallel={degree}: the trainer does not run sequence-parallel yet (the "
-        "layer, its process groups and its tests exist; what is missing is listed in "
-        "docs/long_context.md, 'Not built yet')"
-    )
+
+
+def deepspeed_mpu(degree: int):
+    """The object that tells DeepSpeed the SP layout (``deepspeed.initialize(mpu=...)``), or None
+    without sequence parallelism: DeepSpeed's own ``parallel_state_sp``, whose SP groups are
+    the ones above (P consecutive ranks). ZeRO then partitions over all DP x SP ranks and
+    gradients are summed over an SP group and averaged over the data-parallel replicas, the
+    convention of ``reduce_loss``."""
+    if degree == 1:
+        return None
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    return parallel_state_sp
+
+
+def join_sequence_groups(info: DistInfo, degree: int) -> DistInfo:
+    """``info`` with this rank's SP group (collective: every rank calls it once, before the
+    engine is built). The groups are ``parallel_state_sp``'s, so the attention layers and
+    DeepSpeed share one set of groups; a second run in the same process reuses them."""
+    check_run(degree, info.world_size)
+    mpu = deepspeed_mpu(degree)
+    if mpu is None:
+        return info
+    if mpu._SEQUENCE_PARALLEL_GROUP is None:  # groups are made once per process
+        mpu.initialize_sequence_parallel(degree)
+    elif mpu.get_sequence_parallel_world_size() != degree:
+        raise ConfigError(
+            f"train.sequence_parallel={degree}: this process already made SP groups of "
+            f"{mpu.get_sequence_parallel_world_size()} ranks"
+        )
+    return dataclasses.replace(info, sp_degree=degree, sp_group=mpu.get_sequence_parallel_group())

@@ -6,6 +6,10 @@ first probe: ``attention`` uses the first ``rows`` rows of a batch; ``dependence
 batches for ``probes`` rows where an image is followed by its caption, and as many where a
 caption is followed by its image (the reverse direction), and takes this rank's share of them.
 A direction whose rows the data does not have is not probed (its metrics are absent).
+
+Under sequence parallelism the probes run whole rows on every rank, the layers' SP switched off
+meanwhile (``LMTask.whole_rows``): the ranks of one SP group read the same rows (the loader goes
+by data-parallel rank), so their reduced figures weigh every group alike.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ class LMProbes:
         was_training = module.training
         module.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self.task.whole_rows(module):
                 return self._run(name, step, module)
         finally:
             module.train(was_training)
@@ -68,7 +72,7 @@ class LMProbes:
             return probes.attention_stats(module, self._attn_batch, dev)
         if name == "dependence":
             if self._dep_batch is None:
-                per_rank = max(1, self.cfg.dependence.probes // self.dist.world_size)
+                per_rank = max(1, self.cfg.dependence.probes // self.dist.data_size)
                 self._dep_batch = self._rows(per_rank) or {}
                 self._rev_batch = (
                     self._rows(per_rank, probes.image_after_caption_rows) or {}
@@ -89,7 +93,7 @@ class LMProbes:
                 )
             return out
         c = self.cfg.code_use
-        per_rank = max(1, c.probes // self.dist.world_size)
+        per_rank = max(1, c.probes // self.dist.data_size)
         seed = self.run_cfg.train.seed * 1000003 + step * 31 + self.dist.rank
         return probes.generated_code_use(
             module, self.task.layout, dev, images=per_rank, grid=c.grid, seed=seed

@@ -23,7 +23,7 @@ import dataclasses
 import json
 import logging
 import math
-from contextlib import closing
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 import torch
@@ -36,6 +36,7 @@ from data.names import LAYOUT_FILE
 from data.unigram import Unigram
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
 from model.flops import flops_per_token
+from model.sequence_parallel import apply_sequence_parallel, reduce_loss, shard_row
 from train.config import RunConfig
 from train.config_check import ConfigError
 from train.dist import DistInfo, all_reduce_sum
@@ -164,15 +165,41 @@ class LMTask:
             self.unigram = None
 
     def build_model(self):
-        return self.model_cfg.build()
+        model = self.model_cfg.build()
+        if self.dist.sp_degree > 1:  # attention swaps sequence for heads; the state dict is unchanged
+            apply_sequence_parallel(model, self.dist.sp_group)
+        return model
+
+    def shard(self, inputs: dict) -> dict:
+        """This rank's shard of whole rows (positions, labels and the mask made on the whole row,
+        model/sequence_parallel.py); the rows as they are without sequence parallelism."""
+        if self.dist.sp_degree == 1:
+            return inputs
+        return shard_row(
+            inputs, self.model_cfg, rank=self.dist.sp_rank, degree=self.dist.sp_degree
+        )
+
+    @contextmanager
+    def whole_rows(self, module):
+        """The probes run whole rows on every rank, sequence parallelism off meanwhile: their
+        hooks read whole attention maps and generation's KV cache holds the whole sequence."""
+        if self.dist.sp_degree == 1:
+            yield
+            return
+        apply_sequence_parallel(module, None)
+        try:
+            yield
+        finally:
+            apply_sequence_parallel(module, self.dist.sp_group)
 
     def stream(self, data: LoaderConfig, *, validation: bool = False) -> TokenStream:
         """A loader of this rank over ``data``'s sources (or its validation sources)."""
         sources = data.validation if validation else data.sources
+        # By data-parallel rank: the ranks of one sequence-parallel group read the same rows.
         loader = build_loader(
             data,
-            rank=self.dist.rank,
-            world_size=self.dist.world_size,
+            rank=self.dist.data_rank,
+            world_size=self.dist.data_size,
             micro_batch=self.cfg.train.micro_batch,
             pad_id=0,
             validation=validation,
@@ -207,41 +234,50 @@ class LMTask:
         dev = self.dist.device
         host = batch
         batch = expand_batch(batch, dev, MODEL_INPUTS)  # a compact batch expanded on the device
-        inputs = {k: batch[k] for k in MODEL_INPUTS}
+        inputs = self.shard({k: batch[k] for k in MODEL_INPUTS})
         # What the labels hold is counted before the model is queued: from the CPU batch, or for a
         # compact batch from its labels on the device, whose reading back then waits for the few
-        # expansion kernels only (after the forward it would wait for the whole forward pass)
-        labelled = batch if is_compact(host) else host
+        # expansion kernels only (after the forward it would wait for the whole forward pass).
+        # Sequence-parallel: this rank's shard, so that the sums over all ranks count a row once.
+        sharded = self.dist.sp_degree > 1
+        labelled = inputs if sharded or is_compact(host) else host
         buckets = code_buckets(labelled, self.layout)
         if self.unigram is not None:
             uni, _ = self.unigram.nll_sums(
                 labelled["labels"], labelled["label_modality"], self._unigram_lp
             )
-        res = engine(**inputs)
+        # ``local``: this rank's sums and counts (its shard's under sequence parallelism), summed
+        # over all ranks by the trainer; ``res``: the loss, reduced over the SP group.
+        local = engine(**inputs)
+        res = reduce_loss(local, self.dist.sp_group) if sharded else local
+        # Figures of the whole rows (the mix, dropped blocks, tokens for throughput) come from the
+        # first rank of an SP group only: its other ranks read the same rows.
+        row_share = 1 if self.dist.sp_rank == 0 else 0
         sums = {}
         for i, name in enumerate(MODALITY_NAMES):
-            sums[f"ce_sum/{name}"] = res.ce_sum[i]
-            sums[f"count/{name}"] = res.count[i]
-            sums[f"logz_sum/{name}"] = res.logz_sum[i]
-            sums[f"hnorm_sum/{name}"] = res.hidden_norm_sum[i]
-            sums[f"gap_sum/{name}"] = res.logit_gap_sum[i]
+            sums[f"ce_sum/{name}"] = local.ce_sum[i]
+            sums[f"count/{name}"] = local.count[i]
+            sums[f"logz_sum/{name}"] = local.logz_sum[i]
+            sums[f"hnorm_sum/{name}"] = local.hidden_norm_sum[i]
+            sums[f"gap_sum/{name}"] = local.logit_gap_sum[i]
         for i, name in enumerate(self.source_names):
-            sums[f"mix_tokens/{name}"] = batch["tokens_by_source"][i]
+            sums[f"mix_tokens/{name}"] = batch["tokens_by_source"][i] * row_share
             for j, mod in enumerate(DROPPABLE):
-                sums[f"dropped/{name}/{mod}"] = batch["dropped_blocks"][i, j]
+                sums[f"dropped/{name}/{mod}"] = batch["dropped_blocks"][i, j] * row_share
         if self.unigram is not None:
             for i, name in enumerate(MODALITY_NAMES):
                 sums[f"uni_sum/{name}"] = uni[i]
-        if res.moe_expert_load is not None:  # [layers, modality, expert] assignments
-            load = res.moe_expert_load.detach().sum(0)
+        if local.moe_expert_load is not None:  # [layers, modality, expert] assignments
+            load = local.moe_expert_load.detach().sum(0)
             for i, name in enumerate(MODALITY_NAMES):
                 for e in range(load.shape[1]):
                     sums[f"moe_load/{name}/{e}"] = load[i, e]
         sums.update(buckets)
         sums["z_loss_sum"] = res.z_loss.detach()
         sums["aux_loss_sum"] = res.aux_loss.detach()
-        sums["moe_dropped"] = res.moe_dropped.detach()
-        return StepOutput(loss=res.loss, sums=sums, units=int(batch["num_real_tokens"]))
+        sums["moe_dropped"] = local.moe_dropped.detach()
+        units = int(batch["num_real_tokens"]) * row_share
+        return StepOutput(loss=res.loss, sums=sums, units=units)
 
     def metrics(self, s: dict[str, float]) -> dict[str, float]:
         out = {
@@ -298,13 +334,15 @@ class LMTask:
                 if self.cfg.train.eval_batches and i >= self.cfg.train.eval_batches:
                     complete = 0.0
                     break
-                res = engine(**{k: batch[k].to(self.dist.device) for k in MODEL_INPUTS})
+                # Sequence-parallel: each rank scores its shard; the sums over all ranks count
+                # every row once.
+                inputs = self.shard({k: batch[k].to(self.dist.device) for k in MODEL_INPUTS})
+                res = engine(**inputs)
                 ce += res.ce_sum.detach().double().cpu()
                 cnt += res.count.detach().double().cpu()
                 if self.unigram is not None:
-                    uni += self.unigram.nll_sums(
-                        batch["labels"], batch["label_modality"], self._unigram_lp
-                    )[0]
+                    labels, label_modality = (inputs[k].cpu() for k in ("labels", "label_modality"))
+                    uni += self.unigram.nll_sums(labels, label_modality, self._unigram_lp)[0]
                 batches_read += 1
         ce, cnt, uni = all_reduce_sum(ce), all_reduce_sum(cnt), all_reduce_sum(uni)
         out = {}
