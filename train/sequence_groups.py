@@ -66,32 +66,96 @@ def check_run(degree: int, world_size: int) -> None:
         raise ConfigError(str(err)) from None
 
 
-def deepspeed_mpu(degree: int):
-    """The object that tells DeepSpeed the SP layout (``deepspeed.initialize(mpu=...)``), or None
-    without sequence parallelism: DeepSpeed's own ``parallel_state_sp``, whose SP groups are
-    the ones above (P consecutive ranks). ZeRO then partitions over all DP x SP ranks and
-    gradients are summed over an SP group and averaged over the data-parallel replicas, the
-    convention of ``reduce_loss``."""
+class SequenceParallelMpu:
+    """What DeepSpeed asks of an ``mpu`` for sequence parallelism, over the groups of DeepSpeed's
+    own ``parallel_state_sp`` (P consecutive ranks; one sequence-data-parallel group of all
+    ranks). DeepSpeed recognises the SP layout by ``initialize_sequence_parallel``: ZeRO then
+    partitions over all DP x SP ranks and gradients are summed over an SP group and averaged
+    over the data-parallel replicas, the convention of ``reduce_loss``.
+
+    Unlike ``parallel_state_sp``, it reports no model parallelism (a group of this rank alone):
+    SP ranks hold replicas of the weights, not slices. ``parallel_state_sp`` aliases model
+    parallelism to SP, which makes DeepSpeed 0.19 record a tensor-parallel degree of P in every
+    checkpoint (``ds_to_universal`` then refuses it: one model-state file, not P), would make
+    its norm helpers that take an ``mpu`` (the bf16 optimizer of ZeRO 0) count only the first SP
+    rank's gradients, and lacks the tensor-parallel size that loading a universal checkpoint
+    asks for."""
+
+    def __init__(self, degree: int) -> None:
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+        self.state = parallel_state_sp
+        if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is None:  # made once per process
+            parallel_state_sp.initialize_sequence_parallel(degree)
+        elif parallel_state_sp.get_sequence_parallel_world_size() != degree:
+            raise ConfigError(
+                f"train.sequence_parallel={degree}: this process already made SP groups of "
+                f"{parallel_state_sp.get_sequence_parallel_world_size()} ranks"
+            )
+        # Only this rank calls it (local synchronisation): no collective over the world.
+        self.alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+
+    def initialize_sequence_parallel(self, sequence_parallel_size: int) -> None:
+        raise RuntimeError("the SP groups are made once, by SequenceParallelMpu")
+
+    def get_sequence_parallel_group(self):
+        return self.state.get_sequence_parallel_group()
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.state.get_sequence_parallel_world_size()
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.state.get_sequence_parallel_rank()
+
+    def get_sequence_data_parallel_group(self):
+        return self.state.get_sequence_data_parallel_group()
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.state.get_sequence_data_parallel_world_size()
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.state.get_sequence_data_parallel_rank()
+
+    def get_model_parallel_group(self):
+        return self.alone
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    # Asked for by name when a universal checkpoint is loaded (``parallel_state_sp`` has none).
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+
+
+_MPU: SequenceParallelMpu | None = None
+
+
+def deepspeed_mpu(degree: int) -> SequenceParallelMpu | None:
+    """The ``mpu`` that tells DeepSpeed the SP layout (``deepspeed.initialize(mpu=...)``), or
+    None without sequence parallelism. Made on first use (every rank, collectively), then
+    shared: the attention layers and DeepSpeed use one set of groups."""
+    global _MPU
     if degree == 1:
         return None
-    from deepspeed.runtime.sequence_parallel import parallel_state_sp
-
-    return parallel_state_sp
+    if _MPU is None:
+        _MPU = SequenceParallelMpu(degree)
+    elif _MPU.get_sequence_parallel_world_size() != degree:
+        raise ConfigError(
+            f"train.sequence_parallel={degree}: this process already made SP groups of "
+            f"{_MPU.get_sequence_parallel_world_size()} ranks"
+        )
+    return _MPU
 
 
 def join_sequence_groups(info: DistInfo, degree: int) -> DistInfo:
-    """``info`` with this rank's SP group (collective: every rank calls it once, before the
-    engine is built). The groups are ``parallel_state_sp``'s, so the attention layers and
-    DeepSpeed share one set of groups; a second run in the same process reuses them."""
+    """``info`` with this rank's SP group (collective: every rank calls it, before the engine is
+    built)."""
     check_run(degree, info.world_size)
     mpu = deepspeed_mpu(degree)
     if mpu is None:
         return info
-    if mpu._SEQUENCE_PARALLEL_GROUP is None:  # groups are made once per process
-        mpu.initialize_sequence_parallel(degree)
-    elif mpu.get_sequence_parallel_world_size() != degree:
-        raise ConfigError(
-            f"train.sequence_parallel={degree}: this process already made SP groups of "
-            f"{mpu.get_sequence_parallel_world_size()} ranks"
-        )
     return dataclasses.replace(info, sp_degree=degree, sp_group=mpu.get_sequence_parallel_group())

@@ -7,6 +7,7 @@ model) against one process on the same rows:
 - an SP 2 run killed with -9 and resumed logs the uninterrupted run's losses exactly;
 - checkpoints move between SP degrees: one saved at SP 1 (one process) goes on at SP 2 (two)
   with the one-process run's losses, and one saved at SP 2 goes on at SP 1 with the SP 2 run's;
+  under ZeRO 0 as it is, under ZeRO 2 through its universal form (another world size);
 - 4 processes, SP 2 x data parallel 2, equal 2 processes of plain data parallelism (slow).
 """
 
@@ -114,17 +115,22 @@ def test_sp2_killed_with_minus_9_resumes_bit_identically(runs, tiny_tokens, tmp_
     assert losses(run) == losses(runs["root"] / "sp2_zero0")
 
 
-def test_a_checkpoint_moves_from_sp1_to_sp2_and_back(runs, tiny_tokens, tmp_path):
-    """ZeRO 0: another world size loads the checkpoint as it is (ZeRO 1-3 go through
-    ``earlyfuse-convert universal``, as for any change of world size). Steps 3 and 4 go on
-    from step 2's checkpoint on the other degree with the losses of the run that saved it."""
+def rewound_copy(source, target):
+    """A copy of finished run ``source`` as it was at step 2's checkpoint."""
+    shutil.copytree(source, target)
+    shutil.rmtree(target / "checkpoints" / "step_00000004")
+    (target / "checkpoints" / "latest").write_text("step_00000002\n")
+    (target / "metrics.jsonl").write_text("")
+    return target
+
+
+def test_a_zero0_checkpoint_moves_from_sp1_to_sp2_and_back(runs, tiny_tokens, tmp_path):
+    """One process at SP 1 and two at SP 2 are both one data-parallel replica: the same rows. A
+    ZeRO-0 checkpoint loads on another world size as it is; steps 3 and 4 go on from step 2's
+    checkpoint at the other degree with the losses of the run that saved it."""
     root = runs["root"]
-    up, down = tmp_path / "up", tmp_path / "down"
-    for source, target in ((root / "one", up), (root / "sp2_zero0", down)):
-        shutil.copytree(source, target)
-        shutil.rmtree(target / "checkpoints" / "step_00000004")
-        (target / "checkpoints" / "latest").write_text("step_00000002\n")
-        (target / "metrics.jsonl").write_text("")
+    up = rewound_copy(root / "one", tmp_path / "up")
+    down = rewound_copy(root / "sp2_zero0", tmp_path / "down")
     refused = sp2(tiny_tokens, up, check=False)
     assert refused.returncode != 0 and "train.sequence_parallel" in refused.stderr
     p = sp2(tiny_tokens, up, "train.allow_config_change=true")
@@ -132,6 +138,28 @@ def test_a_checkpoint_moves_from_sp1_to_sp2_and_back(runs, tiny_tokens, tmp_path
     assert_close(losses(up, [3, 4]), losses(root / "one", [3, 4]))
     train(base(tiny_tokens, down, "train.allow_config_change=true"))
     assert_close(losses(down, [3, 4]), losses(root / "sp2_zero0", [3, 4]))
+
+
+def test_a_zero2_checkpoint_moves_between_sp1_and_sp2_through_its_universal_form(
+    runs, tiny_tokens, tmp_path
+):
+    """ZeRO partitions its states over all ranks (DP x SP), so one process at SP 1 and two at
+    SP 2 hold different partitions: the checkpoint goes through ``earlyfuse-convert universal``,
+    as for any change of world size, and then goes on with the saving run's losses."""
+    from tools.convert import main as convert_main
+
+    zero2 = ("deepspeed.zero_stage=2", "train.allow_config_change=true")
+    one = tmp_path / "one"
+    train(base(tiny_tokens, one, "deepspeed.zero_stage=2"))
+    up = rewound_copy(one, tmp_path / "up")
+    down = rewound_copy(runs["root"] / "sp2_zero2", tmp_path / "down")
+    for run in (up, down):
+        assert convert_main(["universal", str(run), "--step", "2"]) == 0
+    p = sp2(tiny_tokens, up, *zero2)
+    assert "of 1 rank(s) on 2 from its universal checkpoint" in p.stdout + p.stderr
+    assert_close(losses(up, [3, 4]), losses(one, [3, 4]))
+    train(base(tiny_tokens, down, *zero2))
+    assert_close(losses(down, [3, 4]), losses(runs["root"] / "sp2_zero2", [3, 4]))
 
 
 @pytest.mark.slow
