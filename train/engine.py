@@ -20,8 +20,8 @@ from functools import partial
 from torch import nn
 
 from train.config import RunConfig
-from train.sequence_groups import deepspeed_mpu
 from train.schedule import CappedLambdaLR, lr_multiplier
+from train.sequence_groups import deepspeed_mpu
 from train.skip_step import SkipStepAdamW
 
 
@@ -106,7 +106,9 @@ def build_engine(model: nn.Module, cfg: RunConfig, world_size: int, *, total_ste
         optimizer=opt,
         lr_scheduler=sched,
         config=ds_config(cfg, world_size),
-        mpu=deepspeed_mpu(cfg.train.sequence_parallel),  # ZeRO over DP x SP, train/sequence_groups.py
+        mpu=deepspeed_mpu(
+            cfg.train.sequence_parallel
+        ),  # ZeRO over DP x SP, train/sequence_groups.py
     )
     return engine, opt, sched
 

@@ -6,6 +6,12 @@ inside a node whenever P divides the GPUs per node: its two all-to-alls per atte
 on the fast links, and only data parallelism crosses nodes. The ranks of one SP group work on
 the same rows (each on its own shard of T/P tokens, model/sequence_parallel.py); the W / P
 groups are the data-parallel replicas. A rank's data-parallel rank is its group's index.
+
+A run (``train.sequence_parallel=P``) joins the groups once, in ``train/build.py``
+(``join_sequence_groups``): they are DeepSpeed's ``parallel_state_sp`` groups, handed to the
+engine as its ``mpu`` (``SequenceParallelMpu``) and to the attention layers, and the rank's place
+in them travels in ``DistInfo`` (``sp_rank``, ``data_rank``, ``data_size``).
+``new_sequence_groups`` makes a set of groups of its own, for code outside a run (the tests).
 """
 
 from __future__ import annotations

@@ -74,7 +74,9 @@ class TableCache:
 
 def same_place(state: dict, rank: int, split: dict) -> bool:
     """Whether a loader state was saved by loader rank ``rank`` of the same split."""
-    return state.get("rank") == rank and all(state.get(key) == value for key, value in split.items())
+    return state.get("rank") == rank and all(
+        state.get(key) == value for key, value in split.items()
+    )
 
 
 class TokenStream:

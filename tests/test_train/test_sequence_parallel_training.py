@@ -8,7 +8,7 @@ model) against one process on the same rows:
 - checkpoints move between SP degrees: one saved at SP 1 (one process) goes on at SP 2 (two)
   with the one-process run's losses, and one saved at SP 2 goes on at SP 1 with the SP 2 run's;
   under ZeRO 0 as it is, under ZeRO 2 through its universal form (another world size);
-- 4 processes, SP 2 x data parallel 2, equal 2 processes of plain data parallelism (slow).
+- 4 processes, SP 2 x data parallel 2, equal 2 processes of plain data parallelism.
 """
 
 from __future__ import annotations
@@ -162,7 +162,6 @@ def test_a_zero2_checkpoint_moves_between_sp1_and_sp2_through_its_universal_form
     assert_close(losses(down, [3, 4]), losses(runs["root"] / "sp2_zero2", [3, 4]))
 
 
-@pytest.mark.slow
 def test_sp2_times_data_parallel_2_trains_like_data_parallel_2(tiny_tokens, tmp_path):
     train(base(tiny_tokens, tmp_path / "dp2", "train.steps=2"), nproc=2)
     train(

@@ -166,7 +166,9 @@ class LMTask:
 
     def build_model(self):
         model = self.model_cfg.build()
-        if self.dist.sp_degree > 1:  # attention swaps sequence for heads; the state dict is unchanged
+        if (
+            self.dist.sp_degree > 1
+        ):  # attention swaps sequence for heads; the state dict is unchanged
             apply_sequence_parallel(model, self.dist.sp_group)
         return model
 
@@ -175,9 +177,7 @@ class LMTask:
         model/sequence_parallel.py); the rows as they are without sequence parallelism."""
         if self.dist.sp_degree == 1:
             return inputs
-        return shard_row(
-            inputs, self.model_cfg, rank=self.dist.sp_rank, degree=self.dist.sp_degree
-        )
+        return shard_row(inputs, self.model_cfg, rank=self.dist.sp_rank, degree=self.dist.sp_degree)
 
     @contextmanager
     def whole_rows(self, module):
