@@ -15,6 +15,11 @@ training batches, ``val/unigram/<m>`` and ``val/margin/<m>`` (baseline minus los
 the model predicts better than token frequencies alone) on the held-out set. Validation is one
 exact pass over the whole held-out set unless ``train.eval_batches`` caps it (then the figures
 say so: ``val/batches``, ``val/complete``).
+
+With ``train.sequence_parallel`` > 1 the loader goes by data-parallel rank (an SP group reads the
+same rows), each rank trains and scores its shard of them (``shard_row``, the loss reduced over
+the group by ``reduce_loss``), and every figure above counts each row once: per-token sums come
+from each rank's shard, per-row ones from the group's first rank (docs/long_context.md).
 """
 
 from __future__ import annotations
@@ -166,9 +171,7 @@ class LMTask:
 
     def build_model(self):
         model = self.model_cfg.build()
-        if (
-            self.dist.sp_degree > 1
-        ):  # attention swaps sequence for heads; the state dict is unchanged
+        if self.dist.sp_degree > 1:  # attention swaps sequence for heads; state dict unchanged
             apply_sequence_parallel(model, self.dist.sp_group)
         return model
 
