@@ -119,3 +119,12 @@ def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def shutdown() -> None:
+    """At the end of a run that every rank finished: wait for all, then close the process groups,
+    so that no rank tears its connections down while another still uses them (gloo aborts a
+    process whose peer vanished mid-exchange)."""
+    if dist.is_initialized():
+        barrier()
+        dist.destroy_process_group()

@@ -98,8 +98,7 @@ class SequenceParallelMpu:
                 f"train.sequence_parallel={degree}: this process already made SP groups of "
                 f"{parallel_state_sp.get_sequence_parallel_world_size()} ranks"
             )
-        # Only this rank calls it (local synchronisation): no collective over the world.
-        self.alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        self.alone = None  # a group of this rank alone, made when DeepSpeed first asks for it
 
     def initialize_sequence_parallel(self, sequence_parallel_size: int) -> None:
         raise RuntimeError("the SP groups are made once, by SequenceParallelMpu")
@@ -123,6 +122,8 @@ class SequenceParallelMpu:
         return self.state.get_sequence_data_parallel_rank()
 
     def get_model_parallel_group(self):
+        if self.alone is None:  # only this rank takes part (local synchronisation)
+            self.alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
         return self.alone
 
     def get_model_parallel_world_size(self) -> int:
