@@ -85,7 +85,7 @@ def run(cfg: RunConfig, resolved: str, extra_callbacks: CallbackFactory | None =
     import torch
 
     from train.build import build_trainer
-    from train.dist import all_reduce_sum, init_distributed
+    from train.dist import all_reduce_sum, init_distributed, shutdown
     from train.run_lock import RunLock, RunLocked
     from train.safe_load import CheckpointError
     from train.save_errors import CheckpointWriteError
@@ -116,6 +116,7 @@ def run(cfg: RunConfig, resolved: str, extra_callbacks: CallbackFactory | None =
             from train.launch import note_stopped
 
             note_stopped(dist.rank)
+        shutdown()  # every rank got here: close the process groups together
     except RunHalted as e:  # a monitor's decision, not a crash: no traceback, a distinct exit code
         print(f"earlyfuse-train: {e}", file=sys.stderr)
         return 3

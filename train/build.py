@@ -40,7 +40,7 @@ from train.dist import DistInfo
 from train.engine import build_engine, global_grad_norm
 from train.monitor import AlarmLog, Monitor
 from train.names import CONFIG_FILE, METRICS_FILE
-from train.sequence_groups import check_run as check_sequence_parallel_run
+from train.sequence_groups import join_sequence_groups
 from train.skip_step import SkipStepRule, UpdateGate
 from train.streams import BatchStream
 from train.tasks import build_task
@@ -110,7 +110,7 @@ def build_trainer(
     *,
     extra_callbacks: Sequence[Callback] = (),
 ) -> Trainer:
-    check_sequence_parallel_run(cfg.train.sequence_parallel, dist.world_size)
+    dist = join_sequence_groups(dist, cfg.train.sequence_parallel)
     seed_everything(cfg.train.seed, dist.rank, cfg.train.deterministic)
     task = build_task(cfg, dist)
     model = task.build_model()
@@ -160,6 +160,8 @@ def build_trainer(
         f"{dist.device.type}, ZeRO {cfg.deepspeed.zero_stage}, {precision}"
         + (", compiled" if compiled else "")
     )
+    if dist.sp_degree > 1:
+        describe += f", sequence parallel {dist.sp_degree} x data parallel {dist.data_size}"
     callbacks = [
         RunInfo(run_dir=run_dir, resolved_yaml=resolved_yaml, describe=describe, is_main=main),
         StepMetrics(task_metrics=task.metrics, lr=lambda: scheduler.get_last_lr()[0]),
@@ -210,6 +212,7 @@ def build_trainer(
         resolved_yaml=resolved_yaml,
         save_meta={
             "world_size": dist.world_size,
+            "sequence_parallel": dist.sp_degree,
             "zero_stage": cfg.deepspeed.zero_stage,
             "task": cfg.task,
             "bf16": train_cfg.bf16,

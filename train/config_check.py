@@ -7,7 +7,8 @@
   excepted), and an unknown one is an error that suggests the nearest known name.
 - Resuming. The checkpoint's resolved config is compared with the new one; every difference is
   printed, and those that break an exact resume (the data and its mix, ``seq_len``, batch sizes,
-  the schedule and its length, seeds, the world size, the LM loader's worker count) are refused unless
+  the schedule and its length, seeds, the world size, the sequence-parallel degree, the LM
+  loader's worker count) are refused unless
   ``train.allow_config_change=true`` says they are meant.
 """
 
@@ -53,6 +54,9 @@ RESUME_CRITICAL: dict[str, tuple[str, ...]] = {
         "data.oversize",
         "data.tokenize",
         "data.tokenizers",
+        # Ranks per row: another degree on as many processes is another data-parallel size
+        # (rows per step), like a change of world size.
+        "train.sequence_parallel",
     ),
     "vtok": (
         "vtok_data.raw",

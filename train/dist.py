@@ -21,10 +21,28 @@ class DistInfo:
     world_size: int
     local_rank: int
     device: torch.device
+    # Sequence parallelism (train/sequence_groups.py): ranks [0, P), [P, 2P), ... share rows.
+    sp_degree: int = 1  # P: ranks per sequence-parallel group (1: off)
+    sp_group: object | None = None  # this rank's sequence-parallel process group (P > 1)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def sp_rank(self) -> int:
+        """Which shard of a row this rank holds (0 without sequence parallelism)."""
+        return self.rank % self.sp_degree
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's data-parallel replica: the rows it reads are the loader's for this rank."""
+        return self.rank // self.sp_degree
+
+    @property
+    def data_size(self) -> int:
+        """Data-parallel replicas (the world without sequence parallelism)."""
+        return self.world_size // self.sp_degree
 
 
 def strip_launcher_args(argv: list[str]) -> list[str]:
@@ -101,3 +119,12 @@ def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def shutdown() -> None:
+    """At the end of a run that every rank finished: wait for all, then close the process groups,
+    so that no rank tears its connections down while another still uses them (gloo aborts a
+    process whose peer vanished mid-exchange)."""
+    if dist.is_initialized():
+        barrier()
+        dist.destroy_process_group()

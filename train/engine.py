@@ -7,6 +7,10 @@ Design choices:
 - No weight decay on norms, biases and embeddings (1-D tensors and ``nn.Embedding`` weights).
 - bf16 keeps fp32 master weights and accumulates gradients in fp32.
 - AdamW is torch's fused kernel on a GPU (one launch for the update).
+- Sequence parallelism (``train.sequence_parallel`` > 1) hands DeepSpeed the SP layout as its
+  ``mpu`` (``train/sequence_groups.py``): ZeRO partitions over all ranks, gradients are averaged
+  over the data-parallel replicas only, and a step is ``micro_batch x grad_accum x data_size``
+  rows.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from torch import nn
 
 from train.config import RunConfig
 from train.schedule import CappedLambdaLR, lr_multiplier
+from train.sequence_groups import deepspeed_mpu
 from train.skip_step import SkipStepAdamW
 
 
@@ -39,10 +44,12 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def ds_config(cfg: RunConfig, world_size: int) -> dict:
     train_cfg, ds_cfg = cfg.train, cfg.deepspeed
+    # Rows per optimizer step: the ranks of a sequence-parallel group share theirs.
+    data_size = world_size // train_cfg.sequence_parallel
     conf: dict = {
         "train_micro_batch_size_per_gpu": train_cfg.micro_batch,
         "gradient_accumulation_steps": train_cfg.grad_accum,
-        "train_batch_size": train_cfg.micro_batch * train_cfg.grad_accum * world_size,
+        "train_batch_size": train_cfg.micro_batch * train_cfg.grad_accum * data_size,
         "gradient_clipping": cfg.optim.clip_grad,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
@@ -99,7 +106,13 @@ def build_engine(model: nn.Module, cfg: RunConfig, world_size: int, *, total_ste
     if cfg.deepspeed.zero_stage == 0 and not cfg.train.bf16:
         opt.clip_grad = optim_cfg.clip_grad
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=opt, lr_scheduler=sched, config=ds_config(cfg, world_size)
+        model=model,
+        optimizer=opt,
+        lr_scheduler=sched,
+        config=ds_config(cfg, world_size),
+        mpu=deepspeed_mpu(
+            cfg.train.sequence_parallel
+        ),  # ZeRO over DP x SP, train/sequence_groups.py
     )
     return engine, opt, sched
 

@@ -6,15 +6,23 @@ inside a node whenever P divides the GPUs per node: its two all-to-alls per atte
 on the fast links, and only data parallelism crosses nodes. The ranks of one SP group work on
 the same rows (each on its own shard of T/P tokens, model/sequence_parallel.py); the W / P
 groups are the data-parallel replicas. A rank's data-parallel rank is its group's index.
+
+A run (``train.sequence_parallel=P``) joins the groups once, in ``train/build.py``
+(``join_sequence_groups``): they are DeepSpeed's ``parallel_state_sp`` groups, handed to the
+engine as its ``mpu`` (``SequenceParallelMpu``) and to the attention layers, and the rank's place
+in them travels in ``DistInfo`` (``sp_rank``, ``data_rank``, ``data_size``).
+``new_sequence_groups`` makes a set of groups of its own, for code outside a run (the tests).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from train.config_check import ConfigError
+from train.dist import DistInfo
 
 
 @dataclass(frozen=True)
@@ -57,16 +65,104 @@ def new_sequence_groups(degree: int) -> SequenceGroups:
 
 
 def check_run(degree: int, world_size: int) -> None:
-    """At the start of a run: ``train.sequence_parallel`` must divide the world. The trainer
-    itself does not split rows yet, so a degree above 1 is refused rather than ignored."""
-    if degree == 1:
-        return
+    """At the start of a run: ``train.sequence_parallel`` must divide the number of processes."""
     try:
         sequence_parallel_ranks(world_size, degree)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    raise ConfigError(
-        f"train.sequence_parallel={degree}: the trainer does not run sequence-parallel yet (the "
-        "layer, its process groups and its tests exist; what is missing is listed in "
-        "docs/long_context.md, 'Not built yet')"
-    )
+
+
+class SequenceParallelMpu:
+    """What DeepSpeed asks of an ``mpu`` for sequence parallelism, over the groups of DeepSpeed's
+    own ``parallel_state_sp`` (P consecutive ranks; one sequence-data-parallel group of all
+    ranks). DeepSpeed recognises the SP layout by ``initialize_sequence_parallel``: ZeRO then
+    partitions over all DP x SP ranks and gradients are summed over an SP group and averaged
+    over the data-parallel replicas, the convention of ``reduce_loss``.
+
+    Unlike ``parallel_state_sp``, it reports no model parallelism (a group of this rank alone):
+    SP ranks hold replicas of the weights, not slices. ``parallel_state_sp`` aliases model
+    parallelism to SP, which makes DeepSpeed 0.19 record a tensor-parallel degree of P in every
+    checkpoint (``ds_to_universal`` then refuses it: one model-state file, not P), would make
+    its norm helpers that take an ``mpu`` (the bf16 optimizer of ZeRO 0) count only the first SP
+    rank's gradients, and lacks the tensor-parallel size that loading a universal checkpoint
+    asks for."""
+
+    def __init__(self, degree: int) -> None:
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+        self.state = parallel_state_sp
+        if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is None:  # made once per process
+            parallel_state_sp.initialize_sequence_parallel(degree)
+        elif parallel_state_sp.get_sequence_parallel_world_size() != degree:
+            raise ConfigError(
+                f"train.sequence_parallel={degree}: this process already made SP groups of "
+                f"{parallel_state_sp.get_sequence_parallel_world_size()} ranks"
+            )
+        self.alone = None  # a group of this rank alone, made when DeepSpeed first asks for it
+
+    def initialize_sequence_parallel(self, sequence_parallel_size: int) -> None:
+        raise RuntimeError("the SP groups are made once, by SequenceParallelMpu")
+
+    def get_sequence_parallel_group(self):
+        return self.state.get_sequence_parallel_group()
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.state.get_sequence_parallel_world_size()
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.state.get_sequence_parallel_rank()
+
+    def get_sequence_data_parallel_group(self):
+        return self.state.get_sequence_data_parallel_group()
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.state.get_sequence_data_parallel_world_size()
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.state.get_sequence_data_parallel_rank()
+
+    def get_model_parallel_group(self):
+        if self.alone is None:  # only this rank takes part (local synchronisation)
+            self.alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        return self.alone
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    # Asked for by name when a universal checkpoint is loaded (``parallel_state_sp`` has none).
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+
+
+_MPU: SequenceParallelMpu | None = None
+
+
+def deepspeed_mpu(degree: int) -> SequenceParallelMpu | None:
+    """The ``mpu`` that tells DeepSpeed the SP layout (``deepspeed.initialize(mpu=...)``), or
+    None without sequence parallelism. Made on first use (every rank, collectively), then
+    shared: the attention layers and DeepSpeed use one set of groups."""
+    global _MPU
+    if degree == 1:
+        return None
+    if _MPU is None:
+        _MPU = SequenceParallelMpu(degree)
+    elif _MPU.get_sequence_parallel_world_size() != degree:
+        raise ConfigError(
+            f"train.sequence_parallel={degree}: this process already made SP groups of "
+            f"{_MPU.get_sequence_parallel_world_size()} ranks"
+        )
+    return _MPU
+
+
+def join_sequence_groups(info: DistInfo, degree: int) -> DistInfo:
+    """``info`` with this rank's SP group (collective: every rank calls it, before the engine is
+    built)."""
+    check_run(degree, info.world_size)
+    mpu = deepspeed_mpu(degree)
+    if mpu is None:
+        return info
+    return dataclasses.replace(info, sp_degree=degree, sp_group=mpu.get_sequence_parallel_group())

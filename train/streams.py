@@ -72,6 +72,13 @@ class TableCache:
         return out
 
 
+def same_place(state: dict, rank: int, split: dict) -> bool:
+    """Whether a loader state was saved by loader rank ``rank`` of the same split."""
+    return state.get("rank") == rank and all(
+        state.get(key) == value for key, value in split.items()
+    )
+
+
 class TokenStream:
     """The LM's packed rows (``data.loader``) behind ``BatchStream``."""
 
@@ -94,14 +101,22 @@ class TokenStream:
             "workers": loader.workers,
             "micro_batch": loader.micro_batch,
         }
-        if own is not None and all(own.get(key) == value for key, value in split.items()):
+        if own is not None and same_place(own, loader.rank, split):
             loader.load_state_dict(own)
             return None
-        # Another world size, worker count or micro batch: a split of its own, computed by every
-        # rank from all old ranks' states (no communication).
+        # The ranks of a sequence-parallel group save the same state (their loader is the data
+        # rank's): one per old loader rank. When the SP degree changed but the data-parallel split
+        # did not, the old rank that read this rank's rows is among them, and taken as it is.
+        old = list({state["rank"]: state for state in every_rank()}.values())
+        same = [state for state in old if same_place(state, loader.rank, split)]
+        if same:
+            loader.load_state_dict(same[0])
+            return None
+        # Another data-parallel size, worker count or micro batch: a split of its own, computed by
+        # every rank from all old ranks' states (no communication).
         from data.loader.redistribute import redistribute
 
-        state = redistribute(every_rank(), loader)
+        state = redistribute(old, loader)
         loader.load_state_dict(state)
         return (
             f"the loader's state was redistributed from "

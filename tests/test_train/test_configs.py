@@ -144,14 +144,19 @@ def test_sequence_parallel_is_validated_against_heads_and_row_length(overrides, 
         composed(overrides)
 
 
-def test_a_sequence_parallel_run_is_refused_until_the_trainer_splits_rows():
+def test_a_sequence_parallel_degree_must_divide_the_processes():
     from train.sequence_groups import check_run
 
     check_run(1, 3)
+    check_run(2, 4)
     with pytest.raises(ConfigError, match=r"train\.sequence_parallel=2 .* \(3\)"):
         check_run(2, 3)
-    with pytest.raises(ConfigError, match="does not run sequence-parallel yet"):
-        check_run(2, 4)
+
+
+def test_another_sequence_parallel_degree_breaks_an_exact_resume():
+    from train.config_check import breaks_resume
+
+    assert breaks_resume("train.sequence_parallel", "lm", 1, 2)
 
 
 def test_another_loader_worker_count_breaks_an_exact_resume_unless_it_is_one_consumer_alike():

@@ -9,6 +9,10 @@ A direction whose rows the data does not have is not probed (its metrics are abs
 ``code_use`` reads the codes of up to 8 x ``probes`` images of the same rows once: the yardstick
 its drawings are judged against (``monitor/ref_*``; absent when the rows hold no image), and the
 shape it draws at (their most common one; ``grid`` x ``grid`` without images).
+
+Under sequence parallelism the probes run whole rows on every rank, the layers' SP switched off
+meanwhile (``LMTask.whole_rows``): the ranks of one SP group read the same rows (the loader goes
+by data-parallel rank), so their reduced figures weigh every group alike.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ class LMProbes:
         was_training = module.training
         module.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self.task.whole_rows(module):
                 return self._run(name, step, module)
         finally:
             module.train(was_training)
@@ -75,7 +79,7 @@ class LMProbes:
             return probes.attention_stats(module, self._attn_batch, dev)
         if name == "dependence":
             if self._dep_batch is None:
-                per_rank = max(1, self.cfg.dependence.probes // self.dist.world_size)
+                per_rank = max(1, self.cfg.dependence.probes // self.dist.data_size)
                 self._dep_batch = self._rows(per_rank) or {}
                 self._rev_batch = (
                     self._rows(per_rank, probes.image_after_caption_rows) or {}
@@ -96,7 +100,7 @@ class LMProbes:
                 )
             return out
         c = self.cfg.code_use
-        per_rank = max(1, c.probes // self.dist.world_size)
+        per_rank = max(1, c.probes // self.dist.data_size)
         if self._ref_codes is None:
             found = self._images(per_rank * REF_GROUPS)
             # Drawn at the run's most common image shape, counted over every rank so that all

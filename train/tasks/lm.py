@@ -14,8 +14,13 @@ frequencies per modality, add-one smoothed, counted once at start): ``unigram/<m
 training batches, ``val/unigram/<m>`` and ``val/margin/<m>`` (baseline minus loss: positive means
 the model predicts better than token frequencies alone) on the held-out set. Validation is one
 exact pass over the whole held-out set (data/loader/heldout.py, the pass ``earlyfuse-eval``
-makes: the same tokens and CE), every rank evaluating its share, unless ``train.eval_batches``
-caps it (then the figures say so: ``val/batches``, ``val/complete``).
+makes: the same tokens and CE), every data-parallel rank evaluating its share, unless
+``train.eval_batches`` caps it (then the figures say so: ``val/batches``, ``val/complete``).
+
+With ``train.sequence_parallel`` > 1 the loader goes by data-parallel rank (an SP group reads the
+same rows), each rank trains and scores its shard of them (``shard_row``, the loss reduced over
+the group by ``reduce_loss``), and every figure above counts each row once: per-token sums come
+from each rank's shard, per-row ones from the group's first rank (docs/long_context.md).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import dataclasses
 import json
 import logging
 import math
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -39,6 +45,7 @@ from data.names import LAYOUT_FILE
 from data.unigram import Unigram
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
 from model.flops import flops_per_token
+from model.sequence_parallel import apply_sequence_parallel, reduce_loss, shard_row
 from train.config import RunConfig
 from train.config_check import ConfigError
 from train.dist import DistInfo, all_reduce_sum
@@ -179,15 +186,39 @@ class LMTask:
             self.unigram = None
 
     def build_model(self):
-        return self.model_cfg.build()
+        model = self.model_cfg.build()
+        if self.dist.sp_degree > 1:  # attention swaps sequence for heads; state dict unchanged
+            apply_sequence_parallel(model, self.dist.sp_group)
+        return model
+
+    def shard(self, inputs: dict) -> dict:
+        """This rank's shard of whole rows (positions, labels and the mask made on the whole row,
+        model/sequence_parallel.py); the rows as they are without sequence parallelism."""
+        if self.dist.sp_degree == 1:
+            return inputs
+        return shard_row(inputs, self.model_cfg, rank=self.dist.sp_rank, degree=self.dist.sp_degree)
+
+    @contextmanager
+    def whole_rows(self, module):
+        """The probes run whole rows on every rank, sequence parallelism off meanwhile: their
+        hooks read whole attention maps and generation's KV cache holds the whole sequence."""
+        if self.dist.sp_degree == 1:
+            yield
+            return
+        apply_sequence_parallel(module, None)
+        try:
+            yield
+        finally:
+            apply_sequence_parallel(module, self.dist.sp_group)
 
     def stream(self, data: LoaderConfig) -> TokenStream:
         """A loader of this rank over ``data``'s sources (validation reads its own way:
         ``evaluate``)."""
+        # By data-parallel rank: the ranks of one sequence-parallel group read the same rows.
         loader = build_loader(
             data,
-            rank=self.dist.rank,
-            world_size=self.dist.world_size,
+            rank=self.dist.data_rank,
+            world_size=self.dist.data_size,
             micro_batch=self.cfg.train.micro_batch,
             pad_id=0,
             tables=self.tables.get(data.sources),
@@ -221,44 +252,54 @@ class LMTask:
         dev = self.dist.device
         host = batch
         batch = expand_batch(batch, dev, MODEL_INPUTS)  # a compact batch expanded on the device
-        inputs = {k: batch[k] for k in MODEL_INPUTS}
-        inputs["one_doc_rows"] = one_doc_rows(host)
+        sharded = self.dist.sp_degree > 1
+        inputs = self.shard({k: batch[k] for k in MODEL_INPUTS})
+        if not sharded:  # a shard brings its whole row's mask; else the loader's word on its rows
+            inputs["one_doc_rows"] = one_doc_rows(host)
         # What the labels hold is counted before the model is queued: from the CPU batch, or for a
         # compact batch from its labels on the device (the code buckets stay there; the unigram
         # baseline reads the labels back, which then waits for the few expansion kernels only,
-        # not for the whole forward pass)
-        labelled = batch if is_compact(host) else host
+        # not for the whole forward pass). Sequence-parallel: this rank's shard, so that the sums
+        # over all ranks count a row once.
+        labelled = inputs if sharded else batch if is_compact(host) else host
         buckets = code_buckets(labelled, self.layout)
         if self.unigram is not None:
             uni, _ = self.unigram.nll_sums(
                 labelled["labels"], labelled["label_modality"], self._unigram_lp
             )
-        res = engine(**inputs)
+        # ``local``: this rank's sums and counts (its shard's under sequence parallelism), summed
+        # over all ranks by the trainer; ``res``: the loss, reduced over the SP group.
+        local = engine(**inputs)
+        res = reduce_loss(local, self.dist.sp_group) if sharded else local
+        # Figures of the whole rows (the mix, dropped blocks, tokens for throughput) come from the
+        # first rank of an SP group only: its other ranks read the same rows.
+        row_share = 1 if self.dist.sp_rank == 0 else 0
         sums = {}
         for i, name in enumerate(MODALITY_NAMES):
-            sums[f"ce_sum/{name}"] = res.ce_sum[i]
-            sums[f"count/{name}"] = res.count[i]
-            sums[f"logz_sum/{name}"] = res.logz_sum[i]
-            sums[f"hnorm_sum/{name}"] = res.hidden_norm_sum[i]
-            sums[f"gap_sum/{name}"] = res.logit_gap_sum[i]
+            sums[f"ce_sum/{name}"] = local.ce_sum[i]
+            sums[f"count/{name}"] = local.count[i]
+            sums[f"logz_sum/{name}"] = local.logz_sum[i]
+            sums[f"hnorm_sum/{name}"] = local.hidden_norm_sum[i]
+            sums[f"gap_sum/{name}"] = local.logit_gap_sum[i]
         for i, name in enumerate(self.source_names):
-            sums[f"mix_tokens/{name}"] = batch["tokens_by_source"][i]
+            sums[f"mix_tokens/{name}"] = batch["tokens_by_source"][i] * row_share
             for j, mod in enumerate(DROPPABLE):
-                sums[f"dropped/{name}/{mod}"] = batch["dropped_blocks"][i, j]
+                sums[f"dropped/{name}/{mod}"] = batch["dropped_blocks"][i, j] * row_share
         if self.unigram is not None:
             for i, name in enumerate(MODALITY_NAMES):
                 sums[f"uni_sum/{name}"] = uni[i]
-        if res.moe_expert_load is not None:  # [layers, modality, expert] assignments
-            load = res.moe_expert_load.detach().sum(0)
+        if local.moe_expert_load is not None:  # [layers, modality, expert] assignments
+            load = local.moe_expert_load.detach().sum(0)
             for i, name in enumerate(MODALITY_NAMES):
                 for e in range(load.shape[1]):
                     sums[f"moe_load/{name}/{e}"] = load[i, e]
         sums.update(buckets)
         sums["z_loss_sum"] = res.z_loss.detach()
         sums["aux_loss_sum"] = res.aux_loss.detach()
-        sums["moe_dropped"] = res.moe_dropped.detach()
+        sums["moe_dropped"] = local.moe_dropped.detach()
         # The loader's count, on the host: no wait for the device
-        return StepOutput(loss=res.loss, sums=sums, units=int(host["num_real_tokens"].numpy()))
+        units = int(host["num_real_tokens"].numpy()) * row_share
+        return StepOutput(loss=res.loss, sums=sums, units=units)
 
     def metrics(self, s: dict[str, float]) -> dict[str, float]:
         out = {
@@ -316,26 +357,36 @@ class LMTask:
         )
         share = RankShare(
             heldout,
-            rank=self.dist.rank,
-            world_size=self.dist.world_size,
+            rank=self.dist.data_rank,
+            world_size=self.dist.data_size,
             limit=self.cfg.train.eval_batches,
         )
         ce = torch.zeros(len(Modality), dtype=torch.float64)
         cnt = torch.zeros(len(Modality), dtype=torch.float64)
         uni = torch.zeros(len(Modality), dtype=torch.float64)
+        sharded = self.dist.sp_degree > 1
         for part in share:
             batch = heldout.tensors(part)
-            inputs = {k: batch[k].to(self.dist.device) for k in MODEL_INPUTS}
-            res = engine(**inputs, one_doc_rows=one_doc_rows(batch))
+            # Sequence-parallel: each rank of a group scores its shard of the same rows; the sums
+            # over all ranks count every row once.
+            inputs = self.shard({k: batch[k].to(self.dist.device) for k in MODEL_INPUTS})
+            if not sharded:
+                inputs["one_doc_rows"] = one_doc_rows(batch)
+            res = engine(**inputs)
             if part is None:  # a blank batch: run so that every rank runs as often
                 continue
             ce += res.ce_sum.detach().double().cpu()
             cnt += res.count.detach().double().cpu()
             if self.unigram is not None:
+                labelled = inputs if sharded else batch
                 uni += self.unigram.nll_sums(
-                    batch["labels"], batch["label_modality"], self._unigram_lp
+                    labelled["labels"].cpu(), labelled["label_modality"].cpu(), self._unigram_lp
                 )[0]
-        flags = torch.tensor([share.evaluated, not share.complete], dtype=torch.float64)
+        # Batches counted once per SP group (its ranks evaluate the same rows)
+        first = float(self.dist.sp_rank == 0)
+        flags = torch.tensor(
+            [share.evaluated * first, (not share.complete) * first], dtype=torch.float64
+        )
         # One reduction, on the device (NCCL reduces device tensors only)
         sums = all_reduce_sum(torch.cat([ce, cnt, uni, flags]).to(self.dist.device)).cpu()
         ce, cnt, uni, flags = sums.split([len(ce), len(cnt), len(uni), len(flags)])
