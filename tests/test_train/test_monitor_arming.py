@@ -5,6 +5,7 @@ starvation's reference share survives a resume."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -112,3 +113,67 @@ def test_reference_code_use_reads_the_codes_of_real_image_blocks():
     assert alike == {"monitor/ref_code_entropy": 0.0, "monitor/ref_image_diversity": 0.0}
     assert reference_code_use(flat_codes[:3], LAYOUT, per_group=4, want=16) == {}  # no group
     assert code_entropy(torch.tensor([5] * 16), LAYOUT.num_codes) == 0.0
+
+
+def long_file_metrics(step: int, code_loss: float, code_files: list[int], stall: bool) -> dict:
+    """One step shaped like the debug preset over whole long documents: text and image fall,
+    each from a few hundred short documents; code (300 tokens a step) comes from the file under
+    way, a new file every 40 steps (``code_files``: the steps a file begins), or, ``stall``,
+    from two new short files a step."""
+    new_code = 2.0 if stall else float(step in code_files)
+    return {
+        "loss/text": 5.0 - 0.008 * step,
+        "tokens/text": 400.0,
+        "data/docs_new/text": 3.0,
+        "loss/image": 4.0 - 0.006 * step,
+        "tokens/image": 200.0,
+        "data/docs_new/image": 3.0,
+        "loss/code": code_loss,
+        "tokens/code": 300.0,
+        "data/docs_new/code": new_code,
+    }
+
+
+def code_losses(stall: bool):
+    import numpy as np
+
+    rng = np.random.default_rng(2)
+    difficulty = rng.uniform(-1.5, 1.5, 8)  # each long file's, no trend (1.5 to 7.5 nats/token)
+    noise = rng.normal(0, 0.2, 301)
+    if stall:
+        return [4.5 + noise[step] for step in range(301)]
+    # the code loss falls too, slower than it varies from file to file
+    return [4.5 - 0.004 * step + difficulty[(step - 1) // 40] + noise[step] for step in range(301)]
+
+
+def code_alarms(detector: Stagnation, stall: bool, steps=range(1, 301)) -> list[int]:
+    losses = code_losses(stall)
+    fired = []
+    for step in steps:
+        metrics = long_file_metrics(step, losses[step], list(range(1, 301, 40)), stall)
+        fired += [alarm.step for alarm in detector.check(step, metrics) if alarm.modality == "code"]
+    return fired
+
+
+def test_stagnation_does_not_judge_code_that_came_from_a_few_long_files():
+    """Whole long files (the debug preset on unsplit code): one file fills 40 steps of code, so
+    a window of 50 steps holds 2-3 files and its loss follows their difficulty. Judged as if its
+    blocks of steps were independent draws, that reads as code stalling while the others learn;
+    with ``min_docs`` documents required per window it is not judged at all."""
+    cfg = StagnationConfig()
+    assert code_alarms(Stagnation(dataclasses.replace(cfg, min_docs=0)), stall=False)  # as before
+    assert code_alarms(Stagnation(cfg), stall=False) == []
+
+
+def test_stagnation_still_fires_on_code_that_stalls_over_many_documents():
+    """Code from two new files a step (a hundred a window), flat while text and images learn: a
+    stall, reported; a run resumed from the detector's saved state at step 150 decides the same
+    (the documents per window are part of that state)."""
+    whole = code_alarms(Stagnation(StagnationConfig()), stall=True)
+    assert whole and whole[0] >= StagnationConfig().min_steps
+    first = Stagnation(StagnationConfig())
+    before = code_alarms(first, stall=True, steps=range(1, 151))
+    resumed = Stagnation(StagnationConfig())
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.documents("code") == 101.0
+    assert before + code_alarms(resumed, stall=True, steps=range(151, 301)) == whole

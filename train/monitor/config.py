@@ -87,7 +87,7 @@ class StagnationConfig(Detector):
     less than ``min_drop`` (relative) or rose, while the other modalities fell by at least
     ``others_drop`` on average (token-weighted), the two changes at least ``z`` standard errors
     apart (errors over blocks of ``block_steps`` consecutive steps), each window holding at least ``min_tokens`` tokens of the modality in at least
-    ``min_presence`` of its steps, for ``patience`` steps in a row (structure markers excluded)."""
+    ``min_presence`` of its steps and from at least ``min_docs`` documents, for ``patience`` steps in a row (structure markers excluded)."""
 
     window: int = 50
     min_drop: float = 0.0
@@ -99,6 +99,10 @@ class StagnationConfig(Detector):
     # the standard errors treat runs of this many consecutive steps as one draw (a long
     # document's chunks arrive over neighbouring steps; 1: every step independent)
     block_steps: int = 5
+    # a window is judged only when its tokens of the modality came from at least this many
+    # documents (those new to it in the window, plus the one under way): whole long files otherwise make
+    # the modality's loss follow each file's difficulty (data/docs_new/<modality>)
+    min_docs: int = 8
     # starvation: a modality's token share over the last window below this x its highest share
     # over earlier windows (sampled once a window; shares under 5 % are not watched), for half
     # the patience, the modality present in at least min_presence of the window's steps

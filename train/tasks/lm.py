@@ -54,6 +54,8 @@ from train.monitor.lm_probes import LMProbes
 from train.names import MODEL_INPUTS
 from train.streams import TableCache, TokenStream
 from train.tasks.base import StepOutput
+from train.tasks.documents import KEY as DOCS_NEW
+from train.tasks.documents import DocumentCounter
 
 log = logging.getLogger(__name__)
 DROPPABLE = ("image", "video")  # modalities whose blocks the loader can drop (batch dropped_blocks)
@@ -160,6 +162,7 @@ class LMTask:
             raise ValueError("task lm needs data.sources (token shard folders); see configs/data/")
         self.cfg, self.dist = cfg, dist
         self.tables = TableCache()  # every index read once, shared by all loaders of the run
+        self.documents = DocumentCounter()  # documents new to each modality, per batch
         self.layout, self.tok_folder = layout_of_data(cfg, self.tables)
         self.model_cfg = cfg.model.with_layout(self.layout)
         for src, table in zip(cfg.data.validation, self.tables.get(cfg.data.validation)):
@@ -294,6 +297,7 @@ class LMTask:
                 for e in range(load.shape[1]):
                     sums[f"moe_load/{name}/{e}"] = load[i, e]
         sums.update(buckets)
+        sums.update(self.documents.count(host))
         sums["z_loss_sum"] = res.z_loss.detach()
         sums["aux_loss_sum"] = res.aux_loss.detach()
         sums["moe_dropped"] = local.moe_dropped.detach()
@@ -311,6 +315,8 @@ class LMTask:
         for i, name in enumerate(MODALITY_NAMES):
             n = s[f"count/{name}"]
             out[f"tokens/{name}"] = n
+            if DOCS_NEW + name in s:  # the stagnation rule's count (train/tasks/documents.py)
+                out[f"data/docs_new/{name}"] = s[DOCS_NEW + name]
             if n:
                 ce = s[f"ce_sum/{name}"] / n
                 out[f"loss/{name}"] = ce

@@ -29,6 +29,9 @@ MIXES: dict[str, tuple[str, dict[str, float]]] = {
     "code-text-scenes": ("suite_tv", {"code": 1.0, "text": 1.0, "scenes": 1.0}),
     "code-text-colours": ("suite_tv", {"code": 1.0, "text": 1.0, "colours": 1.0}),
     "images-small": ("suite_tv", {"code": 0.45, "text": 0.45, "images": 0.05, "colours": 0.05}),
+    # The base corpus as tokenized (trained visual tokenizer), long text and code documents whole:
+    # what a user's own data is, before the suite cuts it into pieces.
+    "whole-code-text-scenes": ("base/tokens_tv", {"code": 1.0, "text": 1.0, "scenes": 1.0}),
 }
 
 
@@ -162,6 +165,16 @@ CASES = (
         "debug preset as is, code + text + colour squares (trained visual tokenizer)",
         seed=1,
         mix="code-text-colours",
+        validation=False,
+        overrides=("train.steps=300",),
+    ),
+    Case(
+        "healthy-debug-preset-whole",
+        "debug",
+        "healthy",
+        "debug preset as is, code + text + scenes, long documents whole (not cut into pieces)",
+        seed=2,
+        mix="whole-code-text-scenes",
         validation=False,
         overrides=("train.steps=300",),
     ),

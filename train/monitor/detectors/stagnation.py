@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 
 from data.vocab import MODALITY_NAMES
 from train.monitor.alarms import Alarm
@@ -20,7 +21,10 @@ class Stagnation:
     document, not with the model), and the difference between this modality's change and the
     others' must exceed ``z`` standard errors (estimated from the steps' own spread). Structure markers are left out
     (learned in a few steps, they would make every other modality look slow), and the condition
-    must hold for ``patience`` consecutive steps."""
+    must hold for ``patience`` consecutive steps. A window is judged only when its tokens came from
+    at least ``min_docs`` documents of the modality (the documents new to it per step,
+    ``data/docs_new/<modality>``, counted from the loader's pieces table): over a few long files the loss follows each file's
+    difficulty, and no spread of its steps measures that."""
 
     SKIP = ("structure",)
 
@@ -30,6 +34,28 @@ class Stagnation:
         self.streak: dict[str, int] = {}
         self.share_best: dict[str, float] = {}
         self.latch = _Latch()
+        # per modality, the documents new to it in each of the last 2 x window steps (None: the
+        # step's metrics did not say, and the window is judged on its tokens alone)
+        self.docs: dict[str, deque] = {
+            name: deque(maxlen=2 * cfg.window) for name in MODALITY_NAMES
+        }
+
+    def _add_docs(self, metrics: dict) -> None:
+        for name in MODALITY_NAMES:
+            begun = metrics.get(f"data/docs_new/{name}")
+            self.docs[name].append(None if begun is None else float(begun))
+
+    def documents(self, name: str, recent: bool = True) -> float | None:
+        """The documents of ``name`` that one window's tokens came from: those new to it in the
+        window's steps, plus the one under way when it opened (a long file spans windows); None
+        when a step did not say."""
+        counts = list(self.docs[name])
+        if len(counts) < (self.cfg.window if recent else 2 * self.cfg.window):
+            return None  # not yet two windows (or a checkpoint from before the count)
+        part = counts[-self.cfg.window :] if recent else counts[: -self.cfg.window]
+        if not part or any(begun is None for begun in part):
+            return None
+        return 1.0 + sum(part)
 
     def _changes(self, metrics: dict) -> dict[str, tuple[float, float, float]]:
         """modality -> (relative change of its windowed loss, its standard error, tokens)."""
@@ -46,6 +72,9 @@ class Stagnation:
                 continue
             if min(now[3], before[3]) < self.cfg.min_presence:
                 continue  # a modality that comes in bursts (one long document at a time)
+            docs = [self.documents(name, recent) for recent in (True, False)]
+            if any(count is not None and count < self.cfg.min_docs for count in docs):
+                continue  # a few long files: the loss follows their difficulty, not the model
             change = now[0] / before[0] - 1
             std_err = (now[0] / before[0]) * math.hypot(
                 now[1] / max(now[0], 1e-9), before[1] / before[0]
@@ -118,6 +147,7 @@ class Stagnation:
     def check(self, step: int, metrics: dict) -> list[Alarm]:
         cfg = self.cfg
         self.win.add(metrics)
+        self._add_docs(metrics)
         changes = self._changes(metrics)
         out = self._starved(step, metrics)
         for name, (change, std_err, _) in changes.items():
@@ -177,6 +207,7 @@ class Stagnation:
             "streak": self.streak,
             "share_best": self.share_best,
             "latch": self.latch.state_dict(),
+            "docs": {name: list(counts) for name, counts in self.docs.items()},
         }
 
     def load_state_dict(self, st: dict) -> None:
@@ -184,3 +215,5 @@ class Stagnation:
         self.streak = dict(st.get("streak", {}))
         self.share_best = {key: float(value) for key, value in st.get("share_best", {}).items()}
         self.latch.load_state_dict(st.get("latch") or {"on": st["on"]})
+        for name, counts in st.get("docs", {}).items():
+            self.docs[name] = deque(counts, maxlen=2 * self.cfg.window)
