@@ -297,7 +297,7 @@ class LMTask:
                 for e in range(load.shape[1]):
                     sums[f"moe_load/{name}/{e}"] = load[i, e]
         sums.update(buckets)
-        sums.update(self.documents.count(host))
+        sums.update({k: v * row_share for k, v in self.documents.count(host).items()})
         sums["z_loss_sum"] = res.z_loss.detach()
         sums["aux_loss_sum"] = res.aux_loss.detach()
         sums["moe_dropped"] = local.moe_dropped.detach()
