@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import os
 import threading
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ray_cluster import free_port
@@ -142,3 +143,13 @@ def _forget_clients() -> None:
     import s3fs
 
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+@contextmanager
+def s3_with_bucket(name: str = "bucket"):
+    """A server with one empty bucket, for a module's tests (``with s3_with_bucket() as s3``)."""
+    with S3Server() as server:
+        import fsspec
+
+        fsspec.filesystem("s3").mkdir(name)
+        yield server

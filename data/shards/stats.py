@@ -200,14 +200,18 @@ def format_stats(s: dict) -> str:
     else:
         lines.append("  exact duplicates: none")
     lines.append("")
-    if s["rejects"]:
-        lines.append(f"  rejects: {s['rejects']} (all in rejects.jsonl)")
-        for reason, num_rejects in s["rejects_by_reason"].items():
-            lines.append(f"    {reason:<20} {num_rejects}")
-            for example in s["reject_examples"].get(reason, []):
-                lines.append(f"        e.g. {example}")
-    else:
-        lines.append("  rejects: none")
+    lines += reject_lines(s)
     if s["repaired_utf8"]:
         lines.append(f"  repaired UTF-8 bytes: {s['repaired_utf8']}")
     return "\n".join(lines)
+
+
+def reject_lines(s: dict) -> list[str]:
+    """The rejects of a folder's stats (raw or token), with examples, for people."""
+    if not s["rejects"]:
+        return ["  rejects: none"]
+    lines = [f"  rejects: {s['rejects']} (all in rejects.jsonl)"]
+    for reason, num_rejects in s["rejects_by_reason"].items():
+        lines.append(f"    {reason:<20} {num_rejects}")
+        lines += [f"        e.g. {example}" for example in s["reject_examples"].get(reason, [])]
+    return lines

@@ -6,6 +6,7 @@ document. A local folder or an fsspec URL (``s3://bucket/tokens``)."""
 from __future__ import annotations
 
 from data.shards.index import index_of
+from data.shards.stats import reject_lines
 from data.shards.storage import Folder
 from data.vocab import MODALITY_NAMES
 
@@ -101,12 +102,5 @@ def format_token_stats(s: dict) -> str:
             )
     total = s["tokens_by_modality"]
     lines += ["", "  all: " + ", ".join(f"{m} {total[m]:,}" for m in MODALITY_NAMES)]
-    if s["rejects"]:
-        lines.append(f"  rejects: {s['rejects']} (all in rejects.jsonl)")
-        for reason, count in s["rejects_by_reason"].items():
-            lines.append(f"    {reason:<20} {count}")
-            for example in s["reject_examples"].get(reason, []):
-                lines.append(f"        e.g. {example}")
-    else:
-        lines.append("  rejects: none")
+    lines += reject_lines(s)
     return "\n".join(lines)

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("moto")
 pytest.importorskip("s3fs")
 
-from s3_server import S3Server  # noqa: E402
+from s3_server import s3_with_bucket  # noqa: E402
 from test_data.test_loader import take  # noqa: E402
 from test_data.test_loader_sources import cfg, same_batches  # noqa: E402
 
@@ -24,10 +24,7 @@ from data.tokenize.run import tokenize  # noqa: E402
 
 @pytest.fixture(scope="module")
 def s3():
-    with S3Server() as server:
-        import fsspec
-
-        fsspec.filesystem("s3").mkdir("bucket")
+    with s3_with_bucket() as server:
         yield server
 
 

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("moto")
 pytest.importorskip("s3fs")
 
-from s3_server import S3Server  # noqa: E402
+from s3_server import s3_with_bucket  # noqa: E402
 
 from data.cli import main as prep  # noqa: E402
 from data.ingest import ingest  # noqa: E402
@@ -24,10 +24,7 @@ from tools.evaluate import main as eval_main  # noqa: E402
 
 @pytest.fixture(scope="module")
 def s3():
-    with S3Server() as server:
-        import fsspec
-
-        fsspec.filesystem("s3").mkdir("bucket")
+    with s3_with_bucket() as server:
         yield server
 
 
