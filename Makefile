@@ -104,7 +104,7 @@ demo: $(STAMP)
 	@# The LM's report (last) draws it and prints its table at the very end.
 	$(BIN)/earlyfuse-eval $(DEMO_DIR)/release --data $(DEMO_DIR)/val_tokens \
 		--train-data $(DEMO_DIR)/tokens --scenes $(DEMO_DIR)/val_raw \
-		--max-pairs 60 --max-scenes 40 --draw-guidance 2 --no-table \
+		--max-pairs 60 --max-scenes 40 --draw-guidance 2 --no-table --no-progress \
 		--out $(DEMO_DIR)/lm/heldout_eval.json
 	$(BIN)/earlyfuse-report $(DEMO_DIR)/lm
 
