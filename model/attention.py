@@ -7,8 +7,9 @@ Design choices:
   two backends cannot drift apart (tested to agree).
 - The mask is built ONCE per batch (``build_attention_mask``) and shared by every layer: building
   a FlexAttention block mask can cost more than the attention itself. On CUDA the block mask is
-  built by FlexAttention's compiled builder (``_compile=True``): the uncompiled one materialises
-  the [T, T] mask first.
+  built by ``torch.compile(create_block_mask)``: the eager builder materialises the [T, T] mask
+  first (16 GiB at 128k tokens), the compiled one keeps only the (T/128)^2 block indices. SDPA's
+  dense mask (CPU) is [B, 1, T, T] bool, also built once per batch.
 - No host sync: whether every row holds one document (then plain causal attention is exact) is
   decided on the CPU, from the loader's batch (``one_doc_rows``, from its table of document
   pieces) or from CPU doc ids; doc ids already on a GPU without the flag get the document mask
@@ -25,6 +26,11 @@ Design choices:
   when modalities compete through norm growth.
 - Sliding window: a query sees the keys at most ``sliding_window - 1`` positions back. It limits
   the causal part only; a bidirectional image block is always seen whole.
+- Local/global layers (Gemma 3): ``local_window`` windows every layer except each
+  ``global_every``-th. The local mask is the same predicate with that window (the document mask
+  AND the window), built in the same call and shared by the local layers; their RoPE base may
+  differ (``rope.local_theta``, model/transformer.py). The KV cache keeps every key; the local
+  layers' decode mask hides those outside the window.
 - Bidirectional image blocks (``image_ids`` >= 0 marks the tokens of one image): meant for
   understanding-only image tokens. It leaks the future into next-token prediction of those
   tokens, so put no labels on image tokens when it is on. Generation decodes causally.
@@ -68,7 +74,12 @@ class AttentionConfig:
     qk_norm: bool = True
     backend: str = "auto"  # auto | flex | sdpa
     compile_flex: bool = True  # torch.compile flex_attention on CUDA (eager materialises scores)
-    sliding_window: int = 0  # 0: full causal context
+    sliding_window: int = 0  # every layer: a query sees this many keys back; 0: full context
+    # Local/global layers (Gemma 3): ``local_window`` > 0 makes every layer local (a window of
+    # that many keys) except each ``global_every``-th, which sees the whole context: 6 = five
+    # local layers, then one global. 0: every layer global.
+    local_window: int = 0
+    global_every: int = 0
     bidirectional_images: bool = False
 
     def __post_init__(self) -> None:
@@ -80,8 +91,28 @@ class AttentionConfig:
                 f"attention.n_heads ({self.n_heads}) must be a positive multiple of "
                 f"n_kv_heads ({kv_heads})"
             )
-        if self.sliding_window < 0:
-            raise ValueError("attention.sliding_window must be >= 0")
+        if self.sliding_window < 0 or self.local_window < 0:
+            raise ValueError("attention.sliding_window and attention.local_window must be >= 0")
+        if self.local_window and self.sliding_window:
+            raise ValueError(
+                f"attention.sliding_window ({self.sliding_window}) windows every layer and "
+                f"attention.local_window ({self.local_window}) the local ones: set one of them"
+            )
+        if self.local_window and self.global_every < 2:
+            raise ValueError(
+                f"attention.local_window={self.local_window} needs attention.global_every >= 2 "
+                f"(every global_every-th layer is global), got {self.global_every}"
+            )
+        if not self.local_window and self.global_every:
+            raise ValueError(
+                f"attention.global_every={self.global_every} without attention.local_window: "
+                "set the local layers' window too (or global_every=0)"
+            )
+
+    def is_local(self, layer_id: int) -> bool:
+        """Layer ``layer_id`` (from 0) attends within ``local_window``: all but every
+        ``global_every``-th layer (Gemma 3: layers 0-4 local, 5 global, 6-10 local, ...)."""
+        return bool(self.local_window) and (layer_id + 1) % self.global_every != 0
 
     @property
     def kv_heads(self) -> int:
@@ -117,15 +148,32 @@ def _allowed(b, q, kv, *, doc: Tensor | None, img: Tensor | None, window: int, q
 class AttentionMask(NamedTuple):
     """One batch's mask, shared by all layers: a FlexAttention BlockMask, or a dense boolean
     [B, 1, Tq, Tk] mask for SDPA (None with ``causal``: plain causal, SDPA's fast path).
+    With local/global layers it also carries the local layers' mask (the same mask AND the
+    window), built in the same call: ``local()``.
     A NamedTuple so that DeepSpeed ZeRO-3's hooks can walk a block's inputs."""
 
     block_mask: object | None = None
     dense: Tensor | None = None
     causal: bool = False
+    local_block_mask: object | None = None
+    local_dense: Tensor | None = None
 
     @property
     def backend(self) -> str:
         return "flex" if self.block_mask is not None else "sdpa"
+
+    @property
+    def has_local(self) -> bool:
+        return self.local_block_mask is not None or self.local_dense is not None
+
+    def local(self) -> AttentionMask:
+        """The local layers' mask."""
+        if not self.has_local:
+            raise ValueError(
+                "this attention mask has no local-layer part: build it with the model's "
+                "attention.local_window (build_attention_mask(..., local_window=...))"
+            )
+        return AttentionMask(block_mask=self.local_block_mask, dense=self.local_dense)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -152,12 +200,16 @@ def build_attention_mask(
     doc_ids: Tensor | None = None,
     image_ids: Tensor | None = None,
     sliding_window: int = 0,
+    local_window: int = 0,
     bidirectional_images: bool = False,
     backend: str = "auto",
     one_doc_rows: bool | None = None,
+    compile_mask: bool | None = None,
 ) -> AttentionMask:
     """Build the mask for a [batch, seq_len] batch once; pass it to every layer.
 
+    ``local_window`` > 0 builds the local layers' mask too (the same predicate with that window).
+    ``compile_mask``: build a BlockMask with the compiled builder; None: on CUDA only.
     ``one_doc_rows``: the caller knows (on the CPU) whether every row holds at most one
     document; None: found from ``doc_ids`` when they are on the CPU, else the document mask is
     used (exact either way; never a read-back from the device)."""
@@ -169,39 +221,91 @@ def build_attention_mask(
     if one_doc_rows:
         doc = None  # one document per row: the causal fast path is exact
     if backend == "flex":
-
-        def mask_mod(row_index, h, q, kv):
-            return _allowed(row_index, q, kv, doc=doc, img=bidir_image_ids, window=sliding_window)
-
-        block_mask = create_block_mask(
-            mask_mod,
-            batch if (doc is not None or bidir_image_ids is not None) else None,
-            None,
-            seq_len,
-            seq_len,
-            device=device,
-            _compile=device.type == "cuda",
+        compiled = device.type == "cuda" if compile_mask is None else compile_mask
+        block_mask = _block_mask(
+            batch, seq_len, device, doc, bidir_image_ids, sliding_window, compiled
         )
-        return AttentionMask(block_mask=block_mask)
+        local = (
+            _block_mask(batch, seq_len, device, doc, bidir_image_ids, local_window, compiled)
+            if local_window
+            else None
+        )
+        return AttentionMask(block_mask=block_mask, local_block_mask=local)
+    local_dense = (
+        _dense_mask(batch, seq_len, device, doc, bidir_image_ids, local_window)
+        if local_window
+        else None
+    )
     if doc is None and bidir_image_ids is None and not sliding_window:
-        return AttentionMask(causal=True)
-    row_index = torch.arange(batch, device=device)[:, None, None, None]
-    q = torch.arange(seq_len, device=device)[None, None, :, None]
-    kv = torch.arange(seq_len, device=device)[None, None, None, :]
+        return AttentionMask(causal=True, local_dense=local_dense)
     return AttentionMask(
-        dense=_allowed(row_index, q, kv, doc=doc, img=bidir_image_ids, window=sliding_window)
+        dense=_dense_mask(batch, seq_len, device, doc, bidir_image_ids, sliding_window),
+        local_dense=local_dense,
     )
 
 
+_compiled_block_mask: Callable[..., object] | None = None
+
+
+def _block_mask(batch, seq_len, device, doc, img, window, compiled: bool):
+    """FlexAttention's BlockMask of ``_allowed``.
+
+    ``compiled`` (CUDA's default): ``torch.compile(create_block_mask)``, which fuses the
+    mask_mod's evaluation into the per-block reduction, so only the block indices are ever
+    stored: four [B, T/128, T/128] int32 tensors, 4 MiB each per row at 128k tokens and 256 MiB
+    at 1M. The eager builder materialises the [B, T, T] mask first (16 GiB of bool at 128k,
+    1 TiB at 1M). A fresh closure per batch reuses the compiled graph (dynamo guards on the
+    code and the captured tensors' shapes; the window is a constant: one graph per window). On
+    the CPU, where rows are short and FlexAttention serves no-grad forwards only, the eager
+    builder saves a compile of about 15 s."""
+    global _compiled_block_mask
+
+    def mask_mod(row_index, h, q, kv):
+        return _allowed(row_index, q, kv, doc=doc, img=img, window=window)
+
+    build: Callable[..., object] = create_block_mask
+    if compiled:
+        if _compiled_block_mask is None:
+            _compiled_block_mask = torch.compile(create_block_mask, dynamic=False)
+        build = _compiled_block_mask
+    return build(
+        mask_mod,
+        batch if (doc is not None or img is not None) else None,
+        None,
+        seq_len,
+        seq_len,
+        device=device,
+    )
+
+
+def _dense_mask(batch, seq_len, device, doc, img, window) -> Tensor:
+    """The boolean [B, 1, T, T] mask of ``_allowed`` for SDPA."""
+    row_index = torch.arange(batch, device=device)[:, None, None, None]
+    q = torch.arange(seq_len, device=device)[None, None, :, None]
+    kv = torch.arange(seq_len, device=device)[None, None, None, :]
+    return _allowed(row_index, q, kv, doc=doc, img=img, window=window)
+
+
 def decode_mask(
-    start: int, length: int, device: torch.device, *, sliding_window: int = 0
+    start: int,
+    length: int,
+    device: torch.device,
+    *,
+    sliding_window: int = 0,
+    local_window: int = 0,
 ) -> AttentionMask:
-    """Mask for ``length`` new queries at positions start.. attending to a cache of start+length keys."""
+    """Mask for ``length`` new queries at positions start.. attending to a cache of start+length
+    keys; with ``local_window`` also the local layers' (the cache keeps every key, the mask
+    hides those outside the window)."""
     q = torch.arange(length, device=device)[None, None, :, None]
     kv = torch.arange(start + length, device=device)[None, None, None, :]
     zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+
+    def dense(window: int) -> Tensor:
+        return _allowed(zero, q, kv, doc=None, img=None, window=window, q_offset=start)
+
     return AttentionMask(
-        dense=_allowed(zero, q, kv, doc=None, img=None, window=sliding_window, q_offset=start)
+        dense=dense(sliding_window), local_dense=dense(local_window) if local_window else None
     )
 
 

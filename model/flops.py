@@ -5,7 +5,8 @@ Design choices:
   attention = 12 * n_layers * n_heads * head_dim * context (QK^T and AV, 2 FLOPs per MAC, x3 for
   forward + backward). The input embedding is a gather and costs nothing.
 - ``context`` follows the PaLM / torchtitan / nanoGPT MFU convention by default: every query
-  sees ``seq_len`` keys (``min(seq_len, sliding_window)`` with a window). ``causal=True`` counts
+  sees ``seq_len`` keys (``min(seq_len, sliding_window)`` with a window; local layers of
+  local/global attention ``min(seq_len, local_window)``). ``causal=True`` counts
   only the keys a causal query really sees (about half); document masking lowers real work
   further, which MFU deliberately does not credit.
 - "Active" parameters count what one token uses: the router plus top_k experts in an MoE layer,
@@ -65,8 +66,16 @@ def param_counts(cfg: TransformerConfig) -> ParamCounts:
 
 
 def attention_context(cfg: TransformerConfig, seq_len: int, *, causal: bool = False) -> float:
-    """Mean number of keys per query that the FLOP count charges for."""
-    window = cfg.attention.sliding_window or seq_len
+    """Mean number of keys per query that the FLOP count charges for, averaged over the layers
+    (local layers of local/global attention see ``local_window`` keys at most)."""
+    attention = cfg.attention
+    local_layers = sum(attention.is_local(layer) for layer in range(cfg.n_layers))
+    full = _window_context(attention.sliding_window or seq_len, seq_len, causal)
+    local = _window_context(attention.local_window or seq_len, seq_len, causal)
+    return (local_layers * local + (cfg.n_layers - local_layers) * full) / cfg.n_layers
+
+
+def _window_context(window: int, seq_len: int, causal: bool) -> float:
     if not causal:
         return float(min(window, seq_len))
     if window >= seq_len:

@@ -3,6 +3,8 @@
 Design choices:
 - "rotate half" layout (frequency j rotates dims j and j + head_dim/2), as Llama/Qwen in Hugging
   Face do, so a release maps onto a Qwen3-style checkpoint without permuting q/k weights.
+- Local/global attention may give the local layers their own base (``local_theta``): the model
+  then keeps two tables, each computed once per forward and shared by its layers.
 - cos/sin are computed once per forward from the position tensors and shared by every layer;
   the inverse frequencies are recomputed on the fly (head_dim/2 numbers) instead of living in a
   buffer, so a model built on the meta device or under ZeRO-3 init needs no buffer fix-up.
@@ -29,6 +31,9 @@ from data.vocab import Modality, VocabLayout
 @dataclass(kw_only=True)
 class RopeConfig:
     theta: float = 10_000.0
+    # RoPE base of the local layers with local/global attention (``attention.local_window``);
+    # ``theta`` stays the global layers'. Gemma 3: local 10k, global 1M. 0: ``theta`` everywhere.
+    local_theta: float = 0.0
     # Number of rotary frequencies driven by t, h and w; must sum to head_dim // 2.
     # Empty: plain 1D RoPE from position_ids.
     mrope_sections: list[int] = field(default_factory=list)
@@ -41,12 +46,17 @@ class RopeConfig:
             )
         if self.theta <= 0:
             raise ValueError(f"rope.theta must be positive, got {self.theta}")
+        if self.local_theta < 0:
+            raise ValueError(
+                f"rope.local_theta must be >= 0 (0: rope.theta), got {self.local_theta}"
+            )
 
 
 class RotaryEmbedding(torch.nn.Module):
     """Turns position ids into (cos, sin) of shape [B, T, head_dim], float32."""
 
-    def __init__(self, head_dim: int, cfg: RopeConfig) -> None:
+    def __init__(self, head_dim: int, cfg: RopeConfig, *, theta: float | None = None) -> None:
+        """``theta``: this table's base when not ``cfg.theta`` (the local layers' table)."""
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
@@ -55,7 +65,7 @@ class RotaryEmbedding(torch.nn.Module):
                 f"rope.mrope_sections {cfg.mrope_sections} must sum to head_dim // 2 = {head_dim // 2}"
             )
         self.head_dim = head_dim
-        self.theta = cfg.theta
+        self.theta = theta if theta is not None else cfg.theta
         self.sections = tuple(cfg.mrope_sections)
 
     def inv_freq(self, device: torch.device) -> Tensor:

@@ -182,6 +182,7 @@ def shard_row(
         doc_ids=whole.get("doc_ids"),
         image_ids=whole.get("image_ids"),
         sliding_window=cfg.attention.sliding_window,
+        local_window=cfg.attention.local_window,
         bidirectional_images=cfg.attention.bidirectional_images,
         backend=cfg.attention.backend,
     )

@@ -13,7 +13,8 @@ Design choices:
   initial loss is about ln V.
 - ``forward`` takes the loader's batch tensors by name (``model(**batch)`` works) and returns a
   ``LossResult`` when labels are given, logits otherwise. The attention mask and RoPE cos/sin are
-  built once per batch and shared by all layers. The model is a plain nn.Module: DeepSpeed
+  built once per batch and shared by all layers (with local/global attention: two masks and two
+  RoPE tables, each shared by the layers of its kind). The model is a plain nn.Module: DeepSpeed
   wraps it as is and calls ``engine.backward(result.loss)``.
 - Activation checkpointing is a per-block flag (``activation_checkpoint_every``: 1 = every
   block, 2 = every other, 0 = none), non-reentrant torch.utils.checkpoint.
@@ -95,6 +96,17 @@ class TransformerConfig:
             raise ValueError("dim and n_layers must be positive")
         if self.moe.enabled and self.ffn.modality_groups:
             raise ValueError("choose one of moe.num_experts and ffn.modality_groups, not both")
+        if self.attention.local_window and self.n_layers < self.attention.global_every:
+            raise ValueError(
+                f"n_layers={self.n_layers} with attention.global_every="
+                f"{self.attention.global_every} has no global layer (layer global_every - 1 is "
+                "the first): lower global_every or drop attention.local_window"
+            )
+        if self.rope.local_theta and not self.attention.local_window:
+            raise ValueError(
+                f"rope.local_theta={self.rope.local_theta} is the local layers' RoPE base, but "
+                "attention.local_window is 0 (no local layers)"
+            )
         head_dim = self.head_dim
         if self.rope.mrope_sections and sum(self.rope.mrope_sections) != head_dim // 2:
             raise ValueError(
@@ -129,6 +141,7 @@ class Block(nn.Module):
         self.reorder_norm = cfg.reorder_norm
         every = cfg.activation_checkpoint_every
         self.checkpoint = every > 0 and layer_id % every == 0
+        self.local = cfg.attention.is_local(layer_id)  # local/global: windowed, own RoPE base
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg.dim, cfg.attention, cfg.norm_eps)
@@ -175,6 +188,13 @@ class Transformer(nn.Module):
         self.grid_rows = nn.Embedding(cfg.max_grid, cfg.dim) if cfg.grid_embedding else None
         self.grid_cols = nn.Embedding(cfg.max_grid, cfg.dim) if cfg.grid_embedding else None
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope)
+        local_theta = cfg.rope.local_theta
+        # The local layers' table (local/global attention with their own RoPE base); no weights.
+        self.local_rope = (
+            RotaryEmbedding(cfg.head_dim, cfg.rope, theta=local_theta)
+            if local_theta and local_theta != cfg.rope.theta
+            else None
+        )
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = OutputHead(
@@ -224,11 +244,21 @@ class Transformer(nn.Module):
         hidden = self.tok_embeddings(input_ids)
         if self.grid_rows is not None and self.grid_cols is not None and position_thw is not None:
             hidden = hidden + self._grid_embedding(position_thw, modality)
+        # Built once per forward, shared by the layers of their kind (local/global attention).
         cos, sin = self.rope(position_ids, position_thw)
+        local_cos, local_sin = (
+            self.local_rope(position_ids, position_thw) if self.local_rope else (cos, sin)
+        )
+        local_mask = mask.local() if self.cfg.attention.local_window else mask
         stats = []
-        for layer_index, layer in enumerate(self.layers):
+        for layer_index, layer in enumerate(self.blocks()):
             cache = caches[layer_index] if caches is not None else None
-            hidden, layer_stats = layer(hidden, cos, sin, mask, modality, cache, cache_start)
+            if layer.local:
+                hidden, layer_stats = layer(
+                    hidden, local_cos, local_sin, local_mask, modality, cache, cache_start
+                )
+            else:
+                hidden, layer_stats = layer(hidden, cos, sin, mask, modality, cache, cache_start)
             if layer_stats is not None:
                 stats.append(layer_stats)
         return hidden, stats
@@ -306,6 +336,7 @@ class Transformer(nn.Module):
                 doc_ids=doc_ids,
                 image_ids=image_ids,
                 sliding_window=self.cfg.attention.sliding_window,
+                local_window=self.cfg.attention.local_window,
                 bidirectional_images=self.cfg.attention.bidirectional_images,
                 backend=self.cfg.attention.backend,
                 one_doc_rows=one_doc_rows,
@@ -367,7 +398,7 @@ class Transformer(nn.Module):
             position_ids = torch.arange(start, start + num_new, device=input_ids.device).expand(
                 batch_size, num_new
             )
-        window = self.cfg.attention.sliding_window
+        window, local_window = self.cfg.attention.sliding_window, self.cfg.attention.local_window
         if start == 0:
             mask = build_attention_mask(
                 batch_size,
@@ -375,11 +406,18 @@ class Transformer(nn.Module):
                 input_ids.device,
                 image_ids=image_ids,
                 sliding_window=window,
+                local_window=local_window,
                 bidirectional_images=self.cfg.attention.bidirectional_images,
                 backend="sdpa",
             )
         else:
-            mask = decode_mask(start, num_new, input_ids.device, sliding_window=window)
+            mask = decode_mask(
+                start,
+                num_new,
+                input_ids.device,
+                sliding_window=window,
+                local_window=local_window,
+            )
         hidden, _ = self._trunk(
             input_ids,
             position_ids=position_ids,

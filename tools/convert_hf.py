@@ -69,6 +69,18 @@ def blocking_features(cfg) -> list[str]:
         out.append(f"moe.num_experts={cfg.moe.num_experts} (mixture of experts: Qwen3 is dense)")
     if cfg.attention.sliding_window:
         out.append(f"attention.sliding_window={cfg.attention.sliding_window}")
+    if cfg.attention.local_window:
+        # Qwen3's sliding-window layers are the lowest ones, not every global_every-th, and it
+        # has one RoPE base for all layers: a local/global model would export as another model.
+        out.append(
+            f"attention.local_window={cfg.attention.local_window} with "
+            f"attention.global_every={cfg.attention.global_every} (local/global layers: Qwen3 "
+            "windows only its lowest layers)"
+        )
+    if cfg.rope.local_theta:
+        out.append(
+            f"rope.local_theta={cfg.rope.local_theta} (a RoPE base per layer kind: Qwen3 has one)"
+        )
     if cfg.attention.bidirectional_images:
         out.append("attention.bidirectional_images=true (Qwen3 is causal everywhere)")
     if not cfg.attention.qk_norm:

@@ -11,6 +11,18 @@ accounting with SwiGLU and GQA, dropout off); with activation checkpointing ever
 each layer's input (``2 * dim``) plus one layer's activations. The fused chunked CE keeps one
 [chunk, V] float32 block instead of the [tokens, V] logits. An estimate (+-25 %): allocator
 fragmentation, the CUDA context (~0.5 GiB) and communication buffers come on top.
+
+Long rows (docs/long_context.md, "Memory model"):
+- Sequence parallelism of degree P (``sequence_parallel``) gives each rank T/P tokens of every
+  row: the activations and the CE's hidden states divide by P (around the attention core a rank
+  holds all T tokens of H/P heads: the same bytes). ZeRO partitions over all DP x SP ranks
+  (``world_size``); the tokens per step count each row once (W / P replicas).
+- The attention mask is built for the whole row on every rank and kept for the step. A
+  FlexAttention BlockMask (``mask="flex"``, CUDA's default) holds four [B, T/128, T/128] int32
+  index tensors (partial and full blocks, by key and by query) per mask: 16 MiB per row at 128k,
+  1 GiB at 1M. SDPA's dense boolean mask (``mask="sdpa"``) is [B, T, T] bytes: 16 GiB at 128k.
+  Local/global attention keeps a second mask for its local layers.
+- Activation checkpointing keeps each layer's input plus one layer's activations at a time.
 """
 
 from __future__ import annotations
@@ -28,10 +40,26 @@ class MemoryEstimate:
     activations_gib: float
     logits_gib: float
     tokens_per_step: int
+    mask_gib: float = 0.0
 
     @property
     def total_gib(self) -> float:
-        return self.states_gib + self.activations_gib + self.logits_gib
+        return self.states_gib + self.activations_gib + self.logits_gib + self.mask_gib
+
+
+BLOCK = 128  # FlexAttention's default block size (both sides)
+
+
+def mask_bytes(seq_len: int, *, micro_batch: int = 1, mask: str = "flex") -> int:
+    """Bytes of one attention mask for ``micro_batch`` rows of ``seq_len`` tokens: four
+    [B, n, n] int32 BlockMask index tensors with n = ceil(T / 128) ("flex"; the [B, n] block
+    counts are negligible), or the dense [B, T, T] boolean SDPA mask ("sdpa")."""
+    if mask == "flex":
+        blocks = -(-seq_len // BLOCK)
+        return micro_batch * 4 * blocks * blocks * 4
+    if mask == "sdpa":
+        return micro_batch * seq_len * seq_len
+    raise ValueError(f"mask must be flex or sdpa, got {mask!r}")
 
 
 def estimate(
@@ -43,8 +71,17 @@ def estimate(
     world_size: int = 1,
     zero_stage: int = 0,
     act_ckpt: bool = False,
+    sequence_parallel: int = 1,
+    mask: str = "flex",
 ) -> MemoryEstimate:
-    """Per-GPU memory of ``cfg`` (a TransformerConfig) under the given parallel setup."""
+    """Per-GPU memory of ``cfg`` (a TransformerConfig) under the given parallel setup.
+    ``world_size``: all ranks (data parallel x ``sequence_parallel``); ``mask``: how the
+    attention mask is held, "flex" (a BlockMask, CUDA's default) or "sdpa" (dense)."""
+    if sequence_parallel < 1 or world_size % sequence_parallel or seq_len % sequence_parallel:
+        raise ValueError(
+            f"sequence_parallel={sequence_parallel} must divide the world size ({world_size}) "
+            f"and the row length ({seq_len})"
+        )
     num_params = _param_count(cfg)
     shards = max(1, world_size)
     # bf16 weights; bf16 + fp32 grads; master + moments
@@ -58,19 +95,23 @@ def estimate(
     hidden = cfg.ffn.resolved_hidden_dim(cfg.dim)
     kv_dim = cfg.attention.kv_heads * cfg.head_dim
     per_layer_token = 2 * (6 * cfg.dim + 2 * kv_dim + 5 * hidden)
-    tokens = micro_batch * seq_len
+    tokens = micro_batch * seq_len // sequence_parallel  # this rank's share of the rows
     if act_ckpt:
         act = tokens * (cfg.n_layers * 2 * cfg.dim + per_layer_token)
     else:
         act = tokens * cfg.n_layers * per_layer_token
     chunk = cfg.loss.chunk_size or tokens
     logits = 4.0 * min(chunk, tokens) * cfg.vocab_size * 2  # the chunk's logits and its gradient
+    # Documents are masked per row (the batch dimension is kept); local layers add a mask.
+    masks = 2 if cfg.attention.local_window else 1
+    mask_total = masks * mask_bytes(seq_len, micro_batch=micro_batch, mask=mask)
     return MemoryEstimate(
         params=num_params,
         states_gib=(weights + grads + optim) / GIB,
         activations_gib=act / GIB,
         logits_gib=logits / GIB,
-        tokens_per_step=tokens * grad_accum * shards,
+        tokens_per_step=micro_batch * seq_len * grad_accum * (shards // sequence_parallel),
+        mask_gib=mask_total / GIB,
     )
 
 
@@ -101,7 +142,11 @@ def main(argv=None) -> None:
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--grad-accum", type=int, default=1)
-    parser.add_argument("--gpus", type=int, default=1)
+    parser.add_argument("--gpus", type=int, default=1, help="all ranks: data x sequence parallel")
+    parser.add_argument("--sp", type=int, default=1, help="sequence-parallel degree")
+    parser.add_argument(
+        "--mask", choices=("flex", "sdpa"), default="flex", help="BlockMask or dense mask"
+    )
     parser.add_argument("--zero", type=int, default=1)
     parser.add_argument("--act-ckpt", action="store_true")
     args = parser.parse_args(argv)
@@ -113,14 +158,18 @@ def main(argv=None) -> None:
         world_size=args.gpus,
         zero_stage=args.zero,
         act_ckpt=args.act_ckpt,
+        sequence_parallel=args.sp,
+        mask=args.mask,
     )
     print(
         f"{args.preset}: {result.params / 1e6:.0f}M parameters; per GPU: "
         f"model states {result.states_gib:.1f} GiB, "
         f"activations {result.activations_gib:.1f} GiB, "
         f"CE chunk {result.logits_gib:.2f} GiB, "
+        f"attention mask {result.mask_gib:.3f} GiB, "
         f"total ~{result.total_gib:.1f} GiB; "
         f"{result.tokens_per_step:,} tokens per step"
+        + (f" (sequence parallel {args.sp})" if args.sp > 1 else "")
     )
 
 

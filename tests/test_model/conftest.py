@@ -22,7 +22,7 @@ def tiny_config(**overrides) -> TransformerConfig:
     attention = overrides.pop("attention", AttentionConfig(n_heads=4, n_kv_heads=2))
     cfg = TransformerConfig(
         dim=32,
-        n_layers=2,
+        n_layers=overrides.pop("n_layers", 2),  # before the checks that count layers
         attention=attention,
         ffn=FFNConfig(hidden_dim=64),
         rope=overrides.pop("rope", RopeConfig()),

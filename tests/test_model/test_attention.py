@@ -72,8 +72,13 @@ def _flex_vs_sdpa(kit, batch, **attn):
 
 @pytest.mark.parametrize(
     "attn",
-    [{}, {"sliding_window": 7}, {"bidirectional_images": True}],
-    ids=["doc", "doc+window", "doc+bidir-images"],
+    [
+        {},
+        {"sliding_window": 7},
+        {"bidirectional_images": True},
+        {"local_window": 7, "global_every": 2, "bidirectional_images": True},
+    ],
+    ids=["doc", "doc+window", "doc+bidir-images", "doc+local/global"],
 )
 def test_flex_and_sdpa_agree(kit, mixed_batch, attn):
     a, b = _flex_vs_sdpa(kit, mixed_batch, **attn)
@@ -92,6 +97,16 @@ def test_flex_mask_is_block_sparse_and_built_once(kit, mixed_batch, monkeypatch)
     with torch.no_grad():
         cfg.build()(mixed_batch["input_ids"], doc_ids=mixed_batch["doc_ids"])
     assert len(calls) == 1  # one block mask per batch, shared by the 3 layers
+    local_global = kit.tiny_config(
+        n_layers=4,
+        attention=AttentionConfig(
+            n_heads=4, n_kv_heads=2, backend="flex", local_window=8, global_every=2
+        ),
+    )
+    calls.clear()
+    with torch.no_grad():
+        local_global.build()(mixed_batch["input_ids"], doc_ids=mixed_batch["doc_ids"])
+    assert len(calls) == 2  # one per kind of layer (local, global), shared by 2 layers each
 
 
 def test_flex_on_cpu_with_grad_is_a_clear_error():
@@ -142,3 +157,77 @@ def test_bidirectional_images_changes_only_image_and_later_positions(kit, mixed_
     first_img = int((mixed_batch["image_ids"][0] >= 0).nonzero()[0])
     torch.testing.assert_close(a[0, :first_img], b[0, :first_img], **TOL)
     assert (a[0, first_img] - b[0, first_img]).abs().max() > 1e-4
+
+
+def _long_ids(seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two rows of ``seq_len`` document ids (runs of 20-420 tokens, padding -1 at the end) and
+    image ids (one block of 10-60 tokens inside every other document), crossing 128-token blocks
+    of FlexAttention every which way."""
+    gen = torch.Generator().manual_seed(seed)
+    docs, images = torch.full((2, seq_len), -1), torch.full((2, seq_len), -1)
+    for row in range(2):
+        start, doc, image = 0, 0, 0
+        while start < seq_len - 40:
+            length = int(torch.randint(20, 420, (1,), generator=gen))
+            docs[row, start : start + length] = doc
+            if doc % 2 == 0 and length > 20:
+                offset = int(torch.randint(1, length - 15, (1,), generator=gen))
+                size = min(int(torch.randint(10, 60, (1,), generator=gen)), length - offset)
+                images[row, start + offset : start + offset + size] = image
+                image += 1
+            start, doc = start + length, doc + 1
+    return docs, images
+
+
+def _blocks_of(dense: torch.Tensor, size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, 1, T, T] token mask -> (any, all) per [size x size] block: [B, 1, n, n]."""
+    batch, _, seq_len, _ = dense.shape
+    n = seq_len // size
+    tiles = dense.reshape(batch, 1, n, size, n, size).transpose(3, 4).flatten(-2)
+    return tiles.any(-1), tiles.all(-1)
+
+
+def _full_blocks(block_mask) -> torch.Tensor:
+    """The blocks FlexAttention computes without calling the mask_mod: [B, 1, n, n] bool."""
+    counts, indices = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
+    out = torch.zeros(indices.shape, dtype=torch.bool)
+    for row in range(indices.shape[0]):
+        for query_block in range(indices.shape[2]):
+            used = indices[row, 0, query_block, : int(counts[row, 0, query_block])]
+            out[row, 0, query_block, used.long()] = True
+    return out
+
+
+@pytest.mark.parametrize(
+    "compile_mask", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"]
+)
+def test_block_mask_equals_the_dense_mask(compile_mask):
+    """Document + causal + bidirectional image blocks, and the local layers' mask (the same AND
+    a window), on 2 rows of 640 tokens (5 x 5 blocks of 128): the BlockMask's mask_mod evaluated
+    on every (query, key) equals SDPA's dense mask, its blocks (partial and full) are exactly the
+    blocks the dense mask touches, and the full ones exactly the blocks it fills.
+    ``compiled``: the builder CUDA uses (``torch.compile(create_block_mask)``), here on the CPU."""
+    seq_len = 640
+    docs, images = _long_ids(seq_len, seed=3)
+    common = dict(doc_ids=docs, image_ids=images, bidirectional_images=True, local_window=300)
+    with torch.no_grad():
+        dense = build_attention_mask(2, seq_len, docs.device, backend="sdpa", **common)
+        flex = build_attention_mask(
+            2, seq_len, docs.device, backend="flex", compile_mask=compile_mask, **common
+        )
+    assert flex.block_mask is not None and flex.local_block_mask is not None
+    rows = torch.arange(2)[:, None, None, None]
+    queries = torch.arange(seq_len)[None, None, :, None]
+    keys = torch.arange(seq_len)[None, None, None, :]
+    for block_mask, want in (
+        (flex.block_mask, dense.dense),
+        (flex.local_block_mask, dense.local_dense),
+    ):
+        assert want is not None and block_mask.shape == (2, 1, seq_len, seq_len)
+        assert torch.equal(block_mask.mask_mod(rows, 0, queries, keys), want)
+        touched, filled = _blocks_of(want)
+        assert torch.equal(block_mask.to_dense().bool(), touched)
+        assert torch.equal(_full_blocks(block_mask), filled)
+        assert 0 < int(filled.sum()) < int(touched.sum()) < touched.numel()  # all kinds occur
+    # The window cuts what the global mask lets through, and nothing else.
+    assert not (dense.local_dense & ~dense.dense).any() and (dense.dense & ~dense.local_dense).any()

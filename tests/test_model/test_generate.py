@@ -25,6 +25,11 @@ def _variant(kit, name):
             rope=RopeConfig(mrope_sections=[2, 1, 1]),
             attention=AttentionConfig(n_heads=4, n_kv_heads=2, sliding_window=6),
         )
+    if name == "local/global+mrope":  # layer 0 local (window 5, its own RoPE base), 1 global
+        return kit.tiny_config(
+            rope=RopeConfig(mrope_sections=[2, 1, 1], local_theta=100.0),
+            attention=AttentionConfig(n_heads=4, n_kv_heads=2, local_window=5, global_every=2),
+        )
     if name == "grid":
         return kit.tiny_config(grid_embedding=True)
     if name == "mot":
@@ -44,7 +49,9 @@ def _full_logits(model, ids, layout):
     return model(ids, position_thw=thw, modality=mods)[:, -1]
 
 
-@pytest.mark.parametrize("name", ["plain", "mrope+window", "grid", "mot", "moe+reorder"])
+@pytest.mark.parametrize(
+    "name", ["plain", "mrope+window", "local/global+mrope", "grid", "mot", "moe+reorder"]
+)
 def test_kv_cache_generation_equals_full_recomputation(kit, name):
     torch.manual_seed(0)
     model = _variant(kit, name).build().eval()

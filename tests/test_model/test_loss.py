@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -119,3 +120,40 @@ def test_no_labels_gives_zero_loss_and_zero_grads(kit, mixed_batch):
     r.loss.backward()
     assert r.loss.item() == 0.0 and int(r.num_tokens) == 0
     assert model.output.weight.grad.abs().sum() == 0
+
+
+def _peak_bytes(tokens: int, chunk: int, tmp_path, vocab: int = 8192, dim: int = 16) -> int:
+    """Most bytes the CPU allocator held at once during the CE's forward and backward, above
+    what it held before: the profiler's memory events (each carries the running total)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, dim, generator=gen, requires_grad=True)
+    weight = torch.randn(vocab, dim, generator=gen, requires_grad=True)
+    targets = torch.randint(0, vocab, (tokens,), generator=gen)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss, *_ = chunked_linear_cross_entropy(hidden, weight, targets, chunk_size=chunk)
+        loss.backward()
+    trace = tmp_path / f"trace_{tokens}_{chunk}.json"
+    prof.export_chrome_trace(str(trace))
+    events = [
+        event["args"]
+        for event in json.loads(trace.read_text())["traceEvents"]
+        if event.get("name") == "[memory]"
+    ]
+    before = events[0]["Total Allocated"] - events[0]["Bytes"]
+    return max(event["Total Allocated"] for event in events) - before
+
+
+def test_chunked_ce_memory_is_one_chunk_of_logits_at_any_length(tmp_path):
+    """At 512 and 2,048 tokens (vocabulary 4,096, chunks of 128): the peak is one chunk's
+    [128, V] float32 logits (2 MiB) plus a few floats per token and hidden unit (the gradient
+    w.r.t. the hidden states, per-token CE and log Z); it does not grow with the logits of the
+    extra tokens. The unchunked path, measured the same way, holds all [T, V] logits."""
+    vocab, dim, chunk = 4096, 16, 128
+    chunk_logits = chunk * vocab * 4
+    per_token = 2 * dim * 4  # float32: grad_h and as many bytes again for per-token vectors
+    short, long = (_peak_bytes(tokens, chunk, tmp_path, vocab, dim) for tokens in (512, 2048))
+    assert chunk_logits <= long < 2 * chunk_logits + 2048 * per_token
+    assert long - short < (2048 - 512) * per_token  # 1,536 more tokens' logits: 24 MiB
+    assert _peak_bytes(512, 0, tmp_path, vocab, dim) > 512 * vocab * 4  # the probe sees logits

@@ -77,6 +77,12 @@ def test_flops_per_token(kit):
     win = kit.tiny_config(attention=dataclasses.replace(cfg.attention, sliding_window=16))
     assert attention_context(win, T) == 16
     assert 15 < attention_context(win, T, causal=True) < 16
+    # Local/global: 3 layers, every 3rd global: two local layers see 16 keys, one sees T.
+    local = kit.tiny_config(
+        n_layers=3,
+        attention=dataclasses.replace(cfg.attention, local_window=16, global_every=3),
+    )
+    assert attention_context(local, T) == (2 * 16 + T) / 3
 
 
 def test_activation_checkpointing_gives_identical_loss_and_grads(kit, mixed_batch):

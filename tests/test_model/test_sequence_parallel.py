@@ -56,7 +56,8 @@ def packed_rows(kit) -> dict:
 def test_sp_matches_one_process_on_2_and_4_ranks(kit, tmp_path):
     """torchrun with 4 gloo processes: SP 2 (two groups: data parallel 2 x SP 2) and SP 4.
     Case ``images``: M-RoPE, grid embeddings, bidirectional image blocks, 4 query heads over 2 KV
-    heads (split at SP 2, replicated at SP 4), also run with FlexAttention's BlockMask (forward).
+    heads (split at SP 2, replicated at SP 4), local/global layers (layer 0 local: window 12 and
+    its own RoPE base; layer 1 global), also run with FlexAttention's BlockMasks (forward).
     Case ``mqa``: one KV head (replicated 2 and 4 times), a sliding window of 12 and activation
     checkpointing (backward recomputes each block, all-to-alls included).
     Then DeepSpeed ZeRO 1 and 2 over DP 2 x SP 2 (``parallel_state_sp`` as its mpu): one SGD
@@ -65,8 +66,14 @@ def test_sp_matches_one_process_on_2_and_4_ranks(kit, tmp_path):
     cases = {
         "images": (
             kit.tiny_config(
-                attention=AttentionConfig(n_heads=4, n_kv_heads=2, bidirectional_images=True),
-                rope=RopeConfig(mrope_sections=[2, 1, 1]),
+                attention=AttentionConfig(
+                    n_heads=4,
+                    n_kv_heads=2,
+                    bidirectional_images=True,
+                    local_window=12,
+                    global_every=2,
+                ),
+                rope=RopeConfig(mrope_sections=[2, 1, 1], local_theta=100.0),
                 grid_embedding=True,
             ),
             True,

@@ -78,11 +78,15 @@ def test_a_feature_qwen3_lacks_is_refused_by_name(release, tmp_path, capsys):
     cfg = json.loads((bad / "config.json").read_text())
     cfg["model"]["rope"]["mrope_sections"] = [4, 2, 2]
     cfg["model"]["reorder_norm"] = True
+    cfg["model"]["attention"].update(local_window=4, global_every=2)
+    cfg["model"]["rope"]["local_theta"] = 100.0
     (bad / "config.json").write_text(json.dumps(cfg))
     assert convert_main(["hf", str(bad), str(tmp_path / "hf")]) == 1
     err = capsys.readouterr().err
     assert "does not map onto Qwen3" in err and "rope.mrope_sections=[4, 2, 2] (M-RoPE" in err
     assert "reorder_norm=true" in err and "grid_embedding" not in err  # grids export (remote code)
+    assert "attention.local_window=4 with attention.global_every=2 (local/global" in err
+    assert "rope.local_theta=100.0 (a RoPE base per layer kind" in err
     assert not (tmp_path / "hf").exists()
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from model.presets import preset
-from train.memory import estimate
+from train.memory import estimate, mask_bytes
 
 
 @pytest.mark.parametrize("name", ["debug", "125m", "350m", "1b"])
@@ -26,3 +28,22 @@ def test_zero_stages_and_checkpointing_only_ever_save_memory():
     one = estimate(cfg, micro_batch=4, seq_len=2048, world_size=1, zero_stage=0)
     assert one.states_gib == pytest.approx(20 * one.params / 2**30)  # 20 bytes per parameter
     assert estimate(cfg, grad_accum=4, **kw).tokens_per_step == 4 * 2048 * 4 * 8
+
+
+def test_sequence_parallel_divides_activations_and_masks_grow_as_blocks_squared():
+    cfg = preset("1b")
+    kw = dict(micro_batch=1, seq_len=131072, world_size=8, zero_stage=1, act_ckpt=True)
+    one, four = estimate(cfg, **kw), estimate(cfg, sequence_parallel=4, **kw)
+    assert four.activations_gib == pytest.approx(one.activations_gib / 4)
+    assert four.states_gib == one.states_gib  # ZeRO partitions over all 8 ranks either way
+    assert four.tokens_per_step == one.tokens_per_step / 4 == 2 * 131072  # 2 replicas of SP 4
+    # A BlockMask: four (T/128)^2 int32 index tensors per row; SDPA's: T^2 bytes.
+    assert mask_bytes(131072) == 4 * 4 * 2**20 and mask_bytes(2**20) == 4 * 256 * 2**20
+    assert mask_bytes(131072, mask="sdpa") == 16 * 2**30
+    assert one.mask_gib == pytest.approx(16 / 1024)
+    local = dataclasses.replace(
+        cfg, attention=dataclasses.replace(cfg.attention, local_window=1024, global_every=6)
+    )
+    assert estimate(local, **kw).mask_gib == 2 * one.mask_gib  # the local layers' own mask
+    with pytest.raises(ValueError, match="sequence_parallel=3 must divide"):
+        estimate(cfg, sequence_parallel=3, **kw)

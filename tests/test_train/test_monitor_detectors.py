@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -172,6 +173,37 @@ def test_attention_probe_scores_are_the_ones_the_model_used():
     assert stats["monitor/attn_max_logit"] == max(
         stats["monitor/attn_max_logit/L0"], stats["monitor/attn_max_logit/L1"]
     )
+
+
+def test_attention_probe_masks_local_layers_with_their_window():
+    """Local/global attention: the probe scores a local layer under its window (4 keys)."""
+    from model.presets import preset
+    from train.monitor.probes import _AttentionTap, attention_stats
+
+    torch.manual_seed(0)
+    cfg = preset("debug")
+    cfg = dataclasses.replace(
+        cfg,
+        attention=dataclasses.replace(cfg.attention, local_window=4, global_every=2),
+        rope=dataclasses.replace(cfg.rope, local_theta=100.0),
+    )
+    model = cfg.build().eval()
+    assert model.blocks()[0].local and not model.blocks()[1].local
+    ids = torch.randint(0, 200, (2, 12))
+    tap = _AttentionTap(model.layers[0].attention)
+    with torch.no_grad():
+        model(ids)
+    tap.remove()
+    q, k = tap.qk()
+    T = ids.shape[1]
+    offsets = torch.arange(T)[:, None] - torch.arange(T)[None, :]
+    window = (offsets >= 0) & (offsets < 4)
+    scores = ((q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])).masked_fill(~window, -math.inf)
+    p = scores.softmax(-1)
+    ent = float(-(p * p.clamp_min(1e-30).log()).sum(-1).mean())
+    stats = attention_stats(model, _batch(ids), torch.device("cpu"))
+    assert stats["monitor/attn_entropy/L0"] == pytest.approx(ent, rel=1e-5)
+    assert ent < math.log(4) + 1e-6  # at most 4 keys: no more than ln 4 nats
 
 
 def test_divergence_fires_when_the_loss_stays_high_after_a_spike():

@@ -108,22 +108,23 @@ def attention_stats(model, batch: dict, device) -> dict[str, float]:
         doc_ids=inputs["doc_ids"],
         image_ids=inputs["image_ids"],
         sliding_window=model.cfg.attention.sliding_window,
+        local_window=model.cfg.attention.local_window,
         bidirectional_images=model.cfg.attention.bidirectional_images,
         backend="sdpa",
     )
-    allowed = (
-        mask.dense
-        if mask.dense is not None
-        else torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
-    )
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
+    allowed = mask.dense if mask.dense is not None else causal
+    # Local layers (local/global attention) see their windowed mask.
+    local_allowed = mask.local_dense if mask.local_dense is not None else allowed
+    layer_allowed = [local_allowed if block.local else allowed for block in model.blocks()]
     real = (batch["labels"].to(device) != -100)[
         :, None, :
     ]  # [B, 1, T] queries that are real tokens
     maxes, ent = [], []
-    for t in taps:
+    for t, allowed_here in zip(taps, layer_allowed, strict=True):
         q, k = t.qk()
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        scores = scores.masked_fill(~allowed_here, float("-inf"))
         maxes.append(scores.amax())
         p = scores.softmax(-1)
         h = -(p * p.clamp_min(1e-30).log()).sum(-1)  # [B, H, T]
