@@ -118,6 +118,8 @@ def evaluate(args) -> dict:
     seq_len = args.seq_len or run.get("seq_len") or 2048
     batch_rows = args.batch_rows or run.get("micro_batch") or 8
     out["seq_len"], out["batch_rows"] = seq_len, batch_rows
+    needles = args.needle or args.long_context
+    needle_shape = needle_options(args, seq_len) if needles else None  # bad flags fail first
     progress = not args.no_progress
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.verbose else (lambda *a: 0)
     unigram = None
@@ -179,7 +181,91 @@ def evaluate(args) -> dict:
             draw_guidance=args.draw_guidance,
             progress=progress,
         )
+    if args.position_loss or args.long_context:
+        from tools.evaluate.position import position_losses
+
+        say("loss by position ...")
+        out["position_loss"] = position_losses(
+            model,
+            val,
+            seq_len=seq_len,
+            device=device,
+            batch_rows=batch_rows,
+            max_docs=args.max_docs,
+            first_bucket=args.position_first_bucket,
+            progress=progress,
+        )
+    if needle_shape is not None:
+        lengths, depths = needle_shape
+        say("needles ...")
+        out.update(needle_tables(args, model, rel, val, lengths, depths, batch_rows, device))
     out["seconds"] = round(time.perf_counter() - started, 1)
+    return out
+
+
+def needle_options(args, seq_len: int) -> tuple[list[int], tuple[float, ...]]:
+    """The needle tables' lengths (default: the row length, twice and four times it) and
+    depths, checked."""
+    from tools.evaluate.needle import DEPTHS, parse_list
+
+    lengths = (
+        parse_list(args.needle_lengths, int, "--needle-lengths")
+        if args.needle_lengths
+        else [seq_len, 2 * seq_len, 4 * seq_len]
+    )
+    depths = (
+        tuple(parse_list(args.needle_depths, float, "--needle-depths"))
+        if args.needle_depths
+        else DEPTHS
+    )
+    if min(lengths) < 1:
+        raise ValueError(f"--needle-lengths {args.needle_lengths}: lengths must be positive")
+    if not all(0.0 <= depth <= 1.0 for depth in depths):
+        raise ValueError(f"--needle-depths {args.needle_depths}: depths are fractions in [0, 1]")
+    if args.needle_trials < 1 or args.needle_digits < 1:
+        raise ValueError("--needle-trials and --needle-digits must be at least 1")
+    return lengths, depths
+
+
+def needle_tables(args, model, rel, val, lengths, depths, batch_rows, device) -> dict:
+    """The passkey table and, where the held-out data has 3 videos of one grid size, the
+    frame-copy table (else a note saying why it is missing)."""
+    from tools.evaluate.needle import frame_copy_table, held_out_videos, passkey_table
+
+    progress = not args.no_progress
+    text = rel.text_tokenizer()
+    out: dict = {
+        "passkey": passkey_table(
+            model,
+            text,
+            lengths=lengths,
+            depths=depths,
+            trials=args.needle_trials,
+            digits=args.needle_digits,
+            device=device,
+            batch_rows=batch_rows,
+            progress=progress,
+        )
+    }
+    videos = held_out_videos(val, rel.vocab_layout)
+    if len(videos) < 3:
+        out["frame_copy"] = {
+            "missing": f"{len(videos)} held-out videos of one grid size; the test needs 3"
+        }
+        return out
+    out["frame_copy"] = frame_copy_table(
+        model,
+        videos,
+        rel.vocab_layout,
+        bos=text.bos_id,
+        pad_id=text.pad_id,
+        lengths=lengths,
+        depths=depths,
+        trials=args.needle_trials,
+        device=device,
+        batch_rows=batch_rows,
+        progress=progress,
+    )
     return out
 
 
@@ -248,6 +334,53 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="classifier-free guidance of the drawings: log-probabilities after the caption pushed "
         "away from those after no caption by this factor (1 = off; docs/evaluation.md)",
+    )
+    long = pair.add_argument_group(
+        "long context (docs/evaluation.md#long-context-is-the-context-used)",
+        "Whether the model uses what it read long before: the loss by token position, and "
+        "needle tests as depth x length tables of teacher-forced accuracy against a control.",
+    )
+    long.add_argument(
+        "--position-loss",
+        action="store_true",
+        help="mean CE per position bucket (0-F, F-2F, 2F-4F, ... up to --seq-len) and modality on "
+        "the held-out rows, each bucket over the document stretches that cover it whole",
+    )
+    long.add_argument(
+        "--needle",
+        action="store_true",
+        help="passkey (a random number at depth d of a repeated filler, asked for at the end; "
+        "digits scored teacher-forced, against the same prompt without the number) and frame copy "
+        "(a held-out video frame at depth d repeated as the last frame; its codes scored, against "
+        "another frame at depth d)",
+    )
+    long.add_argument("--long-context", action="store_true", help="both of the above")
+    long.add_argument(
+        "--position-first-bucket",
+        type=int,
+        default=64,
+        metavar="F",
+        help="end of the first position bucket; each next one is twice as long (default 64)",
+    )
+    long.add_argument(
+        "--needle-lengths",
+        metavar="N,N,...",
+        help="sequence lengths of the needle tables, up to the model's max positions (default: "
+        "the row length, 2x and 4x it)",
+    )
+    long.add_argument(
+        "--needle-depths",
+        metavar="D,D,...",
+        help="depths of the needle, fractions of the sequence (default 0,0.25,0.5,0.75,1)",
+    )
+    long.add_argument(
+        "--needle-trials",
+        type=int,
+        default=8,
+        help="keys (and video frames) per cell of the needle tables (default 8)",
+    )
+    long.add_argument(
+        "--needle-digits", type=int, default=5, help="digits of each pass key (default 5)"
     )
     pair.add_argument("--device", default="cpu")
     pair.add_argument("--verbose", action="store_true", help="say which part runs")
