@@ -13,6 +13,10 @@ held-out data, per modality and across modalities (docs/evaluation.md).
 - **Checkable generation** (tools/evaluate/scenes.py, with ``--scenes``): held-out scene captions
   drawn and read back by a pixel classifier; held-out scenes captioned and the caption parsed;
   each against its chance level and the visual tokenizer's ceiling.
+- **Long context** (``--position-loss``, ``--needle``, ``--long-context``: both;
+  tools/evaluate/position.py and needle.py): held-out CE per log-spaced position bucket over the
+  document stretches that cover the bucket; passkey and frame-copy depth x length tables of
+  teacher-forced accuracy, each against a control with nothing to retrieve.
 
 Writes JSON (``--out``) and prints a table; ``earlyfuse-report RUN_DIR`` shows
 ``RUN_DIR/heldout_eval.json``.
@@ -35,6 +39,7 @@ examples:
   earlyfuse-eval releases/x --data val_tokens --max-docs 200 --device cuda
   earlyfuse-eval releases/mine --data tokens/val --train-data tokens   # ingest --val-fraction's split
   earlyfuse-eval releases/mine --data s3://bucket/tokens/val              # any fsspec URL
+  earlyfuse-eval releases/mine --data tokens/val --long-context --needle-lengths 2048,4096,8192
 
 what the table says (docs/evaluation.md explains every figure):
   margin = unigram - CE per modality: above 0 the model beats the training tokens' own
@@ -43,6 +48,12 @@ what the table says (docs/evaluation.md explains every figure):
     token): near 0, captions ignore their pictures (caption) or pictures their captions (drawing).
   scenes: share of drawn / captioned held-out scenes with the right colour, shape and cell,
     beside chance (scored against another scene) and the visual tokenizer's own ceiling.
+  loss by position: CE per position bucket, each over the document stretches that cover it
+    whole (stretches: how many); first = the same stretches' CE in the first bucket. Falling
+    with position: the model uses its context.
+  passkey / frame copy: teacher-forced accuracy of a key's digits (whole keys in brackets) or of
+    a repeated frame's codes, per depth of the needle and sequence length, against a control
+    without the needle (what guessing gets).
   The held-out data must be made with the release's tokenizers and never seen in training
     (earlyfuse-prep ingest --exclude-content-of TRAIN_RAW); --train-data checks the second.
 """
@@ -377,10 +388,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--needle-trials",
         type=int,
         default=8,
+        metavar="K",
         help="keys (and video frames) per cell of the needle tables (default 8)",
     )
     long.add_argument(
-        "--needle-digits", type=int, default=5, help="digits of each pass key (default 5)"
+        "--needle-digits",
+        type=int,
+        default=5,
+        metavar="K",
+        help="digits of each pass key (default 5)",
     )
     pair.add_argument("--device", default="cpu")
     pair.add_argument("--verbose", action="store_true", help="say which part runs")
