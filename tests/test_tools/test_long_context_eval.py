@@ -201,3 +201,23 @@ def test_bad_needle_flags_fail_before_any_work(debug_release, tiny_tokens, capsy
     assert "--needle-depths 0,1.5: depths are fractions in [0, 1]" in capsys.readouterr().err
     assert eval_main([*argv, "--needle-lengths", "256,x"]) == 1
     assert "--needle-lengths '256,x'" in capsys.readouterr().err
+
+
+def test_the_scored_logits_are_the_full_forward_ones(debug_release, text_tok):
+    """The needle tests read logits at the scored positions only (tools/evaluate/logits.py):
+    the same argmax as the model's whole-row logits."""
+    from tools.evaluate.needle import predictions
+    from train.release import Release
+
+    model = Release(debug_release).build_model(torch.device("cpu"))
+    maker = PasskeyPrompts(text_tok)
+    prompts = [maker.prompt(key, length=256, depth=0.5) for key in ("48213", "90017")]
+    guessed = predictions(model, prompts, 256, text_tok.pad_id, torch.device("cpu"), 1)
+    batch = pack_prompts(prompts, 256, text_tok.pad_id)
+    with torch.no_grad():
+        logits = model(**{k: v for k, v in batch.items() if k not in ("labels", "num_real_tokens")})
+    full = logits.argmax(-1).numpy()
+    for row, prompt in enumerate(prompts):
+        cols = [place - 1 for place in range(*prompt.target)]
+        assert (guessed[row, cols] == full[row, cols]).all()
+        assert (np.delete(guessed[row], cols) == -1).all()

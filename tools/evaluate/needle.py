@@ -37,7 +37,7 @@ from data.loader.packer import Doc, Packer, Row, units_of
 from data.passkey import FILLER_SENTENCES, NEEDLE, QUESTION, random_key
 from data.token_docs import iter_documents
 from data.vocab import Modality
-from train.names import MODEL_INPUTS
+from tools.evaluate.logits import final_hidden, logits_at
 
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 _TEXT = int(Modality.TEXT)
@@ -71,14 +71,17 @@ def pack_prompts(prompts: list[Prompt], length: int, pad_id: int) -> dict[str, t
 
 @torch.no_grad()
 def predictions(model, prompts: list[Prompt], length: int, pad_id: int, device, batch_rows: int):
-    """The model's argmax next token at every position of every prompt's row [P, length]."""
-    out = []
-    inputs = [key for key in MODEL_INPUTS if key != "labels"]
+    """The model's argmax next token [P, length] at the positions that predict each prompt's
+    target (-1 elsewhere): logits only where they are scored (tools/evaluate/logits.py)."""
+    out = np.full((len(prompts), length), -1, np.int64)
     for start in range(0, len(prompts), batch_rows):
-        batch = pack_prompts(prompts[start : start + batch_rows], length, pad_id)
-        logits = model(**{key: batch[key].to(device) for key in inputs})
-        out.append(logits.argmax(-1).cpu())
-    return torch.cat(out).numpy()
+        chunk = prompts[start : start + batch_rows]
+        final = final_hidden(model, pack_prompts(chunk, length, pad_id), device)
+        rows = [row for row, p in enumerate(chunk) for _ in range(*p.target)]
+        cols = [place - 1 for p in chunk for place in range(*p.target)]
+        guess = logits_at(model, final, torch.tensor(rows), torch.tensor(cols)).argmax(-1)
+        out[[start + row for row in rows], cols] = guess.cpu().numpy()
+    return out
 
 
 # --- scoring -------------------------------------------------------------------------------------

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from data.loader.expand import IGNORE
 from data.loader.heldout import HeldoutPass
 from data.vocab import MODALITY_NAMES, Modality
-from train.names import MODEL_INPUTS
+from tools.evaluate.logits import final_hidden, token_ce
 
 
 def bucket_edges(seq_len: int, first: int = 64) -> list[int]:
@@ -120,21 +119,6 @@ class PositionAccumulator:
         }
 
 
-def token_ce(logits: torch.Tensor, labels: torch.Tensor) -> np.ndarray:
-    """Per-token cross-entropy [B, T] in float64 (0 where the label is ignored), row by row so
-    that only one row's float32 log-probabilities exist at a time."""
-    out = np.zeros(labels.shape)
-    for row in range(labels.shape[0]):
-        ce = F.cross_entropy(
-            logits[row].float(),
-            labels[row].to(logits.device),
-            ignore_index=IGNORE,
-            reduction="none",
-        )
-        out[row] = ce.double().cpu().numpy()
-    return out
-
-
 @torch.no_grad()
 def position_losses(
     model,
@@ -154,11 +138,9 @@ def position_losses(
     heldout = HeldoutPass(
         tables, seq_len=seq_len, batch_rows=batch_rows, max_docs=max_docs, progress=progress
     )
-    inputs = [key for key in MODEL_INPUTS if key != "labels"]
     for part in heldout:
         batch = heldout.tensors(part)
-        logits = model(**{key: batch[key].to(device) for key in inputs})
-        ce = token_ce(logits, batch["labels"])
+        ce = token_ce(model, final_hidden(model, batch, device), batch["labels"])
         for row in range(len(part.rows)):
             acc.add_row(
                 ce[row],
