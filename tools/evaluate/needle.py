@@ -225,14 +225,19 @@ def passkey_table(
 # --- video: a frame copied ----------------------------------------------------------------------
 def held_out_videos(tables, layout, *, limit: int = 64) -> list[np.ndarray]:
     """Latent code grids [T, H, W] of the first ``limit`` video blocks of the held-out
-    documents, those of the most common grid size (H, W) only."""
+    documents, those of the most common grid size (H, W) only. Only documents whose index
+    lists a video block are read."""
     videos: list[np.ndarray] = []
-    for doc in iter_documents(tables):
-        for start, end, frames, _, _ in doc.blocks:
-            if frames:
-                videos.append(parse_video(doc.ids[start:end], layout))
+    for table in tables:
         if len(videos) >= limit:
             break
+        with_video = (i for i in range(len(table)) if any(b[2] for b in table.blocks_of(i)))
+        for doc in iter_documents([table], samples=with_video):
+            for start, end, frames, _, _ in doc.blocks:
+                if frames:
+                    videos.append(parse_video(doc.ids[start:end], layout))
+            if len(videos) >= limit:
+                break
     if not videos:
         return []
     shapes = [video.shape[1:] for video in videos]
