@@ -195,7 +195,7 @@ def test_long_context_evaluation_end_to_end(debug_release, tiny_tokens, tmp_path
     assert "control" in printed
 
 
-def test_bad_needle_flags_fail_before_any_work(debug_release, tiny_tokens, capsys):
+def test_bad_needle_flags_fail_before_the_held_out_pass(debug_release, tiny_tokens, capsys):
     argv = [str(debug_release), "--data", str(tiny_tokens), "--needle"]
     assert eval_main([*argv, "--needle-depths", "0,1.5"]) == 1
     assert "--needle-depths 0,1.5: depths are fractions in [0, 1]" in capsys.readouterr().err
