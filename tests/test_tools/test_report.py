@@ -256,3 +256,43 @@ def test_the_header_wraps_inside_the_page_and_the_summary_leads_with_the_main_pa
 
     drawn = [(key, "", "", b"") for key in ("loss", "grad", "lr", "mix", "val", "throughput")]
     assert [entry[0] for entry in summary_of(drawn)] == ["loss", "val", "mix", "grad"]
+
+
+def test_the_loss_by_position_and_the_needle_tables_are_drawn(tmp_path, capsys):
+    """An evaluation with --long-context in the run folder: a position panel (CE per bucket,
+    per modality) and the needle tables on the page and the console."""
+    run = tmp_path / "lc"  # a short run: one panel besides the one under test
+    run.mkdir()
+    (run / "config.yaml").write_text("task: lm\nname: lc\ntrain:\n  steps: 3\n")
+    lines = [{"step": step, "train/loss": 4.0 - step} for step in (1, 2, 3)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+    def cells(values):
+        return {"buckets": [{"ce": v, "tokens": 10, "ce_first": values[0]} for v in values]}
+
+    score = {"digit": 0.25, "whole": 0.0, "prompts": 4, "digits": 20}
+    ev = {
+        "release": "r",
+        "step": 240,
+        "position_loss": {
+            "seq_len": 256,
+            "buckets": [[0, 64], [64, 128], [128, 256]],
+            "stretches": [9, 6, 3],
+            "modalities": {"text": cells([3.0, 2.5, 2.2]), "video": cells([5.0, 4.0, None])},
+        },
+        "passkey": {
+            "lengths": [256],
+            "depths": [0.0, 1.0],
+            "trials": 4,
+            "digits": 5,
+            "cells": {"256": {"0": score, "1": score}},
+            "control": {"256": score},
+        },
+    }
+    (run / "heldout_eval.json").write_text(json.dumps(ev))
+    assert main([str(run)]) == 0
+    page = (run / "report" / "report.html").read_text()
+    assert "<figure id=position>" in page and "loss by position" in page
+    assert "passkey" in page and "control" in page
+    printed = capsys.readouterr().out
+    assert "0-64" in printed and "128-256" in printed and "passkey" in printed

@@ -13,6 +13,10 @@ held-out data, per modality and across modalities (docs/evaluation.md).
 - **Checkable generation** (tools/evaluate/scenes.py, with ``--scenes``): held-out scene captions
   drawn and read back by a pixel classifier; held-out scenes captioned and the caption parsed;
   each against its chance level and the visual tokenizer's ceiling.
+- **Long context** (``--position-loss``, ``--needle``, ``--long-context``: both;
+  tools/evaluate/position.py and needle.py): held-out CE per log-spaced position bucket over the
+  document stretches that cover the bucket; passkey and frame-copy depth x length tables of
+  teacher-forced accuracy, each against a control with nothing to retrieve.
 
 Writes JSON (``--out``) and prints a table; ``earlyfuse-report RUN_DIR`` shows
 ``RUN_DIR/heldout_eval.json``.
@@ -35,6 +39,7 @@ examples:
   earlyfuse-eval releases/x --data val_tokens --max-docs 200 --device cuda
   earlyfuse-eval releases/mine --data tokens/val --train-data tokens   # ingest --val-fraction's split
   earlyfuse-eval releases/mine --data s3://bucket/tokens/val              # any fsspec URL
+  earlyfuse-eval releases/mine --data tokens/val --long-context --needle-lengths 2048,4096,8192
 
 what the table says (docs/evaluation.md explains every figure):
   margin = unigram - CE per modality: above 0 the model beats the training tokens' own
@@ -43,6 +48,12 @@ what the table says (docs/evaluation.md explains every figure):
     token): near 0, captions ignore their pictures (caption) or pictures their captions (drawing).
   scenes: share of drawn / captioned held-out scenes with the right colour, shape and cell,
     beside chance (scored against another scene) and the visual tokenizer's own ceiling.
+  loss by position: CE per position bucket, each over the document stretches that cover it
+    whole (stretches: how many); first = the same stretches' CE in the first bucket. Falling
+    with position: the model uses its context.
+  passkey / frame copy: teacher-forced accuracy of a key's digits (whole keys in brackets) or of
+    a repeated frame's codes, per depth of the needle and sequence length, against a control
+    without the needle (what guessing gets).
   The held-out data must be made with the release's tokenizers and never seen in training
     (earlyfuse-prep ingest --exclude-content-of TRAIN_RAW); --train-data checks the second.
 """
@@ -118,6 +129,8 @@ def evaluate(args) -> dict:
     seq_len = args.seq_len or run.get("seq_len") or 2048
     batch_rows = args.batch_rows or run.get("micro_batch") or 8
     out["seq_len"], out["batch_rows"] = seq_len, batch_rows
+    needles = args.needle or args.long_context
+    needle_shape = needle_options(args, seq_len) if needles else None  # bad flags fail first
     progress = not args.no_progress
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.verbose else (lambda *a: 0)
     unigram = None
@@ -179,7 +192,91 @@ def evaluate(args) -> dict:
             draw_guidance=args.draw_guidance,
             progress=progress,
         )
+    if args.position_loss or args.long_context:
+        from tools.evaluate.position import position_losses
+
+        say("loss by position ...")
+        out["position_loss"] = position_losses(
+            model,
+            val,
+            seq_len=seq_len,
+            device=device,
+            batch_rows=batch_rows,
+            max_docs=args.max_docs,
+            first_bucket=args.position_first_bucket,
+            progress=progress,
+        )
+    if needle_shape is not None:
+        lengths, depths = needle_shape
+        say("needles ...")
+        out.update(needle_tables(args, model, rel, val, lengths, depths, batch_rows, device))
     out["seconds"] = round(time.perf_counter() - started, 1)
+    return out
+
+
+def needle_options(args, seq_len: int) -> tuple[list[int], tuple[float, ...]]:
+    """The needle tables' lengths (default: the row length, twice and four times it) and
+    depths, checked."""
+    from tools.evaluate.needle import DEPTHS, parse_list
+
+    lengths = (
+        parse_list(args.needle_lengths, int, "--needle-lengths")
+        if args.needle_lengths
+        else [seq_len, 2 * seq_len, 4 * seq_len]
+    )
+    depths = (
+        tuple(parse_list(args.needle_depths, float, "--needle-depths"))
+        if args.needle_depths
+        else DEPTHS
+    )
+    if min(lengths) < 1:
+        raise ValueError(f"--needle-lengths {args.needle_lengths}: lengths must be positive")
+    if not all(0.0 <= depth <= 1.0 for depth in depths):
+        raise ValueError(f"--needle-depths {args.needle_depths}: depths are fractions in [0, 1]")
+    if args.needle_trials < 1 or args.needle_digits < 1:
+        raise ValueError("--needle-trials and --needle-digits must be at least 1")
+    return lengths, depths
+
+
+def needle_tables(args, model, rel, val, lengths, depths, batch_rows, device) -> dict:
+    """The passkey table and, where the held-out data has 3 videos of one grid size, the
+    frame-copy table (else a note saying why it is missing)."""
+    from tools.evaluate.needle import frame_copy_table, held_out_videos, passkey_table
+
+    progress = not args.no_progress
+    text = rel.text_tokenizer()
+    out: dict = {
+        "passkey": passkey_table(
+            model,
+            text,
+            lengths=lengths,
+            depths=depths,
+            trials=args.needle_trials,
+            digits=args.needle_digits,
+            device=device,
+            batch_rows=batch_rows,
+            progress=progress,
+        )
+    }
+    videos = held_out_videos(val, rel.vocab_layout)
+    if len(videos) < 3:
+        out["frame_copy"] = {
+            "missing": f"{len(videos)} held-out videos of one grid size; the test needs 3"
+        }
+        return out
+    out["frame_copy"] = frame_copy_table(
+        model,
+        videos,
+        rel.vocab_layout,
+        bos=text.bos_id,
+        pad_id=text.pad_id,
+        lengths=lengths,
+        depths=depths,
+        trials=args.needle_trials,
+        device=device,
+        batch_rows=batch_rows,
+        progress=progress,
+    )
     return out
 
 
@@ -248,6 +345,58 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="classifier-free guidance of the drawings: log-probabilities after the caption pushed "
         "away from those after no caption by this factor (1 = off; docs/evaluation.md)",
+    )
+    long = pair.add_argument_group(
+        "long context (docs/evaluation.md#long-context-is-the-context-used)",
+        "Whether the model uses what it read long before: the loss by token position, and "
+        "needle tests as depth x length tables of teacher-forced accuracy against a control.",
+    )
+    long.add_argument(
+        "--position-loss",
+        action="store_true",
+        help="mean CE per position bucket (0-F, F-2F, 2F-4F, ... up to --seq-len) and modality on "
+        "the held-out rows, each bucket over the document stretches that cover it whole",
+    )
+    long.add_argument(
+        "--needle",
+        action="store_true",
+        help="passkey (a random number at depth d of a repeated filler, asked for at the end; "
+        "digits scored teacher-forced, against the same prompt without the number) and frame copy "
+        "(a held-out video frame at depth d repeated as the last frame; its codes scored, against "
+        "another frame at depth d)",
+    )
+    long.add_argument("--long-context", action="store_true", help="both of the above")
+    long.add_argument(
+        "--position-first-bucket",
+        type=int,
+        default=64,
+        metavar="F",
+        help="end of the first position bucket; each next one is twice as long (default 64)",
+    )
+    long.add_argument(
+        "--needle-lengths",
+        metavar="N,N,...",
+        help="sequence lengths of the needle tables, up to the model's max positions (default: "
+        "the row length, 2x and 4x it)",
+    )
+    long.add_argument(
+        "--needle-depths",
+        metavar="D,D,...",
+        help="depths of the needle, fractions of the sequence (default 0,0.25,0.5,0.75,1)",
+    )
+    long.add_argument(
+        "--needle-trials",
+        type=int,
+        default=8,
+        metavar="K",
+        help="keys (and video frames) per cell of the needle tables (default 8)",
+    )
+    long.add_argument(
+        "--needle-digits",
+        type=int,
+        default=5,
+        metavar="K",
+        help="digits of each pass key (default 5)",
     )
     pair.add_argument("--device", default="cpu")
     pair.add_argument("--verbose", action="store_true", help="say which part runs")

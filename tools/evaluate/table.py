@@ -78,4 +78,91 @@ def format_eval(ev: dict) -> str:
                 f"  {label:<22}{attr['colour']:>8.0%}{attr['shape']:>8.0%}{attr['position']:>10.0%}"
                 f"{attr['all']:>7.0%}"
             )
+    lines += format_position(ev.get("position_loss") or {})
+    lines += format_passkey(ev.get("passkey") or {})
+    lines += format_frame_copy(ev.get("frame_copy") or {})
     return "\n".join(lines)
+
+
+def format_position(pos: dict) -> list[str]:
+    """CE per position bucket (columns) and modality (rows); a modality's row counts only the
+    document stretches that cover the whole bucket, its ``first`` row those same stretches'
+    first-bucket CE (docs/evaluation.md)."""
+    if not pos.get("buckets"):
+        return []
+    buckets = pos["buckets"]
+    names = [f"{start}-{end}" for start, end in buckets]
+    width = max(9, *(len(name) + 2 for name in names))
+    lines = [
+        f"loss by position (nats per token, rows of {pos['seq_len']}; a bucket averages the "
+        "document stretches that reach its end; first = their CE at positions of the first bucket):",
+        f"  {'modality':<16}" + "".join(f"{name:>{width}}" for name in names),
+        f"  {'stretches':<16}" + "".join(f"{count:>{width},}" for count in pos["stretches"]),
+    ]
+    for modality in MODALITIES:
+        fig = (pos.get("modalities") or {}).get(modality)
+        if not fig:
+            continue
+        cells = fig["buckets"]
+        lines.append(f"  {modality:<16}" + "".join(f"{_f(c['ce']):>{width}}" for c in cells))
+        lines.append(f"  {'  first':<16}" + "".join(f"{_f(c['ce_first']):>{width}}" for c in cells))
+        lines.append(f"  {'  tokens':<16}" + "".join(f"{c['tokens']:>{width},}" for c in cells))
+    if pos.get("sampled"):
+        lines.append("  (a sample: the first documents of each source, --max-docs)")
+    return lines
+
+
+def _share(score: dict | None, key: str) -> str:
+    value = (score or {}).get(key)
+    return "-" if value is None else f"{value:.0%}"
+
+
+def format_passkey(table: dict) -> list[str]:
+    """Depth (rows) x length (columns): digits right, and in brackets whole keys right."""
+    if not table.get("cells"):
+        return []
+    lengths = [str(length) for length in table["lengths"]]
+    lines = [
+        f"passkey (text; {table['trials']} keys of {table['digits']} digits a cell, teacher-forced; "
+        "share of digits right, whole keys right in brackets; control = no key in the prompt):",
+        f"  {'depth':<10}" + "".join(f"{length:>14}" for length in lengths),
+    ]
+    for depth in table["depths"]:
+        cells = [table["cells"][length].get(f"{depth:g}") for length in lengths]
+        lines.append(
+            f"  {depth:<10g}"
+            + "".join(f"{_share(c, 'digit'):>7} ({_share(c, 'whole'):>4})" for c in cells)
+        )
+    controls = [table["control"].get(length) for length in lengths]
+    lines.append(
+        f"  {'control':<10}"
+        + "".join(f"{_share(c, 'digit'):>7} ({_share(c, 'whole'):>4})" for c in controls)
+    )
+    return lines
+
+
+def format_frame_copy(table: dict) -> list[str]:
+    """Depth (rows) x length (columns): the repeated frame's codes right, against a frame not
+    seen before at the same place (control, after the slash)."""
+    if table.get("missing"):
+        return [f"frame copy (video): not run: {table['missing']}"]
+    if not table.get("cells"):
+        return []
+    lengths = [str(length) for length in table["lengths"]]
+    grid = "x".join(str(side) for side in table["grid"])
+    lines = [
+        f"frame copy (video; {table['trials']} frames of {grid} codes a cell, teacher-forced; share "
+        "of the last frame's codes right when the frame at depth d is that frame / control: "
+        "another frame there):",
+    ]
+    heads = [f"{length} ({table['frames'][length]} fr)" for length in lengths]
+    lines.append(f"  {'depth':<10}" + "".join(f"{head:>18}" for head in heads))
+    for depth in table["depths"]:
+        key = f"{depth:g}"
+        cells = [
+            f"{_share(table['cells'][n].get(key), 'accuracy')} / "
+            f"{_share(table['control'][n].get(key), 'accuracy')}"
+            for n in lengths
+        ]
+        lines.append(f"  {depth:<10g}" + "".join(f"{cell:>18}" for cell in cells))
+    return lines

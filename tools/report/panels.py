@@ -42,6 +42,7 @@ class Panel:
     ylabel: str
     draw: Callable  # draw(ax, ctx) -> {curve name: (x, y)} for the alarm markers
     note: str = ""  # a caption for the HTML page
+    xlabel: str = "step"  # any other: the panel draws its own x axis (no step axis, no alarms)
 
 
 # --- the panels ------------------------------------------------------------------------------------
@@ -251,6 +252,22 @@ def draw_monitor(sig: str):
     return draw
 
 
+def draw_position(ax, ctx: Ctx):
+    """The held-out CE per position bucket and modality (earlyfuse-eval --position-loss), at
+    each bucket's middle on a log axis: falling to the right when the context helps."""
+    pos = ctx.run.heldout_eval.get("position_loss") or {}
+    middles = np.array([(start + end) / 2 for start, end in pos.get("buckets", [])])
+    for i, (name, fig) in enumerate((pos.get("modalities") or {}).items()):
+        values = np.array(
+            [np.nan if c["ce"] is None else c["ce"] for c in fig["buckets"]], dtype=float
+        )
+        ax.plot(middles, values, marker="o", ms=4, lw=1.6, color=color_of(name, i), label=name)
+    if len(middles):
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: human(x)))
+    return {}
+
+
 def panels_for(run: RunData) -> list[Panel]:
     """The panels this run has data for, in reading order."""
     has = run.has
@@ -381,6 +398,18 @@ def panels_for(run: RunData) -> list[Panel]:
                 "Reconstruction error (train)",
                 "mean error",
                 draw_simple([("vtok/l1", "L1", "#8c564b"), ("vtok/l2", "L2 (MSE)", "#e377c2")]),
+            )
+        )
+    if (run.heldout_eval.get("position_loss") or {}).get("buckets"):
+        out.append(
+            Panel(
+                "position",
+                "Held-out loss by token position (earlyfuse-eval --position-loss)",
+                "cross-entropy (nats)",
+                draw_position,
+                "Mean CE per position bucket over the document stretches that cover the bucket, "
+                "per modality of the predicted token: falling to the right when the context helps.",
+                xlabel="position in the document (tokens)",
             )
         )
     return out

@@ -53,10 +53,11 @@ def render(panel: Panel, ctx: Ctx) -> bytes:
             ls="none",
             label="final.json",
         )
-    draw_alarms(ax, ctx, curves)
-    ax.set_xlim(*ctx.xlim)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("step", fontsize=9)
+    if panel.xlabel == "step":
+        draw_alarms(ax, ctx, curves)
+        ax.set_xlim(*ctx.xlim)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel(panel.xlabel, fontsize=9)
     ax.set_ylabel(panel.ylabel, fontsize=9)
     ax.tick_params(labelsize=8)
     ax.grid(True, alpha=0.3)

@@ -1,0 +1,338 @@
+"""Needle tests: does the model retrieve what it read far back? Depth x length tables of
+teacher-forced accuracy, each against a control that has nothing to retrieve.
+
+- **Text (passkey)**: ``<bos>`` filler, the needle ("The pass key is K. Remember it. K is the
+  pass key.") at depth d of the filler, more filler, "What is the pass key? The pass key is"
+  and the key, all exactly ``length`` tokens (data/passkey.py's sentences, assembled here token
+  by token). Scored: the share of the key's digits that the argmax after each answer token's
+  prefix spells right (per digit: a predicted 3-digit token can be right in 2 of 3 places),
+  and the share of keys whose every digit token is right (whole). Control: the same prompt
+  with the needle replaced by filler, the same key asked for at the same position: what a
+  model gets by guessing digits.
+- **Video (frame copy)**: one video block of held-out latent frames (the filler: consecutive
+  frames of other held-out videos), a frame of another held-out video at depth d, and that
+  same frame again as the block's last frame. Scored: the share of the last frame's codes
+  that the argmax predicts (teacher-forced). Control: the same sequence with a frame of a
+  third video at depth d (the last frame is then seen nowhere before). The block is as many
+  frames as fit in ``length`` tokens; the rest of the row is padding.
+
+Every prompt is one document packed alone into a row by the training packer (positions, M-RoPE
+rows and columns, document and image ids as in training). Depth 0 puts the needle first,
+1 right before the question (or the last frame).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from data.layout import parse_video, video_block_len, video_tokens
+from data.loader.batch_buffer import BatchBuffer
+from data.loader.packer import Doc, Packer, Row, units_of
+from data.passkey import FILLER_SENTENCES, NEEDLE, QUESTION, random_key
+from data.token_docs import iter_documents
+from data.vocab import Modality
+from tools.evaluate.logits import final_hidden, logits_at
+
+DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+_TEXT = int(Modality.TEXT)
+
+
+@dataclass
+class Prompt:
+    ids: np.ndarray  # int64 [n <= length]
+    modality: np.ndarray  # uint8 [n]
+    blocks: list  # [[start, end, t, h, w], ...]
+    target: tuple[int, int]  # [start, end) of the tokens scored
+
+
+def pack_prompts(prompts: list[Prompt], length: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """Each prompt alone in a row of ``length`` tokens, as the training packer lays it out."""
+    rows = []
+    for prompt in prompts:
+        n = len(prompt.ids)
+        if n > length:
+            raise ValueError(f"a prompt of {n} tokens does not fit a row of {length}")
+        doc = Doc(0, 0, 0, n, units_of(n, prompt.blocks), prompt.ids, prompt.modality)
+        once = iter([doc])
+        row = Packer(length, pad_id=pad_id).pack(partial(next, once, None), into=Row())
+        if row is None:  # an empty prompt: nothing was placed
+            raise ValueError("an empty prompt")
+        rows.append(row)
+    buffer = BatchBuffer(len(rows), length, pad_id)
+    Packer(length, pad_id=pad_id).finish(rows, buffer.fields)
+    return buffer.split()
+
+
+@torch.no_grad()
+def predictions(model, prompts: list[Prompt], length: int, pad_id: int, device, batch_rows: int):
+    """The model's argmax next token [P, length] at the positions that predict each prompt's
+    target (-1 elsewhere): logits only where they are scored (tools/evaluate/logits.py)."""
+    out = np.full((len(prompts), length), -1, np.int64)
+    for start in range(0, len(prompts), batch_rows):
+        chunk = prompts[start : start + batch_rows]
+        final = final_hidden(model, pack_prompts(chunk, length, pad_id), device)
+        rows = [row for row, p in enumerate(chunk) for _ in range(*p.target)]
+        cols = [place - 1 for p in chunk for place in range(*p.target)]
+        guess = logits_at(model, final, torch.tensor(rows), torch.tensor(cols)).argmax(-1)
+        out[[start + row for row in rows], cols] = guess.cpu().numpy()
+    return out
+
+
+# --- scoring -------------------------------------------------------------------------------------
+def digit_hits(predicted: str, target: str) -> tuple[int, int]:
+    """(digits of ``target`` that ``predicted`` has at the same place, digits of ``target``)."""
+    right = sum(
+        1
+        for place, char in enumerate(target)
+        if char.isdigit() and place < len(predicted) and predicted[place] == char
+    )
+    return right, sum(char.isdigit() for char in target)
+
+
+def score_answers(
+    predicted: np.ndarray,
+    prompts: list[Prompt],
+    token_text: Callable[[int], str],
+) -> dict:
+    """Digits of each prompt's target tokens spelled right by ``predicted`` ([P, T] argmax ids:
+    ``predicted[p, j]`` is the guess for token j + 1). ``{"digit": share of digits right,
+    "whole": share of prompts with every digit token right, "prompts", "digits"}``."""
+    right = total = whole = 0
+    for row, prompt in enumerate(prompts):
+        all_right = True
+        for place in range(*prompt.target):
+            target = token_text(int(prompt.ids[place]))
+            if not any(char.isdigit() for char in target):
+                continue
+            guess = token_text(int(predicted[row, place - 1]))
+            hits, digits = digit_hits(guess, target)
+            right, total = right + hits, total + digits
+            all_right = all_right and guess == target
+        whole += all_right
+    return {
+        "digit": right / total if total else None,
+        "whole": whole / len(prompts) if prompts else None,
+        "prompts": len(prompts),
+        "digits": total,
+    }
+
+
+def score_codes(predicted: np.ndarray, prompts: list[Prompt], is_code: Callable[[int], bool]):
+    """Share of the code tokens of each prompt's target that ``predicted`` gets right."""
+    right = total = 0
+    for row, prompt in enumerate(prompts):
+        for place in range(*prompt.target):
+            if is_code(int(prompt.ids[place])):
+                right += int(predicted[row, place - 1] == prompt.ids[place])
+                total += 1
+    return {"accuracy": right / total if total else None, "prompts": len(prompts), "codes": total}
+
+
+# --- text: passkey -------------------------------------------------------------------------------
+class PasskeyPrompts:
+    """Passkey prompts of exact token lengths from a release's text tokenizer."""
+
+    def __init__(self, text_tokenizer) -> None:
+        self.tok = text_tokenizer
+        self.sentences = [np.array(self.encode(" " + s)) for s in FILLER_SENTENCES]
+        self.question = self.encode(" " + QUESTION)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text)
+
+    def filler(self, count: int, *, start: int = 0) -> tuple[list[int], list[int]]:
+        """``count`` filler tokens (the sentences cycled from ``start``, the last cut short) and
+        the sentence boundaries among them, its end included (depth 1 is right before the
+        question even when the last sentence is cut)."""
+        ids: list[int] = []
+        bounds = [0]
+        sentence = start
+        while len(ids) < count:
+            ids += self.sentences[sentence % len(self.sentences)].tolist()
+            bounds.append(len(ids))
+            sentence += 1
+        return ids[:count], [b for b in bounds if b < count] + [count]
+
+    def prompt(self, key: str, *, length: int, depth: float, needle: bool = True) -> Prompt:
+        """``<bos>`` filler, the needle at ``depth`` of the filler (at the nearest sentence
+        boundary), filler, the question and the key: ``length`` tokens. ``needle=False``: the
+        control, filler in the needle's place."""
+        needle_ids = self.encode(" " + NEEDLE.format(key=key))
+        answer = self.encode(" " + key)
+        fill = length - 1 - len(needle_ids) - len(self.question) - len(answer)
+        if fill < 0:
+            raise ValueError(
+                f"a passkey prompt needs {length - fill} tokens, more than the length {length}"
+            )
+        if needle:
+            stream, bounds = self.filler(fill)
+            cut = min(bounds, key=lambda b: abs(b - depth * fill))
+            sentence = bounds.index(cut)
+            rest, _ = self.filler(fill - cut, start=sentence)
+            body = stream[:cut] + needle_ids + rest
+        else:
+            body, _ = self.filler(fill + len(needle_ids))
+        ids = np.array([self.tok.bos_id, *body, *self.question, *answer], np.int64)
+        return Prompt(ids, np.full(len(ids), _TEXT, np.uint8), [], (length - len(answer), length))
+
+    def token_text(self, token: int) -> str:
+        return self.tok.decode([token]) if token < self.tok.layout.text_size else ""
+
+
+def passkey_table(
+    model,
+    text_tokenizer,
+    *,
+    lengths: list[int],
+    depths: tuple[float, ...] = DEPTHS,
+    trials: int = 8,
+    digits: int = 5,
+    seed: int = 0,
+    device,
+    batch_rows: int = 8,
+    progress: bool = False,
+) -> dict:
+    """``{"lengths", "depths", "trials", "digits", "cells": {length: {depth: score}},
+    "control": {length: score}}`` (scores as ``score_answers``); the same ``trials`` keys in
+    every cell."""
+    maker = PasskeyPrompts(text_tokenizer)
+    rng = np.random.default_rng([seed, 0x9A55])
+    keys = [random_key(rng, digits) for _ in range(trials)]
+    pad = text_tokenizer.pad_id
+    out: dict = {"lengths": lengths, "depths": list(depths), "trials": trials, "digits": digits}
+    out["cells"], out["control"] = {}, {}
+    work = [(length, depth) for length in lengths for depth in (*depths, None)]
+    for length, depth in tqdm(work, desc="passkey", disable=not progress):
+        prompts = [
+            maker.prompt(key, length=length, depth=depth or 0.0, needle=depth is not None)
+            for key in keys
+        ]
+        guessed = predictions(model, prompts, length, pad, device, batch_rows)
+        score = score_answers(guessed, prompts, maker.token_text)
+        if depth is None:
+            out["control"][str(length)] = score
+        else:
+            out["cells"].setdefault(str(length), {})[f"{depth:g}"] = score
+    return out
+
+
+# --- video: a frame copied ----------------------------------------------------------------------
+def held_out_videos(tables, layout, *, limit: int = 64) -> list[np.ndarray]:
+    """Latent code grids [T, H, W] of the first ``limit`` video blocks of the held-out
+    documents, those of the most common grid size (H, W) only. Only documents whose index
+    lists a video block are read."""
+    videos: list[np.ndarray] = []
+    for table in tables:
+        if len(videos) >= limit:
+            break
+        with_video = (i for i in range(len(table)) if any(b[2] for b in table.blocks_of(i)))
+        for doc in iter_documents([table], samples=with_video):
+            for start, end, frames, _, _ in doc.blocks:
+                if frames:
+                    videos.append(parse_video(doc.ids[start:end], layout))
+            if len(videos) >= limit:
+                break
+    if not videos:
+        return []
+    shapes = [video.shape[1:] for video in videos]
+    common = max(set(shapes), key=shapes.count)
+    return [video for video in videos if video.shape[1:] == common]
+
+
+def frame_prompts(
+    videos: list[np.ndarray],
+    layout,
+    bos: int,
+    *,
+    length: int,
+    depth: float,
+    trial: int,
+    copy: bool,
+) -> Prompt:
+    """Trial ``trial``'s sequence: video ``trial``'s middle frame at ``depth`` (``copy=False``:
+    video ``trial + 1``'s instead) among frames of the other videos, then video ``trial``'s
+    frame again, last; ``<bos>`` and one video block of as many frames as fit ``length``."""
+    count = len(videos)
+    _, height, width = videos[0].shape
+    frames = 1
+    while 1 + video_block_len(frames + 1, height, width) <= length:
+        frames += 1
+    if frames < 3:
+        raise ValueError(
+            f"a frame-copy sequence needs 3 frames of {height}x{width} codes: "
+            f"{1 + video_block_len(3, height, width)} tokens, more than the length {length}"
+        )
+    needle_video = videos[trial % count]
+    needle = needle_video[len(needle_video) // 2]
+    other_video = videos[(trial + 1) % count]
+    placed = needle if copy else other_video[len(other_video) // 2]
+    pool = [
+        frame for v in range(2, count) for frame in videos[(trial + v) % count]
+    ]  # the other videos' frames, in order
+    slot = round(depth * (frames - 2))
+    filler = [pool[i % len(pool)] for i in range(frames - 2)]
+    codes = np.stack([*filler[:slot], placed, *filler[slot:], needle])
+    block, modality = video_tokens(codes, layout)
+    ids = np.concatenate([[bos], block]).astype(np.int64)
+    mod = np.concatenate([[_TEXT], modality]).astype(np.uint8)
+    last = len(ids) - 1 - (1 + height * (width + 1))  # the last frame's <frame> marker
+    return Prompt(ids, mod, [[1, len(ids), frames, height, width]], (last + 1, len(ids) - 1))
+
+
+def frame_copy_table(
+    model,
+    videos: list[np.ndarray],
+    layout,
+    *,
+    bos: int,
+    pad_id: int,
+    lengths: list[int],
+    depths: tuple[float, ...] = DEPTHS,
+    trials: int = 8,
+    device,
+    batch_rows: int = 8,
+    progress: bool = False,
+) -> dict:
+    """``{"lengths", "depths", "trials", "frames": {length: frames in the block}, "grid",
+    "cells": {length: {depth: copy score}}, "control": {length: {depth: score}}}`` (scores as
+    ``score_codes``). Needs 3 held-out videos of one grid size (the needle's, the control's and
+    the filler's)."""
+    if len(videos) < 3:
+        raise ValueError(
+            f"the frame-copy test needs 3 held-out videos of one grid size, found {len(videos)}"
+        )
+    out: dict = {"lengths": lengths, "depths": list(depths), "trials": trials}
+    out["grid"] = list(videos[0].shape[1:])
+    out["cells"], out["control"], out["frames"] = {}, {}, {}
+    work = [(length, depth) for length in lengths for depth in depths]
+    for length, depth in tqdm(work, desc="frame copy", disable=not progress):
+        for copy, into in ((True, out["cells"]), (False, out["control"])):
+            prompts = [
+                frame_prompts(
+                    videos, layout, bos, length=length, depth=depth, trial=trial, copy=copy
+                )
+                for trial in range(trials)
+            ]
+            out["frames"][str(length)] = prompts[0].blocks[0][2]
+            guessed = predictions(model, prompts, length, pad_id, device, batch_rows)
+            into.setdefault(str(length), {})[f"{depth:g}"] = score_codes(
+                guessed, prompts, layout.is_code
+            )
+    return out
+
+
+def parse_list(text: str, kind: Callable, what: str) -> list:
+    """``"256,512"`` -> ``[256, 512]``; a clear error naming the flag otherwise."""
+    try:
+        values = [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"{what} {text!r}: give comma-separated numbers") from None
+    if not values:
+        raise ValueError(f"{what} {text!r}: give at least one value")
+    return values

@@ -1,0 +1,154 @@
+"""Loss by token position on held-out documents: does a token cost less the more of its document
+the model has read? Mean CE per position bucket and modality of the predicted token.
+
+Design choices:
+- The rows are the exact held-out pass (data/loader/heldout.py): every document packed in
+  index order into rows of ``seq_len``, as validation and the per-modality figures see them.
+  A token's *position* is its offset in its document's stretch of the row (the tokens it can
+  attend to, the document mask being per stretch): a document longer than a row continues in
+  the next row from position 0, with none of its earlier part in view.
+- Buckets are log-spaced, ``[0, first)``, ``[first, 2 first)``, ``[2 first, 4 first)``, ...,
+  the last ending at the row length: the early positions, where context matters most, get
+  fine buckets.
+- A bucket's mean is taken over the stretches that *cover the whole bucket* (at least as long
+  as the bucket's end), so the mean of a late bucket is not a mix of long documents' late
+  tokens and nothing else while early buckets mix short and long ones: each bucket says how
+  many stretches it averages. Beside it, ``ce_first`` is the first bucket's CE on those same
+  stretches, so ``ce_first - ce`` is the fall with position within the same documents, free
+  of any difference between short and long documents. ``ce_all``/``tokens_all`` count every
+  token of the bucket, whatever its stretch's length (their token-weighted mean over buckets
+  is the held-out CE).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from data.loader.expand import IGNORE
+from data.loader.heldout import HeldoutPass
+from data.vocab import MODALITY_NAMES, Modality
+from tools.evaluate.logits import final_hidden, token_ce
+
+
+def bucket_edges(seq_len: int, first: int = 64) -> list[int]:
+    """``[0, first, 2 first, 4 first, ..., seq_len]``: log-spaced bucket edges up to the row
+    length (the last bucket is shorter when ``seq_len`` is not ``first`` times a power of 2)."""
+    if first < 1 or seq_len < 1:
+        raise ValueError(f"buckets from {first} up to {seq_len}: both must be at least 1")
+    edges, edge = [0], first
+    while edge < seq_len:
+        edges.append(edge)
+        edge *= 2
+    edges.append(seq_len)
+    return edges
+
+
+def stretches(doc_ids: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per token of one row: its offset in its document's stretch of the row and that
+    stretch's length (padding, whose labels are all ignored, counts as no stretch: length 0)."""
+    length = len(doc_ids)
+    starts = np.flatnonzero(np.r_[True, doc_ids[1:] != doc_ids[:-1]])
+    ends = np.r_[starts[1:], length]
+    offset = np.arange(length) - np.repeat(starts, ends - starts)
+    span = np.repeat(ends - starts, ends - starts)
+    for start, end in zip(starts, ends):  # a padding stretch predicts nothing
+        if (labels[start:end] == IGNORE).all():
+            span[start:end] = 0
+    return offset, span
+
+
+class PositionAccumulator:
+    """Sums and counts per (modality, bucket), fed one row at a time."""
+
+    def __init__(self, edges: list[int]) -> None:
+        self.edges = np.asarray(edges)
+        shape = (len(Modality), len(edges) - 1)
+        self.ce = np.zeros(shape)  # over stretches covering the bucket
+        self.tokens = np.zeros(shape, np.int64)
+        self.first = np.zeros(shape)  # those stretches' first-bucket CE
+        self.first_tokens = np.zeros(shape, np.int64)
+        self.stretches = np.zeros(len(edges) - 1, np.int64)
+        self.ce_all = np.zeros(shape)
+        self.tokens_all = np.zeros(shape, np.int64)
+
+    def add_row(self, ce: np.ndarray, labels, label_modality, doc_ids) -> None:
+        """``ce``: per-token cross-entropy of one row (any value where the label is ignored)."""
+        labels, mod = np.asarray(labels), np.asarray(label_modality).astype(np.int64)
+        offset, span = stretches(np.asarray(doc_ids), labels)
+        scored = labels != IGNORE
+        bucket = np.searchsorted(self.edges, offset, side="right") - 1
+        np.add.at(self.ce_all, (mod[scored], bucket[scored]), ce[scored])
+        np.add.at(self.tokens_all, (mod[scored], bucket[scored]), 1)
+        first_end = self.edges[1]
+        for k in range(len(self.edges) - 1):
+            covers = span >= self.edges[k + 1]  # the stretch reaches the bucket's end
+            inside = covers & scored & (bucket == k)
+            np.add.at(self.ce[:, k], mod[inside], ce[inside])
+            np.add.at(self.tokens[:, k], mod[inside], 1)
+            early = covers & scored & (offset < first_end)
+            np.add.at(self.first[:, k], mod[early], ce[early])
+            np.add.at(self.first_tokens[:, k], mod[early], 1)
+            self.stretches[k] += int((covers & (offset == 0)).sum())
+
+    def result(self) -> dict:
+        buckets = [[int(a), int(b)] for a, b in zip(self.edges[:-1], self.edges[1:])]
+        by_modality: dict[str, dict] = {}
+        for i, name in enumerate(MODALITY_NAMES):
+            if not self.tokens_all[i].any():
+                continue
+            rows = []
+            for k in range(len(buckets)):
+                count, first = int(self.tokens[i, k]), int(self.first_tokens[i, k])
+                rows.append(
+                    {
+                        "ce": float(self.ce[i, k] / count) if count else None,
+                        "tokens": count,
+                        "ce_first": float(self.first[i, k] / first) if first else None,
+                        "ce_all": float(self.ce_all[i, k] / self.tokens_all[i, k])
+                        if self.tokens_all[i, k]
+                        else None,
+                        "tokens_all": int(self.tokens_all[i, k]),
+                    }
+                )
+            by_modality[name] = {"buckets": rows}
+        return {
+            "buckets": buckets,
+            "stretches": [int(count) for count in self.stretches],
+            "modalities": by_modality,
+        }
+
+
+@torch.no_grad()
+def position_losses(
+    model,
+    tables,
+    *,
+    seq_len: int,
+    device,
+    batch_rows: int = 8,
+    max_docs: int = 0,
+    first_bucket: int = 64,
+    progress: bool = False,
+) -> dict:
+    """Mean CE per position bucket and modality over the held-out pass (module docstring):
+    ``{"seq_len", "buckets": [[start, end], ...], "stretches": [per bucket], "modalities":
+    {name: {"buckets": [{"ce", "tokens", "ce_first", "ce_all", "tokens_all"}, ...]}}}``."""
+    acc = PositionAccumulator(bucket_edges(seq_len, first_bucket))
+    heldout = HeldoutPass(
+        tables, seq_len=seq_len, batch_rows=batch_rows, max_docs=max_docs, progress=progress
+    )
+    for part in heldout:
+        batch = heldout.tensors(part)
+        ce = token_ce(model, final_hidden(model, batch, device), batch["labels"])
+        for row in range(len(part.rows)):
+            acc.add_row(
+                ce[row],
+                batch["labels"][row].numpy(),
+                batch["label_modality"][row].numpy(),
+                batch["doc_ids"][row].numpy(),
+            )
+    out = {"seq_len": seq_len, **acc.result()}
+    out["documents"] = sum(counts.documents for counts in heldout.counts)
+    out["sampled"] = bool(max_docs)
+    return out
