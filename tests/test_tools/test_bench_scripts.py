@@ -1,6 +1,6 @@
-"""The benchmarks in tools/bench/ are scripts of a checkout, not part of the installed
-distribution: `pip install earlyfuse` leaves them out, and each runs as
-`python tools/bench/X.py` with `--help`."""
+"""The benchmarks in tools/bench/ and the monitors' evaluation in tools/monitor_eval/ are scripts
+of a checkout, not part of the installed distribution: `pip install earlyfuse` leaves them out,
+and each runs as `python tools/bench/X.py` with `--help`."""
 
 from __future__ import annotations
 
@@ -12,14 +12,17 @@ from pathlib import Path
 from setuptools.config.pyprojecttoml import read_configuration
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = sorted(p for p in (ROOT / "tools" / "bench").glob("*.py") if p.name != "__init__.py")
+SCRIPTS = [
+    *sorted(p for p in (ROOT / "tools" / "bench").glob("*.py") if p.name != "__init__.py"),
+    ROOT / "tools" / "monitor_eval" / "instability.py",
+]
 
 
 def test_the_distribution_leaves_the_benchmarks_out():
     # setuptools' own reading of pyproject.toml, its package find expanded as a build does it.
     shipped = read_configuration(ROOT / "pyproject.toml")["tool"]["setuptools"]["packages"]
     assert {"data", "model", "train", "tools", "tools.evaluate", "tools.report"} <= set(shipped)
-    assert not [name for name in shipped if name.startswith("tools.bench")], shipped
+    assert not [name for name in shipped if name.startswith(("tools.bench", "tools.monitor_eval"))]
 
 
 def test_every_benchmark_script_answers_help():
