@@ -9,7 +9,7 @@ Design choices:
 - A cap on the number of frames (from a token budget) spreads the kept frames evenly over
   the clip's duration instead of cutting its end.
 - No temp files: decord reads an ``io.BytesIO``. One reader per clip, one thread, released
-  at once; ``tools/bench/bench_tokenize_inputs.py`` measures RSS over thousands of decodes.
+  at once; RSS stays flat over thousands of decodes (docs/benchmarks.md, "Tokenizer inputs").
 - Frames are decoded at their native size and resized here (Pillow, as images are), a few at a
   time. decord returns 4, 6 or 12 "channels" (and then fails to copy them) for frames of some
   widths that are not a multiple of 32 (8, 16, 24, 48, 72, ...: its row padding divided by the

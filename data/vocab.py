@@ -112,7 +112,7 @@ class VocabLayout:
             fsq_levels=tuple(d["fsq_levels"]),
             max_grid=int(d["max_grid"]),
             structure=tuple(d["structure"]),
-            version=int(d.get("version", 1)),
+            version=int(d["version"]),
         )
 
     def save(self, path: str | Path) -> None:

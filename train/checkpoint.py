@@ -19,7 +19,7 @@ Design choices:
   set aside as ``step_N.damaged`` (its ``DAMAGED.txt`` says why, so a later start that finds
   ``latest`` naming it reports it damaged, not missing) with a warning naming the bad file, and
   the newest intact one is used; if none is intact the run stops with an error listing them,
-  never silently at step 0. Checkpoints from before the hashes are trusted as they are.
+  never silently at step 0. A checkpoint without its manifest of files is refused the same way.
 - keep-last-N: older checkpoints are deleted after ``latest`` has moved, except the steps in
   ``protect`` (the monitor's ``protected_steps``: the newest checkpoint from before an open
   alarm, so that a rollback still has somewhere to go); each is first renamed to
@@ -135,19 +135,21 @@ def read_meta(folder: Path) -> dict:
 
 def verify_folder(folder: Path, *, hashes: bool = True) -> list[str]:
     """Problems of one checkpoint folder (empty: intact): its meta, every file it lists, and
-    the manifest of its ``universal/`` conversion when there is one. A checkpoint written
-    before the manifests existed has nothing to check against and passes."""
+    the manifest of its ``universal/`` conversion when there is one. A ``meta.json`` without
+    its manifest of files is not one a save wrote: nothing in the folder can be trusted."""
     folder = Path(folder)
     try:
         meta = read_meta(folder)
     except CheckpointError as e:
         return [str(e)]
-    problems = verify_files(folder, meta.get("files", {}), hashes=hashes)
+    if not isinstance(meta.get("files"), dict) or not meta["files"]:
+        return [f"{folder / META}: no manifest of the checkpoint's files (not written by a save)"]
+    problems = verify_files(folder, meta["files"], hashes=hashes)
     uni = folder / "universal" / "source.json"
     if uni.is_file():
         try:
-            files = json.loads(uni.read_text()).get("files", {})
-        except (OSError, ValueError) as e:
+            files = json.loads(uni.read_text())["files"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
             return [*problems, f"{uni}: unreadable ({e})"]
         problems += verify_files(uni.parent, files, hashes=hashes)
     return problems
@@ -248,10 +250,6 @@ class Checkpointer:
                 if reasons:
                     warn(f"resuming from {folder}, not {named!r}: " + "; ".join(reasons))
                     write_text_atomic(pointer, folder.name + "\n")
-                if "files" not in read_meta(folder):
-                    print(
-                        f"note: {folder} predates checkpoint hashes; loaded unchecked", flush=True
-                    )
                 return folder.name
             aside = self._set_aside(folder, problems)
             reasons.append(

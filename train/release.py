@@ -175,10 +175,10 @@ class Release:
             raise ReleaseError(
                 f"{cfg_path}: format {self.config.get('format')!r}, expected {FORMAT!r}"
             )
-        if int(self.config.get("version", 0)) > VERSION:
+        if self.config.get("version") != VERSION:
             raise ReleaseError(
-                f"{cfg_path}: release version {self.config['version']} is newer than this "
-                f"earlyfuse reads ({VERSION}); update earlyfuse"
+                f"{cfg_path}: release version {self.config.get('version')!r}, this earlyfuse "
+                f"reads version {VERSION}: convert the checkpoint again with this version"
             )
         self.task = self.config.get("task", "lm")
         missing = [

@@ -99,7 +99,7 @@ def _base_multiplier(
 class CappedLambdaLR(LambdaLR):
     """``LambdaLR`` over one multiplier function, which ``cap_here()`` can cap at its current
     value. ``cap`` (None: no cap) is an attribute, so ``state_dict()`` saves it and
-    ``load_state_dict()`` restores it (a checkpoint written before caps existed leaves it None)."""
+    ``load_state_dict()`` restores it."""
 
     def __init__(self, optimizer, multiplier: Callable[[int], float]) -> None:
         self.cap: float | None = None

@@ -43,16 +43,6 @@ class SkipStepConfig:
 class SpikeDetector(RobustTrend):
     """One signal's spike score: robust sigmas above its de-trended prediction."""
 
-    def load_state_dict(self, state: dict) -> None:
-        if "residuals" in state:
-            super().load_state_dict(state)
-            return
-        # A state saved by the mean/std rule holds raw values only: replay them.
-        self.values.clear()
-        self.residuals.clear()
-        for value in state["values"]:
-            self.add(value)
-
 
 MIN_TOKENS = 32  # a modality with fewer label tokens in a step is neither scored nor learned from
 
@@ -149,9 +139,7 @@ class SkipStepRule:
         self.loss.load_state_dict(state["loss"])
         self.grad_norm.load_state_dict(state["grad_norm"])
         self.by_modality = {}
-        for name, detector_state in state.get(
-            "by_modality", {}
-        ).items():  # absent in older checkpoints
+        for name, detector_state in state["by_modality"].items():
             self.by_modality[name] = SpikeDetector(self.cfg.window, trend=self.cfg.trend)
             self.by_modality[name].load_state_dict(detector_state)
         self.skipped = int(state["skipped"])

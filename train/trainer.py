@@ -211,7 +211,7 @@ class Trainer:
             client, own = self.checkpointer.load_resharded(self.engine, tag, self.zero_stage)
         else:
             client, own = self.checkpointer.load(self.engine, tag)
-        self.callbacks.load_state_dict(client)
+        self.callbacks.load_state_dict(client, str(self.checkpointer.dir / tag))
         notes = []
         note = self.stream.resume(
             own["stream"] if own else None, lambda: self.checkpointer.load_streams(tag)

@@ -13,8 +13,7 @@ A document's fingerprints are short hashes of
 
 ``earlyfuse-prep ingest`` writes them into every raw index line (``"content"``) and, with
 ``--exclude-content-of TRAIN_RAW``, rejects (``duplicate-of-excluded``) every document that shares
-one with that folder. Folders written before the field existed are fingerprinted by reading
-their documents (slower, same result).
+one with that folder. A raw index without them was not written by ingest and is refused.
 """
 
 from __future__ import annotations
@@ -65,11 +64,11 @@ def folder_fingerprints(raw_dir: str | Path) -> dict[str, str]:
     found: dict[str, str] = {}
     for tar, index, entry in shard_entries(raw_dir):
         for doc in iter_shard(tar, index):
-            fps = doc.entry.get("content")
-            if fps is None:  # an index from before the field: read the document
-                segs = doc.doc["segments"]
-                media = {s["member"]: doc.member(s["member"]) for s in segs if "member" in s}
-                fps = fingerprints(segs, media)
-            for fp in fps:
+            if "content" not in doc.entry:
+                raise ValueError(
+                    f"{index}: {doc.key} has no content fingerprints: not a raw index that "
+                    "earlyfuse-prep ingest wrote; ingest that corpus again"
+                )
+            for fp in doc.entry["content"]:
                 found.setdefault(fp, f"{entry['source']}:{doc.key}")
     return found

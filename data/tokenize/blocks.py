@@ -52,20 +52,16 @@ def shard_block_stats(blocks_of_docs) -> dict[str, dict]:
     return stats
 
 
-def block_summary(records: list[dict], read_index_of=None) -> dict[str, dict]:
+def block_summary(records: list[dict]) -> dict[str, dict]:
     """source -> {"image": {"blocks", "longest", "rejected", "grids"}, "video": {...}} of the token shards
-    ``records`` (tokenize's per-shard records). A record written before ``block_stats`` existed
-    is counted from its index through ``read_index_of(record)`` (an iterable of index entries)."""
+    ``records`` (tokenize's per-shard records, each with its ``block_stats``)."""
     summary: dict[str, dict] = {}
     for rec in records:
         per = summary.setdefault(
             rec["source"],
             {media: {"blocks": 0, "longest": 0, "rejected": 0} for media in MEDIA_REJECTS},
         )
-        stats = rec.get("block_stats")
-        if stats is None and read_index_of is not None:
-            stats = shard_block_stats(entry.get("blocks", []) for entry in read_index_of(rec))
-        for modality, got in (stats or {}).items():
+        for modality, got in rec["block_stats"].items():
             per[modality]["blocks"] += got["blocks"]
             per[modality]["longest"] = max(per[modality]["longest"], got["longest"])
             if "grids" in got:
@@ -79,7 +75,7 @@ def block_summary(records: list[dict], read_index_of=None) -> dict[str, dict]:
 
 def image_grids(manifest: dict) -> dict[str, int]:
     """ "HxW" -> image blocks of that grid, over every source of a token folder's manifest (empty
-    for a folder tokenized before the grids were counted)."""
+    when it holds no images)."""
     total: Counter = Counter()
     for src in manifest.get("sources", []):
         total.update(((src.get("blocks") or {}).get("image") or {}).get("grids") or {})

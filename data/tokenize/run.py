@@ -257,11 +257,7 @@ def _finalize_tokens(
         source["tokens"].update(record["tokens"])
         source["shards"] += 1
 
-    def read_index_of(rec: dict) -> list[dict]:  # records written before block_stats existed
-        text = stage.dest.read_bytes(rec["index_file"]).decode()
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-    blocks = block_summary(recs, read_index_of)
+    blocks = block_summary(recs)
     for source in sources.values():
         source["tokens"] = {
             modality: source["tokens"].get(modality, 0) for modality in MODALITY_NAMES
@@ -288,8 +284,8 @@ def _finalize_tokens(
                 record,
                 tokens=record["tokens"],
                 # What the loader's start needs of a shard, so that it reads no index then.
-                **({"index_bin": record["index_bin"]} if "index_bin" in record else {}),
-                **({"blocks": record["block_stats"]} if "block_stats" in record else {}),
+                index_bin=record["index_bin"],
+                blocks=record["block_stats"],
             )
             for record in recs
         ],

@@ -2,7 +2,8 @@
 budget of failures a worker decodes each clip in a forked child (data/loader/decode_guard.py).
 Its frames are the in-process frames exactly, its failures are ValueErrors like decord's, a
 child that dies is a failed decode, and it works inside a real DataLoader worker (a daemon
-process). The memory it saves is measured by tools/bench/bench_decode_leak.py."""
+process). The memory it saves is in docs/benchmarks.md (measured by
+tools/bench/bench_decode_leak.py at commit 8076146, since removed)."""
 
 from __future__ import annotations
 

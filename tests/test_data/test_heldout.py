@@ -143,3 +143,18 @@ def test_exclude_content_of_rejects_shared_documents_media_and_texts(splits, tmp
     m = json.loads((tmp_path / "val_raw" / "manifest.json").read_text())
     assert m["totals"]["samples"] == 1  # only the fresh text remains
     assert "duplicate-of-excluded" in capsys.readouterr().out
+
+
+def test_a_raw_index_without_content_fingerprints_is_refused(splits, tmp_path):
+    """Ingest writes every document's fingerprints into its index line; an index without them
+    was not written by ingest, and excluding against it would compare nothing."""
+    train, _ = splits
+    ingest(tmp_path / "raw", [f"text:{train / 'text'}"], shard_max_samples=64)
+    index = sorted((tmp_path / "raw").rglob("*.jsonl"))
+    index = [path for path in index if path.name != "rejects.jsonl"][0]
+    lines = [
+        {key: value for key, value in line.items() if key != "content"} for line in _jsonl(index)
+    ]
+    index.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(ValueError, match=rf"{index.name}: .* has no content fingerprints"):
+        folder_fingerprints(tmp_path / "raw")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -57,3 +59,9 @@ def test_layout_ranges_and_persistence(tmp_path):
     LAY.save(tmp_path / "l.json")
     assert VocabLayout.load(tmp_path / "l.json") == LAY
     assert VocabLayout.load(tmp_path / "l.json").fingerprint() == LAY.fingerprint()
+    # A layout without its version is not one this code saved: refused naming the file.
+    record = json.loads((tmp_path / "l.json").read_text())
+    del record["version"]
+    (tmp_path / "old.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=r"old.json: not a readable vocabulary layout .*version"):
+        VocabLayout.load(tmp_path / "old.json")

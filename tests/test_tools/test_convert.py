@@ -307,3 +307,18 @@ def test_vtok_run_releases_its_visual_tokenizer(tiny_raw, tmp_path):
     b = load_file(str(run / "visual_tokenizer" / "model.safetensors"))  # the run's own export
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     load_visual_tokenizer(tmp_path / "rel" / "visual_tokenizer", VocabLayout(text_size=10))
+
+
+@pytest.mark.parametrize("version", [None, 0, 2])
+def test_a_release_of_another_version_is_refused_by_name(debug_release, tmp_path, version):
+    """Only the version this code writes is read: there is no older release format to accept."""
+    rel = tmp_path / "rel"
+    shutil.copytree(debug_release, rel)
+    config = json.loads((rel / "config.json").read_text())
+    if version is None:
+        del config["version"]
+    else:
+        config["version"] = version
+    (rel / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ReleaseError, match=rf"config.json: release version {version}, this"):
+        Release(rel)

@@ -1,4 +1,4 @@
-"""The instability suite's machinery (tools/bench/instability.py) on run folders shaped like the
+"""The instability suite's machinery (tools/monitor_eval/instability.py) on run folders shaped like the
 trainer's: reading a run, the loss rule on its first pass, the summary and the table. The suite
 itself (real runs, ~10 minutes) is a benchmark, not a test."""
 
@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
-from tools.bench.instab.cases import CASES, MIXES, mix_override
-from tools.bench.instability import read_run, summarize, table
+import pytest
+from hydra import compose, initialize_config_dir
+
+import train.app as app
+from tools.monitor_eval import instability
+from tools.monitor_eval.cases import CASES, MIXES, mix_override
+from tools.monitor_eval.instability import read_run, summarize, table
 
 
 def write_run(folder, *, blow_up_at=None, alarms=(), rollback_to=None, val=3.4):
@@ -76,3 +82,22 @@ def test_healthy_controls_reach_beyond_what_the_detectors_were_tuned_on():
     }
     assert any(case.resume_at for case in healthy) and len({case.seed for case in healthy}) >= 12
     assert any("train.steps=100" in case.overrides for case in healthy)
+
+
+SUITE_CONFIGS = sorted((Path(instability.CONFIGS) / "experiment").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", SUITE_CONFIGS, ids=lambda path: path.stem)
+def test_every_case_config_composes_through_the_suite_search_path(preset):
+    """The cases' configs sit beside the suite, out of the user's presets; the search path the
+    suite gives every run makes `experiment=instab_*` compose onto configs/ as it did there."""
+    assert not (Path(app.CONFIG_DIR) / "experiment" / preset.name).exists()
+    overrides = [instability.SEARCHPATH, f"experiment={preset.stem}"]
+    with initialize_config_dir(config_dir=app.CONFIG_DIR, version_base="1.3"):
+        cfg = app.to_run_config(compose("config", overrides=overrides))[0]
+    assert cfg.name == preset.stem and cfg.task == "lm"
+    assert cfg.data.sources and all("runs/instab/data/" in s.shards[0] for s in cfg.data.sources)
+    # Every case runs one of these, or a user's preset as it is (the presets' healthy controls).
+    assert {case.experiment for case in CASES} - {"debug", "demo"} == {
+        path.stem for path in SUITE_CONFIGS
+    }

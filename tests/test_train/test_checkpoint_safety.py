@@ -92,6 +92,19 @@ def test_every_checkpoint_records_each_files_size_and_hash(runs):
     assert verify_folder(folder) == []
 
 
+def test_a_checkpoint_without_its_manifest_is_refused_not_loaded_unchecked(runs, tmp_path, capsys):
+    r = copy(runs, "zero0", tmp_path)
+    meta = step_folder(r, 3) / "meta.json"
+    fields = json.loads(meta.read_text())
+    meta.write_text(json.dumps({key: value for key, value in fields.items() if key != "files"}))
+    assert verify_folder(step_folder(r, 3)) == [
+        f"{meta}: no manifest of the checkpoint's files (not written by a save)"
+    ]
+    # Resume takes the newest intact one instead, and says why.
+    assert Checkpointer(r, ONE, 3).latest() == "step_00000002"
+    assert "step_00000003 is damaged" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "run,step,name",
     [

@@ -8,10 +8,12 @@ import math
 import numpy as np
 import pytest
 
+from train.callbacks.base import Callback, Callbacks
 from train.monitor import Monitor, MonitorConfig
 from train.monitor.config import DivergenceConfig, StagnationConfig
 from train.monitor.detectors import Divergence, Stagnation
 from train.monitor.stats import RobustTrend, median, theil_sen
+from train.safe_load import CheckpointError
 from train.skip_step import SkipStepConfig, SkipStepRule
 
 
@@ -60,7 +62,7 @@ def test_no_false_skip_on_a_heavy_tailed_healthy_curve():
     assert not any(rule.decide(s + 1, float(loss[s]), float(grad[s])) for s in range(400))
 
 
-def test_spike_state_round_trips_and_reads_the_old_format():
+def test_spike_state_round_trips_and_refuses_another_format():
     rule = SkipStepRule(SkipStepConfig())
     for s, x in enumerate(curve(80)):
         rule.decide(s + 1, float(x), 1.0 + 0.01 * s)
@@ -68,12 +70,32 @@ def test_spike_state_round_trips_and_reads_the_old_format():
     other.load_state_dict(rule.state_dict())
     assert other.state_dict() == rule.state_dict()
     assert other.loss.score(3.5) == rule.loss.score(3.5)
-    # A checkpoint of the mean/std rule held raw values only: they are replayed.
-    old = SkipStepRule(SkipStepConfig())
-    old.load_state_dict(
-        {"loss": {"values": list(curve(80))}, "grad_norm": {"values": [1.0] * 80}, "skipped": 2}
-    )
-    assert old.skipped == 2 and len(old.loss.residuals) == 77 and old.loss.ready()
+    # A state without the residuals or the per-modality detectors is not one this code wrote:
+    # refused by name on resume, never replayed or filled with defaults.
+    holder = _StateHolder(other)
+    callbacks = Callbacks([holder])
+    for drop in ("by_modality", "loss"):
+        state = {key: value for key, value in rule.state_dict().items() if key != drop}
+        with pytest.raises(CheckpointError, match=rf"ck/step_2: the 'skip_step' state .*{drop}"):
+            callbacks.load_state_dict({"skip_step": state}, "ck/step_2")
+    no_residuals = {**rule.state_dict(), "loss": {"values": list(curve(80))}}
+    with pytest.raises(CheckpointError, match="residuals"):
+        callbacks.load_state_dict({"skip_step": no_residuals}, "ck/step_2")
+
+
+class _StateHolder(Callback):
+    """The skip-step rule's state checkpointed the way the trainer's callbacks do it."""
+
+    state_key = "skip_step"
+
+    def __init__(self, rule: SkipStepRule) -> None:
+        self.rule = rule
+
+    def state_dict(self) -> dict:
+        return self.rule.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rule.load_state_dict(state)
 
 
 def test_robust_trend_scores_relative_to_the_trend_not_the_level():

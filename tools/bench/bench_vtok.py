@@ -26,6 +26,7 @@ import json
 import math
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -38,6 +39,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
 
 from data.image_prep import ImagePrep, load_image
 from model import visual_tokenizer as vt

@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import re
+import sys
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,6 +39,8 @@ from types import SimpleNamespace
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_vtok.py: shared cores
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
 
 from data.image_crops import CropStream
 from data.tokenize.visual import load_visual_tokenizer

@@ -6,8 +6,8 @@ as markdown in OUT/table.md (for docs/benchmarks.md).
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 HEAD = (
@@ -48,7 +48,9 @@ def trainer_rows(out: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    out = Path((argv or sys.argv[1:])[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path, help="the folder tools/gpu_check.sh wrote its logs to")
+    out = parser.parse_args(argv).out
     rows = bench_rows(out) + trainer_rows(out)
     text = HEAD + "\n" + "\n".join(rows) + "\n"
     (out / "table.md").write_text(text)

@@ -15,7 +15,7 @@ whose loss stalls far above the healthy one never rises above its own minimum.
 A run that rolled back logs some steps twice; the rule reads the *first* pass (the records in
 file order until the step counter first goes back), the trajectory on which the trouble
 happened. ``earlyfuse-report`` marks the visible step and each alarm's lead in its alarms table;
-``tools/bench/instability.py`` uses the same rule for its table.
+``tools/monitor_eval/instability.py`` uses the same rule for its table.
 """
 
 from __future__ import annotations

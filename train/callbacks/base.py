@@ -167,9 +167,20 @@ class Callbacks:
     def state_dict(self) -> dict:
         return {c.state_key: c.state_dict() for c in self.items if c.state_key}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Each callback's entry, where the checkpoint has one (an older checkpoint may lack a
-        callback added since: that callback keeps its fresh state)."""
+    def load_state_dict(self, state: dict, where: str = "the checkpoint") -> None:
+        """Each callback's entry, where the checkpoint has one (a callback the resumed run turned
+        on, such as the monitors, keeps its fresh state). An entry that is not in the format the
+        callback writes is a CheckpointError naming ``where`` and the callback, not a KeyError
+        from deep inside it."""
+        from train.safe_load import CheckpointError
+
         for c in self.items:
             if c.state_key and c.state_key in state:
-                c.load_state_dict(state[c.state_key])
+                try:
+                    c.load_state_dict(state[c.state_key])
+                except (KeyError, TypeError, ValueError) as e:
+                    raise CheckpointError(
+                        f"{where}: the {c.state_key!r} state is not in the format this code "
+                        f"writes ({type(e).__name__}: {e}); resume from a checkpoint this "
+                        "version saved, or start the run over"
+                    ) from None

@@ -328,13 +328,13 @@ class Monitor:
 
     def load_state_dict(self, st: dict) -> None:
         for key, detector in self.detectors.items():
-            if key in st.get("detectors", {}):
+            if key in st["detectors"]:  # a detector turned on at the resume starts fresh
                 detector.load_state_dict(st["detectors"][key])
-        self.probe_latch = set(st.get("probe_latch", []))
-        self.probe_since = {key: int(value) for key, value in st.get("probe_since", {}).items()}
-        self.probe_last = {key: int(value) for key, value in st.get("probe_last", {}).items()}
-        self.probe_ref = {key: float(value) for key, value in st.get("probe_ref", {}).items()}
-        self.nonfinite_steps = int(st.get("nonfinite_steps", 0))
+        self.probe_latch = set(st["probe_latch"])
+        self.probe_since = {key: int(value) for key, value in st["probe_since"].items()}
+        self.probe_last = {key: int(value) for key, value in st["probe_last"].items()}
+        self.probe_ref = {key: float(value) for key, value in st["probe_ref"].items()}
+        self.nonfinite_steps = int(st["nonfinite_steps"])
 
 
 def _finite(x: float) -> float:

@@ -115,5 +115,5 @@ class RobustTrend:
         return {"values": list(self.values), "residuals": list(self.residuals)}
 
     def load_state_dict(self, st: dict) -> None:
-        self.values = deque(st.get("values", []), maxlen=self.trend)
-        self.residuals = deque(st.get("residuals", []), maxlen=self.window)
+        self.values = deque(st["values"], maxlen=self.trend)
+        self.residuals = deque(st["residuals"], maxlen=self.window)

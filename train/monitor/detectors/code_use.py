@@ -86,6 +86,6 @@ class DataCodeUse:
 
     def load_state_dict(self, st: dict) -> None:
         self.steps = deque([tuple(pair) for pair in st["steps"]], maxlen=self.cfg.data_window)
-        self.history = deque(st.get("history", []), maxlen=HISTORY * self.cfg.data_window)
-        self.best = float(st.get("best", 0.0))
+        self.history = deque(st["history"], maxlen=HISTORY * self.cfg.data_window)
+        self.best = float(st["best"])
         self.latch.load_state_dict(st["latch"])

@@ -59,4 +59,4 @@ class Collapse:
     def load_state_dict(self, st: dict) -> None:
         self.win.load_state_dict(st["win"])
         self.best = dict(st["best"])
-        self.latch.load_state_dict(st.get("latch") or {"on": st["on"]})
+        self.latch.load_state_dict(st["latch"])

@@ -37,9 +37,7 @@ class _Latch:
 
     def load_state_dict(self, st: dict) -> None:
         self.on = set(st["on"])
-        self.since = {
-            key: int(value) for key, value in st.get("since", {}).items() if key in self.on
-        }
+        self.since = {key: int(value) for key, value in st["since"].items() if key in self.on}
 
 
 class ModalityWindows:
@@ -163,5 +161,5 @@ class Levels:
             self.steps[name] = deque([tuple(pair) for pair in queue], maxlen=self.window)
         for name, queue in st["minq"].items():
             self.minq[name] = deque(tuple(pair) for pair in queue)
-        for name, queue in st.get("history", {}).items():
+        for name, queue in st["history"].items():
             self.history[name] = deque(queue, maxlen=self.horizon)

@@ -184,10 +184,9 @@ class Divergence:
 
     def load_state_dict(self, st: dict) -> None:
         self.skipped = deque([tuple(pair) for pair in st["skipped"]], maxlen=self.cfg.window)
-        if "levels" in st:  # states saved before the rise rule have none
-            self.levels.load_state_dict(st["levels"])
-        self.seen = set(st.get("seen", []))
-        self.streak = int(st.get("streak", 0))
-        self.excursion = st.get("excursion")
-        self.last_skip = st.get("last_skip")
-        self.latch.load_state_dict(st.get("latch") or {"on": st["on"]})
+        self.levels.load_state_dict(st["levels"])
+        self.seen = set(st["seen"])
+        self.streak = int(st["streak"])
+        self.excursion = st["excursion"]
+        self.last_skip = st["last_skip"]
+        self.latch.load_state_dict(st["latch"])

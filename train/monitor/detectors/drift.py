@@ -109,6 +109,6 @@ class Drift:
 
     def load_state_dict(self, st: dict) -> None:
         self.ref = {name: list(norms) for name, norms in st["ref"].items()}
-        for name, norms in st.get("recent", {}).items():
+        for name, norms in st["recent"].items():
             self.recent[name] = deque(norms, maxlen=self.cfg.rate_span + self.cfg.window)
-        self.latch.load_state_dict(st.get("latch") or {"on": st["on"]})
+        self.latch.load_state_dict(st["latch"])

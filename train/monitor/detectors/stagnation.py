@@ -51,7 +51,7 @@ class Stagnation:
         when a step did not say."""
         counts = list(self.docs[name])
         if len(counts) < (self.cfg.window if recent else 2 * self.cfg.window):
-            return None  # not yet two windows (or a checkpoint from before the count)
+            return None  # not yet two windows
         part = counts[-self.cfg.window :] if recent else counts[: -self.cfg.window]
         if not part or any(begun is None for begun in part):
             return None
@@ -212,8 +212,8 @@ class Stagnation:
 
     def load_state_dict(self, st: dict) -> None:
         self.win.load_state_dict(st["win"])
-        self.streak = dict(st.get("streak", {}))
-        self.share_best = {key: float(value) for key, value in st.get("share_best", {}).items()}
-        self.latch.load_state_dict(st.get("latch") or {"on": st["on"]})
-        for name, counts in st.get("docs", {}).items():
+        self.streak = dict(st["streak"])
+        self.share_best = {key: float(value) for key, value in st["share_best"].items()}
+        self.latch.load_state_dict(st["latch"])
+        for name, counts in st["docs"].items():
             self.docs[name] = deque(counts, maxlen=2 * self.cfg.window)

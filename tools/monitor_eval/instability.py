@@ -1,18 +1,20 @@
 """The monitors on real instabilities: recall, lead time, false alarms and recovery.
 
-Every case is a real run of ``earlyfuse-train experiment=instab_*`` (configs/experiment/), one
+Every case is a real run of ``earlyfuse-train experiment=instab_*``
+(tools/monitor_eval/configs/experiment/, found through ``hydra.searchpath``: ``SEARCHPATH``), one
 subprocess each, with the default monitors (configs/monitor/default.yaml); nothing is injected
 into training: each failure comes from its config (no QK-norm or no z-loss under a rising lr, an
-lr x100 stretch) or its data (token sources that turn bad part-way: tools/bench/instab/data.py).
+lr x100 stretch) or its data (token sources that turn bad part-way: tools/monitor_eval/data.py).
 For each case it reports which detector fired first and when, when the failure became visible
 in the loss (tools/report/lead.py: the total or a modality's loss EMA 10 % above its running
 minimum, or non-finite), the lead time, what the monitors did, and the final validation loss:
 with the monitors' actions, with every action set to ``log`` (run only when an action changed
 the run: otherwise the two runs are the same), and of the healthy control.
 
-    .venv/bin/python tools/bench/instability.py                 # everything, ~15 min on 2 cores
-    .venv/bin/python tools/bench/instability.py --cases lr-jump healthy-debug-0 --jobs 1
-    .venv/bin/python tools/bench/instability.py --prepare-only   # only build the data
+    .venv/bin/python tools/monitor_eval/instability.py            # everything, ~15 min on 2 cores
+    .venv/bin/python tools/monitor_eval/instability.py --cases lr-jump healthy-debug-0 --jobs 1
+    .venv/bin/python tools/monitor_eval/instability.py --prepare-only  # only build the data
+    .venv/bin/python tools/monitor_eval/instability.py --list          # the cases and their runs
 
 The data is built once into runs/instab/data (the instab_* configs read it there); the runs go
 to ROOT/runs (ROOT: runs/instab). Writes ROOT/results.json and ROOT/table.md, prints the table,
@@ -35,22 +37,22 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tools.bench.instab.cases import ACTING, CASES, LOG_ONLY, Case, mix_override  # noqa: E402
-from tools.bench.instab.data import build  # noqa: E402
+from tools.monitor_eval.cases import ACTING, CASES, LOG_ONLY, Case, mix_override  # noqa: E402
+from tools.monitor_eval.data import build  # noqa: E402
 from tools.report.lead import first_pass, loss_above_control, loss_visible  # noqa: E402
 
 SEVERE = ("warn", "skip", "rollback", "halt")
-DATA = REPO / "runs" / "instab" / "data"  # where configs/experiment/instab_*.yaml read it
+DATA = REPO / "runs" / "instab" / "data"  # where the instab_* configs read it
+# The cases' configs live beside the suite, not among the user's presets in configs/: Hydra finds
+# them through an extra search path, so `experiment=instab_*` composes onto configs/ as usual.
+CONFIGS = Path(__file__).resolve().parent / "configs"
+SEARCHPATH = f"hydra.searchpath=[file://{CONFIGS}]"
 
 
-def train(case: Case, run_dir: Path, data: Path, extra: tuple[str, ...] = ()) -> dict:
-    """One ``earlyfuse-train`` subprocess (two for a case that is killed and resumed: the first
-    dies like kill -9 after step ``resume_at``, the second resumes from its checkpoint); returns
-    the exit code and CPU/wall seconds."""
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
-    args = [
+def train_args(case: Case, run_dir: Path, data: Path, extra: tuple[str, ...] = ()) -> list[str]:
+    """The ``earlyfuse-train`` overrides of one case's run."""
+    return [
+        SEARCHPATH,
         f"experiment={case.experiment}",
         f"run_dir={run_dir}",
         f"train.seed={case.seed}",
@@ -60,6 +62,16 @@ def train(case: Case, run_dir: Path, data: Path, extra: tuple[str, ...] = ()) ->
         *case.overrides,
         *extra,
     ]
+
+
+def train(case: Case, run_dir: Path, data: Path, extra: tuple[str, ...] = ()) -> dict:
+    """One ``earlyfuse-train`` subprocess (two for a case that is killed and resumed: the first
+    dies like kill -9 after step ``resume_at``, the second resumes from its checkpoint); returns
+    the exit code and CPU/wall seconds."""
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    args = train_args(case, run_dir, data, extra)
     runs = [[sys.executable, "-m", "train.app", *args]]
     if case.resume_at is not None:  # a preemption: the fault callback kills the process
         faults = ["--fault", f"kill_at_step={case.resume_at}"]
@@ -238,14 +250,22 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", nargs="*", help="case names (default: all)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
     parser.add_argument("--prepare-only", action="store_true", help="build the data and stop")
+    parser.add_argument(
+        "--list", action="store_true", help="print each case's earlyfuse-train command, run nothing"
+    )
     args = parser.parse_args(argv)
-    started = time.perf_counter()
-    times_before = os.times()
-    data = build(DATA)
     cases = [case for case in CASES if not args.cases or case.name in args.cases]
     unknown = set(args.cases or []) - {case.name for case in CASES}
     if unknown:
         sys.exit(f"unknown case(s) {sorted(unknown)}; choose from {[case.name for case in CASES]}")
+    if args.list:
+        for case in cases:
+            run_args = train_args(case, args.root / "runs" / case.name, DATA / "suite")
+            print(f"{case.name} ({case.kind}): earlyfuse-train {' '.join(run_args)}")
+        return 0
+    started = time.perf_counter()
+    times_before = os.times()
+    data = build(DATA)
     if args.prepare_only:
         print(f"data ready in {data}")
         return 0

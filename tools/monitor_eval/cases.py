@@ -1,5 +1,5 @@
 """The instability suite's cases: each a real training run (``earlyfuse-train experiment=...``)
-whose failure comes from its config or its data only (configs/experiment/instab_*.yaml).
+whose failure comes from its config or its data only (tools/monitor_eval/configs/experiment/instab_*.yaml).
 
 ``onset`` is the step the pathology starts by construction (the first x1.5 lr stage, the step
 a source turns bad, the lr jump); ``gradual`` marks the failures the monitors should flag before
@@ -14,7 +14,7 @@ from train.monitor.config import DETECTORS
 
 # Healthy mixes: (token folder under the suite's data root, {source: weight}). ``suite`` holds
 # the sources of instab_healthy; ``suite_tv`` the same tokenized by a trained visual tokenizer
-# (tools/bench/instab/data.py), plus ``scenes`` alone.
+# (tools/monitor_eval/data.py), plus ``scenes`` alone.
 _SOURCES = ("code", "text", "images", "clips", "docs", "colours", "colours_first")
 _BASE = (0.25, 0.25, 0.2, 0.1, 0.1, 0.05, 0.05)
 MIXES: dict[str, tuple[str, dict[str, float]]] = {
