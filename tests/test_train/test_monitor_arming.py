@@ -1,7 +1,7 @@
 """Rules that must not fire on a healthy run that has not learned what they watch yet, or whose
-data is simple from the start (docs/monitors.md, "No alarm for what a run has not learned yet"): the generated-code rule
-is judged against the run's own images, the data-code floor is armed by a window above it, and
-starvation's reference share survives a resume."""
+data is simple from the start (docs/monitors.md, "No alarm for what a run has not learned
+yet"): the generated-code rule is judged against the run's own images, the data-code floor is
+armed by a window above it, and starvation's reference share survives a resume."""
 
 from __future__ import annotations
 
