@@ -13,6 +13,8 @@
 #   2. tokens/s and peak memory at 8k, 32k and 128k tokens per row, 125m and 1b, activation
 #      checkpointing on, compiled, document attention against local/global (bench_gpu.py);
 #   3. OUT_DIR/long_table.md: the tables of 1 and 2, the peaks beside train.memory's estimates.
+# Each part fits one run; with one session's device time, run `long` first, then `throughput`,
+# each into its own OUT_DIR (docs/benchmarks.md says why).
 #     tools/gpu_check.sh OUT_DIR [throughput|long]   # or: make gpu-check OUT=OUT_DIR PART=long
 #     tools/gpu_check.sh --list [throughput|long]    # the steps and their limits; runs nothing
 # A machine without the index: install the wheels of tools/gpu_wheels.sh first (its last line).
