@@ -34,6 +34,9 @@ def load(name: str):
 @pytest.fixture(scope="module")
 def long_out(tmp_path_factory) -> Path:
     """One OUT folder as the long part leaves it, at tiny sizes on the CPU."""
+    import torch._dynamo.config as dynamo_config
+
+    limit = dynamo_config.recompile_limit  # the benches raise it; the other tests keep theirs
     out = tmp_path_factory.mktemp("gpu_check_long")
     load("bench_block_mask").main(
         ["--device", "cpu", "--builder", "eager", "--lengths", "256,512", "--window", "64"]
@@ -61,6 +64,7 @@ def long_out(tmp_path_factory) -> Path:
     (out / "summary.txt").write_text(
         "env: rc 0 in 1 s (limit 15 s)\nlong-1b-lg: rc 124 in 100 s (limit 100 s)\n"
     )
+    dynamo_config.recompile_limit = limit
     return out
 
 
@@ -118,6 +122,16 @@ def test_long_bench_measures_both_attention_kinds(long_out):
     assert local_global["local_theta"] == 1000.0
     # train.memory keeps a second mask for the local layers (SDPA's dense one on the CPU)
     assert local_global["estimate_above_states_gib"] > doc["estimate_above_states_gib"]
+
+
+def test_long_bench_lets_dynamo_compile_once_per_length(monkeypatch):
+    """Past dynamo's limit of compiled variants a function runs eagerly: the blocks and the
+    BlockMask builder compile again for every length one process measures."""
+    import torch._dynamo.config as dynamo_config
+
+    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)  # restored after the test
+    load("bench_gpu").allow_recompiles(3)
+    assert dynamo_config.recompile_limit == 24
 
 
 def test_long_bench_reports_out_of_memory_as_oom_at_n(long_out):

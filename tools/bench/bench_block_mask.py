@@ -158,6 +158,12 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown or not lengths:
         arg_parser.error(f"--kinds must name {KINDS}, got {unknown}; --lengths at least one length")
     device = torch.device(args.device)
+    # one compiled builder per length and window: more variants than dynamo's default limit of 8
+    # would fall back to the eager builder (the dense mask) instead of measuring the compiled one
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo_config, name, max(getattr(dynamo_config, name), 2 * len(lengths) * len(kinds)))
     results: list[dict] = []
     report = {
         "device": torch.cuda.get_device_name(device)

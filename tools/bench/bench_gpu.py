@@ -76,6 +76,18 @@ def with_attention(cfg, args):
     )
 
 
+def allow_recompiles(lengths: int) -> None:
+    """Let dynamo compile once per length. A run has one row length, so dynamo's default of 8
+    compiled variants per function (the blocks, the BlockMask builder per window) is plenty
+    there; one process measuring several lengths needs that many per length, and past the limit
+    dynamo would fall back to eager code (an uncompiled BlockMask builder materialises the dense
+    mask) instead of measuring what a run of that length runs."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo_config, name, max(getattr(dynamo_config, name), 8 * lengths))
+
+
 def json_path(path: str, seq_len: int, several: bool) -> Path | None:
     """``--json`` for one length; with several, one file per length: OUT.json -> OUT-8192.json."""
     if not path:
@@ -150,6 +162,7 @@ def main(argv=None) -> list[dict]:
     )
     if args.compile:
         model.compile_blocks()
+    allow_recompiles(len(lengths))
     peak = peak_tflops(0.0, dev)  # the GPU's datasheet figure; on the CPU a measured matmul
     results = []
     oom_at = 0
