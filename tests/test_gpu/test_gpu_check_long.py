@@ -206,3 +206,9 @@ def test_throughput_part_is_still_the_default():
         ["bash", str(ROOT / "tools" / "gpu_check.sh"), "--list", "longer"], capture_output=True
     )
     assert unknown.returncode == 2 and b"unknown part 'longer'" in unknown.stderr
+
+
+def test_gpu_table_names_a_truncated_result(tmp_path):
+    (tmp_path / "long-1b-doc-131072.json").write_text('{"preset": "1b", "seq_')
+    with pytest.raises(SystemExit, match="long-1b-doc-131072.json: not valid JSON"):
+        load("gpu_table").main([str(tmp_path)])

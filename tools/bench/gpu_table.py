@@ -22,10 +22,18 @@ HEAD = (
 )
 
 
+def read_json(path: Path):
+    """A result file; a truncated one (its step killed mid-write) is an error naming it."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise SystemExit(f"{path}: not valid JSON ({error}); rerun its step or delete it") from None
+
+
 def bench_rows(out: Path) -> list[str]:
     rows = []
     for path in sorted(out.glob("bench-*.json")):
-        r = json.loads(path.read_text())
+        r = read_json(path)
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
         mem = f"{r['peak_mem_gib']:.1f}" if r.get("peak_mem_gib") is not None else "-"
         rows.append(
@@ -69,7 +77,7 @@ def _gib(value) -> str:
 
 
 def long_rows(out: Path) -> list[str]:
-    results = [json.loads(path.read_text()) for path in out.glob("long-*.json")]
+    results = [read_json(path) for path in out.glob("long-*.json")]
     # smallest model first (by its model states: an out-of-memory row has no parameter count),
     # then by length, the two kinds of attention side by side
     results.sort(
@@ -110,7 +118,7 @@ def mask_rows(out: Path) -> list[str]:
     if not path.is_file():
         return []
     rows = []
-    for res in json.loads(path.read_text())["results"]:
+    for res in read_json(path)["results"]:
         name = res["kind"] + (f" (window {res['window']})" if res["kind"] == "local" else "")
         if res.get("error"):
             rows.append(f"| {res['seq_len']:,} | {name} | {res['error']} | | | |")
