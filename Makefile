@@ -41,10 +41,11 @@ test-slow: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -m gpu tests/test_gpu
 
-# The prepared GPU check: GPU tests, throughput table, the trainer; logs in $(OUT).
+# The prepared GPU check, logs in $(OUT): PART=throughput (the default: GPU tests, throughput
+# table, the trainer) or PART=long (long rows and BlockMask builds). docs/benchmarks.md.
 OUT ?= runs/gpu_check
 gpu-check:
-	PYTHON=$(if $(wildcard $(PY)),$(PY),python3) tools/gpu_check.sh $(OUT)
+	PYTHON=$(if $(wildcard $(PY)),$(PY),python3) tools/gpu_check.sh $(OUT) $(PART)
 
 # The demo, end to end on CPU (README "Quick start"): a small real corpus built offline ->
 # raw shards -> text BPE and visual tokenizer -> token shards -> the early-fusion LM.

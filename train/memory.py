@@ -115,6 +115,20 @@ def estimate(
     )
 
 
+def is_out_of_memory(error: BaseException) -> bool:
+    """Did an allocation fail? CUDA's allocator raises ``torch.OutOfMemoryError``; the CPU's
+    raises a RuntimeError that says it could not allocate. The benchmarks of long rows report
+    these as "OOM at N" and go on (tools/bench/bench_gpu.py, bench_block_mask.py)."""
+    import torch  # here only: the estimates above need no torch
+
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and (
+        "out of memory" in text or "can't allocate memory" in text
+    )
+
+
 def _param_count(cfg) -> int:
     dim, head_dim = cfg.dim, cfg.head_dim
     q_dim, kv_dim = cfg.attention.n_heads * head_dim, cfg.attention.kv_heads * head_dim

@@ -9,14 +9,25 @@ model FLOP/s (``model.flops.flops_per_token``, causal attention counted) / the G
 peak (``train.mfu``). Prints tokens/s and MFU over the timed steps (after ``--warmup`` steps).
 Needs only torch: the GPU machine lacks DeepSpeed and the other packages.
 
+Long rows (docs/long_context.md): ``--seq-len 8192,32768,131072 --micro-batch 1
+--activation-checkpoint --compile`` measures each length in turn in one process (the model and
+optimizer are built once; the blocks compile again per length), ``--attention local-global``
+against the preset's document attention. Each result also carries ``train.memory``'s estimate for
+the setup, beside the measured peak. An out-of-memory error ends that length as "OOM at N" (in
+the JSON and on the console, exit status 0) and skips the longer ones.
+
     python tools/bench/bench_gpu.py --preset 125m --micro-batch 16 --seq-len 2048 --steps 300
     python tools/bench/bench_gpu.py --preset 125m --compile --json out/125m_compiled.json
     python tools/bench/bench_gpu.py --preset debug --device cpu --dtype float32 --steps 3 --warmup 1 --seq-len 128
+    python tools/bench/bench_gpu.py --preset 1b --micro-batch 1 --seq-len 8192,32768,131072 \
+        --activation-checkpoint --compile --attention local-global --json out/long-1b-lg.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
 import platform
 import sys
@@ -27,8 +38,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from model.attention import resolve_backend  # noqa: E402
 from model.flops import flops_per_token  # noqa: E402
 from model.presets import preset  # noqa: E402
+from train.memory import estimate, is_out_of_memory  # noqa: E402
 from train.mfu import peak_tflops  # noqa: E402
 
 
@@ -48,35 +61,100 @@ def batch(cfg, micro_batch: int, seq_len: int, docs: int, device, gen) -> dict:
     }
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default="125m")
-    parser.add_argument("--micro-batch", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument(
+def with_attention(cfg, args):
+    """The preset with ``--attention``: ``doc`` keeps it (every layer sees its whole document);
+    ``local-global`` makes all but every ``--global-every``-th layer local (a window of
+    ``--local-window`` keys, RoPE base ``--local-theta``), Gemma 3's layout."""
+    if args.attention == "doc":
+        return cfg
+    return dataclasses.replace(
+        cfg,
+        attention=dataclasses.replace(
+            cfg.attention, local_window=args.local_window, global_every=args.global_every
+        ),
+        rope=dataclasses.replace(cfg.rope, local_theta=args.local_theta),
+    )
+
+
+def allow_recompiles(lengths: int) -> None:
+    """Let dynamo compile once per length. A run has one row length, so dynamo's default of 8
+    compiled variants per function (the blocks, the BlockMask builder per window) is plenty
+    there; one process measuring several lengths needs that many per length, and past the limit
+    dynamo would fall back to eager code (an uncompiled BlockMask builder materialises the dense
+    mask) instead of measuring what a run of that length runs."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo_config, name, max(getattr(dynamo_config, name), 8 * lengths))
+
+
+def json_path(path: str, seq_len: int, several: bool) -> Path | None:
+    """``--json`` for one length; with several, one file per length: OUT.json -> OUT-8192.json."""
+    if not path:
+        return None
+    target = Path(path)
+    return target.with_name(f"{target.stem}-{seq_len}{target.suffix}") if several else target
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line (the GPU check's test parses its listed steps with it)."""
+    arg_parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    arg_parser.add_argument("--preset", default="125m")
+    arg_parser.add_argument("--micro-batch", type=int, default=16)
+    arg_parser.add_argument(
+        "--seq-len",
+        default="2048",
+        help="tokens per row; several comma-separated (8192,32768,131072) are measured in turn "
+        "by one process, shortest first, on the same model and optimizer",
+    )
+    arg_parser.add_argument(
         "--docs", type=int, default=4, help="documents packed per row (document-masked attention)"
     )
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument(
+    arg_parser.add_argument("--steps", type=int, default=300)
+    arg_parser.add_argument("--warmup", type=int, default=20)
+    arg_parser.add_argument(
         "--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="autocast dtype"
     )
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument(
+    arg_parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    arg_parser.add_argument(
         "--compile",
         action="store_true",
         help="torch.compile each block and the loss head, as training does on CUDA "
         "(Transformer.compile_blocks; FlexAttention is compiled either way)",
     )
-    parser.add_argument("--json", default="", help="also write the result to this JSON file")
-    parser.add_argument("--activation-checkpoint", action="store_true")
-    args = parser.parse_args(argv)
+    arg_parser.add_argument(
+        "--json",
+        default="",
+        help="also write the result to this JSON file (with several --seq-len, one file per "
+        "length: OUT-8192.json, ..., each written when its length is done)",
+    )
+    arg_parser.add_argument("--activation-checkpoint", action="store_true")
+    arg_parser.add_argument(
+        "--attention",
+        choices=("doc", "local-global"),
+        default="doc",
+        help="doc: every layer sees its whole document (the preset); local-global: local layers "
+        "of --local-window keys and a global one every --global-every layers",
+    )
+    arg_parser.add_argument("--local-window", type=int, default=1024)
+    arg_parser.add_argument("--global-every", type=int, default=6)
+    arg_parser.add_argument("--local-theta", type=float, default=10000.0)
+    return arg_parser
+
+
+def main(argv=None) -> list[dict]:
+    arg_parser = parser()
+    args = arg_parser.parse_args(argv)
+    lengths = [int(length) for length in args.seq_len.split(",") if length]
+    if not lengths or lengths != sorted(lengths):
+        arg_parser.error(f"--seq-len: one length or several, shortest first; got {args.seq_len!r}")
     dev = torch.device(args.device)
     torch.manual_seed(0)
-    cfg = preset(args.preset)
+    try:
+        cfg = with_attention(preset(args.preset), args)
+    except ValueError as error:
+        arg_parser.error(f"--preset {args.preset} with --attention {args.attention}: {error}")
     if args.activation_checkpoint:
-        import dataclasses
-
         cfg = dataclasses.replace(cfg, activation_checkpoint_every=1)
     model = cfg.build(dev)
     opt = torch.optim.AdamW(
@@ -84,8 +162,70 @@ def main(argv=None) -> dict:
     )
     if args.compile:
         model.compile_blocks()
+    allow_recompiles(len(lengths))
+    peak = peak_tflops(0.0, dev)  # the GPU's datasheet figure; on the CPU a measured matmul
+    results = []
+    oom_at = 0
+    for seq_len in lengths:
+        if oom_at:  # longer rows than one that did not fit: not worth the device's time
+            res = {"preset": args.preset, "seq_len": seq_len, "attention": args.attention}
+            res["oom"] = f"OOM at {oom_at:,}"
+        else:
+            try:
+                res = measure(model, opt, cfg, args, seq_len, dev, peak)
+            except Exception as error:
+                if not is_out_of_memory(error):
+                    raise
+                print(f"{args.preset} at {seq_len:,} tokens: {error}", file=sys.stderr)
+                oom_at = seq_len
+                res = {"preset": args.preset, "seq_len": seq_len, "attention": args.attention}
+                res["oom"] = f"OOM at {seq_len:,}"
+            if oom_at:  # here, once the error's traceback no longer holds the step's tensors
+                opt.zero_grad(set_to_none=True)
+                gc.collect()
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+        res.update(setup(cfg, args, seq_len, dev))
+        results.append(res)
+        print(json.dumps(res, indent=1), flush=True)
+        target = json_path(args.json, seq_len, len(lengths) > 1)
+        if target:
+            target.write_text(json.dumps(res, indent=1) + "\n")
+    return results
+
+
+def setup(cfg, args, seq_len: int, dev) -> dict:
+    """What was measured, and what ``train.memory`` expects it to need (one GPU, bf16, the mask
+    this device's attention uses)."""
+    mask = "flex" if resolve_backend(cfg.attention.backend, dev) == "flex" else "sdpa"
+    expected = estimate(
+        cfg,
+        micro_batch=args.micro_batch,
+        seq_len=seq_len,
+        act_ckpt=bool(cfg.activation_checkpoint_every),
+        mask=mask,
+    )
+    return {
+        "micro_batch": args.micro_batch,
+        "docs_per_row": args.docs,
+        "dtype": args.dtype,
+        "compile": args.compile,
+        "activation_checkpoint": bool(cfg.activation_checkpoint_every),
+        "attention": args.attention,
+        "local_window": cfg.attention.local_window,
+        "global_every": cfg.attention.global_every,
+        "local_theta": cfg.rope.local_theta,
+        "estimate_gib": expected.total_gib,
+        "estimate_states_gib": expected.states_gib,
+        "estimate_above_states_gib": expected.total_gib - expected.states_gib,
+        "torch": torch.__version__,
+    }
+
+
+def measure(model, opt, cfg, args, seq_len: int, dev, peak_and_source) -> dict:
     gen = torch.Generator().manual_seed(0)
-    batches = [batch(cfg, args.micro_batch, args.seq_len, args.docs, dev, gen) for _ in range(4)]
+    count = min(4, args.warmup + args.steps)  # long rows: no more batches than steps
+    batches = [batch(cfg, args.micro_batch, seq_len, args.docs, dev, gen) for _ in range(count)]
     dtype = getattr(torch, args.dtype)
 
     def step(b):
@@ -104,28 +244,27 @@ def main(argv=None) -> dict:
     for i in range(args.warmup):
         step(batches[i % len(batches)])
     sync()
+    at_rest = None
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+        # Between steps (gradients freed): weights, optimizer states and the batches.
+        at_rest = torch.cuda.memory_allocated(dev) / 2**30
     started = time.perf_counter()
     for i in range(args.steps):
         loss = step(batches[i % len(batches)])
     sync()
     seconds = time.perf_counter() - started
-    tokens = args.steps * args.micro_batch * args.seq_len
+    tokens = args.steps * args.micro_batch * seq_len
     tps = tokens / seconds
-    fpt = flops_per_token(cfg, args.seq_len, causal=True)
-    peak, source = peak_tflops(0.0, dev)
+    fpt = flops_per_token(cfg, seq_len, causal=True)
+    peak, source = peak_and_source
     res = {
         "device": torch.cuda.get_device_name(dev)
         if dev.type == "cuda"
         else platform.processor() or "cpu",
         "preset": args.preset,
         "params": sum(param.numel() for param in model.parameters()),
-        "micro_batch": args.micro_batch,
-        "seq_len": args.seq_len,
-        "docs_per_row": args.docs,
-        "dtype": args.dtype,
-        "compile": args.compile,
+        "seq_len": seq_len,
         "steps": args.steps,
         "tokens_per_s": tps,
         "step_s": seconds / args.steps,
@@ -134,19 +273,17 @@ def main(argv=None) -> dict:
         "peak_source": source,
         "mfu": tps * fpt / 1e12 / peak if peak else None,
         "final_loss": float(loss.detach()),
-        "torch": torch.__version__,
         "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30
         if dev.type == "cuda"
         else None,
+        "at_rest_gib": at_rest,
     }
     mfu = f"{res['mfu']:.1%}" if res["mfu"] is not None else "n/a"
     print(
-        f"{args.preset} on {res['device']}: {tps:,.0f} tokens/s, {res['tflops']:.3g} TFLOP/s, MFU {mfu} of "
-        f"{peak:.1f} TFLOP/s ({source}), step {res['step_s'] * 1e3:.1f} ms"
+        f"{args.preset} at {seq_len:,} tokens on {res['device']}: {tps:,.0f} tokens/s, "
+        f"{res['tflops']:.3g} TFLOP/s, MFU {mfu} of {peak:.1f} TFLOP/s ({source}), "
+        f"step {res['step_s'] * 1e3:.1f} ms"
     )
-    print(json.dumps(res, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
     return res
 
 

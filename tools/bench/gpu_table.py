@@ -1,5 +1,12 @@
-"""The table of a GPU check (tools/gpu_check.sh): its bench_gpu.py results and its trainer run,
-as markdown in OUT/table.md (for docs/benchmarks.md).
+"""The tables of a GPU check (tools/gpu_check.sh), as markdown for docs/benchmarks.md:
+
+- OUT/table.md, the throughput part: its bench_gpu.py results (``bench-*.json``) and its
+  trainer run (``metrics.jsonl``);
+- OUT/long_table.md, the long-context part: bench_gpu.py at long rows (``long-*.json``), the
+  measured peak beside ``train.memory``'s estimate, then the BlockMask builds
+  (``blockmask.json``), then the steps that failed or ran out of time (``summary.txt``).
+
+Each is written when its results are there (the throughput table also when nothing is).
 
     python tools/bench/gpu_table.py OUT_DIR
 """
@@ -15,10 +22,18 @@ HEAD = (
 )
 
 
+def read_json(path: Path):
+    """A result file; a truncated one (its step killed mid-write) is an error naming it."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise SystemExit(f"{path}: not valid JSON ({error}); rerun its step or delete it") from None
+
+
 def bench_rows(out: Path) -> list[str]:
     rows = []
     for path in sorted(out.glob("bench-*.json")):
-        r = json.loads(path.read_text())
+        r = read_json(path)
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
         mem = f"{r['peak_mem_gib']:.1f}" if r.get("peak_mem_gib") is not None else "-"
         rows.append(
@@ -47,14 +62,111 @@ def trainer_rows(out: Path) -> list[str]:
     ]
 
 
+LONG_HEAD = (
+    "| model | tokens/row | attention | tokens/s | MFU | step s | peak GiB | estimate GiB "
+    "| peak - at rest GiB | estimate - states GiB |\n|---|---|---|---|---|---|---|---|---|---|"
+)
+MASK_HEAD = (
+    "| tokens | mask | first build s | build ms | index MiB | peak build MiB |\n"
+    "|---|---|---|---|---|---|"
+)
+
+
+def _gib(value) -> str:
+    return f"{value:.1f}" if value is not None else "-"
+
+
+def long_rows(out: Path) -> list[str]:
+    results = [read_json(path) for path in out.glob("long-*.json")]
+    # smallest model first (by its model states: an out-of-memory row has no parameter count),
+    # then by length, the two kinds of attention side by side
+    results.sort(
+        key=lambda res: (
+            res["estimate_states_gib"],
+            res["preset"],
+            res["seq_len"],
+            res["attention"],
+        )
+    )
+    rows = []
+    for res in results:
+        attention = (
+            f"local/global (window {res['local_window']}, global every {res['global_every']})"
+            if res["attention"] == "local-global"
+            else "document"
+        )
+        what = f"| {res['preset']} | {res['seq_len']:,} | {attention} |"
+        if res.get("oom"):
+            rows.append(f"{what} {res['oom']} | | | | {_gib(res['estimate_gib'])} | | |")
+            continue
+        mfu = f"{res['mfu']:.1%}" if res.get("mfu") is not None else "-"
+        above = (
+            res["peak_mem_gib"] - res["at_rest_gib"]
+            if res.get("peak_mem_gib") is not None and res.get("at_rest_gib") is not None
+            else None
+        )
+        rows.append(
+            f"{what} {res['tokens_per_s']:,.0f} | {mfu} | {res['step_s']:.2f} | "
+            f"{_gib(res.get('peak_mem_gib'))} | {_gib(res['estimate_gib'])} | {_gib(above)} | "
+            f"{_gib(res['estimate_above_states_gib'])} |"
+        )
+    return rows
+
+
+def mask_rows(out: Path) -> list[str]:
+    path = out / "blockmask.json"
+    if not path.is_file():
+        return []
+    rows = []
+    for res in read_json(path)["results"]:
+        name = res["kind"] + (f" (window {res['window']})" if res["kind"] == "local" else "")
+        if res.get("error"):
+            rows.append(f"| {res['seq_len']:,} | {name} | {res['error']} | | | |")
+            continue
+        peak = f"{res['peak_build_mib']:,.1f}" if res.get("peak_build_mib") is not None else "-"
+        rows.append(
+            f"| {res['seq_len']:,} | {name} | {res['first_build_s']:.1f} | {res['build_s'] * 1e3:,.1f} "
+            f"| {res['index_mib']:,.2f} | {peak} |"
+        )
+    return rows
+
+
+def failed_steps(out: Path) -> list[str]:
+    """The summary's steps that did not exit 0 (124: stopped by their timeout)."""
+    path = out / "summary.txt"
+    if not path.is_file():
+        return []
+    return [
+        line for line in path.read_text().splitlines() if ": rc " in line and ": rc 0 " not in line
+    ]
+
+
+def long_table(out: Path) -> str:
+    lines = []
+    rows = long_rows(out)
+    if rows:
+        lines += [LONG_HEAD, *rows, ""]
+    masks = mask_rows(out)
+    if masks:
+        lines += [MASK_HEAD, *masks, ""]
+    if lines:
+        lines += [f"Failed: {line}" for line in failed_steps(out)]
+    return "\n".join(lines).rstrip("\n") + "\n" if lines else ""
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="the folder tools/gpu_check.sh wrote its logs to")
     out = parser.parse_args(argv).out
     rows = bench_rows(out) + trainer_rows(out)
-    text = HEAD + "\n" + "\n".join(rows) + "\n"
-    (out / "table.md").write_text(text)
-    print(text, end="")
+    long = long_table(out)
+    if rows or not long:
+        text = HEAD + "\n" + "\n".join(rows) + "\n"
+        (out / "table.md").write_text(text)
+        print(text, end="")
+    if long:
+        (out / "long_table.md").write_text(long)
+        print(long, end="")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,213 @@
+"""BlockMask build time and memory at long rows: the mask that ``Transformer.forward`` builds once
+per batch for FlexAttention (``model.attention.build_attention_mask``), at given row lengths.
+
+Two masks per length, as a local/global model uses them: ``doc`` (causal within each packed
+document: the global layers' mask) and ``local`` (the same AND a window of ``--window`` keys: the
+local layers' mask, block-sparse along the diagonal). One row of ``--docs`` equal documents.
+Each mask is built once to warm up (the compiled builder compiles here, once per length and
+window), then ``--repeats`` times timed (the median is reported). Memory: the bytes of the
+BlockMask's index tensors (what a step keeps; four [B, T/128, T/128] int32 tensors and their
+counts) and, on CUDA, the peak device memory of one build above what was allocated before it
+(what building needs at its worst). An out-of-memory error is reported as "OOM at N" in the
+table and the JSON, and the lengths after it are still tried (the masks of another kind may fit);
+another error is recorded the same way and makes the exit status non-zero. The JSON is rewritten
+after every mask, so a run stopped by a timeout keeps what it measured.
+Needs only torch (the GPU machine lacks the pipeline's other packages).
+
+    python tools/bench/bench_block_mask.py --lengths 131072,1048576 --json out/blockmask.json
+    python tools/bench/bench_block_mask.py --device cpu --builder eager --lengths 1024 --window 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from model.attention import build_attention_mask  # noqa: E402
+from train.memory import is_out_of_memory  # noqa: E402
+
+MIB = 2**20
+KINDS = ("doc", "local")
+
+
+def block_mask_bytes(block_mask) -> int:
+    """Bytes of every tensor a BlockMask holds (block counts and indices, partial and full, by
+    key and by query)."""
+    total = 0
+    for value in vars(block_mask).values():
+        if isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+    return total
+
+
+def doc_ids(seq_len: int, docs: int, device: torch.device) -> torch.Tensor:
+    """One row of ``docs`` documents of (nearly) equal length: ids 0, 0, ..., 1, 1, ..."""
+    return (torch.arange(seq_len, device=device) * docs // seq_len).unsqueeze(0)
+
+
+def measure(
+    seq_len: int, kind: str, *, window: int, docs: int, device, compiled: bool, repeats: int
+) -> dict:
+    doc = doc_ids(seq_len, docs, device)
+
+    def build():
+        # A window on every layer is the local layers' predicate (doc AND causal AND window).
+        return build_attention_mask(
+            1,
+            seq_len,
+            device,
+            doc_ids=doc,
+            sliding_window=window if kind == "local" else 0,
+            backend="flex",
+            one_doc_rows=docs <= 1,
+            compile_mask=compiled,
+        ).block_mask
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    started = time.perf_counter()
+    mask = build()  # warm-up: the compiled builder compiles for this length and window
+    sync()
+    first_s = time.perf_counter() - started
+    del mask
+    times, peaks = [], []
+    index_bytes = 0
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+        started = time.perf_counter()
+        mask = build()
+        sync()
+        times.append(time.perf_counter() - started)
+        if device.type == "cuda":
+            peaks.append(torch.cuda.max_memory_allocated(device) - before)
+        index_bytes = block_mask_bytes(mask)
+        del mask
+    return {
+        "seq_len": seq_len,
+        "kind": kind,
+        "window": window if kind == "local" else 0,
+        "docs": docs,
+        "first_build_s": first_s,
+        "build_s": statistics.median(times),
+        "builds": repeats,
+        "index_mib": index_bytes / MIB,
+        "peak_build_mib": max(peaks) / MIB if peaks else None,
+    }
+
+
+def table(results: list[dict]) -> str:
+    lines = [
+        "| tokens | mask | first build s | build ms | index MiB | peak build MiB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for res in results:
+        name = res["kind"] + (f" (window {res['window']})" if res["kind"] == "local" else "")
+        if res.get("error"):
+            lines.append(f"| {res['seq_len']:,} | {name} | {res['error']} | | | |")
+            continue
+        peak = f"{res['peak_build_mib']:,.1f}" if res["peak_build_mib"] is not None else "-"
+        lines.append(
+            f"| {res['seq_len']:,} | {name} | {res['first_build_s']:.1f} | "
+            f"{res['build_s'] * 1e3:,.1f} | {res['index_mib']:,.2f} | {peak} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line (the GPU check's test parses its listed steps with it)."""
+    arg_parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    arg_parser.add_argument(
+        "--lengths", default="131072,1048576", help="row lengths in tokens, comma-separated"
+    )
+    arg_parser.add_argument("--kinds", default=",".join(KINDS), help="doc, local or both")
+    arg_parser.add_argument("--window", type=int, default=1024, help="the local mask's window")
+    arg_parser.add_argument("--docs", type=int, default=4, help="documents packed in the row")
+    arg_parser.add_argument("--repeats", type=int, default=3, help="timed builds after the warm-up")
+    arg_parser.add_argument(
+        "--builder",
+        choices=("compiled", "eager"),
+        default="compiled",
+        help="compiled: torch.compile(create_block_mask), what the model uses on CUDA; eager: "
+        "the uncompiled builder, which materialises the dense mask (short rows only)",
+    )
+    arg_parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    arg_parser.add_argument("--json", default="", help="also write the results to this JSON file")
+    return arg_parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    arg_parser = parser()
+    args = arg_parser.parse_args(argv)
+    lengths = [int(length) for length in args.lengths.split(",") if length]
+    kinds = [kind for kind in args.kinds.split(",") if kind]
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown or not lengths:
+        arg_parser.error(f"--kinds must name {KINDS}, got {unknown}; --lengths at least one length")
+    device = torch.device(args.device)
+    # one compiled builder per length and window: more variants than dynamo's default limit of 8
+    # would fall back to the eager builder (the dense mask) instead of measuring the compiled one
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo_config, name, max(getattr(dynamo_config, name), 2 * len(lengths) * len(kinds)))
+    results: list[dict] = []
+    report = {
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "builder": args.builder,
+        "results": results,
+    }
+    failed = False
+    with torch.no_grad():  # FlexAttention on the CPU is forward-only (resolve_backend)
+        for seq_len in lengths:
+            for kind in kinds:
+                try:
+                    res = measure(
+                        seq_len,
+                        kind,
+                        window=args.window,
+                        docs=args.docs,
+                        device=device,
+                        compiled=args.builder == "compiled",
+                        repeats=args.repeats,
+                    )
+                except Exception as error:  # one failed size must not hide the others
+                    res = {"seq_len": seq_len, "kind": kind, "window": args.window}
+                    if is_out_of_memory(error):
+                        res["error"] = f"OOM at {seq_len:,}"
+                    else:
+                        failed = True
+                        res["error"] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+                    print(f"{kind} mask at {seq_len:,} tokens: {error!r}", file=sys.stderr)
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                results.append(res)
+                print(table([res]).splitlines()[-1], flush=True)
+                if args.json:  # after every size: a step stopped by its timeout keeps the rest
+                    Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    print(table(results), end="")
+    if failed:
+        raise SystemExit(
+            f"bench_block_mask: a build failed (not out of memory); see {args.json or 'above'}"
+        )
+    return report
+
+
+if __name__ == "__main__":
+    main()
