@@ -1,6 +1,5 @@
 """Where a batch's time goes in the token loader, in-process: the loader
-built as ``tools/bench/bench_peers.py`` builds it (every source of a token folder, weighted by
-its tokens), ``--warmup`` batches untimed, then ``--batches`` batches with each part of the
+built over every source of a token folder, weighted by its tokens, in infinite mode, ``--warmup`` batches untimed, then ``--batches`` batches with each part of the
 path wrapped in a ``perf_counter`` timer. Prints microseconds a batch per part and its share
 of the whole (the parts nest: ``next_batch`` holds ``fast.pack``, which holds the compiled
 loop's call and reading ahead; each timer adds ~0.3 us). A diagnostic, not a comparison:
@@ -55,6 +54,29 @@ def wrap(spent: dict, module: str, owner: str | None, attr: str, label: str) -> 
     setattr(holder, attr, timed)
 
 
+def loader_batches(tokens: Path, seq_len: int, rows: int, *, compact: bool):
+    """The token folder's loader in this process: every source weighted by its tokens."""
+    from data.loader import LoaderConfig, SourceConfig, build_loader
+
+    manifest = json.loads((tokens / "manifest.json").read_text())
+    cfg = LoaderConfig(
+        sources=[
+            SourceConfig(
+                name=src["name"],
+                shards=[str(tokens / src["name"])],
+                weight=float(sum(src["tokens"].values())),
+            )
+            for src in manifest["sources"]
+        ],
+        seq_len=seq_len,
+        num_workers=0,
+        mode="infinite",
+    )
+    loader = build_loader(cfg, rank=0, world_size=1, micro_batch=rows)
+    loader.compact = compact  # what the LM task sets with data.expand=trainer
+    return iter(loader)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=Path, default=Path("runs/demo/tokens"))
@@ -64,12 +86,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--compact", action="store_true", help="hand batches out compact")
     a = ap.parse_args(argv)
-    from tools.bench.bench_peers import ours_batches
-
     spent: dict[str, float] = collections.defaultdict(float)
     for part in PARTS:
         wrap(spent, *part)
-    batches = ours_batches(a.tokens, 0, a.seq_len, a.rows, compact=a.compact)
+    batches = loader_batches(a.tokens, a.seq_len, a.rows, compact=a.compact)
     for _ in range(a.warmup):
         next(batches)
     spent.clear()

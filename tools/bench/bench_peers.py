@@ -44,10 +44,11 @@ loader built), then the rest of one epoch. ``tokens/s`` is the real tokens of th
 time from the start of building to the last batch (start-up counted; imports are not, they are
 printed apart). While it runs, this script samples the RSS and the PSS of the measure's whole
 process tree (the process and its workers) every 50 ms and keeps the peaks. Every loader runs
-once untimed first (page cache, on-disk caches), then ``--rounds`` rounds with the order rotated
-each round; medians. Ratios are printed against LitData (per-document arrays: the strongest fair
-baseline) and against earlyfuse's previous figures (``--previous FILE``, a JSON this script
-saved with ``--save``; by default the figures measured on the code before the loader's rewrite).
+for 20 batches untimed first (page cache, on-disk caches), then ``--rounds`` rounds, the order
+rotated each round; medians. Ratios are printed against LitData (per-document arrays: the
+strongest fair baseline) and against earlyfuse's previous figures (``--previous FILE``, a JSON
+this script saved with ``--save``; by default those of an earlier measurement of the same
+design).
 
     python tools/bench/bench_peers.py --corpus runs/bench-peers [--docs 27000] [--rounds 3]
 """
@@ -90,15 +91,16 @@ EOS_ID = 2
 MOD_BITS = 3  # LitData TokensLoader: id * 8 + modality in one int32
 CORPUS_VERSION = 1
 
-# earlyfuse before the loader's rewrite, measured on this benchmark's design (27,954 documents of
-# Python sources and prose, ~1,840 tokens each, 51.5M tokens; fresh process per measure): ratios
-# against LitData's per-document arrays. Replaced by ``--previous FILE``.
+# earlyfuse's figures from an earlier measurement of this benchmark's design (27,954 documents of
+# Python sources and prose, ~1,840 tokens each, 51.5M tokens; fresh process per measure), ratios
+# against LitData's per-document arrays; with one worker it gave no ratio counting start-up.
+# ``--previous FILE`` replaces them with a result this script saved.
 PREVIOUS = {
-    "source": "earlyfuse before the loader's rewrite (27,954 documents, 51.5M tokens)",
+    "source": "an earlier measurement (27,954 documents, 51.5M tokens)",
     "workers=0": {"first_batch_s": 3.3, "epoch_vs_litdata": 0.3, "peak_rss_vs_litdata": 2.1},
     "workers=1": {"first_batch_s": 7.8, "peak_rss_vs_litdata": 2.6},
 }
-# The goals of the loader's rewrite, printed beside the results.
+# The loader's goals for start-up, memory and speed, printed beside the results.
 GOALS = {
     "workers=0": {"first_batch_s": 0.5, "epoch_vs_litdata": 1.2, "peak_rss_vs_litdata": 1.3},
     "workers=1": {"first_batch_s": 1.5, "epoch_vs_litdata": 3.0, "peak_rss_vs_litdata": 1.3},
