@@ -1,0 +1,80 @@
+"""The peer benchmark's corpus builder and its command line (the benchmark itself is no test).
+
+The script is loaded from its file: benchmarks are not part of the installed distribution."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "bench" / "bench_peers.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_peers", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_material(root: Path) -> Path:
+    """Real-looking files: source code (.py) and prose (.rst, .txt), one of them not UTF-8."""
+    pkg = root / "pkg"
+    pkg.mkdir(parents=True)
+    for number in range(12):
+        body = "".join(
+            f"def func_{number}_{line}(value):\n    return value + {line}\n" for line in range(40)
+        )
+        (pkg / f"mod{number:02d}.py").write_text(body)
+    for number in range(6):
+        (pkg / f"notes{number}.rst").write_text(
+            f"Section {number}\n==========\n\n" + "Prose. " * 300
+        )
+    (pkg / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 100)
+    (pkg / "ignored.so").write_bytes(b"\x7fELF")
+    return root
+
+
+def test_corpus_is_token_shards_of_text_and_code_every_peer_reads_alike(bench, tmp_path):
+    material = make_material(tmp_path / "material")
+    corpus = tmp_path / "corpus"
+    args = ["--corpus", str(corpus), "--docs", "12", "--doc-tokens", "512"]
+    built = bench.main([*args, "--material", str(material), "--corpus-only"])
+    assert built["documents"] == 12
+    assert set(built["sources"]) == {"text", "code"}
+    assert built["sources"]["text"]["documents"] == 3  # --text-share 0.25
+    assert built["tokenizer"].startswith("byte-level")
+    docs = bench.read_documents(corpus / "tokens")
+    assert len(docs) == 12
+    assert sum(len(ids) for ids, _ in docs) == built["tokens"]
+    for ids, mod in docs:
+        assert 256 <= len(ids) <= 768 + 1  # half to one and a half times --doc-tokens
+        assert ids[-1] == bench.EOS_ID
+        assert ids.min() >= 0 and ids.max() < bench.ByteTokenizer.text_size
+        assert len(set(mod.tolist())) == 1
+    manifest = json.loads((corpus / "tokens" / "manifest.json").read_text())
+    assert manifest["totals"]["tokens"] == built["tokens"]
+    # The packer every peer gets hands out each real token once, in order
+    packer = bench.MinimalPacker(seq_len=256, rows=2)
+    batches = list(packer.batches(docs))
+    assert sum(int(batch["num_real_tokens"]) for batch in batches) == built["tokens"]
+    flat = np.concatenate([batch["input_ids"].numpy().ravel() for batch in batches])
+    assert np.array_equal(flat[: built["tokens"]], np.concatenate([ids for ids, _ in docs]))
+    # Built once: the same settings reuse it, others are refused with the folder named
+    assert bench.main([*args, "--material", str(material), "--corpus-only"]) == built
+    with pytest.raises(SystemExit, match=str(corpus / "corpus.json")):
+        bench.main([*args, "--material", str(material), "--corpus-only", "--docs", "10"])
+
+
+def test_help_names_the_corpus_and_the_peers():
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "--corpus" in out and "litdata-tokens" in out and "energon" in out
