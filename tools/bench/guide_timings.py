@@ -1,7 +1,7 @@
 """The guide's timings: docs/own_data.md's CPU try, run as the page writes it, wall and CPU time
 per command.
 
-    .venv/bin/python tools/bench/guide_timings.py            # about 8 minutes on 2 idle cores
+    .venv/bin/python tools/bench/guide_timings.py --threads 1   # 9 minutes on 2 cores at load 8
 
 The commands, the corpus and the local S3-compatible server are the slow guide test's
 (tests/guide_run.py, tests/s3_server.py: test dependencies, ``pip install -e '.[test]'``): a home
