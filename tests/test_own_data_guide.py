@@ -7,12 +7,14 @@ are the same."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import shlex
 from pathlib import Path
 
 import pytest
+from guide_run import GUIDE, RECIPES, blocks, write_user_configs
 from hydra import compose, initialize_config_dir
 
 import train.app as app
@@ -28,29 +30,19 @@ from tools.report import parse_args as report_args
 from train.config import RunConfig
 from train.config_check import unknown_override_keys
 
-GUIDE = Path(__file__).resolve().parents[1] / "docs" / "own_data.md"
-RECIPES = ("CPU try", "GPU run")
 CPU_VOCAB_MAX = 8192  # the demo's 4096 makes 1.1M of its model's 1.9M parameters
 
 
-def blocks(kind: str) -> list[tuple[str | None, str]]:
-    """(recipe or None for both, text) of every fenced block of ``kind``, in page order."""
-    out = []
-    for body in re.findall(rf"```{kind}\n(.*?)```", GUIDE.read_text(), re.S):
-        first = body.splitlines()[0].lstrip("# ").strip() if body.strip() else ""
-        out.append((first if first in RECIPES else None, body))
-    return out
-
-
 def commands(recipe: str) -> list[list[str]]:
-    """The recipe's commands, continuation lines joined, comments dropped."""
+    """The recipe's commands, continuation lines joined, comments and `export` lines (the
+    object store's settings) dropped."""
     out = []
     for label, body in blocks("bash"):
         if label not in (None, recipe):
             continue
         for line in body.replace("\\\n", " ").splitlines():
             argv = shlex.split(line, comments=True)
-            if argv:
+            if argv and argv[0] != "export":
                 out.append(argv)
     return out
 
@@ -89,13 +81,7 @@ def composed(overrides: list[str], config_dir: Path | None):
 @pytest.fixture
 def user_configs(tmp_path) -> Path:
     """The guide's own data config, written where its first line says (under a temp home)."""
-    (body,) = [text for _, text in blocks("yaml")]
-    where = body.splitlines()[0].lstrip("# ").strip()
-    assert where == "~/my-configs/data/mine.yaml"
-    path = tmp_path / "my-configs" / "data" / "mine.yaml"
-    path.parent.mkdir(parents=True)
-    path.write_text(body)
-    return tmp_path / "my-configs"
+    return write_user_configs(tmp_path)
 
 
 def test_every_command_parses():
@@ -120,8 +106,9 @@ def test_every_command_parses():
 def test_the_recipe_agrees_with_itself(recipe, user_configs, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path))  # ~/corpus, ~/my-configs
-    for folder in ("code", "notes", "photos", "videos"):
+    for folder in ("code", "notes", "photos", "videos", "pages", "wiki_hf"):
         (tmp_path / "corpus" / folder).mkdir(parents=True)
+    (tmp_path / "corpus" / "pages" / "pages.jsonl").touch()
     cmds = commands(recipe)
     prep = prep_parser()
     ingest = prep.parse_args(one(cmds, "earlyfuse-prep", "ingest")[1:])
@@ -152,7 +139,7 @@ def test_the_recipe_agrees_with_itself(recipe, user_configs, tmp_path, monkeypat
         f"layout has {levels}: tokenize would refuse it"
     )
     assert any(same_path(raw, ingest.out) for raw in vtok.vtok_data.raw)
-    ingested = {spec.name for spec in parse_sources(ingest.source)}
+    ingested = source_names(ingest.source)
     assert set(vtok.vtok_data.sources) <= ingested, (
         "the visual tokenizer names a source not ingested"
     )
@@ -183,6 +170,15 @@ def test_the_recipe_agrees_with_itself(recipe, user_configs, tmp_path, monkeypat
             assert same_path(generate_parser().parse_args(argv[1:]).release, release.out)
         if argv[0] == "earlyfuse-report":
             assert same_path(report_args(argv[1:]).run_dir, lm.run_dir)
+
+
+def source_names(sources: list[str]) -> set[str]:
+    """The names ingest gives its ``--source`` arguments; one in object storage is named by the
+    guide (its stem would do too), so naming it needs no server here."""
+    remote = [arg for arg in sources if "://" in arg]
+    assert all(re.match(r"[A-Za-z0-9_-]+=", arg) for arg in remote), remote
+    local = [arg for arg in sources if arg not in remote]
+    return {spec.name for spec in parse_sources(local)} | {arg.split("=")[0] for arg in remote}
 
 
 def vocabulary_of(argv: list[str]) -> tuple[int, str, int]:
@@ -217,58 +213,65 @@ def test_the_readme_and_the_help_give_the_guide_s_vocabularies():
 SHORTER = {"experiment=vtok_demo": " train.steps=4", "experiment=demo": " train.steps=4"}
 
 
-def small_corpus(home: Path) -> None:
-    """~/corpus as the guide lays it out: a source tree, prose, captioned photos and videos."""
-    from factories import jpeg_bytes, mp4_bytes
-
-    corpus = home / "corpus"
-    for folder in ("code/pkg", "notes", "photos", "videos"):
-        (corpus / folder).mkdir(parents=True)
-    for i in range(30):
-        (corpus / "code" / "pkg" / f"mod{i}.py").write_text(
-            f'"""Module {i}."""\n\n\ndef value_{i}(x):\n    return x * {i} + {i % 7}\n'
-        )
-        (corpus / "notes" / f"note{i}.txt").write_text(
-            f"Note {i}: the river rose {i} feet in the night and the town counted its boats."
-        )
-    for i in range(1, 13):
-        (corpus / "photos" / f"IMG_{i:04d}.jpg").write_bytes(jpeg_bytes(96, 72, seed=i))
-        (corpus / "photos" / f"IMG_{i:04d}.txt").write_text(f"photo number {i} of the trip")
-    for i in range(4):
-        (corpus / "videos" / f"clip{i}.mp4").write_bytes(mp4_bytes(frames=16, w=64, h=48))
-        (corpus / "videos" / f"clip{i}.txt").write_text(f"clip {i}: a square moves")
-
-
 @pytest.mark.slow
-def test_the_cpu_try_runs_as_written(tmp_path, user_configs):
+def test_the_cpu_try_runs_as_written(tmp_path):
     """Every command of the CPU try, run by bash as the page writes it (the two training runs
-    cut to 4 steps), on a small corpus with every source kind the guide names."""
-    import os
-    import subprocess
-    import sys
+    cut to 4 steps, the object store's settings filled in with the local server's), on a corpus
+    with every source kind the guide names: the image table is read from ``s3://`` on a local
+    S3-compatible server, and every source reaches the token shards."""
+    pytest.importorskip("moto")
+    from guide_run import BUCKET, build_corpus, run_recipe, upload
+    from s3_server import s3_with_bucket
 
-    small_corpus(tmp_path)
-    env = {
-        **os.environ,
-        "HOME": str(tmp_path),
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-        "OMP_NUM_THREADS": "1",
-    }
-    lines, said = [], {}
-    for label, body in blocks("bash"):
-        if label in (None, "CPU try"):
-            lines += [line for line in body.replace("\\\n", " ").splitlines() if line.strip()]
-    for line in lines:
-        line = line.split("#")[0].strip() if not line.lstrip().startswith("#") else ""
-        if not line or "runs/mine/config.yaml" in line and not (tmp_path / "runs/mine").exists():
-            continue
-        line += next((extra for key, extra in SHORTER.items() if f" {key} " in f"{line} "), "")
-        done = subprocess.run(
-            ["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True
-        )
-        assert done.returncode == 0, f"{line}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-        said[line.split()[0]] = done.stdout
+    write_user_configs(tmp_path)
+    table = build_corpus(tmp_path)
+    with s3_with_bucket(BUCKET) as s3:
+        upload(table)
+        said = run_recipe(tmp_path, s3.env, extra=SHORTER)
     assert (tmp_path / "runs/mine/report/report.png").is_file()
     assert (tmp_path / "bicycle.png").is_file()
     assert (tmp_path / "hf/mine/config.json").is_file()
     assert "text" in said["earlyfuse-eval"]  # its table, per modality
+
+    # Every source, the remote table's too, whole: nothing rejected, every row a document.
+    raw = json.loads((tmp_path / "shards/manifest.json").read_text())
+    assert raw["totals"]["rejects_by_reason"] == {}
+    documents = {name: 0 for name in KINDS_IN_THE_GUIDE}
+    for source in raw["sources"]:
+        documents[source["name"].removeprefix("val/")] += source["samples"]
+    assert documents == KINDS_IN_THE_GUIDE
+    # The portrait clip, and the photo larger than a row, fitted to a row by tokenize.
+    sizes = [
+        (media["width"], media["height"])
+        for record in index_records(tmp_path / "shards", "videos")
+        for media in record["media"]
+    ]
+    assert any(height > width for width, height in sizes), sizes
+    tokens = json.loads((tmp_path / "tokens/manifest.json").read_text())
+    by_name = {source["name"]: source for source in tokens["sources"]}
+    assert set(by_name) - {f"val/{name}" for name in KINDS_IN_THE_GUIDE} == set(KINDS_IN_THE_GUIDE)
+    photos = [by_name[name] for name in ("photos", "val/photos") if name in by_name]
+    assert max(source["blocks"]["image"]["longest"] for source in photos) <= 512
+
+
+# Documents per source of guide_run.build_corpus, training and held-out together.
+KINDS_IN_THE_GUIDE = {
+    "code": 33,  # the package's 30 modules, its __init__, a test and its pyproject.toml
+    "notes": 40,  # .txt, .md, .rst and man pages as text
+    "photos": 13,  # one of them 320x240: 4,860 tokens at its size
+    "videos": 4,  # one portrait
+    "pages": 8,  # interleaved JSONL
+    "wiki": 20,  # a Hugging Face save_to_disk folder
+    "catalog": 10,  # a parquet table in the bucket
+}
+
+
+def index_records(shards: Path, source: str) -> list[dict]:
+    """The index records of a raw source's shards, training and held-out."""
+    return [
+        json.loads(line)
+        for folder in (shards / source, shards / "val" / source)
+        for index in sorted(folder.glob("*.idx.jsonl"))
+        for line in index.read_text().splitlines()
+        if line.strip()
+    ]

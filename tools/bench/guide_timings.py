@@ -1,0 +1,226 @@
+"""The guide's timings: docs/own_data.md's CPU try, run as the page writes it, wall and CPU time
+per command.
+
+    .venv/bin/python tools/bench/guide_timings.py --threads 1   # 9 minutes on 2 cores at load 8
+
+The commands, the corpus and the local S3-compatible server are the slow guide test's
+(tests/guide_run.py, tests/s3_server.py: test dependencies, ``pip install -e '.[test]'``): a home
+folder laid out as the guide's step 1 (a Python package, docs and man pages, captioned photos,
+videos, interleaved pages, a Hugging Face folder, an image table read from ``s3://``), ``--scale``
+times the test's documents (3: 376 documents, about the corpus of the user whose report the
+guide's timings answer).
+
+The two training runs are cut to ``--vtok-steps`` and ``--lm-steps`` (appended as
+``train.steps=N``; Hydra takes a key's last value); their presets' own counts (``train.steps`` of
+``configs/experiment/vtok_demo.yaml`` and ``demo.yaml``) are estimated as the cut run plus the
+remaining steps at the rate measured between its first and last console lines ("per 100
+steps"): validations and checkpoints between them are in that rate, the start and the final
+evaluation once.
+
+Wall time is the command's; CPU time is user + system of the command and every process it
+started (``getrusage(RUSAGE_CHILDREN)``; for the per-100-step rate, the live process tree read
+from /proc at the two console lines). On a machine others are using, wall time grows with
+their load and CPU time much less: the load average is printed with the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import resource
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+# A training run's console line (train/callbacks/metrics_log.py): "step 25/100 | loss ...".
+STEP_LINE = re.compile(r"\bstep (\d+)/(\d+) \|")
+
+
+@dataclass
+class Timing:
+    command: str
+    wall_s: float
+    cpu_s: float
+    # Training runs: the steps run, the rate between the first and last console lines and the
+    # estimate for the preset's own step count.
+    steps: int = 0
+    per_100_wall_s: float = 0.0
+    per_100_cpu_s: float = 0.0
+    preset_steps: int = 0
+    preset_wall_s: float = 0.0
+    preset_cpu_s: float = 0.0
+    marks: list[tuple[int, float, float]] = field(default_factory=list)
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def tree_cpu(pid: int) -> float:
+    """User + system seconds of a live process and all its descendants (with the children each
+    has waited for), from Linux's /proc."""
+    parents, times = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # Fields after the command name (which may hold spaces), from ")": state, ppid, ...
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # a process that ended while we looked
+        proc = int(stat.parent.name)
+        parents[proc] = int(fields[1])
+        times[proc] = sum(int(tick) for tick in fields[11:15])  # utime stime cutime cstime
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for proc, ppid in parents.items():
+            if ppid == parent and proc not in tree:
+                tree.add(proc)
+                frontier.append(proc)
+    return sum(times.get(proc, 0) for proc in tree) / os.sysconf("SC_CLK_TCK")
+
+
+def preset_steps(line: str) -> int:
+    """``train.steps`` of the experiment preset a training command names."""
+    for word in shlex.split(line):
+        if word.startswith("experiment="):
+            preset = ROOT / "configs" / "experiment" / f"{word.split('=', 1)[1]}.yaml"
+            return int(yaml.safe_load(preset.read_text())["train"]["steps"])
+    raise ValueError(f"no experiment= in {line!r}")
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.timings: list[Timing] = []
+
+    def run(self, line: str, script: str, env: dict[str, str]) -> str:
+        """Run one of the guide's lines (``script``: it, after the page's `export` lines) and
+        time it; its output is echoed as it comes."""
+        print(f"\n$ {line}", flush=True)
+        cpu_before, start = children_cpu(), time.monotonic()
+        proc = subprocess.Popen(
+            ["bash", "-c", script],
+            cwd=env["HOME"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        assert proc.stdout is not None
+        said, marks = [], []
+        for out in proc.stdout:
+            said.append(out)
+            print("  " + out, end="", flush=True)
+            found = STEP_LINE.search(out)
+            if found:
+                marks.append((int(found[1]), time.monotonic() - start, tree_cpu(proc.pid)))
+        code = proc.wait()
+        timing = Timing(line, time.monotonic() - start, children_cpu() - cpu_before)
+        if code != 0:
+            raise SystemExit(f"`{line}` exited with status {code}")
+        if line.startswith("earlyfuse-train") and len(marks) >= 2:
+            self.rate(timing, marks, preset_steps(line))
+        self.timings.append(timing)
+        return "".join(said)
+
+    @staticmethod
+    def rate(timing: Timing, marks: list[tuple[int, float, float]], preset: int) -> None:
+        (first, wall0, cpu0), (last, wall1, cpu1) = marks[0], marks[-1]
+        timing.steps, timing.marks, timing.preset_steps = last, marks, preset
+        timing.per_100_wall_s = (wall1 - wall0) * 100 / (last - first)
+        timing.per_100_cpu_s = (cpu1 - cpu0) * 100 / (last - first)
+        more = max(0, preset - last) / 100
+        timing.preset_wall_s = timing.wall_s + more * timing.per_100_wall_s
+        timing.preset_cpu_s = timing.cpu_s + more * timing.per_100_cpu_s
+
+
+def table(timings: list[Timing]) -> str:
+    rows = ["| command | wall | CPU (user+sys) |", "|---|---|---|"]
+    for timing in timings:
+        rows.append(f"| `{short(timing.command)}` | {timing.wall_s:.0f} s | {timing.cpu_s:.0f} s |")
+        if timing.steps:
+            rows.append(
+                f"| ... per 100 steps | {timing.per_100_wall_s:.0f} s | "
+                f"{timing.per_100_cpu_s:.0f} s |"
+            )
+            rows.append(
+                f"| ... {timing.preset_steps} steps (the preset's; estimated) | "
+                f"{timing.preset_wall_s:.0f} s | {timing.preset_cpu_s:.0f} s |"
+            )
+    return "\n".join(rows)
+
+
+def short(command: str, width: int = 70) -> str:
+    return command if len(command) <= width else command[: width - 3] + "..."
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--scale", type=int, default=3, help="times the test corpus's documents")
+    parser.add_argument("--vtok-steps", type=int, default=100)
+    parser.add_argument("--lm-steps", type=int, default=100)
+    parser.add_argument(
+        "--threads",
+        help="OMP_NUM_THREADS of the commands (default: this environment's, else torch's own "
+        "choice, one per core, as a user's commands get)",
+    )
+    parser.add_argument("--keep", type=Path, help="work in this folder and keep it")
+    parser.add_argument("--out", type=Path, help="also write the timings here (JSON)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    sys.path.insert(0, str(ROOT / "tests"))
+    guide_run = importlib.import_module("guide_run")
+    s3_server = importlib.import_module("s3_server")
+    with tempfile.TemporaryDirectory(prefix="guide_timings_") as scratch:
+        home = args.keep or Path(scratch)
+        home.mkdir(parents=True, exist_ok=True)
+        guide_run.write_user_configs(home)
+        files = guide_run.build_corpus(home, scale=args.scale)
+        load_before = os.getloadavg()
+        extra = {
+            "experiment=vtok_demo": f" train.steps={args.vtok_steps} train.progress=false",
+            "experiment=demo": f" train.steps={args.lm_steps} train.progress=false",
+        }
+        timer = Timer()
+        with s3_server.s3_with_bucket(guide_run.BUCKET) as server:
+            guide_run.upload(files)
+            guide_run.run_recipe(home, server.env, extra=extra, run=timer.run, threads=args.threads)
+        load_after = os.getloadavg()
+    print(f"\n{table(timer.timings)}\n")
+    threads = args.threads or os.environ.get("OMP_NUM_THREADS") or "torch's default"
+    print(
+        f"{os.cpu_count()} cores, OMP_NUM_THREADS {threads}; load average (1, 5, 15 min) before "
+        + ", ".join(f"{load:.1f}" for load in load_before)
+        + ", after "
+        + ", ".join(f"{load:.1f}" for load in load_after)
+    )
+    if args.out:
+        record = {
+            "scale": args.scale,
+            "threads": os.environ.get("OMP_NUM_THREADS") if args.threads is None else args.threads,
+            "cores": os.cpu_count(),
+            "load_before": load_before,
+            "load_after": load_after,
+            "timings": [asdict(timing) for timing in timer.timings],
+        }
+        args.out.write_text(json.dumps(record, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
