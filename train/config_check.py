@@ -52,6 +52,7 @@ RESUME_CRITICAL: dict[str, tuple[str, ...]] = {
         "data.shuffle_shards",
         "data.max_pending",
         "data.oversize",
+        "data.whole_documents",
         "data.tokenize",
         "data.tokenizers",
         # Ranks per row: another degree on as many processes is another data-parallel size
