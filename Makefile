@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 DEMO_DIR ?= runs/demo
 STAMP := $(VENV)/.earlyfuse-installed
 
-.PHONY: demo test test-slow test-gpu gpu-check lint bench venv clean-demo
+.PHONY: demo demo-long test test-slow test-gpu gpu-check lint bench venv clean-demo
 
 venv: $(STAMP)
 
@@ -108,6 +108,28 @@ demo: $(STAMP)
 		--max-pairs 60 --max-scenes 40 --draw-guidance 2 --no-table --no-progress \
 		--out $(DEMO_DIR)/lm/heldout_eval.json
 	$(BIN)/earlyfuse-report $(DEMO_DIR)/lm
+
+# The long-context demo stage (docs/long_context.md, "The CPU demo stage"), after `make demo`
+# (run first when its release is missing): the demo model continued at rows of 4,096 tokens on
+# passkey documents (a 5-digit number hidden in filler, asked for at the end) beside the demo's
+# own data, then the passkey table of the demo model before and after the stage.
+LONG_DIR = $(DEMO_DIR)/long
+$(DEMO_DIR)/release/model.safetensors:
+	$(MAKE) demo
+
+demo-long: $(STAMP) $(DEMO_DIR)/release/model.safetensors
+	$(PY) -m data.demo_corpus.passkey --out $(LONG_DIR)/corpus --count 1500 --length-chars 14000 \
+		--min-chars 1000 --seed 0
+	$(BIN)/earlyfuse-prep ingest --out $(LONG_DIR)/raw --workers 2 --no-progress \
+		--source passkey=text:$(LONG_DIR)/corpus/passkey.jsonl
+	$(TOKENIZE) --in $(LONG_DIR)/raw --out $(LONG_DIR)/tokens
+	$(BIN)/earlyfuse-train experiment=demo_long run_dir=$(LONG_DIR)/lm \
+		train.init_from=$(DEMO_DIR)/release train.progress=false
+	$(BIN)/earlyfuse-convert release $(LONG_DIR)/lm $(LONG_DIR)/release --force
+	@# The needle table, teacher-forced, of the demo model (rows of 512) and of the stage.
+	@# To be wired: `earlyfuse-eval $(LONG_DIR)/release --needle` (the evaluation's own table).
+	$(PY) -m tools.evaluate.passkey_demo $(DEMO_DIR)/release $(LONG_DIR)/release \
+		--lengths 512,1024,2048,4096 --per-cell 6
 
 bench: $(STAMP)
 	$(PY) tools/bench/bench_ingest.py

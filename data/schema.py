@@ -30,6 +30,8 @@ REASONS = {
     "to --exclude-content-of already holds",
     "empty-document": "a document with no content (empty text, no segments)",
     "link-outside-source": "a symlink that leads out of the source's folder (--follow-links-outside reads it)",
+    "over-doc-budget": "a document whose text and images leave its videos too little of "
+    "tokenize's --doc-budget",
     "outside-tree": "a media path a table gives that leads out of the table's folder ('..', "
     "an absolute path; --allow-outside-paths reads it)",
     "missing-media": "a referenced image or video file that does not exist or is remote",

@@ -73,8 +73,9 @@ def _add_tokenize(sub) -> None:
     p.add_argument(
         "--video-max-tokens",
         type=int,
-        default=4096,
-        help="tokens per video block at most; longer clips are sampled more sparsely (default 4096)",
+        default=None,
+        help="tokens per video block at most; longer clips are sampled more sparsely (default 4096, "
+        "or --doc-budget when given)",
     )
     p.add_argument(
         "--seq-len",
@@ -93,6 +94,17 @@ def _add_tokenize(sub) -> None:
         metavar="N",
         help="bound blocks to N tokens (e.g. half a row, for tighter packing); with --seq-len "
         "the smaller of the two",
+    )
+    p.add_argument(
+        "--doc-budget",
+        type=int,
+        default=0,
+        metavar="N",
+        help="tokens one document may take, for a long-context stage whose rows are N tokens: a "
+        "document's videos share what its text and images leave of N and keep as many frames as "
+        "their share allows (a long clip keeps its length); every block also fits N. A document "
+        "whose text and images leave its videos too little is rejected (over-doc-budget). "
+        "Default: no per-document bound, each block bounded by --seq-len as above",
     )
     p.add_argument("--workers", type=int, default=1, help="parallel worker processes (default 1)")
     p.add_argument(
@@ -124,15 +136,20 @@ def cmd_tokenize(a) -> int:
     from data.tokenize.docs import TokenizeOptions
     from data.tokenize.run import tokenize
 
-    caps = [n for n in (a.seq_len, a.max_block_tokens) if n]
+    caps = [n for n in (a.seq_len, a.max_block_tokens, a.doc_budget) if n]
     if any(n < 8 for n in caps):
-        raise ValueError("--seq-len / --max-block-tokens: a visual block needs at least 8 tokens")
+        raise ValueError(
+            "--seq-len / --max-block-tokens / --doc-budget: a visual block needs at least 8 tokens"
+        )
+    if a.video_max_tokens is None:
+        a.video_max_tokens = a.doc_budget or 4096
     opts = TokenizeOptions(
         image_max_pixels=a.image_max_pixels,
         video_max_pixels=a.video_max_pixels,
         video_fps=a.video_fps,
         video_max_tokens=a.video_max_tokens,
         max_block_tokens=min(caps) if caps else 0,
+        doc_budget=a.doc_budget,
     )
     m = tokenize(
         a.inp,

@@ -45,6 +45,7 @@ class FastPath(DocumentIntake):
         self.B, self.L = stream.micro_batch, cfg.seq_len
         self.chunk, self.max_pending = stream.chunk, cfg.max_pending
         self.drop_document = cfg.oversize == "drop_document"
+        self.whole_documents = cfg.whole_documents
         self.pad_id = packer.pad_id
         # A few batches of one source a refill (at least one document)
         self.refill_tokens = 4 * self.B * self.L
@@ -178,6 +179,7 @@ class FastPath(DocumentIntake):
                 self.chunk,
                 self.max_pending,
                 self.drop_document,
+                self.whole_documents,
                 self.pad_id,
             )
             if code == kernel.PACKED:

@@ -282,10 +282,20 @@ def _flush(docs, units, src, ids_l, mod_l, state, out, doc, row_a, doc_a, row_b,
 
 
 @njit(cache=True, inline="always")
-def _place(docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_document):
+def _place(docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_document, whole):
     """Place as much of document ``doc`` as fits from pos (Packer._place): (outcome, new pos)."""
     n_units, unit, offset = docs[doc, D_NU], docs[doc, D_UNIT], docs[doc, D_OFF]
     limit, length, unit0 = docs[doc, D_LIMIT], docs[doc, D_LEN], docs[doc, D_U0]
+    # whole_documents: a document that fits a row waits for one rather than be split
+    if (
+        whole
+        and pos > 0
+        and unit == 0
+        and offset == 0
+        and limit == length
+        and L - pos < length <= L
+    ):
+        return _BLOCKED, pos
     if docs[doc, D_NBLK] == 0:  # text only
         doc_at = offset if unit < n_units else length
         idx = min(L - pos, limit - doc_at) if doc_at < limit else 0
@@ -400,12 +410,14 @@ def _end_row(docs, units, state, out, blocks, real, pos, L, pad_id):
 
 @njit(cache=True, inline="always")
 def _place_held(
-    docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_document,
+    docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_document, whole,
     carry, defer, n_carry, n_defer,
 ):  # fmt: skip
     """``_place``, then the document held aside when it filled the row (carried into the next)
     or a block of it must wait (deferred), as ``Packer.pack`` does: (pos, carried, deferred)."""
-    outcome, pos = _place(docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_document)
+    outcome, pos = _place(
+        docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_document, whole
+    )
     if outcome == _FULL:
         carry[n_carry] = doc
         n_carry += 1
@@ -443,6 +455,7 @@ def pack_batch(
     chunk,
     max_pending,
     drop_document,
+    whole,
     pad_id,
 ):
     """Pack rows until the batch has ``B`` (PACKED), a queue runs dry (NEED: state[ST_NEED] is the
@@ -468,7 +481,7 @@ def pack_batch(
                     continue
                 pos, n_carry, n_defer = _place_held(
                     docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_document,
-                    carry, defer, n_carry, n_defer,
+                    whole, carry, defer, n_carry, n_defer,
                 )  # fmt: skip
             state[ST_NPENDING] = 0
         else:  # resumed after NEED
@@ -482,7 +495,7 @@ def pack_batch(
                 break
             pos, n_carry, n_defer = _place_held(
                 docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_document,
-                carry, defer, n_carry, n_defer,
+                whole, carry, defer, n_carry, n_defer,
             )  # fmt: skip
         pending[:n_carry] = carry[:n_carry]
         pending[n_carry : n_carry + n_defer] = defer[:n_defer]

@@ -19,6 +19,11 @@ Design choices:
 - M-RoPE positions (t, h, w): text advances all three by one per token; inside a visual block
   the codes and row ends take (t0 + frame, t0 + row, t0 + col), and the position after the
   block continues past its largest extent (Qwen2-VL's scheme).
+- ``whole_documents``: a document that fits a row and was handed out whole is never split
+  across rows; when it does not fit what is left of the row it waits like a block (held aside,
+  at most ``max_pending``) and starts a later row. Long-context stages use it so that a long
+  file, clip or page is seen in one piece (its every token attends to its whole beginning), at
+  the cost of some padding.
 - A batch leaves the packer compact (``Packer.compact``: ids, modalities, a table of segments
   and one of visual blocks); data/loader/expand.py derives every other per-token field from it
   where the batch is handed out.
@@ -196,6 +201,7 @@ class Packer:
         max_pending: int = 4,
         oversize: str = "drop_block",
         dry: bool = False,
+        whole_documents: bool = False,
     ) -> None:
         if oversize not in ("drop_block", "drop_document"):
             raise ValueError(f"oversize {oversize!r}: choose drop_block or drop_document")
@@ -206,6 +212,7 @@ class Packer:
             oversize,
             dry,
         )
+        self.whole_documents = whole_documents
         self.pending: list[Doc] = []
         self._pad_ids = np.full(seq_len, pad_id, np.int64)  # a row's padding (finish)
         self._pad_mod = np.full(seq_len, _TEXT, np.int64)
@@ -224,6 +231,15 @@ class Packer:
         L, units, limit = self.L, doc.units, doc.limit
         # The cursor in locals (written back before the last flush: _flush does not read it)
         n_units, unit, offset = len(units), doc.unit, doc.offset
+        if (
+            self.whole_documents
+            and pos > 0
+            and unit == 0
+            and offset == 0
+            and limit == doc.length
+            and L - pos < doc.length <= L
+        ):
+            return "blocked", pos  # it fits a whole row: it starts one rather than be split
         if not doc.blocks:  # text only (one unit, or none): the loop below, unrolled
             at = offset if unit < n_units else doc.length
             k = min(L - pos, limit - at) if at < limit else 0  # limit <= length

@@ -89,7 +89,12 @@ class ConsumerStream:
         self._mixed = [(s, share) for s, share in enumerate(self.shares) if share > 0]
         self.consumer, self.consumers, self.micro_batch = consumer, consumers, micro_batch
         self.packer = Packer(
-            cfg.seq_len, pad_id=pad_id, max_pending=cfg.max_pending, oversize=cfg.oversize, dry=dry
+            cfg.seq_len,
+            pad_id=pad_id,
+            max_pending=cfg.max_pending,
+            oversize=cfg.oversize,
+            dry=dry,
+            whole_documents=cfg.whole_documents,
         )
         self.cursors = [SourceCursor() for _ in tables]
         # Per source: documents with tokens not yet handed out, oldest first (the next chunk

@@ -31,7 +31,7 @@ def visual_blocks(spans: list[dict]) -> list[list[int]]:
 
 MEDIA_REJECTS = {
     "image": ("unreadable-image",),
-    "video": ("undecodable-video",),
+    "video": ("undecodable-video", "over-doc-budget"),
 }
 
 

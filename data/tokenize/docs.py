@@ -30,13 +30,18 @@ class TokenizeOptions:
     # length of the training runs (``--seq-len``). Images are made smaller to fit; videos keep
     # fewer frames (down to two latent frames), then smaller frames, then one frame.
     max_block_tokens: int = 0
+    # Tokens one document may take (0: no bound beyond the blocks' own): a document's videos
+    # share what its text, its images and <|bos|>/<|eos|> leave of it, each keeping as many frames
+    # as its share allows (long-context stages: a long clip keeps its length up to the row).
+    doc_budget: int = 0
 
     def record(self) -> dict:
-        """The options as fingerprints and manifests record them; ``max_block_tokens`` only when
-        set, so folders made before it existed keep their fingerprint."""
+        """The options as fingerprints and manifests record them; ``max_block_tokens`` and
+        ``doc_budget`` only when set, so folders made before they existed keep their fingerprint."""
         out = asdict(self)
-        if not self.max_block_tokens:
-            del out["max_block_tokens"]
+        for name in ("max_block_tokens", "doc_budget"):
+            if not out[name]:
+                del out[name]
         return out
 
 

@@ -30,6 +30,10 @@ __all__ = ["DocEncoder", "TokenDoc", "TokenizeOptions", "tokens_by_modality"]
 MIN_VIDEO_LATENTS = 2  # the first frame and one group: a clip keeps some motion before shrinking
 
 
+class DocBudgetError(ValueError):
+    """A document whose text and images leave its videos too little of ``--doc-budget``."""
+
+
 class DocEncoder:
     def __init__(
         self, text: TextTokenizer, vtok, opts: TokenizeOptions, device: torch.device
@@ -69,13 +73,14 @@ class DocEncoder:
                     grids[index] = grid
         return [grids[index] for index in range(len(images))]
 
-    def video_plan(self, seg: dict) -> tuple[ImagePrep, int]:
-        """(frame preparation, most frames) under which this video's block fits the budget:
-        all the frames the clip yields at ``video_fps`` if they fit; else fewer frames, down to
-        two latent frames; else smaller frames with two latents; one latent frame only when the
-        clip yields one frame, or when even a one-code grid cannot carry two."""
+    def video_plan(self, seg: dict, budget: int | None = None) -> tuple[ImagePrep, int]:
+        """(frame preparation, most frames) under which this video's block fits the budget
+        (``budget``, default the per-block one): all the frames the clip yields at ``video_fps``
+        if they fit; else fewer frames, down to two latent frames; else smaller frames with two
+        latents; one latent frame only when the clip yields one frame, or when even a one-code
+        grid cannot carry two."""
         factor, group_size = self.vtok.cfg.factor, self.vtok.cfg.temporal_factor
-        budget = self.video_budget
+        budget = self.video_budget if budget is None else budget
         target_w, target_h = self.video_prep.target_size(seg["width"], seg["height"])
         grid_h, grid_w = target_h // factor, target_w // factor
         wanted = _frames_at(seg, self.opts.video_fps)
@@ -94,10 +99,13 @@ class DocEncoder:
         return prep, 1 + (num_latents - 1) * group_size
 
     @torch.no_grad()
-    def encode_video(self, raw: bytes, seg: dict) -> tuple[np.ndarray, list[float]]:
-        prep, max_frames = self.video_plan(seg)
-        if video_block_len(1, 1, 1) > self.video_budget:
-            raise ValueError(f"a video block cannot fit in {self.video_budget} tokens")
+    def encode_video(
+        self, raw: bytes, seg: dict, budget: int | None = None
+    ) -> tuple[np.ndarray, list[float]]:
+        budget = self.video_budget if budget is None else budget
+        prep, max_frames = self.video_plan(seg, budget)
+        if video_block_len(1, 1, 1) > budget:
+            raise ValueError(f"a video block cannot fit in {budget} tokens")
         clip = self.decode_frames(raw, VideoSampling(self.opts.video_fps, max_frames), prep)
         frames_tensor = to_tensor(clip.frames).unsqueeze(0).to(self.device)
         return self.vtok.encode_video(frames_tensor)[0].cpu().numpy(), [
@@ -164,6 +172,16 @@ class DocEncoder:
                         },
                     )
                 )
+            except DocBudgetError as e:
+                out.append(
+                    Reject(
+                        f"{raw_doc.shard.name}:{raw_doc.key}",
+                        "over-doc-budget",
+                        str(e),
+                        key=raw_doc.key,
+                        source=raw_doc.doc.get("source"),
+                    )
+                )
             except ValueError as e:
                 out.append(
                     Reject(
@@ -183,6 +201,7 @@ class DocEncoder:
         mods: list[np.ndarray] = [np.array([int(Modality.TEXT)])]
         spans = []
         pos = 1
+        video_budget = self._video_share(rd, grids, text_ids)
         for seg_index, seg in enumerate(rd.doc["segments"]):
             kind = seg["type"]
             span: dict = {"type": kind}
@@ -195,7 +214,7 @@ class DocEncoder:
                 piece, mod = image_tokens(grids[seg_index], self.lay)
                 span["grid"] = list(grids[seg_index].shape)
             else:
-                codes, times = self.encode_video(rd.member(seg["member"]), seg)
+                codes, times = self.encode_video(rd.member(seg["member"]), seg, video_budget)
                 piece, mod = video_tokens(codes, self.lay)
                 span["grid"] = list(codes.shape)
                 span["times"] = times
@@ -213,6 +232,26 @@ class DocEncoder:
             spans,
             rd.doc.get("source", ""),
         )
+
+    def _video_share(
+        self, rd, grids: dict[int, np.ndarray], text_ids: dict[int, list[int]]
+    ) -> int | None:
+        """Each video's budget under ``doc_budget``: an equal share of what the document's text,
+        images, <|bos|> and <|eos|> leave, never above the per-block budget; None without
+        ``doc_budget`` (the per-block budget alone)."""
+        videos = sum(seg["type"] == "video" for seg in rd.doc["segments"])
+        if not self.opts.doc_budget or not videos:
+            return None
+        fixed = 2 + sum(len(ids) for ids in text_ids.values())
+        fixed += sum(len(image_tokens(grid, self.lay)[0]) for grid in grids.values())
+        share = (self.opts.doc_budget - fixed) // videos
+        if share < video_block_len(1, 1, 1):
+            raise DocBudgetError(
+                f"its text and images take {fixed} tokens of --doc-budget {self.opts.doc_budget}, "
+                f"leaving {max(share, 0)} for each of its {videos} video(s); a video block needs "
+                f"at least {video_block_len(1, 1, 1)}"
+            )
+        return min(share, self.video_budget)
 
 
 def _frames_at(seg: dict, fps: float) -> int:

@@ -249,3 +249,43 @@ def test_block_budget_shrinks_images_and_spends_frames_before_size(tiny_tokenize
     lat, h, w = plan(max_block_tokens=128)
     assert lat == 2 and h * w < 64 and video_block_len(lat, h, w) <= 128
     assert plan(max_block_tokens=8)[0] == 1  # not even two 1x1 latents: one frame
+
+
+def test_doc_budget_keeps_a_long_clip_long_and_bounds_the_whole_document(tiny_tokenizers, tmp_path):
+    """`--doc-budget`: the 8 s clip (64 frames at 8 fps, a real mp4 through decord) tokenized for
+    rows of 512 keeps few latent frames; for a long stage's rows of 4096 it keeps every frame its
+    sampling yields; `--seq-len 512` alone bounds the
+    block, not its document (the caption makes it longer than the row), and with `--doc-budget
+    512` the whole document fits; and a budget its caption alone
+    fills is a reject that says so, never a silent cut."""
+    videos = tmp_path / "in" / "videos"
+    videos.mkdir(parents=True)
+    (videos / "long.mp4").write_bytes(VIDEOS["long"][0]())
+    (videos / "long.txt").write_text("a clip called long, " * 6)
+    assert ingest(tmp_path / "raw", [f"videos=videos:{videos}"])["finalized"]
+    fast = ["--video-max-pixels", "1024"]
+
+    def tokenized(name: str, *flags: str) -> tuple[int, int, Path]:
+        out = tmp_path / name
+        code = tokenize(tmp_path / "raw", out, tiny_tokenizers, *fast, *flags)
+        doc = next(iter(spans(out, "videos").values()), None) if code == 0 else None
+        return (doc[-1]["end"] + 1 if doc else 0), code, out  # <|eos|> after the last span
+
+    def video_of(out: Path) -> dict:
+        return next(s for s in next(iter(spans(out, "videos").values())) if s["type"] == "video")
+
+    short_len, _, short = tokenized("short", "--seq-len", "512")
+    long_len, _, long = tokenized("long", "--seq-len", "4096", "--doc-budget", "4096")
+    assert video_of(short)["grid"][0] < video_of(long)["grid"][0]
+    assert len(video_of(long)["times"]) == 32  # 8 s at 4 fps: every sampled frame kept
+    assert len(video_of(short)["times"]) < 32
+    assert 512 < long_len <= 4096
+    # --seq-len bounds the block alone: with its caption the document outgrows the row.
+    assert video_of(short)["end"] - video_of(short)["start"] <= 512 < short_len
+    whole_len, _, whole = tokenized("whole", "--seq-len", "512", "--doc-budget", "512")
+    assert whole_len <= 512 and video_of(whole)["grid"][0] >= 2
+    manifest = json.loads((whole / "manifest.json").read_text())
+    assert manifest["options"]["doc_budget"] == 512
+    _, code, over = tokenized("over", "--doc-budget", "40")
+    rejects = (over / "rejects.jsonl").read_text()
+    assert code != 0 and "over-doc-budget" in rejects and "--doc-budget 40" in rejects

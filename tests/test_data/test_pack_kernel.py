@@ -65,6 +65,7 @@ SETTINGS = [
     {"seq_len": 128, "allow_block_drops": True, "oversize": "drop_document"},
     {"mode": "epoch"},  # to the end: every source done, the last batch held back
     {"max_pending": 1, "shuffle_shards": False},
+    {"seq_len": 512, "whole_documents": True},  # documents that fit a row wait for one
 ]
 
 
@@ -78,6 +79,9 @@ def test_the_compiled_loop_packs_what_the_python_path_packs(tiny_tokens, setting
     assert want_states == got_states
     if settings.get("allow_block_drops"):
         assert sum(int(b["dropped_blocks"].sum()) for b in got) > 0  # the drops were exercised
+    if settings.get("whole_documents"):  # documents were held for a later row: other rows
+        split, _, _ = run(tiny_tokens, n, **{**settings, "whole_documents": False})
+        assert any(not torch.equal(a["doc_ids"], b["doc_ids"]) for a, b in zip(got, split))
 
 
 @pytest.mark.parametrize("first_compiled", [True, False])

@@ -219,6 +219,37 @@ def test_import_starts_a_run_with_exactly_the_release_weights(runs, tiny_tokens,
     assert "already has a checkpoint" in capsys.readouterr().err
 
 
+def test_init_from_continues_at_longer_rows_with_a_larger_rope_base(runs, tiny_tokens, tmp_path):
+    """A long-context stage starts from a release with ``train.init_from`` (weights only, a new
+    optimizer): rows 4x the release's (256 -> 1024), its documents kept whole, and a 10x RoPE
+    base. The base changes no shape, so the release loads and the difference is reported; the
+    first step's loss is the release's weights under the new base on the longer rows, positions
+    past the old row length included."""
+    import dataclasses
+
+    rel = tmp_path / "rel"
+    make_release(runs[0], rel, log=quiet)
+    new = tmp_path / "long"
+    stage = ["data.seq_len=1024", "model.rope.theta=100000.0", "data.whole_documents=true"]
+    p = train([*base(tiny_tokens, new, 1, "optim.lr=0.0", *stage), f"train.init_from={rel}"])
+    assert "initialised from release" in p.stdout
+    assert "model.rope.theta: release 10000.0, run 100000.0" in p.stdout
+    cfg = load_run_config(new / "config.yaml")
+    batch = first_batch(cfg)
+    assert batch["input_ids"].shape[1] == 1024 and int(batch["position_ids"].max()) >= 256
+    release = Release(rel)
+    net = release.transformer_config
+    longer = dataclasses.replace(net, rope=dataclasses.replace(net.rope, theta=100000.0))
+    model = longer.build("cpu")
+    model.load_state_dict(release.state_dict())
+    model.train()
+    with torch.no_grad():
+        loss = model(**batch).loss.item()
+        at_old_base = release.build_model().train()(**batch).loss.item()
+    assert metrics(new)[1]["train/loss"] == pytest.approx(loss, abs=1e-6)
+    assert abs(loss - at_old_base) > 1e-4  # the new base is the one in use
+
+
 def test_damaged_files_are_errors_naming_the_file(runs, tmp_path, capsys):
     rel = tmp_path / "rel"
     make_release(runs[0], rel, log=quiet)

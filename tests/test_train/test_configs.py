@@ -31,9 +31,18 @@ def presets():
             yield f"{group.name}={preset.stem}"
 
 
+def with_experiment(choice: str) -> list[str]:
+    """A preset and what it composes over: a long-context stage over the gpu experiment of its
+    model (a generic stage over gpu_1b, whose 32 heads take every stage's SP degree)."""
+    if not choice.startswith("stage="):
+        return [choice]
+    model = choice.removeprefix("stage=").split("_")[0]
+    return [f"experiment=gpu_{model if model in ('125m', '1b') else '1b'}", choice]
+
+
 @pytest.mark.parametrize("choice", list(presets()))
 def test_every_preset_composes_and_builds(choice):
-    cfg = composed([choice])
+    cfg = composed(with_experiment(choice))
     if cfg.task == "vtok" or choice.startswith("vtok="):
         model = cfg.vtok.build()
     else:
@@ -207,3 +216,53 @@ def test_train_compile_auto_compiles_on_cuda_below_zero3_only():
     assert compile_model(vtok, asked=False) is False  # auto: left eager
     with pytest.raises(ConfigError, match="no compiled form"):
         compile_model(vtok, asked=True)
+
+
+def tokens_per_step(cfg, gpus: int = 8) -> int:
+    return (
+        cfg.train.micro_batch
+        * cfg.data.seq_len
+        * cfg.train.grad_accum
+        * gpus
+        // cfg.train.sequence_parallel
+    )
+
+
+@pytest.mark.parametrize("model", ["125m", "1b"])
+def test_long_context_stages_raise_theta_and_keep_tokens_per_step(model):
+    """Each model's stages over its gpu experiment: longer rows, a larger RoPE base, more ranks per
+    row at 32k and 128k, as many tokens per optimizer step (on 8 GPUs) as the 2k experiment and
+    at most twice its tokens per GPU per micro-step; every stage's mix is its own, summing to 1."""
+    base = composed([f"experiment=gpu_{model}"])
+    previous = base
+    for length in ("8k", "32k", "128k"):
+        cfg = composed([f"experiment=gpu_{model}", f"stage={model}_{length}"])
+        assert cfg.data.seq_len == {"8k": 8192, "32k": 32768, "128k": 131072}[length]
+        assert cfg.model.rope.theta > previous.model.rope.theta
+        assert cfg.train.sequence_parallel >= previous.train.sequence_parallel
+        assert cfg.model.attention.n_heads % cfg.train.sequence_parallel == 0
+        assert tokens_per_step(cfg) == tokens_per_step(base)
+        per_gpu = cfg.train.micro_batch * cfg.data.seq_len // cfg.train.sequence_parallel
+        # At most twice the 2k run's (the 1b at 128k: SP 8 is a whole node), with activation
+        # checkpointing on, which the 2k presets leave off.
+        assert per_gpu <= 2 * base.train.micro_batch * base.data.seq_len
+        assert cfg.model.activation_checkpoint_every == 1
+        assert cfg.model.dim == base.model.dim  # the same network: init_from loads it
+        assert all(f"/long_{length}/" in s.shards[0] for s in cfg.data.sources if s.name != "short")
+        assert sum(s.weight for s in cfg.data.sources) == pytest.approx(1.0)
+        previous = cfg
+    assert previous.train.sequence_parallel > 1
+
+
+def test_whole_documents_breaks_a_resume_only_when_it_changes_the_packing():
+    """A checkpoint saved before ``data.whole_documents`` existed packed without it: resuming with
+    the default (false) is no change; turning it on is."""
+    saved = "task: lm\ndata:\n  seq_len: 256\n"
+    for value, refused in (("false", False), ("true", True)):
+        new = f"task: lm\ndata:\n  seq_len: 256\n  whole_documents: {value}\n"
+        args = dict(saved_world_size=1, world_size=1, allowed=False, where="r/ckpt", show=False)
+        if refused:
+            with pytest.raises(ConfigError, match="data.whole_documents"):
+                check_resume_config(saved, new, **args)
+        else:
+            check_resume_config(saved, new, **args)
