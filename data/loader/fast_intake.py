@@ -7,9 +7,9 @@ Design choices:
   source at a time, when the kernel says that source's queue ran dry; runs of documents of
   shards that passed the whole-shard check are added at once, without a Python object each
   (stage_kernel.py).
-- Their tokens are copied into that source's staging arrays (int32 ids, uint8 modalities;
-  documents still being placed are carried over), so the kernel reads every document from one
-  place whatever shard or kind it came from.
+- Their tokens are appended to one pair of staging arrays (int32 ids, uint8 modalities) shared
+  by every source, so the kernel reads every document from one place whatever shard or kind it
+  came from; when they are full, they are made again with the documents still being placed.
 - Skips are counted per source as documents are read ahead, and each document's row records the
   count so far: a state counts a skip once the kernel takes a document after it.
 """
@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import typed
 
 from data.loader import pack_kernel as kernel
 from data.loader.order import ConsumerSlice
@@ -48,8 +47,9 @@ class DocumentIntake:
     pending: np.ndarray
     carry: np.ndarray
     defer: np.ndarray
-    ids_l: typed.List
-    mod_l: typed.List
+    staged_ids: np.ndarray
+    staged_mod: np.ndarray
+    staged_end: int
     refill_tokens: int
     read_errors: list[int]
     _starts: list[np.ndarray]
@@ -99,28 +99,21 @@ class DocumentIntake:
                 seen[int(drow)] = None
         return list(seen)
 
-    def _stage(
-        self, source: int, new: list[tuple[int, np.ndarray, np.ndarray]], runs: list
-    ) -> None:
-        """Source ``source``'s staging arrays: its live documents' tokens, then the new documents':
-        ``new`` (row, ids, modalities) read one by one and ``runs`` (``_fast_run``) in order."""
-        old_ids, old_mod = self.ids_l[source], self.mod_l[source]
-        live = self._live(source)
-        rows = np.asarray(live + [drow for drow, _, _ in new], np.int64)
+    def _stage(self, new: list[tuple[int, np.ndarray, np.ndarray]], runs: list) -> None:
+        """The tokens of new documents appended to the staging arrays:
+        ``new`` (row, ids, modalities) read one by one and ``runs`` (``_fast_run``) in order.
+        When they do not fit, the arrays are made again with every source's live documents
+        first (their rows' ``D_TOK`` moved) and room for twice what is live."""
+        rows = np.asarray([drow for drow, _, _ in new], np.int64)
         for run in runs:
             rows = np.concatenate([rows, run[0]])
         lengths = self.docs[rows, kernel.D_LEN]
-        starts_at = np.cumsum(lengths) - lengths
-        old_at = self.docs[rows[: len(live)], kernel.D_TOK]
-        self.docs[rows, kernel.D_TOK] = starts_at
-        ids = np.empty(int(lengths.sum()), np.int32)
-        mod = np.empty(len(ids), np.uint8)
-        for drow, old_start, size in zip(live, old_at.tolist(), lengths[: len(live)].tolist()):
-            offset = int(self.docs[drow, kernel.D_TOK])
-            ids[offset : offset + size], mod[offset : offset + size] = (
-                old_ids[old_start : old_start + size],
-                old_mod[old_start : old_start + size],
-            )
+        needed = int(lengths.sum())
+        if self.staged_end + needed > len(self.staged_ids):
+            self._restage(needed)
+        self.docs[rows, kernel.D_TOK] = self.staged_end + np.cumsum(lengths) - lengths
+        self.staged_end += needed
+        ids, mod = self.staged_ids, self.staged_mod
         for drow, doc_ids, doc_mod in new:
             offset = int(self.docs[drow, kernel.D_TOK])
             ids[offset : offset + len(doc_ids)], mod[offset : offset + len(doc_ids)] = (
@@ -132,7 +125,24 @@ class DocumentIntake:
             dst = self.docs[run_rows, kernel.D_TOK]
             for mapped, sel in groups:
                 gather_tokens(mapped, sel, ids_at, mod_at, lengths, dst, ids, mod)
-        self.ids_l[source], self.mod_l[source] = ids, mod
+
+    def _restage(self, needed: int) -> None:
+        """New staging arrays holding the live documents of every source, with room for
+        ``needed`` more tokens (and as many again, so that this happens rarely)."""
+        live = np.asarray(
+            [drow for source in range(len(self.src)) for drow in self._live(source)], np.int64
+        )
+        lengths = self.docs[live, kernel.D_LEN]
+        kept = int(lengths.sum())
+        size = max(2 * (kept + needed), 2 * self.refill_tokens)
+        ids, mod = np.empty(size, np.int32), np.empty(size, np.uint8)
+        old_at = self.docs[live, kernel.D_TOK].tolist()
+        new_at = (np.cumsum(lengths) - lengths).tolist()
+        for old, new, count in zip(old_at, new_at, lengths.tolist()):
+            ids[new : new + count] = self.staged_ids[old : old + count]
+            mod[new : new + count] = self.staged_mod[old : old + count]
+        self.docs[live, kernel.D_TOK] = new_at
+        self.staged_ids, self.staged_mod, self.staged_end = ids, mod, kept
 
     def _fast_run(self, source: int, most: int):
         """The next documents of source ``source`` (at most ``most``, in one epoch; at an
@@ -270,7 +280,7 @@ class DocumentIntake:
             order.append(np.asarray([drow], np.int64))
             tokens += doc.length
             count += 1
-        self._stage(source, new, runs)  # before the queue lists them: they are not live tokens yet
+        self._stage(new, runs)  # before the queue lists them: they are not live tokens yet
         rows = np.concatenate(order) if order else np.zeros(0, np.int64)
         self.queue[source, : len(rows)] = rows
         src[source, kernel.S_QHEAD], src[source, kernel.S_QLEN] = 0, len(rows)

@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
-from numba import typed
 
 from data.loader import pack_kernel as kernel
 from data.loader.batch_tables import count_modalities, pieces_table
@@ -65,8 +64,10 @@ class FastPath(DocumentIntake):
         self.shares = np.asarray(stream.shares, np.float64)
         self.mixed = np.asarray([source for source, _ in stream._mixed], np.int64)
         self.state = np.zeros(kernel.N_ST, np.int64)
-        self.ids_l = typed.List([np.zeros(0, np.int32) for _ in range(n_sources)])
-        self.mod_l = typed.List([np.zeros(0, np.uint8) for _ in range(n_sources)])
+        # The staging arrays of every source's documents (fast_intake.py: an arena appended to)
+        self.staged_ids = np.zeros(0, np.int32)
+        self.staged_mod = np.zeros(0, np.uint8)
+        self.staged_end = 0
         size = self.B * self.L
         self.seg = np.zeros((size + self.B, 6), np.int64)
         self.blocks = np.zeros((size // 4 + 16, 5), np.int64)
@@ -119,8 +120,8 @@ class FastPath(DocumentIntake):
 
         pending = [row_of(doc) for doc in packer.pending]
         opened = [[row_of(doc) for doc in docs] for docs in stream.open]
-        for source, docs in enumerate(by_source):  # staged before the lists refer to them
-            self._stage(source, [(index[id(doc)], *tokens_of(doc)) for doc in docs], [])
+        # staged at once, before the lists refer to them (nothing staged is live yet)
+        self._stage([(index[id(doc)], *tokens_of(doc)) for docs in by_source for doc in docs], [])
         self.pending[: len(pending)] = pending
         self.state[kernel.ST_NPENDING] = len(pending)
         for source, rows in enumerate(opened):
@@ -163,8 +164,8 @@ class FastPath(DocumentIntake):
                 self.shares,
                 self.mixed,
                 self.state,
-                self.ids_l,
-                self.mod_l,
+                self.staged_ids,
+                self.staged_mod,
                 ids,
                 mod,
                 self.seg,

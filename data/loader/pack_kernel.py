@@ -13,8 +13,8 @@ Design choices:
   epoch), single rows (tests, evaluation) and runs where numba is absent.
 - Documents come from Python (data/loader/fast_stream.py reads them, with every check and skip
   of ``ConsumerStream.load``) into a queue per source: a row of ``docs`` each, their packing
-  units in ``units``, their tokens in a staging array per source (int32 ids, uint8
-  modalities). When a queue runs dry mid-batch the kernel returns ``NEED`` with the source, at a
+  units in ``units``, their tokens in one staging array of all sources (int32 ids, uint8
+  modalities; plain arrays: the compiled code is cached on disk and loads in every process). When a queue runs dry mid-batch the kernel returns ``NEED`` with the source, at a
   point it can resume from (the row being built is kept in ``state``); Python reads more and calls
   again.
 - All state lives in the arrays below, so the stream's ``state_dict`` reads it from there.
@@ -207,7 +207,7 @@ def _blocks_in(docs, units, doc, doc_a, doc_b):
 
 
 @njit(cache=True, inline="always")
-def _flush(docs, units, src, ids_l, mod_l, state, out, doc, row_a, doc_a, row_b, cut, L):
+def _flush(docs, units, src, staged_ids, staged_mod, state, out, doc, row_a, doc_a, row_b, cut, L):
     """Doc tokens [doc_a, doc_a + row_b - row_a) at row positions [row_a, row_b), one piece
     (Packer._flush)."""
     out_ids, out_mod, seg, pieces, vis = out
@@ -235,7 +235,7 @@ def _flush(docs, units, src, ids_l, mod_l, state, out, doc, row_a, doc_a, row_b,
         state[ST_NPIECES] = np_ + 1
     state[ST_TAIL] = doc
     base = state[ST_ROWS_DONE] * L
-    ids, mod, tok = ids_l[source], mod_l[source], docs[doc, D_TOK]
+    ids, mod, tok = staged_ids, staged_mod, docs[doc, D_TOK]
     # Element loops over views indexed from 0, not slice assignments (which check the two
     # sides for overlap per piece; see stage_kernel.gather_tokens)
     dst_ids, src_ids = out_ids[base + row_a : base + row_b], ids[tok + doc_a : tok + doc_b]
@@ -282,7 +282,7 @@ def _flush(docs, units, src, ids_l, mod_l, state, out, doc, row_a, doc_a, row_b,
 
 
 @njit(cache=True, inline="always")
-def _place(docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_document):
+def _place(docs, units, src, staged_ids, staged_mod, state, out, doc, pos, L, drop_document):
     """Place as much of document ``doc`` as fits from pos (Packer._place): (outcome, new pos)."""
     n_units, unit, offset = docs[doc, D_NU], docs[doc, D_UNIT], docs[doc, D_OFF]
     limit, length, unit0 = docs[doc, D_LIMIT], docs[doc, D_LEN], docs[doc, D_U0]
@@ -298,7 +298,21 @@ def _place(docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_documen
         else:
             docs[doc, D_OFF] = doc_at + idx
             outcome = _FULL if doc_at + idx < limit else _DONE
-        _flush(docs, units, src, ids_l, mod_l, state, out, doc, pos, doc_at, pos + idx, False, L)
+        _flush(
+            docs,
+            units,
+            src,
+            staged_ids,
+            staged_mod,
+            state,
+            out,
+            doc,
+            pos,
+            doc_at,
+            pos + idx,
+            False,
+            L,
+        )
         return outcome, pos + idx
     piece_start = pos
     doc_start = units[unit0 + unit, U_START] + offset if unit < n_units else length
@@ -315,8 +329,8 @@ def _place(docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_documen
                     docs,
                     units,
                     src,
-                    ids_l,
-                    mod_l,
+                    staged_ids,
+                    staged_mod,
                     state,
                     out,
                     doc,
@@ -355,7 +369,21 @@ def _place(docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_documen
             else:
                 offset += idx
     docs[doc, D_UNIT], docs[doc, D_OFF] = unit, offset
-    _flush(docs, units, src, ids_l, mod_l, state, out, doc, piece_start, doc_start, pos, False, L)
+    _flush(
+        docs,
+        units,
+        src,
+        staged_ids,
+        staged_mod,
+        state,
+        out,
+        doc,
+        piece_start,
+        doc_start,
+        pos,
+        False,
+        L,
+    )
     return outcome, pos
 
 
@@ -400,12 +428,14 @@ def _end_row(docs, units, state, out, blocks, real, pos, L, pad_id):
 
 @njit(cache=True, inline="always")
 def _place_held(
-    docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_document,
+    docs, units, src, staged_ids, staged_mod, state, out, doc, pos, L, drop_document,
     carry, defer, n_carry, n_defer,
 ):  # fmt: skip
     """``_place``, then the document held aside when it filled the row (carried into the next)
     or a block of it must wait (deferred), as ``Packer.pack`` does: (pos, carried, deferred)."""
-    outcome, pos = _place(docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_document)
+    outcome, pos = _place(
+        docs, units, src, staged_ids, staged_mod, state, out, doc, pos, L, drop_document
+    )
     if outcome == _FULL:
         carry[n_carry] = doc
         n_carry += 1
@@ -428,8 +458,8 @@ def pack_batch(
     shares,
     mixed,
     state,
-    ids_l,
-    mod_l,
+    staged_ids,
+    staged_mod,
     out_ids,
     out_mod,
     seg,
@@ -467,7 +497,7 @@ def pack_batch(
                     n_defer += 1
                     continue
                 pos, n_carry, n_defer = _place_held(
-                    docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_document,
+                    docs, units, src, staged_ids, staged_mod, state, out, doc, pos, L, drop_document,
                     carry, defer, n_carry, n_defer,
                 )  # fmt: skip
             state[ST_NPENDING] = 0
@@ -481,7 +511,7 @@ def pack_batch(
             if doc == -1:
                 break
             pos, n_carry, n_defer = _place_held(
-                docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_document,
+                docs, units, src, staged_ids, staged_mod, state, out, doc, pos, L, drop_document,
                 carry, defer, n_carry, n_defer,
             )  # fmt: skip
         pending[:n_carry] = carry[:n_carry]
