@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from data.loader import LoaderConfig, SourceConfig, build_loader
+from data.loader import LoaderConfig, SourceConfig, build_loader, pack_documents
 from data.loader.dataset import PackedLoader
 from data.loader.heldout import HeldoutPass
 from data.loader.redistribute import redistribute
@@ -123,8 +123,6 @@ def redistributed(tokens: Path) -> dict:
 
 def one_row(tokens: Path) -> dict:
     """Documents each packed alone in a row of its own length (the dependence probe's way)."""
-    from data.loader.packer import Doc, Packer, units_of
-
     docs = []
     for name in ("docs", "scenes", "clips"):
         table = load_table(SourceConfig(name=name, shards=[str(tokens / name)]))
@@ -132,12 +130,8 @@ def one_row(tokens: Path) -> dict:
     assert len(docs) == 9
     out = []
     for doc in docs:
-        length = len(doc.ids)
-        packer = Packer(length, pad_id=0)
-        alone = Doc(0, 0, 0, length, units_of(length, doc.blocks), doc.ids, doc.modality)
-        row = packer.pack(iter([alone, None]).__next__)
-        assert row is not None
-        out.append({key: digest(getattr(row, key)) for key in ("ids", "labels", "pos", "doc_ids")})
+        batch = next(pack_documents([doc], len(doc.ids)))
+        out.append({attr: digest(batch[key][0]) for attr, key in ONE_ROW_FIELDS.items()})
     return {"rows": out}
 
 
@@ -149,6 +143,14 @@ def heldout(tokens: Path) -> dict:
     counts = [[c.documents, c.skipped, c.dropped_blocks] for c in heldout_pass.counts]
     return {"batches": hashes(batches), "counts": counts}
 
+
+# Recorded as the fields of a row packed on its own (``Row`` attributes then)
+ONE_ROW_FIELDS = {
+    "ids": "input_ids",
+    "labels": "labels",
+    "pos": "position_ids",
+    "doc_ids": "doc_ids",
+}
 
 CASES = {
     "weights": lambda tokens: streamed(tokens, 10),
