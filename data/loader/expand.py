@@ -18,8 +18,7 @@ Design choices:
 - numpy (and the same compiled with numba where it is installed, expand_kernel.py: one pass
   instead of ~13), not torch: on this path each torch call costs several microseconds of
   dispatch, and torch splits large copies over its intra-op threads, which on a loaded machine
-  waited ms for a copy that takes 0.1 ms (data/loader/transport.py). A GPU run's trainer
-  expands on the GPU instead (expand_torch.py, ``data.expand``). The outputs are torch tensors all the same:
+  waited ms for a copy that takes 0.1 ms (data/loader/transport.py). The outputs are torch tensors all the same:
   ``fields`` are numpy views of the batch's one torch buffer (batch_buffer.BatchBuffer).
 """
 

@@ -43,10 +43,6 @@ class PackedBatch:
         )
         # In-process: the batch's buffer, its ids already written there
         self.buffer = buffer
-        # Handed out compact (``to_dict``: the trainer expands it, data/loader/expand_torch.py):
-        # in-process its ids and modalities as tensors already (int32, uint8 [rows, L])
-        self.compact_out = False
-        self.tensors: tuple | None = None
         self.expanded = False
         self.worker = -1
         self.state: dict | None = None
@@ -59,7 +55,6 @@ class PackedBatch:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["buffer"] = None  # only made in the trainer's process (or in-process)
-        state["tensors"] = None
         return state
 
     def expand(self, *, pin: bool = False) -> BatchBuffer:
@@ -86,50 +81,12 @@ class PackedBatch:
         assert self.buffer is not None
         return self.buffer
 
-    def take_compact(self, *, pin: bool = False) -> tuple:
-        """(ids int32, modalities uint8) [rows, L] tensors of a batch handed out compact, once
-        (in the trainer's process: copied out of the slot, which is then freed)."""
-        c = self.compact
-        if self.tensors is None or (pin and not self.tensors[0].is_pinned()):
-            ids = torch.empty((c.rows, c.seq_len), dtype=torch.int32, pin_memory=pin)
-            mod = torch.empty((c.rows, c.seq_len), dtype=torch.uint8, pin_memory=pin)
-            if self.tensors is not None:
-                ids.copy_(self.tensors[0])
-                mod.copy_(self.tensors[1])
-            else:
-                if self.slot is not None:
-                    view = transport.slot(self.token, self.slot, self.ring)
-                    c.ids, c.mod = slot_views(view, c.rows, c.seq_len)
-                assert c.ids is not None and c.mod is not None
-                np.copyto(ids.numpy().reshape(-1), c.ids)
-                np.copyto(mod.numpy().reshape(-1), c.mod)
-                if self.slot is not None:
-                    transport.free(self.token, self.slot)
-                    self.slot, self.ring = None, None
-                c.ids = c.mod = None
-            self.tensors = (ids, mod)
-        return self.tensors
-
     def pin_memory(self, device=None) -> PackedBatch:
-        if self.compact_out:
-            self.take_compact(pin=True)
-        else:
-            self.expand(pin=True)
+        self.expand(pin=True)
         return self
 
     def to_dict(self) -> dict:
-        if self.compact_out:  # the trainer expands it (data/loader/expand_torch.py)
-            ids, mod = self.take_compact()
-            c = self.compact
-            batch = {
-                "input_ids": ids,
-                "modality": mod,
-                "segments": torch.from_numpy(c.segments),
-                "blocks": torch.from_numpy(c.blocks),
-                "row_real": torch.from_numpy(c.real),
-            }
-        else:
-            batch = self.expand().split()
+        batch = self.expand().split()
         # from_numpy: torch.tensor of Python numbers costs several times more, per batch
         batch["num_real_tokens"] = torch.from_numpy(np.array(self.real, np.int64))
         batch["pieces"] = torch.from_numpy(self.pieces)

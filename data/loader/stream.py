@@ -30,7 +30,6 @@ import time
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from data.loader import store, transport
 from data.loader.batch_buffer import BatchBuffer
@@ -112,7 +111,6 @@ class ConsumerStream:
         self._online: OnlineTokenizer | None = None  # built on the first raw document
         self.ring: transport.SlotRing | None = None  # set in a DataLoader worker
         self._fast: FastPath | None = None  # the compiled loop, made at the first batch
-        self.compact_out = False  # hand batches out compact (PackedLoader.compact)
         self.pin = False  # in-process: batches expanded into pinned memory (set by the loader)
         self.watchdog = None if dry else Watchdog(cfg.stall_seconds, f"consumer {consumer}")
         # (source, shard) -> the shard when it passed the whole-shard check, None when it did not
@@ -376,7 +374,7 @@ class ConsumerStream:
                 rows.append(r)
         B, L = self.micro_batch, self.cfg.seq_len
         n = B * L
-        ring, slot, buffer, tensors = self.ring, None, None, None
+        ring, slot, buffer = self.ring, None, None
         if ring is not None:
             # In a worker: the compact batch straight into a slot of shared memory
             # (data/loader/transport.py), or ordinary arrays when none is free
@@ -385,12 +383,6 @@ class ConsumerStream:
                 ids, mod = slot_views(ring.data[slot].numpy(), B, L)
             else:
                 ids, mod = np.empty(n, np.int32), np.empty(n, np.uint8)
-        elif self.compact_out:  # in-process, handed out compact: int32 ids, uint8 modalities
-            tensors = (
-                torch.empty((B, L), dtype=torch.int32, pin_memory=self.pin),
-                torch.empty((B, L), dtype=torch.uint8, pin_memory=self.pin),
-            )
-            ids, mod = tensors[0].numpy().reshape(n), tensors[1].numpy().reshape(n)
         else:  # in-process: the ids straight into the batch's field, the modalities as uint8
             # (what the compiled loop writes everywhere; expand widens them into their field)
             buffer = BatchBuffer(B, L, packer.pad_id, pin=self.pin)
@@ -426,10 +418,6 @@ class ConsumerStream:
         self._dropped_before = dropped
         self.tokens_by_modality += by_modality
         out = PackedBatch(compact, pieces, by_source, new_drops, real, buffer=buffer)
-        if self.compact_out:
-            out.compact_out = True
-            if ring is None:
-                out.tensors = tensors
         if slot is not None and ring is not None:
             out.compact, out.slot, out.token = compact.tables(), slot, ring.token
             if not ring.sent:  # the slots cross to the trainer once, with the first batch

@@ -6,7 +6,7 @@ of the whole (the parts nest: ``next_batch`` holds ``fast.pack``, which holds th
 loop's call and reading ahead; each timer adds ~0.3 us). A diagnostic, not a comparison:
 ``bench_peers.py`` and ``bench_loader_versions.py`` measure speed.
 
-    .venv/bin/python tools/bench/bench_loader_parts.py --tokens runs/demo/tokens [--compact]
+    .venv/bin/python tools/bench/bench_loader_parts.py --tokens runs/demo/tokens
 """
 
 from __future__ import annotations
@@ -62,14 +62,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--rows", type=int, default=8)
-    ap.add_argument("--compact", action="store_true", help="hand batches out compact")
     a = ap.parse_args(argv)
     from tools.bench.bench_peers import ours_batches
 
     spent: dict[str, float] = collections.defaultdict(float)
     for part in PARTS:
         wrap(spent, *part)
-    batches = ours_batches(a.tokens, 0, a.seq_len, a.rows, compact=a.compact)
+    batches = ours_batches(a.tokens, 0, a.seq_len, a.rows)
     for _ in range(a.warmup):
         next(batches)
     spent.clear()
@@ -79,7 +78,7 @@ def main(argv=None) -> dict:
     total = (time.perf_counter() - t0) / a.batches * 1e6
     res = {"us_per_batch": total, "parts": {}}
     print(
-        f"{'compact' if a.compact else 'expanded'} batches of {a.rows} x {a.seq_len}: "
+        f"batches of {a.rows} x {a.seq_len}: "
         f"{total:.1f} us a batch ({a.batches} batches after {a.warmup})"
     )
     for *_, label in PARTS:

@@ -11,16 +11,10 @@ same row length (concatenate, cut into rows of ``--seq-len``, ids and modalities
 earlyfuse runs its whole loader (index, hashed order, token-weighted mix of the folder's
 sources, SHA-256 and vocabulary checks -- each shard's whole tar and every id when the shard is
 first read, per document where that fails --, packing that keeps visual blocks whole, labels,
-document ids, 1-D and M-RoPE positions, image ids), twice:
-
-- ``earlyfuse``: every field expanded in the loader (ten fields a token: int32,
-  labels int64), as training
-  (``data.expand=loader``, the default), evaluation, the probes and the tools receive them;
-  in-process right after packing, with a worker in this process after the queue.
-- ``earlyfuse-compact``: batches handed out compact (``data.expand=trainer``): int32 ids and
-  uint8 modalities a token plus the tables of segments and visual blocks, which the trainer
-  then expands on its device (data/loader/expand_torch.py), not timed here. The peers' minimal
-  packers likewise hand out ids and modalities only.
+document ids, 1-D and M-RoPE positions, image ids), every field expanded in the loader (ten
+fields a token: int32, labels int64), as training, evaluation, the probes and the tools receive
+them; in-process right after packing, with a worker in this process after the queue. The
+peers' minimal packers hand out ids and modalities only.
 
 Two modes: in-process (``num_workers=0``) and one DataLoader worker (the packing runs in the
 worker for every loader; Energon's own ``get_loader`` runs its worker). Timing starts after a
@@ -300,7 +294,7 @@ def peer_batches(name: str, data, workers: int, seq_len: int, rows: int):
     return iter(DataLoader(Dataset(), batch_size=None, num_workers=workers))
 
 
-def ours_batches(tokens: Path, workers: int, seq_len: int, rows: int, *, compact: bool):
+def ours_batches(tokens: Path, workers: int, seq_len: int, rows: int):
     from data.loader import LoaderConfig, SourceConfig, build_loader
 
     manifest = json.loads((tokens / "manifest.json").read_text())
@@ -315,7 +309,6 @@ def ours_batches(tokens: Path, workers: int, seq_len: int, rows: int, *, compact
         mode="infinite",
     )
     loader = build_loader(cfg, rank=0, world_size=1, micro_batch=rows)
-    loader.compact = compact  # what the LM task sets with data.expand=trainer
     return iter(loader)
 
 
@@ -374,14 +367,12 @@ def main(argv=None) -> dict:
             "load_before": os.getloadavg(),
             "modes": {},
         }
-        names = ["earlyfuse", "earlyfuse-compact", *peers]
+        names = ["earlyfuse", *peers]
         for workers in a.workers:
 
             def run(name, n_tokens, workers=workers):
                 if name.startswith("earlyfuse"):
-                    batches = ours_batches(
-                        a.tokens, workers, a.seq_len, a.rows, compact=name == "earlyfuse-compact"
-                    )
+                    batches = ours_batches(a.tokens, workers, a.seq_len, a.rows)
                     return timed(batches, n_tokens)
                 return timed(peer_batches(name, data[name], workers, a.seq_len, a.rows), n_tokens)
 
@@ -403,7 +394,6 @@ def main(argv=None) -> dict:
                     "spread": (max(rates[n]) - min(rates[n])) / med[n],
                     "first_batch_s": statistics.median(starts[n]),
                     "earlyfuse_ratio": med["earlyfuse"] / med[n],
-                    "compact_ratio": med["earlyfuse-compact"] / med[n],
                 }
                 for n in names
             }
@@ -413,7 +403,7 @@ def main(argv=None) -> dict:
                 print(
                     f"  {n:18s} {m['tokens_per_s']:>12,.0f} tokens/s  spread {m['spread']:4.0%}"
                     f"  first batch {m['first_batch_s'] * 1e3:6.0f} ms  earlyfuse/this "
-                    f"{m['earlyfuse_ratio']:.2f}x  compact/this {m['compact_ratio']:.2f}x"
+                    f"{m['earlyfuse_ratio']:.2f}x"
                 )
         res["load_after"] = os.getloadavg()
         print(json.dumps(res, indent=1))
