@@ -39,9 +39,6 @@ class LoaderConfig:
     num_workers: int = 1  # DataLoader worker processes per rank (0: in the main process)
     prefetch_factor: int = 4
     pin_memory: bool = True  # when a GPU is present
-    # Mix and pack in the compiled loop (data/loader/pack_kernel.py; numba). False: the Python
-    # path, which packs the same batches ~3x slower (kept for comparison and where numba is absent)
-    compiled_packer: bool = True
     max_pending: int = 4  # documents held aside while a visual block waits for room
     # Documents are handed to the packer in chunks of at most this many tokens (0: seq_len), the
     # sources interleaved chunk by chunk, so a long document cannot fill many rows in a row.

@@ -6,11 +6,11 @@ Design choices:
 - Why compiled: in Python each chunk handed out and each piece placed cost ~10-30 us of
   interpreter work, the biggest share of the loader's time in Python. Compiled, a batch's ~20 documents and ~40 pieces cost a few
   microseconds; what is left is copying tokens.
-- A transliteration, not a new algorithm: every branch of the Python path has its counterpart
-  here, in the same order, so that both give the same batches bit for bit
-  (tools/bench/bench_loader_versions.py --check compares them; tests/test_data/
-  test_pack_kernel.py packs with both). The Python path stays: it packs dry (counting an
-  epoch), single rows (tests, evaluation) and runs where numba is absent.
+- Every training and evaluation batch of a stream is packed here; its batches are compared
+  with recorded ones (tests/test_data/test_loader_known_good.py). The Python packer
+  (packer.py) still packs dry (counting an epoch's batches) and single rows (``pack_documents``),
+  with the same rules. To step through this code in a debugger, run with ``NUMBA_DISABLE_JIT=1``:
+  the same functions then run as plain Python (slowly; docs/loader.md).
 - Documents come from Python (data/loader/fast_stream.py reads them, with every check and skip
   of ``ConsumerStream.load``) into a queue per source: a row of ``docs`` each, their packing
   units in ``units``, their tokens in one staging array of all sources (int32 ids, uint8

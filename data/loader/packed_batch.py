@@ -1,5 +1,4 @@
-"""What a consumer hands the trainer's process for one batch (``PackedBatch``), and the two small
-per-batch tables built from its rows (tokens per source, each row's document pieces). Separate
+"""What a consumer hands the trainer's process for one batch (``PackedBatch``). Separate
 from the stream (stream.py), which decides what goes into a batch: this is how a batch travels
 (a slot of shared memory from a worker, pinned memory in the trainer) and is expanded into the
 tensors the trainer reads.
@@ -13,7 +12,6 @@ import torch
 from data.loader import transport
 from data.loader.batch_buffer import BatchBuffer
 from data.loader.expand import CompactBatch, expand, slot_views
-from data.loader.packer import Row
 
 
 class PackedBatch:
@@ -97,22 +95,3 @@ class PackedBatch:
         batch["dropped_blocks"] = torch.from_numpy(self.dropped)
         batch["tokens_by_source"] = torch.from_numpy(np.asarray(self.tokens_by_source, np.int64))
         return batch
-
-
-def tokens_by_source_of(rows: list[Row], n: int) -> list[int]:
-    out = [0] * n
-    for r in rows:
-        for s, _, a, b in r.pieces:
-            out[s] += b - a
-    return out
-
-
-def pieces_of(rows: list[Row]) -> np.ndarray:
-    """int64 [rows, most pieces, 4] (source, sample, start, end) of each row's document pieces,
-    -1 padded: which documents a batch holds (for checks and debugging; the model never sees it)."""
-    most = max((len(r.pieces) for r in rows), default=0)
-    out = np.full((len(rows), most, 4), -1, dtype=np.int64)
-    for i, r in enumerate(rows):
-        if r.pieces:
-            out[i, : len(r.pieces)] = r.pieces
-    return out

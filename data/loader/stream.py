@@ -45,7 +45,7 @@ from data.loader.order import (
     epoch_order,
     unpack_mask,
 )
-from data.loader.packed_batch import PackedBatch, pieces_of, tokens_by_source_of
+from data.loader.packed_batch import PackedBatch
 from data.loader.packer import Doc, Packer, Row, units_of
 from data.loader.sample_check import check_ids, read_members
 from data.loader.shard_check import CheckedShard, check_shard
@@ -58,9 +58,6 @@ from data.vocab import MODALITY_NAMES, Modality
 
 if TYPE_CHECKING:
     from data.loader.fast_stream import FastPath
-
-_TEXT_M = int(Modality.TEXT)
-_NOT_TEXT = [int(m) for m in Modality if m != Modality.TEXT]
 
 
 _KEEP_SHARDS = 256  # as many as ShardFiles keeps memory maps of (a checked shard holds its map)
@@ -365,13 +362,6 @@ class ConsumerStream:
             self.batches += 1
             return {}
         fast = self._fast_path()
-        rows: list[Row] = []
-        if fast is None:
-            while len(rows) < self.micro_batch:
-                r = packer.pack(self.next_doc, packer.blank_row())
-                if r is None:
-                    return None  # the last, incomplete batch of an epoch is held back
-                rows.append(r)
         B, L = self.micro_batch, self.cfg.seq_len
         n = B * L
         ring, slot, buffer = self.ring, None, None
@@ -387,32 +377,19 @@ class ConsumerStream:
             # (what the compiled loop writes everywhere; expand widens them into their field)
             buffer = BatchBuffer(B, L, packer.pad_id, pin=self.pin)
             ids, mod = buffer.fields["ids"].reshape(n), np.empty(n, np.uint8)
-        if fast is None:
-            compact = packer.compact(rows, ids, mod)
-            dropped = self.dropped_matrix()
-            by_source = tokens_by_source_of(rows, len(self.tables))
-            pieces = pieces_of(rows)
-            real = int(compact.real.sum())
-            # The modalities of the real tokens: one count per modality other than text (a
-            # third of what np.bincount took), text the rest (padding is text)
-            by_modality = np.zeros(len(MODALITY_NAMES), np.int64)
-            for m in _NOT_TEXT:
-                by_modality[m] = np.count_nonzero(mod == m)
-            by_modality[_TEXT_M] = real - by_modality.sum()
-        else:
-            try:
-                packed = fast.pack(ids, mod)
-            except BaseException:
-                if slot is not None and ring is not None:
-                    ring.release(slot)
-                raise
-            if packed is None:
-                if slot is not None and ring is not None:
-                    ring.release(slot)
-                return None  # the last, incomplete batch of an epoch is held back
-            compact, pieces, by_source, by_modality = packed
-            dropped = fast.dropped_matrix()
-            real = int(compact.real.sum())
+        try:
+            packed = fast.pack(ids, mod)
+        except BaseException:
+            if slot is not None and ring is not None:
+                ring.release(slot)
+            raise
+        if packed is None:
+            if slot is not None and ring is not None:
+                ring.release(slot)
+            return None  # the last, incomplete batch of an epoch is held back
+        compact, pieces, by_source, by_modality = packed
+        dropped = fast.dropped_matrix()
+        real = int(compact.real.sum())
         self.batches += 1
         new_drops = dropped - self._dropped_before
         self._dropped_before = dropped
@@ -424,15 +401,12 @@ class ConsumerStream:
                 out.ring, ring.sent = (ring.data, ring.flags), True
         return out
 
-    def _fast_path(self) -> FastPath | None:
+    def _fast_path(self) -> FastPath:
         """The compiled loop (data/loader/fast_stream.py), built from the stream's fields on
-        first use; None where it is off (``data.compiled_packer``) or numba is absent."""
-        if self._fast is None and self.cfg.compiled_packer:
-            try:
-                from data.loader.fast_stream import FastPath
-            except ImportError:  # numba missing: the Python path
-                self.cfg.compiled_packer = False
-                return None
+        first use (a fresh stream, or one just restored)."""
+        if self._fast is None:
+            from data.loader.fast_stream import FastPath
+
             self._fast = FastPath(self)
         return self._fast
 

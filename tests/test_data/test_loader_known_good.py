@@ -17,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -202,3 +204,22 @@ def test_batches_match_the_known_good_ones(tiny_tokens, known, name):
                 assert mine == theirs, f"{name}: {key} {number} differs"
         else:
             assert got[key] == want[key], f"{name}: {key}"
+
+
+def test_with_numba_jit_disabled_the_same_code_gives_the_same_batches(tiny_tokens, known):
+    """``NUMBA_DISABLE_JIT=1`` (debugging: the compiled functions run as plain Python) packs the
+    recorded batches too."""
+    here = Path(__file__).resolve().parent
+    script = f"""
+import json, sys
+sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]
+from pathlib import Path
+from test_loader_known_good import streamed
+print(json.dumps(streamed(Path({str(tiny_tokens)!r}), 4, seq_len=512, mix_chunk=96)))
+"""
+    env = {**os.environ, "NUMBA_DISABLE_JIT": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env
+    )
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["batches"] == known["chunked_mix"]["batches"][:4]
