@@ -82,7 +82,7 @@ class ConsumerStream:
         total = float(sum(weights))
         self.shares = [w / total for w in weights]
         # (source, share) of the sources that get a share, in order: what the mix picks from
-        self._mixed = [(s, share) for s, share in enumerate(self.shares) if share > 0]
+        self.mixed_sources = [(s, share) for s, share in enumerate(self.shares) if share > 0]
         self.consumer, self.consumers, self.micro_batch = consumer, consumers, micro_batch
         self.packer = Packer(
             cfg.seq_len, pad_id=pad_id, max_pending=cfg.max_pending, oversize=cfg.oversize, dry=dry
@@ -92,7 +92,7 @@ class ConsumerStream:
         # comes from the first whose last chunk is placed). At most max_pending + 1 each.
         self.open: list[list[Doc]] = [[] for _ in tables]
         self.chunk = cfg.mix_chunk or cfg.seq_len
-        self._slices: dict[tuple[int, int], np.ndarray | ConsumerSlice] = {}
+        self.slices: dict[tuple[int, int], np.ndarray | ConsumerSlice] = {}
         self.errors = 0  # skips, a sample skipped again (a later epoch) counted again
         # Per source, the samples skipped since the state was restored, in read order, and the
         # distinct ones the restored state had skipped: the state names each skipped sample once
@@ -103,7 +103,7 @@ class ConsumerStream:
         self.batches = 0
         self.batch_limit: int | None = None
         self.tokens_by_modality = np.zeros(len(MODALITY_NAMES), np.int64)
-        self._dropped_before = np.zeros((len(tables), 2), np.int64)  # as of the last batch
+        self.dropped_before = np.zeros((len(tables), 2), np.int64)  # as of the last batch
         self.files = ShardFiles(cfg.cache_dir, cfg.cache_limit_gb)
         self._online: OnlineTokenizer | None = None  # built on the first raw document
         self.ring: transport.SlotRing | None = None  # set in a DataLoader worker
@@ -117,17 +117,17 @@ class ConsumerStream:
         self._tick = 0
         self._check_whole = consumers <= cfg.whole_shard_check_max_consumers
         # Per source: read through whole-shard checks (token tables with shard digests)
-        self._whole = [
+        self.whole_checked = [
             self._check_whole and getattr(t, "shard_sha256", None) is not None for t in tables
         ]
 
     # --- which document next -------------------------------------------------------------------
-    def _slice(self, s: int, epoch: int) -> np.ndarray | ConsumerSlice:
+    def slice_of(self, s: int, epoch: int) -> np.ndarray | ConsumerSlice:
         key = (s, epoch)
-        if key not in self._slices:
+        if key not in self.slices:
             t = self.tables[s]
-            self._slices = {
-                k: v for k, v in self._slices.items() if k[0] != s
+            self.slices = {
+                k: v for k, v in self.slices.items() if k[0] != s
             }  # keep one epoch per source
             mask = self.cursors[s].skip.get(epoch)
             order_args = dict(
@@ -144,13 +144,13 @@ class ConsumerStream:
             else:
                 lazy = EpochOrder(t.shard_counts(), **order_args)  # type: ignore[arg-type]
                 if mask is None:
-                    self._slices[key] = ConsumerSlice(lazy, self.consumer, self.consumers)
-                    return self._slices[key]
+                    self.slices[key] = ConsumerSlice(lazy, self.consumer, self.consumers)
+                    return self.slices[key]
                 order = lazy.full()  # a redistributed epoch: the positions left, in order
             if mask is not None:
                 order = order[~unpack_mask(mask, len(order))]
-            self._slices[key] = consumer_slice(order, self.consumer, self.consumers)
-        return self._slices[key]
+            self.slices[key] = consumer_slice(order, self.consumer, self.consumers)
+        return self.slices[key]
 
     def _ready(self, s: int) -> Doc | None:
         """The first open document of source ``s`` whose chunk so far is placed."""
@@ -169,7 +169,7 @@ class ConsumerStream:
         total = sum(tokens)
         best: int | None = None
         best_gap = 0.0
-        for s, share in self._mixed:
+        for s, share in self.mixed_sources:
             if cursors[s].done and self._ready(s) is None:
                 continue
             gap = share * total - tokens[s]
@@ -187,7 +187,7 @@ class ConsumerStream:
             doc = self._ready(s)
             fresh = doc is None
             if doc is None:
-                doc = self._read_next(s)
+                doc = self.read_next(s)
                 if doc is None:
                     continue
                 doc.limit = 0
@@ -202,17 +202,17 @@ class ConsumerStream:
                 self.open[s].remove(doc)
             return doc
 
-    def _read_next(self, s: int) -> Doc | None:
+    def read_next(self, s: int) -> Doc | None:
         """The next document of source ``s`` in this consumer's slice; None when it could not be
         read (skipped and counted) or the source is done (epoch mode)."""
         c = self.cursors[s]
-        sl = self._slices.get((s, c.epoch))
+        sl = self.slices.get((s, c.epoch))
         if sl is None:
-            sl = self._slice(s, c.epoch)
+            sl = self.slice_of(s, c.epoch)
         if c.pos >= len(sl):
             if not self.next_epoch(s):
                 return None
-            sl = self._slice(s, c.epoch)
+            sl = self.slice_of(s, c.epoch)
         sample = int(sl[c.pos])
         c.pos += 1
         return self.load(s, sample, c.epoch)
@@ -227,7 +227,7 @@ class ConsumerStream:
             return False
         c.skip.pop(c.epoch, None)
         c.epoch, c.pos = c.epoch + 1, 0
-        if not len(self._slice(s, c.epoch)):
+        if not len(self.slice_of(s, c.epoch)):
             if c.epoch in c.skip:
                 return False
             raise ValueError(
@@ -257,7 +257,7 @@ class ConsumerStream:
             raise ValueError(why)
         return doc.ids.astype(np.int64), doc.modality.astype(np.int64), visual_blocks(doc.spans)
 
-    def _checked_shard(self, s: int, t: SampleTable, si: int) -> CheckedShard | None:
+    def checked_shard(self, s: int, t: SampleTable, si: int) -> CheckedShard | None:
         """Shard ``si`` when it passes the whole-shard check (checked on first use)."""
         key = (s, si)
         self._tick += 1
@@ -294,9 +294,9 @@ class ConsumerStream:
         if self.dry:
             length = t.tokens_of(sample)
             return Doc(s, sample, epoch, length, units_of(length, t.blocks_of(sample)))
-        if self._whole[s]:
+        if self.whole_checked[s]:
             si, i = t.locate(sample)  # type: ignore[attr-defined]
-            checked = self._checked_shard(s, t, si)
+            checked = self.checked_shard(s, t, si)
             if checked is not None:  # a checked shard: nothing to parse or check
                 ids, mod, units = checked.document(i)
                 self.consecutive_errors = 0
@@ -391,8 +391,8 @@ class ConsumerStream:
         dropped = fast.dropped_matrix()
         real = int(compact.real.sum())
         self.batches += 1
-        new_drops = dropped - self._dropped_before
-        self._dropped_before = dropped
+        new_drops = dropped - self.dropped_before
+        self.dropped_before = dropped
         self.tokens_by_modality += by_modality
         out = PackedBatch(compact, pieces, by_source, new_drops, real, buffer=buffer)
         if slot is not None and ring is not None:

@@ -169,7 +169,7 @@ def test_epoch_split_over_consumers_has_no_repeats_and_equal_batches(tiny_tokens
                 n += 1
             counts.append(n)
             for c_i, c in enumerate(s.cursors):
-                order = s._slice(c_i, 0)
+                order = s.slice_of(c_i, 0)
                 seen += [(c_i, int(x)) for x in order[: c.pos]]
     assert len(set(counts)) == 1 and counts[0] > 0
     assert len(seen) == len(set(seen))  # no sample read twice
