@@ -45,8 +45,13 @@ if TYPE_CHECKING:
 _VIDEO = int(Modality.VIDEO)
 
 
+_NO_IDS, _NO_MOD = np.zeros(0, np.int32), np.zeros(0, np.uint8)
+
+
 def tokens_of(doc: Doc) -> tuple[np.ndarray, np.ndarray]:
-    assert doc.ids is not None and doc.mod is not None  # read (never a dry document here)
+    """A document's ids and modalities (none for a dry one: lengths and blocks only)."""
+    if doc.ids is None or doc.mod is None:
+        return _NO_IDS, _NO_MOD
     return doc.ids, doc.mod
 
 
@@ -59,6 +64,9 @@ class FastPath:
         self.chunk, self.max_pending = stream.chunk, cfg.max_pending
         self.drop_document = cfg.oversize == "drop_document"
         self.pad_id = packer.pad_id
+        # Counting only (an epoch's batches): documents from the index, no token read or copied
+        self.dry = stream.dry
+        self._counting: tuple[np.ndarray, np.ndarray] | None = None  # count()'s unused output
         # A few batches of one source a refill (at least one document)
         self.refill_tokens = 4 * self.B * self.L
         self.docs = np.zeros((8192, kernel.N_DOC_COLS), np.int64)
@@ -78,6 +86,7 @@ class FastPath:
         self.shares = np.asarray(stream.shares, np.float64)
         self.mixed = np.asarray([source for source, _ in stream.mixed_sources], np.int64)
         self.state = np.zeros(kernel.N_ST, np.int64)
+        self.state[kernel.ST_DRY] = int(self.dry)
         # The staging arrays of every source's documents (``_stage``: an arena appended to)
         self.staged_ids = np.zeros(0, np.int32)
         self.staged_mod = np.zeros(0, np.uint8)
@@ -161,6 +170,14 @@ class FastPath:
             self.src[:, kernel.S_BATCH_TOKENS].tolist(),
             by_modality,
         )
+
+    def count(self) -> bool:
+        """Dry: the next batch's decisions made (rows, drops, cursors), no token copied; False
+        at the end of the data, where ``pack`` holds the incomplete batch back."""
+        if self._counting is None:
+            size = self.B * self.L
+            self._counting = (np.empty(size, np.int32), np.empty(size, np.uint8))
+        return self._run(*self._counting, np.empty(self.B, np.int64))
 
     def _run(self, ids: np.ndarray, mod: np.ndarray, real: np.ndarray) -> bool:
         if self.ndocs > 3 * len(self.docs) // 4:
@@ -285,6 +302,8 @@ class FastPath:
         ``new`` (row, ids, modalities) read one by one and ``runs`` (``_fast_run``) in order.
         When they do not fit, the arrays are made again with every source's live documents
         first (their rows' ``D_TOK`` moved) and room for twice what is live."""
+        if self.dry:  # no tokens: the kernel reads none
+            return
         rows = np.asarray([drow for drow, _, _ in new], np.int64)
         for run in runs:
             rows = np.concatenate([rows, run[0]])

@@ -6,10 +6,10 @@ Design choices:
 - Why compiled: in Python each chunk handed out and each piece placed cost ~10-30 us of
   interpreter work, the biggest share of the loader's time in Python. Compiled, a batch's ~20 documents and ~40 pieces cost a few
   microseconds; what is left is copying tokens.
-- Every training and evaluation batch of a stream is packed here; its batches are compared
-  with recorded ones (tests/test_data/test_loader_known_good.py). The Python packer
-  (packer.py) still packs dry (counting an epoch's batches) and single rows (``pack_documents``),
-  with the same rules. To step through this code in a debugger, run with ``NUMBA_DISABLE_JIT=1``:
+- Every batch of a stream is packed here, and so is an epoch counted (``state[ST_DRY]``: the
+  same decisions from the index's lengths and blocks, no token read or copied); its batches
+  and counts are compared with recorded ones (tests/test_data/test_loader_known_good.py). The
+  Python packer (packer.py) still packs single rows (``pack_documents``) with the same rules. To step through this code in a debugger, run with ``NUMBA_DISABLE_JIT=1``:
   the same functions then run as plain Python (slowly; docs/loader.md).
 - Documents come from Python (data/loader/fast_stream.py reads them, with every check and skip
   of ``ConsumerStream.load``) into a queue per source: a row of ``docs`` each, their packing
@@ -86,8 +86,11 @@ N_SRC_COLS = 15
     ST_STAT_REAL,
     ST_STAT_DBLOCKS,
     ST_STAT_DDOCS,
-) = range(18)
-N_ST = 18
+    ST_DRY,
+) = range(19)
+N_ST = 19
+# state[ST_DRY] = 1: counting only (an epoch's batches, from the index): the same decisions,
+# every token left where it is and every label unread (the staging arrays are empty then)
 # return codes of pack_batch
 PACKED, NEED, END = 0, 1, 2
 # outcomes of placing a document
@@ -238,20 +241,23 @@ def _flush(docs, units, src, staged_ids, staged_mod, state, out, doc, row_a, doc
     ids, mod, tok = staged_ids, staged_mod, docs[doc, D_TOK]
     # Element loops over views indexed from 0, not slice assignments (which check the two
     # sides for overlap per piece; see stage_kernel.gather_tokens)
-    dst_ids, src_ids = out_ids[base + row_a : base + row_b], ids[tok + doc_a : tok + doc_b]
-    dst_mod, src_mod = out_mod[base + row_a : base + row_b], mod[tok + doc_a : tok + doc_b]
-    if (
-        dst_ids.shape[0] != count
-        or src_ids.shape[0] != count
-        or dst_mod.shape[0] != count
-        or src_mod.shape[0] != count
-    ):
-        raise ValueError("pack_batch: a piece lies outside the batch or its document")
-    for at in range(dst_ids.shape[0]):
-        dst_ids[at] = src_ids[at]
-    for at in range(dst_mod.shape[0]):
-        dst_mod[at] = src_mod[at]
-    if doc_b < docs[doc, D_LEN]:
+    if not state[ST_DRY]:
+        dst_ids, src_ids = out_ids[base + row_a : base + row_b], ids[tok + doc_a : tok + doc_b]
+        dst_mod, src_mod = out_mod[base + row_a : base + row_b], mod[tok + doc_a : tok + doc_b]
+        if (
+            dst_ids.shape[0] != count
+            or src_ids.shape[0] != count
+            or dst_mod.shape[0] != count
+            or src_mod.shape[0] != count
+        ):
+            raise ValueError("pack_batch: a piece lies outside the batch or its document")
+        for at in range(dst_ids.shape[0]):
+            dst_ids[at] = src_ids[at]
+        for at in range(dst_mod.shape[0]):
+            dst_mod[at] = src_mod[at]
+    if state[ST_DRY]:
+        label, label_mod = IGNORE, TEXT
+    elif doc_b < docs[doc, D_LEN]:
         label = IGNORE if cut else ids[tok + doc_b]
         label_mod = mod[tok + doc_b]
     else:

@@ -118,7 +118,8 @@ class ConsumerStream:
         self._check_whole = consumers <= cfg.whole_shard_check_max_consumers
         # Per source: read through whole-shard checks (token tables with shard digests)
         self.whole_checked = [
-            self._check_whole and getattr(t, "shard_sha256", None) is not None for t in tables
+            not dry and self._check_whole and getattr(t, "shard_sha256", None) is not None
+            for t in tables
         ]
 
     # --- which document next -------------------------------------------------------------------
@@ -355,10 +356,9 @@ class ConsumerStream:
         if self.batch_limit is not None and self.batches >= self.batch_limit:
             return None
         packer = self.packer
-        if self.dry:
-            for _ in range(self.micro_batch):
-                if packer.pack(self.next_doc) is None:
-                    return None
+        if self.dry:  # counting: the compiled loop's decisions, from the index alone
+            if not self._fast_path().count():
+                return None
             self.batches += 1
             return {}
         fast = self._fast_path()
