@@ -1,6 +1,6 @@
-"""The mixing and packing loop of a consumer stream, compiled (numba): the same decisions as
-``ConsumerStream.next_doc`` and ``Packer.pack``/``compact`` (stream.py, packer.py), made on
-arrays instead of Python objects, a whole batch per call.
+"""The mixing and packing loop of a consumer stream (stream.py), compiled (numba): which
+source's chunk next, and its placement in rows by the packing rules of ``Packer.pack``
+(packer.py), made on arrays instead of Python objects, a whole batch per call.
 
 Design choices:
 - Why compiled: in Python each chunk handed out and each piece placed cost ~10-30 us of

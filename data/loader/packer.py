@@ -113,19 +113,6 @@ class Doc:
                 return True
         return False
 
-    def chunk_placed(self) -> bool:
-        """Every token handed out so far is placed (or dropped): ready for its next chunk."""
-        return self.position() >= self.limit
-
-    def chunk_end(self, size: int) -> int:
-        """Where the chunk after ``limit`` ends: ``size`` tokens on, stretched to the end of a
-        visual block it would cut (a block is never split, not even between chunks)."""
-        target = min(self.limit + size, self.length)
-        for u in self.blocks:
-            if u.start < target < u.end:
-                return u.end
-        return target
-
 
 @dataclass
 class Row:

@@ -2,7 +2,8 @@
 group them into batches, and say exactly where it is.
 
 Design choices:
-- Mixing by tokens, deterministically, a chunk at a time: the next chunk (at most
+- Mixing by tokens, deterministically, a chunk at a time (decided with the packing in the
+  compiled loop, pack_kernel.py, which this stream feeds with documents): the next chunk (at most
   ``mix_chunk`` tokens, default ``seq_len``, never cutting a visual block) comes from the
   source furthest below its share (weight x tokens handed out so far, minus its own tokens).
   A long document is handed out a chunk at a time (the OLMo / Megatron practice of cutting
@@ -46,7 +47,7 @@ from data.loader.order import (
     unpack_mask,
 )
 from data.loader.packed_batch import PackedBatch
-from data.loader.packer import Doc, Packer, Row, units_of
+from data.loader.packer import Doc, Packer, units_of
 from data.loader.sample_check import check_ids, read_members
 from data.loader.shard_check import CheckedShard, check_shard
 from data.loader.store import ShardFiles, ShardView
@@ -152,56 +153,6 @@ class ConsumerStream:
                 order = order[~unpack_mask(mask, len(order))]
             self.slices[key] = consumer_slice(order, self.consumer, self.consumers)
         return self.slices[key]
-
-    def _ready(self, s: int) -> Doc | None:
-        """The first open document of source ``s`` whose chunk so far is placed."""
-        if not self.open[s]:  # most calls: nothing open
-            return None
-        for doc in list(self.open[s]):
-            if doc.position() >= doc.length:  # ended early: its document was dropped (oversize)
-                self.open[s].remove(doc)
-            elif doc.chunk_placed():
-                return doc
-        return None
-
-    def _pick_source(self) -> int | None:
-        cursors = self.cursors
-        tokens = [c.tokens for c in cursors]
-        total = sum(tokens)
-        best: int | None = None
-        best_gap = 0.0
-        for s, share in self.mixed_sources:
-            if cursors[s].done and self._ready(s) is None:
-                continue
-            gap = share * total - tokens[s]
-            if best is None or gap > best_gap:
-                best, best_gap = s, gap
-        return best
-
-    def next_doc(self) -> Doc | None:
-        """The next chunk to place: a document whose ``limit`` has moved on by one chunk (the
-        packer places it up to there). None when every source is done (epoch mode)."""
-        while True:
-            s = self._pick_source()
-            if s is None:
-                return None
-            doc = self._ready(s)
-            fresh = doc is None
-            if doc is None:
-                doc = self.read_next(s)
-                if doc is None:
-                    continue
-                doc.limit = 0
-            start = doc.limit
-            doc.limit = doc.chunk_end(self.chunk)
-            self.cursors[s].tokens += doc.limit - start
-            # Open while chunks of it are still to come (most documents fit one chunk: never)
-            if doc.limit < doc.length:
-                if fresh:
-                    self.open[s].append(doc)
-            elif not fresh:
-                self.open[s].remove(doc)
-            return doc
 
     def read_next(self, s: int) -> Doc | None:
         """The next document of source ``s`` in this consumer's slice; None when it could not be
@@ -348,9 +299,6 @@ class ConsumerStream:
         return Doc(s, sample, epoch, length, units_of(length, blocks), ids, mod)
 
     # --- rows and batches --------------------------------------------------------------------------
-    def next_row(self) -> Row | None:
-        return self.packer.pack(self.next_doc)
-
     def next_batch(self) -> PackedBatch | dict | None:
         """The next batch (``PackedBatch``; ``{}`` when packing dry); None at the end."""
         if self.batch_limit is not None and self.batches >= self.batch_limit:

@@ -229,7 +229,7 @@ def test_a_second_redistribute_keeps_masks_beyond_every_cursor():
 
     def draw(s, k):
         for _ in range(k):
-            d = s.next_doc()
+            d = s.read_next(0)
             reads.append((d.sample, d.epoch))
 
     def states(lds, ss):
