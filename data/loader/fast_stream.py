@@ -115,7 +115,7 @@ class FastPath:
                 cur.pos,
             )
         # Skips: counted by the stream when its documents are read ahead; a state counts those
-        # before each source's last document taken (and at its end), as the Python path does
+        # before each source's last document taken (and at its end)
         self.base_errors = stream.errors
         self.base_skips = [len(events) for events in stream.skip_events]
         self.read_errors = [0] * n_sources

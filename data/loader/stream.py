@@ -86,7 +86,7 @@ class ConsumerStream:
         self.mixed_sources = [(s, share) for s, share in enumerate(self.shares) if share > 0]
         self.consumer, self.consumers, self.micro_batch = consumer, consumers, micro_batch
         self.packer = Packer(
-            cfg.seq_len, pad_id=pad_id, max_pending=cfg.max_pending, oversize=cfg.oversize, dry=dry
+            cfg.seq_len, pad_id=pad_id, max_pending=cfg.max_pending, oversize=cfg.oversize
         )
         self.cursors = [SourceCursor() for _ in tables]
         # Per source: documents with tokens not yet handed out, oldest first (the next chunk
