@@ -38,7 +38,7 @@ def count_modalities(out_mod, real, mod_count):
 @njit(cache=True)
 def pieces_table(pieces, row_pieces):
     """int64 [rows, most pieces, 4] (source, sample, start, end) of each row's pieces, -1
-    padded (packed_batch.pieces_of)."""
+    padded: which documents a batch holds (for checks and debugging; the model never sees it)."""
     B = row_pieces.shape[0]
     most = 0
     for row in range(B):

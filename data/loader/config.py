@@ -39,17 +39,6 @@ class LoaderConfig:
     num_workers: int = 1  # DataLoader worker processes per rank (0: in the main process)
     prefetch_factor: int = 4
     pin_memory: bool = True  # when a GPU is present
-    # Mix and pack in the compiled loop (data/loader/pack_kernel.py; numba). False: the Python
-    # path, which packs the same batches ~3x slower (kept for comparison and where numba is absent)
-    compiled_packer: bool = True
-    # Where the training stream's batches are expanded into the model's per-token fields (labels,
-    # positions, document and image ids): loader (compiled, in the loader: ten fields a token,
-    # int32 with int64 labels) | trainer (the loader hands out ids, modalities and two small tables; the LM task
-    # expands them on its device, data/loader/expand_torch.py). On an H200 the trainer's way
-    # cost its process ~1.5 ms a batch of 8 x 2,048, 8x the loader's way (expanding on the CPU
-    # and copying; tools/bench/bench_expand_device.py), so loader is the default. Evaluation
-    # and probes: always loader.
-    expand: str = "loader"
     max_pending: int = 4  # documents held aside while a visual block waits for room
     # Documents are handed to the packer in chunks of at most this many tokens (0: seq_len), the
     # sources interleaved chunk by chunk, so a long document cannot fill many rows in a row.

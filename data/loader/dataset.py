@@ -105,9 +105,6 @@ class PackedLoader:
         )
         self._worker_states: dict = {}  # worker -> state dict or snapshot (worker_states)
         self._names: dict[tuple[int, int], str] = {}  # (source, sample) -> "SHARD KEY"
-        # Batches handed out compact, for the trainer to expand on its device
-        # (data/loader/expand_torch.py); set by the LM task's training stream (data.expand)
-        self.compact = False
         # Which epoch order the cursors index (order.py); a restored state says which it used.
         self.order_version = ORDER_VERSION
         self.rotation = 0
@@ -136,7 +133,6 @@ class PackedLoader:
             order_version=self.order_version,
         )
         s.batch_limit = self.batch_limit
-        s.compact_out = self.compact and not dry
         return s
 
     def _epoch_batches(self) -> int:

@@ -4,7 +4,7 @@ the two count the same tokens and compute the same CE.
 
 Design choices:
 - Every document of every source is read once, in index order, and packed into rows of
-  ``seq_len`` by the training packer (packer.py: text split across rows, a visual block never),
+  ``seq_len`` by ``pack_documents`` (the training packer: text split across rows, a visual block never),
   the documents of each shard folder into rows of their own: the rows do not depend on how the
   folders are grouped into sources (one validation source over ``tokens/val`` packs exactly as
   ``earlyfuse-eval --data tokens/val``, which makes a source of each folder below it). A
@@ -34,17 +34,17 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from data.loader.batch_buffer import BatchBuffer
-from data.loader.packer import Doc, Packer, Row, units_of
+from data.loader.pack_documents import blank_batch, pack_documents
+from data.loader.packer import PackStats
 from data.loader.table import SampleTable
-from data.token_docs import iter_documents
+from data.token_docs import TokenDocument, iter_documents
 
 
 @dataclass
 class HeldoutBatch:
     number: int  # its place in the pass (0, 1, ...), the sources' batches interleaved
     source: int  # the table its rows came from
-    rows: list[Row]
+    fields: dict[str, torch.Tensor]  # as the loader hands a batch out (pack_documents)
 
 
 @dataclass
@@ -77,8 +77,6 @@ class HeldoutPass:
         self.max_docs, self.pad_id, self.ranges, self.progress = max_docs, pad_id, ranges, progress
         self.counts = [SourceCounts() for _ in tables]
         self.batches = 0  # batches handed out so far
-        # finish() reads the rows alone (and the row length): one packer serves every batch
-        self._finisher = Packer(seq_len, pad_id=pad_id)
 
     def documents(self) -> int:
         """Documents the whole pass reads (the tables' counts, or ``max_docs`` of each)."""
@@ -100,36 +98,27 @@ class HeldoutPass:
             out += [(s, folder, samples) for folder, samples in folders.items()]
         return out
 
-    def _part_batches(self, s: int, samples: list[range], bar) -> Iterator[list[Row]]:
+    def _part_batches(self, s: int, samples: list[range], bar) -> Iterator[dict[str, torch.Tensor]]:
         table, counts = self.tables[s], self.counts[s]
         skipped: list = []
         docs = iter_documents(
             [table], ranges=self.ranges, skipped=skipped, samples=chain.from_iterable(samples)
         )
 
-        def next_doc() -> Doc | None:
-            doc = next(docs, None)
-            counts.skipped += len(skipped)
-            skipped.clear()
-            if doc is None:
-                return None
-            counts.documents += 1
-            bar.update(1)
-            n = len(doc.ids)
-            return Doc(s, 0, 0, n, units_of(n, doc.blocks), doc.ids.astype(np.int64), doc.modality)
+        def counted() -> Iterator[TokenDocument]:
+            for doc in docs:
+                counts.skipped += len(skipped)
+                skipped.clear()
+                counts.documents += 1
+                bar.update(1)
+                yield doc
+            counts.skipped += len(skipped)  # unreadable ones after the last document
 
-        packer = Packer(self.seq_len, pad_id=self.pad_id)
-        while True:
-            rows: list[Row] = []
-            while len(rows) < self.batch_rows:
-                row = packer.pack(next_doc, into=Row())
-                if row is None:
-                    break
-                rows.append(row)
-            if not rows:
-                counts.dropped_blocks += packer.stats.dropped_blocks
-                return
-            yield rows
+        stats = PackStats()
+        yield from pack_documents(
+            counted(), self.seq_len, batch_rows=self.batch_rows, pad_id=self.pad_id, stats=stats
+        )
+        counts.dropped_blocks += stats.dropped_blocks
 
     def __iter__(self) -> Generator[HeldoutBatch, None, None]:
         self.batches = 0
@@ -154,13 +143,9 @@ class HeldoutPass:
     def tensors(self, batch: HeldoutBatch | None) -> dict[str, torch.Tensor]:
         """The batch's per-token fields (data/loader/batch_buffer.py) and ``num_real_tokens``,
         its rows filled up to ``batch_rows`` with blank ones; None: a blank batch."""
-        rows = list(batch.rows) if batch is not None else []
-        rows += [Row() for _ in range(self.batch_rows - len(rows))]
-        buffer = BatchBuffer(self.batch_rows, self.seq_len, self.pad_id)
-        self._finisher.finish(rows, buffer.fields)
-        out = buffer.split()
-        out["num_real_tokens"] = torch.tensor(sum(row.real for row in rows))
-        return out
+        if batch is None:
+            return blank_batch(self.batch_rows, self.seq_len, self.pad_id)
+        return batch.fields
 
 
 class RankShare:

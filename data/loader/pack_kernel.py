@@ -1,20 +1,20 @@
-"""The mixing and packing loop of a consumer stream, compiled (numba): the same decisions as
-``ConsumerStream.next_doc`` and ``Packer.pack``/``compact`` (stream.py, packer.py), made on
-arrays instead of Python objects, a whole batch per call.
+"""The mixing and packing loop of a consumer stream (stream.py), compiled (numba): which
+source's chunk next, and its placement in rows by the packing rules of ``Packer.pack``
+(packer.py), made on arrays instead of Python objects, a whole batch per call.
 
 Design choices:
 - Why compiled: in Python each chunk handed out and each piece placed cost ~10-30 us of
   interpreter work, the biggest share of the loader's time in Python. Compiled, a batch's ~20 documents and ~40 pieces cost a few
   microseconds; what is left is copying tokens.
-- A transliteration, not a new algorithm: every branch of the Python path has its counterpart
-  here, in the same order, so that both give the same batches bit for bit
-  (tools/bench/bench_loader_versions.py --check compares them; tests/test_data/
-  test_pack_kernel.py packs with both). The Python path stays: it packs dry (counting an
-  epoch), single rows (tests, evaluation) and runs where numba is absent.
+- Every batch of a stream is packed here, and so is an epoch counted (``state[ST_DRY]``: the
+  same decisions from the index's lengths and blocks, no token read or copied); its batches
+  and counts are compared with recorded ones (tests/test_data/test_loader_known_good.py). The
+  Python packer (packer.py) still packs single rows (``pack_documents``) with the same rules. To step through this code in a debugger, run with ``NUMBA_DISABLE_JIT=1``:
+  the same functions then run as plain Python (slowly; docs/loader.md).
 - Documents come from Python (data/loader/fast_stream.py reads them, with every check and skip
   of ``ConsumerStream.load``) into a queue per source: a row of ``docs`` each, their packing
-  units in ``units``, their tokens in a staging array per source (int32 ids, uint8
-  modalities). When a queue runs dry mid-batch the kernel returns ``NEED`` with the source, at a
+  units in ``units``, their tokens in one staging array of all sources (int32 ids, uint8
+  modalities; plain arrays: the compiled code is cached on disk and loads in every process). When a queue runs dry mid-batch the kernel returns ``NEED`` with the source, at a
   point it can resume from (the row being built is kept in ``state``); Python reads more and calls
   again.
 - All state lives in the arrays below, so the stream's ``state_dict`` reads it from there.
@@ -86,8 +86,11 @@ N_SRC_COLS = 15
     ST_STAT_REAL,
     ST_STAT_DBLOCKS,
     ST_STAT_DDOCS,
-) = range(18)
-N_ST = 18
+    ST_DRY,
+) = range(19)
+N_ST = 19
+# state[ST_DRY] = 1: counting only (an epoch's batches, from the index): the same decisions,
+# every token left where it is and every label unread (the staging arrays are empty then)
 # return codes of pack_batch
 PACKED, NEED, END = 0, 1, 2
 # outcomes of placing a document
@@ -207,7 +210,7 @@ def _blocks_in(docs, units, doc, doc_a, doc_b):
 
 
 @njit(cache=True, inline="always")
-def _flush(docs, units, src, ids_l, mod_l, state, out, doc, row_a, doc_a, row_b, cut, L):
+def _flush(docs, units, src, staged_ids, staged_mod, state, out, doc, row_a, doc_a, row_b, cut, L):
     """Doc tokens [doc_a, doc_a + row_b - row_a) at row positions [row_a, row_b), one piece
     (Packer._flush)."""
     out_ids, out_mod, seg, pieces, vis = out
@@ -235,23 +238,26 @@ def _flush(docs, units, src, ids_l, mod_l, state, out, doc, row_a, doc_a, row_b,
         state[ST_NPIECES] = np_ + 1
     state[ST_TAIL] = doc
     base = state[ST_ROWS_DONE] * L
-    ids, mod, tok = ids_l[source], mod_l[source], docs[doc, D_TOK]
+    ids, mod, tok = staged_ids, staged_mod, docs[doc, D_TOK]
     # Element loops over views indexed from 0, not slice assignments (which check the two
     # sides for overlap per piece; see stage_kernel.gather_tokens)
-    dst_ids, src_ids = out_ids[base + row_a : base + row_b], ids[tok + doc_a : tok + doc_b]
-    dst_mod, src_mod = out_mod[base + row_a : base + row_b], mod[tok + doc_a : tok + doc_b]
-    if (
-        dst_ids.shape[0] != count
-        or src_ids.shape[0] != count
-        or dst_mod.shape[0] != count
-        or src_mod.shape[0] != count
-    ):
-        raise ValueError("pack_batch: a piece lies outside the batch or its document")
-    for at in range(dst_ids.shape[0]):
-        dst_ids[at] = src_ids[at]
-    for at in range(dst_mod.shape[0]):
-        dst_mod[at] = src_mod[at]
-    if doc_b < docs[doc, D_LEN]:
+    if not state[ST_DRY]:
+        dst_ids, src_ids = out_ids[base + row_a : base + row_b], ids[tok + doc_a : tok + doc_b]
+        dst_mod, src_mod = out_mod[base + row_a : base + row_b], mod[tok + doc_a : tok + doc_b]
+        if (
+            dst_ids.shape[0] != count
+            or src_ids.shape[0] != count
+            or dst_mod.shape[0] != count
+            or src_mod.shape[0] != count
+        ):
+            raise ValueError("pack_batch: a piece lies outside the batch or its document")
+        for at in range(dst_ids.shape[0]):
+            dst_ids[at] = src_ids[at]
+        for at in range(dst_mod.shape[0]):
+            dst_mod[at] = src_mod[at]
+    if state[ST_DRY]:
+        label, label_mod = IGNORE, TEXT
+    elif doc_b < docs[doc, D_LEN]:
         label = IGNORE if cut else ids[tok + doc_b]
         label_mod = mod[tok + doc_b]
     else:
@@ -282,7 +288,7 @@ def _flush(docs, units, src, ids_l, mod_l, state, out, doc, row_a, doc_a, row_b,
 
 
 @njit(cache=True, inline="always")
-def _place(docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_document, whole):
+def _place(docs, units, src, staged_ids, staged_mod, state, out, doc, pos, L, drop_document, whole):
     """Place as much of document ``doc`` as fits from pos (Packer._place): (outcome, new pos)."""
     n_units, unit, offset = docs[doc, D_NU], docs[doc, D_UNIT], docs[doc, D_OFF]
     limit, length, unit0 = docs[doc, D_LIMIT], docs[doc, D_LEN], docs[doc, D_U0]
@@ -308,7 +314,21 @@ def _place(docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_documen
         else:
             docs[doc, D_OFF] = doc_at + idx
             outcome = _FULL if doc_at + idx < limit else _DONE
-        _flush(docs, units, src, ids_l, mod_l, state, out, doc, pos, doc_at, pos + idx, False, L)
+        _flush(
+            docs,
+            units,
+            src,
+            staged_ids,
+            staged_mod,
+            state,
+            out,
+            doc,
+            pos,
+            doc_at,
+            pos + idx,
+            False,
+            L,
+        )
         return outcome, pos + idx
     piece_start = pos
     doc_start = units[unit0 + unit, U_START] + offset if unit < n_units else length
@@ -325,8 +345,8 @@ def _place(docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_documen
                     docs,
                     units,
                     src,
-                    ids_l,
-                    mod_l,
+                    staged_ids,
+                    staged_mod,
                     state,
                     out,
                     doc,
@@ -365,7 +385,21 @@ def _place(docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_documen
             else:
                 offset += idx
     docs[doc, D_UNIT], docs[doc, D_OFF] = unit, offset
-    _flush(docs, units, src, ids_l, mod_l, state, out, doc, piece_start, doc_start, pos, False, L)
+    _flush(
+        docs,
+        units,
+        src,
+        staged_ids,
+        staged_mod,
+        state,
+        out,
+        doc,
+        piece_start,
+        doc_start,
+        pos,
+        False,
+        L,
+    )
     return outcome, pos
 
 
@@ -410,13 +444,13 @@ def _end_row(docs, units, state, out, blocks, real, pos, L, pad_id):
 
 @njit(cache=True, inline="always")
 def _place_held(
-    docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_document, whole,
+    docs, units, src, staged_ids, staged_mod, state, out, doc, pos, L, drop_document, whole,
     carry, defer, n_carry, n_defer,
 ):  # fmt: skip
     """``_place``, then the document held aside when it filled the row (carried into the next)
     or a block of it must wait (deferred), as ``Packer.pack`` does: (pos, carried, deferred)."""
     outcome, pos = _place(
-        docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_document, whole
+        docs, units, src, staged_ids, staged_mod, state, out, doc, pos, L, drop_document, whole
     )
     if outcome == _FULL:
         carry[n_carry] = doc
@@ -440,8 +474,8 @@ def pack_batch(
     shares,
     mixed,
     state,
-    ids_l,
-    mod_l,
+    staged_ids,
+    staged_mod,
     out_ids,
     out_mod,
     seg,
@@ -480,7 +514,7 @@ def pack_batch(
                     n_defer += 1
                     continue
                 pos, n_carry, n_defer = _place_held(
-                    docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_document,
+                    docs, units, src, staged_ids, staged_mod, state, out, doc, pos, L, drop_document,
                     whole, carry, defer, n_carry, n_defer,
                 )  # fmt: skip
             state[ST_NPENDING] = 0
@@ -494,7 +528,7 @@ def pack_batch(
             if doc == -1:
                 break
             pos, n_carry, n_defer = _place_held(
-                docs, units, src, ids_l, mod_l, state, out, doc, pos, L, drop_document,
+                docs, units, src, staged_ids, staged_mod, state, out, doc, pos, L, drop_document,
                 whole, carry, defer, n_carry, n_defer,
             )  # fmt: skip
         pending[:n_carry] = carry[:n_carry]

@@ -1,5 +1,4 @@
-"""What a consumer hands the trainer's process for one batch (``PackedBatch``), and the two small
-per-batch tables built from its rows (tokens per source, each row's document pieces). Separate
+"""What a consumer hands the trainer's process for one batch (``PackedBatch``). Separate
 from the stream (stream.py), which decides what goes into a batch: this is how a batch travels
 (a slot of shared memory from a worker, pinned memory in the trainer) and is expanded into the
 tensors the trainer reads.
@@ -13,7 +12,6 @@ import torch
 from data.loader import transport
 from data.loader.batch_buffer import BatchBuffer
 from data.loader.expand import CompactBatch, expand, slot_views
-from data.loader.packer import Row
 
 
 class PackedBatch:
@@ -43,10 +41,6 @@ class PackedBatch:
         )
         # In-process: the batch's buffer, its ids already written there
         self.buffer = buffer
-        # Handed out compact (``to_dict``: the trainer expands it, data/loader/expand_torch.py):
-        # in-process its ids and modalities as tensors already (int32, uint8 [rows, L])
-        self.compact_out = False
-        self.tensors: tuple | None = None
         self.expanded = False
         self.worker = -1
         self.state: dict | None = None
@@ -59,7 +53,6 @@ class PackedBatch:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["buffer"] = None  # only made in the trainer's process (or in-process)
-        state["tensors"] = None
         return state
 
     def expand(self, *, pin: bool = False) -> BatchBuffer:
@@ -86,50 +79,12 @@ class PackedBatch:
         assert self.buffer is not None
         return self.buffer
 
-    def take_compact(self, *, pin: bool = False) -> tuple:
-        """(ids int32, modalities uint8) [rows, L] tensors of a batch handed out compact, once
-        (in the trainer's process: copied out of the slot, which is then freed)."""
-        c = self.compact
-        if self.tensors is None or (pin and not self.tensors[0].is_pinned()):
-            ids = torch.empty((c.rows, c.seq_len), dtype=torch.int32, pin_memory=pin)
-            mod = torch.empty((c.rows, c.seq_len), dtype=torch.uint8, pin_memory=pin)
-            if self.tensors is not None:
-                ids.copy_(self.tensors[0])
-                mod.copy_(self.tensors[1])
-            else:
-                if self.slot is not None:
-                    view = transport.slot(self.token, self.slot, self.ring)
-                    c.ids, c.mod = slot_views(view, c.rows, c.seq_len)
-                assert c.ids is not None and c.mod is not None
-                np.copyto(ids.numpy().reshape(-1), c.ids)
-                np.copyto(mod.numpy().reshape(-1), c.mod)
-                if self.slot is not None:
-                    transport.free(self.token, self.slot)
-                    self.slot, self.ring = None, None
-                c.ids = c.mod = None
-            self.tensors = (ids, mod)
-        return self.tensors
-
     def pin_memory(self, device=None) -> PackedBatch:
-        if self.compact_out:
-            self.take_compact(pin=True)
-        else:
-            self.expand(pin=True)
+        self.expand(pin=True)
         return self
 
     def to_dict(self) -> dict:
-        if self.compact_out:  # the trainer expands it (data/loader/expand_torch.py)
-            ids, mod = self.take_compact()
-            c = self.compact
-            batch = {
-                "input_ids": ids,
-                "modality": mod,
-                "segments": torch.from_numpy(c.segments),
-                "blocks": torch.from_numpy(c.blocks),
-                "row_real": torch.from_numpy(c.real),
-            }
-        else:
-            batch = self.expand().split()
+        batch = self.expand().split()
         # from_numpy: torch.tensor of Python numbers costs several times more, per batch
         batch["num_real_tokens"] = torch.from_numpy(np.array(self.real, np.int64))
         batch["pieces"] = torch.from_numpy(self.pieces)
@@ -140,22 +95,3 @@ class PackedBatch:
         batch["dropped_blocks"] = torch.from_numpy(self.dropped)
         batch["tokens_by_source"] = torch.from_numpy(np.asarray(self.tokens_by_source, np.int64))
         return batch
-
-
-def tokens_by_source_of(rows: list[Row], n: int) -> list[int]:
-    out = [0] * n
-    for r in rows:
-        for s, _, a, b in r.pieces:
-            out[s] += b - a
-    return out
-
-
-def pieces_of(rows: list[Row]) -> np.ndarray:
-    """int64 [rows, most pieces, 4] (source, sample, start, end) of each row's document pieces,
-    -1 padded: which documents a batch holds (for checks and debugging; the model never sees it)."""
-    most = max((len(r.pieces) for r in rows), default=0)
-    out = np.full((len(rows), most, 4), -1, dtype=np.int64)
-    for i, r in enumerate(rows):
-        if r.pieces:
-            out[i, : len(r.pieces)] = r.pieces
-    return out

@@ -27,8 +27,9 @@ Design choices:
 - A batch leaves the packer compact (``Packer.compact``: ids, modalities, a table of segments
   and one of visual blocks); data/loader/expand.py derives every other per-token field from it
   where the batch is handed out.
-- ``dry=True`` packs lengths only (from the index): the same decisions without reading a tar,
-  used to count an epoch's rows on every consumer.
+- Batches of a loader's stream are packed by the compiled loop (pack_kernel.py), which follows
+  these rules; this packer packs documents given one by one (``pack_documents``: evaluation,
+  probes).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class Doc:
     epoch: int
     length: int
     units: list[Unit]
-    ids: np.ndarray | None = None  # int32 [length] (None when packing dry)
+    ids: np.ndarray | None = None  # int32 [length] (None in a dry stream: lengths only)
     mod: np.ndarray | None = None
     unit: int = 0  # next unit to place
     offset: int = 0  # tokens of that unit already placed (text only)
@@ -117,19 +118,6 @@ class Doc:
             if u.start >= a and u.end <= b:
                 return True
         return False
-
-    def chunk_placed(self) -> bool:
-        """Every token handed out so far is placed (or dropped): ready for its next chunk."""
-        return self.position() >= self.limit
-
-    def chunk_end(self, size: int) -> int:
-        """Where the chunk after ``limit`` ends: ``size`` tokens on, stretched to the end of a
-        visual block it would cut (a block is never split, not even between chunks)."""
-        target = min(self.limit + size, self.length)
-        for u in self.blocks:
-            if u.start < target < u.end:
-                return u.end
-        return target
 
 
 @dataclass
@@ -200,17 +188,15 @@ class Packer:
         pad_id: int,
         max_pending: int = 4,
         oversize: str = "drop_block",
-        dry: bool = False,
         whole_documents: bool = False,
     ) -> None:
         if oversize not in ("drop_block", "drop_document"):
             raise ValueError(f"oversize {oversize!r}: choose drop_block or drop_document")
-        self.L, self.pad_id, self.max_pending, self.oversize, self.dry = (
+        self.L, self.pad_id, self.max_pending, self.oversize = (
             seq_len,
             pad_id,
             max_pending,
             oversize,
-            dry,
         )
         self.whole_documents = whole_documents
         self.pending: list[Doc] = []
@@ -225,7 +211,7 @@ class Packer:
         self.dropped_by[key] = self.dropped_by.get(key, 0) + 1
 
     # --- one document into the row being built ---------------------------------------------------
-    def _place(self, doc: Doc, row: Row | None, pos: int) -> tuple[str, int]:
+    def _place(self, doc: Doc, row: Row, pos: int) -> tuple[str, int]:
         """Place as much of ``doc`` as fits from ``pos``; returns (outcome, new pos) with outcome
         "done" (finished), "full" (row filled, doc continues) or "blocked" (a block must wait)."""
         L, units, limit = self.L, doc.units, doc.limit
@@ -294,17 +280,13 @@ class Packer:
         self._flush(doc, row, piece_start, doc_start, pos)
         return outcome, pos
 
-    def _flush(
-        self, doc: Doc, row: Row | None, ra: int, a: int, rb: int, cut: bool = False
-    ) -> None:
+    def _flush(self, doc: Doc, row: Row, ra: int, a: int, rb: int, cut: bool = False) -> None:
         """Write doc tokens [a, a + rb - ra) at row positions [ra, rb) as one piece. ``cut``: the
         doc's next token starts a dropped block, so the piece's last token predicts nothing."""
         n = rb - ra
         if n <= 0:
             return
         self.stats.real_tokens += n
-        if row is None:
-            return
         assert doc.ids is not None and doc.mod is not None  # read whenever a row is filled
         b = a + n
         if row.tail is doc and row.pieces[-1][3] == a:
@@ -382,14 +364,8 @@ class Packer:
         batch = self.compact(rows, fields["ids"].reshape(n), np.empty(n, np.uint8))
         expand(batch, fields)
 
-    def _new_row(self) -> Row | None:
-        if self.dry:
-            return None
+    def _new_row(self) -> Row:
         return _row_of(BatchBuffer(1, self.L, self.pad_id))
-
-    def blank_row(self) -> Row | None:
-        """A row of a batch (no fields of its own: the batch is compacted and expanded whole)."""
-        return None if self.dry else Row()
 
     # --- one row ----------------------------------------------------------------------------------
     def pack(self, next_doc, into: Row | None = None) -> Row | None:
@@ -397,7 +373,7 @@ class Packer:
         None when nothing is left at all. ``into``: a blank row of a batch's buffer, whose
         fields ``finish`` writes for the whole batch; without it a
         row of its own is made and finished."""
-        row, pos = (into if into is not None or self.dry else self._new_row()), 0
+        row, pos = (into if into is not None else self._new_row()), 0
         waiting, self.pending = self.pending, []
         carry: list[Doc] = []
         deferred: list[Doc] = []
@@ -423,8 +399,7 @@ class Packer:
         if pos == 0 and not self.pending:
             return None
         self.stats.rows += 1
-        if row is not None:
-            row.real = pos
-            if into is None:
-                self.finish([row], {k: v[None] for k, v in _fields(row).items()})
-        return row if row is not None else Row(real=pos)
+        row.real = pos
+        if into is None:
+            self.finish([row], {k: v[None] for k, v in _fields(row).items()})
+        return row

@@ -6,7 +6,7 @@ Design choices:
 - Token samples are checked against the SHA-256 their index records (``sample_hash`` over the
   ``json``, ``ids.npy`` and ``mod.npy`` members). The three members lie next to each other in
   the tar, so one view of the shard covers them (a slice of its memory map); the extra cost
-  is hashing a few KB per document (docs/benchmarks.md, ``tools/bench/bench_sample_check.py``).
+  is hashing a few KB per document (docs/benchmarks.md, "Loader: per-document checks").
   ``data.check_hashes=false`` turns it off.
 - Ids are always checked against their modality's range of the vocabulary layout (text and
   code: the BPE; image and video: the visual codes; structure: the markers): a vectorised

@@ -2,7 +2,8 @@
 group them into batches, and say exactly where it is.
 
 Design choices:
-- Mixing by tokens, deterministically, a chunk at a time: the next chunk (at most
+- Mixing by tokens, deterministically, a chunk at a time (decided with the packing in the
+  compiled loop, pack_kernel.py, which this stream feeds with documents): the next chunk (at most
   ``mix_chunk`` tokens, default ``seq_len``, never cutting a visual block) comes from the
   source furthest below its share (weight x tokens handed out so far, minus its own tokens).
   A long document is handed out a chunk at a time (the OLMo / Megatron practice of cutting
@@ -30,7 +31,6 @@ import time
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from data.loader import store, transport
 from data.loader.batch_buffer import BatchBuffer
@@ -46,8 +46,8 @@ from data.loader.order import (
     epoch_order,
     unpack_mask,
 )
-from data.loader.packed_batch import PackedBatch, pieces_of, tokens_by_source_of
-from data.loader.packer import Doc, Packer, Row, units_of
+from data.loader.packed_batch import PackedBatch
+from data.loader.packer import Doc, Packer, units_of
 from data.loader.sample_check import check_ids, read_members
 from data.loader.shard_check import CheckedShard, check_shard
 from data.loader.store import ShardFiles, ShardView
@@ -59,9 +59,6 @@ from data.vocab import MODALITY_NAMES, Modality
 
 if TYPE_CHECKING:
     from data.loader.fast_stream import FastPath
-
-_TEXT_M = int(Modality.TEXT)
-_NOT_TEXT = [int(m) for m in Modality if m != Modality.TEXT]
 
 
 _KEEP_SHARDS = 256  # as many as ShardFiles keeps memory maps of (a checked shard holds its map)
@@ -86,14 +83,13 @@ class ConsumerStream:
         total = float(sum(weights))
         self.shares = [w / total for w in weights]
         # (source, share) of the sources that get a share, in order: what the mix picks from
-        self._mixed = [(s, share) for s, share in enumerate(self.shares) if share > 0]
+        self.mixed_sources = [(s, share) for s, share in enumerate(self.shares) if share > 0]
         self.consumer, self.consumers, self.micro_batch = consumer, consumers, micro_batch
         self.packer = Packer(
             cfg.seq_len,
             pad_id=pad_id,
             max_pending=cfg.max_pending,
             oversize=cfg.oversize,
-            dry=dry,
             whole_documents=cfg.whole_documents,
         )
         self.cursors = [SourceCursor() for _ in tables]
@@ -101,7 +97,7 @@ class ConsumerStream:
         # comes from the first whose last chunk is placed). At most max_pending + 1 each.
         self.open: list[list[Doc]] = [[] for _ in tables]
         self.chunk = cfg.mix_chunk or cfg.seq_len
-        self._slices: dict[tuple[int, int], np.ndarray | ConsumerSlice] = {}
+        self.slices: dict[tuple[int, int], np.ndarray | ConsumerSlice] = {}
         self.errors = 0  # skips, a sample skipped again (a later epoch) counted again
         # Per source, the samples skipped since the state was restored, in read order, and the
         # distinct ones the restored state had skipped: the state names each skipped sample once
@@ -112,12 +108,11 @@ class ConsumerStream:
         self.batches = 0
         self.batch_limit: int | None = None
         self.tokens_by_modality = np.zeros(len(MODALITY_NAMES), np.int64)
-        self._dropped_before = np.zeros((len(tables), 2), np.int64)  # as of the last batch
+        self.dropped_before = np.zeros((len(tables), 2), np.int64)  # as of the last batch
         self.files = ShardFiles(cfg.cache_dir, cfg.cache_limit_gb)
         self._online: OnlineTokenizer | None = None  # built on the first raw document
         self.ring: transport.SlotRing | None = None  # set in a DataLoader worker
         self._fast: FastPath | None = None  # the compiled loop, made at the first batch
-        self.compact_out = False  # hand batches out compact (PackedLoader.compact)
         self.pin = False  # in-process: batches expanded into pinned memory (set by the loader)
         self.watchdog = None if dry else Watchdog(cfg.stall_seconds, f"consumer {consumer}")
         # (source, shard) -> the shard when it passed the whole-shard check, None when it did not
@@ -127,17 +122,18 @@ class ConsumerStream:
         self._tick = 0
         self._check_whole = consumers <= cfg.whole_shard_check_max_consumers
         # Per source: read through whole-shard checks (token tables with shard digests)
-        self._whole = [
-            self._check_whole and getattr(t, "shard_sha256", None) is not None for t in tables
+        self.whole_checked = [
+            not dry and self._check_whole and getattr(t, "shard_sha256", None) is not None
+            for t in tables
         ]
 
     # --- which document next -------------------------------------------------------------------
-    def _slice(self, s: int, epoch: int) -> np.ndarray | ConsumerSlice:
+    def slice_of(self, s: int, epoch: int) -> np.ndarray | ConsumerSlice:
         key = (s, epoch)
-        if key not in self._slices:
+        if key not in self.slices:
             t = self.tables[s]
-            self._slices = {
-                k: v for k, v in self._slices.items() if k[0] != s
+            self.slices = {
+                k: v for k, v in self.slices.items() if k[0] != s
             }  # keep one epoch per source
             mask = self.cursors[s].skip.get(epoch)
             order_args = dict(
@@ -154,75 +150,25 @@ class ConsumerStream:
             else:
                 lazy = EpochOrder(t.shard_counts(), **order_args)  # type: ignore[arg-type]
                 if mask is None:
-                    self._slices[key] = ConsumerSlice(lazy, self.consumer, self.consumers)
-                    return self._slices[key]
+                    self.slices[key] = ConsumerSlice(lazy, self.consumer, self.consumers)
+                    return self.slices[key]
                 order = lazy.full()  # a redistributed epoch: the positions left, in order
             if mask is not None:
                 order = order[~unpack_mask(mask, len(order))]
-            self._slices[key] = consumer_slice(order, self.consumer, self.consumers)
-        return self._slices[key]
+            self.slices[key] = consumer_slice(order, self.consumer, self.consumers)
+        return self.slices[key]
 
-    def _ready(self, s: int) -> Doc | None:
-        """The first open document of source ``s`` whose chunk so far is placed."""
-        if not self.open[s]:  # most calls: nothing open
-            return None
-        for doc in list(self.open[s]):
-            if doc.position() >= doc.length:  # ended early: its document was dropped (oversize)
-                self.open[s].remove(doc)
-            elif doc.chunk_placed():
-                return doc
-        return None
-
-    def _pick_source(self) -> int | None:
-        cursors = self.cursors
-        tokens = [c.tokens for c in cursors]
-        total = sum(tokens)
-        best: int | None = None
-        best_gap = 0.0
-        for s, share in self._mixed:
-            if cursors[s].done and self._ready(s) is None:
-                continue
-            gap = share * total - tokens[s]
-            if best is None or gap > best_gap:
-                best, best_gap = s, gap
-        return best
-
-    def next_doc(self) -> Doc | None:
-        """The next chunk to place: a document whose ``limit`` has moved on by one chunk (the
-        packer places it up to there). None when every source is done (epoch mode)."""
-        while True:
-            s = self._pick_source()
-            if s is None:
-                return None
-            doc = self._ready(s)
-            fresh = doc is None
-            if doc is None:
-                doc = self._read_next(s)
-                if doc is None:
-                    continue
-                doc.limit = 0
-            start = doc.limit
-            doc.limit = doc.chunk_end(self.chunk)
-            self.cursors[s].tokens += doc.limit - start
-            # Open while chunks of it are still to come (most documents fit one chunk: never)
-            if doc.limit < doc.length:
-                if fresh:
-                    self.open[s].append(doc)
-            elif not fresh:
-                self.open[s].remove(doc)
-            return doc
-
-    def _read_next(self, s: int) -> Doc | None:
+    def read_next(self, s: int) -> Doc | None:
         """The next document of source ``s`` in this consumer's slice; None when it could not be
         read (skipped and counted) or the source is done (epoch mode)."""
         c = self.cursors[s]
-        sl = self._slices.get((s, c.epoch))
+        sl = self.slices.get((s, c.epoch))
         if sl is None:
-            sl = self._slice(s, c.epoch)
+            sl = self.slice_of(s, c.epoch)
         if c.pos >= len(sl):
             if not self.next_epoch(s):
                 return None
-            sl = self._slice(s, c.epoch)
+            sl = self.slice_of(s, c.epoch)
         sample = int(sl[c.pos])
         c.pos += 1
         return self.load(s, sample, c.epoch)
@@ -237,7 +183,7 @@ class ConsumerStream:
             return False
         c.skip.pop(c.epoch, None)
         c.epoch, c.pos = c.epoch + 1, 0
-        if not len(self._slice(s, c.epoch)):
+        if not len(self.slice_of(s, c.epoch)):
             if c.epoch in c.skip:
                 return False
             raise ValueError(
@@ -267,7 +213,7 @@ class ConsumerStream:
             raise ValueError(why)
         return doc.ids.astype(np.int64), doc.modality.astype(np.int64), visual_blocks(doc.spans)
 
-    def _checked_shard(self, s: int, t: SampleTable, si: int) -> CheckedShard | None:
+    def checked_shard(self, s: int, t: SampleTable, si: int) -> CheckedShard | None:
         """Shard ``si`` when it passes the whole-shard check (checked on first use)."""
         key = (s, si)
         self._tick += 1
@@ -304,9 +250,9 @@ class ConsumerStream:
         if self.dry:
             length = t.tokens_of(sample)
             return Doc(s, sample, epoch, length, units_of(length, t.blocks_of(sample)))
-        if self._whole[s]:
+        if self.whole_checked[s]:
             si, i = t.locate(sample)  # type: ignore[attr-defined]
-            checked = self._checked_shard(s, t, si)
+            checked = self.checked_shard(s, t, si)
             if checked is not None:  # a checked shard: nothing to parse or check
                 ids, mod, units = checked.document(i)
                 self.consecutive_errors = 0
@@ -357,31 +303,20 @@ class ConsumerStream:
         return Doc(s, sample, epoch, length, units_of(length, blocks), ids, mod)
 
     # --- rows and batches --------------------------------------------------------------------------
-    def next_row(self) -> Row | None:
-        return self.packer.pack(self.next_doc)
-
     def next_batch(self) -> PackedBatch | dict | None:
         """The next batch (``PackedBatch``; ``{}`` when packing dry); None at the end."""
         if self.batch_limit is not None and self.batches >= self.batch_limit:
             return None
         packer = self.packer
-        if self.dry:
-            for _ in range(self.micro_batch):
-                if packer.pack(self.next_doc) is None:
-                    return None
+        if self.dry:  # counting: the compiled loop's decisions, from the index alone
+            if not self._fast_path().count():
+                return None
             self.batches += 1
             return {}
         fast = self._fast_path()
-        rows: list[Row] = []
-        if fast is None:
-            while len(rows) < self.micro_batch:
-                r = packer.pack(self.next_doc, packer.blank_row())
-                if r is None:
-                    return None  # the last, incomplete batch of an epoch is held back
-                rows.append(r)
         B, L = self.micro_batch, self.cfg.seq_len
         n = B * L
-        ring, slot, buffer, tensors = self.ring, None, None, None
+        ring, slot, buffer = self.ring, None, None
         if ring is not None:
             # In a worker: the compact batch straight into a slot of shared memory
             # (data/loader/transport.py), or ordinary arrays when none is free
@@ -390,66 +325,40 @@ class ConsumerStream:
                 ids, mod = slot_views(ring.data[slot].numpy(), B, L)
             else:
                 ids, mod = np.empty(n, np.int32), np.empty(n, np.uint8)
-        elif self.compact_out:  # in-process, handed out compact: int32 ids, uint8 modalities
-            tensors = (
-                torch.empty((B, L), dtype=torch.int32, pin_memory=self.pin),
-                torch.empty((B, L), dtype=torch.uint8, pin_memory=self.pin),
-            )
-            ids, mod = tensors[0].numpy().reshape(n), tensors[1].numpy().reshape(n)
         else:  # in-process: the ids straight into the batch's field, the modalities as uint8
             # (what the compiled loop writes everywhere; expand widens them into their field)
             buffer = BatchBuffer(B, L, packer.pad_id, pin=self.pin)
             ids, mod = buffer.fields["ids"].reshape(n), np.empty(n, np.uint8)
-        if fast is None:
-            compact = packer.compact(rows, ids, mod)
-            dropped = self.dropped_matrix()
-            by_source = tokens_by_source_of(rows, len(self.tables))
-            pieces = pieces_of(rows)
-            real = int(compact.real.sum())
-            # The modalities of the real tokens: one count per modality other than text (a
-            # third of what np.bincount took), text the rest (padding is text)
-            by_modality = np.zeros(len(MODALITY_NAMES), np.int64)
-            for m in _NOT_TEXT:
-                by_modality[m] = np.count_nonzero(mod == m)
-            by_modality[_TEXT_M] = real - by_modality.sum()
-        else:
-            try:
-                packed = fast.pack(ids, mod)
-            except BaseException:
-                if slot is not None and ring is not None:
-                    ring.release(slot)
-                raise
-            if packed is None:
-                if slot is not None and ring is not None:
-                    ring.release(slot)
-                return None  # the last, incomplete batch of an epoch is held back
-            compact, pieces, by_source, by_modality = packed
-            dropped = fast.dropped_matrix()
-            real = int(compact.real.sum())
+        try:
+            packed = fast.pack(ids, mod)
+        except BaseException:
+            if slot is not None and ring is not None:
+                ring.release(slot)
+            raise
+        if packed is None:
+            if slot is not None and ring is not None:
+                ring.release(slot)
+            return None  # the last, incomplete batch of an epoch is held back
+        compact, pieces, by_source, by_modality = packed
+        dropped = fast.dropped_matrix()
+        real = int(compact.real.sum())
         self.batches += 1
-        new_drops = dropped - self._dropped_before
-        self._dropped_before = dropped
+        new_drops = dropped - self.dropped_before
+        self.dropped_before = dropped
         self.tokens_by_modality += by_modality
         out = PackedBatch(compact, pieces, by_source, new_drops, real, buffer=buffer)
-        if self.compact_out:
-            out.compact_out = True
-            if ring is None:
-                out.tensors = tensors
         if slot is not None and ring is not None:
             out.compact, out.slot, out.token = compact.tables(), slot, ring.token
             if not ring.sent:  # the slots cross to the trainer once, with the first batch
                 out.ring, ring.sent = (ring.data, ring.flags), True
         return out
 
-    def _fast_path(self) -> FastPath | None:
+    def _fast_path(self) -> FastPath:
         """The compiled loop (data/loader/fast_stream.py), built from the stream's fields on
-        first use; None where it is off (``data.compiled_packer``) or numba is absent."""
-        if self._fast is None and self.cfg.compiled_packer:
-            try:
-                from data.loader.fast_stream import FastPath
-            except ImportError:  # numba missing: the Python path
-                self.cfg.compiled_packer = False
-                return None
+        first use (a fresh stream, or one just restored)."""
+        if self._fast is None:
+            from data.loader.fast_stream import FastPath
+
             self._fast = FastPath(self)
         return self._fast
 

@@ -75,7 +75,7 @@ def load_state(stream: ConsumerStream, st: dict) -> None:
     for s, e, m in st.get("skip", []):  # states from before redistribute have none
         if e >= stream.cursors[s].epoch:
             stream.cursors[s].skip[e] = m
-    stream._slices = {}
+    stream.slices = {}
     stream.batches, stream.errors = st["batches"], st["errors"]
     stream.skip_events = [[] for _ in stream.tables]
     stream.skipped_before = [[] for _ in stream.tables]
@@ -85,7 +85,7 @@ def load_state(stream: ConsumerStream, st: dict) -> None:
         setattr(stream.packer.stats, k, v)
     stream.tokens_by_modality = np.asarray(st["tokens_by_modality"], np.int64)
     stream.packer.dropped_by = {(s, m): n for s, m, n in st.get("dropped_by", [])}
-    stream._dropped_before = stream.dropped_matrix()
+    stream.dropped_before = stream.dropped_matrix()
     # A document both held aside and open is one object in both lists (keyed by source,
     # sample, epoch: a consumer reads a sample once per epoch).
     docs: dict[tuple[int, int, int], Doc | None] = {}

@@ -1,5 +1,5 @@
 """The compact batch layout (data/loader/expand.py): a batch packed compact and expanded equals
-the same rows packed and finished one by one, in-process, through a worker's slot of shared
+the same rows packed and expanded as batches of one row, in-process, through a worker's slot of shared
 memory and through the fallback when no slot is free (pickled)."""
 
 from __future__ import annotations
@@ -38,13 +38,11 @@ def _stream(tokens, micro_batch: int, **kw) -> ConsumerStream:
 
 
 def _rows_one_by_one(tokens, n_rows: int, **kw) -> dict[str, np.ndarray]:
-    """The batch fields of ``n_rows`` rows, each packed and finished on its own."""
-    stream = _stream(tokens, 1, **kw)
-    rows = [row for _ in range(n_rows) if (row := stream.next_row()) is not None]
-    assert len(rows) == n_rows
-    out = {key: np.stack([getattr(r, attr) for r in rows]) for attr, key, _ in ROW_FIELDS}
-    out["position_thw"] = np.stack([r.thw for r in rows if r.thw is not None])
-    out["num_real_tokens"] = np.array(sum(r.real for r in rows))
+    """The batch fields of ``n_rows`` rows, each packed and expanded as a batch of its own."""
+    rows = _batches(_stream(tokens, 1, **kw), n_rows)
+    out = {key: np.concatenate([r[key] for r in rows]) for _, key, _ in ROW_FIELDS}
+    out["position_thw"] = np.concatenate([r["position_thw"] for r in rows])
+    out["num_real_tokens"] = np.array(sum(int(r["num_real_tokens"]) for r in rows))
     return out
 
 

@@ -232,7 +232,7 @@ def test_short_pipe_output_is_an_error_never_cached(tiny_tokens, tmp_path):
         micro_batch=1,
     )
     with pytest.raises(RuntimeError, match="3 unreadable samples in a row.*wrote 700 bytes"):
-        ld.make_stream(0).next_doc()  # each skipped and counted, then the run stops
+        ld.make_stream(0).next_batch()  # each skipped and counted, then the run stops
 
 
 def test_remote_reads_are_retried_then_fail_as_oserror(memory_tokens):
@@ -291,7 +291,7 @@ def test_a_failed_fetch_is_not_repeated_for_every_sample(tiny_tokens, tmp_path):
         micro_batch=1,
     )
     with pytest.raises(RuntimeError, match="5 unreadable samples in a row.*exited with 1"):
-        ld.make_stream(0).next_doc()
+        ld.make_stream(0).next_batch()
     assert sum(line.strip().endswith(".tar") for line in log.read_text().splitlines()) == 1
 
 

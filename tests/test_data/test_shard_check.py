@@ -39,8 +39,8 @@ def read_source(tokens, source, **kw):
     loader = build_loader(config(tokens, (source,), **kw), rank=0, world_size=1, micro_batch=1)
     stream = loader.make_stream(0)
     docs = 0
-    while stream.next_doc() is not None:
-        docs += 1
+    while not stream.cursors[0].done:  # one epoch's documents, each read once
+        docs += stream.read_next(0) is not None
     return docs, stream.errors, stream
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,14 +23,14 @@ from PIL import Image
 from data.demo_corpus import scenes as scenes_mod
 from data.demo_corpus._common import rng_for
 from data.layout import image_tokens
-from data.loader.packer import Doc, Packer, units_of
+from data.loader import pack_documents
 from data.text_tokenizer import TextTokenizer
 from data.vocab import Modality
 from model import presets
 from tools.evaluate import main as eval_main
 from tools.evaluate.heldout import MODEL_INPUTS, token_byte_lengths
+from tools.evaluate.pair_dependence import CAPTION, DRAWING, dependence_gaps, find_pair
 from tools.evaluate.scenes import SceneJudge, evaluate_scenes, load_scenes
-from train.monitor.pair_dependence import CAPTION, DRAWING, collate, dependence_gaps, find_pair
 
 
 def test_eval_command_on_a_release(debug_release, tiny_tokens, tiny_corpus, tmp_path, capsys):
@@ -132,12 +133,12 @@ def _train(layout, docs, steps: int, seed: int):
     torch.manual_seed(seed)
     model = presets.preset("debug", layout).build()
     opt = torch.optim.AdamW(model.parameters(), lr=4e-3, weight_decay=0.0)
-    rows = []
-    for ids, mod, blocks in docs:  # one document per row, as evaluation runs them
-        packer = Packer(128, pad_id=0)
-        doc = Doc(0, 0, 0, len(ids), units_of(len(ids), blocks), ids, mod)
-        rows.append(packer.pack(iter([doc, None]).__next__))
-    batch = collate(rows)
+    # one document per row, as evaluation runs them
+    rows = [
+        next(pack_documents([SimpleNamespace(ids=ids, modality=mod, blocks=blocks)], 128))
+        for ids, mod, blocks in docs
+    ]
+    batch = {key: torch.cat([row[key] for row in rows]) for key in MODEL_INPUTS}
     inputs = {k: batch[k] for k in MODEL_INPUTS}
     for _ in range(steps):
         loss = model(**inputs).loss

@@ -164,23 +164,3 @@ def test_blocks_longer_than_a_row_stop_the_run_or_are_counted_when_allowed(tiny_
     assert per_step > 0 and per_step == sum(m[s]["data/dropped_blocks"] for s in m)
     final = json.loads((run / "final.json").read_text())
     assert final["data/dropped_blocks/clips/video"] == per_step == final["data/dropped_blocks"]
-
-
-def test_batches_expanded_by_the_trainer_train_exactly_as_batches_expanded_by_the_loader(
-    tiny_tokens, tmp_path
-):
-    """data.expand=trainer (the loader hands out compact batches, the LM task expands them on
-    its device, data/loader/expand_torch.py) against data.expand=loader (the default): the same
-    losses, per modality too, at every step."""
-    runs = {}
-    for how in ("loader", "trainer"):
-        train(base(tiny_tokens, tmp_path / how, 8, f"data.expand={how}"))
-        runs[how] = metrics(tmp_path / how)
-    a, b = runs["loader"], runs["trainer"]
-    prefixes = ("train/loss", "loss/", "mix/", "unigram/", "monitor/data_code")
-    seen = set()
-    for step in range(1, 9):
-        keys = [k for k in a[step] if k.startswith(prefixes)]
-        assert {k: a[step][k] for k in keys} == {k: b[step].get(k) for k in keys}
-        seen |= set(keys)
-    assert {"loss/image", "loss/video", "train/loss"} <= seen

@@ -15,7 +15,15 @@ For each size the script times, in this process:
   at every start before binary indexes (a lower bound of its start-up then), for sizes up to
   ``--jsonl-max``.
 
+``--first-batch CHECKOUT ...`` times instead, over the folder of the first size, what a fresh
+process waits for: ``build_loader`` and then its first batch, in-process (``num_workers=0``) and
+with one worker, each measure in a new Python process importing the loader of each checkout
+given (this one: ``.``), the checkouts' order rotated each round; the first untimed process of
+each writes numba's on-disk cache, as a first run on a machine does. Ratios are against the
+first checkout.
+
     python tools/bench/bench_startup.py [--sizes 10000 100000 1000000 10000000] [--rounds 3]
+    python tools/bench/bench_startup.py --sizes 100000 --first-batch /tmp/before . --rounds 5
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -151,6 +160,64 @@ def time_restore(cfg: LoaderConfig, state: dict, n: int) -> float:
     return dt
 
 
+# What one fresh process of --first-batch runs (its checkout's loader first on sys.path).
+_FIRST_BATCH = """
+import json, sys, time
+sys.path.insert(0, {root!r})
+t0 = time.perf_counter()
+from data.loader import LoaderConfig, SourceConfig, build_loader
+t1 = time.perf_counter()
+cfg = LoaderConfig(sources=[SourceConfig(name="synth", shards=[{src!r}])], seq_len={seq_len},
+                   num_workers={workers}, mode="infinite", pin_memory=False)
+loader = build_loader(cfg, rank=0, world_size=1, micro_batch=8)
+t2 = time.perf_counter()
+it = iter(loader)
+next(it)
+t3 = time.perf_counter()
+it.close()
+print(json.dumps({{"import_s": t1 - t0, "build_s": t2 - t1, "first_batch_s": t3 - t2}}))
+"""
+
+
+def time_first_batch(root: Path, src: Path, seq_len: int, workers: int) -> dict:
+    """A fresh process's import, ``build_loader`` and first batch after it, with ``root``'s
+    loader."""
+    code = _FIRST_BATCH.format(root=str(root), src=str(src), seq_len=seq_len, workers=workers)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def first_batch(checkouts: list[Path], src: Path, seq_len: int, rounds: int) -> dict:
+    """Medians of ``time_first_batch`` per checkout and worker count, and their ratios."""
+    settings = [(str(root), workers) for root in checkouts for workers in (0, 1)]
+    for name, workers in settings:  # untimed: numba writes its cache, the page cache fills
+        time_first_batch(Path(name), src, seq_len, workers)
+    times: dict[tuple[str, int], list[dict]] = {key: [] for key in settings}
+    for turn in range(rounds):
+        for checkout in checkouts[turn % len(checkouts) :] + checkouts[: turn % len(checkouts)]:
+            for workers in (0, 1):
+                times[(str(checkout), workers)].append(
+                    time_first_batch(checkout, src, seq_len, workers)
+                )
+    out: dict = {}
+    for workers in (0, 1):
+        base = None
+        for checkout in checkouts:
+            runs = times[(str(checkout), workers)]
+            row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            base = base or row["first_batch_s"]
+            row["first_batch_vs_first_checkout"] = row["first_batch_s"] / base
+            out[f"{checkout} workers={workers}"] = row
+            print(
+                f"{str(checkout):>40} {workers} worker(s): import {row['import_s'] * 1e3:7.0f} ms, "
+                f"build_loader {row['build_s'] * 1e3:6.0f} ms, first batch after it "
+                f"{row['first_batch_s'] * 1e3:7.0f} ms ({row['first_batch_vs_first_checkout']:.2f}x)"
+            )
+    return out
+
+
 def time_jsonl(src: Path) -> float:
     t0 = time.perf_counter()
     for idx in sorted(src.glob("*.idx.jsonl")):
@@ -168,6 +235,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--jsonl-max", type=int, default=10**6, help="largest size to parse JSONL at")
     ap.add_argument("--work-dir", type=Path, default=None)
+    ap.add_argument(
+        "--first-batch",
+        type=Path,
+        nargs="+",
+        metavar="CHECKOUT",
+        help="time a fresh process's first batch with each checkout's loader (see above)",
+    )
     a = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bench-startup-", dir=a.work_dir))
     res: dict = {
@@ -184,6 +258,12 @@ def main(argv=None) -> dict:
             folders[n] = make_folder(
                 work / f"n{n}", base, info, n, a.shard_samples, a.tokens_per_doc
             )
+        if a.first_batch:
+            checkouts = [root.resolve() for root in a.first_batch]
+            res["first_batch"] = first_batch(checkouts, folders[a.sizes[0]], a.seq_len, a.rounds)
+            res["load_after"] = os.getloadavg()
+            print(json.dumps(res, indent=1))
+            return res
         for n in a.sizes:  # warm: imports, page cache
             time_start(cfg_for(folders[n], a.seq_len))
         builds: dict[int, list[float]] = {n: [] for n in a.sizes}

@@ -7,7 +7,7 @@ held-out data, per modality and across modalities (docs/evaluation.md).
 - **Held out?** With ``--train-data`` every held-out document's ids are hashed and looked up
   among the training documents': a held-out document that is also a training document is
   counted and named in a warning (its figures measure memorisation).
-- **Dependence, both directions** (train/monitor/pair_dependence.py): for image-then-caption documents, the
+- **Dependence, both directions** (tools/evaluate/pair_dependence.py): for image-then-caption documents, the
   caption's CE after its own image vs another's; for caption-then-image documents, the image
   codes' CE after their own caption vs another's.
 - **Checkable generation** (tools/evaluate/scenes.py, with ``--scenes``): held-out scene captions
@@ -112,7 +112,7 @@ def evaluate(args) -> dict:
     from data.token_docs import iter_documents, source_tables
     from data.unigram import Unigram
     from tools.evaluate.heldout import heldout_losses, token_byte_lengths
-    from train.monitor.pair_dependence import dependence_gaps, find_pair
+    from tools.evaluate.pair_dependence import dependence_gaps, find_pair
     from train.release import Release
 
     started = time.perf_counter()

@@ -25,15 +25,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from data.layout import parse_video, video_block_len, video_tokens
-from data.loader.batch_buffer import BatchBuffer
-from data.loader.packer import Doc, Packer, Row, units_of
+from data.loader import pack_documents
 from data.passkey import FILLER_SENTENCES, NEEDLE, QUESTION, random_key
 from data.token_docs import iter_documents
 from data.vocab import Modality
@@ -52,21 +50,14 @@ class Prompt:
 
 
 def pack_prompts(prompts: list[Prompt], length: int, pad_id: int) -> dict[str, torch.Tensor]:
-    """Each prompt alone in a row of ``length`` tokens, as the training packer lays it out."""
+    """Each prompt alone in a row of ``length`` tokens, as the training loader packs a document
+    (``pack_documents``), the rows stacked into one batch."""
     rows = []
     for prompt in prompts:
-        n = len(prompt.ids)
-        if n > length:
-            raise ValueError(f"a prompt of {n} tokens does not fit a row of {length}")
-        doc = Doc(0, 0, 0, n, units_of(n, prompt.blocks), prompt.ids, prompt.modality)
-        once = iter([doc])
-        row = Packer(length, pad_id=pad_id).pack(partial(next, once, None), into=Row())
-        if row is None:  # an empty prompt: nothing was placed
-            raise ValueError("an empty prompt")
-        rows.append(row)
-    buffer = BatchBuffer(len(rows), length, pad_id)
-    Packer(length, pad_id=pad_id).finish(rows, buffer.fields)
-    return buffer.split()
+        if not 0 < len(prompt.ids) <= length:
+            raise ValueError(f"a prompt of {len(prompt.ids)} tokens for a row of {length}")
+        rows.append(next(pack_documents([prompt], length, pad_id=pad_id)))
+    return {key: torch.cat([row[key] for row in rows]) for key in rows[0] if rows[0][key].ndim}
 
 
 @torch.no_grad()

@@ -141,7 +141,9 @@ def position_losses(
     for part in heldout:
         batch = heldout.tensors(part)
         ce = token_ce(model, final_hidden(model, batch, device), batch["labels"])
-        for row in range(len(part.rows)):
+        for row in range(batch["labels"].shape[0]):
+            if not bool((batch["labels"][row] != IGNORE).any()):
+                continue  # a blank row filling the pass's last batch
             acc.add_row(
                 ce[row],
                 batch["labels"][row].numpy(),

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from data.loader.expand_torch import expand_batch
 from data.vocab import Modality
 from train.callbacks.base import Callback, StepRecord
 from train.tasks.base import StepOutput
@@ -125,8 +124,7 @@ class FaultInjection(Callback):
         def faulty_forward(engine, batch: dict) -> StepOutput:
             codes_from = self.cfg.random_image_codes_from
             if layout is not None and 0 <= codes_from <= self.step:
-                # a compact batch (data.expand) made whole on the CPU first
-                batch = random_image_codes(expand_batch(batch, "cpu"), layout, self.generator)
+                batch = random_image_codes(batch, layout, self.generator)
             out = forward(engine, batch)
             if self.step == self.cfg.nan_at_step:
                 out = StepOutput(loss=out.loss * float("nan"), sums=out.sums, units=out.units)

@@ -36,7 +36,6 @@ import torch
 
 from data.loader import LoaderConfig, build_loader, store
 from data.loader.dataset import check_tokenizers
-from data.loader.expand_torch import expand_batch, is_compact
 from data.loader.fit import check_blocks_fit
 from data.loader.heldout import HeldoutPass, RankShare
 from data.loader.sample_check import modality_ranges
@@ -231,16 +230,7 @@ class LMTask:
     def batches(self) -> TokenStream:
         stream = self.stream(self.cfg.data)
         self._loader = stream.loader  # its dropped-block counts go to final.json (finish)
-        stream.loader.compact = self.expands_batches()
         return stream
-
-    def expands_batches(self) -> bool:
-        """Whether the training stream hands out compact batches that ``forward`` expands on the
-        device (``data.expand=trainer``)."""
-        how = self.cfg.data.expand
-        if how not in ("trainer", "loader"):
-            raise ValueError(f"data.expand {how!r}: choose loader or trainer")
-        return how == "trainer"
 
     def probe_stream(self) -> TokenStream:
         """The probes' rows: the validation sources when the run has them (else the training
@@ -254,17 +244,14 @@ class LMTask:
     def forward(self, engine, batch: dict) -> StepOutput:
         dev = self.dist.device
         host = batch
-        batch = expand_batch(batch, dev, MODEL_INPUTS)  # a compact batch expanded on the device
+        batch = {**batch, **{key: batch[key].to(dev, non_blocking=True) for key in MODEL_INPUTS}}
         sharded = self.dist.sp_degree > 1
         inputs = self.shard({k: batch[k] for k in MODEL_INPUTS})
         if not sharded:  # a shard brings its whole row's mask; else the loader's word on its rows
             inputs["one_doc_rows"] = one_doc_rows(host)
-        # What the labels hold is counted before the model is queued: from the CPU batch, or for a
-        # compact batch from its labels on the device (the code buckets stay there; the unigram
-        # baseline reads the labels back, which then waits for the few expansion kernels only,
-        # not for the whole forward pass). Sequence-parallel: this rank's shard, so that the sums
-        # over all ranks count a row once.
-        labelled = inputs if sharded else batch if is_compact(host) else host
+        # What the labels hold is counted before the model is queued, from the CPU batch.
+        # Sequence-parallel: this rank's shard, so that the sums over all ranks count a row once.
+        labelled = inputs if sharded else host
         buckets = code_buckets(labelled, self.layout)
         if self.unigram is not None:
             uni, _ = self.unigram.nll_sums(

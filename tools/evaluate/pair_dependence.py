@@ -9,44 +9,29 @@ minus after its own: 0 means the model ignores the context; a model that reads i
 wrong one. Contexts are swapped along a fixed derangement within one source (document i takes
 document i+1's context), so the figure is deterministic and every context is used once.
 
-Used by ``earlyfuse-eval`` (tools/evaluate/) on held-out token shards. The training monitor's
+Used by ``earlyfuse-eval`` (tools/evaluate/__init__.py) on held-out token shards. The training monitor's
 probes (train/monitor/probes.py ``dependence_gap`` / ``reverse_dependence_gap``) measure the same
 two gaps cheaply inside packed batches during a run; this module scores whole documents, one at
 a time, for the final evaluation. Each document runs alone, packed the way the
-loader packs it (data/loader/packer.py: positions, M-RoPE positions, image ids), so any model
-configuration sees what it saw in training.
+loader packs it (``data.loader.pack_documents``: positions, M-RoPE positions, image ids), so any
+model configuration sees what it saw in training.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from data.loader.batch_buffer import ROW_FIELDS
-from data.loader.packer import Doc, Packer, Row, units_of
+from data.loader import pack_documents
 from data.vocab import Modality
 from train import names
 
 CAPTION = "caption"  # image first, the caption is the target
 DRAWING = "drawing"  # caption first, the image is the target
 MODEL_INPUTS = tuple(key for key in names.MODEL_INPUTS if key not in ("labels", "label_modality"))
-
-
-def collate(rows: list[Row]) -> dict[str, torch.Tensor]:
-    """Rows packed one by one (``Packer.pack`` without a batch buffer, each finished) as a batch
-    with the loader's field names (data/loader/batch_buffer.py ``ROW_FIELDS``)."""
-    out = {
-        key: torch.from_numpy(np.stack([getattr(row, attr) for row in rows]))
-        for attr, key, _ in ROW_FIELDS
-    }
-    # Rows packed on their own carry every field (None only in a batch's blank rows).
-    thw = [row.thw for row in rows if row.thw is not None]
-    assert len(thw) == len(rows), "collate takes rows packed on their own"
-    out["position_thw"] = torch.from_numpy(np.stack(thw))
-    out["num_real_tokens"] = torch.tensor(sum(row.real for row in rows))
-    return out
 
 
 @dataclass
@@ -115,19 +100,8 @@ def _document(pair: Pair, donor: Pair) -> tuple[np.ndarray, np.ndarray, list, np
 
 def document_batch(ids: np.ndarray, mod: np.ndarray, blocks) -> dict:
     """One document as the loader would pack it alone in a row of its own length."""
-    packer = Packer(len(ids), pad_id=0)
-    doc = Doc(0, 0, 0, len(ids), units_of(len(ids), [list(block) for block in blocks]), ids, mod)
-    done = [False]
-
-    def next_doc():
-        if done[0]:
-            return None
-        done[0] = True
-        return doc
-
-    row = packer.pack(next_doc)
-    assert row is not None, "a document that fits its own row always packs"
-    return collate([row])
+    doc = SimpleNamespace(ids=ids, modality=mod, blocks=blocks)
+    return next(pack_documents([doc], len(ids)))
 
 
 @torch.no_grad()
