@@ -124,14 +124,16 @@ def test_long_bench_measures_both_attention_kinds(long_out):
     assert local_global["estimate_above_states_gib"] > doc["estimate_above_states_gib"]
 
 
-def test_long_bench_lets_dynamo_compile_once_per_length(monkeypatch):
+def test_long_bench_lets_dynamo_compile_once_per_length():
     """Past dynamo's limit of compiled variants a function runs eagerly: the blocks and the
     BlockMask builder compile again for every length one process measures."""
     import torch._dynamo.config as dynamo_config
 
-    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)  # restored after the test
-    load("bench_gpu").allow_recompiles(3)
-    assert dynamo_config.recompile_limit == 24
+    # dynamo's own patch restores the setting; after monkeypatch's restore dynamo could no
+    # longer read it, and every later compile in the test process failed
+    with dynamo_config.patch(recompile_limit=8):
+        load("bench_gpu").allow_recompiles(3)
+        assert dynamo_config.recompile_limit == 24
 
 
 def test_long_bench_reports_out_of_memory_as_oom_at_n(long_out):
