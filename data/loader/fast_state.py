@@ -17,7 +17,7 @@ _IMAGE, _VIDEO = int(Modality.IMAGE), int(Modality.VIDEO)
 
 # docs columns of a held-aside or open document's cursor (stream_state's [source, sample,
 # epoch, unit, offset, limit]); src columns of a source (cursor, then image/video drops);
-# the packer's stats
+# the packing counters
 CURSOR_COLS = [
     kernel.D_SRC,
     kernel.D_SAMPLE,
@@ -47,9 +47,9 @@ _COLS = tuple(np.asarray(cols, np.int64) for cols in (SRC_COLS, CURSOR_COLS, STA
 def _copy_rows(
     src, state, pending, n_pending, opened, n_open, docs, src_cols, cursor_cols, stat_cols
 ):
-    """The snapshot's arrays in one compiled call (numpy's fancy indexing, a few calls per
-    source, cost ~11 us a batch here): the sources' cursor columns, the held-aside then each
-    source's open documents' cursor columns, the packer's stats."""
+    """The snapshot's arrays in one compiled call (not numpy's fancy indexing: a few calls per
+    source and batch): the sources' cursor columns, the held-aside then each
+    source's open documents' cursor columns, the packing counters."""
     out_src = np.empty((src.shape[0], src_cols.shape[0]), np.int64)
     for source in range(src.shape[0]):
         for col in range(src_cols.shape[0]):
