@@ -16,7 +16,7 @@ Design choices:
   cursor a saved state holds is the one recorded with the last document the kernel took from
   each queue, and its skips those read before that document (or before the source's end).
 - The state after each batch is a snapshot of a few array rows (fast_state.py).
-- The stream's Python fields (``open``, ``packer.pending``, ``packer.stats``, ``cursors``) are
+- The stream's Python fields (``open``, ``packing.pending``, ``packing.stats``, ``cursors``) are
   the starting point (a fresh stream or a restored state) and are not kept up to date while
   the kernel runs: ``state_dict`` reads the kernel's arrays. Restoring a state drops this
   object; the next batch builds it again from the restored fields.
@@ -58,13 +58,13 @@ def tokens_of(doc: Doc) -> tuple[np.ndarray, np.ndarray]:
 class FastPath:
     def __init__(self, stream: ConsumerStream) -> None:
         self.stream = stream
-        cfg, packer = stream.cfg, stream.packer
+        cfg, packing = stream.cfg, stream.packing
         n_sources = len(stream.tables)
         self.B, self.L = stream.micro_batch, cfg.seq_len
         self.chunk, self.max_pending = stream.chunk, cfg.max_pending
         self.drop_document = cfg.oversize == "drop_document"
         self.whole_documents = cfg.whole_documents
-        self.pad_id = packer.pad_id
+        self.pad_id = packing.pad_id
         # Counting only (an epoch's batches): documents from the index, no token read or copied
         self.dry = stream.dry
         self._counting: tuple[np.ndarray, np.ndarray] | None = None  # count()'s unused output
@@ -79,7 +79,7 @@ class FastPath:
         cap = 2 * (cfg.max_pending + 2)
         most_open = max((len(docs) for docs in stream.open), default=0)
         self.opened = np.zeros((n_sources, max(cap, most_open + cap)), np.int64)
-        cap = max(2 * cap, len(packer.pending) + cap)
+        cap = max(2 * cap, len(packing.pending) + cap)
         self.queue = np.zeros((n_sources, 1024), np.int64)
         self.pending = np.zeros(cap, np.int64)
         self.carry = np.zeros(cap, np.int64)
@@ -120,11 +120,11 @@ class FastPath:
         self.base_errors = stream.errors
         self.base_skips = [len(events) for events in stream.skip_events]
         self.read_errors = [0] * n_sources
-        for (source, modality), count in packer.dropped_by.items():
+        for (source, modality), count in packing.dropped_by.items():
             self.src[source, kernel.S_DROP_VIDEO if modality == _VIDEO else kernel.S_DROP_IMAGE] = (
                 count
             )
-        stats = packer.stats
+        stats = packing.stats
         self.state[kernel.ST_STAT_ROWS], self.state[kernel.ST_STAT_REAL] = (
             stats.rows,
             stats.real_tokens,
@@ -142,7 +142,7 @@ class FastPath:
                 by_source[doc.source].append(doc)
             return index[id(doc)]
 
-        pending = [row_of(doc) for doc in packer.pending]
+        pending = [row_of(doc) for doc in packing.pending]
         opened = [[row_of(doc) for doc in docs] for docs in stream.open]
         # staged at once, before the lists refer to them (nothing staged is live yet)
         self._stage([(index[id(doc)], *tokens_of(doc)) for docs in by_source for doc in docs], [])
@@ -221,7 +221,7 @@ class FastPath:
             self._refill(int(self.state[kernel.ST_NEED]))
 
     def dropped_matrix(self) -> np.ndarray:
-        # adjacent columns (a slice; fancy indexing cost ~5 us a batch)
+        # adjacent columns: a slice, a view, where fancy indexing would gather them
         assert kernel.S_DROP_VIDEO == kernel.S_DROP_IMAGE + 1
         return self.src[:, kernel.S_DROP_IMAGE : kernel.S_DROP_VIDEO + 1].copy()
 
@@ -361,7 +361,7 @@ class FastPath:
             order_slice = stream.slice_of(source, cur.epoch)
         if cur.pos >= len(order_slice):
             # The epoch's end: on to the next one here, as ``read_next`` would (else the next
-            # epoch's first document was read on its own, ~0.2 ms)
+            # epoch's first document would be read on its own, through ``read_next``)
             if not stream.next_epoch(source):
                 return None  # done, or nothing here: ``read_next`` says which
             order_slice = stream.slice_of(source, cur.epoch)

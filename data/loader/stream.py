@@ -47,7 +47,7 @@ from data.loader.order import (
     unpack_mask,
 )
 from data.loader.packed_batch import PackedBatch
-from data.loader.packer import Doc, Packer, units_of
+from data.loader.packer import Doc, PackState, units_of
 from data.loader.sample_check import check_ids, read_members
 from data.loader.shard_check import CheckedShard, check_shard
 from data.loader.store import ShardFiles, ShardView
@@ -85,13 +85,11 @@ class ConsumerStream:
         # (source, share) of the sources that get a share, in order: what the mix picks from
         self.mixed_sources = [(s, share) for s, share in enumerate(self.shares) if share > 0]
         self.consumer, self.consumers, self.micro_batch = consumer, consumers, micro_batch
-        self.packer = Packer(
-            cfg.seq_len,
-            pad_id=pad_id,
-            max_pending=cfg.max_pending,
-            oversize=cfg.oversize,
-            whole_documents=cfg.whole_documents,
-        )
+        if cfg.oversize not in ("drop_block", "drop_document"):
+            raise ValueError(f"oversize {cfg.oversize!r}: choose drop_block or drop_document")
+        # Where packing starts (held-aside documents, counters, drops): the compiled loop takes
+        # it over at the first batch (fast_stream.py)
+        self.packing = PackState(pad_id)
         self.cursors = [SourceCursor() for _ in tables]
         # Per source: documents with tokens not yet handed out, oldest first (the next chunk
         # comes from the first whose last chunk is placed). At most max_pending + 1 each.
@@ -307,7 +305,7 @@ class ConsumerStream:
         """The next batch (``PackedBatch``; ``{}`` when packing dry); None at the end."""
         if self.batch_limit is not None and self.batches >= self.batch_limit:
             return None
-        packer = self.packer
+        packing = self.packing
         if self.dry:  # counting: the compiled loop's decisions, from the index alone
             if not self._fast_path().count():
                 return None
@@ -327,7 +325,7 @@ class ConsumerStream:
                 ids, mod = np.empty(n, np.int32), np.empty(n, np.uint8)
         else:  # in-process: the ids straight into the batch's field, the modalities as uint8
             # (what the compiled loop writes everywhere; expand widens them into their field)
-            buffer = BatchBuffer(B, L, packer.pad_id, pin=self.pin)
+            buffer = BatchBuffer(B, L, packing.pad_id, pin=self.pin)
             ids, mod = buffer.fields["ids"].reshape(n), np.empty(n, np.uint8)
         try:
             packed = fast.pack(ids, mod)
@@ -365,7 +363,7 @@ class ConsumerStream:
     def dropped_matrix(self) -> np.ndarray:
         """[sources, 2]: image and video blocks dropped so far for being longer than a row."""
         out = np.zeros((len(self.tables), 2), np.int64)
-        for (s, m), n in self.packer.dropped_by.items():
+        for (s, m), n in self.packing.dropped_by.items():
             out[s, m - int(Modality.IMAGE)] = n
         return out
 

@@ -51,13 +51,13 @@ def save_state(stream: ConsumerStream) -> dict:
     """The stream's position as plain lists and numbers (``ConsumerStream.state_dict``)."""
     return {
         "cursors": [[c.epoch, c.pos, c.tokens, int(c.done)] for c in stream.cursors],
-        "pending": [d.cursor() for d in stream.packer.pending],
+        "pending": [d.cursor() for d in stream.packing.pending],
         "open": [d.cursor() for docs in stream.open for d in docs],
-        "dropped_by": [[s, m, n] for (s, m), n in sorted(stream.packer.dropped_by.items())],
+        "dropped_by": [[s, m, n] for (s, m), n in sorted(stream.packing.dropped_by.items())],
         "batches": stream.batches,
         "errors": stream.errors,
         "skipped": skipped_samples(stream),
-        "stats": stream.packer.stats.as_dict(),
+        "stats": stream.packing.stats.as_dict(),
         "tokens_by_modality": stream.tokens_by_modality.tolist(),
         "skip": [
             [s, e, m] for s, c in enumerate(stream.cursors) for e, m in sorted(c.skip.items())
@@ -82,9 +82,9 @@ def load_state(stream: ConsumerStream, st: dict) -> None:
     for s, sample in st.get("skipped", []):  # states from before it name none
         stream.skipped_before[s].append(sample)
     for k, v in st["stats"].items():
-        setattr(stream.packer.stats, k, v)
+        setattr(stream.packing.stats, k, v)
     stream.tokens_by_modality = np.asarray(st["tokens_by_modality"], np.int64)
-    stream.packer.dropped_by = {(s, m): n for s, m, n in st.get("dropped_by", [])}
+    stream.packing.dropped_by = {(s, m): n for s, m, n in st.get("dropped_by", [])}
     stream.dropped_before = stream.dropped_matrix()
     # A document both held aside and open is one object in both lists (keyed by source,
     # sample, epoch: a consumer reads a sample once per epoch).
@@ -102,7 +102,7 @@ def load_state(stream: ConsumerStream, st: dict) -> None:
             docs[key] = doc
         return docs[key]
 
-    stream.packer.pending = [d for d in map(restore, st["pending"]) if d is not None]
+    stream.packing.pending = [d for d in map(restore, st["pending"]) if d is not None]
     stream.open = [[] for _ in stream.tables]
     for cursor in st.get("open", []):
         doc = restore(cursor)

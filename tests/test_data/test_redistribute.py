@@ -171,18 +171,21 @@ def test_redistribute_refuses_other_data_and_incomplete_worlds(tiny_tokens):
 
 def test_packer_drains_more_held_documents_than_max_pending(tiny_tokens):
     """A redistribute may deal a consumer more held-aside documents than ``max_pending``: they
-    are all placed, each from where it stopped, before a new document is read."""
+    are all placed, each from where it stopped (the sources are done: nothing new is read)."""
     cfg = cfg_for(tiny_tokens, {"text": 1.0, "scenes": 1.0}, max_pending=1)
     tables = [load_table(s) for s in cfg.sources]
     cs = ConsumerStream(tables, [1.0, 1.0], cfg, consumer=0, consumers=1, micro_batch=1, pad_id=0)
     docs = [cs.load(s, i, 0) for s in (0, 1) for i in range(3)]
     docs[0].offset = 5  # a text document half placed before
     start = {(d.source, d.sample): d.position() for d in docs}
-    cs.packer.pending = docs
+    cs.packing.pending = docs
+    for cursor in cs.cursors:
+        cursor.done = True
     spans = defaultdict(list)
-    while (row := cs.packer.pack(lambda: None)) is not None:
-        for s, sample, a, e in row.pieces:
-            spans[(s, sample)].append((a, e))
+    while (batch := cs.next_batch()) is not None:
+        for s, sample, a, e in batch.pieces.reshape(-1, 4).tolist():
+            if s >= 0:
+                spans[(s, sample)].append((a, e))
     for d in docs:
         sp = sorted(spans[(d.source, d.sample)])
         assert sp[0][0] == start[(d.source, d.sample)] and sp[-1][1] == d.length
