@@ -73,7 +73,7 @@ class _Consumers(IterableDataset):
                 return
             assert isinstance(batch, PackedBatch)
             batch.worker = worker
-            batch.state = stream.state()  # a dict, or a snapshot made one when asked for
+            batch.state = stream.state()  # a snapshot, made the dict when asked for
             yield batch
 
 

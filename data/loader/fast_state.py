@@ -1,7 +1,7 @@
-"""The state of a consumer stream whose batches the compiled loop packs (fast_stream.py), as
-a snapshot of a few rows of its arrays: taken after every batch (a few microseconds; a worker's
-batch carries it to the trainer's process, pickled small) and made the dict
-``stream_state.save_state`` writes only when a checkpoint asks for it. Columns it copies, and
+"""The state of a consumer stream, as a snapshot of a few rows of the compiled loop's arrays
+(fast_stream.py): taken after every batch (a few microseconds; a worker's batch carries it to
+the trainer's process, pickled small) and made the saved dict (stream_state.py's format) only
+when a checkpoint asks for it. Columns it copies, and
 how they become that dict, stand together here.
 """
 
@@ -83,7 +83,7 @@ def snapshot_arrays(src, state, pending, opened, docs) -> tuple:
 
 class FastState:
     """A consumer stream's state as a few arrays: what a batch carries from a worker (pickled
-    small) and the loader keeps; ``to_dict`` gives ``stream_state.save_state``'s format."""
+    small) and the loader keeps; ``to_dict`` gives the saved dict (stream_state.py's format)."""
 
     def __init__(
         self, src, cursors, n_pending, stats, batches, errors, by_modality, skip, order, skipped

@@ -1,7 +1,7 @@
 """The documents a stream hands the packing loop (``Doc``: a document, how far it is placed and
-handed out; ``Unit``: a stretch of text or one visual block, ``units_of``), the packing
-counters (``PackStats``) and where a stream's packing starts (``PackState``). The rules they
-are packed by, and the loop that packs them, are in pack_kernel.py.
+handed out; ``Unit``: a stretch of text or one visual block, ``units_of``), and the packing
+counters (``PackStats``). The rules they are packed by, and the loop that packs them, are in
+pack_kernel.py.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Doc", "PackState", "PackStats", "Unit", "units_of"]
+__all__ = ["Doc", "PackStats", "Unit", "units_of"]
 
 
 @dataclass(slots=True)
@@ -84,17 +84,3 @@ class PackStats:
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
-
-
-@dataclass
-class PackState:
-    """Where a stream's packing starts (a fresh stream, or a restored state): the documents held
-    aside, the packing counters and the visual blocks dropped per (source, modality). The
-    compiled loop takes them over at its first batch (fast_stream.py); a state is read back
-    from its arrays (fast_state.py)."""
-
-    pad_id: int
-    pending: list[Doc] = field(default_factory=list)
-    stats: PackStats = field(default_factory=PackStats)
-    # (source, modality) -> blocks dropped for being longer than a row
-    dropped_by: dict[tuple[int, int], int] = field(default_factory=dict)

@@ -178,9 +178,10 @@ def test_packer_drains_more_held_documents_than_max_pending(tiny_tokens):
     docs = [cs.load(s, i, 0) for s in (0, 1) for i in range(3)]
     docs[0].offset = 5  # a text document half placed before
     start = {(d.source, d.sample): d.position() for d in docs}
-    cs.packing.pending = docs
-    for cursor in cs.cursors:
-        cursor.done = True
+    state = cs.state_dict()
+    state["pending"] = [d.cursor() for d in docs]
+    state["cursors"] = [[0, 0, 0, 1] for _ in cs.cursors]  # done: nothing new is read
+    cs.load_state_dict(state)
     spans = defaultdict(list)
     while (batch := cs.next_batch()) is not None:
         for s, sample, a, e in batch.pieces.reshape(-1, 4).tolist():
@@ -248,10 +249,18 @@ def test_a_second_redistribute_keeps_masks_beyond_every_cursor():
                 "mode": "infinite",
                 "handed_out": 1,
                 "batch_limit": None,
-                "worker_states": {"0": s.state_dict()},
+                "worker_states": {"0": read_position(s)},
             }
             for ld, s in zip(lds, ss)
         ]
+
+    def read_position(s):
+        # These streams only read (``read_next``) and pack nothing: their state is where their
+        # cursors have read to, as the state of a stream that packed all it read would be
+        st = s.state_dict()
+        st["cursors"] = [[c.epoch, c.pos, c.tokens, int(c.done)] for c in s.cursors]
+        st["skip"] = [[0, e, m] for c in s.cursors for e, m in sorted(c.skip.items())]
+        return st
 
     lds = loaders(cfg, tables, 2, micro_batch=1)
     ss = streams(lds)
