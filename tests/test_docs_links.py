@@ -75,10 +75,6 @@ def test_repository_paths_in_docs_and_docstrings_exist():
 # before it, belong to git. Another project's issue is fine when the line links it (its
 # `/issues/N` or `/pull/N` URL), so a reader can follow it outside this repository.
 PROJECT_ISSUE = re.compile(r"\b[Ii]ssues? #?(\d+)|(?<![\w/&#])#(\d+)\b")
-NOT_YET_PRESENT_TENSE = {
-    "loader.md",  # owned by the loader rewrite, being rewritten
-    "dependencies.md",  # owned by the loader rewrite, being rewritten
-}
 
 
 def issue_citations(text: str):
@@ -91,8 +87,6 @@ def issue_citations(text: str):
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_docs_name_no_project_issue(page):
-    if page.name in NOT_YET_PRESENT_TENSE and page.parent.name == "docs":
-        pytest.skip("owned by the loader rewrite, being rewritten")
     found = list(issue_citations(page.read_text()))
     assert not found, f"{page.name} names a project issue:\n" + "\n".join(found)
 

@@ -1,7 +1,7 @@
 """A packed batch's per-token fields as the trainer takes them (``ROW_FIELDS``, their dtypes
 ``BATCH_DTYPES``) and the one buffer that holds them all (``BatchBuffer``): ``expand``
 (data/loader/expand.py) writes a compact batch into it, and ``split`` hands its tensors out as
-views. Apart from the packer (packer.py), which decides what goes into a row.
+views. Apart from the packing loop (pack_kernel.py), which decides what goes into a row.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ class BatchBuffer:
 
     def split(self) -> dict:
         """The batch's tensors (``input_ids`` ... ``position_thw``), views of the buffer: from the
-        numpy views it holds (``torch.from_numpy``, far lighter than torch's slicing: between two
-        packed batches torch's views cost ~30 us a batch here); a pinned buffer's through
+        numpy views it holds (``torch.from_numpy``: one light call a field, where torch's slicing
+        goes through its dispatcher for every view); a pinned buffer's through
         ``split_pinned``, whose views must stay views of the pinned tensor."""
         if self.pinned:
             return BatchBuffer.split_pinned(self.tensor, self.rows, self.L)
@@ -82,7 +82,7 @@ class BatchBuffer:
         import torch
 
         n, k = rows * seq_len, len(_INT32_ROW)
-        # A few torch calls for all the views (slicing a tensor field by field cost ~5 us a view)
+        # A few torch calls for all the views (slicing a tensor field by field costs a dispatch each)
         int32 = tensor[8 * n :].view(torch.int32)
         out = dict(
             zip((_KEY[a] for a in _INT32_ROW), int32[: k * n].view(k, rows, seq_len).unbind(0))

@@ -14,8 +14,8 @@ from numba import njit
 def count_modalities(out_mod, real, mod_count):
     """Real tokens per modality (data/vocab.py's five: text, code, image, video, structure;
     padding is not counted). Padding is text (the packer writes it so), so the other four are
-    counted over the whole batch in one flat loop (which LLVM vectorises: 2x faster than a loop
-    per row's real tokens) and text is what is left of the real tokens."""
+    counted over the whole batch in one flat loop (which LLVM vectorises, unlike a loop per
+    row's real tokens) and text is what is left of the real tokens."""
     n_code = n_image = n_video = n_structure = 0
     for i in range(out_mod.shape[0]):
         modality = out_mod[i]

@@ -73,7 +73,7 @@ class _Consumers(IterableDataset):
                 return
             assert isinstance(batch, PackedBatch)
             batch.worker = worker
-            batch.state = stream.state()  # a dict, or a snapshot made one when asked for
+            batch.state = stream.state()  # a snapshot, made the dict when asked for
             yield batch
 
 
@@ -182,7 +182,8 @@ class PackedLoader:
     def _in_process(self):
         """``num_workers=0``: the one consumer's batches straight from its stream, as a DataLoader
         without workers would hand them out (pinned when it would pin), minus its per-batch
-        bookkeeping (a fetcher, a sampler, a profiler range: ~10 % of a batch here)."""
+        bookkeeping (a fetcher, a sampler, a profiler range: work per batch that one consumer in
+        the trainer's process does not need)."""
         for packed in _Consumers(self):
             if self.pin:
                 packed.pin_memory()  # (its buffer is pinned already: nothing to do)

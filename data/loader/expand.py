@@ -1,4 +1,4 @@
-"""A packed batch in its compact layout, and the one vectorised pass that turns it into the
+"""A packed batch in its compact layout, and the one compiled pass that turns it into the
 per-token fields the trainer takes.
 
 Design choices:
@@ -79,17 +79,6 @@ def slot_views(slot: np.ndarray, rows: int, seq_len: int) -> tuple[np.ndarray, n
     """(ids int32 [n], modalities uint8 [n]) of a worker's int32 slot."""
     n = rows * seq_len
     return slot[:n], slot[n:].view(np.uint8)[:n]
-
-
-_ARANGE = np.arange(1 << 16, dtype=np.int64)
-
-
-def arange(n: int) -> np.ndarray:
-    """0 .. n - 1 (int64), a view of one cached range grown as batches need."""
-    global _ARANGE
-    if n > len(_ARANGE):
-        _ARANGE = np.arange(max(n, 2 * len(_ARANGE)), dtype=np.int64)
-    return _ARANGE[:n]
 
 
 def expand(batch: CompactBatch, fields: dict[str, np.ndarray]) -> None:

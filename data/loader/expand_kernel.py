@@ -1,6 +1,6 @@
 """``expand`` (data/loader/expand.py): the per-token fields of a compact batch in one compiled
-pass per field group, each token's values computed where it is written (a numpy version took
-~13 passes over the batch)."""
+pass per field group, each token's values computed where it is written (not a pass over the
+batch per vector operation)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def expand_fields(
     # ``thw``: flat [n * 3]. Each field is written by a loop of its own over a contiguous range,
     # indexed from 0 (a view per segment): LLVM vectorises such loops, whereas an index that
     # starts at a value read from memory keeps numba's check for negative indices in the loop
-    # and the loop scalar (measured: doc ids and positions 11 -> 3 us a batch of 16k tokens).
+    # and the loop scalar, several times slower.
     # labels: the next token's id/modality (a shifted copy), fixed at segment ends and padding
     for tok in range(n - 1):
         labels[tok] = ids[tok + 1]
@@ -139,8 +139,8 @@ def expand_fields(
 
 def expand_compiled(batch, fields: dict) -> None:
     """``expand.expand``'s contract, compiled. The fields go in as they are ([rows, L], ``thw``
-    [rows, L, 3], C-contiguous): the kernel flattens them (a view, free inside numba; eight
-    reshapes here cost ~4 us a batch)."""
+    [rows, L, 3], C-contiguous): the kernel flattens them (a view, free inside numba, where
+    each reshape here is a Python call a batch)."""
     B, L = batch.rows, batch.seq_len
     ids = fields["ids"]
     if batch.ids.shape != (B * L,) or batch.mod.shape != (B * L,):

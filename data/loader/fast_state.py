@@ -1,7 +1,7 @@
-"""The state of a consumer stream whose batches the compiled loop packs (fast_stream.py), as
-a snapshot of a few rows of its arrays: taken after every batch (a few microseconds; a worker's
-batch carries it to the trainer's process, pickled small) and made the dict
-``stream_state.save_state`` writes only when a checkpoint asks for it. Columns it copies, and
+"""The state of a consumer stream, as a snapshot of a few rows of the compiled loop's arrays
+(fast_stream.py): taken after every batch (a few microseconds; a worker's batch carries it to
+the trainer's process, pickled small) and made the saved dict (stream_state.py's format) only
+when a checkpoint asks for it. Columns it copies, and
 how they become that dict, stand together here.
 """
 
@@ -17,7 +17,7 @@ _IMAGE, _VIDEO = int(Modality.IMAGE), int(Modality.VIDEO)
 
 # docs columns of a held-aside or open document's cursor (stream_state's [source, sample,
 # epoch, unit, offset, limit]); src columns of a source (cursor, then image/video drops);
-# the packer's stats
+# the packing counters
 CURSOR_COLS = [
     kernel.D_SRC,
     kernel.D_SAMPLE,
@@ -47,9 +47,9 @@ _COLS = tuple(np.asarray(cols, np.int64) for cols in (SRC_COLS, CURSOR_COLS, STA
 def _copy_rows(
     src, state, pending, n_pending, opened, n_open, docs, src_cols, cursor_cols, stat_cols
 ):
-    """The snapshot's arrays in one compiled call (numpy's fancy indexing, a few calls per
-    source, cost ~11 us a batch here): the sources' cursor columns, the held-aside then each
-    source's open documents' cursor columns, the packer's stats."""
+    """The snapshot's arrays in one compiled call (not numpy's fancy indexing: a few calls per
+    source and batch): the sources' cursor columns, the held-aside then each
+    source's open documents' cursor columns, the packing counters."""
     out_src = np.empty((src.shape[0], src_cols.shape[0]), np.int64)
     for source in range(src.shape[0]):
         for col in range(src_cols.shape[0]):
@@ -83,7 +83,7 @@ def snapshot_arrays(src, state, pending, opened, docs) -> tuple:
 
 class FastState:
     """A consumer stream's state as a few arrays: what a batch carries from a worker (pickled
-    small) and the loader keeps; ``to_dict`` gives ``stream_state.save_state``'s format."""
+    small) and the loader keeps; ``to_dict`` gives the saved dict (stream_state.py's format)."""
 
     def __init__(
         self, src, cursors, n_pending, stats, batches, errors, by_modality, skip, order, skipped

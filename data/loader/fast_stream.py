@@ -15,11 +15,10 @@ Design choices:
 - Reading ahead moves the stream's cursors (``stream.cursors``) past what has been packed; the
   cursor a saved state holds is the one recorded with the last document the kernel took from
   each queue, and its skips those read before that document (or before the source's end).
-- The state after each batch is a snapshot of a few array rows (fast_state.py).
-- The stream's Python fields (``open``, ``packer.pending``, ``packer.stats``, ``cursors``) are
-  the starting point (a fresh stream or a restored state) and are not kept up to date while
-  the kernel runs: ``state_dict`` reads the kernel's arrays. Restoring a state drops this
-  object; the next batch builds it again from the restored fields.
+- The arrays are the stream's packing state, its only one: a stream makes them when it is
+  made, and restoring a state makes them again from the documents and counters the saved
+  state names (stream_state.load_state). The state after each batch is a snapshot of a few
+  array rows (fast_state.py), made into the saved dict when a checkpoint asks for it.
 """
 
 from __future__ import annotations
@@ -56,15 +55,29 @@ def tokens_of(doc: Doc) -> tuple[np.ndarray, np.ndarray]:
 
 
 class FastPath:
-    def __init__(self, stream: ConsumerStream) -> None:
+    def __init__(
+        self,
+        stream: ConsumerStream,
+        *,
+        pending: list[Doc] | None = None,
+        opened: list[list[Doc]] | None = None,
+        stats: dict[str, int] | None = None,
+        dropped_by: dict[tuple[int, int], int] | None = None,
+    ) -> None:
+        """The arrays of a fresh stream, or of one restored (stream_state.load_state): the
+        documents held aside, those handed out in part per source (oldest first), the packing
+        counters (``PackStats``' fields) and the blocks dropped per (source, modality)."""
         self.stream = stream
-        cfg, packer = stream.cfg, stream.packer
+        cfg = stream.cfg
+        pending = pending or []
+        opened = opened or [[] for _ in stream.tables]
+        stats = stats or {}
         n_sources = len(stream.tables)
         self.B, self.L = stream.micro_batch, cfg.seq_len
         self.chunk, self.max_pending = stream.chunk, cfg.max_pending
         self.drop_document = cfg.oversize == "drop_document"
         self.whole_documents = cfg.whole_documents
-        self.pad_id = packer.pad_id
+        self.pad_id = stream.pad_id
         # Counting only (an epoch's batches): documents from the index, no token read or copied
         self.dry = stream.dry
         self._counting: tuple[np.ndarray, np.ndarray] | None = None  # count()'s unused output
@@ -77,9 +90,9 @@ class FastPath:
         # Held-aside and open documents: at most max_pending + 2 each in steady state, but a state
         # redistributed from many consumers onto fewer brings all of theirs (redistribute.py)
         cap = 2 * (cfg.max_pending + 2)
-        most_open = max((len(docs) for docs in stream.open), default=0)
+        most_open = max((len(docs) for docs in opened), default=0)
         self.opened = np.zeros((n_sources, max(cap, most_open + cap)), np.int64)
-        cap = max(2 * cap, len(packer.pending) + cap)
+        cap = max(2 * cap, len(pending) + cap)
         self.queue = np.zeros((n_sources, 1024), np.int64)
         self.pending = np.zeros(cap, np.int64)
         self.carry = np.zeros(cap, np.int64)
@@ -102,7 +115,7 @@ class FastPath:
         self._starts = [
             np.asarray(getattr(table, "starts", [0]), np.int64) for table in stream.tables
         ]
-        # The starting point: the stream's Python fields (fresh, or just restored)
+        # The packed position starts where the reading cursors are (fresh, or just restored)
         self.skip = [dict(cur.skip) for cur in stream.cursors]
         for source, cur in enumerate(stream.cursors):
             self.src[source, kernel.S_TOKENS], self.src[source, kernel.S_DONE] = (
@@ -120,19 +133,14 @@ class FastPath:
         self.base_errors = stream.errors
         self.base_skips = [len(events) for events in stream.skip_events]
         self.read_errors = [0] * n_sources
-        for (source, modality), count in packer.dropped_by.items():
+        for (source, modality), count in (dropped_by or {}).items():
             self.src[source, kernel.S_DROP_VIDEO if modality == _VIDEO else kernel.S_DROP_IMAGE] = (
                 count
             )
-        stats = packer.stats
-        self.state[kernel.ST_STAT_ROWS], self.state[kernel.ST_STAT_REAL] = (
-            stats.rows,
-            stats.real_tokens,
-        )
-        self.state[kernel.ST_STAT_DBLOCKS], self.state[kernel.ST_STAT_DDOCS] = (
-            stats.dropped_blocks,
-            stats.dropped_docs,
-        )
+        self.state[kernel.ST_STAT_ROWS] = stats.get("rows", 0)
+        self.state[kernel.ST_STAT_REAL] = stats.get("real_tokens", 0)
+        self.state[kernel.ST_STAT_DBLOCKS] = stats.get("dropped_blocks", 0)
+        self.state[kernel.ST_STAT_DDOCS] = stats.get("dropped_docs", 0)
         index: dict[int, int] = {}  # id(Doc) -> its row (a document open and pending is one)
         by_source: list[list[Doc]] = [[] for _ in range(n_sources)]
 
@@ -142,13 +150,13 @@ class FastPath:
                 by_source[doc.source].append(doc)
             return index[id(doc)]
 
-        pending = [row_of(doc) for doc in packer.pending]
-        opened = [[row_of(doc) for doc in docs] for docs in stream.open]
+        pending_rows = [row_of(doc) for doc in pending]
+        opened_rows = [[row_of(doc) for doc in docs] for docs in opened]
         # staged at once, before the lists refer to them (nothing staged is live yet)
         self._stage([(index[id(doc)], *tokens_of(doc)) for docs in by_source for doc in docs], [])
-        self.pending[: len(pending)] = pending
-        self.state[kernel.ST_NPENDING] = len(pending)
-        for source, rows in enumerate(opened):
+        self.pending[: len(pending_rows)] = pending_rows
+        self.state[kernel.ST_NPENDING] = len(pending_rows)
+        for source, rows in enumerate(opened_rows):
             self.opened[source, : len(rows)] = rows
             self.src[source, kernel.S_NOPEN] = len(rows)
 
@@ -221,13 +229,13 @@ class FastPath:
             self._refill(int(self.state[kernel.ST_NEED]))
 
     def dropped_matrix(self) -> np.ndarray:
-        # adjacent columns (a slice; fancy indexing cost ~5 us a batch)
+        # adjacent columns: a slice, a view, where fancy indexing would gather them
         assert kernel.S_DROP_VIDEO == kernel.S_DROP_IMAGE + 1
         return self.src[:, kernel.S_DROP_IMAGE : kernel.S_DROP_VIDEO + 1].copy()
 
     # --- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """What ``stream_state.save_state`` saves, read from the arrays."""
+        """The stream's state (stream_state.py's format), read from the arrays."""
         return self.snapshot().to_dict()
 
     def snapshot(self) -> FastState:
@@ -361,7 +369,7 @@ class FastPath:
             order_slice = stream.slice_of(source, cur.epoch)
         if cur.pos >= len(order_slice):
             # The epoch's end: on to the next one here, as ``read_next`` would (else the next
-            # epoch's first document was read on its own, ~0.2 ms)
+            # epoch's first document would be read on its own, through ``read_next``)
             if not stream.next_epoch(source):
                 return None  # done, or nothing here: ``read_next`` says which
             order_slice = stream.slice_of(source, cur.epoch)

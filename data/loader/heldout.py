@@ -4,7 +4,8 @@ the two count the same tokens and compute the same CE.
 
 Design choices:
 - Every document of every source is read once, in index order, and packed into rows of
-  ``seq_len`` by ``pack_documents`` (the training packer: text split across rows, a visual block never),
+  ``seq_len`` by ``pack_documents`` (the training loader's packing loop: text split across rows, a visual
+  block never),
   the documents of each shard folder into rows of their own: the rows do not depend on how the
   folders are grouped into sources (one validation source over ``tokens/val`` packs exactly as
   ``earlyfuse-eval --data tokens/val``, which makes a source of each folder below it). A

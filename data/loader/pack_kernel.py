@@ -1,23 +1,45 @@
-"""The mixing and packing loop of a consumer stream (stream.py), compiled (numba): which
-source's chunk next, and its placement in rows by the packing rules of ``Packer.pack``
-(packer.py), made on arrays instead of Python objects, a whole batch per call.
+"""Mixing and packing, compiled (numba): which source's chunk comes next, and its placement in
+rows of ``seq_len`` tokens, made on arrays, a whole batch per call. The one implementation:
+a consumer stream's batches and its epoch count (fast_stream.py) and documents packed in order
+for evaluation and probes (pack_documents.py) all go through ``pack_batch``.
 
 Design choices:
-- Why compiled: in Python each chunk handed out and each piece placed cost ~10-30 us of
-  interpreter work, the biggest share of the loader's time in Python. Compiled, a batch's ~20 documents and ~40 pieces cost a few
-  microseconds; what is left is copying tokens.
-- Every batch of a stream is packed here, and so is an epoch counted (``state[ST_DRY]``: the
-  same decisions from the index's lengths and blocks, no token read or copied); its batches
-  and counts are compared with recorded ones (tests/test_data/test_loader_known_good.py). The
-  Python packer (packer.py) still packs single rows (``pack_documents``) with the same rules. To step through this code in a debugger, run with ``NUMBA_DISABLE_JIT=1``:
-  the same functions then run as plain Python (slowly; docs/loader.md).
-- Documents come from Python (data/loader/fast_stream.py reads them, with every check and skip
-  of ``ConsumerStream.load``) into a queue per source: a row of ``docs`` each, their packing
+- Mixing by tokens, a chunk at a time: the next chunk (at most ``chunk`` tokens, never cutting
+  a visual block) comes from the source furthest below its share (share x tokens handed out so
+  far, minus its own tokens). A document handed out in part stays open and gives its source's
+  next chunk once its chunk so far is placed.
+- Text and code may be split across rows; an image or video block never is. A block that does
+  not fit in what is left of a row waits (its document is held aside, at most ``max_pending``
+  documents) while later documents fill the row; the held documents start the next rows. A
+  block longer than a whole row is dropped (or its document, ``drop_document``) and counted
+  per source and modality: token shards cannot be re-encoded smaller here (the loader refuses
+  such sources at start unless drops are allowed, data/loader/fit.py).
+- Consecutive chunks of one document that land side by side in a row are one *piece*, so the
+  chunking costs no context where nothing came between them. Attention is masked per piece,
+  positions restart at 0 in each, and every label is the token that truly follows in its
+  document (so the last token of a split piece is still trained on); a document's last token,
+  the token before a dropped block, and padding get the ignore index.
+- ``whole``: a document that fits a row and was handed out whole is never split across rows;
+  when it does not fit what is left of the row it waits like a block and starts a later row
+  (long-context stages: every token of a long file, clip or page attends to its beginning, at
+  the cost of some padding).
+- A batch is written compact: ids, modalities, a table of segments (stretches of one document
+  in a row, and each row's padding) and one of visual blocks; data/loader/expand.py derives
+  every other per-token field from it where the batch is handed out.
+- Why compiled: mixing and placing are decisions per chunk and per piece, dozens a batch, which
+  in Python cost the interpreter more than copying the tokens does; compiled, copying the
+  tokens is what is left.
+- ``state[ST_DRY]``: counting only (an epoch's batches): the same decisions from the index's
+  lengths and blocks, no token read or copied. Batches and counts are compared with recorded
+  ones (tests/test_data/test_loader_known_good.py). To step through this code in a debugger,
+  run with ``NUMBA_DISABLE_JIT=1``: the same functions then run as plain Python (slowly).
+- Documents come from Python into a queue per source: a row of ``docs`` each, their packing
   units in ``units``, their tokens in one staging array of all sources (int32 ids, uint8
-  modalities; plain arrays: the compiled code is cached on disk and loads in every process). When a queue runs dry mid-batch the kernel returns ``NEED`` with the source, at a
-  point it can resume from (the row being built is kept in ``state``); Python reads more and calls
+  modalities; plain arrays: the compiled code is cached on disk and loads in every process).
+  When a queue runs dry mid-batch the kernel returns ``NEED`` with the source, at a point it
+  can resume from (the row being built is kept in ``state``); Python reads more and calls
   again.
-- All state lives in the arrays below, so the stream's ``state_dict`` reads it from there.
+- All state lives in the arrays below, so a stream's ``state_dict`` reads it from there.
 """
 
 from __future__ import annotations
@@ -212,7 +234,8 @@ def _blocks_in(docs, units, doc, doc_a, doc_b):
 @njit(cache=True, inline="always")
 def _flush(docs, units, src, staged_ids, staged_mod, state, out, doc, row_a, doc_a, row_b, cut, L):
     """Doc tokens [doc_a, doc_a + row_b - row_a) at row positions [row_a, row_b), one piece
-    (Packer._flush)."""
+    (joined to the row's last piece when it continues it). ``cut``: the document's next token
+    starts a dropped block, so the piece's last token predicts nothing."""
     out_ids, out_mod, seg, pieces, vis = out
     count = row_b - row_a
     if count <= 0:
@@ -289,7 +312,9 @@ def _flush(docs, units, src, staged_ids, staged_mod, state, out, doc, row_a, doc
 
 @njit(cache=True, inline="always")
 def _place(docs, units, src, staged_ids, staged_mod, state, out, doc, pos, L, drop_document, whole):
-    """Place as much of document ``doc`` as fits from pos (Packer._place): (outcome, new pos)."""
+    """Place as much of document ``doc`` as fits from pos: (outcome, new pos), the outcome done
+    (its chunk placed), full (the row filled, the document continues) or blocked (a block, or
+    a whole document, must wait for a later row)."""
     n_units, unit, offset = docs[doc, D_NU], docs[doc, D_UNIT], docs[doc, D_OFF]
     limit, length, unit0 = docs[doc, D_LIMIT], docs[doc, D_LEN], docs[doc, D_U0]
     # whole_documents: a document that fits a row waits for one rather than be split
@@ -405,7 +430,8 @@ def _place(docs, units, src, staged_ids, staged_mod, state, out, doc, pos, L, dr
 
 @njit(cache=True, inline="always")
 def _end_row(docs, units, state, out, blocks, real, pos, L, pad_id):
-    """A row's padding (one more segment) and its visual blocks (Packer.compact, one row)."""
+    """A row's padding (one more segment: piece the row's piece count, or -1 in an empty row)
+    and its visual blocks, in row order."""
     out_ids, out_mod, seg, pieces, vis = out
     row = state[ST_ROWS_DONE]
     base = row * L
@@ -448,7 +474,7 @@ def _place_held(
     carry, defer, n_carry, n_defer,
 ):  # fmt: skip
     """``_place``, then the document held aside when it filled the row (carried into the next)
-    or a block of it must wait (deferred), as ``Packer.pack`` does: (pos, carried, deferred)."""
+    or a block of it must wait (deferred): (pos, carried, deferred)."""
     outcome, pos = _place(
         docs, units, src, staged_ids, staged_mod, state, out, doc, pos, L, drop_document, whole
     )
@@ -494,7 +520,7 @@ def pack_batch(
 ):
     """Pack rows until the batch has ``B`` (PACKED), a queue runs dry (NEED: state[ST_NEED] is the
     source; call again once it has documents) or the data ended (END: the incomplete batch is
-    held back, as ``ConsumerStream.next_batch`` does)."""
+    held back by a stream; ``pack_documents`` fills it up with blank rows)."""
     out = (out_ids, out_mod, seg, pieces, vis)
     if not state[ST_BATCH_ACTIVE]:
         state[ST_BATCH_ACTIVE] = 1

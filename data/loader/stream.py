@@ -9,10 +9,10 @@ Design choices:
   A long document is handed out a chunk at a time (the OLMo / Megatron practice of cutting
   documents into row-sized instances), so each step carries the mix instead of one source's
   long document filling many rows. No RNG, shares exact to within one chunk, and the state is
-  a few counters plus the documents handed out in part (``open``).
+  a few counters plus the documents handed out in part (the state's ``open``).
 - The state (``state_dict``) is cursors, counters and the held-aside documents' positions:
-  kilobytes. Restoring recomputes each source's epoch order (hashing, O(samples), the same cost
-  at any position) and seeks to the cursor through the index; nothing is replayed.
+  kilobytes. Restoring computes the window of each source's epoch order under its cursor
+  (hashing, the same cost at any position) and seeks through the index; nothing is replayed.
 - Bad data never stops a run: an unreadable sample is skipped, counted and logged with its
   shard and key; ``max_consecutive_errors`` in a row stops with an error naming the last one.
   A read slower than ``stall_seconds`` is reported by a watchdog thread while it hangs.
@@ -20,15 +20,15 @@ Design choices:
   fill, counted from the index alone); the samples beyond that are *held back*, counted and
   reported, never repeated.
 
-Beside it: the batch it hands the trainer (packed_batch.py), the state's format and restore
-(stream_state.py), the fast ``.npy`` reader (npy.py) and the stall watchdog (watchdog.py).
+Beside it: the compiled loop and its arrays, the stream's packing state (fast_stream.py), the
+batch it hands the trainer (packed_batch.py), the state's format and restore (stream_state.py),
+the fast ``.npy`` reader (npy.py) and the stall watchdog (watchdog.py).
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -36,6 +36,7 @@ from data.loader import store, transport
 from data.loader.batch_buffer import BatchBuffer
 from data.loader.config import LoaderConfig
 from data.loader.expand import slot_views
+from data.loader.fast_stream import FastPath
 from data.loader.npy import read_npy
 from data.loader.online import OnlineTokenizer, online_options
 from data.loader.order import (
@@ -47,19 +48,15 @@ from data.loader.order import (
     unpack_mask,
 )
 from data.loader.packed_batch import PackedBatch
-from data.loader.packer import Doc, Packer, units_of
+from data.loader.packer import Doc, units_of
 from data.loader.sample_check import check_ids, read_members
 from data.loader.shard_check import CheckedShard, check_shard
 from data.loader.store import ShardFiles, ShardView
-from data.loader.stream_state import SourceCursor, load_state, save_state
+from data.loader.stream_state import SourceCursor, load_state
 from data.loader.table import SampleTable
 from data.loader.watchdog import Watchdog, sample_where
 from data.tokenize.blocks import visual_blocks
-from data.vocab import MODALITY_NAMES, Modality
-
-if TYPE_CHECKING:
-    from data.loader.fast_stream import FastPath
-
+from data.vocab import MODALITY_NAMES
 
 _KEEP_SHARDS = 256  # as many as ShardFiles keeps memory maps of (a checked shard holds its map)
 
@@ -85,17 +82,12 @@ class ConsumerStream:
         # (source, share) of the sources that get a share, in order: what the mix picks from
         self.mixed_sources = [(s, share) for s, share in enumerate(self.shares) if share > 0]
         self.consumer, self.consumers, self.micro_batch = consumer, consumers, micro_batch
-        self.packer = Packer(
-            cfg.seq_len,
-            pad_id=pad_id,
-            max_pending=cfg.max_pending,
-            oversize=cfg.oversize,
-            whole_documents=cfg.whole_documents,
-        )
+        if cfg.oversize not in ("drop_block", "drop_document"):
+            raise ValueError(f"oversize {cfg.oversize!r}: choose drop_block or drop_document")
+        self.pad_id = pad_id
+        # Where each source's reading has got to (reading ahead moves them past what is packed;
+        # the packed position is in the compiled loop's arrays)
         self.cursors = [SourceCursor() for _ in tables]
-        # Per source: documents with tokens not yet handed out, oldest first (the next chunk
-        # comes from the first whose last chunk is placed). At most max_pending + 1 each.
-        self.open: list[list[Doc]] = [[] for _ in tables]
         self.chunk = cfg.mix_chunk or cfg.seq_len
         self.slices: dict[tuple[int, int], np.ndarray | ConsumerSlice] = {}
         self.errors = 0  # skips, a sample skipped again (a later epoch) counted again
@@ -112,7 +104,6 @@ class ConsumerStream:
         self.files = ShardFiles(cfg.cache_dir, cfg.cache_limit_gb)
         self._online: OnlineTokenizer | None = None  # built on the first raw document
         self.ring: transport.SlotRing | None = None  # set in a DataLoader worker
-        self._fast: FastPath | None = None  # the compiled loop, made at the first batch
         self.pin = False  # in-process: batches expanded into pinned memory (set by the loader)
         self.watchdog = None if dry else Watchdog(cfg.stall_seconds, f"consumer {consumer}")
         # (source, shard) -> the shard when it passed the whole-shard check, None when it did not
@@ -126,6 +117,9 @@ class ConsumerStream:
             not dry and self._check_whole and getattr(t, "shard_sha256", None) is not None
             for t in tables
         ]
+        # The compiled loop and its arrays: where the packing is, the stream's state from here
+        # on (data/loader/fast_stream.py)
+        self._fast = FastPath(self)
 
     # --- which document next -------------------------------------------------------------------
     def slice_of(self, s: int, epoch: int) -> np.ndarray | ConsumerSlice:
@@ -307,13 +301,12 @@ class ConsumerStream:
         """The next batch (``PackedBatch``; ``{}`` when packing dry); None at the end."""
         if self.batch_limit is not None and self.batches >= self.batch_limit:
             return None
-        packer = self.packer
+        fast = self._fast
         if self.dry:  # counting: the compiled loop's decisions, from the index alone
-            if not self._fast_path().count():
+            if not fast.count():
                 return None
             self.batches += 1
             return {}
-        fast = self._fast_path()
         B, L = self.micro_batch, self.cfg.seq_len
         n = B * L
         ring, slot, buffer = self.ring, None, None
@@ -327,7 +320,7 @@ class ConsumerStream:
                 ids, mod = np.empty(n, np.int32), np.empty(n, np.uint8)
         else:  # in-process: the ids straight into the batch's field, the modalities as uint8
             # (what the compiled loop writes everywhere; expand widens them into their field)
-            buffer = BatchBuffer(B, L, packer.pad_id, pin=self.pin)
+            buffer = BatchBuffer(B, L, self.pad_id, pin=self.pin)
             ids, mod = buffer.fields["ids"].reshape(n), np.empty(n, np.uint8)
         try:
             packed = fast.pack(ids, mod)
@@ -353,31 +346,16 @@ class ConsumerStream:
                 out.ring, ring.sent = (ring.data, ring.flags), True
         return out
 
-    def _fast_path(self) -> FastPath:
-        """The compiled loop (data/loader/fast_stream.py), built from the stream's fields on
-        first use (a fresh stream, or one just restored)."""
-        if self._fast is None:
-            from data.loader.fast_stream import FastPath
-
-            self._fast = FastPath(self)
-        return self._fast
-
-    def dropped_matrix(self) -> np.ndarray:
-        """[sources, 2]: image and video blocks dropped so far for being longer than a row."""
-        out = np.zeros((len(self.tables), 2), np.int64)
-        for (s, m), n in self.packer.dropped_by.items():
-            out[s, m - int(Modality.IMAGE)] = n
-        return out
-
     # --- state (its format, and restoring it, in stream_state.py) -------------------------------
     def state_dict(self) -> dict:
-        return self._fast.state_dict() if self._fast is not None else save_state(self)
+        return self._fast.state_dict()
 
     def state(self):
-        """``state_dict``, or where the compiled loop runs, its arrays' snapshot
-        (fast_state.FastState: ``to_dict`` makes the same dict), cheaper to take per batch."""
-        return self._fast.snapshot() if self._fast is not None else save_state(self)
+        """``state_dict`` as the compiled loop's arrays' snapshot (fast_state.FastState:
+        ``to_dict`` makes the same dict), cheaper to take per batch."""
+        return self._fast.snapshot()
 
     def load_state_dict(self, st: dict) -> None:
-        load_state(self, st)
-        self._fast = None  # rebuilt from the restored fields at the next batch
+        # The compiled loop's arrays are made again from the restored documents and counters
+        self._fast = FastPath(self, **load_state(self, st))
+        self.dropped_before = self._fast.dropped_matrix()

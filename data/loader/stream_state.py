@@ -1,10 +1,15 @@
-"""A consumer stream's state: the per-source cursors, what ``state_dict`` saves (cursors, counters,
-the positions of the documents held aside or handed out in part) and how a saved state is put
-back, states written by older versions included. Separate from the stream's work (stream.py:
-mixing, reading, packing) because the state is a format with a life of its own: it is saved in
-every checkpoint, read back by later versions and rewritten for another split by
-redistribute.py. These functions read and set the stream's fields, private ones included: they
-are the two halves of its ``state_dict``/``load_state_dict``.
+"""A consumer stream's saved state and how it is put back: the per-source reading cursors, and
+``load_state``, which sets the stream's cursors and counters and reads the documents held aside
+or handed out in part back from their shards for the compiled loop's arrays
+(fast_stream.FastPath), states written by older versions included. The dict is written from
+those arrays (fast_state.FastState.to_dict): ``cursors`` ([epoch, position, tokens, done] per
+source), ``pending`` and ``open`` (documents as [source, sample, epoch, unit, offset, chunk
+end]), ``dropped_by`` ([source, modality, blocks]), ``batches``, ``errors``, ``skipped``
+([source, sample] once each), ``stats`` (``PackStats``' fields), ``tokens_by_modality``,
+``skip`` ([source, epoch, mask] of a redistributed epoch) and ``order`` (the epoch order's
+version). Separate from the stream's work (stream.py: mixing, reading, packing) because the
+state is a format with a life of its own: it is saved in every checkpoint, read back by later
+versions and rewritten for another split by redistribute.py.
 """
 
 from __future__ import annotations
@@ -47,28 +52,10 @@ def skipped_samples(stream: ConsumerStream, taken: list[int] | None = None) -> l
     return out
 
 
-def save_state(stream: ConsumerStream) -> dict:
-    """The stream's position as plain lists and numbers (``ConsumerStream.state_dict``)."""
-    return {
-        "cursors": [[c.epoch, c.pos, c.tokens, int(c.done)] for c in stream.cursors],
-        "pending": [d.cursor() for d in stream.packer.pending],
-        "open": [d.cursor() for docs in stream.open for d in docs],
-        "dropped_by": [[s, m, n] for (s, m), n in sorted(stream.packer.dropped_by.items())],
-        "batches": stream.batches,
-        "errors": stream.errors,
-        "skipped": skipped_samples(stream),
-        "stats": stream.packer.stats.as_dict(),
-        "tokens_by_modality": stream.tokens_by_modality.tolist(),
-        "skip": [
-            [s, e, m] for s, c in enumerate(stream.cursors) for e, m in sorted(c.skip.items())
-        ],
-        "order": stream.order_version,
-    }
-
-
-def load_state(stream: ConsumerStream, st: dict) -> None:
-    """Put ``stream`` where ``st`` says (``ConsumerStream.load_state_dict``); the held-aside and
-    open documents are read again from their shards."""
+def load_state(stream: ConsumerStream, st: dict) -> dict:
+    """Put ``stream``'s cursors and counters where ``st`` says (``ConsumerStream.
+    load_state_dict``) and read its held-aside and open documents again from their shards:
+    returns what the compiled loop's arrays are made from (``FastPath``'s keyword arguments)."""
     # Cursors are positions in an epoch order: states from before order version 2 keep theirs.
     stream.order_version = st.get("order", 1)
     stream.cursors = [SourceCursor(e, p, t, bool(d)) for e, p, t, d in st["cursors"]]
@@ -81,11 +68,7 @@ def load_state(stream: ConsumerStream, st: dict) -> None:
     stream.skipped_before = [[] for _ in stream.tables]
     for s, sample in st.get("skipped", []):  # states from before it name none
         stream.skipped_before[s].append(sample)
-    for k, v in st["stats"].items():
-        setattr(stream.packer.stats, k, v)
     stream.tokens_by_modality = np.asarray(st["tokens_by_modality"], np.int64)
-    stream.packer.dropped_by = {(s, m): n for s, m, n in st.get("dropped_by", [])}
-    stream.dropped_before = stream.dropped_matrix()
     # A document both held aside and open is one object in both lists (keyed by source,
     # sample, epoch: a consumer reads a sample once per epoch).
     docs: dict[tuple[int, int, int], Doc | None] = {}
@@ -102,9 +85,15 @@ def load_state(stream: ConsumerStream, st: dict) -> None:
             docs[key] = doc
         return docs[key]
 
-    stream.packer.pending = [d for d in map(restore, st["pending"]) if d is not None]
-    stream.open = [[] for _ in stream.tables]
+    pending = [doc for doc in map(restore, st["pending"]) if doc is not None]
+    opened: list[list[Doc]] = [[] for _ in stream.tables]
     for cursor in st.get("open", []):
         doc = restore(cursor)
         if doc is not None:
-            stream.open[doc.source].append(doc)
+            opened[doc.source].append(doc)
+    return {
+        "pending": pending,
+        "opened": opened,
+        "stats": dict(st["stats"]),
+        "dropped_by": {(s, m): n for s, m, n in st.get("dropped_by", [])},
+    }

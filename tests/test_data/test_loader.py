@@ -13,7 +13,7 @@ import torch
 
 from data.layout import parse_image
 from data.loader import LoaderConfig, SourceConfig, build_loader
-from data.loader.packer import IGNORE
+from data.loader.expand import IGNORE
 from data.loader.table_load import load_table
 from data.text_tokenizer import TextTokenizer
 from model.rope import LayoutTracker

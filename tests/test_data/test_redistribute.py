@@ -171,18 +171,22 @@ def test_redistribute_refuses_other_data_and_incomplete_worlds(tiny_tokens):
 
 def test_packer_drains_more_held_documents_than_max_pending(tiny_tokens):
     """A redistribute may deal a consumer more held-aside documents than ``max_pending``: they
-    are all placed, each from where it stopped, before a new document is read."""
+    are all placed, each from where it stopped (the sources are done: nothing new is read)."""
     cfg = cfg_for(tiny_tokens, {"text": 1.0, "scenes": 1.0}, max_pending=1)
     tables = [load_table(s) for s in cfg.sources]
     cs = ConsumerStream(tables, [1.0, 1.0], cfg, consumer=0, consumers=1, micro_batch=1, pad_id=0)
     docs = [cs.load(s, i, 0) for s in (0, 1) for i in range(3)]
     docs[0].offset = 5  # a text document half placed before
     start = {(d.source, d.sample): d.position() for d in docs}
-    cs.packer.pending = docs
+    state = cs.state_dict()
+    state["pending"] = [d.cursor() for d in docs]
+    state["cursors"] = [[0, 0, 0, 1] for _ in cs.cursors]  # done: nothing new is read
+    cs.load_state_dict(state)
     spans = defaultdict(list)
-    while (row := cs.packer.pack(lambda: None)) is not None:
-        for s, sample, a, e in row.pieces:
-            spans[(s, sample)].append((a, e))
+    while (batch := cs.next_batch()) is not None:
+        for s, sample, a, e in batch.pieces.reshape(-1, 4).tolist():
+            if s >= 0:
+                spans[(s, sample)].append((a, e))
     for d in docs:
         sp = sorted(spans[(d.source, d.sample)])
         assert sp[0][0] == start[(d.source, d.sample)] and sp[-1][1] == d.length
@@ -245,10 +249,18 @@ def test_a_second_redistribute_keeps_masks_beyond_every_cursor():
                 "mode": "infinite",
                 "handed_out": 1,
                 "batch_limit": None,
-                "worker_states": {"0": s.state_dict()},
+                "worker_states": {"0": read_position(s)},
             }
             for ld, s in zip(lds, ss)
         ]
+
+    def read_position(s):
+        # These streams only read (``read_next``) and pack nothing: their state is where their
+        # cursors have read to, as the state of a stream that packed all it read would be
+        st = s.state_dict()
+        st["cursors"] = [[c.epoch, c.pos, c.tokens, int(c.done)] for c in s.cursors]
+        st["skip"] = [[0, e, m] for c in s.cursors for e, m in sorted(c.skip.items())]
+        return st
 
     lds = loaders(cfg, tables, 2, micro_batch=1)
     ss = streams(lds)

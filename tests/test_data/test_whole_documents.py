@@ -1,39 +1,43 @@
 """``data.whole_documents``: a document that fits a row is never split across rows (long-context
 stages); one that does not fit what is left of a row starts a later row, and one longer than a
-row is still split. The compiled loop packs the same rows (tests/test_data/test_pack_kernel.py)."""
+row is still split. Checked on documents packed in order (``pack_documents``); the loader's
+streams run the same loop (tests/test_data/test_pack_kernel.py)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
-from data.loader.packer import Doc, Packer, units_of
+from data.loader import pack_documents
 
 SEQ = 64
 LENGTHS = [40, 30, 64, 10, 50, 100, 20, 45, 5, 63, 33]  # one longer than a row (100)
 
 
 def pieces_by_doc(whole: bool) -> tuple[dict[int, list[tuple[int, int]]], int]:
-    """sample -> its pieces (start, end) over all rows, and the rows packed."""
-    docs = iter(
-        Doc(
-            source=0,
-            sample=index,
-            epoch=0,
-            length=length,
-            units=units_of(length, []),
-            ids=np.arange(length, dtype=np.int32) + 10,
-            mod=np.zeros(length, np.uint8),
+    """sample -> its pieces (start, end) over all rows, and the rows packed. Each token's id is
+    1000 x its document's number + its position in the document, so a row's ids say which
+    document each of its pieces is of and where it lies."""
+    docs = [
+        SimpleNamespace(
+            ids=1000 * sample + np.arange(length, dtype=np.int32),
+            modality=np.zeros(length, np.uint8),
+            blocks=[],
         )
-        for index, length in enumerate(LENGTHS)
-    )
-    packer = Packer(SEQ, pad_id=0, max_pending=4, whole_documents=whole)
+        for sample, length in enumerate(LENGTHS)
+    ]
     found: dict[int, list[tuple[int, int]]] = {}
     rows = 0
-    while (row := packer.pack(lambda: next(docs, None))) is not None:
+    for batch in pack_documents(docs, SEQ, whole_documents=whole):
         rows += 1
-        assert row.real <= SEQ
-        for _, sample, start, end in row.pieces:
-            found.setdefault(sample, []).append((start, end))
+        real = int(batch["num_real_tokens"])
+        assert real <= SEQ
+        ids, doc_ids = batch["input_ids"][0, :real].numpy(), batch["doc_ids"][0, :real].numpy()
+        for piece in np.unique(doc_ids):
+            tokens = ids[doc_ids == piece]
+            sample, start = divmod(int(tokens[0]), 1000)
+            found.setdefault(sample, []).append((start, start + len(tokens)))
     return found, rows
 
 
