@@ -111,25 +111,31 @@ demo: $(STAMP)
 
 # The long-context demo stage (docs/long_context.md, "The CPU demo stage"), after `make demo`
 # (run first when its release is missing): the demo model continued at rows of 4,096 tokens on
-# passkey documents (a 5-digit number hidden in filler, asked for at the end) beside the demo's
-# own data, then the passkey table of the demo model before and after the stage.
+# passkey documents (earlyfuse-prep passkey: a 5-digit number hidden in 40-600 filler sentences,
+# ~300-3,900 tokens, asked for at the end) beside the demo's own data, then earlyfuse-eval's
+# passkey table (--needle) of the demo model (before) and of the stage (after), printed last.
 LONG_DIR = $(DEMO_DIR)/long
+# The held-out text only (--data .../text): the frame-copy table needs held-out videos and is
+# left out; --seq-len 512: both releases' held-out text CE on the demo's rows, comparable.
+NEEDLE_EVAL = $(BIN)/earlyfuse-eval --data $(DEMO_DIR)/val_tokens/text --seq-len 512 \
+		--batch-rows 2 --max-pairs 0 --needle --needle-lengths 512,1024,2048,4096 \
+		--needle-trials 8 --needle-digits 5 --no-progress
 $(DEMO_DIR)/release/model.safetensors:
 	$(MAKE) demo
 
 demo-long: $(STAMP) $(DEMO_DIR)/release/model.safetensors
-	$(PY) -m data.demo_corpus.passkey --out $(LONG_DIR)/corpus --count 1500 --length-chars 14000 \
-		--min-chars 1000 --seed 0
+	$(BIN)/earlyfuse-prep passkey --out $(LONG_DIR)/corpus/passkey.jsonl --count 1500 \
+		--sentences 40,600 --digits 5 --seed 0
 	$(BIN)/earlyfuse-prep ingest --out $(LONG_DIR)/raw --workers 2 --no-progress \
 		--source passkey=text:$(LONG_DIR)/corpus/passkey.jsonl
 	$(TOKENIZE) --in $(LONG_DIR)/raw --out $(LONG_DIR)/tokens
 	$(BIN)/earlyfuse-train experiment=demo_long run_dir=$(LONG_DIR)/lm \
 		train.init_from=$(DEMO_DIR)/release train.progress=false
 	$(BIN)/earlyfuse-convert release $(LONG_DIR)/lm $(LONG_DIR)/release --force
-	@# The needle table, teacher-forced, of the demo model (rows of 512) and of the stage.
-	@# To be wired: `earlyfuse-eval $(LONG_DIR)/release --needle` (the evaluation's own table).
-	$(PY) -m tools.evaluate.passkey_demo $(DEMO_DIR)/release $(LONG_DIR)/release \
-		--lengths 512,1024,2048,4096 --per-cell 6
+	@echo "== before the stage: the demo model (rows of 512)"
+	$(NEEDLE_EVAL) $(DEMO_DIR)/release --out $(LONG_DIR)/needle_before.json
+	@echo "== after the stage (rows of 4,096)"
+	$(NEEDLE_EVAL) $(LONG_DIR)/release --out $(LONG_DIR)/needle_after.json
 
 bench: $(STAMP)
 	$(PY) tools/bench/bench_ingest.py

@@ -2,7 +2,10 @@
 (Mohtashami & Jaggi 2023, "Landmark Attention"; the needle-in-a-haystack test). The same
 sentences serve the evaluation (``earlyfuse-eval --needle``, tools/evaluate/needle.py, which
 assembles them token by token at exact lengths) and training data that teaches the task
-(``write_passkey_documents``: ordinary text documents for ``earlyfuse-prep ingest text:FILE``).
+(``write_passkey_documents``, or ``earlyfuse-prep passkey`` from the command line: ordinary text
+documents for ``earlyfuse-prep ingest text:FILE``). A prompt of the evaluation is, token for
+token, a document of ``passkey_text`` up to its key, so training and evaluation ask the same
+question the same way.
 
 Design choices:
 - The filler is the literature's repeated sentences, not real text: the key is then the only
@@ -12,6 +15,8 @@ Design choices:
   depend on which documents happen to surround the key).
 - The key is a decimal number whose first digit is not zero; the needle states it twice
   ("The pass key is K. Remember it. K is the pass key."), as in the literature.
+- Lengths are counted in filler sentences (about 6 tokens each with the demo's BPE), not
+  characters: a document is whole sentences, the unit the needle's depth is placed by.
 - Depth d in [0, 1]: the needle follows ``round(d * n)`` of the document's ``n`` filler
   sentences; 0 puts it first, 1 right before the question.
 - A document ends with the question and its answer (``... The pass key is K.``): a model
@@ -71,7 +76,7 @@ def passkey_documents(
 ) -> Iterator[dict]:
     """``count`` documents ``{"id", "text", "key", "depth"}``: a key of ``digits[0]`` to
     ``digits[1]`` digits at a uniform depth in [0, 1] of ``min_sentences`` to ``max_sentences``
-    filler sentences (about 5 tokens each), all drawn from ``seed``."""
+    filler sentences (about 6 tokens each with the demo's BPE), all drawn from ``seed``."""
     if not 1 <= min_sentences <= max_sentences:
         raise ValueError(f"sentences {min_sentences}..{max_sentences}: give 1 <= min <= max")
     if not 1 <= digits[0] <= digits[1]:

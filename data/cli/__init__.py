@@ -13,6 +13,7 @@ import sys
 from data.cli.common import EXIT_REJECTS, parse_size, path_or_url
 from data.cli.demo_corpus import _add_demo_corpus
 from data.cli.ingest import _add_ingest, _add_merge
+from data.cli.passkey import _add_passkey
 from data.cli.preview import _add_preview
 from data.cli.shards import _add_index, _add_stats, _add_verify
 from data.cli.text_tokenizer import _add_train_text_tokenizer
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_verify,
         _add_index,
         _add_demo_corpus,
+        _add_passkey,
         _add_train_text_tokenizer,
         _add_tokenize,
         _add_preview,

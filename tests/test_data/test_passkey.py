@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import webdataset as wds
 
+from data.cli import main as prep_main
 from data.ingest import ingest
 from data.passkey import (
     NEEDLE,
@@ -55,3 +56,20 @@ def test_written_documents_ingest_as_text(tmp_path):
     docs = [json.loads(x["json"]) for x in wds.WebDataset(shards, shardshuffle=False)]
     assert sorted(d["segments"][0]["text"] for d in docs) == sorted(row["text"] for row in rows)
     assert sorted(d["meta"]["key"] for d in docs) == sorted(row["key"] for row in rows)
+
+
+def test_the_prep_command_writes_the_documents(tmp_path, capsys):
+    """`earlyfuse-prep passkey` (make demo-long's writer): the same documents as
+    write_passkey_documents with the same options, and bad lengths refused by name."""
+    out = tmp_path / "cli" / "passkey.jsonl"
+    argv = ["passkey", "--out", str(out), "--count", "5", "--sentences", "8,40", "--digits", "4"]
+    assert prep_main([*argv, "--seed", "2"]) == 0
+    assert "5 passkey documents" in capsys.readouterr().out
+    again = tmp_path / "api.jsonl"
+    write_passkey_documents(again, 5, seed=2, min_sentences=8, max_sentences=40, digits=(4, 4))
+    assert out.read_bytes() == again.read_bytes()
+    assert all(len(json.loads(line)["key"]) == 4 for line in out.read_text().splitlines())
+    assert prep_main(["passkey", "--out", str(out), "--count", "2", "--sentences", "40,8"]) == 1
+    assert "sentences 40..8" in capsys.readouterr().err
+    assert prep_main(["passkey", "--out", str(out), "--count", "2", "--digits", "five"]) == 1
+    assert "--digits 'five'" in capsys.readouterr().err

@@ -17,6 +17,7 @@ import torch
 
 from data.layout import parse_video
 from data.loader.expand import IGNORE
+from data.passkey import passkey_text
 from data.text_tokenizer import TextTokenizer
 from data.vocab import Modality
 from tools.evaluate import main as eval_main
@@ -73,7 +74,9 @@ def text_tok(tiny_tokenizers) -> TextTokenizer:
 def test_passkey_prompts_have_their_length_depth_and_control(text_tok):
     maker = PasskeyPrompts(text_tok)
     key = "48213"
-    needle = text_tok.encode(" The pass key is 48213. Remember it. 48213 is the pass key.")
+    # The needle after its first word (which is bare at depth 0, the document's start).
+    needle = text_tok.encode(" pass key is 48213. Remember it. 48213 is the pass key.")
+    head = len(text_tok.encode(" The"))
     sentence = max(len(ids) for ids in maker.sentences)
     for depth in (0.0, 0.5, 1.0):
         prompt = maker.prompt(key, length=300, depth=depth)
@@ -81,7 +84,7 @@ def test_passkey_prompts_have_their_length_depth_and_control(text_tok):
         text = text_tok.decode(prompt.ids[1:].tolist())
         assert text.endswith(f"What is the pass key? The pass key is {key}")
         ids = prompt.ids.tolist()
-        at = next(j for j in range(300) if ids[j : j + len(needle)] == needle)
+        at = next(j for j in range(300) if ids[j : j + len(needle)] == needle) - head
         fill = 300 - 1 - len(needle) - len(maker.question) - (300 - prompt.target[0])
         assert abs((at - 1) - depth * fill) <= sentence / 2, (at, fill)
     control = maker.prompt(key, length=300, depth=0.5, needle=False)
@@ -90,6 +93,24 @@ def test_passkey_prompts_have_their_length_depth_and_control(text_tok):
     assert key not in text[: text.index("What is the pass")] and text.endswith(key)
     with pytest.raises(ValueError, match="more than the length 20"):
         maker.prompt(key, length=20, depth=0.5)
+
+
+def test_a_passkey_prompt_is_a_training_document_token_for_token(text_tok):
+    """The evaluation asks the question the way the training documents ask it: with filler of
+    whole sentences, a prompt is a data/passkey.py document tokenized as `earlyfuse-prep
+    tokenize` lays out a text document (<bos>, then the text's tokens), up to its key."""
+    maker = PasskeyPrompts(text_tok)
+    key = "48213"
+    period = text_tok.encode(".")
+    for depth in (0.0, 1.0):
+        text = passkey_text(key, depth=depth, sentences=10)
+        document = [text_tok.bos_id, *text_tok.encode(text)]
+        assert document[-len(period) :] == period  # the key, then the document's full stop
+        document = document[: -len(period)]
+        prompt = maker.prompt(key, length=len(document), depth=depth)
+        assert prompt.ids.tolist() == document
+        answer = text_tok.encode(" " + key)
+        assert prompt.target == (len(document) - len(answer), len(document))
 
 
 def test_the_passkey_scorer_gives_one_when_the_answer_is_predicted(text_tok):

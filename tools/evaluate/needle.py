@@ -4,7 +4,8 @@ teacher-forced accuracy, each against a control that has nothing to retrieve.
 - **Text (passkey)**: ``<bos>`` filler, the needle ("The pass key is K. Remember it. K is the
   pass key.") at depth d of the filler, more filler, "What is the pass key? The pass key is"
   and the key, all exactly ``length`` tokens (data/passkey.py's sentences, assembled here token
-  by token). Scored: the share of the key's digits that the argmax after each answer token's
+  by token, the first word bare: a training document of ``passkey_text`` after ``<bos>``, token
+  for token, its last filler sentence cut short). Scored: the share of the key's digits that the argmax after each answer token's
   prefix spells right (per digit: a predicted 3-digit token can be right in 2 of 3 places),
   and the share of keys whose every digit token is right (whole). Control: the same prompt
   with the needle replaced by filler, the same key asked for at the same position: what a
@@ -133,6 +134,19 @@ class PasskeyPrompts:
         self.tok = text_tokenizer
         self.sentences = [np.array(self.encode(" " + s)) for s in FILLER_SENTENCES]
         self.question = self.encode(" " + QUESTION)
+        # A training document (data/passkey.py's passkey_text, tokenized after <bos>) starts
+        # with its first word bare, every later one after a space: the prompt's first word is
+        # written the same way, so that the prompt is token for token such a document. Its
+        # first piece is the first filler sentence or (depth 0) the needle: one first word.
+        first_words = {FILLER_SENTENCES[0].split()[0], NEEDLE.split()[0]}
+        if len(first_words) != 1:
+            raise ValueError(
+                f"data/passkey.py: the first filler sentence and the needle start with different "
+                f"words {sorted(first_words)}; the prompt's bare first word assumes one"
+            )
+        word = first_words.pop()
+        self.spaced_head = self.encode(" " + word)
+        self.bare_head = self.encode(word)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text)
@@ -152,11 +166,13 @@ class PasskeyPrompts:
 
     def prompt(self, key: str, *, length: int, depth: float, needle: bool = True) -> Prompt:
         """``<bos>`` filler, the needle at ``depth`` of the filler (at the nearest sentence
-        boundary), filler, the question and the key: ``length`` tokens. ``needle=False``: the
-        control, filler in the needle's place."""
+        boundary), filler, the question and the key: ``length`` tokens, the tokens of a
+        ``passkey_text`` document of that filler (its last sentence cut short) after ``<bos>``,
+        up to the key. ``needle=False``: the control, filler in the needle's place."""
         needle_ids = self.encode(" " + NEEDLE.format(key=key))
         answer = self.encode(" " + key)
-        fill = length - 1 - len(needle_ids) - len(self.question) - len(answer)
+        bare = len(self.bare_head) - len(self.spaced_head)  # tokens the bare first word adds
+        fill = length - 1 - len(needle_ids) - len(self.question) - len(answer) - bare
         if fill < 0:
             raise ValueError(
                 f"a passkey prompt needs {length - fill} tokens, more than the length {length}"
@@ -169,6 +185,12 @@ class PasskeyPrompts:
             body = stream[:cut] + needle_ids + rest
         else:
             body, _ = self.filler(fill + len(needle_ids))
+        head = len(self.spaced_head)
+        if body[:head] != self.spaced_head:  # a filler too short to hold its first word
+            raise ValueError(
+                f"a passkey prompt of length {length} has no room for a whole first filler word"
+            )
+        body = self.bare_head + body[head:]
         ids = np.array([self.tok.bos_id, *body, *self.question, *answer], np.int64)
         return Prompt(ids, np.full(len(ids), _TEXT, np.uint8), [], (length - len(answer), length))
 
