@@ -172,21 +172,12 @@ class DocEncoder:
                         },
                     )
                 )
-            except DocBudgetError as e:
+            except ValueError as e:  # DocBudgetError is one: over the budget, not undecodable
+                reason = "over-doc-budget" if isinstance(e, DocBudgetError) else "undecodable-video"
                 out.append(
                     Reject(
                         f"{raw_doc.shard.name}:{raw_doc.key}",
-                        "over-doc-budget",
-                        str(e),
-                        key=raw_doc.key,
-                        source=raw_doc.doc.get("source"),
-                    )
-                )
-            except ValueError as e:
-                out.append(
-                    Reject(
-                        f"{raw_doc.shard.name}:{raw_doc.key}",
-                        "undecodable-video",
+                        reason,
                         str(e),
                         key=raw_doc.key,
                         source=raw_doc.doc.get("source"),
