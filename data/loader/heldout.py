@@ -4,14 +4,16 @@ the two count the same tokens and compute the same CE.
 
 Design choices:
 - Every document of every source is read once, in index order, and packed into rows of
-  ``seq_len`` by ``pack_documents`` (the training loader's packing loop: text split across rows, a visual
-  block never),
-  the documents of each shard folder into rows of their own: the rows do not depend on how the
-  folders are grouped into sources (one validation source over ``tokens/val`` packs exactly as
-  ``earlyfuse-eval --data tokens/val``, which makes a source of each folder below it). A
-  folder's last rows make a short batch, filled up with blank rows (every label ignored):
-  nothing is held back to even out batches, as the training loader's epoch mode does, so no
-  token is left out whatever the batch size.
+  ``seq_len`` by ``pack_documents`` (the training loader's packing loop: text split across
+  rows, a visual block never; with ``whole_documents``, the run's ``data.whole_documents``, a
+  document that fits a row is never split either, so that the held-out CE and the loss by
+  position measure documents whole, as the run trained on them), the documents of each shard
+  folder into rows of their own: the rows do not depend on how the folders are grouped into
+  sources (one validation source over ``tokens/val`` packs exactly as ``earlyfuse-eval --data
+  tokens/val``, which makes a source of each folder below it). A folder's last rows make a
+  short batch, filled up with blank rows (every label ignored): nothing is held back to even
+  out batches, as the training loader's epoch mode does, so no token is left out whatever the
+  batch size.
 - The folders take turns batch by batch, so a capped pass (``train.eval_batches``) sees the
   first documents of every folder, not the whole of the first one.
 - No worker processes: a held-out set is small beside the training data, and one reader in the
@@ -57,7 +59,8 @@ class SourceCounts:
 
 class HeldoutPass:
     """``for batch in HeldoutPass(tables, seq_len=..., batch_rows=...)``: every document of
-    ``tables`` (or the first ``max_docs`` of each) in batches of ``batch_rows`` rows;
+    ``tables`` (or the first ``max_docs`` of each) in batches of ``batch_rows`` rows, packed as
+    the training loader packs with ``whole_documents`` (``data.whole_documents``);
     ``tensors(batch)`` gives a batch's fields as the loader hands them out. ``counts`` holds
     per source what was read, once the pass is over."""
 
@@ -69,12 +72,14 @@ class HeldoutPass:
         batch_rows: int,
         max_docs: int = 0,
         pad_id: int = 0,
+        whole_documents: bool = False,
         ranges: np.ndarray | None = None,
         progress: bool = False,
     ) -> None:
         if batch_rows < 1:
             raise ValueError(f"batch_rows {batch_rows}: give at least 1")
         self.tables, self.seq_len, self.batch_rows = tables, seq_len, batch_rows
+        self.whole_documents = whole_documents
         self.max_docs, self.pad_id, self.ranges, self.progress = max_docs, pad_id, ranges, progress
         self.counts = [SourceCounts() for _ in tables]
         self.batches = 0  # batches handed out so far
@@ -117,7 +122,12 @@ class HeldoutPass:
 
         stats = PackStats()
         yield from pack_documents(
-            counted(), self.seq_len, batch_rows=self.batch_rows, pad_id=self.pad_id, stats=stats
+            counted(),
+            self.seq_len,
+            batch_rows=self.batch_rows,
+            pad_id=self.pad_id,
+            whole_documents=self.whole_documents,
+            stats=stats,
         )
         counts.dropped_blocks += stats.dropped_blocks
 

@@ -5,6 +5,9 @@ running the model equally often."""
 
 from __future__ import annotations
 
+from collections import Counter
+
+import numpy as np
 import pytest
 
 from data.loader.heldout import HeldoutPass, RankShare
@@ -104,3 +107,40 @@ def test_rows_do_not_depend_on_how_folders_are_grouped_into_sources(tiny_tokens,
 
     assert len(one[0]) == sum(len(t) for t in tables)
     assert rows(one) == rows(tables)
+
+
+def stretches_by_ids(heldout: HeldoutPass) -> Counter:
+    """Every document stretch of the pass's rows (its ids), counted; ``batch_rows`` 1, so that a
+    batch's real tokens are its row's."""
+    found: Counter = Counter()
+    for part in heldout:
+        batch = heldout.tensors(part)
+        real = int(batch["num_real_tokens"])
+        ids, doc_ids = batch["input_ids"][0, :real].numpy(), batch["doc_ids"][0, :real].numpy()
+        for piece in np.unique(doc_ids):
+            found[ids[doc_ids == piece].tobytes()] += 1
+    return found
+
+
+def test_whole_documents_keep_every_held_out_document_that_fits_a_row_whole(tables):
+    """With the run's ``data.whole_documents`` the held-out pass packs as the run trained: a
+    document that fits a row is one stretch of one row (its ids whole); without it some are cut
+    at row ends. Either way every label is counted once."""
+    seq_len = 256
+    docs = [doc for doc in iter_documents(tables) if len(doc.ids) <= seq_len]
+
+    def whole_ones(found: Counter) -> int:
+        count = 0
+        for doc in docs:
+            key = doc.ids.astype(np.int32).tobytes()
+            if found[key]:
+                found[key] -= 1
+                count += 1
+        return count
+
+    split = HeldoutPass(tables, seq_len=seq_len, batch_rows=1)
+    whole = HeldoutPass(tables, seq_len=seq_len, batch_rows=1, whole_documents=True)
+    assert whole_ones(stretches_by_ids(split)) < len(docs)
+    assert whole_ones(stretches_by_ids(whole)) == len(docs)
+    assert counted(whole, whole) == label_counts(tables)
+    assert [c.documents for c in whole.counts] == [len(t) for t in tables]

@@ -81,7 +81,10 @@ def val_loss(model, cfg, world_size: int = 1) -> float:
     with torch.no_grad():
         for rank in range(world_size):
             heldout = HeldoutPass(
-                tables, seq_len=cfg.data.seq_len, batch_rows=cfg.train.micro_batch
+                tables,
+                seq_len=cfg.data.seq_len,
+                batch_rows=cfg.train.micro_batch,
+                whole_documents=cfg.data.whole_documents,
             )
             share = RankShare(
                 heldout, rank=rank, world_size=world_size, limit=cfg.train.eval_batches

@@ -1,8 +1,8 @@
 """Training validation and ``earlyfuse-eval`` on the same held-out documents, with the same
 release: the same label tokens per modality and the same CE, with loader workers (which the
-validation pass does not use) and one validation source spanning several shard folders, as
-``tokens/val`` does; a capped validation over a held-out set smaller than a batch per worker
-still evaluates it."""
+validation pass does not use), one validation source spanning several shard folders, as
+``tokens/val`` does, and the run's ``data.whole_documents``; a capped validation over a
+held-out set smaller than a batch per worker still evaluates it."""
 
 from __future__ import annotations
 
@@ -48,17 +48,27 @@ def label_tokens(tokens) -> dict[str, float]:
     return out
 
 
+def mean_ce(ev: dict) -> float:
+    """The CE of every label of the held-out sources (``--data`` holds the training ones too)."""
+    figs = [f for s in HELDOUT for f in ev["heldout"]["sources"][s].values()]
+    return sum(f["ce"] * f["tokens"] for f in figs) / sum(f["tokens"] for f in figs)
+
+
 def test_training_validation_equals_earlyfuse_eval(tiny_tokens, tmp_path, capsys):
-    final = run(tiny_tokens, tmp_path / "run", "train.eval_batches=0")
+    """A run with ``data.whole_documents``: validation and earlyfuse-eval (which reads the
+    setting from the run's config) both keep every held-out document that fits a row whole;
+    packed without it (``--no-whole-documents``) the same tokens give another CE."""
+    final = run(tiny_tokens, tmp_path / "run", "train.eval_batches=0", "data.whole_documents=true")
     assert final["val/complete"] == 1.0
     want = label_tokens(tiny_tokens)
     assert {m: final.get(f"val/tokens/{m}", 0.0) for m in MODALITY_NAMES} == want
     make_release(tmp_path / "run", tmp_path / "rel", log=lambda *a, **k: None)
     out = tmp_path / "eval.json"
-    assert eval_main([str(tmp_path / "rel"), "--data", str(tiny_tokens), "--out", str(out)]) == 0
+    argv = [str(tmp_path / "rel"), "--data", str(tiny_tokens)]
+    assert eval_main([*argv, "--position-loss", "--out", str(out)]) == 0
     assert "held-out" in capsys.readouterr().err  # the progress bar (stderr)
     ev = json.loads(out.read_text())
-    assert ev["batch_rows"] == 3 and ev["seq_len"] == 256  # the run's
+    assert ev["batch_rows"] == 3 and ev["seq_len"] == 256 and ev["whole_documents"]  # the run's
     sources = ev["heldout"]["sources"]
     for m in MODALITY_NAMES:
         if not want[m]:
@@ -69,6 +79,21 @@ def test_training_validation_equals_earlyfuse_eval(tiny_tokens, tmp_path, capsys
         )
         assert tokens == want[m] == final[f"val/tokens/{m}"], m
         assert nats / tokens == pytest.approx(final[f"val/loss/{m}"], rel=1e-6, abs=1e-9), m
+    assert mean_ce(ev) == pytest.approx(final["val/loss"], rel=1e-6)
+    # The loss by position is read off the same rows: documents whole, every label once.
+    assert ev["position_loss"]["whole_documents"]
+    for m, fig in ev["heldout"]["total"].items():
+        cells = ev["position_loss"]["modalities"][m]["buckets"]
+        assert sum(c["tokens_all"] for c in cells) == fig["tokens"], m
+    split = tmp_path / "split.json"
+    flags = ["--no-whole-documents", "--max-pairs", "0", "--no-progress", "--out", str(split)]
+    assert eval_main([*argv, *flags]) == 0
+    ev_split = json.loads(split.read_text())
+    assert ev_split["whole_documents"] is False
+    assert ev_split["heldout"]["total"] != ev["heldout"]["total"]
+    for m, fig in ev["heldout"]["total"].items():  # the same labels, other rows
+        assert ev_split["heldout"]["total"][m]["tokens"] == fig["tokens"], m
+    assert abs(mean_ce(ev_split) - final["val/loss"]) > 1e-4
 
 
 def test_capped_validation_with_workers_evaluates_small_sets(tiny_tokens, tmp_path):

@@ -2,7 +2,8 @@
 held-out data, per modality and across modalities (docs/evaluation.md).
 
 - **Per modality** (tools/evaluate/heldout.py): CE on every held-out document, packed as in
-  training; bits per byte for text and code; with ``--train-data`` the unigram baseline
+  training (the run's row length, and its ``data.whole_documents``: documents that fit a row
+  kept whole); bits per byte for text and code; with ``--train-data`` the unigram baseline
   (data/unigram.py: the training tokens' frequencies, add-one smoothed) and the margin.
 - **Held out?** With ``--train-data`` every held-out document's ids are hashed and looked up
   among the training documents': a held-out document that is also a training document is
@@ -60,8 +61,9 @@ what the table says (docs/evaluation.md explains every figure):
 
 
 def run_data_options(release) -> dict:
-    """``seq_len`` and ``micro_batch`` of the run the release came from, when its config is still
-    there: the rows and batches its validation evaluated (empty otherwise)."""
+    """``seq_len``, ``micro_batch`` and ``whole_documents`` of the run the release came from, when
+    its config is still there: the rows and batches its validation evaluated (empty
+    otherwise)."""
     run_dir = release.config.get("source", {}).get("run_dir")
     if not run_dir or not (Path(run_dir) / "config.yaml").is_file():
         return {}
@@ -80,6 +82,9 @@ def run_data_options(release) -> dict:
             out[key] = int(cfg[section][name])
         except (KeyError, TypeError, ValueError):
             pass
+    whole = (cfg.get("data") or {}).get("whole_documents") if isinstance(cfg, dict) else None
+    if isinstance(whole, bool):
+        out["whole_documents"] = whole
     return out
 
 
@@ -128,7 +133,10 @@ def evaluate(args) -> dict:
     run = run_data_options(rel)
     seq_len = args.seq_len or run.get("seq_len") or 2048
     batch_rows = args.batch_rows or run.get("micro_batch") or 8
-    out["seq_len"], out["batch_rows"] = seq_len, batch_rows
+    whole = args.whole_documents
+    if whole is None:
+        whole = run.get("whole_documents", False)
+    out["seq_len"], out["batch_rows"], out["whole_documents"] = seq_len, batch_rows, whole
     needles = args.needle or args.long_context
     needle_shape = needle_options(args, seq_len) if needles else None  # bad flags fail first
     progress = not args.no_progress
@@ -151,6 +159,7 @@ def evaluate(args) -> dict:
         byte_lengths=token_byte_lengths(text),
         batch_rows=batch_rows,
         max_docs=args.max_docs,
+        whole_documents=whole,
         progress=progress,
     )
     say("dependence ...")
@@ -204,6 +213,7 @@ def evaluate(args) -> dict:
             batch_rows=batch_rows,
             max_docs=args.max_docs,
             first_bucket=args.position_first_bucket,
+            whole_documents=whole,
             progress=progress,
         )
     if needle_shape is not None:
@@ -323,6 +333,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="rows per forward pass (default: the run's train.micro_batch, else 8)",
+    )
+    pair.add_argument(
+        "--whole-documents",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="pack the held-out rows with documents that fit a row kept whole (never split across "
+        "rows), as data.whole_documents does; default: the run's data.whole_documents, else off",
     )
     pair.add_argument(
         "--max-docs", type=int, default=0, help="first N documents per source (default: all)"

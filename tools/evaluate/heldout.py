@@ -2,8 +2,9 @@
 per byte for text and code.
 
 Documents are packed in index order into rows of ``seq_len`` by data/loader/heldout.py, the
-pass training validation makes (text split across rows, visual blocks never), so with the run's
-``seq_len`` and micro-batch these are the trainer's validation figures; every document of every
+pass training validation makes (text split across rows, visual blocks never; with
+``whole_documents`` no document that fits a row is split), so with the run's ``seq_len``,
+micro-batch and ``data.whole_documents`` these are the trainer's validation figures; every document of every
 source is read once (``max_docs`` takes the first N of each source instead: a stated,
 per-source sample).
 """
@@ -60,6 +61,7 @@ def heldout_losses(
     byte_lengths: np.ndarray | None = None,
     batch_rows: int = 8,
     max_docs: int = 0,
+    whole_documents: bool = False,
     progress: bool = False,
 ) -> dict:
     """``{"sources": {name: {modality: figures}}, "total": {modality: figures}}``; figures are
@@ -69,7 +71,12 @@ def heldout_losses(
     n_mod = len(Modality)
     acc = [{key: np.zeros(n_mod) for key in ("ce", "n", "uni", "bytes")} for _ in tables]
     heldout = HeldoutPass(
-        tables, seq_len=seq_len, batch_rows=batch_rows, max_docs=max_docs, progress=progress
+        tables,
+        seq_len=seq_len,
+        batch_rows=batch_rows,
+        max_docs=max_docs,
+        whole_documents=whole_documents,
+        progress=progress,
     )
     for part in heldout:
         batch = heldout.tensors(part)

@@ -3,7 +3,8 @@ the model has read? Mean CE per position bucket and modality of the predicted to
 
 Design choices:
 - The rows are the exact held-out pass (data/loader/heldout.py): every document packed in
-  index order into rows of ``seq_len``, as validation and the per-modality figures see them.
+  index order into rows of ``seq_len``, as validation and the per-modality figures see them
+  (with the run's ``data.whole_documents``, a document that fits a row is one stretch).
   A token's *position* is its offset in its document's stretch of the row (the tokens it can
   attend to, the document mask being per stretch): a document longer than a row continues in
   the next row from position 0, with none of its earlier part in view.
@@ -129,6 +130,7 @@ def position_losses(
     batch_rows: int = 8,
     max_docs: int = 0,
     first_bucket: int = 64,
+    whole_documents: bool = False,
     progress: bool = False,
 ) -> dict:
     """Mean CE per position bucket and modality over the held-out pass (module docstring):
@@ -136,7 +138,12 @@ def position_losses(
     {name: {"buckets": [{"ce", "tokens", "ce_first", "ce_all", "tokens_all"}, ...]}}}``."""
     acc = PositionAccumulator(bucket_edges(seq_len, first_bucket))
     heldout = HeldoutPass(
-        tables, seq_len=seq_len, batch_rows=batch_rows, max_docs=max_docs, progress=progress
+        tables,
+        seq_len=seq_len,
+        batch_rows=batch_rows,
+        max_docs=max_docs,
+        whole_documents=whole_documents,
+        progress=progress,
     )
     for part in heldout:
         batch = heldout.tensors(part)
@@ -150,7 +157,7 @@ def position_losses(
                 batch["label_modality"][row].numpy(),
                 batch["doc_ids"][row].numpy(),
             )
-    out = {"seq_len": seq_len, **acc.result()}
+    out = {"seq_len": seq_len, "whole_documents": whole_documents, **acc.result()}
     out["documents"] = sum(counts.documents for counts in heldout.counts)
     out["sampled"] = bool(max_docs)
     return out

@@ -94,8 +94,10 @@ def format_position(pos: dict) -> list[str]:
     names = [f"{start}-{end}" for start, end in buckets]
     width = max(9, *(len(name) + 2 for name in names))
     lines = [
-        f"loss by position (nats per token, rows of {pos['seq_len']}; a bucket averages the "
-        "document stretches that reach its end; first = their CE at positions of the first bucket):",
+        f"loss by position (nats per token, rows of {pos['seq_len']}"
+        + ("; documents that fit a row kept whole" if pos.get("whole_documents") else "")
+        + "; a bucket averages the document stretches that reach its end; first = their CE at "
+        "positions of the first bucket):",
         f"  {'modality':<16}" + "".join(f"{name:>{width}}" for name in names),
         f"  {'stretches':<16}" + "".join(f"{count:>{width},}" for count in pos["stretches"]),
     ]

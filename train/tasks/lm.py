@@ -346,6 +346,7 @@ class LMTask:
             self.tables.get(self.cfg.data.validation),
             seq_len=self.cfg.data.seq_len,
             batch_rows=self.cfg.train.micro_batch,
+            whole_documents=self.cfg.data.whole_documents,
             ranges=modality_ranges(self.layout),
         )
         share = RankShare(
