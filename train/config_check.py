@@ -53,6 +53,7 @@ RESUME_CRITICAL: dict[str, tuple[str, ...]] = {
         "data.max_pending",
         "data.oversize",
         "data.whole_documents",
+        "data.doc_budget",
         "data.tokenize",
         "data.tokenizers",
         # Ranks per row: another degree on as many processes is another data-parallel size

@@ -104,7 +104,8 @@ def _add_tokenize(sub) -> None:
         "document's videos share what its text and images leave of N and keep as many frames as "
         "their share allows (a long clip keeps its length); every block also fits N. A document "
         "whose text and images leave its videos too little is rejected (over-doc-budget). "
-        "Default: no per-document bound, each block bounded by --seq-len as above",
+        "Default: no per-document bound, each block bounded by --seq-len as above. Raw sources "
+        "tokenized by the loader take the same budget as data.doc_budget",
     )
     p.add_argument("--workers", type=int, default=1, help="parallel worker processes (default 1)")
     p.add_argument(
@@ -133,23 +134,17 @@ def _add_tokenize(sub) -> None:
 
 def cmd_tokenize(a) -> int:
     from data.tokenize.blocks import describe
-    from data.tokenize.docs import TokenizeOptions
+    from data.tokenize.docs import budgeted_options
     from data.tokenize.run import tokenize
 
-    caps = [n for n in (a.seq_len, a.max_block_tokens, a.doc_budget) if n]
-    if any(n < 8 for n in caps):
-        raise ValueError(
-            "--seq-len / --max-block-tokens / --doc-budget: a visual block needs at least 8 tokens"
-        )
-    if a.video_max_tokens is None:
-        a.video_max_tokens = a.doc_budget or 4096
-    opts = TokenizeOptions(
+    opts = budgeted_options(
+        seq_len=a.seq_len,
+        max_block_tokens=a.max_block_tokens,
+        doc_budget=a.doc_budget,
+        video_max_tokens=a.video_max_tokens,
         image_max_pixels=a.image_max_pixels,
         video_max_pixels=a.video_max_pixels,
         video_fps=a.video_fps,
-        video_max_tokens=a.video_max_tokens,
-        max_block_tokens=min(caps) if caps else 0,
-        doc_budget=a.doc_budget,
     )
     m = tokenize(
         a.inp,

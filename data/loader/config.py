@@ -22,7 +22,9 @@ class OnlineTokenizeConfig:
     image_max_pixels: int = 256 * 256
     video_max_pixels: int = 128 * 128  # per frame
     video_fps: float = 4.0
-    video_max_tokens: int = 4096
+    # A video block's tokens at most; unset: data.doc_budget when set, else 4,096 (as tokenize's
+    # --video-max-tokens)
+    video_max_tokens: int | None = None
 
 
 @dataclass(kw_only=True)
@@ -49,6 +51,13 @@ class LoaderConfig:
     # row's rest is padding). For long-context stages: a long file, clip or page is seen whole.
     # Only documents handed out in one chunk (length <= mix_chunk, default seq_len) are kept whole.
     whole_documents: bool = False
+    # Raw sources tokenized online: tokens one document may take (0: no bound beyond each block's,
+    # data.seq_len), as ``earlyfuse-prep tokenize --doc-budget``: a document's videos share what
+    # its text and images leave of it, keeping as many frames as their share allows; a document
+    # whose text and images leave its videos too little is rejected (over-doc-budget). Token
+    # sources keep the budget they were tokenized with. Not implied by whole_documents: it
+    # changes the tokens (docs/long_context.md).
+    doc_budget: int = 0
     # A token source whose visual blocks are longer than seq_len is refused at start (they could
     # only be dropped); true: train anyway, each dropped block counted (data/dropped_blocks).
     allow_block_drops: bool = False

@@ -239,7 +239,8 @@ class PackedLoader:
             raise ValueError(f"loader state version {st.get('version')}, expected {STATE_VERSION}")
         if not self.accepts(st["fingerprint"]):
             raise ValueError(
-                "the loader state was saved over other shards or tokenizers (fingerprint "
+                "the loader state was saved over other shards, tokenizers or online tokenize "
+                "options (data.tokenize, data.doc_budget; fingerprint "
                 f"{st['fingerprint']} != {self.fingerprint()}); it cannot resume this data"
             )
         for k in ("world_size", "workers", "seq_len", "micro_batch", "mode"):

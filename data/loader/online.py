@@ -12,6 +12,10 @@ Design choices:
 - No block outgrows a row: images and videos are tokenized with ``seq_len`` as their block
   budget, as ``earlyfuse-prep tokenize --seq-len`` does (images smaller, videos fewer frames,
   then smaller frames), so nothing is dropped.
+- ``data.doc_budget`` is ``tokenize --doc-budget``: a document's videos share what its text and
+  images leave of the budget. Both turn their settings into options with one function
+  (data/tokenize/docs.py ``budgeted_options``) and encode with one ``DocEncoder``, so a raw
+  document gets the ids ``tokenize --seq-len N --doc-budget B`` gives it.
 - Videos are untrusted bytes: failing decodes leak inside decord, so past a budget of failures
   a worker decodes each clip in a short-lived child (data/loader/decode_guard.py).
 """
@@ -19,7 +23,7 @@ Design choices:
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -29,8 +33,13 @@ from data.names import VISUAL_TOKENIZER_DIR
 from data.schema import Reject
 from data.shards.reader import RawDoc
 from data.text_tokenizer import TextTokenizer
+from data.tokenize.docs import budgeted_options
 from data.tokenize.encoder import DocEncoder, TokenDoc, TokenizeOptions
 from data.tokenize.visual import load_visual_tokenizer, weights_fingerprint
+
+# What the loader calls tokenize's --seq-len, --max-block-tokens and --doc-budget (the loader has
+# no block budget of its own: a row's length is its bound)
+LOADER_NAMES = ("data.seq_len", "max_block_tokens", "data.doc_budget")
 
 
 def folder_fingerprints(folder: str | Path) -> dict:
@@ -58,13 +67,13 @@ def fitted_options(opts: TokenizeOptions, seq_len: int) -> TokenizeOptions:
     """Options under which every image and video block fits in a row of ``seq_len``: what
     ``earlyfuse-prep tokenize --seq-len`` does (images made smaller, videos given fewer frames,
     then smaller frames)."""
-    cap = min(x for x in (opts.max_block_tokens, seq_len) if x)
-    return replace(opts, max_block_tokens=cap)
+    return budgeted_options(seq_len=seq_len, names=LOADER_NAMES, **asdict(opts))
 
 
 def online_options(cfg) -> TokenizeOptions:
-    """The ``TokenizeOptions`` of a LoaderConfig's ``tokenize`` section."""
-    return TokenizeOptions(**asdict(cfg.tokenize))
+    """The ``TokenizeOptions`` of a LoaderConfig's ``tokenize`` section and ``doc_budget``; the
+    row length is applied by ``fitted_options`` (a state's fingerprint records these)."""
+    return budgeted_options(doc_budget=cfg.doc_budget, names=LOADER_NAMES, **asdict(cfg.tokenize))
 
 
 def options_key(opts: TokenizeOptions) -> str:

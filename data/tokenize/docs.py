@@ -54,6 +54,34 @@ class TokenDoc:
     source: str = ""
 
 
+def budgeted_options(
+    *,
+    seq_len: int = 0,
+    max_block_tokens: int = 0,
+    doc_budget: int = 0,
+    video_max_tokens: int | None = None,
+    names: tuple[str, str, str] = ("--seq-len", "--max-block-tokens", "--doc-budget"),
+    **media,
+) -> TokenizeOptions:
+    """The options that ``earlyfuse-prep tokenize``'s flags and the loader's ``data.seq_len``,
+    ``data.doc_budget`` and ``data.tokenize`` both become, so that a raw document tokenized
+    online gets the ids tokenize gives it. No visual block is longer than the least of
+    ``seq_len``, ``max_block_tokens`` and ``doc_budget`` (those set; 0 is unset); a video block
+    at most ``video_max_tokens``, by default ``doc_budget`` (a long stage's clip keeps its
+    length up to its document's budget), else 4,096. ``names``: how the caller calls the three
+    budgets, for the error. ``media``: the other fields of ``TokenizeOptions``."""
+    caps = [n for n in (seq_len, max_block_tokens, doc_budget) if n]
+    for name, value in zip(names, (seq_len, max_block_tokens, doc_budget)):
+        if value and value < 8:
+            raise ValueError(f"{name} {value}: a visual block needs at least 8 tokens")
+    return TokenizeOptions(
+        **media,
+        video_max_tokens=(doc_budget or 4096) if video_max_tokens is None else video_max_tokens,
+        max_block_tokens=min(caps) if caps else 0,
+        doc_budget=doc_budget,
+    )
+
+
 def tokens_by_modality(doc: TokenDoc) -> dict[str, int]:
     counts = np.bincount(doc.modality, minlength=len(Modality))
     return {modality.name.lower(): int(counts[modality]) for modality in Modality}

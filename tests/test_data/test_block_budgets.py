@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from factories import jpeg_bytes, mp4_bytes, rotated_mp4
+from test_data.test_loader import take
 
 from data.cli import main
 from data.image_prep import ImagePrep
@@ -251,23 +252,35 @@ def test_block_budget_shrinks_images_and_spends_frames_before_size(tiny_tokenize
     assert plan(max_block_tokens=8)[0] == 1  # not even two 1x1 latents: one frame
 
 
-def test_doc_budget_keeps_a_long_clip_long_and_bounds_the_whole_document(tiny_tokenizers, tmp_path):
+@pytest.fixture(scope="module")
+def long_clip(tmp_path_factory) -> Path:
+    """Raw shards of one document: the 8 s clip (64 frames at 8 fps, a real mp4) with a caption,
+    long enough that the document outgrows a row of 512 when only its block is fitted to it."""
+    root = tmp_path_factory.mktemp("long_clip")
+    videos = root / "in" / "videos"
+    videos.mkdir(parents=True)
+    (videos / "long.mp4").write_bytes(VIDEOS["long"][0]())
+    (videos / "long.txt").write_text("a clip called long, " * 6)
+    assert ingest(root / "raw", [f"videos=videos:{videos}"])["finalized"]
+    return root / "raw"
+
+
+FAST = ["--video-max-pixels", "1024"]  # 32x32 frames: the clip's block stays quick to encode
+
+
+def test_doc_budget_keeps_a_long_clip_long_and_bounds_the_whole_document(
+    long_clip, tiny_tokenizers, tmp_path
+):
     """`--doc-budget`: the 8 s clip (64 frames at 8 fps, a real mp4 through decord) tokenized for
     rows of 512 keeps few latent frames; for a long stage's rows of 4096 it keeps every frame its
     sampling yields; `--seq-len 512` alone bounds the
     block, not its document (the caption makes it longer than the row), and with `--doc-budget
     512` the whole document fits; and a budget its caption alone
     fills is a reject that says so, never a silent cut."""
-    videos = tmp_path / "in" / "videos"
-    videos.mkdir(parents=True)
-    (videos / "long.mp4").write_bytes(VIDEOS["long"][0]())
-    (videos / "long.txt").write_text("a clip called long, " * 6)
-    assert ingest(tmp_path / "raw", [f"videos=videos:{videos}"])["finalized"]
-    fast = ["--video-max-pixels", "1024"]
 
     def tokenized(name: str, *flags: str) -> tuple[int, int, Path]:
         out = tmp_path / name
-        code = tokenize(tmp_path / "raw", out, tiny_tokenizers, *fast, *flags)
+        code = tokenize(long_clip, out, tiny_tokenizers, *FAST, *flags)
         doc = next(iter(spans(out, "videos").values()), None) if code == 0 else None
         return (doc[-1]["end"] + 1 if doc else 0), code, out  # <|eos|> after the last span
 
@@ -289,3 +302,50 @@ def test_doc_budget_keeps_a_long_clip_long_and_bounds_the_whole_document(tiny_to
     _, code, over = tokenized("over", "--doc-budget", "40")
     rejects = (over / "rejects.jsonl").read_text()
     assert code != 0 and "over-doc-budget" in rejects and "--doc-budget 40" in rejects
+
+
+def test_the_loader_gives_a_raw_clip_the_tokens_of_tokenize_doc_budget(
+    long_clip, tiny_tokenizers, tmp_path
+):
+    """`data.doc_budget` on a raw source tokenized by the loader: without it the clip's block
+    alone is fitted to the row and its caption pushes the document past the row, which is split;
+    with it the document fits the row whole, id for id what `tokenize --seq-len 512 --doc-budget
+    512` gives it. The budget is part of the loader state's fingerprint: a state saved with it
+    does not resume without it."""
+    from data.loader.config import OnlineTokenizeConfig
+    from data.token_docs import iter_documents, source_tables
+
+    offline = tmp_path / "tokens"
+    flags = ["--seq-len", str(SEQ), "--doc-budget", str(SEQ)]
+    assert tokenize(long_clip, offline, tiny_tokenizers, *FAST, *flags) == 0
+    (want,) = iter_documents(source_tables(offline))
+    assert len(want.ids) <= SEQ
+
+    def loader(**budget):
+        cfg = LoaderConfig(
+            sources=[SourceConfig(name="videos", shards=[str(long_clip / "videos")])],
+            seq_len=SEQ,
+            num_workers=0,
+            whole_documents=True,  # the next epoch's copy of the clip starts a row of its own
+            tokenizers=str(offline / "tokenizers"),
+            tokenize=OnlineTokenizeConfig(video_max_pixels=1024),
+            **budget,
+        )
+        return build_loader(cfg, rank=0, world_size=1, micro_batch=1)
+
+    def first_stretch(batch) -> np.ndarray:
+        doc_ids = batch["doc_ids"][0].numpy()
+        return batch["input_ids"][0].numpy()[doc_ids == doc_ids[0]]
+
+    budgeted = loader(doc_budget=SEQ)
+    (batch,) = take(budgeted, 1)
+    np.testing.assert_array_equal(first_stretch(batch), want.ids)  # whole, tokenize's ids
+    # Without the budget the clip keeps more frames: the document is longer than the row.
+    unbounded = loader()
+    (batch,) = take(unbounded, 1)
+    assert len(first_stretch(batch)) == SEQ
+    assert unbounded.delivered()["errors"] == 0
+    with pytest.raises(ValueError, match="data.doc_budget; fingerprint"):
+        unbounded.load_state_dict(budgeted.state_dict())
+    with pytest.raises(ValueError, match="data.doc_budget 4: a visual block needs at least 8"):
+        loader(doc_budget=4)

@@ -247,6 +247,8 @@ def test_long_context_stages_raise_theta_and_keep_tokens_per_step(model):
         # checkpointing on, which the 2k presets leave off.
         assert per_gpu <= 2 * base.train.micro_batch * base.data.seq_len
         assert cfg.model.activation_checkpoint_every == 1
+        # Raw sources get a row's budget per document, as tokenize --doc-budget gives token ones
+        assert cfg.data.whole_documents and cfg.data.doc_budget == cfg.data.seq_len
         assert cfg.model.dim == base.model.dim  # the same network: init_from loads it
         assert all(f"/long_{length}/" in s.shards[0] for s in cfg.data.sources if s.name != "short")
         assert sum(s.weight for s in cfg.data.sources) == pytest.approx(1.0)
@@ -266,3 +268,13 @@ def test_whole_documents_breaks_a_resume_only_when_it_changes_the_packing():
                 check_resume_config(saved, new, **args)
         else:
             check_resume_config(saved, new, **args)
+
+
+def test_another_doc_budget_breaks_a_resume():
+    """``data.doc_budget`` changes the tokens of raw sources tokenized online: a resume with
+    another budget is refused, one with the same is not."""
+    config = "task: lm\ndata:\n  seq_len: 256\n  doc_budget: {}\n"
+    args = dict(saved_world_size=1, world_size=1, allowed=False, where="r/ckpt", show=False)
+    check_resume_config(config.format(256), config.format(256), **args)
+    with pytest.raises(ConfigError, match="data.doc_budget"):
+        check_resume_config(config.format(0), config.format(256), **args)
