@@ -62,7 +62,7 @@ class Checkpoint:
 
     @property
     def step(self) -> int:
-        return int(self.meta.get("step", int(self.tag[5:])))
+        return int(self.meta["step"])
 
     @property
     def zero_stage(self) -> int:

@@ -165,9 +165,8 @@ def make_release(
     run_dir = Path(run_dir).resolve()
     check_out(Path(out), force)
     ckpt = find_checkpoint(run_dir, step)
-    cfg_path = ckpt.folder / CONFIG_FILE
-    run_cfg = load_run_config(cfg_path if cfg_path.is_file() else run_dir / CONFIG_FILE)
-    task = ckpt.meta.get("task", run_cfg.task)
+    run_cfg = load_run_config(ckpt.folder / CONFIG_FILE)  # the config the checkpoint saved
+    task = ckpt.meta["task"]
     torch_dtype = DTYPES[dtype]
     log(
         f"{ckpt.folder}: task {task}, step {ckpt.step}, ZeRO {ckpt.zero_stage}, {ckpt.meta['world_size']} rank(s)"

@@ -127,7 +127,7 @@ def read_meta(folder: Path) -> dict:
     path = Path(folder) / META
     try:
         meta = json.loads(path.read_text())
-        int(meta["step"]), int(meta["world_size"]), int(meta["zero_stage"])
+        int(meta["step"]), int(meta["world_size"]), int(meta["zero_stage"]), str(meta["task"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path}: missing or unreadable ({type(e).__name__}: {e})") from None
     return meta

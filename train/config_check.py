@@ -216,9 +216,6 @@ def breaks_resume(key: str, task: str, old: Any = None, new: Any = None) -> bool
         # (0 and 1 are one consumer alike). Another count resumes by redistributing the
         # position (docs/loader.md): no sample lost or repeated, but not the same batches.
         return task == "lm" and _consumers_per_rank(old) != _consumers_per_rank(new)
-    if key == "data.whole_documents":
-        # A checkpoint saved before the key existed has none: it packed with the default, false.
-        return task == "lm" and bool(old) != bool(new)
     prefixes = RESUME_CRITICAL["any"] + RESUME_CRITICAL.get(task, ())
     return key == WORLD_SIZE or any(
         key == prefix or key.startswith(prefix + ".") for prefix in prefixes

@@ -180,7 +180,9 @@ class Release:
                 f"{cfg_path}: release version {self.config.get('version')!r}, this earlyfuse "
                 f"reads version {VERSION}: convert the checkpoint again with this version"
             )
-        self.task = self.config.get("task", "lm")
+        self.task = self.config.get("task")
+        if self.task not in ("lm", "vtok"):
+            raise ReleaseError(f"{cfg_path}: task {self.task!r}, expected 'lm' or 'vtok'")
         missing = [
             file_name
             for file_name in self.config.get("files", {})

@@ -15,7 +15,7 @@ from data.cli.demo_corpus import _add_demo_corpus
 from data.cli.ingest import _add_ingest, _add_merge
 from data.cli.passkey import _add_passkey
 from data.cli.preview import _add_preview
-from data.cli.shards import _add_index, _add_stats, _add_verify
+from data.cli.shards import _add_stats, _add_verify
 from data.cli.text_tokenizer import _add_train_text_tokenizer
 from data.cli.tokenize import _add_tokenize
 
@@ -33,7 +33,6 @@ def build_parser() -> argparse.ArgumentParser:
         _add_merge,
         _add_stats,
         _add_verify,
-        _add_index,
         _add_demo_corpus,
         _add_passkey,
         _add_train_text_tokenizer,

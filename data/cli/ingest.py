@@ -296,7 +296,7 @@ def cmd_merge(a) -> int:
         from data.shards.manifest import load_records
 
         records = load_records(a.dir)
-        if any(record.get("plan", {}).get("dedupe") for record in records.values()) and not (
+        if any(record["plan"]["dedupe"] for record in records.values()) and not (
             missing_shards(records)
         ):
             dedupe_shards(a.dir, records)

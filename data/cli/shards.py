@@ -1,9 +1,8 @@
-"""``earlyfuse-prep stats``, ``verify`` and ``index``: read, check and index a shard folder."""
+"""``earlyfuse-prep stats`` and ``verify``: read and check a shard folder."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from data.cli.common import path_or_url
 
@@ -46,23 +45,3 @@ def cmd_verify(a) -> int:
     r = verify(a.dir, progress=not a.json)
     print(json.dumps(r, indent=1) if a.json else format_verify(r))
     return 0 if r["ok"] else 1
-
-
-def _add_index(sub) -> None:
-    p = sub.add_parser(
-        "index",
-        help="write the loader's binary index (SHARD.idx.bin) beside every shard of a token "
-        "folder made before binary indexes, and each shard's block summary into its manifest "
-        "(a loader then starts without reading any index; without this it builds them into "
-        "its cache on first use)",
-    )
-    p.add_argument("dir", type=Path, help="a token folder (earlyfuse-prep tokenize --out)")
-    p.set_defaults(func=cmd_index)
-
-
-def cmd_index(a) -> int:
-    from data.shards.token_index import index_folder
-
-    r = index_folder(a.dir)
-    print(f"{r['folder']}: {r['written']} of {r['shards']} binary indexes written")
-    return 0

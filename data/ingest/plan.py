@@ -61,8 +61,8 @@ class Plan:
             "shard_max_samples": self.shard_max_samples,
             "limits": self.limits.describe(),
             "version": PLAN_VERSION,
-            **({"val_fraction": self.val_fraction} if self.val_fraction else {}),
-            **({"dedupe": True} if self.dedupe else {}),
+            "val_fraction": self.val_fraction,
+            "dedupe": self.dedupe,
         }
 
 
@@ -119,13 +119,11 @@ def make_plan(
         "limits": limits.describe(),
         "shard_max_bytes": shard_max_bytes,
         "shard_max_samples": shard_max_samples,
+        "val_fraction": val_fraction,
+        # which shards of which folders: another training set is another plan
+        "exclude": [[str(folder), _manifest_fingerprint(folder)] for folder in exclude],
+        "dedupe": dedupe,
     }
-    if val_fraction:  # only when set: plans made before the split keep their fingerprint
-        shape["val_fraction"] = val_fraction
-    if exclude:  # which shards of which folders: another training set is another plan
-        shape["exclude"] = [[str(folder), _manifest_fingerprint(folder)] for folder in exclude]
-    if dedupe:
-        shape["dedupe"] = True
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode())
     first_seen: dict[str, str] = {}
     shards: list[ShardPlan] = []

@@ -29,16 +29,31 @@ from data.loader import transport
 from data.loader.config import LoaderConfig
 from data.loader.expand import slot_numel
 from data.loader.fit import check_blocks_fit
-from data.loader.order import ORDER_VERSION, unpack_mask
+from data.loader.order import unpack_mask
 from data.loader.packed_batch import PackedBatch
 from data.loader.sample_check import attach_id_ranges
 from data.loader.stream import ConsumerStream
+from data.loader.stream_state import OLDER_STATE, check_state
 from data.loader.table import SampleTable
 from data.loader.table_load import load_table
 from data.loader.watchdog import sample_where
 from data.vocab import MODALITY_NAMES
 
 STATE_VERSION = 1
+# What every loader state holds (state_dict writes them all)
+STATE_FIELDS = (
+    "version",
+    "fingerprint",
+    "rank",
+    "world_size",
+    "workers",
+    "seq_len",
+    "micro_batch",
+    "mode",
+    "handed_out",
+    "batch_limit",
+    "worker_states",
+)
 # Workers are forked from multiprocessing's fork server: a clean single-threaded process (not
 # this one, whose threads and CUDA state a plain fork would copy), and a worker leaves through the
 # fork server's os._exit once its queues are flushed. A spawned worker instead tore down a whole
@@ -46,6 +61,18 @@ STATE_VERSION = 1
 # tokenization) aborted in about 1 shutdown of 7 ("terminate called without an active
 # exception", SIGABRT in a C++ destructor, no Python frame), which failed the loader.
 WORKER_START = "forkserver"
+
+
+def check_loader_state(st: dict) -> None:
+    """ValueError saying what is missing when ``st`` is not a loader state as this earlyfuse
+    writes it (``PackedLoader.state_dict``), its workers' states included."""
+    if st.get("version") != STATE_VERSION:
+        raise ValueError(f"loader state version {st.get('version')}, expected {STATE_VERSION}")
+    missing = [name for name in STATE_FIELDS if name not in st]
+    if missing:
+        raise ValueError(f"loader state: no {', '.join(map(repr, missing))}; {OLDER_STATE}")
+    for worker, worker_state in st["worker_states"].items():
+        check_state(worker_state, f"loader state of rank {st['rank']}, worker {worker}")
 
 
 class _Consumers(IterableDataset):
@@ -105,8 +132,6 @@ class PackedLoader:
         )
         self._worker_states: dict = {}  # worker -> state dict or snapshot (worker_states)
         self._names: dict[tuple[int, int], str] = {}  # (source, sample) -> "SHARD KEY"
-        # Which epoch order the cursors index (order.py); a restored state says which it used.
-        self.order_version = ORDER_VERSION
         self.rotation = 0
         self.handed_out = 0
         self.batch_limit: int | None = None
@@ -130,7 +155,6 @@ class PackedLoader:
             micro_batch=self.micro_batch,
             pad_id=self.pad_id,
             dry=dry,
-            order_version=self.order_version,
         )
         s.batch_limit = self.batch_limit
         return s
@@ -209,16 +233,6 @@ class PackedLoader:
         parts = [(t.name, t.fingerprint, t.tokenizer_fingerprint) for t in self.tables]
         return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
-    def accepts(self, fingerprint: str) -> bool:
-        """A state's fingerprint is this data's: today's, or the one loaders computed before
-        remote shards existed (local token shards; their states still resume)."""
-        if fingerprint == self.fingerprint():
-            return True
-        if not all(t.legacy_fingerprint for t in self.tables):
-            return False
-        parts = [(t.name, *json.loads(t.legacy_fingerprint)) for t in self.tables]
-        return fingerprint == hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
-
     def state_dict(self) -> dict:
         return {
             "version": STATE_VERSION,
@@ -235,9 +249,8 @@ class PackedLoader:
         }
 
     def load_state_dict(self, st: dict) -> None:
-        if st.get("version") != STATE_VERSION:
-            raise ValueError(f"loader state version {st.get('version')}, expected {STATE_VERSION}")
-        if not self.accepts(st["fingerprint"]):
+        check_loader_state(st)
+        if st["fingerprint"] != self.fingerprint():
             raise ValueError(
                 "the loader state was saved over other shards, tokenizers or online tokenize "
                 "options (data.tokenize, data.doc_budget; fingerprint "
@@ -256,11 +269,9 @@ class PackedLoader:
                     f"loader state has {k}={st[k]}, this loader {mine}; use "
                     "data.loader.redistribute to map it (docs/loader.md)"
                 )
-        if "batch_limit" in st:  # epoch mode: after a redistribute, the count of the new split
-            self.batch_limit = st["batch_limit"]
+        # Epoch mode: after a redistribute, the count of the new split, not this one's
+        self.batch_limit = st["batch_limit"]
         self.worker_states = {int(k): v for k, v in st["worker_states"].items()}
-        if self.worker_states:  # states saved before order version 2 carry no "order"
-            self.order_version = next(iter(self.worker_states.values())).get("order", 1)
         self.handed_out = st["handed_out"]
         self.rotation = self.handed_out % self.workers
 
@@ -298,7 +309,7 @@ class PackedLoader:
         batch handed out): source -> {"image": n, "video": n}, sources with none left out."""
         out: dict[str, dict[str, int]] = {}
         for st in self.worker_states.values():
-            for s, m, n in st.get("dropped_by", []):
+            for s, m, n in st["dropped_by"]:
                 per = out.setdefault(self.tables[s].name, {"image": 0, "video": 0})
                 per[MODALITY_NAMES[m]] += n
         return out
@@ -311,9 +322,7 @@ class PackedLoader:
     def skipped_samples(self) -> set[str]:
         """``"SHARD KEY"`` of every sample this rank's workers skipped as unreadable (as of the
         last batch handed out), each once."""
-        pairs = {
-            (s, sample) for st in self.worker_states.values() for s, sample in st.get("skipped", [])
-        }
+        pairs = {(s, sample) for st in self.worker_states.values() for s, sample in st["skipped"]}
         for s, sample in pairs - self._names.keys():
             shard, key = sample_where(self.tables[s], sample)
             self._names[(s, sample)] = f"{shard} {key}"
@@ -327,14 +336,14 @@ class PackedLoader:
             st = self.worker_states.get(w)
             consumer = self.rank * self.workers + w
             cursors = st["cursors"] if st else [[0, 0, 0, 0]] * len(self.tables)
-            skip = {(s, e): m for s, e, m in st.get("skip", [])} if st else {}
+            skip = {(s, e): m for s, e, m in st["skip"]} if st else {}
             for s, (t, c) in enumerate(zip(self.tables, cursors)):
                 left = len(t)  # positions of the epoch's order split over the consumers
                 if (s, c[0]) in skip:  # less those a redistribute found consumed before
                     left -= int(unpack_mask(skip[(s, c[0])], len(t)).sum())
                 n += len(range(consumer, left, self.consumers)) - c[1]
             if st:  # documents handed out in part: held aside or with chunks still to come
-                n += len({tuple(d[:3]) for d in st["pending"] + st.get("open", [])})
+                n += len({tuple(d[:3]) for d in st["pending"] + st["open"]})
         return n
 
 

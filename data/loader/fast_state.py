@@ -11,6 +11,7 @@ import numpy as np
 from numba import njit
 
 from data.loader import pack_kernel as kernel
+from data.loader.order import ORDER_VERSION
 from data.vocab import Modality
 
 _IMAGE, _VIDEO = int(Modality.IMAGE), int(Modality.VIDEO)
@@ -85,12 +86,10 @@ class FastState:
     """A consumer stream's state as a few arrays: what a batch carries from a worker (pickled
     small) and the loader keeps; ``to_dict`` gives the saved dict (stream_state.py's format)."""
 
-    def __init__(
-        self, src, cursors, n_pending, stats, batches, errors, by_modality, skip, order, skipped
-    ):
+    def __init__(self, src, cursors, n_pending, stats, batches, errors, by_modality, skip, skipped):
         self.src, self.cursors, self.n_pending, self.stats = src, cursors, n_pending, stats
         self.batches, self.errors, self.by_modality = batches, errors, by_modality
-        self.skip, self.order, self.skipped = skip, order, skipped
+        self.skip, self.skipped = skip, skipped
 
     def to_dict(self) -> dict:
         src = self.src.tolist()
@@ -122,5 +121,5 @@ class FastState:
                 for epoch, mask in sorted(self.skip[source].items())
                 if epoch >= src[source][0]
             ],
-            "order": self.order,
+            "order": ORDER_VERSION,
         }

@@ -255,7 +255,6 @@ class FastPath:
             self.base_errors + int(self.src[:, kernel.S_CERRS].sum()),
             stream.tokens_by_modality.copy(),
             self.skip,
-            stream.order_version,
             skipped_samples(
                 stream,
                 [base + int(n) for base, n in zip(self.base_skips, self.src[:, kernel.S_CERRS])],

@@ -7,9 +7,9 @@
 - The order is computed a window at a time (``EpochOrder``): each window's shuffle has a seed
   of its own, so position p needs only its window, never the positions before it, and a
   consumer's start costs the same at 10^4 samples as at 10^9 (only the shard permutation is
-  per epoch, O(shards)). Order version 1 (``epoch_order``: one whole-epoch permutation with
-  the windows drawn in turn from one RNG, O(samples) at every start) is kept for loader states
-  saved before version 2: their positions index that order.
+  per epoch, O(shards)). A loader state's cursors are positions in this order; the state names
+  it (``ORDER_VERSION``) and a state that names none or another is refused
+  (data/loader/stream_state.py).
 - Consumer c of C takes positions c, c + C, c + 2C, ... of the epoch order: no sample is read by
   two consumers within an epoch, and every sample is read by one.
 - After a ``redistribute`` (another world size or worker count mid-epoch), an epoch may carry a
@@ -31,30 +31,12 @@ def seed_of(*parts) -> int:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little")
 
 
-def epoch_order(
-    shard: np.ndarray, *, seed: int, epoch: int, source: str, buffer: int, shuffle_shards: bool
-) -> np.ndarray:
-    """A permutation of sample ids [0, N) for one source and epoch."""
-    n_shards = int(shard.max()) + 1 if len(shard) else 0
-    rng = np.random.default_rng(seed_of(seed, epoch, source, "order"))
-    shard_perm = rng.permutation(n_shards) if shuffle_shards else np.arange(n_shards)
-    rank_of_shard = np.empty(n_shards, np.int64)
-    rank_of_shard[shard_perm] = np.arange(n_shards)
-    # Stable sort by shard position keeps each shard's samples in index order.
-    order = np.argsort(rank_of_shard[shard], kind="stable")
-    if buffer > 1:
-        for start in range(0, len(order), buffer):
-            window = order[start : start + buffer]
-            order[start : start + buffer] = window[rng.permutation(len(window))]
-    return order
-
-
-ORDER_VERSION = 2  # what a fresh loader uses; a state saved without "order" used version 1
+ORDER_VERSION = 2  # the order below, as a loader state names it ("order")
 _PLAIN_WINDOW = 4096  # positions computed at a time when there is no sample shuffle
 
 
 class EpochOrder:
-    """Order version 2 of one source and epoch: position -> sample id, a window at a time.
+    """The order of one source and epoch: position -> sample id, a window at a time.
 
     Positions run over the shards in their shuffled order (each shard's samples in index
     order); window w (positions [w * buffer, (w + 1) * buffer)) is shuffled by an RNG seeded

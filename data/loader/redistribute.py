@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from data.loader.dataset import STATE_VERSION, PackedLoader
-from data.loader.order import consumer_slice, pack_mask, unpack_mask
+from data.loader.dataset import STATE_VERSION, PackedLoader, check_loader_state
+from data.loader.order import ORDER_VERSION, consumer_slice, pack_mask, unpack_mask
 from data.loader.packer import PackStats
 from data.vocab import MODALITY_NAMES
 
@@ -51,13 +51,13 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
         "cursors": [[0, 0, 0, 0]] * len(loader.tables),
         "pending": [],
         "open": [],
+        "dropped_by": [],
         "errors": 0,
+        "skipped": [],
         "skip": [],
         "stats": PackStats().as_dict(),
         "tokens_by_modality": [0] * len(MODALITY_NAMES),
     }
-    # Positions index the old run's epoch order (order.py): the new states keep its version.
-    order = next((ws.get("order", 1) for ws in by_consumer if ws), loader.order_version)
     olds = [ws or fresh for ws in by_consumer]  # a worker that never handed out a batch is at 0
     n = loader.consumers
     new: list[dict[str, Any]] = [
@@ -71,7 +71,7 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
             "skip": [],
             "stats": PackStats().as_dict(),
             "tokens_by_modality": [0] * len(MODALITY_NAMES),
-            "order": order,
+            "order": ORDER_VERSION,
         }
         for _ in range(n)
     ]
@@ -87,14 +87,14 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
         # consumer, in both of its lists there.
         goes_to: dict[tuple, int] = {}
         for what in ("pending", "open"):
-            for d in st.get(what, []):
+            for d in st[what]:
                 key = tuple(d[:3])
                 if key not in goes_to:
                     goes_to[key] = j % n
                     j += 1
                 new[goes_to[key]][what].append(list(d))
         to = new[c % n]
-        to["dropped_by"] = _sum_drops(to["dropped_by"], st.get("dropped_by", []))
+        to["dropped_by"] = _sum_drops(to["dropped_by"], st["dropped_by"])
         to["errors"] += st["errors"]
         to["stats"] = {k: v + st["stats"][k] for k, v in to["stats"].items()}
         to["tokens_by_modality"] = [
@@ -102,7 +102,7 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
         ]
     # The samples skipped before, named once: every new consumer carries them all (the count
     # of distinct skipped samples is a union, data/skipped).
-    skipped = sorted({(s, sample) for st in olds for s, sample in st.get("skipped", [])})
+    skipped = sorted({(s, sample) for st in olds for s, sample in st["skipped"]})
     for st in new:
         st["skipped"] = [list(pair) for pair in skipped]
     limit = _batch_limit(loader, new) if loader.cfg.mode == "epoch" else None
@@ -138,9 +138,8 @@ def _check(old: list[dict], loader: PackedLoader) -> None:
     if not old:
         raise ValueError("redistribute needs the loader state of every old rank; none given")
     for st in old:
-        if st.get("version") != STATE_VERSION:
-            raise ValueError(f"loader state version {st.get('version')}, expected {STATE_VERSION}")
-        if not loader.accepts(st["fingerprint"]):
+        check_loader_state(st)
+        if st["fingerprint"] != loader.fingerprint():
             raise ValueError(
                 f"rank {st['rank']}'s loader state was saved over other shards or tokenizers "
                 f"(fingerprint {st['fingerprint']} != {loader.fingerprint()}); it cannot be "
@@ -175,7 +174,7 @@ def _consumed(s: int, n: int, olds: list[dict]) -> tuple[int, dict[int, str]]:
     # the slowest still holds any mask of an epoch >= its own (order.py).
     held: dict[int, str] = {}
     for st in olds:
-        for src, e, m in st.get("skip", []):
+        for src, e, m in st["skip"]:
             if src == s:
                 held.setdefault(e, m)
     out = {}

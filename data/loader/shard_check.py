@@ -17,8 +17,7 @@ Design choices:
   compiled loop's intake reads (a shard of 50,000 documents: 3.2 MB; at most 256 shards kept
   per consumer), so a consumer can keep every shard it is reading from.
 - A shard that fails anything (tar changed since the manifest, a corrupted document, an id out
-  of range), that has no shard digest (a manifest written without digests, or a shard it does
-  not list), or that cannot be mapped (fsspec URLs: hashing would read the whole shard over
+  of range), or that cannot be mapped (fsspec URLs: hashing would read the whole shard over
   the network) is read document by document: each document read and checked on its own, so a bad
   document costs that document only, and is skipped, counted and named as always.
 - ``check_hashes=False``: no hash is computed; the id check of the whole shard still runs.

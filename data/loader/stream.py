@@ -39,14 +39,7 @@ from data.loader.expand import slot_views
 from data.loader.fast_stream import FastPath
 from data.loader.npy import read_npy
 from data.loader.online import OnlineTokenizer, online_options
-from data.loader.order import (
-    ORDER_VERSION,
-    ConsumerSlice,
-    EpochOrder,
-    consumer_slice,
-    epoch_order,
-    unpack_mask,
-)
+from data.loader.order import ConsumerSlice, EpochOrder, consumer_slice, unpack_mask
 from data.loader.packed_batch import PackedBatch
 from data.loader.packer import Doc, units_of
 from data.loader.sample_check import check_ids, read_members
@@ -73,10 +66,8 @@ class ConsumerStream:
         micro_batch: int,
         pad_id: int,
         dry: bool = False,
-        order_version: int = ORDER_VERSION,
     ) -> None:
         self.tables, self.cfg, self.dry = tables, cfg, dry
-        self.order_version = order_version
         total = float(sum(weights))
         self.shares = [w / total for w in weights]
         # (source, share) of the sources that get a share, in order: what the mix picks from
@@ -130,25 +121,19 @@ class ConsumerStream:
                 k: v for k, v in self.slices.items() if k[0] != s
             }  # keep one epoch per source
             mask = self.cursors[s].skip.get(epoch)
-            order_args = dict(
+            lazy = EpochOrder(
+                t.shard_counts(),
                 seed=self.cfg.seed,
                 epoch=epoch,
                 source=t.name,
                 buffer=self.cfg.shuffle_buffer,
                 shuffle_shards=self.cfg.shuffle_shards,
             )
-            if self.order_version == 1:  # a state saved before lazy orders: its positions
-                counts = t.shard_counts()
-                shard = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
-                order = epoch_order(shard, **order_args)  # type: ignore[arg-type]
-            else:
-                lazy = EpochOrder(t.shard_counts(), **order_args)  # type: ignore[arg-type]
-                if mask is None:
-                    self.slices[key] = ConsumerSlice(lazy, self.consumer, self.consumers)
-                    return self.slices[key]
-                order = lazy.full()  # a redistributed epoch: the positions left, in order
-            if mask is not None:
-                order = order[~unpack_mask(mask, len(order))]
+            if mask is None:
+                self.slices[key] = ConsumerSlice(lazy, self.consumer, self.consumers)
+                return self.slices[key]
+            order = lazy.full()  # a redistributed epoch: the positions left, in order
+            order = order[~unpack_mask(mask, len(order))]
             self.slices[key] = consumer_slice(order, self.consumer, self.consumers)
         return self.slices[key]
 

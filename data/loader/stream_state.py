@@ -1,15 +1,18 @@
 """A consumer stream's saved state and how it is put back: the per-source reading cursors, and
 ``load_state``, which sets the stream's cursors and counters and reads the documents held aside
 or handed out in part back from their shards for the compiled loop's arrays
-(fast_stream.FastPath), states written by older versions included. The dict is written from
+(fast_stream.FastPath). The dict is written from
 those arrays (fast_state.FastState.to_dict): ``cursors`` ([epoch, position, tokens, done] per
 source), ``pending`` and ``open`` (documents as [source, sample, epoch, unit, offset, chunk
 end]), ``dropped_by`` ([source, modality, blocks]), ``batches``, ``errors``, ``skipped``
 ([source, sample] once each), ``stats`` (``PackStats``' fields), ``tokens_by_modality``,
-``skip`` ([source, epoch, mask] of a redistributed epoch) and ``order`` (the epoch order's
-version). Separate from the stream's work (stream.py: mixing, reading, packing) because the
-state is a format with a life of its own: it is saved in every checkpoint, read back by later
-versions and rewritten for another split by redistribute.py.
+``skip`` ([source, epoch, mask] of a redistributed epoch) and ``order`` (the epoch order its
+cursors index, order.ORDER_VERSION). Every field is always written, and a state without one of
+them (or with another order, or documents without their chunk end) is refused by
+``check_state`` with the fields it lacks: it was saved by an older earlyfuse, whose positions
+this one cannot read. Separate from the stream's work (stream.py: mixing, reading, packing)
+because the state is a format with a life of its own: it is saved in every checkpoint, read
+back on resume and rewritten for another split by redistribute.py.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from data.loader.order import ORDER_VERSION
 from data.loader.packer import Doc
 
 if TYPE_CHECKING:
@@ -52,21 +56,60 @@ def skipped_samples(stream: ConsumerStream, taken: list[int] | None = None) -> l
     return out
 
 
+# What every stream state holds (fast_state.FastState.to_dict writes them all)
+STREAM_FIELDS = (
+    "cursors",
+    "pending",
+    "open",
+    "dropped_by",
+    "batches",
+    "errors",
+    "skipped",
+    "stats",
+    "tokens_by_modality",
+    "skip",
+    "order",
+)
+_DOC_FIELDS = ("source", "sample", "epoch", "unit", "offset", "chunk end")  # pending, open
+OLDER_STATE = (
+    "it was saved by an older earlyfuse, whose loader states this one does not read; resume "
+    "with the earlyfuse that saved it, or start the data from the beginning"
+)
+
+
+def check_state(st: dict, where: str) -> None:
+    """ValueError naming ``where`` and what is missing when ``st`` is not a stream state as this
+    earlyfuse writes it."""
+    missing = [name for name in STREAM_FIELDS if name not in st]
+    if missing:
+        raise ValueError(f"{where}: no {', '.join(map(repr, missing))}; {OLDER_STATE}")
+    if st["order"] != ORDER_VERSION:
+        raise ValueError(
+            f"{where}: its cursors index epoch order {st['order']!r}, this earlyfuse's is "
+            f"{ORDER_VERSION}; {OLDER_STATE}"
+        )
+    for name in ("pending", "open"):
+        for doc in st[name]:
+            if len(doc) != len(_DOC_FIELDS):
+                raise ValueError(
+                    f"{where}: {name} document {doc} is not [{', '.join(_DOC_FIELDS)}]; {OLDER_STATE}"
+                )
+
+
 def load_state(stream: ConsumerStream, st: dict) -> dict:
     """Put ``stream``'s cursors and counters where ``st`` says (``ConsumerStream.
     load_state_dict``) and read its held-aside and open documents again from their shards:
     returns what the compiled loop's arrays are made from (``FastPath``'s keyword arguments)."""
-    # Cursors are positions in an epoch order: states from before order version 2 keep theirs.
-    stream.order_version = st.get("order", 1)
+    check_state(st, f"loader state of consumer {stream.consumer}")
     stream.cursors = [SourceCursor(e, p, t, bool(d)) for e, p, t, d in st["cursors"]]
-    for s, e, m in st.get("skip", []):  # states from before redistribute have none
+    for s, e, m in st["skip"]:
         if e >= stream.cursors[s].epoch:
             stream.cursors[s].skip[e] = m
     stream.slices = {}
     stream.batches, stream.errors = st["batches"], st["errors"]
     stream.skip_events = [[] for _ in stream.tables]
     stream.skipped_before = [[] for _ in stream.tables]
-    for s, sample in st.get("skipped", []):  # states from before it name none
+    for s, sample in st["skipped"]:
         stream.skipped_before[s].append(sample)
     stream.tokens_by_modality = np.asarray(st["tokens_by_modality"], np.int64)
     # A document both held aside and open is one object in both lists (keyed by source,
@@ -74,20 +117,18 @@ def load_state(stream: ConsumerStream, st: dict) -> dict:
     docs: dict[tuple[int, int, int], Doc | None] = {}
 
     def restore(cursor: list[int]) -> Doc | None:
-        s, sample, epoch, unit, offset = cursor[:5]
+        s, sample, epoch, unit, offset, limit = cursor
         key = (s, sample, epoch)
         if key not in docs:
             doc = stream.load(s, sample, epoch)
             if doc is not None:  # unreadable now: skipped, counted and logged by load()
-                doc.unit, doc.offset = unit, offset
-                # States from before chunked mixing handed out whole documents.
-                doc.limit = cursor[5] if len(cursor) > 5 else doc.length
+                doc.unit, doc.offset, doc.limit = unit, offset, limit
             docs[key] = doc
         return docs[key]
 
     pending = [doc for doc in map(restore, st["pending"]) if doc is not None]
     opened: list[list[Doc]] = [[] for _ in stream.tables]
-    for cursor in st.get("open", []):
+    for cursor in st["open"]:
         doc = restore(cursor)
         if doc is not None:
             opened[doc.source].append(doc)
@@ -95,5 +136,5 @@ def load_state(stream: ConsumerStream, st: dict) -> dict:
         "pending": pending,
         "opened": opened,
         "stats": dict(st["stats"]),
-        "dropped_by": {(s, m): n for s, m, n in st.get("dropped_by", [])},
+        "dropped_by": {(s, m): n for s, m, n in st["dropped_by"]},
     }

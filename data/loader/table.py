@@ -13,14 +13,13 @@ the loader's workers). Shards may be local paths, fsspec URLs or ``pipe:`` comma
 Design choices:
 - Token sources start in O(shards), not O(samples): a sample's record (offsets, tokens,
   blocks, hash) is looked up in the shard's memory-mapped binary index (``SHARD.idx.bin``,
-  data/shards/token_index.py) only when it is read. Folders made before binary indexes get one
-  built from the JSONL index into the cache on first use.
+  data/shards/token_index.py) only when it is read. ``earlyfuse-prep tokenize`` writes one
+  beside every shard; a shard without its own is refused with an error naming the file.
 """
 
 from __future__ import annotations
 
 import bisect
-import hashlib
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -56,9 +55,6 @@ class SampleTable:
     fingerprint: str
     tokenizer_fingerprint: str  # tokenizer_key(...) of token shards; "" for raw shards
     kind: str = "tokens"  # tokens | raw
-    # The fingerprint the loader computed before remote shards (names, sizes, index hashes; the
-    # manifest's tokenizers entry whole): states saved then still resume. Local token shards only.
-    legacy_fingerprint: str = ""
     shard_bytes: list[int] = field(default_factory=list)  # per shard: where its last member ends
     members: list[dict] = field(default_factory=list)  # raw: each sample's index members
     manifest_url: str = ""
@@ -157,9 +153,9 @@ class TokenTable(SampleTable):
     """A token source whose samples stay in their shards' binary indexes (``SHARD.idx.bin``,
     data/shards/token_index.py) until they are read: built from the manifest alone (per shard:
     samples, index hash, blocks), so it costs the same at 10^4 samples as at 10^9. Each process
-    memory-maps a shard's index when it first reads from that shard; a stale or missing one is
-    built from the JSONL index into the cache (``cache_dir/index``, named by the JSONL's hash).
-    Pickled (to a worker) without its maps."""
+    memory-maps a shard's index when it first reads from that shard (a remote one fetched once
+    into the cache, ``cache_dir/index``, named by its JSONL's hash); a missing or stale one is
+    an error naming it. Pickled (to a worker) without its maps."""
 
     def __init__(
         self,
@@ -170,11 +166,10 @@ class TokenTable(SampleTable):
         *,
         fingerprint: str,
         tokenizer_fingerprint: str,
-        legacy_fingerprint: str,
         manifest_url: str,
         layout_url: str,
         cache_dir: str,
-        shard_blocks: list[dict | None],
+        shard_blocks: list[dict],
         shard_sha256: list[str] | None = None,
     ) -> None:
         self.name, self.shards = name, shards
@@ -182,7 +177,7 @@ class TokenTable(SampleTable):
         self.starts = [0, *np.cumsum(self.counts).tolist()]
         self.index_sha = index_sha
         self.fingerprint, self.tokenizer_fingerprint = fingerprint, tokenizer_fingerprint
-        self.kind, self.legacy_fingerprint = "tokens", legacy_fingerprint
+        self.kind = "tokens"
         self.manifest_url, self.layout_url = manifest_url, layout_url
         self.members = []
         self.id_ranges = None
@@ -277,7 +272,7 @@ class TokenTable(SampleTable):
     def block_stats(self) -> dict[str, dict[str, int]]:
         out = {m: {"blocks": 0, "longest": 0} for m in ("image", "video")}
         for si in range(len(self.shards)):
-            got = self.shard_blocks[si] or self.index(si).header["blocks"]
+            got = self.shard_blocks[si]
             for m, row in out.items():
                 row["blocks"] += int(got[m]["blocks"])
                 row["longest"] = max(row["longest"], int(got[m]["longest"]))
@@ -315,43 +310,41 @@ class TokenTable(SampleTable):
         return np.concatenate([x.records["sha256"] for x in idx]).reshape(-1, 32)
 
 
+REBUILD = (
+    "earlyfuse-prep tokenize writes it with every shard: tokenize the raw shards again (a new "
+    "--out; earlyfuse-prep verify tells what else changed)"
+)
+
+
 def resolve_index(tar: str, index_sha: str, cache_dir: str) -> token_index.TokenIndex:
-    """Shard ``tar``'s binary index for the JSONL index of SHA-256 ``index_sha``: the one beside
-    the shard when it was made from that JSONL, else the cache's (``cache_dir/index/SHA.idx.bin``),
-    else one built now from the JSONL (and kept in the cache for the node's other consumers)."""
+    """Shard ``tar``'s binary index (``SHARD.idx.bin`` beside it), checked to be made from the
+    JSONL index of SHA-256 ``index_sha`` (the manifest's). A remote one is fetched once per node
+    into the cache (``cache_dir/index/SHA.idx.bin``). ValueError naming the file when it is
+    missing or made from another JSONL index."""
     beside = store.sibling(tar, _stem(tar) + token_index.SUFFIX)
     cached = Path(cache_dir) / "index" / f"{index_sha}{token_index.SUFFIX}"
+    if store.kind(beside) != "local" and cached.is_file():
+        try:
+            return token_index.TokenIndex.open(cached)  # fetched before by a consumer of this node
+        except ValueError:
+            cached.unlink(missing_ok=True)  # cut short by a full disk: fetched again below
     try:
         if store.kind(beside) == "local":
+            data = None
             idx = token_index.TokenIndex.open(store.local_path(beside))
-            if idx.header["index_sha256"] == index_sha:
-                return idx
-        elif cached.is_file():
-            pass  # fetched before by a consumer of this node
         else:
             data = store.read_bytes(beside)
             idx = token_index.TokenIndex.from_buffer(data, where=beside)
-            if idx.header["index_sha256"] == index_sha:
-                keep_cached(cached, data)
-                return idx
-    except (OSError, ValueError):
-        pass  # none beside the shard (folders made before binary indexes), or not this one
-    if cached.is_file():
-        try:
-            return token_index.TokenIndex.open(cached)
-        except ValueError:
-            cached.unlink(missing_ok=True)  # cut short by a full disk: built again below
-    url = store.index_url(tar)
-    jsonl = store.read_bytes(url)
-    got = hashlib.sha256(jsonl).hexdigest()
-    if got != index_sha:
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{beside}: no binary index of shard {tar} ({err}); {REBUILD}") from None
+    if idx.header["index_sha256"] != index_sha:
         raise ValueError(
-            f"{url}: its SHA-256 ({got[:16]}) is not the {index_sha[:16]} its manifest records: "
-            "the index changed after the folder was written (earlyfuse-prep verify tells more)"
+            f"{beside}: made from another JSONL index ({idx.header['index_sha256'][:16]}) than "
+            f"the {index_sha[:16]} its manifest records; {REBUILD}"
         )
-    data = token_index.build(jsonl, where=url)
-    keep_cached(cached, data)
-    return token_index.TokenIndex.from_buffer(data, where=url)
+    if data is not None:
+        keep_cached(cached, data)
+    return idx
 
 
 def keep_cached(path: Path, data: bytes) -> None:

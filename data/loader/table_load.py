@@ -9,8 +9,9 @@ Which kind a source is (token or raw shards) is read from the manifest above the
 
 Design choices:
 - Token sources start in O(shards), not O(samples): the manifest gives each shard's sample
-  count, the SHA-256 of its index and its block statistics; a shard the manifest does not list
-  has its JSONL index read now and its binary index built into the cache.
+  count, the SHA-256 of its index and its block statistics, and the binary index beside the
+  shard (``earlyfuse-prep tokenize`` writes both) the rest, when a sample is read. A shard the
+  manifest does not list, or without its binary index, is an error naming it.
 - Raw sources (small runs, tokenized online) read their JSONL indexes whole, as before.
 - The fingerprint covers the shard names and index hashes (not where they live; the manifest's
   ``index_sha256`` is the hash of the JSONL index, so it equals what hashing the index gave);
@@ -25,17 +26,18 @@ import hashlib
 import json
 import os
 import posixpath
-from pathlib import Path
 
 import numpy as np
 
 from data.loader import store
 from data.loader.config import SourceConfig
-from data.loader.table import SampleTable, TokenTable, keep_cached
-from data.names import INDEX_SUFFIX, MANIFEST_FILE
+from data.loader.table import REBUILD, SampleTable, TokenTable
+from data.names import MANIFEST_FILE
 from data.shards import token_index
 
 TOKEN_FORMAT = "earlyfuse-token-shards"
+# What a token manifest records of each shard, so that a loader's start reads no index
+_ENTRY_FIELDS = ("samples", "index_sha256", "sha256", "blocks")
 RAW_FORMAT = "earlyfuse-raw-shards"
 
 
@@ -158,56 +160,52 @@ def _load_token_table(
     listing: _Listing,
 ) -> TokenTable:
     """Token shards from their manifest's entries (samples, index SHA-256, blocks): no index is
-    read. A shard the manifest does not list (or lists without those) has its JSONL index read
-    now, and its binary index built into the cache."""
-    h, legacy = hashlib.sha256(), hashlib.sha256()
+    read. A shard the manifest does not list (or lists without those), or a local one without its
+    binary index beside it, is refused with an error naming it."""
+    h = hashlib.sha256()
     counts, shas, shard_blocks, tar_shas = [], [], [], []
-    tok_keys, legacy_tok = set(), set()
+    tok_keys = set()
     layout_url = ""
     entries: dict[str, dict[str, dict]] = {}
     for tar, (m, manifest_url, up) in zip(tars, found):
         if manifest_url not in entries:  # once per manifest, not per shard
             entries[manifest_url] = {e.get("path", ""): e for e in m.get("shards", [])}
             tok_keys.add(tokenizer_key(m["tokenizers"]))
-            legacy_tok.add(json.dumps(m["tokenizers"], sort_keys=True))
-        entry = entries[manifest_url].get(_relative(tar, up), {})
-        local = store.kind(tar) == "local"
-        if local:
-            stem = store.local_path(tar)[: -len(".tar")]
-            if not (listing.has(stem + INDEX_SUFFIX) or listing.has(stem + token_index.SUFFIX)):
-                _read_index(src, tar)  # names the missing index
-        if "samples" in entry and "index_sha256" in entry:
-            count, sha, blocks = int(entry["samples"]), entry["index_sha256"], entry.get("blocks")
-        else:
-            raw_idx = _read_index(src, tar)
-            sha = hashlib.sha256(raw_idx).hexdigest()
-            data = token_index.build(raw_idx, where=store.index_url(tar))
-            keep_cached(Path(cache_dir) / "index" / f"{sha}{token_index.SUFFIX}", data)
-            header = token_index.TokenIndex.from_buffer(data).header
-            count, blocks = int(header["samples"]), header["blocks"]
-        counts.append(count)
+        entry = entries[manifest_url].get(_relative(tar, up))
+        if entry is None:
+            _read_index(src, tar)  # a shard that is not there is the first thing to name
+            if store.kind(tar) == "pipe" and any(c in _relative(tar, up) for c in "*?["):
+                raise ValueError(
+                    f"source {src.name}: {tar}: a pipe: command must print one shard: no glob "
+                    "in it (list the shards one by one)"
+                )
+            raise ValueError(
+                f"source {src.name}: {tar} is not listed in {manifest_url}: the folder changed "
+                f"after it was written; {REBUILD}"
+            )
+        missing = [name for name in _ENTRY_FIELDS if name not in entry]
+        if missing:
+            raise ValueError(
+                f"source {src.name}: {manifest_url} lists {tar} without {', '.join(missing)}; "
+                f"{REBUILD}"
+            )
+        if store.kind(tar) == "local":
+            binary = store.local_path(tar)[: -len(".tar")] + token_index.SUFFIX
+            if not listing.has(binary):
+                raise ValueError(f"source {src.name}: {binary} does not exist; {REBUILD}")
+        sha = entry["index_sha256"]
+        counts.append(int(entry["samples"]))
         shas.append(sha)
-        tar_shas.append(str(entry.get("sha256", "")) if "index_sha256" in entry else "")
-        shard_blocks.append(blocks)
+        tar_shas.append(str(entry["sha256"]))
+        shard_blocks.append(entry["blocks"])
         # Name and index (every member's offset, size and hash), not the URL: the same shards
         # moved to object storage keep their fingerprint, and a run's state moves with them.
         h.update(f"{store.name(tar)}\0".encode() + bytes.fromhex(sha))
-        if local:  # the tar's size: the manifest's for a shard it lists (what a stat would say)
-            size = entry["bytes"] if "bytes" in entry else Path(tar).stat().st_size
-            legacy.update(f"{store.name(tar)}\0{size}\0".encode() + bytes.fromhex(sha))
         if not layout_url:
             folder = m["tokenizers"].get("folder", "tokenizers")
             layout_url = store.sibling(tar, f"{folder}/vocab_layout.json", up)
     if len(tok_keys) > 1:
         raise ValueError(f"source {src.name}: its shards were tokenized with different tokenizers")
-    old = ""
-    if len(legacy_tok) == 1 and all(store.kind(t) == "local" for t in tars):
-        old = json.dumps(
-            [
-                legacy.hexdigest()[:16],
-                hashlib.sha256(next(iter(legacy_tok)).encode()).hexdigest()[:16],
-            ]
-        )
     return TokenTable(
         src.name,
         tars,
@@ -215,7 +213,6 @@ def _load_token_table(
         shas,
         fingerprint=h.hexdigest()[:16],
         tokenizer_fingerprint=next(iter(tok_keys)),
-        legacy_fingerprint=old,
         manifest_url=found[-1][1],
         layout_url=layout_url,
         cache_dir=cache_dir,

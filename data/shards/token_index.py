@@ -5,7 +5,7 @@ as at 10^9 (nothing per sample is read until a sample is).
 The JSONL index (``SHARD.idx.jsonl``) stays the human-readable record and what ``verify``
 checks; the binary index is derived from it, one to one, and names the SHA-256 of the JSONL it
 was made from, so a stale one is never used (the loader compares it with the manifest's
-``index_sha256`` and builds a fresh one into its cache instead).
+``index_sha256`` and refuses the shard). ``earlyfuse-prep tokenize`` writes it beside every shard.
 
 Layout: four ``.npy`` arrays back to back (``np.load`` on an open file reads them in turn, no
 pickle anywhere)::
@@ -198,35 +198,3 @@ class TokenIndex:
                 f"{where}: binary index version {header.get('version')}, expected {VERSION}"
             )
         return cls(header, arrays[1], arrays[2].reshape(-1, 5), arrays[3])
-
-
-def index_folder(out: str | Path) -> dict:
-    """``earlyfuse-prep index TOKEN_DIR``: write the binary index beside every shard of a token
-    folder made before binary indexes (or whose binary index is stale), and add each shard's
-    ``index_bin`` and ``blocks`` to its manifest, so that a loader's start reads no index."""
-    from data.shards.manifest import load_manifest, write_json_atomic
-
-    out = Path(out)
-    manifest = load_manifest(out, formats=("earlyfuse-token-shards",))
-    written = 0
-    for shard in manifest["shards"]:
-        jsonl = (out / shard["index"]).read_bytes()
-        if hashlib.sha256(jsonl).hexdigest() != shard["index_sha256"]:
-            raise ValueError(
-                f"{out / shard['index']}: SHA-256 differs from the manifest (earlyfuse-prep "
-                "verify tells more); not indexed"
-            )
-        rel = index_path_for(shard["path"]).as_posix()
-        path = out / rel
-        try:
-            current = TokenIndex.open(path).header.get("index_sha256") == shard["index_sha256"]
-        except (OSError, ValueError):
-            current = False
-        data = None if current else build(jsonl, where=str(out / shard["index"]))
-        if data is not None:
-            write(path, data)
-            written += 1
-        shard["index_bin"] = rel
-        shard["blocks"] = TokenIndex.open(path).header["blocks"]
-    write_json_atomic(out / "manifest.json", manifest)
-    return {"folder": str(out), "shards": len(manifest["shards"]), "written": written}

@@ -75,21 +75,21 @@ def _check_tokens(tar: Path, e: dict, read, ranges: np.ndarray | None) -> str | 
 
 
 def _check_binary_index(folder: Folder, shard: dict, idx: Path) -> list[str]:
-    """The loader's binary index beside a token shard, when there is one, must be exactly the
-    one its JSONL index gives (the loader would skip a stale one, at a rebuild's cost)."""
+    """The loader's binary index beside a token shard must be there and be exactly the one its
+    JSONL index gives (the loader refuses a shard without it, or with a stale one)."""
     from data.shards import token_index
 
     rel = str(token_index.index_path_for(Path(shard["path"])))
     if not folder.exists(rel):
-        return []
+        return [f"{folder.child(rel)}: missing (the loader reads each shard through it)"]
     try:
         want = token_index.build(idx.read_bytes(), where=folder.child(shard["index"]))
     except ValueError as e:
         return [str(e)]
     if folder.read_bytes(rel) != want:
         return [
-            f"{folder.child(rel)}: not the binary index of {idx.name} (earlyfuse-prep index "
-            "rewrites it)"
+            f"{folder.child(rel)}: not the binary index of {idx.name} (tokenize the raw shards "
+            "again)"
         ]
     return []
 

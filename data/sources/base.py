@@ -49,13 +49,10 @@ class Limits:
     allow_outside_paths: bool = False
 
     def describe(self) -> dict:
-        """The limits for the plan fingerprint; the default of a later flag is left out, so plans
-        made before it existed keep their fingerprint. ``allow_outside_paths`` is always left
-        out: its whole effect is on the planned items (an outside path is an item read, or one
-        carrying its reject), which the fingerprint hashes one by one."""
+        """The limits for the plan fingerprint. ``allow_outside_paths`` is left out: its whole
+        effect is on the planned items (an outside path is an item read, or one carrying its
+        reject), which the fingerprint hashes one by one."""
         fields = asdict(self)
-        if not fields["follow_links_outside"]:
-            del fields["follow_links_outside"]
         del fields["allow_outside_paths"]
         return fields
 

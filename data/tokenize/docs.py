@@ -36,13 +36,8 @@ class TokenizeOptions:
     doc_budget: int = 0
 
     def record(self) -> dict:
-        """The options as fingerprints and manifests record them; ``max_block_tokens`` and
-        ``doc_budget`` only when set, so folders made before they existed keep their fingerprint."""
-        out = asdict(self)
-        for name in ("max_block_tokens", "doc_budget"):
-            if not out[name]:
-                del out[name]
-        return out
+        """The options as fingerprints and manifests record them: every field."""
+        return asdict(self)
 
 
 @dataclass

@@ -210,6 +210,40 @@ def test_images_without_captions_are_counted_in_the_summary_and_stats(tmp_path, 
     assert stats["media_without_text"] == {"pics": {"image": 1, "video": 0}}
 
 
+def test_the_plan_and_its_fingerprint_record_every_flag_defaults_included(tmp_path):
+    """No flag is left out of the plan when it has its default: each one's value is written,
+    so a plan reads the same whatever flags existed when it was made."""
+    from data.ingest.plan import make_plan
+    from data.sources.base import Limits, SourceSpec
+    from data.tokenize.docs import TokenizeOptions
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "a.txt").write_text("a note")
+    spec = SourceSpec("text", str(notes), "notes")
+    plan = make_plan([spec], Limits(), shard_max_bytes=0, shard_max_samples=8, progress=False)
+    described = plan.describe()
+    assert described["val_fraction"] == 0.0 and described["dedupe"] is False
+    assert described["limits"]["follow_links_outside"] is False
+    linked = make_plan(
+        [spec],
+        Limits(follow_links_outside=True),
+        shard_max_bytes=0,
+        shard_max_samples=8,
+        progress=False,
+    )
+    assert linked.fingerprint != plan.fingerprint
+    assert TokenizeOptions().record() == {
+        "image_max_pixels": 256 * 256,
+        "video_max_pixels": 128 * 128,
+        "video_fps": 4.0,
+        "video_max_tokens": 4096,
+        "image_batch": 32,
+        "max_block_tokens": 0,
+        "doc_budget": 0,
+    }
+
+
 def test_val_fraction_holds_out_a_stable_split_by_key_hash(tmp_path, tiny_tokenizers):
     from data.ingest.plan import in_validation
     from data.loader import LoaderConfig, SourceConfig, build_loader

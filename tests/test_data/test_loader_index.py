@@ -4,6 +4,7 @@ epoch orders, and batches handed over from a worker through shared slots."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -11,10 +12,8 @@ import pytest
 import torch
 from test_data.test_loader import cfg_for, take
 
-from data.cli import main as prep_main
 from data.loader import build_loader
 from data.loader.config import SourceConfig
-from data.loader.dataset import PackedLoader
 from data.loader.order import ConsumerSlice, EpochOrder
 from data.loader.table import TokenTable
 from data.loader.table_load import load_table
@@ -88,35 +87,43 @@ def test_a_start_reads_no_index_and_columns_match_the_jsonl(tiny_tokens, monkeyp
     assert again._indexes == {} and again.key_of(3) == t.key_of(3)
 
 
-def test_folders_without_binary_indexes_give_the_same_batches(tokens, tmp_path):
-    cfg = cfg_for(tokens, cache_dir=str(tmp_path / "cache"))
-    want = take(build_loader(cfg, rank=0, world_size=1, micro_batch=2), 4)
-    # A folder from before binary indexes: none beside the shards, none in the manifest.
-    for p in tokens.rglob("*" + token_index.SUFFIX):
-        p.unlink()
+def test_a_shard_without_its_binary_index_is_refused_naming_the_file(tokens):
+    """Tokenize writes a binary index beside every shard and its block summary into the
+    manifest; a folder without them is refused at start, naming the file and the remedy."""
+    from data.shards.verify import verify
+
+    gone = next((tokens / "code").glob("*" + token_index.SUFFIX))
+    gone.unlink()
+    with pytest.raises(
+        ValueError, match=rf"{re.escape(str(gone))} does not exist; .*tokenize the raw shards"
+    ):
+        build_loader(cfg_for(tokens), rank=0, world_size=1, micro_batch=2)
+    assert any(p.startswith(f"{gone}: missing") for p in verify(tokens)["problems"])
     m = json.loads((tokens / "manifest.json").read_text())
-    for s in m["shards"]:
-        s.pop("index_bin", None)
-        s.pop("blocks", None)
+    m["shards"][0].pop("blocks")
     (tokens / "manifest.json").write_text(json.dumps(m))
-    same(take(build_loader(cfg, rank=0, world_size=1, micro_batch=2), 4), want)
-    assert len(list((tmp_path / "cache" / "index").glob("*.idx.bin"))) == len(m["shards"])
-    # earlyfuse-prep index writes them beside the shards and the summaries into the manifest.
-    assert prep_main(["index", str(tokens)]) == 0
-    assert len(list(tokens.rglob("*" + token_index.SUFFIX))) == len(m["shards"])
-    assert all("blocks" in s for s in json.loads((tokens / "manifest.json").read_text())["shards"])
-    shutil.rmtree(tmp_path / "cache")
-    same(take(build_loader(cfg, rank=0, world_size=1, micro_batch=2), 4), want)
-    assert not (tmp_path / "cache" / "index").exists()  # nothing built: they were used
+    src = m["shards"][0]["source"]
+    with pytest.raises(ValueError, match=r"manifest.json lists .* without blocks; .*tokenize"):
+        load_table(SourceConfig(name=src, shards=[str(tokens / src)]))
+    m["shards"] = m["shards"][1:]  # a shard its manifest does not list
+    (tokens / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ValueError, match=r"is not listed in .*manifest.json"):
+        load_table(SourceConfig(name=src, shards=[str(tokens / src)]))
 
 
 def test_a_stale_binary_index_is_never_used(tokens, tmp_path):
-    cfg = cfg_for(tokens, cache_dir=str(tmp_path / "cache"))
-    want = take(build_loader(cfg, rank=0, world_size=1, micro_batch=2), 4)
+    """A binary index made from another JSONL index than the manifest records is refused: each
+    sample read through it is skipped with the error naming it (as any unreadable sample), and
+    nothing is built in its place."""
+    cfg = cfg_for(tokens, {"code": 1.0}, cache_dir=str(tmp_path / "cache"))
     a = next((tokens / "code").glob("*" + token_index.SUFFIX))
     b = next((tokens / "text").glob("*" + token_index.SUFFIX))
     shutil.copyfile(b, a)  # another shard's index under this shard's name
-    same(take(build_loader(cfg, rank=0, world_size=1, micro_batch=2), 4), want)
+    loader = build_loader(cfg, rank=0, world_size=1, micro_batch=2)
+    stale = rf"{re.escape(str(a))}: made from another JSONL index .*tokenize the raw shards"
+    with pytest.raises(RuntimeError, match=rf"unreadable samples in a row.*{stale}"):
+        take(loader, 1)
+    assert not (tmp_path / "cache" / "index").exists()
     from data.shards.verify import verify
 
     assert any("not the binary index of" in p for p in verify(tokens)["problems"])
@@ -137,29 +144,40 @@ def test_epoch_order_is_a_lazy_permutation_split_over_consumers():
     assert other.full().tolist() != full.tolist()
 
 
-def test_a_state_saved_with_the_old_order_resumes_in_it(tiny_tokens):
-    """States of loaders before order version 2 have no "order": their cursors index the
-    whole-epoch permutation of version 1, which they keep (exact resume)."""
-    cfg = cfg_for(tiny_tokens, num_workers=0)
-    tables = [load_table(s) for s in cfg.sources]
+def test_a_loader_state_of_an_older_earlyfuse_is_refused(tiny_tokens):
+    """A state without a field this earlyfuse writes (the epoch order it indexes, its documents'
+    chunk ends, the batch limit) is refused with what it lacks, before any batch."""
+    from data.loader.redistribute import redistribute
 
-    def v1_loader():
-        ld = PackedLoader(cfg, tables, rank=0, world_size=1, micro_batch=2, pad_id=0)
-        ld.order_version = 1
-        return ld
-
-    ref = take(v1_loader(), 6)
-    first = v1_loader()
+    cfg = cfg_for(tiny_tokens)
+    first = build_loader(cfg, rank=0, world_size=1, micro_batch=2)
     take(first, 3)
-    state = json.loads(json.dumps(first.state_dict()))
-    for ws in state["worker_states"].values():
-        assert ws.pop("order") == 1  # what an old loader's state looks like
+    good = json.loads(json.dumps(first.state_dict()))
+    worker = good["worker_states"]["0"]
+    assert worker["order"] == 2 and (worker["pending"] or worker["open"])
+
+    def refused(change, match: str) -> None:
+        state = json.loads(json.dumps(good))
+        change(state, state["worker_states"]["0"])
+        loader = build_loader(cfg, rank=0, world_size=1, micro_batch=2)
+        for load in (loader.load_state_dict, lambda st: redistribute([st], loader)):
+            with pytest.raises(ValueError, match=match):
+                load(state)
+
+    older = "saved by an older earlyfuse"
+    refused(lambda st, ws: ws.pop("order"), rf"worker 0: no 'order'; .*{older}")
+    refused(lambda st, ws: ws.update(order=1), rf"epoch order 1, .*{older}")
+    refused(lambda st, ws: [ws.pop(k) for k in ("skip", "skipped")], r"no 'skipped', 'skip'")
+    refused(lambda st, ws: st.pop("batch_limit"), rf"loader state: no 'batch_limit'; .*{older}")
+
+    def no_chunk_end(st, ws):
+        for doc in ws["pending"] + ws["open"]:
+            doc.pop()
+
+    refused(no_chunk_end, rf"document .* is not \[source, .*, chunk end\]; .*{older}")
     again = build_loader(cfg, rank=0, world_size=1, micro_batch=2)
-    again.load_state_dict(state)
-    assert again.order_version == 1
-    same(take(again, 3), ref[3:])
-    fresh = take(build_loader(cfg, rank=0, world_size=1, micro_batch=2), 3)
-    assert not all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(fresh, ref))
+    again.load_state_dict(good)  # the state as saved resumes
+    take(again, 1)
 
 
 def test_one_worker_gives_the_in_process_batches(tiny_tokens):

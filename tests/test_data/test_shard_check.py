@@ -1,7 +1,7 @@
 """Token shards checked whole when first read (data/loader/shard_check.py): a shard whose
 tar matches its manifest's SHA-256 and whose ids all lie in their ranges is read without
-per-document checks; a shard that fails, or has no digest, is read and checked document by
-document, so a bad document costs that document only. Either way the batches are the same."""
+per-document checks; a shard that fails is read and checked document by document, so a bad
+document costs that document only. Either way the batches are the same."""
 
 from __future__ import annotations
 
@@ -59,15 +59,6 @@ def batches(tokens, n=12, **kw) -> list[dict]:
     return out
 
 
-def drop_shard_digests(tokens) -> None:
-    """The token manifest as a folder written without shard digests would have it."""
-    path = tokens / "manifest.json"
-    manifest = json.loads(path.read_text())
-    for shard in manifest["shards"]:
-        del shard["sha256"]
-    path.write_text(json.dumps(manifest))
-
-
 def test_tokenize_records_each_tars_sha256_and_intact_shards_pass_whole(tokens):
     manifest = json.loads((tokens / "manifest.json").read_text())
     for shard in manifest["shards"]:
@@ -102,18 +93,18 @@ def test_an_id_out_of_range_fails_the_whole_shard_check_and_costs_one_document(t
     assert f"[loader] skipped {tar} sample {key}: 1 id(s) outside" in capfd.readouterr().err
 
 
-def test_shards_without_a_digest_still_load_with_the_same_batches(tokens):
-    before = batches(tokens)
-    drop_shard_digests(tokens)
-    docs, skipped, stream = read_source(tokens, "scenes")
-    assert docs > 0 and skipped == 0 and not any(checked(stream).values())
-    after = batches(tokens)
-    for a, b in zip(before, after):
-        for key in a:
-            assert torch.equal(a[key], b[key]), key
+def test_a_manifest_without_shard_digests_is_refused(tokens):
+    """Tokenize records every tar's SHA-256; a manifest without them is not one it wrote."""
     # Without hash checks the whole-shard id check still runs (no digest needed).
     _, _, stream = read_source(tokens, "scenes", check_hashes=False)
     assert all(checked(stream).values())
+    path = tokens / "manifest.json"
+    manifest = json.loads(path.read_text())
+    for shard in manifest["shards"]:
+        del shard["sha256"]
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=r"manifest.json lists .* without sha256; .*tokenize"):
+        batches(tokens)
 
 
 def test_shards_shared_by_many_consumers_are_checked_document_by_document(tokens):

@@ -293,6 +293,26 @@ def test_damaged_files_are_errors_naming_the_file(runs, tmp_path, capsys):
     assert not (tmp_path / "MARKER").exists()
 
 
+def test_a_checkpoint_or_release_without_its_task_is_refused(runs, tmp_path):
+    """Every save records the task in meta.json and every release in config.json: one without
+    it was not written by this earlyfuse, and no task is assumed for it."""
+    run = tmp_path / "run"
+    shutil.copytree(runs[0], run)
+    meta_path = run / "checkpoints" / "step_00000003" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["task"]
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"meta.json: missing or unreadable .*'task'"):
+        make_release(run, tmp_path / "out", log=quiet)
+    rel = tmp_path / "rel"
+    make_release(runs[0], rel, log=quiet)
+    config = json.loads((rel / "config.json").read_text())
+    del config["task"]
+    (rel / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ReleaseError, match=r"config.json: task None, expected 'lm' or 'vtok'"):
+        Release(rel)
+
+
 def test_missing_tokenizers_and_bad_arguments_are_named(
     runs, tmp_path, tiny_tokens, tiny_tokenizers
 ):

@@ -256,13 +256,19 @@ def test_long_context_stages_raise_theta_and_keep_tokens_per_step(model):
     assert previous.train.sequence_parallel > 1
 
 
-def test_whole_documents_breaks_a_resume_only_when_it_changes_the_packing():
-    """A checkpoint saved before ``data.whole_documents`` existed packed without it: resuming with
-    the default (false) is no change; turning it on is."""
-    saved = "task: lm\ndata:\n  seq_len: 256\n"
+def test_whole_documents_breaks_a_resume_when_it_changes_or_is_missing():
+    """``data.whole_documents`` changes the packing: turning it on breaks an exact resume, and so
+    does a checkpoint whose config has no such key (another earlyfuse's)."""
+    saved = "task: lm\ndata:\n  seq_len: 256\n  whole_documents: false\n"
+    args = dict(saved_world_size=1, world_size=1, allowed=False, where="r/ckpt", show=False)
+    with pytest.raises(ConfigError, match="data.whole_documents"):
+        check_resume_config(
+            "task: lm\ndata:\n  seq_len: 256\n",
+            "task: lm\ndata:\n  seq_len: 256\n  whole_documents: false\n",
+            **args,
+        )
     for value, refused in (("false", False), ("true", True)):
         new = f"task: lm\ndata:\n  seq_len: 256\n  whole_documents: {value}\n"
-        args = dict(saved_world_size=1, world_size=1, allowed=False, where="r/ckpt", show=False)
         if refused:
             with pytest.raises(ConfigError, match="data.whole_documents"):
                 check_resume_config(saved, new, **args)

@@ -48,6 +48,7 @@ import numpy as np
 
 from data.loader.npy import read_npy
 from data.schema import Sample
+from data.shards import token_index
 from data.shards.index import read_index, read_member
 from data.shards.writer import ShardWriter
 from data.tokenize.blocks import visual_blocks
@@ -303,10 +304,15 @@ def write_source(out: Path, name: str, docs: list[TokenDoc]) -> list[dict]:
             for modality, count in by_mod.items():
                 tokens[modality] += count
         written = writer.close()
+        # The loader's binary index and block summary, as tokenize writes them
+        binary = token_index.build((out / f"{rel}.idx.jsonl").read_bytes())
+        token_index.write(out / f"{rel}{token_index.SUFFIX}", binary)
         entries.append(
             {
                 "path": f"{rel}.tar",
                 "index": f"{rel}.idx.jsonl",
+                "index_bin": f"{rel}{token_index.SUFFIX}",
+                "blocks": token_index.TokenIndex.from_buffer(binary).header["blocks"],
                 "source": name,
                 "samples": written.samples,
                 "bytes": written.bytes,
