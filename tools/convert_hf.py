@@ -24,8 +24,8 @@ row, as ``generate`` does.
 OUT: ``config.json`` and ``model.safetensors`` (``save_pretrained``), ``generation_config.json``,
 the text tokenizer as ``tokenizer.json`` + ``tokenizer_config.json`` (a
 ``PreTrainedTokenizerFast``; it knows the text ids only, images are ids the layout describes),
-``vocab_layout.json`` and ``visual_tokenizer/`` copied from the release, a README, and with grid
-embeddings ``modeling_earlyfuse.py``.
+``vocab_layout.json`` and ``visual_tokenizer/`` copied from the release, a README (with the
+rows the run trained and validated on), and with grid embeddings ``modeling_earlyfuse.py``.
 
 It generates like ``earlyfuse-generate`` out of the box: the tokenizer puts ``<|bos|>`` before
 every text (our documents start with it; without it the model is off its training
@@ -224,7 +224,7 @@ def readme(rel, tok) -> str:
 
 Exported by `earlyfuse-convert hf` from `{rel.path}` (step {rel.step}). Load it with
 `transformers.AutoModelForCausalLM.{load}` and `AutoTokenizer.{load}`.
-{grid_readme(lay) if grid else ""}
+{packing_readme(rel.config.get("packing"))}{grid_readme(lay) if grid else ""}
 ## Ids
 
 - `0..{lay.text_size - 1}`: the text tokenizer's (byte-level BPE); `<|pad|>` {tok.pad_id},
@@ -269,6 +269,23 @@ model.generate(ids, suppress_tokens=None, logits_processor=LogitsProcessorList([
 
 Images are blocks `<boi> <h=H> <w=W> (W codes <eol>) x H <eoi>`: drawing one needs the grid
 grammar that `earlyfuse-generate --draw` enforces; Hugging Face generation does not know it.
+"""
+
+
+def packing_readme(packing: dict | None) -> str:
+    """The rows the run trained and validated on (the release's ``packing``), for held-out figures
+    measured on the same rows; nothing for a release that does not record them."""
+    if not packing:
+        return ""
+    whole = (
+        "documents that fit a row kept whole"
+        if packing.get("whole_documents")
+        else "documents split across rows"
+    )
+    return f"""
+Trained on packed rows of {packing.get("seq_len")} tokens, {packing.get("micro_batch")} rows a micro-batch, {whole}. Its
+validation packed held-out documents the same way, as `earlyfuse-eval` does on the release this
+came from (that release's `config.json`, `packing`): held-out figures compare on the same rows.
 """
 
 

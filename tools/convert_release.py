@@ -14,6 +14,9 @@ Design choices:
   missing is named. ``--no-tokenizers`` writes weights, config and layout only.
 - The token data's tokenize options (image and video pixel budgets) are kept in config.json, so
   ``earlyfuse-generate`` encodes an image at the resolution the model was trained on.
+- So are the run's packing settings (``packing``: row length, micro-batch, whole documents, the
+  validation cap and sources): a release shipped without its run folder still tells
+  ``earlyfuse-eval`` the rows the run's validation evaluated.
 - A vtok run releases its visual tokenizer (``OUT/visual_tokenizer/``, ``task: vtok``).
 """
 
@@ -147,6 +150,23 @@ def check_tokenizers(folder: Path, layout) -> dict:
     }
 
 
+def packing(run_cfg, world_size: int) -> dict:
+    """How the run packed and validated its rows: what ``earlyfuse-eval`` needs to evaluate the
+    held-out documents in the rows training validation saw (data/loader/heldout.py packs by
+    seq_len, micro_batch and whole_documents alone), and what capped that validation."""
+    return {
+        "seq_len": int(run_cfg.data.seq_len),
+        "micro_batch": int(run_cfg.train.micro_batch),
+        "whole_documents": bool(run_cfg.data.whole_documents),
+        # validation evaluated the first eval_batches x data_ranks batches of the pass (0: all)
+        "eval_batches": int(run_cfg.train.eval_batches),
+        "data_ranks": int(world_size) // max(1, int(run_cfg.train.sequence_parallel)),
+        "validation": [
+            {"name": src.name, "shards": list(src.shards)} for src in run_cfg.data.validation
+        ],
+    }
+
+
 def make_release(
     run_dir: str | Path,
     out: str | Path,
@@ -239,6 +259,7 @@ def make_release(
             "bf16": bool(ckpt.meta.get("bf16", False)),
         },
         **({"tokenizers": fingerprints, "tokenize": tok_options} if task == "lm" else {}),
+        **({"packing": packing(run_cfg, ckpt.meta["world_size"])} if task == "lm" else {}),
         "created_by": {"command": command or [], "versions": _versions()},
     }
     meta = {"format": FORMAT, "task": task, "step": str(ckpt.step)}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -70,6 +71,61 @@ def test_eval_command_on_a_release(debug_release, tiny_tokens, tiny_corpus, tmp_
     assert "scenes/caption" in ev["dependence"]
     assert ev["scenes"]["scenes"] == 3 and set(ev["scenes"]["draw"]) >= {"colour", "all"}
     assert "per modality" in printed and "dependence" in printed and "drawn from caption" in printed
+
+
+def test_a_release_shipped_without_its_run_folder_is_evaluated_on_the_runs_rows(
+    debug_release, tiny_tokens, tmp_path, capsys
+):
+    """The release records how its run packed rows (config.json ``packing``); copied where its
+    run folder is not (another machine), earlyfuse-eval packs the held-out documents as on the
+    original: the same rows, the same figures. Flags win over the release; an older release
+    without the record takes its run folder's config; with neither, one line names the defaults."""
+    config = json.loads((debug_release / "config.json").read_text())
+    # experiment=debug with train.micro_batch=2 on one rank, no validation sources
+    rows = {"seq_len": 256, "micro_batch": 2, "whole_documents": False}
+    assert config["packing"] == {**rows, "eval_batches": 2, "data_ranks": 1, "validation": []}
+
+    def copy(name: str, **changes) -> Path:
+        folder = tmp_path / name
+        shutil.copytree(debug_release, folder)
+        changed = {**config, **changes}
+        (folder / "config.json").write_text(
+            json.dumps({key: value for key, value in changed.items() if value})
+        )
+        return folder
+
+    def evaluate(release: Path, *flags: str):
+        out = tmp_path / f"{release.name}.json"
+        argv = [str(release), "--data", str(tiny_tokens / "scenes"), "--max-docs", "3"]
+        argv += ["--max-pairs", "0", "--no-progress", "--out", str(out)]
+        assert eval_main([*argv, *flags]) == 0
+        return json.loads(out.read_text()), capsys.readouterr()
+
+    gone = {**config["source"], "run_dir": str(tmp_path / "elsewhere" / "run")}
+    original, _ = evaluate(debug_release)
+    shipped, printed = evaluate(copy("shipped", source=gone))
+    assert shipped["heldout"] == original["heldout"]
+    assert [shipped[key] for key in ("seq_len", "batch_rows", "whole_documents")] == [256, 2, False]
+    assert set(shipped["packing_from"].values()) == {"release"} and "default" not in printed.err
+    assert "rows of 256 tokens, 2 a batch, documents split across rows (settings: release)" in (
+        printed.out
+    )
+    flagged, _ = evaluate(copy("flagged", source=gone), "--seq-len", "128")
+    assert flagged["seq_len"] == 128 and flagged["packing_from"]["seq_len"] == "flag"
+    older, _ = evaluate(copy("older", packing=None))  # the run folder is still there
+    assert set(older["packing_from"].values()) == {"run folder"}
+    assert older["heldout"] == original["heldout"]
+    bare, printed = evaluate(copy("bare", packing=None, source=gone), "--batch-rows", "2")
+    notes = [line for line in printed.err.splitlines() if "default" in line]
+    assert len(notes) == 1, printed.err
+    assert "seq_len 2048" in notes[0] and "whole_documents off" in notes[0]
+    assert "batch_rows" not in notes[0] and "--seq-len" in notes[0]
+    assert bare["packing_from"] == {
+        "seq_len": "default",
+        "batch_rows": "flag",
+        "whole_documents": "default",
+    }
+    assert bare["heldout"]["total"] != original["heldout"]["total"]  # other rows
 
 
 def test_scenes_read_from_raw_shards_are_the_ingested_scenes(tiny_corpus, tiny_raw, tmp_path):

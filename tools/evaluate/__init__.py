@@ -2,9 +2,12 @@
 held-out data, per modality and across modalities (docs/evaluation.md).
 
 - **Per modality** (tools/evaluate/heldout.py): CE on every held-out document, packed as in
-  training (the run's row length, and its ``data.whole_documents``: documents that fit a row
-  kept whole); bits per byte for text and code; with ``--train-data`` the unigram baseline
-  (data/unigram.py: the training tokens' frequencies, add-one smoothed) and the margin.
+  training: the run's row length, micro-batch and ``data.whole_documents`` (documents that fit a
+  row kept whole), read from the release's ``packing`` (``earlyfuse-convert release`` records
+  them), else from its run folder's ``config.yaml``, flags over both; settings that none gives
+  take DEFAULT_PACKING, and one line on stderr names them. Bits per byte for text and code;
+  with ``--train-data`` the unigram baseline (data/unigram.py: the training tokens'
+  frequencies, add-one smoothed) and the margin.
 - **Held out?** With ``--train-data`` every held-out document's ids are hashed and looked up
   among the training documents': a held-out document that is also a training document is
   counted and named in a warning (its figures measure memorisation).
@@ -60,10 +63,43 @@ what the table says (docs/evaluation.md explains every figure):
 """
 
 
+# The held-out pass's packing when neither flags, the release nor its run folder give it.
+DEFAULT_PACKING = {"seq_len": 2048, "batch_rows": 8, "whole_documents": False}
+FLAGS = {
+    "seq_len": "--seq-len",
+    "batch_rows": "--batch-rows",
+    "whole_documents": "--[no-]whole-documents",
+}
+
+
+def release_packing(release) -> dict:
+    """``seq_len``, ``batch_rows`` (the run's micro-batch) and ``whole_documents`` from the
+    release's ``config.json`` (its ``packing`` section, written by ``earlyfuse-convert release``;
+    empty for a release written before the section existed)."""
+    from train.release import CONFIG, ReleaseError
+
+    packing = release.config.get("packing")
+    if packing is None:
+        return {}
+    want = {"seq_len": int, "micro_batch": int, "whole_documents": bool}
+    if not isinstance(packing, dict) or any(
+        type(packing.get(key)) is not kind for key, kind in want.items()
+    ):
+        raise ReleaseError(
+            f"{release.path / CONFIG}: bad 'packing' section {packing!r}: it needs seq_len and "
+            "micro_batch (integers) and whole_documents (true or false)"
+        )
+    return {
+        "seq_len": packing["seq_len"],
+        "batch_rows": packing["micro_batch"],
+        "whole_documents": packing["whole_documents"],
+    }
+
+
 def run_data_options(release) -> dict:
-    """``seq_len``, ``micro_batch`` and ``whole_documents`` of the run the release came from, when
-    its config is still there: the rows and batches its validation evaluated (empty
-    otherwise)."""
+    """``seq_len``, ``batch_rows`` (``train.micro_batch``) and ``whole_documents`` of the run the
+    release came from, when its config is still there: the rows and batches its validation
+    evaluated (empty otherwise)."""
     run_dir = release.config.get("source", {}).get("run_dir")
     if not run_dir or not (Path(run_dir) / "config.yaml").is_file():
         return {}
@@ -76,7 +112,7 @@ def run_data_options(release) -> dict:
         return {}
     for key, section, name in (
         ("seq_len", "data", "seq_len"),
-        ("micro_batch", "train", "micro_batch"),
+        ("batch_rows", "train", "micro_batch"),
     ):
         try:
             out[key] = int(cfg[section][name])
@@ -86,6 +122,52 @@ def run_data_options(release) -> dict:
     if isinstance(whole, bool):
         out["whole_documents"] = whole
     return out
+
+
+def packing_options(args, release) -> tuple[dict, dict]:
+    """The held-out pass's ``seq_len``, ``batch_rows`` and ``whole_documents``, and where each came
+    from: a flag over the release's ``packing`` over its run folder's ``config.yaml`` over
+    DEFAULT_PACKING (``flag``, ``release``, ``run folder``, ``default``)."""
+    flags = {
+        "seq_len": args.seq_len or None,
+        "batch_rows": args.batch_rows or None,
+        "whole_documents": args.whole_documents,
+    }
+    layers = (
+        ("flag", flags),
+        ("release", release_packing(release)),
+        ("run folder", run_data_options(release)),
+        ("default", DEFAULT_PACKING),
+    )
+    values: dict = {}
+    origin: dict[str, str] = {}
+    for key in DEFAULT_PACKING:
+        for where, given in layers:
+            if given.get(key) is not None:
+                values[key], origin[key] = given[key], where
+                break
+    return values, origin
+
+
+def defaults_notice(release, values: dict, origin: dict) -> str | None:
+    """One line naming the packing settings taken from DEFAULT_PACKING (None: there are none), so
+    that figures measured on other rows than the run's validation never pass unnoticed."""
+    taken = [key for key in DEFAULT_PACKING if origin[key] == "default"]
+    if not taken:
+        return None
+    shown = ", ".join(
+        f"{key} {'on' if values[key] else 'off'}"
+        if key == "whole_documents"
+        else f"{key} {values[key]}"
+        for key in taken
+    )
+    run_dir = release.config.get("source", {}).get("run_dir") or "unknown"
+    return (
+        f"earlyfuse-eval: note: took the defaults {shown}: neither {release.path}/config.json "
+        f"('packing') nor its run folder's config.yaml ({run_dir}) gives them, so the held-out "
+        f"rows may differ from the run's validation ({', '.join(FLAGS[key] for key in taken)} "
+        "sets them)"
+    )
 
 
 def overlap(val_tables, train_tables, *, progress: bool = False) -> dict:
@@ -130,13 +212,13 @@ def evaluate(args) -> dict:
     layout = rel.vocab_layout
     val = source_tables(args.data)
     out: dict = {"release": str(rel.path), "step": rel.step, "data": str(args.data)}
-    run = run_data_options(rel)
-    seq_len = args.seq_len or run.get("seq_len") or 2048
-    batch_rows = args.batch_rows or run.get("micro_batch") or 8
-    whole = args.whole_documents
-    if whole is None:
-        whole = run.get("whole_documents", False)
-    out["seq_len"], out["batch_rows"], out["whole_documents"] = seq_len, batch_rows, whole
+    packing, origin = packing_options(args, rel)
+    seq_len, batch_rows, whole = (packing[key] for key in DEFAULT_PACKING)
+    out.update(packing)
+    out["packing_from"] = origin
+    notice = defaults_notice(rel, packing, origin)
+    if notice:
+        print(notice, file=sys.stderr, flush=True)
     needles = args.needle or args.long_context
     needle_shape = needle_options(args, seq_len) if needles else None  # bad flags fail first
     progress = not args.no_progress
@@ -327,19 +409,27 @@ def build_parser() -> argparse.ArgumentParser:
         "(scenes.jsonl, drawings.jsonl)",
     )
     pair.add_argument("--out", metavar="JSON", help="write the figures here")
-    pair.add_argument("--seq-len", type=int, default=0, help="row length (default: the run's)")
+    pair.add_argument(
+        "--seq-len",
+        type=int,
+        default=0,
+        help="row length (default: the release's packing, else its run folder's data.seq_len, "
+        "else 2048)",
+    )
     pair.add_argument(
         "--batch-rows",
         type=int,
         default=0,
-        help="rows per forward pass (default: the run's train.micro_batch, else 8)",
+        help="rows per forward pass (default: the release's packing, else its run folder's "
+        "train.micro_batch, else 8)",
     )
     pair.add_argument(
         "--whole-documents",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="pack the held-out rows with documents that fit a row kept whole (never split across "
-        "rows), as data.whole_documents does; default: the run's data.whole_documents, else off",
+        "rows), as data.whole_documents does (default: the release's packing, else its run "
+        "folder's data.whole_documents, else off)",
     )
     pair.add_argument(
         "--max-docs", type=int, default=0, help="first N documents per source (default: all)"

@@ -10,8 +10,28 @@ def _f(value, spec=".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _packing_line(ev: dict) -> str:
+    """The held-out rows and where their settings came from (the release, its run folder, a
+    flag or the defaults: packing_from)."""
+    whole = (
+        "documents that fit a row kept whole"
+        if ev.get("whole_documents")
+        else "documents split across rows"
+    )
+    origin = ev.get("packing_from") or {}
+    if len(set(origin.values())) == 1:
+        whence = f" (settings: {next(iter(origin.values()))})"
+    elif origin:
+        whence = " (settings: " + ", ".join(f"{key} {where}" for key, where in origin.items()) + ")"
+    else:
+        whence = ""
+    return f"rows of {ev['seq_len']} tokens, {ev.get('batch_rows', '?')} a batch, {whole}{whence}"
+
+
 def format_eval(ev: dict) -> str:
     lines = [f"held-out evaluation of {ev.get('release', '?')} (step {ev.get('step', '?')})"]
+    if "seq_len" in ev:
+        lines.append(_packing_line(ev))
     held = ev.get("heldout") or {}
     if ev.get("overlap"):
         other = ev["overlap"]
