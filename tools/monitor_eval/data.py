@@ -83,19 +83,26 @@ class TokenDoc:
 # --- the base corpus ---------------------------------------------------------------------------------
 
 
+def colour_square(index: int, rng: np.random.Generator):
+    """The ``index``-th of the colour squares (the colours in turn, each a 32x32 PIL image of
+    its colour with a little noise) and its colour's name. The monitors' tests
+    (tests/test_train/conftest.py) draw theirs here too."""
+    from PIL import Image
+
+    name = list(COLOURS)[index % len(COLOURS)]
+    pixels = np.clip(np.array(COLOURS[name]) + rng.integers(-6, 7, (32, 32, 3)), 0, 255)
+    return Image.fromarray(pixels.astype(np.uint8)), name
+
+
 def _colour_corpus(folder: Path, count: int) -> None:
     """Solid colour squares with "a red square." captions: a caption that is a function of its
     image, so a model that reads its images learns a clear dependence (both directions)."""
-    from PIL import Image
-
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     rows, docs = [], []
-    names = list(COLOURS)
     for i in range(count):
-        name = names[i % len(names)]
-        pixels = np.clip(np.array(COLOURS[name]) + rng.integers(-6, 7, (32, 32, 3)), 0, 255)
-        Image.fromarray(pixels.astype(np.uint8)).save(folder / f"c{i:04d}.png")
+        image, name = colour_square(i, rng)
+        image.save(folder / f"c{i:04d}.png")
         rows.append({"image": f"c{i:04d}.png", "caption": f"a {name} square."})
         docs.append(
             {
