@@ -62,16 +62,11 @@ what the table says (docs/evaluation.md explains every figure):
 def run_data_options(release) -> dict:
     """``seq_len`` and ``micro_batch`` of the run the release came from, when its config is still
     there: the rows and batches its validation evaluated (empty otherwise)."""
-    run_dir = release.config.get("source", {}).get("run_dir")
-    if not run_dir or not (Path(run_dir) / "config.yaml").is_file():
-        return {}
-    import yaml
+    from tools.report.run import run_config
 
+    run_dir = release.config.get("source", {}).get("run_dir")
+    cfg = run_config(Path(run_dir)) if run_dir else {}
     out = {}
-    try:
-        cfg = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
-    except (OSError, ValueError):
-        return {}
     for key, section, name in (
         ("seq_len", "data", "seq_len"),
         ("micro_batch", "train", "micro_batch"),
