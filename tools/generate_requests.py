@@ -57,6 +57,67 @@ class TextOnly:
     def allowed(self, remaining: int) -> torch.Tensor:
         return self.mask[None]
 
+    @classmethod
+    def of(cls, model, layout, text) -> TextOnly:
+        """Text ids of ``model``'s vocabulary but its text tokenizer's pad and bos."""
+        return cls(model.cfg.vocab_size, layout.text_size, [text.pad_id, text.bos_id])
+
+
+def sample(
+    model,
+    layout,
+    pad_id: int,
+    ids: list[int],
+    modality: list[int],
+    *,
+    constraint,
+    stop: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    image_ids: list[int] | None = None,
+    unconditional: list[int] | None = None,
+    guidance: float = 1.0,
+) -> list[int]:
+    """The ids the KV-cached ``generate`` appends to one prompt (``ids``, its ``modality`` and the
+    ``image_ids`` of its bidirectional blocks), from a ``torch.Generator`` seeded with ``seed``;
+    ``unconditional``: the prompt that classifier-free ``guidance`` contrasts with. What
+    earlyfuse-generate and earlyfuse-eval's scenes both sample with."""
+    from model.generate import SamplingConfig, generate
+
+    device = model.output.weight.device
+
+    def row(values: list[int] | None) -> torch.Tensor | None:
+        return None if values is None else torch.tensor([values], dtype=torch.long, device=device)
+
+    out = generate(
+        model,
+        row(ids),
+        sampling=SamplingConfig(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            stop_ids=stop,
+            pad_id=pad_id,
+        ),
+        constraint=constraint,
+        layout=layout,
+        modality=row(modality),
+        image_ids=row(image_ids),
+        generator=torch.Generator(device=device).manual_seed(int(seed)),
+        unconditional_ids=row(unconditional),
+        guidance=guidance,
+    )
+    return out[0, len(ids) :].tolist()
+
+
+def to_pixels(image: torch.Tensor) -> np.ndarray:
+    """A decoded image [3, H, W] in [-1, 1] as uint8 pixels [H, W, 3]."""
+    return ((image.float().cpu().permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255).byte().numpy()
+
 
 @dataclass
 class Generator:
@@ -84,62 +145,11 @@ class Generator:
         return self._vtok
 
     # --- sampling ------------------------------------------------------------------------------
-    def _run(
-        self,
-        ids: list[int],
-        modality: list[int],
-        *,
-        constraint,
-        stop: list[int],
-        max_new_tokens: int,
-        temperature: float,
-        top_k: int,
-        top_p: float,
-        seed: int,
-        image_ids: list[int] | None = None,
-        unconditional: list[int] | None = None,
-        guidance: float = 1.0,
-    ) -> list[int]:
-        from model.generate import SamplingConfig, generate
-
-        sampling = SamplingConfig(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            stop_ids=stop,
-            pad_id=self.text.pad_id,
-        )
-        gen = torch.Generator(device=self.device).manual_seed(int(seed))
-        prompt = torch.tensor([ids], dtype=torch.long, device=self.device)
-        mod = torch.tensor([modality], dtype=torch.long, device=self.device)
-        img = (
-            torch.tensor([image_ids], dtype=torch.long, device=self.device)
-            if image_ids is not None
-            else None
-        )
-        out = generate(
-            self.model,
-            prompt,
-            sampling=sampling,
-            constraint=constraint,
-            layout=self.layout,
-            modality=mod,
-            image_ids=img,
-            generator=gen,
-            unconditional_ids=(
-                torch.tensor([unconditional], dtype=torch.long, device=self.device)
-                if unconditional is not None
-                else None
-            ),
-            guidance=guidance,
-        )
-        return out[0, len(ids) :].tolist()
+    def _run(self, ids: list[int], modality: list[int], **options) -> list[int]:
+        return sample(self.model, self.layout, self.text.pad_id, ids, modality, **options)
 
     def _text_constraint(self) -> TextOnly:
-        return TextOnly(
-            self.model.cfg.vocab_size, self.layout.text_size, [self.text.pad_id, self.text.bos_id]
-        )
+        return TextOnly.of(self.model, self.layout, self.text)
 
     def _until_eos(self, new: list[int]) -> list[int]:
         return new[: new.index(self.text.eos_id)] if self.text.eos_id in new else new
@@ -271,14 +281,7 @@ class Generator:
         block = [boi, *new[: new.index(eoi) + 1]] if eoi in new else [boi, *new]
         codes = parse_image(block, lay)  # the grammar guarantees a well-formed block
         with torch.no_grad():
-            img = self.vtok.decode(torch.from_numpy(codes)[None].to(self.device))[0]
-        arr = (
-            ((img.float().cpu().permute(1, 2, 0) + 1) * 127.5)
-            .round()
-            .clamp(0, 255)
-            .to(torch.uint8)
-            .numpy()
-        )
+            arr = to_pixels(self.vtok.decode(torch.from_numpy(codes)[None].to(self.device))[0])
         from PIL import Image
 
         out = Path(out)

@@ -32,6 +32,7 @@ from data.demo_corpus.scenes import caption_facts
 from data.image_crops import to_tensor
 from data.image_prep import ImagePrep, load_image
 from data.layout import image_block_len, image_tokens, parse_image
+from tools.generate_requests import TextOnly, sample, to_pixels
 from tools.prompts import caption_prompt, draw_prompt
 
 ATTRIBUTES = ("colour", "shape", "position", "all")
@@ -86,10 +87,6 @@ def _shard_scenes(folder: Path) -> list[dict]:
     return out
 
 
-def _pixels(img: torch.Tensor) -> np.ndarray:
-    return ((img.float().cpu().permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255).byte().numpy()
-
-
 class SceneJudge:
     def __init__(self, model, layout, text, vtok, image_max_pixels: int, device) -> None:
         self.model, self.layout, self.text, self.vtok = model, layout, text, vtok
@@ -97,44 +94,6 @@ class SceneJudge:
         self.prep = ImagePrep(
             factor=vtok.cfg.factor, max_pixels=image_max_pixels, max_grid=layout.max_grid
         )
-
-    def _generate(
-        self,
-        ids,
-        mod,
-        constraint,
-        stop,
-        count,
-        temperature=0.0,
-        seed=0,
-        unconditional=None,
-        guidance=1.0,
-        image_ids=None,
-    ):
-        from model.generate import SamplingConfig, generate
-
-        out = generate(
-            self.model,
-            torch.tensor([ids], device=self.device),
-            sampling=SamplingConfig(
-                max_new_tokens=count,
-                temperature=temperature,
-                stop_ids=stop,
-                pad_id=self.text.pad_id,
-            ),
-            constraint=constraint,
-            layout=self.layout,
-            modality=torch.tensor([mod], device=self.device),
-            generator=torch.Generator(device=self.device).manual_seed(seed),
-            unconditional_ids=(
-                torch.tensor([unconditional], device=self.device) if unconditional else None
-            ),
-            guidance=guidance,
-            image_ids=(
-                torch.tensor([image_ids], device=self.device) if image_ids is not None else None
-            ),
-        )
-        return out[0, len(ids) :].tolist()
 
     @torch.no_grad()
     def image_of(self, image: str | bytes) -> tuple[np.ndarray, np.ndarray]:
@@ -159,25 +118,25 @@ class SceneJudge:
         boi, eoi = lay.structure_id("<boi>"), lay.structure_id("<eoi>")
         asked = draw_prompt(self.text.encode(caption), bos_id=self.text.bos_id, layout=lay)
         constraint = ImageConstraint(lay, 1, vocab_size=self.model.cfg.vocab_size, size=grid)
-        new = self._generate(
+        new = sample(
+            self.model,
+            lay,
+            self.text.pad_id,
             asked.ids,
             asked.modality,
-            constraint,
-            [eoi],
-            image_block_len(*grid) - 1,
-            temperature,
-            seed,
+            constraint=constraint,
+            stop=[eoi],
+            max_new_tokens=image_block_len(*grid) - 1,
+            temperature=temperature,
+            seed=seed,
             unconditional=asked.unconditional,  # the same picture asked for with no caption
             guidance=guidance,
         )
         codes = parse_image([boi, *new[: new.index(eoi) + 1]], lay)
-        img = self.vtok.decode(torch.from_numpy(codes)[None].to(self.device))[0]
-        return _pixels(img)
+        return to_pixels(self.vtok.decode(torch.from_numpy(codes)[None].to(self.device))[0])
 
     @torch.no_grad()
     def caption(self, codes: np.ndarray, max_new_tokens: int = 48) -> str:
-        from tools.generate_requests import TextOnly
-
         block, bmod = image_tokens(codes, self.layout)
         # As earlyfuse-generate --caption asks (tools/prompts.py), bidirectional blocks included.
         asked = caption_prompt(
@@ -187,15 +146,15 @@ class SceneJudge:
             bos_id=self.text.bos_id,
             bidirectional_images=self.model.cfg.attention.bidirectional_images,
         )
-        constraint = TextOnly(
-            self.model.cfg.vocab_size, self.layout.text_size, [self.text.pad_id, self.text.bos_id]
-        )
-        new = self._generate(
+        new = sample(
+            self.model,
+            self.layout,
+            self.text.pad_id,
             asked.ids,
             asked.modality,
-            constraint,
-            [self.text.eos_id],
-            max_new_tokens,
+            constraint=TextOnly.of(self.model, self.layout, self.text),
+            stop=[self.text.eos_id],
+            max_new_tokens=max_new_tokens,
             image_ids=asked.image_ids,
         )
         if self.text.eos_id in new:
@@ -204,7 +163,7 @@ class SceneJudge:
 
     @torch.no_grad()
     def ceiling(self, codes: np.ndarray) -> np.ndarray:
-        return _pixels(self.vtok.decode(torch.from_numpy(codes)[None].to(self.device))[0])
+        return to_pixels(self.vtok.decode(torch.from_numpy(codes)[None].to(self.device))[0])
 
 
 def _caption_score(text: str, facts: dict) -> dict[str, bool]:
