@@ -31,9 +31,7 @@ from data.demo_corpus.scene_scoring import score
 from data.demo_corpus.scenes import caption_facts
 from data.image_crops import to_tensor
 from data.image_prep import ImagePrep, load_image
-from data.layout import image_block_len, image_tokens, parse_image
-from tools.generate_requests import TextOnly, sample, to_pixels
-from tools.prompts import caption_prompt, draw_prompt
+from tools.generate_requests import caption_codes, draw_image, to_pixels
 
 ATTRIBUTES = ("colour", "shape", "position", "all")
 
@@ -112,54 +110,23 @@ class SceneJudge:
         seed: int = 0,
         guidance: float = 1.0,
     ) -> np.ndarray:
-        from model.generate import ImageConstraint
-
-        lay = self.layout
-        boi, eoi = lay.structure_id("<boi>"), lay.structure_id("<eoi>")
-        asked = draw_prompt(self.text.encode(caption), bos_id=self.text.bos_id, layout=lay)
-        constraint = ImageConstraint(lay, 1, vocab_size=self.model.cfg.vocab_size, size=grid)
-        new = sample(
-            self.model,
-            lay,
-            self.text.pad_id,
-            asked.ids,
-            asked.modality,
-            constraint=constraint,
-            stop=[eoi],
-            max_new_tokens=image_block_len(*grid) - 1,
+        _, pixels, _ = draw_image(
+            self,
+            caption,
+            size=grid,
+            side=max(grid),
             temperature=temperature,
             seed=seed,
-            unconditional=asked.unconditional,  # the same picture asked for with no caption
-            guidance=guidance,
+            guidance=guidance,  # against the same picture asked for with no caption
         )
-        codes = parse_image([boi, *new[: new.index(eoi) + 1]], lay)
-        return to_pixels(self.vtok.decode(torch.from_numpy(codes)[None].to(self.device))[0])
+        return pixels
 
     @torch.no_grad()
     def caption(self, codes: np.ndarray, max_new_tokens: int = 48) -> str:
-        block, bmod = image_tokens(codes, self.layout)
-        # As earlyfuse-generate --caption asks (tools/prompts.py), bidirectional blocks included.
-        asked = caption_prompt(
-            block,
-            bmod,
-            [],
-            bos_id=self.text.bos_id,
-            bidirectional_images=self.model.cfg.attention.bidirectional_images,
-        )
-        new = sample(
-            self.model,
-            self.layout,
-            self.text.pad_id,
-            asked.ids,
-            asked.modality,
-            constraint=TextOnly.of(self.model, self.layout, self.text),
-            stop=[self.text.eos_id],
-            max_new_tokens=max_new_tokens,
-            image_ids=asked.image_ids,
-        )
-        if self.text.eos_id in new:
-            new = new[: new.index(self.text.eos_id)]
-        return self.text.decode(new)
+        """Greedy, as earlyfuse-generate --caption asks (bidirectional image blocks included)."""
+        new = caption_codes(self, codes, max_new_tokens=max_new_tokens)
+        eos = self.text.eos_id
+        return self.text.decode(new[: new.index(eos)] if eos in new else new)
 
     @torch.no_grad()
     def ceiling(self, codes: np.ndarray) -> np.ndarray:
