@@ -93,7 +93,7 @@ def sample(
 
     device = parts.model.output.weight.device
 
-    def row(values: list[int] | None) -> torch.Tensor | None:
+    def row(values):  # one row [1, n] of a batch, or None
         return None if values is None else torch.tensor([values], dtype=torch.long, device=device)
 
     out = generate(

@@ -124,8 +124,6 @@ def build_base(root: Path, *, scale: float, colours: int) -> Path:
     from data.demo_corpus import build
     from data.ingest import ingest
     from data.sources import Limits
-    from data.tokenize.encoder import TokenizeOptions
-    from data.tokenize.run import tokenize
     from data.train_text_tokenizer import train_text_tokenizer
     from model.visual_tokenizer import vtok_debug
     from train.tasks.vtok import save_visual_tokenizer
@@ -153,24 +151,25 @@ def build_base(root: Path, *, scale: float, colours: int) -> Path:
     torch.manual_seed(0)
     vcfg = vtok_debug()
     save_visual_tokenizer(vcfg.build().state_dict(), vcfg, root / "tok" / "visual")
-    tokenize(
-        root / "raw",
-        root / "tokens",
-        root / "tok" / "text",
-        root / "tok" / "visual",
-        opts=TokenizeOptions(
-            image_max_pixels=32 * 32, video_max_pixels=32 * 32, video_max_tokens=240
-        ),
+    return _tokenize(root, root / "tokens", root / "tok" / "visual")
+
+
+def _tokenize(root: Path, out: Path, visual: Path) -> Path:
+    """``root/raw`` tokenized into ``out`` with ``root/tok/text`` and the visual tokenizer
+    ``visual``, at the suite's small pixel budgets."""
+    from data.tokenize.encoder import TokenizeOptions
+    from data.tokenize.run import tokenize
+
+    options = TokenizeOptions(
+        image_max_pixels=32 * 32, video_max_pixels=32 * 32, video_max_tokens=240
     )
-    return root / "tokens"
+    tokenize(root / "raw", out, root / "tok" / "text", visual, opts=options)
+    return out
 
 
 def tokenize_trained(root: Path, steps: int) -> Path:
     """The base corpus tokenized again with a visual tokenizer trained ``steps`` steps on it (a
     real ``earlyfuse-train experiment=vtok_debug`` run); returns the token folder."""
-    from data.tokenize.encoder import TokenizeOptions
-    from data.tokenize.run import tokenize
-
     repo = Path(__file__).resolve().parents[3]
     run = subprocess.run(
         [
@@ -190,16 +189,7 @@ def tokenize_trained(root: Path, steps: int) -> Path:
     )
     if run.returncode:
         raise RuntimeError(f"training the suite's visual tokenizer failed:\n{run.stderr[-2000:]}")
-    tokenize(
-        root / "raw",
-        root / "tokens_tv",
-        root / "tok" / "text",
-        root / "vtok" / "visual_tokenizer",
-        opts=TokenizeOptions(
-            image_max_pixels=32 * 32, video_max_pixels=32 * 32, video_max_tokens=240
-        ),
-    )
-    return root / "tokens_tv"
+    return _tokenize(root, root / "tokens_tv", root / "vtok" / "visual_tokenizer")
 
 
 def read_source(tokens: Path, source: str) -> list[TokenDoc]:
