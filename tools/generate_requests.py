@@ -9,7 +9,9 @@ Design choices:
 - Prompts are built the way the token shards are (data/tokenize/encoder.py): a document starts
   with ``<|bos|>``; an image is an Emu3-style block from the release's visual tokenizer at the
   training pixel budget (config.json ``tokenize.image_max_pixels``); text ends with ``<|eos|>``.
-  The drawing prompt and its unconditional twin come from tools/prompts.py.
+  A drawing's request without its caption, ``<bos> <boi>``, is what classifier-free guidance
+  contrasts it with; a caption prompt for a model trained with bidirectional image blocks
+  carries the image ids that let the block see itself both ways, as in training.
 - Text and captions are sampled under a text-only mask (no pad, no bos, no structure tokens,
   no codes), so what is printed is the BPE's decode: valid UTF-8, always (a byte sequence the
   model leaves incomplete decodes to U+FFFD). ``<|eos|>`` ends it.
@@ -34,11 +36,54 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tools.prompts import caption_prompt, draw_prompt
+from data.vocab import Modality, VocabLayout
 from train.release import Release, ReleaseError
 
 MAX_SOURCE_PIXELS = 64_000_000  # input images, by their header (ingest's --max-image-pixels)
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+
+
+# --- prompts --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DrawPrompt:
+    ids: list[int]  # <bos> caption <boi>
+    modality: list[int]  # text for <bos> and the caption, structure for <boi>
+    # <bos> <boi>: the request without its caption (the unconditional side of guidance)
+    unconditional: list[int]
+
+
+def draw_prompt(caption_ids: list[int], *, bos_id: int, layout: VocabLayout) -> DrawPrompt:
+    """The drawing prompt for a caption's text ids (``TextTokenizer.encode``; no specials)."""
+    boi = layout.structure_id("<boi>")
+    ids = [bos_id, *caption_ids, boi]
+    modality = [int(Modality.TEXT)] * (len(ids) - 1) + [int(Modality.STRUCTURE)]
+    return DrawPrompt(ids=ids, modality=modality, unconditional=[bos_id, boi])
+
+
+@dataclass(frozen=True)
+class CaptionPrompt:
+    ids: list[int]  # <bos> [image block] [text]
+    modality: list[int]
+    image_ids: list[int] | None  # 0 on the block, -1 elsewhere; None for causal-only models
+
+
+def caption_prompt(
+    block: np.ndarray,
+    block_modality: np.ndarray,
+    text_ids: list[int],
+    *,
+    bos_id: int,
+    bidirectional_images: bool,
+) -> CaptionPrompt:
+    """The caption prompt for an image block (``data.layout.image_tokens``) and the text ids
+    that follow it (empty for a bare caption)."""
+    ids = [bos_id, *block.tolist(), *text_ids]
+    text = int(Modality.TEXT)
+    modality = [text, *block_modality.tolist(), *[text] * len(text_ids)]
+    image_ids = None
+    if bidirectional_images:
+        image_ids = [-1] + [0] * len(block) + [-1] * len(text_ids)
+    return CaptionPrompt(ids=ids, modality=modality, image_ids=image_ids)
 
 
 class TextOnly:
@@ -223,8 +268,6 @@ class Generator:
 
     # --- requests ------------------------------------------------------------------------------
     def continue_text(self, prompt: str, *, code: bool = False, **sampling) -> dict:
-        from data.vocab import Modality
-
         body = self.text.encode(prompt)
         ids = [self.text.bos_id, *body]
         mod = [int(Modality.TEXT)] + [int(Modality.CODE if code else Modality.TEXT)] * len(body)
