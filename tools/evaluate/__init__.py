@@ -78,22 +78,22 @@ def run_data_options(release) -> dict:
     return out
 
 
-def overlap(val_tables, train_tables, *, progress: bool = False) -> dict:
-    """Held-out documents whose ids equal a training document's."""
+def documents(tables, what: str, progress: bool):
+    """Every document of ``tables`` in index order, under a progress bar named ``what``."""
     from tqdm import tqdm
 
     from data.token_docs import iter_documents
 
-    def docs(tables, what):
-        total = sum(len(t) for t in tables)
-        return tqdm(
-            iter_documents(tables), total=total, desc=what, unit=" docs", disable=not progress
-        )
+    total = sum(len(table) for table in tables)
+    return tqdm(iter_documents(tables), total=total, desc=what, unit=" docs", disable=not progress)
 
-    seen = {doc.content_hash() for doc in docs(train_tables, "training hashes")}
+
+def overlap(val_tables, train_tables, *, progress: bool = False) -> dict:
+    """Held-out documents whose ids equal a training document's."""
+    seen = {doc.content_hash() for doc in documents(train_tables, "training hashes", progress)}
     by_source: dict[str, int] = {}
     checked = 0
-    for doc in docs(val_tables, "held-out hashes"):
+    for doc in documents(val_tables, "held-out hashes", progress):
         checked += 1
         if doc.content_hash() in seen:
             by_source[doc.source] = by_source.get(doc.source, 0) + 1
@@ -102,9 +102,8 @@ def overlap(val_tables, train_tables, *, progress: bool = False) -> dict:
 
 def evaluate(args) -> dict:
     import torch
-    from tqdm import tqdm
 
-    from data.token_docs import iter_documents, source_tables
+    from data.token_docs import source_tables
     from data.unigram import Unigram
     from tools.evaluate.heldout import heldout_losses, token_byte_lengths
     from tools.evaluate.pair_dependence import dependence_gaps, find_pair
@@ -151,13 +150,7 @@ def evaluate(args) -> dict:
     say("dependence ...")
     pairs: list = []
     per_group: dict[tuple[str, str], int] = {}
-    for doc in tqdm(
-        iter_documents(val),
-        total=sum(len(t) for t in val),
-        desc="pairs",
-        unit=" docs",
-        disable=not progress,
-    ):
+    for doc in documents(val, "pairs", progress):
         pair = find_pair(doc.source, doc.key, doc.ids, doc.modality, doc.blocks)
         if pair is None:
             continue
