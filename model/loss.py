@@ -275,7 +275,7 @@ def lm_loss(
 
 class OutputHead(nn.Module):
     """The untied LM head (state-dict key ``output.weight``, like an nn.Linear). With labels its
-    forward returns the LossResult; without, float32 logits."""
+    forward returns the LossResult; without, float32 logits (``logits``)."""
 
     def __init__(
         self, dim: int, vocab_size: int, cfg: LossConfig, *, text_end: int, visual_start: int
@@ -293,7 +293,7 @@ class OutputHead(nn.Module):
         moe: dict[str, Tensor] | None = None,
     ) -> LossResult | Tensor:
         if labels is None:
-            return F.linear(final, self.weight).float()
+            return self.logits(final)
         if residual is None or label_modality is None:
             raise ValueError("a loss needs the pre-norm residual and the labels' modalities")
         return lm_loss(
@@ -307,3 +307,8 @@ class OutputHead(nn.Module):
             visual_start=self.visual_start,
             moe=moe,
         )
+
+    def logits(self, final: Tensor) -> Tensor:
+        """Float32 logits [..., V] of final-normed hidden states [..., D]: an evaluation that
+        scores a few positions of a long row passes those positions only."""
+        return F.linear(final, self.weight).float()

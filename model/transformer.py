@@ -12,10 +12,12 @@ Design choices:
   depth scaling); the LM head gets dim^-0.5, so initial logits have unit scale and the
   initial loss is about ln V.
 - ``forward`` takes the loader's batch tensors by name (``model(**batch)`` works) and returns a
-  ``LossResult`` when labels are given, logits otherwise. The attention mask and RoPE cos/sin are
-  built once per batch and shared by all layers (with local/global attention: two masks and two
-  RoPE tables, each shared by the layers of its kind). The model is a plain nn.Module: DeepSpeed
-  wraps it as is and calls ``engine.backward(result.loss)``.
+  ``LossResult`` when labels are given, logits otherwise; ``final_hidden`` stops before the
+  head, for evaluations that score a few positions of a long row (``output.logits`` of those
+  positions: the head's maths stays in one place, model/loss.py). The attention mask and RoPE
+  cos/sin are built once per batch and shared by all layers (with local/global attention: two
+  masks and two RoPE tables, each shared by the layers of its kind). The model is a plain
+  nn.Module: DeepSpeed wraps it as is and calls ``engine.backward(result.loss)``.
 - Activation checkpointing is a per-block flag (``activation_checkpoint_every``: 1 = every
   block, 2 = every other, 0 = none), non-reentrant torch.utils.checkpoint.
 - ``compile_blocks`` compiles each block and the loss head on their own (``torch.compile``,
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -319,6 +321,49 @@ class Transformer(nn.Module):
         batch says so); None: worked out without a read-back from the device
         (``build_attention_mask``).
         Returns a LossResult when ``labels`` (already shifted) are given, else logits [B, T, V]."""
+        hidden, stats, modality = self._hidden(
+            input_ids,
+            modality=modality,
+            position_ids=position_ids,
+            position_thw=position_thw,
+            doc_ids=doc_ids,
+            image_ids=image_ids,
+            mask=mask,
+            one_doc_rows=one_doc_rows,
+        )
+        final = self.norm(hidden)
+        if labels is None:
+            return self.output(final)
+        if label_modality is None:
+            # The target of position i is the token at i + 1; the last position keeps its own.
+            label_modality = torch.cat([modality[:, 1:], modality[:, -1:]], dim=1)
+        return self.output(final, hidden, labels, label_modality, self._moe_summary(stats))
+
+    def final_hidden(self, input_ids: Tensor, **inputs: Any) -> Tensor:
+        """The final-normed hidden states [B, T, D] that the output head reads, from forward's
+        inputs (the loss's own, ``labels`` and ``label_modality``, are passed over). Without
+        labels, forward returns [B, T, V] float32 logits, 34 GB for one row of 128k tokens and a
+        64k vocabulary; an evaluation that scores a few positions of such a row takes these and
+        ``output.logits`` of the positions it scores."""
+        for key in ("labels", "label_modality", "num_real_tokens"):
+            inputs.pop(key, None)
+        hidden, _, _ = self._hidden(input_ids, **inputs)
+        return self.norm(hidden)
+
+    def _hidden(
+        self,
+        input_ids: Tensor,
+        *,
+        modality: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        position_thw: Tensor | None = None,
+        doc_ids: Tensor | None = None,
+        image_ids: Tensor | None = None,
+        mask: AttentionMask | None = None,
+        one_doc_rows: bool | None = None,
+    ) -> tuple[Tensor, list, Tensor]:
+        """The last block's output (the pre-norm residual), the blocks' MoE statistics and the
+        modality ids, with forward's defaults for the inputs left out."""
         batch_size, seq_len = input_ids.shape
         if modality is None:
             modality = torch.full_like(input_ids, int(Modality.TEXT))
@@ -348,13 +393,7 @@ class Transformer(nn.Module):
             modality=modality,
             mask=mask,
         )
-        final = self.norm(hidden)
-        if labels is None:
-            return self.output(final)
-        if label_modality is None:
-            # The target of position i is the token at i + 1; the last position keeps its own.
-            label_modality = torch.cat([modality[:, 1:], modality[:, -1:]], dim=1)
-        return self.output(final, hidden, labels, label_modality, self._moe_summary(stats))
+        return hidden, stats, modality
 
     def blocks(self) -> list[Block]:
         """The layers, typed (an nn.ModuleList only knows it holds modules)."""

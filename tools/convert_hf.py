@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from tools.release import check_out
 from train.release import LAYOUT, TOKENIZER, Release, ReleaseError
 
 EXAMPLES = """\
@@ -319,8 +320,7 @@ def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=
             f"{rel.path}: the model does not map onto Qwen3 (the Hugging Face architecture we "
             f"export to): " + "; ".join(blocked)
         )
-    if out.exists() and any(out.iterdir()) and not force:
-        raise ReleaseError(f"{out} exists and is not empty (use --force to replace it)")
+    check_out(out, force)
     from transformers import Qwen3ForCausalLM
 
     tok = rel.text_tokenizer()

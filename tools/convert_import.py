@@ -73,7 +73,8 @@ def architecture_overrides(rel: Release) -> list[str]:
 
 
 def compose_run_config(overrides: list[str]):
-    """The typed RunConfig ``earlyfuse-train OVERRIDES`` would run with."""
+    """The typed RunConfig ``earlyfuse-train OVERRIDES`` would run with, and its resolved YAML
+    (what the run writes as config.yaml)."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -83,7 +84,7 @@ def compose_run_config(overrides: list[str]):
     try:
         with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
             cfg = compose(config_name="config", overrides=overrides)
-        return to_run_config(cfg)[0]
+        return to_run_config(cfg)
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         raise ReleaseError(
             f"the overrides {overrides} do not make a training config: {e}"
@@ -91,7 +92,7 @@ def compose_run_config(overrides: list[str]):
 
 
 def check_against_run(rel: Release, state: dict, overrides: list[str]) -> list[str]:
-    cfg = compose_run_config(overrides)
+    cfg, _ = compose_run_config(overrides)
     layout: VocabLayout | None = None  # an LM run's
     tok_folder: Path | None = None
     if cfg.task == "lm":

@@ -1,14 +1,17 @@
 """What ``earlyfuse-generate`` does with a release (train/release.py): the ``Generator`` loads it
 once and serves requests with the KV-cached ``model.generate``: continue text or code, caption
 an image, draw an image to PNG. The command line and the JSONL batch runner are
-tools/generate.py; this file is separate so that other code (the HF export's check, the
-evaluation's text-only constraint) can use the requests without the command's parsing.
+tools/generate.py; this file is separate so that other code (the HF export's check, the scene
+evaluation's drawings and captions: ``sample``, ``draw_image``, ``caption_codes``) samples as
+the command does, without its parsing.
 
 Design choices:
 - Prompts are built the way the token shards are (data/tokenize/encoder.py): a document starts
   with ``<|bos|>``; an image is an Emu3-style block from the release's visual tokenizer at the
   training pixel budget (config.json ``tokenize.image_max_pixels``); text ends with ``<|eos|>``.
-  The drawing prompt and its unconditional twin come from tools/prompts.py.
+  A drawing's request without its caption, ``<bos> <boi>``, is what classifier-free guidance
+  contrasts it with; a caption prompt for a model trained with bidirectional image blocks
+  carries the image ids that let the block see itself both ways, as in training.
 - Text and captions are sampled under a text-only mask (no pad, no bos, no structure tokens,
   no codes), so what is printed is the BPE's decode: valid UTF-8, always (a byte sequence the
   model leaves incomplete decodes to U+FFFD). ``<|eos|>`` ends it.
@@ -33,11 +36,54 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tools.prompts import caption_prompt, draw_prompt
+from data.vocab import Modality, VocabLayout
 from train.release import Release, ReleaseError
 
 MAX_SOURCE_PIXELS = 64_000_000  # input images, by their header (ingest's --max-image-pixels)
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+
+
+# --- prompts --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DrawPrompt:
+    ids: list[int]  # <bos> caption <boi>
+    modality: list[int]  # text for <bos> and the caption, structure for <boi>
+    # <bos> <boi>: the request without its caption (the unconditional side of guidance)
+    unconditional: list[int]
+
+
+def draw_prompt(caption_ids: list[int], *, bos_id: int, layout: VocabLayout) -> DrawPrompt:
+    """The drawing prompt for a caption's text ids (``TextTokenizer.encode``; no specials)."""
+    boi = layout.structure_id("<boi>")
+    ids = [bos_id, *caption_ids, boi]
+    modality = [int(Modality.TEXT)] * (len(ids) - 1) + [int(Modality.STRUCTURE)]
+    return DrawPrompt(ids=ids, modality=modality, unconditional=[bos_id, boi])
+
+
+@dataclass(frozen=True)
+class CaptionPrompt:
+    ids: list[int]  # <bos> [image block] [text]
+    modality: list[int]
+    image_ids: list[int] | None  # 0 on the block, -1 elsewhere; None for causal-only models
+
+
+def caption_prompt(
+    block: np.ndarray,
+    block_modality: np.ndarray,
+    text_ids: list[int],
+    *,
+    bos_id: int,
+    bidirectional_images: bool,
+) -> CaptionPrompt:
+    """The caption prompt for an image block (``data.layout.image_tokens``) and the text ids
+    that follow it (empty for a bare caption)."""
+    ids = [bos_id, *block.tolist(), *text_ids]
+    text = int(Modality.TEXT)
+    modality = [text, *block_modality.tolist(), *[text] * len(text_ids)]
+    image_ids = None
+    if bidirectional_images:
+        image_ids = [-1] + [0] * len(block) + [-1] * len(text_ids)
+    return CaptionPrompt(ids=ids, modality=modality, image_ids=image_ids)
 
 
 class TextOnly:
@@ -56,6 +102,140 @@ class TextOnly:
 
     def allowed(self, remaining: int) -> torch.Tensor:
         return self.mask[None]
+
+    @classmethod
+    def of(cls, parts) -> TextOnly:
+        """The text ids of ``parts.model``'s vocabulary but its text tokenizer's pad and bos."""
+        return cls(
+            parts.model.cfg.vocab_size,
+            parts.layout.text_size,
+            [parts.text.pad_id, parts.text.bos_id],
+        )
+
+
+def sample(
+    parts,
+    ids: list[int],
+    modality: list[int],
+    *,
+    constraint,
+    stop: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    image_ids: list[int] | None = None,
+    unconditional: list[int] | None = None,
+    guidance: float = 1.0,
+) -> list[int]:
+    """The ids the KV-cached ``generate`` appends to one prompt (``ids``, its ``modality`` and the
+    ``image_ids`` of its bidirectional blocks), from a ``torch.Generator`` seeded with ``seed``;
+    ``unconditional``: the prompt that classifier-free ``guidance`` contrasts with. ``parts``:
+    what holds the ``model``, its ``layout``, ``text`` tokenizer and (to draw) ``vtok``, a
+    Generator or earlyfuse-eval's SceneJudge, which sample the same way."""
+    from model.generate import SamplingConfig, generate
+
+    device = parts.model.output.weight.device
+
+    def row(values):  # one row [1, n] of a batch, or None
+        return None if values is None else torch.tensor([values], dtype=torch.long, device=device)
+
+    out = generate(
+        parts.model,
+        row(ids),
+        sampling=SamplingConfig(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            stop_ids=stop,
+            pad_id=parts.text.pad_id,
+        ),
+        constraint=constraint,
+        layout=parts.layout,
+        modality=row(modality),
+        image_ids=row(image_ids),
+        generator=torch.Generator(device=device).manual_seed(int(seed)),
+        unconditional_ids=row(unconditional),
+        guidance=guidance,
+    )
+    return out[0, len(ids) :].tolist()
+
+
+def caption_codes(parts, codes: np.ndarray, prompt: str = "", **sampling) -> list:
+    """The text ids sampled after ``<bos> [the image block of codes] prompt`` (the block's image
+    ids passed for bidirectional attention) under the text-only mask, ``<|eos|>`` ending them."""
+    from data.layout import image_tokens
+
+    text = parts.text
+    asked = caption_prompt(
+        *image_tokens(codes, parts.layout),
+        text.encode(prompt) if prompt else [],
+        bos_id=text.bos_id,
+        bidirectional_images=parts.model.cfg.attention.bidirectional_images,
+    )
+    return sample(
+        parts,
+        asked.ids,
+        asked.modality,
+        constraint=TextOnly.of(parts),
+        stop=[text.eos_id],
+        image_ids=asked.image_ids,
+        **sampling,
+    )
+
+
+def draw_image(
+    parts,
+    caption: str,
+    *,
+    size: tuple[int, int] | None,
+    side: int,
+    max_new_tokens: int = 0,
+    guidance: float = 1.0,
+    **sampling,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """The image block sampled after ``<bos> caption <boi>`` under ``ImageConstraint`` (the grid
+    ``size``, or the model's choice up to ``side`` a side), decoded: (code grid, pixels [H, W, 3],
+    tokens sampled)."""
+    from data.layout import image_block_len, parse_image
+    from model.generate import ImageConstraint
+
+    layout = parts.layout
+    boi, eoi = layout.structure_id("<boi>"), layout.structure_id("<eoi>")
+    need = image_block_len(*(size or (side, side))) - 1  # everything after <boi>
+    asked = draw_prompt(parts.text.encode(caption), bos_id=parts.text.bos_id, layout=layout)
+    try:
+        constraint = ImageConstraint(
+            layout, 1, vocab_size=parts.model.cfg.vocab_size, max_h=side, max_w=side, size=size
+        )
+    except ValueError as e:
+        raise ReleaseError(f"--size: {e}") from None
+    new = sample(
+        parts,
+        asked.ids,
+        asked.modality,
+        constraint=constraint,
+        stop=[eoi],
+        max_new_tokens=max(need, max_new_tokens),
+        # guidance contrasts the caption with the same request without it: <bos> <boi>
+        unconditional=asked.unconditional,
+        guidance=guidance,
+        **sampling,
+    )
+    block = [boi, *new[: new.index(eoi) + 1]] if eoi in new else [boi, *new]
+    codes = parse_image(block, layout)  # the grammar guarantees a well-formed block
+    with torch.no_grad():
+        image = parts.vtok.decode(
+            torch.from_numpy(codes)[None].to(parts.model.output.weight.device)
+        )
+    return codes, to_pixels(image[0]), len(new)
+
+
+def to_pixels(image: torch.Tensor) -> np.ndarray:
+    """A decoded image [3, H, W] in [-1, 1] as uint8 pixels [H, W, 3]."""
+    return ((image.float().cpu().permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255).byte().numpy()
 
 
 @dataclass
@@ -83,76 +263,16 @@ class Generator:
             self._vtok = self.release.visual_tokenizer(self.device)
         return self._vtok
 
-    # --- sampling ------------------------------------------------------------------------------
-    def _run(
-        self,
-        ids: list[int],
-        modality: list[int],
-        *,
-        constraint,
-        stop: list[int],
-        max_new_tokens: int,
-        temperature: float,
-        top_k: int,
-        top_p: float,
-        seed: int,
-        image_ids: list[int] | None = None,
-        unconditional: list[int] | None = None,
-        guidance: float = 1.0,
-    ) -> list[int]:
-        from model.generate import SamplingConfig, generate
-
-        sampling = SamplingConfig(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            stop_ids=stop,
-            pad_id=self.text.pad_id,
-        )
-        gen = torch.Generator(device=self.device).manual_seed(int(seed))
-        prompt = torch.tensor([ids], dtype=torch.long, device=self.device)
-        mod = torch.tensor([modality], dtype=torch.long, device=self.device)
-        img = (
-            torch.tensor([image_ids], dtype=torch.long, device=self.device)
-            if image_ids is not None
-            else None
-        )
-        out = generate(
-            self.model,
-            prompt,
-            sampling=sampling,
-            constraint=constraint,
-            layout=self.layout,
-            modality=mod,
-            image_ids=img,
-            generator=gen,
-            unconditional_ids=(
-                torch.tensor([unconditional], dtype=torch.long, device=self.device)
-                if unconditional is not None
-                else None
-            ),
-            guidance=guidance,
-        )
-        return out[0, len(ids) :].tolist()
-
-    def _text_constraint(self) -> TextOnly:
-        return TextOnly(
-            self.model.cfg.vocab_size, self.layout.text_size, [self.text.pad_id, self.text.bos_id]
-        )
-
     def _until_eos(self, new: list[int]) -> list[int]:
         return new[: new.index(self.text.eos_id)] if self.text.eos_id in new else new
 
     # --- requests ------------------------------------------------------------------------------
     def continue_text(self, prompt: str, *, code: bool = False, **sampling) -> dict:
-        from data.vocab import Modality
-
         body = self.text.encode(prompt)
         ids = [self.text.bos_id, *body]
         mod = [int(Modality.TEXT)] + [int(Modality.CODE if code else Modality.TEXT)] * len(body)
-        new = self._run(
-            ids, mod, constraint=self._text_constraint(), stop=[self.text.eos_id], **sampling
+        new = sample(
+            self, ids, mod, constraint=TextOnly.of(self), stop=[self.text.eos_id], **sampling
         )
         kept = self._until_eos(new)
         # Decode prompt and continuation together, so a character split across the boundary is whole.
@@ -165,11 +285,10 @@ class Generator:
             "stopped": self.text.eos_id in new,
         }
 
-    def encode_image(self, path: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(ids, modality, code grid [H, W]) of an image file's block."""
+    def encode_image(self, path: str | Path) -> np.ndarray:
+        """The code grid [H, W] of an image file."""
         from data.image_crops import to_tensor
         from data.image_prep import ImagePrep, load_image
-        from data.layout import image_tokens
 
         try:
             raw = Path(path).read_bytes()
@@ -185,26 +304,11 @@ class Generator:
                 f"{path}: cannot read the image ({type(e).__name__}: {str(e)[:300]})"
             ) from None
         with torch.no_grad():
-            codes = self.vtok.encode(to_tensor(arr[None]).to(self.device))[0].cpu().numpy()
-        return (*image_tokens(codes, self.layout), codes)
+            return self.vtok.encode(to_tensor(arr[None]).to(self.device))[0].cpu().numpy()
 
     def caption(self, image: str | Path, prompt: str = "", **sampling) -> dict:
-        block, bmod, codes = self.encode_image(image)
-        asked = caption_prompt(
-            block,
-            bmod,
-            self.text.encode(prompt) if prompt else [],
-            bos_id=self.text.bos_id,
-            bidirectional_images=self.model.cfg.attention.bidirectional_images,
-        )
-        new = self._run(
-            asked.ids,
-            asked.modality,
-            constraint=self._text_constraint(),
-            stop=[self.text.eos_id],
-            image_ids=asked.image_ids,
-            **sampling,
-        )
+        codes = self.encode_image(image)
+        new = caption_codes(self, codes, prompt, **sampling)
         return {
             "kind": "caption",
             "text": self.text.decode(self._until_eos(new)),
@@ -237,47 +341,19 @@ class Generator:
         guidance: float = 1.0,
         **sampling,
     ) -> dict:
-        from data.layout import image_block_len, parse_image
-        from model.generate import ImageConstraint
-
-        lay = self.layout
-        boi, eoi = lay.structure_id("<boi>"), lay.structure_id("<eoi>")
         grid_from = "given" if size else ("the model's choice" if max_size else "")
         if size is None and max_size is None:
             size = self.training_grid()
             grid_from = "the training images' most common" if size else "the model's choice"
         side = max([max_size or self.default_max_size(), *(size or ())])
-        need = (
-            image_block_len(*size) - 1 if size else image_block_len(side, side) - 1
-        )  # everything after <boi>
-        asked = draw_prompt(self.text.encode(prompt), bos_id=self.text.bos_id, layout=lay)
-        try:
-            constraint = ImageConstraint(
-                lay, 1, vocab_size=self.model.cfg.vocab_size, max_h=side, max_w=side, size=size
-            )
-        except ValueError as e:
-            raise ReleaseError(f"--size: {e}") from None
-        new = self._run(
-            asked.ids,
-            asked.modality,
-            constraint=constraint,
-            stop=[eoi],
-            max_new_tokens=max(need, max_new_tokens or 0),
-            # guidance contrasts the caption with the same request without it: <bos> <boi>
-            unconditional=asked.unconditional,
+        codes, arr, count = draw_image(
+            self,
+            prompt,
+            size=size,
+            side=side,
+            max_new_tokens=max_new_tokens or 0,
             guidance=guidance,
             **sampling,
-        )
-        block = [boi, *new[: new.index(eoi) + 1]] if eoi in new else [boi, *new]
-        codes = parse_image(block, lay)  # the grammar guarantees a well-formed block
-        with torch.no_grad():
-            img = self.vtok.decode(torch.from_numpy(codes)[None].to(self.device))[0]
-        arr = (
-            ((img.float().cpu().permute(1, 2, 0) + 1) * 127.5)
-            .round()
-            .clamp(0, 255)
-            .to(torch.uint8)
-            .numpy()
         )
         from PIL import Image
 
@@ -290,7 +366,7 @@ class Generator:
             "grid": list(codes.shape),
             "grid_from": grid_from,
             "pixels": [arr.shape[1], arr.shape[0]],
-            "tokens": len(new),
+            "tokens": count,
         }
 
     def request(self, req: dict, defaults: dict) -> dict:

@@ -159,6 +159,22 @@ def test_forward_takes_a_loader_batch_and_returns_logits_without_labels(kit, mix
     assert model(mixed_batch["input_ids"]).shape == (2, 64, kit.layout.size)
 
 
+def test_final_hidden_and_the_heads_logits_of_some_positions_are_the_forward_ones(kit, mixed_batch):
+    """What an evaluation of long rows reads (tools/evaluate/logits.py): the hidden states the
+    head reads, then the head's logits of a few positions only, from the whole batch (labels
+    included: they are passed over)."""
+    torch.manual_seed(0)
+    model = kit.tiny_config().build()
+    with torch.no_grad():
+        full = model(**{k: v for k, v in mixed_batch.items() if k != "labels"})
+        final = model.final_hidden(**mixed_batch)
+        rows, cols = torch.tensor([0, 1, 1]), torch.tensor([3, 0, 63])
+        picked = model.output.logits(final[rows, cols])
+    assert final.shape == (2, 64, model.cfg.dim)
+    assert picked.dtype == torch.float32
+    torch.testing.assert_close(picked, full[rows, cols])
+
+
 def test_bf16_model_trains_and_matches_fp32_loss(kit, mixed_batch):
     torch.manual_seed(0)
     cfg = kit.tiny_config(moe=MoEConfig(num_experts=2, top_k=1))

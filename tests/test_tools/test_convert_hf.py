@@ -96,7 +96,7 @@ def test_a_feature_qwen3_lacks_is_refused_by_name(release, tmp_path, capsys):
 def test_hf_greedy_text_generation_equals_earlyfuse_generate(release, tmp_path):
     """AutoTokenizer starts the prompt with <|bos|>, generation_config.json suppresses every
     non-text id, so transformers' greedy generate gives earlyfuse-generate's tokens."""
-    from tools.generate_requests import Generator
+    from tools.generate_requests import Generator, TextOnly, sample
 
     out = tmp_path / "hf"
     assert convert_main(["hf", str(release), str(out)]) == 0
@@ -110,10 +110,11 @@ def test_hf_greedy_text_generation_equals_earlyfuse_generate(release, tmp_path):
         assert ids[0, 0].item() == ours.text.bos_id
         assert ids[0, 1:].tolist() == ours.text.encode(prompt)
         got = hf.generate(ids, max_new_tokens=30)[0, ids.shape[1] :].tolist()
-        want = ours._run(
+        want = sample(
+            ours,
             [ours.text.bos_id, *ours.text.encode(prompt)],
             [0] * ids.shape[1],
-            constraint=ours._text_constraint(),
+            constraint=TextOnly.of(ours),
             stop=[ours.text.eos_id],
             max_new_tokens=30,
             temperature=0.0,
@@ -273,7 +274,7 @@ def test_grid_model_greedy_generation_equals_earlyfuse_generate(grid_export, tin
     inside an open image (every id allowed: codes generated against the KV cache get their rows
     and columns from the whole history) are our generate's tokens."""
     from data.vocab import Modality
-    from tools.generate_requests import Generator
+    from tools.generate_requests import Generator, TextOnly, sample
 
     rel_path, out = grid_export
     hf = transformers.AutoModelForCausalLM.from_pretrained(
@@ -289,10 +290,11 @@ def test_grid_model_greedy_generation_equals_earlyfuse_generate(grid_export, tin
         _, modality = tracked(prompt, layout)
         ids = torch.tensor([prompt])
         got = hf.generate(ids, max_new_tokens=12)[0, len(prompt) :].tolist()
-        want = ours._run(
+        want = sample(
+            ours,
             prompt,
             modality[0].tolist(),
-            constraint=ours._text_constraint(),
+            constraint=TextOnly.of(ours),
             max_new_tokens=12,
             **sampling,
         )
@@ -310,7 +312,9 @@ def test_grid_model_greedy_generation_equals_earlyfuse_generate(grid_export, tin
         output_logits=True,
     )
     got = result.sequences[0, len(prompt) :].tolist()
-    want = ours._run(prompt, modality[0].tolist(), constraint=None, max_new_tokens=24, **sampling)
+    want = sample(
+        ours, prompt, modality[0].tolist(), constraint=None, max_new_tokens=24, **sampling
+    )
     assert got == want, (got, want)
     assert sum(layout.is_code(token) for token in got) >= 4, got  # it drew codes
     # Each step's logits (the KV-cached path) are our model's over the whole sequence.

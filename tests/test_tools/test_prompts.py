@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from data.text_tokenizer import TextTokenizer
 from data.vocab import Modality
-from tools.prompts import draw_prompt
+from tools.generate_requests import draw_prompt
 
 
 def test_draw_prompt_is_what_generate_and_the_scene_evaluation_built(tiny_tokenizers):
@@ -37,7 +37,7 @@ def test_caption_prompt_is_what_generate_and_the_scene_evaluation_built(tiny_tok
     import numpy as np
 
     from data.layout import image_tokens
-    from tools.prompts import caption_prompt
+    from tools.generate_requests import caption_prompt
 
     text = TextTokenizer.load(tiny_tokenizers[0])
     block, bmod = image_tokens(np.arange(6).reshape(2, 3), text.layout)

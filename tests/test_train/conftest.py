@@ -7,18 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
 
-COLOURS = {
-    "red": (220, 30, 30),
-    "green": (30, 200, 40),
-    "blue": (30, 60, 220),
-    "yellow": (230, 220, 30),
-    "purple": (140, 40, 170),
-    "orange": (240, 140, 20),
-    "black": (10, 10, 10),
-    "white": (245, 245, 245),
-}
+from tools.monitor_eval.data import colour_square
 
 
 @pytest.fixture(scope="session")
@@ -35,11 +25,8 @@ def colour_tokens(tiny_tokenizers, tmp_path_factory) -> Path:
     rng = np.random.default_rng(0)
     rows = []
     for i in range(160):
-        name = list(COLOURS)[i % len(COLOURS)]
-        px = np.clip(np.array(COLOURS[name]) + rng.integers(-6, 7, (32, 32, 3)), 0, 255).astype(
-            np.uint8
-        )
-        Image.fromarray(px).save(folder / f"c{i:03d}.png")
+        image, name = colour_square(i, rng)
+        image.save(folder / f"c{i:03d}.png")
         rows.append({"image": f"c{i:03d}.png", "caption": f"a {name} square."})
     (folder / "captions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     raw = root / "raw"

@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model.attention import build_attention_mask  # noqa: E402
+from tools.bench.gpu_table import MASK_HEAD, mask_result_rows  # noqa: E402
 from train.memory import is_out_of_memory  # noqa: E402
 
 MIB = 2**20
@@ -110,21 +111,7 @@ def measure(
 
 
 def table(results: list[dict]) -> str:
-    lines = [
-        "| tokens | mask | first build s | build ms | index MiB | peak build MiB |",
-        "|---|---|---|---|---|---|",
-    ]
-    for res in results:
-        name = res["kind"] + (f" (window {res['window']})" if res["kind"] == "local" else "")
-        if res.get("error"):
-            lines.append(f"| {res['seq_len']:,} | {name} | {res['error']} | | | |")
-            continue
-        peak = f"{res['peak_build_mib']:,.1f}" if res["peak_build_mib"] is not None else "-"
-        lines.append(
-            f"| {res['seq_len']:,} | {name} | {res['first_build_s']:.1f} | "
-            f"{res['build_s'] * 1e3:,.1f} | {res['index_mib']:,.2f} | {peak} |"
-        )
-    return "\n".join(lines) + "\n"
+    return "\n".join([MASK_HEAD, *mask_result_rows(results)]) + "\n"
 
 
 def parser() -> argparse.ArgumentParser:

@@ -22,7 +22,6 @@ measures the old behaviour too (every document handed out whole).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -63,23 +62,16 @@ def figures(steps: list[dict[str, float]], weights: dict[str, float]) -> dict:
 
 
 def from_run(run: Path) -> tuple[list[dict[str, float]], dict[str, float]]:
-    import yaml
+    """Each logged step's ``mix/<source>`` shares and the config's weights, read as
+    earlyfuse-report reads the run (after a resume the last record of a step wins)."""
+    from tools.report.run import load_run
 
-    cfg = yaml.safe_load((run / "config.yaml").read_text())
-    weights = {
-        source["name"]: float(source.get("weight", 1.0)) for source in cfg["data"]["sources"]
-    }
-    by_step: dict[int, dict[str, float]] = {}
-    with open(run / "metrics.jsonl", encoding="utf-8") as metrics_file:
-        for line in metrics_file:
-            try:
-                rec = json.loads(line)
-            except ValueError:  # a half-written last line of a running job
-                continue
-            mix = {key[4:]: value for key, value in rec.items() if key.startswith("mix/")}
-            if mix and "step" in rec:
-                by_step[int(rec["step"])] = mix  # after a resume the last record of a step wins
-    return [by_step[key] for key in sorted(by_step)], weights
+    data = load_run(run)
+    steps = [
+        {key[4:]: value for key, value in data.records[step].items() if key.startswith("mix/")}
+        for step in data.steps
+    ]
+    return [mix for mix in steps if mix], data.target_mix
 
 
 def from_loader(data_yaml: Path, steps: int, micro_batch: int, mix_chunk: int, whole: bool):

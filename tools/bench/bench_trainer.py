@@ -66,24 +66,15 @@ class Replay:
         return None
 
 
-def compose(overrides: list[str]):
-    from hydra import compose as hcompose
-    from hydra import initialize_config_dir
-
-    import train.app as app
-
-    with initialize_config_dir(config_dir=app.CONFIG_DIR, version_base="1.3"):
-        return app.to_run_config(hcompose("config", overrides=overrides))
-
-
 def overhead(experiment: str, steps: int, rounds: int, run_dir: Path) -> dict:
     from contextlib import closing
 
+    from tools.convert_import import compose_run_config
     from train.build import build_trainer
     from train.dist import init_distributed
     from train.names import MODEL_INPUTS
 
-    cfg, yaml = compose(
+    cfg, yaml = compose_run_config(
         [
             f"experiment={experiment}",
             f"run_dir={run_dir}",

@@ -115,10 +115,14 @@ def long_rows(out: Path) -> list[str]:
 
 def mask_rows(out: Path) -> list[str]:
     path = out / "blockmask.json"
-    if not path.is_file():
-        return []
+    return mask_result_rows(read_json(path)["results"]) if path.is_file() else []
+
+
+def mask_result_rows(results: list[dict]) -> list[str]:
+    """The rows of MASK_HEAD's table, one per BlockMask measured (bench_block_mask.py prints
+    them as it goes)."""
     rows = []
-    for res in read_json(path)["results"]:
+    for res in results:
         name = res["kind"] + (f" (window {res['window']})" if res["kind"] == "local" else "")
         if res.get("error"):
             rows.append(f"| {res['seq_len']:,} | {name} | {res['error']} | | | |")

@@ -100,16 +100,11 @@ def run_data_options(release) -> dict:
     """``seq_len``, ``batch_rows`` (``train.micro_batch``) and ``whole_documents`` of the run the
     release came from, when its config is still there: the rows and batches its validation
     evaluated (empty otherwise)."""
-    run_dir = release.config.get("source", {}).get("run_dir")
-    if not run_dir or not (Path(run_dir) / "config.yaml").is_file():
-        return {}
-    import yaml
+    from tools.report.run import run_config
 
+    run_dir = release.config.get("source", {}).get("run_dir")
+    cfg = run_config(Path(run_dir)) if run_dir else {}
     out = {}
-    try:
-        cfg = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
-    except (OSError, ValueError):
-        return {}
     for key, section, name in (
         ("seq_len", "data", "seq_len"),
         ("batch_rows", "train", "micro_batch"),
@@ -118,7 +113,7 @@ def run_data_options(release) -> dict:
             out[key] = int(cfg[section][name])
         except (KeyError, TypeError, ValueError):
             pass
-    whole = (cfg.get("data") or {}).get("whole_documents") if isinstance(cfg, dict) else None
+    whole = (cfg.get("data") or {}).get("whole_documents")
     if isinstance(whole, bool):
         out["whole_documents"] = whole
     return out
@@ -170,22 +165,22 @@ def defaults_notice(release, values: dict, origin: dict) -> str | None:
     )
 
 
-def overlap(val_tables, train_tables, *, progress: bool = False) -> dict:
-    """Held-out documents whose ids equal a training document's."""
+def documents(tables, what: str, progress: bool):
+    """Every document of ``tables`` in index order, under a progress bar named ``what``."""
     from tqdm import tqdm
 
     from data.token_docs import iter_documents
 
-    def docs(tables, what):
-        total = sum(len(t) for t in tables)
-        return tqdm(
-            iter_documents(tables), total=total, desc=what, unit=" docs", disable=not progress
-        )
+    total = sum(len(table) for table in tables)
+    return tqdm(iter_documents(tables), total=total, desc=what, unit=" docs", disable=not progress)
 
-    seen = {doc.content_hash() for doc in docs(train_tables, "training hashes")}
+
+def overlap(val_tables, train_tables, *, progress: bool = False) -> dict:
+    """Held-out documents whose ids equal a training document's."""
+    seen = {doc.content_hash() for doc in documents(train_tables, "training hashes", progress)}
     by_source: dict[str, int] = {}
     checked = 0
-    for doc in docs(val_tables, "held-out hashes"):
+    for doc in documents(val_tables, "held-out hashes", progress):
         checked += 1
         if doc.content_hash() in seen:
             by_source[doc.source] = by_source.get(doc.source, 0) + 1
@@ -194,9 +189,8 @@ def overlap(val_tables, train_tables, *, progress: bool = False) -> dict:
 
 def evaluate(args) -> dict:
     import torch
-    from tqdm import tqdm
 
-    from data.token_docs import iter_documents, source_tables
+    from data.token_docs import source_tables
     from data.unigram import Unigram
     from tools.evaluate.heldout import heldout_losses, token_byte_lengths
     from tools.evaluate.pair_dependence import dependence_gaps, find_pair
@@ -247,13 +241,7 @@ def evaluate(args) -> dict:
     say("dependence ...")
     pairs: list = []
     per_group: dict[tuple[str, str], int] = {}
-    for doc in tqdm(
-        iter_documents(val),
-        total=sum(len(t) for t in val),
-        desc="pairs",
-        unit=" docs",
-        disable=not progress,
-    ):
+    for doc in documents(val, "pairs", progress):
         pair = find_pair(doc.source, doc.key, doc.ids, doc.modality, doc.blocks)
         if pair is None:
             continue

@@ -36,7 +36,7 @@ from data.loader import pack_documents
 from data.passkey import FILLER_SENTENCES, NEEDLE, QUESTION, random_key
 from data.token_docs import iter_documents
 from data.vocab import Modality
-from tools.evaluate.logits import final_hidden, logits_at
+from tools.evaluate.logits import final_hidden
 
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 _TEXT = int(Modality.TEXT)
@@ -71,7 +71,7 @@ def predictions(model, prompts: list[Prompt], length: int, pad_id: int, device, 
         final = final_hidden(model, pack_prompts(chunk, length, pad_id), device)
         rows = [row for row, p in enumerate(chunk) for _ in range(*p.target)]
         cols = [place - 1 for p in chunk for place in range(*p.target)]
-        guess = logits_at(model, final, torch.tensor(rows), torch.tensor(cols)).argmax(-1)
+        guess = model.output.logits(final[rows, cols]).argmax(-1)
         out[[start + row for row in rows], cols] = guess.cpu().numpy()
     return out
 

@@ -31,8 +31,7 @@ from data.demo_corpus.scene_scoring import score
 from data.demo_corpus.scenes import caption_facts
 from data.image_crops import to_tensor
 from data.image_prep import ImagePrep, load_image
-from data.layout import image_block_len, image_tokens, parse_image
-from tools.prompts import caption_prompt, draw_prompt
+from tools.generate_requests import caption_codes, draw_image, to_pixels
 
 ATTRIBUTES = ("colour", "shape", "position", "all")
 
@@ -86,10 +85,6 @@ def _shard_scenes(folder: Path) -> list[dict]:
     return out
 
 
-def _pixels(img: torch.Tensor) -> np.ndarray:
-    return ((img.float().cpu().permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255).byte().numpy()
-
-
 class SceneJudge:
     def __init__(self, model, layout, text, vtok, image_max_pixels: int, device) -> None:
         self.model, self.layout, self.text, self.vtok = model, layout, text, vtok
@@ -97,44 +92,6 @@ class SceneJudge:
         self.prep = ImagePrep(
             factor=vtok.cfg.factor, max_pixels=image_max_pixels, max_grid=layout.max_grid
         )
-
-    def _generate(
-        self,
-        ids,
-        mod,
-        constraint,
-        stop,
-        count,
-        temperature=0.0,
-        seed=0,
-        unconditional=None,
-        guidance=1.0,
-        image_ids=None,
-    ):
-        from model.generate import SamplingConfig, generate
-
-        out = generate(
-            self.model,
-            torch.tensor([ids], device=self.device),
-            sampling=SamplingConfig(
-                max_new_tokens=count,
-                temperature=temperature,
-                stop_ids=stop,
-                pad_id=self.text.pad_id,
-            ),
-            constraint=constraint,
-            layout=self.layout,
-            modality=torch.tensor([mod], device=self.device),
-            generator=torch.Generator(device=self.device).manual_seed(seed),
-            unconditional_ids=(
-                torch.tensor([unconditional], device=self.device) if unconditional else None
-            ),
-            guidance=guidance,
-            image_ids=(
-                torch.tensor([image_ids], device=self.device) if image_ids is not None else None
-            ),
-        )
-        return out[0, len(ids) :].tolist()
 
     @torch.no_grad()
     def image_of(self, image: str | bytes) -> tuple[np.ndarray, np.ndarray]:
@@ -153,58 +110,27 @@ class SceneJudge:
         seed: int = 0,
         guidance: float = 1.0,
     ) -> np.ndarray:
-        from model.generate import ImageConstraint
-
-        lay = self.layout
-        boi, eoi = lay.structure_id("<boi>"), lay.structure_id("<eoi>")
-        asked = draw_prompt(self.text.encode(caption), bos_id=self.text.bos_id, layout=lay)
-        constraint = ImageConstraint(lay, 1, vocab_size=self.model.cfg.vocab_size, size=grid)
-        new = self._generate(
-            asked.ids,
-            asked.modality,
-            constraint,
-            [eoi],
-            image_block_len(*grid) - 1,
-            temperature,
-            seed,
-            unconditional=asked.unconditional,  # the same picture asked for with no caption
-            guidance=guidance,
+        _, pixels, _ = draw_image(
+            self,
+            caption,
+            size=grid,
+            side=max(grid),
+            temperature=temperature,
+            seed=seed,
+            guidance=guidance,  # against the same picture asked for with no caption
         )
-        codes = parse_image([boi, *new[: new.index(eoi) + 1]], lay)
-        img = self.vtok.decode(torch.from_numpy(codes)[None].to(self.device))[0]
-        return _pixels(img)
+        return pixels
 
     @torch.no_grad()
     def caption(self, codes: np.ndarray, max_new_tokens: int = 48) -> str:
-        from tools.generate_requests import TextOnly
-
-        block, bmod = image_tokens(codes, self.layout)
-        # As earlyfuse-generate --caption asks (tools/prompts.py), bidirectional blocks included.
-        asked = caption_prompt(
-            block,
-            bmod,
-            [],
-            bos_id=self.text.bos_id,
-            bidirectional_images=self.model.cfg.attention.bidirectional_images,
-        )
-        constraint = TextOnly(
-            self.model.cfg.vocab_size, self.layout.text_size, [self.text.pad_id, self.text.bos_id]
-        )
-        new = self._generate(
-            asked.ids,
-            asked.modality,
-            constraint,
-            [self.text.eos_id],
-            max_new_tokens,
-            image_ids=asked.image_ids,
-        )
-        if self.text.eos_id in new:
-            new = new[: new.index(self.text.eos_id)]
-        return self.text.decode(new)
+        """Greedy, as earlyfuse-generate --caption asks (bidirectional image blocks included)."""
+        new = caption_codes(self, codes, max_new_tokens=max_new_tokens)
+        eos = self.text.eos_id
+        return self.text.decode(new[: new.index(eos)] if eos in new else new)
 
     @torch.no_grad()
     def ceiling(self, codes: np.ndarray) -> np.ndarray:
-        return _pixels(self.vtok.decode(torch.from_numpy(codes)[None].to(self.device))[0])
+        return to_pixels(self.vtok.decode(torch.from_numpy(codes)[None].to(self.device))[0])
 
 
 def _caption_score(text: str, facts: dict) -> dict[str, bool]:

@@ -84,19 +84,26 @@ class TokenDoc:
 # --- the base corpus ---------------------------------------------------------------------------------
 
 
+def colour_square(index: int, rng: np.random.Generator):
+    """The ``index``-th of the colour squares (the colours in turn, each a 32x32 PIL image of
+    its colour with a little noise) and its colour's name. The monitors' tests
+    (tests/test_train/conftest.py) draw theirs here too."""
+    from PIL import Image
+
+    name = list(COLOURS)[index % len(COLOURS)]
+    pixels = np.clip(np.array(COLOURS[name]) + rng.integers(-6, 7, (32, 32, 3)), 0, 255)
+    return Image.fromarray(pixels.astype(np.uint8)), name
+
+
 def _colour_corpus(folder: Path, count: int) -> None:
     """Solid colour squares with "a red square." captions: a caption that is a function of its
     image, so a model that reads its images learns a clear dependence (both directions)."""
-    from PIL import Image
-
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     rows, docs = [], []
-    names = list(COLOURS)
     for i in range(count):
-        name = names[i % len(names)]
-        pixels = np.clip(np.array(COLOURS[name]) + rng.integers(-6, 7, (32, 32, 3)), 0, 255)
-        Image.fromarray(pixels.astype(np.uint8)).save(folder / f"c{i:04d}.png")
+        image, name = colour_square(i, rng)
+        image.save(folder / f"c{i:04d}.png")
         rows.append({"image": f"c{i:04d}.png", "caption": f"a {name} square."})
         docs.append(
             {
@@ -118,8 +125,6 @@ def build_base(root: Path, *, scale: float, colours: int) -> Path:
     from data.demo_corpus import build
     from data.ingest import ingest
     from data.sources import Limits
-    from data.tokenize.encoder import TokenizeOptions
-    from data.tokenize.run import tokenize
     from data.train_text_tokenizer import train_text_tokenizer
     from model.visual_tokenizer import vtok_debug
     from train.tasks.vtok import save_visual_tokenizer
@@ -147,24 +152,25 @@ def build_base(root: Path, *, scale: float, colours: int) -> Path:
     torch.manual_seed(0)
     vcfg = vtok_debug()
     save_visual_tokenizer(vcfg.build().state_dict(), vcfg, root / "tok" / "visual")
-    tokenize(
-        root / "raw",
-        root / "tokens",
-        root / "tok" / "text",
-        root / "tok" / "visual",
-        opts=TokenizeOptions(
-            image_max_pixels=32 * 32, video_max_pixels=32 * 32, video_max_tokens=240
-        ),
+    return _tokenize(root, root / "tokens", root / "tok" / "visual")
+
+
+def _tokenize(root: Path, out: Path, visual: Path) -> Path:
+    """``root/raw`` tokenized into ``out`` with ``root/tok/text`` and the visual tokenizer
+    ``visual``, at the suite's small pixel budgets."""
+    from data.tokenize.encoder import TokenizeOptions
+    from data.tokenize.run import tokenize
+
+    options = TokenizeOptions(
+        image_max_pixels=32 * 32, video_max_pixels=32 * 32, video_max_tokens=240
     )
-    return root / "tokens"
+    tokenize(root / "raw", out, root / "tok" / "text", visual, opts=options)
+    return out
 
 
 def tokenize_trained(root: Path, steps: int) -> Path:
     """The base corpus tokenized again with a visual tokenizer trained ``steps`` steps on it (a
     real ``earlyfuse-train experiment=vtok_debug`` run); returns the token folder."""
-    from data.tokenize.encoder import TokenizeOptions
-    from data.tokenize.run import tokenize
-
     repo = Path(__file__).resolve().parents[3]
     run = subprocess.run(
         [
@@ -184,16 +190,7 @@ def tokenize_trained(root: Path, steps: int) -> Path:
     )
     if run.returncode:
         raise RuntimeError(f"training the suite's visual tokenizer failed:\n{run.stderr[-2000:]}")
-    tokenize(
-        root / "raw",
-        root / "tokens_tv",
-        root / "tok" / "text",
-        root / "vtok" / "visual_tokenizer",
-        opts=TokenizeOptions(
-            image_max_pixels=32 * 32, video_max_pixels=32 * 32, video_max_tokens=240
-        ),
-    )
-    return root / "tokens_tv"
+    return _tokenize(root, root / "tokens_tv", root / "vtok" / "visual_tokenizer")
 
 
 def read_source(tokens: Path, source: str) -> list[TokenDoc]:

@@ -39,7 +39,8 @@ sys.path.insert(0, str(REPO))
 
 from tools.monitor_eval.cases import ACTING, CASES, LOG_ONLY, Case, mix_override  # noqa: E402
 from tools.monitor_eval.data import build  # noqa: E402
-from tools.report.lead import first_pass, loss_above_control, loss_visible  # noqa: E402
+from tools.report.lead import loss_above_control, loss_visible  # noqa: E402
+from tools.report.run import NoMetrics, RunData, load_run  # noqa: E402
 
 SEVERE = ("warn", "skip", "rollback", "halt")
 DATA = REPO / "runs" / "instab" / "data"  # where the instab_* configs read it
@@ -111,30 +112,23 @@ def _subprocess(cmd: list[str], run_dir: Path, append: bool) -> dict:
 
 
 def read_run(run_dir: Path) -> dict:
-    """What one run did: its alarms, the loss rule on its first pass, its final losses."""
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines() if run_dir.exists() else []
-    recs = [json.loads(line) for line in lines if line.strip()]
-    first = first_pass(recs)
-    alarms_path = run_dir / "alarms.jsonl"
-    alarms = (
-        [json.loads(line) for line in alarms_path.read_text().splitlines() if line.strip()]
-        if alarms_path.is_file()
-        else []
-    )
-    final_path = run_dir / "final.json"
-    final = json.loads(final_path.read_text()) if final_path.is_file() else {}
-    last = {rec["step"]: rec for rec in recs}
-    tail = [last[step]["train/loss"] for step in sorted(last)[-20:]]
+    """What one run did: its alarms, the loss rule on its first pass, its final losses, read as
+    earlyfuse-report reads a run (a run that logged nothing did nothing)."""
+    try:
+        run = load_run(run_dir)
+    except NoMetrics:
+        run = RunData(run_dir, run_dir.name, "lm", None, {}, {})
+    tail = [run.records[step]["train/loss"] for step in run.steps[-20:]]
     out = (run_dir / "stdout.log").read_text() if (run_dir / "stdout.log").is_file() else ""
-    vis = loss_visible(first)
+    vis = loss_visible(run.first_pass)
     return {
-        "first_pass": first,
-        "alarms": alarms,
+        "first_pass": run.first_pass,
+        "alarms": run.alarms,
         "visible": None if vis is None else {"step": vis.step, "series": vis.series},
-        "val_loss": final.get("val/loss"),
+        "val_loss": run.final.get("val/loss"),
         "train_loss_last20": sum(tail) / len(tail) if tail else None,
         "rollbacks": out.count("ROLLBACK at step"),
-        "steps_done": max(last) if last else 0,
+        "steps_done": run.last_step,
     }
 
 

@@ -62,7 +62,8 @@ def per_modality(
     clip: bool = False,
     scale: float = 1.0,
 ):
-    """A panel drawing ``prefix<m>`` for every modality present (and ``total`` in black)."""
+    """A panel drawing ``prefix<m>`` for every modality present, then any other ``prefix<name>``
+    (a monitor's per-modality signals), and ``total`` in black."""
 
     def draw(ax, ctx: Ctx):
         run, curves, arrays = ctx.run, {}, []
@@ -227,31 +228,6 @@ def monitor_signals(run: RunData) -> list[str]:
     )
 
 
-def draw_monitor(sig: str):
-    def draw(ax, ctx: Ctx):
-        run, curves = ctx.run, {}
-        if run.has(f"monitor/{sig}"):
-            curves["total"] = train_line(ax, run.series[f"monitor/{sig}"], ctx, "all", "#000000")
-        subs = sorted(
-            key[len(f"monitor/{sig}/") :] for key in run.series if key.startswith(f"monitor/{sig}/")
-        )
-        mods = [modality for modality in run.modalities() if modality in subs] + [
-            modality for modality in subs if modality not in run.modalities()
-        ]
-        for i, modality in enumerate(mods):
-            if run.has(f"monitor/{sig}/{modality}"):
-                curves[modality] = train_line(
-                    ax,
-                    run.series[f"monitor/{sig}/{modality}"],
-                    ctx,
-                    modality,
-                    color_of(modality, i),
-                )
-        return curves
-
-    return draw
-
-
 def draw_position(ax, ctx: Ctx):
     """The held-out CE per position bucket and modality (earlyfuse-eval --position-loss), at
     each bucket's middle on a log axis: falling to the right when the context helps."""
@@ -351,7 +327,10 @@ def panels_for(run: RunData) -> list[Panel]:
     for sig in monitor_signals(run):
         out.append(
             Panel(
-                f"monitor_{sig}", MONITOR_TITLES.get(sig, f"monitor/{sig}"), sig, draw_monitor(sig)
+                f"monitor_{sig}",
+                MONITOR_TITLES.get(sig, f"monitor/{sig}"),
+                sig,
+                per_modality(f"monitor/{sig}/", total=f"monitor/{sig}"),
             )
         )
     if has("vtok/psnr") or has("eval/psnr") or "eval/psnr" in run.final:

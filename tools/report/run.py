@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tools.evaluate import EVAL_FILE
 from tools.report.lead import first_pass
 from train.names import ALARMS_FILE, CONFIG_FILE, FINAL_FILE, LOSS, METRICS_FILE, MIX, VAL, VTOK
 
@@ -163,7 +164,8 @@ def build_series(records: dict[int, dict]) -> dict[str, Series]:
     }
 
 
-def _config(run_dir: Path) -> dict:
+def run_config(run_dir: Path) -> dict:
+    """The run's resolved config.yaml, or {} when it is missing or unreadable."""
     path = run_dir / CONFIG_FILE
     if not path.is_file():
         return {}
@@ -205,7 +207,7 @@ def load_run(run_dir: str | Path) -> RunData:
             continue
         dup += step in records
         records[step] = rec
-    cfg = _config(run_dir)
+    cfg = run_config(run_dir)
     train_cfg = cfg.get("train")
     if not isinstance(train_cfg, dict):
         train_cfg = {}
@@ -217,9 +219,9 @@ def load_run(run_dir: str | Path) -> RunData:
         except ValueError:
             final = {}
     heldout_eval = {}
-    if (run_dir / "heldout_eval.json").is_file():
+    if (run_dir / EVAL_FILE).is_file():
         try:
-            heldout_eval = json.loads((run_dir / "heldout_eval.json").read_text())
+            heldout_eval = json.loads((run_dir / EVAL_FILE).read_text())
         except ValueError:
             heldout_eval = {}
     alarms: list[dict] = []
