@@ -92,7 +92,9 @@ def test_visual_corpus_adds_the_token_folders_blocks_and_every_packer_keeps_them
         [*args, "--material", str(material), "--visual", str(tiny_tokens), "--corpus-only"]
     )
     given = json.loads((tiny_tokens / "manifest.json").read_text())
-    visual = {s["name"] for s in given["sources"] if s["tokens"]["image"] or s["tokens"]["video"]}
+    visual = {
+        src["name"] for src in given["sources"] if src["tokens"]["image"] or src["tokens"]["video"]
+    }
     assert visual and set(built["sources"]) == {"text", "code"} | visual
     # Text and code keep the byte-level ids, inside the folder's text range: one vocabulary
     assert built["tokenizer"].startswith("byte-level")
@@ -118,9 +120,11 @@ def test_visual_corpus_adds_the_token_folders_blocks_and_every_packer_keeps_them
     # The peers' packer (blocks of the tiny folder are at most 240 tokens: they fit 256)
     batches = list(bench.MinimalPacker(seq_len=256, rows=2).batches(docs))
     assert sum(int(batch["num_real_tokens"]) for batch in batches) == built["tokens"]
+    # Some block would have straddled a row's end: padding before the last batch
+    assert any(int(batch["num_real_tokens"]) < 2 * 256 for batch in batches[:-1])
     check_rows(
         *(
-            np.concatenate([b[key].numpy().ravel() for b in batches])
+            np.concatenate([batch[key].numpy().ravel() for batch in batches])
             for key in ("input_ids", "modality")
         )
     )

@@ -575,26 +575,24 @@ def convert(corpus: Path, loaders: list[str], seq_len: int) -> None:
 
 
 # --- the loaders (one epoch of batches each) -------------------------------------------------------
-def wds_docs(corpus: Path, rows: int):
-    import webdataset as wds
+def peer_docs(name: str, corpus: Path, rows: int):
+    """A peer's documents (ids, modalities) for one epoch, read by its own dataset class."""
+    if name == "webdataset":
+        import webdataset as wds
 
-    urls = [str(path) for path in sorted((corpus / "wds").glob("shard-*.tar"))]
-    dataset = wds.WebDataset(urls, shardshuffle=False, empty_check=False)
-    return iter(dataset.decode().to_tuple("ids.npy", "mod.npy"))
+        urls = [str(path) for path in sorted((corpus / "wds").glob("shard-*.tar"))]
+        dataset = wds.WebDataset(urls, shardshuffle=False, empty_check=False)
+        return iter(dataset.decode().to_tuple("ids.npy", "mod.npy"))
+    if name == "streaming":
+        from streaming import StreamingDataset
 
+        # batch_size: the documents of a batch, about; Streaming derives its read-ahead from it
+        samples = StreamingDataset(local=str(corpus / "mds"), shuffle=False, batch_size=rows)
+    else:
+        from litdata import StreamingDataset as LitDataset
 
-def streaming_docs(corpus: Path, rows: int):
-    from streaming import StreamingDataset
-
-    # batch_size: the documents of a batch, about; Streaming derives its read-ahead from it
-    dataset = StreamingDataset(local=str(corpus / "mds"), shuffle=False, batch_size=rows)
-    return ((sample["ids"], sample["mod"]) for sample in dataset)
-
-
-def litdata_docs(corpus: Path, rows: int):
-    from litdata import StreamingDataset
-
-    return ((sample["ids"], sample["mod"]) for sample in StreamingDataset(str(corpus / "litdata")))
+        samples = LitDataset(str(corpus / "litdata"))
+    return ((sample["ids"], sample["mod"]) for sample in samples)
 
 
 def token_rows(corpus: Path, seq_len: int, rows: int):
@@ -627,8 +625,7 @@ def peer_batches(name: str, corpus: Path, seq_len: int, rows: int):
     """A peer's batches, packed where its documents arrive."""
     if name == "litdata-tokens":
         return token_rows(corpus, seq_len, rows)
-    docs_of = {"webdataset": wds_docs, "streaming": streaming_docs, "litdata": litdata_docs}[name]
-    return MinimalPacker(seq_len, rows).batches(docs_of(corpus, rows))
+    return MinimalPacker(seq_len, rows).batches(peer_docs(name, corpus, rows))
 
 
 def in_worker(batches_of, workers: int):
