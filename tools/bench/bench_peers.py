@@ -414,9 +414,9 @@ def read_documents(tokens: Path) -> list[tuple[np.ndarray, np.ndarray]]:
 def spans_of(mod: np.ndarray) -> list[tuple[int, int, bool]]:
     """A document's stretches (start, end, is a visual block): its blocks, runs of image, video
     and structure tokens, kept whole, and the text and code between them, cut anywhere."""
-    visual = mod >= IMAGE
-    if not visual.any():  # text and code only: most documents
+    if not len(mod) or mod.max() < IMAGE:  # text and code only: most documents, one pass
         return [(0, len(mod), False)]
+    visual = mod >= IMAGE
     cuts = [0, *(np.flatnonzero(visual[1:] != visual[:-1]) + 1).tolist(), len(mod)]
     return [(start, end, bool(visual[start])) for start, end in zip(cuts, cuts[1:])]
 
