@@ -78,3 +78,58 @@ def test_help_names_the_corpus_and_the_peers():
         [sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, check=True
     ).stdout
     assert "--corpus" in out and "litdata-tokens" in out and "energon" in out
+
+
+def test_visual_corpus_adds_the_token_folders_blocks_and_every_packer_keeps_them_whole(
+    bench, tmp_path, tiny_tokens
+):
+    from data.vocab import VocabLayout
+
+    material = make_material(tmp_path / "material")
+    corpus = tmp_path / "corpus"
+    args = ["--corpus", str(corpus), "--docs", "12", "--doc-tokens", "512"]
+    built = bench.main(
+        [*args, "--material", str(material), "--visual", str(tiny_tokens), "--corpus-only"]
+    )
+    given = json.loads((tiny_tokens / "manifest.json").read_text())
+    visual = {
+        src["name"] for src in given["sources"] if src["tokens"]["image"] or src["tokens"]["video"]
+    }
+    assert visual and set(built["sources"]) == {"text", "code"} | visual
+    # Text and code keep the byte-level ids, inside the folder's text range: one vocabulary
+    assert built["tokenizer"].startswith("byte-level")
+    manifest = json.loads((corpus / "tokens" / "manifest.json").read_text())
+    assert manifest["tokenizers"] == given["tokenizers"]
+    visual_docs = sum(built["sources"][name]["documents"] for name in visual)
+    assert built["visual_share"]["documents"] == round(visual_docs / built["documents"], 4)
+    docs = bench.read_documents(corpus / "tokens")
+    assert len(docs) == built["documents"]
+    everything = np.concatenate([ids for ids, _ in docs])
+    assert everything.min() > 0  # no padding id in a document: the rows' padding is told apart
+    layout = VocabLayout.load(corpus / "tokens" / "tokenizers" / "vocab_layout.json")
+    openers = [layout.structure_id("<boi>"), layout.structure_id("<bov>")]
+
+    def check_rows(ids, mod):
+        """Every token once, in order, and no row starts inside a visual block (a block cut by
+        a row's end would go on at the start of the next row)."""
+        assert np.array_equal(ids[ids != 0], everything)
+        starts = ids.reshape(-1, 256)[:, 0], mod.reshape(-1, 256)[:, 0]
+        inside = (starts[1] >= bench.IMAGE) & ~np.isin(starts[0], openers)
+        assert not inside.any()
+
+    # The peers' packer (blocks of the tiny folder are at most 240 tokens: they fit 256)
+    batches = list(bench.MinimalPacker(seq_len=256, rows=2).batches(docs))
+    assert sum(int(batch["num_real_tokens"]) for batch in batches) == built["tokens"]
+    # Some block would have straddled a row's end: padding before the last batch
+    assert any(int(batch["num_real_tokens"]) < 2 * 256 for batch in batches[:-1])
+    check_rows(
+        *(
+            np.concatenate([batch[key].numpy().ravel() for batch in batches])
+            for key in ("input_ids", "modality")
+        )
+    )
+    # LitData TokensLoader's stream, cut at fixed offsets: padded where a row must start
+    stream = np.concatenate(list(bench.row_aligned(docs, 256)))
+    stream = np.concatenate([stream, np.full(-len(stream) % 256, bench.PAD_MOD, np.int32)])
+    mod = stream & ((1 << bench.MOD_BITS) - 1)
+    check_rows(np.where(mod == bench.PAD_MOD, 0, stream >> bench.MOD_BITS), mod)

@@ -3,52 +3,29 @@
 The peers: LitData (``litdata``; per-document arrays and its ``TokensLoader``), MosaicML
 Streaming (``mosaicml-streaming``), webdataset and Megatron-Energon (``megatron-energon``).
 They are not dependencies of the project: install them into a virtual environment of their own
-(docs/benchmarks.md, "The loaders of the field"); a peer whose package is absent is skipped.
+(docs/benchmarks.md, "The loaders of the field", which also has the method and the figures); a
+peer whose package is absent is skipped.
 
-**The corpus** (built once, cached under ``--corpus``): real text and code from this machine --
-the ``.py`` files (code) and ``.txt``/``.rst``/``.md`` files (text) of the Python standard
-library and of the running interpreter's site-packages, or the folders given with
-``--material`` --, read in sorted order, cut or joined into documents of about
-``--doc-tokens`` tokens (each length drawn between half and one and a half times it), until
-``--docs`` documents. Tokenized with a project tokenizer folder (``--tokenizer DIR``: its
-``tokenizer.json`` and ``vocab_layout.json``) or, without one, with the byte-level fallback:
-one id per UTF-8 byte (id = byte + 3, after the pad/bos/eos specials), every document ended by
-eos -- the loader's work depends on the number of tokens and documents, not on which ids they
-are. ``--visual TOKEN_DIR`` adds the image, video and interleaved documents of a token folder
-made by ``earlyfuse-prep tokenize`` (and tokenizes the text with that folder's tokenizer, so
-that one vocabulary covers all). The corpus is written as earlyfuse token shards (tar,
-JSONL and binary index, manifest: the project's own writers), then converted, untimed, into each
-peer's own format: webdataset tars (``KEY.ids.npy``, ``KEY.mod.npy``), Streaming MDS shards (two
-``ndarray`` columns), LitData chunks of per-document arrays, LitData ``TokensLoader`` chunks
-(one token stream, id * 8 + modality in an int32, split again after the batch is built) and an
-Energon dataset (the webdataset tars prepared by Energon, a ``CrudeWebdataset`` and a cooker).
+**The corpus** (built once, cached under ``--corpus``): real text and code of this machine (the
+``.py`` and ``.txt``/``.rst``/``.md`` files of the standard library and site-packages, or of
+``--material``), cut or joined into ``--docs`` documents of about ``--doc-tokens`` tokens, with
+a project tokenizer (``--tokenizer DIR``) or the byte-level fallback (id = byte + 3, every
+document ended by eos: the loaders' work depends on the number of tokens and documents, not on
+which ids they are). ``--visual TOKEN_DIR`` adds the image, video and interleaved sources of a
+token folder made by ``earlyfuse-prep tokenize``, and its tokenizers: the byte-level ids lie
+inside its text range. The corpus is written as earlyfuse token shards by the project's own
+writers, then converted, untimed, into each peer's format, documents as id and modality arrays.
 
-**The same packing work for every loader**: rows of ``--seq-len`` tokens, ``--rows`` rows a
-batch, documents concatenated and cut (``MinimalPacker``: ids and modalities, what a peer's
-user writes at least), running where the documents arrive: in the DataLoader worker with one
-worker, in the process otherwise. LitData's ``TokensLoader`` cuts the rows itself (that is its
-point); its batch is ``--rows`` of them stacked. earlyfuse runs its whole loader: the sources'
-token-weighted mix, hashed order, SHA-256 and vocabulary checks, blocks kept whole, labels,
-document ids, 1-D and M-RoPE positions, image ids.
+**The same packing work for every loader**: rows of ``--seq-len``, ``--rows`` rows a batch,
+where the documents arrive (in the DataLoader worker with one worker). The peers get
+``MinimalPacker`` (text and code cut anywhere, a visual block that does not fit the rest of a
+row starts the next one); ``TokensLoader`` cuts fixed rows from one stream, so its stream is
+padded before such a block when it is written. earlyfuse runs its whole loader.
 
-**Each peer at its documented fast settings**: Streaming with its default read-ahead
-(``predownload`` derived from ``batch_size``, given the rows of a batch); LitData's
-``StreamingDataset`` with its default item loader and with ``TokensLoader``; webdataset's own
-``.decode()`` (``.npy`` members decoded by its default handlers); Energon's ``get_loader`` with
-its own sample decoder, its worker cooking and packing (the task encoder's ``encode_batch`` runs
-the packer there).
-
-**One measure is one fresh process** (``--measure``, started by this script): it imports the
-library (``import_s``), builds the loader, takes the first batch (``first_batch_s``, from the
-loader built), then the rest of one epoch. ``tokens/s`` is the real tokens of the epoch over the
-time from the start of building to the last batch (start-up counted; imports are not, they are
-printed apart). While it runs, this script samples the RSS and the PSS of the measure's whole
-process tree (the process and its workers) every 50 ms and keeps the peaks. Every loader runs
-for 20 batches untimed first (page cache, on-disk caches), then ``--rounds`` rounds, the order
-rotated each round; medians. Ratios are printed against LitData (per-document arrays: the
-strongest fair baseline) and against earlyfuse's previous figures (``--previous FILE``, a JSON
-this script saved with ``--save``; by default those of an earlier measurement of the same
-design).
+**One measure is one fresh process** (``--measure``, started by this script): import, build,
+first batch, one epoch; this script samples the RSS and PSS of its process tree meanwhile.
+Each loader runs 20 batches untimed first, then ``--rounds`` rounds, the order rotated; medians,
+ratios against LitData's per-document arrays and against earlyfuse's previous figures.
 
     python tools/bench/bench_peers.py --corpus runs/bench-peers [--docs 27000] [--rounds 3]
 """
@@ -57,10 +34,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import io
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -68,27 +45,33 @@ import sysconfig
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-PEERS = {
+# Each loader and the library it imports (a peer whose library is absent is skipped).
+LIBRARIES = {
+    "earlyfuse": "data.loader",
     "litdata": "litdata",
     "litdata-tokens": "litdata",
     "streaming": "streaming",
     "webdataset": "webdataset",
     "energon": "megatron.energon",
 }
-LOADERS = ["earlyfuse", *PEERS]
+LOADERS = list(LIBRARIES)
 BASELINE = "litdata"
 CODE_SUFFIXES = (".py",)
 TEXT_SUFFIXES = (".txt", ".rst", ".md")
 DOCS_PER_SHARD = 1000
 BYTE_OFFSET = 3  # the byte-level fallback's ids: after <|pad|>, <|bos|>, <|eos|>
 EOS_ID = 2
+IMAGE = 2  # Modality.IMAGE: image, video (3) and structure (4) tokens make the visual blocks
 MOD_BITS = 3  # LitData TokensLoader: id * 8 + modality in one int32
+PAD_MOD = 7  # ... and in its stream, the padding that keeps a visual block inside one row
 CORPUS_VERSION = 1
 
 # earlyfuse's figures from an earlier measurement of this benchmark's design (27,954 documents of
@@ -116,10 +99,9 @@ def available(module: str) -> bool:
 
 # --- the corpus ------------------------------------------------------------------------------------
 def default_material() -> list[Path]:
-    paths = sysconfig.get_paths()
-    found = []
+    found: list[Path] = []
     for key in ("stdlib", "purelib", "platlib"):
-        path = Path(paths[key])
+        path = Path(sysconfig.get_paths()[key])
         if path.is_dir() and path not in found:
             found.append(path)
     return found
@@ -168,7 +150,6 @@ class ProjectTokenizer:
         self.tok = TextTokenizer.load(folder)
         self.name = f"{folder} ({self.tok.fingerprint()})"
         self.text_size = self.tok.layout.text_size
-        self.folder = folder
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.asarray(ids, np.int32) for ids in self.tok.encode_batch(texts)]
@@ -183,8 +164,7 @@ def documents_of(files: list[Path], tokenizer, doc_tokens: int, want: int, seed:
     rng = np.random.default_rng(seed)
     target = int(rng.integers(doc_tokens // 2, doc_tokens * 3 // 2 + 1))
     pending: list[np.ndarray] = []
-    held = 0
-    made = 0
+    held = made = 0
     batch_files = 256
     for start in range(0, len(files), batch_files):
         texts = []
@@ -209,99 +189,72 @@ def documents_of(files: list[Path], tokenizer, doc_tokens: int, want: int, seed:
                     target = int(rng.integers(doc_tokens // 2, doc_tokens * 3 // 2 + 1))
 
 
-def npy_bytes(array: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, array, allow_pickle=False)
-    return buf.getvalue()
-
-
-def write_token_source(folder: Path, name: str, docs, modality: int) -> list[dict]:
-    """One token source of the corpus in earlyfuse's format: shards of ``DOCS_PER_SHARD``
-    documents (tar, JSONL index, binary index), written by the project's own writers."""
+def write_token_source(folder: Path, name: str, docs, modality: int) -> tuple[list, dict]:
+    """One token source of the corpus in earlyfuse's format, shards of ``DOCS_PER_SHARD``
+    documents (tar, JSONL index, binary index) written by the project's own writers: (its
+    manifest's shard entries, its source entry)."""
     from data.schema import Sample
     from data.shards import token_index
     from data.shards.writer import ShardWriter
+    from data.tokenize.shard_job import npy_bytes
     from data.vocab import MODALITY_NAMES
 
     kind = MODALITY_NAMES[modality]
-    src = folder / name
-    src.mkdir(parents=True)
+    (folder / name).mkdir(parents=True)
     entries: list[dict] = []
-    writer: ShardWriter | None = None
-    count = tokens = 0
-
-    def close() -> None:
-        assert writer is not None
-        res = writer.close()
-        stem = src / f"shard-{len(entries):06d}"
-        jsonl = Path(f"{stem}.idx.jsonl").read_bytes()
-        token_index.write(Path(f"{stem}{token_index.SUFFIX}"), token_index.build(jsonl))
-        entries.append(
-            {
-                "path": f"{name}/{stem.name}.tar",
-                "index": f"{name}/{stem.name}.idx.jsonl",
-                "index_bin": f"{name}/{stem.name}{token_index.SUFFIX}",
-                "source": name,
-                "samples": count,
-                "tokens": {kind: tokens},
-                "blocks": {mod: {"blocks": 0, "longest": 0} for mod in ("image", "video")},
-                "bytes": res.bytes,
-                "sha256": res.sha256,
-                "index_sha256": res.index_sha256,
-            }
-        )
-
+    writer = None
     for number, ids in enumerate(docs):
         if writer is None:
-            stem = src / f"shard-{len(entries):06d}"
-            writer = ShardWriter(Path(f"{stem}.tar"), Path(f"{stem}.idx.jsonl"))
-            count = tokens = 0
+            stem = f"{name}/shard-{len(entries):06d}"
+            writer = ShardWriter(folder / f"{stem}.tar", folder / f"{stem}.idx.jsonl")
+            entries.append({"path": f"{stem}.tar", "index": f"{stem}.idx.jsonl", "source": name})
+            entries[-1].update(index_bin=stem + token_index.SUFFIX, samples=0, tokens={kind: 0})
         mod = np.full(len(ids), modality, np.uint8)
-        sample = Sample(
-            f"{name}{number:08d}",
-            {"source": name, "spans": [], "tokens": len(ids)},
-            [("ids.npy", npy_bytes(ids)), ("mod.npy", npy_bytes(mod))],
-        )
-        writer.write(sample, {"tokens": len(ids), "tokens_by_modality": {kind: len(ids)}})
-        count += 1
-        tokens += len(ids)
-        if count == DOCS_PER_SHARD:
-            close()
+        meta = {"source": name, "spans": [], "tokens": len(ids)}
+        members = [("ids.npy", npy_bytes(ids)), ("mod.npy", npy_bytes(mod))]
+        counts = {"tokens": len(ids), "tokens_by_modality": {kind: len(ids)}}
+        writer.write(Sample(f"{name}{number:08d}", meta, members), counts)
+        entries[-1]["samples"] += 1
+        entries[-1]["tokens"][kind] += len(ids)
+        if entries[-1]["samples"] == DOCS_PER_SHARD:
+            finish_shard(folder, writer, entries[-1])
             writer = None
     if writer is not None:
-        close()
-    return entries
+        finish_shard(folder, writer, entries[-1])
+    samples = sum(entry["samples"] for entry in entries)
+    tokens = sum(entry["tokens"][kind] for entry in entries)
+    return entries, {"name": name, "samples": samples, "tokens": {kind: tokens}}
 
 
-def visual_sources(token_dir: Path) -> list[dict]:
-    """The sources of a token folder that hold image or video tokens."""
+def finish_shard(folder: Path, writer, entry: dict) -> None:
+    from data.shards import token_index
+
+    res = writer.close()
+    jsonl = (folder / entry["index"]).read_bytes()
+    token_index.write(folder / entry["index_bin"], token_index.build(jsonl))
+    entry["blocks"] = {mod: {"blocks": 0, "longest": 0} for mod in ("image", "video")}
+    entry.update(bytes=res.bytes, sha256=res.sha256, index_sha256=res.index_sha256)
+
+
+def copy_visual(token_dir: Path, out: Path) -> tuple[list[dict], list[dict]]:
+    """The sources of a token folder that hold image or video tokens, their shards hard-linked
+    (copied across file systems) into ``out``: (shard entries, source entries)."""
     manifest = json.loads((token_dir / "manifest.json").read_text())
-    return [
+    sources = [
         src
         for src in manifest["sources"]
-        if src["tokens"].get("image", 0) or src["tokens"].get("video", 0)
+        if src["tokens"].get("image") or src["tokens"].get("video")
     ]
-
-
-def copy_visual(token_dir: Path, out: Path) -> list[dict]:
-    """The visual sources' shards, hard-linked (copied across file systems) into ``out``."""
-    import shutil
-
-    manifest = json.loads((token_dir / "manifest.json").read_text())
-    names = {src["name"] for src in visual_sources(token_dir)}
-    entries = []
-    for entry in manifest["shards"]:
-        if entry["source"] not in names:
-            continue
+    names = {src["name"] for src in sources}
+    entries = [entry for entry in manifest["shards"] if entry["source"] in names]
+    for entry in entries:
         for key in ("path", "index", "index_bin"):
-            dest = out / entry[key]
-            dest.parent.mkdir(parents=True, exist_ok=True)
+            (out / entry[key]).parent.mkdir(parents=True, exist_ok=True)
             try:
-                os.link(token_dir / entry[key], dest)
+                os.link(token_dir / entry[key], out / entry[key])
             except OSError:
-                shutil.copy2(token_dir / entry[key], dest)
-        entries.append(entry)
-    return entries
+                shutil.copy2(token_dir / entry[key], out / entry[key])
+    return entries, sources
 
 
 def corpus_settings(a) -> dict:
@@ -316,12 +269,46 @@ def corpus_settings(a) -> dict:
     }
 
 
+def corpus_tokenizer(a, folder: Path) -> tuple[ProjectTokenizer | ByteTokenizer, dict]:
+    """The text and code tokenizer, its folder copied to ``folder`` (the token folder's
+    ``tokenizers/``) and the manifest's record of it. With ``--visual``, that folder's
+    tokenizers: the byte-level ids, or ``--tokenizer`` when it is the same text tokenizer."""
+    from data.vocab import VocabLayout
+
+    tokenizer = ProjectTokenizer(a.tokenizer) if a.tokenizer else ByteTokenizer()
+    if a.visual:
+        shutil.copytree(a.visual / "tokenizers", folder)
+        record = json.loads((a.visual / "manifest.json").read_text())["tokenizers"]
+        layout = VocabLayout.load(folder / "vocab_layout.json")
+        if (
+            isinstance(tokenizer, ProjectTokenizer)
+            and tokenizer.tok.fingerprint() != record["text"]
+        ):
+            raise SystemExit(
+                f"{a.tokenizer}: not the text tokenizer of {a.visual} ({record['text']}); with "
+                "--visual, give that folder's tokenizers/ or no --tokenizer (byte-level ids)"
+            )
+        if tokenizer.text_size > layout.text_size:
+            raise SystemExit(
+                f"{a.visual}: its vocabulary's text range ({layout.text_size} ids) cannot hold "
+                f"the byte-level ids ({tokenizer.text_size})"
+            )
+        return tokenizer, record
+    if a.tokenizer:
+        shutil.copytree(a.tokenizer, folder)
+        layout = VocabLayout.load(folder / "vocab_layout.json")
+    else:
+        folder.mkdir()
+        layout = VocabLayout(text_size=tokenizer.text_size)
+        layout.save(folder / "vocab_layout.json")
+    record = {"text": tokenizer.name, "layout": layout.fingerprint(), "visual": "none"}
+    return tokenizer, {**record, "folder": "tokenizers"}
+
+
 def build_corpus(a) -> dict:
     """The earlyfuse token folder of the corpus under ``a.corpus / "tokens"`` (built once; a
     corpus built with other settings is refused, never silently reused)."""
-    import shutil
-
-    from data.vocab import Modality, VocabLayout
+    from data.vocab import Modality
 
     settings = corpus_settings(a)
     record = a.corpus / "corpus.json"
@@ -337,74 +324,38 @@ def build_corpus(a) -> dict:
     if tokens_dir.exists():  # a build that was interrupted
         shutil.rmtree(tokens_dir)
     tokens_dir.mkdir(parents=True)
-    tokenizer: ProjectTokenizer | ByteTokenizer
-    if a.visual:
-        tokenizer = ProjectTokenizer(a.visual / "tokenizers")
-    elif a.tokenizer:
-        tokenizer = ProjectTokenizer(a.tokenizer)
-    else:
-        tokenizer = ByteTokenizer()
+    tokenizer, tok_record = corpus_tokenizer(a, tokens_dir / "tokenizers")
     code_files, text_files = material_files([Path(p) for p in settings["material"]])
-    code_chars = sum(path.stat().st_size for path in code_files)
-    text_chars = sum(path.stat().st_size for path in text_files)
-    # Prose is rare among these files (~3 % of a site-packages' bytes): its share of the
-    # documents is set (--text-share), as far as the material has it; code fills the rest.
-    shards = write_token_source(
-        tokens_dir,
-        "text",
-        documents_of(text_files, tokenizer, a.doc_tokens, round(a.docs * a.text_share), seed=2),
-        int(Modality.TEXT),
-    )
-    text_docs = sum(entry["samples"] for entry in shards)
     print(
-        f"corpus: {len(code_files):,} code files ({code_chars / 1e6:.0f} MB), "
-        f"{len(text_files):,} text files ({text_chars / 1e6:.0f} MB); tokenizer {tokenizer.name}",
+        f"corpus: {len(code_files):,} code files "
+        f"({sum(path.stat().st_size for path in code_files) / 1e6:.0f} MB), {len(text_files):,} "
+        f"text files ({sum(path.stat().st_size for path in text_files) / 1e6:.0f} MB); "
+        f"tokenizer {tokenizer.name}",
         flush=True,
     )
-    shards += write_token_source(
-        tokens_dir,
-        "code",
-        documents_of(code_files, tokenizer, a.doc_tokens, a.docs - text_docs, seed=1),
-        int(Modality.CODE),
+    # Prose is rare among these files (~3 % of a site-packages' bytes): its share of the
+    # documents is set (--text-share), as far as the material has it; code fills the rest.
+    text_docs = documents_of(
+        text_files, tokenizer, a.doc_tokens, round(a.docs * a.text_share), seed=2
     )
-    sources = []
-    for name in ("text", "code"):
-        mine = [entry for entry in shards if entry["source"] == name]
-        sources.append(
-            {
-                "name": name,
-                "samples": sum(entry["samples"] for entry in mine),
-                "tokens": {name: sum(sum(entry["tokens"].values()) for entry in mine)},
-            }
-        )
-    if a.visual:
-        shards += copy_visual(a.visual, tokens_dir)
-        sources += visual_sources(a.visual)
-        shutil.copytree(a.visual / "tokenizers", tokens_dir / "tokenizers")
-        tok_record = json.loads((a.visual / "manifest.json").read_text())["tokenizers"]
-    else:
-        folder = tokens_dir / "tokenizers"
-        if a.tokenizer:
-            shutil.copytree(a.tokenizer, folder)
-            layout = VocabLayout.load(folder / "vocab_layout.json")
-        else:
-            folder.mkdir()
-            layout = VocabLayout(text_size=tokenizer.text_size)
-            layout.save(folder / "vocab_layout.json")
-        tok_record = {
-            "text": tokenizer.name,
-            "layout": layout.fingerprint(),
-            "visual": "none",
-            "folder": "tokenizers",
-        }
-    samples = sum(src["samples"] for src in sources)
-    total = sum(sum(src["tokens"].values()) for src in sources)
-    if sum(src["samples"] for src in sources[:2]) < a.docs:
+    shards, text = write_token_source(tokens_dir, "text", text_docs, int(Modality.TEXT))
+    code_docs = documents_of(code_files, tokenizer, a.doc_tokens, a.docs - text["samples"], seed=1)
+    more, code = write_token_source(tokens_dir, "code", code_docs, int(Modality.CODE))
+    shards += more
+    sources = [src for src in (text, code) if src["samples"]]  # a source of no shard is refused
+    if text["samples"] + code["samples"] < a.docs:
         print(
-            f"corpus: the material gave {sum(src['samples'] for src in sources[:2]):,} text and "
-            f"code documents, not {a.docs:,} (add folders with --material)",
+            f"corpus: the material gave {text['samples'] + code['samples']:,} text and code "
+            f"documents, not {a.docs:,} (add folders with --material)",
             flush=True,
         )
+    visual: list[dict] = []
+    if a.visual:
+        more, visual = copy_visual(a.visual, tokens_dir)
+        shards += more
+        sources += visual
+    samples = sum(src["samples"] for src in sources)
+    total = sum(sum(src["tokens"].values()) for src in sources)
     manifest = {
         "format": "earlyfuse-token-shards",
         "version": 1,
@@ -425,12 +376,19 @@ def build_corpus(a) -> dict:
         },
         "tokenizer": tokenizer.name,
     }
+    if a.visual:
+        built["visual_share"] = {
+            "documents": round(sum(src["samples"] for src in visual) / samples, 4),
+            "tokens": round(sum(sum(src["tokens"].values()) for src in visual) / total, 4),
+        }
     record.write_text(json.dumps(built, indent=1))
     return built
 
 
 def read_documents(tokens: Path) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Every document of the token folder in shard order: (ids int32, modalities uint8)."""
+    """Every document of the token folder in shard order: (ids int32, modalities uint8). The
+    peers find a document's visual blocks from its modalities alone (``spans_of``): a document
+    whose blocks are not those runs (two blocks side by side) is refused."""
     from data.loader.npy import read_npy
     from data.loader.store import ShardFiles
     from data.token_docs import source_tables
@@ -440,10 +398,104 @@ def read_documents(tokens: Path) -> list[tuple[np.ndarray, np.ndarray]]:
         for number in range(len(table)):
             rec = table.token_sample(number)
             url = table.shards[rec.shard]
-            ids = read_npy(files.view(url, *rec.ids_at)).copy()
-            mod = read_npy(files.view(url, *rec.mod_at)).copy()
-            docs.append((ids.astype(np.int32), mod.astype(np.uint8)))
+            ids = read_npy(files.view(url, *rec.ids_at)).astype(np.int32)
+            mod = read_npy(files.view(url, *rec.mod_at)).astype(np.uint8)
+            found = [(start, end) for start, end, block in spans_of(mod) if block]
+            if found != sorted((int(blk[0]), int(blk[1])) for blk in rec.blocks):
+                raise SystemExit(
+                    f"{url}: sample {number} of source {table.name}: its visual blocks "
+                    f"{rec.blocks} are not its runs of image, video and structure tokens {found}"
+                )
+            docs.append((ids, mod))
     return docs
+
+
+# --- the packing work every loader does ----------------------------------------------------------
+def spans_of(mod: np.ndarray) -> list[tuple[int, int, bool]]:
+    """A document's stretches (start, end, is a visual block): its blocks, runs of image, video
+    and structure tokens, kept whole, and the text and code between them, cut anywhere."""
+    if not len(mod) or mod.max() < IMAGE:  # text and code only: most documents, one pass
+        return [(0, len(mod), False)]
+    visual = mod >= IMAGE
+    cuts = [0, *(np.flatnonzero(visual[1:] != visual[:-1]) + 1).tolist(), len(mod)]
+    return [(start, end, bool(visual[start])) for start, end in zip(cuts, cuts[1:])]
+
+
+def starts_next_row(pos: int, start: int, end: int, block: bool, seq_len: int) -> bool:
+    """Whether the stretch [start, end) must start the next row: a visual block that does not
+    fit the rest of this one (a block longer than a row is cut like text: it fits no row)."""
+    return block and pos + end - start > seq_len >= end - start
+
+
+class MinimalPacker:
+    """Documents -> batches of ``rows`` rows of ``seq_len``: ids and modalities concatenated,
+    text and code cut anywhere, a visual block that does not fit the rest of a row moved to the
+    next one (the rest of the row is padding, id 0), no labels or positions: what a peer's user
+    would at least write. The last, partial batch is handed out too (its real tokens counted),
+    as earlyfuse's epoch ends."""
+
+    def __init__(self, seq_len: int, rows: int) -> None:
+        self.seq_len, self.rows = seq_len, rows
+        self._clear()
+
+    def _clear(self) -> None:
+        self.ids = np.zeros((self.rows, self.seq_len), np.int64)
+        self.mod = np.zeros((self.rows, self.seq_len), np.int64)
+        self.row = self.pos = self.real = 0
+
+    def _batch(self) -> dict:
+        import torch
+
+        batch = {
+            "input_ids": torch.from_numpy(self.ids),
+            "modality": torch.from_numpy(self.mod),
+            "num_real_tokens": torch.tensor(self.real),
+        }
+        self._clear()
+        return batch
+
+    def _next_row(self):
+        self.row, self.pos = self.row + 1, 0
+        if self.row == self.rows:
+            yield self._batch()
+
+    def add(self, doc_ids: np.ndarray, doc_mod: np.ndarray):
+        """The batches this document completes."""
+        for start, end, block in spans_of(doc_mod):
+            if starts_next_row(self.pos, start, end, block, self.seq_len):
+                yield from self._next_row()
+            while start < end:
+                take = min(end - start, self.seq_len - self.pos)
+                self.ids[self.row, self.pos : self.pos + take] = doc_ids[start : start + take]
+                self.mod[self.row, self.pos : self.pos + take] = doc_mod[start : start + take]
+                start += take
+                self.pos += take
+                self.real += take
+                if self.pos == self.seq_len:
+                    yield from self._next_row()
+
+    def batches(self, docs):
+        for doc_ids, doc_mod in docs:
+            yield from self.add(doc_ids, doc_mod)
+        if self.real:
+            yield self._batch()
+
+
+def row_aligned(docs, seq_len: int):
+    """The documents as ``TokensLoader`` items (id * 8 + modality, int32), padded (``PAD_MOD``)
+    where ``MinimalPacker`` would start a row: LitData cuts rows at fixed offsets of one stream,
+    so a visual block is kept whole when the stream is written (``optimize`` time, untimed)."""
+    pos = 0
+    for ids, mod in docs:
+        stream = (ids << MOD_BITS) | mod.astype(np.int32)
+        pieces = []
+        for start, end, block in spans_of(mod):
+            if starts_next_row(pos, start, end, block, seq_len):
+                pieces.append(np.full(seq_len - pos, PAD_MOD, np.int32))
+                pos = 0
+            pieces.append(stream[start:end])
+            pos = (pos + end - start) % seq_len
+        yield pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
 # --- conversions into the peers' formats (untimed, cached beside the corpus) ---------------------
@@ -452,263 +504,164 @@ def to_webdataset(docs, out: Path) -> None:
 
     out.mkdir(parents=True)
     for start in range(0, len(docs), DOCS_PER_SHARD):
-        url = str(out / f"shard-{start // DOCS_PER_SHARD:06d}.tar")
-        with wds.TarWriter(url) as writer:
+        with wds.TarWriter(str(out / f"shard-{start // DOCS_PER_SHARD:06d}.tar")) as writer:
             for number, (ids, mod) in enumerate(docs[start : start + DOCS_PER_SHARD], start):
                 writer.write({"__key__": f"d{number:08d}", "ids.npy": ids, "mod.npy": mod})
-
-
-def wds_urls(out: Path) -> list[str]:
-    return [str(path) for path in sorted(out.glob("shard-*.tar"))]
 
 
 def to_streaming(docs, out: Path) -> None:
     from streaming import MDSWriter
 
-    with MDSWriter(
-        out=str(out), columns={"ids": "ndarray:int32", "mod": "ndarray:uint8"}
-    ) as writer:
+    columns = {"ids": "ndarray:int32", "mod": "ndarray:uint8"}
+    with MDSWriter(out=str(out), columns=columns) as writer:
         for ids, mod in docs:
             writer.write({"ids": ids, "mod": mod})
 
 
-def to_litdata(docs, out: Path) -> None:
-    from litdata.streaming.writer import BinaryWriter
-
-    writer = BinaryWriter(str(out), chunk_bytes="64MB")
-    for number, (ids, mod) in enumerate(docs):
-        writer.add_item(number, {"ids": ids, "mod": mod})
-    writer.done()
-    writer.merge()
-
-
-def to_litdata_tokens(docs, out: Path, seq_len: int) -> None:
-    """One token stream for ``TokensLoader``: chunks of a whole number of rows (as LitData's
-    ``optimize(..., item_loader=TokensLoader())`` writes them)."""
+def to_litdata(docs, out: Path, seq_len: int = 0) -> None:
+    """LitData chunks of per-document arrays, or (``seq_len``) one token stream for
+    ``TokensLoader``, in chunks of a whole number of rows (as LitData's ``optimize(...,
+    item_loader=TokensLoader())`` writes them)."""
     from litdata.streaming.item_loader import TokensLoader
     from litdata.streaming.writer import BinaryWriter
 
-    writer = BinaryWriter(str(out), chunk_size=seq_len * 8192, item_loader=TokensLoader())
-    for number, (ids, mod) in enumerate(docs):
-        writer.add_item(number, (ids << MOD_BITS) | mod.astype(np.int32))
+    if seq_len:
+        writer = BinaryWriter(str(out), chunk_size=seq_len * 8192, item_loader=TokensLoader())
+        items = row_aligned(docs, seq_len)
+    else:
+        writer = BinaryWriter(str(out), chunk_bytes="64MB")
+        items = ({"ids": ids, "mod": mod} for ids, mod in docs)
+    for number, item in enumerate(items):
+        writer.add_item(number, item)
     writer.done()
     writer.merge()
-
-
-def to_energon(wds_dir: Path) -> None:
-    from megatron.energon import BaseWebdatasetFactory
-
-    BaseWebdatasetFactory.prepare_dataset(
-        wds_dir,
-        [Path(url).name for url in wds_urls(wds_dir)],
-        split_parts_ratio=[("train", 1.0)],
-        shuffle_seed=None,
-        workers=1,
-    )
-    (wds_dir / ".nv-meta" / "dataset.yaml").write_text(
-        "__module__: megatron.energon\n__class__: CrudeWebdataset\n"
-    )
 
 
 def convert(corpus: Path, loaders: list[str], seq_len: int) -> None:
     """Each peer's copy of the corpus, made once (a marker file says it is complete)."""
-    import shutil
-
-    docs = None
-    targets = {
-        "webdataset": ("wds", lambda docs, out: to_webdataset(docs, out)),
-        "streaming": ("mds", lambda docs, out: to_streaming(docs, out)),
-        "litdata": ("litdata", lambda docs, out: to_litdata(docs, out)),
-        "litdata-tokens": (
-            f"litdata-tokens-{seq_len}",
-            lambda docs, out: to_litdata_tokens(docs, out, seq_len),
-        ),
+    formats: dict[str, tuple[str, Callable]] = {  # loader: (folder, writer); Energon: wds
+        "webdataset": ("wds", to_webdataset),
+        "streaming": ("mds", to_streaming),
+        "litdata": ("litdata", to_litdata),
+        "litdata-tokens": (f"litdata-tokens-{seq_len}", partial(to_litdata, seq_len=seq_len)),
     }
     wanted = set(loaders) | ({"webdataset"} if "energon" in loaders else set())
-    for name in [name for name in targets if name in wanted]:
-        folder, make = targets[name]
+    docs = None
+    for name, (folder, write) in formats.items():
         out = corpus / folder
-        if (out / ".complete").is_file():
+        if name not in wanted or (out / ".complete").is_file():
             continue
-        if out.exists():
-            shutil.rmtree(out)
-        if docs is None:
-            docs = read_documents(corpus / "tokens")
+        shutil.rmtree(out, ignore_errors=True)
+        docs = docs if docs is not None else read_documents(corpus / "tokens")
         print(f"converting the corpus for {name} into {out}", flush=True)
-        make(docs, out)
+        write(docs, out)
         (out / ".complete").write_text("")
-    if "energon" in loaders and not (corpus / "wds" / ".nv-meta" / ".complete").is_file():
+    meta = corpus / "wds" / ".nv-meta"
+    if "energon" in loaders and not (meta / ".complete").is_file():
+        from megatron.energon import BaseWebdatasetFactory
+
         print(f"preparing {corpus / 'wds'} for energon", flush=True)
-        to_energon(corpus / "wds")
-        (corpus / "wds" / ".nv-meta" / ".complete").write_text("")
+        BaseWebdatasetFactory.prepare_dataset(
+            corpus / "wds",
+            [path.name for path in sorted((corpus / "wds").glob("shard-*.tar"))],
+            split_parts_ratio=[("train", 1.0)],
+            shuffle_seed=None,
+            workers=1,
+        )
+        (meta / "dataset.yaml").write_text(
+            "__module__: megatron.energon\n__class__: CrudeWebdataset\n"
+        )
+        (meta / ".complete").write_text("")
 
 
-# --- the packing every peer gets -------------------------------------------------------------------
-class MinimalPacker:
-    """Documents -> batches of ``rows`` rows of ``seq_len``: ids concatenated and cut (no block
-    handling, no labels or positions), what a peer's user would at least write. The last,
-    partial batch is handed out too (its real tokens counted), as earlyfuse's epoch ends."""
+# --- the loaders (one epoch of batches each) -------------------------------------------------------
+def peer_docs(name: str, corpus: Path, rows: int):
+    """A peer's documents (ids, modalities) for one epoch, read by its own dataset class."""
+    if name == "webdataset":
+        import webdataset as wds
 
-    def __init__(self, seq_len: int, rows: int) -> None:
-        self.seq_len, self.rows = seq_len, rows
-        self.ids = np.zeros((rows, seq_len), np.int64)
-        self.mod = np.zeros((rows, seq_len), np.int64)
-        self.row = self.pos = 0
+        urls = [str(path) for path in sorted((corpus / "wds").glob("shard-*.tar"))]
+        dataset = wds.WebDataset(urls, shardshuffle=False, empty_check=False)
+        return iter(dataset.decode().to_tuple("ids.npy", "mod.npy"))
+    if name == "streaming":
+        from streaming import StreamingDataset
 
-    def _batch(self, real: int) -> dict:
-        import torch
+        # batch_size: the documents of a batch, about; Streaming derives its read-ahead from it
+        samples = StreamingDataset(local=str(corpus / "mds"), shuffle=False, batch_size=rows)
+    else:
+        from litdata import StreamingDataset as LitDataset
 
-        batch = {
-            "input_ids": torch.from_numpy(self.ids),
-            "modality": torch.from_numpy(self.mod),
-            "num_real_tokens": torch.tensor(real),
-        }
-        self.ids = np.zeros((self.rows, self.seq_len), np.int64)
-        self.mod = np.zeros((self.rows, self.seq_len), np.int64)
-        self.row = self.pos = 0
-        return batch
-
-    def add(self, doc_ids: np.ndarray, doc_mod: np.ndarray):
-        """The batches this document completes."""
-        start, size = 0, len(doc_ids)
-        while start < size:
-            take = min(size - start, self.seq_len - self.pos)
-            self.ids[self.row, self.pos : self.pos + take] = doc_ids[start : start + take]
-            self.mod[self.row, self.pos : self.pos + take] = doc_mod[start : start + take]
-            start += take
-            self.pos += take
-            if self.pos == self.seq_len:
-                self.row, self.pos = self.row + 1, 0
-                if self.row == self.rows:
-                    yield self._batch(self.rows * self.seq_len)
-
-    def finish(self):
-        real = self.row * self.seq_len + self.pos
-        if real:
-            yield self._batch(real)
-
-    def batches(self, docs):
-        for doc_ids, doc_mod in docs:
-            yield from self.add(doc_ids, doc_mod)
-        yield from self.finish()
+        samples = LitDataset(str(corpus / "litdata"))
+    return ((sample["ids"], sample["mod"]) for sample in samples)
 
 
-# --- the peers' document streams (one epoch) -------------------------------------------------------
-def wds_docs(corpus: Path, rows: int):
-    import webdataset as wds
-
-    dataset = (
-        wds.WebDataset(wds_urls(corpus / "wds"), shardshuffle=False, empty_check=False)
-        .decode()
-        .to_tuple("ids.npy", "mod.npy")
-    )
-    yield from dataset
-
-
-def streaming_docs(corpus: Path, rows: int):
-    from streaming import StreamingDataset
-
-    # batch_size: the documents of a batch, about; Streaming derives its read-ahead from it
-    dataset = StreamingDataset(local=str(corpus / "mds"), shuffle=False, batch_size=rows)
-    for sample in dataset:
-        yield sample["ids"], sample["mod"]
-
-
-def litdata_docs(corpus: Path, rows: int):
+def token_rows(corpus: Path, seq_len: int, rows: int):
+    """LitData's ``TokensLoader`` rows of ``seq_len`` stacked into batches of ``rows``; the
+    stream's padding is no real token."""
+    import torch
     from litdata import StreamingDataset
+    from litdata.streaming.item_loader import TokensLoader
 
-    for sample in StreamingDataset(str(corpus / "litdata")):
-        yield sample["ids"], sample["mod"]
-
-
-class PeerDataset:
-    """A peer's documents packed where they arrive (a torch IterableDataset, made in ``make``)."""
-
-    def __init__(self, docs_of, corpus: Path, seq_len: int, rows: int) -> None:
-        self.docs_of, self.corpus, self.seq_len, self.rows = docs_of, corpus, seq_len, rows
-
-    def __iter__(self):
-        packer = MinimalPacker(self.seq_len, self.rows)
-        return packer.batches(self.docs_of(self.corpus, self.rows))
+    folder = str(corpus / f"litdata-tokens-{seq_len}")
+    pending = []
+    # One pass over the dataset: its iterator, exhausted, would start another epoch if asked again
+    for block in StreamingDataset(folder, item_loader=TokensLoader(block_size=seq_len)):
+        pending.append(block)
+        if len(pending) == rows:
+            yield stacked(torch, pending)
+            pending = []
+    if pending:
+        yield stacked(torch, pending)
 
 
-def in_worker(dataset, workers: int):
-    """``dataset``'s batches, in this process (0) or through a DataLoader worker."""
+def stacked(torch, blocks: list) -> dict:
+    packed = torch.from_numpy(np.stack(blocks).astype(np.int64))
+    mod = packed & ((1 << MOD_BITS) - 1)
+    real = mod != PAD_MOD
+    return {"input_ids": packed >> MOD_BITS, "modality": mod * real, "num_real_tokens": real.sum()}
+
+
+def peer_batches(name: str, corpus: Path, seq_len: int, rows: int):
+    """A peer's batches, packed where its documents arrive."""
+    if name == "litdata-tokens":
+        return token_rows(corpus, seq_len, rows)
+    return MinimalPacker(seq_len, rows).batches(peer_docs(name, corpus, rows))
+
+
+def in_worker(batches_of, workers: int):
+    """The batches of ``batches_of()``, made in this process (0) or in a DataLoader worker."""
     if workers == 0:
-        return iter(dataset)
+        return batches_of()
     from torch.utils.data import DataLoader, IterableDataset
 
     class Wrapped(IterableDataset):
         def __iter__(self):
-            return iter(dataset)
+            return batches_of()
 
     return iter(DataLoader(Wrapped(), batch_size=None, num_workers=workers))
-
-
-class TokenBlocks:
-    """LitData's ``TokensLoader`` blocks of ``seq_len`` stacked into batches of ``rows``."""
-
-    def __init__(self, corpus: Path, seq_len: int, rows: int) -> None:
-        self.corpus, self.seq_len, self.rows = corpus, seq_len, rows
-
-    def __iter__(self):
-        import torch
-        from litdata import StreamingDataset
-        from litdata.streaming.item_loader import TokensLoader
-
-        dataset = StreamingDataset(
-            str(self.corpus / f"litdata-tokens-{self.seq_len}"),
-            item_loader=TokensLoader(block_size=self.seq_len),
-        )
-        pending = []
-        for block in dataset:
-            pending.append(block)
-            if len(pending) == self.rows:
-                yield self._batch(torch, pending)
-                pending = []
-        if pending:
-            yield self._batch(torch, pending)
-
-    def _batch(self, torch, blocks) -> dict:
-        packed = torch.from_numpy(np.stack(blocks).astype(np.int64))
-        return {
-            "input_ids": packed >> MOD_BITS,
-            "modality": packed & ((1 << MOD_BITS) - 1),
-            "num_real_tokens": torch.tensor(packed.numel()),
-        }
 
 
 def energon_batches(corpus: Path, workers: int, seq_len: int, rows: int):
     """Energon's own loader: its sample decoder decodes the ``.npy`` members, its worker cooks the
     samples and packs them (``encode_batch`` feeds a packer kept per worker)."""
-    from megatron.energon import (
-        Cooker,
-        DefaultTaskEncoder,
-        Sample,
-        WorkerConfig,
-        basic_sample_keys,
-        edataclass,
-        get_loader,
-        get_train_dataset,
-        stateless,
-    )
+    from megatron import energon
 
-    @edataclass
-    class TokenSample(Sample):
+    @energon.edataclass
+    class TokenSample(energon.Sample):
         ids: np.ndarray
         mod: np.ndarray
 
-    @stateless
+    @energon.stateless
     def cook(crude: dict) -> TokenSample:
         ids, mod = crude["ids.npy"], crude["mod.npy"]
         if not isinstance(ids, np.ndarray) or not isinstance(mod, np.ndarray):
             raise TypeError(
                 f"{crude['__key__']}: Energon's decoder left the .npy members undecoded"
             )
-        return TokenSample(**basic_sample_keys(crude), ids=ids, mod=mod)
+        return TokenSample(**energon.basic_sample_keys(crude), ids=ids, mod=mod)
 
-    class Encoder(DefaultTaskEncoder):
-        cookers = [Cooker(cook)]
+    class Encoder(energon.DefaultTaskEncoder):
+        cookers = [energon.Cooker(cook)]
 
         def __init__(self) -> None:
             super().__init__()
@@ -718,27 +671,18 @@ def energon_batches(corpus: Path, workers: int, seq_len: int, rows: int):
             return samples
 
         def encode_batch(self, samples):  # runs in Energon's worker
-            out = []
-            for sample in samples:
-                out.extend(self.packer.add(sample.ids, sample.mod))
-            return out
+            return [out for sample in samples for out in self.packer.add(sample.ids, sample.mod)]
 
-    dataset = get_train_dataset(
+    dataset = energon.get_train_dataset(
         str(corpus / "wds"),
         batch_size=64,
         shuffle_buffer_size=None,
         max_samples_per_sequence=None,
         repeat=False,
-        worker_config=WorkerConfig(rank=0, world_size=1, num_workers=workers),
+        worker_config=energon.WorkerConfig(rank=0, world_size=1, num_workers=workers),
         task_encoder=Encoder(),
     )
-    loader = get_loader(dataset)
-
-    def batches():
-        for packed in loader:
-            yield from packed
-
-    return batches()
+    return (batch for packed in energon.get_loader(dataset) for batch in packed)
 
 
 def earlyfuse_batches(corpus: Path, workers: int, seq_len: int, rows: int):
@@ -746,24 +690,16 @@ def earlyfuse_batches(corpus: Path, workers: int, seq_len: int, rows: int):
 
     tokens = corpus / "tokens"
     manifest = json.loads((tokens / "manifest.json").read_text())
-    cfg = LoaderConfig(
-        sources=[
-            SourceConfig(
-                name=src["name"],
-                shards=[str(tokens / src["name"])],
-                weight=float(sum(src["tokens"].values())),
-            )
-            for src in manifest["sources"]
-        ],
-        seq_len=seq_len,
-        num_workers=workers,
-        mode="epoch",
-    )
+    sources = [
+        SourceConfig(
+            name=src["name"],
+            shards=[str(tokens / src["name"])],
+            weight=float(sum(src["tokens"].values())),
+        )
+        for src in manifest["sources"]
+    ]
+    cfg = LoaderConfig(sources=sources, seq_len=seq_len, num_workers=workers, mode="epoch")
     return iter(build_loader(cfg, rank=0, world_size=1, micro_batch=rows))
-
-
-def library_of(name: str) -> str:
-    return "data.loader" if name == "earlyfuse" else PEERS[name]
 
 
 def make_batches(name: str, corpus: Path, workers: int, seq_len: int, rows: int):
@@ -771,21 +707,18 @@ def make_batches(name: str, corpus: Path, workers: int, seq_len: int, rows: int)
         return earlyfuse_batches(corpus, workers, seq_len, rows)
     if name == "energon":
         return energon_batches(corpus, workers, seq_len, rows)
-    if name == "litdata-tokens":
-        return in_worker(TokenBlocks(corpus, seq_len, rows), workers)
-    docs_of = {"webdataset": wds_docs, "streaming": streaming_docs, "litdata": litdata_docs}[name]
-    return in_worker(PeerDataset(docs_of, corpus, seq_len, rows), workers)
+    return in_worker(partial(peer_batches, name, corpus, seq_len, rows), workers)
 
 
-def measure(name: str, corpus: Path, workers: int, seq_len: int, rows: int, limit: int) -> dict:
-    """One loader, one epoch (or ``limit`` batches), in this process: what the child prints."""
+def measure(a) -> dict:
+    """One loader, one epoch (or ``--limit`` batches), in this process: what the child prints."""
     import torch  # every loader hands out torch tensors: not counted as any library's import
 
     torch.manual_seed(0)
     started = time.perf_counter()
-    importlib.import_module(library_of(name))
+    importlib.import_module(LIBRARIES[a.measure])
     imported = time.perf_counter()
-    batches = make_batches(name, corpus, workers, seq_len, rows)
+    batches = make_batches(a.measure, a.corpus, a.workers[0], a.seq_len, a.rows)
     built = time.perf_counter()
     first = next(batches)
     first_at = time.perf_counter()
@@ -793,7 +726,7 @@ def measure(name: str, corpus: Path, workers: int, seq_len: int, rows: int, limi
     for batch in batches:
         tokens += int(batch["num_real_tokens"])
         count += 1
-        if count == limit:
+        if count == a.limit:
             break
     done = time.perf_counter()
     return {
@@ -826,41 +759,25 @@ def tree_of(root: int) -> list[int]:
 def memory_of(pids: list[int]) -> tuple[int, int]:
     """(RSS, PSS) in bytes summed over ``pids``. PSS shares each page among the processes that
     map it, so forked workers' copy-on-write pages are not counted twice."""
-    rss = pss = 0
+    totals = {"Rss:": 0, "Pss:": 0}
     for pid in pids:
         try:
             with open(f"/proc/{pid}/smaps_rollup") as rollup:
-                for line in rollup:
-                    if line.startswith("Rss:"):
-                        rss += int(line.split()[1]) * 1024
-                    elif line.startswith("Pss:"):
-                        pss += int(line.split()[1]) * 1024
-        except OSError:
+                for field, kib, *_ in (line.split() for line in rollup):
+                    if field in totals:
+                        totals[field] += int(kib) * 1024
+        except OSError:  # ended meanwhile
             continue
-    return rss, pss
+    return totals["Rss:"], totals["Pss:"]
 
 
 def run_measure(a, name: str, workers: int, limit: int = 0) -> dict:
     """``name`` measured in a fresh process, its tree's peak memory sampled meanwhile."""
     with tempfile.NamedTemporaryFile("r", suffix=".json") as result:
-        cmd = [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            "--measure",
-            name,
-            "--corpus",
-            str(a.corpus),
-            "--workers",
-            str(workers),
-            "--seq-len",
-            str(a.seq_len),
-            "--rows",
-            str(a.rows),
-            "--limit",
-            str(limit),
-            "--result",
-            result.name,
-        ]
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--measure", name]
+        for flag, value in (("corpus", a.corpus), ("seq-len", a.seq_len), ("rows", a.rows)):
+            cmd += [f"--{flag}", str(value)]
+        cmd += ["--workers", str(workers), "--limit", str(limit), "--result", result.name]
         child = subprocess.Popen(cmd)
         peak = [0, 0]
 
@@ -894,6 +811,18 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
     return out
 
 
+def earlyfuse_figures(table: dict[str, dict]) -> dict[str, float]:
+    """earlyfuse's first batch and its ratios to LitData in one mode's table (empty without it)."""
+    ours, base = table.get("earlyfuse"), table.get(BASELINE)
+    if not ours:
+        return {}
+    figures = {"first_batch_s": ours["first_batch_s"]}
+    if base:
+        figures["epoch_vs_litdata"] = ours["tokens_per_s"] / base["tokens_per_s"]
+        figures["peak_rss_vs_litdata"] = ours["peak_rss"] / base["peak_rss"]
+    return figures
+
+
 def print_mode(mode: str, table: dict[str, dict], previous: dict) -> None:
     base = table.get(BASELINE)
     print(f"\n{mode} (medians; tokens/s over one epoch, start-up counted)")
@@ -913,19 +842,13 @@ def print_mode(mode: str, table: dict[str, dict], previous: dict) -> None:
             f"{med['import_s']:>6.2f}s {med['first_batch_s']:>8.2f}s {med['epoch_s']:>6.1f}s "
             f"{med['peak_rss'] / 2**20:>6.0f}MiB {med['peak_pss'] / 2**20:>6.0f}MiB{ratio}"
         )
-    ours = table.get("earlyfuse")
-    if not ours:
+    now = earlyfuse_figures(table)
+    if not now:
         return
-    goal = GOALS.get(mode, {})
-    now = {"first_batch_s": ours["first_batch_s"]}
-    if base:
-        now["epoch_vs_litdata"] = ours["tokens_per_s"] / base["tokens_per_s"]
-        now["peak_rss_vs_litdata"] = ours["peak_rss"] / base["peak_rss"]
-    before = previous.get(mode, {})
+    goal, before = GOALS.get(mode, {}), previous.get(mode, {})
     print(f"  earlyfuse now / before ({previous.get('source', 'no previous figures')}) / goal:")
     for key, value in now.items():
-        was = before.get(key)
-        target = goal.get(key)
+        was, target = before.get(key), goal.get(key)
         print(
             f"    {key:20s} {value:7.2f}   {'' if was is None else f'{was:7.2f}':>7s}"
             f"   {'' if target is None else target:>5}"
@@ -940,13 +863,8 @@ def previous_figures(path: Path | None) -> dict:
     saved = json.loads(path.read_text())
     out: dict = {"source": f"{path} ({saved.get('commit', '?')})"}
     for mode, table in saved["modes"].items():
-        ours, base = table.get("earlyfuse"), table.get(BASELINE)
-        if not ours:
-            continue
-        out[mode] = {"first_batch_s": ours["first_batch_s"]}
-        if base:
-            out[mode]["epoch_vs_litdata"] = ours["tokens_per_s"] / base["tokens_per_s"]
-            out[mode]["peak_rss_vs_litdata"] = ours["peak_rss"] / base["peak_rss"]
+        if figures := earlyfuse_figures(table):
+            out[mode] = figures
     return out
 
 
@@ -967,13 +885,12 @@ def parse(argv=None) -> argparse.Namespace:
         description=(__doc__ or "").split("\n")[0],
         epilog="docs/benchmarks.md, 'The loaders of the field', has the current table.",
     )
-    ap.add_argument(
-        "--corpus", type=Path, default=Path("runs/bench-peers"), help="where the corpus is cached"
-    )
-    ap.add_argument("--docs", type=int, default=27_000, help="text and code documents")
-    ap.add_argument("--doc-tokens", type=int, default=2048, help="mean tokens a document")
-    ap.add_argument("--text-share", type=float, default=0.25, help="of the documents, prose")
-    ap.add_argument(
+    add = ap.add_argument
+    add("--corpus", type=Path, default=Path("runs/bench-peers"), help="where the corpus is cached")
+    add("--docs", type=int, default=27_000, help="text and code documents")
+    add("--doc-tokens", type=int, default=2048, help="mean tokens a document")
+    add("--text-share", type=float, default=0.25, help="of the documents, prose")
+    add(
         "--material",
         type=Path,
         nargs="+",
@@ -981,44 +898,49 @@ def parse(argv=None) -> argparse.Namespace:
         help="folders of .py (code) and .txt/.rst/.md (text) files "
         "(default: the standard library and site-packages)",
     )
-    ap.add_argument("--tokenizer", type=Path, default=None, help="a project tokenizer folder")
-    ap.add_argument("--visual", type=Path, default=None, help="a token folder with visual sources")
-    ap.add_argument("--corpus-only", action="store_true", help="build the corpus, measure nothing")
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--rows", type=int, default=8, help="rows per batch")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--workers", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--loaders", nargs="+", default=LOADERS, choices=LOADERS)
-    ap.add_argument("--save", type=Path, default=None, help="write the results as JSON here")
-    ap.add_argument("--previous", type=Path, default=None, help="a JSON saved with --save")
-    ap.add_argument("--measure", choices=LOADERS, help=argparse.SUPPRESS)
-    ap.add_argument("--limit", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    add("--tokenizer", type=Path, default=None, help="a project tokenizer folder")
+    add(
+        "--visual",
+        type=Path,
+        default=None,
+        help="a token folder: its image/video sources join the corpus, its tokenizers/ the "
+        "vocabulary (text and code stay byte-level without --tokenizer)",
+    )
+    add("--corpus-only", action="store_true", help="build the corpus, measure nothing")
+    add("--seq-len", type=int, default=2048)
+    add("--rows", type=int, default=8, help="rows per batch")
+    add("--rounds", type=int, default=3)
+    add("--workers", type=int, nargs="+", default=[0, 1])
+    add("--loaders", nargs="+", default=LOADERS, choices=LOADERS)
+    add("--save", type=Path, default=None, help="write the results as JSON here")
+    add("--previous", type=Path, default=None, help="a JSON saved with --save")
+    add("--measure", choices=LOADERS, help=argparse.SUPPRESS)
+    add("--limit", type=int, default=0, help=argparse.SUPPRESS)
+    add("--result", type=Path, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> dict:
     a = parse(argv)
     if a.measure:  # the child
-        figures = measure(a.measure, a.corpus, a.workers[0], a.seq_len, a.rows, a.limit)
+        figures = measure(a)
         a.result.write_text(json.dumps(figures))
         return figures
-    if a.visual and a.tokenizer:
-        raise SystemExit("--visual brings its token folder's tokenizer: leave out --tokenizer")
     if a.visual and not (a.visual / "manifest.json").is_file():
         raise SystemExit(f"{a.visual}: no manifest.json; --visual takes a token folder")
     built = build_corpus(a)
     print(
         f"corpus {a.corpus}: {built['documents']:,} documents, {built['tokens']:,} tokens "
-        f"({built['tokens'] / built['documents']:,.0f} a document; {built['sources']})",
+        f"({built['tokens'] / built['documents']:,.0f} a document; {built['sources']}; "
+        f"image/video sources: {built.get('visual_share', 'none')})",
         flush=True,
     )
     if a.corpus_only:
         return built
-    loaders = [name for name in a.loaders if name == "earlyfuse" or available(PEERS[name])]
+    loaders = [name for name in a.loaders if available(LIBRARIES[name])]
     for name in a.loaders:
         if name not in loaders:
-            print(f"skipped {name}: {PEERS[name]} is not installed")
+            print(f"skipped {name}: {LIBRARIES[name]} is not installed")
     convert(a.corpus, loaders, a.seq_len)
     res: dict = {
         "commit": commit(),
