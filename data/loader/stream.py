@@ -50,7 +50,7 @@ from data.loader.order import (
 from data.loader.packed_batch import PackedBatch
 from data.loader.packer import Doc, units_of
 from data.loader.sample_check import check_ids, read_members
-from data.loader.shard_check import CheckedShard, check_shard
+from data.loader.shard_check import CheckedShard, IndexedShard, check_shard
 from data.loader.store import ShardFiles, ShardView
 from data.loader.stream_state import SourceCursor, load_state
 from data.loader.table import SampleTable
@@ -59,6 +59,7 @@ from data.tokenize.blocks import visual_blocks
 from data.vocab import MODALITY_NAMES
 
 _KEEP_SHARDS = 256  # as many as ShardFiles keeps memory maps of (a checked shard holds its map)
+_KEEP_DRY = 16  # a dry stream's shard tables (rebuilt from the index when needed again)
 
 
 class ConsumerStream:
@@ -108,13 +109,16 @@ class ConsumerStream:
         self.watchdog = None if dry else Watchdog(cfg.stall_seconds, f"consumer {consumer}")
         # (source, shard) -> the shard when it passed the whole-shard check, None when it did not
         # (data/loader/shard_check.py); least recently used dropped past _KEEP_SHARDS.
-        self._checked: dict[tuple[int, int], CheckedShard | None] = {}
+        self._checked: dict[tuple[int, int], CheckedShard | IndexedShard | None] = {}
         self._used: dict[tuple[int, int], int] = {}  # when each was last used (self._tick)
         self._tick = 0
         self._check_whole = consumers <= cfg.whole_shard_check_max_consumers
-        # Per source: read through whole-shard checks (token tables with shard digests)
+        # A dry stream keeps fewer shards' tables: it walks through its shards once
+        self._keep_shards = _KEEP_DRY if dry else _KEEP_SHARDS
+        # Per source: read in runs of a shard's documents (fast_stream.FastPath._fast_run): token
+        # tables, through whole-shard checks, or from their indexes alone when counting (dry)
         self.whole_checked = [
-            not dry and self._check_whole and getattr(t, "shard_sha256", None) is not None
+            (dry or self._check_whole) and getattr(t, "shard_sha256", None) is not None
             for t in tables
         ]
         # The compiled loop and its arrays: where the packing is, the stream's state from here
@@ -207,12 +211,16 @@ class ConsumerStream:
             raise ValueError(why)
         return doc.ids.astype(np.int64), doc.modality.astype(np.int64), visual_blocks(doc.spans)
 
-    def checked_shard(self, s: int, t: SampleTable, si: int) -> CheckedShard | None:
-        """Shard ``si`` when it passes the whole-shard check (checked on first use)."""
+    def checked_shard(self, s: int, t: SampleTable, si: int) -> CheckedShard | IndexedShard | None:
+        """Shard ``si`` when it passes the whole-shard check (checked on first use); a dry
+        stream's shards as their index describes them (nothing to check: no token is read)."""
         key = (s, si)
         self._tick += 1
         if key in self._checked:
             self._used[key] = self._tick
+            return self._checked[key]
+        if self.dry:
+            self._remember(key, IndexedShard(t.index(si)))  # type: ignore[attr-defined]
             return self._checked[key]
         url = t.shards[si]
         if self.watchdog:
@@ -233,11 +241,14 @@ class ConsumerStream:
         finally:
             if self.watchdog:
                 self.watchdog.current = None  # checked: nothing is being read any more
-        if len(self._checked) >= _KEEP_SHARDS:  # the least recently used goes
+        self._remember(key, shard)
+        return shard
+
+    def _remember(self, key: tuple[int, int], shard: CheckedShard | IndexedShard | None) -> None:
+        if len(self._checked) >= self._keep_shards:  # the least recently used goes
             oldest = min(self._used, key=self._used.__getitem__)
             del self._checked[oldest], self._used[oldest]
         self._checked[key], self._used[key] = shard, self._tick
-        return shard
 
     def load(self, s: int, sample: int, epoch: int) -> Doc | None:
         t = self.tables[s]
@@ -247,7 +258,7 @@ class ConsumerStream:
         if self.whole_checked[s]:
             si, i = t.locate(sample)  # type: ignore[attr-defined]
             checked = self.checked_shard(s, t, si)
-            if checked is not None:  # a checked shard: nothing to parse or check
+            if isinstance(checked, CheckedShard):  # a checked shard: nothing to parse or check
                 ids, mod, units = checked.document(i)
                 self.consecutive_errors = 0
                 return Doc(s, sample, epoch, len(ids), units, ids, mod)
