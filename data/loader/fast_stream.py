@@ -338,6 +338,8 @@ class FastPath:
             dst = self.docs[run_rows, kernel.D_TOK]
             for mapped, sel in groups:
                 gather_tokens(mapped, sel, ids_at, mod_at, lengths, dst, ids, mod)
+            # int32 ids and uint8 modalities read through the shards' maps (store.ShardFiles)
+            self.stream.files.touched(5 * int(lengths.sum()))
 
     def _restage(self, needed: int) -> None:
         """New staging arrays holding the live documents of every source, with room for

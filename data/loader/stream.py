@@ -236,6 +236,7 @@ class ConsumerStream:
                     id_ranges=t.id_ranges,
                     check_hash=self.cfg.check_hashes,
                 )
+                self.files.touched(len(mapped))  # the check read all of it
         except (OSError, ValueError):
             return None  # not remembered: read document by document, which names the error
         finally:
@@ -260,6 +261,7 @@ class ConsumerStream:
             checked = self.checked_shard(s, t, si)
             if isinstance(checked, CheckedShard):  # a checked shard: nothing to parse or check
                 ids, mod, units = checked.document(i)
+                self.files.touched(ids.nbytes + mod.nbytes)
                 self.consecutive_errors = 0
                 return Doc(s, sample, epoch, len(ids), units, ids, mod)
         if self.watchdog:
