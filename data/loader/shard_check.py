@@ -26,6 +26,9 @@ Design choices:
   the network) is read document by document: each document read and checked on its own, so a bad
   document costs that document only, and is skipped, counted and named as always.
 - ``check_hashes=False``: no hash is computed; the id check of the whole shard still runs.
+- ``check_shard`` reads only its arguments (hashlib and the compiled loop release the GIL), so
+  a stream runs it for the next shard it will read in a thread while it reads the current one
+  (stream.ConsumerStream._check_ahead).
 - Each consumer checks the shards it reads from, and consumers (ranks x workers) each read
   1/consumers of every shard: beyond ``whole_shard_check_max_consumers`` (default 8) a
   consumer would hash far more than it reads, so shards are then checked document by document.
@@ -143,7 +146,7 @@ def check_shard(
     return CheckedShard(mapped, index, ids_dtype, mod_dtype, ids_at, mod_at)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)  # nogil: a check running ahead in a thread (stream.py)
 def first_bad_document(shard_bytes, ids_at, mod_at, lengths, ranges, text_below):
     """The first document (int32 ids at ``ids_at``, uint8 modalities at ``mod_at`` of the
     shard's bytes) holding a modality past ``ranges`` or an id outside its modality's range

@@ -254,3 +254,27 @@ def test_the_compiled_id_check_finds_every_kind_of_bad_token():
                 below,
             )
             assert got == want, (name, below)
+
+
+def test_the_next_shard_is_checked_ahead_in_a_thread(tokens, monkeypatch):
+    """While a consumer reads a shard, the next shard of its epoch order is checked in a thread
+    of its own (stream.ConsumerStream._check_ahead), so the stream does not stop for the check
+    when it gets there; each shard is still checked once, and every document read as before."""
+    import threading
+
+    from data.loader import stream as stream_module
+
+    checked_in: list[str] = []
+    real_check = stream_module.check_shard
+
+    def check_and_note_the_thread(*args, **kwargs):
+        checked_in.append(threading.current_thread().name)
+        return real_check(*args, **kwargs)
+
+    intact = read_source(tokens, "scenes")
+    monkeypatch.setattr(stream_module, "check_shard", check_and_note_the_thread)
+    docs, skipped, stream = read_source(tokens, "scenes")
+    assert (docs, skipped) == (intact[0], intact[1]) and len(checked(stream)) == 2
+    assert all(checked(stream).values()) and not stream._ahead
+    assert checked_in[0] == threading.current_thread().name  # the first: when it is first read
+    assert len(checked_in) == 2 and checked_in[1].startswith("earlyfuse-shard-check")
