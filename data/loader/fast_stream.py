@@ -6,7 +6,10 @@ Design choices:
   per-document checks, skips and their log lines: all unchanged), a few batches' worth of one
   source at a time, when the kernel says that source's queue ran dry; runs of documents of
   shards that passed the whole-shard check are added at once, without a Python object each
-  (stage_kernel.py).
+  (stage_kernel.py). Counting an epoch (a dry stream) adds its token sources' documents the
+  same way, from their shards' indexes alone (shard_check.IndexedShard): lengths and blocks
+  are all the packing decisions read, so the count costs the compiled loop's time, not a
+  Python call per document.
 - Their tokens are appended to one pair of staging arrays (int32 ids, uint8 modalities) shared
   by every source, so the kernel reads every document from one place whatever shard or kind it
   came from; when they are full, they are made again with the documents still being placed.
@@ -33,7 +36,7 @@ from data.loader.expand import CompactBatch
 from data.loader.fast_state import FastState, snapshot_arrays
 from data.loader.order import ConsumerSlice
 from data.loader.packer import Doc
-from data.loader.shard_check import CheckedShard
+from data.loader.shard_check import CheckedShard, IndexedShard
 from data.loader.stage_kernel import fill_units, gather_tokens, take_rows
 from data.loader.stream_state import skipped_samples
 from data.vocab import MODALITY_NAMES, Modality
@@ -334,6 +337,8 @@ class FastPath:
             dst = self.docs[run_rows, kernel.D_TOK]
             for mapped, sel in groups:
                 gather_tokens(mapped, sel, ids_at, mod_at, lengths, dst, ids, mod)
+            # int32 ids and uint8 modalities read through the shards' maps (store.ShardFiles)
+            self.stream.files.touched(5 * int(lengths.sum()))
 
     def _restage(self, needed: int) -> None:
         """New staging arrays holding the live documents of every source, with room for
@@ -382,7 +387,7 @@ class FastPath:
         starts = self._starts[source]
         shard_of = np.searchsorted(starts, samples, side="right") - 1
         usable = np.ones(n_run, bool)
-        shards: dict[int, CheckedShard] = {}
+        shards: dict[int, CheckedShard | IndexedShard] = {}
         for shard in np.unique(shard_of).tolist():
             checked = stream.checked_shard(source, table, shard)
             if (

@@ -57,6 +57,7 @@ class EpochOrder:
         perm = rng.permutation(len(counts)) if shuffle_shards else np.arange(len(counts))
         first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         self.first = first[perm]  # id of the first sample of each shard, shards in order
+        self.perm = perm  # the shards in order
         self.starts = np.concatenate([[0], np.cumsum(counts[perm])]).astype(np.int64)
         self.n = int(self.starts[-1])
         self.shuffle = buffer > 1
@@ -65,6 +66,12 @@ class EpochOrder:
 
     def __len__(self) -> int:
         return self.n
+
+    def shards_from(self, position: int) -> np.ndarray:
+        """The shards in order from the one holding ``position`` on (those with samples)."""
+        at = int(np.searchsorted(self.starts, position, side="right")) - 1
+        counts = self.starts[at + 1 :] - self.starts[at:-1]
+        return self.perm[at:][counts > 0]
 
     def window_samples(self, w: int) -> np.ndarray:
         """int64: the samples at positions [w * window, (w + 1) * window) (fewer at the end)."""

@@ -8,9 +8,13 @@ Design choices:
   ``earlyfuse-prep verify`` checks). One ``hashlib`` call over the shard's memory map: C speed,
   and hashlib releases the GIL for large buffers, so a DataLoader worker's hashing does not
   hold up the trainer's thread.
-- Then every document's ``.npy`` members are parsed once, their lengths compared with the index,
-  and the ids of the whole shard checked against their modalities' vocabulary ranges in one
-  vectorised pass (``check_ids`` over the concatenation).
+- Then where every document's values lie is read from its ``.npy`` headers, all at once
+  (``npy.npy_layouts``: the headers gathered with numpy, each distinct one parsed once), their
+  lengths compared with the index, and every id of the shard checked against its modality's
+  vocabulary range by one compiled loop over the documents in place (``first_bad_document``),
+  no Python call per document and no copy of the shard's tokens. Members stored otherwise
+  than tokenize writes them (int32 ids, uint8 modalities, version 1 headers) send the shard
+  to the per-document path, which reads any ``.npy`` integer array.
 - A shard that passes is kept as a few arrays (where each document's ids and modalities start
   in the memory map, their dtypes, its length and blocks): reading a document is two
   ``np.frombuffer`` views, no parsing, no check. About 64 bytes a document with the table the
@@ -21,6 +25,9 @@ Design choices:
   the network) is read document by document: each document read and checked on its own, so a bad
   document costs that document only, and is skipped, counted and named as always.
 - ``check_hashes=False``: no hash is computed; the id check of the whole shard still runs.
+- ``check_shard`` reads only its arguments (hashlib and the compiled loop release the GIL), so
+  a stream runs it for the next shard it will read in a thread while it reads the current one
+  (stream.ConsumerStream._check_ahead).
 - Each consumer checks the shards it reads from, and consumers (ranks x workers) each read
   1/consumers of every shard: beyond ``whole_shard_check_max_consumers`` (default 8) a
   consumer would hash far more than it reads, so shards are then checked document by document.
@@ -31,10 +38,16 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
+from numba import njit
 
+from data.loader.npy import npy_layouts
 from data.loader.packer import Unit, units_of
-from data.loader.sample_check import check_ids
+from data.loader.sample_check import _text_below
 from data.shards import token_index
+from data.vocab import Modality
+
+_IDS, _MOD = np.dtype("<i4"), np.dtype("u1")  # what tokenize writes (ids, modalities)
+_CODE = int(Modality.CODE)
 
 
 class CheckedShard:
@@ -46,8 +59,8 @@ class CheckedShard:
         index: token_index.TokenIndex,
         ids_dtype: np.dtype,
         mod_dtype: np.dtype,
-        ids_at: list[int],
-        mod_at: list[int],
+        ids_at: np.ndarray,
+        mod_at: np.ndarray,
     ) -> None:
         self.mapped, self.index = mapped, index
         self.ids_dtype, self.mod_dtype = ids_dtype, mod_dtype
@@ -77,6 +90,23 @@ class CheckedShard:
         return ids, mod, units_of(length, self.index.blocks[start : start + count].tolist())
 
 
+class IndexedShard:
+    """A shard's documents as its index describes them (lengths and blocks), the same table as a
+    ``CheckedShard``'s without where the tokens lie: what counting an epoch's batches reads (the
+    packing decisions need nothing else; no tar is opened or checked)."""
+
+    ids_dtype, mod_dtype = np.dtype("<i4"), np.dtype("u1")
+    bytes = np.zeros(0, np.uint8)  # no tokens: a dry stream stages none
+
+    def __init__(self, index: token_index.TokenIndex) -> None:
+        records = index.records
+        self.index = index
+        self.table = np.zeros((len(records), 5), np.int64)
+        self.table[:, 0] = records["tokens"]
+        self.table[:, 1] = records["block_start"]
+        self.table[:, 2] = records["block_count"]
+
+
 def check_shard(
     mapped: memoryview,
     index: token_index.TokenIndex,
@@ -87,44 +117,61 @@ def check_shard(
 ) -> CheckedShard | None:
     """The shard (``mapped``: the whole tar) when it passes the checks above; None when it does
     not (its documents are then read and checked one by one)."""
-    from data.loader.npy import npy_layout  # the loader's header-cached .npy parser
-
     if check_hash and (
         not shard_sha256 or hashlib.sha256(mapped).hexdigest() != shard_sha256.lower()
     ):
         return None
     records = index.records
-    ids_at, mod_at, all_ids, all_mod = [], [], [], []
-    dtypes = set()
-    try:
-        for (i0, isz), (m0, msz), length in zip(
-            records["ids"].tolist(), records["mod"].tolist(), records["tokens"].tolist()
-        ):
-            # Where the values lie, from the headers: arithmetic, not a pointer per array. Any
-            # other kind of .npy (which np.load would copy out of the map) is read document by
-            # document.
-            ids_layout = npy_layout(mapped[i0 : i0 + isz])
-            mod_layout = npy_layout(mapped[m0 : m0 + msz])
-            if ids_layout is None or mod_layout is None:
-                return None
-            (ids_dtype, n_ids, ids_off), (mod_dtype, n_mod, mod_off) = ids_layout, mod_layout
-            if n_ids != length or n_mod != length:
-                return None
-            if (
-                ids_off + length * ids_dtype.itemsize > isz
-                or mod_off + length * mod_dtype.itemsize > msz
-            ):
-                return None  # a short payload
-            dtypes.add((ids_dtype, mod_dtype))
-            ids_at.append(i0 + ids_off)
-            mod_at.append(m0 + mod_off)
-            all_ids.append(np.frombuffer(mapped, ids_dtype, length, i0 + ids_off))
-            all_mod.append(np.frombuffer(mapped, mod_dtype, length, m0 + mod_off))
-        if len(dtypes) > 1:
-            return None  # not as tokenize writes shards: read document by document
-        if all_ids and id_ranges is not None:
-            check_ids(np.concatenate(all_ids), np.concatenate(all_mod), id_ranges)
-    except (ValueError, EOFError):
-        return None  # read document by document: the bad one is skipped and named there
-    ids_dtype, mod_dtype = next(iter(dtypes)) if dtypes else (np.dtype("<i4"), np.dtype("u1"))
+    if not len(records):
+        return CheckedShard(mapped, index, _IDS, _MOD, np.zeros(0, np.int64), np.zeros(0, np.int64))
+    shard_bytes = np.frombuffer(mapped, np.uint8)
+    lengths = records["tokens"].astype(np.int64)
+    # Where the values lie, from the headers: arithmetic, not a pointer per array. Any other
+    # kind of .npy (which np.load would copy out of the map) is read document by document.
+    ids = npy_layouts(shard_bytes, records["ids"][:, 0], records["ids"][:, 1])
+    mod = npy_layouts(shard_bytes, records["mod"][:, 0], records["mod"][:, 1])
+    if ids is None or mod is None:
+        return None
+    (ids_dtype, n_ids, ids_at), (mod_dtype, n_mod, mod_at) = ids, mod
+    if not (np.array_equal(n_ids, lengths) and np.array_equal(n_mod, lengths)):
+        return None
+    if (ids_dtype, mod_dtype) != (_IDS, _MOD):
+        return None  # not as tokenize writes shards: read document by document
+    if id_ranges is not None:
+        ranges = np.ascontiguousarray(id_ranges, np.int64)
+        text_below = _text_below(id_ranges)
+        if first_bad_document(shard_bytes, ids_at, mod_at, lengths, ranges, text_below) >= 0:
+            return None  # read document by document: the bad one is skipped and named there
     return CheckedShard(mapped, index, ids_dtype, mod_dtype, ids_at, mod_at)
+
+
+@njit(cache=True, nogil=True)  # nogil: a check running ahead in a thread (stream.py)
+def first_bad_document(shard_bytes, ids_at, mod_at, lengths, ranges, text_below):
+    """The first document (int32 ids at ``ids_at``, uint8 modalities at ``mod_at`` of the
+    shard's bytes) holding a modality past ``ranges`` or an id outside its modality's range
+    [lo, hi); -1 when there is none. A document of text and code only, with every id below
+    ``text_below`` (when text and code share the ids [0, text_below); else -1), is checked by
+    two maxima, which LLVM vectorises; any other document token by token."""
+    n_modalities = ranges.shape[0]
+    for doc in range(lengths.shape[0]):
+        length = lengths[doc]
+        ids = shard_bytes[ids_at[doc] : ids_at[doc] + 4 * length].view(np.int32)
+        mod = shard_bytes[mod_at[doc] : mod_at[doc] + length]
+        if ids.shape[0] != length or mod.shape[0] != length:
+            return doc
+        if text_below > 0:
+            top_mod = np.uint8(0)
+            top_id = np.uint32(0)
+            for tok in range(length):
+                top_mod = max(top_mod, mod[tok])
+                top_id = max(top_id, np.uint32(ids[tok]))  # a negative id: past every range
+            if top_mod <= _CODE and top_id < text_below:
+                continue
+        for tok in range(length):
+            modality = mod[tok]
+            if modality >= n_modalities:
+                return doc
+            token = ids[tok]
+            if token < ranges[modality, 0] or token >= ranges[modality, 1]:
+                return doc
+    return -1

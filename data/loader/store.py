@@ -42,6 +42,8 @@ _BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 _TAR_WORD = re.compile(r"([^\s'\"]+\.tar)(?=[\s'\";|&)>]|$)")
 RETRIES = 3
 FAILED_FOR = 60.0
+# Bytes read through the memory maps between two hand-backs of their pages (ShardFiles.release)
+RELEASE_BYTES = 32 << 20
 
 
 def kind(url: str) -> str:
@@ -170,7 +172,14 @@ def default_cache_dir() -> str:
 
 class ShardFiles:
     """Open shards, at most ``keep`` file handles at a time (least recently used closed first),
-    and memory maps of local and fetched shards, at most ``keep_maps``."""
+    and memory maps of local and fetched shards, at most ``keep_maps``.
+
+    A page of a map that has been read counts in the process's RSS for as long as it stays
+    mapped, and every shard a consumer reads stays mapped (its documents are spread over the
+    epoch), so without more the RSS would grow by every byte of every shard read. Readers count
+    what they read through the maps (``touched``); every ``RELEASE_BYTES`` the maps' pages are
+    handed back (``release``: ``madvise(MADV_DONTNEED)``; the pages stay in the page cache,
+    and what is read again faults back in from there), so the maps hold about that much."""
 
     def __init__(
         self,
@@ -186,6 +195,7 @@ class ShardFiles:
         self._maps: dict[str, memoryview] = {}
         self._failed: dict[str, tuple[float, str]] = {}  # pipe: fetches that failed lately
         self.opened = 0  # shards opened or mapped so far (benchmarks count them)
+        self._touched = 0  # bytes read through the maps since their pages were last released
 
     def view(self, url: str, offset: int, size: int, min_bytes: int = 0) -> memoryview | bytes:
         """``size`` bytes at ``offset``: a slice of the shard's memory map (local shards and
@@ -196,7 +206,23 @@ class ShardFiles:
             return self.read(url, offset, size, min_bytes)
         if offset + size > len(mapped):
             raise ValueError(f"member cut short ({max(0, len(mapped) - offset)} of {size} bytes)")
+        self.touched(size)
         return mapped[offset : offset + size]
+
+    def touched(self, size: int) -> None:
+        """``size`` more bytes read through the maps; past ``RELEASE_BYTES``, ``release``."""
+        self._touched += size
+        if self._touched >= RELEASE_BYTES:
+            self.release()
+
+    def release(self) -> None:
+        """Every map's pages handed back to the kernel: this process's RSS then holds none of
+        them, the arrays made from the maps stay valid (a read faults the page back in from
+        the page cache: the shards are read-only files)."""
+        self._touched = 0
+        for mapped in self._maps.values():
+            if isinstance(mapped.obj, mmap.mmap):
+                mapped.obj.madvise(mmap.MADV_DONTNEED)
 
     def mapped(self, url: str, min_bytes: int = 0) -> memoryview | None:
         """The whole shard's memory map (local and fetched ``pipe:`` shards; None for fsspec

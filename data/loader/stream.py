@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -43,7 +45,7 @@ from data.loader.order import ConsumerSlice, EpochOrder, consumer_slice, unpack_
 from data.loader.packed_batch import PackedBatch
 from data.loader.packer import Doc, units_of
 from data.loader.sample_check import check_ids, read_members
-from data.loader.shard_check import CheckedShard, check_shard
+from data.loader.shard_check import CheckedShard, IndexedShard, check_shard
 from data.loader.store import ShardFiles, ShardView
 from data.loader.stream_state import SourceCursor, load_state
 from data.loader.table import SampleTable
@@ -52,6 +54,8 @@ from data.tokenize.blocks import visual_blocks
 from data.vocab import MODALITY_NAMES
 
 _KEEP_SHARDS = 256  # as many as ShardFiles keeps memory maps of (a checked shard holds its map)
+_KEEP_DRY = 16  # a dry stream's shard tables (rebuilt from the index when needed again)
+_LOOK_AHEAD = 3  # shards of the epoch order looked at for one to check ahead (_check_ahead)
 
 
 class ConsumerStream:
@@ -99,13 +103,19 @@ class ConsumerStream:
         self.watchdog = None if dry else Watchdog(cfg.stall_seconds, f"consumer {consumer}")
         # (source, shard) -> the shard when it passed the whole-shard check, None when it did not
         # (data/loader/shard_check.py); least recently used dropped past _KEEP_SHARDS.
-        self._checked: dict[tuple[int, int], CheckedShard | None] = {}
+        self._checked: dict[tuple[int, int], CheckedShard | IndexedShard | None] = {}
         self._used: dict[tuple[int, int], int] = {}  # when each was last used (self._tick)
         self._tick = 0
         self._check_whole = consumers <= cfg.whole_shard_check_max_consumers
-        # Per source: read through whole-shard checks (token tables with shard digests)
+        # (source, shard) -> its whole-shard check running ahead in a thread (_check_ahead)
+        self._ahead: dict[tuple[int, int], Future] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        # A dry stream keeps fewer shards' tables: it walks through its shards once
+        self._keep_shards = _KEEP_DRY if dry else _KEEP_SHARDS
+        # Per source: read in runs of a shard's documents (fast_stream.FastPath._fast_run): token
+        # tables, through whole-shard checks, or from their indexes alone when counting (dry)
         self.whole_checked = [
-            not dry and self._check_whole and getattr(t, "shard_sha256", None) is not None
+            (dry or self._check_whole) and getattr(t, "shard_sha256", None) is not None
             for t in tables
         ]
         # The compiled loop and its arrays: where the packing is, the stream's state from here
@@ -192,37 +202,96 @@ class ConsumerStream:
             raise ValueError(why)
         return doc.ids.astype(np.int64), doc.modality.astype(np.int64), visual_blocks(doc.spans)
 
-    def checked_shard(self, s: int, t: SampleTable, si: int) -> CheckedShard | None:
-        """Shard ``si`` when it passes the whole-shard check (checked on first use)."""
+    def checked_shard(self, s: int, t: SampleTable, si: int) -> CheckedShard | IndexedShard | None:
+        """Shard ``si`` when it passes the whole-shard check (checked on first use); a dry
+        stream's shards as their index describes them (nothing to check: no token is read)."""
         key = (s, si)
         self._tick += 1
         if key in self._checked:
             self._used[key] = self._tick
             return self._checked[key]
+        if self.dry:
+            self._remember(key, IndexedShard(t.index(si)))  # type: ignore[attr-defined]
+            return self._checked[key]
         url = t.shards[si]
         if self.watchdog:
             self.watchdog.current = (f"checking shard {url}", time.monotonic())
         try:
-            mapped = self.files.mapped(url, t.shard_end(si))
-            shard = None
-            if mapped is not None:
-                shard = check_shard(
-                    mapped,
-                    t.index(si),  # type: ignore[attr-defined]
-                    shard_sha256=t.shard_sha256[si],  # type: ignore[attr-defined]
-                    id_ranges=t.id_ranges,
-                    check_hash=self.cfg.check_hashes,
-                )
+            ahead = self._ahead.pop(key, None)
+            if ahead is not None:  # checked while the shard before it was read
+                shard, size = ahead.result()
+            else:
+                shard, size = self._check(self._check_args(t, si), t, si)
+            self.files.touched(size)  # the check read all of it
         except (OSError, ValueError):
             return None  # not remembered: read document by document, which names the error
         finally:
             if self.watchdog:
                 self.watchdog.current = None  # checked: nothing is being read any more
-        if len(self._checked) >= _KEEP_SHARDS:  # the least recently used goes
+        self._remember(key, shard)
+        self._check_ahead(s, t)
+        return shard
+
+    def _check_args(self, t: SampleTable, si: int) -> tuple[memoryview | None, Any]:
+        """What checking shard ``si`` of ``t`` reads (its map, None over fsspec; its index),
+        made in the stream's thread (the shard files and the index cache are its own)."""
+        mapped = self.files.mapped(t.shards[si], t.shard_end(si))
+        return mapped, t.index(si) if mapped is not None else None  # type: ignore[attr-defined]
+
+    def _check(
+        self, args: tuple[memoryview | None, Any], t: SampleTable, si: int
+    ) -> tuple[CheckedShard | None, int]:
+        """(the shard when it passes the whole-shard check, the bytes the check read) of the
+        map and index ``_check_args`` gave."""
+        mapped, index = args
+        if mapped is None:
+            return None, 0
+        shard = check_shard(
+            mapped,
+            index,
+            shard_sha256=t.shard_sha256[si],  # type: ignore[attr-defined]
+            id_ranges=t.id_ranges,
+            check_hash=self.cfg.check_hashes,
+        )
+        return shard, len(mapped)
+
+    def _check_ahead(self, s: int, t: SampleTable) -> None:
+        """Start checking the next shard this consumer will read from source ``s`` (the first
+        not checked yet among the few at and after its cursor in the epoch order) in a thread
+        of its own (hashlib and the compiled id check run without the GIL), so that its check
+        overlaps the reading of the shards before it instead of stopping the stream when its
+        first document is asked for. One shard ahead per source; none for an order held as an
+        array (a redistributed epoch) or past the epoch's last shard."""
+        cursor = self.cursors[s]
+        order = self.slices.get((s, cursor.epoch))
+        if not isinstance(order, ConsumerSlice) or not len(order):
+            return
+        if any(key[0] == s for key in self._ahead):
+            return
+        position = order.consumer + min(cursor.pos, len(order) - 1) * order.consumers
+        after = next(
+            (
+                shard
+                for shard in order.order.shards_from(position)[:_LOOK_AHEAD].tolist()
+                if (s, shard) not in self._checked
+            ),
+            -1,
+        )
+        if after < 0:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="earlyfuse-shard-check")
+        try:
+            args = self._check_args(t, after)
+        except (OSError, ValueError):
+            return  # found again, and named, when the shard is read
+        self._ahead[(s, after)] = self._pool.submit(self._check, args, t, after)
+
+    def _remember(self, key: tuple[int, int], shard: CheckedShard | IndexedShard | None) -> None:
+        if len(self._checked) >= self._keep_shards:  # the least recently used goes
             oldest = min(self._used, key=self._used.__getitem__)
             del self._checked[oldest], self._used[oldest]
         self._checked[key], self._used[key] = shard, self._tick
-        return shard
 
     def load(self, s: int, sample: int, epoch: int) -> Doc | None:
         t = self.tables[s]
@@ -232,8 +301,9 @@ class ConsumerStream:
         if self.whole_checked[s]:
             si, i = t.locate(sample)  # type: ignore[attr-defined]
             checked = self.checked_shard(s, t, si)
-            if checked is not None:  # a checked shard: nothing to parse or check
+            if isinstance(checked, CheckedShard):  # a checked shard: nothing to parse or check
                 ids, mod, units = checked.document(i)
+                self.files.touched(ids.nbytes + mod.nbytes)
                 self.consecutive_errors = 0
                 return Doc(s, sample, epoch, len(ids), units, ids, mod)
         if self.watchdog:

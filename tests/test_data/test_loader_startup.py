@@ -59,3 +59,29 @@ def test_a_fresh_process_loads_every_compiled_function_from_the_cache(tiny_token
     )
     compiled = json.loads(out.stdout.strip().splitlines()[-1])
     assert compiled == [], f"compiled in a fresh process before its first batches: {compiled}"
+
+
+def test_counting_an_epoch_reads_the_indexes_alone(tiny_tokens, monkeypatch):
+    """Epoch mode counts every consumer's batches when the loader is built: from the shard
+    indexes (lengths and blocks) in runs through the compiled loop, no document read one by one
+    in Python and no tar opened; the count is the real pass's (test_loader_known_good.py)."""
+    from data.loader.store import ShardFiles
+    from data.loader.stream import ConsumerStream
+
+    names = ("code", "text", "scenes", "digits", "clips", "docs")
+    cfg = LoaderConfig(
+        sources=[SourceConfig(name=name, shards=[str(tiny_tokens / name)]) for name in names],
+        seq_len=256,
+        num_workers=2,
+        shuffle_buffer=8,
+        mode="epoch",
+    )
+    counted = build_loader(cfg, rank=0, world_size=2, micro_batch=3).batch_limit
+
+    def refused(*args, **kwargs):
+        raise AssertionError("counting an epoch read a document or a tar")
+
+    monkeypatch.setattr(ConsumerStream, "load", refused)
+    monkeypatch.setattr(ShardFiles, "mapped", refused)
+    loader = build_loader(cfg, rank=0, world_size=2, micro_batch=3)
+    assert loader.batch_limit == counted and counted > 0

@@ -166,3 +166,106 @@ def test_a_member_stored_other_than_tokenize_writes_it_is_never_read_from_a_wron
     mapped, index = shard()
     index.records["ids"][0, 1] -= 1  # the index claims one byte fewer than the values need
     assert whole(mapped, index) is None
+
+
+def test_the_headers_of_a_shards_members_are_read_at_once_as_one_by_one(tokens):
+    """``npy_layouts`` (every member of a shard at once, each distinct header template parsed
+    once) gives what ``npy_layout`` gives member by member, on real token shards and on
+    lengths of every number of digits; a member of another kind fails the whole call."""
+    import io
+
+    import numpy as np
+
+    from data.loader.npy import npy_layout, npy_layouts
+    from data.shards.token_index import TokenIndex
+
+    tar = tokens / "code" / "shard-000000.tar"
+    shard = np.fromfile(tar, np.uint8)
+    records = TokenIndex.open(tar.with_suffix(".idx.bin")).records
+    for field in ("ids", "mod"):
+        at, size = records[field][:, 0], records[field][:, 1]
+        dtype, lengths, starts = npy_layouts(shard, at, size)
+        one_by_one = [npy_layout(memoryview(shard)[a : a + n]) for a, n in zip(at, size)]
+        assert {layout[0] for layout in one_by_one} == {dtype}
+        assert (
+            lengths.tolist() == [layout[1] for layout in one_by_one] == records["tokens"].tolist()
+        )
+        assert starts.tolist() == [a + layout[2] for a, layout in zip(at, one_by_one)]
+    members, at, size = [], [], []
+    for n in (0, 7, 10, 99, 1000, 123456, 2048, 5):
+        data = io.BytesIO()
+        np.save(data, np.arange(n, dtype="<i4"))
+        at.append(sum(len(m) for m in members))
+        members.append(data.getvalue())
+        size.append(len(members[-1]))
+    buffer = np.frombuffer(b"".join(members), np.uint8)
+    _, lengths, _ = npy_layouts(buffer, np.asarray(at), np.asarray(size))
+    assert lengths.tolist() == [0, 7, 10, 99, 1000, 123456, 2048, 5]
+    data = io.BytesIO()
+    np.save(data, np.arange(3, dtype="<i8"))  # another dtype among them
+    mixed = np.frombuffer(b"".join(members) + data.getvalue(), np.uint8)
+    other = np.asarray([*size, len(data.getvalue())])
+    assert npy_layouts(mixed, np.asarray([*at, len(buffer)]), other) is None
+
+
+def test_the_compiled_id_check_finds_every_kind_of_bad_token():
+    """``first_bad_document`` checks ids in place, document by document: a negative id, an id
+    past its modality's range, a modality past the layout, in text or visual documents."""
+    import numpy as np
+
+    from data.loader.sample_check import _text_below
+    from data.loader.shard_check import first_bad_document
+
+    ranges = np.asarray([[0, 100], [0, 100], [120, 200], [120, 200], [100, 120]], np.int64)
+    good_ids, good_mod = [5, 99, 0, 150, 110, 7], [0, 1, 1, 2, 4, 0]
+    cases = {
+        "good": (good_ids, good_mod, -1),
+        "negative id": ([5, -1, 0], [0, 0, 0], 1),
+        "text id past the text": ([5, 100, 0], [0, 0, 0], 1),
+        "visual id below the codes": ([5, 119, 0], [0, 2, 0], 1),
+        "modality past the layout": ([5, 6, 0], [0, 5, 0], 1),
+    }
+    for name, (ids, mod, want) in cases.items():
+        docs = [(good_ids, good_mod), (ids, mod), (good_ids, good_mod)]
+        blob, ids_at, mod_at = b"", [], []
+        for doc_ids, doc_mod in docs:
+            ids_at.append(len(blob))
+            blob += np.asarray(doc_ids, "<i4").tobytes()
+            mod_at.append(len(blob))
+            blob += np.asarray(doc_mod, np.uint8).tobytes()
+            blob += b"\0" * (-len(blob) % 4)  # the next ids aligned, as in a tar
+        lengths = np.asarray([len(doc_ids) for doc_ids, _ in docs], np.int64)
+        for below in (_text_below(ranges), -1):  # the two maxima first, and token by token
+            got = first_bad_document(
+                np.frombuffer(blob, np.uint8),
+                np.asarray(ids_at, np.int64),
+                np.asarray(mod_at, np.int64),
+                lengths,
+                ranges,
+                below,
+            )
+            assert got == want, (name, below)
+
+
+def test_the_next_shard_is_checked_ahead_in_a_thread(tokens, monkeypatch):
+    """While a consumer reads a shard, the next shard of its epoch order is checked in a thread
+    of its own (stream.ConsumerStream._check_ahead), so the stream does not stop for the check
+    when it gets there; each shard is still checked once, and every document read as before."""
+    import threading
+
+    from data.loader import stream as stream_module
+
+    checked_in: list[str] = []
+    real_check = stream_module.check_shard
+
+    def check_and_note_the_thread(*args, **kwargs):
+        checked_in.append(threading.current_thread().name)
+        return real_check(*args, **kwargs)
+
+    intact = read_source(tokens, "scenes")
+    monkeypatch.setattr(stream_module, "check_shard", check_and_note_the_thread)
+    docs, skipped, stream = read_source(tokens, "scenes")
+    assert (docs, skipped) == (intact[0], intact[1]) and len(checked(stream)) == 2
+    assert all(checked(stream).values()) and not stream._ahead
+    assert checked_in[0] == threading.current_thread().name  # the first: when it is first read
+    assert len(checked_in) == 2 and checked_in[1].startswith("earlyfuse-shard-check")
