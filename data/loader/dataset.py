@@ -105,7 +105,8 @@ class PackedLoader:
         self.handed_out = 0
         self.batch_limit: int | None = None
         if cfg.num_workers:
-            # Its imports (worker_start.py) run while this process counts the epoch below
+            # Running already when built by build_loader; its imports (worker_start.py) run
+            # while this process counts the epoch below
             start_fork_server()
         if cfg.mode == "epoch":
             self.batch_limit = self._epoch_batches()
@@ -351,6 +352,8 @@ def build_loader(
         raise ValueError(
             "data.validation lists no sources" if validation else "data.sources lists no sources"
         )
+    if cfg.num_workers:
+        start_fork_server()  # as early as can be: it imports while the indexes are read
     if tables is None:
         tables = [load_table(s, cache_dir=cfg.cache_dir) for s in sources]
     check_tokenizers(cfg, tables)
