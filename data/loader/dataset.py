@@ -37,6 +37,7 @@ from data.loader.stream_state import OLDER_STATE, check_state
 from data.loader.table import SampleTable
 from data.loader.table_load import load_table
 from data.loader.watchdog import sample_where
+from data.loader.worker_start import WORKER_START, start_fork_server
 from data.vocab import MODALITY_NAMES
 
 STATE_VERSION = 1
@@ -54,13 +55,6 @@ STATE_FIELDS = (
     "batch_limit",
     "worker_states",
 )
-# Workers are forked from multiprocessing's fork server: a clean single-threaded process (not
-# this one, whose threads and CUDA state a plain fork would copy), and a worker leaves through the
-# fork server's os._exit once its queues are flushed. A spawned worker instead tore down a whole
-# interpreter, and with torch 2.13 (CPU) one that had run the visual tokenizer (online
-# tokenization) aborted in about 1 shutdown of 7 ("terminate called without an active
-# exception", SIGABRT in a C++ destructor, no Python frame), which failed the loader.
-WORKER_START = "forkserver"
 
 
 def check_loader_state(st: dict) -> None:
@@ -135,6 +129,10 @@ class PackedLoader:
         self.rotation = 0
         self.handed_out = 0
         self.batch_limit: int | None = None
+        if cfg.num_workers:
+            # Running already when built by build_loader; its imports (worker_start.py) run
+            # while this process counts the epoch below
+            start_fork_server()
         if cfg.mode == "epoch":
             self.batch_limit = self._epoch_batches()
 
@@ -364,6 +362,8 @@ def build_loader(
         raise ValueError(
             "data.validation lists no sources" if validation else "data.sources lists no sources"
         )
+    if cfg.num_workers:
+        start_fork_server()  # as early as can be: it imports while the indexes are read
     if tables is None:
         tables = [load_table(s, cache_dir=cfg.cache_dir) for s in sources]
     check_tokenizers(cfg, tables)

@@ -12,6 +12,7 @@ import torch
 from data.loader import transport
 from data.loader.batch_buffer import BatchBuffer
 from data.loader.expand import CompactBatch, expand, slot_views
+from data.loader.fast_state import FastState
 
 
 class PackedBatch:
@@ -43,17 +44,41 @@ class PackedBatch:
         self.buffer = buffer
         self.expanded = False
         self.worker = -1
-        self.state: dict | None = None
+        self.state: FastState | None = None  # the stream's after this batch (set by the loader)
         # Packed in a worker's slot of shared memory (data/loader/transport.py): which one, of
         # which worker's ring, and (first batch of a worker) the ring's tensors themselves.
         self.slot: int | None = None
         self.token = ""
         self.ring: tuple | None = None
 
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["buffer"] = None  # only made in the trainer's process (or in-process)
-        return state
+    def __reduce__(self):
+        """Pickled (a worker's batch crossing its queue) with its small int64 tables (segments,
+        blocks, row lengths, pieces, drops, the state's arrays) in one buffer of bytes: numpy
+        pickles each array apart, with its dtype and a reconstructor, and one buffer for the
+        dozen a batch carries halves what pickling a batch costs the worker and unpickling it
+        the trainer's process (docs/loader.md). The expansion's ``buffer`` never crosses: it is
+        made in the trainer's process (or in-process)."""
+        compact, state = self.compact, self.state
+        arrays = [compact.segments, compact.blocks, compact.real, self.pieces, self.dropped]
+        rest = None
+        if state is not None:
+            arrays += [state.src, state.cursors, state.stats, state.by_modality]
+            rest = (
+                state.n_pending,
+                state.batches,
+                state.errors,
+                state.skip,
+                state.order,
+                state.skipped,
+            )
+        if any(array.dtype != np.int64 for array in arrays):
+            raise TypeError("PackedBatch: its tables must be int64 to cross a worker's queue")
+        ends = np.cumsum([0] + [array.size for array in arrays]).tolist()
+        layout = tuple(zip(ends, ends[1:], [array.shape for array in arrays]))
+        tables = np.concatenate([array.ravel() for array in arrays]).tobytes()
+        head = (compact.rows, compact.seq_len, compact.ids, compact.mod, self.tokens_by_source)
+        where = (self.real, self.expanded, self.worker, self.slot, self.token, self.ring)
+        return _unpickle, (head, where, tables, layout, rest)
 
     def expand(self, *, pin: bool = False) -> BatchBuffer:
         """The batch's per-token fields (in the trainer's process: from the slot, which is then
@@ -95,3 +120,29 @@ class PackedBatch:
         batch["dropped_blocks"] = torch.from_numpy(self.dropped)
         batch["tokens_by_source"] = torch.from_numpy(np.asarray(self.tokens_by_source, np.int64))
         return batch
+
+
+def _unpickle(head, where, tables, layout, rest) -> PackedBatch:
+    """``PackedBatch.__reduce__``'s batch again, its tables views of one writable buffer (the
+    compiled expansion takes writable arrays: one signature)."""
+    flat = np.frombuffer(bytearray(tables), np.int64)
+    arrays = [flat[start:end].reshape(shape) for start, end, shape in layout]
+    rows, seq_len, ids, mod, tokens_by_source = head
+    real, expanded, worker, slot, token, ring = where
+    segments, blocks, row_real, pieces, dropped = arrays[:5]
+    compact = CompactBatch(rows, seq_len, ids, mod, segments, blocks, row_real)
+    batch = PackedBatch(compact, pieces, tokens_by_source, dropped, real)
+    batch.expanded, batch.worker, batch.slot, batch.token, batch.ring = (
+        expanded,
+        worker,
+        slot,
+        token,
+        ring,
+    )
+    if rest is not None:
+        src, cursors, stats, by_modality = arrays[5:]
+        n_pending, batches, errors, skip, order, skipped = rest
+        batch.state = FastState(
+            src, cursors, n_pending, stats, batches, errors, by_modality, skip, order, skipped
+        )
+    return batch

@@ -10,10 +10,11 @@ Design choices:
   iteration; it packs each batch straight into a free one and sends only the slot's number.
   The first message of a worker carries the slots themselves (their descriptors cross once).
 - Slots hold the batch in its compact layout (data/loader/expand.py: an int32 id and a uint8
-  modality a token, 5 bytes; the segment and block tables travel in the message, pickled:
-  a few hundred bytes). The trainer's process expands a received slot into the batch's
-  fields (int32, labels int64) (into pinned memory when the DataLoader pins) and marks it free, so the trainer owns
-  its batch outright and the worker can reuse the slot: nothing the trainer keeps can be
+  modality a token, 5 bytes; the segment and block tables travel in the message with the
+  worker's state, in one buffer of bytes, packed_batch.PackedBatch.__reduce__: about 2 KB).
+  The trainer's process expands a received slot into the batch's fields (int32, labels int64)
+  (into pinned memory when the DataLoader pins) and marks it free, so the trainer owns its
+  batch outright and the worker can reuse the slot: nothing the trainer keeps can be
   overwritten.
 - Slots outnumber the batches a DataLoader lets a worker have in flight (``prefetch_factor``
   per worker, plus the one being packed). Should none be free for a second anyway, the worker

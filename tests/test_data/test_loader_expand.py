@@ -97,3 +97,39 @@ def test_a_worker_batch_crosses_as_its_compact_layout(tiny_tokens):
         assert a.keys() == b.keys()
         for key in a:
             np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_a_worker_batch_and_its_state_cross_the_queue_as_one_buffer_of_tables(tiny_tokens):
+    from multiprocessing.reduction import ForkingPickler
+
+    rows = 4
+    stream = _stream(tiny_tokens, rows)
+    stream.ring = transport.SlotRing(3, slot_numel(rows, stream.cfg.seq_len))
+    try:
+        for _ in range(3):  # a few batches in: documents held aside and open in the state
+            sent = stream.next_batch()
+            assert isinstance(sent, PackedBatch)
+            sent.worker, sent.state = 0, stream.state()
+            message = bytes(ForkingPickler.dumps(sent))  # what the worker queue sends
+            # numpy's reconstructor appears once per array pickled apart: none here
+            assert b"_reconstruct" not in message
+            got = pickle.loads(message)
+            for name in ("segments", "blocks", "real"):
+                want, have = getattr(sent.compact, name), getattr(got.compact, name)
+                assert have.dtype == np.int64 and have.flags.writeable, name
+                np.testing.assert_array_equal(have, want, err_msg=name)
+            np.testing.assert_array_equal(got.pieces, sent.pieces)
+            np.testing.assert_array_equal(got.dropped, sent.dropped)
+            assert got.state.to_dict() == sent.state.to_dict()
+            assert (got.slot, got.token, got.worker, got.real) == (
+                sent.slot,
+                sent.token,
+                sent.worker,
+                sent.real,
+            )
+            assert got.tokens_by_source == sent.tokens_by_source
+            batch = got.to_dict()  # expanded out of the slot, which is freed
+            assert int(batch["num_real_tokens"]) == sent.real
+            sent.ring = None  # the ring's tensors crossed with the first message
+    finally:
+        transport.forget(stream.ring.token)

@@ -1,14 +1,22 @@
 """A fresh process compiles nothing before its first batch: every compiled function of the loader
-is loaded from numba's on-disk cache (docs/loader.md, "The hot loop compiled")."""
+is loaded from numba's on-disk cache (docs/loader.md, "The hot loop compiled"); a worker finds
+the loader imported and its kernels loaded by the fork server it is forked from
+(docs/loader.md, "Worker processes")."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from multiprocessing import forkserver
 from pathlib import Path
 
+from numba.core.registry import CPUDispatcher
+from torch.utils.data import DataLoader, IterableDataset
+
 from data.loader import LoaderConfig, SourceConfig, build_loader
+from data.loader.dataset import PackedLoader, _Consumers
+from data.loader.worker_start import PRELOAD, WORKER_START
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,7 +32,14 @@ class Listener(event.Listener):
     def on_end(self, ev):
         pass
 event.register("numba:compile", Listener())
+from multiprocessing import forkserver
+
+from numba.core.registry import CPUDispatcher
+from torch.utils.data import DataLoader, IterableDataset
+
 from data.loader import LoaderConfig, SourceConfig, build_loader
+from data.loader.dataset import PackedLoader, _Consumers
+from data.loader.worker_start import PRELOAD, WORKER_START
 cfg = LoaderConfig(**json.loads(sys.argv[1]))
 cfg.sources = [SourceConfig(**source) for source in cfg.sources]
 loader = build_loader(cfg, rank=0, world_size=1, micro_batch=3)
@@ -59,6 +74,65 @@ def test_a_fresh_process_loads_every_compiled_function_from_the_cache(tiny_token
     )
     compiled = json.loads(out.stdout.strip().splitlines()[-1])
     assert compiled == [], f"compiled in a fresh process before its first batches: {compiled}"
+
+
+def _kernels_loaded() -> dict[str, int]:
+    """Compiled signatures each of the loader's kernels holds in this process."""
+    return {
+        f"{name}.{attr}": len(value.signatures)
+        for name, module in list(sys.modules.items())
+        if name.startswith("data.loader.")
+        for attr, value in vars(module).items()
+        if isinstance(value, CPUDispatcher)
+    }
+
+
+class _WhatAWorkerFinds(IterableDataset):
+    """In a DataLoader worker: whether the fork server preloaded the loader, and which kernels
+    the worker loaded itself while its stream packed a few batches (none: the server had)."""
+
+    def __init__(self, loader: PackedLoader) -> None:
+        self.loader = loader
+
+    def __iter__(self):
+        preloaded = PRELOAD in sys.modules
+        before = _kernels_loaded()
+        batches = iter(_Consumers(self.loader))
+        for _ in range(3):
+            next(batches)
+        after = _kernels_loaded()
+        yield {
+            "preloaded": preloaded,
+            "loaded_in_worker": sorted(k for k, n in after.items() if n > before.get(k, 0)),
+        }
+
+
+def test_a_worker_forks_from_a_server_with_the_loader_imported_and_its_kernels_loaded(
+    tiny_tokens,
+):
+    server = forkserver._forkserver
+    if server._forkserver_pid is not None and PRELOAD not in server._preload_modules:
+        server._stop()  # started by another test of this process without the loader's preload
+    names = ("code", "text", "scenes", "digits", "clips", "docs")
+    cfg = LoaderConfig(
+        sources=[SourceConfig(name=name, shards=[str(tiny_tokens / name)]) for name in names],
+        seq_len=256,
+        num_workers=1,
+        shuffle_buffer=8,
+    )
+    loader = build_loader(cfg, rank=0, world_size=1, micro_batch=3)
+    assert server._forkserver_pid is not None, "building a loader with workers starts the server"
+    assert server._preload_modules[0] == "__main__"  # multiprocessing's own default is kept
+    assert PRELOAD in server._preload_modules
+    found = list(
+        DataLoader(
+            _WhatAWorkerFinds(loader),
+            batch_size=None,
+            num_workers=1,
+            multiprocessing_context=WORKER_START,
+        )
+    )
+    assert found == [{"preloaded": True, "loaded_in_worker": []}]
 
 
 def test_counting_an_epoch_reads_the_indexes_alone(tiny_tokens, monkeypatch):

@@ -1,0 +1,67 @@
+"""What the fork server of the loader's workers does once, so that every worker forked from it
+finds it done (worker_start.py): import torch's DataLoader worker loop and the loader, and warm
+the loader's compiled kernels. Imported only there (multiprocessing's preload list names it):
+importing it anywhere else warms that process instead.
+
+Warming calls each kernel a worker runs with the argument types a stream gives it, on a few
+empty or tiny arrays: numba then sets up its registries (its first dispatch in a process) and
+loads each kernel's machine code from its disk cache here, once. It is best effort: a kernel
+whose types drifted from these is loaded by the worker at its first call instead, and a failure
+never stops the server (an exception other than ImportError in a preloaded module would).
+"""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import torch.utils.data._utils.worker  # noqa: F401  (the worker loop a DataLoader worker runs)
+
+import data.loader.dataset  # noqa: F401  (what a worker unpickles its dataset from)
+from data.loader import pack_kernel as kernel
+from data.loader.batch_tables import count_modalities, pieces_table
+from data.loader.fast_state import snapshot_arrays
+from data.loader.pack_documents import pack_documents
+from data.loader.stage_kernel import fill_units, gather_tokens, take_rows
+
+
+def warm_kernels() -> None:
+    """Load every compiled kernel of a worker's stream (and the expansion) in this process."""
+    # The packing loop and the expansion, through a real (tiny) packing
+    doc = SimpleNamespace(ids=np.arange(8, dtype=np.int32), modality=np.zeros(8, np.uint8))
+    doc.blocks = []
+    for _ in pack_documents([doc], 8):
+        pass
+    empty = np.zeros(0, np.int64)
+    # A run of documents of a checked shard brought in (fast_stream.FastPath): its blocks table
+    # and its map are read-only views of the shard
+    table = np.zeros((0, 5), np.int64)
+    take_rows(empty, empty, table, empty, empty, empty, empty, empty)
+    blocks = np.zeros((0, 5), np.int64)
+    blocks.flags.writeable = False
+    fill_units(
+        np.zeros((0, 6), np.int64), 0, empty, empty, empty, empty, blocks, empty, empty, empty
+    )
+    mapped = np.zeros(0, np.uint8)
+    mapped.flags.writeable = False
+    gather_tokens(
+        mapped, empty, empty, empty, empty, empty, np.zeros(0, np.int32), np.zeros(0, np.uint8)
+    )
+    # What a batch reports, and the state snapshot taken after it
+    count_modalities(np.zeros(0, np.uint8), empty, np.zeros(5, np.int64))
+    pieces_table(np.zeros((0, 4), np.int64), empty)
+    state = np.zeros(kernel.N_ST, np.int64)
+    snapshot_arrays(
+        np.zeros((0, kernel.N_SRC_COLS), np.int64),
+        state,
+        empty,
+        np.zeros((0, 1), np.int64),
+        np.zeros((0, kernel.N_DOC_COLS), np.int64),
+    )
+
+
+try:
+    warm_kernels()
+except Exception as error:  # noqa: BLE001  (warming is an optimisation: never stop the server)
+    print(f"[loader] the fork server could not warm the loader's kernels: {error}", file=sys.stderr)
