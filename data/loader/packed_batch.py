@@ -68,7 +68,6 @@ class PackedBatch:
                 state.batches,
                 state.errors,
                 state.skip,
-                state.order,
                 state.skipped,
             )
         if any(array.dtype != np.int64 for array in arrays):
@@ -141,8 +140,8 @@ def _unpickle(head, where, tables, layout, rest) -> PackedBatch:
     )
     if rest is not None:
         src, cursors, stats, by_modality = arrays[5:]
-        n_pending, batches, errors, skip, order, skipped = rest
+        n_pending, batches, errors, skip, skipped = rest
         batch.state = FastState(
-            src, cursors, n_pending, stats, batches, errors, by_modality, skip, order, skipped
+            src, cursors, n_pending, stats, batches, errors, by_modality, skip, skipped
         )
     return batch
