@@ -23,6 +23,7 @@ from data.loader import pack_kernel as kernel
 from data.loader.batch_tables import count_modalities, pieces_table
 from data.loader.fast_state import snapshot_arrays
 from data.loader.pack_documents import pack_documents
+from data.loader.shard_check import first_bad_document
 from data.loader.stage_kernel import fill_units, gather_tokens, take_rows
 
 
@@ -48,6 +49,8 @@ def warm_kernels() -> None:
     gather_tokens(
         mapped, empty, empty, empty, empty, empty, np.zeros(0, np.int32), np.zeros(0, np.uint8)
     )
+    # The whole-shard check of the ids (shard_check.check_shard): the shard's read-only map
+    first_bad_document(mapped, empty, empty, empty.copy(), np.zeros((0, 2), np.int64), -1)
     # What a batch reports, and the state snapshot taken after it
     count_modalities(np.zeros(0, np.uint8), empty, np.zeros(5, np.int64))
     pieces_table(np.zeros((0, 4), np.int64), empty)
