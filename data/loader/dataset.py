@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
@@ -69,6 +70,26 @@ def check_loader_state(st: dict) -> None:
         check_state(worker_state, f"loader state of rank {st['rank']}, worker {worker}")
 
 
+class _Pickled:
+    """A worker's batch pickled in the worker's own thread. Handed to torch's worker queue as it
+    is, a batch that cannot be pickled would fail in the queue's feeder thread, which only prints
+    the error, and the trainer's process would wait for that batch for ever; pickled here, the
+    error is raised in the worker's loop, which torch hands to the trainer's process as an
+    exception naming the worker. The queue then pickles these bytes (a copy of about 2 KB)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, batch: PackedBatch) -> None:
+        self.data = bytes(ForkingPickler.dumps(batch))
+
+    def load(self) -> PackedBatch:
+        return ForkingPickler.loads(self.data)
+
+    def pin_memory(self, device=None) -> PackedBatch:
+        """In the DataLoader's pin-memory thread: the batch, expanded into pinned memory."""
+        return self.load().pin_memory()
+
+
 class _Consumers(IterableDataset):
     def __init__(self, loader: PackedLoader) -> None:
         self.ld = loader
@@ -95,7 +116,7 @@ class _Consumers(IterableDataset):
             assert isinstance(batch, PackedBatch)
             batch.worker = worker
             batch.state = stream.state()  # a snapshot, made the dict when asked for
-            yield batch
+            yield batch if info is None else _Pickled(batch)
 
 
 class PackedLoader:
@@ -188,7 +209,8 @@ class PackedLoader:
         it = iter(dl)
         rings = set()
         try:
-            for packed in it:
+            for item in it:
+                packed = item.load() if isinstance(item, _Pickled) else item
                 rings.add(packed.token)
                 self._worker_states[packed.worker] = packed.state
                 self.handed_out += 1

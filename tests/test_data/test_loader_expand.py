@@ -11,6 +11,7 @@ import pytest
 
 from data.loader import LoaderConfig, SourceConfig, transport
 from data.loader.batch_buffer import BATCH_DTYPES, ROW_FIELDS
+from data.loader.dataset import PackedLoader
 from data.loader.expand import slot_numel
 from data.loader.packed_batch import PackedBatch
 from data.loader.stream import ConsumerStream
@@ -133,3 +134,45 @@ def test_a_worker_batch_and_its_state_cross_the_queue_as_one_buffer_of_tables(ti
             sent.ring = None  # the ring's tensors crossed with the first message
     finally:
         transport.forget(stream.ring.token)
+
+
+class _UnpicklableBatches(PackedLoader):
+    """A loader whose streams attach a state that cannot be pickled to every batch."""
+
+    def make_stream(self, worker, **kw):
+        stream = super().make_stream(worker, **kw)
+        stream.state = lambda: lambda: None  # type: ignore[method-assign]
+        return stream
+
+
+def test_a_worker_batch_that_cannot_be_pickled_fails_the_loader_instead_of_hanging_it(
+    tiny_tokens,
+):
+    """A batch a worker cannot pickle is an error in the trainer's process naming the worker;
+    handed to torch's queue unpickled, its feeder thread would only print the error and the
+    trainer would wait for the batch for ever."""
+    import threading
+
+    cfg = LoaderConfig(
+        sources=[SourceConfig(name="text", shards=[str(tiny_tokens / "text")])],
+        seq_len=256,
+        num_workers=1,
+    )
+    tables = [load_table(source) for source in cfg.sources]
+    loader = _UnpicklableBatches(cfg, tables, rank=0, world_size=1, micro_batch=2, pad_id=0)
+    raised: list[BaseException] = []
+
+    def first_batch():
+        it = iter(loader)
+        try:
+            next(it)
+        except Exception as error:  # noqa: BLE001  (the error the trainer would see)
+            raised.append(error)
+        finally:
+            it.close()
+
+    reader = threading.Thread(target=first_batch, daemon=True)
+    reader.start()
+    reader.join(120)
+    assert not reader.is_alive(), "the loader waited for a batch its worker could not send"
+    assert raised and "DataLoader worker process 0" in str(raised[0])
