@@ -1,6 +1,6 @@
 """What a batch packed by the compiled loop (data/loader/pack_kernel.py) reports besides its
 tokens, compiled: its real tokens per modality and each row's document pieces. Called by
-fast_stream.FastPath after each batch; apart from the loop, whose numba cache is keyed on its
+stream_arrays.StreamArrays after each batch; apart from the loop, whose numba cache is keyed on its
 own file only (a compiled function that called these would not see them change).
 """
 

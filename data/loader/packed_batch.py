@@ -12,7 +12,7 @@ import torch
 from data.loader import transport
 from data.loader.batch_buffer import BatchBuffer
 from data.loader.expand import CompactBatch, expand, slot_views
-from data.loader.fast_state import FastState
+from data.loader.stream_state import StreamState
 
 
 class PackedBatch:
@@ -44,7 +44,7 @@ class PackedBatch:
         self.buffer = buffer
         self.expanded = False
         self.worker = -1
-        self.state: FastState | None = None  # the stream's after this batch (set by the loader)
+        self.state: StreamState | None = None  # the stream's after this batch (set by the loader)
         # Packed in a worker's slot of shared memory (data/loader/transport.py): which one, of
         # which worker's ring, and (first batch of a worker) the ring's tensors themselves.
         self.slot: int | None = None
@@ -141,7 +141,7 @@ def _unpickle(head, where, tables, layout, rest) -> PackedBatch:
     if rest is not None:
         src, cursors, stats, by_modality = arrays[5:]
         n_pending, batches, errors, skip, skipped = rest
-        batch.state = FastState(
+        batch.state = StreamState(
             src, cursors, n_pending, stats, batches, errors, by_modality, skip, skipped
         )
     return batch

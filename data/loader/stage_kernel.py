@@ -1,5 +1,5 @@
 """Compiled helpers that bring documents of a checked shard (data/loader/shard_check.py) into
-the compiled loop's arrays (data/loader/fast_stream.py) a run at a time: their packing units
+the compiled loop's arrays (data/loader/stream_arrays.py) a run at a time: their packing units
 (``packer.units_of``) and their tokens copied out of the shard's memory map: a loop over the
 run, with no Python object per document (views, units, a ``Doc``)."""
 

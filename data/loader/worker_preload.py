@@ -21,10 +21,10 @@ import torch.utils.data._utils.worker  # noqa: F401  (the worker loop a DataLoad
 import data.loader.dataset  # noqa: F401  (what a worker unpickles its dataset from)
 from data.loader import pack_kernel as kernel
 from data.loader.batch_tables import count_modalities, pieces_table
-from data.loader.fast_state import snapshot_arrays
 from data.loader.pack_documents import pack_documents
 from data.loader.shard_check import first_bad_document
 from data.loader.stage_kernel import fill_units, gather_tokens, take_rows
+from data.loader.stream_state import snapshot_arrays
 
 
 def warm_kernels() -> None:
@@ -35,7 +35,7 @@ def warm_kernels() -> None:
     for _ in pack_documents([doc], 8):
         pass
     empty = np.zeros(0, np.int64)
-    # A run of documents of a checked shard brought in (fast_stream.FastPath): its blocks table
+    # A run of documents of a checked shard brought in (stream_arrays.StreamArrays): its blocks table
     # and its map are read-only views of the shard
     table = np.zeros((0, 5), np.int64)
     take_rows(empty, empty, table, empty, empty, empty, empty, empty)

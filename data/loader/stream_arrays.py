@@ -21,7 +21,7 @@ Design choices:
 - The arrays are the stream's packing state, its only one: a stream makes them when it is
   made, and restoring a state makes them again from the documents and counters the saved
   state names (stream_state.load_state). The state after each batch is a snapshot of a few
-  array rows (fast_state.py), made into the saved dict when a checkpoint asks for it.
+  array rows (stream_state.StreamState), made into the saved dict when a checkpoint asks.
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ import numpy as np
 from data.loader import pack_kernel as kernel
 from data.loader.batch_tables import count_modalities, pieces_table
 from data.loader.expand import CompactBatch
-from data.loader.fast_state import FastState, snapshot_arrays
 from data.loader.order import ConsumerSlice
-from data.loader.packer import Doc
+from data.loader.pack_kernel import Packing
+from data.loader.packer import Doc, PackStats
 from data.loader.shard_check import CheckedShard, IndexedShard
-from data.loader.stage_kernel import fill_units, gather_tokens, take_rows
-from data.loader.stream_state import skipped_samples
+from data.loader.stage_kernel import fill_units, take_rows
+from data.loader.stream_state import StreamState, skipped_samples, snapshot_arrays
 from data.vocab import MODALITY_NAMES, Modality
 
 if TYPE_CHECKING:
@@ -47,121 +47,85 @@ if TYPE_CHECKING:
 _VIDEO = int(Modality.VIDEO)
 
 
-_NO_IDS, _NO_MOD = np.zeros(0, np.int32), np.zeros(0, np.uint8)
-
-
-def tokens_of(doc: Doc) -> tuple[np.ndarray, np.ndarray]:
-    """A document's ids and modalities (none for a dry one: lengths and blocks only)."""
-    if doc.ids is None or doc.mod is None:
-        return _NO_IDS, _NO_MOD
-    return doc.ids, doc.mod
-
-
-class FastPath:
+class StreamArrays(Packing):
     def __init__(
         self,
         stream: ConsumerStream,
         *,
         pending: list[Doc] | None = None,
         opened: list[list[Doc]] | None = None,
-        stats: dict[str, int] | None = None,
+        stats: PackStats | None = None,
         dropped_by: dict[tuple[int, int], int] | None = None,
     ) -> None:
         """The arrays of a fresh stream, or of one restored (stream_state.load_state): the
         documents held aside, those handed out in part per source (oldest first), the packing
-        counters (``PackStats``' fields) and the blocks dropped per (source, modality)."""
+        counters and the blocks dropped per (source, modality)."""
         self.stream = stream
         cfg = stream.cfg
         pending = pending or []
         opened = opened or [[] for _ in stream.tables]
-        stats = stats or {}
-        n_sources = len(stream.tables)
-        self.B, self.L = stream.micro_batch, cfg.seq_len
-        self.chunk, self.max_pending = stream.chunk, cfg.max_pending
-        self.drop_document = cfg.oversize == "drop_document"
-        self.whole_documents = cfg.whole_documents
-        self.pad_id = stream.pad_id
-        # Counting only (an epoch's batches): documents from the index, no token read or copied
-        self.dry = stream.dry
-        self._counting: tuple[np.ndarray, np.ndarray] | None = None  # count()'s unused output
-        # A few batches of one source a refill (at least one document)
-        self.refill_tokens = 4 * self.B * self.L
-        self.docs = np.zeros((8192, kernel.N_DOC_COLS), np.int64)
-        self.units = np.zeros((16384, 6), np.int64)
-        self.ndocs = self.nunits = 0
-        self.src = np.zeros((n_sources, kernel.N_SRC_COLS), np.int64)
         # Held-aside and open documents: at most max_pending + 2 each in steady state, but a state
         # redistributed from many consumers onto fewer brings all of theirs (redistribute.py)
         cap = 2 * (cfg.max_pending + 2)
         most_open = max((len(docs) for docs in opened), default=0)
-        self.opened = np.zeros((n_sources, max(cap, most_open + cap)), np.int64)
-        cap = max(2 * cap, len(pending) + cap)
-        self.queue = np.zeros((n_sources, 1024), np.int64)
-        self.pending = np.zeros(cap, np.int64)
-        self.carry = np.zeros(cap, np.int64)
-        self.defer = np.zeros(cap, np.int64)
-        self.shares = np.asarray(stream.shares, np.float64)
-        self.mixed = np.asarray([source for source, _ in stream.mixed_sources], np.int64)
-        self.state = np.zeros(kernel.N_ST, np.int64)
-        self.state[kernel.ST_DRY] = int(self.dry)
-        # The staging arrays of every source's documents (``_stage``: an arena appended to)
-        self.staged_ids = np.zeros(0, np.int32)
-        self.staged_mod = np.zeros(0, np.uint8)
-        self.staged_end = 0
-        size = self.B * self.L
-        self.seg = np.zeros((size + self.B, 6), np.int64)
-        self.blocks = np.zeros((size // 4 + 16, 5), np.int64)
-        self.pieces = np.zeros((size, 4), np.int64)
-        self.row_pieces = np.zeros(self.B, np.int64)
-        self.vis = np.zeros((self.L, 5), np.int64)
+        super().__init__(
+            len(stream.tables),
+            (
+                stream.micro_batch,
+                cfg.seq_len,
+                stream.chunk,
+                cfg.max_pending,
+                cfg.oversize == "drop_document",
+                cfg.whole_documents,
+                stream.pad_id,
+            ),
+            shares=stream.shares,
+            mixed=[source for source, _ in stream.mixed_sources],
+            open_cap=max(cap, most_open + cap),
+            held_cap=max(2 * cap, len(pending) + cap),
+            queue_cap=1024,
+            stats=stats or PackStats(),
+            # Counting only (an epoch's batches): documents from the index, no token read or copied
+            dry=stream.dry,
+        )
+        self._counting: tuple[np.ndarray, np.ndarray] | None = None  # count()'s unused output
         # Per source: where each shard's samples start (token tables; runs of checked shards)
         self._starts = [
             np.asarray(getattr(table, "starts", [0]), np.int64) for table in stream.tables
         ]
         # The packed position starts where the reading cursors are (fresh, or just restored)
         self.skip = [dict(cur.skip) for cur in stream.cursors]
+        src = self.src
         for source, cur in enumerate(stream.cursors):
-            self.src[source, kernel.S_TOKENS], self.src[source, kernel.S_DONE] = (
-                cur.tokens,
-                int(cur.done),
-            )
-            self.src[source, kernel.S_ENDED] = int(cur.done)
-            self.src[source, kernel.S_CEPOCH], self.src[source, kernel.S_CPOS] = cur.epoch, cur.pos
-            self.src[source, kernel.S_END_EPOCH], self.src[source, kernel.S_END_POS] = (
-                cur.epoch,
-                cur.pos,
-            )
+            src[source, kernel.S_TOKENS] = cur.tokens
+            src[source, kernel.S_DONE] = src[source, kernel.S_ENDED] = int(cur.done)
+            src[source, kernel.S_CEPOCH] = src[source, kernel.S_END_EPOCH] = cur.epoch
+            src[source, kernel.S_CPOS] = src[source, kernel.S_END_POS] = cur.pos
         # Skips: counted by the stream when its documents are read ahead; a state counts those
         # before each source's last document taken (and at its end)
         self.base_errors = stream.errors
         self.base_skips = [len(events) for events in stream.skip_events]
-        self.read_errors = [0] * n_sources
+        self.read_errors = [0] * len(stream.tables)
         for (source, modality), count in (dropped_by or {}).items():
-            self.src[source, kernel.S_DROP_VIDEO if modality == _VIDEO else kernel.S_DROP_IMAGE] = (
-                count
-            )
-        self.state[kernel.ST_STAT_ROWS] = stats.get("rows", 0)
-        self.state[kernel.ST_STAT_REAL] = stats.get("real_tokens", 0)
-        self.state[kernel.ST_STAT_DBLOCKS] = stats.get("dropped_blocks", 0)
-        self.state[kernel.ST_STAT_DDOCS] = stats.get("dropped_docs", 0)
-        index: dict[int, int] = {}  # id(Doc) -> its row (a document open and pending is one)
-        by_source: list[list[Doc]] = [[] for _ in range(n_sources)]
+            src[source, kernel.S_DROP_VIDEO if modality == _VIDEO else kernel.S_DROP_IMAGE] = count
+        rows: dict[int, int] = {}  # id(Doc) -> its row (a document open and pending is one)
+        new = []
 
         def row_of(doc: Doc) -> int:
-            if id(doc) not in index:
-                index[id(doc)] = self._add(doc, (-1, -1, 0))
-                by_source[doc.source].append(doc)
-            return index[id(doc)]
+            if id(doc) not in rows:
+                rows[id(doc)] = self.add(doc, (-1, -1, 0))
+                new.append((rows[id(doc)], doc.ids, doc.mod))
+            return rows[id(doc)]
 
         pending_rows = [row_of(doc) for doc in pending]
         opened_rows = [[row_of(doc) for doc in docs] for docs in opened]
         # staged at once, before the lists refer to them (nothing staged is live yet)
-        self._stage([(index[id(doc)], *tokens_of(doc)) for docs in by_source for doc in docs], [])
+        self.stage(new, [])
         self.pending[: len(pending_rows)] = pending_rows
         self.state[kernel.ST_NPENDING] = len(pending_rows)
-        for source, rows in enumerate(opened_rows):
-            self.opened[source, : len(rows)] = rows
-            self.src[source, kernel.S_NOPEN] = len(rows)
+        for source, opened_at in enumerate(opened_rows):
+            self.opened[source, : len(opened_at)] = opened_at
+            src[source, kernel.S_NOPEN] = len(opened_at)
 
     # --- batches -------------------------------------------------------------------------------------
     def pack(self, ids: np.ndarray, mod: np.ndarray) -> tuple | None:
@@ -169,7 +133,7 @@ class FastPath:
         (``CompactBatch``, pieces table, tokens per source, tokens per modality), or None at the
         end of the data (epoch mode: the incomplete batch is held back)."""
         real = np.empty(self.B, np.int64)
-        if not self._run(ids, mod, real):
+        if self.run(ids, mod, real, self._refill) == kernel.END:
             return None
         state = self.state
         seg = self.seg[: state[kernel.ST_NSEG]].copy()
@@ -189,47 +153,8 @@ class FastPath:
         if self._counting is None:
             size = self.B * self.L
             self._counting = (np.empty(size, np.int32), np.empty(size, np.uint8))
-        return self._run(*self._counting, np.empty(self.B, np.int64))
-
-    def _run(self, ids: np.ndarray, mod: np.ndarray, real: np.ndarray) -> bool:
-        if self.ndocs > 3 * len(self.docs) // 4:
-            self._compact()
-        while True:
-            code = kernel.pack_batch(
-                self.docs,
-                self.units,
-                self.src,
-                self.opened,
-                self.queue,
-                self.pending,
-                self.carry,
-                self.defer,
-                self.shares,
-                self.mixed,
-                self.state,
-                self.staged_ids,
-                self.staged_mod,
-                ids,
-                mod,
-                self.seg,
-                self.blocks,
-                self.pieces,
-                self.row_pieces,
-                self.vis,
-                real,
-                self.B,
-                self.L,
-                self.chunk,
-                self.max_pending,
-                self.drop_document,
-                self.whole_documents,
-                self.pad_id,
-            )
-            if code == kernel.PACKED:
-                return True
-            if code == kernel.END:
-                return False
-            self._refill(int(self.state[kernel.ST_NEED]))
+        real = np.empty(self.B, np.int64)
+        return self.run(*self._counting, real, self._refill) == kernel.PACKED
 
     def dropped_matrix(self) -> np.ndarray:
         # adjacent columns: a slice, a view, where fancy indexing would gather them
@@ -241,7 +166,7 @@ class FastPath:
         """The stream's state (stream_state.py's format), read from the arrays."""
         return self.snapshot().to_dict()
 
-    def snapshot(self) -> FastState:
+    def snapshot(self) -> StreamState:
         """The state after the last batch, as copies of the few array rows it needs (a few
         microseconds; made into ``state_dict``'s lists only when asked for)."""
         state = self.state
@@ -249,7 +174,7 @@ class FastPath:
             self.src, state, self.pending, self.opened, self.docs
         )
         stream = self.stream
-        return FastState(
+        return StreamState(
             sources,
             cursors,
             int(state[kernel.ST_NPENDING]),
@@ -265,100 +190,7 @@ class FastPath:
         )
 
     # --- documents into the arrays ----------------------------------------------------------------
-    def _add(self, doc: Doc, cursor: tuple[int, int, int]) -> int:
-        """A row of ``docs`` (and its units) for ``doc``; its tokens are staged by ``_stage``."""
-        if self.ndocs == len(self.docs):
-            self.docs = np.concatenate([self.docs, np.zeros_like(self.docs)])
-        n_units = len(doc.units)
-        while self.nunits + n_units > len(self.units):
-            self.units = np.concatenate([self.units, np.zeros_like(self.units)])
-        drow, unit0 = self.ndocs, self.nunits
-        for at, unit in enumerate(doc.units, unit0):
-            self.units[at] = (unit.start, unit.end, int(unit.atomic), unit.t, unit.h, unit.w)
-        self.docs[drow] = (
-            doc.source,
-            doc.sample,
-            doc.epoch,
-            doc.length,
-            doc.unit,
-            doc.offset,
-            doc.limit,
-            0,
-            unit0,
-            n_units,
-            len(doc.blocks),
-            *cursor,
-        )
-        self.ndocs, self.nunits = drow + 1, unit0 + n_units
-        return drow
-
-    def _live(self, source: int) -> list[int]:
-        """Rows of source ``source``'s documents whose tokens may still be placed (no repeats)."""
-        src, state = self.src, self.state
-        rows = list(self.opened[source, : src[source, kernel.S_NOPEN]])
-        rows += list(self.pending[: state[kernel.ST_NPENDING]])
-        if state[kernel.ST_ROW_ACTIVE]:
-            rows += list(self.carry[: state[kernel.ST_NCARRY]]) + list(
-                self.defer[: state[kernel.ST_NDEFER]]
-            )
-        head = src[source, kernel.S_QHEAD]
-        rows += list(self.queue[source, head : head + src[source, kernel.S_QLEN]])
-        seen: dict[int, None] = {}
-        for drow in rows:
-            if self.docs[drow, kernel.D_SRC] == source:
-                seen[int(drow)] = None
-        return list(seen)
-
-    def _stage(self, new: list[tuple[int, np.ndarray, np.ndarray]], runs: list) -> None:
-        """The tokens of new documents appended to the staging arrays:
-        ``new`` (row, ids, modalities) read one by one and ``runs`` (``_fast_run``) in order.
-        When they do not fit, the arrays are made again with every source's live documents
-        first (their rows' ``D_TOK`` moved) and room for twice what is live."""
-        if self.dry:  # no tokens: the kernel reads none
-            return
-        rows = np.asarray([drow for drow, _, _ in new], np.int64)
-        for run in runs:
-            rows = np.concatenate([rows, run[0]])
-        lengths = self.docs[rows, kernel.D_LEN]
-        needed = int(lengths.sum())
-        if self.staged_end + needed > len(self.staged_ids):
-            self._restage(needed)
-        self.docs[rows, kernel.D_TOK] = self.staged_end + np.cumsum(lengths) - lengths
-        self.staged_end += needed
-        ids, mod = self.staged_ids, self.staged_mod
-        for drow, doc_ids, doc_mod in new:
-            offset = int(self.docs[drow, kernel.D_TOK])
-            ids[offset : offset + len(doc_ids)], mod[offset : offset + len(doc_ids)] = (
-                doc_ids,
-                doc_mod,
-            )
-        for run_rows, groups, ids_at, mod_at in runs:
-            lengths = self.docs[run_rows, kernel.D_LEN]
-            dst = self.docs[run_rows, kernel.D_TOK]
-            for mapped, sel in groups:
-                gather_tokens(mapped, sel, ids_at, mod_at, lengths, dst, ids, mod)
-            # int32 ids and uint8 modalities read through the shards' maps (store.ShardFiles)
-            self.stream.files.touched(5 * int(lengths.sum()))
-
-    def _restage(self, needed: int) -> None:
-        """New staging arrays holding the live documents of every source, with room for
-        ``needed`` more tokens (and as many again, so that this happens rarely)."""
-        live = np.asarray(
-            [drow for source in range(len(self.src)) for drow in self._live(source)], np.int64
-        )
-        lengths = self.docs[live, kernel.D_LEN]
-        kept = int(lengths.sum())
-        size = max(2 * (kept + needed), 2 * self.refill_tokens)
-        ids, mod = np.empty(size, np.int32), np.empty(size, np.uint8)
-        old_at = self.docs[live, kernel.D_TOK].tolist()
-        new_at = (np.cumsum(lengths) - lengths).tolist()
-        for old, new, count in zip(old_at, new_at, lengths.tolist()):
-            ids[new : new + count] = self.staged_ids[old : old + count]
-            mod[new : new + count] = self.staged_mod[old : old + count]
-        self.docs[live, kernel.D_TOK] = new_at
-        self.staged_ids, self.staged_mod, self.staged_end = ids, mod, kept
-
-    def _fast_run(self, source: int, most: int):
+    def _shard_run(self, source: int, most: int):
         """The next documents of source ``source`` (at most ``most``, in one epoch; at an
         epoch's end, of the next epoch) that lie in shards that passed the whole-shard check,
         added as rows without a ``Doc`` each: (their rows, per shard (its map's bytes, which
@@ -419,7 +251,7 @@ class FastPath:
             groups.append((checked, sel))
         # rows of docs, then units (per shard: its blocks table)
         first_doc = self.ndocs
-        self._reserve(n_run, int((2 * bcount + 1).sum()))
+        self.reserve(n_run, int((2 * bcount + 1).sum()))
         rows = np.arange(first_doc, first_doc + n_run, dtype=np.int64)
         unit0, n_units, nblk = (np.empty(n_run, np.int64) for _ in range(3))
         u_at = self.nunits
@@ -455,27 +287,23 @@ class FastPath:
         stream.consecutive_errors = 0
         return rows, out_groups, ids_at, mod_at
 
-    def _reserve(self, docs: int, units: int) -> None:
-        while self.ndocs + docs > len(self.docs):
-            self.docs = np.concatenate([self.docs, np.zeros_like(self.docs)])
-        while self.nunits + units > len(self.units):
-            self.units = np.concatenate([self.units, np.zeros_like(self.units)])
-
     def _refill(self, source: int) -> None:
         """Read source ``source``'s next documents into its (empty) queue: runs of checked shards'
         documents at once, any other one by one through the stream (which checks, skips and
         counts as always)."""
         stream, src = self.stream, self.src
         cursor = stream.cursors[source]
-        new, runs, order, tokens, count = [], [], [], 0, 0
+        new, runs, order, tokens, count, run_tokens = [], [], [], 0, 0, 0
         cap = self.queue.shape[1]
         while tokens < self.refill_tokens and count < cap:
             if stream.whole_checked[source]:
-                run = self._fast_run(source, min(256, cap - count))
+                run = self._shard_run(source, min(256, cap - count))
                 if run is not None:
                     runs.append(run)
                     order.append(run[0])
-                    tokens += int(self.docs[run[0], kernel.D_LEN].sum())
+                    run_length = int(self.docs[run[0], kernel.D_LEN].sum())
+                    tokens += run_length
+                    run_tokens += run_length
                     count += len(run[0])
                     continue
             errors = stream.errors
@@ -489,45 +317,15 @@ class FastPath:
                     src[source, kernel.S_END_ERRS] = self.read_errors[source]
                     break
                 continue  # unreadable: skipped and counted by the stream
-            drow = self._add(doc, (cursor.epoch, cursor.pos, self.read_errors[source]))
-            new.append((drow, *tokens_of(doc)))
+            drow = self.add(doc, (cursor.epoch, cursor.pos, self.read_errors[source]))
+            new.append((drow, doc.ids, doc.mod))
             order.append(np.asarray([drow], np.int64))
             tokens += doc.length
             count += 1
-        self._stage(new, runs)  # before the queue lists them: they are not live tokens yet
+        self.stage(new, runs)  # before the queue lists them: they are not live tokens yet
+        if runs and not self.dry:
+            # int32 ids and uint8 modalities read through the shards' maps (store.ShardFiles)
+            stream.files.touched(5 * run_tokens)
         rows = np.concatenate(order) if order else np.zeros(0, np.int64)
         self.queue[source, : len(rows)] = rows
         src[source, kernel.S_QHEAD], src[source, kernel.S_QLEN] = 0, len(rows)
-
-    def _compact(self) -> None:
-        """Between batches: drop the rows of documents nothing refers to any more."""
-        src, state = self.src, self.state
-        live = [self.pending[: state[kernel.ST_NPENDING]]]
-        for source in range(len(src)):
-            live.append(self.opened[source, : src[source, kernel.S_NOPEN]])
-            head = src[source, kernel.S_QHEAD]
-            live.append(self.queue[source, head : head + src[source, kernel.S_QLEN]])
-        keep = np.unique(np.concatenate(live))
-        remap = np.full(self.ndocs, -1, np.int64)
-        remap[keep] = np.arange(len(keep))
-        docs = self.docs[keep]
-        # their units, in order
-        n_units = docs[:, kernel.D_NU]
-        starts = np.repeat(docs[:, kernel.D_U0] - np.cumsum(n_units) + n_units, n_units)
-        take = starts + np.arange(int(n_units.sum()))
-        units = self.units[take]
-        docs[:, kernel.D_U0] = np.cumsum(n_units) - n_units
-        self.docs[: len(keep)] = docs
-        self.units[: len(units)] = units
-        self.ndocs, self.nunits = len(keep), len(units)
-        n_pending = state[kernel.ST_NPENDING]
-        self.pending[:n_pending] = remap[self.pending[:n_pending]]
-        for source in range(len(src)):
-            n_open = src[source, kernel.S_NOPEN]
-            self.opened[source, :n_open] = remap[self.opened[source, :n_open]]
-            queued = self.queue[
-                source,
-                src[source, kernel.S_QHEAD] : src[source, kernel.S_QHEAD]
-                + src[source, kernel.S_QLEN],
-            ]
-            queued[:] = remap[queued]
