@@ -33,7 +33,7 @@ import torch
 
 from data.loader import pack_kernel as kernel
 from data.loader.batch_buffer import BatchBuffer
-from data.loader.expand import IGNORE, CompactBatch, expand
+from data.loader.expand import IGNORE, TEXT, CompactBatch, expand
 from data.loader.pack_kernel import Packing
 from data.loader.packer import Doc, PackStats, units_of
 
@@ -103,7 +103,7 @@ def _finished(
     if real is not None:
         lengths[:rows_done] = real[:rows_done]
     ids[rows_done * seq_len :] = pad_id
-    mod[rows_done * seq_len :] = kernel.TEXT
+    mod[rows_done * seq_len :] = TEXT
     blank = np.zeros((rows - rows_done, 6), np.int64)
     blank[:, 0] = np.arange(rows_done, rows) * seq_len
     blank[:, 1] = blank[:, 0] + seq_len
@@ -170,7 +170,7 @@ class _InOrder(Packing):
             return
         ids = np.asarray(doc.ids)
         length = len(ids)
-        units = units_of(length, [list(block) for block in doc.blocks])
+        units = units_of(length, doc.blocks)
         drow = self.add(Doc(0, self.read, 0, length, units), (0, 0, 0))
         self.stage([(drow, ids, doc.modality)], [])
         self.queue[0, 0] = drow

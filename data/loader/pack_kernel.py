@@ -49,11 +49,9 @@ from dataclasses import astuple
 import numpy as np
 from numba import njit
 
+from data.loader.expand import IGNORE, TEXT
 from data.loader.packer import Doc, PackStats
 from data.loader.stage_kernel import gather_tokens
-
-IGNORE = -100
-TEXT = 0  # Modality.TEXT (data/vocab.py; tests check they agree)
 
 # docs columns
 (
@@ -586,9 +584,8 @@ class Packing:
         n_units = len(doc.units)
         self.reserve(1, n_units)
         drow, unit0 = self.ndocs, self.nunits
-        for at, unit in enumerate(doc.units, unit0):
-            self.units[at] = (unit.start, unit.end, int(unit.atomic), unit.t, unit.h, unit.w)
-        n_blocks = sum(unit.atomic for unit in doc.units)
+        self.units[unit0 : unit0 + n_units] = doc.units
+        n_blocks = int(doc.units[:, U_ATOMIC].sum())
         self.docs[drow] = (
             doc.source,
             doc.sample,

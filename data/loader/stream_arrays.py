@@ -31,13 +31,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from data.loader import pack_kernel as kernel
-from data.loader.batch_tables import count_modalities, pieces_table
 from data.loader.expand import CompactBatch
 from data.loader.order import ConsumerSlice
 from data.loader.pack_kernel import Packing
 from data.loader.packer import Doc, PackStats
 from data.loader.shard_check import CheckedShard, IndexedShard
-from data.loader.stage_kernel import fill_units, take_rows
+from data.loader.stage_kernel import fill_units
 from data.loader.stream_state import StreamState, skipped_samples, snapshot_arrays
 from data.vocab import MODALITY_NAMES, Modality
 
@@ -45,6 +44,16 @@ if TYPE_CHECKING:
     from data.loader.stream import ConsumerStream
 
 _VIDEO = int(Modality.VIDEO)
+
+
+def _pieces_table(pieces: np.ndarray, row_pieces: np.ndarray) -> np.ndarray:
+    """int64 [rows, most pieces, 4] (source, sample, start, end) of each row's pieces, -1
+    padded: which documents a batch holds (for checks and debugging; the model never sees it)."""
+    out = np.full((len(row_pieces), int(row_pieces.max(initial=0)), 4), -1, np.int64)
+    rows = np.repeat(np.arange(len(row_pieces)), row_pieces)
+    firsts = np.cumsum(row_pieces) - row_pieces
+    out[rows, np.arange(len(rows)) - firsts[rows]] = pieces[: len(rows)]
+    return out
 
 
 class StreamArrays(Packing):
@@ -138,11 +147,12 @@ class StreamArrays(Packing):
         state = self.state
         seg = self.seg[: state[kernel.ST_NSEG]].copy()
         blocks = self.blocks[: state[kernel.ST_NBLK]].copy()
-        by_modality = np.zeros(len(MODALITY_NAMES), np.int64)
-        count_modalities(mod, real, by_modality)
+        # Padding is text (the kernel writes it so): text is what the others leave of the real
+        by_modality = np.bincount(mod, minlength=len(MODALITY_NAMES)).astype(np.int64)
+        by_modality[0] = real.sum() - by_modality[1:].sum()
         return (
             CompactBatch(self.B, self.L, ids, mod, seg, blocks, real),
-            pieces_table(self.pieces, self.row_pieces),
+            _pieces_table(self.pieces, self.row_pieces),
             self.src[:, kernel.S_BATCH_TOKENS].tolist(),
             by_modality,
         )
@@ -214,7 +224,7 @@ class StreamArrays(Packing):
             return None
         if isinstance(order_slice, ConsumerSlice):
             samples = order_slice.take(cur.pos, cur.pos + n_run)
-        else:  # a redistributed epoch, or an order version 1 state: the slice as an array
+        else:  # a redistributed epoch: the slice as an array
             samples = np.asarray(order_slice[cur.pos : cur.pos + n_run], np.int64)
         starts = self._starts[source]
         shard_of = np.searchsorted(starts, samples, side="right") - 1
@@ -236,19 +246,19 @@ class StreamArrays(Packing):
             return None
         samples, shard_of = samples[:n_run], shard_of[:n_run]
         in_shard = samples - starts[shard_of]
-        # The run's documents grouped by shard (positions in the run, in order within a shard):
-        # one compiled call per group and step, not a dozen numpy calls
+        # The run's documents grouped by shard (positions in the run, in order within a shard),
+        # their rows of its table (length, first block, blocks, where ids and modalities start)
         uniq, inverse = np.unique(shard_of, return_inverse=True)
         by_shard = np.argsort(inverse, kind="stable")
         bounds = np.concatenate([[0], np.cumsum(np.bincount(inverse))]).tolist()
-        lengths, ids_at, mod_at = (np.empty(n_run, np.int64) for _ in range(3))
-        bstart, bcount = np.empty(n_run, np.int64), np.empty(n_run, np.int64)
+        picked = np.empty((n_run, 5), np.int64)
         groups = []
         for group, shard in enumerate(uniq.tolist()):
             checked = shards[shard]
             sel = by_shard[bounds[group] : bounds[group + 1]]
-            take_rows(sel, in_shard, checked.table, lengths, ids_at, mod_at, bstart, bcount)
+            picked[sel] = checked.table[in_shard[sel]]
             groups.append((checked, sel))
+        lengths, bstart, bcount, ids_at, mod_at = picked.T.copy()
         # rows of docs, then units (per shard: its blocks table)
         first_doc = self.ndocs
         self.reserve(n_run, int((2 * bcount + 1).sum()))

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
-from numba import njit
 
 from data.loader import pack_kernel as kernel
 from data.loader.order import ORDER_VERSION
@@ -167,45 +166,15 @@ SRC_COLS = [
     kernel.S_DROP_IMAGE,
     kernel.S_DROP_VIDEO,
 ]
-_COLS = tuple(np.asarray(cols, np.int64) for cols in (SRC_COLS, CURSOR_COLS, kernel.STAT_COLS))
-
-
-@njit(cache=True)
-def _copy_rows(
-    src, state, pending, n_pending, opened, n_open, docs, src_cols, cursor_cols, stat_cols
-):
-    """The snapshot's arrays in one compiled call (not numpy's fancy indexing: a few calls per
-    source and batch): the sources' cursor columns, the held-aside then each
-    source's open documents' cursor columns, the packing counters."""
-    out_src = np.empty((src.shape[0], src_cols.shape[0]), np.int64)
-    for source in range(src.shape[0]):
-        for col in range(src_cols.shape[0]):
-            out_src[source, col] = src[source, src_cols[col]]
-    total = n_pending
-    for source in range(src.shape[0]):
-        total += src[source, n_open]
-    cursors = np.empty((total, cursor_cols.shape[0]), np.int64)
-    at = 0
-    for held in range(n_pending):
-        for col in range(cursor_cols.shape[0]):
-            cursors[at, col] = docs[pending[held], cursor_cols[col]]
-        at += 1
-    for source in range(src.shape[0]):
-        for held in range(src[source, n_open]):
-            for col in range(cursor_cols.shape[0]):
-                cursors[at, col] = docs[opened[source, held], cursor_cols[col]]
-            at += 1
-    stats = np.empty(stat_cols.shape[0], np.int64)
-    for col in range(stat_cols.shape[0]):
-        stats[col] = state[stat_cols[col]]
-    return out_src, cursors, stats
 
 
 def snapshot_arrays(src, state, pending, opened, docs) -> tuple:
     """(source columns, cursors of the held-aside then the open documents, stats) of the
-    compiled loop's arrays after a batch."""
-    n_pending = int(state[kernel.ST_NPENDING])
-    return _copy_rows(src, state, pending, n_pending, opened, kernel.S_NOPEN, docs, *_COLS)
+    compiled loop's arrays after a batch: copies, which the arrays' next batch leaves alone."""
+    held = [pending[: state[kernel.ST_NPENDING]]]
+    held += [opened[source, : src[source, kernel.S_NOPEN]] for source in range(len(src))]
+    cursors = docs[np.concatenate(held)][:, CURSOR_COLS]
+    return src[:, SRC_COLS], cursors, state[kernel.STAT_COLS]
 
 
 @dataclass
