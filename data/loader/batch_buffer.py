@@ -22,11 +22,9 @@ ROW_FIELDS = (
     ("image_ids", "image_ids", -1),
 )
 # Their dtypes. Labels are int64: cross-entropy and its gathers and scatters take int64 targets.
-# Everything else is int32: ids, positions and document or image numbers fit many times over,
-# and embeddings, indexing and comparisons take int32. The loader writes (and a GPU run copies to
-# the device) 44 bytes a token instead of 80 with int64 everywhere, as before: writing them was
-# most of what expanding a batch cost (docs/benchmarks.md). Modalities are int32, not uint8:
-# torch reads a uint8 index tensor as a boolean mask (model/layers.py indexes by modality).
+# Everything else is int32 (ids, positions and document or image numbers fit many times over):
+# writing the fields is most of what expanding a batch costs, and a GPU run copies them. Not
+# uint8 modalities: torch reads a uint8 index tensor as a boolean mask (model/layers.py).
 BATCH_DTYPES: dict[str, np.dtype] = {key: np.dtype(np.int32) for _, key, _ in ROW_FIELDS}
 BATCH_DTYPES |= {"labels": np.dtype(np.int64), "position_thw": np.dtype(np.int32)}
 # The int32 fields in the order they lie in a batch's buffer, after the labels

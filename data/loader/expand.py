@@ -32,11 +32,6 @@ from data.vocab import Modality
 IGNORE = -100
 TEXT, IMAGE = int(Modality.TEXT), int(Modality.IMAGE)
 
-# Columns of CompactBatch.segments
-SEG_START, SEG_END, SEG_PIECE, SEG_OFFSET, SEG_LABEL, SEG_LABEL_MOD = range(6)
-# Columns of CompactBatch.blocks
-BLK_START, BLK_PIECE_END, BLK_T, BLK_H, BLK_W = range(5)
-
 
 @dataclass(slots=True)
 class CompactBatch:

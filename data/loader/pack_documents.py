@@ -83,7 +83,7 @@ def blank_batch(batch_rows: int, seq_len: int, pad_id: int = 0) -> dict[str, tor
     size = batch_rows * seq_len
     ids, mod = buffer.fields["ids"].reshape(size), np.empty(size, np.uint8)
     no_rows = np.zeros((0, 6), np.int64), np.zeros((0, 5), np.int64)
-    return _finished(buffer, pad_id, ids, mod, *no_rows, 0)
+    return _finished(buffer, pad_id, ids, mod, *no_rows, 0, np.zeros(batch_rows, np.int64))
 
 
 def _finished(
@@ -94,26 +94,21 @@ def _finished(
     segments: np.ndarray,
     blocks: np.ndarray,
     rows_done: int,
-    real: np.ndarray | None = None,
+    real: np.ndarray,
 ) -> dict[str, torch.Tensor]:
-    """The batch's fields written (``expand``), its rows from ``rows_done`` on blank: padding,
-    one segment each (piece -1, label ignored), as the kernel ends an empty row."""
+    """The batch's fields written (``expand``), its rows from ``rows_done`` on blank (``real``
+    0): padding, one segment each (piece -1, label ignored), as the kernel ends an empty row."""
     rows, seq_len = buffer.rows, buffer.L
-    lengths = np.zeros(rows, np.int64)
-    if real is not None:
-        lengths[:rows_done] = real[:rows_done]
     ids[rows_done * seq_len :] = pad_id
     mod[rows_done * seq_len :] = TEXT
     blank = np.zeros((rows - rows_done, 6), np.int64)
     blank[:, 0] = np.arange(rows_done, rows) * seq_len
     blank[:, 1] = blank[:, 0] + seq_len
     blank[:, 2], blank[:, 4] = -1, IGNORE
-    compact = CompactBatch(
-        rows, seq_len, ids, mod, np.concatenate([segments, blank]), blocks, lengths
-    )
+    compact = CompactBatch(rows, seq_len, ids, mod, np.concatenate([segments, blank]), blocks, real)
     expand(compact, buffer.fields)
     out = buffer.split()
-    out["num_real_tokens"] = torch.tensor(int(lengths.sum()))
+    out["num_real_tokens"] = torch.tensor(int(real.sum()))
     return out
 
 
@@ -150,7 +145,7 @@ class _InOrder(Packing):
         buffer = BatchBuffer(self.B, self.L, self.pad_id)
         size = self.B * self.L
         ids, mod = buffer.fields["ids"].reshape(size), np.empty(size, np.uint8)
-        real = np.zeros(self.B, np.int64)
+        real = np.zeros(self.B, np.int64)  # a row not packed stays 0: blank
         code = self.run(ids, mod, real, self._take)
         vars(self.stats_out).update(self.stats().as_dict())
         state = self.state

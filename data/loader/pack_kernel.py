@@ -117,8 +117,6 @@ N_SRC_COLS = 15
 N_ST = 19
 # The packing counters (PackStats' fields, in order)
 STAT_COLS = [ST_STAT_ROWS, ST_STAT_REAL, ST_STAT_DBLOCKS, ST_STAT_DDOCS]
-# state[ST_DRY] = 1: counting only (an epoch's batches, from the index): the same decisions,
-# every token left where it is and every label unread (the staging arrays are empty then)
 # return codes of pack_batch
 PACKED, NEED, END = 0, 1, 2
 # outcomes of placing a document
@@ -335,20 +333,6 @@ def _place(work, doc, pos, L, drop_document, whole):
         and L - pos < length <= L
     ):
         return _BLOCKED, pos
-    if docs[doc, D_NBLK] == 0:  # text only
-        doc_at = offset if unit < n_units else length
-        idx = min(L - pos, limit - doc_at) if doc_at < limit else 0
-        if doc_at >= limit:
-            outcome = _DONE
-        elif idx == 0:
-            outcome = _FULL
-        elif doc_at + idx == length:
-            docs[doc, D_UNIT], docs[doc, D_OFF], outcome = 1, 0, _DONE
-        else:
-            docs[doc, D_OFF] = doc_at + idx
-            outcome = _FULL if doc_at + idx < limit else _DONE
-        _flush(work, doc, pos, doc_at, pos + idx, False, L)
-        return outcome, pos + idx
     piece_start = pos
     doc_start = units[unit0 + unit, U_START] + offset if unit < n_units else length
     outcome = _DONE
@@ -531,7 +515,7 @@ class Packing:
     ) -> None:
         B, L, chunk, max_pending, drop_document, whole, pad_id = params
         # one compiled signature: the same Python types in every caller
-        self.params = (int(B), int(L), int(chunk), int(max_pending), bool(drop_document))
+        self.params: tuple = (int(B), int(L), int(chunk), int(max_pending), bool(drop_document))
         self.params += (bool(whole), int(pad_id))
         self.B, self.L = self.params[:2]
         self.dry = dry
@@ -610,7 +594,7 @@ class Packing:
         while self.nunits + units > len(self.units):
             self.units = np.concatenate([self.units, np.zeros_like(self.units)])
 
-    def stage(self, new: list[tuple[int, np.ndarray, np.ndarray]], runs: list) -> None:
+    def stage(self, new: list[tuple], runs: list) -> None:
         """The tokens of new documents appended to the staging arrays: ``new`` (row, ids,
         modalities) one by one, and ``runs`` (stream_arrays.StreamArrays._shard_run: rows, per
         shard its map's bytes and which of the rows are its documents, where each document's ids

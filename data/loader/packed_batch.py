@@ -6,6 +6,8 @@ tensors the trainer reads.
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import numpy as np
 import torch
 
@@ -62,14 +64,9 @@ class PackedBatch:
         arrays = [compact.segments, compact.blocks, compact.real, self.pieces, self.dropped]
         rest = None
         if state is not None:
-            arrays += [state.src, state.cursors, state.stats, state.by_modality]
-            rest = (
-                state.n_pending,
-                state.batches,
-                state.errors,
-                state.skip,
-                state.skipped,
-            )
+            values = [getattr(state, field.name) for field in fields(state)]
+            arrays += values[:4]
+            rest = values[4:]
         if any(array.dtype != np.int64 for array in arrays):
             raise TypeError("PackedBatch: its tables must be int64 to cross a worker's queue")
         ends = np.cumsum([0] + [array.size for array in arrays]).tolist()
@@ -127,21 +124,10 @@ def _unpickle(head, where, tables, layout, rest) -> PackedBatch:
     flat = np.frombuffer(bytearray(tables), np.int64)
     arrays = [flat[start:end].reshape(shape) for start, end, shape in layout]
     rows, seq_len, ids, mod, tokens_by_source = head
-    real, expanded, worker, slot, token, ring = where
     segments, blocks, row_real, pieces, dropped = arrays[:5]
     compact = CompactBatch(rows, seq_len, ids, mod, segments, blocks, row_real)
-    batch = PackedBatch(compact, pieces, tokens_by_source, dropped, real)
-    batch.expanded, batch.worker, batch.slot, batch.token, batch.ring = (
-        expanded,
-        worker,
-        slot,
-        token,
-        ring,
-    )
+    batch = PackedBatch(compact, pieces, tokens_by_source, dropped, where[0])
+    batch.expanded, batch.worker, batch.slot, batch.token, batch.ring = where[1:]
     if rest is not None:
-        src, cursors, stats, by_modality = arrays[5:]
-        n_pending, batches, errors, skip, skipped = rest
-        batch.state = StreamState(
-            src, cursors, n_pending, stats, batches, errors, by_modality, skip, skipped
-        )
+        batch.state = StreamState(*arrays[5:], *rest)
     return batch

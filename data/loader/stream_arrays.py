@@ -10,9 +10,8 @@ Design choices:
   same way, from their shards' indexes alone (shard_check.IndexedShard): lengths and blocks
   are all the packing decisions read, so the count costs the compiled loop's time, not a
   Python call per document.
-- Their tokens are appended to one pair of staging arrays (int32 ids, uint8 modalities) shared
-  by every source, so the kernel reads every document from one place whatever shard or kind it
-  came from; when they are full, they are made again with the documents still being placed.
+- Their tokens are appended to one pair of staging arrays shared by every source
+  (``Packing.stage``), so the kernel reads every document from one place whatever its shard.
 - Skips are counted per source as documents are read ahead, and each document's row records the
   count so far: a state counts a skip once the kernel takes a document after it.
 - Reading ahead moves the stream's cursors (``stream.cursors``) past what has been packed; the
@@ -37,7 +36,7 @@ from data.loader.pack_kernel import Packing
 from data.loader.packer import Doc, PackStats
 from data.loader.shard_check import CheckedShard, IndexedShard
 from data.loader.stage_kernel import fill_units
-from data.loader.stream_state import StreamState, skipped_samples, snapshot_arrays
+from data.loader.stream_state import CURSOR_COLS, SRC_COLS, StreamState, skipped_samples
 from data.vocab import MODALITY_NAMES, Modality
 
 if TYPE_CHECKING:
@@ -97,7 +96,6 @@ class StreamArrays(Packing):
             # Counting only (an epoch's batches): documents from the index, no token read or copied
             dry=stream.dry,
         )
-        self._counting: tuple[np.ndarray, np.ndarray] | None = None  # count()'s unused output
         # Per source: where each shard's samples start (token tables; runs of checked shards)
         self._starts = [
             np.asarray(getattr(table, "starts", [0]), np.int64) for table in stream.tables
@@ -158,18 +156,13 @@ class StreamArrays(Packing):
         )
 
     def count(self) -> bool:
-        """Dry: the next batch's decisions made (rows, drops, cursors), no token copied; False
-        at the end of the data, where ``pack`` holds the incomplete batch back."""
-        if self._counting is None:
-            size = self.B * self.L
-            self._counting = (np.empty(size, np.int32), np.empty(size, np.uint8))
-        real = np.empty(self.B, np.int64)
-        return self.run(*self._counting, real, self._refill) == kernel.PACKED
+        """Dry: the next batch's decisions made (rows, drops, cursors), no token copied (only
+        padding written); False at the end of the data, where ``pack`` holds it back."""
+        ids, mod = np.empty(self.B * self.L, np.int32), np.empty(self.B * self.L, np.uint8)
+        return self.run(ids, mod, np.empty(self.B, np.int64), self._refill) == kernel.PACKED
 
     def dropped_matrix(self) -> np.ndarray:
-        # adjacent columns: a slice, a view, where fancy indexing would gather them
-        assert kernel.S_DROP_VIDEO == kernel.S_DROP_IMAGE + 1
-        return self.src[:, kernel.S_DROP_IMAGE : kernel.S_DROP_VIDEO + 1].copy()
+        return self.src[:, [kernel.S_DROP_IMAGE, kernel.S_DROP_VIDEO]]
 
     # --- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -179,24 +172,20 @@ class StreamArrays(Packing):
     def snapshot(self) -> StreamState:
         """The state after the last batch, as copies of the few array rows it needs (a few
         microseconds; made into ``state_dict``'s lists only when asked for)."""
-        state = self.state
-        sources, cursors, stats = snapshot_arrays(
-            self.src, state, self.pending, self.opened, self.docs
-        )
-        stream = self.stream
+        src, state, stream = self.src, self.state, self.stream
+        held = [self.pending[: state[kernel.ST_NPENDING]]]
+        held += [self.opened[source, : src[source, kernel.S_NOPEN]] for source in range(len(src))]
+        taken = src[:, kernel.S_CERRS].tolist()  # the skips read before each last document taken
         return StreamState(
-            sources,
-            cursors,
-            int(state[kernel.ST_NPENDING]),
-            stats,
-            stream.batches,
-            self.base_errors + int(self.src[:, kernel.S_CERRS].sum()),
+            src[:, SRC_COLS],
+            self.docs[np.concatenate(held)][:, CURSOR_COLS],
+            state[kernel.STAT_COLS],
             stream.tokens_by_modality.copy(),
+            int(state[kernel.ST_NPENDING]),
+            stream.batches,
+            self.base_errors + sum(taken),
             self.skip,
-            skipped_samples(
-                stream,
-                [base + int(n) for base, n in zip(self.base_skips, self.src[:, kernel.S_CERRS])],
-            ),
+            skipped_samples(stream, [base + n for base, n in zip(self.base_skips, taken)]),
         )
 
     # --- documents into the arrays ----------------------------------------------------------------
@@ -281,15 +270,11 @@ class StreamArrays(Packing):
         self.nunits = u_at
         out_groups = [(checked.bytes, sel) for checked, sel in groups]
         block = self.docs[first_doc : first_doc + n_run]
-        block[:, kernel.D_SRC], block[:, kernel.D_SAMPLE], block[:, kernel.D_EPOCH] = (
-            source,
-            samples,
-            cur.epoch,
-        )
-        block[:, kernel.D_LEN], block[:, kernel.D_UNIT], block[:, kernel.D_OFF] = lengths, 0, 0
-        block[:, kernel.D_LIMIT], block[:, kernel.D_TOK] = lengths, 0
+        block[:] = 0
+        block[:, kernel.D_SRC], block[:, kernel.D_SAMPLE] = source, samples
+        block[:, kernel.D_EPOCH] = block[:, kernel.D_CEPOCH] = cur.epoch
+        block[:, kernel.D_LEN] = block[:, kernel.D_LIMIT] = lengths
         block[:, kernel.D_U0], block[:, kernel.D_NU], block[:, kernel.D_NBLK] = unit0, n_units, nblk
-        block[:, kernel.D_CEPOCH] = cur.epoch
         block[:, kernel.D_CPOS] = cur.pos + 1 + np.arange(n_run)
         block[:, kernel.D_CERRS] = self.read_errors[source]
         self.ndocs = first_doc + n_run

@@ -168,28 +168,20 @@ SRC_COLS = [
 ]
 
 
-def snapshot_arrays(src, state, pending, opened, docs) -> tuple:
-    """(source columns, cursors of the held-aside then the open documents, stats) of the
-    compiled loop's arrays after a batch: copies, which the arrays' next batch leaves alone."""
-    held = [pending[: state[kernel.ST_NPENDING]]]
-    held += [opened[source, : src[source, kernel.S_NOPEN]] for source in range(len(src))]
-    cursors = docs[np.concatenate(held)][:, CURSOR_COLS]
-    return src[:, SRC_COLS], cursors, state[kernel.STAT_COLS]
-
-
 @dataclass
 class StreamState:
-    """A consumer stream's state as a few arrays (``snapshot_arrays``' and the stream's
-    counters): what a batch carries from a worker (pickled small) and the loader keeps;
-    ``to_dict`` gives the saved dict."""
+    """A consumer stream's state as a few arrays and counters (StreamArrays.snapshot): what a
+    batch carries from a worker (pickled small) and the loader keeps; ``to_dict`` gives the
+    saved dict."""
 
+    # int64 arrays first (a worker's batch pickles them as one buffer, packed_batch.py)
     src: np.ndarray  # SRC_COLS of each source
     cursors: np.ndarray  # CURSOR_COLS of the held-aside, then the open documents
-    n_pending: int
     stats: np.ndarray  # kernel.STAT_COLS
+    by_modality: np.ndarray
+    n_pending: int
     batches: int
     errors: int
-    by_modality: np.ndarray
     skip: list[dict[int, str]]
     skipped: list[list[int]]
 
