@@ -127,17 +127,7 @@ class _InOrder(Packing):
         params = (rows, seq_len, _WHOLE, MAX_PENDING, False, whole_documents, pad_id)
         cap = 4 * (MAX_PENDING + 2)
         # one document at a time in the queue (read lazily); none opened (each goes out whole)
-        super().__init__(
-            1,
-            params,
-            shares=[1.0],
-            mixed=[0],
-            open_cap=cap,
-            held_cap=cap,
-            queue_cap=1,
-            stats=stats,
-            docs_cap=16,
-        )
+        super().__init__(1, params, open_cap=cap, held_cap=cap, stats=stats, docs_cap=16)
         self.documents, self.pad_id, self.stats_out = documents, pad_id, stats
         self.read = 0  # documents taken from the caller so far
 

@@ -504,12 +504,12 @@ class Packing:
         n_sources: int,
         params: tuple,
         *,
-        shares: list[float],
-        mixed: list[int],
         open_cap: int,
         held_cap: int,
-        queue_cap: int,
         stats: PackStats,
+        shares: list[float] | None = None,  # None: one source
+        mixed: list[int] | None = None,
+        queue_cap: int = 1,
         dry: bool = False,
         docs_cap: int = 8192,
     ) -> None:
@@ -528,8 +528,8 @@ class Packing:
         self.opened = np.zeros((n_sources, open_cap), np.int64)
         self.queue = np.zeros((n_sources, queue_cap), np.int64)
         self.pending, self.carry, self.defer = (np.zeros(held_cap, np.int64) for _ in range(3))
-        self.shares = np.asarray(shares, np.float64)
-        self.mixed = np.asarray(mixed, np.int64)
+        self.shares = np.asarray(shares or [1.0], np.float64)
+        self.mixed = np.asarray(mixed or [0], np.int64)
         self.state = np.zeros(N_ST, np.int64)
         self.state[ST_DRY] = int(dry)
         self.state[STAT_COLS] = astuple(stats)
