@@ -31,6 +31,8 @@ from data.vocab import Modality
 
 IGNORE = -100
 TEXT, IMAGE = int(Modality.TEXT), int(Modality.IMAGE)
+# The fields ``expand_fields`` writes besides the ids, in the order it takes them
+_OUTPUTS = ("mod", "labels", "label_mod", "doc_ids", "pos", "image_ids", "thw")
 
 
 @dataclass(slots=True)
@@ -80,11 +82,10 @@ def slot_views(slot: np.ndarray, rows: int, seq_len: int) -> tuple[np.ndarray, n
 
 
 @njit(cache=True)
-def expand_fields(
-    seg, blocks, real, ids, mod_in, mod, labels, label_mod, doc_ids, pos, image_ids, thw, L
-):
+def expand_fields(seg, blocks, real, ids, mod_in, outputs, L):
     """The per-token fields ([rows, L] each, ``thw`` [rows, L, 3]; C-contiguous) of a compact
-    batch, written flat."""
+    batch, written flat; ``outputs``: the fields of ``_OUTPUTS``."""
+    mod, labels, label_mod, doc_ids, pos, image_ids, thw = outputs
     # reshape, not ravel: numba's reshape refuses a non-contiguous array where ravel would
     # silently write into a copy
     n = ids.size
@@ -220,30 +221,13 @@ def expand(batch: CompactBatch, fields: dict[str, np.ndarray]) -> None:
     - ``image_ids``: -1, except an image's codes, which carry the image's number in its row.
     """
     B, L = batch.rows, batch.seq_len
-    ids = fields["ids"]
-    if (
-        batch.ids is None
-        or batch.mod is None
-        or batch.ids.shape != (B * L,)
-        or batch.mod.shape != (B * L,)
-    ):
-        raise ValueError(f"expand: ids and modalities must be [{B * L}] for {B} x {L}")
-    if not np.may_share_memory(ids, batch.ids):
-        np.copyto(ids.reshape(B * L), batch.ids)
+    ids, ids_in, mod_in = fields["ids"], batch.ids, batch.mod
+    size = B * L
+    if ids_in is None or mod_in is None or ids_in.shape != (size,) or mod_in.shape != (size,):
+        raise ValueError(f"expand: ids and modalities must be [{size}] for {B} x {L}")
+    if not np.may_share_memory(ids, ids_in):
+        np.copyto(ids.reshape(size), ids_in)
     # uint8 (as the packers write them; modalities are < 5): one compiled signature
-    mod_in = batch.mod if batch.mod.dtype == np.uint8 else batch.mod.astype(np.uint8)
-    expand_fields(
-        batch.segments,
-        batch.blocks,
-        batch.real,
-        ids,
-        mod_in,
-        fields["mod"],
-        fields["labels"],
-        fields["label_mod"],
-        fields["doc_ids"],
-        fields["pos"],
-        fields["image_ids"],
-        fields["thw"],
-        L,
-    )
+    mod_in = mod_in if mod_in.dtype == np.uint8 else mod_in.astype(np.uint8)
+    outputs = tuple(fields[attr] for attr in _OUTPUTS)
+    expand_fields(batch.segments, batch.blocks, batch.real, ids, mod_in, outputs, L)

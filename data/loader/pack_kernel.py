@@ -191,10 +191,8 @@ def _next_doc(docs, units, src, opened, queue, shares, mixed, state, chunk):
                 if src[source, S_ENDED]:
                     # where the read-ahead found the end (past any unreadable last documents)
                     src[source, S_DONE] = 1
-                    src[source, S_CEPOCH], src[source, S_CPOS] = (
-                        src[source, S_END_EPOCH],
-                        src[source, S_END_POS],
-                    )
+                    src[source, S_CEPOCH] = src[source, S_END_EPOCH]
+                    src[source, S_CPOS] = src[source, S_END_POS]
                     src[source, S_CERRS] = src[source, S_END_ERRS]
                     continue
                 state[ST_NEED] = source
@@ -227,20 +225,11 @@ def _next_doc(docs, units, src, opened, queue, shares, mixed, state, chunk):
 
 
 @njit(cache=True, inline="always")
-def _blocks_in(docs, units, doc, doc_a, doc_b):
-    unit0 = docs[doc, D_U0]
-    for idx in range(unit0, unit0 + docs[doc, D_NU]):
-        if units[idx, U_ATOMIC] and units[idx, U_START] >= doc_a and units[idx, U_END] <= doc_b:
-            return True
-    return False
-
-
-@njit(cache=True, inline="always")
 def _flush(work, doc, row_a, doc_a, row_b, cut, L):
     """Doc tokens [doc_a, doc_a + row_b - row_a) at row positions [row_a, row_b), one piece
     (joined to the row's last piece when it continues it). ``cut``: the document's next token
     starts a dropped block, so the piece's last token predicts nothing."""
-    docs, units, src, staged_ids, staged_mod, state, out = work
+    docs, _units, src, staged_ids, staged_mod, state, out = work
     out_ids, out_mod, seg, _blocks, pieces, _row_pieces, vis, _real = out
     count = row_b - row_a
     if count <= 0:
@@ -301,7 +290,7 @@ def _flush(work, doc, row_a, doc_a, row_b, cut, L):
     )
     state[ST_NSEG] = idx + 1
     src[source, S_BATCH_TOKENS] += count
-    if docs[doc, D_NBLK] and _blocks_in(docs, units, doc, piece_a, doc_b):
+    if docs[doc, D_NBLK]:  # the row's end writes the blocks the piece holds, if any
         slot = state[ST_NVIS]
         if slot > 0 and vis[slot - 1, 0] == pid:
             slot -= 1
@@ -442,12 +431,12 @@ def pack_batch(arrays, out, params):
     docs, units, src, opened, queue, pending, carry, defer, shares, mixed, state, ids, mod = arrays
     work = (docs, units, src, ids, mod, state, out)
     row_pieces = out[5]
-    B, L, chunk, max_pending, drop_document, whole, pad_id = params
+    n_rows, seq_len, chunk, max_pending, drop_document, whole, pad_id = params
     if not state[ST_BATCH_ACTIVE]:
         state[ST_BATCH_ACTIVE] = 1
         state[ST_ROWS_DONE] = state[ST_NSEG] = state[ST_NBLK] = state[ST_NPIECES] = 0
         src[:, S_BATCH_TOKENS] = 0
-    while state[ST_ROWS_DONE] < B:
+    while state[ST_ROWS_DONE] < n_rows:
         if not state[ST_ROW_ACTIVE]:  # a new row: the documents held aside go first
             state[ST_ROW_ACTIVE] = 1
             state[ST_ROW_P0] = state[ST_NPIECES]
@@ -456,17 +445,17 @@ def pack_batch(arrays, out, params):
             pos, n_carry, n_defer = 0, 0, 0
             for i in range(state[ST_NPENDING]):
                 doc = pending[i]
-                if pos == L:
+                if pos == seq_len:
                     defer[n_defer] = doc
                     n_defer += 1
                     continue
                 pos, n_carry, n_defer = _place_held(
-                    work, doc, pos, L, drop_document, whole, carry, defer, n_carry, n_defer
+                    work, doc, pos, seq_len, drop_document, whole, carry, defer, n_carry, n_defer
                 )
             state[ST_NPENDING] = 0
         else:  # resumed after NEED
             pos, n_carry, n_defer = state[ST_POS], state[ST_NCARRY], state[ST_NDEFER]
-        while pos < L and n_defer < max_pending:
+        while pos < seq_len and n_defer < max_pending:
             doc = _next_doc(docs, units, src, opened, queue, shares, mixed, state, chunk)
             if doc == -2:
                 state[ST_POS], state[ST_NCARRY], state[ST_NDEFER] = pos, n_carry, n_defer
@@ -474,7 +463,7 @@ def pack_batch(arrays, out, params):
             if doc == -1:
                 break
             pos, n_carry, n_defer = _place_held(
-                work, doc, pos, L, drop_document, whole, carry, defer, n_carry, n_defer
+                work, doc, pos, seq_len, drop_document, whole, carry, defer, n_carry, n_defer
             )
         pending[:n_carry] = carry[:n_carry]
         pending[n_carry : n_carry + n_defer] = defer[:n_defer]
@@ -485,7 +474,7 @@ def pack_batch(arrays, out, params):
             return END
         state[ST_STAT_ROWS] += 1
         row_pieces[state[ST_ROWS_DONE]] = state[ST_NPIECES] - state[ST_ROW_P0]
-        _end_row(work, pos, L, pad_id)
+        _end_row(work, pos, seq_len, pad_id)
         state[ST_ROWS_DONE] += 1
     state[ST_BATCH_ACTIVE] = 0
     return PACKED
@@ -496,8 +485,9 @@ class Packing:
     ``docs`` (their units in ``units``, their tokens staged in ``staged_ids``/``staged_mod``),
     the queues, the documents held aside and open, the packing counters, and one batch's
     tables. A stream (stream_arrays.StreamArrays) and ``pack_documents`` bring the documents
-    in; ``run`` packs a batch. ``open_cap``: open documents per source it holds; ``held_cap``:
-    documents held aside; ``queue_cap``: queued documents per source."""
+    in; ``run`` packs a batch. ``params``: (rows, seq_len, chunk, max_pending, drop_document,
+    whole, pad_id); ``open_cap``: open documents per source it holds; ``held_cap``: documents
+    held aside; ``queue_cap``: queued documents per source."""
 
     def __init__(
         self,
@@ -513,11 +503,11 @@ class Packing:
         dry: bool = False,
         docs_cap: int = 8192,
     ) -> None:
-        B, L, chunk, max_pending, drop_document, whole, pad_id = params
+        rows, seq_len, chunk, max_pending, drop_document, whole, pad_id = params
         # one compiled signature: the same Python types in every caller
-        self.params: tuple = (int(B), int(L), int(chunk), int(max_pending), bool(drop_document))
-        self.params += (bool(whole), int(pad_id))
-        self.B, self.L = self.params[:2]
+        sizes = (int(rows), int(seq_len), int(chunk), int(max_pending))
+        self.params = (*sizes, bool(drop_document), bool(whole), int(pad_id))
+        self.B, self.L = sizes[:2]
         self.dry = dry
         # A few batches' tokens: the least the staging arrays are made for
         self.refill_tokens = 4 * self.B * self.L

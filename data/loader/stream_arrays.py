@@ -237,16 +237,12 @@ class StreamArrays(Packing):
         in_shard = samples - starts[shard_of]
         # The run's documents grouped by shard (positions in the run, in order within a shard),
         # their rows of its table (length, first block, blocks, where ids and modalities start)
-        uniq, inverse = np.unique(shard_of, return_inverse=True)
-        by_shard = np.argsort(inverse, kind="stable")
-        bounds = np.concatenate([[0], np.cumsum(np.bincount(inverse))]).tolist()
         picked = np.empty((n_run, 5), np.int64)
         groups = []
-        for group, shard in enumerate(uniq.tolist()):
-            checked = shards[shard]
-            sel = by_shard[bounds[group] : bounds[group + 1]]
-            picked[sel] = checked.table[in_shard[sel]]
-            groups.append((checked, sel))
+        for shard in np.unique(shard_of).tolist():
+            sel = np.flatnonzero(shard_of == shard)
+            picked[sel] = shards[shard].table[in_shard[sel]]
+            groups.append((shards[shard], sel))
         lengths, bstart, bcount, ids_at, mod_at = picked.T.copy()
         # rows of docs, then units (per shard: its blocks table)
         first_doc = self.ndocs
