@@ -613,22 +613,23 @@ class Packing:
             for mapped, sel in groups:
                 gather_tokens(mapped, sel, ids_at, mod_at, lengths, dst, ids, mod)
 
-    def _live(self) -> list[int]:
-        """Rows of the documents whose tokens may still be placed (no repeats)."""
+    def _lists(self) -> list[np.ndarray]:
+        """Views of every list of documents still to be placed: held aside (and, in a row being
+        built, carried or deferred), open and queued per source."""
         src, state = self.src, self.state
-        rows = list(self.pending[: state[ST_NPENDING]])
+        lists = [self.pending[: state[ST_NPENDING]]]
         if state[ST_ROW_ACTIVE]:
-            rows += list(self.carry[: state[ST_NCARRY]]) + list(self.defer[: state[ST_NDEFER]])
+            lists += [self.carry[: state[ST_NCARRY]], self.defer[: state[ST_NDEFER]]]
         for source in range(len(src)):
-            rows += list(self.opened[source, : src[source, S_NOPEN]])
             head = src[source, S_QHEAD]
-            rows += list(self.queue[source, head : head + src[source, S_QLEN]])
-        return list(dict.fromkeys(int(drow) for drow in rows))
+            lists.append(self.opened[source, : src[source, S_NOPEN]])
+            lists.append(self.queue[source, head : head + src[source, S_QLEN]])
+        return lists
 
     def _restage(self, needed: int) -> None:
         """New staging arrays holding the live documents, with room for ``needed`` more tokens
         (and as many again, so that this happens rarely)."""
-        live = np.asarray(self._live(), np.int64)
+        live = np.unique(np.concatenate(self._lists()))  # a document may be in two lists
         lengths = self.docs[live, D_LEN]
         kept = int(lengths.sum())
         size = max(2 * (kept + needed), 2 * self.refill_tokens)
@@ -643,8 +644,7 @@ class Packing:
 
     def _compact(self) -> None:
         """Between batches: drop the rows of documents nothing refers to any more."""
-        src, state = self.src, self.state
-        keep = np.unique(np.asarray(self._live(), np.int64))
+        keep = np.unique(np.concatenate(self._lists()))
         remap = np.full(self.ndocs, -1, np.int64)
         remap[keep] = np.arange(len(keep))
         docs = self.docs[keep]
@@ -657,11 +657,5 @@ class Packing:
         self.docs[: len(keep)] = docs
         self.units[: len(units)] = units
         self.ndocs, self.nunits = len(keep), len(units)
-        n_pending = state[ST_NPENDING]
-        self.pending[:n_pending] = remap[self.pending[:n_pending]]
-        for source in range(len(src)):
-            n_open = src[source, S_NOPEN]
-            self.opened[source, :n_open] = remap[self.opened[source, :n_open]]
-            head = src[source, S_QHEAD]
-            queued = self.queue[source, head : head + src[source, S_QLEN]]
-            queued[:] = remap[queued]
+        for rows in self._lists():
+            rows[:] = remap[rows]
