@@ -22,7 +22,7 @@ Design choices:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from numba import njit
@@ -63,9 +63,7 @@ class CompactBatch:
 
     def tables(self) -> CompactBatch:
         """The batch without its per-token arrays: what crosses the worker queue (pickled)."""
-        return CompactBatch(
-            self.rows, self.seq_len, None, None, self.segments, self.blocks, self.real
-        )
+        return replace(self, ids=None, mod=None)
 
 
 # Per-token bytes of the compact layout in a worker's int32 slot: an int32 id and a uint8

@@ -35,13 +35,11 @@ class PackedBatch:
         *,
         buffer: BatchBuffer | None = None,
     ) -> None:
-        self.compact, self.pieces, self.tokens_by_source, self.dropped, self.real = (
-            compact,
-            pieces,
-            tokens_by_source,
-            dropped,
-            real,
-        )
+        self.compact = compact
+        self.pieces = pieces
+        self.tokens_by_source = tokens_by_source
+        self.dropped = dropped
+        self.real = real
         # In-process: the batch's buffer, its ids already written there
         self.buffer = buffer
         self.expanded = False
