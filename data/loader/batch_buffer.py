@@ -22,11 +22,9 @@ ROW_FIELDS = (
     ("image_ids", "image_ids", -1),
 )
 # Their dtypes. Labels are int64: cross-entropy and its gathers and scatters take int64 targets.
-# Everything else is int32: ids, positions and document or image numbers fit many times over,
-# and embeddings, indexing and comparisons take int32. The loader writes (and a GPU run copies to
-# the device) 44 bytes a token instead of 80 with int64 everywhere, as before: writing them was
-# most of what expanding a batch cost (docs/benchmarks.md). Modalities are int32, not uint8:
-# torch reads a uint8 index tensor as a boolean mask (model/layers.py indexes by modality).
+# Everything else is int32 (ids, positions and document or image numbers fit many times over):
+# writing the fields is most of what expanding a batch costs, and a GPU run copies them. Not
+# uint8 modalities: torch reads a uint8 index tensor as a boolean mask (model/layers.py).
 BATCH_DTYPES: dict[str, np.dtype] = {key: np.dtype(np.int32) for _, key, _ in ROW_FIELDS}
 BATCH_DTYPES |= {"labels": np.dtype(np.int64), "position_thw": np.dtype(np.int32)}
 # The int32 fields in the order they lie in a batch's buffer, after the labels
@@ -59,39 +57,24 @@ class BatchBuffer:
         self.fields["thw"] = int32[k * n :].reshape(rows, seq_len, 3)
 
     def split(self) -> dict:
-        """The batch's tensors (``input_ids`` ... ``position_thw``), views of the buffer: from the
-        numpy views it holds (``torch.from_numpy``: one light call a field, where torch's slicing
-        goes through its dispatcher for every view); a pinned buffer's through
-        ``split_pinned``, whose views must stay views of the pinned tensor."""
-        if self.pinned:
-            return BatchBuffer.split_pinned(self.tensor, self.rows, self.L)
+        """The batch's tensors (``input_ids`` ... ``position_thw``), views of the buffer's tensor
+        (of the pinned one too): a few torch calls for all of them, where slicing the tensor
+        field by field costs a dispatch each."""
         import torch
 
-        fields = self.fields
-        return {
-            _KEY.get(attr, "position_thw"): torch.from_numpy(fields[attr]) for attr in _SPLIT_ATTRS
-        }
+        n, k = self.rows * self.L, len(_INT32_ROW)
+        int32 = self.tensor[8 * n :].view(torch.int32)
+        out = dict(
+            zip((_KEY[a] for a in _INT32_ROW), int32[: k * n].view(k, self.rows, self.L).unbind(0))
+        )
+        out["labels"] = self.tensor[: 8 * n].view(torch.int64).view(self.rows, self.L)
+        out["position_thw"] = int32[k * n :].view(self.rows, self.L, 3)
+        return {key: out[key] for key in _SPLIT_ORDER}
 
     @staticmethod
     def nbytes(rows: int, seq_len: int) -> int:
         return (8 + 4 * (len(_INT32_ROW) + 3)) * rows * seq_len
 
-    @staticmethod
-    def split_pinned(tensor, rows: int, seq_len: int) -> dict:
-        """The batch fields of a buffer's tensor, as views: ``input_ids`` ... ``position_thw``."""
-        import torch
-
-        n, k = rows * seq_len, len(_INT32_ROW)
-        # A few torch calls for all the views (slicing a tensor field by field costs a dispatch each)
-        int32 = tensor[8 * n :].view(torch.int32)
-        out = dict(
-            zip((_KEY[a] for a in _INT32_ROW), int32[: k * n].view(k, rows, seq_len).unbind(0))
-        )
-        out["labels"] = tensor[: 8 * n].view(torch.int64).view(rows, seq_len)
-        out["position_thw"] = int32[k * n :].view(rows, seq_len, 3)
-        return {key: out[key] for key in _SPLIT_ORDER}
-
 
 # The order of a split batch's keys (ROW_FIELDS', then position_thw), whatever the buffer's layout
 _SPLIT_ORDER = tuple(key for _, key, _ in ROW_FIELDS) + ("position_thw",)
-_SPLIT_ATTRS = tuple(attr for attr, _, _ in ROW_FIELDS) + ("thw",)

@@ -1,6 +1,6 @@
 """Mixing and packing, compiled (numba): which source's chunk comes next, and its placement in
 rows of ``seq_len`` tokens, made on arrays, a whole batch per call. The one implementation:
-a consumer stream's batches and its epoch count (fast_stream.py) and documents packed in order
+a consumer stream's batches and its epoch count (stream_arrays.py) and documents packed in order
 for evaluation and probes (pack_documents.py) all go through ``pack_batch``.
 
 Design choices:
@@ -44,10 +44,14 @@ Design choices:
 
 from __future__ import annotations
 
+from dataclasses import astuple
+
+import numpy as np
 from numba import njit
 
-IGNORE = -100
-TEXT = 0  # Modality.TEXT (data/vocab.py; tests check they agree)
+from data.loader.expand import IGNORE, TEXT
+from data.loader.packer import Doc, PackStats
+from data.loader.stage_kernel import gather_tokens
 
 # docs columns
 (
@@ -111,8 +115,8 @@ N_SRC_COLS = 15
     ST_DRY,
 ) = range(19)
 N_ST = 19
-# state[ST_DRY] = 1: counting only (an epoch's batches, from the index): the same decisions,
-# every token left where it is and every label unread (the staging arrays are empty then)
+# The packing counters (PackStats' fields, in order)
+STAT_COLS = [ST_STAT_ROWS, ST_STAT_REAL, ST_STAT_DBLOCKS, ST_STAT_DDOCS]
 # return codes of pack_batch
 PACKED, NEED, END = 0, 1, 2
 # outcomes of placing a document
@@ -187,10 +191,8 @@ def _next_doc(docs, units, src, opened, queue, shares, mixed, state, chunk):
                 if src[source, S_ENDED]:
                     # where the read-ahead found the end (past any unreadable last documents)
                     src[source, S_DONE] = 1
-                    src[source, S_CEPOCH], src[source, S_CPOS] = (
-                        src[source, S_END_EPOCH],
-                        src[source, S_END_POS],
-                    )
+                    src[source, S_CEPOCH] = src[source, S_END_EPOCH]
+                    src[source, S_CPOS] = src[source, S_END_POS]
                     src[source, S_CERRS] = src[source, S_END_ERRS]
                     continue
                 state[ST_NEED] = source
@@ -223,20 +225,12 @@ def _next_doc(docs, units, src, opened, queue, shares, mixed, state, chunk):
 
 
 @njit(cache=True, inline="always")
-def _blocks_in(docs, units, doc, doc_a, doc_b):
-    unit0 = docs[doc, D_U0]
-    for idx in range(unit0, unit0 + docs[doc, D_NU]):
-        if units[idx, U_ATOMIC] and units[idx, U_START] >= doc_a and units[idx, U_END] <= doc_b:
-            return True
-    return False
-
-
-@njit(cache=True, inline="always")
-def _flush(docs, units, src, staged_ids, staged_mod, state, out, doc, row_a, doc_a, row_b, cut, L):
+def _flush(work, doc, row_a, doc_a, row_b, cut, L):
     """Doc tokens [doc_a, doc_a + row_b - row_a) at row positions [row_a, row_b), one piece
     (joined to the row's last piece when it continues it). ``cut``: the document's next token
     starts a dropped block, so the piece's last token predicts nothing."""
-    out_ids, out_mod, seg, pieces, vis = out
+    docs, _units, src, staged_ids, staged_mod, state, out = work
+    out_ids, out_mod, seg, _blocks, pieces, _row_pieces, vis, _real = out
     count = row_b - row_a
     if count <= 0:
         return
@@ -296,7 +290,7 @@ def _flush(docs, units, src, staged_ids, staged_mod, state, out, doc, row_a, doc
     )
     state[ST_NSEG] = idx + 1
     src[source, S_BATCH_TOKENS] += count
-    if docs[doc, D_NBLK] and _blocks_in(docs, units, doc, piece_a, doc_b):
+    if docs[doc, D_NBLK]:  # the row's end writes the blocks the piece holds, if any
         slot = state[ST_NVIS]
         if slot > 0 and vis[slot - 1, 0] == pid:
             slot -= 1
@@ -311,10 +305,11 @@ def _flush(docs, units, src, staged_ids, staged_mod, state, out, doc, row_a, doc
 
 
 @njit(cache=True, inline="always")
-def _place(docs, units, src, staged_ids, staged_mod, state, out, doc, pos, L, drop_document, whole):
+def _place(work, doc, pos, L, drop_document, whole):
     """Place as much of document ``doc`` as fits from pos: (outcome, new pos), the outcome done
     (its chunk placed), full (the row filled, the document continues) or blocked (a block, or
     a whole document, must wait for a later row)."""
+    docs, units, src, _staged_ids, _staged_mod, state, _out = work
     n_units, unit, offset = docs[doc, D_NU], docs[doc, D_UNIT], docs[doc, D_OFF]
     limit, length, unit0 = docs[doc, D_LIMIT], docs[doc, D_LEN], docs[doc, D_U0]
     # whole_documents: a document that fits a row waits for one rather than be split
@@ -327,34 +322,6 @@ def _place(docs, units, src, staged_ids, staged_mod, state, out, doc, pos, L, dr
         and L - pos < length <= L
     ):
         return _BLOCKED, pos
-    if docs[doc, D_NBLK] == 0:  # text only
-        doc_at = offset if unit < n_units else length
-        idx = min(L - pos, limit - doc_at) if doc_at < limit else 0
-        if doc_at >= limit:
-            outcome = _DONE
-        elif idx == 0:
-            outcome = _FULL
-        elif doc_at + idx == length:
-            docs[doc, D_UNIT], docs[doc, D_OFF], outcome = 1, 0, _DONE
-        else:
-            docs[doc, D_OFF] = doc_at + idx
-            outcome = _FULL if doc_at + idx < limit else _DONE
-        _flush(
-            docs,
-            units,
-            src,
-            staged_ids,
-            staged_mod,
-            state,
-            out,
-            doc,
-            pos,
-            doc_at,
-            pos + idx,
-            False,
-            L,
-        )
-        return outcome, pos + idx
     piece_start = pos
     doc_start = units[unit0 + unit, U_START] + offset if unit < n_units else length
     outcome = _DONE
@@ -366,21 +333,7 @@ def _place(docs, units, src, staged_ids, staged_mod, state, out, doc, pos, L, dr
         left = units[unit_at, U_END] - doc_at
         if units[unit_at, U_ATOMIC]:
             if left > L:
-                _flush(
-                    docs,
-                    units,
-                    src,
-                    staged_ids,
-                    staged_mod,
-                    state,
-                    out,
-                    doc,
-                    piece_start,
-                    doc_start,
-                    pos,
-                    True,
-                    L,
-                )
+                _flush(work, doc, piece_start, doc_start, pos, True, L)
                 if units[unit_at, U_T]:
                     src[docs[doc, D_SRC], S_DROP_VIDEO] += 1
                 else:
@@ -410,29 +363,16 @@ def _place(docs, units, src, staged_ids, staged_mod, state, out, doc, pos, L, dr
             else:
                 offset += idx
     docs[doc, D_UNIT], docs[doc, D_OFF] = unit, offset
-    _flush(
-        docs,
-        units,
-        src,
-        staged_ids,
-        staged_mod,
-        state,
-        out,
-        doc,
-        piece_start,
-        doc_start,
-        pos,
-        False,
-        L,
-    )
+    _flush(work, doc, piece_start, doc_start, pos, False, L)
     return outcome, pos
 
 
 @njit(cache=True, inline="always")
-def _end_row(docs, units, state, out, blocks, real, pos, L, pad_id):
+def _end_row(work, pos, L, pad_id):
     """A row's padding (one more segment: piece the row's piece count, or -1 in an empty row)
     and its visual blocks, in row order."""
-    out_ids, out_mod, seg, pieces, vis = out
+    docs, units, _src, _staged_ids, _staged_mod, state, out = work
+    out_ids, out_mod, seg, blocks, _pieces, _row_pieces, vis, real = out
     row = state[ST_ROWS_DONE]
     base = row * L
     real[row] = pos
@@ -469,15 +409,10 @@ def _end_row(docs, units, state, out, blocks, real, pos, L, pad_id):
 
 
 @njit(cache=True, inline="always")
-def _place_held(
-    docs, units, src, staged_ids, staged_mod, state, out, doc, pos, L, drop_document, whole,
-    carry, defer, n_carry, n_defer,
-):  # fmt: skip
+def _place_held(work, doc, pos, L, drop_document, whole, carry, defer, n_carry, n_defer):
     """``_place``, then the document held aside when it filled the row (carried into the next)
     or a block of it must wait (deferred): (pos, carried, deferred)."""
-    outcome, pos = _place(
-        docs, units, src, staged_ids, staged_mod, state, out, doc, pos, L, drop_document, whole
-    )
+    outcome, pos = _place(work, doc, pos, L, drop_document, whole)
     if outcome == _FULL:
         carry[n_carry] = doc
         n_carry += 1
@@ -488,45 +423,20 @@ def _place_held(
 
 
 @njit(cache=True)
-def pack_batch(
-    docs,
-    units,
-    src,
-    opened,
-    queue,
-    pending,
-    carry,
-    defer,
-    shares,
-    mixed,
-    state,
-    staged_ids,
-    staged_mod,
-    out_ids,
-    out_mod,
-    seg,
-    blocks,
-    pieces,
-    row_pieces,
-    vis,
-    real,
-    B,
-    L,
-    chunk,
-    max_pending,
-    drop_document,
-    whole,
-    pad_id,
-):
+def pack_batch(arrays, out, params):
     """Pack rows until the batch has ``B`` (PACKED), a queue runs dry (NEED: state[ST_NEED] is the
     source; call again once it has documents) or the data ended (END: the incomplete batch is
-    held back by a stream; ``pack_documents`` fills it up with blank rows)."""
-    out = (out_ids, out_mod, seg, pieces, vis)
+    held back by a stream; ``pack_documents`` fills it up with blank rows). ``arrays``, ``out``
+    and ``params``: as ``Packing.run`` passes them."""
+    docs, units, src, opened, queue, pending, carry, defer, shares, mixed, state, ids, mod = arrays
+    work = (docs, units, src, ids, mod, state, out)
+    row_pieces = out[5]
+    n_rows, seq_len, chunk, max_pending, drop_document, whole, pad_id = params
     if not state[ST_BATCH_ACTIVE]:
         state[ST_BATCH_ACTIVE] = 1
         state[ST_ROWS_DONE] = state[ST_NSEG] = state[ST_NBLK] = state[ST_NPIECES] = 0
         src[:, S_BATCH_TOKENS] = 0
-    while state[ST_ROWS_DONE] < B:
+    while state[ST_ROWS_DONE] < n_rows:
         if not state[ST_ROW_ACTIVE]:  # a new row: the documents held aside go first
             state[ST_ROW_ACTIVE] = 1
             state[ST_ROW_P0] = state[ST_NPIECES]
@@ -535,18 +445,17 @@ def pack_batch(
             pos, n_carry, n_defer = 0, 0, 0
             for i in range(state[ST_NPENDING]):
                 doc = pending[i]
-                if pos == L:
+                if pos == seq_len:
                     defer[n_defer] = doc
                     n_defer += 1
                     continue
                 pos, n_carry, n_defer = _place_held(
-                    docs, units, src, staged_ids, staged_mod, state, out, doc, pos, L, drop_document,
-                    whole, carry, defer, n_carry, n_defer,
-                )  # fmt: skip
+                    work, doc, pos, seq_len, drop_document, whole, carry, defer, n_carry, n_defer
+                )
             state[ST_NPENDING] = 0
         else:  # resumed after NEED
             pos, n_carry, n_defer = state[ST_POS], state[ST_NCARRY], state[ST_NDEFER]
-        while pos < L and n_defer < max_pending:
+        while pos < seq_len and n_defer < max_pending:
             doc = _next_doc(docs, units, src, opened, queue, shares, mixed, state, chunk)
             if doc == -2:
                 state[ST_POS], state[ST_NCARRY], state[ST_NDEFER] = pos, n_carry, n_defer
@@ -554,9 +463,8 @@ def pack_batch(
             if doc == -1:
                 break
             pos, n_carry, n_defer = _place_held(
-                docs, units, src, staged_ids, staged_mod, state, out, doc, pos, L, drop_document,
-                whole, carry, defer, n_carry, n_defer,
-            )  # fmt: skip
+                work, doc, pos, seq_len, drop_document, whole, carry, defer, n_carry, n_defer
+            )
         pending[:n_carry] = carry[:n_carry]
         pending[n_carry : n_carry + n_defer] = defer[:n_defer]
         state[ST_NPENDING] = n_carry + n_defer
@@ -566,7 +474,188 @@ def pack_batch(
             return END
         state[ST_STAT_ROWS] += 1
         row_pieces[state[ST_ROWS_DONE]] = state[ST_NPIECES] - state[ST_ROW_P0]
-        _end_row(docs, units, state, out, blocks, real, pos, L, pad_id)
+        _end_row(work, pos, seq_len, pad_id)
         state[ST_ROWS_DONE] += 1
     state[ST_BATCH_ACTIVE] = 0
     return PACKED
+
+
+class Packing:
+    """The arrays ``pack_batch`` works on, for ``n_sources`` sources: documents as rows of
+    ``docs`` (their units in ``units``, their tokens staged in ``staged_ids``/``staged_mod``),
+    the queues, the documents held aside and open, the packing counters, and one batch's
+    tables. A stream (stream_arrays.StreamArrays) and ``pack_documents`` bring the documents
+    in; ``run`` packs a batch. ``params``: (rows, seq_len, chunk, max_pending, drop_document,
+    whole, pad_id); ``open_cap``: open documents per source it holds; ``held_cap``: documents
+    held aside; ``queue_cap``: queued documents per source."""
+
+    def __init__(
+        self,
+        n_sources: int,
+        params: tuple,
+        *,
+        open_cap: int,
+        held_cap: int,
+        stats: PackStats,
+        shares: list[float] | None = None,  # None: one source
+        mixed: list[int] | None = None,
+        queue_cap: int = 1,
+        dry: bool = False,
+        docs_cap: int = 8192,
+    ) -> None:
+        rows, seq_len, chunk, max_pending, drop_document, whole, pad_id = params
+        # one compiled signature: the same Python types in every caller
+        sizes = (int(rows), int(seq_len), int(chunk), int(max_pending))
+        self.params = (*sizes, bool(drop_document), bool(whole), int(pad_id))
+        self.B, self.L = sizes[:2]
+        self.dry = dry
+        # A few batches' tokens: the least the staging arrays are made for
+        self.refill_tokens = 4 * self.B * self.L
+        self.docs = np.zeros((docs_cap, N_DOC_COLS), np.int64)
+        self.units = np.zeros((2 * docs_cap, 6), np.int64)
+        self.ndocs = self.nunits = 0
+        self.src = np.zeros((n_sources, N_SRC_COLS), np.int64)
+        self.opened = np.zeros((n_sources, open_cap), np.int64)
+        self.queue = np.zeros((n_sources, queue_cap), np.int64)
+        self.pending, self.carry, self.defer = (np.zeros(held_cap, np.int64) for _ in range(3))
+        self.shares = np.asarray(shares or [1.0], np.float64)
+        self.mixed = np.asarray(mixed or [0], np.int64)
+        self.state = np.zeros(N_ST, np.int64)
+        self.state[ST_DRY] = int(dry)
+        self.state[STAT_COLS] = astuple(stats)
+        self.staged_ids = np.zeros(0, np.int32)
+        self.staged_mod = np.zeros(0, np.uint8)
+        self.staged_end = 0
+        size = self.B * self.L
+        self.seg = np.zeros((size + self.B, 6), np.int64)
+        self.blocks = np.zeros((size // 4 + 16, 5), np.int64)
+        self.pieces = np.zeros((size, 4), np.int64)
+        self.row_pieces = np.zeros(self.B, np.int64)
+        self.vis = np.zeros((self.L, 5), np.int64)
+
+    def run(self, ids: np.ndarray, mod: np.ndarray, real: np.ndarray, refill) -> int:
+        """``pack_batch`` into ``ids``/``mod`` (flat [B * L]) and ``real`` (per row) until it
+        returns PACKED or END; ``refill(source)`` brings documents into a queue that ran dry."""
+        if self.ndocs > 3 * len(self.docs) // 4:
+            self._compact()
+        while True:
+            arrays = (
+                self.docs, self.units, self.src, self.opened, self.queue, self.pending,
+                self.carry, self.defer, self.shares, self.mixed, self.state, self.staged_ids,
+                self.staged_mod,
+            )  # fmt: skip
+            out = (ids, mod, self.seg, self.blocks, self.pieces, self.row_pieces, self.vis, real)
+            code = pack_batch(arrays, out, self.params)
+            if code != NEED:
+                return code
+            refill(int(self.state[ST_NEED]))
+
+    def stats(self) -> PackStats:
+        return PackStats(*self.state[STAT_COLS].tolist())
+
+    def add(self, doc: Doc, cursor: tuple[int, int, int]) -> int:
+        """A row of ``docs`` (and its units) for ``doc``; its tokens are staged by ``stage``."""
+        n_units = len(doc.units)
+        self.reserve(1, n_units)
+        drow, unit0 = self.ndocs, self.nunits
+        self.units[unit0 : unit0 + n_units] = doc.units
+        n_blocks = int(doc.units[:, U_ATOMIC].sum())
+        self.docs[drow] = (
+            doc.source,
+            doc.sample,
+            doc.epoch,
+            doc.length,
+            doc.unit,
+            doc.offset,
+            doc.limit,
+            0,
+            unit0,
+            n_units,
+            n_blocks,
+            *cursor,
+        )
+        self.ndocs, self.nunits = drow + 1, unit0 + n_units
+        return drow
+
+    def reserve(self, docs: int, units: int) -> None:
+        """Room for ``docs`` more rows of ``docs`` and ``units`` more units."""
+        while self.ndocs + docs > len(self.docs):
+            self.docs = np.concatenate([self.docs, np.zeros_like(self.docs)])
+        while self.nunits + units > len(self.units):
+            self.units = np.concatenate([self.units, np.zeros_like(self.units)])
+
+    def stage(self, new: list[tuple], runs: list) -> None:
+        """The tokens of new documents appended to the staging arrays: ``new`` (row, ids,
+        modalities) one by one, and ``runs`` (stream_arrays.StreamArrays._shard_run: rows, per
+        shard its map's bytes and which of the rows are its documents, where each document's ids
+        and modalities start in its map) in order. When they do not fit, the arrays are made
+        again with every source's live documents first (their rows' ``D_TOK`` moved) and room
+        for twice what is live."""
+        if self.dry:  # no tokens: the kernel reads none
+            return
+        rows = np.asarray([drow for drow, _, _ in new], np.int64)
+        for run in runs:
+            rows = np.concatenate([rows, run[0]])
+        lengths = self.docs[rows, D_LEN]
+        needed = int(lengths.sum())
+        if self.staged_end + needed > len(self.staged_ids):
+            self._restage(needed)
+        self.docs[rows, D_TOK] = self.staged_end + np.cumsum(lengths) - lengths
+        self.staged_end += needed
+        ids, mod = self.staged_ids, self.staged_mod
+        for drow, doc_ids, doc_mod in new:
+            offset = int(self.docs[drow, D_TOK])
+            ids[offset : offset + len(doc_ids)] = doc_ids
+            mod[offset : offset + len(doc_ids)] = doc_mod
+        for run_rows, groups, ids_at, mod_at in runs:
+            lengths = self.docs[run_rows, D_LEN]
+            dst = self.docs[run_rows, D_TOK]
+            for mapped, sel in groups:
+                gather_tokens(mapped, sel, ids_at, mod_at, lengths, dst, ids, mod)
+
+    def _lists(self) -> list[np.ndarray]:
+        """Views of every list of documents still to be placed: held aside (and, in a row being
+        built, carried or deferred), open and queued per source."""
+        src, state = self.src, self.state
+        lists = [self.pending[: state[ST_NPENDING]]]
+        if state[ST_ROW_ACTIVE]:
+            lists += [self.carry[: state[ST_NCARRY]], self.defer[: state[ST_NDEFER]]]
+        for source in range(len(src)):
+            head = src[source, S_QHEAD]
+            lists.append(self.opened[source, : src[source, S_NOPEN]])
+            lists.append(self.queue[source, head : head + src[source, S_QLEN]])
+        return lists
+
+    def _restage(self, needed: int) -> None:
+        """New staging arrays holding the live documents, with room for ``needed`` more tokens
+        (and as many again, so that this happens rarely)."""
+        live = np.unique(np.concatenate(self._lists()))  # a document may be in two lists
+        lengths = self.docs[live, D_LEN]
+        kept = int(lengths.sum())
+        size = max(2 * (kept + needed), 2 * self.refill_tokens)
+        ids, mod = np.empty(size, np.int32), np.empty(size, np.uint8)
+        old_at = self.docs[live, D_TOK].tolist()
+        new_at = (np.cumsum(lengths) - lengths).tolist()
+        for old, new, count in zip(old_at, new_at, lengths.tolist()):
+            ids[new : new + count] = self.staged_ids[old : old + count]
+            mod[new : new + count] = self.staged_mod[old : old + count]
+        self.docs[live, D_TOK] = new_at
+        self.staged_ids, self.staged_mod, self.staged_end = ids, mod, kept
+
+    def _compact(self) -> None:
+        """Between batches: drop the rows of documents nothing refers to any more."""
+        keep = np.unique(np.concatenate(self._lists()))
+        remap = np.full(self.ndocs, -1, np.int64)
+        remap[keep] = np.arange(len(keep))
+        docs = self.docs[keep]
+        # their units, in order
+        n_units = docs[:, D_NU]
+        starts = np.repeat(docs[:, D_U0] - np.cumsum(n_units) + n_units, n_units)
+        take = starts + np.arange(int(n_units.sum()))
+        units = self.units[take]
+        docs[:, D_U0] = np.cumsum(n_units) - n_units
+        self.docs[: len(keep)] = docs
+        self.units[: len(units)] = units
+        self.ndocs, self.nunits = len(keep), len(units)
+        for rows in self._lists():
+            rows[:] = remap[rows]

@@ -6,13 +6,15 @@ tensors the trainer reads.
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import numpy as np
 import torch
 
 from data.loader import transport
 from data.loader.batch_buffer import BatchBuffer
 from data.loader.expand import CompactBatch, expand, slot_views
-from data.loader.fast_state import FastState
+from data.loader.stream_state import StreamState
 
 
 class PackedBatch:
@@ -33,18 +35,16 @@ class PackedBatch:
         *,
         buffer: BatchBuffer | None = None,
     ) -> None:
-        self.compact, self.pieces, self.tokens_by_source, self.dropped, self.real = (
-            compact,
-            pieces,
-            tokens_by_source,
-            dropped,
-            real,
-        )
+        self.compact = compact
+        self.pieces = pieces
+        self.tokens_by_source = tokens_by_source
+        self.dropped = dropped
+        self.real = real
         # In-process: the batch's buffer, its ids already written there
         self.buffer = buffer
         self.expanded = False
         self.worker = -1
-        self.state: FastState | None = None  # the stream's after this batch (set by the loader)
+        self.state: StreamState | None = None  # the stream's after this batch (set by the loader)
         # Packed in a worker's slot of shared memory (data/loader/transport.py): which one, of
         # which worker's ring, and (first batch of a worker) the ring's tensors themselves.
         self.slot: int | None = None
@@ -62,14 +62,9 @@ class PackedBatch:
         arrays = [compact.segments, compact.blocks, compact.real, self.pieces, self.dropped]
         rest = None
         if state is not None:
-            arrays += [state.src, state.cursors, state.stats, state.by_modality]
-            rest = (
-                state.n_pending,
-                state.batches,
-                state.errors,
-                state.skip,
-                state.skipped,
-            )
+            values = [getattr(state, field.name) for field in fields(state)]
+            arrays += values[:4]
+            rest = values[4:]
         if any(array.dtype != np.int64 for array in arrays):
             raise TypeError("PackedBatch: its tables must be int64 to cross a worker's queue")
         ends = np.cumsum([0] + [array.size for array in arrays]).tolist()
@@ -127,21 +122,10 @@ def _unpickle(head, where, tables, layout, rest) -> PackedBatch:
     flat = np.frombuffer(bytearray(tables), np.int64)
     arrays = [flat[start:end].reshape(shape) for start, end, shape in layout]
     rows, seq_len, ids, mod, tokens_by_source = head
-    real, expanded, worker, slot, token, ring = where
     segments, blocks, row_real, pieces, dropped = arrays[:5]
     compact = CompactBatch(rows, seq_len, ids, mod, segments, blocks, row_real)
-    batch = PackedBatch(compact, pieces, tokens_by_source, dropped, real)
-    batch.expanded, batch.worker, batch.slot, batch.token, batch.ring = (
-        expanded,
-        worker,
-        slot,
-        token,
-        ring,
-    )
+    batch = PackedBatch(compact, pieces, tokens_by_source, dropped, where[0])
+    batch.expanded, batch.worker, batch.slot, batch.token, batch.ring = where[1:]
     if rest is not None:
-        src, cursors, stats, by_modality = arrays[5:]
-        n_pending, batches, errors, skip, skipped = rest
-        batch.state = FastState(
-            src, cursors, n_pending, stats, batches, errors, by_modality, skip, skipped
-        )
+        batch.state = StreamState(*arrays[5:], *rest)
     return batch

@@ -28,6 +28,7 @@ Design choices:
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -47,34 +48,9 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
     for st in old:
         for w, ws in st["worker_states"].items():
             by_consumer[st["rank"] * st["workers"] + int(w)] = ws
-    fresh: dict[str, Any] = {
-        "cursors": [[0, 0, 0, 0]] * len(loader.tables),
-        "pending": [],
-        "open": [],
-        "dropped_by": [],
-        "errors": 0,
-        "skipped": [],
-        "skip": [],
-        "stats": PackStats().as_dict(),
-        "tokens_by_modality": [0] * len(MODALITY_NAMES),
-    }
-    olds = [ws or fresh for ws in by_consumer]  # a worker that never handed out a batch is at 0
+    olds = [ws or _fresh([[0, 0, 0, 0]] * len(loader.tables)) for ws in by_consumer]
     n = loader.consumers
-    new: list[dict[str, Any]] = [
-        {
-            "cursors": [],
-            "pending": [],
-            "open": [],
-            "dropped_by": [],
-            "batches": 0,
-            "errors": 0,
-            "skip": [],
-            "stats": PackStats().as_dict(),
-            "tokens_by_modality": [0] * len(MODALITY_NAMES),
-            "order": ORDER_VERSION,
-        }
-        for _ in range(n)
-    ]
+    new = [_fresh([]) for _ in range(n)]
     for s, t in enumerate(loader.tables):
         epoch, masks = _consumed(s, len(t), olds)
         total = sum(st["cursors"][s][2] for st in olds)
@@ -127,10 +103,28 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
     }
 
 
+def _fresh(cursors: list) -> dict[str, Any]:
+    """A consumer's state at the start (a worker that never handed out a batch is at 0), or,
+    without cursors, a new consumer's before the old ones' counters are added."""
+    return {
+        "cursors": cursors,
+        "pending": [],
+        "open": [],
+        "dropped_by": [],
+        "batches": 0,
+        "errors": 0,
+        "skipped": [],
+        "skip": [],
+        "stats": PackStats().as_dict(),
+        "tokens_by_modality": [0] * len(MODALITY_NAMES),
+        "order": ORDER_VERSION,
+    }
+
+
 def _sum_drops(a: list, b: list) -> list:
-    total: dict[tuple[int, int], int] = {}
+    total: Counter[tuple[int, int]] = Counter()
     for s, m, k in a + b:
-        total[(s, m)] = total.get((s, m), 0) + k
+        total[(s, m)] += k
     return [[s, m, k] for (s, m), k in sorted(total.items())]
 
 

@@ -41,7 +41,7 @@ import numpy as np
 from numba import njit
 
 from data.loader.npy import npy_layouts
-from data.loader.packer import Unit, units_of
+from data.loader.packer import units_of
 from data.loader.sample_check import _text_below
 from data.shards import token_index
 from data.vocab import Modality
@@ -77,7 +77,7 @@ class CheckedShard:
         ).astype(np.int64)
         self.bytes = np.frombuffer(mapped, np.uint8)
 
-    def document(self, i: int) -> tuple[np.ndarray, np.ndarray, list[Unit]]:
+    def document(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(ids, modalities, packing units) of document ``i``: views of the shard's map."""
         # .item(): a Python int straight away (int(array[i]) makes a numpy scalar first)
         length = self.lengths.item(i)
@@ -85,7 +85,7 @@ class CheckedShard:
         mod = np.frombuffer(self.mapped, self.mod_dtype, length, self.mod_at.item(i))
         count = self.block_count.item(i)
         if not count:
-            return ids, mod, [Unit(0, length, False)] if length else []  # units_of, no block
+            return ids, mod, units_of(length, [])
         start = self.block_start.item(i)
         return ids, mod, units_of(length, self.index.blocks[start : start + count].tolist())
 

@@ -1,7 +1,7 @@
 """Compiled helpers that bring documents of a checked shard (data/loader/shard_check.py) into
-the compiled loop's arrays (data/loader/fast_stream.py) a run at a time: their packing units
-(``packer.units_of``) and their tokens copied out of the shard's memory map: a loop over the
-run, with no Python object per document (views, units, a ``Doc``)."""
+the compiled loop's arrays (data/loader/stream_arrays.py) a run at a time: their packing units
+(``fill_units``, which ``packer.units_of`` runs for one document too) and their tokens copied out
+of the shard's memory map: a loop over the run, with no Python object per document."""
 
 from __future__ import annotations
 
@@ -9,59 +9,35 @@ import numpy as np
 from numba import njit
 
 
-@njit(cache=True)
-def take_rows(sel, in_shard, table, lengths, ids_at, mod_at, bstart, bcount):
-    """For the run's documents at ``sel`` (positions in the run), of one shard whose documents
-    they are ``in_shard`` (indexed by run position): their length, where their ids and
-    modalities start in the shard's map, and their blocks (first row, count) from the shard's
-    ``table`` (shard_check.CheckedShard.table)."""
-    for i in sel:
-        doc = in_shard[i]
-        if doc < 0 or doc >= table.shape[0]:
-            raise ValueError("take_rows: a document the shard's index does not hold")
-        lengths[i], bstart[i], bcount[i] = table[doc, 0], table[doc, 1], table[doc, 2]
-        ids_at[i], mod_at[i] = table[doc, 3], table[doc, 4]
+@njit(cache=True, inline="always")
+def _text_unit(units, u_at, start, end):
+    units[u_at, 0], units[u_at, 1] = start, end
+    units[u_at, 2:] = 0
+    return u_at + 1
 
 
 @njit(cache=True)
 def fill_units(units, u_at, sel, lengths, bstart, bcount, blocks, unit0, n_units, nblk):
     """Write the units of the run's documents at ``sel`` (one shard's; ``blocks``: its blocks
-    table) from ``u_at`` on (``packer.units_of``: text between the visual blocks, blocks in
-    order of start); ``unit0``/``n_units``/``nblk`` get where they lie, how many and how many
-    are blocks. Returns the next free unit row."""
+    table) from ``u_at`` on (rows as ``packer.units_of``'s: text between the visual blocks,
+    blocks in order of start); ``unit0``/``n_units``/``nblk`` get where they lie, how many and
+    how many are blocks. Returns the next free unit row."""
     for doc in sel:
-        length, count = lengths[doc], bcount[doc]
+        length, first, count = lengths[doc], bstart[doc], bcount[doc]
         unit0[doc] = u_at
-        if count == 0:
-            nblk[doc] = 0
-            if length:
-                units[u_at, 0], units[u_at, 1] = 0, length
-                units[u_at, 2] = units[u_at, 3] = units[u_at, 4] = units[u_at, 5] = 0
-                u_at += 1
-            n_units[doc] = u_at - unit0[doc]
-            continue
-        first = bstart[doc]
-        order = np.argsort(blocks[first : first + count, 0], kind="mergesort")
         pos = 0
-        for in_order in order:
-            block = first + in_order
-            start, end = blocks[block, 0], blocks[block, 1]
-            if start > pos:
-                units[u_at, 0], units[u_at, 1] = pos, start
-                units[u_at, 2] = units[u_at, 3] = units[u_at, 4] = units[u_at, 5] = 0
+        if count:  # most documents have none
+            for in_order in np.argsort(blocks[first : first + count, 0], kind="mergesort"):
+                block = first + in_order
+                start, end = blocks[block, 0], blocks[block, 1]
+                if start > pos:
+                    u_at = _text_unit(units, u_at, pos, start)
+                units[u_at, 0], units[u_at, 1], units[u_at, 2] = start, end, 1
+                units[u_at, 3:] = blocks[block, 2:5]
                 u_at += 1
-            units[u_at, 0], units[u_at, 1], units[u_at, 2] = start, end, 1
-            units[u_at, 3], units[u_at, 4], units[u_at, 5] = (
-                blocks[block, 2],
-                blocks[block, 3],
-                blocks[block, 4],
-            )
-            u_at += 1
-            pos = end
+                pos = end
         if pos < length:
-            units[u_at, 0], units[u_at, 1] = pos, length
-            units[u_at, 2] = units[u_at, 3] = units[u_at, 4] = units[u_at, 5] = 0
-            u_at += 1
+            u_at = _text_unit(units, u_at, pos, length)
         n_units[doc] = u_at - unit0[doc]
         nblk[doc] = count
     return u_at

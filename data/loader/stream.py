@@ -20,7 +20,7 @@ Design choices:
   fill, counted from the index alone); the samples beyond that are *held back*, counted and
   reported, never repeated.
 
-Beside it: the compiled loop and its arrays, the stream's packing state (fast_stream.py), the
+Beside it: the compiled loop and its arrays, the stream's packing state (stream_arrays.py), the
 batch it hands the trainer (packed_batch.py), the state's format and restore (stream_state.py),
 the fast ``.npy`` reader (npy.py) and the stall watchdog (watchdog.py).
 """
@@ -38,7 +38,6 @@ from data.loader import store, transport
 from data.loader.batch_buffer import BatchBuffer
 from data.loader.config import LoaderConfig
 from data.loader.expand import slot_views
-from data.loader.fast_stream import FastPath
 from data.loader.npy import read_npy
 from data.loader.online import OnlineTokenizer, online_options
 from data.loader.order import ConsumerSlice, EpochOrder, consumer_slice, unpack_mask
@@ -47,6 +46,7 @@ from data.loader.packer import Doc, units_of
 from data.loader.sample_check import check_ids, read_members
 from data.loader.shard_check import CheckedShard, IndexedShard, check_shard
 from data.loader.store import ShardFiles, ShardView
+from data.loader.stream_arrays import StreamArrays
 from data.loader.stream_state import SourceCursor, load_state
 from data.loader.table import SampleTable
 from data.loader.watchdog import Watchdog, sample_where
@@ -112,15 +112,15 @@ class ConsumerStream:
         self._pool: ThreadPoolExecutor | None = None
         # A dry stream keeps fewer shards' tables: it walks through its shards once
         self._keep_shards = _KEEP_DRY if dry else _KEEP_SHARDS
-        # Per source: read in runs of a shard's documents (fast_stream.FastPath._fast_run): token
+        # Per source: read in runs of a shard's documents (StreamArrays._shard_run): token
         # tables, through whole-shard checks, or from their indexes alone when counting (dry)
         self.whole_checked = [
             (dry or self._check_whole) and getattr(t, "shard_sha256", None) is not None
             for t in tables
         ]
         # The compiled loop and its arrays: where the packing is, the stream's state from here
-        # on (data/loader/fast_stream.py)
-        self._fast = FastPath(self)
+        # on (data/loader/stream_arrays.py)
+        self._fast = StreamArrays(self)
 
     # --- which document next -------------------------------------------------------------------
     def slice_of(self, s: int, epoch: int) -> np.ndarray | ConsumerSlice:
@@ -406,11 +406,11 @@ class ConsumerStream:
         return self._fast.state_dict()
 
     def state(self):
-        """``state_dict`` as the compiled loop's arrays' snapshot (fast_state.FastState:
+        """``state_dict`` as the compiled loop's arrays' snapshot (stream_state.StreamState:
         ``to_dict`` makes the same dict), cheaper to take per batch."""
         return self._fast.snapshot()
 
     def load_state_dict(self, st: dict) -> None:
         # The compiled loop's arrays are made again from the restored documents and counters
-        self._fast = FastPath(self, **load_state(self, st))
+        self._fast = StreamArrays(self, **load_state(self, st))
         self.dropped_before = self._fast.dropped_matrix()

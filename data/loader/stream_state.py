@@ -1,18 +1,21 @@
-"""A consumer stream's saved state and how it is put back: the per-source reading cursors, and
-``load_state``, which sets the stream's cursors and counters and reads the documents held aside
-or handed out in part back from their shards for the compiled loop's arrays
-(fast_stream.FastPath). The dict is written from
-those arrays (fast_state.FastState.to_dict): ``cursors`` ([epoch, position, tokens, done] per
-source), ``pending`` and ``open`` (documents as [source, sample, epoch, unit, offset, chunk
-end]), ``dropped_by`` ([source, modality, blocks]), ``batches``, ``errors``, ``skipped``
-([source, sample] once each), ``stats`` (``PackStats``' fields), ``tokens_by_modality``,
-``skip`` ([source, epoch, mask] of a redistributed epoch) and ``order`` (the epoch order its
-cursors index, order.ORDER_VERSION). Every field is always written, and a state without one of
-them (or with another order, or documents without their chunk end) is refused by
-``check_state`` with the fields it lacks: it was saved by an older earlyfuse, whose positions
-this one cannot read. Separate from the stream's work (stream.py: mixing, reading, packing)
-because the state is a format with a life of its own: it is saved in every checkpoint, read
-back on resume and rewritten for another split by redistribute.py.
+"""A consumer stream's state: one representation, the compiled loop's arrays
+(stream_arrays.StreamArrays), snapshot after every batch (``StreamState``: a few of their rows,
+a few microseconds; a worker's batch carries it to the trainer's process, pickled small), made
+the saved dict only when a checkpoint asks for it (``StreamState.to_dict``), and the dict put
+back (``load_state``: the stream's cursors and counters set, the documents held aside or handed
+out in part read again from their shards, from which the arrays are made again).
+
+The dict: ``cursors`` ([epoch, position, tokens, done] per source), ``pending`` and ``open``
+(documents as [source, sample, epoch, unit, offset, chunk end]), ``dropped_by`` ([source,
+modality, blocks]), ``batches``, ``errors``, ``skipped`` ([source, sample] once each), ``stats``
+(``PackStats``' fields), ``tokens_by_modality``, ``skip`` ([source, epoch, mask] of a
+redistributed epoch) and ``order`` (the epoch order its cursors index, order.ORDER_VERSION).
+Every field is always written, and a state without one of them (or with another order, or
+documents without their chunk end) is refused by ``check_state`` with the fields it lacks: it
+was saved by an older earlyfuse, whose positions this one cannot read. Separate from the
+stream's work (stream.py: mixing, reading, packing) because the state is a format with a life
+of its own: it is saved in every checkpoint, read back on resume and rewritten for another
+split by redistribute.py.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from data.loader import pack_kernel as kernel
 from data.loader.order import ORDER_VERSION
-from data.loader.packer import Doc
+from data.loader.packer import Doc, PackStats
+from data.vocab import Modality
 
 if TYPE_CHECKING:
     from data.loader.stream import ConsumerStream
@@ -56,7 +61,7 @@ def skipped_samples(stream: ConsumerStream, taken: list[int] | None = None) -> l
     return out
 
 
-# What every stream state holds (fast_state.FastState.to_dict writes them all)
+# What every stream state holds (StreamState.to_dict writes them all)
 STREAM_FIELDS = (
     "cursors",
     "pending",
@@ -99,7 +104,7 @@ def check_state(st: dict, where: str) -> None:
 def load_state(stream: ConsumerStream, st: dict) -> dict:
     """Put ``stream``'s cursors and counters where ``st`` says (``ConsumerStream.
     load_state_dict``) and read its held-aside and open documents again from their shards:
-    returns what the compiled loop's arrays are made from (``FastPath``'s keyword arguments)."""
+    returns what the compiled loop's arrays are made from (``StreamArrays``' keyword arguments)."""
     check_state(st, f"loader state of consumer {stream.consumer}")
     stream.cursors = [SourceCursor(e, p, t, bool(d)) for e, p, t, d in st["cursors"]]
     for s, e, m in st["skip"]:
@@ -135,6 +140,74 @@ def load_state(stream: ConsumerStream, st: dict) -> dict:
     return {
         "pending": pending,
         "opened": opened,
-        "stats": dict(st["stats"]),
+        "stats": PackStats(**st["stats"]),
         "dropped_by": {(s, m): n for s, m, n in st["dropped_by"]},
     }
+
+
+_IMAGE, _VIDEO = int(Modality.IMAGE), int(Modality.VIDEO)
+
+# docs columns of a held-aside or open document's cursor (stream_state's [source, sample,
+# epoch, unit, offset, limit]); src columns of a source (cursor, then image/video drops);
+# the packing counters
+CURSOR_COLS = [
+    kernel.D_SRC,
+    kernel.D_SAMPLE,
+    kernel.D_EPOCH,
+    kernel.D_UNIT,
+    kernel.D_OFF,
+    kernel.D_LIMIT,
+]
+SRC_COLS = [
+    kernel.S_CEPOCH,
+    kernel.S_CPOS,
+    kernel.S_TOKENS,
+    kernel.S_DONE,
+    kernel.S_DROP_IMAGE,
+    kernel.S_DROP_VIDEO,
+]
+
+
+@dataclass
+class StreamState:
+    """A consumer stream's state as a few arrays and counters (StreamArrays.snapshot): what a
+    batch carries from a worker (pickled small) and the loader keeps; ``to_dict`` gives the
+    saved dict."""
+
+    # int64 arrays first (a worker's batch pickles them as one buffer, packed_batch.py)
+    src: np.ndarray  # SRC_COLS of each source
+    cursors: np.ndarray  # CURSOR_COLS of the held-aside, then the open documents
+    stats: np.ndarray  # kernel.STAT_COLS
+    by_modality: np.ndarray
+    n_pending: int
+    batches: int
+    errors: int
+    skip: list[dict[int, str]]
+    skipped: list[list[int]]
+
+    def to_dict(self) -> dict:
+        src = self.src.tolist()
+        cursors = self.cursors.tolist()
+        return {
+            "cursors": [rec[:4] for rec in src],
+            "pending": cursors[: self.n_pending],
+            "open": cursors[self.n_pending :],
+            "dropped_by": [
+                [source, modality, dropped]
+                for source, rec in enumerate(src)
+                for modality, dropped in ((_IMAGE, rec[4]), (_VIDEO, rec[5]))
+                if dropped
+            ],
+            "batches": self.batches,
+            "errors": self.errors,
+            "skipped": self.skipped,
+            "stats": PackStats(*self.stats.tolist()).as_dict(),
+            "tokens_by_modality": self.by_modality.tolist(),
+            "skip": [
+                [source, epoch, mask]
+                for source in range(len(src))
+                for epoch, mask in sorted(self.skip[source].items())
+                if epoch >= src[source][0]
+            ],
+            "order": ORDER_VERSION,
+        }

@@ -19,12 +19,9 @@ import numpy as np
 import torch.utils.data._utils.worker  # noqa: F401  (the worker loop a DataLoader worker runs)
 
 import data.loader.dataset  # noqa: F401  (what a worker unpickles its dataset from)
-from data.loader import pack_kernel as kernel
-from data.loader.batch_tables import count_modalities, pieces_table
-from data.loader.fast_state import snapshot_arrays
 from data.loader.pack_documents import pack_documents
 from data.loader.shard_check import first_bad_document
-from data.loader.stage_kernel import fill_units, gather_tokens, take_rows
+from data.loader.stage_kernel import fill_units, gather_tokens
 
 
 def warm_kernels() -> None:
@@ -35,10 +32,8 @@ def warm_kernels() -> None:
     for _ in pack_documents([doc], 8):
         pass
     empty = np.zeros(0, np.int64)
-    # A run of documents of a checked shard brought in (fast_stream.FastPath): its blocks table
+    # A run of documents of a checked shard brought in (StreamArrays): its blocks table
     # and its map are read-only views of the shard
-    table = np.zeros((0, 5), np.int64)
-    take_rows(empty, empty, table, empty, empty, empty, empty, empty)
     blocks = np.zeros((0, 5), np.int64)
     blocks.flags.writeable = False
     fill_units(
@@ -51,17 +46,6 @@ def warm_kernels() -> None:
     )
     # The whole-shard check of the ids (shard_check.check_shard): the shard's read-only map
     first_bad_document(mapped, empty, empty, empty.copy(), np.zeros((0, 2), np.int64), -1)
-    # What a batch reports, and the state snapshot taken after it
-    count_modalities(np.zeros(0, np.uint8), empty, np.zeros(5, np.int64))
-    pieces_table(np.zeros((0, 4), np.int64), empty)
-    state = np.zeros(kernel.N_ST, np.int64)
-    snapshot_arrays(
-        np.zeros((0, kernel.N_SRC_COLS), np.int64),
-        state,
-        empty,
-        np.zeros((0, 1), np.int64),
-        np.zeros((0, kernel.N_DOC_COLS), np.int64),
-    )
 
 
 try:

@@ -1,4 +1,4 @@
-"""The compiled mixing and packing loop (data/loader/pack_kernel.py, fast_stream.py): a restore
+"""The compiled mixing and packing loop (data/loader/pack_kernel.py, stream_arrays.py): a restore
 mid-document resumes exactly, a worker gives the in-process batches and states, a shard that
 fails its check is read one by one with each skip counted once, and redistributed states (more
 held documents than steady state, masked epochs) resume exactly. The batches themselves are
