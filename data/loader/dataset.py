@@ -109,10 +109,7 @@ class _Consumers(IterableDataset):
             )
         else:
             stream.pin = ld.pin
-        while True:
-            batch = stream.next_batch()
-            if batch is None:
-                return
+        while (batch := stream.next_batch()) is not None:
             assert isinstance(batch, PackedBatch)
             batch.worker = worker
             batch.state = stream.state()  # a snapshot, made the dict when asked for
@@ -134,12 +131,8 @@ class PackedLoader:
         if cfg.mode not in ("infinite", "epoch"):
             raise ValueError(f"data.mode {cfg.mode!r}: choose infinite or epoch")
         self.cfg, self.tables = cfg, tables
-        self.rank, self.world_size, self.micro_batch, self.pad_id = (
-            rank,
-            world_size,
-            micro_batch,
-            pad_id,
-        )
+        self.rank, self.world_size = rank, world_size
+        self.micro_batch, self.pad_id = micro_batch, pad_id
         self.workers = max(1, cfg.num_workers)
         self.weights = [s.weight for s in cfg.sources] if cfg.sources else [1.0] * len(tables)
         self.pin = (
@@ -198,9 +191,9 @@ class PackedLoader:
             batch_size=None,
             num_workers=self.cfg.num_workers,
             pin_memory=self.pin,
-            prefetch_factor=self.cfg.prefetch_factor if self.cfg.num_workers else None,
+            prefetch_factor=self.cfg.prefetch_factor,
             persistent_workers=False,
-            multiprocessing_context=WORKER_START if self.cfg.num_workers else None,
+            multiprocessing_context=WORKER_START,
             # A generator of its own: a DataLoader iterator otherwise draws its base seed from the
             # global torch RNG, which would differ between a resumed and an uninterrupted run.
             # Our workers seed themselves by hashing (seed, epoch, rank, worker) anyway.
@@ -244,10 +237,6 @@ class PackedLoader:
                 states[w] = st.to_dict()
         return states
 
-    @worker_states.setter
-    def worker_states(self, states: dict[int, dict]) -> None:
-        self._worker_states = states
-
     # --- state -----------------------------------------------------------------------------------
     def fingerprint(self) -> str:
         parts = [(t.name, t.fingerprint, t.tokenizer_fingerprint) for t in self.tables]
@@ -270,28 +259,22 @@ class PackedLoader:
 
     def load_state_dict(self, st: dict) -> None:
         check_loader_state(st)
-        if st["fingerprint"] != self.fingerprint():
+        mine = self.state_dict()
+        if st["fingerprint"] != mine["fingerprint"]:
             raise ValueError(
                 "the loader state was saved over other shards, tokenizers or online tokenize "
                 "options (data.tokenize, data.doc_budget; fingerprint "
-                f"{st['fingerprint']} != {self.fingerprint()}); it cannot resume this data"
+                f"{st['fingerprint']} != {mine['fingerprint']}); it cannot resume this data"
             )
         for k in ("world_size", "workers", "seq_len", "micro_batch", "mode"):
-            mine = {
-                "world_size": self.world_size,
-                "workers": self.workers,
-                "seq_len": self.cfg.seq_len,
-                "micro_batch": self.micro_batch,
-                "mode": self.cfg.mode,
-            }[k]
-            if st[k] != mine:
+            if st[k] != mine[k]:
                 raise ValueError(
-                    f"loader state has {k}={st[k]}, this loader {mine}; use "
+                    f"loader state has {k}={st[k]}, this loader {mine[k]}; use "
                     "data.loader.redistribute to map it (docs/loader.md)"
                 )
         # Epoch mode: after a redistribute, the count of the new split, not this one's
         self.batch_limit = st["batch_limit"]
-        self.worker_states = {int(k): v for k, v in st["worker_states"].items()}
+        self._worker_states = {int(k): v for k, v in st["worker_states"].items()}
         self.handed_out = st["handed_out"]
         self.rotation = self.handed_out % self.workers
 

@@ -96,24 +96,18 @@ def rows(
     if config:  # the run's own sources, weights and packing options
         wanted = set(names or [])
         srcs = [SourceConfig(**s) for s in config["sources"] if not wanted or s["name"] in wanted]
-        cfg = LoaderConfig(
-            sources=srcs,
-            seq_len=seq_len,
-            seed=int(config.get("seed", seed)),
-            shuffle_buffer=int(config.get("shuffle_buffer", 1024)),
-            mix_chunk=int(config.get("mix_chunk", 0)),
-            max_pending=int(config.get("max_pending", 4)),
-            num_workers=0,
-            allow_block_drops=True,  # shown and counted below, not refused
-        )
     else:
-        cfg = LoaderConfig(
-            sources=sources_of(token_dir, names),
-            seq_len=seq_len,
-            num_workers=0,
-            seed=seed,
-            allow_block_drops=True,
-        )
+        srcs, config = sources_of(token_dir, names), {}
+    cfg = LoaderConfig(
+        sources=srcs,
+        seq_len=seq_len,
+        seed=int(config.get("seed", seed)),
+        shuffle_buffer=int(config.get("shuffle_buffer", 1024)),
+        mix_chunk=int(config.get("mix_chunk", 0)),
+        max_pending=int(config.get("max_pending", 4)),
+        num_workers=0,
+        allow_block_drops=True,  # shown and counted below, not refused
+    )
     loader = build_loader(cfg, rank=0, world_size=1, micro_batch=1)
     out = []
     it = iter(loader)
@@ -306,10 +300,10 @@ def _token_dir_of(data: dict) -> str:
     import posixpath
 
     from data.loader import store
-    from data.loader.table_load import expand, find_manifest
+    from data.loader.table_load import find_manifest
 
     first = data["sources"][0]
-    found = [u for pat in first["shards"] for u in expand(pat)]
+    found = [u for pat in first["shards"] for u in store.expand(pat)]
     hit = find_manifest(found[0]) if found else None
     if hit is None or store.kind(found[0]) == "pipe":
         raise ValueError(

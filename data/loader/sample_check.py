@@ -143,13 +143,6 @@ def check_ids(ids: np.ndarray, mod: np.ndarray, ranges: np.ndarray | None) -> No
     )
 
 
-def read_token_sample(rec, view: Reader, *, check_hash: bool) -> tuple[Buffer, Buffer]:
-    """(ids.npy bytes, mod.npy bytes) of a token sample (``rec``: its ``TokenSample``), checked
-    against its index hash (``read_members``)."""
-    (j0, jsz), (i0, isz), (m0, msz) = rec.json_at, rec.ids_at, rec.mod_at
-    return read_members(j0, jsz, i0, isz, m0, msz, rec.sha256, view, check_hash)
-
-
 def read_members(
     j0: int,
     jsz: int,

@@ -126,10 +126,14 @@ def name(url: str) -> str:
     return posixpath.basename(_tar_word(url).group(1) if kind(url) == "pipe" else url)
 
 
-def index_url(url: str) -> str:
+def beside(url: str, suffix: str) -> str:
+    """The shard's file of the same stem with ``suffix`` (its index: ``SHARD.idx.jsonl``)."""
     base = name(url)
-    stem = base[: -len(".tar")] if base.endswith(".tar") else base
-    return sibling(url, stem + INDEX_SUFFIX)
+    return sibling(url, (base[: -len(".tar")] if base.endswith(".tar") else base) + suffix)
+
+
+def index_url(url: str) -> str:
+    return beside(url, INDEX_SUFFIX)
 
 
 def _run(cmd: str) -> bytes:

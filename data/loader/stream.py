@@ -102,10 +102,9 @@ class ConsumerStream:
         self.pin = False  # in-process: batches expanded into pinned memory (set by the loader)
         self.watchdog = None if dry else Watchdog(cfg.stall_seconds, f"consumer {consumer}")
         # (source, shard) -> the shard when it passed the whole-shard check, None when it did not
-        # (data/loader/shard_check.py); least recently used dropped past _KEEP_SHARDS.
+        # (data/loader/shard_check.py); the dict's order is the LRU order, the least recently
+        # used dropped past _KEEP_SHARDS.
         self._checked: dict[tuple[int, int], CheckedShard | IndexedShard | None] = {}
-        self._used: dict[tuple[int, int], int] = {}  # when each was last used (self._tick)
-        self._tick = 0
         self._check_whole = consumers <= cfg.whole_shard_check_max_consumers
         # (source, shard) -> its whole-shard check running ahead in a thread (_check_ahead)
         self._ahead: dict[tuple[int, int], Future] = {}
@@ -151,9 +150,7 @@ class ConsumerStream:
         """The next document of source ``s`` in this consumer's slice; None when it could not be
         read (skipped and counted) or the source is done (epoch mode)."""
         c = self.cursors[s]
-        sl = self.slices.get((s, c.epoch))
-        if sl is None:
-            sl = self.slice_of(s, c.epoch)
+        sl = self.slice_of(s, c.epoch)
         if c.pos >= len(sl):
             if not self.next_epoch(s):
                 return None
@@ -206,9 +203,8 @@ class ConsumerStream:
         """Shard ``si`` when it passes the whole-shard check (checked on first use); a dry
         stream's shards as their index describes them (nothing to check: no token is read)."""
         key = (s, si)
-        self._tick += 1
         if key in self._checked:
-            self._used[key] = self._tick
+            self._checked[key] = self._checked.pop(key)  # re-inserted last: most recently used
             return self._checked[key]
         if self.dry:
             self._remember(key, IndexedShard(t.index(si)))  # type: ignore[attr-defined]
@@ -289,9 +285,8 @@ class ConsumerStream:
 
     def _remember(self, key: tuple[int, int], shard: CheckedShard | IndexedShard | None) -> None:
         if len(self._checked) >= self._keep_shards:  # the least recently used goes
-            oldest = min(self._used, key=self._used.__getitem__)
-            del self._checked[oldest], self._used[oldest]
-        self._checked[key], self._used[key] = shard, self._tick
+            del self._checked[next(iter(self._checked))]
+        self._checked[key] = shard
 
     def load(self, s: int, sample: int, epoch: int) -> Doc | None:
         t = self.tables[s]
@@ -377,15 +372,13 @@ class ConsumerStream:
             # (what the compiled loop writes everywhere; expand widens them into their field)
             buffer = BatchBuffer(B, L, self.pad_id, pin=self.pin)
             ids, mod = buffer.fields["ids"].reshape(n), np.empty(n, np.uint8)
+        packed = None
         try:
             packed = fast.pack(ids, mod)
-        except BaseException:
-            if slot is not None and ring is not None:
-                ring.release(slot)
-            raise
+        finally:
+            if packed is None and slot is not None and ring is not None:
+                ring.release(slot)  # nothing was packed into it
         if packed is None:
-            if slot is not None and ring is not None:
-                ring.release(slot)
             return None  # the last, incomplete batch of an epoch is held back
         compact, pieces, by_source, by_modality = packed
         dropped = fast.dropped_matrix()

@@ -91,25 +91,25 @@ class SampleTable:
     def blocks_of(self, sample: int) -> list:
         return self.blocks[sample]
 
-    def token_sample(self, sample: int) -> TokenSample:
+    def locate_members(self, sample: int) -> tuple:
+        """What reading a token sample needs, flat (it runs once per document): (shard, tokens,
+        blocks, json offset, size, ids offset, size, mod offset, size, SHA-256; zeros: no usable
+        hash in the index)."""
+
         def at(column: np.ndarray) -> tuple[int, int]:
             return (int(column[sample][0]), int(column[sample][1])) if len(column) else (0, 0)
 
-        return TokenSample(
-            self.shard_of(sample),
-            int(self.tokens[sample]),
+        sha = self.sha[sample].tobytes() if len(self.sha) else bytes(32)
+        shard, tokens = self.shard_of(sample), int(self.tokens[sample])
+        return (
+            shard,
+            tokens,
             self.blocks[sample],
-            at(self.json_at),
-            at(self.ids_at),
-            at(self.mod_at),
-            self.sha[sample].tobytes() if len(self.sha) else bytes(32),
+            *at(self.json_at),
+            *at(self.ids_at),
+            *at(self.mod_at),
+            sha,
         )
-
-    def locate_members(self, sample: int) -> tuple:
-        """What reading a token sample needs, flat (it runs once per document): (shard, tokens,
-        blocks, json offset, size, ids offset, size, mod offset, size, SHA-256)."""
-        r = self.token_sample(sample)
-        return (r.shard, r.tokens, r.blocks, *r.json_at, *r.ids_at, *r.mod_at, r.sha256)
 
     def block_stats(self) -> dict[str, dict[str, int]]:
         """{"image"/"video": {"blocks", "longest"}} over every sample."""
@@ -120,19 +120,6 @@ class SampleTable:
     def all_blocks(self) -> Iterator[list]:
         """Every sample's blocks (the slow path: an exact count once something is too long)."""
         return iter(self.blocks)
-
-
-@dataclass
-class TokenSample:
-    """What reading and packing one token sample needs, from its index record."""
-
-    shard: int
-    tokens: int
-    blocks: list
-    json_at: tuple[int, int]
-    ids_at: tuple[int, int]
-    mod_at: tuple[int, int]
-    sha256: bytes  # zeros: no usable hash in the index
 
 
 # Columns a TokenTable builds on demand, for tools and tests that look at a whole source.
@@ -213,9 +200,6 @@ class TokenTable(SampleTable):
 
     def locate(self, sample: int) -> tuple[int, int]:
         """(shard, position in it) of a sample."""
-        return self._locate(sample)
-
-    def _locate(self, sample: int) -> tuple[int, int]:
         if not 0 <= sample < self.starts[-1]:
             raise IndexError(f"sample {sample} of a source of {self.starts[-1]}")
         si = bisect.bisect_right(self.starts, sample) - 1
@@ -225,36 +209,22 @@ class TokenTable(SampleTable):
         return self.counts
 
     def shard_of(self, sample: int) -> int:
-        return self._locate(sample)[0]
+        return self.locate(sample)[0]
 
     def shard_end(self, si: int) -> int:
         return int(self.index(si).header["shard_bytes"])
 
     def key_of(self, sample: int) -> str:
-        si, i = self._locate(sample)
+        si, i = self.locate(sample)
         return self.index(si).key(i)
 
     def tokens_of(self, sample: int) -> int:
-        si, i = self._locate(sample)
+        si, i = self.locate(sample)
         return int(self.index(si).records["tokens"][i])
 
     def blocks_of(self, sample: int) -> list:
-        si, i = self._locate(sample)
+        si, i = self.locate(sample)
         return self.index(si).blocks_of(i).tolist()
-
-    def token_sample(self, sample: int) -> TokenSample:
-        si, i = self._locate(sample)
-        idx = self.index(si)
-        (json_at, ids_at, mod_at, tokens, b0, nb, _k0, _nk, sha) = idx.records[i].tolist()
-        return TokenSample(
-            si,
-            tokens,
-            idx.blocks[b0 : b0 + nb].tolist() if nb else [],
-            tuple(json_at),
-            tuple(ids_at),
-            tuple(mod_at),
-            bytes(sha),
-        )
 
     def locate_members(self, sample: int) -> tuple:
         if not 0 <= sample < self.starts[-1]:
@@ -321,7 +291,7 @@ def resolve_index(tar: str, index_sha: str, cache_dir: str) -> token_index.Token
     JSONL index of SHA-256 ``index_sha`` (the manifest's). A remote one is fetched once per node
     into the cache (``cache_dir/index/SHA.idx.bin``). ValueError naming the file when it is
     missing or made from another JSONL index."""
-    beside = store.sibling(tar, _stem(tar) + token_index.SUFFIX)
+    beside = store.beside(tar, token_index.SUFFIX)
     cached = Path(cache_dir) / "index" / f"{index_sha}{token_index.SUFFIX}"
     if store.kind(beside) != "local" and cached.is_file():
         try:
@@ -343,19 +313,9 @@ def resolve_index(tar: str, index_sha: str, cache_dir: str) -> token_index.Token
             f"the {index_sha[:16]} its manifest records; {REBUILD}"
         )
     if data is not None:
-        keep_cached(cached, data)
+        try:  # best effort: a cache that cannot be written costs a fetch per process
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            token_index.write(cached, data)
+        except OSError:
+            pass
     return idx
-
-
-def keep_cached(path: Path, data: bytes) -> None:
-    """Best effort: a cache that cannot be written costs a rebuild per process, nothing more."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        token_index.write(path, data)
-    except OSError:
-        pass
-
-
-def _stem(url: str) -> str:
-    base = store.name(url)
-    return base[: -len(".tar")] if base.endswith(".tar") else base
