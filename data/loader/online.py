@@ -63,16 +63,9 @@ def folder_fingerprints(folder: str | Path) -> dict:
     }
 
 
-def fitted_options(opts: TokenizeOptions, seq_len: int) -> TokenizeOptions:
-    """Options under which every image and video block fits in a row of ``seq_len``: what
-    ``earlyfuse-prep tokenize --seq-len`` does (images made smaller, videos given fewer frames,
-    then smaller frames)."""
-    return budgeted_options(seq_len=seq_len, names=LOADER_NAMES, **asdict(opts))
-
-
 def online_options(cfg) -> TokenizeOptions:
     """The ``TokenizeOptions`` of a LoaderConfig's ``tokenize`` section and ``doc_budget``; the
-    row length is applied by ``fitted_options`` (a state's fingerprint records these)."""
+    row length is applied by ``OnlineTokenizer`` (a state's fingerprint records these)."""
     return budgeted_options(doc_budget=cfg.doc_budget, names=LOADER_NAMES, **asdict(cfg.tokenize))
 
 
@@ -94,7 +87,8 @@ class OnlineTokenizer:
         folder = Path(folder)
         text = TextTokenizer.load(folder)
         vtok = load_visual_tokenizer(folder / VISUAL_TOKENIZER_DIR, text.layout, "cpu")
-        self.opts = fitted_options(opts, seq_len)
+        # Every image and video block fits in a row of ``seq_len``, as with tokenize --seq-len
+        self.opts = budgeted_options(seq_len=seq_len, names=LOADER_NAMES, **asdict(opts))
         self.encoder = DocEncoder(text, vtok, self.opts, torch.device("cpu"))
         # Failing clips leak inside decord: past a budget, each is decoded in a child process
         self.encoder.decode_frames = self.decode_guard = DecodeGuard(failure_budget)

@@ -98,9 +98,7 @@ class ConsumerSlice:
     def __init__(self, order: EpochOrder, consumer: int, consumers: int) -> None:
         self.order, self.consumer, self.consumers = order, consumer, consumers
         self.n = len(range(consumer, order.n, consumers))
-        self._w = -1
-        self._samples: list[int] = []
-        self._take_w, self._take_samples = -1, np.zeros(0, np.int64)
+        self._w, self._samples = -1, np.zeros(0, np.int64)  # the window under the cursor
 
     def __len__(self) -> int:
         return self.n
@@ -111,11 +109,12 @@ class ConsumerSlice:
         if not -self.n <= k < self.n:
             raise IndexError(k)
         pos = self.consumer + (k % self.n) * self.consumers
-        w = pos // self.order.window
+        return self._window(pos // self.order.window).item(pos % self.order.window)
+
+    def _window(self, w: int) -> np.ndarray:
         if w != self._w:
-            # a list: indexing it gives an int (a numpy array gives a scalar to convert)
-            self._w, self._samples = w, self.order.window_samples(w).tolist()
-        return self._samples[pos - w * self.order.window]
+            self._w, self._samples = w, self.order.window_samples(w)
+        return self._samples
 
     def take(self, a: int, b: int) -> np.ndarray:
         """int64: the samples at slice positions [a, b) (0 <= a <= b <= len), a window at a
@@ -125,10 +124,8 @@ class ConsumerSlice:
         out = np.empty(len(pos), np.int64)
         w_of = pos // win
         for w in np.unique(w_of).tolist():
-            if w != self._take_w:  # the window under the cursor, kept (as in __getitem__)
-                self._take_w, self._take_samples = w, self.order.window_samples(w)
             sel = w_of == w
-            out[sel] = self._take_samples[pos[sel] - w * win]
+            out[sel] = self._window(w)[pos[sel] - w * win]
         return out
 
 

@@ -70,11 +70,9 @@ class CheckedShard:
         self.lengths = index.records["tokens"]
         self.block_start = index.records["block_start"]
         self.block_count = index.records["block_count"]
-        # The same per document as one table (length, first block, blocks, ids at, modalities
-        # at), and the map as bytes: what the compiled loop's intake reads (stage_kernel.py)
-        self.table = np.stack(
-            [self.lengths, self.block_start, self.block_count, self.ids_at, self.mod_at], 1
-        ).astype(np.int64)
+        # The same per document as one table, and the map as bytes: what the compiled loop's
+        # intake reads (stage_kernel.py)
+        self.table = document_table(index, self.ids_at, self.mod_at)
         self.bytes = np.frombuffer(mapped, np.uint8)
 
     def document(self, i: int) -> tuple[np.ndarray, np.ndarray, list[Unit]]:
@@ -99,12 +97,16 @@ class IndexedShard:
     bytes = np.zeros(0, np.uint8)  # no tokens: a dry stream stages none
 
     def __init__(self, index: token_index.TokenIndex) -> None:
-        records = index.records
         self.index = index
-        self.table = np.zeros((len(records), 5), np.int64)
-        self.table[:, 0] = records["tokens"]
-        self.table[:, 1] = records["block_start"]
-        self.table[:, 2] = records["block_count"]
+        no_tokens = np.zeros(len(index), np.int64)
+        self.table = document_table(index, no_tokens, no_tokens)
+
+
+def document_table(index: token_index.TokenIndex, ids_at, mod_at) -> np.ndarray:
+    """int64 [documents, 5]: length, first block, blocks, where the ids and modalities start."""
+    records = index.records
+    columns = [records["tokens"], records["block_start"], records["block_count"], ids_at, mod_at]
+    return np.stack(columns, 1).astype(np.int64)
 
 
 def check_shard(

@@ -198,7 +198,6 @@ class ShardFiles:
         self._open: dict[str, BinaryIO] = {}
         self._maps: dict[str, memoryview] = {}
         self._failed: dict[str, tuple[float, str]] = {}  # pipe: fetches that failed lately
-        self.opened = 0  # shards opened or mapped so far (benchmarks count them)
         self._touched = 0  # bytes read through the maps since their pages were last released
 
     def view(self, url: str, offset: int, size: int, min_bytes: int = 0) -> memoryview | bytes:
@@ -242,7 +241,6 @@ class ShardFiles:
                 n = os.fstat(f.fileno()).st_size
                 # Kept as a memoryview of the map: a slice per sample, nothing else made.
                 mapped = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if n else b"")
-            self.opened += 1
         self._maps[url] = mapped  # re-inserted last: the dict's order is the LRU order
         return mapped
 
@@ -310,17 +308,13 @@ class ShardFiles:
         return local_path(url)
 
     def _opener(self, url: str, min_bytes: int) -> BinaryIO:
-        self.opened += 1
-        k = kind(url)
-        if k == "pipe":
-            return open(self._local_file(url, min_bytes), "rb")
-        if k == "fsspec":
+        if kind(url) == "fsspec":
             # Readahead blocks: a consumer's samples of one shard lie within a shuffle window.
             # (Through fs.open: fsspec.open would hand these options to the filesystem's
             # constructor, which s3fs refuses -- found by the moto-backed test.)
             fs, path = _fs(url)
             return fs.open(path, "rb", block_size=4 << 20, cache_type="readahead")
-        return open(local_path(url), "rb")
+        return open(self._local_file(url, min_bytes), "rb")
 
     def fetch(self, url: str, min_bytes: int = 0) -> Path:
         """The ``pipe:`` command's output in the node-local cache (fetched once per node). Output
