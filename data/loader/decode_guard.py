@@ -1,18 +1,14 @@
 """Video decoding of untrusted inputs in the loader's workers, with a bound on what decord can
-leak: each failing decode leaks ~40 KB inside decord (decord issues #208, #197, #157), ~23 MB
-per 600 failures, for as long as the worker lives.
+leak (each failing decode leaks inside decord, for as long as the worker lives).
 
 Design choices:
-- Decoding stays in the worker (no process per clip: most clips decode fine, and ingest has
-  already probed every raw shard's videos). Each worker counts its failed decodes.
-- Past ``budget`` failures (a worker that keeps meeting broken clips), every later clip is
-  decoded in a fresh child process started for it (``python -m data.loader.decode_child``):
-  the frames come back through a pipe, whatever decord leaks dies with the child, and the
-  worker's memory stays where it was. A child costs an interpreter start and decord's import
-  (a few hundred milliseconds); only such workers pay it. A subprocess rather than
-  multiprocessing or a bare fork: a DataLoader worker is a daemon process, which
-  multiprocessing does not let have children, and a forked copy of a worker would have to
-  leave through ``os._exit``.
+- Decoding stays in the worker (most clips decode fine: ingest has probed every raw shard's
+  videos). Each worker counts its failed decodes.
+- Past ``budget`` failures, every later clip is decoded in a fresh child process
+  (``python -m data.loader.decode_child``): whatever decord leaks dies with the child. Only
+  such workers pay a child's start. A subprocess rather than multiprocessing or a bare fork:
+  a DataLoader worker is a daemon process, which multiprocessing does not let have children,
+  and a forked copy of a worker would have to leave through ``os._exit``.
 - A child that dies (a crash inside FFmpeg) is a failed decode like any other: the sample is
   skipped and counted by the stream, never a dead worker.
 """

@@ -1,21 +1,16 @@
 """Online tokenization: raw shards (``earlyfuse-prep ingest``) become token documents inside the
-loader's workers, with the same encoder ``earlyfuse-prep tokenize`` uses (data/tokenize/).
+loader's workers, with the encoder ``earlyfuse-prep tokenize`` uses (data/tokenize/).
 
 Design choices:
 - One document at a time, its images in one batch of their own: a document's tokens never
-  depend on which other documents share a worker's batch, so a restored stream re-encodes a
-  held-aside document to the very same ids (exact resume) and the online path gives the ids the
-  offline path gives.
-- The visual tokenizer runs on the worker's CPU (the GPU belongs to the trainer; a DataLoader
-  worker uses one thread). Offline tokenization stays the fast path for large runs
-  (docs/benchmarks.md, "Loader, raw path").
-- No block outgrows a row: images and videos are tokenized with ``seq_len`` as their block
-  budget, as ``earlyfuse-prep tokenize --seq-len`` does (images smaller, videos fewer frames,
-  then smaller frames), so nothing is dropped.
-- ``data.doc_budget`` is ``tokenize --doc-budget``: a document's videos share what its text and
-  images leave of the budget. Both turn their settings into options with one function
-  (data/tokenize/docs.py ``budgeted_options``) and encode with one ``DocEncoder``, so a raw
-  document gets the ids ``tokenize --seq-len N --doc-budget B`` gives it.
+  depend on its neighbours, so a restored stream re-encodes a held-aside document to the same
+  ids (exact resume) and the online path gives the ids the offline path gives.
+- The visual tokenizer runs on the worker's CPU (the GPU belongs to the trainer). Offline
+  tokenization stays the fast path for large runs.
+- No block outgrows a row, and ``data.doc_budget`` is ``tokenize --doc-budget``: both paths
+  turn their settings into options with one function (data/tokenize/docs.py
+  ``budgeted_options``) and encode with one ``DocEncoder``, so a raw document gets the ids
+  ``tokenize --seq-len N --doc-budget B`` gives it.
 - Videos are untrusted bytes: failing decodes leak inside decord, so past a budget of failures
   a worker decodes each clip in a short-lived child (data/loader/decode_guard.py).
 """

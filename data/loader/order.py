@@ -2,20 +2,16 @@
 
 - Seeds come from hashing (seed, epoch, source, ...), never from a shared RNG stream, so any
   consumer computes its order alone, for any epoch, in the same time.
-- Shards are shuffled per epoch; samples are shuffled within windows of ``buffer`` consecutive
-  positions (a bounded shuffle that keeps reads local to a few shards).
-- The order is computed a window at a time (``EpochOrder``): each window's shuffle has a seed
-  of its own, so position p needs only its window, never the positions before it, and a
-  consumer's start costs the same at 10^4 samples as at 10^9 (only the shard permutation is
-  per epoch, O(shards)). A loader state's cursors are positions in this order; the state names
-  it (``ORDER_VERSION``) and a state that names none or another is refused
-  (data/loader/stream_state.py).
-- Consumer c of C takes positions c, c + C, c + 2C, ... of the epoch order: no sample is read by
-  two consumers within an epoch, and every sample is read by one.
-- After a ``redistribute`` (another world size or worker count mid-epoch), an epoch may carry a
-  *skip mask* over its order's positions: those already consumed by the old consumers. The new
-  consumers split only the rest, the same way. The mask is stored packed (bits, zlib, base64):
-  the consumed set is nearly a prefix of the order, so it compresses to a few bytes.
+- Shards are shuffled per epoch; samples within windows of ``buffer`` consecutive positions (a
+  bounded shuffle that keeps reads local to a few shards). Each window has a seed of its own,
+  so position p needs only its window: a consumer's start costs the same at 10^4 samples as at
+  10^9. A loader state's cursors are positions in this order, and the state names it
+  (``ORDER_VERSION``; another is refused, data/loader/stream_state.py).
+- Consumer c of C takes positions c, c + C, c + 2C, ...: every sample is read by exactly one
+  consumer within an epoch.
+- After a ``redistribute`` an epoch may carry a *skip mask* over its positions (those the old
+  consumers consumed); the new consumers split the rest the same way. The mask is stored packed
+  (bits, zlib, base64): the consumed set is nearly a prefix, so it compresses to a few bytes.
 """
 
 from __future__ import annotations

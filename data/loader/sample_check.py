@@ -3,16 +3,13 @@ instead of crashing the run (the model's embedding would fail on an id past the 
 the same step after every restart).
 
 Design choices:
-- Token samples are checked against the SHA-256 their index records (``sample_hash`` over the
-  ``json``, ``ids.npy`` and ``mod.npy`` members). The three members lie next to each other in
-  the tar, so one view of the shard covers them (a slice of its memory map); the extra cost
-  is hashing a few KB per document (docs/benchmarks.md, "Loader: per-document checks").
-  ``data.check_hashes=false`` turns it off.
-- Ids are always checked against their modality's range of the vocabulary layout (text and
-  code: the BPE; image and video: the visual codes; structure: the markers): a vectorised
-  compare, microseconds. It also guards raw sources tokenized online.
-- A failed check is a ValueError: the stream skips the sample, counts it in ``data/skipped``
-  and logs its shard and key, like any unreadable sample.
+- Token samples are checked against the SHA-256 their index records over the ``json``,
+  ``ids.npy`` and ``mod.npy`` members, which lie side by side in the tar, so one view of the
+  shard covers them. ``data.check_hashes=false`` turns it off.
+- Ids are always checked against their modality's range of the vocabulary layout: a vectorised
+  compare, which also guards raw sources tokenized online.
+- A failed check is a ValueError: the stream skips, counts and names the sample like any
+  unreadable one.
 """
 
 from __future__ import annotations

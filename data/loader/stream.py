@@ -2,27 +2,21 @@
 group them into batches, and say exactly where it is.
 
 Design choices:
-- Mixing by tokens, deterministically, a chunk at a time (decided with the packing in the
-  compiled loop, pack_kernel.py, which this stream feeds with documents): the next chunk (at most
-  ``mix_chunk`` tokens, default ``seq_len``, never cutting a visual block) comes from the
-  source furthest below its share (weight x tokens handed out so far, minus its own tokens).
-  A long document is handed out a chunk at a time (the OLMo / Megatron practice of cutting
-  documents into row-sized instances), so each step carries the mix instead of one source's
-  long document filling many rows. No RNG, shares exact to within one chunk, and the state is
-  a few counters plus the documents handed out in part (the state's ``open``).
-- The state (``state_dict``) is cursors, counters and the held-aside documents' positions:
-  kilobytes. Restoring computes the window of each source's epoch order under its cursor
-  (hashing, the same cost at any position) and seeks through the index; nothing is replayed.
+- Mixing by tokens, deterministically, a chunk at a time, decided with the packing in the
+  compiled loop (pack_kernel.py) this stream feeds with documents: the next chunk (at most
+  ``mix_chunk`` tokens, never cutting a visual block) comes from the source furthest below its
+  share. A long document is handed out a chunk at a time (as OLMo and Megatron cut documents
+  into row-sized instances), so each step carries the mix. No RNG, shares exact to within one
+  chunk, and the state stays a few counters plus the documents handed out in part.
+- The state is cursors, counters and the held-aside documents' positions: kilobytes. Restoring
+  computes the window of each source's epoch order under its cursor and seeks through the
+  index; nothing is replayed (stream_state.py).
 - Bad data never stops a run: an unreadable sample is skipped, counted and logged with its
   shard and key; ``max_consecutive_errors`` in a row stops with an error naming the last one.
   A read slower than ``stall_seconds`` is reported by a watchdog thread while it hangs.
 - Epoch mode: every consumer packs the same number of batches (the fewest any consumer can
-  fill, counted from the index alone); the samples beyond that are *held back*, counted and
-  reported, never repeated.
-
-Beside it: the compiled loop and its arrays, the stream's packing state (fast_stream.py), the
-batch it hands the trainer (packed_batch.py), the state's format and restore (stream_state.py),
-the fast ``.npy`` reader (npy.py) and the stall watchdog (watchdog.py).
+  fill, counted from the index alone); the samples beyond are held back, counted, never
+  repeated.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
-"""Every sample of one source, from its shards' indexes: where its members lie, its token count
-and its visual blocks. These are the tables the loader reads (``SampleTable``, and the lazy
-``TokenTable`` of token shards); building one from a source's shards and their manifest is
-table_load.py (``load_table``), kept apart because finding manifests, checking them and
-computing fingerprints is start-up work, while these classes answer the loader's per-document
-questions for the whole run (and are pickled to its workers).
+"""The sample tables the loader reads, one per source: where each sample's members lie, its
+token count and its visual blocks. A source is *token* shards (``earlyfuse-prep tokenize``, the
+fast path: a ``TokenTable``) or *raw* shards (``earlyfuse-prep ingest``, tokenized online in the
+workers: a ``SampleTable`` held in memory). table_load.py builds them at start; these classes
+answer the loader's per-document questions for the whole run and are pickled to its workers.
 
-A source is either *token* shards (``earlyfuse-prep tokenize``: ids and modalities stored, the
-fast path) or *raw* shards (``earlyfuse-prep ingest``: documents and media, tokenized online in
-the loader's workers). Shards may be local paths, fsspec URLs or ``pipe:`` commands
-(data/loader/store.py).
-
-Design choices:
-- Token sources start in O(shards), not O(samples): a sample's record (offsets, tokens,
-  blocks, hash) is looked up in the shard's memory-mapped binary index (``SHARD.idx.bin``,
-  data/shards/token_index.py) only when it is read. ``earlyfuse-prep tokenize`` writes one
-  beside every shard; a shard without its own is refused with an error naming the file.
+Design choice: token sources start in O(shards), not O(samples): a sample's record (offsets,
+tokens, blocks, hash) is looked up in its shard's memory-mapped binary index (``SHARD.idx.bin``,
+data/shards/token_index.py, written by tokenize beside every shard) only when it is read.
 """
 
 from __future__ import annotations
