@@ -14,6 +14,7 @@ Design choices:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Callable
@@ -60,37 +61,26 @@ def attach_id_ranges(cfg: LoaderConfig, tables: list) -> None:
         t.id_ranges = ranges
 
 
-_BITS: dict[bytes, np.ndarray] = {}  # ranges -> per id, a bit for each modality it may carry
-
-
-def _allowed_bits(ranges: np.ndarray) -> np.ndarray:
-    """uint8 [vocabulary + 1]: bit m of entry i says id i may carry modality m; the last entry,
-    0, stands for every id past the vocabulary (lookups clip to it)."""
-    key = ranges.tobytes()
-    if key not in _BITS:
-        bits = np.zeros(int(ranges[:, 1].max()) + 1, np.uint8)
-        for m, (lo, hi) in enumerate(ranges):
-            bits[lo:hi] |= np.uint8(1 << m)
-        _BITS[key] = bits
-    return _BITS[key]
-
-
-_TEXT_BELOW: dict[int, tuple[np.ndarray, int]] = {}  # id(ranges) -> (ranges, text size or -1)
 _UNSIGNED = {np.dtype(f"<i{n}"): np.dtype(f"<u{n}") for n in (1, 2, 4, 8)}
 _CODE = int(Modality.CODE)
 
 
+@functools.lru_cache(maxsize=64)  # loaders come and go (tests): a few ranges at a time
+def _lookups(key: bytes) -> tuple[np.ndarray, int]:
+    """Of the ranges whose bytes are ``key``: uint8 [vocabulary + 1], bit m of entry i saying id
+    i may carry modality m (the last entry, 0, stands for every id past the vocabulary: lookups
+    clip to it); and the text size when text and code share the ids [0, text size) (then a text
+    or code document is checked by its largest id alone), else -1."""
+    ranges = np.frombuffer(key, np.int64).reshape(-1, 2)
+    bits = np.zeros(int(ranges[:, 1].max()) + 1, np.uint8)
+    for m, (lo, hi) in enumerate(ranges):
+        bits[lo:hi] |= np.uint8(1 << m)
+    text, code = ranges[int(Modality.TEXT)], ranges[_CODE]
+    return bits, int(text[1]) if text[0] == 0 and (text == code).all() else -1
+
+
 def _text_below(ranges: np.ndarray) -> int:
-    """The text size when text and code share the ids [0, text size) (then a text or code
-    document is checked by its largest id alone), else -1. Computed once per ranges array."""
-    got = _TEXT_BELOW.get(id(ranges))
-    if got is None or got[0] is not ranges:
-        text, code = ranges[int(Modality.TEXT)], ranges[_CODE]
-        below = int(text[1]) if text[0] == 0 and (text == code).all() else -1
-        if len(_TEXT_BELOW) > 64:  # loaders come and go (tests): keep it small
-            _TEXT_BELOW.clear()
-        got = _TEXT_BELOW[id(ranges)] = (ranges, below)  # the array is kept: its id stays its own
-    return got[1]
+    return _lookups(np.ascontiguousarray(ranges, np.int64).tobytes())[1]
 
 
 def check_ids(ids: np.ndarray, mod: np.ndarray, ranges: np.ndarray | None) -> None:
@@ -112,7 +102,7 @@ def check_ids(ids: np.ndarray, mod: np.ndarray, ranges: np.ndarray | None) -> No
         and int(unsigned.max()) < text_below
     ):
         return
-    bits = _allowed_bits(ranges)
+    bits = _lookups(np.ascontiguousarray(ranges, np.int64).tobytes())[0]
     # Three whole-array passes. The clipped lookup sends an id past the vocabulary (or negative)
     # to the last entry (no bits); a modality past the 5 bits shifts to 0. Signed modalities
     # (the raw path's int64) are checked >= 0.
