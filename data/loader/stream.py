@@ -94,7 +94,8 @@ class ConsumerStream:
         self._online: OnlineTokenizer | None = None  # built on the first raw document
         self.ring: transport.SlotRing | None = None  # set in a DataLoader worker
         self.pin = False  # in-process: batches expanded into pinned memory (set by the loader)
-        self.watchdog = None if dry else Watchdog(cfg.stall_seconds, f"consumer {consumer}")
+        # A dry stream reads no tar: nothing to watch (0 s: no thread)
+        self.watchdog = Watchdog(0 if dry else cfg.stall_seconds, f"consumer {consumer}")
         # (source, shard) -> the shard when it passed the whole-shard check, None when it did not
         # (data/loader/shard_check.py); the dict's order is the LRU order, the least recently
         # used dropped past _KEEP_SHARDS.
@@ -204,8 +205,7 @@ class ConsumerStream:
             self._remember(key, IndexedShard(t.index(si)))  # type: ignore[attr-defined]
             return self._checked[key]
         url = t.shards[si]
-        if self.watchdog:
-            self.watchdog.current = (f"checking shard {url}", time.monotonic())
+        self.watchdog.current = (f"checking shard {url}", time.monotonic())
         try:
             ahead = self._ahead.pop(key, None)
             if ahead is not None:  # checked while the shard before it was read
@@ -216,8 +216,7 @@ class ConsumerStream:
         except (OSError, ValueError):
             return None  # not remembered: read document by document, which names the error
         finally:
-            if self.watchdog:
-                self.watchdog.current = None  # checked: nothing is being read any more
+            self.watchdog.current = None  # checked: nothing is being read any more
         self._remember(key, shard)
         self._check_ahead(s, t)
         return shard
@@ -295,8 +294,7 @@ class ConsumerStream:
                 self.files.touched(ids.nbytes + mod.nbytes)
                 self.consecutive_errors = 0
                 return Doc(s, sample, epoch, len(ids), units, ids, mod)
-        if self.watchdog:
-            self.watchdog.current = ((t, sample), time.monotonic())
+        self.watchdog.current = ((t, sample), time.monotonic())
         try:
             if t.kind == "raw":
                 ids, mod, blocks = self._encode_raw(t, sample)
@@ -335,8 +333,7 @@ class ConsumerStream:
                 ) from e
             return None
         finally:
-            if self.watchdog:
-                self.watchdog.current = None
+            self.watchdog.current = None
         self.consecutive_errors = 0
         return Doc(s, sample, epoch, length, units_of(length, blocks), ids, mod)
 
