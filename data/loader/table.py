@@ -103,16 +103,6 @@ class SampleTable:
             sha,
         )
 
-    def block_stats(self) -> dict[str, dict[str, int]]:
-        """{"image"/"video": {"blocks", "longest"}} over every sample."""
-        return token_index.block_stats(
-            np.asarray([b for bs in self.blocks for b in bs], np.int64).reshape(-1, 5)
-        )
-
-    def all_blocks(self) -> Iterator[list]:
-        """Every sample's blocks (the slow path: an exact count once something is too long)."""
-        return iter(self.blocks)
-
 
 # Columns a TokenTable builds on demand, for tools and tests that look at a whole source.
 _COLUMNS = (
@@ -150,6 +140,7 @@ class TokenTable(SampleTable):
         cache_dir: str,
         shard_blocks: list[dict],
         shard_sha256: list[str] | None = None,
+        tokenize_options: dict | None = None,
     ) -> None:
         self.name, self.shards = name, shards
         self.counts = np.asarray(counts, np.int64)
@@ -162,6 +153,7 @@ class TokenTable(SampleTable):
         self.id_ranges = None
         self.cache_dir = cache_dir
         self.shard_blocks = shard_blocks
+        self.tokenize_options = tokenize_options or {}  # the manifest's (the block budgets)
         # Per shard: the SHA-256 of the whole tar its manifest records ("" where none), checked
         # once when a consumer first reads from it (data/loader/shard_check.py).
         self.shard_sha256 = shard_sha256 or [""] * len(shards)
@@ -232,6 +224,7 @@ class TokenTable(SampleTable):
         return si, tokens, blocks, j0, jsz, i0, isz, m0, msz, sha
 
     def block_stats(self) -> dict[str, dict[str, int]]:
+        """{"image"/"video": {"blocks", "longest"}} over every sample, from the manifest."""
         out = {m: {"blocks": 0, "longest": 0} for m in ("image", "video")}
         for si in range(len(self.shards)):
             got = self.shard_blocks[si]
@@ -241,6 +234,7 @@ class TokenTable(SampleTable):
         return out
 
     def all_blocks(self) -> Iterator[list]:
+        """Every sample's blocks (the slow path: an exact count once something is too long)."""
         for si in range(len(self.shards)):
             idx = self.index(si)
             for i in range(len(idx)):

@@ -200,6 +200,7 @@ def _load_token_table(
         cache_dir=cache_dir,
         shard_blocks=shard_blocks,
         shard_sha256=tar_shas,
+        tokenize_options=found[0][0].get("options"),
     )
 
 
