@@ -1,19 +1,17 @@
 """The loader a trainer holds: one rank's consumers behind a torch ``DataLoader``.
 
 Design choices:
-- Consumers are (rank, worker) pairs: consumer = rank x workers + worker. Each worker process
-  runs one ``ConsumerStream``; the DataLoader takes their batches round-robin, which is
+- Consumers are (rank, worker) pairs: consumer = rank x workers + worker, each worker process
+  running one ``ConsumerStream``. The DataLoader takes their batches round-robin, which is
   deterministic, so the rank's batch sequence is too.
-- Exact resume with prefetching workers: every batch carries its worker's state *after* it;
-  the main process keeps the state of the last batch it actually handed out per worker, and
-  the number handed out. Restoring starts each worker from its state and rotates the workers
-  so that the one whose turn was next comes first. Nothing is replayed.
+- Exact resume with prefetching workers: every batch carries its worker's state after it; the
+  main process keeps the state of the last batch it handed out per worker, and how many it
+  handed out. Restoring starts each worker from its state and rotates the workers so that the
+  one whose turn was next comes first. Nothing is replayed.
 - The state refuses other data or tokenizers (fingerprint), another world size, worker count,
-  seq_len or batch size; ``redistribute.redistribute`` maps every old rank's state onto another
-  split (world size x workers), and its result loads here (see docs/loader.md).
-- Epoch mode: the state carries the batch count every consumer yields, since after a
-  redistribute it is the count of the new split from where the old one stopped, not the one
-  computed here from the start.
+  seq_len or batch size; ``redistribute.redistribute`` maps it onto another split (docs/loader.md).
+- Epoch mode: the state carries the batch count every consumer yields (after a redistribute,
+  the new split's count from where the old one stopped).
 """
 
 from __future__ import annotations

@@ -3,18 +3,16 @@
 
 Design choices:
 - The loader reads members by offset through the shard index (exact resume without replay), so
-  every shard must be seekable. Local files and fsspec files are (fsspec turns a seek-and-read
-  into a ranged GET: only this consumer's samples cross the network). A ``pipe:`` command is a
-  stream, so its output is written once to a node-local cache folder (``cache_dir``) and read
-  from there, like MosaicML Streaming's local shard cache; all workers and ranks of a node share
-  it (a lock file per shard: one fetch each), and the least recently used shards are evicted
-  beyond ``cache_limit_gb``.
-- A ``pipe:`` command names its shard: the last word ending in ``.tar``. The index and the
-  token manifest are fetched by the same command with that word replaced by
-  ``<shard>.idx.jsonl`` and ``<folder>/manifest.json``, so one command pattern serves all three
-  (``pipe:aws s3 cp s3://bucket/tokens/code/shard-{000000..000041}.tar -``).
-- A command that fails is reported naming the command, its exit status and its stderr; a shard
-  whose fetch failed is not fetched again for ``FAILED_FOR`` seconds (its samples fail at once).
+  every shard must be seekable. Local and fsspec files are (fsspec turns a seek-and-read into a
+  ranged GET: only this consumer's samples cross the network). A ``pipe:`` command is a stream,
+  so its output is written once to a node-local cache folder (``cache_dir``) shared by all
+  workers and ranks of the node (a lock file per shard: one fetch each), like MosaicML
+  Streaming's shard cache; the least recently used shards are evicted beyond ``cache_limit_gb``.
+- A ``pipe:`` command names its shard: the last word ending in ``.tar``. Its index and manifest
+  are fetched by the same command with that word replaced, so one command pattern serves all
+  three (``pipe:aws s3 cp s3://bucket/tokens/code/shard-{000000..000041}.tar -``).
+- A failing command is reported with its exit status and stderr; a shard whose fetch failed is
+  not fetched again for ``FAILED_FOR`` seconds (its samples fail at once).
 - Remote reads are retried (``RETRIES``), then fail as OSError whatever the backend raised, so
   the loader skips and counts the sample like unreadable data.
 """
