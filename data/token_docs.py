@@ -117,10 +117,10 @@ def iter_documents(
             left_out = 0
             for index in range(count) if samples is None else samples:
                 try:
-                    shard, _, _, j0, jsz, i0, isz, m0, msz, sha = table.locate_members(index)
+                    shard, _, _, *members = table.locate_members(index)
                     url, end = table.shards[shard], table.shard_end(shard)
                     view = functools.partial(_view, files, url, end)
-                    ids_bytes, mod_bytes = read_members(j0, jsz, i0, isz, m0, msz, sha, view, True)
+                    ids_bytes, mod_bytes = read_members(members, view, True)
                     # copies: the views of the shard's map end with this generator
                     ids, mod = read_npy(ids_bytes).copy(), read_npy(mod_bytes).copy()
                     check_ids(ids, mod, ranges)

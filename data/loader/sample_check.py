@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -130,22 +130,14 @@ def check_ids(ids: np.ndarray, mod: np.ndarray, ranges: np.ndarray | None) -> No
     )
 
 
-def read_members(
-    j0: int,
-    jsz: int,
-    i0: int,
-    isz: int,
-    m0: int,
-    msz: int,
-    sha256: bytes,
-    view: Reader,
-    check_hash: bool,
-) -> tuple[Buffer, Buffer]:
+def read_members(members: Sequence, view: Reader, check_hash: bool) -> tuple[Buffer, Buffer]:
     """(ids.npy bytes, mod.npy bytes) of a token sample whose ``json``, ``ids.npy`` and
     ``mod.npy`` members lie at (offset, size) ``j0, jsz`` / ``i0, isz`` / ``m0, msz`` of its
-    shard, checked against ``sha256`` (its index's; zeros: none). One view of the shard covers
-    the members (they lie side by side): a slice of a memory map for local shards, one ranged
-    read for remote ones. Positional and flat: it runs once per document read."""
+    shard (``members``: those six and the SHA-256 of its index, as ``locate_members`` gives
+    them; zeros: no hash), checked against the hash. One view of the shard covers the members
+    (they lie side by side): a slice of a memory map for local shards, one ranged read for
+    remote ones."""
+    j0, jsz, i0, isz, m0, msz, sha256 = members
     hashed = check_hash and sha256 != _NO_HASH
     start, end = min(i0, m0), max(i0 + isz, m0 + msz)
     if hashed:

@@ -21,6 +21,7 @@ Design choices:
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -300,19 +301,10 @@ class ConsumerStream:
                 ids, mod, blocks = self._encode_raw(t, sample)
                 length = len(ids)
             else:
-                si, length, blocks, j0, jsz, i0, isz, m0, msz, sha = t.locate_members(sample)
-                url = t.shards[si]
-                ids_b, mod_b = read_members(
-                    j0,
-                    jsz,
-                    i0,
-                    isz,
-                    m0,
-                    msz,
-                    sha,
-                    lambda off, size: self.files.view(url, off, size, t.shard_end(si)),
-                    self.cfg.check_hashes,
-                )
+                si, length, blocks, *members = t.locate_members(sample)
+                url, end = t.shards[si], t.shard_end(si)
+                view = functools.partial(self.files.view, url, min_bytes=end)
+                ids_b, mod_b = read_members(members, view, self.cfg.check_hashes)
                 # Views of the shard's memory map: nothing is copied until the packer places them.
                 ids, mod = read_npy(ids_b), read_npy(mod_b)
                 if ids.shape != (length,) or mod.shape != (length,):
