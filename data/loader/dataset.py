@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -182,26 +183,32 @@ class PackedLoader:
 
     def __iter__(self):
         if self.cfg.num_workers == 0:
-            yield from self._in_process()
-            return
-        dl = DataLoader(
-            _Consumers(self),
-            batch_size=None,
-            num_workers=self.cfg.num_workers,
-            pin_memory=self.pin,
-            prefetch_factor=self.cfg.prefetch_factor,
-            persistent_workers=False,
-            multiprocessing_context=WORKER_START,
-            # A generator of its own: a DataLoader iterator otherwise draws its base seed from the
-            # global torch RNG, which would differ between a resumed and an uninterrupted run.
-            # Our workers seed themselves by hashing (seed, epoch, rank, worker) anyway.
-            generator=torch.Generator().manual_seed(self.cfg.seed * 1000003 + self.rank),
-        )
-        it = iter(dl)
+            # The one consumer's batches straight from its stream, minus a DataLoader's
+            # per-batch bookkeeping (a fetcher, a sampler, a profiler range)
+            it: Iterator = iter(_Consumers(self))
+        else:
+            it = iter(
+                DataLoader(
+                    _Consumers(self),
+                    batch_size=None,
+                    num_workers=self.cfg.num_workers,
+                    pin_memory=self.pin,
+                    prefetch_factor=self.cfg.prefetch_factor,
+                    persistent_workers=False,
+                    multiprocessing_context=WORKER_START,
+                    # A generator of its own: a DataLoader iterator otherwise draws its base seed
+                    # from the global torch RNG, which would differ between a resumed and an
+                    # uninterrupted run. Our workers seed themselves by hashing (seed, epoch, rank,
+                    # worker) anyway.
+                    generator=torch.Generator().manual_seed(self.cfg.seed * 1000003 + self.rank),
+                )
+            )
         rings = set()
         try:
             for item in it:
                 packed = item.load() if isinstance(item, _Pickled) else item
+                if self.pin:
+                    packed.pin_memory()  # (in pinned memory already: nothing more to do)
                 rings.add(packed.token)
                 self._worker_states[packed.worker] = packed.state
                 self.handed_out += 1
@@ -213,18 +220,6 @@ class PackedLoader:
             shutdown = getattr(it, "_shutdown_workers", None)
             if shutdown:
                 shutdown()
-
-    def _in_process(self):
-        """``num_workers=0``: the one consumer's batches straight from its stream, as a DataLoader
-        without workers would hand them out (pinned when it would pin), minus its per-batch
-        bookkeeping (a fetcher, a sampler, a profiler range: work per batch that one consumer in
-        the trainer's process does not need)."""
-        for packed in _Consumers(self):
-            if self.pin:
-                packed.pin_memory()  # (its buffer is pinned already: nothing to do)
-            self._worker_states[packed.worker] = packed.state
-            self.handed_out += 1
-            yield packed.to_dict()
 
     @property
     def worker_states(self) -> dict[int, dict]:
