@@ -119,11 +119,9 @@ _COLUMNS = (
 
 
 class TokenTable(SampleTable):
-    """A token source whose samples stay in their shards' binary indexes (``SHARD.idx.bin``,
-    data/shards/token_index.py) until they are read: built from the manifest alone (per shard:
-    samples, index hash, blocks), so it costs the same at 10^4 samples as at 10^9. Each process
-    memory-maps a shard's index when it first reads from that shard (a remote one fetched once
-    into the cache, ``cache_dir/index``, named by its JSONL's hash); a missing or stale one is
+    """A token source built from its manifest alone (per shard: samples, index hash, blocks).
+    Each process maps a shard's binary index when it first reads from that shard (a remote one
+    fetched once into ``cache_dir/index``, named by its JSONL's hash); a missing or stale one is
     an error naming it. Pickled (to a worker) without its maps."""
 
     def __init__(

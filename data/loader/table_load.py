@@ -84,8 +84,8 @@ def tokenizer_key(tokenizers: dict) -> str:
 def load_table(src: SourceConfig, *, cache_dir: str | None = None) -> SampleTable:
     """The sample table of one source: a ``TokenTable`` (token shards: the manifest alone, no
     per-sample work) or a ``SampleTable`` of raw shards (their JSONL indexes read whole).
-    ``cache_dir``: where binary indexes missing beside their shards are built (default: the
-    ``pipe:`` cache, data.cache_dir)."""
+    ``cache_dir``: where the binary indexes of remote shards are kept (default: the ``pipe:``
+    cache, data.cache_dir)."""
     tars: list[str] = []
     for pat in src.shards:
         matched = store.expand(pat)
