@@ -113,7 +113,7 @@ def load_table(src: SourceConfig, *, cache_dir: str | None = None) -> SampleTabl
     if len(kinds) > 1:
         raise ValueError(f"source {src.name}: mixes raw and token shards; make them two sources")
     if RAW_FORMAT in kinds:
-        return _load_raw_table(src, tars, [f[:2] for f in found])
+        return _load_raw_table(src, tars, manifest_url=found[-1][1])
     return _load_token_table(src, tars, found, cache_dir or store.default_cache_dir(), listing)
 
 
@@ -204,9 +204,7 @@ def _load_token_table(
     )
 
 
-def _load_raw_table(
-    src: SourceConfig, tars: list[str], found: list[tuple[dict, str]]
-) -> SampleTable:
+def _load_raw_table(src: SourceConfig, tars: list[str], *, manifest_url: str) -> SampleTable:
     """Raw shards: every JSONL index read whole (each sample's members, for online tokenizing)."""
     shard, keys, members = [], [], []
     shard_bytes = [0] * len(tars)
@@ -248,6 +246,6 @@ def _load_raw_table(
         "",
         kind="raw",
         members=members,
-        manifest_url=found[-1][1],
+        manifest_url=manifest_url,
         shard_bytes=shard_bytes,
     )
