@@ -21,7 +21,7 @@ import numpy as np
 
 from data.loader.config import SourceConfig
 from data.loader.npy import read_npy
-from data.loader.sample_check import check_ids, read_token_sample
+from data.loader.sample_check import check_ids, read_members
 from data.loader.store import ShardFiles
 from data.loader.table import SampleTable
 from data.loader.table_load import load_table
@@ -117,10 +117,10 @@ def iter_documents(
             left_out = 0
             for index in range(count) if samples is None else samples:
                 try:
-                    record = table.token_sample(index)
-                    url, end = table.shards[record.shard], table.shard_end(record.shard)
+                    shard, _, _, *members = table.locate_members(index)
+                    url, end = table.shards[shard], table.shard_end(shard)
                     view = functools.partial(_view, files, url, end)
-                    ids_bytes, mod_bytes = read_token_sample(record, view, check_hash=True)
+                    ids_bytes, mod_bytes = read_members(members, view, True)
                     # copies: the views of the shard's map end with this generator
                     ids, mod = read_npy(ids_bytes).copy(), read_npy(mod_bytes).copy()
                     check_ids(ids, mod, ranges)

@@ -89,7 +89,7 @@ def _token_manifest_dir(path: Path) -> Path | None:
 
 def find_tokenizers(run_cfg) -> tuple[Path | None, str]:
     """(the token data's tokenizers/ folder, "") or (None, why not)."""
-    from data.loader.table_load import expand
+    from data.loader.store import expand
 
     if getattr(run_cfg.data, "tokenizers", None):  # the run named its tokenizer folder
         folder = Path(run_cfg.data.tokenizers)

@@ -1,25 +1,24 @@
 """The loader a trainer holds: one rank's consumers behind a torch ``DataLoader``.
 
 Design choices:
-- Consumers are (rank, worker) pairs: consumer = rank x workers + worker. Each worker process
-  runs one ``ConsumerStream``; the DataLoader takes their batches round-robin, which is
+- Consumers are (rank, worker) pairs: consumer = rank x workers + worker, each worker process
+  running one ``ConsumerStream``. The DataLoader takes their batches round-robin, which is
   deterministic, so the rank's batch sequence is too.
-- Exact resume with prefetching workers: every batch carries its worker's state *after* it;
-  the main process keeps the state of the last batch it actually handed out per worker, and
-  the number handed out. Restoring starts each worker from its state and rotates the workers
-  so that the one whose turn was next comes first. Nothing is replayed.
+- Exact resume with prefetching workers: every batch carries its worker's state after it; the
+  main process keeps the state of the last batch it handed out per worker, and how many it
+  handed out. Restoring starts each worker from its state and rotates the workers so that the
+  one whose turn was next comes first. Nothing is replayed.
 - The state refuses other data or tokenizers (fingerprint), another world size, worker count,
-  seq_len or batch size; ``redistribute.redistribute`` maps every old rank's state onto another
-  split (world size x workers), and its result loads here (see docs/loader.md).
-- Epoch mode: the state carries the batch count every consumer yields, since after a
-  redistribute it is the count of the new split from where the old one stopped, not the one
-  computed here from the start.
+  seq_len or batch size; ``redistribute.redistribute`` maps it onto another split (docs/loader.md).
+- Epoch mode: the state carries the batch count every consumer yields (after a redistribute,
+  the new split's count from where the old one stopped).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -109,10 +108,7 @@ class _Consumers(IterableDataset):
             )
         else:
             stream.pin = ld.pin
-        while True:
-            batch = stream.next_batch()
-            if batch is None:
-                return
+        while (batch := stream.next_batch()) is not None:
             assert isinstance(batch, PackedBatch)
             batch.worker = worker
             batch.state = stream.state()  # a snapshot, made the dict when asked for
@@ -134,12 +130,8 @@ class PackedLoader:
         if cfg.mode not in ("infinite", "epoch"):
             raise ValueError(f"data.mode {cfg.mode!r}: choose infinite or epoch")
         self.cfg, self.tables = cfg, tables
-        self.rank, self.world_size, self.micro_batch, self.pad_id = (
-            rank,
-            world_size,
-            micro_batch,
-            pad_id,
-        )
+        self.rank, self.world_size = rank, world_size
+        self.micro_batch, self.pad_id = micro_batch, pad_id
         self.workers = max(1, cfg.num_workers)
         self.weights = [s.weight for s in cfg.sources] if cfg.sources else [1.0] * len(tables)
         self.pin = (
@@ -191,26 +183,32 @@ class PackedLoader:
 
     def __iter__(self):
         if self.cfg.num_workers == 0:
-            yield from self._in_process()
-            return
-        dl = DataLoader(
-            _Consumers(self),
-            batch_size=None,
-            num_workers=self.cfg.num_workers,
-            pin_memory=self.pin,
-            prefetch_factor=self.cfg.prefetch_factor if self.cfg.num_workers else None,
-            persistent_workers=False,
-            multiprocessing_context=WORKER_START if self.cfg.num_workers else None,
-            # A generator of its own: a DataLoader iterator otherwise draws its base seed from the
-            # global torch RNG, which would differ between a resumed and an uninterrupted run.
-            # Our workers seed themselves by hashing (seed, epoch, rank, worker) anyway.
-            generator=torch.Generator().manual_seed(self.cfg.seed * 1000003 + self.rank),
-        )
-        it = iter(dl)
+            # The one consumer's batches straight from its stream, minus a DataLoader's
+            # per-batch bookkeeping (a fetcher, a sampler, a profiler range)
+            it: Iterator = iter(_Consumers(self))
+        else:
+            it = iter(
+                DataLoader(
+                    _Consumers(self),
+                    batch_size=None,
+                    num_workers=self.cfg.num_workers,
+                    pin_memory=self.pin,
+                    prefetch_factor=self.cfg.prefetch_factor,
+                    persistent_workers=False,
+                    multiprocessing_context=WORKER_START,
+                    # A generator of its own: a DataLoader iterator otherwise draws its base seed
+                    # from the global torch RNG, which would differ between a resumed and an
+                    # uninterrupted run. Our workers seed themselves by hashing (seed, epoch, rank,
+                    # worker) anyway.
+                    generator=torch.Generator().manual_seed(self.cfg.seed * 1000003 + self.rank),
+                )
+            )
         rings = set()
         try:
             for item in it:
                 packed = item.load() if isinstance(item, _Pickled) else item
+                if self.pin:
+                    packed.pin_memory()  # (in pinned memory already: nothing more to do)
                 rings.add(packed.token)
                 self._worker_states[packed.worker] = packed.state
                 self.handed_out += 1
@@ -223,18 +221,6 @@ class PackedLoader:
             if shutdown:
                 shutdown()
 
-    def _in_process(self):
-        """``num_workers=0``: the one consumer's batches straight from its stream, as a DataLoader
-        without workers would hand them out (pinned when it would pin), minus its per-batch
-        bookkeeping (a fetcher, a sampler, a profiler range: work per batch that one consumer in
-        the trainer's process does not need)."""
-        for packed in _Consumers(self):
-            if self.pin:
-                packed.pin_memory()  # (its buffer is pinned already: nothing to do)
-            self._worker_states[packed.worker] = packed.state
-            self.handed_out += 1
-            yield packed.to_dict()
-
     @property
     def worker_states(self) -> dict[int, dict]:
         """Each worker's state after its last batch handed out (snapshots made dicts here)."""
@@ -243,10 +229,6 @@ class PackedLoader:
             if not isinstance(st, dict):
                 states[w] = st.to_dict()
         return states
-
-    @worker_states.setter
-    def worker_states(self, states: dict[int, dict]) -> None:
-        self._worker_states = states
 
     # --- state -----------------------------------------------------------------------------------
     def fingerprint(self) -> str:
@@ -270,28 +252,22 @@ class PackedLoader:
 
     def load_state_dict(self, st: dict) -> None:
         check_loader_state(st)
-        if st["fingerprint"] != self.fingerprint():
+        mine = self.state_dict()
+        if st["fingerprint"] != mine["fingerprint"]:
             raise ValueError(
                 "the loader state was saved over other shards, tokenizers or online tokenize "
                 "options (data.tokenize, data.doc_budget; fingerprint "
-                f"{st['fingerprint']} != {self.fingerprint()}); it cannot resume this data"
+                f"{st['fingerprint']} != {mine['fingerprint']}); it cannot resume this data"
             )
         for k in ("world_size", "workers", "seq_len", "micro_batch", "mode"):
-            mine = {
-                "world_size": self.world_size,
-                "workers": self.workers,
-                "seq_len": self.cfg.seq_len,
-                "micro_batch": self.micro_batch,
-                "mode": self.cfg.mode,
-            }[k]
-            if st[k] != mine:
+            if st[k] != mine[k]:
                 raise ValueError(
-                    f"loader state has {k}={st[k]}, this loader {mine}; use "
+                    f"loader state has {k}={st[k]}, this loader {mine[k]}; use "
                     "data.loader.redistribute to map it (docs/loader.md)"
                 )
         # Epoch mode: after a redistribute, the count of the new split, not this one's
         self.batch_limit = st["batch_limit"]
-        self.worker_states = {int(k): v for k, v in st["worker_states"].items()}
+        self._worker_states = {int(k): v for k, v in st["worker_states"].items()}
         self.handed_out = st["handed_out"]
         self.rotation = self.handed_out % self.workers
 

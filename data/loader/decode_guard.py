@@ -1,18 +1,14 @@
 """Video decoding of untrusted inputs in the loader's workers, with a bound on what decord can
-leak: each failing decode leaks ~40 KB inside decord (decord issues #208, #197, #157), ~23 MB
-per 600 failures, for as long as the worker lives.
+leak (each failing decode leaks inside decord, for as long as the worker lives).
 
 Design choices:
-- Decoding stays in the worker (no process per clip: most clips decode fine, and ingest has
-  already probed every raw shard's videos). Each worker counts its failed decodes.
-- Past ``budget`` failures (a worker that keeps meeting broken clips), every later clip is
-  decoded in a fresh child process started for it (``python -m data.loader.decode_child``):
-  the frames come back through a pipe, whatever decord leaks dies with the child, and the
-  worker's memory stays where it was. A child costs an interpreter start and decord's import
-  (a few hundred milliseconds); only such workers pay it. A subprocess rather than
-  multiprocessing or a bare fork: a DataLoader worker is a daemon process, which
-  multiprocessing does not let have children, and a forked copy of a worker would have to
-  leave through ``os._exit``.
+- Decoding stays in the worker (most clips decode fine: ingest has probed every raw shard's
+  videos). Each worker counts its failed decodes.
+- Past ``budget`` failures, every later clip is decoded in a fresh child process
+  (``child``): whatever decord leaks dies with the child. Only
+  such workers pay a child's start. A subprocess rather than multiprocessing or a bare fork:
+  a DataLoader worker is a daemon process, which multiprocessing does not let have children,
+  and a forked copy of a worker would have to leave through ``os._exit``.
 - A child that dies (a crash inside FFmpeg) is a failed decode like any other: the sample is
   skipped and counted by the stream, never a dead worker.
 """
@@ -25,7 +21,8 @@ import sys
 
 from data.video_frames import decode_frames
 
-CHILD_COMMAND = [sys.executable, "-m", "data.loader.decode_child"]
+# A one-liner, not ``-m``: this module is imported with its package before ``-m`` would run it
+CHILD_COMMAND = [sys.executable, "-c", "from data.loader.decode_guard import child; child()"]
 DEFAULT_BUDGET = 64  # failed decodes a worker absorbs (~3 MB of decord leaks) before forking
 
 
@@ -53,8 +50,8 @@ class DecodeGuard:
 
 
 def decode_in_child(raw: bytes, sampling, prep, size=None):
-    """``decode_frames`` in a fresh Python process (``data.loader.decode_child``); its result (or
-    its error) comes back pickled on its stdout."""
+    """``decode_frames`` in a fresh Python process (``child``); its result (or its error) comes
+    back pickled on its stdout."""
     job = pickle.dumps((raw, sampling, prep, size), protocol=pickle.HIGHEST_PROTOCOL)
     done = subprocess.run(CHILD_COMMAND, input=job, capture_output=True)
     if done.returncode != 0 or not done.stdout:
@@ -63,3 +60,15 @@ def decode_in_child(raw: bytes, sampling, prep, size=None):
     if not ok:
         raise ValueError(str(payload))
     return payload
+
+
+def child() -> None:
+    """The child's side: a pickled ``(raw, sampling, prep, size)`` from stdin (written by its
+    parent, never by the input), a pickled ``(True, frames)`` or ``(False, why)`` to stdout."""
+    raw, sampling, prep, size = pickle.loads(sys.stdin.buffer.read())
+    try:
+        result: tuple[bool, object] = (True, decode_frames(raw, sampling, prep, size))
+    except ValueError as e:
+        result = (False, str(e))
+    sys.stdout.buffer.write(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+    sys.stdout.buffer.flush()

@@ -11,11 +11,10 @@ happen). Raw sources are tokenized in the workers with budgets fitted to the row
 from __future__ import annotations
 
 from data.loader.config import LoaderConfig
-from data.loader.table import SampleTable
-from data.loader.table_load import find_manifest
+from data.loader.table import SampleTable, TokenTable
 
 
-def oversize_blocks(table: SampleTable, seq_len: int) -> dict[str, list[int]]:
+def oversize_blocks(table: TokenTable, seq_len: int) -> dict[str, list[int]]:
     """modality -> [blocks longer than seq_len, blocks in all, the longest] of a token source.
     From the per-shard summaries (the manifest's, or each binary index's header): no sample is
     looked at unless some block is too long, and then only to count them for the message."""
@@ -28,9 +27,8 @@ def oversize_blocks(table: SampleTable, seq_len: int) -> dict[str, list[int]]:
     return out
 
 
-def _budget(table: SampleTable) -> str:
-    found = find_manifest(table.shards[0]) if table.shards else None
-    opts = (found[0].get("options") or {}) if found else {}
+def _budget(table: TokenTable) -> str:
+    opts = table.tokenize_options
     if not opts:
         return "its tokenize options are unknown"
     parts = [f"--image-max-pixels {opts.get('image_max_pixels')}"]
@@ -47,8 +45,8 @@ def check_blocks_fit(cfg: LoaderConfig, tables: list[SampleTable], *, what: str)
         return
     problems, longest = [], 0
     for t in tables:
-        if t.kind != "tokens":
-            continue
+        if not isinstance(t, TokenTable):
+            continue  # raw sources are tokenized with budgets fitted to the row
         for modality, (over, total, most) in oversize_blocks(t, cfg.seq_len).items():
             if over:
                 longest = max(longest, most)

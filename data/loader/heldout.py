@@ -3,26 +3,18 @@
 the two count the same tokens and compute the same CE.
 
 Design choices:
-- Every document of every source is read once, in index order, and packed into rows of
-  ``seq_len`` by ``pack_documents`` (the training loader's packing loop: text split across
-  rows, a visual block never; with ``whole_documents``, the run's ``data.whole_documents``, a
-  document that fits a row is never split either, so that the held-out CE and the loss by
-  position measure documents whole, as the run trained on them), the documents of each shard
-  folder into rows of their own: the rows do not depend on how the folders are grouped into
-  sources (one validation source over ``tokens/val`` packs exactly as ``earlyfuse-eval --data
-  tokens/val``, which makes a source of each folder below it). A folder's last rows make a
-  short batch, filled up with blank rows (every label ignored): nothing is held back to even
-  out batches, as the training loader's epoch mode does, so no token is left out whatever the
-  batch size.
+- Every document is read once, in index order, and packed by ``pack_documents`` (the training
+  loader's packing; with ``whole_documents`` as the run trained, so held-out CE measures
+  documents whole), the documents of each shard folder into rows of their own: the rows do not
+  depend on how folders are grouped into sources (one validation source over ``tokens/val``
+  packs as ``earlyfuse-eval --data tokens/val``, a source per folder). A folder's last batch is
+  filled up with blank rows: no token is left out whatever the batch size.
 - The folders take turns batch by batch, so a capped pass (``train.eval_batches``) sees the
-  first documents of every folder, not the whole of the first one.
-- No worker processes: a held-out set is small beside the training data, and one reader in the
-  evaluating process is what keeps the pass exact whatever ``data.num_workers`` is (workers
-  that each take a share can each have less than a batch). With several ranks, every rank packs
-  the same batches and evaluates every world-size-th one (``RankShare``): the ranks share the
-  forward passes and together evaluate the whole pass once. A rank with one batch fewer than
-  another runs a blank batch, so that every rank calls the model as often (ZeRO-3 gathers the
-  parameters collectively in every forward).
+  first documents of every folder.
+- No worker processes: one reader in the evaluating process keeps the pass exact whatever
+  ``data.num_workers`` is. With several ranks every rank packs the same batches and evaluates
+  every world-size-th one (``RankShare``); a rank with a batch fewer runs a blank batch, so that
+  every rank calls the model as often (ZeRO-3 gathers parameters collectively).
 """
 
 from __future__ import annotations

@@ -27,8 +27,14 @@ _SHAPE_AT = len("{'descr': '<i4', 'fortran_order': False, 'shape': (")
 _ZERO = ord("0")
 
 
-def _header_layout(header: bytes) -> tuple[np.dtype, int] | None:
-    """(dtype, length) of a version 1 header's text, parsed once per distinct header."""
+def npy_layout(data: bytes | memoryview) -> tuple[np.dtype, int, int] | None:
+    """(dtype, length, where the values start) of a 1-D little-endian integer .npy with a version
+    1 header, the kind tokenize writes; None for any other kind. Each distinct header is parsed
+    once."""
+    if data[:8] != _MAGIC:
+        return None
+    hlen = int.from_bytes(data[8:10], "little")
+    header = bytes(data[10 : 10 + hlen])
     known = _HEADERS.get(header)
     if known is None:
         m = _NPY_1D.match(header)
@@ -37,18 +43,6 @@ def _header_layout(header: bytes) -> tuple[np.dtype, int] | None:
         known = (np.dtype(m.group(1).decode()), int(m.group(2)))
         if len(_HEADERS) < 65536:  # one per (dtype, length): documents repeat lengths
             _HEADERS[header] = known
-    return known
-
-
-def npy_layout(data: bytes | memoryview) -> tuple[np.dtype, int, int] | None:
-    """(dtype, length, where the values start) of a 1-D little-endian integer .npy with a version
-    1 header, the kind tokenize writes; None for any other kind."""
-    if data[:8] != _MAGIC:
-        return None
-    hlen = int.from_bytes(data[8:10], "little")
-    known = _header_layout(bytes(data[10 : 10 + hlen]))
-    if known is None:
-        return None
     return known[0], known[1], 10 + hlen
 
 

@@ -1,21 +1,16 @@
 """Online tokenization: raw shards (``earlyfuse-prep ingest``) become token documents inside the
-loader's workers, with the same encoder ``earlyfuse-prep tokenize`` uses (data/tokenize/).
+loader's workers, with the encoder ``earlyfuse-prep tokenize`` uses (data/tokenize/).
 
 Design choices:
 - One document at a time, its images in one batch of their own: a document's tokens never
-  depend on which other documents share a worker's batch, so a restored stream re-encodes a
-  held-aside document to the very same ids (exact resume) and the online path gives the ids the
-  offline path gives.
-- The visual tokenizer runs on the worker's CPU (the GPU belongs to the trainer; a DataLoader
-  worker uses one thread). Offline tokenization stays the fast path for large runs
-  (docs/benchmarks.md, "Loader, raw path").
-- No block outgrows a row: images and videos are tokenized with ``seq_len`` as their block
-  budget, as ``earlyfuse-prep tokenize --seq-len`` does (images smaller, videos fewer frames,
-  then smaller frames), so nothing is dropped.
-- ``data.doc_budget`` is ``tokenize --doc-budget``: a document's videos share what its text and
-  images leave of the budget. Both turn their settings into options with one function
-  (data/tokenize/docs.py ``budgeted_options``) and encode with one ``DocEncoder``, so a raw
-  document gets the ids ``tokenize --seq-len N --doc-budget B`` gives it.
+  depend on its neighbours, so a restored stream re-encodes a held-aside document to the same
+  ids (exact resume) and the online path gives the ids the offline path gives.
+- The visual tokenizer runs on the worker's CPU (the GPU belongs to the trainer). Offline
+  tokenization stays the fast path for large runs.
+- No block outgrows a row, and ``data.doc_budget`` is ``tokenize --doc-budget``: both paths
+  turn their settings into options with one function (data/tokenize/docs.py
+  ``budgeted_options``) and encode with one ``DocEncoder``, so a raw document gets the ids
+  ``tokenize --seq-len N --doc-budget B`` gives it.
 - Videos are untrusted bytes: failing decodes leak inside decord, so past a budget of failures
   a worker decodes each clip in a short-lived child (data/loader/decode_guard.py).
 """
@@ -63,16 +58,9 @@ def folder_fingerprints(folder: str | Path) -> dict:
     }
 
 
-def fitted_options(opts: TokenizeOptions, seq_len: int) -> TokenizeOptions:
-    """Options under which every image and video block fits in a row of ``seq_len``: what
-    ``earlyfuse-prep tokenize --seq-len`` does (images made smaller, videos given fewer frames,
-    then smaller frames)."""
-    return budgeted_options(seq_len=seq_len, names=LOADER_NAMES, **asdict(opts))
-
-
 def online_options(cfg) -> TokenizeOptions:
     """The ``TokenizeOptions`` of a LoaderConfig's ``tokenize`` section and ``doc_budget``; the
-    row length is applied by ``fitted_options`` (a state's fingerprint records these)."""
+    row length is applied by ``OnlineTokenizer`` (a state's fingerprint records these)."""
     return budgeted_options(doc_budget=cfg.doc_budget, names=LOADER_NAMES, **asdict(cfg.tokenize))
 
 
@@ -94,7 +82,8 @@ class OnlineTokenizer:
         folder = Path(folder)
         text = TextTokenizer.load(folder)
         vtok = load_visual_tokenizer(folder / VISUAL_TOKENIZER_DIR, text.layout, "cpu")
-        self.opts = fitted_options(opts, seq_len)
+        # Every image and video block fits in a row of ``seq_len``, as with tokenize --seq-len
+        self.opts = budgeted_options(seq_len=seq_len, names=LOADER_NAMES, **asdict(opts))
         self.encoder = DocEncoder(text, vtok, self.opts, torch.device("cpu"))
         # Failing clips leak inside decord: past a budget, each is decoded in a child process
         self.encoder.decode_frames = self.decode_guard = DecodeGuard(failure_budget)

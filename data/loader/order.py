@@ -2,20 +2,16 @@
 
 - Seeds come from hashing (seed, epoch, source, ...), never from a shared RNG stream, so any
   consumer computes its order alone, for any epoch, in the same time.
-- Shards are shuffled per epoch; samples are shuffled within windows of ``buffer`` consecutive
-  positions (a bounded shuffle that keeps reads local to a few shards).
-- The order is computed a window at a time (``EpochOrder``): each window's shuffle has a seed
-  of its own, so position p needs only its window, never the positions before it, and a
-  consumer's start costs the same at 10^4 samples as at 10^9 (only the shard permutation is
-  per epoch, O(shards)). A loader state's cursors are positions in this order; the state names
-  it (``ORDER_VERSION``) and a state that names none or another is refused
-  (data/loader/stream_state.py).
-- Consumer c of C takes positions c, c + C, c + 2C, ... of the epoch order: no sample is read by
-  two consumers within an epoch, and every sample is read by one.
-- After a ``redistribute`` (another world size or worker count mid-epoch), an epoch may carry a
-  *skip mask* over its order's positions: those already consumed by the old consumers. The new
-  consumers split only the rest, the same way. The mask is stored packed (bits, zlib, base64):
-  the consumed set is nearly a prefix of the order, so it compresses to a few bytes.
+- Shards are shuffled per epoch; samples within windows of ``buffer`` consecutive positions (a
+  bounded shuffle that keeps reads local to a few shards). Each window has a seed of its own,
+  so position p needs only its window: a consumer's start costs the same at 10^4 samples as at
+  10^9. A loader state's cursors are positions in this order, and the state names it
+  (``ORDER_VERSION``; another is refused, data/loader/stream_state.py).
+- Consumer c of C takes positions c, c + C, c + 2C, ...: every sample is read by exactly one
+  consumer within an epoch.
+- After a ``redistribute`` an epoch may carry a *skip mask* over its positions (those the old
+  consumers consumed); the new consumers split the rest the same way. The mask is stored packed
+  (bits, zlib, base64): the consumed set is nearly a prefix, so it compresses to a few bytes.
 """
 
 from __future__ import annotations
@@ -98,9 +94,7 @@ class ConsumerSlice:
     def __init__(self, order: EpochOrder, consumer: int, consumers: int) -> None:
         self.order, self.consumer, self.consumers = order, consumer, consumers
         self.n = len(range(consumer, order.n, consumers))
-        self._w = -1
-        self._samples: list[int] = []
-        self._take_w, self._take_samples = -1, np.zeros(0, np.int64)
+        self._w, self._samples = -1, np.zeros(0, np.int64)  # the window under the cursor
 
     def __len__(self) -> int:
         return self.n
@@ -111,11 +105,12 @@ class ConsumerSlice:
         if not -self.n <= k < self.n:
             raise IndexError(k)
         pos = self.consumer + (k % self.n) * self.consumers
-        w = pos // self.order.window
+        return self._window(pos // self.order.window).item(pos % self.order.window)
+
+    def _window(self, w: int) -> np.ndarray:
         if w != self._w:
-            # a list: indexing it gives an int (a numpy array gives a scalar to convert)
-            self._w, self._samples = w, self.order.window_samples(w).tolist()
-        return self._samples[pos - w * self.order.window]
+            self._w, self._samples = w, self.order.window_samples(w)
+        return self._samples
 
     def take(self, a: int, b: int) -> np.ndarray:
         """int64: the samples at slice positions [a, b) (0 <= a <= b <= len), a window at a
@@ -125,10 +120,8 @@ class ConsumerSlice:
         out = np.empty(len(pos), np.int64)
         w_of = pos // win
         for w in np.unique(w_of).tolist():
-            if w != self._take_w:  # the window under the cursor, kept (as in __getitem__)
-                self._take_w, self._take_samples = w, self.order.window_samples(w)
             sel = w_of == w
-            out[sel] = self._take_samples[pos[sel] - w * win]
+            out[sel] = self._window(w)[pos[sel] - w * win]
         return out
 
 

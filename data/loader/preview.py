@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from data.layout import parse_image
+from data.layout import parse_image, parse_video
 from data.loader.config import LoaderConfig, SourceConfig
 from data.loader.dataset import build_loader
 from data.names import MANIFEST_FILE, TOKENIZERS_DIR, VISUAL_TOKENIZER_DIR
@@ -96,24 +96,18 @@ def rows(
     if config:  # the run's own sources, weights and packing options
         wanted = set(names or [])
         srcs = [SourceConfig(**s) for s in config["sources"] if not wanted or s["name"] in wanted]
-        cfg = LoaderConfig(
-            sources=srcs,
-            seq_len=seq_len,
-            seed=int(config.get("seed", seed)),
-            shuffle_buffer=int(config.get("shuffle_buffer", 1024)),
-            mix_chunk=int(config.get("mix_chunk", 0)),
-            max_pending=int(config.get("max_pending", 4)),
-            num_workers=0,
-            allow_block_drops=True,  # shown and counted below, not refused
-        )
     else:
-        cfg = LoaderConfig(
-            sources=sources_of(token_dir, names),
-            seq_len=seq_len,
-            num_workers=0,
-            seed=seed,
-            allow_block_drops=True,
-        )
+        srcs, config = sources_of(token_dir, names), {}
+    cfg = LoaderConfig(
+        sources=srcs,
+        seq_len=seq_len,
+        seed=int(config.get("seed", seed)),
+        shuffle_buffer=int(config.get("shuffle_buffer", 1024)),
+        mix_chunk=int(config.get("mix_chunk", 0)),
+        max_pending=int(config.get("max_pending", 4)),
+        num_workers=0,
+        allow_block_drops=True,  # shown and counted below, not refused
+    )
     loader = build_loader(cfg, rank=0, world_size=1, micro_batch=1)
     out = []
     it = iter(loader)
@@ -144,26 +138,26 @@ def _runs(row: dict):
 def describe(row: dict, tok: TextTokenizer, colour: bool) -> str:
     lay = tok.layout
     ids, mod = row["input_ids"], row["modality"]
+    boi, bov = lay.structure_id("<boi>"), lay.structure_id("<bov>")
+    block_end = {boi: lay.structure_id("<eoi>"), bov: lay.structure_id("<eov>")}
     lines: list[str] = []
     for a, b in _runs(row):
         parts, i = [], a
         while i < b:
             m = Modality(int(mod[i]))
             j = i
-            if ids[i] in (lay.structure_id("<boi>"), lay.structure_id("<bov>")):
-                end = (
-                    lay.structure_id("<eoi>")
-                    if ids[i] == lay.structure_id("<boi>")
-                    else lay.structure_id("<eov>")
-                )
-                j = i + int(np.flatnonzero(ids[i:b] == end)[0]) + 1
-                h, w = (
-                    int(ids[i + 1] - lay.structure_id("<h=1>") + 1),
-                    int(ids[i + 2] - lay.structure_id("<w=1>") + 1),
-                )
-                frames = int((ids[i:j] == lay.structure_id("<frame>")).sum())
-                text = f"[image {h}x{w}]" if frames == 0 else f"[video {frames}x{h}x{w}]"
-                m = Modality.IMAGE if frames == 0 else Modality.VIDEO
+            if int(ids[i]) in block_end:
+                j = i + int(np.flatnonzero(ids[i:b] == block_end[int(ids[i])])[0]) + 1
+                if ids[i] == boi:
+                    m, text = (
+                        Modality.IMAGE,
+                        "[image {}x{}]".format(*parse_image(ids[i:j], lay).shape),
+                    )
+                else:
+                    m, text = (
+                        Modality.VIDEO,
+                        "[video {}x{}x{}]".format(*parse_video(ids[i:j], lay).shape),
+                    )
             else:
                 while j < b and Modality(int(mod[j])) == m and ids[j] < lay.structure_offset:
                     j += 1
@@ -306,10 +300,10 @@ def _token_dir_of(data: dict) -> str:
     import posixpath
 
     from data.loader import store
-    from data.loader.table_load import expand, find_manifest
+    from data.loader.table_load import find_manifest
 
     first = data["sources"][0]
-    found = [u for pat in first["shards"] for u in expand(pat)]
+    found = [u for pat in first["shards"] for u in store.expand(pat)]
     hit = find_manifest(found[0]) if found else None
     if hit is None or store.kind(found[0]) == "pipe":
         raise ValueError(

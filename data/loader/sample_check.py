@@ -3,23 +3,21 @@ instead of crashing the run (the model's embedding would fail on an id past the 
 the same step after every restart).
 
 Design choices:
-- Token samples are checked against the SHA-256 their index records (``sample_hash`` over the
-  ``json``, ``ids.npy`` and ``mod.npy`` members). The three members lie next to each other in
-  the tar, so one view of the shard covers them (a slice of its memory map); the extra cost
-  is hashing a few KB per document (docs/benchmarks.md, "Loader: per-document checks").
-  ``data.check_hashes=false`` turns it off.
-- Ids are always checked against their modality's range of the vocabulary layout (text and
-  code: the BPE; image and video: the visual codes; structure: the markers): a vectorised
-  compare, microseconds. It also guards raw sources tokenized online.
-- A failed check is a ValueError: the stream skips the sample, counts it in ``data/skipped``
-  and logs its shard and key, like any unreadable sample.
+- Token samples are checked against the SHA-256 their index records over the ``json``,
+  ``ids.npy`` and ``mod.npy`` members, which lie side by side in the tar, so one view of the
+  shard covers them. ``data.check_hashes=false`` turns it off.
+- Ids are always checked against their modality's range of the vocabulary layout: a vectorised
+  compare, which also guards raw sources tokenized online.
+- A failed check is a ValueError: the stream skips, counts and names the sample like any
+  unreadable one.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -63,37 +61,26 @@ def attach_id_ranges(cfg: LoaderConfig, tables: list) -> None:
         t.id_ranges = ranges
 
 
-_BITS: dict[bytes, np.ndarray] = {}  # ranges -> per id, a bit for each modality it may carry
-
-
-def _allowed_bits(ranges: np.ndarray) -> np.ndarray:
-    """uint8 [vocabulary + 1]: bit m of entry i says id i may carry modality m; the last entry,
-    0, stands for every id past the vocabulary (lookups clip to it)."""
-    key = ranges.tobytes()
-    if key not in _BITS:
-        bits = np.zeros(int(ranges[:, 1].max()) + 1, np.uint8)
-        for m, (lo, hi) in enumerate(ranges):
-            bits[lo:hi] |= np.uint8(1 << m)
-        _BITS[key] = bits
-    return _BITS[key]
-
-
-_TEXT_BELOW: dict[int, tuple[np.ndarray, int]] = {}  # id(ranges) -> (ranges, text size or -1)
 _UNSIGNED = {np.dtype(f"<i{n}"): np.dtype(f"<u{n}") for n in (1, 2, 4, 8)}
 _CODE = int(Modality.CODE)
 
 
+@functools.lru_cache(maxsize=64)  # loaders come and go (tests): a few ranges at a time
+def _lookups(key: bytes) -> tuple[np.ndarray, int]:
+    """Of the ranges whose bytes are ``key``: uint8 [vocabulary + 1], bit m of entry i saying id
+    i may carry modality m (the last entry, 0, stands for every id past the vocabulary: lookups
+    clip to it); and the text size when text and code share the ids [0, text size) (then a text
+    or code document is checked by its largest id alone), else -1."""
+    ranges = np.frombuffer(key, np.int64).reshape(-1, 2)
+    bits = np.zeros(int(ranges[:, 1].max()) + 1, np.uint8)
+    for m, (lo, hi) in enumerate(ranges):
+        bits[lo:hi] |= np.uint8(1 << m)
+    text, code = ranges[int(Modality.TEXT)], ranges[_CODE]
+    return bits, int(text[1]) if text[0] == 0 and (text == code).all() else -1
+
+
 def _text_below(ranges: np.ndarray) -> int:
-    """The text size when text and code share the ids [0, text size) (then a text or code
-    document is checked by its largest id alone), else -1. Computed once per ranges array."""
-    got = _TEXT_BELOW.get(id(ranges))
-    if got is None or got[0] is not ranges:
-        text, code = ranges[int(Modality.TEXT)], ranges[_CODE]
-        below = int(text[1]) if text[0] == 0 and (text == code).all() else -1
-        if len(_TEXT_BELOW) > 64:  # loaders come and go (tests): keep it small
-            _TEXT_BELOW.clear()
-        got = _TEXT_BELOW[id(ranges)] = (ranges, below)  # the array is kept: its id stays its own
-    return got[1]
+    return _lookups(np.ascontiguousarray(ranges, np.int64).tobytes())[1]
 
 
 def check_ids(ids: np.ndarray, mod: np.ndarray, ranges: np.ndarray | None) -> None:
@@ -115,7 +102,7 @@ def check_ids(ids: np.ndarray, mod: np.ndarray, ranges: np.ndarray | None) -> No
         and int(unsigned.max()) < text_below
     ):
         return
-    bits = _allowed_bits(ranges)
+    bits = _lookups(np.ascontiguousarray(ranges, np.int64).tobytes())[0]
     # Three whole-array passes. The clipped lookup sends an id past the vocabulary (or negative)
     # to the last entry (no bits); a modality past the 5 bits shifts to 0. Signed modalities
     # (the raw path's int64) are checked >= 0.
@@ -143,29 +130,14 @@ def check_ids(ids: np.ndarray, mod: np.ndarray, ranges: np.ndarray | None) -> No
     )
 
 
-def read_token_sample(rec, view: Reader, *, check_hash: bool) -> tuple[Buffer, Buffer]:
-    """(ids.npy bytes, mod.npy bytes) of a token sample (``rec``: its ``TokenSample``), checked
-    against its index hash (``read_members``)."""
-    (j0, jsz), (i0, isz), (m0, msz) = rec.json_at, rec.ids_at, rec.mod_at
-    return read_members(j0, jsz, i0, isz, m0, msz, rec.sha256, view, check_hash)
-
-
-def read_members(
-    j0: int,
-    jsz: int,
-    i0: int,
-    isz: int,
-    m0: int,
-    msz: int,
-    sha256: bytes,
-    view: Reader,
-    check_hash: bool,
-) -> tuple[Buffer, Buffer]:
+def read_members(members: Sequence, view: Reader, check_hash: bool) -> tuple[Buffer, Buffer]:
     """(ids.npy bytes, mod.npy bytes) of a token sample whose ``json``, ``ids.npy`` and
     ``mod.npy`` members lie at (offset, size) ``j0, jsz`` / ``i0, isz`` / ``m0, msz`` of its
-    shard, checked against ``sha256`` (its index's; zeros: none). One view of the shard covers
-    the members (they lie side by side): a slice of a memory map for local shards, one ranged
-    read for remote ones. Positional and flat: it runs once per document read."""
+    shard (``members``: those six and the SHA-256 of its index, as ``locate_members`` gives
+    them; zeros: no hash), checked against the hash. One view of the shard covers the members
+    (they lie side by side): a slice of a memory map for local shards, one ranged read for
+    remote ones."""
+    j0, jsz, i0, isz, m0, msz, sha256 = members
     hashed = check_hash and sha256 != _NO_HASH
     start, end = min(i0, m0), max(i0 + isz, m0 + msz)
     if hashed:

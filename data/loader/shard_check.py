@@ -1,36 +1,25 @@
 """Token shards checked whole, once, when a consumer first reads from them, so that their
-documents are then handed out without any per-document check (reading and checking each
-document on its own would cost about as much as the rest of the loader's work on it).
+documents are then handed out without any per-document check (checking each document on its
+own costs about as much as the rest of the loader's work on it).
 
 Design choices:
-- The shard-level digest is the SHA-256 of the whole tar that ``earlyfuse-prep tokenize`` (and
-  the merge of its partitions) records in the manifest's shard line (``sha256``, the same value
-  ``earlyfuse-prep verify`` checks). One ``hashlib`` call over the shard's memory map: C speed,
-  and hashlib releases the GIL for large buffers, so a DataLoader worker's hashing does not
-  hold up the trainer's thread.
-- Then where every document's values lie is read from its ``.npy`` headers, all at once
-  (``npy.npy_layouts``: the headers gathered with numpy, each distinct one parsed once), their
-  lengths compared with the index, and every id of the shard checked against its modality's
-  vocabulary range by one compiled loop over the documents in place (``first_bad_document``),
-  no Python call per document and no copy of the shard's tokens. Members stored otherwise
-  than tokenize writes them (int32 ids, uint8 modalities, version 1 headers) send the shard
-  to the per-document path, which reads any ``.npy`` integer array.
-- A shard that passes is kept as a few arrays (where each document's ids and modalities start
-  in the memory map, their dtypes, its length and blocks): reading a document is two
-  ``np.frombuffer`` views, no parsing, no check. About 64 bytes a document with the table the
-  compiled loop's intake reads (a shard of 50,000 documents: 3.2 MB; at most 256 shards kept
-  per consumer), so a consumer can keep every shard it is reading from.
-- A shard that fails anything (tar changed since the manifest, a corrupted document, an id out
-  of range), or that cannot be mapped (fsspec URLs: hashing would read the whole shard over
-  the network) is read document by document: each document read and checked on its own, so a bad
-  document costs that document only, and is skipped, counted and named as always.
-- ``check_hashes=False``: no hash is computed; the id check of the whole shard still runs.
-- ``check_shard`` reads only its arguments (hashlib and the compiled loop release the GIL), so
-  a stream runs it for the next shard it will read in a thread while it reads the current one
-  (stream.ConsumerStream._check_ahead).
-- Each consumer checks the shards it reads from, and consumers (ranks x workers) each read
-  1/consumers of every shard: beyond ``whole_shard_check_max_consumers`` (default 8) a
-  consumer would hash far more than it reads, so shards are then checked document by document.
+- The digest is the SHA-256 of the whole tar the manifest records (what ``earlyfuse-prep
+  verify`` checks): one ``hashlib`` call over the shard's memory map, which releases the GIL.
+- Then the documents' ``.npy`` headers are read all at once (``npy.npy_layouts``), their
+  lengths compared with the index, and every id checked against its modality's range by one
+  compiled loop over the shard in place (``first_bad_document``): no Python call per document,
+  no copy. Members stored otherwise than tokenize writes them (int32 ids, uint8 modalities)
+  send the shard to the per-document path, which reads any ``.npy`` integer array.
+- A shard that passes is kept as a few arrays per document (where its ids and modalities lie,
+  its length and blocks): reading a document is two ``np.frombuffer`` views.
+- A shard that fails anything, or that cannot be mapped (fsspec URLs: hashing would read the
+  whole shard over the network), is read document by document, so a bad document costs that
+  document only and is skipped, counted and named as always.
+- ``check_hashes=False``: no hash; the id check still runs.
+- ``check_shard`` reads only its arguments, so a stream runs it for its next shard in a thread
+  while it reads the current one (stream.ConsumerStream._check_ahead).
+- Every consumer (ranks x workers) hashes the whole shard but reads 1/consumers of it: beyond
+  ``whole_shard_check_max_consumers`` shards are checked document by document.
 """
 
 from __future__ import annotations
@@ -70,11 +59,9 @@ class CheckedShard:
         self.lengths = index.records["tokens"]
         self.block_start = index.records["block_start"]
         self.block_count = index.records["block_count"]
-        # The same per document as one table (length, first block, blocks, ids at, modalities
-        # at), and the map as bytes: what the compiled loop's intake reads (stage_kernel.py)
-        self.table = np.stack(
-            [self.lengths, self.block_start, self.block_count, self.ids_at, self.mod_at], 1
-        ).astype(np.int64)
+        # The same per document as one table, and the map as bytes: what the compiled loop's
+        # intake reads (stage_kernel.py)
+        self.table = document_table(index, self.ids_at, self.mod_at)
         self.bytes = np.frombuffer(mapped, np.uint8)
 
     def document(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -99,12 +86,16 @@ class IndexedShard:
     bytes = np.zeros(0, np.uint8)  # no tokens: a dry stream stages none
 
     def __init__(self, index: token_index.TokenIndex) -> None:
-        records = index.records
         self.index = index
-        self.table = np.zeros((len(records), 5), np.int64)
-        self.table[:, 0] = records["tokens"]
-        self.table[:, 1] = records["block_start"]
-        self.table[:, 2] = records["block_count"]
+        no_tokens = np.zeros(len(index), np.int64)
+        self.table = document_table(index, no_tokens, no_tokens)
+
+
+def document_table(index: token_index.TokenIndex, ids_at, mod_at) -> np.ndarray:
+    """int64 [documents, 5]: length, first block, blocks, where the ids and modalities start."""
+    records = index.records
+    columns = [records["tokens"], records["block_start"], records["block_count"], ids_at, mod_at]
+    return np.stack(columns, 1).astype(np.int64)
 
 
 def check_shard(

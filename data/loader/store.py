@@ -3,18 +3,16 @@
 
 Design choices:
 - The loader reads members by offset through the shard index (exact resume without replay), so
-  every shard must be seekable. Local files and fsspec files are (fsspec turns a seek-and-read
-  into a ranged GET: only this consumer's samples cross the network). A ``pipe:`` command is a
-  stream, so its output is written once to a node-local cache folder (``cache_dir``) and read
-  from there, like MosaicML Streaming's local shard cache; all workers and ranks of a node share
-  it (a lock file per shard: one fetch each), and the least recently used shards are evicted
-  beyond ``cache_limit_gb``.
-- A ``pipe:`` command names its shard: the last word ending in ``.tar``. The index and the
-  token manifest are fetched by the same command with that word replaced by
-  ``<shard>.idx.jsonl`` and ``<folder>/manifest.json``, so one command pattern serves all three
-  (``pipe:aws s3 cp s3://bucket/tokens/code/shard-{000000..000041}.tar -``).
-- A command that fails is reported naming the command, its exit status and its stderr; a shard
-  whose fetch failed is not fetched again for ``FAILED_FOR`` seconds (its samples fail at once).
+  every shard must be seekable. Local and fsspec files are (fsspec turns a seek-and-read into a
+  ranged GET: only this consumer's samples cross the network). A ``pipe:`` command is a stream,
+  so its output is written once to a node-local cache folder (``cache_dir``) shared by all
+  workers and ranks of the node (a lock file per shard: one fetch each), like MosaicML
+  Streaming's shard cache; the least recently used shards are evicted beyond ``cache_limit_gb``.
+- A ``pipe:`` command names its shard: the last word ending in ``.tar``. Its index and manifest
+  are fetched by the same command with that word replaced, so one command pattern serves all
+  three (``pipe:aws s3 cp s3://bucket/tokens/code/shard-{000000..000041}.tar -``).
+- A failing command is reported with its exit status and stderr; a shard whose fetch failed is
+  not fetched again for ``FAILED_FOR`` seconds (its samples fail at once).
 - Remote reads are retried (``RETRIES``), then fail as OSError whatever the backend raised, so
   the loader skips and counts the sample like unreadable data.
 """
@@ -126,10 +124,14 @@ def name(url: str) -> str:
     return posixpath.basename(_tar_word(url).group(1) if kind(url) == "pipe" else url)
 
 
-def index_url(url: str) -> str:
+def beside(url: str, suffix: str) -> str:
+    """The shard's file of the same stem with ``suffix`` (its index: ``SHARD.idx.jsonl``)."""
     base = name(url)
-    stem = base[: -len(".tar")] if base.endswith(".tar") else base
-    return sibling(url, stem + INDEX_SUFFIX)
+    return sibling(url, (base[: -len(".tar")] if base.endswith(".tar") else base) + suffix)
+
+
+def index_url(url: str) -> str:
+    return beside(url, INDEX_SUFFIX)
 
 
 def _run(cmd: str) -> bytes:
@@ -194,7 +196,6 @@ class ShardFiles:
         self._open: dict[str, BinaryIO] = {}
         self._maps: dict[str, memoryview] = {}
         self._failed: dict[str, tuple[float, str]] = {}  # pipe: fetches that failed lately
-        self.opened = 0  # shards opened or mapped so far (benchmarks count them)
         self._touched = 0  # bytes read through the maps since their pages were last released
 
     def view(self, url: str, offset: int, size: int, min_bytes: int = 0) -> memoryview | bytes:
@@ -238,7 +239,6 @@ class ShardFiles:
                 n = os.fstat(f.fileno()).st_size
                 # Kept as a memoryview of the map: a slice per sample, nothing else made.
                 mapped = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if n else b"")
-            self.opened += 1
         self._maps[url] = mapped  # re-inserted last: the dict's order is the LRU order
         return mapped
 
@@ -306,17 +306,13 @@ class ShardFiles:
         return local_path(url)
 
     def _opener(self, url: str, min_bytes: int) -> BinaryIO:
-        self.opened += 1
-        k = kind(url)
-        if k == "pipe":
-            return open(self._local_file(url, min_bytes), "rb")
-        if k == "fsspec":
+        if kind(url) == "fsspec":
             # Readahead blocks: a consumer's samples of one shard lie within a shuffle window.
             # (Through fs.open: fsspec.open would hand these options to the filesystem's
             # constructor, which s3fs refuses -- found by the moto-backed test.)
             fs, path = _fs(url)
             return fs.open(path, "rb", block_size=4 << 20, cache_type="readahead")
-        return open(local_path(url), "rb")
+        return open(self._local_file(url, min_bytes), "rb")
 
     def fetch(self, url: str, min_bytes: int = 0) -> Path:
         """The ``pipe:`` command's output in the node-local cache (fetched once per node). Output

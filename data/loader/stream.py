@@ -2,31 +2,26 @@
 group them into batches, and say exactly where it is.
 
 Design choices:
-- Mixing by tokens, deterministically, a chunk at a time (decided with the packing in the
-  compiled loop, pack_kernel.py, which this stream feeds with documents): the next chunk (at most
-  ``mix_chunk`` tokens, default ``seq_len``, never cutting a visual block) comes from the
-  source furthest below its share (weight x tokens handed out so far, minus its own tokens).
-  A long document is handed out a chunk at a time (the OLMo / Megatron practice of cutting
-  documents into row-sized instances), so each step carries the mix instead of one source's
-  long document filling many rows. No RNG, shares exact to within one chunk, and the state is
-  a few counters plus the documents handed out in part (the state's ``open``).
-- The state (``state_dict``) is cursors, counters and the held-aside documents' positions:
-  kilobytes. Restoring computes the window of each source's epoch order under its cursor
-  (hashing, the same cost at any position) and seeks through the index; nothing is replayed.
+- Mixing by tokens, deterministically, a chunk at a time, decided with the packing in the
+  compiled loop (pack_kernel.py) this stream feeds with documents: the next chunk (at most
+  ``mix_chunk`` tokens, never cutting a visual block) comes from the source furthest below its
+  share. A long document is handed out a chunk at a time (as OLMo and Megatron cut documents
+  into row-sized instances), so each step carries the mix. No RNG, shares exact to within one
+  chunk, and the state stays a few counters plus the documents handed out in part.
+- The state is cursors, counters and the held-aside documents' positions: kilobytes. Restoring
+  computes the window of each source's epoch order under its cursor and seeks through the
+  index; nothing is replayed (stream_state.py).
 - Bad data never stops a run: an unreadable sample is skipped, counted and logged with its
   shard and key; ``max_consecutive_errors`` in a row stops with an error naming the last one.
   A read slower than ``stall_seconds`` is reported by a watchdog thread while it hangs.
 - Epoch mode: every consumer packs the same number of batches (the fewest any consumer can
-  fill, counted from the index alone); the samples beyond that are *held back*, counted and
-  reported, never repeated.
-
-Beside it: the compiled loop and its arrays, the stream's packing state (stream_arrays.py), the
-batch it hands the trainer (packed_batch.py), the state's format and restore (stream_state.py),
-the fast ``.npy`` reader (npy.py) and the stall watchdog (watchdog.py).
+  fill, counted from the index alone); the samples beyond are held back, counted, never
+  repeated.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -100,12 +95,12 @@ class ConsumerStream:
         self._online: OnlineTokenizer | None = None  # built on the first raw document
         self.ring: transport.SlotRing | None = None  # set in a DataLoader worker
         self.pin = False  # in-process: batches expanded into pinned memory (set by the loader)
-        self.watchdog = None if dry else Watchdog(cfg.stall_seconds, f"consumer {consumer}")
+        # A dry stream reads no tar: nothing to watch (0 s: no thread)
+        self.watchdog = Watchdog(0 if dry else cfg.stall_seconds, f"consumer {consumer}")
         # (source, shard) -> the shard when it passed the whole-shard check, None when it did not
-        # (data/loader/shard_check.py); least recently used dropped past _KEEP_SHARDS.
+        # (data/loader/shard_check.py); the dict's order is the LRU order, the least recently
+        # used dropped past _KEEP_SHARDS.
         self._checked: dict[tuple[int, int], CheckedShard | IndexedShard | None] = {}
-        self._used: dict[tuple[int, int], int] = {}  # when each was last used (self._tick)
-        self._tick = 0
         self._check_whole = consumers <= cfg.whole_shard_check_max_consumers
         # (source, shard) -> its whole-shard check running ahead in a thread (_check_ahead)
         self._ahead: dict[tuple[int, int], Future] = {}
@@ -151,9 +146,7 @@ class ConsumerStream:
         """The next document of source ``s`` in this consumer's slice; None when it could not be
         read (skipped and counted) or the source is done (epoch mode)."""
         c = self.cursors[s]
-        sl = self.slices.get((s, c.epoch))
-        if sl is None:
-            sl = self.slice_of(s, c.epoch)
+        sl = self.slice_of(s, c.epoch)
         if c.pos >= len(sl):
             if not self.next_epoch(s):
                 return None
@@ -206,16 +199,14 @@ class ConsumerStream:
         """Shard ``si`` when it passes the whole-shard check (checked on first use); a dry
         stream's shards as their index describes them (nothing to check: no token is read)."""
         key = (s, si)
-        self._tick += 1
         if key in self._checked:
-            self._used[key] = self._tick
+            self._checked[key] = self._checked.pop(key)  # re-inserted last: most recently used
             return self._checked[key]
         if self.dry:
             self._remember(key, IndexedShard(t.index(si)))  # type: ignore[attr-defined]
             return self._checked[key]
         url = t.shards[si]
-        if self.watchdog:
-            self.watchdog.current = (f"checking shard {url}", time.monotonic())
+        self.watchdog.current = (f"checking shard {url}", time.monotonic())
         try:
             ahead = self._ahead.pop(key, None)
             if ahead is not None:  # checked while the shard before it was read
@@ -226,8 +217,7 @@ class ConsumerStream:
         except (OSError, ValueError):
             return None  # not remembered: read document by document, which names the error
         finally:
-            if self.watchdog:
-                self.watchdog.current = None  # checked: nothing is being read any more
+            self.watchdog.current = None  # checked: nothing is being read any more
         self._remember(key, shard)
         self._check_ahead(s, t)
         return shard
@@ -289,9 +279,8 @@ class ConsumerStream:
 
     def _remember(self, key: tuple[int, int], shard: CheckedShard | IndexedShard | None) -> None:
         if len(self._checked) >= self._keep_shards:  # the least recently used goes
-            oldest = min(self._used, key=self._used.__getitem__)
-            del self._checked[oldest], self._used[oldest]
-        self._checked[key], self._used[key] = shard, self._tick
+            del self._checked[next(iter(self._checked))]
+        self._checked[key] = shard
 
     def load(self, s: int, sample: int, epoch: int) -> Doc | None:
         t = self.tables[s]
@@ -306,26 +295,16 @@ class ConsumerStream:
                 self.files.touched(ids.nbytes + mod.nbytes)
                 self.consecutive_errors = 0
                 return Doc(s, sample, epoch, len(ids), units, ids, mod)
-        if self.watchdog:
-            self.watchdog.current = ((t, sample), time.monotonic())
+        self.watchdog.current = ((t, sample), time.monotonic())
         try:
             if t.kind == "raw":
                 ids, mod, blocks = self._encode_raw(t, sample)
                 length = len(ids)
             else:
-                si, length, blocks, j0, jsz, i0, isz, m0, msz, sha = t.locate_members(sample)
-                url = t.shards[si]
-                ids_b, mod_b = read_members(
-                    j0,
-                    jsz,
-                    i0,
-                    isz,
-                    m0,
-                    msz,
-                    sha,
-                    lambda off, size: self.files.view(url, off, size, t.shard_end(si)),
-                    self.cfg.check_hashes,
-                )
+                si, length, blocks, *members = t.locate_members(sample)
+                url, end = t.shards[si], t.shard_end(si)
+                view = functools.partial(self.files.view, url, min_bytes=end)
+                ids_b, mod_b = read_members(members, view, self.cfg.check_hashes)
                 # Views of the shard's memory map: nothing is copied until the packer places them.
                 ids, mod = read_npy(ids_b), read_npy(mod_b)
                 if ids.shape != (length,) or mod.shape != (length,):
@@ -346,8 +325,7 @@ class ConsumerStream:
                 ) from e
             return None
         finally:
-            if self.watchdog:
-                self.watchdog.current = None
+            self.watchdog.current = None
         self.consecutive_errors = 0
         return Doc(s, sample, epoch, length, units_of(length, blocks), ids, mod)
 
@@ -377,15 +355,13 @@ class ConsumerStream:
             # (what the compiled loop writes everywhere; expand widens them into their field)
             buffer = BatchBuffer(B, L, self.pad_id, pin=self.pin)
             ids, mod = buffer.fields["ids"].reshape(n), np.empty(n, np.uint8)
+        packed = None
         try:
             packed = fast.pack(ids, mod)
-        except BaseException:
-            if slot is not None and ring is not None:
-                ring.release(slot)
-            raise
+        finally:
+            if packed is None and slot is not None and ring is not None:
+                ring.release(slot)  # nothing was packed into it
         if packed is None:
-            if slot is not None and ring is not None:
-                ring.release(slot)
             return None  # the last, incomplete batch of an epoch is held back
         compact, pieces, by_source, by_modality = packed
         dropped = fast.dropped_matrix()

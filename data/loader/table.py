@@ -1,20 +1,12 @@
-"""Every sample of one source, from its shards' indexes: where its members lie, its token count
-and its visual blocks. These are the tables the loader reads (``SampleTable``, and the lazy
-``TokenTable`` of token shards); building one from a source's shards and their manifest is
-table_load.py (``load_table``), kept apart because finding manifests, checking them and
-computing fingerprints is start-up work, while these classes answer the loader's per-document
-questions for the whole run (and are pickled to its workers).
+"""The sample tables the loader reads, one per source: where each sample's members lie, its
+token count and its visual blocks. A source is *token* shards (``earlyfuse-prep tokenize``, the
+fast path: a ``TokenTable``) or *raw* shards (``earlyfuse-prep ingest``, tokenized online in the
+workers: a ``SampleTable`` held in memory). table_load.py builds them at start; these classes
+answer the loader's per-document questions for the whole run and are pickled to its workers.
 
-A source is either *token* shards (``earlyfuse-prep tokenize``: ids and modalities stored, the
-fast path) or *raw* shards (``earlyfuse-prep ingest``: documents and media, tokenized online in
-the loader's workers). Shards may be local paths, fsspec URLs or ``pipe:`` commands
-(data/loader/store.py).
-
-Design choices:
-- Token sources start in O(shards), not O(samples): a sample's record (offsets, tokens,
-  blocks, hash) is looked up in the shard's memory-mapped binary index (``SHARD.idx.bin``,
-  data/shards/token_index.py) only when it is read. ``earlyfuse-prep tokenize`` writes one
-  beside every shard; a shard without its own is refused with an error naming the file.
+Design choice: token sources start in O(shards), not O(samples): a sample's record (offsets,
+tokens, blocks, hash) is looked up in its shard's memory-mapped binary index (``SHARD.idx.bin``,
+data/shards/token_index.py, written by tokenize beside every shard) only when it is read.
 """
 
 from __future__ import annotations
@@ -91,48 +83,25 @@ class SampleTable:
     def blocks_of(self, sample: int) -> list:
         return self.blocks[sample]
 
-    def token_sample(self, sample: int) -> TokenSample:
+    def locate_members(self, sample: int) -> tuple:
+        """What reading a token sample needs, flat (it runs once per document): (shard, tokens,
+        blocks, json offset, size, ids offset, size, mod offset, size, SHA-256; zeros: no usable
+        hash in the index)."""
+
         def at(column: np.ndarray) -> tuple[int, int]:
             return (int(column[sample][0]), int(column[sample][1])) if len(column) else (0, 0)
 
-        return TokenSample(
-            self.shard_of(sample),
-            int(self.tokens[sample]),
+        sha = self.sha[sample].tobytes() if len(self.sha) else bytes(32)
+        shard, tokens = self.shard_of(sample), int(self.tokens[sample])
+        return (
+            shard,
+            tokens,
             self.blocks[sample],
-            at(self.json_at),
-            at(self.ids_at),
-            at(self.mod_at),
-            self.sha[sample].tobytes() if len(self.sha) else bytes(32),
+            *at(self.json_at),
+            *at(self.ids_at),
+            *at(self.mod_at),
+            sha,
         )
-
-    def locate_members(self, sample: int) -> tuple:
-        """What reading a token sample needs, flat (it runs once per document): (shard, tokens,
-        blocks, json offset, size, ids offset, size, mod offset, size, SHA-256)."""
-        r = self.token_sample(sample)
-        return (r.shard, r.tokens, r.blocks, *r.json_at, *r.ids_at, *r.mod_at, r.sha256)
-
-    def block_stats(self) -> dict[str, dict[str, int]]:
-        """{"image"/"video": {"blocks", "longest"}} over every sample."""
-        return token_index.block_stats(
-            np.asarray([b for bs in self.blocks for b in bs], np.int64).reshape(-1, 5)
-        )
-
-    def all_blocks(self) -> Iterator[list]:
-        """Every sample's blocks (the slow path: an exact count once something is too long)."""
-        return iter(self.blocks)
-
-
-@dataclass
-class TokenSample:
-    """What reading and packing one token sample needs, from its index record."""
-
-    shard: int
-    tokens: int
-    blocks: list
-    json_at: tuple[int, int]
-    ids_at: tuple[int, int]
-    mod_at: tuple[int, int]
-    sha256: bytes  # zeros: no usable hash in the index
 
 
 # Columns a TokenTable builds on demand, for tools and tests that look at a whole source.
@@ -150,11 +119,9 @@ _COLUMNS = (
 
 
 class TokenTable(SampleTable):
-    """A token source whose samples stay in their shards' binary indexes (``SHARD.idx.bin``,
-    data/shards/token_index.py) until they are read: built from the manifest alone (per shard:
-    samples, index hash, blocks), so it costs the same at 10^4 samples as at 10^9. Each process
-    memory-maps a shard's index when it first reads from that shard (a remote one fetched once
-    into the cache, ``cache_dir/index``, named by its JSONL's hash); a missing or stale one is
+    """A token source built from its manifest alone (per shard: samples, index hash, blocks).
+    Each process maps a shard's binary index when it first reads from that shard (a remote one
+    fetched once into ``cache_dir/index``, named by its JSONL's hash); a missing or stale one is
     an error naming it. Pickled (to a worker) without its maps."""
 
     def __init__(
@@ -171,6 +138,7 @@ class TokenTable(SampleTable):
         cache_dir: str,
         shard_blocks: list[dict],
         shard_sha256: list[str] | None = None,
+        tokenize_options: dict | None = None,
     ) -> None:
         self.name, self.shards = name, shards
         self.counts = np.asarray(counts, np.int64)
@@ -183,6 +151,7 @@ class TokenTable(SampleTable):
         self.id_ranges = None
         self.cache_dir = cache_dir
         self.shard_blocks = shard_blocks
+        self.tokenize_options = tokenize_options or {}  # the manifest's (the block budgets)
         # Per shard: the SHA-256 of the whole tar its manifest records ("" where none), checked
         # once when a consumer first reads from it (data/loader/shard_check.py).
         self.shard_sha256 = shard_sha256 or [""] * len(shards)
@@ -213,9 +182,6 @@ class TokenTable(SampleTable):
 
     def locate(self, sample: int) -> tuple[int, int]:
         """(shard, position in it) of a sample."""
-        return self._locate(sample)
-
-    def _locate(self, sample: int) -> tuple[int, int]:
         if not 0 <= sample < self.starts[-1]:
             raise IndexError(f"sample {sample} of a source of {self.starts[-1]}")
         si = bisect.bisect_right(self.starts, sample) - 1
@@ -225,36 +191,22 @@ class TokenTable(SampleTable):
         return self.counts
 
     def shard_of(self, sample: int) -> int:
-        return self._locate(sample)[0]
+        return self.locate(sample)[0]
 
     def shard_end(self, si: int) -> int:
         return int(self.index(si).header["shard_bytes"])
 
     def key_of(self, sample: int) -> str:
-        si, i = self._locate(sample)
+        si, i = self.locate(sample)
         return self.index(si).key(i)
 
     def tokens_of(self, sample: int) -> int:
-        si, i = self._locate(sample)
+        si, i = self.locate(sample)
         return int(self.index(si).records["tokens"][i])
 
     def blocks_of(self, sample: int) -> list:
-        si, i = self._locate(sample)
+        si, i = self.locate(sample)
         return self.index(si).blocks_of(i).tolist()
-
-    def token_sample(self, sample: int) -> TokenSample:
-        si, i = self._locate(sample)
-        idx = self.index(si)
-        (json_at, ids_at, mod_at, tokens, b0, nb, _k0, _nk, sha) = idx.records[i].tolist()
-        return TokenSample(
-            si,
-            tokens,
-            idx.blocks[b0 : b0 + nb].tolist() if nb else [],
-            tuple(json_at),
-            tuple(ids_at),
-            tuple(mod_at),
-            bytes(sha),
-        )
 
     def locate_members(self, sample: int) -> tuple:
         if not 0 <= sample < self.starts[-1]:
@@ -270,6 +222,7 @@ class TokenTable(SampleTable):
         return si, tokens, blocks, j0, jsz, i0, isz, m0, msz, sha
 
     def block_stats(self) -> dict[str, dict[str, int]]:
+        """{"image"/"video": {"blocks", "longest"}} over every sample, from the manifest."""
         out = {m: {"blocks": 0, "longest": 0} for m in ("image", "video")}
         for si in range(len(self.shards)):
             got = self.shard_blocks[si]
@@ -279,6 +232,7 @@ class TokenTable(SampleTable):
         return out
 
     def all_blocks(self) -> Iterator[list]:
+        """Every sample's blocks (the slow path: an exact count once something is too long)."""
         for si in range(len(self.shards)):
             idx = self.index(si)
             for i in range(len(idx)):
@@ -321,7 +275,7 @@ def resolve_index(tar: str, index_sha: str, cache_dir: str) -> token_index.Token
     JSONL index of SHA-256 ``index_sha`` (the manifest's). A remote one is fetched once per node
     into the cache (``cache_dir/index/SHA.idx.bin``). ValueError naming the file when it is
     missing or made from another JSONL index."""
-    beside = store.sibling(tar, _stem(tar) + token_index.SUFFIX)
+    beside = store.beside(tar, token_index.SUFFIX)
     cached = Path(cache_dir) / "index" / f"{index_sha}{token_index.SUFFIX}"
     if store.kind(beside) != "local" and cached.is_file():
         try:
@@ -343,19 +297,9 @@ def resolve_index(tar: str, index_sha: str, cache_dir: str) -> token_index.Token
             f"the {index_sha[:16]} its manifest records; {REBUILD}"
         )
     if data is not None:
-        keep_cached(cached, data)
+        try:  # best effort: a cache that cannot be written costs a fetch per process
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            token_index.write(cached, data)
+        except OSError:
+            pass
     return idx
-
-
-def keep_cached(path: Path, data: bytes) -> None:
-    """Best effort: a cache that cannot be written costs a rebuild per process, nothing more."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        token_index.write(path, data)
-    except OSError:
-        pass
-
-
-def _stem(url: str) -> str:
-    base = store.name(url)
-    return base[: -len(".tar")] if base.endswith(".tar") else base

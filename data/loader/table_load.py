@@ -1,31 +1,25 @@
-"""Building a source's sample table (``load_table``): expanding its shard patterns, finding the
-manifest of each shard's folder, and reading from it what the table needs, so that a token
-source starts without reading any index. Separate from the table classes (table.py) because
-this is start-up work done once per source (manifests, listings, fingerprints), while the
-tables serve every document read for the rest of the run. A table is built once, at start; no
-tar is opened.
-
-Which kind a source is (token or raw shards) is read from the manifest above the shards.
+"""Building a source's sample table (table.py) at start, from its shards and their manifest:
+finding and checking the manifests, listing the shards, computing the fingerprints. No tar is
+opened; which kind a source is (token or raw shards) is read from the manifest above the shards.
 
 Design choices:
 - Token sources start in O(shards), not O(samples): the manifest gives each shard's sample
   count, the SHA-256 of its index and its block statistics, and the binary index beside the
-  shard (``earlyfuse-prep tokenize`` writes both) the rest, when a sample is read. A shard the
-  manifest does not list, or without its binary index, is an error naming it.
-- Raw sources (small runs, tokenized online) read their JSONL indexes whole, as before.
-- The fingerprint covers the shard names and index hashes (not where they live; the manifest's
-  ``index_sha256`` is the hash of the JSONL index, so it equals what hashing the index gave);
-  the tokenizer fingerprint the text tokenizer, vocabulary layout and visual tokenizer weights.
-  Loader state cannot be restored onto other data, and sources made with other tokenizers
-  cannot be mixed.
+  shard the rest, when a sample is read. A shard the manifest does not list, or without its
+  binary index, is an error naming it. Raw sources read their JSONL indexes whole.
+- The fingerprint covers the shard names and index hashes (not where they live); the tokenizer
+  fingerprint the text tokenizer, vocabulary layout and visual tokenizer weights. Loader state
+  cannot be restored onto other data, and sources made with other tokenizers cannot be mixed.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import posixpath
+from collections.abc import Callable
 
 import numpy as np
 
@@ -41,21 +35,12 @@ _ENTRY_FIELDS = ("samples", "index_sha256", "sha256", "blocks")
 RAW_FORMAT = "earlyfuse-raw-shards"
 
 
-def expand(pattern: str) -> list[str]:
-    return store.expand(pattern)
-
-
-def find_manifest(url: str, seen: dict | None = None) -> tuple[dict, str] | None:
-    """(manifest, its URL) of the shard folder ``url`` lies in: the first ``manifest.json`` of a
-    known format in its folder or the two above. ``seen`` caches reads across the shards of a
-    source (one read per folder, not per shard: a remote read or a command each)."""
-    found = _manifest_of(url, {} if seen is None else seen)
-    return None if found is None else found[:2]
-
-
-def _manifest_of(url: str, seen: dict) -> tuple[dict, str, int] | None:
-    """``find_manifest``, and how many folders above the shard's the manifest is. Shards of one
-    folder (local or fsspec) share the answer, looked up once."""
+def find_manifest(url: str, seen: dict | None = None) -> tuple[dict, str, int] | None:
+    """(manifest, its URL, how many folders above the shard's it is) of the shard folder ``url``
+    lies in: the first ``manifest.json`` of a known format in its folder or the two above.
+    ``seen`` caches reads across the shards of a source: shards of one folder (local or fsspec)
+    share the answer, looked up once (a remote read or a command each)."""
+    seen = {} if seen is None else seen
     folder = None if store.kind(url) == "pipe" else posixpath.dirname(url)
     if folder is not None and ("folder", folder) in seen:
         return seen[("folder", folder)]
@@ -77,21 +62,18 @@ def _manifest_of(url: str, seen: dict) -> tuple[dict, str, int] | None:
     return out
 
 
-class _Listing:
-    """Which files local shard folders hold, one ``os.listdir`` per folder (a stat per shard
-    was most of a start at 1,000 shards)."""
+def _listing(folder: str) -> set[str]:
+    """The files of a local shard folder: one ``os.listdir`` per folder (cached per source by
+    ``load_table``; a stat per shard was most of a start at 1,000 shards)."""
+    try:
+        return set(os.listdir(folder or "."))
+    except OSError:
+        return set()
 
-    def __init__(self) -> None:
-        self.names: dict[str, set[str]] = {}
 
-    def has(self, path: str) -> bool:
-        folder, base = os.path.split(path)
-        if folder not in self.names:
-            try:
-                self.names[folder] = set(os.listdir(folder or "."))
-            except OSError:
-                self.names[folder] = set()
-        return base in self.names[folder]
+def _listed(listing: Callable[[str], set[str]], path: str) -> bool:
+    folder, base = os.path.split(path)
+    return base in listing(folder)
 
 
 def tokenizer_key(tokenizers: dict) -> str:
@@ -102,11 +84,11 @@ def tokenizer_key(tokenizers: dict) -> str:
 def load_table(src: SourceConfig, *, cache_dir: str | None = None) -> SampleTable:
     """The sample table of one source: a ``TokenTable`` (token shards: the manifest alone, no
     per-sample work) or a ``SampleTable`` of raw shards (their JSONL indexes read whole).
-    ``cache_dir``: where binary indexes missing beside their shards are built (default: the
-    ``pipe:`` cache, data.cache_dir)."""
+    ``cache_dir``: where the binary indexes of remote shards are kept (default: the ``pipe:``
+    cache, data.cache_dir)."""
     tars: list[str] = []
     for pat in src.shards:
-        matched = expand(pat)
+        matched = store.expand(pat)
         if not matched:
             raise ValueError(f"source {src.name}: {pat!r} matches no shard")
         tars += matched
@@ -114,12 +96,12 @@ def load_table(src: SourceConfig, *, cache_dir: str | None = None) -> SampleTabl
         raise ValueError(f"source {src.name}: no shards given")
     seen: dict = {}
     found = []
-    listing = _Listing()
+    listing = functools.cache(_listing)
     for tar in tars:
         local = store.kind(tar) == "local"
-        if not (listing.has(store.local_path(tar)) if local else store.exists(tar)):
+        if not (_listed(listing, store.local_path(tar)) if local else store.exists(tar)):
             raise ValueError(f"source {src.name}: shard {tar} does not exist")
-        manifest_found = _manifest_of(tar, seen)
+        manifest_found = find_manifest(tar, seen)
         if manifest_found is None:
             _read_index(src, tar)  # a missing index is the first thing to name
             raise ValueError(
@@ -131,7 +113,7 @@ def load_table(src: SourceConfig, *, cache_dir: str | None = None) -> SampleTabl
     if len(kinds) > 1:
         raise ValueError(f"source {src.name}: mixes raw and token shards; make them two sources")
     if RAW_FORMAT in kinds:
-        return _load_raw_table(src, tars, [f[:2] for f in found])
+        return _load_raw_table(src, tars, manifest_url=found[-1][1])
     return _load_token_table(src, tars, found, cache_dir or store.default_cache_dir(), listing)
 
 
@@ -157,7 +139,7 @@ def _load_token_table(
     tars: list[str],
     found: list[tuple[dict, str, int]],
     cache_dir: str,
-    listing: _Listing,
+    listing: Callable[[str], set[str]],
 ) -> TokenTable:
     """Token shards from their manifest's entries (samples, index SHA-256, blocks): no index is
     read. A shard the manifest does not list (or lists without those), or a local one without its
@@ -191,7 +173,7 @@ def _load_token_table(
             )
         if store.kind(tar) == "local":
             binary = store.local_path(tar)[: -len(".tar")] + token_index.SUFFIX
-            if not listing.has(binary):
+            if not _listed(listing, binary):
                 raise ValueError(f"source {src.name}: {binary} does not exist; {REBUILD}")
         sha = entry["index_sha256"]
         counts.append(int(entry["samples"]))
@@ -218,12 +200,11 @@ def _load_token_table(
         cache_dir=cache_dir,
         shard_blocks=shard_blocks,
         shard_sha256=tar_shas,
+        tokenize_options=found[0][0].get("options"),
     )
 
 
-def _load_raw_table(
-    src: SourceConfig, tars: list[str], found: list[tuple[dict, str]]
-) -> SampleTable:
+def _load_raw_table(src: SourceConfig, tars: list[str], *, manifest_url: str) -> SampleTable:
     """Raw shards: every JSONL index read whole (each sample's members, for online tokenizing)."""
     shard, keys, members = [], [], []
     shard_bytes = [0] * len(tars)
@@ -265,6 +246,6 @@ def _load_raw_table(
         "",
         kind="raw",
         members=members,
-        manifest_url=found[-1][1],
+        manifest_url=manifest_url,
         shard_bytes=shard_bytes,
     )

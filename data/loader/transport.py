@@ -3,22 +3,17 @@ memory that the worker allocates once and packs into in place, and one copy on t
 side.
 
 Design choices:
-- Measured on the 2-core sandbox, a tensor put in the worker queue the usual way costs its
-  worker a fresh shared-memory segment per batch (creating, faulting in and filling 1.4 MB took
-  several ms, more than packing the batch) and the trainer a socket round trip to receive its
-  file descriptor. Here a worker owns ``slots`` buffers in shared memory for the whole
-  iteration; it packs each batch straight into a free one and sends only the slot's number.
-  The first message of a worker carries the slots themselves (their descriptors cross once).
+- A tensor put in the worker queue the usual way costs a fresh shared-memory segment per batch
+  (more than packing the batch) and the trainer a round trip to receive its descriptor. Here a
+  worker owns ``slots`` buffers for the whole iteration and sends only a slot's number; its
+  first message carries the slots themselves.
 - Slots hold the batch in its compact layout (data/loader/expand.py: an int32 id and a uint8
-  modality a token, 5 bytes; the segment and block tables travel in the message with the
-  worker's state, in one buffer of bytes, packed_batch.PackedBatch.__reduce__: about 2 KB).
-  The trainer's process expands a received slot into the batch's fields (int32, labels int64)
-  (into pinned memory when the DataLoader pins) and marks it free, so the trainer owns its
-  batch outright and the worker can reuse the slot: nothing the trainer keeps can be
-  overwritten.
-- Slots outnumber the batches a DataLoader lets a worker have in flight (``prefetch_factor``
-  per worker, plus the one being packed). Should none be free for a second anyway, the worker
-  packs into ordinary arrays, which the queue hands over pickled: slower, never stuck.
+  modality a token); the segment and block tables travel in the message with the worker's
+  state (packed_batch.PackedBatch.__reduce__). The trainer's process expands a slot into the
+  batch's fields and marks it free, so the trainer owns its batch outright.
+- Slots outnumber the batches a worker may have in flight (``prefetch_factor`` plus the one
+  being packed). Should none be free anyway, the worker packs into ordinary arrays, which the
+  queue hands over pickled: slower, never stuck.
 """
 
 from __future__ import annotations

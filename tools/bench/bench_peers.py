@@ -396,15 +396,15 @@ def read_documents(tokens: Path) -> list[tuple[np.ndarray, np.ndarray]]:
     files, docs = ShardFiles(), []
     for table in source_tables(tokens):
         for number in range(len(table)):
-            rec = table.token_sample(number)
-            url = table.shards[rec.shard]
-            ids = read_npy(files.view(url, *rec.ids_at)).astype(np.int32)
-            mod = read_npy(files.view(url, *rec.mod_at)).astype(np.uint8)
+            shard, _, blocks, _, _, i0, isz, m0, msz, _ = table.locate_members(number)
+            url = table.shards[shard]
+            ids = read_npy(files.view(url, i0, isz)).astype(np.int32)
+            mod = read_npy(files.view(url, m0, msz)).astype(np.uint8)
             found = [(start, end) for start, end, block in spans_of(mod) if block]
-            if found != sorted((int(blk[0]), int(blk[1])) for blk in rec.blocks):
+            if found != sorted((int(blk[0]), int(blk[1])) for blk in blocks):
                 raise SystemExit(
                     f"{url}: sample {number} of source {table.name}: its visual blocks "
-                    f"{rec.blocks} are not its runs of image, video and structure tokens {found}"
+                    f"{blocks} are not its runs of image, video and structure tokens {found}"
                 )
             docs.append((ids, mod))
     return docs

@@ -75,7 +75,7 @@ def layout_of_data(cfg: RunConfig, tables: TableCache | None = None) -> tuple[Vo
         found = find_manifest(table.shards[0])
         if found is None:
             raise ValueError(f"source {table.name}: {table.shards[0]} is in no shard folder")
-        m, url = found
+        m, url, _ = found
         folder = Path(store.local_path(url)).parent / m["tokenizers"]["folder"]
     return VocabLayout.load(folder / LAYOUT_FILE), folder
 
