@@ -21,8 +21,6 @@ import argparse
 import glob
 import io
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -32,19 +30,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from data.loader import LoaderConfig, SourceConfig, build_loader  # noqa: E402
-
-
-def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def sources(tokens: Path) -> list[str]:
-    return sorted(p.name for p in tokens.iterdir() if p.is_dir() and list(p.glob("*.tar")))
+from data.loader import LoaderConfig, build_loader  # noqa: E402
+from tools.bench import loader_start, machine, status_mib, token_loader_config  # noqa: E402
 
 
 def ours(cfg: LoaderConfig, min_tokens: int) -> tuple[int, float]:
@@ -82,28 +69,12 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     if not (a.tokens / "manifest.json").is_file():
         sys.exit(f"{a.tokens}: no token shards; run `make demo` first (or pass --tokens)")
-    names = sources(a.tokens)
-    # Weights = each source's share of the tokens: the mix follows the shards' own proportions, so
-    # per token both loops read the same documents (equal weights would favour short documents).
     manifest = json.loads((a.tokens / "manifest.json").read_text())
-    by_source = {
-        s["name"]: (sum(s["tokens"].values()) if isinstance(s["tokens"], dict) else s["tokens"])
-        for s in manifest.get("sources", [])
-        if "tokens" in s
-    }
-    weights = {s: float(by_source.get(s, 1.0)) for s in names}
-    cfg = LoaderConfig(
-        sources=[
-            SourceConfig(name=s, shards=[str(a.tokens / s)], weight=weights[s]) for s in names
-        ],
-        seq_len=a.seq_len,
-        num_workers=0,
-        mode="infinite",
-    )
+    cfg = token_loader_config(a.tokens, a.seq_len, num_workers=0, mode="infinite")
     shards = sorted(glob.glob(str(a.tokens / "*" / "*.tar")))
     res: dict = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "sources": names,
+        "machine": machine(),
+        "sources": [source.name for source in cfg.sources],
         "shards": len(shards),
         "seq_len": a.seq_len,
     }
@@ -132,7 +103,7 @@ def main(argv=None) -> dict:
     while n < target:
         n += int(next(it)["num_real_tokens"])
         if len(marks) < 100 and n >= target * len(marks) / 100:
-            marks.append(rss_mib())
+            marks.append(status_mib("VmRSS"))
     late_state = json.loads(json.dumps(loader.state_dict()))
     it.close()
     res["rss"] = {
@@ -140,24 +111,14 @@ def main(argv=None) -> dict:
         "samples_approx": round(n / per_sample),
         "seconds": time.perf_counter() - t0,
         "rss_mib_at_10pct": marks[10],
-        "rss_mib_at_end": rss_mib(),
+        "rss_mib_at_end": status_mib("VmRSS"),
         "rss_mib_max": max(marks),
     }
 
-    def restore(state) -> float:
-        t = time.perf_counter()
-        ld = build_loader(cfg, rank=0, world_size=1, micro_batch=8)
-        ld.load_state_dict(state)
-        i = iter(ld)
-        next(i)
-        dt = time.perf_counter() - t
-        i.close()
-        return dt
-
     at_start, late = [], []
     for _ in range(3):
-        at_start.append(restore(start_state))
-        late.append(restore(late_state))
+        at_start.append(loader_start(cfg, start_state)[1])
+        late.append(loader_start(cfg, late_state)[1])
     res["restore"] = {
         "start_s": statistics.median(at_start),
         "late_s": statistics.median(late),

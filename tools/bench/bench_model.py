@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from model.attention import AttentionConfig  # noqa: E402
 from model.layers import FFNConfig  # noqa: E402
 from model.loss import chunked_linear_cross_entropy  # noqa: E402
 from model.transformer import TransformerConfig  # noqa: E402
+from tools.bench import machine, status_mib  # noqa: E402
 
 
 # --- a plain reference transformer --------------------------------------------------------
@@ -201,11 +201,6 @@ def bench_speed(quick: bool) -> dict:
 
 
 # --- CE memory, one variant per fresh process ----------------------------------------------
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _reset_peak() -> bool:
     """Reset the kernel's peak-RSS mark (VmHWM) so that setup does not count; False if not allowed."""
     try:
@@ -216,14 +211,6 @@ def _reset_peak() -> bool:
         return False
 
 
-def _peak_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def ce_child(chunk: int, N: int, D: int, V: int) -> None:
     torch.manual_seed(0)
     hidden = torch.randn(N, D, requires_grad=True)
@@ -231,7 +218,7 @@ def ce_child(chunk: int, N: int, D: int, V: int) -> None:
     targets = torch.randint(0, V, (N,))
     weight.grad = torch.zeros_like(weight)  # the parameter's .grad exists in training either way
     hidden.grad = torch.zeros_like(hidden)
-    before = _rss_bytes()
+    before = status_mib("VmRSS")
     reset = _reset_peak()
     started = time.perf_counter()
     if chunk < 0:  # the usual plain PyTorch: full fp32 logits, F.cross_entropy, no z-loss
@@ -242,12 +229,12 @@ def ce_child(chunk: int, N: int, D: int, V: int) -> None:
         )[0]
     loss.backward()
     seconds = time.perf_counter() - started
-    peak = _peak_bytes()
+    peak = status_mib("VmHWM")
     print(
         json.dumps(
             {
                 "chunk": chunk,
-                "extra_peak_bytes": peak - before,
+                "extra_peak_bytes": (peak - before) * 2**20,
                 "seconds": seconds,
                 "loss": loss.item(),
                 "peak_reset": reset,
@@ -276,20 +263,6 @@ def bench_ce_memory(quick: bool) -> dict:
     return out
 
 
-def machine() -> str:
-    try:
-        name = next(
-            line.split(":", 1)[1].strip()
-            for line in subprocess.run(
-                ["lscpu"], capture_output=True, text=True
-            ).stdout.splitlines()
-            if line.startswith("Model name")
-        )
-    except Exception:
-        name = platform.processor() or "unknown"
-    return f"{name}, {os.cpu_count()} CPUs visible, torch {torch.__version__}, Python {platform.python_version()}"
-
-
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--ce-child":
         torch.set_num_threads(1)
@@ -301,7 +274,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    res = {"machine": machine(), "threads": args.threads}
+    res = {
+        "machine": f"{machine()}, torch {torch.__version__}, Python {platform.python_version()}",
+        "threads": args.threads,
+    }
     res["speed"] = speed = bench_speed(args.quick)
     print(f"machine: {res['machine']}; torch threads: {args.threads}")
     config = speed["config"]

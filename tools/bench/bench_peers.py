@@ -36,7 +36,6 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -47,11 +46,21 @@ import threading
 import time
 from collections.abc import Callable
 from functools import partial
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tools.bench import (  # noqa: E402
+    commit,
+    machine,
+    process_tree,
+    token_loader_config,
+    write_token_manifest,
+    write_token_shard,
+)
 
 # Each loader and the library it imports (a peer whose library is absent is skipped).
 LIBRARIES = {
@@ -191,49 +200,18 @@ def documents_of(files: list[Path], tokenizer, doc_tokens: int, want: int, seed:
 
 def write_token_source(folder: Path, name: str, docs, modality: int) -> tuple[list, dict]:
     """One token source of the corpus in earlyfuse's format, shards of ``DOCS_PER_SHARD``
-    documents (tar, JSONL index, binary index) written by the project's own writers: (its
-    manifest's shard entries, its source entry)."""
-    from data.schema import Sample
-    from data.shards import token_index
-    from data.shards.writer import ShardWriter
-    from data.tokenize.shard_job import npy_bytes
+    documents: (its manifest's shard entries, its source entry)."""
     from data.vocab import MODALITY_NAMES
 
+    numbered = ((f"{name}{number:08d}", ids) for number, ids in enumerate(docs))
+    entries = []
+    while chunk := list(islice(numbered, DOCS_PER_SHARD)):
+        stem = f"shard-{len(entries):06d}"
+        entries.append(write_token_shard(folder, name, stem, chunk, modality))
     kind = MODALITY_NAMES[modality]
-    (folder / name).mkdir(parents=True)
-    entries: list[dict] = []
-    writer = None
-    for number, ids in enumerate(docs):
-        if writer is None:
-            stem = f"{name}/shard-{len(entries):06d}"
-            writer = ShardWriter(folder / f"{stem}.tar", folder / f"{stem}.idx.jsonl")
-            entries.append({"path": f"{stem}.tar", "index": f"{stem}.idx.jsonl", "source": name})
-            entries[-1].update(index_bin=stem + token_index.SUFFIX, samples=0, tokens={kind: 0})
-        mod = np.full(len(ids), modality, np.uint8)
-        meta = {"source": name, "spans": [], "tokens": len(ids)}
-        members = [("ids.npy", npy_bytes(ids)), ("mod.npy", npy_bytes(mod))]
-        counts = {"tokens": len(ids), "tokens_by_modality": {kind: len(ids)}}
-        writer.write(Sample(f"{name}{number:08d}", meta, members), counts)
-        entries[-1]["samples"] += 1
-        entries[-1]["tokens"][kind] += len(ids)
-        if entries[-1]["samples"] == DOCS_PER_SHARD:
-            finish_shard(folder, writer, entries[-1])
-            writer = None
-    if writer is not None:
-        finish_shard(folder, writer, entries[-1])
     samples = sum(entry["samples"] for entry in entries)
     tokens = sum(entry["tokens"][kind] for entry in entries)
     return entries, {"name": name, "samples": samples, "tokens": {kind: tokens}}
-
-
-def finish_shard(folder: Path, writer, entry: dict) -> None:
-    from data.shards import token_index
-
-    res = writer.close()
-    jsonl = (folder / entry["index"]).read_bytes()
-    token_index.write(folder / entry["index_bin"], token_index.build(jsonl))
-    entry["blocks"] = {mod: {"blocks": 0, "longest": 0} for mod in ("image", "video")}
-    entry.update(bytes=res.bytes, sha256=res.sha256, index_sha256=res.index_sha256)
 
 
 def copy_visual(token_dir: Path, out: Path) -> tuple[list[dict], list[dict]]:
@@ -356,16 +334,8 @@ def build_corpus(a) -> dict:
         sources += visual
     samples = sum(src["samples"] for src in sources)
     total = sum(sum(src["tokens"].values()) for src in sources)
-    manifest = {
-        "format": "earlyfuse-token-shards",
-        "version": 1,
-        "fingerprint": f"bench-peers-{CORPUS_VERSION}-{samples}-{total}",
-        "tokenizers": tok_record,
-        "sources": sources,
-        "shards": shards,
-        "totals": {"samples": samples, "tokens": total, "rejects": 0},
-    }
-    (tokens_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    fingerprint = f"bench-peers-{CORPUS_VERSION}-{samples}-{total}"
+    write_token_manifest(tokens_dir, fingerprint, tok_record, sources, shards)
     built = {
         "settings": settings,
         "documents": samples,
@@ -686,19 +656,9 @@ def energon_batches(corpus: Path, workers: int, seq_len: int, rows: int):
 
 
 def earlyfuse_batches(corpus: Path, workers: int, seq_len: int, rows: int):
-    from data.loader import LoaderConfig, SourceConfig, build_loader
+    from data.loader import build_loader
 
-    tokens = corpus / "tokens"
-    manifest = json.loads((tokens / "manifest.json").read_text())
-    sources = [
-        SourceConfig(
-            name=src["name"],
-            shards=[str(tokens / src["name"])],
-            weight=float(sum(src["tokens"].values())),
-        )
-        for src in manifest["sources"]
-    ]
-    cfg = LoaderConfig(sources=sources, seq_len=seq_len, num_workers=workers, mode="epoch")
+    cfg = token_loader_config(corpus / "tokens", seq_len, num_workers=workers, mode="epoch")
     return iter(build_loader(cfg, rank=0, world_size=1, micro_batch=rows))
 
 
@@ -741,21 +701,6 @@ def measure(a) -> dict:
 
 
 # --- the parent: fresh processes, memory of their trees ------------------------------------------
-def tree_of(root: int) -> list[int]:
-    """``root`` and its descendants (``/proc/PID/task/TID/children``)."""
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        try:
-            for task in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{task}/children") as children:
-                    todo.extend(int(child) for child in children.read().split())
-        except OSError:  # ended meanwhile
-            continue
-    return found
-
-
 def memory_of(pids: list[int]) -> tuple[int, int]:
     """(RSS, PSS) in bytes summed over ``pids``. PSS shares each page among the processes that
     map it, so forked workers' copy-on-write pages are not counted twice."""
@@ -783,7 +728,7 @@ def run_measure(a, name: str, workers: int, limit: int = 0) -> dict:
 
         def sample() -> None:
             while child.poll() is None:
-                rss, pss = memory_of(tree_of(child.pid))
+                rss, pss = memory_of(process_tree(child.pid))
                 peak[0], peak[1] = max(peak[0], rss), max(peak[1], pss)
                 time.sleep(0.05)
 
@@ -868,18 +813,6 @@ def previous_figures(path: Path | None) -> dict:
     return out
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "?"
-
-
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=(__doc__ or "").split("\n")[0],
@@ -944,7 +877,7 @@ def main(argv=None) -> dict:
     convert(a.corpus, loaders, a.seq_len)
     res: dict = {
         "commit": commit(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "machine": machine(),
         "corpus": built,
         "seq_len": a.seq_len,
         "rows": a.rows,
