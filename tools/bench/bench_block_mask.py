@@ -106,10 +106,6 @@ def measure(
     }
 
 
-def table(results: list[dict]) -> str:
-    return "\n".join([MASK_HEAD, *mask_result_rows(results)]) + "\n"
-
-
 def parser() -> argparse.ArgumentParser:
     """The command line (the GPU check's test parses its listed steps with it)."""
     arg_parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -175,10 +171,10 @@ def main(argv: list[str] | None = None) -> dict:
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
                 results.append(res)
-                print(table([res]).splitlines()[-1], flush=True)
+                print(mask_result_rows([res])[0], flush=True)
                 if args.json:  # after every size: a step stopped by its timeout keeps the rest
                     Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-    print(table(results), end="")
+    print("\n".join([MASK_HEAD, *mask_result_rows(results)]))
     if failed:
         raise SystemExit(
             f"bench_block_mask: a build failed (not out of memory); see {args.json or 'above'}"

@@ -155,10 +155,9 @@ def main(argv=None) -> list[dict]:
     results = []
     oom_at = 0
     for seq_len in lengths:
-        if oom_at:  # longer rows than one that did not fit: not worth the device's time
-            res = {"preset": args.preset, "seq_len": seq_len, "attention": args.attention}
-            res["oom"] = f"OOM at {oom_at:,}"
-        else:
+        # longer rows than one that did not fit are not worth the device's time
+        res = {"preset": args.preset, "seq_len": seq_len, "attention": args.attention}
+        if not oom_at:
             try:
                 res = measure(model, opt, cfg, args, seq_len, dev, peak)
             except Exception as error:
@@ -166,13 +165,13 @@ def main(argv=None) -> list[dict]:
                     raise
                 print(f"{args.preset} at {seq_len:,} tokens: {error}", file=sys.stderr)
                 oom_at = seq_len
-                res = {"preset": args.preset, "seq_len": seq_len, "attention": args.attention}
-                res["oom"] = f"OOM at {seq_len:,}"
             if oom_at:  # here, once the error's traceback no longer holds the step's tensors
                 opt.zero_grad(set_to_none=True)
                 gc.collect()
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
+        if oom_at:
+            res["oom"] = f"OOM at {oom_at:,}"
         res.update(setup(cfg, args, seq_len, dev))
         results.append(res)
         print(json.dumps(res, indent=1), flush=True)
