@@ -119,7 +119,7 @@ def copy_weights(ours, ref):
                 dst.weight.copy_(src.weight)
 
 
-def time_interleaved(fns: dict, params: dict, warmup: int, iters: int) -> dict[str, list[float]]:
+def time_interleaved(fns: dict, models: dict, warmup: int, iters: int) -> dict[str, list[float]]:
     """fwd+bwd times of each fn, round-robin one call at a time, so load changes on a shared
     machine hit every contender alike."""
     for fn in fns.values():
@@ -128,8 +128,7 @@ def time_interleaved(fns: dict, params: dict, warmup: int, iters: int) -> dict[s
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(iters):
         for name, fn in fns.items():
-            for param in params[name]:
-                param.grad = None
+            models[name].zero_grad(set_to_none=True)
             started = time.perf_counter()
             fn().backward()
             times[name].append(time.perf_counter() - started)
@@ -137,30 +136,30 @@ def time_interleaved(fns: dict, params: dict, warmup: int, iters: int) -> dict[s
 
 
 def bench_speed(quick: bool) -> dict:
-    vocab, dim, n_layers, n_heads, n_kv_heads, ffn = 5166, 256, 4, 4, 2, 704
+    shape = {"vocab": 5166, "dim": 256, "layers": 4, "heads": 4, "kv_heads": 2, "ffn": 704}
     B, T = (2, 128) if quick else (4, 256)
     cfg = TransformerConfig(
-        vocab_size=vocab,
+        vocab_size=shape["vocab"],
         text_vocab_size=4096,
         visual_offset=4166,
-        dim=dim,
-        n_layers=n_layers,
-        attention=AttentionConfig(n_heads=n_heads, n_kv_heads=n_kv_heads, backend="sdpa"),
-        ffn=FFNConfig(hidden_dim=ffn),
+        dim=shape["dim"],
+        n_layers=shape["layers"],
+        attention=AttentionConfig(
+            n_heads=shape["heads"], n_kv_heads=shape["kv_heads"], backend="sdpa"
+        ),
+        ffn=FFNConfig(hidden_dim=shape["ffn"]),
     )
     torch.manual_seed(0)
     ours = cfg.build()
-    ref = RefModel(vocab, dim, n_layers, n_heads, n_kv_heads, ffn)
+    ref = RefModel(*(shape[key] for key in ("vocab", "dim", "layers", "heads", "kv_heads", "ffn")))
     copy_weights(ours, ref)
-    ids = torch.randint(0, vocab, (B, T))
+    ids = torch.randint(0, shape["vocab"], (B, T))
     labels = torch.cat([ids[:, 1:], torch.full((B, 1), -100)], 1)
     docs = (torch.arange(T) // (T // 4)).expand(B, T)  # 4 documents per row
     with torch.no_grad():
         loss_ours, loss_ref = ours(ids, labels=labels).loss.item(), ref(ids, labels).item()
-    assert abs(loss_ours - loss_ref) < 1e-2, (
-        loss_ours,
-        loss_ref,
-    )  # same function (ours adds the 1e-5 z-loss)
+    # the same function (ours adds the 1e-5 z-loss)
+    assert abs(loss_ours - loss_ref) < 1e-2, (loss_ours, loss_ref)
     warm, iters = (2, 4) if quick else (3, 15)
     times = time_interleaved(
         {
@@ -168,35 +167,20 @@ def bench_speed(quick: bool) -> dict:
             "ours": lambda: ours(ids, labels=labels).loss,
             "docs": lambda: ours(ids, labels=labels, doc_ids=docs).loss,
         },
-        {
-            "ref": list(ref.parameters()),
-            "ours": list(ours.parameters()),
-            "docs": list(ours.parameters()),
-        },
+        {"ref": ref, "ours": ours, "docs": ours},
         warm,
         iters,
     )
-    t_ref, t_ours, t_doc = times["ref"], times["ours"], times["docs"]
-    med = statistics.median
+    med = {name: statistics.median(seconds) for name, seconds in times.items()}
     return {
-        "config": {
-            "vocab": vocab,
-            "dim": dim,
-            "layers": n_layers,
-            "heads": n_heads,
-            "kv_heads": n_kv_heads,
-            "ffn": ffn,
-            "batch": B,
-            "seq": T,
-            "params": ours.num_params(),
-        },
+        "config": {**shape, "batch": B, "seq": T, "params": ours.num_params()},
         "loss_ours": loss_ours,
         "loss_ref": loss_ref,
-        "ref_s": med(t_ref),
-        "ours_s": med(t_ours),
-        "ours_4docs_s": med(t_doc),
-        "ratio": med(t_ours) / med(t_ref),
-        "ratio_4docs": med(t_doc) / med(t_ref),
+        "ref_s": med["ref"],
+        "ours_s": med["ours"],
+        "ours_4docs_s": med["docs"],
+        "ratio": med["ours"] / med["ref"],
+        "ratio_4docs": med["docs"] / med["ref"],
     }
 
 

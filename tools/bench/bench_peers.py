@@ -25,7 +25,7 @@ padded before such a block when it is written. earlyfuse runs its whole loader.
 **One measure is one fresh process** (``--measure``, started by this script): import, build,
 first batch, one epoch; this script samples the RSS and PSS of its process tree meanwhile.
 Each loader runs 20 batches untimed first, then ``--rounds`` rounds, the order rotated; medians,
-ratios against LitData's per-document arrays and against earlyfuse's previous figures.
+ratios against LitData's per-document arrays and against a result saved earlier (``--previous``).
 
     python tools/bench/bench_peers.py --corpus runs/bench-peers [--docs 27000] [--rounds 3]
 """
@@ -83,15 +83,6 @@ MOD_BITS = 3  # LitData TokensLoader: id * 8 + modality in one int32
 PAD_MOD = 7  # ... and in its stream, the padding that keeps a visual block inside one row
 CORPUS_VERSION = 1
 
-# earlyfuse's figures from an earlier measurement of this benchmark's design (27,954 documents of
-# Python sources and prose, ~1,840 tokens each, 51.5M tokens; fresh process per measure), ratios
-# against LitData's per-document arrays; with one worker it gave no ratio counting start-up.
-# ``--previous FILE`` replaces them with a result this script saved.
-PREVIOUS = {
-    "source": "an earlier measurement (27,954 documents, 51.5M tokens)",
-    "workers=0": {"first_batch_s": 3.3, "epoch_vs_litdata": 0.3, "peak_rss_vs_litdata": 2.1},
-    "workers=1": {"first_batch_s": 7.8, "peak_rss_vs_litdata": 2.6},
-}
 # The loader's goals for start-up, memory and speed, printed beside the results.
 GOALS = {
     "workers=0": {"first_batch_s": 0.5, "epoch_vs_litdata": 1.2, "peak_rss_vs_litdata": 1.3},
@@ -204,7 +195,7 @@ def write_token_source(folder: Path, name: str, docs, modality: int) -> tuple[li
     from data.vocab import MODALITY_NAMES
 
     numbered = ((f"{name}{number:08d}", ids) for number, ids in enumerate(docs))
-    entries = []
+    entries: list[dict] = []
     while chunk := list(islice(numbered, DOCS_PER_SHARD)):
         stem = f"shard-{len(entries):06d}"
         entries.append(write_token_shard(folder, name, stem, chunk, modality))
@@ -801,10 +792,10 @@ def print_mode(mode: str, table: dict[str, dict], previous: dict) -> None:
 
 
 def previous_figures(path: Path | None) -> dict:
-    """``PREVIOUS``, or the modes of a result this script saved: earlyfuse's figures and its
+    """The modes of a result this script saved (``--previous``): earlyfuse's figures and its
     ratios to LitData there."""
     if path is None:
-        return PREVIOUS
+        return {}
     saved = json.loads(path.read_text())
     out: dict = {"source": f"{path} ({saved.get('commit', '?')})"}
     for mode, table in saved["modes"].items():

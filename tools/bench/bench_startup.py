@@ -44,11 +44,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from data.loader import LoaderConfig, SourceConfig  # noqa: E402
+from data.loader import LoaderConfig  # noqa: E402
 from data.vocab import Modality, VocabLayout  # noqa: E402
 from tools.bench import (  # noqa: E402
     loader_start,
     machine,
+    token_loader_config,
     write_token_manifest,
     write_token_shard,
 )
@@ -84,17 +85,12 @@ def make_folder(root: Path, base_dir: Path, base: dict, n: int) -> Path:
     write_token_manifest(
         root, fingerprint, {**tokenizers, "folder": "tokenizers"}, [source], shards
     )
-    return root / "synth"
+    return root
 
 
-def cfg_for(src: Path, seq_len: int) -> LoaderConfig:
-    return LoaderConfig(
-        sources=[SourceConfig(name="synth", shards=[str(src)])],
-        seq_len=seq_len,
-        num_workers=0,
-        mode="infinite",
-        cache_dir=str(src.parent / "cache"),
-    )
+def cfg_for(folder: Path, seq_len: int) -> LoaderConfig:
+    cache_dir = str(folder / "cache")
+    return token_loader_config(folder, seq_len, num_workers=0, mode="infinite", cache_dir=cache_dir)
 
 
 def time_restore(cfg: LoaderConfig, state: dict, n: int) -> float:
@@ -202,7 +198,8 @@ def main(argv=None) -> dict:
         folders = {n: make_folder(work / f"n{n}", base, info, n) for n in a.sizes}
         if a.first_batch:
             checkouts = [root.resolve() for root in a.first_batch]
-            res["first_batch"] = first_batch(checkouts, folders[a.sizes[0]], a.seq_len, a.rounds)
+            synth = folders[a.sizes[0]] / "synth"
+            res["first_batch"] = first_batch(checkouts, synth, a.seq_len, a.rounds)
             res["load_after"] = os.getloadavg()
             print(json.dumps(res, indent=1))
             return res
@@ -220,7 +217,7 @@ def main(argv=None) -> dict:
                 starts[n].append(dt)
                 restores[n].append(time_restore(cfg, state, n))
                 if n in jsonl:
-                    jsonl[n].append(time_jsonl(folders[n]))
+                    jsonl[n].append(time_jsonl(folders[n] / "synth"))
         small = min(a.sizes)
         for n in a.sizes:
             row = {
