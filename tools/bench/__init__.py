@@ -14,6 +14,7 @@ import os
 import platform
 import subprocess
 import time
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -143,12 +144,18 @@ def write_token_shard(folder: Path, source: str, stem: str, docs: Iterable, moda
     }
 
 
-def write_token_manifest(
-    folder: Path, fingerprint: str, tokenizers: dict, sources: list[dict], shards: list[dict]
-) -> None:
-    """The token folder's ``manifest.json``, as ``earlyfuse-prep tokenize`` writes it."""
-    samples = sum(src["samples"] for src in sources)
-    tokens = sum(sum(src["tokens"].values()) for src in sources)
+def write_token_manifest(folder: Path, fingerprint: str, tokenizers: dict, shards: list) -> dict:
+    """The token folder's ``manifest.json`` over ``shards``, as ``earlyfuse-prep tokenize`` writes
+    it: the manifest."""
+    samples: Counter[str] = Counter()
+    tokens: defaultdict[str, Counter[str]] = defaultdict(Counter)
+    for entry in shards:
+        samples[entry["source"]] += entry["samples"]
+        tokens[entry["source"]].update(entry["tokens"])
+    sources = [
+        {"name": name, "samples": count, "tokens": dict(tokens[name])}
+        for name, count in samples.items()
+    ]
     manifest = {
         "format": "earlyfuse-token-shards",
         "version": 1,
@@ -156,9 +163,14 @@ def write_token_manifest(
         "tokenizers": tokenizers,
         "sources": sources,
         "shards": shards,
-        "totals": {"samples": samples, "tokens": tokens, "rejects": 0},
+        "totals": {
+            "samples": samples.total(),
+            "tokens": sum(sum(counts.values()) for counts in tokens.values()),
+            "rejects": 0,
+        },
     }
     (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return manifest
 
 
 def token_loader_config(tokens: Path, seq_len: int, **options):

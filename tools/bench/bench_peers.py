@@ -189,32 +189,26 @@ def documents_of(files: list[Path], tokenizer, doc_tokens: int, want: int, seed:
                     target = int(rng.integers(doc_tokens // 2, doc_tokens * 3 // 2 + 1))
 
 
-def write_token_source(folder: Path, name: str, docs, modality: int) -> tuple[list, dict]:
+def write_token_source(folder: Path, name: str, docs, modality: int) -> list[dict]:
     """One token source of the corpus in earlyfuse's format, shards of ``DOCS_PER_SHARD``
-    documents: (its manifest's shard entries, its source entry)."""
-    from data.vocab import MODALITY_NAMES
-
+    documents: its manifest's shard entries."""
     numbered = ((f"{name}{number:08d}", ids) for number, ids in enumerate(docs))
     entries: list[dict] = []
     while chunk := list(islice(numbered, DOCS_PER_SHARD)):
         stem = f"shard-{len(entries):06d}"
         entries.append(write_token_shard(folder, name, stem, chunk, modality))
-    kind = MODALITY_NAMES[modality]
-    samples = sum(entry["samples"] for entry in entries)
-    tokens = sum(entry["tokens"][kind] for entry in entries)
-    return entries, {"name": name, "samples": samples, "tokens": {kind: tokens}}
+    return entries
 
 
-def copy_visual(token_dir: Path, out: Path) -> tuple[list[dict], list[dict]]:
-    """The sources of a token folder that hold image or video tokens, their shards hard-linked
-    (copied across file systems) into ``out``: (shard entries, source entries)."""
+def copy_visual(token_dir: Path, out: Path) -> list[dict]:
+    """The shards of the sources of a token folder that hold image or video tokens, hard-linked
+    (copied across file systems) into ``out``: their manifest entries."""
     manifest = json.loads((token_dir / "manifest.json").read_text())
-    sources = [
-        src
+    names = {
+        src["name"]
         for src in manifest["sources"]
         if src["tokens"].get("image") or src["tokens"].get("video")
-    ]
-    names = {src["name"] for src in sources}
+    }
     entries = [entry for entry in manifest["shards"] if entry["source"] in names]
     for entry in entries:
         for key in ("path", "index", "index_bin"):
@@ -223,7 +217,7 @@ def copy_visual(token_dir: Path, out: Path) -> tuple[list[dict], list[dict]]:
                 os.link(token_dir / entry[key], out / entry[key])
             except OSError:
                 shutil.copy2(token_dir / entry[key], out / entry[key])
-    return entries, sources
+    return entries
 
 
 def corpus_settings(a) -> dict:
@@ -307,26 +301,22 @@ def build_corpus(a) -> dict:
     text_docs = documents_of(
         text_files, tokenizer, a.doc_tokens, round(a.docs * a.text_share), seed=2
     )
-    shards, text = write_token_source(tokens_dir, "text", text_docs, int(Modality.TEXT))
-    code_docs = documents_of(code_files, tokenizer, a.doc_tokens, a.docs - text["samples"], seed=1)
-    more, code = write_token_source(tokens_dir, "code", code_docs, int(Modality.CODE))
-    shards += more
-    sources = [src for src in (text, code) if src["samples"]]  # a source of no shard is refused
-    if text["samples"] + code["samples"] < a.docs:
+    shards = write_token_source(tokens_dir, "text", text_docs, int(Modality.TEXT))
+    made = sum(entry["samples"] for entry in shards)
+    code_docs = documents_of(code_files, tokenizer, a.doc_tokens, a.docs - made, seed=1)
+    shards += write_token_source(tokens_dir, "code", code_docs, int(Modality.CODE))
+    made = sum(entry["samples"] for entry in shards)
+    if made < a.docs:
         print(
-            f"corpus: the material gave {text['samples'] + code['samples']:,} text and code "
-            f"documents, not {a.docs:,} (add folders with --material)",
+            f"corpus: the material gave {made:,} text and code documents, not {a.docs:,} (add "
+            "folders with --material)",
             flush=True,
         )
-    visual: list[dict] = []
-    if a.visual:
-        more, visual = copy_visual(a.visual, tokens_dir)
-        shards += more
-        sources += visual
-    samples = sum(src["samples"] for src in sources)
-    total = sum(sum(src["tokens"].values()) for src in sources)
+    visual = copy_visual(a.visual, tokens_dir) if a.visual else []
+    samples = made + sum(entry["samples"] for entry in visual)
+    total = sum(sum(entry["tokens"].values()) for entry in shards + visual)
     fingerprint = f"bench-peers-{CORPUS_VERSION}-{samples}-{total}"
-    write_token_manifest(tokens_dir, fingerprint, tok_record, sources, shards)
+    sources = write_token_manifest(tokens_dir, fingerprint, tok_record, shards + visual)["sources"]
     built = {
         "settings": settings,
         "documents": samples,
@@ -339,8 +329,8 @@ def build_corpus(a) -> dict:
     }
     if a.visual:
         built["visual_share"] = {
-            "documents": round(sum(src["samples"] for src in visual) / samples, 4),
-            "tokens": round(sum(sum(src["tokens"].values()) for src in visual) / total, 4),
+            "documents": round(sum(entry["samples"] for entry in visual) / samples, 4),
+            "tokens": round(sum(sum(entry["tokens"].values()) for entry in visual) / total, 4),
         }
     record.write_text(json.dumps(built, indent=1))
     return built

@@ -78,13 +78,9 @@ def make_folder(root: Path, base_dir: Path, base: dict, n: int) -> Path:
             entry[key] = base[key].replace("base", f"shard-{number:06d}")
             os.link(base_dir / base[key], root / entry[key])
         shards.append(entry)
-    tokens = sum(entry["tokens"]["text"] for entry in shards)
-    source = {"name": "synth", "samples": n, "tokens": {"text": tokens}}
     tokenizers = {"text": "synthetic", "layout": layout.fingerprint(), "visual": "none"}
     fingerprint = hashlib.sha256(str(n).encode()).hexdigest()[:24]
-    write_token_manifest(
-        root, fingerprint, {**tokenizers, "folder": "tokenizers"}, [source], shards
-    )
+    write_token_manifest(root, fingerprint, {**tokenizers, "folder": "tokenizers"}, shards)
     return root
 
 
