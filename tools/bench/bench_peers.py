@@ -454,10 +454,10 @@ def to_webdataset(docs, out: Path) -> None:
     import webdataset as wds
 
     out.mkdir(parents=True)
-    for start in range(0, len(docs), DOCS_PER_SHARD):
-        with wds.TarWriter(str(out / f"shard-{start // DOCS_PER_SHARD:06d}.tar")) as writer:
-            for number, (ids, mod) in enumerate(docs[start : start + DOCS_PER_SHARD], start):
-                writer.write({"__key__": f"d{number:08d}", "ids.npy": ids, "mod.npy": mod})
+    pattern = str(out / "shard-%06d.tar")
+    with wds.ShardWriter(pattern, maxcount=DOCS_PER_SHARD, verbose=0) as writer:
+        for number, (ids, mod) in enumerate(docs):
+            writer.write({"__key__": f"d{number:08d}", "ids.npy": ids, "mod.npy": mod})
 
 
 def to_streaming(docs, out: Path) -> None:
