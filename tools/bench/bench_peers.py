@@ -339,25 +339,22 @@ def build_corpus(a) -> dict:
 def read_documents(tokens: Path) -> list[tuple[np.ndarray, np.ndarray]]:
     """Every document of the token folder in shard order: (ids int32, modalities uint8). The
     peers find a document's visual blocks from its modalities alone (``spans_of``): a document
-    whose blocks are not those runs (two blocks side by side) is refused."""
-    from data.loader.npy import read_npy
-    from data.loader.store import ShardFiles
-    from data.token_docs import source_tables
+    whose blocks are not those runs (two blocks side by side) is refused, as is a document that
+    cannot be read."""
+    from data.token_docs import iter_documents, source_tables
 
-    files, docs = ShardFiles(), []
-    for table in source_tables(tokens):
-        for number in range(len(table)):
-            rec = table.token_sample(number)
-            url = table.shards[rec.shard]
-            ids = read_npy(files.view(url, *rec.ids_at)).astype(np.int32)
-            mod = read_npy(files.view(url, *rec.mod_at)).astype(np.uint8)
-            found = [(start, end) for start, end, block in spans_of(mod) if block]
-            if found != sorted((int(blk[0]), int(blk[1])) for blk in rec.blocks):
-                raise SystemExit(
-                    f"{url}: sample {number} of source {table.name}: its visual blocks "
-                    f"{rec.blocks} are not its runs of image, video and structure tokens {found}"
-                )
-            docs.append((ids, mod))
+    skipped: list[tuple[str, str, str]] = []
+    docs = []
+    for doc in iter_documents(source_tables(tokens), skipped=skipped):
+        found = [(start, end) for start, end, block in spans_of(doc.modality) if block]
+        if found != sorted((int(blk[0]), int(blk[1])) for blk in doc.blocks):
+            raise SystemExit(
+                f"{tokens}: document {doc.key} of source {doc.source}: its visual blocks "
+                f"{doc.blocks} are not its runs of image, video and structure tokens {found}"
+            )
+        docs.append((doc.ids.astype(np.int32), doc.modality.astype(np.uint8)))
+    if skipped:
+        raise SystemExit(f"{tokens}: {len(skipped)} unreadable document(s), first {skipped[0]}")
     return docs
 
 
