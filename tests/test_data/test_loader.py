@@ -362,7 +362,7 @@ def test_preview_draws_rows_with_a_runs_weights_and_counts_drops(tiny_tokens, tm
 def test_each_step_carries_the_mix_not_one_long_document(tiny_tokens):
     """code (long stdlib modules) at 10 %: handed out whole, one module fills step after step;
     handed out a row-sized chunk at a time, no step is given over to it, and the mix holds."""
-    from tools.bench.bench_mix import figures
+    from tools.bench.bench_loader import figures
 
     weights = {"code": 0.1, "scenes": 0.5, "text": 0.4}
 

@@ -1,0 +1,209 @@
+"""What the benchmarks share: the machine and commit they ran on, memory and process trees read
+from Linux's /proc, the device helpers of the GPU scripts, and token folders written by the
+project's own writers and read by its loader.
+
+Only the standard library is imported here: the GPU scripts run where only torch is installed,
+so numpy, torch and the pipeline are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import subprocess
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def machine() -> str:
+    """The CPU's model (from Linux's /proc/cpuinfo, else the architecture) and its core count."""
+    name = platform.machine()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
+        name = next(
+            (line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
+            name,
+        )
+    return f"{name}, {os.cpu_count()} cores"
+
+
+def commit() -> str:
+    """The checkout's short commit, or "?" outside a git checkout."""
+    try:
+        return subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+
+
+def status_mib(field: str) -> float:
+    """A field of /proc/self/status in MiB: ``VmRSS`` (resident now) or ``VmHWM`` (its peak)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) / 1024
+    raise KeyError(f"/proc/self/status has no {field}")
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and its live descendants (``/proc/PID/task/TID/children``)."""
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children") as children:
+                    todo.extend(int(child) for child in children.read().split())
+        except OSError:  # ended meanwhile
+            continue
+    return found
+
+
+# --- the GPU scripts ------------------------------------------------------------------------------
+def device_name(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or "cpu"
+
+
+def sync(device) -> None:
+    """Wait for the device's queued work, so that a timer stops when the work is done."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def allow_recompiles(lengths: int, per_length: int = 8) -> None:
+    """Let dynamo keep ``per_length`` compiled variants of a function for each of ``lengths`` row
+    lengths. A run has one row length, so dynamo's default of 8 variants per function (the
+    blocks, the BlockMask builder per window) is plenty there; one process measuring several
+    lengths needs that many per length, and past the limit dynamo would fall back to eager code
+    (an uncompiled BlockMask builder materialises the dense mask) instead of measuring what a
+    run of that length runs."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo_config, name, max(getattr(dynamo_config, name), per_length * lengths))
+
+
+# --- token folders --------------------------------------------------------------------------------
+def write_token_shard(folder: Path, source: str, stem: str, docs: Iterable, modality: int) -> dict:
+    """One token shard (tar, JSONL index, binary index) of ``docs``, (key, int32 ids) pairs of
+    one modality, written by the project's own writers under ``folder / source``: its manifest
+    entry."""
+    import numpy as np
+
+    from data.schema import Sample
+    from data.shards import token_index
+    from data.shards.writer import ShardWriter
+    from data.tokenize.shard_job import npy_bytes
+    from data.vocab import MODALITY_NAMES
+
+    kind = MODALITY_NAMES[modality]
+    rel = f"{source}/{stem}"
+    (folder / source).mkdir(parents=True, exist_ok=True)
+    writer = ShardWriter(folder / f"{rel}.tar", folder / f"{rel}.idx.jsonl")
+    tokens = 0
+    for key, ids in docs:
+        mod = np.full(len(ids), modality, np.uint8)
+        meta = {"source": source, "spans": [], "tokens": len(ids)}
+        members = [("ids.npy", npy_bytes(ids)), ("mod.npy", npy_bytes(mod))]
+        writer.write(
+            Sample(key, meta, members), {"tokens": len(ids), "tokens_by_modality": {kind: len(ids)}}
+        )
+        tokens += len(ids)
+    res = writer.close()
+    token_index.write(
+        folder / f"{rel}{token_index.SUFFIX}",
+        token_index.build((folder / f"{rel}.idx.jsonl").read_bytes()),
+    )
+    return {
+        "path": f"{rel}.tar",
+        "index": f"{rel}.idx.jsonl",
+        "index_bin": f"{rel}{token_index.SUFFIX}",
+        "source": source,
+        "samples": res.samples,
+        "tokens": {kind: tokens},
+        "blocks": {mod: {"blocks": 0, "longest": 0} for mod in ("image", "video")},
+        "bytes": res.bytes,
+        "sha256": res.sha256,
+        "index_sha256": res.index_sha256,
+    }
+
+
+def write_token_manifest(folder: Path, fingerprint: str, tokenizers: dict, shards: list) -> dict:
+    """The token folder's ``manifest.json`` over ``shards``, as ``earlyfuse-prep tokenize`` writes
+    it: the manifest."""
+    samples: Counter[str] = Counter()
+    tokens: defaultdict[str, Counter[str]] = defaultdict(Counter)
+    for entry in shards:
+        samples[entry["source"]] += entry["samples"]
+        tokens[entry["source"]].update(entry["tokens"])
+    sources = [
+        {"name": name, "samples": count, "tokens": dict(tokens[name])}
+        for name, count in samples.items()
+    ]
+    manifest = {
+        "format": "earlyfuse-token-shards",
+        "version": 1,
+        "fingerprint": fingerprint,
+        "tokenizers": tokenizers,
+        "sources": sources,
+        "shards": shards,
+        "totals": {
+            "samples": samples.total(),
+            "tokens": sum(sum(counts.values()) for counts in tokens.values()),
+            "rejects": 0,
+        },
+    }
+    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def token_loader_config(tokens: Path, seq_len: int, **options):
+    """A ``LoaderConfig`` over every source of a token folder, each weighted by its share of the
+    tokens: the mix follows the shards' own proportions, so per token the loader reads the same
+    documents as a loop over the shards (equal weights would favour short documents)."""
+    from data.loader import LoaderConfig, SourceConfig
+
+    manifest = json.loads((tokens / "manifest.json").read_text())
+    sources = [
+        SourceConfig(
+            name=src["name"],
+            shards=[str(tokens / src["name"])],
+            weight=float(sum(src["tokens"].values())),
+        )
+        for src in manifest["sources"]
+    ]
+    return LoaderConfig(sources=sources, seq_len=seq_len, **options)
+
+
+def loader_start(cfg, state: dict | None = None) -> tuple[float, float, dict]:
+    """A loader built in this process (and given ``state``): (seconds to build it, seconds to its
+    first batch, its state after that batch)."""
+    from data.loader import build_loader
+
+    started = time.perf_counter()
+    loader = build_loader(cfg, rank=0, world_size=1, micro_batch=8)
+    if state is not None:
+        loader.load_state_dict(state)
+    built = time.perf_counter() - started
+    batches = iter(loader)
+    next(batches)
+    seconds = time.perf_counter() - started
+    after = loader.state_dict()
+    batches.close()
+    return built, seconds, after

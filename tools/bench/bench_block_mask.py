@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -33,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model.attention import build_attention_mask  # noqa: E402
+from tools.bench import allow_recompiles, device_name, sync  # noqa: E402
 from tools.bench.gpu_table import MASK_HEAD, mask_result_rows  # noqa: E402
 from train.memory import is_out_of_memory  # noqa: E402
 
@@ -73,13 +73,9 @@ def measure(
             compile_mask=compiled,
         ).block_mask
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     started = time.perf_counter()
     mask = build()  # warm-up: the compiled builder compiles for this length and window
-    sync()
+    sync(device)
     first_s = time.perf_counter() - started
     del mask
     times, peaks = [], []
@@ -91,7 +87,7 @@ def measure(
             before = torch.cuda.memory_allocated(device)
         started = time.perf_counter()
         mask = build()
-        sync()
+        sync(device)
         times.append(time.perf_counter() - started)
         if device.type == "cuda":
             peaks.append(torch.cuda.max_memory_allocated(device) - before)
@@ -108,10 +104,6 @@ def measure(
         "index_mib": index_bytes / MIB,
         "peak_build_mib": max(peaks) / MIB if peaks else None,
     }
-
-
-def table(results: list[dict]) -> str:
-    return "\n".join([MASK_HEAD, *mask_result_rows(results)]) + "\n"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -145,17 +137,11 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown or not lengths:
         arg_parser.error(f"--kinds must name {KINDS}, got {unknown}; --lengths at least one length")
     device = torch.device(args.device)
-    # one compiled builder per length and window: more variants than dynamo's default limit of 8
-    # would fall back to the eager builder (the dense mask) instead of measuring the compiled one
-    import torch._dynamo.config as dynamo_config
-
-    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-    setattr(dynamo_config, name, max(getattr(dynamo_config, name), 2 * len(lengths) * len(kinds)))
+    # one compiled builder per length and window
+    allow_recompiles(len(lengths), per_length=2 * len(kinds))
     results: list[dict] = []
     report = {
-        "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or "cpu",
+        "device": device_name(device),
         "torch": torch.__version__,
         "builder": args.builder,
         "results": results,
@@ -185,10 +171,10 @@ def main(argv: list[str] | None = None) -> dict:
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
                 results.append(res)
-                print(table([res]).splitlines()[-1], flush=True)
+                print(mask_result_rows([res])[0], flush=True)
                 if args.json:  # after every size: a step stopped by its timeout keeps the rest
                     Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-    print(table(results), end="")
+    print("\n".join([MASK_HEAD, *mask_result_rows(results)]))
     if failed:
         raise SystemExit(
             f"bench_block_mask: a build failed (not out of memory); see {args.json or 'above'}"

@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from model.attention import resolve_backend  # noqa: E402
 from model.flops import flops_per_token  # noqa: E402
 from model.presets import preset  # noqa: E402
+from tools.bench import allow_recompiles, device_name, sync  # noqa: E402
 from train.memory import estimate, is_out_of_memory  # noqa: E402
 from train.mfu import peak_tflops  # noqa: E402
 
@@ -74,18 +74,6 @@ def with_attention(cfg, args):
         ),
         rope=dataclasses.replace(cfg.rope, local_theta=args.local_theta),
     )
-
-
-def allow_recompiles(lengths: int) -> None:
-    """Let dynamo compile once per length. A run has one row length, so dynamo's default of 8
-    compiled variants per function (the blocks, the BlockMask builder per window) is plenty
-    there; one process measuring several lengths needs that many per length, and past the limit
-    dynamo would fall back to eager code (an uncompiled BlockMask builder materialises the dense
-    mask) instead of measuring what a run of that length runs."""
-    import torch._dynamo.config as dynamo_config
-
-    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-    setattr(dynamo_config, name, max(getattr(dynamo_config, name), 8 * lengths))
 
 
 def json_path(path: str, seq_len: int, several: bool) -> Path | None:
@@ -167,10 +155,9 @@ def main(argv=None) -> list[dict]:
     results = []
     oom_at = 0
     for seq_len in lengths:
-        if oom_at:  # longer rows than one that did not fit: not worth the device's time
-            res = {"preset": args.preset, "seq_len": seq_len, "attention": args.attention}
-            res["oom"] = f"OOM at {oom_at:,}"
-        else:
+        # longer rows than one that did not fit are not worth the device's time
+        res = {"preset": args.preset, "seq_len": seq_len, "attention": args.attention}
+        if not oom_at:
             try:
                 res = measure(model, opt, cfg, args, seq_len, dev, peak)
             except Exception as error:
@@ -178,13 +165,13 @@ def main(argv=None) -> list[dict]:
                     raise
                 print(f"{args.preset} at {seq_len:,} tokens: {error}", file=sys.stderr)
                 oom_at = seq_len
-                res = {"preset": args.preset, "seq_len": seq_len, "attention": args.attention}
-                res["oom"] = f"OOM at {seq_len:,}"
             if oom_at:  # here, once the error's traceback no longer holds the step's tensors
                 opt.zero_grad(set_to_none=True)
                 gc.collect()
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
+        if oom_at:
+            res["oom"] = f"OOM at {oom_at:,}"
         res.update(setup(cfg, args, seq_len, dev))
         results.append(res)
         print(json.dumps(res, indent=1), flush=True)
@@ -237,13 +224,9 @@ def measure(model, opt, cfg, args, seq_len: int, dev, peak_and_source) -> dict:
         opt.zero_grad(set_to_none=True)
         return loss
 
-    def sync():
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-
     for i in range(args.warmup):
         step(batches[i % len(batches)])
-    sync()
+    sync(dev)
     at_rest = None
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -252,16 +235,14 @@ def measure(model, opt, cfg, args, seq_len: int, dev, peak_and_source) -> dict:
     started = time.perf_counter()
     for i in range(args.steps):
         loss = step(batches[i % len(batches)])
-    sync()
+    sync(dev)
     seconds = time.perf_counter() - started
     tokens = args.steps * args.micro_batch * seq_len
     tps = tokens / seconds
     fpt = flops_per_token(cfg, seq_len, causal=True)
     peak, source = peak_and_source
     res = {
-        "device": torch.cuda.get_device_name(dev)
-        if dev.type == "cuda"
-        else platform.processor() or "cpu",
+        "device": device_name(dev),
         "preset": args.preset,
         "params": sum(param.numel() for param in model.parameters()),
         "seq_len": seq_len,

@@ -29,6 +29,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from data.ingest import ingest  # noqa: E402
+from tools.bench import machine  # noqa: E402
 
 
 def make_images(root: Path, n: int) -> None:
@@ -89,9 +90,7 @@ def main() -> None:
     try:
         make_images(tmp / "images", args.images)
         make_texts(tmp / "text", args.texts)
-        print(
-            f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}"
-        )
+        print(f"machine: {machine()}, python {platform.python_version()}")
         print(f"{'corpus':<8} {'what':<10} {'MB/s':>8} {'samples/s':>10}   ratio ingest/tarfile")
         for kind, name in (("images", "images"), ("text", "text")):
             src = tmp / name

@@ -13,6 +13,19 @@
    state after those 10^5 samples (target: equal; restoring seeks, never replays).
 
     .venv/bin/python tools/bench/bench_loader.py [--tokens runs/demo/tokens] [--samples 100000]
+
+With ``--data`` or ``--run``, instead: how well each training step carries the configured mix,
+two figures over the steps: the share of steps in which one source holds more than 60 % of the
+step's tokens while its weight is below 30 % (a step given over to one small source's long
+document), and the mean KL(step mix || target weights) in nats. ``--data CONFIG`` reads the
+batches a run of that data config would get from the loader alone (it is deterministic and does
+not depend on the model), for the run's micro batch and step count, each ``--mix-chunk`` value
+in turn (0: ``seq_len``; ``--whole-docs`` also hands out every document whole); ``--run RUN_DIR``
+reads a finished run's ``mix/<source>`` metrics and the weights in its config.yaml.
+
+    .venv/bin/python tools/bench/bench_loader.py --data configs/data/demo.yaml --steps 300 \
+        --micro-batch 8 [--mix-chunk 0,256] [--whole-docs]
+    .venv/bin/python tools/bench/bench_loader.py --run runs/demo/lm
 """
 
 from __future__ import annotations
@@ -21,8 +34,7 @@ import argparse
 import glob
 import io
 import json
-import os
-import platform
+import math
 import statistics
 import sys
 import time
@@ -32,19 +44,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from data.loader import LoaderConfig, SourceConfig, build_loader  # noqa: E402
-
-
-def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def sources(tokens: Path) -> list[str]:
-    return sorted(p.name for p in tokens.iterdir() if p.is_dir() and list(p.glob("*.tar")))
+from data.loader import LoaderConfig, build_loader  # noqa: E402
+from tools.bench import loader_start, machine, status_mib, token_loader_config  # noqa: E402
 
 
 def ours(cfg: LoaderConfig, min_tokens: int) -> tuple[int, float]:
@@ -70,8 +71,120 @@ def plain_wds(shards: list[str], min_tokens: int) -> tuple[int, float]:
     return n, time.perf_counter() - t0
 
 
+SHARE_OVER, WEIGHT_UNDER = 0.60, 0.30
+
+
+def figures(steps: list[dict[str, float]], weights: dict[str, float]) -> dict:
+    """``steps``: per step, tokens (or shares) per source. Returns the step count, the steps
+    dominated by a small source, their share and the mean KL of the step mix from the target."""
+    total_w = sum(weights.values())
+    target = {source: weight / total_w for source, weight in weights.items()}
+    dominated, kls = 0, []
+    for mix in steps:
+        total = sum(mix.get(source, 0.0) for source in target)
+        if total <= 0:
+            continue
+        share = {source: mix.get(source, 0.0) / total for source in target}
+        dominated += any(
+            share[source] > SHARE_OVER and target[source] < WEIGHT_UNDER
+            for source in target
+            if target[source] > 0
+        )
+        kls.append(
+            sum(
+                prob * math.log(prob / target[source]) for source, prob in share.items() if prob > 0
+            )
+        )
+    count = len(kls)
+    return {
+        "steps": count,
+        "dominated_steps": dominated,
+        "dominated_share": dominated / count if count else 0.0,
+        "mean_kl": sum(kls) / count if count else 0.0,
+    }
+
+
+def from_run(run: Path) -> tuple[list[dict[str, float]], dict[str, float]]:
+    """Each logged step's ``mix/<source>`` shares and the config's weights, read as
+    earlyfuse-report reads the run (after a resume the last record of a step wins)."""
+    from tools.report.run import load_run
+
+    data = load_run(run)
+    steps = [
+        {key[4:]: value for key, value in data.records[step].items() if key.startswith("mix/")}
+        for step in data.steps
+    ]
+    return [mix for mix in steps if mix], data.target_mix
+
+
+def from_loader(data_yaml: Path, steps: int, micro_batch: int, mix_chunk: int, whole: bool):
+    from data.loader import SourceConfig
+    from data.loader.preview import config_of
+
+    raw = config_of(data_yaml)
+    sources = [SourceConfig(**source) for source in raw["sources"]]
+    cfg = LoaderConfig(
+        sources=sources,
+        seq_len=int(raw.get("seq_len", 2048)),
+        seed=int(raw.get("seed", 0)),
+        shuffle_buffer=int(raw.get("shuffle_buffer", 1024)),
+        num_workers=0,
+        mix_chunk=10**12 if whole else mix_chunk,  # one chunk = a whole document
+    )
+    loader = build_loader(cfg, rank=0, world_size=1, micro_batch=micro_batch)
+    names = [source.name for source in sources]
+    out = []
+    pieces = rows = 0
+    batches = iter(loader)
+    for _ in range(steps):
+        batch = next(batches)
+        out.append(
+            dict(zip(names, (float(tokens) for tokens in batch["tokens_by_source"].tolist())))
+        )
+        pieces += int((batch["pieces"][..., 0] >= 0).sum())
+        rows += batch["pieces"].shape[0]
+    batches.close()
+    extra = {
+        "packing_efficiency": loader.delivered()["packing_efficiency"],
+        "pieces_per_row": pieces / max(rows, 1),
+    }
+    return out, {source.name: source.weight for source in sources}, extra
+
+
+def mix(args) -> list[tuple[str, dict, str]]:
+    """The mix figures of ``--run`` or of the loader over ``--data``, printed."""
+    rows = []
+    if args.run:
+        steps, weights = from_run(args.run)
+        rows.append((f"run {args.run}", figures(steps, weights), ""))
+    else:
+        cases = [(int(chunk_text), False) for chunk_text in args.mix_chunk.split(",")]
+        if args.whole_docs:
+            cases.insert(0, (0, True))
+        for chunk, whole in cases:
+            steps, weights, extra = from_loader(
+                args.data, args.steps, args.micro_batch, chunk, whole
+            )
+            what = "whole documents" if whole else f"mix_chunk {chunk or 'seq_len'}"
+            more = (
+                f"; packing efficiency {extra['packing_efficiency']:.1%}, "
+                f"{extra['pieces_per_row']:.2f} document pieces per row"
+            )
+            rows.append((f"loader, {what}", figures(steps, weights), more))
+    for what, result, more in rows:
+        print(
+            f"{what}: {result['dominated_steps']} of {result['steps']} steps "
+            f"({result['dominated_share']:.1%}) have one source above {SHARE_OVER:.0%} of the tokens "
+            f"while its weight is below {WEIGHT_UNDER:.0%}; mean KL(step mix || weights) "
+            f"{result['mean_kl']:.3f} nats{more}"
+        )
+    return rows
+
+
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--tokens", type=Path, default=Path("runs/demo/tokens"))
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--round-tokens", type=int, default=2_000_000, help="tokens per timed round")
@@ -79,31 +192,28 @@ def main(argv=None) -> dict:
     ap.add_argument(
         "--samples", type=int, default=100_000, help="stream length for the RSS and restore figures"
     )
+    mix_flags = ap.add_argument_group("mix per step")
+    mix_flags.add_argument("--run", type=Path, help="a training run folder (metrics, config.yaml)")
+    mix_flags.add_argument("--data", type=Path, help="a data config (configs/data/*.yaml)")
+    mix_flags.add_argument("--steps", type=int, default=300)
+    mix_flags.add_argument(
+        "--micro-batch", type=int, default=8, help="rows per step (x grad_accum)"
+    )
+    mix_flags.add_argument("--mix-chunk", default="0", help="comma-separated data.mix_chunk values")
+    mix_flags.add_argument("--whole-docs", action="store_true", help="also whole documents")
     a = ap.parse_args(argv)
+    if a.run and a.data:
+        ap.error("give --run or --data, not both")
+    if a.run or a.data:
+        return {"mix": mix(a)}
     if not (a.tokens / "manifest.json").is_file():
         sys.exit(f"{a.tokens}: no token shards; run `make demo` first (or pass --tokens)")
-    names = sources(a.tokens)
-    # Weights = each source's share of the tokens: the mix follows the shards' own proportions, so
-    # per token both loops read the same documents (equal weights would favour short documents).
     manifest = json.loads((a.tokens / "manifest.json").read_text())
-    by_source = {
-        s["name"]: (sum(s["tokens"].values()) if isinstance(s["tokens"], dict) else s["tokens"])
-        for s in manifest.get("sources", [])
-        if "tokens" in s
-    }
-    weights = {s: float(by_source.get(s, 1.0)) for s in names}
-    cfg = LoaderConfig(
-        sources=[
-            SourceConfig(name=s, shards=[str(a.tokens / s)], weight=weights[s]) for s in names
-        ],
-        seq_len=a.seq_len,
-        num_workers=0,
-        mode="infinite",
-    )
+    cfg = token_loader_config(a.tokens, a.seq_len, num_workers=0, mode="infinite")
     shards = sorted(glob.glob(str(a.tokens / "*" / "*.tar")))
     res: dict = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "sources": names,
+        "machine": machine(),
+        "sources": [source.name for source in cfg.sources],
         "shards": len(shards),
         "seq_len": a.seq_len,
     }
@@ -132,7 +242,7 @@ def main(argv=None) -> dict:
     while n < target:
         n += int(next(it)["num_real_tokens"])
         if len(marks) < 100 and n >= target * len(marks) / 100:
-            marks.append(rss_mib())
+            marks.append(status_mib("VmRSS"))
     late_state = json.loads(json.dumps(loader.state_dict()))
     it.close()
     res["rss"] = {
@@ -140,24 +250,14 @@ def main(argv=None) -> dict:
         "samples_approx": round(n / per_sample),
         "seconds": time.perf_counter() - t0,
         "rss_mib_at_10pct": marks[10],
-        "rss_mib_at_end": rss_mib(),
+        "rss_mib_at_end": status_mib("VmRSS"),
         "rss_mib_max": max(marks),
     }
 
-    def restore(state) -> float:
-        t = time.perf_counter()
-        ld = build_loader(cfg, rank=0, world_size=1, micro_batch=8)
-        ld.load_state_dict(state)
-        i = iter(ld)
-        next(i)
-        dt = time.perf_counter() - t
-        i.close()
-        return dt
-
     at_start, late = [], []
     for _ in range(3):
-        at_start.append(restore(start_state))
-        late.append(restore(late_state))
+        at_start.append(loader_start(cfg, start_state)[1])
+        late.append(loader_start(cfg, late_state)[1])
     res["restore"] = {
         "start_s": statistics.median(at_start),
         "late_s": statistics.median(late),

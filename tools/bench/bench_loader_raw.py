@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from data.loader import LoaderConfig, SourceConfig, build_loader  # noqa: E402
 from data.loader.config import OnlineTokenizeConfig  # noqa: E402
+from tools.bench import machine  # noqa: E402
 
 KINDS = {
     "image-caption": "scenes",
@@ -101,10 +101,7 @@ def main(argv=None) -> dict:
     online = OnlineTokenizeConfig(
         **{key: value for key, value in opts.items() if key != "image_batch"}
     )
-    print(
-        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads 1; "
-        f"tokenize options {opts}"
-    )
+    print(f"machine: {machine()}, torch threads 1; tokenize options {opts}")
     out = {}
     for kind, source in KINDS.items():
         cfg = LoaderConfig(

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from model.attention import AttentionConfig  # noqa: E402
 from model.layers import FFNConfig  # noqa: E402
 from model.loss import chunked_linear_cross_entropy  # noqa: E402
 from model.transformer import TransformerConfig  # noqa: E402
+from tools.bench import machine, status_mib  # noqa: E402
 
 
 # --- a plain reference transformer --------------------------------------------------------
@@ -119,7 +119,7 @@ def copy_weights(ours, ref):
                 dst.weight.copy_(src.weight)
 
 
-def time_interleaved(fns: dict, params: dict, warmup: int, iters: int) -> dict[str, list[float]]:
+def time_interleaved(fns: dict, models: dict, warmup: int, iters: int) -> dict[str, list[float]]:
     """fwd+bwd times of each fn, round-robin one call at a time, so load changes on a shared
     machine hit every contender alike."""
     for fn in fns.values():
@@ -128,8 +128,7 @@ def time_interleaved(fns: dict, params: dict, warmup: int, iters: int) -> dict[s
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(iters):
         for name, fn in fns.items():
-            for param in params[name]:
-                param.grad = None
+            models[name].zero_grad(set_to_none=True)
             started = time.perf_counter()
             fn().backward()
             times[name].append(time.perf_counter() - started)
@@ -137,30 +136,30 @@ def time_interleaved(fns: dict, params: dict, warmup: int, iters: int) -> dict[s
 
 
 def bench_speed(quick: bool) -> dict:
-    vocab, dim, n_layers, n_heads, n_kv_heads, ffn = 5166, 256, 4, 4, 2, 704
+    shape = {"vocab": 5166, "dim": 256, "layers": 4, "heads": 4, "kv_heads": 2, "ffn": 704}
     B, T = (2, 128) if quick else (4, 256)
     cfg = TransformerConfig(
-        vocab_size=vocab,
+        vocab_size=shape["vocab"],
         text_vocab_size=4096,
         visual_offset=4166,
-        dim=dim,
-        n_layers=n_layers,
-        attention=AttentionConfig(n_heads=n_heads, n_kv_heads=n_kv_heads, backend="sdpa"),
-        ffn=FFNConfig(hidden_dim=ffn),
+        dim=shape["dim"],
+        n_layers=shape["layers"],
+        attention=AttentionConfig(
+            n_heads=shape["heads"], n_kv_heads=shape["kv_heads"], backend="sdpa"
+        ),
+        ffn=FFNConfig(hidden_dim=shape["ffn"]),
     )
     torch.manual_seed(0)
     ours = cfg.build()
-    ref = RefModel(vocab, dim, n_layers, n_heads, n_kv_heads, ffn)
+    ref = RefModel(*(shape[key] for key in ("vocab", "dim", "layers", "heads", "kv_heads", "ffn")))
     copy_weights(ours, ref)
-    ids = torch.randint(0, vocab, (B, T))
+    ids = torch.randint(0, shape["vocab"], (B, T))
     labels = torch.cat([ids[:, 1:], torch.full((B, 1), -100)], 1)
     docs = (torch.arange(T) // (T // 4)).expand(B, T)  # 4 documents per row
     with torch.no_grad():
         loss_ours, loss_ref = ours(ids, labels=labels).loss.item(), ref(ids, labels).item()
-    assert abs(loss_ours - loss_ref) < 1e-2, (
-        loss_ours,
-        loss_ref,
-    )  # same function (ours adds the 1e-5 z-loss)
+    # the same function (ours adds the 1e-5 z-loss)
+    assert abs(loss_ours - loss_ref) < 1e-2, (loss_ours, loss_ref)
     warm, iters = (2, 4) if quick else (3, 15)
     times = time_interleaved(
         {
@@ -168,44 +167,24 @@ def bench_speed(quick: bool) -> dict:
             "ours": lambda: ours(ids, labels=labels).loss,
             "docs": lambda: ours(ids, labels=labels, doc_ids=docs).loss,
         },
-        {
-            "ref": list(ref.parameters()),
-            "ours": list(ours.parameters()),
-            "docs": list(ours.parameters()),
-        },
+        {"ref": ref, "ours": ours, "docs": ours},
         warm,
         iters,
     )
-    t_ref, t_ours, t_doc = times["ref"], times["ours"], times["docs"]
-    med = statistics.median
+    med = {name: statistics.median(seconds) for name, seconds in times.items()}
     return {
-        "config": {
-            "vocab": vocab,
-            "dim": dim,
-            "layers": n_layers,
-            "heads": n_heads,
-            "kv_heads": n_kv_heads,
-            "ffn": ffn,
-            "batch": B,
-            "seq": T,
-            "params": ours.num_params(),
-        },
+        "config": {**shape, "batch": B, "seq": T, "params": ours.num_params()},
         "loss_ours": loss_ours,
         "loss_ref": loss_ref,
-        "ref_s": med(t_ref),
-        "ours_s": med(t_ours),
-        "ours_4docs_s": med(t_doc),
-        "ratio": med(t_ours) / med(t_ref),
-        "ratio_4docs": med(t_doc) / med(t_ref),
+        "ref_s": med["ref"],
+        "ours_s": med["ours"],
+        "ours_4docs_s": med["docs"],
+        "ratio": med["ours"] / med["ref"],
+        "ratio_4docs": med["docs"] / med["ref"],
     }
 
 
 # --- CE memory, one variant per fresh process ----------------------------------------------
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _reset_peak() -> bool:
     """Reset the kernel's peak-RSS mark (VmHWM) so that setup does not count; False if not allowed."""
     try:
@@ -216,14 +195,6 @@ def _reset_peak() -> bool:
         return False
 
 
-def _peak_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def ce_child(chunk: int, N: int, D: int, V: int) -> None:
     torch.manual_seed(0)
     hidden = torch.randn(N, D, requires_grad=True)
@@ -231,7 +202,7 @@ def ce_child(chunk: int, N: int, D: int, V: int) -> None:
     targets = torch.randint(0, V, (N,))
     weight.grad = torch.zeros_like(weight)  # the parameter's .grad exists in training either way
     hidden.grad = torch.zeros_like(hidden)
-    before = _rss_bytes()
+    before = status_mib("VmRSS")
     reset = _reset_peak()
     started = time.perf_counter()
     if chunk < 0:  # the usual plain PyTorch: full fp32 logits, F.cross_entropy, no z-loss
@@ -242,12 +213,12 @@ def ce_child(chunk: int, N: int, D: int, V: int) -> None:
         )[0]
     loss.backward()
     seconds = time.perf_counter() - started
-    peak = _peak_bytes()
+    peak = status_mib("VmHWM")
     print(
         json.dumps(
             {
                 "chunk": chunk,
-                "extra_peak_bytes": peak - before,
+                "extra_peak_bytes": (peak - before) * 2**20,
                 "seconds": seconds,
                 "loss": loss.item(),
                 "peak_reset": reset,
@@ -276,20 +247,6 @@ def bench_ce_memory(quick: bool) -> dict:
     return out
 
 
-def machine() -> str:
-    try:
-        name = next(
-            line.split(":", 1)[1].strip()
-            for line in subprocess.run(
-                ["lscpu"], capture_output=True, text=True
-            ).stdout.splitlines()
-            if line.startswith("Model name")
-        )
-    except Exception:
-        name = platform.processor() or "unknown"
-    return f"{name}, {os.cpu_count()} CPUs visible, torch {torch.__version__}, Python {platform.python_version()}"
-
-
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--ce-child":
         torch.set_num_threads(1)
@@ -301,7 +258,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    res = {"machine": machine(), "threads": args.threads}
+    res = {
+        "machine": f"{machine()}, torch {torch.__version__}, Python {platform.python_version()}",
+        "threads": args.threads,
+    }
     res["speed"] = speed = bench_speed(args.quick)
     print(f"machine: {res['machine']}; torch threads: {args.threads}")
     config = speed["config"]

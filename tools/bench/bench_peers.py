@@ -25,7 +25,7 @@ padded before such a block when it is written. earlyfuse runs its whole loader.
 **One measure is one fresh process** (``--measure``, started by this script): import, build,
 first batch, one epoch; this script samples the RSS and PSS of its process tree meanwhile.
 Each loader runs 20 batches untimed first, then ``--rounds`` rounds, the order rotated; medians,
-ratios against LitData's per-document arrays and against earlyfuse's previous figures.
+ratios against LitData's per-document arrays and against a result saved earlier (``--previous``).
 
     python tools/bench/bench_peers.py --corpus runs/bench-peers [--docs 27000] [--rounds 3]
 """
@@ -36,7 +36,6 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -47,11 +46,21 @@ import threading
 import time
 from collections.abc import Callable
 from functools import partial
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tools.bench import (  # noqa: E402
+    commit,
+    machine,
+    process_tree,
+    token_loader_config,
+    write_token_manifest,
+    write_token_shard,
+)
 
 # Each loader and the library it imports (a peer whose library is absent is skipped).
 LIBRARIES = {
@@ -74,15 +83,6 @@ MOD_BITS = 3  # LitData TokensLoader: id * 8 + modality in one int32
 PAD_MOD = 7  # ... and in its stream, the padding that keeps a visual block inside one row
 CORPUS_VERSION = 1
 
-# earlyfuse's figures from an earlier measurement of this benchmark's design (27,954 documents of
-# Python sources and prose, ~1,840 tokens each, 51.5M tokens; fresh process per measure), ratios
-# against LitData's per-document arrays; with one worker it gave no ratio counting start-up.
-# ``--previous FILE`` replaces them with a result this script saved.
-PREVIOUS = {
-    "source": "an earlier measurement (27,954 documents, 51.5M tokens)",
-    "workers=0": {"first_batch_s": 3.3, "epoch_vs_litdata": 0.3, "peak_rss_vs_litdata": 2.1},
-    "workers=1": {"first_batch_s": 7.8, "peak_rss_vs_litdata": 2.6},
-}
 # The loader's goals for start-up, memory and speed, printed beside the results.
 GOALS = {
     "workers=0": {"first_batch_s": 0.5, "epoch_vs_litdata": 1.2, "peak_rss_vs_litdata": 1.3},
@@ -189,63 +189,26 @@ def documents_of(files: list[Path], tokenizer, doc_tokens: int, want: int, seed:
                     target = int(rng.integers(doc_tokens // 2, doc_tokens * 3 // 2 + 1))
 
 
-def write_token_source(folder: Path, name: str, docs, modality: int) -> tuple[list, dict]:
+def write_token_source(folder: Path, name: str, docs, modality: int) -> list[dict]:
     """One token source of the corpus in earlyfuse's format, shards of ``DOCS_PER_SHARD``
-    documents (tar, JSONL index, binary index) written by the project's own writers: (its
-    manifest's shard entries, its source entry)."""
-    from data.schema import Sample
-    from data.shards import token_index
-    from data.shards.writer import ShardWriter
-    from data.tokenize.shard_job import npy_bytes
-    from data.vocab import MODALITY_NAMES
-
-    kind = MODALITY_NAMES[modality]
-    (folder / name).mkdir(parents=True)
+    documents: its manifest's shard entries."""
+    numbered = ((f"{name}{number:08d}", ids) for number, ids in enumerate(docs))
     entries: list[dict] = []
-    writer = None
-    for number, ids in enumerate(docs):
-        if writer is None:
-            stem = f"{name}/shard-{len(entries):06d}"
-            writer = ShardWriter(folder / f"{stem}.tar", folder / f"{stem}.idx.jsonl")
-            entries.append({"path": f"{stem}.tar", "index": f"{stem}.idx.jsonl", "source": name})
-            entries[-1].update(index_bin=stem + token_index.SUFFIX, samples=0, tokens={kind: 0})
-        mod = np.full(len(ids), modality, np.uint8)
-        meta = {"source": name, "spans": [], "tokens": len(ids)}
-        members = [("ids.npy", npy_bytes(ids)), ("mod.npy", npy_bytes(mod))]
-        counts = {"tokens": len(ids), "tokens_by_modality": {kind: len(ids)}}
-        writer.write(Sample(f"{name}{number:08d}", meta, members), counts)
-        entries[-1]["samples"] += 1
-        entries[-1]["tokens"][kind] += len(ids)
-        if entries[-1]["samples"] == DOCS_PER_SHARD:
-            finish_shard(folder, writer, entries[-1])
-            writer = None
-    if writer is not None:
-        finish_shard(folder, writer, entries[-1])
-    samples = sum(entry["samples"] for entry in entries)
-    tokens = sum(entry["tokens"][kind] for entry in entries)
-    return entries, {"name": name, "samples": samples, "tokens": {kind: tokens}}
+    while chunk := list(islice(numbered, DOCS_PER_SHARD)):
+        stem = f"shard-{len(entries):06d}"
+        entries.append(write_token_shard(folder, name, stem, chunk, modality))
+    return entries
 
 
-def finish_shard(folder: Path, writer, entry: dict) -> None:
-    from data.shards import token_index
-
-    res = writer.close()
-    jsonl = (folder / entry["index"]).read_bytes()
-    token_index.write(folder / entry["index_bin"], token_index.build(jsonl))
-    entry["blocks"] = {mod: {"blocks": 0, "longest": 0} for mod in ("image", "video")}
-    entry.update(bytes=res.bytes, sha256=res.sha256, index_sha256=res.index_sha256)
-
-
-def copy_visual(token_dir: Path, out: Path) -> tuple[list[dict], list[dict]]:
-    """The sources of a token folder that hold image or video tokens, their shards hard-linked
-    (copied across file systems) into ``out``: (shard entries, source entries)."""
+def copy_visual(token_dir: Path, out: Path) -> list[dict]:
+    """The shards of the sources of a token folder that hold image or video tokens, hard-linked
+    (copied across file systems) into ``out``: their manifest entries."""
     manifest = json.loads((token_dir / "manifest.json").read_text())
-    sources = [
-        src
+    names = {
+        src["name"]
         for src in manifest["sources"]
         if src["tokens"].get("image") or src["tokens"].get("video")
-    ]
-    names = {src["name"] for src in sources}
+    }
     entries = [entry for entry in manifest["shards"] if entry["source"] in names]
     for entry in entries:
         for key in ("path", "index", "index_bin"):
@@ -254,7 +217,7 @@ def copy_visual(token_dir: Path, out: Path) -> tuple[list[dict], list[dict]]:
                 os.link(token_dir / entry[key], out / entry[key])
             except OSError:
                 shutil.copy2(token_dir / entry[key], out / entry[key])
-    return entries, sources
+    return entries
 
 
 def corpus_settings(a) -> dict:
@@ -338,34 +301,22 @@ def build_corpus(a) -> dict:
     text_docs = documents_of(
         text_files, tokenizer, a.doc_tokens, round(a.docs * a.text_share), seed=2
     )
-    shards, text = write_token_source(tokens_dir, "text", text_docs, int(Modality.TEXT))
-    code_docs = documents_of(code_files, tokenizer, a.doc_tokens, a.docs - text["samples"], seed=1)
-    more, code = write_token_source(tokens_dir, "code", code_docs, int(Modality.CODE))
-    shards += more
-    sources = [src for src in (text, code) if src["samples"]]  # a source of no shard is refused
-    if text["samples"] + code["samples"] < a.docs:
+    shards = write_token_source(tokens_dir, "text", text_docs, int(Modality.TEXT))
+    made = sum(entry["samples"] for entry in shards)
+    code_docs = documents_of(code_files, tokenizer, a.doc_tokens, a.docs - made, seed=1)
+    shards += write_token_source(tokens_dir, "code", code_docs, int(Modality.CODE))
+    made = sum(entry["samples"] for entry in shards)
+    if made < a.docs:
         print(
-            f"corpus: the material gave {text['samples'] + code['samples']:,} text and code "
-            f"documents, not {a.docs:,} (add folders with --material)",
+            f"corpus: the material gave {made:,} text and code documents, not {a.docs:,} (add "
+            "folders with --material)",
             flush=True,
         )
-    visual: list[dict] = []
-    if a.visual:
-        more, visual = copy_visual(a.visual, tokens_dir)
-        shards += more
-        sources += visual
-    samples = sum(src["samples"] for src in sources)
-    total = sum(sum(src["tokens"].values()) for src in sources)
-    manifest = {
-        "format": "earlyfuse-token-shards",
-        "version": 1,
-        "fingerprint": f"bench-peers-{CORPUS_VERSION}-{samples}-{total}",
-        "tokenizers": tok_record,
-        "sources": sources,
-        "shards": shards,
-        "totals": {"samples": samples, "tokens": total, "rejects": 0},
-    }
-    (tokens_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    visual = copy_visual(a.visual, tokens_dir) if a.visual else []
+    samples = made + sum(entry["samples"] for entry in visual)
+    total = sum(sum(entry["tokens"].values()) for entry in shards + visual)
+    fingerprint = f"bench-peers-{CORPUS_VERSION}-{samples}-{total}"
+    sources = write_token_manifest(tokens_dir, fingerprint, tok_record, shards + visual)["sources"]
     built = {
         "settings": settings,
         "documents": samples,
@@ -378,8 +329,8 @@ def build_corpus(a) -> dict:
     }
     if a.visual:
         built["visual_share"] = {
-            "documents": round(sum(src["samples"] for src in visual) / samples, 4),
-            "tokens": round(sum(sum(src["tokens"].values()) for src in visual) / total, 4),
+            "documents": round(sum(entry["samples"] for entry in visual) / samples, 4),
+            "tokens": round(sum(sum(entry["tokens"].values()) for entry in visual) / total, 4),
         }
     record.write_text(json.dumps(built, indent=1))
     return built
@@ -388,25 +339,22 @@ def build_corpus(a) -> dict:
 def read_documents(tokens: Path) -> list[tuple[np.ndarray, np.ndarray]]:
     """Every document of the token folder in shard order: (ids int32, modalities uint8). The
     peers find a document's visual blocks from its modalities alone (``spans_of``): a document
-    whose blocks are not those runs (two blocks side by side) is refused."""
-    from data.loader.npy import read_npy
-    from data.loader.store import ShardFiles
-    from data.token_docs import source_tables
+    whose blocks are not those runs (two blocks side by side) is refused, as is a document that
+    cannot be read."""
+    from data.token_docs import iter_documents, source_tables
 
-    files, docs = ShardFiles(), []
-    for table in source_tables(tokens):
-        for number in range(len(table)):
-            shard, _, blocks, _, _, i0, isz, m0, msz, _ = table.locate_members(number)
-            url = table.shards[shard]
-            ids = read_npy(files.view(url, i0, isz)).astype(np.int32)
-            mod = read_npy(files.view(url, m0, msz)).astype(np.uint8)
-            found = [(start, end) for start, end, block in spans_of(mod) if block]
-            if found != sorted((int(blk[0]), int(blk[1])) for blk in blocks):
-                raise SystemExit(
-                    f"{url}: sample {number} of source {table.name}: its visual blocks "
-                    f"{blocks} are not its runs of image, video and structure tokens {found}"
-                )
-            docs.append((ids, mod))
+    skipped: list[tuple[str, str, str]] = []
+    docs = []
+    for doc in iter_documents(source_tables(tokens), skipped=skipped):
+        found = [(start, end) for start, end, block in spans_of(doc.modality) if block]
+        if found != sorted((int(blk[0]), int(blk[1])) for blk in doc.blocks):
+            raise SystemExit(
+                f"{tokens}: document {doc.key} of source {doc.source}: its visual blocks "
+                f"{doc.blocks} are not its runs of image, video and structure tokens {found}"
+            )
+        docs.append((doc.ids.astype(np.int32), doc.modality.astype(np.uint8)))
+    if skipped:
+        raise SystemExit(f"{tokens}: {len(skipped)} unreadable document(s), first {skipped[0]}")
     return docs
 
 
@@ -503,10 +451,10 @@ def to_webdataset(docs, out: Path) -> None:
     import webdataset as wds
 
     out.mkdir(parents=True)
-    for start in range(0, len(docs), DOCS_PER_SHARD):
-        with wds.TarWriter(str(out / f"shard-{start // DOCS_PER_SHARD:06d}.tar")) as writer:
-            for number, (ids, mod) in enumerate(docs[start : start + DOCS_PER_SHARD], start):
-                writer.write({"__key__": f"d{number:08d}", "ids.npy": ids, "mod.npy": mod})
+    pattern = str(out / "shard-%06d.tar")
+    with wds.ShardWriter(pattern, maxcount=DOCS_PER_SHARD, verbose=0) as writer:
+        for number, (ids, mod) in enumerate(docs):
+            writer.write({"__key__": f"d{number:08d}", "ids.npy": ids, "mod.npy": mod})
 
 
 def to_streaming(docs, out: Path) -> None:
@@ -686,19 +634,9 @@ def energon_batches(corpus: Path, workers: int, seq_len: int, rows: int):
 
 
 def earlyfuse_batches(corpus: Path, workers: int, seq_len: int, rows: int):
-    from data.loader import LoaderConfig, SourceConfig, build_loader
+    from data.loader import build_loader
 
-    tokens = corpus / "tokens"
-    manifest = json.loads((tokens / "manifest.json").read_text())
-    sources = [
-        SourceConfig(
-            name=src["name"],
-            shards=[str(tokens / src["name"])],
-            weight=float(sum(src["tokens"].values())),
-        )
-        for src in manifest["sources"]
-    ]
-    cfg = LoaderConfig(sources=sources, seq_len=seq_len, num_workers=workers, mode="epoch")
+    cfg = token_loader_config(corpus / "tokens", seq_len, num_workers=workers, mode="epoch")
     return iter(build_loader(cfg, rank=0, world_size=1, micro_batch=rows))
 
 
@@ -741,21 +679,6 @@ def measure(a) -> dict:
 
 
 # --- the parent: fresh processes, memory of their trees ------------------------------------------
-def tree_of(root: int) -> list[int]:
-    """``root`` and its descendants (``/proc/PID/task/TID/children``)."""
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        try:
-            for task in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{task}/children") as children:
-                    todo.extend(int(child) for child in children.read().split())
-        except OSError:  # ended meanwhile
-            continue
-    return found
-
-
 def memory_of(pids: list[int]) -> tuple[int, int]:
     """(RSS, PSS) in bytes summed over ``pids``. PSS shares each page among the processes that
     map it, so forked workers' copy-on-write pages are not counted twice."""
@@ -783,7 +706,7 @@ def run_measure(a, name: str, workers: int, limit: int = 0) -> dict:
 
         def sample() -> None:
             while child.poll() is None:
-                rss, pss = memory_of(tree_of(child.pid))
+                rss, pss = memory_of(process_tree(child.pid))
                 peak[0], peak[1] = max(peak[0], rss), max(peak[1], pss)
                 time.sleep(0.05)
 
@@ -856,28 +779,16 @@ def print_mode(mode: str, table: dict[str, dict], previous: dict) -> None:
 
 
 def previous_figures(path: Path | None) -> dict:
-    """``PREVIOUS``, or the modes of a result this script saved: earlyfuse's figures and its
+    """The modes of a result this script saved (``--previous``): earlyfuse's figures and its
     ratios to LitData there."""
     if path is None:
-        return PREVIOUS
+        return {}
     saved = json.loads(path.read_text())
     out: dict = {"source": f"{path} ({saved.get('commit', '?')})"}
     for mode, table in saved["modes"].items():
         if figures := earlyfuse_figures(table):
             out[mode] = figures
     return out
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "?"
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -944,7 +855,7 @@ def main(argv=None) -> dict:
     convert(a.corpus, loaders, a.seq_len)
     res: dict = {
         "commit": commit(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "machine": machine(),
         "corpus": built,
         "seq_len": a.seq_len,
         "rows": a.rows,

@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -46,118 +44,58 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from data.loader import LoaderConfig, SourceConfig, build_loader  # noqa: E402
-from data.shards import token_index  # noqa: E402
-from data.shards.writer import ShardWriter  # noqa: E402
-from data.vocab import VocabLayout  # noqa: E402
+from data.loader import LoaderConfig  # noqa: E402
+from data.vocab import Modality, VocabLayout  # noqa: E402
+from tools.bench import (  # noqa: E402
+    loader_start,
+    machine,
+    token_loader_config,
+    write_token_manifest,
+    write_token_shard,
+)
 
 
-def npy(a: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, a, allow_pickle=False)
-    return buf.getvalue()
-
-
-def write_shard(folder: Path, samples: int, tokens: int) -> dict:
-    """One real token shard of ``samples`` tiny text documents: its tar, JSONL and binary index."""
-    from data.schema import Sample
-
+def write_base(folder: Path, samples: int, tokens: int) -> dict:
+    """One real token shard of ``samples`` tiny text documents: its manifest entry."""
     rng = np.random.default_rng(0)
-    writer = ShardWriter(folder / "base.tar", folder / "base.idx.jsonl")
-    for i in range(samples):
-        ids = rng.integers(3, 500, tokens).astype(np.int32)
-        mod = np.zeros(tokens, np.uint8)
-        sample = Sample(
-            f"doc{i:08d}",
-            {"source": "synth", "spans": [], "tokens": tokens},
-            [("ids.npy", npy(ids)), ("mod.npy", npy(mod))],
-        )
-        writer.write(
-            sample, {"tokens": tokens, "tokens_by_modality": {"text": tokens}, "blocks": []}
-        )
-    res = writer.close()
-    jsonl = (folder / "base.idx.jsonl").read_bytes()
-    token_index.write(folder / "base.idx.bin", token_index.build(jsonl))
-    return {"bytes": res.bytes, "sha256": res.sha256, "index_sha256": res.index_sha256}
-
-
-def make_folder(root: Path, base: Path, base_info: dict, n: int, per_shard: int, tokens: int):
-    """A token folder of ``n`` samples: ``n / per_shard`` hard links of the base shard."""
-    src = root / "synth"
-    src.mkdir(parents=True)
-    layout = VocabLayout(text_size=512)
-    (root / "tokenizers").mkdir()
-    layout.save(root / "tokenizers" / "vocab_layout.json")
-    shards = []
-    for k in range(n // per_shard):
-        stem = f"shard-{k:06d}"
-        for ext in (".tar", ".idx.jsonl", token_index.SUFFIX):
-            os.link(base / f"base{ext}", src / f"{stem}{ext}")
-        shards.append(
-            {
-                "path": f"synth/{stem}.tar",
-                "index": f"synth/{stem}.idx.jsonl",
-                "index_bin": f"synth/{stem}{token_index.SUFFIX}",
-                "source": "synth",
-                "samples": per_shard,
-                "tokens": {"text": per_shard * tokens},
-                "blocks": {m: {"blocks": 0, "longest": 0} for m in ("image", "video")},
-                **base_info,
-            }
-        )
-    manifest = {
-        "format": "earlyfuse-token-shards",
-        "version": 1,
-        "fingerprint": hashlib.sha256(str(n).encode()).hexdigest()[:24],
-        "tokenizers": {
-            "text": "synthetic",
-            "layout": layout.fingerprint(),
-            "visual": "none",
-            "folder": "tokenizers",
-        },
-        "sources": [{"name": "synth", "samples": n, "tokens": {"text": n * tokens}}],
-        "shards": shards,
-        "totals": {"samples": n, "tokens": n * tokens, "rejects": 0},
-    }
-    (root / "manifest.json").write_text(json.dumps(manifest))
-    return src
-
-
-def cfg_for(src: Path, seq_len: int) -> LoaderConfig:
-    return LoaderConfig(
-        sources=[SourceConfig(name="synth", shards=[str(src)])],
-        seq_len=seq_len,
-        num_workers=0,
-        mode="infinite",
-        cache_dir=str(src.parent / "cache"),
+    docs = (
+        (f"doc{number:08d}", rng.integers(3, 500, tokens).astype(np.int32))
+        for number in range(samples)
     )
+    return write_token_shard(folder, "synth", "base", docs, int(Modality.TEXT))
 
 
-def time_start(cfg: LoaderConfig) -> tuple[float, float, dict]:
-    """(seconds to build the loader, to its first batch, the state after it)."""
-    t0 = time.perf_counter()
-    ld = build_loader(cfg, rank=0, world_size=1, micro_batch=8)
-    built = time.perf_counter() - t0
-    it = iter(ld)
-    next(it)
-    dt = time.perf_counter() - t0
-    state = ld.state_dict()
-    it.close()
-    return built, dt, state
+def make_folder(root: Path, base_dir: Path, base: dict, n: int) -> Path:
+    """A token folder of ``n`` samples: hard links of the base shard under as many names."""
+    layout = VocabLayout(text_size=512)
+    (root / "tokenizers").mkdir(parents=True)
+    layout.save(root / "tokenizers" / "vocab_layout.json")
+    (root / "synth").mkdir()
+    shards = []
+    for number in range(n // base["samples"]):
+        entry = dict(base)
+        for key in ("path", "index", "index_bin"):
+            entry[key] = base[key].replace("base", f"shard-{number:06d}")
+            os.link(base_dir / base[key], root / entry[key])
+        shards.append(entry)
+    tokenizers = {"text": "synthetic", "layout": layout.fingerprint(), "visual": "none"}
+    fingerprint = hashlib.sha256(str(n).encode()).hexdigest()[:24]
+    write_token_manifest(root, fingerprint, {**tokenizers, "folder": "tokenizers"}, shards)
+    return root
+
+
+def cfg_for(folder: Path, seq_len: int) -> LoaderConfig:
+    cache_dir = str(folder / "cache")
+    return token_loader_config(folder, seq_len, num_workers=0, mode="infinite", cache_dir=cache_dir)
 
 
 def time_restore(cfg: LoaderConfig, state: dict, n: int) -> float:
+    """A fresh loader given a state whose cursor is at the middle of the epoch, to its first
+    batch."""
     deep = json.loads(json.dumps(state))
-    for ws in deep["worker_states"].values():
-        ws["cursors"][0][1] = n // 2  # the middle of the epoch
-    t0 = time.perf_counter()
-    ld = build_loader(cfg, rank=0, world_size=1, micro_batch=8)
-    ld.load_state_dict(deep)
-    it = iter(ld)
-    next(it)
-    dt = time.perf_counter() - t0
-    it.close()
-    return dt
+    for worker_state in deep["worker_states"].values():
+        worker_state["cursors"][0][1] = n // 2
+    return loader_start(cfg, deep)[1]
 
 
 # What one fresh process of --first-batch runs (its checkout's loader first on sys.path).
@@ -245,27 +183,24 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bench-startup-", dir=a.work_dir))
     res: dict = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "machine": machine(),
         "load_before": os.getloadavg(),
         "sizes": {},
     }
     try:
         base = work / "base"
         base.mkdir()
-        info = write_shard(base, a.shard_samples, a.tokens_per_doc)
-        folders = {}
-        for n in a.sizes:
-            folders[n] = make_folder(
-                work / f"n{n}", base, info, n, a.shard_samples, a.tokens_per_doc
-            )
+        info = write_base(base, a.shard_samples, a.tokens_per_doc)
+        folders = {n: make_folder(work / f"n{n}", base, info, n) for n in a.sizes}
         if a.first_batch:
             checkouts = [root.resolve() for root in a.first_batch]
-            res["first_batch"] = first_batch(checkouts, folders[a.sizes[0]], a.seq_len, a.rounds)
+            synth = folders[a.sizes[0]] / "synth"
+            res["first_batch"] = first_batch(checkouts, synth, a.seq_len, a.rounds)
             res["load_after"] = os.getloadavg()
             print(json.dumps(res, indent=1))
             return res
         for n in a.sizes:  # warm: imports, page cache
-            time_start(cfg_for(folders[n], a.seq_len))
+            loader_start(cfg_for(folders[n], a.seq_len))
         builds: dict[int, list[float]] = {n: [] for n in a.sizes}
         starts: dict[int, list[float]] = {n: [] for n in a.sizes}
         restores: dict[int, list[float]] = {n: [] for n in a.sizes}
@@ -273,12 +208,12 @@ def main(argv=None) -> dict:
         for _ in range(a.rounds):
             for n in a.sizes:
                 cfg = cfg_for(folders[n], a.seq_len)
-                built, dt, state = time_start(cfg)
+                built, dt, state = loader_start(cfg)
                 builds[n].append(built)
                 starts[n].append(dt)
                 restores[n].append(time_restore(cfg, state, n))
                 if n in jsonl:
-                    jsonl[n].append(time_jsonl(folders[n]))
+                    jsonl[n].append(time_jsonl(folders[n] / "synth"))
         small = min(a.sizes)
         for n in a.sizes:
             row = {

@@ -34,6 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from tools.bench import machine  # noqa: E402
+
 BARE = textwrap.dedent(
     """
     import json, sys, tarfile
@@ -131,7 +133,7 @@ def main() -> None:
         med = {key: statistics.median(samples) for key, samples in times.items()}
         load = os.getloadavg()
         print(
-            f"machine: {platform.machine()}, {os.cpu_count()} cores, python "
+            f"machine: {machine()}, python "
             f"{platform.python_version()}; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}"
         )
         print(f"corpus: {len(shards)} raw shards, {megabytes:.1f} MB; median of {args.repeat} runs")

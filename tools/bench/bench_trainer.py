@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tools.bench import machine  # noqa: E402
 from train.names import METRICS_FILE  # noqa: E402
 
 
@@ -173,7 +173,7 @@ def main(argv=None) -> dict:
         sys.exit("runs/demo/tokens: no token shards; run `make demo` first (or pass --experiment)")
     with tempfile.TemporaryDirectory() as tmp:
         res = {
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "machine": machine(),
             "experiment": args.experiment,
         }
         res["wait"] = data_wait(

@@ -34,12 +34,11 @@ def bench_rows(out: Path) -> list[str]:
     rows = []
     for path in sorted(out.glob("bench-*.json")):
         r = read_json(path)
-        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
-        mem = f"{r['peak_mem_gib']:.1f}" if r.get("peak_mem_gib") is not None else "-"
         rows.append(
             f"| bench_gpu {r['preset']} mb {r['micro_batch']} x {r['seq_len']} | "
-            f"{'on' if r['compile'] else 'off'} | {r['tokens_per_s']:,.0f} | {mfu} | "
-            f"{r['step_s'] * 1e3:.0f} | {mem} | {r['final_loss']:.3f} |"
+            f"{'on' if r['compile'] else 'off'} | {r['tokens_per_s']:,.0f} | "
+            f"{_or_dash(r.get('mfu'), '.1%')} | {r['step_s'] * 1e3:.0f} | "
+            f"{_or_dash(r.get('peak_mem_gib'))} | {r['final_loss']:.3f} |"
         )
     return rows
 
@@ -72,8 +71,9 @@ MASK_HEAD = (
 )
 
 
-def _gib(value) -> str:
-    return f"{value:.1f}" if value is not None else "-"
+def _or_dash(value, spec: str = ".1f") -> str:
+    """``value`` formatted, or "-" where there is none (a CPU run's memory, an unknown peak)."""
+    return "-" if value is None else format(value, spec)
 
 
 def long_rows(out: Path) -> list[str]:
@@ -97,18 +97,18 @@ def long_rows(out: Path) -> list[str]:
         )
         what = f"| {res['preset']} | {res['seq_len']:,} | {attention} |"
         if res.get("oom"):
-            rows.append(f"{what} {res['oom']} | | | | {_gib(res['estimate_gib'])} | | |")
+            rows.append(f"{what} {res['oom']} | | | | {_or_dash(res['estimate_gib'])} | | |")
             continue
-        mfu = f"{res['mfu']:.1%}" if res.get("mfu") is not None else "-"
         above = (
             res["peak_mem_gib"] - res["at_rest_gib"]
             if res.get("peak_mem_gib") is not None and res.get("at_rest_gib") is not None
             else None
         )
         rows.append(
-            f"{what} {res['tokens_per_s']:,.0f} | {mfu} | {res['step_s']:.2f} | "
-            f"{_gib(res.get('peak_mem_gib'))} | {_gib(res['estimate_gib'])} | {_gib(above)} | "
-            f"{_gib(res['estimate_above_states_gib'])} |"
+            f"{what} {res['tokens_per_s']:,.0f} | {_or_dash(res.get('mfu'), '.1%')} | "
+            f"{res['step_s']:.2f} | {_or_dash(res.get('peak_mem_gib'))} | "
+            f"{_or_dash(res['estimate_gib'])} | {_or_dash(above)} | "
+            f"{_or_dash(res['estimate_above_states_gib'])} |"
         )
     return rows
 
@@ -127,10 +127,9 @@ def mask_result_rows(results: list[dict]) -> list[str]:
         if res.get("error"):
             rows.append(f"| {res['seq_len']:,} | {name} | {res['error']} | | | |")
             continue
-        peak = f"{res['peak_build_mib']:,.1f}" if res.get("peak_build_mib") is not None else "-"
         rows.append(
             f"| {res['seq_len']:,} | {name} | {res['first_build_s']:.1f} | {res['build_s'] * 1e3:,.1f} "
-            f"| {res['index_mib']:,.2f} | {peak} |"
+            f"| {res['index_mib']:,.2f} | {_or_dash(res.get('peak_build_mib'), ',.1f')} |"
         )
     return rows
 

@@ -42,6 +42,10 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tools.bench import process_tree  # noqa: E402
+
 # A training run's console line (train/callbacks/metrics_log.py): "step 25/100 | loss ...".
 STEP_LINE = re.compile(r"\bstep (\d+)/(\d+) \|")
 
@@ -70,24 +74,15 @@ def children_cpu() -> float:
 def tree_cpu(pid: int) -> float:
     """User + system seconds of a live process and all its descendants (with the children each
     has waited for), from Linux's /proc."""
-    parents, times = {}, {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    ticks = 0
+    for proc in process_tree(pid):
         try:
             # Fields after the command name (which may hold spaces), from ")": state, ppid, ...
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            fields = Path(f"/proc/{proc}/stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue  # a process that ended while we looked
-        proc = int(stat.parent.name)
-        parents[proc] = int(fields[1])
-        times[proc] = sum(int(tick) for tick in fields[11:15])  # utime stime cutime cstime
-    tree, frontier = {pid}, [pid]
-    while frontier:
-        parent = frontier.pop()
-        for proc, ppid in parents.items():
-            if ppid == parent and proc not in tree:
-                tree.add(proc)
-                frontier.append(proc)
-    return sum(times.get(proc, 0) for proc in tree) / os.sysconf("SC_CLK_TCK")
+        ticks += sum(int(tick) for tick in fields[11:15])  # utime stime cutime cstime
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def preset_steps(line: str) -> int:
