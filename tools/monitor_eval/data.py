@@ -171,7 +171,7 @@ def _tokenize(root: Path, out: Path, visual: Path) -> Path:
 def tokenize_trained(root: Path, steps: int) -> Path:
     """The base corpus tokenized again with a visual tokenizer trained ``steps`` steps on it (a
     real ``earlyfuse-train experiment=vtok_debug`` run); returns the token folder."""
-    repo = Path(__file__).resolve().parents[3]
+    repo = Path(__file__).resolve().parents[2]
     run = subprocess.run(
         [
             sys.executable,
@@ -372,9 +372,28 @@ class DataPlan:
         return {"version": VERSION, **self.__dict__}
 
 
-def onset_tokens(step: int, *, tokens_per_step: int, share: float) -> int:
-    """Tokens a source of token share ``share`` has delivered after ``step`` steps."""
-    return int(step * tokens_per_step * share)
+def held_out(docs: list[TokenDoc]) -> tuple[list[TokenDoc], list[TokenDoc]]:
+    """Every document but each 10th (training), and each 10th (validation)."""
+    return [doc for i, doc in enumerate(docs) if i % 10], docs[::10]
+
+
+def visual_sources(tokens: Path) -> tuple[dict[str, list[TokenDoc]], list[TokenDoc]]:
+    """The picture and clip sources of a token folder, and their held-out documents. Scenes and
+    digits are interleaved: a source read in order then mixes its documents' kinds evenly."""
+    scenes = read_source(tokens, "scenes")
+    pairs = zip(scenes, read_source(tokens, "digits"))
+    images, val_images = held_out([doc for pair in pairs for doc in pair])
+    colours, val_colours = held_out(read_source(tokens, "colours"))
+    colours_first, val_first = held_out(read_source(tokens, "colours_first"))
+    sources = {
+        "images": images,
+        "scenes": scenes,
+        "clips": read_source(tokens, "clips"),
+        "docs": read_source(tokens, "docs"),
+        "colours": colours,
+        "colours_first": colours_first,
+    }
+    return sources, val_images + val_colours + val_first
 
 
 def build(root: Path, plan: DataPlan | None = None, *, log=print) -> Path:
@@ -402,43 +421,29 @@ def build(root: Path, plan: DataPlan | None = None, *, log=print) -> Path:
         ]
         return [out[i] for i in rng.permutation(len(out))]
 
-    def held_out(docs: list[TokenDoc]) -> tuple[list[TokenDoc], list[TokenDoc]]:
-        return [doc for i, doc in enumerate(docs) if i % 10], docs[::10]
-
     code, val_code = held_out(pieces("code"))
     text, val_text = held_out(pieces("text"))
-    scenes, digits = read_source(base, "scenes"), read_source(base, "digits")
-    # Interleave: a source read in order then mixes its documents' kinds evenly.
-    images, val_images = held_out([document for pair in zip(scenes, digits) for document in pair])
-    colours, val_colours = held_out(read_source(base, "colours"))
-    colours_first, val_first = held_out(read_source(base, "colours_first"))
-    codes = np.concatenate(
-        [document.ids[document.mod == int(Modality.IMAGE)] for document in images]
-    )
+    visual, val_visual = visual_sources(base)
+    del visual["scenes"]  # the untrained tokenizer's scenes are only in the images source
+    images = visual["images"]
+    codes = np.concatenate([doc.ids[doc.mod == int(Modality.IMAGE)] for doc in images])
     codes = codes[codes >= layout.visual_offset] - layout.visual_offset
-    common = [
-        int(code_id)
-        for code_id in np.argsort(np.bincount(codes, minlength=layout.num_codes))[::-1][:4]
-    ]
-    textcode = [document for pair in zip(text, code) for document in pair]
+    common = np.argsort(np.bincount(codes, minlength=layout.num_codes))[::-1][:4].tolist()
+    textcode = [doc for pair in zip(text, code) for doc in pair]
     sources = {
         "code": code,
         "text": text,
-        "images": images,
-        "clips": read_source(base, "clips"),
-        "docs": read_source(base, "docs"),
-        "colours": colours,
-        "colours_first": colours_first,
-        "val": val_code + val_text + val_images + val_colours + val_first,
+        **visual,
+        "val": val_code + val_text + val_visual,
         "code_bad": prefix_then(
             code,
-            [garbage(document, rng, layout) for document in code],
+            [garbage(doc, rng, layout) for doc in code],
             onset_tokens=plan.code_bad_onset,
             tail_tokens=plan.tail,
         ),
         "images_bad": prefix_then(
             images,
-            [degenerate_codes(document, rng, layout, common) for document in images],
+            [degenerate_codes(doc, rng, layout, common) for doc in images],
             onset_tokens=plan.images_bad_onset,
             tail_tokens=plan.tail // 4,
         ),
@@ -448,29 +453,13 @@ def build(root: Path, plan: DataPlan | None = None, *, log=print) -> Path:
     }
     write_folder(root / "suite", base, sources)
     trained = tokenize_trained(root / "base", plan.vtok_steps)
-    tv_images, tv_val_images = held_out(
-        [
-            document
-            for pair in zip(read_source(trained, "scenes"), read_source(trained, "digits"))
-            for document in pair
-        ]
-    )
-    tv_colours, tv_val_colours = held_out(read_source(trained, "colours"))
-    tv_first, tv_val_first = held_out(read_source(trained, "colours_first"))
-    write_folder(
-        root / "suite_tv",
-        trained,
-        {
-            "code": code,
-            "text": text,
-            "images": tv_images,
-            "scenes": read_source(trained, "scenes"),
-            "clips": read_source(trained, "clips"),
-            "docs": read_source(trained, "docs"),
-            "colours": tv_colours,
-            "colours_first": tv_first,
-            "val": val_code + val_text + tv_val_images + tv_val_colours + tv_val_first,
-        },
-    )
+    tv_visual, tv_val_visual = visual_sources(trained)
+    tv_sources = {
+        "code": code,
+        "text": text,
+        **tv_visual,
+        "val": val_code + val_text + tv_val_visual,
+    }
+    write_folder(root / "suite_tv", trained, tv_sources)
     stamp.write_text(json.dumps(plan.key(), indent=1) + "\n")
     return root / "suite"
