@@ -13,8 +13,8 @@ from collections.abc import Set
 
 import numpy as np
 
-from tools.report.draw import ACTION_COLOR, ema, human
 from tools.report.lead import Visible, lead_time, loss_visible
+from tools.report.panels import ACTION_COLOR, ema, human
 from tools.report.run import RunData, alarm_step, fmt
 from train.names import METRICS_FILE
 
@@ -186,6 +186,62 @@ def alarm_rows(run: RunData) -> list[list[str]]:
             ]
         )
     return rows
+
+
+# The final.json figures report.png's header lists.
+HEADER_FINAL = (
+    "val/loss",
+    "val/unigram",
+    "eval/psnr",
+    "eval/ssim",
+    "eval/baseline",
+    "eval/palette",
+    "eval/code_fraction",
+)
+MAX_ALARMS_IN_PNG = 12
+
+
+def header_lines(run: RunData, smooth: float) -> list[tuple[str, float, str]]:
+    """report.png's header: ``(text, font size, style)`` lines."""
+    lines = [
+        (f"earlyfuse report: {run.name}  (task {run.task})", 15.0, "bold"),
+        (f"step {steps_text(run)}  |  {status_of(run)}  |  {alarm_counts(run)}", 10.5, "normal"),
+    ]
+    mono: list[tuple[str, float]] = []  # in the monospace font
+    mods = modality_rows(run, smooth)
+    if mods:
+        which = f"EMA {smooth:g}" if smooth > 0 else "raw"
+        losses = [
+            f"{row[0]} {row[2] if smooth > 0 else row[1]}"
+            + (f" (u {row[3]})" if row[3] != "-" else "")
+            for row in mods
+        ]
+        mono.append((f"last train loss ({which}): " + "  ".join(losses), 10))
+    final = [f"{k} {fmt(v)}" for k, v in sorted(run.final.items()) if k.startswith(HEADER_FINAL)]
+    if final:
+        mono.append(("final: " + "  ".join(final), 10))
+    heldout = (run.heldout_eval.get("heldout") or {}).get("total") or {}
+    if heldout:
+        figures = [f"{m} {fmt(f['ce'], 3)}/{fmt(f.get('unigram'), 3)}" for m, f in heldout.items()]
+        mono.append(("held-out (earlyfuse-eval), CE vs unigram: " + "  ".join(figures), 10))
+    visible = visible_of(run)
+    if run.alarms:
+        mono.append((f"loss visible: {visible_text(visible)}", 10))
+    for i, alarm in enumerate(run.alarms[:MAX_ALARMS_IN_PNG], 1):
+        step = alarm_step(alarm)
+        mod = f" [{alarm['modality']}]" if alarm.get("modality") else ""
+        mono.append(
+            (
+                f"A{i}  step {step if step is not None else '?'}  {alarm.get('signal', '?')}{mod} "
+                f"-> {alarm.get('action', '?')} (lead {lead_text(step, visible)}): "
+                f"{str(alarm.get('message', ''))[:100]}",
+                9,
+            )
+        )
+    if len(run.alarms) > MAX_ALARMS_IN_PNG:
+        more = len(run.alarms) - MAX_ALARMS_IN_PNG
+        mono.append((f"... and {more} more alarms (see report.html)", 9))
+    return lines + [(text, size, "mono") for text, size in mono]
 
 
 # --- HTML --------------------------------------------------------------------------------------------
