@@ -243,6 +243,7 @@ class Panel:
     draw: Callable  # draw(ax, ctx) -> {curve name: (x, y)} for the alarm markers
     note: str = ""  # a caption for the HTML page
     xlabel: str = "step"  # any other: the panel draws its own x axis (no step axis, no alarms)
+    shown: bool = True  # the run logged what the panel draws
 
 
 # --- the panels ------------------------------------------------------------------------------------
@@ -392,21 +393,22 @@ def draw_grad(ax, ctx: Ctx):
     return {"total": curve}
 
 
-def draw_simple(keys: list[tuple[str, str, str]], scale: float = 1.0, eval_keys=()):
-    """Train series ``(key, label, color)`` and evaluation series ``(key, label, color, marker)``."""
+def simple(run: RunData, key: str, title: str, ylabel: str, curves, *, scale=1.0, note=""):
+    """A panel of train curves ``(key, label, color)`` and evaluation curves ``(key, label, color,
+    marker)``, shown when one of its keys has a value (final.json's count)."""
 
     def draw(ax, ctx: Ctx):
-        curves: dict[str, object] = {}
-        for key, label, color in keys:
-            if ctx.run.has(key):
-                curves.setdefault(
-                    "total", train_line(ax, ctx.run.series[key], ctx, label, color, scale)
-                )
-        for key, label, color, marker in eval_keys:
-            eval_points(ax, ctx.run, key, label, color, marker, scale)
-        return curves
+        drawn: dict[str, object] = {}
+        for curve_key, label, color, *marker in curves:
+            if marker:
+                eval_points(ax, ctx.run, curve_key, label, color, marker[0], scale)
+            elif ctx.run.has(curve_key):
+                series = ctx.run.series[curve_key]
+                drawn.setdefault("total", train_line(ax, series, ctx, label, color, scale))
+        return drawn
 
-    return draw
+    shown = any(run.has(curve[0]) or curve[0] in run.final for curve in curves)
+    return Panel(key, title, ylabel, draw, note, shown=shown)
 
 
 def draw_lr(ax, ctx: Ctx):
@@ -448,150 +450,122 @@ def panels_for(run: RunData) -> list[Panel]:
     """The panels this run has data for, in reading order."""
     has = run.has
     unit = UNIT_NAME.get(run.task, "units")
-    out = []
-    if has("train/loss") or run.keys("loss/"):
-        out.append(
-            Panel(
-                "loss",
-                "Train loss: total and per modality",
-                "cross-entropy (nats)",
-                per_modality("loss/", total="train/loss", clip=True),
-            )
-        )
-    if any(key.startswith("val/loss") for key in run.series) or any(
-        key.startswith("val/loss") for key in run.final
-    ):
-        out.append(
-            Panel(
-                "val",
-                "Validation loss per modality",
-                "cross-entropy (nats)",
-                draw_val,
-                "Markers: each evaluation; stars: final.json; dashed: the train EMA for reference.",
-            )
-        )
-    if run.keys("loss_norm/"):
-        out.append(
-            Panel(
-                "loss_norm",
-                "Normalised CE per modality (CE / ln V)",
-                "CE / ln V",
-                per_modality("loss_norm/", hline=1.0),
-                "1.0 is chance over the modality's own vocabulary range; near 1.0 late in a run is collapse.",
-            )
-        )
-    if run.keys("mix/"):
-        out.append(
-            Panel(
-                "mix",
-                "Delivered mix by source (share of tokens)",
-                "share",
-                draw_mix,
-                "Stacked shares of each step's tokens, EMA-smoothed; dashed: cumulative config weights.",
-            )
-        )
-    if run.keys("tokens/"):
-        out.append(
-            Panel("tokens", "Label tokens per step by modality", "tokens / step", draw_tokens)
-        )
-    if has("optim/grad_norm"):
-        out.append(
-            Panel("grad", "Gradient norm (skipped steps marked)", "global grad norm", draw_grad)
-        )
-    if has("optim/lr"):
-        out.append(Panel("lr", "Learning rate", "lr", draw_lr))
-    if has("throughput/units_per_s"):
-        out.append(
-            Panel(
-                "throughput",
-                f"Throughput ({unit}/s)",
-                f"{unit} / s",
-                draw_simple([("throughput/units_per_s", f"{unit}/s", "#333333")]),
-            )
-        )
-    if has("throughput/mfu") or has("throughput/data_wait"):
-        out.append(
-            Panel(
-                "util",
-                "MFU and data wait",
-                "% ",
-                draw_simple(
-                    [
-                        ("throughput/mfu", "MFU", "#1f77b4"),
-                        ("throughput/data_wait", "data wait (share of step)", "#d62728"),
-                    ],
-                    scale=100.0,
-                ),
-            )
-        )
-    for sig in monitor_signals(run):
-        out.append(
+    nats = "cross-entropy (nats)"
+    position = run.heldout_eval.get("position_loss") or {}
+    util: list[tuple] = [
+        ("throughput/mfu", "MFU", "#1f77b4"),
+        ("throughput/data_wait", "data wait (share of step)", "#d62728"),
+    ]
+    psnr: list[tuple] = [
+        ("vtok/psnr", "train", "#ff7f0e"),
+        ("eval/psnr", "eval (held-out)", "#1f77b4", "o"),
+        ("eval/baseline_psnr", "baseline", "#7f7f7f", "s"),
+    ]
+    codes: list[tuple] = [
+        ("vtok/code_fraction", "train batch", "#9467bd"),
+        ("eval/code_fraction", "eval", "#17becf", "o"),
+    ]
+    panels = [
+        Panel(
+            "loss",
+            "Train loss: total and per modality",
+            nats,
+            per_modality("loss/", total="train/loss", clip=True),
+            shown=has("train/loss") or bool(run.keys("loss/")),
+        ),
+        Panel(
+            "val",
+            "Validation loss per modality",
+            nats,
+            draw_val,
+            "Markers: each evaluation; stars: final.json; dashed: the train EMA for reference.",
+            shown=any(key.startswith("val/loss") for key in [*run.series, *run.final]),
+        ),
+        Panel(
+            "loss_norm",
+            "Normalised CE per modality (CE / ln V)",
+            "CE / ln V",
+            per_modality("loss_norm/", hline=1.0),
+            "1.0 is chance over the modality's own vocabulary range; near 1.0 late in a run is collapse.",
+            shown=bool(run.keys("loss_norm/")),
+        ),
+        Panel(
+            "mix",
+            "Delivered mix by source (share of tokens)",
+            "share",
+            draw_mix,
+            "Stacked shares of each step's tokens, EMA-smoothed; dashed: cumulative config weights.",
+            shown=bool(run.keys("mix/")),
+        ),
+        Panel(
+            "tokens",
+            "Label tokens per step by modality",
+            "tokens / step",
+            draw_tokens,
+            shown=bool(run.keys("tokens/")),
+        ),
+        Panel(
+            "grad",
+            "Gradient norm (skipped steps marked)",
+            "global grad norm",
+            draw_grad,
+            shown=has("optim/grad_norm"),
+        ),
+        Panel("lr", "Learning rate", "lr", draw_lr, shown=has("optim/lr")),
+        simple(
+            run,
+            "throughput",
+            f"Throughput ({unit}/s)",
+            f"{unit} / s",
+            [("throughput/units_per_s", f"{unit}/s", "#333333")],
+        ),
+        simple(run, "util", "MFU and data wait", "% ", util, scale=100.0),
+        *(
             Panel(
                 f"monitor_{sig}",
                 MONITOR_TITLES.get(sig, f"monitor/{sig}"),
                 sig,
                 per_modality(f"monitor/{sig}/", total=f"monitor/{sig}"),
             )
-        )
-    if has("vtok/psnr") or has("eval/psnr") or "eval/psnr" in run.final:
-        out.append(
-            Panel(
-                "psnr",
-                "Reconstruction PSNR against the patch-mean baseline",
-                "PSNR (dB)",
-                draw_simple(
-                    [("vtok/psnr", "train", "#ff7f0e")],
-                    eval_keys=[
-                        ("eval/psnr", "eval (held-out)", "#1f77b4", "o"),
-                        ("eval/baseline_psnr", "baseline", "#7f7f7f", "s"),
-                    ],
-                ),
-            )
-        )
-    if has("eval/ssim") or "eval/ssim" in run.final:
-        out.append(
-            Panel(
-                "ssim",
-                "SSIM (eval, held-out crops)",
-                "SSIM",
-                draw_simple([], eval_keys=[("eval/ssim", "SSIM", "#2ca02c", "o")]),
-            )
-        )
-    if has("vtok/code_fraction") or has("eval/code_fraction") or "eval/code_fraction" in run.final:
-        out.append(
-            Panel(
-                "codes",
-                "Visual code use (share of the codebook used)",
-                "fraction of codes",
-                draw_simple(
-                    [("vtok/code_fraction", "train batch", "#9467bd")],
-                    eval_keys=[("eval/code_fraction", "eval", "#17becf", "o")],
-                ),
-                "eval/code_perplexity is in the summary table.",
-            )
-        )
-    if has("vtok/l1") or has("vtok/l2"):
-        out.append(
-            Panel(
-                "recon",
-                "Reconstruction error (train)",
-                "mean error",
-                draw_simple([("vtok/l1", "L1", "#8c564b"), ("vtok/l2", "L2 (MSE)", "#e377c2")]),
-            )
-        )
-    if (run.heldout_eval.get("position_loss") or {}).get("buckets"):
-        out.append(
-            Panel(
-                "position",
-                "Held-out loss by token position (earlyfuse-eval --position-loss)",
-                "cross-entropy (nats)",
-                draw_position,
-                "Mean CE per position bucket over the document stretches that cover the bucket, "
-                "per modality of the predicted token: falling to the right when the context helps.",
-                xlabel="position in the document (tokens)",
-            )
-        )
-    return out
+            for sig in monitor_signals(run)
+        ),
+        simple(
+            run, "psnr", "Reconstruction PSNR against the patch-mean baseline", "PSNR (dB)", psnr
+        ),
+        simple(
+            run,
+            "ssim",
+            "SSIM (eval, held-out crops)",
+            "SSIM",
+            [("eval/ssim", "SSIM", "#2ca02c", "o")],
+        ),
+        simple(
+            run,
+            "codes",
+            "Visual code use (share of the codebook used)",
+            "fraction of codes",
+            codes,
+            note="eval/code_perplexity is in the summary table.",
+        ),
+        simple(
+            run,
+            "recon",
+            "Reconstruction error (train)",
+            "mean error",
+            [("vtok/l1", "L1", "#8c564b"), ("vtok/l2", "L2 (MSE)", "#e377c2")],
+        ),
+        Panel(
+            "position",
+            "Held-out loss by token position (earlyfuse-eval --position-loss)",
+            nats,
+            draw_position,
+            "Mean CE per position bucket over the document stretches that cover the bucket, "
+            "per modality of the predicted token: falling to the right when the context helps.",
+            xlabel="position in the document (tokens)",
+            shown=bool(position.get("buckets")),
+        ),
+    ]
+    return [panel for panel in panels if panel.shown]
 
 
 # --- PNG bytes ------------------------------------------------------------------------------------
