@@ -17,17 +17,9 @@ Built once under ``ROOT`` (about 15 s; reused while its ``built.json`` matches t
   documents are cut into pieces of at most ``piece`` tokens, so a batch holds many documents
   and several sources (a 12k-token file would otherwise fill 25 batches of the debug run and
   make a modality's loss jump with each new file). Sources ending in ``_bad`` are a healthy
-  prefix followed by a pathology:
-
-  ``code_bad``     code whose ids become uniformly random text ids (garbage ids)
-  ``images_bad``   scenes and digits whose image codes become near-constant (a visual tokenizer
-                   whose codes degenerate: 90 % one code, the rest 3 others)
-  ``shift_bad``    text and code documents, then only images: the run's mix shifts from
-                   mostly text/code to mostly images (modality starvation)
-
+  prefix followed by a pathology (``garbage``, ``degenerate_codes``, a shift to images only).
   ``val`` holds every 10th document of code, text, images and both colour sources, left out of
-  the training sources: the final validation loss of every case is measured on the same clean
-  held-out documents.
+  the training sources: every case's final validation loss is measured on the same documents.
 - ``suite_tv/``: the healthy sources again (and ``scenes`` alone), their pictures and clips
   tokenized by a *trained* visual tokenizer (``experiment=vtok_debug``, ``vtok_steps`` steps on
   the base corpus), as a user's own pipeline makes them: flat colours and plain backgrounds map

@@ -1,17 +1,14 @@
 """The monitors on real instabilities: recall, lead time, false alarms and recovery.
 
-Every case is a real run of ``earlyfuse-train experiment=instab_*``
-(tools/monitor_eval/configs/experiment/, found through ``hydra.searchpath``: ``SEARCHPATH``), one
-subprocess each, with the default monitors (configs/monitor/default.yaml); nothing is injected
-into training: each failure comes from its config (no QK-norm or no z-loss under a rising lr, an
-lr x100 stretch) or its data (token sources that turn bad part-way: tools/monitor_eval/data.py).
-For each case it reports which detector fired first and when, when the failure became visible
-in the loss (tools/report/lead.py: the total or a modality's loss EMA 10 % above its running
-minimum, or non-finite), the lead time, what the monitors did, and the final validation loss:
-with the monitors' actions, with every action set to ``log`` (run only when an action changed
-the run: otherwise the two runs are the same), and of the healthy control.
+Every case (``cases.yaml``) is a real ``earlyfuse-train`` subprocess with the default monitors;
+its failure comes from its config (``configs/experiment/``, found through ``SEARCHPATH``) or its
+data (``data.py``), nothing is injected. For each case: which detector fired first and when,
+when the failure became visible in the loss (the rule of tools/report/lead.py), the lead time,
+what the monitors did, and the final validation loss with the monitors' actions, with every
+action set to ``log`` (run only when an action changed the run: otherwise the two runs are the
+same), and of the healthy control.
 
-    .venv/bin/python tools/monitor_eval/instability.py            # everything, ~15 min on 2 cores
+    .venv/bin/python tools/monitor_eval/instability.py            # every case
     .venv/bin/python tools/monitor_eval/instability.py --cases lr-jump healthy-debug-0 --jobs 1
     .venv/bin/python tools/monitor_eval/instability.py --prepare-only  # only build the data
     .venv/bin/python tools/monitor_eval/instability.py --list          # the cases and their runs
@@ -148,14 +145,8 @@ def summarize(case: Case, mon: dict, twin: dict | None, control: dict | None = N
     lead = None if first is None or vis is None else vis["step"] - first["step"]
     return {
         "detected": first is not None,
-        "first": None
-        if first is None
-        else {
-            "signal": first["signal"],
-            "modality": first.get("modality"),
-            "step": first["step"],
-            "action": first["action"],
-        },
+        "first": first
+        and {key: first.get(key) for key in ("signal", "modality", "step", "action")},
         "before_onset": [
             (alarm["step"], alarm["signal"], alarm.get("modality")) for alarm in early
         ],

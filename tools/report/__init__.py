@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tools.evaluate.table import format_eval
 from tools.report.run import NoMetrics, RunData, load_run
 
 DEFAULT_SMOOTH = 0.9
@@ -66,35 +67,26 @@ def write_report(
     import matplotlib
 
     matplotlib.use("Agg")  # harmless when pyplot is never imported; guards an interactive default
+    from tools.report import panels as figures
     from tools.report.page import header_lines, html_page
-    from tools.report.panels import (
-        DPI,
-        PANEL_SIZE,
-        Ctx,
-        panels_for,
-        render,
-        render_header,
-        x_limits,
-    )
 
     if not 0 <= smooth < 1:
         raise ValueError(f"--smooth must be in [0, 1), got {smooth}")
     run = load_run(run_dir)
     out = Path(out) if out is not None else Path(run_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
-    ctx = Ctx(run=run, smooth=smooth, xlim=x_limits(run))
-    panels = panels_for(run) if run.records or run.final else []
-    drawn = [(p.key, p.title, p.note, render(p, ctx)) for p in panels]
-    width = int(PANEL_SIZE[0] * DPI) * (2 if len(drawn) > 1 else 1)
+    ctx = figures.Ctx(run=run, smooth=smooth, xlim=figures.x_limits(run))
+    panels = figures.panels_for(run) if run.records or run.final else []
+    drawn = [(p.key, p.title, p.note, figures.render(p, ctx)) for p in panels]
+    width = int(figures.PANEL_SIZE[0] * figures.DPI) * (2 if len(drawn) > 1 else 1)
+    header = figures.render_header(header_lines(run, smooth), width)
     png = out / "report.png"
-    png.write_bytes(
-        compose(render_header(header_lines(run, smooth), width), [d[3] for d in summary_of(drawn)])
-    )
+    png.write_bytes(compose(header, [d[3] for d in summary_of(drawn)]))
     title: list[tuple[str, float, str]] = [
         (f"earlyfuse report: {run.name}: every panel ({len(drawn)})", 13.0, "bold")
     ]
     panels_png = out / "report_panels.png"
-    panels_png.write_bytes(compose(render_header(title, width), [d[3] for d in drawn]))
+    panels_png.write_bytes(compose(figures.render_header(title, width), [d[3] for d in drawn]))
     recon = run.run_dir / "vtok_reconstructions.png"
     page = html_page(run, smooth, drawn, recon.read_bytes() if recon.is_file() else None)
     html = out / "report.html"
@@ -156,8 +148,6 @@ def main(argv=None) -> int:
     print(f"wrote {rep.png} (summary) and {rep.panels_png.name} (every panel)")
     print(f"wrote {rep.html}")
     if run.heldout_eval:  # the held-out evaluation (earlyfuse-eval --out RUN_DIR/heldout_eval.json)
-        from tools.evaluate.table import format_eval
-
         print(format_eval(run.heldout_eval))
     return 0
 

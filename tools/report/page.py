@@ -8,11 +8,13 @@ import base64
 import datetime as dt
 import html
 import json
+import string
 from collections import Counter
 from collections.abc import Set
 
 import numpy as np
 
+from tools.evaluate.table import format_eval
 from tools.report.lead import Visible, lead_time, loss_visible
 from tools.report.panels import ACTION_COLOR, ema, human
 from tools.report.run import RunData, alarm_step, fmt
@@ -258,6 +260,14 @@ img.panel{width:760px;max-width:100%} .muted{color:#777} .tag{padding:1px 6px;bo
 """
 
 
+PAGE = string.Template(
+    "<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>earlyfuse report: $name</title>"
+    "<style>$css</style></head><body><h1>earlyfuse report: $name</h1><p class=muted>task $task "
+    "&middot; step $steps &middot; $alarms &middot; written $when UTC by earlyfuse-report</p>"
+    "$sections</body></html>\n"
+)
+
+
 def _table(
     header: list[str],
     rows: list[list[str]],
@@ -285,99 +295,72 @@ def html_page(
     panels: list[tuple[str, str, str, bytes]],
     reconstructions: bytes | None,
 ) -> str:
-    """``panels``: (anchor, title, caption, png) in order."""
+    """``panels``: (anchor, title, caption, png) in order. A section without content is left out."""
     esc = html.escape
-    parts = [
-        f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8>"
-        f"<title>earlyfuse report: {esc(run.name)}</title><style>{CSS}</style></head><body>",
-        f"<h1>earlyfuse report: {esc(run.name)}</h1>",
-        f"<p class=muted>task {esc(run.task)} &middot; step {esc(steps_text(run))} &middot; "
-        f"{esc(alarm_counts(run))} &middot; written {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC "
-        f"by earlyfuse-report</p>",
-        "<h2>Summary</h2>",
-        _table(["field", "value"], [list(r) for r in overview(run, smooth)]),
-    ]
     mods = modality_rows(run, smooth)
-    if mods:
-        parts += [
-            "<h2>Per modality</h2>",
-            _table(
-                [
-                    "modality",
-                    "last train loss",
-                    f"train loss EMA {smooth:g}",
-                    "train unigram baseline (last)",
-                    "last CE / ln V",
-                    "last val loss",
-                    "final val loss",
-                    "val unigram baseline",
-                    "margin (baseline - loss)",
-                    "val ppl (final, else last)",
-                    "label tokens seen",
-                ],
-                mods,
-                num_cols=set(range(1, 11)),
-            ),
-        ]
-    parts.append("<h2>Evaluation</h2>")
-    ev = eval_rows(run)
-    parts.append(
-        _table(["figure", "last during training", "final (final.json)"], ev, num_cols={1, 2})
-        if ev
-        else "<p class=muted>no evaluation logged yet</p>"
+    modality_header = [
+        "modality",
+        "last train loss",
+        f"train loss EMA {smooth:g}",
+        "train unigram baseline (last)",
+        "last CE / ln V",
+        "last val loss",
+        "final val loss",
+        "val unigram baseline",
+        "margin (baseline - loss)",
+        "val ppl (final, else last)",
+        "label tokens seen",
+    ]
+    evaluation = eval_rows(run)
+    alarms = alarm_rows(run)
+    for row in alarms:
+        color = ACTION_COLOR.get(row[4], "#555")
+        row[4] = f'<span class=tag style="background:{color}">{esc(row[4])}</span>'
+    figures = "".join(
+        f"<figure id={esc(anchor)}>{_img(png, title)}"
+        + (f"<figcaption>{esc(caption)}</figcaption>" if caption else "")
+        + "</figure>"
+        for anchor, title, caption, png in panels
     )
-    if run.heldout_eval:
-        from tools.evaluate.table import format_eval
-
-        parts += [
-            "<h2>Held-out evaluation</h2><p class=muted>heldout_eval.json, written by "
-            "earlyfuse-eval (docs/evaluation.md).</p><pre>",
-            esc(format_eval(run.heldout_eval)),
-            "</pre>",
-        ]
-    parts.append("<h2>Alarms</h2>")
-    rows = alarm_rows(run)
-    if rows:
-        for r in rows:
-            color = ACTION_COLOR.get(r[4], "#555")
-            r[4] = f'<span class=tag style="background:{color}">{esc(r[4])}</span>'
-        parts.append(
-            _table(
-                ["#", "step", "signal", "modality", "action", "values", "message", "lead (steps)"],
-                rows,
-                num_cols={1},
-                raw_cols={4},
-            )
+    sections = {
+        "Summary": _table(["field", "value"], [list(row) for row in overview(run, smooth)]),
+        "Per modality": mods and _table(modality_header, mods, num_cols=set(range(1, 11))),
+        "Evaluation": _table(
+            ["figure", "last during training", "final (final.json)"], evaluation, num_cols={1, 2}
         )
-    else:
-        parts.append("<p>no alarms</p>")
-    parts.append("<h2>Curves</h2>")
-    if panels:
-        parts.append(
-            "<p class=muted>Raw values faint, EMA solid; evaluation values as markers, final.json as stars; "
-            "alarms as dashed vertical lines labelled A&lt;i&gt; (the rows above) with a diamond on "
-            "the curve of their modality.</p><div class=grid>"
+        if evaluation
+        else "<p class=muted>no evaluation logged yet</p>",
+        "Held-out evaluation": run.heldout_eval
+        and "<p class=muted>heldout_eval.json, written by earlyfuse-eval (docs/evaluation.md).</p>"
+        f"<pre>{esc(format_eval(run.heldout_eval))}</pre>",
+        "Alarms": _table(
+            ["#", "step", "signal", "modality", "action", "values", "message", "lead (steps)"],
+            alarms,
+            num_cols={1},
+            raw_cols={4},
         )
-        for anchor, title, caption, png in panels:
-            parts.append(
-                f"<figure id={esc(anchor)}>{_img(png, title)}"
-                + (f"<figcaption>{esc(caption)}</figcaption>" if caption else "")
-                + "</figure>"
-            )
-        parts.append("</div>")
-    else:
-        parts.append("<p class=muted>no steps logged yet</p>")
-    if reconstructions is not None:
-        parts += [
-            "<h2>Reconstructions</h2><p class=muted>vtok_reconstructions.png: held-out crops, "
-            "original | reconstruction, one pair per row.</p>",
-            _img(reconstructions, "visual tokenizer reconstructions", "recon"),
-        ]
-    if run.final:
-        parts += [
-            "<h2>final.json</h2><pre>",
-            esc(json.dumps(run.final, indent=1, sort_keys=True, default=str, allow_nan=True)),
-            "</pre>",
-        ]
-    parts.append("</body></html>\n")
-    return "".join(parts)
+        if alarms
+        else "<p>no alarms</p>",
+        "Curves": "<p class=muted>Raw values faint, EMA solid; evaluation values as markers, "
+        "final.json as stars; alarms as dashed vertical lines labelled A&lt;i&gt; (the rows "
+        f"above) with a diamond on the curve of their modality.</p><div class=grid>{figures}</div>"
+        if panels
+        else "<p class=muted>no steps logged yet</p>",
+        "Reconstructions": reconstructions
+        and "<p class=muted>vtok_reconstructions.png: held-out crops, original | reconstruction, "
+        "one pair per row.</p>"
+        + _img(reconstructions, "visual tokenizer reconstructions", "recon"),
+        "final.json": run.final
+        and "<pre>"
+        + esc(json.dumps(run.final, indent=1, sort_keys=True, default=str, allow_nan=True))
+        + "</pre>",
+    }
+    return PAGE.substitute(
+        css=CSS,
+        name=esc(run.name),
+        task=esc(run.task),
+        steps=esc(steps_text(run)),
+        alarms=esc(alarm_counts(run)),
+        when=f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M}",
+        sections="".join(f"<h2>{title}</h2>{body}" for title, body in sections.items() if body),
+    )
