@@ -33,7 +33,8 @@ import json
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +45,7 @@ from data.shards import token_index
 from data.shards.index import read_index, read_member
 from data.shards.writer import ShardWriter
 from data.tokenize.blocks import visual_blocks
+from data.tokenize.docs import TokenDoc, tokens_by_modality
 from data.tokenize.shard_job import npy_bytes
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
 
@@ -59,18 +61,6 @@ COLOURS = {
     "black": (10, 10, 10),
     "white": (245, 245, 245),
 }
-
-
-@dataclass
-class TokenDoc:
-    key: str
-    ids: np.ndarray  # int32
-    mod: np.ndarray  # uint8
-    meta: dict  # the token shard's KEY.json: source, spans, tokens
-
-    @property
-    def blocks(self) -> list[list[int]]:
-        return visual_blocks(self.meta["spans"])
 
 
 # --- the base corpus ---------------------------------------------------------------------------------
@@ -191,12 +181,14 @@ def read_source(tokens: Path, source: str) -> list[TokenDoc]:
     for idx in sorted((tokens / source).glob("*.idx.jsonl")):
         tar = idx.with_name(idx.name[: -len(".idx.jsonl")] + ".tar")
         for entry in read_index(idx):
+            meta = json.loads(read_member(tar, entry, "json"))
             docs.append(
                 TokenDoc(
                     entry["key"],
                     read_npy(read_member(tar, entry, "ids.npy")).astype(np.int32),
                     read_npy(read_member(tar, entry, "mod.npy")).astype(np.uint8),
-                    json.loads(read_member(tar, entry, "json")),
+                    meta["spans"],
+                    meta["source"],
                 )
             )
     if not docs:
@@ -210,21 +202,18 @@ def read_source(tokens: Path, source: str) -> list[TokenDoc]:
 def split_long(doc: TokenDoc, piece: int) -> list[TokenDoc]:
     """A text or code document cut into pieces of at most ``piece`` tokens, each keeping the
     document's first (bos) and last (eos) token; documents with a visual block stay whole."""
-    if doc.blocks or len(doc.ids) <= piece:
+    if visual_blocks(doc.spans) or len(doc.ids) <= piece:
         return [doc]
     body = piece - 2
     out = []
     for i, start in enumerate(range(1, len(doc.ids) - 1, body)):
         end = min(start + body, len(doc.ids) - 1)
         ids = np.concatenate([doc.ids[:1], doc.ids[start:end], doc.ids[-1:]])
-        mod = np.concatenate([doc.mod[:1], doc.mod[start:end], doc.mod[-1:]])
-        kind = MODALITY_NAMES[int(np.bincount(mod).argmax())]
-        meta = {
-            "source": doc.meta["source"],
-            "spans": [{"type": kind, "start": 1, "end": len(ids) - 1}],
-            "tokens": len(ids),
-        }
-        out.append(TokenDoc(f"{doc.key}-p{i:03d}", ids, mod, meta))
+        mod = np.concatenate([doc.modality[:1], doc.modality[start:end], doc.modality[-1:]])
+        spans = [
+            {"type": MODALITY_NAMES[np.bincount(mod).argmax()], "start": 1, "end": len(ids) - 1}
+        ]
+        out.append(TokenDoc(f"{doc.key}-p{i:03d}", ids, mod, spans, doc.source))
     return out
 
 
@@ -234,9 +223,9 @@ def garbage(doc: TokenDoc, rng: np.random.Generator, layout: VocabLayout) -> Tok
     ids = doc.ids.copy()
     inner = np.zeros(len(ids), bool)
     inner[1:-1] = True
-    inner &= (doc.mod == int(Modality.TEXT)) | (doc.mod == int(Modality.CODE))
+    inner &= (doc.modality == int(Modality.TEXT)) | (doc.modality == int(Modality.CODE))
     ids[inner] = rng.integers(3, layout.text_size, int(inner.sum()))
-    return TokenDoc(doc.key + "-garbage", ids, doc.mod, doc.meta)
+    return replace(doc, key=doc.key + "-garbage", ids=ids)
 
 
 def degenerate_codes(
@@ -245,11 +234,11 @@ def degenerate_codes(
     """Image codes replaced by ``codes[0]`` 90 % of the time, else one of the others: a visual
     tokenizer that has collapsed onto a handful of codes."""
     ids = doc.ids.copy()
-    is_code = (doc.mod == int(Modality.IMAGE)) & (ids >= layout.visual_offset)
+    is_code = (doc.modality == int(Modality.IMAGE)) & (ids >= layout.visual_offset)
     num_codes = int(is_code.sum())
     pick = np.where(rng.random(num_codes) < 0.9, codes[0], rng.choice(codes[1:], num_codes))
     ids[is_code] = layout.visual_offset + pick
-    return TokenDoc(doc.key + "-collapsed", ids, doc.mod, doc.meta)
+    return replace(doc, key=doc.key + "-collapsed", ids=ids)
 
 
 def prefix_then(
@@ -262,7 +251,7 @@ def prefix_then(
         got, index = 0, 0
         while got < budget:
             doc = pool[index % len(pool)]
-            out.append(TokenDoc(f"{tag}{len(out):05d}-{doc.key}", doc.ids, doc.mod, doc.meta))
+            out.append(replace(doc, key=f"{tag}{len(out):05d}-{doc.key}"))
             got += len(doc.ids)
             index += 1
     return out
@@ -277,21 +266,17 @@ def write_source(out: Path, name: str, docs: list[TokenDoc]) -> list[dict]:
     for shard_no, start in enumerate(range(0, len(docs), DOCS_PER_SHARD)):
         rel = f"{name}/shard-{shard_no:06d}"
         writer = ShardWriter(out / f"{rel}.tar", out / f"{rel}.idx.jsonl")
-        tokens = dict.fromkeys(MODALITY_NAMES, 0)
+        tokens: Counter = Counter()
         for doc in docs[start : start + DOCS_PER_SHARD]:
-            counts = np.bincount(doc.mod, minlength=len(MODALITY_NAMES))
-            by_mod = {modality: int(counts[i]) for i, modality in enumerate(MODALITY_NAMES)}
-            meta = {**doc.meta, "source": name}
+            by_mod = tokens_by_modality(doc)
+            meta = {"source": name, "spans": doc.spans, "tokens": len(doc.ids)}
+            members = [("ids.npy", npy_bytes(doc.ids)), ("mod.npy", npy_bytes(doc.modality))]
+            blocks = visual_blocks(doc.spans)
             writer.write(
-                Sample(
-                    doc.key,
-                    meta,
-                    [("ids.npy", npy_bytes(doc.ids)), ("mod.npy", npy_bytes(doc.mod))],
-                ),
-                {"tokens": len(doc.ids), "tokens_by_modality": by_mod, "blocks": doc.blocks},
+                Sample(doc.key, meta, members),
+                {"tokens": len(doc.ids), "tokens_by_modality": by_mod, "blocks": blocks},
             )
-            for modality, count in by_mod.items():
-                tokens[modality] += count
+            tokens.update(by_mod)
         written = writer.close()
         # The loader's binary index and block summary, as tokenize writes them
         binary = token_index.build((out / f"{rel}.idx.jsonl").read_bytes())
@@ -418,7 +403,7 @@ def build(root: Path, plan: DataPlan | None = None, *, log=print) -> Path:
     visual, val_visual = visual_sources(base)
     del visual["scenes"]  # the untrained tokenizer's scenes are only in the images source
     images = visual["images"]
-    codes = np.concatenate([doc.ids[doc.mod == int(Modality.IMAGE)] for doc in images])
+    codes = np.concatenate([doc.ids[doc.modality == int(Modality.IMAGE)] for doc in images])
     codes = codes[codes >= layout.visual_offset] - layout.visual_offset
     common = np.argsort(np.bincount(codes, minlength=layout.num_codes))[::-1][:4].tolist()
     textcode = [doc for pair in zip(text, code) for doc in pair]
