@@ -76,18 +76,6 @@ def train(case: Case, run_dir: Path, data: Path, extra: tuple[str, ...] = ()) ->
         runs.insert(
             0, [sys.executable, str(REPO / "tests" / "train_with_faults.py"), *faults, *args]
         )
-    out = {"rc": 0, "cpu_s": 0.0, "wall_s": 0.0, "cmd": " ".join(args)}
-    for i, cmd in enumerate(runs):
-        one = _subprocess(cmd, run_dir, append=i > 0)
-        out["cpu_s"] += one["cpu_s"]
-        out["wall_s"] += one["wall_s"]
-        out["rc"] = one["rc"]
-        if i < len(runs) - 1:
-            out["killed_rc"] = one["rc"]
-    return out
-
-
-def _subprocess(cmd: list[str], run_dir: Path, append: bool) -> dict:
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -95,17 +83,18 @@ def _subprocess(cmd: list[str], run_dir: Path, append: bool) -> dict:
             "TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions")
         ),
     }
+    out: dict = {"rc": 0, "cpu_s": 0.0, "wall_s": 0.0, "cmd": " ".join(args)}
     started = time.perf_counter()
-    mode = "a" if append else "w"
-    with open(run_dir / "stdout.log", mode) as out, open(run_dir / "stderr.log", mode) as err:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-    return {
-        "rc": proc.returncode,
-        "cpu_s": usage.ru_utime + usage.ru_stime,
-        "wall_s": time.perf_counter() - started,
-    }
+    for i, cmd in enumerate(runs):  # a resumed run appends to the killed one's logs
+        with open(run_dir / "stdout.log", "a") as stdout, open(run_dir / "stderr.log", "a") as err:
+            proc = subprocess.Popen(cmd, cwd=REPO, stdout=stdout, stderr=err, env=env)
+            _, status, usage = os.wait4(proc.pid, 0)  # the child's own CPU time
+        proc.returncode = out["rc"] = os.waitstatus_to_exitcode(status)
+        out["cpu_s"] += usage.ru_utime + usage.ru_stime
+        if i < len(runs) - 1:
+            out["killed_rc"] = proc.returncode
+    out["wall_s"] = time.perf_counter() - started
+    return out
 
 
 def read_run(run_dir: Path) -> dict:
