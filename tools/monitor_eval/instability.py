@@ -160,15 +160,12 @@ def run_case(case: Case, root: Path, data: Path, controls: dict) -> dict:
     rec["summary"] = summarize(case, rec["monitored"], rec.get("twin"), controls.get(case.control))
     if case.kind == "healthy":
         controls[case.name] = rec["monitored"]
-    print(f"  done {case.name}: {short(rec)}", flush=True)
-    return rec
-
-
-def short(rec: dict) -> str:
-    summary = rec["summary"]
-    first = summary["first"]
+    first = rec["summary"]["first"]
     det = f"{first['signal']}@{first['step']}" if first else "none"
-    return f"first alarm {det}, loss visible {summary['visible']}, rc {rec['run']['rc']}"
+    visible = rec["summary"]["visible"]
+    rc = rec["run"]["rc"]
+    print(f"  done {case.name}: first alarm {det}, loss visible {visible}, rc {rc}", flush=True)
+    return rec
 
 
 def fmt_loss(x) -> str:
@@ -238,7 +235,7 @@ def main(argv=None) -> int:
             print(f"{case.name} ({case.kind}): earlyfuse-train {' '.join(run_args)}")
         return 0
     started = time.perf_counter()
-    times_before = os.times()
+    own_cpu = sum(os.times()[:2])  # this process's user + sys: data prep, reading
     data = build(DATA)
     if args.prepare_only:
         print(f"data ready in {data}")
@@ -253,13 +250,8 @@ def main(argv=None) -> int:
         results += list(pool.map(lambda case: run_case(case, args.root, data, controls), failures))
     order = {case.name: i for i, case in enumerate(CASES)}
     results.sort(key=lambda result: order[result["case"]["name"]])
-    times_after = os.times()
-    cpu = sum(
-        result["run"]["cpu_s"] + result.get("twin_run", {}).get("cpu_s", 0.0) for result in results
-    )
-    cpu += (times_after.user - times_before.user) + (
-        times_after.system - times_before.system
-    )  # this process: data prep, reading
+    cpu = sum(os.times()[:2]) - own_cpu
+    cpu += sum(run["run"]["cpu_s"] + run.get("twin_run", {}).get("cpu_s", 0.0) for run in results)
     wall = time.perf_counter() - started
     markdown = table(results)
     head = (
