@@ -106,7 +106,7 @@ def robust_ylim(ax, arrays: list[np.ndarray]) -> None:
         ax.set_title(ax.get_title() + "  [y clipped: spikes above]", fontsize=10)
 
 
-def nonfinite_marks(ax, s: Series, label: str, color: str = "#b00020") -> None:
+def nonfinite_marks(ax, s: Series, label: str) -> None:
     bad = ~np.isfinite(s.values)
     if bad.any():
         blend = blended_transform_factory(ax.transData, ax.transAxes)
@@ -115,7 +115,7 @@ def nonfinite_marks(ax, s: Series, label: str, color: str = "#b00020") -> None:
             np.full(bad.sum(), 0.97),
             transform=blend,
             marker="x",
-            color=color,
+            color="#b00020",
             s=30,
             zorder=5,
             label=f"{label} NaN/inf ({int(bad.sum())})",
@@ -261,7 +261,6 @@ def per_modality(
     total: str | None = None,
     hline: float | None = None,
     clip: bool = False,
-    scale: float = 1.0,
 ):
     """A panel drawing ``prefix<m>`` for every modality present, then any other ``prefix<name>``
     (a monitor's per-modality signals), and ``total`` in black."""
@@ -275,7 +274,7 @@ def per_modality(
         if tot:
             total_series = run.series[tot]
             curves["total"] = train_line(
-                ax, total_series, ctx, "total", MODALITY_COLOR["total"], scale, lw=2.0
+                ax, total_series, ctx, "total", MODALITY_COLOR["total"], lw=2.0
             )
             nonfinite_marks(ax, total_series, "total")
             arrays.append(total_series.values)
@@ -283,8 +282,8 @@ def per_modality(
             series = run.series.get(prefix + modality)
             if series is None or not np.isfinite(series.values).any():
                 continue
-            curves[modality] = train_line(ax, series, ctx, modality, color_of(modality, i), scale)
-            arrays.append(series.values * scale)
+            curves[modality] = train_line(ax, series, ctx, modality, color_of(modality, i))
+            arrays.append(series.values)
         if hline is not None:
             ax.axhline(hline, color="black", ls=":", lw=1.2, label=f"chance ({hline:g})")
         if clip:
@@ -320,28 +319,22 @@ def draw_val(ax, ctx: Ctx):
 def draw_mix(ax, ctx: Ctx):
     run = ctx.run
     names = run.sources()
-    grid = np.array(
-        sorted(set().union(*(run.series[f"mix/{name}"].steps.tolist() for name in names)))
-    )
+    grid = np.unique(np.concatenate([run.series[f"mix/{name}"].steps for name in names]))
     curves = []
     for name in names:
         series = run.series[f"mix/{name}"]
-        curve = (
-            np.interp(grid, series.steps, np.nan_to_num(series.values))
-            if len(series.steps)
-            else np.zeros(len(grid))
-        )
+        curve = np.interp(grid, series.steps, np.nan_to_num(series.values))
         curves.append(ema(curve, ctx.smooth) if ctx.smooth > 0 else curve)
     stack = np.array(curves)
     stack = stack / np.maximum(stack.sum(axis=0, keepdims=True), 1e-12)
     ax.stackplot(
         grid, stack, labels=names, colors=[f"C{i % 10}" for i in range(len(names))], alpha=0.85
     )
-    cum = 0.0
-    targets = [(name, run.target_mix[name]) for name in names if name in run.target_mix]
-    for j, (_name, weight) in enumerate(targets[:-1]):
-        cum += weight
-        ax.axhline(cum, color="black", ls="--", lw=0.8, label="target (config)" if j == 0 else None)
+    weights = [run.target_mix[name] for name in names if name in run.target_mix]
+    for j, level in enumerate(np.cumsum(weights)[:-1]):
+        ax.axhline(
+            level, color="black", ls="--", lw=0.8, label="target (config)" if j == 0 else None
+        )
     ax.set_ylim(0, 1)
     return {}
 
@@ -368,28 +361,18 @@ def draw_grad(ax, ctx: Ctx):
         ax.set_yscale("log")
     nonfinite_marks(ax, series, "grad norm")
     skipped = run.series.get("optim/skipped")
-    if skipped is not None:
-        idx = np.nonzero(np.nan_to_num(skipped.values) > 0)[0]
-        if len(idx):
-            steps = skipped.steps[idx]
-            norms_at_skips = (
-                np.interp(
-                    steps,
-                    series.steps[np.isfinite(series.values)],
-                    series.values[np.isfinite(series.values)],
-                )
-                if np.isfinite(series.values).any()
-                else np.zeros(len(steps))
-            )
-            ax.scatter(
-                steps,
-                norms_at_skips,
-                marker="v",
-                s=40,
-                color="#b00020",
-                zorder=5,
-                label=f"skipped step ({len(idx)})",
-            )
+    steps = skipped.steps[np.nan_to_num(skipped.values) > 0] if skipped else np.array([])
+    if len(steps):  # on the grad norm curve (the panel is drawn only when it has a finite value)
+        finite = np.isfinite(series.values)
+        ax.scatter(
+            steps,
+            np.interp(steps, series.steps[finite], series.values[finite]),
+            marker="v",
+            s=40,
+            color="#b00020",
+            zorder=5,
+            label=f"skipped step ({len(steps)})",
+        )
     return {"total": curve}
 
 
