@@ -115,19 +115,13 @@ def modality_rows(run: RunData, smooth: float) -> list[list[str]]:
 
 def eval_rows(run: RunData) -> list[list[str]]:
     """Every evaluation figure: its last value during training (and at which step), and final.json's."""
-    keys = sorted(
-        {k for k in run.series if k.startswith(("val/", "eval/"))}
-        | {
-            k
-            for k, v in run.final.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)
-        }
-    )
+    final = [key for key, value in run.final.items() if type(value) in (int, float)]  # no bool
+    keys = {key for key in run.series if key.startswith(("val/", "eval/"))}.union(final)
     rows = []
-    for k in keys:
-        s = run.series.get(k)
-        at = f"{fmt(run.last(k))} (step {int(s.steps[-1])})" if s is not None else "-"
-        rows.append([k, at, fmt(run.final.get(k))])
+    for key in sorted(keys):
+        series = run.series.get(key)
+        at = f"{fmt(run.last(key))} (step {int(series.steps[-1])})" if series else "-"
+        rows.append([key, at, fmt(run.final.get(key))])
     return rows
 
 
