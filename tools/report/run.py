@@ -5,9 +5,8 @@
   surviving weights went through.
 - A line that does not parse is skipped and counted: the last line of a running run may be
   half-written. NaN and Infinity (which the logger writes for a NaN loss) are kept as floats.
-- ``alarms.jsonl``: the monitors' alarms, ``{"step", "signal", "modality", "values", "action",
-  "message", "threshold", "cause", "advice", "since"}`` (the last four may be absent); read
-  with the same tolerance, in file order.
+- ``alarms.jsonl``: the monitors' alarms (docs/report.md), read with the same tolerance, in
+  file order.
 - The records of the first trajectory (``first_pass``: up to a rollback) are kept apart: the loss
   rule of tools/report/lead.py reads them to say when a failure became visible in the loss.
 - ``config.yaml`` (name, task, train.steps, data.sources weights), ``final.json`` and
