@@ -108,3 +108,10 @@ def test_a_case_with_an_unknown_field_names_the_cases_file(tmp_path):
     cases.write_text("- {name: x, experiment: debug, kind: healthy, what: y, sead: 3}\n")
     with pytest.raises(ValueError, match=rf"{cases}: .*'sead'"):
         load_cases(cases)
+
+
+def test_the_suite_trains_its_visual_tokenizer_from_the_checkout():
+    """Its ``earlyfuse-train`` subprocess starts where every case's run starts: the checkout."""
+    from tools.monitor_eval import data
+
+    assert data.REPO == instability.REPO and (data.REPO / "pyproject.toml").is_file()

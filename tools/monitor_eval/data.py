@@ -50,6 +50,7 @@ from data.tokenize.shard_job import npy_bytes
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
 
 VERSION = 6  # bump when what is built changes
+REPO = Path(__file__).resolve().parents[2]  # the checkout, where the suite's runs start
 DOCS_PER_SHARD = 64
 COLOURS = {
     "red": (220, 30, 30),
@@ -153,7 +154,6 @@ def _tokenize(root: Path, out: Path, visual: Path) -> Path:
 def tokenize_trained(root: Path, steps: int) -> Path:
     """The base corpus tokenized again with a visual tokenizer trained ``steps`` steps on it (a
     real ``earlyfuse-train experiment=vtok_debug`` run); returns the token folder."""
-    repo = Path(__file__).resolve().parents[2]
     run = subprocess.run(
         [
             sys.executable,
@@ -166,7 +166,7 @@ def tokenize_trained(root: Path, steps: int) -> Path:
             "train.tensorboard=false",
             f"vtok_data.raw=[{root / 'raw'}]",
         ],
-        cwd=repo,
+        cwd=REPO,
         capture_output=True,
         text=True,
     )
