@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 
 import train.app as app
 from tools.monitor_eval import instability
-from tools.monitor_eval.cases import CASES, MIXES, mix_override
+from tools.monitor_eval.cases import CASES, MIXES, load_cases, mix_override
 from tools.monitor_eval.instability import read_run, summarize, table
 
 
@@ -101,3 +101,17 @@ def test_every_case_config_composes_through_the_suite_search_path(preset):
     assert {case.experiment for case in CASES} - {"debug", "demo"} == {
         path.stem for path in SUITE_CONFIGS
     }
+
+
+def test_a_case_with_an_unknown_field_names_the_cases_file(tmp_path):
+    cases = tmp_path / "cases.yaml"
+    cases.write_text("- {name: x, experiment: debug, kind: healthy, what: y, sead: 3}\n")
+    with pytest.raises(ValueError, match=rf"{cases}: .*'sead'"):
+        load_cases(cases)
+
+
+def test_the_suite_trains_its_visual_tokenizer_from_the_checkout():
+    """Its ``earlyfuse-train`` subprocess starts where every case's run starts: the checkout."""
+    from tools.monitor_eval import data
+
+    assert data.REPO == instability.REPO and (data.REPO / "pyproject.toml").is_file()

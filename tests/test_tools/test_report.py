@@ -242,7 +242,7 @@ def test_a_run_that_has_just_started(tmp_path):
 
 def test_the_header_wraps_inside_the_page_and_the_summary_leads_with_the_main_panels():
     from tools.report import summary_of
-    from tools.report.render import render_header, wrap_lines
+    from tools.report.panels import render_header, wrap_lines
 
     long = ("val/loss/image 2.4137  " * 30).strip()
     lines = [("earlyfuse report: a run with a long name " * 3, 15, "bold"), (long, 10, "mono")]

@@ -1,5 +1,5 @@
 """The monitors' evaluation on real instabilities (docs/monitors.md, "Measured on real
-instabilities"): ``instability.py`` runs the cases of ``cases.py`` on the data ``data.py`` builds,
+instabilities"): ``instability.py`` runs the cases of ``cases.yaml`` on the data ``data.py`` builds,
 with the configs in ``configs/experiment/``.
 
 It lives here, not in tools/bench/ (it measures what the monitors catch, not speed) nor in

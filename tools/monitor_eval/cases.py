@@ -1,14 +1,12 @@
-"""The instability suite's cases: each a real training run (``earlyfuse-train experiment=...``)
-whose failure comes from its config or its data only (tools/monitor_eval/configs/experiment/instab_*.yaml).
-
-``onset`` is the step the pathology starts by construction (the first x1.5 lr stage, the step
-a source turns bad, the lr jump); ``gradual`` marks the failures the monitors should flag before
-the loss shows them (logit growth, norm drift, competition).
-"""
+"""The instability suite's cases (listed in ``cases.yaml``), the healthy mixes they read and the
+overrides that turn the monitors' actions off."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
 
 from train.monitor.config import DETECTORS
 
@@ -65,189 +63,19 @@ class Case:
     same_data: bool = False  # the control reads the same data: its loss is a reference too
 
 
-CASES = (
-    Case(
-        "attn-logit-growth",
-        "instab_attn_logits",
-        "failure",
-        "no QK-norm, lr x1.5 every 20 steps from step 60",
-        onset=60,
-        gradual=True,
-        same_data=True,
-    ),
-    Case(
-        "logit-norm-drift",
-        "instab_logit_drift",
-        "failure",
-        "no z-loss, lr x1.5 every 20 steps from step 60",
-        onset=60,
-        gradual=True,
-        same_data=True,
-    ),
-    Case(
-        "starvation",
-        "instab_starvation",
-        "failure",
-        "mix shifts at ~step 120: text+code 70 % -> 20 % of tokens",
-        onset=120,
-        gradual=True,
-    ),
-    Case(
-        "visual-code-collapse",
-        "instab_code_collapse",
-        "failure",
-        "image codes near-constant from ~step 120",
-        onset=120,
-    ),
-    Case(
-        "garbage-ids",
-        "instab_garbage",
-        "failure",
-        "code source turns into random ids at ~step 150",
-        onset=150,
-    ),
-    Case(
-        "lr-jump",
-        "instab_lr_jump",
-        "failure",
-        "lr x100 for steps 100-119 (optim.lr_changes)",
-        onset=100,
-        same_data=True,
-    ),
-    Case("healthy-debug-0", "instab_healthy", "healthy", "debug recipe, base mix", seed=0),
-    Case(
-        "healthy-debug-1",
-        "instab_healthy",
-        "healthy",
-        "debug recipe, text-heavy mix",
-        seed=1,
-        mix="text-heavy",
-    ),
-    Case(
-        "healthy-debug-2",
-        "instab_healthy",
-        "healthy",
-        "debug recipe, image-heavy mix",
-        seed=2,
-        mix="image-heavy",
-    ),
-    Case(
-        "healthy-debug-3",
-        "instab_healthy",
-        "healthy",
-        "debug recipe, code-heavy mix",
-        seed=3,
-        mix="code-heavy",
-    ),
-    Case("healthy-demo-0", "instab_demo", "healthy", "demo recipe, base mix", seed=0),
-    Case(
-        "healthy-demo-1",
-        "instab_demo",
-        "healthy",
-        "demo recipe, text-heavy mix",
-        seed=1,
-        mix="text-heavy",
-    ),
-    # Controls the detectors were not tuned on: other presets, mixes, tokenizers, lengths, seeds.
-    Case(
-        "healthy-debug-preset-0",
-        "debug",
-        "healthy",
-        "debug preset as is, code + text + scenes (trained visual tokenizer)",
-        mix="code-text-scenes",
-        validation=False,
-        overrides=("train.steps=300",),
-    ),
-    Case(
-        "healthy-debug-preset-1",
-        "debug",
-        "healthy",
-        "debug preset as is, code + text + colour squares (trained visual tokenizer)",
-        seed=1,
-        mix="code-text-colours",
-        validation=False,
-        overrides=("train.steps=300",),
-    ),
-    Case(
-        "healthy-debug-preset-whole",
-        "debug",
-        "healthy",
-        "debug preset as is, code + text + scenes, long documents whole (not cut into pieces)",
-        seed=2,
-        mix="whole-code-text-scenes",
-        validation=False,
-        overrides=("train.steps=300",),
-    ),
-    Case(
-        "healthy-demo-preset",
-        "demo",
-        "healthy",
-        "demo preset as is (8 rows of 512), base mix, 100 steps",
-        seed=4,
-        mix="base",
-        overrides=("train.steps=100",),
-    ),
-    Case(
-        "healthy-text-only",
-        "instab_healthy",
-        "healthy",
-        "text only, 200 steps",
-        seed=5,
-        mix="text-only",
-        validation=False,
-        overrides=("train.steps=200",),
-    ),
-    Case(
-        "healthy-code-only",
-        "instab_healthy",
-        "healthy",
-        "code only",
-        seed=6,
-        mix="code-only",
-        validation=False,
-    ),
-    Case(
-        "healthy-video-only",
-        "instab_healthy",
-        "healthy",
-        "video clips only",
-        seed=7,
-        mix="video-only",
-        validation=False,
-    ),
-    Case(
-        "healthy-images-small",
-        "instab_healthy",
-        "healthy",
-        "images 10 % of the mix (trained visual tokenizer)",
-        seed=8,
-        mix="images-small",
-    ),
-    Case(
-        "healthy-trained-codes",
-        "instab_healthy",
-        "healthy",
-        "base mix, images and clips from a trained visual tokenizer",
-        seed=9,
-        mix="trained-base",
-    ),
-    Case(
-        "healthy-short-100",
-        "instab_healthy",
-        "healthy",
-        "base mix, 100 steps",
-        seed=10,
-        overrides=("train.steps=100",),
-    ),
-    Case(
-        "healthy-resumed",
-        "instab_healthy",
-        "healthy",
-        "base mix, killed after step 150 and resumed",
-        seed=11,
-        resume_at=150,
-    ),
-)
+CASES_FILE = Path(__file__).resolve().parent / "cases.yaml"
+
+
+def load_cases(path: Path = CASES_FILE) -> tuple[Case, ...]:
+    """The cases of ``path`` (one flow mapping of ``Case``'s fields a line), in file order."""
+    rows = yaml.safe_load(path.read_text())
+    try:
+        return tuple(Case(**{**row, "overrides": tuple(row.get("overrides", ()))}) for row in rows)
+    except TypeError as error:  # a field Case does not have, or a required one missing
+        raise ValueError(f"{path}: {error}") from None
+
+
+CASES = load_cases()
 
 # Every action set to log: the same run, with the monitors watching but never acting. The
 # skip-step gate drops spiking updates by itself (optim.skip_step), so it is switched off too

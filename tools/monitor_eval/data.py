@@ -17,17 +17,9 @@ Built once under ``ROOT`` (about 15 s; reused while its ``built.json`` matches t
   documents are cut into pieces of at most ``piece`` tokens, so a batch holds many documents
   and several sources (a 12k-token file would otherwise fill 25 batches of the debug run and
   make a modality's loss jump with each new file). Sources ending in ``_bad`` are a healthy
-  prefix followed by a pathology:
-
-  ``code_bad``     code whose ids become uniformly random text ids (garbage ids)
-  ``images_bad``   scenes and digits whose image codes become near-constant (a visual tokenizer
-                   whose codes degenerate: 90 % one code, the rest 3 others)
-  ``shift_bad``    text and code documents, then only images: the run's mix shifts from
-                   mostly text/code to mostly images (modality starvation)
-
+  prefix followed by a pathology (``garbage``, ``degenerate_codes``, a shift to images only).
   ``val`` holds every 10th document of code, text, images and both colour sources, left out of
-  the training sources: the final validation loss of every case is measured on the same clean
-  held-out documents.
+  the training sources: every case's final validation loss is measured on the same documents.
 - ``suite_tv/``: the healthy sources again (and ``scenes`` alone), their pictures and clips
   tokenized by a *trained* visual tokenizer (``experiment=vtok_debug``, ``vtok_steps`` steps on
   the base corpus), as a user's own pipeline makes them: flat colours and plain backgrounds map
@@ -41,7 +33,8 @@ import json
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -52,10 +45,12 @@ from data.shards import token_index
 from data.shards.index import read_index, read_member
 from data.shards.writer import ShardWriter
 from data.tokenize.blocks import visual_blocks
+from data.tokenize.docs import TokenDoc, tokens_by_modality
 from data.tokenize.shard_job import npy_bytes
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
 
 VERSION = 6  # bump when what is built changes
+REPO = Path(__file__).resolve().parents[2]  # the checkout, where the suite's runs start
 DOCS_PER_SHARD = 64
 COLOURS = {
     "red": (220, 30, 30),
@@ -67,18 +62,6 @@ COLOURS = {
     "black": (10, 10, 10),
     "white": (245, 245, 245),
 }
-
-
-@dataclass
-class TokenDoc:
-    key: str
-    ids: np.ndarray  # int32
-    mod: np.ndarray  # uint8
-    meta: dict  # the token shard's KEY.json: source, spans, tokens
-
-    @property
-    def blocks(self) -> list[list[int]]:
-        return visual_blocks(self.meta["spans"])
 
 
 # --- the base corpus ---------------------------------------------------------------------------------
@@ -171,7 +154,6 @@ def _tokenize(root: Path, out: Path, visual: Path) -> Path:
 def tokenize_trained(root: Path, steps: int) -> Path:
     """The base corpus tokenized again with a visual tokenizer trained ``steps`` steps on it (a
     real ``earlyfuse-train experiment=vtok_debug`` run); returns the token folder."""
-    repo = Path(__file__).resolve().parents[3]
     run = subprocess.run(
         [
             sys.executable,
@@ -184,7 +166,7 @@ def tokenize_trained(root: Path, steps: int) -> Path:
             "train.tensorboard=false",
             f"vtok_data.raw=[{root / 'raw'}]",
         ],
-        cwd=repo,
+        cwd=REPO,
         capture_output=True,
         text=True,
     )
@@ -199,12 +181,14 @@ def read_source(tokens: Path, source: str) -> list[TokenDoc]:
     for idx in sorted((tokens / source).glob("*.idx.jsonl")):
         tar = idx.with_name(idx.name[: -len(".idx.jsonl")] + ".tar")
         for entry in read_index(idx):
+            meta = json.loads(read_member(tar, entry, "json"))
             docs.append(
                 TokenDoc(
                     entry["key"],
                     read_npy(read_member(tar, entry, "ids.npy")).astype(np.int32),
                     read_npy(read_member(tar, entry, "mod.npy")).astype(np.uint8),
-                    json.loads(read_member(tar, entry, "json")),
+                    meta["spans"],
+                    meta["source"],
                 )
             )
     if not docs:
@@ -218,21 +202,18 @@ def read_source(tokens: Path, source: str) -> list[TokenDoc]:
 def split_long(doc: TokenDoc, piece: int) -> list[TokenDoc]:
     """A text or code document cut into pieces of at most ``piece`` tokens, each keeping the
     document's first (bos) and last (eos) token; documents with a visual block stay whole."""
-    if doc.blocks or len(doc.ids) <= piece:
+    if visual_blocks(doc.spans) or len(doc.ids) <= piece:
         return [doc]
     body = piece - 2
     out = []
     for i, start in enumerate(range(1, len(doc.ids) - 1, body)):
         end = min(start + body, len(doc.ids) - 1)
         ids = np.concatenate([doc.ids[:1], doc.ids[start:end], doc.ids[-1:]])
-        mod = np.concatenate([doc.mod[:1], doc.mod[start:end], doc.mod[-1:]])
-        kind = MODALITY_NAMES[int(np.bincount(mod).argmax())]
-        meta = {
-            "source": doc.meta["source"],
-            "spans": [{"type": kind, "start": 1, "end": len(ids) - 1}],
-            "tokens": len(ids),
-        }
-        out.append(TokenDoc(f"{doc.key}-p{i:03d}", ids, mod, meta))
+        mod = np.concatenate([doc.modality[:1], doc.modality[start:end], doc.modality[-1:]])
+        spans = [
+            {"type": MODALITY_NAMES[np.bincount(mod).argmax()], "start": 1, "end": len(ids) - 1}
+        ]
+        out.append(TokenDoc(f"{doc.key}-p{i:03d}", ids, mod, spans, doc.source))
     return out
 
 
@@ -242,9 +223,9 @@ def garbage(doc: TokenDoc, rng: np.random.Generator, layout: VocabLayout) -> Tok
     ids = doc.ids.copy()
     inner = np.zeros(len(ids), bool)
     inner[1:-1] = True
-    inner &= (doc.mod == int(Modality.TEXT)) | (doc.mod == int(Modality.CODE))
+    inner &= (doc.modality == int(Modality.TEXT)) | (doc.modality == int(Modality.CODE))
     ids[inner] = rng.integers(3, layout.text_size, int(inner.sum()))
-    return TokenDoc(doc.key + "-garbage", ids, doc.mod, doc.meta)
+    return replace(doc, key=doc.key + "-garbage", ids=ids)
 
 
 def degenerate_codes(
@@ -253,11 +234,11 @@ def degenerate_codes(
     """Image codes replaced by ``codes[0]`` 90 % of the time, else one of the others: a visual
     tokenizer that has collapsed onto a handful of codes."""
     ids = doc.ids.copy()
-    is_code = (doc.mod == int(Modality.IMAGE)) & (ids >= layout.visual_offset)
+    is_code = (doc.modality == int(Modality.IMAGE)) & (ids >= layout.visual_offset)
     num_codes = int(is_code.sum())
     pick = np.where(rng.random(num_codes) < 0.9, codes[0], rng.choice(codes[1:], num_codes))
     ids[is_code] = layout.visual_offset + pick
-    return TokenDoc(doc.key + "-collapsed", ids, doc.mod, doc.meta)
+    return replace(doc, key=doc.key + "-collapsed", ids=ids)
 
 
 def prefix_then(
@@ -270,7 +251,7 @@ def prefix_then(
         got, index = 0, 0
         while got < budget:
             doc = pool[index % len(pool)]
-            out.append(TokenDoc(f"{tag}{len(out):05d}-{doc.key}", doc.ids, doc.mod, doc.meta))
+            out.append(replace(doc, key=f"{tag}{len(out):05d}-{doc.key}"))
             got += len(doc.ids)
             index += 1
     return out
@@ -285,21 +266,17 @@ def write_source(out: Path, name: str, docs: list[TokenDoc]) -> list[dict]:
     for shard_no, start in enumerate(range(0, len(docs), DOCS_PER_SHARD)):
         rel = f"{name}/shard-{shard_no:06d}"
         writer = ShardWriter(out / f"{rel}.tar", out / f"{rel}.idx.jsonl")
-        tokens = dict.fromkeys(MODALITY_NAMES, 0)
+        tokens: Counter = Counter()
         for doc in docs[start : start + DOCS_PER_SHARD]:
-            counts = np.bincount(doc.mod, minlength=len(MODALITY_NAMES))
-            by_mod = {modality: int(counts[i]) for i, modality in enumerate(MODALITY_NAMES)}
-            meta = {**doc.meta, "source": name}
+            by_mod = tokens_by_modality(doc)
+            meta = {"source": name, "spans": doc.spans, "tokens": len(doc.ids)}
+            members = [("ids.npy", npy_bytes(doc.ids)), ("mod.npy", npy_bytes(doc.modality))]
+            blocks = visual_blocks(doc.spans)
             writer.write(
-                Sample(
-                    doc.key,
-                    meta,
-                    [("ids.npy", npy_bytes(doc.ids)), ("mod.npy", npy_bytes(doc.mod))],
-                ),
-                {"tokens": len(doc.ids), "tokens_by_modality": by_mod, "blocks": doc.blocks},
+                Sample(doc.key, meta, members),
+                {"tokens": len(doc.ids), "tokens_by_modality": by_mod, "blocks": blocks},
             )
-            for modality, count in by_mod.items():
-                tokens[modality] += count
+            tokens.update(by_mod)
         written = writer.close()
         # The loader's binary index and block summary, as tokenize writes them
         binary = token_index.build((out / f"{rel}.idx.jsonl").read_bytes())
@@ -372,9 +349,28 @@ class DataPlan:
         return {"version": VERSION, **self.__dict__}
 
 
-def onset_tokens(step: int, *, tokens_per_step: int, share: float) -> int:
-    """Tokens a source of token share ``share`` has delivered after ``step`` steps."""
-    return int(step * tokens_per_step * share)
+def held_out(docs: list[TokenDoc]) -> tuple[list[TokenDoc], list[TokenDoc]]:
+    """Every document but each 10th (training), and each 10th (validation)."""
+    return [doc for i, doc in enumerate(docs) if i % 10], docs[::10]
+
+
+def visual_sources(tokens: Path) -> tuple[dict[str, list[TokenDoc]], list[TokenDoc]]:
+    """The picture and clip sources of a token folder, and their held-out documents. Scenes and
+    digits are interleaved: a source read in order then mixes its documents' kinds evenly."""
+    scenes = read_source(tokens, "scenes")
+    pairs = zip(scenes, read_source(tokens, "digits"))
+    images, val_images = held_out([doc for pair in pairs for doc in pair])
+    colours, val_colours = held_out(read_source(tokens, "colours"))
+    colours_first, val_first = held_out(read_source(tokens, "colours_first"))
+    sources = {
+        "images": images,
+        "scenes": scenes,
+        "clips": read_source(tokens, "clips"),
+        "docs": read_source(tokens, "docs"),
+        "colours": colours,
+        "colours_first": colours_first,
+    }
+    return sources, val_images + val_colours + val_first
 
 
 def build(root: Path, plan: DataPlan | None = None, *, log=print) -> Path:
@@ -402,43 +398,29 @@ def build(root: Path, plan: DataPlan | None = None, *, log=print) -> Path:
         ]
         return [out[i] for i in rng.permutation(len(out))]
 
-    def held_out(docs: list[TokenDoc]) -> tuple[list[TokenDoc], list[TokenDoc]]:
-        return [doc for i, doc in enumerate(docs) if i % 10], docs[::10]
-
     code, val_code = held_out(pieces("code"))
     text, val_text = held_out(pieces("text"))
-    scenes, digits = read_source(base, "scenes"), read_source(base, "digits")
-    # Interleave: a source read in order then mixes its documents' kinds evenly.
-    images, val_images = held_out([document for pair in zip(scenes, digits) for document in pair])
-    colours, val_colours = held_out(read_source(base, "colours"))
-    colours_first, val_first = held_out(read_source(base, "colours_first"))
-    codes = np.concatenate(
-        [document.ids[document.mod == int(Modality.IMAGE)] for document in images]
-    )
+    visual, val_visual = visual_sources(base)
+    del visual["scenes"]  # the untrained tokenizer's scenes are only in the images source
+    images = visual["images"]
+    codes = np.concatenate([doc.ids[doc.modality == int(Modality.IMAGE)] for doc in images])
     codes = codes[codes >= layout.visual_offset] - layout.visual_offset
-    common = [
-        int(code_id)
-        for code_id in np.argsort(np.bincount(codes, minlength=layout.num_codes))[::-1][:4]
-    ]
-    textcode = [document for pair in zip(text, code) for document in pair]
+    common = np.argsort(np.bincount(codes, minlength=layout.num_codes))[::-1][:4].tolist()
+    textcode = [doc for pair in zip(text, code) for doc in pair]
     sources = {
         "code": code,
         "text": text,
-        "images": images,
-        "clips": read_source(base, "clips"),
-        "docs": read_source(base, "docs"),
-        "colours": colours,
-        "colours_first": colours_first,
-        "val": val_code + val_text + val_images + val_colours + val_first,
+        **visual,
+        "val": val_code + val_text + val_visual,
         "code_bad": prefix_then(
             code,
-            [garbage(document, rng, layout) for document in code],
+            [garbage(doc, rng, layout) for doc in code],
             onset_tokens=plan.code_bad_onset,
             tail_tokens=plan.tail,
         ),
         "images_bad": prefix_then(
             images,
-            [degenerate_codes(document, rng, layout, common) for document in images],
+            [degenerate_codes(doc, rng, layout, common) for doc in images],
             onset_tokens=plan.images_bad_onset,
             tail_tokens=plan.tail // 4,
         ),
@@ -448,29 +430,13 @@ def build(root: Path, plan: DataPlan | None = None, *, log=print) -> Path:
     }
     write_folder(root / "suite", base, sources)
     trained = tokenize_trained(root / "base", plan.vtok_steps)
-    tv_images, tv_val_images = held_out(
-        [
-            document
-            for pair in zip(read_source(trained, "scenes"), read_source(trained, "digits"))
-            for document in pair
-        ]
-    )
-    tv_colours, tv_val_colours = held_out(read_source(trained, "colours"))
-    tv_first, tv_val_first = held_out(read_source(trained, "colours_first"))
-    write_folder(
-        root / "suite_tv",
-        trained,
-        {
-            "code": code,
-            "text": text,
-            "images": tv_images,
-            "scenes": read_source(trained, "scenes"),
-            "clips": read_source(trained, "clips"),
-            "docs": read_source(trained, "docs"),
-            "colours": tv_colours,
-            "colours_first": tv_first,
-            "val": val_code + val_text + tv_val_images + tv_val_colours + tv_val_first,
-        },
-    )
+    tv_visual, tv_val_visual = visual_sources(trained)
+    tv_sources = {
+        "code": code,
+        "text": text,
+        **tv_visual,
+        "val": val_code + val_text + tv_val_visual,
+    }
+    write_folder(root / "suite_tv", trained, tv_sources)
     stamp.write_text(json.dumps(plan.key(), indent=1) + "\n")
     return root / "suite"

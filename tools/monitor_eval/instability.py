@@ -1,17 +1,14 @@
 """The monitors on real instabilities: recall, lead time, false alarms and recovery.
 
-Every case is a real run of ``earlyfuse-train experiment=instab_*``
-(tools/monitor_eval/configs/experiment/, found through ``hydra.searchpath``: ``SEARCHPATH``), one
-subprocess each, with the default monitors (configs/monitor/default.yaml); nothing is injected
-into training: each failure comes from its config (no QK-norm or no z-loss under a rising lr, an
-lr x100 stretch) or its data (token sources that turn bad part-way: tools/monitor_eval/data.py).
-For each case it reports which detector fired first and when, when the failure became visible
-in the loss (tools/report/lead.py: the total or a modality's loss EMA 10 % above its running
-minimum, or non-finite), the lead time, what the monitors did, and the final validation loss:
-with the monitors' actions, with every action set to ``log`` (run only when an action changed
-the run: otherwise the two runs are the same), and of the healthy control.
+Every case (``cases.yaml``) is a real ``earlyfuse-train`` subprocess with the default monitors;
+its failure comes from its config (``configs/experiment/``, found through ``SEARCHPATH``) or its
+data (``data.py``), nothing is injected. For each case: which detector fired first and when,
+when the failure became visible in the loss (the rule of tools/report/lead.py), the lead time,
+what the monitors did, and the final validation loss with the monitors' actions, with every
+action set to ``log`` (run only when an action changed the run: otherwise the two runs are the
+same), and of the healthy control.
 
-    .venv/bin/python tools/monitor_eval/instability.py            # everything, ~15 min on 2 cores
+    .venv/bin/python tools/monitor_eval/instability.py            # every case
     .venv/bin/python tools/monitor_eval/instability.py --cases lr-jump healthy-debug-0 --jobs 1
     .venv/bin/python tools/monitor_eval/instability.py --prepare-only  # only build the data
     .venv/bin/python tools/monitor_eval/instability.py --list          # the cases and their runs
@@ -79,18 +76,6 @@ def train(case: Case, run_dir: Path, data: Path, extra: tuple[str, ...] = ()) ->
         runs.insert(
             0, [sys.executable, str(REPO / "tests" / "train_with_faults.py"), *faults, *args]
         )
-    out = {"rc": 0, "cpu_s": 0.0, "wall_s": 0.0, "cmd": " ".join(args)}
-    for i, cmd in enumerate(runs):
-        one = _subprocess(cmd, run_dir, append=i > 0)
-        out["cpu_s"] += one["cpu_s"]
-        out["wall_s"] += one["wall_s"]
-        out["rc"] = one["rc"]
-        if i < len(runs) - 1:
-            out["killed_rc"] = one["rc"]
-    return out
-
-
-def _subprocess(cmd: list[str], run_dir: Path, append: bool) -> dict:
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -98,17 +83,18 @@ def _subprocess(cmd: list[str], run_dir: Path, append: bool) -> dict:
             "TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions")
         ),
     }
+    out: dict = {"rc": 0, "cpu_s": 0.0, "wall_s": 0.0, "cmd": " ".join(args)}
     started = time.perf_counter()
-    mode = "a" if append else "w"
-    with open(run_dir / "stdout.log", mode) as out, open(run_dir / "stderr.log", mode) as err:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-    return {
-        "rc": proc.returncode,
-        "cpu_s": usage.ru_utime + usage.ru_stime,
-        "wall_s": time.perf_counter() - started,
-    }
+    for i, cmd in enumerate(runs):  # a resumed run appends to the killed one's logs
+        with open(run_dir / "stdout.log", "a") as stdout, open(run_dir / "stderr.log", "a") as err:
+            proc = subprocess.Popen(cmd, cwd=REPO, stdout=stdout, stderr=err, env=env)
+            _, status, usage = os.wait4(proc.pid, 0)  # the child's own CPU time
+        proc.returncode = out["rc"] = os.waitstatus_to_exitcode(status)
+        out["cpu_s"] += usage.ru_utime + usage.ru_stime
+        if i < len(runs) - 1:
+            out["killed_rc"] = proc.returncode
+    out["wall_s"] = time.perf_counter() - started
+    return out
 
 
 def read_run(run_dir: Path) -> dict:
@@ -148,14 +134,8 @@ def summarize(case: Case, mon: dict, twin: dict | None, control: dict | None = N
     lead = None if first is None or vis is None else vis["step"] - first["step"]
     return {
         "detected": first is not None,
-        "first": None
-        if first is None
-        else {
-            "signal": first["signal"],
-            "modality": first.get("modality"),
-            "step": first["step"],
-            "action": first["action"],
-        },
+        "first": first
+        and {key: first.get(key) for key in ("signal", "modality", "step", "action")},
         "before_onset": [
             (alarm["step"], alarm["signal"], alarm.get("modality")) for alarm in early
         ],
@@ -180,15 +160,12 @@ def run_case(case: Case, root: Path, data: Path, controls: dict) -> dict:
     rec["summary"] = summarize(case, rec["monitored"], rec.get("twin"), controls.get(case.control))
     if case.kind == "healthy":
         controls[case.name] = rec["monitored"]
-    print(f"  done {case.name}: {short(rec)}", flush=True)
-    return rec
-
-
-def short(rec: dict) -> str:
-    summary = rec["summary"]
-    first = summary["first"]
+    first = rec["summary"]["first"]
     det = f"{first['signal']}@{first['step']}" if first else "none"
-    return f"first alarm {det}, loss visible {summary['visible']}, rc {rec['run']['rc']}"
+    visible = rec["summary"]["visible"]
+    rc = rec["run"]["rc"]
+    print(f"  done {case.name}: first alarm {det}, loss visible {visible}, rc {rc}", flush=True)
+    return rec
 
 
 def fmt_loss(x) -> str:
@@ -258,7 +235,7 @@ def main(argv=None) -> int:
             print(f"{case.name} ({case.kind}): earlyfuse-train {' '.join(run_args)}")
         return 0
     started = time.perf_counter()
-    times_before = os.times()
+    own_cpu = sum(os.times()[:2])  # this process's user + sys: data prep, reading
     data = build(DATA)
     if args.prepare_only:
         print(f"data ready in {data}")
@@ -273,13 +250,8 @@ def main(argv=None) -> int:
         results += list(pool.map(lambda case: run_case(case, args.root, data, controls), failures))
     order = {case.name: i for i, case in enumerate(CASES)}
     results.sort(key=lambda result: order[result["case"]["name"]])
-    times_after = os.times()
-    cpu = sum(
-        result["run"]["cpu_s"] + result.get("twin_run", {}).get("cpu_s", 0.0) for result in results
-    )
-    cpu += (times_after.user - times_before.user) + (
-        times_after.system - times_before.system
-    )  # this process: data prep, reading
+    cpu = sum(os.times()[:2]) - own_cpu
+    cpu += sum(run["run"]["cpu_s"] + run.get("twin_run", {}).get("cpu_s", 0.0) for run in results)
     wall = time.perf_counter() - started
     markdown = table(results)
     head = (

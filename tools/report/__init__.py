@@ -1,22 +1,9 @@
-"""``earlyfuse-report RUN_DIR``: every curve of a run, with the monitors' alarms marked, as one
-PNG and one self-contained HTML page; works on a finished run and on one still being written.
-
-Notable choices:
-- The run folder is the only input (metrics.jsonl, config.yaml, final.json, alarms.jsonl,
-  vtok_reconstructions.png, heldout_eval.json), read as the trainer writes it: the last record of a step wins (a
-  resumed run appends), a half-written last line is skipped. See ``tools/report/run.py``.
-- Panels are data-driven: a group of signals gets its panel only if the run logged it, so the
-  same command reads LM runs, visual-tokenizer runs and the monitor signals still to come
-  (any ``monitor/<signal>[/<modality>]`` key gets a panel). See ``tools/report/panels.py``
-  (and its helpers in ``draw.py``, the figure in ``render.py``).
-- Smoothing is a debiased EMA (``--smooth``, default 0.9) drawn over the raw values, which stay
-  visible and faint: a spike is never smoothed out of sight.
-- matplotlib draws on bare ``Figure`` objects with the Agg canvas (no pyplot, no display, no
-  global state). report.png is the page read at a glance: the text header (wrapped to its
-  width) over the main panels (loss, validation, ...); report_panels.png has every panel in a
-  grid; both composed with Pillow.
-- The HTML page inlines every image as base64 and its CSS; it loads nothing, so it can be
-  mailed or attached to an issue as one file.
+"""``earlyfuse-report RUN_DIR``: every curve of a run, with the monitors' alarms marked, as PNGs
+and one self-contained HTML page; works on a finished run and on one still being written
+(docs/report.md). The run folder is the only input (``run.py``); the figures are ``panels.py``'s,
+the words and the page ``page.py``'s. report.png is the page read at a glance: the text header
+over the main panels; report_panels.png has every panel; both composed here with Pillow. The
+HTML page inlines its images and CSS and loads nothing, so it can be mailed as one file.
 """
 
 from __future__ import annotations
@@ -27,10 +14,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.report.run import NoMetrics, RunData, alarm_step, fmt, load_run
+from tools.evaluate.table import format_eval
+from tools.report.run import NoMetrics, RunData, load_run
 
 DEFAULT_SMOOTH = 0.9
-MAX_ALARMS_IN_PNG = 12
 # report.png is the page read at a glance: the header and these panels (those the run has, in
 # this order, up to SUMMARY_COUNT); report_panels.png has every panel.
 SUMMARY_PANELS = ("loss", "val", "psnr", "loss_norm", "codes", "mix")
@@ -44,85 +31,6 @@ class Report:
     html: Path
     panels: list[str]  # the panel ids drawn
     run: RunData
-
-
-def header_lines(run: RunData, smooth: float) -> list[tuple[str, float, str]]:
-    from tools.report.page import alarm_counts, modality_rows, status_of, steps_text
-
-    lines = [
-        (f"earlyfuse report: {run.name}  (task {run.task})", 15, "bold"),
-        (f"step {steps_text(run)}  |  {status_of(run)}  |  {alarm_counts(run)}", 10.5, "normal"),
-    ]
-    mods = modality_rows(run, smooth)
-    if mods:
-        which = f"EMA {smooth:g}" if smooth > 0 else "raw"
-        lines.append(
-            (
-                f"last train loss ({which}): "
-                + "  ".join(
-                    f"{r[0]} {r[2] if smooth > 0 else r[1]}"
-                    + (f" (u {r[3]})" if r[3] != "-" else "")
-                    for r in mods
-                ),
-                10,
-                "mono",
-            )
-        )
-    final = [
-        (k, v)
-        for k, v in sorted(run.final.items())
-        if k.startswith(
-            (
-                "val/loss",
-                "val/unigram",
-                "eval/psnr",
-                "eval/ssim",
-                "eval/baseline",
-                "eval/palette",
-                "eval/code_fraction",
-            )
-        )
-    ]
-    if final:
-        lines.append(("final: " + "  ".join(f"{k} {fmt(v)}" for k, v in final), 10, "mono"))
-    ev = (run.heldout_eval.get("heldout") or {}).get("total") or {}
-    if ev:
-        lines.append(
-            (
-                "held-out (earlyfuse-eval), CE vs unigram: "
-                + "  ".join(
-                    f"{m} {fmt(f['ce'], 3)}/{fmt(f.get('unigram'), 3)}" for m, f in ev.items()
-                ),
-                10,
-                "mono",
-            )
-        )
-    from tools.report.page import lead_text, visible_of, visible_text
-
-    visible = visible_of(run)
-    if run.alarms:
-        lines.append((f"loss visible: {visible_text(visible)}", 10, "mono"))
-    for i, a in enumerate(run.alarms[:MAX_ALARMS_IN_PNG], 1):
-        step = alarm_step(a)
-        mod = f" [{a['modality']}]" if a.get("modality") else ""
-        lines.append(
-            (
-                f"A{i}  step {step if step is not None else '?'}  {a.get('signal', '?')}{mod} -> "
-                f"{a.get('action', '?')} (lead {lead_text(step, visible)}): "
-                f"{str(a.get('message', ''))[:100]}",
-                9,
-                "mono",
-            )
-        )
-    if len(run.alarms) > MAX_ALARMS_IN_PNG:
-        lines.append(
-            (
-                f"... and {len(run.alarms) - MAX_ALARMS_IN_PNG} more alarms (see report.html)",
-                9,
-                "mono",
-            )
-        )
-    return lines
 
 
 def compose(header: bytes, panels: list[bytes], columns: int = 2) -> bytes:
@@ -159,29 +67,26 @@ def write_report(
     import matplotlib
 
     matplotlib.use("Agg")  # harmless when pyplot is never imported; guards an interactive default
-    from tools.report.draw import Ctx
-    from tools.report.page import html_page
-    from tools.report.panels import panels_for
-    from tools.report.render import DPI, PANEL_SIZE, render, render_header, x_limits
+    from tools.report import panels as figures
+    from tools.report.page import header_lines, html_page
 
     if not 0 <= smooth < 1:
         raise ValueError(f"--smooth must be in [0, 1), got {smooth}")
     run = load_run(run_dir)
     out = Path(out) if out is not None else Path(run_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
-    ctx = Ctx(run=run, smooth=smooth, xlim=x_limits(run))
-    panels = panels_for(run) if run.records or run.final else []
-    drawn = [(p.key, p.title, p.note, render(p, ctx)) for p in panels]
-    width = int(PANEL_SIZE[0] * DPI) * (2 if len(drawn) > 1 else 1)
+    ctx = figures.Ctx(run=run, smooth=smooth, xlim=figures.x_limits(run))
+    panels = figures.panels_for(run) if run.records or run.final else []
+    drawn = [(p.key, p.title, p.note, figures.render(p, ctx)) for p in panels]
+    width = int(figures.PANEL_SIZE[0] * figures.DPI) * (2 if len(drawn) > 1 else 1)
+    header = figures.render_header(header_lines(run, smooth), width)
     png = out / "report.png"
-    png.write_bytes(
-        compose(render_header(header_lines(run, smooth), width), [d[3] for d in summary_of(drawn)])
-    )
+    png.write_bytes(compose(header, [d[3] for d in summary_of(drawn)]))
     title: list[tuple[str, float, str]] = [
         (f"earlyfuse report: {run.name}: every panel ({len(drawn)})", 13.0, "bold")
     ]
     panels_png = out / "report_panels.png"
-    panels_png.write_bytes(compose(render_header(title, width), [d[3] for d in drawn]))
+    panels_png.write_bytes(compose(figures.render_header(title, width), [d[3] for d in drawn]))
     recon = run.run_dir / "vtok_reconstructions.png"
     page = html_page(run, smooth, drawn, recon.read_bytes() if recon.is_file() else None)
     html = out / "report.html"
@@ -243,8 +148,6 @@ def main(argv=None) -> int:
     print(f"wrote {rep.png} (summary) and {rep.panels_png.name} (every panel)")
     print(f"wrote {rep.html}")
     if run.heldout_eval:  # the held-out evaluation (earlyfuse-eval --out RUN_DIR/heldout_eval.json)
-        from tools.evaluate.table import format_eval
-
         print(format_eval(run.heldout_eval))
     return 0
 

@@ -8,13 +8,15 @@ import base64
 import datetime as dt
 import html
 import json
+import string
 from collections import Counter
 from collections.abc import Set
 
 import numpy as np
 
-from tools.report.draw import ACTION_COLOR, ema, human
+from tools.evaluate.table import format_eval
 from tools.report.lead import Visible, lead_time, loss_visible
+from tools.report.panels import ACTION_COLOR, ema, human
 from tools.report.run import RunData, alarm_step, fmt
 from train.names import METRICS_FILE
 
@@ -113,19 +115,13 @@ def modality_rows(run: RunData, smooth: float) -> list[list[str]]:
 
 def eval_rows(run: RunData) -> list[list[str]]:
     """Every evaluation figure: its last value during training (and at which step), and final.json's."""
-    keys = sorted(
-        {k for k in run.series if k.startswith(("val/", "eval/"))}
-        | {
-            k
-            for k, v in run.final.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)
-        }
-    )
+    final = [key for key, value in run.final.items() if type(value) in (int, float)]  # no bool
+    keys = {key for key in run.series if key.startswith(("val/", "eval/"))}.union(final)
     rows = []
-    for k in keys:
-        s = run.series.get(k)
-        at = f"{fmt(run.last(k))} (step {int(s.steps[-1])})" if s is not None else "-"
-        rows.append([k, at, fmt(run.final.get(k))])
+    for key in sorted(keys):
+        series = run.series.get(key)
+        at = f"{fmt(run.last(key))} (step {int(series.steps[-1])})" if series else "-"
+        rows.append([key, at, fmt(run.final.get(key))])
     return rows
 
 
@@ -188,6 +184,62 @@ def alarm_rows(run: RunData) -> list[list[str]]:
     return rows
 
 
+# The final.json figures report.png's header lists.
+HEADER_FINAL = (
+    "val/loss",
+    "val/unigram",
+    "eval/psnr",
+    "eval/ssim",
+    "eval/baseline",
+    "eval/palette",
+    "eval/code_fraction",
+)
+MAX_ALARMS_IN_PNG = 12
+
+
+def header_lines(run: RunData, smooth: float) -> list[tuple[str, float, str]]:
+    """report.png's header: ``(text, font size, style)`` lines."""
+    lines = [
+        (f"earlyfuse report: {run.name}  (task {run.task})", 15.0, "bold"),
+        (f"step {steps_text(run)}  |  {status_of(run)}  |  {alarm_counts(run)}", 10.5, "normal"),
+    ]
+    mono: list[tuple[str, float]] = []  # in the monospace font
+    mods = modality_rows(run, smooth)
+    if mods:
+        which = f"EMA {smooth:g}" if smooth > 0 else "raw"
+        losses = [
+            f"{row[0]} {row[2] if smooth > 0 else row[1]}"
+            + (f" (u {row[3]})" if row[3] != "-" else "")
+            for row in mods
+        ]
+        mono.append((f"last train loss ({which}): " + "  ".join(losses), 10))
+    final = [f"{k} {fmt(v)}" for k, v in sorted(run.final.items()) if k.startswith(HEADER_FINAL)]
+    if final:
+        mono.append(("final: " + "  ".join(final), 10))
+    heldout = (run.heldout_eval.get("heldout") or {}).get("total") or {}
+    if heldout:
+        figures = [f"{m} {fmt(f['ce'], 3)}/{fmt(f.get('unigram'), 3)}" for m, f in heldout.items()]
+        mono.append(("held-out (earlyfuse-eval), CE vs unigram: " + "  ".join(figures), 10))
+    visible = visible_of(run)
+    if run.alarms:
+        mono.append((f"loss visible: {visible_text(visible)}", 10))
+    for i, alarm in enumerate(run.alarms[:MAX_ALARMS_IN_PNG], 1):
+        step = alarm_step(alarm)
+        mod = f" [{alarm['modality']}]" if alarm.get("modality") else ""
+        mono.append(
+            (
+                f"A{i}  step {step if step is not None else '?'}  {alarm.get('signal', '?')}{mod} "
+                f"-> {alarm.get('action', '?')} (lead {lead_text(step, visible)}): "
+                f"{str(alarm.get('message', ''))[:100]}",
+                9,
+            )
+        )
+    if len(run.alarms) > MAX_ALARMS_IN_PNG:
+        more = len(run.alarms) - MAX_ALARMS_IN_PNG
+        mono.append((f"... and {more} more alarms (see report.html)", 9))
+    return lines + [(text, size, "mono") for text, size in mono]
+
+
 # --- HTML --------------------------------------------------------------------------------------------
 CSS = """
 body{font-family:system-ui,-apple-system,'Segoe UI',Helvetica,Arial,sans-serif;margin:24px auto;max-width:1600px;
@@ -200,6 +252,14 @@ th{background:#f4f4f4} td.num{text-align:right;font-variant-numeric:tabular-nums
 figure{margin:0;border:1px solid #eee;padding:4px} figcaption{font-size:12px;color:#555;max-width:760px}
 img.panel{width:760px;max-width:100%} .muted{color:#777} .tag{padding:1px 6px;border-radius:3px;color:#fff}
 """
+
+
+PAGE = string.Template(
+    "<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>earlyfuse report: $name</title>"
+    "<style>$css</style></head><body><h1>earlyfuse report: $name</h1><p class=muted>task $task "
+    "&middot; step $steps &middot; $alarms &middot; written $when UTC by earlyfuse-report</p>"
+    "$sections</body></html>\n"
+)
 
 
 def _table(
@@ -229,99 +289,72 @@ def html_page(
     panels: list[tuple[str, str, str, bytes]],
     reconstructions: bytes | None,
 ) -> str:
-    """``panels``: (anchor, title, caption, png) in order."""
+    """``panels``: (anchor, title, caption, png) in order. A section without content is left out."""
     esc = html.escape
-    parts = [
-        f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8>"
-        f"<title>earlyfuse report: {esc(run.name)}</title><style>{CSS}</style></head><body>",
-        f"<h1>earlyfuse report: {esc(run.name)}</h1>",
-        f"<p class=muted>task {esc(run.task)} &middot; step {esc(steps_text(run))} &middot; "
-        f"{esc(alarm_counts(run))} &middot; written {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC "
-        f"by earlyfuse-report</p>",
-        "<h2>Summary</h2>",
-        _table(["field", "value"], [list(r) for r in overview(run, smooth)]),
-    ]
     mods = modality_rows(run, smooth)
-    if mods:
-        parts += [
-            "<h2>Per modality</h2>",
-            _table(
-                [
-                    "modality",
-                    "last train loss",
-                    f"train loss EMA {smooth:g}",
-                    "train unigram baseline (last)",
-                    "last CE / ln V",
-                    "last val loss",
-                    "final val loss",
-                    "val unigram baseline",
-                    "margin (baseline - loss)",
-                    "val ppl (final, else last)",
-                    "label tokens seen",
-                ],
-                mods,
-                num_cols=set(range(1, 11)),
-            ),
-        ]
-    parts.append("<h2>Evaluation</h2>")
-    ev = eval_rows(run)
-    parts.append(
-        _table(["figure", "last during training", "final (final.json)"], ev, num_cols={1, 2})
-        if ev
-        else "<p class=muted>no evaluation logged yet</p>"
+    modality_header = [
+        "modality",
+        "last train loss",
+        f"train loss EMA {smooth:g}",
+        "train unigram baseline (last)",
+        "last CE / ln V",
+        "last val loss",
+        "final val loss",
+        "val unigram baseline",
+        "margin (baseline - loss)",
+        "val ppl (final, else last)",
+        "label tokens seen",
+    ]
+    evaluation = eval_rows(run)
+    alarms = alarm_rows(run)
+    for row in alarms:
+        color = ACTION_COLOR.get(row[4], "#555")
+        row[4] = f'<span class=tag style="background:{color}">{esc(row[4])}</span>'
+    figures = "".join(
+        f"<figure id={esc(anchor)}>{_img(png, title)}"
+        + (f"<figcaption>{esc(caption)}</figcaption>" if caption else "")
+        + "</figure>"
+        for anchor, title, caption, png in panels
     )
-    if run.heldout_eval:
-        from tools.evaluate.table import format_eval
-
-        parts += [
-            "<h2>Held-out evaluation</h2><p class=muted>heldout_eval.json, written by "
-            "earlyfuse-eval (docs/evaluation.md).</p><pre>",
-            esc(format_eval(run.heldout_eval)),
-            "</pre>",
-        ]
-    parts.append("<h2>Alarms</h2>")
-    rows = alarm_rows(run)
-    if rows:
-        for r in rows:
-            color = ACTION_COLOR.get(r[4], "#555")
-            r[4] = f'<span class=tag style="background:{color}">{esc(r[4])}</span>'
-        parts.append(
-            _table(
-                ["#", "step", "signal", "modality", "action", "values", "message", "lead (steps)"],
-                rows,
-                num_cols={1},
-                raw_cols={4},
-            )
+    sections = {
+        "Summary": _table(["field", "value"], [list(row) for row in overview(run, smooth)]),
+        "Per modality": mods and _table(modality_header, mods, num_cols=set(range(1, 11))),
+        "Evaluation": _table(
+            ["figure", "last during training", "final (final.json)"], evaluation, num_cols={1, 2}
         )
-    else:
-        parts.append("<p>no alarms</p>")
-    parts.append("<h2>Curves</h2>")
-    if panels:
-        parts.append(
-            "<p class=muted>Raw values faint, EMA solid; evaluation values as markers, final.json as stars; "
-            "alarms as dashed vertical lines labelled A&lt;i&gt; (the rows above) with a diamond on "
-            "the curve of their modality.</p><div class=grid>"
+        if evaluation
+        else "<p class=muted>no evaluation logged yet</p>",
+        "Held-out evaluation": run.heldout_eval
+        and "<p class=muted>heldout_eval.json, written by earlyfuse-eval (docs/evaluation.md).</p>"
+        f"<pre>{esc(format_eval(run.heldout_eval))}</pre>",
+        "Alarms": _table(
+            ["#", "step", "signal", "modality", "action", "values", "message", "lead (steps)"],
+            alarms,
+            num_cols={1},
+            raw_cols={4},
         )
-        for anchor, title, caption, png in panels:
-            parts.append(
-                f"<figure id={esc(anchor)}>{_img(png, title)}"
-                + (f"<figcaption>{esc(caption)}</figcaption>" if caption else "")
-                + "</figure>"
-            )
-        parts.append("</div>")
-    else:
-        parts.append("<p class=muted>no steps logged yet</p>")
-    if reconstructions is not None:
-        parts += [
-            "<h2>Reconstructions</h2><p class=muted>vtok_reconstructions.png: held-out crops, "
-            "original | reconstruction, one pair per row.</p>",
-            _img(reconstructions, "visual tokenizer reconstructions", "recon"),
-        ]
-    if run.final:
-        parts += [
-            "<h2>final.json</h2><pre>",
-            esc(json.dumps(run.final, indent=1, sort_keys=True, default=str, allow_nan=True)),
-            "</pre>",
-        ]
-    parts.append("</body></html>\n")
-    return "".join(parts)
+        if alarms
+        else "<p>no alarms</p>",
+        "Curves": "<p class=muted>Raw values faint, EMA solid; evaluation values as markers, "
+        "final.json as stars; alarms as dashed vertical lines labelled A&lt;i&gt; (the rows "
+        f"above) with a diamond on the curve of their modality.</p><div class=grid>{figures}</div>"
+        if panels
+        else "<p class=muted>no steps logged yet</p>",
+        "Reconstructions": reconstructions
+        and "<p class=muted>vtok_reconstructions.png: held-out crops, original | reconstruction, "
+        "one pair per row.</p>"
+        + _img(reconstructions, "visual tokenizer reconstructions", "recon"),
+        "final.json": run.final
+        and "<pre>"
+        + esc(json.dumps(run.final, indent=1, sort_keys=True, default=str, allow_nan=True))
+        + "</pre>",
+    }
+    return PAGE.substitute(
+        css=CSS,
+        name=esc(run.name),
+        task=esc(run.task),
+        steps=esc(steps_text(run)),
+        alarms=esc(alarm_counts(run)),
+        when=f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M}",
+        sections="".join(f"<h2>{title}</h2>{body}" for title, body in sections.items() if body),
+    )

@@ -1,31 +1,231 @@
-"""The panels: which groups of signals a run gets a figure for, in reading order, and what each
-figure draws (train loss, validation loss, normalised CE, the data mix, tokens, grad norm, lr,
-throughput, the monitor signals and the visual tokenizer's PSNR/SSIM/code use). Each panel is
-drawn only when the run logged its group, all on the same step axis with the alarms marked.
-The shared helpers and colours are in ``draw.py``; turning a panel into PNG bytes is
-``render.py``: this file is only the catalogue, so adding a panel touches nothing else.
+"""The figures of a report: which panels a run gets, in reading order, what each draws, and each
+panel and the text header of report.png as PNG bytes.
+
+matplotlib draws on bare ``Figure`` objects with the Agg canvas (no pyplot, nothing global), every
+panel the same size so that report.png is a clean grid. A panel is drawn only when the run
+logged its group, on the step axis every panel shares, with the alarms marked. Colours are fixed
+per modality (the total in black); a train series is drawn raw (faint) with its debiased EMA on
+top; evaluation values are markers and final.json's values stars at the last step; an alarm is
+a dashed line coloured by its action and labelled ``A<i>``, the row of the alarms table.
 """
 
 from __future__ import annotations
 
+import io
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from matplotlib.ticker import FuncFormatter
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.font_manager import FontProperties
+from matplotlib.ticker import FuncFormatter, MaxNLocator
+from matplotlib.transforms import blended_transform_factory
 
-from tools.report.draw import (
-    MODALITY_COLOR,
-    Ctx,
-    color_of,
-    ema,
-    eval_points,
-    human,
-    nonfinite_marks,
-    robust_ylim,
-    train_line,
-)
-from tools.report.run import RunData, Series
+from tools.report.run import RunData, Series, alarm_step
+
+MODALITY_COLOR = {
+    "text": "#1f77b4",
+    "code": "#2ca02c",
+    "image": "#ff7f0e",
+    "video": "#d62728",
+    "structure": "#8c564b",
+    "total": "#000000",
+}
+EXTRA_COLORS = ["#9467bd", "#17becf", "#bcbd22", "#e377c2", "#7f7f7f"]
+ACTION_COLOR = {
+    "log": "#8a8a8a",
+    "warn": "#d4a017",
+    "skip": "#e377c2",
+    "rollback": "#9467bd",
+    "halt": "#000000",
+}
+LABEL_ALARMS_UP_TO = 40  # past this many alarms, lines only: labels would overlap
+
+
+def color_of(name: str, i: int = 0) -> str:
+    return MODALITY_COLOR.get(name, EXTRA_COLORS[i % len(EXTRA_COLORS)])
+
+
+def ema(values: np.ndarray, factor: float) -> np.ndarray:
+    """Debiased exponential moving average; non-finite values are skipped (they keep the last
+    smoothed value), so a NaN step does not erase the curve after it."""
+    out = np.full(values.shape, np.nan)
+    if factor <= 0:
+        return values.astype(float).copy()
+    acc = weight = 0.0
+    for i, value in enumerate(values.tolist()):
+        if math.isfinite(value):
+            acc = factor * acc + (1 - factor) * value
+            weight = factor * weight + (1 - factor)
+        if weight > 0:
+            out[i] = acc / weight
+    return out
+
+
+@dataclass
+class Ctx:
+    run: RunData
+    smooth: float
+    xlim: tuple[float, float]
+
+
+# --- drawing helpers -------------------------------------------------------------------------------
+def train_line(
+    ax, s: Series, ctx: Ctx, label: str, color: str, scale: float = 1.0, lw: float = 1.6
+):
+    """Raw values faint, EMA solid; returns the curve drawn on top."""
+    steps, values = s.steps, s.values * scale
+    if ctx.smooth > 0:
+        ax.plot(steps, values, color=color, alpha=0.22, lw=0.8)
+        values = ema(values, ctx.smooth)
+    ax.plot(
+        steps,
+        values,
+        color=color,
+        lw=lw,
+        label=label,
+        marker="o" if len(steps) <= 12 else None,
+        ms=3,
+    )
+    return steps, values
+
+
+def robust_ylim(ax, arrays: list[np.ndarray]) -> None:
+    """Keep a few huge spikes from flattening the whole curve: clip the y range when the maximum
+    is far beyond the bulk (the title says so), otherwise leave matplotlib's limits."""
+    vals = (
+        np.concatenate([array[np.isfinite(array)] for array in arrays]) if arrays else np.array([])
+    )
+    if vals.size < 20:
+        return
+    low, p99 = float(vals.min()), float(np.percentile(vals, 99))
+    if vals.max() > p99 + 3 * (p99 - low) and p99 > low:
+        ax.set_ylim(low - 0.05 * (p99 - low), p99 + 0.6 * (p99 - low))
+        ax.set_title(ax.get_title() + "  [y clipped: spikes above]", fontsize=10)
+
+
+def nonfinite_marks(ax, s: Series, label: str) -> None:
+    bad = ~np.isfinite(s.values)
+    if bad.any():
+        blend = blended_transform_factory(ax.transData, ax.transAxes)
+        ax.scatter(
+            s.steps[bad],
+            np.full(bad.sum(), 0.97),
+            transform=blend,
+            marker="x",
+            color="#b00020",
+            s=30,
+            zorder=5,
+            label=f"{label} NaN/inf ({int(bad.sum())})",
+            clip_on=False,
+        )
+
+
+def eval_points(
+    ax, run: RunData, key: str, label: str, color: str, marker: str = "o", scale: float = 1.0
+):
+    """Evaluation values as markers joined by a thin line that runs on to final.json's value,
+    drawn as a star at the last step (the final evaluation is not in metrics.jsonl)."""
+    steps, values = np.array([], dtype=np.int64), np.array([])
+    series = run.series.get(key)
+    if series is not None:
+        finite = np.isfinite(series.values)
+        steps, values = series.steps[finite], series.values[finite] * scale
+    value = run.final.get(key)
+    final = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if isinstance(value, (int, float)) and final:
+        final_step = run.total_steps or run.last_step
+        keep = steps != final_step
+        steps, values = np.append(steps[keep], final_step), np.append(values[keep], value * scale)
+    if not len(steps):
+        return None
+    num_marked = len(steps) - final
+    ax.plot(
+        steps,
+        values,
+        lw=0.9,
+        color=color,
+        marker=marker,
+        ms=5,
+        markevery=list(range(num_marked)),
+        label=label,
+    )
+    if final:
+        ax.plot(
+            steps[-1:], values[-1:], marker="*", ms=11, color=color, ls="none", mec="black", mew=0.5
+        )
+        ax.has_final_star = True  # render() adds one legend entry saying what the stars are
+    return steps, values
+
+
+def draw_alarms(ax, ctx: Ctx, curves: dict) -> None:
+    """One collection of lines (and one of markers) per action, so thousands of alarms stay cheap."""
+    blend = blended_transform_factory(ax.transData, ax.transAxes)
+    by_action: dict[str, list[tuple[int, int, dict]]] = {}
+    for i, alarm in enumerate(ctx.run.alarms, 1):
+        step = alarm_step(alarm)
+        if step is not None:
+            by_action.setdefault(str(alarm.get("action", "log")), []).append((i, step, alarm))
+    dense = len(ctx.run.alarms) > LABEL_ALARMS_UP_TO  # then thin faint lines, no labels or markers
+    for action, items in by_action.items():
+        color = ACTION_COLOR.get(action, "#555555")
+        steps = [step for _, step, _ in items]
+        ax.vlines(
+            steps,
+            0,
+            1,
+            transform=blend,
+            colors=color,
+            linestyles="--",
+            alpha=0.35 if dense else 0.85,
+            zorder=1,
+            linewidth=(1.3 if action in ("rollback", "halt") else 1.0) * (0.6 if dense else 1),
+            label=f"alarm: {action} ({len(items)})" if dense else f"alarm: {action}",
+        )
+        if dense:
+            continue
+        for i, step, _ in items:
+            ax.text(
+                step,
+                1.01,
+                f"A{i}",
+                transform=blend,
+                rotation=90,
+                fontsize=7,
+                color=color,
+                ha="center",
+                va="bottom",
+                clip_on=False,
+            )
+        marker_steps, marker_values = [], []
+        for _, step, alarm in items:
+            curve = curves.get(alarm.get("modality") or "total")
+            if curve is not None and np.isfinite(curve[1]).any():
+                finite = np.isfinite(curve[1])
+                marker_steps.append(step)
+                marker_values.append(np.interp(step, curve[0][finite], curve[1][finite]))
+        if marker_steps:
+            ax.plot(
+                marker_steps,
+                marker_values,
+                marker="D",
+                ms=6,
+                color=color,
+                mec="black",
+                mew=0.6,
+                zorder=6,
+                ls="none",
+            )
+
+
+def human(x: float) -> str:
+    for div, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.3g}{suffix}"
+    return f"{x:.3g}"
+
 
 UNIT_NAME = {"lm": "tokens", "vtok": "images"}
 MONITOR_TITLES = {
@@ -43,6 +243,7 @@ class Panel:
     draw: Callable  # draw(ax, ctx) -> {curve name: (x, y)} for the alarm markers
     note: str = ""  # a caption for the HTML page
     xlabel: str = "step"  # any other: the panel draws its own x axis (no step axis, no alarms)
+    shown: bool = True  # the run logged what the panel draws
 
 
 # --- the panels ------------------------------------------------------------------------------------
@@ -60,7 +261,6 @@ def per_modality(
     total: str | None = None,
     hline: float | None = None,
     clip: bool = False,
-    scale: float = 1.0,
 ):
     """A panel drawing ``prefix<m>`` for every modality present, then any other ``prefix<name>``
     (a monitor's per-modality signals), and ``total`` in black."""
@@ -74,7 +274,7 @@ def per_modality(
         if tot:
             total_series = run.series[tot]
             curves["total"] = train_line(
-                ax, total_series, ctx, "total", MODALITY_COLOR["total"], scale, lw=2.0
+                ax, total_series, ctx, "total", MODALITY_COLOR["total"], lw=2.0
             )
             nonfinite_marks(ax, total_series, "total")
             arrays.append(total_series.values)
@@ -82,8 +282,8 @@ def per_modality(
             series = run.series.get(prefix + modality)
             if series is None or not np.isfinite(series.values).any():
                 continue
-            curves[modality] = train_line(ax, series, ctx, modality, color_of(modality, i), scale)
-            arrays.append(series.values * scale)
+            curves[modality] = train_line(ax, series, ctx, modality, color_of(modality, i))
+            arrays.append(series.values)
         if hline is not None:
             ax.axhline(hline, color="black", ls=":", lw=1.2, label=f"chance ({hline:g})")
         if clip:
@@ -119,28 +319,22 @@ def draw_val(ax, ctx: Ctx):
 def draw_mix(ax, ctx: Ctx):
     run = ctx.run
     names = run.sources()
-    grid = np.array(
-        sorted(set().union(*(run.series[f"mix/{name}"].steps.tolist() for name in names)))
-    )
+    grid = np.unique(np.concatenate([run.series[f"mix/{name}"].steps for name in names]))
     curves = []
     for name in names:
         series = run.series[f"mix/{name}"]
-        curve = (
-            np.interp(grid, series.steps, np.nan_to_num(series.values))
-            if len(series.steps)
-            else np.zeros(len(grid))
-        )
+        curve = np.interp(grid, series.steps, np.nan_to_num(series.values))
         curves.append(ema(curve, ctx.smooth) if ctx.smooth > 0 else curve)
     stack = np.array(curves)
     stack = stack / np.maximum(stack.sum(axis=0, keepdims=True), 1e-12)
     ax.stackplot(
         grid, stack, labels=names, colors=[f"C{i % 10}" for i in range(len(names))], alpha=0.85
     )
-    cum = 0.0
-    targets = [(name, run.target_mix[name]) for name in names if name in run.target_mix]
-    for j, (_name, weight) in enumerate(targets[:-1]):
-        cum += weight
-        ax.axhline(cum, color="black", ls="--", lw=0.8, label="target (config)" if j == 0 else None)
+    weights = [run.target_mix[name] for name in names if name in run.target_mix]
+    for j, level in enumerate(np.cumsum(weights)[:-1]):
+        ax.axhline(
+            level, color="black", ls="--", lw=0.8, label="target (config)" if j == 0 else None
+        )
     ax.set_ylim(0, 1)
     return {}
 
@@ -167,46 +361,37 @@ def draw_grad(ax, ctx: Ctx):
         ax.set_yscale("log")
     nonfinite_marks(ax, series, "grad norm")
     skipped = run.series.get("optim/skipped")
-    if skipped is not None:
-        idx = np.nonzero(np.nan_to_num(skipped.values) > 0)[0]
-        if len(idx):
-            steps = skipped.steps[idx]
-            norms_at_skips = (
-                np.interp(
-                    steps,
-                    series.steps[np.isfinite(series.values)],
-                    series.values[np.isfinite(series.values)],
-                )
-                if np.isfinite(series.values).any()
-                else np.zeros(len(steps))
-            )
-            ax.scatter(
-                steps,
-                norms_at_skips,
-                marker="v",
-                s=40,
-                color="#b00020",
-                zorder=5,
-                label=f"skipped step ({len(idx)})",
-            )
+    steps = skipped.steps[np.nan_to_num(skipped.values) > 0] if skipped else np.array([])
+    if len(steps):  # on the grad norm curve (the panel is drawn only when it has a finite value)
+        finite = np.isfinite(series.values)
+        ax.scatter(
+            steps,
+            np.interp(steps, series.steps[finite], series.values[finite]),
+            marker="v",
+            s=40,
+            color="#b00020",
+            zorder=5,
+            label=f"skipped step ({len(steps)})",
+        )
     return {"total": curve}
 
 
-def draw_simple(keys: list[tuple[str, str, str]], scale: float = 1.0, eval_keys=()):
-    """Train series ``(key, label, color)`` and evaluation series ``(key, label, color, marker)``."""
+def simple(run: RunData, key: str, title: str, ylabel: str, curves, *, scale=1.0, note=""):
+    """A panel of train curves ``(key, label, color)`` and evaluation curves ``(key, label, color,
+    marker)``, shown when one of its keys has a value (final.json's count)."""
 
     def draw(ax, ctx: Ctx):
-        curves: dict[str, object] = {}
-        for key, label, color in keys:
-            if ctx.run.has(key):
-                curves.setdefault(
-                    "total", train_line(ax, ctx.run.series[key], ctx, label, color, scale)
-                )
-        for key, label, color, marker in eval_keys:
-            eval_points(ax, ctx.run, key, label, color, marker, scale)
-        return curves
+        drawn: dict[str, object] = {}
+        for curve_key, label, color, *marker in curves:
+            if marker:
+                eval_points(ax, ctx.run, curve_key, label, color, marker[0], scale)
+            elif ctx.run.has(curve_key):
+                series = ctx.run.series[curve_key]
+                drawn.setdefault("total", train_line(ax, series, ctx, label, color, scale))
+        return drawn
 
-    return draw
+    shown = any(run.has(curve[0]) or curve[0] in run.final for curve in curves)
+    return Panel(key, title, ylabel, draw, note, shown=shown)
 
 
 def draw_lr(ax, ctx: Ctx):
@@ -248,147 +433,221 @@ def panels_for(run: RunData) -> list[Panel]:
     """The panels this run has data for, in reading order."""
     has = run.has
     unit = UNIT_NAME.get(run.task, "units")
-    out = []
-    if has("train/loss") or run.keys("loss/"):
-        out.append(
-            Panel(
-                "loss",
-                "Train loss: total and per modality",
-                "cross-entropy (nats)",
-                per_modality("loss/", total="train/loss", clip=True),
-            )
-        )
-    if any(key.startswith("val/loss") for key in run.series) or any(
-        key.startswith("val/loss") for key in run.final
-    ):
-        out.append(
-            Panel(
-                "val",
-                "Validation loss per modality",
-                "cross-entropy (nats)",
-                draw_val,
-                "Markers: each evaluation; stars: final.json; dashed: the train EMA for reference.",
-            )
-        )
-    if run.keys("loss_norm/"):
-        out.append(
-            Panel(
-                "loss_norm",
-                "Normalised CE per modality (CE / ln V)",
-                "CE / ln V",
-                per_modality("loss_norm/", hline=1.0),
-                "1.0 is chance over the modality's own vocabulary range; near 1.0 late in a run is collapse.",
-            )
-        )
-    if run.keys("mix/"):
-        out.append(
-            Panel(
-                "mix",
-                "Delivered mix by source (share of tokens)",
-                "share",
-                draw_mix,
-                "Stacked shares of each step's tokens, EMA-smoothed; dashed: cumulative config weights.",
-            )
-        )
-    if run.keys("tokens/"):
-        out.append(
-            Panel("tokens", "Label tokens per step by modality", "tokens / step", draw_tokens)
-        )
-    if has("optim/grad_norm"):
-        out.append(
-            Panel("grad", "Gradient norm (skipped steps marked)", "global grad norm", draw_grad)
-        )
-    if has("optim/lr"):
-        out.append(Panel("lr", "Learning rate", "lr", draw_lr))
-    if has("throughput/units_per_s"):
-        out.append(
-            Panel(
-                "throughput",
-                f"Throughput ({unit}/s)",
-                f"{unit} / s",
-                draw_simple([("throughput/units_per_s", f"{unit}/s", "#333333")]),
-            )
-        )
-    if has("throughput/mfu") or has("throughput/data_wait"):
-        out.append(
-            Panel(
-                "util",
-                "MFU and data wait",
-                "% ",
-                draw_simple(
-                    [
-                        ("throughput/mfu", "MFU", "#1f77b4"),
-                        ("throughput/data_wait", "data wait (share of step)", "#d62728"),
-                    ],
-                    scale=100.0,
-                ),
-            )
-        )
-    for sig in monitor_signals(run):
-        out.append(
+    nats = "cross-entropy (nats)"
+    position = run.heldout_eval.get("position_loss") or {}
+    util: list[tuple] = [
+        ("throughput/mfu", "MFU", "#1f77b4"),
+        ("throughput/data_wait", "data wait (share of step)", "#d62728"),
+    ]
+    psnr: list[tuple] = [
+        ("vtok/psnr", "train", "#ff7f0e"),
+        ("eval/psnr", "eval (held-out)", "#1f77b4", "o"),
+        ("eval/baseline_psnr", "baseline", "#7f7f7f", "s"),
+    ]
+    codes: list[tuple] = [
+        ("vtok/code_fraction", "train batch", "#9467bd"),
+        ("eval/code_fraction", "eval", "#17becf", "o"),
+    ]
+    panels = [
+        Panel(
+            "loss",
+            "Train loss: total and per modality",
+            nats,
+            per_modality("loss/", total="train/loss", clip=True),
+            shown=has("train/loss") or bool(run.keys("loss/")),
+        ),
+        Panel(
+            "val",
+            "Validation loss per modality",
+            nats,
+            draw_val,
+            "Markers: each evaluation; stars: final.json; dashed: the train EMA for reference.",
+            shown=any(key.startswith("val/loss") for key in [*run.series, *run.final]),
+        ),
+        Panel(
+            "loss_norm",
+            "Normalised CE per modality (CE / ln V)",
+            "CE / ln V",
+            per_modality("loss_norm/", hline=1.0),
+            "1.0 is chance over the modality's own vocabulary range; near 1.0 late in a run is collapse.",
+            shown=bool(run.keys("loss_norm/")),
+        ),
+        Panel(
+            "mix",
+            "Delivered mix by source (share of tokens)",
+            "share",
+            draw_mix,
+            "Stacked shares of each step's tokens, EMA-smoothed; dashed: cumulative config weights.",
+            shown=bool(run.keys("mix/")),
+        ),
+        Panel(
+            "tokens",
+            "Label tokens per step by modality",
+            "tokens / step",
+            draw_tokens,
+            shown=bool(run.keys("tokens/")),
+        ),
+        Panel(
+            "grad",
+            "Gradient norm (skipped steps marked)",
+            "global grad norm",
+            draw_grad,
+            shown=has("optim/grad_norm"),
+        ),
+        Panel("lr", "Learning rate", "lr", draw_lr, shown=has("optim/lr")),
+        simple(
+            run,
+            "throughput",
+            f"Throughput ({unit}/s)",
+            f"{unit} / s",
+            [("throughput/units_per_s", f"{unit}/s", "#333333")],
+        ),
+        simple(run, "util", "MFU and data wait", "% ", util, scale=100.0),
+        *(
             Panel(
                 f"monitor_{sig}",
                 MONITOR_TITLES.get(sig, f"monitor/{sig}"),
                 sig,
                 per_modality(f"monitor/{sig}/", total=f"monitor/{sig}"),
             )
+            for sig in monitor_signals(run)
+        ),
+        simple(
+            run, "psnr", "Reconstruction PSNR against the patch-mean baseline", "PSNR (dB)", psnr
+        ),
+        simple(
+            run,
+            "ssim",
+            "SSIM (eval, held-out crops)",
+            "SSIM",
+            [("eval/ssim", "SSIM", "#2ca02c", "o")],
+        ),
+        simple(
+            run,
+            "codes",
+            "Visual code use (share of the codebook used)",
+            "fraction of codes",
+            codes,
+            note="eval/code_perplexity is in the summary table.",
+        ),
+        simple(
+            run,
+            "recon",
+            "Reconstruction error (train)",
+            "mean error",
+            [("vtok/l1", "L1", "#8c564b"), ("vtok/l2", "L2 (MSE)", "#e377c2")],
+        ),
+        Panel(
+            "position",
+            "Held-out loss by token position (earlyfuse-eval --position-loss)",
+            nats,
+            draw_position,
+            "Mean CE per position bucket over the document stretches that cover the bucket, "
+            "per modality of the predicted token: falling to the right when the context helps.",
+            xlabel="position in the document (tokens)",
+            shown=bool(position.get("buckets")),
+        ),
+    ]
+    return [panel for panel in panels if panel.shown]
+
+
+# --- PNG bytes ------------------------------------------------------------------------------------
+PANEL_SIZE = (7.6, 3.5)  # inches; every panel the same, so that report.png is a clean grid
+DPI = 100
+MARGIN = 0.01  # of the header's width, left and right
+
+
+def x_limits(run: RunData) -> tuple[float, float]:
+    steps = run.steps + [step for step in map(alarm_step, run.alarms) if step is not None]
+    if run.final and run.total_steps:
+        steps.append(run.total_steps)
+    if not steps:
+        return 0.0, 1.0
+    low, high = min(steps), max(steps)
+    pad = max(0.5, 0.02 * (high - low))
+    return low - pad, high + pad
+
+
+def render(panel: Panel, ctx: Ctx) -> bytes:
+    """One panel as PNG bytes (no pyplot: a bare Figure on the Agg canvas, nothing global)."""
+    fig = Figure(figsize=PANEL_SIZE, dpi=DPI)
+    FigureCanvasAgg(fig)
+    ax = fig.add_axes((0.105, 0.14, 0.615, 0.74))
+    ax.set_title(panel.title, fontsize=10, loc="left", pad=14 if ctx.run.alarms else 6)
+    curves = panel.draw(ax, ctx) or {}
+    if getattr(ax, "has_final_star", False):
+        ax.plot(
+            [],
+            [],
+            marker="*",
+            ms=9,
+            color="#bbbbbb",
+            mec="black",
+            mew=0.5,
+            ls="none",
+            label="final.json",
         )
-    if has("vtok/psnr") or has("eval/psnr") or "eval/psnr" in run.final:
-        out.append(
-            Panel(
-                "psnr",
-                "Reconstruction PSNR against the patch-mean baseline",
-                "PSNR (dB)",
-                draw_simple(
-                    [("vtok/psnr", "train", "#ff7f0e")],
-                    eval_keys=[
-                        ("eval/psnr", "eval (held-out)", "#1f77b4", "o"),
-                        ("eval/baseline_psnr", "baseline", "#7f7f7f", "s"),
-                    ],
-                ),
-            )
+    if panel.xlabel == "step":
+        draw_alarms(ax, ctx, curves)
+        ax.set_xlim(*ctx.xlim)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel(panel.xlabel, fontsize=9)
+    ax.set_ylabel(panel.ylabel, fontsize=9)
+    ax.tick_params(labelsize=8)
+    ax.grid(True, alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        ax.legend(
+            handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False
         )
-    if has("eval/ssim") or "eval/ssim" in run.final:
-        out.append(
-            Panel(
-                "ssim",
-                "SSIM (eval, held-out crops)",
-                "SSIM",
-                draw_simple([], eval_keys=[("eval/ssim", "SSIM", "#2ca02c", "o")]),
-            )
-        )
-    if has("vtok/code_fraction") or has("eval/code_fraction") or "eval/code_fraction" in run.final:
-        out.append(
-            Panel(
-                "codes",
-                "Visual code use (share of the codebook used)",
-                "fraction of codes",
-                draw_simple(
-                    [("vtok/code_fraction", "train batch", "#9467bd")],
-                    eval_keys=[("eval/code_fraction", "eval", "#17becf", "o")],
-                ),
-                "eval/code_perplexity is in the summary table.",
-            )
-        )
-    if has("vtok/l1") or has("vtok/l2"):
-        out.append(
-            Panel(
-                "recon",
-                "Reconstruction error (train)",
-                "mean error",
-                draw_simple([("vtok/l1", "L1", "#8c564b"), ("vtok/l2", "L2 (MSE)", "#e377c2")]),
-            )
-        )
-    if (run.heldout_eval.get("position_loss") or {}).get("buckets"):
-        out.append(
-            Panel(
-                "position",
-                "Held-out loss by token position (earlyfuse-eval --position-loss)",
-                "cross-entropy (nats)",
-                draw_position,
-                "Mean CE per position bucket over the document stretches that cover the bucket, "
-                "per modality of the predicted token: falling to the right when the context helps.",
-                xlabel="position in the document (tokens)",
-            )
-        )
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI)
+    return buf.getvalue()
+
+
+def _font(size: float, style: str) -> FontProperties:
+    return FontProperties(
+        size=size,
+        weight="bold" if style == "bold" else "normal",
+        family="monospace" if style == "mono" else "sans-serif",
+    )
+
+
+def wrap_lines(lines: list[tuple[str, float, str]], width_px: int) -> list[tuple[str, float, str]]:
+    """The header's lines broken at spaces so that none is wider than the strip (measured with
+    the renderer's own font metrics); a continuation is indented."""
+    renderer = FigureCanvasAgg(Figure(dpi=DPI)).get_renderer()
+    room = width_px * (1 - 2 * MARGIN)
+
+    def width(text: str, font: FontProperties) -> float:
+        return renderer.get_text_width_height_descent(text, font, ismath=False)[0]
+
+    out = []
+    for text, size, style in lines:
+        font = _font(size, style)
+        current = ""
+        for word in text.split(" "):
+            trial = f"{current} {word}" if current else word
+            if current.strip() and width(trial, font) > room:
+                out.append((current, size, style))
+                current = "    " + word
+            else:
+                current = trial
+        out.append((current, size, style))
     return out
+
+
+def render_header(lines: list[tuple[str, float, str]], width_px: int) -> bytes:
+    """The top strip of report.png: ``(text, fontsize, style)`` lines, style bold, normal or mono,
+    wrapped to the strip's width."""
+    lines = wrap_lines(lines, width_px)
+    height = 0.3 + sum(size for _, size, _ in lines) * 1.6 / 72
+    fig = Figure(figsize=(width_px / DPI, height), dpi=DPI)
+    FigureCanvasAgg(fig)
+    top = 1 - 0.15 / height
+    for text, size, style in lines:
+        fig.text(MARGIN, top, text, va="top", fontproperties=_font(size, style))
+        top -= size * 1.6 / 72 / height
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI)
+    return buf.getvalue()

@@ -5,9 +5,8 @@
   surviving weights went through.
 - A line that does not parse is skipped and counted: the last line of a running run may be
   half-written. NaN and Infinity (which the logger writes for a NaN loss) are kept as floats.
-- ``alarms.jsonl``: the monitors' alarms, ``{"step", "signal", "modality", "values", "action",
-  "message", "threshold", "cause", "advice", "since"}`` (the last four may be absent); read
-  with the same tolerance, in file order.
+- ``alarms.jsonl``: the monitors' alarms (docs/report.md), read with the same tolerance, in
+  file order.
 - The records of the first trajectory (``first_pass``: up to a rollback) are kept apart: the loss
   rule of tools/report/lead.py reads them to say when a failure became visible in the loss.
 - ``config.yaml`` (name, task, train.steps, data.sources weights), ``final.json`` and
@@ -23,13 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
+from data.vocab import MODALITY_NAMES
 from tools.evaluate import EVAL_FILE
 from tools.report.lead import first_pass
 from train.names import ALARMS_FILE, CONFIG_FILE, FINAL_FILE, LOSS, METRICS_FILE, MIX, VAL, VTOK
-
-# The order the trainer uses (data.vocab.MODALITY_NAMES); not imported, so that the report
-# runs anywhere matplotlib does. A modality not in this list is appended in name order.
-MODALITY_ORDER = ("text", "code", "image", "video", "structure")
 
 
 class NoMetrics(FileNotFoundError):
@@ -56,9 +52,8 @@ class RunData:
     target_mix: dict[str, float] = field(default_factory=dict)  # data.sources weights, normalised
     first_pass: list[dict] = field(default_factory=list)  # records until a step first goes back
     duplicate_records: int = 0  # records replaced by a later one for the same step
-    impossible_mfu: int = (
-        0  # steps whose logged MFU exceeded 100 % (a mis-measured peak): not drawn
-    )
+    # steps whose logged MFU exceeded 100 % (a mis-measured peak): not drawn
+    impossible_mfu: int = 0
     bad_lines: int = 0  # metrics lines that did not parse
     bad_alarm_lines: int = 0
 
@@ -110,8 +105,9 @@ class RunData:
 
 
 def order_modalities(names) -> list[str]:
+    """The trainer's order, then any other modality by name."""
     names = set(names)
-    return [m for m in MODALITY_ORDER if m in names] + sorted(names - set(MODALITY_ORDER))
+    return [m for m in MODALITY_NAMES if m in names] + sorted(names - set(MODALITY_NAMES))
 
 
 def read_jsonl(path: Path) -> tuple[list[dict], int]:
@@ -133,12 +129,8 @@ def read_jsonl(path: Path) -> tuple[list[dict], int]:
     return out, bad
 
 
-def _number(v) -> float | None:
-    if isinstance(v, bool):
-        return float(v)
-    if isinstance(v, (int, float)):
-        return float(v)
-    return None
+def _number(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) else None  # a bool is an int
 
 
 # Utilisations: a value above 1 (100 %) cannot be true (the peak was measured too low, e.g. on a
@@ -178,6 +170,15 @@ def run_config(run_dir: Path) -> dict:
     return cfg if isinstance(cfg, dict) else {}
 
 
+def _json_dict(path: Path) -> dict:
+    """A JSON object file, or {} when it is missing or not an object."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def _target_mix(cfg: dict) -> dict[str, float]:
     try:
         srcs = [
@@ -197,33 +198,17 @@ def load_run(run_dir: str | Path) -> RunData:
         raise NoMetrics(
             f"no metrics.jsonl in {run_dir} (is it a run folder written by earlyfuse-train?)"
         )
-    raw, bad = read_jsonl(path)
+    lines, bad = read_jsonl(path)
+    raw = [rec for rec in lines if alarm_step(rec) is not None]
+    bad += len(lines) - len(raw)
     records: dict[int, dict] = {}
     dup = 0
     for rec in raw:
-        step = rec.get("step")
-        if not isinstance(step, int) or isinstance(step, bool):
-            bad += 1
-            continue
-        dup += step in records
-        records[step] = rec
+        dup += rec["step"] in records
+        records[rec["step"]] = rec
     cfg = run_config(run_dir)
     train_cfg = cfg.get("train")
-    if not isinstance(train_cfg, dict):
-        train_cfg = {}
-    total = train_cfg.get("steps")
-    final = {}
-    if (run_dir / FINAL_FILE).is_file():
-        try:
-            final = json.loads((run_dir / FINAL_FILE).read_text())
-        except ValueError:
-            final = {}
-    heldout_eval = {}
-    if (run_dir / EVAL_FILE).is_file():
-        try:
-            heldout_eval = json.loads((run_dir / EVAL_FILE).read_text())
-        except ValueError:
-            heldout_eval = {}
+    total = train_cfg.get("steps") if isinstance(train_cfg, dict) else None
     alarms: list[dict] = []
     bad_alarms = 0
     if (run_dir / ALARMS_FILE).is_file():
@@ -238,13 +223,11 @@ def load_run(run_dir: str | Path) -> RunData:
         total_steps=int(total) if isinstance(total, int) else None,
         records=records,
         series=build_series(records),
-        final=final if isinstance(final, dict) else {},
-        heldout_eval=heldout_eval if isinstance(heldout_eval, dict) else {},
+        final=_json_dict(run_dir / FINAL_FILE),
+        heldout_eval=_json_dict(run_dir / EVAL_FILE),
         alarms=alarms,
         target_mix=_target_mix(cfg),
-        first_pass=first_pass(
-            [r for r in raw if isinstance(r.get("step"), int) and not isinstance(r["step"], bool)]
-        ),
+        first_pass=first_pass(raw),
         duplicate_records=dup,
         impossible_mfu=sum(
             1
@@ -256,9 +239,10 @@ def load_run(run_dir: str | Path) -> RunData:
     )
 
 
-def alarm_step(alarm: dict) -> int | None:
-    s = alarm.get("step")
-    return s if isinstance(s, int) and not isinstance(s, bool) else None
+def alarm_step(record: dict) -> int | None:
+    """The integer ``step`` of an alarm or a metrics record, else None."""
+    step = record.get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def fmt(v, digits: int = 4) -> str:
