@@ -1,44 +1,56 @@
 """Per source and modality: CE on held-out token shards, the unigram baseline, the margin, bits
-per byte for text and code.
+per byte for text and code (docs/evaluation.md, "Per modality").
 
-Documents are packed in index order into rows of ``seq_len`` by data/loader/heldout.py, the
-pass training validation makes (text split across rows, visual blocks never; with
-``whole_documents`` no document that fits a row is split), so with the run's ``seq_len``,
-micro-batch and ``data.whole_documents`` these are the trainer's validation figures; every document of every
-source is read once (``max_docs`` takes the first N of each source instead: a stated,
-per-source sample).
+Documents are packed by data/loader/heldout.py, the pass training validation makes, so with the
+run's ``seq_len``, micro-batch and ``data.whole_documents`` these are the trainer's validation
+figures (``max_docs`` takes the first N of each source instead: a stated, per-source sample).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
+from tokenizers.pre_tokenizers import ByteLevel
 
 from data.loader.heldout import HeldoutPass
 from data.vocab import MODALITY_NAMES, Modality
 from train.names import MODEL_INPUTS
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """The byte <-> printable character table of byte-level BPE (GPT-2's): printable Latin-1
-    bytes map to themselves, the others to code points from 256 up, in byte order."""
-    keep = list(range(ord("!"), ord("~") + 1))
-    keep += list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    table, extra = {}, 0
-    for byte_value in range(256):
-        if byte_value in keep:
-            table[byte_value] = chr(byte_value)
-        else:
-            table[byte_value] = chr(256 + extra)
-            extra += 1
-    return table
+@dataclass
+class Heldout:
+    """What every held-out measure reads: the model on its device, the held-out tables, and the
+    rows they are packed into (the run's ``seq_len``, micro-batch and ``data.whole_documents``)."""
+
+    model: Any
+    tables: list
+    device: torch.device
+    seq_len: int
+    batch_rows: int = 8
+    whole_documents: bool = False
+    max_docs: int = 0
+    progress: bool = False
+
+    def rows(self) -> HeldoutPass:
+        """The held-out pass in these rows (data/loader/heldout.py)."""
+        return HeldoutPass(
+            self.tables,
+            seq_len=self.seq_len,
+            batch_rows=self.batch_rows,
+            max_docs=self.max_docs,
+            whole_documents=self.whole_documents,
+            progress=self.progress,
+        )
 
 
 def token_byte_lengths(text_tokenizer) -> np.ndarray:
-    """UTF-8 bytes each text id stands for (specials: 0), for bits per byte."""
-    char_to_byte = {char: byte_value for byte_value, char in _bytes_to_unicode().items()}
+    """UTF-8 bytes each text id stands for (specials: 0), for bits per byte: a byte-level BPE
+    token is one character of the byte alphabet per byte."""
+    alphabet = set(ByteLevel.alphabet())
     size = text_tokenizer.layout.text_size
     out = np.zeros(size, np.int64)
     specials = {text_tokenizer.pad_id, text_tokenizer.bos_id, text_tokenizer.eos_id}
@@ -46,41 +58,23 @@ def token_byte_lengths(text_tokenizer) -> np.ndarray:
         tok = text_tokenizer.tok.id_to_token(i)
         if i in specials or tok is None:
             continue
-        out[i] = sum(1 for char in tok if char in char_to_byte)
+        out[i] = sum(1 for char in tok if char in alphabet)
     return out
 
 
 @torch.no_grad()
-def heldout_losses(
-    model,
-    tables,
-    *,
-    seq_len: int,
-    device,
-    unigram=None,
-    byte_lengths: np.ndarray | None = None,
-    batch_rows: int = 8,
-    max_docs: int = 0,
-    whole_documents: bool = False,
-    progress: bool = False,
-) -> dict:
+def heldout_losses(run: Heldout, *, unigram=None, byte_lengths: np.ndarray | None = None) -> dict:
     """``{"sources": {name: {modality: figures}}, "total": {modality: figures}}``; figures are
     ``ce`` (nats per token), ``tokens``, and with a unigram ``unigram`` and ``margin`` (unigram -
     ce, positive = better than token frequencies), and for text and code ``bpb``."""
     lp = unigram.log_probs() if unigram is not None else None
     n_mod = len(Modality)
+    tables = run.tables
     acc = [{key: np.zeros(n_mod) for key in ("ce", "n", "uni", "bytes")} for _ in tables]
-    heldout = HeldoutPass(
-        tables,
-        seq_len=seq_len,
-        batch_rows=batch_rows,
-        max_docs=max_docs,
-        whole_documents=whole_documents,
-        progress=progress,
-    )
+    heldout = run.rows()
     for part in heldout:
         batch = heldout.tensors(part)
-        res = model(**{key: batch[key].to(device) for key in MODEL_INPUTS})
+        res = run.model(**{key: batch[key].to(run.device) for key in MODEL_INPUTS})
         into = acc[part.source]
         into["ce"] += res.ce_sum.detach().double().cpu().numpy()
         into["n"] += res.count.detach().double().cpu().numpy()
@@ -99,7 +93,7 @@ def heldout_losses(
         "sources": {t.name: _figures(a, with_uni, with_bytes) for t, a in zip(tables, acc)},
         "total": _figures(total, with_uni, with_bytes),
         "documents": {t.name: c.documents for t, c in zip(tables, heldout.counts)},
-        "sampled": bool(max_docs),
+        "sampled": bool(run.max_docs),
         "dropped": {t.name: c.dropped_blocks for t, c in zip(tables, heldout.counts)},
         "skipped": {t.name: c.skipped for t, c in zip(tables, heldout.counts) if c.skipped},
     }

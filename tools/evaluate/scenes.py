@@ -1,22 +1,11 @@
-"""Checkable generation on held-out scenes: draw a caption and read the drawing back; caption a
-picture and read the caption back.
+"""Checkable generation on held-out scenes (docs/evaluation.md, "Checkable generation"): draw a
+caption and read the drawing back with a pixel classifier; caption a picture and parse the
+caption back; each against chance (another scene's facts) and the visual tokenizer's ceiling.
 
-Scenes (data/demo_corpus/scenes.py) state facts a program can check. For every held-out
-single-shape scene (its caption names one colour, one shape and one of the four cells):
-
-- **drawing**: ``<bos> caption <boi>`` then sampling under the image grammar at the scene's own
-  grid (its size as the tokenizer would encode it), at ``draw_temperature`` (default 0.7) from a
-  generator seeded per scene (reproducible), decoded by the visual tokenizer and read by
-  data/demo_corpus/scene_scoring.py: colour, shape and cell against the caption. Not greedy:
-  the most likely code of every single position is the background's even when the model knows
-  where the shape goes, so a greedy drawing is almost always empty;
-- **captioning**: ``<bos> [the scene's image block]`` then greedy text-only decoding until
-  ``<|eos|>``, parsed with ``caption_facts``: the named colour, shape and cell against the facts
-  (a caption that does not parse scores nothing);
-- **chance**: the same drawings and captions scored against another scene's facts (a fixed
-  derangement), so each figure stands beside what a model that ignores its prompt would get;
-- **tokenizer ceiling**: the true scene encoded and decoded by the visual tokenizer, read by
-  the same classifier: what a perfect language model could reach.
+Drawings are sampled (``draw_temperature``, seeded per scene), not greedy: the likeliest code of
+every single position is the background's even when the model knows where the shape goes, so a
+greedy drawing is almost always empty. Drawing and captioning are ``earlyfuse-generate``'s code
+(tools/generate_requests.py), so the figures score what the command produces.
 """
 
 from __future__ import annotations
@@ -102,26 +91,6 @@ class SceneJudge:
         return arr, codes.cpu().numpy()
 
     @torch.no_grad()
-    def draw(
-        self,
-        caption: str,
-        grid: tuple[int, int],
-        temperature: float = 0.7,
-        seed: int = 0,
-        guidance: float = 1.0,
-    ) -> np.ndarray:
-        _, pixels, _ = draw_image(
-            self,
-            caption,
-            size=grid,
-            side=max(grid),
-            temperature=temperature,
-            seed=seed,
-            guidance=guidance,  # against the same picture asked for with no caption
-        )
-        return pixels
-
-    @torch.no_grad()
     def caption(self, codes: np.ndarray, max_new_tokens: int = 48) -> str:
         """Greedy, as earlyfuse-generate --caption asks (bidirectional image blocks included)."""
         new = caption_codes(self, codes, max_new_tokens=max_new_tokens)
@@ -174,8 +143,15 @@ def evaluate_scenes(
     for i, scene in enumerate(tqdm(single, desc="scenes", unit=" scenes", disable=not progress)):
         other = single[(i + 1) % len(single)]["facts"]
         arr, codes = judge.image_of(scene["image"])
-        drawing = judge.draw(
-            scene["caption"], tuple(codes.shape), draw_temperature, seed=i, guidance=draw_guidance
+        grid = (int(codes.shape[0]), int(codes.shape[1]))
+        _, drawing, _ = draw_image(
+            judge,
+            scene["caption"],
+            size=grid,
+            side=max(grid),
+            temperature=draw_temperature,
+            seed=i,
+            guidance=draw_guidance,  # against the same picture asked for with no caption
         )
         text = judge.caption(codes)
         for name, got in (
