@@ -6,7 +6,7 @@
     universal  tools/convert_universal.py a ZeRO 1-3 checkpoint -> resumable on another world size
 
 A subcommand module has ``register(subparsers)``, which adds its parser and sets
-``run=fn(args) -> exit code``; add it to ``SUBCOMMANDS``. Errors that users cause
+``run=fn(args)``; add it to ``SUBCOMMANDS``. Errors that users cause
 (a missing file, a truncated checkpoint, a mismatch) are one line naming the file, exit code 1.
 """
 
@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.run(args) or 0)
+        args.run(args)
+        return 0
     except (ReleaseError, CheckpointError) as e:
         print(f"earlyfuse-convert {args.command}: error: {e}", file=sys.stderr)
         return 1

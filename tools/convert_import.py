@@ -117,7 +117,7 @@ def check_against_run(rel: Release, state: dict, overrides: list[str]) -> list[s
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> None:
     rel = Release(args.release)
     state = rel.state_dict()  # sha256 of every file, names, shapes, finite
     src = rel.config.get("source", {})
@@ -154,7 +154,6 @@ def run(args: argparse.Namespace) -> int:
             "start the run with your experiment and data overrides added (data tokenized with the release's "
             "tokenizers):\n  " + shlex.join(cmd)
         )
-    return 0
 
 
 def register(sub) -> None:

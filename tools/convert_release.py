@@ -18,6 +18,9 @@ Design choices:
   validation cap and sources): a release shipped without its run folder still tells
   ``earlyfuse-eval`` the rows the run's validation evaluated.
 - A vtok run releases its visual tokenizer (``OUT/visual_tokenizer/``, ``task: vtok``).
+- A release is built in ``OUT.partial`` and moved into place at the end: a crash never leaves a
+  half-written folder that looks complete. Its files are readable by everyone the umask allows
+  (safetensors writes 0600): a release is meant to be shared.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -32,8 +37,13 @@ import torch
 
 from data.names import MANIFEST_FILE
 from data.tokenize.blocks import image_grids
-from tools.convert_deepspeed import CheckpointError, consolidate, find_checkpoint, load_run_config
-from tools.release import check_out, dtype_name, save_safetensors, write_release
+from tools.convert_deepspeed import (
+    CheckpointError,
+    add_run_dir,
+    consolidate,
+    find_checkpoint,
+    load_run_config,
+)
 from train.names import CHECKPOINT_META_FILE, CONFIG_FILE
 from train.release import (
     CONFIG,
@@ -48,6 +58,7 @@ from train.release import (
     check_state,
     meta_module,
     param_count,
+    sha256_file,
 )
 
 EXAMPLES = """\
@@ -63,6 +74,44 @@ examples:
 """
 
 
+def save_safetensors(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata=metadata)
+
+
+def check_out(out: Path, force: bool) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise ReleaseError(f"{out}: exists and is not empty; choose another folder or pass --force")
+
+
+def write_release(out: str | Path, config: dict, write_files, *, force: bool = False) -> dict:
+    """Build a release in ``OUT.partial`` (``write_files(folder)`` puts the files there), record
+    every file's sha256 in config.json, then move it to ``OUT``: a crash never leaves a
+    half-written folder that looks complete. An existing non-empty OUT needs ``force``."""
+    out = Path(out)
+    check_out(out, force)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        write_files(tmp)
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        mask = os.umask(0)
+        os.umask(mask)
+        for p in files:  # safetensors writes 0600; a release is meant to be shared
+            os.chmod(p, 0o666 & ~mask)
+        config = {**config, "files": {p.relative_to(tmp).as_posix(): sha256_file(p) for p in files}}
+        (tmp / CONFIG).write_text(json.dumps(config, indent=1, sort_keys=False) + "\n")
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return config
+
+
 def _versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -75,16 +124,14 @@ def _versions() -> dict:
     return out
 
 
-def _token_manifest_dir(path: Path) -> Path | None:
-    for parent in [path, *list(path.parents)[:3]]:
-        manifest = parent / MANIFEST_FILE
-        if manifest.is_file():
-            try:
-                if json.loads(manifest.read_text()).get("format") == "earlyfuse-token-shards":
-                    return parent
-            except ValueError:
-                return None
-    return None
+def _token_manifest(url: str) -> tuple[dict, Path] | None:
+    """The token manifest of the shard folder ``url`` lies in and its folder (None: none there)."""
+    from data.loader.table_load import TOKEN_FORMAT, find_manifest
+
+    found = find_manifest(url)
+    if found is None or found[0].get("format") != TOKEN_FORMAT:
+        return None
+    return found[0], Path(found[1]).parent
 
 
 def find_tokenizers(run_cfg) -> tuple[Path | None, str]:
@@ -101,11 +148,11 @@ def find_tokenizers(run_cfg) -> tuple[Path | None, str]:
             if not found:
                 tried.append(f"{pattern} (source {src.name}: no shard there any more)")
                 continue
-            root = _token_manifest_dir(Path(found[0]))
-            if root is None:
+            token_data = _token_manifest(found[0])
+            if token_data is None:
                 tried.append(f"{found[0]} (no token manifest.json above it)")
                 continue
-            manifest = json.loads((root / MANIFEST_FILE).read_text())
+            manifest, root = token_data
             folder = root / manifest.get("tokenizers", {}).get("folder", "tokenizers")
             if folder.is_dir():
                 return folder, ""
@@ -217,9 +264,9 @@ def make_release(
                         "or --no-tokenizers for weights only"
                     )
             fingerprints = check_tokenizers(tok_dir, layout)
-            root = _token_manifest_dir(tok_dir.parent)
-            if root is not None:
-                manifest = json.loads((root / MANIFEST_FILE).read_text())
+            token_data = _token_manifest(str(tok_dir))
+            if token_data is not None:
+                manifest = token_data[0]
                 tok_options = dict(manifest.get("options", {}))
                 # The grids the images were trained at: earlyfuse-generate --draw picks from them.
                 grids = image_grids(manifest)
@@ -246,7 +293,7 @@ def make_release(
         "version": VERSION,
         "task": task,
         **({"model": dataclasses.asdict(net_cfg)} if task == "lm" else {}),
-        "dtype": dtype_name(torch_dtype),
+        "dtype": str(torch_dtype).removeprefix("torch."),
         "tensors": len(state),
         "parameters": n_params,
         "source": {
@@ -290,7 +337,7 @@ def make_release(
     return config
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> None:
     make_release(
         args.run_dir,
         args.out,
@@ -301,7 +348,6 @@ def run(args: argparse.Namespace) -> int:
         force=args.force,
         command=["earlyfuse-convert", *sys.argv[1:]] if sys.argv else None,
     )
-    return 0
 
 
 def register(sub) -> None:
@@ -314,16 +360,11 @@ def register(sub) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "run_dir", metavar="RUN_DIR", help="an earlyfuse-train run folder (with checkpoints/)"
-    )
+    add_run_dir(parser)
     parser.add_argument(
         "out",
         metavar="OUT",
         help="release folder to write (must not exist or be empty, see --force)",
-    )
-    parser.add_argument(
-        "--step", type=int, default=None, help="checkpoint step (default: checkpoints/latest)"
     )
     parser.add_argument(
         "--dtype",

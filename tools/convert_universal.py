@@ -23,7 +23,7 @@ import json
 import shutil
 import sys
 
-from tools.convert_deepspeed import CheckpointError, find_checkpoint
+from tools.convert_deepspeed import CheckpointError, add_run_dir, find_checkpoint
 from train.checkpoint import checkpoint_files, file_manifest
 from train.safe_load import weights_only_loads
 
@@ -103,9 +103,8 @@ def make_universal(run_dir, step: int | None = None, *, force: bool = False, log
     return out
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> None:
     make_universal(args.run_dir, args.step, force=args.force)
-    return 0
 
 
 def register(sub) -> None:
@@ -119,11 +118,6 @@ def register(sub) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "run_dir", metavar="RUN_DIR", help="an earlyfuse-train run folder (with checkpoints/)"
-    )
-    parser.add_argument(
-        "--step", type=int, default=None, help="checkpoint step (default: checkpoints/latest)"
-    )
+    add_run_dir(parser)
     parser.add_argument("--force", action="store_true", help="make it again if it exists")
     parser.set_defaults(run=run)

@@ -1,17 +1,13 @@
-"""``earlyfuse-generate RELEASE``: sample from a release (train/release.py) with the KV-cached
-``model.generate``: continue text or code, caption an image, draw an image to PNG, or run a
-JSONL file of such requests. This file is the command line (flags, the request they make, the
-JSONL batch runner); what each request does is tools/generate_requests.py.
+"""``earlyfuse-generate RELEASE``: sample from a release: continue text or code, caption an
+image, draw an image to PNG, or run a JSONL file of such requests. This file is the command
+line (flags, the request they make, the JSONL batch runner); what each request does is
+tools/generate_requests.py.
 
 Design choices:
-- Greedy by default (reproducible); ``--temperature/--top-k/--top-p`` sample from a
-  ``torch.Generator`` seeded with ``--seed`` (per JSONL line: its own ``seed`` or ``--seed``), so a
-  request gives the same output wherever it sits in a batch file.
-- ``--batch`` runs requests one after another (prompts of different lengths cannot share a
-  batch without padding, which ``generate`` does not take); a failing line gives an ``error``
-  record and the others still run, whatever the failure.
-- How prompts are built, what text and drawings are sampled under, and how untrusted input
-  images are refused: tools/generate_requests.py.
+- Greedy by default (reproducible); sampling draws from a ``torch.Generator`` seeded per request
+  (a JSONL line's ``seed`` or ``--seed``), so a result does not depend on where it sits in a batch.
+- ``--batch`` runs requests one after another (``generate`` takes no padding mask); a failing
+  line gives an ``error`` record and the others still run, whatever the failure.
 """
 
 from __future__ import annotations

@@ -1,30 +1,19 @@
 """What ``earlyfuse-generate`` does with a release (train/release.py): the ``Generator`` loads it
-once and serves requests with the KV-cached ``model.generate``: continue text or code, caption
-an image, draw an image to PNG. The command line and the JSONL batch runner are
-tools/generate.py; this file is separate so that other code (the HF export's check, the scene
-evaluation's drawings and captions: ``sample``, ``draw_image``, ``caption_codes``) samples as
-the command does, without its parsing.
+once and serves requests with the KV-cached ``model.generate`` (docs/checkpoints.md,
+"earlyfuse-generate"). Apart from the command line (tools/generate.py) so that other code (the
+HF export's check, the scene evaluation: ``sample``, ``draw_image``, ``caption_codes``) samples
+as the command does.
 
 Design choices:
-- Prompts are built the way the token shards are (data/tokenize/encoder.py): a document starts
-  with ``<|bos|>``; an image is an Emu3-style block from the release's visual tokenizer at the
-  training pixel budget (config.json ``tokenize.image_max_pixels``); text ends with ``<|eos|>``.
-  A drawing's request without its caption, ``<bos> <boi>``, is what classifier-free guidance
-  contrasts it with; a caption prompt for a model trained with bidirectional image blocks
-  carries the image ids that let the block see itself both ways, as in training.
-- Text and captions are sampled under a text-only mask (no pad, no bos, no structure tokens,
-  no codes), so what is printed is the BPE's decode: valid UTF-8, always (a byte sequence the
-  model leaves incomplete decodes to U+FFFD). ``<|eos|>`` ends it.
-- Drawing ends the prompt with ``<boi>`` and samples under ``ImageConstraint``: the grid is
-  fixed by ``--size HxW``, or the model's choice up to ``--max-size``; with neither, it is the
-  grid most of the training images had (config.json ``tokenize.image_grids``, counted by
-  tokenize), or for a release without those counts the model's choice up to the square grid of
-  the training pixel budget. The token budget always fits the image, so the block always parses
-  and decodes. ``<eoi>`` ends it.
-- Input images are untrusted: one whose header claims more than ``--max-image-pixels`` (default
-  64 M, as ingest) is refused before a pixel is decoded, so a small PNG of 12000x12000 pixels
-  cannot take gigabytes; any decoding error (Pillow's ``DecompressionBombError`` included) is
-  an error naming the file.
+- Prompts are built the way the token shards are (data/tokenize/encoder.py), at the training
+  pixel budget, so the model sees what it was trained on; a drawing's request without its
+  caption, ``<bos> <boi>``, is what classifier-free guidance contrasts it with.
+- Text is sampled under a text-only mask, so what is printed is the BPE's decode (valid UTF-8);
+  drawings under ``ImageConstraint``, whose token budget always fits the image, so the block
+  always parses. Without ``--size``/``--max-size`` a drawing takes the grid most training
+  images had: a model that saw 6x6 icons never learned to fill a larger grid.
+- Input images are untrusted: one whose header claims more than ``--max-image-pixels`` is
+  refused before a pixel is decoded, and any decoding error names the file.
 """
 
 from __future__ import annotations
@@ -40,7 +29,9 @@ from data.vocab import Modality, VocabLayout
 from train.release import Release, ReleaseError
 
 MAX_SOURCE_PIXELS = 64_000_000  # input images, by their header (ingest's --max-image-pixels)
-SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+# a request's sampling keys and their types
+SAMPLING = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": int}
+REQUEST_KEYS = {"id", "prompt", "code", "image", "caption", "draw", "out", "size", "max_size"}
 
 
 # --- prompts --------------------------------------------------------------------------------
@@ -371,30 +362,11 @@ class Generator:
 
     def request(self, req: dict, defaults: dict) -> dict:
         """One request (a JSONL line, or the command line's) -> its result record."""
-        known = {
-            "id",
-            "prompt",
-            "code",
-            "image",
-            "caption",
-            "draw",
-            "out",
-            "size",
-            "max_size",
-            "guidance",
-            *SAMPLING_KEYS,
-        }
+        known = {*REQUEST_KEYS, "guidance", *SAMPLING}
         unknown = sorted(set(req) - known)
         if unknown:
             raise ReleaseError(f"unknown request keys {unknown}; known: {sorted(known)}")
-        sampling = {key: req.get(key, defaults[key]) for key in SAMPLING_KEYS}
-        sampling = {
-            "max_new_tokens": int(sampling["max_new_tokens"]),
-            "temperature": float(sampling["temperature"]),
-            "top_k": int(sampling["top_k"]),
-            "top_p": float(sampling["top_p"]),
-            "seed": int(sampling["seed"]),
-        }
+        sampling = {key: kind(req.get(key, defaults[key])) for key, kind in SAMPLING.items()}
         if req.get("draw") is not None:
             if not req.get("out"):
                 raise ReleaseError("a draw request needs 'out' (the PNG to write)")
