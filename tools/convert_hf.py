@@ -253,13 +253,11 @@ grammar that `earlyfuse-generate --draw` enforces; Hugging Face generation does 
 def packing_readme(packing: dict | None) -> str:
     """The rows the run trained and validated on (the release's ``packing``), for held-out figures
     measured on the same rows; nothing for a release that does not record them."""
+    from tools.evaluate.table import rows_phrase
+
     if not packing:
         return ""
-    whole = (
-        "documents that fit a row kept whole"
-        if packing.get("whole_documents")
-        else "documents split across rows"
-    )
+    whole = rows_phrase(packing.get("whole_documents"))
     return f"""
 Trained on packed rows of {packing.get("seq_len")} tokens, {packing.get("micro_batch")} rows a micro-batch, {whole}. Its
 validation packed held-out documents the same way, as `earlyfuse-eval` does on the release this

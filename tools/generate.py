@@ -45,17 +45,11 @@ requests.jsonl (paths relative to the current directory):
 """
 
 
-def write_utf8(text: str, stream=None) -> None:
-    """UTF-8 whatever the locale says (the console may claim ASCII)."""
-    stream = stream or sys.stdout
-    data = text.encode("utf-8", errors="replace")
-    buf = getattr(stream, "buffer", None)
-    if buf is not None:
-        stream.flush()
-        buf.write(data)
-        buf.flush()
-    else:
-        stream.write(data.decode("utf-8"))
+def utf8_stdout() -> None:
+    """UTF-8 on stdout whatever the locale says (the console may claim ASCII)."""
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None:
+        reconfigure(encoding="utf-8", errors="replace")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    utf8_stdout()
     modes = [
         mode
         for mode, chosen in (
@@ -182,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{res['pixels'][0]}x{res['pixels'][1]} pixels (grid: {res['grid_from']})"
         )
     else:
-        write_utf8(res["text"] + "\n")
+        print(res["text"], flush=True)
     return 0
 
 
@@ -218,7 +213,7 @@ def run_batch(gen: Generator, path: str, output: str | None, defaults: dict) -> 
                 out.write(text)
                 out.flush()
             else:
-                write_utf8(text)
+                print(text, end="", flush=True)
     finally:
         if out:
             out.close()

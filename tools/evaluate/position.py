@@ -50,6 +50,10 @@ def stretches(doc_ids: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.n
     return offset, span
 
 
+def _mean(total, count) -> float | None:
+    return float(total / count) if count else None
+
+
 class PositionAccumulator:
     """Sums and counts per (modality, bucket), fed one row at a time."""
 
@@ -89,20 +93,16 @@ class PositionAccumulator:
         for i, name in enumerate(MODALITY_NAMES):
             if not self.tokens_all[i].any():
                 continue
-            rows = []
-            for k in range(len(buckets)):
-                count, first = int(self.tokens[i, k]), int(self.first_tokens[i, k])
-                rows.append(
-                    {
-                        "ce": float(self.ce[i, k] / count) if count else None,
-                        "tokens": count,
-                        "ce_first": float(self.first[i, k] / first) if first else None,
-                        "ce_all": float(self.ce_all[i, k] / self.tokens_all[i, k])
-                        if self.tokens_all[i, k]
-                        else None,
-                        "tokens_all": int(self.tokens_all[i, k]),
-                    }
-                )
+            rows = [
+                {
+                    "ce": _mean(self.ce[i, k], self.tokens[i, k]),
+                    "tokens": int(self.tokens[i, k]),
+                    "ce_first": _mean(self.first[i, k], self.first_tokens[i, k]),
+                    "ce_all": _mean(self.ce_all[i, k], self.tokens_all[i, k]),
+                    "tokens_all": int(self.tokens_all[i, k]),
+                }
+                for k in range(len(buckets))
+            ]
             by_modality[name] = {"buckets": rows}
         return {
             "buckets": buckets,

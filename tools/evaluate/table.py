@@ -10,14 +10,17 @@ def _f(value, spec=".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def rows_phrase(whole_documents) -> str:
+    """How documents sit in the rows, in the words of every table and the HF export's README."""
+    return (
+        "documents that fit a row kept whole" if whole_documents else "documents split across rows"
+    )
+
+
 def _packing_line(ev: dict) -> str:
     """The held-out rows and where their settings came from (the release, its run folder, a
     flag or the defaults: packing_from)."""
-    whole = (
-        "documents that fit a row kept whole"
-        if ev.get("whole_documents")
-        else "documents split across rows"
-    )
+    whole = rows_phrase(ev.get("whole_documents"))
     origin = ev.get("packing_from") or {}
     if len(set(origin.values())) == 1:
         whence = f" (settings: {next(iter(origin.values()))})"
