@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
-from tools.generate_requests import MAX_SOURCE_PIXELS, Generator
+from tools.generate_requests import MAX_SOURCE_PIXELS, SAMPLING, Generator
 from train.release import DTYPES, Release, ReleaseError
 
 EXAMPLES = """\
@@ -148,14 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--caption needs --image PATH")
     if args.draw is not None and not args.out:
         parser.error("--draw needs --out PNG")
-    defaults = {
-        "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature,
-        "top_k": args.top_k,
-        "top_p": args.top_p,
-        "seed": args.seed,
-        "guidance": args.guidance,
-    }
+    defaults = {key: getattr(args, key) for key in (*SAMPLING, "guidance")}
     try:
         gen = Generator(Release(args.release), torch.device(args.device), DTYPES[args.dtype])
         gen.max_source_pixels = args.max_image_pixels
@@ -188,9 +182,8 @@ def run_batch(gen: Generator, path: str, output: str | None, defaults: dict) -> 
         ).splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise ReleaseError(f"{path}: cannot read the requests ({e})") from None
-    out = open(output, "w", encoding="utf-8") if output else None
     failed = 0
-    try:
+    with open(output, "w", encoding="utf-8") if output else nullcontext(sys.stdout) as out:
         for line_no, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -208,15 +201,8 @@ def run_batch(gen: Generator, path: str, output: str | None, defaults: dict) -> 
                     **({"id": req["id"]} if isinstance(req, dict) and "id" in req else {}),
                     "error": why,
                 }
-            text = json.dumps(rec, ensure_ascii=False) + "\n"
-            if out:
-                out.write(text)
-                out.flush()
-            else:
-                print(text, end="", flush=True)
-    finally:
-        if out:
-            out.close()
+            out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            out.flush()
     if failed:
         print(
             f"earlyfuse-generate: {failed} of {len(lines)} request(s) failed (see their 'error')",

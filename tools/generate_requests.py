@@ -254,7 +254,7 @@ class Generator:
             self._vtok = self.release.visual_tokenizer(self.device)
         return self._vtok
 
-    def _until_eos(self, new: list[int]) -> list[int]:
+    def until_eos(self, new: list[int]) -> list[int]:
         return new[: new.index(self.text.eos_id)] if self.text.eos_id in new else new
 
     # --- requests ------------------------------------------------------------------------------
@@ -265,7 +265,7 @@ class Generator:
         new = sample(
             self, ids, mod, constraint=TextOnly.of(self), stop=[self.text.eos_id], **sampling
         )
-        kept = self._until_eos(new)
+        kept = self.until_eos(new)
         # Decode prompt and continuation together, so a character split across the boundary is whole.
         full, head = self.text.decode(body + kept), self.text.decode(body)
         cont = full[len(head) :] if full.startswith(head) else self.text.decode(kept)
@@ -276,13 +276,13 @@ class Generator:
             "stopped": self.text.eos_id in new,
         }
 
-    def encode_image(self, path: str | Path) -> np.ndarray:
-        """The code grid [H, W] of an image file."""
+    def encode_image(self, image: str | Path | bytes) -> tuple[np.ndarray, np.ndarray]:
+        """(pixels at the tokenizer's size [H, W, 3], code grid) of an image file or its bytes."""
         from data.image_crops import to_tensor
         from data.image_prep import ImagePrep, load_image
 
         try:
-            raw = Path(path).read_bytes()
+            raw = image if isinstance(image, bytes) else Path(image).read_bytes()
             prep = ImagePrep(
                 factor=self.vtok.cfg.factor,
                 max_pixels=self.image_max_pixels,
@@ -291,18 +291,19 @@ class Generator:
             # writable, as torch.from_numpy wants
             arr = np.array(load_image(raw, prep, max_source_pixels=self.max_source_pixels))
         except Exception as e:  # noqa: BLE001 - whatever a decoder raises on untrusted bytes
+            where = "the image bytes" if isinstance(image, bytes) else image
             raise ReleaseError(
-                f"{path}: cannot read the image ({type(e).__name__}: {str(e)[:300]})"
+                f"{where}: cannot read the image ({type(e).__name__}: {str(e)[:300]})"
             ) from None
         with torch.no_grad():
-            return self.vtok.encode(to_tensor(arr[None]).to(self.device))[0].cpu().numpy()
+            return arr, self.vtok.encode(to_tensor(arr[None]).to(self.device))[0].cpu().numpy()
 
     def caption(self, image: str | Path, prompt: str = "", **sampling) -> dict:
-        codes = self.encode_image(image)
+        _, codes = self.encode_image(image)
         new = caption_codes(self, codes, prompt, **sampling)
         return {
             "kind": "caption",
-            "text": self.text.decode(self._until_eos(new)),
+            "text": self.text.decode(self.until_eos(new)),
             "tokens": len(new),
             "stopped": self.text.eos_id in new,
             "image_grid": list(codes.shape),

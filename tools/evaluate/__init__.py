@@ -77,15 +77,18 @@ def run_data_options(release) -> dict:
 
     run_dir = release.config.get("source", {}).get("run_dir")
     cfg = run_config(Path(run_dir)) if run_dir else {}
-    data, train = cfg.get("data") or {}, cfg.get("train") or {}
     out = {}
-    for key, value in (("seq_len", data.get("seq_len")), ("batch_rows", train.get("micro_batch"))):
+    for key, section, name in (
+        ("seq_len", "data", "seq_len"),
+        ("batch_rows", "train", "micro_batch"),
+    ):
         try:
-            out[key] = int(value)
-        except (TypeError, ValueError):
+            out[key] = int(cfg[section][name])
+        except (KeyError, TypeError, ValueError):
             pass
-    if isinstance(data.get("whole_documents"), bool):
-        out["whole_documents"] = data["whole_documents"]
+    whole = (cfg.get("data") or {}).get("whole_documents")
+    if isinstance(whole, bool):
+        out["whole_documents"] = whole
     return out
 
 

@@ -18,9 +18,13 @@ import torch
 
 from data.demo_corpus.scene_scoring import score
 from data.demo_corpus.scenes import caption_facts
-from data.image_crops import to_tensor
-from data.image_prep import ImagePrep, load_image
-from tools.generate_requests import caption_codes, draw_image, to_pixels
+from tools.generate_requests import (
+    MAX_SOURCE_PIXELS,
+    Generator,
+    caption_codes,
+    draw_image,
+    to_pixels,
+)
 
 ATTRIBUTES = ("colour", "shape", "position", "all")
 
@@ -74,28 +78,23 @@ def _shard_scenes(folder: Path) -> list[dict]:
     return out
 
 
-class SceneJudge:
+class SceneJudge(Generator):
+    """``earlyfuse-generate``'s Generator around a model already built (with its layout and
+    tokenizers), so that the scenes are drawn, captioned and encoded as the command does."""
+
     def __init__(self, model, layout, text, vtok, image_max_pixels: int, device) -> None:
-        self.model, self.layout, self.text, self.vtok = model, layout, text, vtok
-        self.device = device
-        self.prep = ImagePrep(
-            factor=vtok.cfg.factor, max_pixels=image_max_pixels, max_grid=layout.max_grid
-        )
+        self.model, self.layout, self.text, self._vtok = model, layout, text, vtok
+        self.device, self.image_max_pixels = device, image_max_pixels
+        self.max_source_pixels = MAX_SOURCE_PIXELS
 
-    @torch.no_grad()
-    def image_of(self, image: str | bytes) -> tuple[np.ndarray, np.ndarray]:
-        """(pixels at the tokenizer's size, code grid) of a scene (a file, or its bytes)."""
-        data = image if isinstance(image, bytes) else Path(image).read_bytes()
-        arr = np.array(load_image(data, self.prep))
-        codes = self.vtok.encode(to_tensor(arr[None]).to(self.device))[0]
-        return arr, codes.cpu().numpy()
+    image_of = Generator.encode_image
 
-    @torch.no_grad()
-    def caption(self, codes: np.ndarray, max_new_tokens: int = 48) -> str:
+    # a judge captions code grids it has encoded, not files: another signature than Generator's
+    def caption(self, codes: np.ndarray, max_new_tokens: int = 48) -> str:  # type: ignore[override]
         """Greedy, as earlyfuse-generate --caption asks (bidirectional image blocks included)."""
-        new = caption_codes(self, codes, max_new_tokens=max_new_tokens)
-        eos = self.text.eos_id
-        return self.text.decode(new[: new.index(eos)] if eos in new else new)
+        return self.text.decode(
+            self.until_eos(caption_codes(self, codes, max_new_tokens=max_new_tokens))
+        )
 
     @torch.no_grad()
     def ceiling(self, codes: np.ndarray) -> np.ndarray:

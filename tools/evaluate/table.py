@@ -60,7 +60,7 @@ def format_eval(ev: dict) -> str:
         lines.append(
             "per modality (nats per token; margin = unigram - CE, > 0 beats token frequencies):"
         )
-        widths = (8, 9, 8, 11, 10)
+        widths: tuple[int, ...] = (8, 9, 8, 11, 10)
         lines.append(
             _row("modality", ("CE", "unigram", "margin", "bits/byte", "tokens"), 10, widths)
         )
