@@ -4,6 +4,11 @@ per byte for text and code (docs/evaluation.md, "Per modality").
 Documents are packed by data/loader/heldout.py, the pass training validation makes, so with the
 run's ``seq_len``, micro-batch and ``data.whole_documents`` these are the trainer's validation
 figures (``max_docs`` takes the first N of each source instead: a stated, per-source sample).
+
+The long-context measures read logits only where they are needed: a forward pass without labels
+returns the logits of every position, [B, T, V] in float32, 34 GB a row at 128k tokens and a 64k
+vocabulary. ``final_hidden`` stops the model before its head, whose ``logits`` are then taken at
+the scored positions (the needles) or chunk by chunk for a per-token CE (``token_ce``).
 """
 
 from __future__ import annotations
@@ -14,11 +19,34 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from tokenizers.pre_tokenizers import ByteLevel
 
+from data.loader.expand import IGNORE
 from data.loader.heldout import HeldoutPass
 from data.vocab import MODALITY_NAMES, Modality
 from train.names import MODEL_INPUTS
+
+CHUNK = 4096  # positions per logits chunk of token_ce
+
+
+@torch.no_grad()
+def final_hidden(model, batch: dict[str, torch.Tensor], device) -> torch.Tensor:
+    """The final-normed hidden states [B, T, D] of ``batch`` (its model inputs on ``device``)."""
+    return model.final_hidden(**{key: batch[key].to(device) for key in MODEL_INPUTS})
+
+
+def token_ce(model, final: torch.Tensor, labels: torch.Tensor) -> np.ndarray:
+    """Per-token cross-entropy [B, T] in float64 (0 where the label is ignored), ``CHUNK``
+    positions of logits at a time."""
+    out = np.zeros(labels.shape)
+    for row in range(labels.shape[0]):
+        for start in range(0, labels.shape[1], CHUNK):
+            logits = model.output.logits(final[row, start : start + CHUNK])
+            target = labels[row, start : start + CHUNK].to(logits.device)
+            ce = F.cross_entropy(logits, target, ignore_index=IGNORE, reduction="none")
+            out[row, start : start + CHUNK] = ce.double().cpu().numpy()
+    return out
 
 
 @dataclass

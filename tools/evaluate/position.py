@@ -19,8 +19,7 @@ import torch
 
 from data.loader.expand import IGNORE
 from data.vocab import MODALITY_NAMES, Modality
-from tools.evaluate.heldout import Heldout
-from tools.evaluate.logits import final_hidden, token_ce
+from tools.evaluate.heldout import Heldout, final_hidden, token_ce
 
 
 def bucket_edges(seq_len: int, first: int = 64) -> list[int]:
