@@ -1,23 +1,16 @@
 """``earlyfuse-convert release RUN_DIR OUT``: a checkpoint of any ZeRO stage becomes a release
-folder (format: train/release.py): consolidated weights, config, text and visual tokenizers, layout.
+folder (format: train/release.py, docs/checkpoints.md "Release folder"): consolidated weights,
+config, text and visual tokenizers, layout.
 
 Design choices:
-- CPU only and any world size: the weights come from tools/convert_deepspeed.py (the module
-  states at stage 0, DeepSpeed's zero_to_fp32 over all partitions at stages 1-3); nothing is
-  initialised or distributed.
-- The model config is the checkpoint's own ``config.yaml`` with the vocabulary sizes of the
-  checkpoint's ``vocab_layout.json`` (what the weights were trained with), and the weights are
-  checked against the network that config builds, tensor by tensor.
+- CPU only and any world size (tools/convert_deepspeed.py): nothing is initialised or
+  distributed. The model config is the checkpoint's own, with the vocabulary of its
+  ``vocab_layout.json`` (what the weights were trained with), checked tensor by tensor.
 - The tokenizers are the token data's ``tokenizers/`` copy, found from the run config's
-  ``data.sources`` (beside the token shards, as ``earlyfuse-prep tokenize`` wrote them), or
-  given with ``--tokenizers DIR``. They must match the checkpoint's layout (fingerprint); what is
-  missing is named. ``--no-tokenizers`` writes weights, config and layout only.
-- The token data's tokenize options (image and video pixel budgets) are kept in config.json, so
-  ``earlyfuse-generate`` encodes an image at the resolution the model was trained on.
-- So are the run's packing settings (``packing``: row length, micro-batch, whole documents, the
-  validation cap and sources): a release shipped without its run folder still tells
-  ``earlyfuse-eval`` the rows the run's validation evaluated.
-- A vtok run releases its visual tokenizer (``OUT/visual_tokenizer/``, ``task: vtok``).
+  sources or given with ``--tokenizers``, and must match the checkpoint's layout. The token
+  data's tokenize options and the run's packing travel in config.json, so that a release
+  shipped without its run folder still encodes images at the training resolution
+  (``earlyfuse-generate``) and evaluates the run's validation rows (``earlyfuse-eval``).
 - A release is built in ``OUT.partial`` and moved into place at the end: a crash never leaves a
   half-written folder that looks complete. Its files are readable by everyone the umask allows
   (safetensors writes 0600): a release is meant to be shared.
@@ -87,8 +80,7 @@ def check_out(out: Path, force: bool) -> None:
 
 def write_release(out: str | Path, config: dict, write_files, *, force: bool = False) -> dict:
     """Build a release in ``OUT.partial`` (``write_files(folder)`` puts the files there), record
-    every file's sha256 in config.json, then move it to ``OUT``: a crash never leaves a
-    half-written folder that looks complete. An existing non-empty OUT needs ``force``."""
+    every file's sha256 in config.json, then move it to ``OUT`` (a non-empty OUT needs ``force``)."""
     out = Path(out)
     check_out(out, force)
     tmp = out.with_name(out.name + ".partial")

@@ -10,6 +10,10 @@ def _f(value, spec=".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _share(score: dict | None, key: str) -> str:
+    return _f((score or {}).get(key), ".0%")
+
+
 def rows_phrase(whole_documents) -> str:
     """How documents sit in the rows, in the words of every table and the HF export's README."""
     return (
@@ -139,11 +143,6 @@ def format_position(pos: dict) -> list[str]:
     if pos.get("sampled"):
         lines.append("  (a sample: the first documents of each source, --max-docs)")
     return lines
-
-
-def _share(score: dict | None, key: str) -> str:
-    value = (score or {}).get(key)
-    return "-" if value is None else f"{value:.0%}"
 
 
 def format_passkey(table: dict) -> list[str]:
