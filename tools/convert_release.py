@@ -126,13 +126,13 @@ def _token_manifest(url: str) -> tuple[dict, Path] | None:
     return found[0], Path(found[1]).parent
 
 
-def find_tokenizers(run_cfg) -> tuple[Path | None, str]:
-    """(the token data's tokenizers/ folder, "") or (None, why not)."""
+def find_tokenizers(run_cfg, run_dir: Path) -> Path:
+    """The token data's tokenizers/ folder: the run's ``data.tokenizers``, else the one the token
+    manifest above its shards names; a ReleaseError naming every place tried otherwise."""
     from data.loader.table_load import expand
 
-    if getattr(run_cfg.data, "tokenizers", None):  # the run named its tokenizer folder
-        folder = Path(run_cfg.data.tokenizers)
-        return (folder, "") if folder.is_dir() else (None, f"{folder} (data.tokenizers, missing)")
+    if run_cfg.data.tokenizers:  # the run named its tokenizer folder
+        return Path(run_cfg.data.tokenizers)
     tried = []
     for src in [*run_cfg.data.sources, *run_cfg.data.validation]:
         for pattern in src.shards:
@@ -147,9 +147,13 @@ def find_tokenizers(run_cfg) -> tuple[Path | None, str]:
             manifest, root = token_data
             folder = root / manifest.get("tokenizers", {}).get("folder", "tokenizers")
             if folder.is_dir():
-                return folder, ""
+                return folder
             tried.append(f"{folder} (named by {root / MANIFEST_FILE}, missing)")
-    return None, "; ".join(tried) or "the run config names no data.sources"
+    raise ReleaseError(
+        f"{run_dir}: cannot find the token data's tokenizers/ folder (tried: "
+        f"{'; '.join(tried) or 'the run config names no data.sources'}); pass --tokenizers DIR "
+        "(tokenizer.json, vocab_layout.json, visual_tokenizer/) or --no-tokenizers for weights only"
+    )
 
 
 def check_tokenizers(folder: Path, layout) -> dict:
@@ -243,18 +247,10 @@ def make_release(
         layout = VocabLayout.load(layout_path)
         net_cfg = run_cfg.model.with_layout(layout)
         if not no_tokenizers:
-            if tokenizers is not None:
-                tok_dir = Path(tokenizers)
-                if not tok_dir.is_dir():
-                    raise ReleaseError(f"--tokenizers {tok_dir}: not a folder")
-            else:
-                tok_dir, why = find_tokenizers(run_cfg)
-                if tok_dir is None:
-                    raise ReleaseError(
-                        f"{run_dir}: cannot find the token data's tokenizers/ folder (tried: {why}); "
-                        "pass --tokenizers DIR (tokenizer.json, vocab_layout.json, visual_tokenizer/) "
-                        "or --no-tokenizers for weights only"
-                    )
+            tok_dir = Path(tokenizers) if tokenizers else find_tokenizers(run_cfg, run_dir)
+            if not tok_dir.is_dir():
+                named = "--tokenizers" if tokenizers else "data.tokenizers"
+                raise ReleaseError(f"{named} {tok_dir}: not a folder")
             fingerprints = check_tokenizers(tok_dir, layout)
             token_data = _token_manifest(str(tok_dir))
             if token_data is not None:
