@@ -104,17 +104,12 @@ GRID_TABLES = ("grid_rows.weight", "grid_cols.weight")  # same names in both mod
 def grid_ids(layout) -> dict[str, int]:
     """The remote code's ``earlyfuse_grid``: the ids that shape image and video blocks, the code
     range and the largest grid side (its row/column tables' length)."""
-    sid = layout.structure_id
+    markers = ("boi", "eoi", "bov", "eov", "eol", "frame")
     return {
         "max_grid": layout.max_grid,
         "code_start": layout.visual_offset,
         "code_end": layout.size,
-        "boi": sid("<boi>"),
-        "eoi": sid("<eoi>"),
-        "bov": sid("<bov>"),
-        "eov": sid("<eov>"),
-        "eol": sid("<eol>"),
-        "frame": sid("<frame>"),
+        **{name: layout.structure_id(f"<{name}>") for name in markers},
     }
 
 

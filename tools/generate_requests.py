@@ -183,7 +183,6 @@ def draw_image(
     *,
     size: tuple[int, int] | None,
     side: int,
-    max_new_tokens: int = 0,
     guidance: float = 1.0,
     **sampling,
 ) -> tuple[np.ndarray, np.ndarray, int]:
@@ -209,7 +208,7 @@ def draw_image(
         asked.modality,
         constraint=constraint,
         stop=[eoi],
-        max_new_tokens=max(need, max_new_tokens),
+        max_new_tokens=need,
         # guidance contrasts the caption with the same request without it: <bos> <boi>
         unconditional=asked.unconditional,
         guidance=guidance,
@@ -329,7 +328,6 @@ class Generator:
         *,
         size: tuple[int, int] | None = None,
         max_size: int | None = None,
-        max_new_tokens: int | None = None,
         guidance: float = 1.0,
         **sampling,
     ) -> dict:
@@ -343,7 +341,6 @@ class Generator:
             prompt,
             size=size,
             side=side,
-            max_new_tokens=max_new_tokens or 0,
             guidance=guidance,
             **sampling,
         )
