@@ -78,12 +78,13 @@ def caption_prompt(
 
 
 class TextOnly:
-    """A ``generate`` constraint (same interface as ImageConstraint): only text ids, no pad/bos."""
+    """A ``generate`` constraint (same interface as ImageConstraint): only the text ids of
+    ``parts.model``'s vocabulary, but its text tokenizer's pad and bos."""
 
-    def __init__(self, vocab_size: int, text_size: int, banned: list[int]) -> None:
-        self.mask = torch.zeros(vocab_size, dtype=torch.bool)
-        self.mask[:text_size] = True
-        self.mask[banned] = False
+    def __init__(self, parts) -> None:
+        self.mask = torch.zeros(parts.model.cfg.vocab_size, dtype=torch.bool)
+        self.mask[: parts.layout.text_size] = True
+        self.mask[[parts.text.pad_id, parts.text.bos_id]] = False
 
     def observe(self, b: int, tok: int, strict: bool = True) -> None:
         pass
@@ -93,15 +94,6 @@ class TextOnly:
 
     def allowed(self, remaining: int) -> torch.Tensor:
         return self.mask[None]
-
-    @classmethod
-    def of(cls, parts) -> TextOnly:
-        """The text ids of ``parts.model``'s vocabulary but its text tokenizer's pad and bos."""
-        return cls(
-            parts.model.cfg.vocab_size,
-            parts.layout.text_size,
-            [parts.text.pad_id, parts.text.bos_id],
-        )
 
 
 def sample(
@@ -170,7 +162,7 @@ def caption_codes(parts, codes: np.ndarray, prompt: str = "", **sampling) -> lis
         parts,
         asked.ids,
         asked.modality,
-        constraint=TextOnly.of(parts),
+        constraint=TextOnly(parts),
         stop=[text.eos_id],
         image_ids=asked.image_ids,
         **sampling,
@@ -261,9 +253,7 @@ class Generator:
         body = self.text.encode(prompt)
         ids = [self.text.bos_id, *body]
         mod = [int(Modality.TEXT)] + [int(Modality.CODE if code else Modality.TEXT)] * len(body)
-        new = sample(
-            self, ids, mod, constraint=TextOnly.of(self), stop=[self.text.eos_id], **sampling
-        )
+        new = sample(self, ids, mod, constraint=TextOnly(self), stop=[self.text.eos_id], **sampling)
         kept = self.until_eos(new)
         # Decode prompt and continuation together, so a character split across the boundary is whole.
         full, head = self.text.decode(body + kept), self.text.decode(body)

@@ -199,7 +199,7 @@ def evaluate(args) -> dict:
         say("unigram baseline ...")
         unigram = Unigram.from_tables(train, rel.vocab_layout, progress=progress)
     say("held-out losses ...")
-    out["heldout"] = heldout_losses(run, unigram=unigram, byte_lengths=token_byte_lengths(text))
+    out["heldout"] = heldout_losses(run, token_byte_lengths(text), unigram)
     say("dependence ...")
     pairs: list = []
     per_group: dict[tuple[str, str], int] = {}

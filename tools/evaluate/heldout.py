@@ -91,7 +91,7 @@ def token_byte_lengths(text_tokenizer) -> np.ndarray:
 
 
 @torch.no_grad()
-def heldout_losses(run: Heldout, *, unigram=None, byte_lengths: np.ndarray | None = None) -> dict:
+def heldout_losses(run: Heldout, byte_lengths: np.ndarray, unigram=None) -> dict:
     """``{"sources": {name: {modality: figures}}, "total": {modality: figures}}``; figures are
     ``ce`` (nats per token), ``tokens``, and with a unigram ``unigram`` and ``margin`` (unigram -
     ce, positive = better than token frequencies), and for text and code ``bpb``."""
@@ -109,17 +109,14 @@ def heldout_losses(run: Heldout, *, unigram=None, byte_lengths: np.ndarray | Non
         labels, lmod = batch["labels"], batch["label_modality"]
         if lp is not None:
             into["uni"] += unigram.nll_sums(labels, lmod, lp)[0].numpy()
-        if byte_lengths is not None:
-            keep = (labels >= 0) & (labels < len(byte_lengths))
-            byte_value = byte_lengths[labels[keep].numpy()]
-            into["bytes"] += np.bincount(
-                lmod[keep].numpy(), weights=byte_value, minlength=n_mod
-            ).astype(np.float64)
+        keep = (labels >= 0) & (labels < len(byte_lengths))
+        byte_value = byte_lengths[labels[keep].numpy()]
+        into["bytes"] += np.bincount(lmod[keep].numpy(), weights=byte_value, minlength=n_mod)
     total = {key: sum(a[key] for a in acc) for key in ("ce", "n", "uni", "bytes")}
-    with_uni, with_bytes = unigram is not None, byte_lengths is not None
+    with_uni = unigram is not None
     return {
-        "sources": {t.name: _figures(a, with_uni, with_bytes) for t, a in zip(tables, acc)},
-        "total": _figures(total, with_uni, with_bytes),
+        "sources": {t.name: _figures(a, with_uni) for t, a in zip(tables, acc)},
+        "total": _figures(total, with_uni),
         "documents": {t.name: c.documents for t, c in zip(tables, heldout.counts)},
         "sampled": bool(run.max_docs),
         "dropped": {t.name: c.dropped_blocks for t, c in zip(tables, heldout.counts)},
@@ -127,7 +124,7 @@ def heldout_losses(run: Heldout, *, unigram=None, byte_lengths: np.ndarray | Non
     }
 
 
-def _figures(acc: dict, with_unigram: bool, with_bytes: bool) -> dict:
+def _figures(acc: dict, with_unigram: bool) -> dict:
     out = {}
     for i, name in enumerate(MODALITY_NAMES):
         count = acc["n"][i]
@@ -137,7 +134,7 @@ def _figures(acc: dict, with_unigram: bool, with_bytes: bool) -> dict:
         if with_unigram:
             figures["unigram"] = float(acc["uni"][i] / count)
             figures["margin"] = figures["unigram"] - figures["ce"]
-        if with_bytes and name in ("text", "code") and acc["bytes"][i]:
+        if name in ("text", "code") and acc["bytes"][i]:
             figures["bpb"] = float(acc["ce"][i] / math.log(2) / acc["bytes"][i])
             figures["bytes"] = int(acc["bytes"][i])
         out[name] = figures
