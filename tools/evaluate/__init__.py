@@ -243,19 +243,9 @@ def evaluate(args) -> dict:
 
         say("needles ...")
         lengths, depths = needle_shape
-        trials = args.needle_trials
-        out["passkey"] = passkey_table(
-            run, text, lengths=lengths, depths=depths, trials=trials, digits=args.needle_digits
-        )
-        out["frame_copy"] = frame_copy_table(
-            run,
-            rel.vocab_layout,
-            bos=text.bos_id,
-            pad_id=text.pad_id,
-            lengths=lengths,
-            depths=depths,
-            trials=trials,
-        )
+        shape = {"lengths": lengths, "depths": depths, "trials": args.needle_trials}
+        out["passkey"] = passkey_table(run, text, digits=args.needle_digits, **shape)
+        out["frame_copy"] = frame_copy_table(run, text, **shape)
     out["seconds"] = round(time.perf_counter() - started, 1)
     return out
 

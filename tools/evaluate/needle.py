@@ -276,10 +276,8 @@ def frame_prompts(
 
 def frame_copy_table(
     run: Heldout,
-    layout,
+    text_tokenizer,
     *,
-    bos: int,
-    pad_id: int,
     lengths: list[int],
     depths: tuple[float, ...] = DEPTHS,
     trials: int = 8,
@@ -288,6 +286,7 @@ def frame_copy_table(
     "cells": {length: {depth: copy score}}, "control": {length: {depth: score}}}`` (scores as
     ``score_codes``) over the held-out videos. It needs 3 of one grid size (the needle's, the
     control's and the filler's): with fewer, ``{"missing": why}``."""
+    layout, bos, pad_id = text_tokenizer.layout, text_tokenizer.bos_id, text_tokenizer.pad_id
     videos = held_out_videos(run.tables, layout)
     if len(videos) < 3:
         return {"missing": f"{len(videos)} held-out videos of one grid size; the test needs 3"}
