@@ -145,15 +145,10 @@ def qwen3_state(state: dict[str, torch.Tensor], n_layers: int) -> dict[str, torc
     return {names[name]: tensor for name, tensor in state.items()}
 
 
-def non_text_ids(layout, tok) -> list[int]:
-    """Every id a text continuation must not produce: pad, bos, structure markers, visual codes
-    (``earlyfuse-generate``'s ``TextOnly`` mask, as a list)."""
-    return [tok.pad_id, tok.bos_id, *range(layout.text_size, layout.size)]
-
-
 def generation_config(layout, tok):
-    """Greedy text generation with our specials; non-text ids suppressed (lift with
-    ``suppress_tokens=None`` to sample image blocks)."""
+    """Greedy text generation with our specials; every id a text continuation must not produce
+    (pad, bos, structure markers, visual codes: ``earlyfuse-generate``'s ``TextOnly`` mask, as a
+    list) suppressed (lift with ``suppress_tokens=None`` to sample image blocks)."""
     from transformers import GenerationConfig
 
     return GenerationConfig(
@@ -162,7 +157,7 @@ def generation_config(layout, tok):
         pad_token_id=tok.pad_id,
         do_sample=False,
         max_new_tokens=64,
-        suppress_tokens=non_text_ids(layout, tok),
+        suppress_tokens=[tok.pad_id, tok.bos_id, *range(layout.text_size, layout.size)],
     )
 
 
