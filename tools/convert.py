@@ -1,13 +1,7 @@
-"""``earlyfuse-convert``: checkpoints in and out of training runs. One subcommand per module:
-
-    release    tools/convert_release.py   DeepSpeed checkpoint (any ZeRO stage) -> release folder
-    import     tools/convert_import.py    release -> the start of a new training run (train.init_from)
-    hf         tools/convert_hf.py        release -> Hugging Face transformers model (Qwen3 architecture)
-    universal  tools/convert_universal.py a ZeRO 1-3 checkpoint -> resumable on another world size
-
-A subcommand module has ``register(subparsers)``, which adds its parser and sets
-``run=fn(args) -> exit code``; add it to ``SUBCOMMANDS``. Errors that users cause
-(a missing file, a truncated checkpoint, a mismatch) are one line naming the file, exit code 1.
+"""``earlyfuse-convert``: checkpoints in and out of training runs, one subcommand per module
+(``SUBCOMMANDS``, each with ``register(subparsers)``, which adds its parser and sets
+``run=fn(args)``). Errors that users cause (a missing file, a truncated checkpoint, a mismatch)
+are one line naming the file, exit code 1.
 """
 
 from __future__ import annotations
@@ -55,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.run(args) or 0)
+        args.run(args)
+        return 0
     except (ReleaseError, CheckpointError) as e:
         print(f"earlyfuse-convert {args.command}: error: {e}", file=sys.stderr)
         return 1

@@ -1,31 +1,20 @@
 """Reading a run's DeepSpeed checkpoint back into one full fp32 state dict, on CPU, without
-the world size that wrote it.
+the world size that wrote it (docs/checkpoints.md, "Consolidation").
 
 Design choices:
-- A checkpoint is ``RUN_DIR/checkpoints/step_NNNNNNNN/``; its ``meta.json`` (written by
-  train/checkpoint.py) says the ZeRO stage, world size and task. Stage 0 keeps the whole module
-  in ``mp_rank_00_model_states.pt`` (fp32: the trainer refuses bf16 at stage 0). Stages 1-3
-  keep the fp32 master weights partitioned over the ranks' ``*_optim_states.pt``; DeepSpeed's
-  own ``zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`` stitches them together, so we
-  follow whatever padding and partitioning rules the installed DeepSpeed wrote with. bf16 at
-  ZeRO 1 is DeepSpeed's BF16_Optimizer, whose files zero_to_fp32 does not read: its per-rank
-  parameter fragments are joined here (``_consolidate_bf16_optimizer``).
-- Pickle is never trusted. ``zero_to_fp32`` calls ``torch.load(weights_only=False)``; while it
-  runs, ``torch.load`` is train/safe_load.py's: ``weights_only=True`` with an allowlist of the
-  plain DeepSpeed classes its optimizer states hold (an IntEnum, a dataclass of two ints, the
-  loss scaler's attributes). Anything else in a file is refused, naming the file and the class.
-- The checkpoint is checked against the sizes and SHA-256 its ``meta.json`` lists before
-  anything is read (train/checkpoint.py): a truncated or corrupted file is named.
-- Every failure to read (a missing, truncated or corrupted file, a partition missing because
-  the run had more ranks than files) is a ``CheckpointError`` naming the file or folder.
-- zero_to_fp32's prints and progress bars are silenced; the caller reports.
+- Stages 1-3 go through DeepSpeed's own ``zero_to_fp32``, so we follow whatever padding and
+  partitioning the installed DeepSpeed wrote with; only bf16 at ZeRO 1 (``BF16_Optimizer``,
+  whose files zero_to_fp32 does not read) is joined here.
+- Pickle is never trusted: while zero_to_fp32 runs, ``torch.load`` is train/safe_load.py's
+  (weights only, DeepSpeed's few plain classes allow-listed).
+- The checkpoint is checked against its ``meta.json`` manifest before anything is read, and
+  every failure to read is a ``CheckpointError`` naming the file or folder.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -34,18 +23,11 @@ from unittest import mock
 
 import torch
 
-from train.names import CHECKPOINT_META_FILE, CHECKPOINTS_DIR, LATEST_FILE
-from train.safe_load import CheckpointError, weights_only_loads
-from train.safe_load import safe_torch_load as _safe_load
+from train.checkpoint import TAG, read_meta, step_of_tag, tag_for, verify_folder
+from train.names import CHECKPOINTS_DIR, LATEST_FILE
+from train.safe_load import CheckpointError, safe_torch_load, weights_only_loads
 
-TAG = re.compile(r"^step_(\d{8})$")
-__all__ = ["CheckpointError", "Checkpoint", "consolidate", "find_checkpoint", "safe_torch_load"]
-
-
-def safe_torch_load(path, *, mmap: bool = True, allow_deepspeed: bool = False):
-    """``torch.load(weights_only=True)`` on CPU with errors that name the file. ``mmap`` keeps a
-    stage-0 file's optimizer moments (as large as the model twice) out of memory."""
-    return _safe_load(path, mmap=mmap, allow_deepspeed=allow_deepspeed)
+__all__ = ["CheckpointError", "Checkpoint", "consolidate", "find_checkpoint"]
 
 
 @dataclass
@@ -88,21 +70,11 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Checkpoint:
             )
         tag = latest.read_text().strip()
     else:
-        tag = f"step_{step:08d}"
+        tag = tag_for(step)
     if not TAG.match(tag) or not (root / tag).is_dir():
-        steps = [int(tag_name[5:]) for tag_name in have]
+        steps = [step_of_tag(name) for name in have]
         raise CheckpointError(f"{root / tag}: no such checkpoint; steps present: {steps or 'none'}")
-    meta_path = root / tag / CHECKPOINT_META_FILE
-    try:
-        meta = json.loads(meta_path.read_text())
-        int(meta["zero_stage"]), int(meta["world_size"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(
-            f"{meta_path}: missing or unreadable ({e}); the save of {tag} did not complete"
-        ) from None
-    from train.checkpoint import verify_folder
-
-    problems = verify_folder(root / tag)
+    problems = verify_folder(root / tag)  # meta.json first: one a save did not finish is named
     if problems:
         raise CheckpointError(
             f"{root / tag}: damaged checkpoint: "
@@ -110,14 +82,25 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Checkpoint:
             + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")
             + "; pick an intact one with --step"
         )
-    return Checkpoint(run_dir, tag, meta)
+    return Checkpoint(run_dir, tag, read_meta(root / tag))
+
+
+def add_run_dir(parser) -> None:
+    """RUN_DIR and ``--step``: the checkpoint ``find_checkpoint`` reads, as a command's arguments."""
+    parser.add_argument(
+        "run_dir", metavar="RUN_DIR", help="an earlyfuse-train run folder (with checkpoints/)"
+    )
+    parser.add_argument(
+        "--step", type=int, default=None, help="checkpoint step (default: checkpoints/latest)"
+    )
 
 
 def consolidate(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
     """Full fp32 weights of a checkpoint of any ZeRO stage: {name: tensor} on CPU, own storage each."""
     if ckpt.zero_stage == 0:
         path = ckpt.folder / "mp_rank_00_model_states.pt"
-        state = safe_torch_load(path)
+        # mmap: the file's optimizer moments (twice the model) stay out of memory
+        state = safe_torch_load(path, mmap=True)
         module = state.get("module") if isinstance(state, dict) else None
         if not isinstance(module, dict) or not module:
             raise CheckpointError(f"{path}: holds no 'module' weights")
@@ -166,7 +149,7 @@ def _is_bf16_optimizer(folder: Path) -> bool:
     files = sorted(folder.glob("bf16_zero_pp_rank_*_optim_states.pt"))
     if not files:
         return False
-    opt = safe_torch_load(files[0], allow_deepspeed=True).get("optimizer_state_dict", {})
+    opt = safe_torch_load(files[0], mmap=True, allow_deepspeed=True).get("optimizer_state_dict", {})
     return "zero_stage" not in opt and "param_slice_mappings" in opt
 
 
@@ -184,11 +167,13 @@ def _consolidate_bf16_optimizer(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
             f"{[part_file.name for part_file in files]}; the save did not complete on every rank"
         )
     model_file = folder / "mp_rank_00_model_states.pt"
-    model_states = safe_torch_load(model_file, allow_deepspeed=True)
+    model_states = safe_torch_load(model_file, mmap=True, allow_deepspeed=True)
     pieces: dict[str, list[torch.Tensor]] = {}
     for part_file in files:
         try:
-            opt = safe_torch_load(part_file, allow_deepspeed=True)["optimizer_state_dict"]
+            opt = safe_torch_load(part_file, mmap=True, allow_deepspeed=True)[
+                "optimizer_state_dict"
+            ]
             for flat, mapping in zip(
                 opt["single_partition_of_fp32_groups"], opt["param_slice_mappings"]
             ):

@@ -1,38 +1,15 @@
-"""``earlyfuse-convert hf RELEASE OUT``: a release as a Hugging Face ``transformers`` model.
+"""``earlyfuse-convert hf RELEASE OUT``: a release as a Hugging Face ``transformers`` model
+(docs/checkpoints.md, "Hugging Face export", says what maps, what is refused and what is tested).
 
-The transformer maps onto Qwen3 (``Qwen3ForCausalLM``) when it uses what Qwen3 has: pre-norm
-RMSNorm blocks, SwiGLU, grouped-query attention with a per-head RMSNorm on q and k, 1D RoPE
-(rotate-half), no biases, untied input and output embeddings. Then the export is exact: the
-same weights under Qwen3's names, the same vocabulary (text, structure and visual-code ids; the
-vocabulary layout is kept beside them), and ``AutoModelForCausalLM.from_pretrained(OUT)`` gives
-our logits for any token sequence, text, images and video alike (tested on a mixed-modality
-batch, fp32, max |difference| <= 1e-4).
-
-Row and column embeddings of image codes (``grid_embedding``, the demo's model) export as
-Qwen3 plus remote code: ``tools/hf_remote/modeling_earlyfuse.py`` is written beside the weights,
-``config.json`` points ``auto_map`` at it, the two tables sit in the safetensors, and
-``from_pretrained(OUT, trust_remote_code=True)`` gives ``EarlyfuseForCausalLM`` (a
-``Qwen3ForCausalLM`` whose image codes get their row's and column's embedding, placed from the
-whole token history, in ``generate`` too). Without grid embeddings nothing changes: plain Qwen3.
-
-Other features Qwen3 does not have are refused with an error naming them: M-RoPE (3D positions
-for images), reordered norms, mixture-of-transformers FFNs, MoE, sliding-window attention,
-bidirectional attention inside images, no QK-norm. Where our model would use several
-documents per row (document masking), Hugging Face sees one sequence: pass one document per
-row, as ``generate`` does.
-
-OUT: ``config.json`` and ``model.safetensors`` (``save_pretrained``), ``generation_config.json``,
-the text tokenizer as ``tokenizer.json`` + ``tokenizer_config.json`` (a
-``PreTrainedTokenizerFast``; it knows the text ids only, images are ids the layout describes),
-``vocab_layout.json`` and ``visual_tokenizer/`` copied from the release, a README (with the
-rows the run trained and validated on), and with grid embeddings ``modeling_earlyfuse.py``.
-
-It generates like ``earlyfuse-generate`` out of the box: the tokenizer puts ``<|bos|>`` before
-every text (our documents start with it; without it the model is off its training
-distribution), and ``generation_config.json`` carries bos/eos/pad and ``suppress_tokens`` = every
-id that is not text (pad, bos, the structure markers and the visual codes), which is exactly
-``earlyfuse-generate``'s text-only mask; greedy ``model.generate`` then gives our tokens (tested).
-The README says how to lift the restriction (``suppress_tokens=None``) to sample image blocks.
+- Qwen3 (``Qwen3ForCausalLM``) is the target because it has what our transformer has (pre-norm
+  RMSNorm, SwiGLU, GQA with QK-norm, 1D rotate-half RoPE, no biases, untied embeddings): the
+  export is a renaming of the same weights over the whole vocabulary, so its logits are ours. A
+  feature Qwen3 lacks is refused by name rather than exported as another model.
+- Row and column embeddings of image codes (``grid_embedding``) ship as remote code
+  (``tools/hf_remote/modeling_earlyfuse.py``, written beside the weights).
+- It generates like ``earlyfuse-generate`` out of the box: the tokenizer puts ``<|bos|>`` before
+  every text (our documents start with it) and ``generation_config.json`` suppresses every id
+  that is not text, ``earlyfuse-generate``'s text-only mask.
 """
 
 from __future__ import annotations
@@ -43,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from tools.release import check_out
+from tools.convert_release import check_out
 from train.release import LAYOUT, TOKENIZER, Release, ReleaseError
 
 EXAMPLES = """\
@@ -127,17 +104,12 @@ GRID_TABLES = ("grid_rows.weight", "grid_cols.weight")  # same names in both mod
 def grid_ids(layout) -> dict[str, int]:
     """The remote code's ``earlyfuse_grid``: the ids that shape image and video blocks, the code
     range and the largest grid side (its row/column tables' length)."""
-    sid = layout.structure_id
+    markers = ("boi", "eoi", "bov", "eov", "eol", "frame")
     return {
         "max_grid": layout.max_grid,
         "code_start": layout.visual_offset,
         "code_end": layout.size,
-        "boi": sid("<boi>"),
-        "eoi": sid("<eoi>"),
-        "bov": sid("<bov>"),
-        "eov": sid("<eov>"),
-        "eol": sid("<eol>"),
-        "frame": sid("<frame>"),
+        **{name: layout.structure_id(f"<{name}>") for name in markers},
     }
 
 
@@ -173,15 +145,10 @@ def qwen3_state(state: dict[str, torch.Tensor], n_layers: int) -> dict[str, torc
     return {names[name]: tensor for name, tensor in state.items()}
 
 
-def non_text_ids(layout, tok) -> list[int]:
-    """Every id a text continuation must not produce: pad, bos, structure markers, visual codes
-    (``earlyfuse-generate``'s ``TextOnly`` mask, as a list)."""
-    return [tok.pad_id, tok.bos_id, *range(layout.text_size, layout.size)]
-
-
 def generation_config(layout, tok):
-    """Greedy text generation with our specials; non-text ids suppressed (lift with
-    ``suppress_tokens=None`` to sample image blocks)."""
+    """Greedy text generation with our specials; every id a text continuation must not produce
+    (pad, bos, structure markers, visual codes: ``earlyfuse-generate``'s ``TextOnly`` mask, as a
+    list) suppressed (lift with ``suppress_tokens=None`` to sample image blocks)."""
     from transformers import GenerationConfig
 
     return GenerationConfig(
@@ -190,7 +157,7 @@ def generation_config(layout, tok):
         pad_token_id=tok.pad_id,
         do_sample=False,
         max_new_tokens=64,
-        suppress_tokens=non_text_ids(layout, tok),
+        suppress_tokens=[tok.pad_id, tok.bos_id, *range(layout.text_size, layout.size)],
     )
 
 
@@ -276,13 +243,11 @@ grammar that `earlyfuse-generate --draw` enforces; Hugging Face generation does 
 def packing_readme(packing: dict | None) -> str:
     """The rows the run trained and validated on (the release's ``packing``), for held-out figures
     measured on the same rows; nothing for a release that does not record them."""
+    from tools.evaluate.table import rows_phrase
+
     if not packing:
         return ""
-    whole = (
-        "documents that fit a row kept whole"
-        if packing.get("whole_documents")
-        else "documents split across rows"
-    )
+    whole = rows_phrase(packing.get("whole_documents"))
     return f"""
 Trained on packed rows of {packing.get("seq_len")} tokens, {packing.get("micro_batch")} rows a micro-batch, {whole}. Its
 validation packed held-out documents the same way, as `earlyfuse-eval` does on the release this
@@ -365,7 +330,7 @@ def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=
     return out
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> None:
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -373,7 +338,6 @@ def run(args: argparse.Namespace) -> int:
             "the Hugging Face export needs `transformers`: pip install 'earlyfuse[hf]'"
         ) from None
     export_hf(args.release, args.out, force=args.force)
-    return 0
 
 
 def register(sub) -> None:

@@ -1,18 +1,14 @@
-"""``earlyfuse-convert import RELEASE RUN_DIR [OVERRIDE ...]``: start a training run from a release.
+"""``earlyfuse-convert import RELEASE RUN_DIR [OVERRIDE ...]``: check that a release can start a
+training run and print the command that starts it (docs/checkpoints.md, "Starting a run from a
+release").
 
 Design choices:
-- Nothing is written. A run starts from a release through the config key ``train.init_from``
-  (train/config.py): with it set and no checkpoint in the run folder yet, the release's
-  weights are loaded into the freshly built model before DeepSpeed wraps it, so every ZeRO
-  stage and world size works, and the run's own checkpoints take over from the first save on.
-  A second copy of the weights as a fake DeepSpeed checkpoint would tie the release to one
-  ZeRO stage and world size and invent optimizer state.
-- This command validates the release fully (sha256 of every file, tensor names, shapes,
-  finiteness), refuses a RUN_DIR that already has a checkpoint (a resuming run ignores
-  ``train.init_from``), and, given the run's overrides, composes the training config exactly as
-  ``earlyfuse-train`` would and checks it against the release: the same vocabulary layout and
-  text tokenizer, every tensor shape. Then it prints the command to run.
-- Without overrides it prints the model overrides that rebuild the release's architecture.
+- Nothing is written: a run starts from a release through ``train.init_from``, which loads the
+  weights before DeepSpeed wraps the model, so every ZeRO stage and world size works. A copy of
+  the weights as a fake DeepSpeed checkpoint would tie the release to one ZeRO stage and world
+  size and invent optimizer state.
+- Given the run's overrides, the training config is composed exactly as ``earlyfuse-train``
+  would and checked against the release now, not at the run's start.
 """
 
 from __future__ import annotations
@@ -117,7 +113,7 @@ def check_against_run(rel: Release, state: dict, overrides: list[str]) -> list[s
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> None:
     rel = Release(args.release)
     state = rel.state_dict()  # sha256 of every file, names, shapes, finite
     src = rel.config.get("source", {})
@@ -154,7 +150,6 @@ def run(args: argparse.Namespace) -> int:
             "start the run with your experiment and data overrides added (data tokenized with the release's "
             "tokenizers):\n  " + shlex.join(cmd)
         )
-    return 0
 
 
 def register(sub) -> None:

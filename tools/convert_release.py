@@ -1,23 +1,19 @@
 """``earlyfuse-convert release RUN_DIR OUT``: a checkpoint of any ZeRO stage becomes a release
-folder (format: train/release.py): consolidated weights, config, text and visual tokenizers, layout.
+folder (format: train/release.py, docs/checkpoints.md "Release folder"): consolidated weights,
+config, text and visual tokenizers, layout.
 
 Design choices:
-- CPU only and any world size: the weights come from tools/convert_deepspeed.py (the module
-  states at stage 0, DeepSpeed's zero_to_fp32 over all partitions at stages 1-3); nothing is
-  initialised or distributed.
-- The model config is the checkpoint's own ``config.yaml`` with the vocabulary sizes of the
-  checkpoint's ``vocab_layout.json`` (what the weights were trained with), and the weights are
-  checked against the network that config builds, tensor by tensor.
+- CPU only and any world size (tools/convert_deepspeed.py): nothing is initialised or
+  distributed. The model config is the checkpoint's own, with the vocabulary of its
+  ``vocab_layout.json`` (what the weights were trained with), checked tensor by tensor.
 - The tokenizers are the token data's ``tokenizers/`` copy, found from the run config's
-  ``data.sources`` (beside the token shards, as ``earlyfuse-prep tokenize`` wrote them), or
-  given with ``--tokenizers DIR``. They must match the checkpoint's layout (fingerprint); what is
-  missing is named. ``--no-tokenizers`` writes weights, config and layout only.
-- The token data's tokenize options (image and video pixel budgets) are kept in config.json, so
-  ``earlyfuse-generate`` encodes an image at the resolution the model was trained on.
-- So are the run's packing settings (``packing``: row length, micro-batch, whole documents, the
-  validation cap and sources): a release shipped without its run folder still tells
-  ``earlyfuse-eval`` the rows the run's validation evaluated.
-- A vtok run releases its visual tokenizer (``OUT/visual_tokenizer/``, ``task: vtok``).
+  sources or given with ``--tokenizers``, and must match the checkpoint's layout. The token
+  data's tokenize options and the run's packing travel in config.json, so that a release
+  shipped without its run folder still encodes images at the training resolution
+  (``earlyfuse-generate``) and evaluates the run's validation rows (``earlyfuse-eval``).
+- A release is built in ``OUT.partial`` and moved into place at the end: a crash never leaves a
+  half-written folder that looks complete. Its files are readable by everyone the umask allows
+  (safetensors writes 0600): a release is meant to be shared.
 """
 
 from __future__ import annotations
@@ -25,6 +21,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -32,8 +30,13 @@ import torch
 
 from data.names import MANIFEST_FILE
 from data.tokenize.blocks import image_grids
-from tools.convert_deepspeed import CheckpointError, consolidate, find_checkpoint, load_run_config
-from tools.release import check_out, dtype_name, save_safetensors, write_release
+from tools.convert_deepspeed import (
+    CheckpointError,
+    add_run_dir,
+    consolidate,
+    find_checkpoint,
+    load_run_config,
+)
 from train.names import CHECKPOINT_META_FILE, CONFIG_FILE
 from train.release import (
     CONFIG,
@@ -48,6 +51,7 @@ from train.release import (
     check_state,
     meta_module,
     param_count,
+    sha256_file,
 )
 
 EXAMPLES = """\
@@ -63,6 +67,43 @@ examples:
 """
 
 
+def save_safetensors(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata=metadata)
+
+
+def check_out(out: Path, force: bool) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise ReleaseError(f"{out}: exists and is not empty; choose another folder or pass --force")
+
+
+def write_release(out: str | Path, config: dict, write_files, *, force: bool = False) -> dict:
+    """Build a release in ``OUT.partial`` (``write_files(folder)`` puts the files there), record
+    every file's sha256 in config.json, then move it to ``OUT`` (a non-empty OUT needs ``force``)."""
+    out = Path(out)
+    check_out(out, force)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        write_files(tmp)
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        mask = os.umask(0)
+        os.umask(mask)
+        for p in files:  # safetensors writes 0600; a release is meant to be shared
+            os.chmod(p, 0o666 & ~mask)
+        config = {**config, "files": {p.relative_to(tmp).as_posix(): sha256_file(p) for p in files}}
+        (tmp / CONFIG).write_text(json.dumps(config, indent=1, sort_keys=False) + "\n")
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return config
+
+
 def _versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -75,25 +116,23 @@ def _versions() -> dict:
     return out
 
 
-def _token_manifest_dir(path: Path) -> Path | None:
-    for parent in [path, *list(path.parents)[:3]]:
-        manifest = parent / MANIFEST_FILE
-        if manifest.is_file():
-            try:
-                if json.loads(manifest.read_text()).get("format") == "earlyfuse-token-shards":
-                    return parent
-            except ValueError:
-                return None
-    return None
+def _token_manifest(url: str) -> tuple[dict, Path] | None:
+    """The token manifest of the shard folder ``url`` lies in and its folder (None: none there)."""
+    from data.loader.table_load import TOKEN_FORMAT, find_manifest
+
+    found = find_manifest(url)
+    if found is None or found[0].get("format") != TOKEN_FORMAT:
+        return None
+    return found[0], Path(found[1]).parent
 
 
-def find_tokenizers(run_cfg) -> tuple[Path | None, str]:
-    """(the token data's tokenizers/ folder, "") or (None, why not)."""
+def find_tokenizers(run_cfg, run_dir: Path) -> Path:
+    """The token data's tokenizers/ folder: the run's ``data.tokenizers``, else the one the token
+    manifest above its shards names; a ReleaseError naming every place tried otherwise."""
     from data.loader.store import expand
 
-    if getattr(run_cfg.data, "tokenizers", None):  # the run named its tokenizer folder
-        folder = Path(run_cfg.data.tokenizers)
-        return (folder, "") if folder.is_dir() else (None, f"{folder} (data.tokenizers, missing)")
+    if run_cfg.data.tokenizers:  # the run named its tokenizer folder
+        return Path(run_cfg.data.tokenizers)
     tried = []
     for src in [*run_cfg.data.sources, *run_cfg.data.validation]:
         for pattern in src.shards:
@@ -101,16 +140,20 @@ def find_tokenizers(run_cfg) -> tuple[Path | None, str]:
             if not found:
                 tried.append(f"{pattern} (source {src.name}: no shard there any more)")
                 continue
-            root = _token_manifest_dir(Path(found[0]))
-            if root is None:
+            token_data = _token_manifest(found[0])
+            if token_data is None:
                 tried.append(f"{found[0]} (no token manifest.json above it)")
                 continue
-            manifest = json.loads((root / MANIFEST_FILE).read_text())
+            manifest, root = token_data
             folder = root / manifest.get("tokenizers", {}).get("folder", "tokenizers")
             if folder.is_dir():
-                return folder, ""
+                return folder
             tried.append(f"{folder} (named by {root / MANIFEST_FILE}, missing)")
-    return None, "; ".join(tried) or "the run config names no data.sources"
+    raise ReleaseError(
+        f"{run_dir}: cannot find the token data's tokenizers/ folder (tried: "
+        f"{'; '.join(tried) or 'the run config names no data.sources'}); pass --tokenizers DIR "
+        "(tokenizer.json, vocab_layout.json, visual_tokenizer/) or --no-tokenizers for weights only"
+    )
 
 
 def check_tokenizers(folder: Path, layout) -> dict:
@@ -204,22 +247,14 @@ def make_release(
         layout = VocabLayout.load(layout_path)
         net_cfg = run_cfg.model.with_layout(layout)
         if not no_tokenizers:
-            if tokenizers is not None:
-                tok_dir = Path(tokenizers)
-                if not tok_dir.is_dir():
-                    raise ReleaseError(f"--tokenizers {tok_dir}: not a folder")
-            else:
-                tok_dir, why = find_tokenizers(run_cfg)
-                if tok_dir is None:
-                    raise ReleaseError(
-                        f"{run_dir}: cannot find the token data's tokenizers/ folder (tried: {why}); "
-                        "pass --tokenizers DIR (tokenizer.json, vocab_layout.json, visual_tokenizer/) "
-                        "or --no-tokenizers for weights only"
-                    )
+            tok_dir = Path(tokenizers) if tokenizers else find_tokenizers(run_cfg, run_dir)
+            if not tok_dir.is_dir():
+                named = "--tokenizers" if tokenizers else "data.tokenizers"
+                raise ReleaseError(f"{named} {tok_dir}: not a folder")
             fingerprints = check_tokenizers(tok_dir, layout)
-            root = _token_manifest_dir(tok_dir.parent)
-            if root is not None:
-                manifest = json.loads((root / MANIFEST_FILE).read_text())
+            token_data = _token_manifest(str(tok_dir))
+            if token_data is not None:
+                manifest = token_data[0]
                 tok_options = dict(manifest.get("options", {}))
                 # The grids the images were trained at: earlyfuse-generate --draw picks from them.
                 grids = image_grids(manifest)
@@ -246,7 +281,7 @@ def make_release(
         "version": VERSION,
         "task": task,
         **({"model": dataclasses.asdict(net_cfg)} if task == "lm" else {}),
-        "dtype": dtype_name(torch_dtype),
+        "dtype": str(torch_dtype).removeprefix("torch."),
         "tensors": len(state),
         "parameters": n_params,
         "source": {
@@ -290,7 +325,7 @@ def make_release(
     return config
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> None:
     make_release(
         args.run_dir,
         args.out,
@@ -301,7 +336,6 @@ def run(args: argparse.Namespace) -> int:
         force=args.force,
         command=["earlyfuse-convert", *sys.argv[1:]] if sys.argv else None,
     )
-    return 0
 
 
 def register(sub) -> None:
@@ -314,16 +348,11 @@ def register(sub) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "run_dir", metavar="RUN_DIR", help="an earlyfuse-train run folder (with checkpoints/)"
-    )
+    add_run_dir(parser)
     parser.add_argument(
         "out",
         metavar="OUT",
         help="release folder to write (must not exist or be empty, see --force)",
-    )
-    parser.add_argument(
-        "--step", type=int, default=None, help="checkpoint step (default: checkpoints/latest)"
     )
     parser.add_argument(
         "--dtype",

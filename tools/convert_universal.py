@@ -1,19 +1,11 @@
 """``earlyfuse-convert universal RUN_DIR [--step N]``: make a checkpoint resumable on another
-world size.
+world size (docs/checkpoints.md, "Another world size").
 
-A ZeRO 1-3 checkpoint holds each rank's shard of the optimizer state (and at stage 3 of the
-weights), so it only loads on the world size that wrote it. DeepSpeed's universal checkpoint
-(``deepspeed.checkpoint.ds_to_universal``) rewrites those shards as one file per parameter
-(fp32 weights, Adam moments, step) in ``checkpoints/step_N/universal/``, beside the original.
-``earlyfuse-train`` with the same ``run_dir`` on any number of ranks then finds it and resumes
-from it: weights, optimizer moments, lr schedule, skip-step and monitor state continue. Each
-new rank takes the RNG state of the old rank of its number (fresh seeding past the old world
-size). The LM's token loader moves its position onto the new split (every old rank's state is
-redistributed over the new ranks and workers: no document repeated or lost, docs/loader.md);
-the visual tokenizer's crop stream continues from its position. The run says so.
-
-A ZeRO-0 checkpoint keeps whole copies of model and optimizer, so it resumes on another world
-size without this step.
+A ZeRO 1-3 checkpoint holds each rank's shard of the optimizer state (at stage 3 of the weights
+too), so it loads only on the world size that wrote it. DeepSpeed's ``ds_to_universal``
+rewrites it as one file per parameter in ``checkpoints/step_N/universal/``, beside the original,
+which ``earlyfuse-train`` with the same ``run_dir`` finds and resumes from on any number of
+ranks. A ZeRO-0 checkpoint keeps whole copies and needs no conversion.
 """
 
 from __future__ import annotations
@@ -23,7 +15,7 @@ import json
 import shutil
 import sys
 
-from tools.convert_deepspeed import CheckpointError, find_checkpoint
+from tools.convert_deepspeed import CheckpointError, add_run_dir, find_checkpoint
 from train.checkpoint import checkpoint_files, file_manifest
 from train.safe_load import weights_only_loads
 
@@ -103,9 +95,8 @@ def make_universal(run_dir, step: int | None = None, *, force: bool = False, log
     return out
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> None:
     make_universal(args.run_dir, args.step, force=args.force)
-    return 0
 
 
 def register(sub) -> None:
@@ -119,11 +110,6 @@ def register(sub) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "run_dir", metavar="RUN_DIR", help="an earlyfuse-train run folder (with checkpoints/)"
-    )
-    parser.add_argument(
-        "--step", type=int, default=None, help="checkpoint step (default: checkpoints/latest)"
-    )
+    add_run_dir(parser)
     parser.add_argument("--force", action="store_true", help="make it again if it exists")
     parser.set_defaults(run=run)

@@ -1,17 +1,13 @@
-"""``earlyfuse-generate RELEASE``: sample from a release (train/release.py) with the KV-cached
-``model.generate``: continue text or code, caption an image, draw an image to PNG, or run a
-JSONL file of such requests. This file is the command line (flags, the request they make, the
-JSONL batch runner); what each request does is tools/generate_requests.py.
+"""``earlyfuse-generate RELEASE``: sample from a release: continue text or code, caption an
+image, draw an image to PNG, or run a JSONL file of such requests. This file is the command
+line (flags, the request they make, the JSONL batch runner); what each request does is
+tools/generate_requests.py.
 
 Design choices:
-- Greedy by default (reproducible); ``--temperature/--top-k/--top-p`` sample from a
-  ``torch.Generator`` seeded with ``--seed`` (per JSONL line: its own ``seed`` or ``--seed``), so a
-  request gives the same output wherever it sits in a batch file.
-- ``--batch`` runs requests one after another (prompts of different lengths cannot share a
-  batch without padding, which ``generate`` does not take); a failing line gives an ``error``
-  record and the others still run, whatever the failure.
-- How prompts are built, what text and drawings are sampled under, and how untrusted input
-  images are refused: tools/generate_requests.py.
+- Greedy by default (reproducible); sampling draws from a ``torch.Generator`` seeded per request
+  (a JSONL line's ``seed`` or ``--seed``), so a result does not depend on where it sits in a batch.
+- ``--batch`` runs requests one after another (``generate`` takes no padding mask); a failing
+  line gives an ``error`` record and the others still run, whatever the failure.
 """
 
 from __future__ import annotations
@@ -19,11 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
-from tools.generate_requests import MAX_SOURCE_PIXELS, Generator
+from tools.generate_requests import MAX_SOURCE_PIXELS, SAMPLING, Generator
 from train.release import DTYPES, Release, ReleaseError
 
 EXAMPLES = """\
@@ -49,17 +46,11 @@ requests.jsonl (paths relative to the current directory):
 """
 
 
-def write_utf8(text: str, stream=None) -> None:
-    """UTF-8 whatever the locale says (the console may claim ASCII)."""
-    stream = stream or sys.stdout
-    data = text.encode("utf-8", errors="replace")
-    buf = getattr(stream, "buffer", None)
-    if buf is not None:
-        stream.flush()
-        buf.write(data)
-        buf.flush()
-    else:
-        stream.write(data.decode("utf-8"))
+def utf8_stdout() -> None:
+    """UTF-8 on stdout whatever the locale says (the console may claim ASCII)."""
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None:
+        reconfigure(encoding="utf-8", errors="replace")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    utf8_stdout()
     modes = [
         mode
         for mode, chosen in (
@@ -157,14 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--caption needs --image PATH")
     if args.draw is not None and not args.out:
         parser.error("--draw needs --out PNG")
-    defaults = {
-        "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature,
-        "top_k": args.top_k,
-        "top_p": args.top_p,
-        "seed": args.seed,
-        "guidance": args.guidance,
-    }
+    defaults = {key: getattr(args, key) for key in (*SAMPLING, "guidance")}
     try:
         gen = Generator(Release(args.release), torch.device(args.device), DTYPES[args.dtype])
         gen.max_source_pixels = args.max_image_pixels
@@ -186,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{res['pixels'][0]}x{res['pixels'][1]} pixels (grid: {res['grid_from']})"
         )
     else:
-        write_utf8(res["text"] + "\n")
+        print(res["text"], flush=True)
     return 0
 
 
@@ -197,9 +182,8 @@ def run_batch(gen: Generator, path: str, output: str | None, defaults: dict) -> 
         ).splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise ReleaseError(f"{path}: cannot read the requests ({e})") from None
-    out = open(output, "w", encoding="utf-8") if output else None
     failed = 0
-    try:
+    with open(output, "w", encoding="utf-8") if output else nullcontext(sys.stdout) as out:
         for line_no, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -217,15 +201,8 @@ def run_batch(gen: Generator, path: str, output: str | None, defaults: dict) -> 
                     **({"id": req["id"]} if isinstance(req, dict) and "id" in req else {}),
                     "error": why,
                 }
-            text = json.dumps(rec, ensure_ascii=False) + "\n"
-            if out:
-                out.write(text)
-                out.flush()
-            else:
-                write_utf8(text)
-    finally:
-        if out:
-            out.close()
+            out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            out.flush()
     if failed:
         print(
             f"earlyfuse-generate: {failed} of {len(lines)} request(s) failed (see their 'error')",

@@ -1,30 +1,19 @@
 """What ``earlyfuse-generate`` does with a release (train/release.py): the ``Generator`` loads it
-once and serves requests with the KV-cached ``model.generate``: continue text or code, caption
-an image, draw an image to PNG. The command line and the JSONL batch runner are
-tools/generate.py; this file is separate so that other code (the HF export's check, the scene
-evaluation's drawings and captions: ``sample``, ``draw_image``, ``caption_codes``) samples as
-the command does, without its parsing.
+once and serves requests with the KV-cached ``model.generate`` (docs/checkpoints.md,
+"earlyfuse-generate"). Apart from the command line (tools/generate.py) so that other code (the
+HF export's check, the scene evaluation: ``sample``, ``draw_image``, ``caption_codes``) samples
+as the command does.
 
 Design choices:
-- Prompts are built the way the token shards are (data/tokenize/encoder.py): a document starts
-  with ``<|bos|>``; an image is an Emu3-style block from the release's visual tokenizer at the
-  training pixel budget (config.json ``tokenize.image_max_pixels``); text ends with ``<|eos|>``.
-  A drawing's request without its caption, ``<bos> <boi>``, is what classifier-free guidance
-  contrasts it with; a caption prompt for a model trained with bidirectional image blocks
-  carries the image ids that let the block see itself both ways, as in training.
-- Text and captions are sampled under a text-only mask (no pad, no bos, no structure tokens,
-  no codes), so what is printed is the BPE's decode: valid UTF-8, always (a byte sequence the
-  model leaves incomplete decodes to U+FFFD). ``<|eos|>`` ends it.
-- Drawing ends the prompt with ``<boi>`` and samples under ``ImageConstraint``: the grid is
-  fixed by ``--size HxW``, or the model's choice up to ``--max-size``; with neither, it is the
-  grid most of the training images had (config.json ``tokenize.image_grids``, counted by
-  tokenize), or for a release without those counts the model's choice up to the square grid of
-  the training pixel budget. The token budget always fits the image, so the block always parses
-  and decodes. ``<eoi>`` ends it.
-- Input images are untrusted: one whose header claims more than ``--max-image-pixels`` (default
-  64 M, as ingest) is refused before a pixel is decoded, so a small PNG of 12000x12000 pixels
-  cannot take gigabytes; any decoding error (Pillow's ``DecompressionBombError`` included) is
-  an error naming the file.
+- Prompts are built the way the token shards are (data/tokenize/encoder.py), at the training
+  pixel budget, so the model sees what it was trained on; a drawing's request without its
+  caption, ``<bos> <boi>``, is what classifier-free guidance contrasts it with.
+- Text is sampled under a text-only mask, so what is printed is the BPE's decode (valid UTF-8);
+  drawings under ``ImageConstraint``, whose token budget always fits the image, so the block
+  always parses. Without ``--size``/``--max-size`` a drawing takes the grid most training
+  images had: a model that saw 6x6 icons never learned to fill a larger grid.
+- Input images are untrusted: one whose header claims more than ``--max-image-pixels`` is
+  refused before a pixel is decoded, and any decoding error names the file.
 """
 
 from __future__ import annotations
@@ -40,7 +29,9 @@ from data.vocab import Modality, VocabLayout
 from train.release import Release, ReleaseError
 
 MAX_SOURCE_PIXELS = 64_000_000  # input images, by their header (ingest's --max-image-pixels)
-SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+# a request's sampling keys and their types
+SAMPLING = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": int}
+REQUEST_KEYS = {"id", "prompt", "code", "image", "caption", "draw", "out", "size", "max_size"}
 
 
 # --- prompts --------------------------------------------------------------------------------
@@ -87,12 +78,13 @@ def caption_prompt(
 
 
 class TextOnly:
-    """A ``generate`` constraint (same interface as ImageConstraint): only text ids, no pad/bos."""
+    """A ``generate`` constraint (same interface as ImageConstraint): only the text ids of
+    ``parts.model``'s vocabulary, but its text tokenizer's pad and bos."""
 
-    def __init__(self, vocab_size: int, text_size: int, banned: list[int]) -> None:
-        self.mask = torch.zeros(vocab_size, dtype=torch.bool)
-        self.mask[:text_size] = True
-        self.mask[banned] = False
+    def __init__(self, parts) -> None:
+        self.mask = torch.zeros(parts.model.cfg.vocab_size, dtype=torch.bool)
+        self.mask[: parts.layout.text_size] = True
+        self.mask[[parts.text.pad_id, parts.text.bos_id]] = False
 
     def observe(self, b: int, tok: int, strict: bool = True) -> None:
         pass
@@ -102,15 +94,6 @@ class TextOnly:
 
     def allowed(self, remaining: int) -> torch.Tensor:
         return self.mask[None]
-
-    @classmethod
-    def of(cls, parts) -> TextOnly:
-        """The text ids of ``parts.model``'s vocabulary but its text tokenizer's pad and bos."""
-        return cls(
-            parts.model.cfg.vocab_size,
-            parts.layout.text_size,
-            [parts.text.pad_id, parts.text.bos_id],
-        )
 
 
 def sample(
@@ -179,7 +162,7 @@ def caption_codes(parts, codes: np.ndarray, prompt: str = "", **sampling) -> lis
         parts,
         asked.ids,
         asked.modality,
-        constraint=TextOnly.of(parts),
+        constraint=TextOnly(parts),
         stop=[text.eos_id],
         image_ids=asked.image_ids,
         **sampling,
@@ -192,7 +175,6 @@ def draw_image(
     *,
     size: tuple[int, int] | None,
     side: int,
-    max_new_tokens: int = 0,
     guidance: float = 1.0,
     **sampling,
 ) -> tuple[np.ndarray, np.ndarray, int]:
@@ -218,7 +200,7 @@ def draw_image(
         asked.modality,
         constraint=constraint,
         stop=[eoi],
-        max_new_tokens=max(need, max_new_tokens),
+        max_new_tokens=need,
         # guidance contrasts the caption with the same request without it: <bos> <boi>
         unconditional=asked.unconditional,
         guidance=guidance,
@@ -263,7 +245,7 @@ class Generator:
             self._vtok = self.release.visual_tokenizer(self.device)
         return self._vtok
 
-    def _until_eos(self, new: list[int]) -> list[int]:
+    def until_eos(self, new: list[int]) -> list[int]:
         return new[: new.index(self.text.eos_id)] if self.text.eos_id in new else new
 
     # --- requests ------------------------------------------------------------------------------
@@ -271,10 +253,8 @@ class Generator:
         body = self.text.encode(prompt)
         ids = [self.text.bos_id, *body]
         mod = [int(Modality.TEXT)] + [int(Modality.CODE if code else Modality.TEXT)] * len(body)
-        new = sample(
-            self, ids, mod, constraint=TextOnly.of(self), stop=[self.text.eos_id], **sampling
-        )
-        kept = self._until_eos(new)
+        new = sample(self, ids, mod, constraint=TextOnly(self), stop=[self.text.eos_id], **sampling)
+        kept = self.until_eos(new)
         # Decode prompt and continuation together, so a character split across the boundary is whole.
         full, head = self.text.decode(body + kept), self.text.decode(body)
         cont = full[len(head) :] if full.startswith(head) else self.text.decode(kept)
@@ -285,13 +265,13 @@ class Generator:
             "stopped": self.text.eos_id in new,
         }
 
-    def encode_image(self, path: str | Path) -> np.ndarray:
-        """The code grid [H, W] of an image file."""
+    def encode_image(self, image: str | Path | bytes) -> tuple[np.ndarray, np.ndarray]:
+        """(pixels at the tokenizer's size [H, W, 3], code grid) of an image file or its bytes."""
         from data.image_crops import to_tensor
         from data.image_prep import ImagePrep, load_image
 
         try:
-            raw = Path(path).read_bytes()
+            raw = image if isinstance(image, bytes) else Path(image).read_bytes()
             prep = ImagePrep(
                 factor=self.vtok.cfg.factor,
                 max_pixels=self.image_max_pixels,
@@ -300,18 +280,19 @@ class Generator:
             # writable, as torch.from_numpy wants
             arr = np.array(load_image(raw, prep, max_source_pixels=self.max_source_pixels))
         except Exception as e:  # noqa: BLE001 - whatever a decoder raises on untrusted bytes
+            where = "the image bytes" if isinstance(image, bytes) else image
             raise ReleaseError(
-                f"{path}: cannot read the image ({type(e).__name__}: {str(e)[:300]})"
+                f"{where}: cannot read the image ({type(e).__name__}: {str(e)[:300]})"
             ) from None
         with torch.no_grad():
-            return self.vtok.encode(to_tensor(arr[None]).to(self.device))[0].cpu().numpy()
+            return arr, self.vtok.encode(to_tensor(arr[None]).to(self.device))[0].cpu().numpy()
 
     def caption(self, image: str | Path, prompt: str = "", **sampling) -> dict:
-        codes = self.encode_image(image)
+        _, codes = self.encode_image(image)
         new = caption_codes(self, codes, prompt, **sampling)
         return {
             "kind": "caption",
-            "text": self.text.decode(self._until_eos(new)),
+            "text": self.text.decode(self.until_eos(new)),
             "tokens": len(new),
             "stopped": self.text.eos_id in new,
             "image_grid": list(codes.shape),
@@ -337,7 +318,6 @@ class Generator:
         *,
         size: tuple[int, int] | None = None,
         max_size: int | None = None,
-        max_new_tokens: int | None = None,
         guidance: float = 1.0,
         **sampling,
     ) -> dict:
@@ -351,7 +331,6 @@ class Generator:
             prompt,
             size=size,
             side=side,
-            max_new_tokens=max_new_tokens or 0,
             guidance=guidance,
             **sampling,
         )
@@ -371,30 +350,11 @@ class Generator:
 
     def request(self, req: dict, defaults: dict) -> dict:
         """One request (a JSONL line, or the command line's) -> its result record."""
-        known = {
-            "id",
-            "prompt",
-            "code",
-            "image",
-            "caption",
-            "draw",
-            "out",
-            "size",
-            "max_size",
-            "guidance",
-            *SAMPLING_KEYS,
-        }
+        known = {*REQUEST_KEYS, "guidance", *SAMPLING}
         unknown = sorted(set(req) - known)
         if unknown:
             raise ReleaseError(f"unknown request keys {unknown}; known: {sorted(known)}")
-        sampling = {key: req.get(key, defaults[key]) for key in SAMPLING_KEYS}
-        sampling = {
-            "max_new_tokens": int(sampling["max_new_tokens"]),
-            "temperature": float(sampling["temperature"]),
-            "top_k": int(sampling["top_k"]),
-            "top_p": float(sampling["top_p"]),
-            "seed": int(sampling["seed"]),
-        }
+        sampling = {key: kind(req.get(key, defaults[key])) for key, kind in SAMPLING.items()}
         if req.get("draw") is not None:
             if not req.get("out"):
                 raise ReleaseError("a draw request needs 'out' (the PNG to write)")

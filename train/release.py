@@ -1,5 +1,5 @@
 """The release folder: a trained model outside its training run. This module reads and checks one
-(``earlyfuse-generate``, the exporters, ``train.init_from``); tools/release.py writes one
+(``earlyfuse-generate``, the exporters, ``train.init_from``); tools/convert_release.py writes one
 (``earlyfuse-convert release``). It lives in train/ because a run starts from a release
 (train/init_from.py) and nothing may import tools/ (docs/design.md). Format in
 docs/checkpoints.md.

@@ -160,7 +160,7 @@ def test_forward_takes_a_loader_batch_and_returns_logits_without_labels(kit, mix
 
 
 def test_final_hidden_and_the_heads_logits_of_some_positions_are_the_forward_ones(kit, mixed_batch):
-    """What an evaluation of long rows reads (tools/evaluate/logits.py): the hidden states the
+    """What an evaluation of long rows reads (tools/evaluate/heldout.py): the hidden states the
     head reads, then the head's logits of a few positions only, from the whole batch (labels
     included: they are passed over)."""
     torch.manual_seed(0)

@@ -114,7 +114,7 @@ def test_hf_greedy_text_generation_equals_earlyfuse_generate(release, tmp_path):
             ours,
             [ours.text.bos_id, *ours.text.encode(prompt)],
             [0] * ids.shape[1],
-            constraint=TextOnly.of(ours),
+            constraint=TextOnly(ours),
             stop=[ours.text.eos_id],
             max_new_tokens=30,
             temperature=0.0,
@@ -294,7 +294,7 @@ def test_grid_model_greedy_generation_equals_earlyfuse_generate(grid_export, tin
             ours,
             prompt,
             modality[0].tolist(),
-            constraint=TextOnly.of(ours),
+            constraint=TextOnly(ours),
             max_new_tokens=12,
             **sampling,
         )

@@ -225,7 +225,7 @@ def test_bad_needle_flags_fail_before_the_held_out_pass(debug_release, tiny_toke
 
 
 def test_the_scored_logits_are_the_full_forward_ones(debug_release, text_tok):
-    """The needle tests read logits at the scored positions only (tools/evaluate/logits.py):
+    """The needle tests read logits at the scored positions only (tools/evaluate/heldout.py):
     the same argmax as the model's whole-row logits."""
     from tools.evaluate.needle import predictions
     from train.release import Release

@@ -17,7 +17,7 @@ def test_draw_prompt_is_what_generate_and_the_scene_evaluation_built(tiny_tokeni
 
     asked = draw_prompt(body, bos_id=text.bos_id, layout=layout)
 
-    # What tools/generate.py (Generator.draw) and tools/evaluate/scenes.py (SceneJudge.draw)
+    # What tools/generate.py (Generator.draw) and tools/evaluate/scenes.py (draw_image)
     # each wrote out before: <bos> caption <boi>, text then structure, and <bos> <boi>.
     assert asked.ids == [text.bos_id, *body, boi]
     assert asked.modality == [int(Modality.TEXT)] * (1 + len(body)) + [int(Modality.STRUCTURE)]

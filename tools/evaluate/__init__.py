@@ -1,29 +1,13 @@
 """``earlyfuse-eval RELEASE --data VAL_TOKENS``: what a released model has learned, measured on
-held-out data, per modality and across modalities (docs/evaluation.md).
+held-out data, per modality and across modalities; docs/evaluation.md explains every figure.
 
-- **Per modality** (tools/evaluate/heldout.py): CE on every held-out document, packed as in
-  training: the run's row length, micro-batch and ``data.whole_documents`` (documents that fit a
-  row kept whole), read from the release's ``packing`` (``earlyfuse-convert release`` records
-  them), else from its run folder's ``config.yaml``, flags over both; settings that none gives
-  take DEFAULT_PACKING, and one line on stderr names them. Bits per byte for text and code;
-  with ``--train-data`` the unigram baseline (data/unigram.py: the training tokens'
-  frequencies, add-one smoothed) and the margin.
-- **Held out?** With ``--train-data`` every held-out document's ids are hashed and looked up
-  among the training documents': a held-out document that is also a training document is
-  counted and named in a warning (its figures measure memorisation).
-- **Dependence, both directions** (tools/evaluate/pair_dependence.py): for image-then-caption documents, the
-  caption's CE after its own image vs another's; for caption-then-image documents, the image
-  codes' CE after their own caption vs another's.
-- **Checkable generation** (tools/evaluate/scenes.py, with ``--scenes``): held-out scene captions
-  drawn and read back by a pixel classifier; held-out scenes captioned and the caption parsed;
-  each against its chance level and the visual tokenizer's ceiling.
-- **Long context** (``--position-loss``, ``--needle``, ``--long-context``: both;
-  tools/evaluate/position.py and needle.py): held-out CE per log-spaced position bucket over the
-  document stretches that cover the bucket; passkey and frame-copy depth x length tables of
-  teacher-forced accuracy, each against a control with nothing to retrieve.
-
-Writes JSON (``--out``) and prints a table; ``earlyfuse-report RUN_DIR`` shows
-``RUN_DIR/heldout_eval.json``.
+The parts: per-modality CE, bits per byte and the unigram baseline (heldout.py), the held-out
+check against ``--train-data``, dependence in both directions (pair_dependence.py), checkable
+generation on held-out scenes (scenes.py), and long context (position.py, needle.py). The
+held-out rows are the run's validation rows (``packing_options``): figures measured on other
+rows would not compare with the run's validation, so settings taken from DEFAULT_PACKING are
+named on stderr. Writes JSON (``--out``) and prints a table (table.py); ``earlyfuse-report
+RUN_DIR`` shows ``RUN_DIR/heldout_eval.json``.
 """
 
 from __future__ import annotations
@@ -45,21 +29,10 @@ examples:
   earlyfuse-eval releases/mine --data s3://bucket/tokens/val              # any fsspec URL
   earlyfuse-eval releases/mine --data tokens/val --long-context --needle-lengths 2048,4096,8192
 
-what the table says (docs/evaluation.md explains every figure):
-  margin = unigram - CE per modality: above 0 the model beats the training tokens' own
-    frequencies; structure tokens (<eol>, <eoi>) should cost nearly nothing.
-  gap = CE of the target after another document's context - after its own (nats per target
-    token): near 0, captions ignore their pictures (caption) or pictures their captions (drawing).
-  scenes: share of drawn / captioned held-out scenes with the right colour, shape and cell,
-    beside chance (scored against another scene) and the visual tokenizer's own ceiling.
-  loss by position: CE per position bucket, each over the document stretches that cover it
-    whole (stretches: how many); first = the same stretches' CE in the first bucket. Falling
-    with position: the model uses its context.
-  passkey / frame copy: teacher-forced accuracy of a key's digits (whole keys in brackets) or of
-    a repeated frame's codes, per depth of the needle and sequence length, against a control
-    without the needle (what guessing gets).
-  The held-out data must be made with the release's tokenizers and never seen in training
-    (earlyfuse-prep ingest --exclude-content-of TRAIN_RAW); --train-data checks the second.
+what the table says: each table's heading says what its figures are; docs/evaluation.md
+  explains every figure. The held-out data must be made with the release's tokenizers and never
+  seen in training (earlyfuse-prep ingest --exclude-content-of TRAIN_RAW); --train-data checks
+  the second.
 """
 
 
@@ -192,30 +165,30 @@ def evaluate(args) -> dict:
 
     from data.token_docs import source_tables
     from data.unigram import Unigram
-    from tools.evaluate.heldout import heldout_losses, token_byte_lengths
+    from tools.evaluate.heldout import Heldout, heldout_losses, token_byte_lengths
     from tools.evaluate.pair_dependence import dependence_gaps, find_pair
     from train.release import Release
 
     started = time.perf_counter()
-    device = torch.device(args.device)
     rel = Release(args.release)
     if rel.task != "lm":
         raise ValueError(f"{rel.path}: a {rel.task} release; earlyfuse-eval takes a language model")
-    model = rel.build_model(device)
+    device = torch.device(args.device)
     text = rel.text_tokenizer()
-    layout = rel.vocab_layout
     val = source_tables(args.data)
     out: dict = {"release": str(rel.path), "step": rel.step, "data": str(args.data)}
     packing, origin = packing_options(args, rel)
-    seq_len, batch_rows, whole = (packing[key] for key in DEFAULT_PACKING)
     out.update(packing)
     out["packing_from"] = origin
     notice = defaults_notice(rel, packing, origin)
     if notice:
         print(notice, file=sys.stderr, flush=True)
     needles = args.needle or args.long_context
-    needle_shape = needle_options(args, seq_len) if needles else None  # bad flags fail first
+    needle_shape = needle_options(args, packing["seq_len"]) if needles else None  # fail first
     progress = not args.no_progress
+    run = Heldout(
+        rel.build_model(device), val, device, **packing, max_docs=args.max_docs, progress=progress
+    )
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.verbose else (lambda *a: 0)
     unigram = None
     if args.train_data:
@@ -224,20 +197,9 @@ def evaluate(args) -> dict:
         say("overlap with the training documents ...")
         out["overlap"] = overlap(val, train, progress=progress)
         say("unigram baseline ...")
-        unigram = Unigram.from_tables(train, layout, progress=progress)
+        unigram = Unigram.from_tables(train, rel.vocab_layout, progress=progress)
     say("held-out losses ...")
-    out["heldout"] = heldout_losses(
-        model,
-        val,
-        seq_len=seq_len,
-        device=device,
-        unigram=unigram,
-        byte_lengths=token_byte_lengths(text),
-        batch_rows=batch_rows,
-        max_docs=args.max_docs,
-        whole_documents=whole,
-        progress=progress,
-    )
+    out["heldout"] = heldout_losses(run, token_byte_lengths(text), unigram)
     say("dependence ...")
     pairs: list = []
     per_group: dict[tuple[str, str], int] = {}
@@ -249,15 +211,15 @@ def evaluate(args) -> dict:
         if per_group.get(group, 0) < args.max_pairs:
             per_group[group] = per_group.get(group, 0) + 1
             pairs.append(pair)
-    out["dependence"] = dependence_gaps(model, pairs, device, progress=progress)
+    out["dependence"] = dependence_gaps(run.model, pairs, device, progress=progress)
     if args.scenes:
         from tools.evaluate.scenes import SceneJudge, evaluate_scenes, load_scenes
 
         say("scenes ...")
         opts = rel.config.get("tokenize") or {}
         judge = SceneJudge(
-            model,
-            layout,
+            run.model,
+            rel.vocab_layout,
             text,
             rel.visual_tokenizer(device),
             int(opts.get("image_max_pixels", 256 * 256)),
@@ -275,21 +237,15 @@ def evaluate(args) -> dict:
         from tools.evaluate.position import position_losses
 
         say("loss by position ...")
-        out["position_loss"] = position_losses(
-            model,
-            val,
-            seq_len=seq_len,
-            device=device,
-            batch_rows=batch_rows,
-            max_docs=args.max_docs,
-            first_bucket=args.position_first_bucket,
-            whole_documents=whole,
-            progress=progress,
-        )
+        out["position_loss"] = position_losses(run, args.position_first_bucket)
     if needle_shape is not None:
-        lengths, depths = needle_shape
+        from tools.evaluate.needle import frame_copy_table, passkey_table
+
         say("needles ...")
-        out.update(needle_tables(args, model, rel, val, lengths, depths, batch_rows, device))
+        lengths, depths = needle_shape
+        shape = {"lengths": lengths, "depths": depths, "trials": args.needle_trials}
+        out["passkey"] = passkey_table(run, text, digits=args.needle_digits, **shape)
+        out["frame_copy"] = frame_copy_table(run, text, **shape)
     out["seconds"] = round(time.perf_counter() - started, 1)
     return out
 
@@ -316,48 +272,6 @@ def needle_options(args, seq_len: int) -> tuple[list[int], tuple[float, ...]]:
     if args.needle_trials < 1 or args.needle_digits < 1:
         raise ValueError("--needle-trials and --needle-digits must be at least 1")
     return lengths, depths
-
-
-def needle_tables(args, model, rel, val, lengths, depths, batch_rows, device) -> dict:
-    """The passkey table and, where the held-out data has 3 videos of one grid size, the
-    frame-copy table (else a note saying why it is missing)."""
-    from tools.evaluate.needle import frame_copy_table, held_out_videos, passkey_table
-
-    progress = not args.no_progress
-    text = rel.text_tokenizer()
-    out: dict = {
-        "passkey": passkey_table(
-            model,
-            text,
-            lengths=lengths,
-            depths=depths,
-            trials=args.needle_trials,
-            digits=args.needle_digits,
-            device=device,
-            batch_rows=batch_rows,
-            progress=progress,
-        )
-    }
-    videos = held_out_videos(val, rel.vocab_layout)
-    if len(videos) < 3:
-        out["frame_copy"] = {
-            "missing": f"{len(videos)} held-out videos of one grid size; the test needs 3"
-        }
-        return out
-    out["frame_copy"] = frame_copy_table(
-        model,
-        videos,
-        rel.vocab_layout,
-        bos=text.bos_id,
-        pad_id=text.pad_id,
-        lengths=lengths,
-        depths=depths,
-        trials=args.needle_trials,
-        device=device,
-        batch_rows=batch_rows,
-        progress=progress,
-    )
-    return out
 
 
 def build_parser() -> argparse.ArgumentParser:

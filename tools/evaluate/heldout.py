@@ -1,44 +1,84 @@
 """Per source and modality: CE on held-out token shards, the unigram baseline, the margin, bits
-per byte for text and code.
+per byte for text and code (docs/evaluation.md, "Per modality").
 
-Documents are packed in index order into rows of ``seq_len`` by data/loader/heldout.py, the
-pass training validation makes (text split across rows, visual blocks never; with
-``whole_documents`` no document that fits a row is split), so with the run's ``seq_len``,
-micro-batch and ``data.whole_documents`` these are the trainer's validation figures; every document of every
-source is read once (``max_docs`` takes the first N of each source instead: a stated,
-per-source sample).
+Documents are packed by data/loader/heldout.py, the pass training validation makes, so with the
+run's ``seq_len``, micro-batch and ``data.whole_documents`` these are the trainer's validation
+figures (``max_docs`` takes the first N of each source instead: a stated, per-source sample).
+
+The long-context measures read logits only where they are needed: a forward pass without labels
+returns the logits of every position, [B, T, V] in float32, 34 GB a row at 128k tokens and a 64k
+vocabulary. ``final_hidden`` stops the model before its head, whose ``logits`` are then taken at
+the scored positions (the needles) or chunk by chunk for a per-token CE (``token_ce``).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from tokenizers.pre_tokenizers import ByteLevel
 
+from data.loader.expand import IGNORE
 from data.loader.heldout import HeldoutPass
 from data.vocab import MODALITY_NAMES, Modality
 from train.names import MODEL_INPUTS
 
+CHUNK = 4096  # positions per logits chunk of token_ce
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """The byte <-> printable character table of byte-level BPE (GPT-2's): printable Latin-1
-    bytes map to themselves, the others to code points from 256 up, in byte order."""
-    keep = list(range(ord("!"), ord("~") + 1))
-    keep += list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    table, extra = {}, 0
-    for byte_value in range(256):
-        if byte_value in keep:
-            table[byte_value] = chr(byte_value)
-        else:
-            table[byte_value] = chr(256 + extra)
-            extra += 1
-    return table
+
+@torch.no_grad()
+def final_hidden(model, batch: dict[str, torch.Tensor], device) -> torch.Tensor:
+    """The final-normed hidden states [B, T, D] of ``batch`` (its model inputs on ``device``)."""
+    return model.final_hidden(**{key: batch[key].to(device) for key in MODEL_INPUTS})
+
+
+def token_ce(model, final: torch.Tensor, labels: torch.Tensor) -> np.ndarray:
+    """Per-token cross-entropy [B, T] in float64 (0 where the label is ignored), ``CHUNK``
+    positions of logits at a time."""
+    out = np.zeros(labels.shape)
+    for row in range(labels.shape[0]):
+        for start in range(0, labels.shape[1], CHUNK):
+            logits = model.output.logits(final[row, start : start + CHUNK])
+            target = labels[row, start : start + CHUNK].to(logits.device)
+            ce = F.cross_entropy(logits, target, ignore_index=IGNORE, reduction="none")
+            out[row, start : start + CHUNK] = ce.double().cpu().numpy()
+    return out
+
+
+@dataclass
+class Heldout:
+    """What every held-out measure reads: the model on its device, the held-out tables, and the
+    rows they are packed into (the run's ``seq_len``, micro-batch and ``data.whole_documents``)."""
+
+    model: Any
+    tables: list
+    device: torch.device
+    seq_len: int
+    batch_rows: int = 8
+    whole_documents: bool = False
+    max_docs: int = 0
+    progress: bool = False
+
+    def rows(self) -> HeldoutPass:
+        """The held-out pass in these rows (data/loader/heldout.py)."""
+        return HeldoutPass(
+            self.tables,
+            seq_len=self.seq_len,
+            batch_rows=self.batch_rows,
+            max_docs=self.max_docs,
+            whole_documents=self.whole_documents,
+            progress=self.progress,
+        )
 
 
 def token_byte_lengths(text_tokenizer) -> np.ndarray:
-    """UTF-8 bytes each text id stands for (specials: 0), for bits per byte."""
-    char_to_byte = {char: byte_value for byte_value, char in _bytes_to_unicode().items()}
+    """UTF-8 bytes each text id stands for (specials: 0), for bits per byte: a byte-level BPE
+    token is one character of the byte alphabet per byte."""
+    alphabet = set(ByteLevel.alphabet())
     size = text_tokenizer.layout.text_size
     out = np.zeros(size, np.int64)
     specials = {text_tokenizer.pad_id, text_tokenizer.bos_id, text_tokenizer.eos_id}
@@ -46,66 +86,45 @@ def token_byte_lengths(text_tokenizer) -> np.ndarray:
         tok = text_tokenizer.tok.id_to_token(i)
         if i in specials or tok is None:
             continue
-        out[i] = sum(1 for char in tok if char in char_to_byte)
+        out[i] = sum(1 for char in tok if char in alphabet)
     return out
 
 
 @torch.no_grad()
-def heldout_losses(
-    model,
-    tables,
-    *,
-    seq_len: int,
-    device,
-    unigram=None,
-    byte_lengths: np.ndarray | None = None,
-    batch_rows: int = 8,
-    max_docs: int = 0,
-    whole_documents: bool = False,
-    progress: bool = False,
-) -> dict:
+def heldout_losses(run: Heldout, byte_lengths: np.ndarray, unigram=None) -> dict:
     """``{"sources": {name: {modality: figures}}, "total": {modality: figures}}``; figures are
     ``ce`` (nats per token), ``tokens``, and with a unigram ``unigram`` and ``margin`` (unigram -
     ce, positive = better than token frequencies), and for text and code ``bpb``."""
     lp = unigram.log_probs() if unigram is not None else None
     n_mod = len(Modality)
+    tables = run.tables
     acc = [{key: np.zeros(n_mod) for key in ("ce", "n", "uni", "bytes")} for _ in tables]
-    heldout = HeldoutPass(
-        tables,
-        seq_len=seq_len,
-        batch_rows=batch_rows,
-        max_docs=max_docs,
-        whole_documents=whole_documents,
-        progress=progress,
-    )
+    heldout = run.rows()
     for part in heldout:
         batch = heldout.tensors(part)
-        res = model(**{key: batch[key].to(device) for key in MODEL_INPUTS})
+        res = run.model(**{key: batch[key].to(run.device) for key in MODEL_INPUTS})
         into = acc[part.source]
         into["ce"] += res.ce_sum.detach().double().cpu().numpy()
         into["n"] += res.count.detach().double().cpu().numpy()
         labels, lmod = batch["labels"], batch["label_modality"]
         if lp is not None:
             into["uni"] += unigram.nll_sums(labels, lmod, lp)[0].numpy()
-        if byte_lengths is not None:
-            keep = (labels >= 0) & (labels < len(byte_lengths))
-            byte_value = byte_lengths[labels[keep].numpy()]
-            into["bytes"] += np.bincount(
-                lmod[keep].numpy(), weights=byte_value, minlength=n_mod
-            ).astype(np.float64)
+        keep = (labels >= 0) & (labels < len(byte_lengths))
+        byte_value = byte_lengths[labels[keep].numpy()]
+        into["bytes"] += np.bincount(lmod[keep].numpy(), weights=byte_value, minlength=n_mod)
     total = {key: sum(a[key] for a in acc) for key in ("ce", "n", "uni", "bytes")}
-    with_uni, with_bytes = unigram is not None, byte_lengths is not None
+    with_uni = unigram is not None
     return {
-        "sources": {t.name: _figures(a, with_uni, with_bytes) for t, a in zip(tables, acc)},
-        "total": _figures(total, with_uni, with_bytes),
+        "sources": {t.name: _figures(a, with_uni) for t, a in zip(tables, acc)},
+        "total": _figures(total, with_uni),
         "documents": {t.name: c.documents for t, c in zip(tables, heldout.counts)},
-        "sampled": bool(max_docs),
+        "sampled": bool(run.max_docs),
         "dropped": {t.name: c.dropped_blocks for t, c in zip(tables, heldout.counts)},
         "skipped": {t.name: c.skipped for t, c in zip(tables, heldout.counts) if c.skipped},
     }
 
 
-def _figures(acc: dict, with_unigram: bool, with_bytes: bool) -> dict:
+def _figures(acc: dict, with_unigram: bool) -> dict:
     out = {}
     for i, name in enumerate(MODALITY_NAMES):
         count = acc["n"][i]
@@ -115,7 +134,7 @@ def _figures(acc: dict, with_unigram: bool, with_bytes: bool) -> dict:
         if with_unigram:
             figures["unigram"] = float(acc["uni"][i] / count)
             figures["margin"] = figures["unigram"] - figures["ce"]
-        if with_bytes and name in ("text", "code") and acc["bytes"][i]:
+        if name in ("text", "code") and acc["bytes"][i]:
             figures["bpb"] = float(acc["ce"][i] / math.log(2) / acc["bytes"][i])
             figures["bytes"] = int(acc["bytes"][i])
         out[name] = figures

@@ -1,25 +1,16 @@
-"""Needle tests: does the model retrieve what it read far back? Depth x length tables of
-teacher-forced accuracy, each against a control that has nothing to retrieve.
+"""Needle tests (docs/evaluation.md, "Needle tests"): does the model retrieve what it read far
+back? Depth x length tables of teacher-forced accuracy, each against a control that has nothing
+to retrieve.
 
-- **Text (passkey)**: ``<bos>`` filler, the needle ("The pass key is K. Remember it. K is the
-  pass key.") at depth d of the filler, more filler, "What is the pass key? The pass key is"
-  and the key, all exactly ``length`` tokens (data/passkey.py's sentences, assembled here token
-  by token, the first word bare: a training document of ``passkey_text`` after ``<bos>``, token
-  for token, its last filler sentence cut short). Scored: the share of the key's digits that the argmax after each answer token's
-  prefix spells right (per digit: a predicted 3-digit token can be right in 2 of 3 places),
-  and the share of keys whose every digit token is right (whole). Control: the same prompt
-  with the needle replaced by filler, the same key asked for at the same position: what a
-  model gets by guessing digits.
-- **Video (frame copy)**: one video block of held-out latent frames (the filler: consecutive
-  frames of other held-out videos), a frame of another held-out video at depth d, and that
-  same frame again as the block's last frame. Scored: the share of the last frame's codes
-  that the argmax predicts (teacher-forced). Control: the same sequence with a frame of a
-  third video at depth d (the last frame is then seen nowhere before). The block is as many
-  frames as fit in ``length`` tokens; the rest of the row is padding.
+- **Text (passkey)**: a key hidden at depth d of a repeated filler and asked for at the end,
+  token for token a training document of data/passkey.py; scored per digit and per whole key.
+  Control: the same prompt with filler in the needle's place (what guessing digits gets).
+- **Video (frame copy)**: a held-out frame at depth d of a block of other videos' frames, repeated
+  as the block's last frame; scored on the last frame's codes. Control: another video's frame at
+  depth d (the last frame is then seen nowhere before).
 
-Every prompt is one document packed alone into a row by the training packer (positions, M-RoPE
-rows and columns, document and image ids as in training). Depth 0 puts the needle first,
-1 right before the question (or the last frame).
+Every prompt is one document packed alone into a row by the training packer, so positions and
+M-RoPE rows and columns are as in training.
 """
 
 from __future__ import annotations
@@ -36,7 +27,7 @@ from data.loader import pack_documents
 from data.passkey import FILLER_SENTENCES, NEEDLE, QUESTION, random_key
 from data.token_docs import iter_documents
 from data.vocab import Modality
-from tools.evaluate.logits import final_hidden
+from tools.evaluate.heldout import Heldout, final_hidden
 
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 _TEXT = int(Modality.TEXT)
@@ -53,18 +44,14 @@ class Prompt:
 def pack_prompts(prompts: list[Prompt], length: int, pad_id: int) -> dict[str, torch.Tensor]:
     """Each prompt alone in a row of ``length`` tokens, as the training loader packs a document
     (``pack_documents``), the rows stacked into one batch."""
-    rows = []
-    for prompt in prompts:
-        if not 0 < len(prompt.ids) <= length:
-            raise ValueError(f"a prompt of {len(prompt.ids)} tokens for a row of {length}")
-        rows.append(next(pack_documents([prompt], length, pad_id=pad_id)))
+    rows = [next(pack_documents([prompt], length, pad_id=pad_id)) for prompt in prompts]
     return {key: torch.cat([row[key] for row in rows]) for key in rows[0] if rows[0][key].ndim}
 
 
 @torch.no_grad()
 def predictions(model, prompts: list[Prompt], length: int, pad_id: int, device, batch_rows: int):
     """The model's argmax next token [P, length] at the positions that predict each prompt's
-    target (-1 elsewhere): logits only where they are scored (tools/evaluate/logits.py)."""
+    target (-1 elsewhere): logits only where they are scored (tools/evaluate/heldout.py)."""
     out = np.full((len(prompts), length), -1, np.int64)
     for start in range(0, len(prompts), batch_rows):
         chunk = prompts[start : start + batch_rows]
@@ -132,24 +119,16 @@ class PasskeyPrompts:
 
     def __init__(self, text_tokenizer) -> None:
         self.tok = text_tokenizer
-        self.sentences = [np.array(self.encode(" " + s)) for s in FILLER_SENTENCES]
-        self.question = self.encode(" " + QUESTION)
+        self.sentences = [np.array(text_tokenizer.encode(" " + s)) for s in FILLER_SENTENCES]
+        self.question = text_tokenizer.encode(" " + QUESTION)
         # A training document (data/passkey.py's passkey_text, tokenized after <bos>) starts
         # with its first word bare, every later one after a space: the prompt's first word is
         # written the same way, so that the prompt is token for token such a document. Its
-        # first piece is the first filler sentence or (depth 0) the needle: one first word.
-        first_words = {FILLER_SENTENCES[0].split()[0], NEEDLE.split()[0]}
-        if len(first_words) != 1:
-            raise ValueError(
-                f"data/passkey.py: the first filler sentence and the needle start with different "
-                f"words {sorted(first_words)}; the prompt's bare first word assumes one"
-            )
-        word = first_words.pop()
-        self.spaced_head = self.encode(" " + word)
-        self.bare_head = self.encode(word)
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text)
+        # first piece is the first filler sentence or (depth 0) the needle, which start alike
+        # (the long-context tests compare prompts of both kinds with such documents).
+        word = NEEDLE.split()[0]
+        self.spaced_head = text_tokenizer.encode(" " + word)
+        self.bare_head = text_tokenizer.encode(word)
 
     def filler(self, count: int, *, start: int = 0) -> tuple[list[int], list[int]]:
         """``count`` filler tokens (the sentences cycled from ``start``, the last cut short) and
@@ -169,8 +148,8 @@ class PasskeyPrompts:
         boundary), filler, the question and the key: ``length`` tokens, the tokens of a
         ``passkey_text`` document of that filler (its last sentence cut short) after ``<bos>``,
         up to the key. ``needle=False``: the control, filler in the needle's place."""
-        needle_ids = self.encode(" " + NEEDLE.format(key=key))
-        answer = self.encode(" " + key)
+        needle_ids = self.tok.encode(" " + NEEDLE.format(key=key))
+        answer = self.tok.encode(" " + key)
         bare = len(self.bare_head) - len(self.spaced_head)  # tokens the bare first word adds
         fill = length - 1 - len(needle_ids) - len(self.question) - len(answer) - bare
         if fill < 0:
@@ -199,7 +178,7 @@ class PasskeyPrompts:
 
 
 def passkey_table(
-    model,
+    run: Heldout,
     text_tokenizer,
     *,
     lengths: list[int],
@@ -207,9 +186,6 @@ def passkey_table(
     trials: int = 8,
     digits: int = 5,
     seed: int = 0,
-    device,
-    batch_rows: int = 8,
-    progress: bool = False,
 ) -> dict:
     """``{"lengths", "depths", "trials", "digits", "cells": {length: {depth: score}},
     "control": {length: score}}`` (scores as ``score_answers``); the same ``trials`` keys in
@@ -221,12 +197,12 @@ def passkey_table(
     out: dict = {"lengths": lengths, "depths": list(depths), "trials": trials, "digits": digits}
     out["cells"], out["control"] = {}, {}
     work = [(length, depth) for length in lengths for depth in (*depths, None)]
-    for length, depth in tqdm(work, desc="passkey", disable=not progress):
+    for length, depth in tqdm(work, desc="passkey", disable=not run.progress):
         prompts = [
             maker.prompt(key, length=length, depth=depth or 0.0, needle=depth is not None)
             for key in keys
         ]
-        guessed = predictions(model, prompts, length, pad, device, batch_rows)
+        guessed = predictions(run.model, prompts, length, pad, run.device, run.batch_rows)
         score = score_answers(guessed, prompts, maker.token_text)
         if depth is None:
             out["control"][str(length)] = score
@@ -299,32 +275,26 @@ def frame_prompts(
 
 
 def frame_copy_table(
-    model,
-    videos: list[np.ndarray],
-    layout,
+    run: Heldout,
+    text_tokenizer,
     *,
-    bos: int,
-    pad_id: int,
     lengths: list[int],
     depths: tuple[float, ...] = DEPTHS,
     trials: int = 8,
-    device,
-    batch_rows: int = 8,
-    progress: bool = False,
 ) -> dict:
     """``{"lengths", "depths", "trials", "frames": {length: frames in the block}, "grid",
     "cells": {length: {depth: copy score}}, "control": {length: {depth: score}}}`` (scores as
-    ``score_codes``). Needs 3 held-out videos of one grid size (the needle's, the control's and
-    the filler's)."""
+    ``score_codes``) over the held-out videos. It needs 3 of one grid size (the needle's, the
+    control's and the filler's): with fewer, ``{"missing": why}``."""
+    layout, bos, pad_id = text_tokenizer.layout, text_tokenizer.bos_id, text_tokenizer.pad_id
+    videos = held_out_videos(run.tables, layout)
     if len(videos) < 3:
-        raise ValueError(
-            f"the frame-copy test needs 3 held-out videos of one grid size, found {len(videos)}"
-        )
+        return {"missing": f"{len(videos)} held-out videos of one grid size; the test needs 3"}
     out: dict = {"lengths": lengths, "depths": list(depths), "trials": trials}
     out["grid"] = list(videos[0].shape[1:])
     out["cells"], out["control"], out["frames"] = {}, {}, {}
     work = [(length, depth) for length in lengths for depth in depths]
-    for length, depth in tqdm(work, desc="frame copy", disable=not progress):
+    for length, depth in tqdm(work, desc="frame copy", disable=not run.progress):
         for copy, into in ((True, out["cells"]), (False, out["control"])):
             prompts = [
                 frame_prompts(
@@ -333,7 +303,7 @@ def frame_copy_table(
                 for trial in range(trials)
             ]
             out["frames"][str(length)] = prompts[0].blocks[0][2]
-            guessed = predictions(model, prompts, length, pad_id, device, batch_rows)
+            guessed = predictions(run.model, prompts, length, pad_id, run.device, run.batch_rows)
             into.setdefault(str(length), {})[f"{depth:g}"] = score_codes(
                 guessed, prompts, layout.is_code
             )

@@ -1,20 +1,12 @@
-"""Cross-modal dependence on whole documents: does a caption depend on its image, and an image
-on its caption?
+"""Cross-modal dependence on whole documents (docs/evaluation.md, "Dependence, both directions"):
+does a caption depend on its image, and an image on its caption?
 
-A *pair* document holds one image block and text on one side of it: ``<bos> [image] caption
-<eos>`` (captioning direction) or ``<bos> caption [image] <eos>`` (drawing direction). The
-*target* is what comes second (the caption's text tokens, or the image block's code tokens); the
-*context* is what comes first. The gap is the target's mean CE after another document's context
-minus after its own: 0 means the model ignores the context; a model that reads it pays on a
-wrong one. Contexts are swapped along a fixed derangement within one source (document i takes
-document i+1's context), so the figure is deterministic and every context is used once.
-
-Used by ``earlyfuse-eval`` (tools/evaluate/__init__.py) on held-out token shards. The training monitor's
-probes (train/monitor/probes.py ``dependence_gap`` / ``reverse_dependence_gap``) measure the same
-two gaps cheaply inside packed batches during a run; this module scores whole documents, one at
-a time, for the final evaluation. Each document runs alone, packed the way the
-loader packs it (``data.loader.pack_documents``: positions, M-RoPE positions, image ids), so any
-model configuration sees what it saw in training.
+A *pair* document holds one image block and text on one side of it; the *target* is what comes
+second, the *context* what comes first. The gap is the target's mean CE after another
+document's context minus after its own. Contexts are swapped along a fixed derangement within
+one source (document i takes document i+1's context), so the figure is deterministic. The
+training monitor's probes (train/monitor/probes.py) measure the same gaps cheaply inside packed
+batches; here each document runs alone, packed as the loader packs it, for the final figures.
 """
 
 from __future__ import annotations
@@ -27,11 +19,10 @@ import torch
 
 from data.loader import pack_documents
 from data.vocab import Modality
-from train import names
+from tools.evaluate.heldout import final_hidden, token_ce
 
 CAPTION = "caption"  # image first, the caption is the target
 DRAWING = "drawing"  # caption first, the image is the target
-MODEL_INPUTS = tuple(key for key in names.MODEL_INPUTS if key not in ("labels", "label_modality"))
 
 
 @dataclass
@@ -98,23 +89,16 @@ def _document(pair: Pair, donor: Pair) -> tuple[np.ndarray, np.ndarray, list, np
     return ids, mod, blocks, mask
 
 
-def document_batch(ids: np.ndarray, mod: np.ndarray, blocks) -> dict:
-    """One document as the loader would pack it alone in a row of its own length."""
-    doc = SimpleNamespace(ids=ids, modality=mod, blocks=blocks)
-    return next(pack_documents([doc], len(ids)))
-
-
 @torch.no_grad()
 def target_nll(model, pair: Pair, donor: Pair, device) -> tuple[float, int]:
-    """(sum of -log p, count) of the pair's target tokens after ``donor``'s context."""
+    """(sum of -log p, count) of the pair's target tokens after ``donor``'s context, the document
+    packed alone in a row of its own length."""
     ids, mod, blocks, mask = _document(pair, donor)
-    batch = document_batch(ids, mod, blocks)
-    logits = model(**{key: batch[key].to(device) for key in MODEL_INPUTS})[0].float()
-    labels = batch["labels"][0].to(device)
-    keep = torch.from_numpy(mask).to(device) & (labels >= 0)
-    logp = torch.log_softmax(logits[keep], dim=-1)
-    nll = -logp.gather(1, labels[keep][:, None]).squeeze(1)
-    return float(nll.sum()), int(keep.sum())
+    doc = SimpleNamespace(ids=ids, modality=mod, blocks=blocks)
+    batch = next(pack_documents([doc], len(ids)))
+    nll = token_ce(model, final_hidden(model, batch, device), batch["labels"])[0]
+    keep = mask & (batch["labels"][0].numpy() >= 0)
+    return float(nll[keep].sum()), int(keep.sum())
 
 
 def dependence_gaps(model, pairs: list[Pair], device, *, progress: bool = False) -> dict:
@@ -133,12 +117,10 @@ def dependence_gaps(model, pairs: list[Pair], device, *, progress: bool = False)
         own = other = 0.0
         count = 0
         for i, pair in enumerate(group):
-            q = group[(i + 1) % len(group)]
-            a, key = target_nll(model, pair, pair, device)
-            block, k2 = target_nll(model, pair, q, device)
-            if key != k2:  # the target is the same tokens either way
-                raise AssertionError("target token count changed with the context")
-            own, other, count = own + a, other + block, count + key
+            own_nll, tokens = target_nll(model, pair, pair, device)
+            # the same target tokens after the next document's context
+            other_nll, _ = target_nll(model, pair, group[(i + 1) % len(group)], device)
+            own, other, count = own + own_nll, other + other_nll, count + tokens
             bar.update(1)
         out[f"{source}/{direction}"] = {
             "source": source,

@@ -1,24 +1,15 @@
-"""Loss by token position on held-out documents: does a token cost less the more of its document
-the model has read? Mean CE per position bucket and modality of the predicted token.
+"""Loss by token position on held-out documents (docs/evaluation.md, "Loss by token position"):
+does a token cost less the more of its document the model has read?
 
 Design choices:
-- The rows are the exact held-out pass (data/loader/heldout.py): every document packed in
-  index order into rows of ``seq_len``, as validation and the per-modality figures see them
-  (with the run's ``data.whole_documents``, a document that fits a row is one stretch).
-  A token's *position* is its offset in its document's stretch of the row (the tokens it can
-  attend to, the document mask being per stretch): a document longer than a row continues in
-  the next row from position 0, with none of its earlier part in view.
-- Buckets are log-spaced, ``[0, first)``, ``[first, 2 first)``, ``[2 first, 4 first)``, ...,
-  the last ending at the row length: the early positions, where context matters most, get
-  fine buckets.
-- A bucket's mean is taken over the stretches that *cover the whole bucket* (at least as long
-  as the bucket's end), so the mean of a late bucket is not a mix of long documents' late
-  tokens and nothing else while early buckets mix short and long ones: each bucket says how
-  many stretches it averages. Beside it, ``ce_first`` is the first bucket's CE on those same
-  stretches, so ``ce_first - ce`` is the fall with position within the same documents, free
-  of any difference between short and long documents. ``ce_all``/``tokens_all`` count every
-  token of the bucket, whatever its stretch's length (their token-weighted mean over buckets
-  is the held-out CE).
+- The rows are the exact held-out pass (data/loader/heldout.py); a token's position is its
+  offset in its document's stretch of the row, the tokens it can attend to.
+- Buckets are log-spaced (``[0, first)``, ``[first, 2 first)``, ...): the early positions, where
+  context matters most, get fine buckets.
+- A bucket's mean is taken over the stretches that *cover the whole bucket*, so late buckets do
+  not average long documents only while early ones mix short and long; ``ce_first``, the first
+  bucket's CE on those same stretches, gives the fall within the same documents.
+  ``ce_all``/``tokens_all`` count every token (their weighted mean is the held-out CE).
 """
 
 from __future__ import annotations
@@ -27,9 +18,8 @@ import numpy as np
 import torch
 
 from data.loader.expand import IGNORE
-from data.loader.heldout import HeldoutPass
 from data.vocab import MODALITY_NAMES, Modality
-from tools.evaluate.logits import final_hidden, token_ce
+from tools.evaluate.heldout import Heldout, final_hidden, token_ce
 
 
 def bucket_edges(seq_len: int, first: int = 64) -> list[int]:
@@ -57,6 +47,10 @@ def stretches(doc_ids: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.n
         if (labels[start:end] == IGNORE).all():
             span[start:end] = 0
     return offset, span
+
+
+def _mean(total, count) -> float | None:
+    return float(total / count) if count else None
 
 
 class PositionAccumulator:
@@ -98,20 +92,16 @@ class PositionAccumulator:
         for i, name in enumerate(MODALITY_NAMES):
             if not self.tokens_all[i].any():
                 continue
-            rows = []
-            for k in range(len(buckets)):
-                count, first = int(self.tokens[i, k]), int(self.first_tokens[i, k])
-                rows.append(
-                    {
-                        "ce": float(self.ce[i, k] / count) if count else None,
-                        "tokens": count,
-                        "ce_first": float(self.first[i, k] / first) if first else None,
-                        "ce_all": float(self.ce_all[i, k] / self.tokens_all[i, k])
-                        if self.tokens_all[i, k]
-                        else None,
-                        "tokens_all": int(self.tokens_all[i, k]),
-                    }
-                )
+            rows = [
+                {
+                    "ce": _mean(self.ce[i, k], self.tokens[i, k]),
+                    "tokens": int(self.tokens[i, k]),
+                    "ce_first": _mean(self.first[i, k], self.first_tokens[i, k]),
+                    "ce_all": _mean(self.ce_all[i, k], self.tokens_all[i, k]),
+                    "tokens_all": int(self.tokens_all[i, k]),
+                }
+                for k in range(len(buckets))
+            ]
             by_modality[name] = {"buckets": rows}
         return {
             "buckets": buckets,
@@ -121,33 +111,15 @@ class PositionAccumulator:
 
 
 @torch.no_grad()
-def position_losses(
-    model,
-    tables,
-    *,
-    seq_len: int,
-    device,
-    batch_rows: int = 8,
-    max_docs: int = 0,
-    first_bucket: int = 64,
-    whole_documents: bool = False,
-    progress: bool = False,
-) -> dict:
+def position_losses(run: Heldout, first_bucket: int = 64) -> dict:
     """Mean CE per position bucket and modality over the held-out pass (module docstring):
     ``{"seq_len", "buckets": [[start, end], ...], "stretches": [per bucket], "modalities":
     {name: {"buckets": [{"ce", "tokens", "ce_first", "ce_all", "tokens_all"}, ...]}}}``."""
-    acc = PositionAccumulator(bucket_edges(seq_len, first_bucket))
-    heldout = HeldoutPass(
-        tables,
-        seq_len=seq_len,
-        batch_rows=batch_rows,
-        max_docs=max_docs,
-        whole_documents=whole_documents,
-        progress=progress,
-    )
+    acc = PositionAccumulator(bucket_edges(run.seq_len, first_bucket))
+    heldout = run.rows()
     for part in heldout:
         batch = heldout.tensors(part)
-        ce = token_ce(model, final_hidden(model, batch, device), batch["labels"])
+        ce = token_ce(run.model, final_hidden(run.model, batch, run.device), batch["labels"])
         for row in range(batch["labels"].shape[0]):
             if not bool((batch["labels"][row] != IGNORE).any()):
                 continue  # a blank row filling the pass's last batch
@@ -157,7 +129,7 @@ def position_losses(
                 batch["label_modality"][row].numpy(),
                 batch["doc_ids"][row].numpy(),
             )
-    out = {"seq_len": seq_len, "whole_documents": whole_documents, **acc.result()}
+    out = {"seq_len": run.seq_len, "whole_documents": run.whole_documents, **acc.result()}
     out["documents"] = sum(counts.documents for counts in heldout.counts)
-    out["sampled"] = bool(max_docs)
+    out["sampled"] = bool(run.max_docs)
     return out

@@ -1,22 +1,11 @@
-"""Checkable generation on held-out scenes: draw a caption and read the drawing back; caption a
-picture and read the caption back.
+"""Checkable generation on held-out scenes (docs/evaluation.md, "Checkable generation"): draw a
+caption and read the drawing back with a pixel classifier; caption a picture and parse the
+caption back; each against chance (another scene's facts) and the visual tokenizer's ceiling.
 
-Scenes (data/demo_corpus/scenes.py) state facts a program can check. For every held-out
-single-shape scene (its caption names one colour, one shape and one of the four cells):
-
-- **drawing**: ``<bos> caption <boi>`` then sampling under the image grammar at the scene's own
-  grid (its size as the tokenizer would encode it), at ``draw_temperature`` (default 0.7) from a
-  generator seeded per scene (reproducible), decoded by the visual tokenizer and read by
-  data/demo_corpus/scene_scoring.py: colour, shape and cell against the caption. Not greedy:
-  the most likely code of every single position is the background's even when the model knows
-  where the shape goes, so a greedy drawing is almost always empty;
-- **captioning**: ``<bos> [the scene's image block]`` then greedy text-only decoding until
-  ``<|eos|>``, parsed with ``caption_facts``: the named colour, shape and cell against the facts
-  (a caption that does not parse scores nothing);
-- **chance**: the same drawings and captions scored against another scene's facts (a fixed
-  derangement), so each figure stands beside what a model that ignores its prompt would get;
-- **tokenizer ceiling**: the true scene encoded and decoded by the visual tokenizer, read by
-  the same classifier: what a perfect language model could reach.
+Drawings are sampled (``draw_temperature``, seeded per scene), not greedy: the likeliest code of
+every single position is the background's even when the model knows where the shape goes, so a
+greedy drawing is almost always empty. Drawing and captioning are ``earlyfuse-generate``'s code
+(tools/generate_requests.py), so the figures score what the command produces.
 """
 
 from __future__ import annotations
@@ -29,9 +18,13 @@ import torch
 
 from data.demo_corpus.scene_scoring import score
 from data.demo_corpus.scenes import caption_facts
-from data.image_crops import to_tensor
-from data.image_prep import ImagePrep, load_image
-from tools.generate_requests import caption_codes, draw_image, to_pixels
+from tools.generate_requests import (
+    MAX_SOURCE_PIXELS,
+    Generator,
+    caption_codes,
+    draw_image,
+    to_pixels,
+)
 
 ATTRIBUTES = ("colour", "shape", "position", "all")
 
@@ -85,48 +78,23 @@ def _shard_scenes(folder: Path) -> list[dict]:
     return out
 
 
-class SceneJudge:
+class SceneJudge(Generator):
+    """``earlyfuse-generate``'s Generator around a model already built (with its layout and
+    tokenizers), so that the scenes are drawn, captioned and encoded as the command does."""
+
     def __init__(self, model, layout, text, vtok, image_max_pixels: int, device) -> None:
-        self.model, self.layout, self.text, self.vtok = model, layout, text, vtok
-        self.device = device
-        self.prep = ImagePrep(
-            factor=vtok.cfg.factor, max_pixels=image_max_pixels, max_grid=layout.max_grid
-        )
+        self.model, self.layout, self.text, self._vtok = model, layout, text, vtok
+        self.device, self.image_max_pixels = device, image_max_pixels
+        self.max_source_pixels = MAX_SOURCE_PIXELS
 
-    @torch.no_grad()
-    def image_of(self, image: str | bytes) -> tuple[np.ndarray, np.ndarray]:
-        """(pixels at the tokenizer's size, code grid) of a scene (a file, or its bytes)."""
-        data = image if isinstance(image, bytes) else Path(image).read_bytes()
-        arr = np.array(load_image(data, self.prep))
-        codes = self.vtok.encode(to_tensor(arr[None]).to(self.device))[0]
-        return arr, codes.cpu().numpy()
+    image_of = Generator.encode_image
 
-    @torch.no_grad()
-    def draw(
-        self,
-        caption: str,
-        grid: tuple[int, int],
-        temperature: float = 0.7,
-        seed: int = 0,
-        guidance: float = 1.0,
-    ) -> np.ndarray:
-        _, pixels, _ = draw_image(
-            self,
-            caption,
-            size=grid,
-            side=max(grid),
-            temperature=temperature,
-            seed=seed,
-            guidance=guidance,  # against the same picture asked for with no caption
-        )
-        return pixels
-
-    @torch.no_grad()
-    def caption(self, codes: np.ndarray, max_new_tokens: int = 48) -> str:
+    # a judge captions code grids it has encoded, not files: another signature than Generator's
+    def caption(self, codes: np.ndarray, max_new_tokens: int = 48) -> str:  # type: ignore[override]
         """Greedy, as earlyfuse-generate --caption asks (bidirectional image blocks included)."""
-        new = caption_codes(self, codes, max_new_tokens=max_new_tokens)
-        eos = self.text.eos_id
-        return self.text.decode(new[: new.index(eos)] if eos in new else new)
+        return self.text.decode(
+            self.until_eos(caption_codes(self, codes, max_new_tokens=max_new_tokens))
+        )
 
     @torch.no_grad()
     def ceiling(self, codes: np.ndarray) -> np.ndarray:
@@ -174,8 +142,15 @@ def evaluate_scenes(
     for i, scene in enumerate(tqdm(single, desc="scenes", unit=" scenes", disable=not progress)):
         other = single[(i + 1) % len(single)]["facts"]
         arr, codes = judge.image_of(scene["image"])
-        drawing = judge.draw(
-            scene["caption"], tuple(codes.shape), draw_temperature, seed=i, guidance=draw_guidance
+        grid = (int(codes.shape[0]), int(codes.shape[1]))
+        _, drawing, _ = draw_image(
+            judge,
+            scene["caption"],
+            size=grid,
+            side=max(grid),
+            temperature=draw_temperature,
+            seed=i,
+            guidance=draw_guidance,  # against the same picture asked for with no caption
         )
         text = judge.caption(codes)
         for name, got in (

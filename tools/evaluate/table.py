@@ -10,14 +10,21 @@ def _f(value, spec=".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _share(score: dict | None, key: str) -> str:
+    return _f((score or {}).get(key), ".0%")
+
+
+def rows_phrase(whole_documents) -> str:
+    """How documents sit in the rows, in the words of every table and the HF export's README."""
+    return (
+        "documents that fit a row kept whole" if whole_documents else "documents split across rows"
+    )
+
+
 def _packing_line(ev: dict) -> str:
     """The held-out rows and where their settings came from (the release, its run folder, a
     flag or the defaults: packing_from)."""
-    whole = (
-        "documents that fit a row kept whole"
-        if ev.get("whole_documents")
-        else "documents split across rows"
-    )
+    whole = rows_phrase(ev.get("whole_documents"))
     origin = ev.get("packing_from") or {}
     if len(set(origin.values())) == 1:
         whence = f" (settings: {next(iter(origin.values()))})"
@@ -26,6 +33,13 @@ def _packing_line(ev: dict) -> str:
     else:
         whence = ""
     return f"rows of {ev['seq_len']} tokens, {ev.get('batch_rows', '?')} a batch, {whole}{whence}"
+
+
+def _row(label: str, cells, label_width: int, width) -> str:
+    """One line of a table: the label left-aligned, each cell right-aligned in ``width`` (one
+    width for all, or one per cell)."""
+    widths = [width] * len(cells) if isinstance(width, int) else width
+    return f"  {label:<{label_width}}" + "".join(f"{c:>{w}}" for c, w in zip(cells, widths))
 
 
 def format_eval(ev: dict) -> str:
@@ -50,16 +64,16 @@ def format_eval(ev: dict) -> str:
         lines.append(
             "per modality (nats per token; margin = unigram - CE, > 0 beats token frequencies):"
         )
+        widths: tuple[int, ...] = (8, 9, 8, 11, 10)
         lines.append(
-            f"  {'modality':<10}{'CE':>8}{'unigram':>9}{'margin':>8}{'bits/byte':>11}{'tokens':>10}"
+            _row("modality", ("CE", "unigram", "margin", "bits/byte", "tokens"), 10, widths)
         )
         for modality in MODALITIES:
             fig = tot.get(modality)
             if fig:
-                lines.append(
-                    f"  {modality:<10}{_f(fig['ce']):>8}{_f(fig.get('unigram')):>9}{_f(fig.get('margin')):>8}"
-                    f"{_f(fig.get('bpb')):>11}{fig['tokens']:>10,}"
-                )
+                figures = [fig["ce"], fig.get("unigram"), fig.get("margin"), fig.get("bpb")]
+                cells = [*map(_f, figures), f"{fig['tokens']:,}"]
+                lines.append(_row(modality, cells, 10, widths))
         if held.get("sampled"):
             lines.append("  (a sample: the first documents of each source, --max-docs)")
     dep = ev.get("dependence") or {}
@@ -67,15 +81,14 @@ def format_eval(ev: dict) -> str:
         lines.append(
             "dependence (target CE after its own context vs another document's; gap = other - own):"
         )
+        widths = (6, 8, 8, 8, 0)
         lines.append(
-            f"  {'source/direction':<26}{'pairs':>6}{'own':>8}{'other':>8}{'gap':>8}  target"
+            _row("source/direction", ("pairs", "own", "other", "gap", "  target"), 26, widths)
         )
         for key, row in dep.items():
             what = "caption text" if row["direction"] == "caption" else "image codes"
-            lines.append(
-                f"  {key:<26}{row['pairs']:>6}{_f(row['ce_own']):>8}{_f(row['ce_other']):>8}"
-                f"{_f(row['gap']):>8}  {what}"
-            )
+            figures = [_f(row[name]) for name in ("ce_own", "ce_other", "gap")]
+            lines.append(_row(key, [row["pairs"], *figures, f"  {what}"], 26, widths))
     scene_figs = ev.get("scenes") or {}
     if scene_figs.get("draw"):
         guidance = scene_figs.get("draw_guidance", 1.0)
@@ -85,7 +98,8 @@ def format_eval(ev: dict) -> str:
             f"{scene_figs.get('draw_temperature', 0):g}{guided}; share right, chance = scored "
             "against another scene):"
         )
-        lines.append(f"  {'':<22}{'colour':>8}{'shape':>8}{'position':>10}{'all':>7}")
+        widths = (8, 8, 10, 7)
+        lines.append(_row("", ("colour", "shape", "position", "all"), 22, widths))
         for name, label in (
             ("draw", "drawn from caption"),
             ("draw_chance", "  chance"),
@@ -94,10 +108,8 @@ def format_eval(ev: dict) -> str:
             ("ceiling", "tokenizer ceiling"),
         ):
             attr = scene_figs[name]
-            lines.append(
-                f"  {label:<22}{attr['colour']:>8.0%}{attr['shape']:>8.0%}{attr['position']:>10.0%}"
-                f"{attr['all']:>7.0%}"
-            )
+            shares = [f"{attr[key]:.0%}" for key in ("colour", "shape", "position", "all")]
+            lines.append(_row(label, shares, 22, widths))
     lines += format_position(ev.get("position_loss") or {})
     lines += format_passkey(ev.get("passkey") or {})
     lines += format_frame_copy(ev.get("frame_copy") or {})
@@ -110,33 +122,27 @@ def format_position(pos: dict) -> list[str]:
     first-bucket CE (docs/evaluation.md)."""
     if not pos.get("buckets"):
         return []
-    buckets = pos["buckets"]
-    names = [f"{start}-{end}" for start, end in buckets]
+    names = [f"{start}-{end}" for start, end in pos["buckets"]]
     width = max(9, *(len(name) + 2 for name in names))
     lines = [
         f"loss by position (nats per token, rows of {pos['seq_len']}"
         + ("; documents that fit a row kept whole" if pos.get("whole_documents") else "")
         + "; a bucket averages the document stretches that reach its end; first = their CE at "
         "positions of the first bucket):",
-        f"  {'modality':<16}" + "".join(f"{name:>{width}}" for name in names),
-        f"  {'stretches':<16}" + "".join(f"{count:>{width},}" for count in pos["stretches"]),
+        _row("modality", names, 16, width),
+        _row("stretches", [f"{count:,}" for count in pos["stretches"]], 16, width),
     ]
     for modality in MODALITIES:
         fig = (pos.get("modalities") or {}).get(modality)
         if not fig:
             continue
         cells = fig["buckets"]
-        lines.append(f"  {modality:<16}" + "".join(f"{_f(c['ce']):>{width}}" for c in cells))
-        lines.append(f"  {'  first':<16}" + "".join(f"{_f(c['ce_first']):>{width}}" for c in cells))
-        lines.append(f"  {'  tokens':<16}" + "".join(f"{c['tokens']:>{width},}" for c in cells))
+        lines.append(_row(modality, [_f(c["ce"]) for c in cells], 16, width))
+        lines.append(_row("  first", [_f(c["ce_first"]) for c in cells], 16, width))
+        lines.append(_row("  tokens", [f"{c['tokens']:,}" for c in cells], 16, width))
     if pos.get("sampled"):
         lines.append("  (a sample: the first documents of each source, --max-docs)")
     return lines
-
-
-def _share(score: dict | None, key: str) -> str:
-    value = (score or {}).get(key)
-    return "-" if value is None else f"{value:.0%}"
 
 
 def format_passkey(table: dict) -> list[str]:
@@ -144,22 +150,19 @@ def format_passkey(table: dict) -> list[str]:
     if not table.get("cells"):
         return []
     lengths = [str(length) for length in table["lengths"]]
+
+    def shares(scores) -> list[str]:
+        return [f"{_share(c, 'digit'):>7} ({_share(c, 'whole'):>4})" for c in scores]
+
     lines = [
         f"passkey (text; {table['trials']} keys of {table['digits']} digits a cell, teacher-forced; "
         "share of digits right, whole keys right in brackets; control = no key in the prompt):",
-        f"  {'depth':<10}" + "".join(f"{length:>14}" for length in lengths),
+        _row("depth", lengths, 10, 14),
     ]
     for depth in table["depths"]:
         cells = [table["cells"][length].get(f"{depth:g}") for length in lengths]
-        lines.append(
-            f"  {depth:<10g}"
-            + "".join(f"{_share(c, 'digit'):>7} ({_share(c, 'whole'):>4})" for c in cells)
-        )
-    controls = [table["control"].get(length) for length in lengths]
-    lines.append(
-        f"  {'control':<10}"
-        + "".join(f"{_share(c, 'digit'):>7} ({_share(c, 'whole'):>4})" for c in controls)
-    )
+        lines.append(_row(f"{depth:g}", shares(cells), 10, 14))
+    lines.append(_row("control", shares(table["control"].get(n) for n in lengths), 10, 14))
     return lines
 
 
@@ -176,9 +179,8 @@ def format_frame_copy(table: dict) -> list[str]:
         f"frame copy (video; {table['trials']} frames of {grid} codes a cell, teacher-forced; share "
         "of the last frame's codes right when the frame at depth d is that frame / control: "
         "another frame there):",
+        _row("depth", [f"{n} ({table['frames'][n]} fr)" for n in lengths], 10, 18),
     ]
-    heads = [f"{length} ({table['frames'][length]} fr)" for length in lengths]
-    lines.append(f"  {'depth':<10}" + "".join(f"{head:>18}" for head in heads))
     for depth in table["depths"]:
         key = f"{depth:g}"
         cells = [
@@ -186,5 +188,5 @@ def format_frame_copy(table: dict) -> list[str]:
             f"{_share(table['control'][n].get(key), 'accuracy')}"
             for n in lengths
         ]
-        lines.append(f"  {depth:<10g}" + "".join(f"{cell:>18}" for cell in cells))
+        lines.append(_row(key, cells, 10, 18))
     return lines

@@ -1,21 +1,14 @@
 """Qwen3 plus earlyfuse's row and column embeddings of image codes (``model.grid_embedding``).
 
-Written into a Hugging Face export by ``earlyfuse-convert hf`` when the model has grid
-embeddings, and loaded from there with
-``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)``. Self-contained: it
-imports torch and transformers only (it travels as a file, not as part of earlyfuse).
+Written into a Hugging Face export by ``earlyfuse-convert hf`` (the export's README.md says how
+to load it) and loaded with ``trust_remote_code=True``. Self-contained: it travels as a file,
+so it imports torch and transformers only.
 
-What it adds to ``Qwen3ForCausalLM``: two tables, ``grid_rows`` and ``grid_cols``
-([max_grid, hidden]); the input embedding of an image code is its token embedding plus the
-row's and the column's. Where the code sits is read off the whole token history, exactly as
-earlyfuse's ``LayoutTracker`` places it: an image block is
-``<boi> <h=H> <w=W> (W codes <eol>) x H <eoi>``; a code's row counts the ``<eol>`` since its
-block opened, its column the codes since the row began (both clamped to max_grid - 1). Codes in
-a video block (``<bov> ... <eov>``) get nothing; a stray code outside any block gets row 0,
-column 0. Because rows and columns depend on everything before a token, ``generate`` works out
-(row, column, is-image-code) from all ids in ``prepare_inputs_for_generation`` and passes the
-new tokens' part to ``forward`` as ``image_grid``; a plain ``forward`` over whole sequences
-computes it itself.
+An image code's input embedding is its token embedding plus its row's and its column's, placed
+from the whole token history exactly as earlyfuse's ``LayoutTracker`` places it. Because that
+depends on everything before a token, ``generate`` works the places out from all ids in
+``prepare_inputs_for_generation`` and passes the new tokens' part to ``forward`` as
+``image_grid``; a plain ``forward`` over whole sequences computes it itself.
 """
 
 from __future__ import annotations
