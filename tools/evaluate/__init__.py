@@ -29,10 +29,21 @@ examples:
   earlyfuse-eval releases/mine --data s3://bucket/tokens/val              # any fsspec URL
   earlyfuse-eval releases/mine --data tokens/val --long-context --needle-lengths 2048,4096,8192
 
-what the table says: each table's heading says what its figures are; docs/evaluation.md
-  explains every figure. The held-out data must be made with the release's tokenizers and never
-  seen in training (earlyfuse-prep ingest --exclude-content-of TRAIN_RAW); --train-data checks
-  the second.
+what the table says (docs/evaluation.md explains every figure):
+  margin = unigram - CE per modality: above 0 the model beats the training tokens' own
+    frequencies; structure tokens (<eol>, <eoi>) should cost nearly nothing.
+  gap = CE of the target after another document's context - after its own (nats per target
+    token): near 0, captions ignore their pictures (caption) or pictures their captions (drawing).
+  scenes: share of drawn / captioned held-out scenes with the right colour, shape and cell,
+    beside chance (scored against another scene) and the visual tokenizer's own ceiling.
+  loss by position: CE per position bucket, each over the document stretches that cover it
+    whole (stretches: how many); first = the same stretches' CE in the first bucket. Falling
+    with position: the model uses its context.
+  passkey / frame copy: teacher-forced accuracy of a key's digits (whole keys in brackets) or of
+    a repeated frame's codes, per depth of the needle and sequence length, against a control
+    without the needle (what guessing gets).
+  The held-out data must be made with the release's tokenizers and never seen in training
+    (earlyfuse-prep ingest --exclude-content-of TRAIN_RAW); --train-data checks the second.
 """
 
 
