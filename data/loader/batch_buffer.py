@@ -57,11 +57,14 @@ class BatchBuffer:
         self.fields["thw"] = int32[k * n :].reshape(rows, seq_len, 3)
 
     def split(self) -> dict:
-        """The batch's tensors (``input_ids`` ... ``position_thw``), views of the buffer's tensor
-        (of the pinned one too): a few torch calls for all of them, where slicing the tensor
-        field by field costs a dispatch each."""
+        """The batch's tensors (``input_ids`` ... ``position_thw``), views of the buffer. From the
+        numpy views it holds (``torch.from_numpy``, one light call a field: slicing a tensor goes
+        through torch's dispatcher for every view), except a pinned buffer's, whose views must be
+        views of the pinned tensor: a few torch calls for all of them."""
         import torch
 
+        if not self.pinned:
+            return {key: torch.from_numpy(self.fields[attr]) for key, attr in _SPLIT_KEYS}
         n, k = self.rows * self.L, len(_INT32_ROW)
         int32 = self.tensor[8 * n :].view(torch.int32)
         out = dict(
@@ -78,3 +81,4 @@ class BatchBuffer:
 
 # The order of a split batch's keys (ROW_FIELDS', then position_thw), whatever the buffer's layout
 _SPLIT_ORDER = tuple(key for _, key, _ in ROW_FIELDS) + ("position_thw",)
+_SPLIT_KEYS = tuple((key, attr) for attr, key, _ in ROW_FIELDS) + (("position_thw", "thw"),)

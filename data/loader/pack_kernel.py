@@ -659,3 +659,43 @@ class Packing:
         self.ndocs, self.nunits = len(keep), len(units)
         for rows in self._lists():
             rows[:] = remap[rows]
+
+
+@njit(cache=True)
+def count_modalities(mod, real, by_modality):
+    """A packed batch's real tokens per modality (data/vocab.py's five) into ``by_modality``.
+    Compiled: numpy's ``bincount`` first widens the batch's modalities to int64, which costs more
+    than the loop that packed them. Padding is text (the loop writes it so): the other four are
+    counted over the whole batch in one flat loop, which LLVM vectorises, and text is what they
+    leave of the real tokens."""
+    n_code = n_image = n_video = n_structure = 0
+    for at in range(mod.shape[0]):
+        modality = mod[at]
+        n_code += modality == 1
+        n_image += modality == 2
+        n_video += modality == 3
+        n_structure += modality == 4
+    by_modality[1], by_modality[2], by_modality[3], by_modality[4] = (
+        n_code,
+        n_image,
+        n_video,
+        n_structure,
+    )
+    by_modality[0] = real.sum() - n_code - n_image - n_video - n_structure
+
+
+@njit(cache=True)
+def pieces_table(pieces, row_pieces):
+    """int64 [rows, most pieces, 4] (source, sample, start, end) of each row's pieces, -1
+    padded: which documents a batch holds (for checks and debugging; the model never sees it).
+    Compiled for the same reason as ``count_modalities``: numpy takes a dozen calls a batch."""
+    most = 0
+    for row in range(row_pieces.shape[0]):
+        most = max(most, row_pieces[row])
+    out = np.full((row_pieces.shape[0], most, 4), -1, np.int64)
+    at = 0
+    for row in range(row_pieces.shape[0]):
+        for piece in range(row_pieces[row]):
+            out[row, piece, :] = pieces[at, :]
+            at += 1
+    return out

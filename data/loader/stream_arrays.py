@@ -45,16 +45,6 @@ if TYPE_CHECKING:
 _VIDEO = int(Modality.VIDEO)
 
 
-def _pieces_table(pieces: np.ndarray, row_pieces: np.ndarray) -> np.ndarray:
-    """int64 [rows, most pieces, 4] (source, sample, start, end) of each row's pieces, -1
-    padded: which documents a batch holds (for checks and debugging; the model never sees it)."""
-    out = np.full((len(row_pieces), int(row_pieces.max(initial=0)), 4), -1, np.int64)
-    rows = np.repeat(np.arange(len(row_pieces)), row_pieces)
-    firsts = np.cumsum(row_pieces) - row_pieces
-    out[rows, np.arange(len(rows)) - firsts[rows]] = pieces[: len(rows)]
-    return out
-
-
 class StreamArrays(Packing):
     def __init__(
         self,
@@ -145,12 +135,11 @@ class StreamArrays(Packing):
         state = self.state
         seg = self.seg[: state[kernel.ST_NSEG]].copy()
         blocks = self.blocks[: state[kernel.ST_NBLK]].copy()
-        # Padding is text (the kernel writes it so): text is what the others leave of the real
-        by_modality = np.bincount(mod, minlength=len(MODALITY_NAMES)).astype(np.int64)
-        by_modality[0] = real.sum() - by_modality[1:].sum()
+        by_modality = np.empty(len(MODALITY_NAMES), np.int64)
+        kernel.count_modalities(mod, real, by_modality)
         return (
             CompactBatch(self.B, self.L, ids, mod, seg, blocks, real),
-            _pieces_table(self.pieces, self.row_pieces),
+            kernel.pieces_table(self.pieces, self.row_pieces),
             self.src[:, kernel.S_BATCH_TOKENS].tolist(),
             by_modality,
         )

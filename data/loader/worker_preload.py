@@ -20,6 +20,7 @@ import torch.utils.data._utils.worker  # noqa: F401  (the worker loop a DataLoad
 
 import data.loader.dataset  # noqa: F401  (what a worker unpickles its dataset from)
 from data.loader.pack_documents import pack_documents
+from data.loader.pack_kernel import count_modalities, pieces_table
 from data.loader.shard_check import first_bad_document
 from data.loader.stage_kernel import fill_units, gather_tokens
 
@@ -44,6 +45,9 @@ def warm_kernels() -> None:
     gather_tokens(
         mapped, empty, empty, empty, empty, empty, np.zeros(0, np.int32), np.zeros(0, np.uint8)
     )
+    # A batch's tokens per modality (StreamArrays.pack)
+    count_modalities(np.zeros(0, np.uint8), np.zeros(0, np.int64), np.zeros(5, np.int64))
+    pieces_table(np.zeros((0, 4), np.int64), np.zeros(0, np.int64))
     # The whole-shard check of the ids (shard_check.check_shard): the shard's read-only map
     first_bad_document(mapped, empty, empty, empty.copy(), np.zeros((0, 2), np.int64), -1)
 
