@@ -29,10 +29,16 @@ from data.shards import token_index
 from data.shards.manifest import record_path
 from data.shards.reader import ShardReader
 from data.shards.storage import Folder, Staging
-from data.shards.writer import ShardWriter
+from data.shards.writer import ShardResult, ShardWriter
 from data.text_tokenizer import TextTokenizer
 from data.tokenize.blocks import shard_block_stats, visual_blocks
-from data.tokenize.docs import TokenizeOptions, encode_text_chunk, has_visual, tokens_by_modality
+from data.tokenize.docs import (
+    TokenDoc,
+    TokenizeOptions,
+    encode_text_chunk,
+    has_visual,
+    tokens_by_modality,
+)
 
 STATE_DIR = ".tokenize"
 CHUNK_DOCS = 64
@@ -131,45 +137,55 @@ def tokenize_shard(job: TokenizeJob) -> dict:
     return record
 
 
+class TokenShardWriter:
+    """One token shard as tokenize writes it: each document's ``ids.npy`` and ``mod.npy`` with its
+    meta in the tar, its token counts and visual blocks in the JSONL index, and on ``close`` the
+    loader's binary index built from that JSONL. The one writer of the format: the tools that
+    make token folders of their own (the benchmarks, the instability suite) use it too."""
+
+    def __init__(self, tar: Path, index: Path):
+        self.index = Path(index)
+        self.writer = ShardWriter(tar, index)
+        self.tokens: Counter = Counter()  # tokens by modality name, over the shard
+        self.doc_blocks: list[list[list[int]]] = []  # each document's ``visual_blocks``
+
+    def write(self, doc: TokenDoc) -> None:
+        by_mod = tokens_by_modality(doc)
+        self.doc_blocks.append(visual_blocks(doc.spans))
+        meta = {"source": doc.source, "spans": doc.spans, "tokens": int(len(doc.ids))}
+        members = [("ids.npy", npy_bytes(doc.ids)), ("mod.npy", npy_bytes(doc.modality))]
+        extra = {"tokens": int(len(doc.ids)), "tokens_by_modality": by_mod}
+        self.writer.write(Sample(doc.key, meta, members), {**extra, "blocks": self.doc_blocks[-1]})
+        self.tokens.update(by_mod)
+
+    def close(self, binary: Path) -> ShardResult:
+        """Finish the tar and the JSONL index, and write the binary index to ``binary``."""
+        result = self.writer.close()
+        token_index.write(binary, token_index.build(self.index.read_bytes()))
+        return result
+
+    def abort(self) -> None:
+        self.writer.abort()
+
+
 def _tokenize_shard(job: TokenizeJob, raw_tar: Path, raw_idx: Path, stage: Staging) -> dict:
     tar_rel = job.shard["path"]
     idx_rel = job.shard["index"]
-    writer = ShardWriter(stage.path(tar_rel), stage.path(idx_rel))
+    bin_rel = binary_index_name(idx_rel)
+    writer = TokenShardWriter(stage.path(tar_rel), stage.path(idx_rel))
     rejects: list[dict] = []
-    tokens: Counter = Counter()
-    docs = 0
-    doc_blocks: list[list[list[int]]] = []
     try:
         with ShardReader(raw_tar, raw_idx) as stream:
             for chunk in batched(stream, CHUNK_DOCS):
                 for got in encode_chunk(job, chunk):
                     if isinstance(got, Reject):
                         rejects.append(got.to_dict())
-                        continue
-                    meta = {"source": got.source, "spans": got.spans, "tokens": int(len(got.ids))}
-                    by_mod = tokens_by_modality(got)
-                    doc_blocks.append(visual_blocks(got.spans))
-                    writer.write(
-                        Sample(
-                            got.key,
-                            meta,
-                            [("ids.npy", npy_bytes(got.ids)), ("mod.npy", npy_bytes(got.modality))],
-                        ),
-                        {
-                            "tokens": int(len(got.ids)),
-                            "tokens_by_modality": by_mod,
-                            "blocks": doc_blocks[-1],
-                        },
-                    )
-                    tokens.update(by_mod)
-                    docs += 1
-        result = writer.close()
+                    else:
+                        writer.write(got)
+        result = writer.close(stage.path(bin_rel))
     except BaseException:
         writer.abort()
         raise
-    # The loader's binary index (data/shards/token_index.py), derived from the JSONL just written.
-    bin_rel = binary_index_name(idx_rel)
-    token_index.write(stage.path(bin_rel), token_index.build(stage.path(idx_rel).read_bytes()))
     return {
         "fingerprint": job.fingerprint,
         "index": job.index,
@@ -178,12 +194,12 @@ def _tokenize_shard(job: TokenizeJob, raw_tar: Path, raw_idx: Path, stage: Stagi
         "tar": tar_rel,
         "index_file": idx_rel,
         "index_bin": bin_rel,
-        "samples": docs,
+        "samples": result.samples,
         "bytes": result.bytes,
         "sha256": result.sha256,
         "index_sha256": result.index_sha256,
-        "tokens": dict(tokens),
-        "block_stats": shard_block_stats(doc_blocks),
+        "tokens": dict(writer.tokens),
+        "block_stats": shard_block_stats(writer.doc_blocks),
         "rejects": rejects,
         # What `earlyfuse-prep merge` needs to finish a partitioned run's manifest.
         "inputs": {"raw": job.raw_dir, "tokenizer": job.tok_dir, "visual": job.vtok_dir},

@@ -102,41 +102,27 @@ def allow_recompiles(lengths: int, per_length: int = 8) -> None:
 # --- token folders --------------------------------------------------------------------------------
 def write_token_shard(folder: Path, source: str, stem: str, docs: Iterable, modality: int) -> dict:
     """One token shard (tar, JSONL index, binary index) of ``docs``, (key, int32 ids) pairs of
-    one modality, written by the project's own writers under ``folder / source``: its manifest
+    one modality, written by tokenize's own writer under ``folder / source``: its manifest
     entry."""
     import numpy as np
 
-    from data.schema import Sample
     from data.shards import token_index
-    from data.shards.writer import ShardWriter
-    from data.tokenize.shard_job import npy_bytes
-    from data.vocab import MODALITY_NAMES
+    from data.tokenize.docs import TokenDoc
+    from data.tokenize.shard_job import TokenShardWriter
 
-    kind = MODALITY_NAMES[modality]
     rel = f"{source}/{stem}"
     (folder / source).mkdir(parents=True, exist_ok=True)
-    writer = ShardWriter(folder / f"{rel}.tar", folder / f"{rel}.idx.jsonl")
-    tokens = 0
+    writer = TokenShardWriter(folder / f"{rel}.tar", folder / f"{rel}.idx.jsonl")
     for key, ids in docs:
-        mod = np.full(len(ids), modality, np.uint8)
-        meta = {"source": source, "spans": [], "tokens": len(ids)}
-        members = [("ids.npy", npy_bytes(ids)), ("mod.npy", npy_bytes(mod))]
-        writer.write(
-            Sample(key, meta, members), {"tokens": len(ids), "tokens_by_modality": {kind: len(ids)}}
-        )
-        tokens += len(ids)
-    res = writer.close()
-    token_index.write(
-        folder / f"{rel}{token_index.SUFFIX}",
-        token_index.build((folder / f"{rel}.idx.jsonl").read_bytes()),
-    )
+        writer.write(TokenDoc(key, ids, np.full(len(ids), modality, np.uint8), source=source))
+    res = writer.close(folder / f"{rel}{token_index.SUFFIX}")
     return {
         "path": f"{rel}.tar",
         "index": f"{rel}.idx.jsonl",
         "index_bin": f"{rel}{token_index.SUFFIX}",
         "source": source,
         "samples": res.samples,
-        "tokens": {kind: tokens},
+        "tokens": dict(writer.tokens),
         "blocks": {mod: {"blocks": 0, "longest": 0} for mod in ("image", "video")},
         "bytes": res.bytes,
         "sha256": res.sha256,

@@ -33,20 +33,17 @@ import json
 import shutil
 import subprocess
 import sys
-from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from data.loader.npy import read_npy
-from data.schema import Sample
 from data.shards import token_index
 from data.shards.index import read_index, read_member
-from data.shards.writer import ShardWriter
 from data.tokenize.blocks import visual_blocks
-from data.tokenize.docs import TokenDoc, tokens_by_modality
-from data.tokenize.shard_job import npy_bytes
+from data.tokenize.docs import TokenDoc
+from data.tokenize.shard_job import TokenShardWriter
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
 
 VERSION = 6  # bump when what is built changes
@@ -265,22 +262,11 @@ def write_source(out: Path, name: str, docs: list[TokenDoc]) -> list[dict]:
     entries = []
     for shard_no, start in enumerate(range(0, len(docs), DOCS_PER_SHARD)):
         rel = f"{name}/shard-{shard_no:06d}"
-        writer = ShardWriter(out / f"{rel}.tar", out / f"{rel}.idx.jsonl")
-        tokens: Counter = Counter()
+        writer = TokenShardWriter(out / f"{rel}.tar", out / f"{rel}.idx.jsonl")
         for doc in docs[start : start + DOCS_PER_SHARD]:
-            by_mod = tokens_by_modality(doc)
-            meta = {"source": name, "spans": doc.spans, "tokens": len(doc.ids)}
-            members = [("ids.npy", npy_bytes(doc.ids)), ("mod.npy", npy_bytes(doc.modality))]
-            blocks = visual_blocks(doc.spans)
-            writer.write(
-                Sample(doc.key, meta, members),
-                {"tokens": len(doc.ids), "tokens_by_modality": by_mod, "blocks": blocks},
-            )
-            tokens.update(by_mod)
-        written = writer.close()
-        # The loader's binary index and block summary, as tokenize writes them
-        binary = token_index.build((out / f"{rel}.idx.jsonl").read_bytes())
-        token_index.write(out / f"{rel}{token_index.SUFFIX}", binary)
+            writer.write(replace(doc, source=name))
+        written = writer.close(out / f"{rel}{token_index.SUFFIX}")
+        binary = (out / f"{rel}{token_index.SUFFIX}").read_bytes()
         entries.append(
             {
                 "path": f"{rel}.tar",
@@ -292,7 +278,7 @@ def write_source(out: Path, name: str, docs: list[TokenDoc]) -> list[dict]:
                 "bytes": written.bytes,
                 "sha256": written.sha256,
                 "index_sha256": written.index_sha256,
-                "tokens": tokens,
+                "tokens": writer.tokens,
             }
         )
     return entries
