@@ -283,3 +283,13 @@ def corrupt_every_sample(tar: Path) -> list[str]:
             f.write(bytes([byte ^ 0x5A]))
             keys.append(entry["key"])
     return keys
+
+
+def tiny_loader_config(tiny_tokens: Path, **settings):
+    """A LoaderConfig over every source of the session's tiny token folder (``tiny_tokens``), rows
+    of 256 and a shuffle buffer of 8 unless ``settings`` say otherwise."""
+    from data.loader import LoaderConfig, SourceConfig
+
+    names = ("code", "text", "scenes", "digits", "clips", "docs")
+    sources = [SourceConfig(name=name, shards=[str(tiny_tokens / name)]) for name in names]
+    return LoaderConfig(**{"sources": sources, "seq_len": 256, "shuffle_buffer": 8, **settings})

@@ -11,6 +11,7 @@ import sys
 from multiprocessing import forkserver
 from pathlib import Path
 
+from factories import tiny_loader_config
 from numba.core.registry import CPUDispatcher
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -113,13 +114,7 @@ def test_a_worker_forks_from_a_server_with_the_loader_imported_and_its_kernels_l
     server = forkserver._forkserver
     if server._forkserver_pid is not None and PRELOAD not in server._preload_modules:
         server._stop()  # started by another test of this process without the loader's preload
-    names = ("code", "text", "scenes", "digits", "clips", "docs")
-    cfg = LoaderConfig(
-        sources=[SourceConfig(name=name, shards=[str(tiny_tokens / name)]) for name in names],
-        seq_len=256,
-        num_workers=1,
-        shuffle_buffer=8,
-    )
+    cfg = tiny_loader_config(tiny_tokens, num_workers=1)
     loader = build_loader(cfg, rank=0, world_size=1, micro_batch=3)
     assert server._forkserver_pid is not None, "building a loader with workers starts the server"
     assert server._preload_modules[0] == "__main__"  # multiprocessing's own default is kept
@@ -142,14 +137,7 @@ def test_counting_an_epoch_reads_the_indexes_alone(tiny_tokens, monkeypatch):
     from data.loader.store import ShardFiles
     from data.loader.stream import ConsumerStream
 
-    names = ("code", "text", "scenes", "digits", "clips", "docs")
-    cfg = LoaderConfig(
-        sources=[SourceConfig(name=name, shards=[str(tiny_tokens / name)]) for name in names],
-        seq_len=256,
-        num_workers=2,
-        shuffle_buffer=8,
-        mode="epoch",
-    )
+    cfg = tiny_loader_config(tiny_tokens, num_workers=2, mode="epoch")
     counted = build_loader(cfg, rank=0, world_size=2, micro_batch=3).batch_limit
 
     def refused(*args, **kwargs):

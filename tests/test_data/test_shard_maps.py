@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from factories import tiny_loader_config
 
-from data.loader import LoaderConfig, SourceConfig, build_loader, store
+from data.loader import build_loader, store
 from data.loader.store import ShardFiles
 
 
@@ -45,13 +46,7 @@ def test_reading_a_shard_through_its_map_keeps_few_of_its_pages(tmp_path, monkey
 def test_batches_are_the_same_when_the_maps_are_released_after_every_read(tiny_tokens, monkeypatch):
     """Handing the pages back leaves every view of the maps valid: batches of the tiny token
     folder with the maps released after every read equal those with them released never."""
-    names = ("code", "text", "scenes", "digits", "clips", "docs")
-    cfg = LoaderConfig(
-        sources=[SourceConfig(name=name, shards=[str(tiny_tokens / name)]) for name in names],
-        seq_len=256,
-        num_workers=0,
-        shuffle_buffer=8,
-    )
+    cfg = tiny_loader_config(tiny_tokens, num_workers=0)
 
     def batches() -> list[dict]:
         it = iter(build_loader(cfg, rank=0, world_size=1, micro_batch=3))
