@@ -20,10 +20,8 @@ from pathlib import Path
 from data.schema import SEGMENT_TYPES, Reject, Sample, sanitize_key, unsafe_name_reason
 from data.sources.base import Item, Part, Source, stat_size
 from data.sources.rows import blank_line, parse_record
-from data.sources.tables import is_table, load_row, table_items
+from data.sources.tables import LIST_COLUMNS, aligned_entries, is_table, load_row, table_items
 from data.sources.text import jsonl_lines, read_line
-
-OBELICS_LISTS = (("texts", "text"), ("images", "image"), ("videos", "video"))
 
 
 def doc_parts(rec: dict, base: Path, label: str) -> list[Part] | Reject:
@@ -42,24 +40,17 @@ def doc_parts(rec: dict, base: Path, label: str) -> list[Part] | Reject:
                 parts.append(Part(kind, seg.get("text") or "", path=label, lang=seg.get("lang")))
             else:
                 parts.append(Part(kind, path=seg.get("path") or seg.get("file") or ""))
-    elif any(column in rec for column, _ in OBELICS_LISTS):
-        lists = [(rec.pop(column, None) or [], kind) for column, kind in OBELICS_LISTS]
-        length = max(len(column_values) for column_values, _ in lists)
-        if any(column_values and len(column_values) != length for column_values, _ in lists):
-            return Reject(label, "bad-record", "texts/images/videos lists differ in length")
+    elif any(column in rec for column, _ in LIST_COLUMNS):
+        entries = aligned_entries(rec, label)
+        if isinstance(entries, Reject):
+            return entries
         parts = []
-        for position in range(length):
-            for values, kind in lists:
-                value = values[position] if values else None
-                if value is None:
-                    continue
-                if not isinstance(value, str):
-                    return Reject(
-                        label, "bad-record", f"{kind} at position {position} is not a string"
-                    )
-                parts.append(
-                    Part(kind, value, path=label) if kind == "text" else Part(kind, path=value)
-                )
+        for position, kind, value in entries:
+            if not isinstance(value, str):
+                return Reject(label, "bad-record", f"{kind} at position {position} is not a string")
+            parts.append(
+                Part(kind, value, path=label) if kind == "text" else Part(kind, path=value)
+            )
     else:
         return Reject(label, "bad-record", 'neither "segments" nor OBELICS "texts"/"images" lists')
     for part in parts:

@@ -385,29 +385,38 @@ def _refused_path(
     return Reject(f"{label} ({got[2]})", skip.reason, skip.detail) if skip else None
 
 
-def _interleaved_parts(src: Source, rec: dict, base: Location, label: str) -> list[Part] | Reject:
+def aligned_entries(rec: dict, label: str) -> list[tuple[int, str, object]] | Reject:
+    """The OBELICS lists (``texts``, ``images``, ``videos``, aligned) of a JSONL record or a
+    table row as (position, kind, value) in document order: at each position the non-null
+    entries in the order text, image, video. Consumes the columns it reads from ``rec``."""
     lists = [(rec.pop(column, None) or [], kind) for column, kind in LIST_COLUMNS]
     length = max(len(column_values) for column_values, _ in lists)
     if any(column_values and len(column_values) != length for column_values, _ in lists):
         return Reject(label, "bad-record", "texts/images/videos lists differ in length")
+    return [
+        (position, kind, values[position])
+        for position in range(length)
+        for values, kind in lists
+        if values and values[position] is not None
+    ]
+
+
+def _interleaved_parts(src: Source, rec: dict, base: Location, label: str) -> list[Part] | Reject:
+    entries = aligned_entries(rec, label)
+    if isinstance(entries, Reject):
+        return entries
     parts = []
-    for position in range(length):
-        for values, kind in lists:
-            value = values[position] if values else None
-            if value is None:
-                continue
-            if kind == "text":
-                if not isinstance(value, str):
-                    return Reject(
-                        label, "bad-record", f"text at position {position} is not a string"
-                    )
-                parts.append(Part("text", value, path=label))
-                continue
-            got = media_value(value, base)
-            if isinstance(got, str):
-                return Reject(label, "bad-record", f"{kind} at position {position}: {got}")
-            refused = _refused_path(src, got, base, label)
-            if refused:
-                return refused
-            parts.append(_media_part(kind, got, f"{label}:{kind} {position}"))
+    for position, kind, value in entries:
+        if kind == "text":
+            if not isinstance(value, str):
+                return Reject(label, "bad-record", f"text at position {position} is not a string")
+            parts.append(Part("text", value, path=label))
+            continue
+        got = media_value(value, base)
+        if isinstance(got, str):
+            return Reject(label, "bad-record", f"{kind} at position {position}: {got}")
+        refused = _refused_path(src, got, base, label)
+        if refused:
+            return refused
+        parts.append(_media_part(kind, got, f"{label}:{kind} {position}"))
     return parts
