@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from data.names import MANIFEST_FILE
+from data.shards.index import file_sha256
 from data.tokenize.blocks import image_grids
 from tools.convert_deepspeed import (
     CheckpointError,
@@ -51,7 +52,6 @@ from train.release import (
     check_state,
     meta_module,
     param_count,
-    sha256_file,
 )
 
 EXAMPLES = """\
@@ -93,7 +93,7 @@ def write_release(out: str | Path, config: dict, write_files, *, force: bool = F
         os.umask(mask)
         for p in files:  # safetensors writes 0600; a release is meant to be shared
             os.chmod(p, 0o666 & ~mask)
-        config = {**config, "files": {p.relative_to(tmp).as_posix(): sha256_file(p) for p in files}}
+        config = {**config, "files": {p.relative_to(tmp).as_posix(): file_sha256(p) for p in files}}
         (tmp / CONFIG).write_text(json.dumps(config, indent=1, sort_keys=False) + "\n")
         if out.exists():
             shutil.rmtree(out) if out.is_dir() else out.unlink()

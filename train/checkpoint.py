@@ -29,7 +29,6 @@ Design choices:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -40,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from data.shards.index import file_sha256
 from train.dist import DistInfo, barrier
 from train.names import CHECKPOINT_META_FILE, CHECKPOINTS_DIR, CONFIG_FILE, LATEST_FILE
 from train.safe_load import CheckpointError, safe_torch_load, weights_only_loads
@@ -64,14 +64,6 @@ DAMAGED_NOTE = "DAMAGED.txt"  # in a folder set aside: what was wrong with it
 
 def tag_for(step: int) -> str:
     return f"step_{step:08d}"
-
-
-def file_sha256(path: Path, bufsize: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(bufsize):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # A copy of the run's config for people and tools, which they may edit (paths, after moving

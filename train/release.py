@@ -27,7 +27,6 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from data.names import LAYOUT_FILE, TOKENIZER_FILE, VISUAL_TOKENIZER_DIR
+from data.shards.index import file_sha256
 
 if TYPE_CHECKING:
     from data.vocab import VocabLayout
@@ -58,14 +58,6 @@ DTYPES = {
 
 class ReleaseError(ValueError):
     """A release (or the run it is made from) that cannot be used; the message names the file."""
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # --- checking weights ------------------------------------------------------------------------------
@@ -235,7 +227,7 @@ class Release:
     def verify_files(self) -> None:
         """Every file's sha256 against config.json (catches corruption inside a file)."""
         for name, digest in self.config.get("files", {}).items():
-            if sha256_file(self.path / name) != digest:
+            if file_sha256(self.path / name) != digest:
                 raise ReleaseError(
                     f"{self.path / name}: sha256 differs from the one recorded in {CONFIG}; "
                     "the file is corrupted or was changed after the release was written"

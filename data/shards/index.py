@@ -57,10 +57,11 @@ def read_member(tar_path: str | Path, entry: dict, suffix: str) -> bytes:
     return data
 
 
-def file_sha256(path: str | Path, bufsize: int = 1 << 20) -> str:
+def file_sha256(path: str | Path) -> str:
+    """A local file's SHA-256 (hex): shards, indexes, checkpoint and release files."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(bufsize):
+        while chunk := f.read(1 << 22):
             digest.update(chunk)
     return digest.hexdigest()
 
