@@ -1,17 +1,14 @@
-"""Which samples a consumer (one rank's one worker) reads, in which order, in each epoch.
+"""Which samples a consumer (one rank's one worker) reads, in which order, in each epoch: shards
+shuffled per epoch, samples within windows of ``buffer`` positions (a bounded shuffle that keeps
+reads local to a few shards), consumer c of C taking positions c, c + C, ... (docs/loader.md,
+"Order").
 
-- Seeds come from hashing (seed, epoch, source, ...), never from a shared RNG stream, so any
-  consumer computes its order alone, for any epoch, in the same time.
-- Shards are shuffled per epoch; samples within windows of ``buffer`` consecutive positions (a
-  bounded shuffle that keeps reads local to a few shards). Each window has a seed of its own,
-  so position p needs only its window: a consumer's start costs the same at 10^4 samples as at
-  10^9. A loader state's cursors are positions in this order, and the state names it
-  (``ORDER_VERSION``; another is refused, data/loader/stream_state.py).
-- Consumer c of C takes positions c, c + C, c + 2C, ...: every sample is read by exactly one
-  consumer within an epoch.
+- Seeds come from hashing (seed, epoch, source, ...) and each window has its own, never a shared
+  RNG stream, so any consumer computes any position alone, from its window only: a start costs
+  the same at 10^4 samples as at 10^9. A loader state's cursors are positions in this order,
+  and the state names it (``ORDER_VERSION``; another is refused, data/loader/stream_state.py).
 - After a ``redistribute`` an epoch may carry a *skip mask* over its positions (those the old
-  consumers consumed); the new consumers split the rest the same way. The mask is stored packed
-  (bits, zlib, base64): the consumed set is nearly a prefix, so it compresses to a few bytes.
+  consumers consumed), stored packed (bits, zlib, base64): the consumed set is nearly a prefix.
 """
 
 from __future__ import annotations
@@ -99,9 +96,7 @@ class ConsumerSlice:
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, k):
-        if isinstance(k, slice):
-            return np.asarray([self[i] for i in range(*k.indices(self.n))], np.int64)
+    def __getitem__(self, k: int) -> int:
         if not -self.n <= k < self.n:
             raise IndexError(k)
         pos = self.consumer + (k % self.n) * self.consumers
