@@ -1,20 +1,11 @@
 """One exact pass over held-out token shards, packed into batches: what training validation
 (train/tasks/lm.py) and ``earlyfuse-eval`` (tools/evaluate/heldout.py) both evaluate, so that
-the two count the same tokens and compute the same CE.
-
-Design choices:
-- Every document is read once, in index order, and packed by ``pack_documents`` (the training
-  loader's packing; with ``whole_documents`` as the run trained, so held-out CE measures
-  documents whole), the documents of each shard folder into rows of their own: the rows do not
-  depend on how folders are grouped into sources (one validation source over ``tokens/val``
-  packs as ``earlyfuse-eval --data tokens/val``, a source per folder). A folder's last batch is
-  filled up with blank rows: no token is left out whatever the batch size.
-- The folders take turns batch by batch, so a capped pass (``train.eval_batches``) sees the
-  first documents of every folder.
-- No worker processes: one reader in the evaluating process keeps the pass exact whatever
-  ``data.num_workers`` is. With several ranks every rank packs the same batches and evaluates
-  every world-size-th one (``RankShare``); a rank with a batch fewer runs a blank batch, so that
-  every rank calls the model as often (ZeRO-3 gathers parameters collectively).
+the two count the same tokens and compute the same CE. Its rules (the documents of each shard
+folder packed into rows of their own by ``pack_documents``, the folders taking turns, no worker
+processes, every rank packing the same batches): docs/evaluation.md. A folder's last batch is
+filled up with blank rows, so no token is left out whatever the batch size; a rank with a batch
+fewer runs a blank batch, because ZeRO-3 gathers parameters collectively: every rank must call
+the model as often.
 """
 
 from __future__ import annotations

@@ -3,27 +3,11 @@
     old = [torch.load(f)["stream"] for f in every old rank's rank_RRRRR.pt]
     loader.load_state_dict(redistribute(old, loader))     # any rank of the new world
 
-Design choices:
-- Exact: no sample is read twice within an epoch and none is lost. For each source, the
-  positions of each epoch's order already consumed are known from the old cursors alone (old
-  consumer c at epoch e, position p has read all of its slice of the earlier epochs and the
-  first p of its slice at e), so they become a *skip mask* per epoch, from the slowest old
-  consumer's epoch to the fastest's; the new consumers start at the slowest epoch and split
-  only the unmasked rest (order.py). Masks are packed bits: the consumed set is nearly a prefix,
-  so a state stays kilobytes. Old slices are taken through the old masks, so redistributing an
-  already redistributed state composes.
-- Documents the old consumers held aside half placed are dealt round-robin to the new consumers,
-  which start their rows with them (the packer drains more than ``max_pending`` held documents,
-  it only stops reading new ones meanwhile): their tokens already delivered are not repeated.
-- Counters keep their sums over ranks: per-source tokens (what token-weighted mixing compares)
-  become the old totals split evenly, so the mix goes on from where it was; error counts and
-  packing figures of old consumer c go to new consumer c mod C. Batches handed out restart at 0.
-- Epoch mode: the batch count every consumer yields is counted again, by dry-packing every new
-  consumer from its redistributed state (the index alone, as at start); every new rank computes
-  the same from the same old states. The rest is held back, as usual.
-- Pure: each new rank computes all new consumers from all old states and keeps its own, so no
-  rank needs to talk to another. Same data (fingerprint), ``seq_len`` and mode are required; the
-  micro batch may change (a state is taken between batches, never mid-batch).
+The rules (what was consumed becomes a skip mask per epoch, documents held aside are dealt
+round-robin, counters keep their sums over ranks, epoch mode counts its batches again) are
+docs/loader.md's "Another world size". Pure: each new rank computes all new consumers from all
+old states and keeps its own, so no rank needs to talk to another. The micro batch may change
+because a state is taken between batches, never mid-batch.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """Checks on every sample the loader reads, so that one corrupted sample is skipped and counted
 instead of crashing the run (the model's embedding would fail on an id past the vocabulary, at
-the same step after every restart).
-
-Design choices:
-- Token samples are checked against the SHA-256 their index records over the ``json``,
-  ``ids.npy`` and ``mod.npy`` members, which lie side by side in the tar, so one view of the
-  shard covers them. ``data.check_hashes=false`` turns it off.
-- Ids are always checked against their modality's range of the vocabulary layout: a vectorised
-  compare, which also guards raw sources tokenized online.
-- A failed check is a ValueError: the stream skips, counts and names the sample like any
-  unreadable one.
+the same step after every restart): the SHA-256 its index records over its members, and every
+id against its modality's range (docs/loader.md, "Every sample is checked"). A failed check is
+a ValueError: the stream skips, counts and names the sample like any unreadable one.
 """
 
 from __future__ import annotations
