@@ -152,7 +152,6 @@ class RankShare:
     def __init__(self, heldout: HeldoutPass, *, rank: int, world_size: int, limit: int = 0):
         self.heldout, self.rank, self.world_size, self.limit = heldout, rank, world_size, limit
         self.evaluated = 0  # real batches of this rank
-        self.blank = 0
         self.complete = True
 
     def __iter__(self) -> Iterator[HeldoutBatch | None]:
@@ -169,5 +168,4 @@ class RankShare:
                     yield batch
         # rank 0 evaluated the most: ceil(seen / world), which is the limit when capped
         for _ in range(-(-seen // world) - self.evaluated):
-            self.blank += 1
             yield None
