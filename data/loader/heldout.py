@@ -54,7 +54,6 @@ class HeldoutPass:
         seq_len: int,
         batch_rows: int,
         max_docs: int = 0,
-        pad_id: int = 0,
         whole_documents: bool = False,
         ranges: np.ndarray | None = None,
         progress: bool = False,
@@ -63,7 +62,7 @@ class HeldoutPass:
             raise ValueError(f"batch_rows {batch_rows}: give at least 1")
         self.tables, self.seq_len, self.batch_rows = tables, seq_len, batch_rows
         self.whole_documents = whole_documents
-        self.max_docs, self.pad_id, self.ranges, self.progress = max_docs, pad_id, ranges, progress
+        self.max_docs, self.ranges, self.progress = max_docs, ranges, progress
         self.counts = [SourceCounts() for _ in tables]
         self.batches = 0  # batches handed out so far
 
@@ -108,7 +107,6 @@ class HeldoutPass:
             counted(),
             self.seq_len,
             batch_rows=self.batch_rows,
-            pad_id=self.pad_id,
             whole_documents=self.whole_documents,
             stats=stats,
         )
@@ -138,7 +136,7 @@ class HeldoutPass:
         """The batch's per-token fields (data/loader/batch_buffer.py) and ``num_real_tokens``,
         its rows filled up to ``batch_rows`` with blank ones; None: a blank batch."""
         if batch is None:
-            return blank_batch(self.batch_rows, self.seq_len, self.pad_id)
+            return blank_batch(self.batch_rows, self.seq_len)
         return batch.fields
 
 
