@@ -85,21 +85,15 @@ def check_ids(ids: np.ndarray, mod: np.ndarray, ranges: np.ndarray | None) -> No
         unsigned = ids.view(_UNSIGNED.get(ids.dtype) or ids.dtype.str.replace("i", "u"))
     else:
         unsigned = ids
-    unsigned_mod = mod.dtype.kind == "u"
+    # Signed modalities (the raw path's int64) are checked >= 0.
+    usable = mod.dtype.kind == "u" or int(mod.min()) >= 0
     # Text and code only (most documents): every id below the text size is the whole check.
     text_below = _text_below(ranges)
-    if (
-        text_below > 0
-        and (unsigned_mod or int(mod.min()) >= 0)
-        and int(mod.max()) <= _CODE
-        and int(unsigned.max()) < text_below
-    ):
+    if text_below > 0 and usable and int(mod.max()) <= _CODE and int(unsigned.max()) < text_below:
         return
     bits = _lookups(np.ascontiguousarray(ranges, np.int64).tobytes())[0]
     # Three whole-array passes. The clipped lookup sends an id past the vocabulary (or negative)
-    # to the last entry (no bits); a modality past the 5 bits shifts to 0. Signed modalities
-    # (the raw path's int64) are checked >= 0.
-    usable = unsigned_mod or int(mod.min()) >= 0
+    # to the last entry (no bits); a modality past the 5 bits shifts to 0.
     if usable and ids.dtype.kind == "i" and ids.dtype.itemsize == 8:
         # take() reads uint64 indices as intp: a negative id would wrap round to a valid one
         usable = int(ids.min()) >= 0
