@@ -35,15 +35,10 @@ class DecodeGuard:
         self.isolated = 0  # decodes run in a child
 
     def __call__(self, raw: bytes, sampling, prep, size=None):
-        if self.failures < self.budget:
-            try:
-                return decode_frames(raw, sampling, prep, size)
-            except ValueError:
-                self.failures += 1
-                raise
-        self.isolated += 1
+        isolate = self.failures >= self.budget
+        self.isolated += isolate
         try:
-            return decode_in_child(raw, sampling, prep, size)
+            return (decode_in_child if isolate else decode_frames)(raw, sampling, prep, size)
         except ValueError:
             self.failures += 1
             raise
