@@ -57,9 +57,6 @@ class EpochOrder:
         self.window = buffer if self.shuffle else _PLAIN_WINDOW
         self.key = (seed, epoch, source)
 
-    def __len__(self) -> int:
-        return self.n
-
     def shards_from(self, position: int) -> np.ndarray:
         """The shards in order from the one holding ``position`` on (those with samples)."""
         at = int(np.searchsorted(self.starts, position, side="right")) - 1
