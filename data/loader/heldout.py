@@ -64,7 +64,6 @@ class HeldoutPass:
         self.whole_documents = whole_documents
         self.max_docs, self.ranges, self.progress = max_docs, ranges, progress
         self.counts = [SourceCounts() for _ in tables]
-        self.batches = 0  # batches handed out so far
 
     def documents(self) -> int:
         """Documents the whole pass reads (the tables' counts, or ``max_docs`` of each)."""
@@ -113,7 +112,6 @@ class HeldoutPass:
         counts.dropped_blocks += stats.dropped_blocks
 
     def __iter__(self) -> Generator[HeldoutBatch, None, None]:
-        self.batches = 0
         self.counts = [SourceCounts() for _ in self.tables]
         with tqdm(
             total=self.documents(), desc="held-out", unit=" docs", disable=not self.progress
@@ -122,6 +120,7 @@ class HeldoutPass:
                 k: (s, self._part_batches(s, samples, bar))
                 for k, (s, _, samples) in enumerate(self.parts())
             }
+            number = 0  # of the batch in the pass
             while streams:  # the parts take turns, a batch each
                 for k in list(streams):
                     s, stream = streams[k]
@@ -129,8 +128,8 @@ class HeldoutPass:
                     if rows is None:
                         del streams[k]
                         continue
-                    yield HeldoutBatch(self.batches, s, rows)
-                    self.batches += 1
+                    yield HeldoutBatch(number, s, rows)
+                    number += 1
 
     def tensors(self, batch: HeldoutBatch | None) -> dict[str, torch.Tensor]:
         """The batch's per-token fields (data/loader/batch_buffer.py) and ``num_real_tokens``,
