@@ -9,7 +9,6 @@ tokenizer is at hand (it is, in the token folder's ``tokenizers/``).
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 from contextlib import closing
@@ -45,7 +44,7 @@ PAD = (200, 200, 200)
 
 
 def sources_of(token_dir: Folder, names: list[str] | None) -> list[SourceConfig]:
-    m = json.loads(token_dir.read_bytes(MANIFEST_FILE))
+    m = token_dir.read_json(MANIFEST_FILE)
     have = [s["name"] for s in m["sources"]]
     for n in names or []:
         if n not in have:
