@@ -165,12 +165,9 @@ class ShardFiles:
     """Open shards, at most ``KEEP_OPEN`` file handles at a time (least recently used closed
     first), and memory maps of local and fetched shards, at most ``KEEP_MAPS``.
 
-    A page of a map that has been read counts in the process's RSS for as long as it stays
-    mapped, and every shard a consumer reads stays mapped (its documents are spread over the
-    epoch), so without more the RSS would grow by every byte of every shard read. Readers count
-    what they read through the maps (``touched``); every ``RELEASE_BYTES`` the maps' pages are
-    handed back (``release``: ``madvise(MADV_DONTNEED)``; the pages stay in the page cache,
-    and what is read again faults back in from there), so the maps hold about that much."""
+    Readers count what they read through the maps (``touched``) and every ``RELEASE_BYTES`` the
+    maps' pages are handed back (``release``), so that the RSS does not hold every page of every
+    shard read (docs/loader.md, "The maps hold what was read lately")."""
 
     def __init__(self, cache_dir: str | None = None, cache_limit_gb: float = 64.0) -> None:
         self.cache_dir = Path(cache_dir or default_cache_dir())
