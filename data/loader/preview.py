@@ -243,10 +243,9 @@ def preview(
         colour = sys.stdout.isatty() if colour is None else colour
         out = []
         for r, row in enumerate(packed):
-            real = int((row["input_ids"] != 0).sum())
             counts = np.bincount(row["modality"][row["input_ids"] != 0], minlength=len(Modality))
             out.append(
-                f"row {r}: {real}/{seq_len} real tokens; "
+                f"row {r}: {counts.sum()}/{seq_len} real tokens; "
                 + ", ".join(f"{MODALITY_NAMES[i]} {c}" for i, c in enumerate(counts) if c)
             )
             out.append(describe(row, tok, colour))
