@@ -93,7 +93,9 @@ class ConsumerSlice:
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, k: int) -> int:
+    def __getitem__(self, k):
+        if isinstance(k, slice):  # positions a to b, as a slice of an array order gives them
+            return np.asarray([self[i] for i in range(*k.indices(self.n))], np.int64)
         if not -self.n <= k < self.n:
             raise IndexError(k)
         pos = self.consumer + (k % self.n) * self.consumers

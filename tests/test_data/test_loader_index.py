@@ -137,7 +137,7 @@ def test_epoch_order_is_a_lazy_permutation_split_over_consumers():
     for c in range(3):
         sl = ConsumerSlice(order, c, 3)
         assert [sl[k] for k in range(len(sl))] == full[c::3].tolist()
-        assert sl.take(1, 4).tolist() == full[c::3][1:4].tolist()
+        assert sl[1:4].tolist() == full[c::3][1:4].tolist()
     again = EpochOrder(counts, seed=3, epoch=2, source="s", buffer=8, shuffle_shards=True)
     assert again.window_samples(2).tolist() == full[16:24].tolist()  # no earlier window needed
     other = EpochOrder(counts, seed=3, epoch=3, source="s", buffer=8, shuffle_shards=True)
