@@ -31,17 +31,13 @@ LOADER_NAMES = ("data.seq_len", "max_block_tokens", "data.doc_budget")
 def folder_fingerprints(folder: str | Path) -> dict:
     """The ``tokenizers`` entry a token manifest would carry for this tokenizer folder."""
     folder = Path(folder)
-    if not folder.is_dir():
+    if not (folder / VISUAL_TOKENIZER_DIR).is_dir():  # not a folder, or not a whole one
         raise ValueError(
-            f"data.tokenizers: {folder} is not a folder (it should hold tokenizer.json, "
-            "vocab_layout.json and visual_tokenizer/, like a token folder's tokenizers/)"
+            f"data.tokenizers: {folder} is not a tokenizer folder, or one without its "
+            f"{VISUAL_TOKENIZER_DIR}/ (it should hold tokenizer.json, vocab_layout.json and "
+            "visual_tokenizer/, like a token folder's tokenizers/)"
         )
     text = TextTokenizer.load(folder)
-    if not (folder / VISUAL_TOKENIZER_DIR).is_dir():
-        raise ValueError(
-            f"{folder}: no {VISUAL_TOKENIZER_DIR}/ (a tokenizer folder holds tokenizer.json, "
-            "vocab_layout.json and visual_tokenizer/, like a token folder's tokenizers/)"
-        )
     return {
         "text": text.fingerprint(),
         "layout": text.layout.fingerprint(),
