@@ -1,16 +1,13 @@
 """Video decoding of untrusted inputs in the loader's workers, with a bound on what decord can
 leak (each failing decode leaks inside decord, for as long as the worker lives).
 
-Design choices:
-- Decoding stays in the worker (most clips decode fine: ingest has probed every raw shard's
-  videos). Each worker counts its failed decodes.
-- Past ``budget`` failures, every later clip is decoded in a fresh child process
-  (``child``): whatever decord leaks dies with the child. Only
-  such workers pay a child's start. A subprocess rather than multiprocessing or a bare fork:
-  a DataLoader worker is a daemon process, which multiprocessing does not let have children,
-  and a forked copy of a worker would have to leave through ``os._exit``.
-- A child that dies (a crash inside FFmpeg) is a failed decode like any other: the sample is
-  skipped and counted by the stream, never a dead worker.
+Decoding stays in the worker (most clips decode fine: ingest has probed every raw shard's
+videos) until ``budget`` failures; then every later clip is decoded in a fresh child process
+(``child``), whose leaks die with it (docs/loader.md, "Raw shards, tokenized in the workers"). A
+subprocess rather than multiprocessing or a bare fork: a DataLoader worker is a daemon process,
+which multiprocessing does not let have children, and a forked copy of a worker would have to
+leave through ``os._exit``. A child that dies (a crash inside FFmpeg) is a failed decode like
+any other: the sample is skipped and counted by the stream, never a dead worker.
 """
 
 from __future__ import annotations
@@ -35,15 +32,10 @@ class DecodeGuard:
         self.isolated = 0  # decodes run in a child
 
     def __call__(self, raw: bytes, sampling, prep, size=None):
-        if self.failures < self.budget:
-            try:
-                return decode_frames(raw, sampling, prep, size)
-            except ValueError:
-                self.failures += 1
-                raise
-        self.isolated += 1
+        isolate = self.failures >= self.budget
+        self.isolated += isolate
         try:
-            return decode_in_child(raw, sampling, prep, size)
+            return (decode_in_child if isolate else decode_frames)(raw, sampling, prep, size)
         except ValueError:
             self.failures += 1
             raise

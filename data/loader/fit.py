@@ -2,10 +2,9 @@
 
 A block longer than ``seq_len`` can only be dropped by the packer (token shards cannot be
 re-encoded smaller), so a source whose images were tokenized at a larger budget than the run's
-rows would silently train on its captions alone. The manifest gives every shard's longest
-block (or its binary index's header does), so this is known at start, at no per-sample cost: such a source is refused, naming it, the budget it was tokenized
-with and ``seq_len``, unless ``data.allow_block_drops`` accepts the drops (counted as they
-happen). Raw sources are tokenized in the workers with budgets fitted to the row: never refused.
+rows would silently train on its captions alone. The manifest gives every shard's longest block,
+so such a source is refused at start, at no per-sample cost, unless ``data.allow_block_drops``
+accepts the drops (docs/loader.md, "Packing").
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ from data.loader.table import SampleTable, TokenTable
 
 def oversize_blocks(table: TokenTable, seq_len: int) -> dict[str, list[int]]:
     """modality -> [blocks longer than seq_len, blocks in all, the longest] of a token source.
-    From the per-shard summaries (the manifest's, or each binary index's header): no sample is
-    looked at unless some block is too long, and then only to count them for the message."""
+    From the manifest's per-shard summaries: no sample is looked at unless some block is too
+    long, and then only to count them for the message."""
     out = {m: [0, got["blocks"], got["longest"]] for m, got in table.block_stats().items()}
     if all(row[2] <= seq_len for row in out.values()):
         return out

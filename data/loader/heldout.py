@@ -1,20 +1,11 @@
 """One exact pass over held-out token shards, packed into batches: what training validation
 (train/tasks/lm.py) and ``earlyfuse-eval`` (tools/evaluate/heldout.py) both evaluate, so that
-the two count the same tokens and compute the same CE.
-
-Design choices:
-- Every document is read once, in index order, and packed by ``pack_documents`` (the training
-  loader's packing; with ``whole_documents`` as the run trained, so held-out CE measures
-  documents whole), the documents of each shard folder into rows of their own: the rows do not
-  depend on how folders are grouped into sources (one validation source over ``tokens/val``
-  packs as ``earlyfuse-eval --data tokens/val``, a source per folder). A folder's last batch is
-  filled up with blank rows: no token is left out whatever the batch size.
-- The folders take turns batch by batch, so a capped pass (``train.eval_batches``) sees the
-  first documents of every folder.
-- No worker processes: one reader in the evaluating process keeps the pass exact whatever
-  ``data.num_workers`` is. With several ranks every rank packs the same batches and evaluates
-  every world-size-th one (``RankShare``); a rank with a batch fewer runs a blank batch, so that
-  every rank calls the model as often (ZeRO-3 gathers parameters collectively).
+the two count the same tokens and compute the same CE. Its rules (the documents of each shard
+folder packed into rows of their own by ``pack_documents``, the folders taking turns, no worker
+processes, every rank packing the same batches): docs/evaluation.md. A folder's last batch is
+filled up with blank rows, so no token is left out whatever the batch size; a rank with a batch
+fewer runs a blank batch, because ZeRO-3 gathers parameters collectively: every rank must call
+the model as often.
 """
 
 from __future__ import annotations
@@ -63,7 +54,6 @@ class HeldoutPass:
         seq_len: int,
         batch_rows: int,
         max_docs: int = 0,
-        pad_id: int = 0,
         whole_documents: bool = False,
         ranges: np.ndarray | None = None,
         progress: bool = False,
@@ -72,9 +62,8 @@ class HeldoutPass:
             raise ValueError(f"batch_rows {batch_rows}: give at least 1")
         self.tables, self.seq_len, self.batch_rows = tables, seq_len, batch_rows
         self.whole_documents = whole_documents
-        self.max_docs, self.pad_id, self.ranges, self.progress = max_docs, pad_id, ranges, progress
+        self.max_docs, self.ranges, self.progress = max_docs, ranges, progress
         self.counts = [SourceCounts() for _ in tables]
-        self.batches = 0  # batches handed out so far
 
     def documents(self) -> int:
         """Documents the whole pass reads (the tables' counts, or ``max_docs`` of each)."""
@@ -117,14 +106,12 @@ class HeldoutPass:
             counted(),
             self.seq_len,
             batch_rows=self.batch_rows,
-            pad_id=self.pad_id,
             whole_documents=self.whole_documents,
             stats=stats,
         )
         counts.dropped_blocks += stats.dropped_blocks
 
     def __iter__(self) -> Generator[HeldoutBatch, None, None]:
-        self.batches = 0
         self.counts = [SourceCounts() for _ in self.tables]
         with tqdm(
             total=self.documents(), desc="held-out", unit=" docs", disable=not self.progress
@@ -133,6 +120,7 @@ class HeldoutPass:
                 k: (s, self._part_batches(s, samples, bar))
                 for k, (s, _, samples) in enumerate(self.parts())
             }
+            number = 0  # of the batch in the pass
             while streams:  # the parts take turns, a batch each
                 for k in list(streams):
                     s, stream = streams[k]
@@ -140,14 +128,14 @@ class HeldoutPass:
                     if rows is None:
                         del streams[k]
                         continue
-                    yield HeldoutBatch(self.batches, s, rows)
-                    self.batches += 1
+                    yield HeldoutBatch(number, s, rows)
+                    number += 1
 
     def tensors(self, batch: HeldoutBatch | None) -> dict[str, torch.Tensor]:
         """The batch's per-token fields (data/loader/batch_buffer.py) and ``num_real_tokens``,
         its rows filled up to ``batch_rows`` with blank ones; None: a blank batch."""
         if batch is None:
-            return blank_batch(self.batch_rows, self.seq_len, self.pad_id)
+            return blank_batch(self.batch_rows, self.seq_len)
         return batch.fields
 
 
@@ -161,7 +149,6 @@ class RankShare:
     def __init__(self, heldout: HeldoutPass, *, rank: int, world_size: int, limit: int = 0):
         self.heldout, self.rank, self.world_size, self.limit = heldout, rank, world_size, limit
         self.evaluated = 0  # real batches of this rank
-        self.blank = 0
         self.complete = True
 
     def __iter__(self) -> Iterator[HeldoutBatch | None]:
@@ -178,5 +165,4 @@ class RankShare:
                     yield batch
         # rank 0 evaluated the most: ceil(seen / world), which is the limit when capped
         for _ in range(-(-seen // world) - self.evaluated):
-            self.blank += 1
             yield None

@@ -1,18 +1,9 @@
 """Online tokenization: raw shards (``earlyfuse-prep ingest``) become token documents inside the
-loader's workers, with the encoder ``earlyfuse-prep tokenize`` uses (data/tokenize/).
-
-Design choices:
-- One document at a time, its images in one batch of their own: a document's tokens never
-  depend on its neighbours, so a restored stream re-encodes a held-aside document to the same
-  ids (exact resume) and the online path gives the ids the offline path gives.
-- The visual tokenizer runs on the worker's CPU (the GPU belongs to the trainer). Offline
-  tokenization stays the fast path for large runs.
-- No block outgrows a row, and ``data.doc_budget`` is ``tokenize --doc-budget``: both paths
-  turn their settings into options with one function (data/tokenize/docs.py
-  ``budgeted_options``) and encode with one ``DocEncoder``, so a raw document gets the ids
-  ``tokenize --seq-len N --doc-budget B`` gives it.
-- Videos are untrusted bytes: failing decodes leak inside decord, so past a budget of failures
-  a worker decodes each clip in a short-lived child (data/loader/decode_guard.py).
+loader's workers, with the encoder ``earlyfuse-prep tokenize`` uses (data/tokenize/), its
+options made by the same function (data/tokenize/docs.py ``budgeted_options``). One document at
+a time: its tokens never depend on its neighbours, so a restored stream re-encodes a held-aside
+document to the same ids. The rest (the visual tokenizer on the worker's CPU, the budgets, the
+decode guard): docs/loader.md, "Raw shards, tokenized in the workers".
 """
 
 from __future__ import annotations
@@ -40,17 +31,13 @@ LOADER_NAMES = ("data.seq_len", "max_block_tokens", "data.doc_budget")
 def folder_fingerprints(folder: str | Path) -> dict:
     """The ``tokenizers`` entry a token manifest would carry for this tokenizer folder."""
     folder = Path(folder)
-    if not folder.is_dir():
+    if not (folder / VISUAL_TOKENIZER_DIR).is_dir():  # not a folder, or not a whole one
         raise ValueError(
-            f"data.tokenizers: {folder} is not a folder (it should hold tokenizer.json, "
-            "vocab_layout.json and visual_tokenizer/, like a token folder's tokenizers/)"
+            f"data.tokenizers: {folder} is not a tokenizer folder, or one without its "
+            f"{VISUAL_TOKENIZER_DIR}/ (it should hold tokenizer.json, vocab_layout.json and "
+            "visual_tokenizer/, like a token folder's tokenizers/)"
         )
     text = TextTokenizer.load(folder)
-    if not (folder / VISUAL_TOKENIZER_DIR).is_dir():
-        raise ValueError(
-            f"{folder}: no {VISUAL_TOKENIZER_DIR}/ (a tokenizer folder holds tokenizer.json, "
-            "vocab_layout.json and visual_tokenizer/, like a token folder's tokenizers/)"
-        )
     return {
         "text": text.fingerprint(),
         "layout": text.layout.fingerprint(),

@@ -1,17 +1,14 @@
-"""Which samples a consumer (one rank's one worker) reads, in which order, in each epoch.
+"""Which samples a consumer (one rank's one worker) reads, in which order, in each epoch: shards
+shuffled per epoch, samples within windows of ``buffer`` positions (a bounded shuffle that keeps
+reads local to a few shards), consumer c of C taking positions c, c + C, ... (docs/loader.md,
+"Order").
 
-- Seeds come from hashing (seed, epoch, source, ...), never from a shared RNG stream, so any
-  consumer computes its order alone, for any epoch, in the same time.
-- Shards are shuffled per epoch; samples within windows of ``buffer`` consecutive positions (a
-  bounded shuffle that keeps reads local to a few shards). Each window has a seed of its own,
-  so position p needs only its window: a consumer's start costs the same at 10^4 samples as at
-  10^9. A loader state's cursors are positions in this order, and the state names it
-  (``ORDER_VERSION``; another is refused, data/loader/stream_state.py).
-- Consumer c of C takes positions c, c + C, c + 2C, ...: every sample is read by exactly one
-  consumer within an epoch.
+- Seeds come from hashing (seed, epoch, source, ...) and each window has its own, never a shared
+  RNG stream, so any consumer computes any position alone, from its window only: a start costs
+  the same at 10^4 samples as at 10^9. A loader state's cursors are positions in this order,
+  and the state names it (``ORDER_VERSION``; another is refused, data/loader/stream_state.py).
 - After a ``redistribute`` an epoch may carry a *skip mask* over its positions (those the old
-  consumers consumed); the new consumers split the rest the same way. The mask is stored packed
-  (bits, zlib, base64): the consumed set is nearly a prefix, so it compresses to a few bytes.
+  consumers consumed), stored packed (bits, zlib, base64): the consumed set is nearly a prefix.
 """
 
 from __future__ import annotations
@@ -60,9 +57,6 @@ class EpochOrder:
         self.window = buffer if self.shuffle else _PLAIN_WINDOW
         self.key = (seed, epoch, source)
 
-    def __len__(self) -> int:
-        return self.n
-
     def shards_from(self, position: int) -> np.ndarray:
         """The shards in order from the one holding ``position`` on (those with samples)."""
         at = int(np.searchsorted(self.starts, position, side="right")) - 1
@@ -100,7 +94,7 @@ class ConsumerSlice:
         return self.n
 
     def __getitem__(self, k):
-        if isinstance(k, slice):
+        if isinstance(k, slice):  # positions a to b, as a slice of an array order gives them
             return np.asarray([self[i] for i in range(*k.indices(self.n))], np.int64)
         if not -self.n <= k < self.n:
             raise IndexError(k)

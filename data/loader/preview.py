@@ -9,9 +9,10 @@ tokenizer is at hand (it is, in the token folder's ``tokenizers/``).
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
+from contextlib import closing
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +44,7 @@ PAD = (200, 200, 200)
 
 
 def sources_of(token_dir: Folder, names: list[str] | None) -> list[SourceConfig]:
-    m = json.loads(token_dir.read_bytes(MANIFEST_FILE))
+    m = token_dir.read_json(MANIFEST_FILE)
     have = [s["name"] for s in m["sources"]]
     for n in names or []:
         if n not in have:
@@ -92,7 +93,9 @@ def rows(
     n_rows: int,
     seed: int,
     config: dict | None = None,
-) -> list[dict]:
+) -> tuple[list[dict], dict]:
+    """``n_rows`` packed rows, and what the loader delivered over them (``delivered()`` and the
+    sources' weights)."""
     if config:  # the run's own sources, weights and packing options
         wanted = set(names or [])
         srcs = [SourceConfig(**s) for s in config["sources"] if not wanted or s["name"] in wanted]
@@ -109,18 +112,14 @@ def rows(
         allow_block_drops=True,  # shown and counted below, not refused
     )
     loader = build_loader(cfg, rank=0, world_size=1, micro_batch=1)
-    out = []
-    it = iter(loader)
-    for _ in range(n_rows):
-        b = next(it)
-        out.append(
+    with closing(iter(loader)) as batches:
+        out = [
             {k: v[0].numpy() if hasattr(v, "numpy") and v.dim() else v for k, v in b.items()}
-        )
-    it.close()
+            for b in islice(batches, n_rows)
+        ]
     delivered = loader.delivered()
     delivered["weights"] = {s.name: s.weight for s in cfg.sources}
-    out.append(delivered)
-    return out
+    return out, delivered
 
 
 def _runs(row: dict):
@@ -138,26 +137,23 @@ def _runs(row: dict):
 def describe(row: dict, tok: TextTokenizer, colour: bool) -> str:
     lay = tok.layout
     ids, mod = row["input_ids"], row["modality"]
-    boi, bov = lay.structure_id("<boi>"), lay.structure_id("<bov>")
-    block_end = {boi: lay.structure_id("<eoi>"), bov: lay.structure_id("<eov>")}
+    sid = lay.structure_id
+    # a block's opening token -> (its closing token, its modality, its parser)
+    blocks = {
+        sid("<boi>"): (sid("<eoi>"), Modality.IMAGE, parse_image),
+        sid("<bov>"): (sid("<eov>"), Modality.VIDEO, parse_video),
+    }
     lines: list[str] = []
     for a, b in _runs(row):
         parts, i = [], a
         while i < b:
             m = Modality(int(mod[i]))
             j = i
-            if int(ids[i]) in block_end:
-                j = i + int(np.flatnonzero(ids[i:b] == block_end[int(ids[i])])[0]) + 1
-                if ids[i] == boi:
-                    m, text = (
-                        Modality.IMAGE,
-                        "[image {}x{}]".format(*parse_image(ids[i:j], lay).shape),
-                    )
-                else:
-                    m, text = (
-                        Modality.VIDEO,
-                        "[video {}x{}x{}]".format(*parse_video(ids[i:j], lay).shape),
-                    )
+            if int(ids[i]) in blocks:
+                end_id, m, parse = blocks[int(ids[i])]
+                j = i + int(np.flatnonzero(ids[i:b] == end_id)[0]) + 1
+                shape = "x".join(map(str, parse(ids[i:j], lay).shape))
+                text = f"[{m.name.lower()} {shape}]"
             else:
                 while j < b and Modality(int(mod[j])) == m and ids[j] < lay.structure_offset:
                     j += 1
@@ -173,10 +169,10 @@ def describe(row: dict, tok: TextTokenizer, colour: bool) -> str:
     return "\n".join(lines)
 
 
-def render_png(
-    rows_: list[dict], tok: TextTokenizer, path: Path, vtok=None, cell: int = 5, width: int = 128
-) -> None:
-    lay = tok.layout
+def render_png(rows_: list[dict], tok: TextTokenizer, path: Path, vtok=None) -> list[Path]:
+    """The rows drawn to ``path`` and, with a visual tokenizer, their first images decoded to
+    ``PATH_images.png``: the files written."""
+    lay, cell, width = tok.layout, 5, 128
     seq = len(rows_[0]["input_ids"])
     lines = -(-seq // width)
     band = lines * cell + 8
@@ -195,6 +191,7 @@ def render_png(
                 c = (0, 0, 0)  # a piece boundary
             d.rectangle([x, y, x + cell - 1, y + cell - 1], fill=c)
     img.save(path)
+    written = [path]
     if vtok is not None:  # the row's first images, decoded from their codes, beside the bands
         import torch
 
@@ -204,21 +201,21 @@ def render_png(
             for s in np.flatnonzero(ids == lay.structure_id("<boi>"))[:4]:
                 e = s + int(np.flatnonzero(ids[s:] == lay.structure_id("<eoi>"))[0]) + 1
                 codes = torch.from_numpy(parse_image(ids[s:e], lay))[None]
-                thumbs.append(
-                    ((vtok.decode(codes)[0].permute(1, 2, 0).numpy() + 1) * 127.5)
-                    .clip(0, 255)
-                    .astype(np.uint8)
-                )
+                pixels = (vtok.decode(codes)[0].permute(1, 2, 0).numpy() + 1) * 127.5
+                thumbs.append(Image.fromarray(pixels.clip(0, 255).astype(np.uint8)))
         if thumbs:
-            h = max(t.shape[0] for t in thumbs)
-            strip = np.full((h, sum(t.shape[1] + 4 for t in thumbs), 3), 255, np.uint8)
+            strip = Image.new(
+                "RGB", (sum(t.width + 4 for t in thumbs), max(t.height for t in thumbs)), "white"
+            )
             x = 0
             for t in thumbs:
-                strip[: t.shape[0], x : x + t.shape[1]] = t
-                x += t.shape[1] + 4
-            Image.fromarray(strip).resize(
-                (strip.shape[1] * 2, strip.shape[0] * 2), Image.Resampling.NEAREST
-            ).save(path.with_name(path.stem + "_images.png"))
+                strip.paste(t, (x, 0))
+                x += t.width + 4
+            written.append(path.with_name(path.stem + "_images.png"))
+            strip.resize((strip.width * 2, strip.height * 2), Image.Resampling.NEAREST).save(
+                written[-1]
+            )
+    return written
 
 
 def preview(
@@ -242,15 +239,13 @@ def preview(
     tokenizers = local_tokenizers(folder)
     try:
         tok = TextTokenizer.load(tokenizers)
-        got = rows(folder, sources, seq_len, n_rows, seed, data)
-        delivered, packed = got[-1], got[:-1]
+        packed, delivered = rows(folder, sources, seq_len, n_rows, seed, data)
         colour = sys.stdout.isatty() if colour is None else colour
         out = []
         for r, row in enumerate(packed):
-            real = int((row["input_ids"] != 0).sum())
             counts = np.bincount(row["modality"][row["input_ids"] != 0], minlength=len(Modality))
             out.append(
-                f"row {r}: {real}/{seq_len} real tokens; "
+                f"row {r}: {counts.sum()}/{seq_len} real tokens; "
                 + ", ".join(f"{MODALITY_NAMES[i]} {c}" for i, c in enumerate(counts) if c)
             )
             out.append(describe(row, tok, colour))
@@ -283,11 +278,7 @@ def preview(
 
             vtok_dir = tokenizers / VISUAL_TOKENIZER_DIR
             vtok = load_visual_tokenizer(vtok_dir, tok.layout) if vtok_dir.is_dir() else None
-            render_png(packed, tok, Path(png), vtok)
-            out.append(
-                f"wrote {png}"
-                + (f" and {Path(png).with_name(Path(png).stem + '_images.png')}" if vtok else "")
-            )
+            out.append("wrote " + " and ".join(map(str, render_png(packed, tok, Path(png), vtok))))
         return "\n".join(out)
     finally:
         if folder.remote:  # the downloaded copy

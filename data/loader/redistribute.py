@@ -3,40 +3,22 @@
     old = [torch.load(f)["stream"] for f in every old rank's rank_RRRRR.pt]
     loader.load_state_dict(redistribute(old, loader))     # any rank of the new world
 
-Design choices:
-- Exact: no sample is read twice within an epoch and none is lost. For each source, the
-  positions of each epoch's order already consumed are known from the old cursors alone (old
-  consumer c at epoch e, position p has read all of its slice of the earlier epochs and the
-  first p of its slice at e), so they become a *skip mask* per epoch, from the slowest old
-  consumer's epoch to the fastest's; the new consumers start at the slowest epoch and split
-  only the unmasked rest (order.py). Masks are packed bits: the consumed set is nearly a prefix,
-  so a state stays kilobytes. Old slices are taken through the old masks, so redistributing an
-  already redistributed state composes.
-- Documents the old consumers held aside half placed are dealt round-robin to the new consumers,
-  which start their rows with them (the packer drains more than ``max_pending`` held documents,
-  it only stops reading new ones meanwhile): their tokens already delivered are not repeated.
-- Counters keep their sums over ranks: per-source tokens (what token-weighted mixing compares)
-  become the old totals split evenly, so the mix goes on from where it was; error counts and
-  packing figures of old consumer c go to new consumer c mod C. Batches handed out restart at 0.
-- Epoch mode: the batch count every consumer yields is counted again, by dry-packing every new
-  consumer from its redistributed state (the index alone, as at start); every new rank computes
-  the same from the same old states. The rest is held back, as usual.
-- Pure: each new rank computes all new consumers from all old states and keeps its own, so no
-  rank needs to talk to another. Same data (fingerprint), ``seq_len`` and mode are required; the
-  micro batch may change (a state is taken between batches, never mid-batch).
+The rules (what was consumed becomes a skip mask per epoch, documents held aside are dealt
+round-robin, counters keep their sums over ranks, epoch mode counts its batches again) are
+docs/loader.md's "Another world size". Pure: each new rank computes all new consumers from all
+old states and keeps its own, so no rank needs to talk to another. The micro batch may change
+because a state is taken between batches, never mid-batch.
 """
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
-from typing import Any
 
 import numpy as np
 
-from data.loader.dataset import STATE_VERSION, PackedLoader, check_loader_state
-from data.loader.order import ORDER_VERSION, consumer_slice, pack_mask, unpack_mask
-from data.loader.packer import PackStats
-from data.vocab import MODALITY_NAMES
+from data.loader.dataset import PackedLoader, check_loader_state
+from data.loader.order import consumer_slice, pack_mask, unpack_mask
 
 
 def redistribute(old: list[dict], loader: PackedLoader) -> dict:
@@ -48,14 +30,17 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
     for st in old:
         for w, ws in st["worker_states"].items():
             by_consumer[st["rank"] * st["workers"] + int(w)] = ws
-    olds = [ws or _fresh([[0, 0, 0, 0]] * len(loader.tables)) for ws in by_consumer]
+    # A consumer's state at the start, as a stream writes it (an old worker that never handed out
+    # a batch is at 0; the new consumers' counters start there and the old ones' are added)
+    fresh = loader.make_stream(0, dry=True).state_dict()
+    olds = [ws or fresh for ws in by_consumer]
     n = loader.consumers
-    new = [_fresh([]) for _ in range(n)]
+    new = [copy.deepcopy(fresh) for _ in range(n)]
     for s, t in enumerate(loader.tables):
         epoch, masks = _consumed(s, len(t), olds)
         total = sum(st["cursors"][s][2] for st in olds)
         for k, st in enumerate(new):
-            st["cursors"].append([epoch, 0, total // n + (k < total % n), 0])
+            st["cursors"][s] = [epoch, 0, total // n + (k < total % n), 0]
             st["skip"] += [[s, e, m] for e, m in masks.items()]
     j = 0
     for c, st in enumerate(olds):
@@ -84,14 +69,7 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
     limit = _batch_limit(loader, new) if loader.cfg.mode == "epoch" else None
     mine = range(loader.rank * loader.workers, (loader.rank + 1) * loader.workers)
     return {
-        "version": STATE_VERSION,
-        "fingerprint": loader.fingerprint(),
-        "rank": loader.rank,
-        "world_size": loader.world_size,
-        "workers": loader.workers,
-        "seq_len": loader.cfg.seq_len,
-        "micro_batch": loader.micro_batch,
-        "mode": loader.cfg.mode,
+        **loader.state_dict(),
         "handed_out": 0,
         "batch_limit": limit,
         "worker_states": {str(w): new[c] for w, c in enumerate(mine)},
@@ -100,24 +78,6 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
             "from_workers": old[0]["workers"],
             "from_consumers": old_n,
         },
-    }
-
-
-def _fresh(cursors: list) -> dict[str, Any]:
-    """A consumer's state at the start (a worker that never handed out a batch is at 0), or,
-    without cursors, a new consumer's before the old ones' counters are added."""
-    return {
-        "cursors": cursors,
-        "pending": [],
-        "open": [],
-        "dropped_by": [],
-        "batches": 0,
-        "errors": 0,
-        "skipped": [],
-        "skip": [],
-        "stats": PackStats().as_dict(),
-        "tokens_by_modality": [0] * len(MODALITY_NAMES),
-        "order": ORDER_VERSION,
     }
 
 

@@ -1,15 +1,8 @@
 """Checks on every sample the loader reads, so that one corrupted sample is skipped and counted
 instead of crashing the run (the model's embedding would fail on an id past the vocabulary, at
-the same step after every restart).
-
-Design choices:
-- Token samples are checked against the SHA-256 their index records over the ``json``,
-  ``ids.npy`` and ``mod.npy`` members, which lie side by side in the tar, so one view of the
-  shard covers them. ``data.check_hashes=false`` turns it off.
-- Ids are always checked against their modality's range of the vocabulary layout: a vectorised
-  compare, which also guards raw sources tokenized online.
-- A failed check is a ValueError: the stream skips, counts and names the sample like any
-  unreadable one.
+the same step after every restart): the SHA-256 its index records over its members, and every
+id against its modality's range (docs/loader.md, "Every sample is checked"). A failed check is
+a ValueError: the stream skips, counts and names the sample like any unreadable one.
 """
 
 from __future__ import annotations
@@ -92,21 +85,15 @@ def check_ids(ids: np.ndarray, mod: np.ndarray, ranges: np.ndarray | None) -> No
         unsigned = ids.view(_UNSIGNED.get(ids.dtype) or ids.dtype.str.replace("i", "u"))
     else:
         unsigned = ids
-    unsigned_mod = mod.dtype.kind == "u"
+    # Signed modalities (the raw path's int64) are checked >= 0.
+    usable = mod.dtype.kind == "u" or int(mod.min()) >= 0
     # Text and code only (most documents): every id below the text size is the whole check.
     text_below = _text_below(ranges)
-    if (
-        text_below > 0
-        and (unsigned_mod or int(mod.min()) >= 0)
-        and int(mod.max()) <= _CODE
-        and int(unsigned.max()) < text_below
-    ):
+    if text_below > 0 and usable and int(mod.max()) <= _CODE and int(unsigned.max()) < text_below:
         return
     bits = _lookups(np.ascontiguousarray(ranges, np.int64).tobytes())[0]
     # Three whole-array passes. The clipped lookup sends an id past the vocabulary (or negative)
-    # to the last entry (no bits); a modality past the 5 bits shifts to 0. Signed modalities
-    # (the raw path's int64) are checked >= 0.
-    usable = unsigned_mod or int(mod.min()) >= 0
+    # to the last entry (no bits); a modality past the 5 bits shifts to 0.
     if usable and ids.dtype.kind == "i" and ids.dtype.itemsize == 8:
         # take() reads uint64 indices as intp: a negative id would wrap round to a valid one
         usable = int(ids.min()) >= 0

@@ -1,25 +1,12 @@
 """Token shards checked whole, once, when a consumer first reads from them, so that their
 documents are then handed out without any per-document check (checking each document on its
-own costs about as much as the rest of the loader's work on it).
+own costs about as much as the rest of the loader's work on it). What is checked, and which
+shards are read document by document instead: docs/loader.md, "Shards checked whole".
 
-Design choices:
-- The digest is the SHA-256 of the whole tar the manifest records (what ``earlyfuse-prep
-  verify`` checks): one ``hashlib`` call over the shard's memory map, which releases the GIL.
-- Then the documents' ``.npy`` headers are read all at once (``npy.npy_layouts``), their
-  lengths compared with the index, and every id checked against its modality's range by one
-  compiled loop over the shard in place (``first_bad_document``): no Python call per document,
-  no copy. Members stored otherwise than tokenize writes them (int32 ids, uint8 modalities)
-  send the shard to the per-document path, which reads any ``.npy`` integer array.
-- A shard that passes is kept as a few arrays per document (where its ids and modalities lie,
-  its length and blocks): reading a document is two ``np.frombuffer`` views.
-- A shard that fails anything, or that cannot be mapped (fsspec URLs: hashing would read the
-  whole shard over the network), is read document by document, so a bad document costs that
-  document only and is skipped, counted and named as always.
-- ``check_hashes=False``: no hash; the id check still runs.
+- Members stored otherwise than tokenize writes them (int32 ids, uint8 modalities) send the
+  shard to the per-document path, which reads any ``.npy`` integer array.
 - ``check_shard`` reads only its arguments, so a stream runs it for its next shard in a thread
   while it reads the current one (stream.ConsumerStream._check_ahead).
-- Every consumer (ranks x workers) hashes the whole shard but reads 1/consumers of it: beyond
-  ``whole_shard_check_max_consumers`` shards are checked document by document.
 """
 
 from __future__ import annotations
@@ -42,17 +29,16 @@ _CODE = int(Modality.CODE)
 class CheckedShard:
     """A shard that passed the whole-shard check: its documents, read without further checks."""
 
+    ids_dtype, mod_dtype = _IDS, _MOD  # the only kind that passes
+
     def __init__(
         self,
         mapped: memoryview,
         index: token_index.TokenIndex,
-        ids_dtype: np.dtype,
-        mod_dtype: np.dtype,
         ids_at: np.ndarray,
         mod_at: np.ndarray,
     ) -> None:
         self.mapped, self.index = mapped, index
-        self.ids_dtype, self.mod_dtype = ids_dtype, mod_dtype
         # where each document's ids and modalities start in the map (int64: compact)
         self.ids_at = np.asarray(ids_at, np.int64)
         self.mod_at = np.asarray(mod_at, np.int64)
@@ -82,7 +68,7 @@ class IndexedShard:
     ``CheckedShard``'s without where the tokens lie: what counting an epoch's batches reads (the
     packing decisions need nothing else; no tar is opened or checked)."""
 
-    ids_dtype, mod_dtype = np.dtype("<i4"), np.dtype("u1")
+    ids_dtype, mod_dtype = _IDS, _MOD
     bytes = np.zeros(0, np.uint8)  # no tokens: a dry stream stages none
 
     def __init__(self, index: token_index.TokenIndex) -> None:
@@ -114,7 +100,7 @@ def check_shard(
         return None
     records = index.records
     if not len(records):
-        return CheckedShard(mapped, index, _IDS, _MOD, np.zeros(0, np.int64), np.zeros(0, np.int64))
+        return CheckedShard(mapped, index, np.zeros(0, np.int64), np.zeros(0, np.int64))
     shard_bytes = np.frombuffer(mapped, np.uint8)
     lengths = records["tokens"].astype(np.int64)
     # Where the values lie, from the headers: arithmetic, not a pointer per array. Any other
@@ -133,7 +119,7 @@ def check_shard(
         text_below = _text_below(id_ranges)
         if first_bad_document(shard_bytes, ids_at, mod_at, lengths, ranges, text_below) >= 0:
             return None  # read document by document: the bad one is skipped and named there
-    return CheckedShard(mapped, index, ids_dtype, mod_dtype, ids_at, mod_at)
+    return CheckedShard(mapped, index, ids_at, mod_at)
 
 
 @njit(cache=True, nogil=True)  # nogil: a check running ahead in a thread (stream.py)

@@ -1,20 +1,12 @@
 """Where shards live: local paths, fsspec URLs (``s3://``, ``gs://``, ``https://``, ``file://``,
 ``memory://`` ...) and ``pipe:`` commands, behind one interface the loader reads through.
 
-Design choices:
-- The loader reads members by offset through the shard index (exact resume without replay), so
-  every shard must be seekable. Local and fsspec files are (fsspec turns a seek-and-read into a
-  ranged GET: only this consumer's samples cross the network). A ``pipe:`` command is a stream,
-  so its output is written once to a node-local cache folder (``cache_dir``) shared by all
-  workers and ranks of the node (a lock file per shard: one fetch each), like MosaicML
-  Streaming's shard cache; the least recently used shards are evicted beyond ``cache_limit_gb``.
-- A ``pipe:`` command names its shard: the last word ending in ``.tar``. Its index and manifest
-  are fetched by the same command with that word replaced, so one command pattern serves all
-  three (``pipe:aws s3 cp s3://bucket/tokens/code/shard-{000000..000041}.tar -``).
-- A failing command is reported with its exit status and stderr; a shard whose fetch failed is
-  not fetched again for ``FAILED_FOR`` seconds (its samples fail at once).
-- Remote reads are retried (``RETRIES``), then fail as OSError whatever the backend raised, so
-  the loader skips and counts the sample like unreadable data.
+The loader reads members by offset through the shard index (exact resume without replay), so
+every shard must be seekable. Local and fsspec files are (fsspec turns a seek-and-read into a
+ranged GET: only this consumer's samples cross the network). A ``pipe:`` command's output is a
+stream, so it is written once to a node-local cache shared by all workers and ranks of the node
+(like MosaicML Streaming's shard cache). How a command names its shard and index, what a failing
+command or read does and how the cache is evicted: docs/loader.md, "Where shards live".
 """
 
 from __future__ import annotations
@@ -42,6 +34,7 @@ RETRIES = 3
 FAILED_FOR = 60.0
 # Bytes read through the memory maps between two hand-backs of their pages (ShardFiles.release)
 RELEASE_BYTES = 32 << 20
+KEEP_OPEN, KEEP_MAPS = 8, 256  # open file handles and memory maps a ShardFiles keeps at most
 
 
 def kind(url: str) -> str:
@@ -107,16 +100,12 @@ def _tar_word(cmd: str) -> re.Match:
 
 def sibling(url: str, name: str, up: int = 0) -> str:
     """The file ``name`` beside shard ``url`` (``up`` folders higher), in the same kind of URL."""
-    if kind(url) == "pipe":
-        m = _tar_word(url)
-        folder = posixpath.dirname(m.group(1))
-        for _ in range(up):
-            folder = posixpath.dirname(folder)
-        return url[: m.start()] + posixpath.join(folder, name) + url[m.end() :]
-    folder = posixpath.dirname(url)
+    word = _tar_word(url) if kind(url) == "pipe" else None
+    folder = posixpath.dirname(word.group(1) if word else url)
     for _ in range(up):
         folder = posixpath.dirname(folder)
-    return posixpath.join(folder, name)
+    path = posixpath.join(folder, name)
+    return url[: word.start()] + path + url[word.end() :] if word else path
 
 
 def name(url: str) -> str:
@@ -173,26 +162,16 @@ def default_cache_dir() -> str:
 
 
 class ShardFiles:
-    """Open shards, at most ``keep`` file handles at a time (least recently used closed first),
-    and memory maps of local and fetched shards, at most ``keep_maps``.
+    """Open shards, at most ``KEEP_OPEN`` file handles at a time (least recently used closed
+    first), and memory maps of local and fetched shards, at most ``KEEP_MAPS``.
 
-    A page of a map that has been read counts in the process's RSS for as long as it stays
-    mapped, and every shard a consumer reads stays mapped (its documents are spread over the
-    epoch), so without more the RSS would grow by every byte of every shard read. Readers count
-    what they read through the maps (``touched``); every ``RELEASE_BYTES`` the maps' pages are
-    handed back (``release``: ``madvise(MADV_DONTNEED)``; the pages stay in the page cache,
-    and what is read again faults back in from there), so the maps hold about that much."""
+    Readers count what they read through the maps (``touched``) and every ``RELEASE_BYTES`` the
+    maps' pages are handed back (``release``), so that the RSS does not hold every page of every
+    shard read (docs/loader.md, "The maps hold what was read lately")."""
 
-    def __init__(
-        self,
-        cache_dir: str | None = None,
-        cache_limit_gb: float = 64.0,
-        keep: int = 8,
-        keep_maps: int = 256,
-    ) -> None:
+    def __init__(self, cache_dir: str | None = None, cache_limit_gb: float = 64.0) -> None:
         self.cache_dir = Path(cache_dir or default_cache_dir())
         self.cache_limit = int(cache_limit_gb * 2**30)
-        self.keep, self.keep_maps = keep, keep_maps
         self._open: dict[str, BinaryIO] = {}
         self._maps: dict[str, memoryview] = {}
         self._failed: dict[str, tuple[float, str]] = {}  # pipe: fetches that failed lately
@@ -232,7 +211,7 @@ class ShardFiles:
         if mapped is None:
             if kind(url) == "fsspec":
                 return None
-            if len(self._maps) >= self.keep_maps:
+            if len(self._maps) >= KEEP_MAPS:
                 self._maps.pop(next(iter(self._maps)))
             path = self._local_file(url, min_bytes)
             with open(path, "rb") as f:
@@ -245,7 +224,7 @@ class ShardFiles:
     def get(self, url: str, min_bytes: int = 0) -> BinaryIO:
         f = self._open.pop(url, None)
         if f is None:
-            if len(self._open) >= self.keep:
+            if len(self._open) >= KEEP_OPEN:
                 self._open.pop(next(iter(self._open))).close()
             f = self._opener(url, min_bytes)
         self._open[url] = f  # re-inserted last: the dict's order is the LRU order

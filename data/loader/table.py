@@ -3,10 +3,8 @@ token count and its visual blocks. A source is *token* shards (``earlyfuse-prep 
 fast path: a ``TokenTable``) or *raw* shards (``earlyfuse-prep ingest``, tokenized online in the
 workers: a ``SampleTable`` held in memory). table_load.py builds them at start; these classes
 answer the loader's per-document questions for the whole run and are pickled to its workers.
-
-Design choice: token sources start in O(shards), not O(samples): a sample's record (offsets,
-tokens, blocks, hash) is looked up in its shard's memory-mapped binary index (``SHARD.idx.bin``,
-data/shards/token_index.py, written by tokenize beside every shard) only when it is read.
+A token sample's record (offsets, tokens, blocks, hash) is looked up in its shard's
+memory-mapped binary index (data/shards/token_index.py) only when it is read.
 """
 
 from __future__ import annotations
@@ -50,11 +48,6 @@ class SampleTable:
     shard_bytes: list[int] = field(default_factory=list)  # per shard: where its last member ends
     members: list[dict] = field(default_factory=list)  # raw: each sample's index members
     manifest_url: str = ""
-    # Token shards: where each sample's KEY.json lies and the SHA-256 of its members (the index's
-    # per-sample hash; all zero where the index has none), checked as the sample is read
-    # (data/loader/sample_check.py).
-    json_at: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
-    sha: np.ndarray = field(default_factory=lambda: np.zeros((0, 32), np.uint8))
     layout_url: str = ""  # the vocabulary layout the token shards were made with
     # [modality, 2]: the id range [lo, hi) of each modality (set by the loader at start)
     id_ranges: np.ndarray | None = None
@@ -86,36 +79,14 @@ class SampleTable:
     def locate_members(self, sample: int) -> tuple:
         """What reading a token sample needs, flat (it runs once per document): (shard, tokens,
         blocks, json offset, size, ids offset, size, mod offset, size, SHA-256; zeros: no usable
-        hash in the index)."""
-
-        def at(column: np.ndarray) -> tuple[int, int]:
-            return (int(column[sample][0]), int(column[sample][1])) if len(column) else (0, 0)
-
-        sha = self.sha[sample].tobytes() if len(self.sha) else bytes(32)
+        hash in the index). A table held in memory records no json member and no hash."""
+        ids_at, mod_at = self.ids_at[sample].tolist(), self.mod_at[sample].tolist()
         shard, tokens = self.shard_of(sample), int(self.tokens[sample])
-        return (
-            shard,
-            tokens,
-            self.blocks[sample],
-            *at(self.json_at),
-            *at(self.ids_at),
-            *at(self.mod_at),
-            sha,
-        )
+        return (shard, tokens, self.blocks[sample], 0, 0, *ids_at, *mod_at, bytes(32))
 
 
 # Columns a TokenTable builds on demand, for tools and tests that look at a whole source.
-_COLUMNS = (
-    "shard",
-    "keys",
-    "ids_at",
-    "mod_at",
-    "json_at",
-    "tokens",
-    "blocks",
-    "sha",
-    "shard_bytes",
-)
+_COLUMNS = ("shard", "keys", "ids_at", "tokens", "blocks")
 
 
 class TokenTable(SampleTable):
@@ -254,14 +225,9 @@ class TokenTable(SampleTable):
             return [x.key(i) for x in idx for i in range(len(x))]
         if name == "blocks":
             return [x.blocks_of(i).tolist() for x in idx for i in range(len(x))]
-        if name == "shard_bytes":
-            return [int(x.header["shard_bytes"]) for x in idx]
-        field_of = {"ids_at": "ids", "mod_at": "mod", "json_at": "json"}
-        if name in field_of:
-            return np.concatenate([x.records[field_of[name]] for x in idx]).reshape(-1, 2)
-        if name == "tokens":
-            return np.concatenate([x.records["tokens"] for x in idx]).astype(np.int64)
-        return np.concatenate([x.records["sha256"] for x in idx]).reshape(-1, 32)
+        if name == "ids_at":
+            return np.concatenate([x.records["ids"] for x in idx]).reshape(-1, 2)
+        return np.concatenate([x.records["tokens"] for x in idx]).astype(np.int64)
 
 
 REBUILD = (

@@ -1,15 +1,10 @@
 """Building a source's sample table (table.py) at start, from its shards and their manifest:
 finding and checking the manifests, listing the shards, computing the fingerprints. No tar is
 opened; which kind a source is (token or raw shards) is read from the manifest above the shards.
-
-Design choices:
-- Token sources start in O(shards), not O(samples): the manifest gives each shard's sample
-  count, the SHA-256 of its index and its block statistics, and the binary index beside the
-  shard the rest, when a sample is read. A shard the manifest does not list, or without its
-  binary index, is an error naming it. Raw sources read their JSONL indexes whole.
-- The fingerprint covers the shard names and index hashes (not where they live); the tokenizer
-  fingerprint the text tokenizer, vocabulary layout and visual tokenizer weights. Loader state
-  cannot be restored onto other data, and sources made with other tokenizers cannot be mixed.
+A token source starts from its manifest alone, in O(shards), and a shard it does not list, or
+without its binary index, is refused naming it (docs/loader.md, "Start-up"). The fingerprint
+covers the shard names and index hashes, not where they live: a run's state moves with its
+shards to object storage.
 """
 
 from __future__ import annotations

@@ -30,7 +30,6 @@ class Watchdog:
         self.seconds, self.label = seconds, label
         # (what is being read: a label, or (table, sample) formatted only if it stalls; since)
         self.current: tuple[str | tuple, float] | None = None
-        self.reported = 0
         self._stop = threading.Event()
         if seconds > 0:
             threading.Thread(target=self._watch, daemon=True).start()
@@ -40,7 +39,6 @@ class Watchdog:
         while not self._stop.wait(min(self.seconds, 5.0)):
             cur = self.current
             if cur and time.monotonic() - cur[1] > self.seconds:
-                self.reported += 1
                 what = cur[0] if isinstance(cur[0], str) else " sample ".join(sample_where(*cur[0]))
                 print(
                     f"[loader {self.label}] read stalled for {time.monotonic() - cur[1]:.0f} s: {what}",
