@@ -213,7 +213,13 @@ def table(results: list[dict]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--root", type=Path, default=REPO / "runs" / "instab")
-    parser.add_argument("--cases", nargs="*", help="case names (default: all)")
+    parser.add_argument(
+        "--cases",
+        nargs="*",
+        choices=[case.name for case in CASES],
+        metavar="CASE",
+        help="case names (default: all)",
+    )
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
     parser.add_argument("--prepare-only", action="store_true", help="build the data and stop")
     parser.add_argument(
@@ -221,9 +227,6 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     cases = [case for case in CASES if not args.cases or case.name in args.cases]
-    unknown = set(args.cases or []) - {case.name for case in CASES}
-    if unknown:
-        sys.exit(f"unknown case(s) {sorted(unknown)}; choose from {[case.name for case in CASES]}")
     if args.list:
         for case in cases:
             run_args = train_args(case, args.root / "runs" / case.name, DATA / "suite")

@@ -62,9 +62,6 @@ def write_report(
 ) -> Report:
     """Read RUN_DIR and write ``report.png`` and ``report.html`` into ``out`` (default
     RUN_DIR/report). Raises ``NoMetrics`` when RUN_DIR has no metrics.jsonl."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # harmless when pyplot is never imported; guards an interactive default
     from tools.report import panels as figures
     from tools.report.page import header_lines, html_page
 

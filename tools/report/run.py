@@ -90,7 +90,7 @@ class RunData:
         return [s for s in self.target_mix if s in found] + sorted(found - set(self.target_mix))
 
     def last(self, key: str) -> float | None:
-        """The last finite value of a series (the final.json value has priority for eval keys)."""
+        """The last finite value of a series, else its last value; None when it was never logged."""
         s = self.series.get(key)
         if s is None:
             return None
