@@ -145,23 +145,17 @@ def build_series(records: dict[int, dict]) -> dict[str, Series]:
 
 def run_config(run_dir: Path) -> dict:
     """The run's resolved config.yaml, or {} when it is missing or unreadable."""
-    path = run_dir / CONFIG_FILE
-    if not path.is_file():
-        return {}
+    import yaml
+
+    return _read_dict(run_dir / CONFIG_FILE, yaml.safe_load)
+
+
+def _read_dict(path: Path, parse) -> dict:
+    """The object of a file, or {} when it is missing, unreadable or not an object: a file we
+    cannot read costs only what the report shows of it."""
     try:
-        import yaml
-
-        cfg = yaml.safe_load(path.read_text())
-    except Exception:  # a config we cannot read costs only the header fields
-        return {}
-    return cfg if isinstance(cfg, dict) else {}
-
-
-def _json_dict(path: Path) -> dict:
-    """A JSON object file, or {} when it is missing or not an object."""
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
+        value = parse(path.read_text())
+    except Exception:
         return {}
     return value if isinstance(value, dict) else {}
 
@@ -208,8 +202,8 @@ def load_run(run_dir: str | Path) -> RunData:
         total_steps=int(total) if isinstance(total, int) else None,
         records=records,
         series=build_series(records),
-        final=_json_dict(run_dir / FINAL_FILE),
-        heldout_eval=_json_dict(run_dir / EVAL_FILE),
+        final=_read_dict(run_dir / FINAL_FILE, json.loads),
+        heldout_eval=_read_dict(run_dir / EVAL_FILE, json.loads),
         alarms=alarms,
         target_mix=_target_mix(cfg),
         first_pass=first_pass(raw),
