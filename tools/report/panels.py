@@ -128,7 +128,7 @@ def eval_points(
     if series is not None:
         finite = np.isfinite(series.values)
         steps, values = series.steps[finite], series.values[finite] * scale
-    value = run.final.get(key)
+    value = run.final.get(key, math.nan)
     final = type(value) in (int, float) and math.isfinite(value)  # not a bool
     if final:
         final_step = run.total_steps or run.last_step
