@@ -91,9 +91,8 @@ def modality_rows(run: RunData, smooth: float) -> list[list[str]]:
     for m in run.modalities():
         s = run.series.get(f"loss/{m}")
         smoothed = None
-        if s is not None and smooth > 0:
-            e = ema(s.values, smooth)
-            smoothed = float(e[np.isfinite(e)][-1]) if np.isfinite(e).any() else None
+        if s is not None and smooth > 0 and np.isfinite(s.values).any():
+            smoothed = float(ema(s.values, smooth)[-1])  # the EMA carries over non-finite steps
         tok = run.series.get(f"tokens/{m}")
         rows.append(
             [
