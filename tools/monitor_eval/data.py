@@ -1,8 +1,9 @@
 """The instability suite's data: a small real corpus, tokenized, plus token sources that turn bad
 part-way through (docs/monitors.md, "Measured on real instabilities"). Nothing is injected into
 training: every pathology is *data* that the real loader reads, in stored order
-(``data.shuffle_shards=false``), so a source written as "healthy documents, then bad ones" turns
-bad at a known step: ``onset_tokens = step x tokens per step x the source's share``.
+(``data.shuffle_shards=false``, a small ``data.shuffle_buffer``), so a source written as "healthy
+documents, then bad ones" turns bad at a known point of the stream; the loader mixes sources by
+tokens, so that point is a known step: ``onset_tokens = step x tokens per step x share``.
 
 Built once under ``ROOT`` (reused while its ``built.json`` matches the options):
 
@@ -16,7 +17,8 @@ Built once under ``ROOT`` (reused while its ``built.json`` matches the options):
   left out of the training sources: every case's validation loss is on the same documents.
 - ``suite_tv/``: the healthy sources again, pictures and clips tokenized by a visual tokenizer
   *trained* ``vtok_steps`` steps on the base corpus, as a user's own pipeline makes them (flat
-  colours map onto a few codes, so a healthy model draws few codes too).
+  colours map onto a few codes, so a healthy model draws few codes too); text and code are the
+  same pieces as ``suite/``'s.
 """
 
 from __future__ import annotations
