@@ -1,30 +1,24 @@
 """The instability suite's data: a small real corpus, tokenized, plus token sources that turn bad
-part-way through (docs/monitors.md, "Measured on real instabilities").
+part-way through (docs/monitors.md, "Measured on real instabilities"). Nothing is injected into
+training: every pathology is *data* that the real loader reads, in stored order
+(``data.shuffle_shards=false``, a small ``data.shuffle_buffer``), so a source written as "healthy
+documents, then bad ones" turns bad at a known point of the stream; the loader mixes sources by
+tokens, so that point is a known step: ``onset_tokens = step x tokens per step x share``.
 
-Nothing is injected into training: every pathology is *data* that the real loader reads. A
-source is read in its stored order when a run sets ``data.shuffle_shards=false`` and a small
-``data.shuffle_buffer``, so a source written as "healthy documents, then bad ones" turns bad at a
-known point of the stream; the loader mixes sources by tokens, so that point is a known step:
-``onset_tokens = step x tokens per step x the source's share``.
+Built once under ``ROOT`` (reused while its ``built.json`` matches the options):
 
-Built once under ``ROOT`` (about 15 s; reused while its ``built.json`` matches the options):
-
-- ``base/``: the demo corpus at a small scale (code, prose, scenes, digits, clips, interleaved
-  documents) and captioned colour squares in both orders (image then caption, caption then
-  image: the cross-modal dependence probes need both), ingested, a 512-token BPE and the
-  untrained debug visual tokenizer (real codes, no training time), tokenized.
-- ``suite/``: one token folder holding every source the cases read. Long text and code
-  documents are cut into pieces of at most ``piece`` tokens, so a batch holds many documents
-  and several sources (a 12k-token file would otherwise fill 25 batches of the debug run and
-  make a modality's loss jump with each new file). Sources ending in ``_bad`` are a healthy
-  prefix followed by a pathology (``garbage``, ``degenerate_codes``, a shift to images only).
-  ``val`` holds every 10th document of code, text, images and both colour sources, left out of
-  the training sources: every case's final validation loss is measured on the same documents.
-- ``suite_tv/``: the healthy sources again (and ``scenes`` alone), their pictures and clips
-  tokenized by a *trained* visual tokenizer (``experiment=vtok_debug``, ``vtok_steps`` steps on
-  the base corpus), as a user's own pipeline makes them: flat colours and plain backgrounds map
-  onto a few codes, so a healthy model draws few codes too (the untrained tokenizer of
-  ``suite/`` spreads them). Text and code are the same pieces as ``suite/``'s.
+- ``base/``: the demo corpus at a small scale and captioned colour squares in both orders (the
+  cross-modal dependence probes need both), a 512-token BPE and the untrained debug visual
+  tokenizer (real codes, no training time), tokenized.
+- ``suite/``: every source the cases read. Long text and code documents are cut into pieces of
+  at most ``piece`` tokens, so a batch holds many documents (a 12k-token file would fill 25
+  batches of the debug run and make a modality's loss jump with each new file). Sources ending
+  in ``_bad`` are a healthy prefix followed by a pathology. ``val`` holds every 10th document,
+  left out of the training sources: every case's validation loss is on the same documents.
+- ``suite_tv/``: the healthy sources again, pictures and clips tokenized by a visual tokenizer
+  *trained* ``vtok_steps`` steps on the base corpus, as a user's own pipeline makes them (flat
+  colours map onto a few codes, so a healthy model draws few codes too); text and code are the
+  same pieces as ``suite/``'s.
 """
 
 from __future__ import annotations
@@ -40,7 +34,7 @@ import numpy as np
 
 from data.loader.npy import read_npy
 from data.shards import token_index
-from data.shards.index import read_index, read_member
+from data.shards.reader import iter_shard
 from data.tokenize.blocks import visual_blocks
 from data.tokenize.docs import TokenDoc
 from data.tokenize.shard_job import TokenShardWriter
@@ -174,20 +168,17 @@ def tokenize_trained(root: Path, steps: int) -> Path:
 
 def read_source(tokens: Path, source: str) -> list[TokenDoc]:
     """Every document of one source of a token folder, in stored order."""
-    docs = []
-    for idx in sorted((tokens / source).glob("*.idx.jsonl")):
-        tar = idx.with_name(idx.name[: -len(".idx.jsonl")] + ".tar")
-        for entry in read_index(idx):
-            meta = json.loads(read_member(tar, entry, "json"))
-            docs.append(
-                TokenDoc(
-                    entry["key"],
-                    read_npy(read_member(tar, entry, "ids.npy")).astype(np.int32),
-                    read_npy(read_member(tar, entry, "mod.npy")).astype(np.uint8),
-                    meta["spans"],
-                    meta["source"],
-                )
-            )
+    docs = [
+        TokenDoc(
+            raw.key,
+            read_npy(raw.member("ids.npy")).astype(np.int32),
+            read_npy(raw.member("mod.npy")).astype(np.uint8),
+            raw.doc["spans"],
+            raw.doc["source"],
+        )
+        for index in sorted((tokens / source).glob("*.idx.jsonl"))
+        for raw in iter_shard(index.with_name(index.name.replace(".idx.jsonl", ".tar")), index)
+    ]
     if not docs:
         raise ValueError(f"{tokens / source}: no documents")
     return docs

@@ -1,12 +1,8 @@
 """The monitors on real instabilities: recall, lead time, false alarms and recovery.
 
-Every case (``cases.yaml``) is a real ``earlyfuse-train`` subprocess with the default monitors;
-its failure comes from its config (``configs/experiment/``, found through ``SEARCHPATH``) or its
-data (``data.py``), nothing is injected. For each case: which detector fired first and when,
-when the failure became visible in the loss (the rule of tools/report/lead.py), the lead time,
-what the monitors did, and the final validation loss with the monitors' actions, with every
-action set to ``log`` (run only when an action changed the run: otherwise the two runs are the
-same), and of the healthy control.
+Every case (``cases.yaml``) is a real ``earlyfuse-train`` subprocess with the default monitors,
+its failure from its config (``configs/experiment/``, found through ``SEARCHPATH``) or its data
+(``data.py``); docs/monitors.md ("Measured on real instabilities") says what is measured and how.
 
     .venv/bin/python tools/monitor_eval/instability.py            # every case
     .venv/bin/python tools/monitor_eval/instability.py --cases lr-jump healthy-debug-0 --jobs 1
@@ -14,8 +10,7 @@ same), and of the healthy control.
     .venv/bin/python tools/monitor_eval/instability.py --list          # the cases and their runs
 
 The data is built once into runs/instab/data (the instab_* configs read it there); the runs go
-to ROOT/runs (ROOT: runs/instab). Writes ROOT/results.json and ROOT/table.md, prints the table,
-and the CPU seconds (user + sys of every run and of this process) beside the wall time.
+to ROOT/runs (ROOT: runs/instab); ROOT/results.json and ROOT/table.md hold the results.
 """
 
 from __future__ import annotations
@@ -218,7 +213,13 @@ def table(results: list[dict]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--root", type=Path, default=REPO / "runs" / "instab")
-    parser.add_argument("--cases", nargs="*", help="case names (default: all)")
+    parser.add_argument(
+        "--cases",
+        nargs="*",
+        choices=[case.name for case in CASES],
+        metavar="CASE",
+        help="case names (default: all)",
+    )
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
     parser.add_argument("--prepare-only", action="store_true", help="build the data and stop")
     parser.add_argument(
@@ -226,9 +227,6 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     cases = [case for case in CASES if not args.cases or case.name in args.cases]
-    unknown = set(args.cases or []) - {case.name for case in CASES}
-    if unknown:
-        sys.exit(f"unknown case(s) {sorted(unknown)}; choose from {[case.name for case in CASES]}")
     if args.list:
         for case in cases:
             run_args = train_args(case, args.root / "runs" / case.name, DATA / "suite")

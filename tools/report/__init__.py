@@ -1,9 +1,7 @@
 """``earlyfuse-report RUN_DIR``: every curve of a run, with the monitors' alarms marked, as PNGs
-and one self-contained HTML page; works on a finished run and on one still being written
-(docs/report.md). The run folder is the only input (``run.py``); the figures are ``panels.py``'s,
-the words and the page ``page.py``'s. report.png is the page read at a glance: the text header
-over the main panels; report_panels.png has every panel; both composed here with Pillow. The
-HTML page inlines its images and CSS and loads nothing, so it can be mailed as one file.
+and one self-contained HTML page (docs/report.md). The folder is read by ``run.py``, the figures
+are ``panels.py``'s, the words and the page ``page.py``'s; report.png (the header over the main
+panels) and report_panels.png (every panel) are composed here with Pillow.
 """
 
 from __future__ import annotations
@@ -64,9 +62,6 @@ def write_report(
 ) -> Report:
     """Read RUN_DIR and write ``report.png`` and ``report.html`` into ``out`` (default
     RUN_DIR/report). Raises ``NoMetrics`` when RUN_DIR has no metrics.jsonl."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # harmless when pyplot is never imported; guards an interactive default
     from tools.report import panels as figures
     from tools.report.page import header_lines, html_page
 

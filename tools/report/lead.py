@@ -1,21 +1,13 @@
 """When does a failure become visible in the loss, and which alarms came before it (lead time)?
 
-The *loss rule* is an objective stand-in for "a person looking at the loss curve would see it":
-the first step, from step ``burn_in`` on, at which the total loss or one content modality's loss
-(text, code, image, video), smoothed by a token-weighted EMA (factor ``alpha`` 0.05, about 20
-steps), stands more than ``rise`` (15 %) above its own running minimum since ``burn_in``; or
-the first step whose loss is not finite. (A 10-step EMA and 10 % fired on four of the six healthy
-controls of the instability suite: a modality with a few hundred tokens a step is that noisy.
-These settings are the tightest silent on all six.) An alarm's **lead time** is the visible step minus the alarm's step:
-positive when the alarm came first. Where a healthy run on the same data exists (the
-instability suite's config-only cases), the failure is also visible at the first step its
-smoothed loss stands 15 % above that run's at the same step (``loss_above_control``): a run
-whose loss stalls far above the healthy one never rises above its own minimum.
-
-A run that rolled back logs some steps twice; the rule reads the *first* pass (the records in
-file order until the step counter first goes back), the trajectory on which the trouble
-happened. ``earlyfuse-report`` marks the visible step and each alarm's lead in its alarms table;
-``tools/monitor_eval/instability.py`` uses the same rule for its table.
+The *loss rule* (docs/monitors.md, "Measured on real instabilities", says why these settings) is
+an objective stand-in for "a person looking at the loss curve would see it": the first step, from
+``burn_in`` on, at which the total loss or a content modality's loss, smoothed by a token-weighted
+EMA, stands ``rise`` above its own running minimum, or the first non-finite loss. A failure that
+shows as a stall never leaves its own minimum: ``loss_above_control`` compares with a healthy run
+on the same data instead. An alarm's **lead time** is the visible step minus the alarm's step.
+The rule reads a run's *first* pass (until a rollback relogs steps), the trajectory on which the
+trouble happened. ``earlyfuse-report`` and ``tools/monitor_eval/instability.py`` both use it.
 """
 
 from __future__ import annotations
@@ -37,10 +29,8 @@ class Visible:
 def first_pass(records: list[dict]) -> list[dict]:
     """The records of the first trajectory: in file order, up to the first step that goes back."""
     out, last = [], -1
-    for record in records:
-        step = record.get("step")
-        if not isinstance(step, int):
-            continue
+    for record in records:  # load_run keeps only records with an integer step
+        step = record["step"]
         if step <= last:
             break
         out.append(record)

@@ -76,7 +76,7 @@ def overview(run: RunData, smooth: float) -> list[tuple[str, str]]:
     if notes:
         rows.append(("records", "; ".join(notes)))
     rows.append(("alarms", alarm_counts(run)))
-    rows.append(("loss visible", visible_text(visible_of(run))))
+    rows.append(("loss visible", visible_text(loss_visible(run.first_pass))))
     rows.append(
         (
             "smoothing",
@@ -91,9 +91,8 @@ def modality_rows(run: RunData, smooth: float) -> list[list[str]]:
     for m in run.modalities():
         s = run.series.get(f"loss/{m}")
         smoothed = None
-        if s is not None and smooth > 0:
-            e = ema(s.values, smooth)
-            smoothed = float(e[np.isfinite(e)][-1]) if np.isfinite(e).any() else None
+        if s is not None and smooth > 0 and np.isfinite(s.values).any():
+            smoothed = float(ema(s.values, smooth)[-1])  # the EMA carries over non-finite steps
         tok = run.series.get(f"tokens/{m}")
         rows.append(
             [
@@ -125,10 +124,6 @@ def eval_rows(run: RunData) -> list[list[str]]:
     return rows
 
 
-def visible_of(run: RunData) -> Visible | None:
-    return loss_visible(run.first_pass) if run.first_pass else None
-
-
 def visible_text(v: Visible | None) -> str:
     """The loss rule's verdict (tools/report/lead.py), for the summary."""
     if v is None:
@@ -151,7 +146,7 @@ def lead_text(step: int | None, visible: Visible | None) -> str:
 def alarm_rows(run: RunData) -> list[list[str]]:
     """One row per alarm; the last column is its lead over the loss rule (steps; + = earlier)."""
     rows = []
-    visible = visible_of(run)
+    visible = loss_visible(run.first_pass)
     for i, a in enumerate(run.alarms, 1):
         vals = a.get("values")
         vals = (
@@ -220,7 +215,7 @@ def header_lines(run: RunData, smooth: float) -> list[tuple[str, float, str]]:
     if heldout:
         figures = [f"{m} {fmt(f['ce'], 3)}/{fmt(f.get('unigram'), 3)}" for m, f in heldout.items()]
         mono.append(("held-out (earlyfuse-eval), CE vs unigram: " + "  ".join(figures), 10))
-    visible = visible_of(run)
+    visible = loss_visible(run.first_pass)
     if run.alarms:
         mono.append((f"loss visible: {visible_text(visible)}", 10))
     for i, alarm in enumerate(run.alarms[:MAX_ALARMS_IN_PNG], 1):

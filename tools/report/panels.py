@@ -1,12 +1,7 @@
-"""The figures of a report: which panels a run gets, in reading order, what each draws, and each
-panel and the text header of report.png as PNG bytes.
-
+"""The figures of a report: which panels a run gets, in reading order, what each draws
+(docs/report.md, "What it draws"), and each panel and the text header of report.png as PNG bytes.
 matplotlib draws on bare ``Figure`` objects with the Agg canvas (no pyplot, nothing global), every
-panel the same size so that report.png is a clean grid. A panel is drawn only when the run
-logged its group, on the step axis every panel shares, with the alarms marked. Colours are fixed
-per modality (the total in black); a train series is drawn raw (faint) with its debiased EMA on
-top; evaluation values are markers and final.json's values stars at the last step; an alarm is
-a dashed line coloured by its action and labelled ``A<i>``, the row of the alarms table.
+panel the same size so that report.png is a clean grid.
 """
 
 from __future__ import annotations
@@ -133,9 +128,9 @@ def eval_points(
     if series is not None:
         finite = np.isfinite(series.values)
         steps, values = series.steps[finite], series.values[finite] * scale
-    value = run.final.get(key)
-    final = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if isinstance(value, (int, float)) and final:
+    value = run.final.get(key, math.nan)
+    final = type(value) in (int, float) and math.isfinite(value)  # not a bool
+    if final:
         final_step = run.total_steps or run.last_step
         keep = steps != final_step
         steps, values = np.append(steps[keep], final_step), np.append(values[keep], value * scale)

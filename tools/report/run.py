@@ -1,16 +1,9 @@
-"""Read a run folder as ``earlyfuse-train`` writes it, while it is being written or after.
-
-- ``metrics.jsonl``: one record per optimizer step. A resumed (or rolled-back) run appends, so
-  a step can appear more than once: the LAST record for a step wins, because it is the one the
-  surviving weights went through.
-- A line that does not parse is skipped and counted: the last line of a running run may be
-  half-written. NaN and Infinity (which the logger writes for a NaN loss) are kept as floats.
-- ``alarms.jsonl``: the monitors' alarms (docs/report.md), read with the same tolerance, in
-  file order.
-- The records of the first trajectory (``first_pass``: up to a rollback) are kept apart: the loss
-  rule of tools/report/lead.py reads them to say when a failure became visible in the loss.
-- ``config.yaml`` (name, task, train.steps, data.sources weights), ``final.json`` and
-  ``heldout_eval.json`` (``earlyfuse-eval --out``) are optional.
+"""Read a run folder as ``earlyfuse-train`` writes it, while it is being written or after
+(docs/report.md, "What it reads"). A resumed or rolled-back run appends to ``metrics.jsonl``: the
+LAST record of a step wins, because the surviving weights went through it, and the records up to
+the first step that goes back are kept apart (``first_pass``: the loss rule of
+tools/report/lead.py reads them). A line that does not parse is skipped and counted: the last line
+of a running run may be half-written.
 """
 
 from __future__ import annotations
@@ -84,11 +77,12 @@ class RunData:
         return [k for k in found if prefix == LOSS or self.has(prefix + k)]
 
     def modalities(self) -> list[str]:
-        """Modalities that have a train or validation loss anywhere (final.json included)."""
+        """Modalities that have a train or validation loss anywhere (final.json included), in
+        the trainer's order, then any other by name."""
         val_loss = VAL + LOSS  # val/loss/<modality>
         names = set(self.keys(LOSS)) | set(self.keys(val_loss))
         names |= {k[len(val_loss) :] for k in self.final if k.startswith(val_loss)}
-        return order_modalities(names)
+        return [m for m in MODALITY_NAMES if m in names] + sorted(names - set(MODALITY_NAMES))
 
     def sources(self) -> list[str]:
         """Data sources of the delivered mix, in the config's order, then any others by name."""
@@ -96,18 +90,12 @@ class RunData:
         return [s for s in self.target_mix if s in found] + sorted(found - set(self.target_mix))
 
     def last(self, key: str) -> float | None:
-        """The last finite value of a series (the final.json value has priority for eval keys)."""
+        """The last finite value of a series, else its last value; None when it was never logged."""
         s = self.series.get(key)
         if s is None:
             return None
         ok = np.isfinite(s.values)
         return float(s.values[ok][-1]) if ok.any() else float(s.values[-1])
-
-
-def order_modalities(names) -> list[str]:
-    """The trainer's order, then any other modality by name."""
-    names = set(names)
-    return [m for m in MODALITY_NAMES if m in names] + sorted(names - set(MODALITY_NAMES))
 
 
 def read_jsonl(path: Path) -> tuple[list[dict], int]:
@@ -120,8 +108,7 @@ def read_jsonl(path: Path) -> tuple[list[dict], int]:
         try:
             rec = json.loads(line)
         except ValueError:
-            bad += 1
-            continue
+            rec = None
         if isinstance(rec, dict):
             out.append(rec)
         else:
@@ -158,23 +145,17 @@ def build_series(records: dict[int, dict]) -> dict[str, Series]:
 
 def run_config(run_dir: Path) -> dict:
     """The run's resolved config.yaml, or {} when it is missing or unreadable."""
-    path = run_dir / CONFIG_FILE
-    if not path.is_file():
-        return {}
+    import yaml
+
+    return _read_dict(run_dir / CONFIG_FILE, yaml.safe_load)
+
+
+def _read_dict(path: Path, parse) -> dict:
+    """The object of a file, or {} when it is missing, unreadable or not an object: a file we
+    cannot read costs only what the report shows of it."""
     try:
-        import yaml
-
-        cfg = yaml.safe_load(path.read_text())
-    except Exception:  # a config we cannot read costs only the header fields
-        return {}
-    return cfg if isinstance(cfg, dict) else {}
-
-
-def _json_dict(path: Path) -> dict:
-    """A JSON object file, or {} when it is missing or not an object."""
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
+        value = parse(path.read_text())
+    except Exception:
         return {}
     return value if isinstance(value, dict) else {}
 
@@ -209,10 +190,8 @@ def load_run(run_dir: str | Path) -> RunData:
     cfg = run_config(run_dir)
     train_cfg = cfg.get("train")
     total = train_cfg.get("steps") if isinstance(train_cfg, dict) else None
-    alarms: list[dict] = []
-    bad_alarms = 0
-    if (run_dir / ALARMS_FILE).is_file():
-        alarms, bad_alarms = read_jsonl(run_dir / ALARMS_FILE)
+    alarms_file = run_dir / ALARMS_FILE
+    alarms, bad_alarms = read_jsonl(alarms_file) if alarms_file.is_file() else ([], 0)
     return RunData(
         run_dir=run_dir,
         name=str(cfg.get("name") or run_dir.resolve().name),
@@ -223,16 +202,14 @@ def load_run(run_dir: str | Path) -> RunData:
         total_steps=int(total) if isinstance(total, int) else None,
         records=records,
         series=build_series(records),
-        final=_json_dict(run_dir / FINAL_FILE),
-        heldout_eval=_json_dict(run_dir / EVAL_FILE),
+        final=_read_dict(run_dir / FINAL_FILE, json.loads),
+        heldout_eval=_read_dict(run_dir / EVAL_FILE, json.loads),
         alarms=alarms,
         target_mix=_target_mix(cfg),
         first_pass=first_pass(raw),
         duplicate_records=dup,
         impossible_mfu=sum(
-            1
-            for r in records.values()
-            if (x := _number(r.get("throughput/mfu"))) is not None and x > 1.0
+            (_number(r.get("throughput/mfu")) or 0.0) > 1.0 for r in records.values()
         ),
         bad_lines=bad,
         bad_alarm_lines=bad_alarms,
