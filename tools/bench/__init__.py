@@ -1,6 +1,6 @@
-"""What the benchmarks share: the machine and commit they ran on, memory and process trees read
-from Linux's /proc, the device helpers of the GPU scripts, and token folders written by the
-project's own writers and read by its loader.
+"""What the benchmarks share: the machine and commit they ran on, rounds of contenders measured
+in turn, results as JSON, memory and process trees read from Linux's /proc, the device helpers of
+the GPU scripts, and token folders written by the project's own writers and read by its loader.
 
 Only the standard library is imported here: the GPU scripts run where only torch is installed,
 so numpy, torch and the pipeline are imported inside the functions that need them.
@@ -12,24 +12,29 @@ import contextlib
 import json
 import os
 import platform
+import statistics
 import subprocess
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 ROOT = Path(__file__).resolve().parents[2]
+Key = TypeVar("Key")
+Result = TypeVar("Result")
 
 
 def machine() -> str:
-    """The CPU's model (from Linux's /proc/cpuinfo, else the architecture) and its core count."""
+    """The CPU's model (from Linux's /proc/cpuinfo, else the architecture), its core count and
+    the Python version."""
     name = platform.machine()
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
         name = next(
             (line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
             name,
         )
-    return f"{name}, {os.cpu_count()} cores"
+    return f"{name}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
 def commit() -> str:
@@ -43,6 +48,36 @@ def commit() -> str:
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "?"
+
+
+def rounds(measures: Mapping[Key, Callable[[], Result]], count: int) -> dict[Key, list[Result]]:
+    """``count`` rounds of every measure, the order rotated by one each round, so that a change of
+    load on a shared machine hits every contender alike: each measure's results, in round order."""
+    names = list(measures)
+    results: dict[Key, list[Result]] = {name: [] for name in names}
+    for number in range(count):
+        shift = number % len(names)
+        for name in names[shift:] + names[:shift]:
+            results[name].append(measures[name]())
+    return results
+
+
+def medians(results: dict[str, list[float]]) -> dict[str, float]:
+    return {name: statistics.median(values) for name, values in results.items()}
+
+
+def spread(values: list[float]) -> float:
+    """How far apart the rounds were: (max - min) / median."""
+    return (max(values) - min(values)) / statistics.median(values)
+
+
+def report(res: dict, path: str | Path | None = None) -> dict:
+    """``res`` printed as JSON and, given ``path``, written there too."""
+    text = json.dumps(res, indent=1)
+    print(text, flush=True)
+    if path:
+        Path(path).write_text(text + "\n")
+    return res
 
 
 def status_mib(field: str) -> float:
@@ -84,6 +119,13 @@ def sync(device) -> None:
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def doc_ids(seq_len: int, docs: int, device):
+    """One row of ``docs`` documents of (nearly) equal length: ids 0, 0, ..., 1, 1, ...; [1, T]."""
+    import torch
+
+    return (torch.arange(seq_len, device=device) * docs // seq_len).unsqueeze(0)
 
 
 def allow_recompiles(lengths: int, per_length: int = 8) -> None:
