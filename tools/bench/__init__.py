@@ -66,11 +66,6 @@ def medians(results: dict[str, list[float]]) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in results.items()}
 
 
-def spread(values: list[float]) -> float:
-    """How far apart the rounds were: (max - min) / median."""
-    return (max(values) - min(values)) / statistics.median(values)
-
-
 def report(res: dict, path: str | Path | None = None) -> dict:
     """``res`` printed as JSON and, given ``path``, written there too."""
     text = json.dumps(res, indent=1)
@@ -145,10 +140,14 @@ def allow_recompiles(lengths: int, per_length: int = 8) -> None:
 def write_token_shard(folder: Path, source: str, stem: str, docs: Iterable, modality: int) -> dict:
     """One token shard (tar, JSONL index, binary index) of ``docs``, (key, int32 ids) pairs of
     one modality, written by tokenize's own writer under ``folder / source``: its manifest
-    entry."""
+    entry, as tokenize makes it."""
+    import dataclasses
+
     import numpy as np
 
     from data.shards import token_index
+    from data.shards.manifest import shard_entry
+    from data.tokenize.blocks import shard_block_stats
     from data.tokenize.docs import TokenDoc
     from data.tokenize.shard_job import TokenShardWriter
 
@@ -157,19 +156,13 @@ def write_token_shard(folder: Path, source: str, stem: str, docs: Iterable, moda
     writer = TokenShardWriter(folder / f"{rel}.tar", folder / f"{rel}.idx.jsonl")
     for key, ids in docs:
         writer.write(TokenDoc(key, ids, np.full(len(ids), modality, np.uint8), source=source))
-    res = writer.close(folder / f"{rel}{token_index.SUFFIX}")
-    return {
-        "path": f"{rel}.tar",
-        "index": f"{rel}.idx.jsonl",
-        "index_bin": f"{rel}{token_index.SUFFIX}",
-        "source": source,
-        "samples": res.samples,
-        "tokens": dict(writer.tokens),
-        "blocks": {mod: {"blocks": 0, "longest": 0} for mod in ("image", "video")},
-        "bytes": res.bytes,
-        "sha256": res.sha256,
-        "index_sha256": res.index_sha256,
-    }
+    written = dataclasses.asdict(writer.close(folder / f"{rel}{token_index.SUFFIX}"))
+    return shard_entry(
+        {**written, "tar": f"{rel}.tar", "index_file": f"{rel}.idx.jsonl", "source": source},
+        index_bin=f"{rel}{token_index.SUFFIX}",
+        tokens=dict(writer.tokens),
+        blocks=shard_block_stats(writer.doc_blocks),
+    )
 
 
 def write_token_manifest(folder: Path, fingerprint: str, tokenizers: dict, shards: list) -> dict:

@@ -47,7 +47,6 @@ from tools.bench import (  # noqa: E402
     process_tree,
     report,
     rounds,
-    spread,
     token_loader_config,
     write_token_manifest,
     write_token_shard,
@@ -620,16 +619,12 @@ def energon_batches(corpus: Path, workers: int, seq_len: int, rows: int):
     return (batch for packed in energon.get_loader(dataset) for batch in packed)
 
 
-def earlyfuse_batches(corpus: Path, workers: int, seq_len: int, rows: int):
-    from data.loader import build_loader
-
-    cfg = token_loader_config(corpus / "tokens", seq_len, num_workers=workers, mode="epoch")
-    return iter(build_loader(cfg, rank=0, world_size=1, micro_batch=rows))
-
-
 def make_batches(name: str, corpus: Path, workers: int, seq_len: int, rows: int):
     if name == "earlyfuse":
-        return earlyfuse_batches(corpus, workers, seq_len, rows)
+        from data.loader import build_loader
+
+        cfg = token_loader_config(corpus / "tokens", seq_len, num_workers=workers, mode="epoch")
+        return iter(build_loader(cfg, rank=0, world_size=1, micro_batch=rows))
     if name == "energon":
         return energon_batches(corpus, workers, seq_len, rows)
     return in_worker(partial(peer_batches, name, corpus, seq_len, rows), workers)
@@ -716,7 +711,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
     for name, results in runs.items():
         med = {key: statistics.median(res[key] for res in results) for key in keys}
         rates = [res["tokens_per_s"] for res in results]
-        out[name] = {**med, "spread": spread(rates), "tokens": results[0]["tokens"]}
+        spread = (max(rates) - min(rates)) / med["tokens_per_s"]
+        out[name] = {**med, "spread": spread, "tokens": results[0]["tokens"]}
         out[name]["all_tokens_per_s"] = rates
     return out
 

@@ -1,26 +1,18 @@
 """Loader start-up against the number of samples: flat, or linear?
 
-A synthetic token folder of tiny documents (``--tokens-per-doc`` text tokens each) is written to
-a temporary folder: one real shard of ``--shard-samples`` documents (tar, JSONL index, binary
-index, written by the project's own writers), repeated as hard links under as many shard names
-as the size needs, and a token manifest listing them all (10^7 samples cost ~30 MB of disk).
-For each size the script times, in this process:
+A synthetic token folder of tiny documents (``--tokens-per-doc`` text tokens each) in a
+temporary folder: one real shard of ``--shard-samples`` documents written by the project's own
+writers, repeated as hard links under as many shard names as each size needs, and a manifest
+listing them. For each size, in this process: ``build_loader``; that plus the first batch
+(``num_workers=0``: what a training run waits for); a fresh loader restored mid-epoch plus its
+first batch; and, up to ``--jsonl-max``, ``json.loads`` of every JSONL index line (what every
+start cost before binary indexes, a lower bound).
 
-- ``build``: ``build_loader`` (expand the shards, read the manifest, fingerprint, block-fit
-  check); ``start``: that plus the first batch (``num_workers=0``, 1,024 tiny documents read and
-  packed): what a training run waits for;
-- ``restore``: a fresh loader given a state deep into the epoch (its cursor at the middle of
-  the source), plus its first batch;
-- ``jsonl``: parsing every line of every JSONL index with ``json.loads``, which the loader did
-  at every start before binary indexes (a lower bound of its start-up then), for sizes up to
-  ``--jsonl-max``.
-
-``--first-batch CHECKOUT ...`` times instead, over the folder of the first size, what a fresh
-process waits for: ``build_loader`` and then its first batch, in-process (``num_workers=0``) and
-with one worker, each measure in a new Python process importing the loader of each checkout
-given (this one: ``.``), the checkouts' order rotated each round; the first untimed process of
-each writes numba's on-disk cache, as a first run on a machine does. Ratios are against the
-first checkout.
+``--first-batch CHECKOUT ...`` times instead what a fresh process waits for, over the first
+size's folder: ``build_loader`` and then its first batch, in-process and with one worker, each
+in a new Python process importing the loader of each checkout given (this one: ``.``), rounds
+rotated, after an untimed process of each that writes numba's on-disk cache as a first run on a
+machine does. Ratios are against the first checkout.
 
     python tools/bench/bench_startup.py [--sizes 10000 100000 1000000 10000000] [--rounds 3]
     python tools/bench/bench_startup.py --sizes 100000 --first-batch /tmp/before . --rounds 5
