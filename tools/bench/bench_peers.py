@@ -30,7 +30,6 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -684,23 +683,18 @@ def run_measure(a, name: str, workers: int, limit: int = 0) -> dict:
             cmd += [f"--{flag}", str(value)]
         cmd += ["--workers", str(workers), "--limit", str(limit), "--result", result.name]
         child = subprocess.Popen(cmd)
-        peak = [0, 0]
-
-        def sample() -> None:
-            while child.poll() is None:
-                rss, pss = memory_of(process_tree(child.pid))
-                peak[0], peak[1] = max(peak[0], rss), max(peak[1], pss)
-                time.sleep(0.05)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        code = child.wait()
-        sampler.join()
-        if code != 0:
-            raise SystemExit(f"{name} (num_workers={workers}) failed with exit code {code}")
+        peak_rss = peak_pss = 0
+        while child.poll() is None:  # this process has nothing else to do meanwhile
+            rss, pss = memory_of(process_tree(child.pid))
+            peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
+            time.sleep(0.05)
+        if child.returncode != 0:
+            raise SystemExit(
+                f"{name} (num_workers={workers}) failed with exit code {child.returncode}"
+            )
         res = json.loads(Path(result.name).read_text())
-    res["peak_rss"], res["peak_pss"] = peak
-    what = f"{name} num_workers={workers}" + (f", {limit} batches untimed" if limit else "")
+    res["peak_rss"], res["peak_pss"] = peak_rss, peak_pss
+    what = f"{name} num_workers={workers}" + (f", warm-up of {limit} batches" if limit else "")
     print(f"  {what}: {res['tokens_per_s']:,.0f} tokens/s", flush=True)
     return res
 
