@@ -49,6 +49,18 @@ class Replay:
         return getattr(self.stream, name)
 
 
+def overrides(experiment: str, run_dir: Path, *more: str) -> list[str]:
+    """Both measures' run: no progress bar, evaluation or checkpoint (none of them is measured)."""
+    return [
+        f"experiment={experiment}",
+        f"run_dir={run_dir}",
+        "train.progress=false",
+        "train.eval_every=0",
+        "train.ckpt_every=0",
+        *more,
+    ]
+
+
 def overhead(experiment: str, steps: int, rounds: int, run_dir: Path) -> dict:
     from contextlib import closing
 
@@ -57,16 +69,7 @@ def overhead(experiment: str, steps: int, rounds: int, run_dir: Path) -> dict:
     from train.dist import init_distributed
     from train.names import MODEL_INPUTS
 
-    cfg, yaml = compose_run_config(
-        [
-            f"experiment={experiment}",
-            f"run_dir={run_dir}",
-            "train.progress=false",
-            "train.eval_every=0",
-            "train.ckpt_every=0",
-            "train.resume=false",
-        ]
-    )
+    cfg, yaml = compose_run_config(overrides(experiment, run_dir, "train.resume=false"))
     trainer = build_trainer(cfg, yaml, init_distributed())
     with closing(iter(trainer.stream)) as stream_iter:
         batches = [next(stream_iter) for _ in range(8 * cfg.train.grad_accum)]
@@ -120,12 +123,7 @@ def data_wait(experiment: str, steps: int, run_dir: Path) -> dict:
         sys.executable,
         "-m",
         "train.app",
-        f"experiment={experiment}",
-        f"run_dir={run_dir}",
-        f"train.steps={steps}",
-        "train.progress=false",
-        "train.ckpt_every=0",
-        "train.eval_every=0",
+        *overrides(experiment, run_dir, f"train.steps={steps}"),
     ]
     env = {
         key: value

@@ -136,7 +136,8 @@ class Timer:
 def table(timings: list[Timing]) -> str:
     rows = ["| command | wall | CPU (user+sys) |", "|---|---|---|"]
     for timing in timings:
-        rows.append(f"| `{short(timing.command)}` | {timing.wall_s:.0f} s | {timing.cpu_s:.0f} s |")
+        command = timing.command if len(timing.command) <= 70 else timing.command[:67] + "..."
+        rows.append(f"| `{command}` | {timing.wall_s:.0f} s | {timing.cpu_s:.0f} s |")
         if timing.steps:
             rows.append(
                 f"| ... per 100 steps | {timing.per_100_wall_s:.0f} s | "
@@ -149,11 +150,7 @@ def table(timings: list[Timing]) -> str:
     return "\n".join(rows)
 
 
-def short(command: str, width: int = 70) -> str:
-    return command if len(command) <= width else command[: width - 3] + "..."
-
-
-def build_parser() -> argparse.ArgumentParser:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -167,11 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--keep", type=Path, help="work in this folder and keep it")
     parser.add_argument("--out", type=Path, help="also write the timings here (JSON)")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT / "tests"))
     guide_run = importlib.import_module("guide_run")
     s3_server = importlib.import_module("s3_server")
