@@ -1,6 +1,6 @@
-"""What the benchmarks share: the machine and commit they ran on, memory and process trees read
-from Linux's /proc, the device helpers of the GPU scripts, and token folders written by the
-project's own writers and read by its loader.
+"""What the benchmarks share: the machine and commit they ran on, rounds of contenders measured
+in turn, results as JSON, memory and process trees read from Linux's /proc, the device helpers of
+the GPU scripts, and token folders written by the project's own writers and read by its loader.
 
 Only the standard library is imported here: the GPU scripts run where only torch is installed,
 so numpy, torch and the pipeline are imported inside the functions that need them.
@@ -12,24 +12,29 @@ import contextlib
 import json
 import os
 import platform
+import statistics
 import subprocess
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 ROOT = Path(__file__).resolve().parents[2]
+Key = TypeVar("Key")
+Result = TypeVar("Result")
 
 
 def machine() -> str:
-    """The CPU's model (from Linux's /proc/cpuinfo, else the architecture) and its core count."""
+    """The CPU's model (from Linux's /proc/cpuinfo, else the architecture), its core count and
+    the Python version."""
     name = platform.machine()
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
         name = next(
             (line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
             name,
         )
-    return f"{name}, {os.cpu_count()} cores"
+    return f"{name}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
 def commit() -> str:
@@ -43,6 +48,31 @@ def commit() -> str:
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "?"
+
+
+def rounds(measures: Mapping[Key, Callable[[], Result]], count: int) -> dict[Key, list[Result]]:
+    """``count`` rounds of every measure, the order rotated by one each round, so that a change of
+    load on a shared machine hits every contender alike: each measure's results, in round order."""
+    names = list(measures)
+    results: dict[Key, list[Result]] = {name: [] for name in names}
+    for number in range(count):
+        shift = number % len(names)
+        for name in names[shift:] + names[:shift]:
+            results[name].append(measures[name]())
+    return results
+
+
+def medians(results: dict[str, list[float]]) -> dict[str, float]:
+    return {name: statistics.median(values) for name, values in results.items()}
+
+
+def report(res: dict, path: str | Path | None = None) -> dict:
+    """``res`` printed as JSON and, given ``path``, written there too."""
+    text = json.dumps(res, indent=1)
+    print(text, flush=True)
+    if path:
+        Path(path).write_text(text + "\n")
+    return res
 
 
 def status_mib(field: str) -> float:
@@ -86,6 +116,13 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def doc_ids(seq_len: int, docs: int, device):
+    """One row of ``docs`` documents of (nearly) equal length: ids 0, 0, ..., 1, 1, ...; [1, T]."""
+    import torch
+
+    return (torch.arange(seq_len, device=device) * docs // seq_len).unsqueeze(0)
+
+
 def allow_recompiles(lengths: int, per_length: int = 8) -> None:
     """Let dynamo keep ``per_length`` compiled variants of a function for each of ``lengths`` row
     lengths. A run has one row length, so dynamo's default of 8 variants per function (the
@@ -103,10 +140,14 @@ def allow_recompiles(lengths: int, per_length: int = 8) -> None:
 def write_token_shard(folder: Path, source: str, stem: str, docs: Iterable, modality: int) -> dict:
     """One token shard (tar, JSONL index, binary index) of ``docs``, (key, int32 ids) pairs of
     one modality, written by tokenize's own writer under ``folder / source``: its manifest
-    entry."""
+    entry, as tokenize makes it."""
+    import dataclasses
+
     import numpy as np
 
     from data.shards import token_index
+    from data.shards.manifest import shard_entry
+    from data.tokenize.blocks import shard_block_stats
     from data.tokenize.docs import TokenDoc
     from data.tokenize.shard_job import TokenShardWriter
 
@@ -115,19 +156,13 @@ def write_token_shard(folder: Path, source: str, stem: str, docs: Iterable, moda
     writer = TokenShardWriter(folder / f"{rel}.tar", folder / f"{rel}.idx.jsonl")
     for key, ids in docs:
         writer.write(TokenDoc(key, ids, np.full(len(ids), modality, np.uint8), source=source))
-    res = writer.close(folder / f"{rel}{token_index.SUFFIX}")
-    return {
-        "path": f"{rel}.tar",
-        "index": f"{rel}.idx.jsonl",
-        "index_bin": f"{rel}{token_index.SUFFIX}",
-        "source": source,
-        "samples": res.samples,
-        "tokens": dict(writer.tokens),
-        "blocks": {mod: {"blocks": 0, "longest": 0} for mod in ("image", "video")},
-        "bytes": res.bytes,
-        "sha256": res.sha256,
-        "index_sha256": res.index_sha256,
-    }
+    written = dataclasses.asdict(writer.close(folder / f"{rel}{token_index.SUFFIX}"))
+    return shard_entry(
+        {**written, "tar": f"{rel}.tar", "index_file": f"{rel}.idx.jsonl", "source": source},
+        index_bin=f"{rel}{token_index.SUFFIX}",
+        tokens=dict(writer.tokens),
+        blocks=shard_block_stats(writer.doc_blocks),
+    )
 
 
 def write_token_manifest(folder: Path, fingerprint: str, tokenizers: dict, shards: list) -> dict:

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model.attention import build_attention_mask  # noqa: E402
-from tools.bench import allow_recompiles, device_name, sync  # noqa: E402
+from tools.bench import allow_recompiles, device_name, doc_ids, sync  # noqa: E402
 from tools.bench.gpu_table import MASK_HEAD, mask_result_rows  # noqa: E402
 from train.memory import is_out_of_memory  # noqa: E402
 
@@ -43,22 +43,13 @@ KINDS = ("doc", "local")
 def block_mask_bytes(block_mask) -> int:
     """Bytes of every tensor a BlockMask holds (block counts and indices, partial and full, by
     key and by query)."""
-    total = 0
-    for value in vars(block_mask).values():
-        if isinstance(value, torch.Tensor):
-            total += value.numel() * value.element_size()
-    return total
+    tensors = [value for value in vars(block_mask).values() if isinstance(value, torch.Tensor)]
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
-def doc_ids(seq_len: int, docs: int, device: torch.device) -> torch.Tensor:
-    """One row of ``docs`` documents of (nearly) equal length: ids 0, 0, ..., 1, 1, ..."""
-    return (torch.arange(seq_len, device=device) * docs // seq_len).unsqueeze(0)
-
-
-def measure(
-    seq_len: int, kind: str, *, window: int, docs: int, device, compiled: bool, repeats: int
-) -> dict:
-    doc = doc_ids(seq_len, docs, device)
+def measure(seq_len: int, kind: str, args, device) -> dict:
+    doc = doc_ids(seq_len, args.docs, device)
+    window = args.window if kind == "local" else 0
 
     def build():
         # A window on every layer is the local layers' predicate (doc AND causal AND window).
@@ -67,10 +58,10 @@ def measure(
             seq_len,
             device,
             doc_ids=doc,
-            sliding_window=window if kind == "local" else 0,
+            sliding_window=window,
             backend="flex",
-            one_doc_rows=docs <= 1,
-            compile_mask=compiled,
+            one_doc_rows=args.docs <= 1,
+            compile_mask=args.builder == "compiled",
         ).block_mask
 
     started = time.perf_counter()
@@ -80,7 +71,7 @@ def measure(
     del mask
     times, peaks = [], []
     index_bytes = 0
-    for _ in range(repeats):
+    for _ in range(args.repeats):
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
@@ -96,11 +87,11 @@ def measure(
     return {
         "seq_len": seq_len,
         "kind": kind,
-        "window": window if kind == "local" else 0,
-        "docs": docs,
+        "window": window,
+        "docs": args.docs,
         "first_build_s": first_s,
         "build_s": statistics.median(times),
-        "builds": repeats,
+        "builds": args.repeats,
         "index_mib": index_bytes / MIB,
         "peak_build_mib": max(peaks) / MIB if peaks else None,
     }
@@ -151,15 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
         for seq_len in lengths:
             for kind in kinds:
                 try:
-                    res = measure(
-                        seq_len,
-                        kind,
-                        window=args.window,
-                        docs=args.docs,
-                        device=device,
-                        compiled=args.builder == "compiled",
-                        repeats=args.repeats,
-                    )
+                    res = measure(seq_len, kind, args, device)
                 except Exception as error:  # one failed size must not hide the others
                     res = {"seq_len": seq_len, "kind": kind, "window": args.window}
                     if is_out_of_memory(error):

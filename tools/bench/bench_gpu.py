@@ -40,18 +40,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from model.attention import resolve_backend  # noqa: E402
 from model.flops import flops_per_token  # noqa: E402
 from model.presets import preset  # noqa: E402
-from tools.bench import allow_recompiles, device_name, sync  # noqa: E402
+from tools.bench import allow_recompiles, device_name, doc_ids, sync  # noqa: E402
 from train.memory import estimate, is_out_of_memory  # noqa: E402
 from train.mfu import peak_tflops  # noqa: E402
 
 
 def batch(cfg, micro_batch: int, seq_len: int, docs: int, device, gen) -> dict:
     ids = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len + 1), generator=gen).to(device)
-    bounds = torch.linspace(0, seq_len, docs + 1).long()[1:-1]
-    doc = torch.zeros(seq_len, dtype=torch.long)
-    for bound in bounds:
-        doc[bound:] += 1
-    doc = doc.expand(micro_batch, seq_len).contiguous().to(device)
+    doc = doc_ids(seq_len, docs, device).expand(micro_batch, seq_len).contiguous()
     # The loader's flag: rows of several documents (the model then never reads doc ids back)
     return {
         "input_ids": ids[:, :-1],

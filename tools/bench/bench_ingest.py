@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import io
-import platform
 import shutil
-import statistics
 import sys
 import sysconfig
 import tarfile
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +28,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from data.ingest import ingest  # noqa: E402
-from tools.bench import machine  # noqa: E402
+from tools.bench import machine, medians, rounds  # noqa: E402
 
 
 def make_images(root: Path, n: int) -> None:
@@ -58,24 +57,24 @@ def make_texts(root: Path, n: int) -> None:
                 return
 
 
-def tar_baseline(src: Path, out: Path) -> tuple[float, int, int]:
+def tar_baseline(src: Path, out: Path) -> float:
     started = time.perf_counter()
-    nbytes = nfiles = 0
-    with tarfile.open(out, "w") as tf:
+    with tarfile.open(out, "w") as tar:
         for path in sorted(src.iterdir()):
             data = path.read_bytes()
             info = tarfile.TarInfo(path.name)
             info.size = len(data)
-            tf.addfile(info, io.BytesIO(data))
-            nbytes += len(data)
-            nfiles += 1
-    return time.perf_counter() - started, nbytes, nfiles
+            tar.addfile(info, io.BytesIO(data))
+    return time.perf_counter() - started
 
 
-def run_ingest(kind: str, src: Path, out: Path) -> tuple[float, int]:
+def run_ingest(kind: str, src: Path, samples: int) -> float:
+    out = Path(tempfile.mkdtemp(dir=src.parent)) / "out"
     started = time.perf_counter()
     summary = ingest(out, [f"{kind}:{src}"], workers=1, shard_max_bytes=64 << 20)
-    return time.perf_counter() - started, summary["manifest"]["totals"]["samples"]
+    seconds = time.perf_counter() - started
+    assert summary["manifest"]["totals"]["samples"] == samples, (summary["manifest"], samples)
+    return seconds
 
 
 def main() -> None:
@@ -90,26 +89,22 @@ def main() -> None:
     try:
         make_images(tmp / "images", args.images)
         make_texts(tmp / "text", args.texts)
-        print(f"machine: {machine()}, python {platform.python_version()}")
+        print(f"machine: {machine()}")
         print(f"{'corpus':<8} {'what':<10} {'MB/s':>8} {'samples/s':>10}   ratio ingest/tarfile")
-        for kind, name in (("images", "images"), ("text", "text")):
-            src = tmp / name
-            base, ours = [], []
-            for round_no in range(args.repeat):
-                base_s, nbytes, nfiles = tar_baseline(src, tmp / f"base{round_no}.tar")
-                n_samples = args.images if kind == "images" else nfiles
-                base.append(base_s)
-                ingest_s, got = run_ingest(kind, src, tmp / f"out_{name}_{round_no}")
-                assert got == n_samples, (got, n_samples)
-                ours.append(ingest_s)
-            base_median, ingest_median = statistics.median(base), statistics.median(ours)
-            megabytes = nbytes / 1e6
-            print(
-                f"{kind:<8} {'tarfile':<10} {megabytes / base_median:8.1f} {n_samples / base_median:10.0f}"
-            )
-            print(
-                f"{kind:<8} {'ingest':<10} {megabytes / ingest_median:8.1f} {n_samples / ingest_median:10.0f}   {base_median / ingest_median:.3f}"
-            )
+        for kind in ("images", "text"):
+            files = sorted((tmp / kind).iterdir())
+            samples = args.images if kind == "images" else len(files)
+            measures = {
+                "tarfile": partial(tar_baseline, tmp / kind, tmp / "base.tar"),
+                "ingest": partial(run_ingest, kind, tmp / kind, samples),
+            }
+            times = medians(rounds(measures, args.repeat))
+            megabytes = sum(path.stat().st_size for path in files) / 1e6
+            for what, seconds in times.items():
+                ratio = f"   {times['tarfile'] / seconds:.3f}" if what == "ingest" else ""
+                print(
+                    f"{kind:<8} {what:<10} {megabytes / seconds:8.1f} {samples / seconds:10.0f}{ratio}"
+                )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

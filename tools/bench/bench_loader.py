@@ -45,30 +45,32 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from data.loader import LoaderConfig, build_loader  # noqa: E402
-from tools.bench import loader_start, machine, status_mib, token_loader_config  # noqa: E402
+from tools.bench import loader_start, machine, report, status_mib, token_loader_config  # noqa: E402
 
 
-def ours(cfg: LoaderConfig, min_tokens: int) -> tuple[int, float]:
-    loader = build_loader(cfg, rank=0, world_size=1, micro_batch=8)
-    it, n, t0 = iter(loader), 0, time.perf_counter()
-    while n < min_tokens:
-        n += int(next(it)["num_real_tokens"])
-    dt = time.perf_counter() - t0
-    it.close()
-    return n, dt
+def ours(cfg: LoaderConfig, min_tokens: int) -> float:
+    """Tokens/s of the loader over at least ``min_tokens`` packed tokens."""
+    batches, tokens = iter(build_loader(cfg, rank=0, world_size=1, micro_batch=8)), 0
+    started = time.perf_counter()
+    while tokens < min_tokens:
+        tokens += int(next(batches)["num_real_tokens"])
+    seconds = time.perf_counter() - started
+    batches.close()
+    return tokens / seconds
 
 
-def plain_wds(shards: list[str], min_tokens: int) -> tuple[int, float]:
+def plain_wds(shards: list[str], min_tokens: int) -> float:
+    """Tokens/s of plain webdataset ``np.load``-ing every sample's arrays."""
     import webdataset as wds
 
-    n, t0 = 0, time.perf_counter()
-    while n < min_tokens:
+    tokens, started = 0, time.perf_counter()
+    while tokens < min_tokens:
         for sample in wds.WebDataset(shards, shardshuffle=False, empty_check=False):
             ids = np.load(io.BytesIO(sample["ids.npy"]), allow_pickle=False)
             np.load(io.BytesIO(sample["mod.npy"]), allow_pickle=False)
             json.loads(sample["json"])
-            n += len(ids)
-    return n, time.perf_counter() - t0
+            tokens += len(ids)
+    return tokens / (time.perf_counter() - started)
 
 
 SHARE_OVER, WEIGHT_UNDER = 0.60, 0.30
@@ -219,36 +221,34 @@ def main(argv=None) -> dict:
     }
 
     ours(cfg, 200_000), plain_wds(shards, 200_000)  # warm the page cache and imports
-    o, w = [], []
+    ours_rates, plain_rates = [], []
     for _ in range(a.rounds):
-        n, dt = ours(cfg, a.round_tokens)
-        o.append(n / dt)
-        n, dt = plain_wds(shards, a.round_tokens)
-        w.append(n / dt)
+        ours_rates.append(ours(cfg, a.round_tokens))
+        plain_rates.append(plain_wds(shards, a.round_tokens))
     res["throughput"] = {
-        "ours_tokens_per_s": statistics.mean(o),
-        "plain_wds_tokens_per_s": statistics.mean(w),
-        "ratio": statistics.mean(o) / statistics.mean(w),
+        "ours_tokens_per_s": statistics.mean(ours_rates),
+        "plain_wds_tokens_per_s": statistics.mean(plain_rates),
+        "ratio": statistics.mean(ours_rates) / statistics.mean(plain_rates),
     }
 
     per_sample = manifest["totals"]["tokens"] / manifest["totals"]["samples"]
     target = int(a.samples * per_sample)
     loader = build_loader(cfg, rank=0, world_size=1, micro_batch=8)
-    it = iter(loader)
-    next(it)
+    batches = iter(loader)
+    next(batches)
     start_state = json.loads(json.dumps(loader.state_dict()))
     marks: list[float] = []
-    n, t0 = 0, time.perf_counter()
-    while n < target:
-        n += int(next(it)["num_real_tokens"])
-        if len(marks) < 100 and n >= target * len(marks) / 100:
+    tokens, started = 0, time.perf_counter()
+    while tokens < target:
+        tokens += int(next(batches)["num_real_tokens"])
+        if len(marks) < 100 and tokens >= target * len(marks) / 100:
             marks.append(status_mib("VmRSS"))
     late_state = json.loads(json.dumps(loader.state_dict()))
-    it.close()
+    batches.close()
     res["rss"] = {
-        "tokens": n,
-        "samples_approx": round(n / per_sample),
-        "seconds": time.perf_counter() - t0,
+        "tokens": tokens,
+        "samples_approx": round(tokens / per_sample),
+        "seconds": time.perf_counter() - started,
         "rss_mib_at_10pct": marks[10],
         "rss_mib_at_end": status_mib("VmRSS"),
         "rss_mib_max": max(marks),
@@ -278,8 +278,7 @@ def main(argv=None) -> dict:
         f"restore + first batch: {rs['start_s'] * 1e3:.0f} ms at the start, {rs['late_s'] * 1e3:.0f} ms after "
         f"{r['samples_approx']:,} samples ({rs['ratio']:.2f}x); state {rs['state_bytes']:,} bytes"
     )
-    print(json.dumps(res, indent=1))
-    return res
+    return report(res)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,12 @@ manifest's, so both produce the demo's tokens.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 # One worker, one thread: the tokenizers library's own thread pool would otherwise give the
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from data.loader import LoaderConfig, SourceConfig, build_loader  # noqa: E402
 from data.loader.config import OnlineTokenizeConfig  # noqa: E402
-from tools.bench import machine  # noqa: E402
+from tools.bench import machine, medians, rounds  # noqa: E402
 
 KINDS = {
     "image-caption": "scenes",
@@ -46,7 +47,8 @@ KINDS = {
 }
 
 
-def ours(cfg: LoaderConfig, seconds: float) -> tuple[int, float]:
+def ours(cfg: LoaderConfig, seconds: float) -> float:
+    """Samples/s of the loader's stream over ``seconds``."""
     loader = build_loader(cfg, rank=0, world_size=1, micro_batch=1)
     stream = loader.make_stream(0)
     table_len = len(loader.tables[0])
@@ -57,10 +59,11 @@ def ours(cfg: LoaderConfig, seconds: float) -> tuple[int, float]:
         stream.next_batch()
     seconds_taken = time.perf_counter() - started
     cursor = stream.cursors[0]
-    return cursor.epoch * table_len + cursor.pos - start, seconds_taken
+    return (cursor.epoch * table_len + cursor.pos - start) / seconds_taken
 
 
-def offline(raw: Path, source: str, tokens: Path, opts: dict, seconds: float) -> tuple[int, float]:
+def offline(raw: Path, source: str, tokens: Path, opts: dict, seconds: float) -> float:
+    """Samples/s of the offline encoder over ``seconds``."""
     from data.shards.reader import ShardReader, shard_entries
     from data.text_tokenizer import TextTokenizer
     from data.tokenize.encoder import DocEncoder, TokenizeOptions
@@ -78,7 +81,7 @@ def offline(raw: Path, source: str, tokens: Path, opts: dict, seconds: float) ->
                     samples += len(enc.encode_chunk(chunk))
             if time.perf_counter() - started >= seconds:
                 break
-    return samples, time.perf_counter() - started
+    return samples / (time.perf_counter() - started)
 
 
 def main(argv=None) -> dict:
@@ -98,9 +101,9 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     opts = json.loads((args.tokens / "manifest.json").read_text())["options"]
-    online = OnlineTokenizeConfig(
-        **{key: value for key, value in opts.items() if key != "image_batch"}
-    )
+    # tokenize's options: the loader's own for online tokenizing, and its document budget
+    online = {field.name for field in dataclasses.fields(OnlineTokenizeConfig)}
+    online_opts = OnlineTokenizeConfig(**{key: opts[key] for key in online if key in opts})
     print(f"machine: {machine()}, torch threads 1; tokenize options {opts}")
     out = {}
     for kind, source in KINDS.items():
@@ -110,18 +113,15 @@ def main(argv=None) -> dict:
             num_workers=0,
             shuffle_buffer=64,
             tokenizers=str(args.tokens / "tokenizers"),
-            tokenize=online,
+            tokenize=online_opts,
+            doc_budget=opts.get("doc_budget", 0),
         )
-        rates: dict[str, list[float]] = {"ours": [], "offline": []}
-        for _ in range(args.rounds):
-            samples, seconds_taken = ours(cfg, args.seconds)
-            rates["ours"].append(samples / seconds_taken)
-            samples, seconds_taken = offline(args.raw, source, args.tokens, opts, args.seconds)
-            rates["offline"].append(samples / seconds_taken)
-        online_rate, offline_rate = (
-            statistics.median(rates["ours"]),
-            statistics.median(rates["offline"]),
-        )
+        measures = {
+            "ours": partial(ours, cfg, args.seconds),
+            "offline": partial(offline, args.raw, source, args.tokens, opts, args.seconds),
+        }
+        rates = medians(rounds(measures, args.rounds))
+        online_rate, offline_rate = rates["ours"], rates["offline"]
         out[kind] = {
             "source": source,
             "ours": online_rate,

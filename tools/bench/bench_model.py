@@ -1,17 +1,11 @@
-"""Benchmarks of the model, on CPU, in one run:
+"""Benchmarks of the model, on CPU, in one run (docs/benchmarks.md, "Model", has the method):
 
-1. forward+backward time of ``model.Transformer`` against a plain-PyTorch reference transformer
-   of the same size and architecture (RMSNorm, GQA with QK-norm, RoPE, SwiGLU, untied head,
-   F.scaled_dot_product_attention(is_causal=True), full-logits F.cross_entropy), measured in the
-   same process, round-robin one step at a time, same weights, same batch; printed as a ratio (ours / reference).
-   Our model is also timed on the same batch packed with several documents (block-diagonal
-   mask), which the reference cannot do.
-2. peak memory of the chunked fused CE against unchunked CE (full fp32 logits) at a 64k
-   vocabulary, forward + backward: against plain ``F.cross_entropy`` (no z-loss) and against our
-   own unchunked path (``chunk_size=0``, CE + z-loss, the same function as chunked). Each
-   variant runs in a fresh subprocess; its cost is the peak resident set size (the kernel's
-   VmHWM, reset through /proc/self/clear_refs once the inputs exist) minus the RSS at that
-   moment. On CPU that is what the process really had to hold.
+1. forward+backward time of ``model.Transformer`` against ``RefModel``, a plain-PyTorch
+   transformer of the same architecture given the same weights, on the same batch, one step of
+   each in turn; ours also on the batch packed with four documents (block-diagonal mask).
+2. peak memory of the chunked fused CE against unchunked CE at a 64k vocabulary, forward +
+   backward, each variant in a fresh process: its peak RSS (VmHWM, reset through
+   /proc/self/clear_refs once the inputs exist) minus the RSS then.
 
     .venv/bin/python tools/bench/bench_model.py [--threads 1] [--quick]
 """
@@ -21,11 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,7 +31,7 @@ from model.attention import AttentionConfig  # noqa: E402
 from model.layers import FFNConfig  # noqa: E402
 from model.loss import chunked_linear_cross_entropy  # noqa: E402
 from model.transformer import TransformerConfig  # noqa: E402
-from tools.bench import machine, status_mib  # noqa: E402
+from tools.bench import machine, medians, rounds, status_mib  # noqa: E402
 
 
 # --- a plain reference transformer --------------------------------------------------------
@@ -48,14 +41,10 @@ class RefBlock(nn.Module):
         self.h, self.kv, self.hd = h, kv, d // h
         self.n1, self.n2 = nn.RMSNorm(d, eps=1e-5), nn.RMSNorm(d, eps=1e-5)
         self.qn, self.kn = nn.RMSNorm(self.hd, eps=1e-5), nn.RMSNorm(self.hd, eps=1e-5)
-        self.wq, self.wk = (
-            nn.Linear(d, h * self.hd, bias=False),
-            nn.Linear(d, kv * self.hd, bias=False),
-        )
-        self.wv, self.wo = (
-            nn.Linear(d, kv * self.hd, bias=False),
-            nn.Linear(h * self.hd, d, bias=False),
-        )
+        self.wq = nn.Linear(d, h * self.hd, bias=False)
+        self.wk = nn.Linear(d, kv * self.hd, bias=False)
+        self.wv = nn.Linear(d, kv * self.hd, bias=False)
+        self.wo = nn.Linear(h * self.hd, d, bias=False)
         self.w1, self.w3 = nn.Linear(d, ffn, bias=False), nn.Linear(d, ffn, bias=False)
         self.w2 = nn.Linear(ffn, d, bias=False)
 
@@ -106,33 +95,24 @@ def copy_weights(ours, ref):
         ref.emb.weight.copy_(ours.tok_embeddings.weight)
         ref.head.weight.copy_(ours.output.weight)
         for our_layer, ref_block in zip(ours.layers, ref.blocks):
-            attn, mlp = our_layer.attention, our_layer.feed_forward.mlp
-            for src, dst in (
-                (attn.wq, ref_block.wq),
-                (attn.wk, ref_block.wk),
-                (attn.wv, ref_block.wv),
-                (attn.wo, ref_block.wo),
-                (mlp.w1, ref_block.w1),
-                (mlp.w2, ref_block.w2),
-                (mlp.w3, ref_block.w3),
-            ):
-                dst.weight.copy_(src.weight)
+            for name in ("wq", "wk", "wv", "wo"):
+                getattr(ref_block, name).weight.copy_(getattr(our_layer.attention, name).weight)
+            for name in ("w1", "w2", "w3"):
+                getattr(ref_block, name).weight.copy_(
+                    getattr(our_layer.feed_forward.mlp, name).weight
+                )
 
 
-def time_interleaved(fns: dict, models: dict, warmup: int, iters: int) -> dict[str, list[float]]:
-    """fwd+bwd times of each fn, round-robin one call at a time, so load changes on a shared
-    machine hit every contender alike."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn().backward()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(iters):
-        for name, fn in fns.items():
-            models[name].zero_grad(set_to_none=True)
-            started = time.perf_counter()
-            fn().backward()
-            times[name].append(time.perf_counter() - started)
-    return times
+def fwd_bwd(model: nn.Module, loss_of) -> Callable[[], float]:
+    """Seconds of one forward and backward of ``loss_of()``, the gradients cleared first."""
+
+    def timed() -> float:
+        model.zero_grad(set_to_none=True)
+        started = time.perf_counter()
+        loss_of().backward()
+        return time.perf_counter() - started
+
+    return timed
 
 
 def bench_speed(quick: bool) -> dict:
@@ -161,17 +141,13 @@ def bench_speed(quick: bool) -> dict:
     # the same function (ours adds the 1e-5 z-loss)
     assert abs(loss_ours - loss_ref) < 1e-2, (loss_ours, loss_ref)
     warm, iters = (2, 4) if quick else (3, 15)
-    times = time_interleaved(
-        {
-            "ref": lambda: ref(ids, labels),
-            "ours": lambda: ours(ids, labels=labels).loss,
-            "docs": lambda: ours(ids, labels=labels, doc_ids=docs).loss,
-        },
-        {"ref": ref, "ours": ours, "docs": ours},
-        warm,
-        iters,
-    )
-    med = {name: statistics.median(seconds) for name, seconds in times.items()}
+    steps = {
+        "ref": fwd_bwd(ref, lambda: ref(ids, labels)),
+        "ours": fwd_bwd(ours, lambda: ours(ids, labels=labels).loss),
+        "docs": fwd_bwd(ours, lambda: ours(ids, labels=labels, doc_ids=docs).loss),
+    }
+    rounds(steps, warm)
+    med = medians(rounds(steps, iters))
     return {
         "config": {**shape, "batch": B, "seq": T, "params": ours.num_params()},
         "loss_ours": loss_ours,
@@ -259,7 +235,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     res = {
-        "machine": f"{machine()}, torch {torch.__version__}, Python {platform.python_version()}",
+        "machine": f"{machine()}, torch {torch.__version__}",
         "threads": args.threads,
     }
     res["speed"] = speed = bench_speed(args.quick)

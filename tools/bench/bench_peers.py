@@ -1,31 +1,19 @@
 """earlyfuse's loader against the loaders of the field: one epoch each, start-up included.
 
-The peers: LitData (``litdata``; per-document arrays and its ``TokensLoader``), MosaicML
-Streaming (``mosaicml-streaming``), webdataset and Megatron-Energon (``megatron-energon``).
-They are not dependencies of the project: install them into a virtual environment of their own
-(docs/benchmarks.md, "The loaders of the field", which also has the method and the figures); a
-peer whose package is absent is skipped.
+The peers (LitData with per-document arrays and with its ``TokensLoader``, MosaicML Streaming,
+webdataset, Megatron-Energon) are not dependencies of the project: they live in a virtual
+environment of their own; docs/benchmarks.md, "The loaders of the field", has how, the method
+and the figures. A peer whose package is absent is skipped.
 
-**The corpus** (built once, cached under ``--corpus``): real text and code of this machine (the
-``.py`` and ``.txt``/``.rst``/``.md`` files of the standard library and site-packages, or of
-``--material``), cut or joined into ``--docs`` documents of about ``--doc-tokens`` tokens, with
-a project tokenizer (``--tokenizer DIR``) or the byte-level fallback (id = byte + 3, every
-document ended by eos: the loaders' work depends on the number of tokens and documents, not on
-which ids they are). ``--visual TOKEN_DIR`` adds the image, video and interleaved sources of a
-token folder made by ``earlyfuse-prep tokenize``, and its tokenizers: the byte-level ids lie
-inside its text range. The corpus is written as earlyfuse token shards by the project's own
-writers, then converted, untimed, into each peer's format, documents as id and modality arrays.
-
-**The same packing work for every loader**: rows of ``--seq-len``, ``--rows`` rows a batch,
-where the documents arrive (in the DataLoader worker with one worker). The peers get
-``MinimalPacker`` (text and code cut anywhere, a visual block that does not fit the rest of a
-row starts the next one); ``TokensLoader`` cuts fixed rows from one stream, so its stream is
-padded before such a block when it is written. earlyfuse runs its whole loader.
-
-**One measure is one fresh process** (``--measure``, started by this script): import, build,
-first batch, one epoch; this script samples the RSS and PSS of its process tree meanwhile.
-Each loader runs 20 batches untimed first, then ``--rounds`` rounds, the order rotated; medians,
-ratios against LitData's per-document arrays and against a result saved earlier (``--previous``).
+The corpus, built once under ``--corpus``: this machine's text and code files (or
+``--material``) cut or joined into ``--docs`` documents of about ``--doc-tokens`` tokens, with
+``--tokenizer`` or byte-level ids (id = byte + 3: the loaders' work depends on the number of
+tokens and documents, not on which ids they are), and with ``--visual`` the image and video
+sources of a token folder. It is written by the project's own writers as token shards, then
+converted, untimed, into each peer's format. Every loader packs where its documents arrive (the
+peers with ``MinimalPacker``; ``TokensLoader``'s stream is padded before a visual block when it
+is written). One measure is one fresh process (import, build, first batch, one epoch) whose
+process tree's RSS and PSS are sampled; rounds rotated; medians and ratios against LitData.
 
     python tools/bench/bench_peers.py --corpus runs/bench-peers [--docs 27000] [--rounds 3]
 """
@@ -42,7 +30,6 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -57,6 +44,8 @@ from tools.bench import (  # noqa: E402
     commit,
     machine,
     process_tree,
+    report,
+    rounds,
     token_loader_config,
     write_token_manifest,
     write_token_shard,
@@ -99,12 +88,8 @@ def available(module: str) -> bool:
 
 # --- the corpus ------------------------------------------------------------------------------------
 def default_material() -> list[Path]:
-    found: list[Path] = []
-    for key in ("stdlib", "purelib", "platlib"):
-        path = Path(sysconfig.get_paths()[key])
-        if path.is_dir() and path not in found:
-            found.append(path)
-    return found
+    paths = (Path(sysconfig.get_paths()[key]) for key in ("stdlib", "purelib", "platlib"))
+    return [path for path in dict.fromkeys(paths) if path.is_dir()]
 
 
 def material_files(roots: list[Path]) -> tuple[list[Path], list[Path]]:
@@ -633,16 +618,12 @@ def energon_batches(corpus: Path, workers: int, seq_len: int, rows: int):
     return (batch for packed in energon.get_loader(dataset) for batch in packed)
 
 
-def earlyfuse_batches(corpus: Path, workers: int, seq_len: int, rows: int):
-    from data.loader import build_loader
-
-    cfg = token_loader_config(corpus / "tokens", seq_len, num_workers=workers, mode="epoch")
-    return iter(build_loader(cfg, rank=0, world_size=1, micro_batch=rows))
-
-
 def make_batches(name: str, corpus: Path, workers: int, seq_len: int, rows: int):
     if name == "earlyfuse":
-        return earlyfuse_batches(corpus, workers, seq_len, rows)
+        from data.loader import build_loader
+
+        cfg = token_loader_config(corpus / "tokens", seq_len, num_workers=workers, mode="epoch")
+        return iter(build_loader(cfg, rank=0, world_size=1, micro_batch=rows))
     if name == "energon":
         return energon_batches(corpus, workers, seq_len, rows)
     return in_worker(partial(peer_batches, name, corpus, seq_len, rows), workers)
@@ -702,22 +683,19 @@ def run_measure(a, name: str, workers: int, limit: int = 0) -> dict:
             cmd += [f"--{flag}", str(value)]
         cmd += ["--workers", str(workers), "--limit", str(limit), "--result", result.name]
         child = subprocess.Popen(cmd)
-        peak = [0, 0]
-
-        def sample() -> None:
-            while child.poll() is None:
-                rss, pss = memory_of(process_tree(child.pid))
-                peak[0], peak[1] = max(peak[0], rss), max(peak[1], pss)
-                time.sleep(0.05)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        code = child.wait()
-        sampler.join()
-        if code != 0:
-            raise SystemExit(f"{name} (num_workers={workers}) failed with exit code {code}")
+        peak_rss = peak_pss = 0
+        while child.poll() is None:  # this process has nothing else to do meanwhile
+            rss, pss = memory_of(process_tree(child.pid))
+            peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
+            time.sleep(0.05)
+        if child.returncode != 0:
+            raise SystemExit(
+                f"{name} (num_workers={workers}) failed with exit code {child.returncode}"
+            )
         res = json.loads(Path(result.name).read_text())
-    res["peak_rss"], res["peak_pss"] = peak
+    res["peak_rss"], res["peak_pss"] = peak_rss, peak_pss
+    what = f"{name} num_workers={workers}" + (f", warm-up of {limit} batches" if limit else "")
+    print(f"  {what}: {res['tokens_per_s']:,.0f} tokens/s", flush=True)
     return res
 
 
@@ -727,10 +705,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
     for name, results in runs.items():
         med = {key: statistics.median(res[key] for res in results) for key in keys}
         rates = [res["tokens_per_s"] for res in results]
-        med["spread"] = (max(rates) - min(rates)) / med["tokens_per_s"]
-        med["tokens"] = results[0]["tokens"]
-        med["all_tokens_per_s"] = rates
-        out[name] = med
+        spread = (max(rates) - min(rates)) / med["tokens_per_s"]
+        out[name] = {**med, "spread": spread, "tokens": results[0]["tokens"]}
+        out[name]["all_tokens_per_s"] = rates
     return out
 
 
@@ -868,25 +845,13 @@ def main(argv=None) -> dict:
     for workers in a.workers:
         for name in loaders:  # untimed: page cache, the libraries' on-disk caches
             run_measure(a, name, workers, limit=20)
-        runs: dict[str, list[dict]] = {name: [] for name in loaders}
-        for round_number in range(a.rounds):
-            shift = round_number % len(loaders)
-            for name in loaders[shift:] + loaders[:shift]:
-                runs[name].append(run_measure(a, name, workers))
-                print(
-                    f"  round {round_number + 1} {name} num_workers={workers}: "
-                    f"{runs[name][-1]['tokens_per_s']:,.0f} tokens/s",
-                    flush=True,
-                )
+        runs = rounds({name: partial(run_measure, a, name, workers) for name in loaders}, a.rounds)
         mode = f"workers={workers}"
         res["modes"][mode] = summarize(runs)
         print_mode(mode, res["modes"][mode], previous)
     res["load_after"] = os.getloadavg()
     res["finished"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    print(json.dumps(res, indent=1))
-    if a.save:
-        a.save.write_text(json.dumps(res, indent=1))
-    return res
+    return report(res, a.save)
 
 
 if __name__ == "__main__":

@@ -1,26 +1,18 @@
 """Loader start-up against the number of samples: flat, or linear?
 
-A synthetic token folder of tiny documents (``--tokens-per-doc`` text tokens each) is written to
-a temporary folder: one real shard of ``--shard-samples`` documents (tar, JSONL index, binary
-index, written by the project's own writers), repeated as hard links under as many shard names
-as the size needs, and a token manifest listing them all (10^7 samples cost ~30 MB of disk).
-For each size the script times, in this process:
+A synthetic token folder of tiny documents (``--tokens-per-doc`` text tokens each) in a
+temporary folder: one real shard of ``--shard-samples`` documents written by the project's own
+writers, repeated as hard links under as many shard names as each size needs, and a manifest
+listing them. For each size, in this process: ``build_loader``; that plus the first batch
+(``num_workers=0``: what a training run waits for); a fresh loader restored mid-epoch plus its
+first batch; and, up to ``--jsonl-max``, ``json.loads`` of every JSONL index line (what every
+start cost before binary indexes, a lower bound).
 
-- ``build``: ``build_loader`` (expand the shards, read the manifest, fingerprint, block-fit
-  check); ``start``: that plus the first batch (``num_workers=0``, 1,024 tiny documents read and
-  packed): what a training run waits for;
-- ``restore``: a fresh loader given a state deep into the epoch (its cursor at the middle of
-  the source), plus its first batch;
-- ``jsonl``: parsing every line of every JSONL index with ``json.loads``, which the loader did
-  at every start before binary indexes (a lower bound of its start-up then), for sizes up to
-  ``--jsonl-max``.
-
-``--first-batch CHECKOUT ...`` times instead, over the folder of the first size, what a fresh
-process waits for: ``build_loader`` and then its first batch, in-process (``num_workers=0``) and
-with one worker, each measure in a new Python process importing the loader of each checkout
-given (this one: ``.``), the checkouts' order rotated each round; the first untimed process of
-each writes numba's on-disk cache, as a first run on a machine does. Ratios are against the
-first checkout.
+``--first-batch CHECKOUT ...`` times instead what a fresh process waits for, over the first
+size's folder: ``build_loader`` and then its first batch, in-process and with one worker, each
+in a new Python process importing the loader of each checkout given (this one: ``.``), rounds
+rotated, after an untimed process of each that writes numba's on-disk cache as a first run on a
+machine does. Ratios are against the first checkout.
 
     python tools/bench/bench_startup.py [--sizes 10000 100000 1000000 10000000] [--rounds 3]
     python tools/bench/bench_startup.py --sizes 100000 --first-batch /tmp/before . --rounds 5
@@ -38,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +42,8 @@ from data.vocab import Modality, VocabLayout  # noqa: E402
 from tools.bench import (  # noqa: E402
     loader_start,
     machine,
+    report,
+    rounds,
     token_loader_config,
     write_token_manifest,
     write_token_shard,
@@ -127,24 +122,22 @@ def time_first_batch(root: Path, src: Path, seq_len: int, workers: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def first_batch(checkouts: list[Path], src: Path, seq_len: int, rounds: int) -> dict:
+def first_batch(checkouts: list[Path], src: Path, seq_len: int, count: int) -> dict:
     """Medians of ``time_first_batch`` per checkout and worker count, and their ratios."""
-    settings = [(str(root), workers) for root in checkouts for workers in (0, 1)]
-    for name, workers in settings:  # untimed: numba writes its cache, the page cache fills
-        time_first_batch(Path(name), src, seq_len, workers)
-    times: dict[tuple[str, int], list[dict]] = {key: [] for key in settings}
-    for turn in range(rounds):
-        for checkout in checkouts[turn % len(checkouts) :] + checkouts[: turn % len(checkouts)]:
-            for workers in (0, 1):
-                times[(str(checkout), workers)].append(
-                    time_first_batch(checkout, src, seq_len, workers)
-                )
+    measures = {
+        (checkout, workers): partial(time_first_batch, checkout, src, seq_len, workers)
+        for checkout in checkouts
+        for workers in (0, 1)
+    }
+    for measure in measures.values():  # untimed: numba writes its cache, the page cache fills
+        measure()
+    times = rounds(measures, count)
     out: dict = {}
     for workers in (0, 1):
         base = None
         for checkout in checkouts:
-            runs = times[(str(checkout), workers)]
-            row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            runs = times[(checkout, workers)]
+            row = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
             base = base or row["first_batch_s"]
             row["first_batch_vs_first_checkout"] = row["first_batch_s"] / base
             out[f"{checkout} workers={workers}"] = row
@@ -157,11 +150,39 @@ def first_batch(checkouts: list[Path], src: Path, seq_len: int, rounds: int) -> 
 
 
 def time_jsonl(src: Path) -> float:
-    t0 = time.perf_counter()
-    for idx in sorted(src.glob("*.idx.jsonl")):
-        for line in idx.read_bytes().splitlines():
+    started = time.perf_counter()
+    for index in sorted(src.glob("*.idx.jsonl")):
+        for line in index.read_bytes().splitlines():
             json.loads(line)
-    return time.perf_counter() - t0
+    return time.perf_counter() - started
+
+
+def by_size(folders: dict[int, Path], a) -> dict[int, dict]:
+    """Medians of the build, start, restore and JSONL times at each size, sizes interleaved."""
+    for folder in folders.values():  # warm: imports, page cache
+        loader_start(cfg_for(folder, a.seq_len))
+    times: dict[int, list[dict]] = {n: [] for n in folders}
+    for _ in range(a.rounds):
+        for n, folder in folders.items():
+            cfg = cfg_for(folder, a.seq_len)
+            built, start, state = loader_start(cfg)
+            times[n].append({"build_s": built, "start_s": start})
+            times[n][-1]["restore_s"] = time_restore(cfg, state, n)
+            if n <= a.jsonl_max:
+                times[n][-1]["jsonl_s"] = time_jsonl(folder / "synth")
+    smallest = statistics.median(run["start_s"] for run in times[min(folders)])
+    sizes = {}
+    for n, runs in times.items():
+        row = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+        row.update(shards=n // a.shard_samples, start_vs_smallest=row["start_s"] / smallest)
+        sizes[n] = row
+        js = f"{row['jsonl_s'] * 1e3:9.0f} ms" if "jsonl_s" in row else "        —"
+        print(
+            f"{n:>11,} samples ({row['shards']:>5} shards): build_loader "
+            f"{row['build_s'] * 1e3:6.1f} ms, + first batch {row['start_s'] * 1e3:6.1f} ms ({row['start_vs_smallest']:.2f}x), restore "
+            f"mid-epoch {row['restore_s'] * 1e3:7.1f} ms; json.loads of every index line {js}"
+        )
+    return sizes
 
 
 def main(argv=None) -> dict:
@@ -182,11 +203,7 @@ def main(argv=None) -> dict:
     )
     a = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bench-startup-", dir=a.work_dir))
-    res: dict = {
-        "machine": machine(),
-        "load_before": os.getloadavg(),
-        "sizes": {},
-    }
+    res: dict = {"machine": machine(), "load_before": os.getloadavg()}
     try:
         base = work / "base"
         base.mkdir()
@@ -196,44 +213,10 @@ def main(argv=None) -> dict:
             checkouts = [root.resolve() for root in a.first_batch]
             synth = folders[a.sizes[0]] / "synth"
             res["first_batch"] = first_batch(checkouts, synth, a.seq_len, a.rounds)
-            res["load_after"] = os.getloadavg()
-            print(json.dumps(res, indent=1))
-            return res
-        for n in a.sizes:  # warm: imports, page cache
-            loader_start(cfg_for(folders[n], a.seq_len))
-        builds: dict[int, list[float]] = {n: [] for n in a.sizes}
-        starts: dict[int, list[float]] = {n: [] for n in a.sizes}
-        restores: dict[int, list[float]] = {n: [] for n in a.sizes}
-        jsonl: dict[int, list[float]] = {n: [] for n in a.sizes if n <= a.jsonl_max}
-        for _ in range(a.rounds):
-            for n in a.sizes:
-                cfg = cfg_for(folders[n], a.seq_len)
-                built, dt, state = loader_start(cfg)
-                builds[n].append(built)
-                starts[n].append(dt)
-                restores[n].append(time_restore(cfg, state, n))
-                if n in jsonl:
-                    jsonl[n].append(time_jsonl(folders[n] / "synth"))
-        small = min(a.sizes)
-        for n in a.sizes:
-            row = {
-                "shards": n // a.shard_samples,
-                "build_s": statistics.median(builds[n]),
-                "start_s": statistics.median(starts[n]),
-                "restore_s": statistics.median(restores[n]),
-                "jsonl_s": statistics.median(jsonl[n]) if n in jsonl else None,
-            }
-            row["start_vs_smallest"] = row["start_s"] / statistics.median(starts[small])
-            res["sizes"][n] = row
-            js = f"{row['jsonl_s'] * 1e3:9.0f} ms" if row["jsonl_s"] is not None else "        —"
-            print(
-                f"{n:>11,} samples ({row['shards']:>5} shards): build_loader "
-                f"{row['build_s'] * 1e3:6.1f} ms, + first batch {row['start_s'] * 1e3:6.1f} ms ({row['start_vs_smallest']:.2f}x), restore "
-                f"mid-epoch {row['restore_s'] * 1e3:7.1f} ms; json.loads of every index line {js}"
-            )
+        else:
+            res["sizes"] = by_size(folders, a)
         res["load_after"] = os.getloadavg()
-        print(json.dumps(res, indent=1))
-        return res
+        return report(res)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -20,21 +20,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import sysconfig
 import tempfile
 import textwrap
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tools.bench import machine  # noqa: E402
+from tools.bench import machine, medians, rounds  # noqa: E402
 
 BARE = textwrap.dedent(
     """
@@ -77,10 +76,17 @@ def make_corpus(root: Path, megabytes: float) -> None:
             return
 
 
-def timed(cmd: list[str], env: dict) -> float:
+def timed(cmd: list[str], env: dict, out: Path | None = None) -> float:
+    """Seconds of ``cmd`` (given ``out``: ``--out out``, deleted after)."""
     started = time.perf_counter()
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    return time.perf_counter() - started
+    more = ["--out", str(out)] if out else []
+    subprocess.run(
+        cmd + more, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    seconds = time.perf_counter() - started
+    if out:
+        shutil.rmtree(out)
+    return seconds
 
 
 def main() -> None:
@@ -119,23 +125,15 @@ def main() -> None:
         bare_cmd = [sys.executable, "-c", BARE, str(tmp / "tok" / "tokenizer.json"), *shards]
         prep = str(Path(sys.executable).with_name("earlyfuse-prep"))
         counts = [int(workers) for workers in args.workers.split(",")]
-        times: dict[str, list[float]] = {
-            name: [] for name in ["bare"] + [f"w{workers}" for workers in counts]
-        }
-        for round_no in range(args.repeat):
-            times["bare"].append(timed(bare_cmd, env))
-            for workers in counts:
-                out = tmp / f"tokens_{workers}_{round_no}"
-                cmd = [prep, "tokenize", "--in", str(raw), "--out", str(out), "--no-progress"]
-                cmd += ["--tokenizer", str(tmp / "tok"), "--visual-tokenizer", str(tmp / "vtok")]
-                times[f"w{workers}"].append(timed(cmd + ["--workers", str(workers)], env))
-                shutil.rmtree(out)
-        med = {key: statistics.median(samples) for key, samples in times.items()}
+        tokenize = [prep, "tokenize", "--in", str(raw), "--no-progress"]
+        tokenize += ["--tokenizer", str(tmp / "tok"), "--visual-tokenizer", str(tmp / "vtok")]
+        measures = {"bare": partial(timed, bare_cmd, env)}
+        for workers in counts:
+            run = tokenize + ["--workers", str(workers)]
+            measures[f"w{workers}"] = partial(timed, run, env, tmp / f"tokens_{workers}")
+        med = medians(rounds(measures, args.repeat))
         load = os.getloadavg()
-        print(
-            f"machine: {machine()}, python "
-            f"{platform.python_version()}; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}"
-        )
+        print(f"machine: {machine()}; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
         print(f"corpus: {len(shards)} raw shards, {megabytes:.1f} MB; median of {args.repeat} runs")
         print(f"{'what':<22} {'seconds':>8} {'MB/s':>7} {'vs bare':>8} {'vs 1 worker':>12}")
         print(f"{'bare encode_batch':<22} {med['bare']:8.2f} {megabytes / med['bare']:7.2f}")

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -30,40 +31,34 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tools.bench import machine  # noqa: E402
+from tools.bench import machine, report  # noqa: E402
 from train.names import METRICS_FILE  # noqa: E402
 
 
 class Replay:
-    """A batch stream that replays fixed batches (``train.streams.BatchStream``)."""
+    """The trainer's stream, its batches replaced by fixed ones, replayed: only iteration is
+    replaced (the callbacks hold the real stream; checkpoints and resume are off)."""
 
-    def __init__(self, batches: list[dict]) -> None:
-        self.batches, self.k = batches, 0
+    def __init__(self, stream, batches: list[dict]) -> None:
+        self.stream, self.batches = stream, batches
 
     def __iter__(self):
-        while True:
-            batch = self.batches[self.k % len(self.batches)]
-            self.k += 1
-            yield batch
+        yield from itertools.cycle(self.batches)
 
-    def state_dict(self) -> dict:
-        return {"k": self.k}
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
 
-    def load_state_dict(self, st: dict) -> None:
-        self.k = st["k"]
 
-    def resume(self, own, every_rank) -> None:
-        if own is not None:
-            self.load_state_dict(own)
-
-    def skipped(self) -> set[str]:
-        return set()
-
-    def delivered(self) -> dict[str, float]:
-        return {}
-
-    def batches_per_rank(self) -> None:
-        return None
+def overrides(experiment: str, run_dir: Path, *more: str) -> list[str]:
+    """Both measures' run: no progress bar, evaluation or checkpoint (none of them is measured)."""
+    return [
+        f"experiment={experiment}",
+        f"run_dir={run_dir}",
+        "train.progress=false",
+        "train.eval_every=0",
+        "train.ckpt_every=0",
+        *more,
+    ]
 
 
 def overhead(experiment: str, steps: int, rounds: int, run_dir: Path) -> dict:
@@ -74,20 +69,11 @@ def overhead(experiment: str, steps: int, rounds: int, run_dir: Path) -> dict:
     from train.dist import init_distributed
     from train.names import MODEL_INPUTS
 
-    cfg, yaml = compose_run_config(
-        [
-            f"experiment={experiment}",
-            f"run_dir={run_dir}",
-            "train.progress=false",
-            "train.eval_every=0",
-            "train.ckpt_every=0",
-            "train.resume=false",
-        ]
-    )
+    cfg, yaml = compose_run_config(overrides(experiment, run_dir, "train.resume=false"))
     trainer = build_trainer(cfg, yaml, init_distributed())
     with closing(iter(trainer.stream)) as stream_iter:
         batches = [next(stream_iter) for _ in range(8 * cfg.train.grad_accum)]
-    trainer.stream = Replay(batches)
+    trainer.stream = Replay(trainer.stream, batches)
     engine, accum = trainer.engine, cfg.train.grad_accum
     trainer.total_steps = 10**9
     trainer.callbacks.pre_train(trainer, 0)
@@ -137,12 +123,7 @@ def data_wait(experiment: str, steps: int, run_dir: Path) -> dict:
         sys.executable,
         "-m",
         "train.app",
-        f"experiment={experiment}",
-        f"run_dir={run_dir}",
-        f"train.steps={steps}",
-        "train.progress=false",
-        "train.ckpt_every=0",
-        "train.eval_every=0",
+        *overrides(experiment, run_dir, f"train.steps={steps}"),
     ]
     env = {
         key: value
@@ -172,13 +153,9 @@ def main(argv=None) -> dict:
     if args.experiment == "demo" and not Path("runs/demo/tokens/text").is_dir():
         sys.exit("runs/demo/tokens: no token shards; run `make demo` first (or pass --experiment)")
     with tempfile.TemporaryDirectory() as tmp:
-        res = {
-            "machine": machine(),
-            "experiment": args.experiment,
-        }
-        res["wait"] = data_wait(
-            args.experiment, args.wait_steps, Path(tmp) / "wait"
-        )  # first: a clean process
+        res: dict = {"machine": machine(), "experiment": args.experiment}
+        # first: a clean process
+        res["wait"] = data_wait(args.experiment, args.wait_steps, Path(tmp) / "wait")
         res["overhead"] = overhead(args.experiment, args.steps, args.rounds, Path(tmp) / "overhead")
     overhead_res, wait_res = res["overhead"], res["wait"]
     print(
@@ -189,8 +166,7 @@ def main(argv=None) -> dict:
         f"data wait: {wait_res['data_wait']:.2%} of step time over {wait_res['steps']} steps (target < 5%), "
         f"worst step {wait_res['max_step_wait']:.1%}"
     )
-    print(json.dumps(res, indent=1))
-    return res
+    return report(res)
 
 
 if __name__ == "__main__":

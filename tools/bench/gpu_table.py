@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 HEAD = (
@@ -51,13 +52,13 @@ def trainer_rows(out: Path) -> list[str]:
     timed = [r for r in records if r["step"] > 2]  # past the compile and the loader's start
     if not timed:
         return []
-    tps = sum(r["throughput/units_per_s"] for r in timed) / len(timed)
-    mfu = sum(r["throughput/mfu"] for r in timed) / len(timed)
-    step_ms = 1e3 * sum(r["throughput/step_s"] for r in timed) / len(timed)
-    wait = sum(r["throughput/data_wait"] for r in timed) / len(timed)
+    tps, mfu, step_s, wait = (
+        statistics.fmean(record[f"throughput/{key}"] for record in timed)
+        for key in ("units_per_s", "mfu", "step_s", "data_wait")
+    )
     return [
         f"| earlyfuse-train gpu_125m, steps 3-{records[-1]['step']} (data wait {wait:.1%}) | "
-        f"auto | {tps:,.0f} | {mfu:.1%} | {step_ms:.0f} | - | {records[-1]['train/loss']:.3f} |"
+        f"auto | {tps:,.0f} | {mfu:.1%} | {step_s * 1e3:.0f} | - | {records[-1]['train/loss']:.3f} |"
     ]
 
 
@@ -99,11 +100,8 @@ def long_rows(out: Path) -> list[str]:
         if res.get("oom"):
             rows.append(f"{what} {res['oom']} | | | | {_or_dash(res['estimate_gib'])} | | |")
             continue
-        above = (
-            res["peak_mem_gib"] - res["at_rest_gib"]
-            if res.get("peak_mem_gib") is not None and res.get("at_rest_gib") is not None
-            else None
-        )
+        # both measured on CUDA only
+        above = res["peak_mem_gib"] - res["at_rest_gib"] if res["at_rest_gib"] is not None else None
         rows.append(
             f"{what} {res['tokens_per_s']:,.0f} | {_or_dash(res.get('mfu'), '.1%')} | "
             f"{res['step_s']:.2f} | {_or_dash(res.get('peak_mem_gib'))} | "
@@ -111,11 +109,6 @@ def long_rows(out: Path) -> list[str]:
             f"{_or_dash(res['estimate_above_states_gib'])} |"
         )
     return rows
-
-
-def mask_rows(out: Path) -> list[str]:
-    path = out / "blockmask.json"
-    return mask_result_rows(read_json(path)["results"]) if path.is_file() else []
 
 
 def mask_result_rows(results: list[dict]) -> list[str]:
@@ -145,13 +138,12 @@ def failed_steps(out: Path) -> list[str]:
 
 
 def long_table(out: Path) -> str:
-    lines = []
-    rows = long_rows(out)
-    if rows:
-        lines += [LONG_HEAD, *rows, ""]
-    masks = mask_rows(out)
-    if masks:
-        lines += [MASK_HEAD, *masks, ""]
+    masks = out / "blockmask.json"
+    tables = [
+        (LONG_HEAD, long_rows(out)),
+        (MASK_HEAD, mask_result_rows(read_json(masks)["results"]) if masks.is_file() else []),
+    ]
+    lines = [line for head, rows in tables if rows for line in (head, *rows, "")]
     if lines:
         lines += [f"Failed: {line}" for line in failed_steps(out)]
     return "\n".join(lines).rstrip("\n") + "\n" if lines else ""

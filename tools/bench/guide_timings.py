@@ -3,24 +3,18 @@ per command.
 
     .venv/bin/python tools/bench/guide_timings.py --threads 1   # 9 minutes on 2 cores at load 8
 
-The commands, the corpus and the local S3-compatible server are the slow guide test's
-(tests/guide_run.py, tests/s3_server.py: test dependencies, ``pip install -e '.[test]'``): a home
-folder laid out as the guide's step 1 (a Python package, docs and man pages, captioned photos,
-videos, interleaved pages, a Hugging Face folder, an image table read from ``s3://``), ``--scale``
-times the test's documents (3: 376 documents, about the corpus of the user whose report the
-guide's timings answer).
-
-The two training runs are cut to ``--vtok-steps`` and ``--lm-steps`` (appended as
-``train.steps=N``; Hydra takes a key's last value); their presets' own counts (``train.steps`` of
-``configs/experiment/vtok_demo.yaml`` and ``demo.yaml``) are estimated as the cut run plus the
-remaining steps at the rate measured between its first and last console lines ("per 100
-steps"): validations and checkpoints between them are in that rate, the start and the final
-evaluation once.
+The commands, the corpus (``--scale`` times the test's documents; 3: 376 documents) and the
+local S3-compatible server are the slow guide test's (tests/guide_run.py, tests/s3_server.py:
+test dependencies, ``pip install -e '.[test]'``). The two training runs are cut to
+``--vtok-steps`` and ``--lm-steps`` (``train.steps=N`` appended: Hydra takes a key's last
+value); their presets' own step counts are estimated as the cut run plus the remaining steps at
+the rate between its first and last console lines, so that validations and checkpoints between
+them are in that rate, the start and the final evaluation counted once.
 
 Wall time is the command's; CPU time is user + system of the command and every process it
 started (``getrusage(RUSAGE_CHILDREN)``; for the per-100-step rate, the live process tree read
-from /proc at the two console lines). On a machine others are using, wall time grows with
-their load and CPU time much less: the load average is printed with the table.
+from /proc at the two console lines): on a shared machine wall time grows with the others' load,
+CPU time much less.
 """
 
 from __future__ import annotations
@@ -142,7 +136,8 @@ class Timer:
 def table(timings: list[Timing]) -> str:
     rows = ["| command | wall | CPU (user+sys) |", "|---|---|---|"]
     for timing in timings:
-        rows.append(f"| `{short(timing.command)}` | {timing.wall_s:.0f} s | {timing.cpu_s:.0f} s |")
+        command = timing.command if len(timing.command) <= 70 else timing.command[:67] + "..."
+        rows.append(f"| `{command}` | {timing.wall_s:.0f} s | {timing.cpu_s:.0f} s |")
         if timing.steps:
             rows.append(
                 f"| ... per 100 steps | {timing.per_100_wall_s:.0f} s | "
@@ -155,11 +150,7 @@ def table(timings: list[Timing]) -> str:
     return "\n".join(rows)
 
 
-def short(command: str, width: int = 70) -> str:
-    return command if len(command) <= width else command[: width - 3] + "..."
-
-
-def build_parser() -> argparse.ArgumentParser:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -173,11 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--keep", type=Path, help="work in this folder and keep it")
     parser.add_argument("--out", type=Path, help="also write the timings here (JSON)")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT / "tests"))
     guide_run = importlib.import_module("guide_run")
     s3_server = importlib.import_module("s3_server")
