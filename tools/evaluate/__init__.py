@@ -1,13 +1,8 @@
 """``earlyfuse-eval RELEASE --data VAL_TOKENS``: what a released model has learned, measured on
-held-out data, per modality and across modalities; docs/evaluation.md explains every figure.
-
-The parts: per-modality CE, bits per byte and the unigram baseline (heldout.py), the held-out
-check against ``--train-data``, dependence in both directions (pair_dependence.py), checkable
-generation on held-out scenes (scenes.py), and long context (position.py, needle.py). The
-held-out rows are the run's validation rows (``packing_options``): figures measured on other
-rows would not compare with the run's validation, so settings taken from DEFAULT_PACKING are
-named on stderr. Writes JSON (``--out``) and prints a table (table.py); ``earlyfuse-report
-RUN_DIR`` shows ``RUN_DIR/heldout_eval.json``.
+held-out data, per modality and across modalities; docs/evaluation.md explains every figure and
+the module of each part. The held-out rows are the run's validation rows (``packing_options``):
+figures measured on other rows would not compare with its validation, so settings taken from
+DEFAULT_PACKING are named on stderr.
 """
 
 from __future__ import annotations

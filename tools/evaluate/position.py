@@ -1,15 +1,6 @@
-"""Loss by token position on held-out documents (docs/evaluation.md, "Loss by token position"):
-does a token cost less the more of its document the model has read?
-
-Design choices:
-- The rows are the exact held-out pass (data/loader/heldout.py); a token's position is its
-  offset in its document's stretch of the row, the tokens it can attend to.
-- Buckets are log-spaced (``[0, first)``, ``[first, 2 first)``, ...): the early positions, where
-  context matters most, get fine buckets.
-- A bucket's mean is taken over the stretches that *cover the whole bucket*, so late buckets do
-  not average long documents only while early ones mix short and long; ``ce_first``, the first
-  bucket's CE on those same stretches, gives the fall within the same documents.
-  ``ce_all``/``tokens_all`` count every token (their weighted mean is the held-out CE).
+"""Loss by token position on held-out documents (docs/evaluation.md, "Loss by token position",
+says why the buckets are log-spaced and why each averages only the document stretches that
+cover it whole): does a token cost less the more of its document the model has read?
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""Checkable generation on held-out scenes (docs/evaluation.md, "Checkable generation"): draw a
-caption and read the drawing back with a pixel classifier; caption a picture and parse the
-caption back; each against chance (another scene's facts) and the visual tokenizer's ceiling.
-
-Drawings are sampled (``draw_temperature``, seeded per scene), not greedy: the likeliest code of
-every single position is the background's even when the model knows where the shape goes, so a
-greedy drawing is almost always empty. Drawing and captioning are ``earlyfuse-generate``'s code
-(tools/generate_requests.py), so the figures score what the command produces.
+"""Checkable generation on held-out scenes (docs/evaluation.md, "Checkable generation", says why
+drawings are sampled, not greedy): draw a caption and read the drawing back with a pixel
+classifier; caption a picture and parse the caption back; each against chance (another scene's
+facts) and the visual tokenizer's ceiling. Drawing and captioning are ``earlyfuse-generate``'s
+code (tools/generate_requests.py), so the figures score what the command produces.
 """
 
 from __future__ import annotations
