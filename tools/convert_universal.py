@@ -1,11 +1,6 @@
-"""``earlyfuse-convert universal RUN_DIR [--step N]``: make a checkpoint resumable on another
-world size (docs/checkpoints.md, "Another world size").
-
-A ZeRO 1-3 checkpoint holds each rank's shard of the optimizer state (at stage 3 of the weights
-too), so it loads only on the world size that wrote it. DeepSpeed's ``ds_to_universal``
-rewrites it as one file per parameter in ``checkpoints/step_N/universal/``, beside the original,
-which ``earlyfuse-train`` with the same ``run_dir`` finds and resumes from on any number of
-ranks. A ZeRO-0 checkpoint keeps whole copies and needs no conversion.
+"""``earlyfuse-convert universal RUN_DIR [--step N]``: make a ZeRO 1-3 checkpoint, whose
+optimizer shards load only on the world size that wrote them, resumable on another one with
+DeepSpeed's ``ds_to_universal`` (docs/checkpoints.md, "Another world size").
 """
 
 from __future__ import annotations
