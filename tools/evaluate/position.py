@@ -33,11 +33,8 @@ def stretches(doc_ids: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.n
     starts = np.flatnonzero(np.r_[True, doc_ids[1:] != doc_ids[:-1]])
     ends = np.r_[starts[1:], length]
     offset = np.arange(length) - np.repeat(starts, ends - starts)
-    span = np.repeat(ends - starts, ends - starts)
-    for start, end in zip(starts, ends):  # a padding stretch predicts nothing
-        if (labels[start:end] == IGNORE).all():
-            span[start:end] = 0
-    return offset, span
+    predicts = np.add.reduceat(labels != IGNORE, starts) > 0  # a padding stretch predicts nothing
+    return offset, np.repeat(np.where(predicts, ends - starts, 0), ends - starts)
 
 
 def _mean(total, count) -> float | None:
