@@ -84,8 +84,6 @@ class SceneJudge(Generator):
         self.device, self.image_max_pixels = device, image_max_pixels
         self.max_source_pixels = MAX_SOURCE_PIXELS
 
-    image_of = Generator.encode_image
-
     # a judge captions code grids it has encoded, not files: another signature than Generator's
     def caption(self, codes: np.ndarray, max_new_tokens: int = 48) -> str:  # type: ignore[override]
         """Greedy, as earlyfuse-generate --caption asks (bidirectional image blocks included)."""
@@ -138,7 +136,7 @@ def evaluate_scenes(
 
     for i, scene in enumerate(tqdm(single, desc="scenes", unit=" scenes", disable=not progress)):
         other = single[(i + 1) % len(single)]["facts"]
-        arr, codes = judge.image_of(scene["image"])
+        _, codes = judge.encode_image(scene["image"])
         grid = (int(codes.shape[0]), int(codes.shape[1]))
         _, drawing, _ = draw_image(
             judge,
