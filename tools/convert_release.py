@@ -228,12 +228,8 @@ def make_release(
     tok_dir: Path | None = None
     fingerprints, tok_options = None, {}
     if task == "lm":
-        layout_path = ckpt.folder / LAYOUT
-        if not layout_path.is_file():
-            raise CheckpointError(
-                f"{layout_path}: missing; an LM checkpoint carries the vocabulary layout it was trained with"
-            )
-        layout = VocabLayout.load(layout_path)
+        # in the checkpoint's manifest, which find_checkpoint checked: the layout it trained with
+        layout = VocabLayout.load(ckpt.folder / LAYOUT)
         net_cfg = run_cfg.model.with_layout(layout)
         if not no_tokenizers:
             tok_dir = Path(tokenizers) if tokenizers else find_tokenizers(run_cfg, run_dir)
