@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 EVAL_FILE = "heldout_eval.json"  # in a run folder: earlyfuse-report shows it
@@ -190,14 +191,11 @@ def evaluate(args) -> dict:
     out["heldout"] = heldout_losses(run, token_byte_lengths(text), unigram)
     say("dependence ...")
     pairs: list = []
-    per_group: dict[tuple[str, str], int] = {}
+    per_group: Counter = Counter()  # pairs taken per (source, direction)
     for doc in documents(val, "pairs", progress):
         pair = find_pair(doc.source, doc.key, doc.ids, doc.modality, doc.blocks)
-        if pair is None:
-            continue
-        group = (pair.source, pair.direction)
-        if per_group.get(group, 0) < args.max_pairs:
-            per_group[group] = per_group.get(group, 0) + 1
+        if pair is not None and per_group[pair.source, pair.direction] < args.max_pairs:
+            per_group[pair.source, pair.direction] += 1
             pairs.append(pair)
     out["dependence"] = dependence_gaps(run.model, pairs, device, progress=progress)
     if args.scenes:
