@@ -1,14 +1,9 @@
 """Reading a run's DeepSpeed checkpoint back into one full fp32 state dict, on CPU, without
-the world size that wrote it (docs/checkpoints.md, "Consolidation").
-
-Design choices:
-- Stages 1-3 go through DeepSpeed's own ``zero_to_fp32``, so we follow whatever padding and
-  partitioning the installed DeepSpeed wrote with; only bf16 at ZeRO 1 (``BF16_Optimizer``,
-  whose files zero_to_fp32 does not read) is joined here.
-- Pickle is never trusted: while zero_to_fp32 runs, ``torch.load`` is train/safe_load.py's
-  (weights only, DeepSpeed's few plain classes allow-listed).
-- The checkpoint is checked against its ``meta.json`` manifest before anything is read, and
-  every failure to read is a ``CheckpointError`` naming the file or folder.
+the world size that wrote it (docs/checkpoints.md, "Consolidation"). Stages 1-3 go through
+DeepSpeed's own ``zero_to_fp32``, so we follow whatever padding and partitioning the installed
+DeepSpeed wrote with; only bf16 at ZeRO 1, whose files zero_to_fp32 does not read, is joined
+here. Pickle is never trusted (train/safe_load.py); every failure is a ``CheckpointError``
+naming the file or folder.
 """
 
 from __future__ import annotations

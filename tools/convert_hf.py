@@ -1,15 +1,9 @@
 """``earlyfuse-convert hf RELEASE OUT``: a release as a Hugging Face ``transformers`` model
 (docs/checkpoints.md, "Hugging Face export", says what maps, what is refused and what is tested).
-
-- Qwen3 (``Qwen3ForCausalLM``) is the target because it has what our transformer has (pre-norm
-  RMSNorm, SwiGLU, GQA with QK-norm, 1D rotate-half RoPE, no biases, untied embeddings): the
-  export is a renaming of the same weights over the whole vocabulary, so its logits are ours. A
-  feature Qwen3 lacks is refused by name rather than exported as another model.
-- Row and column embeddings of image codes (``grid_embedding``) ship as remote code
-  (``tools/hf_remote/modeling_earlyfuse.py``, written beside the weights).
-- It generates like ``earlyfuse-generate`` out of the box: the tokenizer puts ``<|bos|>`` before
-  every text (our documents start with it) and ``generation_config.json`` suppresses every id
-  that is not text, ``earlyfuse-generate``'s text-only mask.
+Qwen3 is the target because it has what our transformer has, so the export is a renaming of the
+same weights over the whole vocabulary and its logits are ours; a feature Qwen3 lacks is refused
+by name rather than exported as another model, except the row and column embeddings of image
+codes, which ship as remote code (``tools/hf_remote/modeling_earlyfuse.py``).
 """
 
 from __future__ import annotations
@@ -275,11 +269,7 @@ themselves; driving the cache by hand, pass
 
 def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=print) -> Path:
     rel, out = Release(release), Path(out)
-    if rel.task != "lm":
-        raise ReleaseError(
-            f"{rel.path}: a {rel.task} release; only a language model exports to Hugging Face"
-        )
-    blocked = blocking_features(rel.transformer_config)
+    blocked = blocking_features(rel.transformer_config)  # a ReleaseError for a vtok release
     if blocked:
         raise ReleaseError(
             f"{rel.path}: the model does not map onto Qwen3 (the Hugging Face architecture we "

@@ -1,14 +1,8 @@
 """``earlyfuse-convert import RELEASE RUN_DIR [OVERRIDE ...]``: check that a release can start a
 training run and print the command that starts it (docs/checkpoints.md, "Starting a run from a
-release").
-
-Design choices:
-- Nothing is written: a run starts from a release through ``train.init_from``, which loads the
-  weights before DeepSpeed wraps the model, so every ZeRO stage and world size works. A copy of
-  the weights as a fake DeepSpeed checkpoint would tie the release to one ZeRO stage and world
-  size and invent optimizer state.
-- Given the run's overrides, the training config is composed exactly as ``earlyfuse-train``
-  would and checked against the release now, not at the run's start.
+release"). Nothing is written: a run starts from a release through ``train.init_from``, before
+DeepSpeed wraps the model, so every ZeRO stage and world size works; a fake DeepSpeed
+checkpoint would tie the release to one and invent optimizer state.
 """
 
 from __future__ import annotations

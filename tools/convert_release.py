@@ -1,19 +1,8 @@
 """``earlyfuse-convert release RUN_DIR OUT``: a checkpoint of any ZeRO stage becomes a release
-folder (format: train/release.py, docs/checkpoints.md "Release folder"): consolidated weights,
-config, text and visual tokenizers, layout.
-
-Design choices:
-- CPU only and any world size (tools/convert_deepspeed.py): nothing is initialised or
-  distributed. The model config is the checkpoint's own, with the vocabulary of its
-  ``vocab_layout.json`` (what the weights were trained with), checked tensor by tensor.
-- The tokenizers are the token data's ``tokenizers/`` copy, found from the run config's
-  sources or given with ``--tokenizers``, and must match the checkpoint's layout. The token
-  data's tokenize options and the run's packing travel in config.json, so that a release
-  shipped without its run folder still encodes images at the training resolution
-  (``earlyfuse-generate``) and evaluates the run's validation rows (``earlyfuse-eval``).
-- A release is built in ``OUT.partial`` and moved into place at the end: a crash never leaves a
-  half-written folder that looks complete. Its files are readable by everyone the umask allows
-  (safetensors writes 0600): a release is meant to be shared.
+folder (format: train/release.py, docs/checkpoints.md "Release folder"), on CPU and from any
+world size. The token data's tokenize options and the run's packing travel in config.json, so
+that a release shipped without its run folder still encodes images at the training resolution
+(``earlyfuse-generate``) and evaluates the run's validation rows (``earlyfuse-eval``).
 """
 
 from __future__ import annotations
@@ -239,12 +228,8 @@ def make_release(
     tok_dir: Path | None = None
     fingerprints, tok_options = None, {}
     if task == "lm":
-        layout_path = ckpt.folder / LAYOUT
-        if not layout_path.is_file():
-            raise CheckpointError(
-                f"{layout_path}: missing; an LM checkpoint carries the vocabulary layout it was trained with"
-            )
-        layout = VocabLayout.load(layout_path)
+        # in the checkpoint's manifest, which find_checkpoint checked: the layout it trained with
+        layout = VocabLayout.load(ckpt.folder / LAYOUT)
         net_cfg = run_cfg.model.with_layout(layout)
         if not no_tokenizers:
             tok_dir = Path(tokenizers) if tokenizers else find_tokenizers(run_cfg, run_dir)

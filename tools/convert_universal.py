@@ -1,11 +1,6 @@
-"""``earlyfuse-convert universal RUN_DIR [--step N]``: make a checkpoint resumable on another
-world size (docs/checkpoints.md, "Another world size").
-
-A ZeRO 1-3 checkpoint holds each rank's shard of the optimizer state (at stage 3 of the weights
-too), so it loads only on the world size that wrote it. DeepSpeed's ``ds_to_universal``
-rewrites it as one file per parameter in ``checkpoints/step_N/universal/``, beside the original,
-which ``earlyfuse-train`` with the same ``run_dir`` finds and resumes from on any number of
-ranks. A ZeRO-0 checkpoint keeps whole copies and needs no conversion.
+"""``earlyfuse-convert universal RUN_DIR [--step N]``: make a ZeRO 1-3 checkpoint, whose
+optimizer shards load only on the world size that wrote them, resumable on another one with
+DeepSpeed's ``ds_to_universal`` (docs/checkpoints.md, "Another world size").
 """
 
 from __future__ import annotations
@@ -14,6 +9,7 @@ import argparse
 import json
 import shutil
 import sys
+from unittest import mock
 
 from tools.convert_deepspeed import CheckpointError, add_run_dir, find_checkpoint
 from train.checkpoint import checkpoint_files, file_manifest
@@ -30,7 +26,7 @@ UNIVERSAL = "universal"
 
 def make_universal(run_dir, step: int | None = None, *, force: bool = False, log=print):
     ckpt = find_checkpoint(run_dir, step)
-    stage, world = int(ckpt.meta["zero_stage"]), int(ckpt.meta["world_size"])
+    stage, world = ckpt.zero_stage, int(ckpt.meta["world_size"])
     if stage == 0:
         raise CheckpointError(
             f"{ckpt.folder}: a ZeRO-0 checkpoint holds whole copies of model and optimizer; it "
@@ -46,23 +42,21 @@ def make_universal(run_dir, step: int | None = None, *, force: bool = False, log
 
     # Our runs do not set Megatron's universal_checkpoint_info: DeepSpeed injects the default
     # (no tensor or pipeline parallelism to undo, which is what we have).
-    argv, sys.argv = (
-        sys.argv,
-        [
-            "ds_to_universal",
-            "--input_folder",
-            str(ckpt.folder),
-            "--output_folder",
-            str(out),
-            "--num_extract_workers",
-            "1",
-            "--num_merge_workers",
-            "1",
-            "--inject_missing_state",
-        ],
-    )
+    argv = [
+        "ds_to_universal",
+        "--input_folder",
+        str(ckpt.folder),
+        "--output_folder",
+        str(out),
+        "--num_extract_workers",
+        "1",
+        "--num_merge_workers",
+        "1",
+        "--inject_missing_state",
+    ]
     try:
-        with weights_only_loads():  # DeepSpeed's own loads there unpickle nothing but data
+        # DeepSpeed's own loads there unpickle nothing but data
+        with weights_only_loads(), mock.patch.object(sys, "argv", argv):
             ds_to_universal(parse_arguments())
     except CheckpointError:
         shutil.rmtree(out, ignore_errors=True)
@@ -72,8 +66,6 @@ def make_universal(run_dir, step: int | None = None, *, force: bool = False, log
         raise CheckpointError(
             f"{ckpt.folder}: DeepSpeed could not make a universal checkpoint ({e})"
         ) from None
-    finally:
-        sys.argv = argv
     # Sizes and hashes of what was written, checked before a resume loads it.
     files = file_manifest(out, checkpoint_files(out))
     (out / "source.json").write_text(

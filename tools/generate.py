@@ -1,13 +1,9 @@
 """``earlyfuse-generate RELEASE``: sample from a release: continue text or code, caption an
-image, draw an image to PNG, or run a JSONL file of such requests. This file is the command
-line (flags, the request they make, the JSONL batch runner); what each request does is
-tools/generate_requests.py.
-
-Design choices:
-- Greedy by default (reproducible); sampling draws from a ``torch.Generator`` seeded per request
-  (a JSONL line's ``seed`` or ``--seed``), so a result does not depend on where it sits in a batch.
-- ``--batch`` runs requests one after another (``generate`` takes no padding mask); a failing
-  line gives an ``error`` record and the others still run, whatever the failure.
+image, draw an image to PNG, or run a JSONL file of such requests (docs/checkpoints.md,
+"earlyfuse-generate"). This file is the command line (flags, the request they make, the JSONL
+batch runner); what each request does is tools/generate_requests.py. Every request is seeded
+on its own and a failing line of a batch gives an ``error`` record while the others still run,
+so a result never depends on its neighbours.
 """
 
 from __future__ import annotations

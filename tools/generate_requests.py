@@ -4,16 +4,11 @@ once and serves requests with the KV-cached ``model.generate`` (docs/checkpoints
 HF export's check, the scene evaluation: ``sample``, ``draw_image``, ``caption_codes``) samples
 as the command does.
 
-Design choices:
-- Prompts are built the way the token shards are (data/tokenize/encoder.py), at the training
-  pixel budget, so the model sees what it was trained on; a drawing's request without its
-  caption, ``<bos> <boi>``, is what classifier-free guidance contrasts it with.
-- Text is sampled under a text-only mask, so what is printed is the BPE's decode (valid UTF-8);
-  drawings under ``ImageConstraint``, whose token budget always fits the image, so the block
-  always parses. Without ``--size``/``--max-size`` a drawing takes the grid most training
-  images had: a model that saw 6x6 icons never learned to fill a larger grid.
-- Input images are untrusted: one whose header claims more than ``--max-image-pixels`` is
-  refused before a pixel is decoded, and any decoding error names the file.
+Prompts are built the way the token shards are (data/tokenize/encoder.py), at the training pixel
+budget, so the model sees what it was trained on. Text is sampled under a text-only mask, so
+what is printed is the BPE's decode (valid UTF-8); drawings under ``ImageConstraint``, so the
+block always parses. Input images are untrusted: refused by their header's size before a pixel
+is decoded.
 """
 
 from __future__ import annotations

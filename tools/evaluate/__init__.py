@@ -1,13 +1,8 @@
 """``earlyfuse-eval RELEASE --data VAL_TOKENS``: what a released model has learned, measured on
-held-out data, per modality and across modalities; docs/evaluation.md explains every figure.
-
-The parts: per-modality CE, bits per byte and the unigram baseline (heldout.py), the held-out
-check against ``--train-data``, dependence in both directions (pair_dependence.py), checkable
-generation on held-out scenes (scenes.py), and long context (position.py, needle.py). The
-held-out rows are the run's validation rows (``packing_options``): figures measured on other
-rows would not compare with the run's validation, so settings taken from DEFAULT_PACKING are
-named on stderr. Writes JSON (``--out``) and prints a table (table.py); ``earlyfuse-report
-RUN_DIR`` shows ``RUN_DIR/heldout_eval.json``.
+held-out data, per modality and across modalities; docs/evaluation.md explains every figure and
+the module of each part. The held-out rows are the run's validation rows (``packing_options``):
+figures measured on other rows would not compare with its validation, so settings taken from
+DEFAULT_PACKING are named on stderr.
 """
 
 from __future__ import annotations
@@ -16,6 +11,7 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 EVAL_FILE = "heldout_eval.json"  # in a run folder: earlyfuse-report shows it
@@ -56,57 +52,39 @@ FLAGS = {
 }
 
 
-def release_packing(release) -> dict:
-    """``seq_len``, ``batch_rows`` (the run's micro-batch) and ``whole_documents`` from the
-    release's ``config.json`` (its ``packing`` section, written by ``earlyfuse-convert release``;
-    empty for a release written before the section existed)."""
-    from train.release import CONFIG, ReleaseError
-
-    packing = release.config.get("packing")
-    if packing is None:
-        return {}
-    want = {"seq_len": int, "micro_batch": int, "whole_documents": bool}
-    if not isinstance(packing, dict) or any(
-        type(packing.get(key)) is not kind for key, kind in want.items()
-    ):
-        raise ReleaseError(
-            f"{release.path / CONFIG}: bad 'packing' section {packing!r}: it needs seq_len and "
-            "micro_batch (integers) and whole_documents (true or false)"
-        )
-    return {
-        "seq_len": packing["seq_len"],
-        "batch_rows": packing["micro_batch"],
-        "whole_documents": packing["whole_documents"],
-    }
-
-
-def run_data_options(release) -> dict:
-    """``seq_len``, ``batch_rows`` (``train.micro_batch``) and ``whole_documents`` of the run the
-    release came from, when its config is still there: the rows and batches its validation
-    evaluated (empty otherwise)."""
-    from tools.report.run import run_config
-
-    run_dir = release.config.get("source", {}).get("run_dir")
-    cfg = run_config(Path(run_dir)) if run_dir else {}
-    out = {}
-    for key, section, name in (
-        ("seq_len", "data", "seq_len"),
-        ("batch_rows", "train", "micro_batch"),
-    ):
-        try:
-            out[key] = int(cfg[section][name])
-        except (KeyError, TypeError, ValueError):
-            pass
-    whole = (cfg.get("data") or {}).get("whole_documents")
-    if isinstance(whole, bool):
-        out["whole_documents"] = whole
-    return out
+# The names the ``packing`` record of a release (tools/convert_release.py) gives these settings.
+RECORDED = {"seq_len": "seq_len", "batch_rows": "micro_batch", "whole_documents": "whole_documents"}
 
 
 def packing_options(args, release) -> tuple[dict, dict]:
-    """The held-out pass's ``seq_len``, ``batch_rows`` and ``whole_documents``, and where each came
-    from: a flag over the release's ``packing`` over its run folder's ``config.yaml`` over
-    DEFAULT_PACKING (``flag``, ``release``, ``run folder``, ``default``)."""
+    """The held-out pass's ``seq_len``, ``batch_rows`` (the run's micro-batch) and
+    ``whole_documents``, and where each came from: a flag over the release's ``packing`` (written
+    by ``earlyfuse-convert release``) over the same record made from its run folder's
+    ``config.yaml``, when that is still there, over DEFAULT_PACKING (``flag``, ``release``, ``run
+    folder``, ``default``)."""
+    from tools.convert_deepspeed import CheckpointError, load_run_config
+    from tools.convert_release import packing
+    from train.names import CONFIG_FILE
+    from train.release import CONFIG, ReleaseError
+
+    recorded = release.config.get("packing")
+    # a record holds two integers and a flag, of the defaults' types
+    if recorded is not None and (
+        not isinstance(recorded, dict)
+        or any(
+            type(recorded.get(RECORDED[key])) is not type(value)
+            for key, value in DEFAULT_PACKING.items()
+        )
+    ):
+        raise ReleaseError(
+            f"{release.path / CONFIG}: bad 'packing' section {recorded!r}: it needs seq_len and "
+            "micro_batch (integers) and whole_documents (true or false)"
+        )
+    run_dir = release.config.get("source", {}).get("run_dir")
+    try:
+        in_run = packing(load_run_config(Path(run_dir) / CONFIG_FILE), 1) if run_dir else None
+    except CheckpointError:  # the run folder is gone or its config unreadable
+        in_run = None
     flags = {
         "seq_len": args.seq_len or None,
         "batch_rows": args.batch_rows or None,
@@ -114,8 +92,8 @@ def packing_options(args, release) -> tuple[dict, dict]:
     }
     layers = (
         ("flag", flags),
-        ("release", release_packing(release)),
-        ("run folder", run_data_options(release)),
+        ("release", {key: recorded[name] for key, name in RECORDED.items()} if recorded else {}),
+        ("run folder", {key: in_run[name] for key, name in RECORDED.items()} if in_run else {}),
         ("default", DEFAULT_PACKING),
     )
     values: dict = {}
@@ -213,14 +191,11 @@ def evaluate(args) -> dict:
     out["heldout"] = heldout_losses(run, token_byte_lengths(text), unigram)
     say("dependence ...")
     pairs: list = []
-    per_group: dict[tuple[str, str], int] = {}
+    per_group: Counter = Counter()  # pairs taken per (source, direction)
     for doc in documents(val, "pairs", progress):
         pair = find_pair(doc.source, doc.key, doc.ids, doc.modality, doc.blocks)
-        if pair is None:
-            continue
-        group = (pair.source, pair.direction)
-        if per_group.get(group, 0) < args.max_pairs:
-            per_group[group] = per_group.get(group, 0) + 1
+        if pair is not None and per_group[pair.source, pair.direction] < args.max_pairs:
+            per_group[pair.source, pair.direction] += 1
             pairs.append(pair)
     out["dependence"] = dependence_gaps(run.model, pairs, device, progress=progress)
     if args.scenes:

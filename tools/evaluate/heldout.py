@@ -1,14 +1,10 @@
 """Per source and modality: CE on held-out token shards, the unigram baseline, the margin, bits
-per byte for text and code (docs/evaluation.md, "Per modality").
+per byte for text and code (docs/evaluation.md, "Per modality"), in the rows training validation
+packs (data/loader/heldout.py).
 
-Documents are packed by data/loader/heldout.py, the pass training validation makes, so with the
-run's ``seq_len``, micro-batch and ``data.whole_documents`` these are the trainer's validation
-figures (``max_docs`` takes the first N of each source instead: a stated, per-source sample).
-
-The long-context measures read logits only where they are needed: a forward pass without labels
-returns the logits of every position, [B, T, V] in float32, 34 GB a row at 128k tokens and a 64k
-vocabulary. ``final_hidden`` stops the model before its head, whose ``logits`` are then taken at
-the scored positions (the needles) or chunk by chunk for a per-token CE (``token_ce``).
+The long-context measures never hold a row's whole logits ([B, T, V] in float32: 34 GB a row at
+128k tokens and a 64k vocabulary): ``final_hidden`` stops the model before its head, whose
+``logits`` are then taken at the scored positions (the needles) or chunk by chunk (``token_ce``).
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
-"""Needle tests (docs/evaluation.md, "Needle tests"): does the model retrieve what it read far
-back? Depth x length tables of teacher-forced accuracy, each against a control that has nothing
-to retrieve.
-
-- **Text (passkey)**: a key hidden at depth d of a repeated filler and asked for at the end,
-  token for token a training document of data/passkey.py; scored per digit and per whole key.
-  Control: the same prompt with filler in the needle's place (what guessing digits gets).
-- **Video (frame copy)**: a held-out frame at depth d of a block of other videos' frames, repeated
-  as the block's last frame; scored on the last frame's codes. Control: another video's frame at
-  depth d (the last frame is then seen nowhere before).
-
-Every prompt is one document packed alone into a row by the training packer, so positions and
-M-RoPE rows and columns are as in training.
+"""Needle tests (docs/evaluation.md, "Needle tests", says how each prompt is made and scored):
+does the model retrieve what it read far back? Depth x length tables of teacher-forced accuracy,
+a key in text (passkey) and a repeated video frame (frame copy), each against a control that has
+nothing to retrieve. Every prompt is one document packed alone into a row by the training
+packer, so positions and M-RoPE rows and columns are as in training.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Cross-modal dependence on whole documents (docs/evaluation.md, "Dependence, both directions"):
-does a caption depend on its image, and an image on its caption?
-
-A *pair* document holds one image block and text on one side of it; the *target* is what comes
-second, the *context* what comes first. The gap is the target's mean CE after another
-document's context minus after its own. Contexts are swapped along a fixed derangement within
-one source (document i takes document i+1's context), so the figure is deterministic. The
-training monitor's probes (train/monitor/probes.py) measure the same gaps cheaply inside packed
-batches; here each document runs alone, packed as the loader packs it, for the final figures.
+does a caption depend on its image, and an image on its caption? Contexts are swapped along a
+fixed derangement within a source, so the figure is deterministic. The training monitor's probes
+(train/monitor/probes.py) measure the same gaps cheaply inside packed batches; here each
+document runs alone, packed as the loader packs it, for the final figures.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
-"""Loss by token position on held-out documents (docs/evaluation.md, "Loss by token position"):
-does a token cost less the more of its document the model has read?
-
-Design choices:
-- The rows are the exact held-out pass (data/loader/heldout.py); a token's position is its
-  offset in its document's stretch of the row, the tokens it can attend to.
-- Buckets are log-spaced (``[0, first)``, ``[first, 2 first)``, ...): the early positions, where
-  context matters most, get fine buckets.
-- A bucket's mean is taken over the stretches that *cover the whole bucket*, so late buckets do
-  not average long documents only while early ones mix short and long; ``ce_first``, the first
-  bucket's CE on those same stretches, gives the fall within the same documents.
-  ``ce_all``/``tokens_all`` count every token (their weighted mean is the held-out CE).
+"""Loss by token position on held-out documents (docs/evaluation.md, "Loss by token position",
+says why the buckets are log-spaced and why each averages only the document stretches that
+cover it whole): does a token cost less the more of its document the model has read?
 """
 
 from __future__ import annotations
@@ -42,11 +33,8 @@ def stretches(doc_ids: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.n
     starts = np.flatnonzero(np.r_[True, doc_ids[1:] != doc_ids[:-1]])
     ends = np.r_[starts[1:], length]
     offset = np.arange(length) - np.repeat(starts, ends - starts)
-    span = np.repeat(ends - starts, ends - starts)
-    for start, end in zip(starts, ends):  # a padding stretch predicts nothing
-        if (labels[start:end] == IGNORE).all():
-            span[start:end] = 0
-    return offset, span
+    predicts = np.add.reduceat(labels != IGNORE, starts) > 0  # a padding stretch predicts nothing
+    return offset, np.repeat(np.where(predicts, ends - starts, 0), ends - starts)
 
 
 def _mean(total, count) -> float | None:
@@ -120,14 +108,10 @@ def position_losses(run: Heldout, first_bucket: int = 64) -> dict:
     for part in heldout:
         batch = heldout.tensors(part)
         ce = token_ce(run.model, final_hidden(run.model, batch, run.device), batch["labels"])
+        # a blank row filling the pass's last batch scores nothing: every stretch is padding
         for row in range(batch["labels"].shape[0]):
-            if not bool((batch["labels"][row] != IGNORE).any()):
-                continue  # a blank row filling the pass's last batch
             acc.add_row(
-                ce[row],
-                batch["labels"][row].numpy(),
-                batch["label_modality"][row].numpy(),
-                batch["doc_ids"][row].numpy(),
+                ce[row], batch["labels"][row], batch["label_modality"][row], batch["doc_ids"][row]
             )
     out = {"seq_len": run.seq_len, "whole_documents": run.whole_documents, **acc.result()}
     out["documents"] = sum(counts.documents for counts in heldout.counts)

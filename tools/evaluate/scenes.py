@@ -1,11 +1,8 @@
-"""Checkable generation on held-out scenes (docs/evaluation.md, "Checkable generation"): draw a
-caption and read the drawing back with a pixel classifier; caption a picture and parse the
-caption back; each against chance (another scene's facts) and the visual tokenizer's ceiling.
-
-Drawings are sampled (``draw_temperature``, seeded per scene), not greedy: the likeliest code of
-every single position is the background's even when the model knows where the shape goes, so a
-greedy drawing is almost always empty. Drawing and captioning are ``earlyfuse-generate``'s code
-(tools/generate_requests.py), so the figures score what the command produces.
+"""Checkable generation on held-out scenes (docs/evaluation.md, "Checkable generation", says why
+drawings are sampled, not greedy): draw a caption and read the drawing back with a pixel
+classifier; caption a picture and parse the caption back; each against chance (another scene's
+facts) and the visual tokenizer's ceiling. Drawing and captioning are ``earlyfuse-generate``'s
+code (tools/generate_requests.py), so the figures score what the command produces.
 """
 
 from __future__ import annotations
@@ -87,8 +84,6 @@ class SceneJudge(Generator):
         self.device, self.image_max_pixels = device, image_max_pixels
         self.max_source_pixels = MAX_SOURCE_PIXELS
 
-    image_of = Generator.encode_image
-
     # a judge captions code grids it has encoded, not files: another signature than Generator's
     def caption(self, codes: np.ndarray, max_new_tokens: int = 48) -> str:  # type: ignore[override]
         """Greedy, as earlyfuse-generate --caption asks (bidirectional image blocks included)."""
@@ -141,7 +136,7 @@ def evaluate_scenes(
 
     for i, scene in enumerate(tqdm(single, desc="scenes", unit=" scenes", disable=not progress)):
         other = single[(i + 1) % len(single)]["facts"]
-        arr, codes = judge.image_of(scene["image"])
+        _, codes = judge.encode_image(scene["image"])
         grid = (int(codes.shape[0]), int(codes.shape[1]))
         _, drawing, _ = draw_image(
             judge,
