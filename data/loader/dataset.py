@@ -147,7 +147,7 @@ class PackedLoader:
             # while this process counts the epoch below
             start_fork_server()
         if cfg.mode == "epoch":
-            self.batch_limit = self._epoch_batches()
+            self.batch_limit = self.count_batches()
 
     @property
     def consumers(self) -> int:
@@ -170,11 +170,15 @@ class PackedLoader:
         s.batch_limit = self.batch_limit
         return s
 
-    def _epoch_batches(self) -> int:
-        """Batches every consumer yields in epoch mode: the fewest any consumer can fill."""
+    def count_batches(self, states: list[dict] | None = None) -> int:
+        """Batches every consumer yields in epoch mode: the fewest any consumer can fill, packing
+        dry from the start or from ``states`` (one per consumer: a redistributed split)."""
         counts = []
         for c in range(self.consumers):
             s = self.make_stream(0, consumer=c, dry=True)
+            if states is not None:
+                s.load_state_dict(states[c])
+            s.batch_limit = None
             n = 0
             while s.next_batch() is not None:
                 n += 1

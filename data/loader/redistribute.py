@@ -66,7 +66,7 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
     skipped = sorted({(s, sample) for st in olds for s, sample in st["skipped"]})
     for st in new:
         st["skipped"] = [list(pair) for pair in skipped]
-    limit = _batch_limit(loader, new) if loader.cfg.mode == "epoch" else None
+    limit = loader.count_batches(new) if loader.cfg.mode == "epoch" else None
     mine = range(loader.rank * loader.workers, (loader.rank + 1) * loader.workers)
     return {
         **loader.state_dict(),
@@ -150,17 +150,3 @@ def _consumed(s: int, n: int, olds: list[dict]) -> tuple[int, dict[int, str]]:
         if done.any():  # nothing consumed yet: no mask needed
             out[e] = pack_mask(done)
     return lo, out
-
-
-def _batch_limit(loader: PackedLoader, states: list[dict]) -> int:
-    """Batches every new consumer yields: the fewest any can fill from its state (dry packing)."""
-    counts = []
-    for c, st in enumerate(states):
-        s = loader.make_stream(0, consumer=c, dry=True)
-        s.load_state_dict(st)
-        s.batch_limit = None
-        k = 0
-        while s.next_batch() is not None:
-            k += 1
-        counts.append(k)
-    return min(counts)
