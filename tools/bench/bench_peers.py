@@ -12,8 +12,10 @@ tokens and documents, not on which ids they are), and with ``--visual`` the imag
 sources of a token folder. It is written by the project's own writers as token shards, then
 converted, untimed, into each peer's format. Every loader packs where its documents arrive (the
 peers with ``MinimalPacker``; ``TokensLoader``'s stream is padded before a visual block when it
-is written). One measure is one fresh process (import, build, first batch, one epoch) whose
-process tree's RSS and PSS are sampled; rounds rotated; medians and ratios against LitData.
+is written). One measure is one fresh process (import, build, first batch, one epoch). An
+untimed epoch of each loader first warms the caches and samples its process tree's peak RSS and
+PSS; the timed rounds then run unobserved, their order rotated; medians and ratios against
+LitData.
 
     python tools/bench/bench_peers.py --corpus runs/bench-peers [--docs 27000] [--rounds 3]
 """
@@ -630,7 +632,7 @@ def make_batches(name: str, corpus: Path, workers: int, seq_len: int, rows: int)
 
 
 def measure(a) -> dict:
-    """One loader, one epoch (or ``--limit`` batches), in this process: what the child prints."""
+    """One loader, one epoch, in this process: what the child prints."""
     import torch  # every loader hands out torch tensors: not counted as any library's import
 
     torch.manual_seed(0)
@@ -645,8 +647,6 @@ def measure(a) -> dict:
     for batch in batches:
         tokens += int(batch["num_real_tokens"])
         count += 1
-        if count == a.limit:
-            break
     done = time.perf_counter()
     return {
         "import_s": imported - started,
@@ -675,38 +675,46 @@ def memory_of(pids: list[int]) -> tuple[int, int]:
     return totals["Rss:"], totals["Pss:"]
 
 
-def run_measure(a, name: str, workers: int, limit: int = 0) -> dict:
-    """``name`` measured in a fresh process, its tree's peak memory sampled meanwhile."""
+def run_measure(a, name: str, workers: int, *, sample: bool = False) -> dict:
+    """``name`` measured in a fresh process; ``sample``: its tree's peak memory sampled meanwhile.
+    Sampling reads every process's ``smaps_rollup`` (about 15 ms each time for a loader with a
+    worker: a third of a core on 2 cores), so a timed round runs unobserved and the memory comes
+    from a round of its own."""
     with tempfile.NamedTemporaryFile("r", suffix=".json") as result:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--measure", name]
         for flag, value in (("corpus", a.corpus), ("seq-len", a.seq_len), ("rows", a.rows)):
             cmd += [f"--{flag}", str(value)]
-        cmd += ["--workers", str(workers), "--limit", str(limit), "--result", result.name]
+        cmd += ["--workers", str(workers), "--result", result.name]
         child = subprocess.Popen(cmd)
         peak_rss = peak_pss = 0
-        while child.poll() is None:  # this process has nothing else to do meanwhile
+        while sample and child.poll() is None:  # this process has nothing else to do meanwhile
             rss, pss = memory_of(process_tree(child.pid))
             peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
             time.sleep(0.05)
-        if child.returncode != 0:
+        if child.wait() != 0:
             raise SystemExit(
                 f"{name} (num_workers={workers}) failed with exit code {child.returncode}"
             )
         res = json.loads(Path(result.name).read_text())
-    res["peak_rss"], res["peak_pss"] = peak_rss, peak_pss
-    what = f"{name} num_workers={workers}" + (f", warm-up of {limit} batches" if limit else "")
-    print(f"  {what}: {res['tokens_per_s']:,.0f} tokens/s", flush=True)
+    what = f"{name} num_workers={workers}"
+    if sample:
+        res["peak_rss"], res["peak_pss"] = peak_rss, peak_pss
+        print(f"  {what}: peak {peak_rss / 2**20:,.0f} MiB RSS, {peak_pss / 2**20:,.0f} MiB PSS")
+    else:
+        print(f"  {what}: {res['tokens_per_s']:,.0f} tokens/s", flush=True)
     return res
 
 
-def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
-    keys = ("import_s", "first_batch_s", "epoch_s", "tokens_per_s", "peak_rss", "peak_pss")
+def summarize(runs: dict[str, list[dict]], memory: dict[str, dict]) -> dict[str, dict]:
+    """Medians of the timed rounds, with the peak memory of each loader's sampled round."""
+    keys = ("import_s", "first_batch_s", "epoch_s", "tokens_per_s")
     out = {}
     for name, results in runs.items():
         med = {key: statistics.median(res[key] for res in results) for key in keys}
         rates = [res["tokens_per_s"] for res in results]
         spread = (max(rates) - min(rates)) / med["tokens_per_s"]
-        out[name] = {**med, "spread": spread, "tokens": results[0]["tokens"]}
+        peaks = {key: memory[name][key] for key in ("peak_rss", "peak_pss")}
+        out[name] = {**med, **peaks, "spread": spread, "tokens": results[0]["tokens"]}
         out[name]["all_tokens_per_s"] = rates
     return out
 
@@ -803,7 +811,6 @@ def parse(argv=None) -> argparse.Namespace:
     add("--save", type=Path, default=None, help="write the results as JSON here")
     add("--previous", type=Path, default=None, help="a JSON saved with --save")
     add("--measure", choices=LOADERS, help=argparse.SUPPRESS)
-    add("--limit", type=int, default=0, help=argparse.SUPPRESS)
     add("--result", type=Path, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -843,11 +850,12 @@ def main(argv=None) -> dict:
     }
     previous = previous_figures(a.previous)
     for workers in a.workers:
-        for name in loaders:  # untimed: page cache, the libraries' on-disk caches
-            run_measure(a, name, workers, limit=20)
+        # Untimed, one epoch each: the page cache and the libraries' on-disk caches warmed, and
+        # the peak memory sampled (run_measure says why not in the timed rounds)
+        memory = {name: run_measure(a, name, workers, sample=True) for name in loaders}
         runs = rounds({name: partial(run_measure, a, name, workers) for name in loaders}, a.rounds)
         mode = f"workers={workers}"
-        res["modes"][mode] = summarize(runs)
+        res["modes"][mode] = summarize(runs, memory)
         print_mode(mode, res["modes"][mode], previous)
     res["load_after"] = os.getloadavg()
     res["finished"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
