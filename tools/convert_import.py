@@ -42,6 +42,10 @@ VOCAB_FIELDS = {"vocab_size", "text_vocab_size", "visual_offset"}
 
 
 def hydra_value(v) -> str:
+    """``v`` as Hydra's override grammar reads it back (``None`` is ``null``: Hydra reads
+    ``None`` as the string)."""
+    if v is None:
+        return "null"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (list, tuple)):

@@ -376,3 +376,14 @@ def test_a_release_of_another_version_is_refused_by_name(debug_release, tmp_path
     (rel / "config.json").write_text(json.dumps(config))
     with pytest.raises(ReleaseError, match=rf"config.json: release version {version}, this"):
         Release(rel)
+
+
+def test_printed_overrides_read_back_as_the_values_they_print():
+    """What ``earlyfuse-convert import`` prints is parsed by Hydra into the same values."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from tools.convert_import import hydra_value
+
+    parser = OverridesParser.create()
+    for value in (None, True, False, 3, 1e-05, 10000.0, [], [16, 24, 24], "swiglu"):
+        assert parser.parse_override(f"model.x={hydra_value(value)}").value() == value
