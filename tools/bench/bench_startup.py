@@ -24,7 +24,6 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -202,9 +201,9 @@ def main(argv=None) -> dict:
         help="time a fresh process's first batch with each checkout's loader (see above)",
     )
     a = ap.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="bench-startup-", dir=a.work_dir))
     res: dict = {"machine": machine(), "load_before": os.getloadavg()}
-    try:
+    with tempfile.TemporaryDirectory(prefix="bench-startup-", dir=a.work_dir) as scratch:
+        work = Path(scratch)
         base = work / "base"
         base.mkdir()
         info = write_base(base, a.shard_samples, a.tokens_per_doc)
@@ -217,8 +216,6 @@ def main(argv=None) -> dict:
             res["sizes"] = by_size(folders, a)
         res["load_after"] = os.getloadavg()
         return report(res)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

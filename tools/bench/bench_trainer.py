@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tools.bench import machine, report  # noqa: E402
+from tools.bench import machine, report, rounds  # noqa: E402
 from train.names import METRICS_FILE  # noqa: E402
 
 
@@ -61,7 +61,7 @@ def overrides(experiment: str, run_dir: Path, *more: str) -> list[str]:
     ]
 
 
-def overhead(experiment: str, steps: int, rounds: int, run_dir: Path) -> dict:
+def overhead(experiment: str, steps: int, count: int, run_dir: Path) -> dict:
     from contextlib import closing
 
     from tools.convert_import import compose_run_config
@@ -104,16 +104,14 @@ def overhead(experiment: str, steps: int, rounds: int, run_dir: Path) -> dict:
         return (time.perf_counter() - started) / steps
 
     ours(), minimal()  # warm-up: allocator, first probes
-    ours_times, minimal_times = [], []
-    for _ in range(rounds):
-        ours_times.append(ours())
-        minimal_times.append(minimal())
+    times = rounds({"ours": ours, "minimal": minimal}, count)
     trainer.callbacks.close(trainer)
+    mean = {name: statistics.mean(values) for name, values in times.items()}
     return {
-        "ours_step_s": statistics.mean(ours_times),
-        "minimal_step_s": statistics.mean(minimal_times),
-        "ratio": statistics.mean(ours_times) / statistics.mean(minimal_times),
-        "rounds": rounds,
+        "ours_step_s": mean["ours"],
+        "minimal_step_s": mean["minimal"],
+        "ratio": mean["ours"] / mean["minimal"],
+        "rounds": count,
         "steps_per_round": steps,
     }
 
