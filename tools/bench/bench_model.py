@@ -1,11 +1,7 @@
 """Benchmarks of the model, on CPU, in one run (docs/benchmarks.md, "Model", has the method):
-
-1. forward+backward time of ``model.Transformer`` against ``RefModel``, a plain-PyTorch
-   transformer of the same architecture given the same weights, on the same batch, one step of
-   each in turn; ours also on the batch packed with four documents (block-diagonal mask).
-2. peak memory of the chunked fused CE against unchunked CE at a 64k vocabulary, forward +
-   backward, each variant in a fresh process: its peak RSS (VmHWM, reset through
-   /proc/self/clear_refs once the inputs exist) minus the RSS then.
+forward+backward time of ``model.Transformer`` against ``RefModel``, a plain-PyTorch transformer
+of the same architecture given the same weights; and the peak memory of the chunked fused CE
+against unchunked CE at a 64k vocabulary, each variant in a fresh process.
 
     .venv/bin/python tools/bench/bench_model.py [--threads 1] [--quick]
 """

@@ -1,18 +1,12 @@
 """Loader start-up against the number of samples: flat, or linear?
 
-A synthetic token folder of tiny documents (``--tokens-per-doc`` text tokens each) in a
-temporary folder: one real shard of ``--shard-samples`` documents written by the project's own
-writers, repeated as hard links under as many shard names as each size needs, and a manifest
-listing them. For each size, in this process: ``build_loader``; that plus the first batch
-(``num_workers=0``: what a training run waits for); a fresh loader restored mid-epoch plus its
-first batch; and, up to ``--jsonl-max``, ``json.loads`` of every JSONL index line (what every
-start cost before binary indexes, a lower bound).
-
-``--first-batch CHECKOUT ...`` times instead what a fresh process waits for, over the first
-size's folder: ``build_loader`` and then its first batch, in-process and with one worker, each
-in a new Python process importing the loader of each checkout given (this one: ``.``), rounds
-rotated, after an untimed process of each that writes numba's on-disk cache as a first run on a
-machine does. Ratios are against the first checkout.
+For each size, a synthetic token folder of tiny documents (one real shard, hard-linked under as
+many shard names as the size needs), timed in this process: ``build_loader``, its first batch, a
+restore mid-epoch, and ``json.loads`` of every JSONL index line (a lower bound of a start that
+parsed them). ``--first-batch CHECKOUT ...`` times instead a fresh process's first batch with
+each checkout's loader (this one: ``.``), ratios against the first. docs/benchmarks.md, "Loader:
+start-up against the number of samples" and "the first batch of a fresh process", has the method
+and the figures.
 
     python tools/bench/bench_startup.py [--sizes 10000 100000 1000000 10000000] [--rounds 3]
     python tools/bench/bench_startup.py --sizes 100000 --first-batch /tmp/before . --rounds 5

@@ -1,19 +1,15 @@
 """Trainer overhead and data wait, on CPU, in one process.
 
-1. Overhead: our training step (``Trainer.train_step`` and every callback's ``post_step``:
-   sums reduced over ranks, the skip-step gate, metrics, JSONL and TensorBoard logs, the
-   monitors and their probes, the preemption check) against a minimal loop that drives the **same** DeepSpeed engine
-   and model on the **same** batches: ``loss = engine(**batch).loss; engine.backward(loss);
-   engine.step()``. Batches are drawn once beforehand and replayed to both, so the loader is
-   not in the comparison; the two loops alternate in rounds. Printed: the ratio of their mean
-   step times (target <= 1.10).
-2. Data wait: a plain ``earlyfuse-train`` run of the same experiment with its real loader
-   (workers, prefetch); the share of step time spent waiting for batches
-   (``throughput/data_wait``, the console's ``data %``), over all steps (target < 5 %).
+1. Overhead: our training step (``Trainer.train_step`` and every callback's ``post_step``)
+   against a minimal loop driving the **same** DeepSpeed engine and model on the **same**
+   batches, drawn once beforehand and replayed to both (the loader is not in the comparison).
+2. Data wait: a plain ``earlyfuse-train`` run of the same experiment with its real loader; the
+   share of step time spent waiting for batches (``throughput/data_wait``).
+
+docs/benchmarks.md, "Trainer overhead and data wait", has the method, targets and figures.
+``experiment=demo`` needs the demo's token shards (``make demo``).
 
     .venv/bin/python tools/bench/bench_trainer.py [--experiment demo] [--steps 40] [--rounds 3]
-
-``experiment=demo`` needs the demo's token shards (``make demo``).
 """
 
 from __future__ import annotations
