@@ -73,8 +73,7 @@ def make_folder(root: Path, base_dir: Path, base: dict, n: int) -> Path:
 
 
 def cfg_for(folder: Path, seq_len: int) -> LoaderConfig:
-    cache_dir = str(folder / "cache")
-    return token_loader_config(folder, seq_len, num_workers=0, mode="infinite", cache_dir=cache_dir)
+    return token_loader_config(folder, seq_len, num_workers=0, mode="infinite")
 
 
 def time_restore(cfg: LoaderConfig, state: dict, n: int) -> float:
