@@ -38,16 +38,11 @@ def machine() -> str:
 
 
 def commit() -> str:
-    """The checkout's short commit, or "?" outside a git checkout."""
-    try:
-        return subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "?"
+    """The checkout's short commit, or "?" outside a git checkout (or without git)."""
+    git = ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]
+    with contextlib.suppress(OSError):
+        return subprocess.run(git, capture_output=True, text=True).stdout.strip() or "?"
+    return "?"
 
 
 def rounds(measures: Mapping[Key, Callable[[], Result]], count: int) -> dict[Key, list[Result]]:

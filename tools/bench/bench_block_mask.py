@@ -1,18 +1,15 @@
 """BlockMask build time and memory at long rows: the mask that ``Transformer.forward`` builds once
 per batch for FlexAttention (``model.attention.build_attention_mask``), at given row lengths.
 
-Two masks per length, as a local/global model uses them: ``doc`` (causal within each packed
-document: the global layers' mask) and ``local`` (the same AND a window of ``--window`` keys: the
-local layers' mask, block-sparse along the diagonal). One row of ``--docs`` equal documents.
-Each mask is built once to warm up (the compiled builder compiles here, once per length and
-window), then ``--repeats`` times timed (the median is reported). Memory: the bytes of the
-BlockMask's index tensors (what a step keeps; four [B, T/128, T/128] int32 tensors and their
-counts) and, on CUDA, the peak device memory of one build above what was allocated before it
-(what building needs at its worst). An out-of-memory error is reported as "OOM at N" in the
-table and the JSON, and the lengths after it are still tried (the masks of another kind may fit);
-another error is recorded the same way and makes the exit status non-zero. The JSON is rewritten
-after every mask, so a run stopped by a timeout keeps what it measured.
-Needs only torch (the GPU machine lacks the pipeline's other packages).
+Two masks per length, as a local/global model uses them: ``doc`` (causal within each of the
+row's ``--docs`` equal documents: the global layers' mask) and ``local`` (the same AND a window
+of ``--window`` keys). Each is built once to warm up (the compiled builder compiles here, once
+per length and window), then ``--repeats`` times timed; docs/benchmarks.md, "The long-context
+part", says what the memory columns hold. An out-of-memory error is reported as "OOM at N" and
+the other lengths are still tried (the masks of another kind may fit); another error is recorded
+the same way and makes the exit status non-zero. The JSON is rewritten after every mask, so a
+run stopped by a timeout keeps what it measured. Needs only torch (the GPU machine lacks the
+pipeline's other packages).
 
     python tools/bench/bench_block_mask.py --lengths 131072,1048576 --json out/blockmask.json
     python tools/bench/bench_block_mask.py --device cpu --builder eager --lengths 1024 --window 256

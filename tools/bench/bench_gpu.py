@@ -72,14 +72,6 @@ def with_attention(cfg, args):
     )
 
 
-def json_path(path: str, seq_len: int, several: bool) -> Path | None:
-    """``--json`` for one length; with several, one file per length: OUT.json -> OUT-8192.json."""
-    if not path:
-        return None
-    target = Path(path)
-    return target.with_name(f"{target.stem}-{seq_len}{target.suffix}") if several else target
-
-
 def parser() -> argparse.ArgumentParser:
     """The command line (the GPU check's test parses its listed steps with it)."""
     arg_parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -171,8 +163,10 @@ def main(argv=None) -> list[dict]:
         res.update(setup(cfg, args, seq_len, dev))
         results.append(res)
         print(json.dumps(res, indent=1), flush=True)
-        target = json_path(args.json, seq_len, len(lengths) > 1)
-        if target:
+        if args.json:  # with several lengths, one file per length: OUT.json -> OUT-8192.json
+            target = Path(args.json)
+            if len(lengths) > 1:
+                target = target.with_name(f"{target.stem}-{seq_len}{target.suffix}")
             target.write_text(json.dumps(res, indent=1) + "\n")
     return results
 

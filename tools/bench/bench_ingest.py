@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import shutil
 import sys
 import sysconfig
 import tarfile
@@ -85,8 +84,8 @@ def main() -> None:
     parser.add_argument("--texts", type=int, default=2000)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="bench_ingest_"))
-    try:
+    with tempfile.TemporaryDirectory(prefix="bench_ingest_") as scratch:
+        tmp = Path(scratch)
         make_images(tmp / "images", args.images)
         make_texts(tmp / "text", args.texts)
         print(f"machine: {machine()}")
@@ -105,8 +104,6 @@ def main() -> None:
                 print(
                     f"{kind:<8} {what:<10} {megabytes / seconds:8.1f} {samples / seconds:10.0f}{ratio}"
                 )
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1,27 +1,20 @@
-"""Loader benchmarks, on the demo's token shards (``make demo``), in one process:
+"""Loader benchmarks, on the demo's token shards (``make demo``), in one process
+(docs/benchmarks.md, "Loader: the token path", has the method and the figures):
 
-1. Throughput of the token-shard path on one core: our loader (``num_workers=0``, so this
-   process is the one worker: read through the index, order, mix by tokens, pack rows of
-   ``--seq-len``, collate) against plain ``webdataset`` iterating the same shards and
-   ``np.load``-ing every sample's ids and modality arrays, alternating rounds. Printed: the
-   ratio of tokens/s (target >= 0.8) and our absolute tokens/s per core (a 1B model at 45 % MFU
-   on an H100 eats about 70k tokens/s).
-2. RSS over a long run: the loader's process RSS sampled while it packs ``--samples`` samples'
-   worth of tokens (default 10^5, about 77 passes over the demo data), first tenth against the
-   end (target: flat).
-3. ``load_state_dict`` + first batch from a state at the start of the stream against from the
-   state after those 10^5 samples (target: equal; restoring seeks, never replays).
+1. tokens/s of the token path on one core (``num_workers=0``: this process is the one worker)
+   against plain ``webdataset`` ``np.load``-ing the same shards, alternating rounds;
+2. the process's RSS while it packs ``--samples`` samples' worth of tokens (target: flat);
+3. ``load_state_dict`` + first batch from the state at the start of the stream against from the
+   state after those samples (target: equal; restoring seeks, never replays).
 
     .venv/bin/python tools/bench/bench_loader.py [--tokens runs/demo/tokens] [--samples 100000]
 
-With ``--data`` or ``--run``, instead: how well each training step carries the configured mix,
-two figures over the steps: the share of steps in which one source holds more than 60 % of the
-step's tokens while its weight is below 30 % (a step given over to one small source's long
-document), and the mean KL(step mix || target weights) in nats. ``--data CONFIG`` reads the
-batches a run of that data config would get from the loader alone (it is deterministic and does
-not depend on the model), for the run's micro batch and step count, each ``--mix-chunk`` value
-in turn (0: ``seq_len``; ``--whole-docs`` also hands out every document whole); ``--run RUN_DIR``
-reads a finished run's ``mix/<source>`` metrics and the weights in its config.yaml.
+With ``--data`` or ``--run``, instead: how well each training step carries the configured mix
+(docs/benchmarks.md, "Mix per step"): the share of steps in which one source holds more than 60 %
+of the step's tokens while its weight is below 30 %, and the mean KL(step mix || target weights).
+``--data CONFIG`` reads the batches the loader alone gives a run of that data config, each
+``--mix-chunk`` value in turn (0: ``seq_len``; ``--whole-docs`` also whole documents); ``--run
+RUN_DIR`` reads a finished run's ``mix/<source>`` metrics and the weights in its config.yaml.
 
     .venv/bin/python tools/bench/bench_loader.py --data configs/data/demo.yaml --steps 300 \
         --micro-batch 8 [--mix-chunk 0,256] [--whole-docs]

@@ -1,17 +1,11 @@
 """Samples/s per loader worker on raw shards tokenized online, against the offline encoder.
 
-Raw shards tokenized in the loader (text BPE and the visual tokenizer on the worker's CPU), for
-image-caption and video-caption data, on the demo's raw shards and tokenizers (``make demo``).
-
 A worker is one process on one thread (a DataLoader worker's torch threads), so this process
-runs as one: ``num_workers=0`` and ``torch.set_num_threads(1)``. For each source it alternates
-rounds of
-  - ours: the loader's stream over the raw source (read through the index, decode, tokenize one
-    document at a time, pack rows of ``--seq-len``, collate);
-  - baseline: the offline encoder of ``earlyfuse-prep tokenize`` on the same shards (chunks of
-    64 documents, images batched by shape, no packing), on the same thread;
-and prints samples/s and the ratio ours / offline. The tokenize options are the demo token
-manifest's, so both produce the demo's tokens.
+runs as one: ``num_workers=0`` and ``torch.set_num_threads(1)``. For each kind of demo source,
+alternating rounds of the loader's stream over the raw shards (tokenize one document at a time,
+pack, collate) and of ``earlyfuse-prep tokenize``'s offline encoder on the same shards and
+thread, with the demo token manifest's options (``make demo``); docs/benchmarks.md, "Loader:
+the raw path", has the figures.
 
     .venv/bin/python tools/bench/bench_loader_raw.py [--raw runs/demo/raw] [--tokens runs/demo/tokens]
 """

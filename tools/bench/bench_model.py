@@ -1,11 +1,7 @@
 """Benchmarks of the model, on CPU, in one run (docs/benchmarks.md, "Model", has the method):
-
-1. forward+backward time of ``model.Transformer`` against ``RefModel``, a plain-PyTorch
-   transformer of the same architecture given the same weights, on the same batch, one step of
-   each in turn; ours also on the batch packed with four documents (block-diagonal mask).
-2. peak memory of the chunked fused CE against unchunked CE at a 64k vocabulary, forward +
-   backward, each variant in a fresh process: its peak RSS (VmHWM, reset through
-   /proc/self/clear_refs once the inputs exist) minus the RSS then.
+forward+backward time of ``model.Transformer`` against ``RefModel``, a plain-PyTorch transformer
+of the same architecture given the same weights; and the peak memory of the chunked fused CE
+against unchunked CE at a 64k vocabulary, each variant in a fresh process.
 
     .venv/bin/python tools/bench/bench_model.py [--threads 1] [--quick]
 """
@@ -161,16 +157,6 @@ def bench_speed(quick: bool) -> dict:
 
 
 # --- CE memory, one variant per fresh process ----------------------------------------------
-def _reset_peak() -> bool:
-    """Reset the kernel's peak-RSS mark (VmHWM) so that setup does not count; False if not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def ce_child(chunk: int, N: int, D: int, V: int) -> None:
     torch.manual_seed(0)
     hidden = torch.randn(N, D, requires_grad=True)
@@ -179,7 +165,11 @@ def ce_child(chunk: int, N: int, D: int, V: int) -> None:
     weight.grad = torch.zeros_like(weight)  # the parameter's .grad exists in training either way
     hidden.grad = torch.zeros_like(hidden)
     before = status_mib("VmRSS")
-    reset = _reset_peak()
+    try:  # the kernel's peak-RSS mark (VmHWM) reset, so that the setup does not count
+        Path("/proc/self/clear_refs").write_text("5")
+        reset = True
+    except OSError:  # not allowed here: the peak then includes the setup
+        reset = False
     started = time.perf_counter()
     if chunk < 0:  # the usual plain PyTorch: full fp32 logits, F.cross_entropy, no z-loss
         loss = F.cross_entropy((hidden @ weight.t()).float(), targets)

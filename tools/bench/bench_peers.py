@@ -2,20 +2,9 @@
 
 The peers (LitData with per-document arrays and with its ``TokensLoader``, MosaicML Streaming,
 webdataset, Megatron-Energon) are not dependencies of the project: they live in a virtual
-environment of their own; docs/benchmarks.md, "The loaders of the field", has how, the method
-and the figures. A peer whose package is absent is skipped.
-
-The corpus, built once under ``--corpus``: this machine's text and code files (or
-``--material``) cut or joined into ``--docs`` documents of about ``--doc-tokens`` tokens, with
-``--tokenizer`` or byte-level ids (id = byte + 3: the loaders' work depends on the number of
-tokens and documents, not on which ids they are), and with ``--visual`` the image and video
-sources of a token folder. It is written by the project's own writers as token shards, then
-converted, untimed, into each peer's format. Every loader packs where its documents arrive (the
-peers with ``MinimalPacker``; ``TokensLoader``'s stream is padded before a visual block when it
-is written). One measure is one fresh process (import, build, first batch, one epoch). An
-untimed epoch of each loader first warms the caches and samples its process tree's peak RSS and
-PSS; the timed rounds then run unobserved, their order rotated; medians and ratios against
-LitData.
+environment of their own; docs/benchmarks.md, "The loaders of the field", has how, the corpus,
+the method and the figures. A peer whose package is absent is skipped. The corpus is built once
+under ``--corpus`` and converted, untimed, into each peer's format beside it.
 
     python tools/bench/bench_peers.py --corpus runs/bench-peers [--docs 27000] [--rounds 3]
 """

@@ -1,18 +1,12 @@
 """Loader start-up against the number of samples: flat, or linear?
 
-A synthetic token folder of tiny documents (``--tokens-per-doc`` text tokens each) in a
-temporary folder: one real shard of ``--shard-samples`` documents written by the project's own
-writers, repeated as hard links under as many shard names as each size needs, and a manifest
-listing them. For each size, in this process: ``build_loader``; that plus the first batch
-(``num_workers=0``: what a training run waits for); a fresh loader restored mid-epoch plus its
-first batch; and, up to ``--jsonl-max``, ``json.loads`` of every JSONL index line (what every
-start cost before binary indexes, a lower bound).
-
-``--first-batch CHECKOUT ...`` times instead what a fresh process waits for, over the first
-size's folder: ``build_loader`` and then its first batch, in-process and with one worker, each
-in a new Python process importing the loader of each checkout given (this one: ``.``), rounds
-rotated, after an untimed process of each that writes numba's on-disk cache as a first run on a
-machine does. Ratios are against the first checkout.
+For each size, a synthetic token folder of tiny documents (one real shard, hard-linked under as
+many shard names as the size needs), timed in this process: ``build_loader``, its first batch, a
+restore mid-epoch, and ``json.loads`` of every JSONL index line (a lower bound of a start that
+parsed them). ``--first-batch CHECKOUT ...`` times instead a fresh process's first batch with
+each checkout's loader (this one: ``.``), ratios against the first. docs/benchmarks.md, "Loader:
+start-up against the number of samples" and "the first batch of a fresh process", has the method
+and the figures.
 
     python tools/bench/bench_startup.py [--sizes 10000 100000 1000000 10000000] [--rounds 3]
     python tools/bench/bench_startup.py --sizes 100000 --first-batch /tmp/before . --rounds 5
@@ -24,7 +18,6 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -80,8 +73,7 @@ def make_folder(root: Path, base_dir: Path, base: dict, n: int) -> Path:
 
 
 def cfg_for(folder: Path, seq_len: int) -> LoaderConfig:
-    cache_dir = str(folder / "cache")
-    return token_loader_config(folder, seq_len, num_workers=0, mode="infinite", cache_dir=cache_dir)
+    return token_loader_config(folder, seq_len, num_workers=0, mode="infinite")
 
 
 def time_restore(cfg: LoaderConfig, state: dict, n: int) -> float:
@@ -202,9 +194,9 @@ def main(argv=None) -> dict:
         help="time a fresh process's first batch with each checkout's loader (see above)",
     )
     a = ap.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="bench-startup-", dir=a.work_dir))
     res: dict = {"machine": machine(), "load_before": os.getloadavg()}
-    try:
+    with tempfile.TemporaryDirectory(prefix="bench-startup-", dir=a.work_dir) as scratch:
+        work = Path(scratch)
         base = work / "base"
         base.mkdir()
         info = write_base(base, a.shard_samples, a.tokens_per_doc)
@@ -217,8 +209,6 @@ def main(argv=None) -> dict:
             res["sizes"] = by_size(folders, a)
         res["load_after"] = os.getloadavg()
         return report(res)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -102,8 +102,8 @@ def main() -> None:
     from data.ingest import ingest
     from data.train_text_tokenizer import train_text_tokenizer
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench_tokenize_"))
-    try:
+    with tempfile.TemporaryDirectory(prefix="bench_tokenize_") as scratch:
+        tmp = Path(scratch)
         make_corpus(tmp / "corpus", args.mb)
         raw = tmp / "raw"
         ingest(
@@ -144,8 +144,6 @@ def main() -> None:
                 f"{'tokenize --workers ' + str(workers):<22} {seconds:8.2f} {megabytes / seconds:7.2f} "
                 f"{med['bare'] / seconds:8.2f} {base}"
             )
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,15 @@
 """Trainer overhead and data wait, on CPU, in one process.
 
-1. Overhead: our training step (``Trainer.train_step`` and every callback's ``post_step``:
-   sums reduced over ranks, the skip-step gate, metrics, JSONL and TensorBoard logs, the
-   monitors and their probes, the preemption check) against a minimal loop that drives the **same** DeepSpeed engine
-   and model on the **same** batches: ``loss = engine(**batch).loss; engine.backward(loss);
-   engine.step()``. Batches are drawn once beforehand and replayed to both, so the loader is
-   not in the comparison; the two loops alternate in rounds. Printed: the ratio of their mean
-   step times (target <= 1.10).
-2. Data wait: a plain ``earlyfuse-train`` run of the same experiment with its real loader
-   (workers, prefetch); the share of step time spent waiting for batches
-   (``throughput/data_wait``, the console's ``data %``), over all steps (target < 5 %).
+1. Overhead: our training step (``Trainer.train_step`` and every callback's ``post_step``)
+   against a minimal loop driving the **same** DeepSpeed engine and model on the **same**
+   batches, drawn once beforehand and replayed to both (the loader is not in the comparison).
+2. Data wait: a plain ``earlyfuse-train`` run of the same experiment with its real loader; the
+   share of step time spent waiting for batches (``throughput/data_wait``).
+
+docs/benchmarks.md, "Trainer overhead and data wait", has the method, targets and figures.
+``experiment=demo`` needs the demo's token shards (``make demo``).
 
     .venv/bin/python tools/bench/bench_trainer.py [--experiment demo] [--steps 40] [--rounds 3]
-
-``experiment=demo`` needs the demo's token shards (``make demo``).
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tools.bench import machine, report  # noqa: E402
+from tools.bench import machine, report, rounds  # noqa: E402
 from train.names import METRICS_FILE  # noqa: E402
 
 
@@ -61,7 +57,7 @@ def overrides(experiment: str, run_dir: Path, *more: str) -> list[str]:
     ]
 
 
-def overhead(experiment: str, steps: int, rounds: int, run_dir: Path) -> dict:
+def overhead(experiment: str, steps: int, count: int, run_dir: Path) -> dict:
     from contextlib import closing
 
     from tools.convert_import import compose_run_config
@@ -104,16 +100,14 @@ def overhead(experiment: str, steps: int, rounds: int, run_dir: Path) -> dict:
         return (time.perf_counter() - started) / steps
 
     ours(), minimal()  # warm-up: allocator, first probes
-    ours_times, minimal_times = [], []
-    for _ in range(rounds):
-        ours_times.append(ours())
-        minimal_times.append(minimal())
+    times = rounds({"ours": ours, "minimal": minimal}, count)
     trainer.callbacks.close(trainer)
+    mean = {name: statistics.mean(values) for name, values in times.items()}
     return {
-        "ours_step_s": statistics.mean(ours_times),
-        "minimal_step_s": statistics.mean(minimal_times),
-        "ratio": statistics.mean(ours_times) / statistics.mean(minimal_times),
-        "rounds": rounds,
+        "ours_step_s": mean["ours"],
+        "minimal_step_s": mean["minimal"],
+        "ratio": mean["ours"] / mean["minimal"],
+        "rounds": count,
         "steps_per_round": steps,
     }
 

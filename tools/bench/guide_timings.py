@@ -1,7 +1,7 @@
 """The guide's timings: docs/own_data.md's CPU try, run as the page writes it, wall and CPU time
 per command.
 
-    .venv/bin/python tools/bench/guide_timings.py --threads 1   # 9 minutes on 2 cores at load 8
+    .venv/bin/python tools/bench/guide_timings.py [--threads 1] [--out timings.json]
 
 The commands, the corpus (``--scale`` times the test's documents; 3: 376 documents) and the
 local S3-compatible server are the slow guide test's (tests/guide_run.py, tests/s3_server.py:
