@@ -300,4 +300,4 @@ def _token_dir_of(data: dict) -> str:
         raise ValueError(
             f"source {first['name']}: no token folder found for {first['shards']}; give TOKEN_DIR"
         )
-    return posixpath.dirname(store.local_path(hit[1]))
+    return posixpath.dirname(hit[1])

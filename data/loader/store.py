@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from data.names import INDEX_SUFFIX
+from data.shards import storage
 
 _BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 # The shard's word in a pipe: command: ends in .tar, followed by a space, quote, pipe, ;, &, ), >
@@ -40,23 +41,7 @@ KEEP_OPEN, KEEP_MAPS = 8, 256  # open file handles and memory maps a ShardFiles 
 def kind(url: str) -> str:
     if url.startswith("pipe:"):
         return "pipe"
-    if "://" in url.split(" ", 1)[0] and not url.startswith("file://"):
-        return "fsspec"
-    return "local"
-
-
-def local_path(url: str) -> str:
-    """A local URL as a path (``file://`` stripped)."""
-    return url[len("file://") :] if url.startswith("file://") else url
-
-
-def _fs(url: str):
-    import fsspec
-
-    try:
-        return fsspec.core.url_to_fs(url)
-    except ImportError as e:  # the scheme's backend is not installed (s3fs, gcsfs, aiohttp)
-        raise ValueError(f"{url}: {e}") from None
+    return "fsspec" if storage.is_remote(url) else "local"
 
 
 def expand(pattern: str) -> list[str]:
@@ -76,13 +61,13 @@ def expand(pattern: str) -> list[str]:
     if k == "fsspec":
         if pattern.endswith(".tar") and not any(c in pattern for c in "*?["):
             return [pattern]  # a shard: no listing call (over http that would be a GET of it)
-        fs, path = _fs(pattern)
+        fs, path = storage.filesystem(pattern)
         if any(c in path for c in "*?["):
             return sorted(fs.unstrip_protocol(p) for p in fs.glob(path))
         if fs.isdir(path):
             return sorted(fs.unstrip_protocol(p) for p in fs.find(path) if p.endswith(".tar"))
         return [pattern]
-    path = local_path(pattern)
+    path = storage.local_path(pattern)
     p = Path(path)
     if p.is_dir():
         return sorted(str(x) for x in p.rglob("*.tar"))
@@ -135,26 +120,12 @@ def _run(cmd: str) -> bytes:
 
 def read_bytes(url: str) -> bytes:
     """A small file whole (an index, a manifest). FileNotFoundError when it is not there."""
-    k = kind(url)
-    if k == "pipe":
-        return _run(url[len("pipe:") :])
-    if k == "fsspec":
-        fs, path = _fs(url)
-        try:
-            return fs.cat_file(path)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{url} does not exist") from None
-    return Path(local_path(url)).read_bytes()
+    return _run(url[len("pipe:") :]) if kind(url) == "pipe" else storage.read_bytes(url)
 
 
 def exists(url: str) -> bool:
-    k = kind(url)
-    if k == "pipe":
-        return True  # known only by running it; a failing command is reported when read
-    if k == "fsspec":
-        fs, path = _fs(url)
-        return fs.isfile(path)
-    return Path(local_path(url)).is_file()
+    # A command is known only by running it: a failing one is reported when read.
+    return kind(url) == "pipe" or storage.exists(url)
 
 
 def default_cache_dir() -> str:
@@ -232,22 +203,23 @@ class ShardFiles:
 
     def read(self, url: str, offset: int, size: int, min_bytes: int = 0) -> bytes:
         """``size`` bytes at ``offset``. Remote reads are tried ``RETRIES`` times (a new handle
-        each, with backoff) and then fail as OSError whatever the backend raised, so one network
-        hiccup is never a dead worker: the sample is skipped and counted like unreadable data."""
-        remote = kind(url) == "fsspec"
-        for attempt in range(RETRIES if remote else 1):
+        each, a missing object too) and then fail as OSError whatever the backend raised, so one
+        network hiccup is never a dead worker: the sample is skipped and counted like unreadable
+        data."""
+
+        def once() -> bytes:
             try:
                 f = self.get(url, min_bytes)
                 f.seek(offset)
-                data = f.read(size)
-                break
-            except Exception as e:  # noqa: BLE001 - backends raise their own types (aiohttp, botocore)
-                self._drop(url)
-                if not remote:
-                    raise
-                if attempt == RETRIES - 1:
-                    raise OSError(f"{url}: read failed {RETRIES} times, the last: {e!r}") from e
-                time.sleep(0.5 * 2**attempt)
+                return f.read(size)
+            except Exception:
+                self._drop(url)  # the next try opens a new handle
+                raise
+
+        if kind(url) == "fsspec":
+            data = storage.retried(f"{url}: read", once, RETRIES, retry_missing=True)
+        else:
+            data = once()
         if len(data) != size:
             raise ValueError(f"member cut short ({len(data)} of {size} bytes)")
         return data
@@ -282,14 +254,14 @@ class ShardFiles:
             except OSError as e:
                 self._failed[url] = (time.monotonic(), str(e))
                 raise
-        return local_path(url)
+        return storage.local_path(url)
 
     def _opener(self, url: str, min_bytes: int) -> BinaryIO:
         if kind(url) == "fsspec":
             # Readahead blocks: a consumer's samples of one shard lie within a shuffle window.
             # (Through fs.open: fsspec.open would hand these options to the filesystem's
             # constructor, which s3fs refuses -- found by the moto-backed test.)
-            fs, path = _fs(url)
+            fs, path = storage.filesystem(url)
             return fs.open(path, "rb", block_size=4 << 20, cache_type="readahead")
         return open(self._local_file(url, min_bytes), "rb")
 
