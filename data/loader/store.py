@@ -35,7 +35,7 @@ RETRIES = 3
 FAILED_FOR = 60.0
 # Bytes read through the memory maps between two hand-backs of their pages (ShardFiles.release)
 RELEASE_BYTES = 32 << 20
-KEEP_OPEN, KEEP_MAPS = 8, 256  # open file handles and memory maps a ShardFiles keeps at most
+KEEP_OPEN, KEEP_MAPS = 8, 256  # remote handles and memory maps a ShardFiles keeps open at most
 
 
 def kind(url: str) -> str:
@@ -133,8 +133,8 @@ def default_cache_dir() -> str:
 
 
 class ShardFiles:
-    """Open shards, at most ``KEEP_OPEN`` file handles at a time (least recently used closed
-    first), and memory maps of local and fetched shards, at most ``KEEP_MAPS``.
+    """Memory maps of local and fetched ``pipe:`` shards, at most ``KEEP_MAPS``, and open remote
+    shards, at most ``KEEP_OPEN`` handles at a time (least recently used closed first).
 
     Readers count what they read through the maps (``touched``) and every ``RELEASE_BYTES`` the
     maps' pages are handed back (``release``), so that the RSS does not hold every page of every
@@ -154,7 +154,7 @@ class ShardFiles:
         (fsspec). A map lives as long as an array made from it: evicting one only forgets it."""
         mapped = self.mapped(url, min_bytes)
         if mapped is None:
-            return self.read(url, offset, size, min_bytes)
+            return self.read(url, offset, size)
         if offset + size > len(mapped):
             raise ValueError(f"member cut short ({max(0, len(mapped) - offset)} of {size} bytes)")
         self.touched(size)
@@ -192,34 +192,36 @@ class ShardFiles:
         self._maps[url] = mapped  # re-inserted last: the dict's order is the LRU order
         return mapped
 
-    def get(self, url: str, min_bytes: int = 0) -> BinaryIO:
+    def get(self, url: str) -> BinaryIO:
+        """An open handle on a remote shard."""
         f = self._open.pop(url, None)
         if f is None:
             if len(self._open) >= KEEP_OPEN:
                 self._open.pop(next(iter(self._open))).close()
-            f = self._opener(url, min_bytes)
+            # Readahead blocks: a consumer's samples of one shard lie within a shuffle window.
+            # (Through fs.open: fsspec.open would hand these options to the filesystem's
+            # constructor, which s3fs refuses -- found by the moto-backed test.)
+            fs, path = storage.filesystem(url)
+            f = fs.open(path, "rb", block_size=4 << 20, cache_type="readahead")
         self._open[url] = f  # re-inserted last: the dict's order is the LRU order
         return f
 
-    def read(self, url: str, offset: int, size: int, min_bytes: int = 0) -> bytes:
-        """``size`` bytes at ``offset``. Remote reads are tried ``RETRIES`` times (a new handle
-        each, a missing object too) and then fail as OSError whatever the backend raised, so one
-        network hiccup is never a dead worker: the sample is skipped and counted like unreadable
-        data."""
+    def read(self, url: str, offset: int, size: int) -> bytes:
+        """``size`` bytes at ``offset`` of a remote shard (a ranged read). Tried ``RETRIES`` times
+        (a new handle each, a missing object too) and then failing as OSError whatever the
+        backend raised, so one network hiccup is never a dead worker: the sample is skipped and
+        counted like unreadable data."""
 
         def once() -> bytes:
             try:
-                f = self.get(url, min_bytes)
+                f = self.get(url)
                 f.seek(offset)
                 return f.read(size)
             except Exception:
                 self._drop(url)  # the next try opens a new handle
                 raise
 
-        if kind(url) == "fsspec":
-            data = storage.retried(f"{url}: read", once, RETRIES, retry_missing=True)
-        else:
-            data = once()
+        data = storage.retried(f"{url}: read", once, RETRIES, retry_missing=True)
         if len(data) != size:
             raise ValueError(f"member cut short ({len(data)} of {size} bytes)")
         return data
@@ -255,15 +257,6 @@ class ShardFiles:
                 self._failed[url] = (time.monotonic(), str(e))
                 raise
         return storage.local_path(url)
-
-    def _opener(self, url: str, min_bytes: int) -> BinaryIO:
-        if kind(url) == "fsspec":
-            # Readahead blocks: a consumer's samples of one shard lie within a shuffle window.
-            # (Through fs.open: fsspec.open would hand these options to the filesystem's
-            # constructor, which s3fs refuses -- found by the moto-backed test.)
-            fs, path = storage.filesystem(url)
-            return fs.open(path, "rb", block_size=4 << 20, cache_type="readahead")
-        return open(self._local_file(url, min_bytes), "rb")
 
     def fetch(self, url: str, min_bytes: int = 0) -> Path:
         """The ``pipe:`` command's output in the node-local cache (fetched once per node). Output
@@ -328,7 +321,7 @@ class ShardFiles:
 
 class ShardView:
     """A shard as a file for readers that seek then read (a raw document's members): every read
-    goes through ``ShardFiles.read``, so it gets the same retries and errors."""
+    goes through ``ShardFiles.view``, so it reads what a token document's read does."""
 
     def __init__(self, files: ShardFiles, url: str, min_bytes: int = 0) -> None:
         self.files, self.url, self.min_bytes, self.pos = files, url, min_bytes, 0
@@ -337,6 +330,6 @@ class ShardView:
         self.pos = offset
 
     def read(self, size: int) -> bytes:
-        data = self.files.read(self.url, self.pos, size, self.min_bytes)
+        data = bytes(self.files.view(self.url, self.pos, size, self.min_bytes))
         self.pos += len(data)
         return data
