@@ -1,5 +1,6 @@
-"""Where shards live: local paths, fsspec URLs (``s3://``, ``gs://``, ``https://``, ``file://``,
-``memory://`` ...) and ``pipe:`` commands, behind one interface the loader reads through.
+"""Where shards live: local paths (``file://`` URLs too), fsspec URLs (``s3://``, ``gs://``,
+``https://``, ``memory://`` ...; opened and read whole through data/shards/storage.py, which
+prep uses too) and ``pipe:`` commands, behind one interface the loader reads through.
 
 The loader reads members by offset through the shard index (exact resume without replay), so
 every shard must be seekable. Local and fsspec files are (fsspec turns a seek-and-read into a
