@@ -47,6 +47,7 @@ def kind(url: str) -> str:
 
 def expand(pattern: str) -> list[str]:
     """Brace ranges ({000..041}, zero padding kept), then globs; a folder means its *.tar (deep).
+    Local shards come out as paths (``file://`` stripped): the shard URLs the loader reads.
     ``pipe:`` commands take brace ranges only: one command, one shard (a glob inside a command
     would print several; table_load.py refuses the index that results)."""
     m = _BRACE.search(pattern)
@@ -257,7 +258,7 @@ class ShardFiles:
             except OSError as e:
                 self._failed[url] = (time.monotonic(), str(e))
                 raise
-        return storage.local_path(url)
+        return url
 
     def fetch(self, url: str, min_bytes: int = 0) -> Path:
         """The ``pipe:`` command's output in the node-local cache (fetched once per node). Output

@@ -19,7 +19,6 @@ import numpy as np
 
 from data.loader import store
 from data.shards import token_index
-from data.shards.storage import local_path
 
 # One record of a binary index (token_index.RECORD, packed): json, ids, mod (offset, size),
 # tokens, block start and count, key start and length, SHA-256. Unpacked straight from the
@@ -252,7 +251,7 @@ def resolve_index(tar: str, index_sha: str, cache_dir: str) -> token_index.Token
     try:
         if store.kind(beside) == "local":
             data = None
-            idx = token_index.TokenIndex.open(local_path(beside))
+            idx = token_index.TokenIndex.open(beside)
         else:
             data = store.read_bytes(beside)
             idx = token_index.TokenIndex.from_buffer(data, where=beside)

@@ -23,7 +23,6 @@ from data.loader.config import SourceConfig
 from data.loader.table import REBUILD, SampleTable, TokenTable
 from data.names import MANIFEST_FILE
 from data.shards import token_index
-from data.shards.storage import local_path
 
 TOKEN_FORMAT = "earlyfuse-token-shards"
 # What a token manifest records of each shard, so that a loader's start reads no index
@@ -95,7 +94,7 @@ def load_table(src: SourceConfig, *, cache_dir: str | None = None) -> SampleTabl
     listing = functools.cache(_listing)
     for tar in tars:
         local = store.kind(tar) == "local"
-        if not (_listed(listing, local_path(tar)) if local else store.exists(tar)):
+        if not (_listed(listing, tar) if local else store.exists(tar)):
             raise ValueError(f"source {src.name}: shard {tar} does not exist")
         manifest_found = find_manifest(tar, seen)
         if manifest_found is None:
@@ -168,7 +167,7 @@ def _load_token_table(
                 f"{REBUILD}"
             )
         if store.kind(tar) == "local":
-            binary = local_path(tar)[: -len(".tar")] + token_index.SUFFIX
+            binary = tar[: -len(".tar")] + token_index.SUFFIX
             if not _listed(listing, binary):
                 raise ValueError(f"source {src.name}: {binary} does not exist; {REBUILD}")
         sha = entry["index_sha256"]

@@ -12,6 +12,7 @@ from factories import flip_token_bytes, token_sample_with_id
 from data.cli import main as prep_main
 from data.loader import build_loader
 from data.loader.config import LoaderConfig, SourceConfig
+from data.loader.table_load import load_table
 from data.shards.verify import verify
 from data.token_docs import folder_sources
 from data.vocab import VocabLayout
@@ -62,6 +63,11 @@ def test_a_file_url_names_the_local_folder(tiny_tokens, capsys):
         assert prep_main([argv[0], str(tiny_tokens), *argv[1:]]) == 0
         assert got == capsys.readouterr().out and got
     assert verify(url)["ok"] and folder_sources(url) == folder_sources(tiny_tokens)
+    got = load_table(SourceConfig(name="code", shards=[f"{url}/code"]))
+    assert (
+        got.shards
+        == load_table(SourceConfig(name="code", shards=[str(tiny_tokens / "code")])).shards
+    )
 
 
 def test_flipped_bytes_in_a_token_sample_are_found_and_skipped(tokens, capfd):
