@@ -1,8 +1,6 @@
-"""Files and folders of shards that live on this machine (paths, ``file://`` URLs) or in object
-storage (fsspec URLs: ``s3://``, ``gs://``, ``az://``, ``memory://`` ...): whether a URL is
-remote, its filesystem, reading and testing a file with retries, for prep's ``--out`` and
-tokenize's ``--in`` (``Folder``) and for the loader (data/loader/store.py, which adds ``pipe:``
-commands and the reads by offset).
+"""Files and folders of shards on this machine (paths, ``file://`` URLs) or in object storage
+(fsspec URLs: ``s3://``, ``gs://``, ``az://``, ``memory://`` ...), for prep (``Folder``) and for
+the loader (data/loader/store.py adds ``pipe:`` commands and reads by offset).
 
 Design choices:
 - Writers never stream into object storage: a shard is written to a local staging folder
@@ -84,7 +82,6 @@ def read_bytes(url: str) -> bytes:
 
 
 def exists(url: str) -> bool:
-    """Whether the file is there."""
     if not is_remote(url):
         return Path(local_path(url)).is_file()
     fs, path = filesystem(url)
