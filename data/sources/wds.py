@@ -26,7 +26,8 @@ from typing import NamedTuple
 from data.media import IMAGE_EXTS, VIDEO_EXTS
 from data.names import INDEX_SUFFIX
 from data.schema import Reject, Sample, sanitize_key, unsafe_name_reason
-from data.shards.storage import filesystem, is_remote, retried
+from data.shards import storage
+from data.shards.storage import is_remote, retried
 from data.sources.base import Item, Part, Source, hidden_dir, walk
 from data.sources.rows import parse_record
 
@@ -42,8 +43,10 @@ def _open(path: str):
     """A tar's file, local or remote (fsspec: ranged reads, a block cache for scanning)."""
     if not is_remote(path):
         return open(path, "rb")
-    fs, inner = filesystem(path)
-    return retried(path, lambda: fs.open(inner, "rb", block_size=4 << 20, cache_type="readahead"))
+    filesystem, inner = storage.filesystem(path)
+    return retried(
+        path, lambda: filesystem.open(inner, "rb", block_size=4 << 20, cache_type="readahead")
+    )
 
 
 _REMOTE: dict[str, object] = {}  # per worker: the remote tar being read (its samples come in order)
@@ -172,10 +175,10 @@ def remote_tars(url: str) -> list[tuple[str, str]]:
     """(label, URL) of the tars of a remote wds source: one .tar, or every .tar below a folder."""
     if url.endswith(".tar"):
         return [(url.rsplit("/", 1)[-1], url)]
-    fs, inner = filesystem(url)
+    filesystem, inner = storage.filesystem(url)
     found = sorted(
         found_path
-        for found_path in retried(url, lambda: fs.find(inner))
+        for found_path in retried(url, lambda: filesystem.find(inner))
         if found_path.endswith(".tar")
     )
     return [
