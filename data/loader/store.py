@@ -12,6 +12,7 @@ command or read does and how the cache is evicted: docs/loader.md, "Where shards
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import glob
 import hashlib
@@ -231,10 +232,8 @@ class ShardFiles:
     def _drop(self, url: str) -> None:
         f = self._open.pop(url, None)
         if f is not None:
-            try:
+            with contextlib.suppress(Exception):  # a broken handle is being thrown away anyway
                 f.close()
-            except Exception:  # noqa: BLE001 - a broken handle is being thrown away anyway
-                pass
 
     def close(self) -> None:
         for f in self._open.values():
