@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from data.names import MANIFEST_FILE
 from data.shards.index import file_sha256
 from data.tokenize.blocks import image_grids
 from tools.convert_deepspeed import (
@@ -116,33 +115,17 @@ def _token_manifest(url: str) -> tuple[dict, Path] | None:
 
 
 def find_tokenizers(run_cfg, run_dir: Path) -> Path:
-    """The token data's tokenizers/ folder: the run's ``data.tokenizers``, else the one the token
-    manifest above its shards names; a ReleaseError naming every place tried otherwise."""
-    from data.loader.store import expand
+    """The token data's tokenizers/ folder (the run's ``data.tokenizers``, else the one its token
+    shards name); a ReleaseError naming every place tried otherwise."""
+    from train.tasks.lm import tokenizer_folder
 
-    if run_cfg.data.tokenizers:  # the run named its tokenizer folder
-        return Path(run_cfg.data.tokenizers)
-    tried = []
-    for src in [*run_cfg.data.sources, *run_cfg.data.validation]:
-        for pattern in src.shards:
-            found = expand(pattern)
-            if not found:
-                tried.append(f"{pattern} (source {src.name}: no shard there any more)")
-                continue
-            token_data = _token_manifest(found[0])
-            if token_data is None:
-                tried.append(f"{found[0]} (no token manifest.json above it)")
-                continue
-            manifest, root = token_data
-            folder = root / manifest.get("tokenizers", {}).get("folder", "tokenizers")
-            if folder.is_dir():
-                return folder
-            tried.append(f"{folder} (named by {root / MANIFEST_FILE}, missing)")
-    raise ReleaseError(
-        f"{run_dir}: cannot find the token data's tokenizers/ folder (tried: "
-        f"{'; '.join(tried) or 'the run config names no data.sources'}); pass --tokenizers DIR "
-        "(tokenizer.json, vocab_layout.json, visual_tokenizer/) or --no-tokenizers for weights only"
-    )
+    try:
+        return tokenizer_folder(run_cfg)
+    except ValueError as e:
+        raise ReleaseError(
+            f"{run_dir}: {e}, or pass --tokenizers DIR (tokenizer.json, vocab_layout.json, "
+            "visual_tokenizer/) or --no-tokenizers for weights only"
+        ) from None
 
 
 def check_tokenizers(folder: Path, layout) -> dict:

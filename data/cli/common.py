@@ -6,6 +6,8 @@ import argparse
 import re
 from pathlib import Path
 
+from data.shards.storage import is_remote, local_path
+
 EXIT_REJECTS = 3
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
@@ -37,8 +39,9 @@ def parse_size(text: str) -> int:
 
 
 def path_or_url(text: str) -> Path | str:
-    """A local folder (Path) or an fsspec URL kept as text (``Path`` would fold ``s3://``)."""
-    return text if "://" in text and not text.startswith("file://") else Path(text)
+    """A local folder (Path; a ``file://`` URL's path) or an fsspec URL kept as text (``Path``
+    would fold ``s3://``)."""
+    return text if is_remote(text) else Path(local_path(text))
 
 
 def _add_engine_flags(p) -> None:

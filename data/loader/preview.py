@@ -290,14 +290,12 @@ def _token_dir_of(data: dict) -> str:
     are: the shard folder or one of the two above it), a path or an fsspec URL."""
     import posixpath
 
-    from data.loader import store
-    from data.loader.table_load import find_manifest
+    from data.loader.table_load import load_table
 
     first = data["sources"][0]
-    found = [u for pat in first["shards"] for u in store.expand(pat)]
-    hit = find_manifest(found[0]) if found else None
-    if hit is None or store.kind(found[0]) == "pipe":
+    table = load_table(SourceConfig(name=first["name"], shards=list(first["shards"])))
+    if table.manifest_url.startswith("pipe:"):
         raise ValueError(
             f"source {first['name']}: no token folder found for {first['shards']}; give TOKEN_DIR"
         )
-    return posixpath.dirname(store.local_path(hit[1]))
+    return posixpath.dirname(table.manifest_url)

@@ -1,5 +1,6 @@
-"""Where shards live: local paths, fsspec URLs (``s3://``, ``gs://``, ``https://``, ``file://``,
-``memory://`` ...) and ``pipe:`` commands, behind one interface the loader reads through.
+"""Where shards live: local paths (``file://`` URLs too), fsspec URLs (``s3://``, ``gs://``,
+``https://``, ``memory://`` ...; opened and read whole through data/shards/storage.py, which
+prep uses too) and ``pipe:`` commands, behind one interface the loader reads through.
 
 The loader reads members by offset through the shard index (exact resume without replay), so
 every shard must be seekable. Local and fsspec files are (fsspec turns a seek-and-read into a
@@ -11,6 +12,7 @@ command or read does and how the cache is evicted: docs/loader.md, "Where shards
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import glob
 import hashlib
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from data.names import INDEX_SUFFIX
+from data.shards import storage
 
 _BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 # The shard's word in a pipe: command: ends in .tar, followed by a space, quote, pipe, ;, &, ), >
@@ -34,33 +37,18 @@ RETRIES = 3
 FAILED_FOR = 60.0
 # Bytes read through the memory maps between two hand-backs of their pages (ShardFiles.release)
 RELEASE_BYTES = 32 << 20
-KEEP_OPEN, KEEP_MAPS = 8, 256  # open file handles and memory maps a ShardFiles keeps at most
+KEEP_OPEN, KEEP_MAPS = 8, 256  # remote handles and memory maps a ShardFiles keeps open at most
 
 
 def kind(url: str) -> str:
     if url.startswith("pipe:"):
         return "pipe"
-    if "://" in url.split(" ", 1)[0] and not url.startswith("file://"):
-        return "fsspec"
-    return "local"
-
-
-def local_path(url: str) -> str:
-    """A local URL as a path (``file://`` stripped)."""
-    return url[len("file://") :] if url.startswith("file://") else url
-
-
-def _fs(url: str):
-    import fsspec
-
-    try:
-        return fsspec.core.url_to_fs(url)
-    except ImportError as e:  # the scheme's backend is not installed (s3fs, gcsfs, aiohttp)
-        raise ValueError(f"{url}: {e}") from None
+    return "fsspec" if storage.is_remote(url) else "local"
 
 
 def expand(pattern: str) -> list[str]:
     """Brace ranges ({000..041}, zero padding kept), then globs; a folder means its *.tar (deep).
+    Local shards come out as paths (``file://`` stripped): the shard URLs the loader reads.
     ``pipe:`` commands take brace ranges only: one command, one shard (a glob inside a command
     would print several; table_load.py refuses the index that results)."""
     m = _BRACE.search(pattern)
@@ -76,13 +64,13 @@ def expand(pattern: str) -> list[str]:
     if k == "fsspec":
         if pattern.endswith(".tar") and not any(c in pattern for c in "*?["):
             return [pattern]  # a shard: no listing call (over http that would be a GET of it)
-        fs, path = _fs(pattern)
+        fs, path = storage.filesystem(pattern)
         if any(c in path for c in "*?["):
             return sorted(fs.unstrip_protocol(p) for p in fs.glob(path))
         if fs.isdir(path):
             return sorted(fs.unstrip_protocol(p) for p in fs.find(path) if p.endswith(".tar"))
         return [pattern]
-    path = local_path(pattern)
+    path = storage.local_path(pattern)
     p = Path(path)
     if p.is_dir():
         return sorted(str(x) for x in p.rglob("*.tar"))
@@ -135,26 +123,12 @@ def _run(cmd: str) -> bytes:
 
 def read_bytes(url: str) -> bytes:
     """A small file whole (an index, a manifest). FileNotFoundError when it is not there."""
-    k = kind(url)
-    if k == "pipe":
-        return _run(url[len("pipe:") :])
-    if k == "fsspec":
-        fs, path = _fs(url)
-        try:
-            return fs.cat_file(path)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{url} does not exist") from None
-    return Path(local_path(url)).read_bytes()
+    return _run(url[len("pipe:") :]) if kind(url) == "pipe" else storage.read_bytes(url)
 
 
 def exists(url: str) -> bool:
-    k = kind(url)
-    if k == "pipe":
-        return True  # known only by running it; a failing command is reported when read
-    if k == "fsspec":
-        fs, path = _fs(url)
-        return fs.isfile(path)
-    return Path(local_path(url)).is_file()
+    # A command is known only by running it: a failing one is reported when read.
+    return kind(url) == "pipe" or storage.exists(url)
 
 
 def default_cache_dir() -> str:
@@ -162,8 +136,8 @@ def default_cache_dir() -> str:
 
 
 class ShardFiles:
-    """Open shards, at most ``KEEP_OPEN`` file handles at a time (least recently used closed
-    first), and memory maps of local and fetched shards, at most ``KEEP_MAPS``.
+    """Memory maps of local and fetched ``pipe:`` shards, at most ``KEEP_MAPS``, and open remote
+    shards, at most ``KEEP_OPEN`` handles at a time (least recently used closed first).
 
     Readers count what they read through the maps (``touched``) and every ``RELEASE_BYTES`` the
     maps' pages are handed back (``release``), so that the RSS does not hold every page of every
@@ -183,7 +157,7 @@ class ShardFiles:
         (fsspec). A map lives as long as an array made from it: evicting one only forgets it."""
         mapped = self.mapped(url, min_bytes)
         if mapped is None:
-            return self.read(url, offset, size, min_bytes)
+            return self.read(url, offset, size)
         if offset + size > len(mapped):
             raise ValueError(f"member cut short ({max(0, len(mapped) - offset)} of {size} bytes)")
         self.touched(size)
@@ -221,33 +195,36 @@ class ShardFiles:
         self._maps[url] = mapped  # re-inserted last: the dict's order is the LRU order
         return mapped
 
-    def get(self, url: str, min_bytes: int = 0) -> BinaryIO:
+    def get(self, url: str) -> BinaryIO:
+        """An open handle on a remote shard."""
         f = self._open.pop(url, None)
         if f is None:
             if len(self._open) >= KEEP_OPEN:
                 self._open.pop(next(iter(self._open))).close()
-            f = self._opener(url, min_bytes)
+            # Readahead blocks: a consumer's samples of one shard lie within a shuffle window.
+            # (Through fs.open: fsspec.open would hand these options to the filesystem's
+            # constructor, which s3fs refuses -- found by the moto-backed test.)
+            fs, path = storage.filesystem(url)
+            f = fs.open(path, "rb", block_size=4 << 20, cache_type="readahead")
         self._open[url] = f  # re-inserted last: the dict's order is the LRU order
         return f
 
-    def read(self, url: str, offset: int, size: int, min_bytes: int = 0) -> bytes:
-        """``size`` bytes at ``offset``. Remote reads are tried ``RETRIES`` times (a new handle
-        each, with backoff) and then fail as OSError whatever the backend raised, so one network
-        hiccup is never a dead worker: the sample is skipped and counted like unreadable data."""
-        remote = kind(url) == "fsspec"
-        for attempt in range(RETRIES if remote else 1):
+    def read(self, url: str, offset: int, size: int) -> bytes:
+        """``size`` bytes at ``offset`` of a remote shard (a ranged read). Tried ``RETRIES`` times
+        (a new handle each, a missing object too) and then failing as OSError whatever the
+        backend raised, so one network hiccup is never a dead worker: the sample is skipped and
+        counted like unreadable data."""
+
+        def once() -> bytes:
             try:
-                f = self.get(url, min_bytes)
+                f = self.get(url)
                 f.seek(offset)
-                data = f.read(size)
-                break
-            except Exception as e:  # noqa: BLE001 - backends raise their own types (aiohttp, botocore)
-                self._drop(url)
-                if not remote:
-                    raise
-                if attempt == RETRIES - 1:
-                    raise OSError(f"{url}: read failed {RETRIES} times, the last: {e!r}") from e
-                time.sleep(0.5 * 2**attempt)
+                return f.read(size)
+            except Exception:
+                self._drop(url)  # the next try opens a new handle
+                raise
+
+        data = storage.retried(f"{url}: read", once, RETRIES, retry_missing=True)
         if len(data) != size:
             raise ValueError(f"member cut short ({len(data)} of {size} bytes)")
         return data
@@ -255,10 +232,8 @@ class ShardFiles:
     def _drop(self, url: str) -> None:
         f = self._open.pop(url, None)
         if f is not None:
-            try:
+            with contextlib.suppress(Exception):  # a broken handle is being thrown away anyway
                 f.close()
-            except Exception:  # noqa: BLE001 - a broken handle is being thrown away anyway
-                pass
 
     def close(self) -> None:
         for f in self._open.values():
@@ -282,16 +257,7 @@ class ShardFiles:
             except OSError as e:
                 self._failed[url] = (time.monotonic(), str(e))
                 raise
-        return local_path(url)
-
-    def _opener(self, url: str, min_bytes: int) -> BinaryIO:
-        if kind(url) == "fsspec":
-            # Readahead blocks: a consumer's samples of one shard lie within a shuffle window.
-            # (Through fs.open: fsspec.open would hand these options to the filesystem's
-            # constructor, which s3fs refuses -- found by the moto-backed test.)
-            fs, path = _fs(url)
-            return fs.open(path, "rb", block_size=4 << 20, cache_type="readahead")
-        return open(self._local_file(url, min_bytes), "rb")
+        return url
 
     def fetch(self, url: str, min_bytes: int = 0) -> Path:
         """The ``pipe:`` command's output in the node-local cache (fetched once per node). Output
@@ -356,7 +322,7 @@ class ShardFiles:
 
 class ShardView:
     """A shard as a file for readers that seek then read (a raw document's members): every read
-    goes through ``ShardFiles.read``, so it gets the same retries and errors."""
+    goes through ``ShardFiles.view``, so it reads what a token document's read does."""
 
     def __init__(self, files: ShardFiles, url: str, min_bytes: int = 0) -> None:
         self.files, self.url, self.min_bytes, self.pos = files, url, min_bytes, 0
@@ -365,6 +331,6 @@ class ShardView:
         self.pos = offset
 
     def read(self, size: int) -> bytes:
-        data = self.files.read(self.url, self.pos, size, self.min_bytes)
+        data = bytes(self.files.view(self.url, self.pos, size, self.min_bytes))
         self.pos += len(data)
         return data

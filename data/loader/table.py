@@ -251,7 +251,7 @@ def resolve_index(tar: str, index_sha: str, cache_dir: str) -> token_index.Token
     try:
         if store.kind(beside) == "local":
             data = None
-            idx = token_index.TokenIndex.open(store.local_path(beside))
+            idx = token_index.TokenIndex.open(beside)
         else:
             data = store.read_bytes(beside)
             idx = token_index.TokenIndex.from_buffer(data, where=beside)

@@ -94,7 +94,7 @@ def load_table(src: SourceConfig, *, cache_dir: str | None = None) -> SampleTabl
     listing = functools.cache(_listing)
     for tar in tars:
         local = store.kind(tar) == "local"
-        if not (_listed(listing, store.local_path(tar)) if local else store.exists(tar)):
+        if not (_listed(listing, tar) if local else store.exists(tar)):
             raise ValueError(f"source {src.name}: shard {tar} does not exist")
         manifest_found = find_manifest(tar, seen)
         if manifest_found is None:
@@ -167,7 +167,7 @@ def _load_token_table(
                 f"{REBUILD}"
             )
         if store.kind(tar) == "local":
-            binary = store.local_path(tar)[: -len(".tar")] + token_index.SUFFIX
+            binary = tar[: -len(".tar")] + token_index.SUFFIX
             if not _listed(listing, binary):
                 raise ValueError(f"source {src.name}: {binary} does not exist; {REBUILD}")
         sha = entry["index_sha256"]

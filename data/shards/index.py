@@ -39,8 +39,6 @@ def parse_index(lines, where: str) -> list[dict]:
 
 def index_of(folder, rel: str) -> list[dict]:
     """The entries of index ``rel`` of a ``data.shards.storage.Folder`` (local or remote)."""
-    if not folder.remote:
-        return read_index(folder.local / rel)
     return parse_index(folder.read_bytes(rel).splitlines(), folder.child(rel))
 
 

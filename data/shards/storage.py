@@ -1,5 +1,6 @@
-"""Folders of shards that live on this machine or in object storage (fsspec URLs: ``s3://``,
-``gs://``, ``az://``, ``memory://`` ...), for prep's ``--out`` and tokenize's ``--in``.
+"""Files and folders of shards on this machine (paths, ``file://`` URLs) or in object storage
+(fsspec URLs: ``s3://``, ``gs://``, ``az://``, ``memory://`` ...), for prep (``Folder``) and for
+the loader (data/loader/store.py adds ``pipe:`` commands and reads by offset).
 
 Design choices:
 - Writers never stream into object storage: a shard is written to a local staging folder
@@ -32,39 +33,72 @@ ResultT = TypeVar("ResultT")
 
 
 def is_remote(url: str | Path) -> bool:
+    """An fsspec URL (``s3://``, ``memory://`` ...); a path or ``file://`` URL is local."""
     text = str(url)
     return "://" in text and not text.startswith("file://")
 
 
-def retried(what: str, call: Callable[[], ResultT], retries: int = RETRIES) -> ResultT:
-    """``call()``; on an error other than a missing file, again after 0.2, 0.4, ... s."""
+def local_path(url: str) -> str:
+    """A local URL as a path (``file://`` stripped)."""
+    return url[len("file://") :] if url.startswith("file://") else url
+
+
+def filesystem(url: str):
+    """(fsspec filesystem, path in it) of a remote URL."""
+    import fsspec
+
+    try:
+        return fsspec.core.url_to_fs(url)
+    except ImportError as e:  # the scheme's backend (s3fs, gcsfs, aiohttp) is not installed
+        raise ValueError(f"{url}: {e} (e.g. pip install 'earlyfuse[s3]')") from None
+
+
+def retried(
+    what: str, call: Callable[[], ResultT], retries: int = RETRIES, retry_missing: bool = False
+) -> ResultT:
+    """``call()``; on an error, again after 0.2, 0.4, ... s. A missing file (FileNotFoundError)
+    is raised at once unless ``retry_missing``."""
     for attempt in range(retries):
         try:
             return call()
-        except FileNotFoundError:
-            raise
         except Exception as e:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
+            if isinstance(e, FileNotFoundError) and not retry_missing:
+                raise
             if attempt == retries - 1:
-                raise OSError(f"{what}: failed {retries} times, the last: {e!r}") from e
+                raise OSError(f"{what} failed {retries} times, the last: {e!r}") from e
             time.sleep(0.2 * 2**attempt)
     raise AssertionError("unreachable")
 
 
+def read_bytes(url: str) -> bytes:
+    """A file whole (remote: retried); FileNotFoundError naming it when it is not there."""
+    if not is_remote(url):
+        return Path(local_path(url)).read_bytes()
+    fs, path = filesystem(url)
+    try:
+        return retried(url, lambda: fs.cat_file(path))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{url} does not exist") from None
+
+
+def exists(url: str) -> bool:
+    if not is_remote(url):
+        return Path(local_path(url)).is_file()
+    fs, path = filesystem(url)
+    return retried(url, lambda: fs.isfile(path))
+
+
 class Folder:
-    """A folder addressed by a local path or an fsspec URL; files named relative to it."""
+    """A folder addressed by a local path (or ``file://`` URL) or an fsspec URL; files named
+    relative to it."""
 
     def __init__(self, url: str | Path) -> None:
         self.url = str(url).rstrip("/") if is_remote(url) else str(url)
         self.remote = is_remote(url)
         if self.remote:
-            import fsspec
-
-            try:
-                self.fs, self.root = fsspec.core.url_to_fs(self.url)
-            except ImportError as e:  # s3fs, gcsfs ... not installed
-                raise ValueError(f"{self.url}: {e} (e.g. pip install 'earlyfuse[s3]')") from None
+            self.fs, self.root = filesystem(self.url)
         else:
-            self.local = Path(url)
+            self.local = Path(local_path(self.url))
 
     def __str__(self) -> str:
         return self.url
@@ -81,21 +115,13 @@ class Folder:
 
     # --- reading ---------------------------------------------------------------------------
     def read_bytes(self, rel: str) -> bytes:
-        """The file's bytes; FileNotFoundError naming it when it is not there."""
-        if not self.remote:
-            return (self.local / rel).read_bytes()
-        try:
-            return retried(self.child(rel), lambda: self.fs.cat_file(self._path(rel)))
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{self.child(rel)} does not exist") from None
+        return read_bytes(self.child(rel))
 
     def read_json(self, rel: str):
         return json.loads(self.read_bytes(rel))
 
     def exists(self, rel: str) -> bool:
-        if not self.remote:
-            return (self.local / rel).is_file()
-        return retried(self.child(rel), lambda: self.fs.isfile(self._path(rel)))
+        return exists(self.child(rel))
 
     def sizes(self, under: str = "") -> dict[str, int]:
         """Relative name -> size of every file below ``under``, in one listing."""

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from data.schema import Reject, Sample, sanitize_key, unsafe_name_reason
-from data.shards.storage import is_remote, retried
+from data.shards.storage import exists, filesystem, is_remote, read_bytes, retried
 from data.sources.base import Item, Part, Source, stat_size
 
 HF_FILES = ("dataset_info.json", "state.json")
@@ -63,9 +63,7 @@ class Location:
         self.text = (path.text if isinstance(path, Location) else str(path)).rstrip("/")
         self.remote = is_remote(self.text)
         if self.remote:
-            import fsspec
-
-            self.fs, self.inner = fsspec.core.url_to_fs(self.text)
+            self.fs, self.inner = filesystem(self.text)
 
     def __truediv__(self, name: str) -> Location:
         return Location(f"{self.text}/{name}" if self.remote else Path(self.text) / name)
@@ -75,14 +73,10 @@ class Location:
         return self.text.rsplit("/", 1)[-1]
 
     def is_file(self) -> bool:
-        if not self.remote:
-            return Path(self.text).is_file()
-        return retried(self.text, lambda: self.fs.isfile(self.inner))
+        return exists(self.text)
 
     def read_bytes(self) -> bytes:
-        if not self.remote:
-            return Path(self.text).read_bytes()
-        return retried(self.text, lambda: self.fs.cat_file(self.inner))
+        return read_bytes(self.text)
 
     def open(self):
         """A seekable binary file (ranged reads when remote)."""

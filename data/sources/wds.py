@@ -26,6 +26,7 @@ from typing import NamedTuple
 from data.media import IMAGE_EXTS, VIDEO_EXTS
 from data.names import INDEX_SUFFIX
 from data.schema import Reject, Sample, sanitize_key, unsafe_name_reason
+from data.shards import storage
 from data.shards.storage import is_remote, retried
 from data.sources.base import Item, Part, Source, hidden_dir, walk
 from data.sources.rows import parse_record
@@ -42,9 +43,7 @@ def _open(path: str):
     """A tar's file, local or remote (fsspec: ranged reads, a block cache for scanning)."""
     if not is_remote(path):
         return open(path, "rb")
-    import fsspec
-
-    filesystem, inner = fsspec.core.url_to_fs(path)
+    filesystem, inner = storage.filesystem(path)
     return retried(
         path, lambda: filesystem.open(inner, "rb", block_size=4 << 20, cache_type="readahead")
     )
@@ -176,9 +175,7 @@ def remote_tars(url: str) -> list[tuple[str, str]]:
     """(label, URL) of the tars of a remote wds source: one .tar, or every .tar below a folder."""
     if url.endswith(".tar"):
         return [(url.rsplit("/", 1)[-1], url)]
-    import fsspec
-
-    filesystem, inner = fsspec.core.url_to_fs(url)
+    filesystem, inner = storage.filesystem(url)
     found = sorted(
         found_path
         for found_path in retried(url, lambda: filesystem.find(inner))

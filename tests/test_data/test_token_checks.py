@@ -12,7 +12,9 @@ from factories import flip_token_bytes, token_sample_with_id
 from data.cli import main as prep_main
 from data.loader import build_loader
 from data.loader.config import LoaderConfig, SourceConfig
+from data.loader.table_load import load_table
 from data.shards.verify import verify
+from data.token_docs import folder_sources
 from data.vocab import VocabLayout
 
 
@@ -49,6 +51,23 @@ def test_verify_accepts_an_intact_token_folder(tokens, capsys):
     assert r["ok"] and r["format"] == "earlyfuse-token-shards" and r["samples"] > 0
     assert prep_main(["verify", str(tokens)]) == 0
     assert ": OK" in capsys.readouterr().out
+
+
+def test_a_file_url_names_the_local_folder(tiny_tokens, capsys):
+    """``file:///abs/path`` is the folder it names, to the prep commands and the token folder
+    readers as to the loader."""
+    url = f"file://{tiny_tokens}"
+    for argv in (["verify"], ["stats", "--json"]):
+        assert prep_main([argv[0], url, *argv[1:]]) == 0
+        got = capsys.readouterr().out
+        assert prep_main([argv[0], str(tiny_tokens), *argv[1:]]) == 0
+        assert got == capsys.readouterr().out and got
+    assert verify(url)["ok"] and folder_sources(url) == folder_sources(tiny_tokens)
+    got = load_table(SourceConfig(name="code", shards=[f"{url}/code"]))
+    assert (
+        got.shards
+        == load_table(SourceConfig(name="code", shards=[str(tiny_tokens / "code")])).shards
+    )
 
 
 def test_flipped_bytes_in_a_token_sample_are_found_and_skipped(tokens, capfd):

@@ -335,6 +335,26 @@ def test_missing_tokenizers_and_bad_arguments_are_named(
         make_release(run, tmp_path / "c", no_tokenizers=True, log=quiet)
 
 
+def test_the_tokenizer_folder_is_found_through_any_source_or_every_try_named(tiny_tokens):
+    """One lookup for training and releases: the tokenizers/ its first usable token source names
+    (``TokenTable.layout_url``), else an error naming each place tried."""
+    from pathlib import Path
+
+    from data.loader import SourceConfig
+    from tools.convert_release import find_tokenizers
+    from train.config import RunConfig
+    from train.tasks.lm import layout_of_data
+
+    cfg = RunConfig()
+    gone = SourceConfig(name="gone", shards=["/nonexistent/tokens/code"])
+    cfg.data.sources = [gone, SourceConfig(name="code", shards=[str(tiny_tokens / "code")])]
+    assert find_tokenizers(cfg, Path("run")) == tiny_tokens / "tokenizers"
+    assert layout_of_data(cfg)[1] == tiny_tokens / "tokenizers"  # training's lookup
+    cfg.data.sources = [gone]
+    with pytest.raises(ReleaseError, match=r"tried: source gone: .*/nonexistent/tokens/code"):
+        find_tokenizers(cfg, Path("run"))
+
+
 def test_vtok_run_releases_its_visual_tokenizer(tiny_raw, tmp_path):
     from safetensors.torch import load_file
 

@@ -39,7 +39,6 @@ from data.loader.dataset import check_tokenizers
 from data.loader.fit import check_blocks_fit
 from data.loader.heldout import HeldoutPass, RankShare
 from data.loader.sample_check import modality_ranges
-from data.loader.table_load import find_manifest
 from data.names import LAYOUT_FILE
 from data.unigram import Unigram
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
@@ -60,23 +59,36 @@ log = logging.getLogger(__name__)
 DROPPABLE = ("image", "video")  # modalities whose blocks the loader can drop (batch dropped_blocks)
 
 
-def layout_of_data(cfg: RunConfig, tables: TableCache | None = None) -> tuple[VocabLayout, Path]:
-    """The vocabulary layout of the run's tokens: ``data.tokenizers`` when given, else the token
-    shards' own tokenizers/ copy."""
+def tokenizer_folder(cfg: RunConfig, tables: TableCache | None = None) -> Path:
+    """The run's tokenizer folder: ``data.tokenizers`` when given, else the tokenizers/ copy that
+    the first source with local token shards names (``TokenTable.layout_url``; a remote one is not
+    fetched). ValueError naming every place tried when there is none."""
     if cfg.data.tokenizers:
-        folder = Path(cfg.data.tokenizers)
-    else:
-        table = (tables or TableCache()).get(cfg.data.sources[:1])[0]
-        if table.kind == "raw" or store.kind(table.shards[0]) != "local":
-            raise ValueError(
-                f"source {table.name}: {table.shards[0]} is {'raw' if table.kind == 'raw' else 'remote'}; "
-                "set data.tokenizers to the tokenizer folder (a token folder's tokenizers/)"
-            )
-        found = find_manifest(table.shards[0])
-        if found is None:
-            raise ValueError(f"source {table.name}: {table.shards[0]} is in no shard folder")
-        m, url, _ = found
-        folder = Path(store.local_path(url)).parent / m["tokenizers"]["folder"]
+        return Path(cfg.data.tokenizers)
+    tables = tables or TableCache()
+    tried = []
+    for src in [*cfg.data.sources, *cfg.data.validation]:
+        try:
+            table = tables.get([src])[0]
+        except (OSError, ValueError) as e:
+            tried.append(str(e))
+            continue
+        if table.kind == "raw" or store.kind(table.layout_url) != "local":
+            tried.append(f"source {src.name}: {'raw' if table.kind == 'raw' else 'remote'} shards")
+            continue
+        folder = Path(table.layout_url).parent
+        if folder.is_dir():
+            return folder
+        tried.append(f"{folder} (named by {table.manifest_url}, missing)")
+    raise ValueError(
+        "cannot find the token data's tokenizers/ folder (tried: "
+        f"{'; '.join(tried) or 'no data.sources'}); set data.tokenizers to it"
+    )
+
+
+def layout_of_data(cfg: RunConfig, tables: TableCache | None = None) -> tuple[VocabLayout, Path]:
+    """The vocabulary layout of the run's tokens and the folder it is in (``tokenizer_folder``)."""
+    folder = tokenizer_folder(cfg, tables)
     return VocabLayout.load(folder / LAYOUT_FILE), folder
 
 
