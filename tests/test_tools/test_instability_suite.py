@@ -115,3 +115,15 @@ def test_the_suite_trains_its_visual_tokenizer_from_the_checkout():
     from tools.monitor_eval import data
 
     assert data.REPO == instability.REPO and (data.REPO / "pyproject.toml").is_file()
+
+
+def test_the_suite_writes_a_source_as_tokenize_does(tiny_tokens, tmp_path):
+    """A token shard read back and written again by the suite's data builder: the shard and the
+    manifest entry that tokenize wrote, so the loader reads the suite's folders as a user's."""
+    from tools.monitor_eval import data
+
+    base = json.loads((tiny_tokens / "manifest.json").read_text())
+    first = next(entry for entry in base["shards"] if entry["source"] == "scenes")
+    docs = data.read_source(tiny_tokens, "scenes")[: first["samples"]]
+    data.write_folder(tmp_path, tiny_tokens, {"scenes": docs})
+    assert json.loads((tmp_path / "manifest.json").read_text())["shards"] == [first]

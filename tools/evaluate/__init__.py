@@ -156,6 +156,7 @@ def evaluate(args) -> dict:
     from data.unigram import Unigram
     from tools.evaluate.heldout import Heldout, heldout_losses, token_byte_lengths
     from tools.evaluate.pair_dependence import dependence_gaps, find_pair
+    from tools.generate_requests import Generator
     from train.release import Release
 
     started = time.perf_counter()
@@ -163,7 +164,6 @@ def evaluate(args) -> dict:
     if rel.task != "lm":
         raise ValueError(f"{rel.path}: a {rel.task} release; earlyfuse-eval takes a language model")
     device = torch.device(args.device)
-    text = rel.text_tokenizer()
     val = source_tables(args.data)
     out: dict = {"release": str(rel.path), "step": rel.step, "data": str(args.data)}
     packing, origin = packing_options(args, rel)
@@ -175,9 +175,8 @@ def evaluate(args) -> dict:
     needles = args.needle or args.long_context
     needle_shape = needle_options(args, packing["seq_len"]) if needles else None  # fail first
     progress = not args.no_progress
-    run = Heldout(
-        rel.build_model(device), val, device, **packing, max_docs=args.max_docs, progress=progress
-    )
+    gen = Generator(rel, device)  # the model and tokenizers, as earlyfuse-generate loads them
+    run = Heldout(gen.model, val, device, **packing, max_docs=args.max_docs, progress=progress)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.verbose else (lambda *a: 0)
     unigram = None
     if args.train_data:
@@ -188,7 +187,7 @@ def evaluate(args) -> dict:
         say("unigram baseline ...")
         unigram = Unigram.from_tables(train, rel.vocab_layout, progress=progress)
     say("held-out losses ...")
-    out["heldout"] = heldout_losses(run, token_byte_lengths(text), unigram)
+    out["heldout"] = heldout_losses(run, token_byte_lengths(gen.text), unigram)
     say("dependence ...")
     pairs: list = []
     per_group: Counter = Counter()  # pairs taken per (source, direction)
@@ -202,15 +201,7 @@ def evaluate(args) -> dict:
         from tools.evaluate.scenes import SceneJudge, evaluate_scenes, load_scenes
 
         say("scenes ...")
-        opts = rel.config.get("tokenize") or {}
-        judge = SceneJudge(
-            run.model,
-            rel.vocab_layout,
-            text,
-            rel.visual_tokenizer(device),
-            int(opts.get("image_max_pixels", 256 * 256)),
-            device,
-        )
+        judge = SceneJudge(gen.model, gen.layout, gen.text, gen.vtok, gen.image_max_pixels, device)
         out["scenes"] = evaluate_scenes(
             judge,
             load_scenes(args.scenes),
@@ -230,8 +221,8 @@ def evaluate(args) -> dict:
         say("needles ...")
         lengths, depths = needle_shape
         shape = {"lengths": lengths, "depths": depths, "trials": args.needle_trials}
-        out["passkey"] = passkey_table(run, text, digits=args.needle_digits, **shape)
-        out["frame_copy"] = frame_copy_table(run, text, **shape)
+        out["passkey"] = passkey_table(run, gen.text, digits=args.needle_digits, **shape)
+        out["frame_copy"] = frame_copy_table(run, gen.text, **shape)
     out["seconds"] = round(time.perf_counter() - started, 1)
     return out
 

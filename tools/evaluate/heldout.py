@@ -10,8 +10,6 @@ The long-context measures never hold a row's whole logits ([B, T, V] in float32:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -45,30 +43,14 @@ def token_ce(model, final: torch.Tensor, labels: torch.Tensor) -> np.ndarray:
     return out
 
 
-@dataclass
-class Heldout:
-    """What every held-out measure reads: the model on its device, the held-out tables, and the
-    rows they are packed into (the run's ``seq_len``, micro-batch and ``data.whole_documents``)."""
+class Heldout(HeldoutPass):
+    """What every held-out measure reads: the held-out pass, in the rows training validation packs
+    (the run's ``seq_len``, micro-batch and ``data.whole_documents``), and the model on its
+    device."""
 
-    model: Any
-    tables: list
-    device: torch.device
-    seq_len: int
-    batch_rows: int = 8
-    whole_documents: bool = False
-    max_docs: int = 0
-    progress: bool = False
-
-    def rows(self) -> HeldoutPass:
-        """The held-out pass in these rows (data/loader/heldout.py)."""
-        return HeldoutPass(
-            self.tables,
-            seq_len=self.seq_len,
-            batch_rows=self.batch_rows,
-            max_docs=self.max_docs,
-            whole_documents=self.whole_documents,
-            progress=self.progress,
-        )
+    def __init__(self, model, tables: list, device: torch.device, **packing) -> None:
+        super().__init__(tables, **packing)
+        self.model, self.device = model, device
 
 
 def token_byte_lengths(text_tokenizer) -> np.ndarray:
@@ -95,9 +77,8 @@ def heldout_losses(run: Heldout, byte_lengths: np.ndarray, unigram=None) -> dict
     n_mod = len(Modality)
     tables = run.tables
     acc = [{key: np.zeros(n_mod) for key in ("ce", "n", "uni", "bytes")} for _ in tables]
-    heldout = run.rows()
-    for part in heldout:
-        batch = heldout.tensors(part)
+    for part in run:
+        batch = run.tensors(part)
         res = run.model(**{key: batch[key].to(run.device) for key in MODEL_INPUTS})
         into = acc[part.source]
         into["ce"] += res.ce_sum.detach().double().cpu().numpy()
@@ -113,10 +94,10 @@ def heldout_losses(run: Heldout, byte_lengths: np.ndarray, unigram=None) -> dict
     return {
         "sources": {t.name: _figures(a, with_uni) for t, a in zip(tables, acc)},
         "total": _figures(total, with_uni),
-        "documents": {t.name: c.documents for t, c in zip(tables, heldout.counts)},
+        "documents": {t.name: c.documents for t, c in zip(tables, run.counts)},
         "sampled": bool(run.max_docs),
-        "dropped": {t.name: c.dropped_blocks for t, c in zip(tables, heldout.counts)},
-        "skipped": {t.name: c.skipped for t, c in zip(tables, heldout.counts) if c.skipped},
+        "dropped": {t.name: c.dropped_blocks for t, c in zip(tables, run.counts)},
+        "skipped": {t.name: c.skipped for t, c in zip(tables, run.counts) if c.skipped},
     }
 
 

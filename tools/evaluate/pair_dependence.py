@@ -34,10 +34,6 @@ class Pair:
     eos: np.ndarray  # ids, possibly empty
     grid: tuple[int, int]  # (h, w) of its image block
 
-    @property
-    def image(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.first if self.direction == CAPTION else self.second
-
 
 def find_pair(source: str, key: str, ids, modality, blocks) -> Pair | None:
     """The pair structure of a token document, or None when it is not one image block with

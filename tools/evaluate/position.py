@@ -104,9 +104,8 @@ def position_losses(run: Heldout, first_bucket: int = 64) -> dict:
     ``{"seq_len", "buckets": [[start, end], ...], "stretches": [per bucket], "modalities":
     {name: {"buckets": [{"ce", "tokens", "ce_first", "ce_all", "tokens_all"}, ...]}}}``."""
     acc = PositionAccumulator(bucket_edges(run.seq_len, first_bucket))
-    heldout = run.rows()
-    for part in heldout:
-        batch = heldout.tensors(part)
+    for part in run:
+        batch = run.tensors(part)
         ce = token_ce(run.model, final_hidden(run.model, batch, run.device), batch["labels"])
         # a blank row filling the pass's last batch scores nothing: every stretch is padding
         for row in range(batch["labels"].shape[0]):
@@ -114,6 +113,6 @@ def position_losses(run: Heldout, first_bucket: int = 64) -> dict:
                 ce[row], batch["labels"][row], batch["label_modality"][row], batch["doc_ids"][row]
             )
     out = {"seq_len": run.seq_len, "whole_documents": run.whole_documents, **acc.result()}
-    out["documents"] = sum(counts.documents for counts in heldout.counts)
+    out["documents"] = sum(counts.documents for counts in run.counts)
     out["sampled"] = bool(run.max_docs)
     return out

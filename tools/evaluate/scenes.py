@@ -28,11 +28,8 @@ ATTRIBUTES = ("colour", "shape", "position", "all")
 
 def load_scenes(paths: list[str | Path]) -> list[dict]:
     """Rows ``{"image": path or PNG bytes, "caption", "facts"}`` of held-out scenes, from scene
-    tables of the demo corpus (scenes.jsonl, or an interleaved drawing table whose rows carry
-    ``facts``) or from a raw shard folder (``earlyfuse-prep ingest`` output: every sample whose
-    metadata carries a scene's ``facts``). The shard folder is the honest choice: a scene that ingest kept
-    out of the held-out set (``--exclude-content-of``: the same picture is a training document)
-    is not scored either."""
+    tables of the demo corpus (scenes.jsonl, drawings.jsonl) or from a raw shard folder (every
+    sample whose metadata carries a scene's ``facts``: docs/evaluation.md says why)."""
     out = []
     for path in paths:
         path = Path(path)

@@ -6,12 +6,13 @@ from __future__ import annotations
 MODALITIES = ("text", "code", "image", "video", "structure")
 
 
-def _f(value, spec=".3f") -> str:
+def fmt_figure(value, spec=".3f") -> str:
+    """A figure of a table ('-': not measured); the instability suite's table uses it too."""
     return "-" if value is None else format(value, spec)
 
 
 def _share(score: dict | None, key: str) -> str:
-    return _f((score or {}).get(key), ".0%")
+    return fmt_figure((score or {}).get(key), ".0%")
 
 
 def rows_phrase(whole_documents) -> str:
@@ -72,7 +73,7 @@ def format_eval(ev: dict) -> str:
             fig = tot.get(modality)
             if fig:
                 figures = [fig["ce"], fig.get("unigram"), fig.get("margin"), fig.get("bpb")]
-                cells = [*map(_f, figures), f"{fig['tokens']:,}"]
+                cells = [*map(fmt_figure, figures), f"{fig['tokens']:,}"]
                 lines.append(_row(modality, cells, 10, widths))
         if held.get("sampled"):
             lines.append("  (a sample: the first documents of each source, --max-docs)")
@@ -87,7 +88,7 @@ def format_eval(ev: dict) -> str:
         )
         for key, row in dep.items():
             what = "caption text" if row["direction"] == "caption" else "image codes"
-            figures = [_f(row[name]) for name in ("ce_own", "ce_other", "gap")]
+            figures = [fmt_figure(row[name]) for name in ("ce_own", "ce_other", "gap")]
             lines.append(_row(key, [row["pairs"], *figures, f"  {what}"], 26, widths))
     scene_figs = ev.get("scenes") or {}
     if scene_figs.get("draw"):
@@ -137,8 +138,8 @@ def format_position(pos: dict) -> list[str]:
         if not fig:
             continue
         cells = fig["buckets"]
-        lines.append(_row(modality, [_f(c["ce"]) for c in cells], 16, width))
-        lines.append(_row("  first", [_f(c["ce_first"]) for c in cells], 16, width))
+        lines.append(_row(modality, [fmt_figure(c["ce"]) for c in cells], 16, width))
+        lines.append(_row("  first", [fmt_figure(c["ce_first"]) for c in cells], 16, width))
         lines.append(_row("  tokens", [f"{c['tokens']:,}" for c in cells], 16, width))
     if pos.get("sampled"):
         lines.append("  (a sample: the first documents of each source, --max-docs)")

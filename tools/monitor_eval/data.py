@@ -27,15 +27,16 @@ import json
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from data.loader.npy import read_npy
 from data.shards import token_index
+from data.shards.manifest import shard_entry
 from data.shards.reader import iter_shard
-from data.tokenize.blocks import visual_blocks
+from data.tokenize.blocks import shard_block_stats, visual_blocks
 from data.tokenize.docs import TokenDoc
 from data.tokenize.shard_job import TokenShardWriter
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
@@ -249,28 +250,23 @@ def prefix_then(
 
 
 def write_source(out: Path, name: str, docs: list[TokenDoc]) -> list[dict]:
-    """Token shards of one source (``DOCS_PER_SHARD`` documents each); the manifest entries."""
+    """Token shards of one source (``DOCS_PER_SHARD`` documents each); their manifest entries, as
+    tokenize makes them."""
     entries = []
     for shard_no, start in enumerate(range(0, len(docs), DOCS_PER_SHARD)):
         rel = f"{name}/shard-{shard_no:06d}"
         writer = TokenShardWriter(out / f"{rel}.tar", out / f"{rel}.idx.jsonl")
         for doc in docs[start : start + DOCS_PER_SHARD]:
             writer.write(replace(doc, source=name))
-        written = writer.close(out / f"{rel}{token_index.SUFFIX}")
-        binary = (out / f"{rel}{token_index.SUFFIX}").read_bytes()
+        written = asdict(writer.close(out / f"{rel}{token_index.SUFFIX}"))
+        record = {**written, "tar": f"{rel}.tar", "index_file": f"{rel}.idx.jsonl", "source": name}
         entries.append(
-            {
-                "path": f"{rel}.tar",
-                "index": f"{rel}.idx.jsonl",
-                "index_bin": f"{rel}{token_index.SUFFIX}",
-                "blocks": token_index.TokenIndex.from_buffer(binary).header["blocks"],
-                "source": name,
-                "samples": written.samples,
-                "bytes": written.bytes,
-                "sha256": written.sha256,
-                "index_sha256": written.index_sha256,
-                "tokens": writer.tokens,
-            }
+            shard_entry(
+                record,
+                index_bin=f"{rel}{token_index.SUFFIX}",
+                blocks=shard_block_stats(writer.doc_blocks),
+                tokens=dict(writer.tokens),
+            )
         )
     return entries
 
@@ -350,17 +346,16 @@ def visual_sources(tokens: Path) -> tuple[dict[str, list[TokenDoc]], list[TokenD
     return sources, val_images + val_colours + val_first
 
 
-def build(root: Path, plan: DataPlan | None = None, *, log=print) -> Path:
-    """The suite's token folder ``root/suite`` (built once, reused while ``plan`` is the same)."""
-    plan = plan or DataPlan()
-    root = Path(root)
+def build(root: Path) -> Path:
+    """The suite's token folder ``root/suite``, built once (again when ``DataPlan`` changes)."""
+    plan = DataPlan()
     stamp = root / "built.json"
     if stamp.is_file() and json.loads(stamp.read_text()) == plan.key():
         return root / "suite"
     if root.exists():
         shutil.rmtree(root)
     root.mkdir(parents=True)
-    log(f"building the suite's corpus in {root} (once)")
+    print(f"building the suite's corpus in {root} (once)")
     base = build_base(root / "base", scale=plan.scale, colours=plan.colours)
     layout = VocabLayout.load(base / "tokenizers" / "vocab_layout.json")
     rng = np.random.default_rng(0)

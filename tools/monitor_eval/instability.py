@@ -29,6 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from tools.evaluate.table import fmt_figure  # noqa: E402
 from tools.monitor_eval.cases import ACTING, CASES, LOG_ONLY, Case, mix_override  # noqa: E402
 from tools.monitor_eval.data import build  # noqa: E402
 from tools.report.lead import loss_above_control, loss_visible  # noqa: E402
@@ -163,10 +164,6 @@ def run_case(case: Case, root: Path, data: Path, controls: dict) -> dict:
     return rec
 
 
-def fmt_loss(x) -> str:
-    return "-" if x is None else f"{x:.3f}"
-
-
 def table(results: list[dict]) -> str:
     by_name = {result["case"]["name"]: result for result in results}
     rows = [
@@ -194,8 +191,8 @@ def table(results: list[dict]) -> str:
             others += f"; **{len(summary['before_onset'])} before onset**"
         control = by_name.get(case["control"], {}).get("monitored", {})
         twin = result.get("twin")
-        twin_s = fmt_loss(twin["val_loss"]) if twin else "= (no action changed the run)"
-        outcome = fmt_loss(mon["val_loss"])
+        twin_s = fmt_figure(twin["val_loss"]) if twin else "= (no action changed the run)"
+        outcome = fmt_figure(mon["val_loss"])
         if result["run"]["rc"] == 3:
             outcome = f"halted @{mon['steps_done']}"
         if mon["rollbacks"]:
@@ -205,7 +202,7 @@ def table(results: list[dict]) -> str:
             twin_s, lead = "", "-"
         rows.append(
             f"| {case['name']} | {case['what']} | {det} | {vis_s} | {lead} | {others or '-'} | "
-            f"{outcome} / {twin_s} / {fmt_loss(control.get('val_loss'))} |"
+            f"{outcome} / {twin_s} / {fmt_figure(control.get('val_loss'))} |"
         )
     return "\n".join(rows)
 

@@ -2,8 +2,8 @@
 
 The *loss rule* (docs/monitors.md, "Measured on real instabilities", says why these settings) is
 an objective stand-in for "a person looking at the loss curve would see it": the first step, from
-``burn_in`` on, at which the total loss or a content modality's loss, smoothed by a token-weighted
-EMA, stands ``rise`` above its own running minimum, or the first non-finite loss. A failure that
+``BURN_IN`` on, at which the total loss or a content modality's loss, smoothed by a token-weighted
+EMA, stands ``RISE`` above its own running minimum, or the first non-finite loss. A failure that
 shows as a stall never leaves its own minimum: ``loss_above_control`` compares with a healthy run
 on the same data instead. An alarm's **lead time** is the visible step minus the alarm's step.
 The rule reads a run's *first* pass (until a rollback relogs steps), the trajectory on which the
@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 CONTENT = ("text", "code", "image", "video")
+RISE, ALPHA, BURN_IN = 0.15, 0.05, 20  # the loss rule's settings (above)
 
 
 @dataclass(frozen=True)
@@ -38,9 +39,7 @@ def first_pass(records: list[dict]) -> list[dict]:
     return out
 
 
-def loss_visible(
-    records: list[dict], *, rise: float = 0.15, alpha: float = 0.05, burn_in: int = 20
-) -> Visible | None:
+def loss_visible(records: list[dict]) -> Visible | None:
     """The first step at which the loss rule holds on ``records`` (one trajectory, in step order);
     None when the loss never shows a failure."""
     sums: dict[str, list[float]] = {}  # series -> [EMA of CE x tokens, EMA of tokens]
@@ -50,22 +49,22 @@ def loss_visible(
         loss = record.get("train/loss")
         if isinstance(loss, (int, float)) and not math.isfinite(loss):
             return Visible(step, "non-finite", math.nan, math.nan)
-        for name, level in _update(sums, _observed(record), alpha).items():
-            if step < burn_in:
+        for name, level in _update(sums, _observed(record)).items():
+            if step < BURN_IN:
                 continue
             low = lows.get(name)
-            if low is not None and level > (1 + rise) * low:
+            if low is not None and level > (1 + RISE) * low:
                 return Visible(step, name, level, low)
             lows[name] = level if low is None else min(low, level)
     return None
 
 
-def _smoothed(records: list[dict], alpha: float) -> dict[int, dict[str, float]]:
+def _smoothed(records: list[dict]) -> dict[int, dict[str, float]]:
     """step -> {series: token-weighted EMA of its loss} (series: total and content modalities)."""
     sums: dict[str, list[float]] = {}
     out: dict[int, dict[str, float]] = {}
     for record in records:
-        _update(sums, _observed(record), alpha)
+        _update(sums, _observed(record))
         out[record["step"]] = {name: acc[0] / acc[1] for name, acc in sums.items()}
     return out
 
@@ -86,36 +85,29 @@ def _observed(record: dict) -> dict[str, tuple[float, float]]:
 
 
 def _update(
-    sums: dict[str, list[float]], observed: dict[str, tuple[float, float]], alpha: float
+    sums: dict[str, list[float]], observed: dict[str, tuple[float, float]]
 ) -> dict[str, float]:
     """Fold one record's observations into the token-weighted EMAs; the updated levels."""
     levels = {}
     for name, (mean_ce, tokens) in observed.items():
         acc = sums.setdefault(name, [mean_ce * tokens, tokens])
-        acc[0] = (1 - alpha) * acc[0] + alpha * mean_ce * tokens
-        acc[1] = (1 - alpha) * acc[1] + alpha * tokens
+        acc[0] = (1 - ALPHA) * acc[0] + ALPHA * mean_ce * tokens
+        acc[1] = (1 - ALPHA) * acc[1] + ALPHA * tokens
         levels[name] = acc[0] / acc[1]
     return levels
 
 
-def loss_above_control(
-    records: list[dict],
-    control: list[dict],
-    *,
-    rise: float = 0.15,
-    alpha: float = 0.05,
-    burn_in: int = 20,
-) -> Visible | None:
-    """The first step at which the total or a content modality's smoothed loss stands ``rise``
+def loss_above_control(records: list[dict], control: list[dict]) -> Visible | None:
+    """The first step at which the total or a content modality's smoothed loss stands ``RISE``
     above the same series of a healthy run on the same data at the same step (a failure that
     shows as a stall rather than a rise never leaves its own minimum); None if never."""
-    ref = _smoothed(control, alpha)
-    for step, levels in _smoothed(records, alpha).items():
-        if step < burn_in or step not in ref:
+    ref = _smoothed(control)
+    for step, levels in _smoothed(records).items():
+        if step < BURN_IN or step not in ref:
             continue
         for name, level in levels.items():
             base = ref[step].get(name)
-            if base and level > (1 + rise) * base:
+            if base and level > (1 + RISE) * base:
                 return Visible(step, name, level, base)
     return None
 

@@ -44,11 +44,9 @@ def color_of(name: str, i: int = 0) -> str:
 
 
 def ema(values: np.ndarray, factor: float) -> np.ndarray:
-    """Debiased exponential moving average; non-finite values are skipped (they keep the last
-    smoothed value), so a NaN step does not erase the curve after it."""
+    """Debiased exponential moving average, ``factor`` in (0, 1); non-finite values are skipped
+    (they keep the last smoothed value), so a NaN step does not erase the curve after it."""
     out = np.full(values.shape, np.nan)
-    if factor <= 0:
-        return values.astype(float).copy()
     acc = weight = 0.0
     for i, value in enumerate(values.tolist()):
         if math.isfinite(value):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 from data.vocab import MODALITY_NAMES
 from tools.evaluate import EVAL_FILE
@@ -143,13 +144,6 @@ def build_series(records: dict[int, dict]) -> dict[str, Series]:
     }
 
 
-def run_config(run_dir: Path) -> dict:
-    """The run's resolved config.yaml, or {} when it is missing or unreadable."""
-    import yaml
-
-    return _read_dict(run_dir / CONFIG_FILE, yaml.safe_load)
-
-
 def _read_dict(path: Path, parse) -> dict:
     """The object of a file, or {} when it is missing, unreadable or not an object: a file we
     cannot read costs only what the report shows of it."""
@@ -187,7 +181,7 @@ def load_run(run_dir: str | Path) -> RunData:
     for rec in raw:
         dup += rec["step"] in records
         records[rec["step"]] = rec
-    cfg = run_config(run_dir)
+    cfg = _read_dict(run_dir / CONFIG_FILE, yaml.safe_load)  # the resolved config
     train_cfg = cfg.get("train")
     total = train_cfg.get("steps") if isinstance(train_cfg, dict) else None
     alarms_file = run_dir / ALARMS_FILE
