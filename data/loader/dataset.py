@@ -125,7 +125,6 @@ class PackedLoader:
         world_size: int,
         micro_batch: int,
         pad_id: int,
-        pin_memory: bool | None = None,
     ) -> None:
         if cfg.mode not in ("infinite", "epoch"):
             raise ValueError(f"data.mode {cfg.mode!r}: choose infinite or epoch")
@@ -134,9 +133,7 @@ class PackedLoader:
         self.micro_batch, self.pad_id = micro_batch, pad_id
         self.workers = max(1, cfg.num_workers)
         self.weights = [s.weight for s in cfg.sources] if cfg.sources else [1.0] * len(tables)
-        self.pin = (
-            (torch.cuda.is_available() and cfg.pin_memory) if pin_memory is None else pin_memory
-        )
+        self.pin = torch.cuda.is_available() and cfg.pin_memory
         self._worker_states: dict = {}  # worker -> state dict or snapshot (worker_states)
         self._names: dict[tuple[int, int], str] = {}  # (source, sample) -> "SHARD KEY"
         self.rotation = 0

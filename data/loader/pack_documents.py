@@ -79,7 +79,7 @@ def pack_documents(
 def blank_batch(batch_rows: int, seq_len: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
     """A batch of blank rows (padding, every label ignored): what a rank with fewer batches than
     another evaluates, so that every rank calls the model as often."""
-    buffer = BatchBuffer(batch_rows, seq_len, pad_id)
+    buffer = BatchBuffer(batch_rows, seq_len)
     size = batch_rows * seq_len
     ids, mod = buffer.fields["ids"].reshape(size), np.empty(size, np.uint8)
     no_rows = np.zeros((0, 6), np.int64), np.zeros((0, 5), np.int64)
@@ -132,12 +132,12 @@ class _InOrder(Packing):
         self.read = 0  # documents taken from the caller so far
 
     def next_batch(self) -> dict[str, torch.Tensor] | None:
-        buffer = BatchBuffer(self.B, self.L, self.pad_id)
+        buffer = BatchBuffer(self.B, self.L)
         size = self.B * self.L
         ids, mod = buffer.fields["ids"].reshape(size), np.empty(size, np.uint8)
         real = np.zeros(self.B, np.int64)  # a row not packed stays 0: blank
         code = self.run(ids, mod, real, self._take)
-        vars(self.stats_out).update(self.stats().as_dict())
+        vars(self.stats_out).update(vars(self.stats()))
         state = self.state
         # PACKED: all rows; END: the rows packed before the documents ran out (none: no batch)
         rows_done = self.B if code == kernel.PACKED else int(state[kernel.ST_ROWS_DONE])

@@ -49,15 +49,6 @@ class Doc:
         if self.limit < 0:
             self.limit = self.length
 
-    def position(self) -> int:
-        """Doc tokens already placed or dropped: where the next piece starts."""
-        if self.unit < len(self.units):
-            return int(self.units[self.unit, 0]) + self.offset
-        return self.length
-
-    def cursor(self) -> list[int]:
-        return [self.source, self.sample, self.epoch, self.unit, self.offset, self.limit]
-
 
 @dataclass
 class PackStats:
@@ -65,6 +56,3 @@ class PackStats:
     real_tokens: int = 0
     dropped_blocks: int = 0
     dropped_docs: int = 0
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)

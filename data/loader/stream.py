@@ -69,8 +69,8 @@ class ConsumerStream:
         self.tables, self.cfg, self.dry = tables, cfg, dry
         total = float(sum(weights))
         self.shares = [w / total for w in weights]
-        # (source, share) of the sources that get a share, in order: what the mix picks from
-        self.mixed_sources = [(s, share) for s, share in enumerate(self.shares) if share > 0]
+        # The sources that get a share, in order: what the mix picks from
+        self.mixed_sources = [s for s, share in enumerate(self.shares) if share > 0]
         self.consumer, self.consumers, self.micro_batch = consumer, consumers, micro_batch
         if cfg.oversize not in ("drop_block", "drop_document"):
             raise ValueError(f"oversize {cfg.oversize!r}: choose drop_block or drop_document")
@@ -142,15 +142,22 @@ class ConsumerStream:
             self.slices[key] = consumer_slice(order, self.consumer, self.consumers)
         return self.slices[key]
 
+    def slice_at_cursor(self, s: int) -> np.ndarray | ConsumerSlice | None:
+        """The slice source ``s``'s cursor reads from next, moved on to the next epoch at the end
+        of one; None when there is nothing to read (``next_epoch``)."""
+        c = self.cursors[s]
+        sl = self.slice_of(s, c.epoch)
+        if c.pos < len(sl):
+            return sl
+        return self.slice_of(s, c.epoch) if self.next_epoch(s) else None
+
     def read_next(self, s: int) -> Doc | None:
         """The next document of source ``s`` in this consumer's slice; None when it could not be
         read (skipped and counted) or the source is done (epoch mode)."""
+        sl = self.slice_at_cursor(s)
+        if sl is None:
+            return None
         c = self.cursors[s]
-        sl = self.slice_of(s, c.epoch)
-        if c.pos >= len(sl):
-            if not self.next_epoch(s):
-                return None
-            sl = self.slice_of(s, c.epoch)
         sample = int(sl[c.pos])
         c.pos += 1
         return self.load(s, sample, c.epoch)
@@ -353,7 +360,7 @@ class ConsumerStream:
                 ids, mod = np.empty(n, np.int32), np.empty(n, np.uint8)
         else:  # in-process: the ids straight into the batch's field, the modalities as uint8
             # (what the compiled loop writes everywhere; expand widens them into their field)
-            buffer = BatchBuffer(B, L, self.pad_id, pin=self.pin)
+            buffer = BatchBuffer(B, L, pin=self.pin)
             ids, mod = buffer.fields["ids"].reshape(n), np.empty(n, np.uint8)
         packed = None
         try:
@@ -379,7 +386,7 @@ class ConsumerStream:
 
     # --- state (its format, and restoring it, in stream_state.py) -------------------------------
     def state_dict(self) -> dict:
-        return self._fast.state_dict()
+        return self.state().to_dict()
 
     def state(self):
         """``state_dict`` as the compiled loop's arrays' snapshot (stream_state.StreamState:

@@ -78,7 +78,7 @@ class StreamArrays(Packing):
                 stream.pad_id,
             ),
             shares=stream.shares,
-            mixed=[source for source, _ in stream.mixed_sources],
+            mixed=stream.mixed_sources,
             open_cap=max(cap, most_open + cap),
             held_cap=max(2 * cap, len(pending) + cap),
             queue_cap=1024,
@@ -154,10 +154,6 @@ class StreamArrays(Packing):
         return self.src[:, [kernel.S_DROP_IMAGE, kernel.S_DROP_VIDEO]]
 
     # --- state ---------------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """The stream's state (stream_state.py's format), read from the arrays."""
-        return self.snapshot().to_dict()
-
     def snapshot(self) -> StreamState:
         """The state after the last batch, as copies of the few array rows it needs (a few
         microseconds; made into ``state_dict``'s lists only when asked for)."""
@@ -188,15 +184,11 @@ class StreamArrays(Packing):
         epoch's rest went to other consumers: ``read_next`` then says which)."""
         stream = self.stream
         table, cur = stream.tables[source], stream.cursors[source]
-        order_slice = stream.slices.get((source, cur.epoch))
+        # At an epoch's end: on to the next one here, as ``read_next`` would (else the next
+        # epoch's first document would be read on its own, through ``read_next``)
+        order_slice = stream.slice_at_cursor(source)
         if order_slice is None:
-            order_slice = stream.slice_of(source, cur.epoch)
-        if cur.pos >= len(order_slice):
-            # The epoch's end: on to the next one here, as ``read_next`` would (else the next
-            # epoch's first document would be read on its own, through ``read_next``)
-            if not stream.next_epoch(source):
-                return None  # done, or nothing here: ``read_next`` says which
-            order_slice = stream.slice_of(source, cur.epoch)
+            return None  # done, or nothing here: ``read_next`` says which
         n_run = min(len(order_slice) - cur.pos, most)
         if n_run <= 0:
             return None

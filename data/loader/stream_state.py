@@ -20,7 +20,7 @@ split by redistribute.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -201,7 +201,7 @@ class StreamState:
             "batches": self.batches,
             "errors": self.errors,
             "skipped": self.skipped,
-            "stats": PackStats(*self.stats.tolist()).as_dict(),
+            "stats": asdict(PackStats(*self.stats.tolist())),
             "tokens_by_modality": self.by_modality.tolist(),
             "skip": [
                 [source, epoch, mask]
