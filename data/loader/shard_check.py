@@ -18,12 +18,10 @@ from numba import njit
 
 from data.loader.npy import npy_layouts
 from data.loader.packer import units_of
-from data.loader.sample_check import _text_below
+from data.loader.sample_check import _text_below, first_bad_token
 from data.shards import token_index
-from data.vocab import Modality
 
 _IDS, _MOD = np.dtype("<i4"), np.dtype("u1")  # what tokenize writes (ids, modalities)
-_CODE = int(Modality.CODE)
 
 
 class CheckedShard:
@@ -125,30 +123,12 @@ def check_shard(
 @njit(cache=True, nogil=True)  # nogil: a check running ahead in a thread (stream.py)
 def first_bad_document(shard_bytes, ids_at, mod_at, lengths, ranges, text_below):
     """The first document (int32 ids at ``ids_at``, uint8 modalities at ``mod_at`` of the
-    shard's bytes) holding a modality past ``ranges`` or an id outside its modality's range
-    [lo, hi); -1 when there is none. A document of text and code only, with every id below
-    ``text_below`` (when text and code share the ids [0, text_below); else -1), is checked by
-    two maxima, which LLVM vectorises; any other document token by token."""
-    n_modalities = ranges.shape[0]
+    shard's bytes) that runs past the shard or holds a bad token (``first_bad_token``, inlined);
+    -1 when there is none."""
     for doc in range(lengths.shape[0]):
         length = lengths[doc]
         ids = shard_bytes[ids_at[doc] : ids_at[doc] + 4 * length].view(np.int32)
         mod = shard_bytes[mod_at[doc] : mod_at[doc] + length]
-        if ids.shape[0] != length or mod.shape[0] != length:
+        if ids.shape[0] != length or first_bad_token(ids, mod, ranges, text_below) >= 0:
             return doc
-        if text_below > 0:
-            top_mod = np.uint8(0)
-            top_id = np.uint32(0)
-            for tok in range(length):
-                top_mod = max(top_mod, mod[tok])
-                top_id = max(top_id, np.uint32(ids[tok]))  # a negative id: past every range
-            if top_mod <= _CODE and top_id < text_below:
-                continue
-        for tok in range(length):
-            modality = mod[tok]
-            if modality >= n_modalities:
-                return doc
-            token = ids[tok]
-            if token < ranges[modality, 0] or token >= ranges[modality, 1]:
-                return doc
     return -1
