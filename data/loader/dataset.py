@@ -1,17 +1,10 @@
 """The loader a trainer holds: one rank's consumers behind a torch ``DataLoader``.
 
-Design choices:
-- Consumers are (rank, worker) pairs: consumer = rank x workers + worker, each worker process
-  running one ``ConsumerStream``. The DataLoader takes their batches round-robin, which is
-  deterministic, so the rank's batch sequence is too.
-- Exact resume with prefetching workers: every batch carries its worker's state after it; the
-  main process keeps the state of the last batch it handed out per worker, and how many it
-  handed out. Restoring starts each worker from its state and rotates the workers so that the
-  one whose turn was next comes first. Nothing is replayed.
-- The state refuses other data or tokenizers (fingerprint), another world size, worker count,
-  seq_len or batch size; ``redistribute.redistribute`` maps it onto another split (docs/loader.md).
-- Epoch mode: the state carries the batch count every consumer yields (after a redistribute,
-  the new split's count from where the old one stopped).
+Consumers are (rank, worker) pairs: consumer = rank x workers + worker, each worker process
+running one ``ConsumerStream``. The DataLoader takes their batches round-robin, which is
+deterministic, so the rank's batch sequence is too. How its state resumes exactly although
+workers prefetch, what it refuses, and epoch mode's batch count: docs/loader.md, "Exact resume",
+"Guards" and "Modes".
 """
 
 from __future__ import annotations

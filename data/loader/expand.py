@@ -1,23 +1,14 @@
 """A packed batch in its compact layout, and the one compiled pass that turns it into the
-per-token fields the trainer takes.
+per-token fields the trainer takes, where the batch is handed out (docs/loader.md, "One read per
+document; a compact batch, expanded where it is handed out"): the packer writes 5 bytes a token
+(int32 id, uint8 modality) and two small tables, and a DataLoader worker hands over that instead
+of ten fields a token (44 bytes: int64 labels, the rest int32; batch_buffer.BATCH_DTYPES).
 
-Design choices:
-- What the packer decides is small: per token only the id and the modality; per stretch of one
-  document in a row (a *segment*) where it lies, which piece it belongs to, how far into the
-  piece it starts and what its last token predicts; per visual block where it lies, its grid
-  (t, h, w) and where its piece ends. Everything else the model takes (labels, label
-  modalities, document ids, 1-D and M-RoPE positions, image ids) follows from those by a few
-  vector operations, so the packer writes 5 bytes a token (int32 id, uint8 modality) and a
-  table, and a DataLoader worker hands over that instead of ten fields a token (44 bytes:
-  int64 labels, the rest int32; batch_buffer.BATCH_DTYPES).
-- ``expand`` runs where the batch is handed out: in the trainer's process after the worker
-  queue (reading straight from the worker's slot of shared memory, data/loader/transport.py),
-  and in-process right after packing.
-- Compiled with numba (one pass per field group, each token's values computed where it is
-  written), not torch: on this path each torch call costs several microseconds of dispatch,
-  and torch splits large copies over its intra-op threads, which on a loaded machine waited ms
-  for a copy that takes 0.1 ms (data/loader/transport.py). The outputs are torch tensors all
-  the same: ``fields`` are numpy views of the batch's one torch buffer (batch_buffer.BatchBuffer).
+Compiled with numba (one pass per field group, each token's values computed where it is
+written), not torch: on this path each torch call costs several microseconds of dispatch, and
+torch splits large copies over its intra-op threads, which on a loaded machine waited ms for a
+copy that takes 0.1 ms (data/loader/transport.py). The outputs are torch tensors all the same:
+``fields`` are numpy views of the batch's one torch buffer (batch_buffer.BatchBuffer).
 """
 
 from __future__ import annotations

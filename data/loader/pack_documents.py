@@ -6,21 +6,12 @@ from data.loader import pack_documents
 batch = next(pack_documents([doc], len(doc.ids)))   # one document alone in a row of its length
 for batch in pack_documents(docs, 2048, batch_rows=8): ...
 
-Design choices:
-- The kernel the training batches go through, with one source and nothing to mix: every
-  document is handed out whole (a chunk larger than any document), in order, so the packing
-  rules are the loader's by construction (text split across rows, a visual block never,
-  documents held aside while a block waits, a block longer than a row dropped and counted,
-  ``whole_documents``), and so are labels, positions and document ids (``expand``).
-- Documents are read lazily, one when the kernel asks for the next (it returns ``NEED``), so
-  a caller counting what it hands over counts what was packed.
-- A document is anything with ``ids``, ``modality`` and ``blocks`` (``[start, end, t, h, w]``
-  each), as data/token_docs.py reads them from token shards.
-- Batches come as the loader hands them out (its field names and dtypes, data/loader/
-  batch_buffer.py) plus ``num_real_tokens``; the last batch is filled up with blank rows (every
-  label ignored), so no document is held back whatever ``batch_rows`` is.
-- The arrays drop the documents no longer held aside between batches (``Packing``), so a pass
-  over a whole validation set holds a few batches' documents at a time.
+What it takes and gives (one source, nothing to mix, every document handed out whole, so the
+packing rules are the loader's by construction; the last batch filled up with blank rows):
+docs/loader.md, "pack_documents(docs, seq_len)". Documents are read lazily, one when the
+kernel asks for the next (it returns ``NEED``), so a caller counting what it hands over counts
+what was packed; the arrays drop the documents no longer held aside between batches
+(``Packing``), so a pass over a whole validation set holds a few batches' documents at a time.
 """
 
 from __future__ import annotations

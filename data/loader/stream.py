@@ -1,22 +1,9 @@
-"""One consumer's stream (a rank's worker): mix sources by tokens, read documents, pack rows,
-group them into batches, and say exactly where it is.
-
-Design choices:
-- Mixing by tokens, deterministically, a chunk at a time, decided with the packing in the
-  compiled loop (pack_kernel.py) this stream feeds with documents: the next chunk (at most
-  ``mix_chunk`` tokens, never cutting a visual block) comes from the source furthest below its
-  share. A long document is handed out a chunk at a time (as OLMo and Megatron cut documents
-  into row-sized instances), so each step carries the mix. No RNG, shares exact to within one
-  chunk, and the state stays a few counters plus the documents handed out in part.
-- The state is cursors, counters and the held-aside documents' positions: kilobytes. Restoring
-  computes the window of each source's epoch order under its cursor and seeks through the
-  index; nothing is replayed (stream_state.py).
-- Bad data never stops a run: an unreadable sample is skipped, counted and logged with its
-  shard and key; ``max_consecutive_errors`` in a row stops with an error naming the last one.
-  A read slower than ``stall_seconds`` is reported by a watchdog thread while it hangs.
-- Epoch mode: every consumer packs the same number of batches (the fewest any consumer can
-  fill, counted from the index alone); the samples beyond are held back, counted, never
-  repeated.
+"""One consumer's stream (a rank's worker): read documents in its slice of each source's epoch
+order, feed them to the compiled loop that mixes and packs them (pack_kernel.py, through
+stream_arrays.py), group rows into batches, and say exactly where it is (stream_state.py).
+What it guarantees (mixing by tokens, exact resume from kilobytes without replaying, bad data
+skipped, counted and logged, a stalled read reported, epoch mode's equal batch counts):
+docs/loader.md, "Choices".
 """
 
 from __future__ import annotations

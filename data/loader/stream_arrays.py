@@ -1,26 +1,16 @@
 """A consumer stream's batches through the compiled loop (data/loader/pack_kernel.py): the
-arrays it works on, how documents reach them, and the stream's state read back from them.
+arrays it works on, how documents reach them (docs/loader.md, "Documents read ahead"), and the
+stream's state read back from them (its one form: docs/loader.md, "Exact resume").
 
 Design choices:
-- Documents are read by the stream's own ``read_next`` (order, epochs, the whole-shard and
-  per-document checks, skips and their log lines: all unchanged), a few batches' worth of one
-  source at a time, when the kernel says that source's queue ran dry; runs of documents of
-  shards that passed the whole-shard check are added at once, without a Python object each
-  (stage_kernel.py). Counting an epoch (a dry stream) adds its token sources' documents the
-  same way, from their shards' indexes alone (shard_check.IndexedShard): lengths and blocks
-  are all the packing decisions read, so the count costs the compiled loop's time, not a
-  Python call per document.
-- Their tokens are appended to one pair of staging arrays shared by every source
-  (``Packing.stage``), so the kernel reads every document from one place whatever its shard.
+- Documents of shards that passed the whole-shard check come in runs without a Python object
+  each (stage_kernel.py); so does a dry stream's count of an epoch, from the shards' indexes
+  alone (shard_check.IndexedShard): lengths and blocks are all the packing decisions read.
 - Skips are counted per source as documents are read ahead, and each document's row records the
   count so far: a state counts a skip once the kernel takes a document after it.
 - Reading ahead moves the stream's cursors (``stream.cursors``) past what has been packed; the
   cursor a saved state holds is the one recorded with the last document the kernel took from
   each queue, and its skips those read before that document (or before the source's end).
-- The arrays are the stream's packing state, its only one: a stream makes them when it is
-  made, and restoring a state makes them again from the documents and counters the saved
-  state names (stream_state.load_state). The state after each batch is a snapshot of a few
-  array rows (stream_state.StreamState), made into the saved dict when a checkpoint asks.
 """
 
 from __future__ import annotations

@@ -3,11 +3,10 @@ finds it done (worker_start.py): import torch's DataLoader worker loop and the l
 the loader's compiled kernels. Imported only there (multiprocessing's preload list names it):
 importing it anywhere else warms that process instead.
 
-Warming calls each kernel a worker runs with the argument types a stream gives it, on a few
-empty or tiny arrays: numba then sets up its registries (its first dispatch in a process) and
-loads each kernel's machine code from its disk cache here, once. It is best effort: a kernel
-whose types drifted from these is loaded by the worker at its first call instead, and a failure
-never stops the server (an exception other than ImportError in a preloaded module would).
+Warming calls each kernel a worker runs once, on tiny arrays of a stream's argument types
+(docs/loader.md, "Worker processes"). It is best effort: a kernel whose types drifted from these
+is loaded by the worker at its first call instead, and a failure never stops the server (an
+exception other than ImportError in a preloaded module would).
 """
 
 from __future__ import annotations
