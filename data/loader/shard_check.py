@@ -25,9 +25,8 @@ _IDS, _MOD = np.dtype("<i4"), np.dtype("u1")  # what tokenize writes (ids, modal
 
 
 class CheckedShard:
-    """A shard that passed the whole-shard check: its documents, read without further checks."""
-
-    ids_dtype, mod_dtype = _IDS, _MOD  # the only kind that passes
+    """A shard that passed the whole-shard check: its documents, read without further checks; or
+    (``of_index``) a shard as its index describes it, for counting an epoch's batches."""
 
     def __init__(
         self,
@@ -37,49 +36,25 @@ class CheckedShard:
         mod_at: np.ndarray,
     ) -> None:
         self.mapped, self.index = mapped, index
-        # where each document's ids and modalities start in the map (int64: compact)
-        self.ids_at = np.asarray(ids_at, np.int64)
-        self.mod_at = np.asarray(mod_at, np.int64)
-        self.lengths = index.records["tokens"]
-        self.block_start = index.records["block_start"]
-        self.block_count = index.records["block_count"]
-        # The same per document as one table, and the map as bytes: what the compiled loop's
-        # intake reads (stage_kernel.py)
-        self.table = document_table(index, self.ids_at, self.mod_at)
+        # Per document: length, first block, blocks, where its ids and modalities start in the
+        # map; and the map as bytes: what the compiled loop's intake reads (stage_kernel.py)
+        counts = [index.records[name] for name in ("tokens", "block_start", "block_count")]
+        self.table = np.stack([*counts, ids_at, mod_at], 1).astype(np.int64)
         self.bytes = np.frombuffer(mapped, np.uint8)
+
+    @classmethod
+    def of_index(cls, index: token_index.TokenIndex) -> CheckedShard:
+        """The shard's documents as its index describes them, lengths and blocks without tokens:
+        all the packing decisions read (no tar is opened or checked)."""
+        no_tokens = np.zeros(len(index), np.int64)
+        return cls(memoryview(b""), index, no_tokens, no_tokens)
 
     def document(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(ids, modalities, packing units) of document ``i``: views of the shard's map."""
-        # .item(): a Python int straight away (int(array[i]) makes a numpy scalar first)
-        length = self.lengths.item(i)
-        ids = np.frombuffer(self.mapped, self.ids_dtype, length, self.ids_at.item(i))
-        mod = np.frombuffer(self.mapped, self.mod_dtype, length, self.mod_at.item(i))
-        count = self.block_count.item(i)
-        if not count:
-            return ids, mod, units_of(length, [])
-        start = self.block_start.item(i)
+        length, start, count, ids_at, mod_at = self.table[i].tolist()
+        ids = np.frombuffer(self.mapped, _IDS, length, ids_at)
+        mod = np.frombuffer(self.mapped, _MOD, length, mod_at)
         return ids, mod, units_of(length, self.index.blocks[start : start + count].tolist())
-
-
-class IndexedShard:
-    """A shard's documents as its index describes them (lengths and blocks), the same table as a
-    ``CheckedShard``'s without where the tokens lie: what counting an epoch's batches reads (the
-    packing decisions need nothing else; no tar is opened or checked)."""
-
-    ids_dtype, mod_dtype = _IDS, _MOD
-    bytes = np.zeros(0, np.uint8)  # no tokens: a dry stream stages none
-
-    def __init__(self, index: token_index.TokenIndex) -> None:
-        self.index = index
-        no_tokens = np.zeros(len(index), np.int64)
-        self.table = document_table(index, no_tokens, no_tokens)
-
-
-def document_table(index: token_index.TokenIndex, ids_at, mod_at) -> np.ndarray:
-    """int64 [documents, 5]: length, first block, blocks, where the ids and modalities start."""
-    records = index.records
-    columns = [records["tokens"], records["block_start"], records["block_count"], ids_at, mod_at]
-    return np.stack(columns, 1).astype(np.int64)
 
 
 def check_shard(

@@ -26,7 +26,7 @@ from data.loader.order import ConsumerSlice, EpochOrder, consumer_slice, unpack_
 from data.loader.packed_batch import PackedBatch
 from data.loader.packer import Doc, units_of
 from data.loader.sample_check import check_ids, read_members
-from data.loader.shard_check import CheckedShard, IndexedShard, check_shard
+from data.loader.shard_check import CheckedShard, check_shard
 from data.loader.store import ShardFiles, ShardView
 from data.loader.stream_arrays import StreamArrays
 from data.loader.stream_state import SourceCursor, load_state
@@ -87,7 +87,7 @@ class ConsumerStream:
         # (source, shard) -> the shard when it passed the whole-shard check, None when it did not
         # (data/loader/shard_check.py); the dict's order is the LRU order, the least recently
         # used dropped past _KEEP_SHARDS.
-        self._checked: dict[tuple[int, int], CheckedShard | IndexedShard | None] = {}
+        self._checked: dict[tuple[int, int], CheckedShard | None] = {}
         self._check_whole = consumers <= cfg.whole_shard_check_max_consumers
         # (source, shard) -> its whole-shard check running ahead in a thread (_check_ahead)
         self._ahead: dict[tuple[int, int], Future] = {}
@@ -189,7 +189,7 @@ class ConsumerStream:
             raise ValueError(why)
         return doc.ids.astype(np.int64), doc.modality.astype(np.int64), visual_blocks(doc.spans)
 
-    def checked_shard(self, s: int, t: SampleTable, si: int) -> CheckedShard | IndexedShard | None:
+    def checked_shard(self, s: int, t: SampleTable, si: int) -> CheckedShard | None:
         """Shard ``si`` when it passes the whole-shard check (checked on first use); a dry
         stream's shards as their index describes them (nothing to check: no token is read)."""
         key = (s, si)
@@ -197,7 +197,7 @@ class ConsumerStream:
             self._checked[key] = self._checked.pop(key)  # re-inserted last: most recently used
             return self._checked[key]
         if self.dry:
-            self._remember(key, IndexedShard(t.index(si)))  # type: ignore[attr-defined]
+            self._remember(key, CheckedShard.of_index(t.index(si)))  # type: ignore[attr-defined]
             return self._checked[key]
         url = t.shards[si]
         self.watchdog.current = (f"checking shard {url}", time.monotonic())
@@ -271,7 +271,7 @@ class ConsumerStream:
             return  # found again, and named, when the shard is read
         self._ahead[(s, after)] = self._pool.submit(self._check, args, t, after)
 
-    def _remember(self, key: tuple[int, int], shard: CheckedShard | IndexedShard | None) -> None:
+    def _remember(self, key: tuple[int, int], shard: CheckedShard | None) -> None:
         if len(self._checked) >= self._keep_shards:  # the least recently used goes
             del self._checked[next(iter(self._checked))]
         self._checked[key] = shard

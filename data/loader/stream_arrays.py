@@ -4,8 +4,9 @@ stream's state read back from them (its one form: docs/loader.md, "Exact resume"
 
 Design choices:
 - Documents of shards that passed the whole-shard check come in runs without a Python object
-  each (stage_kernel.py); so does a dry stream's count of an epoch, from the shards' indexes
-  alone (shard_check.IndexedShard): lengths and blocks are all the packing decisions read.
+  each (stage_kernel.py); so do a dry stream's, which counts an epoch from the shards' indexes
+  alone (shard_check.CheckedShard.of_index): lengths and blocks are all the packing decisions
+  read.
 - Skips are counted per source as documents are read ahead, and each document's row records the
   count so far: a state counts a skip once the kernel takes a document after it.
 - Reading ahead moves the stream's cursors (``stream.cursors``) past what has been packed; the
@@ -24,7 +25,7 @@ from data.loader.expand import CompactBatch
 from data.loader.order import ConsumerSlice
 from data.loader.pack_kernel import Packing
 from data.loader.packer import Doc, PackStats
-from data.loader.shard_check import CheckedShard, IndexedShard
+from data.loader.shard_check import CheckedShard
 from data.loader.stage_kernel import fill_units
 from data.loader.stream_state import CURSOR_COLS, SRC_COLS, StreamState, skipped_samples
 from data.vocab import MODALITY_NAMES, Modality
@@ -189,14 +190,10 @@ class StreamArrays(Packing):
         starts = self._starts[source]
         shard_of = np.searchsorted(starts, samples, side="right") - 1
         usable = np.ones(n_run, bool)
-        shards: dict[int, CheckedShard | IndexedShard] = {}
+        shards: dict[int, CheckedShard] = {}
         for shard in np.unique(shard_of).tolist():
             checked = stream.checked_shard(source, table, shard)
-            if (
-                checked is not None
-                and checked.ids_dtype == np.dtype("<i4")
-                and checked.mod_dtype == np.dtype("u1")
-            ):
+            if checked is not None:  # int32 ids, uint8 modalities: the only kind that passes
                 shards[shard] = checked
             else:
                 usable &= shard_of != shard
