@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from data.loader.pack_documents import blank_batch, pack_documents
-from data.loader.packer import PackStats
+from data.loader.pack_kernel import PackStats
 from data.loader.table import SampleTable
 from data.token_docs import TokenDocument, iter_documents
 

@@ -25,8 +25,7 @@ import torch
 from data.loader import pack_kernel as kernel
 from data.loader.batch_buffer import BatchBuffer
 from data.loader.expand import IGNORE, TEXT, CompactBatch, expand
-from data.loader.pack_kernel import Packing
-from data.loader.packer import Doc, PackStats, units_of
+from data.loader.pack_kernel import Doc, Packing, PackStats, units_of
 
 # As the training loader's default: documents held aside while a visual block waits for room
 MAX_PENDING = 4

@@ -17,7 +17,7 @@ import numpy as np
 from numba import njit
 
 from data.loader.npy import npy_layouts
-from data.loader.packer import units_of
+from data.loader.pack_kernel import units_of
 from data.loader.sample_check import _text_below, first_bad_token
 from data.shards import token_index
 

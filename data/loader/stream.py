@@ -23,8 +23,8 @@ from data.loader.expand import slot_views
 from data.loader.npy import read_npy
 from data.loader.online import OnlineTokenizer, online_options
 from data.loader.order import ConsumerSlice, EpochOrder, consumer_slice, unpack_mask
+from data.loader.pack_kernel import Doc, units_of
 from data.loader.packed_batch import PackedBatch
-from data.loader.packer import Doc, units_of
 from data.loader.sample_check import check_ids, read_members
 from data.loader.shard_check import CheckedShard, check_shard
 from data.loader.store import ShardFiles, ShardView

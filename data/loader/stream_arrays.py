@@ -23,8 +23,7 @@ import numpy as np
 from data.loader import pack_kernel as kernel
 from data.loader.expand import CompactBatch
 from data.loader.order import ConsumerSlice
-from data.loader.pack_kernel import Packing
-from data.loader.packer import Doc, PackStats
+from data.loader.pack_kernel import Doc, Packing, PackStats
 from data.loader.shard_check import CheckedShard
 from data.loader.stage_kernel import fill_units
 from data.loader.stream_state import CURSOR_COLS, SRC_COLS, StreamState, skipped_samples

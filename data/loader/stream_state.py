@@ -19,7 +19,7 @@ import numpy as np
 
 from data.loader import pack_kernel as kernel
 from data.loader.order import ORDER_VERSION
-from data.loader.packer import Doc, PackStats
+from data.loader.pack_kernel import Doc, PackStats
 from data.vocab import Modality
 
 if TYPE_CHECKING:
