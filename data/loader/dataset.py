@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator
+from dataclasses import asdict
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -23,6 +24,7 @@ from data.loader.config import LoaderConfig
 from data.loader.expand import slot_numel
 from data.loader.fit import check_blocks_fit
 from data.loader.order import unpack_mask
+from data.loader.pack_kernel import PackStats
 from data.loader.packed_batch import PackedBatch
 from data.loader.sample_check import attach_id_ranges
 from data.loader.stream import ConsumerStream
@@ -63,11 +65,10 @@ def check_loader_state(st: dict) -> None:
 
 
 class _Pickled:
-    """A worker's batch pickled in the worker's own thread. Handed to torch's worker queue as it
-    is, a batch that cannot be pickled would fail in the queue's feeder thread, which only prints
-    the error, and the trainer's process would wait for that batch for ever; pickled here, the
-    error is raised in the worker's loop, which torch hands to the trainer's process as an
-    exception naming the worker. The queue then pickles these bytes (a copy of about 2 KB)."""
+    """A worker's batch pickled in the worker's own loop, not the queue's feeder thread, so that a
+    batch that cannot be pickled is an error naming the worker (docs/loader.md, "One read per
+    document; a compact batch, expanded where it is handed out"). The queue then pickles these
+    bytes (a copy of about 2 KB)."""
 
     __slots__ = ("data",)
 
@@ -268,19 +269,12 @@ class PackedLoader:
     # --- reporting -------------------------------------------------------------------------------
     def delivered(self) -> dict:
         """Tokens per modality and source and the packing figures, over the handed-out batches."""
-        out: dict[str, Any] = {
-            "batches": self.handed_out,
-            "errors": 0,
-            "rows": 0,
-            "real_tokens": 0,
-            "dropped_blocks": 0,
-            "dropped_docs": 0,
-            "tokens_by_modality": [0] * 5,
-            "tokens_by_source": {},
-        }
+        stats = asdict(PackStats())  # the packing counters, summed over the workers
+        out: dict[str, Any] = {"batches": self.handed_out, "errors": 0, **stats}
+        out |= {"tokens_by_modality": [0] * 5, "tokens_by_source": {}}
         for st in self.worker_states.values():
             out["errors"] += st["errors"]
-            for k in ("rows", "real_tokens", "dropped_blocks", "dropped_docs"):
+            for k in stats:
                 out[k] += st["stats"][k]
             out["tokens_by_modality"] = [
                 a + b for a, b in zip(out["tokens_by_modality"], st["tokens_by_modality"])

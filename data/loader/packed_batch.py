@@ -53,11 +53,9 @@ class PackedBatch:
 
     def __reduce__(self):
         """Pickled (a worker's batch crossing its queue) with its small int64 tables (segments,
-        blocks, row lengths, pieces, drops, the state's arrays) in one buffer of bytes: numpy
-        pickles each array apart, with its dtype and a reconstructor, and one buffer for the
-        dozen a batch carries halves what pickling a batch costs the worker and unpickling it
-        the trainer's process (docs/loader.md). The expansion's ``buffer`` never crosses: it is
-        made in the trainer's process (or in-process)."""
+        blocks, row lengths, pieces, drops, the state's arrays) in one buffer of bytes, which
+        halves what pickling costs against numpy's array by array (docs/loader.md). The
+        expansion's ``buffer`` never crosses: it is made in the trainer's process."""
         compact, state = self.compact, self.state
         arrays = [compact.segments, compact.blocks, compact.real, self.pieces, self.dropped]
         rest = None

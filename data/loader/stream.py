@@ -241,11 +241,10 @@ class ConsumerStream:
 
     def _check_ahead(self, s: int, t: SampleTable) -> None:
         """Start checking the next shard this consumer will read from source ``s`` (the first
-        not checked yet among the few at and after its cursor in the epoch order) in a thread
-        of its own (hashlib and the compiled id check run without the GIL), so that its check
-        overlaps the reading of the shards before it instead of stopping the stream when its
-        first document is asked for. One shard ahead per source; none for an order held as an
-        array (a redistributed epoch) or past the epoch's last shard."""
+        not checked yet among the few at and after its cursor in the epoch order) in a thread,
+        while the shards before it are read (docs/loader.md, "Shards checked whole"). One shard
+        ahead per source; none for an order held as an array (a redistributed epoch) or past the
+        epoch's last shard."""
         cursor = self.cursors[s]
         order = self.slices.get((s, cursor.epoch))
         if not isinstance(order, ConsumerSlice) or not len(order):
