@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -30,7 +30,7 @@ from data.loader.sample_check import attach_id_ranges
 from data.loader.stream import ConsumerStream
 from data.loader.stream_state import OLDER_STATE, check_state
 from data.loader.table import SampleTable
-from data.loader.table_load import load_table
+from data.loader.table_load import load_table, tokenizer_key
 from data.loader.watchdog import sample_where
 from data.loader.worker_start import WORKER_START, start_fork_server
 from data.vocab import MODALITY_NAMES
@@ -356,8 +356,6 @@ def build_loader(
     attach_id_ranges(cfg, tables)  # every sample's ids checked against them as it is read
     check_blocks_fit(cfg, tables, what="validation source" if validation else "source")
     if validation:
-        from dataclasses import replace
-
         cfg = replace(cfg, sources=sources, mode="epoch")
     raw = [t.name for t in tables if t.kind == "raw"]
     if raw and cfg.mode == "epoch":
@@ -377,7 +375,6 @@ def check_tokenizers(cfg: LoaderConfig, tables: list[SampleTable]) -> None:
     """All sources must speak one vocabulary: token sources made with one set of tokenizers (the
     ``data.tokenizers`` folder, when given), raw sources tokenized with that folder."""
     from data.loader.online import folder_fingerprints, online_options, options_key
-    from data.loader.table_load import tokenizer_key
 
     want = tokenizer_key(folder_fingerprints(cfg.tokenizers)) if cfg.tokenizers else None
     for t in tables:

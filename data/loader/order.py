@@ -117,10 +117,6 @@ class ConsumerSlice:
         return out
 
 
-def consumer_slice(order: np.ndarray, consumer: int, consumers: int) -> np.ndarray:
-    return order[consumer::consumers]
-
-
 def pack_mask(mask: np.ndarray) -> str:
     """A boolean mask as text for a loader state (JSON and ``torch.load(weights_only=True)`` safe)."""
     return base64.b64encode(zlib.compress(np.packbits(mask.astype(bool)).tobytes(), 6)).decode(

@@ -22,7 +22,7 @@ from data.loader.config import LoaderConfig
 from data.loader.expand import slot_views
 from data.loader.npy import read_npy
 from data.loader.online import OnlineTokenizer, online_options
-from data.loader.order import ConsumerSlice, EpochOrder, consumer_slice, unpack_mask
+from data.loader.order import ConsumerSlice, EpochOrder, unpack_mask
 from data.loader.pack_kernel import Doc, units_of
 from data.loader.packed_batch import PackedBatch
 from data.loader.sample_check import check_ids, read_members
@@ -126,7 +126,7 @@ class ConsumerStream:
                 return self.slices[key]
             order = lazy.full()  # a redistributed epoch: the positions left, in order
             order = order[~unpack_mask(mask, len(order))]
-            self.slices[key] = consumer_slice(order, self.consumer, self.consumers)
+            self.slices[key] = order[self.consumer :: self.consumers]
         return self.slices[key]
 
     def slice_at_cursor(self, s: int) -> np.ndarray | ConsumerSlice | None:
