@@ -170,10 +170,7 @@ class PackedLoader:
             if states is not None:
                 s.load_state_dict(states[c])
             s.batch_limit = None
-            n = 0
-            while s.next_batch() is not None:
-                n += 1
-            counts.append(n)
+            counts.append(sum(1 for _ in iter(s.next_batch, None)))  # a dry batch is {}
         return min(counts)
 
     def __iter__(self):

@@ -198,16 +198,11 @@ def expand_fields(seg, blocks, real, ids, mod_in, outputs, L):
 def expand(batch: CompactBatch, fields: dict[str, np.ndarray]) -> None:
     """Write every per-token field of ``batch`` into ``fields`` (batch_buffer.BatchBuffer's: attr ->
     [rows, seq_len] arrays, ``thw`` [rows, seq_len, 3]; C-contiguous: ``expand_fields`` flattens
-    them, a view, free inside numba, where each reshape here is a Python call a batch):
-
-    - ``ids``, ``mod``: copied (widened) from the batch, unless they already are these arrays;
-    - ``labels`` / ``label_mod``: the next token's id and modality; at a segment's end the
-      document's next token (-100 after its last token, before a dropped block, on padding);
-    - ``doc_ids``: the segment's piece; ``pos``: from 0 at each piece's first token, 0 on padding;
-    - ``thw`` (M-RoPE): the 1-D position in all three, except that each visual block takes its
-      grid's offsets from where it starts and the text after it in its piece moves on by how far
-      the block moved the position beyond its length;
-    - ``image_ids``: -1, except an image's codes, which carry the image's number in its row.
+    them, a view, free inside numba, where each reshape here is a Python call a batch). What each
+    holds: docs/loader.md, "What a batch holds". ``ids`` and ``mod`` are copied (widened) from the
+    batch unless they already are these arrays; in ``thw`` (M-RoPE) each visual block takes its
+    grid's offsets from where it starts, and the text after it in its piece moves on by how far
+    the block moved the position beyond its length.
     """
     B, L = batch.rows, batch.seq_len
     ids, ids_in, mod_in = fields["ids"], batch.ids, batch.mod

@@ -62,8 +62,7 @@ def pack_documents(
         whole_documents,
         stats if stats is not None else PackStats(),
     )
-    while (batch := packing.next_batch()) is not None:
-        yield batch
+    yield from iter(packing.next_batch, None)
 
 
 def blank_batch(batch_rows: int, seq_len: int, pad_id: int = 0) -> dict[str, torch.Tensor]:

@@ -30,7 +30,7 @@ from data.loader.shard_check import CheckedShard, check_shard
 from data.loader.store import ShardFiles, ShardView
 from data.loader.stream_arrays import StreamArrays
 from data.loader.stream_state import SourceCursor, load_state
-from data.loader.table import SampleTable
+from data.loader.table import SampleTable, TokenTable
 from data.loader.watchdog import Watchdog, sample_where
 from data.tokenize.blocks import visual_blocks
 from data.vocab import MODALITY_NAMES
@@ -88,7 +88,6 @@ class ConsumerStream:
         # (data/loader/shard_check.py); the dict's order is the LRU order, the least recently
         # used dropped past _KEEP_SHARDS.
         self._checked: dict[tuple[int, int], CheckedShard | None] = {}
-        self._check_whole = consumers <= cfg.whole_shard_check_max_consumers
         # (source, shard) -> its whole-shard check running ahead in a thread (_check_ahead)
         self._ahead: dict[tuple[int, int], Future] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -96,10 +95,8 @@ class ConsumerStream:
         self._keep_shards = _KEEP_DRY if dry else _KEEP_SHARDS
         # Per source: read in runs of a shard's documents (StreamArrays._shard_run): token
         # tables, through whole-shard checks, or from their indexes alone when counting (dry)
-        self.whole_checked = [
-            (dry or self._check_whole) and getattr(t, "shard_sha256", None) is not None
-            for t in tables
-        ]
+        whole = dry or consumers <= cfg.whole_shard_check_max_consumers
+        self.whole_checked = [whole and isinstance(t, TokenTable) for t in tables]
         # The compiled loop and its arrays: where the packing is, the stream's state from here
         # on (data/loader/stream_arrays.py)
         self._fast = StreamArrays(self)
