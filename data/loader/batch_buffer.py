@@ -39,7 +39,7 @@ class BatchBuffer:
     (data/loader/expand.py) writes a compact batch into it, and the trainer gets its views
     without a copy (``split``). ``pin``: in pinned memory (for a copy to the GPU)."""
 
-    def __init__(self, rows: int, seq_len: int, pad_id: int, *, pin: bool = False) -> None:
+    def __init__(self, rows: int, seq_len: int, *, pin: bool = False) -> None:
         import torch
 
         self.rows, self.L = rows, seq_len

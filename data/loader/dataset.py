@@ -1,17 +1,10 @@
 """The loader a trainer holds: one rank's consumers behind a torch ``DataLoader``.
 
-Design choices:
-- Consumers are (rank, worker) pairs: consumer = rank x workers + worker, each worker process
-  running one ``ConsumerStream``. The DataLoader takes their batches round-robin, which is
-  deterministic, so the rank's batch sequence is too.
-- Exact resume with prefetching workers: every batch carries its worker's state after it; the
-  main process keeps the state of the last batch it handed out per worker, and how many it
-  handed out. Restoring starts each worker from its state and rotates the workers so that the
-  one whose turn was next comes first. Nothing is replayed.
-- The state refuses other data or tokenizers (fingerprint), another world size, worker count,
-  seq_len or batch size; ``redistribute.redistribute`` maps it onto another split (docs/loader.md).
-- Epoch mode: the state carries the batch count every consumer yields (after a redistribute,
-  the new split's count from where the old one stopped).
+Consumers are (rank, worker) pairs: consumer = rank x workers + worker, each worker process
+running one ``ConsumerStream``. The DataLoader takes their batches round-robin, which is
+deterministic, so the rank's batch sequence is too. How its state resumes exactly although
+workers prefetch, what it refuses, and epoch mode's batch count: docs/loader.md, "Exact resume",
+"Guards" and "Modes".
 """
 
 from __future__ import annotations
@@ -19,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator
+from dataclasses import asdict, replace
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -30,12 +24,13 @@ from data.loader.config import LoaderConfig
 from data.loader.expand import slot_numel
 from data.loader.fit import check_blocks_fit
 from data.loader.order import unpack_mask
+from data.loader.pack_kernel import PackStats
 from data.loader.packed_batch import PackedBatch
 from data.loader.sample_check import attach_id_ranges
 from data.loader.stream import ConsumerStream
 from data.loader.stream_state import OLDER_STATE, check_state
 from data.loader.table import SampleTable
-from data.loader.table_load import load_table
+from data.loader.table_load import load_table, tokenizer_key
 from data.loader.watchdog import sample_where
 from data.loader.worker_start import WORKER_START, start_fork_server
 from data.vocab import MODALITY_NAMES
@@ -70,11 +65,10 @@ def check_loader_state(st: dict) -> None:
 
 
 class _Pickled:
-    """A worker's batch pickled in the worker's own thread. Handed to torch's worker queue as it
-    is, a batch that cannot be pickled would fail in the queue's feeder thread, which only prints
-    the error, and the trainer's process would wait for that batch for ever; pickled here, the
-    error is raised in the worker's loop, which torch hands to the trainer's process as an
-    exception naming the worker. The queue then pickles these bytes (a copy of about 2 KB)."""
+    """A worker's batch pickled in the worker's own loop, not the queue's feeder thread, so that a
+    batch that cannot be pickled is an error naming the worker (docs/loader.md, "One read per
+    document; a compact batch, expanded where it is handed out"). The queue then pickles these
+    bytes (a copy of about 2 KB)."""
 
     __slots__ = ("data",)
 
@@ -125,7 +119,6 @@ class PackedLoader:
         world_size: int,
         micro_batch: int,
         pad_id: int,
-        pin_memory: bool | None = None,
     ) -> None:
         if cfg.mode not in ("infinite", "epoch"):
             raise ValueError(f"data.mode {cfg.mode!r}: choose infinite or epoch")
@@ -134,9 +127,7 @@ class PackedLoader:
         self.micro_batch, self.pad_id = micro_batch, pad_id
         self.workers = max(1, cfg.num_workers)
         self.weights = [s.weight for s in cfg.sources] if cfg.sources else [1.0] * len(tables)
-        self.pin = (
-            (torch.cuda.is_available() and cfg.pin_memory) if pin_memory is None else pin_memory
-        )
+        self.pin = torch.cuda.is_available() and cfg.pin_memory
         self._worker_states: dict = {}  # worker -> state dict or snapshot (worker_states)
         self._names: dict[tuple[int, int], str] = {}  # (source, sample) -> "SHARD KEY"
         self.rotation = 0
@@ -179,10 +170,7 @@ class PackedLoader:
             if states is not None:
                 s.load_state_dict(states[c])
             s.batch_limit = None
-            n = 0
-            while s.next_batch() is not None:
-                n += 1
-            counts.append(n)
+            counts.append(sum(1 for _ in iter(s.next_batch, None)))  # a dry batch is {}
         return min(counts)
 
     def __iter__(self):
@@ -278,19 +266,12 @@ class PackedLoader:
     # --- reporting -------------------------------------------------------------------------------
     def delivered(self) -> dict:
         """Tokens per modality and source and the packing figures, over the handed-out batches."""
-        out: dict[str, Any] = {
-            "batches": self.handed_out,
-            "errors": 0,
-            "rows": 0,
-            "real_tokens": 0,
-            "dropped_blocks": 0,
-            "dropped_docs": 0,
-            "tokens_by_modality": [0] * 5,
-            "tokens_by_source": {},
-        }
+        stats = asdict(PackStats())  # the packing counters, summed over the workers
+        out: dict[str, Any] = {"batches": self.handed_out, "errors": 0, **stats}
+        out |= {"tokens_by_modality": [0] * 5, "tokens_by_source": {}}
         for st in self.worker_states.values():
             out["errors"] += st["errors"]
-            for k in ("rows", "real_tokens", "dropped_blocks", "dropped_docs"):
+            for k in stats:
                 out[k] += st["stats"][k]
             out["tokens_by_modality"] = [
                 a + b for a, b in zip(out["tokens_by_modality"], st["tokens_by_modality"])
@@ -372,8 +353,6 @@ def build_loader(
     attach_id_ranges(cfg, tables)  # every sample's ids checked against them as it is read
     check_blocks_fit(cfg, tables, what="validation source" if validation else "source")
     if validation:
-        from dataclasses import replace
-
         cfg = replace(cfg, sources=sources, mode="epoch")
     raw = [t.name for t in tables if t.kind == "raw"]
     if raw and cfg.mode == "epoch":
@@ -393,7 +372,6 @@ def check_tokenizers(cfg: LoaderConfig, tables: list[SampleTable]) -> None:
     """All sources must speak one vocabulary: token sources made with one set of tokenizers (the
     ``data.tokenizers`` folder, when given), raw sources tokenized with that folder."""
     from data.loader.online import folder_fingerprints, online_options, options_key
-    from data.loader.table_load import tokenizer_key
 
     want = tokenizer_key(folder_fingerprints(cfg.tokenizers)) if cfg.tokenizers else None
     for t in tables:

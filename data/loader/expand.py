@@ -1,23 +1,14 @@
 """A packed batch in its compact layout, and the one compiled pass that turns it into the
-per-token fields the trainer takes.
+per-token fields the trainer takes, where the batch is handed out (docs/loader.md, "One read per
+document; a compact batch, expanded where it is handed out"): the packer writes 5 bytes a token
+(int32 id, uint8 modality) and two small tables, and a DataLoader worker hands over that instead
+of ten fields a token (44 bytes: int64 labels, the rest int32; batch_buffer.BATCH_DTYPES).
 
-Design choices:
-- What the packer decides is small: per token only the id and the modality; per stretch of one
-  document in a row (a *segment*) where it lies, which piece it belongs to, how far into the
-  piece it starts and what its last token predicts; per visual block where it lies, its grid
-  (t, h, w) and where its piece ends. Everything else the model takes (labels, label
-  modalities, document ids, 1-D and M-RoPE positions, image ids) follows from those by a few
-  vector operations, so the packer writes 5 bytes a token (int32 id, uint8 modality) and a
-  table, and a DataLoader worker hands over that instead of ten fields a token (44 bytes:
-  int64 labels, the rest int32; batch_buffer.BATCH_DTYPES).
-- ``expand`` runs where the batch is handed out: in the trainer's process after the worker
-  queue (reading straight from the worker's slot of shared memory, data/loader/transport.py),
-  and in-process right after packing.
-- Compiled with numba (one pass per field group, each token's values computed where it is
-  written), not torch: on this path each torch call costs several microseconds of dispatch,
-  and torch splits large copies over its intra-op threads, which on a loaded machine waited ms
-  for a copy that takes 0.1 ms (data/loader/transport.py). The outputs are torch tensors all
-  the same: ``fields`` are numpy views of the batch's one torch buffer (batch_buffer.BatchBuffer).
+Compiled with numba (one pass per field group, each token's values computed where it is
+written), not torch: on this path each torch call costs several microseconds of dispatch, and
+torch splits large copies over its intra-op threads, which on a loaded machine waited ms for a
+copy that takes 0.1 ms (data/loader/transport.py). The outputs are torch tensors all the same:
+``fields`` are numpy views of the batch's one torch buffer (batch_buffer.BatchBuffer).
 """
 
 from __future__ import annotations
@@ -207,16 +198,11 @@ def expand_fields(seg, blocks, real, ids, mod_in, outputs, L):
 def expand(batch: CompactBatch, fields: dict[str, np.ndarray]) -> None:
     """Write every per-token field of ``batch`` into ``fields`` (batch_buffer.BatchBuffer's: attr ->
     [rows, seq_len] arrays, ``thw`` [rows, seq_len, 3]; C-contiguous: ``expand_fields`` flattens
-    them, a view, free inside numba, where each reshape here is a Python call a batch):
-
-    - ``ids``, ``mod``: copied (widened) from the batch, unless they already are these arrays;
-    - ``labels`` / ``label_mod``: the next token's id and modality; at a segment's end the
-      document's next token (-100 after its last token, before a dropped block, on padding);
-    - ``doc_ids``: the segment's piece; ``pos``: from 0 at each piece's first token, 0 on padding;
-    - ``thw`` (M-RoPE): the 1-D position in all three, except that each visual block takes its
-      grid's offsets from where it starts and the text after it in its piece moves on by how far
-      the block moved the position beyond its length;
-    - ``image_ids``: -1, except an image's codes, which carry the image's number in its row.
+    them, a view, free inside numba, where each reshape here is a Python call a batch). What each
+    holds: docs/loader.md, "What a batch holds". ``ids`` and ``mod`` are copied (widened) from the
+    batch unless they already are these arrays; in ``thw`` (M-RoPE) each visual block takes its
+    grid's offsets from where it starts, and the text after it in its piece moves on by how far
+    the block moved the position beyond its length.
     """
     B, L = batch.rows, batch.seq_len
     ids, ids_in, mod_in = fields["ids"], batch.ids, batch.mod

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from data.loader.pack_documents import blank_batch, pack_documents
-from data.loader.packer import PackStats
+from data.loader.pack_kernel import PackStats
 from data.loader.table import SampleTable
 from data.token_docs import TokenDocument, iter_documents
 
@@ -64,10 +64,6 @@ class HeldoutPass:
         self.whole_documents = whole_documents
         self.max_docs, self.ranges, self.progress = max_docs, ranges, progress
         self.counts = [SourceCounts() for _ in tables]
-
-    def documents(self) -> int:
-        """Documents the whole pass reads (the tables' counts, or ``max_docs`` of each)."""
-        return sum(min(len(t), self.max_docs) if self.max_docs else len(t) for t in self.tables)
 
     def parts(self) -> list[tuple[int, str, list[range]]]:
         """(table, shard folder, its samples) of every folder of every table's shards: what is
@@ -113,12 +109,12 @@ class HeldoutPass:
 
     def __iter__(self) -> Generator[HeldoutBatch, None, None]:
         self.counts = [SourceCounts() for _ in self.tables]
-        with tqdm(
-            total=self.documents(), desc="held-out", unit=" docs", disable=not self.progress
-        ) as bar:
+        parts = self.parts()
+        total = sum(len(samples) for _, _, ranges in parts for samples in ranges)
+        with tqdm(total=total, desc="held-out", unit=" docs", disable=not self.progress) as bar:
             streams = {
                 k: (s, self._part_batches(s, samples, bar))
-                for k, (s, _, samples) in enumerate(self.parts())
+                for k, (s, _, samples) in enumerate(parts)
             }
             number = 0  # of the batch in the pass
             while streams:  # the parts take turns, a batch each

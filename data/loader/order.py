@@ -1,12 +1,10 @@
 """Which samples a consumer (one rank's one worker) reads, in which order, in each epoch: shards
 shuffled per epoch, samples within windows of ``buffer`` positions (a bounded shuffle that keeps
-reads local to a few shards), consumer c of C taking positions c, c + C, ... (docs/loader.md,
-"Order").
+reads local to a few shards), consumer c of C taking positions c, c + C, ...; seeds hashed
+per window, so any consumer computes any position alone (docs/loader.md, "Order").
 
-- Seeds come from hashing (seed, epoch, source, ...) and each window has its own, never a shared
-  RNG stream, so any consumer computes any position alone, from its window only: a start costs
-  the same at 10^4 samples as at 10^9. A loader state's cursors are positions in this order,
-  and the state names it (``ORDER_VERSION``; another is refused, data/loader/stream_state.py).
+- A loader state's cursors are positions in this order, and the state names it
+  (``ORDER_VERSION``; another is refused, data/loader/stream_state.py).
 - After a ``redistribute`` an epoch may carry a *skip mask* over its positions (those the old
   consumers consumed), stored packed (bits, zlib, base64): the consumed set is nearly a prefix.
 """
@@ -117,10 +115,6 @@ class ConsumerSlice:
             sel = w_of == w
             out[sel] = self._window(w)[pos[sel] - w * win]
         return out
-
-
-def consumer_slice(order: np.ndarray, consumer: int, consumers: int) -> np.ndarray:
-    return order[consumer::consumers]
 
 
 def pack_mask(mask: np.ndarray) -> str:

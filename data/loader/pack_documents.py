@@ -6,21 +6,12 @@ from data.loader import pack_documents
 batch = next(pack_documents([doc], len(doc.ids)))   # one document alone in a row of its length
 for batch in pack_documents(docs, 2048, batch_rows=8): ...
 
-Design choices:
-- The kernel the training batches go through, with one source and nothing to mix: every
-  document is handed out whole (a chunk larger than any document), in order, so the packing
-  rules are the loader's by construction (text split across rows, a visual block never,
-  documents held aside while a block waits, a block longer than a row dropped and counted,
-  ``whole_documents``), and so are labels, positions and document ids (``expand``).
-- Documents are read lazily, one when the kernel asks for the next (it returns ``NEED``), so
-  a caller counting what it hands over counts what was packed.
-- A document is anything with ``ids``, ``modality`` and ``blocks`` (``[start, end, t, h, w]``
-  each), as data/token_docs.py reads them from token shards.
-- Batches come as the loader hands them out (its field names and dtypes, data/loader/
-  batch_buffer.py) plus ``num_real_tokens``; the last batch is filled up with blank rows (every
-  label ignored), so no document is held back whatever ``batch_rows`` is.
-- The arrays drop the documents no longer held aside between batches (``Packing``), so a pass
-  over a whole validation set holds a few batches' documents at a time.
+What it takes and gives (one source, nothing to mix, every document handed out whole, so the
+packing rules are the loader's by construction; the last batch filled up with blank rows):
+docs/loader.md, "pack_documents(docs, seq_len)". Documents are read lazily, one when the
+kernel asks for the next (it returns ``NEED``), so a caller counting what it hands over counts
+what was packed; the arrays drop the documents no longer held aside between batches
+(``Packing``), so a pass over a whole validation set holds a few batches' documents at a time.
 """
 
 from __future__ import annotations
@@ -34,8 +25,7 @@ import torch
 from data.loader import pack_kernel as kernel
 from data.loader.batch_buffer import BatchBuffer
 from data.loader.expand import IGNORE, TEXT, CompactBatch, expand
-from data.loader.pack_kernel import Packing
-from data.loader.packer import Doc, PackStats, units_of
+from data.loader.pack_kernel import Doc, Packing, PackStats, units_of
 
 # As the training loader's default: documents held aside while a visual block waits for room
 MAX_PENDING = 4
@@ -72,14 +62,13 @@ def pack_documents(
         whole_documents,
         stats if stats is not None else PackStats(),
     )
-    while (batch := packing.next_batch()) is not None:
-        yield batch
+    yield from iter(packing.next_batch, None)
 
 
 def blank_batch(batch_rows: int, seq_len: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
     """A batch of blank rows (padding, every label ignored): what a rank with fewer batches than
     another evaluates, so that every rank calls the model as often."""
-    buffer = BatchBuffer(batch_rows, seq_len, pad_id)
+    buffer = BatchBuffer(batch_rows, seq_len)
     size = batch_rows * seq_len
     ids, mod = buffer.fields["ids"].reshape(size), np.empty(size, np.uint8)
     no_rows = np.zeros((0, 6), np.int64), np.zeros((0, 5), np.int64)
@@ -132,12 +121,12 @@ class _InOrder(Packing):
         self.read = 0  # documents taken from the caller so far
 
     def next_batch(self) -> dict[str, torch.Tensor] | None:
-        buffer = BatchBuffer(self.B, self.L, self.pad_id)
+        buffer = BatchBuffer(self.B, self.L)
         size = self.B * self.L
         ids, mod = buffer.fields["ids"].reshape(size), np.empty(size, np.uint8)
         real = np.zeros(self.B, np.int64)  # a row not packed stays 0: blank
         code = self.run(ids, mod, real, self._take)
-        vars(self.stats_out).update(self.stats().as_dict())
+        vars(self.stats_out).update(vars(self.stats()))
         state = self.state
         # PACKED: all rows; END: the rows packed before the documents ran out (none: no batch)
         rows_done = self.B if code == kernel.PACKED else int(state[kernel.ST_ROWS_DONE])

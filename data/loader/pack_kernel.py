@@ -1,38 +1,22 @@
 """Mixing and packing, compiled (numba): which source's chunk comes next, and its placement in
 rows of ``seq_len`` tokens, made on arrays, a whole batch per call. The one implementation:
 a consumer stream's batches and its epoch count (stream_arrays.py) and documents packed in order
-for evaluation and probes (pack_documents.py) all go through ``pack_batch``.
+for evaluation and probes (pack_documents.py) all go through ``pack_batch``. Its rules (mixing by
+tokens a chunk at a time, blocks never split, documents held aside, blocks longer than a row
+dropped and counted, ``whole`` documents) and why it is compiled: docs/loader.md, "Choices".
 
 Design choices:
-- Mixing by tokens, a chunk at a time: the next chunk (at most ``chunk`` tokens, never cutting
-  a visual block) comes from the source furthest below its share (share x tokens handed out so
-  far, minus its own tokens). A document handed out in part stays open and gives its source's
-  next chunk once its chunk so far is placed.
-- Text and code may be split across rows; an image or video block never is. A block that does
-  not fit in what is left of a row waits (its document is held aside, at most ``max_pending``
-  documents) while later documents fill the row; the held documents start the next rows. A
-  block longer than a whole row is dropped (or its document, ``drop_document``) and counted
-  per source and modality: token shards cannot be re-encoded smaller here (the loader refuses
-  such sources at start unless drops are allowed, data/loader/fit.py).
 - Consecutive chunks of one document that land side by side in a row are one *piece*, so the
   chunking costs no context where nothing came between them. Attention is masked per piece,
   positions restart at 0 in each, and every label is the token that truly follows in its
   document (so the last token of a split piece is still trained on); a document's last token,
   the token before a dropped block, and padding get the ignore index.
-- ``whole``: a document that fits a row and was handed out whole is never split across rows;
-  when it does not fit what is left of the row it waits like a block and starts a later row
-  (long-context stages: every token of a long file, clip or page attends to its beginning, at
-  the cost of some padding).
 - A batch is written compact: ids, modalities, a table of segments (stretches of one document
   in a row, and each row's padding) and one of visual blocks; data/loader/expand.py derives
   every other per-token field from it where the batch is handed out.
-- Why compiled: mixing and placing are decisions per chunk and per piece, dozens a batch, which
-  in Python cost the interpreter more than copying the tokens does; compiled, copying the
-  tokens is what is left.
 - ``state[ST_DRY]``: counting only (an epoch's batches): the same decisions from the index's
-  lengths and blocks, no token read or copied. Batches and counts are compared with recorded
-  ones (tests/test_data/test_loader_known_good.py). To step through this code in a debugger,
-  run with ``NUMBA_DISABLE_JIT=1``: the same functions then run as plain Python (slowly).
+  lengths and blocks, no token read or copied. ``NUMBA_DISABLE_JIT=1`` runs the same functions
+  as plain Python, for a debugger.
 - Documents come from Python into a queue per source: a row of ``docs`` each, their packing
   units in ``units``, their tokens in one staging array of all sources (int32 ids, uint8
   modalities; plain arrays: the compiled code is cached on disk and loads in every process).
@@ -44,14 +28,13 @@ Design choices:
 
 from __future__ import annotations
 
-from dataclasses import astuple
+from dataclasses import astuple, dataclass
 
 import numpy as np
 from numba import njit
 
 from data.loader.expand import IGNORE, TEXT
-from data.loader.packer import Doc, PackStats
-from data.loader.stage_kernel import gather_tokens
+from data.loader.stage_kernel import fill_units, gather_tokens
 
 # docs columns
 (
@@ -478,6 +461,53 @@ def pack_batch(arrays, out, params):
         state[ST_ROWS_DONE] += 1
     state[ST_BATCH_ACTIVE] = 0
     return PACKED
+
+
+# The documents a stream hands the loop (``Doc``: a document, how far it is placed and handed
+# out; its units, stretches of text and visual blocks: ``units_of``) and the packing counters
+# (``PackStats``)
+_NO_UNITS = np.zeros((0, 6), np.int64)
+
+
+def units_of(length: int, blocks) -> np.ndarray:
+    """A document's packing units, int64 [n, 6] (start, end, atomic, t, h, w: the
+    rows of ``Packing.units``): the text between its visual blocks (``[start, end, t, h, w]`` each) and the
+    blocks, in order; made as a checked shard's runs make theirs (stage_kernel.fill_units)."""
+    if not len(blocks):  # text and code only: most documents
+        return np.array([[0, length, 0, 0, 0, 0]], np.int64) if length else _NO_UNITS
+    table = np.array(blocks, np.int64).reshape(-1, 5)
+    table.flags.writeable = False  # as a shard's index holds them: one compiled signature
+    units = np.empty((2 * len(table) + 1, 6), np.int64)
+    first, count = np.zeros(1, np.int64), np.array([len(table)], np.int64)
+    where = [np.zeros(1, np.int64) for _ in range(3)]  # unit0, n_units, nblk (unused here)
+    end = fill_units(units, 0, first, np.array([length]), first, count, table, *where)
+    return units[:end]
+
+
+@dataclass(slots=True)
+class Doc:
+    source: int
+    sample: int
+    epoch: int
+    length: int
+    units: np.ndarray  # units_of
+    ids: np.ndarray | None = None  # int32 [length] (None in a dry stream: lengths only)
+    mod: np.ndarray | None = None
+    unit: int = 0  # next unit to place
+    offset: int = 0  # tokens of that unit already placed (text only)
+    limit: int = -1  # end of the chunk handed out so far (-1: the whole document)
+
+    def __post_init__(self) -> None:
+        if self.limit < 0:
+            self.limit = self.length
+
+
+@dataclass
+class PackStats:
+    rows: int = 0
+    real_tokens: int = 0
+    dropped_blocks: int = 0
+    dropped_docs: int = 0
 
 
 class Packing:

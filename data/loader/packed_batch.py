@@ -53,11 +53,9 @@ class PackedBatch:
 
     def __reduce__(self):
         """Pickled (a worker's batch crossing its queue) with its small int64 tables (segments,
-        blocks, row lengths, pieces, drops, the state's arrays) in one buffer of bytes: numpy
-        pickles each array apart, with its dtype and a reconstructor, and one buffer for the
-        dozen a batch carries halves what pickling a batch costs the worker and unpickling it
-        the trainer's process (docs/loader.md). The expansion's ``buffer`` never crosses: it is
-        made in the trainer's process (or in-process)."""
+        blocks, row lengths, pieces, drops, the state's arrays) in one buffer of bytes, which
+        halves what pickling costs against numpy's array by array (docs/loader.md). The
+        expansion's ``buffer`` never crosses: it is made in the trainer's process."""
         compact, state = self.compact, self.state
         arrays = [compact.segments, compact.blocks, compact.real, self.pieces, self.dropped]
         rest = None
@@ -76,11 +74,12 @@ class PackedBatch:
 
     def expand(self, *, pin: bool = False) -> BatchBuffer:
         """The batch's per-token fields (in the trainer's process: from the slot, which is then
-        freed), once; ``pin``: in pinned memory."""
+        freed), once; ``pin``: in pinned memory (asked for before anything expands it: the
+        DataLoader's pin thread, or an in-process loader that pins)."""
         c = self.compact
         if not self.expanded:
             if self.buffer is None or (pin and not self.buffer.pinned):
-                self.buffer = BatchBuffer(c.rows, c.seq_len, 0, pin=pin)
+                self.buffer = BatchBuffer(c.rows, c.seq_len, pin=pin)
             if self.slot is not None:
                 view = transport.slot(self.token, self.slot, self.ring)
                 c.ids, c.mod = slot_views(view, c.rows, c.seq_len)
@@ -90,11 +89,6 @@ class PackedBatch:
                 self.slot, self.ring = None, None
             c.ids = c.mod = None  # views of a slot a worker now reuses, or of the buffer
             self.expanded = True
-        elif pin and self.buffer is not None and not self.buffer.pinned:
-            # expanded already: copied into pinned memory
-            pinned = BatchBuffer(c.rows, c.seq_len, 0, pin=True)
-            pinned.tensor.copy_(self.buffer.tensor)
-            self.buffer = pinned
         assert self.buffer is not None
         return self.buffer
 

@@ -18,7 +18,7 @@ from collections import Counter
 import numpy as np
 
 from data.loader.dataset import PackedLoader, check_loader_state
-from data.loader.order import consumer_slice, pack_mask, unpack_mask
+from data.loader.order import pack_mask, unpack_mask
 
 
 def redistribute(old: list[dict], loader: PackedLoader) -> dict:
@@ -140,7 +140,7 @@ def _consumed(s: int, n: int, olds: list[dict]) -> tuple[int, dict[int, str]]:
         done = before.copy()
         for c, (ec, pc, _tokens, _done) in enumerate(cur):
             if e <= ec:
-                mine = consumer_slice(free, c, len(cur))
+                mine = free[c :: len(cur)]  # old consumer c's slice of them
                 if pc > len(mine) and e == ec:
                     raise ValueError(
                         f"an old consumer's cursor ({pc}) is past its slice ({len(mine)}) of "

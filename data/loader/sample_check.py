@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
+from numba import njit
 
 from data.loader import store
 from data.loader.config import LoaderConfig
@@ -54,54 +55,59 @@ def attach_id_ranges(cfg: LoaderConfig, tables: list) -> None:
         t.id_ranges = ranges
 
 
-_UNSIGNED = {np.dtype(f"<i{n}"): np.dtype(f"<u{n}") for n in (1, 2, 4, 8)}
 _CODE = int(Modality.CODE)
 
 
 @functools.lru_cache(maxsize=64)  # loaders come and go (tests): a few ranges at a time
-def _lookups(key: bytes) -> tuple[np.ndarray, int]:
-    """Of the ranges whose bytes are ``key``: uint8 [vocabulary + 1], bit m of entry i saying id
-    i may carry modality m (the last entry, 0, stands for every id past the vocabulary: lookups
-    clip to it); and the text size when text and code share the ids [0, text size) (then a text
-    or code document is checked by its largest id alone), else -1."""
+def _shared_text(key: bytes) -> int:
     ranges = np.frombuffer(key, np.int64).reshape(-1, 2)
-    bits = np.zeros(int(ranges[:, 1].max()) + 1, np.uint8)
-    for m, (lo, hi) in enumerate(ranges):
-        bits[lo:hi] |= np.uint8(1 << m)
     text, code = ranges[int(Modality.TEXT)], ranges[_CODE]
-    return bits, int(text[1]) if text[0] == 0 and (text == code).all() else -1
+    return int(text[1]) if text[0] == 0 and (text == code).all() else -1
 
 
 def _text_below(ranges: np.ndarray) -> int:
-    return _lookups(np.ascontiguousarray(ranges, np.int64).tobytes())[1]
+    """The text size when text and code share the ids [0, text size) (a text or code document
+    is then checked by its largest id alone), else -1."""
+    return _shared_text(np.ascontiguousarray(ranges, np.int64).tobytes())
+
+
+@njit(cache=True, nogil=True, inline="always")  # inlined into shard_check.first_bad_document
+def first_bad_token(ids, mod, ranges, text_below):
+    """The first token whose modality lies past ``ranges`` or whose id lies outside its
+    modality's range [lo, hi) (0 when ``mod`` and ``ids`` differ in length); -1 when there is
+    none. A document of text and code only with every id below ``text_below`` (``_text_below``;
+    -1: no such shortcut) passes by two maxima, which LLVM vectorises; any other is checked token
+    by token. The maxima read ids as uint32 (a negative id: past every range) and modalities as
+    unsigned, so other dtypes pass -1."""
+    length = ids.shape[0]
+    if mod.shape[0] != length:
+        return 0
+    if text_below > 0:
+        top_mod = np.uint8(0)
+        top_id = np.uint32(0)
+        for tok in range(length):
+            top_mod = max(top_mod, mod[tok])
+            top_id = max(top_id, np.uint32(ids[tok]))
+        if top_mod <= _CODE and top_id < text_below:
+            return -1
+    for tok in range(length):
+        modality = mod[tok]
+        if modality < 0 or modality >= ranges.shape[0]:
+            return tok
+        token = ids[tok]
+        if token < ranges[modality, 0] or token >= ranges[modality, 1]:
+            return tok
+    return -1
 
 
 def check_ids(ids: np.ndarray, mod: np.ndarray, ranges: np.ndarray | None) -> None:
     """ValueError naming the first bad token when a modality or id lies outside the layout."""
     if ranges is None or not len(ids):
         return
-    # Ids seen as unsigned: a negative one is huge, past every range.
-    if ids.dtype.kind == "i":
-        unsigned = ids.view(_UNSIGNED.get(ids.dtype) or ids.dtype.str.replace("i", "u"))
-    else:
-        unsigned = ids
-    # Signed modalities (the raw path's int64) are checked >= 0.
-    usable = mod.dtype.kind == "u" or int(mod.min()) >= 0
-    # Text and code only (most documents): every id below the text size is the whole check.
-    text_below = _text_below(ranges)
-    if text_below > 0 and usable and int(mod.max()) <= _CODE and int(unsigned.max()) < text_below:
+    ranges = np.ascontiguousarray(ranges, np.int64)
+    fast = ids.dtype.itemsize <= 4 and mod.dtype.kind == "u"  # what the two maxima read exactly
+    if first_bad_token(ids, mod, ranges, _text_below(ranges) if fast else -1) < 0:
         return
-    bits = _lookups(np.ascontiguousarray(ranges, np.int64).tobytes())[0]
-    # Three whole-array passes. The clipped lookup sends an id past the vocabulary (or negative)
-    # to the last entry (no bits); a modality past the 5 bits shifts to 0.
-    if usable and ids.dtype.kind == "i" and ids.dtype.itemsize == 8:
-        # take() reads uint64 indices as intp: a negative id would wrap round to a valid one
-        usable = int(ids.min()) >= 0
-    if usable:
-        allowed = bits.take(unsigned, mode="clip")
-        np.right_shift(allowed, mod, out=allowed, casting="unsafe")
-        if np.bitwise_and.reduce(allowed) & 1:  # bit 0 set in every entry
-            return
     mod64, ids64 = mod.astype(np.int64), ids.astype(np.int64)
     bad_mod = (mod64 < 0) | (mod64 >= len(ranges))
     if bad_mod.any():

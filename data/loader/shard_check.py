@@ -17,19 +17,16 @@ import numpy as np
 from numba import njit
 
 from data.loader.npy import npy_layouts
-from data.loader.packer import units_of
-from data.loader.sample_check import _text_below
+from data.loader.pack_kernel import units_of
+from data.loader.sample_check import _text_below, first_bad_token
 from data.shards import token_index
-from data.vocab import Modality
 
 _IDS, _MOD = np.dtype("<i4"), np.dtype("u1")  # what tokenize writes (ids, modalities)
-_CODE = int(Modality.CODE)
 
 
 class CheckedShard:
-    """A shard that passed the whole-shard check: its documents, read without further checks."""
-
-    ids_dtype, mod_dtype = _IDS, _MOD  # the only kind that passes
+    """A shard that passed the whole-shard check: its documents, read without further checks; or
+    (``of_index``) a shard as its index describes it, for counting an epoch's batches."""
 
     def __init__(
         self,
@@ -39,49 +36,25 @@ class CheckedShard:
         mod_at: np.ndarray,
     ) -> None:
         self.mapped, self.index = mapped, index
-        # where each document's ids and modalities start in the map (int64: compact)
-        self.ids_at = np.asarray(ids_at, np.int64)
-        self.mod_at = np.asarray(mod_at, np.int64)
-        self.lengths = index.records["tokens"]
-        self.block_start = index.records["block_start"]
-        self.block_count = index.records["block_count"]
-        # The same per document as one table, and the map as bytes: what the compiled loop's
-        # intake reads (stage_kernel.py)
-        self.table = document_table(index, self.ids_at, self.mod_at)
+        # Per document: length, first block, blocks, where its ids and modalities start in the
+        # map; and the map as bytes: what the compiled loop's intake reads (stage_kernel.py)
+        counts = [index.records[name] for name in ("tokens", "block_start", "block_count")]
+        self.table = np.stack([*counts, ids_at, mod_at], 1).astype(np.int64)
         self.bytes = np.frombuffer(mapped, np.uint8)
+
+    @classmethod
+    def of_index(cls, index: token_index.TokenIndex) -> CheckedShard:
+        """The shard's documents as its index describes them, lengths and blocks without tokens:
+        all the packing decisions read (no tar is opened or checked)."""
+        no_tokens = np.zeros(len(index), np.int64)
+        return cls(memoryview(b""), index, no_tokens, no_tokens)
 
     def document(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(ids, modalities, packing units) of document ``i``: views of the shard's map."""
-        # .item(): a Python int straight away (int(array[i]) makes a numpy scalar first)
-        length = self.lengths.item(i)
-        ids = np.frombuffer(self.mapped, self.ids_dtype, length, self.ids_at.item(i))
-        mod = np.frombuffer(self.mapped, self.mod_dtype, length, self.mod_at.item(i))
-        count = self.block_count.item(i)
-        if not count:
-            return ids, mod, units_of(length, [])
-        start = self.block_start.item(i)
+        length, start, count, ids_at, mod_at = self.table[i].tolist()
+        ids = np.frombuffer(self.mapped, _IDS, length, ids_at)
+        mod = np.frombuffer(self.mapped, _MOD, length, mod_at)
         return ids, mod, units_of(length, self.index.blocks[start : start + count].tolist())
-
-
-class IndexedShard:
-    """A shard's documents as its index describes them (lengths and blocks), the same table as a
-    ``CheckedShard``'s without where the tokens lie: what counting an epoch's batches reads (the
-    packing decisions need nothing else; no tar is opened or checked)."""
-
-    ids_dtype, mod_dtype = _IDS, _MOD
-    bytes = np.zeros(0, np.uint8)  # no tokens: a dry stream stages none
-
-    def __init__(self, index: token_index.TokenIndex) -> None:
-        self.index = index
-        no_tokens = np.zeros(len(index), np.int64)
-        self.table = document_table(index, no_tokens, no_tokens)
-
-
-def document_table(index: token_index.TokenIndex, ids_at, mod_at) -> np.ndarray:
-    """int64 [documents, 5]: length, first block, blocks, where the ids and modalities start."""
-    records = index.records
-    columns = [records["tokens"], records["block_start"], records["block_count"], ids_at, mod_at]
-    return np.stack(columns, 1).astype(np.int64)
 
 
 def check_shard(
@@ -125,30 +98,12 @@ def check_shard(
 @njit(cache=True, nogil=True)  # nogil: a check running ahead in a thread (stream.py)
 def first_bad_document(shard_bytes, ids_at, mod_at, lengths, ranges, text_below):
     """The first document (int32 ids at ``ids_at``, uint8 modalities at ``mod_at`` of the
-    shard's bytes) holding a modality past ``ranges`` or an id outside its modality's range
-    [lo, hi); -1 when there is none. A document of text and code only, with every id below
-    ``text_below`` (when text and code share the ids [0, text_below); else -1), is checked by
-    two maxima, which LLVM vectorises; any other document token by token."""
-    n_modalities = ranges.shape[0]
+    shard's bytes) that runs past the shard or holds a bad token (``first_bad_token``, inlined);
+    -1 when there is none."""
     for doc in range(lengths.shape[0]):
         length = lengths[doc]
         ids = shard_bytes[ids_at[doc] : ids_at[doc] + 4 * length].view(np.int32)
         mod = shard_bytes[mod_at[doc] : mod_at[doc] + length]
-        if ids.shape[0] != length or mod.shape[0] != length:
+        if ids.shape[0] != length or first_bad_token(ids, mod, ranges, text_below) >= 0:
             return doc
-        if text_below > 0:
-            top_mod = np.uint8(0)
-            top_id = np.uint32(0)
-            for tok in range(length):
-                top_mod = max(top_mod, mod[tok])
-                top_id = max(top_id, np.uint32(ids[tok]))  # a negative id: past every range
-            if top_mod <= _CODE and top_id < text_below:
-                continue
-        for tok in range(length):
-            modality = mod[tok]
-            if modality >= n_modalities:
-                return doc
-            token = ids[tok]
-            if token < ranges[modality, 0] or token >= ranges[modality, 1]:
-                return doc
     return -1

@@ -1,7 +1,7 @@
 """Compiled helpers that bring documents of a checked shard (data/loader/shard_check.py) into
 the compiled loop's arrays (data/loader/stream_arrays.py) a run at a time: their packing units
-(``fill_units``, which ``packer.units_of`` runs for one document too) and their tokens copied out
-of the shard's memory map: a loop over the run, with no Python object per document."""
+(``fill_units``, which ``pack_kernel.units_of`` runs for one document too) and their tokens
+copied out of the shard's memory map: a loop over the run, with no Python object per document."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def _text_unit(units, u_at, start, end):
 @njit(cache=True)
 def fill_units(units, u_at, sel, lengths, bstart, bcount, blocks, unit0, n_units, nblk):
     """Write the units of the run's documents at ``sel`` (one shard's; ``blocks``: its blocks
-    table) from ``u_at`` on (rows as ``packer.units_of``'s: text between the visual blocks,
+    table) from ``u_at`` on (rows as ``pack_kernel.units_of``'s: text between the visual blocks,
     blocks in order of start); ``unit0``/``n_units``/``nblk`` get where they lie, how many and
     how many are blocks. Returns the next free unit row."""
     for doc in sel:

@@ -1,22 +1,9 @@
-"""One consumer's stream (a rank's worker): mix sources by tokens, read documents, pack rows,
-group them into batches, and say exactly where it is.
-
-Design choices:
-- Mixing by tokens, deterministically, a chunk at a time, decided with the packing in the
-  compiled loop (pack_kernel.py) this stream feeds with documents: the next chunk (at most
-  ``mix_chunk`` tokens, never cutting a visual block) comes from the source furthest below its
-  share. A long document is handed out a chunk at a time (as OLMo and Megatron cut documents
-  into row-sized instances), so each step carries the mix. No RNG, shares exact to within one
-  chunk, and the state stays a few counters plus the documents handed out in part.
-- The state is cursors, counters and the held-aside documents' positions: kilobytes. Restoring
-  computes the window of each source's epoch order under its cursor and seeks through the
-  index; nothing is replayed (stream_state.py).
-- Bad data never stops a run: an unreadable sample is skipped, counted and logged with its
-  shard and key; ``max_consecutive_errors`` in a row stops with an error naming the last one.
-  A read slower than ``stall_seconds`` is reported by a watchdog thread while it hangs.
-- Epoch mode: every consumer packs the same number of batches (the fewest any consumer can
-  fill, counted from the index alone); the samples beyond are held back, counted, never
-  repeated.
+"""One consumer's stream (a rank's worker): read documents in its slice of each source's epoch
+order, feed them to the compiled loop that mixes and packs them (pack_kernel.py, through
+stream_arrays.py), group rows into batches, and say exactly where it is (stream_state.py).
+What it guarantees (mixing by tokens, exact resume from kilobytes without replaying, bad data
+skipped, counted and logged, a stalled read reported, epoch mode's equal batch counts):
+docs/loader.md, "Choices".
 """
 
 from __future__ import annotations
@@ -35,15 +22,15 @@ from data.loader.config import LoaderConfig
 from data.loader.expand import slot_views
 from data.loader.npy import read_npy
 from data.loader.online import OnlineTokenizer, online_options
-from data.loader.order import ConsumerSlice, EpochOrder, consumer_slice, unpack_mask
+from data.loader.order import ConsumerSlice, EpochOrder, unpack_mask
+from data.loader.pack_kernel import Doc, units_of
 from data.loader.packed_batch import PackedBatch
-from data.loader.packer import Doc, units_of
 from data.loader.sample_check import check_ids, read_members
-from data.loader.shard_check import CheckedShard, IndexedShard, check_shard
+from data.loader.shard_check import CheckedShard, check_shard
 from data.loader.store import ShardFiles, ShardView
 from data.loader.stream_arrays import StreamArrays
 from data.loader.stream_state import SourceCursor, load_state
-from data.loader.table import SampleTable
+from data.loader.table import SampleTable, TokenTable
 from data.loader.watchdog import Watchdog, sample_where
 from data.tokenize.blocks import visual_blocks
 from data.vocab import MODALITY_NAMES
@@ -69,8 +56,8 @@ class ConsumerStream:
         self.tables, self.cfg, self.dry = tables, cfg, dry
         total = float(sum(weights))
         self.shares = [w / total for w in weights]
-        # (source, share) of the sources that get a share, in order: what the mix picks from
-        self.mixed_sources = [(s, share) for s, share in enumerate(self.shares) if share > 0]
+        # The sources that get a share, in order: what the mix picks from
+        self.mixed_sources = [s for s, share in enumerate(self.shares) if share > 0]
         self.consumer, self.consumers, self.micro_batch = consumer, consumers, micro_batch
         if cfg.oversize not in ("drop_block", "drop_document"):
             raise ValueError(f"oversize {cfg.oversize!r}: choose drop_block or drop_document")
@@ -100,8 +87,7 @@ class ConsumerStream:
         # (source, shard) -> the shard when it passed the whole-shard check, None when it did not
         # (data/loader/shard_check.py); the dict's order is the LRU order, the least recently
         # used dropped past _KEEP_SHARDS.
-        self._checked: dict[tuple[int, int], CheckedShard | IndexedShard | None] = {}
-        self._check_whole = consumers <= cfg.whole_shard_check_max_consumers
+        self._checked: dict[tuple[int, int], CheckedShard | None] = {}
         # (source, shard) -> its whole-shard check running ahead in a thread (_check_ahead)
         self._ahead: dict[tuple[int, int], Future] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -109,10 +95,8 @@ class ConsumerStream:
         self._keep_shards = _KEEP_DRY if dry else _KEEP_SHARDS
         # Per source: read in runs of a shard's documents (StreamArrays._shard_run): token
         # tables, through whole-shard checks, or from their indexes alone when counting (dry)
-        self.whole_checked = [
-            (dry or self._check_whole) and getattr(t, "shard_sha256", None) is not None
-            for t in tables
-        ]
+        whole = dry or consumers <= cfg.whole_shard_check_max_consumers
+        self.whole_checked = [whole and isinstance(t, TokenTable) for t in tables]
         # The compiled loop and its arrays: where the packing is, the stream's state from here
         # on (data/loader/stream_arrays.py)
         self._fast = StreamArrays(self)
@@ -139,18 +123,25 @@ class ConsumerStream:
                 return self.slices[key]
             order = lazy.full()  # a redistributed epoch: the positions left, in order
             order = order[~unpack_mask(mask, len(order))]
-            self.slices[key] = consumer_slice(order, self.consumer, self.consumers)
+            self.slices[key] = order[self.consumer :: self.consumers]
         return self.slices[key]
+
+    def slice_at_cursor(self, s: int) -> np.ndarray | ConsumerSlice | None:
+        """The slice source ``s``'s cursor reads from next, moved on to the next epoch at the end
+        of one; None when there is nothing to read (``next_epoch``)."""
+        c = self.cursors[s]
+        sl = self.slice_of(s, c.epoch)
+        if c.pos < len(sl):
+            return sl
+        return self.slice_of(s, c.epoch) if self.next_epoch(s) else None
 
     def read_next(self, s: int) -> Doc | None:
         """The next document of source ``s`` in this consumer's slice; None when it could not be
         read (skipped and counted) or the source is done (epoch mode)."""
+        sl = self.slice_at_cursor(s)
+        if sl is None:
+            return None
         c = self.cursors[s]
-        sl = self.slice_of(s, c.epoch)
-        if c.pos >= len(sl):
-            if not self.next_epoch(s):
-                return None
-            sl = self.slice_of(s, c.epoch)
         sample = int(sl[c.pos])
         c.pos += 1
         return self.load(s, sample, c.epoch)
@@ -195,7 +186,7 @@ class ConsumerStream:
             raise ValueError(why)
         return doc.ids.astype(np.int64), doc.modality.astype(np.int64), visual_blocks(doc.spans)
 
-    def checked_shard(self, s: int, t: SampleTable, si: int) -> CheckedShard | IndexedShard | None:
+    def checked_shard(self, s: int, t: SampleTable, si: int) -> CheckedShard | None:
         """Shard ``si`` when it passes the whole-shard check (checked on first use); a dry
         stream's shards as their index describes them (nothing to check: no token is read)."""
         key = (s, si)
@@ -203,7 +194,7 @@ class ConsumerStream:
             self._checked[key] = self._checked.pop(key)  # re-inserted last: most recently used
             return self._checked[key]
         if self.dry:
-            self._remember(key, IndexedShard(t.index(si)))  # type: ignore[attr-defined]
+            self._remember(key, CheckedShard.of_index(t.index(si)))  # type: ignore[attr-defined]
             return self._checked[key]
         url = t.shards[si]
         self.watchdog.current = (f"checking shard {url}", time.monotonic())
@@ -247,11 +238,10 @@ class ConsumerStream:
 
     def _check_ahead(self, s: int, t: SampleTable) -> None:
         """Start checking the next shard this consumer will read from source ``s`` (the first
-        not checked yet among the few at and after its cursor in the epoch order) in a thread
-        of its own (hashlib and the compiled id check run without the GIL), so that its check
-        overlaps the reading of the shards before it instead of stopping the stream when its
-        first document is asked for. One shard ahead per source; none for an order held as an
-        array (a redistributed epoch) or past the epoch's last shard."""
+        not checked yet among the few at and after its cursor in the epoch order) in a thread,
+        while the shards before it are read (docs/loader.md, "Shards checked whole"). One shard
+        ahead per source; none for an order held as an array (a redistributed epoch) or past the
+        epoch's last shard."""
         cursor = self.cursors[s]
         order = self.slices.get((s, cursor.epoch))
         if not isinstance(order, ConsumerSlice) or not len(order):
@@ -277,7 +267,7 @@ class ConsumerStream:
             return  # found again, and named, when the shard is read
         self._ahead[(s, after)] = self._pool.submit(self._check, args, t, after)
 
-    def _remember(self, key: tuple[int, int], shard: CheckedShard | IndexedShard | None) -> None:
+    def _remember(self, key: tuple[int, int], shard: CheckedShard | None) -> None:
         if len(self._checked) >= self._keep_shards:  # the least recently used goes
             del self._checked[next(iter(self._checked))]
         self._checked[key] = shard
@@ -353,7 +343,7 @@ class ConsumerStream:
                 ids, mod = np.empty(n, np.int32), np.empty(n, np.uint8)
         else:  # in-process: the ids straight into the batch's field, the modalities as uint8
             # (what the compiled loop writes everywhere; expand widens them into their field)
-            buffer = BatchBuffer(B, L, self.pad_id, pin=self.pin)
+            buffer = BatchBuffer(B, L, pin=self.pin)
             ids, mod = buffer.fields["ids"].reshape(n), np.empty(n, np.uint8)
         packed = None
         try:
@@ -379,7 +369,7 @@ class ConsumerStream:
 
     # --- state (its format, and restoring it, in stream_state.py) -------------------------------
     def state_dict(self) -> dict:
-        return self._fast.state_dict()
+        return self.state().to_dict()
 
     def state(self):
         """``state_dict`` as the compiled loop's arrays' snapshot (stream_state.StreamState:

@@ -1,26 +1,17 @@
 """A consumer stream's batches through the compiled loop (data/loader/pack_kernel.py): the
-arrays it works on, how documents reach them, and the stream's state read back from them.
+arrays it works on, how documents reach them (docs/loader.md, "Documents read ahead"), and the
+stream's state read back from them (its one form: docs/loader.md, "Exact resume").
 
 Design choices:
-- Documents are read by the stream's own ``read_next`` (order, epochs, the whole-shard and
-  per-document checks, skips and their log lines: all unchanged), a few batches' worth of one
-  source at a time, when the kernel says that source's queue ran dry; runs of documents of
-  shards that passed the whole-shard check are added at once, without a Python object each
-  (stage_kernel.py). Counting an epoch (a dry stream) adds its token sources' documents the
-  same way, from their shards' indexes alone (shard_check.IndexedShard): lengths and blocks
-  are all the packing decisions read, so the count costs the compiled loop's time, not a
-  Python call per document.
-- Their tokens are appended to one pair of staging arrays shared by every source
-  (``Packing.stage``), so the kernel reads every document from one place whatever its shard.
+- Documents of shards that passed the whole-shard check come in runs without a Python object
+  each (stage_kernel.py); so do a dry stream's, which counts an epoch from the shards' indexes
+  alone (shard_check.CheckedShard.of_index): lengths and blocks are all the packing decisions
+  read.
 - Skips are counted per source as documents are read ahead, and each document's row records the
   count so far: a state counts a skip once the kernel takes a document after it.
 - Reading ahead moves the stream's cursors (``stream.cursors``) past what has been packed; the
   cursor a saved state holds is the one recorded with the last document the kernel took from
   each queue, and its skips those read before that document (or before the source's end).
-- The arrays are the stream's packing state, its only one: a stream makes them when it is
-  made, and restoring a state makes them again from the documents and counters the saved
-  state names (stream_state.load_state). The state after each batch is a snapshot of a few
-  array rows (stream_state.StreamState), made into the saved dict when a checkpoint asks.
 """
 
 from __future__ import annotations
@@ -32,9 +23,8 @@ import numpy as np
 from data.loader import pack_kernel as kernel
 from data.loader.expand import CompactBatch
 from data.loader.order import ConsumerSlice
-from data.loader.pack_kernel import Packing
-from data.loader.packer import Doc, PackStats
-from data.loader.shard_check import CheckedShard, IndexedShard
+from data.loader.pack_kernel import Doc, Packing, PackStats
+from data.loader.shard_check import CheckedShard
 from data.loader.stage_kernel import fill_units
 from data.loader.stream_state import CURSOR_COLS, SRC_COLS, StreamState, skipped_samples
 from data.vocab import MODALITY_NAMES, Modality
@@ -78,7 +68,7 @@ class StreamArrays(Packing):
                 stream.pad_id,
             ),
             shares=stream.shares,
-            mixed=[source for source, _ in stream.mixed_sources],
+            mixed=stream.mixed_sources,
             open_cap=max(cap, most_open + cap),
             held_cap=max(2 * cap, len(pending) + cap),
             queue_cap=1024,
@@ -154,10 +144,6 @@ class StreamArrays(Packing):
         return self.src[:, [kernel.S_DROP_IMAGE, kernel.S_DROP_VIDEO]]
 
     # --- state ---------------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """The stream's state (stream_state.py's format), read from the arrays."""
-        return self.snapshot().to_dict()
-
     def snapshot(self) -> StreamState:
         """The state after the last batch, as copies of the few array rows it needs (a few
         microseconds; made into ``state_dict``'s lists only when asked for)."""
@@ -188,15 +174,11 @@ class StreamArrays(Packing):
         epoch's rest went to other consumers: ``read_next`` then says which)."""
         stream = self.stream
         table, cur = stream.tables[source], stream.cursors[source]
-        order_slice = stream.slices.get((source, cur.epoch))
+        # At an epoch's end: on to the next one here, as ``read_next`` would (else the next
+        # epoch's first document would be read on its own, through ``read_next``)
+        order_slice = stream.slice_at_cursor(source)
         if order_slice is None:
-            order_slice = stream.slice_of(source, cur.epoch)
-        if cur.pos >= len(order_slice):
-            # The epoch's end: on to the next one here, as ``read_next`` would (else the next
-            # epoch's first document would be read on its own, through ``read_next``)
-            if not stream.next_epoch(source):
-                return None  # done, or nothing here: ``read_next`` says which
-            order_slice = stream.slice_of(source, cur.epoch)
+            return None  # done, or nothing here: ``read_next`` says which
         n_run = min(len(order_slice) - cur.pos, most)
         if n_run <= 0:
             return None
@@ -207,14 +189,10 @@ class StreamArrays(Packing):
         starts = self._starts[source]
         shard_of = np.searchsorted(starts, samples, side="right") - 1
         usable = np.ones(n_run, bool)
-        shards: dict[int, CheckedShard | IndexedShard] = {}
+        shards: dict[int, CheckedShard] = {}
         for shard in np.unique(shard_of).tolist():
             checked = stream.checked_shard(source, table, shard)
-            if (
-                checked is not None
-                and checked.ids_dtype == np.dtype("<i4")
-                and checked.mod_dtype == np.dtype("u1")
-            ):
+            if checked is not None:  # int32 ids, uint8 modalities: the only kind that passes
                 shards[shard] = checked
             else:
                 usable &= shard_of != shard

@@ -3,31 +3,23 @@
 a few microseconds; a worker's batch carries it to the trainer's process, pickled small), made
 the saved dict only when a checkpoint asks for it (``StreamState.to_dict``), and the dict put
 back (``load_state``: the stream's cursors and counters set, the documents held aside or handed
-out in part read again from their shards, from which the arrays are made again).
-
-The dict: ``cursors`` ([epoch, position, tokens, done] per source), ``pending`` and ``open``
-(documents as [source, sample, epoch, unit, offset, chunk end]), ``dropped_by`` ([source,
-modality, blocks]), ``batches``, ``errors``, ``skipped`` ([source, sample] once each), ``stats``
-(``PackStats``' fields), ``tokens_by_modality``, ``skip`` ([source, epoch, mask] of a
-redistributed epoch) and ``order`` (the epoch order its cursors index, order.ORDER_VERSION).
-Every field is always written, and a state without one of them (or with another order, or
-documents without their chunk end) is refused by ``check_state`` with the fields it lacks: it
-was saved by an older earlyfuse, whose positions this one cannot read. Separate from the
-stream's work (stream.py: mixing, reading, packing) because the state is a format with a life
-of its own: it is saved in every checkpoint, read back on resume and rewritten for another
-split by redistribute.py.
+out in part read again from their shards, from which the arrays are made again). What the dict
+holds, and why an older one is refused (``check_state``): docs/loader.md, "Exact resume".
+Separate from the stream's work (stream.py: mixing, reading, packing) because the state is a
+format with a life of its own: it is saved in every checkpoint, read back on resume and
+rewritten for another split by redistribute.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from data.loader import pack_kernel as kernel
 from data.loader.order import ORDER_VERSION
-from data.loader.packer import Doc, PackStats
+from data.loader.pack_kernel import Doc, PackStats
 from data.vocab import Modality
 
 if TYPE_CHECKING:
@@ -201,7 +193,7 @@ class StreamState:
             "batches": self.batches,
             "errors": self.errors,
             "skipped": self.skipped,
-            "stats": PackStats(*self.stats.tolist()).as_dict(),
+            "stats": asdict(PackStats(*self.stats.tolist())),
             "tokens_by_modality": self.by_modality.tolist(),
             "skip": [
                 [source, epoch, mask]

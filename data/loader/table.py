@@ -91,9 +91,8 @@ _COLUMNS = ("shard", "keys", "ids_at", "tokens", "blocks")
 
 class TokenTable(SampleTable):
     """A token source built from its manifest alone (per shard: samples, index hash, blocks).
-    Each process maps a shard's binary index when it first reads from that shard (a remote one
-    fetched once into ``cache_dir/index``, named by its JSONL's hash); a missing or stale one is
-    an error naming it. Pickled (to a worker) without its maps."""
+    Each process maps a shard's binary index when it first reads from that shard
+    (``resolve_index``). Pickled (to a worker) without its maps."""
 
     def __init__(
         self,

@@ -137,8 +137,7 @@ def _load_token_table(
     listing: Callable[[str], set[str]],
 ) -> TokenTable:
     """Token shards from their manifest's entries (samples, index SHA-256, blocks): no index is
-    read. A shard the manifest does not list (or lists without those), or a local one without its
-    binary index beside it, is refused with an error naming it."""
+    read (what is refused, naming it: the module's docstring)."""
     h = hashlib.sha256()
     counts, shas, shard_blocks, tar_shas = [], [], [], []
     tok_keys = set()

@@ -1,19 +1,11 @@
 """How a batch gets from a DataLoader worker to the trainer's process: through slots of shared
-memory that the worker allocates once and packs into in place, and one copy on the trainer's
-side.
-
-Design choices:
-- A tensor put in the worker queue the usual way costs a fresh shared-memory segment per batch
-  (more than packing the batch) and the trainer a round trip to receive its descriptor. Here a
-  worker owns ``slots`` buffers for the whole iteration and sends only a slot's number; its
-  first message carries the slots themselves.
-- Slots hold the batch in its compact layout (data/loader/expand.py: an int32 id and a uint8
-  modality a token); the segment and block tables travel in the message with the worker's
-  state (packed_batch.PackedBatch.__reduce__). The trainer's process expands a slot into the
-  batch's fields and marks it free, so the trainer owns its batch outright.
-- Slots outnumber the batches a worker may have in flight (``prefetch_factor`` plus the one
-  being packed). Should none be free anyway, the worker packs into ordinary arrays, which the
-  queue hands over pickled: slower, never stuck.
+memory that the worker allocates once and packs into in place (its compact layout, expand.py),
+and one copy on the trainer's side, which then frees the slot; why not a tensor in the worker
+queue: docs/loader.md, "One read per document; a compact batch, expanded where it is handed
+out". A worker sends only a slot's number (its first message carries the slots themselves).
+Slots outnumber the batches a worker may have in flight (``prefetch_factor`` plus the one being
+packed); should none be free anyway, the worker packs into ordinary arrays, which the queue
+hands over pickled: slower, never stuck.
 """
 
 from __future__ import annotations

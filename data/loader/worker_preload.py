@@ -3,11 +3,10 @@ finds it done (worker_start.py): import torch's DataLoader worker loop and the l
 the loader's compiled kernels. Imported only there (multiprocessing's preload list names it):
 importing it anywhere else warms that process instead.
 
-Warming calls each kernel a worker runs with the argument types a stream gives it, on a few
-empty or tiny arrays: numba then sets up its registries (its first dispatch in a process) and
-loads each kernel's machine code from its disk cache here, once. It is best effort: a kernel
-whose types drifted from these is loaded by the worker at its first call instead, and a failure
-never stops the server (an exception other than ImportError in a preloaded module would).
+Warming calls each kernel a worker runs once, on tiny arrays of a stream's argument types
+(docs/loader.md, "Worker processes"). It is best effort: a kernel whose types drifted from these
+is loaded by the worker at its first call instead, and a failure never stops the server (an
+exception other than ImportError in a preloaded module would).
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import torch.utils.data._utils.worker  # noqa: F401  (the worker loop a DataLoad
 import data.loader.dataset  # noqa: F401  (what a worker unpickles its dataset from)
 from data.loader.pack_documents import pack_documents
 from data.loader.pack_kernel import count_modalities, pieces_table
+from data.loader.sample_check import first_bad_token
 from data.loader.shard_check import first_bad_document
 from data.loader.stage_kernel import fill_units, gather_tokens
 
@@ -49,7 +49,12 @@ def warm_kernels() -> None:
     count_modalities(np.zeros(0, np.uint8), np.zeros(0, np.int64), np.zeros(5, np.int64))
     pieces_table(np.zeros((0, 4), np.int64), np.zeros(0, np.int64))
     # The whole-shard check of the ids (shard_check.check_shard): the shard's read-only map
-    first_bad_document(mapped, empty, empty, empty.copy(), np.zeros((0, 2), np.int64), -1)
+    ranges = np.zeros((0, 2), np.int64)
+    first_bad_document(mapped, empty, empty, empty.copy(), ranges, -1)
+    # A document checked on its own (sample_check.check_ids): views of a token shard's map, or
+    # the int64 arrays of a raw document tokenized here
+    first_bad_token(mapped.view(np.int32), mapped, ranges, -1)
+    first_bad_token(empty, empty, ranges, -1)
 
 
 try:

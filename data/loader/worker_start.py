@@ -1,20 +1,7 @@
 """How the loader's DataLoader workers start: forked from multiprocessing's fork server, which
 is started when a loader with workers is built and preloaded with the loader and its compiled
-code (``worker_preload.py``).
-
-Design choices:
-- The fork server, not a plain fork: a clean single-threaded process (a plain fork would copy
-  the trainer's threads and CUDA state), and a worker leaves through the fork server's
-  ``os._exit``. A spawned worker tears down a whole interpreter instead, and one that had run
-  the visual tokenizer (online tokenization) could abort in a C++ destructor at shutdown.
-- Preloaded, the server imports torch and the loader and loads numba's cached kernels once;
-  every worker forked from it finds that done instead of paying it before its first batch. The
-  cost is one more process holding torch (its pages shared with the workers).
-- Started when the loader is built, so that its imports run while the trainer counts the
-  epoch's batches and reads its first shards.
-- The preload list is process-wide and read when the server starts: the loader's module is
-  added to whatever a trainer set (``__main__`` by default); a server already running is left
-  as it is (its workers then import and warm the loader themselves).
+code (``worker_preload.py``). Why a fork server rather than a plain fork or spawn, and what
+the preload list keeps: docs/loader.md, "Worker processes".
 """
 
 from __future__ import annotations

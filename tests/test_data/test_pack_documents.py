@@ -8,7 +8,7 @@ import torch
 
 from data.loader import SourceConfig, pack_documents
 from data.loader.expand import IGNORE
-from data.loader.packer import PackStats
+from data.loader.pack_kernel import PackStats
 from data.loader.table_load import load_table
 from data.token_docs import iter_documents
 

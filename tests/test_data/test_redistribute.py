@@ -177,9 +177,9 @@ def test_packer_drains_more_held_documents_than_max_pending(tiny_tokens):
     cs = ConsumerStream(tables, [1.0, 1.0], cfg, consumer=0, consumers=1, micro_batch=1, pad_id=0)
     docs = [cs.load(s, i, 0) for s in (0, 1) for i in range(3)]
     docs[0].offset = 5  # a text document half placed before
-    start = {(d.source, d.sample): d.position() for d in docs}
+    start = {(d.source, d.sample): int(d.units[d.unit, 0]) + d.offset for d in docs}
     state = cs.state_dict()
-    state["pending"] = [d.cursor() for d in docs]
+    state["pending"] = [[d.source, d.sample, d.epoch, d.unit, d.offset, d.limit] for d in docs]
     state["cursors"] = [[0, 0, 0, 1] for _ in cs.cursors]  # done: nothing new is read
     cs.load_state_dict(state)
     spans = defaultdict(list)
