@@ -32,7 +32,7 @@ from data.loader.stream_state import OLDER_STATE, check_state
 from data.loader.table import SampleTable
 from data.loader.table_load import load_table, tokenizer_key
 from data.loader.watchdog import sample_where
-from data.loader.worker_start import WORKER_START, start_fork_server
+from data.loader.worker_start import prepare_workers
 from data.vocab import MODALITY_NAMES
 
 STATE_VERSION = 1
@@ -134,9 +134,9 @@ class PackedLoader:
         self.handed_out = 0
         self.batch_limit: int | None = None
         if cfg.num_workers:
-            # Running already when built by build_loader; its imports (worker_start.py) run
-            # while this process counts the epoch below
-            start_fork_server()
+            # Done already when built by build_loader; a fork server's imports (worker_start.py)
+            # run while this process counts the epoch below
+            prepare_workers(cfg.worker_start)
         if cfg.mode == "epoch":
             self.batch_limit = self.count_batches()
 
@@ -187,7 +187,7 @@ class PackedLoader:
                     pin_memory=self.pin,
                     prefetch_factor=self.cfg.prefetch_factor,
                     persistent_workers=False,
-                    multiprocessing_context=WORKER_START,
+                    multiprocessing_context=self.cfg.worker_start,
                     # A generator of its own: a DataLoader iterator otherwise draws its base seed
                     # from the global torch RNG, which would differ between a resumed and an
                     # uninterrupted run. Our workers seed themselves by hashing (seed, epoch, rank,
@@ -346,7 +346,7 @@ def build_loader(
             "data.validation lists no sources" if validation else "data.sources lists no sources"
         )
     if cfg.num_workers:
-        start_fork_server()  # as early as can be: it imports while the indexes are read
+        prepare_workers(cfg.worker_start)  # as early as can be: a fork server imports meanwhile
     if tables is None:
         tables = [load_table(s, cache_dir=cfg.cache_dir) for s in sources]
     check_tokenizers(cfg, tables)

@@ -1,12 +1,12 @@
-"""What the fork server of the loader's workers does once, so that every worker forked from it
-finds it done (worker_start.py): import torch's DataLoader worker loop and the loader, and warm
-the loader's compiled kernels. Imported only there (multiprocessing's preload list names it):
-importing it anywhere else warms that process instead.
+"""What the process the loader's workers fork from does once, so that every worker finds it done
+(worker_start.py): import torch's DataLoader worker loop and the loader, and warm the loader's
+compiled kernels. Imported for that alone: by the trainer's process when its workers fork from
+it, or named in the fork server's preload list.
 
 Warming calls each kernel a worker runs once, on tiny arrays of a stream's argument types
 (docs/loader.md, "Worker processes"). It is best effort: a kernel whose types drifted from these
-is loaded by the worker at its first call instead, and a failure never stops the server (an
-exception other than ImportError in a preloaded module would).
+is loaded by the worker at its first call instead, and a failure never stops the trainer or the
+server (an exception other than ImportError in a preloaded module would stop the server).
 """
 
 from __future__ import annotations
@@ -59,5 +59,5 @@ def warm_kernels() -> None:
 
 try:
     warm_kernels()
-except Exception as error:  # noqa: BLE001  (warming is an optimisation: never stop the server)
-    print(f"[loader] the fork server could not warm the loader's kernels: {error}", file=sys.stderr)
+except Exception as error:  # noqa: BLE001  (warming is an optimisation: never stop anything)
+    print(f"[loader] could not warm the loader's kernels for its workers: {error}", file=sys.stderr)

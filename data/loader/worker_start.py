@@ -1,25 +1,33 @@
-"""How the loader's DataLoader workers start: forked from multiprocessing's fork server, which
-is started when a loader with workers is built and preloaded with the loader and its compiled
-code (``worker_preload.py``). Why a fork server rather than a plain fork or spawn, and what
-the preload list keeps: docs/loader.md, "Worker processes".
+"""How the loader's DataLoader workers start (``data.worker_start``): forked from the trainer's
+process (``fork``, the default), which warms the loader's compiled kernels when the loader is
+built, or from multiprocessing's fork server (``forkserver``), started when the loader is built
+and preloaded with the loader and its kernels (``worker_preload.py``). Either way a worker loads
+nothing before its first batch. Why fork by default, when to choose the fork server and why not
+spawn: docs/loader.md, "Worker processes".
 """
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 from multiprocessing import forkserver
 
-WORKER_START = "forkserver"
+WORKER_STARTS = ("fork", "forkserver")
 PRELOAD = "data.loader.worker_preload"
 
 
-def start_fork_server() -> None:
-    """Start the fork server the loader's workers fork from (preloaded with ``PRELOAD``) unless
-    one runs already; returns at once (the server imports in the background)."""
+def prepare_workers(method: str) -> None:
+    """Make ready what the loader's workers start from, returning at once for ``forkserver``
+    (the server imports in the background)."""
+    if method not in WORKER_STARTS:
+        raise ValueError(f"data.worker_start {method!r}: choose one of {', '.join(WORKER_STARTS)}")
+    if method == "fork":
+        importlib.import_module(PRELOAD)  # warms this process's kernels, once: workers inherit them
+        return
     server = forkserver._forkserver  # the process-wide server that forkserver contexts use
     if getattr(server, "_forkserver_pid", None) is None:  # not running (no public query)
         # No public getter: the list a trainer may have set (multiprocessing's default: __main__)
         preload = list(getattr(server, "_preload_modules", None) or ["__main__"])
         if PRELOAD not in preload:
-            multiprocessing.get_context(WORKER_START).set_forkserver_preload([*preload, PRELOAD])
+            multiprocessing.get_context(method).set_forkserver_preload([*preload, PRELOAD])
     forkserver.ensure_running()

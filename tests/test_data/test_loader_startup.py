@@ -1,7 +1,7 @@
 """A fresh process compiles nothing before its first batch: every compiled function of the loader
 is loaded from numba's on-disk cache (docs/loader.md, "The hot loop compiled"); a worker finds
-the loader imported and its kernels loaded by the fork server it is forked from
-(docs/loader.md, "Worker processes")."""
+the loader imported and its kernels loaded, by the trainer's process it is forked from or by the
+fork server (docs/loader.md, "Worker processes")."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ import sys
 from multiprocessing import forkserver
 from pathlib import Path
 
+import pytest
 from factories import tiny_loader_config
 from numba.core.registry import CPUDispatcher
 from torch.utils.data import DataLoader, IterableDataset
 
 from data.loader import LoaderConfig, SourceConfig, build_loader
 from data.loader.dataset import PackedLoader, _Consumers
-from data.loader.worker_start import PRELOAD, WORKER_START
+from data.loader.worker_start import PRELOAD
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,7 +41,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from data.loader import LoaderConfig, SourceConfig, build_loader
 from data.loader.dataset import PackedLoader, _Consumers
-from data.loader.worker_start import PRELOAD, WORKER_START
+from data.loader.worker_start import PRELOAD
 cfg = LoaderConfig(**json.loads(sys.argv[1]))
 cfg.sources = [SourceConfig(**source) for source in cfg.sources]
 loader = build_loader(cfg, rank=0, world_size=1, micro_batch=3)
@@ -89,8 +90,9 @@ def _kernels_loaded() -> dict[str, int]:
 
 
 class _WhatAWorkerFinds(IterableDataset):
-    """In a DataLoader worker: whether the fork server preloaded the loader, and which kernels
-    the worker loaded itself while its stream packed a few batches (none: the server had)."""
+    """In a DataLoader worker: whether the loader was imported before the worker started, and
+    which kernels the worker loaded itself while its stream packed a few batches (none: the
+    process it was forked from had)."""
 
     def __init__(self, loader: PackedLoader) -> None:
         self.loader = loader
@@ -108,26 +110,47 @@ class _WhatAWorkerFinds(IterableDataset):
         }
 
 
+def _what_a_worker_finds(loader: PackedLoader, method: str) -> list[dict]:
+    return list(
+        DataLoader(
+            _WhatAWorkerFinds(loader),
+            batch_size=None,
+            num_workers=1,
+            multiprocessing_context=method,
+        )
+    )
+
+
+def test_a_forked_worker_finds_the_loader_imported_and_its_kernels_loaded(tiny_tokens):
+    """The default: the trainer's process warms the kernels when it builds the loader (in
+    infinite mode it packs nothing itself), so no worker forked from it loads one."""
+    cfg = tiny_loader_config(tiny_tokens, num_workers=1)
+    assert cfg.worker_start == "fork"
+    loader = build_loader(cfg, rank=0, world_size=1, micro_batch=3)
+    assert _what_a_worker_finds(loader, "fork") == [{"preloaded": True, "loaded_in_worker": []}]
+
+
 def test_a_worker_forks_from_a_server_with_the_loader_imported_and_its_kernels_loaded(
     tiny_tokens,
 ):
     server = forkserver._forkserver
     if server._forkserver_pid is not None and PRELOAD not in server._preload_modules:
         server._stop()  # started by another test of this process without the loader's preload
-    cfg = tiny_loader_config(tiny_tokens, num_workers=1)
+    cfg = tiny_loader_config(tiny_tokens, num_workers=1, worker_start="forkserver")
     loader = build_loader(cfg, rank=0, world_size=1, micro_batch=3)
     assert server._forkserver_pid is not None, "building a loader with workers starts the server"
     assert server._preload_modules[0] == "__main__"  # multiprocessing's own default is kept
     assert PRELOAD in server._preload_modules
-    found = list(
-        DataLoader(
-            _WhatAWorkerFinds(loader),
-            batch_size=None,
-            num_workers=1,
-            multiprocessing_context=WORKER_START,
-        )
-    )
+    found = _what_a_worker_finds(loader, "forkserver")
     assert found == [{"preloaded": True, "loaded_in_worker": []}]
+
+
+def test_an_unknown_worker_start_is_refused_by_name(tiny_tokens):
+    cfg = tiny_loader_config(tiny_tokens, num_workers=1, worker_start="spawn")
+    with pytest.raises(
+        ValueError, match="data.worker_start 'spawn': choose one of fork, forkserver"
+    ):
+        build_loader(cfg, rank=0, world_size=1, micro_batch=3)
 
 
 def test_counting_an_epoch_reads_the_indexes_alone(tiny_tokens, monkeypatch):
