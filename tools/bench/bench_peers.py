@@ -609,11 +609,18 @@ def energon_batches(corpus: Path, workers: int, seq_len: int, rows: int):
     return (batch for packed in energon.get_loader(dataset) for batch in packed)
 
 
-def make_batches(name: str, corpus: Path, workers: int, seq_len: int, rows: int):
+def make_batches(a, name: str, workers: int):
+    corpus, seq_len, rows = a.corpus, a.seq_len, a.rows
     if name == "earlyfuse":
         from data.loader import build_loader
 
-        cfg = token_loader_config(corpus / "tokens", seq_len, num_workers=workers, mode="epoch")
+        cfg = token_loader_config(
+            corpus / "tokens",
+            seq_len,
+            num_workers=workers,
+            mode="epoch",
+            worker_start=a.worker_start,
+        )
         return iter(build_loader(cfg, rank=0, world_size=1, micro_batch=rows))
     if name == "energon":
         return energon_batches(corpus, workers, seq_len, rows)
@@ -628,7 +635,7 @@ def measure(a) -> dict:
     started = time.perf_counter()
     importlib.import_module(LIBRARIES[a.measure])
     imported = time.perf_counter()
-    batches = make_batches(a.measure, a.corpus, a.workers[0], a.seq_len, a.rows)
+    batches = make_batches(a, a.measure, a.workers[0])
     built = time.perf_counter()
     first = next(batches)
     first_at = time.perf_counter()
@@ -671,7 +678,13 @@ def run_measure(a, name: str, workers: int, *, sample: bool = False) -> dict:
     from a round of its own."""
     with tempfile.NamedTemporaryFile("r", suffix=".json") as result:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--measure", name]
-        for flag, value in (("corpus", a.corpus), ("seq-len", a.seq_len), ("rows", a.rows)):
+        flags = (
+            ("corpus", a.corpus),
+            ("seq-len", a.seq_len),
+            ("rows", a.rows),
+            ("worker-start", a.worker_start),
+        )
+        for flag, value in flags:
             cmd += [f"--{flag}", str(value)]
         cmd += ["--workers", str(workers), "--result", result.name]
         child = subprocess.Popen(cmd)
@@ -797,6 +810,12 @@ def parse(argv=None) -> argparse.Namespace:
     add("--rounds", type=int, default=3)
     add("--workers", type=int, nargs="+", default=[0, 1])
     add("--loaders", nargs="+", default=LOADERS, choices=LOADERS)
+    add(
+        "--worker-start",
+        choices=("fork", "forkserver"),
+        default="fork",
+        help="earlyfuse's data.worker_start (the peers fork from the measuring process)",
+    )
     add("--save", type=Path, default=None, help="write the results as JSON here")
     add("--previous", type=Path, default=None, help="a JSON saved with --save")
     add("--measure", choices=LOADERS, help=argparse.SUPPRESS)
@@ -832,6 +851,7 @@ def main(argv=None) -> dict:
         "corpus": built,
         "seq_len": a.seq_len,
         "rows": a.rows,
+        "worker_start": a.worker_start,
         "rounds": a.rounds,
         "load_before": os.getloadavg(),
         "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
