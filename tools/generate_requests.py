@@ -252,8 +252,8 @@ class Generator:
             "stopped": self.text.eos_id in new,
         }
 
-    def encode_image(self, image: str | Path | bytes) -> tuple[np.ndarray, np.ndarray]:
-        """(pixels at the tokenizer's size [H, W, 3], code grid) of an image file or its bytes."""
+    def encode_image(self, image: str | Path | bytes) -> np.ndarray:
+        """The code grid of an image file or its bytes, encoded at the tokenizer's size."""
         from data.image_crops import to_tensor
         from data.image_prep import ImagePrep, load_image
 
@@ -272,10 +272,10 @@ class Generator:
                 f"{where}: cannot read the image ({type(e).__name__}: {str(e)[:300]})"
             ) from None
         with torch.no_grad():
-            return arr, self.vtok.encode(to_tensor(arr[None]).to(self.device))[0].cpu().numpy()
+            return self.vtok.encode(to_tensor(arr[None]).to(self.device))[0].cpu().numpy()
 
     def caption(self, image: str | Path, prompt: str = "", **sampling) -> dict:
-        _, codes = self.encode_image(image)
+        codes = self.encode_image(image)
         new = caption_codes(self, codes, prompt, **sampling)
         return {
             "kind": "caption",

@@ -136,7 +136,7 @@ def evaluate_scenes(
 
     for i, scene in enumerate(tqdm(single, desc="scenes", unit=" scenes", disable=not progress)):
         other = single[(i + 1) % len(single)]["facts"]
-        _, codes = judge.encode_image(scene["image"])
+        codes = judge.encode_image(scene["image"])
         grid = (int(codes.shape[0]), int(codes.shape[1]))
         _, drawing, _ = draw_image(
             judge,
