@@ -195,15 +195,14 @@ def draw_image(
     )
     block = [boi, *new[: new.index(eoi) + 1]] if eoi in new else [boi, *new]
     codes = parse_image(block, layout)  # the grammar guarantees a well-formed block
-    with torch.no_grad():
-        image = parts.vtok.decode(
-            torch.from_numpy(codes)[None].to(parts.model.output.weight.device)
-        )
-    return codes, to_pixels(image[0]), len(new)
+    return codes, decode_codes(parts, codes), len(new)
 
 
-def to_pixels(image: torch.Tensor) -> np.ndarray:
-    """A decoded image [3, H, W] in [-1, 1] as uint8 pixels [H, W, 3]."""
+@torch.no_grad()
+def decode_codes(parts, codes: np.ndarray) -> np.ndarray:
+    """A code grid [h, w] decoded by ``parts.vtok`` into uint8 pixels [H, W, 3]."""
+    device = parts.model.output.weight.device
+    image = parts.vtok.decode(torch.from_numpy(codes)[None].to(device))[0]  # [3, H, W] in [-1, 1]
     return ((image.float().cpu().permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255).byte().numpy()
 
 
