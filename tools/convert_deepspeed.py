@@ -96,24 +96,31 @@ def consolidate(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
         path = ckpt.folder / "mp_rank_00_model_states.pt"
         # mmap: the file's optimizer moments (twice the model) stay out of memory
         state = safe_torch_load(path, mmap=True)
-        module = state.get("module") if isinstance(state, dict) else None
-        if not isinstance(module, dict) or not module:
+        state = state.get("module") if isinstance(state, dict) else None
+        if not isinstance(state, dict) or not state:
             raise CheckpointError(f"{path}: holds no 'module' weights")
-        return {
-            name: tensor.detach().to(torch.float32, copy=True) for name, tensor in module.items()
-        }
-    if _is_bf16_optimizer(ckpt.folder):
-        return _consolidate_bf16_optimizer(ckpt)
+    elif _is_bf16_optimizer(ckpt.folder):
+        state = _consolidate_bf16_optimizer(ckpt)
+    else:
+        state = _zero_to_fp32(ckpt)
+    # Views into a memory-mapped file or into one flat partition share storage (safetensors
+    # refuses that): copy each.
+    return {
+        name: tensor.detach().to(torch.float32, copy=True).contiguous()
+        for name, tensor in state.items()
+    }
+
+
+def _zero_to_fp32(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
     from deepspeed.utils import zero_to_fp32
 
-    quiet = contextlib.redirect_stdout(io.StringIO())
     try:
         with (
             weights_only_loads(),
             mock.patch.object(zero_to_fp32, "tqdm", lambda it, **_: it),
-            quiet,
+            contextlib.redirect_stdout(io.StringIO()),
         ):
-            state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(
+            return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(
                 str(ckpt.folder.parent), tag=ckpt.tag
             )
     except CheckpointError:
@@ -124,11 +131,6 @@ def consolidate(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
             f"checkpoint of {ckpt.meta['world_size']} rank(s) "
             f"({type(e).__name__}: {str(e).strip()[:400]})"
         ) from None
-    # Views into one flat partition share storage (safetensors refuses that): copy each.
-    return {
-        name: tensor.detach().to(torch.float32, copy=True).contiguous()
-        for name, tensor in state.items()
-    }
 
 
 def _rank_of(path: Path) -> int:
@@ -173,9 +175,7 @@ def _consolidate_bf16_optimizer(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
                 opt["single_partition_of_fp32_groups"], opt["param_slice_mappings"]
             ):
                 for name, frag in mapping.items():
-                    pieces.setdefault(name, []).append(
-                        flat.narrow(0, frag.start, frag.numel).float().clone()
-                    )
+                    pieces.setdefault(name, []).append(flat.narrow(0, frag.start, frag.numel))
         except (KeyError, TypeError, AttributeError, RuntimeError) as e:
             raise CheckpointError(
                 f"{part_file}: not a DeepSpeed bf16 optimizer partition ({type(e).__name__}: {e})"
@@ -196,9 +196,7 @@ def _consolidate_bf16_optimizer(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
             *model_states.get("buffer_names", []),
             *(model_states.get("frozen_param_shapes") or {}),
         ]:
-            state[name] = (
-                module[name].detach().float().clone()
-            )  # not optimised: the module copy is the value
+            state[name] = module[name]  # not optimised: the module copy is the value
     except (KeyError, TypeError) as e:
         raise CheckpointError(
             f"{model_file}: lacks the parameter layout DeepSpeed writes ({e})"

@@ -13,11 +13,13 @@ import json
 import os
 import shutil
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
-import torch
+from safetensors.torch import save_file
 
 from data.shards.index import file_sha256
+from data.shards.manifest import versions
 from data.tokenize.blocks import image_grids
 from tools.convert_deepspeed import (
     CheckpointError,
@@ -55,22 +57,15 @@ examples:
 """
 
 
-def save_safetensors(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    from safetensors.torch import save_file
-
-    save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata=metadata)
-
-
 def check_out(out: Path, force: bool) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ReleaseError(f"{out}: exists and is not empty; choose another folder or pass --force")
 
 
-def write_release(out: str | Path, config: dict, write_files, *, force: bool = False) -> dict:
+def write_release(out: Path, config: dict, write_files) -> dict:
     """Build a release in ``OUT.partial`` (``write_files(folder)`` puts the files there), record
-    every file's sha256 in config.json, then move it to ``OUT`` (a non-empty OUT needs ``force``)."""
-    out = Path(out)
-    check_out(out, force)
+    every file's sha256 in config.json, then move it to ``OUT``, replacing what ``check_out`` let
+    through."""
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -90,18 +85,6 @@ def write_release(out: str | Path, config: dict, write_files, *, force: bool = F
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return config
-
-
-def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out: dict[str, str] = {"torch": str(torch.__version__)}
-    for pkg in ("earlyfuse", "deepspeed", "safetensors"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            pass
-    return out
 
 
 def _token_manifest(url: str) -> tuple[dict, Path] | None:
@@ -130,8 +113,8 @@ def find_tokenizers(run_cfg, run_dir: Path) -> Path:
 
 def check_tokenizers(folder: Path, layout) -> dict:
     """Fingerprints of a tokenizers/ folder after checking it belongs to ``layout``."""
-    from data.text_tokenizer import TextTokenizer
-    from data.tokenize.visual import load_visual_tokenizer, weights_fingerprint
+    from data.loader.online import folder_fingerprints
+    from data.tokenize.visual import load_visual_tokenizer
     from data.vocab import VocabLayout
 
     need = [
@@ -154,15 +137,10 @@ def check_tokenizers(folder: Path, layout) -> dict:
             "tokenizers this model was trained with"
         )
     try:
-        text = TextTokenizer.load(folder)
         load_visual_tokenizer(folder / VISUAL, layout)
+        return folder_fingerprints(folder)  # what a token manifest records for this folder
     except ValueError as e:
         raise ReleaseError(str(e)) from None
-    return {
-        "layout": layout.fingerprint(),
-        "text": text.fingerprint(),
-        "visual": weights_fingerprint(folder / VISUAL),
-    }
 
 
 def packing(run_cfg, world_size: int) -> dict:
@@ -263,27 +241,31 @@ def make_release(
         },
         **({"tokenizers": fingerprints, "tokenize": tok_options} if task == "lm" else {}),
         **({"packing": packing(run_cfg, ckpt.meta["world_size"])} if task == "lm" else {}),
-        "created_by": {"command": command or [], "versions": _versions()},
+        "created_by": {
+            "command": command or [],
+            # the packages a shard manifest records, and the two that wrote the weights
+            "versions": {
+                **versions(),
+                **{pkg: version(pkg) for pkg in ("deepspeed", "safetensors")},
+            },
+        },
     }
-    meta = {"format": FORMAT, "task": task, "step": str(ckpt.step)}
 
     def write(folder: Path) -> None:
         if layout is not None:  # task lm
-            save_safetensors(state, folder / WEIGHTS, meta)
+            meta = {"format": FORMAT, "task": task, "step": str(ckpt.step)}
+            save_file(state, str(folder / WEIGHTS), metadata=meta)
             layout.save(folder / LAYOUT)
             if tok_dir is not None:
-                (folder / TOKENIZER).write_bytes((tok_dir / TOKENIZER).read_bytes())
                 (folder / VISUAL).mkdir()
-                for name in (CONFIG, WEIGHTS):
-                    (folder / VISUAL / name).write_bytes((tok_dir / VISUAL / name).read_bytes())
-        else:
-            (folder / VISUAL).mkdir()
-            save_safetensors(state, folder / VISUAL / WEIGHTS, meta)
-            (folder / VISUAL / CONFIG).write_text(
-                json.dumps(dataclasses.asdict(net_cfg), indent=1) + "\n"
-            )
+                for name in (TOKENIZER, f"{VISUAL}/{CONFIG}", f"{VISUAL}/{WEIGHTS}"):
+                    shutil.copyfile(tok_dir / name, folder / name)
+        else:  # the folder a vtok run exports and `earlyfuse-prep tokenize` reads
+            from train.tasks.vtok import save_visual_tokenizer
 
-    config = write_release(out, config, write, force=force)
+            save_visual_tokenizer(state, net_cfg, folder / VISUAL)
+
+    config = write_release(Path(out), config, write)
     log(f"wrote {out}: " + ", ".join(config["files"]))
     if task == "lm" and tok_dir is None:
         log(

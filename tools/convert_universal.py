@@ -8,8 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
-from unittest import mock
 
 from tools.convert_deepspeed import CheckpointError, add_run_dir, find_checkpoint
 from train.checkpoint import checkpoint_files, file_manifest
@@ -38,26 +36,22 @@ def make_universal(run_dir, step: int | None = None, *, force: bool = False, log
             raise CheckpointError(f"{out} exists (use --force to make it again)")
         shutil.rmtree(out)
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-    from deepspeed.checkpoint.ds_to_universal import parse_arguments
 
-    # Our runs do not set Megatron's universal_checkpoint_info: DeepSpeed injects the default
-    # (no tensor or pipeline parallelism to undo, which is what we have).
-    argv = [
-        "ds_to_universal",
-        "--input_folder",
-        str(ckpt.folder),
-        "--output_folder",
-        str(out),
-        "--num_extract_workers",
-        "1",
-        "--num_merge_workers",
-        "1",
-        "--inject_missing_state",
-    ]
+    # ds_to_universal's options as its own parse_arguments() makes them. Our runs do not set
+    # Megatron's universal_checkpoint_info: DeepSpeed injects the default (no tensor or pipeline
+    # parallelism to undo, which is what we have).
+    options = argparse.Namespace(
+        input_folder=str(ckpt.folder),
+        output_folder=str(out),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
     try:
-        # DeepSpeed's own loads there unpickle nothing but data
-        with weights_only_loads(), mock.patch.object(sys, "argv", argv):
-            ds_to_universal(parse_arguments())
+        with weights_only_loads():  # DeepSpeed's own loads there unpickle nothing but data
+            ds_to_universal(options)
     except CheckpointError:
         shutil.rmtree(out, ignore_errors=True)
         raise

@@ -30,27 +30,16 @@ REQUEST_KEYS = {"id", "prompt", "code", "image", "caption", "draw", "out", "size
 
 
 # --- prompts --------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class DrawPrompt:
-    ids: list[int]  # <bos> caption <boi>
-    modality: list[int]  # text for <bos> and the caption, structure for <boi>
-    # <bos> <boi>: the request without its caption (the unconditional side of guidance)
-    unconditional: list[int]
-
-
-def draw_prompt(caption_ids: list[int], *, bos_id: int, layout: VocabLayout) -> DrawPrompt:
-    """The drawing prompt for a caption's text ids (``TextTokenizer.encode``; no specials)."""
+def draw_prompt(
+    caption_ids: list[int], *, bos_id: int, layout: VocabLayout
+) -> tuple[list[int], list[int], list[int]]:
+    """The drawing prompt for a caption's text ids (``TextTokenizer.encode``; no specials): ids
+    ``<bos> caption <boi>``, their modality (text, then structure for ``<boi>``), and ``<bos>
+    <boi>``, the request without its caption (the unconditional side of guidance)."""
     boi = layout.structure_id("<boi>")
     ids = [bos_id, *caption_ids, boi]
     modality = [int(Modality.TEXT)] * (len(ids) - 1) + [int(Modality.STRUCTURE)]
-    return DrawPrompt(ids=ids, modality=modality, unconditional=[bos_id, boi])
-
-
-@dataclass(frozen=True)
-class CaptionPrompt:
-    ids: list[int]  # <bos> [image block] [text]
-    modality: list[int]
-    image_ids: list[int] | None  # 0 on the block, -1 elsewhere; None for causal-only models
+    return ids, modality, [bos_id, boi]
 
 
 def caption_prompt(
@@ -60,16 +49,17 @@ def caption_prompt(
     *,
     bos_id: int,
     bidirectional_images: bool,
-) -> CaptionPrompt:
+) -> tuple[list[int], list[int], list[int] | None]:
     """The caption prompt for an image block (``data.layout.image_tokens``) and the text ids
-    that follow it (empty for a bare caption)."""
+    that follow it (empty for a bare caption): ids ``<bos> [image block] [text]``, their
+    modality, and their image ids (0 on the block, -1 elsewhere; None for causal-only models)."""
     ids = [bos_id, *block.tolist(), *text_ids]
     text = int(Modality.TEXT)
     modality = [text, *block_modality.tolist(), *[text] * len(text_ids)]
     image_ids = None
     if bidirectional_images:
         image_ids = [-1] + [0] * len(block) + [-1] * len(text_ids)
-    return CaptionPrompt(ids=ids, modality=modality, image_ids=image_ids)
+    return ids, modality, image_ids
 
 
 class TextOnly:
@@ -147,7 +137,7 @@ def caption_codes(parts, codes: np.ndarray, prompt: str = "", **sampling) -> lis
     from data.layout import image_tokens
 
     text = parts.text
-    asked = caption_prompt(
+    ids, modality, image_ids = caption_prompt(
         *image_tokens(codes, parts.layout),
         text.encode(prompt) if prompt else [],
         bos_id=text.bos_id,
@@ -155,11 +145,11 @@ def caption_codes(parts, codes: np.ndarray, prompt: str = "", **sampling) -> lis
     )
     return sample(
         parts,
-        asked.ids,
-        asked.modality,
+        ids,
+        modality,
         constraint=TextOnly(parts),
         stop=[text.eos_id],
-        image_ids=asked.image_ids,
+        image_ids=image_ids,
         **sampling,
     )
 
@@ -182,7 +172,9 @@ def draw_image(
     layout = parts.layout
     boi, eoi = layout.structure_id("<boi>"), layout.structure_id("<eoi>")
     need = image_block_len(*(size or (side, side))) - 1  # everything after <boi>
-    asked = draw_prompt(parts.text.encode(caption), bos_id=parts.text.bos_id, layout=layout)
+    ids, modality, unconditional = draw_prompt(
+        parts.text.encode(caption), bos_id=parts.text.bos_id, layout=layout
+    )
     try:
         constraint = ImageConstraint(
             layout, 1, vocab_size=parts.model.cfg.vocab_size, max_h=side, max_w=side, size=size
@@ -191,27 +183,26 @@ def draw_image(
         raise ReleaseError(f"--size: {e}") from None
     new = sample(
         parts,
-        asked.ids,
-        asked.modality,
+        ids,
+        modality,
         constraint=constraint,
         stop=[eoi],
         max_new_tokens=need,
         # guidance contrasts the caption with the same request without it: <bos> <boi>
-        unconditional=asked.unconditional,
+        unconditional=unconditional,
         guidance=guidance,
         **sampling,
     )
     block = [boi, *new[: new.index(eoi) + 1]] if eoi in new else [boi, *new]
     codes = parse_image(block, layout)  # the grammar guarantees a well-formed block
-    with torch.no_grad():
-        image = parts.vtok.decode(
-            torch.from_numpy(codes)[None].to(parts.model.output.weight.device)
-        )
-    return codes, to_pixels(image[0]), len(new)
+    return codes, decode_codes(parts, codes), len(new)
 
 
-def to_pixels(image: torch.Tensor) -> np.ndarray:
-    """A decoded image [3, H, W] in [-1, 1] as uint8 pixels [H, W, 3]."""
+@torch.no_grad()
+def decode_codes(parts, codes: np.ndarray) -> np.ndarray:
+    """A code grid [h, w] decoded by ``parts.vtok`` into uint8 pixels [H, W, 3]."""
+    device = parts.model.output.weight.device
+    image = parts.vtok.decode(torch.from_numpy(codes)[None].to(device))[0]  # [3, H, W] in [-1, 1]
     return ((image.float().cpu().permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255).byte().numpy()
 
 
@@ -260,8 +251,8 @@ class Generator:
             "stopped": self.text.eos_id in new,
         }
 
-    def encode_image(self, image: str | Path | bytes) -> tuple[np.ndarray, np.ndarray]:
-        """(pixels at the tokenizer's size [H, W, 3], code grid) of an image file or its bytes."""
+    def encode_image(self, image: str | Path | bytes) -> np.ndarray:
+        """The code grid of an image file or its bytes, encoded at the tokenizer's size."""
         from data.image_crops import to_tensor
         from data.image_prep import ImagePrep, load_image
 
@@ -280,10 +271,10 @@ class Generator:
                 f"{where}: cannot read the image ({type(e).__name__}: {str(e)[:300]})"
             ) from None
         with torch.no_grad():
-            return arr, self.vtok.encode(to_tensor(arr[None]).to(self.device))[0].cpu().numpy()
+            return self.vtok.encode(to_tensor(arr[None]).to(self.device))[0].cpu().numpy()
 
     def caption(self, image: str | Path, prompt: str = "", **sampling) -> dict:
-        _, codes = self.encode_image(image)
+        codes = self.encode_image(image)
         new = caption_codes(self, codes, prompt, **sampling)
         return {
             "kind": "caption",
@@ -360,7 +351,7 @@ class Generator:
                 req["out"],
                 size=size,
                 max_size=req.get("max_size"),
-                guidance=float(req.get("guidance", defaults.get("guidance", 1.0))),
+                guidance=float(req.get("guidance", defaults["guidance"])),
                 **sampling,
             )
         elif req.get("image") is not None:

@@ -272,7 +272,7 @@ def test_scene_captions_read_the_picture_as_earlyfuse_generate_does(
             param.normal_(0.0, 0.3)
     judge = SceneJudge(gen.model, gen.layout, gen.text, gen.vtok, gen.image_max_pixels, "cpu")
     for image in sorted((tiny_corpus / "scenes").rglob("*.png"))[:3]:
-        _, codes = judge.encode_image(str(image))
+        codes = judge.encode_image(str(image))
         ours = gen.caption(
             str(image), max_new_tokens=12, temperature=0.0, top_k=0, top_p=1.0, seed=0
         )["text"]

@@ -15,22 +15,24 @@ def test_draw_prompt_is_what_generate_and_the_scene_evaluation_built(tiny_tokeni
     boi = layout.structure_id("<boi>")
     assert len(body) > 1 and boi >= layout.text_size  # a real caption, a structure token
 
-    asked = draw_prompt(body, bos_id=text.bos_id, layout=layout)
+    ids, modality, unconditional = draw_prompt(body, bos_id=text.bos_id, layout=layout)
 
     # What tools/generate.py (Generator.draw) and tools/evaluate/scenes.py (draw_image)
     # each wrote out before: <bos> caption <boi>, text then structure, and <bos> <boi>.
-    assert asked.ids == [text.bos_id, *body, boi]
-    assert asked.modality == [int(Modality.TEXT)] * (1 + len(body)) + [int(Modality.STRUCTURE)]
-    assert asked.unconditional == [text.bos_id, boi]
-    assert len(asked.modality) == len(asked.ids)
+    assert ids == [text.bos_id, *body, boi]
+    assert modality == [int(Modality.TEXT)] * (1 + len(body)) + [int(Modality.STRUCTURE)]
+    assert unconditional == [text.bos_id, boi]
+    assert len(modality) == len(ids)
     # The unconditional side is the same request with its caption taken out, nothing else.
-    assert asked.unconditional == [asked.ids[0], *asked.ids[1 + len(body) :]]
-    assert text.decode(asked.ids[1:-1]) == caption
+    assert unconditional == [ids[0], *ids[1 + len(body) :]]
+    assert text.decode(ids[1:-1]) == caption
 
     # No caption at all: the request is its own unconditional twin.
-    empty = draw_prompt([], bos_id=text.bos_id, layout=layout)
-    assert empty.ids == empty.unconditional == [text.bos_id, boi]
-    assert empty.modality == [int(Modality.TEXT), int(Modality.STRUCTURE)]
+    empty_ids, empty_modality, empty_unconditional = draw_prompt(
+        [], bos_id=text.bos_id, layout=layout
+    )
+    assert empty_ids == empty_unconditional == [text.bos_id, boi]
+    assert empty_modality == [int(Modality.TEXT), int(Modality.STRUCTURE)]
 
 
 def test_caption_prompt_is_what_generate_and_the_scene_evaluation_built(tiny_tokenizers):
@@ -43,18 +45,20 @@ def test_caption_prompt_is_what_generate_and_the_scene_evaluation_built(tiny_tok
     block, bmod = image_tokens(np.arange(6).reshape(2, 3), text.layout)
     body = text.encode("a red")
     for bidirectional in (False, True):
-        asked = caption_prompt(
+        ids, modality, image_ids = caption_prompt(
             block, bmod, body, bos_id=text.bos_id, bidirectional_images=bidirectional
         )
         # What Generator.caption wrote out before (SceneJudge.caption: the same, no text after).
-        assert asked.ids == [text.bos_id, *block.tolist(), *body]
-        assert asked.modality == [
+        assert ids == [text.bos_id, *block.tolist(), *body]
+        assert modality == [
             int(Modality.TEXT),
             *bmod.tolist(),
             *[int(Modality.TEXT)] * len(body),
         ]
         want = [-1] + [0] * len(block) + [-1] * len(body) if bidirectional else None
-        assert asked.image_ids == want
-    bare = caption_prompt(block, bmod, [], bos_id=text.bos_id, bidirectional_images=True)
-    assert bare.ids == [text.bos_id, *block.tolist()]
-    assert bare.image_ids == [-1] + [0] * len(block)
+        assert image_ids == want
+    bare_ids, _, bare_image_ids = caption_prompt(
+        block, bmod, [], bos_id=text.bos_id, bidirectional_images=True
+    )
+    assert bare_ids == [text.bos_id, *block.tolist()]
+    assert bare_image_ids == [-1] + [0] * len(block)

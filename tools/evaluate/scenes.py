@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from data.demo_corpus.scene_scoring import score
 from data.demo_corpus.scenes import caption_facts
@@ -19,8 +18,8 @@ from tools.generate_requests import (
     MAX_SOURCE_PIXELS,
     Generator,
     caption_codes,
+    decode_codes,
     draw_image,
-    to_pixels,
 )
 
 ATTRIBUTES = ("colour", "shape", "position", "all")
@@ -88,9 +87,8 @@ class SceneJudge(Generator):
             self.until_eos(caption_codes(self, codes, max_new_tokens=max_new_tokens))
         )
 
-    @torch.no_grad()
     def ceiling(self, codes: np.ndarray) -> np.ndarray:
-        return to_pixels(self.vtok.decode(torch.from_numpy(codes)[None].to(self.device))[0])
+        return decode_codes(self, codes)
 
 
 def _caption_score(text: str, facts: dict) -> dict[str, bool]:
@@ -133,7 +131,7 @@ def evaluate_scenes(
 
     for i, scene in enumerate(tqdm(single, desc="scenes", unit=" scenes", disable=not progress)):
         other = single[(i + 1) % len(single)]["facts"]
-        _, codes = judge.encode_image(scene["image"])
+        codes = judge.encode_image(scene["image"])
         grid = (int(codes.shape[0]), int(codes.shape[1]))
         _, drawing, _ = draw_image(
             judge,
