@@ -301,8 +301,8 @@ def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=
     with torch.device("meta"):
         model = model_class(hf_cfg)
     model.load_state_dict(qwen3_state(state, cfg.n_layers) | grid_tables, strict=True, assign=True)
-    if out.exists():
-        shutil.rmtree(out)
+    if out.exists():  # let through by check_out's --force: a folder or a file
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
     model.generation_config = generation_config(rel.vocab_layout, tok)
     model.save_pretrained(out, safe_serialization=True)
     fast = hf_tokenizer(rel.path / TOKENIZER, tok.bos_id)

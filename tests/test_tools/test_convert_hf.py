@@ -93,6 +93,17 @@ def test_a_feature_qwen3_lacks_is_refused_by_name(release, tmp_path, capsys):
     assert not (tmp_path / "hf").exists()
 
 
+def test_a_file_in_the_way_is_refused_or_replaced_with_force(release, tmp_path, capsys):
+    out = tmp_path / "hf"
+    out.write_text("not a folder")
+    assert convert_main(["hf", str(release), str(out)]) == 1
+    assert f"{out}: exists and is not empty; choose another folder or pass --force" in (
+        capsys.readouterr().err
+    )
+    assert convert_main(["hf", str(release), str(out), "--force"]) == 0
+    assert (out / "config.json").is_file()
+
+
 def test_hf_greedy_text_generation_equals_earlyfuse_generate(release, tmp_path):
     """AutoTokenizer starts the prompt with <|bos|>, generation_config.json suppresses every
     non-text id, so transformers' greedy generate gives earlyfuse-generate's tokens."""
