@@ -3,13 +3,10 @@
 For each size, a synthetic token folder of tiny documents (one real shard, hard-linked under as
 many shard names as the size needs), timed in this process: ``build_loader``, its first batch, a
 restore mid-epoch, and ``json.loads`` of every JSONL index line (a lower bound of a start that
-parsed them). ``--first-batch CHECKOUT ...`` times instead a fresh process's first batch with
-each checkout's loader (this one: ``.``), ratios against the first. docs/benchmarks.md, "Loader:
-start-up against the number of samples" and "the first batch of a fresh process", has the method
-and the figures.
+parsed them). docs/benchmarks.md, "Loader: start-up against the number of samples", has the
+method and the figures; a fresh process's first batch is measured by bench_peers.py.
 
     python tools/bench/bench_startup.py [--sizes 10000 100000 1000000 10000000] [--rounds 3]
-    python tools/bench/bench_startup.py --sizes 100000 --first-batch /tmp/before . --rounds 5
 """
 
 from __future__ import annotations
@@ -19,11 +16,9 @@ import hashlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +31,6 @@ from tools.bench import (  # noqa: E402
     loader_start,
     machine,
     report,
-    rounds,
     token_loader_config,
     write_token_manifest,
     write_token_shard,
@@ -85,62 +79,6 @@ def time_restore(cfg: LoaderConfig, state: dict, n: int) -> float:
     return loader_start(cfg, deep)[1]
 
 
-# What one fresh process of --first-batch runs (its checkout's loader first on sys.path).
-_FIRST_BATCH = """
-import json, sys, time
-sys.path.insert(0, {root!r})
-t0 = time.perf_counter()
-from data.loader import LoaderConfig, SourceConfig, build_loader
-t1 = time.perf_counter()
-cfg = LoaderConfig(sources=[SourceConfig(name="synth", shards=[{src!r}])], seq_len={seq_len},
-                   num_workers={workers}, mode="infinite", pin_memory=False)
-loader = build_loader(cfg, rank=0, world_size=1, micro_batch=8)
-t2 = time.perf_counter()
-it = iter(loader)
-next(it)
-t3 = time.perf_counter()
-it.close()
-print(json.dumps({{"import_s": t1 - t0, "build_s": t2 - t1, "first_batch_s": t3 - t2}}))
-"""
-
-
-def time_first_batch(root: Path, src: Path, seq_len: int, workers: int) -> dict:
-    """A fresh process's import, ``build_loader`` and first batch after it, with ``root``'s
-    loader."""
-    code = _FIRST_BATCH.format(root=str(root), src=str(src), seq_len=seq_len, workers=workers)
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def first_batch(checkouts: list[Path], src: Path, seq_len: int, count: int) -> dict:
-    """Medians of ``time_first_batch`` per checkout and worker count, and their ratios."""
-    measures = {
-        (checkout, workers): partial(time_first_batch, checkout, src, seq_len, workers)
-        for checkout in checkouts
-        for workers in (0, 1)
-    }
-    for measure in measures.values():  # untimed: numba writes its cache, the page cache fills
-        measure()
-    times = rounds(measures, count)
-    out: dict = {}
-    for workers in (0, 1):
-        base = None
-        for checkout in checkouts:
-            runs = times[(checkout, workers)]
-            row = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
-            base = base or row["first_batch_s"]
-            row["first_batch_vs_first_checkout"] = row["first_batch_s"] / base
-            out[f"{checkout} workers={workers}"] = row
-            print(
-                f"{str(checkout):>40} {workers} worker(s): import {row['import_s'] * 1e3:7.0f} ms, "
-                f"build_loader {row['build_s'] * 1e3:6.0f} ms, first batch after it "
-                f"{row['first_batch_s'] * 1e3:7.0f} ms ({row['first_batch_vs_first_checkout']:.2f}x)"
-            )
-    return out
-
-
 def time_jsonl(src: Path) -> float:
     started = time.perf_counter()
     for index in sorted(src.glob("*.idx.jsonl")):
@@ -186,13 +124,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--jsonl-max", type=int, default=10**6, help="largest size to parse JSONL at")
     ap.add_argument("--work-dir", type=Path, default=None)
-    ap.add_argument(
-        "--first-batch",
-        type=Path,
-        nargs="+",
-        metavar="CHECKOUT",
-        help="time a fresh process's first batch with each checkout's loader (see above)",
-    )
     a = ap.parse_args(argv)
     res: dict = {"machine": machine(), "load_before": os.getloadavg()}
     with tempfile.TemporaryDirectory(prefix="bench-startup-", dir=a.work_dir) as scratch:
@@ -201,12 +132,7 @@ def main(argv=None) -> dict:
         base.mkdir()
         info = write_base(base, a.shard_samples, a.tokens_per_doc)
         folders = {n: make_folder(work / f"n{n}", base, info, n) for n in a.sizes}
-        if a.first_batch:
-            checkouts = [root.resolve() for root in a.first_batch]
-            synth = folders[a.sizes[0]] / "synth"
-            res["first_batch"] = first_batch(checkouts, synth, a.seq_len, a.rounds)
-        else:
-            res["sizes"] = by_size(folders, a)
+        res["sizes"] = by_size(folders, a)
         res["load_after"] = os.getloadavg()
         return report(res)
 
