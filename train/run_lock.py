@@ -17,6 +17,9 @@ Design choices:
   is refused with the command that removes the lock.
 - The file is never deleted, only emptied when the run ends: deleting it would let a process that
   opened the old file and one that creates a new one both hold "the" lock.
+- A process forked from the holder (the loader's DataLoader workers fork from the trainer's
+  process) closes its copy of the descriptor at once: the flock belongs to the open file, so a
+  copy would keep the folder locked after the holder died, for as long as the child lives.
 """
 
 from __future__ import annotations
@@ -32,6 +35,18 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 LOCK_NAME = "run.lock"
+
+
+_held: set[int] = set()  # the descriptors of the locks this process holds
+
+
+def _close_in_child() -> None:
+    for fd in _held:
+        os.close(fd)  # the child's copy only: the holder's lock stays (no LOCK_UN here)
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 class RunLocked(RuntimeError):
@@ -110,6 +125,7 @@ class RunLock:
             os.close(fd)
             raise
         self.fd = fd
+        _held.add(fd)
 
     def refusal(self, holder: dict, *, checked: bool) -> RunLocked:
         who = holder_text(holder) if holder else "another process"
@@ -130,5 +146,6 @@ class RunLock:
         try:
             os.ftruncate(self.fd, 0)  # emptied, never deleted (see the module docstring)
         finally:
+            _held.discard(self.fd)
             os.close(self.fd)  # closing releases the flock
             self.fd = None

@@ -46,6 +46,37 @@ def test_a_live_holder_refuses_and_a_killed_one_leaves_a_stale_lock(tmp_path, ca
     again.release()
 
 
+# The holder forks a child (as the loader forks its workers) that outlives it
+HOLD_AND_FORK = """
+import os, sys, time
+from pathlib import Path
+from train.run_lock import RunLock
+RunLock(Path(sys.argv[1])).acquire()
+child = os.fork()
+if child == 0:
+    time.sleep(600)
+    os._exit(0)
+print(child, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_child_forked_from_the_holder_does_not_keep_the_lock_after_it_dies(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_AND_FORK, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    child = int(holder.stdout.readline())
+    try:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        assert pid_alive(child, None)
+        lock = RunLock(tmp_path)
+        lock.acquire()  # the dead holder's lock, although its child still runs
+        lock.release()
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
 def test_pid_checks_for_filesystems_without_flock():
     done = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
