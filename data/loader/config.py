@@ -40,8 +40,8 @@ class LoaderConfig:
     shuffle_shards: bool = True
     num_workers: int = 1  # DataLoader worker processes per rank (0: in the main process)
     # How the workers start: fork (from this process, at once) | forkserver (from a clean process
-    # that holds torch and the loader; for trainers whose threads hold locks a worker may need).
-    # data/loader/worker_start.py, docs/loader.md "Worker processes".
+    # that holds torch and the loader; for trainers whose threads write or hold locks a worker may
+    # need). data/loader/worker_start.py, docs/loader.md "Worker processes".
     worker_start: str = "fork"
     prefetch_factor: int = 4
     pin_memory: bool = True  # when a GPU is present

@@ -133,10 +133,9 @@ class PackedLoader:
         self.rotation = 0
         self.handed_out = 0
         self.batch_limit: int | None = None
-        if cfg.num_workers:
-            # Done already when built by build_loader; a fork server's imports (worker_start.py)
-            # run while this process counts the epoch below
-            prepare_workers(cfg.worker_start)
+        # Done already when built by build_loader; a fork server's imports (worker_start.py) run
+        # while this process counts the epoch below
+        prepare_workers(cfg.worker_start, cfg.num_workers)
         if cfg.mode == "epoch":
             self.batch_limit = self.count_batches()
 
@@ -345,8 +344,7 @@ def build_loader(
         raise ValueError(
             "data.validation lists no sources" if validation else "data.sources lists no sources"
         )
-    if cfg.num_workers:
-        prepare_workers(cfg.worker_start)  # as early as can be: a fork server imports meanwhile
+    prepare_workers(cfg.worker_start, cfg.num_workers)  # early: a fork server imports meanwhile
     if tables is None:
         tables = [load_table(s, cache_dir=cfg.cache_dir) for s in sources]
     check_tokenizers(cfg, tables)

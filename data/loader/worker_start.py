@@ -16,11 +16,14 @@ WORKER_STARTS = ("fork", "forkserver")
 PRELOAD = "data.loader.worker_preload"
 
 
-def prepare_workers(method: str) -> None:
-    """Make ready what the loader's workers start from, returning at once for ``forkserver``
-    (the server imports in the background)."""
+def prepare_workers(method: str, workers: int) -> None:
+    """Check ``method`` (also without workers: a typo in a config is caught at once) and, with
+    workers, make ready what they start from, returning at once for ``forkserver`` (the server
+    imports in the background)."""
     if method not in WORKER_STARTS:
         raise ValueError(f"data.worker_start {method!r}: choose one of {', '.join(WORKER_STARTS)}")
+    if not workers:
+        return
     if method == "fork":
         importlib.import_module(PRELOAD)  # warms this process's kernels, once: workers inherit them
         return

@@ -121,13 +121,38 @@ def _what_a_worker_finds(loader: PackedLoader, method: str) -> list[dict]:
     )
 
 
+# A fresh process (no kernel loaded yet) builds a loader with one forked worker and reports what
+# the worker found; this file's helpers imported from it.
+FORKED = """
+import json, sys
+sys.path[:0] = ["tests", "tests/test_data"]
+from factories import tiny_loader_config
+from test_loader_startup import _kernels_loaded, _what_a_worker_finds
+from data.loader import build_loader
+cfg = tiny_loader_config(__import__("pathlib").Path(sys.argv[1]), num_workers=1)
+assert cfg.worker_start == "fork"
+before = sum(_kernels_loaded().values())
+loader = build_loader(cfg, rank=0, world_size=1, micro_batch=3)
+print(json.dumps({"loaded_before_build": before, "found": _what_a_worker_finds(loader, "fork")}))
+"""
+
+
 def test_a_forked_worker_finds_the_loader_imported_and_its_kernels_loaded(tiny_tokens):
     """The default: the trainer's process warms the kernels when it builds the loader (in
-    infinite mode it packs nothing itself), so no worker forked from it loads one."""
-    cfg = tiny_loader_config(tiny_tokens, num_workers=1)
-    assert cfg.worker_start == "fork"
-    loader = build_loader(cfg, rank=0, world_size=1, micro_batch=3)
-    assert _what_a_worker_finds(loader, "fork") == [{"preloaded": True, "loaded_in_worker": []}]
+    infinite mode it packs nothing itself), so no worker forked from it loads one. In a fresh
+    process, so that nothing else has loaded them before."""
+    out = subprocess.run(
+        [sys.executable, "-c", FORKED, str(tiny_tokens)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report == {
+        "loaded_before_build": 0,
+        "found": [{"preloaded": True, "loaded_in_worker": []}],
+    }
 
 
 def test_a_worker_forks_from_a_server_with_the_loader_imported_and_its_kernels_loaded(
@@ -146,11 +171,12 @@ def test_a_worker_forks_from_a_server_with_the_loader_imported_and_its_kernels_l
 
 
 def test_an_unknown_worker_start_is_refused_by_name(tiny_tokens):
-    cfg = tiny_loader_config(tiny_tokens, num_workers=1, worker_start="spawn")
-    with pytest.raises(
-        ValueError, match="data.worker_start 'spawn': choose one of fork, forkserver"
-    ):
-        build_loader(cfg, rank=0, world_size=1, micro_batch=3)
+    for workers in (1, 0):
+        cfg = tiny_loader_config(tiny_tokens, num_workers=workers, worker_start="spawn")
+        with pytest.raises(
+            ValueError, match="data.worker_start 'spawn': choose one of fork, forkserver"
+        ):
+            build_loader(cfg, rank=0, world_size=1, micro_batch=3)
 
 
 def test_counting_an_epoch_reads_the_indexes_alone(tiny_tokens, monkeypatch):
