@@ -37,12 +37,14 @@ log = logging.getLogger(__name__)
 LOCK_NAME = "run.lock"
 
 
-_held: set[int] = set()  # the descriptors of the locks this process holds
+_held: set[RunLock] = set()  # the locks this process holds (released ones leave)
 
 
 def _close_in_child() -> None:
-    for fd in _held:
-        os.close(fd)  # the child's copy only: the holder's lock stays (no LOCK_UN here)
+    for lock in list(_held):
+        if lock.fd is not None:
+            os.close(lock.fd)  # the child's copy only: the holder's lock stays (no LOCK_UN here)
+            lock.fd = None  # nothing left for the child to release
     _held.clear()
 
 
@@ -125,7 +127,7 @@ class RunLock:
             os.close(fd)
             raise
         self.fd = fd
-        _held.add(fd)
+        _held.add(self)
 
     def refusal(self, holder: dict, *, checked: bool) -> RunLocked:
         who = holder_text(holder) if holder else "another process"
@@ -146,6 +148,6 @@ class RunLock:
         try:
             os.ftruncate(self.fd, 0)  # emptied, never deleted (see the module docstring)
         finally:
-            _held.discard(self.fd)
+            _held.discard(self)
             os.close(self.fd)  # closing releases the flock
             self.fd = None
