@@ -52,11 +52,10 @@ import os, sys, time
 from pathlib import Path
 from train.run_lock import RunLock
 RunLock(Path(sys.argv[1])).acquire()
-child = os.fork()
-if child == 0:
+if os.fork() == 0:
+    print(os.getpid(), flush=True)  # after the fork's hooks have run in this child
     time.sleep(600)
     os._exit(0)
-print(child, flush=True)
 time.sleep(600)
 """
 
