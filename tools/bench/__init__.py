@@ -1,6 +1,7 @@
 """What the benchmarks share: the machine and commit they ran on, rounds of contenders measured
 in turn, results as JSON, memory and process trees read from Linux's /proc, the device helpers of
-the GPU scripts, and token folders written by the project's own writers and read by its loader.
+the GPU scripts, and token folders written by the project's own writers and read by its loader
+(the instability suite, tools/monitor_eval/, writes its sources with them too).
 
 Only the standard library is imported here: the GPU scripts run where only torch is installed,
 so numpy, torch and the pipeline are imported inside the functions that need them.
@@ -132,25 +133,22 @@ def allow_recompiles(lengths: int, per_length: int = 8) -> None:
 
 
 # --- token folders --------------------------------------------------------------------------------
-def write_token_shard(folder: Path, source: str, stem: str, docs: Iterable, modality: int) -> dict:
-    """One token shard (tar, JSONL index, binary index) of ``docs``, (key, int32 ids) pairs of
-    one modality, written by tokenize's own writer under ``folder / source``: its manifest
+def write_token_shard(folder: Path, source: str, stem: str, docs: Iterable) -> dict:
+    """One token shard (tar, JSONL index, binary index) of ``docs`` (``TokenDoc``s, written as
+    documents of ``source``) by tokenize's own writer under ``folder / source``: its manifest
     entry, as tokenize makes it."""
     import dataclasses
-
-    import numpy as np
 
     from data.shards import token_index
     from data.shards.manifest import shard_entry
     from data.tokenize.blocks import shard_block_stats
-    from data.tokenize.docs import TokenDoc
     from data.tokenize.shard_job import TokenShardWriter
 
     rel = f"{source}/{stem}"
     (folder / source).mkdir(parents=True, exist_ok=True)
     writer = TokenShardWriter(folder / f"{rel}.tar", folder / f"{rel}.idx.jsonl")
-    for key, ids in docs:
-        writer.write(TokenDoc(key, ids, np.full(len(ids), modality, np.uint8), source=source))
+    for doc in docs:
+        writer.write(dataclasses.replace(doc, source=source))
     written = dataclasses.asdict(writer.close(folder / f"{rel}{token_index.SUFFIX}"))
     return shard_entry(
         {**written, "tar": f"{rel}.tar", "index_file": f"{rel}.idx.jsonl", "source": source},
@@ -160,9 +158,12 @@ def write_token_shard(folder: Path, source: str, stem: str, docs: Iterable, moda
     )
 
 
-def write_token_manifest(folder: Path, fingerprint: str, tokenizers: dict, shards: list) -> dict:
+def write_token_manifest(
+    folder: Path, fingerprint: str, tokenizers: dict, shards: list, **fields
+) -> dict:
     """The token folder's ``manifest.json`` over ``shards``, as ``earlyfuse-prep tokenize`` writes
-    it: the manifest."""
+    it: the manifest. ``fields``: more of its entries (a derived folder's ``inputs``, the
+    ``options`` of the folder it derives from)."""
     samples: Counter[str] = Counter()
     tokens: defaultdict[str, Counter[str]] = defaultdict(Counter)
     for entry in shards:
@@ -177,6 +178,7 @@ def write_token_manifest(folder: Path, fingerprint: str, tokenizers: dict, shard
         "version": 1,
         "fingerprint": fingerprint,
         "tokenizers": tokenizers,
+        **fields,
         "sources": sources,
         "shards": shards,
         "totals": {
