@@ -1,5 +1,6 @@
 """What the benchmarks share: the machine and commit they ran on, rounds of contenders measured
-in turn, results as JSON, memory and process trees read from Linux's /proc, the device helpers of
+in turn, results as JSON, memory and process trees read from Linux's /proc, a training run in a
+subprocess, the device helpers of
 the GPU scripts, and token folders written by the project's own writers and read by its loader
 (the instability suite, tools/monitor_eval/, writes its sources with them too).
 
@@ -15,6 +16,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping
@@ -93,6 +95,18 @@ def process_tree(root: int) -> list[int]:
         except OSError:  # ended meanwhile
             continue
     return found
+
+
+def train_subprocess(overrides: list[str], what: str, cwd: Path | None = None) -> None:
+    """``earlyfuse-train`` with ``overrides``, in a fresh process started in ``cwd``; ``what``
+    failed, with the tail of its stderr, when it exits non-zero. A launcher's rank variables are
+    not passed on: the run is one process of its own, not a rank of this one's job."""
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {key: value for key, value in os.environ.items() if key not in launcher}
+    command = [sys.executable, "-m", "train.app", *overrides]
+    proc = subprocess.run(command, cwd=cwd, capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise SystemExit(f"{what} failed:\n{proc.stderr[-3000:]}")
 
 
 # --- the GPU scripts ------------------------------------------------------------------------------

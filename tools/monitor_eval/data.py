@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -37,7 +35,7 @@ from data.shards.reader import iter_shard
 from data.tokenize.blocks import visual_blocks
 from data.tokenize.docs import TokenDoc
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
-from tools.bench import write_token_manifest, write_token_shard
+from tools.bench import train_subprocess, write_token_manifest, write_token_shard
 
 VERSION = 7  # bump when what is built changes
 REPO = Path(__file__).resolve().parents[2]  # the checkout, where the suite's runs start
@@ -144,24 +142,15 @@ def _tokenize(root: Path, out: Path, visual: Path) -> Path:
 def tokenize_trained(root: Path, steps: int) -> Path:
     """The base corpus tokenized again with a visual tokenizer trained ``steps`` steps on it (a
     real ``earlyfuse-train experiment=vtok_debug`` run); returns the token folder."""
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "train.app",
-            "experiment=vtok_debug",
-            f"run_dir={root / 'vtok'}",
-            f"train.steps={steps}",
-            "train.progress=false",
-            "train.tensorboard=false",
-            f"vtok_data.raw=[{root / 'raw'}]",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
-    if run.returncode:
-        raise RuntimeError(f"training the suite's visual tokenizer failed:\n{run.stderr[-2000:]}")
+    overrides = [
+        "experiment=vtok_debug",
+        f"run_dir={root / 'vtok'}",
+        f"train.steps={steps}",
+        "train.progress=false",
+        "train.tensorboard=false",
+        f"vtok_data.raw=[{root / 'raw'}]",
+    ]
+    train_subprocess(overrides, "training the suite's visual tokenizer", cwd=REPO)
     return _tokenize(root, root / "tokens_tv", root / "vtok" / "visual_tokenizer")
 
 
