@@ -18,7 +18,8 @@ anything. This classifier is deliberately simple and documented (docs/evaluation
 
 Scored on single-shape scenes (the caption names one colour, shape and cell), so each figure
 has a clear chance level (measured, not assumed: the same drawings scored against another
-scene's facts). ``score_caption`` scores a generated caption against the same facts. ``shape_iou`` compares a reconstructed shape with the true one pixel by pixel.
+scene's facts). ``score_caption`` scores a generated caption against the same facts.
+``shape_iou`` compares a reconstructed shape with the true one pixel by pixel.
 """
 
 from __future__ import annotations

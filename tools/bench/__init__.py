@@ -1,8 +1,8 @@
 """What the benchmarks share: the machine and commit they ran on, rounds of contenders measured
 in turn, results as JSON, memory and process trees read from Linux's /proc, a training run in a
-subprocess, the device helpers of
-the GPU scripts, and token folders written by the project's own writers and read by its loader
-(the instability suite, tools/monitor_eval/, writes its sources with them too).
+subprocess, the device helpers of the GPU scripts, and token folders written by the project's own
+writers and read by its loader (the instability suite, tools/monitor_eval/, writes its sources
+with them and trains in a subprocess too).
 
 Only the standard library is imported here: the GPU scripts run where only torch is installed,
 so numpy, torch and the pipeline are imported inside the functions that need them.
