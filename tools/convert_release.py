@@ -113,8 +113,8 @@ def find_tokenizers(run_cfg, run_dir: Path) -> Path:
 
 def check_tokenizers(folder: Path, layout) -> dict:
     """Fingerprints of a tokenizers/ folder after checking it belongs to ``layout``."""
-    from data.loader.online import folder_fingerprints
     from data.tokenize.visual import load_visual_tokenizer
+    from data.tokenize.vtok_files import folder_fingerprints
     from data.vocab import VocabLayout
 
     need = [

@@ -18,7 +18,8 @@ anything. This classifier is deliberately simple and documented (docs/evaluation
 
 Scored on single-shape scenes (the caption names one colour, shape and cell), so each figure
 has a clear chance level (measured, not assumed: the same drawings scored against another
-scene's facts). ``shape_iou`` compares a reconstructed shape with the true one pixel by pixel.
+scene's facts). ``score_caption`` scores a generated caption against the same facts.
+``shape_iou`` compares a reconstructed shape with the true one pixel by pixel.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image, ImageDraw
 
-from .scenes import BACKGROUNDS, PALETTE, POSITIONS, cell_box
+from .scenes import BACKGROUNDS, PALETTE, POSITIONS, caption_facts, cell_box
 
 NAMES = list(PALETTE)
 REFERENCES = np.array(
@@ -138,10 +139,24 @@ def read_scene(image: np.ndarray) -> dict:
 def score(image: np.ndarray, facts: dict) -> dict[str, bool]:
     """Per attribute, whether the picture shows the single stated shape's colour, shape, cell
     (and all three)."""
+    return _compare(read_scene(image), facts)
+
+
+def score_caption(text: str, facts: dict) -> dict[str, bool]:
+    """The same for a generated caption, parsed back into facts (``caption_facts``): one that
+    does not parse is wrong on every attribute."""
+    try:
+        got = caption_facts(text.strip().rstrip("."))["shapes"][0]
+    except ValueError:
+        got = {}
+    return _compare(got, facts)
+
+
+def _compare(got: dict, facts: dict) -> dict[str, bool]:
     if len(facts["shapes"]) != 1:
-        raise ValueError("score() takes single-shape scenes (their caption names one shape)")
-    want, got = facts["shapes"][0], read_scene(image)
-    out = {k: got[k] == want[k] for k in ("colour", "shape", "position")}
+        raise ValueError("scores take single-shape scenes (their caption names one shape)")
+    want = facts["shapes"][0]
+    out = {k: got.get(k) == want[k] for k in ("colour", "shape", "position")}
     out["all"] = all(out.values())
     return out
 

@@ -369,7 +369,8 @@ def build_loader(
 def check_tokenizers(cfg: LoaderConfig, tables: list[SampleTable]) -> None:
     """All sources must speak one vocabulary: token sources made with one set of tokenizers (the
     ``data.tokenizers`` folder, when given), raw sources tokenized with that folder."""
-    from data.loader.online import folder_fingerprints, online_options, options_key
+    from data.loader.online import online_options, options_key
+    from data.tokenize.vtok_files import folder_fingerprints
 
     want = tokenizer_key(folder_fingerprints(cfg.tokenizers)) if cfg.tokenizers else None
     for t in tables:

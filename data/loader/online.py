@@ -21,28 +21,11 @@ from data.shards.reader import RawDoc
 from data.text_tokenizer import TextTokenizer
 from data.tokenize.docs import budgeted_options
 from data.tokenize.encoder import DocEncoder, TokenDoc, TokenizeOptions
-from data.tokenize.visual import load_visual_tokenizer, weights_fingerprint
+from data.tokenize.visual import load_visual_tokenizer
 
 # What the loader calls tokenize's --seq-len, --max-block-tokens and --doc-budget (the loader has
 # no block budget of its own: a row's length is its bound)
 LOADER_NAMES = ("data.seq_len", "max_block_tokens", "data.doc_budget")
-
-
-def folder_fingerprints(folder: str | Path) -> dict:
-    """The ``tokenizers`` entry a token manifest would carry for this tokenizer folder."""
-    folder = Path(folder)
-    if not (folder / VISUAL_TOKENIZER_DIR).is_dir():  # not a folder, or not a whole one
-        raise ValueError(
-            f"data.tokenizers: {folder} is not a tokenizer folder, or one without its "
-            f"{VISUAL_TOKENIZER_DIR}/ (it should hold tokenizer.json, vocab_layout.json and "
-            "visual_tokenizer/, like a token folder's tokenizers/)"
-        )
-    text = TextTokenizer.load(folder)
-    return {
-        "text": text.fingerprint(),
-        "layout": text.layout.fingerprint(),
-        "visual": weights_fingerprint(folder / VISUAL_TOKENIZER_DIR),
-    }
 
 
 def online_options(cfg) -> TokenizeOptions:

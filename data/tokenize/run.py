@@ -53,7 +53,11 @@ from data.text_tokenizer import TextTokenizer
 from data.tokenize.blocks import block_summary
 from data.tokenize.docs import TokenizeOptions
 from data.tokenize.shard_job import STATE_DIR, TokenizeJob, tokenize_shard
-from data.tokenize.vtok_files import check_visual_tokenizer, weights_fingerprint
+from data.tokenize.vtok_files import (
+    check_visual_tokenizer,
+    folder_fingerprints,
+    weights_fingerprint,
+)
 from data.vocab import MODALITY_NAMES
 
 FORMAT = "earlyfuse-token-shards"
@@ -198,9 +202,7 @@ def tokenize(
             "partition": [partition, num_partitions],
             "missing": missing,
         }
-    manifest = finalize_tokens(
-        dest, raw, raw_m, records, tok_dir, vtok_dir, opts, fingerprint, text
-    )
+    manifest = finalize_tokens(dest, raw, raw_m, records, tok_dir, vtok_dir, opts, fingerprint)
     return {**manifest, "finalized": True, "written": len(jobs)}
 
 
@@ -213,11 +215,10 @@ def finalize_tokens(
     vtok_dir: Path,
     opts: TokenizeOptions,
     fp: str,
-    text: TextTokenizer,
 ) -> dict:
     """manifest.json, rejects.jsonl and the tokenizers' copy: in place, or staged and uploaded."""
     with Staging(dest) as stage:
-        manifest = _finalize_tokens(stage, raw, raw_m, records, tok_dir, vtok_dir, opts, fp, text)
+        manifest = _finalize_tokens(stage, raw, raw_m, records, tok_dir, vtok_dir, opts, fp)
         copied = sorted(
             str(path.relative_to(stage.path(""))) for path in stage.path(TOKENIZERS_DIR).rglob("*")
         )
@@ -235,7 +236,6 @@ def _finalize_tokens(
     vtok_dir: Path,
     opts: TokenizeOptions,
     fp: str,
-    text: TextTokenizer,
 ) -> dict:
     recs = [records[i] for i in sorted(records)]
     tdir = stage.path(TOKENIZERS_DIR)
@@ -271,12 +271,7 @@ def _finalize_tokens(
             "raw": raw.url if raw.remote else str(raw.local.resolve()),
             "raw_plan": raw_m["plan"]["fingerprint"],
         },
-        "tokenizers": {
-            "text": text.fingerprint(),
-            "layout": text.layout.fingerprint(),
-            "visual": weights_fingerprint(vtok_dir),
-            "folder": TOKENIZERS_DIR,
-        },
+        "tokenizers": {**folder_fingerprints(tdir), "folder": TOKENIZERS_DIR},
         "options": asdict(opts),
         "sources": list(sources.values()),
         "shards": [
@@ -336,10 +331,9 @@ def merge_tokens(out: str | Path) -> dict:
             "partitions that owe them, then merge again"
         )
     opts = TokenizeOptions(**first["options"])
-    text = TextTokenizer.load(tok_dir)
     raw_m = read_raw_manifest(raw)
     if fingerprint_of(raw_m, tok_dir, vtok_dir, opts) != fingerprint:
         raise ValueError(
             f"{out}: the raw folder or tokenizers changed since these shards were made"
         )
-    return finalize_tokens(dest, raw, raw_m, records, tok_dir, vtok_dir, opts, fingerprint, text)
+    return finalize_tokens(dest, raw, raw_m, records, tok_dir, vtok_dir, opts, fingerprint)

@@ -1,5 +1,6 @@
 """The visual tokenizer's folder checked and fingerprinted without torch (the parent process of
-``tokenize`` and text-only workers never import it; the model is built in the workers)."""
+``tokenize`` and text-only workers never import it; the model is built in the workers), and the
+fingerprints of a whole tokenizer folder, as a token manifest records them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import struct
 from pathlib import Path
 
 from data.names import VISUAL_CONFIG_FILE as CONFIG
+from data.names import VISUAL_TOKENIZER_DIR
 from data.names import VISUAL_WEIGHTS_FILE as WEIGHTS
+from data.text_tokenizer import TextTokenizer
 from data.vocab import VocabLayout
 
 
@@ -20,6 +23,23 @@ def weights_fingerprint(folder: str | Path) -> str:
             while chunk := f.read(1 << 20):
                 digest.update(chunk)
     return digest.hexdigest()[:16]
+
+
+def folder_fingerprints(folder: str | Path) -> dict:
+    """The ``tokenizers`` entry a token manifest would carry for this tokenizer folder."""
+    folder = Path(folder)
+    if not (folder / VISUAL_TOKENIZER_DIR).is_dir():  # not a folder, or not a whole one
+        raise ValueError(
+            f"data.tokenizers: {folder} is not a tokenizer folder, or one without its "
+            f"{VISUAL_TOKENIZER_DIR}/ (it should hold tokenizer.json, vocab_layout.json and "
+            "visual_tokenizer/, like a token folder's tokenizers/)"
+        )
+    text = TextTokenizer.load(folder)
+    return {
+        "text": text.fingerprint(),
+        "layout": text.layout.fingerprint(),
+        "visual": weights_fingerprint(folder / VISUAL_TOKENIZER_DIR),
+    }
 
 
 def check_visual_tokenizer(folder: str | Path, layout: VocabLayout) -> dict:

@@ -22,6 +22,7 @@ from data.demo_corpus import build, caption_facts, check_clip, check_scene
 from data.demo_corpus import scenes as scenes_mod
 from data.demo_corpus._common import scaled
 from data.demo_corpus.photos import available
+from data.demo_corpus.scene_scoring import score_caption
 
 decord = pytest.importorskip("decord")
 pytest.importorskip("av")
@@ -269,6 +270,25 @@ def test_check_scene_rejects_an_altered_caption(corpus):
     assert altered != r["caption"] and not check_scene(image, caption_facts(altered))
     with pytest.raises(ValueError):
         caption_facts("a mauve hexagon somewhere, on a plain grey background")
+
+
+def test_a_generated_caption_is_scored_against_a_scenes_facts():
+    """The held-out evaluation's caption score: the caption is parsed back into facts and
+    compared per attribute, as a drawing is; one that does not parse is wrong on every one."""
+    facts = caption_facts("a red circle in the top left, on a plain grey background")
+    right = "a red circle in the top left, on a noisy grey background. "
+    assert score_caption(right, facts) == dict.fromkeys(
+        ("colour", "shape", "position", "all"), True
+    )
+    wrong_cell = "a red circle in the top right, on a plain grey background"
+    assert score_caption(wrong_cell, facts) == {
+        "colour": True,
+        "shape": True,
+        "position": False,
+        "all": False,
+    }
+    unparsed = score_caption("a red circle", facts)
+    assert not any(unparsed.values()) and set(unparsed) == {"colour", "shape", "position", "all"}
 
 
 # ---------------------------------------------------------------- checkable clip captions

@@ -1,6 +1,8 @@
 """What the benchmarks share: the machine and commit they ran on, rounds of contenders measured
-in turn, results as JSON, memory and process trees read from Linux's /proc, the device helpers of
-the GPU scripts, and token folders written by the project's own writers and read by its loader.
+in turn, results as JSON, memory and process trees read from Linux's /proc, a training run in a
+subprocess, the device helpers of the GPU scripts, and token folders written by the project's own
+writers and read by its loader (the instability suite, tools/monitor_eval/, writes its sources
+with them and trains in a subprocess too).
 
 Only the standard library is imported here: the GPU scripts run where only torch is installed,
 so numpy, torch and the pipeline are imported inside the functions that need them.
@@ -14,6 +16,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping
@@ -94,6 +97,18 @@ def process_tree(root: int) -> list[int]:
     return found
 
 
+def train_subprocess(overrides: list[str], what: str, cwd: Path | None = None) -> None:
+    """``earlyfuse-train`` with ``overrides``, in a fresh process started in ``cwd``; ``what``
+    failed, with the tail of its stderr, when it exits non-zero. A launcher's rank variables are
+    not passed on: the run is one process of its own, not a rank of this one's job."""
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {key: value for key, value in os.environ.items() if key not in launcher}
+    command = [sys.executable, "-m", "train.app", *overrides]
+    proc = subprocess.run(command, cwd=cwd, capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise SystemExit(f"{what} failed:\n{proc.stderr[-3000:]}")
+
+
 # --- the GPU scripts ------------------------------------------------------------------------------
 def device_name(device) -> str:
     import torch
@@ -132,25 +147,22 @@ def allow_recompiles(lengths: int, per_length: int = 8) -> None:
 
 
 # --- token folders --------------------------------------------------------------------------------
-def write_token_shard(folder: Path, source: str, stem: str, docs: Iterable, modality: int) -> dict:
-    """One token shard (tar, JSONL index, binary index) of ``docs``, (key, int32 ids) pairs of
-    one modality, written by tokenize's own writer under ``folder / source``: its manifest
+def write_token_shard(folder: Path, source: str, stem: str, docs: Iterable) -> dict:
+    """One token shard (tar, JSONL index, binary index) of ``docs`` (``TokenDoc``s, written as
+    documents of ``source``) by tokenize's own writer under ``folder / source``: its manifest
     entry, as tokenize makes it."""
     import dataclasses
-
-    import numpy as np
 
     from data.shards import token_index
     from data.shards.manifest import shard_entry
     from data.tokenize.blocks import shard_block_stats
-    from data.tokenize.docs import TokenDoc
     from data.tokenize.shard_job import TokenShardWriter
 
     rel = f"{source}/{stem}"
     (folder / source).mkdir(parents=True, exist_ok=True)
     writer = TokenShardWriter(folder / f"{rel}.tar", folder / f"{rel}.idx.jsonl")
-    for key, ids in docs:
-        writer.write(TokenDoc(key, ids, np.full(len(ids), modality, np.uint8), source=source))
+    for doc in docs:
+        writer.write(dataclasses.replace(doc, source=source))
     written = dataclasses.asdict(writer.close(folder / f"{rel}{token_index.SUFFIX}"))
     return shard_entry(
         {**written, "tar": f"{rel}.tar", "index_file": f"{rel}.idx.jsonl", "source": source},
@@ -160,9 +172,12 @@ def write_token_shard(folder: Path, source: str, stem: str, docs: Iterable, moda
     )
 
 
-def write_token_manifest(folder: Path, fingerprint: str, tokenizers: dict, shards: list) -> dict:
+def write_token_manifest(
+    folder: Path, fingerprint: str, tokenizers: dict, shards: list, **fields
+) -> dict:
     """The token folder's ``manifest.json`` over ``shards``, as ``earlyfuse-prep tokenize`` writes
-    it: the manifest."""
+    it: the manifest. ``fields``: more of its entries (a derived folder's ``inputs``, the
+    ``options`` of the folder it derives from)."""
     samples: Counter[str] = Counter()
     tokens: defaultdict[str, Counter[str]] = defaultdict(Counter)
     for entry in shards:
@@ -177,6 +192,7 @@ def write_token_manifest(folder: Path, fingerprint: str, tokenizers: dict, shard
         "version": 1,
         "fingerprint": fingerprint,
         "tokenizers": tokenizers,
+        **fields,
         "sources": sources,
         "shards": shards,
         "totals": {

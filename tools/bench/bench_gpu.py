@@ -9,12 +9,9 @@ model FLOP/s (``model.flops.flops_per_token``, causal attention counted) / the G
 peak (``train.mfu``). Prints tokens/s and MFU over the timed steps (after ``--warmup`` steps).
 Needs only torch: the GPU machine lacks DeepSpeed and the other packages.
 
-Long rows (docs/long_context.md): ``--seq-len 8192,32768,131072 --micro-batch 1
---activation-checkpoint --compile`` measures each length in turn in one process (the model and
-optimizer are built once; the blocks compile again per length), ``--attention local-global``
-against the preset's document attention. Each result also carries ``train.memory``'s estimate for
-the setup, beside the measured peak. An out-of-memory error ends that length as "OOM at N" (in
-the JSON and on the console, exit status 0) and skips the longer ones.
+Long rows: several ``--seq-len`` are measured in turn in one process, each result beside
+``train.memory``'s estimate; an out-of-memory error ends a length as "OOM at N" and skips the
+longer ones (docs/benchmarks.md, "The long-context part", has the method).
 
     python tools/bench/bench_gpu.py --preset 125m --micro-batch 16 --seq-len 2048 --steps 300
     python tools/bench/bench_gpu.py --preset 125m --compile --json out/125m_compiled.json

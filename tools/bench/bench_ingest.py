@@ -2,12 +2,9 @@
 
     python tools/bench/bench_ingest.py [--images 300] [--texts 2000] [--repeat 3]
 
-Builds two corpora in a temp folder (noise JPEGs with captions; text files cut from the
-standard library's sources), then for each, in this one process, times
-- baseline: read every input file and add it to a tar with the stdlib ``tarfile`` module;
-- ingest: ``earlyfuse-prep ingest --workers 1`` (plan, validation incl. a full image decode,
-  index, hashing, fsync, manifest).
-Prints MB/s and samples/s for both and the ratio ingest/baseline (the median of --repeat runs).
+Two corpora built in a temp folder (smooth random JPEGs with captions; text files cut from the
+standard library's sources), each timed in this process: ``earlyfuse-prep ingest --workers 1``
+against a bare ``tarfile`` copy of the same files; docs/benchmarks.md, "Ingest", has the figures.
 """
 
 from __future__ import annotations

@@ -1,20 +1,15 @@
 """Loader benchmarks, on the demo's token shards (``make demo``), in one process
-(docs/benchmarks.md, "Loader: the token path", has the method and the figures):
-
-1. tokens/s of the token path on one core (``num_workers=0``: this process is the one worker)
-   against plain ``webdataset`` ``np.load``-ing the same shards, alternating rounds;
-2. the process's RSS while it packs ``--samples`` samples' worth of tokens (target: flat);
-3. ``load_state_dict`` + first batch from the state at the start of the stream against from the
-   state after those samples (target: equal; restoring seeks, never replays).
+(docs/benchmarks.md, "Loader: the token path", has the method and the figures): tokens/s of the
+token path on one core against plain ``webdataset`` ``np.load``-ing the same shards; the RSS
+while it packs ``--samples`` samples' worth of tokens (flat); a restore at the start of the
+stream against one after those samples (equal: restoring seeks, never replays).
 
     .venv/bin/python tools/bench/bench_loader.py [--tokens runs/demo/tokens] [--samples 100000]
 
 With ``--data`` or ``--run``, instead: how well each training step carries the configured mix
-(docs/benchmarks.md, "Mix per step"): the share of steps in which one source holds more than 60 %
-of the step's tokens while its weight is below 30 %, and the mean KL(step mix || target weights).
-``--data CONFIG`` reads the batches the loader alone gives a run of that data config, each
-``--mix-chunk`` value in turn (0: ``seq_len``; ``--whole-docs`` also whole documents); ``--run
-RUN_DIR`` reads a finished run's ``mix/<source>`` metrics and the weights in its config.yaml.
+(docs/benchmarks.md, "Mix per step"), over the batches the loader alone gives a run of a data
+config, each ``--mix-chunk`` value in turn (0: ``seq_len``; ``--whole-docs`` also whole
+documents), or over a finished run's ``mix/<source>`` metrics.
 
     .venv/bin/python tools/bench/bench_loader.py --data configs/data/demo.yaml --steps 300 \
         --micro-batch 8 [--mix-chunk 0,256] [--whole-docs]

@@ -31,6 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from data.tokenize.docs import TokenDoc  # noqa: E402
 from tools.bench import (  # noqa: E402
     commit,
     machine,
@@ -168,11 +169,14 @@ def documents_of(files: list[Path], tokenizer, doc_tokens: int, want: int, seed:
 def write_token_source(folder: Path, name: str, docs, modality: int) -> list[dict]:
     """One token source of the corpus in earlyfuse's format, shards of ``DOCS_PER_SHARD``
     documents: its manifest's shard entries."""
-    numbered = ((f"{name}{number:08d}", ids) for number, ids in enumerate(docs))
+    numbered = (
+        TokenDoc(f"{name}{number:08d}", ids, np.full(len(ids), modality, np.uint8))
+        for number, ids in enumerate(docs)
+    )
     entries: list[dict] = []
     while chunk := list(islice(numbered, DOCS_PER_SHARD)):
         stem = f"shard-{len(entries):06d}"
-        entries.append(write_token_shard(folder, name, stem, chunk, modality))
+        entries.append(write_token_shard(folder, name, stem, chunk))
     return entries
 
 

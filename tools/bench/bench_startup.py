@@ -26,6 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from data.loader import LoaderConfig  # noqa: E402
+from data.tokenize.docs import TokenDoc  # noqa: E402
 from data.vocab import Modality, VocabLayout  # noqa: E402
 from tools.bench import (  # noqa: E402
     loader_start,
@@ -40,11 +41,12 @@ from tools.bench import (  # noqa: E402
 def write_base(folder: Path, samples: int, tokens: int) -> dict:
     """One real token shard of ``samples`` tiny text documents: its manifest entry."""
     rng = np.random.default_rng(0)
+    text = np.full(tokens, int(Modality.TEXT), np.uint8)
     docs = (
-        (f"doc{number:08d}", rng.integers(3, 500, tokens).astype(np.int32))
+        TokenDoc(f"doc{number:08d}", rng.integers(3, 500, tokens).astype(np.int32), text)
         for number in range(samples)
     )
-    return write_token_shard(folder, "synth", "base", docs, int(Modality.TEXT))
+    return write_token_shard(folder, "synth", "base", docs)
 
 
 def make_folder(root: Path, base_dir: Path, base: dict, n: int) -> Path:

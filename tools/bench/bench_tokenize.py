@@ -4,16 +4,11 @@ documents, in the same run (the goal: >= 0.9x the bare script at 1 worker, >= 1.
 
     python tools/bench/bench_tokenize.py [--mb 24] [--repeat 3] [--workers 1,2]
 
-Builds a text and code corpus from the standard library's sources in a temp folder, ingests it
-into raw shards (512 KB each), trains a 4096-id BPE and saves an untrained debug visual
-tokenizer (text needs none, tokenize requires the folder). Then, each as a whole command in a
-fresh process, every process with one BPE thread (``RAYON_NUM_THREADS=1``, so that N workers
-use N cores and the bare script one):
-- bare: a script that reads each raw shard with ``tarfile``, parses each ``KEY.json``, encodes
-  all text segments with ``encode_batch`` (64 documents a call) and makes int32 arrays;
-- tokenize: ``earlyfuse-prep tokenize --workers N`` (token shards, index, hashes, manifest).
-Prints the median seconds of ``--repeat`` runs, MB/s, and the ratios bare/tokenize (speed of
-tokenize relative to the bare script) and workers-N/workers-1. Installs nothing.
+The corpus (stdlib sources ingested into raw shards of 512 KB, a 4096-id BPE, an untrained debug
+visual tokenizer: tokenize requires the folder), the two commands and the figures are in
+docs/benchmarks.md, "Tokenize". Each run is a whole command in a fresh process with one BPE
+thread (``RAYON_NUM_THREADS=1``), so that N workers use N cores and the bare script one.
+Installs nothing.
 """
 
 from __future__ import annotations

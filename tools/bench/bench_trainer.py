@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tools.bench import machine, report, rounds  # noqa: E402
+from tools.bench import machine, report, rounds, train_subprocess  # noqa: E402
 from train.names import METRICS_FILE  # noqa: E402
 
 
@@ -113,20 +111,7 @@ def overhead(experiment: str, steps: int, count: int, run_dir: Path) -> dict:
 
 
 def data_wait(experiment: str, steps: int, run_dir: Path) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "train.app",
-        *overrides(experiment, run_dir, f"train.steps={steps}"),
-    ]
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode:
-        sys.exit(f"the data-wait run failed:\n{proc.stderr[-3000:]}")
+    train_subprocess(overrides(experiment, run_dir, f"train.steps={steps}"), "the data-wait run")
     recs = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
     wait = sum(rec["throughput/data_wait"] * rec["throughput/step_s"] for rec in recs)
     total = sum(rec["throughput/step_s"] for rec in recs)

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.demo_corpus.scene_scoring import score
-from data.demo_corpus.scenes import caption_facts
+from data.demo_corpus.scene_scoring import score, score_caption
 from tools.generate_requests import (
     MAX_SOURCE_PIXELS,
     Generator,
@@ -91,20 +90,6 @@ class SceneJudge(Generator):
         return decode_codes(self, codes)
 
 
-def _caption_score(text: str, facts: dict) -> dict[str, bool]:
-    try:
-        got = caption_facts(text.strip().rstrip("."))["shapes"][0]
-    except (ValueError, IndexError):
-        return dict.fromkeys(ATTRIBUTES, False)
-    want = facts["shapes"][0]
-    out = {
-        attribute: got[attribute] == want[attribute]
-        for attribute in ("colour", "shape", "position")
-    }
-    out["all"] = all(out.values())
-    return out
-
-
 def evaluate_scenes(
     judge: SceneJudge,
     scenes: list[dict],
@@ -146,8 +131,8 @@ def evaluate_scenes(
         for name, got in (
             ("draw", score(drawing, scene["facts"])),
             ("draw_chance", score(drawing, other)),
-            ("caption", _caption_score(text, scene["facts"])),
-            ("caption_chance", _caption_score(text, other)),
+            ("caption", score_caption(text, scene["facts"])),
+            ("caption_chance", score_caption(text, other)),
             ("ceiling", score(judge.ceiling(codes), scene["facts"])),
         ):
             for attribute, ok in got.items():

@@ -25,23 +25,19 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from data.loader.npy import read_npy
-from data.shards import token_index
-from data.shards.manifest import shard_entry
 from data.shards.reader import iter_shard
-from data.tokenize.blocks import shard_block_stats, visual_blocks
+from data.tokenize.blocks import visual_blocks
 from data.tokenize.docs import TokenDoc
-from data.tokenize.shard_job import TokenShardWriter
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
+from tools.bench import train_subprocess, write_token_manifest, write_token_shard
 
-VERSION = 6  # bump when what is built changes
+VERSION = 7  # bump when what is built changes
 REPO = Path(__file__).resolve().parents[2]  # the checkout, where the suite's runs start
 DOCS_PER_SHARD = 64
 COLOURS = {
@@ -146,24 +142,15 @@ def _tokenize(root: Path, out: Path, visual: Path) -> Path:
 def tokenize_trained(root: Path, steps: int) -> Path:
     """The base corpus tokenized again with a visual tokenizer trained ``steps`` steps on it (a
     real ``earlyfuse-train experiment=vtok_debug`` run); returns the token folder."""
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "train.app",
-            "experiment=vtok_debug",
-            f"run_dir={root / 'vtok'}",
-            f"train.steps={steps}",
-            "train.progress=false",
-            "train.tensorboard=false",
-            f"vtok_data.raw=[{root / 'raw'}]",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
-    if run.returncode:
-        raise RuntimeError(f"training the suite's visual tokenizer failed:\n{run.stderr[-2000:]}")
+    overrides = [
+        "experiment=vtok_debug",
+        f"run_dir={root / 'vtok'}",
+        f"train.steps={steps}",
+        "train.progress=false",
+        "train.tensorboard=false",
+        f"vtok_data.raw=[{root / 'raw'}]",
+    ]
+    train_subprocess(overrides, "training the suite's visual tokenizer", cwd=REPO)
     return _tokenize(root, root / "tokens_tv", root / "vtok" / "visual_tokenizer")
 
 
@@ -252,23 +239,10 @@ def prefix_then(
 def write_source(out: Path, name: str, docs: list[TokenDoc]) -> list[dict]:
     """Token shards of one source (``DOCS_PER_SHARD`` documents each); their manifest entries, as
     tokenize makes them."""
-    entries = []
-    for shard_no, start in enumerate(range(0, len(docs), DOCS_PER_SHARD)):
-        rel = f"{name}/shard-{shard_no:06d}"
-        writer = TokenShardWriter(out / f"{rel}.tar", out / f"{rel}.idx.jsonl")
-        for doc in docs[start : start + DOCS_PER_SHARD]:
-            writer.write(replace(doc, source=name))
-        written = asdict(writer.close(out / f"{rel}{token_index.SUFFIX}"))
-        record = {**written, "tar": f"{rel}.tar", "index_file": f"{rel}.idx.jsonl", "source": name}
-        entries.append(
-            shard_entry(
-                record,
-                index_bin=f"{rel}{token_index.SUFFIX}",
-                blocks=shard_block_stats(writer.doc_blocks),
-                tokens=dict(writer.tokens),
-            )
-        )
-    return entries
+    return [
+        write_token_shard(out, name, f"shard-{shard_no:06d}", docs[start : start + DOCS_PER_SHARD])
+        for shard_no, start in enumerate(range(0, len(docs), DOCS_PER_SHARD))
+    ]
 
 
 def write_folder(out: Path, base_tokens: Path, sources: dict[str, list[TokenDoc]]) -> None:
@@ -279,24 +253,14 @@ def write_folder(out: Path, base_tokens: Path, sources: dict[str, list[TokenDoc]
     base = json.loads((base_tokens / "manifest.json").read_text())
     shutil.copytree(base_tokens / "tokenizers", out / "tokenizers")
     shards = [entry for name, docs in sources.items() for entry in write_source(out, name, docs)]
-    manifest = {
-        "format": base["format"],
-        "version": base["version"],
-        "fingerprint": base["fingerprint"] + "-instab",
-        "inputs": {"derived_from": str(base_tokens.resolve())},
-        "tokenizers": base["tokenizers"],
-        "options": base["options"],
-        "sources": [
-            {
-                "name": source_name,
-                "samples": len(source_docs),
-                "tokens": sum(len(doc.ids) for doc in source_docs),
-            }
-            for source_name, source_docs in sources.items()
-        ],
-        "shards": shards,
-    }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    write_token_manifest(
+        out,
+        base["fingerprint"] + "-instab",
+        base["tokenizers"],
+        shards,
+        inputs={"derived_from": str(base_tokens.resolve())},
+        options=base["options"],
+    )
 
 
 # --- the suite's folder --------------------------------------------------------------------------------
