@@ -73,7 +73,6 @@ def _add_ingest(sub) -> None:
         metavar="N",
         help="at most N samples per shard (default 0 = no limit)",
     )
-    p.add_argument("--workers", type=int, default=1, help="parallel worker processes (default 1)")
     p.add_argument(
         "--val-fraction",
         type=float,
@@ -83,20 +82,6 @@ def _add_ingest(sub) -> None:
         "each sample's key (stable across reruns and added inputs): written to DIR/val/<source>/ "
         f"(default 0: no split). A source with fewer than {MIN_VAL_DOCS} held-out documents is "
         "warned about",
-    )
-    p.add_argument(
-        "--num-partitions",
-        type=int,
-        default=1,
-        metavar="P",
-        help="split the shards across P independent runs (e.g. a Slurm array)",
-    )
-    p.add_argument(
-        "--partition",
-        type=int,
-        default=0,
-        metavar="I",
-        help="which of the P partitions this run writes (0-based)",
     )
     _add_engine_flags(p)
     p.add_argument(
