@@ -30,9 +30,7 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
-from tqdm import tqdm
-
-from data.engine import EngineConfig, run_jobs
+from data.engine import EngineConfig
 from data.names import (
     LAYOUT_FILE,
     MANIFEST_FILE,
@@ -41,12 +39,13 @@ from data.names import (
     TOKENIZERS_DIR,
     VISUAL_TOKENIZER_DIR,
 )
+from data.shards.manifest import TOKEN_FORMAT as FORMAT
 from data.shards.manifest import (
-    MANIFEST_FORMAT,
     load_manifest,
+    partition_share,
+    run_shard_jobs,
     shard_entry,
     versions,
-    write_json_atomic,
 )
 from data.shards.storage import Folder, Staging
 from data.text_tokenizer import TextTokenizer
@@ -55,8 +54,6 @@ from data.tokenize.docs import TokenizeOptions
 from data.tokenize.shard_job import STATE_DIR, TokenizeJob, tokenize_shard
 from data.tokenize.vtok_files import check_visual_tokenizer, weights_fingerprint
 from data.vocab import MODALITY_NAMES
-
-FORMAT = "earlyfuse-token-shards"
 
 
 def fingerprint_of(raw_manifest: dict, tok_dir: Path, vtok_dir: Path, opts: TokenizeOptions) -> str:
@@ -84,23 +81,6 @@ def _done(sizes: dict[str, int], rec: dict | None, fp: str) -> bool:
     return rec["fingerprint"] == fp and sizes.get(rec["tar"]) == rec["bytes"]
 
 
-def read_raw_manifest(raw: Folder) -> dict:
-    if not raw.remote:
-        return load_manifest(raw.local)
-    try:
-        manifest = raw.read_json(MANIFEST_FILE)
-    except FileNotFoundError:
-        raise ValueError(
-            f"{raw.child(MANIFEST_FILE)}: no manifest (not an ingest output)"
-        ) from None
-    if manifest.get("format") != MANIFEST_FORMAT:
-        raise ValueError(
-            f"{raw.child(MANIFEST_FILE)}: format {manifest.get('format')!r}, "
-            f"expected {MANIFEST_FORMAT!r}"
-        )
-    return manifest
-
-
 def tokenize(
     raw_dir: str | Path,
     out: str | Path,
@@ -118,13 +98,11 @@ def tokenize(
     """Tokenize this partition's missing shards; when every shard of the folder is done, write
     the manifest (then returned, with ``"finalized": True``). Otherwise returns a summary of
     what this run did and which shards other partitions still owe (``"missing"``)."""
-    if not (num_partitions >= 1 and 0 <= partition < num_partitions):
-        raise ValueError(f"--partition {partition} is outside 0..{num_partitions - 1}")
     raw, dest = Folder(raw_dir), Folder(out)
     tok_dir, vtok_dir = Path(tok_dir), Path(vtok_dir)
     opts = opts or TokenizeOptions()
     engine = engine or EngineConfig(workers=workers)
-    raw_m = read_raw_manifest(raw)
+    raw_m = load_manifest(raw_dir)
     text = TextTokenizer.load(tok_dir)  # fail early, with the file named, on a bad tokenizer folder
     check_visual_tokenizer(vtok_dir, text.layout)
     fingerprint = fingerprint_of(raw_m, tok_dir, vtok_dir, opts)
@@ -142,11 +120,7 @@ def tokenize(
             f"{out}/{STATE_DIR} holds shards of another tokenization; choose a new --out or delete it"
         )
     num_shards = len(raw_m["shards"])
-    mine = [
-        shard_index
-        for shard_index in range(num_shards)
-        if shard_index % num_partitions == partition
-    ]
+    mine = partition_share(num_shards, num_partitions, partition)
     sizes = dest.sizes()
     # N local workers on N cores: one BPE/torch thread each (0: the libraries' defaults).
     threads = 1 if engine.kind == "ray" or engine.workers > 1 else 0
@@ -167,22 +141,14 @@ def tokenize(
         for shard_index in mine
         if not _done(sizes, records.get(shard_index), fingerprint)
     ]
-    bar = tqdm(
-        total=len(mine),
-        initial=len(mine) - len(jobs),
-        desc="tokenize",
-        unit=" shards",
-        disable=not progress,
-    )
     gpu_setup = None
     if device is None or device.startswith("cuda"):
         from data.tokenize.remote_visual import gpu_setup_for
 
         gpu_setup = gpu_setup_for(str(vtok_dir.resolve()), str(tok_dir.resolve()))
-    for rec in run_jobs(tokenize_shard, jobs, engine, gpu_setup=gpu_setup):
-        records[rec["index"]] = rec
-        bar.update()
-    bar.close()
+    run_shard_jobs(
+        tokenize_shard, jobs, engine, records, len(mine), "tokenize", progress, gpu_setup=gpu_setup
+    )
     records.update(dest.records(STATE_DIR))  # what other partitions finished meanwhile
     sizes = dest.sizes()
     missing = [
@@ -215,34 +181,17 @@ def finalize_tokens(
     fp: str,
     text: TextTokenizer,
 ) -> dict:
-    """manifest.json, rejects.jsonl and the tokenizers' copy: in place, or staged and uploaded."""
+    """The tokenizers' copy, rejects.jsonl, then manifest.json (the folder is done once it is
+    there): in place, or uploaded."""
     with Staging(dest) as stage:
-        manifest = _finalize_tokens(stage, raw, raw_m, records, tok_dir, vtok_dir, opts, fp, text)
-        copied = sorted(
-            str(path.relative_to(stage.path(""))) for path in stage.path(TOKENIZERS_DIR).rglob("*")
-        )
+        tdir = stage.path(TOKENIZERS_DIR)
+        tdir.mkdir(parents=True, exist_ok=True)
+        for name in (TOKENIZER_FILE, LAYOUT_FILE):
+            shutil.copyfile(tok_dir / name, tdir / name)
+        shutil.copytree(vtok_dir, tdir / VISUAL_TOKENIZER_DIR, dirs_exist_ok=True)
+        copied = sorted(str(path.relative_to(stage.path(""))) for path in tdir.rglob("*"))
         stage.publish([rel_path for rel_path in copied if stage.path(rel_path).is_file()])
-        stage.publish([REJECTS_FILE, MANIFEST_FILE])  # the manifest last: the folder is done
-    return manifest
-
-
-def _finalize_tokens(
-    stage: Staging,
-    raw: Folder,
-    raw_m: dict,
-    records: dict,
-    tok_dir: Path,
-    vtok_dir: Path,
-    opts: TokenizeOptions,
-    fp: str,
-    text: TextTokenizer,
-) -> dict:
     recs = [records[i] for i in sorted(records)]
-    tdir = stage.path(TOKENIZERS_DIR)
-    tdir.mkdir(parents=True, exist_ok=True)
-    for name in (TOKENIZER_FILE, LAYOUT_FILE):
-        shutil.copyfile(tok_dir / name, tdir / name)
-    shutil.copytree(vtok_dir, tdir / VISUAL_TOKENIZER_DIR, dirs_exist_ok=True)
     totals: Counter = Counter()
     rejects = []
     sources: dict[str, dict] = {}
@@ -301,8 +250,8 @@ def _finalize_tokens(
         },
         "created_by": {"versions": versions()},
     }
-    write_json_atomic(stage.path(REJECTS_FILE), None, lines=rejects)
-    write_json_atomic(stage.path(MANIFEST_FILE), manifest)
+    dest.write_json(REJECTS_FILE, lines=rejects)
+    dest.write_json(MANIFEST_FILE, manifest)
     return manifest
 
 
@@ -337,7 +286,7 @@ def merge_tokens(out: str | Path) -> dict:
         )
     opts = TokenizeOptions(**first["options"])
     text = TextTokenizer.load(tok_dir)
-    raw_m = read_raw_manifest(raw)
+    raw_m = load_manifest(first["inputs"]["raw"])
     if fingerprint_of(raw_m, tok_dir, vtok_dir, opts) != fingerprint:
         raise ValueError(
             f"{out}: the raw folder or tokenizers changed since these shards were made"
