@@ -4,8 +4,8 @@ short, and finish with ``manifest.json`` and ``rejects.jsonl`` once every shard 
 Design choices:
 - A shard is the unit of work and of resumption. A worker writes the tar and index under
   temporary names, renames them, then writes the shard's record in ``DIR/.ingest/``; a shard
-  counts as done only when its record exists, matches the plan's fingerprint and its tar has
-  the recorded size. A killed run therefore redoes only the shards it had not finished.
+  counts as done only when its record exists, matches the plan's fingerprint, its tar has
+  the recorded size and its index is there. A killed run therefore redoes only the shards it had not finished.
 - Rejects travel inside the shard records, so ``rejects.jsonl`` comes out in plan order,
   identical for any worker count or partitioning.
 - Jobs run on an engine (``data.engine``): long-lived local worker processes, or a Ray cluster.
@@ -28,6 +28,7 @@ from data.shards.manifest import (
     partition_share,
     record_path,
     run_shard_jobs,
+    shard_done,
 )
 from data.shards.storage import Folder, Staging
 from data.shards.writer import ShardWriter
@@ -143,18 +144,6 @@ def _write_shard(job: ShardJob, src: Source, stage: Staging) -> dict:
     }
 
 
-def _is_done(
-    sizes: dict[str, int], shard: ShardPlan, fingerprint: str, records: dict[int, dict]
-) -> bool:
-    """The shard's record matches the plan and its files are there (``sizes``: one listing)."""
-    rec = records.get(shard.index)
-    if not rec or rec.get("fingerprint") != fingerprint:
-        return False
-    if rec["tar"] is None:
-        return True
-    return sizes.get(rec["tar"]) == rec["bytes"] and rec["index_file"] in sizes
-
-
 def check_output_dir(out: Folder, plan: Plan) -> dict[int, dict]:
     """Records of earlier runs into ``out``; refuses a folder that holds a different ingest."""
     if out.exists(MANIFEST_FILE):
@@ -203,7 +192,9 @@ def run_plan(
         dest.local.mkdir(parents=True, exist_ok=True)
     records = check_output_dir(dest, plan)
     sizes = dest.sizes()
-    todo = [shard for shard in mine if not _is_done(sizes, shard, plan.fingerprint, records)]
+    todo = [
+        shard for shard in mine if not shard_done(sizes, records.get(shard.index), plan.fingerprint)
+    ]
     jobs = [
         ShardJob(  # an absolute path: a Ray actor runs in another folder, maybe on another node
             dest.absolute(),
@@ -223,7 +214,7 @@ def run_plan(
     missing = [
         shard.index
         for shard in plan.shards
-        if not _is_done(sizes, shard, plan.fingerprint, records)
+        if not shard_done(sizes, records.get(shard.index), plan.fingerprint)
     ]
     summary = {
         "written": len(jobs),

@@ -64,6 +64,18 @@ def missing_shards(records: dict[int, dict]) -> list[int]:
     return [index for index in range(num_shards) if index not in records]
 
 
+def shard_done(sizes: dict[str, int], rec: dict | None, fingerprint: str) -> bool:
+    """A shard job's record matches ``fingerprint`` and the files it names are there, the tar
+    with its recorded size (``sizes``: one listing of the folder). An ingest shard whose every
+    input was rejected has no files."""
+    if not rec or rec.get("fingerprint") != fingerprint:
+        return False
+    if rec["tar"] is None:
+        return True
+    named = (rec["index_file"], rec.get("index_bin"))  # index_bin: token shards only
+    return sizes.get(rec["tar"]) == rec["bytes"] and all(n in sizes for n in named if n)
+
+
 def partition_share(num_shards: int, num_partitions: int, partition: int) -> list[int]:
     """The shards that partition I of P writes: those whose index is I mod P."""
     if not (num_partitions >= 1 and 0 <= partition < num_partitions):

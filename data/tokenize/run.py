@@ -11,7 +11,8 @@ Layout (docs/formats.md, "Token shards"):
 
 Design choices:
 - One token shard per raw shard, same names: the unit of work, parallelism and resumption
-  (a shard is done when its record in ``TOKEN_DIR/.tokenize/`` matches the fingerprint).
+  (a shard is done when its record in ``TOKEN_DIR/.tokenize/`` matches the fingerprint and the
+  files it names are there).
 - The fingerprint covers the raw folder (its plan and shard hashes), both tokenizers, the
   layout and the options; a folder made with any other of them is refused, never mixed.
 - The visual tokenizer runs on a GPU when there is one (``--device``), in batches of images
@@ -44,6 +45,7 @@ from data.shards.manifest import (
     load_manifest,
     partition_share,
     run_shard_jobs,
+    shard_done,
     shard_entry,
     versions,
 )
@@ -72,13 +74,6 @@ def fingerprint_of(raw_manifest: dict, tok_dir: Path, vtok_dir: Path, opts: Toke
     digest.update((tok_dir / LAYOUT_FILE).read_bytes())
     digest.update(weights_fingerprint(vtok_dir).encode())
     return digest.hexdigest()[:24]
-
-
-def _done(sizes: dict[str, int], rec: dict | None, fp: str) -> bool:
-    """The shard's record matches and its tar is there (``sizes``: one listing of the folder)."""
-    if not rec:
-        return False
-    return rec["fingerprint"] == fp and sizes.get(rec["tar"]) == rec["bytes"]
 
 
 def tokenize(
@@ -139,7 +134,7 @@ def tokenize(
             threads,
         )
         for shard_index in mine
-        if not _done(sizes, records.get(shard_index), fingerprint)
+        if not shard_done(sizes, records.get(shard_index), fingerprint)
     ]
     gpu_setup = None
     if device is None or device.startswith("cuda"):
@@ -154,7 +149,7 @@ def tokenize(
     missing = [
         shard_index
         for shard_index in range(num_shards)
-        if not _done(sizes, records.get(shard_index), fingerprint)
+        if not shard_done(sizes, records.get(shard_index), fingerprint)
     ]
     if missing:
         return {
@@ -277,7 +272,7 @@ def merge_tokens(out: str | Path) -> dict:
     missing = [
         shard_index
         for shard_index in range(first["num_shards"])
-        if not _done(sizes, records.get(shard_index), fingerprint)
+        if not shard_done(sizes, records.get(shard_index), fingerprint)
     ]
     if missing:
         raise ValueError(
