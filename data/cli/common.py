@@ -45,7 +45,23 @@ def path_or_url(text: str) -> Path | str:
 
 
 def _add_engine_flags(p) -> None:
-    """--engine and --ray-address, shared by ingest and tokenize (see docs/scaling.md)."""
+    """--workers, the partition flags, --engine and --ray-address: how ingest and tokenize
+    spread their shard jobs (see docs/scaling.md)."""
+    p.add_argument("--workers", type=int, default=1, help="parallel worker processes (default 1)")
+    p.add_argument(
+        "--num-partitions",
+        type=int,
+        default=1,
+        metavar="P",
+        help="split the shards across P independent runs (e.g. a Slurm array), then `merge`",
+    )
+    p.add_argument(
+        "--partition",
+        type=int,
+        default=0,
+        metavar="I",
+        help="which of the P partitions this run writes (0-based)",
+    )
     p.add_argument(
         "--engine",
         choices=("local", "ray"),

@@ -73,7 +73,6 @@ def _add_ingest(sub) -> None:
         metavar="N",
         help="at most N samples per shard (default 0 = no limit)",
     )
-    p.add_argument("--workers", type=int, default=1, help="parallel worker processes (default 1)")
     p.add_argument(
         "--val-fraction",
         type=float,
@@ -83,20 +82,6 @@ def _add_ingest(sub) -> None:
         "each sample's key (stable across reruns and added inputs): written to DIR/val/<source>/ "
         f"(default 0: no split). A source with fewer than {MIN_VAL_DOCS} held-out documents is "
         "warned about",
-    )
-    p.add_argument(
-        "--num-partitions",
-        type=int,
-        default=1,
-        metavar="P",
-        help="split the shards across P independent runs (e.g. a Slurm array)",
-    )
-    p.add_argument(
-        "--partition",
-        type=int,
-        default=0,
-        metavar="I",
-        help="which of the P partitions this run writes (0-based)",
     )
     _add_engine_flags(p)
     p.add_argument(
@@ -270,37 +255,17 @@ def _add_merge(sub) -> None:
 
 
 def cmd_merge(a) -> int:
-    from data.ingest.run import finalize_folder
-    from data.shards.manifest import merge, missing_shards
+    from data.ingest.run import merge
     from data.shards.storage import Folder
     from data.tokenize.run import merge_tokens
     from data.tokenize.shard_job import STATE_DIR
 
-    folder = Folder(a.dir)
-    if folder.sizes(STATE_DIR):
+    if Folder(a.dir).sizes(STATE_DIR):
         m = merge_tokens(a.dir)
         t = m["totals"]
         print(f"{a.dir}: merged {len(m['shards'])} token shards, {t['samples']} documents")
         return 0
-    if folder.remote:  # what `merge` does, through the storage layer
-        records = folder.records(".ingest")
-        if (
-            not records
-            or missing_shards(records)
-            or len({r["fingerprint"] for r in records.values()}) > 1
-        ):
-            raise ValueError(f"{a.dir}: partitions are missing or differ; rerun them, then merge")
-        m = finalize_folder(folder, records)
-    else:
-        from data.ingest.dedupe import dedupe_shards
-        from data.shards.manifest import load_records
-
-        records = load_records(a.dir)
-        if any(record["plan"]["dedupe"] for record in records.values()) and not (
-            missing_shards(records)
-        ):
-            dedupe_shards(a.dir, records)
-        m = merge(a.dir)
+    m = merge(a.dir)
     t = m["totals"]
     print(f"{a.dir}: merged {t['shards']} shards, {t['samples']} samples, {t['rejects']} rejects")
     return 0

@@ -107,21 +107,6 @@ def _add_tokenize(sub) -> None:
         "Default: no per-document bound, each block bounded by --seq-len as above. Raw sources "
         "tokenized by the loader take the same budget as data.doc_budget",
     )
-    p.add_argument("--workers", type=int, default=1, help="parallel worker processes (default 1)")
-    p.add_argument(
-        "--num-partitions",
-        type=int,
-        default=1,
-        metavar="P",
-        help="split the shards across P independent runs (e.g. a Slurm array), then `merge`",
-    )
-    p.add_argument(
-        "--partition",
-        type=int,
-        default=0,
-        metavar="I",
-        help="which of the P partitions this run tokenizes (0-based)",
-    )
     _add_engine_flags(p)
     p.add_argument(
         "--device",

@@ -21,8 +21,10 @@ from collections import Counter
 from pathlib import Path
 
 from data.schema import Reject, Sample
+from data.shards.content import repeat_of
 from data.shards.index import read_index
 from data.shards.manifest import record_path
+from data.shards.storage import Folder
 from data.shards.writer import ShardWriter
 
 
@@ -39,17 +41,12 @@ def dedupe_shards(out: Path, records: dict[int, dict]) -> int:
         entries = read_index(out / record["index_file"])
         repeats: dict[str, str] = {}  # key -> source:key kept
         for entry in entries:
-            whole = (entry.get("content") or [None])[0]
-            if whole is None:
-                continue
-            where = f"{record['source']}:{entry['key']}"
-            if whole in first_of:
-                repeats[entry["key"]] = first_of[whole]
-            else:
-                first_of[whole] = where
+            kept = repeat_of(first_of, entry, f"{record['source']}:{entry['key']}")
+            if kept:
+                repeats[entry["key"]] = kept
         if repeats:
             _rewrite(out, record, entries, repeats)
-            out.joinpath(record_path(Path(""), index)).write_text(json.dumps(record) + "\n")
+            Folder(out).write_json(record_path(index), record)
             removed += len(repeats)
     return removed
 

@@ -4,8 +4,8 @@ short, and finish with ``manifest.json`` and ``rejects.jsonl`` once every shard 
 Design choices:
 - A shard is the unit of work and of resumption. A worker writes the tar and index under
   temporary names, renames them, then writes the shard's record in ``DIR/.ingest/``; a shard
-  counts as done only when its record exists, matches the plan's fingerprint and its tar has
-  the recorded size. A killed run therefore redoes only the shards it had not finished.
+  counts as done only when its record exists, matches the plan's fingerprint, its tar has
+  the recorded size and its index is there. A killed run therefore redoes only the shards it had not finished.
 - Rejects travel inside the shard records, so ``rejects.jsonl`` comes out in plan order,
   identical for any worker count or partitioning.
 - Jobs run on an engine (``data.engine``): long-lived local worker processes, or a Ray cluster.
@@ -17,18 +17,24 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
-
-from data.engine import EngineConfig, run_jobs
+from data.engine import EngineConfig
 from data.ingest.plan import Plan, ShardPlan
-from data.names import INDEX_SUFFIX, MANIFEST_FILE, REJECTS_FILE
+from data.names import INDEX_SUFFIX, MANIFEST_FILE
 from data.schema import SEGMENT_TYPES, Reject
 from data.shards.content import describe, folder_fingerprints, sample_fingerprints
-from data.shards.manifest import finalize, record_path
+from data.shards.manifest import (
+    finalize,
+    missing_shards,
+    partition_share,
+    record_path,
+    run_shard_jobs,
+    shard_done,
+)
 from data.shards.storage import Folder, Staging
 from data.shards.writer import ShardWriter
 from data.sources import Limits, Source, SourceSpec, build_source
 
+STATE_DIR = ".ingest"
 _SOURCES: dict[SourceSpec, Source] = {}
 _EXCLUDED: dict[tuple[str, ...], dict[str, tuple[str, str]]] = {}
 
@@ -65,7 +71,7 @@ def write_shard(job: ShardJob) -> dict:
     dest = Folder(job.out)
     with Staging(dest) as stage:
         record = _write_shard(job, src, stage)
-    dest.write_json(record_path(Path(""), job.shard.index).as_posix(), record)
+    dest.write_json(record_path(job.shard.index, STATE_DIR), record)
     return record
 
 
@@ -138,18 +144,6 @@ def _write_shard(job: ShardJob, src: Source, stage: Staging) -> dict:
     }
 
 
-def _is_done(
-    sizes: dict[str, int], shard: ShardPlan, fingerprint: str, records: dict[int, dict]
-) -> bool:
-    """The shard's record matches the plan and its files are there (``sizes``: one listing)."""
-    rec = records.get(shard.index)
-    if not rec or rec.get("fingerprint") != fingerprint:
-        return False
-    if rec["tar"] is None:
-        return True
-    return sizes.get(rec["tar"]) == rec["bytes"] and rec["index_file"] in sizes
-
-
 def check_output_dir(out: Folder, plan: Plan) -> dict[int, dict]:
     """Records of earlier runs into ``out``; refuses a folder that holds a different ingest."""
     if out.exists(MANIFEST_FILE):
@@ -162,7 +156,7 @@ def check_output_dir(out: Folder, plan: Plan) -> dict[int, dict]:
                 f"{out} already holds a different ingest (plan {old} != {plan.fingerprint}: "
                 "other inputs or flags); choose a new --out or delete that folder"
             )
-    records = out.records(".ingest")
+    records = out.records(STATE_DIR)
     other = {record["fingerprint"] for record in records.values()} - {plan.fingerprint}
     if other:
         raise ValueError(
@@ -190,15 +184,17 @@ def run_plan(
     folders whose documents' content (data/shards/content.py) is rejected here; it must be the
     one the plan was fingerprinted with."""
     engine = engine or EngineConfig(workers=workers)
-    if not (num_partitions >= 1 and 0 <= partition < num_partitions):
-        raise ValueError(f"--partition {partition} is outside 0..{num_partitions - 1}")
+    mine = [
+        plan.shards[index] for index in partition_share(len(plan.shards), num_partitions, partition)
+    ]
     dest = Folder(out)
     if not dest.remote:
         dest.local.mkdir(parents=True, exist_ok=True)
     records = check_output_dir(dest, plan)
     sizes = dest.sizes()
-    mine = [shard for shard in plan.shards if shard.index % num_partitions == partition]
-    todo = [shard for shard in mine if not _is_done(sizes, shard, plan.fingerprint, records)]
+    todo = [
+        shard for shard in mine if not shard_done(sizes, records.get(shard.index), plan.fingerprint)
+    ]
     jobs = [
         ShardJob(  # an absolute path: a Ray actor runs in another folder, maybe on another node
             dest.absolute(),
@@ -212,23 +208,13 @@ def run_plan(
         )
         for shard in todo
     ]
-    bar = tqdm(
-        total=len(mine),
-        initial=len(mine) - len(todo),
-        desc="ingest",
-        unit=" shards",
-        disable=not progress,
-    )
-    for rec in run_jobs(write_shard, jobs, engine):
-        records[rec["index"]] = rec
-        bar.update()
-    bar.close()
-    records.update(dest.records(".ingest"))  # what other partitions finished meanwhile
+    run_shard_jobs(write_shard, jobs, engine, records, len(mine), "ingest", progress)
+    records.update(dest.records(STATE_DIR))  # what other partitions finished meanwhile
     sizes = dest.sizes()
     missing = [
         shard.index
         for shard in plan.shards
-        if not _is_done(sizes, shard, plan.fingerprint, records)
+        if not shard_done(sizes, records.get(shard.index), plan.fingerprint)
     ]
     summary = {
         "written": len(jobs),
@@ -238,23 +224,46 @@ def run_plan(
         "finalized": False,
     }
     if not missing:
-        if plan.dedupe and not dest.remote:
-            from data.ingest.dedupe import dedupe_shards
-
-            dedupe_shards(dest.local, records)
-        summary["manifest"] = finalize_folder(dest, records)
+        summary["manifest"] = finish(dest, records)
         summary["finalized"] = True
     return summary
 
 
-def finalize_folder(dest: Folder, records: dict[int, dict]) -> dict:
-    """manifest.json and rejects.jsonl, written in place or staged and uploaded."""
-    if not dest.remote:
-        return finalize(dest.local, records)
-    with Staging(dest) as stage:
-        manifest = finalize(stage.path(""), records)
-        stage.publish([REJECTS_FILE, MANIFEST_FILE])
-    return manifest
+def merge(out: str | Path) -> dict:
+    """Join the shards that partitioned runs wrote into ``out``, a folder or an fsspec URL
+    (``earlyfuse-prep merge``)."""
+    dest = Folder(out)
+    records = dest.records(STATE_DIR)
+    if not records:
+        raise ValueError(
+            f"{out}: no ingest records found in {dest.child(STATE_DIR)} (is this an ingest "
+            "output folder?)"
+        )
+    prints = {record["fingerprint"] for record in records.values()}
+    if len(prints) > 1:
+        raise ValueError(
+            f"{out}: records of {len(prints)} different ingests (plans {sorted(prints)}); "
+            "partitions must be run with identical inputs and flags"
+        )
+    missing = missing_shards(records)
+    if missing:
+        parts = next(iter(records.values()))["partition"][1]
+        owners = sorted({index % parts for index in missing})
+        raise ValueError(
+            f"{out}: {len(missing)} shard(s) not written yet (partitions {owners} of "
+            f"--num-partitions {parts} have not finished); run them, then merge again"
+        )
+    return finish(dest, records)
+
+
+def finish(dest: Folder, records: dict[int, dict]) -> dict:
+    """Once every shard exists: leave out repeated documents if the plan asks (``--dedupe``
+    needs a local folder: ingest refuses it with a URL), then write the manifest."""
+    if next(iter(records.values()))["plan"]["dedupe"] and not dest.remote:
+        from data.ingest.dedupe import dedupe_shards
+
+        dedupe_shards(dest.local, records)
+    return finalize(dest, records)
 
 
 def command_line() -> list[str]:

@@ -57,6 +57,17 @@ def describe(fp: str) -> str:
     return {"d": "whole document", "m": "a media member", "t": "a text segment"}[fp[0]]
 
 
+def repeat_of(first_of: dict[str, str], entry: dict, where: str) -> str | None:
+    """The ``source:key`` of the earlier document whose whole content the raw index ``entry``
+    repeats (``first_of``: whole-document fingerprint -> its first ``source:key``); None, and
+    ``where`` remembered, when it is the first."""
+    whole = (entry.get("content") or [None])[0]
+    if whole is None:
+        return None
+    kept = first_of.setdefault(whole, where)
+    return None if kept == where else kept
+
+
 def folder_fingerprints(raw_dir: str | Path) -> dict[str, str]:
     """Every fingerprint of a raw shard folder -> the first ``source:key`` that has it."""
     from data.shards.reader import iter_shard, shard_entries

@@ -1,25 +1,29 @@
-"""The folder-level manifest (``manifest.json``) and rejects list (``rejects.jsonl``).
+"""The folder-level manifest (``manifest.json``) and rejects list (``rejects.jsonl``), and what
+ingest and tokenize share as drivers of shard jobs: a partition's shards, running them, and
+where each job's record goes.
 
 Design choices:
-- Both are built from the per-shard records in ``DIR/.ingest/``, in plan order, so a
+- Both files are built from the per-shard records in ``DIR/.ingest/``, in plan order, so a
   partitioned, resumed or differently-parallel run gives byte-identical files.
 - No timestamps: the manifest records what made the folder (commands, package versions) and
   what it holds (shards with sizes and SHA-256, counts per source, modality and reject reason).
-- Every file is written to a temporary name and renamed, so a reader never sees half a file.
+- Every file goes through ``Folder.write_json`` (a renamed temp file here, one PUT in object
+  storage), so a reader never sees half a file; the manifest is written last.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import platform
 from collections import Counter
 from importlib import metadata
 from pathlib import Path
 
 from data.names import MANIFEST_FILE, REJECTS_FILE
+from data.shards.storage import Folder
 
 MANIFEST_FORMAT = "earlyfuse-raw-shards"
+TOKEN_FORMAT = "earlyfuse-token-shards"  # what data/tokenize/run.py writes
 MANIFEST_VERSION = 1
 
 
@@ -38,36 +42,9 @@ def shard_entry(record: dict, **extra) -> dict:
     }
 
 
-def write_json_atomic(path: Path, obj, *, lines: list | None = None) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        if lines is not None:
-            for line in lines:
-                f.write(json.dumps(line, ensure_ascii=False, sort_keys=True) + "\n")
-        else:
-            json.dump(obj, f, indent=1, ensure_ascii=False, sort_keys=True)
-            f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def record_path(out: Path, index: int, state_dir: str = ".ingest") -> Path:
-    return Path(out) / state_dir / f"shard-{index:06d}.json"
-
-
-def load_records(out: Path, state_dir: str = ".ingest") -> dict[int, dict]:
-    records = {}
-    state_path = Path(out) / state_dir
-    if state_path.is_dir():
-        for record_file in sorted(state_path.glob("shard-*.json")):
-            try:
-                rec = json.loads(record_file.read_text())
-                records[int(rec["index"])] = rec
-            except (ValueError, KeyError, OSError):
-                continue  # a record cut short by a kill: that shard is simply redone
-    return records
+def record_path(index: int, state_dir: str = ".ingest") -> str:
+    """Where a shard job's record goes, relative to the output folder."""
+    return f"{state_dir}/shard-{index:06d}.json"
 
 
 def versions() -> dict:
@@ -87,9 +64,44 @@ def missing_shards(records: dict[int, dict]) -> list[int]:
     return [index for index in range(num_shards) if index not in records]
 
 
-def finalize(out: Path, records: dict[int, dict]) -> dict:
-    """Write manifest.json and rejects.jsonl from a complete set of shard records."""
-    out = Path(out)
+def shard_done(sizes: dict[str, int], rec: dict | None, fingerprint: str) -> bool:
+    """A shard job's record matches ``fingerprint`` and the files it names are there, the tar
+    with its recorded size (``sizes``: one listing of the folder). An ingest shard whose every
+    input was rejected has no files."""
+    if not rec or rec.get("fingerprint") != fingerprint:
+        return False
+    if rec["tar"] is None:
+        return True
+    named = (rec["index_file"], rec.get("index_bin"))  # index_bin: token shards only
+    return sizes.get(rec["tar"]) == rec["bytes"] and all(n in sizes for n in named if n)
+
+
+def partition_share(num_shards: int, num_partitions: int, partition: int) -> list[int]:
+    """The shards that partition I of P writes: those whose index is I mod P."""
+    if not (num_partitions >= 1 and 0 <= partition < num_partitions):
+        raise ValueError(f"--partition {partition} is outside 0..{num_partitions - 1}")
+    return list(range(partition, num_shards, num_partitions))
+
+
+def run_shard_jobs(
+    job_fn, jobs: list, engine, records: dict, total: int, desc: str, progress: bool, **engine_args
+) -> None:
+    """Run one partition's shard jobs (ingest's or tokenize's; ``total``: the partition's
+    shards) under a progress bar; ``records`` gains each job's record."""
+    from tqdm import tqdm
+
+    from data.engine import run_jobs
+
+    initial = total - len(jobs)
+    with tqdm(total=total, initial=initial, desc=desc, unit=" shards", disable=not progress) as bar:
+        for rec in run_jobs(job_fn, jobs, engine, **engine_args):
+            records[rec["index"]] = rec
+            bar.update()
+
+
+def finalize(out: Folder, records: dict[int, dict]) -> dict:
+    """Write rejects.jsonl, then manifest.json (the folder is done once it is there), from a
+    complete set of shard records."""
     missing = missing_shards(records)
     if missing or not records:
         raise ValueError(f"{out}: {len(missing)} shard(s) not written yet: {missing[:10]}")
@@ -148,41 +160,16 @@ def finalize(out: Path, records: dict[int, dict]) -> dict:
     manifest["created_by"]["commands"] = [
         json.loads(command) for command in manifest["created_by"]["commands"]
     ]
-    write_json_atomic(out / REJECTS_FILE, None, lines=rejects)
-    write_json_atomic(out / MANIFEST_FILE, manifest)
-    for stale in out.rglob("*.tmp"):
-        stale.unlink(missing_ok=True)
+    out.write_json(REJECTS_FILE, lines=rejects)
+    out.write_json(MANIFEST_FILE, manifest)
+    if not out.remote:
+        for stale in out.local.rglob("*.tmp"):
+            stale.unlink(missing_ok=True)
     return manifest
-
-
-def merge(out: Path) -> dict:
-    """Join the shards that partitioned runs wrote into ``out`` (``earlyfuse-prep merge``)."""
-    records = load_records(out)
-    if not records:
-        raise ValueError(
-            f"{out}: no ingest records found in {out}/.ingest (is this an ingest output folder?)"
-        )
-    prints = {record["fingerprint"] for record in records.values()}
-    if len(prints) > 1:
-        raise ValueError(
-            f"{out}: records of {len(prints)} different ingests (plans {sorted(prints)}); "
-            "partitions must be run with identical inputs and flags"
-        )
-    missing = missing_shards(records)
-    if missing:
-        parts = next(iter(records.values()))["partition"][1]
-        owners = sorted({index % parts for index in missing})
-        raise ValueError(
-            f"{out}: {len(missing)} shard(s) not written yet (partitions {owners} of "
-            f"--num-partitions {parts} have not finished); run them, then merge again"
-        )
-    return finalize(out, records)
 
 
 def load_manifest(out: str | Path, formats: tuple[str, ...] = (MANIFEST_FORMAT,)) -> dict:
     """The manifest of the shard folder ``out``: a local path or an fsspec URL (``s3://...``)."""
-    from data.shards.storage import Folder
-
     folder = Folder(out)
     path = folder.child(MANIFEST_FILE)
     try:

@@ -11,8 +11,9 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from data.names import REJECTS_FILE
+from data.shards.content import repeat_of
 from data.shards.index import index_of
-from data.shards.manifest import MANIFEST_FORMAT, load_manifest
+from data.shards.manifest import MANIFEST_FORMAT, TOKEN_FORMAT, load_manifest
 from data.shards.storage import Folder
 
 
@@ -28,7 +29,7 @@ def _dist(values: list[float]) -> dict:
 
 
 def collect_stats(out: str | Path, *, examples: int = 3) -> dict:
-    from data.shards.token_stats import TOKEN_FORMAT, collect_token_stats
+    from data.shards.token_stats import collect_token_stats
 
     folder = Folder(out)
     manifest = load_manifest(out, formats=(MANIFEST_FORMAT, TOKEN_FORMAT))
@@ -42,17 +43,11 @@ def collect_stats(out: str | Path, *, examples: int = 3) -> dict:
     for shard in manifest["shards"]:
         for entry in index_of(folder, shard["index"]):
             docs_by_types["+".join(sorted(set(entry["types"])))] += 1
-            whole = (entry.get("content") or [None])[0]  # "d:...", written by ingest
-            if whole is not None:
-                where = f"{shard['source']}:{entry['key']}"
-                if whole in first_of:
-                    duplicates.append(f"{where} = {first_of[whole]}")
-                else:
-                    first_of[whole] = where
-            if _without_text(entry["types"]):
-                per = uncaptioned.setdefault(shard["source"], {"image": 0, "video": 0})
-                for kind in set(entry["types"]) & {"image", "video"}:
-                    per[kind] += 1
+            where = f"{shard['source']}:{entry['key']}"
+            kept = repeat_of(first_of, entry, where)
+            if kept:
+                duplicates.append(f"{where} = {kept}")
+            _count_uncaptioned(uncaptioned, shard["source"], entry["types"])
             for media in entry.get("media", []):
                 if "frames" in media:
                     vid_dur.append(media["duration"])
@@ -110,8 +105,12 @@ def reject_examples(folder: Folder, examples: int) -> dict[str, list[str]]:
     return dict(found)
 
 
-def _without_text(types: list[str]) -> bool:
-    return bool(set(types) & {"image", "video"}) and not set(types) & {"text", "code"}
+def _count_uncaptioned(found: dict[str, dict[str, int]], source: str, types: list[str]) -> None:
+    """Count a document of images or videos and no text (no caption) under its source."""
+    if set(types) & {"image", "video"} and not set(types) & {"text", "code"}:
+        per = found.setdefault(source, {"image": 0, "video": 0})
+        for kind in set(types) & {"image", "video"}:
+            per[kind] += 1
 
 
 def media_without_text(out: str | Path) -> dict[str, dict[str, int]]:
@@ -120,10 +119,7 @@ def media_without_text(out: str | Path) -> dict[str, dict[str, int]]:
     found: dict[str, dict[str, int]] = {}
     for shard in load_manifest(out)["shards"]:
         for entry in index_of(folder, shard["index"]):
-            if _without_text(entry["types"]):
-                per = found.setdefault(shard["source"], {"image": 0, "video": 0})
-                for kind in set(entry["types"]) & {"image", "video"}:
-                    per[kind] += 1
+            _count_uncaptioned(found, shard["source"], entry["types"])
     return found
 
 
@@ -150,7 +146,7 @@ def human_bytes(n: float) -> str:
 
 
 def format_stats(s: dict) -> str:
-    if s.get("format") == "earlyfuse-token-shards":
+    if s.get("format") == TOKEN_FORMAT:
         from data.shards.token_stats import format_token_stats
 
         return format_token_stats(s)

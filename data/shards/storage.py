@@ -143,43 +143,47 @@ class Folder:
         return {name[len(self.root) + 1 :]: int(info["size"]) for name, info in found.items()}
 
     def records(self, state_dir: str) -> dict[int, dict]:
-        """The per-shard records in ``state_dir`` (index -> record); a record cut short is
-        skipped, so its shard is redone."""
-        if not self.remote:
-            from data.shards.manifest import load_records
-
-            return load_records(self.local, state_dir)
+        """The per-shard records in ``state_dir`` (index -> record), found in one listing and,
+        remote, read in one request; a record cut short by a kill is skipped, so its shard is
+        redone."""
         names = sorted(
             name
             for name in self.sizes(state_dir)
-            if name.endswith(".json") and "/shard-" in "/" + name
+            if Path(name).name.startswith("shard-") and name.endswith(".json")
         )
+        if self.remote:
+            paths = [self._path(name) for name in names]
+            blobs = list(retried(self.url, lambda: self.fs.cat(paths)).values()) if names else []
+        else:
+            blobs = [(self.local / name).read_bytes() for name in names]
         out = {}
-        if names:
-            blobs = retried(self.url, lambda: self.fs.cat([self._path(name) for name in names]))
-            for blob in blobs.values():
-                try:
-                    rec = json.loads(blob)
-                    out[int(rec["index"])] = rec
-                except (ValueError, KeyError, TypeError):
-                    continue
+        for blob in blobs:
+            try:
+                rec = json.loads(blob)
+                out[int(rec["index"])] = rec
+            except (ValueError, KeyError, TypeError):
+                continue
         return out
 
     def download(self, rel: str, dest: Path) -> Path:
+        """The file ``rel`` as a local file: itself here, a copy at ``dest`` from there;
+        FileNotFoundError naming it when it is not there."""
         if not self.remote:
-            return self.local / rel
+            path = self.local / rel
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} does not exist")
+            return path
         dest.parent.mkdir(parents=True, exist_ok=True)
-        retried(self.child(rel), lambda: self.fs.get_file(self._path(rel), str(dest)))
+        try:
+            retried(self.child(rel), lambda: self.fs.get_file(self._path(rel), str(dest)))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self.child(rel)} does not exist") from None
         return dest
 
     # --- writing ---------------------------------------------------------------------------
     def write_json(self, rel: str, obj=None, *, lines: list | None = None) -> None:
-        """Atomically (a renamed temp file here, one PUT there)."""
-        from data.shards.manifest import write_json_atomic
-
-        if not self.remote:
-            write_json_atomic(self.local / rel, obj, lines=lines)
-            return
+        """``obj`` as indented JSON, or ``lines`` as JSON Lines, written atomically: here to a
+        temporary name, synced and renamed; there in one PUT. A reader never sees half a file."""
         if lines is not None:
             text = "".join(
                 json.dumps(line, ensure_ascii=False, sort_keys=True) + "\n" for line in lines
@@ -187,7 +191,17 @@ class Folder:
         else:
             text = json.dumps(obj, indent=1, ensure_ascii=False, sort_keys=True) + "\n"
         data = text.encode("utf-8")
-        retried(self.child(rel), lambda: self.fs.pipe_file(self._path(rel), data))
+        if self.remote:
+            retried(self.child(rel), lambda: self.fs.pipe_file(self._path(rel), data))
+            return
+        path = self.local / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
 
     def upload(self, local: Path, rel: str) -> None:
         retried(self.child(rel), lambda: self.fs.put_file(str(local), self._path(rel)))

@@ -10,7 +10,6 @@ from data.shards.stats import reject_lines
 from data.shards.storage import Folder
 from data.vocab import MODALITY_NAMES
 
-TOKEN_FORMAT = "earlyfuse-token-shards"  # data/tokenize/run.py (not imported: it pulls in torch)
 VISUAL = ("image", "video")
 
 

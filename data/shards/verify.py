@@ -20,10 +20,8 @@ from tqdm import tqdm
 from data.names import REJECTS_FILE
 from data.schema import validate_doc
 from data.shards.index import check_index, file_sha256, read_index
-from data.shards.manifest import MANIFEST_FORMAT, load_manifest
+from data.shards.manifest import MANIFEST_FORMAT, TOKEN_FORMAT, load_manifest
 from data.shards.storage import Folder
-
-TOKEN_FORMAT = "earlyfuse-token-shards"  # data/tokenize/run.py (not imported: it pulls in torch)
 
 
 def _token_ranges(folder: Folder, m: dict, problems: list[str]) -> np.ndarray | None:
@@ -94,6 +92,9 @@ def _check_binary_index(folder: Folder, shard: dict, idx: Path) -> list[str]:
     return []
 
 
+KEYS = ("path", "index")  # a manifest's shard entry: the tar, its index
+
+
 def verify(out: str | Path, *, progress: bool = False) -> dict:
     folder = Folder(out)
     manifest = load_manifest(out, formats=(MANIFEST_FORMAT, TOKEN_FORMAT))
@@ -103,11 +104,14 @@ def verify(out: str | Path, *, progress: bool = False) -> dict:
     samples = 0
     with tempfile.TemporaryDirectory(prefix="earlyfuse-verify-") as tmp:
         for shard in tqdm(manifest["shards"], desc="verify", unit=" shards", disable=not progress):
-            tar, idx = (_fetch(folder, shard[key], Path(tmp)) for key in ("path", "index"))
-            if tar is None or idx is None:
-                problems.append(
-                    f"{folder.child(shard['path' if tar is None else 'index'])}: missing"
-                )
+            try:
+                tar, idx = (folder.download(shard[key], Path(tmp) / shard[key]) for key in KEYS)
+            except FileNotFoundError:
+                problems += [
+                    f"{folder.child(shard[key])}: missing"
+                    for key in KEYS
+                    if not folder.exists(shard[key])
+                ]
                 continue
             named = _Names(folder, {tar: shard["path"], idx: shard["index"]})
             found, counted = _check_shard(folder, shard, tar, idx, tokens, ranges)
@@ -132,17 +136,6 @@ def verify(out: str | Path, *, progress: bool = False) -> dict:
         "problems": problems,
         "ok": not problems,
     }
-
-
-def _fetch(folder: Folder, rel: str, tmp: Path) -> Path | None:
-    """The file ``rel`` as a local file (a remote one downloaded into ``tmp``); None: missing."""
-    if not folder.remote:
-        path = folder.local / rel
-        return path if path.is_file() else None
-    try:
-        return folder.download(rel, tmp / rel)
-    except FileNotFoundError:
-        return None
 
 
 class _Names:

@@ -11,7 +11,8 @@ Layout (docs/formats.md, "Token shards"):
 
 Design choices:
 - One token shard per raw shard, same names: the unit of work, parallelism and resumption
-  (a shard is done when its record in ``TOKEN_DIR/.tokenize/`` matches the fingerprint).
+  (a shard is done when its record in ``TOKEN_DIR/.tokenize/`` matches the fingerprint and the
+  files it names are there).
 - The fingerprint covers the raw folder (its plan and shard hashes), both tokenizers, the
   layout and the options; a folder made with any other of them is refused, never mixed.
 - The visual tokenizer runs on a GPU when there is one (``--device``), in batches of images
@@ -30,9 +31,7 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
-from tqdm import tqdm
-
-from data.engine import EngineConfig, run_jobs
+from data.engine import EngineConfig
 from data.names import (
     LAYOUT_FILE,
     MANIFEST_FILE,
@@ -41,12 +40,14 @@ from data.names import (
     TOKENIZERS_DIR,
     VISUAL_TOKENIZER_DIR,
 )
+from data.shards.manifest import TOKEN_FORMAT as FORMAT
 from data.shards.manifest import (
-    MANIFEST_FORMAT,
     load_manifest,
+    partition_share,
+    run_shard_jobs,
+    shard_done,
     shard_entry,
     versions,
-    write_json_atomic,
 )
 from data.shards.storage import Folder, Staging
 from data.text_tokenizer import TextTokenizer
@@ -59,8 +60,6 @@ from data.tokenize.vtok_files import (
     weights_fingerprint,
 )
 from data.vocab import MODALITY_NAMES
-
-FORMAT = "earlyfuse-token-shards"
 
 
 def fingerprint_of(raw_manifest: dict, tok_dir: Path, vtok_dir: Path, opts: TokenizeOptions) -> str:
@@ -81,30 +80,6 @@ def fingerprint_of(raw_manifest: dict, tok_dir: Path, vtok_dir: Path, opts: Toke
     return digest.hexdigest()[:24]
 
 
-def _done(sizes: dict[str, int], rec: dict | None, fp: str) -> bool:
-    """The shard's record matches and its tar is there (``sizes``: one listing of the folder)."""
-    if not rec:
-        return False
-    return rec["fingerprint"] == fp and sizes.get(rec["tar"]) == rec["bytes"]
-
-
-def read_raw_manifest(raw: Folder) -> dict:
-    if not raw.remote:
-        return load_manifest(raw.local)
-    try:
-        manifest = raw.read_json(MANIFEST_FILE)
-    except FileNotFoundError:
-        raise ValueError(
-            f"{raw.child(MANIFEST_FILE)}: no manifest (not an ingest output)"
-        ) from None
-    if manifest.get("format") != MANIFEST_FORMAT:
-        raise ValueError(
-            f"{raw.child(MANIFEST_FILE)}: format {manifest.get('format')!r}, "
-            f"expected {MANIFEST_FORMAT!r}"
-        )
-    return manifest
-
-
 def tokenize(
     raw_dir: str | Path,
     out: str | Path,
@@ -122,13 +97,11 @@ def tokenize(
     """Tokenize this partition's missing shards; when every shard of the folder is done, write
     the manifest (then returned, with ``"finalized": True``). Otherwise returns a summary of
     what this run did and which shards other partitions still owe (``"missing"``)."""
-    if not (num_partitions >= 1 and 0 <= partition < num_partitions):
-        raise ValueError(f"--partition {partition} is outside 0..{num_partitions - 1}")
     raw, dest = Folder(raw_dir), Folder(out)
     tok_dir, vtok_dir = Path(tok_dir), Path(vtok_dir)
     opts = opts or TokenizeOptions()
     engine = engine or EngineConfig(workers=workers)
-    raw_m = read_raw_manifest(raw)
+    raw_m = load_manifest(raw_dir)
     text = TextTokenizer.load(tok_dir)  # fail early, with the file named, on a bad tokenizer folder
     check_visual_tokenizer(vtok_dir, text.layout)
     fingerprint = fingerprint_of(raw_m, tok_dir, vtok_dir, opts)
@@ -146,11 +119,7 @@ def tokenize(
             f"{out}/{STATE_DIR} holds shards of another tokenization; choose a new --out or delete it"
         )
     num_shards = len(raw_m["shards"])
-    mine = [
-        shard_index
-        for shard_index in range(num_shards)
-        if shard_index % num_partitions == partition
-    ]
+    mine = partition_share(num_shards, num_partitions, partition)
     sizes = dest.sizes()
     # N local workers on N cores: one BPE/torch thread each (0: the libraries' defaults).
     threads = 1 if engine.kind == "ray" or engine.workers > 1 else 0
@@ -169,30 +138,22 @@ def tokenize(
             threads,
         )
         for shard_index in mine
-        if not _done(sizes, records.get(shard_index), fingerprint)
+        if not shard_done(sizes, records.get(shard_index), fingerprint)
     ]
-    bar = tqdm(
-        total=len(mine),
-        initial=len(mine) - len(jobs),
-        desc="tokenize",
-        unit=" shards",
-        disable=not progress,
-    )
     gpu_setup = None
     if device is None or device.startswith("cuda"):
         from data.tokenize.remote_visual import gpu_setup_for
 
         gpu_setup = gpu_setup_for(str(vtok_dir.resolve()), str(tok_dir.resolve()))
-    for rec in run_jobs(tokenize_shard, jobs, engine, gpu_setup=gpu_setup):
-        records[rec["index"]] = rec
-        bar.update()
-    bar.close()
+    run_shard_jobs(
+        tokenize_shard, jobs, engine, records, len(mine), "tokenize", progress, gpu_setup=gpu_setup
+    )
     records.update(dest.records(STATE_DIR))  # what other partitions finished meanwhile
     sizes = dest.sizes()
     missing = [
         shard_index
         for shard_index in range(num_shards)
-        if not _done(sizes, records.get(shard_index), fingerprint)
+        if not shard_done(sizes, records.get(shard_index), fingerprint)
     ]
     if missing:
         return {
@@ -216,33 +177,18 @@ def finalize_tokens(
     opts: TokenizeOptions,
     fp: str,
 ) -> dict:
-    """manifest.json, rejects.jsonl and the tokenizers' copy: in place, or staged and uploaded."""
+    """The tokenizers' copy, rejects.jsonl, then manifest.json (the folder is done once it is
+    there): in place, or uploaded."""
     with Staging(dest) as stage:
-        manifest = _finalize_tokens(stage, raw, raw_m, records, tok_dir, vtok_dir, opts, fp)
-        copied = sorted(
-            str(path.relative_to(stage.path(""))) for path in stage.path(TOKENIZERS_DIR).rglob("*")
-        )
+        tdir = stage.path(TOKENIZERS_DIR)
+        tdir.mkdir(parents=True, exist_ok=True)
+        for name in (TOKENIZER_FILE, LAYOUT_FILE):
+            shutil.copyfile(tok_dir / name, tdir / name)
+        shutil.copytree(vtok_dir, tdir / VISUAL_TOKENIZER_DIR, dirs_exist_ok=True)
+        copied = sorted(str(path.relative_to(stage.path(""))) for path in tdir.rglob("*"))
         stage.publish([rel_path for rel_path in copied if stage.path(rel_path).is_file()])
-        stage.publish([REJECTS_FILE, MANIFEST_FILE])  # the manifest last: the folder is done
-    return manifest
-
-
-def _finalize_tokens(
-    stage: Staging,
-    raw: Folder,
-    raw_m: dict,
-    records: dict,
-    tok_dir: Path,
-    vtok_dir: Path,
-    opts: TokenizeOptions,
-    fp: str,
-) -> dict:
+        fingerprints = folder_fingerprints(tdir)  # of the copy, while the staging holds it
     recs = [records[i] for i in sorted(records)]
-    tdir = stage.path(TOKENIZERS_DIR)
-    tdir.mkdir(parents=True, exist_ok=True)
-    for name in (TOKENIZER_FILE, LAYOUT_FILE):
-        shutil.copyfile(tok_dir / name, tdir / name)
-    shutil.copytree(vtok_dir, tdir / VISUAL_TOKENIZER_DIR, dirs_exist_ok=True)
     totals: Counter = Counter()
     rejects = []
     sources: dict[str, dict] = {}
@@ -271,7 +217,7 @@ def _finalize_tokens(
             "raw": raw.url if raw.remote else str(raw.local.resolve()),
             "raw_plan": raw_m["plan"]["fingerprint"],
         },
-        "tokenizers": {**folder_fingerprints(tdir), "folder": TOKENIZERS_DIR},
+        "tokenizers": {**fingerprints, "folder": TOKENIZERS_DIR},
         "options": asdict(opts),
         "sources": list(sources.values()),
         "shards": [
@@ -296,8 +242,8 @@ def _finalize_tokens(
         },
         "created_by": {"versions": versions()},
     }
-    write_json_atomic(stage.path(REJECTS_FILE), None, lines=rejects)
-    write_json_atomic(stage.path(MANIFEST_FILE), manifest)
+    dest.write_json(REJECTS_FILE, lines=rejects)
+    dest.write_json(MANIFEST_FILE, manifest)
     return manifest
 
 
@@ -323,7 +269,7 @@ def merge_tokens(out: str | Path) -> dict:
     missing = [
         shard_index
         for shard_index in range(first["num_shards"])
-        if not _done(sizes, records.get(shard_index), fingerprint)
+        if not shard_done(sizes, records.get(shard_index), fingerprint)
     ]
     if missing:
         raise ValueError(
@@ -331,7 +277,7 @@ def merge_tokens(out: str | Path) -> dict:
             "partitions that owe them, then merge again"
         )
     opts = TokenizeOptions(**first["options"])
-    raw_m = read_raw_manifest(raw)
+    raw_m = load_manifest(first["inputs"]["raw"])
     if fingerprint_of(raw_m, tok_dir, vtok_dir, opts) != fingerprint:
         raise ValueError(
             f"{out}: the raw folder or tokenizers changed since these shards were made"

@@ -133,7 +133,7 @@ def tokenize_shard(job: TokenizeJob) -> dict:
         idx = raw.download(idx_rel, inputs / idx_rel)
         record = _tokenize_shard(job, tar, idx, stage)
         stage.publish([idx_rel, record["index_bin"], tar_rel])
-    dest.write_json(record_path(Path(""), job.index, STATE_DIR).as_posix(), record)
+    dest.write_json(record_path(job.index, STATE_DIR), record)
     return record
 
 

@@ -90,7 +90,7 @@ def test_partitions_then_merge_equal_a_single_run(planted_corpus, tmp_path, caps
         )
         assert not s["finalized"] and s["missing"]
     with pytest.raises(ValueError, match=r"partitions \[2\] of --num-partitions 3"):
-        from data.shards.manifest import merge
+        from data.ingest.run import merge
 
         merge(parts)
     s = ingest(parts, planted_corpus["sources"], shard_max_samples=1, num_partitions=3, partition=2)
@@ -98,6 +98,28 @@ def test_partitions_then_merge_equal_a_single_run(planted_corpus, tmp_path, caps
     assert shard_files(parts) == shard_files(single)
     assert manifest_without_commands(parts) == manifest_without_commands(single)
     assert main(["merge", str(parts)]) == 0
+
+
+def test_merge_of_a_url_names_the_missing_partitions_as_a_local_merge_does(tmp_path):
+    from data.ingest.run import merge
+    from data.shards.storage import Folder
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    for i in range(3):
+        (notes / f"n{i}.txt").write_text(f"note number {i}")
+    url = f"memory://merge-{tmp_path.name}"
+    for part in (0, 1):
+        ingest(url, [f"text:{notes}"], shard_max_samples=1, num_partitions=3, partition=part)
+    with pytest.raises(ValueError, match=r"partitions \[2\] of --num-partitions 3"):
+        merge(url)
+    s = ingest(url, [f"text:{notes}"], shard_max_samples=1, num_partitions=3, partition=2)
+    folder = Folder(url)
+    manifest = folder.read_bytes("manifest.json")
+    folder.fs.rm(f"{folder.root}/manifest.json")
+    assert s["finalized"] and main(["merge", url]) == 0
+    assert folder.read_bytes("manifest.json") == manifest
+    folder.fs.rm(folder.root, recursive=True)
 
 
 def test_changed_inputs_refuse_to_mix_into_an_existing_output(planted_corpus, tmp_path):

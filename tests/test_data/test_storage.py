@@ -1,0 +1,41 @@
+"""The shard-job state and files of a folder, read the same way here and in object storage
+(fsspec's in-memory filesystem: a real backend, no server)."""
+
+from __future__ import annotations
+
+import re
+
+import fsspec
+import pytest
+
+from data.shards.manifest import record_path
+from data.shards.storage import Folder
+
+
+@pytest.fixture(params=["local", "memory"])
+def folder(request, tmp_path):
+    if request.param == "local":
+        yield Folder(tmp_path / "out")
+        return
+    remote = Folder(f"memory://storage-{tmp_path.name}")
+    yield remote
+    if remote.fs.exists(remote.root):
+        remote.fs.rm(remote.root, recursive=True)
+
+
+def test_records_skip_what_a_kill_or_another_job_left(folder):
+    folder.write_json(record_path(0), {"index": 0, "tar": "a.tar"})
+    folder.write_json(record_path(1), [1])  # JSON, but not a record: skipped like a cut one
+    folder.write_json(record_path(2, ".tokenize"), {"index": 2})  # another job's state
+    fs, root = fsspec.core.url_to_fs(folder.url)
+    fs.pipe_file(f"{root}/{record_path(3)}", b'{"index": 3, "ta')  # cut short by a kill
+    assert folder.records(".ingest") == {0: {"index": 0, "tar": "a.tar"}}
+    assert folder.records(".tokenize") == {2: {"index": 2}}
+
+
+def test_download_names_a_missing_file(folder, tmp_path):
+    folder.write_json("a/b.json", {"x": 1})
+    copy = folder.download("a/b.json", tmp_path / "copy" / "b.json")
+    assert copy.read_bytes() == folder.read_bytes("a/b.json") == b'{\n "x": 1\n}\n'
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{folder.child('a/c.tar')} does not")):
+        folder.download("a/c.tar", tmp_path / "copy" / "c.tar")
