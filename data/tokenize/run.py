@@ -260,8 +260,6 @@ def merge_tokens(out: str | Path) -> dict:
             "with identical inputs, tokenizers and options"
         )
     first = next(iter(records.values()))
-    if "inputs" not in first:
-        raise ValueError(f"{out}: records written before partitioned tokenize; rerun tokenize")
     raw = Folder(first["inputs"]["raw"])
     tok_dir, vtok_dir = Path(first["inputs"]["tokenizer"]), Path(first["inputs"]["visual"])
     fingerprint = first["fingerprint"]
