@@ -648,7 +648,7 @@ def measure(a) -> dict:
         tokens += int(batch["num_real_tokens"])
         count += 1
     done = time.perf_counter()
-    return {
+    figures = {
         "import_s": imported - started,
         "build_s": built - imported,
         "first_batch_s": first_at - built,
@@ -657,6 +657,11 @@ def measure(a) -> dict:
         "batches": count,
         "tokens_per_s": tokens / (done - imported),
     }
+    if a.warm_epoch:  # a second loader and epoch in this process: start-up paid, caches warm
+        batches = make_batches(a, a.measure, a.workers[0])
+        warm = sum(int(batch["num_real_tokens"]) for batch in batches)
+        figures["warm_tokens_per_s"] = warm / (time.perf_counter() - done)
+    return figures
 
 
 # --- the parent: fresh processes, memory of their trees ------------------------------------------
@@ -690,6 +695,7 @@ def run_measure(a, name: str, workers: int, *, sample: bool = False) -> dict:
         )
         for flag, value in flags:
             cmd += [f"--{flag}", str(value)]
+        cmd += ["--warm-epoch"] if a.warm_epoch else []
         cmd += ["--workers", str(workers), "--result", result.name]
         child = subprocess.Popen(cmd)
         peak_rss = peak_pss = 0
@@ -713,10 +719,12 @@ def run_measure(a, name: str, workers: int, *, sample: bool = False) -> dict:
 
 def summarize(runs: dict[str, list[dict]], memory: dict[str, dict]) -> dict[str, dict]:
     """Medians of the timed rounds, with the peak memory of each loader's sampled round."""
-    keys = ("import_s", "first_batch_s", "epoch_s", "tokens_per_s")
+    keys = ("import_s", "first_batch_s", "epoch_s", "tokens_per_s", "warm_tokens_per_s")
     out = {}
     for name, results in runs.items():
-        med = {key: statistics.median(res[key] for res in results) for key in keys}
+        med = {
+            key: statistics.median(res[key] for res in results) for key in keys if key in results[0]
+        }
         rates = [res["tokens_per_s"] for res in results]
         spread = (max(rates) - min(rates)) / med["tokens_per_s"]
         peaks = {key: memory[name][key] for key in ("peak_rss", "peak_pss")}
@@ -756,6 +764,12 @@ def print_mode(mode: str, table: dict[str, dict], previous: dict) -> None:
             f"{med['import_s']:>6.2f}s {med['first_batch_s']:>8.2f}s {med['epoch_s']:>6.1f}s "
             f"{med['peak_rss'] / 2**20:>6.0f}MiB {med['peak_pss'] / 2**20:>6.0f}MiB{ratio}"
         )
+    for name, med in table.items():
+        if "warm_tokens_per_s" in med and base:
+            print(
+                f"  {name:15s} second epoch in the same process: {med['warm_tokens_per_s']:,.0f} "
+                f"tokens/s, {med['warm_tokens_per_s'] / base['warm_tokens_per_s']:.2f}x {BASELINE}"
+            )
     now = earlyfuse_figures(table)
     if not now:
         return
@@ -819,6 +833,11 @@ def parse(argv=None) -> argparse.Namespace:
         choices=("fork", "forkserver"),
         default="fork",
         help="earlyfuse's data.worker_start (the peers fork from the measuring process)",
+    )
+    add(
+        "--warm-epoch",
+        action="store_true",
+        help="also time a second loader's epoch in each measuring process, start-up paid",
     )
     add("--save", type=Path, default=None, help="write the results as JSON here")
     add("--previous", type=Path, default=None, help="a JSON saved with --save")
