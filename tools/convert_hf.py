@@ -22,6 +22,14 @@ examples:
   earlyfuse-convert hf releases/demo hf/demo
   python -c "from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained('hf/demo')"
 """
+HELP = "a release -> a Hugging Face model (Qwen3 architecture), where the architecture maps"
+DESCRIPTION = (
+    "Write RELEASE as a transformers model (Qwen3ForCausalLM) in OUT, loadable with "
+    "AutoModelForCausalLM.from_pretrained and giving the same logits. Row/column embeddings of "
+    "image codes (model.grid_embedding, the demo's model) ship as remote code in OUT "
+    "(modeling_earlyfuse.py; load with trust_remote_code=True). A model with another feature "
+    "Qwen3 lacks (M-RoPE, MoE, modality FFNs, reordered norms, ...) is refused with its name."
+)
 
 
 def blocking_features(cfg) -> list[str]:
@@ -330,18 +338,7 @@ def run(args: argparse.Namespace) -> None:
     export_hf(args.release, args.out, force=args.force)
 
 
-def register(sub) -> None:
-    parser = sub.add_parser(
-        "hf",
-        help="a release -> a Hugging Face model (Qwen3 architecture), where the architecture maps",
-        description="Write RELEASE as a transformers model (Qwen3ForCausalLM) in OUT, loadable with "
-        "AutoModelForCausalLM.from_pretrained and giving the same logits. Row/column embeddings of "
-        "image codes (model.grid_embedding, the demo's model) ship as remote code in OUT "
-        "(modeling_earlyfuse.py; load with trust_remote_code=True). A model with another feature "
-        "Qwen3 lacks (M-RoPE, MoE, modality FFNs, reordered norms, ...) is refused with its name.",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "release", metavar="RELEASE", help="a release folder (earlyfuse-convert release)"
     )
@@ -349,4 +346,3 @@ def register(sub) -> None:
         "out", metavar="OUT", help="folder to write (must not exist or be empty, see --force)"
     )
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    parser.set_defaults(run=run)

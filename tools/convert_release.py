@@ -55,6 +55,12 @@ examples:
   # a visual tokenizer run: OUT/visual_tokenizer/ is what `earlyfuse-prep tokenize` takes
   earlyfuse-convert release runs/vtok releases/vtok
 """
+HELP = "a DeepSpeed checkpoint (any ZeRO stage) -> a portable release folder"
+DESCRIPTION = (
+    "Consolidate a checkpoint of RUN_DIR (any ZeRO stage, any world size, on CPU) into OUT: "
+    "model.safetensors, config.json, vocab_layout.json, tokenizer.json, visual_tokenizer/. "
+    "Tensor names and shapes are checked against the model the run's config builds."
+)
 
 
 def check_out(out: Path, force: bool) -> None:
@@ -288,16 +294,7 @@ def run(args: argparse.Namespace) -> None:
     )
 
 
-def register(sub) -> None:
-    parser = sub.add_parser(
-        "release",
-        help="a DeepSpeed checkpoint (any ZeRO stage) -> a portable release folder",
-        description="Consolidate a checkpoint of RUN_DIR (any ZeRO stage, any world size, on CPU) into OUT: "
-        "model.safetensors, config.json, vocab_layout.json, tokenizer.json, visual_tokenizer/. "
-        "Tensor names and shapes are checked against the model the run's config builds.",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_dir(parser)
     parser.add_argument(
         "out",
@@ -322,4 +319,3 @@ def register(sub) -> None:
         help="weights, config and layout only (enough for train.init_from, not for earlyfuse-generate)",
     )
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    parser.set_defaults(run=run)
