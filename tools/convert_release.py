@@ -93,16 +93,6 @@ def write_release(out: Path, config: dict, write_files) -> dict:
     return config
 
 
-def _token_manifest(url: str) -> tuple[dict, Path] | None:
-    """The token manifest of the shard folder ``url`` lies in and its folder (None: none there)."""
-    from data.loader.table_load import TOKEN_FORMAT, find_manifest
-
-    found = find_manifest(url)
-    if found is None or found[0].get("format") != TOKEN_FORMAT:
-        return None
-    return found[0], Path(found[1]).parent
-
-
 def find_tokenizers(run_cfg, run_dir: Path) -> Path:
     """The token data's tokenizers/ folder (the run's ``data.tokenizers``, else the one its token
     shards name); a ReleaseError naming every place tried otherwise."""
@@ -179,6 +169,7 @@ def make_release(
     log=print,
 ) -> dict:
     """Write the release of one checkpoint of ``run_dir`` to ``out``; returns its config.json."""
+    from data.loader.table_load import TOKEN_FORMAT, find_manifest
     from data.vocab import VocabLayout
 
     run_dir = Path(run_dir).resolve()
@@ -204,9 +195,10 @@ def make_release(
                 named = "--tokenizers" if tokenizers else "data.tokenizers"
                 raise ReleaseError(f"{named} {tok_dir}: not a folder")
             fingerprints = check_tokenizers(tok_dir, layout)
-            token_data = _token_manifest(str(tok_dir))
-            if token_data is not None:
-                manifest = token_data[0]
+            # the manifest of the token folder that holds tokenizers/, if it is one
+            found = find_manifest(str(tok_dir))
+            if found is not None and found[0].get("format") == TOKEN_FORMAT:
+                manifest = found[0]
                 tok_options = dict(manifest.get("options", {}))
                 # The grids the images were trained at: earlyfuse-generate --draw picks from them.
                 grids = image_grids(manifest)
