@@ -224,6 +224,10 @@ class Generator:
     def until_eos(self, new: list[int]) -> list[int]:
         return new[: new.index(self.text.eos_id)] if self.text.eos_id in new else new
 
+    def text_result(self, kind: str, text: str, new: list[int]) -> dict:
+        """The record of a text or caption request that sampled ``new`` and printed ``text``."""
+        return {"kind": kind, "text": text, "tokens": len(new), "stopped": self.text.eos_id in new}
+
     # --- requests ------------------------------------------------------------------------------
     def continue_text(self, prompt: str, *, code: bool = False, **sampling) -> dict:
         body = self.text.encode(prompt)
@@ -234,12 +238,7 @@ class Generator:
         # Decode prompt and continuation together, so a character split across the boundary is whole.
         full, head = self.text.decode(body + kept), self.text.decode(body)
         cont = full[len(head) :] if full.startswith(head) else self.text.decode(kept)
-        return {
-            "kind": "text",
-            "text": cont,
-            "tokens": len(new),
-            "stopped": self.text.eos_id in new,
-        }
+        return self.text_result("text", cont, new)
 
     def encode_image(self, image: str | Path | bytes) -> np.ndarray:
         """The code grid of an image file or its bytes, encoded at the tokenizer's size."""
@@ -266,13 +265,8 @@ class Generator:
     def caption(self, image: str | Path, prompt: str = "", **sampling) -> dict:
         codes = self.encode_image(image)
         new = caption_codes(self, codes, prompt, **sampling)
-        return {
-            "kind": "caption",
-            "text": self.text.decode(self.until_eos(new)),
-            "tokens": len(new),
-            "stopped": self.text.eos_id in new,
-            "image_grid": list(codes.shape),
-        }
+        text = self.text.decode(self.until_eos(new))
+        return {**self.text_result("caption", text, new), "image_grid": list(codes.shape)}
 
     def training_grid(self) -> tuple[int, int] | None:
         """The grid most of the training images had (None when the release does not say): a model
