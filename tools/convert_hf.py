@@ -284,7 +284,12 @@ def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=
             f"export to): " + "; ".join(blocked)
         )
     check_out(out, force)
-    from transformers import Qwen3ForCausalLM
+    try:
+        from transformers import Qwen3ForCausalLM
+    except ImportError:
+        raise ReleaseError(
+            "the Hugging Face export needs `transformers`: pip install 'earlyfuse[hf]'"
+        ) from None
 
     tok = rel.text_tokenizer()
     cfg = rel.transformer_config
@@ -329,12 +334,6 @@ def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=
 
 
 def run(args: argparse.Namespace) -> None:
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        raise ReleaseError(
-            "the Hugging Face export needs `transformers`: pip install 'earlyfuse[hf]'"
-        ) from None
     export_hf(args.release, args.out, force=args.force)
 
 
