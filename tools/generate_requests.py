@@ -107,11 +107,12 @@ def sample(
     def row(values):  # one row [1, n] of a batch, or None
         return None if values is None else torch.tensor([values], dtype=torch.long, device=device)
 
-    sampling = {"temperature": 0.0, **sampling, "stop_ids": stop, "pad_id": parts.text.pad_id}
+    # greedy unless a temperature is given (SamplingConfig's own default samples at 1.0)
+    options = {"temperature": 0.0, **sampling, "stop_ids": stop, "pad_id": parts.text.pad_id}
     out = generate(
         parts.model,
         row(ids),
-        sampling=SamplingConfig(**sampling),
+        sampling=SamplingConfig(**options),
         constraint=constraint,
         layout=parts.layout,
         modality=row(modality),
