@@ -61,6 +61,8 @@ DESCRIPTION = (
     "model.safetensors, config.json, vocab_layout.json, tokenizer.json, visual_tokenizer/. "
     "Tensor names and shapes are checked against the model the run's config builds."
 )
+# the files a release copies from tokenizers/ (its vocab_layout.json is the checkpoint's)
+TOKENIZER_FILES = (TOKENIZER, f"{VISUAL}/{CONFIG}", f"{VISUAL}/{WEIGHTS}")
 
 
 def check_out(out: Path, force: bool) -> None:
@@ -113,12 +115,7 @@ def check_tokenizers(folder: Path, layout) -> dict:
     from data.tokenize.visual import load_visual_tokenizer
     from data.vocab import VocabLayout
 
-    need = [
-        folder / TOKENIZER,
-        folder / LAYOUT,
-        folder / VISUAL / WEIGHTS,
-        folder / VISUAL / CONFIG,
-    ]
+    need = [folder / name for name in (LAYOUT, *TOKENIZER_FILES)]
     missing = [str(path) for path in need if not path.is_file()]
     if missing:
         raise ReleaseError(
@@ -256,7 +253,7 @@ def make_release(
             layout.save(folder / LAYOUT)
             if tok_dir is not None:
                 (folder / VISUAL).mkdir()
-                for name in (TOKENIZER, f"{VISUAL}/{CONFIG}", f"{VISUAL}/{WEIGHTS}"):
+                for name in TOKENIZER_FILES:
                     shutil.copyfile(tok_dir / name, folder / name)
         else:  # the folder a vtok run exports and `earlyfuse-prep tokenize` reads
             from train.tasks.vtok import save_visual_tokenizer
