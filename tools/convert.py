@@ -1,7 +1,7 @@
 """``earlyfuse-convert``: checkpoints in and out of training runs, one subcommand per module
-(``SUBCOMMANDS``, each with ``register(subparsers)``, which adds its parser and sets
-``run=fn(args)``). Errors that users cause (a missing file, a truncated checkpoint, a mismatch)
-are one line naming the file, exit code 1.
+(``tools/convert_<name>.py`` for each name in ``SUBCOMMANDS``: its ``HELP``, ``DESCRIPTION``,
+``EXAMPLES``, ``add_arguments(parser)`` and ``run(args)``). Errors that users cause (a missing
+file, a truncated checkpoint, a mismatch) are one line naming the file, exit code 1.
 """
 
 from __future__ import annotations
@@ -13,12 +13,7 @@ import sys
 from tools.convert_deepspeed import CheckpointError
 from train.release import ReleaseError
 
-SUBCOMMANDS = (
-    "tools.convert_release",
-    "tools.convert_import",
-    "tools.convert_hf",
-    "tools.convert_universal",
-)
+SUBCOMMANDS = ("release", "import", "hf", "universal")
 
 EPILOG = """\
 examples:
@@ -42,7 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMANDS:
-        importlib.import_module(name).register(sub)
+        command = importlib.import_module(f"tools.convert_{name}")
+        command_parser = sub.add_parser(
+            name,
+            help=command.HELP,
+            description=command.DESCRIPTION,
+            epilog=command.EXAMPLES,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        command.add_arguments(command_parser)
+        command_parser.set_defaults(run=command.run)
     return parser
 
 

@@ -36,6 +36,12 @@ examples:
   earlyfuse-train experiment=demo train.steps=500 optim.lr=1e-4 run_dir=runs/finetune \\
       train.init_from=/abs/releases/demo
 """
+HELP = "validate a release and print the earlyfuse-train command that starts a run from it"
+DESCRIPTION = (
+    "Check RELEASE (files, shapes, finiteness) and, given the training overrides, that it fits the "
+    "run they define (layout, tokenizer, shapes); print the earlyfuse-train command that starts "
+    "RUN_DIR from its weights (train.init_from). Writes nothing."
+)
 
 # Set from the token data's layout when the run starts, never by hand.
 VOCAB_FIELDS = {"vocab_size", "text_vocab_size", "visual_offset"}
@@ -150,16 +156,7 @@ def run(args: argparse.Namespace) -> None:
         )
 
 
-def register(sub) -> None:
-    parser = sub.add_parser(
-        "import",
-        help="validate a release and print the earlyfuse-train command that starts a run from it",
-        description="Check RELEASE (files, shapes, finiteness) and, given the training overrides, that it fits the "
-        "run they define (layout, tokenizer, shapes); print the earlyfuse-train command that starts "
-        "RUN_DIR from its weights (train.init_from). Writes nothing.",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "release", metavar="RELEASE", help="a release folder (earlyfuse-convert release)"
     )
@@ -172,4 +169,3 @@ def register(sub) -> None:
         nargs="*",
         help="earlyfuse-train overrides of the new run (e.g. experiment=demo optim.lr=1e-4), checked now",
     )
-    parser.set_defaults(run=run)

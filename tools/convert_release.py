@@ -55,6 +55,14 @@ examples:
   # a visual tokenizer run: OUT/visual_tokenizer/ is what `earlyfuse-prep tokenize` takes
   earlyfuse-convert release runs/vtok releases/vtok
 """
+HELP = "a DeepSpeed checkpoint (any ZeRO stage) -> a portable release folder"
+DESCRIPTION = (
+    "Consolidate a checkpoint of RUN_DIR (any ZeRO stage, any world size, on CPU) into OUT: "
+    "model.safetensors, config.json, vocab_layout.json, tokenizer.json, visual_tokenizer/. "
+    "Tensor names and shapes are checked against the model the run's config builds."
+)
+# the files a release copies from tokenizers/ (its vocab_layout.json is the checkpoint's)
+TOKENIZER_FILES = (TOKENIZER, f"{VISUAL}/{CONFIG}", f"{VISUAL}/{WEIGHTS}")
 
 
 def check_out(out: Path, force: bool) -> None:
@@ -87,16 +95,6 @@ def write_release(out: Path, config: dict, write_files) -> dict:
     return config
 
 
-def _token_manifest(url: str) -> tuple[dict, Path] | None:
-    """The token manifest of the shard folder ``url`` lies in and its folder (None: none there)."""
-    from data.loader.table_load import TOKEN_FORMAT, find_manifest
-
-    found = find_manifest(url)
-    if found is None or found[0].get("format") != TOKEN_FORMAT:
-        return None
-    return found[0], Path(found[1]).parent
-
-
 def find_tokenizers(run_cfg, run_dir: Path) -> Path:
     """The token data's tokenizers/ folder (the run's ``data.tokenizers``, else the one its token
     shards name); a ReleaseError naming every place tried otherwise."""
@@ -117,12 +115,7 @@ def check_tokenizers(folder: Path, layout) -> dict:
     from data.tokenize.vtok_files import folder_fingerprints
     from data.vocab import VocabLayout
 
-    need = [
-        folder / TOKENIZER,
-        folder / LAYOUT,
-        folder / VISUAL / WEIGHTS,
-        folder / VISUAL / CONFIG,
-    ]
+    need = [folder / name for name in (LAYOUT, *TOKENIZER_FILES)]
     missing = [str(path) for path in need if not path.is_file()]
     if missing:
         raise ReleaseError(
@@ -173,6 +166,7 @@ def make_release(
     log=print,
 ) -> dict:
     """Write the release of one checkpoint of ``run_dir`` to ``out``; returns its config.json."""
+    from data.loader.table_load import TOKEN_FORMAT, find_manifest
     from data.vocab import VocabLayout
 
     run_dir = Path(run_dir).resolve()
@@ -198,9 +192,10 @@ def make_release(
                 named = "--tokenizers" if tokenizers else "data.tokenizers"
                 raise ReleaseError(f"{named} {tok_dir}: not a folder")
             fingerprints = check_tokenizers(tok_dir, layout)
-            token_data = _token_manifest(str(tok_dir))
-            if token_data is not None:
-                manifest = token_data[0]
+            # the manifest of the token folder that holds tokenizers/, if it is one
+            found = find_manifest(str(tok_dir))
+            if found is not None and found[0].get("format") == TOKEN_FORMAT:
+                manifest = found[0]
                 tok_options = dict(manifest.get("options", {}))
                 # The grids the images were trained at: earlyfuse-generate --draw picks from them.
                 grids = image_grids(manifest)
@@ -258,7 +253,7 @@ def make_release(
             layout.save(folder / LAYOUT)
             if tok_dir is not None:
                 (folder / VISUAL).mkdir()
-                for name in (TOKENIZER, f"{VISUAL}/{CONFIG}", f"{VISUAL}/{WEIGHTS}"):
+                for name in TOKENIZER_FILES:
                     shutil.copyfile(tok_dir / name, folder / name)
         else:  # the folder a vtok run exports and `earlyfuse-prep tokenize` reads
             from train.tasks.vtok import save_visual_tokenizer
@@ -288,16 +283,7 @@ def run(args: argparse.Namespace) -> None:
     )
 
 
-def register(sub) -> None:
-    parser = sub.add_parser(
-        "release",
-        help="a DeepSpeed checkpoint (any ZeRO stage) -> a portable release folder",
-        description="Consolidate a checkpoint of RUN_DIR (any ZeRO stage, any world size, on CPU) into OUT: "
-        "model.safetensors, config.json, vocab_layout.json, tokenizer.json, visual_tokenizer/. "
-        "Tensor names and shapes are checked against the model the run's config builds.",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_dir(parser)
     parser.add_argument(
         "out",
@@ -322,4 +308,3 @@ def register(sub) -> None:
         help="weights, config and layout only (enough for train.init_from, not for earlyfuse-generate)",
     )
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    parser.set_defaults(run=run)

@@ -19,6 +19,13 @@ examples:
   earlyfuse-convert universal runs/1b                                               # latest checkpoint
   torchrun --nproc_per_node 4 -m train.app experiment=gpu_1b run_dir=runs/1b      # resumes on 4 ranks
 """
+HELP = "a ZeRO 1-3 checkpoint -> a DeepSpeed universal checkpoint (resume on another world size)"
+DESCRIPTION = (
+    "Write checkpoints/step_N/universal/ beside RUN_DIR's checkpoint: its optimizer and weight "
+    "shards as one file per parameter, which a run with the same run_dir resumes from on any "
+    "number of ranks. The LM's loader state is redistributed over the new ranks and "
+    "workers: it goes on from where it was."
+)
 UNIVERSAL = "universal"
 
 
@@ -85,17 +92,6 @@ def run(args: argparse.Namespace) -> None:
     make_universal(args.run_dir, args.step, force=args.force)
 
 
-def register(sub) -> None:
-    parser = sub.add_parser(
-        "universal",
-        help="a ZeRO 1-3 checkpoint -> a DeepSpeed universal checkpoint (resume on another world size)",
-        description="Write checkpoints/step_N/universal/ beside RUN_DIR's checkpoint: its optimizer and weight "
-        "shards as one file per parameter, which a run with the same run_dir resumes from on any "
-        "number of ranks. The LM's loader state is redistributed over the new ranks and "
-        "workers: it goes on from where it was.",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_dir(parser)
     parser.add_argument("--force", action="store_true", help="make it again if it exists")
-    parser.set_defaults(run=run)

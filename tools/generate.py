@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from tools.generate_requests import MAX_SOURCE_PIXELS, SAMPLING, Generator
+from tools.generate_requests import MAX_SOURCE_PIXELS, REQUEST_KEYS, SAMPLING, Generator
 from train.release import DTYPES, Release, ReleaseError
 
 EXAMPLES = """\
@@ -151,13 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         gen.max_source_pixels = args.max_image_pixels
         if args.batch:
             return run_batch(gen, args.batch, args.output, defaults)
-        if args.draw is not None:
-            req = {"draw": args.draw, "out": args.out, "size": args.size, "max_size": args.max_size}
-        elif args.image:
-            req = {"image": args.image, "caption": True, "prompt": args.prompt or ""}
-        else:
-            req = {"prompt": args.prompt, "code": args.code}
-        res = gen.request(req, defaults)
+        # the flags as one request: Generator.request picks draw, caption or text as a line would
+        res = gen.request({key: getattr(args, key) for key in REQUEST_KEYS - {"id"}}, defaults)
     except ReleaseError as e:
         print(f"earlyfuse-generate: error: {e}", file=sys.stderr)
         return 1

@@ -88,20 +88,18 @@ def sample(
     *,
     constraint,
     stop: list[int],
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
     seed: int = 0,
     image_ids: list[int] | None = None,
     unconditional: list[int] | None = None,
     guidance: float = 1.0,
+    **sampling,
 ) -> list[int]:
     """The ids the KV-cached ``generate`` appends to one prompt (``ids``, its ``modality`` and the
     ``image_ids`` of its bidirectional blocks), from a ``torch.Generator`` seeded with ``seed``;
-    ``unconditional``: the prompt that classifier-free ``guidance`` contrasts with. ``parts``:
-    what holds the ``model``, its ``layout``, ``text`` tokenizer and (to draw) ``vtok``, a
-    Generator or earlyfuse-eval's SceneJudge, which sample the same way."""
+    ``unconditional``: the prompt that classifier-free ``guidance`` contrasts with; ``sampling``:
+    ``SamplingConfig``'s max_new_tokens, temperature (greedy unless given), top_k and top_p.
+    ``parts``: what holds the ``model``, its ``layout``, ``text`` tokenizer and (to draw)
+    ``vtok``, a Generator or earlyfuse-eval's SceneJudge, which sample the same way."""
     from model.generate import SamplingConfig, generate
 
     device = parts.model.output.weight.device
@@ -109,17 +107,12 @@ def sample(
     def row(values):  # one row [1, n] of a batch, or None
         return None if values is None else torch.tensor([values], dtype=torch.long, device=device)
 
+    # greedy unless a temperature is given (SamplingConfig's own default samples at 1.0)
+    options = {"temperature": 0.0, **sampling, "stop_ids": stop, "pad_id": parts.text.pad_id}
     out = generate(
         parts.model,
         row(ids),
-        sampling=SamplingConfig(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            stop_ids=stop,
-            pad_id=parts.text.pad_id,
-        ),
+        sampling=SamplingConfig(**options),
         constraint=constraint,
         layout=parts.layout,
         modality=row(modality),
@@ -160,12 +153,11 @@ def draw_image(
     *,
     size: tuple[int, int] | None,
     side: int,
-    guidance: float = 1.0,
     **sampling,
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """The image block sampled after ``<bos> caption <boi>`` under ``ImageConstraint`` (the grid
     ``size``, or the model's choice up to ``side`` a side), decoded: (code grid, pixels [H, W, 3],
-    tokens sampled)."""
+    tokens sampled). ``sampling`` may hold a classifier-free ``guidance`` scale (``sample``)."""
     from data.layout import image_block_len, parse_image
     from model.generate import ImageConstraint
 
@@ -190,7 +182,6 @@ def draw_image(
         max_new_tokens=need,
         # guidance contrasts the caption with the same request without it: <bos> <boi>
         unconditional=unconditional,
-        guidance=guidance,
         **sampling,
     )
     block = [boi, *new[: new.index(eoi) + 1]] if eoi in new else [boi, *new]
@@ -234,6 +225,10 @@ class Generator:
     def until_eos(self, new: list[int]) -> list[int]:
         return new[: new.index(self.text.eos_id)] if self.text.eos_id in new else new
 
+    def text_result(self, kind: str, text: str, new: list[int]) -> dict:
+        """The record of a text or caption request that sampled ``new`` and printed ``text``."""
+        return {"kind": kind, "text": text, "tokens": len(new), "stopped": self.text.eos_id in new}
+
     # --- requests ------------------------------------------------------------------------------
     def continue_text(self, prompt: str, *, code: bool = False, **sampling) -> dict:
         body = self.text.encode(prompt)
@@ -244,12 +239,7 @@ class Generator:
         # Decode prompt and continuation together, so a character split across the boundary is whole.
         full, head = self.text.decode(body + kept), self.text.decode(body)
         cont = full[len(head) :] if full.startswith(head) else self.text.decode(kept)
-        return {
-            "kind": "text",
-            "text": cont,
-            "tokens": len(new),
-            "stopped": self.text.eos_id in new,
-        }
+        return self.text_result("text", cont, new)
 
     def encode_image(self, image: str | Path | bytes) -> np.ndarray:
         """The code grid of an image file or its bytes, encoded at the tokenizer's size."""
@@ -276,13 +266,8 @@ class Generator:
     def caption(self, image: str | Path, prompt: str = "", **sampling) -> dict:
         codes = self.encode_image(image)
         new = caption_codes(self, codes, prompt, **sampling)
-        return {
-            "kind": "caption",
-            "text": self.text.decode(self.until_eos(new)),
-            "tokens": len(new),
-            "stopped": self.text.eos_id in new,
-            "image_grid": list(codes.shape),
-        }
+        text = self.text.decode(self.until_eos(new))
+        return {**self.text_result("caption", text, new), "image_grid": list(codes.shape)}
 
     def training_grid(self) -> tuple[int, int] | None:
         """The grid most of the training images had (None when the release does not say): a model
@@ -304,7 +289,6 @@ class Generator:
         *,
         size: tuple[int, int] | None = None,
         max_size: int | None = None,
-        guidance: float = 1.0,
         **sampling,
     ) -> dict:
         grid_from = "given" if size else ("the model's choice" if max_size else "")
@@ -312,14 +296,7 @@ class Generator:
             size = self.training_grid()
             grid_from = "the training images' most common" if size else "the model's choice"
         side = max([max_size or self.default_max_size(), *(size or ())])
-        codes, arr, count = draw_image(
-            self,
-            prompt,
-            size=size,
-            side=side,
-            guidance=guidance,
-            **sampling,
-        )
+        codes, arr, count = draw_image(self, prompt, size=size, side=side, **sampling)
         from PIL import Image
 
         out = Path(out)

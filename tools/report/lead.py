@@ -49,7 +49,7 @@ def loss_visible(records: list[dict]) -> Visible | None:
         loss = record.get("train/loss")
         if isinstance(loss, (int, float)) and not math.isfinite(loss):
             return Visible(step, "non-finite", math.nan, math.nan)
-        for name, level in _update(sums, _observed(record)).items():
+        for name, level in _update(sums, record).items():
             if step < BURN_IN:
                 continue
             low = lows.get(name)
@@ -64,14 +64,14 @@ def _smoothed(records: list[dict]) -> dict[int, dict[str, float]]:
     sums: dict[str, list[float]] = {}
     out: dict[int, dict[str, float]] = {}
     for record in records:
-        _update(sums, _observed(record))
+        _update(sums, record)
         out[record["step"]] = {name: acc[0] / acc[1] for name, acc in sums.items()}
     return out
 
 
-def _observed(record: dict) -> dict[str, tuple[float, float]]:
-    """series -> (loss, token weight) of one metrics record: the finite total loss (weight 1)
-    and each content modality's loss with the tokens it was measured on."""
+def _update(sums: dict[str, list[float]], record: dict) -> dict[str, float]:
+    """Fold one metrics record into the token-weighted EMAs: the finite total loss (weight 1) and
+    each content modality's loss with the tokens it was measured on; the updated levels."""
     observed = {}
     loss = record.get("train/loss")
     if isinstance(loss, (int, float)) and math.isfinite(loss):
@@ -81,13 +81,6 @@ def _observed(record: dict) -> dict[str, tuple[float, float]]:
         mean_ce = record.get(f"loss/{modality}")
         if tokens and isinstance(mean_ce, (int, float)) and math.isfinite(mean_ce):
             observed[modality] = (float(mean_ce), float(tokens))
-    return observed
-
-
-def _update(
-    sums: dict[str, list[float]], observed: dict[str, tuple[float, float]]
-) -> dict[str, float]:
-    """Fold one record's observations into the token-weighted EMAs; the updated levels."""
     levels = {}
     for name, (mean_ce, tokens) in observed.items():
         acc = sums.setdefault(name, [mean_ce * tokens, tokens])

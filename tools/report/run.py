@@ -102,8 +102,7 @@ class RunData:
 def read_jsonl(path: Path) -> tuple[list[dict], int]:
     """Objects of a JSONL file, and how many lines were skipped (unparsable or not an object)."""
     out, bad = [], 0
-    data = path.read_bytes().decode("utf-8", errors="replace")
-    for line in data.splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         if not line.strip():
             continue
         try:
