@@ -212,6 +212,8 @@ class Generator:
         self._vtok = None
         opts = self.release.config.get("tokenize") or {}
         self.image_max_pixels = int(opts.get("image_max_pixels", 256 * 256))
+        # tokenize's cap on an image block's tokens: its images were made smaller until they fit
+        self.image_max_tokens = int(opts.get("max_block_tokens") or 0)
         # "HxW" -> image blocks of the token data at that grid (config.json tokenize.image_grids)
         self.image_grids: dict[str, int] = dict(opts.get("image_grids") or {})
         self.max_source_pixels = MAX_SOURCE_PIXELS  # --max-image-pixels
@@ -252,6 +254,7 @@ class Generator:
                 factor=self.vtok.cfg.factor,
                 max_pixels=self.image_max_pixels,
                 max_grid=self.layout.max_grid,
+                max_tokens=self.image_max_tokens,
             )
             # writable, as torch.from_numpy wants
             arr = np.array(load_image(raw, prep, max_source_pixels=self.max_source_pixels))

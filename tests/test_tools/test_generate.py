@@ -257,3 +257,29 @@ def test_hostile_images_are_error_records_and_cost_no_memory(release, image, tmp
     assert generate_main([*argv, "--max-image-pixels", "10000000000"]) == 1
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert "DecompressionBombError" in recs[0]["error"] and recs[1]["kind"] == "caption"
+
+
+def test_images_are_encoded_within_tokenizes_block_cap(release, tmp_path):
+    """A release whose token data capped image blocks (tokenize --max-block-tokens) encodes the
+    images it captions as tokenize did: made smaller until the block fits, aspect kept."""
+    import shutil
+
+    import torch
+
+    from data.layout import image_block_len
+    from tools.generate_requests import Generator
+    from train.release import Release
+
+    photo = tmp_path / "wide.png"
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 255, (96, 160, 3), np.uint8)).save(photo)
+    capped = tmp_path / "capped"
+    shutil.copytree(release, capped)
+    config = json.loads((capped / "config.json").read_text())
+    uncapped = Generator(Release(capped), torch.device("cpu")).encode_image(photo).shape
+    cap = image_block_len(*uncapped) // 2
+    config["tokenize"]["max_block_tokens"] = cap
+    (capped / "config.json").write_text(json.dumps(config))
+    height, width = Generator(Release(capped), torch.device("cpu")).encode_image(photo).shape
+    assert image_block_len(height, width) <= cap < image_block_len(*uncapped)
+    assert abs(width / height - uncapped[1] / uncapped[0]) < 0.5  # the aspect kept, about
