@@ -39,34 +39,20 @@ class SourceCursor:
     skip: dict[int, str] = field(default_factory=dict)
 
 
-def skipped_samples(stream: ConsumerStream, taken: list[int] | None = None) -> list[list[int]]:
+def skipped_samples(stream: ConsumerStream, taken: list[int]) -> list[list[int]]:
     """[[source, sample], ...]: every sample skipped as unreadable so far, once, oldest first.
     ``taken``: per source, how many of the skips since the restore count yet (the compiled loop
-    reads ahead: a skip counts once a document after it is taken); None: all."""
+    reads ahead: a skip counts once a document after it is taken)."""
     out = []
     for s, (before, events) in enumerate(zip(stream.skipped_before, stream.skip_events)):
         if not before and not events:
             continue
         seen = dict.fromkeys(before)
-        seen.update(dict.fromkeys(events if taken is None else events[: taken[s]]))
+        seen.update(dict.fromkeys(events[: taken[s]]))
         out += [[s, sample] for sample in seen]
     return out
 
 
-# What every stream state holds (StreamState.to_dict writes them all)
-STREAM_FIELDS = (
-    "cursors",
-    "pending",
-    "open",
-    "dropped_by",
-    "batches",
-    "errors",
-    "skipped",
-    "stats",
-    "tokens_by_modality",
-    "skip",
-    "order",
-)
 _DOC_FIELDS = ("source", "sample", "epoch", "unit", "offset", "chunk end")  # pending, open
 OLDER_STATE = (
     "it was saved by an older earlyfuse, whose loader states this one does not read; resume "
@@ -74,12 +60,18 @@ OLDER_STATE = (
 )
 
 
-def check_state(st: dict, where: str) -> None:
-    """ValueError naming ``where`` and what is missing when ``st`` is not a stream state as this
-    earlyfuse writes it."""
-    missing = [name for name in STREAM_FIELDS if name not in st]
+def check_fields(st: dict, written: dict, where: str) -> None:
+    """ValueError naming ``where`` and the fields ``st`` lacks of ``written`` (a state as this
+    earlyfuse writes it)."""
+    missing = [name for name in written if name not in st]
     if missing:
         raise ValueError(f"{where}: no {', '.join(map(repr, missing))}; {OLDER_STATE}")
+
+
+def check_state(st: dict, fresh: dict, where: str) -> None:
+    """ValueError naming ``where`` and what is wrong when ``st`` is not a stream state as this
+    earlyfuse writes it (``fresh``: a fresh stream's)."""
+    check_fields(st, fresh, where)
     if st["order"] != ORDER_VERSION:
         raise ValueError(
             f"{where}: its cursors index epoch order {st['order']!r}, this earlyfuse's is "
@@ -96,8 +88,8 @@ def check_state(st: dict, where: str) -> None:
 def load_state(stream: ConsumerStream, st: dict) -> dict:
     """Put ``stream``'s cursors and counters where ``st`` says (``ConsumerStream.
     load_state_dict``) and read its held-aside and open documents again from their shards:
-    returns what the compiled loop's arrays are made from (``StreamArrays``' keyword arguments)."""
-    check_state(st, f"loader state of consumer {stream.consumer}")
+    returns what the compiled loop's arrays are made from (``StreamArrays``' keyword arguments).
+    ``st`` was checked by the loader (``PackedLoader.check_state``)."""
     stream.cursors = [SourceCursor(e, p, t, bool(d)) for e, p, t, d in st["cursors"]]
     for s, e, m in st["skip"]:
         if e >= stream.cursors[s].epoch:
