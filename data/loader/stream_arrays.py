@@ -22,7 +22,6 @@ import numpy as np
 
 from data.loader import pack_kernel as kernel
 from data.loader.expand import CompactBatch
-from data.loader.order import ConsumerSlice
 from data.loader.pack_kernel import Doc, Packing, PackStats
 from data.loader.shard_check import CheckedShard
 from data.loader.stage_kernel import fill_units
@@ -182,10 +181,8 @@ class StreamArrays(Packing):
         n_run = min(len(order_slice) - cur.pos, most)
         if n_run <= 0:
             return None
-        if isinstance(order_slice, ConsumerSlice):
-            samples = order_slice.take(cur.pos, cur.pos + n_run)
-        else:  # a redistributed epoch: the slice as an array
-            samples = np.asarray(order_slice[cur.pos : cur.pos + n_run], np.int64)
+        # a lazy slice (order.ConsumerSlice) or, in a redistributed epoch, an array
+        samples = np.asarray(order_slice[cur.pos : cur.pos + n_run], np.int64)
         starts = self._starts[source]
         shard_of = np.searchsorted(starts, samples, side="right") - 1
         usable = np.ones(n_run, bool)
