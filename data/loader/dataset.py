@@ -254,10 +254,9 @@ class PackedLoader:
     def delivered(self) -> dict:
         """Tokens per modality and source and the packing figures, over the handed-out batches."""
         stats = asdict(PackStats())  # the packing counters, summed over the workers
-        out: dict[str, Any] = {"batches": self.handed_out, "errors": 0, **stats}
+        out: dict[str, Any] = {"batches": self.handed_out, "errors": self.skipped(), **stats}
         out |= {"tokens_by_modality": [0] * 5, "tokens_by_source": {}}
         for st in self.worker_states.values():
-            out["errors"] += st["errors"]
             for k in stats:
                 out[k] += st["stats"][k]
             out["tokens_by_modality"] = [

@@ -106,9 +106,8 @@ class ConsumerStream:
         key = (s, epoch)
         if key not in self.slices:
             t = self.tables[s]
-            self.slices = {
-                k: v for k, v in self.slices.items() if k[0] != s
-            }  # keep one epoch per source
+            # keep one epoch per source
+            self.slices = {k: v for k, v in self.slices.items() if k[0] != s}
             mask = self.cursors[s].skip.get(epoch)
             lazy = EpochOrder(
                 t.shard_counts(),
