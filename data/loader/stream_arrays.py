@@ -179,8 +179,6 @@ class StreamArrays(Packing):
         if order_slice is None:
             return None  # done, or nothing here: ``read_next`` says which
         n_run = min(len(order_slice) - cur.pos, most)
-        if n_run <= 0:
-            return None
         # a lazy slice (order.ConsumerSlice) or, in a redistributed epoch, an array
         samples = np.asarray(order_slice[cur.pos : cur.pos + n_run], np.int64)
         starts = self._starts[source]
@@ -212,7 +210,7 @@ class StreamArrays(Packing):
         first_doc = self.ndocs
         self.reserve(n_run, int((2 * bcount + 1).sum()))
         rows = np.arange(first_doc, first_doc + n_run, dtype=np.int64)
-        unit0, n_units, nblk = (np.empty(n_run, np.int64) for _ in range(3))
+        unit0, n_units = np.empty(n_run, np.int64), np.empty(n_run, np.int64)
         u_at = self.nunits
         for checked, sel in groups:
             u_at = fill_units(
@@ -225,7 +223,6 @@ class StreamArrays(Packing):
                 checked.index.blocks,
                 unit0,
                 n_units,
-                nblk,
             )
         self.nunits = u_at
         out_groups = [(checked.bytes, sel) for checked, sel in groups]
@@ -234,7 +231,11 @@ class StreamArrays(Packing):
         block[:, kernel.D_SRC], block[:, kernel.D_SAMPLE] = source, samples
         block[:, kernel.D_EPOCH] = block[:, kernel.D_CEPOCH] = cur.epoch
         block[:, kernel.D_LEN] = block[:, kernel.D_LIMIT] = lengths
-        block[:, kernel.D_U0], block[:, kernel.D_NU], block[:, kernel.D_NBLK] = unit0, n_units, nblk
+        block[:, kernel.D_U0], block[:, kernel.D_NU], block[:, kernel.D_NBLK] = (
+            unit0,
+            n_units,
+            bcount,
+        )
         block[:, kernel.D_CPOS] = cur.pos + 1 + np.arange(n_run)
         block[:, kernel.D_CERRS] = self.read_errors[source]
         self.ndocs = first_doc + n_run
