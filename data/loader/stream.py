@@ -168,8 +168,7 @@ class ConsumerStream:
     def _encode_raw(self, t: SampleTable, sample: int) -> tuple[np.ndarray, np.ndarray, list]:
         """A raw document tokenized here (data/loader/online.py): ids, modalities, blocks."""
         if self._online is None:
-            if self.cfg.tokenizers is None:
-                raise ValueError("raw sources need data.tokenizers (the tokenizers to use)")
+            assert self.cfg.tokenizers  # refused at start without it (dataset.check_tokenizers)
             self._online = OnlineTokenizer(
                 self.cfg.tokenizers,
                 online_options(self.cfg),
