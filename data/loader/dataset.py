@@ -356,7 +356,7 @@ def build_loader(
 def check_tokenizers(cfg: LoaderConfig, tables: list[SampleTable]) -> None:
     """All sources must speak one vocabulary: token sources made with one set of tokenizers (the
     ``data.tokenizers`` folder, when given), raw sources tokenized with that folder."""
-    from data.loader.online import folder_fingerprints, online_options, options_key
+    from data.loader.online import folder_fingerprints, online_options
 
     want = tokenizer_key(folder_fingerprints(cfg.tokenizers)) if cfg.tokenizers else None
     for t in tables:
@@ -367,7 +367,9 @@ def check_tokenizers(cfg: LoaderConfig, tables: list[SampleTable]) -> None:
                     "the tokenizer folder to tokenize them with (a token folder's tokenizers/)"
                 )
             # The options change the tokens: they belong to what a loader state must match.
-            t.tokenizer_fingerprint = want + options_key(online_options(cfg))
+            t.tokenizer_fingerprint = want + json.dumps(
+                online_options(cfg).record(), sort_keys=True
+            )
             continue
         want = want or t.tokenizer_fingerprint
         if t.tokenizer_fingerprint != want:
