@@ -376,5 +376,6 @@ class ConsumerStream:
 
     def load_state_dict(self, st: dict) -> None:
         # The compiled loop's arrays are made again from the restored documents and counters
-        self._fast = StreamArrays(self, **load_state(self, st))
+        load_state(self, st)
+        self._fast = StreamArrays(self, st)
         self.dropped_before = self._fast.dropped_matrix()

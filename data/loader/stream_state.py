@@ -2,8 +2,8 @@
 (stream_arrays.StreamArrays), snapshot after every batch (``StreamState``: a few of their rows,
 a few microseconds; a worker's batch carries it to the trainer's process, pickled small), made
 the saved dict only when a checkpoint asks for it (``StreamState.to_dict``), and the dict put
-back (``load_state``: the stream's cursors and counters set, the documents held aside or handed
-out in part read again from their shards, from which the arrays are made again). What the dict
+back (``load_state``: the stream's cursors and counters set; then ``StreamArrays(stream, st)``
+reads the documents held aside or handed out in part again and makes the arrays). What the dict
 holds, and why an older one is refused (``check_state``): docs/loader.md, "Exact resume".
 Separate from the stream's work (stream.py: mixing, reading, packing) because the state is a
 format with a life of its own: it is saved in every checkpoint, read back on resume and
@@ -19,7 +19,7 @@ import numpy as np
 
 from data.loader import pack_kernel as kernel
 from data.loader.order import ORDER_VERSION
-from data.loader.pack_kernel import Doc, PackStats
+from data.loader.pack_kernel import PackStats
 from data.vocab import Modality
 
 if TYPE_CHECKING:
@@ -85,11 +85,10 @@ def check_state(st: dict, fresh: dict, where: str) -> None:
                 )
 
 
-def load_state(stream: ConsumerStream, st: dict) -> dict:
+def load_state(stream: ConsumerStream, st: dict) -> None:
     """Put ``stream``'s cursors and counters where ``st`` says (``ConsumerStream.
-    load_state_dict``) and read its held-aside and open documents again from their shards:
-    returns what the compiled loop's arrays are made from (``StreamArrays``' keyword arguments).
-    ``st`` was checked by the loader (``PackedLoader.check_state``)."""
+    load_state_dict``; ``StreamArrays(stream, st)`` then reads its held-aside and open documents
+    again). ``st`` was checked by the loader (``PackedLoader.check_state``)."""
     stream.cursors = [SourceCursor(e, p, t, bool(d)) for e, p, t, d in st["cursors"]]
     for s, e, m in st["skip"]:
         if e >= stream.cursors[s].epoch:
@@ -101,32 +100,6 @@ def load_state(stream: ConsumerStream, st: dict) -> dict:
     for s, sample in st["skipped"]:
         stream.skipped_before[s].append(sample)
     stream.tokens_by_modality = np.asarray(st["tokens_by_modality"], np.int64)
-    # A document both held aside and open is one object in both lists (keyed by source,
-    # sample, epoch: a consumer reads a sample once per epoch).
-    docs: dict[tuple[int, int, int], Doc | None] = {}
-
-    def restore(cursor: list[int]) -> Doc | None:
-        s, sample, epoch, unit, offset, limit = cursor
-        key = (s, sample, epoch)
-        if key not in docs:
-            doc = stream.load(s, sample, epoch)
-            if doc is not None:  # unreadable now: skipped, counted and logged by load()
-                doc.unit, doc.offset, doc.limit = unit, offset, limit
-            docs[key] = doc
-        return docs[key]
-
-    pending = [doc for doc in map(restore, st["pending"]) if doc is not None]
-    opened: list[list[Doc]] = [[] for _ in stream.tables]
-    for cursor in st["open"]:
-        doc = restore(cursor)
-        if doc is not None:
-            opened[doc.source].append(doc)
-    return {
-        "pending": pending,
-        "opened": opened,
-        "stats": PackStats(**st["stats"]),
-        "dropped_by": {(s, m): n for s, m, n in st["dropped_by"]},
-    }
 
 
 _IMAGE, _VIDEO = int(Modality.IMAGE), int(Modality.VIDEO)
