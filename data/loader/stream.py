@@ -29,7 +29,7 @@ from data.loader.sample_check import check_ids, read_members
 from data.loader.shard_check import CheckedShard, check_shard
 from data.loader.store import ShardFiles, ShardView
 from data.loader.stream_arrays import StreamArrays
-from data.loader.stream_state import SourceCursor, load_state
+from data.loader.stream_state import SourceCursor
 from data.loader.table import SampleTable, TokenTable
 from data.loader.watchdog import Watchdog, sample_where
 from data.tokenize.blocks import visual_blocks
@@ -365,7 +365,7 @@ class ConsumerStream:
                 out.ring, ring.sent = (ring.data, ring.flags), True
         return out
 
-    # --- state (its format, and restoring it, in stream_state.py) -------------------------------
+    # --- state (its format in stream_state.py, its arrays in stream_arrays.py) -----------------
     def state_dict(self) -> dict:
         return self.state().to_dict()
 
@@ -375,7 +375,19 @@ class ConsumerStream:
         return self._fast.snapshot()
 
     def load_state_dict(self, st: dict) -> None:
-        # The compiled loop's arrays are made again from the restored documents and counters
-        load_state(self, st)
+        """Resume from ``st`` (checked by the loader, ``PackedLoader.check_state``): the cursors
+        and counters put back, then the compiled loop's arrays made again (``StreamArrays`` reads
+        the documents held aside or handed out in part again)."""
+        self.cursors = [SourceCursor(e, p, t, bool(d)) for e, p, t, d in st["cursors"]]
+        for s, e, m in st["skip"]:
+            if e >= self.cursors[s].epoch:
+                self.cursors[s].skip[e] = m
+        self.slices = {}
+        self.batches, self.errors = st["batches"], st["errors"]
+        self.skip_events = [[] for _ in self.tables]
+        self.skipped_before = [[] for _ in self.tables]
+        for s, sample in st["skipped"]:
+            self.skipped_before[s].append(sample)
+        self.tokens_by_modality = np.asarray(st["tokens_by_modality"], np.int64)
         self._fast = StreamArrays(self, st)
         self.dropped_before = self._fast.dropped_matrix()

@@ -38,8 +38,8 @@ _VIDEO = int(Modality.VIDEO)
 class StreamArrays(Packing):
     def __init__(self, stream: ConsumerStream, st: dict | None = None) -> None:
         """The arrays of a fresh stream, or of one restored from its saved dict ``st`` (whose
-        cursors and counters stream_state.load_state has put back): the documents it held aside
-        and handed out in part are read again from their shards, its packing counters and
+        cursors and counters ConsumerStream.load_state_dict has put back): the documents it held
+        aside and handed out in part are read again from their shards, its packing counters and
         dropped blocks set."""
         self.stream = stream
         cfg = stream.cfg

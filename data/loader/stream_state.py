@@ -2,8 +2,9 @@
 (stream_arrays.StreamArrays), snapshot after every batch (``StreamState``: a few of their rows,
 a few microseconds; a worker's batch carries it to the trainer's process, pickled small), made
 the saved dict only when a checkpoint asks for it (``StreamState.to_dict``), and the dict put
-back (``load_state``: the stream's cursors and counters set; then ``StreamArrays(stream, st)``
-reads the documents held aside or handed out in part again and makes the arrays). What the dict
+back (``ConsumerStream.load_state_dict``: the stream's cursors and counters set, then
+``StreamArrays(stream, st)`` reads the documents held aside or handed out in part again and
+makes the arrays). What the dict
 holds, and why an older one is refused (``check_state``): docs/loader.md, "Exact resume".
 Separate from the stream's work (stream.py: mixing, reading, packing) because the state is a
 format with a life of its own: it is saved in every checkpoint, read back on resume and
@@ -83,23 +84,6 @@ def check_state(st: dict, fresh: dict, where: str) -> None:
                 raise ValueError(
                     f"{where}: {name} document {doc} is not [{', '.join(_DOC_FIELDS)}]; {OLDER_STATE}"
                 )
-
-
-def load_state(stream: ConsumerStream, st: dict) -> None:
-    """Put ``stream``'s cursors and counters where ``st`` says (``ConsumerStream.
-    load_state_dict``; ``StreamArrays(stream, st)`` then reads its held-aside and open documents
-    again). ``st`` was checked by the loader (``PackedLoader.check_state``)."""
-    stream.cursors = [SourceCursor(e, p, t, bool(d)) for e, p, t, d in st["cursors"]]
-    for s, e, m in st["skip"]:
-        if e >= stream.cursors[s].epoch:
-            stream.cursors[s].skip[e] = m
-    stream.slices = {}
-    stream.batches, stream.errors = st["batches"], st["errors"]
-    stream.skip_events = [[] for _ in stream.tables]
-    stream.skipped_before = [[] for _ in stream.tables]
-    for s, sample in st["skipped"]:
-        stream.skipped_before[s].append(sample)
-    stream.tokens_by_modality = np.asarray(st["tokens_by_modality"], np.int64)
 
 
 _IMAGE, _VIDEO = int(Modality.IMAGE), int(Modality.VIDEO)
