@@ -70,7 +70,7 @@ class ConsumerStream:
         self.errors = 0  # skips, a sample skipped again (a later epoch) counted again
         # Per source, the samples skipped since the state was restored, in read order, and the
         # distinct ones the restored state had skipped: the state names each skipped sample once
-        # (stream_state.skipped_samples), so data/skipped counts samples, not skips.
+        # (skipped_samples), so data/skipped counts samples, not skips.
         self.skip_events: list[list[int]] = [[] for _ in tables]
         self.skipped_before: list[list[int]] = [[] for _ in tables]
         self.consecutive_errors = 0
@@ -368,6 +368,19 @@ class ConsumerStream:
     # --- state (its format in stream_state.py, its arrays in stream_arrays.py) -----------------
     def state_dict(self) -> dict:
         return self.state().to_dict()
+
+    def skipped_samples(self, taken: list[int]) -> list[list[int]]:
+        """[[source, sample], ...]: every sample skipped as unreadable so far, once, oldest first.
+        ``taken``: per source, how many of the skips since the restore count yet (the compiled
+        loop reads ahead: a skip counts once a document after it is taken)."""
+        out = []
+        for s, (before, events) in enumerate(zip(self.skipped_before, self.skip_events)):
+            if not before and not events:
+                continue
+            seen = dict.fromkeys(before)
+            seen.update(dict.fromkeys(events[: taken[s]]))
+            out += [[s, sample] for sample in seen]
+        return out
 
     def state(self):
         """``state_dict`` as the compiled loop's arrays' snapshot (stream_state.StreamState:

@@ -26,7 +26,7 @@ from data.loader.expand import CompactBatch
 from data.loader.pack_kernel import Packing, PackStats
 from data.loader.shard_check import CheckedShard
 from data.loader.stage_kernel import fill_units
-from data.loader.stream_state import CURSOR_COLS, SRC_COLS, StreamState, skipped_samples
+from data.loader.stream_state import CURSOR_COLS, SRC_COLS, StreamState
 from data.vocab import MODALITY_NAMES, Modality
 
 if TYPE_CHECKING:
@@ -163,7 +163,7 @@ class StreamArrays(Packing):
             stream.batches,
             self.base_errors + sum(taken),
             self.skip,
-            skipped_samples(stream, [base + n for base, n in zip(self.base_skips, taken)]),
+            stream.skipped_samples([base + n for base, n in zip(self.base_skips, taken)]),
         )
 
     # --- documents into the arrays ----------------------------------------------------------------

@@ -14,7 +14,6 @@ rewritten for another split by redistribute.py.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -22,9 +21,6 @@ from data.loader import pack_kernel as kernel
 from data.loader.order import ORDER_VERSION
 from data.loader.pack_kernel import PackStats
 from data.vocab import Modality
-
-if TYPE_CHECKING:
-    from data.loader.stream import ConsumerStream
 
 
 @dataclass
@@ -38,20 +34,6 @@ class SourceCursor:
     # consumer of one state holds the same masks, so the slowest still has any a later
     # redistribute needs.
     skip: dict[int, str] = field(default_factory=dict)
-
-
-def skipped_samples(stream: ConsumerStream, taken: list[int]) -> list[list[int]]:
-    """[[source, sample], ...]: every sample skipped as unreadable so far, once, oldest first.
-    ``taken``: per source, how many of the skips since the restore count yet (the compiled loop
-    reads ahead: a skip counts once a document after it is taken)."""
-    out = []
-    for s, (before, events) in enumerate(zip(stream.skipped_before, stream.skip_events)):
-        if not before and not events:
-            continue
-        seen = dict.fromkeys(before)
-        seen.update(dict.fromkeys(events[: taken[s]]))
-        out += [[s, sample] for sample in seen]
-    return out
 
 
 _DOC_FIELDS = ("source", "sample", "epoch", "unit", "offset", "chunk end")  # pending, open
