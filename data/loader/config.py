@@ -30,9 +30,8 @@ class OnlineTokenizeConfig:
 @dataclass(kw_only=True)
 class LoaderConfig:
     sources: list[SourceConfig] = field(default_factory=list)
-    validation: list[SourceConfig] = field(
-        default_factory=list
-    )  # held-out shards, evaluated per modality
+    # held-out shards, evaluated per modality
+    validation: list[SourceConfig] = field(default_factory=list)
     seq_len: int = 2048
     mode: str = "infinite"  # infinite: sources reshuffled and repeated | epoch: one pass
     seed: int = 0
@@ -82,7 +81,6 @@ class LoaderConfig:
     # Unset: the token shards' own tokenizers/ copy (local token sources only).
     tokenizers: str | None = None
     tokenize: OnlineTokenizeConfig = field(default_factory=OnlineTokenizeConfig)
-    cache_dir: str | None = (
-        None  # where pipe: shards are fetched to (default $TMPDIR/earlyfuse-shards-UID)
-    )
+    # where pipe: shards are fetched to (default $TMPDIR/earlyfuse-shards-UID)
+    cache_dir: str | None = None
     cache_limit_gb: float = 64.0  # least recently used fetched shards are deleted beyond this

@@ -28,7 +28,7 @@ from data.loader.pack_kernel import PackStats
 from data.loader.packed_batch import PackedBatch
 from data.loader.sample_check import attach_id_ranges
 from data.loader.stream import ConsumerStream
-from data.loader.stream_state import OLDER_STATE, check_state
+from data.loader.stream_state import check_fields, check_state
 from data.loader.table import SampleTable
 from data.loader.table_load import load_table, tokenizer_key
 from data.loader.watchdog import sample_where
@@ -36,32 +36,6 @@ from data.loader.worker_start import prepare_workers
 from data.vocab import MODALITY_NAMES
 
 STATE_VERSION = 1
-# What every loader state holds (state_dict writes them all)
-STATE_FIELDS = (
-    "version",
-    "fingerprint",
-    "rank",
-    "world_size",
-    "workers",
-    "seq_len",
-    "micro_batch",
-    "mode",
-    "handed_out",
-    "batch_limit",
-    "worker_states",
-)
-
-
-def check_loader_state(st: dict) -> None:
-    """ValueError saying what is missing when ``st`` is not a loader state as this earlyfuse
-    writes it (``PackedLoader.state_dict``), its workers' states included."""
-    if st.get("version") != STATE_VERSION:
-        raise ValueError(f"loader state version {st.get('version')}, expected {STATE_VERSION}")
-    missing = [name for name in STATE_FIELDS if name not in st]
-    if missing:
-        raise ValueError(f"loader state: no {', '.join(map(repr, missing))}; {OLDER_STATE}")
-    for worker, worker_state in st["worker_states"].items():
-        check_state(worker_state, f"loader state of rank {st['rank']}, worker {worker}")
 
 
 class _Pickled:
@@ -241,21 +215,35 @@ class PackedLoader:
             "worker_states": {str(k): v for k, v in self.worker_states.items()},
         }
 
-    def load_state_dict(self, st: dict) -> None:
-        check_loader_state(st)
+    def check_state(
+        self, st: dict, same: tuple[str, ...] = ("world_size", "workers", "seq_len", "micro_batch")
+    ) -> None:
+        """ValueError saying what is wrong when ``st`` is not a loader state as this earlyfuse
+        writes it (``state_dict``; its workers' states as a fresh stream's ``state_dict``), of
+        this loader's data and mode, with this loader's ``same``."""
+        if st.get("version") != STATE_VERSION:
+            raise ValueError(f"loader state version {st.get('version')}, expected {STATE_VERSION}")
         mine = self.state_dict()
+        check_fields(st, mine, "loader state")
+        fresh = self.make_stream(0, dry=True).state_dict()
+        for worker, worker_state in st["worker_states"].items():
+            check_state(worker_state, fresh, f"loader state of rank {st['rank']}, worker {worker}")
         if st["fingerprint"] != mine["fingerprint"]:
             raise ValueError(
-                "the loader state was saved over other shards, tokenizers or online tokenize "
-                "options (data.tokenize, data.doc_budget; fingerprint "
-                f"{st['fingerprint']} != {mine['fingerprint']}); it cannot resume this data"
+                f"rank {st['rank']}'s loader state was saved over other shards, tokenizers or "
+                "online tokenize options (data.tokenize, data.doc_budget; fingerprint "
+                f"{st['fingerprint']} != {mine['fingerprint']}); it cannot be used on this data"
             )
-        for k in ("world_size", "workers", "seq_len", "micro_batch", "mode"):
+        for k in (*same, "mode"):
             if st[k] != mine[k]:
                 raise ValueError(
-                    f"loader state has {k}={st[k]}, this loader {mine[k]}; use "
-                    "data.loader.redistribute to map it (docs/loader.md)"
+                    f"rank {st['rank']}'s loader state has {k}={st[k]}, this loader {mine[k]}; "
+                    "data.loader.redistribute moves it onto another world size, worker count or "
+                    "micro batch (docs/loader.md), onto nothing else"
                 )
+
+    def load_state_dict(self, st: dict) -> None:
+        self.check_state(st)
         # Epoch mode: after a redistribute, the count of the new split, not this one's
         self.batch_limit = st["batch_limit"]
         self._worker_states = {int(k): v for k, v in st["worker_states"].items()}
@@ -266,10 +254,9 @@ class PackedLoader:
     def delivered(self) -> dict:
         """Tokens per modality and source and the packing figures, over the handed-out batches."""
         stats = asdict(PackStats())  # the packing counters, summed over the workers
-        out: dict[str, Any] = {"batches": self.handed_out, "errors": 0, **stats}
+        out: dict[str, Any] = {"batches": self.handed_out, "errors": self.skipped(), **stats}
         out |= {"tokens_by_modality": [0] * 5, "tokens_by_source": {}}
         for st in self.worker_states.values():
-            out["errors"] += st["errors"]
             for k in stats:
                 out[k] += st["stats"][k]
             out["tokens_by_modality"] = [
@@ -369,7 +356,7 @@ def build_loader(
 def check_tokenizers(cfg: LoaderConfig, tables: list[SampleTable]) -> None:
     """All sources must speak one vocabulary: token sources made with one set of tokenizers (the
     ``data.tokenizers`` folder, when given), raw sources tokenized with that folder."""
-    from data.loader.online import online_options, options_key
+    from data.loader.online import online_options
     from data.tokenize.vtok_files import folder_fingerprints
 
     want = tokenizer_key(folder_fingerprints(cfg.tokenizers)) if cfg.tokenizers else None
@@ -381,7 +368,9 @@ def check_tokenizers(cfg: LoaderConfig, tables: list[SampleTable]) -> None:
                     "the tokenizer folder to tokenize them with (a token folder's tokenizers/)"
                 )
             # The options change the tokens: they belong to what a loader state must match.
-            t.tokenizer_fingerprint = want + options_key(online_options(cfg))
+            t.tokenizer_fingerprint = want + json.dumps(
+                online_options(cfg).record(), sort_keys=True
+            )
             continue
         want = want or t.tokenizer_fingerprint
         if t.tokenizer_fingerprint != want:

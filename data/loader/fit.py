@@ -15,14 +15,20 @@ from data.loader.table import SampleTable, TokenTable
 
 def oversize_blocks(table: TokenTable, seq_len: int) -> dict[str, list[int]]:
     """modality -> [blocks longer than seq_len, blocks in all, the longest] of a token source.
-    From the manifest's per-shard summaries: no sample is looked at unless some block is too
-    long, and then only to count them for the message."""
-    out = {m: [0, got["blocks"], got["longest"]] for m, got in table.block_stats().items()}
+    From the manifest's per-shard summaries: no index is read unless some block is too long,
+    and then only to count them for the message."""
+    out = {m: [0, 0, 0] for m in ("image", "video")}
+    for got in table.shard_blocks:
+        for m, row in out.items():
+            row[1] += int(got[m]["blocks"])
+            row[2] = max(row[2], int(got[m]["longest"]))
     if all(row[2] <= seq_len for row in out.values()):
         return out
-    for blocks in table.all_blocks():
-        for start, end, t, *_ in blocks:
-            out["video" if t else "image"][0] += int(end) - int(start) > seq_len
+    for si in range(len(table.shards)):
+        blocks = table.index(si).blocks  # every sample's [start, end, t, h, w], in order
+        over = blocks[:, 1] - blocks[:, 0] > seq_len
+        out["image"][0] += int((over & (blocks[:, 2] == 0)).sum())
+        out["video"][0] += int((over & (blocks[:, 2] != 0)).sum())
     return out
 
 

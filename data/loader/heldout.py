@@ -58,8 +58,6 @@ class HeldoutPass:
         ranges: np.ndarray | None = None,
         progress: bool = False,
     ) -> None:
-        if batch_rows < 1:
-            raise ValueError(f"batch_rows {batch_rows}: give at least 1")
         self.tables, self.seq_len, self.batch_rows = tables, seq_len, batch_rows
         self.whole_documents = whole_documents
         self.max_docs, self.ranges, self.progress = max_docs, ranges, progress

@@ -34,10 +34,6 @@ def online_options(cfg) -> TokenizeOptions:
     return budgeted_options(doc_budget=cfg.doc_budget, names=LOADER_NAMES, **asdict(cfg.tokenize))
 
 
-def options_key(opts: TokenizeOptions) -> str:
-    return json.dumps(opts.record(), sort_keys=True)
-
-
 class OnlineTokenizer:
     """Built lazily in each worker process (tokenizers are not shared across processes)."""
 

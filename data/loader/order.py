@@ -92,8 +92,15 @@ class ConsumerSlice:
         return self.n
 
     def __getitem__(self, k):
-        if isinstance(k, slice):  # positions a to b, as a slice of an array order gives them
-            return np.asarray([self[i] for i in range(*k.indices(self.n))], np.int64)
+        if isinstance(k, slice):  # int64 samples, as a slice of an array order gives them
+            pos = self.consumer + np.arange(*k.indices(self.n), dtype=np.int64) * self.consumers
+            win = self.order.window
+            out = np.empty(len(pos), np.int64)
+            w_of = pos // win
+            for w in np.unique(w_of).tolist():  # a window at a time
+                sel = w_of == w
+                out[sel] = self._window(w)[pos[sel] - w * win]
+            return out
         if not -self.n <= k < self.n:
             raise IndexError(k)
         pos = self.consumer + (k % self.n) * self.consumers
@@ -103,18 +110,6 @@ class ConsumerSlice:
         if w != self._w:
             self._w, self._samples = w, self.order.window_samples(w)
         return self._samples
-
-    def take(self, a: int, b: int) -> np.ndarray:
-        """int64: the samples at slice positions [a, b) (0 <= a <= b <= len), a window at a
-        time."""
-        pos = self.consumer + np.arange(a, b, dtype=np.int64) * self.consumers
-        win = self.order.window
-        out = np.empty(len(pos), np.int64)
-        w_of = pos // win
-        for w in np.unique(w_of).tolist():
-            sel = w_of == w
-            out[sel] = self._window(w)[pos[sel] - w * win]
-        return out
 
 
 def pack_mask(mask: np.ndarray) -> str:

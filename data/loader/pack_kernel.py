@@ -479,7 +479,7 @@ def units_of(length: int, blocks) -> np.ndarray:
     table.flags.writeable = False  # as a shard's index holds them: one compiled signature
     units = np.empty((2 * len(table) + 1, 6), np.int64)
     first, count = np.zeros(1, np.int64), np.array([len(table)], np.int64)
-    where = [np.zeros(1, np.int64) for _ in range(3)]  # unit0, n_units, nblk (unused here)
+    where = [np.zeros(1, np.int64) for _ in range(2)]  # unit0, n_units (unused here)
     end = fill_units(units, 0, first, np.array([length]), first, count, table, *where)
     return units[:end]
 

@@ -122,16 +122,11 @@ def rows(
     return out, delivered
 
 
-def _runs(row: dict):
+def _runs(row: dict) -> list[tuple[int, int]]:
     """(start, end) of each piece of a row, in order (padding excluded)."""
     doc = row["doc_ids"]
-    pad = row["input_ids"] == 0
-    start = 0
-    for i in range(1, len(doc) + 1):
-        if i == len(doc) or doc[i] != doc[start]:
-            if not pad[start]:
-                yield start, i
-            start = i
+    cuts = [0, *(np.flatnonzero(np.diff(doc)) + 1).tolist(), len(doc)]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if row["input_ids"][a] != 0]
 
 
 def describe(row: dict, tok: TextTokenizer, colour: bool) -> str:

@@ -17,7 +17,7 @@ from collections import Counter
 
 import numpy as np
 
-from data.loader.dataset import PackedLoader, check_loader_state
+from data.loader.dataset import PackedLoader
 from data.loader.order import pack_mask, unpack_mask
 
 
@@ -92,19 +92,7 @@ def _check(old: list[dict], loader: PackedLoader) -> None:
     if not old:
         raise ValueError("redistribute needs the loader state of every old rank; none given")
     for st in old:
-        check_loader_state(st)
-        if st["fingerprint"] != loader.fingerprint():
-            raise ValueError(
-                f"rank {st['rank']}'s loader state was saved over other shards or tokenizers "
-                f"(fingerprint {st['fingerprint']} != {loader.fingerprint()}); it cannot be "
-                "redistributed onto this data"
-            )
-        for k, mine in (("seq_len", loader.cfg.seq_len), ("mode", loader.cfg.mode)):
-            if st[k] != mine:
-                raise ValueError(
-                    f"rank {st['rank']}'s loader state has {k}={st[k]}, this loader {mine}; "
-                    f"redistribute moves a position between splits, it cannot change {k}"
-                )
+        loader.check_state(st, same=("seq_len",))
         for k in ("world_size", "workers"):
             if st[k] != old[0][k]:
                 raise ValueError(

@@ -17,11 +17,11 @@ def _text_unit(units, u_at, start, end):
 
 
 @njit(cache=True)
-def fill_units(units, u_at, sel, lengths, bstart, bcount, blocks, unit0, n_units, nblk):
+def fill_units(units, u_at, sel, lengths, bstart, bcount, blocks, unit0, n_units):
     """Write the units of the run's documents at ``sel`` (one shard's; ``blocks``: its blocks
     table) from ``u_at`` on (rows as ``pack_kernel.units_of``'s: text between the visual blocks,
-    blocks in order of start); ``unit0``/``n_units``/``nblk`` get where they lie, how many and
-    how many are blocks. Returns the next free unit row."""
+    blocks in order of start); ``unit0``/``n_units`` get where they lie and how many. Returns the
+    next free unit row."""
     for doc in sel:
         length, first, count = lengths[doc], bstart[doc], bcount[doc]
         unit0[doc] = u_at
@@ -39,7 +39,6 @@ def fill_units(units, u_at, sel, lengths, bstart, bcount, blocks, unit0, n_units
         if pos < length:
             u_at = _text_unit(units, u_at, pos, length)
         n_units[doc] = u_at - unit0[doc]
-        nblk[doc] = count
     return u_at
 
 

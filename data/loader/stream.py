@@ -29,7 +29,7 @@ from data.loader.sample_check import check_ids, read_members
 from data.loader.shard_check import CheckedShard, check_shard
 from data.loader.store import ShardFiles, ShardView
 from data.loader.stream_arrays import StreamArrays
-from data.loader.stream_state import SourceCursor, load_state
+from data.loader.stream_state import SourceCursor
 from data.loader.table import SampleTable, TokenTable
 from data.loader.watchdog import Watchdog, sample_where
 from data.tokenize.blocks import visual_blocks
@@ -70,7 +70,7 @@ class ConsumerStream:
         self.errors = 0  # skips, a sample skipped again (a later epoch) counted again
         # Per source, the samples skipped since the state was restored, in read order, and the
         # distinct ones the restored state had skipped: the state names each skipped sample once
-        # (stream_state.skipped_samples), so data/skipped counts samples, not skips.
+        # (skipped_samples), so data/skipped counts samples, not skips.
         self.skip_events: list[list[int]] = [[] for _ in tables]
         self.skipped_before: list[list[int]] = [[] for _ in tables]
         self.consecutive_errors = 0
@@ -106,9 +106,8 @@ class ConsumerStream:
         key = (s, epoch)
         if key not in self.slices:
             t = self.tables[s]
-            self.slices = {
-                k: v for k, v in self.slices.items() if k[0] != s
-            }  # keep one epoch per source
+            # keep one epoch per source
+            self.slices = {k: v for k, v in self.slices.items() if k[0] != s}
             mask = self.cursors[s].skip.get(epoch)
             lazy = EpochOrder(
                 t.shard_counts(),
@@ -169,8 +168,7 @@ class ConsumerStream:
     def _encode_raw(self, t: SampleTable, sample: int) -> tuple[np.ndarray, np.ndarray, list]:
         """A raw document tokenized here (data/loader/online.py): ids, modalities, blocks."""
         if self._online is None:
-            if self.cfg.tokenizers is None:
-                raise ValueError("raw sources need data.tokenizers (the tokenizers to use)")
+            assert self.cfg.tokenizers  # refused at start without it (dataset.check_tokenizers)
             self._online = OnlineTokenizer(
                 self.cfg.tokenizers,
                 online_options(self.cfg),
@@ -367,9 +365,22 @@ class ConsumerStream:
                 out.ring, ring.sent = (ring.data, ring.flags), True
         return out
 
-    # --- state (its format, and restoring it, in stream_state.py) -------------------------------
+    # --- state (its format in stream_state.py, its arrays in stream_arrays.py) -----------------
     def state_dict(self) -> dict:
         return self.state().to_dict()
+
+    def skipped_samples(self, taken: list[int]) -> list[list[int]]:
+        """[[source, sample], ...]: every sample skipped as unreadable so far, once, oldest first.
+        ``taken``: per source, how many of the skips since the restore count yet (the compiled
+        loop reads ahead: a skip counts once a document after it is taken)."""
+        out = []
+        for s, (before, events) in enumerate(zip(self.skipped_before, self.skip_events)):
+            if not before and not events:
+                continue
+            seen = dict.fromkeys(before)
+            seen.update(dict.fromkeys(events[: taken[s]]))
+            out += [[s, sample] for sample in seen]
+        return out
 
     def state(self):
         """``state_dict`` as the compiled loop's arrays' snapshot (stream_state.StreamState:
@@ -377,6 +388,19 @@ class ConsumerStream:
         return self._fast.snapshot()
 
     def load_state_dict(self, st: dict) -> None:
-        # The compiled loop's arrays are made again from the restored documents and counters
-        self._fast = StreamArrays(self, **load_state(self, st))
+        """Resume from ``st`` (checked by the loader, ``PackedLoader.check_state``): the cursors
+        and counters put back, then the compiled loop's arrays made again (``StreamArrays`` reads
+        the documents held aside or handed out in part again)."""
+        self.cursors = [SourceCursor(e, p, t, bool(d)) for e, p, t, d in st["cursors"]]
+        for s, e, m in st["skip"]:
+            if e >= self.cursors[s].epoch:
+                self.cursors[s].skip[e] = m
+        self.slices = {}
+        self.batches, self.errors = st["batches"], st["errors"]
+        self.skip_events = [[] for _ in self.tables]
+        self.skipped_before = [[] for _ in self.tables]
+        for s, sample in st["skipped"]:
+            self.skipped_before[s].append(sample)
+        self.tokens_by_modality = np.asarray(st["tokens_by_modality"], np.int64)
+        self._fast = StreamArrays(self, st)
         self.dropped_before = self._fast.dropped_matrix()

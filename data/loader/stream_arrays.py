@@ -16,17 +16,17 @@ Design choices:
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from data.loader import pack_kernel as kernel
 from data.loader.expand import CompactBatch
-from data.loader.order import ConsumerSlice
-from data.loader.pack_kernel import Doc, Packing, PackStats
+from data.loader.pack_kernel import Packing, PackStats
 from data.loader.shard_check import CheckedShard
 from data.loader.stage_kernel import fill_units
-from data.loader.stream_state import CURSOR_COLS, SRC_COLS, StreamState, skipped_samples
+from data.loader.stream_state import CURSOR_COLS, SRC_COLS, StreamState
 from data.vocab import MODALITY_NAMES, Modality
 
 if TYPE_CHECKING:
@@ -36,26 +36,18 @@ _VIDEO = int(Modality.VIDEO)
 
 
 class StreamArrays(Packing):
-    def __init__(
-        self,
-        stream: ConsumerStream,
-        *,
-        pending: list[Doc] | None = None,
-        opened: list[list[Doc]] | None = None,
-        stats: PackStats | None = None,
-        dropped_by: dict[tuple[int, int], int] | None = None,
-    ) -> None:
-        """The arrays of a fresh stream, or of one restored (stream_state.load_state): the
-        documents held aside, those handed out in part per source (oldest first), the packing
-        counters and the blocks dropped per (source, modality)."""
+    def __init__(self, stream: ConsumerStream, st: dict | None = None) -> None:
+        """The arrays of a fresh stream, or of one restored from its saved dict ``st`` (whose
+        cursors and counters ConsumerStream.load_state_dict has put back): the documents it held
+        aside and handed out in part are read again from their shards, its packing counters and
+        dropped blocks set."""
         self.stream = stream
         cfg = stream.cfg
-        pending = pending or []
-        opened = opened or [[] for _ in stream.tables]
+        pending, opened = (st["pending"], st["open"]) if st else ([], [])
         # Held-aside and open documents: at most max_pending + 2 each in steady state, but a state
         # redistributed from many consumers onto fewer brings all of theirs (redistribute.py)
         cap = 2 * (cfg.max_pending + 2)
-        most_open = max((len(docs) for docs in opened), default=0)
+        most_open = max(Counter(cursor[0] for cursor in opened).values(), default=0)
         super().__init__(
             len(stream.tables),
             (
@@ -69,10 +61,10 @@ class StreamArrays(Packing):
             ),
             shares=stream.shares,
             mixed=stream.mixed_sources,
-            open_cap=max(cap, most_open + cap),
+            open_cap=most_open + cap,
             held_cap=max(2 * cap, len(pending) + cap),
             queue_cap=1024,
-            stats=stats or PackStats(),
+            stats=PackStats(**st["stats"]) if st else PackStats(),
             # Counting only (an epoch's batches): documents from the index, no token read or copied
             dry=stream.dry,
         )
@@ -88,24 +80,35 @@ class StreamArrays(Packing):
             src[source, kernel.S_DONE] = src[source, kernel.S_ENDED] = int(cur.done)
             src[source, kernel.S_CEPOCH] = src[source, kernel.S_END_EPOCH] = cur.epoch
             src[source, kernel.S_CPOS] = src[source, kernel.S_END_POS] = cur.pos
-        # Skips: counted by the stream when its documents are read ahead; a state counts those
-        # before each source's last document taken (and at its end)
+        for source, modality, count in st["dropped_by"] if st else []:
+            src[source, kernel.S_DROP_VIDEO if modality == _VIDEO else kernel.S_DROP_IMAGE] = count
+        # (source, sample, epoch) -> the row of a document read again (-1: unreadable now:
+        # skipped, counted and logged by load); one both held aside and open is one row
+        rows: dict[tuple[int, int, int], int] = {}
+        new = []
+
+        def row_of(cursor: list[int]) -> int:
+            source, sample, epoch, unit, offset, limit = cursor
+            key = (source, sample, epoch)
+            if key not in rows:
+                doc = stream.load(source, sample, epoch)
+                rows[key] = -1
+                if doc is not None:
+                    doc.unit, doc.offset, doc.limit = unit, offset, limit
+                    rows[key] = self.add(doc, (-1, -1, 0))
+                    new.append((rows[key], doc.ids, doc.mod))
+            return rows[key]
+
+        pending_rows = [row for row in map(row_of, pending) if row >= 0]
+        opened_rows: list[list[int]] = [[] for _ in stream.tables]
+        for cursor in opened:
+            if (row := row_of(cursor)) >= 0:
+                opened_rows[cursor[0]].append(row)
+        # Skips: counted by the stream when its documents are read ahead (and above); a state
+        # counts those before each source's last document taken (and at its end)
         self.base_errors = stream.errors
         self.base_skips = [len(events) for events in stream.skip_events]
         self.read_errors = [0] * len(stream.tables)
-        for (source, modality), count in (dropped_by or {}).items():
-            src[source, kernel.S_DROP_VIDEO if modality == _VIDEO else kernel.S_DROP_IMAGE] = count
-        rows: dict[int, int] = {}  # id(Doc) -> its row (a document open and pending is one)
-        new = []
-
-        def row_of(doc: Doc) -> int:
-            if id(doc) not in rows:
-                rows[id(doc)] = self.add(doc, (-1, -1, 0))
-                new.append((rows[id(doc)], doc.ids, doc.mod))
-            return rows[id(doc)]
-
-        pending_rows = [row_of(doc) for doc in pending]
-        opened_rows = [[row_of(doc) for doc in docs] for docs in opened]
         # staged at once, before the lists refer to them (nothing staged is live yet)
         self.stage(new, [])
         self.pending[: len(pending_rows)] = pending_rows
@@ -160,7 +163,7 @@ class StreamArrays(Packing):
             stream.batches,
             self.base_errors + sum(taken),
             self.skip,
-            skipped_samples(stream, [base + n for base, n in zip(self.base_skips, taken)]),
+            stream.skipped_samples([base + n for base, n in zip(self.base_skips, taken)]),
         )
 
     # --- documents into the arrays ----------------------------------------------------------------
@@ -180,12 +183,8 @@ class StreamArrays(Packing):
         if order_slice is None:
             return None  # done, or nothing here: ``read_next`` says which
         n_run = min(len(order_slice) - cur.pos, most)
-        if n_run <= 0:
-            return None
-        if isinstance(order_slice, ConsumerSlice):
-            samples = order_slice.take(cur.pos, cur.pos + n_run)
-        else:  # a redistributed epoch: the slice as an array
-            samples = np.asarray(order_slice[cur.pos : cur.pos + n_run], np.int64)
+        # a lazy slice (order.ConsumerSlice) or, in a redistributed epoch, an array
+        samples = np.asarray(order_slice[cur.pos : cur.pos + n_run], np.int64)
         starts = self._starts[source]
         shard_of = np.searchsorted(starts, samples, side="right") - 1
         usable = np.ones(n_run, bool)
@@ -215,7 +214,7 @@ class StreamArrays(Packing):
         first_doc = self.ndocs
         self.reserve(n_run, int((2 * bcount + 1).sum()))
         rows = np.arange(first_doc, first_doc + n_run, dtype=np.int64)
-        unit0, n_units, nblk = (np.empty(n_run, np.int64) for _ in range(3))
+        unit0, n_units = np.empty(n_run, np.int64), np.empty(n_run, np.int64)
         u_at = self.nunits
         for checked, sel in groups:
             u_at = fill_units(
@@ -228,7 +227,6 @@ class StreamArrays(Packing):
                 checked.index.blocks,
                 unit0,
                 n_units,
-                nblk,
             )
         self.nunits = u_at
         out_groups = [(checked.bytes, sel) for checked, sel in groups]
@@ -237,7 +235,11 @@ class StreamArrays(Packing):
         block[:, kernel.D_SRC], block[:, kernel.D_SAMPLE] = source, samples
         block[:, kernel.D_EPOCH] = block[:, kernel.D_CEPOCH] = cur.epoch
         block[:, kernel.D_LEN] = block[:, kernel.D_LIMIT] = lengths
-        block[:, kernel.D_U0], block[:, kernel.D_NU], block[:, kernel.D_NBLK] = unit0, n_units, nblk
+        block[:, kernel.D_U0], block[:, kernel.D_NU], block[:, kernel.D_NBLK] = (
+            unit0,
+            n_units,
+            bcount,
+        )
         block[:, kernel.D_CPOS] = cur.pos + 1 + np.arange(n_run)
         block[:, kernel.D_CERRS] = self.read_errors[source]
         self.ndocs = first_doc + n_run

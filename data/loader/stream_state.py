@@ -2,8 +2,9 @@
 (stream_arrays.StreamArrays), snapshot after every batch (``StreamState``: a few of their rows,
 a few microseconds; a worker's batch carries it to the trainer's process, pickled small), made
 the saved dict only when a checkpoint asks for it (``StreamState.to_dict``), and the dict put
-back (``load_state``: the stream's cursors and counters set, the documents held aside or handed
-out in part read again from their shards, from which the arrays are made again). What the dict
+back (``ConsumerStream.load_state_dict``: the stream's cursors and counters set, then
+``StreamArrays(stream, st)`` reads the documents held aside or handed out in part again and
+makes the arrays). What the dict
 holds, and why an older one is refused (``check_state``): docs/loader.md, "Exact resume".
 Separate from the stream's work (stream.py: mixing, reading, packing) because the state is a
 format with a life of its own: it is saved in every checkpoint, read back on resume and
@@ -13,17 +14,13 @@ rewritten for another split by redistribute.py.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from data.loader import pack_kernel as kernel
 from data.loader.order import ORDER_VERSION
-from data.loader.pack_kernel import Doc, PackStats
+from data.loader.pack_kernel import PackStats
 from data.vocab import Modality
-
-if TYPE_CHECKING:
-    from data.loader.stream import ConsumerStream
 
 
 @dataclass
@@ -39,34 +36,6 @@ class SourceCursor:
     skip: dict[int, str] = field(default_factory=dict)
 
 
-def skipped_samples(stream: ConsumerStream, taken: list[int] | None = None) -> list[list[int]]:
-    """[[source, sample], ...]: every sample skipped as unreadable so far, once, oldest first.
-    ``taken``: per source, how many of the skips since the restore count yet (the compiled loop
-    reads ahead: a skip counts once a document after it is taken); None: all."""
-    out = []
-    for s, (before, events) in enumerate(zip(stream.skipped_before, stream.skip_events)):
-        if not before and not events:
-            continue
-        seen = dict.fromkeys(before)
-        seen.update(dict.fromkeys(events if taken is None else events[: taken[s]]))
-        out += [[s, sample] for sample in seen]
-    return out
-
-
-# What every stream state holds (StreamState.to_dict writes them all)
-STREAM_FIELDS = (
-    "cursors",
-    "pending",
-    "open",
-    "dropped_by",
-    "batches",
-    "errors",
-    "skipped",
-    "stats",
-    "tokens_by_modality",
-    "skip",
-    "order",
-)
 _DOC_FIELDS = ("source", "sample", "epoch", "unit", "offset", "chunk end")  # pending, open
 OLDER_STATE = (
     "it was saved by an older earlyfuse, whose loader states this one does not read; resume "
@@ -74,12 +43,18 @@ OLDER_STATE = (
 )
 
 
-def check_state(st: dict, where: str) -> None:
-    """ValueError naming ``where`` and what is missing when ``st`` is not a stream state as this
-    earlyfuse writes it."""
-    missing = [name for name in STREAM_FIELDS if name not in st]
+def check_fields(st: dict, written: dict, where: str) -> None:
+    """ValueError naming ``where`` and the fields ``st`` lacks of ``written`` (a state as this
+    earlyfuse writes it)."""
+    missing = [name for name in written if name not in st]
     if missing:
         raise ValueError(f"{where}: no {', '.join(map(repr, missing))}; {OLDER_STATE}")
+
+
+def check_state(st: dict, fresh: dict, where: str) -> None:
+    """ValueError naming ``where`` and what is wrong when ``st`` is not a stream state as this
+    earlyfuse writes it (``fresh``: a fresh stream's)."""
+    check_fields(st, fresh, where)
     if st["order"] != ORDER_VERSION:
         raise ValueError(
             f"{where}: its cursors index epoch order {st['order']!r}, this earlyfuse's is "
@@ -91,50 +66,6 @@ def check_state(st: dict, where: str) -> None:
                 raise ValueError(
                     f"{where}: {name} document {doc} is not [{', '.join(_DOC_FIELDS)}]; {OLDER_STATE}"
                 )
-
-
-def load_state(stream: ConsumerStream, st: dict) -> dict:
-    """Put ``stream``'s cursors and counters where ``st`` says (``ConsumerStream.
-    load_state_dict``) and read its held-aside and open documents again from their shards:
-    returns what the compiled loop's arrays are made from (``StreamArrays``' keyword arguments)."""
-    check_state(st, f"loader state of consumer {stream.consumer}")
-    stream.cursors = [SourceCursor(e, p, t, bool(d)) for e, p, t, d in st["cursors"]]
-    for s, e, m in st["skip"]:
-        if e >= stream.cursors[s].epoch:
-            stream.cursors[s].skip[e] = m
-    stream.slices = {}
-    stream.batches, stream.errors = st["batches"], st["errors"]
-    stream.skip_events = [[] for _ in stream.tables]
-    stream.skipped_before = [[] for _ in stream.tables]
-    for s, sample in st["skipped"]:
-        stream.skipped_before[s].append(sample)
-    stream.tokens_by_modality = np.asarray(st["tokens_by_modality"], np.int64)
-    # A document both held aside and open is one object in both lists (keyed by source,
-    # sample, epoch: a consumer reads a sample once per epoch).
-    docs: dict[tuple[int, int, int], Doc | None] = {}
-
-    def restore(cursor: list[int]) -> Doc | None:
-        s, sample, epoch, unit, offset, limit = cursor
-        key = (s, sample, epoch)
-        if key not in docs:
-            doc = stream.load(s, sample, epoch)
-            if doc is not None:  # unreadable now: skipped, counted and logged by load()
-                doc.unit, doc.offset, doc.limit = unit, offset, limit
-            docs[key] = doc
-        return docs[key]
-
-    pending = [doc for doc in map(restore, st["pending"]) if doc is not None]
-    opened: list[list[Doc]] = [[] for _ in stream.tables]
-    for cursor in st["open"]:
-        doc = restore(cursor)
-        if doc is not None:
-            opened[doc.source].append(doc)
-    return {
-        "pending": pending,
-        "opened": opened,
-        "stats": PackStats(**st["stats"]),
-        "dropped_by": {(s, m): n for s, m, n in st["dropped_by"]},
-    }
 
 
 _IMAGE, _VIDEO = int(Modality.IMAGE), int(Modality.VIDEO)

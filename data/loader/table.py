@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import bisect
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -190,23 +189,6 @@ class TokenTable(SampleTable):
         )
         blocks = idx.blocks[b0 : b0 + nb].tolist() if nb else _NO_BLOCKS
         return si, tokens, blocks, j0, jsz, i0, isz, m0, msz, sha
-
-    def block_stats(self) -> dict[str, dict[str, int]]:
-        """{"image"/"video": {"blocks", "longest"}} over every sample, from the manifest."""
-        out = {m: {"blocks": 0, "longest": 0} for m in ("image", "video")}
-        for si in range(len(self.shards)):
-            got = self.shard_blocks[si]
-            for m, row in out.items():
-                row["blocks"] += int(got[m]["blocks"])
-                row["longest"] = max(row["longest"], int(got[m]["longest"]))
-        return out
-
-    def all_blocks(self) -> Iterator[list]:
-        """Every sample's blocks (the slow path: an exact count once something is too long)."""
-        for si in range(len(self.shards)):
-            idx = self.index(si)
-            for i in range(len(idx)):
-                yield idx.blocks_of(i).tolist()
 
     def __getattr__(self, name: str):
         # Whole columns, built on first use (tools and tests; the loader never asks for them).

@@ -37,9 +37,7 @@ def warm_kernels() -> None:
     # and its map are read-only views of the shard
     blocks = np.zeros((0, 5), np.int64)
     blocks.flags.writeable = False
-    fill_units(
-        np.zeros((0, 6), np.int64), 0, empty, empty, empty, empty, blocks, empty, empty, empty
-    )
+    fill_units(np.zeros((0, 6), np.int64), 0, empty, empty, empty, empty, blocks, empty, empty)
     mapped = np.zeros(0, np.uint8)
     mapped.flags.writeable = False
     gather_tokens(
