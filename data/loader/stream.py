@@ -285,7 +285,7 @@ class ConsumerStream:
                 return Doc(s, sample, epoch, len(ids), units, ids, mod)
         self.watchdog.current = ((t, sample), time.monotonic())
         try:
-            if t.kind == "raw":
+            if not isinstance(t, TokenTable):  # raw shards
                 ids, mod, blocks = self._encode_raw(t, sample)
                 length = len(ids)
             else:

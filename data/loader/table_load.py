@@ -232,8 +232,6 @@ def _load_raw_table(src: SourceConfig, tars: list[str], *, manifest_url: str) ->
         tars,
         np.asarray(shard, np.int32),
         keys,
-        np.zeros((n, 2), np.int64),
-        np.zeros((n, 2), np.int64),
         np.zeros(n, np.int64),
         [[] for _ in range(n)],
         h.hexdigest()[:16],

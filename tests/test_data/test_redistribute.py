@@ -209,8 +209,6 @@ def test_a_second_redistribute_keeps_masks_beyond_every_cursor():
             ["a.tar"],
             np.zeros(n, np.int32),
             [f"k{i}" for i in range(n)],
-            np.zeros((n, 2), np.int64),
-            np.zeros((n, 2), np.int64),
             lengths,
             [[] for _ in range(n)],
             "fp",
