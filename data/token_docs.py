@@ -89,10 +89,6 @@ def folder_sources(url: str | Path) -> list[SourceConfig]:
     return [SourceConfig(name=name, shards=[root.child(name)]) for name in names]
 
 
-def _view(files: ShardFiles, url: str, end: int, offset: int, size: int):
-    return files.view(url, offset, size, end)
-
-
 def iter_documents(
     tables: list[SampleTable],
     *,
@@ -121,7 +117,7 @@ def iter_documents(
                 try:
                     shard, _, _, *members = table.locate_members(index)
                     url, end = table.shards[shard], table.shard_end(shard)
-                    view = functools.partial(_view, files, url, end)
+                    view = functools.partial(files.view, url, min_bytes=end)
                     ids_bytes, mod_bytes = read_members(members, view, True)
                     # copies: the views of the shard's map end with this generator
                     ids, mod = read_npy(ids_bytes).copy(), read_npy(mod_bytes).copy()

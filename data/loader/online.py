@@ -52,7 +52,7 @@ class OnlineTokenizer:
         self.opts = budgeted_options(seq_len=seq_len, names=LOADER_NAMES, **asdict(opts))
         self.encoder = DocEncoder(text, vtok, self.opts, torch.device("cpu"))
         # Failing clips leak inside decord: past a budget, each is decoded in a child process
-        self.encoder.decode_frames = self.decode_guard = DecodeGuard(failure_budget)
+        self.encoder.decode_frames = DecodeGuard(failure_budget)
 
     def encode(self, key: str, members: dict, shard_name: str, f) -> tuple[TokenDoc | None, str]:
         """(document, "") or (None, why it was rejected). ``f`` is the open shard."""

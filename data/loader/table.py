@@ -106,7 +106,6 @@ class TokenTable(SampleTable):
         self.fingerprint, self.tokenizer_fingerprint = fingerprint, tokenizer_fingerprint
         self.kind = "tokens"
         self.manifest_url, self.layout_url = manifest_url, layout_url
-        self.members = []
         self.id_ranges = None
         self.cache_dir = cache_dir
         self.shard_blocks = shard_blocks
