@@ -62,7 +62,7 @@ class SampleTable:
 
     def shard_end(self, si: int) -> int:
         """Where shard ``si``'s last member ends (a fetched copy must be at least this long)."""
-        return self.shard_bytes[si] if si < len(self.shard_bytes) else 0
+        return self.shard_bytes[si]
 
     def key_of(self, sample: int) -> str:
         return self.keys[sample]

@@ -166,7 +166,7 @@ def _load_token_table(
                 f"{REBUILD}"
             )
         if store.kind(tar) == "local":
-            binary = tar[: -len(".tar")] + token_index.SUFFIX
+            binary = store.beside(tar, token_index.SUFFIX)
             if not _listed(listing, binary):
                 raise ValueError(f"source {src.name}: {binary} does not exist; {REBUILD}")
         sha = entry["index_sha256"]
