@@ -23,7 +23,7 @@ from data.loader.config import SourceConfig
 from data.loader.npy import read_npy
 from data.loader.sample_check import check_ids, read_members
 from data.loader.store import ShardFiles
-from data.loader.table import SampleTable
+from data.loader.table import SampleTable, TokenTable
 from data.loader.table_load import load_table
 from data.names import INDEX_SUFFIX
 
@@ -53,13 +53,15 @@ def source_tables(folder_or_sources) -> list[SampleTable]:
         sources = folder_sources(folder_or_sources)
     else:
         sources = list(folder_or_sources)
-    tables = [load_table(s) for s in sources]
-    for t in tables:
-        if t.kind != "tokens":
-            raise ValueError(
-                f"source {t.name}: raw shards; tokenize them (earlyfuse-prep tokenize)"
-            )
-    return tables
+    return [_tokenized(load_table(s)) for s in sources]
+
+
+def _tokenized(table: SampleTable) -> TokenTable:
+    if not isinstance(table, TokenTable):
+        raise ValueError(
+            f"source {table.name}: raw shards; tokenize them (earlyfuse-prep tokenize)"
+        )
+    return table
 
 
 def folder_sources(url: str | Path) -> list[SourceConfig]:
@@ -87,10 +89,6 @@ def folder_sources(url: str | Path) -> list[SourceConfig]:
     return [SourceConfig(name=name, shards=[root.child(name)]) for name in names]
 
 
-def _view(files: ShardFiles, url: str, end: int, offset: int, size: int):
-    return files.view(url, offset, size, end)
-
-
 def iter_documents(
     tables: list[SampleTable],
     *,
@@ -99,8 +97,8 @@ def iter_documents(
     skipped: list[tuple[str, str, str]] | None = None,
     samples: Iterable[int] | None = None,
 ) -> Iterator[TokenDocument]:
-    """Every document of every table in index order (or the first ``max_docs_per_source``; or
-    with one table, its documents numbered in ``samples``, in that order),
+    """Every document of every token table (a raw one: ValueError) in index order (or the first
+    ``max_docs_per_source``; or with one table, its documents numbered in ``samples``, in order),
     checked like the loader checks them: the members' SHA-256 against the index and,
     with ``ranges`` (``data.loader.sample_check.modality_ranges``), every id within its
     modality's range. A document that fails is left out, never raised: one corrupted sample must
@@ -112,14 +110,14 @@ def iter_documents(
     try:
         if samples is not None and len(tables) != 1:
             raise ValueError("iter_documents: samples are numbers within one table")
-        for table in tables:
+        for table in map(_tokenized, tables):
             count = len(table) if not max_docs_per_source else min(len(table), max_docs_per_source)
             left_out = 0
             for index in range(count) if samples is None else samples:
                 try:
                     shard, _, _, *members = table.locate_members(index)
                     url, end = table.shards[shard], table.shard_end(shard)
-                    view = functools.partial(_view, files, url, end)
+                    view = functools.partial(files.view, url, min_bytes=end)
                     ids_bytes, mod_bytes = read_members(members, view, True)
                     # copies: the views of the shard's map end with this generator
                     ids, mod = read_npy(ids_bytes).copy(), read_npy(mod_bytes).copy()

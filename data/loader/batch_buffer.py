@@ -8,28 +8,24 @@ from __future__ import annotations
 
 import numpy as np
 
-from data.loader.expand import IGNORE
-from data.vocab import Modality
-
-# The per-token fields of a batch, with their padding values.
-ROW_FIELDS = (
-    ("ids", "input_ids", None),  # None: the pad id
-    ("labels", "labels", IGNORE),
-    ("mod", "modality", int(Modality.TEXT)),
-    ("label_mod", "label_modality", int(Modality.TEXT)),
-    ("doc_ids", "doc_ids", -1),
-    ("pos", "position_ids", 0),
-    ("image_ids", "image_ids", -1),
-)
+# The per-token fields of a batch: the buffer's name of each -> the trainer's key
+ROW_FIELDS = {
+    "ids": "input_ids",
+    "labels": "labels",
+    "mod": "modality",
+    "label_mod": "label_modality",
+    "doc_ids": "doc_ids",
+    "pos": "position_ids",
+    "image_ids": "image_ids",
+}
 # Their dtypes. Labels are int64: cross-entropy and its gathers and scatters take int64 targets.
 # Everything else is int32 (ids, positions and document or image numbers fit many times over):
 # writing the fields is most of what expanding a batch costs, and a GPU run copies them. Not
 # uint8 modalities: torch reads a uint8 index tensor as a boolean mask (model/layers.py).
-BATCH_DTYPES: dict[str, np.dtype] = {key: np.dtype(np.int32) for _, key, _ in ROW_FIELDS}
+BATCH_DTYPES: dict[str, np.dtype] = {key: np.dtype(np.int32) for key in ROW_FIELDS.values()}
 BATCH_DTYPES |= {"labels": np.dtype(np.int64), "position_thw": np.dtype(np.int32)}
 # The int32 fields in the order they lie in a batch's buffer, after the labels
-_INT32_ROW = tuple(attr for attr, _, _ in ROW_FIELDS if attr != "labels")
-_KEY = {attr: key for attr, key, _ in ROW_FIELDS}
+_INT32_ROW = tuple(attr for attr in ROW_FIELDS if attr != "labels")
 
 
 class BatchBuffer:
@@ -67,18 +63,15 @@ class BatchBuffer:
             return {key: torch.from_numpy(self.fields[attr]) for key, attr in _SPLIT_KEYS}
         n, k = self.rows * self.L, len(_INT32_ROW)
         int32 = self.tensor[8 * n :].view(torch.int32)
-        out = dict(
-            zip((_KEY[a] for a in _INT32_ROW), int32[: k * n].view(k, self.rows, self.L).unbind(0))
-        )
-        out["labels"] = self.tensor[: 8 * n].view(torch.int64).view(self.rows, self.L)
-        out["position_thw"] = int32[k * n :].view(self.rows, self.L, 3)
-        return {key: out[key] for key in _SPLIT_ORDER}
+        views = dict(zip(_INT32_ROW, int32[: k * n].view(k, self.rows, self.L).unbind(0)))
+        views["labels"] = self.tensor[: 8 * n].view(torch.int64).view(self.rows, self.L)
+        views["thw"] = int32[k * n :].view(self.rows, self.L, 3)
+        return {key: views[attr] for key, attr in _SPLIT_KEYS}
 
     @staticmethod
     def nbytes(rows: int, seq_len: int) -> int:
         return (8 + 4 * (len(_INT32_ROW) + 3)) * rows * seq_len
 
 
-# The order of a split batch's keys (ROW_FIELDS', then position_thw), whatever the buffer's layout
-_SPLIT_ORDER = tuple(key for _, key, _ in ROW_FIELDS) + ("position_thw",)
-_SPLIT_KEYS = tuple((key, attr) for attr, key, _ in ROW_FIELDS) + (("position_thw", "thw"),)
+# A split batch's keys and the buffer's names of them: ROW_FIELDS', then position_thw
+_SPLIT_KEYS = (*((key, attr) for attr, key in ROW_FIELDS.items()), ("position_thw", "thw"))

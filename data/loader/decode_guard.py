@@ -20,13 +20,12 @@ from data.video_frames import decode_frames
 
 # A one-liner, not ``-m``: this module is imported with its package before ``-m`` would run it
 CHILD_COMMAND = [sys.executable, "-c", "from data.loader.decode_guard import child; child()"]
-DEFAULT_BUDGET = 64  # failed decodes a worker absorbs (~3 MB of decord leaks) before forking
 
 
 class DecodeGuard:
     """``decode_frames`` with this process's failures counted (one guard per worker)."""
 
-    def __init__(self, budget: int = DEFAULT_BUDGET) -> None:
+    def __init__(self, budget: int) -> None:
         self.budget = budget
         self.failures = 0
         self.isolated = 0  # decodes run in a child

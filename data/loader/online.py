@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from data.loader.decode_guard import DEFAULT_BUDGET, DecodeGuard
+from data.loader.config import LoaderConfig
+from data.loader.decode_guard import DecodeGuard
 from data.names import VISUAL_TOKENIZER_DIR
 from data.schema import Reject
 from data.shards.reader import RawDoc
@@ -28,31 +29,27 @@ from data.tokenize.visual import load_visual_tokenizer
 LOADER_NAMES = ("data.seq_len", "max_block_tokens", "data.doc_budget")
 
 
-def online_options(cfg) -> TokenizeOptions:
+def online_options(cfg: LoaderConfig) -> TokenizeOptions:
     """The ``TokenizeOptions`` of a LoaderConfig's ``tokenize`` section and ``doc_budget``; the
     row length is applied by ``OnlineTokenizer`` (a state's fingerprint records these)."""
     return budgeted_options(doc_budget=cfg.doc_budget, names=LOADER_NAMES, **asdict(cfg.tokenize))
 
 
 class OnlineTokenizer:
-    """Built lazily in each worker process (tokenizers are not shared across processes)."""
+    """Built lazily in each worker process (tokenizers are not shared across processes), from
+    the loader's tokenizer folder, ``tokenize`` options, row length and decode failure budget."""
 
-    def __init__(
-        self,
-        folder: str | Path,
-        opts: TokenizeOptions,
-        seq_len: int,
-        *,
-        failure_budget: int = DEFAULT_BUDGET,
-    ) -> None:
-        folder = Path(folder)
+    def __init__(self, cfg: LoaderConfig) -> None:
+        assert cfg.tokenizers  # refused at start without it (dataset.check_tokenizers)
+        folder = Path(cfg.tokenizers)
         text = TextTokenizer.load(folder)
         vtok = load_visual_tokenizer(folder / VISUAL_TOKENIZER_DIR, text.layout, "cpu")
         # Every image and video block fits in a row of ``seq_len``, as with tokenize --seq-len
-        self.opts = budgeted_options(seq_len=seq_len, names=LOADER_NAMES, **asdict(opts))
-        self.encoder = DocEncoder(text, vtok, self.opts, torch.device("cpu"))
+        base = online_options(cfg)
+        opts = budgeted_options(seq_len=cfg.seq_len, names=LOADER_NAMES, **asdict(base))
+        self.encoder = DocEncoder(text, vtok, opts, torch.device("cpu"))
         # Failing clips leak inside decord: past a budget, each is decoded in a child process
-        self.encoder.decode_frames = self.decode_guard = DecodeGuard(failure_budget)
+        self.encoder.decode_frames = DecodeGuard(cfg.video_failure_budget)
 
     def encode(self, key: str, members: dict, shard_name: str, f) -> tuple[TokenDoc | None, str]:
         """(document, "") or (None, why it was rejected). ``f`` is the open shard."""

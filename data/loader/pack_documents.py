@@ -16,6 +16,7 @@ what was packed; the arrays drop the documents no longer held aside between batc
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
@@ -54,15 +55,42 @@ def pack_documents(
     dropped blocks and documents)."""
     if batch_rows < 1:
         raise ValueError(f"batch_rows {batch_rows}: give at least 1")
-    packing = _InOrder(
-        iter(docs),
-        seq_len,
-        batch_rows,
-        pad_id,
-        whole_documents,
-        stats if stats is not None else PackStats(),
-    )
-    yield from iter(packing.next_batch, None)
+    stats = stats if stats is not None else PackStats()
+    params = (batch_rows, seq_len, _WHOLE, MAX_PENDING, False, whole_documents, pad_id)
+    cap = 4 * (MAX_PENDING + 2)
+    # One source whose documents come in the order given, one at a time in the queue (read
+    # lazily); none opened (each goes out whole)
+    packing = Packing(1, params, open_cap=cap, held_cap=cap, stats=stats, docs_cap=16)
+    documents, numbers = iter(docs), itertools.count()
+
+    def take(_source: int) -> None:
+        """The caller's next document into the queue, or the end of the documents marked."""
+        doc = next(documents, None)
+        if doc is None:
+            packing.src[0, kernel.S_ENDED] = 1
+            return
+        ids = np.asarray(doc.ids)
+        units = units_of(len(ids), doc.blocks)
+        drow = packing.add(Doc(0, next(numbers), 0, len(ids), units), (0, 0, 0))
+        packing.stage([(drow, ids, doc.modality)], [])
+        packing.queue[0, 0] = drow
+        packing.src[0, kernel.S_QHEAD], packing.src[0, kernel.S_QLEN] = 0, 1
+
+    size = batch_rows * seq_len
+    while True:
+        buffer = BatchBuffer(batch_rows, seq_len)
+        ids, mod = buffer.fields["ids"].reshape(size), np.empty(size, np.uint8)
+        real = np.zeros(batch_rows, np.int64)  # a row not packed stays 0: blank
+        code = packing.run(ids, mod, real, take)
+        vars(stats).update(vars(packing.stats()))
+        state = packing.state
+        # PACKED: all rows; END: the rows packed before the documents ran out (none: no batch)
+        rows_done = batch_rows if code == kernel.PACKED else int(state[kernel.ST_ROWS_DONE])
+        if rows_done == 0:
+            return
+        segments = packing.seg[: state[kernel.ST_NSEG]].copy()
+        blocks = packing.blocks[: state[kernel.ST_NBLK]].copy()
+        yield _finished(buffer, pad_id, ids, mod, segments, blocks, rows_done, real)
 
 
 def blank_batch(batch_rows: int, seq_len: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
@@ -99,54 +127,3 @@ def _finished(
     out = buffer.split()
     out["num_real_tokens"] = torch.tensor(int(real.sum()))
     return out
-
-
-class _InOrder(Packing):
-    """The compiled loop's arrays for one source whose documents come in the order given."""
-
-    def __init__(
-        self,
-        documents: Iterator[Document],
-        seq_len: int,
-        rows: int,
-        pad_id: int,
-        whole_documents: bool,
-        stats: PackStats,
-    ) -> None:
-        params = (rows, seq_len, _WHOLE, MAX_PENDING, False, whole_documents, pad_id)
-        cap = 4 * (MAX_PENDING + 2)
-        # one document at a time in the queue (read lazily); none opened (each goes out whole)
-        super().__init__(1, params, open_cap=cap, held_cap=cap, stats=stats, docs_cap=16)
-        self.documents, self.pad_id, self.stats_out = documents, pad_id, stats
-        self.read = 0  # documents taken from the caller so far
-
-    def next_batch(self) -> dict[str, torch.Tensor] | None:
-        buffer = BatchBuffer(self.B, self.L)
-        size = self.B * self.L
-        ids, mod = buffer.fields["ids"].reshape(size), np.empty(size, np.uint8)
-        real = np.zeros(self.B, np.int64)  # a row not packed stays 0: blank
-        code = self.run(ids, mod, real, self._take)
-        vars(self.stats_out).update(vars(self.stats()))
-        state = self.state
-        # PACKED: all rows; END: the rows packed before the documents ran out (none: no batch)
-        rows_done = self.B if code == kernel.PACKED else int(state[kernel.ST_ROWS_DONE])
-        if rows_done == 0:
-            return None
-        segments = self.seg[: state[kernel.ST_NSEG]].copy()
-        blocks = self.blocks[: state[kernel.ST_NBLK]].copy()
-        return _finished(buffer, self.pad_id, ids, mod, segments, blocks, rows_done, real)
-
-    def _take(self, _source: int) -> None:
-        """The caller's next document into the queue, or the end of the documents marked."""
-        doc = next(self.documents, None)
-        if doc is None:
-            self.src[0, kernel.S_ENDED] = 1
-            return
-        ids = np.asarray(doc.ids)
-        length = len(ids)
-        units = units_of(length, doc.blocks)
-        drow = self.add(Doc(0, self.read, 0, length, units), (0, 0, 0))
-        self.stage([(drow, ids, doc.modality)], [])
-        self.queue[0, 0] = drow
-        self.src[0, kernel.S_QHEAD], self.src[0, kernel.S_QLEN] = 0, 1
-        self.read += 1

@@ -463,9 +463,8 @@ def pack_batch(arrays, out, params):
     return PACKED
 
 
-# The documents a stream hands the loop (``Doc``: a document, how far it is placed and handed
-# out; its units, stretches of text and visual blocks: ``units_of``) and the packing counters
-# (``PackStats``)
+# The documents a stream hands the loop (``Doc``: a document as read; its units, stretches of
+# text and visual blocks: ``units_of``) and the packing counters (``PackStats``)
 _NO_UNITS = np.zeros((0, 6), np.int64)
 
 
@@ -493,13 +492,6 @@ class Doc:
     units: np.ndarray  # units_of
     ids: np.ndarray | None = None  # int32 [length] (None in a dry stream: lengths only)
     mod: np.ndarray | None = None
-    unit: int = 0  # next unit to place
-    offset: int = 0  # tokens of that unit already placed (text only)
-    limit: int = -1  # end of the chunk handed out so far (-1: the whole document)
-
-    def __post_init__(self) -> None:
-        if self.limit < 0:
-            self.limit = self.length
 
 
 @dataclass
@@ -584,7 +576,8 @@ class Packing:
         return PackStats(*self.state[STAT_COLS].tolist())
 
     def add(self, doc: Doc, cursor: tuple[int, int, int]) -> int:
-        """A row of ``docs`` (and its units) for ``doc``; its tokens are staged by ``stage``."""
+        """A row of ``docs`` (and its units) for ``doc``, nothing of it placed, the whole of it its
+        chunk; its tokens are staged by ``stage``."""
         n_units = len(doc.units)
         self.reserve(1, n_units)
         drow, unit0 = self.ndocs, self.nunits
@@ -595,9 +588,9 @@ class Packing:
             doc.sample,
             doc.epoch,
             doc.length,
-            doc.unit,
-            doc.offset,
-            doc.limit,
+            0,
+            0,
+            doc.length,
             0,
             unit0,
             n_units,

@@ -111,7 +111,11 @@ def index_url(url: str) -> str:
     return beside(url, INDEX_SUFFIX)
 
 
-def _run(cmd: str) -> bytes:
+def read_bytes(url: str) -> bytes:
+    """A small file whole (an index, a manifest). FileNotFoundError when it is not there."""
+    if kind(url) != "pipe":
+        return storage.read_bytes(url)
+    cmd = url[len("pipe:") :]
     p = subprocess.run(cmd, shell=True, capture_output=True)
     if p.returncode != 0:
         raise FileNotFoundError(
@@ -119,11 +123,6 @@ def _run(cmd: str) -> bytes:
             f"{p.stderr.decode(errors='replace').strip()[-400:]}"
         )
     return p.stdout
-
-
-def read_bytes(url: str) -> bytes:
-    """A small file whole (an index, a manifest). FileNotFoundError when it is not there."""
-    return _run(url[len("pipe:") :]) if kind(url) == "pipe" else storage.read_bytes(url)
 
 
 def exists(url: str) -> bool:

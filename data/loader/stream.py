@@ -21,7 +21,7 @@ from data.loader.batch_buffer import BatchBuffer
 from data.loader.config import LoaderConfig
 from data.loader.expand import slot_views
 from data.loader.npy import read_npy
-from data.loader.online import OnlineTokenizer, online_options
+from data.loader.online import OnlineTokenizer
 from data.loader.order import ConsumerSlice, EpochOrder, unpack_mask
 from data.loader.pack_kernel import Doc, units_of
 from data.loader.packed_batch import PackedBatch
@@ -168,13 +168,7 @@ class ConsumerStream:
     def _encode_raw(self, t: SampleTable, sample: int) -> tuple[np.ndarray, np.ndarray, list]:
         """A raw document tokenized here (data/loader/online.py): ids, modalities, blocks."""
         if self._online is None:
-            assert self.cfg.tokenizers  # refused at start without it (dataset.check_tokenizers)
-            self._online = OnlineTokenizer(
-                self.cfg.tokenizers,
-                online_options(self.cfg),
-                self.cfg.seq_len,
-                failure_budget=self.cfg.video_failure_budget,
-            )
+            self._online = OnlineTokenizer(self.cfg)
         si = t.shard_of(sample)
         view = ShardView(self.files, t.shards[si], t.shard_end(si))
         doc, why = self._online.encode(
@@ -285,7 +279,7 @@ class ConsumerStream:
                 return Doc(s, sample, epoch, len(ids), units, ids, mod)
         self.watchdog.current = ((t, sample), time.monotonic())
         try:
-            if t.kind == "raw":
+            if not isinstance(t, TokenTable):  # raw shards
                 ids, mod, blocks = self._encode_raw(t, sample)
                 length = len(ids)
             else:

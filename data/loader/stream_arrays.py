@@ -88,14 +88,14 @@ class StreamArrays(Packing):
         new = []
 
         def row_of(cursor: list[int]) -> int:
-            source, sample, epoch, unit, offset, limit = cursor
+            source, sample, epoch = cursor[:3]
             key = (source, sample, epoch)
             if key not in rows:
                 doc = stream.load(source, sample, epoch)
                 rows[key] = -1
                 if doc is not None:
-                    doc.unit, doc.offset, doc.limit = unit, offset, limit
                     rows[key] = self.add(doc, (-1, -1, 0))
+                    self.docs[rows[key], CURSOR_COLS] = cursor  # placed and handed out as saved
                     new.append((rows[key], doc.ids, doc.mod))
             return rows[key]
 

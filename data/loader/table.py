@@ -37,8 +37,6 @@ class SampleTable:
     shards: list[str]  # shard URLs
     shard: np.ndarray  # int32 [N] shard of each sample
     keys: list[str]
-    ids_at: np.ndarray  # int64 [N, 2] offset, size of KEY.ids.npy (token shards)
-    mod_at: np.ndarray  # int64 [N, 2]
     tokens: np.ndarray  # int64 [N] (raw shards: 0, known only once tokenized)
     blocks: list[list]  # per sample: [[start, end, t, h, w], ...] (raw: empty)
     fingerprint: str
@@ -64,7 +62,7 @@ class SampleTable:
 
     def shard_end(self, si: int) -> int:
         """Where shard ``si``'s last member ends (a fetched copy must be at least this long)."""
-        return self.shard_bytes[si] if si < len(self.shard_bytes) else 0
+        return self.shard_bytes[si]
 
     def key_of(self, sample: int) -> str:
         return self.keys[sample]
@@ -74,14 +72,6 @@ class SampleTable:
 
     def blocks_of(self, sample: int) -> list:
         return self.blocks[sample]
-
-    def locate_members(self, sample: int) -> tuple:
-        """What reading a token sample needs, flat (it runs once per document): (shard, tokens,
-        blocks, json offset, size, ids offset, size, mod offset, size, SHA-256; zeros: no usable
-        hash in the index). A table held in memory records no json member and no hash."""
-        ids_at, mod_at = self.ids_at[sample].tolist(), self.mod_at[sample].tolist()
-        shard, tokens = self.shard_of(sample), int(self.tokens[sample])
-        return (shard, tokens, self.blocks[sample], 0, 0, *ids_at, *mod_at, bytes(32))
 
 
 # Columns a TokenTable builds on demand, for tools and tests that look at a whole source.
@@ -116,7 +106,6 @@ class TokenTable(SampleTable):
         self.fingerprint, self.tokenizer_fingerprint = fingerprint, tokenizer_fingerprint
         self.kind = "tokens"
         self.manifest_url, self.layout_url = manifest_url, layout_url
-        self.members = []
         self.id_ranges = None
         self.cache_dir = cache_dir
         self.shard_blocks = shard_blocks
@@ -178,6 +167,8 @@ class TokenTable(SampleTable):
         return self.index(si).blocks_of(i).tolist()
 
     def locate_members(self, sample: int) -> tuple:
+        """What reading a sample needs, flat (it runs once per document): shard, tokens, blocks,
+        (offset, size) of its json, ids and mod members, SHA-256 (zeros: none in the index)."""
         if not 0 <= sample < self.starts[-1]:
             raise IndexError(f"sample {sample} of a source of {self.starts[-1]}")
         si = bisect.bisect_right(self.starts, sample) - 1

@@ -166,7 +166,7 @@ def _load_token_table(
                 f"{REBUILD}"
             )
         if store.kind(tar) == "local":
-            binary = tar[: -len(".tar")] + token_index.SUFFIX
+            binary = store.beside(tar, token_index.SUFFIX)
             if not _listed(listing, binary):
                 raise ValueError(f"source {src.name}: {binary} does not exist; {REBUILD}")
         sha = entry["index_sha256"]
@@ -232,8 +232,6 @@ def _load_raw_table(src: SourceConfig, tars: list[str], *, manifest_url: str) ->
         tars,
         np.asarray(shard, np.int32),
         keys,
-        np.zeros((n, 2), np.int64),
-        np.zeros((n, 2), np.int64),
         np.zeros(n, np.int64),
         [[] for _ in range(n)],
         h.hexdigest()[:16],

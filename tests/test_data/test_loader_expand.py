@@ -41,7 +41,7 @@ def _stream(tokens, micro_batch: int, **kw) -> ConsumerStream:
 def _rows_one_by_one(tokens, n_rows: int, **kw) -> dict[str, np.ndarray]:
     """The batch fields of ``n_rows`` rows, each packed and expanded as a batch of its own."""
     rows = _batches(_stream(tokens, 1, **kw), n_rows)
-    out = {key: np.concatenate([r[key] for r in rows]) for _, key, _ in ROW_FIELDS}
+    out = {key: np.concatenate([r[key] for r in rows]) for key in ROW_FIELDS.values()}
     out["position_thw"] = np.concatenate([r["position_thw"] for r in rows])
     out["num_real_tokens"] = np.array(sum(int(r["num_real_tokens"]) for r in rows))
     return out

@@ -260,9 +260,8 @@ def test_a_raw_json_of_another_schema_is_a_reject_not_a_dead_worker(tiny_tokens)
     import io
 
     from data.loader.online import OnlineTokenizer
-    from data.tokenize.encoder import TokenizeOptions
 
-    tok = OnlineTokenizer(tiny_tokens / "tokenizers", TokenizeOptions(), 256)
+    tok = OnlineTokenizer(LoaderConfig(tokenizers=str(tiny_tokens / "tokenizers"), seq_len=256))
     for body in (b"[1, 2]", b'{"segments": [{"type": "image"}]}', b"{not json"):
         doc, why = tok.encode("k", {"json": [0, len(body)]}, "x.tar", io.BytesIO(body))
         assert doc is None and why.startswith("k.json")

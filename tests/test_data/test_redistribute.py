@@ -176,10 +176,12 @@ def test_packer_drains_more_held_documents_than_max_pending(tiny_tokens):
     tables = [load_table(s) for s in cfg.sources]
     cs = ConsumerStream(tables, [1.0, 1.0], cfg, consumer=0, consumers=1, micro_batch=1, pad_id=0)
     docs = [cs.load(s, i, 0) for s in (0, 1) for i in range(3)]
-    docs[0].offset = 5  # a text document half placed before
-    start = {(d.source, d.sample): int(d.units[d.unit, 0]) + d.offset for d in docs}
+    offsets = [5] + [0] * (len(docs) - 1)  # a text document half placed before
+    start = {(d.source, d.sample): int(d.units[0, 0]) + offset for d, offset in zip(docs, offsets)}
     state = cs.state_dict()
-    state["pending"] = [[d.source, d.sample, d.epoch, d.unit, d.offset, d.limit] for d in docs]
+    state["pending"] = [
+        [d.source, d.sample, d.epoch, 0, offset, d.length] for d, offset in zip(docs, offsets)
+    ]
     state["cursors"] = [[0, 0, 0, 1] for _ in cs.cursors]  # done: nothing new is read
     cs.load_state_dict(state)
     spans = defaultdict(list)
@@ -209,8 +211,6 @@ def test_a_second_redistribute_keeps_masks_beyond_every_cursor():
             ["a.tar"],
             np.zeros(n, np.int32),
             [f"k{i}" for i in range(n)],
-            np.zeros((n, 2), np.int64),
-            np.zeros((n, 2), np.int64),
             lengths,
             [[] for _ in range(n)],
             "fp",

@@ -123,3 +123,17 @@ def test_check_ids_finds_each_kind_of_bad_token(dtype):
     for ids, mod, message in cases:
         with pytest.raises(ValueError, match=message):
             check_ids(np.array(ids, dtype), np.array(mod, mod_dtype), ranges)
+
+
+def test_the_token_document_readers_refuse_raw_shards(tiny_raw):
+    """Whole documents are read from token shards only: a raw source is an error naming it, from
+    the tables of a folder and from the document reader (not each document left out as
+    unreadable)."""
+    from data.token_docs import iter_documents, source_tables
+
+    source = folder_sources(tiny_raw)[0]
+    refused = f"source {source.name}: raw shards; tokenize them"
+    with pytest.raises(ValueError, match=refused):
+        source_tables(tiny_raw)
+    with pytest.raises(ValueError, match=refused):
+        next(iter_documents([load_table(source)]))
