@@ -12,9 +12,7 @@ the rate between its first and last console lines, so that validations and check
 them are in that rate, the start and the final evaluation counted once.
 
 Wall time is the command's; CPU time is user + system of the command and every process it
-started (``getrusage(RUSAGE_CHILDREN)``; for the per-100-step rate, the live process tree read
-from /proc at the two console lines): on a shared machine wall time grows with the others' load,
-CPU time much less.
+started: on a shared machine wall time grows with the others' load, CPU time much less.
 """
 
 from __future__ import annotations
