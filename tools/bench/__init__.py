@@ -20,6 +20,7 @@ import sys
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping
+from itertools import islice
 from pathlib import Path
 from typing import TypeVar
 
@@ -147,10 +148,10 @@ def allow_recompiles(lengths: int, per_length: int = 8) -> None:
 
 
 # --- token folders --------------------------------------------------------------------------------
-def write_token_shard(folder: Path, source: str, stem: str, docs: Iterable) -> dict:
-    """One token shard (tar, JSONL index, binary index) of ``docs`` (``TokenDoc``s, written as
-    documents of ``source``) by tokenize's own writer under ``folder / source``: its manifest
-    entry, as tokenize makes it."""
+def write_token_shards(folder: Path, source: str, docs: Iterable, per_shard: int) -> list[dict]:
+    """Token shards (tar, JSONL index, binary index) of ``docs`` (``TokenDoc``s, written as
+    documents of ``source``), ``per_shard`` a shard, by tokenize's own writer under ``folder /
+    source``: their manifest entries, as tokenize makes them."""
     import dataclasses
 
     from data.shards import token_index
@@ -158,18 +159,25 @@ def write_token_shard(folder: Path, source: str, stem: str, docs: Iterable) -> d
     from data.tokenize.blocks import shard_block_stats
     from data.tokenize.shard_job import TokenShardWriter
 
-    rel = f"{source}/{stem}"
     (folder / source).mkdir(parents=True, exist_ok=True)
-    writer = TokenShardWriter(folder / f"{rel}.tar", folder / f"{rel}.idx.jsonl")
-    for doc in docs:
-        writer.write(dataclasses.replace(doc, source=source))
-    written = dataclasses.asdict(writer.close(folder / f"{rel}{token_index.SUFFIX}"))
-    return shard_entry(
-        {**written, "tar": f"{rel}.tar", "index_file": f"{rel}.idx.jsonl", "source": source},
-        index_bin=f"{rel}{token_index.SUFFIX}",
-        tokens=dict(writer.tokens),
-        blocks=shard_block_stats(writer.doc_blocks),
-    )
+    entries: list[dict] = []
+    docs = iter(docs)  # a list too is taken a shard at a time
+    while chunk := list(islice(docs, per_shard)):
+        rel = f"{source}/shard-{len(entries):06d}"
+        writer = TokenShardWriter(folder / f"{rel}.tar", folder / f"{rel}.idx.jsonl")
+        for doc in chunk:
+            writer.write(dataclasses.replace(doc, source=source))
+        written = dataclasses.asdict(writer.close(folder / f"{rel}{token_index.SUFFIX}"))
+        entry = {**written, "tar": f"{rel}.tar", "index_file": f"{rel}.idx.jsonl", "source": source}
+        entries.append(
+            shard_entry(
+                entry,
+                index_bin=f"{rel}{token_index.SUFFIX}",
+                tokens=dict(writer.tokens),
+                blocks=shard_block_stats(writer.doc_blocks),
+            )
+        )
+    return entries
 
 
 def write_token_manifest(

@@ -3,13 +3,9 @@ per batch for FlexAttention (``model.attention.build_attention_mask``), at given
 
 Two masks per length, as a local/global model uses them: ``doc`` (causal within each of the
 row's ``--docs`` equal documents: the global layers' mask) and ``local`` (the same AND a window
-of ``--window`` keys). Each is built once to warm up (the compiled builder compiles here, once
-per length and window), then ``--repeats`` times timed; docs/benchmarks.md, "The long-context
-part", says what the memory columns hold. An out-of-memory error is reported as "OOM at N" and
-the other lengths are still tried (the masks of another kind may fit); another error is recorded
-the same way and makes the exit status non-zero. The JSON is rewritten after every mask, so a
-run stopped by a timeout keeps what it measured. Needs only torch (the GPU machine lacks the
-pipeline's other packages).
+of ``--window`` keys); docs/benchmarks.md, "The long-context part", has the method and what the
+memory columns hold. An error other than out of memory makes the exit status non-zero. Needs
+only torch (the GPU machine lacks the pipeline's other packages).
 
     python tools/bench/bench_block_mask.py --lengths 131072,1048576 --json out/blockmask.json
     python tools/bench/bench_block_mask.py --device cpu --builder eager --lengths 1024 --window 256

@@ -9,9 +9,8 @@ model FLOP/s (``model.flops.flops_per_token``, causal attention counted) / the G
 peak (``train.mfu``). Prints tokens/s and MFU over the timed steps (after ``--warmup`` steps).
 Needs only torch: the GPU machine lacks DeepSpeed and the other packages.
 
-Long rows: several ``--seq-len`` are measured in turn in one process, each result beside
-``train.memory``'s estimate; an out-of-memory error ends a length as "OOM at N" and skips the
-longer ones (docs/benchmarks.md, "The long-context part", has the method).
+Long rows, several ``--seq-len`` each beside ``train.memory``'s estimate: docs/benchmarks.md,
+"The long-context part", has the method.
 
     python tools/bench/bench_gpu.py --preset 125m --micro-batch 16 --seq-len 2048 --steps 300
     python tools/bench/bench_gpu.py --preset 125m --compile --json out/125m_compiled.json
@@ -25,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import sys
 import time
 from pathlib import Path
@@ -37,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from model.attention import resolve_backend  # noqa: E402
 from model.flops import flops_per_token  # noqa: E402
 from model.presets import preset  # noqa: E402
-from tools.bench import allow_recompiles, device_name, doc_ids, sync  # noqa: E402
+from tools.bench import allow_recompiles, device_name, doc_ids, report, sync  # noqa: E402
 from train.memory import estimate, is_out_of_memory  # noqa: E402
 from train.mfu import peak_tflops  # noqa: E402
 
@@ -159,12 +157,10 @@ def main(argv=None) -> list[dict]:
             res["oom"] = f"OOM at {oom_at:,}"
         res.update(setup(cfg, args, seq_len, dev))
         results.append(res)
-        print(json.dumps(res, indent=1), flush=True)
-        if args.json:  # with several lengths, one file per length: OUT.json -> OUT-8192.json
-            target = Path(args.json)
-            if len(lengths) > 1:
-                target = target.with_name(f"{target.stem}-{seq_len}{target.suffix}")
-            target.write_text(json.dumps(res, indent=1) + "\n")
+        target = Path(args.json) if args.json else None
+        if target and len(lengths) > 1:  # one file per length: OUT.json -> OUT-8192.json
+            target = target.with_name(f"{target.stem}-{seq_len}{target.suffix}")
+        report(res, target)
     return results
 
 

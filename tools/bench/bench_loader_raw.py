@@ -1,11 +1,8 @@
 """Samples/s per loader worker on raw shards tokenized online, against the offline encoder.
 
 A worker is one process on one thread (a DataLoader worker's torch threads), so this process
-runs as one: ``num_workers=0`` and ``torch.set_num_threads(1)``. For each kind of demo source,
-alternating rounds of the loader's stream over the raw shards (tokenize one document at a time,
-pack, collate) and of ``earlyfuse-prep tokenize``'s offline encoder on the same shards and
-thread, with the demo token manifest's options (``make demo``); docs/benchmarks.md, "Loader:
-the raw path", has the figures.
+runs as one: ``num_workers=0`` and ``torch.set_num_threads(1)``. docs/benchmarks.md, "Loader:
+the raw path", has the method and the figures; it reads the demo's shards (``make demo``).
 
     .venv/bin/python tools/bench/bench_loader_raw.py [--raw runs/demo/raw] [--tokens runs/demo/tokens]
 """

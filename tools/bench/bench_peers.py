@@ -16,7 +16,6 @@ import importlib.util
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import sysconfig
@@ -24,7 +23,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
-from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -35,12 +33,13 @@ from data.tokenize.docs import TokenDoc  # noqa: E402
 from tools.bench import (  # noqa: E402
     commit,
     machine,
+    medians,
     process_tree,
     report,
     rounds,
     token_loader_config,
     write_token_manifest,
-    write_token_shard,
+    write_token_shards,
 )
 
 # Each loader and the library it imports (a peer whose library is absent is skipped).
@@ -173,11 +172,7 @@ def write_token_source(folder: Path, name: str, docs, modality: int) -> list[dic
         TokenDoc(f"{name}{number:08d}", ids, np.full(len(ids), modality, np.uint8))
         for number, ids in enumerate(docs)
     )
-    entries: list[dict] = []
-    while chunk := list(islice(numbered, DOCS_PER_SHARD)):
-        stem = f"shard-{len(entries):06d}"
-        entries.append(write_token_shard(folder, name, stem, chunk))
-    return entries
+    return write_token_shards(folder, name, numbered, DOCS_PER_SHARD)
 
 
 def copy_visual(token_dir: Path, out: Path) -> list[dict]:
@@ -722,9 +717,7 @@ def summarize(runs: dict[str, list[dict]], memory: dict[str, dict]) -> dict[str,
     keys = ("import_s", "first_batch_s", "epoch_s", "tokens_per_s", "warm_tokens_per_s")
     out = {}
     for name, results in runs.items():
-        med = {
-            key: statistics.median(res[key] for res in results) for key in keys if key in results[0]
-        }
+        med = medians({key: [res[key] for res in results] for key in keys if key in results[0]})
         rates = [res["tokens_per_s"] for res in results]
         spread = (max(rates) - min(rates)) / med["tokens_per_s"]
         peaks = {key: memory[name][key] for key in ("peak_rss", "peak_pss")}

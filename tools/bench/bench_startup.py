@@ -15,10 +15,10 @@ import argparse
 import hashlib
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -31,10 +31,12 @@ from data.vocab import Modality, VocabLayout  # noqa: E402
 from tools.bench import (  # noqa: E402
     loader_start,
     machine,
+    medians,
     report,
+    rounds,
     token_loader_config,
     write_token_manifest,
-    write_token_shard,
+    write_token_shards,
 )
 
 
@@ -46,7 +48,7 @@ def write_base(folder: Path, samples: int, tokens: int) -> dict:
         TokenDoc(f"doc{number:08d}", rng.integers(3, 500, tokens).astype(np.int32), text)
         for number in range(samples)
     )
-    return write_token_shard(folder, "synth", "base", docs)
+    return write_token_shards(folder, "synth", docs, samples)[0]
 
 
 def make_folder(root: Path, base_dir: Path, base: dict, n: int) -> Path:
@@ -59,17 +61,13 @@ def make_folder(root: Path, base_dir: Path, base: dict, n: int) -> Path:
     for number in range(n // base["samples"]):
         entry = dict(base)
         for key in ("path", "index", "index_bin"):
-            entry[key] = base[key].replace("base", f"shard-{number:06d}")
+            entry[key] = base[key].replace("shard-000000", f"shard-{number:06d}")
             os.link(base_dir / base[key], root / entry[key])
         shards.append(entry)
     tokenizers = {"text": "synthetic", "layout": layout.fingerprint(), "visual": "none"}
     fingerprint = hashlib.sha256(str(n).encode()).hexdigest()[:24]
     write_token_manifest(root, fingerprint, {**tokenizers, "folder": "tokenizers"}, shards)
     return root
-
-
-def cfg_for(folder: Path, seq_len: int) -> LoaderConfig:
-    return token_loader_config(folder, seq_len, num_workers=0, mode="infinite")
 
 
 def time_restore(cfg: LoaderConfig, state: dict, n: int) -> float:
@@ -89,25 +87,28 @@ def time_jsonl(src: Path) -> float:
     return time.perf_counter() - started
 
 
+def at_size(folder: Path, n: int, a) -> dict[str, float]:
+    """One round at one size: the build, start, restore and (up to --jsonl-max) JSONL times."""
+    cfg = token_loader_config(folder, a.seq_len, num_workers=0, mode="infinite")
+    built, start, state = loader_start(cfg)
+    times = {"build_s": built, "start_s": start, "restore_s": time_restore(cfg, state, n)}
+    if n <= a.jsonl_max:
+        times["jsonl_s"] = time_jsonl(folder / "synth")
+    return times
+
+
 def by_size(folders: dict[int, Path], a) -> dict[int, dict]:
     """Medians of the build, start, restore and JSONL times at each size, sizes interleaved."""
     for folder in folders.values():  # warm: imports, page cache
-        loader_start(cfg_for(folder, a.seq_len))
-    times: dict[int, list[dict]] = {n: [] for n in folders}
-    for _ in range(a.rounds):
-        for n, folder in folders.items():
-            cfg = cfg_for(folder, a.seq_len)
-            built, start, state = loader_start(cfg)
-            times[n].append({"build_s": built, "start_s": start})
-            times[n][-1]["restore_s"] = time_restore(cfg, state, n)
-            if n <= a.jsonl_max:
-                times[n][-1]["jsonl_s"] = time_jsonl(folder / "synth")
-    smallest = statistics.median(run["start_s"] for run in times[min(folders)])
-    sizes = {}
-    for n, runs in times.items():
-        row = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+        loader_start(token_loader_config(folder, a.seq_len, num_workers=0, mode="infinite"))
+    times = rounds({n: partial(at_size, folder, n, a) for n, folder in folders.items()}, a.rounds)
+    sizes = {
+        n: medians({key: [run[key] for run in runs] for key in runs[0]})
+        for n, runs in times.items()
+    }
+    smallest = sizes[min(folders)]["start_s"]
+    for n, row in sizes.items():
         row.update(shards=n // a.shard_samples, start_vs_smallest=row["start_s"] / smallest)
-        sizes[n] = row
         js = f"{row['jsonl_s'] * 1e3:9.0f} ms" if "jsonl_s" in row else "        —"
         print(
             f"{n:>11,} samples ({row['shards']:>5} shards): build_loader "

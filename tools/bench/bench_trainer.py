@@ -1,13 +1,10 @@
 """Trainer overhead and data wait, on CPU, in one process.
 
-1. Overhead: our training step (``Trainer.train_step`` and every callback's ``post_step``)
-   against a minimal loop driving the **same** DeepSpeed engine and model on the **same**
-   batches, drawn once beforehand and replayed to both (the loader is not in the comparison).
-2. Data wait: a plain ``earlyfuse-train`` run of the same experiment with its real loader; the
-   share of step time spent waiting for batches (``throughput/data_wait``).
-
-docs/benchmarks.md, "Trainer overhead and data wait", has the method, targets and figures.
-``experiment=demo`` needs the demo's token shards (``make demo``).
+Overhead: our training step against a minimal loop driving the same engine on the same batches,
+drawn once and replayed to both (the loader is not in the comparison). Data wait: the share of
+step time a plain ``earlyfuse-train`` run waits for batches. docs/benchmarks.md, "Trainer
+overhead and data wait", has the method, targets and figures; ``experiment=demo`` needs the
+demo's token shards (``make demo``).
 
     .venv/bin/python tools/bench/bench_trainer.py [--experiment demo] [--steps 40] [--rounds 3]
 """

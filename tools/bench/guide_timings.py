@@ -12,9 +12,7 @@ the rate between its first and last console lines, so that validations and check
 them are in that rate, the start and the final evaluation counted once.
 
 Wall time is the command's; CPU time is user + system of the command and every process it
-started (``getrusage(RUSAGE_CHILDREN)``; for the per-100-step rate, the live process tree read
-from /proc at the two console lines): on a shared machine wall time grows with the others' load,
-CPU time much less.
+started: on a shared machine wall time grows with the others' load, CPU time much less.
 """
 
 from __future__ import annotations
@@ -31,6 +29,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import yaml
@@ -88,49 +87,45 @@ def preset_steps(line: str) -> int:
     raise ValueError(f"no experiment= in {line!r}")
 
 
-class Timer:
-    def __init__(self) -> None:
-        self.timings: list[Timing] = []
+def run_line(timings: list[Timing], line: str, script: str, env: dict[str, str]) -> str:
+    """Run one of the guide's lines (``script``: it, after the page's `export` lines) and time it
+    into ``timings``; its output is echoed as it comes."""
+    print(f"\n$ {line}", flush=True)
+    cpu_before, start = children_cpu(), time.monotonic()
+    proc = subprocess.Popen(
+        ["bash", "-c", script],
+        cwd=env["HOME"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    said, marks = [], []
+    for out in proc.stdout:
+        said.append(out)
+        print("  " + out, end="", flush=True)
+        found = STEP_LINE.search(out)
+        if found:
+            marks.append((int(found[1]), time.monotonic() - start, tree_cpu(proc.pid)))
+    code = proc.wait()
+    timing = Timing(line, time.monotonic() - start, children_cpu() - cpu_before)
+    if code != 0:
+        raise SystemExit(f"`{line}` exited with status {code}")
+    if line.startswith("earlyfuse-train") and len(marks) >= 2:
+        rate(timing, marks, preset_steps(line))
+    timings.append(timing)
+    return "".join(said)
 
-    def run(self, line: str, script: str, env: dict[str, str]) -> str:
-        """Run one of the guide's lines (``script``: it, after the page's `export` lines) and
-        time it; its output is echoed as it comes."""
-        print(f"\n$ {line}", flush=True)
-        cpu_before, start = children_cpu(), time.monotonic()
-        proc = subprocess.Popen(
-            ["bash", "-c", script],
-            cwd=env["HOME"],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        assert proc.stdout is not None
-        said, marks = [], []
-        for out in proc.stdout:
-            said.append(out)
-            print("  " + out, end="", flush=True)
-            found = STEP_LINE.search(out)
-            if found:
-                marks.append((int(found[1]), time.monotonic() - start, tree_cpu(proc.pid)))
-        code = proc.wait()
-        timing = Timing(line, time.monotonic() - start, children_cpu() - cpu_before)
-        if code != 0:
-            raise SystemExit(f"`{line}` exited with status {code}")
-        if line.startswith("earlyfuse-train") and len(marks) >= 2:
-            self.rate(timing, marks, preset_steps(line))
-        self.timings.append(timing)
-        return "".join(said)
 
-    @staticmethod
-    def rate(timing: Timing, marks: list[tuple[int, float, float]], preset: int) -> None:
-        (first, wall0, cpu0), (last, wall1, cpu1) = marks[0], marks[-1]
-        timing.steps, timing.marks, timing.preset_steps = last, marks, preset
-        timing.per_100_wall_s = (wall1 - wall0) * 100 / (last - first)
-        timing.per_100_cpu_s = (cpu1 - cpu0) * 100 / (last - first)
-        more = max(0, preset - last) / 100
-        timing.preset_wall_s = timing.wall_s + more * timing.per_100_wall_s
-        timing.preset_cpu_s = timing.cpu_s + more * timing.per_100_cpu_s
+def rate(timing: Timing, marks: list[tuple[int, float, float]], preset: int) -> None:
+    (first, wall0, cpu0), (last, wall1, cpu1) = marks[0], marks[-1]
+    timing.steps, timing.marks, timing.preset_steps = last, marks, preset
+    timing.per_100_wall_s = (wall1 - wall0) * 100 / (last - first)
+    timing.per_100_cpu_s = (cpu1 - cpu0) * 100 / (last - first)
+    more = max(0, preset - last) / 100
+    timing.preset_wall_s = timing.wall_s + more * timing.per_100_wall_s
+    timing.preset_cpu_s = timing.cpu_s + more * timing.per_100_cpu_s
 
 
 def table(timings: list[Timing]) -> str:
@@ -178,12 +173,13 @@ def main(argv: list[str] | None = None) -> int:
             "experiment=vtok_demo": f" train.steps={args.vtok_steps} train.progress=false",
             "experiment=demo": f" train.steps={args.lm_steps} train.progress=false",
         }
-        timer = Timer()
+        timings: list[Timing] = []
+        run = partial(run_line, timings)
         with s3_server.s3_with_bucket(guide_run.BUCKET) as server:
             guide_run.upload(files)
-            guide_run.run_recipe(home, server.env, extra=extra, run=timer.run, threads=args.threads)
+            guide_run.run_recipe(home, server.env, extra=extra, run=run, threads=args.threads)
         load_after = os.getloadavg()
-    print(f"\n{table(timer.timings)}\n")
+    print(f"\n{table(timings)}\n")
     threads = args.threads or os.environ.get("OMP_NUM_THREADS") or "torch's default"
     print(
         f"{os.cpu_count()} cores, OMP_NUM_THREADS {threads}; load average (1, 5, 15 min) before "
@@ -198,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             "cores": os.cpu_count(),
             "load_before": load_before,
             "load_after": load_after,
-            "timings": [asdict(timing) for timing in timer.timings],
+            "timings": [asdict(timing) for timing in timings],
         }
         args.out.write_text(json.dumps(record, indent=1))
     return 0

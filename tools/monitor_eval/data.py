@@ -35,7 +35,7 @@ from data.shards.reader import iter_shard
 from data.tokenize.blocks import visual_blocks
 from data.tokenize.docs import TokenDoc
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
-from tools.bench import train_subprocess, write_token_manifest, write_token_shard
+from tools.bench import train_subprocess, write_token_manifest, write_token_shards
 
 VERSION = 7  # bump when what is built changes
 REPO = Path(__file__).resolve().parents[2]  # the checkout, where the suite's runs start
@@ -239,10 +239,7 @@ def prefix_then(
 def write_source(out: Path, name: str, docs: list[TokenDoc]) -> list[dict]:
     """Token shards of one source (``DOCS_PER_SHARD`` documents each); their manifest entries, as
     tokenize makes them."""
-    return [
-        write_token_shard(out, name, f"shard-{shard_no:06d}", docs[start : start + DOCS_PER_SHARD])
-        for shard_no, start in enumerate(range(0, len(docs), DOCS_PER_SHARD))
-    ]
+    return write_token_shards(out, name, docs, DOCS_PER_SHARD)
 
 
 def write_folder(out: Path, base_tokens: Path, sources: dict[str, list[TokenDoc]]) -> None:
