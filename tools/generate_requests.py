@@ -1,8 +1,8 @@
 """What ``earlyfuse-generate`` does with a release (train/release.py): the ``Generator`` loads it
 once and serves requests with the KV-cached ``model.generate`` (docs/checkpoints.md,
 "earlyfuse-generate"). Apart from the command line (tools/generate.py) so that other code (the
-HF export's check, the scene evaluation: ``sample``, ``draw_image``, ``caption_codes``) samples
-as the command does.
+HF export's check, the scene evaluation: ``sample``, ``draw_image``, ``Generator.caption``)
+samples as the command does.
 
 Prompts are built the way the token shards are (data/tokenize/encoder.py), at the training pixel
 budget, so the model sees what it was trained on. Text is sampled under a text-only mask, so
@@ -86,8 +86,8 @@ def sample(
     ids: list[int],
     modality: list[int],
     *,
-    constraint,
-    stop: list[int],
+    constraint=None,
+    stop: list[int] | None = None,
     seed: int = 0,
     image_ids: list[int] | None = None,
     unconditional: list[int] | None = None,
@@ -95,11 +95,12 @@ def sample(
     **sampling,
 ) -> list[int]:
     """The ids the KV-cached ``generate`` appends to one prompt (``ids``, its ``modality`` and the
-    ``image_ids`` of its bidirectional blocks), from a ``torch.Generator`` seeded with ``seed``;
+    ``image_ids`` of its bidirectional blocks) under ``constraint`` until a ``stop`` id (default:
+    text only, until ``<|eos|>``), from a ``torch.Generator`` seeded with ``seed``;
     ``unconditional``: the prompt that classifier-free ``guidance`` contrasts with; ``sampling``:
     ``SamplingConfig``'s max_new_tokens, temperature (greedy unless given), top_k and top_p.
-    ``parts``: what holds the ``model``, its ``layout``, ``text`` tokenizer and (to draw)
-    ``vtok``, a Generator or earlyfuse-eval's SceneJudge, which sample the same way."""
+    ``parts``: the Generator that holds the ``model``, its ``layout``, ``text`` tokenizer and
+    (to draw) ``vtok``."""
     from model.generate import SamplingConfig, generate
 
     device = parts.model.output.weight.device
@@ -108,12 +109,13 @@ def sample(
         return None if values is None else torch.tensor([values], dtype=torch.long, device=device)
 
     # greedy unless a temperature is given (SamplingConfig's own default samples at 1.0)
-    options = {"temperature": 0.0, **sampling, "stop_ids": stop, "pad_id": parts.text.pad_id}
+    stops = stop or [parts.text.eos_id]
+    options = {"temperature": 0.0, **sampling, "stop_ids": stops, "pad_id": parts.text.pad_id}
     out = generate(
         parts.model,
         row(ids),
         sampling=SamplingConfig(**options),
-        constraint=constraint,
+        constraint=TextOnly(parts) if constraint is None else constraint,
         layout=parts.layout,
         modality=row(modality),
         image_ids=row(image_ids),
@@ -122,29 +124,6 @@ def sample(
         guidance=guidance,
     )
     return out[0, len(ids) :].tolist()
-
-
-def caption_codes(parts, codes: np.ndarray, prompt: str = "", **sampling) -> list:
-    """The text ids sampled after ``<bos> [the image block of codes] prompt`` (the block's image
-    ids passed for bidirectional attention) under the text-only mask, ``<|eos|>`` ending them."""
-    from data.layout import image_tokens
-
-    text = parts.text
-    ids, modality, image_ids = caption_prompt(
-        *image_tokens(codes, parts.layout),
-        text.encode(prompt) if prompt else [],
-        bos_id=text.bos_id,
-        bidirectional_images=parts.model.cfg.attention.bidirectional_images,
-    )
-    return sample(
-        parts,
-        ids,
-        modality,
-        constraint=TextOnly(parts),
-        stop=[text.eos_id],
-        image_ids=image_ids,
-        **sampling,
-    )
 
 
 def draw_image(
@@ -210,7 +189,19 @@ class Generator:
         self.layout = self.release.vocab_layout
         self.text = self.release.text_tokenizer()
         self._vtok = None
-        opts = self.release.config.get("tokenize") or {}
+        self._tokenize_options(self.release.config.get("tokenize") or {})
+
+    @classmethod
+    def around(cls, model, layout, text, vtok, device, image_max_pixels: int) -> Generator:
+        """A Generator around a model built in-process (a test's) with its layout, tokenizers
+        and training pixel budget: it serves requests as a release's Generator does."""
+        gen = cls.__new__(cls)
+        gen.model, gen.layout, gen.text, gen._vtok, gen.device = model, layout, text, vtok, device
+        gen._tokenize_options({"image_max_pixels": image_max_pixels})
+        return gen
+
+    def _tokenize_options(self, opts: dict) -> None:
+        """How the token data encoded its images (config.json ``tokenize``), so prompts match."""
         self.image_max_pixels = int(opts.get("image_max_pixels", 256 * 256))
         # tokenize's cap on an image block's tokens: its images were made smaller until they fit
         self.image_max_tokens = int(opts.get("max_block_tokens") or 0)
@@ -236,7 +227,7 @@ class Generator:
         body = self.text.encode(prompt)
         ids = [self.text.bos_id, *body]
         mod = [int(Modality.TEXT)] + [int(Modality.CODE if code else Modality.TEXT)] * len(body)
-        new = sample(self, ids, mod, constraint=TextOnly(self), stop=[self.text.eos_id], **sampling)
+        new = sample(self, ids, mod, **sampling)
         kept = self.until_eos(new)
         # Decode prompt and continuation together, so a character split across the boundary is whole.
         full, head = self.text.decode(body + kept), self.text.decode(body)
@@ -266,9 +257,20 @@ class Generator:
         with torch.no_grad():
             return self.vtok.encode(to_tensor(arr[None]).to(self.device))[0].cpu().numpy()
 
-    def caption(self, image: str | Path, prompt: str = "", **sampling) -> dict:
-        codes = self.encode_image(image)
-        new = caption_codes(self, codes, prompt, **sampling)
+    def caption(self, image: str | Path | np.ndarray, prompt: str = "", **sampling) -> dict:
+        """The text sampled after ``<bos> [the image block] prompt`` (the block's image ids passed
+        for bidirectional attention) under the text-only mask, ``<|eos|>`` ending it. ``image``: a
+        file, or a code grid already encoded (the scene evaluation's)."""
+        from data.layout import image_tokens
+
+        codes = image if isinstance(image, np.ndarray) else self.encode_image(image)
+        ids, modality, image_ids = caption_prompt(
+            *image_tokens(codes, self.layout),
+            self.text.encode(prompt) if prompt else [],
+            bos_id=self.text.bos_id,
+            bidirectional_images=self.model.cfg.attention.bidirectional_images,
+        )
+        new = sample(self, ids, modality, image_ids=image_ids, **sampling)
         text = self.text.decode(self.until_eos(new))
         return {**self.text_result("caption", text, new), "image_grid": list(codes.shape)}
 
