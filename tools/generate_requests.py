@@ -86,8 +86,8 @@ def sample(
     ids: list[int],
     modality: list[int],
     *,
-    constraint=None,
-    stop: list[int] | None = None,
+    constraint,
+    stop: list[int],
     seed: int = 0,
     image_ids: list[int] | None = None,
     unconditional: list[int] | None = None,
@@ -95,8 +95,7 @@ def sample(
     **sampling,
 ) -> list[int]:
     """The ids the KV-cached ``generate`` appends to one prompt (``ids``, its ``modality`` and the
-    ``image_ids`` of its bidirectional blocks) under ``constraint`` until a ``stop`` id (default:
-    text only, until ``<|eos|>``), from a ``torch.Generator`` seeded with ``seed``;
+    ``image_ids`` of its bidirectional blocks), from a ``torch.Generator`` seeded with ``seed``;
     ``unconditional``: the prompt that classifier-free ``guidance`` contrasts with; ``sampling``:
     ``SamplingConfig``'s max_new_tokens, temperature (greedy unless given), top_k and top_p.
     ``parts``: the Generator that holds the ``model``, its ``layout``, ``text`` tokenizer and
@@ -109,13 +108,12 @@ def sample(
         return None if values is None else torch.tensor([values], dtype=torch.long, device=device)
 
     # greedy unless a temperature is given (SamplingConfig's own default samples at 1.0)
-    stops = stop or [parts.text.eos_id]
-    options = {"temperature": 0.0, **sampling, "stop_ids": stops, "pad_id": parts.text.pad_id}
+    options = {"temperature": 0.0, **sampling, "stop_ids": stop, "pad_id": parts.text.pad_id}
     out = generate(
         parts.model,
         row(ids),
         sampling=SamplingConfig(**options),
-        constraint=TextOnly(parts) if constraint is None else constraint,
+        constraint=constraint,
         layout=parts.layout,
         modality=row(modality),
         image_ids=row(image_ids),
@@ -227,7 +225,7 @@ class Generator:
         body = self.text.encode(prompt)
         ids = [self.text.bos_id, *body]
         mod = [int(Modality.TEXT)] + [int(Modality.CODE if code else Modality.TEXT)] * len(body)
-        new = sample(self, ids, mod, **sampling)
+        new = sample(self, ids, mod, constraint=TextOnly(self), stop=[self.text.eos_id], **sampling)
         kept = self.until_eos(new)
         # Decode prompt and continuation together, so a character split across the boundary is whole.
         full, head = self.text.decode(body + kept), self.text.decode(body)
@@ -270,7 +268,15 @@ class Generator:
             bos_id=self.text.bos_id,
             bidirectional_images=self.model.cfg.attention.bidirectional_images,
         )
-        new = sample(self, ids, modality, image_ids=image_ids, **sampling)
+        new = sample(
+            self,
+            ids,
+            modality,
+            constraint=TextOnly(self),
+            stop=[self.text.eos_id],
+            image_ids=image_ids,
+            **sampling,
+        )
         text = self.text.decode(self.until_eos(new))
         return {**self.text_result("caption", text, new), "image_grid": list(codes.shape)}
 
