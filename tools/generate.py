@@ -42,13 +42,6 @@ requests.jsonl (paths relative to the current directory):
 """
 
 
-def utf8_stdout() -> None:
-    """UTF-8 on stdout whatever the locale says (the console may claim ASCII)."""
-    reconfigure = getattr(sys.stdout, "reconfigure", None)
-    if reconfigure is not None:
-        reconfigure(encoding="utf-8", errors="replace")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="earlyfuse-generate",
@@ -125,7 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    utf8_stdout()
+    # UTF-8 on stdout whatever the locale says (the console may claim ASCII)
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None:
+        reconfigure(encoding="utf-8", errors="replace")
     modes = [
         mode
         for mode, chosen in (

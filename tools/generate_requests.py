@@ -1,8 +1,8 @@
 """What ``earlyfuse-generate`` does with a release (train/release.py): the ``Generator`` loads it
 once and serves requests with the KV-cached ``model.generate`` (docs/checkpoints.md,
 "earlyfuse-generate"). Apart from the command line (tools/generate.py) so that other code (the
-HF export's check, the scene evaluation: ``sample``, ``draw_image``, ``caption_codes``) samples
-as the command does.
+HF export's check, the scene evaluation: ``sample``, ``draw_image``, ``Generator.caption``)
+samples as the command does.
 
 Prompts are built the way the token shards are (data/tokenize/encoder.py), at the training pixel
 budget, so the model sees what it was trained on. Text is sampled under a text-only mask, so
@@ -98,8 +98,8 @@ def sample(
     ``image_ids`` of its bidirectional blocks), from a ``torch.Generator`` seeded with ``seed``;
     ``unconditional``: the prompt that classifier-free ``guidance`` contrasts with; ``sampling``:
     ``SamplingConfig``'s max_new_tokens, temperature (greedy unless given), top_k and top_p.
-    ``parts``: what holds the ``model``, its ``layout``, ``text`` tokenizer and (to draw)
-    ``vtok``, a Generator or earlyfuse-eval's SceneJudge, which sample the same way."""
+    ``parts``: the Generator that holds the ``model``, its ``layout``, ``text`` tokenizer and
+    (to draw) ``vtok``."""
     from model.generate import SamplingConfig, generate
 
     device = parts.model.output.weight.device
@@ -122,29 +122,6 @@ def sample(
         guidance=guidance,
     )
     return out[0, len(ids) :].tolist()
-
-
-def caption_codes(parts, codes: np.ndarray, prompt: str = "", **sampling) -> list:
-    """The text ids sampled after ``<bos> [the image block of codes] prompt`` (the block's image
-    ids passed for bidirectional attention) under the text-only mask, ``<|eos|>`` ending them."""
-    from data.layout import image_tokens
-
-    text = parts.text
-    ids, modality, image_ids = caption_prompt(
-        *image_tokens(codes, parts.layout),
-        text.encode(prompt) if prompt else [],
-        bos_id=text.bos_id,
-        bidirectional_images=parts.model.cfg.attention.bidirectional_images,
-    )
-    return sample(
-        parts,
-        ids,
-        modality,
-        constraint=TextOnly(parts),
-        stop=[text.eos_id],
-        image_ids=image_ids,
-        **sampling,
-    )
 
 
 def draw_image(
@@ -210,7 +187,19 @@ class Generator:
         self.layout = self.release.vocab_layout
         self.text = self.release.text_tokenizer()
         self._vtok = None
-        opts = self.release.config.get("tokenize") or {}
+        self._tokenize_options(self.release.config.get("tokenize") or {})
+
+    @classmethod
+    def around(cls, model, layout, text, vtok, device, image_max_pixels: int) -> Generator:
+        """A Generator around a model built in-process (a test's) with its layout, tokenizers
+        and training pixel budget: it serves requests as a release's Generator does."""
+        gen = cls.__new__(cls)
+        gen.model, gen.layout, gen.text, gen._vtok, gen.device = model, layout, text, vtok, device
+        gen._tokenize_options({"image_max_pixels": image_max_pixels})
+        return gen
+
+    def _tokenize_options(self, opts: dict) -> None:
+        """How the token data encoded its images (config.json ``tokenize``), so prompts match."""
         self.image_max_pixels = int(opts.get("image_max_pixels", 256 * 256))
         # tokenize's cap on an image block's tokens: its images were made smaller until they fit
         self.image_max_tokens = int(opts.get("max_block_tokens") or 0)
@@ -266,9 +255,28 @@ class Generator:
         with torch.no_grad():
             return self.vtok.encode(to_tensor(arr[None]).to(self.device))[0].cpu().numpy()
 
-    def caption(self, image: str | Path, prompt: str = "", **sampling) -> dict:
-        codes = self.encode_image(image)
-        new = caption_codes(self, codes, prompt, **sampling)
+    def caption(self, image: str | Path | np.ndarray, prompt: str = "", **sampling) -> dict:
+        """The text sampled after ``<bos> [the image block] prompt`` (the block's image ids passed
+        for bidirectional attention) under the text-only mask, ``<|eos|>`` ending it. ``image``: a
+        file, or a code grid already encoded (the scene evaluation's)."""
+        from data.layout import image_tokens
+
+        codes = image if isinstance(image, np.ndarray) else self.encode_image(image)
+        ids, modality, image_ids = caption_prompt(
+            *image_tokens(codes, self.layout),
+            self.text.encode(prompt) if prompt else [],
+            bos_id=self.text.bos_id,
+            bidirectional_images=self.model.cfg.attention.bidirectional_images,
+        )
+        new = sample(
+            self,
+            ids,
+            modality,
+            constraint=TextOnly(self),
+            stop=[self.text.eos_id],
+            image_ids=image_ids,
+            **sampling,
+        )
         text = self.text.decode(self.until_eos(new))
         return {**self.text_result("caption", text, new), "image_grid": list(codes.shape)}
 

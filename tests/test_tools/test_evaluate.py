@@ -31,7 +31,8 @@ from model import presets
 from tools.evaluate import main as eval_main
 from tools.evaluate.heldout import MODEL_INPUTS, token_byte_lengths
 from tools.evaluate.pair_dependence import CAPTION, DRAWING, dependence_gaps, find_pair
-from tools.evaluate.scenes import SceneJudge, evaluate_scenes, load_scenes
+from tools.evaluate.scenes import evaluate_scenes, load_scenes
+from tools.generate_requests import Generator
 
 
 def test_eval_command_on_a_release(debug_release, tiny_tokens, tiny_corpus, tmp_path, capsys):
@@ -243,7 +244,7 @@ def test_shuffled_pairs_show_no_dependence_and_draw_at_chance(tiny_tokenizers, t
         rows.append({"image": str(folder / f"s{i}.png"), "caption": cap, "facts": facts})
     results = {}
     for name, model in models.items():
-        judge = SceneJudge(model, layout, tok, vtok, 32 * 32, "cpu")
+        judge = Generator.around(model, layout, tok, vtok, "cpu", 32 * 32)
         # Greedy: a model this overfit draws its scenes exactly, and the figures do not
         # depend on a sampler's luck.
         results[name] = evaluate_scenes(judge, rows, draw_temperature=0.0)
@@ -261,7 +262,6 @@ def test_scene_captions_read_the_picture_as_earlyfuse_generate_does(
     """The evaluation's captions are what `earlyfuse-generate --caption` prints for the same
     picture, also for a model whose image blocks attend both ways (it must pass the block's
     image ids, or it scores a model that reads its pictures differently)."""
-    from tools.generate_requests import Generator
     from train.release import Release
 
     gen = Generator(Release(debug_release), torch.device("cpu"))
@@ -270,10 +270,10 @@ def test_scene_captions_read_the_picture_as_earlyfuse_generate_does(
     with torch.no_grad():
         for param in gen.model.parameters():
             param.normal_(0.0, 0.3)
-    judge = SceneJudge(gen.model, gen.layout, gen.text, gen.vtok, gen.image_max_pixels, "cpu")
     for image in sorted((tiny_corpus / "scenes").rglob("*.png"))[:3]:
-        codes = judge.encode_image(str(image))
+        codes = gen.encode_image(str(image))
         ours = gen.caption(
             str(image), max_new_tokens=12, temperature=0.0, top_k=0, top_p=1.0, seed=0
         )["text"]
-        assert judge.caption(codes, max_new_tokens=12) == ours, image.name
+        # the evaluation captions the code grid it encoded, greedy (tools/evaluate/scenes.py)
+        assert gen.caption(codes, max_new_tokens=12)["text"] == ours, image.name

@@ -48,7 +48,7 @@ def test_caption_prompt_is_what_generate_and_the_scene_evaluation_built(tiny_tok
         ids, modality, image_ids = caption_prompt(
             block, bmod, body, bos_id=text.bos_id, bidirectional_images=bidirectional
         )
-        # What Generator.caption wrote out before (SceneJudge.caption: the same, no text after).
+        # What Generator.caption wrote out before (the scene evaluation's: no text after).
         assert ids == [text.bos_id, *block.tolist(), *body]
         assert modality == [
             int(Modality.TEXT),

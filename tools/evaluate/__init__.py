@@ -198,12 +198,11 @@ def evaluate(args) -> dict:
             pairs.append(pair)
     out["dependence"] = dependence_gaps(run.model, pairs, device, progress=progress)
     if args.scenes:
-        from tools.evaluate.scenes import SceneJudge, evaluate_scenes, load_scenes
+        from tools.evaluate.scenes import evaluate_scenes, load_scenes
 
         say("scenes ...")
-        judge = SceneJudge(gen.model, gen.layout, gen.text, gen.vtok, gen.image_max_pixels, device)
         out["scenes"] = evaluate_scenes(
-            judge,
+            gen,
             load_scenes(args.scenes),
             limit=args.max_scenes,
             draw_temperature=args.draw_temperature,

@@ -10,16 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-
 from data.demo_corpus.scene_scoring import score, score_caption
-from tools.generate_requests import (
-    MAX_SOURCE_PIXELS,
-    Generator,
-    caption_codes,
-    decode_codes,
-    draw_image,
-)
+from tools.generate_requests import Generator, decode_codes, draw_image
 
 ATTRIBUTES = ("colour", "shape", "position", "all")
 
@@ -70,28 +62,8 @@ def _shard_scenes(folder: Path) -> list[dict]:
     return out
 
 
-class SceneJudge(Generator):
-    """``earlyfuse-generate``'s Generator around a model already built (with its layout and
-    tokenizers), so that the scenes are drawn, captioned and encoded as the command does."""
-
-    def __init__(self, model, layout, text, vtok, image_max_pixels: int, device) -> None:
-        self.model, self.layout, self.text, self._vtok = model, layout, text, vtok
-        self.device, self.image_max_pixels = device, image_max_pixels
-        self.max_source_pixels = MAX_SOURCE_PIXELS
-
-    # a judge captions code grids it has encoded, not files: another signature than Generator's
-    def caption(self, codes: np.ndarray, max_new_tokens: int = 48) -> str:  # type: ignore[override]
-        """Greedy, as earlyfuse-generate --caption asks (bidirectional image blocks included)."""
-        return self.text.decode(
-            self.until_eos(caption_codes(self, codes, max_new_tokens=max_new_tokens))
-        )
-
-    def ceiling(self, codes: np.ndarray) -> np.ndarray:
-        return decode_codes(self, codes)
-
-
 def evaluate_scenes(
-    judge: SceneJudge,
+    judge: Generator,
     scenes: list[dict],
     *,
     limit: int = 0,
@@ -127,13 +99,14 @@ def evaluate_scenes(
             seed=i,
             guidance=draw_guidance,  # against the same picture asked for with no caption
         )
-        text = judge.caption(codes)
+        # greedy, as earlyfuse-generate --caption asks
+        text = judge.caption(codes, max_new_tokens=48)["text"]
         for name, got in (
             ("draw", score(drawing, scene["facts"])),
             ("draw_chance", score(drawing, other)),
             ("caption", score_caption(text, scene["facts"])),
             ("caption_chance", score_caption(text, other)),
-            ("ceiling", score(judge.ceiling(codes), scene["facts"])),
+            ("ceiling", score(decode_codes(judge, codes), scene["facts"])),
         ):
             for attribute, ok in got.items():
                 tallies[name][attribute] += int(ok)

@@ -236,12 +236,6 @@ def prefix_then(
 # --- writing -------------------------------------------------------------------------------------------
 
 
-def write_source(out: Path, name: str, docs: list[TokenDoc]) -> list[dict]:
-    """Token shards of one source (``DOCS_PER_SHARD`` documents each); their manifest entries, as
-    tokenize makes them."""
-    return write_token_shards(out, name, docs, DOCS_PER_SHARD)
-
-
 def write_folder(out: Path, base_tokens: Path, sources: dict[str, list[TokenDoc]]) -> None:
     """A token folder (shards, manifest, the base's tokenizers) holding ``sources``."""
     if out.exists():
@@ -249,7 +243,12 @@ def write_folder(out: Path, base_tokens: Path, sources: dict[str, list[TokenDoc]
     out.mkdir(parents=True)
     base = json.loads((base_tokens / "manifest.json").read_text())
     shutil.copytree(base_tokens / "tokenizers", out / "tokenizers")
-    shards = [entry for name, docs in sources.items() for entry in write_source(out, name, docs)]
+    # the token shards of each source, DOCS_PER_SHARD documents each, as tokenize names them
+    shards = [
+        entry
+        for name, docs in sources.items()
+        for entry in write_token_shards(out, name, docs, DOCS_PER_SHARD)
+    ]
     write_token_manifest(
         out,
         base["fingerprint"] + "-instab",

@@ -72,13 +72,8 @@ def train(case: Case, run_dir: Path, data: Path, extra: tuple[str, ...] = ()) ->
         runs.insert(
             0, [sys.executable, str(REPO / "tests" / "train_with_faults.py"), *faults, *args]
         )
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "TORCH_EXTENSIONS_DIR": os.environ.get(
-            "TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions")
-        ),
-    }
+    # one thread a run; where DeepSpeed's JIT-built ops go, the run decides (train/ds_env.py)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out: dict = {"rc": 0, "cpu_s": 0.0, "wall_s": 0.0, "cmd": " ".join(args)}
     started = time.perf_counter()
     for i, cmd in enumerate(runs):  # a resumed run appends to the killed one's logs
