@@ -690,7 +690,7 @@ def run_measure(a, name: str, workers: int, *, sample: bool = False) -> dict:
         )
         for flag, value in flags:
             cmd += [f"--{flag}", str(value)]
-        cmd += ["--warm-epoch"] if a.warm_epoch else []
+        cmd += ["--warm-epoch"] if a.warm_epoch and not sample else []  # memory: one epoch
         cmd += ["--workers", str(workers), "--result", result.name]
         child = subprocess.Popen(cmd)
         peak_rss = peak_pss = 0
