@@ -187,22 +187,27 @@ class Generator:
         self.layout = self.release.vocab_layout
         self.text = self.release.text_tokenizer()
         self._vtok = None
-        self._tokenize_options(self.release.config.get("tokenize") or {})
+        row = int((self.release.config.get("packing") or {}).get("seq_len") or 0)
+        self._tokenize_options(self.release.config.get("tokenize") or {}, row)
 
     @classmethod
     def around(cls, model, layout, text, vtok, device, image_max_pixels: int) -> Generator:
         """A Generator around a model built in-process (a test's) with its layout, tokenizers
-        and training pixel budget: it serves requests as a release's Generator does."""
+        (``vtok``: the visual tokenizer, which images need) and training pixel budget: it
+        encodes, captions and draws as a release's Generator does."""
         gen = cls.__new__(cls)
         gen.model, gen.layout, gen.text, gen._vtok, gen.device = model, layout, text, vtok, device
         gen._tokenize_options({"image_max_pixels": image_max_pixels})
         return gen
 
-    def _tokenize_options(self, opts: dict) -> None:
-        """How the token data encoded its images (config.json ``tokenize``), so prompts match."""
+    def _tokenize_options(self, opts: dict, row: int = 0) -> None:
+        """How the token data encoded its images (config.json ``tokenize``; ``row``: the
+        training row length), so prompts match."""
         self.image_max_pixels = int(opts.get("image_max_pixels", 256 * 256))
-        # tokenize's cap on an image block's tokens: its images were made smaller until they fit
-        self.image_max_tokens = int(opts.get("max_block_tokens") or 0)
+        # The longest image block trained on: tokenize's cap (its images were made smaller until
+        # they fit) and the row, which no block outlasts (the loader's cap on raw sources)
+        caps = [cap for cap in (int(opts.get("max_block_tokens") or 0), row) if cap]
+        self.image_max_tokens = min(caps, default=0)
         # "HxW" -> image blocks of the token data at that grid (config.json tokenize.image_grids)
         self.image_grids: dict[str, int] = dict(opts.get("image_grids") or {})
         self.max_source_pixels = MAX_SOURCE_PIXELS  # --max-image-pixels

@@ -5,7 +5,8 @@ Design choices:
 - A shard is the unit of work and of resumption. A worker writes the tar and index under
   temporary names, renames them, then writes the shard's record in ``DIR/.ingest/``; a shard
   counts as done only when its record exists, matches the plan's fingerprint, its tar has
-  the recorded size and its index is there. A killed run therefore redoes only the shards it had not finished.
+  the recorded size and its index is there. A killed run therefore redoes only the shards it
+  had not finished.
 - Rejects travel inside the shard records, so ``rejects.jsonl`` comes out in plan order,
   identical for any worker count or partitioning.
 - Jobs run on an engine (``data.engine``): long-lived local worker processes, or a Ray cluster.

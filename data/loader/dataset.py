@@ -102,6 +102,7 @@ class PackedLoader:
         self.workers = max(1, cfg.num_workers)
         self.weights = [s.weight for s in cfg.sources] if cfg.sources else [1.0] * len(tables)
         self.pin = torch.cuda.is_available() and cfg.pin_memory
+        self._fresh_state: dict | None = None  # check_state's reference, made when first needed
         self._worker_states: dict = {}  # worker -> state dict or snapshot (worker_states)
         self._names: dict[tuple[int, int], str] = {}  # (source, sample) -> "SHARD KEY"
         self.rotation = 0
@@ -225,9 +226,11 @@ class PackedLoader:
             raise ValueError(f"loader state version {st.get('version')}, expected {STATE_VERSION}")
         mine = self.state_dict()
         check_fields(st, mine, "loader state")
-        fresh = self.make_stream(0, dry=True).state_dict()
+        if self._fresh_state is None:  # a stream's state as a fresh one writes it, made once
+            self._fresh_state = self.make_stream(0, dry=True).state_dict()
         for worker, worker_state in st["worker_states"].items():
-            check_state(worker_state, fresh, f"loader state of rank {st['rank']}, worker {worker}")
+            where = f"loader state of rank {st['rank']}, worker {worker}"
+            check_state(worker_state, self._fresh_state, where)
         if st["fingerprint"] != mine["fingerprint"]:
             raise ValueError(
                 f"rank {st['rank']}'s loader state was saved over other shards, tokenizers or "
@@ -236,10 +239,14 @@ class PackedLoader:
             )
         for k in (*same, "mode"):
             if st[k] != mine[k]:
+                movable = k in ("world_size", "workers", "micro_batch")
                 raise ValueError(
                     f"rank {st['rank']}'s loader state has {k}={st[k]}, this loader {mine[k]}; "
-                    "data.loader.redistribute moves it onto another world size, worker count or "
-                    "micro batch (docs/loader.md), onto nothing else"
+                    + (
+                        "data.loader.redistribute moves it onto this loader (docs/loader.md)"
+                        if movable
+                        else f"no loader state moves onto another {k}"
+                    )
                 )
 
     def load_state_dict(self, st: dict) -> None:

@@ -23,11 +23,11 @@ from data.loader.config import SourceConfig
 from data.loader.table import REBUILD, SampleTable, TokenTable
 from data.names import MANIFEST_FILE
 from data.shards import token_index
+from data.shards.manifest import MANIFEST_FORMAT as RAW_FORMAT
+from data.shards.manifest import TOKEN_FORMAT
 
-TOKEN_FORMAT = "earlyfuse-token-shards"
 # What a token manifest records of each shard, so that a loader's start reads no index
 _ENTRY_FIELDS = ("samples", "index_sha256", "sha256", "blocks")
-RAW_FORMAT = "earlyfuse-raw-shards"
 
 
 def find_manifest(url: str, seen: dict | None = None) -> tuple[dict, str, int] | None:

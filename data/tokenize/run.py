@@ -97,6 +97,7 @@ def tokenize(
     """Tokenize this partition's missing shards; when every shard of the folder is done, write
     the manifest (then returned, with ``"finalized": True``). Otherwise returns a summary of
     what this run did and which shards other partitions still owe (``"missing"``)."""
+    partition_share(0, num_partitions, partition)  # a bad --partition refused before any read
     raw, dest = Folder(raw_dir), Folder(out)
     tok_dir, vtok_dir = Path(tok_dir), Path(vtok_dir)
     opts = opts or TokenizeOptions()

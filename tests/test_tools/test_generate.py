@@ -259,9 +259,11 @@ def test_hostile_images_are_error_records_and_cost_no_memory(release, image, tmp
     assert "DecompressionBombError" in recs[0]["error"] and recs[1]["kind"] == "caption"
 
 
-def test_images_are_encoded_within_tokenizes_block_cap(release, tmp_path):
-    """A release whose token data capped image blocks (tokenize --max-block-tokens) encodes the
-    images it captions as tokenize did: made smaller until the block fits, aspect kept."""
+@pytest.mark.parametrize("capped_by", ["tokenize", "row"])
+def test_images_are_encoded_within_tokenizes_block_cap(release, tmp_path, capped_by):
+    """A release whose token data capped image blocks (tokenize --max-block-tokens), or whose
+    rows were shorter than an image's block would be, encodes the images it captions as its
+    training images were: made smaller until the block fits, aspect kept."""
     import shutil
 
     import torch
@@ -276,9 +278,15 @@ def test_images_are_encoded_within_tokenizes_block_cap(release, tmp_path):
     capped = tmp_path / "capped"
     shutil.copytree(release, capped)
     config = json.loads((capped / "config.json").read_text())
+    config["tokenize"]["max_block_tokens"] = 0
+    config["packing"]["seq_len"] = 1 << 20
+    (capped / "config.json").write_text(json.dumps(config))
     uncapped = Generator(Release(capped), torch.device("cpu")).encode_image(photo).shape
     cap = image_block_len(*uncapped) // 2
-    config["tokenize"]["max_block_tokens"] = cap
+    if capped_by == "tokenize":
+        config["tokenize"]["max_block_tokens"] = cap
+    else:
+        config["packing"]["seq_len"] = cap
     (capped / "config.json").write_text(json.dumps(config))
     height, width = Generator(Release(capped), torch.device("cpu")).encode_image(photo).shape
     assert image_block_len(height, width) <= cap < image_block_len(*uncapped)

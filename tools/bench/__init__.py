@@ -186,6 +186,8 @@ def write_token_manifest(
     """The token folder's ``manifest.json`` over ``shards``, as ``earlyfuse-prep tokenize`` writes
     it: the manifest. ``fields``: more of its entries (a derived folder's ``inputs``, the
     ``options`` of the folder it derives from)."""
+    from data.shards.manifest import TOKEN_FORMAT
+
     samples: Counter[str] = Counter()
     tokens: defaultdict[str, Counter[str]] = defaultdict(Counter)
     for entry in shards:
@@ -196,7 +198,7 @@ def write_token_manifest(
         for name, count in samples.items()
     ]
     manifest = {
-        "format": "earlyfuse-token-shards",
+        "format": TOKEN_FORMAT,
         "version": 1,
         "fingerprint": fingerprint,
         "tokenizers": tokenizers,

@@ -652,7 +652,7 @@ def measure(a) -> dict:
         "batches": count,
         "tokens_per_s": tokens / (done - imported),
     }
-    if a.warm_epoch:  # a second loader and epoch in this process: start-up paid, caches warm
+    if a.warm_epoch:  # a second loader and epoch: this process's one-time costs paid
         batches = make_batches(a, a.measure, a.workers[0])
         warm = sum(int(batch["num_real_tokens"]) for batch in batches)
         figures["warm_tokens_per_s"] = warm / (time.perf_counter() - done)
@@ -830,7 +830,8 @@ def parse(argv=None) -> argparse.Namespace:
     add(
         "--warm-epoch",
         action="store_true",
-        help="also time a second loader's epoch in each measuring process, start-up paid",
+        help="also time a second loader's epoch in each measuring process (its build counted; "
+        "the imports, one-time set-up and page cache paid by the first)",
     )
     add("--save", type=Path, default=None, help="write the results as JSON here")
     add("--previous", type=Path, default=None, help="a JSON saved with --save")
