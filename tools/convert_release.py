@@ -166,7 +166,8 @@ def make_release(
     log=print,
 ) -> dict:
     """Write the release of one checkpoint of ``run_dir`` to ``out``; returns its config.json."""
-    from data.loader.table_load import TOKEN_FORMAT, find_manifest
+    from data.loader.table_load import find_manifest
+    from data.shards.manifest import TOKEN_FORMAT
     from data.vocab import VocabLayout
 
     run_dir = Path(run_dir).resolve()
