@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from data.shards.index import file_sha256
+from data.shards.storage import write_atomic
 from train.dist import DistInfo, barrier
 from train.names import CHECKPOINT_META_FILE, CHECKPOINTS_DIR, CONFIG_FILE, LATEST_FILE
 from train.safe_load import CheckpointError, safe_torch_load, weights_only_loads
@@ -159,15 +160,6 @@ def remove_checkpoint(folder: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def warn(msg: str) -> None:
     print(f"warning: {msg}", file=sys.stderr, flush=True)
 
@@ -241,7 +233,7 @@ class Checkpointer:
             if not problems:
                 if reasons:
                     warn(f"resuming from {folder}, not {named!r}: " + "; ".join(reasons))
-                    write_text_atomic(pointer, folder.name + "\n")
+                    write_atomic(pointer, f"{folder.name}\n".encode())
                 return folder.name
             aside = self._set_aside(folder, problems)
             reasons.append(
@@ -267,7 +259,7 @@ class Checkpointer:
                     f"{pointer} is missing but {folder} is complete (the run was stopped between "
                     f"writing its {META} and {LATEST_FILE}): resuming from it"
                 )
-                write_text_atomic(pointer, folder.name + "\n")
+                write_atomic(pointer, f"{folder.name}\n".encode())
                 return folder.name
         return None
 
@@ -384,7 +376,7 @@ class Checkpointer:
         trajectory being abandoned)."""
         barrier()
         if self.dist.is_main:
-            write_text_atomic(self.dir / LATEST_FILE, tag_for(step) + "\n")
+            write_atomic(self.dir / LATEST_FILE, f"{tag_for(step)}\n".encode())
             for folder in self._tags():
                 if step_of_tag(folder.name) > step:
                     remove_checkpoint(folder)
@@ -464,11 +456,9 @@ class Checkpointer:
         manifest = self._hash_shared(folder)
         if self.dist.is_main:
             # meta.json last: a folder without it is never taken for a checkpoint
-            write_text_atomic(
-                folder / META,
-                json.dumps({**meta, "step": step, "tag": tag, "files": manifest}, indent=1) + "\n",
-            )
-            write_text_atomic(self.dir / LATEST_FILE, tag + "\n")
+            record = {**meta, "step": step, "tag": tag, "files": manifest}
+            write_atomic(folder / META, (json.dumps(record, indent=1) + "\n").encode())
+            write_atomic(self.dir / LATEST_FILE, f"{tag}\n".encode())
             for old in self._tags()[: -self.keep_last]:
                 if int(old.name[len("step_") :]) not in protect:
                     remove_checkpoint(old)

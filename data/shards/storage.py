@@ -196,15 +196,21 @@ class Folder:
             return
         path = self.local / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomic(path, data)
 
     def upload(self, local: Path, rel: str) -> None:
         retried(self.child(rel), lambda: self.fs.put_file(str(local), self._path(rel)))
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """``data`` at ``path`` whole or not at all: a temporary file beside it, synced, renamed over
+    it (a reader, or the next run after a kill, never finds half a file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 class Staging:
