@@ -84,6 +84,34 @@ def _dataclass_in(hint: Any) -> type | None:
     return None
 
 
+def _suggestion(key: str, schema: type, path: str) -> str:
+    """`` (did you mean ...?)`` for an unknown ``key`` of ``schema`` (at ``path``): the nearest
+    field name at its level, else a field of that name one or more levels down
+    (``model.n_heads`` -> ``model.attention.n_heads``), else nothing."""
+    names = [field.name for field in dataclasses.fields(schema)]
+    close = difflib.get_close_matches(key, names, n=1)
+    if close:
+        return f" (did you mean {path}{close[0]}?)"
+    below = [f"{path}{name}" for name in _nested_paths(schema) if name.split(".")[-1] == key]
+    if len(below) > 3:  # a common name (window, theta): the first few, and how many there are
+        below = below[:3] + [f"{len(below) - 3} more"]
+    return f" (did you mean {' or '.join(below)}?)" if below else ""
+
+
+def _nested_paths(schema: type, prefix: str = "") -> list[str]:
+    """The dotted path of every field nested in ``schema``'s dataclass fields (not into lists;
+    its own plain fields are left out: its caller has looked at those)."""
+    paths = []
+    hints = typing.get_type_hints(schema)
+    for field in dataclasses.fields(schema):
+        inner = _dataclass_in(hints[field.name])
+        if inner is not None and typing.get_origin(hints[field.name]) is not list:
+            paths += _nested_paths(inner, f"{prefix}{field.name}.")
+        elif prefix:
+            paths.append(f"{prefix}{field.name}")
+    return paths
+
+
 def unknown_keys(tree: Any, schema: type, path: str = "") -> list[str]:
     """The keys of ``tree`` (a config as plain dicts and lists) that ``schema`` does not have,
     dotted, each with the nearest known name when one is close."""
@@ -95,8 +123,7 @@ def unknown_keys(tree: Any, schema: type, path: str = "") -> list[str]:
     for key, value in tree.items():
         where = f"{path}{key}"
         if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            found.append(where + (f" (did you mean {path}{close[0]}?)" if close else ""))
+            found.append(where + _suggestion(str(key), schema, path))
             continue
         inner = _dataclass_in(hints[key])
         if inner is None:
@@ -135,9 +162,7 @@ def unknown_override_keys(overrides: list[str], schema: type, groups: set[str]) 
             names = [field.name for field in dataclasses.fields(cls)]  # type: ignore[arg-type]
             if part not in names:
                 path = ".".join(parts[:i])
-                close = difflib.get_close_matches(part, names, n=1)
-                prefix = f"{path}." if path else ""
-                found.append(f"{key}" + (f" (did you mean {prefix}{close[0]}?)" if close else ""))
+                found.append(key + _suggestion(part, cls, f"{path}." if path else ""))  # type: ignore[arg-type]
                 break
             hint = typing.get_type_hints(cls)[part]
             if typing.get_origin(hint) is list:

@@ -14,7 +14,14 @@ from trainrun import train
 
 import train.app as app
 from data.vocab import VocabLayout
-from train.config_check import ConfigError, check_resume_config, config_diff
+from train.config import RunConfig
+from train.config_check import (
+    ConfigError,
+    check_resume_config,
+    config_diff,
+    unknown_keys,
+    unknown_override_keys,
+)
 
 CONFIGS = Path(app.CONFIG_DIR)
 LAYOUT = VocabLayout(text_size=512, fsq_levels=(8, 5, 5, 5), max_grid=16)
@@ -65,6 +72,21 @@ def test_a_key_added_with_plus_is_still_checked_against_the_schema():
         composed(["+foo=1"])
     cfg = composed(["+deepspeed.config.foo=1"])  # a free-form dict: anything goes
     assert cfg.deepspeed.config["foo"] == 1
+
+
+def test_a_key_given_at_the_wrong_level_is_pointed_to_where_it_lives():
+    """``model.n_heads`` lives in ``model.attention``: the refusal names the full path, for an
+    override and for a key in a composed config; a name found in many places names a few."""
+    assert unknown_override_keys(["model.n_heads=7", "seq_len=9"], RunConfig, set()) == [
+        "model.n_heads (did you mean model.attention.n_heads?)",
+        "seq_len (did you mean data.seq_len?)",
+    ]
+    (common,) = unknown_keys({"window": 3}, RunConfig)
+    assert common.startswith("window (did you mean ") and common.endswith(" more?)")
+    with pytest.raises(
+        ConfigError, match=r"model\.n_heads \(did you mean model\.attention\.n_heads\?\)"
+    ):
+        composed(["+model.n_heads=7"])
 
 
 @pytest.mark.parametrize("override", ["optim.lrr=1", "+optim.lrr=1", "++model.n_layer=3"])
