@@ -70,12 +70,11 @@ def folder_sources(url: str | Path) -> list[SourceConfig]:
     from data.shards.storage import Folder
 
     root = Folder(url)
+    files = root.sizes()
+    if not files:
+        raise ValueError(f"{root.url}: no such folder, or an empty one")
     found = sorted(
-        {
-            posixpath.dirname(rel.replace(os.sep, "/"))
-            for rel in root.sizes()
-            if rel.endswith(INDEX_SUFFIX)
-        }
+        {posixpath.dirname(rel.replace(os.sep, "/")) for rel in files if rel.endswith(INDEX_SUFFIX)}
     )
     if "" in found:  # the folder holds shards itself
         return [SourceConfig(name=posixpath.basename(root.url.rstrip("/")), shards=[root.url])]

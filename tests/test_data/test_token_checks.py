@@ -137,3 +137,13 @@ def test_the_token_document_readers_refuse_raw_shards(tiny_raw):
         source_tables(tiny_raw)
     with pytest.raises(ValueError, match=refused):
         next(iter_documents([load_table(source)]))
+
+
+def test_a_missing_or_empty_folder_is_named_as_such(tmp_path):
+    """A mistyped --data path says that nothing is there, not that shards are missing."""
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'nope'}: no such folder, or an empty one"):
+        folder_sources(tmp_path / "nope")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "notes.txt").write_text("not a shard")
+    with pytest.raises(ValueError, match="no shards here or in a folder directly below"):
+        folder_sources(tmp_path)
