@@ -39,6 +39,18 @@ class SamplingConfig:
     stop_ids: list[int] = field(default_factory=list)
     pad_id: int = 0  # emitted by rows that already stopped
 
+    def __post_init__(self) -> None:
+        # Refused here, not clamped: a negative temperature or a top_p of 0 would otherwise
+        # sample silently from something other than what was asked for.
+        for name, value, allowed, ok in (
+            ("max_new_tokens", self.max_new_tokens, "at least 1", self.max_new_tokens >= 1),
+            ("temperature", self.temperature, "0 (greedy) or more", self.temperature >= 0),
+            ("top_k", self.top_k, "0 (off) or more", self.top_k >= 0),
+            ("top_p", self.top_p, "in (0, 1] (1: off)", 0 < self.top_p <= 1),
+        ):
+            if not ok:
+                raise ValueError(f"{name} {value}: must be {allowed}")
+
 
 class ImageConstraint:
     def __init__(

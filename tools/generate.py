@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_batch(gen, args.batch, args.output, defaults)
         # the flags as one request: Generator.request picks draw, caption or text as a line would
         res = gen.request({key: getattr(args, key) for key in REQUEST_KEYS - {"id"}}, defaults)
-    except ReleaseError as e:
+    except (ReleaseError, ValueError) as e:  # ValueError: a sampling option out of range
         print(f"earlyfuse-generate: error: {e}", file=sys.stderr)
         return 1
     if res["kind"] == "draw":

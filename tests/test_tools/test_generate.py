@@ -195,6 +195,20 @@ def test_batch_jsonl_runs_every_request(release, image, tmp_path):
     assert json.loads((tmp_path / "solo.out").read_text())["text"] == recs[1]["text"]
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "refusal"),
+    [
+        ("--temperature", "-1", "temperature -1.0: must be 0 (greedy) or more"),
+        ("--top-p", "0", "top_p 0.0: must be in (0, 1]"),
+        ("--top-k", "-2", "top_k -2: must be 0 (off) or more"),
+        ("--max-new-tokens", "0", "max_new_tokens 0: must be at least 1"),
+    ],
+)
+def test_a_sampling_option_out_of_range_is_refused_by_name(release, capsys, flag, value, refusal):
+    assert generate_main([str(release), "--prompt", "x", flag, value]) == 1
+    assert f"earlyfuse-generate: error: {refusal}" in capsys.readouterr().err
+
+
 def test_unusable_release_is_a_clear_error(release, tmp_path, capsys):
     assert generate_main([str(tmp_path), "--prompt", "x"]) == 1
     assert "config.json: missing" in capsys.readouterr().err
