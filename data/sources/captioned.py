@@ -24,7 +24,17 @@ from pathlib import Path
 
 from data.media import IMAGE_EXTS, VIDEO_EXTS
 from data.schema import Reject, Sample, sanitize_key, unsafe_name_reason
-from data.sources.base import Item, Part, Source, hidden_dir, read_file, stat_size, walk
+from data.sources.base import (
+    Item,
+    Part,
+    Source,
+    hidden_dir,
+    no_size,
+    read_file,
+    stat_size,
+    unstatable,
+    walk,
+)
 from data.sources.rows import parse_record, read_table
 from data.sources.tables import is_table, load_row, table_items
 
@@ -134,7 +144,7 @@ class CaptionedSource(Source):
                 continue
             size = stat_size(path)
             if size is None:
-                yield self.rejected_item(key, rel, "unreadable-file", "cannot stat")
+                yield self.rejected_item(key, rel, "unreadable-file", unstatable(path))
                 continue
             caption = captions.get(rel)
             ref = (
@@ -182,9 +192,7 @@ class CaptionedSource(Source):
                 continue
             size = stat_size(path)
             if size is None:
-                yield self.rejected_item(
-                    key, f"{label} ({media})", "missing-media", "file does not exist"
-                )
+                yield self.rejected_item(key, f"{label} ({media})", *no_size(path))
                 continue
             yield Item(
                 key, label, ("row", str(path), label, media, json.dumps(rec, sort_keys=True)), size

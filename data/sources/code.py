@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from data.schema import Reject, Sample
-from data.sources.base import Item, Part, Source, read_file, stat_size
+from data.sources.base import Item, Part, Source, read_file, stat_size, unstatable
 
 LANGS = {
     ".py": "python",
@@ -115,7 +115,7 @@ class CodeSource(Source):
             size = stat_size(path)
             lang = language(name)
             if size is None:
-                yield self.rejected_item(key, label, "unreadable-file", "cannot stat")
+                yield self.rejected_item(key, label, "unreadable-file", unstatable(path))
             elif name.startswith("."):
                 yield self.rejected_item(key, label, "vendored", "hidden file skipped")
             elif name.endswith(GENERATED_SUFFIXES):

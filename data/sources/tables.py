@@ -37,7 +37,7 @@ from pathlib import Path
 
 from data.schema import Reject, Sample, sanitize_key, unsafe_name_reason
 from data.shards.storage import exists, filesystem, is_remote, read_bytes, retried
-from data.sources.base import Item, Part, Source, stat_size
+from data.sources.base import Item, Part, Source, no_size, stat_size
 
 HF_FILES = ("dataset_info.json", "state.json")
 
@@ -283,7 +283,7 @@ def _missing_media(media: dict[str, list], pos: int, base: Location) -> tuple[st
             if isinstance(got, str):
                 return ("missing-media" if "remote" in got else "bad-record"), got, ""
             if got[1] is not None and stat_size(Path(got[1])) is None:
-                return "missing-media", "file does not exist", got[2]
+                return (*no_size(Path(got[1])), got[2])
     return None
 
 
