@@ -5,7 +5,9 @@ PATH is either
   sidecar ``NAME.txt`` (or the ``caption`` field of ``NAME.json``, whose other fields go to
   ``meta``), or from a ``captions.jsonl`` / ``captions.csv`` at the folder's top with columns
   ``file`` (path relative to the folder) and ``caption`` (a row whose file is not in the
-  folder is a ``missing-media`` reject, a second row for one file a ``duplicate-key``);
+  folder is a ``missing-media`` reject, a second row for one file a ``duplicate-key``). Where
+  two give a caption, ``NAME.txt`` is used: a table row captioning the same file is a
+  ``duplicate-key`` reject, and a ``NAME.json``'s ``caption`` stays in ``meta``;
 - or a ``.jsonl`` / ``.csv`` table with a column ``image`` (or ``video``), optional ``caption``
   and ``id``; paths are relative to the table's folder and stay inside it (``outside-tree``
   otherwise, unless ``--allow-outside-paths``); other columns go to ``meta``; malformed rows
@@ -147,6 +149,16 @@ class CaptionedSource(Source):
                 yield self.rejected_item(key, rel, "unreadable-file", unstatable(path))
                 continue
             caption = captions.get(rel)
+            if caption is not None and "caption" in caption and txt.is_file():
+                # Two captions for one file: the sidecar's is used, the row is listed, not lost.
+                row = caption_rows[rel]
+                yield self.rejected_item(
+                    self.key(sanitize_key(row)),
+                    row,
+                    "duplicate-key",
+                    f"{rel} already has its caption from its sidecar {txt.name}, which is used",
+                )
+                caption = None
             ref = (
                 "file",
                 str(path),
@@ -215,7 +227,8 @@ class CaptionedSource(Source):
                 )
                 if isinstance(rec, Reject):
                     return self.reject(rec.path, rec.reason, rec.detail, item.key)
-                caption = rec.pop("caption", caption)
+                if not txt:  # with a .txt sidecar too, the .json's caption stays in meta
+                    caption = rec.pop("caption", caption)
                 meta.update(rec)
             if txt:
                 raw = read_file(Path(txt), rel)

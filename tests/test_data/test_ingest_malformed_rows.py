@@ -154,3 +154,34 @@ def test_an_undecodable_videos_reject_detail_is_a_readable_message(tmp_path):
     _, rejects, _ = run_ingest(tmp_path / "out", f"videos:{tmp_path / 'clips'}")
     (reject,) = rejects
     assert reject["detail"] == "decord cannot read it: Invalid data found when processing input"
+
+
+def test_a_caption_row_for_a_file_with_a_sidecar_caption_is_listed(tmp_path):
+    """Two captions for one picture (its sidecar a.txt and a captions.csv row): the sidecar's is
+    used and the row is a reject naming both, never dropped unsaid; a .json sidecar's caption
+    beside a .txt stays in the document's meta."""
+    import webdataset as wds
+
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    for name in ("a", "b", "c"):
+        (pics / f"{name}.png").write_bytes(png_bytes())
+    (pics / "a.txt").write_text("from the sidecar")
+    (pics / "c.txt").write_text("from c's text sidecar")
+    (pics / "c.json").write_text('{"caption": "from c\'s json sidecar", "author": "me"}')
+    (pics / "captions.csv").write_text("file,caption\na.png,from the table\nb.png,only here\n")
+    status, rejects, _ = run_ingest(tmp_path / "out", f"images:{pics}")
+    assert status == EXIT_REJECTS
+    assert [(r["path"], r["reason"]) for r in rejects] == [("captions.csv:2", "duplicate-key")]
+    assert "a.png" in rejects[0]["detail"] and "a.txt" in rejects[0]["detail"]
+    assert captions_of(tmp_path / "out") == {
+        "a.png": "from the sidecar",
+        "b.png": "only here",
+        "c.png": "from c's text sidecar",
+    }
+    urls = [str(path) for path in sorted((tmp_path / "out").rglob("*.tar"))]
+    metas = {
+        doc["origin"]["path"]: doc["meta"]
+        for doc in (json.loads(s["json"]) for s in wds.WebDataset(urls, shardshuffle=False))
+    }
+    assert metas["c.png"] == {"caption": "from c's json sidecar", "author": "me"}
