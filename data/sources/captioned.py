@@ -225,8 +225,9 @@ class CaptionedSource(Source):
                     if isinstance(raw, Reject)
                     else parse_record(raw, str(Path(rel).with_suffix(".json")))
                 )
-                if isinstance(rec, Reject):
-                    return self.reject(rec.path, rec.reason, rec.detail, item.key)
+                if isinstance(rec, Reject):  # named by the media file it leaves out
+                    detail = f"its sidecar {Path(json_path).name}: {rec.detail}"
+                    return self.reject(rel, rec.reason, detail, item.key)
                 if not txt:  # with a .txt sidecar too, the .json's caption stays in meta
                     caption = rec.pop("caption", caption)
                 meta.update(rec)

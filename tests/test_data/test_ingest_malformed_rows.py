@@ -185,3 +185,14 @@ def test_a_caption_row_for_a_file_with_a_sidecar_caption_is_listed(tmp_path):
         for doc in (json.loads(s["json"]) for s in wds.WebDataset(urls, shardshuffle=False))
     }
     assert metas["c.png"] == {"caption": "from c's json sidecar", "author": "me"}
+
+
+def test_a_broken_json_sidecar_names_the_picture_it_leaves_out(tmp_path):
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    (pics / "a.png").write_bytes(png_bytes())
+    (pics / "a.json").write_text('{"caption": ')
+    status, rejects, _ = run_ingest(tmp_path / "out", f"images:{pics}")
+    assert status == EXIT_REJECTS
+    assert [(r["path"], r["reason"]) for r in rejects] == [("a.png", "bad-record")]
+    assert rejects[0]["detail"].startswith("its sidecar a.json: not valid JSON")
