@@ -46,14 +46,20 @@ class ImageInfo:
     format: str  # Pillow's name, e.g. "JPEG"
     ext: str  # member extension derived from the real format, e.g. "jpg"
     mode: str
+    # Frames of an animated GIF/WebP or pages of a TIFF: the first is the one tokenized, so
+    # the segment says how many there were (stats counts such images).
+    animation_frames: int = 1
 
     def meta(self) -> dict:
-        return {
+        meta = {
             "width": self.width,
             "height": self.height,
             "format": self.format,
             "mode": self.mode,
         }
+        if self.animation_frames > 1:
+            meta["animation_frames"] = self.animation_frames
+        return meta
 
 
 @dataclass(frozen=True)
@@ -127,13 +133,14 @@ def probe_image(raw: bytes, path: str, *, max_pixels: int) -> ImageInfo | Reject
                     f"{max_pixels}",
                 )
             fmt, mode = image.format or "?", image.mode
+            frames = getattr(image, "n_frames", 1)
             if fmt not in IMAGE_FORMATS:
                 return Reject(path, "unreadable-image", f"unsupported image format {fmt}")
             # A full pass over the data finds truncation; JPEG's DCT scaling (draft) still reads
             # every entropy-coded byte but skips most of the pixel work: ~2.5x faster.
             image.draft("RGB", (max(1, width // 8), max(1, height // 8)))
             image.load()
-            return ImageInfo(width, height, fmt, IMAGE_FORMATS[fmt], mode)
+            return ImageInfo(width, height, fmt, IMAGE_FORMATS[fmt], mode, frames)
     except Image.DecompressionBombError as e:
         return Reject(path, "pixel-limit", str(e))
     except UnidentifiedImageError:
