@@ -336,7 +336,7 @@ def load_row(src: Source, item: Item) -> Sample | Reject:
         col = MEDIA_COLUMNS[src.kind]
         got = media_value(rec.pop(col, None), base)
         if isinstance(got, str):
-            return src.reject(label, "bad-record", got, item.key)
+            return src.reject(label, "bad-record", f'column "{col}": {got}', item.key)
         refused = _refused_path(src, got, base, label)
         if refused:
             return src.reject(refused.path, refused.reason, refused.detail, item.key)
