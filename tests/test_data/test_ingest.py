@@ -197,6 +197,25 @@ def test_verify_catches_a_flipped_byte_and_a_lying_index(planted_corpus, tmp_pat
     assert check_index(tar, entries)
 
 
+def test_verify_and_stats_name_an_index_line_that_is_not_an_entry(planted_corpus, tmp_path, capsys):
+    """A damaged index (a line of valid JSON that is not an index entry) is a problem verify
+    lists, naming the file and line, and an error of stats: never a traceback."""
+    out = tmp_path / "out"
+    ingest(out, planted_corpus["sources"])
+    shard = json.loads((out / "manifest.json").read_text())["shards"][0]
+    with open(out / shard["index"], "a") as index:
+        index.write('{"x": 1}\n')
+    lines = len((out / shard["index"]).read_text().splitlines())
+    r = verify(out)
+    assert (
+        f"{out / shard['index']}:{lines}: not an index entry (no key, members, sha256, types)"
+        in (r["problems"])
+    )
+    capsys.readouterr()
+    assert main(["stats", str(out)]) == 1
+    assert f"{shard['index']}:{lines}: not an index entry" in capsys.readouterr().err
+
+
 def test_ingest_reads_its_own_shards_back_through_wds_kind(planted_corpus, tmp_path):
     """Our shards are valid input for `wds:`: image samples round-trip through a second ingest."""
     first, second = tmp_path / "first", tmp_path / "second"
