@@ -103,6 +103,16 @@ def test_the_ingest_command_writes_a_validation_split_to_a_bucket(s3, fs, plante
     assert held and f"by key hash): {held} samples" in out
 
 
+@pytest.mark.parametrize("source", ["text:s3://bucket/gone.parquet", "wds:s3://nobucket/tars"])
+def test_a_source_url_with_nothing_there_is_named_as_missing(s3, source):
+    """Not "ingest reads .parquet tables" for a .parquet that is not there: the URL is named as
+    missing, with what to check."""
+    from data.sources import parse_sources
+
+    with pytest.raises(ValueError, match=r"s3://\S+ does not exist \(no object or prefix there"):
+        parse_sources([source])
+
+
 def test_the_loader_reads_s3_token_shards_through_failures(s3, fs, tiny_tokens):
     fs.put(str(tiny_tokens), "bucket/tiny_tokens", recursive=True)
     local = [SourceConfig(name="code", shards=[str(tiny_tokens / "code")], weight=2.0)]
