@@ -81,9 +81,18 @@ class VideoInfo:
 
 
 def decode_text(raw: bytes, path: str, *, repair: bool) -> tuple[str, int] | Reject:
-    """UTF-8 text (a leading BOM dropped) and the count of replaced bytes, or a not-utf8 reject."""
+    """UTF-8 text (a leading BOM dropped) and the count of replaced bytes, or a not-utf8 reject.
+    Text that opens with a UTF-16 byte order mark (Windows tools write it) is read as UTF-16:
+    its mark says so unambiguously, and as UTF-8 it would be NULs between the letters."""
     if raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]
+    elif raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        try:
+            return raw.decode("utf-16"), 0
+        except UnicodeDecodeError as e:
+            return Reject(
+                path, "not-utf8", f"UTF-16 by its byte order mark, invalid at byte {e.start}"
+            )
     try:
         return raw.decode("utf-8"), 0
     except UnicodeDecodeError as e:

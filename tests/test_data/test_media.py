@@ -18,6 +18,13 @@ def test_text_is_strict_utf8_unless_repair_is_asked():
     assert isinstance(r, Reject) and r.reason == "not-utf8" and "byte 3" in r.detail
     text, n = decode_text(bad, "a.txt", repair=True)
     assert text == "caf\ufffd ok \ufffd" and n == 2
+    # UTF-16 with its byte order mark (both byte orders) is read as what it is.
+    for encoding in ("utf-16", "utf-16-be"):
+        marked = ("\ufeff" if encoding.endswith("be") else "") + "héllo 👋"
+        assert decode_text(marked.encode(encoding), "w.txt", repair=False) == ("héllo 👋", 0)
+    cut = "héllo".encode("utf-16")[:-1]  # an odd byte at the end
+    r = decode_text(cut, "w.txt", repair=False)
+    assert isinstance(r, Reject) and r.reason == "not-utf8" and "UTF-16" in r.detail
 
 
 def test_image_probe_reads_size_and_real_format():
