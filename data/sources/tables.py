@@ -384,6 +384,9 @@ def aligned_entries(rec: dict, label: str) -> list[tuple[int, str, object]] | Re
     table row as (position, kind, value) in document order: at each position the non-null
     entries in the order text, image, video. Consumes the columns it reads from ``rec``."""
     lists = [(rec.pop(column, None) or [], kind) for column, kind in LIST_COLUMNS]
+    for (values, _), (column, _) in zip(lists, LIST_COLUMNS):
+        if not isinstance(values, (list, tuple)):  # a string would be taken letter by letter
+            return Reject(label, "bad-record", f'"{column}" is not a list')
     length = max(len(column_values) for column_values, _ in lists)
     if any(column_values and len(column_values) != length for column_values, _ in lists):
         return Reject(label, "bad-record", "texts/images/videos lists differ in length")

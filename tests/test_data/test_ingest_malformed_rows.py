@@ -196,3 +196,25 @@ def test_a_broken_json_sidecar_names_the_picture_it_leaves_out(tmp_path):
     assert status == EXIT_REJECTS
     assert [(r["path"], r["reason"]) for r in rejects] == [("a.png", "bad-record")]
     assert rejects[0]["detail"].startswith("its sidecar a.json: not valid JSON")
+
+
+def test_an_interleaved_record_whose_lists_are_strings_is_a_reject(tmp_path):
+    """OBELICS texts/images given as a string, not a list: a bad-record naming the field. It was
+    taken letter by letter, a document of one-letter texts."""
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "a.png").write_bytes(png_bytes())
+    rows = [
+        {"texts": "a caption, not a list", "images": []},
+        {"texts": [None], "images": "img/a.png"},
+        {"texts": ["fine", None], "images": [None, "img/a.png"]},
+    ]
+    (tmp_path / "pages.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    status, rejects, manifest = run_ingest(
+        tmp_path / "out", f"interleaved:{tmp_path / 'pages.jsonl'}"
+    )
+    assert status == EXIT_REJECTS
+    assert [(r["path"], r["reason"], r["detail"]) for r in rejects] == [
+        ("pages.jsonl:1", "bad-record", '"texts" is not a list'),
+        ("pages.jsonl:2", "bad-record", '"images" is not a list'),
+    ]
+    assert manifest["totals"]["samples"] == 1
