@@ -218,3 +218,42 @@ def test_an_interleaved_record_whose_lists_are_strings_is_a_reject(tmp_path):
         ("pages.jsonl:2", "bad-record", '"images" is not a list'),
     ]
     assert manifest["totals"]["samples"] == 1
+
+
+def test_tables_with_a_byte_order_mark_or_a_row_not_in_utf8(tmp_path, capsys):
+    """Excel's "CSV UTF-8" and Notepad open a file with a byte order mark: it is not part of the
+    header (every row was a bad-record, no "file" column) nor of the first JSON line. A CSV row
+    that is not UTF-8 (Excel's other CSV) is a not-utf8 reject naming its line; it stopped the
+    whole ingest."""
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    for name in ("a", "b"):
+        (pics / f"{name}.png").write_bytes(png_bytes())
+    bom = b"\xef\xbb\xbf"
+    (pics / "captions.csv").write_bytes(
+        bom + b"file,caption\r\na.png,from excel\r\nb.png,caf\xe9 cr\xe8me\r\n"
+    )
+    (tmp_path / "table.csv").write_bytes(bom + b"image,caption\r\npics/a.png,a table row\r\n")
+    (tmp_path / "pages.jsonl").write_bytes(bom + b'{"texts": ["a page"], "images": [null]}\n')
+    (tmp_path / "notes.jsonl").write_bytes(bom + b'{"text": "a note"}\n')
+    status, rejects, manifest = run_ingest(
+        tmp_path / "out",
+        f"images:{pics}",
+        f"tab=images:{tmp_path / 'table.csv'}",
+        f"interleaved:{tmp_path / 'pages.jsonl'}",
+        f"text:{tmp_path / 'notes.jsonl'}",
+    )
+    assert status == EXIT_REJECTS
+    assert [(r["path"], r["reason"]) for r in rejects] == [("captions.csv:3", "not-utf8")]
+    assert {s["name"]: s["samples"] for s in manifest["sources"]} == {
+        "pics": 2,
+        "tab": 1,
+        "pages": 1,
+        "notes": 1,
+    }
+    assert captions_of(tmp_path / "out")["a.png"] == "from excel"
+
+    (tmp_path / "latin.csv").write_bytes(b"fil\xe9,caption\na.png,x\n")
+    argv = ["ingest", "--out", str(tmp_path / "out2"), "--no-progress"]
+    assert main([*argv, "--source", f"images:{tmp_path / 'latin.csv'}"]) == 1
+    assert "latin.csv:1: the header row is not valid UTF-8" in capsys.readouterr().err
