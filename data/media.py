@@ -235,6 +235,8 @@ def decord_message(log: str, err: BaseException | None) -> str:
         if _readable(first) and not first.startswith("Error reading"):
             said.append(first)
     unique = list(dict.fromkeys(said))[-3:]
+    if "cannot find video stream" in log + str(err or ""):
+        return "no video stream in the file (sound only?)"
     return "; ".join(unique) or "FFmpeg gave no readable reason"
 
 

@@ -72,3 +72,26 @@ def test_bad_videos_are_rejected_with_a_readable_reason(capfd):
     assert r.reason == "video-too-long" and "2.0 s" in r.detail
     # decord echoes raw input bytes to the C stderr; the probe keeps them off the terminal.
     assert "garbage" not in capfd.readouterr().err
+
+
+def test_a_sound_only_mp4_is_said_to_have_no_video_stream():
+    import io
+
+    import av
+    import numpy as np
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as container:
+        stream = container.add_stream("aac", rate=8000)
+        for _ in range(3):
+            frame = av.AudioFrame.from_ndarray(
+                np.zeros((1, 1024), np.float32), format="fltp", layout="mono"
+            )
+            frame.sample_rate = 8000
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    r = probe_video(buf.getvalue(), "voice.mp4", max_seconds=60)
+    assert isinstance(r, Reject) and r.reason == "undecodable-video"
+    assert r.detail == "decord cannot read it: no video stream in the file (sound only?)"
