@@ -46,14 +46,20 @@ class ImageInfo:
     format: str  # Pillow's name, e.g. "JPEG"
     ext: str  # member extension derived from the real format, e.g. "jpg"
     mode: str
+    # Frames of an animated GIF/WebP or pages of a TIFF: the first is the one tokenized, so
+    # the segment says how many there were (stats counts such images).
+    animation_frames: int = 1
 
     def meta(self) -> dict:
-        return {
+        meta = {
             "width": self.width,
             "height": self.height,
             "format": self.format,
             "mode": self.mode,
         }
+        if self.animation_frames > 1:
+            meta["animation_frames"] = self.animation_frames
+        return meta
 
 
 @dataclass(frozen=True)
@@ -75,9 +81,18 @@ class VideoInfo:
 
 
 def decode_text(raw: bytes, path: str, *, repair: bool) -> tuple[str, int] | Reject:
-    """UTF-8 text (a leading BOM dropped) and the count of replaced bytes, or a not-utf8 reject."""
+    """UTF-8 text (a leading BOM dropped) and the count of replaced bytes, or a not-utf8 reject.
+    Text that opens with a UTF-16 byte order mark (Windows tools write it) is read as UTF-16:
+    its mark says so unambiguously, and as UTF-8 it would be NULs between the letters."""
     if raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]
+    elif raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        try:
+            return raw.decode("utf-16"), 0
+        except UnicodeDecodeError as e:
+            return Reject(
+                path, "not-utf8", f"UTF-16 by its byte order mark, invalid at byte {e.start}"
+            )
     try:
         return raw.decode("utf-8"), 0
     except UnicodeDecodeError as e:
@@ -127,13 +142,14 @@ def probe_image(raw: bytes, path: str, *, max_pixels: int) -> ImageInfo | Reject
                     f"{max_pixels}",
                 )
             fmt, mode = image.format or "?", image.mode
+            frames = getattr(image, "n_frames", 1)
             if fmt not in IMAGE_FORMATS:
                 return Reject(path, "unreadable-image", f"unsupported image format {fmt}")
             # A full pass over the data finds truncation; JPEG's DCT scaling (draft) still reads
             # every entropy-coded byte but skips most of the pixel work: ~2.5x faster.
             image.draft("RGB", (max(1, width // 8), max(1, height // 8)))
             image.load()
-            return ImageInfo(width, height, fmt, IMAGE_FORMATS[fmt], mode)
+            return ImageInfo(width, height, fmt, IMAGE_FORMATS[fmt], mode, frames)
     except Image.DecompressionBombError as e:
         return Reject(path, "pixel-limit", str(e))
     except UnidentifiedImageError:
@@ -219,6 +235,8 @@ def decord_message(log: str, err: BaseException | None) -> str:
         if _readable(first) and not first.startswith("Error reading"):
             said.append(first)
     unique = list(dict.fromkeys(said))[-3:]
+    if "cannot find video stream" in log + str(err or ""):
+        return "no video stream in the file (sound only?)"
     return "; ".join(unique) or "FFmpeg gave no readable reason"
 
 

@@ -43,7 +43,7 @@ REASONS = {
     "truncated-image": "an image whose data ends early",
     "undecodable-video": "a video that decord cannot open or decode",
     "unknown-type": "a file whose extension the source kind does not take",
-    "unreadable-file": "a file that cannot be read (permissions, broken link, I/O error)",
+    "unreadable-file": "a file that cannot be read (permissions, a broken link or one that loops, I/O error)",
     "unreadable-image": "bytes that no supported image decoder recognises",
     "unsafe-name": "a name that would escape the output folder or is not a valid key",
     "vendored": "a vendored, generated or hidden directory or file, skipped as a whole",

@@ -201,7 +201,7 @@ def cmd_ingest(a) -> int:
         held = sum(x["samples"] for x in s["manifest"]["sources"] if x["name"].startswith("val/"))
         print(
             f"validation split (--val-fraction {a.val_fraction:g}, by key hash): {held} samples "
-            f"in {a.out / 'val'}/<source>/; training data in {a.out}/<source>/"
+            f"in {a.out}/val/<source>/; training data in {a.out}/<source>/"
         )
         for line in thin_validation(s["manifest"]["sources"], a.val_fraction):
             print(line)

@@ -112,4 +112,10 @@ def cmd_train_text_tokenizer(a) -> int:
             )
         )
     print(f"vocabulary layout: text {r['text']}, structure {r['structure']}, visual {r['visual']}")
+    if info["vocab_size"] < a.vocab_size:
+        # BPE stops when no pair repeats: the layout (and every model over it) uses the real size
+        print(
+            f"note: {info['vocab_size']} ids, fewer than the {a.vocab_size} asked (--vocab-size): "
+            "the text holds no more pairs worth merging; more text gives a larger vocabulary"
+        )
     return 0

@@ -10,6 +10,8 @@ from pathlib import Path
 from data.names import INDEX_SUFFIX
 from data.shards.writer import sample_hash
 
+ENTRY_FIELDS = ("key", "members", "sha256", "types")  # what an index line holds at least
+
 
 def index_path_for(tar_path: str | Path) -> Path:
     tar = Path(tar_path)
@@ -31,9 +33,17 @@ def parse_index(lines, where: str) -> list[dict]:
     entries = []
     for lineno, line in enumerate(lines, 1):
         try:
-            entries.append(json.loads(line))
+            entry = json.loads(line)
         except ValueError as e:
             raise ValueError(f"{where}:{lineno}: not a JSON index line ({e})") from None
+        # Every reader looks these up: a line without them is a damaged index, said as one.
+        lacks = [
+            field for field in ENTRY_FIELDS if not isinstance(entry, dict) or field not in entry
+        ]
+        if lacks or not isinstance(entry["members"], dict):
+            what = f"no {', '.join(lacks)}" if lacks else "members is not an object"
+            raise ValueError(f"{where}:{lineno}: not an index entry ({what})")
+        entries.append(entry)
     return entries
 
 

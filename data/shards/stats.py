@@ -40,6 +40,7 @@ def collect_stats(out: str | Path, *, examples: int = 3) -> dict:
     uncaptioned: dict[str, dict[str, int]] = {}
     first_of: dict[str, str] = {}  # whole-document fingerprint -> its first source:key
     duplicates: list[str] = []
+    animated: list[str] = []  # images of several frames (source:key), the first tokenized
     for shard in manifest["shards"]:
         for entry in index_of(folder, shard["index"]):
             docs_by_types["+".join(sorted(set(entry["types"])))] += 1
@@ -54,6 +55,8 @@ def collect_stats(out: str | Path, *, examples: int = 3) -> dict:
                     vid_frames.append(media["frames"])
                     vid_fps.append(media["fps"])
                 else:
+                    if media.get("animation_frames", 1) > 1:
+                        animated.append(f"{where} ({media['animation_frames']} frames)")
                     img_w.append(media["width"])
                     img_h.append(media["height"])
                     img_px.append(media["width"] * media["height"])
@@ -82,6 +85,8 @@ def collect_stats(out: str | Path, *, examples: int = 3) -> dict:
         # Documents whose whole content (every segment's text or media bytes, in order) repeats an
         # earlier document's: `ingest --dedupe` leaves them out.
         "duplicates": {"documents": len(duplicates), "examples": duplicates[:examples]},
+        # Animated GIF/WebP and multi-page TIFF: tokenize takes their first frame.
+        "animated_images": {"images": len(animated), "examples": animated[:examples]},
         "rejects": totals["rejects"],
         "rejects_by_reason": dict(
             sorted(totals["rejects_by_reason"].items(), key=lambda item: -item[1])
@@ -195,6 +200,12 @@ def format_stats(s: dict) -> str:
         )
     else:
         lines.append("  exact duplicates: none")
+    moving = s.get("animated_images", {"images": 0})
+    if moving["images"]:
+        lines.append(
+            f"  animated images: {moving['images']}, tokenized as their first frame "
+            f"(e.g. {'; '.join(moving['examples'])}); a clip belongs in a videos source"
+        )
     lines.append("")
     lines += reject_lines(s)
     if s["repaired_utf8"]:

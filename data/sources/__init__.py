@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from data.schema import sanitize_key
-from data.shards.storage import is_remote
+from data.shards.storage import filesystem, is_remote, retried
 from data.sources.base import Item, Limits, Source, SourceSpec
 from data.sources.captioned import ImagesSource, VideosSource
 from data.sources.code import CodeSource
@@ -65,6 +65,12 @@ def _remote_spec(
 ) -> SourceSpec:
     """A source in object storage: parquet tables, Hugging Face folders and webdataset tars
     are read there."""
+    fs, inner = filesystem(url)
+    if not retried(url, lambda: fs.exists(inner)):
+        raise ValueError(
+            f"--source {arg!r}: {url} does not exist (no object or prefix there: check the URL, "
+            "and that the endpoint and keys are those of its bucket)"
+        )
     readable = kind == "wds" or (
         kind in ("text", "images", "videos", "interleaved") and is_table(url)
     )

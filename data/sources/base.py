@@ -91,7 +91,10 @@ def outside_root(path: Path, root: Path) -> Skip | None:
     where it is written: the file itself may not be a symlink out of its folder."""
     lexical = Path(os.path.abspath(path))
     base = root if lexical.is_relative_to(root) else lexical.parent.resolve()
-    real = lexical.resolve()
+    try:
+        real = lexical.resolve()
+    except (RuntimeError, OSError) as e:  # a symlink loop (RuntimeError before Python 3.13)
+        return Skip("unreadable-file", f"{path}: symlink loop ({e})")
     if not real.is_relative_to(base):
         return Skip(LINK_OUTSIDE, f"{path} is a symlink to {real}, outside {base}")
     return None
@@ -333,6 +336,24 @@ def stat_size(path: Path) -> int | None:
         return path.stat().st_size
     except OSError:
         return None
+
+
+def unstatable(path: Path) -> str:
+    """Why ``stat_size`` found no size for ``path`` (a symlink loop, a broken link, a
+    permission), for a reject's detail."""
+    try:
+        path.stat()
+    except OSError as e:
+        return f"cannot stat it: {e.strerror or e}"
+    return "cannot stat it"
+
+
+def no_size(path: Path) -> tuple[str, str]:
+    """(reason, detail) of a media file a table names that ``stat_size`` found no size for: not
+    there, or there as a link that loops or is broken."""
+    if path.is_symlink():
+        return "unreadable-file", unstatable(path)
+    return "missing-media", "file does not exist"
 
 
 def is_video_name(name: str) -> bool:

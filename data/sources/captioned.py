@@ -5,7 +5,9 @@ PATH is either
   sidecar ``NAME.txt`` (or the ``caption`` field of ``NAME.json``, whose other fields go to
   ``meta``), or from a ``captions.jsonl`` / ``captions.csv`` at the folder's top with columns
   ``file`` (path relative to the folder) and ``caption`` (a row whose file is not in the
-  folder is a ``missing-media`` reject, a second row for one file a ``duplicate-key``);
+  folder is a ``missing-media`` reject, a second row for one file a ``duplicate-key``). Where
+  two give a caption, ``NAME.txt`` is used: a table row captioning the same file is a
+  ``duplicate-key`` reject, and a ``NAME.json``'s ``caption`` stays in ``meta``;
 - or a ``.jsonl`` / ``.csv`` table with a column ``image`` (or ``video``), optional ``caption``
   and ``id``; paths are relative to the table's folder and stay inside it (``outside-tree``
   otherwise, unless ``--allow-outside-paths``); other columns go to ``meta``; malformed rows
@@ -24,7 +26,17 @@ from pathlib import Path
 
 from data.media import IMAGE_EXTS, VIDEO_EXTS
 from data.schema import Reject, Sample, sanitize_key, unsafe_name_reason
-from data.sources.base import Item, Part, Source, hidden_dir, read_file, stat_size, walk
+from data.sources.base import (
+    Item,
+    Part,
+    Source,
+    hidden_dir,
+    no_size,
+    read_file,
+    stat_size,
+    unstatable,
+    walk,
+)
 from data.sources.rows import parse_record, read_table
 from data.sources.tables import is_table, load_row, table_items
 
@@ -134,9 +146,19 @@ class CaptionedSource(Source):
                 continue
             size = stat_size(path)
             if size is None:
-                yield self.rejected_item(key, rel, "unreadable-file", "cannot stat")
+                yield self.rejected_item(key, rel, "unreadable-file", unstatable(path))
                 continue
             caption = captions.get(rel)
+            if caption is not None and "caption" in caption and txt.is_file():
+                # Two captions for one file: the sidecar's is used, the row is listed, not lost.
+                row = caption_rows[rel]
+                yield self.rejected_item(
+                    self.key(sanitize_key(row)),
+                    row,
+                    "duplicate-key",
+                    f"{rel} already has its caption from its sidecar {txt.name}, which is used",
+                )
+                caption = None
             ref = (
                 "file",
                 str(path),
@@ -182,9 +204,7 @@ class CaptionedSource(Source):
                 continue
             size = stat_size(path)
             if size is None:
-                yield self.rejected_item(
-                    key, f"{label} ({media})", "missing-media", "file does not exist"
-                )
+                yield self.rejected_item(key, f"{label} ({media})", *no_size(path))
                 continue
             yield Item(
                 key, label, ("row", str(path), label, media, json.dumps(rec, sort_keys=True)), size
@@ -205,9 +225,11 @@ class CaptionedSource(Source):
                     if isinstance(raw, Reject)
                     else parse_record(raw, str(Path(rel).with_suffix(".json")))
                 )
-                if isinstance(rec, Reject):
-                    return self.reject(rec.path, rec.reason, rec.detail, item.key)
-                caption = rec.pop("caption", caption)
+                if isinstance(rec, Reject):  # named by the media file it leaves out
+                    detail = f"its sidecar {Path(json_path).name}: {rec.detail}"
+                    return self.reject(rel, rec.reason, detail, item.key)
+                if not txt:  # with a .txt sidecar too, the .json's caption stays in meta
+                    caption = rec.pop("caption", caption)
                 meta.update(rec)
             if txt:
                 raw = read_file(Path(txt), rel)

@@ -1,8 +1,9 @@
 """``code:PATH`` — a source tree; one document per source file, language from the extension.
 
 Skipped, each with a reject line: vendored/generated/hidden folders (one line per folder, not
-per file inside), files whose extension is not a known language, minified files, files over
-``max_code_bytes``, binaries (a NUL byte) and empty files.
+per file inside), files whose extension is not a known language, minified or generated files (by
+name, e.g. ``.min.js``, or by a line over 1,000 bytes), files over ``max_code_bytes``, binaries
+(a NUL byte) and empty files.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from data.schema import Reject, Sample
-from data.sources.base import Item, Part, Source, read_file, stat_size
+from data.sources.base import Item, Part, Source, read_file, stat_size, unstatable
 
 LANGS = {
     ".py": "python",
@@ -88,6 +89,9 @@ VENDORED_DIRS = {
     "Pods",
 }
 GENERATED_SUFFIXES = (".min.js", ".min.css", ".pb.go", "_pb2.py", ".bundle.js")
+# A minified or generated file whatever its name: a line longer than this (bytes). People write
+# no such lines; bundles, minified assets and generated tables do (StarCoder's filter uses 1,000).
+MAX_LINE_BYTES = 1000
 
 
 def skip_dir(name: str) -> str | None:
@@ -115,7 +119,7 @@ class CodeSource(Source):
             size = stat_size(path)
             lang = language(name)
             if size is None:
-                yield self.rejected_item(key, label, "unreadable-file", "cannot stat")
+                yield self.rejected_item(key, label, "unreadable-file", unstatable(path))
             elif name.startswith("."):
                 yield self.rejected_item(key, label, "vendored", "hidden file skipped")
             elif name.endswith(GENERATED_SUFFIXES):
@@ -141,5 +145,9 @@ class CodeSource(Source):
             return self.reject(raw.path, raw.reason, raw.detail, item.key)
         if b"\0" in raw[:8192]:
             return self.reject(label, "binary-file", "NUL byte in the first 8 KiB", item.key)
+        longest = max(map(len, raw.split(b"\n")))
+        if longest > MAX_LINE_BYTES:
+            detail = f"minified or generated: a line of {longest:,} bytes (over {MAX_LINE_BYTES:,})"
+            return self.reject(label, "vendored", detail, item.key)
         part = Part("code", raw, path=label, lang=lang)
         return self.assemble(item.key, [part], {}, {"path": label}, label)

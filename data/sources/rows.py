@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +32,12 @@ def blank_line(label: str) -> Reject:
     return Reject(label, BLANK_LINE, "a blank line: no record")
 
 
+NOT_UTF8 = re.compile("[\udc80-\udcff]")  # the bytes surrogateescape kept of invalid UTF-8
+
+
 def parse_record(raw: bytes, label: str) -> dict | Reject:
+    # A file's first line may carry a UTF-8 byte order mark (Notepad, Excel); json refuses it.
+    raw = raw.removeprefix(b"\xef\xbb\xbf")
     try:
         rec = json.loads(raw)
     except UnicodeDecodeError as e:
@@ -49,7 +55,9 @@ def csv_records(path: Path) -> Iterator[tuple[int, list[str] | str]]:
     pending: deque[tuple[int, str]] = deque()  # lines to parse again after a malformed record
     taken: list[tuple[int, str]] = []  # the lines of the record being parsed
 
-    with open(path, newline="", encoding="utf-8") as f:
+    # utf-8-sig: a leading byte order mark (Excel's "CSV UTF-8") is not part of the header;
+    # surrogateescape: a byte that is not UTF-8 costs its row (read_table), not the table
+    with open(path, newline="", encoding="utf-8-sig", errors="surrogateescape") as f:
         numbered = enumerate(f, 1)
 
         def feed() -> Iterator[str]:
@@ -100,6 +108,11 @@ def read_table(path: Path) -> Iterator[tuple[int, dict | Reject]]:
         header: list[str] | None = None
         for lineno, fields in csv_records(path):
             label = f"{path.name}:{lineno}"
+            if not isinstance(fields, str) and any(map(NOT_UTF8.search, fields)):
+                if header is None:
+                    raise ValueError(f"{label}: the header row is not valid UTF-8")
+                yield lineno, Reject(label, "not-utf8", "invalid UTF-8: save the table as UTF-8")
+                continue
             if header is None:
                 if isinstance(fields, str):
                     raise ValueError(f"{label}: the header row is malformed: {fields}")

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from data.schema import Reject, Sample, sanitize_key, unsafe_name_reason
 from data.shards.storage import exists, filesystem, is_remote, read_bytes, retried
-from data.sources.base import Item, Part, Source, stat_size
+from data.sources.base import Item, Part, Source, no_size, stat_size
 
 HF_FILES = ("dataset_info.json", "state.json")
 
@@ -283,7 +283,7 @@ def _missing_media(media: dict[str, list], pos: int, base: Location) -> tuple[st
             if isinstance(got, str):
                 return ("missing-media" if "remote" in got else "bad-record"), got, ""
             if got[1] is not None and stat_size(Path(got[1])) is None:
-                return "missing-media", "file does not exist", got[2]
+                return (*no_size(Path(got[1])), got[2])
     return None
 
 
@@ -336,7 +336,7 @@ def load_row(src: Source, item: Item) -> Sample | Reject:
         col = MEDIA_COLUMNS[src.kind]
         got = media_value(rec.pop(col, None), base)
         if isinstance(got, str):
-            return src.reject(label, "bad-record", got, item.key)
+            return src.reject(label, "bad-record", f'column "{col}": {got}', item.key)
         refused = _refused_path(src, got, base, label)
         if refused:
             return src.reject(refused.path, refused.reason, refused.detail, item.key)
@@ -384,6 +384,9 @@ def aligned_entries(rec: dict, label: str) -> list[tuple[int, str, object]] | Re
     table row as (position, kind, value) in document order: at each position the non-null
     entries in the order text, image, video. Consumes the columns it reads from ``rec``."""
     lists = [(rec.pop(column, None) or [], kind) for column, kind in LIST_COLUMNS]
+    for (values, _), (column, _) in zip(lists, LIST_COLUMNS):
+        if not isinstance(values, (list, tuple)):  # a string would be taken letter by letter
+            return Reject(label, "bad-record", f'"{column}" is not a list')
     length = max(len(column_values) for column_values, _ in lists)
     if any(column_values and len(column_values) != length for column_values, _ in lists):
         return Reject(label, "bad-record", "texts/images/videos lists differ in length")

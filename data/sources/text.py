@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from data.schema import Reject, Sample
-from data.sources.base import Item, Part, Source, hidden_dir, read_file, stat_size
+from data.sources.base import Item, Part, Source, hidden_dir, read_file, stat_size, unstatable
 from data.sources.rows import blank_line, parse_record
 from data.sources.tables import is_table, load_row, table_items
 
@@ -46,7 +46,7 @@ class TextSource(Source):
             ext = path.suffix.lower()
             size = stat_size(path)
             if size is None:
-                yield self.rejected_item(key, label, "unreadable-file", "cannot stat")
+                yield self.rejected_item(key, label, "unreadable-file", unstatable(path))
             elif ext == ".jsonl":
                 for lineno, off, length in jsonl_lines(path):
                     if not length:

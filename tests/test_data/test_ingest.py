@@ -197,6 +197,25 @@ def test_verify_catches_a_flipped_byte_and_a_lying_index(planted_corpus, tmp_pat
     assert check_index(tar, entries)
 
 
+def test_verify_and_stats_name_an_index_line_that_is_not_an_entry(planted_corpus, tmp_path, capsys):
+    """A damaged index (a line of valid JSON that is not an index entry) is a problem verify
+    lists, naming the file and line, and an error of stats: never a traceback."""
+    out = tmp_path / "out"
+    ingest(out, planted_corpus["sources"])
+    shard = json.loads((out / "manifest.json").read_text())["shards"][0]
+    with open(out / shard["index"], "a") as index:
+        index.write('{"x": 1}\n')
+    lines = len((out / shard["index"]).read_text().splitlines())
+    r = verify(out)
+    assert (
+        f"{out / shard['index']}:{lines}: not an index entry (no key, members, sha256, types)"
+        in (r["problems"])
+    )
+    capsys.readouterr()
+    assert main(["stats", str(out)]) == 1
+    assert f"{shard['index']}:{lines}: not an index entry" in capsys.readouterr().err
+
+
 def test_ingest_reads_its_own_shards_back_through_wds_kind(planted_corpus, tmp_path):
     """Our shards are valid input for `wds:`: image samples round-trip through a second ingest."""
     first, second = tmp_path / "first", tmp_path / "second"
@@ -230,6 +249,37 @@ def test_images_without_captions_are_counted_in_the_summary_and_stats(tmp_path, 
     assert main(["stats", str(out), "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["media_without_text"] == {"pics": {"image": 1, "video": 0}}
+
+
+def test_animated_images_are_counted_as_tokenized_by_their_first_frame(tmp_path, capsys):
+    """An animated GIF or WebP is one image (its first frame is tokenized): its segment says how
+    many frames it had and stats counts such images, naming examples."""
+    from PIL import Image
+
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    frames = [Image.new("RGB", (24, 16), (40 * i, 0, 0)) for i in range(3)]
+    frames[0].save(pics / "spin.gif", save_all=True, append_images=frames[1:], duration=50)
+    frames[0].save(pics / "spin.webp", save_all=True, append_images=frames[1:2], duration=50)
+    frames[0].save(pics / "still.gif")
+    out = tmp_path / "out"
+    assert main(["ingest", "--out", str(out), "--no-progress", "--source", f"images:{pics}"]) == 0
+    docs = {
+        json.loads(x["json"])["origin"]["path"]: json.loads(x["json"])["segments"][0]
+        for x in wds.WebDataset([str(p) for p in out.rglob("*.tar")], shardshuffle=False)
+    }
+    assert docs["spin.gif"]["animation_frames"] == 3
+    assert docs["spin.webp"]["animation_frames"] == 2
+    assert "animation_frames" not in docs["still.gif"]
+    capsys.readouterr()
+    assert main(["stats", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "animated images: 2, tokenized as their first frame" in said
+    assert "pics:pics-spin_gif (3 frames)" in said
+    assert main(["stats", str(out), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["animated_images"]["images"] == 2
+    assert stats["images"]["width"]["count"] == 3 and stats["videos"]["frames"]["count"] == 0
 
 
 def test_the_plan_and_its_fingerprint_record_every_flag_defaults_included(tmp_path):

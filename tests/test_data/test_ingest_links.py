@@ -169,3 +169,45 @@ def test_follow_links_outside_reads_them_when_asked(world, tmp_path):
     data = shard_bytes(out)
     assert b"the secret stand-in" in data and b"SECRET = 'outside'" in data
     assert (world["outside"] / "secret.mp4").read_bytes() in data
+
+
+@pytest.mark.parametrize("follow", [False, True])
+def test_a_symlink_loop_is_a_reject_naming_it_not_a_crash(tmp_path, follow):
+    """A link to itself, two links to each other, in a source tree, a text folder, an image
+    folder and under a table's media path: each is listed as unreadable-file saying it loops,
+    whether or not links out are followed, and the files beside them are ingested."""
+    src = tmp_path / "src"
+    for kind in ("code", "text", "images", "table/img"):
+        (src / kind).mkdir(parents=True)
+    (src / "code" / "ok.py").write_text("x = 1\n")
+    (src / "code" / "self.py").symlink_to("self.py")
+    (src / "text" / "ok.txt").write_text("A paragraph.\n")
+    (src / "text" / "a.txt").symlink_to("b.txt")
+    (src / "text" / "b.txt").symlink_to("a.txt")
+    (src / "images" / "ok.png").write_bytes(png_bytes())
+    (src / "images" / "loop.png").symlink_to("loop.png")
+    (src / "table" / "img" / "loop.png").symlink_to("loop.png")
+    (src / "table" / "caps.jsonl").write_text('{"image": "img/loop.png", "caption": "x"}\n')
+    out = tmp_path / "shards"
+    argv = ["ingest", "--out", str(out), "--no-progress", *(["--follow-links-outside"] * follow)]
+    for kind in ("code", "text", "images"):
+        argv += ["--source", f"{kind}:{src / kind}"]
+    argv += ["--source", f"table=images:{src / 'table' / 'caps.jsonl'}"]
+    assert main(argv) == EXIT_REJECTS
+    rejects = [json.loads(x) for x in (out / "rejects.jsonl").read_text().splitlines()]
+    assert {(r["source"], r["path"], r["reason"]) for r in rejects} == {
+        ("code", "self.py", "unreadable-file"),
+        ("text", "a.txt", "unreadable-file"),
+        ("text", "b.txt", "unreadable-file"),
+        ("images", "loop.png", "unreadable-file"),
+        ("table", "caps.jsonl:1 (img/loop.png)", "unreadable-file"),
+    }
+    for r in rejects:
+        assert "symlink loop" in r["detail"] or "Too many levels of symbolic links" in r["detail"]
+    m = json.loads((out / "manifest.json").read_text())
+    assert {s["name"]: s["samples"] for s in m["sources"]} == {
+        "code": 1,
+        "text": 1,
+        "images": 1,
+        "table": 0,
+    }

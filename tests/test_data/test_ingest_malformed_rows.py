@@ -154,3 +154,106 @@ def test_an_undecodable_videos_reject_detail_is_a_readable_message(tmp_path):
     _, rejects, _ = run_ingest(tmp_path / "out", f"videos:{tmp_path / 'clips'}")
     (reject,) = rejects
     assert reject["detail"] == "decord cannot read it: Invalid data found when processing input"
+
+
+def test_a_caption_row_for_a_file_with_a_sidecar_caption_is_listed(tmp_path):
+    """Two captions for one picture (its sidecar a.txt and a captions.csv row): the sidecar's is
+    used and the row is a reject naming both, never dropped unsaid; a .json sidecar's caption
+    beside a .txt stays in the document's meta."""
+    import webdataset as wds
+
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    for name in ("a", "b", "c"):
+        (pics / f"{name}.png").write_bytes(png_bytes())
+    (pics / "a.txt").write_text("from the sidecar")
+    (pics / "c.txt").write_text("from c's text sidecar")
+    (pics / "c.json").write_text('{"caption": "from c\'s json sidecar", "author": "me"}')
+    (pics / "captions.csv").write_text("file,caption\na.png,from the table\nb.png,only here\n")
+    status, rejects, _ = run_ingest(tmp_path / "out", f"images:{pics}")
+    assert status == EXIT_REJECTS
+    assert [(r["path"], r["reason"]) for r in rejects] == [("captions.csv:2", "duplicate-key")]
+    assert "a.png" in rejects[0]["detail"] and "a.txt" in rejects[0]["detail"]
+    assert captions_of(tmp_path / "out") == {
+        "a.png": "from the sidecar",
+        "b.png": "only here",
+        "c.png": "from c's text sidecar",
+    }
+    urls = [str(path) for path in sorted((tmp_path / "out").rglob("*.tar"))]
+    metas = {
+        doc["origin"]["path"]: doc["meta"]
+        for doc in (json.loads(s["json"]) for s in wds.WebDataset(urls, shardshuffle=False))
+    }
+    assert metas["c.png"] == {"caption": "from c's json sidecar", "author": "me"}
+
+
+def test_a_broken_json_sidecar_names_the_picture_it_leaves_out(tmp_path):
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    (pics / "a.png").write_bytes(png_bytes())
+    (pics / "a.json").write_text('{"caption": ')
+    status, rejects, _ = run_ingest(tmp_path / "out", f"images:{pics}")
+    assert status == EXIT_REJECTS
+    assert [(r["path"], r["reason"]) for r in rejects] == [("a.png", "bad-record")]
+    assert rejects[0]["detail"].startswith("its sidecar a.json: not valid JSON")
+
+
+def test_an_interleaved_record_whose_lists_are_strings_is_a_reject(tmp_path):
+    """OBELICS texts/images given as a string, not a list: a bad-record naming the field. It was
+    taken letter by letter, a document of one-letter texts."""
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "a.png").write_bytes(png_bytes())
+    rows = [
+        {"texts": "a caption, not a list", "images": []},
+        {"texts": [None], "images": "img/a.png"},
+        {"texts": ["fine", None], "images": [None, "img/a.png"]},
+    ]
+    (tmp_path / "pages.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    status, rejects, manifest = run_ingest(
+        tmp_path / "out", f"interleaved:{tmp_path / 'pages.jsonl'}"
+    )
+    assert status == EXIT_REJECTS
+    assert [(r["path"], r["reason"], r["detail"]) for r in rejects] == [
+        ("pages.jsonl:1", "bad-record", '"texts" is not a list'),
+        ("pages.jsonl:2", "bad-record", '"images" is not a list'),
+    ]
+    assert manifest["totals"]["samples"] == 1
+
+
+def test_tables_with_a_byte_order_mark_or_a_row_not_in_utf8(tmp_path, capsys):
+    """Excel's "CSV UTF-8" and Notepad open a file with a byte order mark: it is not part of the
+    header (every row was a bad-record, no "file" column) nor of the first JSON line. A CSV row
+    that is not UTF-8 (Excel's other CSV) is a not-utf8 reject naming its line; it stopped the
+    whole ingest."""
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    for name in ("a", "b"):
+        (pics / f"{name}.png").write_bytes(png_bytes())
+    bom = b"\xef\xbb\xbf"
+    (pics / "captions.csv").write_bytes(
+        bom + b"file,caption\r\na.png,from excel\r\nb.png,caf\xe9 cr\xe8me\r\n"
+    )
+    (tmp_path / "table.csv").write_bytes(bom + b"image,caption\r\npics/a.png,a table row\r\n")
+    (tmp_path / "pages.jsonl").write_bytes(bom + b'{"texts": ["a page"], "images": [null]}\n')
+    (tmp_path / "notes.jsonl").write_bytes(bom + b'{"text": "a note"}\n')
+    status, rejects, manifest = run_ingest(
+        tmp_path / "out",
+        f"images:{pics}",
+        f"tab=images:{tmp_path / 'table.csv'}",
+        f"interleaved:{tmp_path / 'pages.jsonl'}",
+        f"text:{tmp_path / 'notes.jsonl'}",
+    )
+    assert status == EXIT_REJECTS
+    assert [(r["path"], r["reason"]) for r in rejects] == [("captions.csv:3", "not-utf8")]
+    assert {s["name"]: s["samples"] for s in manifest["sources"]} == {
+        "pics": 2,
+        "tab": 1,
+        "pages": 1,
+        "notes": 1,
+    }
+    assert captions_of(tmp_path / "out")["a.png"] == "from excel"
+
+    (tmp_path / "latin.csv").write_bytes(b"fil\xe9,caption\na.png,x\n")
+    argv = ["ingest", "--out", str(tmp_path / "out2"), "--no-progress"]
+    assert main([*argv, "--source", f"images:{tmp_path / 'latin.csv'}"]) == 1
+    assert "latin.csv:1: the header row is not valid UTF-8" in capsys.readouterr().err

@@ -18,6 +18,13 @@ def test_text_is_strict_utf8_unless_repair_is_asked():
     assert isinstance(r, Reject) and r.reason == "not-utf8" and "byte 3" in r.detail
     text, n = decode_text(bad, "a.txt", repair=True)
     assert text == "caf\ufffd ok \ufffd" and n == 2
+    # UTF-16 with its byte order mark (both byte orders) is read as what it is.
+    for encoding in ("utf-16", "utf-16-be"):
+        marked = ("\ufeff" if encoding.endswith("be") else "") + "héllo 👋"
+        assert decode_text(marked.encode(encoding), "w.txt", repair=False) == ("héllo 👋", 0)
+    cut = "héllo".encode("utf-16")[:-1]  # an odd byte at the end
+    r = decode_text(cut, "w.txt", repair=False)
+    assert isinstance(r, Reject) and r.reason == "not-utf8" and "UTF-16" in r.detail
 
 
 def test_image_probe_reads_size_and_real_format():
@@ -65,3 +72,26 @@ def test_bad_videos_are_rejected_with_a_readable_reason(capfd):
     assert r.reason == "video-too-long" and "2.0 s" in r.detail
     # decord echoes raw input bytes to the C stderr; the probe keeps them off the terminal.
     assert "garbage" not in capfd.readouterr().err
+
+
+def test_a_sound_only_mp4_is_said_to_have_no_video_stream():
+    import io
+
+    import av
+    import numpy as np
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as container:
+        stream = container.add_stream("aac", rate=8000)
+        for _ in range(3):
+            frame = av.AudioFrame.from_ndarray(
+                np.zeros((1, 1024), np.float32), format="fltp", layout="mono"
+            )
+            frame.sample_rate = 8000
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    r = probe_video(buf.getvalue(), "voice.mp4", max_seconds=60)
+    assert isinstance(r, Reject) and r.reason == "undecodable-video"
+    assert r.detail == "decord cannot read it: no video stream in the file (sound only?)"

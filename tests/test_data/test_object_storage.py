@@ -87,6 +87,32 @@ def test_ingest_then_tokenize_through_a_flaky_s3(
     assert again["written"] == 0 and again["finalized"]
 
 
+def test_the_ingest_command_writes_a_validation_split_to_a_bucket(s3, fs, planted_corpus, capsys):
+    """`earlyfuse-prep ingest --out s3://... --val-fraction F` as a user types it: the summary
+    names where the split went, and the exit status says rejects (not a crash after writing)."""
+    from data.cli import EXIT_REJECTS, main
+
+    argv = ["ingest", "--out", "s3://bucket/cli_split", "--val-fraction", "0.5", "--no-progress"]
+    for source in planted_corpus["sources"]:
+        argv += ["--source", source]
+    assert main(argv) == EXIT_REJECTS
+    out = capsys.readouterr().out
+    assert "in s3://bucket/cli_split/val/<source>/; training data in s3://bucket/cli_split/" in out
+    m = json.loads(fs.cat_file("bucket/cli_split/manifest.json"))
+    held = sum(s["samples"] for s in m["sources"] if s["name"].startswith("val/"))
+    assert held and f"by key hash): {held} samples" in out
+
+
+@pytest.mark.parametrize("source", ["text:s3://bucket/gone.parquet", "wds:s3://nobucket/tars"])
+def test_a_source_url_with_nothing_there_is_named_as_missing(s3, source):
+    """Not "ingest reads .parquet tables" for a .parquet that is not there: the URL is named as
+    missing, with what to check."""
+    from data.sources import parse_sources
+
+    with pytest.raises(ValueError, match=r"s3://\S+ does not exist \(no object or prefix there"):
+        parse_sources([source])
+
+
 def test_the_loader_reads_s3_token_shards_through_failures(s3, fs, tiny_tokens):
     fs.put(str(tiny_tokens), "bucket/tiny_tokens", recursive=True)
     local = [SourceConfig(name="code", shards=[str(tiny_tokens / "code")], weight=2.0)]

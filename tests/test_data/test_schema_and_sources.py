@@ -111,6 +111,8 @@ def test_code_tree_rules(tmp_path):
     (root / "pkg" / "lib.rs").write_text("fn main() {}\n")
     (root / "pkg" / "blob.py").write_bytes(b"\x00\x01\x02binary")
     (root / "pkg" / "app.min.js").write_text("var a=1;")
+    (root / "pkg" / "bundle.js").write_text("var a=1;" * 200)  # minified whatever its name
+    (root / "pkg" / "table.py").write_text("ROWS = [" + "1, " * 330 + "]\n")  # 999 bytes: kept
     (root / "pkg" / "logo.png").write_bytes(png_bytes())
     (root / "pkg" / "huge.py").write_text("x = 1\n" * 400_000)
     (root / "node_modules" / "dep").mkdir(parents=True)
@@ -125,10 +127,17 @@ def test_code_tree_rules(tmp_path):
         "node_modules/": "vendored",
         "pkg/blob.py": "binary-file",
         "pkg/app.min.js": "vendored",
+        "pkg/bundle.js": "vendored",
         "pkg/logo.png": "unknown-type",
         "pkg/huge.py": "too-large",
     }
-    assert s["manifest"]["totals"]["samples"] == 3
+    assert (
+        "a line of 1,600 bytes"
+        in json.loads(
+            next(x for x in (out / "rejects.jsonl").read_text().splitlines() if "bundle.js" in x)
+        )["detail"]
+    )
+    assert s["manifest"]["totals"]["samples"] == 4
     import webdataset as wds
 
     docs = [

@@ -62,6 +62,11 @@ def test_image_table_with_bytes_paths_and_structs(tmp_path):
     }
     t = s["manifest"]["totals"]
     assert t["samples"] + t["rejects"] == 6
+    details = {
+        json.loads(line)["path"]: json.loads(line)["detail"]
+        for line in (out / "rejects.jsonl").read_text().splitlines()
+    }
+    assert details["laion.parquet:row 3"] == 'column "image": no media in this cell'
 
 
 def test_interleaved_obelics_table(tmp_path):

@@ -150,3 +150,16 @@ def test_a_source_smaller_than_its_weight_is_used_once_never_repeated(tok_dir, t
     assert info["chars_used"]["code"] <= info["sources"]["code"]["asked_chars"] <= 100_000
     out = capsys.readouterr().out
     assert f"{prose:,} chars" in out and "all it holds" in out and "not repeated" in out
+
+
+def test_a_vocabulary_smaller_than_asked_is_said(tok_dir, tmp_path, capsys):
+    """On a small corpus BPE stops before --vocab-size: the summary says how many ids it has,
+    against the number asked (the layout, and every model over it, uses the real size)."""
+    args = ["train-text-tokenizer", "--in", str(tok_dir.parent / "raw")]
+    args += ["--out", str(tmp_path / "t"), "--vocab-size", "100000", "--no-progress"]
+    assert main(args) == 0
+    size = json.loads((tmp_path / "t" / "text_tokenizer_training.json").read_text())["vocab_size"]
+    assert size < 100_000
+    assert (
+        f"note: {size} ids, fewer than the 100000 asked (--vocab-size)" in capsys.readouterr().out
+    )

@@ -306,3 +306,26 @@ def test_another_doc_budget_breaks_a_resume():
     check_resume_config(config.format(256), config.format(256), **args)
     with pytest.raises(ConfigError, match="data.doc_budget"):
         check_resume_config(config.format(0), config.format(256), **args)
+
+
+def test_remote_token_shards_without_data_tokenizers_is_a_config_error(tiny_tokens):
+    """A run over token shards in object storage needs data.tokenizers (a remote tokenizers/ is
+    not fetched): a ConfigError naming each source, which earlyfuse-train prints without a
+    traceback and exits 2."""
+    import fsspec
+
+    from data.loader import SourceConfig
+    from train.config import RunConfig
+    from train.tasks.lm import tokenizer_folder
+
+    fs = fsspec.filesystem("memory")
+    for path in tiny_tokens.rglob("*"):
+        if path.is_file():
+            fs.pipe_file(f"/cfgtok/{path.relative_to(tiny_tokens)}", path.read_bytes())
+    cfg = RunConfig()
+    cfg.data.sources = [SourceConfig(name="code", shards=["memory://cfgtok/code"])]
+    try:
+        with pytest.raises(ConfigError, match=r"source code: remote shards\); set data.tokenizers"):
+            tokenizer_folder(cfg)
+    finally:
+        fs.rm("/cfgtok", recursive=True)

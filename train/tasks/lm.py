@@ -62,7 +62,8 @@ DROPPABLE = ("image", "video")  # modalities whose blocks the loader can drop (b
 def tokenizer_folder(cfg: RunConfig, tables: TableCache | None = None) -> Path:
     """The run's tokenizer folder: ``data.tokenizers`` when given, else the tokenizers/ copy that
     the first source with local token shards names (``TokenTable.layout_url``; a remote one is not
-    fetched). ValueError naming every place tried when there is none."""
+    fetched). A ConfigError (earlyfuse-train: its message, no traceback) naming every place tried
+    when there is none."""
     if cfg.data.tokenizers:
         return Path(cfg.data.tokenizers)
     tables = tables or TableCache()
@@ -80,7 +81,7 @@ def tokenizer_folder(cfg: RunConfig, tables: TableCache | None = None) -> Path:
         if folder.is_dir():
             return folder
         tried.append(f"{folder} (named by {table.manifest_url}, missing)")
-    raise ValueError(
+    raise ConfigError(
         "cannot find the token data's tokenizers/ folder (tried: "
         f"{'; '.join(tried) or 'no data.sources'}); set data.tokenizers to it"
     )
