@@ -72,7 +72,9 @@ def folder_sources(url: str | Path) -> list[SourceConfig]:
     root = Folder(url)
     files = root.sizes()
     if not files:
-        raise ValueError(f"{root.url}: no such folder, or an empty one")
+        # TOKENS/val exists only where ingest --val-fraction held documents out
+        hint = "; ingest --val-fraction writes it" if root.url.rstrip("/").endswith("val") else ""
+        raise ValueError(f"{root.url}: no such folder, or an empty one{hint}")
     found = sorted(
         {posixpath.dirname(rel.replace(os.sep, "/")) for rel in files if rel.endswith(INDEX_SUFFIX)}
     )

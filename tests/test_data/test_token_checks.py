@@ -143,6 +143,8 @@ def test_a_missing_or_empty_folder_is_named_as_such(tmp_path):
     """A mistyped --data path says that nothing is there, not that shards are missing."""
     with pytest.raises(ValueError, match=rf"{tmp_path / 'nope'}: no such folder, or an empty one"):
         folder_sources(tmp_path / "nope")
+    with pytest.raises(ValueError, match="empty one; ingest --val-fraction writes it"):
+        folder_sources(tmp_path / "tokens" / "val")
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "notes.txt").write_text("not a shard")
     with pytest.raises(ValueError, match="no shards here or in a folder directly below"):
