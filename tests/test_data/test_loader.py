@@ -359,6 +359,42 @@ def test_preview_draws_rows_with_a_runs_weights_and_counts_drops(tiny_tokens, tm
     assert main(["preview", "--config", str(bad)]) == 1
 
 
+def test_every_field_of_a_data_config_reaches_the_loaders_of_preview_and_the_mix_bench(
+    tiny_tokens, tmp_path, monkeypatch
+):
+    """One builder (LoaderConfig.from_dict) for both: max_pending, allow_block_drops and the rest
+    of a data config reach the loader, the tool's own settings on top; a key that is no field
+    is refused naming the file."""
+    import data.loader.preview as preview_module
+    import tools.bench.bench_loader as bench_module
+
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(
+        "sources:\n"
+        f"  - {{name: code, shards: [{tiny_tokens / 'code'}]}}\n"
+        f"  - {{name: clips, shards: [{tiny_tokens / 'clips'}]}}\n"
+        "seq_len: 96\nmax_pending: 7\nallow_block_drops: true\nshuffle_buffer: 16\n"
+    )
+    built = []
+    for module in (preview_module, bench_module):
+        real = module.build_loader
+        monkeypatch.setattr(  # the real loader, its config kept to be read
+            module,
+            "build_loader",
+            lambda cfg, real=real, **kw: built.append(cfg) or real(cfg, **kw),
+        )
+    preview_module.preview(None, config=mine, n_rows=1)
+    # The clips' video blocks are longer than a row of 96: refused at start without the flag.
+    bench_module.from_loader(mine, steps=2, micro_batch=1, mix_chunk=0, whole=False)
+    got = [
+        (cfg.max_pending, cfg.allow_block_drops, cfg.shuffle_buffer, cfg.seq_len) for cfg in built
+    ]
+    assert got == [(7, True, 16, 96)] * 2
+    mine.write_text(mine.read_text() + "max_pendng: 3\n")
+    with pytest.raises(ValueError, match=rf"{mine}: not a data config .*'max_pendng'"):
+        bench_module.from_loader(mine, steps=2, micro_batch=1, mix_chunk=0, whole=False)
+
+
 def test_each_step_carries_the_mix_not_one_long_document(tiny_tokens):
     """code (long stdlib modules) at 10 %: handed out whole, one module fills step after step;
     handed out a row-sized chunk at a time, no step is given over to it, and the mix holds."""
