@@ -90,14 +90,11 @@ class LoaderConfig:
         """A data config's mapping (configs/data/*.yaml, a run's config.yaml ``data``) with every
         field it sets, then ``overrides`` (a tool's own settings)."""
         try:
-            return cls(
-                **{
-                    **data,
-                    "sources": [SourceConfig(**src) for src in data.get("sources", [])],
-                    "validation": [SourceConfig(**src) for src in data.get("validation", [])],
-                    "tokenize": OnlineTokenizeConfig(**data.get("tokenize", {})),
-                    **overrides,
-                }
-            )
+            sections = {
+                "sources": [SourceConfig(**src) for src in data.get("sources", [])],
+                "validation": [SourceConfig(**src) for src in data.get("validation", [])],
+                "tokenize": OnlineTokenizeConfig(**data.get("tokenize", {})),
+            }
+            return cls(**{**data, **sections, **overrides})
         except TypeError as e:  # a key that is no field: named, as Hydra's schema names it in a run
             raise ValueError(f"{where}: not a data config ({e})") from None
