@@ -222,7 +222,8 @@ def preview(
         token_dir = _token_dir_of(data)
     folder = Folder(token_dir)
     seq_len = seq_len or int((data or {}).get("seq_len", 2048))
-    tokenizers = local_tokenizers(folder)
+    own = (data or {}).get("tokenizers")  # data.tokenizers: what the loader tokenizes with
+    tokenizers = Path(own) if own else local_tokenizers(folder)
     try:
         tok = TextTokenizer.load(tokenizers)
         packed, delivered = rows(folder, sources, seq_len, n_rows, seed, data)
@@ -267,7 +268,7 @@ def preview(
             out.append("wrote " + " and ".join(map(str, render_png(packed, tok, Path(png), vtok))))
         return "\n".join(out)
     finally:
-        if folder.remote:  # the downloaded copy
+        if folder.remote and not own:  # the downloaded copy
             shutil.rmtree(tokenizers.parent, ignore_errors=True)
 
 

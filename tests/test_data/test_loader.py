@@ -360,11 +360,11 @@ def test_preview_draws_rows_with_a_runs_weights_and_counts_drops(tiny_tokens, tm
 
 
 def test_every_field_of_a_data_config_reaches_the_loaders_of_preview_and_the_mix_bench(
-    tiny_tokens, tmp_path, monkeypatch
+    tiny_tokens, tiny_raw, tmp_path, monkeypatch
 ):
     """One builder (LoaderConfig.from_dict) for both: max_pending, allow_block_drops and the rest
     of a data config reach the loader, the tool's own settings on top; a key that is no field
-    is refused naming the file."""
+    is refused naming the file. Raw sources with data.tokenizers preview without a TOKEN_DIR."""
     import data.loader.preview as preview_module
     import tools.bench.bench_loader as bench_module
 
@@ -390,6 +390,12 @@ def test_every_field_of_a_data_config_reaches_the_loaders_of_preview_and_the_mix
         (cfg.max_pending, cfg.allow_block_drops, cfg.shuffle_buffer, cfg.seq_len) for cfg in built
     ]
     assert got == [(7, True, 16, 96)] * 2
+    raw = tmp_path / "raw.yaml"
+    raw.write_text(
+        f"sources: [{{name: text, shards: [{tiny_raw / 'text'}]}}]\nseq_len: 64\n"
+        f"tokenizers: {tiny_tokens / 'tokenizers'}\n"
+    )
+    assert "row 0: 64/64 real tokens; text 64" in preview_module.preview(None, config=raw, n_rows=1)
     mine.write_text(mine.read_text() + "max_pendng: 3\n")
     with pytest.raises(ValueError, match=rf"{mine}: not a data config .*'max_pendng'"):
         bench_module.from_loader(mine, steps=2, micro_batch=1, mix_chunk=0, whole=False)
