@@ -65,3 +65,16 @@ def test_bad_videos_are_rejected_with_a_readable_reason(capfd):
     assert r.reason == "video-too-long" and "2.0 s" in r.detail
     # decord echoes raw input bytes to the C stderr; the probe keeps them off the terminal.
     assert "garbage" not in capfd.readouterr().err
+
+
+def test_the_reused_stderr_capture_file_is_closed_at_exit():
+    """captured_c_stderr keeps one temp file per process (a decode must not pay for a new one);
+    it is closed when the process exits, not left for the interpreter to warn about."""
+    import subprocess
+    import sys
+
+    code = "from data.media import captured_c_stderr\nwith captured_c_stderr():\n    pass\n"
+    done = subprocess.run(
+        [sys.executable, "-X", "dev", "-c", code], capture_output=True, text=True, check=True
+    )
+    assert "ResourceWarning" not in done.stderr, done.stderr
