@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -192,10 +193,10 @@ def test_robustness(tiny_tokens, tmp_path):
     t = load_table(SourceConfig(name="code", shards=[str(bad / "code")]))
     # Corrupt one sample's ids member: it is skipped and counted, the stream goes on.
     tar = t.shards[t.shard[0]]
-    data = bytearray(open(tar, "rb").read())
+    data = bytearray(Path(tar).read_bytes())
     off = t.ids_at[0][0]
     data[off : off + 8] = b"garbage!"
-    open(tar, "wb").write(bytes(data))
+    Path(tar).write_bytes(bytes(data))
     loader = build_loader(
         cfg_for(bad, {"code": 1.0}, mode="epoch"), rank=0, world_size=1, micro_batch=1
     )
@@ -224,8 +225,11 @@ def test_preview_prints_and_renders_rows(tiny_tokens, tmp_path):
     assert "row 0:" in out and "row 1:" in out and "[image" in out and "packing efficiency" in out
     from PIL import Image
 
-    assert Image.open(tmp_path / "rows.png").size[0] > 100
-    assert Image.open(tmp_path / "rows_images.png").size[0] > 0
+    with (
+        Image.open(tmp_path / "rows.png") as rows_png,
+        Image.open(tmp_path / "rows_images.png") as images,
+    ):
+        assert rows_png.size[0] > 100 and images.size[0] > 0
 
 
 def test_token_before_a_dropped_block_predicts_nothing(tiny_tokens, tiny_tokenizers):
@@ -258,7 +262,6 @@ def test_two_ranks_under_torchrun_with_uneven_shards(tiny_tokens, tmp_path):
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     script = Path(__file__).with_name("torchrun_loader.py")
     root = Path(__file__).resolve().parents[2]
