@@ -13,6 +13,7 @@ Design choices:
 
 from __future__ import annotations
 
+import atexit
 import io
 import os
 import re
@@ -189,6 +190,7 @@ def captured_c_stderr():
         return
     if _CAPTURE is None:
         _CAPTURE = tempfile.TemporaryFile()
+        atexit.register(_CAPTURE.close)  # kept for the process's life, closed at its end
     tmp = _CAPTURE
     tmp.seek(0)
     tmp.truncate()

@@ -138,9 +138,9 @@ def qwen3_state(state: dict[str, torch.Tensor], n_layers: int) -> dict[str, torc
     for i in range(n_layers):
         for ours, theirs in per_layer.items():
             names[f"layers.{i}.{ours}.weight"] = f"model.layers.{i}.{theirs}.weight"
-    # A release's names are its config's (Release.state_dict checks them) and blocking_features
-    # refused every config with other ones; load_state_dict(strict=True) still names any drift.
-    return {names.get(name, name): tensor for name, tensor in state.items()}
+    # Every name maps: a release's names are its config's (Release.state_dict checks them), and
+    # blocking_features passes only configs whose names are these (grid tables are set apart).
+    return {names[name]: tensor for name, tensor in state.items()}
 
 
 def generation_config(layout, tok):

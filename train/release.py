@@ -254,14 +254,11 @@ class Release:
         if verify:
             self.verify_files()
         if self.task == "lm":
-            path, ref = self.path / WEIGHTS, meta_module("lm", self.model_cfg).state_dict()
-        else:
-            path, ref = (
-                self.path / VISUAL / WEIGHTS,
-                meta_module("vtok", self.visual_config()).state_dict(),
-            )
-        state = self._load_safetensors(path)
-        check_state(state, ref, str(path))
+            path = self.path / WEIGHTS
+            state = self._load_safetensors(path)
+            check_state(state, meta_module("lm", self.model_cfg).state_dict(), str(path))
+        else:  # read and checked by the one loader of a visual tokenizer folder
+            state = self.visual_tokenizer(verify=False).state_dict()
         return (
             {tensor_name: tensor.to(dtype) for tensor_name, tensor in state.items()}
             if dtype is not None
@@ -314,20 +311,25 @@ class Release:
         except (OSError, ValueError, TypeError) as e:
             raise ReleaseError(f"{config_path}: unreadable visual tokenizer config ({e})") from None
 
-    def visual_tokenizer(self, device: torch.device | str = "cpu"):
-        cfg = self.visual_config()
-        if self.layout is not None and tuple(cfg.levels) != tuple(self.layout.fsq_levels):
-            raise ReleaseError(
-                f"{self.path / VISUAL}: FSQ levels {cfg.levels} differ from the layout's "
-                f"{list(self.layout.fsq_levels)}"
+    def visual_tokenizer(self, device: torch.device | str = "cpu", *, verify: bool = True):
+        """The visual tokenizer, loaded and checked by ``data.tokenize.visual``'s loader (files,
+        the sha256 recorded here when ``verify``, FSQ levels against the layout, tensors); its
+        errors are ReleaseErrors, as every other problem with a release is."""
+        from data.tokenize.visual import VisualTokenizerError, load_visual_tokenizer
+
+        self.visual_config()  # a release without one: says it was released with --no-tokenizers
+        prefix = f"{VISUAL}/"
+        recorded = {
+            name.removeprefix(prefix): digest
+            for name, digest in self.config.get("files", {}).items()
+            if name.startswith(prefix)
+        }
+        try:
+            return load_visual_tokenizer(
+                self.path / VISUAL, self.layout, device, sha256=recorded if verify else None
             )
-        state = self._load_safetensors(self.path / VISUAL / WEIGHTS)
-        with torch.device("meta"):
-            ref = cfg.build().state_dict()
-        check_state(state, ref, str(self.path / VISUAL / WEIGHTS))
-        model = cfg.build()
-        model.load_state_dict(state)
-        return model.to(device).eval()
+        except VisualTokenizerError as e:
+            raise ReleaseError(str(e)) from None
 
 
 # --- can a release start a run? ------------------------------------------------------------------

@@ -33,8 +33,9 @@ def _add_preview(sub) -> None:
         type=Path,
         default=None,
         metavar="YAML",
-        help="draw rows as a run would: its sources, weights, seq_len and seed, from a run's "
-        "config.yaml (RUN_DIR/config.yaml) or a data config (configs/data/*.yaml)",
+        help="draw rows as a run would: its sources, weights, seq_len, seed and every other "
+        "loader field it sets (tokenizers too), from a run's config.yaml (RUN_DIR/config.yaml) "
+        "or a data config (configs/data/*.yaml)",
     )
     p.add_argument(
         "--source",

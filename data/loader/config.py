@@ -84,3 +84,17 @@ class LoaderConfig:
     # where pipe: shards are fetched to (default $TMPDIR/earlyfuse-shards-UID)
     cache_dir: str | None = None
     cache_limit_gb: float = 64.0  # least recently used fetched shards are deleted beyond this
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "the data config", **overrides) -> LoaderConfig:
+        """A data config's mapping (configs/data/*.yaml, a run's config.yaml ``data``) with every
+        field it sets, then ``overrides`` (a tool's own settings)."""
+        try:
+            sections = {
+                "sources": [SourceConfig(**src) for src in data.get("sources", [])],
+                "validation": [SourceConfig(**src) for src in data.get("validation", [])],
+                "tokenize": OnlineTokenizeConfig(**data.get("tokenize", {})),
+            }
+            return cls(**{**data, **sections, **overrides})
+        except TypeError as e:  # a key that is no field: named, as Hydra's schema names it in a run
+            raise ValueError(f"{where}: not a data config ({e})") from None

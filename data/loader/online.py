@@ -40,7 +40,8 @@ class OnlineTokenizer:
     the loader's tokenizer folder, ``tokenize`` options, row length and decode failure budget."""
 
     def __init__(self, cfg: LoaderConfig) -> None:
-        assert cfg.tokenizers  # refused at start without it (dataset.check_tokenizers)
+        if not cfg.tokenizers:  # build_loader refuses this at start (dataset.check_tokenizers)
+            raise ValueError("raw shards are tokenized with data.tokenizers, which is unset")
         folder = Path(cfg.tokenizers)
         text = TextTokenizer.load(folder)
         vtok = load_visual_tokenizer(folder / VISUAL_TOKENIZER_DIR, text.layout, "cpu")

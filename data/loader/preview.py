@@ -43,13 +43,13 @@ ANSI = {
 PAD = (200, 200, 200)
 
 
-def sources_of(token_dir: Folder, names: list[str] | None) -> list[SourceConfig]:
+def sources_of(token_dir: Folder, names: list[str] | None) -> list[dict]:
     m = token_dir.read_json(MANIFEST_FILE)
     have = [s["name"] for s in m["sources"]]
     for n in names or []:
         if n not in have:
             raise ValueError(f"{token_dir}: no source {n!r} (it has {have})")
-    return [SourceConfig(name=n, shards=[token_dir.child(n)]) for n in (names or have)]
+    return [{"name": n, "shards": [token_dir.child(n)]} for n in (names or have)]
 
 
 def local_tokenizers(token_dir: Folder) -> Path:
@@ -83,6 +83,7 @@ def config_of(path: Path) -> dict:
             f"{path}: no data sources of its own (give a run's config.yaml or a data config that "
             "lists its sources; a defaults list is not followed here, Hydra resolves it)"
         )
+    LoaderConfig.from_dict(data, str(path))  # a key that is no loader field, named now
     return data
 
 
@@ -96,21 +97,11 @@ def rows(
 ) -> tuple[list[dict], dict]:
     """``n_rows`` packed rows, and what the loader delivered over them (``delivered()`` and the
     sources' weights)."""
-    if config:  # the run's own sources, weights and packing options
-        wanted = set(names or [])
-        srcs = [SourceConfig(**s) for s in config["sources"] if not wanted or s["name"] in wanted]
-    else:
-        srcs, config = sources_of(token_dir, names), {}
-    cfg = LoaderConfig(
-        sources=srcs,
-        seq_len=seq_len,
-        seed=int(config.get("seed", seed)),
-        shuffle_buffer=int(config.get("shuffle_buffer", 1024)),
-        mix_chunk=int(config.get("mix_chunk", 0)),
-        max_pending=int(config.get("max_pending", 4)),
-        num_workers=0,
-        allow_block_drops=True,  # shown and counted below, not refused
-    )
+    # the run's own sources, weights and packing options, or the token folder's sources
+    data = {"seed": seed, **(config or {"sources": sources_of(token_dir, names)})}
+    data["sources"] = [src for src in data["sources"] if not names or src["name"] in names]
+    # a dropped block is shown and counted below, not refused (allow_block_drops)
+    cfg = LoaderConfig.from_dict(data, seq_len=seq_len, num_workers=0, allow_block_drops=True)
     loader = build_loader(cfg, rank=0, world_size=1, micro_batch=1)
     with closing(iter(loader)) as batches:
         out = [
@@ -231,7 +222,8 @@ def preview(
         token_dir = _token_dir_of(data)
     folder = Folder(token_dir)
     seq_len = seq_len or int((data or {}).get("seq_len", 2048))
-    tokenizers = local_tokenizers(folder)
+    own = (data or {}).get("tokenizers")  # data.tokenizers: what the loader tokenizes with
+    tokenizers = Path(own) if own else local_tokenizers(folder)
     try:
         tok = TextTokenizer.load(tokenizers)
         packed, delivered = rows(folder, sources, seq_len, n_rows, seed, data)
@@ -276,7 +268,7 @@ def preview(
             out.append("wrote " + " and ".join(map(str, render_png(packed, tok, Path(png), vtok))))
         return "\n".join(out)
     finally:
-        if folder.remote:  # the downloaded copy
+        if folder.remote and not own:  # the downloaded copy
             shutil.rmtree(tokenizers.parent, ignore_errors=True)
 
 

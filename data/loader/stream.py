@@ -167,8 +167,7 @@ class ConsumerStream:
     # --- reading ---------------------------------------------------------------------------------
     def _encode_raw(self, t: SampleTable, sample: int) -> tuple[np.ndarray, np.ndarray, list]:
         """A raw document tokenized here (data/loader/online.py): ids, modalities, blocks."""
-        if self._online is None:
-            self._online = OnlineTokenizer(self.cfg)
+        assert self._online is not None  # built before the read: its errors are no bad sample
         si = t.shard_of(sample)
         view = ShardView(self.files, t.shards[si], t.shard_end(si))
         doc, why = self._online.encode(
@@ -277,6 +276,8 @@ class ConsumerStream:
                 self.files.touched(ids.nbytes + mod.nbytes)
                 self.consecutive_errors = 0
                 return Doc(s, sample, epoch, len(ids), units, ids, mod)
+        if self._online is None and not isinstance(t, TokenTable):  # not in the try below: a
+            self._online = OnlineTokenizer(self.cfg)  # tokenizer that fails is no bad sample
         self.watchdog.current = ((t, sample), time.monotonic())
         try:
             if not isinstance(t, TokenTable):  # raw shards

@@ -41,7 +41,7 @@ class SampleTable:
     blocks: list[list]  # per sample: [[start, end, t, h, w], ...] (raw: empty)
     fingerprint: str
     tokenizer_fingerprint: str  # tokenizer_key(...) of token shards; "" for raw shards
-    kind: str = "tokens"  # tokens | raw
+    kind: str  # tokens | raw: said by whoever builds a table, never assumed
     shard_bytes: list[int] = field(default_factory=list)  # per shard: where its last member ends
     members: list[dict] = field(default_factory=list)  # raw: each sample's index members
     manifest_url: str = ""

@@ -1,4 +1,9 @@
-"""Load a trained visual tokenizer (``RUN_DIR/visual_tokenizer/``: safetensors + config.json)."""
+"""Load a trained visual tokenizer (``RUN_DIR/visual_tokenizer/``: safetensors + config.json).
+
+The one loader of such a folder: ``earlyfuse-prep tokenize``, the loader's online tokenizer and
+a release (``Release.visual_tokenizer``, which passes the sha256 it recorded) all call
+``load_visual_tokenizer``, so every caller gets the same checks and one error type.
+"""
 
 from __future__ import annotations
 
@@ -8,32 +13,75 @@ from pathlib import Path
 import torch
 
 from data.names import VISUAL_CONFIG_FILE, VISUAL_WEIGHTS_FILE
+from data.shards.index import file_sha256
 from data.tokenize.vtok_files import weights_fingerprint
 from data.vocab import VocabLayout
 
-__all__ = ["load_visual_tokenizer", "weights_fingerprint"]
+__all__ = ["VisualTokenizerError", "load_visual_tokenizer", "weights_fingerprint"]
+
+
+class VisualTokenizerError(ValueError):
+    """A visual tokenizer folder that cannot be used; the message names the folder or file."""
 
 
 def load_visual_tokenizer(
-    folder: str | Path, layout: VocabLayout, device: torch.device | str = "cpu"
+    folder: str | Path,
+    layout: VocabLayout | None,
+    device: torch.device | str = "cpu",
+    *,
+    sha256: dict[str, str] | None = None,
 ):
+    """The FSQ autoencoder in ``folder``, in eval mode on ``device``, after checking that both
+    files are there and readable, that they match ``sha256`` (file name -> digest, as a release
+    records them; a corrupted byte inside safetensors would load without complaint), that the
+    FSQ levels are ``layout``'s (when given), and that the tensors are the ones the config's
+    network has, with its shapes, and finite. A ``VisualTokenizerError`` otherwise."""
     from safetensors.torch import load_file
 
     from model.visual_tokenizer import VisualTokenizerConfig
 
     folder = Path(folder)
+    config_path, weights_path = folder / VISUAL_CONFIG_FILE, folder / VISUAL_WEIGHTS_FILE
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise VisualTokenizerError(
+                f"{path}: missing; {folder} is not a visual tokenizer folder "
+                f"({VISUAL_CONFIG_FILE} + {VISUAL_WEIGHTS_FILE})"
+            )
+    for name, digest in (sha256 or {}).items():
+        if file_sha256(folder / name) != digest:
+            raise VisualTokenizerError(
+                f"{folder / name}: sha256 differs from the one recorded for it; the file is "
+                "corrupted or was changed after it was written"
+            )
     try:
-        cfg = VisualTokenizerConfig(**json.loads((folder / VISUAL_CONFIG_FILE).read_text()))
-        state = load_file(str(folder / VISUAL_WEIGHTS_FILE))
+        cfg = VisualTokenizerConfig(**json.loads(config_path.read_text()))
     except (OSError, ValueError, TypeError) as e:
-        raise ValueError(
-            f"{folder}: not a visual tokenizer folder (config.json + model.safetensors): {e}"
+        raise VisualTokenizerError(
+            f"{config_path}: unreadable visual tokenizer config ({e})"
         ) from None
-    if tuple(cfg.levels) != tuple(layout.fsq_levels):
-        raise ValueError(
+    if layout is not None and tuple(cfg.levels) != tuple(layout.fsq_levels):
+        raise VisualTokenizerError(
             f"{folder}: FSQ levels {cfg.levels} differ from the vocabulary layout's "
             f"{list(layout.fsq_levels)}; retrain one of them with the same levels"
         )
+    try:
+        state = load_file(str(weights_path))
+    except Exception as e:  # noqa: BLE001 - safetensors raises SafetensorError / OSError for cut or damaged files
+        raise VisualTokenizerError(
+            f"{weights_path}: unreadable, truncated or corrupted safetensors file ({e})"
+        ) from None
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise VisualTokenizerError(
+                f"{weights_path}: tensor {name!r} holds NaN or Inf values (the run diverged?)"
+            )
     model = cfg.build()
-    model.load_state_dict(state)
+    try:  # strict: names and shapes as the config's network has them
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise VisualTokenizerError(
+            f"{weights_path}: its tensors do not fit the network {VISUAL_CONFIG_FILE} describes "
+            f"({e})"
+        ) from None
     return model.to(device).eval()

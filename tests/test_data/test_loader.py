@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -192,10 +193,10 @@ def test_robustness(tiny_tokens, tmp_path):
     t = load_table(SourceConfig(name="code", shards=[str(bad / "code")]))
     # Corrupt one sample's ids member: it is skipped and counted, the stream goes on.
     tar = t.shards[t.shard[0]]
-    data = bytearray(open(tar, "rb").read())
+    data = bytearray(Path(tar).read_bytes())
     off = t.ids_at[0][0]
     data[off : off + 8] = b"garbage!"
-    open(tar, "wb").write(bytes(data))
+    Path(tar).write_bytes(bytes(data))
     loader = build_loader(
         cfg_for(bad, {"code": 1.0}, mode="epoch"), rank=0, world_size=1, micro_batch=1
     )
@@ -224,8 +225,11 @@ def test_preview_prints_and_renders_rows(tiny_tokens, tmp_path):
     assert "row 0:" in out and "row 1:" in out and "[image" in out and "packing efficiency" in out
     from PIL import Image
 
-    assert Image.open(tmp_path / "rows.png").size[0] > 100
-    assert Image.open(tmp_path / "rows_images.png").size[0] > 0
+    with (
+        Image.open(tmp_path / "rows.png") as rows_png,
+        Image.open(tmp_path / "rows_images.png") as images,
+    ):
+        assert rows_png.size[0] > 100 and images.size[0] > 0
 
 
 def test_token_before_a_dropped_block_predicts_nothing(tiny_tokens, tiny_tokenizers):
@@ -258,7 +262,6 @@ def test_two_ranks_under_torchrun_with_uneven_shards(tiny_tokens, tmp_path):
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     script = Path(__file__).with_name("torchrun_loader.py")
     root = Path(__file__).resolve().parents[2]
@@ -357,6 +360,48 @@ def test_preview_draws_rows_with_a_runs_weights_and_counts_drops(tiny_tokens, tm
     bad = tmp_path / "bad.yaml"
     bad.write_text("defaults: [demo]\nseq_len: 256\n")  # its sources only in the defaults
     assert main(["preview", "--config", str(bad)]) == 1
+
+
+def test_every_field_of_a_data_config_reaches_the_loaders_of_preview_and_the_mix_bench(
+    tiny_tokens, tiny_raw, tmp_path, monkeypatch
+):
+    """One builder (LoaderConfig.from_dict) for both: max_pending, allow_block_drops and the rest
+    of a data config reach the loader, the tool's own settings on top; a key that is no field
+    is refused naming the file. Raw sources with data.tokenizers preview without a TOKEN_DIR."""
+    import data.loader.preview as preview_module
+    import tools.bench.bench_loader as bench_module
+
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(
+        "sources:\n"
+        f"  - {{name: code, shards: [{tiny_tokens / 'code'}]}}\n"
+        f"  - {{name: clips, shards: [{tiny_tokens / 'clips'}]}}\n"
+        "seq_len: 96\nmax_pending: 7\nallow_block_drops: true\nshuffle_buffer: 16\n"
+    )
+    built = []
+    for module in (preview_module, bench_module):
+        real = module.build_loader
+        monkeypatch.setattr(  # the real loader, its config kept to be read
+            module,
+            "build_loader",
+            lambda cfg, real=real, **kw: built.append(cfg) or real(cfg, **kw),
+        )
+    preview_module.preview(None, config=mine, n_rows=1)
+    # The clips' video blocks are longer than a row of 96: refused at start without the flag.
+    bench_module.from_loader(mine, steps=2, micro_batch=1, mix_chunk=0, whole=False)
+    got = [
+        (cfg.max_pending, cfg.allow_block_drops, cfg.shuffle_buffer, cfg.seq_len) for cfg in built
+    ]
+    assert got == [(7, True, 16, 96)] * 2
+    raw = tmp_path / "raw.yaml"
+    raw.write_text(
+        f"sources: [{{name: text, shards: [{tiny_raw / 'text'}]}}]\nseq_len: 64\n"
+        f"tokenizers: {tiny_tokens / 'tokenizers'}\n"
+    )
+    assert "row 0: 64/64 real tokens; text 64" in preview_module.preview(None, config=raw, n_rows=1)
+    mine.write_text(mine.read_text() + "max_pendng: 3\n")
+    with pytest.raises(ValueError, match=rf"{mine}: not a data config .*'max_pendng'"):
+        bench_module.from_loader(mine, steps=2, micro_batch=1, mix_chunk=0, whole=False)
 
 
 def test_each_step_carries_the_mix_not_one_long_document(tiny_tokens):

@@ -187,3 +187,14 @@ def test_one_worker_gives_the_in_process_batches(tiny_tokens):
     cfg = cfg_for(tiny_tokens, num_workers=1, prefetch_factor=1)
     got = take(build_loader(cfg, rank=0, world_size=1, micro_batch=2), 12)  # 3 slots, 12 batches
     same(got, want)
+
+
+def test_a_table_says_whether_it_holds_raw_or_token_samples(tiny_raw):
+    """No default kind: a raw table taken for a token one would skip the tokenizer check at
+    start and be counted as if its index knew its tokens."""
+    from data.loader.table import SampleTable
+
+    assert load_table(SourceConfig(name="text", shards=[str(tiny_raw / "text")])).kind == "raw"
+    empty = (np.zeros(0, np.int32), [], np.zeros(0, np.int64), [], "fp", "")
+    with pytest.raises(TypeError, match="kind"):
+        SampleTable("s", [], *empty)  # type: ignore[call-arg]

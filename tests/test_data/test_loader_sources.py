@@ -330,3 +330,28 @@ def test_a_state_with_the_fingerprint_of_local_shards_only_is_refused(tiny_token
     with pytest.raises(ValueError, match=rf"fingerprint {old['fingerprint']} != "):
         again.load_state_dict(old)
     again.load_state_dict(st)
+
+
+def test_a_tokenizer_that_cannot_be_built_stops_the_loader_skipping_nothing(
+    tiny_raw, tiny_tokens, tmp_path, capsys
+):
+    """Raw sources: a visual tokenizer of other FSQ levels than the layout, or no tokenizer
+    folder (a PackedLoader built without build_loader's check), stops the loader at its first
+    raw document with the reason; it is no bad sample to skip and count."""
+    import json
+
+    from data.loader import PackedLoader
+
+    tokenizers = tmp_path / "tokenizers"
+    shutil.copytree(tiny_tokens / "tokenizers", tokenizers)
+    vtok_config = tokenizers / "visual_tokenizer" / "config.json"
+    vtok_config.write_text(json.dumps({**json.loads(vtok_config.read_text()), "levels": [5, 5]}))
+    text = [SourceConfig(name="text", shards=[str(tiny_raw / "text")])]
+    other = build_loader(cfg(text, tokenizers=str(tokenizers)), rank=0, world_size=1, micro_batch=1)
+    with pytest.raises(ValueError, match=r"visual_tokenizer: FSQ levels \[5, 5\] differ"):
+        take(other, 1)
+    tables = [load_table(text[0])]
+    unset = PackedLoader(cfg(text), tables, rank=0, world_size=1, micro_batch=1, pad_id=0)
+    with pytest.raises(ValueError, match="data.tokenizers, which is unset"):
+        take(unset, 1)
+    assert "skipped" not in capsys.readouterr().err

@@ -95,3 +95,16 @@ def test_a_sound_only_mp4_is_said_to_have_no_video_stream():
     r = probe_video(buf.getvalue(), "voice.mp4", max_seconds=60)
     assert isinstance(r, Reject) and r.reason == "undecodable-video"
     assert r.detail == "decord cannot read it: no video stream in the file (sound only?)"
+
+
+def test_the_reused_stderr_capture_file_is_closed_at_exit():
+    """captured_c_stderr keeps one temp file per process (a decode must not pay for a new one);
+    it is closed when the process exits, not left for the interpreter to warn about."""
+    import subprocess
+    import sys
+
+    code = "from data.media import captured_c_stderr\nwith captured_c_stderr():\n    pass\n"
+    done = subprocess.run(
+        [sys.executable, "-X", "dev", "-c", code], capture_output=True, text=True, check=True
+    )
+    assert "ResourceWarning" not in done.stderr, done.stderr

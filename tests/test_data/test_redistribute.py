@@ -215,6 +215,7 @@ def test_a_second_redistribute_keeps_masks_beyond_every_cursor():
             [[] for _ in range(n)],
             "fp",
             "tfp",
+            "tokens",
         )
     ]
     cfg = LoaderConfig(

@@ -148,3 +148,34 @@ def test_resume_and_refusal(tiny_raw, tiny_tokenizers, tokens, tmp_path):
     assert (out / other["index_bin"]).read_bytes() == index_bin
     # Other options would make other tokens: the folder is refused rather than mixed.
     assert main(args + ["--video-fps", "2"]) == 1
+
+
+def test_a_visual_tokenizer_folder_is_checked_by_its_one_loader(tiny_tokenizers, tmp_path):
+    """What every caller loads a visual tokenizer with (tokenize, the loader, a release): a byte
+    changed against its recorded sha256, a tensor of NaN and a tensor the network does not have
+    are refused by one error type (a ValueError), naming the file."""
+    from safetensors.torch import load_file, save_file
+
+    from data.shards.index import file_sha256
+    from data.tokenize.visual import VisualTokenizerError, load_visual_tokenizer
+
+    layout = TextTokenizer.load(tiny_tokenizers[0]).layout
+    folder = tmp_path / "visual_tokenizer"
+    shutil.copytree(tiny_tokenizers[1], folder)
+    weights = folder / "model.safetensors"
+    digests = {name: file_sha256(folder / name) for name in ("config.json", "model.safetensors")}
+    load_visual_tokenizer(folder, layout, sha256=digests)  # intact
+    state = load_file(str(weights))
+    name = sorted(state)[0]
+    save_file({**state, name: state[name].clone().fill_(float("nan"))}, str(weights))
+    with pytest.raises(VisualTokenizerError, match="model.safetensors: sha256 differs"):
+        load_visual_tokenizer(folder, layout, sha256=digests)
+    with pytest.raises(
+        VisualTokenizerError, match=rf"model.safetensors: tensor '{name}' holds NaN"
+    ):
+        load_visual_tokenizer(folder, layout)
+    save_file({**state, "extra.weight": state[name].clone()}, str(weights))
+    with pytest.raises(
+        ValueError, match=r"(?s)model.safetensors: its tensors do not fit .*extra\.weight"
+    ):
+        load_visual_tokenizer(folder, layout)

@@ -407,3 +407,34 @@ def test_printed_overrides_read_back_as_the_values_they_print():
     parser = OverridesParser.create()
     for value in (None, True, False, 3, 1e-05, 10000.0, [], [16, 24, 24], "swiglu"):
         assert parser.parse_override(f"model.x={hydra_value(value)}").value() == value
+
+
+def test_a_releases_visual_tokenizer_is_checked_against_its_recorded_sha256(
+    tiny_tokenizers, tmp_path
+):
+    """Release.visual_tokenizer (earlyfuse-generate's) and Release.state_dict of a vtok release
+    (train.init_from's) load through data/tokenize/visual.py's loader, with the sha256 the
+    release recorded: a changed byte that safetensors would load is refused, naming the file."""
+    from safetensors.torch import load_file
+
+    from tools.convert_release import write_release
+    from train.release import FORMAT, VERSION
+
+    out = tmp_path / "rel"
+    config = {"format": FORMAT, "version": VERSION, "task": "vtok"}
+    write_release(
+        out, config, lambda f: shutil.copytree(tiny_tokenizers[1], f / "visual_tokenizer")
+    )
+    weights = out / "visual_tokenizer" / "model.safetensors"
+    rel = Release(out)
+    stored, state = load_file(str(weights)), rel.state_dict()
+    assert stored.keys() == state.keys() and all(torch.equal(stored[k], state[k]) for k in state)
+    data = bytearray(weights.read_bytes())
+    data[-4] ^= 1  # the lowest bit of the last weight: safetensors loads it without complaint
+    weights.write_bytes(bytes(data))
+    for load in (rel.visual_tokenizer, rel.state_dict):
+        with pytest.raises(
+            ReleaseError, match="visual_tokenizer/model.safetensors: sha256 differs"
+        ):
+            load()
+    rel.visual_tokenizer(verify=False)  # what state_dict(verify=True) uses once it has checked

@@ -108,21 +108,12 @@ def from_run(run: Path) -> tuple[list[dict[str, float]], dict[str, float]]:
 
 
 def from_loader(data_yaml: Path, steps: int, micro_batch: int, mix_chunk: int, whole: bool):
-    from data.loader import SourceConfig
     from data.loader.preview import config_of
 
-    raw = config_of(data_yaml)
-    sources = [SourceConfig(**source) for source in raw["sources"]]
-    cfg = LoaderConfig(
-        sources=sources,
-        seq_len=int(raw.get("seq_len", 2048)),
-        seed=int(raw.get("seed", 0)),
-        shuffle_buffer=int(raw.get("shuffle_buffer", 1024)),
-        num_workers=0,
-        mix_chunk=10**12 if whole else mix_chunk,  # one chunk = a whole document
-    )
+    one_chunk = 10**12 if whole else mix_chunk  # one chunk = a whole document
+    cfg = LoaderConfig.from_dict(config_of(data_yaml), num_workers=0, mix_chunk=one_chunk)
     loader = build_loader(cfg, rank=0, world_size=1, micro_batch=micro_batch)
-    names = [source.name for source in sources]
+    names = [source.name for source in cfg.sources]
     out = []
     pieces = rows = 0
     batches = iter(loader)
@@ -138,7 +129,7 @@ def from_loader(data_yaml: Path, steps: int, micro_batch: int, mix_chunk: int, w
         "packing_efficiency": loader.delivered()["packing_efficiency"],
         "pieces_per_row": pieces / max(rows, 1),
     }
-    return out, {source.name: source.weight for source in sources}, extra
+    return out, {source.name: source.weight for source in cfg.sources}, extra
 
 
 def mix(args) -> list[tuple[str, dict, str]]:
