@@ -160,6 +160,10 @@ def test_a_sequence_parallel_degree_must_divide_the_processes():
     check_run(2, 4)
     with pytest.raises(ConfigError, match=r"train\.sequence_parallel=2 .* \(3\)"):
         check_run(2, 3)
+    with pytest.raises(
+        ConfigError, match=r"processes \(1\); start it with torchrun --nproc_per_node N"
+    ):
+        check_run(2, 1)
 
 
 def test_zero3_with_sequence_parallel_reduces_gradients_by_all_reduce():

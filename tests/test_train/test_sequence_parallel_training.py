@@ -99,8 +99,16 @@ def test_sp2_trains_like_one_process_and_counts_each_row_once(runs, name):
     assert final(run)["val/loss"] == pytest.approx(final(one)["val/loss"], abs=LOSS_TOLERANCE)
 
 
-def test_the_console_names_the_layout(runs):
+def test_the_console_and_final_json_name_the_layout(runs):
     assert "sequence parallel 2 x data parallel 1" in runs["log"].stdout
+    layout = {"world_size": 2, "sequence_parallel": 2, "data_parallel": 1, "zero_stage": 2}
+    assert final(runs["root"] / "sp2_zero2")["run"] == {
+        **layout,
+        "task": "lm",
+        "bf16": False,
+        "steps": STEPS,
+    }
+    assert final(runs["root"] / "one")["run"]["sequence_parallel"] == 1
 
 
 def test_sp2_zero1_trains_like_one_process(runs, tiny_tokens, tmp_path):
