@@ -294,12 +294,25 @@ class Checkpointer:
 
     def check_compatible(self, tag: str, zero_stage: int) -> dict:
         """The checkpoint's meta; refuses what cannot resume here. Another world size resumes from a
-        ZeRO-0 checkpoint as it is, and from a ZeRO 1-3 one through its universal/ conversion."""
+        ZeRO-0 checkpoint as it is, from a ZeRO 1-2 one through its universal/ conversion, and
+        not from a ZeRO-3 one."""
         meta = self.meta(tag)
         if meta["zero_stage"] != zero_stage:
             raise ValueError(
                 f"{self.dir / tag} was written with ZeRO stage {meta['zero_stage']}; this run uses "
                 f"{zero_stage}. Resume with deepspeed.zero_stage={meta['zero_stage']}."
+            )
+        if meta["world_size"] != self.dist.world_size and zero_stage == 3:
+            # Tried: DeepSpeed 0.19 converts it and the ZeRO-3 engine loads the conversion, but
+            # the run does not go on as it was (the loss of the second resumed step 8e-3 off,
+            # ZeRO 2's 5e-7): weights yes, optimizer state not as saved.
+            raise ValueError(
+                f"{self.dir / tag} was written by {meta['world_size']} rank(s) under ZeRO 3; "
+                f"this run has {self.dist.world_size}. A ZeRO-3 checkpoint resumes only on the "
+                "world size that wrote it (its universal conversion does not restore the "
+                f"optimizer as saved): run with {meta['world_size']} rank(s), or release its "
+                f"weights (`earlyfuse-convert release {self.dir.parent} OUT`) and start a new run "
+                "from them with train.init_from=OUT."
             )
         if (
             meta["world_size"] != self.dist.world_size

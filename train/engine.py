@@ -10,7 +10,7 @@ Design choices:
 - Sequence parallelism (``train.sequence_parallel`` > 1) hands DeepSpeed the SP layout as its
   ``mpu`` (``train/sequence_groups.py``): ZeRO partitions over all ranks, gradients are averaged
   over the data-parallel replicas only, and a step is ``micro_batch x grad_accum x data_size``
-  rows.
+  rows. Under ZeRO 3 it also turns DeepSpeed's reduce-scatter off (``ds_config``).
 """
 
 from __future__ import annotations
@@ -65,11 +65,24 @@ def ds_config(cfg: RunConfig, world_size: int) -> dict:
         conf["data_types"] = {"grad_accum_dtype": "fp32"}
     if ds_cfg.offload_optimizer and ds_cfg.zero_stage >= 1:
         conf["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    sp_zero3 = ds_cfg.zero_stage == 3 and train_cfg.sequence_parallel > 1
+    if sp_zero3:
+        # ZeRO 3's reduce-scatter path (DeepSpeed 0.19, its default) averages gradients over all
+        # ranks and ignores the SP layout: gradients and their norm came out 1/P of the whole
+        # row's. Its all-reduce path sums over an SP group and averages over the replicas.
+        conf["zero_optimization"]["reduce_scatter"] = False
     for key, value in ds_cfg.config.items():
         conf[key] = (
             {**conf[key], **value}
             if isinstance(value, dict) and isinstance(conf.get(key), dict)
             else value
+        )
+    if sp_zero3 and conf["zero_optimization"].get("reduce_scatter", True):
+        raise ValueError(
+            f"deepspeed.config zero_optimization.reduce_scatter=true with ZeRO 3 and "
+            f"train.sequence_parallel={train_cfg.sequence_parallel}: DeepSpeed's reduce-scatter "
+            "averages gradients over all ranks, ignoring the SP groups (gradients 1/P of the "
+            "row's); leave reduce_scatter out"
         )
     return conf
 

@@ -82,6 +82,11 @@ def estimate(
             f"sequence_parallel={sequence_parallel} must divide the world size ({world_size}) "
             f"and the row length ({seq_len})"
         )
+    if cfg.attention.n_heads % sequence_parallel:  # the trainer refuses it (train/config.py)
+        raise ValueError(
+            f"sequence_parallel={sequence_parallel} must divide the query heads "
+            f"(model.attention.n_heads = {cfg.attention.n_heads})"
+        )
     num_params = _param_count(cfg)
     shards = max(1, world_size)
     # bf16 weights; bf16 + fp32 grads; master + moments
@@ -153,7 +158,7 @@ def main(argv=None) -> None:
     parser.add_argument(
         "preset", help="a model preset (configs/model/): debug, demo, 125m, 350m, 1b"
     )
-    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--micro-batch", type=int, default=8, help="rows per GPU per micro-step")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--gpus", type=int, default=1, help="all ranks: data x sequence parallel")
@@ -164,17 +169,20 @@ def main(argv=None) -> None:
     parser.add_argument("--zero", type=int, default=1)
     parser.add_argument("--act-ckpt", action="store_true")
     args = parser.parse_args(argv)
-    result = estimate(
-        preset(args.preset),
-        micro_batch=args.micro_batch,
-        seq_len=args.seq_len,
-        grad_accum=args.grad_accum,
-        world_size=args.gpus,
-        zero_stage=args.zero,
-        act_ckpt=args.act_ckpt,
-        sequence_parallel=args.sp,
-        mask=args.mask,
-    )
+    try:
+        result = estimate(
+            preset(args.preset),
+            micro_batch=args.micro_batch,
+            seq_len=args.seq_len,
+            grad_accum=args.grad_accum,
+            world_size=args.gpus,
+            zero_stage=args.zero,
+            act_ckpt=args.act_ckpt,
+            sequence_parallel=args.sp,
+            mask=args.mask,
+        )
+    except ValueError as err:
+        parser.error(f"{args.preset}: {err}")
     print(
         f"{args.preset}: {result.params / 1e6:.0f}M parameters; per GPU: "
         f"model states {result.states_gib:.1f} GiB, "

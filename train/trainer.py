@@ -150,7 +150,16 @@ class Trainer:
                 f"the data ended after step {step} of {self.total_steps} (data.mode=epoch): "
                 "finishing there"
             )
-        final: dict = {}
+        # What ran, beside what it measured: the layout is otherwise only in the console's first
+        # line and the checkpoints' meta.json (report.py lists numbers only, not this dict).
+        meta = self.save_meta
+        final: dict = {
+            "run": {
+                **meta,
+                "data_parallel": meta["world_size"] // meta["sequence_parallel"],
+                "steps": step,
+            }
+        }
         self.callbacks.post_train(self, step, final)  # final evaluation, data counts, checkpoint
         final.update(self.task.finish(self.engine, self.run_dir))
         if self.dist.is_main:

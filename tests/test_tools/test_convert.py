@@ -6,6 +6,7 @@ release's weights; truncated, corrupted and pickled-object files are clear error
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -139,6 +140,26 @@ def test_zero0_release_gives_the_checkpoints_logits(runs, tmp_path, capsys):
     assert all(
         half[k].dtype == torch.bfloat16 and torch.equal(half[k], full[k].bfloat16()) for k in full
     )
+
+
+def test_a_zero3_checkpoint_is_refused_on_another_world_size(runs, tmp_path):
+    """Its universal conversion does not restore the optimizer as saved: a resume on another
+    world size is refused with what to do instead, converted or not."""
+    from tools.convert_universal import make_universal
+    from train.checkpoint import Checkpointer
+    from train.dist import DistInfo
+
+    two = DistInfo(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
+    run = tmp_path / "zero3"
+    shutil.copytree(runs[3], run)
+    checkpointer = Checkpointer(run, two, 2)
+    for converted in (False, True):
+        with pytest.raises(ValueError, match=r"resumes only on the world size that wrote it"):
+            checkpointer.check_compatible(checkpointer.latest(), 3)
+        if not converted:
+            make_universal(run, log=quiet)
+    same = Checkpointer(run, dataclasses.replace(two, world_size=1), 2)
+    assert same.check_compatible(same.latest(), 3)["zero_stage"] == 3
 
 
 def test_zero3_release_reproduces_the_runs_validation_loss(runs, tmp_path):

@@ -91,7 +91,7 @@ def test_passkey_prompts_have_their_length_depth_and_control(text_tok):
     assert len(control.ids) == 300 and control.target == prompt.target
     text = text_tok.decode(control.ids[1:].tolist())
     assert key not in text[: text.index("What is the pass")] and text.endswith(key)
-    with pytest.raises(ValueError, match="more than the length 20"):
+    with pytest.raises(ValueError, match="--needle-lengths 20: a passkey prompt needs"):
         maker.prompt(key, length=20, depth=0.5)
 
 
@@ -160,6 +160,11 @@ def test_frame_copy_prompts_repeat_the_needle_frame(text_tok):
     predicted = np.roll(np.stack([copy.ids, control.ids]), -1, axis=1)
     assert score_codes(predicted, [copy, control], layout.is_code)["accuracy"] == 1.0
     assert score_codes(predicted + 1, [copy, control], layout.is_code)["accuracy"] == 0.0
+    # a length too short for 3 frames names the flag that set it
+    with pytest.raises(
+        ValueError, match=r"--needle-lengths 40: .* 3 frames of 3x4 codes, 53 tokens"
+    ):
+        frame_prompts(videos, layout, text_tok.bos_id, length=40, depth=0.5, trial=1, copy=True)
 
 
 def test_long_context_evaluation_end_to_end(debug_release, tiny_tokens, tmp_path, capsys):

@@ -182,6 +182,25 @@ def test_a_sequence_parallel_degree_must_divide_the_processes():
     check_run(2, 4)
     with pytest.raises(ConfigError, match=r"train\.sequence_parallel=2 .* \(3\)"):
         check_run(2, 3)
+    with pytest.raises(
+        ConfigError, match=r"processes \(1\); start it with torchrun --nproc_per_node N"
+    ):
+        check_run(2, 1)
+
+
+def test_zero3_with_sequence_parallel_reduces_gradients_by_all_reduce():
+    """DeepSpeed's ZeRO-3 reduce-scatter ignores the SP groups (gradients 1/P of the row's), so
+    SP under ZeRO 3 turns it off, and a deepspeed.config that turns it back on is refused."""
+    from train.engine import ds_config
+
+    sp = ["train.sequence_parallel=2", "deepspeed=zero3"]
+    assert ds_config(composed(sp), 2)["zero_optimization"]["reduce_scatter"] is False
+    assert "reduce_scatter" not in ds_config(composed(["deepspeed=zero3"]), 2)["zero_optimization"]
+    turned_on = composed([*sp, "+deepspeed.config.zero_optimization={reduce_scatter: true}"])
+    with pytest.raises(
+        ValueError, match=r"reduce_scatter=true with ZeRO 3 and train\.sequence_parallel=2"
+    ):
+        ds_config(turned_on, 2)
 
 
 def test_another_sequence_parallel_degree_breaks_an_exact_resume():

@@ -8,6 +8,7 @@ import pytest
 
 from model.presets import preset
 from train.memory import estimate, mask_bytes
+from train.memory import main as memory_main
 
 
 @pytest.mark.parametrize("name", ["debug", "125m", "350m", "1b"])
@@ -47,3 +48,8 @@ def test_sequence_parallel_divides_activations_and_masks_grow_as_blocks_squared(
     assert estimate(local, **kw).mask_gib == 2 * one.mask_gib  # the local layers' own mask
     with pytest.raises(ValueError, match="sequence_parallel=3 must divide"):
         estimate(cfg, sequence_parallel=3, **kw)
+    # as the trainer, a degree that does not divide the query heads (125m: 12) is refused
+    with pytest.raises(ValueError, match=r"n_heads = 12"):
+        estimate(preset("125m"), sequence_parallel=8, **kw)
+    with pytest.raises(SystemExit):
+        memory_main(["125m", "--seq-len", "131072", "--gpus", "8", "--sp", "8"])

@@ -1,9 +1,10 @@
 """``earlyfuse-train`` with ``train.sequence_parallel=2`` under torchrun (gloo, fp32, the debug
 model) against one process on the same rows:
 
-- 2 processes, SP 2 (one data-parallel replica), ZeRO 1 and ZeRO 2: the losses of every step
-  equal the one-process run's to ``LOSS_TOLERANCE``; label tokens per modality, the delivered mix
-  and the held-out loss are the rows' figures, counted once (not once per rank);
+- 2 processes, SP 2 (one data-parallel replica), ZeRO 1 and ZeRO 2 (and ZeRO 3, marked slow):
+  the losses of every step equal the one-process run's to ``LOSS_TOLERANCE``; label tokens per
+  modality, the delivered mix and the held-out loss are the rows' figures, counted once (not
+  once per rank);
 - an SP 2 run killed with -9 and resumed logs the uninterrupted run's losses exactly;
 - checkpoints move between SP degrees: one saved at SP 1 (one process) goes on at SP 2 (two)
   with the one-process run's losses, and one saved at SP 2 goes on at SP 1 with the SP 2 run's;
@@ -98,13 +99,33 @@ def test_sp2_trains_like_one_process_and_counts_each_row_once(runs, name):
     assert final(run)["val/loss"] == pytest.approx(final(one)["val/loss"], abs=LOSS_TOLERANCE)
 
 
-def test_the_console_names_the_layout(runs):
+def test_the_console_and_final_json_name_the_layout(runs):
     assert "sequence parallel 2 x data parallel 1" in runs["log"].stdout
+    layout = {"world_size": 2, "sequence_parallel": 2, "data_parallel": 1, "zero_stage": 2}
+    assert final(runs["root"] / "sp2_zero2")["run"] == {
+        **layout,
+        "task": "lm",
+        "bf16": False,
+        "steps": STEPS,
+    }
+    assert final(runs["root"] / "one")["run"]["sequence_parallel"] == 1
 
 
 def test_sp2_zero1_trains_like_one_process(runs, tiny_tokens, tmp_path):
     sp2(tiny_tokens, tmp_path / "run", "deepspeed.zero_stage=1", "train.steps=2")
     assert_close(losses(tmp_path / "run", [1, 2]), losses(runs["root"] / "one", [1, 2]))
+
+
+@pytest.mark.slow  # a third trainer run; the default suite checks the engine config (test_configs.py)
+def test_sp2_zero3_trains_like_one_process(runs, tiny_tokens, tmp_path):
+    """ZeRO 3 too: gradients summed over the SP group (its gradient norm is the one-process
+    run's, not half of it as DeepSpeed's reduce-scatter made it)."""
+    sp2(tiny_tokens, tmp_path / "run", "deepspeed.zero_stage=3", "train.steps=2")
+    got, want = metrics(tmp_path / "run"), metrics(runs["root"] / "one")
+    assert_close(losses(tmp_path / "run", [1, 2]), losses(runs["root"] / "one", [1, 2]))
+    for step in (1, 2):
+        norms = got[step]["optim/grad_norm"], want[step]["optim/grad_norm"]
+        assert norms[0] == pytest.approx(norms[1], rel=1e-5), (step, norms)
 
 
 def test_sp2_killed_with_minus_9_resumes_bit_identically(runs, tiny_tokens, tmp_path):

@@ -146,7 +146,7 @@ class PasskeyPrompts:
         fill = length - 1 - len(needle_ids) - len(self.question) - len(answer) - bare
         if fill < 0:
             raise ValueError(
-                f"a passkey prompt needs {length - fill} tokens, more than the length {length}"
+                f"--needle-lengths {length}: a passkey prompt needs {length - fill} tokens"
             )
         if needle:
             stream, bounds = self.filler(fill)
@@ -242,8 +242,8 @@ def frame_prompts(
     frames = (length - 1 - video_block_len(0, height, width)) // (1 + height * (width + 1))
     if frames < 3:
         raise ValueError(
-            f"a frame-copy sequence needs 3 frames of {height}x{width} codes: "
-            f"{1 + video_block_len(3, height, width)} tokens, more than the length {length}"
+            f"--needle-lengths {length}: a frame-copy sequence needs 3 frames of "
+            f"{height}x{width} codes, {1 + video_block_len(3, height, width)} tokens"
         )
     needle_video = videos[trial % count]
     needle = needle_video[len(needle_video) // 2]
