@@ -14,7 +14,9 @@ Design choices:
 from __future__ import annotations
 
 import json
+import os
 import platform
+import posixpath
 from collections import Counter
 from importlib import metadata
 from pathlib import Path
@@ -175,9 +177,18 @@ def load_manifest(out: str | Path, formats: tuple[str, ...] = (MANIFEST_FORMAT,)
     try:
         manifest = json.loads(folder.read_bytes(MANIFEST_FILE))
     except FileNotFoundError:
+        parent = posixpath.dirname(folder.url.rstrip("/").replace(os.sep, "/")) or "."
+        # OUT/val: the held-out split's sources are listed in OUT's manifest, as val/NAME
+        held_out = folder.url.rstrip("/").endswith("val") and Folder(parent).exists(MANIFEST_FILE)
         raise ValueError(
-            f"{path}: no manifest (not an ingest output, or its ingest has not finished: "
-            "run `earlyfuse-prep merge` after all partitions)"
+            f"{path}: no manifest "
+            + (
+                f"(the held-out split is described by {parent}'s, as its val/ sources: give "
+                f"{parent})"
+                if held_out
+                else "(not an ingest output, or its ingest has not finished: run "
+                "`earlyfuse-prep merge` after all partitions)"
+            )
         ) from None
     except ValueError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None

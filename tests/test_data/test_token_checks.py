@@ -149,3 +149,16 @@ def test_a_missing_or_empty_folder_is_named_as_such(tmp_path):
     (tmp_path / "docs" / "notes.txt").write_text("not a shard")
     with pytest.raises(ValueError, match="no shards here or in a folder directly below"):
         folder_sources(tmp_path)
+
+
+def test_stats_of_the_held_out_folder_points_to_the_folder_that_describes_it(tokens, capsys):
+    """TOKENS/val has no manifest of its own (TOKENS's lists its sources as val/NAME): stats says
+    where to look instead of only that there is no manifest."""
+    (tokens / "val" / "code").mkdir(parents=True)
+    assert prep_main(["stats", str(tokens / "val")]) != 0
+    err = capsys.readouterr().err
+    assert (
+        f"the held-out split is described by {tokens}'s, as its val/ sources: give {tokens}" in err
+    )
+    assert prep_main(["stats", str(tokens / "code")]) != 0
+    assert "not an ingest output" in capsys.readouterr().err
