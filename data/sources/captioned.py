@@ -6,8 +6,8 @@ PATH is either
   ``meta``), or from a ``captions.jsonl`` / ``captions.csv`` at the folder's top with columns
   ``file`` (path relative to the folder) and ``caption`` (a row whose file is not in the
   folder is a ``missing-media`` reject, a second row for one file a ``duplicate-key``). Where
-  two give a caption, ``NAME.txt`` is used: a table row captioning the same file is a
-  ``duplicate-key`` reject, and a ``NAME.json``'s ``caption`` stays in ``meta``;
+  two give a caption, ``NAME.txt`` is used and the other (a ``NAME.json``'s or a table row's)
+  stays in ``meta`` as ``caption``, with the row's other columns;
 - or a ``.jsonl`` / ``.csv`` table with a column ``image`` (or ``video``), optional ``caption``
   and ``id``; paths are relative to the table's folder and stay inside it (``outside-tree``
   otherwise, unless ``--allow-outside-paths``); other columns go to ``meta``; malformed rows
@@ -149,16 +149,6 @@ class CaptionedSource(Source):
                 yield self.rejected_item(key, rel, "unreadable-file", unstatable(path))
                 continue
             caption = captions.get(rel)
-            if caption is not None and "caption" in caption and txt.is_file():
-                # Two captions for one file: the sidecar's is used, the row is listed, not lost.
-                row = caption_rows[rel]
-                yield self.rejected_item(
-                    self.key(sanitize_key(row)),
-                    row,
-                    "duplicate-key",
-                    f"{rel} already has its caption from its sidecar {txt.name}, which is used",
-                )
-                caption = None
             ref = (
                 "file",
                 str(path),
@@ -217,7 +207,8 @@ class CaptionedSource(Source):
         if item.ref[0] == "file":
             _, path, rel, table_rec, txt, json_path = item.ref
             meta = json.loads(table_rec) if table_rec else {}
-            caption: str | bytes | None = meta.pop("caption", None)
+            table_caption = meta.pop("caption", None)
+            caption: str | bytes | None = table_caption
             if json_path:
                 raw = read_file(Path(json_path), rel)
                 rec = (
@@ -236,6 +227,8 @@ class CaptionedSource(Source):
                 if isinstance(raw, Reject):
                     return self.reject(raw.path, raw.reason, raw.detail, item.key)
                 caption = raw
+                if table_caption is not None:  # the table's, not used, kept with the document
+                    meta.setdefault("caption", table_caption)
             origin, label = {"path": rel}, rel
         else:
             _, path, label, media, rec = item.ref

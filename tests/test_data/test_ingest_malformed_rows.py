@@ -156,10 +156,10 @@ def test_an_undecodable_videos_reject_detail_is_a_readable_message(tmp_path):
     assert reject["detail"] == "decord cannot read it: Invalid data found when processing input"
 
 
-def test_a_caption_row_for_a_file_with_a_sidecar_caption_is_listed(tmp_path):
+def test_a_caption_row_for_a_file_with_a_sidecar_caption_is_kept_in_its_meta(tmp_path):
     """Two captions for one picture (its sidecar a.txt and a captions.csv row): the sidecar's is
-    used and the row is a reject naming both, never dropped unsaid; a .json sidecar's caption
-    beside a .txt stays in the document's meta."""
+    the caption and the row's stays in the document's meta with its other columns, never dropped
+    unsaid; a .json sidecar's caption beside a .txt stays in meta likewise."""
     import webdataset as wds
 
     pics = tmp_path / "pics"
@@ -169,11 +169,11 @@ def test_a_caption_row_for_a_file_with_a_sidecar_caption_is_listed(tmp_path):
     (pics / "a.txt").write_text("from the sidecar")
     (pics / "c.txt").write_text("from c's text sidecar")
     (pics / "c.json").write_text('{"caption": "from c\'s json sidecar", "author": "me"}')
-    (pics / "captions.csv").write_text("file,caption\na.png,from the table\nb.png,only here\n")
+    (pics / "captions.csv").write_text(
+        "file,caption,license\na.png,from the table,cc-by\nb.png,only here,cc0\n"
+    )
     status, rejects, _ = run_ingest(tmp_path / "out", f"images:{pics}")
-    assert status == EXIT_REJECTS
-    assert [(r["path"], r["reason"]) for r in rejects] == [("captions.csv:2", "duplicate-key")]
-    assert "a.png" in rejects[0]["detail"] and "a.txt" in rejects[0]["detail"]
+    assert status == 0 and rejects == []
     assert captions_of(tmp_path / "out") == {
         "a.png": "from the sidecar",
         "b.png": "only here",
@@ -184,6 +184,8 @@ def test_a_caption_row_for_a_file_with_a_sidecar_caption_is_listed(tmp_path):
         doc["origin"]["path"]: doc["meta"]
         for doc in (json.loads(s["json"]) for s in wds.WebDataset(urls, shardshuffle=False))
     }
+    assert metas["a.png"] == {"caption": "from the table", "license": "cc-by"}
+    assert metas["b.png"] == {"license": "cc0"}
     assert metas["c.png"] == {"caption": "from c's json sidecar", "author": "me"}
 
 
