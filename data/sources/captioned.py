@@ -227,8 +227,8 @@ class CaptionedSource(Source):
                 if isinstance(raw, Reject):
                     return self.reject(raw.path, raw.reason, raw.detail, item.key)
                 caption = raw
-                if table_caption is not None:  # the table's, not used, kept with the document
-                    meta.setdefault("caption", table_caption)
+            if table_caption is not None and caption is not table_caption:
+                meta.setdefault("caption", table_caption)  # not used: kept with the document
             origin, label = {"path": rel}, rel
         else:
             _, path, label, media, rec = item.ref
