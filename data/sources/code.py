@@ -2,7 +2,7 @@
 
 Skipped, each with a reject line: vendored/generated/hidden folders (one line per folder, not
 per file inside), files whose extension is not a known language, minified or generated files (by
-name, e.g. ``.min.js``, or by a line over 1,000 bytes), files over ``max_code_bytes``, binaries
+name, e.g. ``.min.js``, or by a line over 1,000 bytes outside Markdown, reST and TeX), files over ``max_code_bytes``, binaries
 (a NUL byte) and empty files.
 """
 
@@ -90,8 +90,10 @@ VENDORED_DIRS = {
 }
 GENERATED_SUFFIXES = (".min.js", ".min.css", ".pb.go", "_pb2.py", ".bundle.js")
 # A minified or generated file whatever its name: a line longer than this (bytes). People write
-# no such lines; bundles, minified assets and generated tables do (StarCoder's filter uses 1,000).
+# no such lines of code; bundles, minified assets and generated tables do (StarCoder's filter
+# uses 1,000). Not applied to prose markup, where a paragraph is often one line.
 MAX_LINE_BYTES = 1000
+PROSE_LANGS = {"markdown", "rst", "tex"}
 
 
 def skip_dir(name: str) -> str | None:
@@ -145,7 +147,7 @@ class CodeSource(Source):
             return self.reject(raw.path, raw.reason, raw.detail, item.key)
         if b"\0" in raw[:8192]:
             return self.reject(label, "binary-file", "NUL byte in the first 8 KiB", item.key)
-        longest = max(map(len, raw.split(b"\n")))
+        longest = 0 if lang in PROSE_LANGS else max(map(len, raw.split(b"\n")))
         if longest > MAX_LINE_BYTES:
             detail = f"minified or generated: a line of {longest:,} bytes (over {MAX_LINE_BYTES:,})"
             return self.reject(label, "vendored", detail, item.key)

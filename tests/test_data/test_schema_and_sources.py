@@ -113,6 +113,7 @@ def test_code_tree_rules(tmp_path):
     (root / "pkg" / "app.min.js").write_text("var a=1;")
     (root / "pkg" / "bundle.js").write_text("var a=1;" * 200)  # minified whatever its name
     (root / "pkg" / "table.py").write_text("ROWS = [" + "1, " * 330 + "]\n")  # 999 bytes: kept
+    (root / "pkg" / "README.md").write_text("A paragraph, one line. " * 80 + "\n")  # prose: kept
     (root / "pkg" / "logo.png").write_bytes(png_bytes())
     (root / "pkg" / "huge.py").write_text("x = 1\n" * 400_000)
     (root / "node_modules" / "dep").mkdir(parents=True)
@@ -137,7 +138,7 @@ def test_code_tree_rules(tmp_path):
             next(x for x in (out / "rejects.jsonl").read_text().splitlines() if "bundle.js" in x)
         )["detail"]
     )
-    assert s["manifest"]["totals"]["samples"] == 4
+    assert s["manifest"]["totals"]["samples"] == 5
     import webdataset as wds
 
     docs = [
