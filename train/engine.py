@@ -42,7 +42,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def ds_config(cfg: RunConfig, world_size: int) -> dict:
+def ds_config(cfg: RunConfig, world_size: int, largest_param: int = 0) -> dict:
+    """DeepSpeed's config for this run. ``largest_param``: the model's largest parameter
+    (elements), which ZeRO 3 with sequence parallelism checks against the reduce bucket."""
     train_cfg, ds_cfg = cfg.train, cfg.deepspeed
     # Rows per optimizer step: the ranks of a sequence-parallel group share theirs.
     data_size = world_size // train_cfg.sequence_parallel
@@ -68,7 +70,7 @@ def ds_config(cfg: RunConfig, world_size: int) -> dict:
     sp_zero3 = ds_cfg.zero_stage == 3 and train_cfg.sequence_parallel > 1
     if sp_zero3:
         # ZeRO 3's reduce-scatter path (DeepSpeed 0.19, its default) averages gradients over all
-        # ranks and ignores the SP layout: gradients and their norm came out 1/P of the whole
+        # ranks and ignores the SP layout: gradients and their norm would be 1/P of the whole
         # row's. Its all-reduce path sums over an SP group and averages over the replicas.
         conf["zero_optimization"]["reduce_scatter"] = False
     for key, value in ds_cfg.config.items():
@@ -77,14 +79,37 @@ def ds_config(cfg: RunConfig, world_size: int) -> dict:
             if isinstance(value, dict) and isinstance(conf.get(key), dict)
             else value
         )
-    if sp_zero3 and conf["zero_optimization"].get("reduce_scatter", True):
-        raise ValueError(
-            f"deepspeed.config zero_optimization.reduce_scatter=true with ZeRO 3 and "
-            f"train.sequence_parallel={train_cfg.sequence_parallel}: DeepSpeed's reduce-scatter "
-            "averages gradients over all ranks, ignoring the SP groups (gradients 1/P of the "
-            "row's); leave reduce_scatter out"
-        )
+    if sp_zero3:
+        _check_sp_zero3(conf["zero_optimization"], train_cfg.sequence_parallel, largest_param)
     return conf
+
+
+def _check_sp_zero3(zero: dict, degree: int, largest_param: int) -> None:
+    """Refuses a ZeRO-3 config under which DeepSpeed 0.19 takes its reduce-scatter path for some
+    gradients (it ignores the SP groups: those gradients would be 1/P of the row's). Its
+    all-reduce path needs all three: reduce_scatter off, contiguous_gradients on, and every
+    parameter within reduce_bucket_size."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    default = DeepSpeedZeroConfig()
+    why = ""
+    if zero.get("reduce_scatter", default.reduce_scatter):
+        why = "zero_optimization.reduce_scatter=true; leave reduce_scatter out"
+    elif not zero.get("contiguous_gradients", default.contiguous_gradients):
+        why = "zero_optimization.contiguous_gradients=false; leave it on"
+    elif largest_param > (
+        bucket := int(zero.get("reduce_bucket_size", default.reduce_bucket_size))
+    ):
+        why = (
+            f"zero_optimization.reduce_bucket_size={bucket:,} is below the largest parameter "
+            f"({largest_param:,} elements); raise it to at least that"
+        )
+    if why:
+        raise ValueError(
+            f"deepspeed.config {why} (ZeRO 3 with train.sequence_parallel={degree}: DeepSpeed "
+            "would then reduce-scatter gradients over all ranks, ignoring the SP groups, and "
+            "they would be 1/P of the row's)"
+        )
 
 
 def build_engine(model: nn.Module, cfg: RunConfig, world_size: int, *, total_steps: int = 0):
@@ -122,7 +147,7 @@ def build_engine(model: nn.Module, cfg: RunConfig, world_size: int, *, total_ste
         model=model,
         optimizer=opt,
         lr_scheduler=sched,
-        config=ds_config(cfg, world_size),
+        config=ds_config(cfg, world_size, max(param.numel() for param in model.parameters())),
         mpu=deepspeed_mpu(
             cfg.train.sequence_parallel
         ),  # ZeRO over DP x SP, train/sequence_groups.py

@@ -190,17 +190,31 @@ def test_a_sequence_parallel_degree_must_divide_the_processes():
 
 def test_zero3_with_sequence_parallel_reduces_gradients_by_all_reduce():
     """DeepSpeed's ZeRO-3 reduce-scatter ignores the SP groups (gradients 1/P of the row's), so
-    SP under ZeRO 3 turns it off, and a deepspeed.config that turns it back on is refused."""
+    SP under ZeRO 3 turns it off, and a deepspeed.config that brings it back (reduce_scatter on,
+    contiguous_gradients off, a reduce bucket smaller than a parameter) is refused."""
     from train.engine import ds_config
 
     sp = ["train.sequence_parallel=2", "deepspeed=zero3"]
     assert ds_config(composed(sp), 2)["zero_optimization"]["reduce_scatter"] is False
     assert "reduce_scatter" not in ds_config(composed(["deepspeed=zero3"]), 2)["zero_optimization"]
-    turned_on = composed([*sp, "+deepspeed.config.zero_optimization={reduce_scatter: true}"])
-    with pytest.raises(
-        ValueError, match=r"reduce_scatter=true with ZeRO 3 and train\.sequence_parallel=2"
+    for setting, refused in (
+        ("reduce_scatter: true", r"reduce_scatter=true; leave reduce_scatter out"),
+        ("contiguous_gradients: false", r"contiguous_gradients=false; leave it on"),
+        (
+            "reduce_bucket_size: 1000",
+            r"reduce_bucket_size=1,000 is below the largest parameter .*; raise it to at least that",
+        ),
     ):
-        ds_config(turned_on, 2)
+        changed = composed([*sp, f"+deepspeed.config.zero_optimization={{{setting}}}"])
+        with pytest.raises(
+            ValueError, match=rf"{refused} \(ZeRO 3 with train\.sequence_parallel=2"
+        ):
+            ds_config(changed, 2, largest_param=4096)
+    # a bucket that holds the largest parameter takes the all-reduce path: allowed
+    roomy = composed([*sp, "+deepspeed.config.zero_optimization={reduce_bucket_size: 4096}"])
+    assert (
+        ds_config(roomy, 2, largest_param=4096)["zero_optimization"]["reduce_bucket_size"] == 4096
+    )
 
 
 def test_another_sequence_parallel_degree_breaks_an_exact_resume():
