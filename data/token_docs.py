@@ -73,7 +73,8 @@ def folder_sources(url: str | Path) -> list[SourceConfig]:
     files = root.sizes()
     if not files:
         # TOKENS/val exists only where ingest --val-fraction held documents out
-        hint = "; ingest --val-fraction writes it" if root.url.rstrip("/").endswith("val") else ""
+        held_out = posixpath.basename(root.url.rstrip("/").replace(os.sep, "/")) == "val"
+        hint = "; ingest --val-fraction writes it" if held_out else ""
         raise ValueError(f"{root.url}: no such folder, or an empty one{hint}")
     found = sorted(
         {posixpath.dirname(rel.replace(os.sep, "/")) for rel in files if rel.endswith(INDEX_SUFFIX)}

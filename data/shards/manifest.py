@@ -177,9 +177,10 @@ def load_manifest(out: str | Path, formats: tuple[str, ...] = (MANIFEST_FORMAT,)
     try:
         manifest = json.loads(folder.read_bytes(MANIFEST_FILE))
     except FileNotFoundError:
-        parent = posixpath.dirname(folder.url.rstrip("/").replace(os.sep, "/")) or "."
+        parent, name = posixpath.split(folder.url.rstrip("/").replace(os.sep, "/"))
+        parent = parent or "."
         # OUT/val: the held-out split's sources are listed in OUT's manifest, as val/NAME
-        held_out = folder.url.rstrip("/").endswith("val") and Folder(parent).exists(MANIFEST_FILE)
+        held_out = name == "val" and Folder(parent).exists(MANIFEST_FILE)
         raise ValueError(
             f"{path}: no manifest "
             + (

@@ -145,6 +145,8 @@ def test_a_missing_or_empty_folder_is_named_as_such(tmp_path):
         folder_sources(tmp_path / "nope")
     with pytest.raises(ValueError, match="empty one; ingest --val-fraction writes it"):
         folder_sources(tmp_path / "tokens" / "val")
+    with pytest.raises(ValueError, match="empty one$"):  # a name that only ends in "val"
+        folder_sources(tmp_path / "tokens" / "interval")
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "notes.txt").write_text("not a shard")
     with pytest.raises(ValueError, match="no shards here or in a folder directly below"):
@@ -160,5 +162,7 @@ def test_stats_of_the_held_out_folder_points_to_the_folder_that_describes_it(tok
     assert (
         f"the held-out split is described by {tokens}'s, as its val/ sources: give {tokens}" in err
     )
-    assert prep_main(["stats", str(tokens / "code")]) != 0
-    assert "not an ingest output" in capsys.readouterr().err
+    for not_held_out in ("code", "interval"):
+        (tokens / not_held_out).mkdir(exist_ok=True)
+        assert prep_main(["stats", str(tokens / not_held_out)]) != 0
+        assert "not an ingest output" in capsys.readouterr().err
