@@ -77,15 +77,15 @@ def estimate(
     """Per-GPU memory of ``cfg`` (a TransformerConfig) under the given parallel setup.
     ``world_size``: all ranks (data parallel x ``sequence_parallel``); ``mask``: how the
     attention mask is held, "flex" (a BlockMask, CUDA's default) or "sdpa" (dense)."""
-    if sequence_parallel < 1 or world_size % sequence_parallel or seq_len % sequence_parallel:
+    from model.sequence_parallel import check_sequence_parallel
+
+    # the model's and the row's split, as a run checks them; then the ranks'
+    check_sequence_parallel(
+        n_heads=cfg.attention.n_heads, seq_len=seq_len, degree=sequence_parallel
+    )
+    if world_size % sequence_parallel:
         raise ValueError(
-            f"sequence_parallel={sequence_parallel} must divide the world size ({world_size}) "
-            f"and the row length ({seq_len})"
-        )
-    if cfg.attention.n_heads % sequence_parallel:  # the trainer refuses it (train/config.py)
-        raise ValueError(
-            f"sequence_parallel={sequence_parallel} must divide the query heads "
-            f"(model.attention.n_heads = {cfg.attention.n_heads})"
+            f"sequence_parallel={sequence_parallel} must divide the world size ({world_size})"
         )
     num_params = _param_count(cfg)
     shards = max(1, world_size)

@@ -69,9 +69,9 @@ def check_run(degree: int, world_size: int) -> None:
     try:
         sequence_parallel_ranks(world_size, degree)
     except ValueError as err:
-        # The usual cause: the run was started as one process, without a launcher
+        # One process: the run was most likely started without a launcher
         launch = f"; start it with torchrun --nproc_per_node N, N a multiple of {degree}"
-        raise ConfigError(str(err) + (launch if degree >= 1 else "")) from None
+        raise ConfigError(str(err) + (launch if world_size == 1 else "")) from None
 
 
 class SequenceParallelMpu:

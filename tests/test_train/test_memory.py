@@ -46,8 +46,10 @@ def test_sequence_parallel_divides_activations_and_masks_grow_as_blocks_squared(
         cfg, attention=dataclasses.replace(cfg.attention, local_window=1024, global_every=6)
     )
     assert estimate(local, **kw).mask_gib == 2 * one.mask_gib  # the local layers' own mask
-    with pytest.raises(ValueError, match="sequence_parallel=3 must divide"):
+    with pytest.raises(ValueError, match="over 3 ranks needs the query heads"):
         estimate(cfg, sequence_parallel=3, **kw)
+    with pytest.raises(ValueError, match="sequence_parallel=4 must divide the world size"):
+        estimate(cfg, **{**kw, "world_size": 2}, sequence_parallel=4)
     # as the trainer, a degree that does not divide the query heads (125m: 12) is refused
     with pytest.raises(ValueError, match=r"n_heads = 12"):
         estimate(preset("125m"), sequence_parallel=8, **kw)
