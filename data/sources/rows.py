@@ -36,8 +36,6 @@ NOT_UTF8 = re.compile("[\udc80-\udcff]")  # the bytes surrogateescape kept of in
 
 
 def parse_record(raw: bytes, label: str) -> dict | Reject:
-    # A file's first line may carry a UTF-8 byte order mark (Notepad, Excel); json refuses it.
-    raw = raw.removeprefix(b"\xef\xbb\xbf")
     try:
         rec = json.loads(raw)
     except UnicodeDecodeError as e:

@@ -224,9 +224,9 @@ def test_an_interleaved_record_whose_lists_are_strings_is_a_reject(tmp_path):
 
 def test_tables_with_a_byte_order_mark_or_a_row_not_in_utf8(tmp_path, capsys):
     """Excel's "CSV UTF-8" and Notepad open a file with a byte order mark: it is not part of the
-    header (every row was a bad-record, no "file" column) nor of the first JSON line. A CSV row
-    that is not UTF-8 (Excel's other CSV) is a not-utf8 reject naming its line; it stopped the
-    whole ingest."""
+    CSV header (a "file" column, not "\ufefffile") nor of the first JSON line. A CSV row that is
+    not UTF-8 (Excel's other CSV) is a not-utf8 reject naming its line, not the end of the
+    ingest."""
     pics = tmp_path / "pics"
     pics.mkdir()
     for name in ("a", "b"):
