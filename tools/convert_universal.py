@@ -1,4 +1,4 @@
-"""``earlyfuse-convert universal RUN_DIR [--step N]``: make a ZeRO 1-3 checkpoint, whose
+"""``earlyfuse-convert universal RUN_DIR [--step N]``: make a ZeRO 1-2 checkpoint, whose
 optimizer shards load only on the world size that wrote them, resumable on another one with
 DeepSpeed's ``ds_to_universal`` (docs/checkpoints.md, "Another world size").
 """
@@ -6,9 +6,9 @@ DeepSpeed's ``ds_to_universal`` (docs/checkpoints.md, "Another world size").
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 
+from data.shards.storage import Folder
 from tools.convert_deepspeed import CheckpointError, add_run_dir, find_checkpoint
 from train.checkpoint import checkpoint_files, file_manifest
 from train.safe_load import weights_only_loads
@@ -19,7 +19,7 @@ examples:
   earlyfuse-convert universal runs/1b                                               # latest checkpoint
   torchrun --nproc_per_node 4 -m train.app experiment=gpu_1b run_dir=runs/1b      # resumes on 4 ranks
 """
-HELP = "a ZeRO 1-3 checkpoint -> a DeepSpeed universal checkpoint (resume on another world size)"
+HELP = "a ZeRO 1-2 checkpoint -> a DeepSpeed universal checkpoint (resume on another world size)"
 DESCRIPTION = (
     "Write checkpoints/step_N/universal/ beside RUN_DIR's checkpoint: its optimizer and weight "
     "shards as one file per parameter, which a run with the same run_dir resumes from on any "
@@ -32,10 +32,14 @@ UNIVERSAL = "universal"
 def make_universal(run_dir, step: int | None = None, *, force: bool = False, log=print):
     ckpt = find_checkpoint(run_dir, step)
     stage, world = ckpt.zero_stage, int(ckpt.meta["world_size"])
-    if stage == 0:
+    if stage in (0, 3):  # ZeRO 3: converted, its optimizer does not resume as saved
         raise CheckpointError(
             f"{ckpt.folder}: a ZeRO-0 checkpoint holds whole copies of model and optimizer; it "
             "resumes on any world size as it is (no conversion needed)"
+            if stage == 0
+            else f"{ckpt.folder}: a ZeRO-3 checkpoint resumes only on the world size that wrote "
+            f"it ({world}); on another, release its weights (earlyfuse-convert release) and "
+            "start a new run from them with train.init_from"
         )
     out = ckpt.folder / UNIVERSAL
     if out.exists():
@@ -69,18 +73,8 @@ def make_universal(run_dir, step: int | None = None, *, force: bool = False, log
         ) from None
     # Sizes and hashes of what was written, checked before a resume loads it.
     files = file_manifest(out, checkpoint_files(out))
-    (out / "source.json").write_text(
-        json.dumps(
-            {
-                "step": ckpt.meta.get("step"),
-                "world_size": world,
-                "zero_stage": stage,
-                "files": files,
-            },
-            indent=1,
-        )
-        + "\n"
-    )
+    source = {"step": ckpt.meta.get("step"), "world_size": world, "zero_stage": stage}
+    Folder(out).write_json("source.json", {**source, "files": files})
     log(
         f"wrote {out}: {ckpt.tag} (ZeRO {stage}, {world} rank(s)) as a universal checkpoint; "
         f"`earlyfuse-train ... run_dir={ckpt.run_dir}` on any number of ranks resumes from it"
