@@ -233,20 +233,6 @@ class Release:
                     "the file is corrupted or was changed after the release was written"
                 )
 
-    def _load_safetensors(self, path: Path) -> dict[str, torch.Tensor]:
-        from safetensors.torch import load_file
-
-        if not path.is_file():
-            raise ReleaseError(f"{path}: file missing")
-        try:
-            return load_file(str(path))
-        except (
-            Exception
-        ) as e:  # safetensors raises SafetensorError / OSError for cut or damaged files
-            raise ReleaseError(
-                f"{path}: unreadable, truncated or corrupted safetensors file ({e})"
-            ) from None
-
     def state_dict(
         self, dtype: torch.dtype | None = torch.float32, *, verify: bool = True
     ) -> dict[str, torch.Tensor]:
@@ -255,7 +241,9 @@ class Release:
             self.verify_files()
         if self.task == "lm":
             path = self.path / WEIGHTS
-            state = self._load_safetensors(path)
+            from model.weights import load_safetensors
+
+            state = load_safetensors(path, ReleaseError)
             check_state(state, meta_module("lm", self.model_cfg).state_dict(), str(path))
         else:  # read and checked by the one loader of a visual tokenizer folder
             state = self.visual_tokenizer(verify=False).state_dict()

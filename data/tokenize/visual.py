@@ -36,9 +36,8 @@ def load_visual_tokenizer(
     records them; a corrupted byte inside safetensors would load without complaint), that the
     FSQ levels are ``layout``'s (when given), and that the tensors are the ones the config's
     network has, with its shapes, and finite. A ``VisualTokenizerError`` otherwise."""
-    from safetensors.torch import load_file
-
     from model.visual_tokenizer import VisualTokenizerConfig
+    from model.weights import load_safetensors
 
     folder = Path(folder)
     config_path, weights_path = folder / VISUAL_CONFIG_FILE, folder / VISUAL_WEIGHTS_FILE
@@ -65,12 +64,7 @@ def load_visual_tokenizer(
             f"{folder}: FSQ levels {cfg.levels} differ from the vocabulary layout's "
             f"{list(layout.fsq_levels)}; retrain one of them with the same levels"
         )
-    try:
-        state = load_file(str(weights_path))
-    except Exception as e:  # noqa: BLE001 - safetensors raises SafetensorError / OSError for cut or damaged files
-        raise VisualTokenizerError(
-            f"{weights_path}: unreadable, truncated or corrupted safetensors file ({e})"
-        ) from None
+    state = load_safetensors(weights_path, VisualTokenizerError)
     for name, tensor in state.items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise VisualTokenizerError(
