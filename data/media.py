@@ -81,13 +81,16 @@ class VideoInfo:
         }
 
 
+UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
+
+
 def decode_text(raw: bytes, path: str, *, repair: bool) -> tuple[str, int] | Reject:
     """UTF-8 text (a leading BOM dropped) and the count of replaced bytes, or a not-utf8 reject.
     Text that opens with a UTF-16 byte order mark (Windows tools write it) is read as UTF-16:
     its mark says so unambiguously, and as UTF-8 it would be NULs between the letters."""
     if raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]
-    elif raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+    elif raw.startswith(UTF16_BOMS):
         try:
             return raw.decode("utf-16"), 0
         except UnicodeDecodeError as e:

@@ -2,15 +2,20 @@
 
 Skipped, each with a reject line: vendored/generated/hidden folders (one line per folder, not
 per file inside), files whose extension is not a known language, minified or generated files (by
-name, e.g. ``.min.js``, or by a line over 1,000 bytes outside Markdown, reST and TeX), files over ``max_code_bytes``, binaries
-(a NUL byte) and empty files.
+name, e.g. ``.min.js``, or by a line over 1,000 bytes outside Markdown, reST and TeX), files over
+``max_code_bytes``, binaries (a NUL byte, unless a UTF-16 byte order mark opens the file) and
+empty files. Files are UTF-8, or UTF-16 by their byte order mark; a Python file is read in the
+coding its PEP 263 line declares (``# -*- coding: latin-1 -*-``), as Python itself reads it.
 """
 
 from __future__ import annotations
 
+import io
+import tokenize
 from collections.abc import Iterator
 from pathlib import Path
 
+from data.media import UTF16_BOMS
 from data.schema import Reject, Sample
 from data.sources.base import Item, Part, Source, read_file, stat_size, unstatable
 
@@ -145,7 +150,11 @@ class CodeSource(Source):
         raw = read_file(Path(path), label)
         if isinstance(raw, Reject):
             return self.reject(raw.path, raw.reason, raw.detail, item.key)
-        if b"\0" in raw[:8192]:
+        if lang == "python":
+            raw = python_as_utf8(raw, label)
+            if isinstance(raw, Reject):
+                return self.reject(raw.path, raw.reason, raw.detail, item.key)
+        if b"\0" in raw[:8192] and not raw.startswith(UTF16_BOMS):
             return self.reject(label, "binary-file", "NUL byte in the first 8 KiB", item.key)
         longest = 0 if lang in PROSE_LANGS else max(map(len, raw.split(b"\n")))
         if longest > MAX_LINE_BYTES:
@@ -153,3 +162,21 @@ class CodeSource(Source):
             return self.reject(label, "vendored", detail, item.key)
         part = Part("code", raw, path=label, lang=lang)
         return self.assemble(item.key, [part], {}, {"path": label}, label)
+
+
+def python_as_utf8(raw: bytes, label: str) -> bytes | Reject:
+    """A Python file's bytes in UTF-8, decoded from the coding its PEP 263 line declares.
+    Without a declaration (or with one Python would refuse) the bytes are left as they are for
+    the one UTF-8 check every text goes through."""
+    if raw.startswith(UTF16_BOMS):
+        return raw
+    try:
+        coding, _ = tokenize.detect_encoding(io.BytesIO(raw).readline)
+    except SyntaxError:
+        return raw
+    if coding in ("utf-8", "utf-8-sig"):
+        return raw
+    try:
+        return raw.decode(coding).encode("utf-8")
+    except UnicodeDecodeError as e:
+        return Reject(label, "not-utf8", f"invalid {coding} (its coding line) at byte {e.start}")

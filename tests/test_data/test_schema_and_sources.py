@@ -154,6 +154,31 @@ def test_code_tree_rules(tmp_path):
     assert by_path["Makefile"]["lang"] == "make" and by_path["pkg/lib.rs"]["lang"] == "rust"
 
 
+def test_code_files_in_other_encodings(tmp_path):
+    """A Python file in the coding its PEP 263 line declares and a UTF-16 file with its byte order
+    mark are read as their authors wrote them; undeclared or false codings are rejected."""
+    root = tmp_path / "repo"
+    root.mkdir()
+    (root / "legacy.py").write_bytes(b"# -*- coding: latin-1 -*-\nNAME = 'caf\xe9'\n")
+    (root / "undeclared.py").write_bytes(b"NAME = 'caf\xe9'\n")
+    (root / "lying.py").write_bytes(b"# coding: utf-8\nNAME = 'caf\xe9'\n")
+    (root / "windows.c").write_bytes("int caf\u00e9 = 1;\n".encode("utf-16"))
+    out = tmp_path / "out"
+    ingest(out, [f"code:{root}"])
+    assert _rejects(out) == {"undeclared.py": "not-utf8", "lying.py": "not-utf8"}
+    import webdataset as wds
+
+    docs = [
+        json.loads(x["json"])
+        for x in wds.WebDataset(str(next((out / "repo").glob("*.tar"))), shardshuffle=False)
+    ]
+    texts = {d["origin"]["path"]: d["segments"][0]["text"] for d in docs}
+    assert texts == {
+        "legacy.py": "# -*- coding: latin-1 -*-\nNAME = 'caf\u00e9'\n",
+        "windows.c": "int caf\u00e9 = 1;\n",
+    }
+
+
 def test_image_and_video_tables(tmp_path):
     (tmp_path / "img").mkdir()
     (tmp_path / "img" / "a.png").write_bytes(png_bytes())
