@@ -151,9 +151,7 @@ class CodeSource(Source):
         if isinstance(raw, Reject):
             return self.reject(raw.path, raw.reason, raw.detail, item.key)
         if lang == "python":
-            raw = python_as_utf8(raw, label)
-            if isinstance(raw, Reject):
-                return self.reject(raw.path, raw.reason, raw.detail, item.key)
+            raw = python_as_utf8(raw)
         if b"\0" in raw[:8192] and not raw.startswith(UTF16_BOMS):
             return self.reject(label, "binary-file", "NUL byte in the first 8 KiB", item.key)
         longest = 0 if lang in PROSE_LANGS else max(map(len, raw.split(b"\n")))
@@ -164,10 +162,10 @@ class CodeSource(Source):
         return self.assemble(item.key, [part], {}, {"path": label}, label)
 
 
-def python_as_utf8(raw: bytes, label: str) -> bytes | Reject:
+def python_as_utf8(raw: bytes) -> bytes:
     """A Python file's bytes in UTF-8, decoded from the coding its PEP 263 line declares.
-    Without a declaration (or with one Python would refuse) the bytes are left as they are for
-    the one UTF-8 check every text goes through."""
+    Without a declaration, or where the bytes are not in the declared coding, they are left as
+    they are for the one UTF-8 check every text goes through (``--repair-utf8`` applies there)."""
     if raw.startswith(UTF16_BOMS):
         return raw
     try:
@@ -178,5 +176,5 @@ def python_as_utf8(raw: bytes, label: str) -> bytes | Reject:
         return raw
     try:
         return raw.decode(coding).encode("utf-8")
-    except UnicodeDecodeError as e:
-        return Reject(label, "not-utf8", f"invalid {coding} (its coding line) at byte {e.start}")
+    except UnicodeDecodeError:
+        return raw  # not the coding it declares: the UTF-8 check rejects or repairs it
