@@ -122,13 +122,14 @@ class CaptionedSource(Source):
             if rel not in media:
                 if suffix in (".txt", ".json") and str(Path(rel).with_suffix("")) in stems:
                     continue  # a sidecar caption, read with its media file
-                yield self.rejected_item(
-                    key,
-                    rel,
-                    "unknown-type",
+                detail = (
                     f"not a{'n image' if self.kind == 'images' else ' video'} "
-                    f"file ({suffix or 'no extension'})",
+                    f"file ({suffix or 'no extension'})"
                 )
+                if suffix in (".txt", ".json") and str(Path(rel).with_suffix("")) in media:
+                    named = Path(rel).with_suffix("").with_suffix(suffix).name
+                    detail += f"; the caption sidecar of {Path(rel).stem} is named {named}"
+                yield self.rejected_item(key, rel, "unknown-type", detail)
                 continue
             path = self.root / rel
             txt, json_path = path.with_suffix(".txt"), path.with_suffix(".json")

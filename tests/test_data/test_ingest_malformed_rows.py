@@ -259,3 +259,18 @@ def test_tables_with_a_byte_order_mark_or_a_row_not_in_utf8(tmp_path, capsys):
     argv = ["ingest", "--out", str(tmp_path / "out2"), "--no-progress"]
     assert main([*argv, "--source", f"images:{tmp_path / 'latin.csv'}"]) == 1
     assert "latin.csv:1: the header row is not valid UTF-8" in capsys.readouterr().err
+
+
+def test_a_sidecar_named_after_the_whole_file_name_says_the_name_it_needs(tmp_path):
+    """``IMG.JPEG.txt`` beside ``IMG.JPEG`` (as some downloaders write it) is not read as the
+    caption; its reject says which name would be."""
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    (pics / "IMG.JPEG").write_bytes(png_bytes())
+    (pics / "IMG.JPEG.txt").write_text("a caption under the wrong name")
+    status, rejects, _ = run_ingest(tmp_path / "out", f"images:{pics}")
+    assert status == EXIT_REJECTS
+    assert [(r["path"], r["reason"]) for r in rejects] == [("IMG.JPEG.txt", "unknown-type")]
+    assert rejects[0]["detail"] == (
+        "not an image file (.txt); the caption sidecar of IMG.JPEG is named IMG.txt"
+    )
