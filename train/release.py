@@ -36,6 +36,7 @@ import torch
 
 from data.names import LAYOUT_FILE, TOKENIZER_FILE, VISUAL_TOKENIZER_DIR
 from data.shards.index import file_sha256
+from model.weights import nonfinite_tensor
 
 if TYPE_CHECKING:
     from data.vocab import VocabLayout
@@ -94,14 +95,10 @@ def check_state(
                 f"{where}: tensor {name!r} has shape {list(tensor.shape)}, the model expects "
                 f"{list(ref.shape)}{tail}"
             )
-        if (
-            tensor.is_floating_point()
-            and tensor.device.type != "meta"
-            and not bool(torch.isfinite(tensor).all())
-        ):
-            raise ReleaseError(
-                f"{where}: tensor {name!r} holds NaN or Inf values (the run diverged before this step?)"
-            )
+    if (bad := nonfinite_tensor(state)) is not None:
+        raise ReleaseError(
+            f"{where}: tensor {bad!r} holds NaN or Inf values (the run diverged before this step?)"
+        )
 
 
 def flat(nested: dict, prefix: str = "") -> dict:

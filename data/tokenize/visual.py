@@ -37,7 +37,7 @@ def load_visual_tokenizer(
     FSQ levels are ``layout``'s (when given), and that the tensors are the ones the config's
     network has, with its shapes, and finite. A ``VisualTokenizerError`` otherwise."""
     from model.visual_tokenizer import VisualTokenizerConfig
-    from model.weights import load_safetensors
+    from model.weights import load_safetensors, nonfinite_tensor
 
     folder = Path(folder)
     config_path, weights_path = folder / VISUAL_CONFIG_FILE, folder / VISUAL_WEIGHTS_FILE
@@ -65,11 +65,10 @@ def load_visual_tokenizer(
             f"{list(layout.fsq_levels)}; retrain one of them with the same levels"
         )
     state = load_safetensors(weights_path, VisualTokenizerError)
-    for name, tensor in state.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise VisualTokenizerError(
-                f"{weights_path}: tensor {name!r} holds NaN or Inf values (the run diverged?)"
-            )
+    if (bad := nonfinite_tensor(state)) is not None:
+        raise VisualTokenizerError(
+            f"{weights_path}: tensor {bad!r} holds NaN or Inf values (the run diverged?)"
+        )
     model = cfg.build()
     try:  # strict: names and shapes as the config's network has them
         model.load_state_dict(state)
