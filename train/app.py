@@ -15,9 +15,11 @@ a save; one line says why), 3 halted by a monitor.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -152,9 +154,25 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
         except ConfigError as e:
             print(f"earlyfuse-train: {e}", file=sys.stderr)
             sys.exit(2)
-        sys.exit(run(run_cfg, resolved, extra_callbacks))
+        code = run(run_cfg, resolved, extra_callbacks)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            leave_rank(code)
+        sys.exit(code)
 
     hydra_main()
+
+
+def leave_rank(code: int) -> NoReturn:
+    """End a rank of a multi-process run without tearing the interpreter down. PyTorch's C++
+    threads (gloo's workers, autograd's) can still call into Python while it is being
+    finalized, which aborts the process ("terminate called without an active exception",
+    SIGABRT) after the run is done; torchrun then reports the job as failed and a scheduler
+    retries it. By now ``run`` has closed everything it wrote to, stopped the loader's workers
+    and destroyed the process groups: only the logging handlers and the console remain."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
