@@ -165,6 +165,7 @@ def evaluate(args) -> dict:
         raise ValueError(f"{rel.path}: a {rel.task} release; earlyfuse-eval takes a language model")
     device = torch.device(args.device)
     val = source_tables(args.data)
+    rel.check_token_tables(val, "--data")
     out: dict = {"release": str(rel.path), "step": rel.step, "data": str(args.data)}
     packing, origin = packing_options(args, rel)
     out.update(packing)
@@ -181,6 +182,7 @@ def evaluate(args) -> dict:
     unigram = None
     if args.train_data:
         train = source_tables(args.train_data)
+        rel.check_token_tables(train, "--train-data")
         out["train_data"] = str(args.train_data)
         say("overlap with the training documents ...")
         out["overlap"] = overlap(val, train, progress=progress)
