@@ -198,7 +198,8 @@ def test_batch_jsonl_runs_every_request(release, image, tmp_path):
 @pytest.mark.parametrize(
     ("flag", "value", "refusal"),
     [
-        ("--temperature", "-1", "temperature -1.0: must be 0 (greedy) or more"),
+        ("--temperature", "-1", "temperature -1.0: must be 0 (greedy) or more, finite"),
+        ("--temperature", "inf", "temperature inf: must be 0 (greedy) or more, finite"),
         ("--top-p", "0", "top_p 0.0: must be in (0, 1]"),
         ("--top-k", "-2", "top_k -2: must be 0 (off) or more"),
         ("--max-new-tokens", "0", "max_new_tokens 0: must be at least 1"),
@@ -207,6 +208,15 @@ def test_batch_jsonl_runs_every_request(release, image, tmp_path):
 def test_a_sampling_option_out_of_range_is_refused_by_name(release, capsys, flag, value, refusal):
     assert generate_main([str(release), "--prompt", "x", flag, value]) == 1
     assert f"earlyfuse-generate: error: {refusal}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scale", ["inf", "nan"])
+def test_a_guidance_that_is_not_a_finite_number_is_refused(release, tmp_path, capsys, scale):
+    argv = [str(release), "--draw", "x", "--out", str(tmp_path / "x.png"), "--guidance", scale]
+    assert generate_main([*argv, "--temperature", "1"]) == 1
+    err = capsys.readouterr().err
+    assert f"earlyfuse-generate: error: guidance {scale}: must be a finite number (1: off)" in err
+    assert not (tmp_path / "x.png").exists()
 
 
 def test_unusable_release_is_a_clear_error(release, tmp_path, capsys):
