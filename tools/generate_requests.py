@@ -14,6 +14,7 @@ is decoded.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,7 +122,15 @@ def sample(
         unconditional_ids=row(unconditional),
         guidance=guidance,
     )
-    return out[0, len(ids) :].tolist()
+    new = out[0, len(ids) :].tolist()
+    if 0 < parts.row < len(ids) + len(new):  # RoPE runs on, but the model never trained there
+        print(
+            f"earlyfuse-generate: note: {len(ids)} prompt + {len(new)} new tokens pass the "
+            f"{parts.row}-token rows the model trained on (the release's packing.seq_len): "
+            f"positions past {parts.row} were never trained",
+            file=sys.stderr,
+        )
+    return new
 
 
 def draw_image(
@@ -204,6 +213,7 @@ class Generator:
         """How the token data encoded its images (config.json ``tokenize``; ``row``: the
         training row length), so prompts match."""
         self.image_max_pixels = int(opts.get("image_max_pixels", 256 * 256))
+        self.row = row  # a prompt and its continuation past it get a note on stderr
         # The longest image block trained on: tokenize's cap (its images were made smaller until
         # they fit) and the row, which no block outlasts (the loader's cap on raw sources)
         caps = [cap for cap in (int(opts.get("max_block_tokens") or 0), row) if cap]

@@ -195,6 +195,19 @@ def test_batch_jsonl_runs_every_request(release, image, tmp_path):
     assert json.loads((tmp_path / "solo.out").read_text())["text"] == recs[1]["text"]
 
 
+def test_a_prompt_past_the_training_rows_runs_with_a_note(release, capsys):
+    """The debug run trained on rows of 256 tokens: a longer prompt still runs (RoPE has no
+    length cap) and its continuation is printed, with a note on stderr that the positions past
+    the row were never trained; a short prompt gets none."""
+    assert generate_main([str(release), "--prompt", "a b c " * 200, "--max-new-tokens", "4"]) == 0
+    printed = capsys.readouterr()
+    assert printed.out.strip()
+    assert "earlyfuse-generate: note: " in printed.err
+    assert "new tokens pass the 256-token rows the model trained on" in printed.err
+    assert generate_main([str(release), "--prompt", "a b c", "--max-new-tokens", "4"]) == 0
+    assert "note" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("flag", "value", "refusal"),
     [
