@@ -82,6 +82,8 @@ class ImageConstraint:
             1 <= size[0] <= layout.max_grid and 1 <= size[1] <= layout.max_grid
         ):
             raise ValueError(f"image size {size} outside 1..{layout.max_grid}")
+        if any(side is not None and side < 1 for side in (max_h, max_w)):  # 0 is not "no cap"
+            raise ValueError(f"largest side {max_h}x{max_w}: must be at least 1")
         self.state = [OUT] * batch_size
         self.H, self.W = [0] * batch_size, [0] * batch_size
         self.row, self.col = [0] * batch_size, [0] * batch_size

@@ -158,7 +158,7 @@ def draw_image(
             layout, 1, vocab_size=parts.model.cfg.vocab_size, max_h=side, max_w=side, size=size
         )
     except ValueError as e:
-        raise ReleaseError(f"--size: {e}") from None
+        raise ReleaseError(f"--size/--max-size: {e}") from None
     new = sample(
         parts,
         ids,
@@ -317,11 +317,11 @@ class Generator:
         max_size: int | None = None,
         **sampling,
     ) -> dict:
-        grid_from = "given" if size else ("the model's choice" if max_size else "")
+        grid_from = "given" if size else ("the model's choice" if max_size is not None else "")
         if size is None and max_size is None:
             size = self.training_grid()
             grid_from = "the training images' most common" if size else "the model's choice"
-        side = max([max_size or self.default_max_size(), *(size or ())])
+        side = max([self.default_max_size() if max_size is None else max_size, *(size or ())])
         codes, arr, count = draw_image(self, prompt, size=size, side=side, **sampling)
         from PIL import Image
 

@@ -130,6 +130,9 @@ def test_draw_writes_a_png_that_decodes(release, tmp_path, capsys):
         assert max(im.size) <= 5 * factor
     assert generate_main([str(release), "--draw", "x", "--out", str(free), "--size", "99x99"]) == 1
     assert "outside 1..32" in capsys.readouterr().err
+    # a largest side of 0 is refused, not taken for "no cap" (it drew the default grid)
+    assert generate_main([str(release), "--draw", "x", "--out", str(free), "--max-size", "0"]) == 1
+    assert "--size/--max-size: largest side 0x0: must be at least 1" in capsys.readouterr().err
     # Classifier-free guidance: seeded draws repeat, and the guided picture is another one
     # (its codes come from other log-probabilities; model/generate.py tests the arithmetic).
     pictures = []
