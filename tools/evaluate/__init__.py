@@ -38,8 +38,8 @@ what the table says (docs/evaluation.md explains every figure):
   passkey / frame copy: teacher-forced accuracy of a key's digits (whole keys in brackets) or of
     a repeated frame's codes, per depth of the needle and sequence length, against a control
     without the needle (what guessing gets).
-  The held-out data must be made with the release's tokenizers and never seen in training
-    (earlyfuse-prep ingest --exclude-content-of TRAIN_RAW); --train-data checks the second.
+  The held-out data must be made with the release's tokenizers (checked: other tokenizers are
+    refused) and never seen in training (ingest --exclude-content-of; --train-data checks it).
 """
 
 
