@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from data.layout import image_block_len
 
@@ -134,6 +134,11 @@ def _load_image(raw: bytes, prep: ImagePrep, max_source_pixels: int | None) -> n
             image: Image.Image = Image.open(io.BytesIO(raw))
         except Image.DecompressionBombError as e:
             raise ValueError(f"DecompressionBombError: {e}") from None
+        except UnidentifiedImageError:  # Pillow's message names an io.BytesIO object, not the file
+            raise ValueError(
+                f"not an image Pillow reads ({len(raw)} bytes starting {raw[:12]!r}: a video, "
+                "another kind of file or a damaged one?)"
+            ) from None
     width, height = image.size
     if max_source_pixels is not None and width * height > max_source_pixels:
         raise ValueError(

@@ -19,6 +19,7 @@ Design choices:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -41,10 +42,16 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         # Refused here, not clamped: a negative temperature or a top_p of 0 would otherwise
-        # sample silently from something other than what was asked for.
+        # sample silently from something other than what was asked for (an infinite
+        # temperature, from no distribution at all: softmax of inf - inf is nan).
         for name, value, allowed, ok in (
             ("max_new_tokens", self.max_new_tokens, "at least 1", self.max_new_tokens >= 1),
-            ("temperature", self.temperature, "0 (greedy) or more", self.temperature >= 0),
+            (
+                "temperature",
+                self.temperature,
+                "0 (greedy) or more, finite",
+                0 <= self.temperature < math.inf,
+            ),
             ("top_k", self.top_k, "0 (off) or more", self.top_k >= 0),
             ("top_p", self.top_p, "in (0, 1] (1: off)", 0 < self.top_p <= 1),
         ):
@@ -75,6 +82,8 @@ class ImageConstraint:
             1 <= size[0] <= layout.max_grid and 1 <= size[1] <= layout.max_grid
         ):
             raise ValueError(f"image size {size} outside 1..{layout.max_grid}")
+        if any(side is not None and side < 1 for side in (max_h, max_w)):  # 0 is not "no cap"
+            raise ValueError(f"largest side {max_h}x{max_w}: must be at least 1")
         self.state = [OUT] * batch_size
         self.H, self.W = [0] * batch_size, [0] * batch_size
         self.row, self.col = [0] * batch_size, [0] * batch_size
@@ -286,6 +295,8 @@ def generate(
         raise ValueError(
             "an M-RoPE or grid-embedding model needs the vocabulary layout to place generated tokens"
         )
+    if not math.isfinite(guidance):  # every guided log-probability would be nan or inf
+        raise ValueError(f"guidance {guidance}: must be a finite number (1: off)")
     guided = unconditional_ids is not None and guidance != 1.0
     if unconditional_ids is not None and unconditional_ids.shape[0] != batch_size:
         raise ValueError("unconditional_ids needs as many rows as prompt_ids")

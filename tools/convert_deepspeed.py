@@ -51,8 +51,10 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Checkpoint:
     run_dir = Path(run_dir)
     root = run_dir / CHECKPOINTS_DIR
     if not root.is_dir():
+        what = "no checkpoints/ folder in it" if run_dir.is_dir() else "no such folder"
         raise CheckpointError(
-            f"{run_dir}: no checkpoints/ folder; is this an earlyfuse-train run folder?"
+            f"{run_dir}: {what}; give an earlyfuse-train run folder, the one holding checkpoints/ "
+            "(a step_N/ folder copied on its own: into a checkpoints/ of its own, with --step N)"
         )
     have = sorted(
         folder.name for folder in root.iterdir() if folder.is_dir() and TAG.match(folder.name)

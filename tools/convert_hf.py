@@ -217,21 +217,7 @@ print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
 ```
 
 Without that list (`model.generate(ids, suppress_tokens=None)`) the model samples over the
-whole vocabulary, visual codes included. To restrict any other way, a logits processor that
-keeps ids `< {lay.text_size}` does the same:
-
-```python
-import torch
-from transformers import LogitsProcessor, LogitsProcessorList
-
-class TextOnly(LogitsProcessor):
-    def __call__(self, input_ids, scores):
-        scores[:, {lay.text_size}:] = -float("inf")
-        scores[:, [{tok.pad_id}, {tok.bos_id}]] = -float("inf")
-        return scores
-
-model.generate(ids, suppress_tokens=None, logits_processor=LogitsProcessorList([TextOnly()]))
-```
+whole vocabulary, visual codes (ids from `{lay.visual_offset}`) included.
 
 Images are blocks `<boi> <h=H> <w=W> (W codes <eol>) x H <eoi>`: drawing one needs the grid
 grammar that `earlyfuse-generate --draw` enforces; Hugging Face generation does not know it.

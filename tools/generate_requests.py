@@ -14,6 +14,7 @@ is decoded.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,7 +122,15 @@ def sample(
         unconditional_ids=row(unconditional),
         guidance=guidance,
     )
-    return out[0, len(ids) :].tolist()
+    new = out[0, len(ids) :].tolist()
+    if 0 < parts.row < len(ids) + len(new):  # RoPE runs on, but the model never trained there
+        print(
+            f"earlyfuse-generate: note: {len(ids)} prompt + {len(new)} new tokens pass the "
+            f"{parts.row}-token rows the model trained on (the release's packing.seq_len): "
+            f"positions past {parts.row} were never trained",
+            file=sys.stderr,
+        )
+    return new
 
 
 def draw_image(
@@ -149,7 +158,7 @@ def draw_image(
             layout, 1, vocab_size=parts.model.cfg.vocab_size, max_h=side, max_w=side, size=size
         )
     except ValueError as e:
-        raise ReleaseError(f"--size: {e}") from None
+        raise ReleaseError(f"--size/--max-size: {e}") from None
     new = sample(
         parts,
         ids,
@@ -204,6 +213,7 @@ class Generator:
         """How the token data encoded its images (config.json ``tokenize``; ``row``: the
         training row length), so prompts match."""
         self.image_max_pixels = int(opts.get("image_max_pixels", 256 * 256))
+        self.row = row  # a prompt and its continuation past it get a note on stderr
         # The longest image block trained on: tokenize's cap (its images were made smaller until
         # they fit) and the row, which no block outlasts (the loader's cap on raw sources)
         caps = [cap for cap in (int(opts.get("max_block_tokens") or 0), row) if cap]
@@ -307,11 +317,11 @@ class Generator:
         max_size: int | None = None,
         **sampling,
     ) -> dict:
-        grid_from = "given" if size else ("the model's choice" if max_size else "")
+        grid_from = "given" if size else ("the model's choice" if max_size is not None else "")
         if size is None and max_size is None:
             size = self.training_grid()
             grid_from = "the training images' most common" if size else "the model's choice"
-        side = max([max_size or self.default_max_size(), *(size or ())])
+        side = max([self.default_max_size() if max_size is None else max_size, *(size or ())])
         codes, arr, count = draw_image(self, prompt, size=size, side=side, **sampling)
         from PIL import Image
 

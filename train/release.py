@@ -221,6 +221,31 @@ class Release:
     def has_tokenizers(self) -> bool:
         return (self.path / TOKENIZER).is_file() and (self.path / VISUAL / WEIGHTS).is_file()
 
+    def check_token_tables(self, tables, what: str) -> None:
+        """Token tables to score this model on must be made with its tokenizers: another
+        tokenizer's ids fall inside the vocabulary and run, but mean other things to the model,
+        and the figures look like figures. Refuses naming the source, its manifest and the
+        tokenizers that differ (the fingerprints ``config.json`` and each token manifest record).
+        A release without fingerprints (``--no-tokenizers``) checks nothing."""
+        mine = self.config.get("tokenizers") or {}
+        names = {
+            "text": "text tokenizer",
+            "layout": "vocabulary layout",
+            "visual": "visual tokenizer",
+        }
+        for table in tables:
+            theirs = json.loads(table.tokenizer_fingerprint or "{}")
+            differ = [
+                name for key, name in names.items() if key in mine and theirs.get(key) != mine[key]
+            ]
+            if differ:
+                raise ReleaseError(
+                    f"{what}: source {table.name} ({table.manifest_url}) was tokenized with other "
+                    f"tokenizers than {self.path} ({', '.join(differ)} differ): its ids mean other "
+                    "things to this model. Tokenize it with the release's own (earlyfuse-prep "
+                    f"tokenize --tokenizer {self.path} --visual-tokenizer {self.path / VISUAL})"
+                )
+
     def verify_files(self) -> None:
         """Every file's sha256 against config.json (catches corruption inside a file)."""
         for name, digest in self.config.get("files", {}).items():

@@ -57,3 +57,15 @@ def test_large_jpeg_is_reduced_to_the_budget():
     im = Image.fromarray(rng.integers(0, 255, (600, 800, 3), dtype=np.uint8))
     a = load_image(encode(im, "JPEG"), ImagePrep(factor=8, max_pixels=128 * 96))
     assert a.shape == (96, 128, 3) and a.dtype == np.uint8
+
+
+def test_bytes_that_are_no_image_are_a_value_error_that_says_so(tiny_corpus):
+    """A video or any other file given where an image is expected (earlyfuse-generate --image
+    clip.mp4): a ValueError saying what the bytes are not, never Pillow's message, which names
+    an io.BytesIO object at a memory address instead of anything the user gave."""
+    clip = next((tiny_corpus / "clips").glob("*.mp4")).read_bytes()
+    for raw in (clip, b"plain text, not a picture"):
+        with pytest.raises(ValueError, match="not an image Pillow reads") as refused:
+            load_image(raw, ImagePrep(factor=4, max_pixels=1024))
+        assert f"{len(raw)} bytes starting {raw[:12]!r}" in str(refused.value)
+        assert "BytesIO" not in str(refused.value)

@@ -357,6 +357,25 @@ def test_missing_tokenizers_and_bad_arguments_are_named(
         make_release(run, tmp_path / "c", no_tokenizers=True, log=quiet)
 
 
+def test_a_folder_that_is_no_run_folder_is_named_with_what_to_give(runs, tmp_path):
+    """A path that is not there, the checkpoints/ folder itself or one of its step folders are
+    each named with what to give instead; a step folder copied on its own releases as the
+    message says: inside a checkpoints/ folder of its own, with --step."""
+    step = runs[0] / "checkpoints" / "step_00000003"
+    for given, what in (
+        (tmp_path / "typo", "no such folder"),
+        (runs[0] / "checkpoints", "no checkpoints/ folder in it"),
+        (step, "no checkpoints/ folder in it"),
+    ):
+        with pytest.raises(CheckpointError) as refused:
+            make_release(given, tmp_path / "out", log=quiet)
+        assert str(refused.value).startswith(f"{given}: {what}; give an earlyfuse-train run folder")
+        assert "with --step N" in str(refused.value)
+    shutil.copytree(step, tmp_path / "copied" / "checkpoints" / step.name)
+    cfg = make_release(tmp_path / "copied", tmp_path / "out", step=3, log=quiet)
+    assert cfg["source"]["step"] == 3
+
+
 def test_the_tokenizer_folder_is_found_through_any_source_or_every_try_named(tiny_tokens):
     """One lookup for training and releases: the tokenizers/ its first usable token source names
     (``TokenTable.layout_url``), else an error naming each place tried."""

@@ -129,6 +129,36 @@ def test_a_release_shipped_without_its_run_folder_is_evaluated_on_the_runs_rows(
     assert bare["heldout"]["total"] != original["heldout"]["total"]  # other rows
 
 
+def test_token_data_of_other_tokenizers_is_refused_naming_the_source(
+    debug_release, tiny_tokenizers, tmp_path, capsys
+):
+    """Held-out notes tokenized with another text tokenizer have ids inside the model's
+    vocabulary: the pass would run and print figures of ids that mean other things. earlyfuse-eval
+    compares each source's tokenizer fingerprints with the release's and refuses, naming the
+    source, its manifest, what differs and the command that tokenizes it right."""
+    from data.ingest import ingest
+    from data.tokenize.run import tokenize
+    from data.train_text_tokenizer import train_text_tokenizer
+
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "n.txt").write_text("A held-out note, tokenized the wrong way.\n" * 4)
+    assert ingest(tmp_path / "raw", [f"notes=text:{tmp_path / 'notes'}"])["finalized"]
+    train_text_tokenizer([tmp_path / "raw"], tmp_path / "tok", vocab_size=300, max_grid=32)
+    tokenize(tmp_path / "raw", tmp_path / "tokens", tmp_path / "tok", tiny_tokenizers[1])
+    # the same note made with the release's own tokenizers: a held-out side that is right
+    tokenize(tmp_path / "raw", tmp_path / "right", debug_release, tiny_tokenizers[1])
+    wrong, right = str(tmp_path / "tokens"), str(tmp_path / "right")
+    for flag, data, train in (("--data", wrong, right), ("--train-data", right, wrong)):
+        argv = [str(debug_release), "--data", data, "--train-data", train, "--no-progress"]
+        assert eval_main(argv) == 1
+        printed = capsys.readouterr()
+        assert printed.out == ""  # no table of meaningless figures
+        assert f"error: {flag}: source notes ({wrong}/manifest.json)" in printed.err
+        assert "(text tokenizer, vocabulary layout differ)" in printed.err
+        assert f"tokenize --tokenizer {debug_release} --visual-tokenizer" in printed.err
+    assert eval_main([str(debug_release), "--data", right, "--no-progress"]) == 0
+
+
 def test_scenes_read_from_raw_shards_are_the_ingested_scenes(tiny_corpus, tiny_raw, tmp_path):
     """``--scenes RAW_DIR`` scores the scenes that ingest wrote (the held-out set as it is),
     with the bytes of their pictures; a scene that ingest kept out is not scored."""

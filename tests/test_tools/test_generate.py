@@ -130,6 +130,9 @@ def test_draw_writes_a_png_that_decodes(release, tmp_path, capsys):
         assert max(im.size) <= 5 * factor
     assert generate_main([str(release), "--draw", "x", "--out", str(free), "--size", "99x99"]) == 1
     assert "outside 1..32" in capsys.readouterr().err
+    # a largest side of 0 is refused, not taken for "no cap" (it drew the default grid)
+    assert generate_main([str(release), "--draw", "x", "--out", str(free), "--max-size", "0"]) == 1
+    assert "--size/--max-size: largest side 0x0: must be at least 1" in capsys.readouterr().err
     # Classifier-free guidance: seeded draws repeat, and the guided picture is another one
     # (its codes come from other log-probabilities; model/generate.py tests the arithmetic).
     pictures = []
@@ -195,10 +198,24 @@ def test_batch_jsonl_runs_every_request(release, image, tmp_path):
     assert json.loads((tmp_path / "solo.out").read_text())["text"] == recs[1]["text"]
 
 
+def test_a_prompt_past_the_training_rows_runs_with_a_note(release, capsys):
+    """The debug run trained on rows of 256 tokens: a longer prompt still runs (RoPE has no
+    length cap) and its continuation is printed, with a note on stderr that the positions past
+    the row were never trained; a short prompt gets none."""
+    assert generate_main([str(release), "--prompt", "a b c " * 200, "--max-new-tokens", "4"]) == 0
+    printed = capsys.readouterr()
+    assert printed.out.strip()
+    assert "earlyfuse-generate: note: " in printed.err
+    assert "new tokens pass the 256-token rows the model trained on" in printed.err
+    assert generate_main([str(release), "--prompt", "a b c", "--max-new-tokens", "4"]) == 0
+    assert "note" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("flag", "value", "refusal"),
     [
-        ("--temperature", "-1", "temperature -1.0: must be 0 (greedy) or more"),
+        ("--temperature", "-1", "temperature -1.0: must be 0 (greedy) or more, finite"),
+        ("--temperature", "inf", "temperature inf: must be 0 (greedy) or more, finite"),
         ("--top-p", "0", "top_p 0.0: must be in (0, 1]"),
         ("--top-k", "-2", "top_k -2: must be 0 (off) or more"),
         ("--max-new-tokens", "0", "max_new_tokens 0: must be at least 1"),
@@ -207,6 +224,15 @@ def test_batch_jsonl_runs_every_request(release, image, tmp_path):
 def test_a_sampling_option_out_of_range_is_refused_by_name(release, capsys, flag, value, refusal):
     assert generate_main([str(release), "--prompt", "x", flag, value]) == 1
     assert f"earlyfuse-generate: error: {refusal}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scale", ["inf", "nan"])
+def test_a_guidance_that_is_not_a_finite_number_is_refused(release, tmp_path, capsys, scale):
+    argv = [str(release), "--draw", "x", "--out", str(tmp_path / "x.png"), "--guidance", scale]
+    assert generate_main([*argv, "--temperature", "1"]) == 1
+    err = capsys.readouterr().err
+    assert f"earlyfuse-generate: error: guidance {scale}: must be a finite number (1: off)" in err
+    assert not (tmp_path / "x.png").exists()
 
 
 def test_unusable_release_is_a_clear_error(release, tmp_path, capsys):

@@ -38,8 +38,8 @@ what the table says (docs/evaluation.md explains every figure):
   passkey / frame copy: teacher-forced accuracy of a key's digits (whole keys in brackets) or of
     a repeated frame's codes, per depth of the needle and sequence length, against a control
     without the needle (what guessing gets).
-  The held-out data must be made with the release's tokenizers and never seen in training
-    (earlyfuse-prep ingest --exclude-content-of TRAIN_RAW); --train-data checks the second.
+  The held-out data must be made with the release's tokenizers (checked: other tokenizers are
+    refused) and never seen in training (ingest --exclude-content-of; --train-data checks it).
 """
 
 
@@ -165,6 +165,7 @@ def evaluate(args) -> dict:
         raise ValueError(f"{rel.path}: a {rel.task} release; earlyfuse-eval takes a language model")
     device = torch.device(args.device)
     val = source_tables(args.data)
+    rel.check_token_tables(val, "--data")
     out: dict = {"release": str(rel.path), "step": rel.step, "data": str(args.data)}
     packing, origin = packing_options(args, rel)
     out.update(packing)
@@ -181,6 +182,7 @@ def evaluate(args) -> dict:
     unigram = None
     if args.train_data:
         train = source_tables(args.train_data)
+        rel.check_token_tables(train, "--train-data")
         out["train_data"] = str(args.train_data)
         say("overlap with the training documents ...")
         out["overlap"] = overlap(val, train, progress=progress)
