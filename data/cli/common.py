@@ -38,6 +38,17 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def positive_int(text: str) -> int:
+    """An argparse type for a count that must be at least 1 (a row length, rows per batch)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a count (give 1 or more)")
+    return value
+
+
 def path_or_url(text: str) -> Path | str:
     """A local folder (Path; a ``file://`` URL's path) or an fsspec URL kept as text (``Path``
     would fold ``s3://``)."""

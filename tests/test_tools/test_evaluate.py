@@ -159,6 +159,17 @@ def test_token_data_of_other_tokenizers_is_refused_naming_the_source(
     assert eval_main([str(debug_release), "--data", right, "--no-progress"]) == 0
 
 
+@pytest.mark.parametrize("flag", ["--seq-len", "--batch-rows"])
+def test_a_row_length_or_batch_below_one_is_refused_by_name(flag, capsys):
+    """0 would silently mean "not given" and a negative one fail deep in numpy."""
+    from tools.evaluate import build_parser
+
+    for value in ("0", "-5"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["REL", "--data", "VAL", flag, value])
+        assert f"argument {flag}: {value} is not a count" in capsys.readouterr().err
+
+
 def test_scenes_read_from_raw_shards_are_the_ingested_scenes(tiny_corpus, tiny_raw, tmp_path):
     """``--scenes RAW_DIR`` scores the scenes that ingest wrote (the held-out set as it is),
     with the bytes of their pictures; a scene that ingest kept out is not scored."""

@@ -253,6 +253,8 @@ def needle_options(args, seq_len: int) -> tuple[list[int], tuple[float, ...]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from data.cli.common import positive_int
+
     pair = argparse.ArgumentParser(
         prog="earlyfuse-eval",
         description="Evaluate a release on held-out token shards: per-modality CE, bits per byte, "
@@ -291,14 +293,14 @@ def build_parser() -> argparse.ArgumentParser:
     pair.add_argument("--out", metavar="JSON", help="write the figures here")
     pair.add_argument(
         "--seq-len",
-        type=int,
+        type=positive_int,
         default=0,
         help="row length (default: the release's packing, else its run folder's data.seq_len, "
         "else 2048)",
     )
     pair.add_argument(
         "--batch-rows",
-        type=int,
+        type=positive_int,
         default=0,
         help="rows per forward pass (default: the release's packing, else its run folder's "
         "train.micro_batch, else 8)",
