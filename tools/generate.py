@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--code", action="store_true", help="the prompt is code (modality code instead of text)"
     )
-    parser.add_argument("--out", metavar="PNG", help="where --draw writes its image")
+    parser.add_argument("--out", metavar="IMAGE", help="--draw writes here (.png, .jpg, ...)")
     parser.add_argument(
         "--size",
         metavar="HxW",
@@ -134,13 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if len(modes) != 1:
         parser.error(
-            "give one of --prompt TEXT, --image PATH --caption, --draw TEXT --out PNG, --batch JSONL"
+            "give one of --prompt TEXT, --image PATH --caption, --draw TEXT --out IMAGE, --batch JSONL"
             + (f" (got {' '.join(modes)})" if modes else "")
         )
     if args.caption and not args.image:
         parser.error("--caption needs --image PATH")
     if args.draw is not None and not args.out:
-        parser.error("--draw needs --out PNG")
+        parser.error("--draw needs --out IMAGE")
     defaults = {key: getattr(args, key) for key in (*SAMPLING, "guidance")}
     try:
         gen = Generator(Release(args.release), torch.device(args.device), DTYPES[args.dtype])

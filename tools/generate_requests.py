@@ -327,7 +327,8 @@ class Generator:
 
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(arr, "RGB").save(out, format="PNG")
+        as_named = Image.registered_extensions().get(out.suffix.lower(), "PNG")  # x.jpg: a JPEG
+        Image.fromarray(arr, "RGB").save(out, as_named)
         return {
             "kind": "draw",
             "out": str(out),

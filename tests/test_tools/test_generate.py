@@ -106,6 +106,11 @@ def test_draw_writes_a_png_that_decodes(release, tmp_path, capsys):
     with Image.open(out) as im:
         im.load()
         assert im.format == "PNG" and im.size == (6 * factor, 4 * factor) and im.mode == "RGB"
+    for name, kind in (("as.jpg", "JPEG"), ("no_suffix", "PNG")):  # the format its name asks for
+        argv = [str(release), "--draw", "a red square", "--out", str(tmp_path / name)]
+        assert generate_main([*argv, "--size", "4x6"]) == 0
+        with Image.open(tmp_path / name) as im:
+            assert im.format == kind
     free = tmp_path / "free.png"  # the model picks the grid (sampled), within --max-size
     assert (
         generate_main(
