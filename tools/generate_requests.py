@@ -347,7 +347,9 @@ class Generator:
         sampling = {key: kind(req.get(key, defaults[key])) for key, kind in SAMPLING.items()}
         if req.get("draw") is not None:
             if not req.get("out"):
-                raise ReleaseError("a draw request needs 'out' (the PNG to write)")
+                raise ReleaseError("a draw request needs 'out' (the image to write)")
+            if req.get("prompt") is not None or req.get("image") is not None:
+                raise ReleaseError("a draw request takes no 'prompt' or 'image' (draw is one)")
             size = parse_size(req["size"]) if req.get("size") else None
             sampling.pop("max_new_tokens")
             res = self.draw(
