@@ -45,9 +45,10 @@ def docs_of(tokens):
         for i in range(len(t)):
             import io
 
-            with open(t.shards[t.shard[i]], "rb") as f:
-                f.seek(t.ids_at[i][0])
-                ids = np.load(io.BytesIO(f.read(t.ids_at[i][1])), allow_pickle=False)
+            offset, size = t.locate_members(i)[5:7]  # of the ids member
+            with open(t.shards[t.shard_of(i)], "rb") as f:
+                f.seek(offset)
+                ids = np.load(io.BytesIO(f.read(size)), allow_pickle=False)
             out[(si, i)] = ids
     return out
 
@@ -192,9 +193,9 @@ def test_robustness(tiny_tokens, tmp_path):
     shutil.copytree(tiny_tokens, bad)
     t = load_table(SourceConfig(name="code", shards=[str(bad / "code")]))
     # Corrupt one sample's ids member: it is skipped and counted, the stream goes on.
-    tar = t.shards[t.shard[0]]
+    tar = t.shards[t.shard_of(0)]
     data = bytearray(Path(tar).read_bytes())
-    off = t.ids_at[0][0]
+    off = t.locate_members(0)[5]  # of the ids member
     data[off : off + 8] = b"garbage!"
     Path(tar).write_bytes(bytes(data))
     loader = build_loader(

@@ -76,10 +76,12 @@ def test_a_start_reads_no_index_and_columns_match_the_jsonl(tiny_tokens, monkeyp
     t = load_table(SourceConfig(name="scenes", shards=[str(tiny_tokens / "scenes")]))
     assert isinstance(t, TokenTable) and len(t) > 0
     lines = [e for tar in t.shards for e in read_index(tar[:-4] + ".idx.jsonl")]
-    assert t.keys == [e["key"] for e in lines]
-    assert t.tokens.tolist() == [e["tokens"] for e in lines]
-    assert t.blocks == [e["blocks"] for e in lines]
-    assert t.ids_at.tolist() == [e["members"]["ids.npy"] for e in lines]
+    samples = range(len(t))
+    assert [t.key_of(i) for i in samples] == [e["key"] for e in lines]
+    assert [t.tokens_of(i) for i in samples] == [e["tokens"] for e in lines]
+    assert [t.blocks_of(i) for i in samples] == [e["blocks"] for e in lines]
+    ids_at = [list(t.locate_members(i)[5:7]) for i in samples]
+    assert ids_at == [e["members"]["ids.npy"] for e in lines]
     # Pickled to a worker without its memory maps.
     import pickle
 
