@@ -113,6 +113,24 @@ def test_a_shard_without_its_binary_index_is_refused_naming_the_file(tokens):
         load_table(SourceConfig(name=src, shards=[str(tokens / src)]))
 
 
+def test_a_shard_gone_from_a_folder_or_glob_source_is_refused_naming_it(tokens, tiny_raw):
+    """A folder or a glob reads what is there; a shard its manifest lists there but deleted after
+    the folder was written would leave the mix unsaid. Refused at start, naming the shard (token
+    and raw folders alike); shards named one by one are what the source is."""
+    gone = sorted((tokens / "scenes").glob("*.tar"))[0]
+    gone.unlink()
+    for pattern in (tokens / "scenes", tokens / "scenes" / "shard-*.tar", tokens):
+        with pytest.raises(ValueError, match=f"source s: {re.escape(str(gone))} is missing, and"):
+            load_table(SourceConfig(name="s", shards=[str(pattern)]))
+    kept = sorted((tokens / "scenes").glob("*.tar"))
+    assert len(load_table(SourceConfig(name="s", shards=list(map(str, kept)))).shards) == 1
+    raw = shutil.copytree(tiny_raw / "scenes", tokens.parent / "raw" / "scenes")
+    shutil.copy(tiny_raw / "manifest.json", raw.parent)
+    sorted(raw.glob("*.tar"))[-1].unlink()
+    with pytest.raises(ValueError, match=r"source s: .*\.tar is missing, and .*manifest.json"):
+        load_table(SourceConfig(name="s", shards=[str(raw)]))
+
+
 def test_a_stale_binary_index_is_never_used(tokens, tmp_path):
     """A binary index made from another JSONL index than the manifest records is refused: each
     sample read through it is skipped with the error naming it (as any unreadable sample), and
