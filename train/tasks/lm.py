@@ -88,9 +88,24 @@ def tokenizer_folder(cfg: RunConfig, tables: TableCache | None = None) -> Path:
 
 
 def layout_of_data(cfg: RunConfig, tables: TableCache | None = None) -> tuple[VocabLayout, Path]:
-    """The vocabulary layout of the run's tokens and the folder it is in (``tokenizer_folder``)."""
+    """The vocabulary layout of the run's tokens and the folder it is in (``tokenizer_folder``).
+    A folder found beside the token shards must be the one they were made with: one replaced
+    after tokenize would give the model another vocabulary than the ids (the loader would skip
+    every document holding an id past it and pass the rest as tokens of another vocabulary).
+    ``data.tokenizers``, when set, is checked against the shards by the loader."""
+    tables = tables or TableCache()
     folder = tokenizer_folder(cfg, tables)
-    return VocabLayout.load(folder / LAYOUT_FILE), folder
+    layout = VocabLayout.load(folder / LAYOUT_FILE)
+    for table in [] if cfg.data.tokenizers else tables.get(cfg.data.sources):
+        made = json.loads(table.tokenizer_fingerprint)["layout"] if table.kind == "tokens" else None
+        if made not in (None, layout.fingerprint()):
+            raise ConfigError(
+                f"{folder / LAYOUT_FILE}: not the vocabulary layout {table.manifest_url} records "
+                f"(fingerprint {layout.fingerprint()}, the shards' {made}): the tokenizers were "
+                "replaced after tokenize; put back the ones the shards were made with, or "
+                "tokenize again"
+            )
+    return layout, folder
 
 
 CODE_BUCKETS = 64
