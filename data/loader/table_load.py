@@ -110,14 +110,14 @@ def load_table(src: SourceConfig, *, cache_dir: str | None = None) -> SampleTabl
                 f"{TOKEN_FORMAT} or {RAW_FORMAT} in its folder or the two above)"
             )
         found.append(manifest_found)
-        m, m_url, up = manifest_found
+        manifest, m_url, up = manifest_found
         if tar in listed:
             folders.setdefault(
-                (m_url, posixpath.dirname(_relative(tar, up))), (m, tar, listed[tar])
+                (m_url, posixpath.dirname(_relative(tar, up))), (manifest, tar, listed[tar])
             )
-    have = set(tars)  # a folder or glob finds every shard its manifest lists there: one deleted
-    for (m_url, folder), (m, tar, names) in folders.items():  # would leave the mix unsaid
-        for path in (str(entry.get("path", "")) for entry in m.get("shards", [])):
+    have = set(tars)  # a folder or glob must find every shard its manifest lists there: one
+    for (m_url, folder), (manifest, tar, names) in folders.items():  # gone would drop unsaid
+        for path in (str(entry.get("path", "")) for entry in manifest.get("shards", [])):
             gone = store.sibling(tar, posixpath.basename(path))
             if posixpath.dirname(path) == folder and fnmatch(gone, names) and gone not in have:
                 raise ValueError(f"source {src.name}: {gone} is missing, and {m_url} lists it")
