@@ -125,7 +125,7 @@ def iter_documents(
                     ids, mod = read_npy(ids_bytes).copy(), read_npy(mod_bytes).copy()
                     check_ids(ids, mod, ranges)
                 except (OSError, ValueError, EOFError) as error:
-                    key = table.keys[index]
+                    key = table.key_of(index)
                     left_out += 1
                     if left_out <= LOGGED_PER_SOURCE:
                         log.warning(f"source {table.name}: document {key} left out: {error}")
@@ -133,7 +133,7 @@ def iter_documents(
                         skipped.append((table.name, key, str(error)))
                     continue
                 yield TokenDocument(
-                    table.name, table.keys[index], ids, mod, list(table.blocks[index])
+                    table.name, table.key_of(index), ids, mod, table.blocks_of(index)
                 )
             if left_out > LOGGED_PER_SOURCE:
                 log.warning(

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from data.loader import transport
 from data.loader.config import LoaderConfig
 from data.loader.expand import slot_numel
-from data.loader.fit import check_blocks_fit
+from data.loader.fit import check_blocks_fit, check_mix
 from data.loader.order import unpack_mask
 from data.loader.pack_kernel import PackStats
 from data.loader.packed_batch import PackedBatch
@@ -101,6 +101,7 @@ class PackedLoader:
         self.micro_batch, self.pad_id = micro_batch, pad_id
         self.workers = max(1, cfg.num_workers)
         self.weights = [s.weight for s in cfg.sources] if cfg.sources else [1.0] * len(tables)
+        check_mix(cfg, tables, self.weights, self.consumers)
         self.pin = torch.cuda.is_available() and cfg.pin_memory
         self._fresh_state: dict | None = None  # check_state's reference, made when first needed
         self._worker_states: dict = {}  # worker -> state dict or snapshot (worker_states)

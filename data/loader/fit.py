@@ -1,4 +1,4 @@
-"""Before the first batch: does every visual block of every token source fit in a row?
+"""Before the first batch: can the sources be mixed as configured, and does every block fit a row?
 
 A block longer than ``seq_len`` can only be dropped by the packer (token shards cannot be
 re-encoded smaller), so a source whose images were tokenized at a larger budget than the run's
@@ -68,3 +68,24 @@ def check_blocks_fit(cfg: LoaderConfig, tables: list[SampleTable], *, what: str)
             f"{longest}, or set data.allow_block_drops=true to train without those blocks "
             "(each dropped block is counted: data/dropped_blocks in metrics.jsonl and final.json)"
         )
+
+
+def check_mix(cfg: LoaderConfig, tables: list[SampleTable], weights: list, consumers: int) -> None:
+    """ValueError naming a source whose weight is no share of the tokens (0 leaves it out, as a
+    run does with an unreadable source; not 0 for all), a name two sources share (names key the
+    mix and its metrics), or in infinite mode a source with a share and fewer documents than
+    consumers (ranks x workers), each of which reads a slice of it (docs/loader.md, "Order")."""
+    names = [t.name for t in tables]
+    for t, weight in zip(tables, weights):
+        if not (isinstance(weight, int | float) and 0 <= weight < float("inf")):
+            raise ValueError(f"source {t.name}: weight {weight!r}; give a number >= 0")
+        if names.count(t.name) > 1:
+            raise ValueError(f"two sources are named {t.name!r}; give each its own name")
+        if cfg.mode == "infinite" and weight > 0 and len(t) < consumers:
+            raise ValueError(
+                f"source {t.name}: {len(t)} document(s), fewer than the {consumers} consumers "
+                "(ranks x data.num_workers) that each read a slice of it in infinite mode; give "
+                "it more documents or use fewer workers"
+            )
+    if not any(weight > 0 for weight in weights):
+        raise ValueError(f"sources {names}: every weight is 0, nothing to mix")

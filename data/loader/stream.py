@@ -155,14 +155,9 @@ class ConsumerStream:
             return False
         c.skip.pop(c.epoch, None)
         c.epoch, c.pos = c.epoch + 1, 0
-        if not len(self.slice_of(s, c.epoch)):
-            if c.epoch in c.skip:
-                return False
-            raise ValueError(
-                f"source {self.tables[s].name}: fewer samples than consumers "
-                f"({self.consumers}); give it more shards or use fewer workers"
-            )
-        return True
+        # Empty only where a redistributed epoch left the rest to other consumers: a source with
+        # a share and fewer documents than consumers is refused at start (fit.check_mix)
+        return len(self.slice_of(s, c.epoch)) > 0
 
     # --- reading ---------------------------------------------------------------------------------
     def _encode_raw(self, t: SampleTable, sample: int) -> tuple[np.ndarray, np.ndarray, list]:

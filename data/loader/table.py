@@ -74,10 +74,6 @@ class SampleTable:
         return self.blocks[sample]
 
 
-# Columns a TokenTable builds on demand, for tools and tests that look at a whole source.
-_COLUMNS = ("shard", "keys", "ids_at", "tokens", "blocks")
-
-
 class TokenTable(SampleTable):
     """A token source built from its manifest alone (per shard: samples, index hash, blocks).
     Each process maps a shard's binary index when it first reads from that shard
@@ -114,13 +110,9 @@ class TokenTable(SampleTable):
         # once when a consumer first reads from it (data/loader/shard_check.py).
         self.shard_sha256 = shard_sha256 or [""] * len(shards)
         self._indexes: dict[int, token_index.TokenIndex] = {}
-        self._columns: dict[str, object] = {}
-
-    def __repr__(self) -> str:
-        return f"TokenTable({self.name!r}, {len(self.shards)} shards, {len(self)} samples)"
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_indexes": {}, "_columns": {}}
+        return {**self.__dict__, "_indexes": {}}
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -159,47 +151,21 @@ class TokenTable(SampleTable):
         return self.index(si).key(i)
 
     def tokens_of(self, sample: int) -> int:
-        si, i = self.locate(sample)
-        return int(self.index(si).records["tokens"][i])
+        return self.locate_members(sample)[1]
 
     def blocks_of(self, sample: int) -> list:
-        si, i = self.locate(sample)
-        return self.index(si).blocks_of(i).tolist()
+        return list(self.locate_members(sample)[2])
 
     def locate_members(self, sample: int) -> tuple:
         """What reading a sample needs, flat (it runs once per document): shard, tokens, blocks,
         (offset, size) of its json, ids and mod members, SHA-256 (zeros: none in the index)."""
-        if not 0 <= sample < self.starts[-1]:
-            raise IndexError(f"sample {sample} of a source of {self.starts[-1]}")
-        si = bisect.bisect_right(self.starts, sample) - 1
-        idx = self._indexes.get(si)
-        if idx is None:
-            idx = self.index(si)
+        si, i = self.locate(sample)
+        idx = self.index(si)
         j0, jsz, i0, isz, m0, msz, tokens, b0, nb, _k0, _nk, sha = _RECORD.unpack_from(
-            idx.records.data, (sample - self.starts[si]) * _RECORD.size
+            idx.records.data, i * _RECORD.size
         )
         blocks = idx.blocks[b0 : b0 + nb].tolist() if nb else _NO_BLOCKS
         return si, tokens, blocks, j0, jsz, i0, isz, m0, msz, sha
-
-    def __getattr__(self, name: str):
-        # Whole columns, built on first use (tools and tests; the loader never asks for them).
-        if name.startswith("_") or name not in _COLUMNS:
-            raise AttributeError(name)
-        if name not in self._columns:
-            self._columns[name] = self._column(name)
-        return self._columns[name]
-
-    def _column(self, name: str):
-        idx = [self.index(si) for si in range(len(self.shards))]
-        if name == "shard":
-            return np.repeat(np.arange(len(self.shards), dtype=np.int32), self.counts)
-        if name == "keys":
-            return [x.key(i) for x in idx for i in range(len(x))]
-        if name == "blocks":
-            return [x.blocks_of(i).tolist() for x in idx for i in range(len(x))]
-        if name == "ids_at":
-            return np.concatenate([x.records["ids"] for x in idx]).reshape(-1, 2)
-        return np.concatenate([x.records["tokens"] for x in idx]).astype(np.int64)
 
 
 REBUILD = (

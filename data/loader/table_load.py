@@ -15,6 +15,7 @@ import json
 import os
 import posixpath
 from collections.abc import Callable
+from fnmatch import fnmatch
 
 import numpy as np
 
@@ -82,15 +83,20 @@ def load_table(src: SourceConfig, *, cache_dir: str | None = None) -> SampleTabl
     ``cache_dir``: where the binary indexes of remote shards are kept (default: the ``pipe:``
     cache, data.cache_dir)."""
     tars: list[str] = []
+    listed: dict[str, str] = {}  # shard -> the pattern of the folder or glob that found it
     for pat in src.shards:
         matched = store.expand(pat)
         if not matched:
             raise ValueError(f"source {src.name}: {pat!r} matches no shard")
         tars += matched
+        glob = any(c in pat for c in "*?[")
+        if store.kind(pat) != "pipe" and (glob or not pat.endswith(".tar")):
+            listed.update(dict.fromkeys(matched, pat if glob else "*"))
     if not tars:
         raise ValueError(f"source {src.name}: no shards given")
     seen: dict = {}
     found = []
+    folders: dict = {}  # (manifest, shard folder in it) -> (manifest, a shard there, its pattern)
     listing = functools.cache(_listing)
     for tar in tars:
         local = store.kind(tar) == "local"
@@ -104,6 +110,17 @@ def load_table(src: SourceConfig, *, cache_dir: str | None = None) -> SampleTabl
                 f"{TOKEN_FORMAT} or {RAW_FORMAT} in its folder or the two above)"
             )
         found.append(manifest_found)
+        manifest, m_url, up = manifest_found
+        if tar in listed:
+            folders.setdefault(
+                (m_url, posixpath.dirname(_relative(tar, up))), (manifest, tar, listed[tar])
+            )
+    have = set(tars)  # a folder or glob must find every shard its manifest lists there: one
+    for (m_url, folder), (manifest, tar, names) in folders.items():  # gone would drop unsaid
+        for path in (str(entry.get("path", "")) for entry in manifest.get("shards", [])):
+            gone = store.sibling(tar, posixpath.basename(path))
+            if posixpath.dirname(path) == folder and fnmatch(gone, names) and gone not in have:
+                raise ValueError(f"source {src.name}: {gone} is missing, and {m_url} lists it")
     kinds = {f[0]["format"] for f in found}
     if len(kinds) > 1:
         raise ValueError(f"source {src.name}: mixes raw and token shards; make them two sources")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -45,9 +46,10 @@ def docs_of(tokens):
         for i in range(len(t)):
             import io
 
-            with open(t.shards[t.shard[i]], "rb") as f:
-                f.seek(t.ids_at[i][0])
-                ids = np.load(io.BytesIO(f.read(t.ids_at[i][1])), allow_pickle=False)
+            offset, size = t.locate_members(i)[5:7]  # of the ids member
+            with open(t.shards[t.shard_of(i)], "rb") as f:
+                f.seek(offset)
+                ids = np.load(io.BytesIO(f.read(size)), allow_pickle=False)
             out[(si, i)] = ids
     return out
 
@@ -159,6 +161,44 @@ def test_state_refuses_other_data_and_shapes(tiny_tokens):
         c.load_state_dict(st)
 
 
+@pytest.mark.parametrize(
+    "weights, error",
+    [
+        ({"code": -0.5, "text": 1.0}, "source code: weight -0.5; give a number >= 0"),
+        ({"code": float("nan"), "text": 1.0}, "source code: weight nan"),
+        ({"code": float("inf"), "text": 1.0}, "source code: weight inf"),
+        ({"code": "0.5x", "text": 1.0}, "source code: weight '0.5x'"),
+        ({"code": 0.0, "text": 0}, r"sources \['code', 'text'\]: every weight is 0"),
+    ],
+)
+def test_a_weight_that_is_no_share_of_the_mix_is_refused_naming_the_source(
+    tiny_tokens, weights, error
+):
+    """A negative weight was silently left out of the mix, NaN or inf took all of it, all zeros
+    divided by zero, a string failed inside the sum; each is refused naming the source."""
+    with pytest.raises(ValueError, match=error):
+        build_loader(cfg_for(tiny_tokens, weights), rank=0, world_size=1, micro_batch=1)
+
+
+def test_two_sources_of_one_name_and_too_few_documents_for_the_consumers_are_refused(tiny_tokens):
+    """Names key the mix, its metrics and each source's order: two sources named alike merged
+    into one figure. In infinite mode every consumer (rank x worker) reads its own slice of every
+    source with a share: a source with fewer documents than consumers failed in a worker at the
+    first batch; now at start, naming it. Epoch mode and a source of weight 0 need no slice each."""
+    cfg = cfg_for(tiny_tokens, {"code": 1.0})
+    cfg.sources.append(SourceConfig(name="code", shards=[str(tiny_tokens / "text")]))
+    with pytest.raises(ValueError, match="two sources are named 'code'; give each its own name"):
+        build_loader(cfg, rank=0, world_size=1, micro_batch=1)
+    few = len(load_table(SourceConfig(name="docs", shards=[str(tiny_tokens / "docs")])))
+    cfg = cfg_for(tiny_tokens, {"docs": 1.0, "code": 1.0}, num_workers=2)
+    with pytest.raises(ValueError, match=rf"source docs: {few} document\(s\), fewer than the "):
+        build_loader(cfg, rank=0, world_size=few, micro_batch=1)
+    build_loader(
+        cfg_for(tiny_tokens, {"docs": 0.0, "code": 1.0}), rank=0, world_size=few + 1, micro_batch=1
+    )
+    build_loader(replace(cfg, mode="epoch"), rank=0, world_size=few, micro_batch=1)
+
+
 def test_epoch_split_over_consumers_has_no_repeats_and_equal_batches(tiny_tokens):
     """2 ranks x 2 workers, computed in one process: every consumer yields the same number of
     batches, no sample appears twice, and all the others are reported as held back."""
@@ -192,9 +232,9 @@ def test_robustness(tiny_tokens, tmp_path):
     shutil.copytree(tiny_tokens, bad)
     t = load_table(SourceConfig(name="code", shards=[str(bad / "code")]))
     # Corrupt one sample's ids member: it is skipped and counted, the stream goes on.
-    tar = t.shards[t.shard[0]]
+    tar = t.shards[t.shard_of(0)]
     data = bytearray(Path(tar).read_bytes())
-    off = t.ids_at[0][0]
+    off = t.locate_members(0)[5]  # of the ids member
     data[off : off + 8] = b"garbage!"
     Path(tar).write_bytes(bytes(data))
     loader = build_loader(

@@ -130,10 +130,11 @@ def token_docs(tiny_tokens, source) -> dict[str, torch.Tensor]:
 
     t = load_table(SourceConfig(name=source, shards=[str(tiny_tokens / source)]))
     out = {}
-    for i, key in enumerate(t.keys):
-        with open(t.shards[t.shard[i]], "rb") as f:
-            f.seek(t.ids_at[i][0])
-            out[key] = torch.from_numpy(read_npy(f.read(t.ids_at[i][1])).astype("int64"))
+    for i in range(len(t)):
+        offset, size = t.locate_members(i)[5:7]  # of the ids member
+        with open(t.shards[t.shard_of(i)], "rb") as f:
+            f.seek(offset)
+            out[t.key_of(i)] = torch.from_numpy(read_npy(f.read(size)).astype("int64"))
     return out
 
 

@@ -93,7 +93,7 @@ def test_epoch_mode_delivers_every_document_once_across_a_redistribute(
         )  # no token twice
         full += (
             sp[0][0] == 0
-            and sp[-1][1] == tables[s].tokens[sample]
+            and sp[-1][1] == tables[s].tokens_of(sample)
             and all(e0 == a1 for (_, e0), (a1, _) in zip(sp, sp[1:]))
         )
     held = sum(ld.held_back() for ld in new)

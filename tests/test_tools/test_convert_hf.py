@@ -33,9 +33,10 @@ def documents(tokens, source: str, n: int, length: int) -> list[np.ndarray]:
     t = load_table(SourceConfig(name=source, shards=[str(tokens / source)]))
     out = []
     for i in range(n):
-        with open(t.shards[t.shard[i]], "rb") as f:
-            f.seek(t.ids_at[i][0])
-            out.append(np.load(io.BytesIO(f.read(t.ids_at[i][1])), allow_pickle=False)[:length])
+        offset, size = t.locate_members(i)[5:7]  # of the ids member
+        with open(t.shards[t.shard_of(i)], "rb") as f:
+            f.seek(offset)
+            out.append(np.load(io.BytesIO(f.read(size)), allow_pickle=False)[:length])
     return out
 
 

@@ -362,3 +362,26 @@ def test_remote_token_shards_without_data_tokenizers_is_a_config_error(tiny_toke
             tokenizer_folder(cfg)
     finally:
         fs.rm("/cfgtok", recursive=True)
+
+
+def test_a_tokenizer_folder_swapped_after_tokenize_is_a_config_error(tiny_tokens, tmp_path):
+    """The run takes its vocabulary from the tokenizers/ beside the token shards. One put there
+    after tokenize (here: fewer text ids) would build the model for another vocabulary, the
+    loader skipping every document holding an id past it and passing the others as tokens of
+    another vocabulary; the run is refused before training, naming the file."""
+    import dataclasses
+    import shutil
+
+    from data.loader import SourceConfig
+    from train.config import RunConfig
+    from train.tasks.lm import layout_of_data
+
+    tokens = shutil.copytree(tiny_tokens, tmp_path / "tokens")
+    cfg = RunConfig()
+    cfg.data.sources = [SourceConfig(name="text", shards=[str(tokens / "text")])]
+    assert layout_of_data(cfg)[1] == tokens / "tokenizers"  # as made: accepted
+    path = tokens / "tokenizers" / "vocab_layout.json"
+    layout = VocabLayout.load(path)
+    dataclasses.replace(layout, text_size=layout.text_size - 100).save(path)
+    with pytest.raises(ConfigError, match=f"{path}: not the vocabulary layout .*manifest.json rec"):
+        layout_of_data(cfg)

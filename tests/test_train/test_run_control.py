@@ -138,12 +138,16 @@ def test_epoch_mode_ends_with_the_data_and_steps_minus_one_counts_them(tiny_toke
     assert "the data ended after step 5 of 10 (data.mode=epoch)" in p.stdout
     assert sorted(metrics(run)) == [1, 2, 3, 4, 5]
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000005"
-    assert json.loads((run / "final.json").read_text())["data/skipped"] == 0
+    final = json.loads((run / "final.json").read_text())
+    assert final["data/skipped"] == 0 and final["data/held_back"] == 0  # every document
 
     run = tmp_path / "until_end"
     p = train(base(tiny_tokens, run, -1, "data.mode=epoch", "train.grad_accum=2", sources=scenes))
     assert "steps 0->2" in p.stdout  # 5 batches: 2 whole steps of 2 micro-batches
     assert sorted(metrics(run)) == [1, 2] and (run / "final.json").is_file()
+    # The fifth batch's documents were never trained on: said, and counted in final.json
+    held = json.loads((run / "final.json").read_text())["data/held_back"]
+    assert held > 0 and f"data: {held:.0f} document(s) of the epoch were not delivered" in p.stdout
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000002"
 
     p = train(base(tiny_tokens, tmp_path / "inf", -1, sources=scenes), check=False)

@@ -88,9 +88,24 @@ def tokenizer_folder(cfg: RunConfig, tables: TableCache | None = None) -> Path:
 
 
 def layout_of_data(cfg: RunConfig, tables: TableCache | None = None) -> tuple[VocabLayout, Path]:
-    """The vocabulary layout of the run's tokens and the folder it is in (``tokenizer_folder``)."""
+    """The vocabulary layout of the run's tokens and the folder it is in (``tokenizer_folder``).
+    A folder found beside the token shards must be the one they were made with: one replaced
+    after tokenize would give the model another vocabulary than the ids (the loader would skip
+    every document holding an id past it and pass the rest as tokens of another vocabulary).
+    ``data.tokenizers``, when set, is checked against the shards by the loader."""
+    tables = tables or TableCache()
     folder = tokenizer_folder(cfg, tables)
-    return VocabLayout.load(folder / LAYOUT_FILE), folder
+    layout = VocabLayout.load(folder / LAYOUT_FILE)
+    for table in [] if cfg.data.tokenizers else tables.get(cfg.data.sources):
+        made = json.loads(table.tokenizer_fingerprint)["layout"] if table.kind == "tokens" else None
+        if made not in (None, layout.fingerprint()):
+            raise ConfigError(
+                f"{folder / LAYOUT_FILE}: not the vocabulary layout {table.manifest_url} records "
+                f"(fingerprint {layout.fingerprint()}, the shards' {made}): the tokenizers were "
+                "replaced after tokenize; put back the ones the shards were made with, or "
+                "tokenize again"
+            )
+    return layout, folder
 
 
 CODE_BUCKETS = 64
@@ -423,15 +438,29 @@ class LMTask:
         return LMProbes(monitor_cfg, self.cfg, self, self.dist, engine)
 
     def finish(self, engine, run_dir: Path) -> dict[str, float]:
-        """The run's dropped visual blocks over all ranks (the loader's counts survive resumes)."""
+        """Over all ranks: the run's dropped visual blocks (the loader's counts survive resumes)
+        and, in epoch mode, the documents of the epoch not trained on in full (``held_back``)."""
         loader = getattr(self, "_loader", None)
-        if loader is None or not self.cfg.data.allow_block_drops:
-            return {}
+        out: dict[str, float] = {}
+        if loader is None:
+            return out
+        if self.cfg.data.mode == "epoch":
+            held = torch.tensor([float(loader.held_back())], device=self.dist.device)
+            out["data/held_back"] = float(all_reduce_sum(held).item())
+            if out["data/held_back"] and self.dist.is_main:
+                log.info(
+                    f"data: {out['data/held_back']:.0f} document(s) of the epoch were not "
+                    "delivered in full: held back so that every consumer (rank x worker) yields "
+                    "as many batches as the one with the fewest, or not reached when the run "
+                    'ended first (docs/loader.md, "Modes"; data/held_back in final.json)'
+                )
+        if not self.cfg.data.allow_block_drops:
+            return out
         keys = [(n, m) for n in self.source_names for m in DROPPABLE]
         counts = loader.dropped_blocks()
         local = torch.tensor([float(counts.get(n, {}).get(m, 0)) for n, m in keys])
         total = all_reduce_sum(local.to(self.dist.device)).cpu().tolist()
-        out = {f"data/dropped_blocks/{n}/{m}": v for (n, m), v in zip(keys, total) if v}
+        out.update({f"data/dropped_blocks/{n}/{m}": v for (n, m), v in zip(keys, total) if v})
         out["data/dropped_blocks"] = float(sum(total))
         return out
 
