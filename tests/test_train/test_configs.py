@@ -364,15 +364,18 @@ def test_remote_token_shards_without_data_tokenizers_is_a_config_error(tiny_toke
         fs.rm("/cfgtok", recursive=True)
 
 
-def test_a_tokenizer_folder_swapped_after_tokenize_is_a_config_error(tiny_tokens, tmp_path):
+def test_a_tokenizer_folder_swapped_after_tokenize_is_a_config_error(
+    tiny_tokens, tiny_raw, tiny_tokenizers, tmp_path
+):
     """The run takes its vocabulary from the tokenizers/ beside the token shards. One put there
     after tokenize (here: fewer text ids) would build the model for another vocabulary, the
     loader skipping every document holding an id past it and passing the others as tokens of
-    another vocabulary; the run is refused before training, naming the file."""
+    another vocabulary; the run is refused before training, naming the folder and the source."""
     import dataclasses
     import shutil
 
     from data.loader import SourceConfig
+    from data.train_text_tokenizer import train_text_tokenizer
     from train.config import RunConfig
     from train.tasks.lm import layout_of_data
 
@@ -383,5 +386,12 @@ def test_a_tokenizer_folder_swapped_after_tokenize_is_a_config_error(tiny_tokens
     path = tokens / "tokenizers" / "vocab_layout.json"
     layout = VocabLayout.load(path)
     dataclasses.replace(layout, text_size=layout.text_size - 100).save(path)
-    with pytest.raises(ConfigError, match=f"{path}: not the vocabulary layout .*manifest.json rec"):
+    with pytest.raises(ConfigError, match=f"{path.parent}, found beside the token shards: .*"):
+        layout_of_data(cfg)
+    # a whole other tokenizer set in its place, consistent in itself
+    shutil.rmtree(path.parent)
+    train_text_tokenizer([tiny_raw], path.parent, vocab_size=600, max_grid=32)
+    shutil.copytree(tiny_tokenizers[1], path.parent / "visual_tokenizer")
+    said = f"source text was tokenized with other tokenizers than the tokenizers in {path.parent}"
+    with pytest.raises(ConfigError, match=f"{said} .*manifest.json.*replaced after tokenize"):
         layout_of_data(cfg)

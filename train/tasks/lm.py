@@ -95,17 +95,16 @@ def layout_of_data(cfg: RunConfig, tables: TableCache | None = None) -> tuple[Vo
     ``data.tokenizers``, when set, is checked against the shards by the loader."""
     tables = tables or TableCache()
     folder = tokenizer_folder(cfg, tables)
-    layout = VocabLayout.load(folder / LAYOUT_FILE)
-    for table in [] if cfg.data.tokenizers else tables.get(cfg.data.sources):
-        made = json.loads(table.tokenizer_fingerprint)["layout"] if table.kind == "tokens" else None
-        if made not in (None, layout.fingerprint()):
+    if not cfg.data.tokenizers:
+        found = dataclasses.replace(cfg.data, tokenizers=str(folder))
+        try:
+            check_tokenizers(found, [t for t in tables.get(cfg.data.sources) if t.kind == "tokens"])
+        except ValueError as e:
             raise ConfigError(
-                f"{folder / LAYOUT_FILE}: not the vocabulary layout {table.manifest_url} records "
-                f"(fingerprint {layout.fingerprint()}, the shards' {made}): the tokenizers were "
-                "replaced after tokenize; put back the ones the shards were made with, or "
-                "tokenize again"
-            )
-    return layout, folder
+                f"{folder}, found beside the token shards: {e}; were the tokenizers replaced "
+                "after tokenize? Put back the ones the shards were made with, or tokenize again"
+            ) from None
+    return VocabLayout.load(folder / LAYOUT_FILE), folder
 
 
 CODE_BUCKETS = 64
