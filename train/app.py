@@ -75,7 +75,12 @@ def to_run_config(cfg: DictConfig) -> tuple[RunConfig, str]:
     check_known_keys(OmegaConf.to_container(cfg, resolve=False), RunConfig)  # type: ignore[arg-type]
     levels_from_layout(cfg)
     resolved = OmegaConf.to_yaml(cfg, resolve=True)
-    run_cfg = OmegaConf.to_object(cfg)  # the structured schema makes this a RunConfig
+    try:
+        run_cfg = OmegaConf.to_object(cfg)  # the structured schema makes this a RunConfig
+    except ValueError as e:
+        # The schema's own checks (__post_init__: steps, batch sizes, ZeRO stage, ...) name the
+        # key and what to give: a config error, one line and exit code 2, not a traceback.
+        raise ConfigError(str(e)) from None
     assert isinstance(run_cfg, RunConfig)
     return run_cfg, resolved
 
