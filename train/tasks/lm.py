@@ -226,14 +226,14 @@ class LMTask:
         finally:
             apply_sequence_parallel(module, self.dist.sp_group)
 
-    def stream(self, data: LoaderConfig) -> TokenStream:
+    def stream(self, data: LoaderConfig, *, every_rank_alike: bool = False) -> TokenStream:
         """A loader of this rank over ``data``'s sources (validation reads its own way:
-        ``evaluate``)."""
+        ``evaluate``); ``every_rank_alike``: every rank reads the whole of them, the same rows."""
         # By data-parallel rank: the ranks of one sequence-parallel group read the same rows.
         loader = build_loader(
             data,
-            rank=self.dist.data_rank,
-            world_size=self.dist.data_size,
+            rank=0 if every_rank_alike else self.dist.data_rank,
+            world_size=1 if every_rank_alike else self.dist.data_size,
             micro_batch=self.cfg.train.micro_batch,
             pad_id=0,
             tables=self.tables.get(data.sources),
@@ -252,7 +252,12 @@ class LMTask:
         data = dataclasses.replace(
             d, sources=d.validation or d.sources, validation=[], num_workers=0, mode="infinite"
         )
-        return self.stream(data)
+        # A held-out source can hold fewer documents than there are ranks, and a rank's split of
+        # it would then be empty (the loader refuses that, at the first probe, mid-run): every
+        # rank reads the whole set then. The probes' figures are means over the rows of all
+        # ranks, so the same rows on every rank give one rank's figures.
+        few = min(len(table) for table in self.tables.get(data.sources)) < self.dist.data_size
+        return self.stream(data, every_rank_alike=few)
 
     def forward(self, engine, batch: dict) -> StepOutput:
         dev = self.dist.device
