@@ -164,3 +164,22 @@ def test_blocks_longer_than_a_row_stop_the_run_or_are_counted_when_allowed(tiny_
     assert per_step > 0 and per_step == sum(m[s]["data/dropped_blocks"] for s in m)
     final = json.loads((run / "final.json").read_text())
     assert final["data/dropped_blocks/clips/video"] == per_step == final["data/dropped_blocks"]
+
+
+def test_a_source_with_fewer_documents_than_consumers_is_refused_at_start(tiny_tokens):
+    """Before: a loader worker raised "fewer samples than consumers" at the first batch, a
+    traceback and exit code 1. The tiny clips source holds 4 documents."""
+    from factories import tiny_loader_config
+
+    from train.config_check import ConfigError
+    from train.streams import TableCache
+    from train.tasks.lm import check_enough_documents
+
+    data = tiny_loader_config(tiny_tokens, num_workers=3)
+    data.sources = [s for s in data.sources if s.name in ("clips", "scenes")]
+    tables = TableCache().get(data.sources)
+    check_enough_documents(data, tables, data_ranks=1)  # 3 consumers: one document each at least
+    with pytest.raises(ConfigError, match=r"data.sources clips \(4 document\(s\)\): fewer .* 6 "):
+        check_enough_documents(data, tables, data_ranks=2)
+    data.mode = "epoch"  # a consumer without a document of a source is done with it
+    check_enough_documents(data, tables, data_ranks=2)

@@ -166,12 +166,34 @@ def vocab_sizes(lay: VocabLayout) -> list[int]:
     return [lay.text_size, lay.text_size, lay.num_codes, lay.num_codes, len(lay.structure)]
 
 
+def check_enough_documents(data: LoaderConfig, tables: list, data_ranks: int) -> None:
+    """Every training source is split over all consumers (data-parallel ranks x loader workers),
+    and in infinite mode each must get a document of it (a consumer whose slice is empty could
+    never deliver its share): found here, one line, rather than in a loader worker at the first
+    batch. In epoch mode a consumer without a document of a source is simply done with it."""
+    if data.mode == "epoch":
+        return
+    consumers = data_ranks * max(1, data.num_workers)
+    short = [
+        f"{source.name} ({len(table)} document(s))"
+        for source, table in zip(data.sources, tables)
+        if source.weight > 0 and len(table) < consumers
+    ]
+    if short:
+        raise ConfigError(
+            f"data.sources {', '.join(short)}: fewer documents than the {consumers} consumers "
+            f"that split every source ({data_ranks} data-parallel rank(s) x "
+            f"{max(1, data.num_workers)} loader worker(s), data.num_workers): each needs one. "
+            "Lower data.num_workers, give the source more documents, or leave it out"
+        )
+
+
 class LMTask:
     unit = "tok"
 
     def __init__(self, cfg: RunConfig, dist: DistInfo) -> None:
         if cfg.data is None or not cfg.data.sources:
-            raise ValueError("task lm needs data.sources (token shard folders); see configs/data/")
+            raise ConfigError("task lm needs data.sources (token shard folders); see configs/data/")
         self.cfg, self.dist = cfg, dist
         self.tables = TableCache()  # every index read once, shared by all loaders of the run
         self.documents = DocumentCounter()  # documents new to each modality, per batch
@@ -180,7 +202,7 @@ class LMTask:
         for src, table in zip(cfg.data.validation, self.tables.get(cfg.data.validation)):
             check_blocks_fit(cfg.data, [table], what="data.validation source")
             if table.kind == "raw":  # found now, not at the first evaluation hours later
-                raise ValueError(
+                raise ConfigError(
                     f"data.validation source {src.name} holds raw shards: validation makes one "
                     "exact pass, which needs the token counts of token shards; tokenize it "
                     "(earlyfuse-prep tokenize) and name the token folder"
@@ -199,6 +221,7 @@ class LMTask:
             leave_out_unreadable_sources(cfg.data.sources, tables, unreadable, dist.is_main)
         else:  # raw sources are tokenized online: no token counts before training
             self.unigram = None
+        check_enough_documents(cfg.data, tables, dist.data_size)
 
     def build_model(self):
         model = self.model_cfg.build()
