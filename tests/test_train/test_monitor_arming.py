@@ -56,6 +56,10 @@ def test_data_code_rules_fire_on_a_fall_not_on_simple_or_swinging_images():
     # level the data had, and 15 % below it is still inside the swings.
     swinging = DataCodeUse(CodeUseConfig())
     assert feed(swinging, range(1, 401), lambda step: 0.6 + 0.1 * math.sin(step / 10)) == []
+    # Images of few codes each (stripes, flat colours): the window entropy swings around 0.25 by
+    # more than 15 % of it (0.19-0.31); a trough is no fall (before: fired at 0.20, typically 0.25).
+    troughs = DataCodeUse(CodeUseConfig())
+    assert feed(troughs, range(1, 401), lambda step: 0.25 + 0.06 * math.sin(step / 25)) == []
     fallen = DataCodeUse(CodeUseConfig())
     assert feed(fallen, range(1, 151), 0.7) == []
     fired = feed(fallen, range(151, 201), 0.3)
