@@ -383,3 +383,17 @@ def test_remote_token_shards_without_data_tokenizers_is_a_config_error(tiny_toke
             tokenizer_folder(cfg)
     finally:
         fs.rm("/cfgtok", recursive=True)
+
+
+def test_earlyfuse_train_help_says_what_it_is_its_exit_codes_and_where_to_read():
+    """Before: Hydra's "app is powered by Hydra." and the config, nothing about the run folder,
+    resuming or the exit codes."""
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        [sys.executable, "-m", "train.app", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 0 and p.stdout.startswith("earlyfuse-train: train the early-fusion LM")
+    assert "resumes from its" in p.stdout and "3 halted by a monitor" in p.stdout
+    assert "docs/training.md" in p.stdout and "experiment: debug, demo" in p.stdout
