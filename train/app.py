@@ -90,12 +90,14 @@ def run(cfg: RunConfig, resolved: str, extra_callbacks: CallbackFactory | None =
     import torch
 
     from train.build import build_trainer
+    from train.callbacks.preemption import listen_from_start
     from train.dist import all_reduce_sum, init_distributed, shutdown
     from train.run_lock import RunLock, RunLocked
     from train.safe_load import CheckpointError
     from train.save_errors import CheckpointWriteError
     from train.trainer import RunHalted
 
+    listen_from_start()  # a preemption signal while the run starts stops it after step 1
     dist = init_distributed()
     if not dist.is_main:  # one console: rank 0's (the others still report warnings and errors)
         logging.getLogger("train").setLevel(logging.WARNING)

@@ -193,3 +193,17 @@ def test_earlyfuse_torchrun_passes_on_a_workers_refusal_as_exit_code_2(tmp_path)
     assert "earlyfuse-train: train.steps 0" in p.stderr
     assert "earlyfuse-torchrun: rank 0 exited with code 2" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_a_sigterm_while_the_run_starts_stops_it_after_step_1_with_a_checkpoint(
+    tiny_tokens, tmp_path
+):
+    """The signal comes before the trainer exists (the fault sends it while train.app builds
+    the run). Before: the default action, the process died of it (exit code -15) with nothing
+    saved and the message of a crash."""
+    run = tmp_path / "run"
+    p = train(base(tiny_tokens, run, 1000), check=False, faults={"sigterm_at_start": 1})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "stopped by SIGTERM at step 1 of 1000 with checkpoint step_00000001" in p.stdout
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000001"
+    assert max(metrics(run)) == 1 and not (run / "final.json").exists()
