@@ -183,3 +183,30 @@ def test_a_source_with_fewer_documents_than_consumers_is_refused_at_start(tiny_t
         check_enough_documents(data, tables, data_ranks=2)
     data.mode = "epoch"  # a consumer without a document of a source is done with it
     check_enough_documents(data, tables, data_ranks=2)
+
+
+def test_the_probes_read_the_training_sources_when_validation_holds_no_image(tiny_tokens):
+    """Before: an image-heavy run validated on text alone probed the text, so the cross-modal
+    dependence probe and the generated-code rule were off for the run without a word."""
+    from factories import tiny_loader_config
+
+    from data.names import LAYOUT_FILE
+    from data.unigram import Unigram
+    from data.vocab import VocabLayout
+    from train.streams import TableCache
+    from train.tasks.lm import probe_sources
+
+    data = tiny_loader_config(tiny_tokens)
+    by_name = {source.name: source for source in data.sources}
+    tables = TableCache()
+
+    def chosen(train: list[str], held_out: list[str]) -> list[str]:
+        data.sources = [by_name[name] for name in train]
+        data.validation = [by_name[name] for name in held_out]
+        layout = VocabLayout.load(tiny_tokens / "tokenizers" / LAYOUT_FILE)
+        unigram = Unigram.from_tables(tables.get(data.sources), layout)
+        return [source.name for source in probe_sources(data, tables, unigram)]
+
+    assert chosen(["scenes", "code"], ["text"]) == ["scenes", "code"]
+    assert chosen(["scenes", "code"], ["scenes", "text"]) == ["scenes", "text"]
+    assert chosen(["text", "code"], ["text"]) == ["text"]  # no images anywhere: held-out as is

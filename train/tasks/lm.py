@@ -166,6 +166,22 @@ def vocab_sizes(lay: VocabLayout) -> list[int]:
     return [lay.text_size, lay.text_size, lay.num_codes, lay.num_codes, len(lay.structure)]
 
 
+def probe_sources(data: LoaderConfig, tables: TableCache, unigram: Unigram | None) -> list:
+    """The sources the probes read: the validation sources, unless they hold no image or video
+    while the training tokens do (the training sources then): on held-out text alone the
+    cross-modal dependence probe finds no captioned image and the generated-code rule no images
+    to judge the drawings by, and both would be off for the run without a word."""
+    if not data.validation:
+        return data.sources
+    visual = [int(Modality.IMAGE), int(Modality.VIDEO)]
+    if unigram is None or not unigram.counts[visual].any():
+        return data.validation
+    for table in tables.get(data.validation):
+        if any(table.blocks_of(sample) for sample in range(len(table))):
+            return data.validation
+    return data.sources
+
+
 def check_enough_documents(data: LoaderConfig, tables: list, data_ranks: int) -> None:
     """Every training source is split over all consumers (data-parallel ranks x loader workers),
     and in infinite mode each must get a document of it (a consumer whose slice is empty could
@@ -211,6 +227,7 @@ class LMTask:
             check_tokenizers(cfg.data, self.tables.get(cfg.data.sources + cfg.data.validation))
         self.source_names = [s.name for s in cfg.data.sources]
         self._val = None
+        self._probe_sources: list | None = None  # probe_stream's sources, decided once
         tables = self.tables.get(cfg.data.sources)
         if all(t.kind == "tokens" for t in tables):
             unreadable: list[tuple[str, str, str]] = []
@@ -270,10 +287,20 @@ class LMTask:
 
     def probe_stream(self) -> TokenStream:
         """The probes' rows: the validation sources when the run has them (else the training
-        sources), through a loader of their own (no workers; the training stream is untouched)."""
+        sources; also when they hold no image or video and the training data does:
+        ``probe_sources``), through a loader of their own (no workers; the training stream is
+        untouched)."""
         d = self.cfg.data
+        if self._probe_sources is None:  # decided once, said once
+            self._probe_sources = probe_sources(d, self.tables, self.unigram)
+            if self._probe_sources is not d.validation and d.validation and self.dist.is_main:
+                log.info(
+                    "probes: data.validation holds no image or video, the training data does: "
+                    "the probes read the training sources (the cross-modal dependence and the "
+                    "generated codes' yardstick need images)"
+                )
         data = dataclasses.replace(
-            d, sources=d.validation or d.sources, validation=[], num_workers=0, mode="infinite"
+            d, sources=self._probe_sources, validation=[], num_workers=0, mode="infinite"
         )
         # A held-out source can hold fewer documents than there are ranks, and a rank's split of
         # it would then be empty (the loader refuses that, at the first probe, mid-run): every
