@@ -77,7 +77,12 @@ def to_run_config(cfg: DictConfig) -> tuple[RunConfig, str]:
     check_known_keys(OmegaConf.to_container(cfg, resolve=False), RunConfig)  # type: ignore[arg-type]
     levels_from_layout(cfg)
     resolved = OmegaConf.to_yaml(cfg, resolve=True)
-    run_cfg = OmegaConf.to_object(cfg)  # the structured schema makes this a RunConfig
+    try:
+        run_cfg = OmegaConf.to_object(cfg)  # the structured schema makes this a RunConfig
+    except ValueError as e:
+        # The schema's own checks (__post_init__: steps, batch sizes, ZeRO stage, ...) name the
+        # key and what to give: a config error, one line and exit code 2, not a traceback.
+        raise ConfigError(str(e)) from None
     assert isinstance(run_cfg, RunConfig)
     return run_cfg, resolved
 
@@ -87,12 +92,14 @@ def run(cfg: RunConfig, resolved: str, extra_callbacks: CallbackFactory | None =
     import torch
 
     from train.build import build_trainer
+    from train.callbacks.preemption import listen_from_start
     from train.dist import all_reduce_sum, init_distributed, shutdown
     from train.run_lock import RunLock, RunLocked
     from train.safe_load import CheckpointError
     from train.save_errors import CheckpointWriteError
     from train.trainer import RunHalted
 
+    listen_from_start()  # a preemption signal while the run starts stops it after step 1
     dist = init_distributed()
     if not dist.is_main:  # one console: rank 0's (the others still report warnings and errors)
         logging.getLogger("train").setLevel(logging.WARNING)

@@ -11,6 +11,8 @@ changes it, and the workers' exit codes are not reported past that point. So eve
 run that stops by a signal leaves a note (``train/app.py``) in a folder this wrapper names in
 ``EARLYFUSE_STOP_NOTES``; when torchrun raises ``SignalException`` and every local worker left
 its note, the exit code is 0, else 128 + the signal's number (what the signal alone would give).
+A worker that exits 2 (a config, checkpoint or run folder refused) or 3 (halted by a monitor) first
+makes those the launcher's exit code too, with one line, instead of torchrun's traceback and 1.
 
 Two defaults differ from torchrun's, each overridden by its own option: SIGUSR1 is among the
 signals handled and passed on (``--signals-to-handle``: Slurm's ``--signal=USR1@120``), and the
@@ -28,6 +30,11 @@ from pathlib import Path
 STOP_NOTES_ENV = "EARLYFUSE_STOP_NOTES"
 SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 SHUTDOWN_TIMEOUT_S = "300"
+# earlyfuse-train's exit codes that are decisions, not crashes (train/app.py)
+WORKER_CODES = {
+    2: "a config, checkpoint or run folder that cannot be used",
+    3: "halted by a monitor",
+}
 
 
 def note_stopped(rank: int) -> None:
@@ -50,6 +57,7 @@ def all_stopped(folder: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
     args = sys.argv[1:] if argv is None else argv
@@ -75,6 +83,20 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 128 + int(e.sigval)
+        except ChildFailedError as e:
+            # A worker that refused the run (2) or was halted by a monitor (3) said why in one
+            # line above; torchrun would bury it under a traceback and exit 1, which a scheduler
+            # would requeue. Its code is the launcher's, as with one process.
+            rank, failure = e.get_first_failure()
+            if failure.exitcode not in WORKER_CODES:
+                raise
+            print(
+                f"earlyfuse-torchrun: rank {rank} exited with code {failure.exitcode} "
+                f"({WORKER_CODES[failure.exitcode]}: its line is above); exit code "
+                f"{failure.exitcode}",
+                file=sys.stderr,
+            )
+            return failure.exitcode
     return 0
 
 

@@ -55,6 +55,10 @@ class RunLocked(RuntimeError):
     """Another live run holds the run folder."""
 
 
+class RunFolderUnusable(RunLocked):
+    """The run folder cannot be made or written: nothing can be locked, nothing was started."""
+
+
 def process_start(pid: int) -> int | None:
     """The process's start time in clock ticks since boot (Linux /proc), None if unknown."""
     try:
@@ -93,8 +97,14 @@ class RunLock:
             return {}
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # a file in the way, no permission, a read-only filesystem
+            raise RunFolderUnusable(
+                f"run_dir {self.path.parent} cannot be used: {e.strerror or e} "
+                f"({e.filename}). Give run_dir a folder this process can create and write"
+            ) from None
         try:
             flock_works = True
             try:

@@ -24,6 +24,7 @@ from data.loader.config import SourceConfig
 from data.loader.dataset import PackedLoader
 from data.loader.table import SampleTable
 from data.loader.table_load import load_table
+from train.config_check import ConfigError
 
 
 class BatchStream(Protocol):
@@ -95,6 +96,21 @@ class TokenStream:
         self.loader.load_state_dict(state)
 
     def resume(self, own: dict | None, every_rank: Callable[[], list[dict]]) -> str | None:
+        try:
+            return self._resume(own, every_rank)
+        except ValueError as e:
+            # The loader refuses a position it cannot carry (another seq_len or mode, other
+            # shards): no flag makes that an exact or even a lossless resume, so the run stops
+            # with one line saying what cannot change and how to go on from these weights.
+            raise ConfigError(
+                f"the checkpoint's data position cannot be resumed on this data: {e}. "
+                "data.seq_len, data.mode and the shards (a source added or removed, other "
+                "shards) cannot change within a run, even with train.allow_config_change=true: "
+                "undo the change, or start a new run from these weights (earlyfuse-convert "
+                "release RUN_DIR OUT, then train.init_from=OUT with another run_dir)"
+            ) from None
+
+    def _resume(self, own: dict | None, every_rank: Callable[[], list[dict]]) -> str | None:
         loader = self.loader
         split = {
             "world_size": loader.world_size,

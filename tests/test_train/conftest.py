@@ -35,3 +35,18 @@ def colour_tokens(tiny_tokenizers, tmp_path_factory) -> Path:
     text, visual = tiny_tokenizers
     tokenize(raw, out, text, visual, opts=TokenizeOptions(image_max_pixels=16 * 16))
     return out
+
+
+@pytest.fixture(scope="session")
+def one_document_tokens(tiny_tokenizers, tmp_path_factory) -> Path:
+    """A token folder holding one text document: a held-out set smaller than the ranks of a
+    2-process run."""
+    from data.ingest import ingest
+    from data.tokenize.run import tokenize
+
+    root = tmp_path_factory.mktemp("one_document")
+    (root / "notes").mkdir()
+    (root / "notes" / "only.txt").write_text("one held-out note, read by every rank.\n" * 20)
+    assert ingest(root / "raw", [f"text:{root / 'notes'}"])["finalized"]
+    tokenize(root / "raw", root / "tokens", *tiny_tokenizers)
+    return root / "tokens" / "notes"

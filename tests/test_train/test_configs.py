@@ -251,6 +251,27 @@ def test_a_typo_inside_a_list_element_of_an_override_names_the_key(tmp_path):
     assert "did you mean data.sources[0].shards?" in p.stderr and "Traceback" not in p.stderr
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.steps=0", "train.steps 0: give a positive number"),
+        ("train.micro_batch=0", "train.micro_batch and train.grad_accum must be positive"),
+        ("deepspeed.zero_stage=4", "deepspeed.zero_stage 4: choose 0, 1, 2 or 3"),
+    ],
+)
+def test_a_value_the_schema_refuses_is_a_config_error(override, message):
+    with pytest.raises(ConfigError, match=message):
+        composed(["experiment=debug", override])
+
+
+def test_earlyfuse_train_refuses_a_bad_value_in_one_line_with_exit_code_2(tmp_path):
+    """Before: the schema's ValueError came out as Hydra's traceback, exit code 1."""
+    p = train(["experiment=debug", f"run_dir={tmp_path / 'r'}", "train.steps=0"], check=False)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "earlyfuse-train: train.steps 0: give a positive number" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
 @pytest.mark.parametrize("value", ["true", "false", "auto", "True"])
 def test_train_compile_takes_auto_true_false(value):
     assert composed(["experiment=debug", f"train.compile={value}"]).train.compile == value.lower()
@@ -395,3 +416,17 @@ def test_a_tokenizer_folder_swapped_after_tokenize_is_a_config_error(
     said = f"source text was tokenized with other tokenizers than the tokenizers in {path.parent}"
     with pytest.raises(ConfigError, match=f"{said} .*manifest.json.*replaced after tokenize"):
         layout_of_data(cfg)
+
+
+def test_earlyfuse_train_help_says_what_it_is_its_exit_codes_and_where_to_read():
+    """Before: Hydra's "app is powered by Hydra." and the config, nothing about the run folder,
+    resuming or the exit codes."""
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        [sys.executable, "-m", "train.app", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 0 and p.stdout.startswith("earlyfuse-train: train the early-fusion LM")
+    assert "resumes from its" in p.stdout and "3 halted by a monitor" in p.stdout
+    assert "docs/training.md" in p.stdout and "experiment: debug, demo" in p.stdout

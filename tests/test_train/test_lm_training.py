@@ -164,3 +164,54 @@ def test_blocks_longer_than_a_row_stop_the_run_or_are_counted_when_allowed(tiny_
     assert per_step > 0 and per_step == sum(m[s]["data/dropped_blocks"] for s in m)
     final = json.loads((run / "final.json").read_text())
     assert final["data/dropped_blocks/clips/video"] == per_step == final["data/dropped_blocks"]
+
+
+def test_a_source_with_fewer_documents_than_consumers_is_refused_at_start(tiny_tokens):
+    """Before: a loader worker raised "fewer samples than consumers" at the first batch, a
+    traceback and exit code 1. The loader's start-up check (fit.check_mix) reaches the run as a
+    ConfigError: one line, exit code 2. The tiny clips source holds 4 documents."""
+    import torch
+    from factories import tiny_loader_config
+
+    from train.config import RunConfig
+    from train.config_check import ConfigError
+    from train.dist import DistInfo
+    from train.tasks.lm import LMTask
+
+    cfg = RunConfig()
+    cfg.data = tiny_loader_config(tiny_tokens, num_workers=3)
+    cfg.data.sources = [s for s in cfg.data.sources if s.name in ("clips", "scenes")]
+    two_ranks = DistInfo(0, 2, 0, torch.device("cpu"))
+    with pytest.raises(
+        ConfigError, match=r"source clips: 4 document\(s\), fewer than the 6 consumers"
+    ):
+        LMTask(cfg, two_ranks).batches()
+    cfg.data.mode = "epoch"  # a consumer without a document of a source is done with it
+    LMTask(cfg, two_ranks).batches()
+
+
+def test_the_probes_read_the_training_sources_when_validation_holds_no_image(tiny_tokens):
+    """Before: an image-heavy run validated on text alone probed the text, so the cross-modal
+    dependence probe and the generated-code rule were off for the run without a word."""
+    from factories import tiny_loader_config
+
+    from data.names import LAYOUT_FILE
+    from data.unigram import Unigram
+    from data.vocab import VocabLayout
+    from train.streams import TableCache
+    from train.tasks.lm import probe_sources
+
+    data = tiny_loader_config(tiny_tokens)
+    by_name = {source.name: source for source in data.sources}
+    tables = TableCache()
+
+    def chosen(train: list[str], held_out: list[str]) -> list[str]:
+        data.sources = [by_name[name] for name in train]
+        data.validation = [by_name[name] for name in held_out]
+        layout = VocabLayout.load(tiny_tokens / "tokenizers" / LAYOUT_FILE)
+        unigram = Unigram.from_tables(tables.get(data.sources), layout)
+        return [source.name for source in probe_sources(data, tables, unigram)]
+
+    assert chosen(["scenes", "code"], ["text"]) == ["scenes", "code"]
+    assert chosen(["scenes", "code"], ["scenes", "text"]) == ["scenes", "text"]
+    assert chosen(["text", "code"], ["text"]) == ["text"]  # no images anywhere: held-out as is

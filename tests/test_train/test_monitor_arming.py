@@ -56,6 +56,10 @@ def test_data_code_rules_fire_on_a_fall_not_on_simple_or_swinging_images():
     # level the data had, and 15 % below it is still inside the swings.
     swinging = DataCodeUse(CodeUseConfig())
     assert feed(swinging, range(1, 401), lambda step: 0.6 + 0.1 * math.sin(step / 10)) == []
+    # Images of few codes each (stripes, flat colours): the window entropy swings around 0.25 by
+    # more than 15 % of it (0.19-0.31); a trough is no fall (before: fired at 0.20, typically 0.25).
+    troughs = DataCodeUse(CodeUseConfig())
+    assert feed(troughs, range(1, 401), lambda step: 0.25 + 0.06 * math.sin(step / 25)) == []
     fallen = DataCodeUse(CodeUseConfig())
     assert feed(fallen, range(1, 151), 0.7) == []
     fired = feed(fallen, range(151, 201), 0.3)
@@ -177,3 +181,24 @@ def test_stagnation_still_fires_on_code_that_stalls_over_many_documents():
     resumed.load_state_dict(first.state_dict())
     assert resumed.documents("code") == 101.0
     assert before + code_alarms(resumed, stall=True, steps=range(151, 301)) == whole
+
+
+def test_the_attention_logit_rule_states_only_the_halves_that_are_on():
+    """Before: with the growth half off (max_growth 0, the default) the alarm read "max logit > 50
+    or > 0x the first probe's" and "1.0x its value at the first probe" at that first probe."""
+    chance = {"text": math.log(512)}
+    values = {"monitor/attn_max_logit": 89.0, "monitor/attn_entropy": 0.5}
+    monitor = Monitor(MonitorConfig(), total_steps=300, chance=chance)
+    (alarm,) = [
+        a for a in monitor._probe_alarms("attention", 100, values) if a.signal == "attn_logit"
+    ]
+    assert alarm.threshold == "max logit > 50" and alarm.message == "max attention logit 89.0"
+    grows = dataclasses.replace(monitor.cfg.attention, max_growth=4.0)
+    monitor = Monitor(
+        dataclasses.replace(monitor.cfg, attention=grows), total_steps=300, chance=chance
+    )
+    (alarm,) = [
+        a for a in monitor._probe_alarms("attention", 100, values) if a.signal == "attn_logit"
+    ]
+    assert alarm.threshold == "max logit > 50 or > 4x the first probe's"
+    assert alarm.message == "max attention logit 89.0, 1.0x its value at the first probe"

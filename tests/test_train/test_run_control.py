@@ -182,3 +182,32 @@ def test_earlyfuse_torchrun_exits_0_when_its_signal_stopped_the_run_after_a_chec
         "earlyfuse-torchrun: SIGUSR1: every worker stopped after its checkpoint; exit code 0" in out
     )
     assert (run / "checkpoints" / "latest").read_text().strip() == found[0][1]
+
+
+def test_earlyfuse_torchrun_passes_on_a_workers_refusal_as_exit_code_2(tmp_path):
+    """Before: torchrun's ChildFailedError traceback and exit code 1 (a scheduler requeues that)
+    under the worker's one line."""
+    launcher = [sys.executable, "-m", "train.launch", "--nproc_per_node", "1"]
+    port = ["--master_port", str(29900 + os.getpid() % 90)]
+    args = ["experiment=debug", f"run_dir={tmp_path / 'run'}", "train.steps=0"]
+    p = subprocess.run(
+        [*launcher, *port, "-m", "train.app", *args], capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "earlyfuse-train: train.steps 0" in p.stderr
+    assert "earlyfuse-torchrun: rank 0 exited with code 2" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_a_sigterm_while_the_run_starts_stops_it_after_step_1_with_a_checkpoint(
+    tiny_tokens, tmp_path
+):
+    """The signal comes before the trainer exists (the fault sends it while train.app builds
+    the run). Before: the default action, the process died of it (exit code -15) with nothing
+    saved and the message of a crash."""
+    run = tmp_path / "run"
+    p = train(base(tiny_tokens, run, 1000), check=False, faults={"sigterm_at_start": 1})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "stopped by SIGTERM at step 1 of 1000 with checkpoint step_00000001" in p.stdout
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000001"
+    assert max(metrics(run)) == 1 and not (run / "final.json").exists()

@@ -85,3 +85,16 @@ def test_pid_checks_for_filesystems_without_flock():
     me, start = os.getpid(), process_start(os.getpid())
     assert start is not None and pid_alive(me, start)
     assert not pid_alive(me, start + 1)  # same pid, another process start: a reused pid
+
+
+def test_a_run_dir_that_cannot_be_made_is_refused_by_name(tmp_path):
+    """Before: Hydra made run_dir itself, and a file in its path was a traceback, exit code 1."""
+    from trainrun import train
+
+    (tmp_path / "afile").write_text("not a folder\n")
+    with pytest.raises(RunLocked, match=r"run_dir .*afile/run cannot be used: Not a directory"):
+        RunLock(tmp_path / "afile" / "run").acquire()
+    p = train(["experiment=debug", f"run_dir={tmp_path / 'afile' / 'run'}"], check=False)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "afile/run cannot be used: Not a directory" in p.stderr
+    assert "Traceback" not in p.stderr

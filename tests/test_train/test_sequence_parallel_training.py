@@ -183,10 +183,25 @@ def test_a_zero2_checkpoint_moves_between_sp1_and_sp2_through_its_universal_form
     assert_close(losses(down, [3, 4]), losses(runs["root"] / "sp2_zero2", [3, 4]))
 
 
-def test_sp2_times_data_parallel_2_trains_like_data_parallel_2(tiny_tokens, tmp_path):
-    train(base(tiny_tokens, tmp_path / "dp2", "train.steps=2"), nproc=2)
+def test_sp2_times_data_parallel_2_trains_like_data_parallel_2(
+    tiny_tokens, one_document_tokens, tmp_path
+):
+    """Their held-out set has a source of one document, fewer than the 2 data-parallel ranks:
+    validation and the probes (which read it) read all of it on every rank. Before, the probes'
+    loader split it over the ranks and stopped the run at the first probe ("fewer samples than
+    consumers")."""
+    heldout = (
+        f"data.validation=[{{name: heldout, shards: [{tiny_tokens / 'scenes'}], weight: 1.0}},"
+        f"{{name: one, shards: [{one_document_tokens}], weight: 1.0}}]"
+    )
+    train(base(tiny_tokens, tmp_path / "dp2", "train.steps=2", heldout), nproc=2)
     train(
-        base(tiny_tokens, tmp_path / "sp2dp2", "train.steps=2", "train.sequence_parallel=2"),
+        base(
+            tiny_tokens, tmp_path / "sp2dp2", "train.steps=2", "train.sequence_parallel=2", heldout
+        ),
         nproc=4,
     )
     assert_close(losses(tmp_path / "sp2dp2", [1, 2]), losses(tmp_path / "dp2", [1, 2]))
+    for run in ("dp2", "sp2dp2"):
+        final = json.loads((tmp_path / run / "final.json").read_text())
+        assert final["val/complete"] == 1 and "monitor/attn_max_logit" in metrics(tmp_path / run)[2]

@@ -10,6 +10,8 @@ transient: they do not recur once a rollback has abandoned the trajectory they w
     lr_x100_at=k                lr x 100 for steps k .. k+19 (until a rollback)
     random_image_codes_from=k   from step k every image code is a random code (LM only)
     shuffle_probe_from=k        from step k the dependence probe's "matched" images are shuffled
+    sigterm_at_start=1          a SIGTERM to this process while the run starts (before the
+                                trainer exists, as a scheduler's preemption may come)
     rng_log=PATH                not a fault: before every step, append "STEP DIGEST" of the global
                                 RNG states (torch, numpy, python) to PATH.RANK (resume tests)
 
@@ -53,6 +55,7 @@ class FaultConfig:
     lr_x100_at: int = -1
     random_image_codes_from: int = -1
     shuffle_probe_from: int = -1
+    sigterm_at_start: int = -1
     rng_log: str = ""
 
     @classmethod
@@ -96,6 +99,8 @@ class FaultInjection(Callback):
         self.generator = torch.Generator().manual_seed(seed)
         self.step = 0
         self.rolled_back = False
+        if cfg.sigterm_at_start > 0:  # made by train.app before the trainer is built
+            os.kill(os.getpid(), signal.SIGTERM)
 
     # --- wiring, at the start ----------------------------------------------------------------
     def pre_train(self, trainer: Trainer, step: int) -> None:

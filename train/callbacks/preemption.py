@@ -26,6 +26,28 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 FLAG = "signal/preempt"  # ranks that received a signal, in a step's reduced sums
 
 
+# Signals received while the run starts (listen_from_start), and the handlers before that.
+_early: list[str] = []
+_original: dict[int, object] = {}
+
+
+def _note_early(signum: int, frame) -> None:
+    name = signal.Signals(signum).name
+    if name in _early:  # the second one: die as the signal would have made us
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    _early.append(name)
+
+
+def listen_from_start() -> None:
+    """Keep a SIGTERM or SIGUSR1 that arrives while the run starts (reading every shard index,
+    building the engine, loading a checkpoint: minutes on a large corpus), before the trainer's
+    own handler exists: the run then stops after its first step, with a checkpoint, and exits 0
+    like one signalled later, instead of dying of it (exit 143; 138 for SIGUSR1)."""
+    for sig in SIGNALS:
+        _original.setdefault(sig, signal.signal(sig, _note_early))
+
+
 class Preemption(Callback):
     def __init__(self, *, device: torch.device) -> None:
         self.device = device
@@ -33,8 +55,11 @@ class Preemption(Callback):
         self.previous: dict[int, object] = {}
 
     def pre_train(self, trainer: Trainer, step: int) -> None:
+        if _early:
+            self.received = _early[-1]
         for sig in SIGNALS:
-            self.previous[sig] = signal.signal(sig, self.on_signal)
+            previous = signal.signal(sig, self.on_signal)
+            self.previous[sig] = _original.pop(sig, previous)
 
     def on_signal(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name

@@ -181,13 +181,16 @@ class Monitor:
             ref = self.probe_ref.setdefault("attn_max_logit", max_logit)
             m_growth = max_logit / ref if ref > 0 else 1.0
             values = {**values, "monitor/attn_logit_growth": m_growth}
+            growth_on = probe_cfg.max_growth > 0  # 0: the growth half of the rule is off
             found.append(
                 (
                     "attn_logit",
                     max_logit > probe_cfg.max_logit
-                    or (probe_cfg.max_growth > 0 and m_growth > probe_cfg.max_growth),
-                    f"max attention logit {max_logit:.1f}, {m_growth:.1f}x its value at the first probe",
-                    f"max logit > {probe_cfg.max_logit:g} or > {probe_cfg.max_growth:g}x the first probe's",
+                    or (growth_on and m_growth > probe_cfg.max_growth),
+                    f"max attention logit {max_logit:.1f}"
+                    + (f", {m_growth:.1f}x its value at the first probe" if growth_on else ""),
+                    f"max logit > {probe_cfg.max_logit:g}"
+                    + (f" or > {probe_cfg.max_growth:g}x the first probe's" if growth_on else ""),
                     None,
                 )
             )

@@ -180,12 +180,28 @@ def vocab_sizes(lay: VocabLayout) -> list[int]:
     return [lay.text_size, lay.text_size, lay.num_codes, lay.num_codes, len(lay.structure)]
 
 
+def probe_sources(data: LoaderConfig, tables: TableCache, unigram: Unigram | None) -> list:
+    """The sources the probes read: the validation sources, unless they hold no image or video
+    while the training tokens do (the training sources then): on held-out text alone the
+    cross-modal dependence probe finds no captioned image and the generated-code rule no images
+    to judge the drawings by, and both would be off for the run without a word."""
+    if not data.validation:
+        return data.sources
+    visual = [int(Modality.IMAGE), int(Modality.VIDEO)]
+    if unigram is None or not unigram.counts[visual].any():
+        return data.validation
+    for table in tables.get(data.validation):
+        if any(table.blocks_of(sample) for sample in range(len(table))):
+            return data.validation
+    return data.sources
+
+
 class LMTask:
     unit = "tok"
 
     def __init__(self, cfg: RunConfig, dist: DistInfo) -> None:
         if cfg.data is None or not cfg.data.sources:
-            raise ValueError("task lm needs data.sources (token shard folders); see configs/data/")
+            raise ConfigError("task lm needs data.sources (token shard folders); see configs/data/")
         self.cfg, self.dist = cfg, dist
         self.tables = TableCache()  # every index read once, shared by all loaders of the run
         self.documents = DocumentCounter()  # documents new to each modality, per batch
@@ -194,7 +210,7 @@ class LMTask:
         for src, table in zip(cfg.data.validation, self.tables.get(cfg.data.validation)):
             check_blocks_fit(cfg.data, [table], what="data.validation source")
             if table.kind == "raw":  # found now, not at the first evaluation hours later
-                raise ValueError(
+                raise ConfigError(
                     f"data.validation source {src.name} holds raw shards: validation makes one "
                     "exact pass, which needs the token counts of token shards; tokenize it "
                     "(earlyfuse-prep tokenize) and name the token folder"
@@ -203,6 +219,7 @@ class LMTask:
             check_tokenizers(cfg.data, self.tables.get(cfg.data.sources + cfg.data.validation))
         self.source_names = [s.name for s in cfg.data.sources]
         self._val = None
+        self._probe_sources: list | None = None  # probe_stream's sources, decided once
         tables = self.tables.get(cfg.data.sources)
         if all(t.kind == "tokens" for t in tables):
             unreadable: list[tuple[str, str, str]] = []
@@ -240,18 +257,21 @@ class LMTask:
         finally:
             apply_sequence_parallel(module, self.dist.sp_group)
 
-    def stream(self, data: LoaderConfig) -> TokenStream:
+    def stream(self, data: LoaderConfig, *, every_rank_alike: bool = False) -> TokenStream:
         """A loader of this rank over ``data``'s sources (validation reads its own way:
-        ``evaluate``)."""
+        ``evaluate``); ``every_rank_alike``: every rank reads the whole of them, the same rows."""
         # By data-parallel rank: the ranks of one sequence-parallel group read the same rows.
-        loader = build_loader(
-            data,
-            rank=self.dist.data_rank,
-            world_size=self.dist.data_size,
-            micro_batch=self.cfg.train.micro_batch,
-            pad_id=0,
-            tables=self.tables.get(data.sources),
-        )
+        try:
+            loader = build_loader(
+                data,
+                rank=0 if every_rank_alike else self.dist.data_rank,
+                world_size=1 if every_rank_alike else self.dist.data_size,
+                micro_batch=self.cfg.train.micro_batch,
+                pad_id=0,
+                tables=self.tables.get(data.sources),
+            )
+        except ValueError as e:  # its start-up checks: data or settings that cannot be used
+            raise ConfigError(str(e)) from None
         return TokenStream(loader)
 
     def batches(self) -> TokenStream:
@@ -261,12 +281,27 @@ class LMTask:
 
     def probe_stream(self) -> TokenStream:
         """The probes' rows: the validation sources when the run has them (else the training
-        sources), through a loader of their own (no workers; the training stream is untouched)."""
+        sources; also when they hold no image or video and the training data does:
+        ``probe_sources``), through a loader of their own (no workers; the training stream is
+        untouched)."""
         d = self.cfg.data
+        if self._probe_sources is None:  # decided once, said once
+            self._probe_sources = probe_sources(d, self.tables, self.unigram)
+            if self._probe_sources is not d.validation and d.validation and self.dist.is_main:
+                log.info(
+                    "probes: data.validation holds no image or video, the training data does: "
+                    "the probes read the training sources (the cross-modal dependence and the "
+                    "generated codes' yardstick need images)"
+                )
         data = dataclasses.replace(
-            d, sources=d.validation or d.sources, validation=[], num_workers=0, mode="infinite"
+            d, sources=self._probe_sources, validation=[], num_workers=0, mode="infinite"
         )
-        return self.stream(data)
+        # A held-out source can hold fewer documents than there are ranks, and a rank's split of
+        # it would then be empty (the loader refuses that, at the first probe, mid-run): every
+        # rank reads the whole set then. The probes' figures are means over the rows of all
+        # ranks, so the same rows on every rank give one rank's figures.
+        few = min(len(table) for table in self.tables.get(data.sources)) < self.dist.data_size
+        return self.stream(data, every_rank_alike=few)
 
     def forward(self, engine, batch: dict) -> StepOutput:
         dev = self.dist.device

@@ -7,9 +7,10 @@ from collections import deque
 from train.monitor.alarms import Alarm
 from train.monitor.config import CodeUseConfig
 from train.monitor.detectors.common import _Latch
-from train.monitor.stats import median
+from train.monitor.stats import MAD_TO_SIGMA, median
 
 HISTORY = 10  # data windows whose median is the typical level
+SWING_SIGMAS = 5.0  # a drop must also exceed this many standard deviations of the windows' swings
 
 
 class DataCodeUse:
@@ -43,11 +44,19 @@ class DataCodeUse:
             return []
         ent = sum(weighted for weighted, _ in self.steps) / total
         metrics["monitor/data_code_entropy_window"] = ent
-        typical = median(self.history) if len(self.history) >= cfg.data_window else 0.0
+        known = len(self.history) >= cfg.data_window
+        typical = median(self.history) if known else 0.0
+        # The drop must also leave the windows' own swings: on images of few codes each (flat
+        # colours, stripes), which few dozen images a window holds swings its entropy by more
+        # than the margin (0.19-0.32 around 0.25 on a healthy mix of 80 % striped pictures,
+        # which fired at 0.20), while before a degenerate visual tokenizer the windows of a
+        # varied corpus stand within +-0.01 (0.72-0.73 in the suite's visual-code-collapse).
+        swing = MAD_TO_SIGMA * median([abs(h - typical) for h in self.history]) if known else 0.0
         self.best = max(self.best, typical)
         if step >= cfg.min_steps and len(self.steps) == cfg.data_window:
             self.history.append(ent)
-        dropped = typical > 0 and ent < (1 - cfg.max_data_drop) * typical
+        margin = max(cfg.max_data_drop * typical, SWING_SIGMAS * swing)
+        dropped = typical > 0 and ent < typical - margin
         # The floor counts only as a fall: once the typical level has stood the drop's margin
         # above it. A run whose images are simple from the start (flat colours, a few codes
         # each) has nothing that degenerated.
@@ -62,13 +71,19 @@ class DataCodeUse:
                 cfg.action,
                 modality="image",
                 since=step - cfg.data_window,
-                values={"entropy": ent, "typical": typical, "best": self.best, "codes": total},
+                values={
+                    "entropy": ent,
+                    "typical": typical,
+                    "swing": swing,
+                    "best": self.best,
+                    "codes": total,
+                },
                 message=f"the visual codes in the last {cfg.data_window} steps' batches have a "
                 f"normalised entropy of {ent:.2f} (typically {typical:.2f}; {total:.0f} codes): "
                 "a few codes dominate",
                 threshold=f"entropy of the trained-on codes (64 buckets) {cfg.max_data_drop:.0%} "
-                f"below its median window, or < {cfg.min_data_entropy:g} after a median that "
-                f"stood {cfg.max_data_drop:.0%} above it",
+                f"and {SWING_SIGMAS:g} sigma of its swings below its median window, or < "
+                f"{cfg.min_data_entropy:g} after a median that stood {cfg.max_data_drop:.0%} above it",
                 cause="the visual tokenizer (or the image data) degenerated: most images map to "
                 "a few codes; the image loss falls because the codes became trivial",
                 advice="stop feeding these shards: check the visual tokenizer's reconstructions "
