@@ -29,7 +29,7 @@ import dataclasses
 import json
 import logging
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
@@ -97,8 +97,12 @@ def layout_of_data(cfg: RunConfig, tables: TableCache | None = None) -> tuple[Vo
     folder = tokenizer_folder(cfg, tables)
     if not cfg.data.tokenizers:
         found = dataclasses.replace(cfg.data, tokenizers=str(folder))
+        made = []
+        for src in cfg.data.sources:  # one that cannot be read is the loader's to refuse
+            with suppress(OSError, ValueError):
+                made += [table for table in tables.get([src]) if table.kind == "tokens"]
         try:
-            check_tokenizers(found, [t for t in tables.get(cfg.data.sources) if t.kind == "tokens"])
+            check_tokenizers(found, made)
         except ValueError as e:
             raise ConfigError(
                 f"{folder}, found beside the token shards: {e}; were the tokenizers replaced "
