@@ -79,8 +79,15 @@ def folder_sources(url: str | Path) -> list[SourceConfig]:
     found = sorted(
         {posixpath.dirname(rel.replace(os.sep, "/")) for rel in files if rel.endswith(INDEX_SUFFIX)}
     )
+
+    def shards_at(rel: str) -> str:
+        # a link's target, locally: the shards' manifest is found from where they really are
+        if root.remote:
+            return root.child(rel) if rel else root.url
+        return os.path.realpath(root.local / rel)
+
     if "" in found:  # the folder holds shards itself
-        return [SourceConfig(name=posixpath.basename(root.url.rstrip("/")), shards=[root.url])]
+        return [SourceConfig(name=posixpath.basename(root.url.rstrip("/")), shards=[shards_at("")])]
     names = [name for name in found if "/" not in name]
     if not names:
         where = f" (only deeper: {', '.join(found[:3])})" if found else ""
@@ -88,7 +95,7 @@ def folder_sources(url: str | Path) -> list[SourceConfig]:
             f"{root.url}: no shards here or in a folder directly below{where}; give a token "
             "folder (earlyfuse-prep tokenize --out) or one of its source folders"
         )
-    return [SourceConfig(name=name, shards=[root.child(name)]) for name in names]
+    return [SourceConfig(name=name, shards=[shards_at(name)]) for name in names]
 
 
 def iter_documents(

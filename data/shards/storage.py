@@ -129,11 +129,19 @@ class Folder:
             base = self.local / under if under else self.local
             if not base.is_dir():
                 return {}
-            return {
-                str(file_path.relative_to(self.local)): file_path.stat().st_size
-                for file_path in base.rglob("*")
-                if file_path.is_file()
-            }
+            # Links to folders are followed (a folder of links to the sources to evaluate), each
+            # real folder once: a link back up cannot loop.
+            listing, seen = {}, set()
+            for folder, subfolders, names in os.walk(base, followlinks=True):
+                seen.add(os.path.realpath(folder))
+                subfolders[:] = [
+                    sub for sub in subfolders if os.path.realpath(Path(folder, sub)) not in seen
+                ]
+                for name in names:
+                    file_path = Path(folder, name)
+                    if file_path.is_file():
+                        listing[str(file_path.relative_to(self.local))] = file_path.stat().st_size
+            return listing
         path = self._path(under) if under else self.root
         try:
             found = retried(self.url, lambda: self.fs.find(path, detail=True))

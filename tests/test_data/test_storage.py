@@ -39,3 +39,23 @@ def test_download_names_a_missing_file(folder, tmp_path):
     assert copy.read_bytes() == folder.read_bytes("a/b.json") == b'{\n "x": 1\n}\n'
     with pytest.raises(FileNotFoundError, match=re.escape(f"{folder.child('a/c.tar')} does not")):
         folder.download("a/c.tar", tmp_path / "copy" / "c.tar")
+
+
+def test_a_local_listing_follows_links_to_folders_once(tmp_path, tiny_tokens):
+    """A folder of links to the sources to evaluate is listed through its links, and a link back
+    up does not loop; earlyfuse-eval --data takes such a folder, or one link, as the sources."""
+    from data.token_docs import source_tables
+
+    picked = tmp_path / "picked"
+    picked.mkdir()
+    (picked / "code").symlink_to(tiny_tokens / "code")
+    (picked / "loop").symlink_to(picked)
+    listed = Folder(picked).sizes()
+    assert any(name.startswith("code/") and name.endswith(".tar") for name in listed)
+    assert not any(name.startswith("loop/") for name in listed)
+    (picked / "loop").unlink()
+    tables = source_tables(picked)
+    assert [(t.name, len(t)) for t in tables] == [
+        ("code", len(source_tables(tiny_tokens / "code")[0]))
+    ]
+    assert [t.name for t in source_tables(picked / "code")] == ["code"]
