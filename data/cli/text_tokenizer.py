@@ -107,7 +107,7 @@ def cmd_train_text_tokenizer(a) -> int:
             f"  {n:<16} {src['chars_used']:>12,} chars ({src['share']:.1%})"
             + (
                 f": all it holds, less than the {src['asked_chars']:,} its weight asked (not repeated)"
-                if src["all_of_it"]
+                if src["all_of_it"] and weights  # without --weight: all of every source, as asked
                 else ""
             )
         )

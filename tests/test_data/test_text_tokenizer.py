@@ -160,6 +160,6 @@ def test_a_vocabulary_smaller_than_asked_is_said(tok_dir, tmp_path, capsys):
     assert main(args) == 0
     size = json.loads((tmp_path / "t" / "text_tokenizer_training.json").read_text())["vocab_size"]
     assert size < 100_000
-    assert (
-        f"note: {size} ids, fewer than the 100000 asked (--vocab-size)" in capsys.readouterr().out
-    )
+    out = capsys.readouterr().out
+    assert f"note: {size} ids, fewer than the 100000 asked (--vocab-size)" in out
+    assert "weight asked" not in out  # no --weight: all of every source is what was asked
