@@ -110,5 +110,9 @@ def test_below_baselines_names_the_baselines_beaten_and_what_to_do():
     said = below_baselines(figures)
     assert "held-out PSNR 20.00 dB is below" in said
     assert "mean-colour 20.14 dB, palette 20.62 dB" in said and "vtok.entropy" in said
+    # Without a held-out image the figure is on training crops, and says so.
+    assert below_baselines({**figures, "eval/heldout": 0.0}).startswith(
+        "PSNR on training crops 20.00 dB is below"
+    )
     assert below_baselines({**figures, "eval/psnr": 21.0}) == ""
     assert below_baselines({}) == ""

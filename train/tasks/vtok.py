@@ -97,9 +97,18 @@ class VtokTask:
             video_frames=d.video_frames,
             limit=d.cache_images,
         )
-        said = self.pool.describe_skipped(d.crop)
-        if said and dist.is_main:
-            log.warning(f"vtok: {said}")
+        # Said at start and again in final.json: what a user would change before trusting the run.
+        self.warnings = [
+            said
+            for said in (
+                self.pool.describe_skipped(d.crop),
+                self.pool.describe_heldout(d.heldout_fraction),
+            )
+            if said
+        ]
+        if dist.is_main:
+            for said in self.warnings:
+                log.warning(f"vtok: {said}")
         self.last_eval: dict[str, float] = {}
         self.eval_images = fixed_crops(
             self.pool.heldout or self.pool.train, d.crop, d.heldout_crops
@@ -246,7 +255,8 @@ class VtokTask:
         below = below_baselines(self.last_eval)
         if below:
             log.warning(f"vtok: {below}")
-            out["warnings"] = [below]
+        if self.warnings or below:
+            out["warnings"] = self.warnings + ([below] if below else [])
         return out
 
     def extra_files(self) -> dict[str, str]:
@@ -274,8 +284,9 @@ def below_baselines(figures: dict[str, float]) -> str:
     if not rivals:
         return ""
     beaten = ", ".join(f"{name} {value:.2f} dB" for name, value in rivals.items())
+    measured = "held-out PSNR" if figures.get("eval/heldout", 1.0) else "PSNR on training crops"
     return (
-        f"held-out PSNR {psnr:.2f} dB is below the equal-bits baseline(s) {beaten}: train longer "
+        f"{measured} {psnr:.2f} dB is below the equal-bits baseline(s) {beaten}: train longer "
         "(train.steps), on more images, or with the level-entropy bonus (vtok.entropy); "
         "docs/visual_tokenizer.md, 'What the figures mean'"
     )
