@@ -40,6 +40,21 @@ class ImagePool:
     # source -> {"small": count, "unreadable": count, "examples": ["key (WxH)", ...]}
     skipped_by_source: dict[str, dict] = field(default_factory=dict)
     heldout_docs: int = 0  # documents whose images or frames are in ``heldout``
+    # source -> documents with images (or videos, when their frames are used) never read because
+    # the pool was full (``limit``)
+    not_read: dict[str, int] = field(default_factory=dict)
+
+    def describe_not_read(self, limit: int) -> str:
+        """A warning naming what a full pool left unread ("" when every document was read)."""
+        if not self.not_read:
+            return ""
+        counts = ", ".join(f"{source} {count:,}" for source, count in sorted(self.not_read.items()))
+        return (
+            f"vtok_data.cache_images {limit:,} reached: {sum(self.not_read.values()):,} "
+            f"document(s) with images or video were not read ({counts}); the pool holds the first "
+            "images in shard order. Raise vtok_data.cache_images (each image is kept decoded, up "
+            "to 3 x vtok_data.max_pixels bytes), or choose sources with vtok_data.sources"
+        )
 
     def describe_heldout(self, fraction: float) -> str:
         """A warning when the held-out figures rest on no document or on a few ("" otherwise):
@@ -90,6 +105,7 @@ def load_pool(
     held: list[np.ndarray] = []
     skipped = held_docs = 0
     by_source: dict[str, dict] = {}
+    not_read: dict[str, int] = {}
 
     def skip(raw_doc, reason: str, what: str) -> None:
         nonlocal skipped
@@ -103,8 +119,14 @@ def load_pool(
     sampling = VideoSampling(target_fps=2.0, max_frames=4)
     for raw_dir in raw_dirs:
         for raw_doc in iter_docs(raw_dir, sources or None):
-            if len(train) + len(held) >= limit:
-                break
+            if len(train) + len(held) >= limit:  # full: what is left is counted, not decoded
+                if any(
+                    seg["type"] == "image" or (seg["type"] == "video" and video_frames)
+                    for seg in raw_doc.doc["segments"]
+                ):
+                    source = Path(raw_doc.shard).parent.name
+                    not_read[source] = not_read.get(source, 0) + 1
+                continue
             target = held if heldout(raw_doc.key, heldout_fraction) else train
             held_before = len(held)
             for seg in raw_doc.doc["segments"]:
@@ -138,7 +160,7 @@ def load_pool(
             f"no training image of at least {crop}x{crop} in {raw_dirs} (sources {sources or 'all'})"
             + (f"; {skipped} skipped: {by_source}" if skipped else "")
         )
-    return ImagePool(train, held, skipped, by_source, held_docs)
+    return ImagePool(train, held, skipped, by_source, held_docs, not_read)
 
 
 def to_tensor(batch: np.ndarray) -> torch.Tensor:

@@ -103,6 +103,7 @@ class VtokTask:
             for said in (
                 self.pool.describe_skipped(d.crop),
                 self.pool.describe_heldout(d.heldout_fraction),
+                self.pool.describe_not_read(d.cache_images),
             )
             if said
         ]
