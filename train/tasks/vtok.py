@@ -49,6 +49,7 @@ from model.vtok_metrics import (
     to_unit,
 )
 from train.config import RunConfig
+from train.config_check import ConfigError
 from train.dist import DistInfo
 from train.streams import CropStream as CropBatches
 from train.tasks.base import StepOutput
@@ -82,21 +83,24 @@ class VtokTask:
         self.cfg, self.dist = cfg, dist
         d, v = cfg.vtok_data, cfg.vtok
         if d.crop % v.factor:
-            raise ValueError(
+            raise ConfigError(
                 f"vtok_data.crop {d.crop} must be a multiple of vtok.factor {v.factor}"
             )
         if not d.raw:
-            raise ValueError("vtok_data.raw is empty: give the raw shard folders to train on")
+            raise ConfigError("vtok_data.raw is empty: give the raw shard folders to train on")
         self.prep = ImagePrep(factor=v.factor, max_pixels=d.max_pixels, max_grid=4096)
-        self.pool = load_pool(
-            d.raw,
-            sources=d.sources,
-            prep=self.prep,
-            crop=d.crop,
-            heldout_fraction=d.heldout_fraction,
-            video_frames=d.video_frames,
-            limit=d.cache_images,
-        )
+        try:
+            self.pool = load_pool(
+                d.raw,
+                sources=d.sources,
+                prep=self.prep,
+                crop=d.crop,
+                heldout_fraction=d.heldout_fraction,
+                video_frames=d.video_frames,
+                limit=d.cache_images,
+            )
+        except ValueError as e:  # no manifest, no such source, no image as large as a crop
+            raise ConfigError(f"vtok_data: {e}") from None
         # Said at start and again in final.json: what a user would change before trusting the run.
         self.warnings = [
             said
