@@ -29,6 +29,9 @@ def heldout(key: str, fraction: float) -> bool:
     return hash_fraction < fraction
 
 
+MIN_HELDOUT_DOCS = 5  # fewer held-out documents than this: the eval/ figures are warned about
+
+
 @dataclass
 class ImagePool:
     train: list[np.ndarray]
@@ -36,6 +39,39 @@ class ImagePool:
     skipped: int  # images smaller than a crop, or undecodable
     # source -> {"small": count, "unreadable": count, "examples": ["key (WxH)", ...]}
     skipped_by_source: dict[str, dict] = field(default_factory=dict)
+    heldout_docs: int = 0  # documents whose images or frames are in ``heldout``
+    # source -> documents with images (or videos, when their frames are used) never read because
+    # the pool was full (``limit``)
+    not_read: dict[str, int] = field(default_factory=dict)
+
+    def describe_not_read(self, limit: int) -> str:
+        """A warning naming what a full pool left unread ("" when every document was read)."""
+        if not self.not_read:
+            return ""
+        counts = ", ".join(f"{source} {count:,}" for source, count in sorted(self.not_read.items()))
+        return (
+            f"vtok_data.cache_images {limit:,} reached: {sum(self.not_read.values()):,} "
+            f"document(s) with images or video were not read ({counts}); the pool holds the first "
+            "images in shard order. Raise vtok_data.cache_images (each image is kept decoded, up "
+            "to 3 x vtok_data.max_pixels bytes), or choose sources with vtok_data.sources"
+        )
+
+    def describe_heldout(self, fraction: float) -> str:
+        """A warning when the held-out figures rest on no document or on a few ("" otherwise):
+        with none, the evaluation falls back to training crops, which the tokenizer has seen."""
+        if self.heldout_docs >= MIN_HELDOUT_DOCS:
+            return ""
+        what = (
+            "the eval/ figures and the comparison with the baselines are measured on training "
+            "crops, which the tokenizer has seen"
+            if not self.heldout
+            else f"the eval/ figures rest on their {len(self.heldout)} image(s) or frame(s) alone"
+        )
+        return (
+            f"{self.heldout_docs} document(s) held out (vtok_data.heldout_fraction {fraction:g}, "
+            f"fewer than {MIN_HELDOUT_DOCS}): {what}. Raise vtok_data.heldout_fraction or train "
+            "on more images"
+        )
 
     def describe_skipped(self, crop: int) -> str:
         """What was skipped, where, and what to do about it ("" when nothing was)."""
@@ -67,8 +103,9 @@ def load_pool(
 ) -> ImagePool:
     train: list[np.ndarray] = []
     held: list[np.ndarray] = []
-    skipped = 0
+    skipped = held_docs = 0
     by_source: dict[str, dict] = {}
+    not_read: dict[str, int] = {}
 
     def skip(raw_doc, reason: str, what: str) -> None:
         nonlocal skipped
@@ -82,9 +119,16 @@ def load_pool(
     sampling = VideoSampling(target_fps=2.0, max_frames=4)
     for raw_dir in raw_dirs:
         for raw_doc in iter_docs(raw_dir, sources or None):
-            if len(train) + len(held) >= limit:
-                break
+            if len(train) + len(held) >= limit:  # full: what is left is counted, not decoded
+                if any(
+                    seg["type"] == "image" or (seg["type"] == "video" and video_frames)
+                    for seg in raw_doc.doc["segments"]
+                ):
+                    source = Path(raw_doc.shard).parent.name
+                    not_read[source] = not_read.get(source, 0) + 1
+                continue
             target = held if heldout(raw_doc.key, heldout_fraction) else train
+            held_before = len(held)
             for seg in raw_doc.doc["segments"]:
                 try:
                     if seg["type"] == "image":
@@ -110,12 +154,13 @@ def load_pool(
                         target.append(array)
                     else:
                         skip(raw_doc, "small", f"{array.shape[1]}x{array.shape[0]}")
+            held_docs += len(held) > held_before
     if not train:
         raise ValueError(
             f"no training image of at least {crop}x{crop} in {raw_dirs} (sources {sources or 'all'})"
             + (f"; {skipped} skipped: {by_source}" if skipped else "")
         )
-    return ImagePool(train, held, skipped, by_source)
+    return ImagePool(train, held, skipped, by_source, held_docs, not_read)
 
 
 def to_tensor(batch: np.ndarray) -> torch.Tensor:

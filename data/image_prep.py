@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -103,6 +104,16 @@ def warnings_naming(name: str | None) -> Iterator[None]:
             warnings.warn_explicit(f"{name}: {got.message}", got.category, got.filename, got.lineno)
 
 
+def bomb_detail(err: Exception, limit: int | None) -> str:
+    """Pillow's DecompressionBombError states Pillow's own threshold (about 179 M pixels), not the
+    limit the caller set (``--max-image-pixels``): the pixels the header claims and ``limit``
+    when the image is over it; one under it that Pillow still refuses keeps Pillow's words."""
+    claimed = re.search(r"\((\d+) pixels\)", str(err))
+    if limit is None or claimed is None or int(claimed.group(1)) <= limit:
+        return f"DecompressionBombError: {err}"
+    return f"header claims {claimed.group(1)} pixels > limit {limit} (not decoded)"
+
+
 def describe_member(raw_doc, member: str) -> str:
     """``SHARD:KEY.MEMBER (from ORIGINAL_PATH)``: where a raw document's media member is."""
     origin = raw_doc.doc.get("origin", {}).get("path")
@@ -133,7 +144,7 @@ def _load_image(raw: bytes, prep: ImagePrep, max_source_pixels: int | None) -> n
         try:
             image: Image.Image = Image.open(io.BytesIO(raw))
         except Image.DecompressionBombError as e:
-            raise ValueError(f"DecompressionBombError: {e}") from None
+            raise ValueError(bomb_detail(e, max_source_pixels)) from None
         except UnidentifiedImageError:  # Pillow's message names an io.BytesIO object, not the file
             raise ValueError(
                 f"not an image Pillow reads ({len(raw)} bytes starting {raw[:12]!r}: a video, "

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
 
-from data.image_prep import warnings_naming
+from data.image_prep import bomb_detail, warnings_naming
 from data.schema import Reject
 
 IMAGE_FORMATS = {
@@ -155,7 +155,7 @@ def probe_image(raw: bytes, path: str, *, max_pixels: int) -> ImageInfo | Reject
             image.load()
             return ImageInfo(width, height, fmt, IMAGE_FORMATS[fmt], mode, frames)
     except Image.DecompressionBombError as e:
-        return Reject(path, "pixel-limit", str(e))
+        return Reject(path, "pixel-limit", bomb_detail(e, max_pixels))
     except UnidentifiedImageError:
         return Reject(path, "unreadable-image", "not an image Pillow recognises")
     except (OSError, SyntaxError, ValueError, EOFError) as e:

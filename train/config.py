@@ -121,7 +121,9 @@ class ImageDataConfig:
     heldout_fraction: float = 0.1  # whole documents held out, chosen by key hash
     heldout_crops: int = 256  # fixed crops of the held-out documents used for eval
     scene_probe: int = 64  # generated scenes for the shape-identity check (0: off)
-    cache_images: int = 20000  # decoded images kept in memory
+    cache_images: int = (
+        20000  # decoded images kept in memory; documents past it are counted, warned
+    )
 
 
 @dataclass(kw_only=True)

@@ -45,7 +45,9 @@ def test_truncated_and_garbage_images_are_rejected():
 def test_decompression_bombs_are_rejected_from_the_header_without_decoding():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     r = probe_image(png_header_bomb(30000, 30000), "bomb.png", max_pixels=64_000_000)
+    # Above Pillow's own threshold too: the detail still states the limit the user set.
     assert r.reason == "pixel-limit"
+    assert r.detail == "header claims 900000000 pixels > limit 64000000 (not decoded)"
     # 100 M pixels: above our limit, below Pillow's own error threshold (it would only warn).
     r = probe_image(png_header_bomb(10000, 10000), "big.png", max_pixels=64_000_000)
     assert r.reason == "pixel-limit" and "10000x10000" in r.detail

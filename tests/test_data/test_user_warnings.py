@@ -1,5 +1,6 @@
 """What a user acts on is said, on real shards: images the visual tokenizer skips for being
-smaller than its crop (how many, which sources, what to do); the file behind a decoder warning
+smaller than its crop (how many, which sources, what to do) and a held-out set too small to
+measure it, and documents a full pool leaves unread; the file behind a decoder warning
 such as Pillow's "Corrupt EXIF data"; exact duplicate documents, counted by `stats` and left out
 by `ingest --dedupe` (listed as `duplicate` rejects); a validation split too small to measure a
 source."""
@@ -60,6 +61,66 @@ def test_images_smaller_than_the_crop_are_counted_by_source_with_what_to_do(tmp_
     assert said.startswith("3 image(s) or frame(s) skipped, smaller than the 32x32 crop")
     assert "icons: 3 small (e.g. " in said and "(16x16)" in said
     assert "lower vtok_data.crop" in said and "vtok_data.sources" in said
+
+
+def test_too_few_held_out_documents_are_warned_about_with_what_to_do(tmp_path):
+    photos = image_folder(tmp_path / "photos", {f"p{index}": 40 for index in range(12)})
+    raw = tmp_path / "raw"
+    assert ingest(raw, [f"photos=images:{photos}"])["finalized"]
+
+    def pool(fraction):
+        return load_pool(
+            [str(raw)],
+            sources=None,
+            prep=ImagePrep(factor=4, max_pixels=64 * 64, max_grid=64),
+            crop=32,
+            heldout_fraction=fraction,
+            video_frames=False,
+            limit=100,
+        )
+
+    # None held out: the evaluation falls back to training crops, which must be said.
+    said = pool(0.0).describe_heldout(0.0)
+    assert said.startswith("0 document(s) held out (vtok_data.heldout_fraction 0, fewer than 5)")
+    assert "measured on training crops" in said and "Raise vtok_data.heldout_fraction" in said
+    few = pool(0.2)
+    assert 0 < few.heldout_docs == len(few.heldout) < 5, few.heldout_docs  # 12 photos, 20 %
+    assert f"rest on their {len(few.heldout)} image(s) or frame(s) alone" in few.describe_heldout(
+        0.2
+    )
+    assert pool(0.5).describe_heldout(0.5) == ""  # 7 of 12
+
+
+def test_documents_left_unread_by_a_full_pool_are_counted_by_source(tmp_path):
+    icons = image_folder(tmp_path / "icons", {"i1": 16})
+    photos = image_folder(tmp_path / "photos", {f"p{index}": 40 for index in range(5)})
+    raw = tmp_path / "raw"
+    assert ingest(raw, [f"icons=images:{icons}", f"photos=images:{photos}"])["finalized"]
+    pool = load_pool(
+        [str(raw)],
+        sources=None,
+        prep=ImagePrep(factor=4, max_pixels=64 * 64, max_grid=64),
+        crop=32,
+        heldout_fraction=0.0,
+        video_frames=False,
+        limit=2,
+    )
+    assert len(pool.train) == 2 and pool.not_read == {"photos": 3}
+    said = pool.describe_not_read(2)
+    assert said.startswith("vtok_data.cache_images 2 reached: 3 document(s) with images or video")
+    assert "(photos 3)" in said and "Raise vtok_data.cache_images" in said
+    assert (
+        load_pool(
+            [str(raw)],
+            sources=None,
+            prep=ImagePrep(factor=4, max_pixels=64 * 64, max_grid=64),
+            crop=32,
+            heldout_fraction=0.0,
+            video_frames=False,
+            limit=100,
+        ).describe_not_read(100)
+        == ""
+    )
 
 
 def test_a_decoder_warning_names_the_file_at_ingest_and_when_decoding_shards(tmp_path):

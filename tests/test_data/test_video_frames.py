@@ -46,6 +46,25 @@ def test_variable_frame_rate_clip_is_sampled_by_real_time():
     np.testing.assert_allclose(f.times, [0.0, 0.2, 0.3], atol=1e-3)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="pick_frames compares float32 times with 1e-9 of slack and takes the frame before; "
+    "the fix (a few float32 ulps of slack) changes the tiny corpus's video ids, so it waits for "
+    "the loader's known-good hashes to be recorded again",
+)
+def test_a_target_on_a_frame_start_takes_that_frame_despite_float32_times():
+    # decord's times are float32 (0.4 s reads 0.4000000060): every frame of a 10 fps clip at
+    # 10 fps, every other one at 5 fps, never the frame before a target.
+    ts = np.stack([np.arange(20) / 10, (np.arange(20) + 1) / 10], 1).astype(np.float32)
+    assert pick_frames(ts, target_fps=10, max_frames=64).tolist() == list(range(20))
+    assert pick_frames(ts, target_fps=5, max_frames=64).tolist() == list(range(0, 20, 2))
+    assert pick_frames(ts, target_fps=10, max_frames=5).tolist() == [0, 4, 8, 12, 16]
+    f = decode_frames(
+        mp4_bytes(frames=20, fps=10), VideoSampling(target_fps=5, max_frames=64), PREP
+    )
+    np.testing.assert_allclose(f.times, np.arange(10) * 0.2, atol=1e-6)
+
+
 def test_frame_cap_spreads_over_the_whole_clip():
     ts = np.stack([np.arange(100) / 25, (np.arange(100) + 1) / 25], 1)  # 4 s at 25 fps
     idx = pick_frames(ts, target_fps=8, max_frames=4)

@@ -91,6 +91,12 @@ def test_a_typo_in_an_override_names_the_key(tiny_raw, tmp_path):
     assert p.returncode != 0 and "factr" in p.stderr
 
 
+def test_raw_shards_that_cannot_be_used_are_one_line_and_exit_code_2(tiny_raw, tmp_path):
+    p = train(base(tiny_raw, tmp_path / "r", 2, "vtok_data.sources=[nope]"), check=False)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert f"earlyfuse-train: vtok_data: {tiny_raw}: no source 'nope' (it has [" in p.stderr
+
+
 def test_resuming_zero_shards_on_another_world_size_asks_for_a_universal_checkpoint(
     tiny_raw, tmp_path
 ):
@@ -110,5 +116,9 @@ def test_below_baselines_names_the_baselines_beaten_and_what_to_do():
     said = below_baselines(figures)
     assert "held-out PSNR 20.00 dB is below" in said
     assert "mean-colour 20.14 dB, palette 20.62 dB" in said and "vtok.entropy" in said
+    # Without a held-out image the figure is on training crops, and says so.
+    assert below_baselines({**figures, "eval/heldout": 0.0}).startswith(
+        "PSNR on training crops 20.00 dB is below"
+    )
     assert below_baselines({**figures, "eval/psnr": 21.0}) == ""
     assert below_baselines({}) == ""

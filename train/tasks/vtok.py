@@ -49,6 +49,7 @@ from model.vtok_metrics import (
     to_unit,
 )
 from train.config import RunConfig
+from train.config_check import ConfigError
 from train.dist import DistInfo
 from train.streams import CropStream as CropBatches
 from train.tasks.base import StepOutput
@@ -82,24 +83,37 @@ class VtokTask:
         self.cfg, self.dist = cfg, dist
         d, v = cfg.vtok_data, cfg.vtok
         if d.crop % v.factor:
-            raise ValueError(
+            raise ConfigError(
                 f"vtok_data.crop {d.crop} must be a multiple of vtok.factor {v.factor}"
             )
         if not d.raw:
-            raise ValueError("vtok_data.raw is empty: give the raw shard folders to train on")
+            raise ConfigError("vtok_data.raw is empty: give the raw shard folders to train on")
         self.prep = ImagePrep(factor=v.factor, max_pixels=d.max_pixels, max_grid=4096)
-        self.pool = load_pool(
-            d.raw,
-            sources=d.sources,
-            prep=self.prep,
-            crop=d.crop,
-            heldout_fraction=d.heldout_fraction,
-            video_frames=d.video_frames,
-            limit=d.cache_images,
-        )
-        said = self.pool.describe_skipped(d.crop)
-        if said and dist.is_main:
-            log.warning(f"vtok: {said}")
+        try:
+            self.pool = load_pool(
+                d.raw,
+                sources=d.sources,
+                prep=self.prep,
+                crop=d.crop,
+                heldout_fraction=d.heldout_fraction,
+                video_frames=d.video_frames,
+                limit=d.cache_images,
+            )
+        except ValueError as e:  # no manifest, no such source, no image as large as a crop
+            raise ConfigError(f"vtok_data: {e}") from None
+        # Said at start and again in final.json: what a user would change before trusting the run.
+        self.warnings = [
+            said
+            for said in (
+                self.pool.describe_skipped(d.crop),
+                self.pool.describe_heldout(d.heldout_fraction),
+                self.pool.describe_not_read(d.cache_images),
+            )
+            if said
+        ]
+        if dist.is_main:
+            for said in self.warnings:
+                log.warning(f"vtok: {said}")
         self.last_eval: dict[str, float] = {}
         self.eval_images = fixed_crops(
             self.pool.heldout or self.pool.train, d.crop, d.heldout_crops
@@ -246,7 +260,8 @@ class VtokTask:
         below = below_baselines(self.last_eval)
         if below:
             log.warning(f"vtok: {below}")
-            out["warnings"] = [below]
+        if self.warnings or below:
+            out["warnings"] = self.warnings + ([below] if below else [])
         return out
 
     def extra_files(self) -> dict[str, str]:
@@ -274,8 +289,9 @@ def below_baselines(figures: dict[str, float]) -> str:
     if not rivals:
         return ""
     beaten = ", ".join(f"{name} {value:.2f} dB" for name, value in rivals.items())
+    measured = "held-out PSNR" if figures.get("eval/heldout", 1.0) else "PSNR on training crops"
     return (
-        f"held-out PSNR {psnr:.2f} dB is below the equal-bits baseline(s) {beaten}: train longer "
+        f"{measured} {psnr:.2f} dB is below the equal-bits baseline(s) {beaten}: train longer "
         "(train.steps), on more images, or with the level-entropy bonus (vtok.entropy); "
         "docs/visual_tokenizer.md, 'What the figures mean'"
     )
