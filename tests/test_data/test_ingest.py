@@ -130,6 +130,17 @@ def test_changed_inputs_refuse_to_mix_into_an_existing_output(planted_corpus, tm
         ingest(out, planted_corpus["sources"])
 
 
+def test_a_folder_holding_shards_of_no_recorded_run_is_refused(planted_corpus, tmp_path):
+    """Shards copied in, or left by a run whose records were deleted, would be mixed with this
+    run's (the loader globs every shard of a source folder): refused, naming them."""
+    out = tmp_path / "out"
+    (out / "photos").mkdir(parents=True)
+    (out / "photos" / "shard-000000.tar").write_bytes(b"another run's shard")
+    with pytest.raises(ValueError, match=r"1 file\(s\) that this ingest does not write.*photos/"):
+        ingest(out, planted_corpus["sources"])
+    assert sorted(p.name for p in out.rglob("*")) == ["photos", "shard-000000.tar"]
+
+
 def test_killed_ingest_resumes_to_the_same_output(tmp_path):
     many_images(tmp_path / "imgs", 160)
     ref, out = tmp_path / "ref", tmp_path / "out"
