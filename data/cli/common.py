@@ -68,7 +68,7 @@ def _add_engine_flags(p) -> None:
     )
     p.add_argument(
         "--num-partitions",
-        type=int,
+        type=positive_int,
         default=1,
         metavar="P",
         help="split the shards across P independent runs (e.g. a Slurm array), then `merge`",

@@ -141,6 +141,24 @@ def test_a_folder_holding_shards_of_no_recorded_run_is_refused(planted_corpus, t
     assert sorted(p.name for p in out.rglob("*")) == ["photos", "shard-000000.tar"]
 
 
+def test_partition_and_shard_flags_out_of_range_are_refused_before_any_work(
+    planted_corpus, tmp_path, capsys
+):
+    args = ["ingest", "--out", str(tmp_path / "out"), "--source", planted_corpus["sources"][0]]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args + ["--num-partitions", "0"])
+    assert exit_info.value.code == 2
+    assert "--num-partitions: 0 is not a count" in capsys.readouterr().err
+    assert main(args + ["--shard-samples", "-3"]) == 1
+    assert "--shard-samples -3: give 0 (no limit) or more" in capsys.readouterr().err
+    # checked before planning: an empty source (which planning refuses) is never listed
+    (tmp_path / "empty").mkdir()
+    empty = ["ingest", "--out", str(tmp_path / "out"), "--source", f"text:{tmp_path / 'empty'}"]
+    assert main(empty + ["--num-partitions", "2", "--partition", "5"]) == 1
+    assert "--partition 5 is outside 0..1" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_killed_ingest_resumes_to_the_same_output(tmp_path):
     many_images(tmp_path / "imgs", 160)
     ref, out = tmp_path / "ref", tmp_path / "out"
