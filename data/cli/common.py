@@ -62,7 +62,7 @@ def _add_engine_flags(p) -> None:
     p.add_argument(
         "--workers",
         type=positive_int,
-        default=1,
+        default=None,
         help="parallel worker processes (default 1); on Ray, at most this many CPU actors "
         "(default: one per cluster CPU)",
     )
@@ -105,12 +105,12 @@ def _engine(a):
         from data.engine.ray import check_address
 
         check_address(a.ray_address)
-    elif a.workers > cpu_count():
+    elif (a.workers or 1) > cpu_count():
         print(
             f"warning: --workers {a.workers} is more than the {cpu_count()} CPU(s) this process "
             "may use: the workers share them (no faster, more memory)",
             file=sys.stderr,
         )
-    # On ray, --workers bounds the CPU actors; its default (1) means "one per cluster CPU".
-    workers = a.workers if a.engine == "local" or a.workers > 1 else 0
+    # Not given: 1 local worker; on ray 0, one actor per cluster CPU (a given 1 is one actor).
+    workers = a.workers or (1 if a.engine == "local" else 0)
     return EngineConfig(kind=a.engine, workers=workers, address=a.ray_address)

@@ -78,6 +78,7 @@ def test_ingest_on_ray_survives_a_killed_worker_with_the_local_bytes(
     assert proc.returncode == 0, err[-3000:]
     assert "sent again" in err  # the killed worker's job ran once more, elsewhere
     assert folder_bytes(remote, ".ingest") == folder_bytes(local, ".ingest")
+    assert "ray: 2 CPU actor(s)" in err  # --workers not given: one actor per cluster CPU
     m = json.loads((remote / "manifest.json").read_text())
     total = planted_corpus["good_samples"] + 40
     assert m["totals"]["samples"] == total == sum(s["samples"] for s in m["shards"])
@@ -158,6 +159,22 @@ def test_ingest_on_ray_into_s3_gives_the_actors_the_drivers_settings(
         remote = tmp_path / "remote"
         fs.get("bucket/raw", str(remote), recursive=True)
     assert folder_bytes(remote, ".ingest") == folder_bytes(local, ".ingest")
+
+
+def test_workers_bounds_the_actors_on_ray_one_included(cluster, tmp_path):
+    (tmp_path / "in").mkdir()
+    for name in "abc":  # three shard jobs: room for more than one actor
+        (tmp_path / "in" / f"{name}.txt").write_text(f"some prose {name}")
+    cmd = [sys.executable, "-m", "data.cli", "ingest", "--source", f"text:{tmp_path / 'in'}"]
+    cmd += ["--engine", "ray", "--ray-address", cluster.address, "--no-progress"]
+    cmd += ["--shard-samples", "1"]
+    one = subprocess.run(
+        cmd + ["--out", str(tmp_path / "one"), "--workers", "1"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+    )
+    assert one.returncode == 0 and "ray: 1 CPU actor(s)" in one.stderr, one.stderr[-2000:]
 
 
 def test_an_address_where_no_ray_answers_is_refused_before_any_work(tmp_path):
