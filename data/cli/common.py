@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from pathlib import Path
 
 from data.shards.storage import is_remote, local_path
@@ -58,10 +59,16 @@ def path_or_url(text: str) -> Path | str:
 def _add_engine_flags(p) -> None:
     """--workers, the partition flags, --engine and --ray-address: how ingest and tokenize
     spread their shard jobs (see docs/scaling.md)."""
-    p.add_argument("--workers", type=int, default=1, help="parallel worker processes (default 1)")
+    p.add_argument(
+        "--workers",
+        type=positive_int,
+        default=None,
+        help="parallel worker processes (default 1); on Ray, at most this many CPU actors "
+        "(default: one per cluster CPU)",
+    )
     p.add_argument(
         "--num-partitions",
-        type=int,
+        type=positive_int,
         default=1,
         metavar="P",
         help="split the shards across P independent runs (e.g. a Slurm array), then `merge`",
@@ -89,8 +96,21 @@ def _add_engine_flags(p) -> None:
 
 
 def _engine(a):
+    """The engine the flags ask for; a Ray address where nothing answers is refused here, before
+    any planning, and more local workers than CPUs is said (they share the CPUs)."""
     from data.engine import EngineConfig
+    from data.engine.local import cpu_count
 
-    # On ray, --workers bounds the CPU actors; its default (1) means "one per cluster CPU".
-    workers = a.workers if a.engine == "local" or a.workers > 1 else 0
+    if a.engine == "ray":
+        from data.engine.ray import check_address
+
+        check_address(a.ray_address)
+    elif (a.workers or 1) > cpu_count():
+        print(
+            f"warning: --workers {a.workers} is more than the {cpu_count()} CPU(s) this process "
+            "may use: the workers share them (no faster, more memory)",
+            file=sys.stderr,
+        )
+    # Not given: 1 local worker; on ray 0, one actor per cluster CPU (a given 1 is one actor).
+    workers = a.workers or (1 if a.engine == "local" else 0)
     return EngineConfig(kind=a.engine, workers=workers, address=a.ray_address)

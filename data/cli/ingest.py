@@ -174,7 +174,7 @@ def cmd_ingest(a) -> int:
         limits=limits,
         shard_max_bytes=a.shard_size,
         shard_max_samples=a.shard_samples,
-        workers=a.workers,
+        workers=a.workers or 1,
         num_partitions=a.num_partitions,
         partition=a.partition,
         progress=not a.no_progress,

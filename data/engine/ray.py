@@ -19,18 +19,24 @@ Design choices:
   a kill never leaves a shard missing, half-written or twice.
 - Tested (tests/test_data/test_engine_ray.py, a real two-node Ray cluster on one machine whose
   second node declares one *logical* GPU): ingest and tokenize byte-identical to the local
-  engine, a CPU actor killed mid-job, the GPU actor pool (the actor on that logical GPU runs the
-  visual tokenizer on the CPU) and a GPU actor killed mid-run. Not tested: CUDA itself (no GPU
+  engine (ingest also into S3 from a cluster started without its settings), a CPU actor
+  killed mid-job, the GPU actor pool (the actor on that logical GPU runs the visual tokenizer
+  on the CPU) and a GPU actor killed mid-run. Not tested: CUDA itself (no GPU
   here), several GPUs, a lost node (a replacement GPU actor then waits for a GPU).
 - Every node must see the same inputs and the same output folder (a shared file system, or
   object storage through fsspec URLs) and have the same earlyfuse installed.
 - The driver joins the cluster at ``address`` (default: ``RAY_ADDRESS``, else a local Ray
-  started for this command and stopped after it).
+  started for this command and stopped after it). A ``HOST:PORT`` where nothing answers is
+  refused at once (``check_address``): ``ray.init`` would retry it for minutes.
+- Ray starts an actor with its node's environment, not the driver's, so the CPU actors get the
+  driver's object-storage settings (``storage_env``: ``AWS_*`` and the like) through Ray's
+  ``runtime_env``; without them a job would find no credentials, or write to another endpoint.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -43,6 +49,39 @@ if TYPE_CHECKING:
 
 JobT = TypeVar("JobT")
 ResultT = TypeVar("ResultT")
+
+
+# Environment variables that configure object storage (endpoint, credentials, region, profile).
+STORAGE_ENV_PREFIXES = ("AWS_", "FSSPEC_", "GOOGLE_APPLICATION_CREDENTIALS", "AZURE_STORAGE_")
+
+
+def storage_env() -> dict[str, str]:
+    """The driver's object-storage settings, for the actors (see the module's docstring)."""
+    return {
+        name: value for name, value in os.environ.items() if name.startswith(STORAGE_ENV_PREFIXES)
+    }
+
+
+def check_address(address: str | None) -> None:
+    """Refuse a ``HOST:PORT`` (``--ray-address`` or ``RAY_ADDRESS``) where nothing answers;
+    other forms (``auto``, ``ray://...``) are left to Ray."""
+    where = "--ray-address" if address else "RAY_ADDRESS"
+    address = address or os.environ.get("RAY_ADDRESS")
+    if not address or "://" in address or address in ("auto", "local"):
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(
+            f"{where} {address!r}: give the head node as HOST:PORT (e.g. 10.0.0.1:6379)"
+        )
+    try:
+        with socket.create_connection((host, int(port)), timeout=10):
+            pass
+    except OSError as e:
+        raise ValueError(
+            f"{where} {address}: no Ray cluster answers there ({e.strerror or e}); start one "
+            f"with `ray start --head --port {port}` on {host}, or check the address"
+        ) from None
 
 
 class PrepWorker:
@@ -117,6 +156,7 @@ def run_ray(
 
     started_here = not ray.is_initialized()
     if started_here:
+        check_address(engine.address)
         ray.init(
             address=engine.address or os.environ.get("RAY_ADDRESS"),
             log_to_driver=False,
@@ -127,7 +167,17 @@ def run_ray(
     cpus = max(1, int(resources.get("CPU", 1)))
     # Never more actors than CPUs: an actor waiting for a CPU would hold its job forever.
     size = min(engine.workers or cpus, cpus, len(jobs))
-    actor_cls = ray.remote(num_cpus=1)(PrepWorker)
+    if engine.workers > cpus:
+        print(
+            f"ray: --workers {engine.workers} is more than the cluster's {cpus} CPU(s): "
+            f"one actor per CPU",
+            file=sys.stderr,
+            flush=True,
+        )
+    env = storage_env()
+    actor_cls = ray.remote(num_cpus=1, **({"runtime_env": {"env_vars": env}} if env else {}))(
+        PrepWorker
+    )
     adapt: Callable[[JobT], JobT] = lambda job: job  # noqa: E731
     pool: GpuPool | None = None
     if gpu_setup is not None and int(resources.get("GPU", 0)) > 0:
@@ -143,10 +193,10 @@ def run_ray(
     idle = [actor_cls.remote(fn, engine.recycle_after) for _ in range(size)]
     inflight: dict = {}  # object ref -> (actor, position, job)
 
-    def again(pos: int, job: JobT, why: str) -> None:
+    def again(pos: int, job: JobT, why: str, give_up: type[Exception] = RuntimeError) -> None:
         tries[pos] += 1
         if tries[pos] > engine.retries:
-            raise RuntimeError(f"job {pos} failed {tries[pos]} times on ray; the last: {why}")
+            raise give_up(f"job {pos} failed {tries[pos]} times on ray; the last: {why}")
         print(
             f"ray: job {pos} failed: {why}; sent again (try {tries[pos] + 1} of "
             f"{engine.retries + 1})",
@@ -178,8 +228,8 @@ def run_ray(
                         print(f"ray: {replaced} GPU actor(s) replaced", file=sys.stderr, flush=True)
                     again(pos, job, f"a GPU actor it called died ({type(e.cause).__name__})")
                     continue
-                if isinstance(e.cause, OSError):
-                    again(pos, job, repr(e.cause))
+                if isinstance(e.cause, OSError):  # given up on: an OSError, one line in the CLI
+                    again(pos, job, str(e.cause), OSError)
                     continue
                 raise e.as_instanceof_cause() from None
             except (RayActorError, WorkerCrashedError) as e:

@@ -7,6 +7,7 @@ from pathlib import Path
 from data.engine import EngineConfig
 from data.ingest.plan import Plan, make_plan
 from data.ingest.run import command_line, run_plan
+from data.shards.manifest import partition_share
 from data.shards.storage import is_remote
 from data.sources import Limits, parse_sources
 
@@ -36,6 +37,7 @@ def ingest(
         raise ValueError(
             f"--dedupe rewrites the shards that held a duplicate and needs a local --out, not {out}"
         )
+    partition_share(0, num_partitions, partition)  # a bad --partition refused before planning
     specs = parse_sources(sources)
     exclude = tuple(str(Path(p)) for p in exclude_content_of or [])
     plan = make_plan(

@@ -109,6 +109,11 @@ def make_plan(
     exclude: tuple[str, ...] = (),
     dedupe: bool = False,
 ) -> Plan:
+    if shard_max_bytes < 0 or shard_max_samples < 0:
+        raise ValueError(
+            f"--shard-size {shard_max_bytes} / --shard-samples {shard_max_samples}: give 0 (no "
+            "limit) or more"
+        )
     if shard_max_bytes <= 0 and shard_max_samples <= 0:
         raise ValueError("set a shard size: --shard-size and/or --shard-samples")
     if not 0.0 <= val_fraction < 1.0:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from data.engine import EngineConfig
 from data.ingest.plan import Plan, ShardPlan
-from data.names import INDEX_SUFFIX, MANIFEST_FILE
+from data.names import INDEX_SUFFIX, MANIFEST_FILE, REJECTS_FILE
 from data.schema import SEGMENT_TYPES, Reject
 from data.shards.content import describe, folder_fingerprints, sample_fingerprints
 from data.shards.manifest import (
@@ -28,6 +28,7 @@ from data.shards.manifest import (
     missing_shards,
     partition_share,
     record_path,
+    refuse_strays,
     run_shard_jobs,
     shard_done,
 )
@@ -158,6 +159,9 @@ def check_output_dir(out: Folder, plan: Plan) -> dict[int, dict]:
                 "other inputs or flags); choose a new --out or delete that folder"
             )
     records = out.records(STATE_DIR)
+    if not records and not out.exists(MANIFEST_FILE):
+        ours = {f"{shard.name}{ext}" for shard in plan.shards for ext in (".tar", INDEX_SUFFIX)}
+        refuse_strays(out, ours | {REJECTS_FILE}, (STATE_DIR,), "ingest")
     other = {record["fingerprint"] for record in records.values()} - {plan.fingerprint}
     if other:
         raise ValueError(

@@ -78,6 +78,26 @@ def shard_done(sizes: dict[str, int], rec: dict | None, fingerprint: str) -> boo
     return sizes.get(rec["tar"]) == rec["bytes"] and all(n in sizes for n in named if n)
 
 
+def refuse_strays(out: Folder, ours: set[str], folders: tuple[str, ...], command: str) -> None:
+    """Refuse a folder that holds files this run would not write, when no record or manifest of
+    a run is there (a new run): another run's shards, copied in or left from an earlier run
+    whose records were deleted, would be mixed with this one's, or overwritten. Files this run
+    writes (and their ``.tmp`` names) are allowed: a run killed before its first record leaves
+    them, as may its own ``folders`` (its records, tokenize's copy of the tokenizers)."""
+    strays = sorted(
+        name
+        for name in out.sizes()
+        if name.removesuffix(".tmp") not in ours
+        and not name.startswith(tuple(f"{folder}/" for folder in folders))
+    )
+    if strays:
+        raise ValueError(
+            f"{out} holds {len(strays)} file(s) that this {command} does not write and no record "
+            f"of a run (e.g. {', '.join(strays[:3])}): another run's shards? Choose a new --out, "
+            "or empty that folder"
+        )
+
+
 def partition_share(num_shards: int, num_partitions: int, partition: int) -> list[int]:
     """The shards that partition I of P writes: those whose index is I mod P."""
     if not (num_partitions >= 1 and 0 <= partition < num_partitions):

@@ -63,7 +63,9 @@ def retried(
             return call()
         except Exception as e:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
             if isinstance(e, FileNotFoundError) and not retry_missing:
-                raise
+                # named: a backend's own text ("The specified bucket does not exist") says
+                # neither which URL nor which command
+                raise FileNotFoundError(f"{what}: {e}") from e
             if attempt == retries - 1:
                 raise OSError(f"{what} failed {retries} times, the last: {e!r}") from e
             time.sleep(0.2 * 2**attempt)

@@ -44,6 +44,7 @@ from data.shards.manifest import TOKEN_FORMAT as FORMAT
 from data.shards.manifest import (
     load_manifest,
     partition_share,
+    refuse_strays,
     run_shard_jobs,
     shard_done,
     shard_entry,
@@ -53,7 +54,7 @@ from data.shards.storage import Folder, Staging
 from data.text_tokenizer import TextTokenizer
 from data.tokenize.blocks import block_summary
 from data.tokenize.docs import TokenizeOptions
-from data.tokenize.shard_job import STATE_DIR, TokenizeJob, tokenize_shard
+from data.tokenize.shard_job import STATE_DIR, TokenizeJob, binary_index_name, tokenize_shard
 from data.tokenize.vtok_files import (
     check_visual_tokenizer,
     folder_fingerprints,
@@ -115,6 +116,13 @@ def tokenize(
             "choose a new --out or delete that folder"
         )
     records = dest.records(STATE_DIR)
+    if not records and not dest.exists(MANIFEST_FILE):
+        ours = {REJECTS_FILE} | {
+            name
+            for shard in raw_m["shards"]
+            for name in (shard["path"], shard["index"], binary_index_name(shard["index"]))
+        }
+        refuse_strays(dest, ours, (STATE_DIR, TOKENIZERS_DIR), "tokenize")
     if any(record["fingerprint"] != fingerprint for record in records.values()):
         raise ValueError(
             f"{out}/{STATE_DIR} holds shards of another tokenization; choose a new --out or delete it"

@@ -43,3 +43,19 @@ def test_a_jobs_own_error_stops_the_run_with_the_workers_traceback():
         list(run_pool(raise_value_error, [1, 2], 2))
     assert isinstance(info.value.__cause__, RemoteTraceback)
     assert "raise_value_error" in str(info.value.__cause__)
+
+
+def test_the_workers_flag_refuses_zero_and_says_when_it_is_more_than_the_cpus(tmp_path, capsys):
+    from data.cli import main
+    from data.engine.local import cpu_count
+
+    (tmp_path / "a.txt").write_text("some prose")
+    args = ["ingest", "--out", str(tmp_path / "out"), "--source", f"text:{tmp_path}"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args + ["--workers", "0"])
+    assert exit_info.value.code == 2
+    assert "--workers: 0 is not a count" in capsys.readouterr().err
+    assert main(args + ["--no-progress", "--workers", str(cpu_count() + 1)]) == 0
+    assert f"--workers {cpu_count() + 1} is more than the {cpu_count()} CPU(s)" in (
+        capsys.readouterr().err
+    )

@@ -16,7 +16,7 @@ from factories import many_images
 
 pytest.importorskip("ray")
 
-from ray_cluster import ENV, LocalCluster  # noqa: E402
+from ray_cluster import ENV, LocalCluster, free_port  # noqa: E402
 
 from data.engine import EngineConfig  # noqa: E402
 from data.ingest import ingest  # noqa: E402
@@ -78,6 +78,7 @@ def test_ingest_on_ray_survives_a_killed_worker_with_the_local_bytes(
     assert proc.returncode == 0, err[-3000:]
     assert "sent again" in err  # the killed worker's job ran once more, elsewhere
     assert folder_bytes(remote, ".ingest") == folder_bytes(local, ".ingest")
+    assert "ray: 2 CPU actor(s)" in err  # --workers not given: one actor per cluster CPU
     m = json.loads((remote / "manifest.json").read_text())
     total = planted_corpus["good_samples"] + 40
     assert m["totals"]["samples"] == total == sum(s["samples"] for s in m["shards"])
@@ -131,3 +132,58 @@ def test_tokenize_on_ray_replaces_a_killed_gpu_actor_with_the_local_bytes(
     assert "1 GPU actor(s) replaced" in err, (busy, err[-3000:])
     assert "a GPU actor it called died" in err and "sent again" in err
     assert folder_bytes(remote, ".tokenize") == folder_bytes(local, ".tokenize")
+
+
+def test_ingest_on_ray_into_s3_gives_the_actors_the_drivers_settings(
+    cluster, planted_corpus, tmp_path
+):
+    """The cluster's nodes were started without the S3 endpoint and credentials, as an
+    engineer's cluster often is: the actors get the driver's, and write the local bytes."""
+    pytest.importorskip("moto")
+    from s3_server import s3_with_bucket
+
+    local = tmp_path / "local"
+    ingest(local, planted_corpus["sources"], shard_max_samples=2)
+    with s3_with_bucket() as s3:
+        assert not set(s3.env) & set(ENV)  # the nodes' environment has none of them
+        s = ingest(
+            "s3://bucket/raw",
+            planted_corpus["sources"],
+            shard_max_samples=2,
+            engine=EngineConfig("ray", address=cluster.address),
+        )
+        assert s["finalized"]
+        import fsspec
+
+        fs = fsspec.filesystem("s3")
+        remote = tmp_path / "remote"
+        fs.get("bucket/raw", str(remote), recursive=True)
+    assert folder_bytes(remote, ".ingest") == folder_bytes(local, ".ingest")
+
+
+def test_workers_bounds_the_actors_on_ray_one_included(cluster, tmp_path):
+    (tmp_path / "in").mkdir()
+    for name in "abc":  # three shard jobs: room for more than one actor
+        (tmp_path / "in" / f"{name}.txt").write_text(f"some prose {name}")
+    cmd = [sys.executable, "-m", "data.cli", "ingest", "--source", f"text:{tmp_path / 'in'}"]
+    cmd += ["--engine", "ray", "--ray-address", cluster.address, "--no-progress"]
+    cmd += ["--shard-samples", "1"]
+    one = subprocess.run(
+        cmd + ["--out", str(tmp_path / "one"), "--workers", "1"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+    )
+    assert one.returncode == 0 and "ray: 1 CPU actor(s)" in one.stderr, one.stderr[-2000:]
+
+
+def test_an_address_where_no_ray_answers_is_refused_before_any_work(tmp_path):
+    """ray.init would retry such an address for minutes; the command says so at once."""
+    (tmp_path / "a.txt").write_text("some prose")
+    address = f"127.0.0.1:{free_port()}"
+    cmd = [sys.executable, "-m", "data.cli", "ingest", "--out", str(tmp_path / "out")]
+    cmd += ["--source", f"text:{tmp_path}", "--engine", "ray", "--ray-address", address]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=120)
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert f"--ray-address {address}: no Ray cluster answers there" in run.stderr
+    assert not (tmp_path / "out").exists()

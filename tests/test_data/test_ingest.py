@@ -130,6 +130,35 @@ def test_changed_inputs_refuse_to_mix_into_an_existing_output(planted_corpus, tm
         ingest(out, planted_corpus["sources"])
 
 
+def test_a_folder_holding_shards_of_no_recorded_run_is_refused(planted_corpus, tmp_path):
+    """Shards copied in, or left by a run whose records were deleted, would be mixed with this
+    run's (the loader globs every shard of a source folder): refused, naming them."""
+    out = tmp_path / "out"
+    (out / "photos").mkdir(parents=True)
+    (out / "photos" / "shard-000000.tar").write_bytes(b"another run's shard")
+    with pytest.raises(ValueError, match=r"1 file\(s\) that this ingest does not write.*photos/"):
+        ingest(out, planted_corpus["sources"])
+    assert sorted(p.name for p in out.rglob("*")) == ["photos", "shard-000000.tar"]
+
+
+def test_partition_and_shard_flags_out_of_range_are_refused_before_any_work(
+    planted_corpus, tmp_path, capsys
+):
+    args = ["ingest", "--out", str(tmp_path / "out"), "--source", planted_corpus["sources"][0]]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args + ["--num-partitions", "0"])
+    assert exit_info.value.code == 2
+    assert "--num-partitions: 0 is not a count" in capsys.readouterr().err
+    assert main(args + ["--shard-samples", "-3"]) == 1
+    assert "--shard-samples -3: give 0 (no limit) or more" in capsys.readouterr().err
+    # checked before planning: an empty source (which planning refuses) is never listed
+    (tmp_path / "empty").mkdir()
+    empty = ["ingest", "--out", str(tmp_path / "out"), "--source", f"text:{tmp_path / 'empty'}"]
+    assert main(empty + ["--num-partitions", "2", "--partition", "5"]) == 1
+    assert "--partition 5 is outside 0..1" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_killed_ingest_resumes_to_the_same_output(tmp_path):
     many_images(tmp_path / "imgs", 160)
     ref, out = tmp_path / "ref", tmp_path / "out"

@@ -113,6 +113,15 @@ def test_a_source_url_with_nothing_there_is_named_as_missing(s3, source):
         parse_sources([source])
 
 
+def test_a_bucket_that_does_not_exist_is_named_with_the_url(s3, planted_corpus, capsys):
+    from data.cli import main
+
+    argv = ["ingest", "--out", "s3://nobucket/raw", "--no-progress", "--source"]
+    assert main(argv + [planted_corpus["sources"][0]]) == 1
+    err = capsys.readouterr().err
+    assert "error: s3://nobucket/raw/" in err and "bucket does not exist" in err
+
+
 def test_the_loader_reads_s3_token_shards_through_failures(s3, fs, tiny_tokens):
     fs.put(str(tiny_tokens), "bucket/tiny_tokens", recursive=True)
     local = [SourceConfig(name="code", shards=[str(tiny_tokens / "code")], weight=2.0)]

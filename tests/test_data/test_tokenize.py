@@ -15,6 +15,7 @@ from data.layout import parse_image, parse_video
 from data.shards.index import read_index
 from data.shards.manifest import load_manifest
 from data.text_tokenizer import TextTokenizer
+from data.tokenize.run import tokenize
 from data.vocab import Modality
 
 
@@ -148,6 +149,16 @@ def test_resume_and_refusal(tiny_raw, tiny_tokenizers, tokens, tmp_path):
     assert (out / other["index_bin"]).read_bytes() == index_bin
     # Other options would make other tokens: the folder is refused rather than mixed.
     assert main(args + ["--video-fps", "2"]) == 1
+
+
+def test_a_folder_holding_token_shards_of_no_recorded_run_is_refused(
+    tiny_raw, tiny_tokenizers, tmp_path
+):
+    out = tmp_path / "t"
+    (out / "other").mkdir(parents=True)
+    (out / "other" / "shard-000000.tar").write_bytes(b"another run's shard")
+    with pytest.raises(ValueError, match=r"this tokenize does not write.*other/shard-000000"):
+        tokenize(tiny_raw, out, *tiny_tokenizers)
 
 
 def test_a_visual_tokenizer_folder_is_checked_by_its_one_loader(tiny_tokenizers, tmp_path):
