@@ -13,6 +13,7 @@ Design choices:
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from data.image_prep import ImagePrep, describe_member, load_image
-from data.shards.reader import iter_docs
+from data.shards.reader import iter_shard, shard_entries
 from data.video_frames import VideoSampling, decode_frames
 
 
@@ -40,8 +41,8 @@ class ImagePool:
     # source -> {"small": count, "unreadable": count, "examples": ["key (WxH)", ...]}
     skipped_by_source: dict[str, dict] = field(default_factory=dict)
     heldout_docs: int = 0  # documents whose images or frames are in ``heldout``
-    # source -> documents with images (or videos, when their frames are used) never read because
-    # the pool was full (``limit``)
+    # source -> images (and videos, when their frames are used) never read because the pool was
+    # full (``limit``): counted from the manifest's per-shard segment counts, not read
     not_read: dict[str, int] = field(default_factory=dict)
 
     def describe_not_read(self, limit: int) -> str:
@@ -51,7 +52,7 @@ class ImagePool:
         counts = ", ".join(f"{source} {count:,}" for source, count in sorted(self.not_read.items()))
         return (
             f"vtok_data.cache_images {limit:,} reached: {sum(self.not_read.values()):,} "
-            f"document(s) with images or video were not read ({counts}); the pool holds the first "
+            f"image(s) or video(s) were not read ({counts}); the pool holds the first "
             "images in shard order. Raise vtok_data.cache_images (each image is kept decoded, up "
             "to 3 x vtok_data.max_pixels bytes), or choose sources with vtok_data.sources"
         )
@@ -117,44 +118,59 @@ def load_pool(
             got["examples"].append(f"{raw_doc.key} ({what})")
 
     sampling = VideoSampling(target_fps=2.0, max_frames=4)
-    for raw_dir in raw_dirs:
-        for raw_doc in iter_docs(raw_dir, sources or None):
-            if len(train) + len(held) >= limit:  # full: what is left is counted, not decoded
-                if any(
-                    seg["type"] == "image" or (seg["type"] == "video" and video_frames)
-                    for seg in raw_doc.doc["segments"]
-                ):
-                    source = Path(raw_doc.shard).parent.name
-                    not_read[source] = not_read.get(source, 0) + 1
-                continue
-            target = held if heldout(raw_doc.key, heldout_fraction) else train
-            held_before = len(held)
-            for seg in raw_doc.doc["segments"]:
-                try:
-                    if seg["type"] == "image":
-                        member = seg["member"]
-                        name = describe_member(raw_doc, member)
-                        arrays = [load_image(raw_doc.member(member), prep, name=name)]
-                    elif seg["type"] == "video" and video_frames:
-                        arrays = list(
-                            decode_frames(
-                                raw_doc.member(seg["member"]),
-                                sampling,
-                                prep,
-                                size=(seg["width"], seg["height"]),
-                            ).frames
-                        )
-                    else:
-                        continue
-                except (OSError, ValueError) as e:
-                    skip(raw_doc, "unreadable", str(e)[:80])
+    kinds = ("image", "video") if video_frames else ("image",)
+
+    def full() -> bool:
+        return len(train) + len(held) >= limit
+
+    def count_unread(source: str, segments: dict) -> None:
+        unread = sum(segments.get(kind, 0) for kind in kinds)
+        if unread:
+            not_read[source] = not_read.get(source, 0) + unread
+
+    def load_doc(raw_doc) -> None:
+        """Its images (and video frames) into the training or held-out pool."""
+        nonlocal held_docs
+        target = held if heldout(raw_doc.key, heldout_fraction) else train
+        held_before = len(held)
+        for seg in raw_doc.doc["segments"]:
+            try:
+                if seg["type"] == "image":
+                    member = seg["member"]
+                    name = describe_member(raw_doc, member)
+                    arrays = [load_image(raw_doc.member(member), prep, name=name)]
+                elif seg["type"] == "video" and video_frames:
+                    arrays = list(
+                        decode_frames(
+                            raw_doc.member(seg["member"]),
+                            sampling,
+                            prep,
+                            size=(seg["width"], seg["height"]),
+                        ).frames
+                    )
+                else:
                     continue
-                for array in arrays:
-                    if array.shape[0] >= crop and array.shape[1] >= crop:
-                        target.append(array)
-                    else:
-                        skip(raw_doc, "small", f"{array.shape[1]}x{array.shape[0]}")
-            held_docs += len(held) > held_before
+            except (OSError, ValueError) as e:
+                skip(raw_doc, "unreadable", str(e)[:80])
+                continue
+            for array in arrays:
+                if array.shape[0] >= crop and array.shape[1] >= crop:
+                    target.append(array)
+                else:
+                    skip(raw_doc, "small", f"{array.shape[1]}x{array.shape[0]}")
+        held_docs += len(held) > held_before
+
+    for raw_dir in raw_dirs:
+        for tar, index, entry in shard_entries(raw_dir, sources or None):
+            if full():  # the rest is counted from the manifest, never read
+                count_unread(entry["source"], entry.get("segments", {}))
+                continue
+            for raw_doc in iter_shard(tar, index):
+                if full():  # the rest of this shard
+                    segments = Counter(seg["type"] for seg in raw_doc.doc["segments"])
+                    count_unread(entry["source"], segments)
+                else:
+                    load_doc(raw_doc)
     if not train:
         raise ValueError(
             f"no training image of at least {crop}x{crop} in {raw_dirs} (sources {sources or 'all'})"

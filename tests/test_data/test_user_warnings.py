@@ -107,7 +107,7 @@ def test_documents_left_unread_by_a_full_pool_are_counted_by_source(tmp_path):
     )
     assert len(pool.train) == 2 and pool.not_read == {"photos": 3}
     said = pool.describe_not_read(2)
-    assert said.startswith("vtok_data.cache_images 2 reached: 3 document(s) with images or video")
+    assert said.startswith("vtok_data.cache_images 2 reached: 3 image(s) or video(s) were not")
     assert "(photos 3)" in said and "Raise vtok_data.cache_images" in said
     assert (
         load_pool(
