@@ -68,7 +68,10 @@ class TableCache:
         for src in sources:
             key = (src.name, tuple(src.shards))
             if key not in self._tables:
-                self._tables[key] = load_table(src)
+                try:
+                    self._tables[key] = load_table(src)
+                except ValueError as e:  # a source that cannot be used: one line, exit code 2
+                    raise ConfigError(str(e)) from None
             out.append(self._tables[key])
         return out
 

@@ -28,3 +28,17 @@ def test_a_position_the_loader_cannot_carry_is_a_config_error_saying_what_to_do(
         TokenStream(changed).resume(state, lambda: [state])
     assert "even with train.allow_config_change=true" in str(refused.value)
     assert "train.init_from" in str(refused.value)
+
+
+def test_a_source_that_cannot_be_read_is_a_config_error(tiny_tokens, tmp_path):
+    """The table check's ValueError (here the source's only shard, gone since tokenize) reaches
+    earlyfuse-train as a ConfigError, one line and exit code 2, not a traceback."""
+    import shutil
+
+    from data.loader import SourceConfig
+    from train.streams import TableCache
+
+    code = shutil.copytree(tiny_tokens, tmp_path / "tokens") / "code"
+    next(code.glob("*.tar")).unlink()
+    with pytest.raises(ConfigError, match=r"source code: .*/tokens/code' matches no shard"):
+        TableCache().get([SourceConfig(name="code", shards=[str(code)])])
