@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import os
+import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -126,9 +127,10 @@ def tokenize_shard(job: TokenizeJob) -> dict:
     raw, dest = Folder(job.raw_dir), Folder(job.out)
     tar_rel = job.shard["path"]
     idx_rel = job.shard["index"]
-    with Staging(dest) as stage:
-        # A raw shard in object storage is downloaded whole first (every member is read).
-        inputs = stage.path(".inputs") if raw.remote else Path()
+    with Staging(dest) as stage, tempfile.TemporaryDirectory(prefix="earlyfuse-inputs-") as got:
+        # A raw shard in object storage is downloaded whole first (every member is read), into a
+        # temp folder gone with the job: never into the output folder, whatever it is.
+        inputs = Path(got) if raw.remote else Path()
         tar = raw.download(tar_rel, inputs / tar_rel)
         idx = raw.download(idx_rel, inputs / idx_rel)
         record = _tokenize_shard(job, tar, idx, stage)

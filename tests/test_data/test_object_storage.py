@@ -81,6 +81,10 @@ def test_ingest_then_tokenize_through_a_flaky_s3(
     got = comparable(remote_files(fs, "s3://bucket/tok", ".tokenize"), ("inputs", "raw"))
     want = comparable(local_files(local_tok, ".tokenize"), ("inputs", "raw"))
     assert got == want
+    # From the bucket into a local folder: the same files, the downloaded raw shards not left in it
+    from_s3 = tmp_path / "tok_from_s3"
+    tokenize("s3://bucket/raw", from_s3, *tiny_tokenizers)
+    assert comparable(local_files(from_s3, ".tokenize"), ("inputs", "raw")) == want
 
     # A rerun finds every shard done through one listing and rewrites nothing.
     again = ingest("s3://bucket/raw", planted_corpus["sources"], shard_max_samples=2)
