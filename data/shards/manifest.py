@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import posixpath
+import re
 from collections import Counter
 from importlib import metadata
 from pathlib import Path
@@ -87,7 +88,7 @@ def refuse_strays(out: Folder, ours: set[str], folders: tuple[str, ...], command
     strays = sorted(
         name
         for name in out.sizes()
-        if name.removesuffix(".tmp") not in ours
+        if re.sub(r"\.tmp\d*$", "", name) not in ours  # NAME.tmp, NAME.tmpPID: cut by a kill
         and not name.startswith(tuple(f"{folder}/" for folder in folders))
     )
     if strays:

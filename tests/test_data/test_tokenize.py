@@ -154,11 +154,20 @@ def test_resume_and_refusal(tiny_raw, tiny_tokenizers, tokens, tmp_path):
 def test_a_folder_holding_token_shards_of_no_recorded_run_is_refused(
     tiny_raw, tiny_tokenizers, tmp_path
 ):
+    from data.tokenize.shard_job import binary_index_name
+
     out = tmp_path / "t"
     (out / "other").mkdir(parents=True)
     (out / "other" / "shard-000000.tar").write_bytes(b"another run's shard")
     with pytest.raises(ValueError, match=r"this tokenize does not write.*other/shard-000000"):
         tokenize(tiny_raw, out, *tiny_tokenizers)
+    # what a run killed before its first record leaves of its own files is no stray
+    shutil.rmtree(out / "other")
+    shard = json.loads((tiny_raw / "manifest.json").read_text())["shards"][0]
+    (out / f"{shard['path']}.tmp").parent.mkdir(parents=True)
+    (out / f"{shard['path']}.tmp").write_bytes(b"cut")
+    (out / f"{binary_index_name(shard['index'])}.tmp4242").write_bytes(b"cut")
+    assert tokenize(tiny_raw, out, *tiny_tokenizers)["finalized"]
 
 
 def test_a_visual_tokenizer_folder_is_checked_by_its_one_loader(tiny_tokenizers, tmp_path):
