@@ -70,6 +70,7 @@ def check_address(address: str | None) -> None:
     if not address or "://" in address or address in ("auto", "local"):
         return
     host, _, port = address.rpartition(":")
+    host = host.strip("[]")  # [::1]:6379, an IPv6 host
     if not host or not port.isdigit():
         raise ValueError(
             f"{where} {address!r}: give the head node as HOST:PORT (e.g. 10.0.0.1:6379)"

@@ -187,3 +187,18 @@ def test_an_address_where_no_ray_answers_is_refused_before_any_work(tmp_path):
     assert run.returncode == 1, run.stderr[-2000:]
     assert f"--ray-address {address}: no Ray cluster answers there" in run.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_an_ipv6_head_address_is_checked_without_its_brackets():
+    import socket
+
+    from data.engine.ray import check_address
+
+    try:
+        head = socket.socket(socket.AF_INET6)
+        head.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with head:
+        head.listen()
+        check_address(f"[::1]:{head.getsockname()[1]}")  # something answers: accepted

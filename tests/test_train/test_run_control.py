@@ -211,3 +211,24 @@ def test_a_sigterm_while_the_run_starts_stops_it_after_step_1_with_a_checkpoint(
     assert "stopped by SIGTERM at step 1 of 1000 with checkpoint step_00000001" in p.stdout
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000001"
     assert max(metrics(run)) == 1 and not (run / "final.json").exists()
+
+
+def test_a_signal_kept_while_one_run_started_is_not_the_next_runs():
+    """listen_from_start keeps a SIGUSR1 that arrives before the trainer's handler; a second run
+    in the same process (a Hydra multirun, a test) starts with none kept."""
+    import os
+    import signal
+
+    from train.callbacks import preemption
+
+    before = {sig: signal.getsignal(sig) for sig in preemption.SIGNALS}
+    try:
+        preemption.listen_from_start()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert preemption._early == ["SIGUSR1"]
+        preemption.listen_from_start()
+        assert preemption._early == []
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        preemption._original.clear()

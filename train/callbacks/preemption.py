@@ -44,6 +44,7 @@ def listen_from_start() -> None:
     building the engine, loading a checkpoint: minutes on a large corpus), before the trainer's
     own handler exists: the run then stops after its first step, with a checkpoint, and exits 0
     like one signalled later, instead of dying of it (exit 143; 138 for SIGUSR1)."""
+    _early.clear()  # a signal kept for an earlier run of this process is not this run's
     for sig in SIGNALS:
         _original.setdefault(sig, signal.signal(sig, _note_early))
 
