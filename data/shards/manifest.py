@@ -94,8 +94,8 @@ def refuse_strays(out: Folder, ours: set[str], folders: tuple[str, ...], command
     if strays:
         raise ValueError(
             f"{out} holds {len(strays)} file(s) that this {command} does not write and no record "
-            f"of a run (e.g. {', '.join(strays[:3])}): another run's shards? Choose a new --out, "
-            "or empty that folder"
+            f"of a run (e.g. {', '.join(strays[:3])}): another run's shards, or inputs? Give an "
+            "--out of its own (a new or empty folder)"
         )
 
 
