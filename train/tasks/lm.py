@@ -39,6 +39,7 @@ from data.loader.dataset import check_tokenizers
 from data.loader.fit import check_blocks_fit
 from data.loader.heldout import HeldoutPass, RankShare
 from data.loader.sample_check import modality_ranges
+from data.loader.table import TokenTable
 from data.names import LAYOUT_FILE
 from data.unigram import Unigram
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
@@ -194,8 +195,10 @@ def probe_sources(data: LoaderConfig, tables: TableCache, unigram: Unigram | Non
     visual = [int(Modality.IMAGE), int(Modality.VIDEO)]
     if unigram is None or not unigram.counts[visual].any():
         return data.validation
-    for table in tables.get(data.validation):
-        if any(table.blocks_of(sample) for sample in range(len(table))):
+    for table in tables.get(data.validation):  # a token table's manifest counts its blocks
+        if not isinstance(table, TokenTable) or any(
+            int(shard[kind]["blocks"]) for shard in table.shard_blocks for kind in shard
+        ):
             return data.validation
     return data.sources
 
