@@ -118,8 +118,10 @@ def load_table(src: SourceConfig, *, cache_dir: str | None = None) -> SampleTabl
     have = set(tars)  # a folder or glob must find every shard its manifest lists there: one
     for (m_url, folder), (manifest, tar, names) in folders.items():  # gone would drop unsaid
         for path in (str(entry.get("path", "")) for entry in manifest.get("shards", [])):
-            gone = store.sibling(tar, posixpath.basename(path))
-            if posixpath.dirname(path) == folder and fnmatch(gone, names) and gone not in have:
+            gone = posixpath.dirname(path) == folder and store.sibling(
+                tar, posixpath.basename(path)
+            )
+            if gone and fnmatch(gone, names) and gone not in have:
                 raise ValueError(f"source {src.name}: {gone} is missing, and {m_url} lists it")
     kinds = {f[0]["format"] for f in found}
     if len(kinds) > 1:
