@@ -27,6 +27,19 @@ from data.shards.verify import verify
 BAD_EXIF = b"Exif\x00\x00II*\x00\x08\x00\x00\x00\x05\x00\x0f\x01\x02\x00\xff\xff\x00\x00"
 
 
+def pool_of(raw, *, max_pixels=64 * 64, crop=32, fraction=0.0, limit=100):
+    """The visual tokenizer's image pool of a raw shard folder, images only."""
+    return load_pool(
+        [str(raw)],
+        sources=None,
+        prep=ImagePrep(factor=4, max_pixels=max_pixels, max_grid=64),
+        crop=crop,
+        heldout_fraction=fraction,
+        video_frames=False,
+        limit=limit,
+    )
+
+
 def corrupt_exif_jpeg() -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", (64, 48), (200, 10, 10)).save(buf, "JPEG", exif=BAD_EXIF)
@@ -46,15 +59,7 @@ def test_images_smaller_than_the_crop_are_counted_by_source_with_what_to_do(tmp_
     photos = image_folder(tmp_path / "photos", {"p1": 64, "p2": 96})
     raw = tmp_path / "raw"
     assert ingest(raw, [f"icons=images:{icons}", f"photos=images:{photos}"])["finalized"]
-    pool = load_pool(
-        [str(raw)],
-        sources=None,
-        prep=ImagePrep(factor=4, max_pixels=128 * 128, max_grid=64),
-        crop=32,
-        heldout_fraction=0.0,
-        video_frames=False,
-        limit=100,
-    )
+    pool = pool_of(raw, max_pixels=128 * 128)
     assert len(pool.train) == 2 and pool.skipped == 3
     assert pool.skipped_by_source["icons"]["small"] == 3 and "photos" not in pool.skipped_by_source
     said = pool.describe_skipped(32)
@@ -69,15 +74,7 @@ def test_too_few_held_out_documents_are_warned_about_with_what_to_do(tmp_path):
     assert ingest(raw, [f"photos=images:{photos}"])["finalized"]
 
     def pool(fraction):
-        return load_pool(
-            [str(raw)],
-            sources=None,
-            prep=ImagePrep(factor=4, max_pixels=64 * 64, max_grid=64),
-            crop=32,
-            heldout_fraction=fraction,
-            video_frames=False,
-            limit=100,
-        )
+        return pool_of(raw, fraction=fraction)
 
     # None held out: the evaluation falls back to training crops, which must be said.
     said = pool(0.0).describe_heldout(0.0)
@@ -96,31 +93,12 @@ def test_documents_left_unread_by_a_full_pool_are_counted_by_source(tmp_path):
     photos = image_folder(tmp_path / "photos", {f"p{index}": 40 for index in range(5)})
     raw = tmp_path / "raw"
     assert ingest(raw, [f"icons=images:{icons}", f"photos=images:{photos}"])["finalized"]
-    pool = load_pool(
-        [str(raw)],
-        sources=None,
-        prep=ImagePrep(factor=4, max_pixels=64 * 64, max_grid=64),
-        crop=32,
-        heldout_fraction=0.0,
-        video_frames=False,
-        limit=2,
-    )
+    pool = pool_of(raw, limit=2)
     assert len(pool.train) == 2 and pool.not_read == {"photos": 3}
     said = pool.describe_not_read(2)
     assert said.startswith("vtok_data.cache_images 2 reached: 3 image(s) or video(s) were not")
     assert "(photos 3)" in said and "Raise vtok_data.cache_images" in said
-    assert (
-        load_pool(
-            [str(raw)],
-            sources=None,
-            prep=ImagePrep(factor=4, max_pixels=64 * 64, max_grid=64),
-            crop=32,
-            heldout_fraction=0.0,
-            video_frames=False,
-            limit=100,
-        ).describe_not_read(100)
-        == ""
-    )
+    assert pool_of(raw).describe_not_read(100) == ""
 
 
 def test_a_decoder_warning_names_the_file_at_ingest_and_when_decoding_shards(tmp_path):
@@ -138,15 +116,7 @@ def test_a_decoder_warning_names_the_file_at_ingest_and_when_decoding_shards(tmp
     # The visual tokenizer's pool (and tokenize) name the shard, the key and the original file.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        load_pool(
-            [str(raw)],
-            sources=None,
-            prep=ImagePrep(factor=4, max_pixels=64 * 64, max_grid=64),
-            crop=16,
-            heldout_fraction=0.0,
-            video_frames=False,
-            limit=10,
-        )
+        pool_of(raw, crop=16, limit=10)
     said = [str(w.message) for w in caught if "Corrupt EXIF" in str(w.message)]
     assert said and all(".tar:" in line and "(from IMG_0042.jpg)" in line for line in said), said
 
