@@ -229,7 +229,8 @@ class Staging:
 
     def __init__(self, dest: Folder) -> None:
         self.dest = dest
-        self.tmp = None if not dest.remote else Path(tempfile.mkdtemp(prefix="earlyfuse-stage-"))
+        self._temp = PrivateTemp("stage") if dest.remote else None
+        self.tmp = self._temp.path if self._temp else None
 
     def path(self, rel: str) -> Path:
         return (self.tmp or self.dest.local) / rel
@@ -241,8 +242,8 @@ class Staging:
             self.dest.upload(self.tmp / rel, rel)
 
     def close(self) -> None:
-        if self.tmp is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+        if self._temp is not None:
+            self._temp.close()
 
     def __enter__(self) -> Staging:
         return self
@@ -251,8 +252,35 @@ class Staging:
         self.close()
 
 
-def scratch_dir() -> Path:
-    """A per-process temp folder for downloaded inputs."""
-    path = Path(tempfile.gettempdir()) / f"earlyfuse-inputs-{os.getpid()}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+class PrivateTemp:
+    """A temp folder of this process, ``earlyfuse-KIND-PID-XXXXXXXX``, removed on exit (a
+    context manager, or ``close``). A job killed by SIGKILL cannot remove its own, and a staged
+    or downloaded shard may be gigabytes, so each new one first removes those whose process is
+    gone (``earlyfuse-*-PID-*`` of a PID that no longer exists on this machine)."""
+
+    def __init__(self, kind: str) -> None:
+        root = Path(tempfile.gettempdir())
+        for old in root.glob("earlyfuse-*-*-*"):
+            pid = old.name.split("-")[2]
+            if pid.isdigit() and not _process_exists(int(pid)):
+                shutil.rmtree(old, ignore_errors=True)
+        self.path = Path(tempfile.mkdtemp(prefix=f"earlyfuse-{kind}-{os.getpid()}-", dir=root))
+
+    def close(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def __enter__(self) -> Path:
+        return self.path
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

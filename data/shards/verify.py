@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,7 @@ from data.names import REJECTS_FILE
 from data.schema import validate_doc
 from data.shards.index import check_index, file_sha256, read_index
 from data.shards.manifest import MANIFEST_FORMAT, TOKEN_FORMAT, load_manifest
-from data.shards.storage import Folder
+from data.shards.storage import Folder, PrivateTemp
 
 
 def _token_ranges(folder: Folder, m: dict, problems: list[str]) -> np.ndarray | None:
@@ -102,7 +101,7 @@ def verify(out: str | Path, *, progress: bool = False) -> dict:
     problems: list[str] = []
     ranges = _token_ranges(folder, manifest, problems) if tokens else None
     samples = 0
-    with tempfile.TemporaryDirectory(prefix="earlyfuse-verify-") as tmp:
+    with PrivateTemp("verify") as tmp:
         for shard in tqdm(manifest["shards"], desc="verify", unit=" shards", disable=not progress):
             try:
                 tar, idx = (folder.download(shard[key], Path(tmp) / shard[key]) for key in KEYS)

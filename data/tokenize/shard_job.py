@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import io
 import os
-import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ from data.schema import Reject, Sample
 from data.shards import token_index
 from data.shards.manifest import record_path
 from data.shards.reader import ShardReader
-from data.shards.storage import Folder, Staging
+from data.shards.storage import Folder, PrivateTemp, Staging
 from data.shards.writer import ShardResult, ShardWriter
 from data.text_tokenizer import TextTokenizer
 from data.tokenize.blocks import shard_block_stats, visual_blocks
@@ -127,7 +126,7 @@ def tokenize_shard(job: TokenizeJob) -> dict:
     raw, dest = Folder(job.raw_dir), Folder(job.out)
     tar_rel = job.shard["path"]
     idx_rel = job.shard["index"]
-    with Staging(dest) as stage, tempfile.TemporaryDirectory(prefix="earlyfuse-inputs-") as got:
+    with Staging(dest) as stage, PrivateTemp("inputs") as got:
         # A raw shard in object storage is downloaded whole first (every member is read), into a
         # temp folder gone with the job: never into the output folder, whatever it is.
         inputs = Path(got) if raw.remote else Path()

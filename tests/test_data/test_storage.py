@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import tempfile
 
 import fsspec
 import pytest
 
 from data.shards.manifest import record_path
-from data.shards.storage import Folder
+from data.shards.storage import Folder, Staging
 
 
 @pytest.fixture(params=["local", "memory"])
@@ -59,3 +62,23 @@ def test_a_local_listing_follows_links_to_folders_once(tmp_path, tiny_tokens):
         ("code", len(source_tables(tiny_tokens / "code")[0]))
     ]
     assert [t.name for t in source_tables(picked / "code")] == ["code"]
+
+
+def test_a_new_stage_removes_what_a_killed_job_staged(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: its pid names no process now
+    killed = tmp_path / f"earlyfuse-stage-{gone.pid}-x1y2"
+    (killed / "shards").mkdir(parents=True)
+    (killed / "shards" / "part-00000.tar").write_bytes(b"staged, never uploaded")
+    running = tmp_path / f"earlyfuse-inputs-{os.getpid()}-a1b2"  # a live job's: kept
+    running.mkdir()
+    other = tmp_path / "earlyfuse-shards-1000"  # the loader's cache: not a job's temp folder
+    other.mkdir()
+    with Staging(Folder("memory://staging-test")) as stage:
+        assert stage.tmp is not None and stage.tmp.name.startswith(
+            f"earlyfuse-stage-{os.getpid()}-"
+        )
+        assert not killed.exists() and running.is_dir() and other.is_dir()
+        staged = stage.tmp
+    assert not staged.exists()
