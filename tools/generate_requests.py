@@ -341,10 +341,11 @@ class Generator:
     def request(self, req: dict, defaults: dict) -> dict:
         """One request (a JSONL line, or the command line's) -> its result record."""
         known = {*REQUEST_KEYS, "guidance", *SAMPLING}
-        unknown = sorted(set(req) - known)
-        if unknown:
+        if unknown := sorted(set(req) - known):
             raise ReleaseError(f"unknown request keys {unknown}; known: {sorted(known)}")
         sampling = {key: kind(req.get(key, defaults[key])) for key, kind in SAMPLING.items()}
+        if cut := [k for k, v in sampling.items() if isinstance(req.get(k), float) and req[k] != v]:
+            raise ReleaseError(f"{cut[0]} must be a whole number, got {req[cut[0]]}")
         if req.get("draw") is not None:
             if not req.get("out"):
                 raise ReleaseError("a draw request needs 'out' (the image to write)")

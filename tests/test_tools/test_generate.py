@@ -181,17 +181,19 @@ def test_batch_jsonl_runs_every_request(release, image, tmp_path):
         {"id": "d", "draw": "blue sky", "out": str(tmp_path / "sky.png"), "size": "3x3"},
         {"id": "bad", "prompt": "x", "colour": "red"},
         {"id": "mixed", "draw": "sky", "prompt": "x", "out": str(tmp_path / "no.png")},
+        {"id": "half", "prompt": "x", "max_new_tokens": 2.5},  # not cut to 2 unsaid
     ]
     src = tmp_path / "req.jsonl"
     src.write_text("\n".join(json.dumps(r) for r in reqs) + "\nnot json\n", encoding="utf-8")
     out = tmp_path / "out.jsonl"
     assert (
         generate_main([str(release), "--batch", str(src), "--output", str(out)]) == 1
-    )  # three lines failed
+    )  # four lines failed
     recs = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
-    assert [r.get("id") for r in recs] == ["t", "c", "i", "d", "bad", "mixed", None]
+    assert [r.get("id") for r in recs] == ["t", "c", "i", "d", "bad", "mixed", "half", None]
     assert [r.get("kind") for r in recs[:4]] == ["text", "text", "caption", "draw"]
-    assert "unknown request keys ['colour']" in recs[4]["error"] and "error" in recs[6]
+    assert "unknown request keys ['colour']" in recs[4]["error"] and "error" in recs[7]
+    assert recs[6]["error"] == "max_new_tokens must be a whole number, got 2.5"
     assert "a draw request takes no 'prompt'" in recs[5]["error"]  # as the command line refuses
     with Image.open(tmp_path / "sky.png") as im:
         im.load()
