@@ -52,7 +52,10 @@ def pick_frames(timestamps: np.ndarray, target_fps: float, max_frames: int) -> n
         targets = first_start + (end - first_start) * np.arange(max_frames) / max_frames
     else:
         targets = first_start + np.arange(count) / target_fps
-    picked = np.searchsorted(starts, targets + 1e-9, side="right") - 1
+    # decord's times are float32 (0.4 s reads 0.4000000060): a target on a frame's start must
+    # take that frame, so the slack is a few float32 steps at the clip's length, not 1e-9 s.
+    slack = 4 * float(np.spacing(np.float32(max(abs(end), 1.0))))
+    picked = np.searchsorted(starts, targets + slack, side="right") - 1
     return np.unique(np.clip(picked, 0, num_frames - 1))
 
 

@@ -46,12 +46,6 @@ def test_variable_frame_rate_clip_is_sampled_by_real_time():
     np.testing.assert_allclose(f.times, [0.0, 0.2, 0.3], atol=1e-3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pick_frames compares float32 times with 1e-9 of slack and takes the frame before; "
-    "the fix (a few float32 ulps of slack) changes the tiny corpus's video ids, so it waits for "
-    "the loader's known-good hashes to be recorded again",
-)
 def test_a_target_on_a_frame_start_takes_that_frame_despite_float32_times():
     # decord's times are float32 (0.4 s reads 0.4000000060): every frame of a 10 fps clip at
     # 10 fps, every other one at 5 fps, never the frame before a target.
