@@ -67,6 +67,7 @@ class Trainer:
     save_files: dict[str, str]  # files written beside every checkpoint
     skip_batches: int = 0  # batches to discard before the next step (after a rollback)
     last_saved: int = -1  # the step of the newest checkpoint written or loaded
+    untrained_batches: int = 0  # micro-batches of a last step the data ended in (never applied)
 
     # --- the loop --------------------------------------------------------------------------------
     def fit(self) -> dict[str, float] | None:
@@ -111,6 +112,7 @@ class Trainer:
             batch = next(batches, None)
             wait += time.perf_counter() - waited
             if batch is None:
+                self.untrained_batches = micro
                 return None
             out = self.task.forward(self.engine, batch)
             self.engine.backward(out.loss)
@@ -146,9 +148,17 @@ class Trainer:
 
     def finish(self, step: int) -> dict[str, float]:
         if step < self.total_steps and self.dist.is_main:
+            partial = self.untrained_batches
             log.info(
                 f"the data ended after step {step} of {self.total_steps} (data.mode=epoch): "
                 "finishing there"
+                + (
+                    f"; its last {partial} micro-batch(es) could not fill a step of "
+                    f"train.grad_accum={self.train.grad_accum}: not trained on "
+                    "(data/untrained_batches in final.json)"
+                    if partial
+                    else ""
+                )
             )
         # What ran, beside what it measured: the layout is otherwise only in the console's first
         # line and the checkpoints' meta.json (report.py lists numbers only, not this dict).
@@ -162,6 +172,8 @@ class Trainer:
         }
         self.callbacks.post_train(self, step, final)  # final evaluation, data counts, checkpoint
         final.update(self.task.finish(self.engine, self.run_dir))
+        if self.untrained_batches:
+            final["data/untrained_batches"] = self.untrained_batches
         if self.dist.is_main:
             text = json.dumps(final, indent=1, sort_keys=True) + "\n"
             (self.run_dir / FINAL_FILE).write_text(text)

@@ -134,12 +134,14 @@ def test_epoch_mode_ends_with_the_data_and_steps_minus_one_counts_them(tiny_toke
     # The scenes source holds 5 batches of 2 rows of 256 tokens per epoch (one rank).
     scenes = {"scenes": 1.0}
     run = tmp_path / "over"
-    p = train(base(tiny_tokens, run, 10, "data.mode=epoch", sources=scenes))
-    assert "the data ended after step 5 of 10 (data.mode=epoch)" in p.stdout
-    assert sorted(metrics(run)) == [1, 2, 3, 4, 5]
-    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000005"
+    p = train(base(tiny_tokens, run, 10, "data.mode=epoch", "train.grad_accum=2", sources=scenes))
+    assert "the data ended after step 2 of 10 (data.mode=epoch)" in p.stdout
+    assert "its last 1 micro-batch(es) could not fill a step of train.grad_accum=2" in p.stdout
+    assert sorted(metrics(run)) == [1, 2]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     final = json.loads((run / "final.json").read_text())
-    assert final["data/skipped"] == 0 and final["data/held_back"] == 0  # every document
+    assert final["data/skipped"] == 0 and final["data/held_back"] == 0  # every document read
+    assert final["data/untrained_batches"] == 1  # the fifth batch: read, never applied
 
     run = tmp_path / "until_end"
     p = train(base(tiny_tokens, run, -1, "data.mode=epoch", "train.grad_accum=2", sources=scenes))
