@@ -11,6 +11,7 @@ from data.shards.storage import Folder
 from data.vocab import MODALITY_NAMES
 
 VISUAL = ("image", "video")
+BOUNDS = ("<|bos|>", "<|eos|>")  # every document's first and last token
 
 
 def collect_token_stats(folder: Folder, manifest: dict, *, examples: int = 3) -> dict:
@@ -38,7 +39,8 @@ def collect_token_stats(folder: Folder, manifest: dict, *, examples: int = 3) ->
             src["_lengths"].append(entry["tokens"])
             for m, n in entry["tokens_by_modality"].items():
                 src["tokens"][m] += n
-                src["documents_with"][m] += n > 0
+                # <|bos|> and <|eos|> are text tokens: a caption-less photo holds them, no text
+                src["documents_with"][m] += n > (len(BOUNDS) if m == "text" else 0)
             for start, end, frames, _, _ in entry.get("blocks", []):
                 block = src["blocks"]["video" if frames else "image"]
                 block["blocks"] += 1
@@ -88,7 +90,7 @@ def format_token_stats(s: dict) -> str:
                 for m in VISUAL
             )
         )
-    lines += ["", "  documents holding each modality:"]
+    lines += ["", "  documents holding each modality (text: more than <|bos|> and <|eos|>):"]
     for src in s["sources"]:
         held = ", ".join(f"{m} {n}" for m, n in src["documents_with"].items() if n)
         lines.append(f"    {src['name']:<18} {held or 'none'}")

@@ -261,7 +261,9 @@ def test_ingest_reads_its_own_shards_back_through_wds_kind(planted_corpus, tmp_p
     assert sorted(d["segments"][1]["text"] for d in docs) == ["first", "second"]
 
 
-def test_images_without_captions_are_counted_in_the_summary_and_stats(tmp_path, capsys):
+def test_images_without_captions_are_counted_in_the_summary_and_stats(
+    tmp_path, capsys, tiny_tokenizers
+):
     from factories import png_bytes
 
     pics = tmp_path / "pics"
@@ -278,6 +280,21 @@ def test_images_without_captions_are_counted_in_the_summary_and_stats(tmp_path, 
     assert main(["stats", str(out), "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["media_without_text"] == {"pics": {"image": 1, "video": 0}}
+    # Tokenized, b.png is <|bos|> image <|eos|>: two text tokens, and no text
+    tok, vtok = tiny_tokenizers
+    tokens = tmp_path / "tokens"
+    argv = ["tokenize", "--in", str(out), "--out", str(tokens), "--no-progress"]
+    assert main([*argv, "--tokenizer", str(tok), "--visual-tokenizer", str(vtok)]) == 0
+    capsys.readouterr()
+    assert main(["stats", str(tokens), "--json"]) == 0
+    (pics_stats,) = json.loads(capsys.readouterr().out)["sources"]
+    assert pics_stats["documents_with"] == {
+        "text": 1,
+        "code": 0,
+        "image": 2,
+        "video": 0,
+        "structure": 2,
+    }
 
 
 def test_animated_images_are_counted_as_tokenized_by_their_first_frame(tmp_path, capsys):
