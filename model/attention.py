@@ -42,6 +42,7 @@ Design choices:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -279,7 +280,20 @@ def _block_mask(batch, seq_len, device, doc, img, window, compiled: bool):
 
 
 def _dense_mask(batch, seq_len, device, doc, img, window) -> Tensor:
-    """The boolean [B, 1, T, T] mask of ``_allowed`` for SDPA."""
+    """The boolean [B, 1, T, T] mask of ``_allowed`` for SDPA. On the CPU, rows too long for
+    the machine's memory are refused by name before anything is allocated (else a traceback
+    from the allocator, or the OOM killer, at 100k tokens a row)."""
+    if device.type == "cpu":
+        need = batch * seq_len * seq_len * 5  # the mask, and the float copy SDPA makes of it
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if need > total:
+            raise ValueError(
+                f"attention over {batch} row(s) of {seq_len:,} tokens on the CPU needs a dense "
+                f"[{batch}, 1, {seq_len}, {seq_len}] mask and SDPA's float copy of it, "
+                f"{need / 2**30:,.0f} GiB, more than this machine's {total / 2**30:,.0f} GiB: "
+                "use shorter rows (--seq-len, data.seq_len), fewer rows at once, or a GPU "
+                "(FlexAttention builds no dense mask)"
+            )
     row_index = torch.arange(batch, device=device)[:, None, None, None]
     q = torch.arange(seq_len, device=device)[None, None, :, None]
     kv = torch.arange(seq_len, device=device)[None, None, None, :]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -318,3 +319,18 @@ def test_scene_captions_read_the_picture_as_earlyfuse_generate_does(
         )["text"]
         # the evaluation captions the code grid it encoded, greedy (tools/evaluate/scenes.py)
         assert gen.caption(codes, max_new_tokens=12)["text"] == ours, image.name
+
+
+def test_rows_too_long_for_the_machine_are_refused_before_allocating(
+    debug_release, tiny_tokens, capsys
+):
+    """On the CPU, SDPA needs the dense mask of a row and a float copy of it: rows whose mask
+    alone exceeds the machine's memory are refused by name, not left to the allocator."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    seq_len = math.isqrt(total // 5) + 128  # the mask just past the memory; activations small
+    argv = [str(debug_release), "--data", str(tiny_tokens / "scenes"), "--max-docs", "3"]
+    argv += ["--max-pairs", "0", "--no-progress", "--seq-len", str(seq_len), "--batch-rows", "1"]
+    assert eval_main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"attention over 1 row(s) of {seq_len:,} tokens on the CPU needs a dense" in err
+    assert "use shorter rows (--seq-len, data.seq_len)" in err
