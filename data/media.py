@@ -35,9 +35,12 @@ IMAGE_FORMATS = {
     "BMP": "bmp",
     "TIFF": "tiff",
     "MPO": "jpg",
+    "AVIF": "avif",
 }
-IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff"}
-VIDEO_EXTS = {".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v"}
+# .jfif is how browsers on Windows save a JPEG; .3gp is older phones' clips, .mts/.m2ts
+# camcorders' (AVCHD): all read by Pillow and decord like their usual names.
+IMAGE_EXTS = {".jpg", ".jpeg", ".jfif", ".png", ".webp", ".avif", ".gif", ".bmp", ".tif", ".tiff"}
+VIDEO_EXTS = {".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v", ".3gp", ".mts", ".m2ts", ".mpg"}
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,7 @@ def captured_c_stderr():
         out.append(tmp.read(65536).decode("utf-8", errors="replace"))
 
 
+AVERROR_DECODER_NOT_FOUND = -0x434544F8  # FFERRTAG(0xF8, 'D', 'E', 'C')
 _FFMPEG_LINE = re.compile(r"^\[[^\]]* @ 0x[0-9a-fA-F]+\] (.+)$")  # [mov,mp4,... @ 0x55..] text
 _DECORD_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: ")  # [19:21:25] src/x.cc:83:
 
@@ -241,6 +245,13 @@ def decord_message(log: str, err: BaseException | None) -> str:
             said.append(first)
     unique = list(dict.fromkeys(said))[-3:]
     if "cannot find video stream" in log + str(err or ""):
+        # decord prints FFmpeg's error code: a video stream whose decoder its FFmpeg lacks
+        # (AVERROR_DECODER_NOT_FOUND) is no sound-only file, and re-encoding it is the fix.
+        if str(AVERROR_DECODER_NOT_FOUND) in log + str(err or ""):
+            return (
+                "its video stream is in a codec decord's FFmpeg cannot decode (AV1 is one): "
+                "re-encode it, e.g. ffmpeg -i IN -c:v libx264 OUT.mp4"
+            )
         return "no video stream in the file (sound only?)"
     return "; ".join(unique) or "FFmpeg gave no readable reason"
 

@@ -122,13 +122,7 @@ class CaptionedSource(Source):
             if rel not in media:
                 if suffix in (".txt", ".json") and str(Path(rel).with_suffix("")) in stems:
                     continue  # a sidecar caption, read with its media file
-                detail = (
-                    f"not a{'n image' if self.kind == 'images' else ' video'} "
-                    f"file ({suffix or 'no extension'})"
-                )
-                if suffix in (".txt", ".json") and str(Path(rel).with_suffix("")) in media:
-                    named = Path(rel).with_suffix("").with_suffix(suffix).name
-                    detail += f"; the caption sidecar of {Path(rel).stem} is named {named}"
+                detail = self._unknown_detail(rel, suffix, media)
                 yield self.rejected_item(key, rel, "unknown-type", detail)
                 continue
             path = self.root / rel
@@ -249,6 +243,21 @@ class CaptionedSource(Source):
                 )
             )
         return self.assemble(item.key, parts, meta, origin, label)
+
+    def _unknown_detail(self, rel: str, suffix: str, media: set[str]) -> str:
+        """Why a file of the folder is not one of its media, and what to do about it."""
+        detail = f"not a{'n image' if self.kind == 'images' else ' video'} file ({suffix or 'no extension'})"
+        other = "videos" if self.kind == "images" else "images"
+        if suffix in (".txt", ".json"):
+            if str(Path(rel).with_suffix("")) in media:
+                named = Path(rel).with_suffix("").with_suffix(suffix).name
+                return detail + f"; the caption sidecar of {Path(rel).stem} is named {named}"
+            return detail + f"; a caption with no {self.part_type} named {Path(rel).stem}.*"
+        if suffix in (VIDEO_EXTS if self.kind == "images" else IMAGE_EXTS):
+            return detail + f"; give the {other} a source of their own ({other}:PATH)"
+        if suffix in (".heic", ".heif"):
+            return detail + "; HEIC/HEIF is not read: convert it to JPEG first"
+        return detail + "; this source takes " + " ".join(sorted(self.exts))
 
 
 class ImagesSource(CaptionedSource):

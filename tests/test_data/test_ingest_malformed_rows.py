@@ -274,3 +274,37 @@ def test_a_sidecar_named_after_the_whole_file_name_says_the_name_it_needs(tmp_pa
     assert rejects[0]["detail"] == (
         "not an image file (.txt); the caption sidecar of IMG.JPEG is named IMG.txt"
     )
+
+
+def test_photos_and_clips_under_the_names_users_have_them_are_read(tmp_path):
+    """A JPEG saved as ``.jfif`` (browsers on Windows), an AVIF photo and a ``.3gp`` phone clip
+    are media; a file of another kind says what to do with it, not only that it was not taken."""
+    import io
+
+    from PIL import Image, features
+
+    pics, clips = tmp_path / "pics", tmp_path / "clips"
+    pics.mkdir()
+    clips.mkdir()
+    photo = Image.new("RGB", (40, 30), (200, 30, 30))
+    photo.save(pics / "saved.jfif", format="JPEG")
+    if features.check("avif"):
+        photo.save(pics / "phone.avif")
+    (pics / "clip.mp4").write_bytes(mp4_bytes())
+    buf = io.BytesIO()
+    photo.save(buf, format="JPEG")
+    (pics / "iphone.heic").write_bytes(buf.getvalue())  # the name is what matters here
+    (pics / "orphan.txt").write_text("a caption whose photo was not copied")
+    (clips / "old_phone.3gp").write_bytes(mp4_bytes())
+    (clips / "still.png").write_bytes(png_bytes())
+    status, rejects, manifest = run_ingest(tmp_path / "out", f"images:{pics}", f"videos:{clips}")
+    assert status == EXIT_REJECTS
+    samples = {s["name"]: s["samples"] for s in manifest["sources"]}
+    assert samples == {"pics": 2 if features.check("avif") else 1, "clips": 1}
+    details = {r["path"]: r["detail"] for r in rejects if r["reason"] == "unknown-type"}
+    assert details == {
+        "clip.mp4": "not an image file (.mp4); give the videos a source of their own (videos:PATH)",
+        "iphone.heic": "not an image file (.heic); HEIC/HEIF is not read: convert it to JPEG first",
+        "orphan.txt": "not an image file (.txt); a caption with no image named orphan.*",
+        "still.png": "not a video file (.png); give the images a source of their own (images:PATH)",
+    }
