@@ -22,6 +22,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from data.image_prep import bomb_detail, warnings_naming
@@ -37,10 +38,11 @@ IMAGE_FORMATS = {
     "MPO": "jpg",
     "AVIF": "avif",
 }
-# .jfif is how browsers on Windows save a JPEG; .3gp is older phones' clips, .mts/.m2ts
-# camcorders' (AVCHD): all read by Pillow and decord like their usual names.
+# .jfif is how browsers on Windows save a JPEG, .3gp older phones' clips, .mpg MPEG-PS: all read
+# by Pillow and decord. Not .mts/.m2ts: decord fails on H.264 with B-frames in MPEG-TS, which is
+# what camcorders write, so "convert it" (unknown-type) is the more useful answer there.
 IMAGE_EXTS = {".jpg", ".jpeg", ".jfif", ".png", ".webp", ".avif", ".gif", ".bmp", ".tif", ".tiff"}
-VIDEO_EXTS = {".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v", ".3gp", ".mts", ".m2ts", ".mpg"}
+VIDEO_EXTS = {".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v", ".3gp", ".mpg"}
 
 
 @dataclass(frozen=True)
@@ -256,6 +258,20 @@ def decord_message(log: str, err: BaseException | None) -> str:
     return "; ".join(unique) or "FFmpeg gave no readable reason"
 
 
+def frame_times(reader) -> tuple[np.ndarray, bool]:
+    """decord's [n, 2] (start, end) seconds of every frame of ``reader``, and whether they were
+    counted from the average frame rate instead. A frame its container gave no time (AVI and
+    MPEG-PS with B-frames, H.264 in AVI: decord then reports FFmpeg's "no time" value scaled,
+    -1e14 s or less) would pin every pick on the first frame and make the clip's duration that
+    number: such a clip's times are counted from its rate, as those containers play them."""
+    times = np.asarray(reader.get_frame_timestamp(list(range(len(reader)))), dtype=np.float64)
+    if not (times < -1e6).any():
+        return times, False
+    rate = float(reader.get_avg_fps())
+    starts = np.arange(len(times)) / rate
+    return np.stack([starts, starts + 1 / rate], axis=1), True
+
+
 def probe_video(raw: bytes, path: str, *, max_seconds: float) -> VideoInfo | Reject:
     if not raw:
         return Reject(path, "empty-video", "zero-byte video")
@@ -269,7 +285,7 @@ def probe_video(raw: bytes, path: str, *, max_seconds: float) -> VideoInfo | Rej
             if num_frames == 0:
                 raise RuntimeError("no frames")
             fps = float(reader.get_avg_fps())
-            duration = float(reader.get_frame_timestamp([num_frames - 1])[0][1])
+            duration = float(frame_times(reader)[0][-1, 1])
             first = reader[0].shape
             reader[num_frames - 1]  # decoding the last frame catches a stream cut short
             info = VideoInfo(int(first[1]), int(first[0]), num_frames, fps, duration)
