@@ -51,6 +51,13 @@ def test_decompression_bombs_are_rejected_from_the_header_without_decoding():
     # 100 M pixels: above our limit, below Pillow's own error threshold (it would only warn).
     r = probe_image(png_header_bomb(10000, 10000), "big.png", max_pixels=64_000_000)
     assert r.reason == "pixel-limit" and "10000x10000" in r.detail
+    # A limit set above Pillow's own: Pillow still refuses, and the detail says it is not ours.
+    r = probe_image(png_header_bomb(30000, 30000), "bomb.png", max_pixels=1_000_000_000)
+    assert r.reason == "pixel-limit"
+    assert r.detail == (
+        "header claims 900000000 pixels, over Pillow's own limit of 178956970 that no setting "
+        "here raises (not decoded): downscale the image first"
+    )
     grown_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     assert grown_kb < 100_000  # a decode of 100 M RGB pixels would take 300 MB
 
