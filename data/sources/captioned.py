@@ -84,13 +84,16 @@ class CaptionedSource(Source):
                             else ("bad-record", 'no "file" column')
                         )
                         yield self.rejected_item(
-                            self.key(f"{table}-{lineno}"), f"{table}:{lineno}", reason, detail
+                            self.key(sanitize_key(f"{table}:{lineno}")),
+                            f"{table}:{lineno}",
+                            reason,
+                            detail,
                         )
                         continue
                     file, row = str(rec.pop("file")), f"{table}:{lineno}"
                     if file in caption_rows:
                         yield self.rejected_item(
-                            self.key(f"{table}-{lineno}"),
+                            self.key(sanitize_key(f"{table}:{lineno}")),
                             row,
                             "duplicate-key",
                             f"{file} already has its caption from {caption_rows[file]}",

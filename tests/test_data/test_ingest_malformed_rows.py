@@ -104,6 +104,8 @@ def test_caption_rows_for_absent_or_already_captioned_files_are_listed(tmp_path)
         ("captions.jsonl:2 (gone.png)", "missing-media"),
     ]
     assert "captions.jsonl:1" in rejects[0]["detail"]
+    # Keys, a reject's too, are letters, digits, "_" and "-" (docs/formats.md), never a dot.
+    assert [r["key"] for r in rejects] == ["pics-captions_jsonl_3", "pics-captions_jsonl_2"]
     assert captions_of(tmp_path / "out") == {"a.png": "first"}
 
 
