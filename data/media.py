@@ -272,6 +272,17 @@ def frame_times(reader) -> tuple[np.ndarray, bool]:
     return np.stack([starts, starts + 1 / rate], axis=1), True
 
 
+def _image_hint(raw: bytes) -> str:
+    """A picture under a video's name (FFmpeg reads it as a broken clip): say what it is."""
+    try:
+        fmt = Image.open(io.BytesIO(raw)).format
+    except Exception:  # noqa: BLE001 - whatever Pillow raises, the bytes are no picture it knows
+        return ""
+    return (
+        f"; the file is an image ({fmt}): give it an images source" if fmt in IMAGE_FORMATS else ""
+    )
+
+
 def probe_video(raw: bytes, path: str, *, max_seconds: float) -> VideoInfo | Reject:
     if not raw:
         return Reject(path, "empty-video", "zero-byte video")
@@ -297,7 +308,7 @@ def probe_video(raw: bytes, path: str, *, max_seconds: float) -> VideoInfo | Rej
     if err is not None:
         note_decode_failure()
         detail = "decord cannot read it: " + decord_message(log[0] if log else "", err)
-        return Reject(path, "undecodable-video", detail)
+        return Reject(path, "undecodable-video", detail.rstrip(".") + _image_hint(raw))
     if info.duration > max_seconds:
         return Reject(path, "video-too-long", f"{info.duration:.1f} s > limit {max_seconds:g} s")
     return info

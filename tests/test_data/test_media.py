@@ -77,6 +77,11 @@ def test_bad_videos_are_rejected_with_a_readable_reason(capfd):
     assert (
         probe_video(mp4[: len(mp4) // 2], "cut.mp4", max_seconds=60).reason == "undecodable-video"
     )
+    # A photo under a video's name: FFmpeg calls it broken metadata; the detail says what it is.
+    r = probe_video(jpeg_bytes(), "IMG_0001.mp4", max_seconds=60)
+    assert r.reason == "undecodable-video"
+    assert r.detail.endswith("; the file is an image (JPEG): give it an images source")
+    assert "image" not in probe_video(mp4[: len(mp4) // 2], "cut.mp4", max_seconds=60).detail
     r = probe_video(mp4_bytes(frames=16, fps=8), "long.mp4", max_seconds=1.0)
     assert r.reason == "video-too-long" and "2.0 s" in r.detail
     # decord echoes raw input bytes to the C stderr; the probe keeps them off the terminal.
