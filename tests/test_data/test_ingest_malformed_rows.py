@@ -310,3 +310,31 @@ def test_photos_and_clips_under_the_names_users_have_them_are_read(tmp_path):
         "orphan.txt": "not an image file (.txt); a caption with no image named orphan.*",
         "still.png": "not a video file (.png); give the images a source of their own (images:PATH)",
     }
+
+
+def test_an_interleaved_media_reject_names_its_line_and_a_video_listed_as_an_image(tmp_path):
+    """A page's picture that cannot be read is named by the table's line and the path as given
+    (it was named by its absolute path alone, so the line that lists it had to be searched for);
+    a clip in the images list is said to belong in the videos list."""
+    (tmp_path / "cut.png").write_bytes(png_bytes()[:40])
+    (tmp_path / "clip.mp4").write_bytes(mp4_bytes())
+    rows = [
+        {"texts": ["a page", None], "images": [None, "cut.png"]},
+        {"texts": ["a page with a clip", None], "images": [None, "clip.mp4"]},
+        {
+            "texts": ["a page with a clip", None],
+            "images": [None, None],
+            "videos": [None, "clip.mp4"],
+        },
+    ]
+    (tmp_path / "pages.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    status, rejects, manifest = run_ingest(
+        tmp_path / "out", f"interleaved:{tmp_path / 'pages.jsonl'}"
+    )
+    assert status == EXIT_REJECTS
+    assert [(r["path"], r["reason"]) for r in rejects] == [
+        ("pages.jsonl:1 (cut.png)", "unreadable-image"),
+        ("pages.jsonl:2", "unknown-type"),
+    ]
+    assert rejects[1]["detail"] == "clip.mp4 is a video in the images: list it in videos"
+    assert manifest["totals"]["samples"] == 1
