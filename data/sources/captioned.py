@@ -21,6 +21,7 @@ A document is ``[media, caption]``; the caption segment carries ``"role": "capti
 from __future__ import annotations
 
 import json
+import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from data.sources.base import (
     Source,
     hidden_dir,
     no_size,
+    on_disk,
     read_file,
     stat_size,
     unstatable,
@@ -90,7 +92,9 @@ class CaptionedSource(Source):
                             detail,
                         )
                         continue
-                    file, row = str(rec.pop("file")), f"{table}:{lineno}"
+                    # names compared composed (NFC): macOS writes them decomposed (on_disk)
+                    file = unicodedata.normalize("NFC", str(rec.pop("file")))
+                    row = f"{table}:{lineno}"
                     if file in caption_rows:
                         yield self.rejected_item(
                             self.key(sanitize_key(f"{table}:{lineno}")),
@@ -101,7 +105,7 @@ class CaptionedSource(Source):
                         continue
                     captions[file], caption_rows[file] = rec, row
         files = list(walk(self.root, hidden_dir, follow=self.limits.follow_links_outside))
-        listed = {rel for rel, _ in files}
+        listed = {unicodedata.normalize("NFC", rel) for rel, _ in files}
         for file, row in caption_rows.items():
             if file not in listed:  # a caption row must not vanish because its file is absent
                 yield self.rejected_item(
@@ -146,7 +150,7 @@ class CaptionedSource(Source):
             if size is None:
                 yield self.rejected_item(key, rel, "unreadable-file", unstatable(path))
                 continue
-            caption = captions.get(rel)
+            caption = captions.get(unicodedata.normalize("NFC", rel))
             ref = (
                 "file",
                 str(path),
@@ -185,7 +189,7 @@ class CaptionedSource(Source):
                     f"{media} is remote; ingest takes local files (download first)",
                 )
                 continue
-            path = (base / media) if not Path(media).is_absolute() else Path(media)
+            path = on_disk((base / media) if not Path(media).is_absolute() else Path(media))
             outside = self.outside_tree(media, base) or self.outside(path)
             if outside:
                 yield self.rejected_item(key, f"{label} ({media})", outside.reason, outside.detail)

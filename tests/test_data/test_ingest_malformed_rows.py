@@ -338,3 +338,38 @@ def test_an_interleaved_media_reject_names_its_line_and_a_video_listed_as_an_ima
     ]
     assert rejects[1]["detail"] == "clip.mp4 is a video in the images: list it in videos"
     assert manifest["totals"]["samples"] == 1
+
+
+def test_names_written_decomposed_match_tables_that_write_them_composed(tmp_path):
+    """macOS writes file names decomposed (NFD: "e" + U+0301); a caption table typed elsewhere
+    holds them composed (NFC: U+00E9). Linux compares bytes: café.jpg was "no file café.jpg in
+    the folder" beside the very file, and a JSONL or interleaved table's row a missing-media."""
+    import unicodedata
+
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    composed = unicodedata.normalize("NFC", "café.png")
+    (pics / unicodedata.normalize("NFD", "café.png")).write_bytes(png_bytes())
+    (pics / "captions.csv").write_text(f"file,caption\n{composed},a cup\n")
+    (pics / "rows.jsonl").write_text(
+        json.dumps({"image": composed, "caption": "from a table"}) + "\n"
+    )
+    (pics / "pages.jsonl").write_text(
+        json.dumps({"texts": ["a page", None], "images": [None, composed]}) + "\n"
+    )
+    status, rejects, manifest = run_ingest(
+        tmp_path / "out",
+        f"pics=images:{pics}",
+        f"rows=images:{pics / 'rows.jsonl'}",
+        f"pages=interleaved:{pics / 'pages.jsonl'}",
+    )
+    assert [(r["path"], r["reason"]) for r in rejects if r["source"] == "pics"] == [
+        ("pages.jsonl", "unknown-type"),
+        ("rows.jsonl", "unknown-type"),
+    ]
+    assert {s["name"]: s["samples"] for s in manifest["sources"]} == {
+        "pics": 1,
+        "rows": 1,
+        "pages": 1,
+    }
+    assert "a cup" in captions_of(tmp_path / "out").values()
