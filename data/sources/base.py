@@ -367,6 +367,8 @@ def no_size(path: Path) -> tuple[str, str]:
     there, or there as a link that loops or is broken."""
     if path.is_symlink():
         return "unreadable-file", unstatable(path)
+    if "\\" in str(path):  # a table written on Windows: its folders are separated by "\"
+        return "missing-media", "file does not exist (folders are separated by / here, not \\)"
     return "missing-media", "file does not exist"
 
 

@@ -373,3 +373,17 @@ def test_names_written_decomposed_match_tables_that_write_them_composed(tmp_path
         "pages": 1,
     }
     assert "a cup" in captions_of(tmp_path / "out").values()
+
+
+def test_a_table_written_on_windows_is_told_how_folders_are_separated(tmp_path):
+    (tmp_path / "media").mkdir()
+    (tmp_path / "media" / "a.png").write_bytes(png_bytes())
+    (tmp_path / "pics.csv").write_text("image,caption\nmedia\\a.png,a path from Windows\n")
+    status, rejects, _ = run_ingest(tmp_path / "out", f"images:{tmp_path / 'pics.csv'}")
+    assert [(r["path"], r["reason"], r["detail"]) for r in rejects] == [
+        (
+            "pics.csv:2 (media\\a.png)",
+            "missing-media",
+            "file does not exist (folders are separated by / here, not \\)",
+        )
+    ]
