@@ -86,6 +86,8 @@ class VideoInfo:
         }
 
 
+# The ISO-BMFF brands of HEIC/HEIF (iPhones' photos), which Pillow does not read without a plugin.
+HEIF_BRANDS = {b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"mif1", b"msf1"}
 UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
 
 
@@ -162,6 +164,8 @@ def probe_image(raw: bytes, path: str, *, max_pixels: int) -> ImageInfo | Reject
     except Image.DecompressionBombError as e:
         return Reject(path, "pixel-limit", bomb_detail(e, max_pixels))
     except UnidentifiedImageError:
+        if raw[4:8] == b"ftyp" and raw[8:12] in HEIF_BRANDS:
+            return Reject(path, "unreadable-image", "HEIC/HEIF is not read: convert it to JPEG")
         return Reject(path, "unreadable-image", "not an image Pillow recognises")
     except (OSError, SyntaxError, ValueError, EOFError) as e:
         msg = str(e)

@@ -40,6 +40,10 @@ def test_truncated_and_garbage_images_are_rejected():
     assert r.reason == "truncated-image"
     assert probe_image(b"not an image at all", "x", max_pixels=10**6).reason == "unreadable-image"
     assert probe_image(b"", "x", max_pixels=10**6).reason == "unreadable-image"
+    # An iPhone photo (HEIC), in a table's bytes or under a .jpg name: said what it is.
+    heic = b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + bytes(64)
+    r = probe_image(heic, "IMG_0001.jpg", max_pixels=10**6)
+    assert (r.reason, r.detail) == ("unreadable-image", "HEIC/HEIF is not read: convert it to JPEG")
 
 
 def test_decompression_bombs_are_rejected_from_the_header_without_decoding():
