@@ -107,10 +107,17 @@ def warnings_naming(name: str | None) -> Iterator[None]:
 def bomb_detail(err: Exception, limit: int | None) -> str:
     """Pillow's DecompressionBombError states Pillow's own threshold (about 179 M pixels), not the
     limit the caller set (``--max-image-pixels``): the pixels the header claims and ``limit``
-    when the image is over it; one under it that Pillow still refuses keeps Pillow's words."""
+    when the image is over it. One under it (a limit set above Pillow's) is still refused by
+    Pillow, here and at every later decode: the detail says so, and what to do."""
     claimed = re.search(r"\((\d+) pixels\)", str(err))
-    if limit is None or claimed is None or int(claimed.group(1)) <= limit:
+    if claimed is None:
         return f"DecompressionBombError: {err}"
+    if limit is None or int(claimed.group(1)) <= limit:
+        return (
+            f"header claims {claimed.group(1)} pixels, over Pillow's own limit of "
+            f"{2 * (Image.MAX_IMAGE_PIXELS or 0)} that no setting here raises (not decoded): "
+            "downscale the image first"
+        )
     return f"header claims {claimed.group(1)} pixels > limit {limit} (not decoded)"
 
 

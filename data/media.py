@@ -22,6 +22,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from data.image_prep import bomb_detail, warnings_naming
@@ -35,9 +36,13 @@ IMAGE_FORMATS = {
     "BMP": "bmp",
     "TIFF": "tiff",
     "MPO": "jpg",
+    "AVIF": "avif",
 }
-IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff"}
-VIDEO_EXTS = {".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v"}
+# .jfif is how browsers on Windows save a JPEG, .3gp older phones' clips, .mpg MPEG-PS: all read
+# by Pillow and decord. Not .mts/.m2ts: decord fails on H.264 with B-frames in MPEG-TS, which is
+# what camcorders write, so "convert it" (unknown-type) is the more useful answer there.
+IMAGE_EXTS = {".jpg", ".jpeg", ".jfif", ".png", ".webp", ".avif", ".gif", ".bmp", ".tif", ".tiff"}
+VIDEO_EXTS = {".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v", ".3gp", ".mpg"}
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,8 @@ class VideoInfo:
         }
 
 
+# The ISO-BMFF brands of HEIC/HEIF (iPhones' photos), which Pillow does not read without a plugin.
+HEIF_BRANDS = {b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"mif1", b"msf1"}
 UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
 
 
@@ -157,6 +164,8 @@ def probe_image(raw: bytes, path: str, *, max_pixels: int) -> ImageInfo | Reject
     except Image.DecompressionBombError as e:
         return Reject(path, "pixel-limit", bomb_detail(e, max_pixels))
     except UnidentifiedImageError:
+        if raw[4:8] == b"ftyp" and raw[8:12] in HEIF_BRANDS:
+            return Reject(path, "unreadable-image", "HEIC/HEIF is not read: convert it to JPEG")
         return Reject(path, "unreadable-image", "not an image Pillow recognises")
     except (OSError, SyntaxError, ValueError, EOFError) as e:
         msg = str(e)
@@ -207,6 +216,7 @@ def captured_c_stderr():
         out.append(tmp.read(65536).decode("utf-8", errors="replace"))
 
 
+AVERROR_DECODER_NOT_FOUND = -0x434544F8  # FFERRTAG(0xF8, 'D', 'E', 'C')
 _FFMPEG_LINE = re.compile(r"^\[[^\]]* @ 0x[0-9a-fA-F]+\] (.+)$")  # [mov,mp4,... @ 0x55..] text
 _DECORD_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: ")  # [19:21:25] src/x.cc:83:
 
@@ -241,8 +251,40 @@ def decord_message(log: str, err: BaseException | None) -> str:
             said.append(first)
     unique = list(dict.fromkeys(said))[-3:]
     if "cannot find video stream" in log + str(err or ""):
+        # decord prints FFmpeg's error code: a video stream whose decoder its FFmpeg lacks
+        # (AVERROR_DECODER_NOT_FOUND) is no sound-only file, and re-encoding it is the fix.
+        if str(AVERROR_DECODER_NOT_FOUND) in log + str(err or ""):
+            return (
+                "its video stream is in a codec decord's FFmpeg cannot decode (AV1 is one): "
+                "re-encode it, e.g. ffmpeg -i IN -c:v libx264 OUT.mp4"
+            )
         return "no video stream in the file (sound only?)"
     return "; ".join(unique) or "FFmpeg gave no readable reason"
+
+
+def frame_times(reader) -> tuple[np.ndarray, bool]:
+    """decord's [n, 2] (start, end) seconds of every frame of ``reader``, and whether they were
+    counted from the average frame rate instead. A frame its container gave no time (AVI and
+    MPEG-PS with B-frames, H.264 in AVI: decord then reports FFmpeg's "no time" value scaled,
+    -1e14 s or less) would pin every pick on the first frame and make the clip's duration that
+    number: such a clip's times are counted from its rate, as those containers play them."""
+    times = np.asarray(reader.get_frame_timestamp(list(range(len(reader)))), dtype=np.float64)
+    if not (times < -1e6).any():
+        return times, False
+    rate = float(reader.get_avg_fps())
+    starts = np.arange(len(times)) / rate
+    return np.stack([starts, starts + 1 / rate], axis=1), True
+
+
+def _image_hint(raw: bytes) -> str:
+    """A picture under a video's name (FFmpeg reads it as a broken clip): say what it is."""
+    try:
+        fmt = Image.open(io.BytesIO(raw)).format
+    except Exception:  # noqa: BLE001 - whatever Pillow raises, the bytes are no picture it knows
+        return ""
+    return (
+        f"; the file is an image ({fmt}): give it an images source" if fmt in IMAGE_FORMATS else ""
+    )
 
 
 def probe_video(raw: bytes, path: str, *, max_seconds: float) -> VideoInfo | Reject:
@@ -258,7 +300,7 @@ def probe_video(raw: bytes, path: str, *, max_seconds: float) -> VideoInfo | Rej
             if num_frames == 0:
                 raise RuntimeError("no frames")
             fps = float(reader.get_avg_fps())
-            duration = float(reader.get_frame_timestamp([num_frames - 1])[0][1])
+            duration = float(frame_times(reader)[0][-1, 1])
             first = reader[0].shape
             reader[num_frames - 1]  # decoding the last frame catches a stream cut short
             info = VideoInfo(int(first[1]), int(first[0]), num_frames, fps, duration)
@@ -270,7 +312,7 @@ def probe_video(raw: bytes, path: str, *, max_seconds: float) -> VideoInfo | Rej
     if err is not None:
         note_decode_failure()
         detail = "decord cannot read it: " + decord_message(log[0] if log else "", err)
-        return Reject(path, "undecodable-video", detail)
+        return Reject(path, "undecodable-video", detail.rstrip(".") + _image_hint(raw))
     if info.duration > max_seconds:
         return Reject(path, "video-too-long", f"{info.duration:.1f} s > limit {max_seconds:g} s")
     return info

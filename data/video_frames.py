@@ -5,7 +5,9 @@ Design choices:
   stride computed from the average fps: for target time t the frame shown at t is taken.
   So variable-frame-rate clips are sampled evenly in time, and a source slower than the
   target fps simply gives each of its frames once (LLaVA-NeXT's stride arithmetic gets the
-  times wrong there, and crashes below half the target).
+  times wrong there, and crashes below half the target). Where the container gives frames no
+  time (AVI, MPEG-PS with B-frames) the times are counted from the average frame rate and the
+  frames read in order, as decord's seeks there land on other frames (data.media.frame_times).
 - A cap on the number of frames (from a token budget) spreads the kept frames evenly over
   the clip's duration instead of cutting its end.
 - No temp files: decord reads an ``io.BytesIO``. One reader per clip, one thread, released
@@ -25,12 +27,13 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 from data.image_prep import ImagePrep
-from data.media import captured_c_stderr, decord_message, note_decode_failure
+from data.media import captured_c_stderr, decord_message, frame_times, note_decode_failure
 
 
 @dataclass(frozen=True)
@@ -81,23 +84,18 @@ def decode_frames(
     with captured_c_stderr() as log:
         try:
             reader = decord.VideoReader(io.BytesIO(raw), num_threads=1)
-            num_frames = len(reader)
-            timestamps = reader.get_frame_timestamp(list(range(num_frames)))
+            timestamps, counted = frame_times(reader)
             fps = float(reader.get_avg_fps())
             picked = pick_frames(timestamps, sampling.target_fps, sampling.max_frames)
             height, width, channels = reader[0].shape
             shown = (width, height)
-            if channels != 3:  # decord's row padding (see above): decode at a safe width
+            if channels != 3 or counted:  # a safe width (above), or a reader at its start
                 del reader
-                width = -(-width // 32) * 32
-                reader = decord.VideoReader(
-                    io.BytesIO(raw), num_threads=1, width=width, height=height
-                )
+                width = -(-width // 32) * 32 if channels != 3 else width
+                safe = {"width": width, "height": height} if channels != 3 else {}
+                reader = decord.VideoReader(io.BytesIO(raw), num_threads=1, **safe)
             frames = []
-            for batch_start in range(0, len(picked), _DECODE_BATCH):
-                got = reader.get_batch(
-                    picked[batch_start : batch_start + _DECODE_BATCH].tolist()
-                ).asnumpy()
+            for got in _in_order(reader, picked) if counted else _seeking(reader, picked):
                 if got.shape[1:] != (height, width, 3):
                     raise RuntimeError(
                         f"decord returned frames of shape {got.shape[1:]}, not {(height, width, 3)}"
@@ -118,6 +116,25 @@ def decode_frames(
 
 
 _DECODE_BATCH = 8  # frames decoded at native size at once (8 frames of 1080p: 50 MB)
+
+
+def _seeking(reader, picked: np.ndarray) -> Iterator[np.ndarray]:
+    for start in range(0, len(picked), _DECODE_BATCH):
+        yield reader.get_batch(picked[start : start + _DECODE_BATCH].tolist()).asnumpy()
+
+
+def _in_order(reader, picked: np.ndarray) -> Iterator[np.ndarray]:
+    """The picked frames of a clip whose container gives its frames no time, read one after
+    another from the start: decord seeks by time, and there its seeks land on other frames (an
+    AVI with B-frames came out shuffled, an MPEG-PS clip as its first frame repeated)."""
+    wanted, batch = set(picked.tolist()), []
+    for index in range(int(picked[-1]) + 1):
+        frame = reader.next()
+        if index in wanted:
+            batch.append(frame.asnumpy())
+        if len(batch) == _DECODE_BATCH or (batch and index == picked[-1]):
+            yield np.stack(batch)
+            batch = []
 
 
 def _resize(frame: np.ndarray, prep: ImagePrep, shown: tuple[int, int]) -> np.ndarray:

@@ -89,7 +89,8 @@ def _add_ingest(sub) -> None:
         type=int,
         default=64_000_000,
         metavar="N",
-        help="reject images whose header claims more pixels, before decoding (default 64M)",
+        help="reject images whose header claims more pixels, before decoding (default 64M; "
+        "above 178,956,970, Pillow's own limit, images are still refused)",
     )
     p.add_argument(
         "--max-video-seconds",

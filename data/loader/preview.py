@@ -9,6 +9,7 @@ tokenizer is at hand (it is, in the token folder's ``tokenizers/``).
 
 from __future__ import annotations
 
+import posixpath
 import shutil
 import sys
 from contextlib import closing
@@ -83,6 +84,7 @@ def config_of(path: Path) -> dict:
             f"{path}: no data sources of its own (give a run's config.yaml or a data config that "
             "lists its sources; a defaults list is not followed here, Hydra resolves it)"
         )
+    data.pop("defaults", None)  # Hydra follows a defaults list; preview reads the own keys
     LoaderConfig.from_dict(data, str(path))  # a key that is no loader field, named now
     return data
 
@@ -275,8 +277,6 @@ def preview(
 def _token_dir_of(data: dict) -> str:
     """The token folder holding the config's first source (where its manifest and tokenizers/
     are: the shard folder or one of the two above it), a path or an fsspec URL."""
-    import posixpath
-
     from data.loader.table_load import load_table
 
     first = data["sources"][0]

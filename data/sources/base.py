@@ -12,6 +12,7 @@ A source kind has two halves:
 from __future__ import annotations
 
 import os
+import unicodedata
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -331,6 +332,19 @@ def hidden_dir(name: str) -> str | None:
     return f"hidden folder {name!r} skipped" if name.startswith(".") else None
 
 
+def on_disk(path: Path) -> Path:
+    """``path``, or the same name in the other Unicode form where only that one exists: macOS
+    writes names decomposed (NFD: "e" + U+0301), a table typed elsewhere holds them composed
+    (NFC: U+00E9), and Linux compares bytes, so café.jpg would be a missing file."""
+    if path.exists():
+        return path
+    for form in ("NFC", "NFD"):
+        other = Path(unicodedata.normalize(form, str(path)))
+        if other.exists():
+            return other
+    return path
+
+
 def stat_size(path: Path) -> int | None:
     try:
         return path.stat().st_size
@@ -353,6 +367,8 @@ def no_size(path: Path) -> tuple[str, str]:
     there, or there as a link that loops or is broken."""
     if path.is_symlink():
         return "unreadable-file", unstatable(path)
+    if "\\" in str(path):  # a table written on Windows: its folders are separated by "\"
+        return "missing-media", "file does not exist (folders are separated by / here, not \\)"
     return "missing-media", "file does not exist"
 
 

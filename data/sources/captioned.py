@@ -21,6 +21,7 @@ A document is ``[media, caption]``; the caption segment carries ``"role": "capti
 from __future__ import annotations
 
 import json
+import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from data.sources.base import (
     Source,
     hidden_dir,
     no_size,
+    on_disk,
     read_file,
     stat_size,
     unstatable,
@@ -84,13 +86,18 @@ class CaptionedSource(Source):
                             else ("bad-record", 'no "file" column')
                         )
                         yield self.rejected_item(
-                            self.key(f"{table}-{lineno}"), f"{table}:{lineno}", reason, detail
+                            self.key(sanitize_key(f"{table}:{lineno}")),
+                            f"{table}:{lineno}",
+                            reason,
+                            detail,
                         )
                         continue
-                    file, row = str(rec.pop("file")), f"{table}:{lineno}"
+                    # names compared composed (NFC): macOS writes them decomposed (on_disk)
+                    file = unicodedata.normalize("NFC", str(rec.pop("file")))
+                    row = f"{table}:{lineno}"
                     if file in caption_rows:
                         yield self.rejected_item(
-                            self.key(f"{table}-{lineno}"),
+                            self.key(sanitize_key(f"{table}:{lineno}")),
                             row,
                             "duplicate-key",
                             f"{file} already has its caption from {caption_rows[file]}",
@@ -98,7 +105,7 @@ class CaptionedSource(Source):
                         continue
                     captions[file], caption_rows[file] = rec, row
         files = list(walk(self.root, hidden_dir, follow=self.limits.follow_links_outside))
-        listed = {rel for rel, _ in files}
+        listed = {unicodedata.normalize("NFC", rel) for rel, _ in files}
         for file, row in caption_rows.items():
             if file not in listed:  # a caption row must not vanish because its file is absent
                 yield self.rejected_item(
@@ -122,13 +129,7 @@ class CaptionedSource(Source):
             if rel not in media:
                 if suffix in (".txt", ".json") and str(Path(rel).with_suffix("")) in stems:
                     continue  # a sidecar caption, read with its media file
-                detail = (
-                    f"not a{'n image' if self.kind == 'images' else ' video'} "
-                    f"file ({suffix or 'no extension'})"
-                )
-                if suffix in (".txt", ".json") and str(Path(rel).with_suffix("")) in media:
-                    named = Path(rel).with_suffix("").with_suffix(suffix).name
-                    detail += f"; the caption sidecar of {Path(rel).stem} is named {named}"
+                detail = self._unknown_detail(rel, suffix, media)
                 yield self.rejected_item(key, rel, "unknown-type", detail)
                 continue
             path = self.root / rel
@@ -149,7 +150,7 @@ class CaptionedSource(Source):
             if size is None:
                 yield self.rejected_item(key, rel, "unreadable-file", unstatable(path))
                 continue
-            caption = captions.get(rel)
+            caption = captions.get(unicodedata.normalize("NFC", rel))
             ref = (
                 "file",
                 str(path),
@@ -188,7 +189,7 @@ class CaptionedSource(Source):
                     f"{media} is remote; ingest takes local files (download first)",
                 )
                 continue
-            path = (base / media) if not Path(media).is_absolute() else Path(media)
+            path = on_disk((base / media) if not Path(media).is_absolute() else Path(media))
             outside = self.outside_tree(media, base) or self.outside(path)
             if outside:
                 yield self.rejected_item(key, f"{label} ({media})", outside.reason, outside.detail)
@@ -249,6 +250,21 @@ class CaptionedSource(Source):
                 )
             )
         return self.assemble(item.key, parts, meta, origin, label)
+
+    def _unknown_detail(self, rel: str, suffix: str, media: set[str]) -> str:
+        """Why a file of the folder is not one of its media, and what to do about it."""
+        detail = f"not a{'n image' if self.kind == 'images' else ' video'} file ({suffix or 'no extension'})"
+        other = "videos" if self.kind == "images" else "images"
+        if suffix in (".txt", ".json"):
+            if str(Path(rel).with_suffix("")) in media:
+                named = Path(rel).with_suffix("").with_suffix(suffix).name
+                return detail + f"; the caption sidecar of {Path(rel).stem} is named {named}"
+            return detail + f"; a caption with no {self.part_type} named {Path(rel).stem}.*"
+        if suffix in (VIDEO_EXTS if self.kind == "images" else IMAGE_EXTS):
+            return detail + f"; give the {other} a source of their own ({other}:PATH)"
+        if suffix in (".heic", ".heif"):
+            return detail + "; HEIC/HEIF is not read: convert it to JPEG first"
+        return detail + "; this source takes " + " ".join(sorted(self.exts))
 
 
 class ImagesSource(CaptionedSource):

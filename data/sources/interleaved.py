@@ -17,8 +17,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+from data.media import VIDEO_EXTS
 from data.schema import SEGMENT_TYPES, Reject, Sample, sanitize_key, unsafe_name_reason
-from data.sources.base import Item, Part, Source, stat_size
+from data.sources.base import Item, Part, Source, on_disk, stat_size
 from data.sources.rows import blank_line, parse_record
 from data.sources.tables import LIST_COLUMNS, aligned_entries, is_table, load_row, table_items
 from data.sources.text import jsonl_lines, read_line
@@ -62,8 +63,13 @@ def doc_parts(rec: dict, base: Path, label: str) -> list[Part] | Reject:
                 return Reject(
                     label, "missing-media", f"{given} is remote; ingest takes local files"
                 )
-            part.path = str(base / given) if not Path(given).is_absolute() else given
+            if part.type == "image" and Path(given).suffix.lower() in VIDEO_EXTS:
+                return Reject(
+                    label, "unknown-type", f"{given} is a video in the images: list it in videos"
+                )
+            part.path = str(on_disk(base / given if not Path(given).is_absolute() else Path(given)))
             part.ext = Path(given).suffix.lower()
+            part.label = f"{label} ({given})"  # the line that names it, as it was given
     return parts
 
 

@@ -104,6 +104,8 @@ def test_caption_rows_for_absent_or_already_captioned_files_are_listed(tmp_path)
         ("captions.jsonl:2 (gone.png)", "missing-media"),
     ]
     assert "captions.jsonl:1" in rejects[0]["detail"]
+    # Keys, a reject's too, are letters, digits, "_" and "-" (docs/formats.md), never a dot.
+    assert [r["key"] for r in rejects] == ["pics-captions_jsonl_3", "pics-captions_jsonl_2"]
     assert captions_of(tmp_path / "out") == {"a.png": "first"}
 
 
@@ -274,3 +276,114 @@ def test_a_sidecar_named_after_the_whole_file_name_says_the_name_it_needs(tmp_pa
     assert rejects[0]["detail"] == (
         "not an image file (.txt); the caption sidecar of IMG.JPEG is named IMG.txt"
     )
+
+
+def test_photos_and_clips_under_the_names_users_have_them_are_read(tmp_path):
+    """A JPEG saved as ``.jfif`` (browsers on Windows), an AVIF photo and a ``.3gp`` phone clip
+    are media; a file of another kind says what to do with it, not only that it was not taken."""
+    import io
+
+    from PIL import Image, features
+
+    pics, clips = tmp_path / "pics", tmp_path / "clips"
+    pics.mkdir()
+    clips.mkdir()
+    photo = Image.new("RGB", (40, 30), (200, 30, 30))
+    photo.save(pics / "saved.jfif", format="JPEG")
+    if features.check("avif"):
+        photo.save(pics / "phone.avif")
+    (pics / "clip.mp4").write_bytes(mp4_bytes())
+    buf = io.BytesIO()
+    photo.save(buf, format="JPEG")
+    (pics / "iphone.heic").write_bytes(buf.getvalue())  # the name is what matters here
+    (pics / "orphan.txt").write_text("a caption whose photo was not copied")
+    (clips / "old_phone.3gp").write_bytes(mp4_bytes())
+    (clips / "still.png").write_bytes(png_bytes())
+    status, rejects, manifest = run_ingest(tmp_path / "out", f"images:{pics}", f"videos:{clips}")
+    assert status == EXIT_REJECTS
+    samples = {s["name"]: s["samples"] for s in manifest["sources"]}
+    assert samples == {"pics": 2 if features.check("avif") else 1, "clips": 1}
+    details = {r["path"]: r["detail"] for r in rejects if r["reason"] == "unknown-type"}
+    assert details == {
+        "clip.mp4": "not an image file (.mp4); give the videos a source of their own (videos:PATH)",
+        "iphone.heic": "not an image file (.heic); HEIC/HEIF is not read: convert it to JPEG first",
+        "orphan.txt": "not an image file (.txt); a caption with no image named orphan.*",
+        "still.png": "not a video file (.png); give the images a source of their own (images:PATH)",
+    }
+
+
+def test_an_interleaved_media_reject_names_its_line_and_a_video_listed_as_an_image(tmp_path):
+    """A page's picture that cannot be read is named by the table's line and the path as given
+    (it was named by its absolute path alone, so the line that lists it had to be searched for);
+    a clip in the images list is said to belong in the videos list."""
+    (tmp_path / "cut.png").write_bytes(png_bytes()[:40])
+    (tmp_path / "clip.mp4").write_bytes(mp4_bytes())
+    rows = [
+        {"texts": ["a page", None], "images": [None, "cut.png"]},
+        {"texts": ["a page with a clip", None], "images": [None, "clip.mp4"]},
+        {
+            "texts": ["a page with a clip", None],
+            "images": [None, None],
+            "videos": [None, "clip.mp4"],
+        },
+    ]
+    (tmp_path / "pages.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    status, rejects, manifest = run_ingest(
+        tmp_path / "out", f"interleaved:{tmp_path / 'pages.jsonl'}"
+    )
+    assert status == EXIT_REJECTS
+    assert [(r["path"], r["reason"]) for r in rejects] == [
+        ("pages.jsonl:1 (cut.png)", "unreadable-image"),
+        ("pages.jsonl:2", "unknown-type"),
+    ]
+    assert rejects[1]["detail"] == "clip.mp4 is a video in the images: list it in videos"
+    assert manifest["totals"]["samples"] == 1
+
+
+def test_names_written_decomposed_match_tables_that_write_them_composed(tmp_path):
+    """macOS writes file names decomposed (NFD: "e" + U+0301); a caption table typed elsewhere
+    holds them composed (NFC: U+00E9). Linux compares bytes: café.jpg was "no file café.jpg in
+    the folder" beside the very file, and a JSONL or interleaved table's row a missing-media."""
+    import unicodedata
+
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    composed = unicodedata.normalize("NFC", "café.png")
+    (pics / unicodedata.normalize("NFD", "café.png")).write_bytes(png_bytes())
+    (pics / "captions.csv").write_text(f"file,caption\n{composed},a cup\n")
+    (pics / "rows.jsonl").write_text(
+        json.dumps({"image": composed, "caption": "from a table"}) + "\n"
+    )
+    (pics / "pages.jsonl").write_text(
+        json.dumps({"texts": ["a page", None], "images": [None, composed]}) + "\n"
+    )
+    status, rejects, manifest = run_ingest(
+        tmp_path / "out",
+        f"pics=images:{pics}",
+        f"rows=images:{pics / 'rows.jsonl'}",
+        f"pages=interleaved:{pics / 'pages.jsonl'}",
+    )
+    assert [(r["path"], r["reason"]) for r in rejects if r["source"] == "pics"] == [
+        ("pages.jsonl", "unknown-type"),
+        ("rows.jsonl", "unknown-type"),
+    ]
+    assert {s["name"]: s["samples"] for s in manifest["sources"]} == {
+        "pics": 1,
+        "rows": 1,
+        "pages": 1,
+    }
+    assert "a cup" in captions_of(tmp_path / "out").values()
+
+
+def test_a_table_written_on_windows_is_told_how_folders_are_separated(tmp_path):
+    (tmp_path / "media").mkdir()
+    (tmp_path / "media" / "a.png").write_bytes(png_bytes())
+    (tmp_path / "pics.csv").write_text("image,caption\nmedia\\a.png,a path from Windows\n")
+    status, rejects, _ = run_ingest(tmp_path / "out", f"images:{tmp_path / 'pics.csv'}")
+    assert [(r["path"], r["reason"], r["detail"]) for r in rejects] == [
+        (
+            "pics.csv:2 (media\\a.png)",
+            "missing-media",
+            "file does not exist (folders are separated by / here, not \\)",
+        )
+    ]

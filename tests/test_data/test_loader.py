@@ -400,6 +400,11 @@ def test_preview_draws_rows_with_a_runs_weights_and_counts_drops(tiny_tokens, tm
     bad = tmp_path / "bad.yaml"
     bad.write_text("defaults: [demo]\nseq_len: 256\n")  # its sources only in the defaults
     assert main(["preview", "--config", str(bad)]) == 1
+    # A data config of one's own as docs/own_data.md writes it: a defaults list, its own sources.
+    own = tmp_path / "own.yaml"
+    own.write_text("defaults:\n  - demo\n" + cfg.read_text())
+    assert main(["preview", "--config", str(own), "--rows", "1"]) == 0
+    assert "row 0: " in capsys.readouterr().out
 
 
 def test_every_field_of_a_data_config_reaches_the_loaders_of_preview_and_the_mix_bench(

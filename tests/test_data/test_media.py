@@ -40,6 +40,10 @@ def test_truncated_and_garbage_images_are_rejected():
     assert r.reason == "truncated-image"
     assert probe_image(b"not an image at all", "x", max_pixels=10**6).reason == "unreadable-image"
     assert probe_image(b"", "x", max_pixels=10**6).reason == "unreadable-image"
+    # An iPhone photo (HEIC), in a table's bytes or under a .jpg name: said what it is.
+    heic = b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + bytes(64)
+    r = probe_image(heic, "IMG_0001.jpg", max_pixels=10**6)
+    assert (r.reason, r.detail) == ("unreadable-image", "HEIC/HEIF is not read: convert it to JPEG")
 
 
 def test_decompression_bombs_are_rejected_from_the_header_without_decoding():
@@ -51,6 +55,13 @@ def test_decompression_bombs_are_rejected_from_the_header_without_decoding():
     # 100 M pixels: above our limit, below Pillow's own error threshold (it would only warn).
     r = probe_image(png_header_bomb(10000, 10000), "big.png", max_pixels=64_000_000)
     assert r.reason == "pixel-limit" and "10000x10000" in r.detail
+    # A limit set above Pillow's own: Pillow still refuses, and the detail says it is not ours.
+    r = probe_image(png_header_bomb(30000, 30000), "bomb.png", max_pixels=1_000_000_000)
+    assert r.reason == "pixel-limit"
+    assert r.detail == (
+        "header claims 900000000 pixels, over Pillow's own limit of 178956970 that no setting "
+        "here raises (not decoded): downscale the image first"
+    )
     grown_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     assert grown_kb < 100_000  # a decode of 100 M RGB pixels would take 300 MB
 
@@ -70,6 +81,11 @@ def test_bad_videos_are_rejected_with_a_readable_reason(capfd):
     assert (
         probe_video(mp4[: len(mp4) // 2], "cut.mp4", max_seconds=60).reason == "undecodable-video"
     )
+    # A photo under a video's name: FFmpeg calls it broken metadata; the detail says what it is.
+    r = probe_video(jpeg_bytes(), "IMG_0001.mp4", max_seconds=60)
+    assert r.reason == "undecodable-video"
+    assert r.detail.endswith("; the file is an image (JPEG): give it an images source")
+    assert "image" not in probe_video(mp4[: len(mp4) // 2], "cut.mp4", max_seconds=60).detail
     r = probe_video(mp4_bytes(frames=16, fps=8), "long.mp4", max_seconds=1.0)
     assert r.reason == "video-too-long" and "2.0 s" in r.detail
     # decord echoes raw input bytes to the C stderr; the probe keeps them off the terminal.
@@ -110,3 +126,30 @@ def test_the_reused_stderr_capture_file_is_closed_at_exit():
         [sys.executable, "-X", "dev", "-c", code], capture_output=True, text=True, check=True
     )
     assert "ResourceWarning" not in done.stderr, done.stderr
+
+
+def test_a_video_in_a_codec_decord_cannot_decode_says_so_and_how_to_re_encode_it():
+    """decord's FFmpeg has no AV1 decoder: such a clip has a video stream, and its reject must
+    not send the user looking for one (it said "sound only?")."""
+    import io
+
+    import av
+    import numpy as np
+    import pytest
+
+    if "libsvtav1" not in av.codecs_available:
+        pytest.skip("this PyAV has no AV1 encoder")
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as container:
+        stream = container.add_stream("libsvtav1", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 64, 64, "yuv420p"
+        for _ in range(4):
+            frame = av.VideoFrame.from_ndarray(np.zeros((64, 64, 3), np.uint8), format="rgb24")
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    r = probe_video(buf.getvalue(), "av1.mp4", max_seconds=60)
+    assert isinstance(r, Reject) and r.reason == "undecodable-video"
+    assert "sound only" not in r.detail
+    assert "codec decord's FFmpeg cannot decode" in r.detail and "libx264" in r.detail

@@ -27,6 +27,18 @@ def test_keys_never_hold_dots_or_separators():
         assert is_valid_key(k) and "." not in k and "/" not in k
 
 
+def test_names_outside_ascii_keep_keys_of_their_own():
+    """Every character outside the key alphabet becomes "_": names in Chinese or Cyrillic that
+    differ only there all met in one key (照片1.jpg and 图片1.jpg were both ``1_jpg``, 三国.txt
+    and 红楼梦.txt both ``txt``), each after the first a duplicate-key reject. ASCII names keep
+    the keys docs/formats.md gives."""
+    names = ["照片1.jpg", "图片1.jpg", "三国.txt", "红楼梦.txt", "Фото 001.jpg", "Кадр 001.jpg"]
+    keys = [sanitize_key(name) for name in names]
+    assert len(set(keys)) == len(names) and all(map(is_valid_key, keys))
+    assert keys[0].startswith("1_jpg-") and sanitize_key("照片1.jpg") == keys[0]
+    assert sanitize_key("pkg/mod.py") == "pkg_mod_py"
+
+
 def test_unsafe_names_are_named():
     assert (
         unsafe_name_reason("../x")

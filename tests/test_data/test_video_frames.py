@@ -74,3 +74,38 @@ def test_frames_are_resized_to_the_grid_and_bad_bytes_raise():
     assert f.frames.shape[1:] == (24, 32, 3)
     with pytest.raises(ValueError, match="cannot decode video"):
         decode_frames(b"\x00" * 500, VideoSampling(), PREP)
+
+
+@pytest.mark.parametrize(
+    ("container", "codec"), [("avi", "libx264"), ("avi", "mpeg4"), ("mpeg", "mpeg2video")]
+)
+def test_a_clip_whose_container_gives_frames_no_time_is_sampled_by_its_frame_rate(container, codec):
+    """AVI and MPEG-PS with B-frames give decord no time for (some) frames: it reported about
+    -9e17 s, so every pick fell on the first frame (a 2 s clip became a still) and the probe's
+    duration was that number; and decord's seeks in such a clip land on other frames. Frame i
+    here is grey level 10 i, so the level says which frame came back."""
+    import io
+
+    import av
+
+    from data.media import probe_video
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=container) as out:
+        stream = out.add_stream(codec, rate=10)
+        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
+        stream.codec_context.max_b_frames = 2
+        stream.codec_context.bit_rate = 4_000_000  # flat greys kept within a level or two
+        for i in range(20):
+            grey = np.full((32, 32, 3), 10 * i, np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(grey, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    raw = buf.getvalue()
+    info = probe_video(raw, f"clip.{container}", max_seconds=60)
+    assert (info.frames, info.duration) == (20, pytest.approx(2.0))
+    f = decode_frames(raw, VideoSampling(target_fps=4, max_frames=64), PREP)
+    np.testing.assert_allclose(f.times, [0.0, 0.2, 0.5, 0.7, 1.0, 1.2, 1.5, 1.7], atol=1e-6)
+    levels = f.frames.reshape(len(f.frames), -1).mean(1)
+    np.testing.assert_allclose(levels, 10 * np.round(f.times * 10), atol=3)
