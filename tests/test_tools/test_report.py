@@ -296,3 +296,26 @@ def test_the_loss_by_position_and_the_needle_tables_are_drawn(tmp_path, capsys):
     assert "passkey" in page and "control" in page
     printed = capsys.readouterr().out
     assert "0-64" in printed and "128-256" in printed and "passkey" in printed
+
+
+def test_a_probe_every_100_steps_is_drawn_at_its_measured_values(tmp_path):
+    """The EMA factor is per step: a probe logged every 100 steps is not averaged with the probe
+    100 steps before (at 0.9 per point its last marker read half-way between two probes)."""
+    from matplotlib.figure import Figure
+
+    from tools.report.panels import Ctx, panels_for, x_limits
+
+    run = tmp_path / "probes"
+    run.mkdir()
+    gaps = {100: 0.3, 200: 0.9, 300: 0.1}
+    lines = [
+        {"step": s, "train/loss": 3.0, "monitor/dependence_gap": gaps.get(s)} for s in range(1, 301)
+    ]
+    (run / "metrics.jsonl").write_text(
+        "".join(json.dumps({k: v for k, v in r.items() if v is not None}) + "\n" for r in lines)
+    )
+    data = load_run(run)
+    panel = next(p for p in panels_for(data) if p.key == "monitor_dependence_gap")
+    steps, drawn = panel.draw(Figure().add_subplot(), Ctx(data, 0.9, x_limits(data)))["total"]
+    assert list(steps) == [100, 200, 300]
+    assert np.allclose(drawn, [0.3, 0.9, 0.1], atol=1e-3), drawn

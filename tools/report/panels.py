@@ -68,11 +68,11 @@ class Ctx:
 def train_line(
     ax, s: Series, ctx: Ctx, label: str, color: str, scale: float = 1.0, lw: float = 1.6
 ):
-    """Raw values faint, EMA solid; returns the curve drawn on top."""
+    """Raw values faint, EMA solid (per step: a probe every k steps gets factor**k); returns it."""
     steps, values = s.steps, s.values * scale
     if ctx.smooth > 0:
         ax.plot(steps, values, color=color, alpha=0.22, lw=0.8)
-        values = ema(values, ctx.smooth)
+        values = ema(values, ctx.smooth ** (np.median(np.diff(steps)) if len(steps) > 1 else 1))
     ax.plot(
         steps,
         values,
