@@ -145,6 +145,16 @@ def test_nan_loss_is_skipped_counted_and_never_reaches_the_weights(tiny_tokens, 
         assert torch.isfinite(last[name]).all(), name
 
 
+def test_the_count_of_alarms_goes_on_after_a_resume(tiny_tokens, tmp_path):
+    """``monitor/alarms`` is the run's count so far: a resumed run does not start it at 0."""
+    run, k = tmp_path / "run", 4
+    train(base(tiny_tokens, run, k, "train.ckpt_every=1"), faults={"nan_at_step": k})
+    train(base(tiny_tokens, run, k + 2, "train.ckpt_every=1", "train.allow_config_change=true"))
+    m = metrics(run)
+    assert [m[s]["monitor/alarms"] for s in range(k - 1, k + 3)] == [0, 1, 1, 1]
+    assert [(a["step"], a["signal"]) for a in alarms(run)] == [(k, "nonfinite")]
+
+
 def test_halt_stops_the_run_with_exit_code_3_and_names_the_alarm(tiny_tokens, tmp_path):
     run = tmp_path / "run"
     p = train(

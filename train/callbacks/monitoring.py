@@ -3,7 +3,8 @@ every step's metrics and records their alarms; ``Rollback`` turns a rollback ala
 loop's decision to go back to a good checkpoint (PaLM's recipe).
 
 Design choices:
-- The monitor's state (detector windows, latches) is checkpointed under ``monitor``, as before.
+- The monitor's state (detector windows, latches, the count of alarms) is checkpointed under
+  ``monitor``.
 - A halt is a ``Decision``: the loop stops and the entry point exits with code 3.
 - ``Rollback`` picks the newest complete checkpoint at least ``monitor.rollback.margin`` steps
   before the trouble began, and skips the data seen since plus a window. It runs after the
@@ -66,10 +67,14 @@ class Monitoring(Callback):
         self.monitor.divergence.reset()
 
     def state_dict(self) -> dict:
-        return self.monitor.state_dict()
+        return {**self.monitor.state_dict(), "alarms": self.alarm_log.count}
 
     def load_state_dict(self, state: dict) -> None:
         self.monitor.load_state_dict(state)
+        # ``monitor/alarms`` counts every alarm of the run: a resume continues the checkpoint's
+        # count, a rollback keeps its own (the abandoned steps' alarms stay in alarms.jsonl too).
+        # A state without it starts at 0: the count is shown, it decides nothing.
+        self.alarm_log.count = max(self.alarm_log.count, int(state.get("alarms", 0)))
 
 
 class Rollback(Callback):
