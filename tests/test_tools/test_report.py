@@ -319,3 +319,21 @@ def test_a_probe_every_100_steps_is_drawn_at_its_measured_values(tmp_path):
     steps, drawn = panel.draw(Figure().add_subplot(), Ctx(data, 0.9, x_limits(data)))["total"]
     assert list(steps) == [100, 200, 300]
     assert np.allclose(drawn, [0.3, 0.9, 0.1], atol=1e-3), drawn
+
+
+def test_the_mix_of_a_one_step_run_is_drawn(tmp_path):
+    """A stack over one step has no width: the one step's mix is drawn one step wide."""
+    from matplotlib.figure import Figure
+
+    from tools.report.panels import Ctx, panels_for, x_limits
+
+    run = tmp_path / "one"
+    run.mkdir()
+    record = {"step": 1, "train/loss": 7.8, "mix/code": 0.25, "mix/text": 0.75}
+    (run / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    data = load_run(run)
+    ax = Figure().add_subplot()
+    next(p for p in panels_for(data) if p.key == "mix").draw(ax, Ctx(data, 0.9, x_limits(data)))
+    bands = [c.get_paths()[0].get_extents() for c in ax.collections]
+    assert len(bands) == 2 and all(b.width >= 1 for b in bands)
+    assert [round(b.height, 2) for b in bands] == [0.25, 0.75]
