@@ -90,6 +90,7 @@ def test_lr_spike_is_skipped_then_rolled_back_and_recovers(tiny_tokens, tmp_path
     assert "ROLLBACK at step" in p.stdout and "back to the checkpoint of step 50" in p.stdout, (
         p.stdout[-3000:]
     )
+    assert "train.ckpt_every=0" not in p.stdout + p.stderr
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     before = [r["train/loss"] for r in recs if 40 < r["step"] <= k]
     after = [r["train/loss"] for r in recs[-20:]]
@@ -164,6 +165,8 @@ def test_halt_stops_the_run_with_exit_code_3_and_names_the_alarm(tiny_tokens, tm
     )
     assert p.returncode == 3, p.stderr[-2000:]
     assert "halted by the monitor at step 3: nonfinite" in p.stderr and "Traceback" not in p.stderr
+    # divergence rolls back by default, and the debug preset checkpoints only at the end: said at start
+    assert "monitor.divergence.action=rollback, but train.ckpt_every=0" in p.stdout + p.stderr
     assert [(a["step"], a["action"]) for a in alarms(run)] == [(3, "halt")]
 
 

@@ -26,7 +26,7 @@ from train.callbacks.base import HALT, ROLLBACK, Callback, Decision, StepRecord
 from train.monitor import AlarmLog, Monitor
 from train.monitor import strongest as strongest_alarm
 from train.monitor.alarms import Alarm
-from train.monitor.config import RollbackConfig
+from train.monitor.config import DETECTORS, RollbackConfig
 from train.skip_step import SkipStepRule
 
 if TYPE_CHECKING:
@@ -88,6 +88,20 @@ class Rollback(Callback):
             is_main,
         )
         self.count = 0
+
+    def pre_train(self, trainer: Trainer, step: int) -> None:
+        cfg = self.monitoring.monitor.cfg
+        rolling = [
+            name
+            for name in DETECTORS
+            if getattr(cfg, name).enabled and getattr(cfg, name).action == "rollback"
+        ]
+        if cfg.enabled and rolling and not trainer.train.ckpt_every and self.is_main:
+            log.warning(
+                f"monitor.{rolling[0]}.action=rollback, but train.ckpt_every=0 writes a checkpoint "
+                "only at the end: a rollback would find none to go back to and halt the run "
+                "(exit code 3); set train.ckpt_every to keep a way back"
+            )
 
     def post_step(self, trainer: Trainer, step: int, record: StepRecord) -> Decision | None:
         alarm = strongest_alarm(self.monitoring.alarms)
