@@ -337,3 +337,25 @@ def test_the_mix_of_a_one_step_run_is_drawn(tmp_path):
     bands = [c.get_paths()[0].get_extents() for c in ax.collections]
     assert len(bands) == 2 and all(b.width >= 1 for b in bands)
     assert [round(b.height, 2) for b in bands] == [0.25, 0.75]
+
+
+def test_a_rolled_back_stretch_stays_drawn_dotted(tmp_path):
+    """A rollback logs steps again and the last record of a step wins; the blow-up its alarms saw
+    (the first pass) is drawn dotted, or the alarms would point at a curve that never rose."""
+    from matplotlib.figure import Figure
+
+    from tools.report.panels import Ctx, panels_for, x_limits
+
+    run = tmp_path / "rolled"
+    run.mkdir()
+    first = [{"step": s, "train/loss": 9.0 if s > 15 else 3.0} for s in range(1, 21)]
+    again = [{"step": s, "train/loss": 3.0} for s in range(11, 31)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first + again))
+    data = load_run(run)
+    assert data.duplicate_records == 10 and data.records[18]["train/loss"] == 3.0
+    ax = Figure().add_subplot()
+    next(p for p in panels_for(data) if p.key == "loss").draw(ax, Ctx(data, 0.9, x_limits(data)))
+    dotted = [line for line in ax.get_lines() if line.get_linestyle() == ":"]
+    assert len(dotted) == 1
+    assert list(dotted[0].get_xdata()) == list(range(11, 21))
+    assert list(dotted[0].get_ydata()) == [3.0] * 5 + [9.0] * 5

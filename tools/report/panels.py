@@ -81,6 +81,12 @@ def train_line(
         marker="o" if len(steps) <= 12 else None,
         ms=3,
     )
+    # The values a rollback (or a resume) logged again replaced: the first pass, dotted, so the
+    # trouble its alarms saw stays on the panel.
+    run = ctx.run
+    gone = [(r["step"], r.get(s.key)) for r in run.first_pass if r is not run.records[r["step"]]]
+    if gone := [(step, value * scale) for step, value in gone if isinstance(value, (int, float))]:
+        ax.plot(*zip(*gone), color=color, ls=":", lw=1.0)
     return steps, values
 
 
@@ -248,11 +254,7 @@ def same(a: Series, b: Series | None) -> bool:
 
 
 def per_modality(
-    prefix: str,
-    *,
-    total: str | None = None,
-    hline: float | None = None,
-    clip: bool = False,
+    prefix: str, *, total: str | None = None, hline: float | None = None, clip: bool = False
 ):
     """A panel drawing ``prefix<m>`` for every modality present, then any other ``prefix<name>``
     (a monitor's per-modality signals), and ``total`` in black."""
