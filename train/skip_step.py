@@ -110,6 +110,9 @@ class SkipStepRule:
         self.last = {
             "loss_score": loss_score,
             "grad_norm_score": grad_score,
+            # which bar was crossed: the two scores have their own (loss 6, grad norm 12), so
+            # the larger score is not the one that crossed (loss 7.6 over 6, grad norm 8.0 under 12)
+            "loss_spike": loss_score > self.cfg.sigmas,
             "skipped": skip,
             "nonfinite": nonfinite,
         }

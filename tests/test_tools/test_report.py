@@ -296,3 +296,66 @@ def test_the_loss_by_position_and_the_needle_tables_are_drawn(tmp_path, capsys):
     assert "passkey" in page and "control" in page
     printed = capsys.readouterr().out
     assert "0-64" in printed and "128-256" in printed and "passkey" in printed
+
+
+def test_a_probe_every_100_steps_is_drawn_at_its_measured_values(tmp_path):
+    """The EMA factor is per step: a probe logged every 100 steps is not averaged with the probe
+    100 steps before (at 0.9 per point its last marker read half-way between two probes)."""
+    from matplotlib.figure import Figure
+
+    from tools.report.panels import Ctx, panels_for, x_limits
+
+    run = tmp_path / "probes"
+    run.mkdir()
+    gaps = {100: 0.3, 200: 0.9, 300: 0.1}
+    lines = [
+        {"step": s, "train/loss": 3.0, "monitor/dependence_gap": gaps.get(s)} for s in range(1, 301)
+    ]
+    (run / "metrics.jsonl").write_text(
+        "".join(json.dumps({k: v for k, v in r.items() if v is not None}) + "\n" for r in lines)
+    )
+    data = load_run(run)
+    panel = next(p for p in panels_for(data) if p.key == "monitor_dependence_gap")
+    steps, drawn = panel.draw(Figure().add_subplot(), Ctx(data, 0.9, x_limits(data)))["total"]
+    assert list(steps) == [100, 200, 300]
+    assert np.allclose(drawn, [0.3, 0.9, 0.1], atol=1e-3), drawn
+
+
+def test_the_mix_of_a_one_step_run_is_drawn(tmp_path):
+    """A stack over one step has no width: the one step's mix is drawn one step wide."""
+    from matplotlib.figure import Figure
+
+    from tools.report.panels import Ctx, panels_for, x_limits
+
+    run = tmp_path / "one"
+    run.mkdir()
+    record = {"step": 1, "train/loss": 7.8, "mix/code": 0.25, "mix/text": 0.75}
+    (run / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    data = load_run(run)
+    ax = Figure().add_subplot()
+    next(p for p in panels_for(data) if p.key == "mix").draw(ax, Ctx(data, 0.9, x_limits(data)))
+    bands = [c.get_paths()[0].get_extents() for c in ax.collections]
+    assert len(bands) == 2 and all(b.width >= 1 for b in bands)
+    assert [round(b.height, 2) for b in bands] == [0.25, 0.75]
+
+
+def test_a_rolled_back_stretch_stays_drawn_dotted(tmp_path):
+    """A rollback logs steps again and the last record of a step wins; the blow-up its alarms saw
+    (the first pass) is drawn dotted, or the alarms would point at a curve that never rose."""
+    from matplotlib.figure import Figure
+
+    from tools.report.panels import Ctx, panels_for, x_limits
+
+    run = tmp_path / "rolled"
+    run.mkdir()
+    first = [{"step": s, "train/loss": 9.0 if s > 15 else 3.0} for s in range(1, 21)]
+    again = [{"step": s, "train/loss": 3.0} for s in range(11, 31)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first + again))
+    data = load_run(run)
+    assert data.duplicate_records == 10 and data.records[18]["train/loss"] == 3.0
+    ax = Figure().add_subplot()
+    next(p for p in panels_for(data) if p.key == "loss").draw(ax, Ctx(data, 0.9, x_limits(data)))
+    dotted = [line for line in ax.get_lines() if line.get_linestyle() == ":"]
+    assert len(dotted) == 1
+    assert list(dotted[0].get_xdata()) == list(range(11, 21))
+    assert list(dotted[0].get_ydata()) == [3.0] * 5 + [9.0] * 5

@@ -49,6 +49,14 @@ def test_lm_debug_run_logs_every_modality(tiny_tokens, tmp_path):
     )
     assert final["val/complete"] in (0.0, 1.0) and final["val/batches"] <= 2
     assert (run / "checkpoints" / "step_00000008" / "vocab_layout.json").is_file()
+    # The final evaluation (the only one: train.eval_every=0) is in TensorBoard at the last step.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(run / "tb"), size_guidance={"scalars": 0})
+    board.Reload()
+    logged = [(e.step, e.value) for e in board.Scalars("val/loss/image")]
+    assert logged == [(8, pytest.approx(final["val/loss/image"]))]
+    assert [e.step for e in board.Scalars("train/loss")] == list(range(1, 9))
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -107,6 +107,35 @@ def test_monitor_turns_gate_decisions_into_alarms_and_keeps_state():
     assert other.state_dict() == st and other.nonfinite_steps == 1
 
 
+def test_a_spike_is_named_by_the_bar_it_crossed_not_by_the_larger_score():
+    """The loss's bar is 6 sigma, the grad norm's 12: a step at loss 7 and grad norm 9 sigma was
+    skipped for its loss, and is a ``loss_spike`` (it was named ``grad_norm_spike``)."""
+    import numpy as np
+
+    from train.skip_step import SkipStepConfig, SkipStepRule
+
+    rule, rng = SkipStepRule(SkipStepConfig(min_steps=10)), np.random.default_rng(0)
+    for step in range(1, 81):
+        rule.decide(step, 3.0 + rng.normal(0, 0.05), math.exp(rng.normal(0, 0.05)))
+
+    def at_score(score, target: float, low: float, high: float) -> float:
+        for _ in range(60):  # bisection: the score rises with the value
+            low, high = (
+                (low, (low + high) / 2)
+                if score((low + high) / 2) > target
+                else ((low + high) / 2, high)
+            )
+        return (low + high) / 2
+
+    loss = at_score(lambda x: rule.loss_score(x, {}), 7.0, 3.0, 30.0)
+    grad = at_score(rule.grad_norm.score, 9.0, 1.0, 100.0)
+    assert rule.decide(81, loss, grad)
+    assert rule.last["loss_score"] < rule.last["grad_norm_score"] < rule.cfg.grad_norm_sigmas
+    mon = Monitor(MonitorConfig(), total_steps=100, chance=LN)
+    alarms = mon.check(81, {"train/loss": loss, "optim/grad_norm": grad}, rule.last)
+    assert [(a.signal, a.action) for a in alarms] == [("loss_spike", "skip")]
+
+
 @pytest.mark.parametrize(
     "section",
     ["collapse", "stagnation", "drift", "attention", "dependence", "code_use", "divergence"],

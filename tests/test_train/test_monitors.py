@@ -90,6 +90,7 @@ def test_lr_spike_is_skipped_then_rolled_back_and_recovers(tiny_tokens, tmp_path
     assert "ROLLBACK at step" in p.stdout and "back to the checkpoint of step 50" in p.stdout, (
         p.stdout[-3000:]
     )
+    assert "train.ckpt_every=0" not in p.stdout + p.stderr
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     before = [r["train/loss"] for r in recs if 40 < r["step"] <= k]
     after = [r["train/loss"] for r in recs[-20:]]
@@ -145,6 +146,16 @@ def test_nan_loss_is_skipped_counted_and_never_reaches_the_weights(tiny_tokens, 
         assert torch.isfinite(last[name]).all(), name
 
 
+def test_the_count_of_alarms_goes_on_after_a_resume(tiny_tokens, tmp_path):
+    """``monitor/alarms`` is the run's count so far: a resumed run does not start it at 0."""
+    run, k = tmp_path / "run", 4
+    train(base(tiny_tokens, run, k, "train.ckpt_every=1"), faults={"nan_at_step": k})
+    train(base(tiny_tokens, run, k + 2, "train.ckpt_every=1", "train.allow_config_change=true"))
+    m = metrics(run)
+    assert [m[s]["monitor/alarms"] for s in range(k - 1, k + 3)] == [0, 1, 1, 1]
+    assert [(a["step"], a["signal"]) for a in alarms(run)] == [(k, "nonfinite")]
+
+
 def test_halt_stops_the_run_with_exit_code_3_and_names_the_alarm(tiny_tokens, tmp_path):
     run = tmp_path / "run"
     p = train(
@@ -154,6 +165,8 @@ def test_halt_stops_the_run_with_exit_code_3_and_names_the_alarm(tiny_tokens, tm
     )
     assert p.returncode == 3, p.stderr[-2000:]
     assert "halted by the monitor at step 3: nonfinite" in p.stderr and "Traceback" not in p.stderr
+    # divergence rolls back by default, and the debug preset checkpoints only at the end: said at start
+    assert "monitor.divergence.action=rollback, but train.ckpt_every=0" in p.stdout + p.stderr
     assert [(a["step"], a["action"]) for a in alarms(run)] == [(3, "halt")]
 
 

@@ -44,8 +44,7 @@ def color_of(name: str, i: int = 0) -> str:
 
 
 def ema(values: np.ndarray, factor: float) -> np.ndarray:
-    """Debiased exponential moving average, ``factor`` in (0, 1); non-finite values are skipped
-    (they keep the last smoothed value), so a NaN step does not erase the curve after it."""
+    """Debiased EMA, ``factor`` in (0, 1); a NaN/inf keeps the last value (the curve goes on)."""
     out = np.full(values.shape, np.nan)
     acc = weight = 0.0
     for i, value in enumerate(values.tolist()):
@@ -68,11 +67,11 @@ class Ctx:
 def train_line(
     ax, s: Series, ctx: Ctx, label: str, color: str, scale: float = 1.0, lw: float = 1.6
 ):
-    """Raw values faint, EMA solid; returns the curve drawn on top."""
+    """Raw values faint, EMA solid (per step: a probe every k steps gets factor**k); returns it."""
     steps, values = s.steps, s.values * scale
     if ctx.smooth > 0:
         ax.plot(steps, values, color=color, alpha=0.22, lw=0.8)
-        values = ema(values, ctx.smooth)
+        values = ema(values, ctx.smooth ** (np.median(np.diff(steps)) if len(steps) > 1 else 1))
     ax.plot(
         steps,
         values,
@@ -82,12 +81,18 @@ def train_line(
         marker="o" if len(steps) <= 12 else None,
         ms=3,
     )
+    # The values a rollback (or a resume) logged again replaced: the first pass, dotted, so the
+    # trouble its alarms saw stays on the panel.
+    run = ctx.run
+    gone = [(r["step"], r.get(s.key)) for r in run.first_pass if r is not run.records[r["step"]]]
+    if gone := [(step, value * scale) for step, value in gone if isinstance(value, (int, float))]:
+        ax.plot(*zip(*gone), color=color, ls=":", lw=1.0)
     return steps, values
 
 
 def robust_ylim(ax, arrays: list[np.ndarray]) -> None:
-    """Keep a few huge spikes from flattening the whole curve: clip the y range when the maximum
-    is far beyond the bulk (the title says so), otherwise leave matplotlib's limits."""
+    """Clip the y range when the maximum is far beyond the bulk (the title says so): a few huge
+    spikes do not flatten the whole curve."""
     vals = (
         np.concatenate([array[np.isfinite(array)] for array in arrays]) if arrays else np.array([])
     )
@@ -249,11 +254,7 @@ def same(a: Series, b: Series | None) -> bool:
 
 
 def per_modality(
-    prefix: str,
-    *,
-    total: str | None = None,
-    hline: float | None = None,
-    clip: bool = False,
+    prefix: str, *, total: str | None = None, hline: float | None = None, clip: bool = False
 ):
     """A panel drawing ``prefix<m>`` for every modality present, then any other ``prefix<name>``
     (a monitor's per-modality signals), and ``total`` in black."""
@@ -320,6 +321,8 @@ def draw_mix(ax, ctx: Ctx):
         curves.append(ema(curve, ctx.smooth) if ctx.smooth > 0 else curve)
     stack = np.array(curves)
     stack = stack / np.maximum(stack.sum(axis=0, keepdims=True), 1e-12)
+    if len(grid) == 1:  # one step: a band one step wide (a stack over one x has no width)
+        grid, stack = np.array([grid[0] - 0.5, grid[0] + 0.5]), np.repeat(stack, 2, axis=1)
     ax.stackplot(
         grid, stack, labels=names, colors=[f"C{i % 10}" for i in range(len(names))], alpha=0.85
     )
@@ -583,7 +586,7 @@ def render(panel: Panel, ctx: Ctx) -> bytes:
     if panel.xlabel == "step":
         draw_alarms(ax, ctx, curves)
         ax.set_xlim(*ctx.xlim)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     ax.set_xlabel(panel.xlabel, fontsize=9)
     ax.set_ylabel(panel.ylabel, fontsize=9)
     ax.tick_params(labelsize=8)
@@ -631,8 +634,7 @@ def wrap_lines(lines: list[tuple[str, float, str]], width_px: int) -> list[tuple
 
 
 def render_header(lines: list[tuple[str, float, str]], width_px: int) -> bytes:
-    """The top strip of report.png: ``(text, fontsize, style)`` lines, style bold, normal or mono,
-    wrapped to the strip's width."""
+    """The top strip of report.png: ``(text, fontsize, style: bold|normal|mono)`` lines, wrapped."""
     lines = wrap_lines(lines, width_px)
     height = 0.3 + sum(size for _, size, _ in lines) * 1.6 / 72
     fig = Figure(figsize=(width_px / DPI, height), dpi=DPI)

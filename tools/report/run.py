@@ -30,6 +30,7 @@ class NoMetrics(FileNotFoundError):
 class Series:
     steps: np.ndarray  # int64, increasing
     values: np.ndarray  # float64, may hold NaN / inf
+    key: str = ""  # the metric's name
 
 
 @dataclass
@@ -138,7 +139,7 @@ def build_series(records: dict[int, dict]) -> dict[str, Series]:
             s.append(step)
             vals.append(x)
     return {
-        k: Series(np.asarray(s, dtype=np.int64), np.asarray(v, dtype=np.float64))
+        k: Series(np.asarray(s, dtype=np.int64), np.asarray(v, dtype=np.float64), k)
         for k, (s, v) in cols.items()
     }
 
@@ -175,11 +176,7 @@ def load_run(run_dir: str | Path) -> RunData:
     lines, bad = read_jsonl(path)
     raw = [rec for rec in lines if alarm_step(rec) is not None]
     bad += len(lines) - len(raw)
-    records: dict[int, dict] = {}
-    dup = 0
-    for rec in raw:
-        dup += rec["step"] in records
-        records[rec["step"]] = rec
+    records = {rec["step"]: rec for rec in raw}  # the last record of a step wins
     cfg = _read_dict(run_dir / CONFIG_FILE, yaml.safe_load)  # the resolved config
     train_cfg = cfg.get("train")
     total = train_cfg.get("steps") if isinstance(train_cfg, dict) else None
@@ -200,7 +197,7 @@ def load_run(run_dir: str | Path) -> RunData:
         alarms=alarms,
         target_mix=_target_mix(cfg),
         first_pass=first_pass(raw),
-        duplicate_records=dup,
+        duplicate_records=len(raw) - len(records),
         impossible_mfu=sum(
             (_number(r.get("throughput/mfu")) or 0.0) > 1.0 for r in records.values()
         ),

@@ -191,6 +191,16 @@ class MetricsLog(Callback):
     def on_rollback(self, trainer: Trainer, step: int) -> None:
         self.interval = Counter()
 
+    def post_train(self, trainer: Trainer, step: int, final: dict) -> None:
+        # The final evaluation (final.json, run after the last step's record) at the last step in
+        # TensorBoard and W&B too: their held-out curves end at the final value, and a run that
+        # evaluates only at the end (train.eval_every=0) has one there at all. metrics.jsonl
+        # keeps one record a step; the report reads final.json.
+        evaluated = {k: v for k, v in final.items() if k.startswith(("val/", "eval/"))}
+        for sink in self.sinks:
+            if evaluated and not isinstance(sink, JsonlSink):
+                sink.write(step, evaluated)
+
     def close(self, trainer: Trainer) -> None:
         for sink in self.sinks:
             sink.close()

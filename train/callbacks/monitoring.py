@@ -3,7 +3,8 @@ every step's metrics and records their alarms; ``Rollback`` turns a rollback ala
 loop's decision to go back to a good checkpoint (PaLM's recipe).
 
 Design choices:
-- The monitor's state (detector windows, latches) is checkpointed under ``monitor``, as before.
+- The monitor's state (detector windows, latches, the count of alarms) is checkpointed under
+  ``monitor``.
 - A halt is a ``Decision``: the loop stops and the entry point exits with code 3.
 - ``Rollback`` picks the newest complete checkpoint at least ``monitor.rollback.margin`` steps
   before the trouble began, and skips the data seen since plus a window. It runs after the
@@ -25,7 +26,7 @@ from train.callbacks.base import HALT, ROLLBACK, Callback, Decision, StepRecord
 from train.monitor import AlarmLog, Monitor
 from train.monitor import strongest as strongest_alarm
 from train.monitor.alarms import Alarm
-from train.monitor.config import RollbackConfig
+from train.monitor.config import DETECTORS, RollbackConfig
 from train.skip_step import SkipStepRule
 
 if TYPE_CHECKING:
@@ -66,10 +67,14 @@ class Monitoring(Callback):
         self.monitor.divergence.reset()
 
     def state_dict(self) -> dict:
-        return self.monitor.state_dict()
+        return {**self.monitor.state_dict(), "alarms": self.alarm_log.count}
 
     def load_state_dict(self, state: dict) -> None:
         self.monitor.load_state_dict(state)
+        # ``monitor/alarms`` counts every alarm of the run: a resume continues the checkpoint's
+        # count, a rollback keeps its own (the abandoned steps' alarms stay in alarms.jsonl too).
+        # A state without it starts at 0: the count is shown, it decides nothing.
+        self.alarm_log.count = max(self.alarm_log.count, int(state.get("alarms", 0)))
 
 
 class Rollback(Callback):
@@ -83,6 +88,20 @@ class Rollback(Callback):
             is_main,
         )
         self.count = 0
+
+    def pre_train(self, trainer: Trainer, step: int) -> None:
+        cfg = self.monitoring.monitor.cfg
+        rolling = [
+            name
+            for name in DETECTORS
+            if getattr(cfg, name).enabled and getattr(cfg, name).action == "rollback"
+        ]
+        if cfg.enabled and rolling and not trainer.train.ckpt_every and self.is_main:
+            log.warning(
+                f"monitor.{rolling[0]}.action=rollback, but train.ckpt_every=0 writes a checkpoint "
+                "only at the end: a rollback would find none to go back to and halt the run "
+                "(exit code 3); set train.ckpt_every to keep a way back"
+            )
 
     def post_step(self, trainer: Trainer, step: int, record: StepRecord) -> Decision | None:
         alarm = strongest_alarm(self.monitoring.alarms)

@@ -135,7 +135,7 @@ class Monitor:
                     advice="nothing while it stays isolated; several in a row trigger divergence",
                 )
             ]
-        which = "loss_spike" if last["loss_score"] >= last["grad_norm_score"] else "grad_norm_spike"
+        which = "loss_spike" if last["loss_spike"] else "grad_norm_spike"
         return [
             Alarm(
                 step,
