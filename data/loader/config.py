@@ -49,9 +49,9 @@ class LoaderConfig:
     # sources interleaved chunk by chunk, so a long document cannot fill many rows in a row.
     mix_chunk: int = 0
     oversize: str = "drop_block"  # a visual block longer than a row: drop_block | drop_document
-    # A document that fits a row is never split across rows: one that does not fit what is left
-    # of the row starts a later one (held aside like a visual block, at most max_pending; the
-    # row's rest is padding). For long-context stages: a long file, clip or page is seen whole.
+    # Any document that fits a row is never split across rows (one holding a picture or clip
+    # never is, whatever this says): it starts a later row, held aside like a visual block (at
+    # most max_pending; the row's rest is padding). For long-context stages: files, clips whole.
     # Only documents handed out in one chunk (length <= mix_chunk, default seq_len) are kept whole.
     whole_documents: bool = False
     # Raw sources tokenized online: tokens one document may take (0: no bound beyond each block's,

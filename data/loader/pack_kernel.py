@@ -295,9 +295,9 @@ def _place(work, doc, pos, L, drop_document, whole):
     docs, units, src, _staged_ids, _staged_mod, state, _out = work
     n_units, unit, offset = docs[doc, D_NU], docs[doc, D_UNIT], docs[doc, D_OFF]
     limit, length, unit0 = docs[doc, D_LIMIT], docs[doc, D_LEN], docs[doc, D_U0]
-    # whole_documents: a document that fits a row waits for one rather than be split
+    # whole_documents, or a picture/clip in it: a document that fits a row waits for one, unsplit
     if (
-        whole
+        (whole or docs[doc, D_NBLK] > 0)
         and pos > 0
         and unit == 0
         and offset == 0

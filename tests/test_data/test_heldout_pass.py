@@ -122,14 +122,17 @@ def stretches_by_ids(heldout: HeldoutPass) -> Counter:
     return found
 
 
-def test_whole_documents_keep_every_held_out_document_that_fits_a_row_whole(tables):
+def test_whole_documents_keep_every_held_out_document_that_fits_a_row_whole(tiny_tokens):
     """With the run's ``data.whole_documents`` the held-out pass packs as the run trained: a
-    document that fits a row is one stretch of one row (its ids whole); without it some are cut
-    at row ends. Either way every label is counted once."""
+    document that fits a row is one stretch of one row (its ids whole); without it documents of
+    text alone may be cut at row ends, those holding a picture or clip never are. Either way
+    every label is counted once."""
     seq_len = 256
+    mixed = ("clips", "scenes", "docs", "text")  # the prose: documents that may be split
+    tables = source_tables([s for s in source_tables(tiny_tokens) if s.name in mixed])
     docs = [doc for doc in iter_documents(tables) if len(doc.ids) <= seq_len]
 
-    def whole_ones(found: Counter) -> int:
+    def whole_ones(found: Counter, docs=docs) -> int:
         count = 0
         for doc in docs:
             key = doc.ids.astype(np.int32).tobytes()
@@ -140,6 +143,9 @@ def test_whole_documents_keep_every_held_out_document_that_fits_a_row_whole(tabl
 
     split = HeldoutPass(tables, seq_len=seq_len, batch_rows=1)
     whole = HeldoutPass(tables, seq_len=seq_len, batch_rows=1, whole_documents=True)
+    # a document holding a picture or clip is never split, whole_documents or not
+    visual = [doc for doc in docs if doc.blocks]
+    assert len(visual) > 10 and whole_ones(stretches_by_ids(split), visual) == len(visual)
     assert whole_ones(stretches_by_ids(split)) < len(docs)
     assert whole_ones(stretches_by_ids(whole)) == len(docs)
     assert counted(whole, whole) == label_counts(tables)

@@ -471,7 +471,9 @@ def test_each_step_carries_the_mix_not_one_long_document(tiny_tokens):
     whole, _ = steps(10**9)
     chunked, delivered = steps(0)
     assert whole["dominated_steps"] >= 5  # the failure this guards against is real here
-    assert chunked["dominated_steps"] == 0 and chunked["mean_kl"] < whole["mean_kl"] / 2
+    # A scene that does not fit what is left of a row waits for the next (documents holding a
+    # picture are never split): now and then another source's chunk fills a step instead
+    assert chunked["dominated_share"] < 0.02 and chunked["mean_kl"] < whole["mean_kl"] / 2
     total = sum(delivered["tokens_by_source"].values())
     for name, w in weights.items():
         assert abs(delivered["tokens_by_source"][name] / total - w) < 0.03
