@@ -17,8 +17,8 @@ SUBCOMMANDS = ("release", "import", "hf", "universal")
 
 EPILOG = """\
 examples:
-  earlyfuse-convert release runs/demo releases/demo              # latest checkpoint, fp32
-  earlyfuse-convert release runs/demo --step 2000 releases/demo-2k --dtype bf16
+  earlyfuse-convert release runs/demo/lm releases/demo           # latest checkpoint, fp32
+  earlyfuse-convert release runs/demo/lm --step 800 releases/demo-800 --dtype bf16
   earlyfuse-convert import releases/demo runs/finetune experiment=demo optim.lr=1e-4
   earlyfuse-convert hf releases/demo hf/demo                     # transformers (Qwen3) format
   earlyfuse-convert universal runs/1b                            # then resume on another world size

@@ -47,13 +47,13 @@ from train.release import (
 EXAMPLES = """\
 examples:
   # the latest checkpoint of a run, fp32
-  earlyfuse-convert release runs/demo releases/demo
-  # step 2000, stored in bf16 (half the size; loaded back as fp32 or bf16)
-  earlyfuse-convert release runs/demo --step 2000 releases/demo-2k --dtype bf16
+  earlyfuse-convert release runs/demo/lm releases/demo
+  # step 800, stored in bf16 (half the size; loaded back as fp32 or bf16)
+  earlyfuse-convert release runs/demo/lm --step 800 releases/demo-800 --dtype bf16
   # the token data moved: name its tokenizers/ folder
-  earlyfuse-convert release runs/demo releases/demo --tokenizers /data/tokens/tokenizers
+  earlyfuse-convert release runs/demo/lm releases/demo --tokenizers /data/tokens/tokenizers
   # a visual tokenizer run: OUT/visual_tokenizer/ is what `earlyfuse-prep tokenize` takes
-  earlyfuse-convert release runs/vtok releases/vtok
+  earlyfuse-convert release runs/demo/vtok releases/vtok
 """
 HELP = "a DeepSpeed checkpoint (any ZeRO stage) -> a portable release folder"
 DESCRIPTION = (

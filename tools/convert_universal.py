@@ -17,7 +17,7 @@ EXAMPLES = """\
 examples:
   torchrun --nproc_per_node 8 -m train.app experiment=gpu_1b run_dir=runs/1b      # ZeRO 2 on 8 ranks
   earlyfuse-convert universal runs/1b                                               # latest checkpoint
-  torchrun --nproc_per_node 4 -m train.app experiment=gpu_1b run_dir=runs/1b      # resumes on 4 ranks
+  torchrun --nproc_per_node 4 -m train.app experiment=gpu_1b run_dir=runs/1b train.allow_config_change=true
 """
 HELP = "a ZeRO 1-2 checkpoint -> a DeepSpeed universal checkpoint (resume on another world size)"
 DESCRIPTION = (

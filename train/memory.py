@@ -160,7 +160,12 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--micro-batch", type=int, default=8, help="rows per GPU per micro-step")
     parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        help="micro-steps per optimizer step (default 1; the GPU presets' train.grad_accum is 4)",
+    )
     parser.add_argument("--gpus", type=int, default=1, help="all ranks: data x sequence parallel")
     parser.add_argument("--sp", type=int, default=1, help="sequence-parallel degree")
     parser.add_argument(

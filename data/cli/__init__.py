@@ -2,12 +2,15 @@
 
 Exit status: 0 done; 1 a fatal error (message on stderr); 2 bad usage; 3 ``ingest`` finished
 but rejected some inputs (each listed in DIR/rejects.jsonl) — pass ``--allow-rejects`` to get 0;
-``verify`` exits 1 when it finds a problem.
+``verify`` exits 1 when it finds a problem; 141 (128 + SIGPIPE), silently, when the reader of
+stdout closes it early (``stats DIR | head``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
 from data.cli.common import EXIT_REJECTS, parse_size, path_or_url
@@ -50,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of stdout left (`stats DIR | head`): end quietly, as a process that
+        # SIGPIPE ended would; stdout to /dev/null so that the exit's flush does not fail too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except (ValueError, OSError) as e:
         print(f"earlyfuse-prep {args.command}: error: {e}", file=sys.stderr)
         return 1

@@ -33,7 +33,9 @@ def _add_ingest(sub) -> None:
         '                    {"segments": [...]}, media paths relative to the file\n'
         "  wds:PATH          existing webdataset .tar shards in img2dataset layout (KEY.jpg + KEY.txt/json)\n"
         "  text, images, videos and interleaved also take a .parquet table or a Hugging Face\n"
-        "                    save_to_disk folder, local or s3://... (columns: docs/scaling.md)\n"
+        "                    save_to_disk folder, local or s3://...: text needs a text column;\n"
+        "                    images/videos an image/video column (bytes, paths or {bytes, path}),\n"
+        "                    optional caption, id; interleaved aligned texts/images list columns\n"
         "  a table's media paths must stay inside the table's folder (else each such row is\n"
         "                    rejected as outside-tree; --allow-outside-paths reads them)\n"
         "  every line of a JSONL/CSV table is a sample or a reject naming its line: a CSV row\n"

@@ -25,10 +25,11 @@ def _add_train_text_tokenizer(sub) -> None:
         "  earlyfuse-prep train-text-tokenizer --in shards/ --out tok/ --vocab-size 4096 \\\n"
         "      --fsq-levels 8,6,5 --max-grid 32\n"
         "  earlyfuse-train experiment=vtok_demo 'vtok_data.raw=[shards/]' vtok_data.tokenizer=tok/\n"
-        "  # a GPU run\n"
+        "  # a GPU run (vtok_cpu trains on a source named photos; 'vtok_data.sources=[]': all)\n"
         "  earlyfuse-prep train-text-tokenizer --in shards/ --out tok/ --vocab-size 32000 \\\n"
         "      --weight code=0.4 --max-chars 500M --fsq-levels 8,8,8,5,5,5 --max-grid 64\n"
-        "  earlyfuse-train experiment=vtok_cpu 'vtok_data.raw=[shards/]' vtok_data.tokenizer=tok/",
+        "  earlyfuse-train experiment=vtok_cpu 'vtok_data.raw=[shards/]' vtok_data.tokenizer=tok/ \\\n"
+        "      'vtok_data.sources=[]'",
     )
     p.add_argument(
         "--in",

@@ -245,6 +245,23 @@ def test_verify_and_stats_name_an_index_line_that_is_not_an_entry(planted_corpus
     assert f"{shard['index']}:{lines}: not an index entry" in capsys.readouterr().err
 
 
+def test_stats_into_a_closed_pipe_ends_quietly(planted_corpus, tmp_path):
+    """`earlyfuse-prep stats DIR | head`: a reader that leaves early is no error to report."""
+    out = tmp_path / "out"
+    ingest(out, planted_corpus["sources"], workers=1)
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line is written
+    proc = subprocess.run(
+        [sys.executable, "-m", "data.cli", "stats", str(out)],
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    os.close(write_end)
+    assert proc.stderr == ""
+    assert proc.returncode == 128 + signal.SIGPIPE
+
+
 def test_ingest_reads_its_own_shards_back_through_wds_kind(planted_corpus, tmp_path):
     """Our shards are valid input for `wds:`: image samples round-trip through a second ingest."""
     first, second = tmp_path / "first", tmp_path / "second"

@@ -281,6 +281,20 @@ def hf_grid(hf, ids: torch.Tensor) -> torch.Tensor:
     return remote.image_grid_of(ids, hf.config.earlyfuse_grid)
 
 
+def test_grid_model_generates_from_what_its_tokenizer_returns(grid_export):
+    """``model.generate(**tok(text, return_tensors="pt"))``, the usual call, passes the
+    tokenizer's attention_mask along and gives the tokens of the ids alone."""
+    _, out = grid_export
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        out, trust_remote_code=True, dtype=torch.float32
+    ).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+    encoded = tok("a red circle in the top left", return_tensors="pt")
+    assert set(encoded) >= {"input_ids", "attention_mask"}
+    got = hf.generate(**encoded, max_new_tokens=8)
+    assert torch.equal(got, hf.generate(encoded["input_ids"], max_new_tokens=8))
+
+
 def test_grid_model_greedy_generation_equals_earlyfuse_generate(grid_export, tiny_tokens):
     """A caption after an image (text-only, the export's generation_config) and a continuation
     inside an open image (every id allowed: codes generated against the KV cache get their rows

@@ -102,12 +102,12 @@ class EarlyfuseForCausalLM(Qwen3ForCausalLM):
             )
         return image_grid_of(input_ids, grid)
 
-    def forward(self, input_ids=None, *args, inputs_embeds=None, image_grid=None, **kwargs):
-        if input_ids is not None and inputs_embeds is None:
+    def forward(self, input_ids=None, attention_mask=None, *args, image_grid=None, **kwargs):
+        if input_ids is not None and kwargs.get("inputs_embeds") is None:
             grid = image_grid if image_grid is not None else self._grid_of(input_ids, kwargs)
-            inputs_embeds = self.get_input_embeddings()(input_ids) + self.grid_embedding(grid)
-            input_ids = None
-        return super().forward(input_ids, *args, inputs_embeds=inputs_embeds, **kwargs)
+            kwargs["inputs_embeds"] = self.model.embed_tokens(input_ids) + self.grid_embedding(grid)
+            input_ids = None  # attention_mask is named: generate(**tokenizer(text)) looks for it
+        return super().forward(input_ids, attention_mask, *args, **kwargs)
 
     def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
         inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
