@@ -55,7 +55,7 @@ def test_hf_export_gives_our_logits_on_text_images_and_video(
     readme = (out / "README.md").read_text()
     assert "trust_remote_code" not in readme
     # The rows the run trained on (experiment=debug, train.micro_batch=2), said beside the model.
-    assert "packed rows of 256 tokens, 2 rows a micro-batch, documents split across rows" in readme
+    assert "packed rows of 256 tokens, 2 rows a micro-batch, text split across rows" in readme
     rel = Release(release)
     ours = rel.build_model().eval()
     lay = rel.layout

@@ -17,9 +17,7 @@ def _share(score: dict | None, key: str) -> str:
 
 def rows_phrase(whole_documents) -> str:
     """How documents sit in the rows, in the words of every table and the HF export's README."""
-    return (
-        "documents that fit a row kept whole" if whole_documents else "documents split across rows"
-    )
+    return "documents that fit a row kept whole" if whole_documents else "text split across rows"
 
 
 def _packing_line(ev: dict) -> str:
