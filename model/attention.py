@@ -279,6 +279,11 @@ def _block_mask(batch, seq_len, device, doc, img, window, compiled: bool):
     )
 
 
+class RowsTooLong(MemoryError, ValueError):
+    """Rows whose dense mask cannot fit in the machine's memory: out of memory (the long-row
+    benchmarks report it as such), and a bad value for the tools that take ``--seq-len``."""
+
+
 def _dense_mask(batch, seq_len, device, doc, img, window) -> Tensor:
     """The boolean [B, 1, T, T] mask of ``_allowed`` for SDPA. On the CPU, rows too long for
     the machine's memory are refused by name before anything is allocated (else a traceback
@@ -287,7 +292,7 @@ def _dense_mask(batch, seq_len, device, doc, img, window) -> Tensor:
         need = batch * seq_len * seq_len * 5  # the mask, and the float copy SDPA makes of it
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if need > total:
-            raise ValueError(
+            raise RowsTooLong(
                 f"attention over {batch} row(s) of {seq_len:,} tokens on the CPU needs a dense "
                 f"[{batch}, 1, {seq_len}, {seq_len}] mask and SDPA's float copy of it, "
                 f"{need / 2**30:,.0f} GiB, more than this machine's {total / 2**30:,.0f} GiB: "

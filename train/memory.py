@@ -122,11 +122,12 @@ def estimate(
 
 def is_out_of_memory(error: BaseException) -> bool:
     """Did an allocation fail? CUDA's allocator raises ``torch.OutOfMemoryError``; the CPU's
-    raises a RuntimeError that says it could not allocate. The benchmarks of long rows report
+    raises a RuntimeError that says it could not allocate, or the model a MemoryError for rows
+    whose dense mask cannot fit (model.attention.RowsTooLong). The benchmarks of long rows report
     these as "OOM at N" and go on (tools/bench/bench_gpu.py, bench_block_mask.py)."""
     import torch  # here only: the estimates above need no torch
 
-    if isinstance(error, torch.OutOfMemoryError):
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):  # MemoryError: RowsTooLong
         return True
     text = str(error)
     return isinstance(error, RuntimeError) and (
