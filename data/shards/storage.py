@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -256,13 +257,17 @@ class PrivateTemp:
     """A temp folder of this process, ``earlyfuse-KIND-PID-XXXXXXXX``, removed on exit (a
     context manager, or ``close``). A job killed by SIGKILL cannot remove its own, and a staged
     or downloaded shard may be gigabytes, so each new one first removes those whose process is
-    gone (``earlyfuse-*-PID-*`` of a PID that no longer exists on this machine)."""
+    gone: exactly the names made here, of a PID that no longer exists on this machine."""
+
+    KINDS = ("stage", "inputs", "verify")
+    NAME = re.compile(rf"earlyfuse-(?:{'|'.join(KINDS)})-(\d+)-[a-z0-9_]{{8}}")  # mkdtemp's 8
 
     def __init__(self, kind: str) -> None:
+        assert kind in self.KINDS, kind
         root = Path(tempfile.gettempdir())
         for old in root.glob("earlyfuse-*-*-*"):
-            pid = old.name.split("-")[2]
-            if pid.isdigit() and not _process_exists(int(pid)):
+            ours = self.NAME.fullmatch(old.name)
+            if ours and old.is_dir() and not _process_exists(int(ours[1])):
                 shutil.rmtree(old, ignore_errors=True)
         self.path = Path(tempfile.mkdtemp(prefix=f"earlyfuse-{kind}-{os.getpid()}-", dir=root))
 

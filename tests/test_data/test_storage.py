@@ -68,17 +68,19 @@ def test_a_new_stage_removes_what_a_killed_job_staged(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     gone = subprocess.Popen(["true"])
     gone.wait()  # reaped: its pid names no process now
-    killed = tmp_path / f"earlyfuse-stage-{gone.pid}-x1y2"
+    killed = tmp_path / f"earlyfuse-stage-{gone.pid}-x1y2z3w4"
     (killed / "shards").mkdir(parents=True)
     (killed / "shards" / "part-00000.tar").write_bytes(b"staged, never uploaded")
-    running = tmp_path / f"earlyfuse-inputs-{os.getpid()}-a1b2"  # a live job's: kept
+    running = tmp_path / f"earlyfuse-inputs-{os.getpid()}-a1b2c3d4"  # a live job's: kept
     running.mkdir()
     other = tmp_path / "earlyfuse-shards-1000"  # the loader's cache: not a job's temp folder
     other.mkdir()
+    mine = tmp_path / f"earlyfuse-run-{gone.pid}-abcdefgh"  # a user's, named alike: not ours
+    mine.mkdir()
     with Staging(Folder("memory://staging-test")) as stage:
         assert stage.tmp is not None and stage.tmp.name.startswith(
             f"earlyfuse-stage-{os.getpid()}-"
         )
-        assert not killed.exists() and running.is_dir() and other.is_dir()
+        assert not killed.exists() and running.is_dir() and other.is_dir() and mine.is_dir()
         staged = stage.tmp
     assert not staged.exists()
