@@ -33,6 +33,8 @@ import socket
 import time
 from pathlib import Path
 
+from data.shards.storage import process_exists
+
 log = logging.getLogger(__name__)
 LOCK_NAME = "run.lock"
 
@@ -70,12 +72,9 @@ def process_start(pid: int) -> int | None:
 
 
 def pid_alive(pid: int, start: int | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    """Whether ``pid`` is the process that started at ``start`` (not one that reuses its PID)."""
+    if not process_exists(pid):
         return False
-    except PermissionError:
-        return True  # someone else's process: alive
     now = process_start(pid)
     return start is None or now is None or now == start
 

@@ -267,7 +267,7 @@ class PrivateTemp:
         root = Path(tempfile.gettempdir())
         for old in root.glob("earlyfuse-*-*-*"):
             ours = self.NAME.fullmatch(old.name)
-            if ours and old.is_dir() and not _process_exists(int(ours[1])):
+            if ours and old.is_dir() and not process_exists(int(ours[1])):
                 shutil.rmtree(old, ignore_errors=True)
         self.path = Path(tempfile.mkdtemp(prefix=f"earlyfuse-{kind}-{os.getpid()}-", dir=root))
 
@@ -281,7 +281,8 @@ class PrivateTemp:
         self.close()
 
 
-def _process_exists(pid: int) -> bool:
+def process_exists(pid: int) -> bool:
+    """Whether a process of this PID exists on this machine (another user's included)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
