@@ -68,16 +68,18 @@ def mp4_bytes(
     h: int = 32,
     pts: list[int] | None = None,
     pix_fmt: str = "yuv420p",
+    codec: str = "libx264",
 ) -> bytes:
     """A real H.264 mp4 (PyAV/libx264) of a bright bar moving right; ``pts`` (in 1/fps ticks of a
-    1/1000 time base) makes a variable-frame-rate clip; ``pix_fmt="yuv444p"`` allows odd sizes."""
+    1/1000 time base) makes a variable-frame-rate clip; ``pix_fmt="yuv444p"`` allows odd sizes;
+    ``codec`` another PyAV encoder (``libsvtav1``: a clip decord cannot decode)."""
     from fractions import Fraction
 
     import av
 
     buf = io.BytesIO()
     with av.open(buf, mode="w", format="mp4") as c:
-        s = c.add_stream("libx264", rate=fps)
+        s = c.add_stream(codec, rate=fps)
         s.width, s.height, s.pix_fmt = w, h, pix_fmt
         s.options = {"threads": "1"}
         if pts is not None:

@@ -131,25 +131,14 @@ def test_the_reused_stderr_capture_file_is_closed_at_exit():
 def test_a_video_in_a_codec_decord_cannot_decode_says_so_and_how_to_re_encode_it():
     """decord's FFmpeg has no AV1 decoder: such a clip has a video stream, and its reject must
     not send the user looking for one (it said "sound only?")."""
-    import io
-
     import av
-    import numpy as np
     import pytest
+    from factories import mp4_bytes
 
     if "libsvtav1" not in av.codecs_available:
         pytest.skip("this PyAV has no AV1 encoder")
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format="mp4") as container:
-        stream = container.add_stream("libsvtav1", rate=8)
-        stream.width, stream.height, stream.pix_fmt = 64, 64, "yuv420p"
-        for _ in range(4):
-            frame = av.VideoFrame.from_ndarray(np.zeros((64, 64, 3), np.uint8), format="rgb24")
-            for packet in stream.encode(frame):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    r = probe_video(buf.getvalue(), "av1.mp4", max_seconds=60)
+    clip = mp4_bytes(frames=4, w=64, h=64, codec="libsvtav1")
+    r = probe_video(clip, "av1.mp4", max_seconds=60)
     assert isinstance(r, Reject) and r.reason == "undecodable-video"
     assert "sound only" not in r.detail
     assert "codec decord's FFmpeg cannot decode" in r.detail and "libx264" in r.detail
