@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from operator import itemgetter
 from pathlib import Path
 
 HEAD = (
@@ -81,14 +82,7 @@ def long_rows(out: Path) -> list[str]:
     results = [read_json(path) for path in out.glob("long-*.json")]
     # smallest model first (by its model states: an out-of-memory row has no parameter count),
     # then by length, the two kinds of attention side by side
-    results.sort(
-        key=lambda res: (
-            res["estimate_states_gib"],
-            res["preset"],
-            res["seq_len"],
-            res["attention"],
-        )
-    )
+    results.sort(key=itemgetter("estimate_states_gib", "preset", "seq_len", "attention"))
     rows = []
     for res in results:
         attention = (

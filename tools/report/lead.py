@@ -31,11 +31,10 @@ def first_pass(records: list[dict]) -> list[dict]:
     """The records of the first trajectory: in file order, up to the first step that goes back."""
     out, last = [], -1
     for record in records:  # load_run keeps only records with an integer step
-        step = record["step"]
-        if step <= last:
+        if record["step"] <= last:
             break
         out.append(record)
-        last = step
+        last = record["step"]
     return out
 
 
