@@ -106,8 +106,7 @@ class PackedLoader:
         self._fresh_state: dict | None = None  # check_state's reference, made when first needed
         self._worker_states: dict = {}  # worker -> state dict or snapshot (worker_states)
         self._names: dict[tuple[int, int], str] = {}  # (source, sample) -> "SHARD KEY"
-        self.rotation = 0
-        self.handed_out = 0
+        self.rotation = self.handed_out = 0
         self.batch_limit: int | None = None
         # Done already when built by build_loader; a fork server's imports (worker_start.py) run
         # while this process counts the epoch below
@@ -163,10 +162,9 @@ class PackedLoader:
                     prefetch_factor=self.cfg.prefetch_factor,
                     persistent_workers=False,
                     multiprocessing_context=self.cfg.worker_start,
-                    # A generator of its own: a DataLoader iterator otherwise draws its base seed
-                    # from the global torch RNG, which would differ between a resumed and an
-                    # uninterrupted run. Our workers seed themselves by hashing (seed, epoch, rank,
-                    # worker) anyway.
+                    # Its own generator: a DataLoader iterator otherwise seeds from the global torch
+                    # RNG, which differs between a resumed and an uninterrupted run (our workers
+                    # seed themselves by hashing seed, epoch, rank, worker)
                     generator=torch.Generator().manual_seed(self.cfg.seed * 1000003 + self.rank),
                 )
             )
@@ -212,6 +210,7 @@ class PackedLoader:
             "seq_len": self.cfg.seq_len,
             "micro_batch": self.micro_batch,
             "mode": self.cfg.mode,
+            "shares": [w / sum(self.weights) for w in self.weights],
             "handed_out": self.handed_out,
             "batch_limit": self.batch_limit,
             "worker_states": {str(k): v for k, v in self.worker_states.items()},
@@ -255,6 +254,9 @@ class PackedLoader:
         # Epoch mode: after a redistribute, the count of the new split, not this one's
         self.batch_limit = st["batch_limit"]
         self._worker_states = {int(k): v for k, v in st["worker_states"].items()}
+        if st["shares"] != self.state_dict()["shares"]:  # new weights: mixed from here on
+            for w, v in self._worker_states.items():
+                self._worker_states[w] = v | {"mix": [0] * len(self.tables)}
         self.handed_out = st["handed_out"]
         self.rotation = self.handed_out % self.workers
 

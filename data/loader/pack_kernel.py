@@ -73,8 +73,9 @@ U_START, U_END, U_ATOMIC, U_T, U_H, U_W = range(6)
     S_END_EPOCH,
     S_END_POS,
     S_END_ERRS,
-) = range(15)
-N_SRC_COLS = 15
+    S_MIX,  # tokens the mix counts: since the weights last changed (PackedLoader.load_state_dict)
+) = range(16)
+N_SRC_COLS = 16
 # state entries (the packer's and the batch's progress)
 (
     ST_NPENDING,
@@ -147,13 +148,13 @@ def _ready(docs, units, src, opened, source):
 def _pick_source(docs, units, src, opened, shares, mixed):
     total = 0
     for source in range(src.shape[0]):
-        total += src[source, S_TOKENS]
+        total += src[source, S_MIX]
     best = -1
     best_gap = 0.0
     for source in mixed:
         if src[source, S_DONE] and _ready(docs, units, src, opened, source) < 0:
             continue
-        gap = shares[source] * total - src[source, S_TOKENS]
+        gap = shares[source] * total - src[source, S_MIX]
         if best < 0 or gap > best_gap:
             best, best_gap = source, gap
     return best
@@ -190,6 +191,7 @@ def _next_doc(docs, units, src, opened, queue, shares, mixed, state, chunk):
         start = docs[doc, D_LIMIT]
         docs[doc, D_LIMIT] = _chunk_end(docs, units, doc, chunk)
         src[source, S_TOKENS] += docs[doc, D_LIMIT] - start
+        src[source, S_MIX] += docs[doc, D_LIMIT] - start
         if docs[doc, D_LIMIT] < docs[doc, D_LEN]:
             if fresh:
                 count = src[source, S_NOPEN]

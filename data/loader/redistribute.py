@@ -39,8 +39,10 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
     for s, t in enumerate(loader.tables):
         epoch, masks = _consumed(s, len(t), olds)
         total = sum(st["cursors"][s][2] for st in olds)
+        mix = sum(st["mix"][s] for st in olds)
         for k, st in enumerate(new):
             st["cursors"][s] = [epoch, 0, total // n + (k < total % n), 0]
+            st["mix"][s] = mix // n + (k < mix % n)
             st["skip"] += [[s, e, m] for e, m in masks.items()]
     j = 0
     for c, st in enumerate(olds):
@@ -70,6 +72,7 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
     mine = range(loader.rank * loader.workers, (loader.rank + 1) * loader.workers)
     return {
         **loader.state_dict(),
+        "shares": old[0]["shares"],  # the mix's: a change of weights is seen on loading
         "handed_out": 0,
         "batch_limit": limit,
         "worker_states": {str(w): new[c] for w, c in enumerate(mine)},

@@ -80,6 +80,7 @@ class StreamArrays(Packing):
             src[source, kernel.S_DONE] = src[source, kernel.S_ENDED] = int(cur.done)
             src[source, kernel.S_CEPOCH] = src[source, kernel.S_END_EPOCH] = cur.epoch
             src[source, kernel.S_CPOS] = src[source, kernel.S_END_POS] = cur.pos
+        src[:, kernel.S_MIX] = st["mix"] if st else 0
         for source, modality, count in st["dropped_by"] if st else []:
             src[source, kernel.S_DROP_VIDEO if modality == _VIDEO else kernel.S_DROP_IMAGE] = count
         # (source, sample, epoch) -> the row of a document read again (-1: unreadable now:

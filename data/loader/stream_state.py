@@ -88,6 +88,7 @@ SRC_COLS = [
     kernel.S_DONE,
     kernel.S_DROP_IMAGE,
     kernel.S_DROP_VIDEO,
+    kernel.S_MIX,
 ]
 
 
@@ -113,6 +114,7 @@ class StreamState:
         cursors = self.cursors.tolist()
         return {
             "cursors": [rec[:4] for rec in src],
+            "mix": [rec[6] for rec in src],  # tokens the mix counts (stream.py)
             "pending": cursors[: self.n_pending],
             "open": cursors[self.n_pending :],
             "dropped_by": [

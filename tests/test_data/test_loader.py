@@ -149,6 +149,21 @@ def test_resume_with_workers_is_exact(tiny_tokens):
                 assert torch.equal(a[key], b[key]), (k, key)
 
 
+def test_new_weights_on_resume_are_mixed_from_the_resume_not_caught_up(tiny_tokens):
+    """A weight raised on resume gives its source its new share from there on; counted over the
+    whole run, the source would get every batch until it had caught up."""
+    before = {"code": 1.0, "text": 1.0, "scenes": 0.0}
+    first = build_loader(cfg_for(tiny_tokens, before), rank=0, world_size=1, micro_batch=8)
+    take(first, 20)
+    state = json.loads(json.dumps(first.state_dict()))
+    after = {"code": 1.0, "text": 1.0, "scenes": 1.0}
+    for weights, scenes_share in ((after, (0.25, 0.42)), (before, (0.0, 0.0))):
+        again = build_loader(cfg_for(tiny_tokens, weights), rank=0, world_size=1, micro_batch=8)
+        again.load_state_dict(state)
+        got = sum(b["tokens_by_source"] for b in take(again, 10)).tolist()
+        assert scenes_share[0] <= got[2] / sum(got) <= scenes_share[1], (weights, got)
+
+
 def test_state_refuses_other_data_and_shapes(tiny_tokens):
     a = build_loader(cfg_for(tiny_tokens), rank=0, world_size=1, micro_batch=2)
     take(a, 2)

@@ -248,6 +248,7 @@ def test_a_second_redistribute_keeps_masks_beyond_every_cursor():
                 "seq_len": 256,
                 "micro_batch": 1,
                 "mode": "infinite",
+                "shares": [1.0],
                 "handed_out": 1,
                 "batch_limit": None,
                 "worker_states": {"0": read_position(s)},
