@@ -4,6 +4,10 @@ Design choices:
 - EXIF orientation is applied, so a phone photo is tokenized the way it is seen.
 - RGBA / LA / palette-with-transparency are composited on white (transparent pixels have no
   colour of their own); greyscale, CMYK and 16-bit modes become 8-bit RGB.
+- An embedded ICC profile other than sRGB (a camera's Adobe RGB, a phone's Display P3, a print
+  CMYK or grey profile) is converted to sRGB by LittleCMS (Pillow's ImageCms): the model learns
+  and draws colours in one space. Without a profile, or with one that cannot be read, the pixels
+  are taken as sRGB.
 - The output keeps the aspect ratio, has sides that are multiples of the tokenizer's spatial
   factor, stays within a pixel budget and at most ``max_grid`` tokens per side: grids vary in
   shape, as the resolution-free layout allows. ``max_tokens`` also bounds the length of the
@@ -15,6 +19,7 @@ Design choices:
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import re
@@ -24,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageCms, ImageOps, UnidentifiedImageError
 
 from data.layout import image_block_len
 
@@ -67,7 +72,31 @@ class ImagePrep:
         return target_w, target_h
 
 
+_ICC_SPACE = {"RGB": "RGB ", "RGBA": "RGB ", "CMYK": "CMYK", "L": "GRAY"}  # mode -> profile's
+
+
+@functools.lru_cache(maxsize=32)
+def _to_srgb(icc: bytes, mode: str) -> ImageCms.ImageCmsTransform | None:
+    """The transform of ``mode`` pixels under the ICC profile ``icc`` into sRGB; None where there
+    is nothing to do (an sRGB profile, or one of another colour space than the mode's) or the
+    profile cannot be used (the pixels are then taken as sRGB, as without one)."""
+    try:
+        profile = ImageCms.ImageCmsProfile(io.BytesIO(icc))
+        if profile.profile.xcolor_space != _ICC_SPACE.get(mode):
+            return None
+        if "sRGB" in ImageCms.getProfileDescription(profile):
+            return None
+        srgb = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB"))
+        return ImageCms.buildTransform(profile, srgb, mode, "RGBA" if mode == "RGBA" else "RGB")
+    except (OSError, ImageCms.PyCMSError):
+        return None
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
+    icc = image.info.get("icc_profile")
+    transform = _to_srgb(icc, image.mode) if icc else None
+    if transform is not None:
+        image = transform.apply(image)
     if image.mode == "P" and "transparency" in image.info:
         image = image.convert("RGBA")
     if image.mode in ("RGBA", "LA", "PA"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -50,6 +51,44 @@ def test_modes_become_rgb():
     assert load_image(encode(deep), prep)[0, 0].tolist() == [255, 255, 255]
     cmyk = Image.new("CMYK", (8, 8), (0, 0, 0, 0))
     assert load_image(encode(cmyk, "JPEG"), prep)[0, 0].min() > 240
+
+
+def _photo(name: str) -> bytes:
+    """A photo that scikit-image ships (a demo dependency), with its embedded ICC profile."""
+    import skimage
+
+    return (Path(skimage.__file__).parent / "data" / name).read_bytes()
+
+
+def test_an_adobe_rgb_photo_is_converted_to_srgb():
+    """rocket.jpg carries an Adobe RGB (1998) profile. The expected colours come from the
+    standard's own numbers, not from LittleCMS: gamma 563/256, Adobe RGB -> XYZ (D65) -> linear
+    sRGB, clipped, sRGB's transfer curve."""
+    raw = _photo("rocket.jpg")
+    prep = ImagePrep(factor=8, max_pixels=10**7, max_grid=256)
+    got = load_image(raw, prep).reshape(-1, 3).mean(0)
+    pixels = np.asarray(Image.open(io.BytesIO(raw)).convert("RGB"), np.float64) / 255
+    to_xyz = np.array(
+        [[0.57667, 0.18556, 0.18823], [0.29734, 0.62736, 0.07529], [0.02703, 0.07069, 0.99134]]
+    )
+    to_srgb = np.array(
+        [[3.24045, -1.53714, -0.49853], [-0.96927, 1.87601, 0.04156], [0.05564, -0.20403, 1.05723]]
+    )
+    linear = np.clip(pixels ** (563 / 256) @ (to_srgb @ to_xyz).T, 0, 1)
+    want = np.where(linear <= 0.0031308, 12.92 * linear, 1.055 * linear ** (1 / 2.4) - 0.055) * 255
+    want = want.reshape(-1, 3).mean(0)
+    assert np.abs(got - want).max() < 1.0, (got, want)
+    as_srgb = pixels.reshape(-1, 3).mean(0) * 255  # the profile ignored: red off by ~11 levels
+    assert np.abs(as_srgb - want).max() > 5
+
+
+def test_srgb_and_unreadable_profiles_leave_the_pixels_as_they_are():
+    prep = ImagePrep(factor=8, max_pixels=10**7, max_grid=256)
+    astronaut = Image.open(io.BytesIO(_photo("astronaut.png")))  # sRGB IEC61966-2.1
+    plain = load_image(encode(astronaut.convert("RGB")), prep)
+    np.testing.assert_array_equal(load_image(_photo("astronaut.png"), prep), plain)
+    bad = encode(astronaut.convert("RGB"), icc_profile=b"not an ICC profile")
+    np.testing.assert_array_equal(load_image(bad, prep), plain)
 
 
 def test_large_jpeg_is_reduced_to_the_budget():
