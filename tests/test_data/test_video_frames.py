@@ -36,6 +36,21 @@ def test_short_and_single_frame_clips():
     assert f.frames.shape[0] == 1 and f.times.tolist() == [0.0]
 
 
+@pytest.mark.parametrize("codec", ["libx265", "libx264"])
+def test_a_10_bit_clip_decodes_to_the_frames_of_its_8_bit_twin(codec):
+    """Phones record 10-bit HEVC (HDR by default): decord gives it as 8-bit RGB like any clip."""
+    import av
+
+    if codec not in av.codecs_available:
+        pytest.skip(f"this PyAV has no {codec} encoder")
+    sampling = VideoSampling(target_fps=8, max_frames=64)
+    deep = decode_frames(mp4_bytes(frames=8, codec=codec, pix_fmt="yuv420p10le"), sampling, PREP)
+    plain = decode_frames(mp4_bytes(frames=8), sampling, PREP)
+    assert deep.frames.dtype == np.uint8 and deep.frames.shape == plain.frames.shape
+    np.testing.assert_allclose(deep.times, plain.times)
+    assert np.abs(deep.frames.astype(int) - plain.frames).mean() < 8  # the moving bar, both
+
+
 def test_variable_frame_rate_clip_is_sampled_by_real_time():
     # Frames at 0, 0.1, 0.2, 0.3 then a 1-second gap: 1.3, 1.4 (ms timestamps).
     pts = [0, 100, 200, 300, 1300, 1400]
