@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import webdataset as wds
-from factories import many_images
+from factories import many_images, png_bytes
 
 from data.cli import EXIT_REJECTS, main
 from data.ingest import ingest
@@ -71,6 +71,22 @@ def test_planted_faults_are_rejected_and_good_samples_kept(planted_corpus, tmp_p
     inter = next(d for d in docs.values() if d["kind"] == "interleaved")
     assert [s["type"] for s in inter["segments"]] == ["text", "image", "text"]
     assert verify(out)["ok"]
+
+
+def test_the_summary_counts_the_shards_it_wrote_not_those_all_rejected(tmp_path, capsys):
+    """A planned shard whose every input is rejected when read (a truncated picture) writes no
+    file; the summary said "wrote 2 shard(s)" over a folder of 1, on the rerun "2 already done"."""
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    (pics / "a.png").write_bytes(png_bytes())
+    (pics / "b.png").write_bytes(png_bytes()[:60])  # its header reads, its pixels do not
+    argv = ["ingest", "--out", str(tmp_path / "out"), "--shard-samples", "1", "--no-progress"]
+    argv += ["--source", f"images:{pics}"]
+    assert main(argv) == EXIT_REJECTS
+    assert "wrote 1 shard(s), 0 already done" in capsys.readouterr().out
+    assert len(list((tmp_path / "out").rglob("*.tar"))) == 1
+    assert main(argv) == EXIT_REJECTS
+    assert "wrote 0 shard(s), 1 already done" in capsys.readouterr().out
 
 
 def test_same_inputs_give_identical_shards_for_any_worker_count(planted_corpus, tmp_path):
