@@ -156,7 +156,8 @@ def check_output_dir(out: Folder, plan: Plan) -> dict[int, dict]:
         if old != plan.fingerprint:
             raise ValueError(
                 f"{out} already holds a different ingest (plan {old} != {plan.fingerprint}: "
-                "other inputs or flags); choose a new --out or delete that folder"
+                "other inputs or flags, or another earlyfuse version, which may word a reject "
+                "otherwise); choose a new --out or delete that folder"
             )
     records = out.records(STATE_DIR)
     if not records and not out.exists(MANIFEST_FILE):
