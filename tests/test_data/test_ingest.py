@@ -87,6 +87,10 @@ def test_the_summary_counts_the_shards_it_wrote_not_those_all_rejected(tmp_path,
     assert len(list((tmp_path / "out").rglob("*.tar"))) == 1
     assert main(argv) == EXIT_REJECTS
     assert "wrote 0 shard(s), 1 already done" in capsys.readouterr().out
+    (pics / "a.png").unlink()  # every input rejected: nothing written, and the summary says so
+    argv[2] = str(tmp_path / "none")
+    assert main(argv) == EXIT_REJECTS
+    assert "0 samples in 0 shards (0 B); segments: none\n" in capsys.readouterr().out
 
 
 def test_same_inputs_give_identical_shards_for_any_worker_count(planted_corpus, tmp_path):
