@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if res["kind"] == "draw":
         print(
             f"wrote {res['out']}: {res['grid'][0]}x{res['grid'][1]} tokens, "
-            f"{res['pixels'][0]}x{res['pixels'][1]} pixels (grid: {res['grid_from']})"
+            f"{res['pixels'][1]}x{res['pixels'][0]} pixels (grid: {res['grid_from']})"
         )
     else:
         print(res["text"], flush=True)

@@ -198,7 +198,7 @@ def cmd_ingest(a) -> int:
     t = s["manifest"]["totals"]
     print(
         f"{a.out}: {t['samples']} samples in {t['shards']} shards ({human_bytes(t['bytes'])}); "
-        f"segments: " + ", ".join(f"{k} {v}" for k, v in t["segments"].items() if v)
+        f"segments: " + (", ".join(f"{k} {v}" for k, v in t["segments"].items() if v) or "none")
     )
     if a.val_fraction:
         held = sum(x["samples"] for x in s["manifest"]["sources"] if x["name"].startswith("val/"))

@@ -28,6 +28,17 @@ from data.shards.storage import Folder
 from data.shards.writer import ShardWriter
 
 
+def origin_label(origin: dict, key: str) -> str:
+    """Where a document came from, as the source's own rejects name it: a table's row or a
+    JSONL line (a caption table's row label, with its media file), else the file."""
+    path, row, line = str(origin.get("path", key)), origin.get("row"), origin.get("line")
+    if isinstance(row, str):
+        return f"{row} ({path})"
+    if row is not None:
+        return f"{path}:row {row}"
+    return f"{path}:{line}" if line is not None else path
+
+
 def dedupe_shards(out: Path, records: dict[int, dict]) -> int:
     """Rewrite the shards of ``out`` that hold a repeated document; update ``records`` (and their
     files). Returns the number of documents left out by this pass."""
@@ -70,7 +81,7 @@ def _rewrite(out: Path, record: dict, entries: list[dict], repeats: dict[str, st
                 origin = json.loads(member(entry, "json")).get("origin", {})
                 record["rejects"].append(
                     Reject(
-                        str(origin.get("path", entry["key"])),
+                        origin_label(origin, entry["key"]),
                         "duplicate",
                         f"the same content as {repeats[entry['key']]} (--dedupe keeps the first)",
                         key=entry["key"],

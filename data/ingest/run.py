@@ -156,7 +156,8 @@ def check_output_dir(out: Folder, plan: Plan) -> dict[int, dict]:
         if old != plan.fingerprint:
             raise ValueError(
                 f"{out} already holds a different ingest (plan {old} != {plan.fingerprint}: "
-                "other inputs or flags); choose a new --out or delete that folder"
+                "other inputs or flags, or another earlyfuse version, which may word a reject "
+                "otherwise); choose a new --out or delete that folder"
             )
     records = out.records(STATE_DIR)
     if not records and not out.exists(MANIFEST_FILE):
@@ -221,9 +222,12 @@ def run_plan(
         for shard in plan.shards
         if not shard_done(sizes, records.get(shard.index), plan.fingerprint)
     ]
+    ran = {shard.index for shard in todo}
+    # a planned shard whose inputs were all rejected when read holds no file: none is counted
+    held = [shard.index for shard in mine if (records.get(shard.index) or {}).get("samples")]
     summary = {
-        "written": len(jobs),
-        "skipped_done": len(mine) - len(todo),
+        "written": sum(index in ran for index in held),
+        "skipped_done": sum(index not in ran for index in held),
         "partition": [partition, num_partitions],
         "missing": missing,
         "finalized": False,

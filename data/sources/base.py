@@ -70,7 +70,8 @@ def leaves_folder(written: str, base: Path) -> str | None:
     target = os.path.normpath(os.path.join(folder, written))
     if Path(target).is_relative_to(folder):
         return None
-    how = "an absolute path" if os.path.isabs(written) else "a path whose '..' lead"
+    # an interleaved table's path arrives joined to ``base``: its '..' say how it leads out
+    how = "a path whose '..' lead" if ".." in Path(written).parts else "an absolute path"
     return (
         f"{written} is {how} outside the table's folder {folder} "
         "(--allow-outside-paths reads such paths)"

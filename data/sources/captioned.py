@@ -25,7 +25,7 @@ import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
 
-from data.media import IMAGE_EXTS, VIDEO_EXTS
+from data.media import IMAGE_EXTS, VIDEO_EXTS, decode_text
 from data.schema import Reject, Sample, sanitize_key, unsafe_name_reason
 from data.sources.base import (
     Item,
@@ -228,6 +228,10 @@ class CaptionedSource(Source):
                 raw = read_file(Path(txt), rel)
                 if isinstance(raw, Reject):
                     return self.reject(raw.path, raw.reason, raw.detail, item.key)
+                got = decode_text(raw, rel, repair=self.limits.repair_utf8)
+                if isinstance(got, Reject):  # named by the caption file, the one to fix
+                    detail = f"its sidecar {Path(txt).name}: {got.detail}"
+                    return self.reject(rel, got.reason, detail, item.key)
                 caption = raw
             if table_caption is not None and caption is not table_caption:
                 meta.setdefault("caption", table_caption)  # not used: kept with the document

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import webdataset as wds
-from factories import many_images
+from factories import many_images, png_bytes
 
 from data.cli import EXIT_REJECTS, main
 from data.ingest import ingest
@@ -73,6 +73,26 @@ def test_planted_faults_are_rejected_and_good_samples_kept(planted_corpus, tmp_p
     assert verify(out)["ok"]
 
 
+def test_the_summary_counts_the_shards_it_wrote_not_those_all_rejected(tmp_path, capsys):
+    """A planned shard whose every input is rejected when read (a truncated picture) writes no
+    file; the summary said "wrote 2 shard(s)" over a folder of 1, on the rerun "2 already done"."""
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    (pics / "a.png").write_bytes(png_bytes())
+    (pics / "b.png").write_bytes(png_bytes()[:60])  # its header reads, its pixels do not
+    argv = ["ingest", "--out", str(tmp_path / "out"), "--shard-samples", "1", "--no-progress"]
+    argv += ["--source", f"images:{pics}"]
+    assert main(argv) == EXIT_REJECTS
+    assert "wrote 1 shard(s), 0 already done" in capsys.readouterr().out
+    assert len(list((tmp_path / "out").rglob("*.tar"))) == 1
+    assert main(argv) == EXIT_REJECTS
+    assert "wrote 0 shard(s), 1 already done" in capsys.readouterr().out
+    (pics / "a.png").unlink()  # every input rejected: nothing written, and the summary says so
+    argv[2] = str(tmp_path / "none")
+    assert main(argv) == EXIT_REJECTS
+    assert "0 samples in 0 shards (0 B); segments: none\n" in capsys.readouterr().out
+
+
 def test_same_inputs_give_identical_shards_for_any_worker_count(planted_corpus, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     ingest(a, planted_corpus["sources"], shard_max_samples=1, workers=1)
@@ -126,7 +146,8 @@ def test_changed_inputs_refuse_to_mix_into_an_existing_output(planted_corpus, tm
     out = tmp_path / "out"
     ingest(out, planted_corpus["sources"])
     (planted_corpus["root"] / "text" / "new.txt").write_text("a new file")
-    with pytest.raises(ValueError, match="different ingest"):
+    # the plan hashes every reject's wording too: an upgrade that rewords one is another plan
+    with pytest.raises(ValueError, match="different ingest .*or another earlyfuse version"):
         ingest(out, planted_corpus["sources"])
 
 

@@ -202,6 +202,19 @@ def test_a_broken_json_sidecar_names_the_picture_it_leaves_out(tmp_path):
     assert rejects[0]["detail"].startswith("its sidecar a.json: not valid JSON")
 
 
+def test_a_caption_sidecar_not_in_utf8_is_named_in_the_reject(tmp_path):
+    """A Latin-1 caption file rejects its picture; the detail names the caption file, the one
+    to fix (it read as if the picture itself were text that is not UTF-8)."""
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    (pics / "a.png").write_bytes(png_bytes())
+    (pics / "a.txt").write_bytes("A caf\xe9 table".encode("latin-1"))
+    status, rejects, _ = run_ingest(tmp_path / "out", f"images:{pics}")
+    assert status == EXIT_REJECTS
+    assert [(r["path"], r["reason"]) for r in rejects] == [("a.png", "not-utf8")]
+    assert rejects[0]["detail"].startswith("its sidecar a.txt: invalid UTF-8 at byte 5")
+
+
 def test_an_interleaved_record_whose_lists_are_strings_is_a_reject(tmp_path):
     """OBELICS texts/images given as a string, not a list: a bad-record naming the field. It was
     taken letter by letter, a document of one-letter texts."""

@@ -108,6 +108,10 @@ def test_paths_leaving_the_tables_folder_are_rejected(tables, tmp_path):
     for reject in rejects:
         assert str(tables["table"]) in reject["detail"]
         assert "--allow-outside-paths" in reject["detail"]
+        # how the path leads out, as the table wrote it (a '..' row is no absolute path)
+        written_up = up in reject["path"] or reject["path"] == "docs.jsonl:2"
+        how = "a path whose '..' lead" if written_up else "an absolute path"
+        assert how in reject["detail"], reject
     data = shard_bytes(out)
     for name in ("outside.png", "outside.mp4"):
         assert (tables["outside"] / name).read_bytes() not in data

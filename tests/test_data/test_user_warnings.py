@@ -167,6 +167,33 @@ def test_ingest_dedupe_leaves_duplicates_out_and_lists_them(tmp_path, capsys):
     assert again == rejects and verify(raw)["ok"]
 
 
+def test_a_duplicate_row_of_a_table_is_named_by_its_line_or_row(tmp_path):
+    """A repeated JSONL line or parquet row is a reject naming that line or row, as the table's
+    other rejects are: it named the whole table, leaving the user to find the copy."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    lines = [{"text": "once"}, {"text": "twice"}, {"text": "once"}]
+    (tmp_path / "notes.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    red, blue = png_solid(8, 8, (200, 0, 0)), png_solid(8, 8, (0, 0, 200))
+    pq.write_table(
+        pa.table({"image": [red, blue, red], "caption": ["a red square"] * 3}),
+        tmp_path / "pics.parquet",
+    )
+    (tmp_path / "a.png").write_bytes(blue)
+    (tmp_path / "b.png").write_bytes(blue)
+    (tmp_path / "caps.csv").write_text("file,caption\na.png,blue\nb.png,blue\n")
+    raw = tmp_path / "raw"
+    sources = [f"notes=text:{tmp_path / 'notes.jsonl'}", f"pics=images:{tmp_path / 'pics.parquet'}"]
+    ingest(raw, [*sources, f"caps=images:{tmp_path / 'caps.csv'}"], dedupe=True)
+    rejects = [json.loads(line) for line in (raw / "rejects.jsonl").read_text().splitlines()]
+    assert {(r["reason"], r["path"]) for r in rejects} == {
+        ("duplicate", "notes.jsonl:3"),
+        ("duplicate", "pics.parquet:row 2"),
+        ("duplicate", "caps.csv:3 (b.png)"),
+    }
+
+
 def test_dedupe_keeps_the_training_copy_of_a_held_out_duplicate(tmp_path):
     # Two copies, the first (in listing order) held out by its key's hash, the second not: the
     # training copy is kept, whatever the order.

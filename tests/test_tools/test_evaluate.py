@@ -161,6 +161,17 @@ def test_token_data_of_other_tokenizers_is_refused_naming_the_source(
     assert eval_main([str(debug_release), "--data", right, "--no-progress"]) == 0
 
 
+def test_blocks_longer_than_the_rows_are_said_to_be_left_out(debug_release, tiny_tokens, capsys):
+    """A training run refuses rows shorter than the data's visual blocks; the evaluation packs
+    them without those blocks. Their modality fell out of the table without a word."""
+    clips = str(tiny_tokens / "clips")  # video blocks of about 220 tokens
+    assert eval_main([str(debug_release), "--data", clips, "--seq-len", "96", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "WARNING: visual blocks longer than a row left out, unmeasured: clips " in printed
+    assert eval_main([str(debug_release), "--data", clips, "--no-progress"]) == 0
+    assert "WARNING" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("flag", ["--seq-len", "--batch-rows"])
 def test_a_row_length_or_batch_below_one_is_refused_by_name(flag, capsys):
     """0 would silently mean "not given" and a negative one fail deep in numpy."""

@@ -101,8 +101,9 @@ def test_draw_writes_a_png_that_decodes(release, tmp_path, capsys):
         generate_main([str(release), "--draw", "a red square", "--out", str(out), "--size", "4x6"])
         == 0
     )
-    assert "4x6 tokens" in capsys.readouterr().out
     factor = json.loads((release / "visual_tokenizer" / "config.json").read_text())["factor"]
+    # both sizes height x width, as --size takes them (the pixels were said width x height)
+    assert f"4x6 tokens, {4 * factor}x{6 * factor} pixels" in capsys.readouterr().out
     with Image.open(out) as im:
         im.load()
         assert im.format == "PNG" and im.size == (6 * factor, 4 * factor) and im.mode == "RGB"

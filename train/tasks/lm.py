@@ -215,7 +215,10 @@ class LMTask:
         self.layout, self.tok_folder = layout_of_data(cfg, self.tables)
         self.model_cfg = cfg.model.with_layout(self.layout)
         for src, table in zip(cfg.data.validation, self.tables.get(cfg.data.validation)):
-            check_blocks_fit(cfg.data, [table], what="data.validation source")
+            try:
+                check_blocks_fit(cfg.data, [table], what="data.validation source")
+            except ValueError as e:  # a user's data, said as the training sources' check says it
+                raise ConfigError(str(e)) from None
             if table.kind == "raw":  # found now, not at the first evaluation hours later
                 raise ConfigError(
                     f"data.validation source {src.name} holds raw shards: validation makes one "
