@@ -430,3 +430,24 @@ def test_earlyfuse_train_help_says_what_it_is_its_exit_codes_and_where_to_read()
     assert p.returncode == 0 and p.stdout.startswith("earlyfuse-train: train the early-fusion LM")
     assert "resumes from its" in p.stdout and "3 halted by a monitor" in p.stdout
     assert "docs/training.md" in p.stdout and "experiment: debug, demo" in p.stdout
+
+
+def test_a_run_logs_object_storage_lookups_only_from_warning_up():
+    """Hydra's job logging as a run applies it: botocore's "Found credentials in environment
+    variables." (INFO) stays out of the console of a run that reads s3:// shards."""
+    import logging
+    import logging.config
+
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        hydra_cfg = compose("config", return_hydra_config=True).hydra
+    before = {name: logging.getLogger(name).level for name in ("botocore", "s3fs", "aiobotocore")}
+    try:
+        logging.config.dictConfig(OmegaConf.to_container(hydra_cfg.job_logging, resolve=True))
+        for name in before:
+            assert not logging.getLogger(name).isEnabledFor(logging.INFO), name
+        assert logging.getLogger("train").isEnabledFor(logging.INFO)
+    finally:
+        for name, level in before.items():
+            logging.getLogger(name).setLevel(level)
