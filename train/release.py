@@ -227,21 +227,14 @@ class Release:
         and the figures look like figures. Refuses naming the source, its manifest and the
         tokenizers that differ (the fingerprints ``config.json`` and each token manifest record).
         A release without fingerprints (``--no-tokenizers``) checks nothing."""
+        from data.tokenize.vtok_files import tokenizers_differ
+
         mine = self.config.get("tokenizers") or {}
-        names = {
-            "text": "text tokenizer",
-            "layout": "vocabulary layout",
-            "visual": "visual tokenizer",
-        }
         for table in tables:
-            theirs = json.loads(table.tokenizer_fingerprint or "{}")
-            differ = [
-                name for key, name in names.items() if key in mine and theirs.get(key) != mine[key]
-            ]
-            if differ:
+            if differ := tokenizers_differ(table.tokenizer_fingerprint, mine):
                 raise ReleaseError(
                     f"{what}: source {table.name} ({table.manifest_url}) was tokenized with other "
-                    f"tokenizers than {self.path} ({', '.join(differ)} differ): its ids mean other "
+                    f"tokenizers than {self.path} ({differ}): its ids mean other "
                     "things to this model. Tokenize it with the release's own (earlyfuse-prep "
                     f"tokenize --tokenizer {self.path} --visual-tokenizer {self.path / VISUAL})"
                 )

@@ -1,6 +1,7 @@
 """The visual tokenizer's folder checked and fingerprinted without torch (the parent process of
 ``tokenize`` and text-only workers never import it; the model is built in the workers), and the
-fingerprints of a whole tokenizer folder, as a token manifest records them."""
+fingerprints of a whole tokenizer folder, as a token manifest records them, and the one comparison
+of two such records."""
 
 from __future__ import annotations
 
@@ -14,6 +15,28 @@ from data.names import VISUAL_TOKENIZER_DIR
 from data.names import VISUAL_WEIGHTS_FILE as WEIGHTS
 from data.text_tokenizer import TextTokenizer
 from data.vocab import VocabLayout
+
+# What a token manifest's ``tokenizers`` entry fingerprints, each as a message names it.
+TOKENIZER_PARTS = {
+    "text": "text tokenizer",
+    "layout": "vocabulary layout",
+    "visual": "visual tokenizer",
+}
+
+
+def tokenizer_key(tokenizers: dict) -> str:
+    """One string for a manifest's ``tokenizers`` entry (the folder's name left out)."""
+    return json.dumps({k: tokenizers[k] for k in TOKENIZER_PARTS}, sort_keys=True)
+
+
+def tokenizers_differ(theirs: str, mine: str | dict) -> str:
+    """How the tokenizers of ``theirs`` (a ``tokenizer_key``) are not ``mine`` (another, or a
+    release's fingerprints, which may record only some parts: only those are compared), e.g.
+    "text tokenizer, vocabulary layout differ"; "" when they are the same."""
+    ours = json.loads(mine) if isinstance(mine, str) else mine
+    other = json.loads(theirs or "{}")
+    differ = [name for k, name in TOKENIZER_PARTS.items() if k in ours and other.get(k) != ours[k]]
+    return f"{', '.join(differ)} differ{'s' if len(differ) == 1 else ''}" if differ else ""
 
 
 def weights_fingerprint(folder: str | Path) -> str:

@@ -198,7 +198,8 @@ def test_raw_sources_need_tokenizers_and_infinite_mode(tiny_raw, tiny_tokens, ti
             world_size=1,
             micro_batch=2,
         )
-    # A token source made with other tokenizers than data.tokenizers is refused by name.
+    # A token source made with other tokenizers than data.tokenizers is refused by name, saying
+    # which of them differs (the comparison a release makes before scoring token shards).
     other = tiny_tokens.parent / "other_tok"
     shutil.copytree(tiny_tokens / "tokenizers", other, dirs_exist_ok=True)
     from safetensors.torch import load_file, save_file
@@ -208,7 +209,8 @@ def test_raw_sources_need_tokenizers_and_infinite_mode(tiny_raw, tiny_tokens, ti
         {k: v + 1 for k, v in w.items()}, str(other / "visual_tokenizer" / "model.safetensors")
     )
     tok = [SourceConfig(name="code", shards=[str(tiny_tokens / "code")])]
-    with pytest.raises(ValueError, match="source code was tokenized with other tokenizers"):
+    refusal = r"source code was tokenized with other tokenizers .*: visual tokenizer differs\)"
+    with pytest.raises(ValueError, match=refusal):
         build_loader(cfg(tok, tokenizers=str(other)), rank=0, world_size=1, micro_batch=2)
 
 
