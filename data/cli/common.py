@@ -1,4 +1,5 @@
-"""What the subcommands share: sizes like 256MB, paths or URLs, the engine flags, exit 3."""
+"""What the subcommands share: sizes like 256MB, paths or URLs, devices, the engine flags, the
+exit codes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,16 @@ from pathlib import Path
 from data.shards.storage import is_remote, local_path
 
 EXIT_REJECTS = 3
+# Exit code 2: what the user gave cannot be used (a value, a missing or wrong file or folder, one
+# that may not be read or written). Any other OSError (a full disk, an I/O error) is exit code 1.
+USER_ERRORS = (
+    ValueError,
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
 _UNITS = {
@@ -54,6 +65,23 @@ def path_or_url(text: str) -> Path | str:
     """A local folder (Path; a ``file://`` URL's path) or an fsspec URL kept as text (``Path``
     would fold ``s3://``)."""
     return text if is_remote(text) else Path(local_path(text))
+
+
+def checked_device(name: str, *, here: bool = True) -> str:
+    """A torch device name (cpu, cuda, cuda:1) checked before any work: a ValueError naming it
+    when torch has no such kind of device, or (``here``) when this machine has no such device
+    (jobs sent to a Ray cluster run on its nodes, which may have GPUs the driver lacks)."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r}: not a device (cpu, cuda, cuda:1, ...)") from None
+    count = torch.cuda.device_count() if device.type == "cuda" else 0
+    if here and device.type == "cuda" and (device.index or 0) >= count:
+        has = f"has {count} CUDA device(s)" if count else "has no CUDA device torch can use"
+        raise ValueError(f"--device {name}: this machine {has}")
+    return name
 
 
 def _add_engine_flags(p) -> None:

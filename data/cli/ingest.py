@@ -46,7 +46,8 @@ def _add_ingest(sub) -> None:
         "example:\n"
         "  earlyfuse-prep ingest --out shards/ --workers 8 --shard-size 256MB \\\n"
         "      --source code:~/src/cpython/Lib --source images:coco/captions.jsonl\n\n"
-        "exit status: 0 done, 3 done with rejects (see rejects.jsonl), 1 error, 2 usage",
+        "exit status: 0 done, 3 done with rejects (see rejects.jsonl), 2 a bad flag, input or\n"
+        "folder (one line names it), 1 the machine failed (a full disk, an I/O error)",
     )
     p.add_argument(
         "--out",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from data.cli.common import EXIT_REJECTS, _add_engine_flags, _engine, path_or_url
+from data.cli.common import EXIT_REJECTS, _add_engine_flags, _engine, checked_device, path_or_url
 from data.names import REJECTS_FILE
 
 
@@ -137,7 +137,7 @@ def cmd_tokenize(a) -> int:
         a.tokenizer,
         a.visual_tokenizer,
         opts=opts,
-        device=a.device,
+        device=a.device and checked_device(a.device, here=a.engine == "local"),
         progress=not a.no_progress,
         num_partitions=a.num_partitions,
         partition=a.partition,

@@ -184,7 +184,7 @@ def test_an_address_where_no_ray_answers_is_refused_before_any_work(tmp_path):
     cmd = [sys.executable, "-m", "data.cli", "ingest", "--out", str(tmp_path / "out")]
     cmd += ["--source", f"text:{tmp_path}", "--engine", "ray", "--ray-address", address]
     run = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=120)
-    assert run.returncode == 1, run.stderr[-2000:]
+    assert run.returncode == 2, run.stderr[-2000:]
     assert f"--ray-address {address}: no Ray cluster answers there" in run.stderr
     assert not (tmp_path / "out").exists()
 
