@@ -121,6 +121,15 @@ def _add_engine_flags(p) -> None:
         metavar="ADDR",
         help="the Ray cluster to join (default: $RAY_ADDRESS, else a local Ray for this command)",
     )
+    p.add_argument(
+        "--ray-storage-env",
+        choices=("node", "driver"),
+        default="node",
+        help="whose object-storage settings (AWS_*, FSSPEC_*, AZURE_STORAGE_*, "
+        "GOOGLE_APPLICATION_CREDENTIALS) the Ray actors use: node (default): a node's own, "
+        "this command's filling in what it lacks (credentials as a set: a node with its own "
+        "takes none of these); driver: this command's alone (docs/scaling.md)",
+    )
 
 
 def _engine(a):
@@ -141,4 +150,6 @@ def _engine(a):
         )
     # Not given: 1 local worker; on ray 0, one actor per cluster CPU (a given 1 is one actor).
     workers = a.workers or (1 if a.engine == "local" else 0)
-    return EngineConfig(kind=a.engine, workers=workers, address=a.ray_address)
+    return EngineConfig(
+        kind=a.engine, workers=workers, address=a.ray_address, storage_env=a.ray_storage_env
+    )
