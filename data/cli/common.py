@@ -67,6 +67,18 @@ def path_or_url(text: str) -> Path | str:
     return text if is_remote(text) else Path(local_path(text))
 
 
+def out_folder(text: str) -> Path | str:
+    """An output folder (``path_or_url``) refused at once, before any input is read, when a file
+    stands where it or a folder above it would be (mkdir would say "File exists" or "Not a
+    directory" after the planning)."""
+    out = path_or_url(text)
+    if isinstance(out, Path):
+        file = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+        if file is not None:
+            raise argparse.ArgumentTypeError(f"{text}: {file} is a file, not a folder")
+    return out
+
+
 def checked_device(name: str, *, here: bool = True) -> str:
     """A torch device name (cpu, cuda, cuda:1) checked before any work: a ValueError naming it
     when torch has no such kind of device, or (``here``) when this machine has no such device

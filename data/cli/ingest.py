@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from data.cli.common import EXIT_REJECTS, _add_engine_flags, _engine, parse_size, path_or_url
+from data.cli.common import (
+    EXIT_REJECTS,
+    _add_engine_flags,
+    _engine,
+    out_folder,
+    parse_size,
+    path_or_url,
+)
 from data.names import REJECTS_FILE
 
 # Fewer held-out documents than this and a source's validation figures (its CE, its margin over
@@ -52,7 +59,7 @@ def _add_ingest(sub) -> None:
     p.add_argument(
         "--out",
         required=True,
-        type=path_or_url,
+        type=out_folder,
         help="output folder (created; reused to resume), or an fsspec URL (s3://bucket/shards)",
     )
     p.add_argument(

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from data.cli.common import EXIT_REJECTS, _add_engine_flags, _engine, checked_device, path_or_url
+from data.cli.common import (
+    EXIT_REJECTS,
+    _add_engine_flags,
+    _engine,
+    checked_device,
+    out_folder,
+    path_or_url,
+)
 from data.names import REJECTS_FILE
 
 
@@ -34,7 +41,7 @@ def _add_tokenize(sub) -> None:
     p.add_argument(
         "--out",
         required=True,
-        type=path_or_url,
+        type=out_folder,
         metavar="TOKEN_DIR",
         help="token folder to write, or an fsspec URL",
     )

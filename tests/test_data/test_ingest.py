@@ -141,6 +141,18 @@ def test_a_folder_holding_shards_of_no_recorded_run_is_refused(planted_corpus, t
     assert sorted(p.name for p in out.rglob("*")) == ["photos", "shard-000000.tar"]
 
 
+def test_an_out_where_a_file_stands_is_refused_before_any_work(planted_corpus, tmp_path, capsys):
+    """Before: the inputs were planned, then mkdir's "[Errno 17] File exists" (or "Not a
+    directory" for a folder under the file), exit code 1."""
+    (tmp_path / "notes.txt").write_text("a file")
+    for out in (tmp_path / "notes.txt", tmp_path / "notes.txt" / "shards"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["ingest", "--out", str(out), "--source", planted_corpus["sources"][0]])
+        assert exit_info.value.code == 2
+        said = f"argument --out: {out}: {tmp_path / 'notes.txt'} is a file, not a folder"
+        assert said in capsys.readouterr().err
+
+
 def test_partition_and_shard_flags_out_of_range_are_refused_before_any_work(
     planted_corpus, tmp_path, capsys
 ):
