@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from data.names import LAYOUT_FILE, TOKENIZER_FILE, VISUAL_TOKENIZER_DIR
+from data.names import LAYOUT_FILE, MANIFEST_FILE, TOKENIZER_FILE, VISUAL_TOKENIZER_DIR
 from data.shards.index import file_sha256
 from model.weights import nonfinite_tensor
 
@@ -55,6 +55,18 @@ DTYPES = {
     "bf16": torch.bfloat16,
     "bfloat16": torch.bfloat16,
 }
+
+
+def tokenizer_files(folder: Path) -> tuple[str, ...]:
+    """The files a release copies from a tokenizers/ folder (its vocab_layout.json is the
+    checkpoint's): the visual tokenizer's too, unless the folder is the tokenizers/ of a token
+    folder made without one (text and code alone: its manifest records ``"visual": null``)."""
+    try:
+        made = json.loads((folder.parent / MANIFEST_FILE).read_text())["tokenizers"]
+        text_only = made["visual"] is None
+    except (OSError, ValueError, KeyError, TypeError):
+        text_only = False
+    return (TOKENIZER,) if text_only else (TOKENIZER, f"{VISUAL}/{CONFIG}", f"{VISUAL}/{WEIGHTS}")
 
 
 class ReleaseError(ValueError):
@@ -306,8 +318,8 @@ class Release:
         config_path = self.path / VISUAL / CONFIG
         if not config_path.is_file():
             raise ReleaseError(
-                f"{self.path}: no {VISUAL}/ (released with --no-tokenizers); images cannot be "
-                "encoded or decoded"
+                f"{self.path}: no {VISUAL}/ (released with --no-tokenizers, or its model was "
+                "trained on tokens of text and code alone); images cannot be encoded or decoded"
             )
         try:
             return VisualTokenizerConfig(**json.loads(config_path.read_text()))

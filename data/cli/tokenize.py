@@ -54,10 +54,11 @@ def _add_tokenize(sub) -> None:
     )
     p.add_argument(
         "--visual-tokenizer",
-        required=True,
+        default=None,
         type=Path,
         metavar="VTOK_DIR",
-        help="RUN_DIR/visual_tokenizer of a vtok training run",
+        help="RUN_DIR/visual_tokenizer of a vtok training run; not needed for a corpus of text "
+        "and code alone (one holding images or videos is refused without it, saying how many)",
     )
     p.add_argument(
         "--image-max-pixels",

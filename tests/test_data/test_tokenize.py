@@ -136,10 +136,14 @@ def test_user_errors_are_one_line_and_exit_code_2_before_any_work(
     args = ["tokenize", "--in", str(tiny_raw), "--out", str(out), "--tokenizer", str(text)]
     args += ["--visual-tokenizer", str(visual), "--no-progress"]
     absent = f"cuda:{torch.cuda.device_count()}"  # one past this machine's GPUs
+    segments = json.loads((tiny_raw / "manifest.json").read_text())["totals"]["segments"]
+    images, videos = segments["image"], segments["video"]
     for argv, said in [
         (["tokenize", "--in", str(tmp_path), *args[3:]], f"{tmp_path}/manifest.json: no manifest"),
         ([*args, "--device", "gpu0"], "--device 'gpu0': not a device (cpu, cuda, cuda:1, ...)"),
         ([*args, "--device", absent], f"--device {absent}: this machine has "),
+        # without a visual tokenizer, a corpus holding images and videos (text alone needs none)
+        (args[:-3] + ["--no-progress"], f"{tiny_raw}: {images} image(s) and {videos} video(s)"),
     ]:
         assert main(argv) == 2
         err = capsys.readouterr().err
