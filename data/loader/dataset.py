@@ -370,10 +370,10 @@ def check_tokenizers(cfg: LoaderConfig, tables: list[SampleTable]) -> None:
     want = tokenizer_key(folder_fingerprints(cfg.tokenizers)) if cfg.tokenizers else None
     for t in tables:
         if t.kind == "raw":
-            if want is None:
+            if want is None or json.loads(want)["visual"] is None:
                 raise ValueError(
                     f"source {t.name} holds raw shards ({t.manifest_url}): set data.tokenizers to "
-                    "the tokenizer folder to tokenize them with (a token folder's tokenizers/)"
+                    "the tokenizer folder to tokenize them with (with its visual_tokenizer/)"
                 )
             # The options change the tokens: they belong to what a loader state must match.
             t.tokenizer_fingerprint = want + json.dumps(

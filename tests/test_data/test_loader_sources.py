@@ -191,6 +191,10 @@ def test_raw_sources_need_tokenizers_and_infinite_mode(tiny_raw, tiny_tokens, ti
     src = [SourceConfig(name="code", shards=[str(tiny_raw / "code")])]
     with pytest.raises(ValueError, match="raw shards.*set data.tokenizers"):
         build_loader(cfg(src), rank=0, world_size=1, micro_batch=2)
+    # a folder without visual_tokenizer/ (a text tokenizer's, or text-only tokens' tokenizers/)
+    no_visual = cfg(src, tokenizers=str(tiny_tokenizers[0]))
+    with pytest.raises(ValueError, match=r"raw shards.*set data.tokenizers.*visual_tokenizer/\)"):
+        build_loader(no_visual, rank=0, world_size=1, micro_batch=2)
     with pytest.raises(ValueError, match="epoch mode.*raw shards do not have"):
         build_loader(
             raw_cfg(tiny_raw, tiny_tokens, ("code",), mode="epoch"),
