@@ -49,8 +49,9 @@ def _ports() -> list[str]:
 
 
 class LocalCluster:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, env: dict[str, str] | None = None) -> None:
         self.root = root
+        self.env = env or {}  # the nodes' own variables, besides ENV
         self.gcs_port = free_port()
         self.address = f"{HEAD_IP}:{self.gcs_port}"
         self.nodes: list[subprocess.Popen] = []
@@ -70,7 +71,7 @@ class LocalCluster:
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,  # its own process group: stopped as one
-                    env={**ENV, "HOME": str(home)},
+                    env={**ENV, **self.env, "HOME": str(home)},
                 )
             )
 

@@ -34,7 +34,6 @@ from train.release import (
     DTYPES,
     FORMAT,
     LAYOUT,
-    TOKENIZER,
     VERSION,
     VISUAL,
     WEIGHTS,
@@ -42,6 +41,7 @@ from train.release import (
     check_state,
     meta_module,
     param_count,
+    tokenizer_files,
 )
 
 EXAMPLES = """\
@@ -61,8 +61,6 @@ DESCRIPTION = (
     "model.safetensors, config.json, vocab_layout.json, tokenizer.json, visual_tokenizer/. "
     "Tensor names and shapes are checked against the model the run's config builds."
 )
-# the files a release copies from tokenizers/ (its vocab_layout.json is the checkpoint's)
-TOKENIZER_FILES = (TOKENIZER, f"{VISUAL}/{CONFIG}", f"{VISUAL}/{WEIGHTS}")
 
 
 def check_out(out: Path, force: bool) -> None:
@@ -115,7 +113,7 @@ def check_tokenizers(folder: Path, layout) -> dict:
     from data.tokenize.vtok_files import folder_fingerprints
     from data.vocab import VocabLayout
 
-    need = [folder / name for name in (LAYOUT, *TOKENIZER_FILES)]
+    need = [folder / name for name in (LAYOUT, *tokenizer_files(folder))]
     missing = [str(path) for path in need if not path.is_file()]
     if missing:
         raise ReleaseError(
@@ -130,7 +128,8 @@ def check_tokenizers(folder: Path, layout) -> dict:
             "tokenizers this model was trained with"
         )
     try:
-        load_visual_tokenizer(folder / VISUAL, layout)
+        if (folder / VISUAL).is_dir():
+            load_visual_tokenizer(folder / VISUAL, layout)
         return folder_fingerprints(folder)  # what a token manifest records for this folder
     except ValueError as e:
         raise ReleaseError(str(e)) from None
@@ -253,8 +252,8 @@ def make_release(
             save_file(state, str(folder / WEIGHTS), metadata=meta)
             layout.save(folder / LAYOUT)
             if tok_dir is not None:
-                (folder / VISUAL).mkdir()
-                for name in TOKENIZER_FILES:
+                for name in tokenizer_files(tok_dir):
+                    (folder / name).parent.mkdir(exist_ok=True)
                     shutil.copyfile(tok_dir / name, folder / name)
         else:  # the folder a vtok run exports and `earlyfuse-prep tokenize` reads
             from train.tasks.vtok import save_visual_tokenizer

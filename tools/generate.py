@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from data.cli.common import checked_device
 from tools.generate_requests import MAX_SOURCE_PIXELS, REQUEST_KEYS, SAMPLING, Generator
 from train.release import DTYPES, Release, ReleaseError
 
@@ -143,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--draw needs --out IMAGE")
     defaults = {key: getattr(args, key) for key in (*SAMPLING, "guidance")}
     try:
-        gen = Generator(Release(args.release), torch.device(args.device), DTYPES[args.dtype])
+        device = torch.device(checked_device(args.device))
+        gen = Generator(Release(args.release), device, DTYPES[args.dtype])
         gen.max_source_pixels = args.max_image_pixels
         if args.batch:
             return run_batch(gen, args.batch, args.output, defaults)
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         res = gen.request({key: getattr(args, key) for key in REQUEST_KEYS - {"id"}}, defaults)
     except (ReleaseError, ValueError) as e:  # ValueError: a sampling option out of range
         print(f"earlyfuse-generate: error: {e}", file=sys.stderr)
-        return 1
+        return 2
     if res["kind"] == "draw":
         print(
             f"wrote {res['out']}: {res['grid'][0]}x{res['grid'][1]} tokens, "

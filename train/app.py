@@ -14,6 +14,7 @@ a save; one line says why), 3 halted by a monitor.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -26,7 +27,12 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from train.config import RunConfig
-from train.config_check import ConfigError, check_known_keys, unknown_override_keys
+from train.config_check import (
+    ConfigError,
+    check_known_keys,
+    suggestion,
+    unknown_override_keys,
+)
 from train.dist import strip_launcher_args
 
 ConfigStore.instance().store(name="run_schema", node=RunConfig)
@@ -151,10 +157,19 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
         print(f"earlyfuse-train: unknown config key(s): {'; '.join(unknown)}", file=sys.stderr)
         sys.exit(2)
 
+    # Hydra prints an error in a config file (a misspelt key in the user's data/mine.yaml) as a
+    # multi-line report and exits 1; with HYDRA_FULL_ERROR it raises instead, so that
+    # ``compose_error`` can name the file in one line. Unset again once composed, so that an
+    # error of the run itself is reported as Hydra reports it.
+    own_full_error = "HYDRA_FULL_ERROR" in os.environ
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+
     @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
     def hydra_main(cfg: DictConfig) -> None:
         from hydra.core.hydra_config import HydraConfig
 
+        if not own_full_error:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
         name_after_data(cfg, list(HydraConfig.get().overrides.task))
         try:
             run_cfg, resolved = to_run_config(cfg)
@@ -166,7 +181,53 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
             leave_rank(code)
         sys.exit(code)
 
-    hydra_main()
+    try:
+        hydra_main()
+    except Exception as e:
+        message = None if own_full_error else compose_error(e, sys.argv[1:])
+        if own_full_error:
+            raise
+        if message is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+            from hydra._internal.utils import run_and_report
+
+            error = e
+            run_and_report(lambda: _raise(error))  # Hydra's own report, exit code 1
+        print(f"earlyfuse-train: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _raise(error: BaseException) -> NoReturn:
+    raise error
+
+
+def compose_error(error: BaseException, args: Sequence[str]) -> str | None:
+    """One line for a config file that does not fit the schema (an unknown key, a value of the
+    wrong type): the file, the key (with the nearest known one) and the problem; None for any
+    other error."""
+    import re
+
+    from hydra._internal.utils import get_args_parser
+    from hydra.errors import ConfigCompositionException
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+    cause = error.__cause__ or error.__context__
+    where = re.match(r"In '([^']+)'", str(error))
+    if not (isinstance(error, ConfigCompositionException) and where):
+        return None
+    if not isinstance(cause, OmegaConfBaseException) or not getattr(cause, "full_key", None):
+        return None
+    config_dir = get_args_parser().parse_known_args(list(args))[0].config_dir
+    dirs = [Path(config_dir)] if config_dir else []
+    files = [d / f"{where[1]}.yaml" for d in dirs + [Path(CONFIG_DIR)]]
+    name = next((str(f) for f in files if f.is_file()), f"config {where[1]}")
+    key = str(cause.full_key)
+    schema = getattr(cause, "object_type", None)
+    if isinstance(cause, ConfigKeyError) and dataclasses.is_dataclass(schema):
+        path = key[: len(key) - len(str(cause.key))]
+        return f"{name}: unknown config key {key}{suggestion(str(cause.key), schema, path)}"  # type: ignore[arg-type]
+    problem = str(cause).splitlines()[0]
+    return f"{name}: {key}: {problem}"
 
 
 def leave_rank(code: int) -> NoReturn:

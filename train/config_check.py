@@ -84,7 +84,7 @@ def _dataclass_in(hint: Any) -> type | None:
     return None
 
 
-def _suggestion(key: str, schema: type, path: str) -> str:
+def suggestion(key: str, schema: type, path: str) -> str:
     """`` (did you mean ...?)`` for an unknown ``key`` of ``schema`` (at ``path``): the nearest
     field name at its level, else a field of that name one or more levels down
     (``model.n_heads`` -> ``model.attention.n_heads``), else nothing."""
@@ -123,7 +123,7 @@ def unknown_keys(tree: Any, schema: type, path: str = "") -> list[str]:
     for key, value in tree.items():
         where = f"{path}{key}"
         if key not in names:
-            found.append(where + _suggestion(str(key), schema, path))
+            found.append(where + suggestion(str(key), schema, path))
             continue
         inner = _dataclass_in(hints[key])
         if inner is None:
@@ -162,7 +162,7 @@ def unknown_override_keys(overrides: list[str], schema: type, groups: set[str]) 
             names = [field.name for field in dataclasses.fields(cls)]  # type: ignore[arg-type]
             if part not in names:
                 path = ".".join(parts[:i])
-                found.append(key + _suggestion(part, cls, f"{path}." if path else ""))  # type: ignore[arg-type]
+                found.append(key + suggestion(part, cls, f"{path}." if path else ""))  # type: ignore[arg-type]
                 break
             hint = typing.get_type_hints(cls)[part]
             if typing.get_origin(hint) is list:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from data.names import LAYOUT_FILE, TOKENIZER_FILE, VISUAL_TOKENIZER_DIR
+from data.names import LAYOUT_FILE, MANIFEST_FILE, TOKENIZER_FILE, VISUAL_TOKENIZER_DIR
 from data.shards.index import file_sha256
 from model.weights import nonfinite_tensor
 
@@ -55,6 +55,18 @@ DTYPES = {
     "bf16": torch.bfloat16,
     "bfloat16": torch.bfloat16,
 }
+
+
+def tokenizer_files(folder: Path) -> tuple[str, ...]:
+    """The files a release copies from a tokenizers/ folder (its vocab_layout.json is the
+    checkpoint's): the visual tokenizer's too, unless the folder is the tokenizers/ of a token
+    folder made without one (text and code alone: its manifest records ``"visual": null``)."""
+    try:
+        made = json.loads((folder.parent / MANIFEST_FILE).read_text())["tokenizers"]
+        text_only = made["visual"] is None
+    except (OSError, ValueError, KeyError, TypeError):
+        text_only = False
+    return (TOKENIZER,) if text_only else (TOKENIZER, f"{VISUAL}/{CONFIG}", f"{VISUAL}/{WEIGHTS}")
 
 
 class ReleaseError(ValueError):
@@ -227,21 +239,14 @@ class Release:
         and the figures look like figures. Refuses naming the source, its manifest and the
         tokenizers that differ (the fingerprints ``config.json`` and each token manifest record).
         A release without fingerprints (``--no-tokenizers``) checks nothing."""
+        from data.tokenize.vtok_files import tokenizers_differ
+
         mine = self.config.get("tokenizers") or {}
-        names = {
-            "text": "text tokenizer",
-            "layout": "vocabulary layout",
-            "visual": "visual tokenizer",
-        }
         for table in tables:
-            theirs = json.loads(table.tokenizer_fingerprint or "{}")
-            differ = [
-                name for key, name in names.items() if key in mine and theirs.get(key) != mine[key]
-            ]
-            if differ:
+            if differ := tokenizers_differ(table.tokenizer_fingerprint, mine):
                 raise ReleaseError(
                     f"{what}: source {table.name} ({table.manifest_url}) was tokenized with other "
-                    f"tokenizers than {self.path} ({', '.join(differ)} differ): its ids mean other "
+                    f"tokenizers than {self.path} ({differ}): its ids mean other "
                     "things to this model. Tokenize it with the release's own (earlyfuse-prep "
                     f"tokenize --tokenizer {self.path} --visual-tokenizer {self.path / VISUAL})"
                 )
@@ -313,8 +318,8 @@ class Release:
         config_path = self.path / VISUAL / CONFIG
         if not config_path.is_file():
             raise ReleaseError(
-                f"{self.path}: no {VISUAL}/ (released with --no-tokenizers); images cannot be "
-                "encoded or decoded"
+                f"{self.path}: no {VISUAL}/ (released with --no-tokenizers, or its model was "
+                "trained on tokens of text and code alone); images cannot be encoded or decoded"
             )
         try:
             return VisualTokenizerConfig(**json.loads(config_path.read_text()))

@@ -1,9 +1,11 @@
 """``earlyfuse-prep``: the data-preparation command line (see README, "Data preparation").
 
-Exit status: 0 done; 1 a fatal error (message on stderr); 2 bad usage; 3 ``ingest`` finished
-but rejected some inputs (each listed in DIR/rejects.jsonl) — pass ``--allow-rejects`` to get 0;
-``verify`` exits 1 when it finds a problem; 141 (128 + SIGPIPE), silently, when the reader of
-stdout closes it early (``stats DIR | head``).
+Exit status: 0 done; 2 a user error: a bad flag, or an input, folder or value that cannot be
+used (one line on stderr names the file and the problem); 1 the machine failed under a command
+that could have run (a full disk, an I/O error); 3 ``ingest`` finished but rejected some inputs
+(each listed in DIR/rejects.jsonl) — pass ``--allow-rejects`` to get 0; ``verify`` exits 1 when
+it finds a problem; 141 (128 + SIGPIPE), silently, when the reader of stdout closes it early
+(``stats DIR | head``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import signal
 import sys
 
-from data.cli.common import EXIT_REJECTS, parse_size, path_or_url
+from data.cli.common import EXIT_REJECTS, USER_ERRORS, parse_size, path_or_url
 from data.cli.demo_corpus import _add_demo_corpus
 from data.cli.ingest import _add_ingest, _add_merge
 from data.cli.passkey import _add_passkey
@@ -59,5 +61,6 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
     except (ValueError, OSError) as e:
-        print(f"earlyfuse-prep {args.command}: error: {e}", file=sys.stderr)
-        return 1
+        # One line (a YAML or JSON parser's message spans several)
+        print(f"earlyfuse-prep {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2 if isinstance(e, USER_ERRORS) else 1

@@ -1,4 +1,5 @@
-"""What the subcommands share: sizes like 256MB, paths or URLs, the engine flags, exit 3."""
+"""What the subcommands share: sizes like 256MB, paths or URLs, devices, the engine flags, the
+exit codes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,16 @@ from pathlib import Path
 from data.shards.storage import is_remote, local_path
 
 EXIT_REJECTS = 3
+# Exit code 2: what the user gave cannot be used (a value, a missing or wrong file or folder, one
+# that may not be read or written). Any other OSError (a full disk, an I/O error) is exit code 1.
+USER_ERRORS = (
+    ValueError,
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
 _UNITS = {
@@ -56,6 +67,35 @@ def path_or_url(text: str) -> Path | str:
     return text if is_remote(text) else Path(local_path(text))
 
 
+def out_folder(text: str) -> Path | str:
+    """An output folder (``path_or_url``) refused at once, before any input is read, when a file
+    stands where it or a folder above it would be (mkdir would say "File exists" or "Not a
+    directory" after the planning)."""
+    out = path_or_url(text)
+    if isinstance(out, Path):
+        file = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+        if file is not None:
+            raise argparse.ArgumentTypeError(f"{text}: {file} is a file, not a folder")
+    return out
+
+
+def checked_device(name: str, *, here: bool = True) -> str:
+    """A torch device name (cpu, cuda, cuda:1) checked before any work: a ValueError naming it
+    when torch has no such kind of device, or (``here``) when this machine has no such device
+    (jobs sent to a Ray cluster run on its nodes, which may have GPUs the driver lacks)."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r}: not a device (cpu, cuda, cuda:1, ...)") from None
+    count = torch.cuda.device_count() if device.type == "cuda" else 0
+    if here and device.type == "cuda" and (device.index or 0) >= count:
+        has = f"has {count} CUDA device(s)" if count else "has no CUDA device torch can use"
+        raise ValueError(f"--device {name}: this machine {has}")
+    return name
+
+
 def _add_engine_flags(p) -> None:
     """--workers, the partition flags, --engine and --ray-address: how ingest and tokenize
     spread their shard jobs (see docs/scaling.md)."""
@@ -93,6 +133,15 @@ def _add_engine_flags(p) -> None:
         metavar="ADDR",
         help="the Ray cluster to join (default: $RAY_ADDRESS, else a local Ray for this command)",
     )
+    p.add_argument(
+        "--ray-storage-env",
+        choices=("node", "driver"),
+        default="node",
+        help="whose object-storage settings (AWS_*, FSSPEC_*, AZURE_STORAGE_*, "
+        "GOOGLE_APPLICATION_CREDENTIALS) the Ray actors use: node (default): a node's own, "
+        "this command's filling in what it lacks (credentials as a set: a node with its own "
+        "takes none of these); driver: this command's alone (docs/scaling.md)",
+    )
 
 
 def _engine(a):
@@ -113,4 +162,6 @@ def _engine(a):
         )
     # Not given: 1 local worker; on ray 0, one actor per cluster CPU (a given 1 is one actor).
     workers = a.workers or (1 if a.engine == "local" else 0)
-    return EngineConfig(kind=a.engine, workers=workers, address=a.ray_address)
+    return EngineConfig(
+        kind=a.engine, workers=workers, address=a.ray_address, storage_env=a.ray_storage_env
+    )

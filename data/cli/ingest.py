@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from data.cli.common import EXIT_REJECTS, _add_engine_flags, _engine, parse_size, path_or_url
+from data.cli.common import (
+    EXIT_REJECTS,
+    _add_engine_flags,
+    _engine,
+    out_folder,
+    parse_size,
+    path_or_url,
+)
 from data.names import REJECTS_FILE
 
 # Fewer held-out documents than this and a source's validation figures (its CE, its margin over
@@ -46,12 +53,13 @@ def _add_ingest(sub) -> None:
         "example:\n"
         "  earlyfuse-prep ingest --out shards/ --workers 8 --shard-size 256MB \\\n"
         "      --source code:~/src/cpython/Lib --source images:coco/captions.jsonl\n\n"
-        "exit status: 0 done, 3 done with rejects (see rejects.jsonl), 1 error, 2 usage",
+        "exit status: 0 done, 3 done with rejects (see rejects.jsonl), 2 a bad flag, input or\n"
+        "folder (one line names it), 1 the machine failed (a full disk, an I/O error)",
     )
     p.add_argument(
         "--out",
         required=True,
-        type=path_or_url,
+        type=out_folder,
         help="output folder (created; reused to resume), or an fsspec URL (s3://bucket/shards)",
     )
     p.add_argument(

@@ -88,7 +88,12 @@ def cmd_train_text_tokenizer(a) -> int:
             weights[name] = float(val)
         except ValueError:
             raise ValueError(f"--weight {w!r}: expected SOURCE=FRACTION, e.g. code=0.4") from None
-    levels = tuple(int(x) for x in a.fsq_levels.split(","))
+    try:
+        levels = tuple(int(x) for x in a.fsq_levels.split(","))
+    except ValueError:
+        raise ValueError(
+            f"--fsq-levels {a.fsq_levels!r}: expected whole numbers joined by commas, e.g. 8,5,5,5"
+        ) from None
     info = train_text_tokenizer(
         a.inputs,
         a.out,

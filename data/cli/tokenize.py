@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from data.cli.common import EXIT_REJECTS, _add_engine_flags, _engine, path_or_url
+from data.cli.common import (
+    EXIT_REJECTS,
+    _add_engine_flags,
+    _engine,
+    checked_device,
+    out_folder,
+    path_or_url,
+)
 from data.names import REJECTS_FILE
 
 
@@ -34,7 +41,7 @@ def _add_tokenize(sub) -> None:
     p.add_argument(
         "--out",
         required=True,
-        type=path_or_url,
+        type=out_folder,
         metavar="TOKEN_DIR",
         help="token folder to write, or an fsspec URL",
     )
@@ -47,10 +54,11 @@ def _add_tokenize(sub) -> None:
     )
     p.add_argument(
         "--visual-tokenizer",
-        required=True,
+        default=None,
         type=Path,
         metavar="VTOK_DIR",
-        help="RUN_DIR/visual_tokenizer of a vtok training run",
+        help="RUN_DIR/visual_tokenizer of a vtok training run; not needed for a corpus of text "
+        "and code alone (one holding images or videos is refused without it, saying how many)",
     )
     p.add_argument(
         "--image-max-pixels",
@@ -137,7 +145,7 @@ def cmd_tokenize(a) -> int:
         a.tokenizer,
         a.visual_tokenizer,
         opts=opts,
-        device=a.device,
+        device=a.device and checked_device(a.device, here=a.engine == "local"),
         progress=not a.no_progress,
         num_partitions=a.num_partitions,
         partition=a.partition,

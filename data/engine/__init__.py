@@ -31,10 +31,15 @@ class EngineConfig:
     address: str | None = None  # ray: the cluster to join (None: RAY_ADDRESS, or a local one)
     retries: int = WORKER_RETRIES  # a job whose worker died (or, on ray, hit an OSError) again
     recycle_after: int = RECYCLE_AFTER_FAILED_DECODES  # failed video decodes per worker
+    # ray: whose object-storage settings (AWS_* ...) an actor uses: its node's, the driver's
+    # filling in what the node lacks ("node"); or the driver's alone ("driver"). data/engine/ray.py.
+    storage_env: str = "node"
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINES:
             raise ValueError(f"--engine {self.kind!r}: choose one of {', '.join(ENGINES)}")
+        if self.storage_env not in ("node", "driver"):
+            raise ValueError(f"--ray-storage-env {self.storage_env!r}: choose node or driver")
         if self.workers < 0:
             raise ValueError(f"--workers {self.workers}: must be >= 0")
 

@@ -28,9 +28,13 @@ Design choices:
 - The driver joins the cluster at ``address`` (default: ``RAY_ADDRESS``, else a local Ray
   started for this command and stopped after it). A ``HOST:PORT`` where nothing answers is
   refused at once (``check_address``): ``ray.init`` would retry it for minutes.
-- Ray starts an actor with its node's environment, not the driver's, so the CPU actors get the
-  driver's object-storage settings (``storage_env``: ``AWS_*`` and the like) through Ray's
-  ``runtime_env``; without them a job would find no credentials, or write to another endpoint.
+- Ray starts an actor with its node's environment, not the driver's. A node's own object-storage
+  settings (``AWS_*`` and the like: ``STORAGE_ENV_PREFIXES``) win; the driver's (``storage_env``)
+  fill in those it lacks, without which a job would find no credentials, or write to another
+  endpoint. Credentials (``CREDENTIAL_PREFIXES``) are taken as a set: a node that has any keeps
+  its own and takes none of the driver's (never the node's profile beside the driver's keys,
+  which would win over it). ``EngineConfig.storage_env = "driver"`` (``--ray-storage-env
+  driver``) gives every actor the driver's settings instead.
 """
 
 from __future__ import annotations
@@ -53,13 +57,37 @@ ResultT = TypeVar("ResultT")
 
 # Environment variables that configure object storage (endpoint, credentials, region, profile).
 STORAGE_ENV_PREFIXES = ("AWS_", "FSSPEC_", "GOOGLE_APPLICATION_CREDENTIALS", "AZURE_STORAGE_")
+# Those of them that say who the actor is: a node's own are never mixed with the driver's.
+CREDENTIAL_PREFIXES = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_ROLE_ARN",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "AZURE_STORAGE_",
+)
 
 
 def storage_env() -> dict[str, str]:
-    """The driver's object-storage settings, for the actors (see the module's docstring)."""
+    """This process's object-storage settings (see the module's docstring)."""
     return {
         name: value for name, value in os.environ.items() if name.startswith(STORAGE_ENV_PREFIXES)
     }
+
+
+def take_storage_env(driver: dict[str, str], driver_wins: bool) -> None:
+    """In an actor: the driver's settings where its node has none (all of them, ``driver_wins``);
+    a node with credentials of its own keeps them and takes none of the driver's."""
+    if driver_wins:
+        for name in storage_env():
+            del os.environ[name]
+    own_credentials = any(name.startswith(CREDENTIAL_PREFIXES) for name in storage_env())
+    for name, value in driver.items():
+        if not (own_credentials and name.startswith(CREDENTIAL_PREFIXES)):
+            os.environ.setdefault(name, value)
 
 
 def check_address(address: str | None) -> None:
@@ -88,7 +116,8 @@ def check_address(address: str | None) -> None:
 class PrepWorker:
     """A CPU actor: runs jobs with ``fn`` and says when it has seen enough failed decodes."""
 
-    def __init__(self, fn: Callable, recycle_after: int) -> None:
+    def __init__(self, fn: Callable, recycle_after: int, env: dict, driver_wins: bool) -> None:
+        take_storage_env(env, driver_wins)
         self.fn, self.recycle_after = fn, recycle_after
         self.start = decode_failures()
 
@@ -175,10 +204,9 @@ def run_ray(
             file=sys.stderr,
             flush=True,
         )
-    env = storage_env()
-    actor_cls = ray.remote(num_cpus=1, **({"runtime_env": {"env_vars": env}} if env else {}))(
-        PrepWorker
-    )
+    actor_cls = ray.remote(num_cpus=1)(PrepWorker)
+    # The driver's object-storage settings go with each actor (the module's docstring)
+    actor_args = (fn, engine.recycle_after, storage_env(), engine.storage_env == "driver")
     adapt: Callable[[JobT], JobT] = lambda job: job  # noqa: E731
     pool: GpuPool | None = None
     if gpu_setup is not None and int(resources.get("GPU", 0)) > 0:
@@ -191,7 +219,7 @@ def run_ray(
     )
     queue: deque[tuple[int, JobT]] = deque(enumerate(jobs))
     tries = dict.fromkeys(range(len(jobs)), 0)
-    idle = [actor_cls.remote(fn, engine.recycle_after) for _ in range(size)]
+    idle = [actor_cls.remote(*actor_args) for _ in range(size)]
     inflight: dict = {}  # object ref -> (actor, position, job)
 
     def again(pos: int, job: JobT, why: str, give_up: type[Exception] = RuntimeError) -> None:
@@ -235,12 +263,12 @@ def run_ray(
                 raise e.as_instanceof_cause() from None
             except (RayActorError, WorkerCrashedError) as e:
                 ray.kill(actor)
-                idle.append(actor_cls.remote(fn, engine.recycle_after))
+                idle.append(actor_cls.remote(*actor_args))
                 again(pos, job, f"its worker died ({type(e).__name__})")
                 continue
             if retire:
                 ray.kill(actor)
-                actor = actor_cls.remote(fn, engine.recycle_after)
+                actor = actor_cls.remote(*actor_args)
             idle.append(actor)
             yield result
     finally:

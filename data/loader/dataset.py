@@ -30,7 +30,7 @@ from data.loader.sample_check import attach_id_ranges
 from data.loader.stream import ConsumerStream
 from data.loader.stream_state import check_fields, check_state
 from data.loader.table import SampleTable
-from data.loader.table_load import load_table, tokenizer_key
+from data.loader.table_load import load_table
 from data.loader.watchdog import sample_where
 from data.loader.worker_start import prepare_workers
 from data.vocab import MODALITY_NAMES
@@ -367,15 +367,15 @@ def check_tokenizers(cfg: LoaderConfig, tables: list[SampleTable]) -> None:
     """All sources must speak one vocabulary: token sources made with one set of tokenizers (the
     ``data.tokenizers`` folder, when given), raw sources tokenized with that folder."""
     from data.loader.online import online_options
-    from data.tokenize.vtok_files import folder_fingerprints
+    from data.tokenize.vtok_files import folder_fingerprints, tokenizer_key, tokenizers_differ
 
     want = tokenizer_key(folder_fingerprints(cfg.tokenizers)) if cfg.tokenizers else None
     for t in tables:
         if t.kind == "raw":
-            if want is None:
+            if want is None or json.loads(want)["visual"] is None:
                 raise ValueError(
                     f"source {t.name} holds raw shards ({t.manifest_url}): set data.tokenizers to "
-                    "the tokenizer folder to tokenize them with (a token folder's tokenizers/)"
+                    "the tokenizer folder to tokenize them with (with its visual_tokenizer/)"
                 )
             # The options change the tokens: they belong to what a loader state must match.
             t.tokenizer_fingerprint = want + json.dumps(
@@ -383,7 +383,7 @@ def check_tokenizers(cfg: LoaderConfig, tables: list[SampleTable]) -> None:
             )
             continue
         want = want or t.tokenizer_fingerprint
-        if t.tokenizer_fingerprint != want:
+        if differ := tokenizers_differ(t.tokenizer_fingerprint, want):
             where = (
                 f"the tokenizers in {cfg.tokenizers}"
                 if cfg.tokenizers
@@ -391,5 +391,5 @@ def check_tokenizers(cfg: LoaderConfig, tables: list[SampleTable]) -> None:
             )
             raise ValueError(
                 f"source {t.name} was tokenized with other tokenizers than {where} "
-                f"({t.manifest_url}); its ids would mean other things"
+                f"({t.manifest_url}: {differ}); its ids would mean other things"
             )

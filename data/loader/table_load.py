@@ -26,6 +26,7 @@ from data.names import MANIFEST_FILE
 from data.shards import token_index
 from data.shards.manifest import MANIFEST_FORMAT as RAW_FORMAT
 from data.shards.manifest import TOKEN_FORMAT
+from data.tokenize.vtok_files import tokenizer_key
 
 # What a token manifest records of each shard, so that a loader's start reads no index
 _ENTRY_FIELDS = ("samples", "index_sha256", "sha256", "blocks")
@@ -70,11 +71,6 @@ def _listing(folder: str) -> set[str]:
 def _listed(listing: Callable[[str], set[str]], path: str) -> bool:
     folder, base = os.path.split(path)
     return base in listing(folder)
-
-
-def tokenizer_key(tokenizers: dict) -> str:
-    """One string for a manifest's ``tokenizers`` entry (the folder's name left out)."""
-    return json.dumps({k: tokenizers[k] for k in ("text", "layout", "visual")}, sort_keys=True)
 
 
 def load_table(src: SourceConfig, *, cache_dir: str | None = None) -> SampleTable:

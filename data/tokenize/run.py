@@ -63,7 +63,9 @@ from data.tokenize.vtok_files import (
 from data.vocab import MODALITY_NAMES
 
 
-def fingerprint_of(raw_manifest: dict, tok_dir: Path, vtok_dir: Path, opts: TokenizeOptions) -> str:
+def fingerprint_of(
+    raw_manifest: dict, tok_dir: Path, vtok_dir: Path | None, opts: TokenizeOptions
+) -> str:
     digest = hashlib.sha256()
     digest.update(
         json.dumps(
@@ -77,15 +79,33 @@ def fingerprint_of(raw_manifest: dict, tok_dir: Path, vtok_dir: Path, opts: Toke
     )
     digest.update((tok_dir / TOKENIZER_FILE).read_bytes())
     digest.update((tok_dir / LAYOUT_FILE).read_bytes())
-    digest.update(weights_fingerprint(vtok_dir).encode())
+    digest.update(weights_fingerprint(vtok_dir).encode() if vtok_dir else b"no visual tokenizer")
     return digest.hexdigest()[:24]
+
+
+def check_text_only(raw_dir: str | Path, raw_manifest: dict) -> None:
+    """Without a visual tokenizer, a corpus holding images or videos is refused, saying how
+    many and in which sources; one of text and code alone needs none."""
+    visual = {
+        source["name"]: (source["segments"].get("image", 0), source["segments"].get("video", 0))
+        for source in raw_manifest.get("sources", [])
+        if source.get("segments", {}).get("image") or source.get("segments", {}).get("video")
+    }
+    if visual:
+        images = sum(counts[0] for counts in visual.values())
+        videos = sum(counts[1] for counts in visual.values())
+        raise ValueError(
+            f"{raw_dir}: {images} image(s) and {videos} video(s) (sources: "
+            f"{', '.join(sorted(visual))}) need a visual tokenizer: give --visual-tokenizer "
+            "RUN_DIR/visual_tokenizer (docs/visual_tokenizer.md)"
+        )
 
 
 def tokenize(
     raw_dir: str | Path,
     out: str | Path,
     tok_dir: str | Path,
-    vtok_dir: str | Path,
+    vtok_dir: str | Path | None,
     *,
     opts: TokenizeOptions | None = None,
     workers: int = 1,
@@ -100,12 +120,15 @@ def tokenize(
     what this run did and which shards other partitions still owe (``"missing"``)."""
     partition_share(0, num_partitions, partition)  # a bad --partition refused before any read
     raw, dest = Folder(raw_dir), Folder(out)
-    tok_dir, vtok_dir = Path(tok_dir), Path(vtok_dir)
+    tok_dir, vtok_dir = Path(tok_dir), (Path(vtok_dir) if vtok_dir else None)
     opts = opts or TokenizeOptions()
     engine = engine or EngineConfig(workers=workers)
     raw_m = load_manifest(raw_dir)
     text = TextTokenizer.load(tok_dir)  # fail early, with the file named, on a bad tokenizer folder
-    check_visual_tokenizer(vtok_dir, text.layout)
+    if vtok_dir is None:
+        check_text_only(raw_dir, raw_m)
+    else:
+        check_visual_tokenizer(vtok_dir, text.layout)
     fingerprint = fingerprint_of(raw_m, tok_dir, vtok_dir, opts)
     if (
         dest.exists(MANIFEST_FILE)
@@ -140,7 +163,7 @@ def tokenize(
             shard_index,
             num_shards,
             str(tok_dir.resolve()),
-            str(vtok_dir.resolve()),
+            str(vtok_dir.resolve()) if vtok_dir else "",
             opts,
             fingerprint,
             device,
@@ -150,7 +173,7 @@ def tokenize(
         if not shard_done(sizes, records.get(shard_index), fingerprint)
     ]
     gpu_setup = None
-    if device is None or device.startswith("cuda"):
+    if vtok_dir is not None and (device is None or device.startswith("cuda")):
         from data.tokenize.remote_visual import gpu_setup_for
 
         gpu_setup = gpu_setup_for(str(vtok_dir.resolve()), str(tok_dir.resolve()))
@@ -182,7 +205,7 @@ def finalize_tokens(
     raw_m: dict,
     records: dict,
     tok_dir: Path,
-    vtok_dir: Path,
+    vtok_dir: Path | None,
     opts: TokenizeOptions,
     fp: str,
 ) -> dict:
@@ -193,7 +216,8 @@ def finalize_tokens(
         tdir.mkdir(parents=True, exist_ok=True)
         for name in (TOKENIZER_FILE, LAYOUT_FILE):
             shutil.copyfile(tok_dir / name, tdir / name)
-        shutil.copytree(vtok_dir, tdir / VISUAL_TOKENIZER_DIR, dirs_exist_ok=True)
+        if vtok_dir is not None:
+            shutil.copytree(vtok_dir, tdir / VISUAL_TOKENIZER_DIR, dirs_exist_ok=True)
         copied = sorted(str(path.relative_to(stage.path(""))) for path in tdir.rglob("*"))
         stage.publish([rel_path for rel_path in copied if stage.path(rel_path).is_file()])
         fingerprints = folder_fingerprints(tdir)  # of the copy, while the staging holds it
@@ -270,7 +294,8 @@ def merge_tokens(out: str | Path) -> dict:
         )
     first = next(iter(records.values()))
     raw = Folder(first["inputs"]["raw"])
-    tok_dir, vtok_dir = Path(first["inputs"]["tokenizer"]), Path(first["inputs"]["visual"])
+    tok_dir = Path(first["inputs"]["tokenizer"])
+    vtok_dir = Path(first["inputs"]["visual"]) if first["inputs"]["visual"] else None
     fingerprint = first["fingerprint"]
     sizes = dest.sizes()
     missing = [

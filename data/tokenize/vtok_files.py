@@ -1,6 +1,7 @@
 """The visual tokenizer's folder checked and fingerprinted without torch (the parent process of
 ``tokenize`` and text-only workers never import it; the model is built in the workers), and the
-fingerprints of a whole tokenizer folder, as a token manifest records them."""
+fingerprints of a whole tokenizer folder, as a token manifest records them, and the one comparison
+of two such records."""
 
 from __future__ import annotations
 
@@ -15,6 +16,35 @@ from data.names import VISUAL_WEIGHTS_FILE as WEIGHTS
 from data.text_tokenizer import TextTokenizer
 from data.vocab import VocabLayout
 
+# What a token manifest's ``tokenizers`` entry fingerprints, each as a message names it.
+TOKENIZER_PARTS = {
+    "text": "text tokenizer",
+    "layout": "vocabulary layout",
+    "visual": "visual tokenizer",
+}
+
+
+def tokenizer_key(tokenizers: dict) -> str:
+    """One string for a manifest's ``tokenizers`` entry (the folder's name left out)."""
+    return json.dumps({k: tokenizers[k] for k in TOKENIZER_PARTS}, sort_keys=True)
+
+
+def tokenizers_differ(theirs: str, mine: str | dict) -> str:
+    """How the tokenizers of ``theirs`` (a ``tokenizer_key``) are not ``mine`` (another, or a
+    release's fingerprints, which may record only some parts: only those are compared), e.g.
+    "text tokenizer, vocabulary layout differ"; "" when they are the same. A visual tokenizer
+    one side has none of (tokens of text and code alone) differs from none."""
+    ours = json.loads(mine) if isinstance(mine, str) else mine
+    other = json.loads(theirs or "{}")
+    differ = [
+        name
+        for k, name in TOKENIZER_PARTS.items()
+        if k in ours
+        and other.get(k) != ours[k]
+        and not (k == "visual" and None in (ours[k], other.get(k)))
+    ]
+    return f"{', '.join(differ)} differ{'s' if len(differ) == 1 else ''}" if differ else ""
+
 
 def weights_fingerprint(folder: str | Path) -> str:
     digest = hashlib.sha256()
@@ -26,19 +56,21 @@ def weights_fingerprint(folder: str | Path) -> str:
 
 
 def folder_fingerprints(folder: str | Path) -> dict:
-    """The ``tokenizers`` entry a token manifest would carry for this tokenizer folder."""
+    """The ``tokenizers`` entry a token manifest would carry for this tokenizer folder; its
+    ``visual`` is None for a folder without visual_tokenizer/ (tokens of text and code alone)."""
     folder = Path(folder)
-    if not (folder / VISUAL_TOKENIZER_DIR).is_dir():  # not a folder, or not a whole one
+    if not folder.is_dir():
         raise ValueError(
-            f"data.tokenizers: {folder} is not a tokenizer folder, or one without its "
-            f"{VISUAL_TOKENIZER_DIR}/ (it should hold tokenizer.json, vocab_layout.json and "
-            "visual_tokenizer/, like a token folder's tokenizers/)"
+            f"data.tokenizers: {folder} is not a tokenizer folder (it should hold "
+            "tokenizer.json, vocab_layout.json and visual_tokenizer/, like a token folder's "
+            "tokenizers/)"
         )
     text = TextTokenizer.load(folder)
+    visual = folder / VISUAL_TOKENIZER_DIR
     return {
         "text": text.fingerprint(),
         "layout": text.layout.fingerprint(),
-        "visual": weights_fingerprint(folder / VISUAL_TOKENIZER_DIR),
+        "visual": weights_fingerprint(visual) if visual.is_dir() else None,
     }
 
 

@@ -161,6 +161,32 @@ def test_ingest_on_ray_into_s3_gives_the_actors_the_drivers_settings(
     assert folder_bytes(remote, ".ingest") == folder_bytes(local, ".ingest")
 
 
+def test_a_nodes_own_storage_settings_win_over_the_drivers_unless_asked(
+    tmp_path_factory, monkeypatch
+):
+    """Nodes started with credentials of their own (here AWS_PROFILE) keep them, and take none
+    of the driver's (AWS_ACCESS_KEY_ID would win over the profile); settings they lack (a
+    region) come from the driver. Before, every actor got all the driver's over its node's.
+    --ray-storage-env driver asks for the driver's alone."""
+    from data.engine import run_jobs
+
+    monkeypatch.setenv("AWS_PROFILE", "driver-profile")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "driver-key")
+    monkeypatch.setenv("AWS_REGION", "driver-region")
+    own = LocalCluster(tmp_path_factory.mktemp("r"), env={"AWS_PROFILE": "node-profile"}).start()
+    try:
+        names = ["AWS_PROFILE", "AWS_ACCESS_KEY_ID", "AWS_REGION"]
+        for storage_env, seen in [
+            ("node", ["node-profile", None, "driver-region"]),
+            ("driver", ["driver-profile", "driver-key", "driver-region"]),
+        ]:
+            engine = EngineConfig("ray", address=own.address, storage_env=storage_env)
+            got = run_jobs(os.getenv, names, engine)  # in the order the jobs finish
+            assert sorted(got, key=str) == sorted(seen, key=str)
+    finally:
+        own.stop()
+
+
 def test_workers_bounds_the_actors_on_ray_one_included(cluster, tmp_path):
     (tmp_path / "in").mkdir()
     for name in "abc":  # three shard jobs: room for more than one actor
@@ -184,7 +210,7 @@ def test_an_address_where_no_ray_answers_is_refused_before_any_work(tmp_path):
     cmd = [sys.executable, "-m", "data.cli", "ingest", "--out", str(tmp_path / "out")]
     cmd += ["--source", f"text:{tmp_path}", "--engine", "ray", "--ray-address", address]
     run = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=120)
-    assert run.returncode == 1, run.stderr[-2000:]
+    assert run.returncode == 2, run.stderr[-2000:]
     assert f"--ray-address {address}: no Ray cluster answers there" in run.stderr
     assert not (tmp_path / "out").exists()
 

@@ -162,6 +162,18 @@ def test_a_folder_holding_shards_of_no_recorded_run_is_refused(planted_corpus, t
     assert sorted(p.name for p in out.rglob("*")) == ["photos", "shard-000000.tar"]
 
 
+def test_an_out_where_a_file_stands_is_refused_before_any_work(planted_corpus, tmp_path, capsys):
+    """Before: the inputs were planned, then mkdir's "[Errno 17] File exists" (or "Not a
+    directory" for a folder under the file), exit code 1."""
+    (tmp_path / "notes.txt").write_text("a file")
+    for out in (tmp_path / "notes.txt", tmp_path / "notes.txt" / "shards"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["ingest", "--out", str(out), "--source", planted_corpus["sources"][0]])
+        assert exit_info.value.code == 2
+        said = f"argument --out: {out}: {tmp_path / 'notes.txt'} is a file, not a folder"
+        assert said in capsys.readouterr().err
+
+
 def test_partition_and_shard_flags_out_of_range_are_refused_before_any_work(
     planted_corpus, tmp_path, capsys
 ):
@@ -170,12 +182,12 @@ def test_partition_and_shard_flags_out_of_range_are_refused_before_any_work(
         main(args + ["--num-partitions", "0"])
     assert exit_info.value.code == 2
     assert "--num-partitions: 0 is not a count" in capsys.readouterr().err
-    assert main(args + ["--shard-samples", "-3"]) == 1
+    assert main(args + ["--shard-samples", "-3"]) == 2
     assert "--shard-samples -3: give 0 (no limit) or more" in capsys.readouterr().err
     # checked before planning: an empty source (which planning refuses) is never listed
     (tmp_path / "empty").mkdir()
     empty = ["ingest", "--out", str(tmp_path / "out"), "--source", f"text:{tmp_path / 'empty'}"]
-    assert main(empty + ["--num-partitions", "2", "--partition", "5"]) == 1
+    assert main(empty + ["--num-partitions", "2", "--partition", "5"]) == 2
     assert "--partition 5 is outside 0..1" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
@@ -262,7 +274,7 @@ def test_verify_and_stats_name_an_index_line_that_is_not_an_entry(planted_corpus
         in (r["problems"])
     )
     capsys.readouterr()
-    assert main(["stats", str(out)]) == 1
+    assert main(["stats", str(out)]) == 2
     assert f"{shard['index']}:{lines}: not an index entry" in capsys.readouterr().err
 
 

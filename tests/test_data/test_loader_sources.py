@@ -191,6 +191,10 @@ def test_raw_sources_need_tokenizers_and_infinite_mode(tiny_raw, tiny_tokens, ti
     src = [SourceConfig(name="code", shards=[str(tiny_raw / "code")])]
     with pytest.raises(ValueError, match="raw shards.*set data.tokenizers"):
         build_loader(cfg(src), rank=0, world_size=1, micro_batch=2)
+    # a folder without visual_tokenizer/ (a text tokenizer's, or text-only tokens' tokenizers/)
+    no_visual = cfg(src, tokenizers=str(tiny_tokenizers[0]))
+    with pytest.raises(ValueError, match=r"raw shards.*set data.tokenizers.*visual_tokenizer/\)"):
+        build_loader(no_visual, rank=0, world_size=1, micro_batch=2)
     with pytest.raises(ValueError, match="epoch mode.*raw shards do not have"):
         build_loader(
             raw_cfg(tiny_raw, tiny_tokens, ("code",), mode="epoch"),
@@ -198,7 +202,8 @@ def test_raw_sources_need_tokenizers_and_infinite_mode(tiny_raw, tiny_tokens, ti
             world_size=1,
             micro_batch=2,
         )
-    # A token source made with other tokenizers than data.tokenizers is refused by name.
+    # A token source made with other tokenizers than data.tokenizers is refused by name, saying
+    # which of them differs (the comparison a release makes before scoring token shards).
     other = tiny_tokens.parent / "other_tok"
     shutil.copytree(tiny_tokens / "tokenizers", other, dirs_exist_ok=True)
     from safetensors.torch import load_file, save_file
@@ -208,7 +213,8 @@ def test_raw_sources_need_tokenizers_and_infinite_mode(tiny_raw, tiny_tokens, ti
         {k: v + 1 for k, v in w.items()}, str(other / "visual_tokenizer" / "model.safetensors")
     )
     tok = [SourceConfig(name="code", shards=[str(tiny_tokens / "code")])]
-    with pytest.raises(ValueError, match="source code was tokenized with other tokenizers"):
+    refusal = r"source code was tokenized with other tokenizers .*: visual tokenizer differs\)"
+    with pytest.raises(ValueError, match=refusal):
         build_loader(cfg(tok, tokenizers=str(other)), rank=0, world_size=1, micro_batch=2)
 
 

@@ -121,7 +121,7 @@ def test_a_bucket_that_does_not_exist_is_named_with_the_url(s3, planted_corpus, 
     from data.cli import main
 
     argv = ["ingest", "--out", "s3://nobucket/raw", "--no-progress", "--source"]
-    assert main(argv + [planted_corpus["sources"][0]]) == 1
+    assert main(argv + [planted_corpus["sources"][0]]) == 2
     err = capsys.readouterr().err
     assert "error: s3://nobucket/raw/" in err and "bucket does not exist" in err
 

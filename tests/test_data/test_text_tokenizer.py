@@ -91,7 +91,7 @@ def test_layout_travels_with_the_tokenizer(tok_dir, tok):
     assert set(info["chars_used"]) == {"code", "prose"}
 
 
-def test_weights_fix_the_share_of_characters(tok_dir, tmp_path):
+def test_weights_fix_the_share_of_characters(tok_dir, tmp_path, capsys):
     raw = tok_dir.parent / "raw"
     assert (
         main(
@@ -127,8 +127,11 @@ def test_weights_fix_the_share_of_characters(tok_dir, tmp_path):
                 "--no-progress",
             ]
         )
-        == 1
+        == 2  # a user error: one line, as a bad flag
     )
+    argv = ["train-text-tokenizer", "--in", str(raw), "--out", str(tmp_path / "v")]
+    assert main([*argv, "--fsq-levels", "8,x", "--no-progress"]) == 2
+    assert "--fsq-levels '8,x': expected whole numbers joined by commas" in capsys.readouterr().err
 
 
 def test_a_source_smaller_than_its_weight_is_used_once_never_repeated(tok_dir, tmp_path, capsys):

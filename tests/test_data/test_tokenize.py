@@ -123,6 +123,34 @@ def test_text_spans_are_the_exact_raw_text(tiny_raw, tiny_tokenizers, tokens):
     assert checked > 5
 
 
+def test_user_errors_are_one_line_and_exit_code_2_before_any_work(
+    tiny_raw, tiny_tokenizers, tmp_path, capsys
+):
+    """A folder that is not an ingest output, a device torch does not know or this machine does
+    not have: one line naming it, exit code 2 (as a bad flag), nothing written. Before: exit code
+    1, and a traceback for the device (torch's RuntimeError, or its AssertionError for CUDA)."""
+    import torch
+
+    text, visual = tiny_tokenizers
+    out = tmp_path / "t"
+    args = ["tokenize", "--in", str(tiny_raw), "--out", str(out), "--tokenizer", str(text)]
+    args += ["--visual-tokenizer", str(visual), "--no-progress"]
+    absent = f"cuda:{torch.cuda.device_count()}"  # one past this machine's GPUs
+    segments = json.loads((tiny_raw / "manifest.json").read_text())["totals"]["segments"]
+    images, videos = segments["image"], segments["video"]
+    for argv, said in [
+        (["tokenize", "--in", str(tmp_path), *args[3:]], f"{tmp_path}/manifest.json: no manifest"),
+        ([*args, "--device", "gpu0"], "--device 'gpu0': not a device (cpu, cuda, cuda:1, ...)"),
+        ([*args, "--device", absent], f"--device {absent}: this machine has "),
+        # without a visual tokenizer, a corpus holding images and videos (text alone needs none)
+        (args[:-3] + ["--no-progress"], f"{tiny_raw}: {images} image(s) and {videos} video(s)"),
+    ]:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"earlyfuse-prep tokenize: error: {said}") and err.count("\n") == 1
+        assert not out.exists()
+
+
 def test_resume_and_refusal(tiny_raw, tiny_tokenizers, tokens, tmp_path):
     text, visual = tiny_tokenizers
     out = tmp_path / "t"
@@ -148,7 +176,7 @@ def test_resume_and_refusal(tiny_raw, tiny_tokenizers, tokens, tmp_path):
     assert (out / victim["path"]).read_bytes() == before
     assert (out / other["index_bin"]).read_bytes() == index_bin
     # Other options would make other tokens: the folder is refused rather than mixed.
-    assert main(args + ["--video-fps", "2"]) == 1
+    assert main(args + ["--video-fps", "2"]) == 2
 
 
 def test_a_folder_holding_token_shards_of_no_recorded_run_is_refused(

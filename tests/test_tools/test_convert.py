@@ -479,3 +479,45 @@ def test_a_releases_visual_tokenizer_is_checked_against_its_recorded_sha256(
         ):
             load()
     rel.visual_tokenizer(verify=False)  # what state_dict(verify=True) uses once it has checked
+
+
+def test_a_text_only_corpus_needs_no_visual_tokenizer_from_tokenize_to_generate(
+    tiny_corpus, tiny_tokenizers, tiny_tokens, tmp_path, capsys
+):
+    """Before: tokenize required --visual-tokenizer whatever the corpus held. Now prose and code
+    tokenize without one; a run over them (beside a source with images, made with one) trains,
+    and its release carries the image source's visual tokenizer; a run over them alone gives a
+    release that continues text and refuses images by name (a corpus with images is still
+    refused without one: tests/test_data/test_tokenize.py)."""
+    from data.cli import main as prep_main
+    from data.ingest import ingest
+    from tools.generate import main as generate_main
+
+    raw, tokens = tmp_path / "raw", tmp_path / "tokens"
+    sources = [f"text:{tiny_corpus / 'text'}", f"code:{tiny_corpus / 'code'}"]
+    assert ingest(raw, sources)["finalized"]
+    argv = ["tokenize", "--in", str(raw), "--tokenizer", str(tiny_tokenizers[0]), "--no-progress"]
+    assert prep_main([*argv, "--out", str(tokens)]) == 0
+    manifest = json.loads((tokens / "manifest.json").read_text())
+    assert manifest["tokenizers"]["visual"] is None
+    assert not (tokens / "tokenizers" / "visual_tokenizer").exists()
+    capsys.readouterr()
+
+    def run(name, srcs):
+        listed = ",".join(f"{{name: {n}, shards: [{path}], weight: 1.0}}" for n, path in srcs)
+        train(["experiment=debug", f"data.sources=[{listed}]", f"run_dir={tmp_path / name}",
+               "train.steps=2", "train.micro_batch=2"])  # fmt: skip
+        make_release(tmp_path / name, tmp_path / f"{name}_rel", log=lambda *a, **k: None)
+        return tmp_path / f"{name}_rel"
+
+    mixed = run("mixed", [("text", tokens / "text"), ("scenes", tiny_tokens / "scenes")])
+    assert (mixed / "visual_tokenizer" / "model.safetensors").is_file()
+    alone = run("alone", [("text", tokens / "text"), ("code", tokens / "code")])
+    assert sorted(p.name for p in alone.iterdir()) == [
+        "config.json", "model.safetensors", "tokenizer.json", "vocab_layout.json"
+    ]  # fmt: skip
+    assert generate_main([str(alone), "--prompt", "def f", "--max-new-tokens", "3"]) == 0
+    out = tmp_path / "x.png"
+    assert generate_main([str(alone), "--draw", "a red square", "--out", str(out)]) == 2
+    said = "no visual_tokenizer/ (released with --no-tokenizers, or its model was trained on "
+    assert said + "tokens of text and code alone)" in capsys.readouterr().err

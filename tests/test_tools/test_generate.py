@@ -134,10 +134,10 @@ def test_draw_writes_a_png_that_decodes(release, tmp_path, capsys):
     with Image.open(free) as im:
         im.load()
         assert max(im.size) <= 5 * factor
-    assert generate_main([str(release), "--draw", "x", "--out", str(free), "--size", "99x99"]) == 1
+    assert generate_main([str(release), "--draw", "x", "--out", str(free), "--size", "99x99"]) == 2
     assert "outside 1..32" in capsys.readouterr().err
     # a largest side of 0 is refused, not taken for "no cap" (it drew the default grid)
-    assert generate_main([str(release), "--draw", "x", "--out", str(free), "--max-size", "0"]) == 1
+    assert generate_main([str(release), "--draw", "x", "--out", str(free), "--max-size", "0"]) == 2
     assert "--size/--max-size: largest side 0x0: must be at least 1" in capsys.readouterr().err
     # Classifier-free guidance: seeded draws repeat, and the guided picture is another one
     # (its codes come from other log-probabilities; model/generate.py tests the arithmetic).
@@ -232,22 +232,38 @@ def test_a_prompt_past_the_training_rows_runs_with_a_note(release, capsys):
     ],
 )
 def test_a_sampling_option_out_of_range_is_refused_by_name(release, capsys, flag, value, refusal):
-    assert generate_main([str(release), "--prompt", "x", flag, value]) == 1
+    assert generate_main([str(release), "--prompt", "x", flag, value]) == 2
     assert f"earlyfuse-generate: error: {refusal}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("scale", ["inf", "nan"])
 def test_a_guidance_that_is_not_a_finite_number_is_refused(release, tmp_path, capsys, scale):
     argv = [str(release), "--draw", "x", "--out", str(tmp_path / "x.png"), "--guidance", scale]
-    assert generate_main([*argv, "--temperature", "1"]) == 1
+    assert generate_main([*argv, "--temperature", "1"]) == 2
     err = capsys.readouterr().err
     assert f"earlyfuse-generate: error: guidance {scale}: must be a finite number (1: off)" in err
     assert not (tmp_path / "x.png").exists()
 
 
 def test_unusable_release_is_a_clear_error(release, tmp_path, capsys):
-    assert generate_main([str(tmp_path), "--prompt", "x"]) == 1
+    """User errors are one line and exit code 2 (before: 1; a device torch does not know or this
+    machine lacks was torch's traceback)."""
+    import torch
+
+    assert generate_main([str(tmp_path), "--prompt", "x"]) == 2
     assert "config.json: missing" in capsys.readouterr().err
+    absent = f"cuda:{torch.cuda.device_count()}"  # one past this machine's GPUs
+    for argv, said in [
+        (["--device", "gpu0"], "--device 'gpu0': not a device (cpu, cuda, cuda:1, ...)"),
+        (["--device", absent], f"--device {absent}: this machine has "),
+        (
+            ["--image", str(tmp_path / "nope.jpg"), "--caption"],
+            f"{tmp_path / 'nope.jpg'}: cannot read the image",
+        ),
+    ]:
+        assert generate_main([str(release), "--prompt", "x", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"earlyfuse-generate: error: {said}") and err.count("\n") == 1
 
 
 PEAK_RSS = (

@@ -17,7 +17,8 @@ import numpy as np
 from PIL import Image
 from trainrun import train
 
-from tools.report import main, write_report
+from tools.report import DEFAULT_SMOOTH, main, write_report
+from tools.report.page import header_lines
 from tools.report.run import load_run
 
 MODS = ("text", "code", "image", "video", "structure")
@@ -210,6 +211,14 @@ def test_report_of_a_real_vtok_run(tiny_raw, tmp_path):
     assert (
         page.count("data:image/png;base64,") == len(rep.panels) + 1
     )  # the panels and the reconstructions
+    # The run's warnings (tiny images skipped, PSNR below the equal-bits baselines after 4 steps)
+    # are in the summary table and report.png's header, not only in final.json's dump.
+    warnings = json.loads((run / "final.json").read_text())["warnings"]
+    header = [text for text, _, _ in header_lines(rep.run, DEFAULT_SMOOTH)]
+    assert any("baseline" in said for said in warnings)
+    for said in warnings:
+        assert f"<td>warning</td><td>{html.escape(said)}</td>" in page
+        assert f"warning: {said}" in header
 
 
 def test_missing_run_folder_fails_clearly(tmp_path, capsys):

@@ -116,7 +116,8 @@ def test_resume_config_differences_are_listed_and_the_breaking_ones_named():
 def test_data_sources_from_a_users_own_config_dir(tmp_path):
     """`earlyfuse-train --config-dir MY_CONFIGS data=mine`: the user's data/mine.yaml (here built
     on the demo's) composes onto the schema, also over an experiment's own data choice; a typo in
-    it is an error naming the key."""
+    it is one line naming the file and the key, exit code 2, as the same typo on the command line
+    is (before: Hydra's multi-line ConfigKeyError report, exit code 1)."""
     import subprocess
     import sys
 
@@ -133,8 +134,20 @@ def test_data_sources_from_a_users_own_config_dir(tmp_path):
     assert "- my/tokens/notes" in p.stdout and "seq_len: 1024" in p.stdout
     assert "runs/demo/val_tokens" in p.stdout  # the rest comes from the demo's data config
     (tmp_path / "data" / "typo.yaml").write_text("sources: []\nseq_lenn: 3\n")
-    p = subprocess.run(cmd + ["data=typo", "--cfg", "job"], capture_output=True, text=True)
-    assert p.returncode != 0 and "seq_lenn" in p.stderr
+    (tmp_path / "data" / "typo_in_list.yaml").write_text("sources:\n  - {name: a, shardz: [x]}\n")
+    (tmp_path / "data" / "not_a_number.yaml").write_text("seq_len: many\n")
+    for choice, problem in [
+        ("typo", "unknown config key data.seq_lenn (did you mean data.seq_len?)"),
+        ("typo_in_list", "unknown config key shardz (did you mean shards?)"),
+        ("not_a_number", "data.seq_len: Value 'many' of type 'str' could not be converted"),
+    ]:
+        p = subprocess.run(cmd + [f"data={choice}", "--cfg", "job"], capture_output=True, text=True)
+        assert p.returncode == 2, p.stderr
+        line = f"earlyfuse-train: {tmp_path / 'data' / choice}.yaml: {problem}"
+        assert p.stderr.startswith(line) and p.stderr.count("\n") == 1, p.stderr
+    # Errors of other kinds are still Hydra's own report (a config that is not there)
+    p = subprocess.run(cmd + ["data=absent", "--cfg", "job"], capture_output=True, text=True)
+    assert p.returncode == 1 and "Could not find 'data/absent'" in p.stderr
 
 
 def test_a_run_given_its_own_data_config_is_named_after_it(tmp_path, monkeypatch):

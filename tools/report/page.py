@@ -76,6 +76,7 @@ def overview(run: RunData, smooth: float) -> list[tuple[str, str]]:
     if notes:
         rows.append(("records", "; ".join(notes)))
     rows.append(("alarms", alarm_counts(run)))
+    rows += [("warning", str(said)) for said in run.final.get("warnings") or []]  # vtok's
     rows.append(("loss visible", visible_text(loss_visible(run.first_pass))))
     rows.append(
         (
@@ -211,6 +212,7 @@ def header_lines(run: RunData, smooth: float) -> list[tuple[str, float, str]]:
     final = [f"{k} {fmt(v)}" for k, v in sorted(run.final.items()) if k.startswith(HEADER_FINAL)]
     if final:
         mono.append(("final: " + "  ".join(final), 10))
+    mono += [(f"warning: {said}", 10) for said in run.final.get("warnings") or []]
     heldout = (run.heldout_eval.get("heldout") or {}).get("total") or {}
     if heldout:
         figures = [f"{m} {fmt(f['ce'], 3)}/{fmt(f.get('unigram'), 3)}" for m, f in heldout.items()]

@@ -40,7 +40,7 @@ from data.loader.fit import check_blocks_fit
 from data.loader.heldout import HeldoutPass, RankShare
 from data.loader.sample_check import modality_ranges
 from data.loader.table import TokenTable
-from data.names import LAYOUT_FILE
+from data.names import LAYOUT_FILE, VISUAL_TOKENIZER_DIR
 from data.unigram import Unigram
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
 from model.flops import flops_per_token
@@ -63,12 +63,15 @@ DROPPABLE = ("image", "video")  # modalities whose blocks the loader can drop (b
 def tokenizer_folder(cfg: RunConfig, tables: TableCache | None = None) -> Path:
     """The run's tokenizer folder: ``data.tokenizers`` when given, else the tokenizers/ copy that
     the first source with local token shards names (``TokenTable.layout_url``; a remote one is not
-    fetched). A ConfigError (earlyfuse-train: its message, no traceback) naming every place tried
+    fetched), the first one holding a visual tokenizer when a source of text and code alone (made
+    without one) comes before it, so that the release can encode and decode the images the model
+    learned. A ConfigError (earlyfuse-train: its message, no traceback) naming every place tried
     when there is none."""
     if cfg.data.tokenizers:
         return Path(cfg.data.tokenizers)
     tables = tables or TableCache()
-    tried = []
+    tried: list[str] = []
+    text_only: list[Path] = []
     for src in [*cfg.data.sources, *cfg.data.validation]:
         try:
             table = tables.get([src])[0]
@@ -79,9 +82,14 @@ def tokenizer_folder(cfg: RunConfig, tables: TableCache | None = None) -> Path:
             tried.append(f"source {src.name}: {'raw' if table.kind == 'raw' else 'remote'} shards")
             continue
         folder = Path(table.layout_url).parent
-        if folder.is_dir():
+        if (folder / VISUAL_TOKENIZER_DIR).is_dir():
             return folder
+        if folder.is_dir():
+            text_only.append(folder)
+            continue
         tried.append(f"{folder} (named by {table.manifest_url}, missing)")
+    if text_only:
+        return text_only[0]
     raise ConfigError(
         "cannot find the token data's tokenizers/ folder (tried: "
         f"{'; '.join(tried) or 'no data.sources'}); set data.tokenizers to it"
