@@ -1,7 +1,7 @@
 """``earlyfuse-convert``: checkpoints in and out of training runs, one subcommand per module
 (``tools/convert_<name>.py`` for each name in ``SUBCOMMANDS``: its ``HELP``, ``DESCRIPTION``,
 ``EXAMPLES``, ``add_arguments(parser)`` and ``run(args)``). Errors that users cause (a missing
-file, a truncated checkpoint, a mismatch) are one line naming the file, exit code 1.
+file, a truncated checkpoint, a mismatch) are one line naming the file, exit code 2.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except (ReleaseError, CheckpointError) as e:
         print(f"earlyfuse-convert {args.command}: error: {e}", file=sys.stderr)
-        return 1
+        return 2
 
 
 if __name__ == "__main__":

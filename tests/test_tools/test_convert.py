@@ -223,7 +223,7 @@ def test_import_starts_a_run_with_exactly_the_release_weights(runs, tiny_tokens,
     out = capsys.readouterr().out
     assert "fits the release" in out and f"train.init_from={rel.resolve()}" in out
     # A run whose shapes differ is refused before it starts, naming the tensor and the field.
-    assert convert_main(["import", str(rel), str(new), *args, "model.dim=32"]) == 1
+    assert convert_main(["import", str(rel), str(new), *args, "model.dim=32"]) == 2
     err = capsys.readouterr().err
     assert "tok_embeddings.weight" in err and "model.dim: release 64, run 32" in err
 
@@ -240,7 +240,7 @@ def test_import_starts_a_run_with_exactly_the_release_weights(runs, tiny_tokens,
     orig = Release(rel).state_dict()
     assert all(torch.equal(again[k], orig[k]) for k in orig)
     # The run now has a checkpoint: import refuses, a rerun resumes and ignores init_from.
-    assert convert_main(["import", str(rel), str(new)]) == 1
+    assert convert_main(["import", str(rel), str(new)]) == 2
     assert "already has a checkpoint" in capsys.readouterr().err
 
 
@@ -290,7 +290,7 @@ def test_damaged_files_are_errors_naming_the_file(runs, tmp_path, capsys):
         ReleaseError, match=r"model.safetensors: unreadable, truncated or corrupted"
     ):
         Release(rel).state_dict(verify=False)
-    assert convert_main(["import", str(rel), str(tmp_path / "x")]) == 1
+    assert convert_main(["import", str(rel), str(tmp_path / "x")]) == 2
     assert "model.safetensors" in capsys.readouterr().err
 
     for stage, name in (

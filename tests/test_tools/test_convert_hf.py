@@ -85,7 +85,7 @@ def test_a_feature_qwen3_lacks_is_refused_by_name(release, tmp_path, capsys):
     cfg["model"]["attention"].update(local_window=4, global_every=2)
     cfg["model"]["rope"]["local_theta"] = 100.0
     (bad / "config.json").write_text(json.dumps(cfg))
-    assert convert_main(["hf", str(bad), str(tmp_path / "hf")]) == 1
+    assert convert_main(["hf", str(bad), str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert "does not map onto Qwen3" in err and "rope.mrope_sections=[4, 2, 2] (M-RoPE" in err
     assert "reorder_norm=true" in err and "grid_embedding" not in err  # grids export (remote code)
@@ -97,7 +97,7 @@ def test_a_feature_qwen3_lacks_is_refused_by_name(release, tmp_path, capsys):
 def test_a_file_in_the_way_is_refused_or_replaced_with_force(release, tmp_path, capsys):
     out = tmp_path / "hf"
     out.write_text("not a folder")
-    assert convert_main(["hf", str(release), str(out)]) == 1
+    assert convert_main(["hf", str(release), str(out)]) == 2
     assert f"{out}: exists and is not empty; choose another folder or pass --force" in (
         capsys.readouterr().err
     )

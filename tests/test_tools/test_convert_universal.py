@@ -48,7 +48,7 @@ def test_universal_checkpoint_resumes_a_zero1_run_on_another_world_size(tiny_raw
         json.loads((run / "checkpoints" / "step_00000010" / "meta.json").read_text())["world_size"]
         == 1
     )
-    assert convert_main(["universal", str(run), "--step", "4"]) == 1  # exists: --force to redo
+    assert convert_main(["universal", str(run), "--step", "4"]) == 2  # exists: --force to redo
 
 
 def test_zero0_lm_run_resumes_on_another_world_size_directly(tiny_tokens, tmp_path):

@@ -222,14 +222,14 @@ def test_report_of_a_real_vtok_run(tiny_raw, tmp_path):
 
 
 def test_missing_run_folder_fails_clearly(tmp_path, capsys):
-    assert main([str(tmp_path / "nope")]) == 1
+    assert main([str(tmp_path / "nope")]) == 2
     assert f"no metrics.jsonl in {tmp_path / 'nope'}" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     script = (
         Path(sys.executable).parent / "earlyfuse-report"
     )  # the console script, as a user runs it
     p = subprocess.run([str(script), str(tmp_path / "empty")], capture_output=True, text=True)
-    assert p.returncode == 1 and str(tmp_path / "empty") in p.stderr and not p.stdout
+    assert p.returncode == 2 and str(tmp_path / "empty") in p.stderr and not p.stdout
     h = subprocess.run([str(script), "--help"], capture_output=True, text=True)
     assert (
         h.returncode == 0

@@ -134,7 +134,7 @@ def main(argv=None) -> int:
         rep = write_report(args.run_dir, args.out, args.smooth)
     except NoMetrics as e:
         print(f"earlyfuse-report: {e}", file=sys.stderr)
-        return 1
+        return 2
     run = rep.run
     print(
         f"{run.name} ({run.task}): step {run.last_step}/{run.total_steps or '?'}, {len(rep.panels)} panels, "
