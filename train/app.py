@@ -98,7 +98,7 @@ def run(cfg: RunConfig, resolved: str, extra_callbacks: CallbackFactory | None =
     import torch
 
     from train.build import build_trainer
-    from train.callbacks.preemption import listen_from_start
+    from train.callbacks.preemption import listen_from_start, stop_with_launcher
     from train.dist import all_reduce_sum, init_distributed, shutdown
     from train.run_lock import RunLock, RunLocked
     from train.safe_load import CheckpointError
@@ -106,6 +106,7 @@ def run(cfg: RunConfig, resolved: str, extra_callbacks: CallbackFactory | None =
     from train.trainer import RunHalted
 
     listen_from_start()  # a preemption signal while the run starts stops it after step 1
+    stop_with_launcher()  # its launcher killed with SIGKILL: a SIGTERM (stops as preempted)
     dist = init_distributed()
     if not dist.is_main:  # one console: rank 0's (the others still report warnings and errors)
         logging.getLogger("train").setLevel(logging.WARNING)

@@ -60,4 +60,24 @@ def init_from_release(model, cfg, task, is_main: bool = True) -> bool:
             "values are used:\n" + "\n".join(diff),
             flush=True,
         )
+    if is_lm:
+        note = rope_note(release.config, cfg.data.seq_len, model.cfg.rope.theta)
+        if note:
+            say(note, flush=True)
     return True
+
+
+def rope_note(release_config: dict, seq_len: int, theta: float) -> str | None:
+    """A line when the run's rows are longer than those the release was trained on while RoPE's
+    base is not raised: a long-context stage raises it with the row (docs/long_context.md), and
+    nothing else would say that it was left as it was. Not an error: a base already large
+    enough for the longer rows is a choice, not a slip."""
+    rows = release_config.get("packing", {}).get("seq_len")
+    base = release_config.get("model", {}).get("rope", {}).get("theta")
+    if not rows or base is None or seq_len <= rows or theta > base:
+        return None
+    return (
+        f"note: rows of {seq_len} tokens, {seq_len / rows:g}x the release's {rows}, with model.rope.theta "
+        f"not raised ({theta:g}, the release's {base:g}); a long-context stage raises it with the row "
+        "(docs/long_context.md, 'A long-context stage')"
+    )

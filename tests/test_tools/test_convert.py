@@ -259,6 +259,7 @@ def test_init_from_continues_at_longer_rows_with_a_larger_rope_base(runs, tiny_t
     p = train([*base(tiny_tokens, new, 1, "optim.lr=0.0", *stage), f"train.init_from={rel}"])
     assert "initialised from release" in p.stdout
     assert "model.rope.theta: release 10000.0, run 100000.0" in p.stdout
+    assert "not raised" not in p.stdout
     cfg = load_run_config(new / "config.yaml")
     batch = first_batch(cfg)
     assert batch["input_ids"].shape[1] == 1024 and int(batch["position_ids"].max()) >= 256
@@ -273,6 +274,23 @@ def test_init_from_continues_at_longer_rows_with_a_larger_rope_base(runs, tiny_t
         at_old_base = release.build_model().train()(**batch).loss.item()
     assert metrics(new)[1]["train/loss"] == pytest.approx(loss, abs=1e-6)
     assert abs(loss - at_old_base) > 1e-4  # the new base is the one in use
+
+
+def test_init_from_at_longer_rows_says_when_the_rope_base_is_not_raised(
+    runs, tiny_tokens, tmp_path
+):
+    """Rows 4x the release's with the base left as it was: the run goes on (a base may already be
+    large enough) and says so in one line, which is all a forgotten ``model.rope.theta`` leaves."""
+    rel = tmp_path / "rel"
+    make_release(runs[0], rel, log=quiet)
+    p = train(
+        [*base(tiny_tokens, tmp_path / "same", 1, "data.seq_len=1024"), f"train.init_from={rel}"]
+    )
+    assert p.returncode == 0
+    assert (
+        "rows of 1024 tokens, 4x the release's 256, with model.rope.theta not raised (10000"
+        in p.stdout
+    )
 
 
 def test_damaged_files_are_errors_naming_the_file(runs, tmp_path, capsys):

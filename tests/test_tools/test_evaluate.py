@@ -152,7 +152,7 @@ def test_token_data_of_other_tokenizers_is_refused_naming_the_source(
     wrong, right = str(tmp_path / "tokens"), str(tmp_path / "right")
     for flag, data, train in (("--data", wrong, right), ("--train-data", right, wrong)):
         argv = [str(debug_release), "--data", data, "--train-data", train, "--no-progress"]
-        assert eval_main(argv) == 1
+        assert eval_main(argv) == 2
         printed = capsys.readouterr()
         assert printed.out == ""  # no table of meaningless figures
         assert f"error: {flag}: source notes ({wrong}/manifest.json)" in printed.err
@@ -342,7 +342,7 @@ def test_rows_too_long_for_the_machine_are_refused_before_allocating(
     seq_len = math.isqrt(total // 5) + 128  # the mask just past the memory; activations small
     argv = [str(debug_release), "--data", str(tiny_tokens / "scenes"), "--max-docs", "3"]
     argv += ["--max-pairs", "0", "--no-progress", "--seq-len", str(seq_len), "--batch-rows", "1"]
-    assert eval_main(argv) == 1
+    assert eval_main(argv) == 2
     err = capsys.readouterr().err
     assert f"attention over 1 row(s) of {seq_len:,} tokens on the CPU needs a dense" in err
     assert "use shorter rows (--seq-len, data.seq_len)" in err

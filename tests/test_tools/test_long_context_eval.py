@@ -223,9 +223,9 @@ def test_long_context_evaluation_end_to_end(debug_release, tiny_tokens, tmp_path
 
 def test_bad_needle_flags_fail_before_the_held_out_pass(debug_release, tiny_tokens, capsys):
     argv = [str(debug_release), "--data", str(tiny_tokens), "--needle"]
-    assert eval_main([*argv, "--needle-depths", "0,1.5"]) == 1
+    assert eval_main([*argv, "--needle-depths", "0,1.5"]) == 2
     assert "--needle-depths 0,1.5: depths are fractions in [0, 1]" in capsys.readouterr().err
-    assert eval_main([*argv, "--needle-lengths", "256,x"]) == 1
+    assert eval_main([*argv, "--needle-lengths", "256,x"]) == 2
     assert "--needle-lengths '256,x'" in capsys.readouterr().err
 
 

@@ -188,6 +188,36 @@ def test_earlyfuse_torchrun_exits_0_when_its_signal_stopped_the_run_after_a_chec
     assert (run / "checkpoints" / "latest").read_text().strip() == found[0][1]
 
 
+def test_a_worker_whose_launcher_was_killed_with_minus_9_stops_with_a_checkpoint(
+    tiny_tokens, tmp_path
+):
+    """``kill -9`` of earlyfuse-torchrun. Before: its worker (in a session of its own) trained on
+    to the last step, holding the run folder: the same command again was refused ('in use by a
+    live run: pid ...')."""
+    run, log = tmp_path / "run", tmp_path / "launcher.log"
+    launcher = [sys.executable, "-m", "train.launch", "--nproc_per_node", "1"]
+    port = ["--master_port", str(29900 + os.getpid() % 90)]
+    args = base(tiny_tokens, run, 1000, sources={"scenes": 1.0})
+    proc = start([*launcher, *port, "-m", "train.app", *args], log)
+    wait_for_step(run, 2, proc, log)
+    worker = json.loads((run / "run.lock").read_text())["pid"]
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 600  # against a hang only: the worker finishes its step
+    try:
+        while time.monotonic() < deadline and Path(f"/proc/{worker}").exists():
+            time.sleep(0.5)
+        assert not Path(f"/proc/{worker}").exists(), log.read_text()[-3000:]
+    finally:
+        if Path(f"/proc/{worker}").exists():
+            os.kill(worker, signal.SIGKILL)
+    found = re.findall(
+        r"stopped by SIGTERM at step (\d+) of 1000 with checkpoint (step_\d+)", log.read_text()
+    )
+    assert len(found) == 1, log.read_text()[-3000:]
+    assert (run / "checkpoints" / "latest").read_text().strip() == found[0][1]
+
+
 def test_earlyfuse_torchrun_passes_on_a_workers_refusal_as_exit_code_2(tmp_path):
     """Before: torchrun's ChildFailedError traceback and exit code 1 (a scheduler requeues that)
     under the worker's one line."""

@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         ev = evaluate(args)
     except (ReleaseError, ValueError, OSError) as e:
         print(f"earlyfuse-eval: error: {e}", file=sys.stderr)
-        return 1
+        return 1 if type(e) is OSError else 2  # 1: disk full or I/O failing; 2: the user's
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(ev, indent=1) + "\n")

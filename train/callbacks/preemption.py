@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +38,34 @@ def _note_early(signum: int, frame) -> None:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
     _early.append(name)
+
+
+def stop_with_launcher() -> None:
+    """torchrun starts its workers in sessions of their own, and a launcher killed with SIGKILL
+    passes nothing on: its workers went on training, holding the run folder, until they ended.
+    A worker of torchrun (``TORCHELASTIC_RUN_ID`` set) asks Linux for a signal when its parent
+    dies and answers it with one SIGTERM to itself, so it stops as if preempted: a checkpoint at
+    the next step, then exit. Not SIGTERM itself: the signal comes again each time the thread the
+    worker is reparented to dies (the launcher's threads die one by one), and a second SIGTERM
+    ends a run without its checkpoint (the way out of a hung save)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    signal.signal(signal.SIGUSR2, _launcher_died)
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGUSR2))  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the launcher died before the request: nothing will send it
+        _launcher_died(int(signal.SIGUSR2), None)
+
+
+_orphaned: list[int] = []
+
+
+def _launcher_died(signum: int, frame) -> None:
+    if not _orphaned:  # once, however many of the launcher's threads announce it
+        _orphaned.append(signum)
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def listen_from_start() -> None:
