@@ -36,10 +36,11 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
     olds = [ws or fresh for ws in by_consumer]
     n = loader.consumers
     new = [copy.deepcopy(fresh) for _ in range(n)]
+    same_mix = old[0]["shares"] == loader.state_dict()["shares"]  # new weights: mixed from here
     for s, t in enumerate(loader.tables):
         epoch, masks = _consumed(s, len(t), olds)
         total = sum(st["cursors"][s][2] for st in olds)
-        mix = sum(st["mix"][s] for st in olds)
+        mix = sum(st["mix"][s] for st in olds) if same_mix else 0  # epoch mode counts it
         for k, st in enumerate(new):
             st["cursors"][s] = [epoch, 0, total // n + (k < total % n), 0]
             st["mix"][s] = mix // n + (k < mix % n)
@@ -72,7 +73,6 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
     mine = range(loader.rank * loader.workers, (loader.rank + 1) * loader.workers)
     return {
         **loader.state_dict(),
-        "shares": old[0]["shares"],  # the mix's: a change of weights is seen on loading
         "handed_out": 0,
         "batch_limit": limit,
         "worker_states": {str(w): new[c] for w, c in enumerate(mine)},

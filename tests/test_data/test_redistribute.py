@@ -110,6 +110,20 @@ def test_epoch_mode_delivers_every_document_once_across_a_redistribute(
             assert torch.equal(a[key], b[key]), key
 
 
+def test_epoch_mode_counts_a_redistribute_with_new_weights_as_it_packs(tiny_tokens):
+    """New weights on a redistribute start the mix from 0: the batches counted for epoch mode
+    are those the new consumers then pack (counted from the old mix, rank 0 was promised one
+    more batch than it could fill)."""
+    cfg = cfg_for(tiny_tokens, EPOCH, mode="epoch")
+    tables = [load_table(s) for s in cfg.sources]
+    old = loaders(cfg, tables, 2)
+    take(old[0], 3), take(old[1], 2)
+    states = [ld.state_dict() for ld in old]
+    weights = {"scenes": 5.0, "digits": 1.0, "text": 1.0, "docs": 1.0}
+    (new,) = onto(states, cfg_for(tiny_tokens, weights, mode="epoch"), tables, 1)
+    assert len(take(new)) == new.batch_limit
+
+
 def _through_redistributes(cfg, tables) -> tuple[list[dict], list]:
     """2 ranks for 15 steps, then 3 for 6, then 1 for 60: the batches, and the last loaders."""
     batches, lds = [], loaders(cfg, tables, 2)
