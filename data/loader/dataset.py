@@ -369,27 +369,25 @@ def check_tokenizers(cfg: LoaderConfig, tables: list[SampleTable]) -> None:
     from data.loader.online import online_options
     from data.tokenize.vtok_files import folder_fingerprints, tokenizer_key, tokenizers_differ
 
-    want = tokenizer_key(folder_fingerprints(cfg.tokenizers)) if cfg.tokenizers else None
+    mine = tokenizer_key(folder_fingerprints(cfg.tokenizers)) if cfg.tokenizers else None
+    want, first = mine, f"the tokenizers in {cfg.tokenizers}"
     for t in tables:
         if t.kind == "raw":
-            if want is None or json.loads(want)["visual"] is None:
+            if mine is None or json.loads(mine)["visual"] is None:
                 raise ValueError(
                     f"source {t.name} holds raw shards ({t.manifest_url}): set data.tokenizers to "
                     "the tokenizer folder to tokenize them with (with its visual_tokenizer/)"
                 )
             # The options change the tokens: they belong to what a loader state must match.
-            t.tokenizer_fingerprint = want + json.dumps(
+            t.tokenizer_fingerprint = mine + json.dumps(
                 online_options(cfg).record(), sort_keys=True
             )
             continue
-        want = want or t.tokenizer_fingerprint
-        if differ := tokenizers_differ(t.tokenizer_fingerprint, want):
-            where = (
-                f"the tokenizers in {cfg.tokenizers}"
-                if cfg.tokenizers
-                else f"source {tables[0].name}'s"
-            )
+        if differ := tokenizers_differ(t.tokenizer_fingerprint, want or t.tokenizer_fingerprint):
             raise ValueError(
-                f"source {t.name} was tokenized with other tokenizers than {where} "
+                f"source {t.name} was tokenized with other tokenizers than {first} "
                 f"({t.manifest_url}: {differ}); its ids would mean other things"
             )
+        # Sources of text alone leave the visual tokenizer open: the first that has one sets it
+        if not (want and json.loads(want)["visual"]):
+            want, first = t.tokenizer_fingerprint, f"source {t.name}'s"

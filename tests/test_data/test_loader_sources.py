@@ -191,6 +191,9 @@ def test_raw_sources_need_tokenizers_and_infinite_mode(tiny_raw, tiny_tokens, ti
     src = [SourceConfig(name="code", shards=[str(tiny_raw / "code")])]
     with pytest.raises(ValueError, match="raw shards.*set data.tokenizers"):
         build_loader(cfg(src), rank=0, world_size=1, micro_batch=2)
+    after_tokens = [SourceConfig(name="scenes", shards=[str(tiny_tokens / "scenes")]), *src]
+    with pytest.raises(ValueError, match="source code holds raw shards.*set data.tokenizers"):
+        build_loader(cfg(after_tokens), rank=0, world_size=1, micro_batch=2)
     # a folder without visual_tokenizer/ (a text tokenizer's, or text-only tokens' tokenizers/)
     no_visual = cfg(src, tokenizers=str(tiny_tokenizers[0]))
     with pytest.raises(ValueError, match=r"raw shards.*set data.tokenizers.*visual_tokenizer/\)"):
@@ -216,6 +219,32 @@ def test_raw_sources_need_tokenizers_and_infinite_mode(tiny_raw, tiny_tokens, ti
     refusal = r"source code was tokenized with other tokenizers .*: visual tokenizer differs\)"
     with pytest.raises(ValueError, match=refusal):
         build_loader(cfg(tok, tokenizers=str(other)), rank=0, world_size=1, micro_batch=2)
+
+
+def test_sources_of_text_alone_first_leave_no_two_visual_tokenizers_through(tiny_tokens, tmp_path):
+    """Tokens of text alone (manifest ``visual`` null) mix with image tokens, but the first
+    source with a visual tokenizer sets it for the others: compared with a text-only source
+    alone, a second visual tokenizer got through."""
+    import json
+
+    def with_visual(name, visual):
+        folder = tmp_path / name
+        shutil.copytree(tiny_tokens, folder)
+        manifest = json.loads((folder / "manifest.json").read_text())
+        manifest["tokenizers"]["visual"] = visual
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+        return folder
+
+    text_only, other = with_visual("text_only", None), with_visual("other", "0123456789abcdef")
+    srcs = [
+        SourceConfig(name="notes", shards=[str(text_only / "text")]),
+        SourceConfig(name="code", shards=[str(tiny_tokens / "code")]),
+    ]
+    build_loader(cfg(srcs), rank=0, world_size=1, micro_batch=2)  # text alone, then images
+    srcs.append(SourceConfig(name="scenes", shards=[str(other / "scenes")]))
+    refusal = r"source scenes was tokenized with other tokenizers than source code's .*: visual"
+    with pytest.raises(ValueError, match=refusal):
+        build_loader(cfg(srcs), rank=0, world_size=1, micro_batch=2)
 
 
 def test_short_pipe_output_is_an_error_never_cached(tiny_tokens, tmp_path):
