@@ -266,3 +266,37 @@ def test_a_signal_kept_while_one_run_started_is_not_the_next_runs():
         for sig, handler in before.items():
             signal.signal(sig, handler)
         preemption._original.clear()
+
+
+def test_a_launchers_death_after_it_passed_a_sigterm_on_does_not_end_the_run_unsaved():
+    """torchrun passes a SIGTERM on and then dies (signalled again, or killed with -9 while it
+    waits): the worker's own SIGTERM for the launcher's death would be the second one, which ends
+    the run at once, without the checkpoint the first one asked for."""
+    script = """
+import os, signal, torch
+from train.callbacks import preemption as p
+for stage in ("while starting", "while training"):
+    p._orphaned.clear()
+    p.listen_from_start()
+    p.stop_with_launcher()
+    if stage == "while training":
+        trainer_handler = p.Preemption(device=torch.device("cpu"))
+        trainer_handler.pre_train(None, 0)
+    os.kill(os.getpid(), signal.SIGTERM)  # passed on by the launcher
+    p._launcher_died(int(signal.SIGUSR2), None)  # then it dies, announced by two threads
+    p._launcher_died(int(signal.SIGUSR2), None)
+    print(stage, p._early, flush=True)
+p.listen_from_start()  # no stop pending: its death alone is one SIGTERM, which stops the run
+p._orphaned.clear()
+p._launcher_died(int(signal.SIGUSR2), None)
+p._launcher_died(int(signal.SIGUSR2), None)
+print("alone", p._early, flush=True)
+"""
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "test"}
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert p.returncode == 0, (p.returncode, p.stdout, p.stderr)
+    assert p.stdout.splitlines() == [
+        "while starting ['SIGTERM']",
+        "while training ['SIGTERM']",
+        "alone ['SIGTERM']",
+    ]

@@ -27,7 +27,9 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 FLAG = "signal/preempt"  # ranks that received a signal, in a step's reduced sums
 
 
-# Signals received while the run starts (listen_from_start), and the handlers before that.
+# Signals received since the run started (listen_from_start): those before the trainer's handler
+# existed are the trainer's to act on; a pending one keeps _launcher_died from sending another.
+# The handlers before listen_from_start.
 _early: list[str] = []
 _original: dict[int, object] = {}
 
@@ -47,7 +49,8 @@ def stop_with_launcher() -> None:
     dies and answers it with one SIGTERM to itself, so it stops as if preempted: a checkpoint at
     the next step, then exit. Not SIGTERM itself: the signal comes again each time the thread the
     worker is reparented to dies (the launcher's threads die one by one), and a second SIGTERM
-    ends a run without its checkpoint (the way out of a hung save)."""
+    ends a run without its checkpoint (the way out of a hung save): none is sent when a signal
+    the launcher passed on before it died is already stopping the run."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -63,7 +66,9 @@ _orphaned: list[int] = []
 
 
 def _launcher_died(signum: int, frame) -> None:
-    if not _orphaned:  # once, however many of the launcher's threads announce it
+    # Once, however many of the launcher's threads announce it, and not when a stop is pending
+    # (torchrun passed a SIGTERM on, then died): that second SIGTERM would end the run unsaved.
+    if not (_orphaned or _early):
         _orphaned.append(signum)
         os.kill(os.getpid(), signal.SIGTERM)
 
@@ -97,6 +102,7 @@ class Preemption(Callback):
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
         self.received = name
+        _early.append(name)  # for _launcher_died
 
     def step_flags(self, trainer: Trainer) -> dict[str, float]:
         return {FLAG: 1.0 if self.received else 0.0}
