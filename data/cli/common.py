@@ -79,6 +79,15 @@ def out_folder(text: str) -> Path | str:
     return out
 
 
+def out_file(text: str) -> Path:
+    """An output file refused before any work when it is a folder, or a file stands where a
+    folder above it would be (``out_folder``): written at the end, its work would be lost."""
+    if Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder, not a file")
+    out_folder(str(Path(text).parent))
+    return Path(text)
+
+
 def checked_device(name: str, *, here: bool = True) -> str:
     """A torch device name (cpu, cuda, cuda:1) checked before any work: a ValueError naming it
     when torch has no such kind of device, or (``here``) when this machine has no such device

@@ -183,6 +183,22 @@ def test_a_row_length_or_batch_below_one_is_refused_by_name(flag, capsys):
         assert f"argument {flag}: {value} is not a count" in capsys.readouterr().err
 
 
+def test_an_out_file_that_cannot_be_written_is_refused_before_evaluating(tmp_path, capsys):
+    """--out is written after the evaluation: under a file, or at a folder, it failed then with
+    a traceback, the figures lost."""
+    from tools.evaluate import build_parser
+
+    (tmp_path / "notes.txt").write_text("a file")
+    for out, problem in [
+        (tmp_path / "notes.txt" / "ev.json", f"{tmp_path / 'notes.txt'} is a file, not a folder"),
+        (tmp_path, f"{tmp_path} is a folder, not a file"),
+    ]:
+        with pytest.raises(SystemExit) as exit_code:
+            build_parser().parse_args(["REL", "--data", "VAL", "--out", str(out)])
+        assert exit_code.value.code == 2
+        assert problem in capsys.readouterr().err
+
+
 def test_scenes_read_from_raw_shards_are_the_ingested_scenes(tiny_corpus, tiny_raw, tmp_path):
     """``--scenes RAW_DIR`` scores the scenes that ingest wrote (the held-out set as it is),
     with the bytes of their pictures; a scene that ingest kept out is not scored."""

@@ -253,7 +253,7 @@ def needle_options(args, seq_len: int) -> tuple[list[int], tuple[float, ...]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from data.cli.common import positive_int
+    from data.cli.common import out_file, positive_int
 
     pair = argparse.ArgumentParser(
         prog="earlyfuse-eval",
@@ -290,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
         "out as duplicates of training documents are not scored) or a scene table "
         "(scenes.jsonl, drawings.jsonl)",
     )
-    pair.add_argument("--out", metavar="JSON", help="write the figures here")
+    pair.add_argument("--out", metavar="JSON", type=out_file, help="write the figures here")
     pair.add_argument(
         "--seq-len",
         type=positive_int,
