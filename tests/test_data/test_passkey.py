@@ -69,7 +69,7 @@ def test_the_prep_command_writes_the_documents(tmp_path, capsys):
     write_passkey_documents(again, 5, seed=2, min_sentences=8, max_sentences=40, digits=(4, 4))
     assert out.read_bytes() == again.read_bytes()
     assert all(len(json.loads(line)["key"]) == 4 for line in out.read_text().splitlines())
-    assert prep_main(["passkey", "--out", str(out), "--count", "2", "--sentences", "40,8"]) == 1
+    assert prep_main(["passkey", "--out", str(out), "--count", "2", "--sentences", "40,8"]) == 2
     assert "sentences 40..8" in capsys.readouterr().err
-    assert prep_main(["passkey", "--out", str(out), "--count", "2", "--digits", "five"]) == 1
+    assert prep_main(["passkey", "--out", str(out), "--count", "2", "--digits", "five"]) == 2
     assert "--digits 'five'" in capsys.readouterr().err

@@ -164,7 +164,7 @@ def test_every_checkpoint_tool_runs_nothing_from_a_crafted_file(runs, tmp_path, 
     with pytest.raises(ReleaseError, match="model.safetensors"):
         Release(rel).state_dict()  # what train.init_from reads
     for argv in (["hf", str(rel), str(tmp_path / "hf")], ["import", str(rel), str(tmp_path / "x")]):
-        assert convert_main(argv) == 1
+        assert convert_main(argv) == 2
         assert "model.safetensors" in capsys.readouterr().err
     assert not marker.exists()
 
