@@ -399,6 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from data.cli.common import USER_ERRORS
     from tools.evaluate.table import format_eval
     from train.release import ReleaseError
 
@@ -407,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         ev = evaluate(args)
     except (ReleaseError, ValueError, OSError) as e:
         print(f"earlyfuse-eval: error: {e}", file=sys.stderr)
-        return 1 if type(e) is OSError else 2  # 1: disk full or I/O failing; 2: the user's
+        return 2 if isinstance(e, USER_ERRORS) else 1  # as earlyfuse-prep decides
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(ev, indent=1) + "\n")
