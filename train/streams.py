@@ -120,22 +120,29 @@ class TokenStream:
             "workers": loader.workers,
             "micro_batch": loader.micro_batch,
         }
-        if own is not None and same_place(own, loader.rank, split):
-            loader.load_state_dict(own)
-            return None
+        from data.loader.redistribute import consumer_states, redistribute
+
         # The ranks of a sequence-parallel group save the same state (their loader is the data
         # rank's): one per old loader rank. When the SP degree changed but the data-parallel split
         # did not, the old rank that read this rank's rows is among them, and taken as it is.
-        old = list({state["rank"]: state for state in every_rank()}.values())
-        same = [state for state in old if same_place(state, loader.rank, split)]
-        if same:
-            loader.load_state_dict(same[0])
+        def old() -> list[dict]:
+            return list({state["rank"]: state for state in every_rank()}.values())
+
+        if own is None or not same_place(own, loader.rank, split):
+            own = next((st for st in old() if same_place(st, loader.rank, split)), None)
+        if own is not None:
+            loader.load_state_dict(own)
+            if loader.batch_limit is not None and own["shares"] != loader.state_dict()["shares"]:
+                # Epoch mode, new weights: how many batches a consumer can fill changes with the
+                # mix, and every rank must stop after as many: counted again from all positions
+                fresh = loader.make_stream(0, dry=True).state_dict()
+                zero = {"mix": [0] * len(loader.tables)}  # as load_state_dict sets them
+                states = [st | zero for st in consumer_states(old(), fresh)]
+                loader.batch_limit = loader.count_batches(states)
             return None
         # Another data-parallel size, worker count or micro batch: a split of its own, computed by
         # every rank from all old ranks' states (no communication).
-        from data.loader.redistribute import redistribute
-
-        state = redistribute(old, loader)
+        state = redistribute(old(), loader)
         loader.load_state_dict(state)
         return (
             f"the loader's state was redistributed from "

@@ -137,14 +137,14 @@ class PackedLoader:
 
     def count_batches(self, states: list[dict] | None = None) -> int:
         """Batches every consumer yields in epoch mode: the fewest any consumer can fill, packing
-        dry from the start or from ``states`` (one per consumer: a redistributed split)."""
+        dry from the start or from ``states`` (one per consumer), those in a state counted too."""
         counts = []
         for c in range(self.consumers):
             s = self.make_stream(0, consumer=c, dry=True)
             if states is not None:
                 s.load_state_dict(states[c])
             s.batch_limit = None
-            counts.append(sum(1 for _ in iter(s.next_batch, None)))  # a dry batch is {}
+            counts.append(s.batches + sum(1 for _ in iter(s.next_batch, None)))  # dry: {}
         return min(counts)
 
     def __iter__(self):

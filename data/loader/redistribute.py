@@ -25,16 +25,9 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
     """This rank's state for ``loader`` (any world size and workers), from every old rank's
     ``PackedLoader.state_dict()``; ``loader.load_state_dict`` accepts it."""
     _check(old, loader)
-    old_n = old[0]["world_size"] * old[0]["workers"]
-    by_consumer: list[dict | None] = [None] * old_n
-    for st in old:
-        for w, ws in st["worker_states"].items():
-            by_consumer[st["rank"] * st["workers"] + int(w)] = ws
-    # A consumer's state at the start, as a stream writes it (an old worker that never handed out
-    # a batch is at 0; the new consumers' counters start there and the old ones' are added)
+    # The new consumers' counters start at a fresh stream's and the old ones' are added
     fresh = loader.make_stream(0, dry=True).state_dict()
-    olds = [ws or fresh for ws in by_consumer]
-    n = loader.consumers
+    olds, n = consumer_states(old, fresh), loader.consumers
     new = [copy.deepcopy(fresh) for _ in range(n)]
     same_mix = old[0]["shares"] == loader.state_dict()["shares"]  # new weights: mixed from here
     for s, t in enumerate(loader.tables):
@@ -79,9 +72,18 @@ def redistribute(old: list[dict], loader: PackedLoader) -> dict:
         "redistributed": {
             "from_world_size": old[0]["world_size"],
             "from_workers": old[0]["workers"],
-            "from_consumers": old_n,
+            "from_consumers": len(olds),
         },
     }
+
+
+def consumer_states(old: list[dict], fresh: dict) -> list[dict]:
+    """Every old consumer's state in consumer order, ``fresh`` where a worker handed out none."""
+    out = [fresh] * (old[0]["world_size"] * old[0]["workers"])
+    for st in old:
+        for w, ws in st["worker_states"].items():
+            out[st["rank"] * st["workers"] + int(w)] = ws
+    return out
 
 
 def _sum_drops(a: list, b: list) -> list:

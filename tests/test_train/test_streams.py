@@ -42,3 +42,48 @@ def test_a_source_that_cannot_be_read_is_a_config_error(tiny_tokens, tmp_path):
     next(code.glob("*.tar")).unlink()
     with pytest.raises(ConfigError, match=r"source code: .*/tokens/code' matches no shard"):
         TableCache().get([SourceConfig(name="code", shards=[str(code)])])
+
+
+def test_epoch_mode_resumed_with_new_weights_gives_every_rank_as_many_batches(tiny_tokens):
+    """How many batches a consumer can fill depends on the mix. Before, a plain resume with new
+    weights kept the count made with the old ones: here rank 0 then ran out one batch before
+    the three others (10 against 11), and the ranks' steps no longer matched."""
+    import json
+
+    from data.loader import SourceConfig
+    from data.loader.dataset import PackedLoader
+    from data.loader.table_load import load_table
+
+    def loaders(weights):
+        names = ("scenes", "digits", "text", "docs")
+        sources = [
+            SourceConfig(name=n, shards=[str(tiny_tokens / n)], weight=w)
+            for n, w in zip(names, weights)
+        ]
+        cfg = tiny_loader_config(tiny_tokens, sources=sources, mode="epoch", num_workers=0)
+        tables = [load_table(s) for s in cfg.sources]
+        return [
+            PackedLoader(cfg, tables, rank=r, world_size=4, micro_batch=1, pad_id=0)
+            for r in range(4)
+        ]
+
+    def take(loader, n=None):
+        it, out = iter(loader), []
+        for batch in it:
+            out.append(batch)
+            if len(out) == n:
+                break
+        it.close()
+        return out
+
+    old = loaders([1.0] * 4)
+    for ld in old:
+        take(ld, 1)
+    states = [json.loads(json.dumps(ld.state_dict())) for ld in old]
+    new = loaders([1.0, 1.0, 1.0, 9.0])
+    got = []
+    for ld, st in zip(new, states):
+        TokenStream(ld).resume(st, lambda: states)
+        got.append(len(take(ld)))
+    assert len({ld.batch_limit for ld in new}) == 1
+    assert got == [new[0].batch_limit - 1] * 4, (got, states[0]["batch_limit"])
