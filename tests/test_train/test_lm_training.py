@@ -224,3 +224,21 @@ def test_the_probes_read_the_training_sources_when_validation_holds_no_image(tin
     assert chosen(["scenes", "code"], ["text"]) == ["scenes", "code"]
     assert chosen(["scenes", "code"], ["scenes", "text"]) == ["scenes", "text"]
     assert chosen(["text", "code"], ["text"]) == ["text"]  # no images anywhere: held-out as is
+
+
+def test_settings_that_do_nothing_at_these_rows_are_noted(tiny_tokens):
+    """A local window as long as the row, and clips tokenized to fewer tokens than a longer
+    stage's rows hold, trained without a word."""
+    from factories import tiny_loader_config
+
+    from data.loader.table_load import load_table
+    from train.tasks.lm import long_row_notes
+
+    data = tiny_loader_config(tiny_tokens, seq_len=1024)
+    tables = [load_table(s) for s in data.sources]
+    notes = long_row_notes(data, 1024, tables)
+    assert notes[0].startswith("note: model.attention.local_window=1024 >= data.seq_len=1024")
+    # The two sources with clips (the interleaved documents have some), tokenized to 240 at most
+    assert [n.split("'")[0] for n in notes[1:]] == ["note: source clips", "note: source docs"]
+    assert all("at most 240 tokens each" in n and "--doc-budget 1024" in n for n in notes[1:])
+    assert long_row_notes(tiny_loader_config(tiny_tokens), 128, tables) == []

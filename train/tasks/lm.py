@@ -211,6 +211,29 @@ def probe_sources(data: LoaderConfig, tables: TableCache, unigram: Unigram | Non
     return data.sources
 
 
+def long_row_notes(data: LoaderConfig, local_window: int, tables: list) -> list[str]:
+    """Lines for settings that do nothing at these rows, each meant for longer ones perhaps: a
+    local window as long as the row, clips tokenized for shorter rows (their frames are not
+    re-encoded to use a longer row; tokenize again for that)."""
+    out = []
+    if local_window >= data.seq_len:
+        out.append(
+            f"note: model.attention.local_window={local_window} >= data.seq_len={data.seq_len}: "
+            "the local layers see the whole row, as the global ones do"
+        )
+    for t in tables:
+        cap = (t.tokenize_options or {}).get("video_max_tokens") if t.kind == "tokens" else None
+        longest = max((int(s["video"]["longest"]) for s in t.shard_blocks), default=0)
+        # Rows that could hold clips twice as long, and a clip long enough to have met the cap
+        if cap and 2 * cap <= data.seq_len and longest > cap // 2:
+            out.append(
+                f"note: source {t.name}'s clips were tokenized to at most {cap} tokens each (the "
+                f"longest {longest}), rows hold {data.seq_len}: for longer clips tokenize again "
+                f"with --doc-budget {data.seq_len} (docs/long_context.md)"
+            )
+    return out
+
+
 class LMTask:
     unit = "tok"
 
@@ -248,6 +271,9 @@ class LMTask:
             leave_out_unreadable_sources(cfg.data.sources, tables, unreadable, dist.is_main)
         else:  # raw sources are tokenized online: no token counts before training
             self.unigram = None
+        if dist.is_main:
+            for line in long_row_notes(cfg.data, self.model_cfg.attention.local_window, tables):
+                log.info(line)
 
     def build_model(self):
         model = self.model_cfg.build()
