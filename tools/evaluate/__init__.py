@@ -365,8 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     long.add_argument(
         "--needle-lengths",
         metavar="N,N,...",
-        help="sequence lengths of the needle tables, up to the model's max positions (default: "
-        "the row length, 2x and 4x it)",
+        help="sequence lengths of the needle tables (default: the row length, 2x and 4x it); "
+        "attention's cost grows with the square of the length: mind it on a CPU",
     )
     long.add_argument(
         "--needle-depths",
