@@ -6,8 +6,9 @@ Design choices:
   colour of their own); greyscale, CMYK and 16-bit modes become 8-bit RGB.
 - An embedded ICC profile other than sRGB (a camera's Adobe RGB, a phone's Display P3, a print
   CMYK or grey profile) is converted to sRGB by LittleCMS (Pillow's ImageCms), in every mode
-  that carries one (palette and grey + alpha too): the model learns and draws colours in one
-  space. A profile counts as sRGB by what it does, not by its description (``_to_srgb``).
+  that carries one (palette, grey + alpha and 16-bit grey too): the model learns and draws
+  colours in one space. A profile counts as sRGB by what it does, not by its description
+  (``_to_srgb``).
   Without a profile, or with one that cannot be read, the pixels are taken as sRGB.
 - The output keeps the aspect ratio, has sides that are multiples of the tokenizer's spatial
   factor, stays within a pixel budget and at most ``max_grid`` tokens per side: grids vary in
@@ -110,6 +111,15 @@ def _to_srgb(icc: bytes, mode: str) -> ImageCms.ImageCmsTransform | None:
 
 def to_rgb(image: Image.Image) -> Image.Image:
     icc = image.info.get("icc_profile")
+    if image.mode in ("I;16", "I;16B", "I;16L", "I", "F"):  # 8-bit grey, which its profile converts
+        pixels = np.asarray(image, dtype=np.float32)
+        if image.mode == "F":
+            pixels = (pixels - pixels.min()) / max(1e-12, float(pixels.max() - pixels.min())) * 255
+        elif image.mode == "I":
+            pixels = pixels / max(1.0, float(pixels.max())) * 255.0
+        else:
+            pixels = pixels / 257.0
+        image = Image.fromarray(pixels.clip(0, 255).astype(np.uint8))
     if icc and image.mode in ("P", "PA"):  # a palette's colours are in the profile's space
         alpha = image.mode == "PA" or "transparency" in image.info
         image = image.convert("RGBA" if alpha else "RGB")
@@ -127,16 +137,6 @@ def to_rgb(image: Image.Image) -> Image.Image:
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
-    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
-        pixels = np.asarray(image, dtype=np.float32)
-        pixels = (
-            pixels / max(1.0, float(pixels.max())) * 255.0 if image.mode == "I" else pixels / 257.0
-        )
-        return Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).convert("RGB")
-    if image.mode == "F":
-        pixels = np.asarray(image, dtype=np.float32)
-        pixels = (pixels - pixels.min()) / max(1e-12, float(pixels.max() - pixels.min())) * 255.0
-        return Image.fromarray(pixels.astype(np.uint8)).convert("RGB")
     return image if image.mode == "RGB" else image.convert("RGB")
 
 

@@ -103,16 +103,25 @@ def test_an_adobe_rgb_photo_is_converted_to_srgb(variant):
     assert np.abs(as_srgb - want).max() > 5
 
 
-def test_a_grey_photo_with_alpha_is_converted_by_its_grey_profile():
-    """page.png carries a grey "Dot Gain 20%" profile; as grey + alpha (LA) its grey is converted
-    as well. Expected from the profile's own grey curve (kTRC: grey level -> luminance Y, read
-    here from the bytes), a neutral grey in sRGB by its transfer curve; transparent pixels white."""
+@pytest.mark.parametrize("variant", ["grey + alpha", "16-bit grey"])
+def test_a_grey_photo_is_converted_by_its_grey_profile_in_every_mode(variant):
+    """page.png carries a grey "Dot Gain 20%" profile; as grey + alpha (LA) or 16-bit grey
+    (I;16) its grey is converted as well. Expected from the profile's own grey curve (kTRC: grey
+    level -> luminance Y, read here from the bytes), a neutral grey in sRGB by its transfer
+    curve; transparent pixels white."""
     page = Image.open(io.BytesIO(_photo("page.png")))
     icc = page.info["icc_profile"]
     grey = page.crop((0, 0, 384, 184))  # a size the prep keeps: pixel against pixel
+    levels = np.asarray(grey)
     alpha = Image.new("L", grey.size, 255)
-    alpha.paste(0, (0, 0, 64, 184))
-    raw = encode(Image.merge("LA", (grey, alpha)), icc_profile=icc)
+    if variant == "grey + alpha":
+        alpha.paste(0, (0, 0, 64, 184))
+        image = Image.merge("LA", (grey, alpha))
+    else:  # 257 per 8-bit level, plus a little that the 8-bit level drops
+        deep = levels.astype(np.uint32) * 257 + np.where(levels < 255, 100, 0)
+        image = Image.fromarray(deep.astype(np.uint16))
+        assert image.mode.startswith("I;16")
+    raw = encode(image, icc_profile=icc)
     got = load_image(raw, ImagePrep(factor=8, max_pixels=10**7, max_grid=256)).astype(np.float64)
     tags = {
         sig: icc[offset : offset + size]
@@ -125,10 +134,9 @@ def test_a_grey_photo_with_alpha_is_converted_by_its_grey_profile():
     count = struct.unpack(">I", curv[8:12])[0]
     table = np.array(struct.unpack(f">{count}H", curv[12 : 12 + 2 * count])) / 65535
     luminance = np.interp(np.arange(256) / 255, np.linspace(0, 1, count), table)
-    want = _srgb_curve(luminance)[np.asarray(grey)]
-    assert np.abs(got[:, 64:] - want[:, 64:, None]).max() < 1.5
-    assert (got[:, :64] == 255).all()
-    assert np.abs(np.asarray(grey)[:, 64:] - want[:, 64:]).max() > 20  # the profile ignored
+    want = np.where(np.asarray(alpha) == 255, _srgb_curve(luminance)[levels], 255)
+    assert np.abs(got - want[..., None]).max() < 1.5
+    assert np.abs(levels - want).max() > 20  # the profile ignored
 
 
 def test_srgb_and_unreadable_profiles_leave_the_pixels_as_they_are():
