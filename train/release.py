@@ -68,6 +68,10 @@ def tokenizer_files(folder: Path) -> tuple[str, ...]:
     return (TOKENIZER, *visual)
 
 
+class ReleaseError(ValueError):
+    """A release (or the run it is made from) that cannot be used; the message names the file."""
+
+
 def check_tokenizer_files(folder: Path, run_cfg) -> None:
     """A ReleaseError unless ``folder`` holds every file a release of this run copies. A folder
     without visual_tokenizer/ gives a release of text and code alone: refused for a run with a
@@ -98,10 +102,6 @@ def check_tokenizer_files(folder: Path, run_cfg) -> None:
                 f"visual tokenizer ({table.manifest_url}): pass --tokenizers with the folder "
                 "that holds it (that token folder's tokenizers/), or --no-tokenizers"
             )
-
-
-class ReleaseError(ValueError):
-    """A release (or the run it is made from) that cannot be used; the message names the file."""
 
 
 # --- checking weights ------------------------------------------------------------------------------
