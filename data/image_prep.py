@@ -5,9 +5,11 @@ Design choices:
 - RGBA / LA / palette-with-transparency are composited on white (transparent pixels have no
   colour of their own); greyscale, CMYK and 16-bit modes become 8-bit RGB.
 - An embedded ICC profile other than sRGB (a camera's Adobe RGB, a phone's Display P3, a print
-  CMYK or grey profile) is converted to sRGB by LittleCMS (Pillow's ImageCms): the model learns
-  and draws colours in one space. Without a profile, or with one that cannot be read, the pixels
-  are taken as sRGB.
+  CMYK or grey profile) is converted to sRGB by LittleCMS (Pillow's ImageCms), in every mode
+  that carries one (palette, grey + alpha and 16-bit grey too): the model learns and draws
+  colours in one space. A profile counts as sRGB by what it does, not by its description
+  (``_to_srgb``).
+  Without a profile, or with one that cannot be read, the pixels are taken as sRGB.
 - The output keeps the aspect ratio, has sides that are multiples of the tokenizer's spatial
   factor, stays within a pixel budget and at most ``max_grid`` tokens per side: grids vary in
   shape, as the resolution-free layout allows. ``max_tokens`` also bounds the length of the
@@ -72,47 +74,69 @@ class ImagePrep:
         return target_w, target_h
 
 
-_ICC_SPACE = {"RGB": "RGB ", "RGBA": "RGB ", "CMYK": "CMYK", "L": "GRAY"}  # mode -> profile's
+_ICC_SPACE = {"RGB": "RGB ", "CMYK": "CMYK", "L": "GRAY"}  # mode -> its profiles' colour space
+
+
+def _probe(mode: str) -> Image.Image:
+    """Colours of ``mode`` to compare a transform with: every level of each channel alone and of
+    all channels together, and 4096 random colours (the same each time)."""
+    bands = Image.getmodebands(mode)
+    ramp = np.arange(256, dtype=np.uint8)[:, None]
+    alone = [np.where(np.arange(bands) == band, ramp, 0).astype(np.uint8) for band in range(bands)]
+    mixed = np.random.default_rng(0).integers(0, 256, (4096, bands), dtype=np.uint8)
+    pixels = np.concatenate([*alone, np.repeat(ramp, bands, 1), mixed])
+    return Image.frombytes(mode, (len(pixels), 1), pixels.tobytes())
 
 
 @functools.lru_cache(maxsize=32)
 def _to_srgb(icc: bytes, mode: str) -> ImageCms.ImageCmsTransform | None:
     """The transform of ``mode`` pixels under the ICC profile ``icc`` into sRGB; None where there
-    is nothing to do (an sRGB profile, or one of another colour space than the mode's) or the
-    profile cannot be used (the pixels are then taken as sRGB, as without one)."""
+    is nothing to do (a profile of another colour space than the mode's, or one that is sRGB
+    already) or the profile cannot be used (the pixels are then taken as sRGB, as without one).
+    A profile is sRGB when its transform moves no colour of ``_probe`` more than one level from
+    where it stands without a profile: the test Skia makes (skcms_ApproximatelyEqualProfiles),
+    whatever the profile's description says."""
     try:
         profile = ImageCms.ImageCmsProfile(io.BytesIO(icc))
         if profile.profile.xcolor_space != _ICC_SPACE.get(mode):
             return None
-        if "sRGB" in ImageCms.getProfileDescription(profile):
-            return None
         srgb = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB"))
-        return ImageCms.buildTransform(profile, srgb, mode, "RGBA" if mode == "RGBA" else "RGB")
+        transform = ImageCms.buildTransform(profile, srgb, mode, "RGB")
+        probe = _probe(mode)
+        moved = np.asarray(transform.apply(probe), np.int16) - np.asarray(probe.convert("RGB"))
     except (OSError, ImageCms.PyCMSError):
         return None
+    return transform if np.abs(moved).max() > 1 else None
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
     icc = image.info.get("icc_profile")
-    transform = _to_srgb(icc, image.mode) if icc else None
+    if image.mode in ("I;16", "I;16B", "I;16L", "I", "F"):  # 8-bit grey, which its profile converts
+        pixels = np.asarray(image, dtype=np.float32)
+        if image.mode == "F":
+            pixels = (pixels - pixels.min()) / max(1e-12, float(pixels.max() - pixels.min())) * 255
+        elif image.mode == "I":
+            pixels = pixels / max(1.0, float(pixels.max())) * 255.0
+        else:
+            pixels = pixels / 257.0
+        image = Image.fromarray(pixels.clip(0, 255).astype(np.uint8))
+    if icc and image.mode in ("P", "PA"):  # a palette's colours are in the profile's space
+        alpha = image.mode == "PA" or "transparency" in image.info
+        image = image.convert("RGBA" if alpha else "RGB")
+    # The alpha is set aside and put back: Pillow's LittleCMS transforms of LA lose the grey.
+    colour = {"RGBA": "RGB", "LA": "L"}.get(image.mode, image.mode)
+    transform = _to_srgb(icc, colour) if icc else None
     if transform is not None:
-        image = transform.apply(image)
+        converted = transform.apply(image if colour == image.mode else image.convert(colour))
+        if colour != image.mode:
+            converted.putalpha(image.getchannel("A"))
+        image = converted
     if image.mode == "P" and "transparency" in image.info:
         image = image.convert("RGBA")
     if image.mode in ("RGBA", "LA", "PA"):
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
-    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
-        pixels = np.asarray(image, dtype=np.float32)
-        pixels = (
-            pixels / max(1.0, float(pixels.max())) * 255.0 if image.mode == "I" else pixels / 257.0
-        )
-        return Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).convert("RGB")
-    if image.mode == "F":
-        pixels = np.asarray(image, dtype=np.float32)
-        pixels = (pixels - pixels.min()) / max(1e-12, float(pixels.max() - pixels.min())) * 255.0
-        return Image.fromarray(pixels.astype(np.uint8)).convert("RGB")
     return image if image.mode == "RGB" else image.convert("RGB")
 
 

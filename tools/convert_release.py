@@ -39,6 +39,7 @@ from train.release import (
     WEIGHTS,
     ReleaseError,
     check_state,
+    check_tokenizer_files,
     meta_module,
     param_count,
     tokenizer_files,
@@ -107,19 +108,13 @@ def find_tokenizers(run_cfg, run_dir: Path) -> Path:
         ) from None
 
 
-def check_tokenizers(folder: Path, layout) -> dict:
-    """Fingerprints of a tokenizers/ folder after checking it belongs to ``layout``."""
+def check_tokenizers(folder: Path, layout, run_cfg) -> dict:
+    """Fingerprints of a tokenizers/ folder after checking it belongs to ``layout`` and the run."""
     from data.tokenize.visual import load_visual_tokenizer
     from data.tokenize.vtok_files import folder_fingerprints
     from data.vocab import VocabLayout
 
-    need = [folder / name for name in (LAYOUT, *tokenizer_files(folder))]
-    missing = [str(path) for path in need if not path.is_file()]
-    if missing:
-        raise ReleaseError(
-            f"{folder}: tokenizer files missing: {', '.join(missing)} (pass --tokenizers DIR "
-            "with tokenizer.json, vocab_layout.json and visual_tokenizer/, or --no-tokenizers)"
-        )
+    check_tokenizer_files(folder, run_cfg)
     theirs = VocabLayout.load(folder / LAYOUT)
     if theirs.fingerprint() != layout.fingerprint():
         raise ReleaseError(
@@ -191,7 +186,7 @@ def make_release(
             if not tok_dir.is_dir():
                 named = "--tokenizers" if tokenizers else "data.tokenizers"
                 raise ReleaseError(f"{named} {tok_dir}: not a folder")
-            fingerprints = check_tokenizers(tok_dir, layout)
+            fingerprints = check_tokenizers(tok_dir, layout, run_cfg)
             # the manifest of the token folder that holds tokenizers/, if it is one
             found = find_manifest(str(tok_dir))
             if found is not None and found[0].get("format") == TOKEN_FORMAT:

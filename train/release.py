@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from data.names import LAYOUT_FILE, MANIFEST_FILE, TOKENIZER_FILE, VISUAL_TOKENIZER_DIR
+from data.names import LAYOUT_FILE, TOKENIZER_FILE, VISUAL_TOKENIZER_DIR
 from data.shards.index import file_sha256
 from model.weights import nonfinite_tensor
 
@@ -58,19 +58,50 @@ DTYPES = {
 
 
 def tokenizer_files(folder: Path) -> tuple[str, ...]:
-    """The files a release copies from a tokenizers/ folder (its vocab_layout.json is the
-    checkpoint's): the visual tokenizer's too, unless the folder is the tokenizers/ of a token
-    folder made without one (text and code alone: its manifest records ``"visual": null``)."""
-    try:
-        made = json.loads((folder.parent / MANIFEST_FILE).read_text())["tokenizers"]
-        text_only = made["visual"] is None
-    except (OSError, ValueError, KeyError, TypeError):
-        text_only = False
-    return (TOKENIZER,) if text_only else (TOKENIZER, f"{VISUAL}/{CONFIG}", f"{VISUAL}/{WEIGHTS}")
+    """The files a release copies from a tokenizer folder (its vocab_layout.json is the
+    checkpoint's): the visual tokenizer's too when the folder has one (``has_visual_tokenizer``,
+    the rule its fingerprints follow); a folder without visual_tokenizer/ is of text and code
+    alone, be it a token folder's tokenizers/ or a copy of one elsewhere."""
+    from data.tokenize.vtok_files import has_visual_tokenizer
+
+    visual = (f"{VISUAL}/{CONFIG}", f"{VISUAL}/{WEIGHTS}") if has_visual_tokenizer(folder) else ()
+    return (TOKENIZER, *visual)
 
 
 class ReleaseError(ValueError):
     """A release (or the run it is made from) that cannot be used; the message names the file."""
+
+
+def check_tokenizer_files(folder: Path, run_cfg) -> None:
+    """A ReleaseError unless ``folder`` holds every file a release of this run copies. A folder
+    without visual_tokenizer/ gives a release of text and code alone: refused for a run with a
+    token source whose manifest records a visual tokenizer, as the model learned images or videos
+    that such a release could neither read nor draw (a source that cannot be read, moved or
+    unreachable, is not checked)."""
+    from data.tokenize.vtok_files import has_visual_tokenizer
+    from train.streams import TableCache
+
+    need = [folder / name for name in (LAYOUT, *tokenizer_files(folder))]
+    missing = [str(path) for path in need if not path.is_file()]
+    if missing:
+        raise ReleaseError(
+            f"{folder}: tokenizer files missing: {', '.join(missing)} (pass --tokenizers DIR "
+            "with tokenizer.json, vocab_layout.json and visual_tokenizer/, or --no-tokenizers)"
+        )
+    if has_visual_tokenizer(folder):
+        return
+    tables = TableCache()
+    for src in [*run_cfg.data.sources, *run_cfg.data.validation]:
+        try:
+            table = tables.get([src])[0]
+        except (OSError, ValueError):
+            continue
+        if json.loads(table.tokenizer_fingerprint or "{}").get("visual"):
+            raise ReleaseError(
+                f"{folder}: no {VISUAL}/, but the run's source {src.name} was tokenized with a "
+                f"visual tokenizer ({table.manifest_url}): pass --tokenizers with the folder "
+                "that holds it (that token folder's tokenizers/), or --no-tokenizers"
+            )
 
 
 # --- checking weights ------------------------------------------------------------------------------
@@ -228,10 +259,6 @@ class Release:
     @property
     def step(self) -> int | None:
         return self.config.get("source", {}).get("step")
-
-    @property
-    def has_tokenizers(self) -> bool:
-        return (self.path / TOKENIZER).is_file() and (self.path / VISUAL / WEIGHTS).is_file()
 
     def check_token_tables(self, tables, what: str) -> None:
         """Token tables to score this model on must be made with its tokenizers: another

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 
@@ -61,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
     except (ValueError, OSError) as e:
-        # One line (a YAML or JSON parser's message spans several)
-        print(f"earlyfuse-prep {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        # One line (a YAML or JSON parser's message spans several): only the line breaks and the
+        # indentation around them go, so a file name keeps its own spaces and tabs.
+        said = re.sub(r"\s*[\r\n]\s*", " ", str(e).strip())
+        print(f"earlyfuse-prep {args.command}: error: {said}", file=sys.stderr)
         return 2 if isinstance(e, USER_ERRORS) else 1

@@ -55,6 +55,13 @@ def weights_fingerprint(folder: str | Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def has_visual_tokenizer(folder: str | Path) -> bool:
+    """Whether a tokenizer folder holds a visual tokenizer: it has visual_tokenizer/ (a folder
+    without one is of text and code alone, wherever it lies). The one rule that the folder's
+    fingerprints and the files its release copies (train/release.py) follow."""
+    return (Path(folder) / VISUAL_TOKENIZER_DIR).is_dir()
+
+
 def folder_fingerprints(folder: str | Path) -> dict:
     """The ``tokenizers`` entry a token manifest would carry for this tokenizer folder; its
     ``visual`` is None for a folder without visual_tokenizer/ (tokens of text and code alone)."""
@@ -70,7 +77,7 @@ def folder_fingerprints(folder: str | Path) -> dict:
     return {
         "text": text.fingerprint(),
         "layout": text.layout.fingerprint(),
-        "visual": weights_fingerprint(visual) if visual.is_dir() else None,
+        "visual": weights_fingerprint(visual) if has_visual_tokenizer(folder) else None,
     }
 
 

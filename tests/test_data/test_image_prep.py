@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import io
+import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, ImageCms
 
 from data.image_prep import ImagePrep, load_image
 
@@ -60,11 +61,32 @@ def _photo(name: str) -> bytes:
     return (Path(skimage.__file__).parent / "data" / name).read_bytes()
 
 
-def test_an_adobe_rgb_photo_is_converted_to_srgb():
-    """rocket.jpg carries an Adobe RGB (1998) profile. The expected colours come from the
-    standard's own numbers, not from LittleCMS: gamma 563/256, Adobe RGB -> XYZ (D65) -> linear
-    sRGB, clipped, sRGB's transfer curve."""
+def _srgb_curve(linear: np.ndarray) -> np.ndarray:
+    """sRGB's transfer curve (IEC 61966-2-1), linear light in [0, 1] to levels 0..255."""
+    return np.where(linear <= 0.0031308, 12.92 * linear, 1.055 * linear ** (1 / 2.4) - 0.055) * 255
+
+
+def _rocket(variant: str) -> bytes:
+    """rocket.jpg as shipped, its profile's description made to say "sRGB" (same length, the
+    profile sits uncompressed in the JPEG's APP2), or its pixels in a palette PNG (mode P)
+    carrying the same profile."""
     raw = _photo("rocket.jpg")
+    if variant == "described as sRGB":
+        assert raw.count(b"Adobe RGB (1998)") == 1
+        return raw.replace(b"Adobe RGB (1998)", b"sRGB-like (1998)")
+    if variant == "palette png":
+        photo = Image.open(io.BytesIO(raw))
+        return encode(photo.quantize(256), icc_profile=photo.info["icc_profile"])
+    return raw
+
+
+@pytest.mark.parametrize("variant", ["jpeg", "described as sRGB", "palette png"])
+def test_an_adobe_rgb_photo_is_converted_to_srgb(variant):
+    """rocket.jpg carries an Adobe RGB (1998) profile: converted whatever its description says
+    and in a palette image too. The expected colours come from the standard's own numbers, not
+    from LittleCMS: gamma 563/256, Adobe RGB -> XYZ (D65) -> linear sRGB, clipped, sRGB's
+    transfer curve."""
+    raw = _rocket(variant)
     prep = ImagePrep(factor=8, max_pixels=10**7, max_grid=256)
     got = load_image(raw, prep).reshape(-1, 3).mean(0)
     pixels = np.asarray(Image.open(io.BytesIO(raw)).convert("RGB"), np.float64) / 255
@@ -75,20 +97,61 @@ def test_an_adobe_rgb_photo_is_converted_to_srgb():
         [[3.24045, -1.53714, -0.49853], [-0.96927, 1.87601, 0.04156], [0.05564, -0.20403, 1.05723]]
     )
     linear = np.clip(pixels ** (563 / 256) @ (to_srgb @ to_xyz).T, 0, 1)
-    want = np.where(linear <= 0.0031308, 12.92 * linear, 1.055 * linear ** (1 / 2.4) - 0.055) * 255
-    want = want.reshape(-1, 3).mean(0)
+    want = _srgb_curve(linear).reshape(-1, 3).mean(0)
     assert np.abs(got - want).max() < 1.0, (got, want)
     as_srgb = pixels.reshape(-1, 3).mean(0) * 255  # the profile ignored: red off by ~11 levels
     assert np.abs(as_srgb - want).max() > 5
 
 
+@pytest.mark.parametrize("variant", ["grey + alpha", "16-bit grey"])
+def test_a_grey_photo_is_converted_by_its_grey_profile_in_every_mode(variant):
+    """page.png carries a grey "Dot Gain 20%" profile; as grey + alpha (LA) or 16-bit grey
+    (I;16) its grey is converted as well. Expected from the profile's own grey curve (kTRC: grey
+    level -> luminance Y, read here from the bytes), a neutral grey in sRGB by its transfer
+    curve; transparent pixels white."""
+    page = Image.open(io.BytesIO(_photo("page.png")))
+    icc = page.info["icc_profile"]
+    grey = page.crop((0, 0, 384, 184))  # a size the prep keeps: pixel against pixel
+    levels = np.asarray(grey)
+    alpha = Image.new("L", grey.size, 255)
+    if variant == "grey + alpha":
+        alpha.paste(0, (0, 0, 64, 184))
+        image = Image.merge("LA", (grey, alpha))
+    else:  # 257 per 8-bit level, plus a little that the 8-bit level drops
+        deep = levels.astype(np.uint32) * 257 + np.where(levels < 255, 100, 0)
+        image = Image.fromarray(deep.astype(np.uint16))
+        assert image.mode.startswith("I;16")
+    raw = encode(image, icc_profile=icc)
+    got = load_image(raw, ImagePrep(factor=8, max_pixels=10**7, max_grid=256)).astype(np.float64)
+    tags = {
+        sig: icc[offset : offset + size]
+        for sig, offset, size in (
+            struct.unpack(">4sII", icc[132 + 12 * i : 144 + 12 * i])
+            for i in range(struct.unpack(">I", icc[128:132])[0])
+        )
+    }
+    curv = tags[b"kTRC"]
+    count = struct.unpack(">I", curv[8:12])[0]
+    table = np.array(struct.unpack(f">{count}H", curv[12 : 12 + 2 * count])) / 65535
+    luminance = np.interp(np.arange(256) / 255, np.linspace(0, 1, count), table)
+    want = np.where(np.asarray(alpha) == 255, _srgb_curve(luminance)[levels], 255)
+    assert np.abs(got - want[..., None]).max() < 1.5
+    assert np.abs(levels - want).max() > 20  # the profile ignored
+
+
 def test_srgb_and_unreadable_profiles_leave_the_pixels_as_they_are():
+    """sRGB is told by what the profile does, not by its description: the IEC profile described
+    otherwise and LittleCMS's own sRGB change nothing."""
     prep = ImagePrep(factor=8, max_pixels=10**7, max_grid=256)
     astronaut = Image.open(io.BytesIO(_photo("astronaut.png")))  # sRGB IEC61966-2.1
-    plain = load_image(encode(astronaut.convert("RGB")), prep)
+    plain = load_image(encode(astronaut.convert("RGB"), icc_profile=None), prep)
     np.testing.assert_array_equal(load_image(_photo("astronaut.png"), prep), plain)
-    bad = encode(astronaut.convert("RGB"), icc_profile=b"not an ICC profile")
-    np.testing.assert_array_equal(load_image(bad, prep), plain)
+    icc = astronaut.info["icc_profile"]
+    renamed = icc.replace(b"sRGB IEC61966-2.1", b"IEC61966-2.1 Dflt")
+    builtin = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes()
+    for profile in (renamed, builtin, b"not an ICC profile"):
+        got = load_image(encode(astronaut.convert("RGB"), icc_profile=profile), prep)
+        np.testing.assert_array_equal(got, plain)
 
 
 def test_large_jpeg_is_reduced_to_the_budget():

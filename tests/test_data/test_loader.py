@@ -416,11 +416,13 @@ def test_preview_draws_rows_with_a_runs_weights_and_counts_drops(tiny_tokens, tm
     bad.write_text("defaults: [demo]\nseq_len: 256\n")  # its sources only in the defaults
     assert main(["preview", "--config", str(bad)]) == 2
     capsys.readouterr()
-    bad.write_text("sources: [\n")  # YAML's own message spans four lines: said in one
-    assert main(["preview", str(tiny_tokens), "--config", str(bad)]) == 2
+    # YAML's own message spans four lines: said in one, the file's name as it is on disk.
+    spaced = tmp_path / "my  bad\tdata.yaml"
+    spaced.write_text("sources: [\n")
+    assert main(["preview", str(tiny_tokens), "--config", str(spaced)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"earlyfuse-prep preview: error: {bad}: cannot read it as YAML (")
-    assert err.count("\n") == 1, err
+    assert err.startswith(f"earlyfuse-prep preview: error: {spaced}: cannot read it as YAML (")
+    assert err.count("\n") == 1 and "found '<stream end>' in " in err, err
     # A data config of one's own as docs/own_data.md writes it: a defaults list, its own sources.
     own = tmp_path / "own.yaml"
     own.write_text("defaults:\n  - demo\n" + cfg.read_text())

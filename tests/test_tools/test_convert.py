@@ -362,9 +362,14 @@ def test_missing_tokenizers_and_bad_arguments_are_named(
         p.write_text(p.read_text().replace(str(tiny_tokens), "/nonexistent/tokens"))
     with pytest.raises(ReleaseError, match="cannot find the token data's tokenizers/ folder"):
         make_release(run, tmp_path / "a", log=quiet)
-    text_only, _ = tiny_tokenizers  # tokenizer.json + layout, no visual_tokenizer/
+    # tokenizer.json + layout, no visual_tokenizer/, for a run whose scenes have images
+    text_only, _ = tiny_tokenizers
+    with pytest.raises(ReleaseError, match="no visual_tokenizer/, but the run's source scenes"):
+        make_release(runs[0], tmp_path / "b", tokenizers=text_only, log=quiet)
+    partial = shutil.copytree(text_only, tmp_path / "with_part")
+    (partial / "visual_tokenizer").mkdir()  # a visual tokenizer folder without its files
     with pytest.raises(ReleaseError, match="visual_tokenizer/model.safetensors"):
-        make_release(run, tmp_path / "b", tokenizers=text_only, log=quiet)
+        make_release(run, tmp_path / "b", tokenizers=partial, log=quiet)
     cfg = make_release(run, tmp_path / "c", no_tokenizers=True, log=quiet)
     assert set(cfg["files"]) == {"model.safetensors", "vocab_layout.json"}
     with pytest.raises(ReleaseError, match="no tokenizer.json"):
@@ -521,10 +526,10 @@ def test_a_text_only_corpus_needs_no_visual_tokenizer_from_tokenize_to_generate(
     assert not (tokens / "tokenizers" / "visual_tokenizer").exists()
     capsys.readouterr()
 
-    def run(name, srcs):
+    def run(name, srcs, *extra):
         listed = ",".join(f"{{name: {n}, shards: [{path}], weight: 1.0}}" for n, path in srcs)
         train(["experiment=debug", f"data.sources=[{listed}]", f"run_dir={tmp_path / name}",
-               "train.steps=2", "train.micro_batch=2"])  # fmt: skip
+               "train.steps=2", "train.micro_batch=2", *extra])  # fmt: skip
         make_release(tmp_path / name, tmp_path / f"{name}_rel", log=lambda *a, **k: None)
         return tmp_path / f"{name}_rel"
 
@@ -535,6 +540,12 @@ def test_a_text_only_corpus_needs_no_visual_tokenizer_from_tokenize_to_generate(
         "config.json", "model.safetensors", "tokenizer.json", "vocab_layout.json"
     ]  # fmt: skip
     assert generate_main([str(alone), "--prompt", "def f", "--max-new-tokens", "3"]) == 0
+    # The same tokenizers copied elsewhere, named by data.tokenizers: no manifest beside them,
+    # still a folder of text and code alone, released as such.
+    mine = shutil.copytree(tokens / "tokenizers", tmp_path / "my_tokenizers")
+    copied = run("copied", [("text", tokens / "text")], f"data.tokenizers='{mine}'")
+    assert sorted(p.name for p in copied.iterdir()) == sorted(p.name for p in alone.iterdir())
+    assert Release(copied).config["tokenizers"] == Release(alone).config["tokenizers"]
     out = tmp_path / "x.png"
     assert generate_main([str(alone), "--draw", "a red square", "--out", str(out)]) == 2
     said = "no visual_tokenizer/ (released with --no-tokenizers, or its model was trained on "

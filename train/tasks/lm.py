@@ -40,7 +40,8 @@ from data.loader.fit import check_blocks_fit
 from data.loader.heldout import HeldoutPass, RankShare
 from data.loader.sample_check import modality_ranges
 from data.loader.table import TokenTable
-from data.names import LAYOUT_FILE, VISUAL_TOKENIZER_DIR
+from data.names import LAYOUT_FILE
+from data.tokenize.vtok_files import has_visual_tokenizer
 from data.unigram import Unigram
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
 from model.flops import flops_per_token
@@ -82,7 +83,7 @@ def tokenizer_folder(cfg: RunConfig, tables: TableCache | None = None) -> Path:
             tried.append(f"source {src.name}: {'raw' if table.kind == 'raw' else 'remote'} shards")
             continue
         folder = Path(table.layout_url).parent
-        if (folder / VISUAL_TOKENIZER_DIR).is_dir():
+        if has_visual_tokenizer(folder):
             return folder
         if folder.is_dir():
             text_only.append(folder)
