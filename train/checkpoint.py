@@ -293,12 +293,12 @@ class Checkpointer:
         return verify_folder(self.dir / tag, hashes=self.verify_hashes)
 
     def check_compatible(self, tag: str, zero_stage: int) -> dict:
-        """The checkpoint's meta; refuses what cannot resume here. Another world size resumes from a
-        ZeRO-0 checkpoint as it is, from a ZeRO 1-2 one through its universal/ conversion, and
-        not from a ZeRO-3 one."""
+        """The checkpoint's meta; refuses what cannot resume here with a CheckpointError (one line,
+        exit code 2). Another world size resumes from a ZeRO-0 checkpoint as it is, from a ZeRO 1-2
+        one through its universal/ conversion, and not from a ZeRO-3 one."""
         meta = self.meta(tag)
         if meta["zero_stage"] != zero_stage:
-            raise ValueError(
+            raise CheckpointError(
                 f"{self.dir / tag} was written with ZeRO stage {meta['zero_stage']}; this run uses "
                 f"{zero_stage}. Resume with deepspeed.zero_stage={meta['zero_stage']}."
             )
@@ -306,7 +306,7 @@ class Checkpointer:
             # Tried: DeepSpeed 0.19 converts it and the ZeRO-3 engine loads the conversion, but
             # the run does not go on as it was (the loss of the second resumed step 8e-3 off,
             # ZeRO 2's 5e-7): weights yes, optimizer state not as saved.
-            raise ValueError(
+            raise CheckpointError(
                 f"{self.dir / tag} was written by {meta['world_size']} rank(s) under ZeRO 3; "
                 f"this run has {self.dist.world_size}. A ZeRO-3 checkpoint resumes only on the "
                 "world size that wrote it (its universal conversion does not restore the "
@@ -319,7 +319,7 @@ class Checkpointer:
             and zero_stage > 0
             and not self.universal(tag)
         ):
-            raise ValueError(
+            raise CheckpointError(
                 f"{self.dir / tag} was written by {meta['world_size']} rank(s); this run has "
                 f"{self.dist.world_size}. Its ZeRO-{zero_stage} shards fit only that world size: make a universal "
                 f"checkpoint with `earlyfuse-convert universal {self.dir.parent}` and rerun this command, or run "
