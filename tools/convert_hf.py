@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from tools.convert_release import check_out
+from data.cli.common import check_new_folder
 from train.release import LAYOUT, TOKENIZER, Release, ReleaseError
 
 EXAMPLES = """\
@@ -265,7 +265,7 @@ def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=
             f"{rel.path}: the model does not map onto Qwen3 (the Hugging Face architecture we "
             f"export to): " + "; ".join(blocked)
         )
-    check_out(out, force)
+    check_new_folder(out, force, rel.path, ReleaseError)
     try:
         from transformers import Qwen3ForCausalLM
     except ImportError:
@@ -296,7 +296,7 @@ def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=
     with torch.device("meta"):
         model = model_class(hf_cfg)
     model.load_state_dict(qwen3_state(state, cfg.n_layers) | grid_tables, strict=True, assign=True)
-    if out.exists():  # let through by check_out's --force: a folder or a file
+    if out.exists():  # let through by check_new_folder's --force: a folder or a file
         shutil.rmtree(out) if out.is_dir() else out.unlink()
     model.generation_config = generation_config(rel.vocab_layout, tok)
     model.save_pretrained(out, safe_serialization=True)

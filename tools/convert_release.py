@@ -18,6 +18,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from data.cli.common import check_new_folder
 from data.shards.index import file_sha256
 from data.shards.manifest import versions
 from data.tokenize.blocks import image_grids
@@ -28,7 +29,7 @@ from tools.convert_deepspeed import (
     find_checkpoint,
     load_run_config,
 )
-from train.names import CHECKPOINT_META_FILE, CONFIG_FILE
+from train.names import CHECKPOINT_META_FILE, CHECKPOINTS_DIR, CONFIG_FILE
 from train.release import (
     CONFIG,
     DTYPES,
@@ -63,15 +64,10 @@ DESCRIPTION = (
 )
 
 
-def check_out(out: Path, force: bool) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise ReleaseError(f"{out}: exists and is not empty; choose another folder or pass --force")
-
-
 def write_release(out: Path, config: dict, write_files) -> dict:
     """Build a release in ``OUT.partial`` (``write_files(folder)`` puts the files there), record
-    every file's sha256 in config.json, then move it to ``OUT``, replacing what ``check_out`` let
-    through."""
+    every file's sha256 in config.json, then move it to ``OUT``, replacing what
+    ``check_new_folder`` let through."""
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -170,7 +166,7 @@ def make_release(
     from data.vocab import VocabLayout
 
     run_dir = Path(run_dir).resolve()
-    check_out(Path(out), force)
+    check_new_folder(Path(out), force, run_dir / CHECKPOINTS_DIR, ReleaseError)
     ckpt = find_checkpoint(run_dir, step)
     run_cfg = load_run_config(ckpt.folder / CONFIG_FILE)  # the config the checkpoint saved
     task = ckpt.meta["task"]

@@ -18,6 +18,7 @@ from trainrun import metrics, train
 from tools.convert import main as convert_main
 from tools.convert_deepspeed import CheckpointError, load_run_config
 from tools.convert_release import make_release
+from train.checkpoint import verify_folder
 from train.release import Release, ReleaseError
 
 SOURCES = {"scenes": 0.4, "text": 0.4, "code": 0.2}
@@ -539,3 +540,32 @@ def test_a_text_only_corpus_needs_no_visual_tokenizer_from_tokenize_to_generate(
     assert generate_main([str(alone), "--draw", "a red square", "--out", str(out)]) == 2
     said = "no visual_tokenizer/ (released with --no-tokenizers, or its model was trained on "
     assert said + "tokens of text and code alone)" in capsys.readouterr().err
+
+
+def test_an_output_folder_that_is_the_input_or_cannot_be_written_is_refused_first(
+    runs, tmp_path, capsys
+):
+    """Before: --force deleted the run (OUT = RUN_DIR or its checkpoints/) or the release (hf
+    OUT = RELEASE) and wrote over it; OUT under a file was a traceback after the consolidation."""
+    run = tmp_path / "run"
+    shutil.copytree(runs[0], run)
+    for out in (run, run / "checkpoints", run / "checkpoints" / "step_00000003"):
+        assert convert_main(["release", str(run), str(out), "--force"]) == 2
+        err = capsys.readouterr().err
+        assert f"earlyfuse-convert release: error: {out}: " in err and "the input" in err, err
+    assert verify_folder(run / "checkpoints" / "step_00000003") == []
+    rel = tmp_path / "rel"
+    make_release(run, rel, log=quiet)
+    for out in (rel, tmp_path, rel / "hf"):
+        assert convert_main(["hf", str(rel), str(out), "--force"]) == 2
+        assert f"earlyfuse-convert hf: error: {out}: " in capsys.readouterr().err
+    assert Release(rel).state_dict()  # every file there, every sha256 as recorded
+    (tmp_path / "file").write_text("x")
+    for command, source in (("release", run), ("hf", rel)):
+        assert convert_main([command, str(source), str(tmp_path / "file" / "out")]) == 2
+        out, err = capsys.readouterr()
+        assert err.strip().splitlines() == [
+            f"earlyfuse-convert {command}: error: {tmp_path / 'file' / 'out'}: cannot be written "
+            f"({tmp_path / 'file'} is a file, not a folder)"
+        ]
+        assert "consolidated" not in out  # refused before any work
