@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from data.cli.common import check_new_folder
+from data.cli.common import check_new_folder, local_folder
 from train.release import LAYOUT, TOKENIZER, Release, ReleaseError
 
 EXAMPLES = """\
@@ -321,9 +321,9 @@ def run(args: argparse.Namespace) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "release", metavar="RELEASE", help="a release folder (earlyfuse-convert release)"
+        "release", metavar="RELEASE", type=local_folder, help="an earlyfuse-convert release folder"
     )
     parser.add_argument(
-        "out", metavar="OUT", help="folder to write (must not exist or be empty, see --force)"
+        "out", metavar="OUT", type=local_folder, help="folder to write (new or empty; see --force)"
     )
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")

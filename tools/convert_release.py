@@ -18,7 +18,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from data.cli.common import check_new_folder
+from data.cli.common import check_new_folder, local_folder
 from data.shards.index import file_sha256
 from data.shards.manifest import versions
 from data.tokenize.blocks import image_grids
@@ -284,6 +284,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "out",
         metavar="OUT",
+        type=local_folder,
         help="release folder to write (must not exist or be empty, see --force)",
     )
     parser.add_argument(
@@ -295,7 +296,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tokenizers",
         metavar="DIR",
-        default=None,
+        type=local_folder,
         help="the tokenizers/ folder of the token data (default: found from the run config's data.sources)",
     )
     parser.add_argument(

@@ -80,6 +80,17 @@ def out_folder(text: str) -> Path | str:
     return out
 
 
+def local_folder(text: str) -> Path:
+    """A folder of a command that reads and writes local files only, refused at once when it is
+    an fsspec URL (``Path`` would fold ``s3://bucket/x`` into the local folder ``s3:/bucket/x``)."""
+    if is_remote(text):
+        raise argparse.ArgumentTypeError(
+            f"{text}: an object storage URL; this command reads and writes local folders only "
+            "(copy it here first)"
+        )
+    return Path(local_path(text))
+
+
 def check_new_folder(out: Path, force: bool, source: Path, error: type = ValueError) -> None:
     """An ``error`` (a ValueError), before any work, for an output folder that would fail or do
     harm when it is written at the end: one holding the input folder ``source`` (which ``force``

@@ -569,3 +569,25 @@ def test_an_output_folder_that_is_the_input_or_cannot_be_written_is_refused_firs
             f"({tmp_path / 'file'} is a file, not a folder)"
         ]
         assert "consolidated" not in out  # refused before any work
+
+
+def test_an_object_storage_url_is_refused_not_taken_for_a_local_folder(
+    runs, tmp_path, monkeypatch, capsys
+):
+    """Before: OUT s3://bucket/rel wrote the local folder ./s3:/bucket/rel and said 'wrote
+    s3://bucket/rel'; an input URL was looked for as the local folder s3:/bucket/..."""
+    monkeypatch.chdir(tmp_path)
+    for argv in (
+        ["release", str(runs[0]), "s3://bucket/rel"],
+        ["release", "s3://bucket/run", "out"],
+        ["release", str(runs[0]), "out", "--tokenizers", "s3://bucket/tokenizers"],
+        ["hf", "s3://bucket/rel", "out"],
+        ["import", "s3://bucket/rel", "out"],
+        ["universal", "s3://bucket/run"],
+    ):
+        with pytest.raises(SystemExit) as refused:
+            convert_main(argv)
+        assert refused.value.code == 2
+        err = capsys.readouterr().err
+        assert ": s3://bucket/" in err and "an object storage URL; this command reads and" in err
+    assert list(tmp_path.iterdir()) == []
