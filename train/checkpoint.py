@@ -127,9 +127,9 @@ def read_meta(folder: Path) -> dict:
 
 
 def verify_folder(folder: Path, *, hashes: bool = True) -> list[str]:
-    """Problems of one checkpoint folder (empty: intact): its meta, every file it lists, and
-    the manifest of its ``universal/`` conversion when there is one. A ``meta.json`` without
-    its manifest of files is not one a save wrote: nothing in the folder can be trusted."""
+    """Problems of one checkpoint folder (empty: intact): its meta and every file it lists. A
+    ``meta.json`` without its manifest of files is not one a save wrote: nothing in the folder
+    can be trusted. Its ``universal/`` conversion is not part of it (``verify_universal``)."""
     folder = Path(folder)
     try:
         meta = read_meta(folder)
@@ -137,15 +137,22 @@ def verify_folder(folder: Path, *, hashes: bool = True) -> list[str]:
         return [str(e)]
     if not isinstance(meta.get("files"), dict) or not meta["files"]:
         return [f"{folder / META}: no manifest of the checkpoint's files (not written by a save)"]
-    problems = verify_files(folder, meta["files"], hashes=hashes)
-    uni = folder / "universal" / "source.json"
-    if uni.is_file():
-        try:
-            files = json.loads(uni.read_text())["files"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            return [*problems, f"{uni}: unreadable ({e})"]
-        problems += verify_files(uni.parent, files, hashes=hashes)
-    return problems
+    return verify_files(folder, meta["files"], hashes=hashes)
+
+
+def verify_universal(folder: Path, *, hashes: bool = True) -> list[str]:
+    """Problems of the ``universal/`` conversion of checkpoint ``folder`` against its own
+    manifest, ``source.json`` (written last). Only a resume on another world size reads the
+    conversion, so a damaged one stops that resume alone: the checkpoint stays, at its own world
+    size, for a release, and to convert again."""
+    uni = Path(folder) / "universal" / "source.json"
+    try:
+        files = json.loads(uni.read_text())["files"]
+    except FileNotFoundError:
+        return [f"{uni}: missing (the conversion did not finish)"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [f"{uni}: unreadable ({e})"]
+    return verify_files(uni.parent, files, hashes=hashes)
 
 
 def remove_checkpoint(folder: Path) -> None:
@@ -325,6 +332,15 @@ class Checkpointer:
                 f"checkpoint with `earlyfuse-convert universal {self.dir.parent}` and rerun this command, or run "
                 f"with {meta['world_size']} rank(s)."
             )
+        if meta["world_size"] != self.dist.world_size and zero_stage > 0:
+            problems = verify_universal(self.dir / tag, hashes=self.verify_hashes)
+            if problems:
+                raise CheckpointError(
+                    f"{self.dir / tag / 'universal'}: the universal conversion is damaged "
+                    f"({'; '.join(problems[:2])}); make it again with `earlyfuse-convert universal "
+                    f"{self.dir.parent} --step {meta['step']} --force` (the checkpoint itself is "
+                    "intact) and rerun this command"
+                )
         return meta
 
     def universal(self, tag: str) -> bool:
