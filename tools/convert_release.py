@@ -164,6 +164,7 @@ def make_release(
     from data.loader.table_load import find_manifest
     from data.shards.manifest import TOKEN_FORMAT
     from data.vocab import VocabLayout
+    from train.tasks.lm import tokens_made_with_other
 
     run_dir = Path(run_dir).resolve()
     check_new_folder(Path(out), force, run_dir / CHECKPOINTS_DIR, ReleaseError)
@@ -185,18 +186,18 @@ def make_release(
         if not no_tokenizers:
             tok_dir = Path(tokenizers) if tokenizers else find_tokenizers(run_cfg, run_dir)
             if not tok_dir.is_dir():
-                named = "--tokenizers" if tokenizers else "data.tokenizers"
-                raise ReleaseError(f"{named} {tok_dir}: not a folder")
+                raise ReleaseError(
+                    f"{tokenizers and '--tokenizers' or 'data.tokenizers'} {tok_dir}: not a folder"
+                )
             fingerprints = check_tokenizers(tok_dir, layout)
+            if differ := tokens_made_with_other(run_cfg, fingerprints):  # same layout, other ids
+                raise ReleaseError(f"{tok_dir}: not the tokenizers of the run's tokens ({differ})")
             # the manifest of the token folder that holds tokenizers/, if it is one
-            found = find_manifest(str(tok_dir))
-            if found is not None and found[0].get("format") == TOKEN_FORMAT:
-                manifest = found[0]
-                tok_options = dict(manifest.get("options", {}))
+            manifest = (find_manifest(str(tok_dir)) or [{}])[0]
+            if manifest.get("format") == TOKEN_FORMAT:
                 # The grids the images were trained at: earlyfuse-generate --draw picks from them.
-                grids = image_grids(manifest)
-                if grids:
-                    tok_options["image_grids"] = grids
+                grids = {"image_grids": image_grids(manifest)} if image_grids(manifest) else {}
+                tok_options = {**manifest.get("options", {}), **grids}
     elif task == "vtok":
         net_cfg = run_cfg.vtok
     else:

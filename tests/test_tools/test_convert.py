@@ -591,3 +591,28 @@ def test_an_object_storage_url_is_refused_not_taken_for_a_local_folder(
         err = capsys.readouterr().err
         assert ": s3://bucket/" in err and "an object storage URL; this command reads and" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_tokenizers_other_than_the_runs_tokens_were_made_with_are_refused(
+    runs, tiny_tokens, tmp_path
+):
+    """Another visual tokenizer of the same levels (the same layout) passed every check before:
+    the release shipped it, and its images would decode and encode with other codes."""
+    import torch
+
+    from model.visual_tokenizer import vtok_debug
+    from train.tasks.vtok import save_visual_tokenizer
+
+    other = tmp_path / "tokenizers"
+    shutil.copytree(tiny_tokens / "tokenizers", other)
+    shutil.rmtree(other / "visual_tokenizer")
+    torch.manual_seed(123)
+    cfg = vtok_debug()
+    save_visual_tokenizer(cfg.build().state_dict(), cfg, other / "visual_tokenizer")
+    with pytest.raises(ReleaseError) as refused:
+        make_release(runs[0], tmp_path / "rel", tokenizers=other, log=quiet)
+    assert str(refused.value).startswith(
+        f"{other}: not the tokenizers of the run's tokens (source scenes ("
+    ) and str(refused.value).endswith("): visual tokenizer differs)")
+    assert not (tmp_path / "rel").exists()
+    assert make_release(runs[0], tmp_path / "rel", tokenizers=tiny_tokens / "tokenizers", log=quiet)

@@ -120,6 +120,22 @@ def layout_of_data(cfg: RunConfig, tables: TableCache | None = None) -> tuple[Vo
     return VocabLayout.load(folder / LAYOUT_FILE), folder
 
 
+def tokens_made_with_other(cfg: RunConfig, fingerprints: dict) -> str:
+    """How the first of the run's token sources that can be read was made with other tokenizers
+    than ``fingerprints`` (a release's): "source text (…/manifest.json): visual tokenizer
+    differs"; "" when none was (a source that cannot be read, moved away, checks nothing)."""
+    from data.tokenize.vtok_files import tokenizers_differ
+
+    tables = TableCache()
+    for src in [*cfg.data.sources, *cfg.data.validation]:
+        with suppress(OSError, ValueError):
+            for table in tables.get([src]):
+                differ = tokenizers_differ(table.tokenizer_fingerprint, fingerprints)
+                if table.kind == "tokens" and differ:
+                    return f"source {table.name} ({table.manifest_url}): {differ}"
+    return ""
+
+
 CODE_BUCKETS = 64
 
 
