@@ -1,7 +1,8 @@
 """``earlyfuse-convert``: checkpoints in and out of training runs, one subcommand per module
 (``tools/convert_<name>.py`` for each name in ``SUBCOMMANDS``: its ``HELP``, ``DESCRIPTION``,
 ``EXAMPLES``, ``add_arguments(parser)`` and ``run(args)``). Errors that users cause (a missing
-file, a truncated checkpoint, a mismatch) are one line naming the file, exit code 2.
+file, a truncated checkpoint, a mismatch, a folder that cannot be written) are one line naming
+the file, exit code 2; other OSErrors (a full disk) one line, exit code 1.
 """
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ import argparse
 import importlib
 import sys
 
-from tools.convert_deepspeed import CheckpointError
-from train.release import ReleaseError
+from data.cli.common import USER_ERRORS
 
 SUBCOMMANDS = ("release", "import", "hf", "universal")
 
@@ -55,9 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.run(args)
         return 0
-    except (ReleaseError, CheckpointError) as e:
+    except (ValueError, OSError) as e:  # ReleaseError, CheckpointError: ValueErrors naming the file
         print(f"earlyfuse-convert {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return 2 if isinstance(e, USER_ERRORS) else 1  # as earlyfuse-prep decides
 
 
 if __name__ == "__main__":

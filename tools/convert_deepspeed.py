@@ -18,6 +18,7 @@ from unittest import mock
 
 import torch
 
+from data.cli.common import local_folder
 from train.checkpoint import TAG, read_meta, step_of_tag, tag_for, verify_folder
 from train.names import CHECKPOINTS_DIR, LATEST_FILE
 from train.safe_load import CheckpointError, safe_torch_load, weights_only_loads
@@ -85,7 +86,7 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Checkpoint:
 def add_run_dir(parser) -> None:
     """RUN_DIR and ``--step``: the checkpoint ``find_checkpoint`` reads, as a command's arguments."""
     parser.add_argument(
-        "run_dir", metavar="RUN_DIR", help="an earlyfuse-train run folder (with checkpoints/)"
+        "run_dir", metavar="RUN_DIR", type=local_folder, help="a run folder (holding checkpoints/)"
     )
     parser.add_argument(
         "--step", type=int, default=None, help="checkpoint step (default: checkpoints/latest)"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from tools.convert_release import check_out
+from data.cli.common import check_new_folder, local_folder
 from train.release import LAYOUT, TOKENIZER, Release, ReleaseError
 
 EXAMPLES = """\
@@ -265,7 +265,7 @@ def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=
             f"{rel.path}: the model does not map onto Qwen3 (the Hugging Face architecture we "
             f"export to): " + "; ".join(blocked)
         )
-    check_out(out, force)
+    check_new_folder(out, force, rel.path, ReleaseError)
     try:
         from transformers import Qwen3ForCausalLM
     except ImportError:
@@ -296,7 +296,7 @@ def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=
     with torch.device("meta"):
         model = model_class(hf_cfg)
     model.load_state_dict(qwen3_state(state, cfg.n_layers) | grid_tables, strict=True, assign=True)
-    if out.exists():  # let through by check_out's --force: a folder or a file
+    if out.exists():  # let through by check_new_folder's --force: a folder or a file
         shutil.rmtree(out) if out.is_dir() else out.unlink()
     model.generation_config = generation_config(rel.vocab_layout, tok)
     model.save_pretrained(out, safe_serialization=True)
@@ -321,9 +321,9 @@ def run(args: argparse.Namespace) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "release", metavar="RELEASE", help="a release folder (earlyfuse-convert release)"
+        "release", metavar="RELEASE", type=local_folder, help="an earlyfuse-convert release folder"
     )
     parser.add_argument(
-        "out", metavar="OUT", help="folder to write (must not exist or be empty, see --force)"
+        "out", metavar="OUT", type=local_folder, help="folder to write (new or empty; see --force)"
     )
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")

@@ -13,6 +13,7 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from data.cli.common import local_folder
 from train.names import CHECKPOINTS_DIR, LATEST_FILE
 from train.release import (
     NOT_ARCHITECTURE,
@@ -158,10 +159,10 @@ def run(args: argparse.Namespace) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "release", metavar="RELEASE", help="a release folder (earlyfuse-convert release)"
+        "release", metavar="RELEASE", type=local_folder, help="an earlyfuse-convert release folder"
     )
     parser.add_argument(
-        "run_dir", metavar="RUN_DIR", help="the new run's folder (must have no checkpoint yet)"
+        "run_dir", metavar="RUN_DIR", type=local_folder, help="a new run's folder (no checkpoint)"
     )
     parser.add_argument(
         "overrides",

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from data.cli.common import check_new_folder, local_folder
 from data.shards.index import file_sha256
 from data.shards.manifest import versions
 from data.tokenize.blocks import image_grids
@@ -28,7 +29,7 @@ from tools.convert_deepspeed import (
     find_checkpoint,
     load_run_config,
 )
-from train.names import CHECKPOINT_META_FILE, CONFIG_FILE
+from train.names import CHECKPOINT_META_FILE, CHECKPOINTS_DIR, CONFIG_FILE
 from train.release import (
     CONFIG,
     DTYPES,
@@ -64,15 +65,10 @@ DESCRIPTION = (
 )
 
 
-def check_out(out: Path, force: bool) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise ReleaseError(f"{out}: exists and is not empty; choose another folder or pass --force")
-
-
 def write_release(out: Path, config: dict, write_files) -> dict:
     """Build a release in ``OUT.partial`` (``write_files(folder)`` puts the files there), record
-    every file's sha256 in config.json, then move it to ``OUT``, replacing what ``check_out`` let
-    through."""
+    every file's sha256 in config.json, then move it to ``OUT``, replacing what
+    ``check_new_folder`` let through."""
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -108,13 +104,13 @@ def find_tokenizers(run_cfg, run_dir: Path) -> Path:
         ) from None
 
 
-def check_tokenizers(folder: Path, layout, run_cfg) -> dict:
-    """Fingerprints of a tokenizers/ folder after checking it belongs to ``layout`` and the run."""
+def check_tokenizers(folder: Path, layout) -> dict:
+    """Fingerprints of a tokenizers/ folder after checking it belongs to ``layout``."""
     from data.tokenize.visual import load_visual_tokenizer
     from data.tokenize.vtok_files import folder_fingerprints
     from data.vocab import VocabLayout
 
-    check_tokenizer_files(folder, run_cfg)
+    check_tokenizer_files(folder)
     theirs = VocabLayout.load(folder / LAYOUT)
     if theirs.fingerprint() != layout.fingerprint():
         raise ReleaseError(
@@ -163,9 +159,10 @@ def make_release(
     from data.loader.table_load import find_manifest
     from data.shards.manifest import TOKEN_FORMAT
     from data.vocab import VocabLayout
+    from train.tasks.lm import tokens_made_with_other
 
     run_dir = Path(run_dir).resolve()
-    check_out(Path(out), force)
+    check_new_folder(Path(out), force, run_dir / CHECKPOINTS_DIR, ReleaseError)
     ckpt = find_checkpoint(run_dir, step)
     run_cfg = load_run_config(ckpt.folder / CONFIG_FILE)  # the config the checkpoint saved
     task = ckpt.meta["task"]
@@ -186,16 +183,15 @@ def make_release(
             if not tok_dir.is_dir():
                 named = "--tokenizers" if tokenizers else "data.tokenizers"
                 raise ReleaseError(f"{named} {tok_dir}: not a folder")
-            fingerprints = check_tokenizers(tok_dir, layout, run_cfg)
+            fingerprints = check_tokenizers(tok_dir, layout)
+            if differ := tokens_made_with_other(run_cfg, fingerprints):  # same layout, other ids
+                raise ReleaseError(f"{tok_dir}: not the tokenizers of the run's tokens ({differ})")
             # the manifest of the token folder that holds tokenizers/, if it is one
-            found = find_manifest(str(tok_dir))
-            if found is not None and found[0].get("format") == TOKEN_FORMAT:
-                manifest = found[0]
-                tok_options = dict(manifest.get("options", {}))
+            manifest = (find_manifest(str(tok_dir)) or [{}])[0]
+            if manifest.get("format") == TOKEN_FORMAT:
                 # The grids the images were trained at: earlyfuse-generate --draw picks from them.
-                grids = image_grids(manifest)
-                if grids:
-                    tok_options["image_grids"] = grids
+                grids = {"image_grids": image_grids(manifest)} if image_grids(manifest) else {}
+                tok_options = {**manifest.get("options", {}), **grids}
     elif task == "vtok":
         net_cfg = run_cfg.vtok
     else:
@@ -283,6 +279,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "out",
         metavar="OUT",
+        type=local_folder,
         help="release folder to write (must not exist or be empty, see --force)",
     )
     parser.add_argument(
@@ -294,7 +291,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tokenizers",
         metavar="DIR",
-        default=None,
+        type=local_folder,
         help="the tokenizers/ folder of the token data (default: found from the run config's data.sources)",
     )
     parser.add_argument(

@@ -127,9 +127,9 @@ def read_meta(folder: Path) -> dict:
 
 
 def verify_folder(folder: Path, *, hashes: bool = True) -> list[str]:
-    """Problems of one checkpoint folder (empty: intact): its meta, every file it lists, and
-    the manifest of its ``universal/`` conversion when there is one. A ``meta.json`` without
-    its manifest of files is not one a save wrote: nothing in the folder can be trusted."""
+    """Problems of one checkpoint folder (empty: intact): its meta and every file it lists. A
+    ``meta.json`` without its manifest of files is not one a save wrote: nothing in the folder
+    can be trusted. Its ``universal/`` conversion is not part of it (``verify_universal``)."""
     folder = Path(folder)
     try:
         meta = read_meta(folder)
@@ -137,15 +137,22 @@ def verify_folder(folder: Path, *, hashes: bool = True) -> list[str]:
         return [str(e)]
     if not isinstance(meta.get("files"), dict) or not meta["files"]:
         return [f"{folder / META}: no manifest of the checkpoint's files (not written by a save)"]
-    problems = verify_files(folder, meta["files"], hashes=hashes)
-    uni = folder / "universal" / "source.json"
-    if uni.is_file():
-        try:
-            files = json.loads(uni.read_text())["files"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            return [*problems, f"{uni}: unreadable ({e})"]
-        problems += verify_files(uni.parent, files, hashes=hashes)
-    return problems
+    return verify_files(folder, meta["files"], hashes=hashes)
+
+
+def verify_universal(folder: Path, *, hashes: bool = True) -> list[str]:
+    """Problems of the ``universal/`` conversion of checkpoint ``folder`` against its own
+    manifest, ``source.json`` (written last). Only a resume on another world size reads the
+    conversion, so a damaged one stops that resume alone: the checkpoint stays, at its own world
+    size, for a release, and to convert again."""
+    uni = Path(folder) / "universal" / "source.json"
+    try:
+        files = json.loads(uni.read_text())["files"]
+    except FileNotFoundError:
+        return [f"{uni}: missing (the conversion did not finish)"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [f"{uni}: unreadable ({e})"]
+    return verify_files(uni.parent, files, hashes=hashes)
 
 
 def remove_checkpoint(folder: Path) -> None:
@@ -293,12 +300,12 @@ class Checkpointer:
         return verify_folder(self.dir / tag, hashes=self.verify_hashes)
 
     def check_compatible(self, tag: str, zero_stage: int) -> dict:
-        """The checkpoint's meta; refuses what cannot resume here. Another world size resumes from a
-        ZeRO-0 checkpoint as it is, from a ZeRO 1-2 one through its universal/ conversion, and
-        not from a ZeRO-3 one."""
+        """The checkpoint's meta; refuses what cannot resume here with a CheckpointError (one line,
+        exit code 2). Another world size resumes from a ZeRO-0 checkpoint as it is, from a ZeRO 1-2
+        one through its universal/ conversion, and not from a ZeRO-3 one."""
         meta = self.meta(tag)
         if meta["zero_stage"] != zero_stage:
-            raise ValueError(
+            raise CheckpointError(
                 f"{self.dir / tag} was written with ZeRO stage {meta['zero_stage']}; this run uses "
                 f"{zero_stage}. Resume with deepspeed.zero_stage={meta['zero_stage']}."
             )
@@ -306,7 +313,7 @@ class Checkpointer:
             # Tried: DeepSpeed 0.19 converts it and the ZeRO-3 engine loads the conversion, but
             # the run does not go on as it was (the loss of the second resumed step 8e-3 off,
             # ZeRO 2's 5e-7): weights yes, optimizer state not as saved.
-            raise ValueError(
+            raise CheckpointError(
                 f"{self.dir / tag} was written by {meta['world_size']} rank(s) under ZeRO 3; "
                 f"this run has {self.dist.world_size}. A ZeRO-3 checkpoint resumes only on the "
                 "world size that wrote it (its universal conversion does not restore the "
@@ -319,12 +326,21 @@ class Checkpointer:
             and zero_stage > 0
             and not self.universal(tag)
         ):
-            raise ValueError(
+            raise CheckpointError(
                 f"{self.dir / tag} was written by {meta['world_size']} rank(s); this run has "
                 f"{self.dist.world_size}. Its ZeRO-{zero_stage} shards fit only that world size: make a universal "
                 f"checkpoint with `earlyfuse-convert universal {self.dir.parent}` and rerun this command, or run "
                 f"with {meta['world_size']} rank(s)."
             )
+        if meta["world_size"] != self.dist.world_size and zero_stage > 0:
+            problems = verify_universal(self.dir / tag, hashes=self.verify_hashes)
+            if problems:
+                raise CheckpointError(
+                    f"{self.dir / tag / 'universal'}: the universal conversion is damaged "
+                    f"({'; '.join(problems[:2])}); make it again with `earlyfuse-convert universal "
+                    f"{self.dir.parent} --step {meta['step']} --force` (the checkpoint itself is "
+                    "intact) and rerun this command"
+                )
         return meta
 
     def universal(self, tag: str) -> bool:

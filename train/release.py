@@ -72,15 +72,8 @@ class ReleaseError(ValueError):
     """A release (or the run it is made from) that cannot be used; the message names the file."""
 
 
-def check_tokenizer_files(folder: Path, run_cfg) -> None:
-    """A ReleaseError unless ``folder`` holds every file a release of this run copies. A folder
-    without visual_tokenizer/ gives a release of text and code alone: refused for a run with a
-    token source whose manifest records a visual tokenizer, as the model learned images or videos
-    that such a release could neither read nor draw (a source that cannot be read, moved or
-    unreachable, is not checked)."""
-    from data.tokenize.vtok_files import has_visual_tokenizer
-    from train.streams import TableCache
-
+def check_tokenizer_files(folder: Path) -> None:
+    """A ReleaseError unless ``folder`` holds every file a release copies from it."""
     need = [folder / name for name in (LAYOUT, *tokenizer_files(folder))]
     missing = [str(path) for path in need if not path.is_file()]
     if missing:
@@ -88,20 +81,6 @@ def check_tokenizer_files(folder: Path, run_cfg) -> None:
             f"{folder}: tokenizer files missing: {', '.join(missing)} (pass --tokenizers DIR "
             "with tokenizer.json, vocab_layout.json and visual_tokenizer/, or --no-tokenizers)"
         )
-    if has_visual_tokenizer(folder):
-        return
-    tables = TableCache()
-    for src in [*run_cfg.data.sources, *run_cfg.data.validation]:
-        try:
-            table = tables.get([src])[0]
-        except (OSError, ValueError):
-            continue
-        if json.loads(table.tokenizer_fingerprint or "{}").get("visual"):
-            raise ReleaseError(
-                f"{folder}: no {VISUAL}/, but the run's source {src.name} was tokenized with a "
-                f"visual tokenizer ({table.manifest_url}): pass --tokenizers with the folder "
-                "that holds it (that token folder's tokenizers/), or --no-tokenizers"
-            )
 
 
 # --- checking weights ------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
-"""What the subcommands share: sizes like 256MB, paths or URLs, devices, the engine flags, the
-exit codes."""
+"""What the subcommands share (and earlyfuse-eval's and earlyfuse-convert's): sizes like 256MB,
+paths or URLs, output folders, devices, the engine flags, the exit codes."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
@@ -77,6 +78,34 @@ def out_folder(text: str) -> Path | str:
         if file is not None:
             raise argparse.ArgumentTypeError(f"{text}: {file} is a file, not a folder")
     return out
+
+
+def local_folder(text: str) -> Path:
+    """A folder of a command that reads and writes local files only, refused at once when it is
+    an fsspec URL (``Path`` would fold ``s3://bucket/x`` into the local folder ``s3:/bucket/x``)."""
+    if is_remote(text):
+        raise argparse.ArgumentTypeError(
+            f"{text}: an object storage URL; this command reads and writes local folders only "
+            "(copy it here first)"
+        )
+    return Path(local_path(text))
+
+
+def check_new_folder(out: Path, force: bool, source: Path, error: type = ValueError) -> None:
+    """An ``error`` (a ValueError), before any work, for an output folder that would fail or do
+    harm when it is written at the end: one holding the input folder ``source`` (which ``force``
+    would delete) or inside it, one in the way without ``force``, one under a file or under a
+    folder that cannot be written."""
+    if source.resolve().is_relative_to(out.resolve()):
+        raise error(f"{out}: is or holds the input {source}; choose another folder")
+    if out.resolve().is_relative_to(source.resolve()):
+        raise error(f"{out}: inside the input {source}; choose a folder outside it")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise error(f"{out}: exists and is not empty; choose another folder or pass --force")
+    parent = next(folder for folder in out.absolute().parents if folder.exists())
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        what = "a file, not a folder" if not parent.is_dir() else "a folder this user cannot write"
+        raise error(f"{out}: cannot be written ({parent} is {what})")
 
 
 def out_file(text: str) -> Path:

@@ -18,6 +18,7 @@ from trainrun import metrics, train
 from tools.convert import main as convert_main
 from tools.convert_deepspeed import CheckpointError, load_run_config
 from tools.convert_release import make_release
+from train.checkpoint import verify_folder
 from train.release import Release, ReleaseError
 
 SOURCES = {"scenes": 0.4, "text": 0.4, "code": 0.2}
@@ -364,7 +365,10 @@ def test_missing_tokenizers_and_bad_arguments_are_named(
         make_release(run, tmp_path / "a", log=quiet)
     # tokenizer.json + layout, no visual_tokenizer/, for a run whose scenes have images
     text_only, _ = tiny_tokenizers
-    with pytest.raises(ReleaseError, match="no visual_tokenizer/, but the run's source scenes"):
+    with pytest.raises(
+        ReleaseError,
+        match=r"not the tokenizers of the run.s tokens \(source scenes .*made with a visual tokenizer",
+    ):
         make_release(runs[0], tmp_path / "b", tokenizers=text_only, log=quiet)
     partial = shutil.copytree(text_only, tmp_path / "with_part")
     (partial / "visual_tokenizer").mkdir()  # a visual tokenizer folder without its files
@@ -550,3 +554,79 @@ def test_a_text_only_corpus_needs_no_visual_tokenizer_from_tokenize_to_generate(
     assert generate_main([str(alone), "--draw", "a red square", "--out", str(out)]) == 2
     said = "no visual_tokenizer/ (released with --no-tokenizers, or its model was trained on "
     assert said + "tokens of text and code alone)" in capsys.readouterr().err
+
+
+def test_an_output_folder_that_is_the_input_or_cannot_be_written_is_refused_first(
+    runs, tmp_path, capsys
+):
+    """Before: --force deleted the run (OUT = RUN_DIR or its checkpoints/) or the release (hf
+    OUT = RELEASE) and wrote over it; OUT under a file was a traceback after the consolidation."""
+    run = tmp_path / "run"
+    shutil.copytree(runs[0], run)
+    for out in (run, run / "checkpoints", run / "checkpoints" / "step_00000003"):
+        assert convert_main(["release", str(run), str(out), "--force"]) == 2
+        err = capsys.readouterr().err
+        assert f"earlyfuse-convert release: error: {out}: " in err and "the input" in err, err
+    assert verify_folder(run / "checkpoints" / "step_00000003") == []
+    rel = tmp_path / "rel"
+    make_release(run, rel, log=quiet)
+    for out in (rel, tmp_path, rel / "hf"):
+        assert convert_main(["hf", str(rel), str(out), "--force"]) == 2
+        assert f"earlyfuse-convert hf: error: {out}: " in capsys.readouterr().err
+    assert Release(rel).state_dict()  # every file there, every sha256 as recorded
+    (tmp_path / "file").write_text("x")
+    for command, source in (("release", run), ("hf", rel)):
+        assert convert_main([command, str(source), str(tmp_path / "file" / "out")]) == 2
+        out, err = capsys.readouterr()
+        assert err.strip().splitlines() == [
+            f"earlyfuse-convert {command}: error: {tmp_path / 'file' / 'out'}: cannot be written "
+            f"({tmp_path / 'file'} is a file, not a folder)"
+        ]
+        assert "consolidated" not in out  # refused before any work
+
+
+def test_an_object_storage_url_is_refused_not_taken_for_a_local_folder(
+    runs, tmp_path, monkeypatch, capsys
+):
+    """Before: OUT s3://bucket/rel wrote the local folder ./s3:/bucket/rel and said 'wrote
+    s3://bucket/rel'; an input URL was looked for as the local folder s3:/bucket/..."""
+    monkeypatch.chdir(tmp_path)
+    for argv in (
+        ["release", str(runs[0]), "s3://bucket/rel"],
+        ["release", "s3://bucket/run", "out"],
+        ["release", str(runs[0]), "out", "--tokenizers", "s3://bucket/tokenizers"],
+        ["hf", "s3://bucket/rel", "out"],
+        ["import", "s3://bucket/rel", "out"],
+        ["universal", "s3://bucket/run"],
+    ):
+        with pytest.raises(SystemExit) as refused:
+            convert_main(argv)
+        assert refused.value.code == 2
+        err = capsys.readouterr().err
+        assert ": s3://bucket/" in err and "an object storage URL; this command reads and" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tokenizers_other_than_the_runs_tokens_were_made_with_are_refused(
+    runs, tiny_tokens, tmp_path
+):
+    """Another visual tokenizer of the same levels (the same layout) passed every check before:
+    the release shipped it, and its images would decode and encode with other codes."""
+    import torch
+
+    from model.visual_tokenizer import vtok_debug
+    from train.tasks.vtok import save_visual_tokenizer
+
+    other = tmp_path / "tokenizers"
+    shutil.copytree(tiny_tokens / "tokenizers", other)
+    shutil.rmtree(other / "visual_tokenizer")
+    torch.manual_seed(123)
+    cfg = vtok_debug()
+    save_visual_tokenizer(cfg.build().state_dict(), cfg, other / "visual_tokenizer")
+    with pytest.raises(ReleaseError) as refused:
+        make_release(runs[0], tmp_path / "rel", tokenizers=other, log=quiet)
+    assert str(refused.value).startswith(
+        f"{other}: not the tokenizers of the run's tokens (source scenes ("
+    ) and str(refused.value).endswith("): visual tokenizer differs)")
+    assert not (tmp_path / "rel").exists()
+    assert make_release(runs[0], tmp_path / "rel", tokenizers=tiny_tokens / "tokenizers", log=quiet)

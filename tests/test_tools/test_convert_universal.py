@@ -1,14 +1,20 @@
 """Resuming on another world size: a 2-process ZeRO-1 run converted with `earlyfuse-convert
 universal` resumes on 1 process and its loss curve continues; a ZeRO-0 LM run resumes on 1
-process directly, its loader's position redistributed from the 2 old ranks (said on the console)."""
+process directly, its loader's position redistributed from the 2 old ranks (said on the console);
+a damaged conversion stops only the resume that reads it."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+import torch
 from trainrun import metrics, train
 
 from tools.convert import main as convert_main
+from train.checkpoint import Checkpointer
+from train.dist import DistInfo
+from train.safe_load import CheckpointError
 
 
 def vtok(tiny_raw, run, steps, *extra):
@@ -83,3 +89,30 @@ def test_zero0_lm_run_resumes_on_another_world_size_directly(tiny_tokens, tmp_pa
     assert "resuming step_00000008 of 1 rank(s) on 2" in out
     assert "the loader's state was redistributed from 2 to 4 consumers" in out
     assert sorted(metrics(run)) == list(range(1, 11))
+
+
+def test_a_damaged_universal_conversion_stops_only_the_resume_that_reads_it(tiny_tokens, tmp_path):
+    """Before: its checkpoint was taken for damaged, set aside at the next start on any world
+    size (the only one: 'delete latest to start over from step 0'), and refused by `release` and
+    by `universal --force`, the way to make the conversion again."""
+    run = tmp_path / "run"
+    srcs = ",".join(f"{{name: {s}, shards: [{tiny_tokens / s}], weight: 1.0}}" for s in ("text",))
+    train(
+        ["experiment=debug", f"data.sources=[{srcs}]", f"run_dir={run}", "train.steps=2"]
+        + ["train.micro_batch=2", "deepspeed.zero_stage=1"]
+    )
+    assert convert_main(["universal", str(run)]) == 0
+    part = next((run / "checkpoints" / "step_00000002" / "universal").rglob("fp32.pt"))
+    part.write_bytes(part.read_bytes()[:100])
+    two = Checkpointer(run, DistInfo(0, 2, 0, torch.device("cpu")), 2)
+    assert two.check_latest() == "step_00000002"  # kept: it resumes on 1 rank as it is
+    with pytest.raises(CheckpointError) as refused:
+        two.check_compatible("step_00000002", 1)
+    assert str(refused.value).startswith(
+        f"{run}/checkpoints/step_00000002/universal: the universal conversion is damaged ({part}: "
+        "100 bytes, the manifest says"
+    )
+    assert f"`earlyfuse-convert universal {run} --step 2 --force`" in str(refused.value)
+    assert convert_main(["release", str(run), str(tmp_path / "rel")]) == 0
+    assert convert_main(["universal", str(run), "--force"]) == 0
+    assert two.check_compatible("step_00000002", 1)["step"] == 2

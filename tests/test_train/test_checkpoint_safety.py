@@ -10,7 +10,8 @@ DeepSpeed checkpoints written by real runs:
 - a one-process run compiles no DeepSpeed op;
 - a save that cannot be written (a file-size limit, as a full disk; a folder that cannot be
   written) says so, where, and that ``latest`` still names the intact previous checkpoint;
-  refused and damaged checkpoints end the run with one line and exit code 2; a checkpoint set
+  refused and damaged checkpoints (one of another ZeRO stage too) end the run with one line and
+  exit code 2; a checkpoint set
   aside as damaged is reported damaged by later starts too, not missing; a first checkpoint
   complete but for ``latest`` (a kill between the two) is resumed from, with a warning.
 """
@@ -319,6 +320,17 @@ def test_a_damaged_only_checkpoint_stays_reported_damaged_and_stops_with_one_lin
         "rank_00000.pt: 0 bytes" in p.stderr and "set it aside as step_00000003.damaged" in p.stderr
     )
     assert "is missing" not in p.stderr
+
+
+def test_a_resume_under_another_zero_stage_is_refused_with_one_line(runs, tiny_tokens, tmp_path):
+    """Before: Hydra's report of a ValueError, a traceback and exit code 1."""
+    r = copy(runs, "zero2", tmp_path)
+    p = train(base(tiny_tokens, r, 3, "deepspeed.zero_stage=1", "train.bf16=true"), check=False)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert (
+        f"earlyfuse-train: {step_folder(r, 2)} was written with ZeRO stage 2; this run uses 1. "
+        "Resume with deepspeed.zero_stage=2." in p.stderr.splitlines()
+    )
 
 
 def test_a_kill_between_the_first_meta_and_latest_resumes_from_it_with_a_warning(

@@ -121,6 +121,30 @@ def layout_of_data(cfg: RunConfig, tables: TableCache | None = None) -> tuple[Vo
     return VocabLayout.load(folder / LAYOUT_FILE), folder
 
 
+def tokens_made_with_other(cfg: RunConfig, fingerprints: dict) -> str:
+    """How the first of the run's token sources that can be read was made with other tokenizers
+    than ``fingerprints`` (a release's): "source text (…/manifest.json): visual tokenizer
+    differs"; "" when none was (a source that cannot be read, moved away, checks nothing). A
+    folder without a visual tokenizer (text and code alone) is not that of a source made with
+    one: the model learned images or videos such a release could neither read nor draw."""
+    from data.tokenize.vtok_files import tokenizers_differ
+
+    tables = TableCache()
+    for src in [*cfg.data.sources, *cfg.data.validation]:
+        with suppress(OSError, ValueError):
+            for table in tables.get([src]):
+                if table.kind != "tokens":
+                    continue
+                differ = tokenizers_differ(table.tokenizer_fingerprint, fingerprints)
+                if fingerprints.get("visual") is None and json.loads(
+                    table.tokenizer_fingerprint or "{}"
+                ).get("visual"):
+                    differ = "made with a visual tokenizer, the folder has no visual_tokenizer/"
+                if differ:
+                    return f"source {table.name} ({table.manifest_url}): {differ}"
+    return ""
+
+
 CODE_BUCKETS = 64
 
 
