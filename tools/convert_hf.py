@@ -68,9 +68,10 @@ def blocking_features(cfg) -> list[str]:
     return out
 
 
-def qwen3_config(cfg, *, bos_id: int, eos_id: int, pad_id: int, config_class=None, **extra):
+def qwen3_config(cfg, *, bos_id, eos_id, pad_id, max_positions=32768, config_class=None, **extra):
     """Qwen3Config (or ``config_class``, a subclass) of a TransformerConfig; ``extra`` fields
-    are stored as they are (the remote code's ``earlyfuse_grid``, ``auto_map``)."""
+    are stored as they are (the remote code's ``earlyfuse_grid``, ``auto_map``). Serving tools
+    (vLLM) read ``max_positions`` as the context length: the rows the model was trained on."""
     from transformers import Qwen3Config
 
     # rope_theta and torch_dtype are the transformers 4.x names; 5.x (typed without them) still
@@ -84,7 +85,7 @@ def qwen3_config(cfg, *, bos_id: int, eos_id: int, pad_id: int, config_class=Non
         num_key_value_heads=cfg.attention.kv_heads,
         head_dim=cfg.head_dim,
         hidden_act="silu",
-        max_position_embeddings=32768,
+        max_position_embeddings=max_positions,
         rms_norm_eps=cfg.norm_eps,
         rope_theta=cfg.rope.theta,
         tie_word_embeddings=False,
@@ -292,7 +293,9 @@ def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=
                 "AutoModelForCausalLM": f"{module}.EarlyfuseForCausalLM",
             },
         }
-    hf_cfg = qwen3_config(cfg, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id, **extra)
+    ids = {"bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id}
+    rows = (rel.config.get("packing") or {}).get("seq_len", 32768)  # unknown: Qwen3's own
+    hf_cfg = qwen3_config(cfg, **ids, max_positions=rows, **extra)
     with torch.device("meta"):
         model = model_class(hf_cfg)
     model.load_state_dict(qwen3_state(state, cfg.n_layers) | grid_tables, strict=True, assign=True)

@@ -51,6 +51,8 @@ def test_hf_export_gives_our_logits_on_text_images_and_video(
     # Without grid embeddings: plain Qwen3, no remote code.
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "qwen3" and "auto_map" not in config
+    # The context length serving tools read (vLLM's max_model_len): the rows it trained on.
+    assert config["max_position_embeddings"] == 256
     assert not list(out.glob("*.py"))
     readme = (out / "README.md").read_text()
     assert "trust_remote_code" not in readme
