@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -158,19 +159,30 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
         print(f"earlyfuse-train: unknown config key(s): {'; '.join(unknown)}", file=sys.stderr)
         sys.exit(2)
 
-    # Hydra prints an error in a config file (a misspelt key in the user's data/mine.yaml) as a
-    # multi-line report and exits 1; with HYDRA_FULL_ERROR it raises instead, so that
-    # ``compose_error`` can name the file in one line. Unset again once composed, so that an
-    # error of the run itself is reported as Hydra reports it.
-    own_full_error = "HYDRA_FULL_ERROR" in os.environ
-    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    # Hydra reports an error found while composing (a misspelt key or a YAML syntax error in the
+    # user's data/mine.yaml, a group option that does not exist, an override it cannot parse) in
+    # many lines and exits 1. Only HYDRA_FULL_ERROR=1 makes it raise instead (Hydra reads any
+    # other value, 0 or empty included, as unset), so that ``compose_error`` can say it in one
+    # line. The user's own setting is put back once composed: an error of the run itself is
+    # reported as Hydra reports it, and with their HYDRA_FULL_ERROR=1 everything is raised.
+    own_full_error = os.environ.get("HYDRA_FULL_ERROR")
+    composed = False
+
+    def restore_full_error() -> None:
+        if own_full_error is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = own_full_error
+
+    os.environ["HYDRA_FULL_ERROR"] = "1"
 
     @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
     def hydra_main(cfg: DictConfig) -> None:
         from hydra.core.hydra_config import HydraConfig
 
-        if not own_full_error:
-            os.environ.pop("HYDRA_FULL_ERROR", None)
+        nonlocal composed
+        composed = True
+        restore_full_error()
         name_after_data(cfg, list(HydraConfig.get().overrides.task))
         try:
             run_cfg, resolved = to_run_config(cfg)
@@ -185,11 +197,11 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
     try:
         hydra_main()
     except Exception as e:
-        message = None if own_full_error else compose_error(e, sys.argv[1:])
-        if own_full_error:
+        restore_full_error()
+        if own_full_error == "1":
             raise
+        message = None if composed else compose_error(e, sys.argv[1:])
         if message is None:
-            os.environ.pop("HYDRA_FULL_ERROR", None)
             from hydra._internal.utils import run_and_report
 
             error = e
@@ -203,32 +215,113 @@ def _raise(error: BaseException) -> NoReturn:
 
 
 def compose_error(error: BaseException, args: Sequence[str]) -> str | None:
-    """One line for a config file that does not fit the schema (an unknown key, a value of the
-    wrong type): the file, the key (with the nearest known one) and the problem; None for any
-    other error."""
-    import re
+    """One line for a mistake found while Hydra composes the config, before the run starts (a
+    config file that does not fit the schema or is not YAML, a group option that does not exist,
+    an override that cannot be parsed or merged, a --config-dir that is not there): the file or
+    override, the key and the problem. None for an error that is not a config's."""
+    import yaml
+    from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+    from omegaconf.errors import OmegaConfBaseException
 
-    from hydra._internal.utils import get_args_parser
-    from hydra.errors import ConfigCompositionException
-    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
-
-    cause = error.__cause__ or error.__context__
+    if isinstance(error, yaml.MarkedYAMLError) and error.problem_mark is not None:
+        mark = error.problem_mark
+        context = f" ({error.context})" if error.context else ""
+        return (
+            f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}: not valid YAML: "
+            f"{error.problem}{context}"
+        )
+    if isinstance(error, OverrideParseException):
+        return override_parse_error(error)
+    if isinstance(error, OSError) and not isinstance(error, HydraException):
+        return f"{error.filename}: {error.strerror}"  # hydra.run.dir that cannot be made
+    if not isinstance(error, (HydraException, OmegaConfBaseException)):
+        return None
     where = re.match(r"In '([^']+)'", str(error))
-    if not (isinstance(error, ConfigCompositionException) and where):
-        return None
-    if not isinstance(cause, OmegaConfBaseException) or not getattr(cause, "full_key", None):
-        return None
+    place = config_file(where[1], args) + ": " if where and where[1] != "config" else ""
+    if isinstance(error, MissingConfigException) and error.options:
+        group, _, option = str(error.missing_cfg_file).rpartition("/")
+        return (
+            f"{place}{group}={option}: config group {group} has no option {option!r} "
+            f"(there are: {', '.join(error.options)})"
+        )
+    cause = error.__cause__ or error.__context__
+    if place and isinstance(cause, OmegaConfBaseException) and cause.full_key:
+        return place + schema_error(place[:-2], cause)
+    problem = re.sub(r"^In '[^']+': |^Error merging ", "", str(error).splitlines()[0])
+    if isinstance(cause, OmegaConfBaseException):
+        problem += ": " + str(cause).splitlines()[0]
+    return place + problem
+
+
+def config_file(where: str, args: Sequence[str]) -> str:
+    """The file Hydra names as ``data/mine`` (the user's --config-dir first), else ``config X``."""
+    from hydra._internal.utils import get_args_parser
+
     config_dir = get_args_parser().parse_known_args(list(args))[0].config_dir
     dirs = [Path(config_dir)] if config_dir else []
-    files = [d / f"{where[1]}.yaml" for d in dirs + [Path(CONFIG_DIR)]]
-    name = next((str(f) for f in files if f.is_file()), f"config {where[1]}")
+    files = [d / f"{where}.yaml" for d in dirs + [Path(CONFIG_DIR)]]
+    return next((str(f) for f in files if f.is_file()), f"config {where}")
+
+
+def schema_error(name: str, cause) -> str:
+    """The key and the problem of a config file's value the schema refuses: an unknown key with
+    the nearest known one, or a value of the wrong type."""
+    from omegaconf.errors import ConfigKeyError
+
     key = str(cause.full_key)
+    if "." not in key and "[" not in key and Path(name).is_file():
+        # OmegaConf names a list item's key alone
+        value = None if isinstance(cause, ConfigKeyError) else cause.value
+        key = list_item_path(Path(name), key, value) + key
     schema = getattr(cause, "object_type", None)
     if isinstance(cause, ConfigKeyError) and dataclasses.is_dataclass(schema):
         path = key[: len(key) - len(str(cause.key))]
-        return f"{name}: unknown config key {key}{suggestion(str(cause.key), schema, path)}"  # type: ignore[arg-type]
-    problem = str(cause).splitlines()[0]
-    return f"{name}: {key}: {problem}"
+        return f"unknown config key {key}{suggestion(str(cause.key), schema, path)}"  # type: ignore[arg-type]
+    return f"{key}: {str(cause).splitlines()[0]}"
+
+
+def list_item_path(file: Path, key: str, value: object = None) -> str:
+    """``data.sources[0].``: where in ``file`` the first list item holding ``key`` (with that
+    ``value``, when given) is, its package (``# @package``, else the group's) in front; "" when
+    no list item holds it."""
+    import yaml
+
+    text = file.read_text()
+    tree = yaml.safe_load(text)
+    header = re.search(r"^#\s*@package\s+(\S+)", text, re.MULTILINE)
+    package = header[1] if header else file.parent.name
+    package = "" if package == "_global_" else f"{package}."
+
+    def find(node, path: str) -> str | None:
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for k, item in items:
+            inner = f"{path}{k}." if isinstance(node, dict) else f"{path[:-1]}[{k}]."
+            if k == key and "[" in path and (value is None or str(item) == str(value)):
+                return path
+            if isinstance(item, (dict, list)) and (found := find(item, inner)) is not None:
+                return found
+        return None
+
+    body = {k: v for k, v in tree.items() if k != "defaults"} if isinstance(tree, dict) else {}
+    found = find(body, package)
+    return found or ""
+
+
+def override_parse_error(error) -> str:
+    """Hydra's parser's report of an override in one line: what it could not read, and where."""
+    override = error.override
+    lines = [line for line in str(error).splitlines() if not line.startswith("See https://")]
+    if len(lines) > 1 and lines[1].strip() == "^":  # the lexer's: a caret under the first bad one
+        at = lines[1].index("^") - len("LexerNoViableAltException: ")
+        hint = {"'": "an unclosed quote?", '"': "an unclosed quote?", " ": "quote it"}
+        problem = f"cannot read {override[at:]!r} (character {at + 1})"
+        problem += f": {hint[override[at]]}" if override[at : at + 1] in hint else ""
+    else:
+        problem = lines[-1].split(" expecting {")[0]  # the expected tokens' list is the grammar's
+    return (
+        f"cannot parse override {override!r}: {problem} "
+        "(https://hydra.cc/docs/advanced/override_grammar/basic)"
+    )
 
 
 def leave_rank(code: int) -> NoReturn:
