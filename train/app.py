@@ -26,6 +26,7 @@ from typing import NoReturn
 import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from train.config import RunConfig
 from train.config_check import (
@@ -83,9 +84,13 @@ def to_run_config(cfg: DictConfig) -> tuple[RunConfig, str]:
     """The typed config and its resolved YAML (saved with every checkpoint)."""
     check_known_keys(OmegaConf.to_container(cfg, resolve=False), RunConfig)  # type: ignore[arg-type]
     levels_from_layout(cfg)
-    resolved = OmegaConf.to_yaml(cfg, resolve=True)
     try:
+        resolved = OmegaConf.to_yaml(cfg, resolve=True)
         run_cfg = OmegaConf.to_object(cfg)  # the structured schema makes this a RunConfig
+    except OmegaConfBaseException as e:
+        # A value left ??? (a source without a name) or an interpolation that cannot be resolved
+        # (${nme}): found only now, as the config is resolved; as much a config error.
+        raise ConfigError(f"{e.full_key}: {str(e).splitlines()[0]}") from None
     except ValueError as e:
         # The schema's own checks (__post_init__: steps, batch sizes, ZeRO stage, ...) name the
         # key and what to give: a config error, one line and exit code 2, not a traceback.
@@ -221,7 +226,6 @@ def compose_error(error: BaseException, args: Sequence[str]) -> str | None:
     override, the key and the problem. None for an error that is not a config's."""
     import yaml
     from hydra.errors import HydraException, MissingConfigException, OverrideParseException
-    from omegaconf.errors import OmegaConfBaseException
 
     if isinstance(error, yaml.MarkedYAMLError) and error.problem_mark is not None:
         mark = error.problem_mark
