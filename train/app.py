@@ -163,6 +163,15 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
     if unknown:
         print(f"earlyfuse-train: unknown config key(s): {'; '.join(unknown)}", file=sys.stderr)
         sys.exit(2)
+    if hydra_flags(sys.argv[1:]).multirun or "hydra.mode=MULTIRUN" in sys.argv:
+        # The process ends with its run's exit code (a rank's os._exit), so a sweep would stop
+        # after its first job, exit code 0; its jobs would share run_dir too.
+        print(
+            "earlyfuse-train: --multirun (-m) is not supported: a sweep would end after its first "
+            "run; start one earlyfuse-train per setting, each with its own run_dir",
+            file=sys.stderr,
+        )
+        sys.exit(2)
 
     # Hydra reports an error found while composing (a misspelt key or a YAML syntax error in the
     # user's data/mine.yaml, a group option that does not exist, an override it cannot parse) in
@@ -251,17 +260,29 @@ def compose_error(error: BaseException, args: Sequence[str]) -> str | None:
     cause = error.__cause__ or error.__context__
     if place and isinstance(cause, OmegaConfBaseException) and cause.full_key:
         return place + schema_error(place[:-2], cause)
+    ambiguous = re.match(r"Ambiguous value for argument '(([^=]+)=(.*))'", str(error))
+    if ambiguous:  # Hydra's own advice ends "add --multirun", which earlyfuse-train refuses
+        override, key, value = ambiguous.groups()
+        return (
+            f"override {override!r} holds a comma: give a list as {key}=[{value}] or a string "
+            f"as {key}='{value}' (one run per command: no sweeps)"
+        )
     problem = re.sub(r"^In '[^']+': |^Error merging ", "", str(error).splitlines()[0])
     if isinstance(cause, OmegaConfBaseException):
         problem += ": " + str(cause).splitlines()[0]
     return place + problem
 
 
-def config_file(where: str, args: Sequence[str]) -> str:
-    """The file Hydra names as ``data/mine`` (the user's --config-dir first), else ``config X``."""
+def hydra_flags(args: Sequence[str]):
+    """Hydra's own flags on the command line (--config-dir, --multirun, ...), read by its parser."""
     from hydra._internal.utils import get_args_parser
 
-    config_dir = get_args_parser().parse_known_args(list(args))[0].config_dir
+    return get_args_parser().parse_known_args(list(args))[0]
+
+
+def config_file(where: str, args: Sequence[str]) -> str:
+    """The file Hydra names as ``data/mine`` (the user's --config-dir first), else ``config X``."""
+    config_dir = hydra_flags(args).config_dir
     dirs = [Path(config_dir)] if config_dir else []
     files = [d / f"{where}.yaml" for d in dirs + [Path(CONFIG_DIR)]]
     return next((str(f) for f in files if f.is_file()), f"config {where}")

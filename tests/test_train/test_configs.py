@@ -202,13 +202,20 @@ def run_app(args: list[str], **env: str) -> subprocess.CompletedProcess:
         ),
         (["hydra.run.dir={dir}/a_file/run"], "{dir}/a_file/run: Not a directory"),
         (["=3"], "unknown config key(s): '=3' (no key before =)"),
+        (
+            ["optim.lr=1e-3,1e-4"],
+            "override 'optim.lr=1e-3,1e-4' holds a comma: give a list as optim.lr=[1e-3,1e-4] or "
+            "a string as optim.lr='1e-3,1e-4' (one run per command: no sweeps)",
+        ),
+        (["-m", "experiment=debug"], "--multirun (-m) is not supported: a sweep would end after"),
     ],
 )
 def test_a_mistake_found_while_composing_is_one_line_with_exit_code_2(args, line, tmp_path):
     """A YAML syntax error in the user's config file, a group option, an override that cannot be
     parsed or merged, a --config-dir or a hydra.run.dir that is not there: one line naming it,
     exit code 2 (before: Hydra's multi-line report, a traceback for the YAML and the run folder,
-    exit code 1)."""
+    exit code 1). A sweep (--multirun) is refused: the process ends with its first run's exit
+    code (before: the sweep stopped after its first run, exit code 0)."""
     assert_one_line(args, line, tmp_path)
 
 
