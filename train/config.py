@@ -186,6 +186,22 @@ class ImageDataConfig:
         20000  # decoded images kept in memory; documents past it are counted, warned
     )
 
+    def __post_init__(self) -> None:
+        # Else found only as "no training image" (every image shrunk below a crop, or all held
+        # out) or as a shape error inside the network
+        refuse_first(
+            (
+                0 <= self.heldout_fraction < 1,
+                f"vtok_data.heldout_fraction {self.heldout_fraction}: give a fraction of the "
+                "documents from 0 to below 1",
+            ),
+            (
+                self.max_pixels >= self.crop**2,
+                f"vtok_data.max_pixels {self.max_pixels}: give at least vtok_data.crop squared "
+                f"({self.crop**2}): images are resized into it before a crop is cut",
+            ),
+        )
+
 
 @dataclass(kw_only=True)
 class RunConfig:

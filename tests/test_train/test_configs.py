@@ -393,6 +393,9 @@ def test_a_typo_inside_a_list_element_of_an_override_names_the_key(tmp_path):
         ("optim.clip_grad=-1", "optim.clip_grad -1.0: give 0 (no clipping) or more"),
         ("train.ckpt_every=-1", "train.ckpt_every -1: give a number of steps, 0 for only at"),
         ("train.keep_last=0", "train.keep_last 0: keep 1 checkpoint or more"),
+        # ... or found as "no training image" (vtok)
+        ("vtok_data.heldout_fraction=1.5", "vtok_data.heldout_fraction 1.5: give a fraction"),
+        ("vtok_data.max_pixels=0", "vtok_data.max_pixels 0: give at least vtok_data.crop squared"),
         # A value left ??? and an interpolation to nothing, found as the config is resolved
         # (before: Hydra's report of an OmegaConf error, exit code 1)
         (
@@ -406,6 +409,16 @@ def test_a_typo_inside_a_list_element_of_an_override_names_the_key(tmp_path):
 def test_a_value_the_schema_refuses_is_a_config_error(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         composed(["experiment=debug", override])
+
+
+def test_a_visual_tokenizer_crop_of_zero_is_a_config_error():
+    """Before: a shape error inside the network, exit code 1."""
+    from train.tasks.vtok import VtokTask
+
+    for crop in (0, -4, 6):
+        cfg = composed(["experiment=vtok_debug", f"vtok_data.crop={crop}"])
+        with pytest.raises(ConfigError, match=f"crop {crop} must be a positive multiple of"):
+            VtokTask(cfg, dist=None)  # type: ignore[arg-type]
 
 
 def test_earlyfuse_train_refuses_a_bad_value_in_one_line_with_exit_code_2(tmp_path):
