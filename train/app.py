@@ -269,7 +269,9 @@ def compose_error(error: BaseException, args: Sequence[str]) -> str | None:
         )
     problem = re.sub(r"^In '[^']+': |^Error merging ", "", str(error).splitlines()[0])
     if isinstance(cause, OmegaConfBaseException):
-        problem += ": " + str(cause).splitlines()[0]
+        # "ValidationError raised while composing config:" says nothing its cause does not
+        said = str(cause).splitlines()[0]
+        problem = said if problem.endswith("while composing config:") else f"{problem}: {said}"
     return place + problem
 
 

@@ -183,6 +183,10 @@ def run_app(args: list[str], **env: str) -> subprocess.CompletedProcess:
             "got ':' (while parsing a flow sequence)",
         ),
         (
+            ["--config-dir", "{dir}", "data=a_list"],
+            "{dir}/data/a_list.yaml: Merge error: list is not a subclass of LoaderConfig",
+        ),
+        (
             ["experiment=nope"],
             "experiment=nope: config group experiment has no option 'nope' (there are: debug, demo,",
         ),
@@ -242,6 +246,7 @@ def assert_one_line(args: list[str], line: str, tmp_path: Path, **env: str) -> N
     (tmp_path / "data" / "tab.yaml").write_text("sources: []\nseq_len:\t256\n")
     (tmp_path / "data" / "unclosed.yaml").write_text("sources: [a, b\nseq_len: 256\n")
     (tmp_path / "data" / "typo.yaml").write_text("sources: []\nseq_lenn: 3\n")
+    (tmp_path / "data" / "a_list.yaml").write_text("- a\n- b\n")
     (tmp_path / "a_file").write_text("")
     # --cfg job: composed, printed, never run; the run folder is made only by a run
     stop = [] if args[0].startswith("hydra.run.dir") else ["--cfg", "job"]
