@@ -276,7 +276,8 @@ def compose_error(error: BaseException, args: Sequence[str]) -> str | None:
 
 
 def hydra_flags(args: Sequence[str]):
-    """Hydra's own flags on the command line (--config-dir, --multirun, ...), read by its parser."""
+    """Hydra's own flags on the command line (--config-dir, --multirun, ...), read by its parser
+    (internal: Hydra hands its task only the composed config, not the flags it was given)."""
     from hydra._internal.utils import get_args_parser
 
     return get_args_parser().parse_known_args(list(args))[0]
