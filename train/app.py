@@ -249,6 +249,13 @@ def compose_error(error: BaseException, args: Sequence[str]) -> str | None:
         return f"{error.filename}: {error.strerror}"  # hydra.run.dir that cannot be made
     if not isinstance(error, (HydraException, OmegaConfBaseException)):
         return None
+    missing_dir = re.match(r"Additional config directory '(.+)' not found", str(error))
+    if missing_dir:
+        what = "a file" if Path(missing_dir[1]).is_file() else "not there"
+        return (
+            f"--config-dir {missing_dir[1]}: {what}; give the folder that holds your config "
+            "groups' folders (data/, model/, experiment/, ...)"
+        )
     where = re.match(r"In '([^']+)'", str(error))
     place = config_file(where[1], args) + ": " if where and where[1] != "config" else ""
     if isinstance(error, MissingConfigException) and error.options:

@@ -202,7 +202,11 @@ def run_app(args: list[str], **env: str) -> subprocess.CompletedProcess:
         ),
         (
             ["--config-dir", "{dir}/nowhere"],
-            "Additional config directory '{dir}/nowhere' not found",
+            "--config-dir {dir}/nowhere: not there; give the folder that holds your config",
+        ),
+        (
+            ["--config-dir", "{dir}/data/typo.yaml"],
+            "--config-dir {dir}/data/typo.yaml: a file; give",
         ),
         (["hydra.run.dir={dir}/a_file/run"], "{dir}/a_file/run: Not a directory"),
         (["=3"], "unknown config key(s): '=3' (no key before =)"),
