@@ -225,6 +225,9 @@ class RunConfig:
                 f"deepspeed.zero_stage {self.deepspeed.zero_stage}: choose 0, 1, 2 or 3"
             )
         refuse_first(
+            # Empty, the run's files would go into the current folder, or into runs/ itself
+            (bool(self.name.strip()), "name is empty: give the run a name (run_dir: runs/NAME)"),
+            (bool(self.run_dir.strip()), "run_dir is empty: give the run's own folder"),
             (
                 self.data.seq_len >= 1,
                 f"data.seq_len {self.data.seq_len}: give the row length in tokens, 1 or more",
