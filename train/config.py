@@ -218,6 +218,7 @@ class RunConfig:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
     def __post_init__(self) -> None:
+        d = self.data
         if self.task not in TASKS:
             raise ValueError(f"task {self.task!r}: choose one of {TASKS}")
         if self.deepspeed.zero_stage not in (0, 1, 2, 3):
@@ -228,15 +229,17 @@ class RunConfig:
             # Empty, the run's files would go into the current folder, or into runs/ itself
             (bool(self.name.strip()), "name is empty: give the run a name (run_dir: runs/NAME)"),
             (bool(self.run_dir.strip()), "run_dir is empty: give the run's own folder"),
+            (d.seq_len >= 1, f"data.seq_len {d.seq_len}: give the row length in tokens, 1 or more"),
             (
-                self.data.seq_len >= 1,
-                f"data.seq_len {self.data.seq_len}: give the row length in tokens, 1 or more",
+                d.num_workers >= 0,
+                f"data.num_workers {d.num_workers}: give 0 (load in the main process) or more",
             ),
-            (
-                self.data.num_workers >= 0,
-                f"data.num_workers {self.data.num_workers}: give 0 (load in the main process) "
-                "or more",
-            ),
+            # Else the packer holds nothing aside and the run ends at step 0, exit code 0
+            (d.max_pending >= 1, f"data.max_pending {d.max_pending}: give 1 or more documents"),
+            *[
+                (getattr(d, key) >= 0, f"data.{key} {getattr(d, key)}: give 0 or more")
+                for key in ("shuffle_buffer", "mix_chunk", "doc_budget")
+            ],
         )
         if self.train.micro_batch <= 0 or self.train.grad_accum <= 0:
             raise ValueError("train.micro_batch and train.grad_accum must be positive")

@@ -396,6 +396,8 @@ def test_a_typo_inside_a_list_element_of_an_override_names_the_key(tmp_path):
         ("data.seq_len=-5", "data.seq_len -5: give the row length in tokens"),
         ("data.num_workers=-1", "data.num_workers -1: give 0 (load in the main process)"),
         # ... or a run that trained through it, exit code 0
+        ("data.max_pending=0", "data.max_pending 0: give 1 or more"),  # 0 steps
+        ("data.shuffle_buffer=-1", "data.shuffle_buffer -1: give 0 or more"),
         ("run_dir=", "run_dir is empty"),  # the run's files went into the current folder
         ("name=", "name is empty"),  # into runs/, the folder of every run
         ("data.seq_len=0", "data.seq_len 0: give the row length in tokens"),
