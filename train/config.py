@@ -226,6 +226,11 @@ class RunConfig:
                 f"deepspeed.zero_stage {self.deepspeed.zero_stage}: choose 0, 1, 2 or 3"
             )
         refuse_first(
+            (
+                self.deepspeed.zero_stage >= 1 or not self.deepspeed.offload_optimizer,
+                "deepspeed.offload_optimizer=true needs deepspeed.zero_stage 1 or more (ZeRO-Offload "
+                "moves ZeRO's partitioned optimizer states; at stage 0 it would be ignored)",
+            ),
             # Empty, the run's files would go into the current folder, or into runs/ itself
             (bool(self.name.strip()), "name is empty: give the run a name (run_dir: runs/NAME)"),
             (bool(self.run_dir.strip()), "run_dir is empty: give the run's own folder"),
