@@ -153,7 +153,7 @@ def unknown_override_keys(overrides: list[str], schema: type, groups: set[str]) 
             continue
         key = override.key_or_group
         if not key:
-            found.append(f"{arg!r} (no key before =)")
+            found.append(f"{arg!r} (no key before =; write KEY=VALUE, no spaces around =)")
             continue
         if override.package is not None or key.split(".")[0] == "hydra":
             continue

@@ -209,7 +209,10 @@ def run_app(args: list[str], **env: str) -> subprocess.CompletedProcess:
             "--config-dir {dir}/data/typo.yaml: a file; give",
         ),
         (["hydra.run.dir={dir}/a_file/run"], "{dir}/a_file/run: Not a directory"),
-        (["=3"], "unknown config key(s): '=3' (no key before =)"),
+        (
+            ["=3"],
+            "unknown config key(s): '=3' (no key before =; write KEY=VALUE, no spaces around =)",
+        ),
         (
             ["optim.lr=1e-3,1e-4"],
             "override 'optim.lr=1e-3,1e-4' holds a comma: give a list as optim.lr=[1e-3,1e-4] or "
