@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import NoReturn
 import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from train.config import RunConfig
 from train.config_check import (
@@ -82,9 +84,13 @@ def to_run_config(cfg: DictConfig) -> tuple[RunConfig, str]:
     """The typed config and its resolved YAML (saved with every checkpoint)."""
     check_known_keys(OmegaConf.to_container(cfg, resolve=False), RunConfig)  # type: ignore[arg-type]
     levels_from_layout(cfg)
-    resolved = OmegaConf.to_yaml(cfg, resolve=True)
     try:
+        resolved = OmegaConf.to_yaml(cfg, resolve=True)
         run_cfg = OmegaConf.to_object(cfg)  # the structured schema makes this a RunConfig
+    except OmegaConfBaseException as e:
+        # A value left ??? (a source without a name) or an interpolation that cannot be resolved
+        # (${nme}): found only now, as the config is resolved; as much a config error.
+        raise ConfigError(f"{e.full_key}: {str(e).splitlines()[0]}") from None
     except ValueError as e:
         # The schema's own checks (__post_init__: steps, batch sizes, ZeRO stage, ...) name the
         # key and what to give: a config error, one line and exit code 2, not a traceback.
@@ -157,20 +163,40 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
     if unknown:
         print(f"earlyfuse-train: unknown config key(s): {'; '.join(unknown)}", file=sys.stderr)
         sys.exit(2)
+    if hydra_flags(sys.argv[1:]).multirun or "hydra.mode=MULTIRUN" in sys.argv:
+        # The process ends with its run's exit code (a rank's os._exit), so a sweep would stop
+        # after its first job, exit code 0; its jobs would share run_dir too.
+        print(
+            "earlyfuse-train: --multirun (-m) is not supported: a sweep would end after its first "
+            "run; start one earlyfuse-train per setting, each with its own run_dir",
+            file=sys.stderr,
+        )
+        sys.exit(2)
 
-    # Hydra prints an error in a config file (a misspelt key in the user's data/mine.yaml) as a
-    # multi-line report and exits 1; with HYDRA_FULL_ERROR it raises instead, so that
-    # ``compose_error`` can name the file in one line. Unset again once composed, so that an
-    # error of the run itself is reported as Hydra reports it.
-    own_full_error = "HYDRA_FULL_ERROR" in os.environ
-    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    # Hydra reports an error found while composing (a misspelt key or a YAML syntax error in the
+    # user's data/mine.yaml, a group option that does not exist, an override it cannot parse) in
+    # many lines and exits 1. Only HYDRA_FULL_ERROR=1 makes it raise instead (Hydra reads any
+    # other value, 0 or empty included, as unset), so that ``compose_error`` can say it in one
+    # line. The user's own setting is put back once composed: an error of the run itself is
+    # reported as Hydra reports it, and with their HYDRA_FULL_ERROR=1 everything is raised.
+    own_full_error = os.environ.get("HYDRA_FULL_ERROR")
+    composed = False
+
+    def restore_full_error() -> None:
+        if own_full_error is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = own_full_error
+
+    os.environ["HYDRA_FULL_ERROR"] = "1"
 
     @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
     def hydra_main(cfg: DictConfig) -> None:
         from hydra.core.hydra_config import HydraConfig
 
-        if not own_full_error:
-            os.environ.pop("HYDRA_FULL_ERROR", None)
+        nonlocal composed
+        composed = True
+        restore_full_error()
         name_after_data(cfg, list(HydraConfig.get().overrides.task))
         try:
             run_cfg, resolved = to_run_config(cfg)
@@ -185,11 +211,11 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
     try:
         hydra_main()
     except Exception as e:
-        message = None if own_full_error else compose_error(e, sys.argv[1:])
-        if own_full_error:
+        restore_full_error()
+        if own_full_error == "1":
             raise
+        message = None if composed else compose_error(e, sys.argv[1:])
         if message is None:
-            os.environ.pop("HYDRA_FULL_ERROR", None)
             from hydra._internal.utils import run_and_report
 
             error = e
@@ -203,32 +229,134 @@ def _raise(error: BaseException) -> NoReturn:
 
 
 def compose_error(error: BaseException, args: Sequence[str]) -> str | None:
-    """One line for a config file that does not fit the schema (an unknown key, a value of the
-    wrong type): the file, the key (with the nearest known one) and the problem; None for any
-    other error."""
-    import re
+    """One line for a mistake found while Hydra composes the config, before the run starts (a
+    config file that does not fit the schema or is not YAML, a group option that does not exist,
+    an override that cannot be parsed or merged, a --config-dir that is not there): the file or
+    override, the key and the problem. None for an error that is not a config's."""
+    import yaml
+    from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 
-    from hydra._internal.utils import get_args_parser
-    from hydra.errors import ConfigCompositionException
-    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
-
-    cause = error.__cause__ or error.__context__
+    if isinstance(error, yaml.MarkedYAMLError) and error.problem_mark is not None:
+        mark = error.problem_mark
+        context = f" ({error.context})" if error.context else ""
+        return (
+            f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}: not valid YAML: "
+            f"{error.problem}{context}"
+        )
+    if isinstance(error, OverrideParseException):
+        return override_parse_error(error)
+    if isinstance(error, OSError) and not isinstance(error, HydraException):
+        return f"{error.filename}: {error.strerror}"  # hydra.run.dir that cannot be made
+    if not isinstance(error, (HydraException, OmegaConfBaseException)):
+        return None
+    missing_dir = re.match(r"Additional config directory '(.+)' not found", str(error))
+    if missing_dir:
+        what = "a file" if Path(missing_dir[1]).is_file() else "not there"
+        return (
+            f"--config-dir {missing_dir[1]}: {what}; give the folder that holds your config "
+            "groups' folders (data/, model/, experiment/, ...)"
+        )
     where = re.match(r"In '([^']+)'", str(error))
-    if not (isinstance(error, ConfigCompositionException) and where):
-        return None
-    if not isinstance(cause, OmegaConfBaseException) or not getattr(cause, "full_key", None):
-        return None
-    config_dir = get_args_parser().parse_known_args(list(args))[0].config_dir
+    place = config_file(where[1], args) + ": " if where and where[1] != "config" else ""
+    if isinstance(error, MissingConfigException) and error.options:
+        group, _, option = str(error.missing_cfg_file).rpartition("/")
+        return (
+            f"{place}{group}={option}: config group {group} has no option {option!r} "
+            f"(there are: {', '.join(error.options)})"
+        )
+    cause = error.__cause__ or error.__context__
+    if place and isinstance(cause, OmegaConfBaseException) and cause.full_key:
+        return place + schema_error(place[:-2], cause)
+    ambiguous = re.match(r"Ambiguous value for argument '(([^=]+)=(.*))'", str(error))
+    if ambiguous:  # Hydra's own advice ends "add --multirun", which earlyfuse-train refuses
+        override, key, value = ambiguous.groups()
+        return (
+            f"override {override!r} holds a comma: give a list as {key}=[{value}] or a string "
+            f"as {key}='{value}' (one run per command: no sweeps)"
+        )
+    problem = re.sub(r"^In '[^']+': |^Error merging ", "", str(error).splitlines()[0])
+    if isinstance(cause, OmegaConfBaseException):
+        # "ValidationError raised while composing config:" says nothing its cause does not
+        said = str(cause).splitlines()[0]
+        problem = said if problem.endswith("while composing config:") else f"{problem}: {said}"
+    return place + problem
+
+
+def hydra_flags(args: Sequence[str]):
+    """Hydra's own flags on the command line (--config-dir, --multirun, ...), read by its parser
+    (internal: Hydra hands its task only the composed config, not the flags it was given)."""
+    from hydra._internal.utils import get_args_parser
+
+    return get_args_parser().parse_known_args(list(args))[0]
+
+
+def config_file(where: str, args: Sequence[str]) -> str:
+    """The file Hydra names as ``data/mine`` (the user's --config-dir first), else ``config X``."""
+    config_dir = hydra_flags(args).config_dir
     dirs = [Path(config_dir)] if config_dir else []
-    files = [d / f"{where[1]}.yaml" for d in dirs + [Path(CONFIG_DIR)]]
-    name = next((str(f) for f in files if f.is_file()), f"config {where[1]}")
+    files = [d / f"{where}.yaml" for d in dirs + [Path(CONFIG_DIR)]]
+    return next((str(f) for f in files if f.is_file()), f"config {where}")
+
+
+def schema_error(name: str, cause) -> str:
+    """The key and the problem of a config file's value the schema refuses: an unknown key with
+    the nearest known one, or a value of the wrong type."""
+    from omegaconf.errors import ConfigKeyError
+
     key = str(cause.full_key)
+    if "." not in key and "[" not in key and Path(name).is_file():
+        # OmegaConf names a list item's key alone
+        value = None if isinstance(cause, ConfigKeyError) else cause.value
+        key = list_item_path(Path(name), key, value) + key
     schema = getattr(cause, "object_type", None)
     if isinstance(cause, ConfigKeyError) and dataclasses.is_dataclass(schema):
         path = key[: len(key) - len(str(cause.key))]
-        return f"{name}: unknown config key {key}{suggestion(str(cause.key), schema, path)}"  # type: ignore[arg-type]
-    problem = str(cause).splitlines()[0]
-    return f"{name}: {key}: {problem}"
+        return f"unknown config key {key}{suggestion(str(cause.key), schema, path)}"  # type: ignore[arg-type]
+    return f"{key}: {str(cause).splitlines()[0]}"
+
+
+def list_item_path(file: Path, key: str, value: object = None) -> str:
+    """``data.sources[0].``: where in ``file`` the first list item holding ``key`` (with that
+    ``value``, when given) is, its package (``# @package``, else the group's) in front; "" when
+    no list item holds it."""
+    import yaml
+
+    text = file.read_text()
+    tree = yaml.safe_load(text)
+    header = re.search(r"^#\s*@package\s+(\S+)", text, re.MULTILINE)
+    package = header[1] if header else file.parent.name
+    package = "" if package == "_global_" else f"{package}."
+
+    def find(node, path: str) -> str | None:
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for k, item in items:
+            inner = f"{path}{k}." if isinstance(node, dict) else f"{path[:-1]}[{k}]."
+            if k == key and "[" in path and (value is None or str(item) == str(value)):
+                return path
+            if isinstance(item, (dict, list)) and (found := find(item, inner)) is not None:
+                return found
+        return None
+
+    body = {k: v for k, v in tree.items() if k != "defaults"} if isinstance(tree, dict) else {}
+    found = find(body, package)
+    return found or ""
+
+
+def override_parse_error(error) -> str:
+    """Hydra's parser's report of an override in one line: what it could not read, and where."""
+    override = error.override
+    lines = [line for line in str(error).splitlines() if not line.startswith("See https://")]
+    if len(lines) > 1 and lines[1].strip() == "^":  # the lexer's: a caret under the first bad one
+        at = lines[1].index("^") - len("LexerNoViableAltException: ")
+        hint = {"'": "an unclosed quote?", '"': "an unclosed quote?", " ": "quote it"}
+        problem = f"cannot read {override[at:]!r} (character {at + 1})"
+        problem += f": {hint[override[at]]}" if override[at : at + 1] in hint else ""
+    else:
+        problem = lines[-1].split(" expecting {")[0]  # the expected tokens' list is the grammar's
+    return (
+        f"cannot parse override {override!r}: {problem} "
+        "(https://hydra.cc/docs/advanced/override_grammar/basic)"
+    )
 
 
 def leave_rank(code: int) -> NoReturn:

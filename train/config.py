@@ -17,11 +17,19 @@ from model.sequence_parallel import check_sequence_parallel
 from model.transformer import TransformerConfig
 from model.visual_tokenizer import VisualTokenizerConfig
 from train.monitor.config import MonitorConfig
-from train.schedule import LrChange
+from train.schedule import SCHEDULES, LrChange
 from train.skip_step import SkipStepConfig
 
 TASKS = ("lm", "vtok")
 COMPILE_CHOICES = ("auto", "true", "false")
+
+
+def refuse_first(*checks: tuple[bool, str]) -> None:
+    """A ValueError with the message of the first check that fails (one line: the key, the value
+    and what to give; earlyfuse-train prints it and exits 2)."""
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
 
 
 @dataclass(kw_only=True)
@@ -39,6 +47,38 @@ class OptimConfig:
     lr_changes: list[LrChange] = field(default_factory=list)
     clip_grad: float = 1.0  # 0 = no clipping
     skip_step: SkipStepConfig = field(default_factory=SkipStepConfig)
+
+    def __post_init__(self) -> None:
+        # Named here, as given: else the optimizer or the schedule refuses them with a traceback,
+        # or the run trains through them (a negative warmup, a final lr above the peak).
+        refuse_first(
+            (self.lr >= 0, f"optim.lr {self.lr}: give a learning rate >= 0"),
+            (
+                0 <= self.min_lr_ratio <= 1,
+                f"optim.min_lr_ratio {self.min_lr_ratio}: give the final lr as a fraction of "
+                "optim.lr, from 0 to 1",
+            ),
+            (
+                len(self.betas) == 2 and all(0 <= beta < 1 for beta in self.betas),
+                f"optim.betas {list(self.betas)}: give two numbers from 0 to below 1, e.g. "
+                "[0.9, 0.95]",
+            ),
+            (self.eps > 0, f"optim.eps {self.eps}: give a small positive number, e.g. 1e-8"),
+            (self.weight_decay >= 0, f"optim.weight_decay {self.weight_decay}: give 0 or more"),
+            (
+                self.schedule in SCHEDULES,
+                f"optim.schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}",
+            ),
+            (self.warmup_steps >= 0, f"optim.warmup_steps {self.warmup_steps}: give 0 or more"),
+            (
+                0 <= self.decay_fraction <= 1,
+                f"optim.decay_fraction {self.decay_fraction}: give a fraction of the steps, 0 to 1",
+            ),
+            (
+                self.clip_grad >= 0,
+                f"optim.clip_grad {self.clip_grad}: give 0 (no clipping) or more",
+            ),
+        )
 
 
 @dataclass(kw_only=True)
@@ -89,6 +129,27 @@ class TrainConfig:
             raise ValueError(
                 f"train.compile {self.compile!r}: choose one of {', '.join(COMPILE_CHOICES)}"
             )
+        refuse_first(
+            (self.log_every >= 1, f"train.log_every {self.log_every}: give 1 or more steps"),
+            (
+                self.eval_every >= 0,
+                f"train.eval_every {self.eval_every}: give a number of steps, 0 for only at the end",
+            ),
+            (
+                self.ckpt_every >= 0,
+                f"train.ckpt_every {self.ckpt_every}: give a number of steps, 0 for only at the end",
+            ),
+            (
+                self.eval_batches >= 0,
+                f"train.eval_batches {self.eval_batches}: give a number of batches, 0 for the "
+                "whole held-out set",
+            ),
+            (self.keep_last >= 1, f"train.keep_last {self.keep_last}: keep 1 checkpoint or more"),
+            (
+                self.peak_tflops >= 0,
+                f"train.peak_tflops {self.peak_tflops}: give 0 (the device's own) or more",
+            ),
+        )
 
     def compiles(self, device_type: str, zero_stage: int) -> bool:
         """Whether this run compiles its model (``compile`` resolved on its device)."""
@@ -125,6 +186,22 @@ class ImageDataConfig:
         20000  # decoded images kept in memory; documents past it are counted, warned
     )
 
+    def __post_init__(self) -> None:
+        # Else found only as "no training image" (every image shrunk below a crop, or all held
+        # out) or as a shape error inside the network
+        refuse_first(
+            (
+                0 <= self.heldout_fraction < 1,
+                f"vtok_data.heldout_fraction {self.heldout_fraction}: give a fraction of the "
+                "documents from 0 to below 1",
+            ),
+            (
+                self.max_pixels >= self.crop**2,
+                f"vtok_data.max_pixels {self.max_pixels}: give at least vtok_data.crop squared "
+                f"({self.crop**2}): images are resized into it before a crop is cut",
+            ),
+        )
+
 
 @dataclass(kw_only=True)
 class RunConfig:
@@ -141,12 +218,34 @@ class RunConfig:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
     def __post_init__(self) -> None:
+        d = self.data
         if self.task not in TASKS:
             raise ValueError(f"task {self.task!r}: choose one of {TASKS}")
         if self.deepspeed.zero_stage not in (0, 1, 2, 3):
             raise ValueError(
                 f"deepspeed.zero_stage {self.deepspeed.zero_stage}: choose 0, 1, 2 or 3"
             )
+        refuse_first(
+            (
+                self.deepspeed.zero_stage >= 1 or not self.deepspeed.offload_optimizer,
+                "deepspeed.offload_optimizer=true needs deepspeed.zero_stage 1 or more (ZeRO-Offload "
+                "moves ZeRO's partitioned optimizer states; at stage 0 it would be ignored)",
+            ),
+            # Empty, the run's files would go into the current folder, or into runs/ itself
+            (bool(self.name.strip()), "name is empty: give the run a name (run_dir: runs/NAME)"),
+            (bool(self.run_dir.strip()), "run_dir is empty: give the run's own folder"),
+            (d.seq_len >= 1, f"data.seq_len {d.seq_len}: give the row length in tokens, 1 or more"),
+            (
+                d.num_workers >= 0,
+                f"data.num_workers {d.num_workers}: give 0 (load in the main process) or more",
+            ),
+            # Else the packer holds nothing aside and the run ends at step 0, exit code 0
+            (d.max_pending >= 1, f"data.max_pending {d.max_pending}: give 1 or more documents"),
+            *[
+                (getattr(d, key) >= 0, f"data.{key} {getattr(d, key)}: give 0 or more")
+                for key in ("shuffle_buffer", "mix_chunk", "doc_budget")
+            ],
+        )
         if self.train.micro_batch <= 0 or self.train.grad_accum <= 0:
             raise ValueError("train.micro_batch and train.grad_accum must be positive")
         if self.train.sequence_parallel != 1:

@@ -152,6 +152,9 @@ def unknown_override_keys(overrides: list[str], schema: type, groups: set[str]) 
         except (HydraException, ValueError):
             continue
         key = override.key_or_group
+        if not key:
+            found.append(f"{arg!r} (no key before =; write KEY=VALUE, no spaces around =)")
+            continue
         if override.package is not None or key.split(".")[0] == "hydra":
             continue
         if key in groups:

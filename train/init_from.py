@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
+from train.config_check import ConfigError
 from train.names import CHECKPOINTS_DIR, LATEST_FILE
-from train.release import Release, check_compatible, param_count
+from train.release import Release, ReleaseError, check_compatible, param_count
 
 
 def init_from_release(model, cfg, task, is_main: bool = True) -> bool:
@@ -31,20 +32,27 @@ def init_from_release(model, cfg, task, is_main: bool = True) -> bool:
             flush=True,
         )
         return False
-    release = Release(cfg.train.init_from)
-    state = release.state_dict(dtype=None)
-    own = model.state_dict()
     is_lm = cfg.task == "lm"
-    diff = check_compatible(
-        release,
-        task=cfg.task,
-        net_cfg=model.cfg if is_lm else cfg.vtok,
-        reference=own,
-        layout=task.layout if is_lm else None,
-        tok_folder=task.tok_folder if is_lm else None,
-        state=state,
-        where=f"train.init_from={release.path}",
-    )
+    try:
+        release = Release(cfg.train.init_from)
+        state = release.state_dict(dtype=None)
+        own = model.state_dict()
+        diff = check_compatible(
+            release,
+            task=cfg.task,
+            net_cfg=model.cfg if is_lm else cfg.vtok,
+            reference=own,
+            layout=task.layout if is_lm else None,
+            tok_folder=task.tok_folder if is_lm else None,
+            state=state,
+            where=f"train.init_from={release.path}",
+        )
+    except ReleaseError as e:
+        # A release that cannot start this run is the config's mistake: one line, exit code 2
+        said = str(e)
+        raise ConfigError(
+            said if said.startswith("train.init_from") else f"train.init_from: {said}"
+        ) from None
     with torch.no_grad():
         for name, tensor in own.items():
             tensor.copy_(state[name].to(tensor.dtype))

@@ -96,6 +96,8 @@ class PackedLoader:
     ) -> None:
         if cfg.mode not in ("infinite", "epoch"):
             raise ValueError(f"data.mode {cfg.mode!r}: choose infinite or epoch")
+        if cfg.oversize not in ("drop_block", "drop_document"):  # before any worker streams
+            raise ValueError(f"data.oversize {cfg.oversize!r}: choose drop_block or drop_document")
         self.cfg, self.tables = cfg, tables
         self.rank, self.world_size = rank, world_size
         self.micro_batch, self.pad_id = micro_batch, pad_id

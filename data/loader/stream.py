@@ -59,8 +59,6 @@ class ConsumerStream:
         # The sources that get a share, in order: what the mix picks from
         self.mixed_sources = [s for s, share in enumerate(self.shares) if share > 0]
         self.consumer, self.consumers, self.micro_batch = consumer, consumers, micro_batch
-        if cfg.oversize not in ("drop_block", "drop_document"):
-            raise ValueError(f"oversize {cfg.oversize!r}: choose drop_block or drop_document")
         self.pad_id = pad_id
         # Where each source's reading has got to (reading ahead moves them past what is packed;
         # the packed position is in the compiled loop's arrays)

@@ -195,6 +195,20 @@ def test_a_weight_that_is_no_share_of_the_mix_is_refused_naming_the_source(
         build_loader(cfg_for(tiny_tokens, weights), rank=0, world_size=1, micro_batch=1)
 
 
+@pytest.mark.parametrize(
+    ("setting", "error"), [("mode", "data.mode 'foo'"), ("oversize", "data.oversize 'foo'")]
+)
+def test_a_setting_out_of_its_choices_is_refused_when_the_loader_is_built(
+    tiny_tokens, setting, error
+):
+    """Before any batch: earlyfuse-train turns the loader's start-up ValueErrors into one line,
+    exit code 2 (before: data.oversize was checked in each stream, at the first batch, and the run
+    stopped with a traceback)."""
+    cfg = cfg_for(tiny_tokens, **{setting: "foo"})
+    with pytest.raises(ValueError, match=f"{error}: choose "):
+        build_loader(cfg, rank=0, world_size=1, micro_batch=1)
+
+
 def test_two_sources_of_one_name_and_too_few_documents_for_the_consumers_are_refused(tiny_tokens):
     """Names key the mix, its metrics and each source's order: two sources named alike merged
     into one figure. In infinite mode every consumer (rank x worker) reads its own slice of every

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 
 import pytest
@@ -243,6 +244,20 @@ def test_import_starts_a_run_with_exactly_the_release_weights(runs, tiny_tokens,
     # The run now has a checkpoint: import refuses, a rerun resumes and ignores init_from.
     assert convert_main(["import", str(rel), str(new)]) == 2
     assert "already has a checkpoint" in capsys.readouterr().err
+
+
+def test_an_init_from_that_is_no_release_is_a_config_error(tmp_path):
+    """earlyfuse-train train.init_from=/nowhere: a ConfigError, which it prints in one line with
+    exit code 2 (before: the ReleaseError's traceback, exit code 1)."""
+    from train.config import RunConfig
+    from train.config_check import ConfigError
+    from train.init_from import init_from_release
+
+    cfg = RunConfig(run_dir=str(tmp_path / "run"))
+    cfg.train.init_from = str(tmp_path / "nowhere")
+    said = re.escape(f"train.init_from: {tmp_path}/nowhere: not a folder")
+    with pytest.raises(ConfigError, match=f"^{said}"):
+        init_from_release(None, cfg, None)
 
 
 def test_init_from_continues_at_longer_rows_with_a_larger_rope_base(runs, tiny_tokens, tmp_path):

@@ -4,6 +4,10 @@ lists how the config changed and refuses the changes that break an exact resume.
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -116,8 +120,10 @@ def test_resume_config_differences_are_listed_and_the_breaking_ones_named():
 def test_data_sources_from_a_users_own_config_dir(tmp_path):
     """`earlyfuse-train --config-dir MY_CONFIGS data=mine`: the user's data/mine.yaml (here built
     on the demo's) composes onto the schema, also over an experiment's own data choice; a typo in
-    it is one line naming the file and the key, exit code 2, as the same typo on the command line
-    is (before: Hydra's multi-line ConfigKeyError report, exit code 1)."""
+    it is one line naming the file and the key (inside a list item: with the item's path, which
+    OmegaConf leaves out), exit code 2, as the same typo on the command line is (before: Hydra's
+    multi-line ConfigKeyError report, exit code 1); so is a choice of a data config that is not
+    there (before: Hydra's report, exit code 1)."""
     import subprocess
     import sys
 
@@ -138,16 +144,129 @@ def test_data_sources_from_a_users_own_config_dir(tmp_path):
     (tmp_path / "data" / "not_a_number.yaml").write_text("seq_len: many\n")
     for choice, problem in [
         ("typo", "unknown config key data.seq_lenn (did you mean data.seq_len?)"),
-        ("typo_in_list", "unknown config key shardz (did you mean shards?)"),
+        (
+            "typo_in_list",
+            "unknown config key data.sources[0].shardz (did you mean data.sources[0].shards?)",
+        ),
         ("not_a_number", "data.seq_len: Value 'many' of type 'str' could not be converted"),
     ]:
         p = subprocess.run(cmd + [f"data={choice}", "--cfg", "job"], capture_output=True, text=True)
         assert p.returncode == 2, p.stderr
         line = f"earlyfuse-train: {tmp_path / 'data' / choice}.yaml: {problem}"
         assert p.stderr.startswith(line) and p.stderr.count("\n") == 1, p.stderr
-    # Errors of other kinds are still Hydra's own report (a config that is not there)
     p = subprocess.run(cmd + ["data=absent", "--cfg", "job"], capture_output=True, text=True)
-    assert p.returncode == 1 and "Could not find 'data/absent'" in p.stderr
+    assert p.returncode == 2, p.stderr
+    assert p.stderr == (
+        "earlyfuse-train: data=absent: config group data has no option 'absent' (there are: "
+        "demo, mine, none, not_a_number, typo, typo_in_list)\n"
+    )
+
+
+def run_app(args: list[str], **env: str) -> subprocess.CompletedProcess:
+    """``earlyfuse-train ARGS`` in a subprocess, HYDRA_FULL_ERROR as given (else unset)."""
+    environ = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | env
+    cmd = [sys.executable, "-m", "train.app", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=environ, timeout=300)
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (
+            ["--config-dir", "{dir}", "data=tab"],
+            "{dir}/data/tab.yaml, line 2, column 9: not valid YAML: found character '\\t' that "
+            "cannot start any token (while scanning for the next token)",
+        ),
+        (
+            ["--config-dir", "{dir}", "data=unclosed"],
+            "{dir}/data/unclosed.yaml, line 2, column 8: not valid YAML: expected ',' or ']', but "
+            "got ':' (while parsing a flow sequence)",
+        ),
+        (
+            ["--config-dir", "{dir}", "data=a_list"],
+            "{dir}/data/a_list.yaml: Merge error: list is not a subclass of LoaderConfig",
+        ),
+        (
+            ["experiment=nope"],
+            "experiment=nope: config group experiment has no option 'nope' (there are: debug, demo,",
+        ),
+        (
+            ["train.steps=abc"],
+            "override train.steps=abc: Value 'abc' of type 'str' could not be converted to Integer",
+        ),
+        (["train.steps==3"], "cannot parse override 'train.steps==3': extraneous input '='"),
+        (
+            ["name='my run"],
+            'cannot parse override "name=\'my run": cannot read "\'my run" (character 6): an '
+            "unclosed quote?",
+        ),
+        (
+            ["--config-dir", "{dir}/nowhere"],
+            "--config-dir {dir}/nowhere: not there; give the folder that holds your config",
+        ),
+        (
+            ["--config-dir", "{dir}/data/typo.yaml"],
+            "--config-dir {dir}/data/typo.yaml: a file; give",
+        ),
+        (["hydra.run.dir={dir}/a_file/run"], "{dir}/a_file/run: Not a directory"),
+        (
+            ["=3"],
+            "unknown config key(s): '=3' (no key before =; write KEY=VALUE, no spaces around =)",
+        ),
+        (
+            ["optim.lr=1e-3,1e-4"],
+            "override 'optim.lr=1e-3,1e-4' holds a comma: give a list as optim.lr=[1e-3,1e-4] or "
+            "a string as optim.lr='1e-3,1e-4' (one run per command: no sweeps)",
+        ),
+        (["-m", "experiment=debug"], "--multirun (-m) is not supported: a sweep would end after"),
+    ],
+)
+def test_a_mistake_found_while_composing_is_one_line_with_exit_code_2(args, line, tmp_path):
+    """A YAML syntax error in the user's config file, a group option, an override that cannot be
+    parsed or merged, a --config-dir or a hydra.run.dir that is not there: one line naming it,
+    exit code 2 (before: Hydra's multi-line report, a traceback for the YAML and the run folder,
+    exit code 1). A sweep (--multirun) is refused: the process ends with its first run's exit
+    code (before: the sweep stopped after its first run, exit code 0)."""
+    assert_one_line(args, line, tmp_path)
+
+
+@pytest.mark.parametrize("full_error", ["0", ""])
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (
+            ["--config-dir", "{dir}", "data=typo"],
+            "{dir}/data/typo.yaml: unknown config key data.seq_lenn (did you mean data.seq_len?)",
+        ),
+        (["experiment=nope"], "experiment=nope: config group experiment has no option 'nope'"),
+    ],
+)
+def test_hydra_full_error_other_than_1_keeps_the_one_line(args, line, full_error, tmp_path):
+    """Hydra reads HYDRA_FULL_ERROR=0 or empty as unset (before: any value in the user's
+    environment counted as asking for the full trace, and a misspelt key in a file became
+    Hydra's multi-line report, exit code 1)."""
+    assert_one_line(args, line, tmp_path, HYDRA_FULL_ERROR=full_error)
+
+
+def assert_one_line(args: list[str], line: str, tmp_path: Path, **env: str) -> None:
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "tab.yaml").write_text("sources: []\nseq_len:\t256\n")
+    (tmp_path / "data" / "unclosed.yaml").write_text("sources: [a, b\nseq_len: 256\n")
+    (tmp_path / "data" / "typo.yaml").write_text("sources: []\nseq_lenn: 3\n")
+    (tmp_path / "data" / "a_list.yaml").write_text("- a\n- b\n")
+    (tmp_path / "a_file").write_text("")
+    # --cfg job: composed, printed, never run; the run folder is made only by a run
+    stop = [] if args[0].startswith("hydra.run.dir") else ["--cfg", "job"]
+    p = run_app([a.format(dir=tmp_path) for a in args] + stop, **env)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.startswith(f"earlyfuse-train: {line.format(dir=tmp_path)}"), p.stderr
+    assert p.stderr.count("\n") == 1, p.stderr
+
+
+def test_hydra_full_error_1_still_gives_hydras_full_trace(tmp_path):
+    p = run_app(["experiment=nope"], HYDRA_FULL_ERROR="1")
+    assert p.returncode == 1 and "Traceback" in p.stderr
+    assert "MissingConfigException: In 'config': Could not find 'experiment/nope'" in p.stderr
 
 
 def test_a_run_given_its_own_data_config_is_named_after_it(tmp_path, monkeypatch):
@@ -270,11 +389,53 @@ def test_a_typo_inside_a_list_element_of_an_override_names_the_key(tmp_path):
         ("train.steps=0", "train.steps 0: give a positive number"),
         ("train.micro_batch=0", "train.micro_batch and train.grad_accum must be positive"),
         ("deepspeed.zero_stage=4", "deepspeed.zero_stage 4: choose 0, 1, 2 or 3"),
+        # Before: a traceback from the optimizer, the schedule or the loader, exit code 1 ...
+        ("optim.lr=-1", "optim.lr -1.0: give a learning rate >= 0"),
+        ("optim.betas=[0.9]", "optim.betas [0.9]: give two numbers from 0 to below 1"),
+        ("optim.eps=0", "optim.eps 0.0: give a small positive number"),
+        ("optim.weight_decay=-0.1", "optim.weight_decay -0.1: give 0 or more"),
+        ("optim.schedule=linear", "optim.schedule 'linear': choose one of cosine, wsd, constant"),
+        ("train.log_every=0", "train.log_every 0: give 1 or more steps"),
+        ("data.seq_len=-5", "data.seq_len -5: give the row length in tokens"),
+        ("data.num_workers=-1", "data.num_workers -1: give 0 (load in the main process)"),
+        # ... or a run that trained through it, exit code 0
+        ("data.max_pending=0", "data.max_pending 0: give 1 or more"),  # 0 steps
+        ("data.shuffle_buffer=-1", "data.shuffle_buffer -1: give 0 or more"),
+        ("deepspeed.offload_optimizer=true", "offload_optimizer=true needs deepspeed.zero_stage 1"),
+        ("run_dir=", "run_dir is empty"),  # the run's files went into the current folder
+        ("name=", "name is empty"),  # into runs/, the folder of every run
+        ("data.seq_len=0", "data.seq_len 0: give the row length in tokens"),
+        ("optim.warmup_steps=-1", "optim.warmup_steps -1: give 0 or more"),
+        ("optim.min_lr_ratio=2", "optim.min_lr_ratio 2.0: give the final lr as a fraction"),
+        ("optim.clip_grad=-1", "optim.clip_grad -1.0: give 0 (no clipping) or more"),
+        ("train.ckpt_every=-1", "train.ckpt_every -1: give a number of steps, 0 for only at"),
+        ("train.keep_last=0", "train.keep_last 0: keep 1 checkpoint or more"),
+        # ... or found as "no training image" (vtok)
+        ("vtok_data.heldout_fraction=1.5", "vtok_data.heldout_fraction 1.5: give a fraction"),
+        ("vtok_data.max_pixels=0", "vtok_data.max_pixels 0: give at least vtok_data.crop squared"),
+        # A value left ??? and an interpolation to nothing, found as the config is resolved
+        # (before: Hydra's report of an OmegaConf error, exit code 1)
+        (
+            "data.sources=[{shards: [x]}]",
+            "data.sources[0].name: Structured config of type `SourceConfig` has missing "
+            "mandatory value: name",
+        ),
+        ("run_dir=${nme}", "run_dir: Interpolation key 'nme' not found"),
     ],
 )
 def test_a_value_the_schema_refuses_is_a_config_error(override, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         composed(["experiment=debug", override])
+
+
+def test_a_visual_tokenizer_crop_of_zero_is_a_config_error():
+    """Before: a shape error inside the network, exit code 1."""
+    from train.tasks.vtok import VtokTask
+
+    for crop in (0, -4, 6):
+        cfg = composed(["experiment=vtok_debug", f"vtok_data.crop={crop}"])
+        with pytest.raises(ConfigError, match=f"crop {crop} must be a positive multiple of"):
+            VtokTask(cfg, dist=None)  # type: ignore[arg-type]
 
 
 def test_earlyfuse_train_refuses_a_bad_value_in_one_line_with_exit_code_2(tmp_path):

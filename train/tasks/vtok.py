@@ -82,9 +82,9 @@ class VtokTask:
     def __init__(self, cfg: RunConfig, dist: DistInfo) -> None:
         self.cfg, self.dist = cfg, dist
         d, v = cfg.vtok_data, cfg.vtok
-        if d.crop % v.factor:
+        if d.crop <= 0 or d.crop % v.factor:
             raise ConfigError(
-                f"vtok_data.crop {d.crop} must be a multiple of vtok.factor {v.factor}"
+                f"vtok_data.crop {d.crop} must be a positive multiple of vtok.factor {v.factor}"
             )
         if not d.raw:
             raise ConfigError("vtok_data.raw is empty: give the raw shard folders to train on")
