@@ -41,16 +41,19 @@ STATE_VERSION = 1
 class _Pickled:
     """A worker's batch pickled in the worker's own loop, not the queue's feeder thread, so that a
     batch that cannot be pickled is an error naming the worker (docs/loader.md, "One read per
-    document; a compact batch, expanded where it is handed out"). The queue then pickles these
-    bytes (a copy of about 2 KB)."""
+    document; a compact batch, expanded where it is handed out"). The queue pickles these bytes
+    and the ring's tensors, taken on as they arrive (the worker may stop before it is handed out)."""
 
-    __slots__ = ("data",)
+    __slots__ = ("data", "ring")
 
     def __init__(self, batch: PackedBatch) -> None:
+        self.ring, batch.ring = batch.ring, None  # (a worker's first batch) see the docstring
         self.data = bytes(ForkingPickler.dumps(batch))
 
     def load(self) -> PackedBatch:
-        return ForkingPickler.loads(self.data)
+        batch = ForkingPickler.loads(self.data)
+        batch.ring = self.ring
+        return batch
 
     def pin_memory(self, device=None) -> PackedBatch:
         """In the DataLoader's pin-memory thread: the batch, expanded into pinned memory."""
@@ -184,8 +187,7 @@ class PackedLoader:
             for token in rings:
                 transport.forget(token)
             # Closing this generator stops the workers now, not whenever it is garbage collected.
-            shutdown = getattr(it, "_shutdown_workers", None)
-            if shutdown:
+            if shutdown := getattr(it, "_shutdown_workers", None):
                 shutdown()
 
     @property

@@ -36,11 +36,9 @@ class SlotRing:
         """A free slot (marked full: the worker packs into it), or None after ``_WAIT_S``."""
         deadline = time.monotonic() + _WAIT_S
         while True:
-            free = np.flatnonzero(self._flags == _FREE)
-            if len(free):
-                i = int(free[0])
-                self._flags[i] = _FULL
-                return i
+            if len(free := np.flatnonzero(self._flags == _FREE)):
+                self._flags[free[0]] = _FULL
+                return int(free[0])
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.001)

@@ -136,6 +136,41 @@ def test_a_worker_batch_and_its_state_cross_the_queue_as_one_buffer_of_tables(ti
         transport.forget(stream.ring.token)
 
 
+def test_a_workers_first_batch_is_read_after_the_worker_has_exited(tiny_tokens):
+    """A DataLoader stops a worker once it reads the worker's end, which can come before the
+    trainer is handed a batch the worker sent earlier (held back for order: a worker with one
+    batch left, after a resume near an epoch's end). The ring's tensors that the worker's first
+    batch carries must be taken on as the message arrives, not when the batch is handed out."""
+    import multiprocessing
+
+    from data.loader.dataset import _Pickled
+
+    rows = 4
+    want = _batches(_stream(tiny_tokens, rows), 1)
+    fork = multiprocessing.get_context("fork")
+    queue, received = fork.Queue(), fork.Event()
+
+    def worker() -> None:
+        stream = _stream(tiny_tokens, rows)
+        stream.ring = transport.SlotRing(2, slot_numel(rows, stream.cfg.seq_len))
+        queue.put(_Pickled(stream.next_batch()))  # as our DataLoader workers send a batch
+        received.wait(60)  # alive until the message is read, as a DataLoader worker is
+
+    process = fork.Process(target=worker)
+    process.start()
+    sent = queue.get(timeout=60)
+    received.set()
+    process.join(60)
+    assert process.exitcode == 0
+    batch = sent.load()
+    try:
+        got = {k: v.numpy() for k, v in batch.to_dict().items()}
+    finally:
+        transport.forget(batch.token)
+    for key in want[0]:
+        np.testing.assert_array_equal(got[key], want[0][key], err_msg=key)
+
+
 class _UnpicklableBatches(PackedLoader):
     """A loader whose streams attach a state that cannot be pickled to every batch."""
 

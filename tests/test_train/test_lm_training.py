@@ -226,11 +226,12 @@ def test_the_probes_read_the_training_sources_when_validation_holds_no_image(tin
     assert chosen(["text", "code"], ["text"]) == ["text"]  # no images anywhere: held-out as is
 
 
-def test_settings_that_do_nothing_at_these_rows_are_noted(tiny_tokens):
+def test_settings_that_do_nothing_at_these_rows_are_noted(tiny_tokens, tiny_raw):
     """A local window as long as the row, and clips tokenized to fewer tokens than a longer
-    stage's rows hold, trained without a word."""
+    stage's rows hold, trained without a word. Raw sources (tokenized by the run) get none."""
     from factories import tiny_loader_config
 
+    from data.loader import SourceConfig
     from data.loader.table_load import load_table
     from train.tasks.lm import long_row_notes
 
@@ -242,3 +243,5 @@ def test_settings_that_do_nothing_at_these_rows_are_noted(tiny_tokens):
     assert [n.split("'")[0] for n in notes[1:]] == ["note: source clips", "note: source docs"]
     assert all("at most 240 tokens each" in n and "--doc-budget 1024" in n for n in notes[1:])
     assert long_row_notes(tiny_loader_config(tiny_tokens), 128, tables) == []
+    raw = [load_table(SourceConfig(name="scenes", shards=[str(tiny_raw / "scenes")]))]
+    assert long_row_notes(data, 128, raw) == []

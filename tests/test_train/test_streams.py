@@ -44,10 +44,14 @@ def test_a_source_that_cannot_be_read_is_a_config_error(tiny_tokens, tmp_path):
         TableCache().get([SourceConfig(name="code", shards=[str(code)])])
 
 
-def test_epoch_mode_resumed_with_new_weights_gives_every_rank_as_many_batches(tiny_tokens):
+@pytest.mark.parametrize(("ranks", "workers"), [(4, 0), (2, 2)])
+def test_epoch_mode_resumed_with_new_weights_gives_every_rank_as_many_batches(
+    tiny_tokens, ranks, workers
+):
     """How many batches a consumer can fill depends on the mix. Before, a plain resume with new
     weights kept the count made with the old ones: here rank 0 then ran out one batch before
-    the three others (10 against 11), and the ranks' steps no longer matched."""
+    the three others (10 against 11), and the ranks' steps no longer matched. With two workers
+    a rank's second one has handed out no batch yet: it counts from the start."""
     import json
 
     from data.loader import SourceConfig
@@ -60,11 +64,11 @@ def test_epoch_mode_resumed_with_new_weights_gives_every_rank_as_many_batches(ti
             SourceConfig(name=n, shards=[str(tiny_tokens / n)], weight=w)
             for n, w in zip(names, weights)
         ]
-        cfg = tiny_loader_config(tiny_tokens, sources=sources, mode="epoch", num_workers=0)
+        cfg = tiny_loader_config(tiny_tokens, sources=sources, mode="epoch", num_workers=workers)
         tables = [load_table(s) for s in cfg.sources]
         return [
-            PackedLoader(cfg, tables, rank=r, world_size=4, micro_batch=1, pad_id=0)
-            for r in range(4)
+            PackedLoader(cfg, tables, rank=r, world_size=ranks, micro_batch=1, pad_id=0)
+            for r in range(ranks)
         ]
 
     def take(loader, n=None):
@@ -86,4 +90,4 @@ def test_epoch_mode_resumed_with_new_weights_gives_every_rank_as_many_batches(ti
         TokenStream(ld).resume(st, lambda: states)
         got.append(len(take(ld)))
     assert len({ld.batch_limit for ld in new}) == 1
-    assert got == [new[0].batch_limit - 1] * 4, (got, states[0]["batch_limit"])
+    assert got == [new[0].batch_limit * max(1, workers) - 1] * ranks, (got, states[0])

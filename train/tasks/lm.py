@@ -247,7 +247,9 @@ def long_row_notes(data: LoaderConfig, local_window: int, tables: list) -> list[
             "the local layers see the whole row, as the global ones do"
         )
     for t in tables:
-        cap = (t.tokenize_options or {}).get("video_max_tokens") if t.kind == "tokens" else None
+        if t.kind != "tokens":  # raw shards: no manifest of clip lengths, tokenized by this run
+            continue
+        cap = (t.tokenize_options or {}).get("video_max_tokens")
         longest = max((int(s["video"]["longest"]) for s in t.shard_blocks), default=0)
         # Rows that could hold clips twice as long, and a clip long enough to have met the cap
         if cap and 2 * cap <= data.seq_len and longest > cap // 2:
