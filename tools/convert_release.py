@@ -107,7 +107,7 @@ def find_tokenizers(run_cfg, run_dir: Path) -> Path:
 def check_tokenizers(folder: Path, layout) -> dict:
     """Fingerprints of a tokenizers/ folder after checking it belongs to ``layout``."""
     from data.tokenize.visual import load_visual_tokenizer
-    from data.tokenize.vtok_files import folder_fingerprints
+    from data.tokenize.vtok_files import folder_fingerprints, has_visual_tokenizer
     from data.vocab import VocabLayout
 
     check_tokenizer_files(folder)
@@ -119,7 +119,7 @@ def check_tokenizers(folder: Path, layout) -> dict:
             "tokenizers this model was trained with"
         )
     try:
-        if (folder / VISUAL).is_dir():
+        if has_visual_tokenizer(folder):
             load_visual_tokenizer(folder / VISUAL, layout)
         return folder_fingerprints(folder)  # what a token manifest records for this folder
     except ValueError as e:

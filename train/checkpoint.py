@@ -326,14 +326,18 @@ class Checkpointer:
             and zero_stage > 0
             and not self.universal(tag)
         ):
+            # A universal/ left by a conversion that stopped half-way is replaced with --force
+            force = " --force" if (self.dir / tag / "universal").exists() else ""
             raise CheckpointError(
                 f"{self.dir / tag} was written by {meta['world_size']} rank(s); this run has "
                 f"{self.dist.world_size}. Its ZeRO-{zero_stage} shards fit only that world size: make a universal "
-                f"checkpoint with `earlyfuse-convert universal {self.dir.parent}` and rerun this command, or run "
-                f"with {meta['world_size']} rank(s)."
+                f"checkpoint with `earlyfuse-convert universal {self.dir.parent}{force}` and rerun this command, "
+                f"or run with {meta['world_size']} rank(s)."
             )
         if meta["world_size"] != self.dist.world_size and zero_stage > 0:
-            problems = verify_universal(self.dir / tag, hashes=self.verify_hashes)
+            # Sizes on every rank, the hashes (which read the whole conversion) on rank 0 alone
+            hashes = self.verify_hashes and self.dist.is_main
+            problems = verify_universal(self.dir / tag, hashes=hashes)
             if problems:
                 raise CheckpointError(
                     f"{self.dir / tag / 'universal'}: the universal conversion is damaged "

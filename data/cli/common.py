@@ -95,7 +95,10 @@ def check_new_folder(out: Path, force: bool, source: Path, error: type = ValueEr
     """An ``error`` (a ValueError), before any work, for an output folder that would fail or do
     harm when it is written at the end: one holding the input folder ``source`` (which ``force``
     would delete) or inside it, one in the way without ``force``, one under a file or under a
-    folder that cannot be written."""
+    folder that cannot be written, or a symbolic link (the folder is written whole beside it and
+    moved into its place, which a link to a folder is not)."""
+    if out.is_symlink():
+        raise error(f"{out}: a symbolic link (to {os.readlink(out)}); give a folder's own path")
     if source.resolve().is_relative_to(out.resolve()):
         raise error(f"{out}: is or holds the input {source}; choose another folder")
     if out.resolve().is_relative_to(source.resolve()):

@@ -598,6 +598,14 @@ def test_an_output_folder_that_is_the_input_or_cannot_be_written_is_refused_firs
             f"({tmp_path / 'file'} is a file, not a folder)"
         ]
         assert "consolidated" not in out  # refused before any work
+    # A link to a folder: was refused only after the work, by rmtree (exit code 1)
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    for command, source in (("release", run), ("hf", rel)):
+        assert convert_main([command, str(source), str(tmp_path / "link"), "--force"]) == 2
+        out, err = capsys.readouterr()
+        assert f"{tmp_path / 'link'}: a symbolic link (to {tmp_path / 'target'})" in err
+        assert "consolidated" not in out
 
 
 def test_an_object_storage_url_is_refused_not_taken_for_a_local_folder(

@@ -116,3 +116,15 @@ def test_a_damaged_universal_conversion_stops_only_the_resume_that_reads_it(tiny
     assert convert_main(["release", str(run), str(tmp_path / "rel")]) == 0
     assert convert_main(["universal", str(run), "--force"]) == 0
     assert two.check_compatible("step_00000002", 1)["step"] == 2
+    # Same size, other bytes: found by rank 0's hashes; the other ranks check sizes only (each
+    # hashing the whole conversion would read it once per rank from shared storage)
+    part = next((run / "checkpoints" / "step_00000002" / "universal").rglob("fp32.pt"))
+    part.write_bytes(bytes(len(part.read_bytes())))
+    with pytest.raises(CheckpointError, match="the universal conversion is damaged"):
+        two.check_compatible("step_00000002", 1)
+    other = Checkpointer(run, DistInfo(1, 2, 1, torch.device("cpu")), 2)
+    assert other.check_compatible("step_00000002", 1)["step"] == 2
+    # A conversion stopped before its last file: the command to make it again replaces it
+    (run / "checkpoints" / "step_00000002" / "universal" / "mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(CheckpointError, match=f"`earlyfuse-convert universal {run} --force`"):
+        two.check_compatible("step_00000002", 1)
