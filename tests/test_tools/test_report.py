@@ -180,7 +180,7 @@ def test_synthetic_lm_run(tmp_path, capsys):
         "monitor_logit_gap",
     ):
         assert f"<figure id={anchor}>" in page
-    assert "240 / 300 (80%)" in page and "50 step record(s) logged again" in page
+    assert "240 / 300 (80%)" in page and "50 step record(s) of an earlier pass replaced" in page
     assert "EMA factor 0.8" in page and "running or stopped" in page
 
 
@@ -349,7 +349,7 @@ def test_the_mix_of_a_one_step_run_is_drawn(tmp_path):
 
 
 def test_a_rolled_back_stretch_stays_drawn_dotted(tmp_path):
-    """A rollback logs steps again and the last record of a step wins; the blow-up its alarms saw
+    """A rollback logs steps again and the pass it goes on with wins; the blow-up its alarms saw
     (the first pass) is drawn dotted, or the alarms would point at a curve that never rose."""
     from matplotlib.figure import Figure
 
@@ -368,3 +368,20 @@ def test_a_rolled_back_stretch_stays_drawn_dotted(tmp_path):
     assert len(dotted) == 1
     assert list(dotted[0].get_xdata()) == list(range(11, 21))
     assert list(dotted[0].get_ydata()) == [3.0] * 5 + [9.0] * 5
+
+
+def test_a_resumed_pass_drops_the_steps_it_has_not_reached_yet(tmp_path, capsys):
+    """Killed at step 65 with its last checkpoint at 60, resumed and reported at step 62: the
+    run is at 62, and steps 63-65 of the killed pass are no longer its trajectory (the resumed
+    pass will train them again on other weights)."""
+    run = tmp_path / "resumed"
+    run.mkdir()
+    (run / "config.yaml").write_text("task: lm\nname: resumed\ntrain:\n  steps: 80\n")
+    killed = [{"step": s, "train/loss": 5.0 - s / 100} for s in range(1, 66)]
+    resumed = [{"step": s, "train/loss": 1.0} for s in (61, 62)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in killed + resumed))
+    data = load_run(run)
+    assert data.last_step == 62 and max(data.records) == 62
+    assert data.records[62]["train/loss"] == 1.0 and data.duplicate_records == 5
+    assert main([str(run)]) == 0
+    assert "resumed (lm): step 62/80" in capsys.readouterr().out

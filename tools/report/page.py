@@ -60,7 +60,7 @@ def overview(run: RunData, smooth: float) -> list[tuple[str, str]]:
     notes = []
     if run.duplicate_records:
         notes.append(
-            f"{run.duplicate_records} step record(s) logged again after a resume (the last one is used)"
+            f"{run.duplicate_records} step record(s) of an earlier pass replaced by a resume or rollback"
         )
     if run.bad_lines:
         notes.append(

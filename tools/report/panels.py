@@ -72,19 +72,12 @@ def train_line(
     if ctx.smooth > 0:
         ax.plot(steps, values, color=color, alpha=0.22, lw=0.8)
         values = ema(values, ctx.smooth ** (np.median(np.diff(steps)) if len(steps) > 1 else 1))
-    ax.plot(
-        steps,
-        values,
-        color=color,
-        lw=lw,
-        label=label,
-        marker="o" if len(steps) <= 12 else None,
-        ms=3,
-    )
-    # The values a rollback (or a resume) logged again replaced: the first pass, dotted, so the
+    marker = "o" if len(steps) <= 12 else None
+    ax.plot(steps, values, color=color, lw=lw, label=label, marker=marker, ms=3)
+    # The values a rollback (or a resume) replaced or dropped: the first pass, dotted, so the
     # trouble its alarms saw stays on the panel.
-    run = ctx.run
-    gone = [(r["step"], r.get(s.key)) for r in run.first_pass if r is not run.records[r["step"]]]
+    kept = ctx.run.records
+    gone = [(r["step"], r.get(s.key)) for r in ctx.run.first_pass if r is not kept.get(r["step"])]
     if gone := [(step, value * scale) for step, value in gone if isinstance(value, (int, float))]:
         ax.plot(*zip(*gone), color=color, ls=":", lw=1.0)
     return steps, values

@@ -1,9 +1,9 @@
 """Read a run folder as ``earlyfuse-train`` writes it, while it is being written or after
-(docs/report.md, "What it reads"). A resumed or rolled-back run appends to ``metrics.jsonl``: the
-LAST record of a step wins, because the surviving weights went through it, and the records up to
-the first step that goes back are kept apart (``first_pass``: the loss rule of
-tools/report/lead.py reads them). A line that does not parse is skipped and counted: the last line
-of a running run may be half-written.
+(docs/report.md, "What it reads"). A resumed or rolled-back run appends to ``metrics.jsonl``: a
+step that goes back starts the pass the run goes on with, which replaces all earlier records from
+that step on; the records up to the first step that goes back are kept apart (``first_pass``: the
+loss rule of tools/report/lead.py reads them). A line that does not parse is skipped and counted:
+the last line of a running run may be half-written.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class RunData:
     name: str
     task: str
     total_steps: int | None
-    records: dict[int, dict]  # step -> last record
+    records: dict[int, dict]  # step -> its record in the run's latest pass
     series: dict[str, Series]
     final: dict = field(default_factory=dict)  # final.json
     heldout_eval: dict = field(default_factory=dict)  # heldout_eval.json (earlyfuse-eval --out)
@@ -176,7 +176,11 @@ def load_run(run_dir: str | Path) -> RunData:
     lines, bad = read_jsonl(path)
     raw = [rec for rec in lines if alarm_step(rec) is not None]
     bad += len(lines) - len(raw)
-    records = {rec["step"]: rec for rec in raw}  # the last record of a step wins
+    records: dict[int, dict] = {}
+    for rec in raw:  # a step that goes back drops the earlier pass from there on (keys ascend)
+        if records and rec["step"] <= next(reversed(records)):
+            records = {step: kept for step, kept in records.items() if step < rec["step"]}
+        records[rec["step"]] = rec
     cfg = _read_dict(run_dir / CONFIG_FILE, yaml.safe_load)  # the resolved config
     train_cfg = cfg.get("train")
     total = train_cfg.get("steps") if isinstance(train_cfg, dict) else None
