@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from data.cli.common import checked_device
-from tools.generate_requests import MAX_SOURCE_PIXELS, REQUEST_KEYS, SAMPLING, Generator
+from tools.generate_requests import MAX_SOURCE_PIXELS, REQUEST_KEYS, SAMPLING, Generator, writable
 from train.release import DTYPES, Release, ReleaseError
 
 EXAMPLES = """\
@@ -52,22 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("release", metavar="RELEASE", help="a release folder")
-    parser.add_argument(
-        "--prompt", help="text to continue (with --image: the start of the caption)"
-    )
+    parser.add_argument("--prompt", help="text to continue (with --image: the caption's start)")
     parser.add_argument("--image", metavar="PATH", help="an image file to caption (with --caption)")
     parser.add_argument("--draw", metavar="TEXT", help="draw an image from TEXT (needs --out)")
     parser.add_argument(
         "--batch", metavar="JSONL", help="one request per line (see below); '-' reads stdin"
     )
-    parser.add_argument(
-        "--caption",
-        action="store_true",
-        help="caption --image (what an image prompt does; may be left out)",
-    )
-    parser.add_argument(
-        "--code", action="store_true", help="the prompt is code (modality code instead of text)"
-    )
+    parser.add_argument("--caption", action="store_true", help="caption --image (its default)")
+    parser.add_argument("--code", action="store_true", help="the prompt is code, not text")
     parser.add_argument("--out", metavar="IMAGE", help="--draw writes here (.png, .jpg, ...)")
     parser.add_argument(
         "--size",
@@ -79,7 +71,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-size",
         type=int,
-        default=None,
         help="--draw: let the model choose the grid, up to this side (without --size or "
         "--max-size: the training images' most common grid; for a release without those counts, "
         "the model's choice up to the square grid of the training pixel budget)",
@@ -99,9 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         "log-probabilities after no caption plus SCALE x (after the caption - after none); "
         "1 = off (default), 3-5 draw closer to the caption",
     )
-    parser.add_argument(
-        "--output", metavar="JSONL", help="--batch: write results here instead of stdout"
-    )
+    parser.add_argument("--output", metavar="JSONL", help="--batch: results here, not stdout")
     parser.add_argument(
         "--max-image-pixels",
         type=int,
@@ -145,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     defaults = {key: getattr(args, key) for key in (*SAMPLING, "guidance")}
     try:
         device = torch.device(checked_device(args.device))
+        for path in (args.out, args.output):  # refused before the release is even loaded
+            path and writable(path)
         gen = Generator(Release(args.release), device, DTYPES[args.dtype])
         gen.max_source_pixels = args.max_image_pixels
         if args.batch:

@@ -14,6 +14,7 @@ is decoded.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -322,11 +323,10 @@ class Generator:
             size = self.training_grid()
             grid_from = "the training images' most common" if size else "the model's choice"
         side = max([self.default_max_size() if max_size is None else max_size, *(size or ())])
+        out = writable(out)
         codes, arr, count = draw_image(self, prompt, size=size, side=side, **sampling)
         from PIL import Image
 
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
         as_named = Image.registered_extensions().get(out.suffix.lower(), "PNG")  # x.jpg: a JPEG
         Image.fromarray(arr, "RGB").save(out, as_named)
         return {
@@ -370,6 +370,18 @@ class Generator:
         else:
             raise ReleaseError("a request needs 'prompt', 'image' (to caption) or 'draw' (+ 'out')")
         return {**({"id": req["id"]} if "id" in req else {}), **res}
+
+
+def writable(path: str | Path) -> Path:
+    """``path`` with its folder made; refused before any sampling when it cannot be written."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_dir() or not os.access(path.parent, os.W_OK):
+            raise OSError(0, "a folder: give a file name" if path.is_dir() else "not writable")
+    except OSError as e:
+        raise ReleaseError(f"{path}: cannot write there ({e.strerror or e})") from None
+    return path
 
 
 def parse_size(text) -> tuple[int, int]:

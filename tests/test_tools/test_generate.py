@@ -357,3 +357,24 @@ def test_images_are_encoded_within_tokenizes_block_cap(release, tmp_path, capped
     height, width = Generator(Release(capped), torch.device("cpu")).encode_image(photo).shape
     assert image_block_len(height, width) <= cap < image_block_len(*uncapped)
     assert abs(width / height - uncapped[1] / uncapped[0]) < 0.5  # the aspect kept, about
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_sampling(release, tmp_path, capsys):
+    """--out or --output naming a folder (or under a file) is one line naming the path, exit 2,
+    before the release is loaded; a batch line drawing to a folder is an error record."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for argv in (
+        ["--draw", "a red square", "--out", str(tmp_path)],
+        ["--draw", "a red square", "--out", str(a_file / "x.png")],
+        ["--batch", str(a_file), "--output", str(tmp_path)],
+    ):
+        assert generate_main([str(release), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("earlyfuse-generate: error: ") and "cannot write there" in err
+        assert err.count("\n") == 1 and "Traceback" not in err
+    src = tmp_path / "req.jsonl"
+    src.write_text(json.dumps({"id": "d", "draw": "sky", "out": str(tmp_path), "size": "2x2"}))
+    assert generate_main([str(release), "--batch", str(src)]) == 1
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["id"] == "d" and rec["error"].startswith(f"{tmp_path}: cannot write there")
