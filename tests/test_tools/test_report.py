@@ -19,6 +19,7 @@ from trainrun import train
 
 from tools.report import DEFAULT_SMOOTH, main, write_report
 from tools.report.page import header_lines
+from tools.report.panels import panels_for
 from tools.report.run import load_run
 
 MODS = ("text", "code", "image", "video", "structure")
@@ -199,6 +200,9 @@ def test_report_of_a_real_vtok_run(tiny_raw, tmp_path):
     rep = write_report(run, out=out)
     assert rep.png == out / "report.png" and rep.png.is_file() and not (run / "report").exists()
     assert {"loss", "grad", "lr", "psnr", "ssim", "codes"} <= set(rep.panels)
+    # the visual tokenizer's loss is its reconstruction loss, not a cross-entropy
+    loss = next(panel for panel in panels_for(rep.run) if panel.key == "loss")
+    assert loss.ylabel == "reconstruction loss (L1/L2)"
     page = rep.html.read_text()
     assert_self_contained(page)
     assert (

@@ -422,7 +422,7 @@ def panels_for(run: RunData) -> list[Panel]:
     """The panels this run has data for, in reading order."""
     has = run.has
     unit = UNIT_NAME.get(run.task, "units")
-    nats = "cross-entropy (nats)"
+    nats = "reconstruction loss (L1/L2)" if run.task == "vtok" else "cross-entropy (nats)"
     position = run.heldout_eval.get("position_loss") or {}
     util: list[tuple] = [
         ("throughput/mfu", "MFU", "#1f77b4"),
