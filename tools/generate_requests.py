@@ -253,14 +253,11 @@ class Generator:
         from data.image_crops import to_tensor
         from data.image_prep import ImagePrep, load_image
 
+        vtok = self.vtok  # a release without one: its own error, not the image's
         try:
             raw = image if isinstance(image, bytes) else Path(image).read_bytes()
-            prep = ImagePrep(
-                factor=self.vtok.cfg.factor,
-                max_pixels=self.image_max_pixels,
-                max_grid=self.layout.max_grid,
-                max_tokens=self.image_max_tokens,
-            )
+            grid, most = self.layout.max_grid, self.image_max_tokens
+            prep = ImagePrep(vtok.cfg.factor, self.image_max_pixels, grid, max_tokens=most)
             # writable, as torch.from_numpy wants
             arr = np.array(load_image(raw, prep, max_source_pixels=self.max_source_pixels))
         except Exception as e:  # noqa: BLE001 - whatever a decoder raises on untrusted bytes
@@ -269,7 +266,7 @@ class Generator:
                 f"{where}: cannot read the image ({type(e).__name__}: {str(e)[:300]})"
             ) from None
         with torch.no_grad():
-            return self.vtok.encode(to_tensor(arr[None]).to(self.device))[0].cpu().numpy()
+            return vtok.encode(to_tensor(arr[None]).to(self.device))[0].cpu().numpy()
 
     def caption(self, image: str | Path | np.ndarray, prompt: str = "", **sampling) -> dict:
         """The text sampled after ``<bos> [the image block] prompt`` (the block's image ids passed
