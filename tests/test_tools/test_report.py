@@ -152,7 +152,7 @@ def test_synthetic_lm_run(tmp_path, capsys):
 
     assert main([str(run), "--smooth", "0.8"]) == 0
     out = capsys.readouterr().out
-    assert "synth_lm (lm): step 240/300" in out and "4 alarm(s)" in out
+    assert "synth_lm (lm): step 240 / 300 (80%)" in out and "4 alarm(s)" in out
     png, page = run / "report" / "report.png", (run / "report" / "report.html").read_text()
     # The summary page: the header over the four main panels, two rows; every panel after it.
     with Image.open(png) as im:
@@ -388,4 +388,34 @@ def test_a_resumed_pass_drops_the_steps_it_has_not_reached_yet(tmp_path, capsys)
     assert data.last_step == 62 and max(data.records) == 62
     assert data.records[62]["train/loss"] == 1.0 and data.duplicate_records == 5
     assert main([str(run)]) == 0
-    assert "resumed (lm): step 62/80" in capsys.readouterr().out
+    assert "resumed (lm): step 62 / 80 (78%)" in capsys.readouterr().out
+
+
+def test_a_run_the_data_ended_early_and_a_run_extended_after_finishing(tmp_path, capsys):
+    """data.mode=epoch ended at step 66 of train.steps 1000 (final.json's run.steps 66): finished
+    where the data ended, the step axis ends there (it ran to 1000, the curves squeezed into its
+    first 7 %) and the final evaluation is drawn at 66. A run finished at 30, resumed with
+    train.steps=60 and stopped at 49 keeps the final.json of step 30: it is not finished, and
+    that evaluation is not the run's."""
+    from tools.report.panels import x_limits
+
+    def run_dir(name: str, steps: int, logged: int, final_at: int) -> Path:
+        run = tmp_path / name
+        run.mkdir()
+        (run / "config.yaml").write_text(f"task: lm\nname: {name}\ntrain:\n  steps: {steps}\n")
+        records = [
+            {"step": s, "train/loss": 5.0, "val/loss/text": 4.0} for s in range(1, logged + 1)
+        ]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        final = {"run": {"steps": final_at, "task": "lm"}, "val/loss/text": 3.5}
+        (run / "final.json").write_text(json.dumps(final))
+        return run
+
+    epoch = load_run(run_dir("epoch", 1000, 66, 66))
+    assert epoch.finished and x_limits(epoch)[1] < 70
+    assert header_lines(epoch, DEFAULT_SMOOTH)[1][0].startswith("step 66 (the data ended")
+    assert main([str(epoch.run_dir)]) == 0
+    assert "epoch (lm): step 66 (the data ended" in capsys.readouterr().out
+    extended = load_run(run_dir("extended", 60, 49, 30))
+    assert not extended.finished and extended.final == {}
+    assert header_lines(extended, DEFAULT_SMOOTH)[1][0].startswith("step 49 / 60 (82%)  |  running")

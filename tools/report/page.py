@@ -25,10 +25,14 @@ def status_of(run: RunData) -> str:
     if run.finished:
         return "finished"
     when = dt.datetime.fromtimestamp((run.run_dir / METRICS_FILE).stat().st_mtime, dt.timezone.utc)
-    return f"running or stopped (no final.json; metrics last written {when:%Y-%m-%d %H:%M:%S} UTC)"
+    return f"running or stopped (no final.json of step {run.last_step}; metrics last written {when:%Y-%m-%d %H:%M:%S} UTC)"
 
 
 def steps_text(run: RunData) -> str:
+    if run.finished and run.last_step < (
+        run.total_steps or run.last_step + 1
+    ):  # only data.mode=epoch
+        return f"{run.last_step:,} (the data ended, data.mode=epoch)"
     if run.total_steps:
         return f"{run.last_step:,} / {run.total_steps:,} ({run.last_step / run.total_steps:.0%})"
     return f"{run.last_step:,} / ?"

@@ -127,9 +127,8 @@ def eval_points(
     value = run.final.get(key, math.nan)
     final = type(value) in (int, float) and math.isfinite(value)  # not a bool
     if final:
-        final_step = run.total_steps or run.last_step
-        keep = steps != final_step
-        steps, values = np.append(steps[keep], final_step), np.append(values[keep], value * scale)
+        keep, last = steps != run.last_step, run.last_step
+        steps, values = np.append(steps[keep], last), np.append(values[keep], value * scale)
     if not len(steps):
         return None
     num_marked = len(steps) - final
@@ -548,8 +547,6 @@ MARGIN = 0.01  # of the header's width, left and right
 
 def x_limits(run: RunData) -> tuple[float, float]:
     steps = run.steps + [step for step in map(alarm_step, run.alarms) if step is not None]
-    if run.final and run.total_steps:
-        steps.append(run.total_steps)
     if not steps:
         return 0.0, 1.0
     low, high = min(steps), max(steps)

@@ -41,7 +41,7 @@ class RunData:
     total_steps: int | None
     records: dict[int, dict]  # step -> its record in the run's latest pass
     series: dict[str, Series]
-    final: dict = field(default_factory=dict)  # final.json
+    final: dict = field(default_factory=dict)  # final.json, when written at the last step logged
     heldout_eval: dict = field(default_factory=dict)  # heldout_eval.json (earlyfuse-eval --out)
     alarms: list[dict] = field(default_factory=list)
     target_mix: dict[str, float] = field(default_factory=dict)  # data.sources weights, normalised
@@ -62,7 +62,7 @@ class RunData:
 
     @property
     def finished(self) -> bool:
-        return (self.run_dir / FINAL_FILE).is_file()
+        return bool(self.final)
 
     def has(self, key: str) -> bool:
         s = self.series.get(key)
@@ -184,6 +184,10 @@ def load_run(run_dir: str | Path) -> RunData:
     cfg = _read_dict(run_dir / CONFIG_FILE, yaml.safe_load)  # the resolved config
     train_cfg = cfg.get("train")
     total = train_cfg.get("steps") if isinstance(train_cfg, dict) else None
+    final = _read_dict(run_dir / FINAL_FILE, json.loads)
+    last = next(reversed(records), 0)
+    if (final.get("run") or {}).get("steps", last) != last:  # resumed since it was written
+        final = {}
     alarms_file = run_dir / ALARMS_FILE
     alarms, bad_alarms = read_jsonl(alarms_file) if alarms_file.is_file() else ([], 0)
     return RunData(
@@ -193,10 +197,10 @@ def load_run(run_dir: str | Path) -> RunData:
             cfg.get("task")
             or ("vtok" if any(VTOK in k for r in records.values() for k in r) else "?")
         ),
-        total_steps=int(total) if isinstance(total, int) else None,
+        total_steps=total if isinstance(total, int) and total > 0 else None,  # -1: until data ends
         records=records,
         series=build_series(records),
-        final=_read_dict(run_dir / FINAL_FILE, json.loads),
+        final=final,
         heldout_eval=_read_dict(run_dir / EVAL_FILE, json.loads),
         alarms=alarms,
         target_mix=_target_mix(cfg),
