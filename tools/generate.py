@@ -157,9 +157,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_batch(gen: Generator, path: str, output: str | None, defaults: dict) -> int:
     try:
-        lines = (
-            sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
-        ).splitlines()
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+        lines = text.removeprefix("\ufeff").splitlines()  # the BOM Windows editors write first
     except (OSError, UnicodeDecodeError) as e:
         raise ReleaseError(f"{path}: cannot read the requests ({e})") from None
     failed = 0

@@ -378,3 +378,24 @@ def test_an_output_that_cannot_be_written_is_refused_before_sampling(release, tm
     assert generate_main([str(release), "--batch", str(src)]) == 1
     rec = json.loads(capsys.readouterr().out)
     assert rec["id"] == "d" and rec["error"].startswith(f"{tmp_path}: cannot write there")
+
+
+def test_a_requests_file_saved_with_a_bom_and_crlf_runs_every_line(
+    release, tmp_path, capsys, monkeypatch
+):
+    """Windows editors start a UTF-8 file with a BOM and end lines with CRLF: the first request
+    was an error record ("Unexpected UTF-8 BOM")."""
+    import io
+
+    lines = [
+        {"id": "a", "prompt": "The", "max_new_tokens": 2},
+        {"id": "b", "prompt": "x", "max_new_tokens": 2},
+    ]
+    text = "\ufeff" + "".join(json.dumps(r) + "\r\n" for r in lines)
+    src = tmp_path / "requests.jsonl"
+    src.write_bytes(text.encode("utf-8"))
+    assert generate_main([str(release), "--batch", str(src)]) == 0
+    assert [json.loads(x)["id"] for x in capsys.readouterr().out.splitlines()] == ["a", "b"]
+    monkeypatch.setattr("sys.stdin", io.StringIO(text))
+    assert generate_main([str(release), "--batch", "-"]) == 0
+    assert [json.loads(x)["id"] for x in capsys.readouterr().out.splitlines()] == ["a", "b"]
