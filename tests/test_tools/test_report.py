@@ -234,6 +234,14 @@ def test_missing_run_folder_fails_clearly(tmp_path, capsys):
     )  # the console script, as a user runs it
     p = subprocess.run([str(script), str(tmp_path / "empty")], capture_output=True, text=True)
     assert p.returncode == 2 and str(tmp_path / "empty") in p.stderr and not p.stdout
+    # an --out that cannot be a folder: one line naming it, not mkdir's traceback
+    (tmp_path / "empty" / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/loss": 3.0}))
+    (tmp_path / "a_file").write_text("")
+    argv = [str(script), str(tmp_path / "empty"), "--out", str(tmp_path / "a_file" / "report")]
+    p = subprocess.run(argv, capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr == (
+        f"earlyfuse-report: {tmp_path / 'a_file' / 'report'}: Not a directory\n"
+    )
     h = subprocess.run([str(script), "--help"], capture_output=True, text=True)
     assert (
         h.returncode == 0

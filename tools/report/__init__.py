@@ -129,8 +129,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         rep = write_report(args.run_dir, args.out, args.smooth)
-    except NoMetrics as e:
-        print(f"earlyfuse-report: {e}", file=sys.stderr)
+    except (FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError) as e:
+        said = e if isinstance(e, NoMetrics) else f"{e.filename}: {e.strerror}"  # e.g. --out
+        print(f"earlyfuse-report: {said}", file=sys.stderr)
         return 2
     run = rep.run
     from tools.report.page import alarm_counts, steps_text
