@@ -55,9 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt", help="text to continue (with --image: the caption's start)")
     parser.add_argument("--image", metavar="PATH", help="an image file to caption (with --caption)")
     parser.add_argument("--draw", metavar="TEXT", help="draw an image from TEXT (needs --out)")
-    parser.add_argument(
-        "--batch", metavar="JSONL", help="one request per line (see below); '-' reads stdin"
-    )
+    parser.add_argument("--batch", metavar="JSONL", help="requests, one a line (below); '-': stdin")
     parser.add_argument("--caption", action="store_true", help="caption --image (its default)")
     parser.add_argument("--code", action="store_true", help="the prompt is code, not text")
     parser.add_argument("--out", metavar="IMAGE", help="--draw writes here (.png, .jpg, ...)")
@@ -75,9 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-size: the training images' most common grid; for a release without those counts, "
         "the model's choice up to the square grid of the training pixel budget)",
     )
-    parser.add_argument(
-        "--max-new-tokens", type=int, default=64, help="text and captions (default 64)"
-    )
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="text, captions (def. 64)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -99,9 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="refuse input images whose header claims more pixels, before decoding (default 64M)",
     )
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
-    parser.add_argument(
-        "--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype (default fp32)"
-    )
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="default fp32")
     return parser
 
 

@@ -29,6 +29,7 @@ MAX_SOURCE_PIXELS = 64_000_000  # input images, by their header (ingest's --max-
 # a request's sampling keys and their types
 SAMPLING = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": int}
 REQUEST_KEYS = {"id", "prompt", "code", "image", "caption", "draw", "out", "size", "max_size"}
+WHOLE = ("max_new_tokens", "top_k", "seed", "max_size")  # the keys that take whole numbers
 
 
 # --- prompts --------------------------------------------------------------------------------
@@ -340,9 +341,10 @@ class Generator:
         known = {*REQUEST_KEYS, "guidance", *SAMPLING}
         if unknown := sorted(set(req) - known):
             raise ReleaseError(f"unknown request keys {unknown}; known: {sorted(known)}")
+        given = {k: req[k] for k in WHOLE if req.get(k) is not None}  # JSON numbers: not true, "5"
+        if bad := [k for k, v in given.items() if type(v) not in (int, float) or v % 1]:
+            raise ReleaseError(f"{bad[0]} must be a whole number, got {given[bad[0]]!r}")
         sampling = {key: kind(req.get(key, defaults[key])) for key, kind in SAMPLING.items()}
-        if cut := [k for k, v in sampling.items() if isinstance(req.get(k), float) and req[k] != v]:
-            raise ReleaseError(f"{cut[0]} must be a whole number, got {req[cut[0]]}")
         if req.get("draw") is not None:
             if not req.get("out"):
                 raise ReleaseError("a draw request needs 'out' (the image to write)")
@@ -354,7 +356,7 @@ class Generator:
                 str(req["draw"]),
                 req["out"],
                 size=size,
-                max_size=req.get("max_size"),
+                max_size=int(given["max_size"]) if "max_size" in given else None,
                 guidance=float(req.get("guidance", defaults["guidance"])),
                 **sampling,
             )

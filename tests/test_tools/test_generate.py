@@ -399,3 +399,27 @@ def test_a_requests_file_saved_with_a_bom_and_crlf_runs_every_line(
     monkeypatch.setattr("sys.stdin", io.StringIO(text))
     assert generate_main([str(release), "--batch", "-"]) == 0
     assert [json.loads(x)["id"] for x in capsys.readouterr().out.splitlines()] == ["a", "b"]
+
+
+def test_a_whole_number_of_a_request_is_a_json_number(release, tmp_path, capsys):
+    """`true` was taken as 1 token, and `"max_size": "5"` or `2.5` failed deep in the sampler
+    ("TypeError: can only concatenate str ..."): each is now refused by its key; 2.0 is 2."""
+    out = str(tmp_path / "d.png")
+    reqs = [
+        {"id": "t", "prompt": "x", "max_new_tokens": True},
+        {"id": "s", "draw": "x", "out": out, "max_size": "5"},
+        {"id": "h", "draw": "x", "out": out, "max_size": 2.5},
+        {"id": "k", "prompt": "x", "top_k": "3", "temperature": 1},
+        {"id": "ok", "draw": "x", "out": out, "max_size": 2.0},
+    ]
+    src = tmp_path / "requests.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in reqs))
+    assert generate_main([str(release), "--batch", str(src)]) == 1
+    recs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r.get("error") for r in recs[:4]] == [
+        "max_new_tokens must be a whole number, got True",
+        "max_size must be a whole number, got '5'",
+        "max_size must be a whole number, got 2.5",
+        "top_k must be a whole number, got '3'",
+    ]
+    assert recs[4]["kind"] == "draw" and max(recs[4]["grid"]) <= 2
