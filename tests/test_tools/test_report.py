@@ -427,3 +427,27 @@ def test_a_run_the_data_ended_early_and_a_run_extended_after_finishing(tmp_path,
     extended = load_run(run_dir("extended", 60, 49, 30))
     assert not extended.finished and extended.final == {}
     assert header_lines(extended, DEFAULT_SMOOTH)[1][0].startswith("step 49 / 60 (82%)  |  running")
+
+
+def test_skipped_updates_count_those_a_rollback_undid(tmp_path):
+    """Steps 61-64 skipped as spikes, then a rollback to the step-50 checkpoint: the kept pass's
+    counter (optim/skipped_steps) is back at 0, while the alarms list four skips; the summary
+    said "0" alone."""
+    from tools.report.page import overview
+
+    run = tmp_path / "rolled"
+    run.mkdir()
+
+    def rec(step: int, skipped: int, total: int) -> dict:
+        return {
+            "step": step,
+            "train/loss": 3.0,
+            "optim/skipped": skipped,
+            "optim/skipped_steps": total,
+        }
+
+    first = [rec(s, int(61 <= s <= 64), max(0, min(s, 64) - 60)) for s in range(1, 65)]
+    again = [rec(s, 0, 0) for s in range(51, 81)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first + again))
+    rows = dict(overview(load_run(run), DEFAULT_SMOOTH))
+    assert rows["skipped updates"] == "0 (and 4 on steps a rollback or resume replaced)"
