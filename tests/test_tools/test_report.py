@@ -234,6 +234,12 @@ def test_missing_run_folder_fails_clearly(tmp_path, capsys):
     )  # the console script, as a user runs it
     p = subprocess.run([str(script), str(tmp_path / "empty")], capture_output=True, text=True)
     assert p.returncode == 2 and str(tmp_path / "empty") in p.stderr and not p.stdout
+    # a run that has started (its config.yaml written) but logged no step yet says so
+    (tmp_path / "empty" / "config.yaml").write_text("task: lm\nname: starting\n")
+    p = subprocess.run([str(script), str(tmp_path / "empty")], capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr == (
+        f"earlyfuse-report: no metrics.jsonl in {tmp_path / 'empty'} (no step logged yet)\n"
+    )
     # an --out that cannot be a folder: one line naming it, not mkdir's traceback
     (tmp_path / "empty" / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/loss": 3.0}))
     (tmp_path / "a_file").write_text("")

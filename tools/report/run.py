@@ -170,9 +170,9 @@ def load_run(run_dir: str | Path) -> RunData:
     run_dir = Path(run_dir)
     path = run_dir / METRICS_FILE
     if not path.is_file():
-        raise NoMetrics(
-            f"no metrics.jsonl in {run_dir} (is it a run folder written by earlyfuse-train?)"
-        )
+        started = (run_dir / CONFIG_FILE).is_file()  # a run writes metrics.jsonl at its first step
+        why = "no step logged yet" if started else "is it a run folder written by earlyfuse-train?"
+        raise NoMetrics(f"no metrics.jsonl in {run_dir} ({why})")
     lines, bad = read_jsonl(path)
     raw = [rec for rec in lines if alarm_step(rec) is not None]
     bad += len(lines) - len(raw)
