@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-size: the training images' most common grid; for a release without those counts, "
         "the model's choice up to the square grid of the training pixel budget)",
     )
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="text, captions (def. 64)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="text/captions (default 64)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
