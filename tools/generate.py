@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from data.cli.common import checked_device
+from data.cli.common import checked_device, reader_left
 from tools.generate_requests import MAX_SOURCE_PIXELS, REQUEST_KEYS, SAMPLING, Generator, writable
 from train.release import DTYPES, Release, ReleaseError
 
@@ -102,9 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    # UTF-8 on stdout whatever the locale says (the console may claim ASCII)
-    reconfigure = getattr(sys.stdout, "reconfigure", None)
-    if reconfigure is not None:
+    if reconfigure := getattr(sys.stdout, "reconfigure", None):  # UTF-8 whatever the locale says
         reconfigure(encoding="utf-8", errors="replace")
     modes = [
         mode
@@ -139,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ReleaseError, ValueError) as e:  # ValueError: a sampling option out of range
         print(f"earlyfuse-generate: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # --batch's results read by `head`
+        return reader_left()
     if res["kind"] == "draw":
         print(
             f"wrote {res['out']}: {res['grid'][0]}x{res['grid'][1]} tokens, "

@@ -423,3 +423,25 @@ def test_a_whole_number_of_a_request_is_a_json_number(release, tmp_path, capsys)
         "top_k must be a whole number, got '3'",
     ]
     assert recs[4]["kind"] == "draw" and max(recs[4]["grid"]) <= 2
+
+
+def test_batch_results_into_a_closed_pipe_end_quietly(release, tmp_path):
+    """`earlyfuse-generate REL --batch FILE | head -1`: the reader leaving is no error (it was a
+    BrokenPipeError traceback, exit 1), as for `earlyfuse-prep stats DIR | head`."""
+    import os
+    import signal
+
+    src = tmp_path / "requests.jsonl"
+    src.write_text(json.dumps({"id": "a", "prompt": "x", "max_new_tokens": 2}) + "\n")
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first result is written
+    script = Path(sys.executable).parent / "earlyfuse-generate"
+    proc = subprocess.run(
+        [str(script), str(release), "--batch", str(src)],
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=120,
+    )
+    os.close(write_end)
+    assert proc.stderr == "" and proc.returncode == 128 + signal.SIGPIPE
