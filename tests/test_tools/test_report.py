@@ -457,3 +457,28 @@ def test_skipped_updates_count_those_a_rollback_undid(tmp_path):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first + again))
     rows = dict(overview(load_run(run), DEFAULT_SMOOTH))
     assert rows["skipped updates"] == "0 (and 4 on steps a rollback or resume replaced)"
+
+
+def test_an_alarm_is_marked_on_a_curve_only_where_the_curve_is(tmp_path):
+    """A probe logged at steps 100 and 120 and an alarm at step 64: the probe's panel has the
+    alarm's dashed line but no diamond (it was put at the probe's step-100 value, a point the
+    curve never had); the loss panel, logged every step, has its diamond."""
+    from matplotlib.figure import Figure
+
+    from tools.report.panels import Ctx, draw_alarms, panels_for, x_limits
+
+    run = tmp_path / "probe"
+    run.mkdir()
+    recs = [{"step": s, "train/loss": 3.0} for s in range(1, 121)]
+    for r in recs[99::20]:
+        r["monitor/gen_code_distinct"] = 120.0
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    alarm = {"step": 64, "signal": "loss_spike", "modality": None, "action": "skip"}
+    (run / "alarms.jsonl").write_text(json.dumps(alarm) + "\n")
+    data = load_run(run)
+    ctx = Ctx(data, 0.9, x_limits(data))
+    for key, diamonds in (("loss", 1), ("monitor_gen_code_distinct", 0)):
+        ax = Figure().add_subplot()
+        panel = next(p for p in panels_for(data) if p.key == key)
+        draw_alarms(ax, ctx, panel.draw(ax, ctx) or {})
+        assert len([ln for ln in ax.get_lines() if ln.get_marker() == "D"]) == diamonds, key

@@ -191,9 +191,9 @@ def draw_alarms(ax, ctx: Ctx, curves: dict) -> None:
             )
         marker_steps, marker_values = [], []
         for _, step, alarm in items:
-            curve = curves.get(alarm.get("modality") or "total")
-            if curve is not None and np.isfinite(curve[1]).any():
-                finite = np.isfinite(curve[1])
+            curve = curves.get(alarm.get("modality") or "total", (np.array([]), np.array([])))
+            finite = np.isfinite(curve[1])  # marked where the curve is drawn, not past its ends
+            if finite.any() and curve[0][finite][0] <= step <= curve[0][finite][-1]:
                 marker_steps.append(step)
                 marker_values.append(np.interp(step, curve[0][finite], curve[1][finite]))
         if marker_steps:
