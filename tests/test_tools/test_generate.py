@@ -445,3 +445,16 @@ def test_batch_results_into_a_closed_pipe_end_quietly(release, tmp_path):
     )
     os.close(write_end)
     assert proc.stderr == "" and proc.returncode == 128 + signal.SIGPIPE
+
+
+def test_a_run_folder_or_a_visual_tokenizer_given_for_a_release_is_named(release, capsys):
+    """The run folder beside the release, and the release's visual_tokenizer/, were "missing
+    config.json" and "format None" alone."""
+    run = release.parent / "run"
+    assert generate_main([str(run), "--prompt", "x"]) == 2
+    assert capsys.readouterr().err == (
+        f"earlyfuse-generate: error: {run / 'config.json'}: missing; {run} is a run folder: "
+        f"release it first (earlyfuse-convert release {run} OUT)\n"
+    )
+    assert generate_main([str(release / "visual_tokenizer"), "--prompt", "x"]) == 2
+    assert capsys.readouterr().err.endswith(": a visual tokenizer's folder, not a release\n")
