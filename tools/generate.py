@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="--draw: classifier-free guidance scale; every code is sampled from the "
         "log-probabilities after no caption plus SCALE x (after the caption - after none); "
-        "1 = off (default), 3-5 draw closer to the caption",
+        "1 = off (default), 0 = the caption ignored, 3-5 draw closer to it",
     )
     parser.add_argument("--output", metavar="JSONL", help="--batch: results here, not stdout")
     parser.add_argument(
