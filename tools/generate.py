@@ -104,16 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if reconfigure := getattr(sys.stdout, "reconfigure", None):  # UTF-8 whatever the locale says
         reconfigure(encoding="utf-8", errors="replace")
-    modes = [
-        mode
-        for mode, chosen in (
-            ("--prompt", args.prompt is not None and not args.image),
-            ("--image", args.image),
-            ("--draw", args.draw is not None),
-            ("--batch", args.batch),
-        )
-        if chosen
-    ]
+    chosen = {"--prompt": args.prompt is not None and not args.image, "--image": args.image}
+    chosen |= {"--draw": args.draw is not None, "--batch": args.batch}
+    modes = [mode for mode, given in chosen.items() if given]
     if len(modes) != 1:
         parser.error(
             "give one of --prompt TEXT, --image PATH --caption, --draw TEXT --out IMAGE, --batch JSONL"
@@ -123,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--caption needs --image PATH")
     if args.draw is not None and not args.out:
         parser.error("--draw needs --out IMAGE")
+    if args.batch and args.output and Path(args.output).resolve() == Path(args.batch).resolve():
+        parser.error(f"--output {args.output} is the --batch file: the results would replace it")
     defaults = {key: getattr(args, key) for key in (*SAMPLING, "guidance")}
     try:
         device = torch.device(checked_device(args.device))

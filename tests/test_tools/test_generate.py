@@ -458,3 +458,22 @@ def test_a_run_folder_or_a_visual_tokenizer_given_for_a_release_is_named(release
     )
     assert generate_main([str(release / "visual_tokenizer"), "--prompt", "x"]) == 2
     assert capsys.readouterr().err.endswith(": a visual tokenizer's folder, not a release\n")
+
+
+def test_batch_output_that_is_its_requests_file_is_refused(release, tmp_path, capsys):
+    """`--batch req.jsonl --output req.jsonl` replaced the requests with the results."""
+    src = tmp_path / "req.jsonl"
+    text = json.dumps({"id": "a", "prompt": "x", "max_new_tokens": 2}) + "\n"
+    src.write_text(text)
+    with pytest.raises(SystemExit) as stop:
+        generate_main(
+            [
+                str(release),
+                "--batch",
+                str(src),
+                "--output",
+                f"{tmp_path}/../{tmp_path.name}/req.jsonl",
+            ]
+        )
+    assert stop.value.code == 2 and "is the --batch file" in capsys.readouterr().err
+    assert src.read_text() == text
