@@ -482,3 +482,24 @@ def test_an_alarm_is_marked_on_a_curve_only_where_the_curve_is(tmp_path):
         panel = next(p for p in panels_for(data) if p.key == key)
         draw_alarms(ax, ctx, panel.draw(ax, ctx) or {})
         assert len([ln for ln in ax.get_lines() if ln.get_marker() == "D"]) == diamonds, key
+
+
+def test_the_header_says_which_step_the_heldout_evaluation_is_of(tmp_path):
+    """heldout_eval.json of the step-20 release, the run gone on to step 60: the header said
+    "held-out (earlyfuse-eval)" alone, read as the run's present figures."""
+    run = tmp_path / "later"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "train/loss": 3.0}) + "\n" for s in range(1, 61))
+    )
+    ev = {"step": 20, "heldout": {"total": {"text": {"ce": 5.5, "unigram": 4.9, "tokens": 9}}}}
+    (run / "heldout_eval.json").write_text(json.dumps(ev))
+    header = [text for text, _, _ in header_lines(load_run(run), DEFAULT_SMOOTH)]
+    said = (
+        "held-out (earlyfuse-eval of step 20; the run is at step 60), CE vs unigram: text 5.5/4.9"
+    )
+    assert said in header
+    ev["step"] = 60
+    (run / "heldout_eval.json").write_text(json.dumps(ev))
+    header = [text for text, _, _ in header_lines(load_run(run), DEFAULT_SMOOTH)]
+    assert "held-out (earlyfuse-eval of step 60), CE vs unigram: text 5.5/4.9" in header

@@ -223,7 +223,10 @@ def header_lines(run: RunData, smooth: float) -> list[tuple[str, float, str]]:
     heldout = (run.heldout_eval.get("heldout") or {}).get("total") or {}
     if heldout:
         figures = [f"{m} {fmt(f['ce'], 3)}/{fmt(f.get('unigram'), 3)}" for m, f in heldout.items()]
-        mono.append(("held-out (earlyfuse-eval), CE vs unigram: " + "  ".join(figures), 10))
+        step = run.heldout_eval.get("step")  # of the release it evaluated: the run may have gone on
+        late = "" if step == run.last_step else f"; the run is at step {run.last_step}"
+        said = f"held-out (earlyfuse-eval of step {step}{late}), CE vs unigram: "
+        mono.append((said + "  ".join(figures), 10))
     visible = loss_visible(run.first_pass)
     if run.alarms:
         mono.append((f"loss visible: {visible_text(visible)}", 10))
