@@ -8,6 +8,7 @@ import base64
 import datetime as dt
 import html
 import json
+import math
 import string
 from collections import Counter
 from collections.abc import Set
@@ -29,9 +30,7 @@ def status_of(run: RunData) -> str:
 
 
 def steps_text(run: RunData) -> str:
-    if run.finished and run.last_step < (
-        run.total_steps or run.last_step + 1
-    ):  # only data.mode=epoch
+    if run.finished and run.last_step < (run.total_steps or math.inf):  # only data.mode=epoch
         return f"{run.last_step:,} (the data ended, data.mode=epoch)"
     if run.total_steps:
         return f"{run.last_step:,} / {run.total_steps:,} ({run.last_step / run.total_steps:.0%})"
