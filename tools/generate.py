@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from data.cli.common import checked_device
-from tools.generate_requests import MAX_SOURCE_PIXELS, REQUEST_KEYS, SAMPLING, Generator
+from data.cli.common import checked_device, reader_left
+from tools.generate_requests import MAX_SOURCE_PIXELS, REQUEST_KEYS, SAMPLING, Generator, writable
 from train.release import DTYPES, Release, ReleaseError
 
 EXAMPLES = """\
@@ -52,22 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("release", metavar="RELEASE", help="a release folder")
-    parser.add_argument(
-        "--prompt", help="text to continue (with --image: the start of the caption)"
-    )
+    parser.add_argument("--prompt", help="text to continue (with --image: the caption's start)")
     parser.add_argument("--image", metavar="PATH", help="an image file to caption (with --caption)")
     parser.add_argument("--draw", metavar="TEXT", help="draw an image from TEXT (needs --out)")
-    parser.add_argument(
-        "--batch", metavar="JSONL", help="one request per line (see below); '-' reads stdin"
-    )
-    parser.add_argument(
-        "--caption",
-        action="store_true",
-        help="caption --image (what an image prompt does; may be left out)",
-    )
-    parser.add_argument(
-        "--code", action="store_true", help="the prompt is code (modality code instead of text)"
-    )
+    parser.add_argument("--batch", metavar="JSONL", help="requests, one a line (below); '-': stdin")
+    parser.add_argument("--caption", action="store_true", help="caption --image (its default)")
+    parser.add_argument("--code", action="store_true", help="the prompt is code, not text")
     parser.add_argument("--out", metavar="IMAGE", help="--draw writes here (.png, .jpg, ...)")
     parser.add_argument(
         "--size",
@@ -79,14 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-size",
         type=int,
-        default=None,
         help="--draw: let the model choose the grid, up to this side (without --size or "
         "--max-size: the training images' most common grid; for a release without those counts, "
         "the model's choice up to the square grid of the training pixel budget)",
     )
-    parser.add_argument(
-        "--max-new-tokens", type=int, default=64, help="text and captions (default 64)"
-    )
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="text/captions (default 64)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -97,11 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="--draw: classifier-free guidance scale; every code is sampled from the "
         "log-probabilities after no caption plus SCALE x (after the caption - after none); "
-        "1 = off (default), 3-5 draw closer to the caption",
+        "1 = off (default), 0 = the caption ignored, 3-5 draw closer to it",
     )
-    parser.add_argument(
-        "--output", metavar="JSONL", help="--batch: write results here instead of stdout"
-    )
+    parser.add_argument("--output", metavar="JSONL", help="--batch: results here, not stdout")
     parser.add_argument(
         "--max-image-pixels",
         type=int,
@@ -110,29 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="refuse input images whose header claims more pixels, before decoding (default 64M)",
     )
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
-    parser.add_argument(
-        "--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype (default fp32)"
-    )
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="default fp32")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    # UTF-8 on stdout whatever the locale says (the console may claim ASCII)
-    reconfigure = getattr(sys.stdout, "reconfigure", None)
-    if reconfigure is not None:
+    if reconfigure := getattr(sys.stdout, "reconfigure", None):  # UTF-8 whatever the locale says
         reconfigure(encoding="utf-8", errors="replace")
-    modes = [
-        mode
-        for mode, chosen in (
-            ("--prompt", args.prompt is not None and not args.image),
-            ("--image", args.image),
-            ("--draw", args.draw is not None),
-            ("--batch", args.batch),
-        )
-        if chosen
-    ]
+    chosen = {"--prompt": args.prompt is not None and not args.image, "--image": args.image}
+    chosen |= {"--draw": args.draw is not None, "--batch": args.batch}
+    modes = [mode for mode, given in chosen.items() if given]
     if len(modes) != 1:
         parser.error(
             "give one of --prompt TEXT, --image PATH --caption, --draw TEXT --out IMAGE, --batch JSONL"
@@ -142,9 +116,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--caption needs --image PATH")
     if args.draw is not None and not args.out:
         parser.error("--draw needs --out IMAGE")
+    if args.batch and args.output and Path(args.output).resolve() == Path(args.batch).resolve():
+        parser.error(f"--output {args.output} is the --batch file: the results would replace it")
     defaults = {key: getattr(args, key) for key in (*SAMPLING, "guidance")}
     try:
         device = torch.device(checked_device(args.device))
+        for path in (args.out, args.output):  # refused before the release is even loaded
+            path and writable(path)
         gen = Generator(Release(args.release), device, DTYPES[args.dtype])
         gen.max_source_pixels = args.max_image_pixels
         if args.batch:
@@ -154,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ReleaseError, ValueError) as e:  # ValueError: a sampling option out of range
         print(f"earlyfuse-generate: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # --batch's results read by `head`
+        return reader_left()
     if res["kind"] == "draw":
         print(
             f"wrote {res['out']}: {res['grid'][0]}x{res['grid'][1]} tokens, "
@@ -166,9 +146,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_batch(gen: Generator, path: str, output: str | None, defaults: dict) -> int:
     try:
-        lines = (
-            sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
-        ).splitlines()
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+        lines = text.removeprefix("\ufeff").splitlines()  # the BOM Windows editors write first
     except (OSError, UnicodeDecodeError) as e:
         raise ReleaseError(f"{path}: cannot read the requests ({e})") from None
     failed = 0

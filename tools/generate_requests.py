@@ -14,6 +14,7 @@ is decoded.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ MAX_SOURCE_PIXELS = 64_000_000  # input images, by their header (ingest's --max-
 # a request's sampling keys and their types
 SAMPLING = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": int}
 REQUEST_KEYS = {"id", "prompt", "code", "image", "caption", "draw", "out", "size", "max_size"}
+WHOLE = ("max_new_tokens", "top_k", "seed", "max_size")  # the keys that take whole numbers
 
 
 # --- prompts --------------------------------------------------------------------------------
@@ -252,14 +254,11 @@ class Generator:
         from data.image_crops import to_tensor
         from data.image_prep import ImagePrep, load_image
 
+        vtok = self.vtok  # a release without one: its own error, not the image's
         try:
             raw = image if isinstance(image, bytes) else Path(image).read_bytes()
-            prep = ImagePrep(
-                factor=self.vtok.cfg.factor,
-                max_pixels=self.image_max_pixels,
-                max_grid=self.layout.max_grid,
-                max_tokens=self.image_max_tokens,
-            )
+            grid, most = self.layout.max_grid, self.image_max_tokens
+            prep = ImagePrep(vtok.cfg.factor, self.image_max_pixels, grid, max_tokens=most)
             # writable, as torch.from_numpy wants
             arr = np.array(load_image(raw, prep, max_source_pixels=self.max_source_pixels))
         except Exception as e:  # noqa: BLE001 - whatever a decoder raises on untrusted bytes
@@ -268,7 +267,7 @@ class Generator:
                 f"{where}: cannot read the image ({type(e).__name__}: {str(e)[:300]})"
             ) from None
         with torch.no_grad():
-            return self.vtok.encode(to_tensor(arr[None]).to(self.device))[0].cpu().numpy()
+            return vtok.encode(to_tensor(arr[None]).to(self.device))[0].cpu().numpy()
 
     def caption(self, image: str | Path | np.ndarray, prompt: str = "", **sampling) -> dict:
         """The text sampled after ``<bos> [the image block] prompt`` (the block's image ids passed
@@ -322,11 +321,10 @@ class Generator:
             size = self.training_grid()
             grid_from = "the training images' most common" if size else "the model's choice"
         side = max([self.default_max_size() if max_size is None else max_size, *(size or ())])
+        out = writable(out)
         codes, arr, count = draw_image(self, prompt, size=size, side=side, **sampling)
         from PIL import Image
 
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
         as_named = Image.registered_extensions().get(out.suffix.lower(), "PNG")  # x.jpg: a JPEG
         Image.fromarray(arr, "RGB").save(out, as_named)
         return {
@@ -343,9 +341,10 @@ class Generator:
         known = {*REQUEST_KEYS, "guidance", *SAMPLING}
         if unknown := sorted(set(req) - known):
             raise ReleaseError(f"unknown request keys {unknown}; known: {sorted(known)}")
+        given = {k: req[k] for k in WHOLE if req.get(k) is not None}  # JSON numbers: not true, "5"
+        if bad := [k for k, v in given.items() if type(v) not in (int, float) or v % 1]:
+            raise ReleaseError(f"{bad[0]} must be a whole number, got {given[bad[0]]!r}")
         sampling = {key: kind(req.get(key, defaults[key])) for key, kind in SAMPLING.items()}
-        if cut := [k for k, v in sampling.items() if isinstance(req.get(k), float) and req[k] != v]:
-            raise ReleaseError(f"{cut[0]} must be a whole number, got {req[cut[0]]}")
         if req.get("draw") is not None:
             if not req.get("out"):
                 raise ReleaseError("a draw request needs 'out' (the image to write)")
@@ -357,7 +356,7 @@ class Generator:
                 str(req["draw"]),
                 req["out"],
                 size=size,
-                max_size=req.get("max_size"),
+                max_size=int(given["max_size"]) if "max_size" in given else None,
                 guidance=float(req.get("guidance", defaults["guidance"])),
                 **sampling,
             )
@@ -370,6 +369,18 @@ class Generator:
         else:
             raise ReleaseError("a request needs 'prompt', 'image' (to caption) or 'draw' (+ 'out')")
         return {**({"id": req["id"]} if "id" in req else {}), **res}
+
+
+def writable(path: str | Path) -> Path:
+    """``path`` with its folder made; refused before any sampling when it cannot be written."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_dir() or not os.access(path.parent, os.W_OK):
+            raise OSError(0, "a folder: give a file name" if path.is_dir() else "not writable")
+    except OSError as e:
+        raise ReleaseError(f"{path}: cannot write there ({e.strerror or e})") from None
+    return path
 
 
 def parse_size(text) -> tuple[int, int]:

@@ -177,14 +177,17 @@ class Release:
         try:
             self.config = json.loads(cfg_path.read_text())
         except FileNotFoundError:
-            raise ReleaseError(
-                f"{cfg_path}: missing; {self.path} is not a release folder"
-            ) from None
+            what = "not a release folder"
+            if (self.path / "checkpoints").is_dir():  # a run folder given for its release
+                what = f"a run folder: release it first (earlyfuse-convert release {self.path} OUT)"
+            raise ReleaseError(f"{cfg_path}: missing; {self.path} is {what}") from None
         except (OSError, ValueError) as e:
             raise ReleaseError(f"{cfg_path}: unreadable or corrupted ({e})") from None
         if self.config.get("format") != FORMAT:
+            vtok = {"levels", "factor"} <= set(self.config)  # a release's visual_tokenizer/ given
             raise ReleaseError(
                 f"{cfg_path}: format {self.config.get('format')!r}, expected {FORMAT!r}"
+                + (": a visual tokenizer's folder, not a release" if vtok else "")
             )
         if self.config.get("version") != VERSION:
             raise ReleaseError(

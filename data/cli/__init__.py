@@ -11,12 +11,10 @@ it finds a problem; 141 (128 + SIGPIPE), silently, when the reader of stdout clo
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import signal
 import sys
 
-from data.cli.common import EXIT_REJECTS, USER_ERRORS, parse_size, path_or_url
+from data.cli.common import EXIT_REJECTS, USER_ERRORS, parse_size, path_or_url, reader_left
 from data.cli.demo_corpus import _add_demo_corpus
 from data.cli.ingest import _add_ingest, _add_merge
 from data.cli.passkey import _add_passkey
@@ -57,10 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
     except BrokenPipeError:
-        # The reader of stdout left (`stats DIR | head`): end quietly, as a process that
-        # SIGPIPE ended would; stdout to /dev/null so that the exit's flush does not fail too.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 128 + signal.SIGPIPE
+        return reader_left()
     except (ValueError, OSError) as e:
         # One line (a YAML or JSON parser's message spans several): only the line breaks and the
         # indentation around them go, so a file name keeps its own spaces and tabs.

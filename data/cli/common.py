@@ -120,6 +120,16 @@ def out_file(text: str) -> Path:
     return Path(text)
 
 
+def reader_left() -> int:
+    """The exit of a command whose stdout reader left (`stats DIR | head`, `earlyfuse-generate
+    --batch FILE | head`): quiet, as a process that SIGPIPE ended would; stdout goes to /dev/null
+    so that the exit's flush does not fail too."""
+    import signal
+
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
+
+
 def checked_device(name: str, *, here: bool = True) -> str:
     """A torch device name (cpu, cuda, cuda:1) checked before any work: a ValueError naming it
     when torch has no such kind of device, or (``here``) when this machine has no such device

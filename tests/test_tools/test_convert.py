@@ -569,6 +569,11 @@ def test_a_text_only_corpus_needs_no_visual_tokenizer_from_tokenize_to_generate(
     assert generate_main([str(alone), "--draw", "a red square", "--out", str(out)]) == 2
     said = "no visual_tokenizer/ (released with --no-tokenizers, or its model was trained on "
     assert said + "tokens of text and code alone)" in capsys.readouterr().err
+    # an image to caption is refused for the same reason, not blamed as unreadable
+    photo = sorted((tiny_corpus / "scenes").rglob("*.png"))[0]
+    assert generate_main([str(alone), "--image", str(photo)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"earlyfuse-generate: error: {alone}: {said}") and str(photo) not in err
 
 
 def test_an_output_folder_that_is_the_input_or_cannot_be_written_is_refused_first(

@@ -357,3 +357,123 @@ def test_images_are_encoded_within_tokenizes_block_cap(release, tmp_path, capped
     height, width = Generator(Release(capped), torch.device("cpu")).encode_image(photo).shape
     assert image_block_len(height, width) <= cap < image_block_len(*uncapped)
     assert abs(width / height - uncapped[1] / uncapped[0]) < 0.5  # the aspect kept, about
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_sampling(release, tmp_path, capsys):
+    """--out or --output naming a folder (or under a file) is one line naming the path, exit 2,
+    before the release is loaded; a batch line drawing to a folder is an error record."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for argv in (
+        ["--draw", "a red square", "--out", str(tmp_path)],
+        ["--draw", "a red square", "--out", str(a_file / "x.png")],
+        ["--batch", str(a_file), "--output", str(tmp_path)],
+    ):
+        assert generate_main([str(release), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("earlyfuse-generate: error: ") and "cannot write there" in err
+        assert err.count("\n") == 1 and "Traceback" not in err
+    src = tmp_path / "req.jsonl"
+    src.write_text(json.dumps({"id": "d", "draw": "sky", "out": str(tmp_path), "size": "2x2"}))
+    assert generate_main([str(release), "--batch", str(src)]) == 1
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["id"] == "d" and rec["error"].startswith(f"{tmp_path}: cannot write there")
+
+
+def test_a_requests_file_saved_with_a_bom_and_crlf_runs_every_line(
+    release, tmp_path, capsys, monkeypatch
+):
+    """Windows editors start a UTF-8 file with a BOM and end lines with CRLF: the first request
+    was an error record ("Unexpected UTF-8 BOM")."""
+    import io
+
+    lines = [
+        {"id": "a", "prompt": "The", "max_new_tokens": 2},
+        {"id": "b", "prompt": "x", "max_new_tokens": 2},
+    ]
+    text = "\ufeff" + "".join(json.dumps(r) + "\r\n" for r in lines)
+    src = tmp_path / "requests.jsonl"
+    src.write_bytes(text.encode("utf-8"))
+    assert generate_main([str(release), "--batch", str(src)]) == 0
+    assert [json.loads(x)["id"] for x in capsys.readouterr().out.splitlines()] == ["a", "b"]
+    monkeypatch.setattr("sys.stdin", io.StringIO(text))
+    assert generate_main([str(release), "--batch", "-"]) == 0
+    assert [json.loads(x)["id"] for x in capsys.readouterr().out.splitlines()] == ["a", "b"]
+
+
+def test_a_whole_number_of_a_request_is_a_json_number(release, tmp_path, capsys):
+    """`true` was taken as 1 token, and `"max_size": "5"` or `2.5` failed deep in the sampler
+    ("TypeError: can only concatenate str ..."): each is now refused by its key; 2.0 is 2."""
+    out = str(tmp_path / "d.png")
+    reqs = [
+        {"id": "t", "prompt": "x", "max_new_tokens": True},
+        {"id": "s", "draw": "x", "out": out, "max_size": "5"},
+        {"id": "h", "draw": "x", "out": out, "max_size": 2.5},
+        {"id": "k", "prompt": "x", "top_k": "3", "temperature": 1},
+        {"id": "ok", "draw": "x", "out": out, "max_size": 2.0},
+    ]
+    src = tmp_path / "requests.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in reqs))
+    assert generate_main([str(release), "--batch", str(src)]) == 1
+    recs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r.get("error") for r in recs[:4]] == [
+        "max_new_tokens must be a whole number, got True",
+        "max_size must be a whole number, got '5'",
+        "max_size must be a whole number, got 2.5",
+        "top_k must be a whole number, got '3'",
+    ]
+    assert recs[4]["kind"] == "draw" and max(recs[4]["grid"]) <= 2
+
+
+def test_batch_results_into_a_closed_pipe_end_quietly(release, tmp_path):
+    """`earlyfuse-generate REL --batch FILE | head -1`: the reader leaving is no error (it was a
+    BrokenPipeError traceback, exit 1), as for `earlyfuse-prep stats DIR | head`."""
+    import os
+    import signal
+
+    src = tmp_path / "requests.jsonl"
+    src.write_text(json.dumps({"id": "a", "prompt": "x", "max_new_tokens": 2}) + "\n")
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first result is written
+    script = Path(sys.executable).parent / "earlyfuse-generate"
+    proc = subprocess.run(
+        [str(script), str(release), "--batch", str(src)],
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=120,
+    )
+    os.close(write_end)
+    assert proc.stderr == "" and proc.returncode == 128 + signal.SIGPIPE
+
+
+def test_a_run_folder_or_a_visual_tokenizer_given_for_a_release_is_named(release, capsys):
+    """The run folder beside the release, and the release's visual_tokenizer/, were "missing
+    config.json" and "format None" alone."""
+    run = release.parent / "run"
+    assert generate_main([str(run), "--prompt", "x"]) == 2
+    assert capsys.readouterr().err == (
+        f"earlyfuse-generate: error: {run / 'config.json'}: missing; {run} is a run folder: "
+        f"release it first (earlyfuse-convert release {run} OUT)\n"
+    )
+    assert generate_main([str(release / "visual_tokenizer"), "--prompt", "x"]) == 2
+    assert capsys.readouterr().err.endswith(": a visual tokenizer's folder, not a release\n")
+
+
+def test_batch_output_that_is_its_requests_file_is_refused(release, tmp_path, capsys):
+    """`--batch req.jsonl --output req.jsonl` replaced the requests with the results."""
+    src = tmp_path / "req.jsonl"
+    text = json.dumps({"id": "a", "prompt": "x", "max_new_tokens": 2}) + "\n"
+    src.write_text(text)
+    with pytest.raises(SystemExit) as stop:
+        generate_main(
+            [
+                str(release),
+                "--batch",
+                str(src),
+                "--output",
+                f"{tmp_path}/../{tmp_path.name}/req.jsonl",
+            ]
+        )
+    assert stop.value.code == 2 and "is the --batch file" in capsys.readouterr().err
+    assert src.read_text() == text

@@ -19,6 +19,7 @@ from trainrun import train
 
 from tools.report import DEFAULT_SMOOTH, main, write_report
 from tools.report.page import header_lines
+from tools.report.panels import panels_for
 from tools.report.run import load_run
 
 MODS = ("text", "code", "image", "video", "structure")
@@ -151,7 +152,7 @@ def test_synthetic_lm_run(tmp_path, capsys):
 
     assert main([str(run), "--smooth", "0.8"]) == 0
     out = capsys.readouterr().out
-    assert "synth_lm (lm): step 240/300" in out and "4 alarm(s)" in out
+    assert "synth_lm (lm): step 240 / 300 (80%)" in out and "4 alarm(s)" in out
     png, page = run / "report" / "report.png", (run / "report" / "report.html").read_text()
     # The summary page: the header over the four main panels, two rows; every panel after it.
     with Image.open(png) as im:
@@ -180,7 +181,7 @@ def test_synthetic_lm_run(tmp_path, capsys):
         "monitor_logit_gap",
     ):
         assert f"<figure id={anchor}>" in page
-    assert "240 / 300 (80%)" in page and "50 step record(s) logged again" in page
+    assert "240 / 300 (80%)" in page and "50 step record(s) of an earlier pass replaced" in page
     assert "EMA factor 0.8" in page and "running or stopped" in page
 
 
@@ -199,6 +200,9 @@ def test_report_of_a_real_vtok_run(tiny_raw, tmp_path):
     rep = write_report(run, out=out)
     assert rep.png == out / "report.png" and rep.png.is_file() and not (run / "report").exists()
     assert {"loss", "grad", "lr", "psnr", "ssim", "codes"} <= set(rep.panels)
+    # the visual tokenizer's loss is its reconstruction loss, not a cross-entropy
+    loss = next(panel for panel in panels_for(rep.run) if panel.key == "loss")
+    assert loss.ylabel == "reconstruction loss (L1/L2)"
     page = rep.html.read_text()
     assert_self_contained(page)
     assert (
@@ -230,6 +234,20 @@ def test_missing_run_folder_fails_clearly(tmp_path, capsys):
     )  # the console script, as a user runs it
     p = subprocess.run([str(script), str(tmp_path / "empty")], capture_output=True, text=True)
     assert p.returncode == 2 and str(tmp_path / "empty") in p.stderr and not p.stdout
+    # a run that has started (its config.yaml written) but logged no step yet says so
+    (tmp_path / "empty" / "config.yaml").write_text("task: lm\nname: starting\n")
+    p = subprocess.run([str(script), str(tmp_path / "empty")], capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr == (
+        f"earlyfuse-report: no metrics.jsonl in {tmp_path / 'empty'} (no step logged yet)\n"
+    )
+    # an --out that cannot be a folder: one line naming it, not mkdir's traceback
+    (tmp_path / "empty" / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/loss": 3.0}))
+    (tmp_path / "a_file").write_text("")
+    argv = [str(script), str(tmp_path / "empty"), "--out", str(tmp_path / "a_file" / "report")]
+    p = subprocess.run(argv, capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr == (
+        f"earlyfuse-report: {tmp_path / 'a_file' / 'report'}: Not a directory\n"
+    )
     h = subprocess.run([str(script), "--help"], capture_output=True, text=True)
     assert (
         h.returncode == 0
@@ -349,7 +367,7 @@ def test_the_mix_of_a_one_step_run_is_drawn(tmp_path):
 
 
 def test_a_rolled_back_stretch_stays_drawn_dotted(tmp_path):
-    """A rollback logs steps again and the last record of a step wins; the blow-up its alarms saw
+    """A rollback logs steps again and the pass it goes on with wins; the blow-up its alarms saw
     (the first pass) is drawn dotted, or the alarms would point at a curve that never rose."""
     from matplotlib.figure import Figure
 
@@ -368,3 +386,120 @@ def test_a_rolled_back_stretch_stays_drawn_dotted(tmp_path):
     assert len(dotted) == 1
     assert list(dotted[0].get_xdata()) == list(range(11, 21))
     assert list(dotted[0].get_ydata()) == [3.0] * 5 + [9.0] * 5
+
+
+def test_a_resumed_pass_drops_the_steps_it_has_not_reached_yet(tmp_path, capsys):
+    """Killed at step 65 with its last checkpoint at 60, resumed and reported at step 62: the
+    run is at 62, and steps 63-65 of the killed pass are no longer its trajectory (the resumed
+    pass will train them again on other weights)."""
+    run = tmp_path / "resumed"
+    run.mkdir()
+    (run / "config.yaml").write_text("task: lm\nname: resumed\ntrain:\n  steps: 80\n")
+    killed = [{"step": s, "train/loss": 5.0 - s / 100} for s in range(1, 66)]
+    resumed = [{"step": s, "train/loss": 1.0} for s in (61, 62)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in killed + resumed))
+    data = load_run(run)
+    assert data.last_step == 62 and max(data.records) == 62
+    assert data.records[62]["train/loss"] == 1.0 and data.duplicate_records == 5
+    assert main([str(run)]) == 0
+    assert "resumed (lm): step 62 / 80 (78%)" in capsys.readouterr().out
+
+
+def test_a_run_the_data_ended_early_and_a_run_extended_after_finishing(tmp_path, capsys):
+    """data.mode=epoch ended at step 66 of train.steps 1000 (final.json's run.steps 66): finished
+    where the data ended, the step axis ends there (it ran to 1000, the curves squeezed into its
+    first 7 %) and the final evaluation is drawn at 66. A run finished at 30, resumed with
+    train.steps=60 and stopped at 49 keeps the final.json of step 30: it is not finished, and
+    that evaluation is not the run's."""
+    from tools.report.panels import x_limits
+
+    def run_dir(name: str, steps: int, logged: int, final_at: int) -> Path:
+        run = tmp_path / name
+        run.mkdir()
+        (run / "config.yaml").write_text(f"task: lm\nname: {name}\ntrain:\n  steps: {steps}\n")
+        records = [
+            {"step": s, "train/loss": 5.0, "val/loss/text": 4.0} for s in range(1, logged + 1)
+        ]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        final = {"run": {"steps": final_at, "task": "lm"}, "val/loss/text": 3.5}
+        (run / "final.json").write_text(json.dumps(final))
+        return run
+
+    epoch = load_run(run_dir("epoch", 1000, 66, 66))
+    assert epoch.finished and x_limits(epoch)[1] < 70
+    assert header_lines(epoch, DEFAULT_SMOOTH)[1][0].startswith("step 66 (the data ended")
+    assert main([str(epoch.run_dir)]) == 0
+    assert "epoch (lm): step 66 (the data ended" in capsys.readouterr().out
+    extended = load_run(run_dir("extended", 60, 49, 30))
+    assert not extended.finished and extended.final == {}
+    assert header_lines(extended, DEFAULT_SMOOTH)[1][0].startswith("step 49 / 60 (82%)  |  running")
+
+
+def test_skipped_updates_count_those_a_rollback_undid(tmp_path):
+    """Steps 61-64 skipped as spikes, then a rollback to the step-50 checkpoint: the kept pass's
+    counter (optim/skipped_steps) is back at 0, while the alarms list four skips; the summary
+    said "0" alone."""
+    from tools.report.page import overview
+
+    run = tmp_path / "rolled"
+    run.mkdir()
+
+    def rec(step: int, skipped: int, total: int) -> dict:
+        return {
+            "step": step,
+            "train/loss": 3.0,
+            "optim/skipped": skipped,
+            "optim/skipped_steps": total,
+        }
+
+    first = [rec(s, int(61 <= s <= 64), max(0, min(s, 64) - 60)) for s in range(1, 65)]
+    again = [rec(s, 0, 0) for s in range(51, 81)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first + again))
+    rows = dict(overview(load_run(run), DEFAULT_SMOOTH))
+    assert rows["skipped updates"] == "0 (and 4 on steps a rollback or resume replaced)"
+
+
+def test_an_alarm_is_marked_on_a_curve_only_where_the_curve_is(tmp_path):
+    """A probe logged at steps 100 and 120 and an alarm at step 64: the probe's panel has the
+    alarm's dashed line but no diamond (it was put at the probe's step-100 value, a point the
+    curve never had); the loss panel, logged every step, has its diamond."""
+    from matplotlib.figure import Figure
+
+    from tools.report.panels import Ctx, draw_alarms, panels_for, x_limits
+
+    run = tmp_path / "probe"
+    run.mkdir()
+    recs = [{"step": s, "train/loss": 3.0} for s in range(1, 121)]
+    for r in recs[99::20]:
+        r["monitor/gen_code_distinct"] = 120.0
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    alarm = {"step": 64, "signal": "loss_spike", "modality": None, "action": "skip"}
+    (run / "alarms.jsonl").write_text(json.dumps(alarm) + "\n")
+    data = load_run(run)
+    ctx = Ctx(data, 0.9, x_limits(data))
+    for key, diamonds in (("loss", 1), ("monitor_gen_code_distinct", 0)):
+        ax = Figure().add_subplot()
+        panel = next(p for p in panels_for(data) if p.key == key)
+        draw_alarms(ax, ctx, panel.draw(ax, ctx) or {})
+        assert len([ln for ln in ax.get_lines() if ln.get_marker() == "D"]) == diamonds, key
+
+
+def test_the_header_says_which_step_the_heldout_evaluation_is_of(tmp_path):
+    """heldout_eval.json of the step-20 release, the run gone on to step 60: the header said
+    "held-out (earlyfuse-eval)" alone, read as the run's present figures."""
+    run = tmp_path / "later"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "train/loss": 3.0}) + "\n" for s in range(1, 61))
+    )
+    ev = {"step": 20, "heldout": {"total": {"text": {"ce": 5.5, "unigram": 4.9, "tokens": 9}}}}
+    (run / "heldout_eval.json").write_text(json.dumps(ev))
+    header = [text for text, _, _ in header_lines(load_run(run), DEFAULT_SMOOTH)]
+    said = (
+        "held-out (earlyfuse-eval of step 20; the run is at step 60), CE vs unigram: text 5.5/4.9"
+    )
+    assert said in header
+    ev["step"] = 60
+    (run / "heldout_eval.json").write_text(json.dumps(ev))
+    header = [text for text, _, _ in header_lines(load_run(run), DEFAULT_SMOOTH)]
+    assert "held-out (earlyfuse-eval of step 60), CE vs unigram: text 5.5/4.9" in header

@@ -96,7 +96,7 @@ def figures(steps: list[dict[str, float]], weights: dict[str, float]) -> dict:
 
 def from_run(run: Path) -> tuple[list[dict[str, float]], dict[str, float]]:
     """Each logged step's ``mix/<source>`` shares and the config's weights, read as
-    earlyfuse-report reads the run (after a resume the last record of a step wins)."""
+    earlyfuse-report reads the run (after a resume the pass the run goes on with wins)."""
     from tools.report.run import load_run
 
     data = load_run(run)

@@ -77,15 +77,12 @@ def write_report(
     header = figures.render_header(header_lines(run, smooth), width)
     png = out / "report.png"
     png.write_bytes(compose(header, [d[3] for d in summary_of(drawn)]))
-    title: list[tuple[str, float, str]] = [
-        (f"earlyfuse report: {run.name}: every panel ({len(drawn)})", 13.0, "bold")
-    ]
+    title = [(f"earlyfuse report: {run.name}: every panel ({len(drawn)})", 13.0, "bold")]
     panels_png = out / "report_panels.png"
     panels_png.write_bytes(compose(figures.render_header(title, width), [d[3] for d in drawn]))
     recon = run.run_dir / "vtok_reconstructions.png"
     page = html_page(run, smooth, drawn, recon.read_bytes() if recon.is_file() else None)
-    html = out / "report.html"
-    html.write_text(page, encoding="utf-8")
+    (html := out / "report.html").write_text(page, encoding="utf-8")
     return Report(png=png, panels_png=panels_png, html=html, panels=[d[0] for d in drawn], run=run)
 
 
@@ -132,13 +129,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         rep = write_report(args.run_dir, args.out, args.smooth)
-    except NoMetrics as e:
-        print(f"earlyfuse-report: {e}", file=sys.stderr)
+    except (FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError) as e:
+        said = e if isinstance(e, NoMetrics) else f"{e.filename}: {e.strerror}"  # e.g. --out
+        print(f"earlyfuse-report: {said}", file=sys.stderr)
         return 2
     run = rep.run
+    from tools.report.page import alarm_counts, steps_text
+
     print(
-        f"{run.name} ({run.task}): step {run.last_step}/{run.total_steps or '?'}, {len(rep.panels)} panels, "
-        f"{f'{len(run.alarms)} alarm(s)' if run.alarms else 'no alarms'}"
+        f"{run.name} ({run.task}): step {steps_text(run)}, {len(rep.panels)} panels, {alarm_counts(run)}"
     )
     print(f"wrote {rep.png} (summary) and {rep.panels_png.name} (every panel)")
     print(f"wrote {rep.html}")

@@ -8,6 +8,7 @@ import base64
 import datetime as dt
 import html
 import json
+import math
 import string
 from collections import Counter
 from collections.abc import Set
@@ -25,10 +26,12 @@ def status_of(run: RunData) -> str:
     if run.finished:
         return "finished"
     when = dt.datetime.fromtimestamp((run.run_dir / METRICS_FILE).stat().st_mtime, dt.timezone.utc)
-    return f"running or stopped (no final.json; metrics last written {when:%Y-%m-%d %H:%M:%S} UTC)"
+    return f"running or stopped (no final.json of step {run.last_step}; metrics last written {when:%Y-%m-%d %H:%M:%S} UTC)"
 
 
 def steps_text(run: RunData) -> str:
+    if run.finished and run.last_step < (run.total_steps or math.inf):  # only data.mode=epoch
+        return f"{run.last_step:,} (the data ended, data.mode=epoch)"
     if run.total_steps:
         return f"{run.last_step:,} / {run.total_steps:,} ({run.last_step / run.total_steps:.0%})"
     return f"{run.last_step:,} / ?"
@@ -50,8 +53,11 @@ def overview(run: RunData, smooth: float) -> list[tuple[str, str]]:
         ("status", status_of(run)),
         ("steps done / total", steps_text(run)),
     ]
-    if "optim/skipped_steps" in run.series:
-        rows.append(("skipped updates", fmt(run.last("optim/skipped_steps"))))
+    if "optim/skipped_steps" in run.series:  # the kept pass's, then those a rollback undid
+        replaced = [r for r in run.first_pass if r is not run.records.get(r["step"])]
+        gone = sum(r.get("optim/skipped") or 0 for r in replaced)
+        said = f" (and {gone:g} on steps a rollback or resume replaced)" if gone else ""
+        rows.append(("skipped updates", fmt(run.last("optim/skipped_steps")) + said))
     if "throughput/step_s" in run.series:
         secs = float(np.nansum(run.series["throughput/step_s"].values))
         rows.append(
@@ -60,7 +66,7 @@ def overview(run: RunData, smooth: float) -> list[tuple[str, str]]:
     notes = []
     if run.duplicate_records:
         notes.append(
-            f"{run.duplicate_records} step record(s) logged again after a resume (the last one is used)"
+            f"{run.duplicate_records} step record(s) of an earlier pass replaced by a resume or rollback"
         )
     if run.bad_lines:
         notes.append(
@@ -216,7 +222,10 @@ def header_lines(run: RunData, smooth: float) -> list[tuple[str, float, str]]:
     heldout = (run.heldout_eval.get("heldout") or {}).get("total") or {}
     if heldout:
         figures = [f"{m} {fmt(f['ce'], 3)}/{fmt(f.get('unigram'), 3)}" for m, f in heldout.items()]
-        mono.append(("held-out (earlyfuse-eval), CE vs unigram: " + "  ".join(figures), 10))
+        step = run.heldout_eval.get("step")  # of the release it evaluated: the run may have gone on
+        late = "" if step == run.last_step else f"; the run is at step {run.last_step}"
+        said = f"held-out (earlyfuse-eval of step {step}{late}), CE vs unigram: "
+        mono.append((said + "  ".join(figures), 10))
     visible = loss_visible(run.first_pass)
     if run.alarms:
         mono.append((f"loss visible: {visible_text(visible)}", 10))

@@ -72,19 +72,12 @@ def train_line(
     if ctx.smooth > 0:
         ax.plot(steps, values, color=color, alpha=0.22, lw=0.8)
         values = ema(values, ctx.smooth ** (np.median(np.diff(steps)) if len(steps) > 1 else 1))
-    ax.plot(
-        steps,
-        values,
-        color=color,
-        lw=lw,
-        label=label,
-        marker="o" if len(steps) <= 12 else None,
-        ms=3,
-    )
-    # The values a rollback (or a resume) logged again replaced: the first pass, dotted, so the
+    marker = "o" if len(steps) <= 12 else None
+    ax.plot(steps, values, color=color, lw=lw, label=label, marker=marker, ms=3)
+    # The values a rollback (or a resume) replaced or dropped: the first pass, dotted, so the
     # trouble its alarms saw stays on the panel.
-    run = ctx.run
-    gone = [(r["step"], r.get(s.key)) for r in run.first_pass if r is not run.records[r["step"]]]
+    kept = ctx.run.records
+    gone = [(r["step"], r.get(s.key)) for r in ctx.run.first_pass if r is not kept.get(r["step"])]
     if gone := [(step, value * scale) for step, value in gone if isinstance(value, (int, float))]:
         ax.plot(*zip(*gone), color=color, ls=":", lw=1.0)
     return steps, values
@@ -134,9 +127,8 @@ def eval_points(
     value = run.final.get(key, math.nan)
     final = type(value) in (int, float) and math.isfinite(value)  # not a bool
     if final:
-        final_step = run.total_steps or run.last_step
-        keep = steps != final_step
-        steps, values = np.append(steps[keep], final_step), np.append(values[keep], value * scale)
+        keep, last = steps != run.last_step, run.last_step
+        steps, values = np.append(steps[keep], last), np.append(values[keep], value * scale)
     if not len(steps):
         return None
     num_marked = len(steps) - final
@@ -199,9 +191,9 @@ def draw_alarms(ax, ctx: Ctx, curves: dict) -> None:
             )
         marker_steps, marker_values = [], []
         for _, step, alarm in items:
-            curve = curves.get(alarm.get("modality") or "total")
-            if curve is not None and np.isfinite(curve[1]).any():
-                finite = np.isfinite(curve[1])
+            curve = curves.get(alarm.get("modality") or "total", (np.array([]), np.array([])))
+            finite = np.isfinite(curve[1])  # marked where the curve is drawn, not past its ends
+            if finite.any() and curve[0][finite][0] <= step <= curve[0][finite][-1]:
                 marker_steps.append(step)
                 marker_values.append(np.interp(step, curve[0][finite], curve[1][finite]))
         if marker_steps:
@@ -429,7 +421,7 @@ def panels_for(run: RunData) -> list[Panel]:
     """The panels this run has data for, in reading order."""
     has = run.has
     unit = UNIT_NAME.get(run.task, "units")
-    nats = "cross-entropy (nats)"
+    nats = "reconstruction loss (L1/L2)" if run.task == "vtok" else "cross-entropy (nats)"
     position = run.heldout_eval.get("position_loss") or {}
     util: list[tuple] = [
         ("throughput/mfu", "MFU", "#1f77b4"),
@@ -555,8 +547,6 @@ MARGIN = 0.01  # of the header's width, left and right
 
 def x_limits(run: RunData) -> tuple[float, float]:
     steps = run.steps + [step for step in map(alarm_step, run.alarms) if step is not None]
-    if run.final and run.total_steps:
-        steps.append(run.total_steps)
     if not steps:
         return 0.0, 1.0
     low, high = min(steps), max(steps)

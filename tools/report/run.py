@@ -1,9 +1,9 @@
 """Read a run folder as ``earlyfuse-train`` writes it, while it is being written or after
-(docs/report.md, "What it reads"). A resumed or rolled-back run appends to ``metrics.jsonl``: the
-LAST record of a step wins, because the surviving weights went through it, and the records up to
-the first step that goes back are kept apart (``first_pass``: the loss rule of
-tools/report/lead.py reads them). A line that does not parse is skipped and counted: the last line
-of a running run may be half-written.
+(docs/report.md, "What it reads"). A resumed or rolled-back run appends to ``metrics.jsonl``: a
+step that goes back starts the pass the run goes on with, which replaces all earlier records from
+that step on; the records up to the first step that goes back are kept apart (``first_pass``: the
+loss rule of tools/report/lead.py reads them). A line that does not parse is skipped and counted:
+the last line of a running run may be half-written.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ class RunData:
     name: str
     task: str
     total_steps: int | None
-    records: dict[int, dict]  # step -> last record
+    records: dict[int, dict]  # step -> its record in the run's latest pass
     series: dict[str, Series]
-    final: dict = field(default_factory=dict)  # final.json
+    final: dict = field(default_factory=dict)  # final.json, when written at the last step logged
     heldout_eval: dict = field(default_factory=dict)  # heldout_eval.json (earlyfuse-eval --out)
     alarms: list[dict] = field(default_factory=list)
     target_mix: dict[str, float] = field(default_factory=dict)  # data.sources weights, normalised
@@ -62,7 +62,7 @@ class RunData:
 
     @property
     def finished(self) -> bool:
-        return (self.run_dir / FINAL_FILE).is_file()
+        return bool(self.final)
 
     def has(self, key: str) -> bool:
         s = self.series.get(key)
@@ -170,16 +170,24 @@ def load_run(run_dir: str | Path) -> RunData:
     run_dir = Path(run_dir)
     path = run_dir / METRICS_FILE
     if not path.is_file():
-        raise NoMetrics(
-            f"no metrics.jsonl in {run_dir} (is it a run folder written by earlyfuse-train?)"
-        )
+        started = (run_dir / CONFIG_FILE).is_file()  # a run writes metrics.jsonl at its first step
+        why = "no step logged yet" if started else "is it a run folder written by earlyfuse-train?"
+        raise NoMetrics(f"no metrics.jsonl in {run_dir} ({why})")
     lines, bad = read_jsonl(path)
     raw = [rec for rec in lines if alarm_step(rec) is not None]
     bad += len(lines) - len(raw)
-    records = {rec["step"]: rec for rec in raw}  # the last record of a step wins
+    records: dict[int, dict] = {}
+    for rec in raw:  # a step that goes back drops the earlier pass from there on (keys ascend)
+        if records and rec["step"] <= next(reversed(records)):
+            records = {step: kept for step, kept in records.items() if step < rec["step"]}
+        records[rec["step"]] = rec
     cfg = _read_dict(run_dir / CONFIG_FILE, yaml.safe_load)  # the resolved config
     train_cfg = cfg.get("train")
     total = train_cfg.get("steps") if isinstance(train_cfg, dict) else None
+    final = _read_dict(run_dir / FINAL_FILE, json.loads)
+    last = next(reversed(records), 0)
+    if (final.get("run") or {}).get("steps", last) != last:  # resumed since it was written
+        final = {}
     alarms_file = run_dir / ALARMS_FILE
     alarms, bad_alarms = read_jsonl(alarms_file) if alarms_file.is_file() else ([], 0)
     return RunData(
@@ -189,10 +197,10 @@ def load_run(run_dir: str | Path) -> RunData:
             cfg.get("task")
             or ("vtok" if any(VTOK in k for r in records.values() for k in r) else "?")
         ),
-        total_steps=int(total) if isinstance(total, int) else None,
+        total_steps=total if isinstance(total, int) and total > 0 else None,  # -1: until data ends
         records=records,
         series=build_series(records),
-        final=_read_dict(run_dir / FINAL_FILE, json.loads),
+        final=final,
         heldout_eval=_read_dict(run_dir / EVAL_FILE, json.loads),
         alarms=alarms,
         target_mix=_target_mix(cfg),
