@@ -55,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt", help="text to continue (with --image: the caption's start)")
     parser.add_argument("--image", metavar="PATH", help="an image file to caption (with --caption)")
     parser.add_argument("--draw", metavar="TEXT", help="draw an image from TEXT (needs --out)")
-    parser.add_argument("--batch", metavar="JSONL", help="requests, one a line (below); '-': stdin")
-    parser.add_argument("--caption", action="store_true", help="caption --image (its default)")
+    parser.add_argument("--batch", metavar="JSONL", help="one request per line (below); '-': stdin")
+    parser.add_argument("--caption", action="store_true", help="caption --image (the default)")
     parser.add_argument("--code", action="store_true", help="the prompt is code, not text")
     parser.add_argument("--out", metavar="IMAGE", help="--draw writes here (.png, .jpg, ...)")
     parser.add_argument(
@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="refuse input images whose header claims more pixels, before decoding (default 64M)",
     )
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="default fp32")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="fp32 (default)")
     return parser
 
 
