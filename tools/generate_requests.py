@@ -341,9 +341,12 @@ class Generator:
         known = {*REQUEST_KEYS, "guidance", *SAMPLING}
         if unknown := sorted(set(req) - known):
             raise ReleaseError(f"unknown request keys {unknown}; known: {sorted(known)}")
-        given = {k: req[k] for k in WHOLE if req.get(k) is not None}  # JSON numbers: not true, "5"
-        if bad := [k for k, v in given.items() if type(v) not in (int, float) or v % 1]:
-            raise ReleaseError(f"{bad[0]} must be a whole number, got {given[bad[0]]!r}")
+        # JSON numbers (not true, "5"), whole where counted
+        given = {k: req[k] for k in (*SAMPLING, *WHOLE, "guidance") if req.get(k) is not None}
+        bad = [k for k, v in given.items() if type(v) not in (int, float) or k in WHOLE and v % 1]
+        if bad:
+            whole = "a whole number" if bad[0] in WHOLE else "a number"
+            raise ReleaseError(f"{bad[0]} must be {whole}, got {given[bad[0]]!r}")
         sampling = {key: kind(req.get(key, defaults[key])) for key, kind in SAMPLING.items()}
         if req.get("draw") is not None:
             if not req.get("out"):

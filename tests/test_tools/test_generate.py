@@ -411,6 +411,8 @@ def test_a_whole_number_of_a_request_is_a_json_number(release, tmp_path, capsys)
         {"id": "h", "draw": "x", "out": out, "max_size": 2.5},
         {"id": "k", "prompt": "x", "top_k": "3", "temperature": 1},
         {"id": "ok", "draw": "x", "out": out, "max_size": 2.0},
+        # A real-valued key given a word: Python's "could not convert string to float: 'hot'"
+        {"id": "w", "prompt": "x", "temperature": "hot"},
     ]
     src = tmp_path / "requests.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in reqs))
@@ -423,6 +425,7 @@ def test_a_whole_number_of_a_request_is_a_json_number(release, tmp_path, capsys)
         "top_k must be a whole number, got '3'",
     ]
     assert recs[4]["kind"] == "draw" and max(recs[4]["grid"]) <= 2
+    assert recs[5]["error"] == "temperature must be a number, got 'hot'"
 
 
 def test_batch_results_into_a_closed_pipe_end_quietly(release, tmp_path):

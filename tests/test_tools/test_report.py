@@ -503,3 +503,20 @@ def test_the_header_says_which_step_the_heldout_evaluation_is_of(tmp_path):
     (run / "heldout_eval.json").write_text(json.dumps(ev))
     header = [text for text, _, _ in header_lines(load_run(run), DEFAULT_SMOOTH)]
     assert "held-out (earlyfuse-eval of step 60), CE vs unigram: text 5.5/4.9" in header
+
+
+def test_a_report_read_by_head_ends_quietly(tmp_path):
+    """`earlyfuse-report RUN | head -1`: the reader leaving is no error (it was a BrokenPipeError
+    traceback, exit 1), as for `earlyfuse-prep stats DIR | head`."""
+    import os
+    import signal
+
+    run = synthetic_run(tmp_path)
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line is written
+    script = Path(sys.executable).parent / "earlyfuse-report"
+    proc = subprocess.run(
+        [str(script), str(run)], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=300
+    )
+    os.close(write_end)
+    assert proc.returncode == 128 + signal.SIGPIPE and proc.stderr == "", proc.stderr

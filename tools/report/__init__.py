@@ -134,15 +134,19 @@ def main(argv=None) -> int:
         print(f"earlyfuse-report: {said}", file=sys.stderr)
         return 2
     run = rep.run
+    from data.cli.common import reader_left
     from tools.report.page import alarm_counts, steps_text
 
-    print(
-        f"{run.name} ({run.task}): step {steps_text(run)}, {len(rep.panels)} panels, {alarm_counts(run)}"
-    )
-    print(f"wrote {rep.png} (summary) and {rep.panels_png.name} (every panel)")
-    print(f"wrote {rep.html}")
-    if run.heldout_eval:  # the held-out evaluation (earlyfuse-eval --out RUN_DIR/heldout_eval.json)
-        print(format_eval(run.heldout_eval))
+    try:
+        print(
+            f"{run.name} ({run.task}): step {steps_text(run)}, {len(rep.panels)} panels, {alarm_counts(run)}"
+        )
+        print(f"wrote {rep.png} (summary) and {rep.panels_png.name} (every panel)")
+        print(f"wrote {rep.html}")
+        if run.heldout_eval:  # earlyfuse-eval --out RUN_DIR/heldout_eval.json
+            print(format_eval(run.heldout_eval))
+    except BrokenPipeError:  # `earlyfuse-report RUN | head -1`
+        return reader_left()
     return 0
 
 
