@@ -197,7 +197,8 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
         nonlocal composed
         composed = True
         restore_full_error()
-        name_after_data(cfg, list(HydraConfig.get().overrides.task))
+        # as given: iterating the ListConfig would resolve an override's ${...}, unchecked
+        name_after_data(cfg, OmegaConf.to_container(HydraConfig.get().overrides.task))  # type: ignore[arg-type]
         try:
             run_cfg, resolved = to_run_config(cfg)
         except ConfigError as e:

@@ -446,6 +446,15 @@ def test_earlyfuse_train_refuses_a_bad_value_in_one_line_with_exit_code_2(tmp_pa
     assert "Traceback" not in p.stderr
 
 
+def test_earlyfuse_train_names_an_override_interpolating_nothing_in_one_line():
+    """The command line's overrides were resolved as they were read for the run's name: an
+    interpolation to nothing came out as Hydra's traceback, exit code 1, before the config check."""
+    p = train(["experiment=debug", "run_dir=${nme}"], check=False)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "earlyfuse-train: run_dir: Interpolation key 'nme' not found" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
 @pytest.mark.parametrize("value", ["true", "false", "auto", "True"])
 def test_train_compile_takes_auto_true_false(value):
     assert composed(["experiment=debug", f"train.compile={value}"]).train.compile == value.lower()
