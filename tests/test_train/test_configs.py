@@ -219,6 +219,11 @@ def run_app(args: list[str], **env: str) -> subprocess.CompletedProcess:
             "a string as optim.lr='1e-3,1e-4' (one run per command: no sweeps)",
         ),
         (["-m", "experiment=debug"], "--multirun (-m) is not supported: a sweep would end after"),
+        (  # a dict of free keys given new ones: Hydra's way to add them was left out of the line
+            ["deepspeed.config={{zero_optimization:{{stage:2}}}}"],
+            "Could not override 'deepspeed.config': Key 'zero_optimization' is not in struct (to "
+            "add keys to it: +deepspeed.config={{zero_optimization:{{stage:2}}}})",
+        ),
     ],
 )
 def test_a_mistake_found_while_composing_is_one_line_with_exit_code_2(args, line, tmp_path):
