@@ -209,15 +209,14 @@ def _consolidate_bf16_optimizer(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
 
 def load_run_config(path: str | Path):
     """The resolved ``config.yaml`` of a run (or checkpoint) as a typed ``RunConfig``; keys a
-    newer schema added get their defaults."""
+    newer schema added get their defaults, values its checks now refuse are kept (read_saved)."""
     from omegaconf import OmegaConf
 
-    from train.config import RunConfig
+    from train.config import RunConfig, read_saved
 
     path = Path(path)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(path))
-        return OmegaConf.to_object(merged)
+        return read_saved(OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(path)))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing") from None
     except Exception as e:  # OmegaConf raises its own error classes

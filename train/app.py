@@ -197,7 +197,8 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
         nonlocal composed
         composed = True
         restore_full_error()
-        name_after_data(cfg, list(HydraConfig.get().overrides.task))
+        # as given: iterating the ListConfig would resolve an override's ${...}, unchecked
+        name_after_data(cfg, OmegaConf.to_container(HydraConfig.get().overrides.task))  # type: ignore[arg-type]
         try:
             run_cfg, resolved = to_run_config(cfg)
         except ConfigError as e:
@@ -274,12 +275,15 @@ def compose_error(error: BaseException, args: Sequence[str]) -> str | None:
             f"override {override!r} holds a comma: give a list as {key}=[{value}] or a string "
             f"as {key}='{value}' (one run per command: no sweeps)"
         )
-    problem = re.sub(r"^In '[^']+': |^Error merging ", "", str(error).splitlines()[0])
+    first, *rest = str(error).splitlines()
+    problem = re.sub(r"^In '[^']+': |^Error merging ", "", first).removesuffix(".")
     if isinstance(cause, OmegaConfBaseException):
         # "ValidationError raised while composing config:" says nothing its cause does not
         said = str(cause).splitlines()[0]
         problem = said if problem.endswith("while composing config:") else f"{problem}: {said}"
-    return place + problem
+    # Hydra's way to give a dict of free keys (deepspeed.config) keys it lacks: +KEY={...}
+    add = rest[0].removeprefix("To append to your config use ") if rest else ""
+    return place + problem + (f" (to add keys to it: {add})" if add.startswith("+") else "")
 
 
 def hydra_flags(args: Sequence[str]):

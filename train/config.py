@@ -10,6 +10,7 @@ tokenizer), ``optim``, ``train``, ``deepspeed``, ``monitor``. A run uses the sec
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from data.loader.config import LoaderConfig
@@ -24,12 +25,30 @@ TASKS = ("lm", "vtok")
 COMPILE_CHOICES = ("auto", "true", "false")
 
 
+# Off while a saved run's config is read back (``read_saved``): the checks are a new run's
+VALUE_CHECKS: ContextVar[bool] = ContextVar("value_checks", default=True)
+
+
 def refuse_first(*checks: tuple[bool, str]) -> None:
     """A ValueError with the message of the first check that fails (one line: the key, the value
     and what to give; earlyfuse-train prints it and exits 2)."""
     for ok, message in checks:
-        if not ok:
+        if not ok and VALUE_CHECKS.get():
             raise ValueError(message)
+
+
+def read_saved(node) -> RunConfig:
+    """A run's saved config.yaml, merged onto the schema, as a ``RunConfig`` without the value
+    checks of ``refuse_first``: the run trained with these values under the schema of its day
+    (train.keep_last 0 was kept as 1, deepspeed.offload_optimizer at stage 0 was ignored), and
+    its checkpoints must still release and evaluate (earlyfuse-convert, earlyfuse-eval)."""
+    from omegaconf import OmegaConf
+
+    token = VALUE_CHECKS.set(False)
+    try:
+        return OmegaConf.to_object(node)  # type: ignore[return-value]
+    finally:
+        VALUE_CHECKS.reset(token)
 
 
 @dataclass(kw_only=True)

@@ -481,6 +481,23 @@ def test_a_release_of_another_version_is_refused_by_name(debug_release, tmp_path
         Release(rel)
 
 
+def test_a_saved_config_the_new_value_checks_refuse_still_reads_back(tmp_path):
+    """A run that trained with train.keep_last=0 (kept as 1) and deepspeed.offload_optimizer at
+    stage 0 (ignored), before earlyfuse-train refused them: its config.yaml still reads back, so
+    that its checkpoints release; a value of the wrong type is still refused, naming the file."""
+    from train.config import RunConfig
+
+    saved = tmp_path / "config.yaml"
+    saved.write_text("train: {keep_last: 0}\ndeepspeed: {zero_stage: 0, offload_optimizer: true}\n")
+    cfg = load_run_config(saved)
+    assert cfg.train.keep_last == 0 and cfg.deepspeed.offload_optimizer
+    with pytest.raises(ValueError, match="keep_last 0"):  # a new run is still refused
+        RunConfig(train=dataclasses.replace(cfg.train))
+    saved.write_text("train: {keep_last: many}\n")
+    with pytest.raises(CheckpointError, match=f"{saved}: not a readable run config"):
+        load_run_config(saved)
+
+
 def test_printed_overrides_read_back_as_the_values_they_print():
     """What ``earlyfuse-convert import`` prints is parsed by Hydra into the same values."""
     from hydra.core.override_parser.overrides_parser import OverridesParser

@@ -520,3 +520,23 @@ def test_a_report_read_by_head_ends_quietly(tmp_path):
     )
     os.close(write_end)
     assert proc.returncode == 128 + signal.SIGPIPE and proc.stderr == "", proc.stderr
+
+
+def test_skipped_updates_count_those_of_every_replaced_pass(tmp_path):
+    """Two rollbacks: steps 61-64 skipped, back to step 50; steps 71-72 skipped in the second
+    pass, back to step 70: all six replaced skips are counted, not only the first pass's four."""
+    from tools.report.page import overview
+
+    run = tmp_path / "rolled_twice"
+    run.mkdir()
+
+    def rec(step: int, skipped: int) -> dict:
+        return {"step": step, "train/loss": 3.0, "optim/skipped": skipped, "optim/skipped_steps": 0}
+
+    first = [rec(s, int(61 <= s <= 64)) for s in range(1, 65)]
+    second = [rec(s, int(s in (71, 72))) for s in range(51, 73)]
+    third = [rec(s, 0) for s in range(71, 91)]
+    lines = "".join(json.dumps(r) + "\n" for r in first + second + third)
+    (run / "metrics.jsonl").write_text(lines)
+    rows = dict(overview(load_run(run), DEFAULT_SMOOTH))
+    assert rows["skipped updates"] == "0 (and 6 on steps a rollback or resume replaced)"

@@ -219,6 +219,11 @@ def run_app(args: list[str], **env: str) -> subprocess.CompletedProcess:
             "a string as optim.lr='1e-3,1e-4' (one run per command: no sweeps)",
         ),
         (["-m", "experiment=debug"], "--multirun (-m) is not supported: a sweep would end after"),
+        (  # a dict of free keys given new ones: Hydra's way to add them was left out of the line
+            ["deepspeed.config={{zero_optimization:{{stage:2}}}}"],
+            "Could not override 'deepspeed.config': Key 'zero_optimization' is not in struct (to "
+            "add keys to it: +deepspeed.config={{zero_optimization:{{stage:2}}}})",
+        ),
     ],
 )
 def test_a_mistake_found_while_composing_is_one_line_with_exit_code_2(args, line, tmp_path):
@@ -443,6 +448,15 @@ def test_earlyfuse_train_refuses_a_bad_value_in_one_line_with_exit_code_2(tmp_pa
     p = train(["experiment=debug", f"run_dir={tmp_path / 'r'}", "train.steps=0"], check=False)
     assert p.returncode == 2, p.stderr[-2000:]
     assert "earlyfuse-train: train.steps 0: give a positive number" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_earlyfuse_train_names_an_override_interpolating_nothing_in_one_line():
+    """The command line's overrides were resolved as they were read for the run's name: an
+    interpolation to nothing came out as Hydra's traceback, exit code 1, before the config check."""
+    p = train(["experiment=debug", "run_dir=${nme}"], check=False)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "earlyfuse-train: run_dir: Interpolation key 'nme' not found" in p.stderr
     assert "Traceback" not in p.stderr
 
 

@@ -54,8 +54,7 @@ def overview(run: RunData, smooth: float) -> list[tuple[str, str]]:
         ("steps done / total", steps_text(run)),
     ]
     if "optim/skipped_steps" in run.series:  # the kept pass's, then those a rollback undid
-        replaced = [r for r in run.first_pass if r is not run.records.get(r["step"])]
-        gone = sum(r.get("optim/skipped") or 0 for r in replaced)
+        gone = run.replaced_skips
         said = f" (and {gone:g} on steps a rollback or resume replaced)" if gone else ""
         rows.append(("skipped updates", fmt(run.last("optim/skipped_steps")) + said))
     if "throughput/step_s" in run.series:

@@ -47,6 +47,7 @@ class RunData:
     target_mix: dict[str, float] = field(default_factory=dict)  # data.sources weights, normalised
     first_pass: list[dict] = field(default_factory=list)  # records until a step first goes back
     duplicate_records: int = 0  # records replaced by a later one for the same step
+    replaced_skips: float = 0.0  # optim/skipped over those records, of every earlier pass
     # steps whose logged MFU exceeded 100 % (a mis-measured peak): not drawn
     impossible_mfu: int = 0
     bad_lines: int = 0  # metrics lines that did not parse
@@ -188,8 +189,7 @@ def load_run(run_dir: str | Path) -> RunData:
     last = next(reversed(records), 0)
     if (final.get("run") or {}).get("steps", last) != last:  # resumed since it was written
         final = {}
-    alarms_file = run_dir / ALARMS_FILE
-    alarms, bad_alarms = read_jsonl(alarms_file) if alarms_file.is_file() else ([], 0)
+    alarms, bad_alarms = read_jsonl(f) if (f := run_dir / ALARMS_FILE).is_file() else ([], 0)
     return RunData(
         run_dir=run_dir,
         name=str(cfg.get("name") or run_dir.resolve().name),
@@ -205,7 +205,8 @@ def load_run(run_dir: str | Path) -> RunData:
         alarms=alarms,
         target_mix=_target_mix(cfg),
         first_pass=first_pass(raw),
-        duplicate_records=len(raw) - len(records),
+        duplicate_records=len(dropped := [r for r in raw if r is not records.get(r["step"])]),
+        replaced_skips=sum(_number(r.get("optim/skipped")) or 0 for r in dropped),
         impossible_mfu=sum(
             (_number(r.get("throughput/mfu")) or 0.0) > 1.0 for r in records.values()
         ),

@@ -85,8 +85,8 @@ class MetricSink(Protocol):
 
 
 class JsonlSink:
-    """``RUN_DIR/metrics.jsonl``: one JSON object per step (a resumed run appends; readers keep
-    the last record of each step)."""
+    """``RUN_DIR/metrics.jsonl``: one JSON object per step (a resumed or rolled-back run appends;
+    earlyfuse-report keeps the pass the run goes on with: docs/report.md, "What it reads")."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
