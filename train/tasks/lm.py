@@ -135,10 +135,9 @@ def tokens_made_with_other(cfg: RunConfig, fingerprints: dict) -> str:
             for table in tables.get([src]):
                 if table.kind != "tokens":
                     continue
+                made = json.loads(table.tokenizer_fingerprint or "{}")
                 differ = tokenizers_differ(table.tokenizer_fingerprint, fingerprints)
-                if fingerprints.get("visual") is None and json.loads(
-                    table.tokenizer_fingerprint or "{}"
-                ).get("visual"):
+                if made.get("visual") and fingerprints.get("visual") is None:
                     differ = "made with a visual tokenizer, the folder has no visual_tokenizer/"
                 if differ:
                     return f"source {table.name} ({table.manifest_url}): {differ}"
