@@ -16,6 +16,7 @@ Design choices:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Generator
 from typing import Protocol
 
@@ -125,6 +126,8 @@ class TokenStream:
         # The ranks of a sequence-parallel group save the same state (their loader is the data
         # rank's): one per old loader rank. When the SP degree changed but the data-parallel split
         # did not, the old rank that read this rank's rows is among them, and taken as it is.
+        # Read once (every rank's file), and only when needed.
+        @functools.cache
         def old() -> list[dict]:
             return list({state["rank"]: state for state in every_rank()}.values())
 
