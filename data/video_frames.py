@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import io
 import math
+import pickle
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -149,3 +151,16 @@ def _resize(frame: np.ndarray, prep: ImagePrep, shown: tuple[int, int]) -> np.nd
         (target_w, target_h), Image.Resampling.BICUBIC, reducing_gap=3.0
     )
     return np.asarray(image, dtype=np.uint8)
+
+
+def decode_child() -> None:
+    """The child of data/loader/decode_guard.py: a pickled ``(raw, sampling, prep, size)`` from
+    stdin (written by its parent, never by the input), a pickled ``(True, frames)`` or ``(False,
+    why)`` to stdout."""
+    raw, sampling, prep, size = pickle.loads(sys.stdin.buffer.read())
+    try:
+        result: tuple[bool, object] = (True, decode_frames(raw, sampling, prep, size))
+    except ValueError as e:
+        result = (False, str(e))
+    sys.stdout.buffer.write(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+    sys.stdout.buffer.flush()

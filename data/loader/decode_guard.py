@@ -3,7 +3,7 @@ leak (each failing decode leaks inside decord, for as long as the worker lives).
 
 Decoding stays in the worker (most clips decode fine: ingest has probed every raw shard's
 videos) until ``budget`` failures; then every later clip is decoded in a fresh child process
-(``child``), whose leaks die with it (docs/loader.md, "Raw shards, tokenized in the workers"). A
+(``data.video_frames.decode_child``), whose leaks die with it (docs/loader.md, "Raw shards, tokenized in the workers"). A
 subprocess rather than multiprocessing or a bare fork: a DataLoader worker is a daemon process,
 which multiprocessing does not let have children, and a forked copy of a worker would have to
 leave through ``os._exit``. A child that dies (a crash inside FFmpeg) is a failed decode like
@@ -18,8 +18,9 @@ import sys
 
 from data.video_frames import decode_frames
 
-# A one-liner, not ``-m``: this module is imported with its package before ``-m`` would run it
-CHILD_COMMAND = [sys.executable, "-c", "from data.loader.decode_guard import child; child()"]
+# The child imports data.video_frames alone: importing anything under data.loader would load
+# torch and numba first (seconds per clip, where the decode itself takes milliseconds).
+CHILD_COMMAND = [sys.executable, "-c", "from data.video_frames import decode_child; decode_child()"]
 
 
 class DecodeGuard:
@@ -41,7 +42,7 @@ class DecodeGuard:
 
 
 def decode_in_child(raw: bytes, sampling, prep, size=None):
-    """``decode_frames`` in a fresh Python process (``child``); its result (or its error) comes
+    """``decode_frames`` in a fresh Python process (``decode_child``); its result (or its error) comes
     back pickled on its stdout."""
     job = pickle.dumps((raw, sampling, prep, size), protocol=pickle.HIGHEST_PROTOCOL)
     done = subprocess.run(CHILD_COMMAND, input=job, capture_output=True)
@@ -51,15 +52,3 @@ def decode_in_child(raw: bytes, sampling, prep, size=None):
     if not ok:
         raise ValueError(str(payload))
     return payload
-
-
-def child() -> None:
-    """The child's side: a pickled ``(raw, sampling, prep, size)`` from stdin (written by its
-    parent, never by the input), a pickled ``(True, frames)`` or ``(False, why)`` to stdout."""
-    raw, sampling, prep, size = pickle.loads(sys.stdin.buffer.read())
-    try:
-        result: tuple[bool, object] = (True, decode_frames(raw, sampling, prep, size))
-    except ValueError as e:
-        result = (False, str(e))
-    sys.stdout.buffer.write(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
-    sys.stdout.buffer.flush()

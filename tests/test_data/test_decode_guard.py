@@ -1,5 +1,5 @@
 """Failing video decodes cannot grow a loader worker without bound: past a
-budget of failures a worker decodes each clip in a forked child (data/loader/decode_guard.py).
+budget of failures a worker decodes each clip in a child process (data/loader/decode_guard.py).
 Its frames are the in-process frames exactly, its failures are ValueErrors like decord's, a
 child that dies is a failed decode, and it works inside a real DataLoader worker (a daemon
 process). The memory it saves is in docs/benchmarks.md (measured by
@@ -8,6 +8,7 @@ tools/bench/bench_decode_leak.py at commit 8076146, since removed)."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -17,7 +18,7 @@ from factories import mp4_bytes
 
 from data.image_prep import ImagePrep
 from data.loader import LoaderConfig, SourceConfig, build_loader
-from data.loader.decode_guard import DecodeGuard
+from data.loader.decode_guard import CHILD_COMMAND, DecodeGuard
 from data.video_frames import VideoSampling, decode_frames
 
 PREP = ImagePrep(factor=8, max_pixels=32 * 32, max_grid=32)
@@ -71,3 +72,13 @@ def test_a_dataloader_worker_decoding_in_children_gives_the_same_batches(tiny_ra
     for a, b in zip(batches(0), batches(64)):  # budget 0: every clip decoded in a child
         assert torch.equal(a["input_ids"], b["input_ids"])
         assert torch.equal(a["modality"], b["modality"])
+
+
+def test_the_child_imports_neither_torch_nor_numba():
+    # A child starts for every clip past the budget: torch and numba would cost seconds a clip.
+    code = (
+        CHILD_COMMAND[-1].split(";")[0]
+        + "; import sys; print([m for m in ('torch', 'numba') if m in sys.modules])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
