@@ -638,3 +638,16 @@ def test_a_finished_run_without_its_config_claims_no_reason_for_its_end(tmp_path
         "step 40 / ? (config.yaml missing or unreadable: the target is unknown)  |  finished"
     )
     assert "data ended" not in header
+
+
+def test_the_evaluation_table_names_the_step_of_the_value_it_shows(tmp_path):
+    """val/loss/text 4.2 at step 50 and NaN at step 100: the table showed 4.2 "(step 100)", a
+    value that step never had."""
+    from tools.report.page import eval_rows
+
+    run = tmp_path / "nan_eval"
+    run.mkdir()
+    recs = [{"step": s, "train/loss": 3.0} for s in range(1, 101)]
+    recs[49]["val/loss/text"], recs[99]["val/loss/text"] = 4.2, float("nan")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert eval_rows(load_run(run)) == [["val/loss/text", "4.2 (step 50)", "-"]]

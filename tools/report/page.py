@@ -123,7 +123,7 @@ def eval_rows(run: RunData) -> list[list[str]]:
     rows = []
     for key in sorted(keys):
         series = run.series.get(key)
-        at = f"{fmt(run.last(key))} (step {int(series.steps[-1])})" if series else "-"
+        at = f"{fmt(run.last(key))} (step {series.steps[series.last_index()]})" if series else "-"
         rows.append([key, at, fmt(run.final.get(key))])
     return rows
 

@@ -414,9 +414,7 @@ def draw_position(ax, ctx: Ctx):
     pos = ctx.run.heldout_eval.get("position_loss") or {}
     middles = np.array([(start + end) / 2 for start, end in pos.get("buckets", [])])
     for name, fig in (pos.get("modalities") or {}).items():
-        values = np.array(
-            [np.nan if c["ce"] is None else c["ce"] for c in fig["buckets"]], dtype=float
-        )
+        values = np.array([c["ce"] for c in fig["buckets"]], dtype=float)  # None: NaN
         ax.plot(middles, values, marker="o", ms=4, lw=1.6, color=ctx.color(name), label=name)
     if len(middles):
         ax.set_xscale("log", base=2)

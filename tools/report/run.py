@@ -33,6 +33,11 @@ class Series:
     values: np.ndarray  # float64, may hold NaN / inf
     key: str = ""  # the metric's name
 
+    def last_index(self) -> int:
+        """Of the last finite value, else of the last value."""
+        ok = np.flatnonzero(np.isfinite(self.values))
+        return int(ok[-1]) if ok.size else len(self.values) - 1
+
 
 @dataclass
 class RunData:
@@ -102,10 +107,7 @@ class RunData:
     def last(self, key: str) -> float | None:
         """The last finite value of a series, else its last value; None when it was never logged."""
         s = self.series.get(key)
-        if s is None:
-            return None
-        ok = np.isfinite(s.values)
-        return float(s.values[ok][-1]) if ok.any() else float(s.values[-1])
+        return None if s is None else float(s.values[s.last_index()])
 
 
 def read_jsonl(path: Path) -> tuple[list[dict], int]:
