@@ -651,3 +651,21 @@ def test_the_evaluation_table_names_the_step_of_the_value_it_shows(tmp_path):
     recs[49]["val/loss/text"], recs[99]["val/loss/text"] = 4.2, float("nan")
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     assert eval_rows(load_run(run)) == [["val/loss/text", "4.2 (step 50)", "-"]]
+
+
+def test_steps_before_the_first_kept_config_have_no_target(tmp_path):
+    """A run started before the trainer kept each pass's config, resumed since from step 50 with
+    new weights: only that pass's config is kept, and steps 1-50 were drawn with its targets."""
+    run = tmp_path / "straddles"
+    (run / "pass_configs").mkdir(parents=True)
+    srcs = "[{name: code, weight: 0.2}, {name: text, weight: 0.8}]"
+    cfg = f"task: lm\ntrain:\n  steps: 100\ndata:\n  sources: {srcs}\n"
+    (run / "config.yaml").write_text(cfg)
+    (run / "pass_configs" / "from_step_00000050.yaml").write_text(cfg)
+    recs = [{"step": s, "train/loss": 3.0, "mix/code": 0.3, "mix/text": 0.7} for s in range(1, 101)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (target,) = [
+        ln for ln in draw_panel(load_run(run), "mix").get_lines() if ln.get_label()[0] == "t"
+    ]
+    levels = dict(zip(target.get_xdata(), target.get_ydata()))
+    assert np.isnan(levels[1]) and np.isnan(levels[50]) and levels[51] == levels[100] == 0.2

@@ -61,9 +61,8 @@ def overview(run: RunData, smooth: float) -> list[tuple[str, str]]:
         rows.append(("skipped updates", fmt(run.last("optim/skipped_steps")) + said))
     if "throughput/step_s" in run.series:
         secs = float(np.nansum(run.series["throughput/step_s"].values))
-        rows.append(
-            ("time in steps", f"{secs / 3600:.2f} h" if secs >= 3600 else f"{secs / 60:.1f} min")
-        )
+        took = f"{secs / 3600:.2f} h" if secs >= 3600 else f"{secs / 60:.1f} min"
+        rows.append(("time in steps", took))
     notes = []
     if run.duplicate_records:
         notes.append(

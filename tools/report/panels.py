@@ -322,13 +322,11 @@ def draw_mix(ax, ctx: Ctx):
     if len(grid) == 1:  # one step: a band one step wide (a stack over one x has no width)
         grid, stack = np.array([grid[0] - 0.5, grid[0] + 0.5]), np.repeat(stack, 2, axis=1)
     ax.stackplot(grid, stack, labels=names, colors=[ctx.color(n) for n in names], alpha=0.85)
-    # Each pass's cumulative config weights over the steps it trained (a resume may change them)
+    # Each pass's cumulative config weights over the steps it trained (a resume may change them):
+    # the pass of a step is the last to go on from an earlier step; NaN where no config is known
     starts = [start for start, _ in run.target_mixes]
-    levels = [
-        np.cumsum([mix.get(n, 0.0) for n in names]) if mix else np.full(len(names), np.nan)
-        for _, mix in run.target_mixes
-    ]
-    at = np.array(levels)[np.maximum(np.searchsorted(starts, grid) - 1, 0)]  # pass of each step
+    weights = [[mix.get(n, 0.0) if mix else np.nan for n in names] for _, mix in run.target_mixes]
+    at = np.cumsum(weights, axis=1)[np.maximum(np.searchsorted(starts, grid) - 1, 0)]
     for j in range(len(names) - 1 if np.isfinite(at).any() else 0):
         label = "target (config)" if j == 0 else None
         ax.plot(grid, at[:, j], color="black", ls="--", lw=0.8, drawstyle="steps-mid", label=label)

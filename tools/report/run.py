@@ -203,6 +203,8 @@ def load_run(run_dir: str | Path) -> RunData:
     mixes = [
         (s, _target_mix(_read_dict(f, yaml.safe_load))) for s, f in run_files.pass_configs(run_dir)
     ]
+    if mixes and mixes[0][0] > 0:  # no target is known before the first kept: the run began before
+        mixes.insert(0, (0, {}))
     return RunData(
         run_dir=run_dir,
         name=str(cfg.get("name") or run_dir.resolve().name),
