@@ -331,7 +331,7 @@ def html_page(
         else "<p>no alarms</p>",
         "Curves": "<p class=muted>Raw values faint, EMA solid; evaluation values as markers, "
         "final.json as stars; alarms as dashed vertical lines labelled A&lt;i&gt; (the rows "
-        f"above) with a diamond on the curve of their modality.</p><div class=grid>{figures}</div>"
+        f"above; near ones share a label, A3-A5) with a diamond on the curve of their modality.</p><div class=grid>{figures}</div>"
         if panels
         else "<p class=muted>no steps logged yet</p>",
         "Reconstructions": reconstructions
