@@ -4,6 +4,7 @@ writes them and the tools that read them (``earlyfuse-report``, ``earlyfuse-conv
 A run folder (``run_dir``, the same on every rank)::
 
     config.yaml          the resolved config (also inside every checkpoint)
+    pass_configs/from_step_NNNNNNNN.yaml   the config of the pass that went on from step N
     metrics.jsonl        one record per optimizer step: {"step": N, "<namespace>/<name>": value}
     alarms.jsonl         the monitors' alarms, one JSON object per line
     final.json           written when the run completes: final evaluation and totals
@@ -16,7 +17,10 @@ Metric names are ``<namespace>/<name>`` (OLMo-core style), e.g. ``loss/image``.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 CONFIG_FILE = "config.yaml"
+CONFIGS_DIR = "pass_configs"  # each pass's config (pass_config_file): a resume may change it
 METRICS_FILE = "metrics.jsonl"
 ALARMS_FILE = "alarms.jsonl"
 FINAL_FILE = "final.json"
@@ -24,6 +28,24 @@ TENSORBOARD_DIR = "tb"
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"  # inside checkpoints/
 CHECKPOINT_META_FILE = "meta.json"  # inside checkpoints/<tag>/
+
+
+def pass_config_file(step: int) -> str:
+    """The name, inside ``CONFIGS_DIR``, of the config of the pass that went on from ``step``."""
+    return f"from_step_{step:08d}.yaml"
+
+
+def pass_config_step(name: str) -> int | None:
+    """The step of a ``pass_config_file`` name, else None."""
+    digits = name.removeprefix("from_step_").removesuffix(".yaml")
+    return int(digits) if digits.isdigit() and len(name) == len(digits) + 15 else None
+
+
+def pass_configs(run_dir: Path) -> list[tuple[int, Path]]:
+    """The config of each pass of a run, by the step it went on from, in step order."""
+    found = ((pass_config_step(f.name), f) for f in (run_dir / CONFIGS_DIR).glob("*.yaml"))
+    return sorted((step, f) for step, f in found if step is not None)
+
 
 # Metric namespaces: every metric name is one of these followed by a name.
 TRAIN = "train/"  # the objective: train/loss, train/z_loss, train/aux_loss

@@ -540,3 +540,132 @@ def test_skipped_updates_count_those_of_every_replaced_pass(tmp_path):
     (run / "metrics.jsonl").write_text(lines)
     rows = dict(overview(load_run(run), DEFAULT_SMOOTH))
     assert rows["skipped updates"] == "0 (and 6 on steps a rollback or resume replaced)"
+
+
+def draw_panel(data, key: str):
+    """The axes of one panel of ``data`` as drawn, with the alarms, on report.png's canvas."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from tools.report.panels import AXES, DPI, PANEL_SIZE, Ctx, draw_alarms, panels_for, x_limits
+
+    fig, ctx = Figure(figsize=PANEL_SIZE, dpi=DPI), Ctx(data, 0.9, x_limits(data))
+    FigureCanvasAgg(fig)
+    ax = fig.add_axes(AXES)
+    draw_alarms(ax, ctx, next(p for p in panels_for(data) if p.key == key).draw(ax, ctx) or {})
+    ax.set_xlim(*ctx.xlim)
+    return ax
+
+
+def test_each_pass_draws_its_own_target_mix(tmp_path):
+    """Resumed from step 50 with other data.sources weights: the target lines were config.yaml's,
+    the latest pass's, over steps 1-50 too. The trainer keeps each pass's config (a pass resumed
+    from step 80 and replaced by a later one from 50 is dropped), the report draws each over its
+    steps."""
+    from types import SimpleNamespace
+
+    from train.callbacks.run_info import RunInfo
+
+    run = tmp_path / "remixed"
+
+    def start_pass(step: int, code: float) -> None:
+        srcs = f"[{{name: code, weight: {code}}}, {{name: text, weight: {1 - code}}}]"
+        cfg = f"task: lm\nname: remixed\ntrain:\n  steps: 100\ndata:\n  sources: {srcs}\n"
+        info = RunInfo(run_dir=run, resolved_yaml=cfg, describe="remixed", is_main=True)
+        info.pre_train(SimpleNamespace(total_steps=100), step)
+
+    for step, code in ((0, 0.5), (80, 0.9), (50, 0.2)):
+        start_pass(step, code)
+    recs = [{"step": s, "train/loss": 3.0, "mix/code": 0.3, "mix/text": 0.7} for s in range(1, 101)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    data = load_run(run)
+    assert [(s, round(m["code"], 2)) for s, m in data.target_mixes] == [(0, 0.5), (50, 0.2)]
+    (target,) = [ln for ln in draw_panel(data, "mix").get_lines() if ln.get_label().startswith("t")]
+    levels = dict(zip(target.get_xdata(), target.get_ydata()))
+    assert levels[1] == levels[50] == 0.5 and levels[51] == levels[100] == 0.2
+
+
+def test_a_source_has_one_colour_in_every_panel(tmp_path):
+    """Sources named code and text, and a third: the mix panel coloured them C0, C1, C2 by
+    position while the loss panels drew code green and text blue."""
+    from matplotlib.colors import to_hex
+
+    run = tmp_path / "colours"
+    run.mkdir()
+    srcs = "[{name: code}, {name: text}, {name: scenes}]"
+    (run / "config.yaml").write_text(f"task: lm\ntrain:\n  steps: 20\ndata:\n  sources: {srcs}\n")
+    mix = {"mix/code": 0.3, "mix/text": 0.5, "mix/scenes": 0.2}
+    recs = [{"step": s, "loss/code": 2.0, "loss/text": 3.0, **mix} for s in range(1, 21)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    data = load_run(run)
+    lines = {ln.get_label(): to_hex(ln.get_color()) for ln in draw_panel(data, "loss").get_lines()}
+    stack = draw_panel(data, "mix").collections[:3]  # the bands, in the config's order
+    bands = {c.get_label(): to_hex(c.get_facecolor()[0], keep_alpha=False) for c in stack}
+    assert bands["code"] == lines["code"] and bands["text"] == lines["text"]
+    assert list(bands) == ["code", "text", "scenes"] and len(set(bands.values())) == 3
+
+
+def test_alarms_close_in_steps_share_one_label(tmp_path):
+    """Alarms at steps 100, 101 and 103 of a 300-step run: their A1, A2, A3 were drawn on top of
+    one another. Now they read A1-A3 once, beside A4 (step 200)."""
+    run = tmp_path / "close"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "train/loss": 3.0}) + "\n" for s in range(1, 301))
+    )
+    alarms = [{"step": s, "signal": "loss_spike", "action": "skip"} for s in (100, 101, 103, 200)]
+    alarms[1]["action"] = "warn"
+    (run / "alarms.jsonl").write_text("".join(json.dumps(a) + "\n" for a in alarms))
+    texts = draw_panel(load_run(run), "loss").texts
+    assert sorted(t.get_text() for t in texts) == ["A1-A3", "A4"]
+    renderer = texts[0].get_figure().canvas.get_renderer()
+    boxes = sorted((t.get_window_extent(renderer) for t in texts), key=lambda box: box.x0)
+    assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:]))
+
+
+def test_a_finished_run_without_its_config_claims_no_reason_for_its_end(tmp_path, capsys):
+    """final.json at step 40, config.yaml unreadable: the header said "the data ended,
+    data.mode=epoch", a reason the report cannot know without train.steps."""
+    run = tmp_path / "noconfig"
+    run.mkdir()
+    (run / "config.yaml").write_text("task: [lm\n")
+    (run / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "train/loss": 3.0}) + "\n" for s in range(1, 41))
+    )
+    (run / "final.json").write_text(json.dumps({"run": {"steps": 40}}))
+    header = header_lines(load_run(run), DEFAULT_SMOOTH)[1][0]
+    assert header.startswith(
+        "step 40 / ? (config.yaml missing or unreadable: the target is unknown)  |  finished"
+    )
+    assert "data ended" not in header
+
+
+def test_the_evaluation_table_names_the_step_of_the_value_it_shows(tmp_path):
+    """val/loss/text 4.2 at step 50 and NaN at step 100: the table showed 4.2 "(step 100)", a
+    value that step never had."""
+    from tools.report.page import eval_rows
+
+    run = tmp_path / "nan_eval"
+    run.mkdir()
+    recs = [{"step": s, "train/loss": 3.0} for s in range(1, 101)]
+    recs[49]["val/loss/text"], recs[99]["val/loss/text"] = 4.2, float("nan")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert eval_rows(load_run(run)) == [["val/loss/text", "4.2 (step 50)", "-"]]
+
+
+def test_steps_before_the_first_kept_config_have_no_target(tmp_path):
+    """A run started before the trainer kept each pass's config, resumed since from step 50 with
+    new weights: only that pass's config is kept, and steps 1-50 were drawn with its targets."""
+    run = tmp_path / "straddles"
+    (run / "pass_configs").mkdir(parents=True)
+    srcs = "[{name: code, weight: 0.2}, {name: text, weight: 0.8}]"
+    cfg = f"task: lm\ntrain:\n  steps: 100\ndata:\n  sources: {srcs}\n"
+    (run / "config.yaml").write_text(cfg)
+    (run / "pass_configs" / "from_step_00000050.yaml").write_text(cfg)
+    recs = [{"step": s, "train/loss": 3.0, "mix/code": 0.3, "mix/text": 0.7} for s in range(1, 101)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (target,) = [
+        ln for ln in draw_panel(load_run(run), "mix").get_lines() if ln.get_label()[0] == "t"
+    ]
+    levels = dict(zip(target.get_xdata(), target.get_ydata()))
+    assert np.isnan(levels[1]) and np.isnan(levels[50]) and levels[51] == levels[100] == 0.2

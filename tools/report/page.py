@@ -30,6 +30,8 @@ def status_of(run: RunData) -> str:
 
 
 def steps_text(run: RunData) -> str:
+    if not run.config_read:  # nor train.steps, nor why a finished run ended where it did
+        return f"{run.last_step:,} / ? (config.yaml missing or unreadable: the target is unknown)"
     if run.finished and run.last_step < (run.total_steps or math.inf):  # only data.mode=epoch
         return f"{run.last_step:,} (the data ended, data.mode=epoch)"
     if run.total_steps:
@@ -59,9 +61,8 @@ def overview(run: RunData, smooth: float) -> list[tuple[str, str]]:
         rows.append(("skipped updates", fmt(run.last("optim/skipped_steps")) + said))
     if "throughput/step_s" in run.series:
         secs = float(np.nansum(run.series["throughput/step_s"].values))
-        rows.append(
-            ("time in steps", f"{secs / 3600:.2f} h" if secs >= 3600 else f"{secs / 60:.1f} min")
-        )
+        took = f"{secs / 3600:.2f} h" if secs >= 3600 else f"{secs / 60:.1f} min"
+        rows.append(("time in steps", took))
     notes = []
     if run.duplicate_records:
         notes.append(
@@ -83,12 +84,8 @@ def overview(run: RunData, smooth: float) -> list[tuple[str, str]]:
     rows.append(("alarms", alarm_counts(run)))
     rows += [("warning", str(said)) for said in run.final.get("warnings") or []]  # vtok's
     rows.append(("loss visible", visible_text(loss_visible(run.first_pass))))
-    rows.append(
-        (
-            "smoothing",
-            f"EMA factor {smooth:g} (debiased; raw values drawn faint)" if smooth > 0 else "none",
-        )
-    )
+    smoothing = f"EMA factor {smooth:g} (debiased; raw values drawn faint)" if smooth else "none"
+    rows.append(("smoothing", smoothing))
     return rows
 
 
@@ -125,7 +122,7 @@ def eval_rows(run: RunData) -> list[list[str]]:
     rows = []
     for key in sorted(keys):
         series = run.series.get(key)
-        at = f"{fmt(run.last(key))} (step {int(series.steps[-1])})" if series else "-"
+        at = f"{fmt(run.last(key))} (step {series.steps[series.last_index()]})" if series else "-"
         rows.append([key, at, fmt(run.final.get(key))])
     return rows
 
@@ -225,20 +222,12 @@ def header_lines(run: RunData, smooth: float) -> list[tuple[str, float, str]]:
         late = "" if step == run.last_step else f"; the run is at step {run.last_step}"
         said = f"held-out (earlyfuse-eval of step {step}{late}), CE vs unigram: "
         mono.append((said + "  ".join(figures), 10))
-    visible = loss_visible(run.first_pass)
     if run.alarms:
-        mono.append((f"loss visible: {visible_text(visible)}", 10))
-    for i, alarm in enumerate(run.alarms[:MAX_ALARMS_IN_PNG], 1):
-        step = alarm_step(alarm)
-        mod = f" [{alarm['modality']}]" if alarm.get("modality") else ""
-        mono.append(
-            (
-                f"A{i}  step {step if step is not None else '?'}  {alarm.get('signal', '?')}{mod} "
-                f"-> {alarm.get('action', '?')} (lead {lead_text(step, visible)}): "
-                f"{str(alarm.get('message', ''))[:100]}",
-                9,
-            )
-        )
+        mono.append((f"loss visible: {visible_text(loss_visible(run.first_pass))}", 10))
+    for row, alarm in zip(alarm_rows(run)[:MAX_ALARMS_IN_PNG], run.alarms):
+        mod = f" [{row[3]}]" if row[3] != "-" else ""
+        said = f"{row[0]}  step {row[1]}  {row[2]}{mod} -> {row[4]} (lead {row[7]}): "
+        mono.append((said + str(alarm.get("message", ""))[:100], 9))
     if len(run.alarms) > MAX_ALARMS_IN_PNG:
         more = len(run.alarms) - MAX_ALARMS_IN_PNG
         mono.append((f"... and {more} more alarms (see report.html)", 9))
@@ -342,7 +331,7 @@ def html_page(
         else "<p>no alarms</p>",
         "Curves": "<p class=muted>Raw values faint, EMA solid; evaluation values as markers, "
         "final.json as stars; alarms as dashed vertical lines labelled A&lt;i&gt; (the rows "
-        f"above) with a diamond on the curve of their modality.</p><div class=grid>{figures}</div>"
+        f"above; near ones share a label, A3-A5) with a diamond on the curve of their modality.</p><div class=grid>{figures}</div>"
         if panels
         else "<p class=muted>no steps logged yet</p>",
         "Reconstructions": reconstructions

@@ -9,7 +9,8 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -28,7 +29,9 @@ MODALITY_COLOR = {
     "structure": "#8c564b",
     "total": "#000000",
 }
-EXTRA_COLORS = ["#9467bd", "#17becf", "#bcbd22", "#e377c2", "#7f7f7f"]
+# Names that are no modality (data sources, a monitor's other names) in turn, one colour each
+EXTRA_COLORS = ["#9467bd", "#17becf", "#bcbd22", "#e377c2", "#7f7f7f", "#aec7e8", "#98df8a"]
+EXTRA_COLORS += ["#ffbb78", "#ff9896", "#c5b0d5", "#c49c94", "#dbdb8d"]
 ACTION_COLOR = {
     "log": "#8a8a8a",
     "warn": "#d4a017",
@@ -37,10 +40,6 @@ ACTION_COLOR = {
     "halt": "#000000",
 }
 LABEL_ALARMS_UP_TO = 40  # past this many alarms, lines only: labels would overlap
-
-
-def color_of(name: str, i: int = 0) -> str:
-    return MODALITY_COLOR.get(name, EXTRA_COLORS[i % len(EXTRA_COLORS)])
 
 
 def ema(values: np.ndarray, factor: float) -> np.ndarray:
@@ -61,6 +60,13 @@ class Ctx:
     run: RunData
     smooth: float
     xlim: tuple[float, float]
+    colors: dict[str, str] = field(default_factory=dict)  # name -> colour, in every panel
+
+    def color(self, name: str) -> str:
+        """A modality's own colour, else the next free one from the first panel drawing it."""
+        if name not in MODALITY_COLOR and name not in self.colors:
+            self.colors[name] = EXTRA_COLORS[len(self.colors) % len(EXTRA_COLORS)]
+        return MODALITY_COLOR.get(name) or self.colors[name]
 
 
 # --- drawing helpers -------------------------------------------------------------------------------
@@ -86,9 +92,7 @@ def train_line(
 def robust_ylim(ax, arrays: list[np.ndarray]) -> None:
     """Clip the y range when the maximum is far beyond the bulk (the title says so): a few huge
     spikes do not flatten the whole curve."""
-    vals = (
-        np.concatenate([array[np.isfinite(array)] for array in arrays]) if arrays else np.array([])
-    )
+    vals = np.concatenate([array[np.isfinite(array)] for array in arrays] or [np.array([])])
     if vals.size < 20:
         return
     low, p99 = float(vals.min()), float(np.percentile(vals, 99))
@@ -114,6 +118,10 @@ def nonfinite_marks(ax, s: Series, label: str) -> None:
         )
 
 
+MARK: dict[str, Any] = {"ls": "none", "mec": "black", "mew": 0.5}  # a marker alone, outlined
+STAR: dict[str, Any] = {"marker": "*", **MARK}  # final.json's values
+
+
 def eval_points(
     ax, run: RunData, key: str, label: str, color: str, marker: str = "o", scale: float = 1.0
 ):
@@ -131,21 +139,10 @@ def eval_points(
         steps, values = np.append(steps[keep], last), np.append(values[keep], value * scale)
     if not len(steps):
         return None
-    num_marked = len(steps) - final
-    ax.plot(
-        steps,
-        values,
-        lw=0.9,
-        color=color,
-        marker=marker,
-        ms=5,
-        markevery=list(range(num_marked)),
-        label=label,
-    )
+    marked = list(range(len(steps) - final))  # the star marks final.json's
+    ax.plot(steps, values, lw=0.9, color=color, marker=marker, ms=5, markevery=marked, label=label)
     if final:
-        ax.plot(
-            steps[-1:], values[-1:], marker="*", ms=11, color=color, ls="none", mec="black", mew=0.5
-        )
+        ax.plot(steps[-1:], values[-1:], ms=11, color=color, **STAR)
         ax.has_final_star = True  # render() adds one legend entry saying what the stars are
     return steps, values
 
@@ -159,6 +156,7 @@ def draw_alarms(ax, ctx: Ctx, curves: dict) -> None:
         if step is not None:
             by_action.setdefault(str(alarm.get("action", "log")), []).append((i, step, alarm))
     dense = len(ctx.run.alarms) > LABEL_ALARMS_UP_TO  # then thin faint lines, no labels or markers
+    labels: list[tuple[int, int, str]] = []  # (step, number, colour) of each alarm labelled
     for action, items in by_action.items():
         color = ACTION_COLOR.get(action, "#555555")
         steps = [step for _, step, _ in items]
@@ -176,19 +174,7 @@ def draw_alarms(ax, ctx: Ctx, curves: dict) -> None:
         )
         if dense:
             continue
-        for i, step, _ in items:
-            ax.text(
-                step,
-                1.01,
-                f"A{i}",
-                transform=blend,
-                rotation=90,
-                fontsize=7,
-                color=color,
-                ha="center",
-                va="bottom",
-                clip_on=False,
-            )
+        labels += [(step, i, color) for i, step, _ in items]
         marker_steps, marker_values = [], []
         for _, step, alarm in items:
             curve = curves.get(alarm.get("modality") or "total", (np.array([]), np.array([])))
@@ -197,17 +183,37 @@ def draw_alarms(ax, ctx: Ctx, curves: dict) -> None:
                 marker_steps.append(step)
                 marker_values.append(np.interp(step, curve[0][finite], curve[1][finite]))
         if marker_steps:
-            ax.plot(
-                marker_steps,
-                marker_values,
-                marker="D",
-                ms=6,
-                color=color,
-                mec="black",
-                mew=0.6,
-                zorder=6,
-                ls="none",
-            )
+            ax.plot(marker_steps, marker_values, marker="D", ms=6, color=color, zorder=6, **MARK)
+    alarm_labels(ax, ctx, labels)
+
+
+def alarm_labels(ax, ctx: Ctx, alarms: list[tuple[int, int, str]]) -> None:
+    """``A<i>`` over each alarm's line; alarms whose labels would overlap share one (``A3-A5``,
+    or ``A3,A7`` when not numbered in turn), centred over them."""
+    renderer, font = FigureCanvasAgg(Figure(dpi=DPI)).get_renderer(), _font(7, "normal")
+    per_px = (ctx.xlim[1] - ctx.xlim[0]) / (PANEL_SIZE[0] * AXES[2] * DPI)  # steps per pixel
+
+    def text(group: list) -> str:
+        nums = sorted(i for _, i, _ in group)
+        in_turn = len(nums) > 1 and nums[-1] - nums[0] == len(nums) - 1
+        return f"A{nums[0]}-A{nums[-1]}" if in_turn else ",".join(f"A{i}" for i in nums)
+
+    def span(group: list) -> tuple[float, float]:  # the label's ends, in steps, 2 px apart
+        half = (renderer.get_text_width_height_descent(text(group), font, False)[0] + 2) / 2
+        mid = (group[0][0] + group[-1][0]) / 2
+        return mid - half * per_px, mid + half * per_px
+
+    groups: list[list[tuple[int, int, str]]] = []
+    for alarm in sorted(alarms):
+        groups.append([alarm])
+        while len(groups) > 1 and span(groups[-2])[1] > span(groups[-1])[0]:
+            groups[-2:] = [groups[-2] + groups[-1]]  # a wider label may reach the one before
+    blend = blended_transform_factory(ax.transData, ax.transAxes)
+    for group in groups:
+        colors = {color for *_, color in group}
+        color = colors.pop() if len(colors) == 1 else "#555555"  # of several actions
+        x, style = (group[0][0] + group[-1][0]) / 2, {"ha": "center", "va": "bottom"}
+        ax.text(x, 1.01, text(group), transform=blend, fontsize=7, color=color, **style)
 
 
 def human(x: float) -> str:
@@ -264,11 +270,11 @@ def per_modality(
             )
             nonfinite_marks(ax, total_series, "total")
             arrays.append(total_series.values)
-        for i, modality in enumerate(mods):
+        for modality in mods:
             series = run.series.get(prefix + modality)
             if series is None or not np.isfinite(series.values).any():
                 continue
-            curves[modality] = train_line(ax, series, ctx, modality, color_of(modality, i))
+            curves[modality] = train_line(ax, series, ctx, modality, ctx.color(modality))
             arrays.append(series.values)
         if hline is not None:
             ax.axhline(hline, color="black", ls=":", lw=1.2, label=f"chance ({hline:g})")
@@ -281,8 +287,8 @@ def per_modality(
 
 def draw_val(ax, ctx: Ctx):
     run, curves = ctx.run, {}
-    for i, modality in enumerate(run.modalities()):
-        points = eval_points(ax, run, f"val/loss/{modality}", modality, color_of(modality, i))
+    for modality in run.modalities():
+        points = eval_points(ax, run, f"val/loss/{modality}", modality, ctx.color(modality))
         if points is not None:
             curves[modality] = points
         series = run.series.get(f"loss/{modality}")
@@ -290,7 +296,7 @@ def draw_val(ax, ctx: Ctx):
             ax.plot(
                 series.steps,
                 ema(series.values, ctx.smooth),
-                color=color_of(modality, i),
+                color=ctx.color(modality),
                 lw=0.9,
                 ls="--",
                 alpha=0.5,
@@ -315,27 +321,28 @@ def draw_mix(ax, ctx: Ctx):
     stack = stack / np.maximum(stack.sum(axis=0, keepdims=True), 1e-12)
     if len(grid) == 1:  # one step: a band one step wide (a stack over one x has no width)
         grid, stack = np.array([grid[0] - 0.5, grid[0] + 0.5]), np.repeat(stack, 2, axis=1)
-    ax.stackplot(
-        grid, stack, labels=names, colors=[f"C{i % 10}" for i in range(len(names))], alpha=0.85
-    )
-    weights = [run.target_mix[name] for name in names if name in run.target_mix]
-    for j, level in enumerate(np.cumsum(weights)[:-1]):
-        ax.axhline(
-            level, color="black", ls="--", lw=0.8, label="target (config)" if j == 0 else None
-        )
+    ax.stackplot(grid, stack, labels=names, colors=[ctx.color(n) for n in names], alpha=0.85)
+    # Each pass's cumulative config weights over the steps it trained (a resume may change them):
+    # the pass of a step is the last to go on from an earlier step; NaN where no config is known
+    starts = [start for start, _ in run.target_mixes]
+    weights = [[mix.get(n, 0.0) if mix else np.nan for n in names] for _, mix in run.target_mixes]
+    at = np.cumsum(weights, axis=1)[np.maximum(np.searchsorted(starts, grid) - 1, 0)]
+    for j in range(len(names) - 1 if np.isfinite(at).any() else 0):
+        label = "target (config)" if j == 0 else None
+        ax.plot(grid, at[:, j], color="black", ls="--", lw=0.8, drawstyle="steps-mid", label=label)
     ax.set_ylim(0, 1)
     return {}
 
 
 def draw_tokens(ax, ctx: Ctx):
     run, curves = ctx.run, {}
-    for i, modality in enumerate(run.keys("tokens/")):
+    for modality in run.keys("tokens/"):
         series = run.series[f"tokens/{modality}"]
         if not (np.nan_to_num(series.values) > 0).any():
             continue
         total = float(np.nansum(series.values))
         curves[modality] = train_line(
-            ax, series, ctx, f"{modality} ({human(total)} total)", color_of(modality, i)
+            ax, series, ctx, f"{modality} ({human(total)} total)", ctx.color(modality)
         )
     return curves
 
@@ -385,9 +392,7 @@ def simple(run: RunData, key: str, title: str, ylabel: str, curves, *, scale=1.0
 def draw_lr(ax, ctx: Ctx):
     series = ctx.run.series["optim/lr"]
     ax.plot(series.steps, series.values, color="#333333", lw=1.6, label="lr")
-    ax.yaxis.set_major_formatter(
-        FuncFormatter(lambda v, _: f"{v:.3g}")
-    )  # no offset text over the title
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))  # no offset text
     return {}
 
 
@@ -406,11 +411,9 @@ def draw_position(ax, ctx: Ctx):
     each bucket's middle on a log axis: falling to the right when the context helps."""
     pos = ctx.run.heldout_eval.get("position_loss") or {}
     middles = np.array([(start + end) / 2 for start, end in pos.get("buckets", [])])
-    for i, (name, fig) in enumerate((pos.get("modalities") or {}).items()):
-        values = np.array(
-            [np.nan if c["ce"] is None else c["ce"] for c in fig["buckets"]], dtype=float
-        )
-        ax.plot(middles, values, marker="o", ms=4, lw=1.6, color=color_of(name, i), label=name)
+    for name, fig in (pos.get("modalities") or {}).items():
+        values = np.array([c["ce"] for c in fig["buckets"]], dtype=float)  # None: NaN
+        ax.plot(middles, values, marker="o", ms=4, lw=1.6, color=ctx.color(name), label=name)
     if len(middles):
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: human(x)))
@@ -465,7 +468,7 @@ def panels_for(run: RunData) -> list[Panel]:
             "Delivered mix by source (share of tokens)",
             "share",
             draw_mix,
-            "Stacked shares of each step's tokens, EMA-smoothed; dashed: cumulative config weights.",
+            "Stacked shares of each step's tokens, EMA-smoothed; dashed: each pass's cumulative config weights.",
             shown=bool(run.keys("mix/")),
         ),
         Panel(
@@ -543,6 +546,7 @@ def panels_for(run: RunData) -> list[Panel]:
 PANEL_SIZE = (7.6, 3.5)  # inches; every panel the same, so that report.png is a clean grid
 DPI = 100
 MARGIN = 0.01  # of the header's width, left and right
+AXES = (0.105, 0.14, 0.615, 0.74)  # a panel's axes in the figure: left, bottom, width, height
 
 
 def x_limits(run: RunData) -> tuple[float, float]:
@@ -558,21 +562,11 @@ def render(panel: Panel, ctx: Ctx) -> bytes:
     """One panel as PNG bytes (no pyplot: a bare Figure on the Agg canvas, nothing global)."""
     fig = Figure(figsize=PANEL_SIZE, dpi=DPI)
     FigureCanvasAgg(fig)
-    ax = fig.add_axes((0.105, 0.14, 0.615, 0.74))
+    ax = fig.add_axes(AXES)
     ax.set_title(panel.title, fontsize=10, loc="left", pad=14 if ctx.run.alarms else 6)
     curves = panel.draw(ax, ctx) or {}
     if getattr(ax, "has_final_star", False):
-        ax.plot(
-            [],
-            [],
-            marker="*",
-            ms=9,
-            color="#bbbbbb",
-            mec="black",
-            mew=0.5,
-            ls="none",
-            label="final.json",
-        )
+        ax.plot([], [], ms=9, color="#bbbbbb", label="final.json", **STAR)
     if panel.xlabel == "step":
         draw_alarms(ax, ctx, curves)
         ax.set_xlim(*ctx.xlim)

@@ -19,6 +19,7 @@ import yaml
 from data.vocab import MODALITY_NAMES
 from tools.evaluate import EVAL_FILE
 from tools.report.lead import first_pass
+from train import names as run_files
 from train.names import ALARMS_FILE, CONFIG_FILE, FINAL_FILE, LOSS, METRICS_FILE, MIX, VAL, VTOK
 
 
@@ -32,6 +33,11 @@ class Series:
     values: np.ndarray  # float64, may hold NaN / inf
     key: str = ""  # the metric's name
 
+    def last_index(self) -> int:
+        """Of the last finite value, else of the last value."""
+        ok = np.flatnonzero(np.isfinite(self.values))
+        return int(ok[-1]) if ok.size else len(self.values) - 1
+
 
 @dataclass
 class RunData:
@@ -44,7 +50,9 @@ class RunData:
     final: dict = field(default_factory=dict)  # final.json, when written at the last step logged
     heldout_eval: dict = field(default_factory=dict)  # heldout_eval.json (earlyfuse-eval --out)
     alarms: list[dict] = field(default_factory=list)
-    target_mix: dict[str, float] = field(default_factory=dict)  # data.sources weights, normalised
+    # (the step a pass went on from, its data.sources weights normalised), in step order
+    target_mixes: list[tuple[int, dict[str, float]]] = field(default_factory=lambda: [(0, {})])
+    config_read: bool = True  # config.yaml was there and read: train.steps is known
     first_pass: list[dict] = field(default_factory=list)  # records until a step first goes back
     duplicate_records: int = 0  # records replaced by a later one for the same step
     replaced_skips: float = 0.0  # optim/skipped over those records, of every earlier pass
@@ -88,17 +96,18 @@ class RunData:
         return [m for m in MODALITY_NAMES if m in names] + sorted(names - set(MODALITY_NAMES))
 
     def sources(self) -> list[str]:
-        """Data sources of the delivered mix, in the config's order, then any others by name."""
+        """Data sources of the delivered mix, in the latest config's order, then others by name."""
         found = set(self.keys(MIX))
         return [s for s in self.target_mix if s in found] + sorted(found - set(self.target_mix))
+
+    @property
+    def target_mix(self) -> dict[str, float]:  # the latest pass's
+        return self.target_mixes[-1][1]
 
     def last(self, key: str) -> float | None:
         """The last finite value of a series, else its last value; None when it was never logged."""
         s = self.series.get(key)
-        if s is None:
-            return None
-        ok = np.isfinite(s.values)
-        return float(s.values[ok][-1]) if ok.any() else float(s.values[-1])
+        return None if s is None else float(s.values[s.last_index()])
 
 
 def read_jsonl(path: Path) -> tuple[list[dict], int]:
@@ -190,6 +199,12 @@ def load_run(run_dir: str | Path) -> RunData:
     if (final.get("run") or {}).get("steps", last) != last:  # resumed since it was written
         final = {}
     alarms, bad_alarms = read_jsonl(f) if (f := run_dir / ALARMS_FILE).is_file() else ([], 0)
+    # Each pass's config (the trainer keeps one a pass); a run written before has the latest's
+    mixes = [
+        (s, _target_mix(_read_dict(f, yaml.safe_load))) for s, f in run_files.pass_configs(run_dir)
+    ]
+    if mixes and mixes[0][0] > 0:  # no target is known before the first kept: the run began before
+        mixes.insert(0, (0, {}))
     return RunData(
         run_dir=run_dir,
         name=str(cfg.get("name") or run_dir.resolve().name),
@@ -203,7 +218,8 @@ def load_run(run_dir: str | Path) -> RunData:
         final=final,
         heldout_eval=_read_dict(run_dir / EVAL_FILE, json.loads),
         alarms=alarms,
-        target_mix=_target_mix(cfg),
+        target_mixes=mixes or [(0, _target_mix(cfg))],
+        config_read=bool(cfg),
         first_pass=first_pass(raw),
         duplicate_records=len(dropped := [r for r in raw if r is not records.get(r["step"])]),
         replaced_skips=sum(_number(r.get("optim/skipped")) or 0 for r in dropped),

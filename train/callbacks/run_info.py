@@ -1,4 +1,5 @@
-"""The run's opening line on the console and its resolved config in ``RUN_DIR/config.yaml``."""
+"""The run's opening line on the console and its resolved config in ``RUN_DIR/config.yaml``
+(and ``RUN_DIR/pass_configs/``, one per pass)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from train.callbacks.base import Callback
-from train.names import CONFIG_FILE
+from train.names import CONFIG_FILE, CONFIGS_DIR, pass_config_file, pass_config_step
 
 if TYPE_CHECKING:
     from train.trainer import Trainer
@@ -29,4 +30,12 @@ class RunInfo(Callback):
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / CONFIG_FILE).write_text(self.resolved_yaml)
+        # Each pass's config stays (config.yaml is the latest's): a resume may change data.sources,
+        # and earlyfuse-report draws each pass's target mix over the steps it trained.
+        history = self.run_dir / CONFIGS_DIR
+        history.mkdir(exist_ok=True)
+        for old in history.iterdir():  # passes from a later step: this one replaces them
+            if (start := pass_config_step(old.name)) is not None and start >= step:
+                old.unlink()
+        (history / pass_config_file(step)).write_text(self.resolved_yaml)
         log.info(f"{self.describe}, steps {step}->{trainer.total_steps}")
