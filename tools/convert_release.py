@@ -51,7 +51,7 @@ examples:
   earlyfuse-convert release runs/demo/lm releases/demo
   # step 800, stored in bf16 (half the size; loaded back as fp32 or bf16)
   earlyfuse-convert release runs/demo/lm --step 800 releases/demo-800 --dtype bf16
-  # the token data moved: name its tokenizers/ folder
+  # the token data moved: name its tokenizers/ folder (checked against what the checkpoint recorded)
   earlyfuse-convert release runs/demo/lm releases/demo --tokenizers /data/tokens/tokenizers
   # a visual tokenizer run: OUT/visual_tokenizer/ is what `earlyfuse-prep tokenize` takes
   earlyfuse-convert release runs/demo/vtok releases/vtok
@@ -172,7 +172,8 @@ def make_release(
                 named = "--tokenizers" if tokenizers else "data.tokenizers"
                 raise ReleaseError(f"{named} {tok_dir}: not a folder")
             fingerprints = check_tokenizers(tok_dir, layout)
-            if differ := tokens_made_with_other(run_cfg, fingerprints):  # same layout, other ids
+            # same layout, other ids (the run's token manifests, or what its checkpoint recorded)
+            if differ := tokens_made_with_other(run_cfg, fingerprints, ckpt.folder):
                 raise ReleaseError(f"{tok_dir}: not the tokenizers of the run's tokens ({differ})")
             # the manifest of the token folder that holds tokenizers/, if it is one
             manifest = (find_manifest(str(tok_dir)) or [{}])[0]
