@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from data.cli.common import check_new_folder, local_folder
+from data.cli.common import check_new_folder, local_folder, write_folder
 from train.release import LAYOUT, TOKENIZER, Release, ReleaseError
 
 EXAMPLES = """\
@@ -299,18 +299,19 @@ def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=
     with torch.device("meta"):
         model = model_class(hf_cfg)
     model.load_state_dict(qwen3_state(state, cfg.n_layers) | grid_tables, strict=True, assign=True)
-    if out.exists():  # let through by check_new_folder's --force: a folder or a file
-        shutil.rmtree(out) if out.is_dir() else out.unlink()
     model.generation_config = generation_config(rel.vocab_layout, tok)
-    model.save_pretrained(out, safe_serialization=True)
-    fast = hf_tokenizer(rel.path / TOKENIZER, tok.bos_id)
-    fast.save_pretrained(out)
-    shutil.copy(rel.path / LAYOUT, out / LAYOUT)
-    if (rel.path / "visual_tokenizer").is_dir():
-        shutil.copytree(rel.path / "visual_tokenizer", out / "visual_tokenizer")
-    if cfg.grid_embedding:
-        shutil.copy(REMOTE_CODE, out / REMOTE_CODE.name)
-    (out / "README.md").write_text(readme(rel, tok))
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder, safe_serialization=True)
+        hf_tokenizer(rel.path / TOKENIZER, tok.bos_id).save_pretrained(folder)
+        shutil.copy(rel.path / LAYOUT, folder / LAYOUT)
+        if (rel.path / "visual_tokenizer").is_dir():
+            shutil.copytree(rel.path / "visual_tokenizer", folder / "visual_tokenizer")
+        if cfg.grid_embedding:
+            shutil.copy(REMOTE_CODE, folder / REMOTE_CODE.name)
+        (folder / "README.md").write_text(readme(rel, tok))
+
+    write_folder(out, write)  # built whole beside OUT: a failure leaves OUT as it was
     log(
         f"wrote {out}: {type(model).__name__}, {sum(param.numel() for param in model.parameters()):,} parameters, "
         f"vocabulary {rel.transformer_config.vocab_size} (text {rel.vocab_layout.text_size}, codes {rel.vocab_layout.num_codes})"
@@ -329,4 +330,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "out", metavar="OUT", type=local_folder, help="folder to write (new or empty; see --force)"
     )
-    parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    parser.add_argument(
+        "--force", action="store_true", help="replace OUT once the new one is complete"
+    )

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import shutil
 import sys
 from importlib.metadata import version
@@ -18,7 +17,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from data.cli.common import check_new_folder, local_folder
+from data.cli.common import check_new_folder, local_folder, write_folder
 from data.shards.index import file_sha256
 from data.shards.manifest import versions
 from data.tokenize.blocks import image_grids
@@ -52,7 +51,7 @@ examples:
   earlyfuse-convert release runs/demo/lm releases/demo
   # step 800, stored in bf16 (half the size; loaded back as fp32 or bf16)
   earlyfuse-convert release runs/demo/lm --step 800 releases/demo-800 --dtype bf16
-  # the token data moved: name its tokenizers/ folder
+  # the token data moved: name its tokenizers/ folder (checked against what the checkpoint recorded)
   earlyfuse-convert release runs/demo/lm releases/demo --tokenizers /data/tokens/tokenizers
   # a visual tokenizer run: OUT/visual_tokenizer/ is what `earlyfuse-prep tokenize` takes
   earlyfuse-convert release runs/demo/vtok releases/vtok
@@ -66,28 +65,17 @@ DESCRIPTION = (
 
 
 def write_release(out: Path, config: dict, write_files) -> dict:
-    """Build a release in ``OUT.partial`` (``write_files(folder)`` puts the files there), record
-    every file's sha256 in config.json, then move it to ``OUT``, replacing what
-    ``check_new_folder`` let through."""
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    """Write a release to ``OUT`` (``write_files(folder)`` puts the files there) with every file's
+    sha256 recorded in config.json, built whole beside it (``write_folder``)."""
+
+    def write(tmp: Path) -> dict:
         write_files(tmp)
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        mask = os.umask(0)
-        os.umask(mask)
-        for p in files:  # safetensors writes 0600; a release is meant to be shared
-            os.chmod(p, 0o666 & ~mask)
-        config = {**config, "files": {p.relative_to(tmp).as_posix(): file_sha256(p) for p in files}}
-        (tmp / CONFIG).write_text(json.dumps(config, indent=1, sort_keys=False) + "\n")
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return config
+        full = {**config, "files": {p.relative_to(tmp).as_posix(): file_sha256(p) for p in files}}
+        (tmp / CONFIG).write_text(json.dumps(full, indent=1, sort_keys=False) + "\n")
+        return full
+
+    return write_folder(out, write)
 
 
 def find_tokenizers(run_cfg, run_dir: Path) -> Path:
@@ -184,7 +172,8 @@ def make_release(
                 named = "--tokenizers" if tokenizers else "data.tokenizers"
                 raise ReleaseError(f"{named} {tok_dir}: not a folder")
             fingerprints = check_tokenizers(tok_dir, layout)
-            if differ := tokens_made_with_other(run_cfg, fingerprints):  # same layout, other ids
+            # same layout, other ids (the run's token manifests, or what its checkpoint recorded)
+            if differ := tokens_made_with_other(run_cfg, fingerprints, ckpt.folder):
                 raise ReleaseError(f"{tok_dir}: not the tokenizers of the run's tokens ({differ})")
             # the manifest of the token folder that holds tokenizers/, if it is one
             manifest = (find_manifest(str(tok_dir)) or [{}])[0]
@@ -299,4 +288,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="weights, config and layout only (enough for train.init_from, not for earlyfuse-generate)",
     )
-    parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    parser.add_argument(
+        "--force", action="store_true", help="replace OUT once the new one is complete"
+    )

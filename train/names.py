@@ -11,6 +11,7 @@ A run folder (``run_dir``, the same on every rank)::
     tb/                  TensorBoard events
     checkpoints/latest   the tag of the newest complete checkpoint
     checkpoints/step_NNNNNNNN/meta.json   step, world size, ZeRO stage of one checkpoint
+    checkpoints/step_NNNNNNNN/tokenizers.json   (lm) the tokenizers its token sources were made with
 
 Metric names are ``<namespace>/<name>`` (OLMo-core style), e.g. ``loss/image``.
 """
@@ -28,6 +29,7 @@ TENSORBOARD_DIR = "tb"
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"  # inside checkpoints/
 CHECKPOINT_META_FILE = "meta.json"  # inside checkpoints/<tag>/
+CHECKPOINT_TOKENIZERS_FILE = "tokenizers.json"  # inside checkpoints/<tag>/ of an lm run
 
 
 def pass_config_file(step: int) -> str:

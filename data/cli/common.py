@@ -6,10 +6,15 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from data.shards.storage import is_remote, local_path
+
+T = TypeVar("T")
 
 EXIT_REJECTS = 3
 # Exit code 2: what the user gave cannot be used (a value, a missing or wrong file or folder, one
@@ -109,6 +114,32 @@ def check_new_folder(out: Path, force: bool, source: Path, error: type = ValueEr
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         what = "a file, not a folder" if not parent.is_dir() else "a folder this user cannot write"
         raise error(f"{out}: cannot be written ({parent} is {what})")
+
+
+def write_folder(out: Path, write: Callable[[Path], T]) -> T:
+    """Build the folder ``out`` whole beside it, in ``OUT.partial`` (``write(folder)`` puts the
+    files there; its result is returned), then move it into place, replacing what
+    ``check_new_folder`` let through. A write that fails or is interrupted (a full disk, Ctrl-C)
+    removes ``OUT.partial`` and leaves ``out`` as it was: never a half-written folder that looks
+    like a finished one, nor an old one deleted before the new one is complete. The files get
+    the permissions the user's umask gives (safetensors writes 0600; the folder is to share)."""
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        result = write(tmp)
+        mask = os.umask(0)
+        os.umask(mask)
+        for path in tmp.rglob("*"):
+            if path.is_file():
+                os.chmod(path, 0o666 & ~mask)
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return result
 
 
 def out_file(text: str) -> Path:

@@ -652,22 +652,28 @@ def test_an_object_storage_url_is_refused_not_taken_for_a_local_folder(
     assert list(tmp_path.iterdir()) == []
 
 
-def test_tokenizers_other_than_the_runs_tokens_were_made_with_are_refused(
-    runs, tiny_tokens, tmp_path
-):
-    """Another visual tokenizer of the same levels (the same layout) passed every check before:
-    the release shipped it, and its images would decode and encode with other codes."""
+def other_visual_tokenizer(tokens, folder):
+    """A copy of the token data's tokenizers with another visual tokenizer of the same levels
+    (the same layout): only the fingerprints tell it apart."""
     import torch
 
     from model.visual_tokenizer import vtok_debug
     from train.tasks.vtok import save_visual_tokenizer
 
-    other = tmp_path / "tokenizers"
-    shutil.copytree(tiny_tokens / "tokenizers", other)
-    shutil.rmtree(other / "visual_tokenizer")
+    shutil.copytree(tokens / "tokenizers", folder)
+    shutil.rmtree(folder / "visual_tokenizer")
     torch.manual_seed(123)
     cfg = vtok_debug()
-    save_visual_tokenizer(cfg.build().state_dict(), cfg, other / "visual_tokenizer")
+    save_visual_tokenizer(cfg.build().state_dict(), cfg, folder / "visual_tokenizer")
+    return folder
+
+
+def test_tokenizers_other_than_the_runs_tokens_were_made_with_are_refused(
+    runs, tiny_tokens, tmp_path
+):
+    """Another visual tokenizer of the same levels (the same layout) passed every check before:
+    the release shipped it, and its images would decode and encode with other codes."""
+    other = other_visual_tokenizer(tiny_tokens, tmp_path / "tokenizers")
     with pytest.raises(ReleaseError) as refused:
         make_release(runs[0], tmp_path / "rel", tokenizers=other, log=quiet)
     assert str(refused.value).startswith(
@@ -675,3 +681,35 @@ def test_tokenizers_other_than_the_runs_tokens_were_made_with_are_refused(
     ) and str(refused.value).endswith("): visual tokenizer differs)")
     assert not (tmp_path / "rel").exists()
     assert make_release(runs[0], tmp_path / "rel", tokenizers=tiny_tokens / "tokenizers", log=quiet)
+
+
+def test_tokenizers_are_checked_against_the_checkpoints_record_once_the_tokens_moved(
+    runs, tiny_tokens, tmp_path
+):
+    """Before: with the run's token shards moved away, any tokenizer folder of the same layout was
+    released with the model. Every checkpoint records the tokenizers its token sources were made
+    with (tokenizers.json, in its manifest): a release checks --tokenizers against that record
+    when the shards cannot be read. A checkpoint without the record checks nothing, as before."""
+    run = tmp_path / "moved"
+    shutil.copytree(runs[0], run)
+    step = run / "checkpoints" / "step_00000003"
+    for p in (run / "config.yaml", step / "config.yaml"):
+        p.write_text(p.read_text().replace(str(tiny_tokens), str(tmp_path / "gone")))
+    other = other_visual_tokenizer(tiny_tokens, tmp_path / "other")
+    with pytest.raises(ReleaseError) as refused:
+        make_release(run, tmp_path / "rel", tokenizers=other, log=quiet)
+    said = str(refused.value)
+    assert said.startswith(f"{other}: not the tokenizers of the run's tokens (source scenes (")
+    assert f"as {step / 'tokenizers.json'} records it; the shards cannot be read" in said
+    assert "\n" not in said  # one line
+    recorded = json.loads((step / "tokenizers.json").read_text())[0]["visual"]
+    assert f"visual tokenizer differs (visual: {recorded} recorded, " in said
+    assert not (tmp_path / "rel").exists()
+    right = tiny_tokens / "tokenizers"
+    assert make_release(run, tmp_path / "rel", tokenizers=right, log=quiet)["tokenizers"]
+    # A checkpoint saved before the record existed: nothing to check the folder against.
+    (step / "tokenizers.json").unlink()
+    meta = json.loads((step / "meta.json").read_text())
+    del meta["files"]["tokenizers.json"]
+    (step / "meta.json").write_text(json.dumps(meta))
+    assert make_release(run, tmp_path / "old", tokenizers=other, log=quiet)

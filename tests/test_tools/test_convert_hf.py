@@ -107,6 +107,43 @@ def test_a_file_in_the_way_is_refused_or_replaced_with_force(release, tmp_path, 
     assert (out / "config.json").is_file()
 
 
+def test_a_write_that_fails_midway_leaves_no_half_made_export(
+    release, tmp_path, monkeypatch, capsys
+):
+    """Before: the export was written into OUT itself, so a failure after the weights (a full disk,
+    Ctrl-C) left a folder that looks like a model, and --force deleted the old export first. Now
+    it is built in OUT.partial and moved into place whole; a failure leaves OUT as it was."""
+    import errno
+    import os
+
+    import tools.convert_hf
+
+    def full_disk(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    out = tmp_path / "hf"
+    monkeypatch.setattr(tools.convert_hf, "readme", full_disk)  # the last file, after the weights
+    assert convert_main(["hf", str(release), str(out)]) == 1
+    assert "No space left on device" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # neither OUT nor OUT.partial
+    monkeypatch.undo()
+    assert convert_main(["hf", str(release), str(out)]) == 0
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert out / "model.safetensors" in files and out / "README.md" in files
+    # Readable as the umask allows, as a release's files are (safetensors writes 0600)
+    mask = os.umask(0)
+    os.umask(mask)
+    assert {p.stat().st_mode & 0o777 for p in files} == {0o666 & ~mask}
+    monkeypatch.setattr(tools.convert_hf, "readme", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        convert_main(["hf", str(release), str(out), "--force"])
+    assert list(tmp_path.iterdir()) == [out]
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+
+
 def test_hf_greedy_text_generation_equals_earlyfuse_generate(release, tmp_path):
     """AutoTokenizer starts the prompt with <|bos|>, generation_config.json suppresses every
     non-text id, so transformers' greedy generate gives earlyfuse-generate's tokens."""

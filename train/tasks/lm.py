@@ -51,7 +51,7 @@ from train.config_check import ConfigError
 from train.dist import DistInfo, all_reduce_sum
 from train.monitor import chance_levels
 from train.monitor.lm_probes import LMProbes
-from train.names import MODEL_INPUTS
+from train.names import CHECKPOINT_TOKENIZERS_FILE, MODEL_INPUTS
 from train.streams import TableCache, TokenStream
 from train.tasks.base import StepOutput
 from train.tasks.documents import KEY as DOCS_NEW
@@ -121,26 +121,53 @@ def layout_of_data(cfg: RunConfig, tables: TableCache | None = None) -> tuple[Vo
     return VocabLayout.load(folder / LAYOUT_FILE), folder
 
 
-def tokens_made_with_other(cfg: RunConfig, fingerprints: dict) -> str:
-    """How the first of the run's token sources that can be read was made with other tokenizers
-    than ``fingerprints`` (a release's): "source text (…/manifest.json): visual tokenizer
-    differs"; "" when none was (a source that cannot be read, moved away, checks nothing). A
-    folder without a visual tokenizer (text and code alone) is not that of a source made with
-    one: the model learned images or videos such a release could neither read nor draw."""
-    from data.tokenize.vtok_files import tokenizers_differ
+def source_tokenizers(tables: list) -> list[dict]:
+    """What the token sources' manifests record of the tokenizers their tokens were made with,
+    one entry a source: ``{"source", "manifest", "text", "layout", "visual"}`` (a raw source has
+    none). Saved with every checkpoint (``extra_files``), so that a release can still check its
+    tokenizers once the token shards are moved or deleted (``tokens_made_with_other``)."""
+    return [
+        {"source": t.name, "manifest": t.manifest_url, **json.loads(t.tokenizer_fingerprint)}
+        for t in tables
+        if t.kind == "tokens"
+    ]
 
+
+def tokens_made_with_other(
+    cfg: RunConfig, fingerprints: dict, checkpoint: Path | None = None
+) -> str:
+    """How the first of the run's token sources was made with other tokenizers than
+    ``fingerprints`` (a release's): "source text (…/manifest.json): visual tokenizer differs";
+    "" when none was. A source that cannot be read (moved away) is checked against what the
+    ``checkpoint`` folder's tokenizers.json records of it, naming both fingerprints; a checkpoint
+    saved without that record checks nothing there. A folder without a visual tokenizer (text
+    and code alone) is not that of a source made with one: the model learned images or videos
+    such a release could neither read nor draw."""
+    from data.tokenize.vtok_files import TOKENIZER_PARTS, tokenizers_differ
+
+    record = Path(checkpoint or ".") / CHECKPOINT_TOKENIZERS_FILE
+    recorded = json.loads(record.read_text()) if checkpoint and record.is_file() else []
     tables = TableCache()
     for src in [*cfg.data.sources, *cfg.data.validation]:
-        with suppress(OSError, ValueError):
-            for table in tables.get([src]):
-                if table.kind != "tokens":
-                    continue
-                made = json.loads(table.tokenizer_fingerprint or "{}")
-                differ = tokenizers_differ(table.tokenizer_fingerprint, fingerprints)
-                if made.get("visual") and fingerprints.get("visual") is None:
-                    differ = "made with a visual tokenizer, the folder has no visual_tokenizer/"
-                if differ:
-                    return f"source {table.name} ({table.manifest_url}): {differ}"
+        try:
+            made, where = source_tokenizers(tables.get([src])), ""
+        except (OSError, ValueError):  # its shards moved or deleted: as the checkpoint saw them
+            made = [entry for entry in recorded if entry["source"] == src.name]
+            where = f" as {record} records it; the shards cannot be read now"
+        for entry in made:
+            theirs = {k: entry.get(k) for k in TOKENIZER_PARTS}
+            differ = tokenizers_differ(json.dumps(theirs), fingerprints)
+            if differ and where:  # no manifest to look at: the fingerprints themselves
+                both = [
+                    f"{k}: {theirs[k]} recorded, {fingerprints.get(k)} in the folder"
+                    for k in TOKENIZER_PARTS
+                    if theirs[k] != fingerprints.get(k)
+                ]
+                differ += f" ({'; '.join(both)})"
+            if entry.get("visual") and fingerprints.get("visual") is None:
+                differ = "made with a visual tokenizer, the folder has no visual_tokenizer/"
+            if differ:
+                return f"source {entry['source']} ({entry['manifest']}{where}): {differ}"
     return ""
 
 
@@ -569,4 +596,10 @@ class LMTask:
         return out
 
     def extra_files(self) -> dict[str, str]:
-        return {LAYOUT_FILE: json.dumps(self.layout.to_dict(), indent=2, sort_keys=True) + "\n"}
+        # Beside the layout, in the checkpoint's manifest: the tokenizers its token data was made
+        # with, which a release checks --tokenizers against once the shards are gone.
+        tables = self.tables.get([*self.cfg.data.sources, *self.cfg.data.validation])
+        return {
+            LAYOUT_FILE: json.dumps(self.layout.to_dict(), indent=2, sort_keys=True) + "\n",
+            CHECKPOINT_TOKENIZERS_FILE: json.dumps(source_tokenizers(tables), indent=1) + "\n",
+        }
