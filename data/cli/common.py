@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -120,12 +121,14 @@ def write_folder(out: Path, write: Callable[[Path], T]) -> T:
     """Build the folder ``out`` whole beside it, in ``OUT.partial`` (``write(folder)`` puts the
     files there; its result is returned), then move it into place, replacing what
     ``check_new_folder`` let through. A write that fails or is interrupted (a full disk, Ctrl-C)
-    removes ``OUT.partial`` and leaves ``out`` as it was: never a half-written folder that looks
+    removes ``OUT.partial`` and leaves ``out`` as it was (the old one is set aside, not
+    deleted, until the new one is in its place): never a half-written folder that looks
     like a finished one, nor an old one deleted before the new one is complete. The files get
     the permissions the user's umask gives (safetensors writes 0600; the folder is to share)."""
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    aside = None  # a hidden folder beside OUT that holds the old OUT while the new one moves in
     try:
         result = write(tmp)
         mask = os.umask(0)
@@ -134,11 +137,17 @@ def write_folder(out: Path, write: Callable[[Path], T]) -> T:
             if path.is_file():
                 os.chmod(path, 0o666 & ~mask)
         if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
+            aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, aside / out.name)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if aside and not out.exists():
+            os.replace(aside / out.name, out)
         raise
+    finally:
+        if aside:
+            shutil.rmtree(aside, ignore_errors=True)
     return result
 
 

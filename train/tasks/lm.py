@@ -138,22 +138,25 @@ def tokens_made_with_other(
 ) -> str:
     """How the first of the run's token sources was made with other tokenizers than
     ``fingerprints`` (a release's): "source text (…/manifest.json): visual tokenizer differs";
-    "" when none was. A source that cannot be read (moved away) is checked against what the
-    ``checkpoint`` folder's tokenizers.json records of it, naming both fingerprints; a checkpoint
-    saved without that record checks nothing there. A folder without a visual tokenizer (text
-    and code alone) is not that of a source made with one: the model learned images or videos
-    such a release could neither read nor draw."""
+    "" when none was. The ``checkpoint`` folder's tokenizers.json, when it has one, is what the
+    model learned from (the shards may since be moved, deleted or tokenized again): each source
+    it records is checked against it, naming both fingerprints; other sources by their token
+    manifests, as is every source of a checkpoint saved without that record (one that cannot be
+    read then checks nothing). A folder without a visual tokenizer (text and code alone) is not
+    that of a source made with one: the model learned images or videos such a release could
+    neither read nor draw."""
     from data.tokenize.vtok_files import TOKENIZER_PARTS, tokenizers_differ
 
     record = Path(checkpoint or ".") / CHECKPOINT_TOKENIZERS_FILE
     recorded = json.loads(record.read_text()) if checkpoint and record.is_file() else []
     tables = TableCache()
     for src in [*cfg.data.sources, *cfg.data.validation]:
-        try:
-            made, where = source_tokenizers(tables.get([src])), ""
-        except (OSError, ValueError):  # its shards moved or deleted: as the checkpoint saw them
-            made = [entry for entry in recorded if entry["source"] == src.name]
-            where = f" as {record} records it; the shards cannot be read now"
+        made, where = [entry for entry in recorded if entry["source"] == src.name], ""
+        if made:
+            where = f" as {record} records it"
+        else:
+            with suppress(OSError, ValueError):  # shards that cannot be read check nothing
+                made = source_tokenizers(tables.get([src]))
         for entry in made:
             theirs = {k: entry.get(k) for k in TOKENIZER_PARTS}
             differ = tokenizers_differ(json.dumps(theirs), fingerprints)
