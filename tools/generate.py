@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.caption and not args.image:
         parser.error("--caption needs --image PATH")
-    if args.draw is not None and not args.out:
-        parser.error("--draw needs --out IMAGE")
+    if (args.draw is None) != (not args.out) or args.output and not args.batch:  # not ignored
+        parser.error("--draw TEXT and --out IMAGE go together; --output JSONL needs --batch")
     args.output = None if args.output == "-" else args.output  # stdout, as --batch -'s stdin
     if args.batch and args.output and Path(args.output).resolve() == Path(args.batch).resolve():
         parser.error(f"--output {args.output} is the --batch file: the results would replace it")

@@ -545,3 +545,16 @@ def test_a_folder_that_takes_no_file_is_refused_before_sampling(release, capsys)
         err = capsys.readouterr().err
         assert err.startswith("earlyfuse-generate: error: /proc/") and "cannot write there" in err
         assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "argv", [["--prompt", "x", "--output", "r.jsonl"], ["--prompt", "x", "--out", "x.png"]]
+)
+def test_an_output_flag_of_another_request_is_refused(release, tmp_path, capsys, argv):
+    """`--prompt x --output r.jsonl` printed the text and wrote no file (--output is --batch's),
+    as `--prompt x --out x.png` (--draw's) did."""
+    with pytest.raises(SystemExit) as stop:
+        generate_main([str(release), *(str(tmp_path / a) if "." in a else a for a in argv)])
+    assert stop.value.code == 2 and "go together; --output JSONL needs --batch" in (
+        capsys.readouterr().err
+    )
