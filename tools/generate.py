@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from data.cli.common import checked_device, reader_left
+from data.cli.common import checked_device, reader_left, with_folder
 from tools.generate_requests import MAX_SOURCE_PIXELS, REQUEST_KEYS, SAMPLING, Generator, writable
 from train.release import DTYPES, Release, ReleaseError
 
@@ -29,7 +29,7 @@ examples:
   # caption an image (optionally start the caption with --prompt)
   earlyfuse-generate releases/demo --image photo.jpg --caption
   # draw an image from text at the training images' most common grid; --size fixes another,
-  # --max-size lets the model choose
+  # --max-size lets the model choose; --out's ending picks the format (none: PNG)
   earlyfuse-generate releases/demo --draw "a red circle on blue" --out circle.png --size 8x8 --temperature 1
   # the same with classifier-free guidance (the caption's pull on every code, times 3)
   earlyfuse-generate releases/demo --draw "a red circle on blue" --out circle.png --guidance 3 --temperature 1
@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         "log-probabilities after no caption plus SCALE x (after the caption - after none); "
         "1 = off (default), 0 = the caption ignored, 3-5 draw closer to it",
     )
-    parser.add_argument("--output", metavar="JSONL", help="--batch: results here, not stdout")
+    parser.add_argument("--output", metavar="JSONL", help="--batch: results here ('-': stdout)")
     parser.add_argument(
         "--max-image-pixels",
         type=int,
@@ -114,15 +114,16 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.caption and not args.image:
         parser.error("--caption needs --image PATH")
-    if args.draw is not None and not args.out:
-        parser.error("--draw needs --out IMAGE")
+    if (args.draw is None) != (not args.out) or args.output and not args.batch:  # not ignored
+        parser.error("--draw TEXT and --out IMAGE go together; --output JSONL needs --batch")
+    args.output = None if args.output == "-" else args.output  # stdout, as --batch -'s stdin
     if args.batch and args.output and Path(args.output).resolve() == Path(args.batch).resolve():
         parser.error(f"--output {args.output} is the --batch file: the results would replace it")
     defaults = {key: getattr(args, key) for key in (*SAMPLING, "guidance")}
     try:
         device = torch.device(checked_device(args.device))
-        for path in (args.out, args.output):  # refused before the release is even loaded
-            path and writable(path)
+        args.out and writable(args.out, image=True)  # refused before the release is loaded
+        args.output and writable(args.output)
         gen = Generator(Release(args.release), device, DTYPES[args.dtype])
         gen.max_source_pixels = args.max_image_pixels
         if args.batch:
@@ -144,14 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_batch(gen: Generator, path: str, output: str | None, defaults: dict) -> int:
+def run_batch(gen: Generator, path: str, dest: str | None, defaults: dict) -> int:
     try:
         text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
         lines = text.removeprefix("\ufeff").splitlines()  # the BOM Windows editors write first
     except (OSError, UnicodeDecodeError) as e:
         raise ReleaseError(f"{path}: cannot read the requests ({e})") from None
     failed = 0
-    with open(output, "w", encoding="utf-8") if output else nullcontext(sys.stdout) as out:
+    with open(with_folder(dest), "w", encoding="utf-8") if dest else nullcontext(sys.stdout) as out:
         for line_no, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -164,11 +165,8 @@ def run_batch(gen: Generator, path: str, output: str | None, defaults: dict) -> 
             except Exception as e:  # noqa: BLE001 - one bad line never ends the batch
                 failed += 1
                 why = str(e) if isinstance(e, ReleaseError) else f"{type(e).__name__}: {e}"
-                rec = {
-                    "line": line_no,
-                    **({"id": req["id"]} if isinstance(req, dict) and "id" in req else {}),
-                    "error": why,
-                }
+                named = {"id": req["id"]} if isinstance(req, dict) and "id" in req else {}
+                rec = {"line": line_no, **named, "error": why}
             out.write(json.dumps(rec, ensure_ascii=False) + "\n")
             out.flush()
     if failed:

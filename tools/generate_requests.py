@@ -14,7 +14,6 @@ is decoded.
 from __future__ import annotations
 
 import math
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from data.cli.common import rgb_image_formats, unwritable, with_folder
 from data.vocab import Modality, VocabLayout
 from train.release import Release, ReleaseError
 
@@ -321,12 +321,12 @@ class Generator:
             size = self.training_grid()
             grid_from = "the training images' most common" if size else "the model's choice"
         side = max([self.default_max_size() if max_size is None else max_size, *(size or ())])
-        out = writable(out)
+        out = writable(out, image=True)
         codes, arr, count = draw_image(self, prompt, size=size, side=side, **sampling)
         from PIL import Image
 
-        as_named = Image.registered_extensions().get(out.suffix.lower(), "PNG")  # x.jpg: a JPEG
-        Image.fromarray(arr, "RGB").save(out, as_named)
+        as_named = rgb_image_formats().get(out.suffix.lower(), "PNG")  # x.jpg: a JPEG
+        Image.fromarray(arr, "RGB").save(with_folder(out), as_named)
         return {
             "kind": "draw",
             "out": str(out),
@@ -374,15 +374,16 @@ class Generator:
         return {**({"id": req["id"]} if "id" in req else {}), **res}
 
 
-def writable(path: str | Path) -> Path:
-    """``path`` with its folder made; refused before any sampling when it cannot be written."""
+def writable(path: str | Path, *, image: bool = False) -> Path:
+    """``path``, refused before any sampling when a file cannot be written there or (``image``)
+    its name ends in what Pillow writes no image as (none: a PNG); nothing is made (its folder:
+    when it is written)."""
     path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.is_dir() or not os.access(path.parent, os.W_OK):
-            raise OSError(0, "a folder: give a file name" if path.is_dir() else "not writable")
-    except OSError as e:
-        raise ReleaseError(f"{path}: cannot write there ({e.strerror or e})") from None
+    if why := unwritable(path):
+        raise ReleaseError(f"{path}: cannot write there ({why})")
+    if image and path.suffix and path.suffix.lower() not in (names := rgb_image_formats()):
+        endings = " ".join(names)
+        raise ReleaseError(f"{path}: not an image name Pillow writes; give one of: {endings}")
     return path
 
 

@@ -4,11 +4,13 @@ paths or URLs, output folders, devices, the engine flags, the exit codes."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import shutil
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -158,6 +160,53 @@ def out_file(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"{text} is a folder, not a file")
     out_folder(str(Path(text).parent))
     return Path(text)
+
+
+def unwritable(path: Path) -> str | None:
+    """Why a file cannot be written at ``path`` (None: it can), found before any work and without
+    making anything, so that a run refused later leaves no folder behind: ``path`` is a folder,
+    a file stands where a folder above it would be, or the nearest folder that exists does not
+    take a new file. That is tried (a temporary file made and removed there), not read from the
+    permission bits, which say yes to root for /proc or a read-only mount."""
+    if path.is_dir():
+        return "a folder: give a file name"
+    folder = next(p for p in path.absolute().parents if p.exists())
+    if not folder.is_dir():
+        return f"{folder} is a file, not a folder"
+    if path.exists() and not os.access(path, os.W_OK):
+        return "not writable"
+    try:
+        tempfile.NamedTemporaryFile(dir=folder, prefix=".write-probe-").close()
+    except OSError as e:
+        return f"{folder} takes no new file: {e.strerror or e}"
+    return None
+
+
+def with_folder(path: Path | str) -> Path:
+    """``path`` with its folder made, just before its file is written (``unwritable`` made none)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return Path(path)
+
+
+@functools.cache
+def rgb_image_formats() -> dict[str, str]:
+    """The file extensions Pillow writes an RGB image under, and their formats (``.jpg``: JPEG).
+    Tried on a small image: Pillow registers formats it only reads (``.psd``) and some it writes
+    in other modes only (``.xbm``: 1 bit)."""
+    import io
+
+    from PIL import Image
+
+    sample, formats = Image.new("RGB", (8, 8)), {}
+    for ext, name in sorted(Image.registered_extensions().items()):
+        try:
+            with warnings.catch_warnings():  # a deprecated format (.im) still writes
+                warnings.simplefilter("ignore")
+                sample.save(io.BytesIO(), name)
+        except Exception:  # noqa: BLE001 - whatever a plugin raises for what it cannot write
+            continue
+        formats[ext] = name
+    return formats
 
 
 def reader_left() -> int:

@@ -480,3 +480,81 @@ def test_batch_output_that_is_its_requests_file_is_refused(release, tmp_path, ca
         )
     assert stop.value.code == 2 and "is the --batch file" in capsys.readouterr().err
     assert src.read_text() == text
+
+
+def test_a_refused_run_leaves_no_folder_behind(release, tmp_path, capsys):
+    """The folders of --out and --output were made before the release was loaded: a run refused
+    then (a path that is no release, a value out of range) left them behind, empty."""
+    for argv in (
+        [str(tmp_path / "no_release"), "--draw", "sky", "--out", str(tmp_path / "a/b/x.png")],
+        [str(tmp_path / "no_release"), "--batch", "-", "--output", str(tmp_path / "a/r.jsonl")],
+        [str(release), "--draw", "sky", "--out", str(tmp_path / "a/x.png"), "--top-p", "2"],
+    ):
+        assert generate_main(argv) == 2
+        assert capsys.readouterr().err.startswith("earlyfuse-generate: error: ")
+        assert list(tmp_path.iterdir()) == []
+    # a run that goes through makes them as it writes its file
+    argv = ["--draw", "sky", "--out", str(tmp_path / "a/b/x.png"), "--size", "2x2"]
+    assert generate_main([str(release), *argv]) == 0 and (tmp_path / "a/b/x.png").is_file()
+    src = tmp_path / "req.jsonl"
+    src.write_text(json.dumps({"prompt": "x", "max_new_tokens": 1}) + "\n")
+    assert (
+        generate_main([str(release), "--batch", str(src), "--output", str(tmp_path / "c/r")]) == 0
+    )
+    assert json.loads((tmp_path / "c/r").read_text())["kind"] == "text"
+
+
+def test_an_out_pillow_writes_no_image_under_is_refused_before_sampling(release, tmp_path, capsys):
+    """`--out x.xyz` (or `.psd`, which Pillow only reads, or `.xbm`, 1-bit only) was a PNG under
+    that name; a name without an ending is a PNG (test_draw_writes_a_png_that_decodes)."""
+    for name in ("x.xyz", "x.psd", "x.xbm"):
+        out = tmp_path / name
+        assert generate_main([str(release), "--draw", "sky", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"earlyfuse-generate: error: {out}: not an image name Pillow writes")
+        assert " .jpg " in err and " .png " in err and ".psd" not in err.split(";")[1]
+        assert err.count("\n") == 1 and not out.exists()
+    src = tmp_path / "req.jsonl"
+    src.write_text(json.dumps({"id": "d", "draw": "sky", "out": str(tmp_path / "d.xyz")}))
+    assert generate_main([str(release), "--batch", str(src)]) == 1
+    assert "not an image name Pillow writes" in json.loads(capsys.readouterr().out)["error"]
+    assert generate_main([str(release), "--draw", "sky", "--out", str(tmp_path / "d.JPG")]) == 0
+    assert Image.open(tmp_path / "d.JPG").format == "JPEG"
+
+
+def test_batch_on_stdin_answers_on_stdout(release, tmp_path, capsys, monkeypatch):
+    """`--batch - --output -` was refused as the same file: stdin and stdout are two."""
+    import io
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps({"id": "a", "prompt": "x"}) + "\n"))
+    assert (
+        generate_main([str(release), "--batch", "-", "--output", "-", "--max-new-tokens", "2"]) == 0
+    )
+    assert json.loads(capsys.readouterr().out)["id"] == "a"
+    assert list(tmp_path.iterdir()) == []  # no file named "-"
+
+
+def test_a_folder_that_takes_no_file_is_refused_before_sampling(release, capsys):
+    """Root's permission bits say /proc may be written: the drawing was sampled, then failed."""
+    for argv in (
+        ["--draw", "sky", "--out", "/proc/x.png"],
+        ["--batch", "-", "--output", "/proc/r"],
+    ):
+        assert generate_main([str(release), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("earlyfuse-generate: error: /proc/") and "cannot write there" in err
+        assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "argv", [["--prompt", "x", "--output", "r.jsonl"], ["--prompt", "x", "--out", "x.png"]]
+)
+def test_an_output_flag_of_another_request_is_refused(release, tmp_path, capsys, argv):
+    """`--prompt x --output r.jsonl` printed the text and wrote no file (--output is --batch's),
+    as `--prompt x --out x.png` (--draw's) did."""
+    with pytest.raises(SystemExit) as stop:
+        generate_main([str(release), *(str(tmp_path / a) if "." in a else a for a in argv)])
+    assert stop.value.code == 2 and "go together; --output JSONL needs --batch" in (
+        capsys.readouterr().err
+    )
