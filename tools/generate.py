@@ -151,7 +151,7 @@ def run_batch(gen: Generator, path: str, dest: str | None, defaults: dict) -> in
         lines = text.removeprefix("\ufeff").splitlines()  # the BOM Windows editors write first
     except (OSError, UnicodeDecodeError) as e:
         raise ReleaseError(f"{path}: cannot read the requests ({e})") from None
-    failed = 0
+    failed, outs = 0, {}  # each image file a request writes -> its line
     with open(with_folder(dest), "w", encoding="utf-8") if dest else nullcontext(sys.stdout) as out:
         for line_no, line in enumerate(lines, 1):
             if not line.strip():
@@ -161,6 +161,10 @@ def run_batch(gen: Generator, path: str, dest: str | None, defaults: dict) -> in
                 req = json.loads(line)
                 if not isinstance(req, dict):
                     raise ReleaseError("a request is a JSON object")
+                if isinstance(req.get("out"), str):  # a later line overwrote an earlier image
+                    first = outs.setdefault(Path(req["out"]).resolve(), line_no)
+                    if first != line_no:
+                        raise ReleaseError(f"out {req['out']}: line {first} writes that file")
                 rec = {"line": line_no, **gen.request(req, defaults)}
             except Exception as e:  # noqa: BLE001 - one bad line never ends the batch
                 failed += 1

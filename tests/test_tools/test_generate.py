@@ -183,17 +183,24 @@ def test_batch_jsonl_runs_every_request(release, image, tmp_path):
         {"id": "bad", "prompt": "x", "colour": "red"},
         {"id": "mixed", "draw": "sky", "prompt": "x", "out": str(tmp_path / "no.png")},
         {"id": "half", "prompt": "x", "max_new_tokens": 2.5},  # not cut to 2 unsaid
+        {"id": "nocap", "image": str(image), "caption": False},  # was captioned
+        {"id": "num", "prompt": 5},  # ran as the text "5"
+        {"id": "again", "draw": "sea", "out": str(tmp_path / "sky.png"), "size": "3x3"},
     ]
     src = tmp_path / "req.jsonl"
     src.write_text("\n".join(json.dumps(r) for r in reqs) + "\nnot json\n", encoding="utf-8")
     out = tmp_path / "out.jsonl"
     assert (
         generate_main([str(release), "--batch", str(src), "--output", str(out)]) == 1
-    )  # four lines failed
+    )  # seven lines failed
     recs = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
-    assert [r.get("id") for r in recs] == ["t", "c", "i", "d", "bad", "mixed", "half", None]
+    ids = [r.get("id") for r in recs]
+    assert ids == ["t", "c", "i", "d", "bad", "mixed", "half", "nocap", "num", "again", None]
+    assert "'caption' can only be true" in recs[7]["error"]
+    assert recs[8]["error"] == "prompt must be a JSON string, got 5"
+    assert recs[9]["error"] == f"out {tmp_path / 'sky.png'}: line 4 writes that file"
     assert [r.get("kind") for r in recs[:4]] == ["text", "text", "caption", "draw"]
-    assert "unknown request keys ['colour']" in recs[4]["error"] and "error" in recs[7]
+    assert "unknown request keys ['colour']" in recs[4]["error"] and "error" in recs[10]
     assert recs[6]["error"] == "max_new_tokens must be a whole number, got 2.5"
     assert "a draw request takes no 'prompt'" in recs[5]["error"]  # as the command line refuses
     with Image.open(tmp_path / "sky.png") as im:
