@@ -753,3 +753,6 @@ def test_time_and_tokens_count_the_replaced_steps_too(tmp_path):
     said = "0.5 min on the kept steps; 0.7 min in all (with 10 replaced)"
     assert dict(overview(data, DEFAULT_SMOOTH))["time in steps"] == said
     assert modality_rows(data, DEFAULT_SMOOTH)[0][-1] == "3k kept; 4k in all"
+    assert [ln.get_label() for ln in draw_panel(data, "tokens").get_lines()][
+        1
+    ] == "text (3k kept, 4k in all)"

@@ -334,10 +334,9 @@ def draw_tokens(ax, ctx: Ctx):
         series = run.series[f"tokens/{modality}"]
         if not (np.nan_to_num(series.values) > 0).any():
             continue
-        total = float(np.nansum(series.values))
-        curves[modality] = train_line(
-            ax, series, ctx, f"{modality} ({human(total)} total)", ctx.color(modality)
-        )
+        kept, spent = (human(x) for x in run.spent(f"tokens/{modality}"))  # replaced steps too
+        said = f"{kept} kept, {spent} in all" if run.replaced else f"{kept} total"
+        curves[modality] = train_line(ax, series, ctx, f"{modality} ({said})", ctx.color(modality))
     return curves
 
 
