@@ -146,7 +146,7 @@ def test_synthetic_lm_run(tmp_path, capsys):
     run = synthetic_run(tmp_path)
     data = load_run(run)
     assert data.last_step == 240 and len(data.records) == 240
-    assert data.duplicate_records == 50 and data.bad_lines == 1 and data.bad_alarm_lines == 1
+    assert len(data.replaced) == 50 and data.bad_lines == 1 and data.bad_alarm_lines == 1
     assert all(data.records[s]["train/loss"] < 20 for s in range(151, 201))  # the resumed pass won
     assert data.modalities() == list(MODS) and data.sources() == list(SOURCES)
 
@@ -343,7 +343,9 @@ def test_a_probe_every_100_steps_is_drawn_at_its_measured_values(tmp_path):
     )
     data = load_run(run)
     panel = next(p for p in panels_for(data) if p.key == "monitor_dependence_gap")
-    steps, drawn = panel.draw(Figure().add_subplot(), Ctx(data, 0.9, x_limits(data)))["total"]
+    steps, drawn = panel.draw(Figure().add_subplot(), Ctx(data, 0.9, x_limits(data)))[
+        "monitor/dependence_gap"
+    ]
     assert list(steps) == [100, 200, 300]
     assert np.allclose(drawn, [0.3, 0.9, 0.1], atol=1e-3), drawn
 
@@ -379,7 +381,7 @@ def test_a_rolled_back_stretch_stays_drawn_dotted(tmp_path):
     again = [{"step": s, "train/loss": 3.0} for s in range(11, 31)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first + again))
     data = load_run(run)
-    assert data.duplicate_records == 10 and data.records[18]["train/loss"] == 3.0
+    assert len(data.replaced) == 10 and data.records[18]["train/loss"] == 3.0
     ax = Figure().add_subplot()
     next(p for p in panels_for(data) if p.key == "loss").draw(ax, Ctx(data, 0.9, x_limits(data)))
     dotted = [line for line in ax.get_lines() if line.get_linestyle() == ":"]
@@ -400,7 +402,7 @@ def test_a_resumed_pass_drops_the_steps_it_has_not_reached_yet(tmp_path, capsys)
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in killed + resumed))
     data = load_run(run)
     assert data.last_step == 62 and max(data.records) == 62
-    assert data.records[62]["train/loss"] == 1.0 and data.duplicate_records == 5
+    assert data.records[62]["train/loss"] == 1.0 and len(data.replaced) == 5
     assert main([str(run)]) == 0
     assert "resumed (lm): step 62 / 80 (78%)" in capsys.readouterr().out
 
@@ -669,3 +671,88 @@ def test_steps_before_the_first_kept_config_have_no_target(tmp_path):
     ]
     levels = dict(zip(target.get_xdata(), target.get_ydata()))
     assert np.isnan(levels[1]) and np.isnan(levels[50]) and levels[51] == levels[100] == 0.2
+
+
+def write_records(run: Path, records: list[dict]) -> Path:
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return run
+
+
+def test_a_nan_in_the_pass_the_run_went_on_with_is_visible(tmp_path):
+    """Steps 1-20, then a pass from step 11 whose loss is NaN at step 35: the loss rule read the
+    first pass alone and said "never (... nothing non-finite)"."""
+    from tools.report.page import overview
+
+    first = [{"step": s, "train/loss": 3.0} for s in range(1, 21)]
+    again = [{"step": s, "train/loss": math.nan if s == 35 else 3.0} for s in range(11, 41)]
+    rows = dict(overview(load_run(write_records(tmp_path / "r", first + again)), DEFAULT_SMOOTH))
+    assert rows["loss visible"] == "step 35: a non-finite loss"
+
+
+def test_the_last_train_loss_says_it_is_nan(tmp_path):
+    """loss/text NaN from step 30 on: the row showed the step-29 value as the last train loss."""
+    from tools.report.page import modality_rows
+
+    recs = [
+        {"step": s, "loss/text": math.nan if s >= 30 else 3.0, "tokens/text": 100}
+        for s in range(1, 31)
+    ]
+    (row,) = modality_rows(load_run(write_records(tmp_path / "r", recs)), DEFAULT_SMOOTH)
+    assert row[1] == "NaN (since step 30; 3 at step 29)"
+    assert row[2] == "3 (at step 29; NaN since step 30)"
+
+
+def test_a_skipped_step_without_a_finite_grad_norm_is_marked_at_the_top(tmp_path):
+    """Step 10 skipped with a NaN grad norm: its triangle was drawn at a value interpolated
+    between steps 9 and 11, a point the curve never had. It is at the top, under the NaN ✕."""
+    recs = [{"step": s, "optim/grad_norm": 1.0, "optim/skipped": 0} for s in range(1, 21)]
+    recs[9].update({"optim/grad_norm": math.nan, "optim/skipped": 1})
+    recs[4]["optim/skipped"] = 1  # a finite grad norm: marked at it
+    ax = draw_panel(load_run(write_records(tmp_path / "r", recs)), "grad")
+    marks = {c.get_label(): c for c in ax.collections if c.get_label().startswith("skipped")}
+    on_curve, top = marks["skipped step (1)"], marks["skipped, grad NaN/inf (1)"]
+    assert on_curve.get_offsets().tolist() == [[5, 1.0]]
+    assert top.get_offsets().tolist() == [[10, 0.9]]  # in axes units: under the top edge's ✕
+
+
+def test_an_alarm_without_a_modality_is_marked_on_the_loss_alone(tmp_path):
+    """A loss_spike alarm got a diamond on the throughput, MFU and grad norm curves too (their
+    first curve was returned as "total"); monitor/alarms was labelled "total"."""
+    recs = [
+        {
+            "step": s,
+            "train/loss": 3.0,
+            "throughput/units_per_s": 500.0,
+            "throughput/mfu": 0.4,
+            "optim/grad_norm": 1.0,
+            "monitor/alarms": float(s >= 10),
+        }
+        for s in range(1, 21)
+    ]
+    run = write_records(tmp_path / "r", recs)
+    (run / "alarms.jsonl").write_text(json.dumps({"step": 10, "signal": "loss_spike"}) + "\n")
+    data = load_run(run)
+    for key, diamonds in (("loss", 1), ("throughput", 0), ("util", 0), ("grad", 0)):
+        lines = draw_panel(data, key).get_lines()
+        assert len([ln for ln in lines if ln.get_marker() == "D"]) == diamonds, key
+    labels = [ln.get_label() for ln in draw_panel(data, "monitor_alarms").get_lines()]
+    assert "monitor/alarms" in labels and "total" not in labels
+
+
+def test_time_and_tokens_count_the_replaced_steps_too(tmp_path):
+    """Steps 1-20, then 11-30, each 1 s and 100 text tokens: the summary said 0.5 min, the
+    kept trajectory's alone, while 40 steps were trained."""
+    from tools.report.page import modality_rows, overview
+
+    recs = [
+        {"step": s, "loss/text": 3.0, "tokens/text": 100, "throughput/step_s": 1.0}
+        for s in [*range(1, 21), *range(11, 31)]
+    ]
+    data = load_run(write_records(tmp_path / "r", recs))
+    said = "0.5 min on the kept steps; 0.7 min in all (with 10 replaced)"
+    assert dict(overview(data, DEFAULT_SMOOTH))["time in steps"] == said
+    assert modality_rows(data, DEFAULT_SMOOTH)[0][-1] == "3k kept; 4k in all"
+    assert [ln.get_label() for ln in draw_panel(data, "tokens").get_lines()][
+        1
+    ] == "text (3k kept, 4k in all)"

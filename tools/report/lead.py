@@ -7,7 +7,8 @@ EMA, stands ``RISE`` above its own running minimum, or the first non-finite loss
 shows as a stall never leaves its own minimum: ``loss_above_control`` compares with a healthy run
 on the same data instead. An alarm's **lead time** is the visible step minus the alarm's step.
 The rule reads a run's *first* pass (until a rollback relogs steps), the trajectory on which the
-trouble happened. ``earlyfuse-report`` and ``tools/monitor_eval/instability.py`` both use it.
+trouble happened; ``earlyfuse-report`` reads, when that shows nothing, the pass the run went on
+with too. ``earlyfuse-report`` and ``tools/monitor_eval/instability.py`` both use it.
 """
 
 from __future__ import annotations

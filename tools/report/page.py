@@ -16,7 +16,7 @@ from collections.abc import Set
 import numpy as np
 
 from tools.evaluate.table import format_eval
-from tools.report.lead import Visible, lead_time, loss_visible
+from tools.report.lead import Visible, lead_time
 from tools.report.panels import ACTION_COLOR, ema, human
 from tools.report.run import RunData, alarm_step, fmt
 from train.names import METRICS_FILE
@@ -56,17 +56,21 @@ def overview(run: RunData, smooth: float) -> list[tuple[str, str]]:
         ("steps done / total", steps_text(run)),
     ]
     if "optim/skipped_steps" in run.series:  # the kept pass's, then those a rollback undid
-        gone = run.replaced_skips
+        kept_skips, all_skips = run.spent("optim/skipped")
+        gone = all_skips - kept_skips
         said = f" (and {gone:g} on steps a rollback or resume replaced)" if gone else ""
         rows.append(("skipped updates", fmt(run.last("optim/skipped_steps")) + said))
-    if "throughput/step_s" in run.series:
-        secs = float(np.nansum(run.series["throughput/step_s"].values))
-        took = f"{secs / 3600:.2f} h" if secs >= 3600 else f"{secs / 60:.1f} min"
-        rows.append(("time in steps", took))
+    if "throughput/step_s" in run.series:  # the kept trajectory's, and all the run spent
+        kept, spent = (
+            f"{s / 3600:.2f} h" if s >= 3600 else f"{s / 60:.1f} min"
+            for s in run.spent("throughput/step_s")
+        )
+        all_of = f"{kept} on the kept steps; {spent} in all (with {len(run.replaced)} replaced)"
+        rows.append(("time in steps", all_of if run.replaced else kept))
     notes = []
-    if run.duplicate_records:
+    if run.replaced:
         notes.append(
-            f"{run.duplicate_records} step record(s) of an earlier pass replaced by a resume or rollback"
+            f"{len(run.replaced)} step record(s) of an earlier pass replaced by a resume or rollback"
         )
     if run.bad_lines:
         notes.append(
@@ -83,7 +87,7 @@ def overview(run: RunData, smooth: float) -> list[tuple[str, str]]:
         rows.append(("records", "; ".join(notes)))
     rows.append(("alarms", alarm_counts(run)))
     rows += [("warning", str(said)) for said in run.final.get("warnings") or []]  # vtok's
-    rows.append(("loss visible", visible_text(loss_visible(run.first_pass))))
+    rows.append(("loss visible", visible_text(run.visible())))
     smoothing = f"EMA factor {smooth:g} (debiased; raw values drawn faint)" if smooth else "none"
     rows.append(("smoothing", smoothing))
     return rows
@@ -93,15 +97,21 @@ def modality_rows(run: RunData, smooth: float) -> list[list[str]]:
     rows = []
     for m in run.modalities():
         s = run.series.get(f"loss/{m}")
-        smoothed = None
+        last, smoothed = fmt(run.last(f"loss/{m}")), "-"
         if s is not None and smooth > 0 and np.isfinite(s.values).any():
-            smoothed = float(ema(s.values, smooth)[-1])  # the EMA carries over non-finite steps
-        tok = run.series.get(f"tokens/{m}")
+            smoothed = fmt(float(ema(s.values, smooth)[-1]))  # over the finite steps
+        if s is not None and (i := s.last_index()) < len(s.values) - 1:  # it ends non-finite
+            bad, at = fmt(float(s.values[-1])), f"at step {s.steps[i]}"
+            since = f"since step {s.steps[i + 1]}"
+            last = f"{bad} ({since}; {fmt(float(s.values[i]))} {at})"
+            smoothed += f" ({at}; {bad} {since})" if smoothed != "-" else ""
+        kept, spent = (human(x) for x in run.spent(f"tokens/{m}"))  # and of the replaced steps
+        tokens = f"{kept} kept; {spent} in all" if run.replaced else kept
         rows.append(
             [
                 m,
-                fmt(run.last(f"loss/{m}")),
-                fmt(smoothed),
+                last,
+                smoothed,
                 fmt(run.last(f"unigram/{m}")),
                 fmt(run.last(f"loss_norm/{m}")),
                 fmt(run.last(f"val/loss/{m}")),
@@ -109,7 +119,7 @@ def modality_rows(run: RunData, smooth: float) -> list[list[str]]:
                 fmt(run.final.get(f"val/unigram/{m}", run.last(f"val/unigram/{m}"))),
                 fmt(run.final.get(f"val/margin/{m}", run.last(f"val/margin/{m}"))),
                 fmt(run.final.get(f"val/ppl/{m}", run.last(f"val/ppl/{m}"))),
-                human(float(np.nansum(tok.values))) if tok is not None else "-",
+                tokens if f"tokens/{m}" in run.series else "-",
             ]
         )
     return rows
@@ -149,7 +159,7 @@ def lead_text(step: int | None, visible: Visible | None) -> str:
 def alarm_rows(run: RunData) -> list[list[str]]:
     """One row per alarm; the last column is its lead over the loss rule (steps; + = earlier)."""
     rows = []
-    visible = loss_visible(run.first_pass)
+    visible = run.visible()
     for i, a in enumerate(run.alarms, 1):
         vals = a.get("values")
         vals = (
@@ -223,7 +233,7 @@ def header_lines(run: RunData, smooth: float) -> list[tuple[str, float, str]]:
         said = f"held-out (earlyfuse-eval of step {step}{late}), CE vs unigram: "
         mono.append((said + "  ".join(figures), 10))
     if run.alarms:
-        mono.append((f"loss visible: {visible_text(loss_visible(run.first_pass))}", 10))
+        mono.append((f"loss visible: {visible_text(run.visible())}", 10))
     for row, alarm in zip(alarm_rows(run)[:MAX_ALARMS_IN_PNG], run.alarms):
         mod = f" [{row[3]}]" if row[3] != "-" else ""
         said = f"{row[0]}  step {row[1]}  {row[2]}{mod} -> {row[4]} (lead {row[7]}): "
@@ -297,7 +307,7 @@ def html_page(
         "val unigram baseline",
         "margin (baseline - loss)",
         "val ppl (final, else last)",
-        "label tokens seen",
+        "label tokens seen (kept steps; in all, with replaced ones)",
     ]
     evaluation = eval_rows(run)
     alarms = alarm_rows(run)

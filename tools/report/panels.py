@@ -101,23 +101,18 @@ def robust_ylim(ax, arrays: list[np.ndarray]) -> None:
         ax.set_title(ax.get_title() + "  [y clipped: spikes above]", fontsize=10)
 
 
-def nonfinite_marks(ax, s: Series, label: str) -> None:
-    bad = ~np.isfinite(s.values)
+def nonfinite_marks(ax, series: Series, label: str, top: float = 0.97, **style) -> None:
+    """A step whose value is NaN/inf (or, from draw_grad, missing) at the top edge: the curve has
+    no point there to put it at."""
+    bad = ~np.isfinite(series.values)
     if bad.any():
+        style = {"marker": "x", "s": 30, "label": f"{label} NaN/inf ({int(bad.sum())})", **style}
         blend = blended_transform_factory(ax.transData, ax.transAxes)
-        ax.scatter(
-            s.steps[bad],
-            np.full(bad.sum(), 0.97),
-            transform=blend,
-            marker="x",
-            color="#b00020",
-            s=30,
-            zorder=5,
-            label=f"{label} NaN/inf ({int(bad.sum())})",
-            clip_on=False,
-        )
+        top_edge = np.full(bad.sum(), top)
+        ax.scatter(series.steps[bad], top_edge, transform=blend, clip_on=False, **RED, **style)
 
 
+RED: dict[str, Any] = {"color": "#b00020", "zorder": 5}  # a non-finite or skipped step
 MARK: dict[str, Any] = {"ls": "none", "mec": "black", "mew": 0.5}  # a marker alone, outlined
 STAR: dict[str, Any] = {"marker": "*", **MARK}  # final.json's values
 
@@ -263,12 +258,11 @@ def per_modality(
         tot = total if total in run.series else None
         if tot and len(mods) == 1 and same(run.series[tot], run.series.get(prefix + mods[0])):
             tot = None  # one modality whose loss is the total (a vtok run): one line, not two
-        if tot:
+        if tot:  # the total loss, what an alarm without a modality is about; else a signal's
+            name = "total" if tot == "train/loss" else tot
             total_series = run.series[tot]
-            curves["total"] = train_line(
-                ax, total_series, ctx, "total", MODALITY_COLOR["total"], lw=2.0
-            )
-            nonfinite_marks(ax, total_series, "total")
+            curves[name] = train_line(ax, total_series, ctx, name, MODALITY_COLOR["total"], lw=2.0)
+            nonfinite_marks(ax, total_series, name)
             arrays.append(total_series.values)
         for modality in mods:
             series = run.series.get(prefix + modality)
@@ -340,10 +334,9 @@ def draw_tokens(ax, ctx: Ctx):
         series = run.series[f"tokens/{modality}"]
         if not (np.nan_to_num(series.values) > 0).any():
             continue
-        total = float(np.nansum(series.values))
-        curves[modality] = train_line(
-            ax, series, ctx, f"{modality} ({human(total)} total)", ctx.color(modality)
-        )
+        kept, spent = (human(x) for x in run.spent(f"tokens/{modality}"))  # replaced steps too
+        said = f"{kept} kept, {spent} in all" if run.replaced else f"{kept} total"
+        curves[modality] = train_line(ax, series, ctx, f"{modality} ({said})", ctx.color(modality))
     return curves
 
 
@@ -356,19 +349,16 @@ def draw_grad(ax, ctx: Ctx):
         ax.set_yscale("log")
     nonfinite_marks(ax, series, "grad norm")
     skipped = run.series.get("optim/skipped")
-    steps = skipped.steps[np.nan_to_num(skipped.values) > 0] if skipped else np.array([])
-    if len(steps):  # on the grad norm curve (the panel is drawn only when it has a finite value)
-        finite = np.isfinite(series.values)
+    steps = skipped.steps[np.nan_to_num(skipped.values) > 0] if skipped else np.array([], int)
+    at = dict(zip(series.steps.tolist(), series.values.tolist()))
+    norms = np.array([at.get(step, np.nan) for step in steps.tolist()])
+    on = np.isfinite(norms)  # on the curve where it has a value, else at the top as a NaN is
+    if on.any():
         ax.scatter(
-            steps,
-            np.interp(steps, series.steps[finite], series.values[finite]),
-            marker="v",
-            s=40,
-            color="#b00020",
-            zorder=5,
-            label=f"skipped step ({len(steps)})",
+            steps[on], norms[on], marker="v", s=40, label=f"skipped step ({on.sum()})", **RED
         )
-    return {"total": curve}
+    nonfinite_marks(ax, Series(steps, norms), "skipped, grad", 0.9, marker="v", s=40)  # under its ✕
+    return {"grad norm": curve}
 
 
 def simple(run: RunData, key: str, title: str, ylabel: str, curves, *, scale=1.0, note=""):
@@ -382,7 +372,7 @@ def simple(run: RunData, key: str, title: str, ylabel: str, curves, *, scale=1.0
                 eval_points(ax, ctx.run, curve_key, label, color, marker[0], scale)
             elif ctx.run.has(curve_key):
                 series = ctx.run.series[curve_key]
-                drawn.setdefault("total", train_line(ax, series, ctx, label, color, scale))
+                drawn[label] = train_line(ax, series, ctx, label, color, scale)  # no alarm's
         return drawn
 
     shown = any(run.has(curve[0]) or curve[0] in run.final for curve in curves)

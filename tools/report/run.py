@@ -2,8 +2,9 @@
 (docs/report.md, "What it reads"). A resumed or rolled-back run appends to ``metrics.jsonl``: a
 step that goes back starts the pass the run goes on with, which replaces all earlier records from
 that step on; the records up to the first step that goes back are kept apart (``first_pass``: the
-loss rule of tools/report/lead.py reads them). A line that does not parse is skipped and counted:
-the last line of a running run may be half-written.
+loss rule of tools/report/lead.py reads them first), and so are those replaced (``replaced``: their
+time and tokens were spent all the same). A line that does not parse is skipped and counted: the
+last line of a running run may be half-written.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import yaml
 
 from data.vocab import MODALITY_NAMES
 from tools.evaluate import EVAL_FILE
-from tools.report.lead import first_pass
+from tools.report.lead import Visible, first_pass, loss_visible
 from train import names as run_files
 from train.names import ALARMS_FILE, CONFIG_FILE, FINAL_FILE, LOSS, METRICS_FILE, MIX, VAL, VTOK
 
@@ -54,8 +55,7 @@ class RunData:
     target_mixes: list[tuple[int, dict[str, float]]] = field(default_factory=lambda: [(0, {})])
     config_read: bool = True  # config.yaml was there and read: train.steps is known
     first_pass: list[dict] = field(default_factory=list)  # records until a step first goes back
-    duplicate_records: int = 0  # records replaced by a later one for the same step
-    replaced_skips: float = 0.0  # optim/skipped over those records, of every earlier pass
+    replaced: list[dict] = field(default_factory=list)  # by a later record of the same step
     # steps whose logged MFU exceeded 100 % (a mis-measured peak): not drawn
     impossible_mfu: int = 0
     bad_lines: int = 0  # metrics lines that did not parse
@@ -72,6 +72,17 @@ class RunData:
     @property
     def finished(self) -> bool:
         return bool(self.final)
+
+    def visible(self) -> Visible | None:
+        """The loss rule on the first pass (where its alarms saw the trouble), else on the pass
+        the run went on with (a failure may show only after a rollback or resume)."""
+        return loss_visible(self.first_pass) or loss_visible([self.records[s] for s in self.steps])
+
+    def spent(self, key: str) -> tuple[float, float]:
+        """The sum of ``key`` over the kept steps, and over those and the replaced ones."""
+        kept = float(np.nansum(s.values)) if (s := self.series.get(key)) else 0.0
+        gone = [_number(r.get(key)) or 0.0 for r in self.replaced]
+        return kept, kept + float(np.nansum(gone))
 
     def has(self, key: str) -> bool:
         s = self.series.get(key)
@@ -221,8 +232,7 @@ def load_run(run_dir: str | Path) -> RunData:
         target_mixes=mixes or [(0, _target_mix(cfg))],
         config_read=bool(cfg),
         first_pass=first_pass(raw),
-        duplicate_records=len(dropped := [r for r in raw if r is not records.get(r["step"])]),
-        replaced_skips=sum(_number(r.get("optim/skipped")) or 0 for r in dropped),
+        replaced=[r for r in raw if r is not records.get(r["step"])],
         impossible_mfu=sum(
             (_number(r.get("throughput/mfu")) or 0.0) > 1.0 for r in records.values()
         ),
