@@ -266,8 +266,8 @@ def compose_error(error: BaseException, args: Sequence[str]) -> str | None:
             f"(there are: {', '.join(error.options)})"
         )
     cause = error.__cause__ or error.__context__
-    if place and isinstance(cause, OmegaConfBaseException) and cause.full_key:
-        return place + schema_error(place[:-2], cause)
+    if where and place and isinstance(cause, OmegaConfBaseException) and cause.full_key:
+        return place + schema_error(place[:-2], cause, config_package(where[1], args))
     ambiguous = re.match(r"Ambiguous value for argument '(([^=]+)=(.*))'", str(error))
     if ambiguous:  # Hydra's own advice ends "add --multirun", which earlyfuse-train refuses
         override, key, value = ambiguous.groups()
@@ -302,16 +302,29 @@ def config_file(where: str, args: Sequence[str]) -> str:
     return next((str(f) for f in files if f.is_file()), f"config {where}")
 
 
-def schema_error(name: str, cause) -> str:
+def config_package(where: str, args: Sequence[str]) -> str:
+    """Where Hydra puts config ``where`` (``data/extra/x``) unless its ``# @package`` header says:
+    the package of an override ``GROUP@PACKAGE=...`` of its group, else its group's path with
+    ``/`` as ``.`` (``data.extra``), the default package since Hydra 1.1."""
+    group = where.rpartition("/")[0]
+    for arg in args:
+        given = re.fullmatch(rf"[+~]*{re.escape(group)}@([^=]+)=.*", arg)
+        if given:  # @OLD:NEW moves a default to NEW
+            return given[1].rpartition(":")[2]
+    return group.replace("/", ".")
+
+
+def schema_error(name: str, cause, package: str = "") -> str:
     """The key and the problem of a config file's value the schema refuses: an unknown key with
-    the nearest known one, or a value of the wrong type."""
+    the nearest known one, or a value of the wrong type; ``package``: the file's when it has no
+    ``# @package`` header (``config_package``)."""
     from omegaconf.errors import ConfigKeyError
 
     key = str(cause.full_key)
     if "." not in key and "[" not in key and Path(name).is_file():
         # OmegaConf names a list item's key alone
         value = None if isinstance(cause, ConfigKeyError) else cause.value
-        key = list_item_path(Path(name), key, value) + key
+        key = list_item_path(Path(name), key, value, package) + key
     schema = getattr(cause, "object_type", None)
     if isinstance(cause, ConfigKeyError) and dataclasses.is_dataclass(schema):
         path = key[: len(key) - len(str(cause.key))]
@@ -319,17 +332,18 @@ def schema_error(name: str, cause) -> str:
     return f"{key}: {str(cause).splitlines()[0]}"
 
 
-def list_item_path(file: Path, key: str, value: object = None) -> str:
+def list_item_path(file: Path, key: str, value: object = None, package: str = "") -> str:
     """``data.sources[0].``: where in ``file`` the first list item holding ``key`` (with that
-    ``value``, when given) is, its package (``# @package``, else the group's) in front; "" when
-    no list item holds it."""
+    ``value``, when given) is, its package (``# @package``, else ``package``) in front; "" when
+    no list item holds it. A package is absolute: ``_global_`` is the top, ``_global_.data`` is
+    ``data``."""
     import yaml
 
     text = file.read_text()
     tree = yaml.safe_load(text)
     header = re.search(r"^#\s*@package\s+(\S+)", text, re.MULTILINE)
-    package = header[1] if header else file.parent.name
-    package = "" if package == "_global_" else f"{package}."
+    package = re.sub(r"^_global_\.?", "", header[1] if header else package)
+    package = f"{package}." if package else ""
 
     def find(node, path: str) -> str | None:
         items = node.items() if isinstance(node, dict) else enumerate(node)

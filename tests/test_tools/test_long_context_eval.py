@@ -38,7 +38,6 @@ def test_buckets_are_log_spaced_up_to_the_row():
     assert bucket_edges(256) == [0, 64, 128, 256]
     assert bucket_edges(1024, 16) == [0, 16, 32, 64, 128, 256, 512, 1024]
     assert bucket_edges(300) == [0, 64, 128, 256, 300]
-    assert bucket_edges(48) == [0, 48]
 
 
 def test_a_bucket_averages_the_stretches_that_cover_it():
@@ -227,6 +226,19 @@ def test_bad_needle_flags_fail_before_the_held_out_pass(debug_release, tiny_toke
     assert "--needle-depths 0,1.5: depths are fractions in [0, 1]" in capsys.readouterr().err
     assert eval_main([*argv, "--needle-lengths", "256,x"]) == 2
     assert "--needle-lengths '256,x'" in capsys.readouterr().err
+
+
+def test_a_first_bucket_outside_the_rows_is_refused_before_the_held_out_pass(
+    debug_release, tiny_tokens, capsys
+):
+    """A first bucket as long as the rows made a table of one bucket, its `first` row the bucket
+    itself; 0 or below failed after the whole held-out pass. Both are refused before any work."""
+    argv = [str(debug_release), "--data", str(tiny_tokens), "--position-loss", "--verbose"]
+    for first in ("256", "1000", "0", "-3"):
+        assert eval_main([*argv, "--no-progress", "--position-first-bucket", first]) == 2
+        printed = capsys.readouterr()
+        assert printed.out == "" and len(printed.err.splitlines()) == 1, printed.err
+        assert f"--position-first-bucket {first}: give 1 to 255 (row length 256)" in printed.err
 
 
 def test_the_scored_logits_are_the_full_forward_ones(debug_release, text_tok):

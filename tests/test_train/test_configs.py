@@ -162,6 +162,32 @@ def test_data_sources_from_a_users_own_config_dir(tmp_path):
     )
 
 
+def test_a_typo_in_a_list_item_of_a_nested_group_is_named_at_its_package(tmp_path):
+    """A list item's misspelt key is named with the package Hydra put the file at: an override's
+    ``GROUP@PACKAGE``, the header's (``_global_.data`` is ``data``), else the group's path
+    (before: the file's folder alone, ``extra.sources[0].shardz`` for data/extra/x.yaml)."""
+    from train.app import list_item_path
+
+    (tmp_path / "data" / "extra").mkdir(parents=True)
+    item = "sources:\n  - {name: a, shards: [x]}\n  - {name: b, shardz: [x]}\n"
+    (tmp_path / "data" / "extra" / "x.yaml").write_text(item)
+    p = run_app(["--config-dir", str(tmp_path), "+data/extra@data=x", "--cfg", "job"])
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert p.stderr == (
+        f"earlyfuse-train: {tmp_path}/data/extra/x.yaml: unknown config key "
+        "data.sources[1].shardz (did you mean data.sources[1].shards?)\n"
+    )
+    nested = tmp_path / "data" / "extra" / "x.yaml"
+    assert list_item_path(nested, "shardz", None, "data.extra") == "data.extra.sources[1]."
+    for header, package in [
+        ("_global_.data", "data."),
+        ("_global_", ""),
+        ("data.sub", "data.sub."),
+    ]:
+        nested.write_text(f"# @package {header}\n{item}")
+        assert list_item_path(nested, "shardz", None, "data.extra") == f"{package}sources[1]."
+
+
 def run_app(args: list[str], **env: str) -> subprocess.CompletedProcess:
     """``earlyfuse-train ARGS`` in a subprocess, HYDRA_FULL_ERROR as given (else unset)."""
     environ = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | env

@@ -66,6 +66,22 @@ def test_data_code_rules_fire_on_a_fall_not_on_simple_or_swinging_images():
     assert len(fired) == 1 and 151 < fired[0] <= 170
 
 
+def test_the_data_code_alarm_names_the_visual_modalities_it_counted():
+    """The codes are the image and video labels together: a run of video alone was told of
+    "the visual codes" under [image]."""
+    for tokens, modality, named in [
+        ({"tokens/video": 50.0}, "video", "the video codes in the last"),
+        ({"tokens/image": 50.0, "tokens/video": 50.0}, "image", "the image and video codes in"),
+    ]:
+        detector, alarms = DataCodeUse(CodeUseConfig()), []
+        for step in range(1, 201):
+            value = 0.7 if step <= 150 else 0.3
+            metrics = {"monitor/data_codes": 100.0, "monitor/data_code_entropy": value, **tokens}
+            alarms += detector.check(step, metrics)
+        assert len(alarms) == 1 and alarms[0].modality == modality
+        assert alarms[0].message.startswith(named) and f"[{modality}]" in alarms[0].line()
+
+
 def test_starvation_reference_share_survives_a_resume():
     cfg = StagnationConfig(window=10, min_steps=10, patience=4)
     first = Stagnation(cfg)

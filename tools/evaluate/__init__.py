@@ -156,6 +156,7 @@ def evaluate(args) -> dict:
     from data.unigram import Unigram
     from tools.evaluate.heldout import Heldout, heldout_losses, token_byte_lengths
     from tools.evaluate.pair_dependence import dependence_gaps, find_pair
+    from tools.evaluate.position import bucket_edges, position_losses
     from tools.generate_requests import Generator
     from train.release import Release
 
@@ -175,6 +176,8 @@ def evaluate(args) -> dict:
         print(notice, file=sys.stderr, flush=True)
     needles = args.needle or args.long_context
     needle_shape = needle_options(args, packing["seq_len"]) if needles else None  # fail first
+    positions = args.position_loss or args.long_context
+    edges = bucket_edges(packing["seq_len"], args.position_first_bucket) if positions else None
     progress = not args.no_progress
     gen = Generator(rel, device)  # the model and tokenizers, as earlyfuse-generate loads them
     run = Heldout(gen.model, val, device, **packing, max_docs=args.max_docs, progress=progress)
@@ -211,11 +214,9 @@ def evaluate(args) -> dict:
             draw_guidance=args.draw_guidance,
             progress=progress,
         )
-    if args.position_loss or args.long_context:
-        from tools.evaluate.position import position_losses
-
+    if edges is not None:
         say("loss by position ...")
-        out["position_loss"] = position_losses(run, args.position_first_bucket)
+        out["position_loss"] = position_losses(run, edges)
     if needle_shape is not None:
         from tools.evaluate.needle import frame_copy_table, passkey_table
 
@@ -229,8 +230,7 @@ def evaluate(args) -> dict:
 
 
 def needle_options(args, seq_len: int) -> tuple[list[int], tuple[float, ...]]:
-    """The needle tables' lengths (default: the row length, twice and four times it) and
-    depths, checked."""
+    """The needle tables' lengths (default: the row length, 2x and 4x it) and depths, checked."""
     from tools.evaluate.needle import DEPTHS, parse_list
 
     lengths = (
@@ -360,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=64,
         metavar="F",
-        help="end of the first position bucket; each next one is twice as long (default 64)",
+        help="end of the first position bucket, inside the row; each next twice as long (default 64)",
     )
     long.add_argument(
         "--needle-lengths",

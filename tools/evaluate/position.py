@@ -13,16 +13,16 @@ from data.vocab import MODALITY_NAMES, Modality
 from tools.evaluate.heldout import Heldout, final_hidden, token_ce
 
 
-def bucket_edges(seq_len: int, first: int = 64) -> list[int]:
-    """``[0, first, 2 first, 4 first, ..., seq_len]``: log-spaced bucket edges up to the row
-    length (the last bucket is shorter when ``seq_len`` is not ``first`` times a power of 2)."""
-    if first < 1 or seq_len < 1:
-        raise ValueError(f"buckets from {first} up to {seq_len}: both must be at least 1")
+def bucket_edges(row: int, first: int = 64) -> list[int]:
+    """``[0, first, 2 first, 4 first, ..., row]``: log-spaced bucket edges up to the row length
+    (the last bucket is shorter when ``row`` is not ``first`` times a power of 2)."""
+    if not 1 <= first < row:  # one bucket the whole row long would be its own ``first``
+        raise ValueError(f"--position-first-bucket {first}: give 1 to {row - 1} (row length {row})")
     edges, edge = [0], first
-    while edge < seq_len:
+    while edge < row:
         edges.append(edge)
         edge *= 2
-    edges.append(seq_len)
+    edges.append(row)
     return edges
 
 
@@ -99,11 +99,11 @@ class PositionAccumulator:
 
 
 @torch.no_grad()
-def position_losses(run: Heldout, first_bucket: int = 64) -> dict:
-    """Mean CE per position bucket and modality over the held-out pass (module docstring):
+def position_losses(run: Heldout, edges: list[int]) -> dict:
+    """Mean CE per position bucket (``bucket_edges``) and modality over the held-out pass:
     ``{"seq_len", "buckets": [[start, end], ...], "stretches": [per bucket], "modalities":
     {name: {"buckets": [{"ce", "tokens", "ce_first", "ce_all", "tokens_all"}, ...]}}}``."""
-    acc = PositionAccumulator(bucket_edges(run.seq_len, first_bucket))
+    acc = PositionAccumulator(edges)
     for part in run:
         batch = run.tensors(part)
         ce = token_ce(run.model, final_hidden(run.model, batch, run.device), batch["labels"])

@@ -10,6 +10,7 @@ from train.monitor.detectors.common import _Latch
 from train.monitor.stats import MAD_TO_SIGMA, median
 
 HISTORY = 10  # data windows whose median is the typical level
+VISUAL = ("image", "video")  # the modalities whose codes the entropy counts
 SWING_SIGMAS = 5.0  # a drop must also exceed this many standard deviations of the windows' swings
 
 
@@ -31,6 +32,7 @@ class DataCodeUse:
         self.history: deque[float] = deque(maxlen=HISTORY * cfg.data_window)
         self.best = 0.0  # the highest typical level so far
         self.latch = _Latch()
+        self.seen: set[str] = set()  # the visual modalities delivered so far: the alarm names them
 
     def check(self, step: int, metrics: dict) -> list[Alarm]:
         cfg = self.cfg
@@ -39,6 +41,7 @@ class DataCodeUse:
             metrics.get("monitor/data_code_entropy"),
         )
         self.steps.append((entropy * codes, codes) if entropy is not None and codes else (0.0, 0.0))
+        self.seen |= {name for name in VISUAL if metrics.get(f"tokens/{name}")}
         total = sum(step_codes for _, step_codes in self.steps)
         if total < cfg.data_min_codes:
             return []
@@ -64,12 +67,14 @@ class DataCodeUse:
         firing = step >= cfg.min_steps and (dropped or (armed and ent < cfg.min_data_entropy))
         if not self.latch.edge("data", firing, step - cfg.data_window):
             return []
+        # image and video labels are counted together (train/tasks/lm.py, code_buckets)
+        seen = [name for name in VISUAL if name in self.seen] or list(VISUAL)
         return [
             Alarm(
                 step,
                 "data_code_entropy",
                 cfg.action,
-                modality="image",
+                modality=seen[0],
                 since=step - cfg.data_window,
                 values={
                     "entropy": ent,
@@ -78,9 +83,9 @@ class DataCodeUse:
                     "best": self.best,
                     "codes": total,
                 },
-                message=f"the visual codes in the last {cfg.data_window} steps' batches have a "
-                f"normalised entropy of {ent:.2f} (typically {typical:.2f}; {total:.0f} codes): "
-                "a few codes dominate",
+                message=f"the {' and '.join(seen)} codes in the last {cfg.data_window} steps' "
+                f"batches have a normalised entropy of {ent:.2f} (typically {typical:.2f}; "
+                f"{total:.0f} codes): a few codes dominate",
                 threshold=f"entropy of the trained-on codes (64 buckets) {cfg.max_data_drop:.0%} "
                 f"and {SWING_SIGMAS:g} sigma of its swings below its median window, or < "
                 f"{cfg.min_data_entropy:g} after a median that stood {cfg.max_data_drop:.0%} above it",
@@ -97,6 +102,7 @@ class DataCodeUse:
             "history": list(self.history),
             "best": self.best,
             "latch": self.latch.state_dict(),
+            "seen": sorted(self.seen),
         }
 
     def load_state_dict(self, st: dict) -> None:
@@ -104,3 +110,4 @@ class DataCodeUse:
         self.history = deque(st["history"], maxlen=HISTORY * self.cfg.data_window)
         self.best = float(st["best"])
         self.latch.load_state_dict(st["latch"])
+        self.seen = set(st.get("seen", ()))  # an older checkpoint: learnt again from the next steps
