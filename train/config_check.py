@@ -157,8 +157,10 @@ def unknown_override_keys(overrides: list[str], schema: type, groups: set[str]) 
             continue
         if override.package is not None or key.split(".")[0] == "hydra":
             continue
-        if key in groups:
-            continue  # a group's choice (model=debug); model.dim=... is a key and checked
+        if key.split("/")[0] in groups:
+            # a group's choice (model=debug), or a nested group's (+data/extra=x, from a user's
+            # --config-dir: Hydra names one that does not exist); model.dim=... is a key, checked
+            continue
         cls: type | None = schema
         parts = key.split(".")
         for i, part in enumerate(parts):

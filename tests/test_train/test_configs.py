@@ -85,6 +85,10 @@ def test_a_key_given_at_the_wrong_level_is_pointed_to_where_it_lives():
         "model.n_heads (did you mean model.attention.n_heads?)",
         "seq_len (did you mean data.seq_len?)",
     ]
+    # A nested group of a user's --config-dir (data/extra) is Hydra's to find, as data=demo is
+    assert unknown_override_keys(["+data/extra=x", "+dat/extra=x"], RunConfig, {"data"}) == [
+        "dat/extra (did you mean data?)"
+    ]
     (common,) = unknown_keys({"window": 3}, RunConfig)
     assert common.startswith("window (did you mean ") and common.endswith(" more?)")
     with pytest.raises(
