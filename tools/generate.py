@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--image", metavar="PATH", help="an image file to caption (with --caption)")
     parser.add_argument("--draw", metavar="TEXT", help="draw an image from TEXT (needs --out)")
     parser.add_argument("--batch", metavar="JSONL", help="one request per line (below); '-': stdin")
-    parser.add_argument("--caption", action="store_true", help="caption --image (the default)")
+    parser.add_argument("--caption", action="store_const", const=True, help="caption --image")
     parser.add_argument("--code", action="store_true", help="the prompt is code, not text")
     parser.add_argument("--out", metavar="IMAGE", help="--draw writes here (.png, .jpg, ...)")
     parser.add_argument(
@@ -151,7 +151,7 @@ def run_batch(gen: Generator, path: str, dest: str | None, defaults: dict) -> in
         lines = text.removeprefix("\ufeff").splitlines()  # the BOM Windows editors write first
     except (OSError, UnicodeDecodeError) as e:
         raise ReleaseError(f"{path}: cannot read the requests ({e})") from None
-    failed, outs = 0, {}  # each image file a request writes -> its line
+    failed, outs = 0, dict[Path | None, int]()  # each image file a request writes -> its line
     with open(with_folder(dest), "w", encoding="utf-8") if dest else nullcontext(sys.stdout) as out:
         for line_no, line in enumerate(lines, 1):
             if not line.strip():
@@ -161,11 +161,11 @@ def run_batch(gen: Generator, path: str, dest: str | None, defaults: dict) -> in
                 req = json.loads(line)
                 if not isinstance(req, dict):
                     raise ReleaseError("a request is a JSON object")
-                if isinstance(req.get("out"), str):  # a later line overwrote an earlier image
-                    first = outs.setdefault(Path(req["out"]).resolve(), line_no)
-                    if first != line_no:
-                        raise ReleaseError(f"out {req['out']}: line {first} writes that file")
+                target = Path(req["out"]).resolve() if isinstance(req.get("out"), str) else None
+                if first := outs.get(target):  # a later line overwrote an earlier image
+                    raise ReleaseError(f"out {req['out']}: line {first} wrote that file")
                 rec = {"line": line_no, **gen.request(req, defaults)}
+                outs[target] = line_no if target else 0  # 0: no file, no refusal
             except Exception as e:  # noqa: BLE001 - one bad line never ends the batch
                 failed += 1
                 why = str(e) if isinstance(e, ReleaseError) else f"{type(e).__name__}: {e}"

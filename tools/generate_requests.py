@@ -350,7 +350,7 @@ class Generator:
         texts = [k for k in ("prompt", "image", "draw", "out") if req.get(k) is not None]
         if bad := [k for k in texts if not isinstance(req[k], str)]:  # 5 ran as the text "5"
             raise ReleaseError(f"{bad[0]} must be a JSON string, got {req[bad[0]]!r}")
-        if req.get("caption", True) is not True or req.get("code", False) not in (True, False):
+        if req.get("caption") not in (None, True) or req.get("code", False) not in (True, False):
             raise ReleaseError("'caption' can only be true (an image is captioned); 'code' a bool")
         sampling = {key: kind(req.get(key, defaults[key])) for key, kind in SAMPLING.items()}
         if req.get("draw") is not None:

@@ -142,10 +142,14 @@ def write_folder(out: Path, write: Callable[[Path], T]) -> T:
             aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.replace(out, aside / out.name)
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if aside and not out.exists():
-            os.replace(aside / out.name, out)
+            try:
+                os.replace(aside / out.name, out)
+            except OSError:  # kept where it is, and said so: never deleted with no new one
+                kept, aside = aside / out.name, None
+                raise OSError(f"{out}: not replaced ({e}); the previous one is in {kept}") from e
         raise
     finally:
         if aside:

@@ -29,3 +29,21 @@ def test_a_replaced_folder_stays_until_the_new_one_is_in_its_place(tmp_path, mon
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and (out / "a").read_text() == "old"
     write_folder(out, lambda folder: (folder / "a").write_text("new"))
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and (out / "a").read_text() == "new"
+
+
+def test_a_folder_that_cannot_be_put_back_is_kept_and_named(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a").write_text("old")
+    move = os.replace
+
+    def fail_into_out(src, dst):  # neither the new folder nor the old one can move in
+        if Path(dst) == out:
+            raise OSError(errno.EIO, "Input/output error")
+        move(src, dst)
+
+    monkeypatch.setattr(os, "replace", fail_into_out)
+    with pytest.raises(OSError, match="the previous one is in ") as e:
+        write_folder(out, lambda folder: (folder / "a").write_text("new"))
+    kept = Path(str(e.value).rsplit(" is in ", 1)[1])
+    assert kept.name == "out" and (kept / "a").read_text() == "old"

@@ -198,7 +198,7 @@ def test_batch_jsonl_runs_every_request(release, image, tmp_path):
     assert ids == ["t", "c", "i", "d", "bad", "mixed", "half", "nocap", "num", "again", None]
     assert "'caption' can only be true" in recs[7]["error"]
     assert recs[8]["error"] == "prompt must be a JSON string, got 5"
-    assert recs[9]["error"] == f"out {tmp_path / 'sky.png'}: line 4 writes that file"
+    assert recs[9]["error"] == f"out {tmp_path / 'sky.png'}: line 4 wrote that file"
     assert [r.get("kind") for r in recs[:4]] == ["text", "text", "caption", "draw"]
     assert "unknown request keys ['colour']" in recs[4]["error"] and "error" in recs[10]
     assert recs[6]["error"] == "max_new_tokens must be a whole number, got 2.5"

@@ -91,6 +91,9 @@ def test_lr_spike_is_skipped_then_rolled_back_and_recovers(tiny_tokens, tmp_path
         p.stdout[-3000:]
     )
     assert "train.ckpt_every=0" not in p.stdout + p.stderr
+    # The steps after 50 were trained again, under the config of the pass (the report's targets)
+    kept = sorted(f.name for f in (run / "pass_configs").iterdir())
+    assert kept == ["from_step_00000000.yaml", "from_step_00000050.yaml"]
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     before = [r["train/loss"] for r in recs if 40 < r["step"] <= k]
     after = [r["train/loss"] for r in recs[-20:]]

@@ -30,12 +30,20 @@ class RunInfo(Callback):
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / CONFIG_FILE).write_text(self.resolved_yaml)
-        # Each pass's config stays (config.yaml is the latest's): a resume may change data.sources,
-        # and earlyfuse-report draws each pass's target mix over the steps it trained.
+        self.record_pass(step)
+        log.info(f"{self.describe}, steps {step}->{trainer.total_steps}")
+
+    def on_rollback(self, trainer: Trainer, step: int) -> None:
+        if self.is_main:  # the steps after ``step`` are trained again, under this pass's config
+            self.record_pass(step)
+
+    def record_pass(self, step: int) -> None:
+        """Each pass's config stays (config.yaml is the latest's): a resume may change
+        data.sources, and earlyfuse-report draws each pass's target mix over the steps it
+        trained. Passes from ``step`` on are replaced by the one that goes on from it."""
         history = self.run_dir / CONFIGS_DIR
         history.mkdir(exist_ok=True)
-        for old in history.iterdir():  # passes from a later step: this one replaces them
+        for old in history.iterdir():
             if (start := pass_config_step(old.name)) is not None and start >= step:
                 old.unlink()
         (history / pass_config_file(step)).write_text(self.resolved_yaml)
-        log.info(f"{self.describe}, steps {step}->{trainer.total_steps}")

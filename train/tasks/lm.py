@@ -165,6 +165,7 @@ def tokens_made_with_other(
                     f"{k}: {theirs[k]} recorded, {fingerprints.get(k)} in the folder"
                     for k in TOKENIZER_PARTS
                     if theirs[k] != fingerprints.get(k)
+                    and None not in (theirs[k], fingerprints.get(k))
                 ]
                 differ += f" ({'; '.join(both)})"
             if entry.get("visual") and fingerprints.get("visual") is None:
