@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from data.cli.common import checked_device, reader_left, with_folder
-from tools.generate_requests import MAX_SOURCE_PIXELS, REQUEST_KEYS, SAMPLING, Generator, writable
+from data.cli.common import checked_device, reader_left, with_folder, writable
+from tools.generate_requests import MAX_SOURCE_PIXELS, REQUEST_KEYS, SAMPLING, Generator
 from train.release import DTYPES, Release, ReleaseError
 
 EXAMPLES = """\
@@ -116,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--caption needs --image PATH")
     if (args.draw is None) != (not args.out) or args.output and not args.batch:  # not ignored
         parser.error("--draw TEXT and --out IMAGE go together; --output JSONL needs --batch")
+    drawing = args.size or args.max_size is not None or args.guidance != 1 and not args.batch
+    if drawing and not args.draw:  # a batch's lines carry their own sizes
+        parser.error("--size, --max-size and --guidance are --draw's (--guidance: or --batch's)")
     args.output = None if args.output == "-" else args.output  # stdout, as --batch -'s stdin
     if args.batch and args.output and Path(args.output).resolve() == Path(args.batch).resolve():
         parser.error(f"--output {args.output} is the --batch file: the results would replace it")

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.cli.common import rgb_image_formats, unwritable, with_folder
+from data.cli.common import rgb_image_formats, with_folder, writable
 from data.vocab import Modality, VocabLayout
 from train.release import Release, ReleaseError
 
@@ -30,6 +30,7 @@ MAX_SOURCE_PIXELS = 64_000_000  # input images, by their header (ingest's --max-
 SAMPLING = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": int}
 REQUEST_KEYS = {"id", "prompt", "code", "image", "caption", "draw", "out", "size", "max_size"}
 WHOLE = ("max_new_tokens", "top_k", "seed", "max_size")  # the keys that take whole numbers
+DRAWING = ("size", "max_size", "guidance")  # the keys only a draw request reads
 
 
 # --- prompts --------------------------------------------------------------------------------
@@ -321,7 +322,7 @@ class Generator:
             size = self.training_grid()
             grid_from = "the training images' most common" if size else "the model's choice"
         side = max([self.default_max_size() if max_size is None else max_size, *(size or ())])
-        out = writable(out, image=True)
+        out = writable(out, image=True, error=ReleaseError)
         codes, arr, count = draw_image(self, prompt, size=size, side=side, **sampling)
         from PIL import Image
 
@@ -353,6 +354,8 @@ class Generator:
         if req.get("caption") not in (None, True) or req.get("code", False) not in (True, False):
             raise ReleaseError("'caption' can only be true (an image is captioned); 'code' a bool")
         sampling = {key: kind(req.get(key, defaults[key])) for key, kind in SAMPLING.items()}
+        if req.get("draw") is None and (drawing := [k for k in DRAWING if req.get(k) is not None]):
+            raise ReleaseError(f"'{drawing[0]}' is a draw request's key (this line draws nothing)")
         if req.get("draw") is not None:
             if not req.get("out"):
                 raise ReleaseError("a draw request needs 'out' (the image to write)")
@@ -377,19 +380,6 @@ class Generator:
         else:
             raise ReleaseError("a request needs 'prompt', 'image' (to caption) or 'draw' (+ 'out')")
         return {**({"id": req["id"]} if "id" in req else {}), **res}
-
-
-def writable(path: str | Path, *, image: bool = False) -> Path:
-    """``path``, refused before any sampling when a file cannot be written there or (``image``)
-    its name ends in what Pillow writes no image as (none: a PNG); nothing is made (its folder:
-    when it is written)."""
-    path = Path(path)
-    if why := unwritable(path):
-        raise ReleaseError(f"{path}: cannot write there ({why})")
-    if image and path.suffix and path.suffix.lower() not in (names := rgb_image_formats()):
-        endings = " ".join(names)
-        raise ReleaseError(f"{path}: not an image name Pillow writes; give one of: {endings}")
-    return path
 
 
 def parse_size(text) -> tuple[int, int]:

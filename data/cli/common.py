@@ -186,6 +186,19 @@ def unwritable(path: Path) -> str | None:
     return None
 
 
+def writable(path: str | Path, *, image: bool = False, error: type[Exception] = ValueError) -> Path:
+    """``path``, refused (by ``error``) before any work when a file cannot be written there or
+    (``image``) its name ends in what Pillow writes no RGB image as (no ending: a PNG); nothing
+    is made (its folder: ``with_folder`` when it is written)."""
+    path = Path(path)
+    if why := unwritable(path):
+        raise error(f"{path}: cannot write there ({why})")
+    if image and path.suffix and path.suffix.lower() not in (names := rgb_image_formats()):
+        endings = " ".join(names)
+        raise error(f"{path}: not an image name Pillow writes; give one of: {endings}")
+    return path
+
+
 def with_folder(path: Path | str) -> Path:
     """``path`` with its folder made, just before its file is written (``unwritable`` made none)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -565,3 +565,40 @@ def test_an_output_flag_of_another_request_is_refused(release, tmp_path, capsys,
     assert stop.value.code == 2 and "go together; --output JSONL needs --batch" in (
         capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--prompt", "x", "--size", "2x2"],
+        ["--prompt", "x", "--max-size", "3"],
+        ["--prompt", "x", "--guidance", "3"],
+        ["--image", "x.png", "--caption", "--guidance", "0"],
+        ["--batch", "r.jsonl", "--size", "2x2"],
+    ],
+)
+def test_a_draw_option_given_to_another_request_is_refused(release, tmp_path, capsys, argv):
+    """`--prompt x --size 2x2` continued the text and ignored the size, as `--guidance 3` did on
+    a caption; a batch's lines carry their own sizes, so `--batch --size` ignored it too."""
+    with pytest.raises(SystemExit) as stop:
+        generate_main([str(release), *(str(tmp_path / a) if "." in a else a for a in argv)])
+    assert stop.value.code == 2 and "are --draw's (--guidance: or --batch's)" in (
+        capsys.readouterr().err
+    )
+
+
+def test_a_draw_key_on_another_batch_line_is_its_error(release, tmp_path, capsys):
+    reqs = [
+        {"id": "s", "prompt": "x", "size": "2x2", "max_new_tokens": 2},
+        {"id": "g", "prompt": "x", "guidance": 3, "max_new_tokens": 2},
+        {"id": "ok", "prompt": "x", "max_new_tokens": 2},
+    ]
+    src = tmp_path / "requests.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in reqs))
+    assert generate_main([str(release), "--batch", str(src), "--guidance", "2"]) == 1
+    recs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r.get("error") for r in recs] == [
+        "'size' is a draw request's key (this line draws nothing)",
+        "'guidance' is a draw request's key (this line draws nothing)",
+        None,
+    ]
