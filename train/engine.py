@@ -42,9 +42,10 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def ds_config(cfg: RunConfig, world_size: int, largest_param: int = 0) -> dict:
+def ds_config(cfg: RunConfig, world_size: int, largest_param: int = 0, params: int = 0) -> dict:
     """DeepSpeed's config for this run. ``largest_param``: the model's largest parameter
-    (elements), which ZeRO 3 with sequence parallelism checks against the reduce bucket."""
+    (elements), which ZeRO 3 with sequence parallelism checks against the reduce bucket;
+    ``params``: the model's parameter count, which bounds the buckets."""
     train_cfg, ds_cfg = cfg.train, cfg.deepspeed
     # Rows per optimizer step: the ranks of a sequence-parallel group share theirs.
     data_size = world_size // train_cfg.sequence_parallel
@@ -65,6 +66,12 @@ def ds_config(cfg: RunConfig, world_size: int, largest_param: int = 0) -> dict:
     if train_cfg.bf16:
         conf["bf16"] = {"enabled": True}
         conf["data_types"] = {"grad_accum_dtype": "fp32"}
+    if ds_cfg.zero_stage >= 1 and params:
+        # DeepSpeed's buckets default to 5e8 elements, and ZeRO 1-2 allocate one afresh every
+        # micro-step: 2 GB a step whatever the model (on a CPU that made a step of the debug
+        # model 30x slower). No bucket needs to hold more than the whole model.
+        bucket = min(params, 500_000_000)
+        conf["zero_optimization"] |= {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
     if ds_cfg.offload_optimizer and ds_cfg.zero_stage >= 1:
         conf["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     sp_zero3 = ds_cfg.zero_stage == 3 and train_cfg.sequence_parallel > 1
@@ -143,11 +150,12 @@ def build_engine(model: nn.Module, cfg: RunConfig, world_size: int, *, total_ste
     sched = CappedLambdaLR(opt, mult)
     if cfg.deepspeed.zero_stage == 0 and not cfg.train.bf16:
         opt.clip_grad = optim_cfg.clip_grad
+    sizes = [param.numel() for param in model.parameters()]
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=opt,
         lr_scheduler=sched,
-        config=ds_config(cfg, world_size, max(param.numel() for param in model.parameters())),
+        config=ds_config(cfg, world_size, max(sizes), sum(sizes)),
         mpu=deepspeed_mpu(
             cfg.train.sequence_parallel
         ),  # ZeRO over DP x SP, train/sequence_groups.py

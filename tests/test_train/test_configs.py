@@ -384,6 +384,26 @@ def test_zero3_with_sequence_parallel_reduces_gradients_by_all_reduce():
     )
 
 
+def test_zero_buckets_hold_the_model_at_most_unless_the_config_says_otherwise():
+    """DeepSpeed's 5e8-element buckets were allocated afresh every ZeRO 1-2 micro-step, whatever
+    the model: 2 GB a step. They are the model's size at most; deepspeed.config still wins."""
+    from train.engine import ds_config
+
+    zero = ds_config(composed(["deepspeed=zero1"]), 1, largest_param=64, params=1000)
+    assert zero["zero_optimization"] | {"stage": 1} == {
+        "stage": 1,
+        "reduce_bucket_size": 1000,
+        "allgather_bucket_size": 1000,
+    }
+    big = ds_config(composed(["deepspeed=zero2"]), 1, 64, params=10**10)["zero_optimization"]
+    assert big["reduce_bucket_size"] == big["allgather_bucket_size"] == 500_000_000
+    assert "reduce_bucket_size" not in ds_config(composed([]), 1, 64, 1000)["zero_optimization"]
+    own = composed(
+        ["deepspeed=zero1", "+deepspeed.config.zero_optimization={reduce_bucket_size: 7}"]
+    )
+    assert ds_config(own, 1, 64, 1000)["zero_optimization"]["reduce_bucket_size"] == 7
+
+
 def test_another_sequence_parallel_degree_breaks_an_exact_resume():
     from train.config_check import breaks_resume
 
