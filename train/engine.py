@@ -69,8 +69,9 @@ def ds_config(cfg: RunConfig, world_size: int, largest_param: int = 0, params: i
     if ds_cfg.zero_stage >= 1 and params:
         # DeepSpeed's buckets default to 5e8 elements, and ZeRO 1-2 allocate one afresh every
         # micro-step: 2 GB a step whatever the model (on a CPU that made a step of the debug
-        # model 30x slower). No bucket needs to hold more than the whole model.
-        bucket = min(params, 500_000_000)
+        # model 30x slower). No bucket needs to hold more than the whole model; ZeRO 1-2 want
+        # a multiple of their alignment (2 elements), 8 keeps it for any dtype.
+        bucket = min(-(-params // 8) * 8, 500_000_000)
         conf["zero_optimization"] |= {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
     if ds_cfg.offload_optimizer and ds_cfg.zero_stage >= 1:
         conf["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}

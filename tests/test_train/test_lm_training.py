@@ -59,7 +59,8 @@ def test_lm_debug_run_logs_every_modality(tiny_tokens, tmp_path):
     assert [e.step for e in board.Scalars("train/loss")] == list(range(1, 9))
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+# ZeRO 1's partitioning is ZeRO 2's without the gradients': its resume runs with the slow tests
+@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.slow), 2, 3])
 def test_every_zero_stage_trains_and_resumes_bit_identically(tiny_tokens, tmp_path, stage):
     ref, run = tmp_path / "ref", tmp_path / "run"
     args = [f"deepspeed.zero_stage={stage}"]

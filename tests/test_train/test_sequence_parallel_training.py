@@ -161,6 +161,7 @@ def test_a_zero0_checkpoint_moves_from_sp1_to_sp2_and_back(runs, tiny_tokens, tm
     assert_close(losses(down, [3, 4]), losses(root / "sp2_zero0", [3, 4]))
 
 
+@pytest.mark.slow  # the universal form across world sizes is in test_convert_universal.py too
 def test_a_zero2_checkpoint_moves_between_sp1_and_sp2_through_its_universal_form(
     runs, tiny_tokens, tmp_path
 ):
