@@ -304,11 +304,12 @@ def config_file(where: str, args: Sequence[str]) -> str:
 
 def config_package(where: str, args: Sequence[str]) -> str:
     """Where Hydra puts config ``where`` (``data/extra/x``) unless its ``# @package`` header says:
-    the package of an override ``GROUP@PACKAGE=...`` of its group, else its group's path with
-    ``/`` as ``.`` (``data.extra``), the default package since Hydra 1.1."""
-    group = where.rpartition("/")[0]
+    the package of the override ``GROUP@PACKAGE=OPTION`` that chose it (one group may be chosen
+    twice, at two packages), else its group's path with ``/`` as ``.`` (``data.extra``), the
+    default package since Hydra 1.1."""
+    group, _, option = where.rpartition("/")
     for arg in args:
-        given = re.fullmatch(rf"[+~]*{re.escape(group)}@([^=]+)=.*", arg)
+        given = re.fullmatch(rf"[+~]*{re.escape(group)}@([^=]+)={re.escape(option)}", arg)
         if given:  # @OLD:NEW moves a default to NEW
             return given[1].rpartition(":")[2]
     return group.replace("/", ".")

@@ -149,7 +149,11 @@ def write_folder(out: Path, write: Callable[[Path], T]) -> T:
                 os.replace(aside / out.name, out)
             except OSError:  # kept where it is, and said so: never deleted with no new one
                 kept, aside = aside / out.name, None
-                raise OSError(f"{out}: not replaced ({e}); the previous one is in {kept}") from e
+                why = f"{out}: not replaced ({str(e) or 'interrupted'}); the previous one is in {kept}"
+                if isinstance(e, Exception):
+                    raise OSError(why) from e
+                print(why, file=sys.stderr)  # Ctrl-C stays an interrupt
+                raise e from None
         raise
     finally:
         if aside:

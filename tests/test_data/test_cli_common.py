@@ -47,3 +47,27 @@ def test_a_folder_that_cannot_be_put_back_is_kept_and_named(tmp_path, monkeypatc
         write_folder(out, lambda folder: (folder / "a").write_text("new"))
     kept = Path(str(e.value).rsplit(" is in ", 1)[1])
     assert kept.name == "out" and (kept / "a").read_text() == "old"
+
+
+def test_a_ctrl_c_whose_old_folder_cannot_be_put_back_stays_a_ctrl_c(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the new folder moved in, then the old one failing to move back, became an
+    OSError (an error exit, no longer an interrupt); it stays Ctrl-C and names the kept folder."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a").write_text("old")
+    move = os.replace
+
+    def interrupted(src, dst):
+        if Path(src).name == "out.partial":
+            raise KeyboardInterrupt
+        if Path(dst) == out:
+            raise OSError(errno.EIO, "Input/output error")
+        move(src, dst)
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_folder(out, lambda folder: (folder / "a").write_text("new"))
+    said = capsys.readouterr().err
+    assert said.startswith(f"{out}: not replaced (interrupted); the previous one is in ")
+    kept = Path(said.rstrip("\n").rsplit(" is in ", 1)[1])
+    assert kept.name == "out" and (kept / "a").read_text() == "old"

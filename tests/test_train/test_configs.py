@@ -186,6 +186,17 @@ def test_a_typo_in_a_list_item_of_a_nested_group_is_named_at_its_package(tmp_pat
         assert list_item_path(nested, "shardz", None, "data.extra") == f"{package}sources[1]."
 
 
+def test_a_group_chosen_twice_names_each_option_at_its_own_package():
+    """``+db@src=a +db@dst=b`` (Hydra's way to use one group twice): b's keys were named at the
+    first override's package, src."""
+    from train.app import config_package
+
+    args = ["+data/extra@data=y", "+data/extra@data.two=x"]
+    assert config_package("data/extra/x", args) == "data.two"
+    assert config_package("data/extra/y", args) == "data"
+    assert config_package("data/extra/z", args) == "data.extra"
+
+
 def run_app(args: list[str], **env: str) -> subprocess.CompletedProcess:
     """``earlyfuse-train ARGS`` for a config that stops before the run, HYDRA_FULL_ERROR as given
     (else unset): in this process, which has paid torch's import already (a subprocess pays
