@@ -31,11 +31,12 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-# One pytest worker per core, at most 4 (memory: each runs 2-process trainings), a test file
-# on one worker, so its module fixtures are built once. TEST_WORKERS=0 runs them in this process.
-TEST_WORKERS ?= auto
+# One pytest worker per core this process may use (nproc), at most 4 (memory: each runs
+# 2-process trainings), a test file on one worker, so its module fixtures are built once.
+# TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
 test: lint
-	$(PY) -m pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow

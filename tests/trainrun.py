@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ray_cluster import free_port
+
 FAULT_ENTRY = Path(__file__).with_name("train_with_faults.py")
 
 
@@ -36,7 +38,7 @@ def train(
             "--nproc_per_node",
             str(nproc),
             "--master_port",
-            str(29500 + os.getpid() % 1000),
+            str(free_port()),
             *entry,
         ]
     else:

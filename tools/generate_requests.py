@@ -30,7 +30,7 @@ MAX_SOURCE_PIXELS = 64_000_000  # input images, by their header (ingest's --max-
 SAMPLING = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": int}
 REQUEST_KEYS = {"id", "prompt", "code", "image", "caption", "draw", "out", "size", "max_size"}
 WHOLE = ("max_new_tokens", "top_k", "seed", "max_size")  # the keys that take whole numbers
-DRAWING = ("size", "max_size", "guidance")  # the keys only a draw request reads
+DRAWING = ("out", "size", "max_size", "guidance")  # the keys only a draw request reads
 
 
 # --- prompts --------------------------------------------------------------------------------

@@ -307,11 +307,14 @@ def config_package(where: str, args: Sequence[str]) -> str:
     the package of the override ``GROUP@PACKAGE=OPTION`` that chose it (one group may be chosen
     twice, at two packages), else its group's path with ``/`` as ``.`` (``data.extra``), the
     default package since Hydra 1.1."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
     group, _, option = where.rpartition("/")
-    for arg in args:
-        given = re.fullmatch(rf"[+~]*{re.escape(group)}@([^=]+)={re.escape(option)}", arg)
-        if given:  # @OLD:NEW moves a default to NEW
-            return given[1].rpartition(":")[2]
+    for given in OverridesParser.create().parse_overrides([a for a in args if "@" in a]):
+        value = given.value()  # x, 'x' or a list [x, y] of options
+        chosen = option in value if isinstance(value, list) else value == option
+        if given.key_or_group == group and given.package and chosen:
+            return given.package.rpartition(":")[2]  # @OLD:NEW moves a default to NEW
     return group.replace("/", ".")
 
 

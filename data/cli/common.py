@@ -149,7 +149,8 @@ def write_folder(out: Path, write: Callable[[Path], T]) -> T:
                 os.replace(aside / out.name, out)
             except OSError:  # kept where it is, and said so: never deleted with no new one
                 kept, aside = aside / out.name, None
-                why = f"{out}: not replaced ({str(e) or 'interrupted'}); the previous one is in {kept}"
+                what = "interrupted" if isinstance(e, KeyboardInterrupt) else str(e) or repr(e)
+                why = f"{out}: not replaced ({what}); the previous one is in {kept}"
                 if isinstance(e, Exception):
                     raise OSError(why) from e
                 print(why, file=sys.stderr)  # Ctrl-C stays an interrupt

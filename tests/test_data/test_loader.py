@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from ray_cluster import free_port
 
 from data.layout import parse_image
 from data.loader import LoaderConfig, SourceConfig, build_loader
@@ -345,7 +346,7 @@ def test_two_ranks_under_torchrun_with_uneven_shards(tiny_tokens, tmp_path):
         "--nproc_per_node",
         "2",
         "--master_port",
-        str(29700 + os.getpid() % 200),
+        str(free_port()),
         str(script),
         str(tmp_path),
         str(tiny_tokens),

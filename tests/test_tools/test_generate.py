@@ -591,6 +591,7 @@ def test_a_draw_key_on_another_batch_line_is_its_error(release, tmp_path, capsys
     reqs = [
         {"id": "s", "prompt": "x", "size": "2x2", "max_new_tokens": 2},
         {"id": "g", "prompt": "x", "guidance": 3, "max_new_tokens": 2},
+        {"id": "o", "prompt": "x", "out": str(tmp_path / "a.png"), "max_new_tokens": 2},
         {"id": "ok", "prompt": "x", "max_new_tokens": 2},
     ]
     src = tmp_path / "requests.jsonl"
@@ -600,5 +601,6 @@ def test_a_draw_key_on_another_batch_line_is_its_error(release, tmp_path, capsys
     assert [r.get("error") for r in recs] == [
         "'size' is a draw request's key (this line draws nothing)",
         "'guidance' is a draw request's key (this line draws nothing)",
+        "'out' is a draw request's key (this line draws nothing)",
         None,
     ]

@@ -4,6 +4,7 @@ lists how the config changed and refuses the changes that break an exact resume.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
@@ -191,8 +192,10 @@ def test_a_group_chosen_twice_names_each_option_at_its_own_package():
     first override's package, src."""
     from train.app import config_package
 
-    args = ["+data/extra@data=y", "+data/extra@data.two=x"]
+    args = ["+data/extra@data=y", "+data/extra@data.two=x", "+data/more@data.three=[a,b]"]
     assert config_package("data/extra/x", args) == "data.two"
+    assert config_package("data/more/b", args) == "data.three"  # a list of options
+    assert config_package("data/extra/x", ["+data/extra@data.four='x'"]) == "data.four"
     assert config_package("data/extra/y", args) == "data"
     assert config_package("data/extra/z", args) == "data.extra"
 
@@ -209,10 +212,14 @@ def run_app(args: list[str], **env: str) -> subprocess.CompletedProcess:
     from io import StringIO
     from unittest import mock
 
+    accepted = AssertionError("the config was accepted: the run would start in this process")
     out, err, code = StringIO(), StringIO(), 0
+    # Hydra's job logging adds a handler on the redirected stdout and lowers the root level
+    root, level, handlers = logging.getLogger(), logging.getLogger().level, logging.root.handlers[:]
     with (
         mock.patch.dict(os.environ, environ, clear=True),
         mock.patch.object(sys, "argv", ["earlyfuse-train", *args]),
+        mock.patch.object(app, "run", side_effect=accepted),
         redirect_stdout(out),
         redirect_stderr(err),
     ):
@@ -220,6 +227,9 @@ def run_app(args: list[str], **env: str) -> subprocess.CompletedProcess:
             app.main()
         except SystemExit as stop:
             code = stop.code if isinstance(stop.code, int) else 1
+        finally:
+            root.handlers[:] = handlers
+            root.setLevel(level)
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ray_cluster import free_port
+
 
 def test_deepspeed_launcher_runs_two_ranks(tiny_raw, tmp_path):
     run = tmp_path / "run"
@@ -24,7 +26,7 @@ def test_deepspeed_launcher_runs_two_ranks(tiny_raw, tmp_path):
         "--num_gpus",
         "2",
         "--master_port",
-        str(29600 + os.getpid() % 300),
+        str(free_port()),
         "--module",
         "train.app",
         "experiment=vtok_debug",

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ray_cluster import free_port
 from trainrun import metrics, train
 
 SOURCES = {"scenes": 0.3, "clips": 0.3, "text": 0.3, "code": 0.1}
@@ -104,7 +105,7 @@ def test_live_folder_refused_sigterm_checkpoints_and_the_resume_checks_config(
 def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tiny_tokens, tmp_path):
     run, log = tmp_path / "run", tmp_path / "torchrun.log"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    port = ["--master_port", str(29700 + os.getpid() % 200)]
+    port = ["--master_port", str(free_port())]
     args = base(tiny_tokens, run, 1000, "deepspeed.zero_stage=2")
     proc = start([*launcher, *port, "-m", "train.app", *args], log)
     try:
@@ -169,7 +170,7 @@ def test_earlyfuse_torchrun_exits_0_when_its_signal_stopped_the_run_after_a_chec
     and exited 0 (and a SIGUSR1, which torchrun does not handle by default, killed torchrun)."""
     run, log = tmp_path / "run", tmp_path / "launcher.log"
     launcher = [sys.executable, "-m", "train.launch", "--nproc_per_node", "1"]
-    port = ["--master_port", str(29900 + os.getpid() % 90)]
+    port = ["--master_port", str(free_port())]
     args = base(tiny_tokens, run, 1000, sources={"scenes": 1.0})
     proc = start([*launcher, *port, "-m", "train.app", *args], log)
     try:
@@ -196,7 +197,7 @@ def test_a_worker_whose_launcher_was_killed_with_minus_9_stops_with_a_checkpoint
     live run: pid ...')."""
     run, log = tmp_path / "run", tmp_path / "launcher.log"
     launcher = [sys.executable, "-m", "train.launch", "--nproc_per_node", "1"]
-    port = ["--master_port", str(29900 + os.getpid() % 90)]
+    port = ["--master_port", str(free_port())]
     args = base(tiny_tokens, run, 1000, sources={"scenes": 1.0})
     proc = start([*launcher, *port, "-m", "train.app", *args], log)
     wait_for_step(run, 2, proc, log)
@@ -222,7 +223,7 @@ def test_earlyfuse_torchrun_passes_on_a_workers_refusal_as_exit_code_2(tmp_path)
     """Before: torchrun's ChildFailedError traceback and exit code 1 (a scheduler requeues that)
     under the worker's one line."""
     launcher = [sys.executable, "-m", "train.launch", "--nproc_per_node", "1"]
-    port = ["--master_port", str(29900 + os.getpid() % 90)]
+    port = ["--master_port", str(free_port())]
     args = ["experiment=debug", f"run_dir={tmp_path / 'run'}", "train.steps=0"]
     p = subprocess.run(
         [*launcher, *port, "-m", "train.app", *args], capture_output=True, text=True, timeout=300

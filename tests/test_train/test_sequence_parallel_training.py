@@ -8,7 +8,8 @@ model) against one process on the same rows:
 - an SP 2 run killed with -9 and resumed logs the uninterrupted run's losses exactly;
 - checkpoints move between SP degrees: one saved at SP 1 (one process) goes on at SP 2 (two)
   with the one-process run's losses, and one saved at SP 2 goes on at SP 1 with the SP 2 run's;
-  under ZeRO 0 as it is, under ZeRO 2 through its universal form (another world size);
+  under ZeRO 0 as it is, under ZeRO 2 through its universal form (another world size; SP 1 to
+  SP 2 marked slow);
 - 4 processes, SP 2 x data parallel 2, equal 2 processes of plain data parallelism.
 """
 
@@ -161,27 +162,31 @@ def test_a_zero0_checkpoint_moves_from_sp1_to_sp2_and_back(runs, tiny_tokens, tm
     assert_close(losses(down, [3, 4]), losses(root / "sp2_zero0", [3, 4]))
 
 
-@pytest.mark.slow  # the universal form across world sizes is in test_convert_universal.py too
-def test_a_zero2_checkpoint_moves_between_sp1_and_sp2_through_its_universal_form(
+def test_a_zero2_sp2_checkpoint_goes_on_at_sp1_through_its_universal_form(
     runs, tiny_tokens, tmp_path
 ):
-    """ZeRO partitions its states over all ranks (DP x SP), so one process at SP 1 and two at
-    SP 2 hold different partitions: the checkpoint goes through ``earlyfuse-convert universal``,
+    """ZeRO partitions its states over all ranks (DP x SP), so two processes at SP 2 and one at
+    SP 1 hold different partitions: the checkpoint goes through ``earlyfuse-convert universal``,
     as for any change of world size, and then goes on with the saving run's losses."""
     from tools.convert import main as convert_main
 
-    zero2 = ("deepspeed.zero_stage=2", "train.allow_config_change=true")
+    down = rewound_copy(runs["root"] / "sp2_zero2", tmp_path / "down")
+    assert convert_main(["universal", str(down), "--step", "2"]) == 0
+    train(base(tiny_tokens, down, "deepspeed.zero_stage=2", "train.allow_config_change=true"))
+    assert_close(losses(down, [3, 4]), losses(runs["root"] / "sp2_zero2", [3, 4]))
+
+
+@pytest.mark.slow  # the other way: a run of its own first, then loaded under the SP layout
+def test_a_zero2_sp1_checkpoint_goes_on_at_sp2_through_its_universal_form(tiny_tokens, tmp_path):
+    from tools.convert import main as convert_main
+
     one = tmp_path / "one"
     train(base(tiny_tokens, one, "deepspeed.zero_stage=2"))
     up = rewound_copy(one, tmp_path / "up")
-    down = rewound_copy(runs["root"] / "sp2_zero2", tmp_path / "down")
-    for run in (up, down):
-        assert convert_main(["universal", str(run), "--step", "2"]) == 0
-    p = sp2(tiny_tokens, up, *zero2)
+    assert convert_main(["universal", str(up), "--step", "2"]) == 0
+    p = sp2(tiny_tokens, up, "deepspeed.zero_stage=2", "train.allow_config_change=true")
     assert "of 1 rank(s) on 2 from its universal checkpoint" in p.stdout + p.stderr
     assert_close(losses(up, [3, 4]), losses(one, [3, 4]))
-    train(base(tiny_tokens, down, *zero2))
-    assert_close(losses(down, [3, 4]), losses(runs["root"] / "sp2_zero2", [3, 4]))
 
 
 def test_sp2_times_data_parallel_2_trains_like_data_parallel_2(
