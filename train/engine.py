@@ -68,9 +68,9 @@ def ds_config(cfg: RunConfig, world_size: int, largest_param: int = 0, params: i
         conf["data_types"] = {"grad_accum_dtype": "fp32"}
     if ds_cfg.zero_stage >= 1 and params:
         # DeepSpeed's buckets default to 5e8 elements, and ZeRO 1-2 allocate one afresh every
-        # micro-step: 2 GB a step whatever the model (on a CPU that made a step of the debug
-        # model 30x slower). No bucket needs to hold more than the whole model; ZeRO 1-2 want
-        # a multiple of their alignment (2 elements), 8 keeps it for any dtype.
+        # micro-step: 2 GB a step whatever the model, most of a small model's step on a CPU.
+        # No bucket needs to hold more than the whole model; ZeRO 1-2 want a multiple of their
+        # alignment (2 elements), 8 keeps it for any dtype.
         bucket = min(-(-params // 8) * 8, 500_000_000)
         conf["zero_optimization"] |= {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
     if ds_cfg.offload_optimizer and ds_cfg.zero_stage >= 1:
