@@ -401,12 +401,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from data.cli.common import USER_ERRORS
     from tools.evaluate.table import format_eval
-    from train.release import ReleaseError
 
     args = build_parser().parse_args(argv)
     try:
         ev = evaluate(args)
-    except (ReleaseError, ValueError, OSError) as e:
+    except (ValueError, OSError) as e:  # ReleaseError is a ValueError naming the file
         print(f"earlyfuse-eval: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, USER_ERRORS) else 1  # as earlyfuse-prep decides
     if args.out:
