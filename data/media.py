@@ -28,6 +28,8 @@ from PIL import Image, UnidentifiedImageError
 from data.image_prep import bomb_detail, warnings_naming
 from data.schema import Reject
 
+MAX_IMAGE_PIXELS = 64_000_000  # the commands' default limit on an input image, by its header
+
 IMAGE_FORMATS = {
     "JPEG": "jpg",
     "PNG": "png",

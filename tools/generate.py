@@ -13,12 +13,13 @@ import json
 import sys
 from contextlib import nullcontext
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from data.cli.common import checked_device, reader_left, with_folder, writable
-from tools.generate_requests import MAX_SOURCE_PIXELS, REQUEST_KEYS, SAMPLING, Generator
-from train.release import DTYPES, Release, ReleaseError
+from data.media import MAX_IMAGE_PIXELS
+
+if TYPE_CHECKING:  # torch and the model load after the flags are read: --help answers at once
+    from tools.generate_requests import Generator
 
 EXAMPLES = """\
 examples:
@@ -90,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-image-pixels",
         type=int,
-        default=MAX_SOURCE_PIXELS,
+        default=MAX_IMAGE_PIXELS,
         metavar="N",
         help="refuse input images whose header claims more pixels, before decoding (default 64M)",
     )
@@ -122,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     args.output = None if args.output == "-" else args.output  # stdout, as --batch -'s stdin
     if args.batch and args.output and Path(args.output).resolve() == Path(args.batch).resolve():
         parser.error(f"--output {args.output} is the --batch file: the results would replace it")
+    import torch
+
+    from tools.generate_requests import REQUEST_KEYS, SAMPLING, Generator
+    from train.release import DTYPES, Release, ReleaseError
+
     defaults = {key: getattr(args, key) for key in (*SAMPLING, "guidance")}
     try:
         device = torch.device(checked_device(args.device))
@@ -149,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_batch(gen: Generator, path: str, dest: str | None, defaults: dict) -> int:
+    from train.release import ReleaseError
+
     try:
         text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
         lines = text.removeprefix("\ufeff").splitlines()  # the BOM Windows editors write first

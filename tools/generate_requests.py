@@ -22,10 +22,10 @@ import numpy as np
 import torch
 
 from data.cli.common import rgb_image_formats, with_folder, writable
+from data.media import MAX_IMAGE_PIXELS
 from data.vocab import Modality, VocabLayout
 from train.release import Release, ReleaseError
 
-MAX_SOURCE_PIXELS = 64_000_000  # input images, by their header (ingest's --max-image-pixels)
 # a request's sampling keys and their types
 SAMPLING = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": int}
 REQUEST_KEYS = {"id", "prompt", "code", "image", "caption", "draw", "out", "size", "max_size"}
@@ -223,7 +223,7 @@ class Generator:
         self.image_max_tokens = min(caps, default=0)
         # "HxW" -> image blocks of the token data at that grid (config.json tokenize.image_grids)
         self.image_grids: dict[str, int] = dict(opts.get("image_grids") or {})
-        self.max_source_pixels = MAX_SOURCE_PIXELS  # --max-image-pixels
+        self.max_source_pixels = MAX_IMAGE_PIXELS  # --max-image-pixels
 
     @property
     def vtok(self):

@@ -13,6 +13,7 @@ from data.cli.common import (
     parse_size,
     path_or_url,
 )
+from data.media import MAX_IMAGE_PIXELS
 from data.names import REJECTS_FILE
 
 # Fewer held-out documents than this and a source's validation figures (its CE, its margin over
@@ -97,7 +98,7 @@ def _add_ingest(sub) -> None:
     p.add_argument(
         "--max-image-pixels",
         type=int,
-        default=64_000_000,
+        default=MAX_IMAGE_PIXELS,
         metavar="N",
         help="reject images whose header claims more pixels, before decoding (default 64M; "
         "above 178,956,970, Pillow's own limit, images are still refused)",

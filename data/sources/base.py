@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from data.media import (
+    MAX_IMAGE_PIXELS,
     VIDEO_EXTS,
     ImageInfo,
     VideoInfo,
@@ -39,7 +40,7 @@ class SourceSpec:
 
 @dataclass(frozen=True)
 class Limits:
-    max_image_pixels: int = 64_000_000
+    max_image_pixels: int = MAX_IMAGE_PIXELS
     max_video_seconds: float = 600.0
     max_text_bytes: int = 16 << 20
     max_code_bytes: int = 1 << 20
