@@ -57,14 +57,18 @@ _KEY_BAD_CHARS = re.compile(r"[^A-Za-z0-9_-]")
 
 
 def sanitize_key(text: str) -> str:
-    """Map any relative path or id onto the key alphabet (collisions become duplicate-key rejects).
+    """Map any relative path or id onto the key alphabet (ids that collide become duplicate-key
+    rejects; paths that collide are told apart by ``Source.path_key``).
     A name with characters outside ASCII also keeps 8 hex digits of its SHA-256: 照片1.jpg and
     图片1.jpg would both be ``1_jpg`` (and every all-Chinese name of a folder ``jpg``), each
     after the first a duplicate-key reject."""
     key = _KEY_BAD_CHARS.sub("_", text).strip("_") or "_"
-    if text.isascii():
-        return key
-    return f"{key}-{hashlib.sha256(text.encode('utf-8', 'surrogatepass')).hexdigest()[:8]}"
+    return key if text.isascii() else f"{key}-{path_digest(text)}"
+
+
+def path_digest(text: str) -> str:
+    """8 hex digits of ``text``'s SHA-256: what tells apart names that map onto one key."""
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:8]
 
 
 def is_valid_key(key: str) -> bool:

@@ -130,6 +130,8 @@ class Part:
 class Source:
     spec: SourceSpec
     limits: Limits = field(default_factory=Limits)
+    # key -> the path that took it first (path_key)
+    path_keys: dict[str, str] = field(default_factory=dict, init=False, repr=False)
 
     kind = ""
 
@@ -167,6 +169,17 @@ class Source:
     def key(self, local: str) -> str:
         return f"{self.spec.name}-{local}"
 
+    def path_key(self, rel: str) -> str:
+        """The key of the file at ``rel``. Paths that map onto one key (a/b.py, a_b.py, a b.py)
+        are different files: each after the first this listing gave that key also keeps 8 hex
+        digits of its path's SHA-256, as a name outside ASCII does, so that none is lost."""
+        from data.schema import path_digest, sanitize_key
+
+        local = sanitize_key(rel)
+        if self.path_keys.setdefault(local, rel) != rel:
+            local = f"{local}-{path_digest(rel)}"
+        return self.key(local)
+
     def reject(self, path: str, reason: str, detail: str = "", key: str | None = None) -> Reject:
         return Reject(path, reason, detail, key=key, source=self.spec.name)
 
@@ -182,13 +195,13 @@ class Source:
         from data.schema import sanitize_key
 
         for rel, skipped in walk(self.root, skip_dir, follow=self.limits.follow_links_outside):
-            key, label = self.key(sanitize_key(rel)), self.display(rel)
+            label = self.display(rel)
             path = self.root / rel if self.root.is_dir() else self.root
             skipped = skipped or self.outside(path)
-            if skipped:
-                yield self.rejected_item(key, label, skipped.reason, skipped.detail)
+            if skipped:  # a skipped file takes no key from a file that is read
+                yield self.rejected_item(self.key(sanitize_key(rel)), label, *skipped)
             else:
-                yield key, label, path
+                yield self.path_key(rel), label, path
 
     def display(self, rel: str) -> str:
         """How a file inside this source is named in rejects and metadata: relative to the root."""
@@ -300,8 +313,8 @@ def walk(
     ``("dir/", Skip("vendored", why))`` and not entered. A symlinked folder is not entered when
     it leads inside ``root`` (its files are listed where they really are); one that leads out is
     yielded as ``("dir/", Skip("link-outside-source", ...))``, or entered with ``follow``. Files
-    are yielded whatever their links: the caller checks them (``Source.outside``). A file
-    ``root`` yields just its own name."""
+    are yielded whatever their links: the caller checks them (``Source.outside``); hidden and
+    system files come with their Skip. A file ``root`` yields just its own name."""
     if root.is_file():
         yield root.name, None
         return
@@ -327,7 +340,18 @@ def walk(
                     keep.append(dirname)
         dirnames[:] = keep
         for fname in sorted(filenames):
-            yield f"{rel_dir}{fname}", None
+            yield f"{rel_dir}{fname}", skipped_file(fname)
+
+
+# Files an operating system writes beside the user's: macOS's ._NAME (the resource fork of NAME,
+# whose key NAME's would be) and .DS_Store, Windows's Thumbs.db and desktop.ini
+SYSTEM_FILES = frozenset({"Thumbs.db", "desktop.ini"})
+
+
+def skipped_file(name: str) -> Skip | None:
+    if name.startswith(".") or name in SYSTEM_FILES:
+        return Skip("vendored", "hidden or system file skipped")
+    return None
 
 
 def hidden_dir(name: str) -> str | None:

@@ -119,9 +119,8 @@ class CaptionedSource(Source):
         }
         stems = {str(Path(rel).with_suffix("")) for rel in media}
         for rel, skipped in files:
-            key = self.key(sanitize_key(rel))
             if skipped:
-                yield self.rejected_item(key, rel, skipped.reason, skipped.detail)
+                yield self.rejected_item(self.key(sanitize_key(rel)), rel, *skipped)
                 continue
             if rel in CAPTION_TABLES:
                 continue
@@ -130,8 +129,9 @@ class CaptionedSource(Source):
                 if suffix in (".txt", ".json") and str(Path(rel).with_suffix("")) in stems:
                     continue  # a sidecar caption, read with its media file
                 detail = self._unknown_detail(rel, suffix, media)
-                yield self.rejected_item(key, rel, "unknown-type", detail)
+                yield self.rejected_item(self.key(sanitize_key(rel)), rel, "unknown-type", detail)
                 continue
+            key = self.path_key(rel)
             path = self.root / rel
             txt, json_path = path.with_suffix(".txt"), path.with_suffix(".json")
             # the media file and its sidecar captions: none may be a link out of the folder

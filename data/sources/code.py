@@ -127,8 +127,6 @@ class CodeSource(Source):
             lang = language(name)
             if size is None:
                 yield self.rejected_item(key, label, "unreadable-file", unstatable(path))
-            elif name.startswith("."):
-                yield self.rejected_item(key, label, "vendored", "hidden file skipped")
             elif name.endswith(GENERATED_SUFFIXES):
                 yield self.rejected_item(key, label, "vendored", "minified or generated file")
             elif lang is None:

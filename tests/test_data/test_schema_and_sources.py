@@ -166,6 +166,56 @@ def test_code_tree_rules(tmp_path):
     assert by_path["Makefile"]["lang"] == "make" and by_path["pkg/lib.rs"]["lang"] == "rust"
 
 
+def test_paths_that_map_onto_one_key_are_all_read_and_system_files_skipped(tmp_path):
+    """a/b.py, a_b.py and a b.py all map onto the key ``a_b_py``; each is its own document (the
+    first listed keeps the plain key, the others a digest of their path). macOS's ._NAME files,
+    .DS_Store and Thumbs.db are skipped in every kind of source: a ._NAME listed first took NAME's
+    key and lost NAME as a duplicate."""
+    code, photos, text = tmp_path / "code", tmp_path / "photos", tmp_path / "text"
+    for folder in (code / "a", photos, text):
+        folder.mkdir(parents=True)
+    for rel in (
+        "a/b.py",
+        "a_b.py",
+        "a b.py",
+        "._a_b.py",
+        "collections/abc.py",
+        "_collections_abc.py",
+    ):
+        (code / rel).parent.mkdir(exist_ok=True)
+        (code / rel).write_text(f"NAME = {rel!r}\n")
+    for name in ("cat 1.jpg", "cat_1.jpg", "._cat_1.jpg"):
+        (photos / name).write_bytes(png_bytes())
+    (photos / "Thumbs.db").write_bytes(b"\x00" * 64)
+    (photos / ".DS_Store").write_bytes(b"\x00" * 64)
+    (text / "notes.txt").write_text("The real notes.\n")
+    (text / "._notes.txt").write_bytes(b"\x00\x05\x16\x07Mac OS X")
+    out = tmp_path / "out"
+    s = ingest(out, [f"code:{code}", f"images:{photos}", f"text:{text}"])
+    assert _rejects(out) == {
+        "._a_b.py": "vendored",
+        "._cat_1.jpg": "vendored",
+        ".DS_Store": "vendored",
+        "Thumbs.db": "vendored",
+        "._notes.txt": "vendored",
+    }
+    assert s["manifest"]["totals"]["samples"] == 5 + 2 + 1
+    import webdataset as wds
+
+    keys = {
+        x["__key__"]: json.loads(x["json"])["origin"]["path"]
+        for tar in sorted(out.glob("*/*.tar"))
+        for x in wds.WebDataset(str(tar), shardshuffle=False)
+    }
+    assert len(keys) == 8 and all(map(is_valid_key, keys))
+    # a folder's files are listed before its subfolders, each in sorted order
+    assert keys["code-a_b_py"] == "a b.py" and keys["text-notes_txt"] == "notes.txt"
+    assert sorted(v for k, v in keys.items() if k.startswith("code-a_b_py-")) == [
+        "a/b.py",
+        "a_b.py",
+    ]
+
+
 def test_code_files_in_other_encodings(tmp_path):
     """A Python file in the coding its PEP 263 line declares and a UTF-16 file with its byte order
     mark are read as their authors wrote them; undeclared or false codings are rejected."""
