@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from data.names import TOKENIZERS_DIR
 from data.schema import sanitize_key
 from data.shards.storage import filesystem, is_remote, retried
 from data.sources.base import Item, Limits, Source, SourceSpec
@@ -25,6 +26,10 @@ KINDS: dict[str, type[Source]] = {
 }
 
 _SPEC = re.compile(r"^(?:(?P<name>[A-Za-z0-9_-]+)=)?(?P<kind>[a-z]+):(?P<path>.+)$")
+
+
+# Folders an ingest or tokenize output holds beside its sources' folders
+RESERVED_NAMES = {"val": "the held-out split (--val-fraction)", TOKENIZERS_DIR: "the tokenizers"}
 
 
 def parse_sources(args: list[str]) -> list[SourceSpec]:
@@ -57,6 +62,12 @@ def parse_sources(args: list[str]) -> list[SourceSpec]:
             )
         used[name] = arg
         specs.append(SourceSpec(match["kind"], str(path.resolve()), name))
+    for arg, spec in zip(args, specs, strict=True):
+        if why := RESERVED_NAMES.get(spec.name):  # a source's shards would land in that folder
+            raise ValueError(
+                f"--source {arg!r}: the name {spec.name!r} is the folder of {why} in the output; "
+                f"give the source another name, e.g. --source {spec.name}_data={arg.split('=', 1)[-1]}"
+            )
     return specs
 
 

@@ -88,6 +88,12 @@ def test_source_specs(tmp_path):
         parse_sources([f"pictures:{tmp_path}"])
     with pytest.raises(ValueError, match="does not exist"):
         parse_sources([f"text:{tmp_path / 'nope'}"])
+    # The folders an output holds beside the sources' own: a source named so would share them
+    (tmp_path / "val").mkdir()
+    with pytest.raises(ValueError, match=r"'val' is the folder of the held-out split.*val_data="):
+        parse_sources([f"text:{tmp_path / 'val'}"])
+    with pytest.raises(ValueError, match="'tokenizers' is the folder of the tokenizers"):
+        parse_sources([f"tokenizers=code:{tmp_path / 'code'}"])
 
 
 def test_sizes():
