@@ -39,6 +39,12 @@ def ingest(
         )
     partition_share(0, num_partitions, partition)  # a bad --partition refused before planning
     specs = parse_sources(sources)
+    for spec in specs:  # the shards written would be read as inputs by the next run
+        if not is_remote(out) and Path(out).resolve().is_relative_to(spec.path):
+            raise ValueError(
+                f"--out {out} is inside the folder of --source {spec.name} ({spec.path}): "
+                "write the shards outside every source"
+            )
     exclude = tuple(str(Path(p)) for p in exclude_content_of or [])
     plan = make_plan(
         specs,

@@ -457,3 +457,14 @@ def test_val_fraction_holds_out_a_stable_split_by_key_hash(tmp_path, tiny_tokeni
     train = build_loader(cfg, rank=0, world_size=1, micro_batch=1)
     held = build_loader(cfg, rank=0, world_size=1, micro_batch=1, validation=True)
     assert len(train.tables[0]) == 60 - len(val) and len(held.tables[0]) == len(val)
+
+
+def test_an_out_inside_a_source_is_refused_before_anything_is_written(tmp_path):
+    """`cd code && ingest --out shards --source code:.` wrote its shards into the source, and the
+    documented rerun then read them as inputs and refused the output as another ingest's."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "mod.py").write_text("X = 1\n")
+    with pytest.raises(ValueError, match=r"--out .*shards is inside the folder of --source code"):
+        ingest(code / "shards", [f"code:{code}"])
+    assert not (code / "shards").exists()
