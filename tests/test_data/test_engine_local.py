@@ -49,8 +49,9 @@ def test_the_workers_flag_refuses_zero_and_says_when_it_is_more_than_the_cpus(tm
     from data.cli import main
     from data.engine.local import cpu_count
 
-    (tmp_path / "a.txt").write_text("some prose")
-    args = ["ingest", "--out", str(tmp_path / "out"), "--source", f"text:{tmp_path}"]
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("some prose")
+    args = ["ingest", "--out", str(tmp_path / "out"), "--source", f"text:{tmp_path / 'src'}"]
     with pytest.raises(SystemExit) as exit_info:
         main(args + ["--workers", "0"])
     assert exit_info.value.code == 2

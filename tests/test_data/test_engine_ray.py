@@ -205,10 +205,11 @@ def test_workers_bounds_the_actors_on_ray_one_included(cluster, tmp_path):
 
 def test_an_address_where_no_ray_answers_is_refused_before_any_work(tmp_path):
     """ray.init would retry such an address for minutes; the command says so at once."""
-    (tmp_path / "a.txt").write_text("some prose")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("some prose")
     address = f"127.0.0.1:{free_port()}"
     cmd = [sys.executable, "-m", "data.cli", "ingest", "--out", str(tmp_path / "out")]
-    cmd += ["--source", f"text:{tmp_path}", "--engine", "ray", "--ray-address", address]
+    cmd += ["--source", f"text:{tmp_path / 'src'}", "--engine", "ray", "--ray-address", address]
     run = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=120)
     assert run.returncode == 2, run.stderr[-2000:]
     assert f"--ray-address {address}: no Ray cluster answers there" in run.stderr
