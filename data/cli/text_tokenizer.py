@@ -91,9 +91,14 @@ def cmd_train_text_tokenizer(a) -> int:
     try:
         levels = tuple(int(x) for x in a.fsq_levels.split(","))
     except ValueError:
+        levels = ()
+    if not levels or min(levels) < 2:  # refused here, not by the visual tokenizer's run after
         raise ValueError(
-            f"--fsq-levels {a.fsq_levels!r}: expected whole numbers joined by commas, e.g. 8,5,5,5"
-        ) from None
+            f"--fsq-levels {a.fsq_levels!r}: expected whole numbers of at least 2 joined by "
+            "commas, e.g. 8,5,5,5"
+        )
+    if a.max_grid < 1:
+        raise ValueError(f"--max-grid {a.max_grid}: the largest image side is at least 1 token")
     info = train_text_tokenizer(
         a.inputs,
         a.out,

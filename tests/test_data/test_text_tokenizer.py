@@ -131,7 +131,13 @@ def test_weights_fix_the_share_of_characters(tok_dir, tmp_path, capsys):
     )
     argv = ["train-text-tokenizer", "--in", str(raw), "--out", str(tmp_path / "v")]
     assert main([*argv, "--fsq-levels", "8,x", "--no-progress"]) == 2
-    assert "--fsq-levels '8,x': expected whole numbers joined by commas" in capsys.readouterr().err
+    assert "--fsq-levels '8,x': expected whole numbers of at least 2" in capsys.readouterr().err
+    # refused here, before the BPE: the visual tokenizer and tokenize used to fail on them later
+    assert main([*argv, "--fsq-levels", "1,2,3", "--no-progress"]) == 2
+    assert "--fsq-levels '1,2,3': expected whole numbers of at least 2" in capsys.readouterr().err
+    assert main([*argv, "--max-grid", "0", "--no-progress"]) == 2
+    assert "--max-grid 0: the largest image side is at least 1 token" in capsys.readouterr().err
+    assert not (tmp_path / "v").exists()
 
 
 def test_a_source_smaller_than_its_weight_is_used_once_never_repeated(tok_dir, tmp_path, capsys):
