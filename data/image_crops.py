@@ -162,6 +162,8 @@ def load_pool(
 
     for raw_dir in raw_dirs:
         for tar, index, entry in shard_entries(raw_dir, sources or None):
+            if not sources and entry["source"].startswith("val/"):
+                continue  # ingest's held-out split (--val-fraction): the LM is measured on it
             if full():  # the rest is counted from the manifest, never read
                 count_unread(entry["source"], entry.get("segments", {}))
                 continue

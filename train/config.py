@@ -192,9 +192,8 @@ class ImageDataConfig:
     # The text tokenizer's folder (train-text-tokenizer --out), or its vocab_layout.json: when
     # given, vtok.levels are taken from the layout's fsq_levels, so the two always agree.
     tokenizer: str = ""
-    sources: list[str] = field(
-        default_factory=list
-    )  # source names to use (default: all with images)
+    # source names to use (default: all with images, but not ingest's held-out split val/*)
+    sources: list[str] = field(default_factory=list)
     crop: int = 32  # square training crops, a multiple of the spatial factor
     max_pixels: int = 128 * 128  # images are first resized into this budget (aspect kept)
     video_frames: bool = True  # also take frames from videos

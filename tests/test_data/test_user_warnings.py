@@ -101,6 +101,28 @@ def test_documents_left_unread_by_a_full_pool_are_counted_by_source(tmp_path):
     assert pool_of(raw).describe_not_read(100) == ""
 
 
+def test_the_visual_tokenizer_leaves_ingests_held_out_split_alone(tmp_path):
+    """`vtok_data.raw=[shards/]` on an ingest with --val-fraction: the val/ sources are the LM's
+    held-out documents, skipped as the text tokenizer skips them, unless named in sources."""
+    photos = image_folder(tmp_path / "photos", {f"p{index}": 40 for index in range(40)})
+    raw = tmp_path / "raw"
+    assert ingest(raw, [f"photos=images:{photos}"], val_fraction=0.25)["finalized"]
+    held = json.loads((raw / "manifest.json").read_text())["sources"]
+    held = next(x["samples"] for x in held if x["name"] == "val/photos")
+    assert 0 < held < 40
+    assert len(pool_of(raw).train) == 40 - held
+    named = load_pool(
+        [str(raw)],
+        sources=["val/photos"],
+        prep=ImagePrep(factor=4, max_pixels=64 * 64, max_grid=64),
+        crop=32,
+        heldout_fraction=0.0,
+        video_frames=False,
+        limit=100,
+    )
+    assert len(named.train) == held
+
+
 def test_a_decoder_warning_names_the_file_at_ingest_and_when_decoding_shards(tmp_path):
     photos = tmp_path / "photos"
     photos.mkdir()
