@@ -15,7 +15,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from data.cli.common import checked_device, reader_left, with_folder, writable
+from data.cli.common import EXIT_REJECTS, checked_device, reader_left, with_folder, writable
 from data.media import MAX_IMAGE_PIXELS
 
 if TYPE_CHECKING:  # torch and the model load after the flags are read: --help answers at once
@@ -189,7 +189,7 @@ def run_batch(gen: Generator, path: str, dest: str | None, defaults: dict) -> in
             f"earlyfuse-generate: {failed} of {len(lines)} request(s) failed (see their 'error')",
             file=sys.stderr,
         )
-    return 1 if failed else 0
+    return EXIT_REJECTS if failed else 0  # done, with the failed lines listed
 
 
 if __name__ == "__main__":

@@ -191,7 +191,7 @@ def test_batch_jsonl_runs_every_request(release, image, tmp_path):
     src.write_text("\n".join(json.dumps(r) for r in reqs) + "\nnot json\n", encoding="utf-8")
     out = tmp_path / "out.jsonl"
     assert (
-        generate_main([str(release), "--batch", str(src), "--output", str(out)]) == 1
+        generate_main([str(release), "--batch", str(src), "--output", str(out)]) == 3
     )  # seven lines failed
     recs = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     ids = [r.get("id") for r in recs]
@@ -327,7 +327,7 @@ def test_hostile_images_are_error_records_and_cost_no_memory(release, image, tmp
     src, out = tmp_path / "pillow.jsonl", tmp_path / "pillow.out.jsonl"
     src.write_text(json.dumps(reqs[1]) + "\n" + json.dumps(ok) + "\n")
     argv = [str(release), "--batch", str(src), "--output", str(out)]
-    assert generate_main([*argv, "--max-image-pixels", "10000000000"]) == 1
+    assert generate_main([*argv, "--max-image-pixels", "10000000000"]) == 3
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert "over Pillow's own limit" in recs[0]["error"] and recs[1]["kind"] == "caption"
 
@@ -382,7 +382,7 @@ def test_an_output_that_cannot_be_written_is_refused_before_sampling(release, tm
         assert err.count("\n") == 1 and "Traceback" not in err
     src = tmp_path / "req.jsonl"
     src.write_text(json.dumps({"id": "d", "draw": "sky", "out": str(tmp_path), "size": "2x2"}))
-    assert generate_main([str(release), "--batch", str(src)]) == 1
+    assert generate_main([str(release), "--batch", str(src)]) == 3
     rec = json.loads(capsys.readouterr().out)
     assert rec["id"] == "d" and rec["error"].startswith(f"{tmp_path}: cannot write there")
 
@@ -423,7 +423,7 @@ def test_a_whole_number_of_a_request_is_a_json_number(release, tmp_path, capsys)
     ]
     src = tmp_path / "requests.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in reqs))
-    assert generate_main([str(release), "--batch", str(src)]) == 1
+    assert generate_main([str(release), "--batch", str(src)]) == 3
     recs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r.get("error") for r in recs[:4]] == [
         "max_new_tokens must be a whole number, got True",
@@ -523,7 +523,7 @@ def test_an_out_pillow_writes_no_image_under_is_refused_before_sampling(release,
         assert err.count("\n") == 1 and not out.exists()
     src = tmp_path / "req.jsonl"
     src.write_text(json.dumps({"id": "d", "draw": "sky", "out": str(tmp_path / "d.xyz")}))
-    assert generate_main([str(release), "--batch", str(src)]) == 1
+    assert generate_main([str(release), "--batch", str(src)]) == 3
     assert "not an image name Pillow writes" in json.loads(capsys.readouterr().out)["error"]
     assert generate_main([str(release), "--draw", "sky", "--out", str(tmp_path / "d.JPG")]) == 0
     assert Image.open(tmp_path / "d.JPG").format == "JPEG"
@@ -596,7 +596,7 @@ def test_a_draw_key_on_another_batch_line_is_its_error(release, tmp_path, capsys
     ]
     src = tmp_path / "requests.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in reqs))
-    assert generate_main([str(release), "--batch", str(src), "--guidance", "2"]) == 1
+    assert generate_main([str(release), "--batch", str(src), "--guidance", "2"]) == 3
     recs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r.get("error") for r in recs] == [
         "'size' is a draw request's key (this line draws nothing)",
