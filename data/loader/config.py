@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from data.config_hint import unknown_key
+
 
 @dataclass(kw_only=True)
 class SourceConfig:
@@ -30,8 +32,7 @@ class OnlineTokenizeConfig:
 @dataclass(kw_only=True)
 class LoaderConfig:
     sources: list[SourceConfig] = field(default_factory=list)
-    # held-out shards, evaluated per modality
-    validation: list[SourceConfig] = field(default_factory=list)
+    validation: list[SourceConfig] = field(default_factory=list)  # held-out, measured by modality
     seq_len: int = 2048
     mode: str = "infinite"  # infinite: sources reshuffled and repeated | epoch: one pass
     seed: int = 0
@@ -81,8 +82,7 @@ class LoaderConfig:
     # Unset: the token shards' own tokenizers/ copy (local token sources only).
     tokenizers: str | None = None
     tokenize: OnlineTokenizeConfig = field(default_factory=OnlineTokenizeConfig)
-    # where pipe: shards are fetched to (default $TMPDIR/earlyfuse-shards-UID)
-    cache_dir: str | None = None
+    cache_dir: str | None = None  # pipe: shards are fetched here ($TMPDIR/earlyfuse-shards-UID)
     cache_limit_gb: float = 64.0  # least recently used fetched shards are deleted beyond this
 
     @classmethod
@@ -96,5 +96,5 @@ class LoaderConfig:
                 "tokenize": OnlineTokenizeConfig(**data.get("tokenize", {})),
             }
             return cls(**{**data, **sections, **overrides})
-        except TypeError as e:  # a key that is no field: named, as Hydra's schema names it in a run
-            raise ValueError(f"{where}: not a data config ({e})") from None
+        except TypeError as e:  # a key that is no field: named, with the field it may mean
+            raise ValueError(f"{where}: not a data config: {unknown_key(e, cls)}") from None

@@ -483,8 +483,11 @@ def test_every_field_of_a_data_config_reaches_the_loaders_of_preview_and_the_mix
     )
     assert "row 0: 64/64 real tokens; text 64" in preview_module.preview(None, config=raw, n_rows=1)
     mine.write_text(mine.read_text() + "max_pendng: 3\n")
-    with pytest.raises(ValueError, match=rf"{mine}: not a data config .*'max_pendng'"):
+    said = rf"{mine}: not a data config: unknown key 'max_pendng' \(did you mean max_pending\?\)"
+    with pytest.raises(ValueError, match=said):
         bench_module.from_loader(mine, steps=2, micro_batch=1, mix_chunk=0, whole=False)
+    with pytest.raises(ValueError, match=said):  # as earlyfuse-prep preview --config says it
+        preview_module.config_of(mine)
 
 
 def test_each_step_carries_the_mix_not_one_long_document(tiny_tokens):
