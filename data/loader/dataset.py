@@ -350,15 +350,15 @@ def build_loader(
         tables = [load_table(s, cache_dir=cfg.cache_dir) for s in sources]
     check_tokenizers(cfg, tables)
     attach_id_ranges(cfg, tables)  # every sample's ids checked against them as it is read
-    check_blocks_fit(cfg, tables, what="validation source" if validation else "source")
+    what = "validation source" if validation else "source"
+    check_blocks_fit(cfg, tables, what=[what] * len(tables))
     if validation:
         cfg = replace(cfg, sources=sources, mode="epoch")
     raw = [t.name for t in tables if t.kind == "raw"]
     if raw and cfg.mode == "epoch":
-        what = "validation source(s)" if validation else "source(s)"
         fix = "" if validation else " or use data.mode=infinite"
         raise ValueError(
-            f"{what} {raw} hold raw shards: epoch mode counts every rank's batches from the "
+            f"{what}(s) {raw} hold raw shards: epoch mode counts every rank's batches from the "
             f"token counts of the index, which raw shards do not have; tokenize them "
             f"(earlyfuse-prep tokenize){fix}"
         )

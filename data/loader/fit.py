@@ -43,20 +43,20 @@ def _budget(table: TokenTable) -> str:
     return "tokenized with " + " ".join(parts)
 
 
-def check_blocks_fit(cfg: LoaderConfig, tables: list[SampleTable], *, what: str) -> None:
-    """ValueError naming each token source whose blocks would be dropped at ``cfg.seq_len``,
-    unless ``cfg.allow_block_drops``."""
+def check_blocks_fit(cfg: LoaderConfig, tables: list[SampleTable], *, what: list[str]) -> None:
+    """ValueError naming each token source whose blocks would be dropped at ``cfg.seq_len``
+    (``what``: what each is, "source"), unless ``cfg.allow_block_drops``."""
     if cfg.allow_block_drops:
         return
     problems, longest = [], 0
-    for t in tables:
+    for t, said in zip(tables, what, strict=True):
         if not isinstance(t, TokenTable):
             continue  # raw sources are tokenized with budgets fitted to the row
         for modality, (over, total, most) in oversize_blocks(t, cfg.seq_len).items():
             if over:
                 longest = max(longest, most)
                 problems.append(
-                    f"{what} {t.name}: {over} of its {total} {modality} blocks are longer than "
+                    f"{said} {t.name}: {over} of its {total} {modality} blocks are longer than "
                     f"data.seq_len={cfg.seq_len} (the longest {most} tokens; {_budget(t)})"
                 )
     if problems:

@@ -154,15 +154,16 @@ def test_blocks_longer_than_a_row_stop_the_run_or_are_counted_when_allowed(tiny_
     every drop is counted per source and modality (console, metrics.jsonl, final.json)."""
     run = tmp_path / "run"
     args = base(tiny_tokens, run, 3, "data.seq_len=96")
-    p = train(args, check=False)
+    fits = "[{name: scenes, shards: [" + str(tiny_tokens / "scenes") + "]}]"
+    held = "[{name: v, shards: [" + str(tiny_tokens / "clips") + "]}]"
+    p = train(args + [f"data.validation={held}"], check=False)
     said = p.stdout + p.stderr
     assert p.returncode == 2 and "Traceback" not in said and not (run / "metrics.jsonl").exists()
     assert (
         "source clips:" in said and "data.seq_len=96" in said and "--video-max-tokens 240" in said
     )
+    assert "data.validation source v:" in said  # every source that does not fit, in one message
     # A validation source is checked at start too, not at the first evaluation.
-    fits = "[{name: scenes, shards: [" + str(tiny_tokens / "scenes") + "]}]"
-    held = "[{name: v, shards: [" + str(tiny_tokens / "clips") + "]}]"
     only = [a for a in args if not a.startswith("data.sources=")]
     p = train(only + [f"data.sources={fits}", f"data.validation={held}"], check=False)
     said = p.stdout + p.stderr  # a user error as the training sources' is: exit 2, no traceback

@@ -302,11 +302,13 @@ class LMTask:
         self.documents = DocumentCounter()  # documents new to each modality, per batch
         self.layout, self.tok_folder = layout_of_data(cfg, self.tables)
         self.model_cfg = cfg.model.with_layout(self.layout)
-        for src, table in zip(cfg.data.validation, self.tables.get(cfg.data.validation)):
-            try:
-                check_blocks_fit(cfg.data, [table], what="data.validation source")
-            except ValueError as e:  # a user's data, said as the training sources' check says it
-                raise ConfigError(str(e)) from None
+        sources, held_out = self.tables.get(cfg.data.sources), self.tables.get(cfg.data.validation)
+        what = ["source"] * len(sources) + ["data.validation source"] * len(held_out)
+        try:  # every source whose blocks outgrow the rows, held-out or not, in one message
+            check_blocks_fit(cfg.data, sources + held_out, what=what)
+        except ValueError as e:  # a user's data, said as the loader's own check says it
+            raise ConfigError(str(e)) from None
+        for src, table in zip(cfg.data.validation, held_out):
             if table.kind == "raw":  # found now, not at the first evaluation hours later
                 raise ConfigError(
                     f"data.validation source {src.name} holds raw shards: validation makes one "
