@@ -249,6 +249,11 @@ class RunConfig:
                 "deepspeed.offload_optimizer=true needs deepspeed.zero_stage 1 or more (ZeRO-Offload "
                 "moves ZeRO's partitioned optimizer states; at stage 0 it would be ignored)",
             ),
+            (
+                self.deepspeed.zero_stage >= 1 or not self.train.bf16,
+                "train.bf16=true needs deepspeed.zero_stage 1 or more (deepspeed=zero1): bf16 keeps "
+                "fp32 master weights and gradients, which DeepSpeed's stage 0 does not do",
+            ),
             # Empty, the run's files would go into the current folder, or into runs/ itself
             (bool(self.name.strip()), "name is empty: give the run a name (run_dir: runs/NAME)"),
             (bool(self.run_dir.strip()), "run_dir is empty: give the run's own folder"),

@@ -491,6 +491,10 @@ def test_a_typo_inside_a_list_element_of_an_override_names_the_key(tmp_path):
         ("data.max_pending=0", "data.max_pending 0: give 1 or more"),  # 0 steps
         ("data.shuffle_buffer=-1", "data.shuffle_buffer -1: give 0 or more"),
         ("deepspeed.offload_optimizer=true", "offload_optimizer=true needs deepspeed.zero_stage 1"),
+        (
+            "train.bf16=true",
+            "train.bf16=true needs deepspeed.zero_stage 1 or more",
+        ),  # a DeepSpeed traceback
         ("run_dir=", "run_dir is empty"),  # the run's files went into the current folder
         ("name=", "name is empty"),  # into runs/, the folder of every run
         ("data.seq_len=0", "data.seq_len 0: give the row length in tokens"),
