@@ -86,6 +86,7 @@ def rope_note(release_config: dict, seq_len: int, theta: float) -> str | None:
         return None
     return (
         f"note: rows of {seq_len} tokens, {seq_len / rows:g}x the release's {rows}, with model.rope.theta "
-        f"not raised ({theta:g}, the release's {base:g}); a long-context stage raises it with the row "
+        f"{'lowered' if theta < base else 'not raised'} ({theta:g}, the release's {base:g}); a "
+        "long-context stage raises it with the row "
         "(docs/long_context.md, 'A long-context stage')"
     )

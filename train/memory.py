@@ -172,7 +172,7 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--mask", choices=("flex", "sdpa"), default="flex", help="BlockMask or dense mask"
     )
-    parser.add_argument("--zero", type=int, default=1)
+    parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=1)
     parser.add_argument("--act-ckpt", action="store_true")
     args = parser.parse_args(argv)
     try:

@@ -59,6 +59,6 @@ def cmd_passkey(a) -> int:
     )
     print(
         f"{a.out}: {written} passkey documents, {shortest}-{longest} filler sentences, keys of "
-        f"{digits[0]}-{digits[1]} digits (seed {a.seed})"
+        f"{'-'.join(map(str, sorted(set(digits))))} digits (seed {a.seed})"
     )
     return 0

@@ -44,7 +44,10 @@ def presets():
 
 def with_experiment(choice: str) -> list[str]:
     """A preset and what it composes over: a long-context stage over the gpu experiment of its
-    model (a generic stage over gpu_1b, whose 32 heads take every stage's SP degree)."""
+    model (a generic stage over gpu_1b, whose 32 heads take every stage's SP degree); the gpu
+    training settings (bf16) over ZeRO 1, as the gpu experiments choose."""
+    if choice == "train=gpu":
+        return [choice, "deepspeed=zero1"]
     if not choice.startswith("stage="):
         return [choice]
     model = choice.removeprefix("stage=").split("_")[0]
