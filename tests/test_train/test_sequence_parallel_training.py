@@ -28,6 +28,7 @@ STEPS = 4
 # at most 2e-6 here).
 LOSS_TOLERANCE = 1e-4
 MODALITIES = ("text", "code", "image", "video")
+PROBES = ("monitor.code_use.min_steps=1", "monitor.code_use.every=2")
 
 
 def base(tokens, run_dir, *extra):
@@ -65,11 +66,12 @@ def final(run_dir) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tiny_tokens, tmp_path_factory):
-    """One process (SP 1), and two processes at SP 2 under ZeRO 0 and ZeRO 2."""
+    """One process (SP 1), and two processes at SP 2 under ZeRO 0 and ZeRO 2; the code-use probe
+    draws its images at steps 2 and 4."""
     root = tmp_path_factory.mktemp("sp_runs")
-    train(base(tiny_tokens, root / "one"))
-    sp2(tiny_tokens, root / "sp2_zero0")
-    log = sp2(tiny_tokens, root / "sp2_zero2", "deepspeed.zero_stage=2")
+    train(base(tiny_tokens, root / "one", *PROBES))
+    sp2(tiny_tokens, root / "sp2_zero0", *PROBES)
+    log = sp2(tiny_tokens, root / "sp2_zero2", "deepspeed.zero_stage=2", *PROBES)
     return {"root": root, "log": log}
 
 
@@ -98,6 +100,9 @@ def test_sp2_trains_like_one_process_and_counts_each_row_once(runs, name):
         if key in final(one):
             assert final(run)[key] == final(one)[key]
     assert final(run)["val/loss"] == pytest.approx(final(one)["val/loss"], abs=LOSS_TOLERANCE)
+    # The ranks of an SP group draw the same images, counted once: the figures of one process
+    for key in ("monitor/gen_code_distinct", "monitor/gen_image_diversity"):
+        assert [got[s][key] for s in (2, 4)] == pytest.approx([want[s][key] for s in (2, 4)])
 
 
 def test_the_console_and_final_json_name_the_layout(runs):

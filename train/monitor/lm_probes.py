@@ -121,9 +121,16 @@ class LMProbes:
                 want=self._draw_size[0] * self._draw_size[1],
                 groups=REF_GROUPS,
             )
-        seed = self.run_cfg.train.seed * 1000003 + step * 31 + self.dist.rank
+        # one draw per data-parallel rank: the ranks of a sequence-parallel group share it
+        seed = self.run_cfg.train.seed * 1000003 + step * 31 + self.dist.data_rank
         drawn = probes.generated_code_use(
-            module, self.task.layout, dev, images=per_rank, size=self._draw_size, seed=seed
+            module,
+            self.task.layout,
+            dev,
+            images=per_rank,
+            size=self._draw_size,
+            seed=seed,
+            counted=self.dist.sp_rank == 0,
         )
         return {**drawn, **self._ref_codes} if drawn else drawn
 

@@ -317,9 +317,11 @@ def generated_code_use(
     size: tuple[int, int],
     seed: int,
     bos_id: int = 1,
+    counted: bool = True,
 ) -> dict[str, float]:
     """Entropy (normalised) and coverage of the codes in ``images`` drawn images of ``size``
-    (rows, columns of codes)."""
+    (rows, columns of codes), summed over the ranks that are ``counted`` (one of each sequence
+    parallel group: its ranks draw the same images, and every rank must run the forwards)."""
     boi = layout.structure_id("<boi>")
     prompt = torch.tensor([[bos_id, boi]] * images, dtype=torch.long, device=device)
     constraint = ImageConstraint(layout, images, vocab_size=model.cfg.vocab_size, size=size)
@@ -336,7 +338,9 @@ def generated_code_use(
     new = out[:, 2:]
     valid = (new >= layout.visual_offset) & (new < layout.size)
     codes = new[valid] - layout.visual_offset
-    hist = all_reduce_sum(torch.bincount(codes.cpu(), minlength=layout.num_codes).double())
+    hist = all_reduce_sum(
+        torch.bincount(codes.cpu(), minlength=layout.num_codes).double() * counted
+    )
     n = float(hist.sum())
     if n == 0:
         return {}
@@ -349,6 +353,7 @@ def generated_code_use(
         torch.bincount(
             torch.tensor(dominant, dtype=torch.long), minlength=layout.num_codes
         ).double()
+        * counted
     )
     return {
         "monitor/gen_code_entropy": _entropy(hist) / math.log(max(2.0, min(n, layout.num_codes))),
