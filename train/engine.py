@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from train.config import RunConfig
+from train.config_check import ConfigError
 from train.schedule import CappedLambdaLR, lr_multiplier
 from train.sequence_groups import deepspeed_mpu
 from train.skip_step import SkipStepAdamW
@@ -112,8 +113,8 @@ def _check_sp_zero3(zero: dict, degree: int, largest_param: int) -> None:
             f"zero_optimization.reduce_bucket_size={bucket:,} is below the largest parameter "
             f"({largest_param:,} elements); raise it to at least that"
         )
-    if why:
-        raise ValueError(
+    if why:  # a config the user changes: one line and exit code 2, as at composition
+        raise ConfigError(
             f"deepspeed.config {why} (ZeRO 3 with train.sequence_parallel={degree}: DeepSpeed "
             "would then reduce-scatter gradients over all ranks, ignoring the SP groups, and "
             "they would be 1/P of the row's)"
