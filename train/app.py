@@ -140,16 +140,23 @@ def run(cfg: RunConfig, resolved: str, extra_callbacks: CallbackFactory | None =
             note_stopped(dist.rank)
         shutdown()  # every rank got here: close the process groups together
     except RunHalted as e:  # a monitor's decision, not a crash: no traceback, a distinct exit code
-        print(f"earlyfuse-train: {e}", file=sys.stderr)
+        said(e)
         return 3
     except (ConfigError, CheckpointError, CheckpointWriteError) as e:
         # A config, a checkpoint or a run folder that cannot be used: the message says what to
         # do, a traceback would only bury it.
-        print(f"earlyfuse-train: {e}", file=sys.stderr)
+        said(e)
         return 2
     finally:
         lock.release()
     return 0
+
+
+def said(error: Exception) -> None:
+    """The error's line in one write: every rank of a run says it, and print's two writes (the
+    text, then the newline) from several processes glue their lines together."""
+    sys.stderr.write(f"earlyfuse-train: {error}\n")
+    sys.stderr.flush()
 
 
 def config_groups() -> set[str]:
@@ -202,7 +209,7 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
         try:
             run_cfg, resolved = to_run_config(cfg)
         except ConfigError as e:
-            print(f"earlyfuse-train: {e}", file=sys.stderr)
+            said(e)
             sys.exit(2)
         code = run(run_cfg, resolved, extra_callbacks)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -70,8 +70,13 @@ def check_run(degree: int, world_size: int) -> None:
         sequence_parallel_ranks(world_size, degree)
     except ValueError as err:
         # One process: the run was most likely started without a launcher
-        launch = f"; start it with torchrun --nproc_per_node N, N a multiple of {degree}"
-        raise ConfigError(str(err) + (launch if world_size == 1 else "")) from None
+        fits = [n for n in range(1, world_size + 1) if world_size % n == 0]
+        launch = (
+            f"; start it with earlyfuse-torchrun --nproc_per_node N, N a multiple of {degree}"
+            if world_size == 1
+            else f"; run a multiple of {degree} processes, or train.sequence_parallel one of {fits}"
+        )
+        raise ConfigError(str(err) + launch) from None
 
 
 class SequenceParallelMpu:

@@ -384,10 +384,13 @@ def test_a_sequence_parallel_degree_must_divide_the_processes():
 
     check_run(1, 3)
     check_run(2, 4)
-    with pytest.raises(ConfigError, match=r"train\.sequence_parallel=2 .* \(3\)$"):
-        check_run(2, 3)  # started by a launcher already: no launcher hint
     with pytest.raises(
-        ConfigError, match=r"processes \(1\); start it with torchrun --nproc_per_node N"
+        ConfigError,
+        match=r"=2 .* \(3\); run a multiple of 2 processes, or train\.sequence_parallel one of \[1, 3\]$",
+    ):
+        check_run(2, 3)  # started by a launcher already: what would fit, no launcher hint
+    with pytest.raises(
+        ConfigError, match=r"processes \(1\); start it with earlyfuse-torchrun --nproc_per_node N"
     ):
         check_run(2, 1)
 
