@@ -56,9 +56,6 @@ RESUME_CRITICAL: dict[str, tuple[str, ...]] = {
         "data.doc_budget",
         "data.tokenize",
         "data.tokenizers",
-        # Ranks per row: another degree on as many processes is another data-parallel size
-        # (rows per step), like a change of world size.
-        "train.sequence_parallel",
     ),
     "vtok": (
         "vtok_data.raw",
@@ -70,6 +67,10 @@ RESUME_CRITICAL: dict[str, tuple[str, ...]] = {
     ),
 }
 WORLD_SIZE = "world size (ranks)"
+# Rows per step and the loader's consumers follow the data-parallel replicas, world size over
+# train.sequence_parallel: a change of either that keeps their quotient (SP 1 on 1 process to
+# SP 2 on 2) resumes the same rows, a change that does not cannot.
+DATA_PARALLEL = "data-parallel replicas (world size / train.sequence_parallel)"
 
 
 # --- unknown keys ----------------------------------------------------------------------------------
@@ -247,7 +248,7 @@ def breaks_resume(key: str, task: str, old: Any = None, new: Any = None) -> bool
         # position (docs/loader.md): no sample lost or repeated, but not the same batches.
         return task == "lm" and _consumers_per_rank(old) != _consumers_per_rank(new)
     prefixes = RESUME_CRITICAL["any"] + RESUME_CRITICAL.get(task, ())
-    return key == WORLD_SIZE or any(
+    return key == DATA_PARALLEL or any(
         key == prefix or key.startswith(prefix + ".") for prefix in prefixes
     )
 
@@ -265,9 +266,16 @@ def check_resume_config(
     """Print how the new config differs from the checkpoint's; refuse the differences that break
     an exact resume unless ``allowed``."""
     new = yaml.safe_load(new_yaml) or {}
-    diffs = config_diff(yaml.safe_load(saved_yaml) or {}, new) if saved_yaml is not None else []
+    saved = (yaml.safe_load(saved_yaml) or {}) if saved_yaml is not None else None
+    diffs = config_diff(saved, new) if saved is not None else []
     if saved_world_size != world_size:
         diffs.append((WORLD_SIZE, saved_world_size, world_size))
+    replicas = [
+        size // max(1, int(((conf or {}).get("train") or {}).get("sequence_parallel") or 1))
+        for size, conf in ((saved_world_size, saved), (world_size, new))
+    ]
+    if replicas[0] != replicas[1]:
+        diffs.append((DATA_PARALLEL, replicas[0], replicas[1]))
     if not diffs:
         return
     task = str(new.get("task", "lm"))

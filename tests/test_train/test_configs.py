@@ -444,10 +444,19 @@ def test_zero_buckets_hold_the_model_at_most_unless_the_config_says_otherwise():
     assert ds_config(own, 1, 64, 1000)["zero_optimization"]["reduce_bucket_size"] == 7
 
 
-def test_another_sequence_parallel_degree_breaks_an_exact_resume():
-    from train.config_check import breaks_resume
-
-    assert breaks_resume("train.sequence_parallel", "lm", 1, 2)
+def test_another_data_parallel_size_breaks_an_exact_resume_another_sp_degree_alone_does_not():
+    """Rows per step follow the data-parallel replicas (world size / SP degree): SP 1 on one
+    process resumed at SP 2 on two reads the same rows (it was called a break); SP 2 resumed at
+    SP 1 on as many processes doubles the replicas."""
+    saved = "task: lm\ntrain:\n  sequence_parallel: 1\n"
+    sp2 = saved.replace("1", "2")
+    check = dict(where="ck/step_1/config.yaml", show=False, allowed=False)
+    check_resume_config(saved, sp2, saved_world_size=1, world_size=2, **check)
+    check_resume_config(sp2, saved, saved_world_size=2, world_size=1, **check)
+    with pytest.raises(ConfigError, match=r"break an exact resume: data-parallel replicas"):
+        check_resume_config(sp2, saved, saved_world_size=2, world_size=2, **check)
+    with pytest.raises(ConfigError, match=r"break an exact resume: data-parallel replicas"):
+        check_resume_config(saved, saved, saved_world_size=1, world_size=2, **check)
 
 
 def test_another_loader_worker_count_breaks_an_exact_resume_unless_it_is_one_consumer_alike():
