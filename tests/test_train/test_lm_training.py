@@ -163,6 +163,10 @@ def test_blocks_longer_than_a_row_stop_the_run_or_are_counted_when_allowed(tiny_
         "source clips:" in said and "data.seq_len=96" in said and "--video-max-tokens 240" in said
     )
     assert "data.validation source v:" in said  # every source that does not fit, in one message
+    # FlexAttention cannot train on a CPU: said at start, not by the first backward's traceback
+    p = train(args + ["model.attention.backend=flex"], check=False)
+    said = p.stdout + p.stderr
+    assert p.returncode == 2 and "Traceback" not in said and "backend=flex: FlexAttention" in said
     # A validation source is checked at start too, not at the first evaluation.
     only = [a for a in args if not a.startswith("data.sources=")]
     p = train(only + [f"data.sources={fits}", f"data.validation={held}"], check=False)

@@ -302,6 +302,11 @@ class LMTask:
         self.documents = DocumentCounter()  # documents new to each modality, per batch
         self.layout, self.tok_folder = layout_of_data(cfg, self.tables)
         self.model_cfg = cfg.model.with_layout(self.layout)
+        if self.model_cfg.attention.backend == "flex" and dist.device.type == "cpu":
+            raise ConfigError(  # said now, not by the first step's backward
+                "model.attention.backend=flex: FlexAttention has no backward on CPU in this torch; "
+                "use auto (sdpa on a CPU, flex on CUDA) or sdpa"
+            )
         sources, held_out = self.tables.get(cfg.data.sources), self.tables.get(cfg.data.validation)
         what = ["source"] * len(sources) + ["data.validation source"] * len(held_out)
         try:  # every source whose blocks outgrow the rows, held-out or not, in one message
