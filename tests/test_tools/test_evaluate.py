@@ -59,6 +59,8 @@ def test_eval_command_on_a_release(debug_release, tiny_tokens, tiny_corpus, tmp_
     # Evaluated on the training data itself: every document is reported as not held out.
     assert ev["overlap"]["documents"] == ev["overlap"]["checked"] > 0
     assert "WARNING" in printed and "memorisation" in printed
+    first = ev["overlap"]["examples"][0]  # named, for the user to find the inputs
+    assert len(ev["overlap"]["examples"]) <= 5 and f"e.g. {first}" in printed
     tot = ev["heldout"]["total"]
     for m in ("text", "code", "image", "video", "structure"):
         f = tot[m]

@@ -113,9 +113,7 @@ def defaults_notice(release, values: dict, origin: dict) -> str | None:
     if not taken:
         return None
     shown = ", ".join(
-        f"{key} {'on' if values[key] else 'off'}"
-        if key == "whole_documents"
-        else f"{key} {values[key]}"
+        f"{key} {('on' if values[key] else 'off') if key == 'whole_documents' else values[key]}"
         for key in taken
     )
     run_dir = release.config.get("source", {}).get("run_dir") or "unknown"
@@ -138,15 +136,17 @@ def documents(tables, what: str, progress: bool):
 
 
 def overlap(val_tables, train_tables, *, progress: bool = False) -> dict:
-    """Held-out documents whose ids equal a training document's."""
-    seen = {doc.content_hash() for doc in documents(train_tables, "training hashes", progress)}
+    """Held-out documents whose ids equal a training document's, and the first 5 pairs' keys."""
+    seen = {d.content_hash(): d.key for d in documents(train_tables, "training hashes", progress)}
     by_source: dict[str, int] = {}
-    checked = 0
+    checked, examples = 0, []
     for doc in documents(val_tables, "held-out hashes", progress):
         checked += 1
-        if doc.content_hash() in seen:
+        if (twin := seen.get(doc.content_hash())) is not None:
             by_source[doc.source] = by_source.get(doc.source, 0) + 1
-    return {"checked": checked, "documents": sum(by_source.values()), "by_source": by_source}
+            examples += [f"{doc.key} = {twin}"] if len(examples) < 5 else []
+    found = sum(by_source.values())
+    return {"checked": checked, "documents": found, "by_source": by_source, "examples": examples}
 
 
 def evaluate(args) -> dict:

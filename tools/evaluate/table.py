@@ -49,8 +49,8 @@ def format_eval(ev: dict) -> str:
         if other["documents"]:
             lines.append(
                 f"WARNING: {other['documents']} of {other['checked']} held-out documents also occur in "
-                f"the training data ({', '.join(f'{k} {v}' for k, v in other['by_source'].items())}): "
-                "their figures measure memorisation"
+                f"the training data ({', '.join(f'{k} {v}' for k, v in other['by_source'].items())}; "
+                f"e.g. {', '.join(other.get('examples', []))}): their figures measure memorisation"
             )
         else:
             lines.append(
