@@ -139,7 +139,7 @@ def overlap(val_tables, train_tables, *, progress: bool = False) -> dict:
     """Held-out documents whose ids equal a training document's, and the first 5 pairs' keys."""
     seen = {d.content_hash(): d.key for d in documents(train_tables, "training hashes", progress)}
     by_source: dict[str, int] = {}
-    checked, examples = 0, []
+    checked, examples = 0, list[str]()
     for doc in documents(val_tables, "held-out hashes", progress):
         checked += 1
         if (twin := seen.get(doc.content_hash())) is not None:
