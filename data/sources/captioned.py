@@ -78,7 +78,7 @@ class CaptionedSource(Source):
                     self.key(sanitize_key(table)), table, outside.reason, outside.detail
                 )
             elif (self.root / table).is_file():
-                for lineno, rec in read_table(self.root / table):
+                for lineno, rec in read_table(self.root / table, need=("file",)):
                     if isinstance(rec, Reject) or not rec.get("file"):
                         reason, detail = (
                             (rec.reason, rec.detail)
@@ -164,7 +164,7 @@ class CaptionedSource(Source):
     # --- a table of media paths and captions ----------------------------------------------
     def _table_items(self) -> Iterator[Item]:
         base = self.root.parent
-        for lineno, rec in read_table(self.root):
+        for lineno, rec in read_table(self.root, need=(self.column, "file", "path")):
             label = f"{self.root.name}:{lineno}"
             key = self.key(f"{lineno:08d}")
             if isinstance(rec, Reject):

@@ -98,10 +98,11 @@ def _csv_problem(error: str, lines: int) -> str:
     return error
 
 
-def read_table(path: Path) -> Iterator[tuple[int, dict | Reject]]:
+def read_table(path: Path, need: tuple[str, ...] = ()) -> Iterator[tuple[int, dict | Reject]]:
     """(line number, record) of a JSONL or CSV table; a bad JSON line, a malformed CSV row or a
-    blank line yields a Reject. A CSV's first record is its header; a malformed header is an
-    error naming the file (no row could be read against it)."""
+    blank line yields a Reject. A CSV's first record is its header; a malformed header, or one
+    without any of the columns in ``need``, is an error naming the file (no row could be read
+    against it), as for a parquet table."""
     if path.suffix.lower() == ".csv":
         header: list[str] | None = None
         for lineno, fields in csv_records(path):
@@ -114,6 +115,12 @@ def read_table(path: Path) -> Iterator[tuple[int, dict | Reject]]:
             if header is None:
                 if isinstance(fields, str):
                     raise ValueError(f"{label}: the header row is malformed: {fields}")
+                if fields and need and not set(need) & set(fields):
+                    other = " (semicolons: save it comma-separated)" if ";" in fields[0] else ""
+                    raise ValueError(
+                        f"{label}: no {' or '.join(map(repr, need))} column in the header "
+                        f"({', '.join(fields)}){other}"
+                    )
                 if fields:
                     header = fields
                 else:

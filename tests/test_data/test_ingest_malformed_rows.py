@@ -89,6 +89,28 @@ def test_a_captions_csv_in_a_folder_rejects_its_malformed_rows(tmp_path):
     assert captions_of(tmp_path / "out") == {"a.png": "fine", "b.png": ""}
 
 
+def test_a_csv_without_its_media_column_is_one_error_naming_the_header(tmp_path, capsys):
+    """A ``filename,caption`` or semicolon-separated table gave a bad-record for every row; like
+    a parquet table without the column, it is one line naming the header, exit code 2."""
+    (tmp_path / "a.png").write_bytes(png_bytes())
+    (tmp_path / "caps.csv").write_text("filename,caption\na.png,a caption\n")
+    (tmp_path / "semi.csv").write_text("image;caption\na.png;a caption\n")
+    (tmp_path / "pics").mkdir()
+    (tmp_path / "pics" / "a.png").write_bytes(png_bytes())
+    (tmp_path / "pics" / "captions.csv").write_text("name,caption\na.png,fine\n")
+    for source, said in (
+        (
+            "caps.csv",
+            "caps.csv:1: no 'image' or 'file' or 'path' column in the header (filename, caption)",
+        ),
+        ("semi.csv", "(image;caption) (semicolons: save it comma-separated)"),
+        ("pics", "captions.csv:1: no 'file' column in the header (name, caption)"),
+    ):
+        argv = ["ingest", "--out", str(tmp_path / f"out-{source}"), "--no-progress"]
+        assert main([*argv, "--source", f"images:{tmp_path / source}"]) == 2
+        assert said in capsys.readouterr().err
+
+
 def test_caption_rows_for_absent_or_already_captioned_files_are_listed(tmp_path):
     (tmp_path / "pics").mkdir()
     (tmp_path / "pics" / "a.png").write_bytes(png_bytes())
