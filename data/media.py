@@ -152,7 +152,7 @@ def probe_image(raw: bytes, path: str, *, max_pixels: int) -> ImageInfo | Reject
                     path,
                     "pixel-limit",
                     f"header claims {width}x{height} = {width * height} pixels > limit "
-                    f"{max_pixels}",
+                    f"{max_pixels} (--max-image-pixels)",
                 )
             fmt, mode = image.format or "?", image.mode
             frames = getattr(image, "n_frames", 1)

@@ -138,7 +138,10 @@ class CodeSource(Source):
                 )
             elif size > self.limits.max_code_bytes:
                 yield self.rejected_item(
-                    key, label, "too-large", f"{size} B > limit {self.limits.max_code_bytes} B"
+                    key,
+                    label,
+                    "too-large",
+                    f"{size} B > limit {self.limits.max_code_bytes} B (--max-code-bytes)",
                 )
             else:
                 yield Item(key, label, ("file", str(path), label, lang), size)

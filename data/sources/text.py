@@ -71,7 +71,10 @@ class TextSource(Source):
                 )
             elif size > self.limits.max_text_bytes:
                 yield self.rejected_item(
-                    key, label, "too-large", f"{size} B > limit {self.limits.max_text_bytes} B"
+                    key,
+                    label,
+                    "too-large",
+                    f"{size} B > limit {self.limits.max_text_bytes} B (--max-text-bytes)",
                 )
             else:
                 yield Item(key, label, ("file", str(path), label), size)
