@@ -49,6 +49,17 @@ def parse_sources(args: list[str]) -> list[SourceSpec]:
         path = Path(match["path"]).expanduser()
         if not path.exists():
             raise ValueError(f"--source {arg!r}: {path} does not exist")
+        tables = (".jsonl", ".csv", ".parquet")
+        if (
+            match["kind"] in ("images", "videos")
+            and path.is_file()
+            and path.suffix.lower() not in tables
+        ):
+            raise ValueError(  # a user's slip, said as one: not a reject of the file
+                f"--source {arg!r}: {match['kind']} takes a folder (put {path.name} in a folder of "
+                "its own, with its caption beside it), a .jsonl/.csv/.parquet table or a Hugging "
+                "Face dataset folder"
+            )
         name = match["name"] or sanitize_key(
             path.resolve().stem if path.is_file() else path.resolve().name
         )

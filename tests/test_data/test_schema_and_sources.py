@@ -88,6 +88,9 @@ def test_source_specs(tmp_path):
         parse_sources([f"pictures:{tmp_path}"])
     with pytest.raises(ValueError, match="does not exist"):
         parse_sources([f"text:{tmp_path / 'nope'}"])
+    (tmp_path / "pano.jpg").write_bytes(png_bytes())
+    with pytest.raises(ValueError, match=r"images takes a folder \(put pano\.jpg in a folder"):
+        parse_sources([f"images:{tmp_path / 'pano.jpg'}"])
     # The folders an output holds beside the sources' own: a source named so would share them
     (tmp_path / "val").mkdir()
     with pytest.raises(ValueError, match=r"'val' is the folder of the held-out split.*val_data="):
