@@ -118,6 +118,7 @@ class CaptionedSource(Source):
             rel for rel, skipped in files if not skipped and Path(rel).suffix.lower() in self.exts
         }
         stems = {str(Path(rel).with_suffix("")) for rel in media}
+        captioned: dict[Path, str] = {}  # a sidecar caption -> the media file it captions
         for rel, skipped in files:
             if skipped:
                 yield self.rejected_item(self.key(sanitize_key(rel)), rel, *skipped)
@@ -149,6 +150,18 @@ class CaptionedSource(Source):
             size = stat_size(path)
             if size is None:
                 yield self.rejected_item(key, rel, "unreadable-file", unstatable(path))
+                continue
+            side = next((s for s in (txt, json_path) if s.is_file()), None)
+            if side is not None and captioned.setdefault(side, rel) != rel:
+                # coffee.bmp and coffee.tiff: most often one picture in two formats, which
+                # would be two documents, perhaps one on each side of the held-out split
+                yield self.rejected_item(
+                    key,
+                    rel,
+                    "duplicate-key",
+                    f"its caption {side.name} is {captioned[side]}'s too (one picture in two "
+                    "formats?): rename one, or give each a caption of its own",
+                )
                 continue
             caption = captions.get(unicodedata.normalize("NFC", rel))
             ref = (

@@ -111,6 +111,20 @@ def test_a_csv_without_its_media_column_is_one_error_naming_the_header(tmp_path,
         assert said in capsys.readouterr().err
 
 
+def test_two_media_files_of_one_caption_file_keep_the_first(tmp_path):
+    """coffee.bmp and coffee.tiff both took coffee.txt: one picture in two formats became two
+    documents, which the split put on both sides. The second is listed, naming the first."""
+    (tmp_path / "pics").mkdir()
+    for name in ("coffee.bmp", "coffee.png", "tea.png"):
+        (tmp_path / "pics" / name).write_bytes(png_bytes())
+    (tmp_path / "pics" / "coffee.txt").write_text("a cup of coffee")
+    status, rejects, _ = run_ingest(tmp_path / "out", f"images:{tmp_path / 'pics'}")
+    assert status == EXIT_REJECTS
+    assert [(r["path"], r["reason"]) for r in rejects] == [("coffee.png", "duplicate-key")]
+    assert "its caption coffee.txt is coffee.bmp's too" in rejects[0]["detail"]
+    assert captions_of(tmp_path / "out") == {"coffee.bmp": "a cup of coffee", "tea.png": ""}
+
+
 def test_caption_rows_for_absent_or_already_captioned_files_are_listed(tmp_path):
     (tmp_path / "pics").mkdir()
     (tmp_path / "pics" / "a.png").write_bytes(png_bytes())
