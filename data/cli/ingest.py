@@ -127,7 +127,8 @@ def _add_ingest(sub) -> None:
     p.add_argument(
         "--repair-utf8",
         action="store_true",
-        help="keep text that is not valid UTF-8, bad bytes replaced by U+FFFD (default: reject it)",
+        help="keep text that is not valid UTF-8, bad bytes replaced by U+FFFD: files, caption files "
+        "and table rows (default: reject it)",
     )
     p.add_argument(
         "--follow-links-outside",

@@ -37,7 +37,7 @@ from data.shards.writer import ShardWriter
 from data.sources import Limits, Source, SourceSpec, build_source
 
 STATE_DIR = ".ingest"
-_SOURCES: dict[SourceSpec, Source] = {}
+_SOURCES: dict[tuple[SourceSpec, Limits], Source] = {}
 _EXCLUDED: dict[tuple[str, ...], dict[str, tuple[str, str]]] = {}
 
 
@@ -67,8 +67,9 @@ class ShardJob:
 
 def write_shard(job: ShardJob) -> dict:
     """Worker: turn one planned shard into a tar + index + record. Returns the record."""
-    src = _SOURCES.get(job.spec) or _SOURCES.setdefault(
-        job.spec, build_source(job.spec, job.limits)
+    # per spec and limits: another ingest in this process may read the same source differently
+    src = _SOURCES.get((job.spec, job.limits)) or _SOURCES.setdefault(
+        (job.spec, job.limits), build_source(job.spec, job.limits)
     )
     dest = Folder(job.out)
     with Staging(dest) as stage:

@@ -78,7 +78,9 @@ class CaptionedSource(Source):
                     self.key(sanitize_key(table)), table, outside.reason, outside.detail
                 )
             elif (self.root / table).is_file():
-                for lineno, rec in read_table(self.root / table, need=("file",)):
+                for lineno, rec in read_table(
+                    self.root / table, ("file",), self.limits.repair_utf8
+                ):
                     if isinstance(rec, Reject) or not rec.get("file"):
                         reason, detail = (
                             (rec.reason, rec.detail)
@@ -177,7 +179,9 @@ class CaptionedSource(Source):
     # --- a table of media paths and captions ----------------------------------------------
     def _table_items(self) -> Iterator[Item]:
         base = self.root.parent
-        for lineno, rec in read_table(self.root, need=(self.column, "file", "path")):
+        for lineno, rec in read_table(
+            self.root, (self.column, "file", "path"), self.limits.repair_utf8
+        ):
             label = f"{self.root.name}:{lineno}"
             key = self.key(f"{lineno:08d}")
             if isinstance(rec, Reject):
@@ -229,7 +233,9 @@ class CaptionedSource(Source):
                 rec = (
                     raw
                     if isinstance(raw, Reject)
-                    else parse_record(raw, str(Path(rel).with_suffix(".json")))
+                    else parse_record(
+                        raw, str(Path(rel).with_suffix(".json")), self.limits.repair_utf8
+                    )
                 )
                 if isinstance(rec, Reject):  # named by the media file it leaves out
                     detail = f"its sidecar {Path(json_path).name}: {rec.detail}"

@@ -91,7 +91,11 @@ class InterleavedSource(Source):
         for lineno, off, length in jsonl_lines(self.root):
             label = f"{self.root.name}:{lineno}"
             key = self.key(f"{lineno:08d}")
-            rec = parse_record(read_line(self.root, off, length), label) if length else None
+            rec = (
+                parse_record(read_line(self.root, off, length), label, self.limits.repair_utf8)
+                if length
+                else None
+            )
             if rec is None:
                 rej = blank_line(label)
                 yield self.rejected_item(key, label, rej.reason, rej.detail)
@@ -141,7 +145,7 @@ class InterleavedSource(Source):
         if item.ref[0] == "trow":
             return load_row(self, item)
         _, path, label, off, length, lineno = item.ref
-        rec = parse_record(read_line(path, off, length), label)
+        rec = parse_record(read_line(path, off, length), label, self.limits.repair_utf8)
         if isinstance(rec, Reject):
             return self.reject(rec.path, rec.reason, rec.detail, item.key)
         parts = doc_parts(rec, Path(path).parent, label)

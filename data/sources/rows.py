@@ -35,9 +35,11 @@ def blank_line(label: str) -> Reject:
 NOT_UTF8 = re.compile("[\udc80-\udcff]")  # the bytes surrogateescape kept of invalid UTF-8
 
 
-def parse_record(raw: bytes, label: str) -> dict | Reject:
+def parse_record(raw: bytes, label: str, repair: bool = False) -> dict | Reject:
+    """A JSON line's object; with ``repair`` (--repair-utf8) bytes that are not UTF-8 become
+    U+FFFD, as in text files."""
     try:
-        rec = json.loads(raw)
+        rec = json.loads(raw.decode("utf-8", "replace") if repair else raw)
     except UnicodeDecodeError as e:
         return Reject(label, "not-utf8", f"invalid UTF-8 in JSON line at byte {e.start}")
     except ValueError as e:
@@ -98,15 +100,20 @@ def _csv_problem(error: str, lines: int) -> str:
     return error
 
 
-def read_table(path: Path, need: tuple[str, ...] = ()) -> Iterator[tuple[int, dict | Reject]]:
+def read_table(
+    path: Path, need: tuple[str, ...] = (), repair: bool = False
+) -> Iterator[tuple[int, dict | Reject]]:
     """(line number, record) of a JSONL or CSV table; a bad JSON line, a malformed CSV row or a
     blank line yields a Reject. A CSV's first record is its header; a malformed header, or one
     without any of the columns in ``need``, is an error naming the file (no row could be read
-    against it), as for a parquet table."""
+    against it), as for a parquet table. ``repair`` (--repair-utf8): a row's bytes that are not
+    UTF-8 become U+FFFD instead of rejecting it."""
     if path.suffix.lower() == ".csv":
         header: list[str] | None = None
         for lineno, fields in csv_records(path):
             label = f"{path.name}:{lineno}"
+            if repair and not isinstance(fields, str) and header is not None:
+                fields = [NOT_UTF8.sub("\ufffd", field) for field in fields]
             if not isinstance(fields, str) and any(map(NOT_UTF8.search, fields)):
                 if header is None:
                     raise ValueError(f"{label}: the header row is not valid UTF-8")
@@ -147,4 +154,4 @@ def read_table(path: Path, need: tuple[str, ...] = ()) -> Iterator[tuple[int, di
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             label = f"{path.name}:{lineno}"
-            yield lineno, parse_record(line, label) if line.strip() else blank_line(label)
+            yield lineno, parse_record(line, label, repair) if line.strip() else blank_line(label)

@@ -92,7 +92,7 @@ class TextSource(Source):
             )
         _, path, label, off, length, lineno = item.ref
         where = f"{label}:{lineno}"
-        rec = parse_record(read_line(path, off, length), where)
+        rec = parse_record(read_line(path, off, length), where, self.limits.repair_utf8)
         if isinstance(rec, Reject):
             return self.reject(rec.path, rec.reason, rec.detail, item.key)
         text = rec.pop("text", None)

@@ -278,3 +278,20 @@ def test_repair_utf8_keeps_text_and_counts(tmp_path):
     (tmp_path / "t" / "l1.txt").write_bytes("caf\xe9".encode("latin-1"))
     s = ingest(tmp_path / "out", [f"text:{tmp_path / 't'}"], limits=Limits(repair_utf8=True))
     assert s["manifest"]["totals"]["samples"] == 1 and s["manifest"]["totals"]["repaired_utf8"] == 1
+
+
+def test_repair_utf8_keeps_table_rows_too(tmp_path):
+    """A Latin-1 row of a CSV or JSONL table was a not-utf8 reject whatever --repair-utf8 said."""
+    from data.sources import Limits
+
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.png").write_bytes(png_bytes())
+    latin = "caf\xe9".encode("latin-1")
+    (tmp_path / "caps.csv").write_bytes(b"image,caption\na.png,a " + latin + b"\nb.png,plain\n")
+    (tmp_path / "t.jsonl").write_bytes(b'{"text": "au ' + latin + b'"}\n{"text": "plain"}\n')
+    sources = [f"images:{tmp_path / 'caps.csv'}", f"text:{tmp_path / 't.jsonl'}"]
+    refused = ingest(tmp_path / "strict", sources)
+    assert refused["manifest"]["totals"]["samples"] == 2
+    assert sorted(_rejects(tmp_path / "strict").values()) == ["not-utf8", "not-utf8"]
+    s = ingest(tmp_path / "out", sources, limits=Limits(repair_utf8=True))
+    assert s["manifest"]["totals"]["samples"] == 4 and not _rejects(tmp_path / "out")
