@@ -1,7 +1,7 @@
 """``earlyfuse-generate RELEASE``: sample from a release: continue text or code, caption an
 image, draw an image to PNG, or run a JSONL file of such requests (docs/checkpoints.md,
-"earlyfuse-generate"). This file is the command line (flags, the request they make, the JSONL
-batch runner); what each request does is tools/generate_requests.py. Every request is seeded
+"earlyfuse-generate"). This file is the command line (flags and the request they make); what
+each request does, and the JSONL batch runner, is tools/generate_requests.py. Every request is seeded
 on its own and a failing line of a batch gives an ``error`` record while the others still run,
 so a result never depends on its neighbours.
 """
@@ -9,17 +9,11 @@ so a result never depends on its neighbours.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from contextlib import nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from data.cli.common import EXIT_REJECTS, checked_device, reader_left, with_folder, writable
+from data.cli.common import checked_device, reader_left, writable
 from data.media import MAX_IMAGE_PIXELS
-
-if TYPE_CHECKING:  # torch and the model load after the flags are read: --help answers at once
-    from tools.generate_requests import Generator
 
 EXAMPLES = """\
 examples:
@@ -123,9 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     args.output = None if args.output == "-" else args.output  # stdout, as --batch -'s stdin
     if args.batch and args.output and Path(args.output).resolve() == Path(args.batch).resolve():
         parser.error(f"--output {args.output} is the --batch file: the results would replace it")
-    import torch
+    import torch  # torch and the model load after the flags are read: --help answers at once
 
-    from tools.generate_requests import REQUEST_KEYS, SAMPLING, Generator
+    from tools.generate_requests import REQUEST_KEYS, SAMPLING, Generator, run_batch
     from train.release import DTYPES, Release, ReleaseError
 
     defaults = {key: getattr(args, key) for key in (*SAMPLING, "guidance")}
@@ -152,44 +146,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(res["text"], flush=True)
     return 0
-
-
-def run_batch(gen: Generator, path: str, dest: str | None, defaults: dict) -> int:
-    from train.release import ReleaseError
-
-    try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
-        lines = text.removeprefix("\ufeff").splitlines()  # the BOM Windows editors write first
-    except (OSError, UnicodeDecodeError) as e:
-        raise ReleaseError(f"{path}: cannot read the requests ({e})") from None
-    failed, outs = 0, dict[Path | None, int]()  # each image file a request writes -> its line
-    with open(with_folder(dest), "w", encoding="utf-8") if dest else nullcontext(sys.stdout) as out:
-        for line_no, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            req = None
-            try:
-                req = json.loads(line)
-                if not isinstance(req, dict):
-                    raise ReleaseError("a request is a JSON object")
-                target = Path(req["out"]).resolve() if isinstance(req.get("out"), str) else None
-                if first := outs.get(target):  # a later line overwrote an earlier image
-                    raise ReleaseError(f"out {req['out']}: line {first} wrote that file")
-                rec = {"line": line_no, **gen.request(req, defaults)}
-                outs[target] = line_no if target else 0  # 0: no file, no refusal
-            except Exception as e:  # noqa: BLE001 - one bad line never ends the batch
-                failed += 1
-                why = str(e) if isinstance(e, ReleaseError) else f"{type(e).__name__}: {e}"
-                named = {"id": req["id"]} if isinstance(req, dict) and "id" in req else {}
-                rec = {"line": line_no, **named, "error": why}
-            out.write(json.dumps(rec, ensure_ascii=False) + "\n")
-            out.flush()
-    if failed:
-        print(
-            f"earlyfuse-generate: {failed} of {len(lines)} request(s) failed (see their 'error')",
-            file=sys.stderr,
-        )
-    return EXIT_REJECTS if failed else 0  # done, with the failed lines listed
 
 
 if __name__ == "__main__":

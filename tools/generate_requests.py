@@ -2,7 +2,8 @@
 once and serves requests with the KV-cached ``model.generate`` (docs/checkpoints.md,
 "earlyfuse-generate"). Apart from the command line (tools/generate.py) so that other code (the
 HF export's check, the scene evaluation: ``sample``, ``draw_image``, ``Generator.caption``)
-samples as the command does.
+samples as the command does; ``run_batch`` serves a JSONL file of requests, each line on its
+own (a failing one is its ``error`` record).
 
 Prompts are built the way the token shards are (data/tokenize/encoder.py), at the training pixel
 budget, so the model sees what it was trained on. Text is sampled under a text-only mask, so
@@ -13,15 +14,17 @@ is decoded.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from data.cli.common import rgb_image_formats, with_folder, writable
+from data.cli.common import EXIT_REJECTS, USER_ERRORS, rgb_image_formats, with_folder, writable
 from data.media import MAX_IMAGE_PIXELS
 from data.vocab import Modality, VocabLayout
 from train.release import Release, ReleaseError
@@ -388,3 +391,40 @@ def parse_size(text) -> tuple[int, int]:
         return height, width
     except ValueError:
         raise ReleaseError(f"size {text!r}: write it as HxW in tokens, e.g. 8x8") from None
+
+
+def run_batch(gen: Generator, path: str, dest: str | None, defaults: dict) -> int:
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+        lines = text.removeprefix("\ufeff").splitlines()  # the BOM Windows editors write first
+    except (OSError, UnicodeDecodeError) as e:
+        raise ReleaseError(f"{path}: cannot read the requests ({e})") from None
+    failed, broke, outs = 0, 0, dict[Path | None, int]()  # image file a request writes -> its line
+    with open(with_folder(dest), "w", encoding="utf-8") if dest else nullcontext(sys.stdout) as out:
+        for line_no, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            req = None
+            try:
+                req = json.loads(line)
+                if not isinstance(req, dict):
+                    raise ReleaseError("a request is a JSON object")
+                target = Path(req["out"]).resolve() if isinstance(req.get("out"), str) else None
+                if first := outs.get(target):  # a later line overwrote an earlier image
+                    raise ReleaseError(f"out {req['out']}: line {first} wrote that file")
+                rec = {"line": line_no, **gen.request(req, defaults)}
+                outs[target] = line_no if target else 0  # 0: no file, no refusal
+            except Exception as e:  # noqa: BLE001 - one bad line never ends the batch
+                failed += 1
+                broke += not isinstance(e, USER_ERRORS)  # not the line's fault: the machine's
+                why = str(e) if isinstance(e, ReleaseError) else f"{type(e).__name__}: {e}"
+                named = {"id": req["id"]} if isinstance(req, dict) and "id" in req else {}
+                rec = {"line": line_no, **named, "error": why}
+            out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            out.flush()
+    if failed:
+        print(
+            f"earlyfuse-generate: {failed} of {len(lines)} request(s) failed (see their 'error')",
+            file=sys.stderr,
+        )
+    return 1 if broke else EXIT_REJECTS if failed else 0  # 3: done, the failed lines listed

@@ -71,6 +71,8 @@ WORLD_SIZE = "world size (ranks)"
 # train.sequence_parallel: a change of either that keeps their quotient (SP 1 on 1 process to
 # SP 2 on 2) resumes the same rows, a change that does not cannot.
 DATA_PARALLEL = "data-parallel replicas (world size / train.sequence_parallel)"
+# MoE's capacity limit applies to each rank's shard of a row: another SP degree drops other tokens
+MOE_SHARDS = "train.sequence_parallel under MoE (its capacity limit is per shard)"
 
 
 # --- unknown keys ----------------------------------------------------------------------------------
@@ -248,7 +250,7 @@ def breaks_resume(key: str, task: str, old: Any = None, new: Any = None) -> bool
         # position (docs/loader.md): no sample lost or repeated, but not the same batches.
         return task == "lm" and _consumers_per_rank(old) != _consumers_per_rank(new)
     prefixes = RESUME_CRITICAL["any"] + RESUME_CRITICAL.get(task, ())
-    return key == DATA_PARALLEL or any(
+    return key in (DATA_PARALLEL, MOE_SHARDS) or any(
         key == prefix or key.startswith(prefix + ".") for prefix in prefixes
     )
 
@@ -262,20 +264,23 @@ def check_resume_config(
     allowed: bool,
     where: str,
     show: bool,
+    saved_sp: int | None = 1,
+    sp: int = 1,
 ) -> None:
     """Print how the new config differs from the checkpoint's; refuse the differences that break
-    an exact resume unless ``allowed``."""
+    an exact resume unless ``allowed``. World sizes and SP degrees (``saved_sp``: the checkpoint
+    meta's, None before SP existed) come from the runs themselves, not from the editable
+    config.yaml."""
     new = yaml.safe_load(new_yaml) or {}
-    saved = (yaml.safe_load(saved_yaml) or {}) if saved_yaml is not None else None
-    diffs = config_diff(saved, new) if saved is not None else []
+    diffs = config_diff(yaml.safe_load(saved_yaml) or {}, new) if saved_yaml is not None else []
     if saved_world_size != world_size:
         diffs.append((WORLD_SIZE, saved_world_size, world_size))
-    replicas = [
-        size // max(1, int(((conf or {}).get("train") or {}).get("sequence_parallel") or 1))
-        for size, conf in ((saved_world_size, saved), (world_size, new))
-    ]
-    if replicas[0] != replicas[1]:
-        diffs.append((DATA_PARALLEL, replicas[0], replicas[1]))
+    saved_sp = saved_sp or 1  # the checkpoint's meta.json; none: written before SP existed
+    if saved_world_size // saved_sp != world_size // sp:
+        diffs.append((DATA_PARALLEL, saved_world_size // saved_sp, world_size // sp))
+    moe = (new.get("model") or {}).get("moe") or {}
+    if saved_sp != sp and moe.get("num_experts", 0) > 0 and moe.get("capacity_factor", 0) > 0:
+        diffs.append((MOE_SHARDS, saved_sp, sp))
     if not diffs:
         return
     task = str(new.get("task", "lm"))

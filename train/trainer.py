@@ -208,6 +208,8 @@ class Trainer:
             self.resolved_yaml,
             saved_world_size=meta["world_size"],
             world_size=self.dist.world_size,
+            saved_sp=meta.get("sequence_parallel"),
+            sp=self.dist.sp_degree,
             allowed=self.train.allow_config_change,
             where=str(saved),
             show=self.dist.is_main,

@@ -39,7 +39,8 @@ def parse_record(raw: bytes, label: str, repair: bool = False) -> dict | Reject:
     """A JSON line's object; with ``repair`` (--repair-utf8) bytes that are not UTF-8 become
     U+FFFD, as in text files."""
     try:
-        rec = json.loads(raw.decode("utf-8", "replace") if repair else raw)
+        # json.loads strips a byte order mark from bytes, not from str: strip it here too
+        rec = json.loads(raw.decode("utf-8", "replace").removeprefix("\ufeff") if repair else raw)
     except UnicodeDecodeError as e:
         return Reject(label, "not-utf8", f"invalid UTF-8 in JSON line at byte {e.start}")
     except ValueError as e:

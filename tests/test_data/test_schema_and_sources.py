@@ -288,7 +288,10 @@ def test_repair_utf8_keeps_table_rows_too(tmp_path):
         (tmp_path / f"{name}.png").write_bytes(png_bytes())
     latin = "caf\xe9".encode("latin-1")
     (tmp_path / "caps.csv").write_bytes(b"image,caption\na.png,a " + latin + b"\nb.png,plain\n")
-    (tmp_path / "t.jsonl").write_bytes(b'{"text": "au ' + latin + b'"}\n{"text": "plain"}\n')
+    # the byte order mark Windows editors write first: still read, repaired or not
+    (tmp_path / "t.jsonl").write_bytes(
+        b'\xef\xbb\xbf{"text": "au ' + latin + b'"}\n{"text": "plain"}\n'
+    )
     sources = [f"images:{tmp_path / 'caps.csv'}", f"text:{tmp_path / 't.jsonl'}"]
     refused = ingest(tmp_path / "strict", sources)
     assert refused["manifest"]["totals"]["samples"] == 2

@@ -604,3 +604,26 @@ def test_a_draw_key_on_another_batch_line_is_its_error(release, tmp_path, capsys
         "'out' is a draw request's key (this line draws nothing)",
         None,
     ]
+
+
+def test_a_batch_line_the_machine_fails_exits_1_not_3(release, tmp_path, capsys, monkeypatch):
+    """A line's own error (a bad value, a missing image) is exit code 3, the batch done with its
+    failures listed; one the machine causes (out of memory, a full disk) is 1, as for any command."""
+    from tools.generate_requests import Generator
+
+    real = Generator.request
+
+    def request(self, req, defaults):
+        if req.get("prompt") == "boom":
+            raise MemoryError("out of memory on the device")
+        return real(self, req, defaults)
+
+    monkeypatch.setattr(Generator, "request", request)
+    src = tmp_path / "req.jsonl"
+    lines = [{"prompt": "a", "max_new_tokens": 2}, {"prompt": "b", "top_p": 7}]
+    src.write_text("\n".join(map(json.dumps, lines)) + "\n")
+    assert generate_main([str(release), "--batch", str(src)]) == 3
+    src.write_text(src.read_text() + json.dumps({"prompt": "boom"}) + "\n")
+    assert generate_main([str(release), "--batch", str(src)]) == 1
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert out[-1]["error"] == "MemoryError: out of memory on the device" and "text" in out[-3]

@@ -445,18 +445,25 @@ def test_zero_buckets_hold_the_model_at_most_unless_the_config_says_otherwise():
 
 
 def test_another_data_parallel_size_breaks_an_exact_resume_another_sp_degree_alone_does_not():
-    """Rows per step follow the data-parallel replicas (world size / SP degree): SP 1 on one
-    process resumed at SP 2 on two reads the same rows (it was called a break); SP 2 resumed at
-    SP 1 on as many processes doubles the replicas."""
-    saved = "task: lm\ntrain:\n  sequence_parallel: 1\n"
-    sp2 = saved.replace("1", "2")
+    """Rows per step follow the data-parallel replicas (world size / SP degree, both from the
+    checkpoint's meta and the running world): SP 1 on one process resumed at SP 2 on two reads the
+    same rows; SP 2 resumed at SP 1 on as many processes doubles the replicas. Under MoE with a
+    capacity limit another SP degree drops other tokens, so it breaks the resume too."""
+    saved, new = "task: lm\n", "task: lm\n"
     check = dict(where="ck/step_1/config.yaml", show=False, allowed=False)
-    check_resume_config(saved, sp2, saved_world_size=1, world_size=2, **check)
-    check_resume_config(sp2, saved, saved_world_size=2, world_size=1, **check)
+    check_resume_config(saved, new, saved_world_size=1, world_size=2, saved_sp=1, sp=2, **check)
+    check_resume_config(saved, new, saved_world_size=2, world_size=1, saved_sp=2, sp=1, **check)
     with pytest.raises(ConfigError, match=r"break an exact resume: data-parallel replicas"):
-        check_resume_config(sp2, saved, saved_world_size=2, world_size=2, **check)
+        check_resume_config(saved, new, saved_world_size=2, world_size=2, saved_sp=2, **check)
     with pytest.raises(ConfigError, match=r"break an exact resume: data-parallel replicas"):
-        check_resume_config(saved, saved, saved_world_size=1, world_size=2, **check)
+        check_resume_config(saved, new, saved_world_size=1, world_size=2, saved_sp=None, **check)
+    moe = "task: lm\nmodel:\n  moe:\n    num_experts: 4\n    capacity_factor: 1.25\n"
+    with pytest.raises(ConfigError, match=r"train\.sequence_parallel under MoE"):
+        check_resume_config(moe, moe, saved_world_size=1, world_size=2, saved_sp=1, sp=2, **check)
+    unlimited = moe.replace("1.25", "0")
+    check_resume_config(
+        unlimited, unlimited, saved_world_size=1, world_size=2, saved_sp=1, sp=2, **check
+    )
 
 
 def test_another_loader_worker_count_breaks_an_exact_resume_unless_it_is_one_consumer_alike():
