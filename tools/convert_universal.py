@@ -15,9 +15,9 @@ from train.safe_load import weights_only_loads
 
 EXAMPLES = """\
 examples:
-  torchrun --nproc_per_node 8 -m train.app experiment=gpu_1b run_dir=runs/1b      # ZeRO 2 on 8 ranks
+  earlyfuse-torchrun --nproc_per_node 8 -m train.app experiment=gpu_1b run_dir=runs/1b      # ZeRO 2 on 8 ranks
   earlyfuse-convert universal runs/1b                                               # latest checkpoint
-  torchrun --nproc_per_node 4 -m train.app experiment=gpu_1b run_dir=runs/1b train.allow_config_change=true
+  earlyfuse-torchrun --nproc_per_node 4 -m train.app experiment=gpu_1b run_dir=runs/1b train.allow_config_change=true
 """
 HELP = "a ZeRO 1-2 checkpoint -> a DeepSpeed universal checkpoint (resume on another world size)"
 DESCRIPTION = (

@@ -4,7 +4,7 @@ dataclasses once, takes the run folder's lock and hands everything to ``train.bu
 
     earlyfuse-train experiment=vtok_debug
     earlyfuse-train experiment=vtok_demo train.steps=200 optim.lr=1e-3
-    torchrun --nproc_per_node 2 -m train.app experiment=vtok_debug deepspeed.zero_stage=2
+    earlyfuse-torchrun --nproc_per_node 2 -m train.app experiment=vtok_debug deepspeed.zero_stage=2
     deepspeed --num_gpus 8 --module train.app experiment=...   (--local_rank is handled)
 
 Exit codes: 0 done (or stopped by SIGTERM/SIGUSR1 after a checkpoint), 1 an error, 2 a config,

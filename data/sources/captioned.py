@@ -153,8 +153,12 @@ class CaptionedSource(Source):
             if size is None:
                 yield self.rejected_item(key, rel, "unreadable-file", unstatable(path))
                 continue
-            side = next((s for s in (txt, json_path) if s.is_file()), None)
-            if side is not None and captioned.setdefault(side, rel) != rel:
+            caption = captions.get(unicodedata.normalize("NFC", rel))
+            # the sidecar that gives its caption: a .txt always, a .json unless a table does
+            side = (
+                txt if txt.is_file() else json_path if json_path.is_file() and not caption else None
+            )
+            if side and captioned.setdefault(side, rel) != rel:
                 # coffee.bmp and coffee.tiff: most often one picture in two formats, which
                 # would be two documents, perhaps one on each side of the held-out split
                 yield self.rejected_item(
@@ -165,7 +169,6 @@ class CaptionedSource(Source):
                     "formats?): rename one, or give each a caption of its own",
                 )
                 continue
-            caption = captions.get(unicodedata.normalize("NFC", rel))
             ref = (
                 "file",
                 str(path),

@@ -123,6 +123,15 @@ def test_two_media_files_of_one_caption_file_keep_the_first(tmp_path):
     assert [(r["path"], r["reason"]) for r in rejects] == [("coffee.png", "duplicate-key")]
     assert "its caption coffee.txt is coffee.bmp's too" in rejects[0]["detail"]
     assert captions_of(tmp_path / "out") == {"coffee.bmp": "a cup of coffee", "tea.png": ""}
+    # a caption table that captions each, beside a .json of metadata only: both are kept
+    (tmp_path / "two").mkdir()
+    for name in ("coffee.bmp", "coffee.png"):
+        (tmp_path / "two" / name).write_bytes(png_bytes())
+    (tmp_path / "two" / "coffee.json").write_text('{"camera": "phone"}')
+    (tmp_path / "two" / "captions.csv").write_text("file,caption\ncoffee.bmp,one\ncoffee.png,two\n")
+    status, rejects, _ = run_ingest(tmp_path / "table", f"images:{tmp_path / 'two'}")
+    assert status == 0 and rejects == []
+    assert captions_of(tmp_path / "table") == {"coffee.bmp": "one", "coffee.png": "two"}
 
 
 def test_caption_rows_for_absent_or_already_captioned_files_are_listed(tmp_path):

@@ -50,7 +50,7 @@ def format_eval(ev: dict) -> str:
             lines.append(
                 f"WARNING: {other['documents']} of {other['checked']} held-out documents also occur in "
                 f"the training data ({', '.join(f'{k} {v}' for k, v in other['by_source'].items())}; "
-                f"e.g. {', '.join(other.get('examples', []))}): their figures measure memorisation"
+                f"e.g. {', '.join(other.get('examples') or ['-'])}): their figures measure memorisation"
             )
         else:
             lines.append(
