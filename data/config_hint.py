@@ -17,7 +17,11 @@ def unknown_key(error: TypeError, schema: type) -> str:
     found = got and getattr(sys.modules[schema.__module__], got[1], None)
     if not got or not (isinstance(found, type) and dataclasses.is_dataclass(found)):
         return str(error)
-    schema = found
+    close = nearest_field(got[2], found)
+    return f"unknown key {got[2]!r}" + (f" (did you mean {close}?)" if close else "")
+
+
+def nearest_field(key: str, schema: type) -> str | None:
+    """The field of the dataclass ``schema`` whose name is nearest ``key``, if one is near."""
     names = [field.name for field in dataclasses.fields(schema)]
-    close = difflib.get_close_matches(got[2], names, n=1)
-    return f"unknown key {got[2]!r}" + (f" (did you mean {close[0]}?)" if close else "")
+    return next(iter(difflib.get_close_matches(key, names, n=1)), None)

@@ -15,12 +15,13 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import logging
 import typing
 from typing import Any
 
 import yaml
+
+from data.config_hint import nearest_field
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +92,8 @@ def suggestion(key: str, schema: type, path: str) -> str:
     """`` (did you mean ...?)`` for an unknown ``key`` of ``schema`` (at ``path``): the nearest
     field name at its level, else a field of that name one or more levels down
     (``model.n_heads`` -> ``model.attention.n_heads``), else nothing."""
-    names = [field.name for field in dataclasses.fields(schema)]
-    close = difflib.get_close_matches(key, names, n=1)
-    if close:
-        return f" (did you mean {path}{close[0]}?)"
+    if close := nearest_field(key, schema):
+        return f" (did you mean {path}{close}?)"
     below = [f"{path}{name}" for name in _nested_paths(schema) if name.split(".")[-1] == key]
     if len(below) > 3:  # a common name (window, theta): the first few, and how many there are
         below = below[:3] + [f"{len(below) - 3} more"]

@@ -155,9 +155,8 @@ class CaptionedSource(Source):
                 continue
             caption = captions.get(unicodedata.normalize("NFC", rel))
             # the sidecar that gives its caption: a .txt always, a .json unless a table does
-            side = (
-                txt if txt.is_file() else json_path if json_path.is_file() and not caption else None
-            )
+            txt_file, json_file = txt.is_file(), json_path.is_file()
+            side = txt if txt_file else json_path if json_file and not caption else None
             if side and captioned.setdefault(side, rel) != rel:
                 # coffee.bmp and coffee.tiff: most often one picture in two formats, which
                 # would be two documents, perhaps one on each side of the held-out split
@@ -174,8 +173,8 @@ class CaptionedSource(Source):
                 str(path),
                 rel,
                 json.dumps(caption, sort_keys=True) if caption is not None else "",
-                str(txt) if txt.is_file() else "",
-                str(json_path) if json_path.is_file() else "",
+                str(txt) if txt_file else "",
+                str(json_path) if json_file else "",
             )
             yield Item(key, rel, ref, size)
 
