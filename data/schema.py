@@ -52,6 +52,13 @@ REASONS = {
     "empty-video": "a zero-byte video file",
 }
 
+# Reasons that lose nothing a user would keep: a folder or file skipped by policy, a document or
+# line with no content, a repeat the user asked to leave out. Listed like every reject, but on
+# their own they do not make ingest exit 3: every code tree has an empty __init__.py.
+LOSSLESS_REASONS = frozenset(
+    {"vendored", "empty-document", "blank-line", "duplicate", "duplicate-of-excluded"}
+)
+
 _KEY_OK = re.compile(r"^[A-Za-z0-9_-]+$")
 _KEY_BAD_CHARS = re.compile(r"[^A-Za-z0-9_-]")
 

@@ -3,7 +3,8 @@
 Exit status: 0 done; 2 a user error: a bad flag, or an input, folder or value that cannot be
 used (one line on stderr names the file and the problem); 1 the machine failed under a command
 that could have run (a full disk, an I/O error); 3 ``ingest`` finished but rejected some inputs
-(each listed in DIR/rejects.jsonl) — pass ``--allow-rejects`` to get 0; ``verify`` exits 1 when
+(each listed in DIR/rejects.jsonl; those that held nothing to keep, ``schema.LOSSLESS_REASONS``,
+do not count) — pass ``--allow-rejects`` to get 0; ``verify`` exits 1 when
 it finds a problem; 141 (128 + SIGPIPE), silently, when the reader of stdout closes it early
 (``stats DIR | head``).
 """

@@ -15,6 +15,7 @@ from data.cli.common import (
 )
 from data.media import MAX_IMAGE_PIXELS
 from data.names import REJECTS_FILE
+from data.schema import LOSSLESS_REASONS
 
 # Fewer held-out documents than this and a source's validation figures (its CE, its margin over
 # the unigram baseline) rest on a handful of files: noise, not a measurement.
@@ -54,8 +55,8 @@ def _add_ingest(sub) -> None:
         "example:\n"
         "  earlyfuse-prep ingest --out shards/ --workers 8 --shard-size 256MB \\\n"
         "      --source code:~/src/cpython/Lib --source images:coco/captions.jsonl\n\n"
-        "exit status: 0 done, 3 done with rejects (see rejects.jsonl), 2 a bad flag, input or\n"
-        "folder (one line names it), 1 the machine failed (a full disk, an I/O error)",
+        "exit status: 0 done, 3 done with rejects that lost content (see rejects.jsonl), 2 a bad\n"
+        "flag, input or folder (one line names it), 1 the machine failed (a full disk, an I/O error)",
     )
     p.add_argument(
         "--out",
@@ -144,7 +145,10 @@ def _add_ingest(sub) -> None:
         "rejected as outside-tree)",
     )
     p.add_argument(
-        "--allow-rejects", action="store_true", help="exit 0 even when some inputs were rejected"
+        "--allow-rejects",
+        action="store_true",
+        help="exit 0 even when some inputs were rejected (rejects that held nothing to keep, "
+        "vendored, empty-document, blank-line and asked-for duplicates, never make it exit 3)",
     )
     p.add_argument(
         "--exclude-content-of",
@@ -226,7 +230,13 @@ def cmd_ingest(a) -> int:
             f"rejected {t['rejects']} input(s), listed in {a.out}/{REJECTS_FILE}: "
             + ", ".join(f"{k} {v}" for k, v in t["rejects_by_reason"].items())
         )
-        return 0 if a.allow_rejects else EXIT_REJECTS
+        lost = sum(n for why, n in t["rejects_by_reason"].items() if why not in LOSSLESS_REASONS)
+        if not lost:
+            print(
+                "none of them held content to keep (skipped by design, empty, or duplicates left "
+                "out as asked): exit status 0"
+            )
+        return 0 if a.allow_rejects or not lost else EXIT_REJECTS
     print("rejected: none")
     return 0
 

@@ -468,3 +468,20 @@ def test_an_out_inside_a_source_is_refused_before_anything_is_written(tmp_path):
     with pytest.raises(ValueError, match=r"--out .*shards is inside the folder of --source code"):
         ingest(code / "shards", [f"code:{code}"])
     assert not (code / "shards").exists()
+
+
+def test_rejects_that_hold_nothing_do_not_make_exit_3(tmp_path, capsys):
+    """A code tree's empty __init__.py and its .git folder are listed as rejects, but nothing with
+    content was lost: exit 0. A binary file in the tree is a loss: exit 3."""
+    tree = tmp_path / "pkg"
+    (tree / ".git").mkdir(parents=True)
+    (tree / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (tree / "__init__.py").write_text("")
+    (tree / "mod.py").write_text("def f():\n    return 1\n")
+    argv = ["ingest", "--no-progress", "--source", f"code:{tree}"]
+    assert main([*argv, "--out", str(tmp_path / "a")]) == 0
+    said = capsys.readouterr().out
+    assert "empty-document 1" in said and "vendored 1" in said and "none of them held" in said
+    (tree / "blob.py").write_bytes(b"\x00\x01binary\x00" * 8)
+    assert main([*argv, "--out", str(tmp_path / "b")]) == EXIT_REJECTS
+    assert "binary-file 1" in capsys.readouterr().out

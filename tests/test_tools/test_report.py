@@ -227,7 +227,7 @@ def test_report_of_a_real_vtok_run(tiny_raw, tmp_path):
 
 def test_missing_run_folder_fails_clearly(tmp_path, capsys):
     assert main([str(tmp_path / "nope")]) == 2
-    assert f"no metrics.jsonl in {tmp_path / 'nope'}" in capsys.readouterr().err
+    assert f"{tmp_path / 'nope'} does not exist" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     script = (
         Path(sys.executable).parent / "earlyfuse-report"
