@@ -16,11 +16,14 @@ Design choices:
   so a retried shard is the same bytes. A job that raises is not retried: the exception
   (with the worker's traceback as its cause) stops the run, as a bad input folder should.
 - Spawned, not forked: nothing inherits the parent's threads (tokenizers, torch) or locks.
+- A worker outlives a parent killed mid-job only until its job ends: its reply then finds the
+  pipe closed and it leaves quietly.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -49,7 +52,10 @@ class WorkerDied(RuntimeError):
 
 
 def _worker_main(conn: Connection, fn: Callable, recycle_after: int) -> None:
-    """A worker's loop: a job in, ``(ok, result-or-error, retire)`` out, until told to stop."""
+    """A worker's loop: a job in, ``(ok, result-or-error, retire)`` out, until told to stop.
+    Ctrl-C reaches the whole process group: the parent stops the workers itself (``run_pool``'s
+    ``finally``), so a worker ignores it rather than send back a KeyboardInterrupt per job."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     start = decode_failures()
     while True:
         try:
@@ -63,7 +69,10 @@ def _worker_main(conn: Connection, fn: Callable, recycle_after: int) -> None:
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent
             reply = (False, _portable(e))
         retire = recycle_after > 0 and decode_failures() - start >= recycle_after
-        conn.send((*reply, retire))
+        try:
+            conn.send((*reply, retire))
+        except OSError:  # the parent is gone (killed): nobody to tell, no traceback to print
+            return
         if retire:
             return
 

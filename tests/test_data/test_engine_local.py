@@ -3,6 +3,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 from engine_jobs import die_once, failing_decodes, raise_value_error
 
@@ -60,3 +67,63 @@ def test_the_workers_flag_refuses_zero_and_says_when_it_is_more_than_the_cpus(tm
     assert f"--workers {cpu_count() + 1} is more than the {cpu_count()} CPU(s)" in (
         capsys.readouterr().err
     )
+
+
+WORKERS_SCRIPT = """
+import sys, time
+from data.engine.local import run_pool
+if __name__ == "__main__":
+    pids = open(sys.argv[1], "w")
+    def started(pid):
+        pids.write(f"{pid}\\n")
+        pids.flush()
+    for _ in run_pool(time.sleep, [float(sys.argv[2])] * 4, 2, on_start=started):
+        pass
+"""
+
+
+def _start_pool(tmp_path, seconds: float):
+    script = tmp_path / "pool.py"
+    script.write_text(WORKERS_SCRIPT)
+    pids = tmp_path / "pids"
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(pids), str(seconds)],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    for _ in range(600):
+        if pids.exists() and len(pids.read_text().split()) == 2:
+            break
+        time.sleep(0.05)
+    time.sleep(1.0)  # the workers have imported and taken their first job
+    return proc, [int(p) for p in pids.read_text().split()]
+
+
+def _gone(pid: int) -> bool:
+    return not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+def test_ctrl_c_stops_the_workers_with_the_parent(tmp_path):
+    """Ctrl-C reaches the process group: the parent stops its workers, none is left running."""
+    proc, pids = _start_pool(tmp_path, 30)
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while not all(map(_gone, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(map(_gone, pids))
+
+
+def test_workers_of_a_killed_parent_leave_quietly(tmp_path):
+    """kill -9 of the parent: each worker ends its job, finds the pipe closed and leaves without
+    a BrokenPipeError traceback."""
+    proc, pids = _start_pool(tmp_path, 1.5)
+    proc.kill()
+    deadline = time.monotonic() + 15
+    while not all(map(_gone, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(map(_gone, pids))
+    assert "Traceback" not in proc.stderr.read()
