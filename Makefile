@@ -79,9 +79,9 @@ demo: $(STAMP)
 	$(BIN)/earlyfuse-prep ingest --out $(DEMO_DIR)/raw --workers 2 --shard-size 4MB --no-progress \
 		$(call DEMO_SOURCES,corpus)
 	@# A held-out document that repeats a training document (a few simple scenes come out
-	@# pixel-identical) is listed in val_raw/rejects.jsonl and left out: hence --allow-rejects.
+	@# pixel-identical) is left out, listed in val_raw/rejects.jsonl as duplicate-of-excluded.
 	$(BIN)/earlyfuse-prep ingest --out $(DEMO_DIR)/val_raw --workers 2 --no-progress \
-		--exclude-content-of $(DEMO_DIR)/raw --allow-rejects $(call DEMO_SOURCES,val_corpus)
+		--exclude-content-of $(DEMO_DIR)/raw $(call DEMO_SOURCES,val_corpus)
 	$(BIN)/earlyfuse-prep verify $(DEMO_DIR)/raw
 	$(BIN)/earlyfuse-prep stats $(DEMO_DIR)/raw
 	$(BIN)/earlyfuse-prep train-text-tokenizer --in $(DEMO_DIR)/raw --out $(DEMO_DIR)/tok \

@@ -35,7 +35,7 @@ from PIL import Image, ImageCms, ImageOps, UnidentifiedImageError
 
 from data.layout import image_block_len
 
-_SWAPS_SIDES = {5, 6, 7, 8}  # EXIF orientations that rotate by 90 degrees
+SWAPS_SIDES = {5, 6, 7, 8}  # EXIF orientations that rotate by 90 degrees
 
 
 @dataclass(frozen=True)
@@ -217,12 +217,12 @@ def _load_image(raw: bytes, prep: ImagePrep, max_source_pixels: int | None) -> n
             f"{max_source_pixels} (not decoded)"
         )
     orientation = image.getexif().get(0x0112, 1)
-    if orientation in _SWAPS_SIDES:
+    if orientation in SWAPS_SIDES:
         width, height = height, width
     target_w, target_h = prep.target_size(width, height)
     if image.format == "JPEG":
         image.draft(
-            "RGB", (target_w, target_h) if orientation not in _SWAPS_SIDES else (target_h, target_w)
+            "RGB", (target_w, target_h) if orientation not in SWAPS_SIDES else (target_h, target_w)
         )
     image = ImageOps.exif_transpose(image)
     image = to_rgb(image)

@@ -57,6 +57,9 @@ class ImageInfo:
     # Frames of an animated GIF/WebP or pages of a TIFF: the first is the one tokenized, so
     # the segment says how many there were (stats counts such images).
     animation_frames: int = 1
+    # EXIF orientation (1-8): width and height are the stored bytes'; 5-8 show them turned by 90
+    # degrees. Kept only when it is not 1, for stats to give the sizes as shown.
+    orientation: int = 1
 
     def meta(self) -> dict:
         meta = {
@@ -67,6 +70,8 @@ class ImageInfo:
         }
         if self.animation_frames > 1:
             meta["animation_frames"] = self.animation_frames
+        if self.orientation != 1:
+            meta["orientation"] = self.orientation
         return meta
 
 
@@ -162,7 +167,13 @@ def probe_image(raw: bytes, path: str, *, max_pixels: int) -> ImageInfo | Reject
             # every entropy-coded byte but skips most of the pixel work: ~2.5x faster.
             image.draft("RGB", (max(1, width // 8), max(1, height // 8)))
             image.load()
-            return ImageInfo(width, height, fmt, IMAGE_FORMATS[fmt], mode, frames)
+            try:
+                orientation = image.getexif().get(0x0112, 1)
+            except Exception:  # noqa: BLE001 - damaged EXIF: the pixels are what is kept
+                orientation = 1
+            if orientation not in range(1, 9):
+                orientation = 1  # a damaged tag: the preprocessing leaves such an image unturned
+            return ImageInfo(width, height, fmt, IMAGE_FORMATS[fmt], mode, frames, orientation)
     except Image.DecompressionBombError as e:
         return Reject(path, "pixel-limit", bomb_detail(e, max_pixels))
     except UnidentifiedImageError:

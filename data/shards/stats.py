@@ -10,6 +10,7 @@ import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from data.image_prep import SWAPS_SIDES
 from data.names import REJECTS_FILE
 from data.shards.content import repeat_of
 from data.shards.index import index_of
@@ -57,8 +58,9 @@ def collect_stats(out: str | Path, *, examples: int = 3) -> dict:
                 else:
                     if media.get("animation_frames", 1) > 1:
                         animated.append(f"{where} ({media['animation_frames']} frames)")
-                    img_w.append(media["width"])
-                    img_h.append(media["height"])
+                    turned = media.get("orientation", 1) in SWAPS_SIDES  # EXIF: as shown
+                    img_w.append(media["height" if turned else "width"])
+                    img_h.append(media["width" if turned else "height"])
                     img_px.append(media["width"] * media["height"])
     totals = manifest["totals"]
     return {

@@ -485,3 +485,31 @@ def test_rejects_that_hold_nothing_do_not_make_exit_3(tmp_path, capsys):
     (tree / "blob.py").write_bytes(b"\x00\x01binary\x00" * 8)
     assert main([*argv, "--out", str(tmp_path / "b")]) == EXIT_REJECTS
     assert "binary-file 1" in capsys.readouterr().out
+
+
+def test_stats_gives_a_phone_photos_size_as_shown(tmp_path, capsys):
+    """A portrait phone photo is stored 40x20 with EXIF orientation 6: stats says 20 wide, 40
+    high, as it is shown and tokenized; the shard keeps the stored size and the orientation."""
+    import io
+
+    from PIL import Image
+
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 20), (200, 0, 0)).save(buf, "JPEG", exif=exif)
+    (pics / "phone.jpg").write_bytes(buf.getvalue())
+    out = tmp_path / "out"
+    assert main(["ingest", "--out", str(out), "--no-progress", "--source", f"images:{pics}"]) == 0
+    capsys.readouterr()
+    assert main(["stats", str(out), "--json"]) == 0
+    images = json.loads(capsys.readouterr().out)["images"]
+    assert (images["width"]["max"], images["height"]["max"]) == (20, 40)
+    (entry,) = read_index(next(out.glob("pics/*.idx.jsonl")))
+    assert {k: entry["media"][0][k] for k in ("width", "height", "orientation")} == {
+        "width": 40,
+        "height": 20,
+        "orientation": 6,
+    }

@@ -172,7 +172,7 @@ def test_ingest_dedupe_leaves_duplicates_out_and_lists_them(tmp_path, capsys):
     notes = text_folder(tmp_path / "notes", TEXTS)
     raw = tmp_path / "raw"
     argv = ["ingest", "--out", str(raw), "--source", f"text:{notes}", "--dedupe", "--no-progress"]
-    assert prep_main(argv) == 3  # done, with rejects
+    assert prep_main(argv) == 0  # done; duplicates left out as asked lose nothing
     assert "rejected 2 input(s)" in capsys.readouterr().out
     totals = json.loads((raw / "manifest.json").read_text())["totals"]
     assert totals["samples"] == 2 and totals["rejects_by_reason"] == {"duplicate": 2}
@@ -184,7 +184,7 @@ def test_ingest_dedupe_leaves_duplicates_out_and_lists_them(tmp_path, capsys):
     assert all("the same content as notes:notes-a_txt" in r["detail"] for r in rejects)
     assert collect_stats(raw)["samples"] == 2 and collect_stats(raw)["duplicates"]["documents"] == 0
     assert verify(raw)["ok"], verify(raw)["problems"]
-    assert prep_main(argv) == 3  # a rerun finds everything done and changes nothing
+    assert prep_main(argv) == 0  # a rerun finds everything done and changes nothing
     again = [json.loads(line) for line in (raw / "rejects.jsonl").read_text().splitlines()]
     assert again == rejects and verify(raw)["ok"]
 
