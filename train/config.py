@@ -290,4 +290,10 @@ class RunConfig:
                 n_heads=self.model.attention.n_heads, seq_len=self.data.seq_len, degree=degree
             )
         except ValueError as err:
-            raise ValueError(f"train.sequence_parallel={degree}: {err}") from None
+            heads, rows = self.model.attention.n_heads, self.data.seq_len
+            fit = [d for d in range(1, heads + 1) if heads % d == 0 and rows % d == 0]
+            raise ValueError(
+                f"train.sequence_parallel={degree}: {err}. Degrees that fit this model and row: "
+                f"{', '.join(map(str, fit))}; the stage presets named after a model "
+                "(stage=125m_32k, 1b_128k, ...) set one that fits it"
+            ) from None

@@ -749,3 +749,13 @@ def test_a_run_logs_object_storage_lookups_only_from_warning_up():
     finally:
         for name, level in before.items():
             logging.getLogger(name).setLevel(level)
+
+
+def test_a_sequence_parallel_degree_the_heads_refuse_names_those_that_fit():
+    """The long_128k stage (SP 8) on the 125m model (12 heads): the degrees that fit are named,
+    and the stage presets sized for the model."""
+    with pytest.raises(
+        ConfigError, match=r"Degrees that fit this model and row: 1, 2, 4; .*125m_32k"
+    ):
+        composed(["experiment=gpu_125m", "stage=long_128k"])
+    assert composed(["experiment=gpu_125m", "stage=125m_128k"]).train.sequence_parallel == 4
