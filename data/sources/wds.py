@@ -283,7 +283,9 @@ class WdsSource(Source):
                     key,
                     where,
                     "missing-media",
-                    "no image or video member (" + ", ".join(member[0] for member in group) + ")",
+                    "no image or video member (its members: "
+                    + ", ".join(f"{wkey}.{m[0]}" if m[0] else wkey for m in group)
+                    + ")",
                 )
                 continue
             size = sum(member[2] for member in group)

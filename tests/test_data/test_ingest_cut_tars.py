@@ -115,3 +115,20 @@ def test_a_second_archive_appended_after_the_end_blocks_is_reported(tmp_path, of
     (reject,) = rejects
     assert reject["reason"] == "corrupt-tar"
     assert "data after its end-of-archive blocks" in reject["detail"]
+
+
+def test_a_sample_without_media_names_its_members(tmp_path):
+    """A webdataset sample of a caption and a member without an extension: missing-media, its
+    members named (an extensionless one by its whole name, not an empty pair of brackets)."""
+    (tmp_path / "in").mkdir()
+    write_wds(tmp_path / "in" / "a.tar", [("s0", {"txt": b"a caption"}), ("s1", {"": b"raw"})])
+    out = tmp_path / "out"
+    assert (
+        main(["ingest", "--out", str(out), "--no-progress", "--source", f"wds:{tmp_path / 'in'}"])
+        == 3
+    )
+    rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert [(r["reason"], r["detail"]) for r in rejects] == [
+        ("missing-media", "no image or video member (its members: s0.txt)"),
+        ("missing-media", "no image or video member (its members: s1)"),
+    ]
