@@ -46,7 +46,8 @@ REASONS = {
     "unknown-type": "a file whose extension the source kind does not take",
     "unreadable-file": "a file that cannot be read (permissions, a broken link or one that loops, I/O error)",
     "unreadable-image": "bytes that no supported image decoder recognises",
-    "unsafe-name": "a name that would escape the output folder or is not a valid key",
+    "unsafe-name": "a name that would escape the output folder, is not a valid key, or is not "
+    "UTF-8 (a file name in another encoding: rename it, e.g. convmv -f latin1 -t utf-8)",
     "vendored": "a vendored, generated or hidden directory or file, skipped as a whole",
     "video-too-long": "a video longer than --max-video-seconds",
     "empty-video": "a zero-byte video file",
@@ -78,6 +79,27 @@ def path_digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:8]
 
 
+def shown_name(text: str) -> str:
+    """``text`` with the bytes of a file name that are not UTF-8 (Python keeps them as surrogate
+    escapes) written as ``\\xNN``: printable, and storable in UTF-8 JSON."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate that no undecodable byte made
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def name_not_utf8(name: str) -> str | None:
+    """Why a file or member name cannot be recorded (its bytes are not UTF-8), if so."""
+    try:
+        name.encode("utf-8")
+        return None
+    except UnicodeEncodeError:
+        return (
+            f"the name '{shown_name(name)}' is not UTF-8 (bytes of another encoding, shown as "
+            "\\xNN): rename it, e.g. convmv -f latin1 -t utf-8"
+        )
+
+
 def is_valid_key(key: str) -> bool:
     return bool(_KEY_OK.match(key))
 
@@ -86,6 +108,8 @@ def unsafe_name_reason(name: str) -> str | None:
     """Why a member/key name taken from an input could escape the output folder, if it could."""
     if not name:
         return "empty name"
+    if why := name_not_utf8(name):
+        return why
     if name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name):
         return f"absolute path {name!r}"
     parts = re.split(r"[/\\]", name)
@@ -111,7 +135,11 @@ class Reject:
             raise ValueError(f"unknown reject reason {self.reason!r}")
 
     def to_dict(self) -> dict:
-        record = {"path": self.path, "reason": self.reason, "detail": self.detail}
+        record = {
+            "path": shown_name(self.path),
+            "reason": self.reason,
+            "detail": shown_name(self.detail),
+        }
         if self.key is not None:
             record["key"] = self.key
         if self.source is not None:

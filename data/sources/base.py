@@ -28,7 +28,7 @@ from data.media import (
     probe_image,
     probe_video,
 )
-from data.schema import MEDIA_PREFIX, Reject, Sample
+from data.schema import MEDIA_PREFIX, Reject, Sample, name_not_utf8
 
 
 @dataclass(frozen=True)
@@ -329,6 +329,8 @@ def walk(
             full = Path(dirpath, dirname)
             if why:
                 yield f"{rel_dir}{dirname}/", Skip("vendored", why)
+            elif bad_name := name_not_utf8(dirname):  # every file under it would carry it
+                yield f"{rel_dir}{dirname}/", Skip("unsafe-name", bad_name)
             elif not full.is_symlink():
                 keep.append(dirname)
             elif not (real := full.resolve()).is_relative_to(real_root):
@@ -351,6 +353,8 @@ SYSTEM_FILES = frozenset({"Thumbs.db", "desktop.ini"})
 def skipped_file(name: str) -> Skip | None:
     if name.startswith(".") or name in SYSTEM_FILES:
         return Skip("vendored", "hidden or system file skipped")
+    if why := name_not_utf8(name):
+        return Skip("unsafe-name", why)
     return None
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 from factories import png_bytes
@@ -298,3 +299,36 @@ def test_repair_utf8_keeps_table_rows_too(tmp_path):
     assert sorted(_rejects(tmp_path / "strict").values()) == ["not-utf8", "not-utf8"]
     s = ingest(tmp_path / "out", sources, limits=Limits(repair_utf8=True))
     assert s["manifest"]["totals"]["samples"] == 4 and not _rejects(tmp_path / "out")
+
+
+def test_names_that_are_not_utf8_are_rejects_naming_their_bytes(tmp_path):
+    """A file or folder named in another encoding (a Latin-1 résumé.txt from an old zip) and a
+    webdataset member likewise are unsafe-name rejects showing the bytes as \\xNN; the other
+    inputs are ingested. Before, one such name stopped the whole ingest with a UnicodeEncodeError
+    naming nothing."""
+    import io
+    import os
+    import tarfile
+
+    code, notes, tars = tmp_path / "code", tmp_path / "notes", tmp_path / "wds"
+    for folder in (code, notes, tars):
+        folder.mkdir()
+    (code / "ok.py").write_text("x = 1\n")
+    os.mkdir(os.path.join(bytes(code), b"d\xe9r"))
+    (Path(os.fsdecode(os.path.join(bytes(code), b"d\xe9r"))) / "in.py").write_text("y = 2\n")
+    Path(os.fsdecode(os.path.join(bytes(notes), b"r\xe9sum\xe9.txt"))).write_text("my resume\n")
+    (notes / "plain.txt").write_text("plain notes\n")
+    with tarfile.open(tars / "a.tar", "w", encoding="utf-8", errors="surrogateescape") as tar:
+        for name, data in ((os.fsdecode(b"k\xff.png"), png_bytes()), ("good.png", png_bytes())):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    out = tmp_path / "out"
+    s = ingest(out, [f"code:{code}", f"text:{notes}", f"wds:{tars}"])
+    assert _rejects(out) == {
+        "d\\xe9r/": "unsafe-name",
+        "r\\xe9sum\\xe9.txt": "unsafe-name",
+        "a.tar:k\\xff": "unsafe-name",
+    }
+    assert s["manifest"]["totals"]["samples"] == 3
+    assert "convmv" in (out / "rejects.jsonl").read_text()
