@@ -41,6 +41,8 @@ REASONS = {
     "too-large": "a file over the size limit of its kind",
     "truncated-tar": "an input tar cut short (inside a member, its header or before the end blocks)",
     "corrupt-tar": "an input tar with a damaged member header, or data after its end blocks",
+    "corrupt-table": "a parquet row that cannot be read: its row group is damaged (each of its "
+    "rows is listed; the table's other row groups are kept)",
     "truncated-image": "an image whose data ends early",
     "undecodable-video": "a video that decord cannot open or decode",
     "unknown-type": "a file whose extension the source kind does not take",

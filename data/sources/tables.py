@@ -116,7 +116,7 @@ class TableFile:
     def __init__(self, loc: Location) -> None:
         self.pa = import_pyarrow()
         self.loc = loc
-        self._group: tuple[int, list[dict]] | None = None
+        self._group: tuple[int, list[dict] | str] | None = None
         if loc.text.lower().endswith(".parquet"):
             self.parquet = self._reading(lambda: self._open_parquet())
             self.schema = self.parquet.schema_arrow
@@ -161,14 +161,21 @@ class TableFile:
             return self.table.column(name).to_pylist()
         return self._reading(lambda: self.parquet.read(columns=[name])).column(name).to_pylist()
 
-    def row(self, group: int, index: int) -> dict:
+    def row(self, group: int, index: int) -> dict | str:
+        """The row, or why its row group cannot be read (damaged pages): said once per row."""
         if self._group is None or self._group[0] != group:
-            if self.table is not None:
-                part = self.table
-            else:
-                part = self._reading(lambda: self.parquet.read_row_group(group))
-            self._group = (group, part.to_pylist())
-        return self._group[1][index]
+            try:
+                if self.table is not None:
+                    part = self.table
+                else:
+                    part = self._reading(lambda: self.parquet.read_row_group(group))
+                rows: list[dict] | str = part.to_pylist()
+            except (OSError, ValueError) as e:  # pyarrow's ArrowIOError, ArrowInvalid
+                said = " ".join("".join(c if c.isprintable() else " " for c in str(e)).split())
+                rows = f"row group {group} cannot be read ({said[:200]})"
+            self._group = (group, rows)
+        rows = self._group[1]
+        return rows if isinstance(rows, str) else rows[index]
 
 
 def _is_path_type(pa, arrow_type) -> bool:
@@ -317,7 +324,10 @@ def load_row(src: Source, item: Item) -> Sample | Reject:
     if table is None:
         _OPEN.clear()
         table = _OPEN[file] = TableFile(Location(file))
-    rec = dict(table.row(group, index))
+    row = table.row(group, index)
+    if isinstance(row, str):  # the row group's other rows are rejects too; the rest are kept
+        return src.reject(label, "corrupt-table", row, item.key)
+    rec = dict(row)
     root = Location(src.spec.path)
     single = root.text.lower().endswith(".parquet")
     base = Location(root.text.rsplit("/", 1)[0]) if single else root

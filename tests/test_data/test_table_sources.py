@@ -139,3 +139,24 @@ def test_hugging_face_save_to_disk_folders(tmp_path):
     assert captions == [f"caption {i}" for i in range(5)]
     with pytest.raises(ValueError, match="DatasetDict; pass one split"):
         ingest(tmp_path / "dict", [f"images:{tmp_path / 'hf_dict'}"])
+
+
+def test_a_damaged_row_group_rejects_its_rows_and_keeps_the_others(tmp_path):
+    """The page header of row group 1 of 3 overwritten: its two rows are corrupt-table
+    rejects naming the row group; the rows of groups 0 and 2 are ingested. Before, pyarrow's
+    error stopped the whole ingest (exit 1) naming no file."""
+    path = tmp_path / "notes.parquet"
+    pq.write_table(pa.table({"text": [f"note {n}" for n in range(6)]}), path, row_group_size=2)
+    start = pq.ParquetFile(path).metadata.row_group(1).column(0).data_page_offset
+    raw = bytearray(path.read_bytes())
+    raw[start : start + 16] = b"\x0f" * 16
+    path.write_bytes(bytes(raw))
+    out = tmp_path / "out"
+    s = ingest(out, [f"text:{path}"])
+    assert s["manifest"]["totals"]["samples"] == 4
+    assert rejects_of(out) == {
+        ("notes.parquet:row 2", "corrupt-table"),
+        ("notes.parquet:row 3", "corrupt-table"),
+    }
+    detail = json.loads((out / "rejects.jsonl").read_text().splitlines()[0])["detail"]
+    assert detail.startswith("row group 1 cannot be read (")
