@@ -46,7 +46,8 @@ REASONS = {
     "truncated-image": "an image whose data ends early",
     "undecodable-video": "a video that decord cannot open or decode",
     "unknown-type": "a file whose extension the source kind does not take",
-    "unreadable-file": "a file that cannot be read (permissions, a broken link or one that loops, I/O error)",
+    "unreadable-file": "a file that cannot be read (permissions, a broken link or one that loops, "
+    "I/O error), or whose sidecar caption cannot be; a folder that cannot be listed",
     "unreadable-image": "bytes that no supported image decoder recognises",
     "unsafe-name": "a name that would escape the output folder, is not a valid key, or is not "
     "UTF-8 (a file name in another encoding: rename it, e.g. convmv -f latin1 -t utf-8)",

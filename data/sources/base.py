@@ -320,7 +320,17 @@ def walk(
         return
     real_root = root.resolve()
     seen = {real_root}
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+    unlisted: list[OSError] = []  # folders os.walk could not list (a permission): each a reject
+
+    def unlisted_folders() -> Iterator[tuple[str, Skip]]:
+        while unlisted:
+            e = unlisted.pop(0)
+            rel = os.path.relpath(e.filename, root) if e.filename else "."
+            why = f"a folder that cannot be listed: {e.strerror or e}; its files are not read"
+            yield f"{rel}/", Skip("unreadable-file", why)
+
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True, onerror=unlisted.append):
+        yield from unlisted_folders()
         rel_dir = os.path.relpath(dirpath, root)
         rel_dir = "" if rel_dir == "." else rel_dir + "/"
         keep = []
@@ -343,6 +353,7 @@ def walk(
         dirnames[:] = keep
         for fname in sorted(filenames):
             yield f"{rel_dir}{fname}", skipped_file(fname)
+    yield from unlisted_folders()
 
 
 # Files an operating system writes beside the user's: macOS's ._NAME (the resource fork of NAME,

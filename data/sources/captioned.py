@@ -153,6 +153,11 @@ class CaptionedSource(Source):
             if size is None:
                 yield self.rejected_item(key, rel, "unreadable-file", unstatable(path))
                 continue
+            broken = next((s for s in (txt, json_path) if s.is_symlink() and not s.exists()), None)
+            if broken:  # a link that is broken or loops: as a caption that cannot be read
+                detail = f"its sidecar {broken.name}: {unstatable(broken)}"
+                yield self.rejected_item(key, rel, "unreadable-file", detail)
+                continue
             caption = captions.get(unicodedata.normalize("NFC", rel))
             # the sidecar that gives its caption: a .txt always, a .json unless a table does
             txt_file, json_file = txt.is_file(), json_path.is_file()

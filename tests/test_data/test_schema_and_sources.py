@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -332,3 +333,50 @@ def test_names_that_are_not_utf8_are_rejects_naming_their_bytes(tmp_path):
     }
     assert s["manifest"]["totals"]["samples"] == 3
     assert "convmv" in (out / "rejects.jsonl").read_text()
+
+
+def test_a_broken_or_looping_caption_link_rejects_its_picture(tmp_path):
+    """a.txt -> gone.txt and b.txt -> b.txt cannot be read, as a caption without permission:
+    each picture is an unreadable-file reject naming its sidecar. Before, both pictures were
+    kept without a word, as if uncaptioned, and the links were in neither shards nor rejects."""
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    for name in "abc":
+        (pics / f"{name}.png").write_bytes(png_bytes())
+    (pics / "a.txt").symlink_to("gone.txt")
+    (pics / "b.txt").symlink_to("b.txt")
+    (pics / "c.txt").write_text("a caption")
+    out = tmp_path / "out"
+    s = ingest(out, [f"images:{pics}"])
+    assert _rejects(out) == {"a.png": "unreadable-file", "b.png": "unreadable-file"}
+    assert s["manifest"]["totals"]["samples"] == 1
+    details = (out / "rejects.jsonl").read_text()
+    assert "its sidecar a.txt: cannot stat it" in details and "its sidecar b.txt" in details
+
+
+def test_a_folder_that_cannot_be_listed_is_a_reject(tmp_path):
+    """A subfolder without read permission (a teammate's, on shared storage): one reject naming
+    it, the rest ingested. Before, os.walk dropped it silently. Root reads every folder, so as
+    root the ingest runs without that privilege (setpriv)."""
+    import shutil
+    import subprocess
+    import sys
+
+    src = tmp_path / "src"
+    (src / "locked").mkdir(parents=True)
+    (src / "locked" / "in.py").write_text("x = 1\n")
+    (src / "a.py").write_text("y = 2\n")
+    (src / "locked").chmod(0)
+    cmd = [sys.executable, "-m", "data.cli", "ingest", "--out", str(tmp_path / "out")]
+    cmd += ["--no-progress", "--source", f"code:{src}"]
+    if os.geteuid() == 0:
+        if not shutil.which("setpriv"):
+            pytest.skip("root reads every folder, and setpriv is not here to drop that")
+        cmd = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--", *cmd]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    finally:
+        (src / "locked").chmod(0o755)
+    assert done.returncode == 3, done.stderr
+    assert _rejects(tmp_path / "out") == {"locked/": "unreadable-file"}
+    assert "cannot be listed: Permission denied" in (tmp_path / "out" / "rejects.jsonl").read_text()
