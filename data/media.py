@@ -300,6 +300,10 @@ def _image_hint(raw: bytes) -> str:
     )
 
 
+# What FFmpeg's demuxers log when a file ends inside its data (silent for a whole file)
+CUT_SHORT = re.compile(r"Read error|ended prematurely")
+
+
 def probe_video(raw: bytes, path: str, *, max_seconds: float) -> VideoInfo | Reject:
     if not raw:
         return Reject(path, "empty-video", "zero-byte video")
@@ -326,6 +330,14 @@ def probe_video(raw: bytes, path: str, *, max_seconds: float) -> VideoInfo | Rej
         note_decode_failure()
         detail = "decord cannot read it: " + decord_message(log[0] if log else "", err)
         return Reject(path, "undecodable-video", detail.rstrip(".") + _image_hint(raw))
+    if log and CUT_SHORT.search(log[0]):
+        # A WebM/MKV has no index up front: a copy cut short still opens, as a shorter clip
+        return Reject(
+            path,
+            "undecodable-video",
+            f"its data ends early (a copy cut short?): FFmpeg could not read past frame "
+            f"{info.frames} ({info.duration:.1f} s)",
+        )
     if info.duration > max_seconds:
         return Reject(path, "video-too-long", f"{info.duration:.1f} s > limit {max_seconds:g} s")
     return info

@@ -69,16 +69,18 @@ def mp4_bytes(
     pts: list[int] | None = None,
     pix_fmt: str = "yuv420p",
     codec: str = "libx264",
+    container: str = "mp4",
 ) -> bytes:
     """A real H.264 mp4 (PyAV/libx264) of a bright bar moving right; ``pts`` (in 1/fps ticks of a
     1/1000 time base) makes a variable-frame-rate clip; ``pix_fmt="yuv444p"`` allows odd sizes;
-    ``codec`` another PyAV encoder (``libsvtav1``: a clip decord cannot decode)."""
+    ``codec`` another PyAV encoder (``libsvtav1``: a clip decord cannot decode; ``libvpx-vp9``
+    with ``container="webm"``: a WebM)."""
     from fractions import Fraction
 
     import av
 
     buf = io.BytesIO()
-    with av.open(buf, mode="w", format="mp4") as c:
+    with av.open(buf, mode="w", format=container) as c:
         s = c.add_stream(codec, rate=fps)
         s.width, s.height, s.pix_fmt = w, h, pix_fmt
         s.options = {"threads": "1"}

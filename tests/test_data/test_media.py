@@ -92,6 +92,17 @@ def test_bad_videos_are_rejected_with_a_readable_reason(capfd):
     assert "garbage" not in capfd.readouterr().err
 
 
+def test_a_webm_cut_short_is_rejected_not_kept_as_a_shorter_clip():
+    """A WebM has no index up front: half a file still opens, as a clip of its first frames.
+    FFmpeg's read error at the cut tells it from a whole clip."""
+    webm = mp4_bytes(frames=30, fps=10, codec="libvpx-vp9", container="webm")
+    whole = probe_video(webm, "v.webm", max_seconds=60)
+    assert whole.frames == 30 and abs(whole.duration - 3.0) < 1e-6
+    r = probe_video(webm[: len(webm) // 2], "cut.webm", max_seconds=60)
+    assert r.reason == "undecodable-video"
+    assert r.detail.startswith("its data ends early (a copy cut short?): FFmpeg could not read")
+
+
 def test_a_sound_only_mp4_is_said_to_have_no_video_stream():
     import io
 
