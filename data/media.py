@@ -21,6 +21,7 @@ import tempfile
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -289,15 +290,20 @@ def frame_times(reader) -> tuple[np.ndarray, bool]:
     return np.stack([starts, starts + 1 / rate], axis=1), True
 
 
+def image_format(raw: bytes | Path) -> str | None:
+    """Pillow's name of the picture format of these bytes (or this file's), None if not one."""
+    try:
+        with Image.open(raw if isinstance(raw, Path) else io.BytesIO(raw)) as image:
+            fmt = image.format
+    except Exception:  # noqa: BLE001 - whatever Pillow raises, the bytes are no picture it knows
+        return None
+    return fmt if fmt in IMAGE_FORMATS else None
+
+
 def _image_hint(raw: bytes) -> str:
     """A picture under a video's name (FFmpeg reads it as a broken clip): say what it is."""
-    try:
-        fmt = Image.open(io.BytesIO(raw)).format
-    except Exception:  # noqa: BLE001 - whatever Pillow raises, the bytes are no picture it knows
-        return ""
-    return (
-        f"; the file is an image ({fmt}): give it an images source" if fmt in IMAGE_FORMATS else ""
-    )
+    fmt = image_format(raw)
+    return f"; the file is an image ({fmt}): give it an images source" if fmt else ""
 
 
 # What FFmpeg's demuxers log when a file ends inside its data (silent for a whole file)

@@ -65,6 +65,7 @@ LOSSLESS_REASONS = frozenset(
 
 _KEY_OK = re.compile(r"^[A-Za-z0-9_-]+$")
 _KEY_BAD_CHARS = re.compile(r"[^A-Za-z0-9_-]")
+MAX_KEY_CHARS = 160
 
 
 def sanitize_key(text: str) -> str:
@@ -72,8 +73,12 @@ def sanitize_key(text: str) -> str:
     rejects; paths that collide are told apart by ``Source.path_key``).
     A name with characters outside ASCII also keeps 8 hex digits of its SHA-256: 照片1.jpg and
     图片1.jpg would both be ``1_jpg`` (and every all-Chinese name of a folder ``jpg``), each
-    after the first a duplicate-key reject."""
+    after the first a duplicate-key reject.
+    A key over ``MAX_KEY_CHARS`` keeps its start and a digest of the whole: a tar member's name
+    (source, key, extension) must fit the 255 bytes a file name may have, for ``tar -x``."""
     key = _KEY_BAD_CHARS.sub("_", text).strip("_") or "_"
+    if len(key) > MAX_KEY_CHARS:
+        return f"{key[: MAX_KEY_CHARS - 9]}-{path_digest(text)}"
     return key if text.isascii() else f"{key}-{path_digest(text)}"
 
 

@@ -25,7 +25,7 @@ import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
 
-from data.media import IMAGE_EXTS, VIDEO_EXTS, decode_text
+from data.media import IMAGE_EXTS, IMAGE_FORMATS, VIDEO_EXTS, decode_text, image_format
 from data.schema import Reject, Sample, sanitize_key, unsafe_name_reason
 from data.sources.base import (
     Item,
@@ -290,10 +290,14 @@ class CaptionedSource(Source):
                 named = Path(rel).with_suffix("").with_suffix(suffix).name
                 return detail + f"; the caption sidecar of {Path(rel).stem} is named {named}"
             return detail + f"; a caption with no {self.part_type} named {Path(rel).stem}.*"
-        if suffix in (VIDEO_EXTS if self.kind == "images" else IMAGE_EXTS):
-            return detail + f"; give the {other} a source of their own ({other}:PATH)"
         if suffix in (".heic", ".heif"):
             return detail + "; HEIC/HEIF is not read: convert it to JPEG first"
+        if self.kind == "images" and (fmt := image_format(self.root / rel)):
+            # a picture under another name (a .mp4, no extension): Pillow sees what it is
+            named = f"a {suffix} name" if suffix else "a name without extension"
+            return f"an image ({fmt}) under {named}: rename it to .{IMAGE_FORMATS[fmt]}"
+        if suffix in (VIDEO_EXTS if self.kind == "images" else IMAGE_EXTS):
+            return detail + f"; give the {other} a source of their own ({other}:PATH)"
         return detail + "; this source takes " + " ".join(sorted(self.exts))
 
 

@@ -355,6 +355,7 @@ def test_photos_and_clips_under_the_names_users_have_them_are_read(tmp_path):
     photo.save(buf, format="JPEG")
     (pics / "iphone.heic").write_bytes(buf.getvalue())  # the name is what matters here
     (pics / "orphan.txt").write_text("a caption whose photo was not copied")
+    (pics / "photo.mp4").write_bytes(png_bytes())  # a picture under a video's name
     (clips / "old_phone.3gp").write_bytes(mp4_bytes())
     (clips / "still.png").write_bytes(png_bytes())
     status, rejects, manifest = run_ingest(tmp_path / "out", f"images:{pics}", f"videos:{clips}")
@@ -366,6 +367,7 @@ def test_photos_and_clips_under_the_names_users_have_them_are_read(tmp_path):
         "clip.mp4": "not an image file (.mp4); give the videos a source of their own (videos:PATH)",
         "iphone.heic": "not an image file (.heic); HEIC/HEIF is not read: convert it to JPEG first",
         "orphan.txt": "not an image file (.txt); a caption with no image named orphan.*",
+        "photo.mp4": "an image (PNG) under a .mp4 name: rename it to .png",
         "still.png": "not a video file (.png); give the images a source of their own (images:PATH)",
     }
 

@@ -41,6 +41,15 @@ def test_names_outside_ascii_keep_keys_of_their_own():
     assert sanitize_key("pkg/mod.py") == "pkg_mod_py"
 
 
+def test_long_paths_keep_keys_a_tar_can_extract():
+    """A 254-character file name in five 60-character folders: its key keeps a start and a
+    digest of the whole, so a member's name stays under the 255 bytes ``tar -x`` may write."""
+    folders = "/".join(f"{n}" * 60 for n in range(5))
+    a, b = (sanitize_key(f"{folders}/{c * 250}.py") for c in "xy")
+    assert len(a) == len(b) == 160 and a != b and a[:151] == b[:151] and is_valid_key(a)
+    assert sanitize_key("short/name.py") == "short_name_py"
+
+
 def test_unsafe_names_are_named():
     assert (
         unsafe_name_reason("../x")
