@@ -93,6 +93,7 @@ class TarBreak(NamedTuple):
     name: str  # the member at the break: its whole name, the part of it that is there, or ""
     whole: bool  # whether ``name`` is the member's whole name
     after_end: bool = False  # the break lies after the end-of-archive blocks: every member listed
+    not_tar: bool = False  # the first block is no tar header: another kind of file
 
 
 def list_members(path: Path | str) -> tuple[list[tuple[str, int, int]], TarBreak | None]:
@@ -117,6 +118,11 @@ def list_members(path: Path | str) -> tuple[list[tuple[str, int, int]], TarBreak
                 stop = archive.offset
             return members, _check_end(f, stop, total, members)
     except (tarfile.ReadError, OSError) as e:
+        if not members and str(e) in ("invalid header", "bad checksum"):
+            # a whole first block that is no tar header: another kind of file, not a cut tar
+            return members, TarBreak(
+                "corrupt-tar", f"not a tar archive ({e})", "", False, not_tar=True
+            )
         after = f" after member {members[-1][0]!r}" if members else ""
         return members, TarBreak("truncated-tar", f"unreadable{after}: {e}", "", False)
 
@@ -295,7 +301,9 @@ class WdsSource(Source):
                 self.key(sanitize_key(rel) + "-truncated"),
                 label,
                 broken.reason,
-                f"{broken.what}: {_what_is_lost(broken, lost)}; "
+                f"{broken.what}: nothing in it is read"
+                if broken.not_tar
+                else f"{broken.what}: {_what_is_lost(broken, lost)}; "
                 f"the {len(groups)} sample(s) before it are kept",
             )
 

@@ -132,3 +132,19 @@ def test_a_sample_without_media_names_its_members(tmp_path):
         ("missing-media", "no image or video member (its members: s0.txt)"),
         ("missing-media", "no image or video member (its members: s1)"),
     ]
+
+
+def test_a_file_that_is_no_tar_is_corrupt_not_truncated(tmp_path):
+    """Text or random bytes named .tar are no archive cut short: corrupt-tar, nothing read."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "notes.tar").write_bytes(b"hello world\n" * 100)
+    out = tmp_path / "out"
+    assert (
+        main(["ingest", "--out", str(out), "--no-progress", "--source", f"wds:{tmp_path / 'in'}"])
+        == 3
+    )
+    (reject,) = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert (reject["reason"], reject["detail"]) == (
+        "corrupt-tar",
+        "not a tar archive (invalid header): nothing in it is read",
+    )
