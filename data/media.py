@@ -184,7 +184,9 @@ def probe_image(raw: bytes, path: str, *, max_pixels: int) -> ImageInfo | Reject
     except (OSError, SyntaxError, ValueError, EOFError) as e:
         msg = str(e)
         reason = (
-            "truncated-image" if "truncat" in msg or isinstance(e, EOFError) else "unreadable-image"
+            "truncated-image"
+            if "truncat" in msg.lower() or isinstance(e, EOFError)
+            else "unreadable-image"
         )
         return Reject(path, reason, msg)
 

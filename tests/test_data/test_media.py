@@ -38,6 +38,8 @@ def test_truncated_and_garbage_images_are_rejected():
     jpg = jpeg_bytes(64, 64)
     r = probe_image(jpg[: len(jpg) // 2], "cut.jpg", max_pixels=10**6)
     assert r.reason == "truncated-image"
+    # cut inside its headers, Pillow says "Truncated File Read": truncated too
+    assert probe_image(jpg[:400], "cut.jpg", max_pixels=10**6).reason == "truncated-image"
     assert probe_image(b"not an image at all", "x", max_pixels=10**6).reason == "unreadable-image"
     assert probe_image(b"", "x", max_pixels=10**6).reason == "unreadable-image"
     # An iPhone photo (HEIC), in a table's bytes or under a .jpg name: said what it is.
