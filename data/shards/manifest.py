@@ -150,7 +150,6 @@ def finalize(out: Folder, records: dict[int, dict]) -> dict:
         )
         source["samples"] += record["samples"]
         source["bytes"] += record["bytes"]
-        source["rejects"] += len(record["rejects"])
         source["segments"].update(record["segments"])
         seg_total.update(record["segments"])
         rejects.extend(record["rejects"])
@@ -158,6 +157,12 @@ def finalize(out: Folder, records: dict[int, dict]) -> dict:
         if record["tar"]:
             source["shards"] += 1
             shards.append(shard_entry(record, segments=record["segments"]))
+    for record in recs:
+        for reject in record["rejects"]:
+            # A held-out shard's rejects count with their training source, as rejects.jsonl
+            # lists them: a reject has no val/ side (it never became a sample)
+            named = sources.get(reject.get("source") or "")
+            (named or sources[record["source"]])["rejects"] += 1
     for source in sources.values():
         source["segments"] = dict(source["segments"])
     manifest = {

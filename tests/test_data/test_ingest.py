@@ -513,3 +513,20 @@ def test_stats_gives_a_phone_photos_size_as_shown(tmp_path, capsys):
         "height": 20,
         "orientation": 6,
     }
+
+
+def test_held_out_rejects_count_with_their_training_source(tmp_path, capsys):
+    """With --val-fraction, rejects.jsonl lists every reject under its training source: the
+    manifest (and so stats) counts them there too, none under val/<source>."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    for n in range(12):
+        (notes / f"good{n}.txt").write_text(f"note number {n}\n")
+        (notes / f"bad{n}.txt").write_bytes(b"\xff\xfe\x00bad" + bytes([n]))
+    out = tmp_path / "out"
+    argv = ["ingest", "--out", str(out), "--no-progress", "--val-fraction", "0.5"]
+    assert main([*argv, "--source", f"text:{notes}"]) == EXIT_REJECTS
+    capsys.readouterr()
+    sources = json.loads((out / "manifest.json").read_text())["sources"]
+    rejects = {s["name"]: s["rejects"] for s in sources}
+    assert rejects == {"notes": 12, "val/notes": 0}
