@@ -9,6 +9,7 @@ Design choices:
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +74,12 @@ class ShardReader:
             off, size = entry["members"]["json"]
             f.seek(off)
             raw = f.read(size)
+            if len(raw) != size:  # the tar was cut (or replaced) after ingest wrote it
+                raise ValueError(
+                    f"{self.tar}: cut short: {entry['key']}.json lies at bytes {off}-{off + size} "
+                    f"of a file of {os.fstat(f.fileno()).st_size} B (earlyfuse-prep verify checks "
+                    "a whole folder)"
+                )
             try:
                 doc = json.loads(raw)
             except ValueError as err:

@@ -530,3 +530,20 @@ def test_held_out_rejects_count_with_their_training_source(tmp_path, capsys):
     sources = json.loads((out / "manifest.json").read_text())["sources"]
     rejects = {s["name"]: s["rejects"] for s in sources}
     assert rejects == {"notes": 12, "val/notes": 0}
+
+
+def test_a_raw_tar_cut_after_ingest_is_said_to_be_cut(tmp_path, capsys):
+    """A raw shard truncated after ingest (a copy cut short): reading it says the tar is cut
+    short at which document, not that its JSON is invalid."""
+    from data.shards.reader import iter_docs
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    for n in range(20):
+        (notes / f"n{n}.txt").write_text(f"note {n} " * 50)
+    out = tmp_path / "out"
+    assert main(["ingest", "--out", str(out), "--no-progress", "--source", f"text:{notes}"]) == 0
+    (tar,) = out.glob("notes/*.tar")
+    tar.write_bytes(tar.read_bytes()[: tar.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"shard-000000\.tar: cut short: notes-n\w+\.json lies at"):
+        list(iter_docs(out))
