@@ -202,7 +202,8 @@ def cmd_ingest(a) -> int:
         dedupe=a.dedupe,
     )
     part = f" (partition {a.partition} of {a.num_partitions})" if a.num_partitions > 1 else ""
-    print(f"ingest{part}: wrote {s['written']} shard(s), {s['skipped_done']} already done")
+    empty = f", {s['only_rejects']} planned held only rejects" if s["only_rejects"] else ""
+    print(f"ingest{part}: wrote {s['written']} shard(s), {s['skipped_done']} already done{empty}")
     if not s["finalized"]:
         print(
             f"{len(s['missing'])} shard(s) belong to other partitions; when they have all finished, run:\n"

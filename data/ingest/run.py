@@ -229,6 +229,7 @@ def run_plan(
     summary = {
         "written": sum(index in ran for index in held),
         "skipped_done": sum(index not in ran for index in held),
+        "only_rejects": sum(1 for shard in mine if shard.index in records) - len(held),
         "partition": [partition, num_partitions],
         "missing": missing,
         "finalized": False,
