@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import signal
 import sys
 
 from data.cli.common import EXIT_REJECTS, USER_ERRORS, parse_size, path_or_url, reader_left
@@ -48,13 +49,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's, a `kill`): stopped as Ctrl-C stops it, workers and all."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    before = signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.func(args)
-    except KeyboardInterrupt:
-        print("interrupted; rerun the same command to resume", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        how, code = ("terminated", 143) if isinstance(e, Terminated) else ("interrupted", 130)
+        print(f"{how}; rerun the same command to resume", file=sys.stderr)
+        return code
     except BrokenPipeError:
         return reader_left()
     except (ValueError, OSError) as e:
@@ -63,3 +74,5 @@ def main(argv: list[str] | None = None) -> int:
         said = re.sub(r"\s*[\r\n]\s*", " ", str(e).strip())
         print(f"earlyfuse-prep {args.command}: error: {said}", file=sys.stderr)
         return 2 if isinstance(e, USER_ERRORS) else 1
+    finally:
+        signal.signal(signal.SIGTERM, before)

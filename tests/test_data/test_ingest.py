@@ -548,3 +548,23 @@ def test_a_raw_tar_cut_after_ingest_is_said_to_be_cut(tmp_path, capsys):
     tar.write_bytes(tar.read_bytes()[: tar.stat().st_size // 2])
     with pytest.raises(ValueError, match=r"shard-000000\.tar: cut short: notes-n\w+\.json lies at"):
         list(iter_docs(out))
+
+
+def test_a_terminated_ingest_says_how_to_resume(tmp_path):
+    """SIGTERM (a scheduler's, a plain `kill`) stops ingest as Ctrl-C does: its workers stopped,
+    one line saying how to go on, exit 143; the same command then finishes the folder."""
+    many_images(tmp_path / "imgs", 80)
+    cmd = [sys.executable, "-m", "data.cli", "ingest", "--out", str(tmp_path / "out")]
+    cmd += ["--no-progress", "--workers", "2", "--shard-samples", "1"]
+    cmd += ["--source", f"images:{tmp_path / 'imgs'}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    records = tmp_path / "out" / ".ingest"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if records.is_dir() and len(list(records.glob("shard-*.json"))) >= 3:
+            break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (143, "terminated; rerun the same command to resume\n")
+    assert subprocess.run(cmd, capture_output=True).returncode == 0
