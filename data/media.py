@@ -99,6 +99,11 @@ HEIF_BRANDS = {b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"mif1", b"
 UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
 
 
+def looks_binary(raw: bytes) -> bool:
+    """A NUL byte in the first 8 KiB, unless a UTF-16 byte order mark opens the file."""
+    return b"\0" in raw[:8192] and not raw.startswith(UTF16_BOMS)
+
+
 def decode_text(raw: bytes, path: str, *, repair: bool) -> tuple[str, int] | Reject:
     """UTF-8 text (a leading BOM dropped) and the count of replaced bytes, or a not-utf8 reject.
     Text that opens with a UTF-16 byte order mark (Windows tools write it) is read as UTF-16:

@@ -24,7 +24,7 @@ REASONS = {
     "bad-record": "a JSONL/CSV record that is not valid JSON or lacks a required field",
     "bad-row": "a CSV row with more or fewer fields than its header, or a quote never closed",
     "blank-line": "a blank line in a JSONL or CSV table (no record; listed so every line counts)",
-    "binary-file": "a file in a source tree that holds binary data",
+    "binary-file": "a file of a code or text folder that holds binary data",
     "duplicate-key": "a sample key that an earlier input already used",
     "duplicate": "a document whose whole content repeats an earlier one's (ingest --dedupe)",
     "duplicate-of-excluded": "content (document, media file or long text) that a folder given "

@@ -15,7 +15,7 @@ import tokenize
 from collections.abc import Iterator
 from pathlib import Path
 
-from data.media import UTF16_BOMS
+from data.media import UTF16_BOMS, looks_binary
 from data.schema import Reject, Sample
 from data.sources.base import Item, Part, Source, read_file, stat_size, unstatable
 
@@ -153,7 +153,7 @@ class CodeSource(Source):
             return self.reject(raw.path, raw.reason, raw.detail, item.key)
         if lang == "python":
             raw = python_as_utf8(raw)
-        if b"\0" in raw[:8192] and not raw.startswith(UTF16_BOMS):
+        if looks_binary(raw):
             return self.reject(label, "binary-file", "NUL byte in the first 8 KiB", item.key)
         longest = 0 if lang in PROSE_LANGS else max(map(len, raw.split(b"\n")))
         if longest > MAX_LINE_BYTES:

@@ -389,3 +389,17 @@ def test_a_folder_that_cannot_be_listed_is_a_reject(tmp_path):
     assert done.returncode == 3, done.stderr
     assert _rejects(tmp_path / "out") == {"locked/": "unreadable-file"}
     assert "cannot be listed: Permission denied" in (tmp_path / "out" / "rejects.jsonl").read_text()
+
+
+def test_a_binary_file_under_a_text_name_is_rejected_in_text_folders_too(tmp_path):
+    """A blob named .txt in a text folder is binary-file, as in a code tree; UTF-16 with its byte
+    order mark is text."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "blob.txt").write_bytes(b"abc\x00\x01\x02def" * 10)
+    (notes / "wide.txt").write_bytes("wide notes\n".encode("utf-16"))
+    (notes / "plain.txt").write_text("plain notes\n")
+    out = tmp_path / "out"
+    s = ingest(out, [f"text:{notes}"])
+    assert _rejects(out) == {"blob.txt": "binary-file"}
+    assert s["manifest"]["totals"]["samples"] == 2
