@@ -15,6 +15,7 @@ import argparse
 import re
 import signal
 import sys
+import threading
 
 from data.cli.common import EXIT_REJECTS, USER_ERRORS, parse_size, path_or_url, reader_left
 from data.cli.demo_corpus import _add_demo_corpus
@@ -59,7 +60,9 @@ def _terminate(signum, frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    before = signal.signal(signal.SIGTERM, _terminate)
+    # Only the main thread may set a handler (a caller may run us in another)
+    main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         return args.func(args)
     except KeyboardInterrupt as e:
@@ -75,4 +78,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"earlyfuse-prep {args.command}: error: {said}", file=sys.stderr)
         return 2 if isinstance(e, USER_ERRORS) else 1
     finally:
-        signal.signal(signal.SIGTERM, before)
+        if main_thread:
+            signal.signal(signal.SIGTERM, before)
