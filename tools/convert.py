@@ -1,6 +1,7 @@
 """``earlyfuse-convert``: checkpoints in and out of training runs, one subcommand per module
-(``tools/convert_<name>.py`` for each name in ``SUBCOMMANDS``: its ``HELP``, ``DESCRIPTION``,
-``EXAMPLES``, ``add_arguments(parser)`` and ``run(args)``). Errors that users cause (a missing
+(``tools/convert_<name>.py`` for each name in ``SUBCOMMANDS``: its ``DESCRIPTION``,
+``EXAMPLES``, ``add_arguments(parser)`` and ``run(args)``; only the command given is imported,
+torch and all, so ``--help`` answers at once). Errors that users cause (a missing
 file, a truncated checkpoint, a mismatch, a folder that cannot be written) are one line naming
 the file, exit code 2; other OSErrors (a full disk) one line, exit code 1.
 """
@@ -13,7 +14,12 @@ import sys
 
 from data.cli.common import USER_ERRORS
 
-SUBCOMMANDS = ("release", "import", "hf", "universal")
+SUBCOMMANDS = {
+    "release": "a DeepSpeed checkpoint (any ZeRO stage) -> a portable release folder",
+    "import": "validate a release and print the earlyfuse-train command that starts a run from it",
+    "hf": "a release -> a Hugging Face model (Qwen3 architecture), where the architecture maps",
+    "universal": "a ZeRO 1-2 checkpoint -> a DeepSpeed universal checkpoint (resume on another world size)",
+}
 
 EPILOG = """\
 examples:
@@ -28,7 +34,7 @@ Run `earlyfuse-convert COMMAND --help` for each command's options. Formats: docs
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="earlyfuse-convert",
         description="Convert earlyfuse checkpoints: DeepSpeed run -> release -> new run or Hugging Face.",
@@ -36,22 +42,21 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in SUBCOMMANDS:
-        command = importlib.import_module(f"tools.convert_{name}")
+    for name, help_text in SUBCOMMANDS.items():
         command_parser = sub.add_parser(
-            name,
-            help=command.HELP,
-            description=command.DESCRIPTION,
-            epilog=command.EXAMPLES,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
+            name, help=help_text, formatter_class=argparse.RawDescriptionHelpFormatter
         )
-        command.add_arguments(command_parser)
-        command_parser.set_defaults(run=command.run)
+        if name == command:
+            module = importlib.import_module(f"tools.convert_{name}")
+            command_parser.description, command_parser.epilog = module.DESCRIPTION, module.EXAMPLES
+            module.add_arguments(command_parser)
+            command_parser.set_defaults(run=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(next((a for a in argv if not a.startswith("-")), None)).parse_args(argv)
     try:
         args.run(args)
         return 0

@@ -22,7 +22,6 @@ examples:
   earlyfuse-convert hf releases/demo hf/demo
   python -c "from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained('hf/demo')"
 """
-HELP = "a release -> a Hugging Face model (Qwen3 architecture), where the architecture maps"
 DESCRIPTION = (
     "Write RELEASE as a transformers model (Qwen3ForCausalLM) in OUT, loadable with "
     "AutoModelForCausalLM.from_pretrained and giving the same logits. Row/column embeddings of "

@@ -37,7 +37,6 @@ examples:
   earlyfuse-train experiment=demo train.steps=500 optim.lr=1e-4 run_dir=runs/finetune \\
       train.init_from=/abs/releases/demo
 """
-HELP = "validate a release and print the earlyfuse-train command that starts a run from it"
 DESCRIPTION = (
     "Check RELEASE (files, shapes, finiteness) and, given the training overrides, that it fits the "
     "run they define (layout, tokenizer, shapes); print the earlyfuse-train command that starts "

@@ -56,7 +56,6 @@ examples:
   # a visual tokenizer run: OUT/visual_tokenizer/ is what `earlyfuse-prep tokenize` takes
   earlyfuse-convert release runs/demo/vtok releases/vtok
 """
-HELP = "a DeepSpeed checkpoint (any ZeRO stage) -> a portable release folder"
 DESCRIPTION = (
     "Consolidate a checkpoint of RUN_DIR (any ZeRO stage, any world size, on CPU) into OUT: "
     "model.safetensors, config.json, vocab_layout.json, tokenizer.json, visual_tokenizer/. "

@@ -19,7 +19,6 @@ examples:
   earlyfuse-convert universal runs/1b                                               # latest checkpoint
   earlyfuse-torchrun --nproc_per_node 4 -m train.app experiment=gpu_1b run_dir=runs/1b train.allow_config_change=true
 """
-HELP = "a ZeRO 1-2 checkpoint -> a DeepSpeed universal checkpoint (resume on another world size)"
 DESCRIPTION = (
     "Write checkpoints/step_N/universal/ beside RUN_DIR's checkpoint: its optimizer and weight "
     "shards as one file per parameter, which a run with the same run_dir resumes from on any "
