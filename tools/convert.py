@@ -1,7 +1,6 @@
 """``earlyfuse-convert``: checkpoints in and out of training runs, one subcommand per module
-(``tools/convert_<name>.py`` for each name in ``SUBCOMMANDS``: its ``DESCRIPTION``,
-``EXAMPLES``, ``add_arguments(parser)`` and ``run(args)``; only the command given is imported,
-torch and all, so ``--help`` answers at once). Errors that users cause (a missing
+(``tools/convert_<name>.py`` for each name in ``SUBCOMMANDS``: its ``DESCRIPTION``, ``EXAMPLES``,
+``add_arguments(parser)`` and ``run(args)``; only the command run is imported: torch and all). Errors that users cause (a missing
 file, a truncated checkpoint, a mismatch, a folder that cannot be written) are one line naming
 the file, exit code 2; other OSErrors (a full disk) one line, exit code 1.
 """
@@ -34,7 +33,9 @@ Run `earlyfuse-convert COMMAND --help` for each command's options. Formats: docs
 """
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """Every command's options; given ``argv``, only those of the command it names (imported)."""
+    named = None if argv is None else next((a for a in argv if not a.startswith("-")), "")
     parser = argparse.ArgumentParser(
         prog="earlyfuse-convert",
         description="Convert earlyfuse checkpoints: DeepSpeed run -> release -> new run or Hugging Face.",
@@ -46,7 +47,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         command_parser = sub.add_parser(
             name, help=help_text, formatter_class=argparse.RawDescriptionHelpFormatter
         )
-        if name == command:
+        if named in (None, name):
             module = importlib.import_module(f"tools.convert_{name}")
             command_parser.description, command_parser.epilog = module.DESCRIPTION, module.EXAMPLES
             module.add_arguments(command_parser)
@@ -56,7 +57,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(next((a for a in argv if not a.startswith("-")), None)).parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         args.run(args)
         return 0

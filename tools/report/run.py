@@ -191,8 +191,7 @@ def load_run(run_dir: str | Path) -> RunData:
     run_dir = Path(run_dir)
     path = run_dir / METRICS_FILE
     if not run_dir.is_dir():
-        what = "is not a folder" if run_dir.exists() else "does not exist"
-        raise NoMetrics(f"{run_dir} {what} (give the run folder earlyfuse-train wrote)")
+        raise NoMetrics(f"{run_dir} {'is not a folder' if run_dir.exists() else 'does not exist'}")
     if not path.is_file():
         started = (run_dir / CONFIG_FILE).is_file()  # a run writes metrics.jsonl at its first step
         why = "no step logged yet" if started else "is it a run folder written by earlyfuse-train?"
