@@ -298,9 +298,15 @@ def frame_times(reader) -> tuple[np.ndarray, bool]:
 
 
 def image_format(raw: bytes | Path) -> str | None:
-    """Pillow's name of the picture format of these bytes (or this file's), None if not one."""
+    """Pillow's name of the picture format of these bytes (or of a regular file's first 64 KiB:
+    a FIFO or a device is never opened), None if not one."""
     try:
-        with Image.open(raw if isinstance(raw, Path) else io.BytesIO(raw)) as image:
+        if isinstance(raw, Path):
+            if not raw.is_file():
+                return None
+            with raw.open("rb") as f:
+                raw = f.read(1 << 16)
+        with Image.open(io.BytesIO(raw)) as image:
             fmt = image.format
     except Exception:  # noqa: BLE001 - whatever Pillow raises, the bytes are no picture it knows
         return None
