@@ -154,26 +154,25 @@ class TableFile:
 
         return retried(self.loc.text, once)
 
-    def column(self, name: str) -> list:
-        if name not in self.schema.names:
-            return []
-        if self.table is not None:
-            return self.table.column(name).to_pylist()
-        return self._reading(lambda: self.parquet.read(columns=[name])).column(name).to_pylist()
+    def read_group(self, group: int, columns: list[str] | None = None):
+        """A row group's rows (``columns`` of them, or all), or why it cannot be read: a damaged
+        page costs that group's rows, not the table's other groups."""
+        try:
+            if self.table is not None:
+                part = self.table
+            else:
+                part = self._reading(lambda: self.parquet.read_row_group(group, columns=columns))
+            return part.to_pylist()
+        except (OSError, ValueError, UnicodeDecodeError) as e:  # ArrowIOError, ArrowInvalid
+            if isinstance(e, OSError) and e.errno:  # the machine's (EIO, a stale handle): exit 1
+                raise
+            said = " ".join("".join(c if c.isprintable() else " " for c in str(e)).split())
+            return f"row group {group} cannot be read ({said[:200]})"
 
     def row(self, group: int, index: int) -> dict | str:
-        """The row, or why its row group cannot be read (damaged pages): said once per row."""
+        """The row, or why its row group cannot be read (said once per row)."""
         if self._group is None or self._group[0] != group:
-            try:
-                if self.table is not None:
-                    part = self.table
-                else:
-                    part = self._reading(lambda: self.parquet.read_row_group(group))
-                rows: list[dict] | str = part.to_pylist()
-            except (OSError, ValueError) as e:  # pyarrow's ArrowIOError, ArrowInvalid
-                said = " ".join("".join(c if c.isprintable() else " " for c in str(e)).split())
-                rows = f"row group {group} cannot be read ({said[:200]})"
-            self._group = (group, rows)
+            self._group = (group, self.read_group(group))
         rows = self._group[1]
         return rows if isinstance(rows, str) else rows[index]
 
@@ -247,18 +246,22 @@ def table_items(src: Source) -> Iterator[Item]:
             paths = [col] if _is_path_type(arrow, table.schema.field(col).type) else []
         elif "text" not in names:
             raise ValueError(f"{file.name}: no 'text' column (it has {names})")
-        ids = table.column("id")
-        media = {column: table.column(column) for column in paths}
         label_file = file.name
         start = 0
         for group, (num_rows, nbytes) in enumerate(table.groups):
             size = max(1, nbytes // max(1, num_rows))
+            wanted = [column for column in ("id", *paths) if column in names]  # the plan's checks
+            cells = table.read_group(group, wanted) if wanted else [{}] * num_rows
             for row_in_group in range(num_rows):
                 pos = start + row_in_group
                 label = f"{label_file}:row {pos}"
                 key = src.key(f"{row:08d}")
-                rid = ids[pos] if ids else None
                 row += 1
+                if isinstance(cells, str):
+                    yield src.rejected_item(key, label, "corrupt-table", cells)
+                    continue
+                rid = cells[row_in_group].get("id")
+                media = {column: cells[row_in_group][column] for column in paths}
                 if rid not in (None, ""):
                     why = unsafe_name_reason(str(rid))
                     if why:
@@ -266,9 +269,9 @@ def table_items(src: Source) -> Iterator[Item]:
                         continue
                     key = src.key(sanitize_key(str(rid)))
                 missing = (
-                    _linked_out(src, media, pos, base, tree=True)
-                    or _missing_media(media, pos, base)
-                    or _linked_out(src, media, pos, base)
+                    _linked_out(src, media, base, tree=True)
+                    or _missing_media(media, base)
+                    or _linked_out(src, media, base)
                 )
                 if missing:
                     reason, detail, shown = missing
@@ -279,10 +282,10 @@ def table_items(src: Source) -> Iterator[Item]:
             start += num_rows
 
 
-def _missing_media(media: dict[str, list], pos: int, base: Location) -> tuple[str, str, str] | None:
-    """(reason, detail, path as written) when a media path of the row is missing or remote."""
-    for values in media.values():
-        cell = values[pos]
+def _missing_media(media: dict, base: Location) -> tuple[str, str, str] | None:
+    """(reason, detail, path as written) when a media path of the row (``media``: its path
+    columns' cells) is missing or remote."""
+    for cell in media.values():
         for value in cell if isinstance(cell, list) else [cell]:
             if value is None:
                 continue
@@ -294,14 +297,13 @@ def _missing_media(media: dict[str, list], pos: int, base: Location) -> tuple[st
     return None
 
 
-def _linked_out(src: Source, media: dict[str, list], pos: int, base: Location, tree=False):
+def _linked_out(src: Source, media: dict, base: Location, tree=False):
     """(reason, detail, path as written) when a local media path of the row is a symlink leading
     out of the table's folder, or with ``tree`` a path written to lead out of it (the same rules
     as the JSONL/CSV tables: ``Source.outside`` and ``Source.outside_tree``)."""
     if base.remote:
         return None
-    for values in media.values():
-        cell = values[pos]
+    for cell in media.values():
         for value in cell if isinstance(cell, list) else [cell]:
             got = media_value(value, base) if value is not None else None
             if got is None or isinstance(got, str) or got[1] is None:

@@ -369,8 +369,7 @@ def test_photos_and_clips_under_the_names_users_have_them_are_read(tmp_path):
         "iphone.heic": "not an image file (.heic); HEIC/HEIF is not read: convert it to JPEG first",
         "orphan.txt": "not an image file (.txt); a caption with no image named orphan.*",
         "photo.mp4": "an image (PNG) under a .mp4 name: rename it to .png",
-        "stream.raw": "not an image file (.raw); this source takes "
-        + " ".join(sorted(IMAGE_EXTS)),
+        "stream.raw": "not an image file (.raw); this source takes " + " ".join(sorted(IMAGE_EXTS)),
         "still.png": "not a video file (.png); give the images a source of their own (images:PATH)",
     }
 

@@ -141,13 +141,16 @@ def test_hugging_face_save_to_disk_folders(tmp_path):
         ingest(tmp_path / "dict", [f"images:{tmp_path / 'hf_dict'}"])
 
 
-def test_a_damaged_row_group_rejects_its_rows_and_keeps_the_others(tmp_path):
-    """The page header of row group 1 of 3 overwritten: its two rows are corrupt-table
-    rejects naming the row group; the rows of groups 0 and 2 are ingested. Before, pyarrow's
-    error stopped the whole ingest (exit 1) naming no file."""
+@pytest.mark.parametrize("damaged", ["text", "id"])
+def test_a_damaged_row_group_rejects_its_rows_and_keeps_the_others(tmp_path, damaged):
+    """The page header of row group 1 of 3 overwritten, in the text column (read when a row is
+    loaded) or the id column (read when the inputs are listed): that group's two rows are
+    corrupt-table rejects naming the row group, the rows of groups 0 and 2 are ingested."""
     path = tmp_path / "notes.parquet"
-    pq.write_table(pa.table({"text": [f"note {n}" for n in range(6)]}), path, row_group_size=2)
-    start = pq.ParquetFile(path).metadata.row_group(1).column(0).data_page_offset
+    table = pa.table({"id": [f"n{n}" for n in range(6)], "text": [f"note {n}" for n in range(6)]})
+    pq.write_table(table, path, row_group_size=2)
+    column = table.schema.names.index(damaged)
+    start = pq.ParquetFile(path).metadata.row_group(1).column(column).data_page_offset
     raw = bytearray(path.read_bytes())
     raw[start : start + 16] = b"\x0f" * 16
     path.write_bytes(bytes(raw))
