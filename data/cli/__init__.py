@@ -25,6 +25,7 @@ from data.cli.preview import _add_preview
 from data.cli.shards import _add_stats, _add_verify
 from data.cli.text_tokenizer import _add_train_text_tokenizer
 from data.cli.tokenize import _add_tokenize
+from data.schema import name_not_utf8
 
 __all__ = ["EXIT_REJECTS", "build_parser", "main", "parse_size", "path_or_url"]
 
@@ -59,6 +60,11 @@ def _terminate(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    for arg in argv:  # a path in another encoding: the records and manifests hold the command
+        if why := name_not_utf8(arg):
+            print(f"earlyfuse-prep: an argument is not UTF-8: {why}", file=sys.stderr)
+            return 2
     args = build_parser().parse_args(argv)
     # Only the main thread may set a handler (a caller may run us in another)
     main_thread = threading.current_thread() is threading.main_thread()

@@ -326,6 +326,8 @@ def walk(
         while unlisted:
             e = unlisted.pop(0)
             rel = os.path.relpath(e.filename, root) if e.filename else "."
+            if rel == ".":  # the source's own folder: nothing of it can be read
+                raise PermissionError(f"{root}: the folder cannot be listed: {e.strerror or e}")
             why = f"a folder that cannot be listed: {e.strerror or e}; its files are not read"
             yield f"{rel}/", Skip("unreadable-file", why)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from factories import png_bytes
 
-from data.cli import build_parser, parse_size
+from data.cli import build_parser, main, parse_size
 from data.ingest import ingest
 from data.schema import (
     REASONS,
@@ -342,6 +342,11 @@ def test_names_that_are_not_utf8_are_rejects_naming_their_bytes(tmp_path):
     }
     assert s["manifest"]["totals"]["samples"] == 3
     assert "convmv" in (out / "rejects.jsonl").read_text()
+    # a source folder so named: refused whole, before anything is written (the command line is
+    # recorded with the shards)
+    bad_source = os.fsdecode(os.path.join(bytes(code), b"d\xe9r"))
+    argv = ["ingest", "--out", str(tmp_path / "o2"), "--source", f"text:{bad_source}"]
+    assert main(argv) == 2 and not (tmp_path / "o2").exists()
 
 
 def test_a_broken_or_looping_caption_link_rejects_its_picture(tmp_path):
@@ -365,8 +370,8 @@ def test_a_broken_or_looping_caption_link_rejects_its_picture(tmp_path):
 
 def test_a_folder_that_cannot_be_listed_is_a_reject(tmp_path):
     """A subfolder without read permission (a teammate's, on shared storage): one reject naming
-    it, the rest ingested. Before, os.walk dropped it silently. Root reads every folder, so as
-    root the ingest runs without that privilege (setpriv)."""
+    it, the rest ingested; the source's own folder so: a user error naming it. Root reads every
+    folder, so as root the ingest runs without that privilege (setpriv)."""
     import shutil
     import subprocess
     import sys
@@ -376,19 +381,30 @@ def test_a_folder_that_cannot_be_listed_is_a_reject(tmp_path):
     (src / "locked" / "in.py").write_text("x = 1\n")
     (src / "a.py").write_text("y = 2\n")
     (src / "locked").chmod(0)
-    cmd = [sys.executable, "-m", "data.cli", "ingest", "--out", str(tmp_path / "out")]
-    cmd += ["--no-progress", "--source", f"code:{src}"]
+    unprivileged: list[str] = []
     if os.geteuid() == 0:
         if not shutil.which("setpriv"):
             pytest.skip("root reads every folder, and setpriv is not here to drop that")
-        cmd = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--", *cmd]
+        drop = "-dac_override,-dac_read_search"
+        unprivileged = ["setpriv", "--inh-caps", drop, "--bounding-set", drop, "--"]
+    probe = [*unprivileged, sys.executable, "-c", f"import os; os.listdir({str(src / 'locked')!r})"]
+
+    def ingest_as_user(source: Path, out: Path) -> subprocess.CompletedProcess:
+        cmd = [*unprivileged, sys.executable, "-m", "data.cli", "ingest", "--out", str(out)]
+        cmd += ["--no-progress", "--source", f"code:{source}"]
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[2])
+
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[2])
+        if subprocess.run(probe, capture_output=True).returncode == 0:
+            pytest.skip("this machine's root keeps reading the folder under setpriv")
+        done = ingest_as_user(src, tmp_path / "out")
+        whole = ingest_as_user(src / "locked", tmp_path / "out2")
     finally:
         (src / "locked").chmod(0o755)
     assert done.returncode == 3, done.stderr
     assert _rejects(tmp_path / "out") == {"locked/": "unreadable-file"}
     assert "cannot be listed: Permission denied" in (tmp_path / "out" / "rejects.jsonl").read_text()
+    assert whole.returncode == 2 and "locked: the folder cannot be listed" in whole.stderr
 
 
 def test_a_binary_file_under_a_text_name_is_rejected_in_text_folders_too(tmp_path):
