@@ -4,6 +4,7 @@ on the path of every worker the tests start)."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from data.media import probe_video
@@ -29,3 +30,10 @@ def die_once(marker: str) -> str:
 
 def raise_value_error(x: int) -> int:
     raise ValueError(f"job {x} is bad input")
+
+
+def sleep_marked(job: tuple[str, float]) -> int:
+    """Write this worker's pid into the folder ``job[0]`` (it has taken a job), then sleep."""
+    Path(job[0], str(os.getpid())).write_text("running")
+    time.sleep(job[1])
+    return os.getpid()

@@ -68,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Only the main thread may set a handler (a caller may run us in another)
     main_thread = threading.current_thread() is threading.main_thread()
-    before = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    before = signal.getsignal(signal.SIGTERM) if main_thread else None  # None: set from C
+    if before is not None:
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.func(args)
     except KeyboardInterrupt as e:
@@ -84,5 +86,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"earlyfuse-prep {args.command}: error: {said}", file=sys.stderr)
         return 2 if isinstance(e, USER_ERRORS) else 1
     finally:
-        if main_thread:
+        if before is not None:
             signal.signal(signal.SIGTERM, before)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -54,7 +55,8 @@ class WorkerDied(RuntimeError):
 def _worker_main(conn: Connection, fn: Callable, recycle_after: int) -> None:
     """A worker's loop: a job in, ``(ok, result-or-error, retire)`` out, until told to stop.
     Ctrl-C reaches the whole process group: the parent stops the workers itself (``run_pool``'s
-    ``finally``), so a worker ignores it rather than send back a KeyboardInterrupt per job."""
+    ``finally``), so a worker ignores it (from its start: ``_Worker``) rather than send back a
+    KeyboardInterrupt per job."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     start = decode_failures()
     while True:
@@ -95,7 +97,17 @@ class _Worker:
         self.proc = ctx.Process(
             target=_worker_main, args=(child, fn, recycle_after), daemon=True, name="prep-worker"
         )
-        self.proc.start()
+        # Started ignoring Ctrl-C (a spawned child keeps SIG_IGN): one pressed while it imports
+        # would print its KeyboardInterrupt traceback
+        main_thread = threading.current_thread() is threading.main_thread()
+        before = signal.getsignal(signal.SIGINT) if main_thread else None  # None: set from C
+        if before is not None:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            self.proc.start()
+        finally:
+            if before is not None:
+                signal.signal(signal.SIGINT, before)
         child.close()
         self.job: tuple[int, Any] | None = None  # (position, job) being run
 

@@ -70,60 +70,74 @@ def test_the_workers_flag_refuses_zero_and_says_when_it_is_more_than_the_cpus(tm
 
 
 WORKERS_SCRIPT = """
-import sys, time
+import sys
+from engine_jobs import sleep_marked
 from data.engine.local import run_pool
 if __name__ == "__main__":
     pids = open(sys.argv[1], "w")
     def started(pid):
         pids.write(f"{pid}\\n")
         pids.flush()
-    for _ in run_pool(time.sleep, [float(sys.argv[2])] * 4, 2, on_start=started):
-        pass
+    try:
+        for _ in run_pool(sleep_marked, [(sys.argv[2], float(sys.argv[3]))] * 4, 2, on_start=started):
+            pass
+    except KeyboardInterrupt:
+        sys.exit(130)
 """
 
 
-def _start_pool(tmp_path, seconds: float):
-    script = tmp_path / "pool.py"
+def _start_pool(tmp_path, seconds: float, *, until_running: bool):
+    """A pool of 2 workers on jobs that sleep ``seconds``; returns once both have started (and,
+    with ``until_running``, taken a job), with the process and the workers' pids."""
+    script, pids, running = tmp_path / "pool.py", tmp_path / "pids", tmp_path / "running"
     script.write_text(WORKERS_SCRIPT)
-    pids = tmp_path / "pids"
-    root = Path(__file__).resolve().parents[2]
+    running.mkdir()
+    tests = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen(
-        [sys.executable, str(script), str(pids), str(seconds)],
+        [sys.executable, str(script), str(pids), str(running), str(seconds)],
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        env={**os.environ, "PYTHONPATH": str(root)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])},
     )
-    for _ in range(600):
-        if pids.exists() and len(pids.read_text().split()) == 2:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        started = pids.exists() and len(pids.read_text().split()) == 2
+        if started and (not until_running or len(list(running.iterdir())) == 2):
             break
-        time.sleep(0.05)
-    time.sleep(1.0)  # the workers have imported and taken their first job
+        time.sleep(0.01)
     return proc, [int(p) for p in pids.read_text().split()]
 
 
 def _gone(pid: int) -> bool:
-    return not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    try:
+        return "zombie" in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
 
 
-def test_ctrl_c_stops_the_workers_with_the_parent(tmp_path):
-    """Ctrl-C reaches the process group: the parent stops its workers, none is left running."""
-    proc, pids = _start_pool(tmp_path, 30)
-    os.killpg(proc.pid, signal.SIGINT)
-    proc.wait(timeout=30)
-    deadline = time.monotonic() + 10
+def _wait_gone(pids: list[int]) -> bool:
+    deadline = time.monotonic() + 30
     while not all(map(_gone, pids)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert all(map(_gone, pids))
+    return all(map(_gone, pids))
+
+
+def test_ctrl_c_while_workers_start_stops_them_without_a_traceback(tmp_path):
+    """Ctrl-C reaches the process group while the workers are still importing: the parent stops
+    them, none is left running and none prints a KeyboardInterrupt traceback."""
+    proc, pids = _start_pool(tmp_path, 30, until_running=False)
+    time.sleep(0.2)  # past the interpreter's start, into the imports (about a second)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and _wait_gone(pids)
+    assert "Traceback" not in err, err
 
 
 def test_workers_of_a_killed_parent_leave_quietly(tmp_path):
     """kill -9 of the parent: each worker ends its job, finds the pipe closed and leaves without
     a BrokenPipeError traceback."""
-    proc, pids = _start_pool(tmp_path, 1.5)
+    proc, pids = _start_pool(tmp_path, 1.0, until_running=True)
     proc.kill()
-    deadline = time.monotonic() + 15
-    while not all(map(_gone, pids)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert all(map(_gone, pids))
+    assert _wait_gone(pids)
     assert "Traceback" not in proc.stderr.read()
