@@ -40,8 +40,10 @@ Design choices:
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -187,12 +189,16 @@ def run_ray(
     started_here = not ray.is_initialized()
     if started_here:
         check_address(engine.address)
+        on_term = signal.getsignal(signal.SIGTERM)
         ray.init(
             address=engine.address or os.environ.get("RAY_ADDRESS"),
             log_to_driver=False,
             include_dashboard=False,
             configure_logging=False,
         )
+        if on_term is not None and threading.current_thread() is threading.main_thread():
+            # ray.init sets its own handler (sys.exit): the command's stops its work cleanly
+            signal.signal(signal.SIGTERM, on_term)
     resources = ray.cluster_resources()
     cpus = max(1, int(resources.get("CPU", 1)))
     # Never more actors than CPUs: an actor waiting for a CPU would hold its job forever.
