@@ -157,8 +157,8 @@ class CodeSource(Source):
             return self.reject(label, "binary-file", "NUL byte in the first 8 KiB", item.key)
         longest = 0 if lang in PROSE_LANGS else max(map(len, raw.split(b"\n")))
         if longest > MAX_LINE_BYTES:
-            detail = f"minified or generated: a line of {longest:,} bytes (over {MAX_LINE_BYTES:,})"
-            return self.reject(label, "vendored", detail, item.key)
+            detail = f"minified or generated? a line of {longest:,} bytes (over {MAX_LINE_BYTES:,})"
+            return self.reject(label, "long-line", detail, item.key)
         part = Part("code", raw, path=label, lang=lang)
         return self.assemble(item.key, [part], {}, {"path": label}, label)
 

@@ -160,7 +160,7 @@ def test_code_tree_rules(tmp_path):
         "node_modules/": "vendored",
         "pkg/blob.py": "binary-file",
         "pkg/app.min.js": "vendored",
-        "pkg/bundle.js": "vendored",
+        "pkg/bundle.js": "long-line",
         "pkg/logo.png": "unknown-type",
         "pkg/huge.py": "too-large",
     }
