@@ -29,7 +29,9 @@ from tqdm import tqdm
 from data.schema import Reject
 from data.sources import Item, Limits, SourceSpec, build_source
 
-PLAN_VERSION = 1
+# Raised whenever what ingest writes for the same plan changes (new rejects, new fields): a
+# folder begun by an earlier version is then refused, not finished with shards of another kind
+PLAN_VERSION = 2
 
 
 @dataclass
