@@ -134,20 +134,14 @@ def finalize(out: Folder, records: dict[int, dict]) -> dict:
     reasons: Counter = Counter()
     rejects: list[dict] = []
     shards = []
+
+    def source_of(name: str, record: dict) -> dict:
+        entry = {"name": name, "kind": record["kind"], "path": record["source_path"]}
+        counts = {"samples": 0, "bytes": 0, "shards": 0, "rejects": 0, "segments": Counter()}
+        return sources.setdefault(name, entry | counts)
+
     for record in recs:
-        source = sources.setdefault(
-            record["source"],
-            {
-                "name": record["source"],
-                "kind": record["kind"],
-                "path": record["source_path"],
-                "samples": 0,
-                "bytes": 0,
-                "shards": 0,
-                "rejects": 0,
-                "segments": Counter(),
-            },
-        )
+        source = source_of(record["source"], record)
         source["samples"] += record["samples"]
         source["bytes"] += record["bytes"]
         source["segments"].update(record["segments"])
@@ -161,8 +155,7 @@ def finalize(out: Folder, records: dict[int, dict]) -> dict:
         for reject in record["rejects"]:
             # A held-out shard's rejects count with their training source, as rejects.jsonl
             # lists them: a reject has no val/ side (it never became a sample)
-            named = sources.get(reject.get("source") or "")
-            (named or sources[record["source"]])["rejects"] += 1
+            source_of(reject.get("source") or record["source"], record)["rejects"] += 1
     for source in sources.values():
         source["segments"] = dict(source["segments"])
     manifest = {
