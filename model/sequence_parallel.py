@@ -49,21 +49,27 @@ from model.loss import LossResult
 from model.transformer import Transformer, TransformerConfig, positions_from_doc_ids
 
 
-def check_sequence_parallel(*, n_heads: int, seq_len: int | None, degree: int) -> None:
-    """Raise a ValueError naming the setting when a model or a row cannot be split over
-    ``degree`` ranks."""
+def sequence_parallel_refusal(*, n_heads: int, seq_len: int | None, degree: int) -> str | None:
+    """Why a model or a row cannot be split over ``degree`` ranks, naming the setting; None if
+    it can."""
     if degree < 1:
-        raise ValueError(f"the sequence-parallel degree must be >= 1, got {degree}")
+        return f"the sequence-parallel degree must be >= 1, got {degree}"
     if n_heads % degree:
-        raise ValueError(
+        return (
             f"sequence parallelism over {degree} ranks needs the query heads "
             f"(model.attention.n_heads = {n_heads}) to be a multiple of {degree}"
         )
     if seq_len is not None and seq_len % degree:
-        raise ValueError(
+        return (
             f"sequence parallelism over {degree} ranks needs the row length "
             f"({seq_len} tokens, data.seq_len) to be a multiple of {degree}"
         )
+    return None
+
+
+def check_sequence_parallel(*, n_heads: int, seq_len: int | None, degree: int) -> None:
+    if why := sequence_parallel_refusal(n_heads=n_heads, seq_len=seq_len, degree=degree):
+        raise ValueError(why)
 
 
 def kv_repeats(n_kv_heads: int, degree: int) -> int:

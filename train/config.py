@@ -14,7 +14,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from data.loader.config import LoaderConfig
-from model.sequence_parallel import check_sequence_parallel
+from model.sequence_parallel import sequence_parallel_refusal
 from model.transformer import TransformerConfig
 from model.visual_tokenizer import VisualTokenizerConfig
 from train.monitor.config import MonitorConfig
@@ -285,15 +285,15 @@ class RunConfig:
             raise ValueError(
                 f"train.sequence_parallel={degree}: only the lm task splits its rows (task={self.task})"
             )
-        try:
-            check_sequence_parallel(
-                n_heads=self.model.attention.n_heads, seq_len=self.data.seq_len, degree=degree
-            )
-        except ValueError as err:
-            heads, rows = self.model.attention.n_heads, self.data.seq_len
-            fit = [d for d in range(1, heads + 1) if heads % d == 0 and rows % d == 0]
+        heads, rows = self.model.attention.n_heads, self.data.seq_len
+        if why := sequence_parallel_refusal(n_heads=heads, seq_len=rows, degree=degree):
+            fit = [
+                d
+                for d in range(1, heads + 1)
+                if not sequence_parallel_refusal(n_heads=heads, seq_len=rows, degree=d)
+            ]
             raise ValueError(
-                f"train.sequence_parallel={degree}: {err}. Degrees that fit this model and row: "
+                f"train.sequence_parallel={degree}: {why}. Degrees that fit this model and row: "
                 f"{', '.join(map(str, fit))}; the stage presets named after a model "
                 "(stage=125m_32k, 1b_128k, ...) set one that fits it"
-            ) from None
+            )
