@@ -38,6 +38,16 @@ from data.layout import image_block_len
 SWAPS_SIDES = {5, 6, 7, 8}  # EXIF orientations that rotate by 90 degrees
 
 
+def exif_orientation(image: Image.Image) -> int:
+    """The EXIF orientation (1-8) a picture is shown with: 1 without one, or with a damaged one
+    (the pixels are what is kept)."""
+    try:
+        orientation = image.getexif().get(0x0112, 1)
+    except Exception:  # noqa: BLE001 - whatever a damaged EXIF block raises
+        return 1
+    return orientation if orientation in range(1, 9) else 1
+
+
 @dataclass(frozen=True)
 class ImagePrep:
     factor: int = 8  # spatial factor of the visual tokenizer
@@ -216,7 +226,7 @@ def _load_image(raw: bytes, prep: ImagePrep, max_source_pixels: int | None) -> n
             f"header claims {width}x{height} = {width * height} pixels > limit "
             f"{max_source_pixels} (not decoded)"
         )
-    orientation = image.getexif().get(0x0112, 1)
+    orientation = exif_orientation(image)
     if orientation in SWAPS_SIDES:
         width, height = height, width
     target_w, target_h = prep.target_size(width, height)

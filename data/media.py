@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from data.image_prep import bomb_detail, warnings_naming
+from data.image_prep import bomb_detail, exif_orientation, warnings_naming
 from data.schema import Reject
 
 MAX_IMAGE_PIXELS = 64_000_000  # the commands' default limit on an input image, by its header
@@ -173,12 +173,7 @@ def probe_image(raw: bytes, path: str, *, max_pixels: int) -> ImageInfo | Reject
             # every entropy-coded byte but skips most of the pixel work: ~2.5x faster.
             image.draft("RGB", (max(1, width // 8), max(1, height // 8)))
             image.load()
-            try:
-                orientation = image.getexif().get(0x0112, 1)
-            except Exception:  # noqa: BLE001 - damaged EXIF: the pixels are what is kept
-                orientation = 1
-            if orientation not in range(1, 9):
-                orientation = 1  # a damaged tag: the preprocessing leaves such an image unturned
+            orientation = exif_orientation(image)
             return ImageInfo(width, height, fmt, IMAGE_FORMATS[fmt], mode, frames, orientation)
     except Image.DecompressionBombError as e:
         return Reject(path, "pixel-limit", bomb_detail(e, max_pixels))
