@@ -6,6 +6,7 @@ import hashlib
 import json
 import tarfile
 from pathlib import Path
+from typing import BinaryIO
 
 from data.names import INDEX_SUFFIX
 from data.shards.writer import sample_hash
@@ -52,17 +53,24 @@ def index_of(folder, rel: str) -> list[dict]:
     return parse_index(folder.read_bytes(rel).splitlines(), folder.child(rel))
 
 
-def read_member(tar_path: str | Path, entry: dict, suffix: str) -> bytes:
-    """One member's bytes, by seeking to the offset the index gives."""
+def read_exact(f: BinaryIO, tar_path: str | Path, entry: dict, suffix: str) -> bytes:
+    """One member's bytes from the open shard ``f``, at the offset its index entry gives; a tar
+    cut (or replaced) after it was written is said to be, naming the member."""
     off, size = entry["members"][suffix]
-    with open(tar_path, "rb") as f:
-        f.seek(off)
-        data = f.read(size)
+    f.seek(off)
+    data = f.read(size)
     if len(data) != size:
         raise ValueError(
-            f"{tar_path}: member {entry['key']}.{suffix} cut short ({len(data)} of {size} bytes)"
+            f"{tar_path}: cut short: member {entry['key']}.{suffix} lies at bytes {off}-"
+            f"{off + size}, {len(data)} of its {size} B are there (earlyfuse-prep verify checks "
+            "a whole folder)"
         )
     return data
+
+
+def read_member(tar_path: str | Path, entry: dict, suffix: str) -> bytes:
+    with open(tar_path, "rb") as f:
+        return read_exact(f, tar_path, entry, suffix)
 
 
 def file_sha256(path: str | Path) -> str:

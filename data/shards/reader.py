@@ -9,13 +9,12 @@ Design choices:
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from data.shards.index import read_index
+from data.shards.index import read_exact, read_index
 from data.shards.manifest import load_manifest
 
 
@@ -28,12 +27,7 @@ class RawDoc:
     _f: BinaryIO
 
     def member(self, name: str) -> bytes:
-        off, size = self.entry["members"][name]
-        self._f.seek(off)
-        data = self._f.read(size)
-        if len(data) != size:
-            raise ValueError(f"{self.shard}: {self.key}.{name} cut short ({len(data)} of {size} B)")
-        return data
+        return read_exact(self._f, self.shard, self.entry, name)
 
 
 def shard_entries(
@@ -71,15 +65,7 @@ class ShardReader:
 
     def _docs(self, f: BinaryIO) -> Iterator[RawDoc]:
         for entry in self.entries:
-            off, size = entry["members"]["json"]
-            f.seek(off)
-            raw = f.read(size)
-            if len(raw) != size:  # the tar was cut (or replaced) after ingest wrote it
-                raise ValueError(
-                    f"{self.tar}: cut short: {entry['key']}.json lies at bytes {off}-{off + size} "
-                    f"of a file of {os.fstat(f.fileno()).st_size} B (earlyfuse-prep verify checks "
-                    "a whole folder)"
-                )
+            raw = read_exact(f, self.tar, entry, "json")
             try:
                 doc = json.loads(raw)
             except ValueError as err:

@@ -546,7 +546,9 @@ def test_a_raw_tar_cut_after_ingest_is_said_to_be_cut(tmp_path, capsys):
     assert main(["ingest", "--out", str(out), "--no-progress", "--source", f"text:{notes}"]) == 0
     (tar,) = out.glob("notes/*.tar")
     tar.write_bytes(tar.read_bytes()[: tar.stat().st_size // 2])
-    with pytest.raises(ValueError, match=r"shard-000000\.tar: cut short: notes-n\w+\.json lies at"):
+    with pytest.raises(
+        ValueError, match=r"shard-000000\.tar: cut short: member notes-n\w+\.json lies at"
+    ):
         list(iter_docs(out))
 
 
