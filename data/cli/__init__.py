@@ -6,7 +6,8 @@ that could have run (a full disk, an I/O error); 3 ``ingest`` finished but rejec
 (each listed in DIR/rejects.jsonl; those that held nothing to keep, ``schema.LOSSLESS_REASONS``,
 do not count) — pass ``--allow-rejects`` to get 0; ``verify`` exits 1 when
 it finds a problem; 141 (128 + SIGPIPE), silently, when the reader of stdout closes it early
-(``stats DIR | head``).
+(``stats DIR | head``); 130 after Ctrl-C and 143 after SIGTERM, the workers stopped and the
+finished shards kept (rerun the same command to resume).
 """
 
 from __future__ import annotations

@@ -56,7 +56,8 @@ def _add_ingest(sub) -> None:
         "  earlyfuse-prep ingest --out shards/ --workers 8 --shard-size 256MB \\\n"
         "      --source code:~/src/cpython/Lib --source images:coco/captions.jsonl\n\n"
         "exit status: 0 done, 3 done with rejects that lost content (see rejects.jsonl), 2 a bad\n"
-        "flag, input or folder (one line names it), 1 the machine failed (a full disk, an I/O error)",
+        "flag, input or folder (one line names it), 1 the machine failed (a full disk, an I/O\n"
+        "error), 130 or 143 stopped by Ctrl-C or SIGTERM (rerun the same command to resume)",
     )
     p.add_argument(
         "--out",
@@ -148,7 +149,7 @@ def _add_ingest(sub) -> None:
         "--allow-rejects",
         action="store_true",
         help="exit 0 even when some inputs were rejected (rejects that held nothing to keep, "
-        "vendored, empty-document, blank-line and asked-for duplicates, never make it exit 3)",
+        f"{', '.join(sorted(LOSSLESS_REASONS))}, never make it exit 3)",
     )
     p.add_argument(
         "--exclude-content-of",

@@ -314,7 +314,9 @@ def walk(
     it leads inside ``root`` (its files are listed where they really are); one that leads out is
     yielded as ``("dir/", Skip("link-outside-source", ...))``, or entered with ``follow``. Files
     are yielded whatever their links: the caller checks them (``Source.outside``); hidden and
-    system files come with their Skip. A file ``root`` yields just its own name."""
+    system files, and names that are not UTF-8, come with their Skip. A folder that cannot be
+    listed is yielded as ``("dir/", Skip("unreadable-file", ...))``; ``root`` itself so raises
+    PermissionError. A file ``root`` yields just its own name."""
     if root.is_file():
         yield root.name, None
         return

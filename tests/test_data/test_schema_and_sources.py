@@ -314,8 +314,8 @@ def test_repair_utf8_keeps_table_rows_too(tmp_path):
 def test_names_that_are_not_utf8_are_rejects_naming_their_bytes(tmp_path):
     """A file or folder named in another encoding (a Latin-1 résumé.txt from an old zip) and a
     webdataset member likewise are unsafe-name rejects showing the bytes as \\xNN; the other
-    inputs are ingested. Before, one such name stopped the whole ingest with a UnicodeEncodeError
-    naming nothing."""
+    inputs are ingested: one such name must not stop the ingest (its name cannot be stored as
+    UTF-8 JSON)."""
     import io
     import os
     import tarfile
@@ -351,8 +351,8 @@ def test_names_that_are_not_utf8_are_rejects_naming_their_bytes(tmp_path):
 
 def test_a_broken_or_looping_caption_link_rejects_its_picture(tmp_path):
     """a.txt -> gone.txt and b.txt -> b.txt cannot be read, as a caption without permission:
-    each picture is an unreadable-file reject naming its sidecar. Before, both pictures were
-    kept without a word, as if uncaptioned, and the links were in neither shards nor rejects."""
+    each picture is an unreadable-file reject naming its sidecar, not a picture kept as if
+    uncaptioned with its link in neither the shards nor the rejects."""
     pics = tmp_path / "pics"
     pics.mkdir()
     for name in "abc":
