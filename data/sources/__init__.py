@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from data.names import TOKENIZERS_DIR
-from data.schema import sanitize_key
+from data.schema import path_digest, sanitize_key
 from data.shards.storage import filesystem, is_remote, retried
 from data.sources.base import Item, Limits, Source, SourceSpec
 from data.sources.captioned import ImagesSource, VideosSource
@@ -30,6 +30,26 @@ _SPEC = re.compile(r"^(?:(?P<name>[A-Za-z0-9_-]+)=)?(?P<kind>[a-z]+):(?P<path>.+
 
 # Folders an ingest or tokenize output holds beside its sources' folders
 RESERVED_NAMES = {"val": "the held-out split (--val-fraction)", TOKENIZERS_DIR: "the tokenizers"}
+
+
+# A source's name starts every key and member name of its shards: with a key (at most
+# MAX_KEY_CHARS) and an extension, a member's name stays within the 255 bytes of a file name.
+MAX_SOURCE_NAME = 64
+
+
+def source_name(arg: str, given: str | None, stem: str) -> str:
+    """The name given to a --source (refused when too long), or one made from its path's last
+    part (shortened, with a digest of the whole, when too long)."""
+    if given:
+        if len(given) > MAX_SOURCE_NAME:
+            raise ValueError(
+                f"--source {arg!r}: the name {given!r} is longer than {MAX_SOURCE_NAME} characters"
+            )
+        return given
+    name = sanitize_key(stem)
+    if len(name) > MAX_SOURCE_NAME:
+        name = f"{name[: MAX_SOURCE_NAME - 9]}-{path_digest(stem)}"
+    return name
 
 
 def parse_sources(args: list[str]) -> list[SourceSpec]:
@@ -60,8 +80,8 @@ def parse_sources(args: list[str]) -> list[SourceSpec]:
                 "its own, with its caption beside it), a .jsonl/.csv/.parquet table or a Hugging "
                 "Face dataset folder"
             )
-        name = match["name"] or sanitize_key(
-            path.resolve().stem if path.is_file() else path.resolve().name
+        name = source_name(
+            arg, match["name"], path.resolve().stem if path.is_file() else path.resolve().name
         )
         if name in used:
             how = "" if match["name"] else " (from its path)"
@@ -102,9 +122,8 @@ def _remote_spec(
             "Face dataset folders (kinds text, images, videos, interleaved) and webdataset "
             "tars (wds); copy other inputs to a local folder first"
         )
-    if not name:
-        stem = url.rstrip("/").rsplit("/", 1)[-1]
-        name = sanitize_key(stem.removesuffix(".parquet").removesuffix(".tar"))
+    stem = url.rstrip("/").rsplit("/", 1)[-1]
+    name = source_name(arg, name, stem.removesuffix(".parquet").removesuffix(".tar"))
     if name in used:  # never a silent rename, as for local sources
         raise ValueError(
             f"--source {arg!r}: the name {name!r} is also the name of --source {used[name]!r}; "

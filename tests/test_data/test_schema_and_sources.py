@@ -50,6 +50,17 @@ def test_long_paths_keep_keys_a_tar_can_extract():
     assert sanitize_key("short/name.py") == "short_name_py"
 
 
+def test_source_names_stay_short_enough_for_member_names(tmp_path):
+    """A source named after a 100-character folder keeps 55 of them and a digest (64 in all);
+    a longer name given is refused: with a key and an extension, a member name fits 255 bytes."""
+    folder = tmp_path / ("x" * 100)
+    folder.mkdir()
+    (name,) = (spec.name for spec in parse_sources([f"text:{folder}"]))
+    assert len(name) == 64 and name.startswith("x" * 55 + "-")
+    with pytest.raises(ValueError, match="longer than 64 characters"):
+        parse_sources([f"{'y' * 65}=text:{folder}"])
+
+
 def test_unsafe_names_are_named():
     assert (
         unsafe_name_reason("../x")
