@@ -132,7 +132,11 @@ def iter_documents(
                     ids, mod = read_npy(ids_bytes).copy(), read_npy(mod_bytes).copy()
                     check_ids(ids, mod, ranges)
                 except (OSError, ValueError, EOFError) as error:
-                    key = table.key_of(index)
+                    try:
+                        key = table.key_of(index)
+                    except (OSError, ValueError, EOFError):  # the index naming it is the damage
+                        shard, number = table.locate(index)
+                        key = f"#{number} of {table.shards[shard]}"
                     left_out += 1
                     if left_out <= LOGGED_PER_SOURCE:
                         log.warning(f"source {table.name}: document {key} left out: {error}")
