@@ -166,3 +166,22 @@ def test_stats_of_the_held_out_folder_points_to_the_folder_that_describes_it(tok
         (tokens / not_held_out).mkdir(exist_ok=True)
         assert prep_main(["stats", str(tokens / not_held_out)]) != 0
         assert "not an ingest output" in capsys.readouterr().err
+
+
+def test_documents_behind_a_damaged_binary_index_are_left_out_and_named(tokens):
+    """A cut .idx.bin: the start-up and held-out passes leave its documents out, each named by
+    its shard and number (the index that would name its key is the damage), instead of raising
+    from the handler that names them."""
+    from data.token_docs import iter_documents
+
+    source = folder_sources(tokens)[0]
+    table = load_table(source)
+    index_bin = next(tokens.glob(f"{source.name}/*.idx.bin"))
+    index_bin.write_bytes(index_bin.read_bytes()[:16])
+    skipped: list = []
+    kept = list(iter_documents([table], skipped=skipped))
+    assert skipped and len(kept) + len(skipped) == len(table)
+    assert all(
+        key.startswith("#") and str(index_bin.with_suffix("").with_suffix(".tar")) in key
+        for _, key, _ in skipped
+    )
