@@ -9,8 +9,10 @@ workers prefetch, what it refuses, and epoch mode's batch count: docs/loader.md,
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import asdict, replace
 from multiprocessing.reduction import ForkingPickler
@@ -32,7 +34,7 @@ from data.loader.stream_state import check_fields, check_state
 from data.loader.table import SampleTable
 from data.loader.table_load import load_table
 from data.loader.watchdog import sample_where
-from data.loader.worker_start import prepare_workers
+from data.loader.worker_start import prepare_workers, stop_only_when_told
 from data.vocab import MODALITY_NAMES
 
 STATE_VERSION = 1
@@ -167,6 +169,7 @@ class PackedLoader:
                     prefetch_factor=self.cfg.prefetch_factor,
                     persistent_workers=False,
                     multiprocessing_context=self.cfg.worker_start,
+                    worker_init_fn=functools.partial(stop_only_when_told, os.getpid()),
                     # Its own generator: a DataLoader iterator otherwise seeds from the global torch
                     # RNG, which differs between a resumed and an uninterrupted run (our workers
                     # seed themselves by hashing seed, epoch, rank, worker)

@@ -1,4 +1,5 @@
-"""Preemption: SIGTERM or SIGUSR1 makes the run checkpoint at the next step boundary and exit 0.
+"""Preemption: SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) makes the run checkpoint at the next step
+boundary and exit 0.
 
 Slurm (and most schedulers) announce a preemption or the end of a time limit with a signal some
 time ahead (``sbatch --signal=USR1@120``; docs/training.md). The handler only notes the signal;
@@ -23,7 +24,7 @@ from train.callbacks.base import STOP, Callback, Decision, StepRecord
 if TYPE_CHECKING:
     from train.trainer import Trainer
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 FLAG = "signal/preempt"  # ranks that received a signal, in a step's reduced sums
 
 
