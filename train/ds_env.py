@@ -6,6 +6,8 @@ Design choices:
   The op serves only ``inference_all_reduce`` (DeepSpeed's tensor-parallel inference); training
   never calls it, so we mark it incompatible and DeepSpeed falls back to plain torch.distributed
   (its own code path for a machine that cannot build the op). Nothing is compiled.
+- DeepSpeed's probes of its ops (test programs compiled through distutils) run with the root
+  logger at WARNING: distutils echoes every gcc command at INFO.
 - Where an op is built after all (``EARLYFUSE_DEEPSPEED_SHM=1``, or a future op a run needs),
   it is built once per environment: ``TORCH_EXTENSIONS_DIR`` defaults to ``torch_extensions/``
   inside the virtual environment instead of the home folder that every checkout shares.
@@ -13,6 +15,7 @@ Design choices:
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -34,5 +37,13 @@ def prepare_deepspeed() -> None:
         return
     import deepspeed.ops
 
-    # A dict DeepSpeed probes once and keeps (deepspeed/ops/__init__.py): our entry sticks.
-    deepspeed.ops.__compatible_ops__[_SHM_OP] = False
+    # A dict DeepSpeed probes once and keeps (deepspeed/ops/__init__.py): our entry sticks. Its
+    # probes compile test programs through distutils, which echoes each gcc command at INFO on the
+    # root logger ("gcc ... -laio -o /tmp/.../a.out" at every start): not said.
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(max(level, logging.WARNING))
+    try:
+        deepspeed.ops.__compatible_ops__[_SHM_OP] = False
+    finally:
+        root.setLevel(level)
