@@ -7,7 +7,7 @@ dataclasses once, takes the run folder's lock and hands everything to ``train.bu
     earlyfuse-torchrun --nproc_per_node 2 -m train.app experiment=vtok_debug deepspeed.zero_stage=2
     deepspeed --num_gpus 8 --module train.app experiment=...   (--local_rank is handled)
 
-Exit codes: 0 done (or stopped by SIGTERM/SIGUSR1 after a checkpoint), 1 an error, 2 a config,
+Exit codes: 0 done (or stopped by SIGTERM/SIGUSR1/SIGINT after a checkpoint), 1 an error, 2 a config,
 checkpoint or run folder that cannot be used (a refused or damaged checkpoint, a disk full during
 a save; one line says why), 3 halted by a monitor.
 """

@@ -101,6 +101,42 @@ def test_live_folder_refused_sigterm_checkpoints_and_the_resume_checks_config(
     assert (run / "final.json").is_file()
 
 
+def test_signals_to_the_whole_process_group_stop_a_run_with_loader_workers_at_a_checkpoint(
+    tiny_tokens, tmp_path
+):
+    """torchrun, Slurm and a terminal's Ctrl-C signal a run's whole process group, its loader
+    workers too: SIGTERM and then, on the resumed run, SIGINT each stop it at the next step with
+    a checkpoint, exit 0, no traceback (a worker killed by the signal failed the step instead)."""
+    run = tmp_path / "run"
+    args = base(tiny_tokens, run, 1000, "data.num_workers=1")
+    stopped = [0]
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        log = tmp_path / f"{sig.name}.log"
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        with log.open("w") as out:
+            cmd = [sys.executable, "-m", "train.app", *args, "train.progress=false"]
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        try:
+            wait_for_step(run, stopped[0] + 3, proc, log)  # the resumed run: past its start
+            os.killpg(proc.pid, sig)
+            assert proc.wait(timeout=600) == 0, log.read_text()[-4000:]
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        said = log.read_text()
+        stopped = [
+            int(at)
+            for at in re.findall(
+                rf"stopped by {sig.name} at step (\d+) of 1000 with checkpoint", said
+            )
+        ]
+        assert stopped and "Traceback" not in said, said[-4000:]
+        tag = f"step_{stopped[0]:08d}"
+        assert (run / "checkpoints" / "latest").read_text().strip() == tag
+
+
 @pytest.mark.slow
 def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tiny_tokens, tmp_path):
     run, log = tmp_path / "run", tmp_path / "torchrun.log"
