@@ -34,19 +34,41 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from data.shards.index import file_sha256
 from data.shards.storage import write_atomic
+from train.config_check import ConfigError
 from train.dist import DistInfo, barrier
 from train.names import CHECKPOINT_META_FILE, CHECKPOINTS_DIR, CONFIG_FILE, LATEST_FILE
 from train.safe_load import CheckpointError, safe_torch_load, weights_only_loads
 from train.save_errors import CheckpointWriteError, describe_write_failure
 
 TAG = re.compile(r"^step_(\d{8})$")
+
+
+@contextmanager
+def model_must_fit(where: Path) -> Iterator[None]:
+    """A checkpoint whose tensors do not fit the model (a model setting changed since it was
+    saved: ``model.dim``, a layer more) is a config error said in one line, not torch's
+    traceback of one "size mismatch" line per tensor; the checkpoint itself is sound."""
+    try:
+        yield
+    except RuntimeError as e:
+        lines = [line.strip() for line in str(e).splitlines()]
+        first = next((line for line in lines if "size mismatch" in line or "key(s)" in line), None)
+        if first is None:
+            raise
+        raise ConfigError(
+            f"{where}: its weights do not fit this run's model ({first.rstrip('.')}): a model "
+            "setting changed since it was saved (the config changes are listed above). A "
+            "checkpoint resumes the model it was saved from: undo the change, or give the new "
+            "model another run_dir"
+        ) from None
 
 
 def step_of_tag(tag: str) -> int:
@@ -354,7 +376,7 @@ class Checkpointer:
         """Load a checkpoint written by another world size: (client state, this rank's own state if
         the old world had this rank, else None)."""
         load_dir, load_tag = (self.dir / tag, "universal") if zero_stage > 0 else (self.dir, tag)
-        with weights_only_loads():
+        with weights_only_loads(), model_must_fit(load_dir / load_tag):
             path, client = engine.load_checkpoint(
                 str(load_dir),
                 tag=load_tag,
@@ -386,7 +408,7 @@ class Checkpointer:
 
     def load(self, engine, tag: str) -> tuple[dict, dict]:
         """(client state saved by rank 0, this rank's own state)."""
-        with weights_only_loads():
+        with weights_only_loads(), model_must_fit(self.dir / tag):
             path, client = engine.load_checkpoint(
                 str(self.dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
             )

@@ -99,6 +99,12 @@ def test_live_folder_refused_sigterm_checkpoints_and_the_resume_checks_config(
     m = metrics(run)
     assert sorted(m) == list(range(1, stopped + 3))
     assert (run / "final.json").is_file()
+    # A model of another shape cannot resume these weights, even when changes are allowed: one
+    # line, exit 2 (torch's "size mismatch" traceback, a line per tensor, before)
+    wider = base(tiny_tokens, run, stopped + 4, "model.dim=96", "train.allow_config_change=true")
+    p = train(wider, check=False)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "its weights do not fit this run's model (size mismatch for" in p.stderr
 
 
 def test_signals_to_the_whole_process_group_stop_a_run_with_loader_workers_at_a_checkpoint(
