@@ -31,7 +31,7 @@ from data.loader.packed_batch import PackedBatch
 from data.loader.sample_check import attach_id_ranges
 from data.loader.stream import ConsumerStream
 from data.loader.stream_state import check_fields, check_state
-from data.loader.table import SampleTable
+from data.loader.table import SampleTable, TokenTable
 from data.loader.table_load import load_table
 from data.loader.watchdog import sample_where
 from data.loader.worker_start import prepare_workers, stop_only_when_told
@@ -390,6 +390,13 @@ def check_tokenizers(cfg: LoaderConfig, tables: list[SampleTable]) -> None:
                 online_options(cfg).record(), sort_keys=True
             )
             continue
+        summaries = t.shard_blocks if isinstance(t, TokenTable) else []  # the manifest's, per shard
+        visual = sum(int(got[m]["blocks"]) for got in summaries for m in ("image", "video"))
+        if mine and visual and json.loads(mine)["visual"] is None:
+            raise ValueError(  # its image and video ids could be neither drawn nor released
+                f"source {t.name} holds {visual} image and video blocks ({t.manifest_url}); "
+                f"{cfg.tokenizers} has no visual_tokenizer/ to read them"
+            )
         if differ := tokenizers_differ(t.tokenizer_fingerprint, want or t.tokenizer_fingerprint):
             raise ValueError(
                 f"source {t.name} was tokenized with other tokenizers than {first} "

@@ -716,6 +716,32 @@ def test_a_tokenizer_folder_swapped_after_tokenize_is_a_config_error(
         layout_of_data(cfg)
 
 
+def test_tokenizers_without_the_visual_tokenizer_or_missing_are_config_errors(
+    tiny_tokens, tmp_path
+):
+    """A token folder whose visual_tokenizer/ is gone, or a data.tokenizers of text alone, over
+    a source holding images: refused at start (it trained, and only the release refused it); a
+    data.tokenizers that is no folder: one line, not a traceback."""
+    import shutil
+
+    from data.loader import SourceConfig
+    from train.config import RunConfig
+    from train.tasks.lm import layout_of_data
+
+    tokens = shutil.copytree(tiny_tokens, tmp_path / "tokens")
+    cfg = RunConfig()
+    cfg.data.sources = [SourceConfig(name="scenes", shards=[str(tokens / "scenes")])]
+    shutil.rmtree(tokens / "tokenizers" / "visual_tokenizer")
+    said = r"source scenes holds \d+ image and video blocks .*has no visual_tokenizer/ to read them"
+    with pytest.raises(ConfigError, match=said):
+        layout_of_data(cfg)
+    cfg.data.sources = [SourceConfig(name="text", shards=[str(tokens / "text")])]
+    assert layout_of_data(cfg)[1] == tokens / "tokenizers"  # text alone needs none
+    cfg.data.tokenizers = str(tmp_path / "nope")
+    with pytest.raises(ConfigError, match="^data.tokenizers: .*nope/vocab_layout.json: not a"):
+        layout_of_data(cfg)
+
+
 def test_earlyfuse_train_help_says_what_it_is_its_exit_codes_and_where_to_read():
     """Before: Hydra's "app is powered by Hydra." and the config, nothing about the run folder,
     resuming or the exit codes."""

@@ -118,7 +118,10 @@ def layout_of_data(cfg: RunConfig, tables: TableCache | None = None) -> tuple[Vo
                 f"{folder}, found beside the token shards: {e}; were the tokenizers replaced "
                 "after tokenize? Put back the ones the shards were made with, or tokenize again"
             ) from None
-    return VocabLayout.load(folder / LAYOUT_FILE), folder
+    try:
+        return VocabLayout.load(folder / LAYOUT_FILE), folder
+    except ValueError as e:  # data.tokenizers naming no tokenizer folder
+        raise ConfigError(f"data.tokenizers: {e}") from None
 
 
 def source_tokenizers(tables: list) -> list[dict]:
@@ -320,8 +323,10 @@ class LMTask:
                     "exact pass, which needs the token counts of token shards; tokenize it "
                     "(earlyfuse-prep tokenize) and name the token folder"
                 )
-        if cfg.data.validation:  # one vocabulary: held-out ids must mean what training ids mean
+        try:  # one vocabulary, before any document is read: held-out ids mean what training ids do
             check_tokenizers(cfg.data, self.tables.get(cfg.data.sources + cfg.data.validation))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         self.source_names = [s.name for s in cfg.data.sources]
         self._val = None
         self._probe_sources: list | None = None  # probe_stream's sources, decided once
