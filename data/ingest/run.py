@@ -123,6 +123,7 @@ def _write_shard(job: ShardJob, src: Source, stage: Staging) -> dict:
         if writer:
             writer.abort()
         raise
+    index_sizes = {idx_rel: stage.path(idx_rel).stat().st_size} if result else {}
     if result:
         stage.publish([idx_rel, tar_rel])  # object storage: the index first, like the renames
     return {
@@ -138,6 +139,7 @@ def _write_shard(job: ShardJob, src: Source, stage: Staging) -> dict:
         "samples": result.samples if result else 0,
         "tar": tar_rel if result else None,
         "index_file": idx_rel if result else None,
+        "index_sizes": index_sizes,
         "bytes": result.bytes if result else 0,
         "sha256": result.sha256 if result else None,
         "index_sha256": result.index_sha256 if result else None,

@@ -69,14 +69,19 @@ def missing_shards(records: dict[int, dict]) -> list[int]:
 
 def shard_done(sizes: dict[str, int], rec: dict | None, fingerprint: str) -> bool:
     """A shard job's record matches ``fingerprint`` and the files it names are there, the tar
-    with its recorded size (``sizes``: one listing of the folder). An ingest shard whose every
+    and its indexes with their recorded sizes (``sizes``: one listing of the folder). An ingest shard whose every
     input was rejected has no files."""
     if not rec or rec.get("fingerprint") != fingerprint:
         return False
     if rec["tar"] is None:
         return True
     named = (rec["index_file"], rec.get("index_bin"))  # index_bin: token shards only
-    return sizes.get(rec["tar"]) == rec["bytes"] and all(n in sizes for n in named if n)
+    indexes_whole = all(sizes.get(n) == size for n, size in rec.get("index_sizes", {}).items())
+    return (
+        sizes.get(rec["tar"]) == rec["bytes"]
+        and indexes_whole
+        and all(n in sizes for n in named if n)
+    )
 
 
 def refuse_strays(out: Folder, ours: set[str], folders: tuple[str, ...], command: str) -> None:

@@ -133,7 +133,9 @@ def tokenize_shard(job: TokenizeJob) -> dict:
         tar = raw.download(tar_rel, inputs / tar_rel)
         idx = raw.download(idx_rel, inputs / idx_rel)
         record = _tokenize_shard(job, tar, idx, stage)
-        stage.publish([idx_rel, record["index_bin"], tar_rel])
+        indexes = (idx_rel, record["index_bin"])
+        record["index_sizes"] = {rel: stage.path(rel).stat().st_size for rel in indexes}
+        stage.publish([*indexes, tar_rel])
     dest.write_json(record_path(job.index, STATE_DIR), record)
     return record
 

@@ -155,11 +155,13 @@ def test_resume_and_refusal(tiny_raw, tiny_tokenizers, tokens, tmp_path):
     text, visual = tiny_tokenizers
     out = tmp_path / "t"
     shutil.copytree(tokens, out)
-    victim, other = json.loads((out / "manifest.json").read_text())["shards"][:2]
+    victim, other, cut = json.loads((out / "manifest.json").read_text())["shards"][:3]
     before = (out / victim["path"]).read_bytes()
     (out / victim["path"]).unlink()
     index_bin = (out / other["index_bin"]).read_bytes()
     (out / other["index_bin"]).unlink()  # a shard missing a file is redone, not taken as done
+    cut_bin = (out / cut["index_bin"]).read_bytes()
+    (out / cut["index_bin"]).write_bytes(cut_bin[:100])  # nor one whose index was cut
     args = [
         "tokenize",
         "--in",
@@ -175,6 +177,7 @@ def test_resume_and_refusal(tiny_raw, tiny_tokenizers, tokens, tmp_path):
     assert main(args) == 0
     assert (out / victim["path"]).read_bytes() == before
     assert (out / other["index_bin"]).read_bytes() == index_bin
+    assert (out / cut["index_bin"]).read_bytes() == cut_bin
     # Other options would make other tokens: the folder is refused rather than mixed.
     assert main(args + ["--video-fps", "2"]) == 2
 
