@@ -9,6 +9,8 @@ accepts the drops (docs/loader.md, "Packing").
 
 from __future__ import annotations
 
+import os
+
 from data.loader.config import LoaderConfig
 from data.loader.table import SampleTable, TokenTable
 
@@ -89,3 +91,11 @@ def check_mix(cfg: LoaderConfig, tables: list[SampleTable], weights: list, consu
             )
     if not any(weight > 0 for weight in weights):
         raise ValueError(f"sources {names}: every weight is 0, nothing to mix")
+    listed: dict[str, str] = {}  # a shard's real path -> the source listing it
+    for url, name in ((url, t.name) for t in tables for url in t.shards):
+        real = url if "://" in url or url.startswith("pipe:") else os.path.realpath(url)
+        if real in listed:  # e.g. a folder and a glob inside it
+            raise ValueError(
+                f"shard {url} is listed twice (sources {listed[real]} and {name}): its documents would count double; list each shard once"
+            )
+        listed[real] = name

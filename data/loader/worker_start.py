@@ -41,27 +41,21 @@ def prepare_workers(method: str, workers: int) -> None:
 
 
 def stop_only_when_told(trainer: int, worker_id: int) -> None:
-    """A DataLoader worker's ``worker_init_fn``: the trainer alone stops its workers.
-
-    Ctrl-C and a scheduler's SIGTERM reach the whole process group (torchrun and Slurm signal
-    groups): a worker killed by one made the trainer's next step fail ("DataLoader worker is
-    killed by signal") before the checkpoint the signal asked for. So a worker ignores SIGINT,
-    and leaves on SIGTERM only when the trainer (``trainer``, its pid) or its parent sends it, as
-    torch's own handler does, and at once when its parent dies (a trainer killed with SIGKILL;
-    else a worker blocked writing to the queue could outlive it by hours)."""
+    """A DataLoader worker's ``worker_init_fn``. Ctrl-C and a scheduler's SIGTERM reach the whole
+    process group (torchrun and Slurm signal groups): a worker killed by one failed the trainer's
+    step before the checkpoint the signal asked for. So a worker ignores SIGINT, leaves on SIGTERM
+    only from the trainer (``trainer``, its pid) or its parent, as torch's own handler does, and
+    dies with its parent (``kill -9``: one blocked writing to the queue outlived it by hours)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # taken by the thread below
     if sys.platform.startswith("linux"):
         import ctypes
 
-        parent = os.getppid()
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # it died before the request
-            os._exit(0)
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
 
     def on_sigterm() -> None:
-        while True:
-            if signal.sigwaitinfo({signal.SIGTERM}).si_pid in (trainer, os.getppid()):
-                os._exit(0)  # exit 0: the trainer's SIGCHLD check counts no failure
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid not in (trainer, os.getppid()):
+            pass
+        os._exit(0)  # 0: the trainer's SIGCHLD check counts no failure
 
-    threading.Thread(target=on_sigterm, daemon=True, name="worker-sigterm").start()
+    threading.Thread(target=on_sigterm, daemon=True).start()

@@ -391,3 +391,17 @@ def test_a_tokenizer_that_cannot_be_built_stops_the_loader_skipping_nothing(
     with pytest.raises(ValueError, match="data.tokenizers, which is unset"):
         take(unset, 1)
     assert "skipped" not in capsys.readouterr().err
+
+
+def test_a_shard_listed_twice_is_refused(tiny_tokens):
+    """A folder and a glob inside it, or one folder in two sources: every document would be
+    read twice as often as its weight says; refused at start, naming the shard."""
+    text = tiny_tokens / "text"
+    twice = [SourceConfig(name="text", shards=[str(text), str(text / "*.tar")])]
+    with pytest.raises(
+        ValueError, match=r"shard .*text/shard-\d+\.tar is listed twice \(sources text and text\)"
+    ):
+        build_loader(LoaderConfig(sources=twice, seq_len=256), rank=0, world_size=1, micro_batch=1)
+    two = [SourceConfig(name=name, shards=[str(text)]) for name in ("a", "b")]
+    with pytest.raises(ValueError, match=r"listed twice \(sources a and b\)"):
+        build_loader(LoaderConfig(sources=two, seq_len=256), rank=0, world_size=1, micro_batch=1)
