@@ -12,6 +12,7 @@ from data.cli.common import (
     checked_device,
     out_folder,
     path_or_url,
+    positive_int,
 )
 from data.names import REJECTS_FILE
 
@@ -62,13 +63,13 @@ def _add_tokenize(sub) -> None:
     )
     p.add_argument(
         "--image-max-pixels",
-        type=int,
+        type=positive_int,
         default=256 * 256,
         help="pixel budget per image (default 65536)",
     )
     p.add_argument(
         "--video-max-pixels",
-        type=int,
+        type=positive_int,
         default=128 * 128,
         help="pixel budget per video frame (default 16384)",
     )
