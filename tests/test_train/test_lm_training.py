@@ -5,6 +5,7 @@ torchrun run killed with -9 resumes bit-identically too."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from trainrun import metrics, rng_digests, train
@@ -179,6 +180,26 @@ def test_blocks_longer_than_a_row_stop_the_run_or_are_counted_when_allowed(tiny_
     assert per_step > 0 and per_step == sum(m[s]["data/dropped_blocks"] for s in m)
     final = json.loads((run / "final.json").read_text())
     assert final["data/dropped_blocks/clips/video"] == per_step == final["data/dropped_blocks"]
+    # A manifest whose block summaries say the clips fit (edited, or merged by hand): the start's
+    # check passes, the drops are said once and counted, final.json included
+    tokens = shutil.copytree(tiny_tokens, tmp_path / "tokens")
+    manifest = json.loads((tokens / "manifest.json").read_text())
+
+    def shorten(node):
+        if isinstance(node, dict):
+            if isinstance(node.get("video"), dict) and "longest" in node["video"]:
+                node["video"]["longest"] = 90
+            for value in node.values():
+                shorten(value)
+        elif isinstance(node, list):
+            for value in node:
+                shorten(value)
+
+    shorten(manifest)
+    (tokens / "manifest.json").write_text(json.dumps(manifest))
+    p = train(base(tokens, tmp_path / "run2", 3, "data.seq_len=96"))
+    assert (p.stdout + p.stderr).count("were dropped (clips/video) although the manifests") == 1
+    assert json.loads((tmp_path / "run2" / "final.json").read_text())["data/dropped_blocks"] > 0
 
 
 def test_a_source_with_fewer_documents_than_consumers_is_refused_at_start(tiny_tokens):

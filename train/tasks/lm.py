@@ -5,8 +5,8 @@ modality (``loss/<m>``), normalised CE (``loss_norm/<m>`` = CE / ln V_m, 1.0 = c
 modality's own range of ids), label tokens per modality (``tokens/<m>``), log Z and final
 hidden norm per modality and the code-minus-text logit gap (``monitor/...``), and the delivered
 mix by source (``mix/<source>``) and visual blocks the loader dropped for being longer than a row
-(``data/dropped_blocks``, per source and modality as ``data/dropped_blocks/<source>/<m>``; only
-with ``data.allow_block_drops``, the run totals in final.json). Validation runs over the held-out
+(``data/dropped_blocks``, per source and modality as ``data/dropped_blocks/<source>/<m>``; the
+run totals in final.json when any was dropped or ``data.allow_block_drops`` is set). Validation runs over the held-out
 sources (``data.validation``) and reports loss and perplexity per modality.
 
 Beside every loss stands the unigram baseline (data/unigram.py: the training tokens' own
@@ -328,6 +328,7 @@ class LMTask:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self.source_names = [s.name for s in cfg.data.sources]
+        self._said_drops = False  # blocks dropped though allow_block_drops is false: said once
         self._val = None
         self._probe_sources: list | None = None  # probe_stream's sources, decided once
         tables = self.tables.get(cfg.data.sources)
@@ -506,6 +507,18 @@ class LMTask:
         if dropped or self.cfg.data.allow_block_drops:
             out["data/dropped_blocks"] = float(sum(dropped.values()))
             out.update({f"data/dropped_blocks/{k}": v for k, v in dropped.items()})
+        if (
+            dropped
+            and not (self.cfg.data.allow_block_drops or self._said_drops)
+            and self.dist.is_main
+        ):
+            self._said_drops = True  # the start's check read the manifests' block summaries
+            log.warning(
+                f"data: visual blocks longer than data.seq_len were dropped ({', '.join(dropped)}) "
+                "although the manifests said every block fits: a manifest disagrees with its "
+                "shards' indexes (earlyfuse-prep verify; tokenize again). Counted in "
+                "data/dropped_blocks (metrics.jsonl, final.json)"
+            )
         return out
 
     def flops_per_unit(self) -> float:
@@ -601,14 +614,13 @@ class LMTask:
                     "as many batches as the one with the fewest, or not reached when the run "
                     'ended first (docs/loader.md, "Modes"; data/held_back in final.json)'
                 )
-        if not self.cfg.data.allow_block_drops:
-            return out
         keys = [(n, m) for n in self.source_names for m in DROPPABLE]
         counts = loader.dropped_blocks()
         local = torch.tensor([float(counts.get(n, {}).get(m, 0)) for n, m in keys])
         total = all_reduce_sum(local.to(self.dist.device)).cpu().tolist()
         out.update({f"data/dropped_blocks/{n}/{m}": v for (n, m), v in zip(keys, total) if v})
-        out["data/dropped_blocks"] = float(sum(total))
+        if any(total) or self.cfg.data.allow_block_drops:
+            out["data/dropped_blocks"] = float(sum(total))
         return out
 
     def extra_files(self) -> dict[str, str]:
