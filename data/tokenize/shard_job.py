@@ -26,6 +26,7 @@ import numpy as np
 from data.names import INDEX_SUFFIX
 from data.schema import Reject, Sample
 from data.shards import token_index
+from data.shards.index import file_sha256
 from data.shards.manifest import record_path
 from data.shards.reader import ShardReader
 from data.shards.storage import Folder, PrivateTemp, Staging
@@ -175,6 +176,12 @@ def _tokenize_shard(job: TokenizeJob, raw_tar: Path, raw_idx: Path, stage: Stagi
     tar_rel = job.shard["path"]
     idx_rel = job.shard["index"]
     bin_rel = binary_index_name(idx_rel)
+    if file_sha256(raw_idx) != job.shard["index_sha256"]:  # an index line gone: a document lost
+        raise ValueError(
+            f"{job.raw_dir}/{idx_rel}: not the index ingest wrote (its SHA-256 is not the "
+            f"manifest's): the folder changed after ingest; earlyfuse-prep verify {job.raw_dir} "
+            "says what else"
+        )
     writer = TokenShardWriter(stage.path(tar_rel), stage.path(idx_rel))
     rejects: list[dict] = []
     try:

@@ -230,3 +230,15 @@ def test_a_visual_tokenizer_folder_is_checked_by_its_one_loader(tiny_tokenizers,
         ValueError, match=r"(?s)model.safetensors: its tensors do not fit .*extra\.weight"
     ):
         load_visual_tokenizer(folder, layout)
+
+
+def test_a_raw_index_changed_after_ingest_is_refused(tiny_raw, tiny_tokenizers, tmp_path, capsys):
+    """A raw index that lost a line (its document would be left out without a word) or was
+    edited: tokenize refuses, naming it, as verify would."""
+    raw = shutil.copytree(tiny_raw, tmp_path / "raw")
+    index = raw / json.loads((raw / "manifest.json").read_text())["shards"][0]["index"]
+    index.write_text("".join(index.read_text().splitlines(keepends=True)[:-1]))
+    text, visual = tiny_tokenizers
+    argv = ["tokenize", "--in", str(raw), "--out", str(tmp_path / "t"), "--tokenizer", str(text)]
+    assert main([*argv, "--visual-tokenizer", str(visual), "--no-progress"]) == 2
+    assert f"{index}: not the index ingest wrote" in capsys.readouterr().err
