@@ -7,6 +7,7 @@ fault injection of ``train/callbacks/faults.py``); a normal run registers exactl
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from collections.abc import Sequence
@@ -45,6 +46,8 @@ from train.skip_step import SkipStepRule, UpdateGate
 from train.streams import BatchStream
 from train.tasks import build_task
 from train.trainer import Trainer
+
+log = logging.getLogger(__name__)
 
 
 def seed_everything(seed: int, rank: int, deterministic: bool) -> None:
@@ -162,6 +165,12 @@ def build_trainer(
     )
     if dist.sp_degree > 1:
         describe += f", sequence parallel {dist.sp_degree} x data parallel {dist.data_size}"
+    if train_cfg.bf16 and dist.device.type == "cpu" and main:
+        # A GPU preset on a laptop: it starts, then swaps for minutes before its first step
+        log.warning(
+            "train.bf16=true on a CPU: the GPU presets (experiment=gpu_*) are sized for GPUs; on "
+            "a CPU their first step takes minutes and tens of GB. For a CPU run: experiment=demo"
+        )
     callbacks = [
         RunInfo(run_dir=run_dir, resolved_yaml=resolved_yaml, describe=describe, is_main=main),
         StepMetrics(task_metrics=task.metrics, lr=lambda: scheduler.get_last_lr()[0]),

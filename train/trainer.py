@@ -32,7 +32,7 @@ from typing import Any
 from train.callbacks.base import HALT, STOP, Callbacks, Decision, StepRecord
 from train.checkpoint import Checkpointer, tag_for
 from train.config import TrainConfig
-from train.config_check import check_resume_config
+from train.config_check import ConfigError, check_resume_config
 from train.dist import DistInfo, barrier
 from train.names import CONFIG_FILE, FINAL_FILE
 from train.rng_state import rng_state, set_rng_state
@@ -202,6 +202,12 @@ class Trainer:
         if tag is None:
             return 0
         meta = self.checkpointer.check_compatible(tag, self.zero_stage)
+        if int(meta["step"]) > self.total_steps:  # nothing to train, and a report of 200 %
+            raise ConfigError(
+                f"{self.checkpointer.dir / tag}: the run is at step {meta['step']} already, past "
+                f"train.steps={self.total_steps}: give train.steps above it to train on, or "
+                "another run_dir for a new run"
+            )
         saved = self.checkpointer.dir / tag / CONFIG_FILE
         check_resume_config(
             saved.read_text() if saved.is_file() else None,

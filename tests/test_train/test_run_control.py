@@ -105,6 +105,10 @@ def test_live_folder_refused_sigterm_checkpoints_and_the_resume_checks_config(
     p = train(wider, check=False)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert "its weights do not fit this run's model (size mismatch for" in p.stderr
+    # Fewer steps than the run has taken: nothing to train (the report read 200 %)
+    fewer = base(tiny_tokens, run, stopped, "train.allow_config_change=true")
+    p = train(fewer, check=False)
+    assert p.returncode == 2 and f"is at step {stopped + 2} already, past train.steps" in p.stderr
 
 
 def test_signals_to_the_whole_process_group_stop_a_run_with_loader_workers_at_a_checkpoint(
