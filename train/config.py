@@ -238,7 +238,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         d = self.data
         if self.task not in TASKS:
-            raise ValueError(f"task {self.task!r}: choose one of {TASKS}")
+            raise ValueError(f"task {self.task!r}: choose one of {', '.join(TASKS)}")
         if self.deepspeed.zero_stage not in (0, 1, 2, 3):
             raise ValueError(
                 f"deepspeed.zero_stage {self.deepspeed.zero_stage}: choose 0, 1, 2 or 3"

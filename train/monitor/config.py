@@ -25,7 +25,8 @@ class Detector:
 
     def validate(self, name: str) -> None:
         if self.action not in ACTIONS:
-            raise ValueError(f"monitor.{name}.action {self.action!r}: choose one of {ACTIONS}")
+            fits = [a for a in ACTIONS if a != "skip" or self.before_update]
+            raise ValueError(f"monitor.{name}.action {self.action!r}: choose {', '.join(fits)}")
         if self.action == "skip" and not self.before_update:
             raise ValueError(
                 f"monitor.{name}.action=skip: this detector runs after the update; "
