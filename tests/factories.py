@@ -73,7 +73,7 @@ def mp4_bytes(
 ) -> bytes:
     """A real H.264 mp4 (PyAV/libx264) of a bright bar moving right; ``pts`` (in 1/fps ticks of a
     1/1000 time base) makes a variable-frame-rate clip; ``pix_fmt="yuv444p"`` allows odd sizes;
-    ``codec`` another PyAV encoder (``libsvtav1``: a clip decord cannot decode; ``libvpx-vp9``
+    ``codec`` another PyAV encoder (``libsvtav1``: a clip decord cannot decode; ``libvpx`` (VP8)
     with ``container="webm"``: a WebM)."""
     from fractions import Fraction
 

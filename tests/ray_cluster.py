@@ -6,10 +6,12 @@ kills exactly those groups (never ``ray stop``, which would stop every Ray on th
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -51,6 +53,9 @@ def _ports() -> list[str]:
 class LocalCluster:
     def __init__(self, root: Path, env: dict[str, str] | None = None) -> None:
         self.root = root
+        # Ray's temp dirs hold its sockets, whose paths may have 107 bytes at most: under /tmp
+        # itself, not under the test's tmp folder (pytest-of-USER/pytest-NNN/popen-gwN/...)
+        self.temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
         self.env = env or {}  # the nodes' own variables, besides ENV
         self.gcs_port = free_port()
         self.address = f"{HEAD_IP}:{self.gcs_port}"
@@ -80,7 +85,7 @@ class LocalCluster:
             [
                 "--head",
                 f"--port={self.gcs_port}",
-                f"--temp-dir={self.root / 'h'}",
+                f"--temp-dir={self.temp / 'h'}",
                 "--num-gpus=0",
                 f"--node-ip-address={HEAD_IP}",
                 "--include-dashboard=false",
@@ -94,7 +99,7 @@ class LocalCluster:
             [
                 f"--address={self.address}",
                 f"--node-ip-address={NODE2_IP}",
-                f"--temp-dir={self.root / 'n2'}",
+                f"--temp-dir={self.temp / 'n2'}",
                 # A logical GPU (the machine has none): Ray schedules tokenize's GPU actor here,
                 # which then runs the visual tokenizer on the CPU.
                 "--num-gpus=1",
@@ -153,7 +158,7 @@ class LocalCluster:
 
     def stop(self) -> None:
         # SIGKILL at once: SIGTERM makes a node drain for up to 30 s. Only this cluster's own
-        # processes are touched; the temp dirs go with the test's tmp folder.
+        # processes are touched; then its temp dirs go.
         for pid in self.processes():
             if pid not in {p.pid for p in self.nodes}:
                 try:
@@ -166,3 +171,4 @@ class LocalCluster:
             except ProcessLookupError:
                 pass
             p.wait()
+        shutil.rmtree(self.temp, ignore_errors=True)
