@@ -107,7 +107,9 @@ def describe(manifest: dict) -> list[str]:
     if not lines:
         return []
     if cap and longest_all <= cap:
-        lines.append(f"every block fits a row of {cap} tokens (--seq-len {cap}): none dropped")
+        lines.append(  # the least of --seq-len, --max-block-tokens and --doc-budget
+            f"every block has at most {cap} tokens: a run with data.seq_len >= {cap} drops none"
+        )
     else:
         lines.append(
             f"rows must hold {longest_all} tokens for no block to be dropped: train with "
