@@ -65,9 +65,9 @@ def model_must_fit(where: Path) -> Iterator[None]:
             raise
         raise ConfigError(
             f"{where}: its weights do not fit this run's model ({first.rstrip('.')}): a model "
-            "setting changed since it was saved (the config changes are listed above). A "
-            "checkpoint resumes the model it was saved from: undo the change, or give the new "
-            "model another run_dir"
+            "setting or the vocabulary (the tokenizers) changed since it was saved (any config "
+            "change is listed above). A checkpoint resumes the model it was saved from: undo "
+            "the change, or give the new model another run_dir"
         ) from None
 
 

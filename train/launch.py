@@ -1,5 +1,5 @@
 """``earlyfuse-torchrun`` (``python -m train.launch``): ``torchrun`` with its own options, for
-which a run stopped by SIGTERM or SIGUSR1 after its checkpoint is a success (exit code 0).
+which a run stopped by SIGTERM, SIGUSR1 or SIGINT after its checkpoint is a success (exit code 0).
 
     earlyfuse-torchrun --nproc_per_node 8 -m train.app experiment=gpu_350m run_dir=runs/350m
 

@@ -203,10 +203,13 @@ class Trainer:
             return 0
         meta = self.checkpointer.check_compatible(tag, self.zero_stage)
         if int(meta["step"]) > self.total_steps:  # nothing to train, and a report of 200 %
+            given = self.train.steps
+            goal = (
+                f"train.steps={given}" if given != -1 else f"the {self.total_steps} the data holds"
+            )
             raise ConfigError(
                 f"{self.checkpointer.dir / tag}: the run is at step {meta['step']} already, past "
-                f"train.steps={self.total_steps}: give train.steps above it to train on, or "
-                "another run_dir for a new run"
+                f"{goal}: give train.steps above it to train on, or another run_dir for a new run"
             )
         saved = self.checkpointer.dir / tag / CONFIG_FILE
         check_resume_config(

@@ -95,6 +95,7 @@ def _rewrite(out: Path, record: dict, entries: list[dict], repeats: dict[str, st
             record.update(
                 samples=0, tar=None, index_file=None, bytes=0, sha256=None, index_sha256=None
             )
+            record["index_sizes"] = {}
         else:
             writer = ShardWriter(tar_path, index_path)
             try:
@@ -120,6 +121,7 @@ def _rewrite(out: Path, record: dict, entries: list[dict], repeats: dict[str, st
                 bytes=result.bytes,
                 sha256=result.sha256,
                 index_sha256=result.index_sha256,
+                index_sizes={record["index_file"]: index_path.stat().st_size},
             )
     for kind, count in dropped_types.items():
         record["segments"][kind] -= count

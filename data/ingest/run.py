@@ -4,8 +4,8 @@ short, and finish with ``manifest.json`` and ``rejects.jsonl`` once every shard 
 Design choices:
 - A shard is the unit of work and of resumption. A worker writes the tar and index under
   temporary names, renames them, then writes the shard's record in ``DIR/.ingest/``; a shard
-  counts as done only when its record exists, matches the plan's fingerprint, its tar has
-  the recorded size and its index is there. A killed run therefore redoes only the shards it
+  counts as done only when its record exists, matches the plan's fingerprint, and its tar and
+  index have the recorded sizes. A killed run therefore redoes only the shards it
   had not finished.
 - Rejects travel inside the shard records, so ``rejects.jsonl`` comes out in plan order,
   identical for any worker count or partitioning.
@@ -170,7 +170,8 @@ def check_output_dir(out: Folder, plan: Plan) -> dict[int, dict]:
     if other:
         raise ValueError(
             f"{out}/.ingest holds shards of a different ingest (plan {sorted(other)[0]} != "
-            f"{plan.fingerprint}: the inputs or flags changed since); choose a new --out "
+            f"{plan.fingerprint}: the inputs or flags changed since, or it was begun by another "
+            "earlyfuse version); choose a new --out "
             "or delete that folder"
         )
     return records

@@ -13,6 +13,7 @@ import functools
 import hashlib
 import json
 import os
+import signal
 from collections.abc import Iterator
 from dataclasses import asdict, replace
 from multiprocessing.reduction import ForkingPickler
@@ -160,22 +161,30 @@ class PackedLoader:
             # per-batch bookkeeping (a fetcher, a sampler, a profiler range)
             it: Iterator = iter(_Consumers(self))
         else:
-            it = iter(
-                DataLoader(
-                    _Consumers(self),
-                    batch_size=None,
-                    num_workers=self.cfg.num_workers,
-                    pin_memory=self.pin,
-                    prefetch_factor=self.cfg.prefetch_factor,
-                    persistent_workers=False,
-                    multiprocessing_context=self.cfg.worker_start,
-                    worker_init_fn=functools.partial(stop_only_when_told, os.getpid()),
-                    # Its own generator: a DataLoader iterator otherwise seeds from the global torch
-                    # RNG, which differs between a resumed and an uninterrupted run (our workers
-                    # seed themselves by hashing seed, epoch, rank, worker)
-                    generator=torch.Generator().manual_seed(self.cfg.seed * 1000003 + self.rank),
+            # The workers start with SIGTERM blocked until stop_only_when_told takes it: torch's
+            # own handler, theirs before, dies of a SIGTERM sent to the group
+            old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            try:
+                it = iter(
+                    DataLoader(
+                        _Consumers(self),
+                        batch_size=None,
+                        num_workers=self.cfg.num_workers,
+                        pin_memory=self.pin,
+                        prefetch_factor=self.cfg.prefetch_factor,
+                        persistent_workers=False,
+                        multiprocessing_context=self.cfg.worker_start,
+                        worker_init_fn=functools.partial(stop_only_when_told, os.getpid()),
+                        # Its own generator: a DataLoader iterator otherwise seeds from the global
+                        # torch RNG, which differs between a resumed and an uninterrupted run (our
+                        # workers seed themselves by hashing seed, epoch, rank, worker)
+                        generator=torch.Generator().manual_seed(
+                            self.cfg.seed * 1000003 + self.rank
+                        ),
+                    )
                 )
-            )
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old)
         rings = set()
         try:
             for item in it:

@@ -9,6 +9,7 @@ accepts the drops (docs/loader.md, "Packing").
 
 from __future__ import annotations
 
+import functools
 import os
 
 from data.loader.config import LoaderConfig
@@ -92,10 +93,13 @@ def check_mix(cfg: LoaderConfig, tables: list[SampleTable], weights: list, consu
     if not any(weight > 0 for weight in weights):
         raise ValueError(f"sources {names}: every weight is 0, nothing to mix")
     listed: dict[str, str] = {}  # a shard's real path -> the source listing it
+    folders = functools.cache(os.path.realpath)  # one lookup a folder, not a shard
     for url, name in ((url, t.name) for t in tables for url in t.shards):
-        real = url if "://" in url or url.startswith("pipe:") else os.path.realpath(url)
+        local = "://" not in url and not url.startswith("pipe:")
+        real = os.path.join(folders(os.path.dirname(url)), os.path.basename(url)) if local else url
         if real in listed:  # e.g. a folder and a glob inside it
             raise ValueError(
-                f"shard {url} is listed twice (sources {listed[real]} and {name}): its documents would count double; list each shard once"
+                f"shard {url} is listed twice (sources {listed[real]} and {name}): its documents "
+                "would count double; list each shard once"
             )
         listed[real] = name

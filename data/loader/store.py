@@ -116,7 +116,7 @@ def read_bytes(url: str) -> bytes:
     if kind(url) != "pipe":
         return storage.read_bytes(url)
     cmd = url[len("pipe:") :]
-    p = subprocess.run(cmd, shell=True, capture_output=True)
+    p = subprocess.run(cmd, shell=True, capture_output=True, start_new_session=True)
     if p.returncode != 0:
         raise FileNotFoundError(
             f"pipe: {cmd!r} exited with {p.returncode}: "
@@ -273,8 +273,12 @@ class ShardFiles:
             self._evict()
             part = path.with_suffix(f".part{os.getpid()}")
             with open(part, "wb") as out:
-                p = subprocess.Popen(
-                    url[len("pipe:") :], shell=True, stdout=out, stderr=subprocess.PIPE
+                p = subprocess.Popen(  # a session of its own: a group signal is the trainer's
+                    url[len("pipe:") :],
+                    shell=True,
+                    stdout=out,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
                 )
                 _, err = p.communicate()
             got = part.stat().st_size

@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import threading
-from multiprocessing import forkserver
+from multiprocessing import forkserver, resource_tracker
 
 WORKER_STARTS = ("fork", "forkserver")
 PRELOAD = "data.loader.worker_preload"
@@ -37,7 +37,16 @@ def prepare_workers(method: str, workers: int) -> None:
         preload = list(getattr(server, "_preload_modules", None) or ["__main__"])
         if PRELOAD not in preload:
             multiprocessing.get_context(method).set_forkserver_preload([*preload, PRELOAD])
-    forkserver.ensure_running()
+    # The fork server (the workers' parent) and the resource tracker start with the signals a
+    # scheduler sends the whole group blocked: killed by one, they took the workers with them
+    group = {signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, group)
+    try:
+        resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, group)  # its start unblocked SIGTERM again
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def stop_only_when_told(trainer: int, worker_id: int) -> None:
@@ -46,7 +55,8 @@ def stop_only_when_told(trainer: int, worker_id: int) -> None:
     step before the checkpoint the signal asked for. So a worker ignores SIGINT, leaves on SIGTERM
     only from the trainer (``trainer``, its pid) or its parent, as torch's own handler does, and
     dies with its parent (``kill -9``: one blocked writing to the queue outlived it by hours)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):  # the trainer's to act on
+        signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # taken by the thread below
     if sys.platform.startswith("linux"):
         import ctypes

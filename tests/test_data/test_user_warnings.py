@@ -184,7 +184,9 @@ def test_ingest_dedupe_leaves_duplicates_out_and_lists_them(tmp_path, capsys):
     assert all("the same content as notes:notes-a_txt" in r["detail"] for r in rejects)
     assert collect_stats(raw)["samples"] == 2 and collect_stats(raw)["duplicates"]["documents"] == 0
     assert verify(raw)["ok"], verify(raw)["problems"]
+    shards = {tar: tar.stat().st_mtime_ns for tar in raw.rglob("*.tar")}
     assert prep_main(argv) == 0  # a rerun finds everything done and changes nothing
+    assert {tar: tar.stat().st_mtime_ns for tar in raw.rglob("*.tar")} == shards
     again = [json.loads(line) for line in (raw / "rejects.jsonl").read_text().splitlines()]
     assert again == rejects and verify(raw)["ok"]
 

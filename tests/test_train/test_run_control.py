@@ -111,16 +111,21 @@ def test_live_folder_refused_sigterm_checkpoints_and_the_resume_checks_config(
     assert p.returncode == 2 and f"is at step {stopped + 2} already, past train.steps" in p.stderr
 
 
+@pytest.mark.parametrize(
+    "start, signals",
+    [("fork", (signal.SIGTERM, signal.SIGINT)), ("forkserver", (signal.SIGTERM,))],
+)
 def test_signals_to_the_whole_process_group_stop_a_run_with_loader_workers_at_a_checkpoint(
-    tiny_tokens, tmp_path
+    tiny_tokens, tmp_path, start, signals
 ):
     """torchrun, Slurm and a terminal's Ctrl-C signal a run's whole process group, its loader
-    workers too: SIGTERM and then, on the resumed run, SIGINT each stop it at the next step with
-    a checkpoint, exit 0, no traceback (a worker killed by the signal failed the step instead)."""
+    workers too (and the fork server they start from): SIGTERM and then, on the resumed run,
+    SIGINT each stop it at the next step with a checkpoint, exit 0, no traceback (a worker killed
+    by the signal failed the step instead)."""
     run = tmp_path / "run"
-    args = base(tiny_tokens, run, 1000, "data.num_workers=1")
+    args = base(tiny_tokens, run, 1000, "data.num_workers=1", f"data.worker_start={start}")
     stopped = [0]
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in signals:
         log = tmp_path / f"{sig.name}.log"
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         with log.open("w") as out:

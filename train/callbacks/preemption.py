@@ -75,7 +75,7 @@ def _launcher_died(signum: int, frame) -> None:
 
 
 def listen_from_start() -> None:
-    """Keep a SIGTERM or SIGUSR1 that arrives while the run starts (reading every shard index,
+    """Keep a SIGTERM, SIGUSR1 or SIGINT that arrives while the run starts (reading every shard index,
     building the engine, loading a checkpoint: minutes on a large corpus), before the trainer's
     own handler exists: the run then stops after its first step, with a checkpoint, and exits 0
     like one signalled later, instead of dying of it (exit 143; 138 for SIGUSR1)."""
@@ -102,6 +102,12 @@ class Preemption(Callback):
         if self.received == name:  # the second one: die as the signal would have made us
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
+        if signum == signal.SIGINT:  # at a terminal: say what the key press does
+            os.write(
+                2,
+                b"Ctrl-C: stopping after this step with a checkpoint (press it again to "
+                b"quit without one)\n",
+            )
         self.received = name
         _early.append(name)  # for _launcher_died
 
