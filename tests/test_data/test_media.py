@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import resource
+import subprocess
+import sys
+from pathlib import Path
 
 from factories import jpeg_bytes, mp4_bytes, png_bytes, png_header_bomb
 
@@ -97,7 +100,16 @@ def test_bad_videos_are_rejected_with_a_readable_reason(capfd):
 def test_a_webm_cut_short_is_rejected_not_kept_as_a_shorter_clip():
     """A WebM has no index up front: half a file still opens, as a clip of its first frames.
     FFmpeg's read error at the cut tells it from a whole clip."""
-    webm = mp4_bytes(frames=30, fps=10, codec="libvpx", container="webm")  # VP8
+    # Encoded in a fresh interpreter: once decord is imported, PyAV's VP8/VP9 encoders fail to
+    # open (EINVAL) in that process, and an earlier test of this worker may have imported it
+    make = (
+        "from factories import mp4_bytes; import sys; sys.stdout.buffer.write(mp4_bytes("
+        "frames=30, fps=10, codec='libvpx', container='webm'))"
+    )
+    tests = str(Path(__file__).resolve().parents[1])
+    webm = subprocess.run(
+        [sys.executable, "-c", make], capture_output=True, check=True, cwd=tests
+    ).stdout
     whole = probe_video(webm, "v.webm", max_seconds=60)
     assert whole.frames == 30 and abs(whole.duration - 3.0) < 1e-6
     r = probe_video(webm[: len(webm) // 2], "cut.webm", max_seconds=60)
