@@ -16,7 +16,6 @@ import argparse
 import re
 import signal
 import sys
-import threading
 
 from data.cli.common import EXIT_REJECTS, USER_ERRORS, parse_size, path_or_url, reader_left
 from data.cli.demo_corpus import _add_demo_corpus
@@ -27,6 +26,7 @@ from data.cli.shards import _add_stats, _add_verify
 from data.cli.text_tokenizer import _add_train_text_tokenizer
 from data.cli.tokenize import _add_tokenize
 from data.schema import name_not_utf8
+from data.signal_handlers import handled
 
 __all__ = ["EXIT_REJECTS", "build_parser", "main", "parse_size", "path_or_url"]
 
@@ -67,13 +67,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"earlyfuse-prep: an argument is not UTF-8: {why}", file=sys.stderr)
             return 2
     args = build_parser().parse_args(argv)
-    # Only the main thread may set a handler (a caller may run us in another)
-    main_thread = threading.current_thread() is threading.main_thread()
-    before = signal.getsignal(signal.SIGTERM) if main_thread else None  # None: set from C
-    if before is not None:
-        signal.signal(signal.SIGTERM, _terminate)
     try:
-        return args.func(args)
+        with handled(signal.SIGTERM, _terminate):
+            return args.func(args)
     except KeyboardInterrupt as e:
         how, code = ("terminated", 143) if isinstance(e, Terminated) else ("interrupted", 130)
         print(f"{how}; rerun the same command to resume", file=sys.stderr)
@@ -86,6 +82,3 @@ def main(argv: list[str] | None = None) -> int:
         said = re.sub(r"\s*[\r\n]\s*", " ", str(e).strip())
         print(f"earlyfuse-prep {args.command}: error: {said}", file=sys.stderr)
         return 2 if isinstance(e, USER_ERRORS) else 1
-    finally:
-        if before is not None:
-            signal.signal(signal.SIGTERM, before)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -33,6 +32,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
 
 from data.media import decode_failures
+from data.signal_handlers import handled
 
 JobT = TypeVar("JobT")
 ResultT = TypeVar("ResultT")
@@ -99,15 +99,8 @@ class _Worker:
         )
         # Started ignoring Ctrl-C (a spawned child keeps SIG_IGN): one pressed while it imports
         # would print its KeyboardInterrupt traceback
-        main_thread = threading.current_thread() is threading.main_thread()
-        before = signal.getsignal(signal.SIGINT) if main_thread else None  # None: set from C
-        if before is not None:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
+        with handled(signal.SIGINT, signal.SIG_IGN):
             self.proc.start()
-        finally:
-            if before is not None:
-                signal.signal(signal.SIGINT, before)
         child.close()
         self.job: tuple[int, Any] | None = None  # (position, job) being run
 
