@@ -52,6 +52,16 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Checkpoint:
     run_dir = Path(run_dir)
     root = run_dir / CHECKPOINTS_DIR
     if not root.is_dir():
+        # The folders a user finds inside a run: name the run folder and step to give instead.
+        if run_dir.name == CHECKPOINTS_DIR and run_dir.is_dir():
+            raise CheckpointError(
+                f"{run_dir}: the checkpoints folder of a run; give the run folder ({run_dir.parent})"
+            )
+        if TAG.match(run_dir.name) and run_dir.parent.name == CHECKPOINTS_DIR:
+            raise CheckpointError(
+                f"{run_dir}: one checkpoint of a run; give the run folder and its step "
+                f"({run_dir.parent.parent} --step {step_of_tag(run_dir.name)})"
+            )
         what = "no checkpoints/ folder in it" if run_dir.is_dir() else "no such folder"
         raise CheckpointError(
             f"{run_dir}: {what}; give an earlyfuse-train run folder, the one holding checkpoints/ "

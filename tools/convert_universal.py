@@ -31,12 +31,15 @@ UNIVERSAL = "universal"
 def make_universal(run_dir, step: int | None = None, *, force: bool = False, log=print):
     ckpt = find_checkpoint(run_dir, step)
     stage, world = ckpt.zero_stage, int(ckpt.meta["world_size"])
-    if stage in (0, 3):  # ZeRO 3: converted, its optimizer does not resume as saved
-        raise CheckpointError(
+    if stage == 0:  # nothing to convert: not an error, a script may call this for every run
+        log(
             f"{ckpt.folder}: a ZeRO-0 checkpoint holds whole copies of model and optimizer; it "
-            "resumes on any world size as it is (no conversion needed)"
-            if stage == 0
-            else f"{ckpt.folder}: a ZeRO-3 checkpoint resumes only on the world size that wrote "
+            "resumes on any world size as it is (nothing written)"
+        )
+        return None
+    if stage == 3:  # converted, its optimizer does not resume as saved
+        raise CheckpointError(
+            f"{ckpt.folder}: a ZeRO-3 checkpoint resumes only on the world size that wrote "
             f"it ({world}); on another, release its weights (earlyfuse-convert release) and "
             "start a new run from them with train.init_from"
         )

@@ -14,6 +14,7 @@ is decoded.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import sys
@@ -344,7 +345,13 @@ class Generator:
         """One request (a JSONL line, or the command line's) -> its result record."""
         known = {*REQUEST_KEYS, "guidance", *SAMPLING}
         if unknown := sorted(set(req) - known):
-            raise ReleaseError(f"unknown request keys {unknown}; known: {sorted(known)}")
+            close = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
+            hint = "; ".join(f"{k!r}: did you mean {c[0]!r}?" for k, c in close.items() if c)
+            raise ReleaseError(
+                f"unknown request keys {unknown}"
+                + (f" ({hint})" if hint else "")
+                + f"; known: {sorted(known)}"
+            )
         # JSON numbers (not true, "5"), whole where counted
         given = {k: req[k] for k in (*SAMPLING, *WHOLE, "guidance") if req.get(k) is not None}
         bad = [k for k, v in given.items() if type(v) not in (int, float) or k in WHOLE and v % 1]

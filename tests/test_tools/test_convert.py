@@ -403,18 +403,21 @@ def test_missing_tokenizers_and_bad_arguments_are_named(
 
 def test_a_folder_that_is_no_run_folder_is_named_with_what_to_give(runs, tmp_path):
     """A path that is not there, the checkpoints/ folder itself or one of its step folders are
-    each named with what to give instead; a step folder copied on its own releases as the
+    each named with what to give instead (the run folder, and the step); a step folder copied on its own releases as the
     message says: inside a checkpoints/ folder of its own, with --step."""
     step = runs[0] / "checkpoints" / "step_00000003"
-    for given, what in (
-        (tmp_path / "typo", "no such folder"),
-        (runs[0] / "checkpoints", "no checkpoints/ folder in it"),
-        (step, "no checkpoints/ folder in it"),
+    for given, said in (
+        (tmp_path / "typo", "no such folder; give an earlyfuse-train run folder"),
+        (
+            runs[0] / "checkpoints",
+            f"the checkpoints folder of a run; give the run folder ({runs[0]})",
+        ),
+        (step, f"one checkpoint of a run; give the run folder and its step ({runs[0]} --step 3)"),
     ):
         with pytest.raises(CheckpointError) as refused:
             make_release(given, tmp_path / "out", log=quiet)
-        assert str(refused.value).startswith(f"{given}: {what}; give an earlyfuse-train run folder")
-        assert "with --step N" in str(refused.value)
+        assert str(refused.value).startswith(f"{given}: {said}")
+    assert "with --step N" not in str(refused.value)  # the step is named, not described
     shutil.copytree(step, tmp_path / "copied" / "checkpoints" / step.name)
     cfg = make_release(tmp_path / "copied", tmp_path / "out", step=3, log=quiet)
     assert cfg["source"]["step"] == 3

@@ -57,7 +57,7 @@ def test_universal_checkpoint_resumes_a_zero1_run_on_another_world_size(tiny_raw
     assert convert_main(["universal", str(run), "--step", "4"]) == 2  # exists: --force to redo
 
 
-def test_zero0_lm_run_resumes_on_another_world_size_directly(tiny_tokens, tmp_path):
+def test_zero0_lm_run_resumes_on_another_world_size_directly(tiny_tokens, tmp_path, capsys):
     run = tmp_path / "run"
     srcs = ",".join(
         f"{{name: {s}, shards: [{tiny_tokens / s}], weight: 1.0}}" for s in ("scenes", "text")
@@ -72,6 +72,10 @@ def test_zero0_lm_run_resumes_on_another_world_size_directly(tiny_tokens, tmp_pa
         "train.allow_config_change=true",  # each resume below adds steps or changes the world
     ]
     train(args + ["train.steps=3"], nproc=2)
+    # Nothing to convert: said, exit 0 and nothing written (a script may convert every run).
+    assert convert_main(["universal", str(run)]) == 0
+    assert "resumes on any world size as it is" in capsys.readouterr().out
+    assert not (run / "checkpoints" / "step_00000003" / "universal").exists()
     p = train(args + ["train.steps=6"])
     out = p.stdout + p.stderr
     assert "resuming step_00000003 of 2 rank(s) on 1" in out and "fresh pass" not in out

@@ -163,13 +163,23 @@ def test_token_data_of_other_tokenizers_is_refused_naming_the_source(
     assert eval_main([str(debug_release), "--data", right, "--no-progress"]) == 0
 
 
-def test_blocks_longer_than_the_rows_are_said_to_be_left_out(debug_release, tiny_tokens, capsys):
+def test_blocks_longer_than_the_rows_are_said_to_be_left_out(
+    debug_release, tiny_tokens, capsys, tmp_path
+):
     """A training run refuses rows shorter than the data's visual blocks; the evaluation packs
     them without those blocks. Their modality fell out of the table without a word."""
     clips = str(tiny_tokens / "clips")  # video blocks of about 220 tokens
     assert eval_main([str(debug_release), "--data", clips, "--seq-len", "96", "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert "WARNING: visual blocks longer than a row left out, unmeasured: clips " in printed
+    # Without the table the figures go to --out, and the warning still to the console.
+    out = tmp_path / "ev.json"
+    argv = [str(debug_release), "--data", clips, "--seq-len", "96", "--no-progress", "--no-table"]
+    assert eval_main([*argv, "--out", str(out)]) == 0 and out.is_file()
+    assert "left out, unmeasured: clips " in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        eval_main(argv)
+    assert "--no-table needs --out FILE" in capsys.readouterr().err
     assert eval_main([str(debug_release), "--data", clips, "--no-progress"]) == 0
     assert "WARNING" not in capsys.readouterr().out
 

@@ -180,7 +180,7 @@ def test_batch_jsonl_runs_every_request(release, image, tmp_path):
         },
         {"id": "i", "image": str(image), "caption": True, "max_new_tokens": 6},
         {"id": "d", "draw": "blue sky", "out": str(tmp_path / "sky.png"), "size": "3x3"},
-        {"id": "bad", "prompt": "x", "colour": "red"},
+        {"id": "bad", "prompt": "x", "colour": "red", "temprature": 0.5},
         {"id": "mixed", "draw": "sky", "prompt": "x", "out": str(tmp_path / "no.png")},
         {"id": "half", "prompt": "x", "max_new_tokens": 2.5},  # not cut to 2 unsaid
         {"id": "nocap", "image": str(image), "caption": False},  # was captioned
@@ -200,7 +200,8 @@ def test_batch_jsonl_runs_every_request(release, image, tmp_path):
     assert recs[8]["error"] == "prompt must be a JSON string, got 5"
     assert recs[9]["error"] == f"out {tmp_path / 'sky.png'}: line 4 wrote that file"
     assert [r.get("kind") for r in recs[:4]] == ["text", "text", "caption", "draw"]
-    assert "unknown request keys ['colour']" in recs[4]["error"] and "error" in recs[10]
+    assert "unknown request keys ['colour', 'temprature']" in recs[4]["error"]
+    assert "('temprature': did you mean 'temperature'?)" in recs[4]["error"] and "error" in recs[10]
     assert recs[6]["error"] == "max_new_tokens must be a whole number, got 2.5"
     assert "a draw request takes no 'prompt'" in recs[5]["error"]  # as the command line refuses
     with Image.open(tmp_path / "sky.png") as im:

@@ -400,9 +400,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from data.cli.common import USER_ERRORS
-    from tools.evaluate.table import format_eval
+    from tools.evaluate.table import dropped_warning, format_eval
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.no_table and not args.out:
+        parser.error("--no-table needs --out FILE (the figures would go nowhere)")
     try:
         ev = evaluate(args)
     except (ValueError, OSError) as e:  # ReleaseError is a ValueError naming the file
@@ -413,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(ev, indent=1) + "\n")
     if not args.no_table:
         print(format_eval(ev))
+    elif warning := dropped_warning(ev):
+        print(warning, file=sys.stderr)
     if args.out:
         print(f"wrote {args.out}")
     return 0

@@ -39,6 +39,14 @@ def _row(label: str, cells, label_width: int, width) -> str:
     return f"  {label:<{label_width}}" + "".join(f"{c:>{w}}" for c, w in zip(cells, widths))
 
 
+def dropped_warning(ev: dict) -> str:
+    """The warning for visual blocks left out of the held-out figures, or "": a run refuses such
+    rows (data.allow_block_drops); unsaid, they would leave the figures silently."""
+    dropped = (ev.get("heldout") or {}).get("dropped") or {}
+    lost = ", ".join(f"{k} {v}" for k, v in dropped.items() if v)
+    return f"WARNING: visual blocks longer than a row left out, unmeasured: {lost}" if lost else ""
+
+
 def format_eval(ev: dict) -> str:
     lines = [f"held-out evaluation of {ev.get('release', '?')} (step {ev.get('step', '?')})"]
     if "seq_len" in ev:
@@ -73,9 +81,8 @@ def format_eval(ev: dict) -> str:
                 lines.append(_row(modality, cells, 10, widths))
         if held.get("sampled"):
             lines.append("  (a sample: the first documents of each source, --max-docs)")
-    lost = ", ".join(f"{k} {v}" for k, v in (held.get("dropped") or {}).items() if v)
-    if lost:  # a run refuses such rows (data.allow_block_drops); unsaid, they left the table
-        lines.append(f"WARNING: visual blocks longer than a row left out, unmeasured: {lost}")
+    if lost := dropped_warning(ev):
+        lines.append(lost)
     dep = ev.get("dependence") or {}
     if dep:
         lines.append(
