@@ -1,8 +1,9 @@
 """``earlyfuse-prep verify DIR``: re-hash every shard against the manifest, check each index
 against its tar (names, offsets, sizes, per-sample hashes) and each sample: a raw sample's JSON
 against the schema; a token sample's spans, ids and modalities (lengths as the index says, every
-id inside its modality's range of the folder's vocabulary layout). Nothing is trusted that is
-not re-read. Raw folders (``earlyfuse-prep ingest``) and token folders (``earlyfuse-prep
+id inside its modality's range of the folder's vocabulary layout, the index's blocks and counts
+as the sample gives them); of a token folder also the manifest's per-shard summaries and the
+tokenizers/ folder, which training reads instead. Nothing is trusted that is not re-read. Raw folders (``earlyfuse-prep ingest``) and token folders (``earlyfuse-prep
 tokenize``) alike, local or at an fsspec URL (``s3://bucket/tokens``): a remote shard is
 downloaded whole to a temporary folder (every byte is hashed anyway: one GET is the cheapest
 read), checked there and deleted before the next, and named by its URL in every problem."""
@@ -21,6 +22,8 @@ from data.schema import validate_doc
 from data.shards.index import check_index, file_sha256, read_index
 from data.shards.manifest import MANIFEST_FORMAT, TOKEN_FORMAT, load_manifest
 from data.shards.storage import Folder, PrivateTemp
+from data.tokenize.blocks import shard_block_stats, visual_blocks
+from data.vocab import MODALITY_NAMES
 
 
 def _token_ranges(folder: Folder, m: dict, problems: list[str]) -> np.ndarray | None:
@@ -33,6 +36,43 @@ def _token_ranges(folder: Folder, m: dict, problems: list[str]) -> np.ndarray | 
     except (OSError, ValueError, KeyError, TypeError) as e:
         problems.append(f"{folder.child(rel)}: {e}; token ids not checked against the vocabulary")
         return None
+
+
+def _check_tokenizers(folder: Folder, m: dict, tmp: Path) -> list[str]:
+    """The tokenizers/ folder must be, byte for byte, the one the shards were made with: training
+    reads their ids through it and a release copies it (a replaced tokenizer.json, a visual
+    tokenizer cut or deleted would train or release ids that mean other things)."""
+    from data.names import LAYOUT_FILE, TOKENIZER_FILE, VISUAL_CONFIG_FILE, VISUAL_WEIGHTS_FILE
+    from data.names import VISUAL_TOKENIZER_DIR as VISUAL
+    from data.tokenize.vtok_files import folder_fingerprints, tokenizer_key, tokenizers_differ
+
+    recorded = m.get("tokenizers") or {}
+    rel = recorded.get("folder", "tokenizers")
+    local = Path(folder.child(rel))
+    if folder.remote:  # the few files the fingerprints read, fetched beside the shards'
+        local = Path(tmp) / rel
+        for name in (
+            TOKENIZER_FILE,
+            LAYOUT_FILE,
+            *(f"{VISUAL}/{f}" for f in (VISUAL_CONFIG_FILE, VISUAL_WEIGHTS_FILE)),
+        ):
+            if folder.exists(f"{rel}/{name}"):
+                folder.download(f"{rel}/{name}", local / name)
+    try:
+        have = folder_fingerprints(local)
+    except (OSError, ValueError) as e:
+        return [str(e).removeprefix("data.tokenizers: ")]  # it names the file or the folder
+    if recorded.get("visual") and have["visual"] is None:
+        return [
+            f"{folder.child(rel)}: no {VISUAL}/; the shards' image and video ids were made with "
+            "one and cannot be read back without it"
+        ]
+    if differ := tokenizers_differ(tokenizer_key(recorded), have):
+        return [
+            f"{folder.child(rel)}: not the tokenizers the shards were made with ({differ}: "
+            "changed since tokenize wrote them)"
+        ]
+    return []
 
 
 def _check_raw(tar: Path, e: dict, read) -> str | None:
@@ -68,7 +108,35 @@ def _check_tokens(tar: Path, e: dict, read, ranges: np.ndarray | None) -> str | 
         check_ids(ids.astype(np.int64), mod.astype(np.int64), ranges)
     except ValueError as err:
         return f"{e['key']}: {err}"
+    # What the loader packs by (blocks kept whole, M-RoPE grids) and counts, from the index alone
+    if e.get("blocks") != visual_blocks(spans):
+        return f"{e['key']}: the index's visual blocks {e.get('blocks')} are not its spans'"
+    counted = np.bincount(mod.astype(np.int64), minlength=len(MODALITY_NAMES)).tolist()
+    if e.get("tokens_by_modality") != dict(zip(MODALITY_NAMES, counted, strict=True)):
+        return f"{e['key']}: the index's tokens by modality are not its modalities'"
     return None
+
+
+def _check_summary(idx: Path, shard: dict, index: list[dict]) -> list[str]:
+    """The manifest's summary of a token shard, which training reads instead of the index (each
+    modality's tokens; the visual blocks and the longest, by which a run too short for them is
+    refused at start), must be the index's."""
+    tokens = {name: sum(e["tokens_by_modality"][name] for e in index) for name in MODALITY_NAMES}
+    blocks = shard_block_stats(e.get("blocks") or [] for e in index)
+    said_tokens, said_blocks = shard.get("tokens") or {}, shard.get("blocks") or {}
+    differ = [
+        f"{count} {name} tokens, the manifest says {said_tokens.get(name)}"
+        for name, count in tokens.items()
+        if said_tokens.get(name) != count
+    ]
+    differ += [
+        f"{media} blocks' {key} {got[key]}, the manifest says {said.get(key)}"
+        for media, got in blocks.items()
+        for said in [said_blocks.get(media) or {}]
+        for key in got
+        if said.get(key) != got[key]
+    ]
+    return [f"{idx}: {'; '.join(differ)}"] if differ else []
 
 
 def _check_binary_index(folder: Folder, shard: dict, idx: Path) -> list[str]:
@@ -102,6 +170,8 @@ def verify(out: str | Path, *, progress: bool = False) -> dict:
     ranges = _token_ranges(folder, manifest, problems) if tokens else None
     samples = 0
     with PrivateTemp("verify") as tmp:
+        if tokens:
+            problems += _check_tokenizers(folder, manifest, Path(tmp))
         for shard in tqdm(manifest["shards"], desc="verify", unit=" shards", disable=not progress):
             try:
                 tar, idx = (folder.download(shard[key], Path(tmp) / shard[key]) for key in KEYS)
@@ -169,6 +239,10 @@ def _check_shard(
         return [*problems, str(e)], 0
     if tokens:
         problems += _check_binary_index(folder, shard, idx)
+        try:
+            problems += _check_summary(idx, shard, index)
+        except (KeyError, TypeError) as e:  # a sample's record lacks the counts
+            problems.append(f"{idx}: a sample has no token counts ({e})")
     if len(index) != shard["samples"]:
         problems.append(f"{idx}: {len(index)} samples, the manifest says {shard['samples']}")
     found = check_index(tar, index)

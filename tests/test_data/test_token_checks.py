@@ -53,6 +53,42 @@ def test_verify_accepts_an_intact_token_folder(tokens, capsys):
     assert ": OK" in capsys.readouterr().out
 
 
+def test_verify_finds_tokenizers_and_summaries_that_training_would_trust(tokens, tmp_path):
+    """What training reads instead of the shards (the tokenizers/ folder, the manifest's token
+    counts and visual blocks) is compared with what the shards hold; each change is named."""
+    import json
+
+    def problems(folder):
+        r = verify(folder)
+        assert not r["ok"]
+        return r["problems"]
+
+    for name, change, said in (
+        ("no_text", lambda t: (t / "tokenizers/tokenizer.json").unlink(), "cannot load the text"),
+        ("no_visual", lambda t: shutil.rmtree(t / "tokenizers/visual_tokenizer"), "no visual_"),
+        (
+            "cut_visual",
+            lambda t: (t / "tokenizers/visual_tokenizer/model.safetensors").write_bytes(b"x"),
+            "not the tokenizers the shards were made with (visual tokenizer differs",
+        ),
+    ):
+        copy = tmp_path / name
+        shutil.copytree(tokens, copy)
+        change(copy)
+        assert [said in p for p in problems(copy)] == [True], name
+    copy = tmp_path / "summary"
+    shutil.copytree(tokens, copy)
+    m = json.loads((copy / "manifest.json").read_text())
+    shard = next(s for s in m["shards"] if s["blocks"]["image"]["blocks"])
+    shard["blocks"]["image"]["longest"] = 3  # would let a row of 3 tokens train on its images
+    shard["tokens"]["text"] += 5
+    (copy / "manifest.json").write_text(json.dumps(m))
+    [said] = problems(copy)
+    assert said.startswith(str(copy / shard["index"]))
+    assert f"text tokens, the manifest says {shard['tokens']['text']}" in said
+    assert "image blocks' longest" in said and "the manifest says 3" in said
+
+
 def test_a_file_url_names_the_local_folder(tiny_tokens, capsys):
     """``file:///abs/path`` is the folder it names, to the prep commands and the token folder
     readers as to the loader."""
