@@ -86,8 +86,9 @@ def find_tokenizers(run_cfg, run_dir: Path) -> Path:
         return tokenizer_folder(run_cfg)
     except ValueError as e:
         raise ReleaseError(
-            f"{run_dir}: {e}, or pass --tokenizers DIR (tokenizer.json, vocab_layout.json, "
-            "visual_tokenizer/) or --no-tokenizers for weights only"
+            f"{run_dir}: no tokenizers found through the run's data ({e}); pass --tokenizers DIR "
+            "(tokenizer.json, vocab_layout.json, visual_tokenizer/) or --no-tokenizers for "
+            "weights only"
         ) from None
 
 

@@ -15,6 +15,7 @@ import json
 import os
 import posixpath
 from collections.abc import Callable
+from contextlib import suppress
 from fnmatch import fnmatch
 
 import numpy as np
@@ -57,6 +58,30 @@ def find_manifest(url: str, seen: dict | None = None) -> tuple[dict, str, int] |
     if folder is not None:
         seen[("folder", folder)] = out
     return out
+
+
+def _no_manifest(url: str) -> str:
+    """Why ``find_manifest`` found none for the shard ``url``: the nearest manifest.json that is
+    there but unusable, or a local folder that a prep command began and did not finish."""
+    for up in range(3):
+        m_url = store.sibling(url, MANIFEST_FILE, up)
+        with suppress(OSError):
+            data = store.read_bytes(m_url)
+            try:
+                got = json.loads(data)
+                what = f"has format {got.get('format')!r}" if got.get("format") else "has no format"
+            except (ValueError, AttributeError):
+                what = "is empty" if not data.strip() else "is not a JSON object"
+            return f"{m_url} {what}: not a manifest of {TOKEN_FORMAT} or {RAW_FORMAT}"
+        for work, command in ((".tokenize", "tokenize"), (".ingest", "ingest")):
+            if store.kind(url) == "local" and os.path.isdir(store.sibling(url, work, up)):
+                return (
+                    f"{store.sibling(url, work, up)} holds the work of an earlyfuse-prep {command} "
+                    f"that did not finish: run it again, or `earlyfuse-prep merge` its partitions"
+                )
+    return (
+        f"no manifest.json of format {TOKEN_FORMAT} or {RAW_FORMAT} in its folder or the two above"
+    )
 
 
 def _listing(folder: str) -> set[str]:
@@ -102,8 +127,7 @@ def load_table(src: SourceConfig, *, cache_dir: str | None = None) -> SampleTabl
         if manifest_found is None:
             _read_index(src, tar)  # a missing index is the first thing to name
             raise ValueError(
-                f"source {src.name}: {tar} is in no shard folder (no manifest.json of format "
-                f"{TOKEN_FORMAT} or {RAW_FORMAT} in its folder or the two above)"
+                f"source {src.name}: {tar} is in no shard folder ({_no_manifest(tar)})"
             )
         found.append(manifest_found)
         manifest, m_url, up = manifest_found

@@ -378,8 +378,11 @@ def test_missing_tokenizers_and_bad_arguments_are_named(
     shutil.copytree(runs[0], run)
     for p in (run / "config.yaml", run / "checkpoints" / "step_00000003" / "config.yaml"):
         p.write_text(p.read_text().replace(str(tiny_tokens), "/nonexistent/tokens"))
-    with pytest.raises(ReleaseError, match="cannot find the token data's tokenizers/ folder"):
+    with pytest.raises(ReleaseError) as refused:  # the data's own problem comes first
         make_release(run, tmp_path / "a", log=quiet)
+    said = str(refused.value)
+    assert said.startswith(f"{run}: no tokenizers found through the run's data (source ")
+    assert "/nonexistent/tokens" in said and "does not exist" in said and "--tokenizers DIR" in said
     # tokenizer.json + layout, no visual_tokenizer/, for a run whose scenes have images
     text_only, _ = tiny_tokenizers
     with pytest.raises(

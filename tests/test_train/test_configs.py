@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -683,6 +684,41 @@ def test_remote_token_shards_without_data_tokenizers_is_a_config_error(tiny_toke
             tokenizer_folder(cfg)
     finally:
         fs.rm("/cfgtok", recursive=True)
+
+
+def test_token_data_that_cannot_be_read_is_named_before_its_tokenizers(tiny_tokens, tmp_path):
+    """A token folder whose manifest is gone, empty or not a manifest, or that an unfinished
+    tokenize left: the data's own problem is the message (it was "cannot find the tokenizers/
+    folder; set data.tokenizers", which no setting fixed)."""
+    from data.loader import SourceConfig
+    from train.config import RunConfig
+    from train.tasks.lm import tokenizer_folder
+
+    cases = {
+        "gone": (
+            None,
+            ".tokenize holds the work of an earlyfuse-prep tokenize that did not finish",
+        ),
+        "empty": (b"", "manifest.json is empty: not a manifest of earlyfuse-token-shards"),
+        "object": (b"{}", "manifest.json has no format: not a manifest of earlyfuse-token-shards"),
+    }
+    for name, (content, said) in cases.items():
+        folder = tmp_path / name
+        shutil.copytree(tiny_tokens, folder)
+        (folder / ".tokenize").mkdir(exist_ok=True)
+        if content is None:
+            (folder / "manifest.json").unlink()
+        else:
+            (folder / "manifest.json").write_bytes(content)
+        cfg = RunConfig()
+        cfg.data.sources = [
+            SourceConfig(name=s, shards=[str(folder / s)]) for s in ("code", "text")
+        ]
+        with pytest.raises(ConfigError) as refused:
+            tokenizer_folder(cfg)
+        assert str(refused.value).startswith(f"source code: {folder / 'code'}/shard-"), name
+        assert said in str(refused.value), name
+        assert str(refused.value).endswith("(1 more source(s) unreadable too)"), name
 
 
 def test_a_tokenizer_folder_swapped_after_tokenize_is_a_config_error(

@@ -72,12 +72,14 @@ def tokenizer_folder(cfg: RunConfig, tables: TableCache | None = None) -> Path:
         return Path(cfg.data.tokenizers)
     tables = tables or TableCache()
     tried: list[str] = []
+    unreadable: list[str] = []
     text_only: list[Path] = []
     for src in [*cfg.data.sources, *cfg.data.validation]:
         try:
             table = tables.get([src])[0]
         except (OSError, ValueError) as e:
             tried.append(str(e))
+            unreadable.append(str(e))
             continue
         if table.kind == "raw" or store.kind(table.layout_url) != "local":
             tried.append(f"source {src.name}: {'raw' if table.kind == 'raw' else 'remote'} shards")
@@ -91,6 +93,11 @@ def tokenizer_folder(cfg: RunConfig, tables: TableCache | None = None) -> Path:
         tried.append(f"{folder} (named by {table.manifest_url}, missing)")
     if text_only:
         return text_only[0]
+    if unreadable and len(unreadable) == len(tried):  # the data itself is what to name first
+        more = len(unreadable) - 1
+        raise ConfigError(
+            unreadable[0] + (f" ({more} more source(s) unreadable too)" if more else "")
+        )
     raise ConfigError(
         "cannot find the token data's tokenizers/ folder (tried: "
         f"{'; '.join(tried) or 'no data.sources'}); set data.tokenizers to it"
