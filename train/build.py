@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import yaml
 
+from model.sequence_parallel import sequence_parallel_refusal
 from train.callbacks.base import Callback, Callbacks
 from train.callbacks.checkpointing import Checkpointing
 from train.callbacks.data_health import DataHealth
@@ -113,7 +114,12 @@ def build_trainer(
     *,
     extra_callbacks: Sequence[Callback] = (),
 ) -> Trainer:
-    dist = join_sequence_groups(dist, cfg.train.sequence_parallel)
+    heads, rows = cfg.model.attention.n_heads, cfg.data.seq_len
+    dist = join_sequence_groups(
+        dist,
+        cfg.train.sequence_parallel,
+        lambda n: not sequence_parallel_refusal(n_heads=heads, seq_len=rows, degree=n),
+    )
     seed_everything(cfg.train.seed, dist.rank, cfg.train.deterministic)
     task = build_task(cfg, dist)
     model = task.build_model()

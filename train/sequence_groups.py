@@ -64,13 +64,14 @@ def new_sequence_groups(degree: int) -> SequenceGroups:
     )
 
 
-def check_run(degree: int, world_size: int) -> None:
-    """At the start of a run: ``train.sequence_parallel`` must divide the number of processes."""
+def check_run(degree: int, world_size: int, fits_model=lambda n: True) -> None:
+    """At the start of a run: ``train.sequence_parallel`` must divide the number of processes.
+    ``fits_model(n)``: whether the model and row split over n ranks (the degrees suggested)."""
     try:
         sequence_parallel_ranks(world_size, degree)
     except ValueError as err:
         # One process: the run was most likely started without a launcher
-        fits = [n for n in range(1, world_size + 1) if world_size % n == 0]
+        fits = [n for n in range(1, world_size + 1) if world_size % n == 0 and fits_model(n)]
         launch = (
             f"; start it with earlyfuse-torchrun --nproc_per_node N, N a multiple of {degree}"
             if world_size == 1
@@ -165,10 +166,10 @@ def deepspeed_mpu(degree: int) -> SequenceParallelMpu | None:
     return _MPU
 
 
-def join_sequence_groups(info: DistInfo, degree: int) -> DistInfo:
+def join_sequence_groups(info: DistInfo, degree: int, fits_model=lambda n: True) -> DistInfo:
     """``info`` with this rank's SP group (collective: every rank calls it, before the engine is
-    built)."""
-    check_run(degree, info.world_size)
+    built). ``fits_model``: as ``check_run``'s."""
+    check_run(degree, info.world_size, fits_model)
     mpu = deepspeed_mpu(degree)
     if mpu is None:
         return info

@@ -394,6 +394,9 @@ def test_a_sequence_parallel_degree_must_divide_the_processes():
         ConfigError, match=r"processes \(1\); start it with earlyfuse-torchrun --nproc_per_node N"
     ):
         check_run(2, 1)
+    # Only the degrees the model and row split over are suggested (6 processes, 2 heads: 1, 2)
+    with pytest.raises(ConfigError, match=r"train\.sequence_parallel one of \[1, 2\]$"):
+        check_run(4, 6, lambda n: 2 % n == 0)
 
 
 def test_zero3_with_sequence_parallel_reduces_gradients_by_all_reduce():
