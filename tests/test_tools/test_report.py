@@ -755,4 +755,25 @@ def test_time_and_tokens_count_the_replaced_steps_too(tmp_path):
     assert modality_rows(data, DEFAULT_SMOOTH)[0][-1] == "3k kept; 4k in all"
     assert [ln.get_label() for ln in draw_panel(data, "tokens").get_lines()][
         1
-    ] == "text (3k kept, 4k in all)"
+    ] == "text\n(3k kept, 4k in all)"
+
+
+def test_every_legend_fits_its_panel(tmp_path):
+    """The legends stand right of the axes: the longest labels (a resumed run's token counts,
+    "structure (19.8k kept, 26.1k in all)") ran past the figure's edge and were cut."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from tools.report.panels import Ctx, panel_figure, panels_for, x_limits
+
+    recs = [
+        {"step": s, "loss/structure": 3.0, "tokens/structure": 1_234_567, "throughput/step_s": 1.0}
+        for s in [*range(1, 21), *range(11, 31)]
+    ]
+    data = load_run(write_records(tmp_path / "r", recs))
+    ctx = Ctx(data, 0.9, x_limits(data))
+    for panel in panels_for(data):
+        fig = panel_figure(panel, ctx)
+        renderer = FigureCanvasAgg(fig).get_renderer()
+        for ax in fig.axes:
+            if legend := ax.get_legend():
+                assert legend.get_window_extent(renderer).x1 <= fig.bbox.x1, panel.key

@@ -335,8 +335,9 @@ def draw_tokens(ax, ctx: Ctx):
         if not (np.nan_to_num(series.values) > 0).any():
             continue
         kept, spent = (human(x) for x in run.spent(f"tokens/{modality}"))  # replaced steps too
-        said = f"{kept} kept, {spent} in all" if run.replaced else f"{kept} total"
-        curves[modality] = train_line(ax, series, ctx, f"{modality} ({said})", ctx.color(modality))
+        # two lines where steps were replaced: one would run past the figure's right edge
+        said = f"\n({kept} kept, {spent} in all)" if run.replaced else f" ({kept} total)"
+        curves[modality] = train_line(ax, series, ctx, f"{modality}{said}", ctx.color(modality))
     return curves
 
 
@@ -550,6 +551,13 @@ def x_limits(run: RunData) -> tuple[float, float]:
 
 def render(panel: Panel, ctx: Ctx) -> bytes:
     """One panel as PNG bytes (no pyplot: a bare Figure on the Agg canvas, nothing global)."""
+    buf = io.BytesIO()
+    panel_figure(panel, ctx).savefig(buf, format="png", dpi=DPI)
+    return buf.getvalue()
+
+
+def panel_figure(panel: Panel, ctx: Ctx) -> Figure:
+    """One panel drawn on its own figure, with its title, alarms and legend."""
     fig = Figure(figsize=PANEL_SIZE, dpi=DPI)
     FigureCanvasAgg(fig)
     ax = fig.add_axes(AXES)
@@ -570,9 +578,7 @@ def render(panel: Panel, ctx: Ctx) -> bytes:
         ax.legend(
             handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False
         )
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=DPI)
-    return buf.getvalue()
+    return fig
 
 
 def _font(size: float, style: str) -> FontProperties:
