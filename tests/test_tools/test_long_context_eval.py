@@ -175,7 +175,7 @@ def test_long_context_evaluation_end_to_end(debug_release, tiny_tokens, tmp_path
             str(tiny_tokens),
             "--long-context",
             "--needle-lengths",
-            "256,512",
+            "96,256,512",  # 96: a passkey fits, 3 of the clips' frames do not
             "--needle-depths",
             "0,1",
             "--needle-trials",
@@ -203,14 +203,17 @@ def test_long_context_evaluation_end_to_end(debug_release, tiny_tokens, tmp_path
     for cell in pos["modalities"]["text"]["buckets"]:
         assert cell["tokens"] <= cell["tokens_all"]
     passkey = ev["passkey"]
-    assert set(passkey["cells"]) == {"256", "512"} and set(passkey["control"]) == {"256", "512"}
-    for length in ("256", "512"):
+    lengths = {"96", "256", "512"}
+    assert set(passkey["cells"]) == lengths and set(passkey["control"]) == lengths
+    for length in lengths:
         assert set(passkey["cells"][length]) == {"0", "1"}
         for score in [*passkey["cells"][length].values(), passkey["control"][length]]:
             assert score["prompts"] == 2 and score["digits"] == 10
             assert 0 <= score["digit"] <= 1 and 0 <= score["whole"] <= 1
     frames = ev["frame_copy"]
     assert "missing" not in frames, frames
+    assert frames["lengths"] == [256, 512] and frames["left_out"]["lengths"] == [96]
+    assert f"(left out: 96; 3 frames need rows of {frames['left_out']['need']}+)" in printed
     for length in ("256", "512"):
         assert frames["frames"][length] >= 3
         for cells in (frames["cells"][length], frames["control"][length]):

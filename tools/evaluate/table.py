@@ -187,6 +187,9 @@ def format_frame_copy(table: dict) -> list[str]:
         "another frame there):",
         _row("depth", [f"{n} ({table['frames'][n]} fr)" for n in lengths], 10, 18),
     ]
+    if short := table.get("left_out"):
+        lengths_out = ", ".join(map(str, short["lengths"]))
+        lines.insert(1, f"  (left out: {lengths_out}; 3 frames need rows of {short['need']}+)")
     for depth in table["depths"]:
         key = f"{depth:g}"
         cells = [
