@@ -162,7 +162,9 @@ def generation_config(layout, tok):
 def hf_tokenizer(tokenizer_json: Path, bos_id: int):
     """Our BPE as a ``PreTrainedTokenizerFast`` that starts every text with ``<|bos|>`` (a
     post-processor in tokenizer.json, which every loader of the file applies) and adds no eos,
-    so a prompt is what our documents begin with."""
+    so a prompt is what our documents begin with. A ``<|eos|>`` written in the text stays text,
+    as in our documents (``split_special_tokens``, kept in tokenizer_config.json: tokenizer.json
+    cannot record it)."""
     from tokenizers import Tokenizer, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -177,6 +179,7 @@ def hf_tokenizer(tokenizer_json: Path, bos_id: int):
         bos_token="<|bos|>",
         eos_token="<|eos|>",
         pad_token="<|pad|>",
+        split_special_tokens=True,
     )
 
 

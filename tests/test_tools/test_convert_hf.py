@@ -72,7 +72,7 @@ def test_hf_export_gives_our_logits_on_text_images_and_video(
     assert diff <= 1e-4, diff
     # The tokenizer: our ids for text, the specials named.
     tok = transformers.AutoTokenizer.from_pretrained(out)
-    text = "def f(x):\n    return x  # Grüße 🙂"
+    text = "def f(x):\n    return x  # Grüße 🙂 <|eos|> written in the text stays text"
     assert tok.encode(text, add_special_tokens=False) == rel.text_tokenizer().encode(text)
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 0)
     assert json.loads((out / "vocab_layout.json").read_text()) == lay.to_dict()
