@@ -56,7 +56,13 @@ def index_of(folder, rel: str) -> list[dict]:
 def read_exact(f: BinaryIO, tar_path: str | Path, entry: dict, suffix: str) -> bytes:
     """One member's bytes from the open shard ``f``, at the offset its index entry gives; a tar
     cut (or replaced) after it was written is said to be, naming the member."""
-    off, size = entry["members"][suffix]
+    try:
+        off, size = entry["members"][suffix]
+    except KeyError:  # a document naming a member its index line does not list (written by hand)
+        raise ValueError(
+            f"{tar_path}: sample {entry['key']} names a member {suffix!r} that its index line's "
+            f"members ({', '.join(entry['members'])}) do not list"
+        ) from None
     f.seek(off)
     data = f.read(size)
     if len(data) != size:

@@ -28,6 +28,8 @@ from data.shards.storage import Folder
 MANIFEST_FORMAT = "earlyfuse-raw-shards"
 TOKEN_FORMAT = "earlyfuse-token-shards"  # what data/tokenize/run.py writes
 MANIFEST_VERSION = 1
+# What every reader of a manifest takes from each shard entry (load_manifest checks they are there)
+SHARD_FIELDS = ("path", "index", "sha256", "index_sha256", "samples")
 
 
 def shard_entry(record: dict, **extra) -> dict:
@@ -221,4 +223,12 @@ def load_manifest(out: str | Path, formats: tuple[str, ...] = (MANIFEST_FORMAT,)
         raise ValueError(
             f"{path}: format {manifest.get('format')!r}, expected {' or '.join(map(repr, formats))}"
         )
+    # What every reader takes from it, checked once here (a manifest written by hand may lack it)
+    if not isinstance(manifest.get("shards"), list):
+        raise ValueError(f"{path}: no shards list")
+    for i, shard in enumerate(manifest["shards"]):
+        lacks = [k for k in SHARD_FIELDS if not isinstance(shard, dict) or k not in shard]
+        if lacks:
+            named = f" ({shard['path']})" if isinstance(shard, dict) and "path" in shard else ""
+            raise ValueError(f"{path}: shards[{i}]{named} has no {', '.join(lacks)}")
     return manifest

@@ -242,3 +242,41 @@ def test_a_raw_index_changed_after_ingest_is_refused(tiny_raw, tiny_tokenizers, 
     argv = ["tokenize", "--in", str(raw), "--out", str(tmp_path / "t"), "--tokenizer", str(text)]
     assert main([*argv, "--visual-tokenizer", str(visual), "--no-progress"]) == 2
     assert f"{index}: not the index ingest wrote" in capsys.readouterr().err
+
+
+def test_a_hand_written_raw_folder_missing_a_field_is_named(
+    tiny_raw, tiny_tokenizers, tmp_path, capsys
+):
+    """Raw folders written by other tools: a manifest shard entry without a field every reader
+    takes, or a document naming a member its index line does not list, are one line naming
+    the file and the field (both were KeyError tracebacks)."""
+    import hashlib
+
+    text, visual = tiny_tokenizers
+    raw = shutil.copytree(tiny_raw, tmp_path / "raw")
+    m = json.loads((raw / "manifest.json").read_text())
+    del m["shards"][0]["index_sha256"]
+    (raw / "manifest.json").write_text(json.dumps(m))
+    argv = ["--in", str(raw), "--tokenizer", str(text), "--visual-tokenizer", str(visual)]
+    assert main(["tokenize", *argv, "--out", str(tmp_path / "t"), "--no-progress"]) == 2
+    said = f"{raw / 'manifest.json'}: shards[0] ({m['shards'][0]['path']}) has no index_sha256"
+    assert said in capsys.readouterr().err
+    assert main(["verify", str(raw)]) == 2 and said in capsys.readouterr().err
+
+    raw = shutil.copytree(tiny_raw, tmp_path / "raw2")
+    m = json.loads((raw / "manifest.json").read_text())
+    shard = next(s for s in m["shards"] if s["segments"].get("image"))
+    index = raw / shard["index"]
+    lines = [json.loads(line) for line in index.read_text().splitlines()]
+    entry = next(e for e in lines if "image" in e["types"])
+    member = next(k for k in entry["members"] if k != "json")
+    del entry["members"][member]
+    index.write_text("".join(json.dumps(e) + "\n" for e in lines))
+    shard["index_sha256"] = hashlib.sha256(index.read_bytes()).hexdigest()
+    (raw / "manifest.json").write_text(json.dumps(m))
+    argv[1] = str(raw)
+    code = main(["tokenize", *argv, "--out", str(tmp_path / "t2"), "--no-progress"])
+    printed = capsys.readouterr()
+    assert "Traceback" not in printed.err and code == 3  # that document rejected, the rest kept
+    said = f"sample {entry['key']} names a member {member!r} that its index line's"
+    assert said in (tmp_path / "t2" / "rejects.jsonl").read_text()
