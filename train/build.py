@@ -205,7 +205,6 @@ def build_trainer(
             unhealthy_why="the monitors see trouble (a step skipped as a spike in the last "
             f"{cfg.monitor.divergence.window}, or the loss rising)",
             is_main=main,
-            protect=monitor.protected_steps,
         ),
         Rollback(monitoring, cfg.monitor.rollback, grad_accum=train_cfg.grad_accum, is_main=main),
         Preemption(device=dist.device),
@@ -233,6 +232,7 @@ def build_trainer(
             "bf16": train_cfg.bf16,
         },
         save_files={CONFIG_FILE: resolved_yaml, **task.extra_files()},
+        protect=monitor.protected_steps,
     )
 
 

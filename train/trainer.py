@@ -23,9 +23,9 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import closing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,9 @@ class Trainer:
     resolved_yaml: str  # saved with every checkpoint and compared on resume
     save_meta: dict  # meta.json fields of every checkpoint (besides step and tag)
     save_files: dict[str, str]  # files written beside every checkpoint
+    # Older checkpoints keep-last must keep at every save, periodic, stop or final alike (the
+    # monitor's protected steps: the way back from a trouble still open)
+    protect: Callable[[list[int]], set[int]] = field(default=lambda steps: set())
     skip_batches: int = 0  # batches to discard before the next step (after a rollback)
     last_saved: int = -1  # the step of the newest checkpoint written or loaded
     untrained_batches: int = 0  # micro-batches of a last step the data ended in (never applied)
@@ -180,8 +183,7 @@ class Trainer:
         return final
 
     # --- checkpoints -----------------------------------------------------------------------------
-    def save_checkpoint(self, step: int, protect: set[int] | frozenset[int] = frozenset()) -> str:
-        """``protect``: older checkpoints keep-last must keep (the monitor's protected steps)."""
+    def save_checkpoint(self, step: int) -> str:
         tag = self.checkpointer.save(
             self.engine,
             step,
@@ -189,7 +191,7 @@ class Trainer:
             own={"stream": self.stream.state_dict(), "rng": rng_state()},
             meta=self.save_meta,
             files=self.save_files,
-            protect=protect,
+            protect=self.protect(self.checkpointer.complete_steps()),
         )
         self.last_saved = step
         return tag

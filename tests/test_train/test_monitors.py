@@ -66,26 +66,32 @@ def test_random_image_codes_fire_the_collapse_detector(tiny_tokens, tmp_path):
 
 
 def test_lr_spike_is_skipped_then_rolled_back_and_recovers(tiny_tokens, tmp_path):
+    """An lr blow-up at step 60; the run is preempted (SIGTERM) while its steps are skipped as
+    spikes and resumed by the same command: it rolls back to step 50 and recovers. keep-last=2
+    would have deleted step 50 at the stop's save (60 and the stop's step kept): every save,
+    the stop's too, keeps the way back from a trouble still open."""
     run, k = tmp_path / "run", 60
-    p = train(
-        base(
-            tiny_tokens,
-            run,
-            120,
-            "train.ckpt_every=10",
-            "train.keep_last=3",
-            "optim.skip_step.min_steps=20",
-            "optim.schedule=constant",
-            # Chunks of 64 tokens: every 2-row step carries the mix, so the loss of a healthy step
-            # varies little and the fault's spike stands out by the 6-sigma rule.
-            "data.mix_chunk=64",
-        ),
-        faults={"lr_x100_at": k},
+    args = base(
+        tiny_tokens,
+        run,
+        120,
+        "train.ckpt_every=10",
+        "train.keep_last=2",
+        "optim.skip_step.min_steps=20",
+        "optim.schedule=constant",
+        # Chunks of 64 tokens: every 2-row step carries the mix, so the loss of a healthy step
+        # varies little and the fault's spike stands out by the 6-sigma rule.
+        "data.mix_chunk=64",
     )
+    p = train(args, faults={"lr_x100_at": k, "sigterm_at_step": k + 2})  # spikes from k + 1
+    assert "stopped by SIGTERM at step" in p.stdout + p.stderr, (p.stdout + p.stderr)[-3000:]
+    assert [a for a in alarms(run) if a["action"] == "skip"], alarms(run)  # stopped mid-trouble
+    assert (run / "checkpoints" / "step_00000050").is_dir()  # the way back, kept
+    p = train(args, faults={"lr_x100_at": k})  # the same command: resumes, the lr still x100
     a = alarms(run)
     spikes = [x for x in a if x["signal"] in ("loss_spike", "grad_norm_spike")]
     rollback = [x for x in a if x["signal"] == "divergence"]
-    assert spikes and spikes[0]["action"] == "skip" and k < spikes[0]["step"] <= k + 20, a
+    assert spikes and spikes[0]["action"] == "skip" and spikes[0]["step"] == k + 1, a
     assert rollback and rollback[0]["action"] == "rollback", a
     assert "ROLLBACK at step" in p.stdout and "back to the checkpoint of step 50" in p.stdout, (
         p.stdout[-3000:]
@@ -93,7 +99,7 @@ def test_lr_spike_is_skipped_then_rolled_back_and_recovers(tiny_tokens, tmp_path
     assert "train.ckpt_every=0" not in p.stdout + p.stderr
     # The steps after 50 were trained again, under the config of the pass (the report's targets)
     kept = sorted(f.name for f in (run / "pass_configs").iterdir())
-    assert kept == ["from_step_00000000.yaml", "from_step_00000050.yaml"]
+    assert kept[0] == "from_step_00000000.yaml" and kept[-1] == "from_step_00000050.yaml", kept
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     before = [r["train/loss"] for r in recs if 40 < r["step"] <= k]
     after = [r["train/loss"] for r in recs[-20:]]

@@ -1,7 +1,8 @@
 """When to checkpoint: every ``train.ckpt_every`` steps while the monitors call the run healthy
-(a checkpoint taken mid-trouble is no place to roll back to), and at the end of the run. Each
-periodic save tells keep-last which older checkpoints to keep (``protect``: the monitor's
-``protected_steps``, the newest one from before a trouble still open). How a
+(a checkpoint taken mid-trouble is no place to roll back to), and at the end of the run. Every
+save, this one's and a stop's alike, tells keep-last which older checkpoints to keep
+(``Trainer.protect``: the monitor's ``protected_steps``, the newest one from before a trouble
+still open). How a
 checkpoint is written and read is ``train/checkpoint.py``'s (``Checkpointer``); what goes in it
 is the trainer's (``Trainer.save_checkpoint``: the callbacks' states, the stream, the RNG)."""
 
@@ -27,7 +28,6 @@ class Checkpointing(Callback):
         healthy: Callable[[], bool],
         unhealthy_why: str,
         is_main: bool,
-        protect: Callable[[list[int]], set[int]] | None = None,
     ) -> None:
         self.every, self.healthy, self.unhealthy_why, self.is_main = (
             every,
@@ -35,14 +35,12 @@ class Checkpointing(Callback):
             unhealthy_why,
             is_main,
         )
-        self.protect = protect
 
     def post_step(self, trainer: Trainer, step: int, record: StepRecord) -> None:
         if not self.every or step % self.every or step == trainer.total_steps:
             return
         if self.healthy():
-            keep = self.protect(trainer.checkpointer.complete_steps()) if self.protect else set()
-            trainer.save_checkpoint(step, protect=keep)
+            trainer.save_checkpoint(step)
         elif self.is_main:
             log.info(f"checkpoint at step {step} skipped: {self.unhealthy_why}")
 

@@ -12,6 +12,7 @@ transient: they do not recur once a rollback has abandoned the trajectory they w
     shuffle_probe_from=k        from step k the dependence probe's "matched" images are shuffled
     sigterm_at_start=1          a SIGTERM to this process while the run starts (before the
                                 trainer exists, as a scheduler's preemption may come)
+    sigterm_at_step=k           a SIGTERM to this process after step k (a preemption mid-run)
     rng_log=PATH                not a fault: before every step, append "STEP DIGEST" of the global
                                 RNG states (torch, numpy, python) to PATH.RANK (resume tests)
 
@@ -56,6 +57,7 @@ class FaultConfig:
     random_image_codes_from: int = -1
     shuffle_probe_from: int = -1
     sigterm_at_start: int = -1
+    sigterm_at_step: int = -1
     rng_log: str = ""
 
     @classmethod
@@ -153,6 +155,8 @@ class FaultInjection(Callback):
     def post_step(self, trainer: Trainer, step: int, record: StepRecord) -> None:
         if step == self.cfg.kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)  # dies like kill -9: no cleanup, no flush
+        if step == self.cfg.sigterm_at_step:
+            os.kill(os.getpid(), signal.SIGTERM)  # the run stops after its next step
 
     def kill_in_save(self, step: int) -> None:
         if step == self.cfg.kill_in_save:
