@@ -254,6 +254,18 @@ def breaks_resume(key: str, task: str, old: Any = None, new: Any = None) -> bool
     )
 
 
+def training_mix(config_yaml: str | None) -> list[tuple[str, float]] | None:
+    """The training sources' names and shares (weights are relative) in a run's config.yaml;
+    None when it records none."""
+    data = ((yaml.safe_load(config_yaml or "") or {}).get("data")) or {}
+    sources = [s for s in data.get("sources") or [] if isinstance(s, dict)]
+    if not sources:
+        return None
+    weights = [float(s.get("weight", 1.0)) for s in sources]
+    total = sum(weights) or 1.0
+    return [(str(s.get("name")), round(w / total, 9)) for s, w in zip(sources, weights)]
+
+
 def check_resume_config(
     saved_yaml: str | None,
     new_yaml: str,

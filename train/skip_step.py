@@ -128,6 +128,12 @@ class SkipStepRule:
                     ).add(mean_ce)
         return skip
 
+    def restart_losses(self) -> None:
+        """Another mix: the losses' histories start again (its levels are no spike, as a new
+        modality's first batches are none); the grad norm's history stays."""
+        self.loss = SpikeDetector(self.cfg.window, trend=self.cfg.trend)
+        self.by_modality = {}
+
     def state_dict(self) -> dict:
         return {
             "loss": self.loss.state_dict(),

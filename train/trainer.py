@@ -32,7 +32,7 @@ from typing import Any
 from train.callbacks.base import HALT, STOP, Callbacks, Decision, StepRecord
 from train.checkpoint import Checkpointer, tag_for
 from train.config import TrainConfig
-from train.config_check import ConfigError, check_resume_config
+from train.config_check import ConfigError, check_resume_config, training_mix
 from train.dist import DistInfo, barrier
 from train.names import CONFIG_FILE, FINAL_FILE
 from train.rng_state import rng_state, set_rng_state
@@ -228,6 +228,9 @@ class Trainer:
         other_world = meta["world_size"] != self.dist.world_size
         notes = self.load_checkpoint(tag, other_world=other_world)
         self.last_saved = int(meta["step"])
+        saved_mix = training_mix(saved.read_text() if saved.is_file() else None)
+        if saved_mix is not None and saved_mix != training_mix(self.resolved_yaml):
+            self.callbacks.on_mix_change(self, int(meta["step"]))
         if self.dist.is_main:
             head = f"resuming {tag}"
             if other_world:

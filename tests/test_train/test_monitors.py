@@ -194,3 +194,27 @@ def test_moe_health_is_logged_per_modality(tiny_tokens, tmp_path):
         loads
     )
     assert "train/moe_dropped" in m[3]
+
+
+def test_a_resume_with_another_mix_starts_the_loss_references_again(tiny_tokens, tmp_path):
+    """A mix changed at a resume (train.allow_config_change): the text of the first pass was
+    mostly captions, then prose. The divergence rule read the new level as a rise, rolled back
+    past the resume point (deleting its checkpoint) and halted; the references now restart."""
+    run = tmp_path / "run"
+    first = {"scenes": 0.6, "clips": 0.3, "text": 0.05, "code": 0.05}
+    then = {"scenes": 0.0, "clips": 0.0, "text": 0.7, "code": 0.3}
+    train(base(tiny_tokens, run, 80, "train.ckpt_every=20", sources=first))
+    p = train(
+        base(
+            tiny_tokens,
+            run,
+            160,
+            "train.ckpt_every=20",
+            "train.allow_config_change=true",
+            sources=then,
+        )
+    )
+    said = p.stdout + p.stderr
+    assert "the training mix differs from step 80's (data.sources)" in said, said[-3000:]
+    assert [a for a in alarms(run) if a["step"] > 80] == [], alarms(run)
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000160"

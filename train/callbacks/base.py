@@ -99,6 +99,10 @@ class Callback:
     def on_rollback(self, trainer: Trainer, step: int) -> None:
         pass
 
+    def on_mix_change(self, trainer: Trainer, step: int) -> None:
+        """A resume at ``step`` trains another mix than the checkpoint's (data.sources' weights,
+        allowed by train.allow_config_change): references learned on the old mix are stale."""
+
     def post_train(self, trainer: Trainer, step: int, final: dict) -> None:
         pass
 
@@ -148,6 +152,10 @@ class Callbacks:
     def on_rollback(self, trainer: Trainer, step: int) -> None:
         for c in self.items:
             c.on_rollback(trainer, step)
+
+    def on_mix_change(self, trainer: Trainer, step: int) -> None:
+        for c in self.items:
+            c.on_mix_change(trainer, step)
 
     def post_train(self, trainer: Trainer, step: int, final: dict) -> None:
         for c in self.items:

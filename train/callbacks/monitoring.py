@@ -66,6 +66,14 @@ class Monitoring(Callback):
     def on_rollback(self, trainer: Trainer, step: int) -> None:
         self.monitor.divergence.reset()
 
+    def on_mix_change(self, trainer: Trainer, step: int) -> None:
+        self.monitor.restart_data_references()
+        if trainer.dist.is_main:
+            log.info(
+                f"the training mix differs from step {step}'s (data.sources): the monitors' loss "
+                "levels and trends, token shares and code-use references start again from here"
+            )
+
     def state_dict(self) -> dict:
         return {**self.monitor.state_dict(), "alarms": self.alarm_log.count}
 

@@ -38,6 +38,9 @@ class SkipStep(Callback):
         record.metrics["optim/skipped_steps"] = self.rule.skipped
         record.metrics["optim/skipped"] = float(bool(self.gate.decision))
 
+    def on_mix_change(self, trainer: Trainer, step: int) -> None:
+        self.rule.restart_losses()
+
     def state_dict(self) -> dict:
         return self.rule.state_dict()
 

@@ -319,6 +319,17 @@ class Monitor:
             found.append(self.divergence.excursion)
         return found
 
+    def restart_data_references(self) -> None:
+        """Forget what was learned of the data's losses, shares and codes (a resume with another
+        mix): the new mix's levels are no rise, no stagnation and no starvation. The collapse
+        (against chance) and drift (hidden norms) detectors go on."""
+        self.divergence.reset_levels()
+        if "stagnation" in self.detectors:
+            self.detectors.update(
+                stagnation=Stagnation(self.cfg.stagnation), code_use=DataCodeUse(self.cfg.code_use)
+            )
+        self.probe_ref.clear()
+
     def state_dict(self) -> dict:
         return {
             "detectors": {name: detector.state_dict() for name, detector in self.detectors.items()},

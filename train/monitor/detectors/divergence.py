@@ -166,6 +166,15 @@ class Divergence:
         """A step was skipped in the window, or the loss is rising: no checkpoint to return to."""
         return any(bad for _, bad in self.skipped) or self.streak > 0
 
+    def reset_levels(self) -> None:
+        """The loss levels start again (another mix: its levels are no rise); the steps skipped
+        as spikes stay in the window."""
+        cfg = self.cfg
+        self.levels = Levels(cfg.level_window, cfg.horizon, cfg.min_tokens, cfg.rise_from)
+        self.seen = set()
+        self.streak, self.excursion = 0, None
+        self.latch = _Latch()
+
     def reset(self) -> None:
         self.skipped.clear()
         self.streak, self.excursion, self.last_skip = 0, None, None
