@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
@@ -36,6 +37,30 @@ def test_collapse_fires_once_when_a_learned_modality_returns_to_chance():
         fired += d.check(s, step_metrics(0.5 * LN["text"], img))
     assert [(a.signal, a.modality) for a in fired] == [("collapse", "image")]
     assert 30 <= fired[0].step <= 35
+
+
+def test_collapse_fires_again_after_a_rollback_to_before_it_had_learned():
+    """A rollback restores the detector's state of a step when the modality was not learned yet:
+    on data still broken it never armed again, and the run trained at chance without an alarm.
+    What the model reached before the rollback stays reached (``keep_reached``)."""
+    cfg = dataclasses.replace(MonitorConfig(), collapse=CollapseConfig(window=5, min_steps=0))
+    mon = Monitor(cfg, total_steps=200, chance=LN)
+    early = None
+    fired = []
+    for s in range(1, 60):
+        img = (0.9 if s < 10 else 0.5 if s < 30 else 1.05) * LN["image"]
+        fired += mon.check(s, step_metrics(0.5 * LN["text"], img), {})
+        early = copy.deepcopy(mon.state_dict()) if s == 8 else early  # the checkpoint rolled back to
+    assert [a.signal for a in fired if a.signal == "collapse"] == ["collapse"]
+    reached = mon.reached()
+    mon.load_state_dict(early)  # the rollback
+    mon.keep_reached(reached)
+    again = [
+        a.signal
+        for s in range(9, 40)
+        for a in mon.check(s, step_metrics(0.5 * LN["text"], 1.05 * LN["image"]), {})
+    ]
+    assert again == ["collapse"]
 
 
 def test_collapse_ignores_a_modality_that_never_learned():

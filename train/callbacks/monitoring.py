@@ -41,10 +41,12 @@ class Monitoring(Callback):
     def __init__(self, monitor: Monitor, alarm_log: AlarmLog, rule: SkipStepRule) -> None:
         self.monitor, self.alarm_log, self.rule = monitor, alarm_log, rule
         self.alarms: list[Alarm] = []  # this step's
+        self.reached: dict[str, float] = {}  # the collapse detector's best levels, this step
 
     def post_step(self, trainer: Trainer, step: int, record: StepRecord) -> Decision | None:
         start = time.perf_counter()
         self.alarms = self.monitor.check(step, record.metrics, self.rule.last)
+        self.reached = self.monitor.reached()
         self.alarm_log.record(self.alarms)
         record.metrics["monitor/alarms"] = float(self.alarm_log.count)
         # The detectors and any probe of this step.
@@ -65,6 +67,10 @@ class Monitoring(Callback):
 
     def on_rollback(self, trainer: Trainer, step: int) -> None:
         self.monitor.divergence.reset()
+        # What the model had learned before the rollback stays learned: a collapse that recurs
+        # on the same broken data fires again (and the rollbacks end in a halt) instead of
+        # waiting, unarmed, for a level the model never reaches on noise.
+        self.monitor.keep_reached(self.reached)
 
     def on_mix_change(self, trainer: Trainer, step: int) -> None:
         self.monitor.restart_data_references()

@@ -319,6 +319,19 @@ class Monitor:
             found.append(self.divergence.excursion)
         return found
 
+    def reached(self) -> dict[str, float]:
+        """The best normalised CE each modality has reached (what arms the collapse detector)."""
+        collapse = self.detectors.get("collapse")
+        return dict(collapse.best) if isinstance(collapse, Collapse) else {}
+
+    def keep_reached(self, best: dict[str, float]) -> None:
+        """After a rollback: the best levels reached before it count (the restored state's are
+        older)."""
+        collapse = self.detectors.get("collapse")
+        if isinstance(collapse, Collapse):
+            for name, level in best.items():
+                collapse.best[name] = min(level, collapse.best.get(name, math.inf))
+
     def restart_data_references(self) -> None:
         """Forget what was learned of the data's losses, shares and codes (a resume with another
         mix): the new mix's levels are no rise, no stagnation and no starvation. The collapse
