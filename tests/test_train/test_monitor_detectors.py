@@ -50,7 +50,9 @@ def test_collapse_fires_again_after_a_rollback_to_before_it_had_learned():
     for s in range(1, 60):
         img = (0.9 if s < 10 else 0.5 if s < 30 else 1.05) * LN["image"]
         fired += mon.check(s, step_metrics(0.5 * LN["text"], img), {})
-        early = copy.deepcopy(mon.state_dict()) if s == 8 else early  # the checkpoint rolled back to
+        early = (
+            copy.deepcopy(mon.state_dict()) if s == 8 else early
+        )  # the checkpoint rolled back to
     assert [a.signal for a in fired if a.signal == "collapse"] == ["collapse"]
     reached = mon.reached()
     mon.load_state_dict(early)  # the rollback
