@@ -11,9 +11,11 @@ import torch
 
 from train.monitor import Monitor, MonitorConfig
 from train.monitor.config import (
+    CodeUseConfig,
     CollapseConfig,
     DivergenceConfig,
     DriftConfig,
+    RollbackConfig,
     SpikeConfig,
     StagnationConfig,
 )
@@ -134,6 +136,16 @@ def test_monitor_turns_gate_decisions_into_alarms_and_keeps_state():
     assert other.state_dict() == st and other.nonfinite_steps == 1
 
 
+def test_with_the_monitors_off_an_update_the_gate_drops_is_still_said():
+    """monitor.enabled=false turned the alarms off but not the skip-step gate (optim.skip_step):
+    updates were dropped without a word."""
+    mon = Monitor(MonitorConfig(enabled=False), total_steps=100, chance=LN)
+    last = {"loss_score": 9.0, "grad_norm_score": 1.0, "skipped": True, "loss_spike": True}
+    assert [a.signal for a in mon.check(70, {"train/loss": 5.0}, last)] == ["loss_spike"]
+    quiet = {**step_metrics(LN["text"], LN["image"]), "train/loss": 5.0}
+    assert mon.check(71, quiet, {"skipped": False}) == []
+
+
 def test_a_spike_is_named_by_the_bar_it_crossed_not_by_the_larger_score():
     """The loss's bar is 6 sigma, the grad norm's 12: a step at loss 7 and grad norm 9 sigma was
     skipped for its loss, and is a ``loss_spike`` (it was named ``grad_norm_spike``)."""
@@ -173,6 +185,26 @@ def test_skip_is_refused_for_detectors_that_run_after_the_update(section):
     with pytest.raises(ValueError, match=f"monitor.{section}.action=skip"):
         cfg.__post_init__()
     SpikeConfig(action="skip").validate("spike")
+
+
+@pytest.mark.parametrize(
+    "section, key, value, need",
+    [
+        ("divergence", "window", -5, "1 or more"),  # was a traceback when the deque was made
+        ("stagnation", "block_steps", 0, "1 or more"),  # was a crash at step 50
+        ("collapse", "threshold", -1.0, "a number above 0"),
+        ("code_use", "min_entropy", 1.5, "a share between 0 and 1"),
+        ("attention", "every", -10, "0 or more"),
+        ("rollback", "lr_scale", -1.0, "a number above 0"),  # ran with a negative lr cap
+        ("rollback", "max_rollbacks", -1, "0 or more"),
+    ],
+)
+def test_monitor_values_out_of_range_are_named(section, key, value, need):
+    sections = {"rollback": RollbackConfig, "code_use": CodeUseConfig}
+    kind = sections.get(section) or type(getattr(MonitorConfig(), section))
+    with pytest.raises(ValueError, match=rf"^monitor\.{section}\.{key} {value}: give {need}$"):
+        MonitorConfig(**{section: kind(**{key: value})})
+    MonitorConfig(stagnation=StagnationConfig(min_drop=-0.1))  # a signed one may be below 0
 
 
 def test_unknown_action_is_named():

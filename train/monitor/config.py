@@ -9,11 +9,35 @@ run with an error).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 ACTIONS = ("log", "warn", "skip", "rollback", "halt")
 SEVERITY = {a: i for i, a in enumerate(ACTIONS)}
+
+
+def check_ranges(section: object, where: str) -> None:
+    """Every number of a section is 0 or more, except those it names ``SIGNED``; those it names
+    ``POSITIVE`` (windows, counts, factors) above 0, ``FRACTIONS`` within [0, 1]: a value out of
+    range is a ValueError naming it (a window of 0 crashed mid-run, a negative lr scale ran)."""
+    kinds = {
+        name: kind
+        for kind in ("POSITIVE", "FRACTIONS", "SIGNED")
+        for name in getattr(section, kind, ())
+    }
+    for f in fields(section):  # type: ignore[arg-type]
+        value, kind = getattr(section, f.name), kinds.get(f.name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or kind == "SIGNED":
+            continue
+        if kind == "POSITIVE" and not value > 0:
+            need = "1 or more" if isinstance(value, int) else "a number above 0"
+        elif kind == "FRACTIONS" and not 0 <= value <= 1:
+            need = "a share between 0 and 1"
+        elif value < 0:
+            need = "0 or more"
+        else:
+            continue
+        raise ValueError(f"{where}.{f.name} {value}: give {need}")
 
 
 @dataclass(kw_only=True)
@@ -24,6 +48,7 @@ class Detector:
     before_update: ClassVar[bool] = False  # does it run before the update (so it may skip it)?
 
     def validate(self, name: str) -> None:
+        check_ranges(self, f"monitor.{name}")
         if self.action not in ACTIONS:
             fits = [a for a in ACTIONS if a != "skip" or self.before_update]
             raise ValueError(f"monitor.{name}.action {self.action!r}: choose {', '.join(fits)}")
@@ -57,6 +82,16 @@ class DivergenceConfig(Detector):
       loss over the last ``level_window`` steps, counted when it holds ``min_tokens`` tokens.
       This rule needs no skipped step: it catches a blow-up the spike gate let through."""
 
+    POSITIVE: ClassVar = (
+        "window",
+        "max_skipped",
+        "max_rise",
+        "level_window",
+        "horizon",
+        "patience",
+    )
+    FRACTIONS: ClassVar = ("min_share",)
+
     action: str = "rollback"
     window: int = 20
     max_skipped: int = 4
@@ -76,6 +111,8 @@ class CollapseConfig(Detector):
     """A modality's normalised CE (CE / ln V_m; 1.0 = chance) over the last ``window`` steps is
     back above ``threshold`` after having been at least ``margin`` below it."""
 
+    POSITIVE: ClassVar = ("window", "threshold")
+
     window: int = 20
     threshold: float = 0.95
     margin: float = 0.2
@@ -89,6 +126,10 @@ class StagnationConfig(Detector):
     ``others_drop`` on average (token-weighted), the two changes at least ``z`` standard errors
     apart (errors over blocks of ``block_steps`` consecutive steps), each window holding at least ``min_tokens`` tokens of the modality in at least
     ``min_presence`` of its steps and from at least ``min_docs`` documents, for ``patience`` steps in a row (structure markers excluded)."""
+
+    POSITIVE: ClassVar = ("window", "patience", "block_steps")
+    FRACTIONS: ClassVar = ("min_presence", "starve_ratio")
+    SIGNED: ClassVar = ("min_drop",)
 
     window: int = 50
     min_drop: float = 0.0
@@ -117,6 +158,8 @@ class DriftConfig(Detector):
     ``window`` steps ``growth_rate`` x its mean ``rate_span`` steps before (0: off): norm growth
     (Chameleon)."""
 
+    POSITIVE: ClassVar = ("window", "logz_abs", "hidden_growth")
+
     window: int = 20
     logz_abs: float = 30.0
     hidden_growth: float = 8.0
@@ -135,6 +178,8 @@ class AttentionProbeConfig(ProbeConfig):
     layer on ``rows`` fixed probe rows, from hooks. Alarm: max logit above ``max_logit`` or mean
     entropy below ``min_entropy`` nats (attention collapse)."""
 
+    POSITIVE: ClassVar = ("rows", "max_logit")
+
     rows: int = 2
     max_logit: float = 50.0
     max_growth: float = (
@@ -150,6 +195,9 @@ class DependenceConfig(ProbeConfig):
     caption minus after another caption (caption then image). Alarm, per direction, when the
     gap, once at least ``arm_gap`` nats, falls below ``min_gap``: one modality has stopped using
     the other."""
+
+    POSITIVE: ClassVar = ("probes",)
+    SIGNED: ClassVar = ("min_gap",)
 
     probes: int = 8
     reverse: bool = True
@@ -173,6 +221,9 @@ class CodeUseConfig(ProbeConfig):
     never without images in the data)."""
 
     # 16 drawings, not 4: four flat squares drawn faithfully are four codes, an entropy of 0.17
+    POSITIVE: ClassVar = ("probes", "grid", "data_window")
+    FRACTIONS: ClassVar = ("min_entropy", "min_data_entropy", "max_data_drop")
+
     probes: int = 16
     grid: int = 4
     min_entropy: float = 0.3
@@ -185,6 +236,8 @@ class CodeUseConfig(ProbeConfig):
 
 @dataclass(kw_only=True)
 class RollbackConfig:
+    POSITIVE: ClassVar = ("lr_scale",)
+
     margin: int = 5  # the checkpoint must be this many steps before the trouble began
     skip_window: int = 0  # steps of data skipped past those already seen (0: as many as seen)
     max_rollbacks: int = 3  # then halt: a run that keeps diverging needs a person
@@ -223,3 +276,4 @@ class MonitorConfig:
     def __post_init__(self) -> None:
         for name in DETECTORS:
             getattr(self, name).validate(name)
+        check_ranges(self.rollback, "monitor.rollback")

@@ -95,9 +95,9 @@ class Monitor:
 
     # --- per step ----------------------------------------------------------------------------------
     def check(self, step: int, m: dict, rule_last: dict) -> list[Alarm]:
-        if not self.cfg.enabled:
-            return []
         alarms = self._spikes(step, m, rule_last)
+        if not self.cfg.enabled:  # the skip-step gate is optim.skip_step's: what it drops is said
+            return alarms
         for name, det in self.detectors.items():
             if getattr(self.cfg, name).enabled:
                 alarms += det.check(step, m)
