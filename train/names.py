@@ -8,6 +8,8 @@ A run folder (``run_dir``, the same on every rank)::
     metrics.jsonl        one record per optimizer step: {"step": N, "<namespace>/<name>": value}
     alarms.jsonl         the monitors' alarms, one JSON object per line
     final.json           written when the run completes: final evaluation and totals
+    halted.json          written when a monitor halts the run: {"step", "reason"} (removed at the
+                         next start)
     tb/                  TensorBoard events
     checkpoints/latest   the tag of the newest complete checkpoint
     checkpoints/step_NNNNNNNN/meta.json   step, world size, ZeRO stage of one checkpoint
@@ -25,6 +27,7 @@ CONFIGS_DIR = "pass_configs"  # each pass's config (pass_config_file): a resume 
 METRICS_FILE = "metrics.jsonl"
 ALARMS_FILE = "alarms.jsonl"
 FINAL_FILE = "final.json"
+HALTED_FILE = "halted.json"
 TENSORBOARD_DIR = "tb"
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"  # inside checkpoints/

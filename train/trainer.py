@@ -34,7 +34,7 @@ from train.checkpoint import Checkpointer, tag_for
 from train.config import TrainConfig
 from train.config_check import ConfigError, check_resume_config, training_mix
 from train.dist import DistInfo, barrier
-from train.names import CONFIG_FILE, FINAL_FILE
+from train.names import CONFIG_FILE, FINAL_FILE, HALTED_FILE
 from train.rng_state import rng_state, set_rng_state
 from train.skip_step import SkipStepAdamW, UpdateGate
 from train.step_sums import StepSums
@@ -77,6 +77,8 @@ class Trainer:
         """Train from the latest checkpoint (or step 0) to ``total_steps``; final.json's contents,
         or None when a signal stopped the run early (after a checkpoint)."""
         step = self.resume() if self.train.resume else 0
+        if self.dist.is_main:  # an earlier halt's record: this start goes on from it
+            (self.run_dir / HALTED_FILE).unlink(missing_ok=True)
         try:
             self.callbacks.pre_train(self, step)
             while step < self.total_steps:
@@ -94,6 +96,9 @@ class Trainer:
                 if decision is None or (decision.action == STOP and step >= self.total_steps):
                     break  # the end, of the steps or of the data (a signal at the end: no matter)
                 if decision.action == HALT:
+                    if self.dist.is_main:  # for earlyfuse-report: a halt, not a crash or a kill
+                        text = json.dumps({"step": step, "reason": decision.reason})
+                        (self.run_dir / HALTED_FILE).write_text(text + "\n")
                     raise RunHalted(decision.reason)
                 if decision.action == STOP:
                     self.stop(step, decision)

@@ -218,3 +218,23 @@ def test_a_resume_with_another_mix_starts_the_loss_references_again(tiny_tokens,
     assert "the training mix differs from step 80's (data.sources)" in said, said[-3000:]
     assert [a for a in alarms(run) if a["step"] > 80] == [], alarms(run)
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000160"
+
+
+def test_a_rollback_with_no_checkpoint_to_return_to_halts_and_says_so(tiny_tokens, tmp_path):
+    """With no checkpoint before the trouble (train.ckpt_every=0), a rollback halts the run: the
+    alarm is recorded again as the halt it became, halted.json says why, and earlyfuse-report
+    calls the run halted (it said "rollback" and "running or stopped")."""
+    from tools.report.page import status_of
+    from tools.report.run import load_run
+
+    run, k = tmp_path / "run", 60
+    args = ["optim.skip_step.min_steps=20", "optim.schedule=constant", "data.mix_chunk=64"]
+    p = train(base(tiny_tokens, run, 80, *args), faults={"lr_x100_at": k}, check=False)
+    assert p.returncode == 3, (p.stdout + p.stderr)[-3000:]
+    why = f"no checkpoint from at least 5 steps before the trouble began (step {k + 1})"
+    assert why in p.stderr
+    last = alarms(run)[-1]
+    assert (last["signal"], last["action"]) == ("divergence", "halt") and why in last["message"]
+    halted = json.loads((run / "halted.json").read_text())
+    assert halted["step"] == last["step"] and why in halted["reason"]
+    assert status_of(load_run(run)).startswith("halted by the monitors: halted at step")

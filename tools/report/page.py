@@ -25,6 +25,8 @@ from train.names import METRICS_FILE
 def status_of(run: RunData) -> str:
     if run.finished:
         return "finished"
+    if run.halted:
+        return f"halted by the monitors: {str(run.halted.get('reason', ''))[:300]}"
     when = dt.datetime.fromtimestamp((run.run_dir / METRICS_FILE).stat().st_mtime, dt.timezone.utc)
     return f"running or stopped (no final.json of step {run.last_step}; metrics last written {when:%Y-%m-%d %H:%M:%S} UTC)"
 

@@ -21,7 +21,17 @@ from data.vocab import MODALITY_NAMES
 from tools.evaluate import EVAL_FILE
 from tools.report.lead import Visible, first_pass, loss_visible
 from train import names as run_files
-from train.names import ALARMS_FILE, CONFIG_FILE, FINAL_FILE, LOSS, METRICS_FILE, MIX, VAL, VTOK
+from train.names import (
+    ALARMS_FILE,
+    CONFIG_FILE,
+    FINAL_FILE,
+    HALTED_FILE,
+    LOSS,
+    METRICS_FILE,
+    MIX,
+    VAL,
+    VTOK,
+)
 
 
 class NoMetrics(FileNotFoundError):
@@ -51,6 +61,7 @@ class RunData:
     final: dict = field(default_factory=dict)  # final.json, when written at the last step logged
     heldout_eval: dict = field(default_factory=dict)  # heldout_eval.json (earlyfuse-eval --out)
     alarms: list[dict] = field(default_factory=list)
+    halted: dict = field(default_factory=dict)  # halted.json: a monitor stopped the run
     # (the step a pass went on from, its data.sources weights normalised), in step order
     target_mixes: list[tuple[int, dict[str, float]]] = field(default_factory=lambda: [(0, {})])
     config_read: bool = True  # config.yaml was there and read: train.steps is known
@@ -231,6 +242,7 @@ def load_run(run_dir: str | Path) -> RunData:
         final=final,
         heldout_eval=_read_dict(run_dir / EVAL_FILE, json.loads),
         alarms=alarms,
+        halted=_read_dict(run_dir / HALTED_FILE, json.loads),
         target_mixes=mixes or [(0, _target_mix(cfg))],
         config_read=bool(cfg),
         first_pass=first_pass(raw),

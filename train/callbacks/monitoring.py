@@ -18,6 +18,7 @@ Design choices:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -128,7 +129,12 @@ class Rollback(Callback):
             why = (
                 f"{self.cfg.max_rollbacks} rollbacks already"
                 if good
-                else f"no checkpoint at or before step {since - self.cfg.margin} to roll back to"
+                else f"no checkpoint from at least {self.cfg.margin} steps before the trouble "
+                f"began (step {since}) to roll back to"
+            )
+            # The alarm was recorded as a rollback: record that it ended the run instead
+            self.monitoring.alarm_log.record(
+                [dataclasses.replace(alarm, action="halt", message=f"{why}: {alarm.message}")]
             )
             return Decision(
                 action=HALT,
@@ -136,12 +142,15 @@ class Rollback(Callback):
             )
         target = good[-1]
         seen = step - target
-        skip = (self.cfg.skip_window or seen) * self.grad_accum + seen * self.grad_accum
+        window = self.cfg.skip_window or seen
+        skip = (window + seen) * self.grad_accum
+        unit = "batches" if self.grad_accum == 1 else f"micro-batches, {self.grad_accum} a step"
         if self.is_main:
             log.warning(
                 f"ROLLBACK at step {step} ({alarm.signal}): back to the checkpoint of step "
-                f"{target}, skipping {skip} batches ({seen} already seen + the window); "
-                f"rollback {self.count} of at most {self.cfg.max_rollbacks}"
+                f"{target}, skipping the data of {seen + window} steps ({seen} already seen + a "
+                f"window of {window}: {skip} {unit}); rollback {self.count} of at most "
+                f"{self.cfg.max_rollbacks}"
             )
         return Decision(action=ROLLBACK, reason=alarm.signal, to_step=target, skip_batches=skip)
 
