@@ -777,3 +777,16 @@ def test_every_legend_fits_its_panel(tmp_path):
         for ax in fig.axes:
             if legend := ax.get_legend():
                 assert legend.get_window_extent(renderer).x1 <= fig.bbox.x1, panel.key
+
+
+def test_a_long_alarm_message_is_cut_between_words_in_the_header(tmp_path):
+    """report.png's header cut a message at 100 characters, mid-word ("risen: te"), losing which
+    modality rose; the page keeps it whole."""
+    message = (
+        "the loss stayed +156% over its minimum for 5 steps; " + "x" * 120 + "; risen: text +109%"
+    )
+    alarm = {"step": 10, "signal": "divergence", "action": "rollback", "message": message}
+    run = write_records(tmp_path / "r", [{"step": s, "train/loss": 3.0} for s in range(1, 21)])
+    (run / "alarms.jsonl").write_text(json.dumps(alarm) + "\n")
+    [line] = [t for t, _, _ in header_lines(load_run(run), DEFAULT_SMOOTH) if "divergence" in t]
+    assert line.endswith("for 5 steps; [...]"), line
