@@ -241,7 +241,8 @@ class Monitor:
                     and drawn < probe_cfg.min_entropy
                     and variety < probe_cfg.min_ratio * data_variety,
                     f"generated images use {values['monitor/gen_code_distinct']:.0f} distinct codes, "
-                    f"normalised entropy {drawn:.2f}; their dominant codes vary {variety:.2f} "
+                    f"normalised entropy {drawn:.2f}; their dominant codes vary "
+                    f"{max(variety, 0.0) + 0.0:.2f} "  # no "-0.00" from a rounding below 0
                     f"against {data_variety or 0.0:.2f} in the run's own images",
                     f"normalised entropy of generated codes < {probe_cfg.min_entropy:g} and the "
                     f"images' dominant codes < {probe_cfg.min_ratio:g} x as varied as the data's",

@@ -73,8 +73,12 @@ class Drift:
                     growth > hn_limit or (self.cfg.growth_rate > 0 and rate > rate_limit),
                     {"hidden_norm": hidden_norm, "growth": growth, "rate": rate},
                     f"final hidden norm of {name} is {hidden_norm:.4g}, {growth:.1f}x its value at steps "
-                    f"{self.cfg.min_steps}-{self.cfg.min_steps + self.cfg.window} and {rate:.1f}x "
-                    f"{self.cfg.rate_span} steps ago",
+                    f"{self.cfg.min_steps}-{self.cfg.min_steps + self.cfg.window}"
+                    + (  # no rate before rate_span + window steps of norms (rate() says 1.0 then)
+                        f" and {rate:.1f}x {self.cfg.rate_span} steps ago"
+                        if len(self.recent[name]) >= self.cfg.rate_span + self.cfg.window
+                        else ""
+                    ),
                     f"hidden norm > {self.cfg.hidden_growth:g}x its early value, or > "
                     f"{self.cfg.growth_rate:g}x its value {self.cfg.rate_span} steps before",
                 ),
