@@ -96,6 +96,13 @@ class TransformerConfig:
             )
         if self.dim <= 0 or self.n_layers <= 0:
             raise ValueError("dim and n_layers must be positive")
+        if not self.init_std > 0:
+            raise ValueError(f"init_std {self.init_std}: give a standard deviation above 0")
+        if self.activation_checkpoint_every < 0:
+            raise ValueError(
+                f"activation_checkpoint_every {self.activation_checkpoint_every}: give 0 (off), "
+                "1 (every block) or more"
+            )
         if self.moe.enabled and self.ffn.modality_groups:
             raise ValueError("choose one of moe.num_experts and ffn.modality_groups, not both")
         if self.attention.local_window and self.n_layers < self.attention.global_every:

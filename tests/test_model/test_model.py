@@ -148,6 +148,10 @@ def test_config_validation_and_hydra_round_trip(kit):
         )
     with pytest.raises(ValueError, match="visual_offset"):
         TransformerConfig(vocab_size=10, text_vocab_size=5, visual_offset=20)
+    with pytest.raises(ValueError, match="init_std 0: give a standard deviation above 0"):
+        TransformerConfig(init_std=0)  # was a ZeroDivisionError at build
+    with pytest.raises(ValueError, match="activation_checkpoint_every -1: give 0"):
+        TransformerConfig(activation_checkpoint_every=-1)  # was accepted: no checkpointing
 
 
 def test_forward_takes_a_loader_batch_and_returns_logits_without_labels(kit, mixed_batch):
