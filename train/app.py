@@ -103,6 +103,7 @@ def run(cfg: RunConfig, resolved: str, extra_callbacks: CallbackFactory | None =
     """Train under the run folder's lock; the process's exit code."""
     import torch
 
+    from data.loader.config import DataUnreadable
     from train.build import build_trainer
     from train.callbacks.preemption import listen_from_start, stop_with_launcher
     from train.dist import all_reduce_sum, init_distributed, shutdown
@@ -142,6 +143,13 @@ def run(cfg: RunConfig, resolved: str, extra_callbacks: CallbackFactory | None =
     except RunHalted as e:  # a monitor's decision, not a crash: no traceback, a distinct exit code
         said(e)
         return 3
+    except DataUnreadable as e:  # each sample was named as it was skipped: the cause is said
+        print(
+            f"earlyfuse-train: stopped: {e.last_line()}; the run resumes from its last checkpoint "
+            "once the data can be read",
+            file=sys.stderr,
+        )
+        return 1
     except (ConfigError, CheckpointError, CheckpointWriteError) as e:
         # A config, a checkpoint or a run folder that cannot be used: the message says what to
         # do, a traceback would only bury it.

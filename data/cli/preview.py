@@ -53,10 +53,11 @@ def _add_preview(sub) -> None:
 
 
 def cmd_preview(a) -> int:
+    from data.loader.config import DataUnreadable
     from data.loader.preview import preview
 
-    print(
-        preview(
+    try:
+        shown = preview(
             a.tokens,
             sources=a.source,
             seq_len=a.seq_len,
@@ -65,5 +66,7 @@ def cmd_preview(a) -> int:
             png=a.png,
             config=a.config,
         )
-    )
+    except DataUnreadable as e:  # each skipped sample was named: the end is one line (exit 1)
+        raise OSError(e.last_line()) from None
+    print(shown)
     return 0

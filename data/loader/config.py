@@ -98,3 +98,13 @@ class LoaderConfig:
             return cls(**{**data, **sections, **overrides})
         except TypeError as e:  # a key that is no field: named, with the field it may mean
             raise ValueError(f"{where}: not a data config: {unknown_key(e, cls)}") from None
+
+
+class DataUnreadable(RuntimeError):
+    """``data.max_consecutive_errors`` samples in a row could not be read: the run stops (a
+    storage down for longer than its patience, a source broken from here on). Its message is
+    one line; a DataLoader worker's copy of it carries the worker's traceback before that line
+    (``last_line``)."""
+
+    def last_line(self) -> str:
+        return str(self).strip().splitlines()[-1].rpartition("DataUnreadable: ")[2]

@@ -16,11 +16,13 @@ import contextlib
 import fcntl
 import glob
 import hashlib
+import math
 import mmap
 import os
 import posixpath
 import re
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,6 +37,10 @@ _BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 _TAR_WORD = re.compile(r"([^\s'\"]+\.tar)(?=[\s'\";|&)>]|$)")
 RETRIES = 3
 FAILED_FOR = 60.0
+# How long a remote read waits for its storage to come back before its sample is skipped: an
+# object store that is down for a minute (a restart, a network blip) slows a run, it does not
+# eat its data. Once a wait has run out, reads fail after their RETRIES for FAILED_FOR seconds.
+PATIENCE = 120.0
 # Bytes read through the memory maps between two hand-backs of their pages (ShardFiles.release)
 RELEASE_BYTES = 32 << 20
 KEEP_OPEN, KEEP_MAPS = 8, 256  # remote handles and memory maps a ShardFiles keeps open at most
@@ -148,6 +154,7 @@ class ShardFiles:
         self._open: dict[str, BinaryIO] = {}
         self._maps: dict[str, memoryview] = {}
         self._failed: dict[str, tuple[float, str]] = {}  # pipe: fetches that failed lately
+        self._gave_up = -math.inf  # when a remote read last waited PATIENCE in vain
         self._touched = 0  # bytes read through the maps since their pages were last released
 
     def view(self, url: str, offset: int, size: int, min_bytes: int = 0) -> memoryview | bytes:
@@ -210,9 +217,10 @@ class ShardFiles:
 
     def read(self, url: str, offset: int, size: int) -> bytes:
         """``size`` bytes at ``offset`` of a remote shard (a ranged read). Tried ``RETRIES`` times
-        (a new handle each, a missing object too) and then failing as OSError whatever the
-        backend raised, so one network hiccup is never a dead worker: the sample is skipped and
-        counted like unreadable data."""
+        (a new handle each, a missing object too), then again every few seconds for up to
+        ``PATIENCE`` while the storage does not answer (said once on stderr), and then failing
+        as OSError whatever the backend raised, so an outage is never a dead worker: the sample
+        is skipped and counted like unreadable data."""
 
         def once() -> bytes:
             try:
@@ -223,7 +231,27 @@ class ShardFiles:
                 self._drop(url)  # the next try opens a new handle
                 raise
 
-        data = storage.retried(f"{url}: read", once, RETRIES, retry_missing=True)
+        start, said = time.monotonic(), False
+        while True:
+            try:
+                data = storage.retried(f"{url}: read", once, RETRIES, retry_missing=True)
+                break
+            except OSError as e:
+                now = time.monotonic()
+                if isinstance(e.__cause__, FileNotFoundError) or now - self._gave_up < FAILED_FOR:
+                    raise  # an answer (no such object), or a storage given up on a moment ago
+                if now - start >= PATIENCE:
+                    self._gave_up = now
+                    raise
+                if not said:
+                    print(
+                        f"[loader] {url}: the storage does not answer ({e.__cause__!r}); "
+                        f"waiting up to {PATIENCE:.0f} s before its samples are skipped",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    said = True
+                time.sleep(min(5.0, PATIENCE - (now - start)))
         if len(data) != size:
             raise ValueError(f"member cut short ({len(data)} of {size} bytes)")
         return data

@@ -18,7 +18,7 @@ import numpy as np
 
 from data.loader import store, transport
 from data.loader.batch_buffer import BatchBuffer
-from data.loader.config import LoaderConfig
+from data.loader.config import DataUnreadable, LoaderConfig
 from data.loader.expand import slot_views
 from data.loader.npy import read_npy
 from data.loader.online import OnlineTokenizer
@@ -295,7 +295,7 @@ class ConsumerStream:
             shard, key = sample_where(t, sample)
             print(f"[loader] skipped {shard} sample {key}: {e}", file=sys.stderr, flush=True)
             if self.consecutive_errors >= self.cfg.max_consecutive_errors:
-                raise RuntimeError(
+                raise DataUnreadable(
                     f"{self.consecutive_errors} unreadable samples in a row, the last "
                     f"{shard} {key}: {e}"
                 ) from e

@@ -271,6 +271,25 @@ def test_short_pipe_output_is_an_error_never_cached(tiny_tokens, tmp_path):
         ld.make_stream(0).next_batch()  # each skipped and counted, then the run stops
 
 
+def test_data_unreadable_is_one_line_also_from_a_loader_worker():
+    """Run out of readable samples, the loader stops the run with DataUnreadable; a DataLoader
+    worker's copy of it, re-raised by torch in the trainer's process, begins with the worker's
+    traceback: earlyfuse-train and earlyfuse-prep preview print its last line only."""
+    from torch._utils import ExceptionWrapper
+
+    from data.loader.config import DataUnreadable
+
+    said = "16 unreadable samples in a row, the last code shard-000000.tar k: read failed"
+    try:
+        raise DataUnreadable(said)
+    except DataUnreadable:
+        wrapped = ExceptionWrapper(where="in DataLoader worker process 0")
+    with pytest.raises(DataUnreadable) as raised:
+        wrapped.reraise()
+    assert "Traceback" in str(raised.value) and raised.value.last_line() == said
+    assert DataUnreadable(said).last_line() == said
+
+
 def test_remote_reads_are_retried_then_fail_as_oserror(memory_tokens):
     files = store.ShardFiles()
     url = f"{memory_tokens}/code/shard-000000.tar"
@@ -279,6 +298,43 @@ def test_remote_reads_are_retried_then_fail_as_oserror(memory_tokens):
     files._drop(url)
     with pytest.raises(OSError, match="read failed 3 times"):
         files.read(url, 0, 512)
+
+
+def test_a_storage_that_stops_answering_is_waited_for_then_given_up(
+    memory_tokens, monkeypatch, capsys
+):
+    """An outage of a few seconds skipped 16 samples in a row and stopped a run: a read now
+    waits up to store.PATIENCE for the storage (said once), then gives up; the next reads
+    within FAILED_FOR fail after their own retries, without a wait each."""
+    import time
+
+    files = store.ShardFiles()
+    url = f"{memory_tokens}/code/shard-000000.tar"
+    real_get, calls = files.get, []
+
+    def down_for(n):
+        def get(u):
+            calls.append(u)
+            if len(calls) <= n:
+                raise ConnectionError("connection refused")
+            return real_get(u)
+
+        return get
+
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)
+    monkeypatch.setattr(store, "PATIENCE", 0.3)
+    monkeypatch.setattr(files, "get", down_for(7))  # three rounds of retries fail, then it answers
+    assert len(files.read(url, 0, 512)) == 512
+    assert capsys.readouterr().err.count("the storage does not answer") == 1
+    calls.clear()
+    monkeypatch.setattr(files, "get", down_for(10**9))  # down for good
+    with pytest.raises(OSError, match="read failed 3 times"):
+        files.read(url, 0, 512)
+    waited = len(calls)
+    assert waited > store.RETRIES and "waiting up to" in capsys.readouterr().err
+    with pytest.raises(OSError, match="read failed 3 times"):
+        files.read(url, 0, 512)
+    assert len(calls) == waited + store.RETRIES  # given up on a moment ago: no second wait
 
 
 def test_the_pipe_cache_evicts_the_least_recently_used(tiny_tokens, tmp_path):
