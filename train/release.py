@@ -185,9 +185,16 @@ class Release:
             raise ReleaseError(f"{cfg_path}: unreadable or corrupted ({e})") from None
         if self.config.get("format") != FORMAT:
             vtok = {"levels", "factor"} <= set(self.config)  # a release's visual_tokenizer/ given
+            hf = "model_type" in self.config  # earlyfuse-convert hf's output given
             raise ReleaseError(
                 f"{cfg_path}: format {self.config.get('format')!r}, expected {FORMAT!r}"
                 + (": a visual tokenizer's folder, not a release" if vtok else "")
+                + (
+                    f": a Hugging Face model folder ({self.config['model_type']}), not a release; "
+                    "give the release it was exported from"
+                    if hf
+                    else ""
+                )
             )
         if self.config.get("version") != VERSION:
             raise ReleaseError(

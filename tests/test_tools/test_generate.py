@@ -458,9 +458,9 @@ def test_batch_results_into_a_closed_pipe_end_quietly(release, tmp_path):
     assert proc.stderr == "" and proc.returncode == 128 + signal.SIGPIPE
 
 
-def test_a_run_folder_or_a_visual_tokenizer_given_for_a_release_is_named(release, capsys):
-    """The run folder beside the release, and the release's visual_tokenizer/, were "missing
-    config.json" and "format None" alone."""
+def test_a_run_folder_or_a_visual_tokenizer_given_for_a_release_is_named(release, capsys, tmp_path):
+    """The run folder beside the release, the release's visual_tokenizer/ and its Hugging Face
+    export were "missing config.json" and "format None" alone."""
     run = release.parent / "run"
     assert generate_main([str(run), "--prompt", "x"]) == 2
     assert capsys.readouterr().err == (
@@ -469,6 +469,14 @@ def test_a_run_folder_or_a_visual_tokenizer_given_for_a_release_is_named(release
     )
     assert generate_main([str(release / "visual_tokenizer"), "--prompt", "x"]) == 2
     assert capsys.readouterr().err.endswith(": a visual tokenizer's folder, not a release\n")
+    hf = tmp_path / "hf"  # what earlyfuse-convert hf writes: a config.json of model_type
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    assert generate_main([str(hf), "--prompt", "x"]) == 2
+    assert capsys.readouterr().err.endswith(
+        ": a Hugging Face model folder (qwen3), not a release; give the release it was exported "
+        "from\n"
+    )
 
 
 def test_batch_output_that_is_its_requests_file_is_refused(release, tmp_path, capsys):
