@@ -72,9 +72,10 @@ def architecture_overrides(rel: Release) -> list[str]:
     ]
 
 
-def compose_run_config(overrides: list[str]):
-    """The typed RunConfig ``earlyfuse-train OVERRIDES`` would run with, and its resolved YAML
-    (what the run writes as config.yaml)."""
+def compose_run_config(overrides: list[str], config_dir: str = ""):
+    """The typed RunConfig ``earlyfuse-train [--config-dir DIR] OVERRIDES`` would run with, and
+    its resolved YAML (what the run writes as config.yaml). ``config_dir``: a config folder of the
+    user's, searched before ours (as earlyfuse-train's --config-dir)."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -83,7 +84,10 @@ def compose_run_config(overrides: list[str]):
 
     try:
         with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-            cfg = compose(config_name="config", overrides=overrides)
+            search = (
+                [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"] if config_dir else []
+            )
+            cfg = compose(config_name="config", overrides=[*search, *overrides])
         return to_run_config(cfg)
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         raise ReleaseError(
@@ -91,8 +95,10 @@ def compose_run_config(overrides: list[str]):
         ) from None
 
 
-def check_against_run(rel: Release, state: dict, overrides: list[str]) -> list[str]:
-    cfg, _ = compose_run_config(overrides)
+def check_against_run(
+    rel: Release, state: dict, overrides: list[str], config_dir: str = ""
+) -> list[str]:
+    cfg, _ = compose_run_config(overrides, config_dir)
     layout: VocabLayout | None = None  # an LM run's
     tok_folder: Path | None = None
     if cfg.task == "lm":
@@ -139,14 +145,15 @@ def run(args: argparse.Namespace) -> None:
     ]
     tail = [f"run_dir={run_dir}", f"train.init_from={rel.path.resolve()}"]
     if overrides:
-        diff = check_against_run(rel, state, overrides + tail)
+        diff = check_against_run(rel, state, overrides + tail, args.config_dir)
         print("the run config fits the release (layout, text tokenizer, every tensor shape)")
         if diff:
             print(
                 "note: these fields differ without changing a shape; the run's values will be used:\n"
                 + "\n".join(diff)
             )
-        cmd = ["earlyfuse-train", *overrides, *tail]
+        given = ["--config-dir", args.config_dir] if args.config_dir else []
+        cmd = ["earlyfuse-train", *given, *overrides, *tail]
         print("start the run with:\n  " + shlex.join(cmd))
     else:
         cmd = ["earlyfuse-train", *tail, *architecture_overrides(rel)]
@@ -162,6 +169,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "run_dir", metavar="RUN_DIR", type=local_folder, help="a new run's folder (no checkpoint)"
+    )
+    parser.add_argument(
+        "--config-dir",
+        default="",
+        metavar="DIR",
+        help="a config folder of yours, as earlyfuse-train --config-dir takes (data=mine in it); "
+        "give it before RELEASE",
     )
     parser.add_argument(
         "overrides",

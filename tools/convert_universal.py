@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+from pathlib import Path
 
 from data.shards.storage import Folder
 from tools.convert_deepspeed import CheckpointError, add_run_dir, find_checkpoint
@@ -28,7 +29,10 @@ DESCRIPTION = (
 UNIVERSAL = "universal"
 
 
-def make_universal(run_dir, step: int | None = None, *, force: bool = False, log=print):
+def make_universal(
+    run_dir, step: int | None = None, *, force: bool = False, log=print
+) -> Path | None:
+    """The universal checkpoint written; None for a ZeRO-0 run, which needs none."""
     ckpt = find_checkpoint(run_dir, step)
     stage, world = ckpt.zero_stage, int(ckpt.meta["world_size"])
     if stage == 0:  # nothing to convert: not an error, a script may call this for every run

@@ -17,6 +17,7 @@ in them travels in ``DistInfo`` (``sp_rank``, ``data_rank``, ``data_size``).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -64,7 +65,9 @@ def new_sequence_groups(degree: int) -> SequenceGroups:
     )
 
 
-def check_run(degree: int, world_size: int, fits_model=lambda n: True) -> None:
+def check_run(
+    degree: int, world_size: int, fits_model: Callable[[int], bool] = lambda n: True
+) -> None:
     """At the start of a run: ``train.sequence_parallel`` must divide the number of processes.
     ``fits_model(n)``: whether the model and row split over n ranks (the degrees suggested)."""
     try:
@@ -166,7 +169,9 @@ def deepspeed_mpu(degree: int) -> SequenceParallelMpu | None:
     return _MPU
 
 
-def join_sequence_groups(info: DistInfo, degree: int, fits_model=lambda n: True) -> DistInfo:
+def join_sequence_groups(
+    info: DistInfo, degree: int, fits_model: Callable[[int], bool] = lambda n: True
+) -> DistInfo:
     """``info`` with this rank's SP group (collective: every rank calls it, before the engine is
     built). ``fits_model``: as ``check_run``'s."""
     check_run(degree, info.world_size, fits_model)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from data.names import REJECTS_FILE
+from data.names import MANIFEST_FILE, REJECTS_FILE
 from data.schema import validate_doc
 from data.shards.index import check_index, file_sha256, read_index
 from data.shards.manifest import MANIFEST_FORMAT, TOKEN_FORMAT, load_manifest
@@ -47,6 +47,10 @@ def _check_tokenizers(folder: Folder, m: dict, tmp: Path) -> list[str]:
     from data.tokenize.vtok_files import folder_fingerprints, tokenizer_key, tokenizers_differ
 
     recorded = m.get("tokenizers") or {}
+    if not all(recorded.get(part, "") != "" for part in ("text", "layout")):
+        return [
+            f"{folder.child(MANIFEST_FILE)}: no tokenizers fingerprints to check tokenizers/ by"
+        ]
     rel = recorded.get("folder", "tokenizers")
     local = Path(folder.child(rel))
     if folder.remote:  # the few files the fingerprints read, fetched beside the shards'
@@ -61,7 +65,8 @@ def _check_tokenizers(folder: Folder, m: dict, tmp: Path) -> list[str]:
     try:
         have = folder_fingerprints(local)
     except (OSError, ValueError) as e:
-        return [str(e).removeprefix("data.tokenizers: ")]  # it names the file or the folder
+        said = str(e).removeprefix("data.tokenizers: ")  # it names the file or the folder
+        return [said.replace(str(local), folder.child(rel))]  # a remote one by its URL
     if recorded.get("visual") and have["visual"] is None:
         return [
             f"{folder.child(rel)}: no {VISUAL}/; the shards' image and video ids were made with "
@@ -124,18 +129,18 @@ def _check_summary(idx: Path, shard: dict, index: list[dict]) -> list[str]:
     tokens = {name: sum(e["tokens_by_modality"][name] for e in index) for name in MODALITY_NAMES}
     blocks = shard_block_stats(e.get("blocks") or [] for e in index)
     said_tokens, said_blocks = shard.get("tokens") or {}, shard.get("blocks") or {}
+    # a shard whose every document was rejected records none of them: zeros
     differ = [
-        f"{count} {name} tokens, the manifest says {said_tokens.get(name)}"
+        f"{count} {name} tokens, the manifest says {said_tokens.get(name, 0)}"
         for name, count in tokens.items()
-        if said_tokens.get(name) != count
+        if said_tokens.get(name, 0) != count
     ]
-    differ += [
-        f"{media} blocks' {key} {got[key]}, the manifest says {said.get(key)}"
-        for media, got in blocks.items()
-        for said in [said_blocks.get(media) or {}]
-        for key in got
-        if said.get(key) != got[key]
-    ]
+    for media, got in blocks.items():
+        said = said_blocks.get(media) or {}
+        for key, value in got.items():
+            recorded = said.get(key, {} if key == "grids" else 0)
+            if recorded != value:
+                differ.append(f"{media} blocks' {key} {value}, the manifest says {recorded}")
     return [f"{idx}: {'; '.join(differ)}"] if differ else []
 
 

@@ -305,12 +305,13 @@ def test_a_storage_that_stops_answering_is_waited_for_then_given_up(
 ):
     """An outage of a few seconds skipped 16 samples in a row and stopped a run: a read now
     waits up to store.PATIENCE for the storage (said once), then gives up; the next reads
-    within FAILED_FOR fail after their own retries, without a wait each."""
+    within FAILED_FOR fail after their own retries, without a wait each. On a fake clock that
+    moves only when the code sleeps."""
     import time
 
     files = store.ShardFiles()
     url = f"{memory_tokens}/code/shard-000000.tar"
-    real_get, calls = files.get, []
+    real_get, calls, clock = files.get, [], [1000.0]
 
     def down_for(n):
         def get(u):
@@ -321,20 +322,23 @@ def test_a_storage_that_stops_answering_is_waited_for_then_given_up(
 
         return get
 
-    monkeypatch.setattr(time, "sleep", lambda seconds: None)
-    monkeypatch.setattr(store, "PATIENCE", 0.3)
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(time, "sleep", lambda seconds: clock.__setitem__(0, clock[0] + seconds))
     monkeypatch.setattr(files, "get", down_for(7))  # three rounds of retries fail, then it answers
     assert len(files.read(url, 0, 512)) == 512
     assert capsys.readouterr().err.count("the storage does not answer") == 1
     calls.clear()
+    start = clock[0]
     monkeypatch.setattr(files, "get", down_for(10**9))  # down for good
     with pytest.raises(OSError, match="read failed 3 times"):
         files.read(url, 0, 512)
-    waited = len(calls)
-    assert waited > store.RETRIES and "waiting up to" in capsys.readouterr().err
+    assert store.PATIENCE <= clock[0] - start < store.PATIENCE + 10
+    assert "waiting up to" in capsys.readouterr().err
+    waited, start = len(calls), clock[0]
     with pytest.raises(OSError, match="read failed 3 times"):
         files.read(url, 0, 512)
     assert len(calls) == waited + store.RETRIES  # given up on a moment ago: no second wait
+    assert clock[0] - start < 1
 
 
 def test_the_pipe_cache_evicts_the_least_recently_used(tiny_tokens, tmp_path):

@@ -246,6 +246,15 @@ def test_import_starts_a_run_with_exactly_the_release_weights(runs, tiny_tokens,
     # The run now has a checkpoint: import refuses, a rerun resumes and ignores init_from.
     assert convert_main(["import", str(rel), str(new)]) == 2
     assert "already has a checkpoint" in capsys.readouterr().err
+    # Data in a config folder of the user's (own_data.md's way): --config-dir, as for training.
+    mine = tmp_path / "my-configs"
+    (mine / "data").mkdir(parents=True)
+    srcs = "\n".join(f"  - {{name: {s}, shards: [{tiny_tokens / s}]}}" for s in ("text", "code"))
+    (mine / "data" / "mine.yaml").write_text(f"defaults:\n  - demo\nsources:\n{srcs}\n")
+    argv = ["import", "--config-dir", str(mine), str(rel), str(tmp_path / "other")]
+    assert convert_main([*argv, "experiment=debug", "data=mine"]) == 0
+    out = capsys.readouterr().out
+    assert "fits the release" in out and f"earlyfuse-train --config-dir {mine} " in out
 
 
 def test_an_init_from_that_is_no_release_is_a_config_error(tmp_path):

@@ -780,8 +780,8 @@ def test_every_legend_fits_its_panel(tmp_path):
 
 
 def test_a_long_alarm_message_is_cut_between_words_in_the_header(tmp_path):
-    """report.png's header cut a message at 100 characters, mid-word ("risen: te"), losing which
-    modality rose; the page keeps it whole."""
+    """report.png's header cut a message at 100 characters, mid-word ("risen: te"): it is cut
+    between words now, and marked; the page keeps it whole."""
     message = (
         "the loss stayed +156% over its minimum for 5 steps; " + "x" * 120 + "; risen: text +109%"
     )

@@ -144,6 +144,11 @@ def test_with_the_monitors_off_an_update_the_gate_drops_is_still_said():
     assert [a.signal for a in mon.check(70, {"train/loss": 5.0}, last)] == ["loss_spike"]
     quiet = {**step_metrics(LN["text"], LN["image"]), "train/loss": 5.0}
     assert mon.check(71, quiet, {"skipped": False}) == []
+    # said, and nothing more done: a spike action of halt does not halt a run without monitors
+    off = Monitor(
+        MonitorConfig(enabled=False, spike=SpikeConfig(action="halt")), total_steps=100, chance=LN
+    )
+    assert [a.action for a in off.check(70, {"train/loss": 5.0}, last)] == ["skip"]
 
 
 def test_a_spike_is_named_by_the_bar_it_crossed_not_by_the_larger_score():

@@ -240,7 +240,7 @@ def header_lines(run: RunData, smooth: float) -> list[tuple[str, float, str]]:
     for row, alarm in zip(alarm_rows(run)[:MAX_ALARMS_IN_PNG], run.alarms):
         mod = f" [{row[3]}]" if row[3] != "-" else ""
         said = f"{row[0]}  step {row[1]}  {row[2]}{mod} -> {row[4]} (lead {row[7]}): "
-        # at most two lines of the strip, cut between words and marked (the page has it whole)
+        # about two lines of the strip, cut between words and marked (the page has it whole)
         message = textwrap.shorten(str(alarm.get("message", "")), 160, placeholder=" [...]")
         mono.append((said + message, 9))
     if len(run.alarms) > MAX_ALARMS_IN_PNG:

@@ -133,8 +133,9 @@ class Rollback(Callback):
                 f"began (step {since}) to roll back to"
             )
             # The alarm was recorded as a rollback: record that it ended the run instead
-            self.monitoring.alarm_log.record(
-                [dataclasses.replace(alarm, action="halt", message=f"{why}: {alarm.message}")]
+            self.monitoring.alarm_log.record(  # the console says it in the run's last line
+                [dataclasses.replace(alarm, action="halt", message=f"{why}: {alarm.message}")],
+                echo=False,
             )
             return Decision(
                 action=HALT,

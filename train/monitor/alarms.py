@@ -60,7 +60,8 @@ class AlarmLog:
         self.is_main, self.write_line = is_main, write_line
         self.count = 0
 
-    def record(self, alarms: list[Alarm]) -> None:
+    def record(self, alarms: list[Alarm], *, echo: bool = True) -> None:
+        """``echo``: False for a record the console has said otherwise (a halt's line)."""
         self.count += len(alarms)
         if not self.is_main or not alarms:
             return
@@ -68,6 +69,6 @@ class AlarmLog:
         with self.path.open("a") as f:
             for alarm in alarms:
                 f.write(alarm.to_json() + "\n")
-        for alarm in alarms:
+        for alarm in alarms if echo else []:
             if SEVERITY[alarm.action] >= SEVERITY["warn"]:
                 self.write_line(alarm.line())

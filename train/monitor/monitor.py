@@ -18,6 +18,7 @@ Two questions the run asks between steps:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -96,8 +97,8 @@ class Monitor:
     # --- per step ----------------------------------------------------------------------------------
     def check(self, step: int, m: dict, rule_last: dict) -> list[Alarm]:
         alarms = self._spikes(step, m, rule_last)
-        if not self.cfg.enabled:  # the skip-step gate is optim.skip_step's: what it drops is said
-            return alarms
+        if not self.cfg.enabled:  # the skip-step gate is optim.skip_step's: what it drops is said,
+            return [dataclasses.replace(a, action="skip") for a in alarms]  # and nothing more done
         for name, det in self.detectors.items():
             if getattr(self.cfg, name).enabled:
                 alarms += det.check(step, m)
@@ -342,7 +343,6 @@ class Monitor:
             self.detectors.update(
                 stagnation=Stagnation(self.cfg.stagnation), code_use=DataCodeUse(self.cfg.code_use)
             )
-        self.probe_ref.clear()
 
     def state_dict(self) -> dict:
         return {
