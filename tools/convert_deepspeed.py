@@ -19,7 +19,7 @@ from unittest import mock
 import torch
 
 from data.cli.common import local_folder
-from train.checkpoint import TAG, read_meta, step_of_tag, tag_for, verify_folder
+from train.checkpoint import META, TAG, read_meta, step_of_tag, tag_for, verify_folder
 from train.names import CHECKPOINTS_DIR, LATEST_FILE
 from train.safe_load import CheckpointError, safe_torch_load, weights_only_loads
 
@@ -70,18 +70,26 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Checkpoint:
     have = sorted(
         folder.name for folder in root.iterdir() if folder.is_dir() and TAG.match(folder.name)
     )
+    # the steps a --step can name: a save that did not finish has no meta.json (written last)
+    steps = [step_of_tag(name) for name in have if (root / name / META).is_file()]
     if step is None:
         latest = root / LATEST_FILE
-        if not latest.is_file():
+        tag = latest.read_text().strip() if latest.is_file() else ""
+        if not tag:
+            what = "empty" if latest.is_file() else "missing"
             raise CheckpointError(
-                f"{latest}: missing (no complete checkpoint yet); folders present: {have or 'none'}"
+                f"{latest}: {what}; "
+                + (
+                    f"name a checkpoint with --step (complete steps: {steps})"
+                    if steps
+                    else "no complete checkpoint yet"
+                )
             )
-        tag = latest.read_text().strip()
     else:
         tag = tag_for(step)
     if not TAG.match(tag) or not (root / tag).is_dir():
-        steps = [step_of_tag(name) for name in have]
-        raise CheckpointError(f"{root / tag}: no such checkpoint; steps present: {steps or 'none'}")
+        named = f"{root / tag}" if TAG.match(tag) else f"{root / LATEST_FILE} names {tag!r}"
+        raise CheckpointError(f"{named}: no such checkpoint; complete steps: {steps or 'none'}")
     problems = verify_folder(root / tag)  # meta.json first: one a save did not finish is named
     if problems:
         raise CheckpointError(

@@ -407,7 +407,7 @@ def test_missing_tokenizers_and_bad_arguments_are_named(
     assert set(cfg["files"]) == {"model.safetensors", "vocab_layout.json"}
     with pytest.raises(ReleaseError, match="no tokenizer.json"):
         Release(tmp_path / "c").text_tokenizer()
-    with pytest.raises(CheckpointError, match=r"steps present: \[3\]"):
+    with pytest.raises(CheckpointError, match=r"complete steps: \[3\]"):
         make_release(run, tmp_path / "d", step=7, log=quiet)
     with pytest.raises(ReleaseError, match="exists and is not empty"):
         make_release(run, tmp_path / "c", no_tokenizers=True, log=quiet)
@@ -431,6 +431,15 @@ def test_a_folder_that_is_no_run_folder_is_named_with_what_to_give(runs, tmp_pat
         assert str(refused.value).startswith(f"{given}: {said}")
     assert "with --step N" not in str(refused.value)  # the step is named, not described
     shutil.copytree(step, tmp_path / "copied" / "checkpoints" / step.name)
+    # no latest came with it, or an empty one: the step to name is said
+    (tmp_path / "copied" / "checkpoints" / "step_00000009").mkdir()  # a save cut short: no meta
+    latest = tmp_path / "copied" / "checkpoints" / "latest"
+    for what in ("missing", "empty"):
+        with pytest.raises(CheckpointError) as refused:
+            make_release(tmp_path / "copied", tmp_path / "out", log=quiet)
+        said = f"{latest}: {what}; name a checkpoint with --step (complete steps: [3])"
+        assert str(refused.value) == said
+        latest.write_text("")
     cfg = make_release(tmp_path / "copied", tmp_path / "out", step=3, log=quiet)
     assert cfg["source"]["step"] == 3
 
@@ -451,7 +460,7 @@ def test_the_tokenizer_folder_is_found_through_any_source_or_every_try_named(tin
     assert find_tokenizers(cfg, Path("run")) == tiny_tokens / "tokenizers"
     assert layout_of_data(cfg)[1] == tiny_tokens / "tokenizers"  # training's lookup
     cfg.data.sources = [gone]
-    with pytest.raises(ReleaseError, match=r"tried: source gone: .*/nonexistent/tokens/code"):
+    with pytest.raises(ReleaseError, match=r"data \(source gone: shard /nonexistent/tokens/code "):
         find_tokenizers(cfg, Path("run"))
 
 
