@@ -447,9 +447,13 @@ class Checkpointer:
         last = step_of_tag(latest) if latest else -1
         for folder in self._tags():
             if step_of_tag(folder.name) > last:
-                warn(
-                    f"removing {folder}: newer than {LATEST_FILE}, left by a save that did not complete"
+                why = (  # complete (its meta.json is written last): latest was pointed back
+                    f"a complete checkpoint newer than what {LATEST_FILE} names (a rollback's "
+                    "abandoned trajectory, or latest pointed back by hand)"
+                    if (folder / META).is_file()
+                    else f"newer than {LATEST_FILE}, left by a save that did not complete"
                 )
+                warn(f"removing {folder}: {why}")
                 remove_checkpoint(folder)
 
     def _tags(self) -> list[Path]:

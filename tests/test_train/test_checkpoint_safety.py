@@ -350,3 +350,9 @@ def test_a_kill_between_the_first_meta_and_latest_resumes_from_it_with_a_warning
     assert "latest is missing but" in err and "step_00000001 is complete" in err
     assert f"removing {step_folder(r, 2)}: newer than latest" in err
     assert not step_folder(r, 2).exists()
+    # latest pointed back by hand: the newer complete one goes too, called what it is
+    r = copy(runs, "zero0", tmp_path / "back")
+    (r / "checkpoints" / "latest").write_text("step_00000002\n")
+    Checkpointer(r, ONE, 3).clean_partial()
+    said = f"removing {step_folder(r, 3)}: a complete checkpoint newer than what latest names"
+    assert said in capsys.readouterr().err and not step_folder(r, 3).exists()
