@@ -16,7 +16,7 @@ def _add_preview(sub) -> None:
         description="Pack a few rows from a token folder exactly as the training loader does and\n"
         "show them: each piece (document run) with text and code decoded and visual blocks\n"
         "summarised; --png draws one band per row, a cell per token coloured by modality,\n"
-        "and decodes the rows' images beside it.",
+        "and decodes the rows' images and clips (first and last frames) beside it.",
         epilog="examples:\n  earlyfuse-prep preview runs/demo/tokens --seq-len 512 --rows 3 --png rows.png\n"
         "  earlyfuse-prep preview --config runs/demo/lm/config.yaml --rows 8   # the run's own mix",
     )

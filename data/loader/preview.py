@@ -158,8 +158,9 @@ def describe(row: dict, tok: TextTokenizer, colour: bool) -> str:
 
 
 def render_png(rows_: list[dict], tok: TextTokenizer, path: Path, vtok=None) -> list[Path]:
-    """The rows drawn to ``path`` and, with a visual tokenizer, their first images decoded to
-    ``PATH_images.png``: the files written."""
+    """The rows drawn to ``path`` and, with a visual tokenizer, the first four image or video
+    blocks of each row decoded to ``PATH_images.png`` (a clip as its first and last frames side
+    by side): the files written."""
     lay, cell, width = tok.layout, 5, 128
     seq = len(rows_[0]["input_ids"])
     lines = -(-seq // width)
@@ -180,17 +181,26 @@ def render_png(rows_: list[dict], tok: TextTokenizer, path: Path, vtok=None) -> 
             d.rectangle([x, y, x + cell - 1, y + cell - 1], fill=c)
     img.save(path)
     written = [path]
-    if vtok is not None:  # the row's first images, decoded from their codes, beside the bands
+    if vtok is not None:  # the row's first blocks, decoded from their codes, beside the bands
         import torch
 
+        def picture(frames) -> Image.Image:  # [N, 3, H, W] in [-1, 1] -> the frames side by side
+            pixels = (torch.cat(list(frames), dim=2).permute(1, 2, 0).numpy() + 1) * 127.5
+            return Image.fromarray(pixels.clip(0, 255).astype(np.uint8))
+
         thumbs = []
+        boi, bov = lay.structure_id("<boi>"), lay.structure_id("<bov>")
         for row in rows_:
             ids = row["input_ids"]
-            for s in np.flatnonzero(ids == lay.structure_id("<boi>"))[:4]:
-                e = s + int(np.flatnonzero(ids[s:] == lay.structure_id("<eoi>"))[0]) + 1
-                codes = torch.from_numpy(parse_image(ids[s:e], lay))[None]
-                pixels = (vtok.decode(codes)[0].permute(1, 2, 0).numpy() + 1) * 127.5
-                thumbs.append(Image.fromarray(pixels.clip(0, 255).astype(np.uint8)))
+            for s in np.flatnonzero((ids == boi) | (ids == bov))[:4]:
+                end = lay.structure_id("<eoi>" if ids[s] == boi else "<eov>")
+                e = s + int(np.flatnonzero(ids[s:] == end)[0]) + 1
+                if ids[s] == boi:
+                    codes = torch.from_numpy(parse_image(ids[s:e], lay))[None]
+                    thumbs.append(picture(vtok.decode(codes)))
+                else:  # a clip: its first and last frames
+                    codes = torch.from_numpy(parse_video(ids[s:e], lay))[None]
+                    thumbs.append(picture(vtok.decode_video(codes)[0][[0, -1]]))
         if thumbs:
             strip = Image.new(
                 "RGB", (sum(t.width + 4 for t in thumbs), max(t.height for t in thumbs)), "white"

@@ -300,6 +300,10 @@ def test_preview_prints_and_renders_rows(tiny_tokens, tmp_path):
         Image.open(tmp_path / "rows_images.png") as images,
     ):
         assert rows_png.size[0] > 100 and images.size[0] > 0
+    # Clips are drawn too (only images were): a clip as its first and last frames side by side
+    preview(tiny_tokens, sources=["clips"], seq_len=256, n_rows=1, png=tmp_path / "clips.png")
+    with Image.open(tmp_path / "clips_images.png") as clips:
+        assert clips.size[0] >= 2 * clips.size[1]
 
 
 def test_token_before_a_dropped_block_predicts_nothing(tiny_tokens, tiny_tokenizers):
