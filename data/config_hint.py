@@ -23,5 +23,9 @@ def unknown_key(error: TypeError, schema: type) -> str:
 
 def nearest_field(key: str, schema: type) -> str | None:
     """The field of the dataclass ``schema`` whose name is nearest ``key``, if one is near."""
-    names = [field.name for field in dataclasses.fields(schema)]
-    return next(iter(difflib.get_close_matches(key, names, n=1)), None)
+    return nearest(key, [field.name for field in dataclasses.fields(schema)])
+
+
+def nearest(key: str, names) -> str | None:
+    """The name among ``names`` nearest ``key``, if one is near."""
+    return next(iter(difflib.get_close_matches(key, list(names), n=1)), None)

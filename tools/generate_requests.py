@@ -14,7 +14,6 @@ is decoded.
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 import sys
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 
 from data.cli.common import EXIT_REJECTS, USER_ERRORS, rgb_image_formats, with_folder, writable
+from data.config_hint import nearest
 from data.media import MAX_IMAGE_PIXELS
 from data.vocab import Modality, VocabLayout
 from train.release import Release, ReleaseError
@@ -345,8 +345,8 @@ class Generator:
         """One request (a JSONL line, or the command line's) -> its result record."""
         known = {*REQUEST_KEYS, "guidance", *SAMPLING}
         if unknown := sorted(set(req) - known):
-            close = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
-            hint = "; ".join(f"{k!r}: did you mean {c[0]!r}?" for k, c in close.items() if c)
+            close = {k: nearest(k, sorted(known)) for k in unknown}
+            hint = "; ".join(f"{k!r}: did you mean {c!r}?" for k, c in close.items() if c)
             raise ReleaseError(
                 f"unknown request keys {unknown}"
                 + (f" ({hint})" if hint else "")

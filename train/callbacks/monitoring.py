@@ -42,12 +42,15 @@ class Monitoring(Callback):
     def __init__(self, monitor: Monitor, alarm_log: AlarmLog, rule: SkipStepRule) -> None:
         self.monitor, self.alarm_log, self.rule = monitor, alarm_log, rule
         self.alarms: list[Alarm] = []  # this step's
-        self.reached: dict[str, float] = {}  # the collapse detector's best levels, this step
+        # the collapse detector's best levels at this step's rollback alarm (loading the
+        # checkpoint replaces them with older ones)
+        self.reached: dict[str, float] = {}
 
     def post_step(self, trainer: Trainer, step: int, record: StepRecord) -> Decision | None:
         start = time.perf_counter()
         self.alarms = self.monitor.check(step, record.metrics, self.rule.last)
-        self.reached = self.monitor.reached()
+        if any(alarm.action == "rollback" for alarm in self.alarms):
+            self.reached = self.monitor.reached()
         self.alarm_log.record(self.alarms)
         record.metrics["monitor/alarms"] = float(self.alarm_log.count)
         # The detectors and any probe of this step.
