@@ -152,8 +152,10 @@ def run(cfg: RunConfig, resolved: str, extra_callbacks: CallbackFactory | None =
         return 1
     except (ConfigError, CheckpointError, CheckpointWriteError) as e:
         # A config, a checkpoint or a run folder that cannot be used: the message says what to
-        # do, a traceback would only bury it.
-        said(e)
+        # do, a traceback would only bury it. A refusal every rank decided alike is said once
+        # a node, not once a rank.
+        if dist.local_rank == 0 or not getattr(e, "every_rank", False):
+            said(e)
         return 2
     finally:
         lock.release()
@@ -217,7 +219,8 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
         try:
             run_cfg, resolved = to_run_config(cfg)
         except ConfigError as e:
-            said(e)
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # every rank composed the same config
+                said(e)
             sys.exit(2)
         code = run(run_cfg, resolved, extra_callbacks)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 class ConfigError(ValueError):
     """A config that cannot run; the message says what to change."""
 
+    every_rank = False  # decided alike on every rank: each node's first rank says it
+
 
 # Keys (or sections) whose change makes the resumed run another run than the saved one.
 RESUME_CRITICAL: dict[str, tuple[str, ...]] = {

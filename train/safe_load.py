@@ -34,6 +34,8 @@ _TORCH_LOAD = torch.load  # the real one, kept before anything replaces it
 class CheckpointError(ValueError):
     """A checkpoint file that cannot be read, or must not be; the message names the file."""
 
+    every_rank = False  # decided alike on every rank: each node's first rank says it
+
 
 def deepspeed_globals() -> list:
     """The classes DeepSpeed's optimizer states pickle (module docstring)."""

@@ -93,6 +93,11 @@ def test_zero0_lm_run_resumes_on_another_world_size_directly(tiny_tokens, tmp_pa
     assert "resuming step_00000008 of 1 rank(s) on 2" in out
     assert "the loader's state was redistributed from 2 to 4 consumers" in out
     assert sorted(metrics(run)) == list(range(1, 11))
+    # A refusal both ranks decide alike is said once, not once a rank
+    strict = [arg for arg in args if not arg.startswith("train.allow_config_change")]
+    p = train([*strict, "train.steps=12", "data.num_workers=2"], nproc=2, check=False)
+    assert p.returncode != 0
+    assert p.stderr.count("with changes that break an exact resume: train.steps") == 1, p.stderr
 
 
 def test_a_damaged_universal_conversion_stops_only_the_resume_that_reads_it(tiny_tokens, tmp_path):
