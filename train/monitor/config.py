@@ -125,7 +125,9 @@ class StagnationConfig(Detector):
     less than ``min_drop`` (relative) or rose, while the other modalities fell by at least
     ``others_drop`` on average (token-weighted), the two changes at least ``z`` standard errors
     apart (errors over blocks of ``block_steps`` consecutive steps), each window holding at least ``min_tokens`` tokens of the modality in at least
-    ``min_presence`` of its steps and from at least ``min_docs`` documents, for ``patience`` steps in a row (structure markers excluded)."""
+    ``min_presence`` of its steps and from at least ``min_docs`` documents, its data's unigram CE
+    within ``max_data_shift`` of the window before, for ``patience`` steps in a row (structure
+    markers excluded)."""
 
     POSITIVE: ClassVar = ("window", "patience", "block_steps")
     FRACTIONS: ClassVar = ("min_presence", "starve_ratio")
@@ -145,6 +147,11 @@ class StagnationConfig(Detector):
     # documents (those new to it in the window, plus the one under way): whole long files otherwise make
     # the modality's loss follow each file's difficulty (data/docs_new/<modality>)
     min_docs: int = 8
+    # a window is judged only when the modality's data kept its difficulty: the unigram CE of
+    # its tokens (unigram/<modality>) moved by at most this fraction from the window before. A
+    # source whose content shifts (a run of data tables among code files) moves the loss with
+    # the data, not with the model
+    max_data_shift: float = 0.15
     # starvation: a modality's token share over the last window below this x its highest share
     # over earlier windows (sampled once a window; shares under 5 % are not watched), for half
     # the patience, the modality present in at least min_presence of the window's steps

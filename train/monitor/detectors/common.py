@@ -41,10 +41,11 @@ class _Latch:
 
 
 class ModalityWindows:
-    """Per modality, the last ``2 * window`` steps' (CE sum, token count) pairs."""
+    """Per modality, the last ``2 * window`` steps' (CE sum, token count) pairs: of the model's
+    loss (``loss/<m>``), or of another per-token CE in the metrics (``key``)."""
 
-    def __init__(self, window: int) -> None:
-        self.window = window
+    def __init__(self, window: int, key: str = "loss/") -> None:
+        self.window, self.key = window, key
         self.steps: dict[str, deque] = {
             modality: deque(maxlen=2 * window) for modality in MODALITY_NAMES
         }
@@ -52,7 +53,7 @@ class ModalityWindows:
     def add(self, metrics: dict) -> None:
         for name in MODALITY_NAMES:
             tokens = metrics.get(f"tokens/{name}", 0.0)
-            loss = metrics.get(f"loss/{name}", 0.0) if tokens else 0.0
+            loss = metrics.get(f"{self.key}{name}", 0.0) if tokens else 0.0
             self.steps[name].append((loss * tokens, tokens) if math.isfinite(loss) else (0.0, 0.0))
 
     def part(self, name: str, recent: bool = True) -> list | None:

@@ -24,13 +24,18 @@ class Stagnation:
     must hold for ``patience`` consecutive steps. A window is judged only when its tokens came from
     at least ``min_docs`` documents of the modality (the documents new to it per step,
     ``data/docs_new/<modality>``, counted from the loader's pieces table): over a few long files the loss follows each file's
-    difficulty, and no spread of its steps measures that."""
+    difficulty, and no spread of its steps measures that. Nor is it judged when the modality's
+    data changed difficulty between the windows (the unigram CE of its tokens, ``unigram/<m>``,
+    moved by more than ``max_data_shift``), nor until two windows have passed since it did: the
+    loss then follows the data."""
 
     SKIP = ("structure",)
 
     def __init__(self, cfg: StagnationConfig) -> None:
         self.cfg = cfg
         self.win = ModalityWindows(cfg.window)
+        self.data = ModalityWindows(cfg.window, key="unigram/")  # the data's own difficulty
+        self.moved: dict[str, int] = {}  # modality -> the last step its data's difficulty moved
         self.streak: dict[str, int] = {}
         self.share_best: dict[str, float] = {}
         self.latch = _Latch()
@@ -57,7 +62,16 @@ class Stagnation:
             return None
         return 1.0 + sum(part)
 
-    def _changes(self, metrics: dict) -> dict[str, tuple[float, float, float]]:
+    def _data_moved(self, name: str, step: int) -> bool:
+        """Whether the unigram CE of ``name``'s tokens differs by more than ``max_data_shift``
+        between the windows, or did within the last two windows: until both windows hold data
+        from after the move, the window before still straddles it."""
+        data = self.data.mean(name), self.data.mean(name, recent=False)
+        if data[0] and data[1] and abs(data[0] / data[1] - 1) > self.cfg.max_data_shift:
+            self.moved[name] = step
+        return step - self.moved.get(name, -(10**9)) < 2 * self.cfg.window
+
+    def _changes(self, step: int, metrics: dict) -> dict[str, tuple[float, float, float]]:
         """modality -> (relative change of its windowed loss, its standard error, tokens)."""
         out = {}
         for name in MODALITY_NAMES:
@@ -75,6 +89,8 @@ class Stagnation:
             docs = [self.documents(name, recent) for recent in (True, False)]
             if any(count is not None and count < self.cfg.min_docs for count in docs):
                 continue  # a few long files: the loss follows their difficulty, not the model
+            if self._data_moved(name, step):
+                continue  # the data got easier or harder: the loss follows it
             change = now[0] / before[0] - 1
             std_err = (now[0] / before[0]) * math.hypot(
                 now[1] / max(now[0], 1e-9), before[1] / before[0]
@@ -147,8 +163,9 @@ class Stagnation:
     def check(self, step: int, metrics: dict) -> list[Alarm]:
         cfg = self.cfg
         self.win.add(metrics)
+        self.data.add(metrics)
         self._add_docs(metrics)
-        changes = self._changes(metrics)
+        changes = self._changes(step, metrics)
         out = self._starved(step, metrics)
         for name, (change, std_err, _) in changes.items():
             others = {other: other_stats for other, other_stats in changes.items() if other != name}
@@ -204,6 +221,8 @@ class Stagnation:
     def state_dict(self) -> dict:
         return {
             "win": self.win.state_dict(),
+            "data": self.data.state_dict(),
+            "moved": self.moved,
             "streak": self.streak,
             "share_best": self.share_best,
             "latch": self.latch.state_dict(),
@@ -212,6 +231,8 @@ class Stagnation:
 
     def load_state_dict(self, st: dict) -> None:
         self.win.load_state_dict(st["win"])
+        self.data.load_state_dict(st["data"])
+        self.moved = {key: int(value) for key, value in st["moved"].items()}
         self.streak = dict(st["streak"])
         self.share_best = {key: float(value) for key, value in st["share_best"].items()}
         self.latch.load_state_dict(st["latch"])
