@@ -109,7 +109,7 @@ def iter_documents(
     """Every document of every token table (a raw one: ValueError) in index order (or the first
     ``max_docs_per_source``; or with one table, its documents numbered in ``samples``, in order),
     checked like the loader checks them: the members' SHA-256 against the index and,
-    with ``ranges`` (``data.loader.sample_check.modality_ranges``), every id within its
+    with ``ranges`` (``VocabLayout.modality_ranges`` as int64 [modality, 2]), every id within its
     modality's range. A document that fails is left out, never raised: one corrupted sample must
     not stop a run at start (the unigram baseline reads every training document) or an
     evaluation. Each one left out is appended to ``skipped`` as (source, key, why) and the first

@@ -31,14 +31,6 @@ from data.vocab import Modality, VocabLayout
 IGNORE = -100
 
 
-def modality_ranges(layout: VocabLayout) -> list[tuple[int, int]]:
-    """[start, end) of the ids each modality predicts among (``Modality`` order)."""
-    text = (0, layout.text_size)
-    codes = (layout.visual_offset, layout.size)
-    structure = (layout.structure_offset, layout.visual_offset)
-    return [text, text, codes, codes, structure]
-
-
 @dataclass
 class Unigram:
     counts: np.ndarray  # int64 [modalities, vocab]: label tokens of each id per label modality
@@ -59,13 +51,13 @@ class Unigram:
         """``skipped``: filled with (source, key, why) of every document left out as unreadable."""
         from tqdm import tqdm
 
-        from data.loader.sample_check import modality_ranges as id_ranges
         from data.token_docs import iter_documents
 
         size = layout.size
         flat = np.zeros(len(Modality) * size, np.int64)  # [modality * size + id]
         docs, capped = 0, []
-        ranges = id_ranges(layout)  # a corrupted document is left out, not counted (or raised)
+        # a corrupted document is left out, not counted (or raised)
+        ranges = np.asarray(layout.modality_ranges(), np.int64)
         total = sum(len(t) for t in tables)
         keys: list[np.ndarray] = []  # modality * size + id of documents not yet counted
         pending = 0
@@ -100,7 +92,7 @@ class Unigram:
         """[modalities, vocab] float64 log p(id | modality); ids outside the range get the
         smoothed probability of an unseen id of the range."""
         out = torch.empty(self.counts.shape, dtype=torch.float64)
-        for modality, (a, b) in enumerate(modality_ranges(self.layout)):
+        for modality, (a, b) in enumerate(self.layout.modality_ranges()):
             c = torch.from_numpy(self.counts[modality]).double()
             total = float(c[a:b].sum()) + (b - a)
             out[modality] = math.log(1.0 / total)

@@ -93,6 +93,12 @@ class VocabLayout:
     def is_code(self, token_id: int) -> bool:
         return self.visual_offset <= token_id < self.size
 
+    def modality_ranges(self) -> list[tuple[int, int]]:
+        """[lo, hi) of the ids each modality holds, in ``Modality`` order: text and code share the
+        BPE, images and videos the visual codes."""
+        text, codes = (0, self.text_size), (self.visual_offset, self.size)
+        return [text, text, codes, codes, (self.structure_offset, self.visual_offset)]
+
     # --- persistence ----------------------------------------------------------------------
     def to_dict(self) -> dict:
         record = asdict(self)

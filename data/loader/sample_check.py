@@ -25,15 +25,6 @@ Reader = Callable[[int, int], Buffer]  # (offset, size) -> bytes of this sample'
 _NO_HASH = bytes(32)  # an index without a usable per-sample hash
 
 
-def modality_ranges(layout: VocabLayout) -> np.ndarray:
-    """[modality, 2]: the ids [lo, hi) each modality may hold."""
-    out = np.zeros((len(Modality), 2), np.int64)
-    out[Modality.TEXT] = out[Modality.CODE] = (0, layout.text_size)
-    out[Modality.IMAGE] = out[Modality.VIDEO] = (layout.visual_offset, layout.size)
-    out[Modality.STRUCTURE] = (layout.structure_offset, layout.visual_offset)
-    return out
-
-
 def attach_id_ranges(cfg: LoaderConfig, tables: list) -> None:
     """Give every table its modality ranges: from ``data.tokenizers`` when set, else the layout
     the token shards were made with (all sources share one, loader/dataset.check_tokenizers)."""
@@ -50,7 +41,7 @@ def attach_id_ranges(cfg: LoaderConfig, tables: list) -> None:
             f"{url}: the vocabulary layout of the loader's sources is unreadable ({e}); "
             "set data.tokenizers to the tokenizer folder"
         ) from None
-    ranges = modality_ranges(layout)
+    ranges = np.asarray(layout.modality_ranges(), np.int64)  # [modality, 2]
     for t in tables:
         t.id_ranges = ranges
 

@@ -27,12 +27,12 @@ from data.vocab import MODALITY_NAMES
 
 
 def _token_ranges(folder: Folder, m: dict, problems: list[str]) -> np.ndarray | None:
-    from data.loader.sample_check import modality_ranges
     from data.vocab import VocabLayout
 
     rel = f"{m.get('tokenizers', {}).get('folder', 'tokenizers')}/vocab_layout.json"
     try:
-        return modality_ranges(VocabLayout.from_dict(json.loads(folder.read_bytes(rel))))
+        layout = VocabLayout.from_dict(json.loads(folder.read_bytes(rel)))
+        return np.asarray(layout.modality_ranges(), np.int64)
     except (OSError, ValueError, KeyError, TypeError) as e:
         problems.append(f"{folder.child(rel)}: {e}; token ids not checked against the vocabulary")
         return None

@@ -32,13 +32,13 @@ import math
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from data.loader import LoaderConfig, build_loader, store
 from data.loader.dataset import check_tokenizers
 from data.loader.fit import check_blocks_fit
 from data.loader.heldout import HeldoutPass, RankShare
-from data.loader.sample_check import modality_ranges
 from data.loader.table import TokenTable
 from data.names import LAYOUT_FILE
 from data.tokenize.vtok_files import has_visual_tokenizer
@@ -542,7 +542,7 @@ class LMTask:
             seq_len=self.cfg.data.seq_len,
             batch_rows=self.cfg.train.micro_batch,
             whole_documents=self.cfg.data.whole_documents,
-            ranges=modality_ranges(self.layout),
+            ranges=np.asarray(self.layout.modality_ranges(), np.int64),
         )
         share = RankShare(
             heldout,
