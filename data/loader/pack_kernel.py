@@ -34,7 +34,7 @@ import numpy as np
 from numba import njit
 
 from data.loader.expand import IGNORE, TEXT
-from data.loader.stage_kernel import fill_units, gather_tokens
+from data.loader.stage_kernel import copy_run, fill_units, gather_tokens
 
 # docs columns
 (
@@ -210,6 +210,15 @@ def _next_doc(docs, units, src, opened, queue, shares, mixed, state, chunk):
 
 
 @njit(cache=True, inline="always")
+def _segment(seg, state, start, end, piece, offset, label, label_mod):
+    """One more row of the batch's segments (expand.CompactBatch.segments)."""
+    idx = state[ST_NSEG]
+    seg[idx, 0], seg[idx, 1], seg[idx, 2] = start, end, piece
+    seg[idx, 3], seg[idx, 4], seg[idx, 5] = offset, label, label_mod
+    state[ST_NSEG] = idx + 1
+
+
+@njit(cache=True, inline="always")
 def _flush(work, doc, row_a, doc_a, row_b, cut, L):
     """Doc tokens [doc_a, doc_a + row_b - row_a) at row positions [row_a, row_b), one piece
     (joined to the row's last piece when it continues it). ``cut``: the document's next token
@@ -241,22 +250,11 @@ def _flush(work, doc, row_a, doc_a, row_b, cut, L):
     state[ST_TAIL] = doc
     base = state[ST_ROWS_DONE] * L
     ids, mod, tok = staged_ids, staged_mod, docs[doc, D_TOK]
-    # Element loops over views indexed from 0, not slice assignments (which check the two
-    # sides for overlap per piece; see stage_kernel.gather_tokens)
-    if not state[ST_DRY]:
-        dst_ids, src_ids = out_ids[base + row_a : base + row_b], ids[tok + doc_a : tok + doc_b]
-        dst_mod, src_mod = out_mod[base + row_a : base + row_b], mod[tok + doc_a : tok + doc_b]
-        if (
-            dst_ids.shape[0] != count
-            or src_ids.shape[0] != count
-            or dst_mod.shape[0] != count
-            or src_mod.shape[0] != count
-        ):
-            raise ValueError("pack_batch: a piece lies outside the batch or its document")
-        for at in range(dst_ids.shape[0]):
-            dst_ids[at] = src_ids[at]
-        for at in range(dst_mod.shape[0]):
-            dst_mod[at] = src_mod[at]
+    if not state[ST_DRY] and not (
+        copy_run(out_ids[base + row_a : base + row_b], ids[tok + doc_a : tok + doc_b], count)
+        and copy_run(out_mod[base + row_a : base + row_b], mod[tok + doc_a : tok + doc_b], count)
+    ):
+        raise ValueError("pack_batch: a piece lies outside the batch or its document")
     if state[ST_DRY]:
         label, label_mod = IGNORE, TEXT
     elif doc_b < docs[doc, D_LEN]:
@@ -264,16 +262,7 @@ def _flush(work, doc, row_a, doc_a, row_b, cut, L):
         label_mod = mod[tok + doc_b]
     else:
         label, label_mod = IGNORE, TEXT
-    idx = state[ST_NSEG]
-    seg[idx, 0], seg[idx, 1], seg[idx, 2], seg[idx, 3], seg[idx, 4], seg[idx, 5] = (
-        base + row_a,
-        base + row_b,
-        pid,
-        doc_a - piece_a,
-        label,
-        label_mod,
-    )
-    state[ST_NSEG] = idx + 1
+    _segment(seg, state, base + row_a, base + row_b, pid, doc_a - piece_a, label, label_mod)
     src[source, S_BATCH_TOKENS] += count
     if docs[doc, D_NBLK]:  # the row's end writes the blocks the piece holds, if any
         slot = state[ST_NVIS]
@@ -365,16 +354,7 @@ def _end_row(work, pos, L, pad_id):
         out_ids[base + pos : base + L] = pad_id
         out_mod[base + pos : base + L] = TEXT
         npieces = state[ST_NPIECES] - state[ST_ROW_P0]
-        idx = state[ST_NSEG]
-        seg[idx, 0], seg[idx, 1], seg[idx, 2], seg[idx, 3], seg[idx, 4], seg[idx, 5] = (
-            base + pos,
-            base + L,
-            npieces if npieces else -1,
-            0,
-            IGNORE,
-            0,
-        )
-        state[ST_NSEG] = idx + 1
+        _segment(seg, state, base + pos, base + L, npieces if npieces else -1, 0, IGNORE, 0)
     n_blocks = state[ST_NBLK]
     for slot in range(state[ST_NVIS]):
         doc, row_a, doc_a, doc_b = vis[slot, 1], vis[slot, 2], vis[slot, 3], vis[slot, 4]

@@ -42,23 +42,29 @@ def fill_units(units, u_at, sel, lengths, bstart, bcount, blocks, unit0, n_units
     return u_at
 
 
+@njit(cache=True, inline="always")
+def copy_run(dst, src, count):
+    """``src`` into ``dst``, both ``count`` long (False, nothing copied, when either is not). An
+    element loop over views indexed from 0, not a slice assignment (which checks the two sides
+    for overlap per call, a cost that weighs most on short documents and pieces)."""
+    if dst.shape[0] != count or src.shape[0] != count:
+        return False
+    for at in range(dst.shape[0]):
+        dst[at] = src[at]
+    return True
+
+
 @njit(cache=True)
 def gather_tokens(mapped, sel, ids_at, mod_at, lengths, dst, ids_out, mod_out):
     """Copy the int32 ids and uint8 modalities of the run's documents at ``sel`` (one shard's)
-    out of its map (``mapped``: its bytes) to ``dst`` onwards in the staging arrays. Element
-    loops over views indexed from 0, not slice assignments (which check the two sides for
-    overlap per document, a cost that weighs most on short documents)."""
+    out of its map (``mapped``: its bytes) to ``dst`` onwards in the staging arrays
+    (``copy_run``)."""
     for doc in sel:
         length_n, ids_from, mod_from, dst_at = lengths[doc], ids_at[doc], mod_at[doc], dst[doc]
         src_ids = mapped[ids_from : ids_from + 4 * length_n].view(np.int32)
-        out_ids = ids_out[dst_at : dst_at + length_n]
-        if src_ids.shape[0] != length_n or out_ids.shape[0] != length_n:
-            raise ValueError("gather_tokens: a document lies outside its shard or the staging")
-        for tok in range(length_n):
-            out_ids[tok] = src_ids[tok]
         src_mod = mapped[mod_from : mod_from + length_n]
-        out_mod = mod_out[dst_at : dst_at + length_n]
-        if src_mod.shape[0] != length_n or out_mod.shape[0] != length_n:
+        if not (
+            copy_run(ids_out[dst_at : dst_at + length_n], src_ids, length_n)
+            and copy_run(mod_out[dst_at : dst_at + length_n], src_mod, length_n)
+        ):
             raise ValueError("gather_tokens: a document lies outside its shard or the staging")
-        for tok in range(length_n):
-            out_mod[tok] = src_mod[tok]
