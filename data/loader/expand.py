@@ -70,6 +70,13 @@ def slot_views(slot: np.ndarray, rows: int, seq_len: int) -> tuple[np.ndarray, n
     return slot[:n], slot[n:].view(np.uint8)[:n]
 
 
+@njit(cache=True, inline="always")
+def _put_thw(thw, k, t, h, w):
+    """One token's M-RoPE position (t, h, w) at ``thw[k : k + 3]``; the next token's ``k``."""
+    thw[k], thw[k + 1], thw[k + 2] = t, h, w
+    return k + 3
+
+
 @njit(cache=True)
 def expand_fields(seg, blocks, real, ids, mod_in, outputs, L):
     """The per-token fields ([rows, L] each, ``thw`` [rows, L, 3]; C-contiguous) of a compact
@@ -152,31 +159,16 @@ def expand_fields(seg, blocks, real, ids, mod_in, outputs, L):
         base = pos[start] + shift
         k = 3 * start
         for cell in range(3):
-            v = base + cell
-            thw[k] = v
-            thw[k + 1] = v
-            thw[k + 2] = v
-            k += 3
+            k = _put_thw(thw, k, base + cell, base + cell, base + cell)
         for frame in range(frames):
             f = base + 3 + frame
             if t:
-                thw[k] = f
-                thw[k + 1] = base + 3
-                thw[k + 2] = base + 3
-                k += 3
+                k = _put_thw(thw, k, f, base + 3, base + 3)
             for grid_y in range(h):
-                y = base + 3 + grid_y
-                x0 = base + 3
                 for grid_x in range(w + 1):
-                    thw[k] = f
-                    thw[k + 1] = y
-                    thw[k + 2] = x0 + grid_x
-                    k += 3
-        v = base + extent
-        thw[k] = v
-        thw[k + 1] = v
-        thw[k + 2] = v
-        end = k // 3 + 1
+                    k = _put_thw(thw, k, f, base + 3 + grid_y, base + 3 + grid_x)
+        k = _put_thw(thw, k, base + extent, base + extent, base + extent)
+        end = k // 3
         if t == 0:
             if start // L != row:
                 row, n_img = start // L, 0
