@@ -20,12 +20,12 @@ from pathlib import Path
 import numpy as np
 
 from data.loader.config import SourceConfig
-from data.loader.npy import read_npy
 from data.loader.sample_check import check_ids, read_members
 from data.loader.store import ShardFiles
 from data.loader.table import SampleTable, TokenTable
 from data.loader.table_load import load_table
 from data.names import INDEX_SUFFIX
+from data.shards.npy import read_npy
 
 log = logging.getLogger(__name__)
 LOGGED_PER_SOURCE = 5  # unreadable documents of one source named one by one, then a count

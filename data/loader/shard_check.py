@@ -16,10 +16,10 @@ import hashlib
 import numpy as np
 from numba import njit
 
-from data.loader.npy import npy_layouts
 from data.loader.pack_kernel import units_of
 from data.loader.sample_check import _text_below, first_bad_token
 from data.shards import token_index
+from data.shards.npy import npy_layouts
 
 _IDS, _MOD = np.dtype("<i4"), np.dtype("u1")  # what tokenize writes (ids, modalities)
 

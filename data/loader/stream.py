@@ -20,7 +20,6 @@ from data.loader import store, transport
 from data.loader.batch_buffer import BatchBuffer
 from data.loader.config import DataUnreadable, LoaderConfig
 from data.loader.expand import slot_views
-from data.loader.npy import read_npy
 from data.loader.online import OnlineTokenizer
 from data.loader.order import ConsumerSlice, EpochOrder, unpack_mask
 from data.loader.pack_kernel import Doc, units_of
@@ -32,6 +31,7 @@ from data.loader.stream_arrays import StreamArrays
 from data.loader.stream_state import SourceCursor
 from data.loader.table import SampleTable, TokenTable
 from data.loader.watchdog import Watchdog, sample_where
+from data.shards.npy import read_npy
 from data.tokenize.blocks import visual_blocks
 from data.vocab import MODALITY_NAMES
 

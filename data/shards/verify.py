@@ -90,8 +90,8 @@ def _check_raw(tar: Path, e: dict, read) -> str | None:
 
 
 def _check_tokens(tar: Path, e: dict, read, ranges: np.ndarray | None) -> str | None:
-    from data.loader.npy import read_npy
     from data.loader.sample_check import check_ids
+    from data.shards.npy import read_npy
 
     try:
         spans = json.loads(read("json")).get("spans")

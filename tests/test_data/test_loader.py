@@ -388,7 +388,7 @@ def test_two_ranks_under_torchrun_with_uneven_shards(tiny_tokens, tmp_path):
 def test_read_npy_matches_np_load_and_refuses_what_np_load_refuses():
     import io
 
-    from data.loader.npy import read_npy
+    from data.shards.npy import read_npy
 
     for a in (
         np.arange(7, dtype=np.int32),

@@ -126,7 +126,7 @@ def raw_cfg(tiny_raw, tiny_tokens, sources=("code", "scenes", "clips"), **kw) ->
 
 
 def token_docs(tiny_tokens, source) -> dict[str, torch.Tensor]:
-    from data.loader.npy import read_npy
+    from data.shards.npy import read_npy
 
     t = load_table(SourceConfig(name=source, shards=[str(tiny_tokens / source)]))
     out = {}

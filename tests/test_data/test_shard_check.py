@@ -176,7 +176,7 @@ def test_the_headers_of_a_shards_members_are_read_at_once_as_one_by_one(tokens):
 
     import numpy as np
 
-    from data.loader.npy import npy_layout, npy_layouts
+    from data.shards.npy import npy_layout, npy_layouts
     from data.shards.token_index import TokenIndex
 
     tar = tokens / "code" / "shard-000000.tar"

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.loader.npy import read_npy
+from data.shards.npy import read_npy
 from data.shards.reader import iter_shard
 from data.tokenize.blocks import visual_blocks
 from data.tokenize.docs import TokenDoc

@@ -1,9 +1,10 @@
 """Reading the ``.npy`` members of token shards fast: a 1-D little-endian integer array with a
 version 1 header (what ``earlyfuse-prep tokenize`` writes) is read as a view of its bytes, its
 header parsed once per (dtype, length), or a whole shard's members located at once
-(``npy_layouts``); any other ``.npy`` goes through ``np.load`` (pickle never allowed). Its own
-module because the loader's stream, the whole-shard check, shard verification and the tools all
-read these members, and none of them should need the stream.
+(``npy_layouts``); any other ``.npy`` goes through ``np.load`` (pickle never allowed). Part of
+the token shard format, beside its binary index (token_index.py): the loader's stream, its
+whole-shard check, shard verification and the tools all read these members, and none of them
+should need the stream.
 """
 
 from __future__ import annotations
