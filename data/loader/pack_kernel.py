@@ -366,9 +366,7 @@ def _end_row(work, pos, L, pad_id):
                     raise ValueError("pack_kernel: more visual blocks than a batch can hold")
                 blocks[n_blocks, 0] = base + row_a + units[idx, U_START] - doc_a
                 blocks[n_blocks, 1] = last
-                blocks[n_blocks, 2] = units[idx, U_T]
-                blocks[n_blocks, 3] = units[idx, U_H]
-                blocks[n_blocks, 4] = units[idx, U_W]
+                blocks[n_blocks, 2:5] = units[idx, U_T : U_W + 1]  # the grid, as fill_units
                 n_blocks += 1
     state[ST_NBLK] = n_blocks
 
