@@ -85,28 +85,31 @@ class AttentionConfig:
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
-            raise ValueError(f"attention.backend must be one of {BACKENDS}, got {self.backend!r}")
+            raise ValueError(
+                f"model.attention.backend must be one of {BACKENDS}, got {self.backend!r}"
+            )
         kv_heads = self.n_kv_heads or self.n_heads
         if self.n_heads <= 0 or kv_heads <= 0 or self.n_heads % kv_heads:
             raise ValueError(
-                f"attention.n_heads ({self.n_heads}) must be a positive multiple of "
-                f"n_kv_heads ({kv_heads})"
+                f"model.attention.n_heads ({self.n_heads}) must be a positive multiple of "
+                f"model.attention.n_kv_heads ({kv_heads})"
             )
-        if self.sliding_window < 0 or self.local_window < 0:
-            raise ValueError("attention.sliding_window and attention.local_window must be >= 0")
+        for key in ("sliding_window", "local_window"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"model.attention.{key} must be >= 0, got {getattr(self, key)}")
         if self.local_window and self.sliding_window:
             raise ValueError(
-                f"attention.sliding_window ({self.sliding_window}) windows every layer and "
-                f"attention.local_window ({self.local_window}) the local ones: set one of them"
+                f"model.attention.sliding_window ({self.sliding_window}) windows every layer and "
+                f"model.attention.local_window ({self.local_window}) the local ones: set one of them"
             )
         if self.local_window and self.global_every < 2:
             raise ValueError(
-                f"attention.local_window={self.local_window} needs attention.global_every >= 2 "
+                f"model.attention.local_window={self.local_window} needs model.attention.global_every >= 2 "
                 f"(every global_every-th layer is global), got {self.global_every}"
             )
         if not self.local_window and self.global_every:
             raise ValueError(
-                f"attention.global_every={self.global_every} without attention.local_window: "
+                f"model.attention.global_every={self.global_every} without model.attention.local_window: "
                 "set the local layers' window too (or global_every=0)"
             )
 
@@ -183,7 +186,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "flex":
         if not HAS_FLEX:
             raise RuntimeError(
-                "attention.backend=flex needs torch >= 2.5 (torch.nn.attention.flex_attention)"
+                "model.attention.backend=flex needs torch >= 2.5 (torch.nn.attention.flex_attention)"
             )
         if device.type == "cpu" and torch.is_grad_enabled():
             raise RuntimeError(

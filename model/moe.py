@@ -43,7 +43,7 @@ class MoEConfig:
     def __post_init__(self) -> None:
         if self.num_experts < 0 or (self.num_experts and not 1 <= self.top_k <= self.num_experts):
             raise ValueError(
-                f"moe.top_k ({self.top_k}) must be in 1..num_experts ({self.num_experts})"
+                f"model.moe.top_k ({self.top_k}) must be in 1..num_experts ({self.num_experts})"
             )
 
     @property

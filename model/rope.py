@@ -42,13 +42,13 @@ class RopeConfig:
         self.mrope_sections = [int(section) for section in self.mrope_sections]
         if self.mrope_sections and (len(self.mrope_sections) != 3 or min(self.mrope_sections) < 0):
             raise ValueError(
-                f"rope.mrope_sections must be 3 non-negative ints (t, h, w), got {self.mrope_sections}"
+                f"model.rope.mrope_sections must be 3 non-negative ints (t, h, w), got {self.mrope_sections}"
             )
         if self.theta <= 0:
-            raise ValueError(f"rope.theta must be positive, got {self.theta}")
+            raise ValueError(f"model.rope.theta must be positive, got {self.theta}")
         if self.local_theta < 0:
             raise ValueError(
-                f"rope.local_theta must be >= 0 (0: rope.theta), got {self.local_theta}"
+                f"model.rope.local_theta must be >= 0 (0: model.rope.theta), got {self.local_theta}"
             )
 
 
@@ -62,7 +62,7 @@ class RotaryEmbedding(torch.nn.Module):
             raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
         if cfg.mrope_sections and sum(cfg.mrope_sections) != head_dim // 2:
             raise ValueError(
-                f"rope.mrope_sections {cfg.mrope_sections} must sum to head_dim // 2 = {head_dim // 2}"
+                f"model.rope.mrope_sections {cfg.mrope_sections} must sum to head_dim // 2 = {head_dim // 2}"
             )
         self.head_dim = head_dim
         self.theta = theta if theta is not None else cfg.theta

@@ -91,35 +91,39 @@ class TransformerConfig:
                 setattr(self, name, cls(**getattr(self, name)))
         if not 0 <= self.text_vocab_size <= self.visual_offset <= self.vocab_size:
             raise ValueError(
-                f"need 0 <= text_vocab_size ({self.text_vocab_size}) <= visual_offset ({self.visual_offset}) "
-                f"<= vocab_size ({self.vocab_size})"
+                f"need 0 <= model.text_vocab_size ({self.text_vocab_size}) <= model.visual_offset ({self.visual_offset}) "
+                f"<= model.vocab_size ({self.vocab_size})"
             )
         if self.dim <= 0 or self.n_layers <= 0:
-            raise ValueError("dim and n_layers must be positive")
+            raise ValueError(
+                f"model.dim ({self.dim}) and model.n_layers ({self.n_layers}) must be positive"
+            )
         if not self.init_std > 0:
-            raise ValueError(f"init_std {self.init_std}: give a standard deviation above 0")
+            raise ValueError(f"model.init_std {self.init_std}: give a standard deviation above 0")
         if self.activation_checkpoint_every < 0:
             raise ValueError(
-                f"activation_checkpoint_every {self.activation_checkpoint_every}: give 0 (off), "
+                f"model.activation_checkpoint_every {self.activation_checkpoint_every}: give 0 (off), "
                 "1 (every block) or more"
             )
         if self.moe.enabled and self.ffn.modality_groups:
-            raise ValueError("choose one of moe.num_experts and ffn.modality_groups, not both")
+            raise ValueError(
+                "choose one of model.moe.num_experts and model.ffn.modality_groups, not both"
+            )
         if self.attention.local_window and self.n_layers < self.attention.global_every:
             raise ValueError(
-                f"n_layers={self.n_layers} with attention.global_every="
+                f"model.n_layers={self.n_layers} with model.attention.global_every="
                 f"{self.attention.global_every} has no global layer (layer global_every - 1 is "
-                "the first): lower global_every or drop attention.local_window"
+                "the first): lower global_every or drop model.attention.local_window"
             )
         if self.rope.local_theta and not self.attention.local_window:
             raise ValueError(
-                f"rope.local_theta={self.rope.local_theta} is the local layers' RoPE base, but "
-                "attention.local_window is 0 (no local layers)"
+                f"model.rope.local_theta={self.rope.local_theta} is the local layers' RoPE base, but "
+                "model.attention.local_window is 0 (no local layers)"
             )
         head_dim = self.head_dim
         if self.rope.mrope_sections and sum(self.rope.mrope_sections) != head_dim // 2:
             raise ValueError(
-                f"rope.mrope_sections {self.rope.mrope_sections} must sum to "
+                f"model.rope.mrope_sections {self.rope.mrope_sections} must sum to "
                 f"head_dim // 2 = {head_dim // 2}"
             )
 

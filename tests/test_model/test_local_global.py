@@ -111,17 +111,21 @@ def test_local_global_trains_with_activation_checkpointing(kit, mixed_batch):
 
 def test_bad_local_global_settings_are_refused_by_name(kit):
     attention = dict(n_heads=4, n_kv_heads=2)
-    with pytest.raises(ValueError, match="needs attention.global_every >= 2"):
+    with pytest.raises(
+        ValueError, match="model.attention.local_window=8 needs model.attention.global_every >= 2"
+    ):
         AttentionConfig(**attention, local_window=8)
-    with pytest.raises(ValueError, match="global_every=3 without attention.local_window"):
+    with pytest.raises(ValueError, match="global_every=3 without model.attention.local_window"):
         AttentionConfig(**attention, global_every=3)
+    with pytest.raises(ValueError, match=r"model.attention.local_window must be >= 0, got -5"):
+        AttentionConfig(**attention, local_window=-5, global_every=2)
     with pytest.raises(ValueError, match="set one of them"):
         AttentionConfig(**attention, local_window=8, global_every=2, sliding_window=8)
     with pytest.raises(ValueError, match="has no global layer"):
         kit.tiny_config(attention=AttentionConfig(**attention, local_window=8, global_every=6))
-    with pytest.raises(ValueError, match=r"rope.local_theta=100.0 .* \(no local layers\)"):
+    with pytest.raises(ValueError, match=r"model.rope.local_theta=100.0 .* \(no local layers\)"):
         kit.tiny_config(rope=RopeConfig(local_theta=100.0))
-    with pytest.raises(ValueError, match="rope.local_theta must be >= 0"):
+    with pytest.raises(ValueError, match="model.rope.local_theta must be >= 0"):
         RopeConfig(local_theta=-1.0)
     with pytest.raises(ValueError, match="no local-layer part"):
         build_attention_mask(1, 8, torch.device("cpu"), backend="sdpa").local()

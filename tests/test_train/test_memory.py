@@ -55,3 +55,18 @@ def test_sequence_parallel_divides_activations_and_masks_grow_as_blocks_squared(
         estimate(preset("125m"), sequence_parallel=8, **kw)
     with pytest.raises(SystemExit):
         memory_main(["125m", "--seq-len", "131072", "--gpus", "8", "--sp", "8"])
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["3b"], "unknown model preset '3b'; choose from"),
+        (["125m", "--seq-len", "-5"], "argument --seq-len: must be 1 or more, got -5"),
+        (["125m", "--gpus", "0"], "argument --gpus: must be 1 or more, got 0"),
+    ],
+)
+def test_the_planner_refuses_an_unknown_preset_and_counts_below_1_in_one_line(argv, said, capsys):
+    with pytest.raises(SystemExit) as stop:
+        memory_main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and said in err and "Traceback" not in err
