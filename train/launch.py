@@ -14,6 +14,12 @@ its note, the exit code is 0, else 128 + the signal's number (what the signal al
 A worker that exits 2 (a config, checkpoint or run folder refused) or 3 (halted by a monitor) first
 makes those the launcher's exit code too, with one line, instead of torchrun's traceback and 1.
 
+When the workers stopped after their checkpoint because a rank on another node was stopped (its
+launcher killed: ``train/callbacks/preemption.py``), this launcher got no signal itself and
+torchrun would wait up to 300 s at its exit barrier for the other node's launcher, which may be
+gone, then log a traceback: it waits ``STOPPED_BARRIER_S`` instead (a live peer arrives within
+seconds, its workers having stopped at the same step), quietly, and says what happened.
+
 Two defaults differ from torchrun's, each overridden by its own option: SIGUSR1 is among the
 signals handled and passed on (``--signals-to-handle``: Slurm's ``--signal=USR1@120``), and the
 workers get 300 s, not 30, between the signal and SIGKILL (``--shutdown-timeout``): enough for a
@@ -30,6 +36,7 @@ from pathlib import Path
 STOP_NOTES_ENV = "EARLYFUSE_STOP_NOTES"
 SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 SHUTDOWN_TIMEOUT_S = "300"
+STOPPED_BARRIER_S = 30.0  # the exit barrier's wait once every local worker stopped (above)
 # earlyfuse-train's exit codes that are decisions, not crashes (train/app.py)
 WORKER_CODES = {
     2: "a config, checkpoint or run folder that cannot be used",
@@ -55,6 +62,29 @@ def all_stopped(folder: Path) -> bool:
     return len(wanted) == 1 and len(notes) == wanted.pop()
 
 
+def shorten_exit_barrier(notes: Path) -> None:
+    """torchrun's exit barrier, bounded by ``STOPPED_BARRIER_S`` and without its traceback once
+    every local worker left its stop note (module docstring)."""
+    import logging
+
+    from torch.distributed.elastic.agent.server import api
+
+    original = api.SimpleElasticAgent._exit_barrier
+
+    def exit_barrier(agent) -> None:
+        if not all_stopped(notes):
+            return original(agent)
+        agent._exit_barrier_timeout = min(agent._exit_barrier_timeout, STOPPED_BARRIER_S)
+        level = api.logger.level
+        api.logger.setLevel(logging.CRITICAL)  # a peer that is gone is said below, in one line
+        try:
+            return original(agent)
+        finally:
+            api.logger.setLevel(level)
+
+    api.SimpleElasticAgent._exit_barrier = exit_barrier  # type: ignore[method-assign]
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -66,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT_S)
     with tempfile.TemporaryDirectory(prefix="earlyfuse-stop-") as notes:
         os.environ[STOP_NOTES_ENV] = notes
+        shorten_exit_barrier(Path(notes))
         try:
             torchrun_main(args)
         except SignalException as e:
@@ -97,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return failure.exitcode
+        if all_stopped(Path(notes)):
+            print(
+                "earlyfuse-torchrun: every worker stopped after its checkpoint (a signal reached "
+                "one of the run's ranks); exit code 0 (run the same command again to resume)",
+                file=sys.stderr,
+            )
     return 0
 
 
