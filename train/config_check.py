@@ -31,6 +31,13 @@ class ConfigError(ValueError):
 
     every_rank = False  # decided alike on every rank: each node's first rank says it
 
+    @classmethod
+    def alike(cls, message: str) -> ConfigError:
+        """A refusal every rank decides alike (from the config and the world size)."""
+        error = cls(message)
+        error.every_rank = True
+        return error
+
 
 # Keys (or sections) whose change makes the resumed run another run than the saved one.
 RESUME_CRITICAL: dict[str, tuple[str, ...]] = {

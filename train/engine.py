@@ -114,7 +114,7 @@ def _check_sp_zero3(zero: dict, degree: int, largest_param: int) -> None:
             f"({largest_param:,} elements); raise it to at least that"
         )
     if why:  # a config the user changes: one line and exit code 2, as at composition
-        raise ConfigError(
+        raise ConfigError.alike(
             f"deepspeed.config {why} (ZeRO 3 with train.sequence_parallel={degree}: DeepSpeed "
             "would then reduce-scatter gradients over all ranks, ignoring the SP groups, and "
             "they would be 1/P of the row's)"

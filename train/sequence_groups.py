@@ -37,10 +37,12 @@ class SequenceGroups:
 
 def sequence_parallel_ranks(world_size: int, degree: int) -> list[list[int]]:
     """The global ranks of every SP group, in order."""
-    if degree < 1 or world_size % degree:
+    if degree < 1:
+        raise ValueError(f"train.sequence_parallel={degree} must be 1 or more")
+    if world_size % degree:
         raise ValueError(
-            f"train.sequence_parallel={degree} must be >= 1 and divide the number of "
-            f"processes ({world_size})"
+            f"train.sequence_parallel={degree} does not divide the number of processes "
+            f"({world_size})"
         )
     return [list(range(start, start + degree)) for start in range(0, world_size, degree)]
 
@@ -80,7 +82,7 @@ def check_run(
             if world_size == 1
             else f"; run a multiple of {degree} processes, or train.sequence_parallel one of {fits}"
         )
-        raise ConfigError(str(err) + launch) from None
+        raise ConfigError.alike(str(err) + launch) from None
 
 
 class SequenceParallelMpu:

@@ -311,6 +311,15 @@ def test_earlyfuse_torchrun_passes_on_a_workers_refusal_as_exit_code_2(tmp_path)
     assert "earlyfuse-train: train.steps 0" in p.stderr
     assert "earlyfuse-torchrun: rank 0 exited with code 2" in p.stderr
     assert "Traceback" not in p.stderr
+    # Two workers refusing alike (the SP degree against the world size): one line, not two
+    two = [sys.executable, "-m", "train.launch", "--nproc_per_node", "2"]
+    args = ["experiment=debug", f"run_dir={tmp_path / 'sp'}", "train.sequence_parallel=4"]
+    port = ["--master_port", str(free_port())]
+    p = subprocess.run(
+        [*two, *port, "-m", "train.app", *args], capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert p.stderr.count("train.sequence_parallel=4 does not divide the number of processes") == 1
 
 
 def test_a_sigterm_while_the_run_starts_stops_it_after_step_1_with_a_checkpoint(
