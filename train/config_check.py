@@ -52,6 +52,7 @@ RESUME_CRITICAL: dict[str, tuple[str, ...]] = {
         "optim.schedule",
         "optim.warmup_steps",
         "optim.decay_fraction",
+        "model",
     ),
     "lm": (
         "data.sources",
@@ -257,6 +258,8 @@ def breaks_resume(key: str, task: str, old: Any = None, new: Any = None) -> bool
         # (0 and 1 are one consumer alike). Another count resumes by redistributing the
         # position (docs/loader.md): no sample lost or repeated, but not the same batches.
         return task == "lm" and _consumers_per_rank(old) != _consumers_per_rank(new)
+    if key == "model.activation_checkpoint_every":
+        return False  # the blocks' activations recomputed in the backward are the same values
     prefixes = RESUME_CRITICAL["any"] + RESUME_CRITICAL.get(task, ())
     return key in (DATA_PARALLEL, MOE_SHARDS) or any(
         key == prefix or key.startswith(prefix + ".") for prefix in prefixes

@@ -123,6 +123,16 @@ def test_resume_config_differences_are_listed_and_the_breaking_ones_named():
     check_resume_config(saved, saved.replace("10", "5"), world_size=1, allowed=False, **check)
     with pytest.raises(ConfigError, match=r"world size"):
         check_resume_config(saved, saved, world_size=2, allowed=False, **check)
+    # A model setting computes another function (a RoPE base raised for a longer stage); the
+    # blocks recomputed in the backward are the same values
+    model = "task: lm\nmodel:\n  activation_checkpoint_every: 0\n  rope:\n    theta: 10000.0\n"
+    with pytest.raises(ConfigError, match=r"break an exact resume: model\.rope\.theta\. Undo"):
+        check_resume_config(
+            model, model.replace("10000", "500000"), world_size=1, allowed=False, **check
+        )
+    check_resume_config(
+        model, model.replace("every: 0", "every: 1"), world_size=1, allowed=False, **check
+    )
 
 
 def test_data_sources_from_a_users_own_config_dir(tmp_path):
