@@ -374,3 +374,18 @@ def test_rows_too_long_for_the_machine_are_refused_before_allocating(
     err = capsys.readouterr().err
     assert f"attention over 1 row(s) of {seq_len:,} tokens on the CPU needs a dense" in err
     assert "use shorter rows (--seq-len, data.seq_len)" in err
+
+
+@pytest.mark.parametrize(
+    "options, said",
+    [
+        (["--needle-lengths", "512"], "--needle-lengths applies only with --needle or"),
+        (["--position-first-bucket", "32"], "applies only with --position-loss or --long-context"),
+        (["--needle-depths", "0.5", "--needle-trials", "3"], "--needle-trials apply only with"),
+    ],
+)
+def test_the_long_context_tables_options_are_refused_without_their_table(options, said, capsys):
+    """Before: given without --needle (or --position-loss), they were ignored without a word."""
+    with pytest.raises(SystemExit):
+        eval_main(["release", "--data", "tokens", *options])
+    assert said in capsys.readouterr().err

@@ -406,6 +406,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.no_table and not args.out:
         parser.error("--no-table needs --out FILE (the figures would go nowhere)")
+    for option, table in (("needle", "--needle"), ("position", "--position-loss")):
+        given = [
+            "--" + key.replace("_", "-")
+            for key, value in vars(args).items()
+            if key.startswith(option + "_") and value != parser.get_default(key)
+        ]
+        if given and not (getattr(args, table[2:].replace("-", "_")) or args.long_context):
+            verb = "applies" if len(given) == 1 else "apply"
+            parser.error(f"{', '.join(given)} {verb} only with {table} or --long-context")
     try:
         ev = evaluate(args)
     except (ValueError, OSError) as e:  # ReleaseError is a ValueError naming the file
