@@ -148,10 +148,10 @@ class StagnationConfig(Detector):
     # the modality's loss follow each file's difficulty (data/docs_new/<modality>)
     min_docs: int = 8
     # a window is judged only when the modality's data kept its difficulty: the unigram CE of
-    # its tokens (unigram/<modality>) moved by at most this fraction from the window before. A
-    # source whose content shifts (a run of data tables among code files) moves the loss with
-    # the data, not with the model
-    max_data_shift: float = 0.15
+    # its tokens (unigram/<modality>) over the newest half window within this fraction of the
+    # window before's, for the last two windows (0: off). A source whose content shifts (a run
+    # of data tables among code files) moves the loss with the data, not with the model
+    max_data_shift: float = 0.1
     # starvation: a modality's token share over the last window below this x its highest share
     # over earlier windows (sampled once a window; shares under 5 % are not watched), for half
     # the patience, the modality present in at least min_presence of the window's steps

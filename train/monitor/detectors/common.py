@@ -62,9 +62,11 @@ class ModalityWindows:
             return None
         return pairs[-self.window :] if recent else pairs[-2 * self.window : -self.window]
 
-    def mean(self, name: str, recent: bool = True) -> float | None:
-        """Token-weighted CE of the last ``window`` steps (``recent``) or the ``window`` before."""
+    def mean(self, name: str, recent: bool = True, newest: int = 0) -> float | None:
+        """Token-weighted CE of the last ``window`` steps (``recent``) or the ``window`` before;
+        ``newest``: of the last ``newest`` steps only (once ``window`` steps are in)."""
         part = self.part(name, recent) or []
+        part = part[-newest:] if newest and recent else part
         tokens = sum(count for _, count in part)
         return sum(ce_sum for ce_sum, _ in part) / tokens if tokens else None
 

@@ -62,13 +62,21 @@ class Stagnation:
             return None
         return 1.0 + sum(part)
 
-    def _data_moved(self, name: str, step: int) -> bool:
-        """Whether the unigram CE of ``name``'s tokens differs by more than ``max_data_shift``
-        between the windows, or did within the last two windows: until both windows hold data
-        from after the move, the window before still straddles it."""
-        data = self.data.mean(name), self.data.mean(name, recent=False)
-        if data[0] and data[1] and abs(data[0] / data[1] - 1) > self.cfg.max_data_shift:
-            self.moved[name] = step
+    def _note_moves(self, step: int) -> None:
+        """The modalities whose data changed difficulty: the unigram CE of their tokens over the
+        newest half window differs by more than ``max_data_shift`` from the window before (the
+        newest half, not the whole window: a move that builds over tens of steps shows there
+        first, before the loss it raises has fired the rule)."""
+        if not self.cfg.max_data_shift:
+            return  # 0: off
+        for name in MODALITY_NAMES:
+            data = self.data.mean(name, newest=self.cfg.window // 2), self.data.mean(name, False)
+            if data[0] and data[1] and abs(data[0] / data[1] - 1) > self.cfg.max_data_shift:
+                self.moved[name] = step
+
+    def _moving(self, name: str, step: int) -> bool:
+        """Whether ``name``'s data moved within the last two windows: until both windows hold
+        data from after the move, the window before still straddles it."""
         return step - self.moved.get(name, -(10**9)) < 2 * self.cfg.window
 
     def _changes(self, step: int, metrics: dict) -> dict[str, tuple[float, float, float]]:
@@ -89,7 +97,7 @@ class Stagnation:
             docs = [self.documents(name, recent) for recent in (True, False)]
             if any(count is not None and count < self.cfg.min_docs for count in docs):
                 continue  # a few long files: the loss follows their difficulty, not the model
-            if self._data_moved(name, step):
+            if self._moving(name, step):
                 continue  # the data got easier or harder: the loss follows it
             change = now[0] / before[0] - 1
             std_err = (now[0] / before[0]) * math.hypot(
@@ -164,9 +172,13 @@ class Stagnation:
         cfg = self.cfg
         self.win.add(metrics)
         self.data.add(metrics)
+        self._note_moves(step)
         self._add_docs(metrics)
         changes = self._changes(step, metrics)
         out = self._starved(step, metrics)
+        for name in MODALITY_NAMES:
+            if name not in changes:
+                self.streak[name] = 0  # not judged this step: the steps in a row start again
         for name, (change, std_err, _) in changes.items():
             others = {other: other_stats for other, other_stats in changes.items() if other != name}
             tokens = sum(other_stats[2] for other_stats in others.values())
