@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -40,6 +41,7 @@ from train.dist import strip_launcher_args
 ConfigStore.instance().store(name="run_schema", node=RunConfig)
 # An absolute path: Hydra would otherwise look for a Python package "configs".
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+SILENT_RANK_WAIT_S = 2.0  # refuse_before_start
 
 # Extra callbacks for one run, made from its config: tests and the instability suite only.
 CallbackFactory = Callable[[RunConfig], Sequence]
@@ -162,11 +164,22 @@ def run(cfg: RunConfig, resolved: str, extra_callbacks: CallbackFactory | None =
     return 0
 
 
-def said(error: Exception) -> None:
-    """The error's line in one write: every rank of a run says it, and print's two writes (the
-    text, then the newline) from several processes glue their lines together."""
+def said(error: Exception | str) -> None:
+    """The error's line in one write: print's two writes (the text, then the newline) from
+    several ranks saying theirs glue their lines together."""
     sys.stderr.write(f"earlyfuse-train: {error}\n")
     sys.stderr.flush()
+
+
+def refuse_before_start(error: Exception | str) -> NoReturn:
+    """Exit 2 on a config error found before the ranks can talk, which every rank finds alike:
+    the first rank of each node says it. The others wait a moment before they exit: the
+    launcher stops the remaining ranks once one has exited, and the first must have said it."""
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        said(error)
+    else:
+        time.sleep(SILENT_RANK_WAIT_S)
+    sys.exit(2)
 
 
 def config_groups() -> set[str]:
@@ -178,17 +191,14 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
     # Before Hydra: its own message for an unknown key suggests +key=..., which would add it.
     unknown = unknown_override_keys(sys.argv[1:], RunConfig, config_groups())
     if unknown:
-        print(f"earlyfuse-train: unknown config key(s): {'; '.join(unknown)}", file=sys.stderr)
-        sys.exit(2)
+        refuse_before_start(f"unknown config key(s): {'; '.join(unknown)}")
     if hydra_flags(sys.argv[1:]).multirun or "hydra.mode=MULTIRUN" in sys.argv:
         # The process ends with its run's exit code (a rank's os._exit), so a sweep would stop
         # after its first job, exit code 0; its jobs would share run_dir too.
-        print(
-            "earlyfuse-train: --multirun (-m) is not supported: a sweep would end after its first "
-            "run; start one earlyfuse-train per setting, each with its own run_dir",
-            file=sys.stderr,
+        refuse_before_start(
+            "--multirun (-m) is not supported: a sweep would end after its first run; start one "
+            "earlyfuse-train per setting, each with its own run_dir"
         )
-        sys.exit(2)
 
     # Hydra reports an error found while composing (a misspelt key or a YAML syntax error in the
     # user's data/mine.yaml, a group option that does not exist, an override it cannot parse) in
@@ -219,9 +229,7 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
         try:
             run_cfg, resolved = to_run_config(cfg)
         except ConfigError as e:
-            if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # every rank composed the same config
-                said(e)
-            sys.exit(2)
+            refuse_before_start(e)
         code = run(run_cfg, resolved, extra_callbacks)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             leave_rank(code)
@@ -239,8 +247,8 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
 
             error = e
             run_and_report(lambda: _raise(error))  # Hydra's own report, exit code 1
-        print(f"earlyfuse-train: {message}", file=sys.stderr)
-        sys.exit(2)
+        else:
+            refuse_before_start(message)
 
 
 def _raise(error: BaseException) -> NoReturn:

@@ -327,7 +327,7 @@ class Checkpointer:
         one through its universal/ conversion, and not from a ZeRO-3 one."""
         meta = self.meta(tag)
         if meta["zero_stage"] != zero_stage:
-            raise CheckpointError(
+            raise CheckpointError.alike(
                 f"{self.dir / tag} was written with ZeRO stage {meta['zero_stage']}; this run uses "
                 f"{zero_stage}. Resume with deepspeed.zero_stage={meta['zero_stage']}."
             )
@@ -335,7 +335,7 @@ class Checkpointer:
             # Tried: DeepSpeed 0.19 converts it and the ZeRO-3 engine loads the conversion, but
             # the run does not go on as it was (the loss of the second resumed step 8e-3 off,
             # ZeRO 2's 5e-7): weights yes, optimizer state not as saved.
-            raise CheckpointError(
+            raise CheckpointError.alike(
                 f"{self.dir / tag} was written by {meta['world_size']} rank(s) under ZeRO 3; "
                 f"this run has {self.dist.world_size}. A ZeRO-3 checkpoint resumes only on the "
                 "world size that wrote it (its universal conversion does not restore the "
@@ -350,7 +350,7 @@ class Checkpointer:
         ):
             # A universal/ left by a conversion that stopped half-way is replaced with --force
             force = " --force" if (self.dir / tag / "universal").exists() else ""
-            raise CheckpointError(
+            raise CheckpointError.alike(
                 f"{self.dir / tag} was written by {meta['world_size']} rank(s); this run has "
                 f"{self.dist.world_size}. Its ZeRO-{zero_stage} shards fit only that world size: make a universal "
                 f"checkpoint with `earlyfuse-convert universal {self.dir.parent}{force}` and rerun this command, "

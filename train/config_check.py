@@ -29,11 +29,12 @@ log = logging.getLogger(__name__)
 class ConfigError(ValueError):
     """A config that cannot run; the message says what to change."""
 
-    every_rank = False  # decided alike on every rank: each node's first rank says it
+    every_rank = False  # True: every rank decides it alike, and each node's first rank says it
 
     @classmethod
     def alike(cls, message: str) -> ConfigError:
-        """A refusal every rank decides alike (from the config and the world size)."""
+        """A refusal every rank decides alike, from the config, the world size and a checkpoint's
+        meta (not from a file that one rank may fail to read)."""
         error = cls(message)
         error.every_rank = True
         return error
@@ -317,7 +318,7 @@ def check_resume_config(
         log.info(f"config changes since the checkpoint ({where}):\n" + "\n".join(lines))
     if breaking and not allowed:
         names = ", ".join(key for key, _, _ in breaking)
-        raise ConfigError(
+        raise ConfigError.alike(
             f"resuming {where.rsplit('/', 1)[0]} with changes that break an exact resume: {names}. "
             "Undo them, or rerun with train.allow_config_change=true if they are meant (the "
             "resumed run then differs from an uninterrupted one; the schedule follows the new "

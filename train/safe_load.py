@@ -34,7 +34,14 @@ _TORCH_LOAD = torch.load  # the real one, kept before anything replaces it
 class CheckpointError(ValueError):
     """A checkpoint file that cannot be read, or must not be; the message names the file."""
 
-    every_rank = False  # decided alike on every rank: each node's first rank says it
+    every_rank = False  # True: every rank decides it alike, and each node's first rank says it
+
+    @classmethod
+    def alike(cls, message: str) -> CheckpointError:
+        """A refusal every rank decides alike (ConfigError.alike)."""
+        error = cls(message)
+        error.every_rank = True
+        return error
 
 
 def deepspeed_globals() -> list:

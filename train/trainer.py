@@ -36,7 +36,6 @@ from train.config_check import ConfigError, check_resume_config, training_mix
 from train.dist import DistInfo, barrier
 from train.names import CONFIG_FILE, FINAL_FILE, HALTED_FILE
 from train.rng_state import rng_state, set_rng_state
-from train.safe_load import CheckpointError
 from train.skip_step import SkipStepAdamW, UpdateGate
 from train.step_sums import StepSums
 from train.streams import BatchStream
@@ -209,35 +208,28 @@ class Trainer:
         tag = self.checkpointer.latest()
         if tag is None:
             return 0
-        try:
-            meta = self.checkpointer.check_compatible(tag, self.zero_stage)
-            if int(meta["step"]) > self.total_steps:  # nothing to train, and a report of 200 %
-                given = self.train.steps
-                goal = (
-                    f"train.steps={given}"
-                    if given != -1
-                    else f"the {self.total_steps} the data holds"
-                )
-                raise ConfigError(
-                    f"{self.checkpointer.dir / tag}: the run is at step {meta['step']} already, past "
-                    f"{goal}: give train.steps above it to train on, or another run_dir for a new run"
-                )
-            saved = self.checkpointer.dir / tag / CONFIG_FILE
-            check_resume_config(
-                saved.read_text() if saved.is_file() else None,
-                self.resolved_yaml,
-                saved_world_size=meta["world_size"],
-                world_size=self.dist.world_size,
-                saved_sp=meta.get("sequence_parallel"),
-                sp=self.dist.sp_degree,
-                allowed=self.train.allow_config_change,
-                where=str(saved),
-                show=self.dist.is_main,
+        meta = self.checkpointer.check_compatible(tag, self.zero_stage)
+        if int(meta["step"]) > self.total_steps:  # nothing to train, and a report of 200 %
+            given = self.train.steps
+            goal = (
+                f"train.steps={given}" if given != -1 else f"the {self.total_steps} the data holds"
             )
-        except (CheckpointError, ConfigError) as e:
-            # From the checkpoint's meta and config and this run's: every rank reads them alike
-            e.every_rank = True
-            raise
+            raise ConfigError.alike(
+                f"{self.checkpointer.dir / tag}: the run is at step {meta['step']} already, past "
+                f"{goal}: give train.steps above it to train on, or another run_dir for a new run"
+            )
+        saved = self.checkpointer.dir / tag / CONFIG_FILE
+        check_resume_config(
+            saved.read_text() if saved.is_file() else None,
+            self.resolved_yaml,
+            saved_world_size=meta["world_size"],
+            world_size=self.dist.world_size,
+            saved_sp=meta.get("sequence_parallel"),
+            sp=self.dist.sp_degree,
+            allowed=self.train.allow_config_change,
+            where=str(saved),
+            show=self.dist.is_main,
+        )
         other_world = meta["world_size"] != self.dist.world_size
         notes = self.load_checkpoint(tag, other_world=other_world)
         self.last_saved = int(meta["step"])

@@ -320,6 +320,15 @@ def test_earlyfuse_torchrun_passes_on_a_workers_refusal_as_exit_code_2(tmp_path)
     )
     assert p.returncode == 2, p.stderr[-3000:]
     assert p.stderr.count("train.sequence_parallel=4 does not divide the number of processes") == 1
+    # and so does a key refused before the ranks can talk
+    p = subprocess.run(
+        [*two, "--master_port", str(free_port()), "-m", "train.app", *args[:2], "train.stepz=3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert p.stderr.count("earlyfuse-train: unknown config key(s): train.stepz") == 1, p.stderr
 
 
 def test_a_sigterm_while_the_run_starts_stops_it_after_step_1_with_a_checkpoint(
