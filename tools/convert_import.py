@@ -97,7 +97,8 @@ def compose_run_config(overrides: list[str], config_dir: str = ""):
 
 def check_against_run(
     rel: Release, state: dict, overrides: list[str], config_dir: str = ""
-) -> list[str]:
+) -> tuple[list[str], int]:
+    """(the fields that differ without changing a shape, the run's sequence-parallel degree)."""
     cfg, _ = compose_run_config(overrides, config_dir)
     layout: VocabLayout | None = None  # an LM run's
     tok_folder: Path | None = None
@@ -111,7 +112,7 @@ def check_against_run(
         net_cfg = cfg.model.with_layout(layout)
     else:
         net_cfg = cfg.vtok
-    return check_compatible(
+    diff = check_compatible(
         rel,
         task=cfg.task,
         net_cfg=net_cfg,
@@ -121,6 +122,7 @@ def check_against_run(
         state=state,
         where=f"release {rel.path} for this run config",
     )
+    return diff, cfg.train.sequence_parallel
 
 
 def run(args: argparse.Namespace) -> None:
@@ -145,7 +147,7 @@ def run(args: argparse.Namespace) -> None:
     ]
     tail = [f"run_dir={run_dir}", f"train.init_from={rel.path.resolve()}"]
     if overrides:
-        diff = check_against_run(rel, state, overrides + tail, args.config_dir)
+        diff, sp = check_against_run(rel, state, overrides + tail, args.config_dir)
         print("the run config fits the release (layout, text tokenizer, every tensor shape)")
         if diff:
             print(
@@ -153,7 +155,9 @@ def run(args: argparse.Namespace) -> None:
                 + "\n".join(diff)
             )
         given = ["--config-dir", args.config_dir] if args.config_dir else []
-        cmd = ["earlyfuse-train", *given, *overrides, *tail]
+        # sequence parallelism needs its ranks: a launcher with (a multiple of) that many
+        launch = ["earlyfuse-torchrun", "--nproc_per_node", str(sp), "-m", "train.app"]
+        cmd = [*(launch if sp > 1 else ["earlyfuse-train"]), *given, *overrides, *tail]
         print("start the run with:\n  " + shlex.join(cmd))
     else:
         cmd = ["earlyfuse-train", *tail, *architecture_overrides(rel)]

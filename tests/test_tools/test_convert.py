@@ -226,6 +226,10 @@ def test_import_starts_a_run_with_exactly_the_release_weights(runs, tiny_tokens,
     assert convert_main(["import", str(rel), str(new), *args]) == 0
     out = capsys.readouterr().out
     assert "fits the release" in out and f"train.init_from={rel.resolve()}" in out
+    assert "\n  earlyfuse-train " in out
+    # A run over ranks of sequence parallelism starts under a launcher with that many
+    assert convert_main(["import", str(rel), str(new), *args, "train.sequence_parallel=2"]) == 0
+    assert "\n  earlyfuse-torchrun --nproc_per_node 2 -m train.app " in capsys.readouterr().out
     # A run whose shapes differ is refused before it starts, naming the tensor and the field.
     assert convert_main(["import", str(rel), str(new), *args, "model.dim=32"]) == 2
     err = capsys.readouterr().err
