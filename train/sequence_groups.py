@@ -17,6 +17,8 @@ in them travels in ``DistInfo`` (``sp_rank``, ``data_rank``, ``data_size``).
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +26,8 @@ import torch.distributed as dist
 
 from train.config_check import ConfigError
 from train.dist import DistInfo
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -180,4 +184,13 @@ def join_sequence_groups(
     mpu = deepspeed_mpu(degree)
     if mpu is None:
         return info
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+    if info.is_main and per_node % degree:
+        # Groups are consecutive ranks: with a node's ranks not a multiple of the degree, some
+        # group spans two nodes, a mis-sized --nproc_per_node more often than a choice
+        log.warning(
+            f"note: train.sequence_parallel={degree} with {per_node} process(es) a node: some "
+            "SP groups span nodes, and their all-to-alls (two a layer, forward and backward) "
+            "cross the network; a degree that divides the processes of a node keeps them on it"
+        )
     return dataclasses.replace(info, sp_degree=degree, sp_group=mpu.get_sequence_parallel_group())

@@ -273,14 +273,15 @@ def test_a_worker_whose_launcher_was_killed_with_minus_9_stops_with_a_checkpoint
 def test_a_node_whose_peer_launcher_was_killed_exits_0_without_torchruns_300_s_wait(
     tiny_tokens, tmp_path
 ):
-    """Two nodes on this host (one worker each); ``kill -9`` of the second node's launcher. Every
-    rank stops after one checkpoint; the first node's launcher then waited 300 s at torchrun's
-    exit barrier for the dead one and logged a traceback, exit code 0 with no word of why."""
+    """Two nodes on this host (one worker each, one SP group of 2); ``kill -9`` of the second
+    node's launcher. Every rank stops after one checkpoint; the first node's launcher then
+    waited 300 s at torchrun's exit barrier for the dead one and logged a traceback, exit code
+    0 with no word of why."""
     run, logs = tmp_path / "run", [tmp_path / "node0.log", tmp_path / "node1.log"]
     rdzv = ["--rdzv_id", "two", "--rdzv_backend", "c10d"]
     rdzv += ["--rdzv_endpoint", f"127.0.0.1:{free_port()}"]
     launcher = [sys.executable, "-m", "train.launch", "--nnodes", "2", "--nproc_per_node", "1"]
-    args = base(tiny_tokens, run, 1000, "train.ckpt_every=1000", sources={"scenes": 1.0})
+    args = base(tiny_tokens, run, 1000, "train.sequence_parallel=2", sources={"scenes": 1.0})
     nodes = [start([*launcher, *rdzv, "-m", "train.app", *args], log) for log in logs]
     try:
         wait_for_step(run, 2, nodes[0], logs[0])
@@ -291,7 +292,10 @@ def test_a_node_whose_peer_launcher_was_killed_exits_0_without_torchruns_300_s_w
         assert "earlyfuse-torchrun: every worker stopped after its checkpoint" in out
         assert "Error waiting on exit barrier" not in out and "Traceback" not in out
         tag = (run / "checkpoints" / "latest").read_text().strip()
-        assert re.search(rf"stopped by a signal to another rank at step \d+ .*{tag}", out), out
+        both = out + logs[1].read_text()  # rank 0, which says it, runs on either node
+        assert re.search(rf"stopped by a signal to another rank at step \d+ .*{tag}", both), both
+        # one process a node under SP 2: the group spans the nodes, said before it runs
+        assert "train.sequence_parallel=2 with 1 process(es) a node: some SP groups span" in both
     finally:
         for node in nodes:
             if node.poll() is None:
