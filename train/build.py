@@ -150,6 +150,7 @@ def build_trainer(
         total_steps=steps,
         chance=task.chance_levels(),
         probes=task.probes(cfg.monitor, engine),
+        warmup_steps=cfg.optim.warmup_steps,
     )
     main, train_cfg = dist.is_main, cfg.train
     monitoring = Monitoring(monitor, AlarmLog(run_dir, is_main=main, write_line=log_alarm), rule)

@@ -316,10 +316,38 @@ def test_hidden_norm_growth_rate_fires_late_in_a_run_and_once():
     fired, quiet = [], []
     for s in range(1, 400):
         hn = 5.0 * (1 + 0.002 * s) * (1.03 ** max(0, s - 300))  # x2 in ~25 steps from 300
-        fired += d.check(s, {"monitor/logz/text": 7.0, "monitor/hidden_norm/text": hn})
-        quiet += slow.check(
-            s, {"monitor/logz/text": 7.0, "monitor/hidden_norm/text": 5.0 * (1 + 0.004 * s)}
-        )
+        text = {"monitor/logz/text": 7.0, "tokens/text": 400.0}
+        fired += d.check(s, {**text, "monitor/hidden_norm/text": hn})
+        quiet += slow.check(s, {**text, "monitor/hidden_norm/text": 5.0 * (1 + 0.004 * s)})
     assert quiet == []
     assert len(fired) == 1 and fired[0].signal == "hidden_drift" and 300 < fired[0].step < 360
     assert "steps ago" in fired[0].message and fired[0].advice
+
+
+def test_hidden_norm_rate_counts_optimizer_steps_and_leaves_the_warmup_out():
+    """Code in 40 % of the steps, its norm growing while the lr warms up over 150 steps and
+    settling by step 200: healthy. Counted in the steps that held it, "50 steps ago" reached 125 steps back,
+    into the warmup, and fired ("2.3x 50 steps ago"); a warmup longer than ``min_steps`` made
+    the early growth count. The same doubling after the warmup, within 50 steps, still fires;
+    a burst of a modality of a token a step (its norm swings by itself) does not."""
+    from train.monitor.config import DriftConfig
+    from train.monitor.detectors import Drift
+
+    def fired(norm_at, warmup: int, tokens: float = 256.0) -> list[int]:
+        drift, out = Drift(DriftConfig(), warmup), []
+        for s in range(1, 400):
+            metrics = {"monitor/logz/text": 7.0, "monitor/hidden_norm/text": 1.0}
+            metrics["tokens/text"] = 400.0
+            if s % 5 < 2:  # code in 2 of every 5 steps
+                metrics.update({"monitor/logz/code": 7.0, "monitor/hidden_norm/code": norm_at(s)})
+                metrics["tokens/code"] = tokens
+            out += [a.step for a in drift.check(s, metrics) if a.modality == "code"]
+        return out
+
+    # 0.35 -> 0.95 as the lr warms up and settles (as measured: 0.39 at step 60, 0.95 at 217)
+    warming = lambda s: 0.35 + 0.6 * (min(s, 200) / 200) ** 2  # noqa: E731
+    assert fired(warming, warmup=150) == []
+    assert fired(lambda s: warming(s) * (1.03 ** max(0, s - 250)), warmup=150)  # x2 in ~25 steps
+    burst = lambda s: 3.0 if 200 <= s < 220 else 1.0  # noqa: E731
+    assert fired(burst, warmup=5, tokens=1.0) == []
+    assert fired(burst, warmup=5, tokens=256.0)  # the same norms over many tokens are judged

@@ -161,9 +161,10 @@ class StagnationConfig(Detector):
 @dataclass(kw_only=True)
 class DriftConfig(Detector):
     """log Z of a modality beyond +-``logz_abs``, or its final hidden norm ``hidden_growth`` x its
-    value over the first ``window`` steps from ``min_steps``, or its mean over the last
-    ``window`` steps ``growth_rate`` x its mean ``rate_span`` steps before (0: off): norm growth
-    (Chameleon)."""
+    value over the first ``window`` steps from ``min_steps`` (or the lr warmup's end, if later),
+    or its token-weighted mean over the last ``window`` steps ``growth_rate`` x its mean
+    ``rate_span`` steps before (0: off; each window holding ``min_tokens`` of the modality):
+    norm growth (Chameleon)."""
 
     POSITIVE: ClassVar = ("window", "logz_abs", "hidden_growth")
 
@@ -172,6 +173,9 @@ class DriftConfig(Detector):
     hidden_growth: float = 8.0
     growth_rate: float = 2.0
     rate_span: int = 50
+    # the rate compares windows with at least this many tokens of the modality: the mean hidden
+    # norm of a token or two a step swings by itself
+    min_tokens: int = 256
 
 
 @dataclass(kw_only=True)

@@ -74,6 +74,7 @@ class Monitor:
         total_steps: int,
         chance: dict[str, float] | None = None,
         probes=None,
+        warmup_steps: int = 0,
     ) -> None:
         self.cfg, self.total = cfg, total_steps
         self.divergence = Divergence(cfg.divergence)
@@ -84,7 +85,7 @@ class Monitor:
             self.detectors.update(
                 collapse=Collapse(cfg.collapse, chance),
                 stagnation=Stagnation(cfg.stagnation),
-                drift=Drift(cfg.drift),
+                drift=Drift(cfg.drift, warmup_steps),
                 code_use=DataCodeUse(cfg.code_use),
             )
         self.probes = probes  # train.monitor.lm_probes.LMProbes or None

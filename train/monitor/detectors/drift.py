@@ -12,27 +12,40 @@ from train.monitor.detectors.common import _Latch
 
 class Drift:
     """log Z far from 0 (softmax normaliser drift), or the final hidden norm growing: against its
-    own early value, or fast (its mean over the last ``window`` steps ``growth_rate`` x its mean
-    ``rate_span`` steps before). Chameleon's norm growth precedes divergence in mixed-modal
+    own early value, or fast (its token-weighted mean over the last ``window`` steps
+    ``growth_rate`` x its mean ``rate_span`` steps before). Chameleon's norm growth precedes divergence in mixed-modal
     runs; the rate catches it at any point of a long run, where the early value is long gone."""
 
-    def __init__(self, cfg: DriftConfig) -> None:
+    def __init__(self, cfg: DriftConfig, warmup_steps: int = 0) -> None:
         self.cfg = cfg
+        # The norms grow as the lr warms up: that is training, not drift. The hidden-norm rules
+        # take their early value, and count their steps, from the warmup's end or min_steps.
+        self.start = max(cfg.min_steps, warmup_steps)
         self.ref: dict[str, list[float]] = {}  # modality -> [sum, count] of the reference window
-        self.recent: dict[str, deque] = defaultdict(
-            lambda: deque(maxlen=cfg.rate_span + cfg.window)
-        )
+        # modality -> (step, hidden norm, tokens) of the steps that held it, the last
+        # rate_span + window
+        self.recent: dict[str, deque] = defaultdict(deque)
         self.latch = _Latch()
 
-    def rate(self, name: str) -> float:
-        """Mean hidden norm of the last ``window`` steps over that of the ``window`` steps
-        ``rate_span`` earlier (1.0 until both exist)."""
-        norms = list(self.recent[name])
-        window = self.cfg.window
-        if len(norms) < self.cfg.rate_span + window:
-            return 1.0
-        old, new = sum(norms[:window]) / window, sum(norms[-window:]) / window
-        return new / old if old > 0 else 1.0
+    def rate(self, name: str, step: int) -> float | None:
+        """Mean hidden norm over the last ``window`` optimizer steps over that of the ``window``
+        steps ``rate_span`` earlier; None until the run has both. Counted in optimizer steps, not
+        in the steps that held the modality: a modality in 40 % of the steps would otherwise be
+        compared with its norm 125 steps back, deep in the lr's warmup."""
+        norms = self.recent[name]
+        span, window = self.cfg.rate_span, self.cfg.window
+        if step - span - window + 1 < self.start:
+            return None
+        means = []
+        for part in (
+            [(norm, count) for at, norm, count in norms if at <= step - span],
+            [(norm, count) for at, norm, count in norms if at > step - window],
+        ):
+            tokens = sum(count for _, count in part)
+            if tokens < max(1, self.cfg.min_tokens):
+                return None
+            means.append(sum(norm * count for norm, count in part) / tokens)
+        return means[1] / means[0] if means[0] > 0 else None
 
     def check(self, step: int, metrics: dict) -> list[Alarm]:
         out = []
@@ -43,16 +56,20 @@ class Drift:
             )
             if logz is None or hidden_norm is None:
                 continue
-            if step >= self.cfg.min_steps:
+            if step >= self.start:
                 ref_sum = self.ref.setdefault(name, [0.0, 0.0])
                 if ref_sum[1] < self.cfg.window:
                     ref_sum[0], ref_sum[1] = ref_sum[0] + hidden_norm, ref_sum[1] + 1
             ref = self.ref.get(name)
             growth = hidden_norm / (ref[0] / ref[1]) if ref and ref[1] >= self.cfg.window else 1.0
             metrics[f"monitor/hidden_growth/{name}"] = growth
-            if step >= self.cfg.min_steps:  # the early steps' fast growth is training, not drift
-                self.recent[name].append(hidden_norm)
-            rate = self.rate(name)
+            if step >= self.start:  # the early steps' fast growth is training, not drift
+                norms = self.recent[name]
+                norms.append((step, hidden_norm, float(metrics.get(f"tokens/{name}", 1.0))))
+                while norms[0][0] <= step - self.cfg.rate_span - self.cfg.window:
+                    norms.popleft()
+            found = self.rate(name, step)
+            rate = 1.0 if found is None else found
             metrics[f"monitor/hidden_rate/{name}"] = rate
             # Hysteresis: an open condition clears only below 80 % of its threshold, so a signal
             # hovering at the threshold is one alarm, not one every few steps.
@@ -73,12 +90,8 @@ class Drift:
                     growth > hn_limit or (self.cfg.growth_rate > 0 and rate > rate_limit),
                     {"hidden_norm": hidden_norm, "growth": growth, "rate": rate},
                     f"final hidden norm of {name} is {hidden_norm:.4g}, {growth:.1f}x its value at steps "
-                    f"{self.cfg.min_steps}-{self.cfg.min_steps + self.cfg.window}"
-                    + (  # no rate before rate_span + window steps of norms (rate() says 1.0 then)
-                        f" and {rate:.1f}x {self.cfg.rate_span} steps ago"
-                        if len(self.recent[name]) >= self.cfg.rate_span + self.cfg.window
-                        else ""
-                    ),
+                    f"{self.start}-{self.start + self.cfg.window}"
+                    + (f" and {rate:.1f}x {self.cfg.rate_span} steps ago" if found else ""),
                     f"hidden norm > {self.cfg.hidden_growth:g}x its early value, or > "
                     f"{self.cfg.growth_rate:g}x its value {self.cfg.rate_span} steps before",
                 ),
@@ -114,5 +127,5 @@ class Drift:
     def load_state_dict(self, st: dict) -> None:
         self.ref = {name: list(norms) for name, norms in st["ref"].items()}
         for name, norms in st["recent"].items():
-            self.recent[name] = deque(norms, maxlen=self.cfg.rate_span + self.cfg.window)
+            self.recent[name] = deque((int(at), float(norm), float(n)) for at, norm, n in norms)
         self.latch.load_state_dict(st["latch"])
