@@ -99,10 +99,14 @@ class Stagnation:
                 continue  # a few long files: the loss follows their difficulty, not the model
             if self._moving(name, step):
                 continue  # the data got easier or harder: the loss follows it
-            change = now[0] / before[0] - 1
-            std_err = (now[0] / before[0]) * math.hypot(
-                now[1] / max(now[0], 1e-9), before[1] / before[0]
-            )
+            # Within max_data_shift the data's difficulty still moves the loss as much: the
+            # change is taken against it (the loss over the unigram CE of the same tokens; 1
+            # without a unigram, a run on raw shards)
+            data = self.data.mean(name), self.data.mean(name, recent=False)
+            harder = data[0] / data[1] if data[0] and data[1] else 1.0
+            ratio = now[0] / before[0] / harder
+            change = ratio - 1
+            std_err = ratio * math.hypot(now[1] / max(now[0], 1e-9), before[1] / before[0])
             out[name] = (change, std_err, now[2])
             metrics[f"monitor/trend/{name}"] = change  # relative change of the windowed loss
         return out
@@ -217,9 +221,9 @@ class Stagnation:
                             "others_change": others_change,
                             "z": gap / max(math.hypot(std_err, others_se), 1e-12),
                         },
-                        message=f"{name} loss {word} ({change:+.1%} over {cfg.window} steps, for "
-                        f"{cfg.patience} steps running) while the other modalities fell "
-                        f"{-others_change:.1%}",
+                        message=f"{name} loss {word} ({change:+.1%} over {cfg.window} steps, "
+                        f"for its data's difficulty, for {cfg.patience} steps running) while the "
+                        f"other modalities fell {-others_change:.1%}",
                         threshold=f"change >= {-cfg.min_drop:+.0%} while the others fall >= "
                         f"{cfg.others_drop:.0%}, {cfg.z:g} standard errors apart, for {cfg.patience} steps",
                         cause=f"{name} is losing the competition for the model's capacity or is "
