@@ -251,3 +251,21 @@ def test_the_attention_logit_rule_states_only_the_halves_that_are_on():
     ]
     assert alarm.threshold == "max logit > 50 or > 4x the first probe's"
     assert alarm.message == "max attention logit 89.0, 1.0x its value at the first probe"
+
+
+def test_the_dependence_gap_is_armed_by_two_probes_in_a_row():
+    """A probe of 8 rows swings by several hundredths of a nat: a healthy run read 0.031, 0.010,
+    0.139, -0.062, 0.079, ... every 20 steps, and one reading at 0.139 armed the rule, which
+    the next fired. Armed by two readings at arm_gap in a row, it waits for the gap to hold; a
+    gap that did and then falls is still caught."""
+
+    def fired(gaps: list[float]) -> list[int]:
+        monitor, out = Monitor(MonitorConfig(), total_steps=400), []
+        for i, gap in enumerate(gaps):
+            step = 20 * (i + 1)
+            values = {"monitor/dependence_gap_reverse": gap}
+            out += [a.step for a in monitor._probe_alarms("dependence", step, values)]
+        return out
+
+    assert fired([0.031, 0.010, 0.139, -0.062, 0.079, 0.076, 0.103, 0.133, 0.109, 0.083]) == []
+    assert fired([0.05, 0.15, 0.2, 0.25, 0.01]) == [100]

@@ -204,8 +204,8 @@ class DependenceConfig(ProbeConfig):
     """Caption loss after the matched image minus after another document's image, on probe
     documents (image then caption); with ``reverse``, also the image codes' loss after their own
     caption minus after another caption (caption then image). Alarm, per direction, when the
-    gap, once at least ``arm_gap`` nats, falls below ``min_gap``: one modality has stopped using
-    the other."""
+    gap, once at least ``arm_gap`` nats at two probes in a row, falls below ``min_gap``: one
+    modality has stopped using the other."""
 
     POSITIVE: ClassVar = ("probes",)
     SIGNED: ClassVar = ("min_gap",)

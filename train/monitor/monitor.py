@@ -217,8 +217,14 @@ class Monitor:
                 if gap_key not in values:
                     continue
                 gap = values[gap_key]
-                if gap >= probe_cfg.arm_gap:
+                # Armed by two probes in a row at arm_gap: a probe of a few rows swings by
+                # several hundredths of a nat, and one high reading is no sign of learning
+                if gap < probe_cfg.arm_gap:
+                    self.probe_latch.discard(f"{signal}_high")
+                elif f"{signal}_high" in self.probe_latch:
                     self.probe_latch.add(f"{signal}_armed")
+                else:
+                    self.probe_latch.add(f"{signal}_high")
                 found.append(
                     (
                         signal,
