@@ -46,7 +46,7 @@ class FFNConfig:
             or sorted(set(groups)) != list(range(max(groups) + 1))
         ):
             raise ValueError(
-                f"ffn.modality_groups needs one FFN index per modality ({NUM_MODALITIES}), "
+                f"model.ffn.modality_groups needs one FFN index per modality ({NUM_MODALITIES}), "
                 f"using every index 0..max, got {groups}"
             )
 

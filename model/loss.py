@@ -48,8 +48,9 @@ class LossConfig:
     ignore_index: int = -100
 
     def __post_init__(self) -> None:
-        if self.chunk_size < 0 or self.z_loss_coef < 0:
-            raise ValueError("loss.chunk_size and loss.z_loss_coef must be >= 0")
+        for key in ("chunk_size", "z_loss_coef"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"model.loss.{key} must be >= 0, got {getattr(self, key)}")
 
 
 class LossResult(NamedTuple):

@@ -41,7 +41,7 @@ from train.dist import strip_launcher_args
 ConfigStore.instance().store(name="run_schema", node=RunConfig)
 # An absolute path: Hydra would otherwise look for a Python package "configs".
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
-SILENT_RANK_WAIT_S = 2.0  # refuse_before_start
+SILENT_RANK_WAIT_S = 10.0  # refuse_before_start: the launcher stops the waiting ranks sooner
 
 # Extra callbacks for one run, made from its config: tests and the instability suite only.
 CallbackFactory = Callable[[RunConfig], Sequence]

@@ -78,6 +78,14 @@ RESUME_CRITICAL: dict[str, tuple[str, ...]] = {
         "vtok_data.heldout_fraction",
     ),
 }
+# Model settings that choose how the same function is computed, to float error (a kernel, a
+# chunking, recomputation in the backward): a resume may change them (a compile failure, memory)
+HOW_IT_RUNS = (
+    "model.activation_checkpoint_every",
+    "model.attention.backend",
+    "model.attention.compile_flex",
+    "model.loss.chunk_size",
+)
 WORLD_SIZE = "world size (ranks)"
 # Rows per step and the loader's consumers follow the data-parallel replicas, world size over
 # train.sequence_parallel: a change of either that keeps their quotient (SP 1 on 1 process to
@@ -259,8 +267,8 @@ def breaks_resume(key: str, task: str, old: Any = None, new: Any = None) -> bool
         # (0 and 1 are one consumer alike). Another count resumes by redistributing the
         # position (docs/loader.md): no sample lost or repeated, but not the same batches.
         return task == "lm" and _consumers_per_rank(old) != _consumers_per_rank(new)
-    if key == "model.activation_checkpoint_every":
-        return False  # the blocks' activations recomputed in the backward are the same values
+    if key in HOW_IT_RUNS:
+        return False
     prefixes = RESUME_CRITICAL["any"] + RESUME_CRITICAL.get(task, ())
     return key in (DATA_PARALLEL, MOE_SHARDS) or any(
         key == prefix or key.startswith(prefix + ".") for prefix in prefixes

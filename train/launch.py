@@ -18,7 +18,8 @@ When the workers stopped after their checkpoint because a rank on another node w
 launcher killed: ``train/callbacks/preemption.py``), this launcher got no signal itself and
 torchrun would wait up to 300 s at its exit barrier for the other node's launcher, which may be
 gone, then log a traceback: it waits ``STOPPED_BARRIER_S`` instead (a live peer arrives within
-seconds, its workers having stopped at the same step), quietly, and says what happened.
+seconds, its workers having stopped at the same step) without torchrun's traceback (c10d's own
+two warnings of the timeout remain), and says what happened.
 
 Two defaults differ from torchrun's, each overridden by its own option: SIGUSR1 is among the
 signals handled and passed on (``--signals-to-handle``: Slurm's ``--signal=USR1@120``), and the
@@ -62,26 +63,38 @@ def all_stopped(folder: Path) -> bool:
     return len(wanted) == 1 and len(notes) == wanted.pop()
 
 
-def shorten_exit_barrier(notes: Path) -> None:
-    """torchrun's exit barrier, bounded by ``STOPPED_BARRIER_S`` and without its traceback once
-    every local worker left its stop note (module docstring)."""
+def watch_the_agent(notes: Path) -> None:
+    """Two changes to torchrun's agent (module docstring): the stop notes are cleared whenever
+    it starts the workers (a restart under ``--max-restarts`` or a membership change stops the
+    old ones with a signal, and their notes are not the new attempt's), and its exit barrier is
+    bounded by ``STOPPED_BARRIER_S``, without its own error log, once every local worker left
+    its note."""
     import logging
 
     from torch.distributed.elastic.agent.server import api
 
-    original = api.SimpleElasticAgent._exit_barrier
+    start, barrier = (
+        api.SimpleElasticAgent._initialize_workers,
+        api.SimpleElasticAgent._exit_barrier,
+    )
+
+    def initialize_workers(agent, worker_group) -> None:
+        for note in notes.glob("rank_*"):
+            note.unlink(missing_ok=True)
+        return start(agent, worker_group)
 
     def exit_barrier(agent) -> None:
         if not all_stopped(notes):
-            return original(agent)
+            return barrier(agent)
         agent._exit_barrier_timeout = min(agent._exit_barrier_timeout, STOPPED_BARRIER_S)
         level = api.logger.level
         api.logger.setLevel(logging.CRITICAL)  # a peer that is gone is said below, in one line
         try:
-            return original(agent)
+            return barrier(agent)
         finally:
             api.logger.setLevel(level)
 
+    api.SimpleElasticAgent._initialize_workers = initialize_workers  # type: ignore[method-assign]
     api.SimpleElasticAgent._exit_barrier = exit_barrier  # type: ignore[method-assign]
 
 
@@ -96,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT_S)
     with tempfile.TemporaryDirectory(prefix="earlyfuse-stop-") as notes:
         os.environ[STOP_NOTES_ENV] = notes
-        shorten_exit_barrier(Path(notes))
+        watch_the_agent(Path(notes))
         try:
             torchrun_main(args)
         except SignalException as e:

@@ -46,3 +46,24 @@ def test_deepspeed_launcher_runs_two_ranks(tiny_raw, tmp_path):
     assert "--local_rank=1" in out and "2 rank(s)" in out and "step 3/3 | loss" in out
     meta = json.loads((run / "checkpoints" / "step_00000003" / "meta.json").read_text())
     assert meta["world_size"] == 2 and meta["zero_stage"] == 2
+
+
+def test_earlyfuse_torchrun_clears_the_stop_notes_whenever_the_workers_start(tmp_path, monkeypatch):
+    """A restart (``--max-restarts``, a membership change) stops the old workers with a signal,
+    and the notes they leave are not the new attempt's: an attempt that then ends normally would
+    be reported as stopped after its checkpoint, its exit barrier cut short."""
+    from torch.distributed.elastic.agent.server import api
+
+    from train.launch import all_stopped, watch_the_agent
+
+    started = []
+    monkeypatch.setattr(
+        api.SimpleElasticAgent, "_initialize_workers", lambda a, g: started.append(g)
+    )
+    monkeypatch.setattr(api.SimpleElasticAgent, "_exit_barrier", lambda agent: None)
+    for rank in (0, 1):
+        (tmp_path / f"rank_{rank:05d}").write_text("2\n")  # an earlier attempt's
+    assert all_stopped(tmp_path)
+    watch_the_agent(tmp_path)
+    api.SimpleElasticAgent._initialize_workers(object(), "group")
+    assert started == ["group"] and not all_stopped(tmp_path) and not list(tmp_path.iterdir())

@@ -326,7 +326,7 @@ def test_hidden_norm_growth_rate_fires_late_in_a_run_and_once():
 
 def test_hidden_norm_rate_counts_optimizer_steps_and_leaves_the_warmup_out():
     """Code in 40 % of the steps, its norm growing while the lr warms up over 150 steps and
-    settling by step 200: healthy. Counted in the steps that held it, "50 steps ago" reached 125 steps back,
+    settling by step 200: healthy; so is a faster growth inside the warmup. Counted in the steps that held it, "50 steps ago" reached 125 steps back,
     into the warmup, and fired ("2.3x 50 steps ago"); a warmup longer than ``min_steps`` made
     the early growth count. The same doubling after the warmup, within 50 steps, still fires;
     a burst of a modality of a token a step (its norm swings by itself) does not."""
@@ -347,6 +347,10 @@ def test_hidden_norm_rate_counts_optimizer_steps_and_leaves_the_warmup_out():
     # 0.35 -> 0.95 as the lr warms up and settles (as measured: 0.39 at step 60, 0.95 at 217)
     warming = lambda s: 0.35 + 0.6 * (min(s, 200) / 200) ** 2  # noqa: E731
     assert fired(warming, warmup=150) == []
+    # growing 3x over steps 60-100, inside the warmup: left out of a 150-step warmup's run, a
+    # tripling within 50 steps of a run whose lr had warmed up by step 5
+    ramp = lambda s: 0.4 * (1 + 2 * min(max(s - 60, 0), 40) / 40)  # noqa: E731
+    assert fired(ramp, warmup=150) == [] and fired(ramp, warmup=5)
     assert fired(lambda s: warming(s) * (1.03 ** max(0, s - 250)), warmup=150)  # x2 in ~25 steps
     burst = lambda s: 3.0 if 200 <= s < 220 else 1.0  # noqa: E731
     assert fired(burst, warmup=5, tokens=1.0) == []

@@ -358,7 +358,6 @@ def build_parser() -> argparse.ArgumentParser:
     long.add_argument(
         "--position-first-bucket",
         type=int,
-        default=64,
         metavar="F",
         help="end of the first position bucket, inside the row; each next twice as long (default 64)",
     )
@@ -376,14 +375,12 @@ def build_parser() -> argparse.ArgumentParser:
     long.add_argument(
         "--needle-trials",
         type=int,
-        default=8,
         metavar="K",
         help="keys (and video frames) per cell of the needle tables (default 8)",
     )
     long.add_argument(
         "--needle-digits",
         type=int,
-        default=5,
         metavar="K",
         help="digits of each pass key (default 5)",
     )
@@ -398,6 +395,18 @@ def build_parser() -> argparse.ArgumentParser:
     return pair
 
 
+# The options that shape one table, and their defaults (given without it: refused, not ignored)
+TABLE_OPTIONS: dict[str, dict[str, int | None]] = {
+    "--needle": {
+        "needle_lengths": None,
+        "needle_depths": None,
+        "needle_trials": 8,
+        "needle_digits": 5,
+    },
+    "--position-loss": {"position_first_bucket": 64},
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     from data.cli.common import USER_ERRORS
     from tools.evaluate.table import dropped_warning, format_eval
@@ -406,15 +415,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.no_table and not args.out:
         parser.error("--no-table needs --out FILE (the figures would go nowhere)")
-    for option, table in (("needle", "--needle"), ("position", "--position-loss")):
-        given = [
-            "--" + key.replace("_", "-")
-            for key, value in vars(args).items()
-            if key.startswith(option + "_") and value != parser.get_default(key)
-        ]
+    for table, shaping in TABLE_OPTIONS.items():
+        given = [f"--{key.replace('_', '-')}" for key in shaping if getattr(args, key) is not None]
         if given and not (getattr(args, table[2:].replace("-", "_")) or args.long_context):
             verb = "applies" if len(given) == 1 else "apply"
             parser.error(f"{', '.join(given)} {verb} only with {table} or --long-context")
+        for key, default in shaping.items():
+            if getattr(args, key) is None:
+                setattr(args, key, default)
     try:
         ev = evaluate(args)
     except (ValueError, OSError) as e:  # ReleaseError is a ValueError naming the file

@@ -70,7 +70,8 @@ class Drift:
                     norms.popleft()
             found = self.rate(name, step)
             rate = 1.0 if found is None else found
-            metrics[f"monitor/hidden_rate/{name}"] = rate
+            if found is not None:
+                metrics[f"monitor/hidden_rate/{name}"] = rate
             # Hysteresis: an open condition clears only below 80 % of its threshold, so a signal
             # hovering at the threshold is one alarm, not one every few steps.
             keep = {signal: f"{signal}/{name}" in self.latch.on for signal in ("logz", "hidden")}
@@ -89,9 +90,13 @@ class Drift:
                     "hidden",
                     growth > hn_limit or (self.cfg.growth_rate > 0 and rate > rate_limit),
                     {"hidden_norm": hidden_norm, "growth": growth, "rate": rate},
-                    f"final hidden norm of {name} is {hidden_norm:.4g}, {growth:.1f}x its value at steps "
-                    f"{self.start}-{self.start + self.cfg.window}"
-                    + (f" and {rate:.1f}x {self.cfg.rate_span} steps ago" if found else ""),
+                    f"final hidden norm of {name} is {hidden_norm:.4g}, {growth:.1f}x its value over its "
+                    f"first {self.cfg.window} steps from step {self.start}"
+                    + (
+                        f" and {rate:.1f}x {self.cfg.rate_span} steps ago"
+                        if found is not None
+                        else ""
+                    ),
                     f"hidden norm > {self.cfg.hidden_growth:g}x its early value, or > "
                     f"{self.cfg.growth_rate:g}x its value {self.cfg.rate_span} steps before",
                 ),

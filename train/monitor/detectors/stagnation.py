@@ -181,8 +181,9 @@ class Stagnation:
         changes = self._changes(step, metrics)
         out = self._starved(step, metrics)
         for name in MODALITY_NAMES:
-            if name not in changes:
-                self.streak[name] = 0  # not judged this step: the steps in a row start again
+            if name not in changes:  # not judged this step: the steps in a row start again
+                self.streak[name] = 0
+                self.latch.edge(name, False)
         for name, (change, std_err, _) in changes.items():
             others = {other: other_stats for other, other_stats in changes.items() if other != name}
             tokens = sum(other_stats[2] for other_stats in others.values())
