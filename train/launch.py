@@ -99,8 +99,10 @@ def watch_the_agent(notes: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import main as torchrun_main
 
     args = sys.argv[1:] if argv is None else argv
@@ -127,6 +129,19 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 128 + int(e.sigval)
+        except (RendezvousError, DistError):
+            # The rendezvous store went down with the node that held it (its launcher killed):
+            # torchrun stopped this node's workers; if each had stopped after its checkpoint
+            # the run is resumable, as when another node's launcher is killed (below)
+            if not all_stopped(Path(notes)):
+                raise
+            print(
+                "earlyfuse-torchrun: every worker stopped after its checkpoint (a signal reached "
+                "one of the run's ranks; the rendezvous went down with its node); exit code 0 "
+                "(run the same command again to resume)",
+                file=sys.stderr,
+            )
+            return 0
         except ChildFailedError as e:
             # A worker that refused the run (2) or was halted by a monitor (3) said why in one
             # line above; torchrun would bury it under a traceback and exit 1, which a scheduler

@@ -282,7 +282,13 @@ def test_a_node_whose_peer_launcher_was_killed_exits_0_without_torchruns_300_s_w
     rdzv += ["--rdzv_endpoint", f"127.0.0.1:{free_port()}"]
     launcher = [sys.executable, "-m", "train.launch", "--nnodes", "2", "--nproc_per_node", "1"]
     args = base(tiny_tokens, run, 1000, "train.sequence_parallel=2", sources={"scenes": 1.0})
-    nodes = [start([*launcher, *rdzv, "-m", "train.app", *args], log) for log in logs]
+    # The first node holds the rendezvous store (as a cluster's head node would): torchrun's
+    # rendezvous goes down with the node that holds it, whatever this launcher does
+    hosts = [["--rdzv_conf", f"is_host={host}"] for host in ("true", "false")]
+    nodes = [
+        start([*launcher, *rdzv, *host, "-m", "train.app", *args], log)
+        for host, log in zip(hosts, logs)
+    ]
     try:
         wait_for_step(run, 2, nodes[0], logs[0])
         nodes[1].kill()
