@@ -121,7 +121,8 @@ class CollapseConfig(Detector):
 
 @dataclass(kw_only=True)
 class StagnationConfig(Detector):
-    """A modality's loss over the last ``window`` steps against the ``window`` before: it fell by
+    """A modality's loss over the last ``window`` steps against the ``window`` before, each over
+    the unigram CE of the same tokens (the data's difficulty): it fell by
     less than ``min_drop`` (relative) or rose, while the other modalities fell by at least
     ``others_drop`` on average (token-weighted), the two changes at least ``z`` standard errors
     apart (errors over blocks of ``block_steps`` consecutive steps), each window holding at least ``min_tokens`` tokens of the modality in at least

@@ -13,8 +13,9 @@ from train.monitor.detectors.common import _Latch
 class Drift:
     """log Z far from 0 (softmax normaliser drift), or the final hidden norm growing: against its
     own early value, or fast (its token-weighted mean over the last ``window`` steps
-    ``growth_rate`` x its mean ``rate_span`` steps before). Chameleon's norm growth precedes divergence in mixed-modal
-    runs; the rate catches it at any point of a long run, where the early value is long gone."""
+    ``growth_rate`` x its mean ``rate_span`` steps before). Chameleon's norm growth precedes
+    divergence in mixed-modal runs; the rate catches it at any point of a long run, where the
+    early value is long gone."""
 
     def __init__(self, cfg: DriftConfig, warmup_steps: int = 0) -> None:
         self.cfg = cfg

@@ -108,7 +108,7 @@ class Stagnation:
             change = ratio - 1
             std_err = ratio * math.hypot(now[1] / max(now[0], 1e-9), before[1] / before[0])
             out[name] = (change, std_err, now[2])
-            metrics[f"monitor/trend/{name}"] = change  # relative change of the windowed loss
+            metrics[f"monitor/trend/{name}"] = change  # of the windowed loss, for its data
         return out
 
     def _starved(self, step: int, metrics: dict) -> list[Alarm]:
