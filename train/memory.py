@@ -150,14 +150,8 @@ def _param_count(cfg) -> int:
     return cfg.n_layers * per_layer + 2 * cfg.vocab_size * dim + dim
 
 
-def count(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
-    return value
-
-
 def main(argv=None) -> None:
+    from data.cli.common import positive_int
     from model.presets import preset
 
     parser = argparse.ArgumentParser(
@@ -166,16 +160,20 @@ def main(argv=None) -> None:
     parser.add_argument(
         "preset", help="a model preset (configs/model/): debug, demo, 125m, 350m, 1b"
     )
-    parser.add_argument("--micro-batch", type=count, default=8, help="rows per GPU per micro-step")
-    parser.add_argument("--seq-len", type=count, default=2048)
+    parser.add_argument(
+        "--micro-batch", type=positive_int, default=8, help="rows per GPU per micro-step"
+    )
+    parser.add_argument("--seq-len", type=positive_int, default=2048)
     parser.add_argument(
         "--grad-accum",
-        type=count,
+        type=positive_int,
         default=1,
         help="micro-steps per optimizer step (default 1; the GPU presets' train.grad_accum is 4)",
     )
-    parser.add_argument("--gpus", type=count, default=1, help="all ranks: data x sequence parallel")
-    parser.add_argument("--sp", type=count, default=1, help="sequence-parallel degree")
+    parser.add_argument(
+        "--gpus", type=positive_int, default=1, help="all ranks: data x sequence parallel"
+    )
+    parser.add_argument("--sp", type=positive_int, default=1, help="sequence-parallel degree")
     parser.add_argument(
         "--mask", choices=("flex", "sdpa"), default="flex", help="BlockMask or dense mask"
     )

@@ -61,8 +61,8 @@ def test_sequence_parallel_divides_activations_and_masks_grow_as_blocks_squared(
     "argv, said",
     [
         (["3b"], "unknown model preset '3b'; choose from"),
-        (["125m", "--seq-len", "-5"], "argument --seq-len: must be 1 or more, got -5"),
-        (["125m", "--gpus", "0"], "argument --gpus: must be 1 or more, got 0"),
+        (["125m", "--seq-len", "-5"], "argument --seq-len: -5 is not a count (give 1 or more)"),
+        (["125m", "--gpus", "0"], "argument --gpus: 0 is not a count (give 1 or more)"),
     ],
 )
 def test_the_planner_refuses_an_unknown_preset_and_counts_below_1_in_one_line(argv, said, capsys):
