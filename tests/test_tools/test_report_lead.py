@@ -36,6 +36,10 @@ def test_the_loss_rule_finds_a_modality_rise_and_ignores_the_early_fall():
     assert loss_visible([rec(s, falling(s), falling(s)) for s in range(1, 200)]) is None
     nan = recs[:50] + [{**recs[50], "train/loss": float("nan")}]
     assert loss_visible(nan).series == "non-finite"
+    image_nan = recs[:50] + [{**recs[50], "loss/image": float("inf")}]
+    assert loss_visible(image_nan).step == recs[50]["step"]
+    no_tokens = recs[:50] + [{**recs[50], "loss/image": float("nan"), "tokens/image": 0}]
+    assert loss_visible(no_tokens) is None
     assert lead_time(100, v) == v.step - 100 and lead_time(100, None) is None
 
 

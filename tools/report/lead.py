@@ -3,9 +3,9 @@
 The *loss rule* (docs/monitors.md, "Measured on real instabilities", says why these settings) is
 an objective stand-in for "a person looking at the loss curve would see it": the first step, from
 ``BURN_IN`` on, at which the total loss or a content modality's loss, smoothed by a token-weighted
-EMA, stands ``RISE`` above its own running minimum, or the first non-finite loss. A failure that
-shows as a stall never leaves its own minimum: ``loss_above_control`` compares with a healthy run
-on the same data instead. An alarm's **lead time** is the visible step minus the alarm's step.
+EMA, stands ``RISE`` above its own running minimum, or the first non-finite loss (the total's
+or a content modality's). A failure that shows as a stall never leaves its own minimum:
+``loss_above_control`` compares with a healthy run on the same data instead. An alarm's **lead time** is the visible step minus the alarm's step.
 The rule reads a run's *first* pass (until a rollback relogs steps), the trajectory on which the
 trouble happened; ``earlyfuse-report`` reads, when that shows nothing, the pass the run went on
 with too. ``earlyfuse-report`` and ``tools/monitor_eval/instability.py`` both use it.
@@ -46,8 +46,7 @@ def loss_visible(records: list[dict]) -> Visible | None:
     lows: dict[str, float] = {}
     for record in records:
         step = record["step"]
-        loss = record.get("train/loss")
-        if isinstance(loss, (int, float)) and not math.isfinite(loss):
+        if _non_finite(record):
             return Visible(step, "non-finite", math.nan, math.nan)
         for name, level in _update(sums, record).items():
             if step < BURN_IN:
@@ -57,6 +56,13 @@ def loss_visible(records: list[dict]) -> Visible | None:
                 return Visible(step, name, level, low)
             lows[name] = level if low is None else min(low, level)
     return None
+
+
+def _non_finite(record: dict) -> bool:
+    """The total loss, or a content modality's loss over tokens it had, is NaN or infinite."""
+    losses = [record.get("train/loss")]
+    losses += [record.get(f"loss/{m}") for m in CONTENT if record.get(f"tokens/{m}")]
+    return any(isinstance(v, (int, float)) and not math.isfinite(v) for v in losses)
 
 
 def _smoothed(records: list[dict]) -> dict[int, dict[str, float]]:
