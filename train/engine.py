@@ -15,6 +15,8 @@ Design choices:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -163,6 +165,27 @@ def build_engine(model: nn.Module, cfg: RunConfig, world_size: int, *, total_ste
         ),  # ZeRO over DP x SP, train/sequence_groups.py
     )
     return engine, opt, sched
+
+
+@contextmanager
+def config_hyperparameters(engine) -> Iterator[None]:
+    """Around a checkpoint load: the optimizer's hyperparameters (lr, betas, eps, weight decay)
+    and the schedule's peak lr are the run's config's, not the checkpoint's. DeepSpeed restores
+    the param groups and the scheduler's ``base_lrs`` as saved, so a resume that changed
+    ``optim.lr`` or ``optim.weight_decay`` trained on under the old values while its config.yaml
+    said the new ones. The checkpoint keeps what is state: moments, step counts, the schedule's
+    position and its lr cap."""
+    sched = engine.lr_scheduler
+    optimizer = sched.optimizer  # our AdamW, whose groups every DeepSpeed wrapper steps
+    config = [
+        {key: value for key, value in g.items() if key != "params"} for g in optimizer.param_groups
+    ]
+    peak = list(sched.base_lrs)
+    yield
+    for group, values in zip(optimizer.param_groups, config):  # the load made new group dicts
+        group.update(values)
+    sched.base_lrs = peak
+    sched.set_current_lr()
 
 
 def global_grad_norm(engine) -> float:

@@ -123,7 +123,16 @@ class CappedLambdaLR(LambdaLR):
 
     def cap_here(self, scale: float = 1.0) -> float:
         """From now on the multiplier never exceeds ``scale`` x what it is at the current step
-        (the step a rollback returned to); returns the cap."""
+        (the step a rollback returned to), this step's update included; returns the cap."""
         here = scale * self.uncapped(self.last_epoch)
         self.cap = here if self.cap is None else min(self.cap, here)
+        self.set_current_lr()
         return self.cap
+
+    def set_current_lr(self) -> None:
+        """The optimizer's lr for the current step, as ``step()`` would have set it: after a
+        checkpoint load or a new cap, the next update takes it (not the one after)."""
+        lrs = [base * rule(self.last_epoch) for rule, base in zip(self.lr_lambdas, self.base_lrs)]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        self._last_lr = lrs

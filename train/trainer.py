@@ -34,6 +34,7 @@ from train.checkpoint import Checkpointer, tag_for
 from train.config import TrainConfig
 from train.config_check import ConfigError, check_resume_config, training_mix
 from train.dist import DistInfo, barrier
+from train.engine import config_hyperparameters
 from train.names import CONFIG_FILE, FINAL_FILE, HALTED_FILE
 from train.rng_state import rng_state, set_rng_state
 from train.skip_step import SkipStepAdamW, UpdateGate
@@ -249,10 +250,11 @@ class Trainer:
     def load_checkpoint(self, tag: str, *, other_world: bool = False) -> list[str]:
         """Load checkpoint ``tag`` into the engine, the callbacks, the stream and the RNG; notes
         for the console (a stream moved onto another split, a rank without a predecessor)."""
-        if other_world:
-            client, own = self.checkpointer.load_resharded(self.engine, tag, self.zero_stage)
-        else:
-            client, own = self.checkpointer.load(self.engine, tag)
+        with config_hyperparameters(self.engine):
+            if other_world:
+                client, own = self.checkpointer.load_resharded(self.engine, tag, self.zero_stage)
+            else:
+                client, own = self.checkpointer.load(self.engine, tag)
         self.callbacks.load_state_dict(client, str(self.checkpointer.dir / tag))
         notes = []
         note = self.stream.resume(

@@ -84,6 +84,28 @@ def test_every_zero_stage_trains_and_resumes_bit_identically(tiny_tokens, tmp_pa
     assert all(digest == want[s] for s, digest in got), (want, got)
 
 
+def test_a_resume_with_another_lr_trains_at_it_from_its_first_step(tiny_tokens, tmp_path):
+    """DeepSpeed's load brought back the saved peak lr (and betas, weight decay) over the
+    config's: the resumed run logged and trained at the old lr while its config.yaml said the
+    new one. Reference: an uninterrupted run whose lr doubles at the resumed step (optim.
+    lr_changes), the same lr to the bit; its steps 5 and 6 must be the resumed run's."""
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    args = ["deepspeed.zero_stage=2", "train.ckpt_every=2"]
+    train(
+        base(tiny_tokens, ref, 6, *args, "optim.lr=1e-3", "optim.lr_changes=[{step: 4, scale: 2}]")
+    )
+    p = train(
+        base(tiny_tokens, run, 6, *args, "optim.lr=1e-3"), faults={"kill_at_step": 5}, check=False
+    )
+    assert p.returncode == -9
+    p = train(base(tiny_tokens, run, 6, *args, "optim.lr=2e-3", "train.allow_config_change=true"))
+    assert "optim.lr: 0.001 -> 0.002 (breaks an exact resume)" in p.stdout
+    a, b = metrics(ref), metrics(run)
+    for step in (5, 6):
+        for key in ("train/loss", "optim/grad_norm", "optim/lr"):
+            assert a[step][key] == b[step][key], (step, key)
+
+
 @pytest.mark.slow
 def test_two_process_run_killed_mid_run_resumes_bit_identically(tiny_tokens, tmp_path):
     ref, run = tmp_path / "ref", tmp_path / "run"
