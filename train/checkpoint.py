@@ -7,8 +7,10 @@ Design choices:
 - Nothing is unpickled: every file, DeepSpeed's included, is read weights-only
   (train/safe_load.py).
 - ``meta.json`` (step, world size, ZeRO stage, and the size and SHA-256 of every file) is written
-  last, after a barrier that every rank reaches once its files are on disk; the ranks share the
-  hashing. Then ``latest`` moves (written to a temporary name, renamed). A crash mid-save leaves
+  last, after a barrier that every rank reaches once its files are written; the ranks share the
+  hashing and sync every file and folder to disk first (fsync), so a node's crash or a power
+  loss cannot leave a manifest naming files that come back empty. Then ``latest`` moves
+  (written to a temporary name, synced, renamed, the rename synced). A crash mid-save leaves
   ``latest`` on the previous checkpoint; the half-written folder is removed on resume, with a
   warning. A crash between the first checkpoint's ``meta.json`` and its ``latest`` leaves a
   complete checkpoint and no ``latest``: the next start resumes from it and says so. A save that
@@ -41,7 +43,7 @@ from pathlib import Path
 import torch
 
 from data.shards.index import file_sha256
-from data.shards.storage import write_atomic
+from data.shards.storage import sync_path, write_atomic
 from train.config_check import ConfigError
 from train.dist import DistInfo, barrier
 from train.names import CHECKPOINT_META_FILE, CHECKPOINTS_DIR, CONFIG_FILE, LATEST_FILE
@@ -107,11 +109,17 @@ def checkpoint_files(folder: Path) -> list[str]:
 
 
 def file_manifest(folder: Path, names: list[str]) -> dict[str, dict]:
-    """{name: {"bytes": size, "sha256": hex}} of ``names`` inside ``folder``."""
+    """{name: {"bytes": size, "sha256": hex}} of ``names`` inside ``folder``, each synced to disk
+    first (and the folders holding them): the manifest that lists them is what declares them
+    complete, so after a node's crash or a power loss it must not name files the page cache
+    still held (they came back empty). An fsync from any process flushes a file's pages."""
     out = {}
     for name in names:
         path = Path(folder) / name
+        sync_path(path)
         out[name] = {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+    for parent in {(Path(folder) / name).parent for name in names}:
+        sync_path(parent)
     return out
 
 
@@ -450,7 +458,7 @@ class Checkpointer:
                 why = (  # complete (its meta.json is written last): latest was pointed back
                     f"a complete checkpoint newer than what {LATEST_FILE} names (a rollback's "
                     "abandoned trajectory, or latest pointed back by hand)"
-                    if (folder / META).is_file()
+                    if (folder / META).is_file() and not verify_folder(folder, hashes=False)
                     else f"newer than {LATEST_FILE}, left by a save that did not complete"
                 )
                 warn(f"removing {folder}: {why}")

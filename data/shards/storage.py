@@ -215,13 +215,29 @@ class Folder:
 
 def write_atomic(path: Path, data: bytes) -> None:
     """``data`` at ``path`` whole or not at all: a temporary file beside it, synced, renamed over
-    it (a reader, or the next run after a kill, never finds half a file)."""
+    it (a reader, or the next run after a kill, never finds half a file), and the rename synced
+    (after a power loss the old file or the new one, never an empty one)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    sync_path(path.parent)
+
+
+def sync_path(path: Path) -> None:
+    """fsync a file or a folder (a folder's fsync makes the names created or renamed in it
+    durable). A file system that cannot sync a folder (some network ones) is left to its own
+    guarantees."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not Path(path).is_dir():
+            raise
+    finally:
+        os.close(fd)
 
 
 class Staging:

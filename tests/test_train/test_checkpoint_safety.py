@@ -356,3 +356,34 @@ def test_a_kill_between_the_first_meta_and_latest_resumes_from_it_with_a_warning
     Checkpointer(r, ONE, 3).clean_partial()
     said = f"removing {step_folder(r, 3)}: a complete checkpoint newer than what latest names"
     assert said in capsys.readouterr().err and not step_folder(r, 3).exists()
+    # ... but one whose files came back empty after a power loss is not called complete
+    r = copy(runs, "zero0", tmp_path / "lost")
+    (r / "checkpoints" / "latest").write_text("step_00000002\n")
+    (step_folder(r, 3) / "mp_rank_00_model_states.pt").write_bytes(b"")
+    Checkpointer(r, ONE, 3).clean_partial()
+    said = f"removing {step_folder(r, 3)}: newer than latest, left by a save that did not complete"
+    assert said in capsys.readouterr().err
+
+
+def test_the_files_a_manifest_lists_are_synced_to_disk_before_it(tmp_path, monkeypatch):
+    """meta.json declares a checkpoint complete: after a node's crash or a power loss its files
+    came back empty when only meta.json and latest had been synced."""
+    import os
+
+    from train.checkpoint import file_manifest
+
+    (tmp_path / "zero").mkdir()
+    for name in ("a.pt", "zero/b.pt"):
+        (tmp_path / name).write_bytes(b"x" * 10)
+    synced = []
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    manifest = file_manifest(tmp_path, ["a.pt", "zero/b.pt"])
+    assert sorted(manifest) == ["a.pt", "zero/b.pt"]
+    want = {str(tmp_path / "a.pt"), str(tmp_path / "zero" / "b.pt"), str(tmp_path / "zero")}
+    assert want | {str(tmp_path)} <= set(synced)
