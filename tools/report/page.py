@@ -77,7 +77,8 @@ def overview(run: RunData, smooth: float) -> list[tuple[str, str]]:
         )
     if run.bad_lines:
         notes.append(
-            f"{run.bad_lines} unreadable metrics line(s) skipped (a run being written ends in a partial line)"
+            f"{run.bad_lines} unreadable metrics line(s) skipped (a line cut short by a crash, "
+            "or the partial last line of a run being written)"
         )
     if run.impossible_mfu:
         notes.append(

@@ -90,11 +90,18 @@ class JsonlSink:
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self.file = open(path, "a+b")  # noqa: SIM115 - closed by close()
+        end = self.file.seek(0, 2)
+        if end:
+            self.file.seek(end - 1)
+            if self.file.read(1) != b"\n":
+                # A crash (a full disk) cut the last record short: end its line, or the next
+                # record would be appended to it and both lost (readers skip the torn line)
+                self.file.write(b"\n")
 
     def write(self, step: int, metrics: dict) -> None:
         record = {"step": step, **metrics}
-        self.file.write(json.dumps(record, allow_nan=True) + "\n")
+        self.file.write((json.dumps(record, allow_nan=True) + "\n").encode())
         self.file.flush()
 
     def close(self) -> None:
