@@ -119,6 +119,10 @@ def run(cfg: RunConfig, resolved: str, extra_callbacks: CallbackFactory | None =
     dist = init_distributed()
     if not dist.is_main:  # one console: rank 0's (the others still report warnings and errors)
         logging.getLogger("train").setLevel(logging.WARNING)
+    if differs := run_dirs_differ(cfg.run_dir, dist.world_size):
+        if dist.local_rank == 0:
+            said(differs)
+        return 2
     lock = RunLock(Path(cfg.run_dir))
     try:
         refused = None
@@ -162,6 +166,26 @@ def run(cfg: RunConfig, resolved: str, extra_callbacks: CallbackFactory | None =
     finally:
         lock.release()
     return 0
+
+
+def run_dirs_differ(run_dir: str, world_size: int) -> str:
+    """Why the ranks cannot share this run (empty: they can): each resolved ``run_dir`` itself,
+    and an interpolation such as ``${now:...}`` resolves per process, so the ranks would each
+    write a folder of their own, exit 0, and leave checkpoints that cannot be resumed."""
+    if world_size == 1:
+        return ""
+    import torch.distributed as tdist
+
+    dirs: list = [None] * world_size
+    tdist.all_gather_object(dirs, run_dir)
+    if len(set(dirs)) == 1:
+        return ""
+    other = next(rank for rank, d in enumerate(dirs) if d != dirs[0])
+    return (
+        f"run_dir differs between ranks (rank 0: {dirs[0]}, rank {other}: {dirs[other]}): every "
+        "rank must write the same run folder. An interpolation such as ${now:...} resolves in "
+        "each process: name the folder once, in the shell (run_dir=runs/$(date +%Y%m%d_%H%M%S))"
+    )
 
 
 def said(error: Exception | str) -> None:

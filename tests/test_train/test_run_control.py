@@ -339,6 +339,18 @@ def test_earlyfuse_torchrun_passes_on_a_workers_refusal_as_exit_code_2(tmp_path)
     )
     assert p.returncode == 2, p.stderr[-3000:]
     assert p.stderr.count("earlyfuse-train: unknown config key(s): train.stepz") == 1, p.stderr
+    # A run folder each rank resolves for itself (Hydra's ${now:}): before, each rank wrote its
+    # own, the run exited 0 and its checkpoints could not be resumed
+    per_rank = f"run_dir={tmp_path}/ts_${{now:%H%M%S%f}}"
+    p = subprocess.run(
+        [*two, "--master_port", str(free_port()), "-m", "train.app", args[0], per_rank],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert p.stderr.count("earlyfuse-train: run_dir differs between ranks (rank 0: ") == 1
+    assert not list(tmp_path.glob("ts_*"))
 
 
 def test_a_sigterm_while_the_run_starts_stops_it_after_step_1_with_a_checkpoint(
