@@ -132,13 +132,27 @@ class TransformerConfig:
         return self.attention.resolved_head_dim(self.dim)
 
     def with_layout(self, layout: VocabLayout) -> TransformerConfig:
-        return dataclasses.replace(
-            self,
-            vocab_size=layout.size,
-            text_vocab_size=layout.text_size,
-            visual_offset=layout.visual_offset,
-            max_grid=layout.max_grid,
-        )
+        """This config over ``layout``'s ids. A value given by hand that is neither the schema's
+        placeholder nor the layout's is refused: it would be dropped without a word."""
+        sizes = {
+            "vocab_size": layout.size,
+            "text_vocab_size": layout.text_size,
+            "visual_offset": layout.visual_offset,
+            "max_grid": layout.max_grid,
+        }
+        given = {
+            name: getattr(self, name)
+            for name, value in sizes.items()
+            if getattr(self, name) not in (value, getattr(TransformerConfig, name))
+        }
+        if given:
+            raise ValueError(
+                ", ".join(f"model.{name}={value}" for name, value in given.items())
+                + ": set from the tokenizers' vocabulary layout ("
+                + ", ".join(f"{name} {sizes[name]}" for name in given)
+                + "), not by hand; leave it out (the vocabulary comes from the tokenizers)"
+            )
+        return dataclasses.replace(self, **sizes)
 
     def build(self, device: torch.device | str | None = None) -> Transformer:
         with torch.device(device or "cpu"):

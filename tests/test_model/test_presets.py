@@ -116,3 +116,20 @@ def test_an_unknown_preset_or_key_is_an_error_naming_it(tmp_path, monkeypatch):
     monkeypatch.setattr(presets, "PRESET_DIR", tmp_path)
     with pytest.raises(ValueError, match="n_layer"):
         preset("typo")
+
+
+def test_the_vocabulary_sizes_come_from_the_layout_and_a_hand_set_one_is_refused():
+    """A hand-set model.vocab_size was replaced by the layout's without a word."""
+    from data.vocab import VocabLayout
+    from model.transformer import TransformerConfig
+
+    layout = VocabLayout(text_size=300, fsq_levels=(8, 5, 5, 5), max_grid=16)
+    cfg = TransformerConfig().with_layout(layout)
+    assert (cfg.vocab_size, cfg.text_vocab_size, cfg.visual_offset) == (
+        layout.size,
+        300,
+        layout.visual_offset,
+    )
+    assert cfg.with_layout(layout) == cfg  # the layout's own values are fine
+    with pytest.raises(ValueError, match=r"model.vocab_size=9999: set from the tokenizers"):
+        TransformerConfig(vocab_size=9999).with_layout(layout)

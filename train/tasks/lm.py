@@ -311,7 +311,10 @@ class LMTask:
         self.tables = TableCache()  # every index read once, shared by all loaders of the run
         self.documents = DocumentCounter()  # documents new to each modality, per batch
         self.layout, self.tok_folder = layout_of_data(cfg, self.tables)
-        self.model_cfg = cfg.model.with_layout(self.layout)
+        try:
+            self.model_cfg = cfg.model.with_layout(self.layout)
+        except ValueError as e:
+            raise ConfigError.alike(str(e)) from None
         if self.model_cfg.attention.backend == "flex" and dist.device.type == "cpu":
             raise ConfigError(  # said now, not by the first step's backward
                 "model.attention.backend=flex: FlexAttention has no backward on CPU in this torch; "
