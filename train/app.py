@@ -210,19 +210,22 @@ def config_groups() -> set[str]:
     return {p.name for p in Path(CONFIG_DIR).iterdir() if p.is_dir()}
 
 
+MULTIRUN_REFUSED = (
+    "--multirun (-m, hydra.mode=MULTIRUN) is not supported: a sweep would end after its first "
+    "run; start one earlyfuse-train per setting, each with its own run_dir"
+)
+
+
 def main(extra_callbacks: CallbackFactory | None = None) -> None:
     sys.argv = strip_launcher_args(sys.argv)
     # Before Hydra: its own message for an unknown key suggests +key=..., which would add it.
     unknown = unknown_override_keys(sys.argv[1:], RunConfig, config_groups())
     if unknown:
         refuse_before_start(f"unknown config key(s): {'; '.join(unknown)}")
-    if hydra_flags(sys.argv[1:]).multirun or "hydra.mode=MULTIRUN" in sys.argv:
+    if hydra_flags(sys.argv[1:]).multirun or any(map(asks_multirun, sys.argv[1:])):
         # The process ends with its run's exit code (a rank's os._exit), so a sweep would stop
         # after its first job, exit code 0; its jobs would share run_dir too.
-        refuse_before_start(
-            "--multirun (-m) is not supported: a sweep would end after its first run; start one "
-            "earlyfuse-train per setting, each with its own run_dir"
-        )
+        refuse_before_start(MULTIRUN_REFUSED)
 
     # Hydra reports an error found while composing (a misspelt key or a YAML syntax error in the
     # user's data/mine.yaml, a group option that does not exist, an override it cannot parse) in
@@ -244,10 +247,13 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
     @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
     def hydra_main(cfg: DictConfig) -> None:
         from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
 
         nonlocal composed
         composed = True
         restore_full_error()
+        if HydraConfig.get().mode == RunMode.MULTIRUN:  # set in a config file, say
+            refuse_before_start(MULTIRUN_REFUSED)
         # as given: iterating the ListConfig would resolve an override's ${...}, unchecked
         name_after_data(cfg, OmegaConf.to_container(HydraConfig.get().overrides.task))  # type: ignore[arg-type]
         try:
@@ -298,6 +304,15 @@ def compose_error(error: BaseException, args: Sequence[str]) -> str | None:
         return override_parse_error(error)
     if isinstance(error, OSError) and not isinstance(error, HydraException):
         return f"{error.filename}: {error.strerror}"  # hydra.run.dir that cannot be made
+    if isinstance(error, ValueError) and "Config group override must be" in str(error):
+        groups = config_groups()
+        nulls = [a.lstrip("+").split("=")[0] for a in args if a.endswith("=null")]
+        group = next((g for g in nulls if g in groups), "a config group")
+        options = sorted(p.stem for p in (Path(CONFIG_DIR) / group).glob("*.yaml"))
+        return (
+            f"{group}=null: a config group takes one of its options ({', '.join(options)}); "
+            f"to run without one, leave {group}= out"
+        )
     if not isinstance(error, (HydraException, OmegaConfBaseException)):
         return None
     missing_dir = re.match(r"Additional config directory '(.+)' not found", str(error))
@@ -334,6 +349,13 @@ def compose_error(error: BaseException, args: Sequence[str]) -> str | None:
     # Hydra's way to give a dict of free keys (deepspeed.config) keys it lacks: +KEY={...}
     add = rest[0].removeprefix("To append to your config use ") if rest else ""
     return place + problem + (f" (to add keys to it: {add})" if add.startswith("+") else "")
+
+
+def asks_multirun(arg: str) -> bool:
+    """An override that sets hydra.mode to MULTIRUN, however written (``++hydra.mode=MULTIRUN``,
+    ``hydra.mode='multirun'``)."""
+    key, _, value = arg.partition("=")
+    return key.lstrip("+") == "hydra.mode" and value.strip("'\"").upper() == "MULTIRUN"
 
 
 def hydra_flags(args: Sequence[str]):

@@ -296,7 +296,12 @@ def run_app(args: list[str], **env: str) -> subprocess.CompletedProcess:
             "override 'optim.lr=1e-3,1e-4' holds a comma: give a list as optim.lr=[1e-3,1e-4] or "
             "a string as optim.lr='1e-3,1e-4' (one run per command: no sweeps)",
         ),
-        (["-m", "experiment=debug"], "--multirun (-m) is not supported: a sweep would end after"),
+        (["-m", "experiment=debug"], "--multirun (-m, hydra.mode=MULTIRUN) is not supported: a"),
+        (["++hydra.mode=multirun"], "--multirun (-m, hydra.mode=MULTIRUN) is not supported: a"),
+        (
+            ["experiment=null"],
+            "experiment=null: a config group takes one of its options (debug, demo, ",
+        ),
         (  # a dict of free keys given new ones: Hydra's way to add them was left out of the line
             ["deepspeed.config={{zero_optimization:{{stage:2}}}}"],
             "Could not override 'deepspeed.config': Key 'zero_optimization' is not in struct (to "
