@@ -15,6 +15,7 @@ a save; one line says why), 3 halted by a monitor.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import re
@@ -125,20 +126,25 @@ def run(cfg: RunConfig, resolved: str, extra_callbacks: CallbackFactory | None =
         return 2
     lock = RunLock(Path(cfg.run_dir))
     try:
-        refused = None
+        refused, code = None, 0
         if dist.is_main:
             try:
                 lock.acquire()
             except RunLocked as e:
-                refused = e
+                refused, code = e, 2
+            except OSError as e:  # a full or read-only disk: the machine's, not the config's
+                if e.errno not in DISK_FULL_OR_READ_ONLY:
+                    raise
+                refused, code = disk_failure(e, Path(cfg.run_dir)), 1
         # Every rank learns whether rank 0 got the folder, and stops with it if not.
-        flag = torch.tensor([1.0 if refused else 0.0], device=dist.device)
-        if float(all_reduce_sum(flag).item()) > 0:
+        flag = torch.tensor([float(code)], device=dist.device)
+        code = int(all_reduce_sum(flag).item())
+        if code:
             print(
                 f"earlyfuse-train: {refused or 'rank 0 could not lock the run folder'}",
                 file=sys.stderr,
             )
-            return 2
+            return code
         extra = list(extra_callbacks(cfg)) if extra_callbacks else []
         if build_trainer(cfg, resolved, dist, extra_callbacks=extra).fit() is None:
             # Stopped by a signal, checkpoint written: a success for earlyfuse-torchrun too
@@ -155,6 +161,11 @@ def run(cfg: RunConfig, resolved: str, extra_callbacks: CallbackFactory | None =
             "once the data can be read",
             file=sys.stderr,
         )
+        return 1
+    except OSError as e:
+        if e.errno not in DISK_FULL_OR_READ_ONLY:
+            raise
+        said(disk_failure(e, Path(cfg.run_dir)))
         return 1
     except (ConfigError, CheckpointError, CheckpointWriteError) as e:
         # A config, a checkpoint or a run folder that cannot be used: the message says what to
@@ -185,6 +196,23 @@ def run_dirs_differ(run_dir: str, world_size: int) -> str:
         f"run_dir differs between ranks (rank 0: {dirs[0]}, rank {other}: {dirs[other]}): every "
         "rank must write the same run folder. An interpolation such as ${now:...} resolves in "
         "each process: name the folder once, in the shell (run_dir=runs/$(date +%Y%m%d_%H%M%S))"
+    )
+
+
+DISK_FULL_OR_READ_ONLY = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
+
+
+def disk_failure(error: OSError, run_dir: Path) -> str:
+    """One line for a write the disk refused outside a checkpoint save (metrics, the run lock,
+    TensorBoard): what, where, and where the run resumes from."""
+    latest = run_dir / "checkpoints" / "latest"
+    try:
+        resume = f"{latest} names {latest.read_text().strip()}: the same command resumes from it"
+    except OSError:
+        resume = "no checkpoint was written: a rerun starts at step 0"
+    return (
+        f"stopped: {error.filename or run_dir}: {error.strerror}; {resume} once the disk has "
+        "room and can be written again"
     )
 
 

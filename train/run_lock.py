@@ -156,6 +156,8 @@ class RunLock:
             return
         try:
             os.ftruncate(self.fd, 0)  # emptied, never deleted (see the module docstring)
+        except OSError:
+            pass  # a disk gone full or read-only: the lock is the flock, which close releases
         finally:
             _held.discard(self)
             os.close(self.fd)  # closing releases the flock

@@ -250,6 +250,23 @@ def test_a_save_past_a_file_size_limit_says_so_and_keeps_the_previous_checkpoint
     assert verify_folder(step_folder(r, 3)) == []
 
 
+def test_metrics_the_disk_refuses_stop_the_run_with_one_line_naming_the_file(
+    runs, tiny_tokens, tmp_path
+):
+    """A full (or read-only) disk met outside a checkpoint save: before, two chained tracebacks
+    (the metrics' flush, then their close) naming no file, exit code 1."""
+    r = copy(runs, "zero0", tmp_path)
+    limit = (r / "metrics.jsonl").stat().st_size + 100  # the next record does not fit
+    args = base(tiny_tokens, r, 6, "train.ckpt_every=0", "train.allow_config_change=true")
+    p = train(args, check=False, file_size_limit=limit)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    assert (
+        f"earlyfuse-train: stopped: {r / 'metrics.jsonl'}: File too large; "
+        f"{r / 'checkpoints' / 'latest'} names step_00000003: the same command resumes from it"
+    ) in p.stderr
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A tmpfs mount point (a real file system that fills up), where mounting is allowed (root

@@ -101,11 +101,17 @@ class JsonlSink:
 
     def write(self, step: int, metrics: dict) -> None:
         record = {"step": step, **metrics}
-        self.file.write((json.dumps(record, allow_nan=True) + "\n").encode())
-        self.file.flush()
+        try:
+            self.file.write((json.dumps(record, allow_nan=True) + "\n").encode())
+            self.file.flush()
+        except OSError as e:  # a full or read-only disk: said with the file's name
+            raise OSError(e.errno, e.strerror, self.file.name) from None
 
     def close(self) -> None:
-        self.file.close()
+        try:
+            self.file.close()
+        except OSError:
+            pass  # what could not be flushed was said by the write that failed
 
 
 class TensorBoardSink:
