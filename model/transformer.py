@@ -152,7 +152,13 @@ class TransformerConfig:
                 + ", ".join(f"{name} {sizes[name]}" for name in given)
                 + "), not by hand; leave it out (the vocabulary comes from the tokenizers)"
             )
-        return dataclasses.replace(self, **sizes)
+        return dataclasses.replace(
+            self,
+            vocab_size=layout.size,
+            text_vocab_size=layout.text_size,
+            visual_offset=layout.visual_offset,
+            max_grid=layout.max_grid,
+        )
 
     def build(self, device: torch.device | str | None = None) -> Transformer:
         with torch.device(device or "cpu"):

@@ -126,7 +126,8 @@ def run(cfg: RunConfig, resolved: str, extra_callbacks: CallbackFactory | None =
         return 2
     lock = RunLock(Path(cfg.run_dir))
     try:
-        refused, code = None, 0
+        refused: RunLocked | str | None = None
+        code = 0
         if dist.is_main:
             try:
                 lock.acquire()
