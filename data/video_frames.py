@@ -21,6 +21,8 @@ Design choices:
   The shape of every decoded batch is checked.
 - Rotation metadata (a phone's portrait clip stored landscape) is applied by decord: frames come
   out as the clip is shown, as the ingest probe measured them.
+- HDR (PQ, HLG) and BT.2020 or Display P3 clips are brought to SDR BT.709 after the resize
+  (data/video_colour.py), as images are brought to sRGB.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import numpy as np
 
 from data.image_prep import ImagePrep
 from data.media import captured_c_stderr, decord_message, frame_times, note_decode_failure
+from data.video_colour import colour_of, to_sdr
 
 
 @dataclass(frozen=True)
@@ -109,8 +112,9 @@ def decode_frames(
     if err is not None:
         note_decode_failure()
         raise ValueError(f"cannot decode video: {decord_message(log[0] if log else '', err)}")
+    colour = colour_of(raw)
     return Frames(
-        np.stack(frames),
+        to_sdr(np.stack(frames), colour) if colour else np.stack(frames),
         np.asarray(timestamps)[picked, 0],
         fps,
         float(np.asarray(timestamps)[-1, 1]),
