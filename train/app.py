@@ -88,6 +88,10 @@ def to_run_config(cfg: DictConfig) -> tuple[RunConfig, str]:
     check_known_keys(OmegaConf.to_container(cfg, resolve=False), RunConfig)  # type: ignore[arg-type]
     levels_from_layout(cfg)
     try:
+        if OmegaConf.get_type(cfg) is not RunConfig:
+            # A file composed without the schema: a run's own config.yaml given as the primary
+            # config (--config-path RUN_DIR --config-name config), as Hydra users rerun a run
+            cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)  # type: ignore[assignment]
         resolved = OmegaConf.to_yaml(cfg, resolve=True)
         run_cfg = OmegaConf.to_object(cfg)  # the structured schema makes this a RunConfig
     except OmegaConfBaseException as e:
@@ -239,6 +243,7 @@ def config_groups() -> set[str]:
     return {p.name for p in Path(CONFIG_DIR).iterdir() if p.is_dir()}
 
 
+HYDRA_RUN_SETTINGS = {"hydra.run.dir": ".", "hydra.output_subdir": "null"}  # configs/config.yaml's
 MULTIRUN_REFUSED = (
     "--multirun (-m, hydra.mode=MULTIRUN) is not supported: a sweep would end after its first "
     "run; start one earlyfuse-train per setting, each with its own run_dir"
@@ -251,7 +256,19 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
     unknown = unknown_override_keys(sys.argv[1:], RunConfig, config_groups())
     if unknown:
         refuse_before_start(f"unknown config key(s): {'; '.join(unknown)}")
-    if hydra_flags(sys.argv[1:]).multirun or any(map(asks_multirun, sys.argv[1:])):
+    flags = hydra_flags(sys.argv[1:])
+    if flags.config_path or flags.config_name:
+        # Another primary config (a run's own config.yaml) lacks configs/config.yaml's hydra
+        # settings: without these Hydra would make an outputs/DATE/TIME folder in the cwd and
+        # log to an app.log there in its own format
+        given = {arg.lstrip("+").split("=")[0] for arg in sys.argv[1:]}
+        settings = {
+            **HYDRA_RUN_SETTINGS,
+            "hydra.searchpath": f"[file://{CONFIG_DIR}]",  # where the next one is
+            "hydra/job_logging": "stdout",
+        }
+        sys.argv += [f"{k}={v}" for k, v in settings.items() if k not in given]
+    if flags.multirun or any(map(asks_multirun, sys.argv[1:])):
         # The process ends with its run's exit code (a rank's os._exit), so a sweep would stop
         # after its first job, exit code 0; its jobs would share run_dir too.
         refuse_before_start(MULTIRUN_REFUSED)

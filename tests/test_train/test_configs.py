@@ -351,6 +351,24 @@ def assert_one_line(args: list[str], line: str, tmp_path: Path, **env: str) -> N
     assert p.stderr.count("\n") == 1, p.stderr
 
 
+def test_a_runs_own_config_yaml_composes_as_the_primary_config(tmp_path, monkeypatch):
+    """`--config-path RUN_DIR --config-name config`, Hydra's way to run a saved config again:
+    the file has no defaults list, so it composed without the schema (before: a bare
+    AssertionError, exit code 1, and Hydra's outputs/DATE/TIME/ and app.log in the cwd).
+    Checked through a value the schema refuses."""
+    shown = run_app(["experiment=debug", "--cfg", "job", "--resolve"])
+    assert shown.returncode == 0, shown.stderr
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text(shown.stdout)
+    monkeypatch.chdir(tmp_path)
+    p = run_app(
+        ["--config-path", str(tmp_path / "run"), "--config-name", "config", "train.steps=0"]
+    )
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.startswith("earlyfuse-train: train.steps 0"), p.stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["run"]
+
+
 def test_hydra_full_error_1_still_gives_hydras_full_trace(tmp_path):
     p = run_app(["experiment=nope"], HYDRA_FULL_ERROR="1")
     assert p.returncode == 1 and "Traceback" in p.stderr
