@@ -27,7 +27,11 @@ _NO_HASH = bytes(32)  # an index without a usable per-sample hash
 
 def attach_id_ranges(cfg: LoaderConfig, tables: list) -> None:
     """Give every table its modality ranges: from ``data.tokenizers`` when set, else the layout
-    the token shards were made with (all sources share one, loader/dataset.check_tokenizers)."""
+    the token shards were made with (all sources share one, loader/dataset.check_tokenizers).
+    Tables that have them (a run's, shared by its later loaders: the probes') keep them: the
+    layout is read once, at start."""
+    if tables and all(t.id_ranges is not None for t in tables):
+        return
     if cfg.tokenizers:
         url = str(Path(cfg.tokenizers) / "vocab_layout.json")
     else:

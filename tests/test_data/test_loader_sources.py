@@ -465,3 +465,20 @@ def test_a_shard_listed_twice_is_refused(tiny_tokens):
     two = [SourceConfig(name=name, shards=[str(text)]) for name in ("a", "b")]
     with pytest.raises(ValueError, match=r"listed twice \(sources a and b\)"):
         build_loader(LoaderConfig(sources=two, seq_len=256), rank=0, world_size=1, micro_batch=1)
+
+
+def test_a_later_loader_over_the_runs_tables_needs_no_layout_file(tiny_tokens, tmp_path):
+    """The monitors' probes build their loader mid-run over the run's tables: with the token
+    folder moved since the start, its vocab_layout.json was read again and the run stopped,
+    telling the user to set data.tokenizers (the layout had been read at start)."""
+    from data.loader.sample_check import attach_id_ranges
+
+    tokens = tmp_path / "tokens"
+    shutil.copytree(tiny_tokens, tokens)
+    cfg = LoaderConfig(sources=[SourceConfig(name="text", shards=[str(tokens / "text")])])
+    tables = [load_table(cfg.sources[0])]
+    attach_id_ranges(cfg, tables)
+    ranges = tables[0].id_ranges
+    shutil.rmtree(tokens)
+    attach_id_ranges(cfg, tables)  # the run's tables keep what they read
+    assert tables[0].id_ranges is ranges
