@@ -19,13 +19,14 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TypeVar
 
@@ -217,13 +218,36 @@ def write_atomic(path: Path, data: bytes) -> None:
     """``data`` at ``path`` whole or not at all: a temporary file beside it, synced, renamed over
     it (a reader, or the next run after a kill, never finds half a file), and the rename synced
     (after a power loss the old file or the new one, never an empty one)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    sync_path(path.parent)
+    write_all_atomic({path: data})
+
+
+def write_all_atomic(files: Mapping[Path, bytes]) -> None:
+    """Each file's bytes at its path, all of them or none: every one is written to a temporary
+    file beside its path and synced before the first is renamed over its path, so a write that
+    fails (a full disk) leaves every old file as it was, never half a file nor a set mixing new
+    files and old ones. The temporary files of a failed write are removed, and the error names
+    the file being written (a failed ``write`` names none, ``open`` its temporary). The renames
+    are synced too (their folders)."""
+    temps = {path: path.with_name(path.name + ".tmp") for path in files}
+    try:
+        for path, tmp in temps.items():
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(files[path])
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as e:  # named by the file it stands for, not by its temporary
+                e.filename = str(path)
+                raise
+    except BaseException:
+        for tmp in temps.values():
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+        raise
+    for path, tmp in temps.items():
+        os.replace(tmp, path)
+    for folder in {path.parent for path in files}:
+        sync_path(folder)
 
 
 def sync_path(path: Path) -> None:

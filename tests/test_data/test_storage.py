@@ -84,3 +84,31 @@ def test_a_new_stage_removes_what_a_killed_job_staged(tmp_path, monkeypatch):
         assert not killed.exists() and running.is_dir() and other.is_dir() and mine.is_dir()
         staged = stage.tmp
     assert not staged.exists()
+
+
+def test_files_written_together_replace_theirs_all_or_none(tmp_path, monkeypatch):
+    """A write that fails on the last file (a full disk) leaves every old file as it was, the
+    ones written before it too, and no temporary file; the error names the file."""
+    import errno
+
+    from data.shards import storage
+
+    paths = [tmp_path / name for name in ("a.png", "b.png", "c.html")]
+    for path in paths:
+        path.write_bytes(b"old " + path.name.encode())
+    synced = []
+
+    def full_at_the_third(fd: int) -> None:
+        synced.append(fd)
+        if len(synced) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(storage.os, "fsync", full_at_the_third)
+    with pytest.raises(OSError) as failed:
+        storage.write_all_atomic({path: b"new" for path in paths})
+    assert failed.value.filename == str(paths[2]) and failed.value.errno == errno.ENOSPC
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.png", "b.png", "c.html"]
+    assert [p.read_bytes() for p in paths] == [b"old a.png", b"old b.png", b"old c.html"]
+    monkeypatch.undo()
+    storage.write_all_atomic({path: b"new" for path in paths})
+    assert [p.read_bytes() for p in paths] == [b"new"] * 3
