@@ -1,8 +1,10 @@
-"""Fixtures shared by every test folder: a tiny real corpus, its raw shards, its tokenizers."""
+"""Fixtures shared by every test folder: a tiny real corpus, its raw shards, its tokenizers; a
+small file system that fills up."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -88,3 +90,20 @@ def tiny_tokens(tiny_raw, tiny_tokenizers, tmp_path_factory) -> Path:
         ),
     )
     return out
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A tmpfs mount point (a real file system that fills up), where mounting is allowed (root
+    in a sandbox, CI); skipped elsewhere. Sized by the test with ``mount -o remount``."""
+    point = tmp_path / "tmpfs"
+    point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(point)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield point
+    finally:
+        subprocess.run(["umount", "-l", str(point)], capture_output=True)

@@ -6,11 +6,27 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from ray_cluster import free_port
 
 FAULT_ENTRY = Path(__file__).with_name("train_with_faults.py")
+
+
+def file_size_limited(limit: int) -> Callable[[], None]:
+    """A ``preexec_fn`` for ``subprocess``: the child may write at most ``limit`` bytes into one
+    file (``ulimit -f``); a write past it fails with EFBIG, as one on a full disk fails with
+    ENOSPC (SIGXFSZ, which would kill the child, is ignored)."""
+
+    def limit_file_size() -> None:
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return limit_file_size
 
 
 def train(
@@ -44,21 +60,13 @@ def train(
     else:
         cmd = [sys.executable, *entry]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-
-    def limit_file_size() -> None:
-        import resource
-        import signal
-
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
-
     p = subprocess.run(
         cmd + overrides + ["train.progress=false"],
         capture_output=True,
         text=True,
         env=full_env,
         timeout=timeout,
-        preexec_fn=limit_file_size if file_size_limit else None,
+        preexec_fn=file_size_limited(file_size_limit) if file_size_limit else None,
     )
     if check and p.returncode != 0:
         raise AssertionError(

@@ -8,6 +8,7 @@ import html
 import io
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
-from trainrun import train
+from trainrun import file_size_limited, train
 
 from tools.report import DEFAULT_SMOOTH, main, write_report
 from tools.report.page import header_lines
@@ -790,3 +791,56 @@ def test_a_long_alarm_message_is_cut_between_words_in_the_header(tmp_path):
     (run / "alarms.jsonl").write_text(json.dumps(alarm) + "\n")
     [line] = [t for t, _, _ in header_lines(load_run(run), DEFAULT_SMOOTH) if "divergence" in t]
     assert line.endswith("for 5 steps; [...]"), line
+
+
+def test_a_report_that_cannot_be_written_leaves_the_previous_one_whole(tmp_path):
+    """A full disk (here a file-size limit, which fails a write the same way): report.png was
+    written in place, left truncated over the good one beside the old run's page, and the
+    command ended in a traceback."""
+    out = tmp_path / "out"
+    assert main([str(synthetic_run(tmp_path)), "--out", str(out)]) == 0
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    other = write_records(tmp_path / "other", [{"step": s, "train/loss": 3.0} for s in (1, 2)])
+    script = Path(sys.executable).parent / "earlyfuse-report"
+    p = subprocess.run(
+        [str(script), str(other), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},  # this checkout's
+        preexec_fn=file_size_limited(20_000),
+    )
+    assert p.returncode == 1 and p.stderr == (
+        f"earlyfuse-report: {out / 'report.png'}: File too large; no file of the report there "
+        "was replaced\n"
+    )
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before  # no .tmp left either
+
+
+def test_an_unreadable_heldout_evaluation_is_named_not_dropped(tmp_path, capsys):
+    """A heldout_eval.json that a full disk left empty: the report said nothing and had no
+    held-out section, as if the run had never been evaluated."""
+    run = write_records(tmp_path / "run", [{"step": s, "train/loss": 3.0} for s in (1, 2)])
+    (run / "heldout_eval.json").write_text("")
+    said = "heldout_eval.json is unreadable and left out (0 bytes: cut short by a full disk?)"
+    data = load_run(run)
+    assert data.unreadable == [said]
+    assert f"warning: {said}" in [text for text, _, _ in header_lines(data, DEFAULT_SMOOTH)]
+    assert main([str(run)]) == 0
+    assert capsys.readouterr().err == f"earlyfuse-report: warning: {run}: {said}\n"
+    assert f"<td>{said}</td>" in (run / "report" / "report.html").read_text()
+    (run / "heldout_eval.json").write_text("[1, 2]")
+    assert load_run(run).unreadable == [
+        "heldout_eval.json is unreadable and left out (not a JSON object)"
+    ]
+
+
+def test_a_run_folder_the_report_cannot_write_into_suggests_out(tmp_path, small_tmpfs, capsys):
+    """Said "robase/report: Permission denied" alone; a read-only mount ended in a traceback."""
+    run = write_records(small_tmpfs / "run", [{"step": s, "train/loss": 3.0} for s in (1, 2)])
+    subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
+    assert main([str(run)]) == 2
+    assert capsys.readouterr().err == (
+        f"earlyfuse-report: {run / 'report'}: Read-only file system (give --out DIR to write the "
+        "report elsewhere)\n"
+    )
+    assert main([str(run), "--out", str(tmp_path / "rep")]) == 0

@@ -267,23 +267,6 @@ def test_metrics_the_disk_refuses_stop_the_run_with_one_line_naming_the_file(
     ) in p.stderr
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A tmpfs mount point (a real file system that fills up), where mounting is allowed (root
-    in a sandbox, CI); skipped elsewhere. Sized by the test with ``mount -o remount``."""
-    point = tmp_path / "tmpfs"
-    point.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(point)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
-        yield point
-    finally:
-        subprocess.run(["umount", "-l", str(point)], capture_output=True)
-
-
 def test_a_save_on_a_full_disk_says_so_and_keeps_the_previous_checkpoint(
     runs, tiny_tokens, small_tmpfs
 ):

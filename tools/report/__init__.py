@@ -7,11 +7,13 @@ panels) and report_panels.png (every panel) are composed here with Pillow.
 from __future__ import annotations
 
 import argparse
+import errno
 import io
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from data.shards.storage import write_all_atomic
 from tools.evaluate.table import format_eval
 from tools.report.run import NoMetrics, RunData, load_run
 
@@ -75,14 +77,19 @@ def write_report(
     drawn = [(p.key, p.title, p.note, figures.render(p, ctx)) for p in panels]
     width = int(figures.PANEL_SIZE[0] * figures.DPI) * (2 if len(drawn) > 1 else 1)
     header = figures.render_header(header_lines(run, smooth), width)
-    png = out / "report.png"
-    png.write_bytes(compose(header, [d[3] for d in summary_of(drawn)]))
     title = [(f"earlyfuse report: {run.name}: every panel ({len(drawn)})", 13.0, "bold")]
-    panels_png = out / "report_panels.png"
-    panels_png.write_bytes(compose(figures.render_header(title, width), [d[3] for d in drawn]))
     recon = run.run_dir / "vtok_reconstructions.png"
     page = html_page(run, smooth, drawn, recon.read_bytes() if recon.is_file() else None)
-    (html := out / "report.html").write_text(page, encoding="utf-8")
+    png, panels_png, html = out / "report.png", out / "report_panels.png", out / "report.html"
+    # The three replace the previous report together or not at all (a full disk): never a
+    # truncated image over a good one, nor a page of one run beside the images of another.
+    write_all_atomic(
+        {
+            png: compose(header, [d[3] for d in summary_of(drawn)]),
+            panels_png: compose(figures.render_header(title, width), [d[3] for d in drawn]),
+            html: page.encode("utf-8"),
+        }
+    )
     return Report(png=png, panels_png=panels_png, html=html, panels=[d[0] for d in drawn], run=run)
 
 
@@ -125,14 +132,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def failure_line(e: OSError, out_given: bool) -> str:
+    """What stopped the report, in one line naming the file or folder."""
+    from data.cli.common import USER_ERRORS
+
+    if isinstance(e, NoMetrics):
+        return str(e)
+    said = f"{e.filename}: {e.strerror or e}"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and not out_given:  # a run not ours
+        return f"{said} (give --out DIR to write the report elsewhere)"
+    if not isinstance(e, USER_ERRORS):  # a full disk, an I/O error: written all or none
+        return f"{said}; no file of the report there was replaced"
+    return said
+
+
 def main(argv=None) -> int:
+    from data.cli.common import USER_ERRORS
+
     args = parse_args(argv)
     try:
         rep = write_report(args.run_dir, args.out, args.smooth)
-    except (FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError) as e:
-        said = e if isinstance(e, NoMetrics) else f"{e.filename}: {e.strerror}"  # e.g. --out
-        print(f"earlyfuse-report: {said}", file=sys.stderr)
-        return 2
+    except OSError as e:  # NoMetrics, an --out that cannot be made or written, a full disk
+        print(f"earlyfuse-report: {failure_line(e, args.out is not None)}", file=sys.stderr)
+        theirs = isinstance(e, USER_ERRORS) or e.errno == errno.EROFS  # --out fixes a read-only run
+        return 2 if theirs else 1  # 1: the machine's (a full disk)
     run = rep.run
     from data.cli.common import reader_left
     from tools.report.page import alarm_counts, steps_text
@@ -143,6 +166,8 @@ def main(argv=None) -> int:
         )
         print(f"wrote {rep.png} (summary) and {rep.panels_png.name} (every panel)")
         print(f"wrote {rep.html}")
+        for said in run.unreadable:  # e.g. a heldout_eval.json that a full disk cut short
+            print(f"earlyfuse-report: warning: {run.run_dir}: {said}", file=sys.stderr)
         if run.heldout_eval:  # earlyfuse-eval --out RUN_DIR/heldout_eval.json
             print(format_eval(run.heldout_eval))
     except BrokenPipeError:  # `earlyfuse-report RUN | head -1`

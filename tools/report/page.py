@@ -91,6 +91,7 @@ def overview(run: RunData, smooth: float) -> list[tuple[str, str]]:
         rows.append(("records", "; ".join(notes)))
     rows.append(("alarms", alarm_counts(run)))
     rows += [("warning", str(said)) for said in run.final.get("warnings") or []]  # vtok's
+    rows += [("warning", said) for said in run.unreadable]
     rows.append(("loss visible", visible_text(run.visible())))
     smoothing = f"EMA factor {smooth:g} (debiased; raw values drawn faint)" if smooth else "none"
     rows.append(("smoothing", smoothing))
@@ -229,6 +230,7 @@ def header_lines(run: RunData, smooth: float) -> list[tuple[str, float, str]]:
     if final:
         mono.append(("final: " + "  ".join(final), 10))
     mono += [(f"warning: {said}", 10) for said in run.final.get("warnings") or []]
+    mono += [(f"warning: {said}", 10) for said in run.unreadable]
     heldout = (run.heldout_eval.get("heldout") or {}).get("total") or {}
     if heldout:
         figures = [f"{m} {fmt(f['ce'], 3)}/{fmt(f.get('unigram'), 3)}" for m, f in heldout.items()]

@@ -71,6 +71,8 @@ class RunData:
     impossible_mfu: int = 0
     bad_lines: int = 0  # metrics lines that did not parse
     bad_alarm_lines: int = 0
+    # final.json, heldout_eval.json or halted.json there but not read, each with why
+    unreadable: list[str] = field(default_factory=list)
 
     @property
     def steps(self) -> list[int]:
@@ -176,14 +178,25 @@ def build_series(records: dict[int, dict]) -> dict[str, Series]:
     }
 
 
-def _read_dict(path: Path, parse) -> dict:
+def _read_dict(path: Path, parse, unreadable: list[str] | None = None) -> dict:
     """The object of a file, or {} when it is missing, unreadable or not an object: a file we
-    cannot read costs only what the report shows of it."""
+    cannot read costs only what the report shows of it. With ``unreadable``, a file that is
+    there but cannot be read is named in it, with why: the report says what it left out."""
     try:
         value = parse(path.read_text())
-    except Exception:
+    except FileNotFoundError:
         return {}
-    return value if isinstance(value, dict) else {}
+    except Exception as e:
+        if unreadable is not None:
+            empty = path.is_file() and path.stat().st_size == 0
+            why = "0 bytes: cut short by a full disk?" if empty else str(e).splitlines()[0][:200]
+            unreadable.append(f"{path.name} is unreadable and left out ({why})")
+        return {}
+    if not isinstance(value, dict):
+        if unreadable is not None:
+            unreadable.append(f"{path.name} is unreadable and left out (not a JSON object)")
+        return {}
+    return value
 
 
 def _target_mix(cfg: dict) -> dict[str, float]:
@@ -218,7 +231,8 @@ def load_run(run_dir: str | Path) -> RunData:
     cfg = _read_dict(run_dir / CONFIG_FILE, yaml.safe_load)  # the resolved config
     train_cfg = cfg.get("train")
     total = train_cfg.get("steps") if isinstance(train_cfg, dict) else None
-    final = _read_dict(run_dir / FINAL_FILE, json.loads)
+    unreadable: list[str] = []
+    final = _read_dict(run_dir / FINAL_FILE, json.loads, unreadable)
     last = next(reversed(records), 0)
     if (final.get("run") or {}).get("steps", last) != last:  # resumed since it was written
         final = {}
@@ -240,9 +254,9 @@ def load_run(run_dir: str | Path) -> RunData:
         records=records,
         series=build_series(records),
         final=final,
-        heldout_eval=_read_dict(run_dir / EVAL_FILE, json.loads),
+        heldout_eval=_read_dict(run_dir / EVAL_FILE, json.loads, unreadable),
         alarms=alarms,
-        halted=_read_dict(run_dir / HALTED_FILE, json.loads),
+        halted=_read_dict(run_dir / HALTED_FILE, json.loads, unreadable),
         target_mixes=mixes or [(0, _target_mix(cfg))],
         config_read=bool(cfg),
         first_pass=first_pass(raw),
@@ -252,6 +266,7 @@ def load_run(run_dir: str | Path) -> RunData:
         ),
         bad_lines=bad,
         bad_alarm_lines=bad_alarms,
+        unreadable=unreadable,
     )
 
 
