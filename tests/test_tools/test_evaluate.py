@@ -14,6 +14,8 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from trainrun import file_size_limited
 
 from data.demo_corpus import scenes as scenes_mod
 from data.demo_corpus._common import rng_for
@@ -389,3 +392,30 @@ def test_the_long_context_tables_options_are_refused_without_their_table(options
     with pytest.raises(SystemExit):
         eval_main(["release", "--data", "tokens", *options])
     assert said in capsys.readouterr().err
+
+
+def test_an_out_file_a_full_disk_cuts_short_is_left_as_it_was(tmp_path):
+    """A full disk (here a file-size limit, which fails a write the same way): --out was written
+    in place, an earlier heldout_eval.json left at 0 bytes, after a chained traceback."""
+    out = tmp_path / "heldout_eval.json"
+    out.write_text('{"step": 2}\n')
+    text = {"ce": 5.5, "unigram": 4.9, "tokens": 9}
+    ev = {"step": 4, "heldout": {"total": {"text": text}}, "examples": ["x" * 100] * 50}
+    evaluated = (  # the figures as evaluate() returns them, without a model to evaluate
+        "import json, sys; import tools.evaluate as e; "
+        "e.evaluate = lambda args: json.loads(sys.argv[1]); sys.exit(e.main(sys.argv[2:]))"
+    )
+    argv = [json.dumps(ev), "REL", "--data", "VAL", "--no-progress", "--out", str(out)]
+    p = subprocess.run(
+        [sys.executable, "-c", evaluated, *argv],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},  # this checkout's
+        preexec_fn=file_size_limited(1000),
+    )
+    assert p.returncode == 1 and p.stderr == (
+        f"earlyfuse-eval: error: {out} could not be written (File too large); a file there "
+        "before is unchanged\n"
+    )
+    assert "held-out evaluation of ? (step 4)" in p.stdout  # the figures are not lost with it
+    assert out.read_text() == '{"step": 2}\n' and [f.name for f in tmp_path.iterdir()] == [out.name]

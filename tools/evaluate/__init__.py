@@ -408,7 +408,8 @@ TABLE_OPTIONS: dict[str, dict[str, int | None]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    from data.cli.common import USER_ERRORS
+    from data.cli.common import USER_ERRORS, with_folder
+    from data.shards.storage import write_atomic
     from tools.evaluate.table import dropped_warning, format_eval
 
     parser = build_parser()
@@ -428,13 +429,20 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # ReleaseError is a ValueError naming the file
         print(f"earlyfuse-eval: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, USER_ERRORS) else 1  # as earlyfuse-prep decides
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(ev, indent=1) + "\n")
-    if not args.no_table:
+    unwritten = None
+    if args.out:  # whole or not at all: a full disk leaves an earlier file as it was, not emptied
+        try:
+            write_atomic(with_folder(args.out), (json.dumps(ev, indent=1) + "\n").encode())
+        except OSError as e:
+            unwritten = e
+    if not args.no_table:  # printed all the same: the evaluation is not lost with the file
         print(format_eval(ev))
     elif warning := dropped_warning(ev):
         print(warning, file=sys.stderr)
+    if unwritten is not None:
+        said = f"{args.out} could not be written ({unwritten.strerror or unwritten})"
+        print(f"earlyfuse-eval: error: {said}; a file there before is unchanged", file=sys.stderr)
+        return 2 if isinstance(unwritten, USER_ERRORS) else 1
     if args.out:
         print(f"wrote {args.out}")
     return 0
