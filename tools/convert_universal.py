@@ -13,6 +13,7 @@ from data.shards.storage import Folder
 from tools.convert_deepspeed import CheckpointError, add_run_dir, find_checkpoint
 from train.checkpoint import checkpoint_files, file_manifest
 from train.safe_load import weights_only_loads
+from train.save_errors import write_failure_cause
 
 EXAMPLES = """\
 examples:
@@ -72,8 +73,17 @@ def make_universal(
     except CheckpointError:
         shutil.rmtree(out, ignore_errors=True)
         raise
-    except (AssertionError, KeyError, RuntimeError, ValueError) as e:
+    except (AssertionError, KeyError, RuntimeError, ValueError, OSError) as e:
+        # A full disk reaches DeepSpeed's writer as torch's "unexpected pos ...": the cause is
+        # found the trainer's way, before the partial folder it looks at is removed. It is the
+        # machine's (exit 1) or an unwritable folder's (exit 2), not the checkpoint's.
+        cause = write_failure_cause(out, e)
         shutil.rmtree(out, ignore_errors=True)
+        if cause is not None:
+            raise type(cause)(
+                f"{out} could not be written: {cause}; nothing of it is left and {ckpt.tag} is "
+                "unchanged: run the same command again once this is fixed"
+            ) from None
         raise CheckpointError(
             f"{ckpt.folder}: DeepSpeed could not make a universal checkpoint ({e})"
         ) from None

@@ -23,6 +23,10 @@ PROBE_BYTES = 1 << 20  # what a folder must take for "writable": more than a few
 LOW_SPACE = 64 << 20  # a file system with less free is called full
 
 
+# The errors of a folder that cannot be written, kept as they are: the user's to fix
+FOLDER_KINDS = (PermissionError, NotADirectoryError, FileNotFoundError, FileExistsError)
+
+
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written; the message says why, where, and what is intact."""
 
@@ -68,6 +72,15 @@ def _probe(folder: Path) -> OSError | None:
 def describe_write_failure(folder: Path, error: BaseException) -> str:
     """What stopped writing into ``folder``: a disk that is full, a file-size limit, a folder that
     cannot be written, or (none of those found) the error as it came."""
+    found = write_failure_cause(folder, error)
+    return str(found) if found else f"{type(error).__name__}: {str(error).strip()[:300]}"
+
+
+def write_failure_cause(folder: Path, error: BaseException) -> OSError | None:
+    """What stopped writing into ``folder``, as an OSError whose message says it in words and
+    whose class says whose it is: a plain OSError for a disk that is full or a file-size limit
+    (the machine's), the error's own class (PermissionError, NotADirectoryError ...) for a
+    folder that cannot be written. None: none of those found, the error is something else."""
     folder = Path(folder)
     code = getattr(error, "errno", None)
     limit = _size_limit()
@@ -75,10 +88,12 @@ def describe_write_failure(folder: Path, error: BaseException) -> str:
         hit = _at_limit(folder, limit) if limit is not None else None
         where = f" ({hit} stopped at {hit.stat().st_size} bytes)" if hit else ""
         shown = f"{limit} bytes" if limit is not None else "a limit"
-        return f"a file reached the file-size limit of this process (ulimit -f: {shown}){where}"
+        return OSError(
+            f"a file reached the file-size limit of this process (ulimit -f: {shown}){where}"
+        )
     base = _existing(folder)
     if code == errno.ENOSPC:
-        return f"the disk is full (no space left on the file system of {base})"
+        return OSError(f"the disk is full (no space left on the file system of {base})")
     blocked = None
     if code in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST):
         blocked = error
@@ -90,11 +105,12 @@ def describe_write_failure(folder: Path, error: BaseException) -> str:
     elif not isinstance(error, OSError) or code is None:
         blocked = _probe(folder)
     if blocked is not None and getattr(blocked, "errno", None) == errno.ENOSPC:
-        return f"the disk is full (no space left on the file system of {base})"
+        return OSError(f"the disk is full (no space left on the file system of {base})")
     if blocked is not None:
         why = getattr(blocked, "strerror", None) or str(blocked)
-        return f"{folder} cannot be written ({why})"
+        kind = next((k for k in FOLDER_KINDS if isinstance(blocked, k)), OSError)
+        return kind(f"{folder} cannot be written ({why})")
     free = shutil.disk_usage(base).free
     if free < LOW_SPACE:
-        return f"the disk is full ({free} bytes free on the file system of {base})"
-    return f"{type(error).__name__}: {str(error).strip()[:300]}"
+        return OSError(f"the disk is full ({free} bytes free on the file system of {base})")
+    return None

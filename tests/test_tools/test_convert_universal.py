@@ -6,10 +6,15 @@ a damaged conversion stops only the resume that reads it."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from trainrun import metrics, train
+from trainrun import file_size_limited, metrics, train
 
 from tools.convert import main as convert_main
 from train.checkpoint import Checkpointer
@@ -100,16 +105,24 @@ def test_zero0_lm_run_resumes_on_another_world_size_directly(tiny_tokens, tmp_pa
     assert p.stderr.count("with changes that break an exact resume: train.steps") == 1, p.stderr
 
 
-def test_a_damaged_universal_conversion_stops_only_the_resume_that_reads_it(tiny_tokens, tmp_path):
-    """Before: its checkpoint was taken for damaged, set aside at the next start on any world
-    size (the only one: 'delete latest to start over from step 0'), and refused by `release` and
-    by `universal --force`, the way to make the conversion again."""
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def zero1_run(tiny_tokens, tmp_path_factory) -> Path:
+    """Two steps of the debug LM under ZeRO 1 on one process, a checkpoint at the end; tests
+    convert copies of it."""
+    run = tmp_path_factory.mktemp("zero1") / "run"
     srcs = ",".join(f"{{name: {s}, shards: [{tiny_tokens / s}], weight: 1.0}}" for s in ("text",))
     train(
         ["experiment=debug", f"data.sources=[{srcs}]", f"run_dir={run}", "train.steps=2"]
         + ["train.micro_batch=2", "deepspeed.zero_stage=1"]
     )
+    return run
+
+
+def test_a_damaged_universal_conversion_stops_only_the_resume_that_reads_it(zero1_run, tmp_path):
+    """Before: its checkpoint was taken for damaged, set aside at the next start on any world
+    size (the only one: 'delete latest to start over from step 0'), and refused by `release` and
+    by `universal --force`, the way to make the conversion again."""
+    run = Path(shutil.copytree(zero1_run, tmp_path / "run"))
     assert convert_main(["universal", str(run)]) == 0
     part = next((run / "checkpoints" / "step_00000002" / "universal").rglob("fp32.pt"))
     part.write_bytes(part.read_bytes()[:100])
@@ -137,3 +150,50 @@ def test_a_damaged_universal_conversion_stops_only_the_resume_that_reads_it(tiny
     (run / "checkpoints" / "step_00000002" / "universal" / "mp_rank_00_model_states.pt").unlink()
     with pytest.raises(CheckpointError, match=f"`earlyfuse-convert universal {run} --force`"):
         two.check_compatible("step_00000002", 1)
+
+
+def convert(*argv: str, file_size_limit: int | None = None) -> subprocess.CompletedProcess:
+    """``earlyfuse-convert ARGV`` of this checkout in a subprocess."""
+    return subprocess.run(
+        [sys.executable, "-m", "tools.convert", *argv],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+        preexec_fn=file_size_limited(file_size_limit) if file_size_limit else None,
+    )
+
+
+def test_a_conversion_that_cannot_be_written_says_why_in_one_line(zero1_run, tmp_path):
+    """A full disk (here a file-size limit, which fails torch's writer the same way) said
+    'DeepSpeed could not make a universal checkpoint ([enforce fail at inline_container.cc:672]
+    . unexpected pos 704 vs 598)', with exit code 2, that of a user's mistake."""
+    run = Path(shutil.copytree(zero1_run, tmp_path / "run"))
+    out = run / "checkpoints" / "step_00000002" / "universal"
+    p = convert("universal", str(run), file_size_limit=100_000)
+    said = p.stderr.splitlines()[-1]  # after DeepSpeed's progress bars
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert said.startswith(
+        f"earlyfuse-convert universal: error: {out} could not be written: a file reached the "
+        "file-size limit of this process (ulimit -f: 100000 bytes)"
+    )
+    assert said.endswith(
+        "nothing of it is left and step_00000002 is unchanged: run the same command again once "
+        "this is fixed"
+    )
+    assert not out.exists()
+    assert convert("universal", str(run)).returncode == 0 and (out / "source.json").is_file()
+
+
+def test_a_conversion_on_a_full_disk_says_the_disk_is_full(zero1_run, small_tmpfs):
+    """A real ENOSPC: the run on a file system with room for it and for half a conversion."""
+    run = Path(shutil.copytree(zero1_run, small_tmpfs / "run"))
+    used = sum(f.stat().st_size for f in run.rglob("*") if f.is_file())
+    size_kb = (used + used // 2) // 1024
+    subprocess.run(["mount", "-o", f"remount,size={size_kb}k", str(small_tmpfs)], check=True)
+    p = convert("universal", str(run))
+    out = run / "checkpoints" / "step_00000002" / "universal"
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.splitlines()[-1].startswith(
+        f"earlyfuse-convert universal: error: {out} could not be written: the disk is full"
+    )
+    assert not out.exists()
