@@ -72,10 +72,9 @@ def composed(overrides: list[str], config_dir: Path | None):
     unknown = unknown_override_keys(overrides, RunConfig, app.config_groups())
     assert not unknown, f"unknown keys in the guide: {unknown}"
     search = [f"hydra.searchpath=[file://{config_dir}]"] if config_dir else []
+    named = app.name_after_data(overrides)
     with initialize_config_dir(config_dir=app.CONFIG_DIR, version_base="1.3"):
-        cfg = compose("config", overrides=overrides + search)
-    app.name_after_data(cfg, overrides)
-    return cfg
+        return compose("config", overrides=overrides + named + search)
 
 
 @pytest.fixture

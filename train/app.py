@@ -72,15 +72,16 @@ def levels_from_layout(cfg: DictConfig) -> None:
         cfg.vtok.levels = levels
 
 
-def name_after_data(cfg: DictConfig, overrides: Sequence[str]) -> None:
-    """A run that picks its own data config on the command line (``data=mine``) and gives no
-    ``name=`` is named after that data, not after the experiment whose recipe it borrows: the
-    run folder's default, the logs and the report's title then say whose data it was."""
-    pairs = [override.lstrip("+~").split("=", 1) for override in overrides if "=" in override]
+def name_after_data(overrides: Sequence[str]) -> list[str]:
+    """``name=DATA`` for a run that picks its own data config on the command line (``data=mine``)
+    and gives no ``name=``: it is named after that data, not after the experiment whose recipe it
+    borrows, so the run folder's default, the logs and the report's title say whose data it was.
+    Added to the overrides before Hydra composes, so ``--cfg job`` shows what the run uses."""
+    pairs = [arg.lstrip("+~").split("=", 1) for arg in overrides if "=" in arg and arg[0] != "-"]
     chosen = dict((key, value) for key, value in pairs if key in ("name", "data"))
-    if "name" in chosen or not chosen.get("data") or chosen["data"] == "none":
-        return
-    cfg.name = Path(chosen["data"]).name
+    if "name" in chosen or not chosen.get("data") or chosen["data"] in ("none", "null"):
+        return []
+    return [f"name={Path(chosen['data']).name}"]
 
 
 def to_run_config(cfg: DictConfig) -> tuple[RunConfig, str]:
@@ -256,6 +257,7 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
     unknown = unknown_override_keys(sys.argv[1:], RunConfig, config_groups())
     if unknown:
         refuse_before_start(f"unknown config key(s): {'; '.join(unknown)}")
+    add_overrides(name_after_data(sys.argv[1:]))
     flags = hydra_flags(sys.argv[1:])
     if flags.config_path or flags.config_name:
         # Another primary config (a run's own config.yaml) lacks configs/config.yaml's hydra
@@ -267,7 +269,7 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
             "hydra.searchpath": f"[file://{CONFIG_DIR}]",  # where the next one is
             "hydra/job_logging": "stdout",
         }
-        sys.argv += [f"{k}={v}" for k, v in settings.items() if k not in given]
+        add_overrides([f"{k}={v}" for k, v in settings.items() if k not in given])
     if flags.multirun or any(map(asks_multirun, sys.argv[1:])):
         # The process ends with its run's exit code (a rank's os._exit), so a sweep would stop
         # after its first job, exit code 0; its jobs would share run_dir too.
@@ -301,7 +303,6 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
         if HydraConfig.get().mode == RunMode.MULTIRUN:  # set in a config file, say
             refuse_before_start(MULTIRUN_REFUSED)
         # as given: iterating the ListConfig would resolve an override's ${...}, unchecked
-        name_after_data(cfg, OmegaConf.to_container(HydraConfig.get().overrides.task))  # type: ignore[arg-type]
         try:
             run_cfg, resolved = to_run_config(cfg)
         except ConfigError as e:
@@ -395,6 +396,16 @@ def compose_error(error: BaseException, args: Sequence[str]) -> str | None:
     # Hydra's way to give a dict of free keys (deepspeed.config) keys it lacks: +KEY={...}
     add = rest[0].removeprefix("To append to your config use ") if rest else ""
     return place + problem + (f" (to add keys to it: {add})" if add.startswith("+") else "")
+
+
+def add_overrides(extra: list[str]) -> None:
+    """``extra`` on the command line beside the user's overrides: Hydra's parser takes them as one
+    run of positional arguments (one added after a flag's value would be refused)."""
+    at = next(
+        (i for i, arg in enumerate(sys.argv[1:], 1) if "=" in arg and not arg.startswith("-")),
+        len(sys.argv),
+    )
+    sys.argv[at:at] = extra
 
 
 def asks_multirun(arg: str) -> bool:
