@@ -2,7 +2,8 @@
 
 Exit status: 0 done; 2 a user error: a bad flag, or an input, folder or value that cannot be
 used (one line on stderr names the file and the problem); 1 the machine failed under a command
-that could have run (a full disk, an I/O error); 3 ``ingest`` finished but rejected some inputs
+that could have run (a full disk, an I/O error; a file that could not be written is named, with
+what stopped it and what to do, after which ``ingest``, ``tokenize`` and ``merge`` resume); 3 ``ingest`` finished but rejected some inputs
 (each listed in DIR/rejects.jsonl; those that held nothing to keep, ``schema.LOSSLESS_REASONS``,
 do not count) — pass ``--allow-rejects`` to get 0; ``verify`` exits 1 when
 it finds a problem; 141 (128 + SIGPIPE), silently, when the reader of stdout closes it early
@@ -17,7 +18,14 @@ import re
 import signal
 import sys
 
-from data.cli.common import EXIT_REJECTS, USER_ERRORS, parse_size, path_or_url, reader_left
+from data.cli.common import (
+    EXIT_REJECTS,
+    USER_ERRORS,
+    os_error_line,
+    parse_size,
+    path_or_url,
+    reader_left,
+)
 from data.cli.demo_corpus import _add_demo_corpus
 from data.cli.ingest import _add_ingest, _add_merge
 from data.cli.passkey import _add_passkey
@@ -77,8 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return reader_left()
     except (ValueError, OSError) as e:
+        # a file that could not be written is named with what to do (a write on a full disk
+        # says only "[Errno 28] No space left on device")
+        resumes = getattr(args, "resumes", False)  # set by the commands that keep finished work
+        written = os_error_line(e, resumes) if isinstance(e, OSError) else None
         # One line (a YAML or JSON parser's message spans several): only the line breaks and the
         # indentation around them go, so a file name keeps its own spaces and tabs.
-        said = re.sub(r"\s*[\r\n]\s*", " ", str(e).strip())
+        said = re.sub(r"\s*[\r\n]\s*", " ", written or str(e).strip())
         print(f"earlyfuse-prep {args.command}: error: {said}", file=sys.stderr)
         return 2 if isinstance(e, USER_ERRORS) else 1

@@ -4,9 +4,11 @@ paths or URLs, output folders, devices, the engine flags, the exit codes."""
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import os
 import re
+import resource
 import shutil
 import sys
 import tempfile
@@ -30,6 +32,41 @@ USER_ERRORS = (
     IsADirectoryError,
     PermissionError,
 )
+
+# What stopped a write, by errno, and what to do about it before the command runs again.
+_NO_WRITE = {
+    errno.ENOSPC: ("the disk is full", "free space on it"),
+    errno.EDQUOT: ("this user's disk quota is used up", "free space or raise the quota"),
+    errno.EROFS: ("the file system is read-only", "make it writable"),
+    # EACCES and EPERM come from reads too (an input this user may not open): said either way
+    errno.EACCES: ("permission denied", "let this user write there (and read the inputs)"),
+    errno.EPERM: ("operation not permitted", "let this user write there (and read the inputs)"),
+}
+
+
+def os_error_line(e: OSError, resumes: bool = False) -> str | None:
+    """The one line for a command stopped by a file it could not write (a full disk, a quota,
+    a file-size limit, a read-only or forbidden folder): the file, what stopped it, what to do,
+    and (``resumes``: a command that keeps what it finished) that the same command then goes
+    on where it stopped. None for any other error: its own text says it."""
+    # a copy names its source first and the file it wrote second
+    path = e.filename2 if e.filename2 is not None else e.filename
+    if path is None or (e.errno not in _NO_WRITE and e.errno != errno.EFBIG):
+        return None
+    if e.errno == errno.EFBIG:
+        soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+        if soft == resource.RLIM_INFINITY:
+            what, fix = "the file is larger than its file system takes", "use another one"
+        else:
+            what = f"the file reached this process's file-size limit (ulimit -f: {soft} bytes)"
+            fix = "raise the limit"
+    else:
+        what, fix = _NO_WRITE[e.errno]
+    verb = "cannot be written" if e.errno not in (errno.EACCES, errno.EPERM) else "cannot be used"
+    then = ": it resumes, keeping what it finished" if resumes else ""
+    again = f"{fix.capitalize()}, then run the same command again{then}"
+    return f"{os.fsdecode(path)}: {verb}: {what}. {again}"
+
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
 _UNITS = {

@@ -169,7 +169,7 @@ def _add_ingest(sub) -> None:
         "copy is kept; `stats` counts duplicates without it). Needs a local --out",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.set_defaults(func=cmd_ingest)
+    p.set_defaults(func=cmd_ingest, resumes=True)
 
 
 def cmd_ingest(a) -> int:
@@ -276,7 +276,7 @@ def _add_merge(sub) -> None:
         "DIR/rejects.jsonl. Fails, naming them, if partitions are missing.",
     )
     p.add_argument("dir", type=path_or_url, help="the folder (or fsspec URL) of every partition")
-    p.set_defaults(func=cmd_merge)
+    p.set_defaults(func=cmd_merge, resumes=True)
 
 
 def cmd_merge(a) -> int:

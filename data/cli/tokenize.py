@@ -123,7 +123,7 @@ def _add_tokenize(sub) -> None:
         help="device of the visual tokenizer (default: cuda if present, else cpu)",
     )
     p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=cmd_tokenize)
+    p.set_defaults(func=cmd_tokenize, resumes=True)
 
 
 def cmd_tokenize(a) -> int:

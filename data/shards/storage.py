@@ -26,7 +26,8 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -212,6 +213,20 @@ class Folder:
 
     def upload(self, local: Path, rel: str) -> None:
         retried(self.child(rel), lambda: self.fs.put_file(str(local), self._path(rel)))
+
+
+@contextmanager
+def writing(path: str | Path) -> Iterator[None]:
+    """Name ``path`` in an OSError raised inside that names no file: a write, flush, fsync or
+    close that fails on a full disk says only "[Errno 28] No space left on device", and the
+    command's one line (data/cli/common.py ``os_error_line``) must say which file it was. The
+    errno stays, and with it the kind (``PermissionError`` for EACCES) and the exit code."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None or e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from e
 
 
 def write_atomic(path: Path, data: bytes) -> None:

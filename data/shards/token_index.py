@@ -37,6 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
+from data.shards.storage import writing
+
 FORMAT = "earlyfuse-token-index"
 VERSION = 1
 SUFFIX = ".idx.bin"  # SHARD.tar -> SHARD.idx.bin, beside SHARD.idx.jsonl
@@ -127,7 +129,7 @@ def write(path: str | Path, data: bytes) -> None:
     """``data`` to ``path`` through a temporary name (readers never see half a file)."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
+    with writing(tmp), open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
 

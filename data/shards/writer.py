@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from data.schema import Sample, canonical_json
+from data.shards.storage import writing
 
 BLOCK = tarfile.BLOCKSIZE
 
@@ -115,10 +116,11 @@ class ShardWriter:
             # straight through: the tar object only keeps the offset for its closing blocks.
             header = member_header(f"{sample.key}.{suffix}", len(data))
             padding = -len(data) % BLOCK
-            self._hf.write(header)
-            self._hf.write(data)
-            if padding:
-                self._hf.write(bytes(padding))
+            with writing(self._tmp(self.tar_path)):
+                self._hf.write(header)
+                self._hf.write(data)
+                if padding:
+                    self._hf.write(bytes(padding))
             offsets[suffix] = [self._tar.offset + len(header), len(data)]
             self._tar.offset += len(header) + len(data) + padding
         entry = {
@@ -132,19 +134,22 @@ class ShardWriter:
         if extra_index:
             entry.update(extra_index)
         line = canonical_json(entry) + b"\n"
-        self._idx.write(line)
+        with writing(self._tmp(self.index_path)):
+            self._idx.write(line)
         self._idx_sha.update(line)
         self.samples += 1
         return entry
 
     def close(self) -> ShardResult:
-        self._tar.close()
-        self._raw.flush()
-        os.fsync(self._raw.fileno())
-        self._raw.close()
-        self._idx.flush()
-        os.fsync(self._idx.fileno())
-        self._idx.close()
+        with writing(self._tmp(self.tar_path)):
+            self._tar.close()
+            self._raw.flush()
+            os.fsync(self._raw.fileno())
+            self._raw.close()
+        with writing(self._tmp(self.index_path)):
+            self._idx.flush()
+            os.fsync(self._idx.fileno())
+            self._idx.close()
         # Index first: a tar never appears without its index.
         os.replace(self._tmp(self.index_path), self.index_path)
         os.replace(self._tmp(self.tar_path), self.tar_path)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from data.cli.common import write_folder
+from data.cli.common import os_error_line, write_folder
 
 
 def test_a_replaced_folder_stays_until_the_new_one_is_in_its_place(tmp_path, monkeypatch):
@@ -71,3 +71,29 @@ def test_a_ctrl_c_whose_old_folder_cannot_be_put_back_stays_a_ctrl_c(tmp_path, m
     assert said.startswith(f"{out}: not replaced (interrupted); the previous one is in ")
     kept = Path(said.rstrip("\n").rsplit(" is in ", 1)[1])
     assert kept.name == "out" and (kept / "a").read_text() == "old"
+
+
+@pytest.mark.parametrize(
+    "code, said",
+    [
+        (errno.ENOSPC, "cannot be written: the disk is full. Free space on it"),
+        (errno.EDQUOT, "cannot be written: this user's disk quota is used up. Free space or"),
+        (errno.EROFS, "cannot be written: the file system is read-only. Make it writable"),
+        (errno.EACCES, "cannot be used: permission denied. Let this user write there"),
+    ],
+)
+def test_a_file_that_cannot_be_written_is_one_line_of_the_same_kind(code, said):
+    """A full disk, a quota, a read-only file system and a forbidden folder: each the file, what
+    stopped it and what to do, then that the same command goes on (for a command that resumes);
+    a copy names the file it wrote, not its source. Other errors keep their own text."""
+    cut = OSError(code, os.strerror(code), "/out/a.tar.tmp")
+    line = os_error_line(cut, resumes=True)
+    assert line is not None and line.startswith(f"/out/a.tar.tmp: {said}")
+    assert line.endswith(", then run the same command again: it resumes, keeping what it finished")
+    assert os_error_line(cut).endswith("then run the same command again")
+    copy = OSError(
+        code, os.strerror(code), "/tok/model.safetensors", None, "/out/model.safetensors"
+    )
+    assert os_error_line(copy).startswith("/out/model.safetensors: ")
+    assert os_error_line(OSError(code, os.strerror(code))) is None  # no file to name
+    assert os_error_line(OSError(errno.EIO, "Input/output error", "/out/a.tar.tmp")) is None

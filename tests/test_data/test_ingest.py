@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -570,3 +571,75 @@ def test_a_terminated_ingest_says_how_to_resume(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert (proc.returncode, err) == (143, "terminated; rerun the same command to resume\n")
     assert subprocess.run(cmd, capture_output=True).returncode == 0
+
+
+def limited_file_size(limit: int):
+    """A subprocess's preexec_fn: files of at most ``limit`` bytes (``ulimit -f``); a write past
+    it fails with EFBIG, as a full disk fails with ENOSPC (SIGXFSZ ignored, as a shell's
+    ``trap '' XFSZ`` would)."""
+
+    def limit_file_size() -> None:
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return limit_file_size
+
+
+def test_a_shard_that_cannot_be_written_is_named_and_the_same_command_resumes(tmp_path):
+    """Before: ``error: [Errno 27] File too large`` (a full disk: ``[Errno 28] No space left on
+    device``), no file named, nothing said about what to do."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    for i in range(4):
+        (notes / f"n{i}.txt").write_text(f"note {i}\n")
+    (notes / "long.txt").write_text("a long paragraph of prose. " * 1500)  # 40 KB
+    cmd = [sys.executable, "-m", "data.cli", "ingest", "--no-progress", "--shard-samples", "1"]
+    cmd += ["--source", f"text:{notes}", "--out"]
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    subprocess.run([*cmd, str(ref)], check=True, capture_output=True)
+
+    limit = 16384
+    run = subprocess.run(
+        [*cmd, str(out)], capture_output=True, text=True, preexec_fn=limited_file_size(limit)
+    )
+    lines = run.stderr.splitlines()
+    assert run.returncode == 1 and len(lines) == 1, run.stderr
+    shards = json.loads((ref / "manifest.json").read_text())["shards"]
+    shard = max(shards, key=lambda entry: entry["bytes"])["path"]  # long.txt's
+    assert lines[0] == (
+        f"earlyfuse-prep ingest: error: {out / shard}.tmp: cannot be written: the file reached "
+        f"this process's file-size limit (ulimit -f: {limit} bytes). Raise the limit, then run "
+        "the same command again: it resumes, keeping what it finished"
+    )
+    assert not (out / "manifest.json").exists() and not list(out.rglob("*.tmp"))
+
+    subprocess.run([*cmd, str(out)], check=True, capture_output=True)
+    assert shard_files(out) == shard_files(ref)
+    assert manifest_without_commands(out) == manifest_without_commands(ref)
+
+
+def test_a_full_disk_is_said_in_one_line_naming_the_file(tmp_path, monkeypatch, capsys):
+    """ENOSPC (a write into a full file system names no file) is said as the file-size limit
+    is: the file, "the disk is full", what to do, and that the same command resumes."""
+    from data.shards import writer
+
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("a note\n")
+    write = writer._HashingFile.write
+
+    def full(self, b) -> int:
+        if self.nbytes + len(b) > 1024:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(self, b)
+
+    monkeypatch.setattr(writer._HashingFile, "write", full)
+    out = tmp_path / "out"
+    args = ["ingest", "--out", str(out), "--no-progress", "--source", f"text:{tmp_path / 'notes'}"]
+    assert main(args) == 1
+    assert capsys.readouterr().err == (
+        f"earlyfuse-prep ingest: error: {out / 'notes' / 'shard-000000.tar.tmp'}: cannot be "
+        "written: the disk is full. Free space on it, then run the same command again: it "
+        "resumes, keeping what it finished\n"
+    )

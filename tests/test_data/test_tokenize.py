@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -180,6 +184,43 @@ def test_resume_and_refusal(tiny_raw, tiny_tokenizers, tokens, tmp_path):
     assert (out / cut["index_bin"]).read_bytes() == cut_bin
     # Other options would make other tokens: the folder is refused rather than mixed.
     assert main(args + ["--video-fps", "2"]) == 2
+
+
+def tokenize_args(tiny_raw, tiny_tokenizers, out) -> list[str]:
+    text, visual = tiny_tokenizers
+    return ["tokenize", "--in", str(tiny_raw), "--out", str(out), "--tokenizer", str(text)] + [
+        "--visual-tokenizer",
+        str(visual),
+        "--no-progress",
+    ]
+
+
+def test_a_token_shard_that_cannot_be_written_is_named(tiny_raw, tiny_tokenizers, tmp_path):
+    """Before: ``error: [Errno 27] File too large`` (a full disk: ``[Errno 28] No space left on
+    device``), no file named. ``ulimit -f`` in a subprocess stands in for the full disk."""
+    limit = 2048
+
+    def limit_file_size() -> None:
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    out = tmp_path / "t"
+    run = subprocess.run(
+        [sys.executable, "-m", "data.cli", *tokenize_args(tiny_raw, tiny_tokenizers, out)],
+        capture_output=True,
+        text=True,
+        preexec_fn=limit_file_size,
+    )
+    assert run.returncode == 1 and len(run.stderr.splitlines()) == 1, run.stderr
+    said = (
+        rf"earlyfuse-prep tokenize: error: {out}/\w+/shard-\d+\.tar\.tmp: cannot be written: the "
+        rf"file reached this process's file-size limit \(ulimit -f: {limit} bytes\)\. Raise the "
+        "limit, then run the same command again: it resumes, keeping what it finished\n"
+    )
+    assert re.fullmatch(said, run.stderr), run.stderr
+    assert not (out / "manifest.json").exists() and not list(out.rglob("*.tmp"))
 
 
 def test_a_folder_holding_token_shards_of_no_recorded_run_is_refused(
