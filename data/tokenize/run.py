@@ -31,6 +31,7 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
+from data.cli.common import write_folder
 from data.engine import EngineConfig
 from data.names import (
     LAYOUT_FILE,
@@ -50,7 +51,7 @@ from data.shards.manifest import (
     shard_entry,
     versions,
 )
-from data.shards.storage import Folder, Staging
+from data.shards.storage import Folder, Staging, writing
 from data.text_tokenizer import TextTokenizer
 from data.tokenize.blocks import block_summary
 from data.tokenize.docs import TokenizeOptions
@@ -199,6 +200,23 @@ def tokenize(
     return {**manifest, "finalized": True, "written": len(jobs)}
 
 
+def copy_tokenizers(folder: Path, tok_dir: Path, vtok_dir: Path | None) -> None:
+    """The text tokenizer's files, and the visual tokenizer's folder as ``visual_tokenizer/``,
+    into ``folder``, one file at a time: a copy that fails raises its own OSError, naming the
+    file (``shutil.copytree`` gathers every failure into one ``shutil.Error``, a list)."""
+    copies = [(tok_dir / name, folder / name) for name in (TOKENIZER_FILE, LAYOUT_FILE)]
+    if vtok_dir is not None:
+        copies += [
+            (src, folder / VISUAL_TOKENIZER_DIR / src.relative_to(vtok_dir))
+            for src in sorted(vtok_dir.rglob("*"))
+            if src.is_file()
+        ]
+    for src, dst in copies:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        with writing(dst):
+            shutil.copyfile(src, dst)
+
+
 def finalize_tokens(
     dest: Folder,
     raw: Folder,
@@ -213,11 +231,9 @@ def finalize_tokens(
     there): in place, or uploaded."""
     with Staging(dest) as stage:
         tdir = stage.path(TOKENIZERS_DIR)
-        tdir.mkdir(parents=True, exist_ok=True)
-        for name in (TOKENIZER_FILE, LAYOUT_FILE):
-            shutil.copyfile(tok_dir / name, tdir / name)
-        if vtok_dir is not None:
-            shutil.copytree(vtok_dir, tdir / VISUAL_TOKENIZER_DIR, dirs_exist_ok=True)
+        # Built whole beside its place, then moved in: a copy cut short (a full disk) leaves no
+        # tokenizer folder that looks complete, nor half-overwrites the one a finished run left.
+        write_folder(tdir, lambda folder: copy_tokenizers(folder, tok_dir, vtok_dir))
         copied = sorted(str(path.relative_to(stage.path(""))) for path in tdir.rglob("*"))
         stage.publish([rel_path for rel_path in copied if stage.path(rel_path).is_file()])
         fingerprints = folder_fingerprints(tdir)  # of the copy, while the staging holds it

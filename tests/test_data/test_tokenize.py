@@ -3,6 +3,7 @@ readable without pickle, spans that decode back, resumable, fingerprints enforce
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import re
@@ -221,6 +222,50 @@ def test_a_token_shard_that_cannot_be_written_is_named(tiny_raw, tiny_tokenizers
     )
     assert re.fullmatch(said, run.stderr), run.stderr
     assert not (out / "manifest.json").exists() and not list(out.rglob("*.tmp"))
+
+
+def test_a_tokenizer_copy_cut_short_is_one_line_and_leaves_no_half_copy(
+    tiny_raw, tiny_tokenizers, tokens, tmp_path, monkeypatch, capsys
+):
+    """The disk filling while the tokenizers are copied into TOKEN_DIR/tokenizers/. Before: the
+    repr of copytree's shutil.Error (a list of tuples), and a model.safetensors cut short under
+    its final name. Now: one line naming the file; no tokenizers/ until the copy is whole, and a
+    finished folder's copy is left as it was."""
+    copy = shutil.copyfile
+
+    def disk_fills(src, dst, **kwargs):
+        if str(dst).endswith("model.safetensors"):
+            with open(dst, "wb") as f:
+                f.write(open(src, "rb").read(1000))
+            raise OSError(errno.ENOSPC, "No space left on device", str(src), None, str(dst))
+        return copy(src, dst, **kwargs)
+
+    finished, cut = tmp_path / "finished", tmp_path / "cut"
+    shutil.copytree(tokens, finished)
+    shutil.copytree(tokens, cut)
+    (cut / "manifest.json").unlink()
+    shutil.rmtree(cut / "tokenizers")
+    monkeypatch.setattr(shutil, "copyfile", disk_fills)
+    for out in (finished, cut):
+        assert main(tokenize_args(tiny_raw, tiny_tokenizers, out)) == 1
+        said = f"{out}/tokenizers.partial/visual_tokenizer/model.safetensors: cannot be written"
+        assert capsys.readouterr().err == (
+            f"earlyfuse-prep tokenize: error: {said}: the disk is full. Free space on it, then "
+            "run the same command again: it resumes, keeping what it finished\n"
+        )
+    assert not (cut / "tokenizers").exists() and not (cut / "tokenizers.partial").exists()
+    assert sorted(p.name for p in finished.iterdir()) == sorted(p.name for p in tokens.iterdir())
+    for path in (tokens / "tokenizers").rglob("*"):
+        if path.is_file():
+            assert (finished / path.relative_to(tokens)).read_bytes() == path.read_bytes()
+
+    monkeypatch.undo()
+    assert main(tokenize_args(tiny_raw, tiny_tokenizers, cut)) == 0
+    capsys.readouterr()
+    assert sorted(str(p.relative_to(cut)) for p in cut.rglob("*")) == sorted(
+        str(p.relative_to(tokens)) for p in tokens.rglob("*")
+    )
+    assert (cut / "manifest.json").read_text() == (tokens / "manifest.json").read_text()
 
 
 def test_a_folder_holding_token_shards_of_no_recorded_run_is_refused(
