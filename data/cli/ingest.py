@@ -57,7 +57,9 @@ def _add_ingest(sub) -> None:
         "      --source code:~/src/cpython/Lib --source images:coco/captions.jsonl\n\n"
         "exit status: 0 done, 3 done with rejects that lost content (see rejects.jsonl), 2 a bad\n"
         "flag, input or folder (one line names it), 1 the machine failed (a full disk, an I/O\n"
-        "error), 130 or 143 stopped by Ctrl-C or SIGTERM (rerun the same command to resume)",
+        "error; one line names the file it could not write: once that is fixed, rerun the same\n"
+        "command to resume), 130 or 143 stopped by Ctrl-C or SIGTERM (rerun the same command to\n"
+        "resume)",
     )
     p.add_argument(
         "--out",

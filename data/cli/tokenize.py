@@ -27,7 +27,8 @@ def _add_tokenize(sub) -> None:
         "Writes one token shard per raw shard (KEY.ids.npy int32, KEY.mod.npy uint8, KEY.json spans),\n"
         "indexes, manifest.json, rejects.jsonl, and a copy of the tokenizers in OUT/tokenizers/.\n"
         "Parallel (--workers, or --engine ray), partitionable (--num-partitions/--partition, then\n"
-        "`merge`), resumable (rerun the same command), GPU for images when present.",
+        "`merge`), resumable (rerun the same command, after a kill or once a full disk has room),\n"
+        "GPU for images when present.",
         epilog="example:\n  earlyfuse-prep tokenize --in shards/ --out tokens/ --tokenizer tok/ \\\n"
         "      --visual-tokenizer runs/vtok_cpu/visual_tokenizer --workers 8",
     )
