@@ -246,14 +246,10 @@ def write_all_atomic(files: Mapping[Path, bytes]) -> None:
     temps = {path: path.with_name(path.name + ".tmp") for path in files}
     try:
         for path, tmp in temps.items():
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(files[path])
-                    f.flush()
-                    os.fsync(f.fileno())
-            except OSError as e:  # named by the file it stands for, not by its temporary
-                e.filename = str(path)
-                raise
+            with writing(path), open(tmp, "wb") as f:  # named by the file it stands for
+                f.write(files[path])
+                f.flush()
+                os.fsync(f.fileno())
     except BaseException:
         for tmp in temps.values():
             with contextlib.suppress(OSError):
