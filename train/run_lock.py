@@ -16,7 +16,9 @@ Design choices:
   another time: a reused pid) is stale; a holder on another host cannot be checked from here and
   is refused with the command that removes the lock.
 - The file is never deleted, only emptied when the run ends: deleting it would let a process that
-  opened the old file and one that creates a new one both hold "the" lock.
+  opened the old file and one that creates a new one both hold "the" lock. Except in a folder
+  this run made and left empty (a run refused before it wrote anything): the folder goes too,
+  while the lock is still held, so a refused command leaves no run folder behind.
 - A process forked from the holder (the loader's DataLoader workers fork from the trainer's
   process) closes its copy of the descriptor at once: the flock belongs to the open file, so a
   copy would keep the folder locked after the holder died, for as long as the child lives.
@@ -87,6 +89,7 @@ class RunLock:
     def __init__(self, run_dir: Path) -> None:
         self.path = Path(run_dir) / LOCK_NAME
         self.fd: int | None = None
+        self.made_folder = False
 
     def read_holder(self) -> dict:
         try:
@@ -97,6 +100,7 @@ class RunLock:
 
     def acquire(self) -> None:
         try:
+            self.made_folder = not self.path.parent.exists()
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:  # a file in the way, no permission, a read-only filesystem
@@ -155,7 +159,12 @@ class RunLock:
         if self.fd is None:
             return
         try:
-            os.ftruncate(self.fd, 0)  # emptied, never deleted (see the module docstring)
+            folder = self.path.parent
+            if self.made_folder and [p.name for p in folder.iterdir()] == [LOCK_NAME]:
+                self.path.unlink()  # a refused run's own empty folder (the module docstring)
+                folder.rmdir()
+            else:
+                os.ftruncate(self.fd, 0)  # emptied, never deleted (see the module docstring)
         except OSError:
             pass  # a disk gone full or read-only: the lock is the flock, which close releases
         finally:

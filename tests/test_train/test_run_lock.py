@@ -98,3 +98,22 @@ def test_a_run_dir_that_cannot_be_made_is_refused_by_name(tmp_path):
     assert p.returncode == 2, p.stderr[-2000:]
     assert "afile/run cannot be used: Not a directory" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_a_refused_run_leaves_no_folder_it_made(tmp_path):
+    """A run refused after it took the lock (a config checked at start) left an empty run folder
+    holding run.lock; one it did not make, or that holds anything else, keeps its run.lock."""
+    made = tmp_path / "new" / "run"
+    lock = RunLock(made)
+    lock.acquire()
+    lock.release()
+    assert not made.exists() and (tmp_path / "new").is_dir()
+    lock = RunLock(tmp_path)  # a folder that was there
+    lock.acquire()
+    lock.release()
+    assert (tmp_path / "run.lock").read_text() == ""
+    lock = RunLock(made)
+    lock.acquire()
+    (made / "metrics.jsonl").write_text("")
+    lock.release()
+    assert (made / "run.lock").read_text() == ""
