@@ -254,7 +254,7 @@ MULTIRUN_REFUSED = (
 def main(extra_callbacks: CallbackFactory | None = None) -> None:
     sys.argv = strip_launcher_args(sys.argv)
     # Before Hydra: its own message for an unknown key suggests +key=..., which would add it.
-    unknown = unknown_override_keys(sys.argv[1:], RunConfig, config_groups())
+    unknown = unknown_override_keys(overrides_given(sys.argv[1:]), RunConfig, config_groups())
     if unknown:
         refuse_before_start(f"unknown config key(s): {'; '.join(unknown)}")
     add_overrides(name_after_data(sys.argv[1:]))
@@ -396,6 +396,13 @@ def compose_error(error: BaseException, args: Sequence[str]) -> str | None:
     # Hydra's way to give a dict of free keys (deepspeed.config) keys it lacks: +KEY={...}
     add = rest[0].removeprefix("To append to your config use ") if rest else ""
     return place + problem + (f" (to add keys to it: {add})" if add.startswith("+") else "")
+
+
+def overrides_given(args: Sequence[str]) -> list[str]:
+    """The overrides among ``args``, as Hydra's parser reads them; none under --shell-completion
+    (``-sc install=bash``: Hydra reads its ``install=...`` as the completion's command)."""
+    flags = hydra_flags(args)
+    return [] if flags.shell_completion else list(flags.overrides)
 
 
 def add_overrides(extra: list[str]) -> None:

@@ -180,7 +180,8 @@ def unknown_override_keys(overrides: list[str], schema: type, groups: set[str]) 
         if not key:
             found.append(f"{arg!r} (no key before =; write KEY=VALUE, no spaces around =)")
             continue
-        if override.package is not None or key.split(".")[0] == "hydra":
+        if override.package is not None or key.split(".")[0].split("/")[0] == "hydra":
+            # hydra.run.dir=..., and Hydra's own groups (hydra/job_logging=disabled)
             continue
         if key.split("/")[0] in groups:
             # a group's choice (model=debug), or a nested group's (+data/extra=x, from a user's

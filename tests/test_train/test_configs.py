@@ -859,3 +859,11 @@ def test_a_sequence_parallel_degree_the_heads_refuse_names_those_that_fit():
     ):
         composed(["experiment=gpu_125m", "stage=long_128k"])
     assert composed(["experiment=gpu_125m", "stage=125m_128k"]).train.sequence_parallel == 4
+
+
+def test_hydras_own_groups_and_shell_completion_are_hydras():
+    """`hydra/job_logging=disabled` and `-sc install=bash` were refused as unknown keys."""
+    p = run_app(["hydra/job_logging=disabled", "experiment=debug", "--cfg", "job", "-p", "name"])
+    assert p.returncode == 0 and p.stdout.strip() == "debug", p.stderr
+    p = run_app(["-sc", "install=bash"])
+    assert p.returncode == 0 and "complete -o nospace" in p.stdout, p.stderr
