@@ -383,10 +383,16 @@ def compose_error(error: BaseException, args: Sequence[str]) -> str | None:
     ambiguous = re.match(r"Ambiguous value for argument '(([^=]+)=(.*))'", str(error))
     if ambiguous:  # Hydra's own advice ends "add --multirun", which earlyfuse-train refuses
         override, key, value = ambiguous.groups()
+        if key.lstrip("+") in config_groups():  # a list of a group's options merges them all
+            choices = " or ".join(f"{key}={option}" for option in value.split(","))
+            return f"override {override!r}: one run per command (no sweeps): give {choices}"
         return (
             f"override {override!r} holds a comma: give a list as {key}=[{value}] or a string "
             f"as {key}='{value}' (one run per command: no sweeps)"
         )
+    sweep = re.match(r"Sweep parameters '([^']+)' requires --multirun", str(error))
+    if sweep:  # choice(), range(), glob(), interval(): Hydra's advice is the refused --multirun
+        return f"override {sweep[1]!r} is a sweep: one run per command (no sweeps): give one value"
     first, *rest = str(error).splitlines()
     problem = re.sub(r"^In '[^']+': |^Error merging ", "", first).removesuffix(".")
     if isinstance(cause, OmegaConfBaseException):

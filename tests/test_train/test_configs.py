@@ -297,6 +297,15 @@ def run_app(args: list[str], **env: str) -> subprocess.CompletedProcess:
             "a string as optim.lr='1e-3,1e-4' (one run per command: no sweeps)",
         ),
         (["-m", "experiment=debug"], "--multirun (-m, hydra.mode=MULTIRUN) is not supported: a"),
+        (  # a list of a group's options merges them: the advice must not be to give one
+            ["model=debug,demo"],
+            "override 'model=debug,demo': one run per command (no sweeps): give model=debug or "
+            "model=demo",
+        ),
+        (
+            ["optim.lr=choice(1e-3,2e-3)"],
+            "override 'optim.lr=choice(1e-3,2e-3)' is a sweep: one run per command (no sweeps)",
+        ),
         (["++hydra.mode=multirun"], "--multirun (-m, hydra.mode=MULTIRUN) is not supported: a"),
         (
             ["experiment=null"],
