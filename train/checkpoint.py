@@ -315,7 +315,14 @@ class Checkpointer:
         while aside.exists():
             attempt += 1
             aside = folder.with_name(f"{folder.name}{DAMAGED}{attempt}")
-        os.replace(folder, aside)
+        try:
+            os.replace(folder, aside)
+        except OSError as e:  # checkpoints/ not writable: say the damage, and why it stays
+            raise CheckpointError(
+                f"{folder} is damaged ({'; '.join(problems[:2])}) and cannot be set aside as "
+                f"{aside.name}: {e.strerror}. Make {self.dir} writable for this user (or move the "
+                "damaged folder away) and rerun"
+            ) from None
         try:  # for the next start, which finds `latest` naming a folder that is gone
             (aside / DAMAGED_NOTE).write_text("; ".join(problems) + "\n")
         except OSError:

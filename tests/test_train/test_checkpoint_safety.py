@@ -387,3 +387,26 @@ def test_the_files_a_manifest_lists_are_synced_to_disk_before_it(tmp_path, monke
     assert sorted(manifest) == ["a.pt", "zero/b.pt"]
     want = {str(tmp_path / "a.pt"), str(tmp_path / "zero" / "b.pt"), str(tmp_path / "zero")}
     assert want | {str(tmp_path)} <= set(synced)
+
+
+def test_a_damaged_checkpoint_that_cannot_be_set_aside_says_both(runs, tmp_path, monkeypatch):
+    """checkpoints/ not writable for this user: before, a PermissionError traceback from the
+    rename, and the damage itself was never said."""
+    import os
+
+    import train.checkpoint
+
+    r = copy(runs, "zero0", tmp_path)
+    with open(step_folder(r, 3) / "mp_rank_00_model_states.pt", "r+b") as f:
+        f.truncate(1000)
+
+    def refused(src, dst):
+        raise PermissionError(13, "Permission denied", str(src), None, str(dst))
+
+    monkeypatch.setattr(train.checkpoint.os, "replace", refused)
+    with pytest.raises(CheckpointError) as caught:
+        Checkpointer(r, ONE, 3).clean_partial()
+    said = str(caught.value)
+    assert f"{step_folder(r, 3)} is damaged (" in said and "1000 bytes" in said
+    assert "cannot be set aside as step_00000003.damaged: Permission denied" in said
+    assert os.path.isdir(step_folder(r, 3))
