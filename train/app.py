@@ -398,7 +398,10 @@ def compose_error(error: BaseException, args: Sequence[str]) -> str | None:
     if isinstance(cause, OmegaConfBaseException):
         # "ValidationError raised while composing config:" says nothing its cause does not
         said = str(cause).splitlines()[0]
-        problem = said if problem.endswith("while composing config:") else f"{problem}: {said}"
+        if problem.endswith("while composing config:"):
+            problem = said
+        elif said not in problem and "$VALUE" not in said:  # not the same, nor a bare template
+            problem = f"{problem}: {said}"
     # Hydra's way to give a dict of free keys (deepspeed.config) keys it lacks: +KEY={...}
     add = rest[0].removeprefix("To append to your config use ") if rest else ""
     return place + problem + (f" (to add keys to it: {add})" if add.startswith("+") else "")

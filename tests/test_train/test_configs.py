@@ -876,3 +876,14 @@ def test_hydras_own_groups_and_shell_completion_are_hydras():
     assert p.returncode == 0 and p.stdout.strip() == "debug", p.stderr
     p = run_app(["-sc", "install=bash"])
     assert p.returncode == 0 and "complete -o nospace" in p.stdout, p.stderr
+
+
+def test_an_interpolation_that_fails_under_cfg_is_said_once():
+    """Under --cfg job --resolve the cause was appended to a line that held it already (or as
+    OmegaConf's bare template, Value '$VALUE' of type '$VALUE_TYPE')."""
+    p = run_app(["run_dir=${oc.env:NOPE_EF27}/r", "--cfg", "job", "--resolve"])
+    assert p.returncode == 2
+    assert p.stderr == (
+        "earlyfuse-train: KeyError raised while resolving interpolation: \"Environment variable "
+        "'NOPE_EF27' not found\"\n"
+    )
