@@ -884,6 +884,6 @@ def test_an_interpolation_that_fails_under_cfg_is_said_once():
     p = run_app(["run_dir=${oc.env:NOPE_EF27}/r", "--cfg", "job", "--resolve"])
     assert p.returncode == 2
     assert p.stderr == (
-        "earlyfuse-train: KeyError raised while resolving interpolation: \"Environment variable "
+        'earlyfuse-train: KeyError raised while resolving interpolation: "Environment variable '
         "'NOPE_EF27' not found\"\n"
     )
