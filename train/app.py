@@ -302,6 +302,11 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
         restore_full_error()
         if HydraConfig.get().mode == RunMode.MULTIRUN:  # set in a config file, say
             refuse_before_start(MULTIRUN_REFUSED)
+        if HydraConfig.get().job.chdir:
+            refuse_before_start(
+                "hydra.job.chdir=true: every path of the run (run_dir, data shards, init_from) is "
+                "taken from the folder the command runs in; leave hydra.job.chdir off"
+            )
         # as given: iterating the ListConfig would resolve an override's ${...}, unchecked
         try:
             run_cfg, resolved = to_run_config(cfg)

@@ -887,3 +887,10 @@ def test_an_interpolation_that_fails_under_cfg_is_said_once():
         'earlyfuse-train: KeyError raised while resolving interpolation: "Environment variable '
         "'NOPE_EF27' not found\"\n"
     )
+
+
+def test_hydra_job_chdir_is_refused():
+    """Every relative path (run_dir, the shards) was then taken inside Hydra's output folder."""
+    p = run_app(["hydra.job.chdir=true", "experiment=debug"])
+    assert p.returncode == 2
+    assert p.stderr.startswith("earlyfuse-train: hydra.job.chdir=true: every path of the run")
