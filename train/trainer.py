@@ -210,14 +210,17 @@ class Trainer:
         if tag is None:
             return 0
         meta = self.checkpointer.check_compatible(tag, self.zero_stage)
+        given = self.train.steps
+        goal = f"train.steps={given}" if given != -1 else f"the {self.total_steps} the data holds"
         if int(meta["step"]) > self.total_steps:  # nothing to train, and a report of 200 %
-            given = self.train.steps
-            goal = (
-                f"train.steps={given}" if given != -1 else f"the {self.total_steps} the data holds"
-            )
             raise ConfigError.alike(
                 f"{self.checkpointer.dir / tag}: the run is at step {meta['step']} already, past "
                 f"{goal}: give train.steps above it to train on, or another run_dir for a new run"
+            )
+        if int(meta["step"]) == self.total_steps and self.dist.is_main:
+            log.info(  # the same command run again, or a new run given a finished run's folder
+                f"{self.checkpointer.dir / tag}: the run is complete ({goal}): nothing to train; "
+                "give train.steps above it to train on, or another run_dir for a new run"
             )
         saved = self.checkpointer.dir / tag / CONFIG_FILE
         check_resume_config(

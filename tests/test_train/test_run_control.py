@@ -109,6 +109,9 @@ def test_live_folder_refused_sigterm_checkpoints_and_the_resume_checks_config(
     fewer = base(tiny_tokens, run, stopped, "train.allow_config_change=true")
     p = train(fewer, check=False)
     assert p.returncode == 2 and f"is at step {stopped + 2} already, past train.steps" in p.stderr
+    # The same command again once the run is complete: said, not "steps N->N" alone
+    p = train(more)
+    assert f"the run is complete (train.steps={stopped + 2}): nothing to train" in p.stdout
 
 
 @pytest.mark.parametrize(
