@@ -42,13 +42,27 @@ REFERENCE_WHITE = 203.0  # cd/m², HDR reference white (BT.2408): 1.0 in the lin
 PEAK = 1000.0 / REFERENCE_WHITE  # the nominal display peak HLG is defined for, and PQ's usual
 KNEE = 0.75  # the tone curve is the identity below this (fraction of reference white)
 
-# Linear-light RGB of another set of primaries to BT.709's (both D65), from the primaries'
-# chromaticities (BT.2087 gives the BT.2020 one).
+# Chromaticities (x, y) of the red, green and blue primaries; all three share D65 white
+PRIMARIES_XY = {
+    BT709: ((0.640, 0.330), (0.300, 0.600), (0.150, 0.060)),
+    BT2020: ((0.708, 0.292), (0.170, 0.797), (0.131, 0.046)),
+    P3_D65: ((0.680, 0.320), (0.265, 0.690), (0.150, 0.060)),
+}
+D65 = (0.3127, 0.3290)
+
+
+def _rgb_to_xyz(primaries) -> np.ndarray:
+    """The linear RGB -> CIE XYZ matrix of ``primaries`` with D65 white (SMPTE RP 177)."""
+    xyz = np.array([[x / y, 1.0, (1 - x - y) / y] for x, y in primaries]).T
+    white = np.array([D65[0] / D65[1], 1.0, (1 - D65[0] - D65[1]) / D65[1]])
+    return xyz * np.linalg.solve(xyz, white)
+
+
+# Linear-light RGB of another set of primaries to BT.709's (BT.2087 gives the BT.2020 one to
+# four decimals); white stays white, so each row sums to 1
 TO_BT709 = {
-    BT2020: np.array(
-        [[1.6605, -0.5876, -0.0728], [-0.1246, 1.1329, -0.0083], [-0.0182, -0.1006, 1.1187]]
-    ),
-    P3_D65: np.array([[1.2249, -0.2247, 0.0], [-0.0420, 1.0419, 0.0], [-0.0197, -0.0786, 1.0979]]),
+    code: np.linalg.solve(_rgb_to_xyz(PRIMARIES_XY[BT709]), _rgb_to_xyz(PRIMARIES_XY[code]))
+    for code in (BT2020, P3_D65)
 }
 
 
@@ -70,18 +84,19 @@ def colour_of(raw: bytes) -> Colour | None:
     (no description, another container, or bytes that do not parse)."""
     try:
         if raw[4:8] in (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip"):
-            return _mp4_colour(raw, 0, len(raw))
+            return _mp4_colour(raw, 0, len(raw), 0)
         if raw[:4] == b"\x1a\x45\xdf\xa3":
-            return _matroska_colour(raw, 0, len(raw))
-    except (struct.error, IndexError, ValueError):
+            return _matroska_colour(raw, 0, len(raw), 0)
+    except Exception:  # noqa: BLE001 - whatever the bytes do, a clip without a description
         pass
     return None
 
 
-_MP4_CONTAINERS = {b"moov", b"trak", b"mdia", b"minf", b"stbl"}
+# The boxes on the way to the sample entries, each at its own depth (moov/trak/mdia/minf/stbl)
+_MP4_PATH = (b"moov", b"trak", b"mdia", b"minf", b"stbl")
 
 
-def _mp4_colour(raw: bytes, start: int, end: int) -> Colour | None:
+def _mp4_colour(raw: bytes, start: int, end: int, depth: int) -> Colour | None:
     pos = start
     while pos + 8 <= end:
         size, kind = struct.unpack_from(">I4s", raw, pos)
@@ -92,11 +107,13 @@ def _mp4_colour(raw: bytes, start: int, end: int) -> Colour | None:
             size = end - pos
         if size < head:
             return None
-        if kind in _MP4_CONTAINERS:
-            found = _mp4_colour(raw, pos + head, pos + size)
+        if depth < len(_MP4_PATH) and kind == _MP4_PATH[depth]:
+            found = _mp4_colour(raw, pos + head, min(pos + size, end), depth + 1)
             if found:
                 return found
-        elif kind == b"stsd":  # full box, entry count, then the sample entries
+        elif kind == b"stsd" and depth == len(
+            _MP4_PATH
+        ):  # full box, entry count, then the sample entries
             entry = pos + head + 8
             entry_size = struct.unpack_from(">I", raw, entry)[0]
             # a visual sample entry's own fields take 78 bytes, its boxes follow
@@ -125,24 +142,27 @@ _CLUSTER = 0x1F43B675  # the first block of frames
 _FIELDS = {0x55BB: "primaries", 0x55BA: "transfer", 0x55B1: "matrix"}
 
 
-def _matroska_colour(raw: bytes, pos: int, end: int) -> Colour | None:
+_MATROSKA_PATH = (_SEGMENT, _TRACKS, _TRACK, _VIDEO)  # each at its own depth, then Colour
+
+
+def _matroska_colour(raw: bytes, pos: int, end: int, depth: int) -> Colour | None:
     while pos < end:
         element, pos = _vint(raw, pos, keep_marker=True)
         size, pos = _vint(raw, pos, keep_marker=False)
         stop = end if size is None else min(pos + size, end)
         if element == _CLUSTER:
             return None  # the frames start: every track was described before them
-        if element == _COLOUR:
+        if element == _COLOUR and depth == len(_MATROSKA_PATH):
             fields = {"primaries": 2, "transfer": 2, "matrix": 2}  # H.273's "unspecified"
             while pos < stop:
                 field, pos = _vint(raw, pos, keep_marker=True)
                 length, pos = _vint(raw, pos, keep_marker=False)
-                if field in _FIELDS and length:
+                if field in _FIELDS and length and length <= 8:
                     fields[_FIELDS[field]] = int.from_bytes(raw[pos : pos + length], "big")
                 pos += length or 0
             return Colour(**fields)
-        if element in (_SEGMENT, _TRACKS, _TRACK, _VIDEO):
-            found = _matroska_colour(raw, pos, stop)
+        if depth < len(_MATROSKA_PATH) and element == _MATROSKA_PATH[depth]:
+            found = _matroska_colour(raw, pos, stop, depth + 1)
             if found or size is None:
                 return found
         pos = stop
@@ -168,10 +188,14 @@ def to_sdr(frames: np.ndarray, colour: Colour) -> np.ndarray:
     if not colour.needs_mapping:
         return frames
     light = _linear(frames.astype(np.float32) / 255.0, colour)
-    matrix = TO_BT709.get(colour.primaries)
+    hdr = colour.transfer in (PQ, HLG)
+    # PQ and HLG are BT.2100's, whose primaries are BT.2020's: a clip that leaves them
+    # unspecified has those
+    primaries = BT2020 if hdr and colour.primaries not in PRIMARIES_XY else colour.primaries
+    matrix = TO_BT709.get(primaries)
     if matrix is not None:
         light = light @ matrix.T.astype(np.float32)
-    if colour.transfer in (PQ, HLG):
+    if hdr:
         light = _tone_map(light)
     signal = np.clip(light, 0.0, 1.0) ** (1 / 2.4)
     return np.round(signal * 255.0).astype(np.uint8)

@@ -14,7 +14,7 @@ import pytest
 
 import data.video_frames
 from data.image_prep import ImagePrep
-from data.video_colour import BT2020, HLG, PQ, Colour, colour_of
+from data.video_colour import BT709, BT2020, HLG, P3_D65, PQ, Colour, colour_of, to_sdr
 from data.video_frames import VideoSampling, decode_frames
 
 W, H = 64, 32
@@ -97,8 +97,7 @@ def hevc_10bit(signal: np.ndarray, transfer: int) -> bytes:
 
 @pytest.mark.parametrize("transfer", [PQ, HLG])
 def test_an_hdr_clip_decodes_to_the_sdr_signal_of_its_scene(transfer, monkeypatch):
-    import av
-
+    av = pytest.importorskip("av")
     if "libx265" not in av.codecs_available:
         pytest.skip("this PyAV has no libx265 encoder")
     light = scene()
@@ -119,7 +118,9 @@ def test_an_hdr_clip_decodes_to_the_sdr_signal_of_its_scene(transfer, monkeypatc
 
 
 def test_the_colour_description_is_read_from_mp4_mov_and_matroska(tmp_path):
-    import av
+    av = pytest.importorskip("av")
+    if not {"libx264", "libvpx-vp9"} <= set(av.codecs_available):
+        pytest.skip("this PyAV lacks libx264 or libvpx-vp9")
 
     def clip(container: str, codec: str, pix_fmt: str) -> bytes:
         buf = io.BytesIO()
@@ -153,3 +154,29 @@ def test_the_colour_description_is_read_from_mp4_mov_and_matroska(tmp_path):
         for packet in stream.encode():
             out.mux(packet)
     assert colour_of(untagged.getvalue()) is None
+
+
+def test_wide_gamut_sdr_keeps_white_and_saturates_less_than_it_would_unconverted():
+    """An SDR clip in Display P3 or BT.2020 primaries: white stays white, greys stay grey, and
+    a primary's colour is brought inside BT.709 (its pure red is a redder red than BT.709's)."""
+    frames = np.array([[[255, 255, 255], [128, 128, 128], [200, 40, 40]]], np.uint8)
+    for primaries in (P3_D65, BT2020):
+        out = to_sdr(frames, Colour(primaries, BT709, BT709)).astype(int)
+        assert (np.abs(out[0, :2] - frames[0, :2]) <= 1).all()
+        assert out[0, 2, 0] > frames[0, 2, 0]  # the same light is more saturated in BT.709
+    assert to_sdr(frames, Colour(BT709, BT709, BT709)) is frames  # nothing to do
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\x00\x00\x00\x10ftypisom\x00\x00\x00\x00" + b"\x00\x00\x00\x08moov" * 2000,
+        b"\x1a\x45\xdf\xa3\x80" + b"\xae\xff" * 2000,  # unknown-size elements, nested
+        b"\x00\x00\x00\x10ftypisom\x00\x00\x00\x00\x00\x00\x00\x20moov\x00\x00\x00\x18stsd",
+        b"\x1a\x45\xdf\xa3\x80\x18\x53\x80\x67\xff\x55\xb0\xff\x55\xba\x88" + b"\xff" * 64,
+    ],
+)
+def test_bytes_that_do_not_parse_give_no_description_and_no_error(raw):
+    """Nested boxes or elements raised RecursionError out of colour_of, which stopped the
+    tokenize command (it rejects a document on ValueError only)."""
+    assert colour_of(raw) is None
