@@ -257,16 +257,19 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
     unknown = unknown_override_keys(overrides_given(sys.argv[1:]), RunConfig, config_groups())
     if unknown:
         refuse_before_start(f"unknown config key(s): {'; '.join(unknown)}")
-    add_overrides(name_after_data(sys.argv[1:]))
+    add_overrides(name_after_data(overrides_given(sys.argv[1:])))
     flags = hydra_flags(sys.argv[1:])
     if flags.config_path or flags.config_name:
         # Another primary config (a run's own config.yaml) lacks configs/config.yaml's hydra
         # settings: without these Hydra would make an outputs/DATE/TIME folder in the cwd and
         # log to an app.log there in its own format
-        given = {arg.lstrip("+").split("=")[0] for arg in sys.argv[1:]}
+        given = {arg.lstrip("+").split("=")[0] for arg in overrides_given(sys.argv[1:])}
         settings = {
             **HYDRA_RUN_SETTINGS,
-            "hydra.searchpath": f"[file://{CONFIG_DIR}]",  # where the next one is
+            # where the next one is; quoted: a path may hold what the override grammar parses
+            "hydra.searchpath": "['file://"
+            + CONFIG_DIR.replace("\\", "\\\\").replace("'", "\\'")
+            + "']",
             "hydra/job_logging": "stdout",
         }
         add_overrides([f"{k}={v}" for k, v in settings.items() if k not in given])
@@ -420,12 +423,14 @@ def overrides_given(args: Sequence[str]) -> list[str]:
 
 
 def add_overrides(extra: list[str]) -> None:
-    """``extra`` on the command line beside the user's overrides: Hydra's parser takes them as one
-    run of positional arguments (one added after a flag's value would be refused)."""
-    at = next(
-        (i for i, arg in enumerate(sys.argv[1:], 1) if "=" in arg and not arg.startswith("-")),
-        len(sys.argv),
-    )
+    """``extra`` on the command line right after the user's overrides (before every flag when
+    there are none): Hydra's parser takes the overrides as one run of positional arguments, and
+    a flag's value (a path holding ``=``) or a trailing ``--info`` must not take one."""
+    if not extra:
+        return
+    args, given = sys.argv[1:], overrides_given(sys.argv[1:])
+    starts = [i for i in range(len(args)) if given and args[i : i + len(given)] == given]
+    at = 1 + (starts[0] + len(given) if starts else 0)
     sys.argv[at:at] = extra
 
 

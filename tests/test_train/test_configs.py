@@ -894,3 +894,25 @@ def test_hydra_job_chdir_is_refused():
     p = run_app(["hydra.job.chdir=true", "experiment=debug"])
     assert p.returncode == 2
     assert p.stderr.startswith("earlyfuse-train: hydra.job.chdir=true: every path of the run")
+
+
+def test_added_overrides_go_beside_the_users_not_into_a_flags_value(tmp_path, monkeypatch):
+    """A run named after its data= and a run's own config.yaml get overrides added to the
+    command line: they went into a flag's value holding `=` (a Hydra-style folder name) or after
+    a trailing --info, which took them."""
+    shown = run_app(["experiment=debug", "--cfg", "job", "--resolve"])
+    run = tmp_path / "lr=3e-4"
+    run.mkdir()
+    (run / "config.yaml").write_text(shown.stdout)
+    (tmp_path / "a=b" / "data").mkdir(parents=True)
+    (tmp_path / "a=b" / "data" / "mine.yaml").write_text("defaults:\n  - demo\nseq_len: 256\n")
+    monkeypatch.chdir(tmp_path)
+    p = run_app(
+        ["--config-path", str(run), "--config-name", "config", "--cfg", "job", "-p", "name"]
+    )
+    assert p.returncode == 0 and p.stdout.strip() == "debug", p.stderr
+    p = run_app(["-cp", str(run), "-cn", "config", "--info"])
+    assert p.returncode == 0 and "Hydra" in p.stdout, p.stderr
+    mine = ["--config-dir", str(tmp_path / "a=b"), "experiment=debug", "data=mine"]
+    p = run_app([*mine, "--cfg", "job", "-p", "run_dir"])
+    assert p.returncode == 0 and p.stdout.strip() == "runs/mine", p.stderr
