@@ -18,7 +18,9 @@ Design choices:
 - The file is never deleted, only emptied when the run ends: deleting it would let a process that
   opened the old file and one that creates a new one both hold "the" lock. Except in a folder
   this run made and left empty (a run refused before it wrote anything): the folder goes too,
-  while the lock is still held, so a refused command leaves no run folder behind.
+  while the lock is still held, so a refused command leaves no run folder behind; a process
+  whose flock then succeeds checks that it locked the file still at the path, and takes the
+  lock again if not.
 - A process forked from the holder (the loader's DataLoader workers fork from the trainer's
   process) closes its copy of the descriptor at once: the flock belongs to the open file, so a
   copy would keep the folder locked after the holder died, for as long as the child lives.
@@ -85,6 +87,10 @@ def holder_text(holder: dict) -> str:
     return f"pid {holder.get('pid')} on host {holder.get('host')} (started {holder.get('started')})"
 
 
+class _Orphaned(Exception):
+    """The file this process locked is no longer the one at the lock's path."""
+
+
 class RunLock:
     def __init__(self, run_dir: Path) -> None:
         self.path = Path(run_dir) / LOCK_NAME
@@ -118,6 +124,10 @@ class RunLock:
                 if e.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
                     raise
                 flock_works = False
+            if flock_works and not self._still_at_path(fd):
+                # A refused run removed the file (and its empty folder) between our open and our
+                # flock: ours is an orphan that locks nothing; take the lock again
+                raise _Orphaned
             holder = self.read_holder()
             if holder and not flock_works:
                 same_host = holder.get("host") == socket.gethostname()
@@ -136,6 +146,9 @@ class RunLock:
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
             os.fsync(fd)
+        except _Orphaned:
+            os.close(fd)
+            return self.acquire()
         except BaseException:
             os.close(fd)
             raise
@@ -154,6 +167,14 @@ class RunLock:
             f"{self.path.parent} is locked by {who}, which cannot be checked from this host (this "
             f"filesystem has no flock). If that run is over, delete {self.path} and rerun"
         )
+
+    def _still_at_path(self, fd: int) -> bool:
+        try:
+            here = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(fd)
+        return (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino)
 
     def release(self) -> None:
         if self.fd is None:

@@ -3,6 +3,7 @@ second taker by name; a holder killed with -9 leaves a stale lock that the next 
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import signal
@@ -117,3 +118,22 @@ def test_a_refused_run_leaves_no_folder_it_made(tmp_path):
     (made / "metrics.jsonl").write_text("")
     lock.release()
     assert (made / "run.lock").read_text() == ""
+
+
+def test_a_lock_taken_on_a_file_removed_meanwhile_is_taken_again(tmp_path, monkeypatch):
+    """A refused run removes its empty folder's run.lock while holding it: a process that had
+    opened that file before and flocks it after holds an orphan, which locks nothing."""
+    lock = RunLock(tmp_path / "run")
+    real_flock, calls = fcntl.flock, []
+
+    def flock_after_removal(fd, op):
+        if not calls:  # as if the refused run removed the file between open and flock
+            (tmp_path / "run" / "run.lock").unlink()
+        calls.append(fd)
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock_after_removal)
+    lock.acquire()
+    assert len(calls) >= 2 and (tmp_path / "run" / "run.lock").is_file()
+    assert lock._still_at_path(lock.fd)
+    lock.release()
