@@ -11,7 +11,7 @@ from pathlib import Path
 
 from data.shards.storage import Folder
 from tools.convert_deepspeed import CheckpointError, add_run_dir, find_checkpoint
-from train.checkpoint import checkpoint_files, file_manifest
+from train.checkpoint import checkpoint_files, file_manifest, sync_to_disk
 from train.safe_load import weights_only_loads
 from train.save_errors import write_failure_cause
 
@@ -88,6 +88,7 @@ def make_universal(
             f"{ckpt.folder}: DeepSpeed could not make a universal checkpoint ({e})"
         ) from None
     # Sizes and hashes of what was written, checked before a resume loads it.
+    sync_to_disk()
     files = file_manifest(out, checkpoint_files(out))
     source = {"step": ckpt.meta.get("step"), "world_size": world, "zero_stage": stage}
     Folder(out).write_json("source.json", {**source, "files": files})

@@ -7,9 +7,9 @@ Design choices:
 - Nothing is unpickled: every file, DeepSpeed's included, is read weights-only
   (train/safe_load.py).
 - ``meta.json`` (step, world size, ZeRO stage, and the size and SHA-256 of every file) is written
-  last, after a barrier that every rank reaches once its files are written; the ranks share the
-  hashing and sync every file and folder to disk first (fsync), so a node's crash or a power
-  loss cannot leave a manifest naming files that come back empty. Then ``latest`` moves
+  last, after a barrier that every rank reaches once its files are written; each node then
+  syncs what it wrote to disk (sync(2)) before the ranks share the hashing, so a node's crash or
+  a power loss cannot leave a manifest naming files that come back empty. Then ``latest`` moves
   (written to a temporary name, synced, renamed, the rename synced). A crash mid-save leaves
   ``latest`` on the previous checkpoint; the half-written folder is removed on resume, with a
   warning. A crash between the first checkpoint's ``meta.json`` and its ``latest`` leaves a
@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from data.shards.index import file_sha256
-from data.shards.storage import sync_path, write_atomic
+from data.shards.storage import write_atomic
 from train.config_check import ConfigError
 from train.dist import DistInfo, barrier
 from train.names import CHECKPOINT_META_FILE, CHECKPOINTS_DIR, CONFIG_FILE, LATEST_FILE
@@ -109,18 +109,20 @@ def checkpoint_files(folder: Path) -> list[str]:
 
 
 def file_manifest(folder: Path, names: list[str]) -> dict[str, dict]:
-    """{name: {"bytes": size, "sha256": hex}} of ``names`` inside ``folder``, each synced to disk
-    first (and the folders holding them): the manifest that lists them is what declares them
-    complete, so after a node's crash or a power loss it must not name files the page cache
-    still held (they came back empty). An fsync from any process flushes a file's pages."""
+    """{name: {"bytes": size, "sha256": hex}} of ``names`` inside ``folder``."""
     out = {}
     for name in names:
         path = Path(folder) / name
-        sync_path(path)
         out[name] = {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
-    for parent in {(Path(folder) / name).parent for name in names}:
-        sync_path(parent)
     return out
+
+
+def sync_to_disk() -> None:
+    """Flush what this node wrote (sync(2): files and folder entries, on every file system, a
+    network one's client cache included) before a manifest declares the files complete: after a
+    node's crash or a power loss, a manifest must not name files the page cache still held (they
+    came back empty). Each node syncs its own: an fsync from another node does not flush them."""
+    os.sync()
 
 
 def verify_files(folder: Path, files: dict[str, dict], *, hashes: bool = True) -> list[str]:
@@ -527,6 +529,8 @@ class Checkpointer:
         if self.before_commit is not None:
             self.before_commit(step)  # tests crash a save here: files written, `latest` not moved
         barrier()  # every rank's files are written before they are hashed and `latest` moves
+        if self.dist.local_rank == 0:
+            sync_to_disk()  # before the hashes, which every rank must gather
         manifest = self._hash_shared(folder)
         if self.dist.is_main:
             # meta.json last: a folder without it is never taken for a checkpoint

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -365,28 +366,29 @@ def test_a_kill_between_the_first_meta_and_latest_resumes_from_it_with_a_warning
     assert said in capsys.readouterr().err
 
 
-def test_the_files_a_manifest_lists_are_synced_to_disk_before_it(tmp_path, monkeypatch):
+def test_a_save_syncs_its_files_to_disk_before_meta_and_latest(tmp_path, monkeypatch):
     """meta.json declares a checkpoint complete: after a node's crash or a power loss its files
-    came back empty when only meta.json and latest had been synced."""
+    came back empty when only meta.json and latest had been synced. (The engine here writes one
+    file as DeepSpeed's would: what is checked is the order of the save's own steps.)"""
     import os
 
-    from train.checkpoint import file_manifest
+    class Engine:
+        def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+            (Path(save_dir) / tag).mkdir(parents=True)
+            (Path(save_dir) / tag / "mp_rank_00_model_states.pt").write_bytes(b"x" * 10)
 
-    (tmp_path / "zero").mkdir()
-    for name in ("a.pt", "zero/b.pt"):
-        (tmp_path / name).write_bytes(b"x" * 10)
-    synced = []
-    real = os.fsync
-
-    def fsync(fd):
-        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
-        real(fd)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    manifest = file_manifest(tmp_path, ["a.pt", "zero/b.pt"])
-    assert sorted(manifest) == ["a.pt", "zero/b.pt"]
-    want = {str(tmp_path / "a.pt"), str(tmp_path / "zero" / "b.pt"), str(tmp_path / "zero")}
-    assert want | {str(tmp_path)} <= set(synced)
+    seen = []
+    monkeypatch.setattr(
+        os, "sync", lambda: seen.append(sorted(p.name for p in tmp_path.rglob("*")))
+    )
+    tag = Checkpointer(tmp_path / "run", ONE, 3).save(
+        Engine(), 1, client={}, own={}, meta={"world_size": 1}, files={"config.yaml": "a: 1\n"}
+    )
+    assert tag == "step_00000001" and len(seen) == 1
+    assert "mp_rank_00_model_states.pt" in seen[0] and "rank_00000.pt" in seen[0]
+    assert "meta.json" not in seen[0] and "latest" not in seen[0]  # synced before both
+    meta = json.loads((tmp_path / "run" / "checkpoints" / tag / "meta.json").read_text())
+    assert "mp_rank_00_model_states.pt" in meta["files"]
 
 
 def test_a_damaged_checkpoint_that_cannot_be_set_aside_says_both(runs, tmp_path, monkeypatch):
