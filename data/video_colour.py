@@ -1,9 +1,9 @@
 """HDR and wide-gamut video frames brought to the SDR BT.709 colours every other frame is in.
 
 decord converts a clip's YUV to RGB with the clip's own matrix (BT.2020's for a BT.2020 clip),
-but leaves the values in the clip's transfer function and primaries: an HDR clip (PQ or HLG, as
-phones record by default) came out flat and dim (a PQ clip's reference white at 58 % of full
-scale), and a BT.2020 one desaturated. Images are converted to sRGB by their ICC profile
+but leaves the values in the clip's transfer function and primaries: as they are, an HDR clip
+(PQ or HLG, as phones record by default) looks flat and dim (a PQ clip's reference white sits at
+58 % of full scale), and a BT.2020 one desaturated. Images are converted to sRGB by their ICC profile
 (data.image_prep); frames are brought the same way to what an SDR BT.709 clip of the scene holds.
 
 Design choices:

@@ -131,9 +131,11 @@ class TransformerConfig:
     def head_dim(self) -> int:
         return self.attention.resolved_head_dim(self.dim)
 
-    def with_layout(self, layout: VocabLayout) -> TransformerConfig:
+    def with_layout(self, layout: VocabLayout, *, strict: bool = True) -> TransformerConfig:
         """This config over ``layout``'s ids. A value given by hand that is neither the schema's
-        placeholder nor the layout's is refused: it would be dropped without a word."""
+        placeholder nor the layout's is refused (``strict``): it would be dropped without a word.
+        A checkpoint's own config is read with ``strict=False``: it trained on the layout's
+        sizes, whatever its config.yaml says."""
         sizes = {
             "vocab_size": layout.size,
             "text_vocab_size": layout.text_size,
@@ -145,7 +147,7 @@ class TransformerConfig:
             for name, value in sizes.items()
             if getattr(self, name) not in (value, getattr(TransformerConfig, name))
         }
-        if given:
+        if given and strict:
             raise ValueError(
                 ", ".join(f"model.{name}={value}" for name, value in given.items())
                 + ": set from the tokenizers' vocabulary layout ("

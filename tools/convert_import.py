@@ -109,7 +109,10 @@ def check_against_run(
             layout, tok_folder = layout_of_data(cfg)
         except (ValueError, OSError, KeyError, IndexError) as e:
             raise ReleaseError(f"cannot read the run's token data (data.sources): {e}") from None
-        net_cfg = cfg.model.with_layout(layout)
+        try:
+            net_cfg = cfg.model.with_layout(layout)
+        except ValueError as e:  # a vocabulary size set by hand
+            raise ReleaseError(str(e)) from None
     else:
         net_cfg = cfg.vtok
     diff = check_compatible(

@@ -165,7 +165,7 @@ def make_release(
     if task == "lm":
         # in the checkpoint's manifest, which find_checkpoint checked: the layout it trained with
         layout = VocabLayout.load(ckpt.folder / LAYOUT)
-        net_cfg = run_cfg.model.with_layout(layout)
+        net_cfg = run_cfg.model.with_layout(layout, strict=False)
         if not no_tokenizers:
             tok_dir = Path(tokenizers) if tokenizers else find_tokenizers(run_cfg, run_dir)
             if not tok_dir.is_dir():

@@ -38,6 +38,7 @@ from train.config_check import (
     unknown_override_keys,
 )
 from train.dist import strip_launcher_args
+from train.names import CHECKPOINTS_DIR, LATEST_FILE
 
 ConfigStore.instance().store(name="run_schema", node=RunConfig)
 # An absolute path: Hydra would otherwise look for a Python package "configs".
@@ -211,7 +212,7 @@ DISK_FULL_OR_READ_ONLY = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
 def disk_failure(error: OSError, run_dir: Path) -> str:
     """One line for a write the disk refused outside a checkpoint save (metrics, the run lock,
     TensorBoard): what, where, and where the run resumes from."""
-    latest = run_dir / "checkpoints" / "latest"
+    latest = run_dir / CHECKPOINTS_DIR / LATEST_FILE
     try:
         resume = f"{latest} names {latest.read_text().strip()}: the same command resumes from it"
     except OSError:
@@ -361,12 +362,13 @@ def compose_error(error: BaseException, args: Sequence[str]) -> str | None:
         return f"{error.filename}: {error.strerror}"  # hydra.run.dir that cannot be made
     if isinstance(error, ValueError) and "Config group override must be" in str(error):
         groups = config_groups()
-        nulls = [a.lstrip("+").split("=")[0] for a in args if a.endswith("=null")]
+        nulls = [a.lstrip("+").split("=")[0].split("@")[0] for a in args if a.endswith("=null")]
         group = next((g for g in nulls if g in groups), "a config group")
         options = sorted(p.stem for p in (Path(CONFIG_DIR) / group).glob("*.yaml"))
+        listed = f" ({', '.join(options)})" if options else ""
         return (
-            f"{group}=null: a config group takes one of its options ({', '.join(options)}); "
-            f"to run without one, leave {group}= out"
+            f"{group}=null: a config group takes one of its options{listed}; to run without "
+            f"one, leave {group}= out"
         )
     if not isinstance(error, (HydraException, OmegaConfBaseException)):
         return None

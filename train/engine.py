@@ -170,10 +170,10 @@ def build_engine(model: nn.Module, cfg: RunConfig, world_size: int, *, total_ste
 @contextmanager
 def config_hyperparameters(engine) -> Iterator[None]:
     """Around a checkpoint load: the optimizer's hyperparameters (lr, betas, eps, weight decay)
-    and the schedule's peak lr are the run's config's, not the checkpoint's. DeepSpeed restores
-    the param groups and the scheduler's ``base_lrs`` as saved, so a resume that changed
-    ``optim.lr`` or ``optim.weight_decay`` trained on under the old values while its config.yaml
-    said the new ones. The checkpoint keeps what is state: moments, step counts, the schedule's
+    and the schedule's peak lr are the run's config's, not the checkpoint's: DeepSpeed restores
+    the param groups and the scheduler's ``base_lrs`` as saved, which would train a resume that
+    changed ``optim.lr`` or ``optim.weight_decay`` on under the old values while its config.yaml
+    says the new ones. The checkpoint keeps what is state: moments, step counts, the schedule's
     position and its lr cap."""
     sched = engine.lr_scheduler
     optimizer = sched.optimizer  # our AdamW, whose groups every DeepSpeed wrapper steps

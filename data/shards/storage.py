@@ -237,10 +237,11 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 def write_all_atomic(files: Mapping[Path, bytes]) -> None:
-    """Each file's bytes at its path, all of them or none: every one is written to a temporary
-    file beside its path and synced before the first is renamed over its path, so a write that
-    fails (a full disk) leaves every old file as it was, never half a file nor a set mixing new
-    files and old ones. The temporary files of a failed write are removed, and the error names
+    """Each file's bytes at its path, all of them or none of them against a failed write: every
+    one is written to a temporary file beside its path and synced before the first is renamed
+    over its path, so a write that fails (a full disk) leaves every old file as it was, never half
+    a file nor a set mixing new files and old ones (the renames themselves do not fail for want
+    of space). The temporary files of a failed write are removed, and the error names
     the file being written (a failed ``write`` names none, ``open`` its temporary). The renames
     are synced too (their folders)."""
     temps = {path: path.with_name(path.name + ".tmp") for path in files}
@@ -265,11 +266,17 @@ def sync_path(path: Path) -> None:
     """fsync a file or a folder (a folder's fsync makes the names created or renamed in it
     durable). A file system that cannot sync a folder (some network ones) is left to its own
     guarantees."""
-    fd = os.open(path, os.O_RDONLY)
+    folder = Path(path).is_dir()
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        if folder:  # a folder this process may write but not read (a drop folder)
+            return
+        raise
     try:
         os.fsync(fd)
     except OSError:
-        if not Path(path).is_dir():
+        if not folder:
             raise
     finally:
         os.close(fd)

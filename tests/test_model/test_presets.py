@@ -133,3 +133,5 @@ def test_the_vocabulary_sizes_come_from_the_layout_and_a_hand_set_one_is_refused
     assert cfg.with_layout(layout) == cfg  # the layout's own values are fine
     with pytest.raises(ValueError, match=r"model.vocab_size=9999: set from the tokenizers"):
         TransformerConfig(vocab_size=9999).with_layout(layout)
+    # a checkpoint's config.yaml: it trained on the layout's sizes, whatever it says
+    assert TransformerConfig(vocab_size=9999).with_layout(layout, strict=False) == cfg

@@ -85,22 +85,22 @@ def test_every_zero_stage_trains_and_resumes_bit_identically(tiny_tokens, tmp_pa
 
 
 def test_a_resume_with_another_lr_trains_at_it_from_its_first_step(tiny_tokens, tmp_path):
-    """DeepSpeed's load brought back the saved peak lr (and betas, weight decay) over the
-    config's: the resumed run logged and trained at the old lr while its config.yaml said the
-    new one. Reference: an uninterrupted run whose lr doubles at the resumed step (optim.
-    lr_changes), the same lr to the bit; its steps 5 and 6 must be the resumed run's."""
+    """DeepSpeed's load brings back the saved peak lr (and betas, weight decay): the config's
+    must win, from the first update after the resume. Reference: a run whose lr doubles from
+    step 5 (optim.lr_changes; the same lr to the bit); its step-4 checkpoint is a plain lr 1e-3
+    run's, and resumed at lr 2e-3 without the change its steps 5 and 6 must be the reference's."""
     ref, run = tmp_path / "ref", tmp_path / "run"
-    args = ["deepspeed.zero_stage=2", "train.ckpt_every=2"]
-    train(
-        base(tiny_tokens, ref, 6, *args, "optim.lr=1e-3", "optim.lr_changes=[{step: 4, scale: 2}]")
-    )
-    p = train(
-        base(tiny_tokens, run, 6, *args, "optim.lr=1e-3"), faults={"kill_at_step": 5}, check=False
-    )
-    assert p.returncode == -9
+    args = ["deepspeed.zero_stage=2", "train.ckpt_every=2", "train.keep_last=3"]
+    change = "optim.lr_changes=[{step: 4, scale: 2}]"
+    train(base(tiny_tokens, ref, 6, *args, "optim.lr=1e-3", change))
+    shutil.copytree(ref, run)
+    shutil.rmtree(run / "checkpoints" / "step_00000006")
+    (run / "checkpoints" / "latest").write_text("step_00000004\n")
     p = train(base(tiny_tokens, run, 6, *args, "optim.lr=2e-3", "train.allow_config_change=true"))
     assert "optim.lr: 0.001 -> 0.002 (breaks an exact resume)" in p.stdout
-    a, b = metrics(ref), metrics(run)
+    logged = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3, 4, 5, 6, 5, 6]  # the copy's, then the resumed run's own
+    a, b = metrics(ref), metrics(run)  # the last record of each step
     for step in (5, 6):
         for key in ("train/loss", "optim/grad_norm", "optim/lr"):
             assert a[step][key] == b[step][key], (step, key)
