@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from data.cli.common import check_new_folder, local_folder, write_folder
+from data.cli.common import check_new_folder, local_folder
+from data.shards.storage import write_folder
 from train.release import LAYOUT, TOKENIZER, Release, ReleaseError
 
 EXAMPLES = """\

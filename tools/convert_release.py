@@ -17,9 +17,10 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from data.cli.common import check_new_folder, local_folder, write_folder
+from data.cli.common import check_new_folder, local_folder
 from data.shards.index import file_sha256
 from data.shards.manifest import versions
+from data.shards.storage import write_folder
 from data.tokenize.blocks import image_grids
 from tools.convert_deepspeed import (
     CheckpointError,

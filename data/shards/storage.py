@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -260,6 +261,49 @@ def write_all_atomic(files: Mapping[Path, bytes]) -> None:
         os.replace(tmp, path)
     for folder in {path.parent for path in files}:
         sync_path(folder)
+
+
+def write_folder(out: Path, write: Callable[[Path], ResultT]) -> ResultT:
+    """Build the folder ``out`` whole beside it, in ``OUT.partial`` (``write(folder)`` puts the
+    files there; its result is returned), then move it into place, replacing what
+    ``check_new_folder`` let through. A write that fails or is interrupted (a full disk, Ctrl-C)
+    removes ``OUT.partial`` and leaves ``out`` as it was (the old one is set aside, not
+    deleted, until the new one is in its place): never a half-written folder that looks
+    like a finished one, nor an old one deleted before the new one is complete. The files get
+    the permissions the user's umask gives (safetensors writes 0600; the folder is to share)."""
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    aside = None  # a hidden folder beside OUT that holds the old OUT while the new one moves in
+    try:
+        result = write(tmp)
+        mask = os.umask(0)
+        os.umask(mask)
+        for path in tmp.rglob("*"):
+            if path.is_file():
+                os.chmod(path, 0o666 & ~mask)
+        if out.exists():
+            aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, aside / out.name)
+        os.replace(tmp, out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if aside and not out.exists():
+            try:
+                os.replace(aside / out.name, out)
+            except OSError:  # kept where it is, and said so: never deleted with no new one
+                kept, aside = aside / out.name, None
+                what = "interrupted" if isinstance(e, KeyboardInterrupt) else str(e) or repr(e)
+                why = f"{out}: not replaced ({what}); the previous one is in {kept}"
+                if isinstance(e, Exception):
+                    raise OSError(why) from e
+                print(why, file=sys.stderr)  # Ctrl-C stays an interrupt
+                raise e from None
+        raise
+    finally:
+        if aside:
+            shutil.rmtree(aside, ignore_errors=True)
+    return result
 
 
 def sync_path(path: Path) -> None:

@@ -31,7 +31,6 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
-from data.cli.common import write_folder
 from data.engine import EngineConfig
 from data.names import (
     LAYOUT_FILE,
@@ -51,7 +50,7 @@ from data.shards.manifest import (
     shard_entry,
     versions,
 )
-from data.shards.storage import Folder, Staging, writing
+from data.shards.storage import Folder, Staging, write_folder, writing
 from data.text_tokenizer import TextTokenizer
 from data.tokenize.blocks import block_summary
 from data.tokenize.docs import TokenizeOptions

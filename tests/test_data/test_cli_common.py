@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from data.cli.common import os_error_line, write_folder
+from data.cli.common import os_error_line
+from data.shards.storage import write_folder
 
 
 def test_a_replaced_folder_stays_until_the_new_one_is_in_its_place(tmp_path, monkeypatch):
