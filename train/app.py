@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -121,6 +122,7 @@ def run(cfg: RunConfig, resolved: str, extra_callbacks: CallbackFactory | None =
     from train.save_errors import CheckpointWriteError
     from train.trainer import RunHalted
 
+    threading.excepthook = quiet_disk_failures(threading.excepthook)
     listen_from_start()  # a preemption signal while the run starts stops it after step 1
     stop_with_launcher()  # its launcher killed with SIGKILL: a SIGTERM (stops as preempted)
     dist = init_distributed()
@@ -207,6 +209,20 @@ def run_dirs_differ(run_dir: str, world_size: int) -> str:
 
 
 DISK_FULL_OR_READ_ONLY = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
+
+
+def quiet_disk_failures(hook):
+    """A thread hook that leaves out a full or read-only disk met by a background writer
+    (TensorBoard's): its next write in the run's own thread raises it, and the run says it in
+    one line (``disk_failure``)."""
+
+    def hook_for(args) -> None:
+        error = args.exc_value
+        if isinstance(error, OSError) and error.errno in DISK_FULL_OR_READ_ONLY:
+            return
+        hook(args)
+
+    return hook_for
 
 
 def disk_failure(error: OSError, run_dir: Path) -> str:

@@ -121,15 +121,22 @@ class TensorBoardSink:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(folder))
+        self.folder = folder
 
     def write(self, step: int, metrics: dict) -> None:
-        for key, value in metrics.items():
-            number = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if number and math.isfinite(value):
-                self.writer.add_scalar(key, value, step)
+        try:
+            for key, value in metrics.items():
+                number = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if number and math.isfinite(value):
+                    self.writer.add_scalar(key, value, step)
+        except OSError as e:  # its writer thread's failure (a full disk), raised here
+            raise OSError(e.errno, e.strerror, str(self.folder)) from None
 
     def close(self) -> None:
-        self.writer.close()
+        try:
+            self.writer.close()
+        except OSError:
+            pass  # said by the write that failed, or by the step that stopped the run
 
 
 class WandbSink:
