@@ -93,7 +93,7 @@ class Trainer:
                         if record is None:  # epoch mode: the data ended before total_steps
                             break
                         step += 1
-                        decision = self.callbacks.post_step(self, step, record)
+                        decision = self.after_step(step, record)
                 if decision is None or (decision.action == STOP and step >= self.total_steps):
                     break  # the end, of the steps or of the data (a signal at the end: no matter)
                 if decision.action == HALT:
@@ -108,6 +108,19 @@ class Trainer:
             return self.finish(step)
         finally:
             self.callbacks.close(self)
+
+    def after_step(self, step: int, record: StepRecord) -> Decision | None:
+        """The callbacks' decision on a finished step. The monitors' probes read data of their
+        own: when it cannot be read (its folder moved away mid-run) the run stops, and the step,
+        complete with its data position, is checkpointed first."""
+        from data.loader.config import DataUnreadable
+
+        try:
+            return self.callbacks.post_step(self, step, record)
+        except DataUnreadable:
+            if self.last_saved != step:
+                self.save_checkpoint(step)
+            raise
 
     def train_step(self, step: int, batches: Iterator[dict]) -> StepRecord | None:
         """Optimizer step ``step`` (1-based) over ``grad_accum`` micro-batches; None when the data
