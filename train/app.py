@@ -327,7 +327,6 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
                 "hydra.job.chdir=true: every path of the run (run_dir, data shards, init_from) is "
                 "taken from the folder the command runs in; leave hydra.job.chdir off"
             )
-        # as given: iterating the ListConfig would resolve an override's ${...}, unchecked
         try:
             run_cfg, resolved = to_run_config(cfg)
         except ConfigError as e:
@@ -382,9 +381,10 @@ def compose_error(error: BaseException, args: Sequence[str]) -> str | None:
         group = next((g for g in nulls if g in groups), "a config group")
         options = sorted(p.stem for p in (Path(CONFIG_DIR) / group).glob("*.yaml"))
         listed = f" ({', '.join(options)})" if options else ""
+        without = f"give {group}=none" if "none" in options else f"leave {group}= out"
         return (
             f"{group}=null: a config group takes one of its options{listed}; to run without "
-            f"one, leave {group}= out"
+            f"one, {without}"
         )
     if not isinstance(error, (HydraException, OmegaConfBaseException)):
         return None
