@@ -58,6 +58,16 @@ def hlg_signal(light: np.ndarray) -> np.ndarray:
     return np.where(e <= 1 / 12, np.sqrt(3 * e), a * np.log(np.maximum(12 * e - b, 1e-9)) + c)
 
 
+def mux(out, stream, frames) -> None:
+    """Encode ``frames`` (pts 0, 1, ...) into ``stream`` of container ``out``, then flush."""
+    for i, frame in enumerate(frames):
+        frame.pts = i
+        for packet in stream.encode(frame):
+            out.mux(packet)
+    for packet in stream.encode():
+        out.mux(packet)
+
+
 def hevc_10bit(signal: np.ndarray, transfer: int) -> bytes:
     """A lossless 10-bit HEVC mp4 of BT.2020 ``signal`` (R'G'B' 0..1), tagged BT.2020 and
     ``transfer`` as phones tag theirs (the ``colr`` box)."""
@@ -82,16 +92,11 @@ def hevc_10bit(signal: np.ndarray, transfer: int) -> bytes:
             "x265-params": f"lossless=1:colorprim=bt2020:transfer={name}:colormatrix=bt2020nc:"
             "log-level=error"
         }
-        for i in range(3):
-            frame = av.VideoFrame(W, H, "yuv420p10le")
-            for plane, values in zip(frame.planes, planes):
-                rows = np.frombuffer(plane, np.uint16).reshape(-1, plane.line_size // 2)
-                rows[: values.shape[0], : values.shape[1]] = values
-            frame.pts = i
-            for packet in stream.encode(frame):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
+        frame = av.VideoFrame(W, H, "yuv420p10le")
+        for plane, values in zip(frame.planes, planes):
+            rows = np.frombuffer(plane, np.uint16).reshape(-1, plane.line_size // 2)
+            rows[: values.shape[0], : values.shape[1]] = values
+        mux(out, stream, [frame] * 3)
     return buf.getvalue()
 
 
@@ -130,13 +135,7 @@ def test_the_colour_description_is_read_from_mp4_mov_and_matroska(tmp_path):
             stream.options = {"threads": "1"}
             cc = stream.codec_context
             cc.color_primaries, cc.color_trc, cc.colorspace = BT2020, PQ, BT2020
-            for i in range(2):
-                frame = av.VideoFrame(32, 32, pix_fmt)
-                frame.pts = i
-                for packet in stream.encode(frame):
-                    out.mux(packet)
-            for packet in stream.encode():
-                out.mux(packet)
+            mux(out, stream, [av.VideoFrame(32, 32, pix_fmt) for _ in range(2)])
         return buf.getvalue()
 
     hdr = Colour(BT2020, PQ, BT2020)
@@ -152,10 +151,7 @@ def test_the_colour_description_is_read_from_mp4_mov_and_matroska(tmp_path):
     with av.open(untagged, mode="w", format="mp4") as out:
         stream = out.add_stream("libx264", rate=8)
         stream.width, stream.height = 32, 32
-        for packet in stream.encode(av.VideoFrame(32, 32, "yuv420p")):
-            out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
+        mux(out, stream, [av.VideoFrame(32, 32, "yuv420p")])
     assert colour_of(untagged.getvalue()) is None
 
 
