@@ -109,8 +109,14 @@ def to_run_config(cfg: DictConfig) -> tuple[RunConfig, str]:
     return run_cfg, resolved
 
 
-def run(cfg: RunConfig, resolved: str, extra_callbacks: CallbackFactory | None = None) -> int:
-    """Train under the run folder's lock; the process's exit code."""
+def run(
+    cfg: RunConfig,
+    resolved: str,
+    extra_callbacks: CallbackFactory | None = None,
+    command: Sequence[str] = (),
+) -> int:
+    """Train under the run folder's lock; the process's exit code. ``command``: the arguments
+    as given (``RUN_DIR/launches.jsonl`` records them)."""
     import torch
 
     from data.loader.config import DataUnreadable
@@ -155,7 +161,8 @@ def run(cfg: RunConfig, resolved: str, extra_callbacks: CallbackFactory | None =
             )
             return code
         extra = list(extra_callbacks(cfg)) if extra_callbacks else []
-        if build_trainer(cfg, resolved, dist, extra_callbacks=extra).fit() is None:
+        trainer = build_trainer(cfg, resolved, dist, extra_callbacks=extra, command=command)
+        if trainer.fit() is None:
             # Stopped by a signal, checkpoint written: a success for earlyfuse-torchrun too
             from train.launch import note_stopped
 
@@ -270,6 +277,7 @@ MULTIRUN_REFUSED = (
 
 def main(extra_callbacks: CallbackFactory | None = None) -> None:
     sys.argv = strip_launcher_args(sys.argv)
+    command = sys.argv[1:]  # as given, before the overrides added below
     # Before Hydra: its own message for an unknown key suggests +key=..., which would add it.
     unknown = unknown_override_keys(overrides_given(sys.argv[1:]), RunConfig, config_groups())
     if unknown:
@@ -331,7 +339,7 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
             run_cfg, resolved = to_run_config(cfg)
         except ConfigError as e:
             refuse_before_start(e)
-        code = run(run_cfg, resolved, extra_callbacks)
+        code = run(run_cfg, resolved, extra_callbacks, command)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             leave_rank(code)
         sys.exit(code)

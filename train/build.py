@@ -113,6 +113,7 @@ def build_trainer(
     dist: DistInfo,
     *,
     extra_callbacks: Sequence[Callback] = (),
+    command: Sequence[str] = (),
 ) -> Trainer:
     heads, rows = cfg.model.attention.n_heads, cfg.data.seq_len
     dist = join_sequence_groups(
@@ -179,7 +180,14 @@ def build_trainer(
             "a CPU their first step takes minutes and tens of GB. For a CPU run: experiment=demo"
         )
     callbacks = [
-        RunInfo(run_dir=run_dir, resolved_yaml=resolved_yaml, describe=describe, is_main=main),
+        RunInfo(
+            run_dir=run_dir,
+            resolved_yaml=resolved_yaml,
+            describe=describe,
+            is_main=main,
+            command=command,
+            world_size=dist.world_size,
+        ),
         StepMetrics(task_metrics=task.metrics, lr=lambda: scheduler.get_last_lr()[0]),
         SkipStep(rule, gate),
         Throughput(

@@ -5,6 +5,8 @@ A run folder (``run_dir``, the same on every rank)::
 
     config.yaml          the resolved config (also inside every checkpoint)
     pass_configs/from_step_NNNNNNNN.yaml   the config of the pass that went on from step N
+    launches.jsonl       one JSON object per start: the command, cwd, host, world size, versions
+                         and the code's git commit
     metrics.jsonl        one record per optimizer step: {"step": N, "<namespace>/<name>": value}
     alarms.jsonl         the monitors' alarms, one JSON object per line
     final.json           written when the run completes: final evaluation and totals
@@ -24,6 +26,7 @@ from pathlib import Path
 
 CONFIG_FILE = "config.yaml"
 CONFIGS_DIR = "pass_configs"  # each pass's config (pass_config_file): a resume may change it
+LAUNCHES_FILE = "launches.jsonl"
 METRICS_FILE = "metrics.jsonl"
 ALARMS_FILE = "alarms.jsonl"
 FINAL_FILE = "final.json"

@@ -5,6 +5,9 @@ callback (``train/callbacks/faults.py``, through tests/train_with_faults.py)."""
 from __future__ import annotations
 
 import json
+import shlex
+import subprocess
+from pathlib import Path
 
 import torch
 from trainrun import metrics, train
@@ -29,6 +32,15 @@ def base(tokens, run_dir, steps, *extra, sources=None, colours=None):
         "train.micro_batch=2",
         *extra,
     ]
+
+
+def head_commit() -> str | None:
+    """The commit of this checkout (None where the tests run outside a git checkout)."""
+    repo = Path(__file__).resolve().parents[2]
+    if not (repo / ".git").exists():
+        return None
+    git = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True)
+    return git.stdout.decode().strip()
 
 
 def alarms(run_dir) -> list[dict]:
@@ -97,6 +109,13 @@ def test_lr_spike_is_skipped_then_rolled_back_and_recovers(tiny_tokens, tmp_path
         p.stdout[-3000:]
     )
     assert "train.ckpt_every=0" not in p.stdout + p.stderr
+    # Each start is recorded with the arguments that made it: the same command, twice
+    starts = [json.loads(x) for x in (run / "launches.jsonl").read_text().splitlines()]
+    assert len(starts) == 2 and starts[0]["step"] == 0 and starts[1]["step"] > k, starts
+    assert starts[0]["arguments"] == starts[1]["arguments"], starts
+    assert starts[0]["arguments"].startswith(shlex.join(args)), starts
+    assert starts[0]["world_size"] == 1 and starts[0]["torch"] == torch.__version__, starts
+    assert starts[0]["commit"] == head_commit(), starts
     # The steps after 50 were trained again, under the config of the pass (the report's targets)
     kept = sorted(f.name for f in (run / "pass_configs").iterdir())
     assert kept[0] == "from_step_00000000.yaml" and kept[-1] == "from_step_00000050.yaml", kept

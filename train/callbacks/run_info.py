@@ -1,14 +1,29 @@
-"""The run's opening line on the console and its resolved config in ``RUN_DIR/config.yaml``
-(and ``RUN_DIR/pass_configs/``, one per pass)."""
+"""The run's opening line on the console, its resolved config in ``RUN_DIR/config.yaml`` (and
+``RUN_DIR/pass_configs/``, one per pass) and how each start was made in ``RUN_DIR/launches.jsonl``.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import platform
+import shlex
+import subprocess
+import time
+from collections.abc import Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from train.callbacks.base import Callback
-from train.names import CONFIG_FILE, CONFIGS_DIR, pass_config_file, pass_config_step
+from train.names import (
+    CONFIG_FILE,
+    CONFIGS_DIR,
+    LAUNCHES_FILE,
+    pass_config_file,
+    pass_config_step,
+)
 
 if TYPE_CHECKING:
     from train.trainer import Trainer
@@ -17,13 +32,23 @@ log = logging.getLogger(__name__)
 
 
 class RunInfo(Callback):
-    def __init__(self, *, run_dir: Path, resolved_yaml: str, describe: str, is_main: bool) -> None:
+    def __init__(
+        self,
+        *,
+        run_dir: Path,
+        resolved_yaml: str,
+        describe: str,
+        is_main: bool,
+        command: Sequence[str] = (),
+        world_size: int = 1,
+    ) -> None:
         self.run_dir, self.resolved_yaml, self.describe, self.is_main = (
             run_dir,
             resolved_yaml,
             describe,
             is_main,
         )
+        self.command, self.world_size = list(command), world_size
 
     def pre_train(self, trainer: Trainer, step: int) -> None:
         if not self.is_main:
@@ -31,6 +56,8 @@ class RunInfo(Callback):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / CONFIG_FILE).write_text(self.resolved_yaml)
         self.record_pass(step)
+        with open(self.run_dir / LAUNCHES_FILE, "a") as f:
+            f.write(json.dumps(launch_record(step, self.command, self.world_size)) + "\n")
         log.info(f"{self.describe}, steps {step}->{trainer.total_steps}")
 
     def on_rollback(self, trainer: Trainer, step: int) -> None:
@@ -47,3 +74,56 @@ class RunInfo(Callback):
             if (start := pass_config_step(old.name)) is not None and start >= step:
                 old.unlink()
         (history / pass_config_file(step)).write_text(self.resolved_yaml)
+
+
+def launch_record(step: int, command: Sequence[str], world_size: int) -> dict:
+    """How one start of the run was made: the config holds what was resolved, not the command,
+    the folder its relative paths (data shards, run_dir, init_from) were read from, or the code
+    that ran, and the same command from the same folder is how a run is resumed or repeated."""
+    commit, modified = code_commit()
+    return {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "step": step,
+        "arguments": shlex.join(command),  # earlyfuse-train's (train.app's under a launcher)
+        "cwd": os.getcwd(),
+        "host": platform.node(),
+        "world_size": world_size,
+        "nodes": world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or 1),
+        "earlyfuse": package_version("earlyfuse"),
+        "commit": commit,
+        "modified": modified,
+        "python": platform.python_version(),
+        "torch": package_version("torch"),
+        "deepspeed": package_version("deepspeed"),
+    }
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def code_commit() -> tuple[str | None, bool | None]:
+    """The git commit of the checkout the code runs from, and whether its tracked files differ
+    from it; (None, None) for an installed copy, or where git is missing or slow."""
+    checkout = Path(__file__).resolve().parents[2]
+    if not (checkout / ".git").exists():
+        return None, None
+    try:
+        git = ["git", "-C", str(checkout)]
+        head = subprocess.run(
+            [*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        status = subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None, None
+    if head.returncode or status.returncode:
+        return None, None
+    return head.stdout.strip(), bool(status.stdout.strip())
