@@ -90,9 +90,19 @@ class TransformerConfig:
             if isinstance(getattr(self, name), dict):
                 setattr(self, name, cls(**getattr(self, name)))
         if not 0 <= self.text_vocab_size <= self.visual_offset <= self.vocab_size:
+            sizes = ("vocab_size", "text_vocab_size", "visual_offset")
+            # One size typed by hand against the others' placeholders: the layout sets all three
+            kept = [n for n in sizes if getattr(self, n) == getattr(TransformerConfig, n)]
+            hint = (
+                f" ({', '.join(f'model.{n}' for n in kept)}: the schema's placeholder; a run on "
+                "token data takes all three sizes from the tokenizers' vocabulary layout: leave "
+                "them out)"
+                if kept
+                else ""
+            )
             raise ValueError(
                 f"need 0 <= model.text_vocab_size ({self.text_vocab_size}) <= model.visual_offset ({self.visual_offset}) "
-                f"<= model.vocab_size ({self.vocab_size})"
+                f"<= model.vocab_size ({self.vocab_size}){hint}"
             )
         if self.dim <= 0 or self.n_layers <= 0:
             raise ValueError(

@@ -277,6 +277,11 @@ MULTIRUN_REFUSED = (
 
 def main(extra_callbacks: CallbackFactory | None = None) -> None:
     sys.argv = strip_launcher_args(sys.argv)
+    if "--version" in sys.argv[1:]:  # Hydra's own names only Hydra's version
+        from importlib.metadata import version
+
+        print(f"earlyfuse {version('earlyfuse')} (Hydra {version('hydra-core')})")
+        sys.exit(0)
     command = sys.argv[1:]  # as given, before the overrides added below
     # Before Hydra: its own message for an unknown key suggests +key=..., which would add it.
     unknown = unknown_override_keys(overrides_given(sys.argv[1:]), RunConfig, config_groups())
@@ -414,6 +419,22 @@ def compose_error(error: BaseException, args: Sequence[str]) -> str | None:
     cause = error.__cause__ or error.__context__
     if where and place and isinstance(cause, OmegaConfBaseException) and cause.full_key:
         return place + schema_error(place[:-2], cause, config_package(where[1], args))
+    twice = re.match(r"Multiple values for ([^.]+)\.", str(error))
+    added = [a for a in args if twice and a.startswith(f"+{twice[1]}=")]
+    if twice and added:  # the habit of templates without an experiment default: +experiment=X
+        return (
+            f"override {added[0]!r}: {twice[1]} is chosen in the config already; give "
+            f"{added[0][1:]} (without the +)"
+        )
+    if where and place and "Could not override" in str(error) and "@" in str(error):
+        # ``override /model: x`` in a file not at the top: the group lands under its package
+        text = Path(place[:-2]).read_text() if Path(place[:-2]).is_file() else ""
+        if not re.search(r"^#\s*@package\s+_global_", text, re.MULTILINE):
+            return (
+                f"{place}{str(error).splitlines()[0].split(': ', 1)[-1]} A file that picks other "
+                "groups' options (override /GROUP: ...) starts with '# @package _global_', as "
+                "experiment files do"
+            )
     ambiguous = re.match(r"Ambiguous value for argument '(([^=]+)=(.*))'", str(error))
     if ambiguous:  # Hydra's own advice ends "add --multirun", which earlyfuse-train refuses
         override, key, value = ambiguous.groups()
@@ -556,6 +577,11 @@ def override_parse_error(error) -> str:
         problem += f": {hint[override[at]]}" if override[at : at + 1] in hint else ""
     else:
         problem = lines[-1].split(" expecting {")[0]  # the expected tokens' list is the grammar's
+    if re.match(r"[^=\[]+\[\d", override):
+        problem += (
+            ": an override cannot index a list; give the whole list (KEY=[...]) or set it in a "
+            "config file of your own (--config-dir, docs/own_data.md)"
+        )
     return (
         f"cannot parse override {override!r}: {problem} "
         "(https://hydra.cc/docs/advanced/override_grammar/basic)"

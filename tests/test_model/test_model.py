@@ -148,6 +148,9 @@ def test_config_validation_and_hydra_round_trip(kit):
         )
     with pytest.raises(ValueError, match="visual_offset"):
         TransformerConfig(vocab_size=10, text_vocab_size=5, visual_offset=20)
+    # A layout's own sizes typed by hand meet the placeholder of the one left out
+    with pytest.raises(ValueError, match=r"\(model.visual_offset: the schema's placeholder; a"):
+        TransformerConfig(vocab_size=4406, text_vocab_size=4096)
     with pytest.raises(ValueError, match="init_std 0: give a standard deviation above 0"):
         TransformerConfig(init_std=0)  # was a ZeroDivisionError at build
     with pytest.raises(ValueError, match="activation_checkpoint_every -1: give 0"):

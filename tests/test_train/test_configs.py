@@ -311,6 +311,22 @@ def run_app(args: list[str], **env: str) -> subprocess.CompletedProcess:
             ["experiment=null"],
             "experiment=null: a config group takes one of its options (debug, demo, ",
         ),
+        (  # the habit of templates without an experiment default
+            ["+experiment=debug"],
+            "override '+experiment=debug': experiment is chosen in the config already; give "
+            "experiment=debug (without the +)",
+        ),
+        (
+            ["data.sources[0].weight=0.5"],
+            "cannot parse override 'data.sources[0].weight=0.5': cannot read '[0].weight=0.5' "
+            "(character 13): an override cannot index a list; give the whole list (KEY=[...])",
+        ),
+        (
+            ["--config-dir", "{dir}", "experiment=no_header"],
+            "{dir}/experiment/no_header.yaml: Could not override 'model@experiment.model'. A file "
+            "that picks other groups' options (override /GROUP: ...) starts with '# @package "
+            "_global_', as experiment files do",
+        ),
         (  # a dict of free keys given new ones: Hydra's way to add them was left out of the line
             ["deepspeed.config={{zero_optimization:{{stage:2}}}}"],
             "Could not override 'deepspeed.config': Key 'zero_optimization' is not in struct (to "
@@ -352,6 +368,10 @@ def assert_one_line(args: list[str], line: str, tmp_path: Path, **env: str) -> N
     (tmp_path / "data" / "typo.yaml").write_text("sources: []\nseq_lenn: 3\n")
     (tmp_path / "data" / "a_list.yaml").write_text("- a\n- b\n")
     (tmp_path / "a_file").write_text("")
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "no_header.yaml").write_text(
+        "defaults:\n  - override /model: debug\ntrain:\n  steps: 3\n"
+    )
     # --cfg job: composed, printed, never run; the run folder is made only by a run
     stop = [] if args[0].startswith("hydra.run.dir") else ["--cfg", "job"]
     p = run_app([a.format(dir=tmp_path) for a in args] + stop, **env)
@@ -868,6 +888,11 @@ def test_a_sequence_parallel_degree_the_heads_refuse_names_those_that_fit():
     ):
         composed(["experiment=gpu_125m", "stage=long_128k"])
     assert composed(["experiment=gpu_125m", "stage=125m_128k"]).train.sequence_parallel == 4
+
+
+def test_version_names_earlyfuse_and_hydra():
+    p = run_app(["--version"])
+    assert p.returncode == 0 and re.fullmatch(r"earlyfuse \S+ \(Hydra \S+\)\n", p.stdout), p
 
 
 def test_hydras_own_groups_and_shell_completion_are_hydras():
