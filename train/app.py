@@ -334,6 +334,7 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
         composed = True
         restore_full_error()
         if HydraConfig.get().mode == RunMode.MULTIRUN:  # set in a config file, say
+            remove_sweep_folder(Path(HydraConfig.get().sweep.dir))
             refuse_before_start(MULTIRUN_REFUSED)
         if HydraConfig.get().job.chdir:
             refuse_before_start(
@@ -363,6 +364,21 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
             run_and_report(lambda: _raise(error))  # Hydra's own report, exit code 1
         else:
             refuse_before_start(message)
+
+
+def remove_sweep_folder(sweep_dir: Path) -> None:
+    """Hydra makes a sweep's folder (``multirun/DATE/TIME/``, its ``multirun.yaml`` and a folder
+    for the first job) before that job starts: a refused sweep leaves none of it behind. Only
+    what Hydra put there goes, and of a relative folder's parents only the empty ones."""
+    (sweep_dir / "multirun.yaml").unlink(missing_ok=True)
+    made = [*sorted(sweep_dir.glob("*"), reverse=True), sweep_dir]
+    if not sweep_dir.is_absolute():
+        made += [*sweep_dir.parents][:-1]  # up to the folder the command runs in, not past it
+    for folder in made:
+        try:
+            folder.rmdir()  # an empty folder only: anything else in it stays
+        except OSError:
+            pass
 
 
 def _raise(error: BaseException) -> NoReturn:

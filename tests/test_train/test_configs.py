@@ -890,6 +890,17 @@ def test_a_sequence_parallel_degree_the_heads_refuse_names_those_that_fit():
     assert composed(["experiment=gpu_125m", "stage=125m_128k"]).train.sequence_parallel == 4
 
 
+def test_a_sweep_set_in_a_config_file_is_refused_and_leaves_no_folder(tmp_path, monkeypatch):
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "sweep.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /model: debug\nhydra:\n  mode: MULTIRUN\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    p = run_app(["--config-dir", str(tmp_path), "experiment=sweep"])
+    assert p.returncode == 2 and "--multirun (-m, hydra.mode=MULTIRUN) is not" in p.stderr, p
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["experiment"]  # no multirun/DATE/TIME
+
+
 def test_version_names_earlyfuse_and_hydra():
     p = run_app(["--version"])
     assert p.returncode == 0 and re.fullmatch(r"earlyfuse \S+ \(Hydra \S+\)\n", p.stdout), p
