@@ -39,7 +39,7 @@ from train.config_check import (
     unknown_override_keys,
 )
 from train.dist import strip_launcher_args
-from train.names import CHECKPOINTS_DIR, LATEST_FILE
+from train.names import CHECKPOINT_META_FILE, CHECKPOINTS_DIR, LATEST_FILE
 
 ConfigStore.instance().store(name="run_schema", node=RunConfig)
 # An absolute path: Hydra would otherwise look for a Python package "configs".
@@ -237,12 +237,21 @@ def disk_failure(error: OSError, run_dir: Path) -> str:
     TensorBoard): what, where, and where the run resumes from."""
     latest = run_dir / CHECKPOINTS_DIR / LATEST_FILE
     try:
-        resume = f"{latest} names {latest.read_text().strip()}: the same command resumes from it"
+        tag = latest.read_text().strip()
+        resume = f"{latest} names {tag}: the same command resumes from it"
     except OSError:
-        resume = "no checkpoint was written: a rerun starts at step 0"
+        tag, resume = "", "no checkpoint was written: a rerun starts at step 0"
+    # A save the full disk cut short is removed by the next run, once the run has started: a
+    # rerun on a disk still full stops before that, and the user can free its room by hand
+    cut = sorted(
+        f.name
+        for f in (run_dir / CHECKPOINTS_DIR).glob("step_*")
+        if f.name > tag and not (f / CHECKPOINT_META_FILE).is_file()
+    )
+    room = f" ({', '.join(cut)} in {run_dir / CHECKPOINTS_DIR}: cut short, deleting frees room)"
     return (
         f"stopped: {error.filename or run_dir}: {error.strerror}; {resume} once the disk has "
-        "room and can be written again"
+        f"room and can be written again{room if cut else ''}"
     )
 
 
