@@ -255,13 +255,10 @@ def _flush(work, doc, row_a, doc_a, row_b, cut, L):
         and copy_run(out_mod[base + row_a : base + row_b], mod[tok + doc_a : tok + doc_b], count)
     ):
         raise ValueError("pack_batch: a piece lies outside the batch or its document")
-    if state[ST_DRY]:
-        label, label_mod = IGNORE, TEXT
-    elif doc_b < docs[doc, D_LEN]:
+    label, label_mod = IGNORE, TEXT  # dry, or the document's last token: nothing follows
+    if not state[ST_DRY] and doc_b < docs[doc, D_LEN]:
         label = IGNORE if cut else ids[tok + doc_b]
         label_mod = mod[tok + doc_b]
-    else:
-        label, label_mod = IGNORE, TEXT
     _segment(seg, state, base + row_a, base + row_b, pid, doc_a - piece_a, label, label_mod)
     src[source, S_BATCH_TOKENS] += count
     if docs[doc, D_NBLK]:  # the row's end writes the blocks the piece holds, if any
@@ -308,10 +305,7 @@ def _place(work, doc, pos, L, drop_document, whole):
         if units[unit_at, U_ATOMIC]:
             if left > L:
                 _flush(work, doc, piece_start, doc_start, pos, True, L)
-                if units[unit_at, U_T]:
-                    src[docs[doc, D_SRC], S_DROP_VIDEO] += 1
-                else:
-                    src[docs[doc, D_SRC], S_DROP_IMAGE] += 1
+                src[docs[doc, D_SRC], S_DROP_VIDEO if units[unit_at, U_T] else S_DROP_IMAGE] += 1
                 if drop_document:
                     state[ST_STAT_DDOCS] += 1
                     docs[doc, D_UNIT], docs[doc, D_OFF] = n_units, offset
