@@ -77,26 +77,20 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Checkpoint:
         tag = latest.read_text().strip() if latest.is_file() else ""
         if not tag:
             what = "empty" if latest.is_file() else "missing"
+            fix = f"name a checkpoint with --step (complete steps: {steps})"
             raise CheckpointError(
-                f"{latest}: {what}; "
-                + (
-                    f"name a checkpoint with --step (complete steps: {steps})"
-                    if steps
-                    else "no complete checkpoint yet"
-                )
+                f"{latest}: {what}; {fix if steps else 'no complete checkpoint yet'}"
             )
     else:
         tag = tag_for(step)
     if not TAG.match(tag) or not (root / tag).is_dir():
         named = f"{root / tag}" if TAG.match(tag) else f"{root / LATEST_FILE} names {tag!r}"
         raise CheckpointError(f"{named}: no such checkpoint; complete steps: {steps or 'none'}")
-    problems = verify_folder(root / tag)  # meta.json first: one a save did not finish is named
-    if problems:
+    if problems := verify_folder(root / tag):  # meta.json first: one a save did not finish is named
+        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
         raise CheckpointError(
-            f"{root / tag}: damaged checkpoint: "
-            + "; ".join(problems[:3])
-            + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")
-            + "; pick an intact one with --step"
+            f"{root / tag}: damaged checkpoint: {'; '.join(problems[:3])}{more}; pick an intact "
+            "one with --step"
         )
     return Checkpoint(run_dir, tag, read_meta(root / tag))
 

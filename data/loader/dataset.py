@@ -255,14 +255,11 @@ class PackedLoader:
             )
         for k in (*same, "mode"):
             if st[k] != mine[k]:
-                movable = k in ("world_size", "workers", "micro_batch")
+                fix = f"no loader state moves onto another {k}"
+                if k in ("world_size", "workers", "micro_batch"):
+                    fix = "data.loader.redistribute moves it onto this loader (docs/loader.md)"
                 raise ValueError(
-                    f"rank {st['rank']}'s loader state has {k}={st[k]}, this loader {mine[k]}; "
-                    + (
-                        "data.loader.redistribute moves it onto this loader (docs/loader.md)"
-                        if movable
-                        else f"no loader state moves onto another {k}"
-                    )
+                    f"rank {st['rank']}'s loader state has {k}={st[k]}, this loader {mine[k]}; {fix}"
                 )
 
     def load_state_dict(self, st: dict) -> None:
