@@ -410,7 +410,9 @@ def test_a_run_given_its_own_data_config_is_named_after_it(tmp_path, monkeypatch
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "mine.yaml").write_text("defaults:\n  - demo\nseq_len: 256\n")
     seen = []
-    monkeypatch.setattr(app, "run", lambda cfg, resolved, extra=None, command=(): seen.append(cfg) or 0)
+    monkeypatch.setattr(
+        app, "run", lambda cfg, resolved, extra=None, command=(): seen.append(cfg) or 0
+    )
     for argv in (
         ["experiment=demo", "data=mine"],
         ["experiment=demo", "data=mine", "name=try2"],

@@ -282,15 +282,21 @@ def test_settings_that_do_nothing_at_these_rows_are_noted(tiny_tokens, tiny_raw)
 
     from data.loader import SourceConfig
     from data.loader.table_load import load_table
+    from model.attention import AttentionConfig
     from train.tasks.lm import long_row_notes
 
     data = tiny_loader_config(tiny_tokens, seq_len=1024)
     tables = [load_table(s) for s in data.sources]
-    notes = long_row_notes(data, 1024, tables)
+    notes = long_row_notes(data, AttentionConfig(local_window=1024, global_every=2), tables)
     assert notes[0].startswith("note: model.attention.local_window=1024 >= data.seq_len=1024")
     # The two sources with clips (the interleaved documents have some), tokenized to 240 at most
     assert [n.split("'")[0] for n in notes[1:]] == ["note: source clips", "note: source docs"]
     assert all("at most 240 tokens each" in n and "--doc-budget 1024" in n for n in notes[1:])
-    assert long_row_notes(tiny_loader_config(tiny_tokens), 128, tables) == []
+    windowed = AttentionConfig(local_window=128, global_every=2)
+    assert long_row_notes(tiny_loader_config(tiny_tokens), windowed, tables) == []
     raw = [load_table(SourceConfig(name="scenes", shards=[str(tiny_raw / "scenes")]))]
-    assert long_row_notes(data, 128, raw) == []
+    assert long_row_notes(data, windowed, raw) == []
+    assert long_row_notes(data, AttentionConfig(sliding_window=4096), raw) == [
+        "note: model.attention.sliding_window=4096 >= data.seq_len=1024: every layer sees the "
+        "whole row, as without a window"
+    ]

@@ -44,6 +44,7 @@ from data.names import LAYOUT_FILE
 from data.tokenize.vtok_files import has_visual_tokenizer
 from data.unigram import Unigram
 from data.vocab import MODALITY_NAMES, Modality, VocabLayout
+from model.attention import AttentionConfig
 from model.flops import flops_per_token
 from model.sequence_parallel import apply_sequence_parallel, reduce_loss, shard_row
 from train.config import RunConfig
@@ -276,16 +277,20 @@ def probe_sources(data: LoaderConfig, tables: TableCache, unigram: Unigram | Non
     return data.sources
 
 
-def long_row_notes(data: LoaderConfig, local_window: int, tables: list) -> list[str]:
+def long_row_notes(data: LoaderConfig, attention: AttentionConfig, tables: list) -> list[str]:
     """Lines for settings that do nothing at these rows, each meant for longer ones perhaps: a
-    local window as long as the row, clips tokenized for shorter rows (their frames are not
+    window as long as the row, clips tokenized for shorter rows (their frames are not
     re-encoded to use a longer row; tokenize again for that)."""
     out = []
-    if local_window >= data.seq_len:
-        out.append(
-            f"note: model.attention.local_window={local_window} >= data.seq_len={data.seq_len}: "
-            "the local layers see the whole row, as the global ones do"
-        )
+    for key, layers in (
+        ("local_window", "the local layers see"),
+        ("sliding_window", "every layer sees"),
+    ):
+        if getattr(attention, key) >= data.seq_len:
+            out.append(
+                f"note: model.attention.{key}={getattr(attention, key)} >= data.seq_len="
+                f"{data.seq_len}: {layers} the whole row, as without a window"
+            )
     for t in tables:
         if t.kind != "tokens":  # raw shards: no manifest of clip lengths, tokenized by this run
             continue
@@ -352,7 +357,7 @@ class LMTask:
         else:  # raw sources are tokenized online: no token counts before training
             self.unigram = None
         if dist.is_main:
-            for line in long_row_notes(cfg.data, self.model_cfg.attention.local_window, tables):
+            for line in long_row_notes(cfg.data, self.model_cfg.attention, tables):
                 log.info(line)
 
     def build_model(self):
