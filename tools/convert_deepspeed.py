@@ -20,7 +20,7 @@ import torch
 
 from data.cli.common import local_folder
 from train.checkpoint import META, TAG, read_meta, step_of_tag, tag_for, verify_folder
-from train.names import CHECKPOINTS_DIR, LATEST_FILE
+from train.names import CHECKPOINTS_DIR, CONFIGS_DIR, LATEST_FILE
 from train.safe_load import CheckpointError, safe_torch_load, weights_only_loads
 
 __all__ = ["CheckpointError", "Checkpoint", "consolidate", "find_checkpoint"]
@@ -219,18 +219,37 @@ def _consolidate_bf16_optimizer(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_run_config(path: str | Path):
+def load_run_config(path: str | Path, network: dict | None = None, log=None):
     """The resolved ``config.yaml`` of a run (or checkpoint) as a typed ``RunConfig``; keys a
-    newer schema added get their defaults, values its checks now refuse are kept (read_saved)."""
+    newer schema added get their defaults, values its checks now refuse are kept (read_saved).
+    ``network``: a checkpoint's ``meta.json`` record of the network it trained, which wins over
+    an edited copy (each value that differs is said through ``log``)."""
     from omegaconf import OmegaConf
 
     from train.config import RunConfig, read_saved
+    from train.config_check import config_diff
 
     path = Path(path)
     try:
-        return read_saved(OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(path)))
+        saved = OmegaConf.load(path)
+        for section, trained in (network or {}).items():
+            edited = OmegaConf.to_container(saved.get(section) or {})
+            for key, value, copy in config_diff(trained, edited):  # type: ignore[arg-type]
+                if log:
+                    log(
+                        f"note: {path} says {section}.{key}: {copy}, but the checkpoint trained "
+                        f"with {value} (its meta.json): the trained value is used"
+                    )
+        return read_saved(OmegaConf.merge(OmegaConf.structured(RunConfig), saved, network or {}))
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
+        step = path.parent.name.removeprefix("step_")
+        hint = (  # the run's own config.yaml is the latest pass's, which may differ
+            f"; copy there the config of the pass that saved it: {path.parents[2] / CONFIGS_DIR}"
+            f"/from_step_N.yaml with the largest N up to {int(step)}"
+            if path.parent.parent.name == CHECKPOINTS_DIR and step.isdigit()
+            else ""
+        )
+        raise CheckpointError(f"{path}: missing{hint}") from None
     except Exception as e:  # OmegaConf raises its own error classes
         raise CheckpointError(
             f"{path}: not a readable run config ({type(e).__name__}: {e})"

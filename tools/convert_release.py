@@ -153,7 +153,8 @@ def make_release(
     run_dir = Path(run_dir).resolve()
     check_new_folder(Path(out), force, run_dir / CHECKPOINTS_DIR, ReleaseError)
     ckpt = find_checkpoint(run_dir, step)
-    run_cfg = load_run_config(ckpt.folder / CONFIG_FILE)  # the config the checkpoint saved
+    # the config the checkpoint saved, its network as meta.json recorded it
+    run_cfg = load_run_config(ckpt.folder / CONFIG_FILE, ckpt.meta.get("network"), log)
     task = ckpt.meta["task"]
     torch_dtype = DTYPES[dtype]
     log(

@@ -116,6 +116,7 @@ def build_trainer(
     command: Sequence[str] = (),
 ) -> Trainer:
     heads, rows = cfg.model.attention.n_heads, cfg.data.seq_len
+    net = "model" if cfg.task == "lm" else "vtok"
     dist = join_sequence_groups(
         dist,
         cfg.train.sequence_parallel,
@@ -239,6 +240,9 @@ def build_trainer(
             "zero_stage": cfg.deepspeed.zero_stage,
             "task": cfg.task,
             "bf16": train_cfg.bf16,
+            # The network as it trained: config.yaml beside it may be edited (paths after a
+            # move), and a release must build what trained, not what the copy now says
+            "network": {net: yaml.safe_load(resolved_yaml)[net]},
         },
         save_files={CONFIG_FILE: resolved_yaml, **task.extra_files()},
         protect=monitor.protected_steps,

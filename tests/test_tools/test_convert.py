@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+import yaml
 from factories import plant_pickle
 from trainrun import metrics, train
 
@@ -322,6 +323,27 @@ def test_init_from_at_longer_rows_says_when_the_rope_base_is_not_raised(
         "rows of 1024 tokens, 4x the release's 256, with model.rope.theta not raised (10000"
         in p.stdout
     )
+
+
+def test_an_edited_checkpoint_config_cannot_change_the_network_released(runs, tmp_path):
+    """The config.yaml beside a checkpoint is a copy people may edit (paths after a move); the
+    network released is the one meta.json recorded at the save, and a value edited is said."""
+    run = tmp_path / "run"
+    shutil.copytree(runs[0], run)
+    saved = run / "checkpoints" / "step_00000003" / "config.yaml"
+    cfg = yaml.safe_load(saved.read_text())
+    theta = cfg["model"]["rope"]["theta"]
+    cfg["model"]["rope"]["theta"] = theta * 50
+    saved.write_text(yaml.safe_dump(cfg))
+    lines: list[str] = []
+    assert make_release(run, tmp_path / "rel", log=lines.append)["model"]["rope"]["theta"] == theta
+    assert (
+        f"note: {saved} says model.rope.theta: {theta * 50}, but the checkpoint trained with "
+        f"{theta} (its meta.json): the trained value is used"
+    ) in lines
+    saved.unlink()
+    with pytest.raises(CheckpointError, match="config.yaml: missing; copy there the config of"):
+        make_release(run, tmp_path / "rel2", log=quiet)
 
 
 def test_damaged_files_are_errors_naming_the_file(runs, tmp_path, capsys):
