@@ -134,21 +134,28 @@ def local_folder(text: str) -> Path:
 def check_new_folder(out: Path, force: bool, source: Path, error: type = ValueError) -> None:
     """An ``error`` (a ValueError), before any work, for an output folder that would fail or do
     harm when it is written at the end: one holding the input folder ``source`` (which ``force``
-    would delete) or inside it, one in the way without ``force``, one under a file or under a
-    folder that cannot be written, or a symbolic link (the folder is written whole beside it and
-    moved into its place, which a link to a folder is not)."""
+    would delete) or inside it, a folder or a file in the way without ``force``, one under a file or under a folder that takes no new folder (tried:
+    permission bits say yes to root for /proc or a read-only mount), or a symbolic link (the
+    folder is written whole beside it and moved into its place, which a link to a folder is
+    not)."""
     if out.is_symlink():
         raise error(f"{out}: a symbolic link (to {os.readlink(out)}); give a folder's own path")
     if source.resolve().is_relative_to(out.resolve()):
         raise error(f"{out}: is or holds the input {source}; choose another folder")
     if out.resolve().is_relative_to(source.resolve()):
         raise error(f"{out}: inside the input {source}; choose a folder outside it")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+    if out.exists() and not out.is_dir() and not force:
+        raise error(f"{out}: a file; choose another folder or pass --force to replace it")
+    if out.is_dir() and any(out.iterdir()) and not force:
         raise error(f"{out}: exists and is not empty; choose another folder or pass --force")
     parent = next(folder for folder in out.absolute().parents if folder.exists())
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        what = "a file, not a folder" if not parent.is_dir() else "a folder this user cannot write"
-        raise error(f"{out}: cannot be written ({parent} is {what})")
+    if not parent.is_dir():
+        raise error(f"{out}: cannot be written ({parent} is a file, not a folder)")
+    try:
+        tempfile.TemporaryDirectory(dir=parent, prefix=".write-probe-").cleanup()
+    except OSError as e:
+        why = f"{parent} takes no new folder: {e.strerror or e}"
+        raise error(f"{out}: cannot be written ({why})") from None
 
 
 def out_file(text: str) -> Path:

@@ -672,6 +672,12 @@ def test_an_output_folder_that_is_the_input_or_cannot_be_written_is_refused_firs
             f"({tmp_path / 'file'} is a file, not a folder)"
         ]
         assert "consolidated" not in out  # refused before any work
+    # A folder that takes no new folder is found before the work (was an errno naming
+    # OUT.partial after it)
+    assert convert_main(["release", str(run), "/proc/rel"]) == 2
+    out, err = capsys.readouterr()
+    assert "/proc/rel: cannot be written (/proc takes no new folder: " in err
+    assert "consolidated" not in out
     # A link to a folder: was refused only after the work, by rmtree (exit code 1)
     (tmp_path / "target").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "target")

@@ -100,7 +100,7 @@ def test_a_file_in_the_way_is_refused_or_replaced_with_force(release, tmp_path, 
     out = tmp_path / "hf"
     out.write_text("not a folder")
     assert convert_main(["hf", str(release), str(out)]) == 2
-    assert f"{out}: exists and is not empty; choose another folder or pass --force" in (
+    assert f"{out}: a file; choose another folder or pass --force to replace it" in (
         capsys.readouterr().err
     )
     assert convert_main(["hf", str(release), str(out), "--force"]) == 0
