@@ -81,10 +81,12 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Checkpoint:
             raise CheckpointError(
                 f"{latest}: {what}; {fix if steps else 'no complete checkpoint yet'}"
             )
+    elif step < 0:
+        raise CheckpointError(f"--step {step}: no such step; complete steps: {steps or 'none'}")
     else:
         tag = tag_for(step)
     if not TAG.match(tag) or not (root / tag).is_dir():
-        named = f"{root / tag}" if TAG.match(tag) else f"{root / LATEST_FILE} names {tag!r}"
+        named = f"{root / tag}" if step is not None else f"{root / LATEST_FILE} names {tag!r}"
         raise CheckpointError(f"{named}: no such checkpoint; complete steps: {steps or 'none'}")
     if problems := verify_folder(root / tag):  # meta.json first: one a save did not finish is named
         more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""

@@ -466,6 +466,15 @@ def test_a_folder_that_is_no_run_folder_is_named_with_what_to_give(runs, tmp_pat
         said = f"{latest}: {what}; name a checkpoint with --step (complete steps: [3])"
         assert str(refused.value) == said
         latest.write_text("")
+    latest.write_text("step_00000099\n")  # latest names a step not there: latest is named
+    with pytest.raises(CheckpointError) as refused:
+        make_release(tmp_path / "copied", tmp_path / "out", log=quiet)
+    assert str(refused.value) == (
+        f"{latest} names 'step_00000099': no such checkpoint; complete steps: [3]"
+    )
+    with pytest.raises(CheckpointError) as refused:
+        make_release(tmp_path / "copied", tmp_path / "out", step=-1, log=quiet)
+    assert str(refused.value) == "--step -1: no such step; complete steps: [3]"
     cfg = make_release(tmp_path / "copied", tmp_path / "out", step=3, log=quiet)
     assert cfg["source"]["step"] == 3
 
