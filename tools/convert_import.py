@@ -80,8 +80,15 @@ def compose_run_config(overrides: list[str], config_dir: str = ""):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from train.app import CONFIG_DIR, to_run_config  # importing it registers the schema
+    # importing train.app registers the schema
+    from train.app import CONFIG_DIR, compose_error, config_groups, to_run_config
+    from train.config import RunConfig
+    from train.config_check import unknown_override_keys
 
+    # earlyfuse-train's one-line account of each mistake, as its command line would give it
+    args = [*(["--config-dir", config_dir] if config_dir else []), *overrides]
+    if unknown := unknown_override_keys(overrides, RunConfig, config_groups()):
+        raise ReleaseError(f"unknown config key(s): {'; '.join(unknown)}")
     try:
         with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
             search = (
@@ -90,8 +97,9 @@ def compose_run_config(overrides: list[str], config_dir: str = ""):
             cfg = compose(config_name="config", overrides=[*search, *overrides])
         return to_run_config(cfg)
     except (HydraException, OmegaConfBaseException, ValueError) as e:
+        said = compose_error(e, args) if not isinstance(e, ValueError) else None
         raise ReleaseError(
-            f"the overrides {overrides} do not make a training config: {e}"
+            said or f"the overrides {overrides} do not make a training config: {e}"
         ) from None
 
 

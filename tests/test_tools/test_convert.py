@@ -260,6 +260,16 @@ def test_import_starts_a_run_with_exactly_the_release_weights(runs, tiny_tokens,
     assert convert_main([*argv, "experiment=debug", "data=mine"]) == 0
     out = capsys.readouterr().out
     assert "fits the release" in out and f"earlyfuse-train --config-dir {mine} " in out
+    # Override mistakes are said as earlyfuse-train says them, one line each
+    for override, said in (
+        ("optim.lrr=1", "unknown config key(s): optim.lrr (did you mean optim.lr?)"),
+        ("data=theirs", "data=theirs: config group data has no option 'theirs' (there are: "),
+        ("train.steps=abc", "override train.steps=abc: Value 'abc' of type 'str' could not be"),
+    ):
+        assert convert_main([*argv, "experiment=debug", override]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"earlyfuse-convert import: error: {said}"), err
+        assert err.count("\n") == 1, err
 
 
 def test_an_init_from_that_is_no_release_is_a_config_error(tmp_path):
