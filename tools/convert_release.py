@@ -230,8 +230,9 @@ def make_release(
 
     def write(folder: Path) -> None:
         if layout is not None:  # task lm
-            meta = {"format": FORMAT, "task": task, "step": str(ckpt.step)}
-            save_file(state, str(folder / WEIGHTS), metadata=meta)
+            # One key: safetensors writes a metadata dict in an order that varies from process to
+            # process, and the same checkpoint must give the same bytes (its sha256 in config.json)
+            save_file(state, str(folder / WEIGHTS), metadata={"format": FORMAT})
             layout.save(folder / LAYOUT)
             if tok_dir is not None:
                 for name in tokenizer_files(tok_dir):

@@ -138,6 +138,9 @@ def test_zero0_release_gives_the_checkpoints_logits(runs, tmp_path, capsys):
         )
     assert rel.text_tokenizer().decode(rel.text_tokenizer().encode("héllo ✓")) == "héllo ✓"
     assert rel.visual_tokenizer().cfg.levels == list(rel.layout.fsq_levels)
+    # The same checkpoint gives the same bytes
+    again = make_release(run, tmp_path / "again", log=quiet)
+    assert again["files"]["model.safetensors"] == cfg["files"]["model.safetensors"]
     # bf16: the same tensors rounded, half the bytes.
     make_release(run, tmp_path / "bf16", dtype="bf16", log=quiet)
     half = Release(tmp_path / "bf16").state_dict(dtype=None)
