@@ -104,7 +104,7 @@ def modality_rows(run: RunData, smooth: float) -> list[list[str]]:
         s = run.series.get(f"loss/{m}")
         last, smoothed = fmt(run.last(f"loss/{m}")), "-"
         if s is not None and smooth > 0 and np.isfinite(s.values).any():
-            smoothed = fmt(float(ema(s.values, smooth)[-1]))  # over the finite steps
+            smoothed = fmt(float(ema(s.values, smooth, s.steps)[-1]))  # over the finite steps
         if s is not None and (i := s.last_index()) < len(s.values) - 1:  # it ends non-finite
             bad, at = fmt(float(s.values[-1])), f"at step {s.steps[i]}"
             since = f"since step {s.steps[i + 1]}"

@@ -42,8 +42,13 @@ ACTION_COLOR = {
 LABEL_ALARMS_UP_TO = 40  # past this many alarms, lines only: labels would overlap
 
 
-def ema(values: np.ndarray, factor: float) -> np.ndarray:
-    """Debiased EMA, ``factor`` in (0, 1); a NaN/inf keeps the last value (the curve goes on)."""
+def ema(values: np.ndarray, factor: float, steps: np.ndarray | None = None) -> np.ndarray:
+    """Debiased EMA, ``factor`` in (0, 1) per step; a NaN/inf keeps the last value (the curve
+    goes on). With the ``steps`` the values were logged at, every k steps (the median gap: a
+    probe, a modality absent from most batches), the factor is ``factor**k``: one smoothing for
+    every curve and figure of a report."""
+    if steps is not None and len(steps) > 1:
+        factor **= float(np.median(np.diff(steps)))
     out = np.full(values.shape, np.nan)
     acc = weight = 0.0
     for i, value in enumerate(values.tolist()):
@@ -77,7 +82,7 @@ def train_line(
     steps, values = s.steps, s.values * scale
     if ctx.smooth > 0:
         ax.plot(steps, values, color=color, alpha=0.22, lw=0.8)
-        values = ema(values, ctx.smooth ** (np.median(np.diff(steps)) if len(steps) > 1 else 1))
+        values = ema(values, ctx.smooth, steps)
     marker = "o" if len(steps) <= 12 else None
     ax.plot(steps, values, color=color, lw=lw, label=label, marker=marker, ms=3)
     # The values a rollback (or a resume) replaced or dropped: the first pass, dotted, so the
@@ -289,7 +294,7 @@ def draw_val(ax, ctx: Ctx):
         if series is not None and ctx.smooth > 0 and np.isfinite(series.values).any():
             ax.plot(
                 series.steps,
-                ema(series.values, ctx.smooth),
+                ema(series.values, ctx.smooth, series.steps),
                 color=ctx.color(modality),
                 lw=0.9,
                 ls="--",
