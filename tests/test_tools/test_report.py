@@ -709,6 +709,17 @@ def test_the_last_train_loss_ema_is_the_curves_end_for_a_sparse_modality(tmp_pat
     assert row[0] == "video" and row[2] == f"{drawn[-1]:.4g}", (row, drawn[-1])
 
 
+def test_a_metrics_file_that_lost_its_end_is_said(tmp_path):
+    """metrics.jsonl cut at step 60 of a run that finished at 125: the report read it as a run
+    running or stopped at step 60, without a word."""
+    run = write_records(tmp_path / "r", [{"step": s, "train/loss": 3.0} for s in range(1, 61)])
+    (run / "final.json").write_text(json.dumps({"run": {"steps": 125}}))
+    assert load_run(run).unreadable == [
+        "metrics.jsonl ends at step 60, but final.json step 125: it looks cut short; the report "
+        "shows the steps it holds"
+    ]
+
+
 def test_the_last_train_loss_says_it_is_nan(tmp_path):
     """loss/text NaN from step 30 on: the row showed the step-29 value as the last train loss."""
     from tools.report.page import modality_rows

@@ -234,6 +234,17 @@ def load_run(run_dir: str | Path) -> RunData:
     unreadable: list[str] = []
     final = _read_dict(run_dir / FINAL_FILE, json.loads, unreadable)
     last = next(reversed(records), 0)
+    halted = _read_dict(run_dir / HALTED_FILE, json.loads, unreadable)
+    # The run's end files are written after its last metrics record: a later step there means
+    # metrics.jsonl lost its end (cut, copied while written, restored from an older copy)
+    ends = [((final.get("run") or {}).get("steps"), FINAL_FILE), (halted.get("step"), HALTED_FILE)]
+    if later := [
+        f"{name} step {step}" for step, name in ends if isinstance(step, int) and step > last
+    ]:
+        unreadable.append(
+            f"{METRICS_FILE} ends at step {last}, but {' and '.join(later)}: it looks cut short; "
+            "the report shows the steps it holds"
+        )
     if (final.get("run") or {}).get("steps", last) != last:  # resumed since it was written
         final = {}
     alarms, bad_alarms = read_jsonl(f) if (f := run_dir / ALARMS_FILE).is_file() else ([], 0)
@@ -256,7 +267,7 @@ def load_run(run_dir: str | Path) -> RunData:
         final=final,
         heldout_eval=_read_dict(run_dir / EVAL_FILE, json.loads, unreadable),
         alarms=alarms,
-        halted=_read_dict(run_dir / HALTED_FILE, json.loads, unreadable),
+        halted=halted,
         target_mixes=mixes or [(0, _target_mix(cfg))],
         config_read=bool(cfg),
         first_pass=first_pass(raw),
