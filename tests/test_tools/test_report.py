@@ -720,6 +720,13 @@ def test_a_metrics_file_that_lost_its_end_is_said(tmp_path):
     ]
 
 
+def test_a_config_yaml_that_is_no_yaml_is_named_with_its_line(tmp_path):
+    run = write_records(tmp_path / "r", [{"step": 1, "train/loss": 3.0}])
+    (run / "config.yaml").write_text("name: r\ntrain:\n  bad: [unclosed\n")
+    (said,) = load_run(run).unreadable
+    assert said.startswith("config.yaml is unreadable and left out (not valid YAML at line 4"), said
+
+
 def test_the_last_train_loss_says_it_is_nan(tmp_path):
     """loss/text NaN from step 30 on: the row showed the step-29 value as the last train loss."""
     from tools.report.page import modality_rows

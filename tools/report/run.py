@@ -190,11 +190,14 @@ def _read_dict(path: Path, parse, unreadable: list[str] | None = None) -> dict:
         if unreadable is not None:
             empty = path.is_file() and path.stat().st_size == 0
             why = "0 bytes: cut short by a full disk?" if empty else str(e).splitlines()[0][:200]
+            if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark and not empty:
+                why = f"not valid YAML at line {e.problem_mark.line + 1}: {e.problem}"
             unreadable.append(f"{path.name} is unreadable and left out ({why})")
         return {}
     if not isinstance(value, dict):
         if unreadable is not None:
-            unreadable.append(f"{path.name} is unreadable and left out (not a JSON object)")
+            kind = "a JSON object" if path.suffix == ".json" else "a YAML mapping"
+            unreadable.append(f"{path.name} is unreadable and left out (not {kind})")
         return {}
     return value
 
@@ -228,10 +231,10 @@ def load_run(run_dir: str | Path) -> RunData:
         if records and rec["step"] <= next(reversed(records)):
             records = {step: kept for step, kept in records.items() if step < rec["step"]}
         records[rec["step"]] = rec
-    cfg = _read_dict(run_dir / CONFIG_FILE, yaml.safe_load)  # the resolved config
+    unreadable: list[str] = []
+    cfg = _read_dict(run_dir / CONFIG_FILE, yaml.safe_load, unreadable)  # the resolved config
     train_cfg = cfg.get("train")
     total = train_cfg.get("steps") if isinstance(train_cfg, dict) else None
-    unreadable: list[str] = []
     final = _read_dict(run_dir / FINAL_FILE, json.loads, unreadable)
     last = next(reversed(records), 0)
     halted = _read_dict(run_dir / HALTED_FILE, json.loads, unreadable)
