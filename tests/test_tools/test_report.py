@@ -391,6 +391,24 @@ def test_a_rolled_back_stretch_stays_drawn_dotted(tmp_path):
     assert list(dotted[0].get_ydata()) == [3.0] * 5 + [9.0] * 5
 
 
+def test_a_rolled_back_lr_and_its_skipped_steps_stay_drawn(tmp_path):
+    """The lr x100 that caused a rollback, and the steps it skipped, were drawn nowhere: the lr
+    panel showed the kept pass alone, and the skip marks only the kept pass's skipped steps."""
+    first = [
+        {"step": s, "optim/lr": 0.1 if s > 15 else 1e-3, "optim/grad_norm": 1.0 + s}
+        | ({"optim/skipped": 1} if s > 16 else {})
+        for s in range(1, 21)
+    ]
+    again = [{"step": s, "optim/lr": 1e-3, "optim/grad_norm": 1.0} for s in range(11, 31)]
+    data = load_run(write_records(tmp_path / "r", first + again))
+    lr = draw_panel(data, "lr")
+    (dotted,) = [line for line in lr.get_lines() if line.get_linestyle() == ":"]
+    assert list(dotted.get_xdata()) == list(range(11, 21)) and max(dotted.get_ydata()) == 0.1
+    grad = draw_panel(data, "grad")
+    (marks,) = [c for c in grad.collections if "replaced pass" in str(c.get_label())]
+    assert [tuple(xy) for xy in marks.get_offsets()] == [(s, 1.0 + s) for s in range(17, 21)]
+
+
 def test_a_resumed_pass_drops_the_steps_it_has_not_reached_yet(tmp_path, capsys):
     """Killed at step 65 with its last checkpoint at 60, resumed and reported at step 62: the
     run is at 62, and steps 63-65 of the killed pass are no longer its trajectory (the resumed

@@ -85,13 +85,22 @@ def train_line(
         values = ema(values, ctx.smooth, steps)
     marker = "o" if len(steps) <= 12 else None
     ax.plot(steps, values, color=color, lw=lw, label=label, marker=marker, ms=3)
-    # The values a rollback (or a resume) replaced or dropped: the first pass, dotted, so the
-    # trouble its alarms saw stays on the panel.
-    kept = ctx.run.records
-    gone = [(r["step"], r.get(s.key)) for r in ctx.run.first_pass if r is not kept.get(r["step"])]
-    if gone := [(step, value * scale) for step, value in gone if isinstance(value, (int, float))]:
-        ax.plot(*zip(*gone), color=color, ls=":", lw=1.0)
+    replaced_line(ax, ctx, s.key, color, scale)
     return steps, values
+
+
+def replaced(ctx: Ctx, key: str) -> dict[int, float]:
+    """step -> value of ``key`` in the steps a rollback (or a resume) replaced or dropped."""
+    kept = ctx.run.records
+    gone = [(r["step"], r.get(key)) for r in ctx.run.first_pass if r is not kept.get(r["step"])]
+    return {step: value for step, value in gone if isinstance(value, (int, float))}
+
+
+def replaced_line(ax, ctx: Ctx, key: str, color: str, scale: float = 1.0) -> None:
+    """The first pass's values that a rollback (or a resume) replaced, dotted: the trouble its
+    alarms saw, and what caused it (an lr too high), stay on the panel."""
+    if gone := replaced(ctx, key):
+        ax.plot(list(gone), [value * scale for value in gone.values()], color=color, ls=":", lw=1.0)
 
 
 def robust_ylim(ax, arrays: list[np.ndarray]) -> None:
@@ -364,6 +373,18 @@ def draw_grad(ax, ctx: Ctx):
             steps[on], norms[on], marker="v", s=40, label=f"skipped step ({on.sum()})", **RED
         )
     nonfinite_marks(ax, Series(steps, norms), "skipped, grad", 0.9, marker="v", s=40)  # under its ✕
+    # Steps skipped in a pass a rollback replaced: hollow, on the dotted curve
+    gone, norm_at = replaced(ctx, "optim/skipped"), replaced(ctx, "optim/grad_norm")
+    if marks := [(step, norm_at[step]) for step, n in gone.items() if n > 0 and step in norm_at]:
+        ax.scatter(
+            *zip(*marks),
+            marker="v",
+            s=40,
+            facecolors="none",
+            edgecolors=RED["color"],
+            zorder=RED["zorder"],
+            label=f"skipped, replaced pass ({len(marks)})",
+        )
     return {"grad norm": curve}
 
 
@@ -388,6 +409,7 @@ def simple(run: RunData, key: str, title: str, ylabel: str, curves, *, scale=1.0
 def draw_lr(ax, ctx: Ctx):
     series = ctx.run.series["optim/lr"]
     ax.plot(series.steps, series.values, color="#333333", lw=1.6, label="lr")
+    replaced_line(ax, ctx, "optim/lr", "#333333")
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))  # no offset text
     return {}
 
