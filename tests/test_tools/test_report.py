@@ -745,6 +745,25 @@ def test_a_config_yaml_that_is_no_yaml_is_named_with_its_line(tmp_path):
     assert said.startswith("config.yaml is unreadable and left out (not valid YAML at line 4"), said
 
 
+def test_a_resume_onto_a_harder_mix_is_no_visible_failure(tmp_path):
+    """Resumed at step 80 with more weight on a harder source: the total loss rises 16 % over
+    its running minimum, and the loss rule called it the failure every alarm lagged."""
+    from tools.report.page import overview
+
+    recs = [{"step": s, "train/loss": 2.7 if s <= 80 else 3.2} for s in range(1, 121)]
+    run = write_records(tmp_path / "r", recs)
+    (run / "pass_configs").mkdir()
+    for step, code in ((0, 0.1), (80, 0.5)):
+        sources = f"[{{name: text, weight: {1 - code}}}, {{name: code, weight: {code}}}]"
+        (run / "pass_configs" / f"from_step_{step:08d}.yaml").write_text(
+            f"data:\n  sources: {sources}\n"
+        )
+    rows = dict(overview(load_run(run), DEFAULT_SMOOTH))
+    assert rows["loss visible"].startswith("never"), rows["loss visible"]
+    (run / "pass_configs" / "from_step_00000080.yaml").unlink()  # the same mix: a failure
+    assert dict(overview(load_run(run), DEFAULT_SMOOTH))["loss visible"].startswith("step 113")
+
+
 def test_the_last_train_loss_says_it_is_nan(tmp_path):
     """loss/text NaN from step 30 on: the row showed the step-29 value as the last train loss."""
     from tools.report.page import modality_rows

@@ -39,17 +39,25 @@ def first_pass(records: list[dict]) -> list[dict]:
     return out
 
 
-def loss_visible(records: list[dict]) -> Visible | None:
+def loss_visible(records: list[dict], restarts: list[int] | None = None) -> Visible | None:
     """The first step at which the loss rule holds on ``records`` (one trajectory, in step order);
-    None when the loss never shows a failure."""
+    None when the loss never shows a failure. At each of the ``restarts`` (steps from which a
+    resume changed the data mix) the levels start again, as the monitors' do: a total loss that
+    rises because the mix turned to a harder source is no failure."""
     sums: dict[str, list[float]] = {}  # series -> [EMA of CE x tokens, EMA of tokens]
     lows: dict[str, float] = {}
+    pending, start = sorted(restarts or []), 0
     for record in records:
         step = record["step"]
+        if pending and step > pending[0]:
+            while pending and step > pending[0]:
+                start = pending.pop(0)
+            sums.clear()
+            lows.clear()
         if _non_finite(record):
             return Visible(step, "non-finite", math.nan, math.nan)
         for name, level in _update(sums, record).items():
-            if step < BURN_IN:
+            if step - start < BURN_IN:
                 continue
             low = lows.get(name)
             if low is not None and level > (1 + RISE) * low:

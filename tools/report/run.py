@@ -89,7 +89,11 @@ class RunData:
     def visible(self) -> Visible | None:
         """The loss rule on the first pass (where its alarms saw the trouble), else on the pass
         the run went on with (a failure may show only after a rollback or resume)."""
-        return loss_visible(self.first_pass) or loss_visible([self.records[s] for s in self.steps])
+        mixes = self.target_mixes
+        restarts = [s for (s, mix), (_, was) in zip(mixes[1:], mixes) if was and mix != was]
+        return loss_visible(self.first_pass, restarts) or loss_visible(
+            [self.records[s] for s in self.steps], restarts
+        )
 
     def spent(self, key: str) -> tuple[float, float]:
         """The sum of ``key`` over the kept steps, and over those and the replaced ones."""
