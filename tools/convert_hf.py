@@ -68,7 +68,17 @@ def blocking_features(cfg) -> list[str]:
     return out
 
 
-def qwen3_config(cfg, *, bos_id, eos_id, pad_id, max_positions=32768, config_class=None, **extra):
+def qwen3_config(
+    cfg,
+    *,
+    bos_id,
+    eos_id,
+    pad_id,
+    max_positions=32768,
+    dtype="float32",
+    config_class=None,
+    **extra,
+):
     """Qwen3Config (or ``config_class``, a subclass) of a TransformerConfig; ``extra`` fields
     are stored as they are (the remote code's ``earlyfuse_grid``, ``auto_map``). Serving tools
     (vLLM) read ``max_positions`` as the context length: the rows the model was trained on."""
@@ -94,7 +104,7 @@ def qwen3_config(cfg, *, bos_id, eos_id, pad_id, max_positions=32768, config_cla
         bos_token_id=bos_id,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
-        torch_dtype="float32",
+        torch_dtype=dtype,
         **extra,
     )
 
@@ -279,7 +289,9 @@ def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=
 
     tok = rel.text_tokenizer()
     cfg = rel.transformer_config
-    state = rel.state_dict(torch.float32)
+    # the release's own precision (earlyfuse-convert release --dtype): bf16 stays bf16
+    dtype = str(rel.config.get("dtype", "float32"))
+    state = rel.state_dict(getattr(torch, dtype))
     grid_tables = {name: state.pop(name) for name in GRID_TABLES if name in state}
     model_class: type = Qwen3ForCausalLM
     extra: dict = {}
@@ -298,7 +310,7 @@ def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=
         }
     ids = {"bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id}
     rows = (rel.config.get("packing") or {}).get("seq_len", 32768)  # unknown: Qwen3's own
-    hf_cfg = qwen3_config(cfg, **ids, max_positions=rows, **extra)
+    hf_cfg = qwen3_config(cfg, **ids, max_positions=rows, dtype=dtype, **extra)
     with torch.device("meta"):
         model = model_class(hf_cfg)
     model.load_state_dict(qwen3_state(state, cfg.n_layers) | grid_tables, strict=True, assign=True)

@@ -27,6 +27,24 @@ def release(debug_release):
     return debug_release
 
 
+def test_a_bf16_release_exports_in_bf16(release, tmp_path):
+    """The release's own precision: a bf16 release was exported as fp32, twice its size."""
+    from safetensors import safe_open
+
+    from tools.convert_release import make_release
+
+    half = tmp_path / "bf16"
+    make_release(release.parent / "run", half, dtype="bf16", log=lambda *a: None)
+    assert convert_main(["hf", str(half), str(tmp_path / "hf")]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "bfloat16", config
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    bf16 = Release(half).state_dict(dtype=None)["tok_embeddings.weight"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert torch.equal(hf.model.embed_tokens.weight.data, bf16)
+
+
 def documents(tokens, source: str, n: int, length: int) -> list[np.ndarray]:
     import io
 
