@@ -122,7 +122,9 @@ def load_table(src: SourceConfig, *, cache_dir: str | None = None) -> SampleTabl
     for tar in tars:
         local = store.kind(tar) == "local"
         if not (_listed(listing, tar) if local else store.exists(tar)):
-            raise ValueError(f"source {src.name}: shard {tar} does not exist")
+            # the commonest cause: a relative path and a command run from another folder
+            where = f" (relative to {os.getcwd()})" if local and not os.path.isabs(tar) else ""
+            raise ValueError(f"source {src.name}: shard {tar} does not exist{where}")
         manifest_found = find_manifest(tar, seen)
         if manifest_found is None:
             _read_index(src, tar)  # a missing index is the first thing to name

@@ -281,6 +281,16 @@ def test_robustness(tiny_tokens, tmp_path):
         )
 
 
+def test_a_relative_shard_path_not_found_names_the_folder_it_was_taken_from(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    missing = SourceConfig(name="x", shards=["runs/demo/tokens/code"])
+    with pytest.raises(ValueError) as refused:
+        load_table(missing)
+    assert str(refused.value) == (
+        f"source x: shard runs/demo/tokens/code does not exist (relative to {tmp_path})"
+    )
+
+
 def test_preview_prints_and_renders_rows(tiny_tokens, tmp_path):
     from data.loader.preview import preview
 
