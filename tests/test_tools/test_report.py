@@ -404,6 +404,7 @@ def test_a_rolled_back_lr_and_its_skipped_steps_stay_drawn(tmp_path):
     lr = draw_panel(data, "lr")
     (dotted,) = [line for line in lr.get_lines() if line.get_linestyle() == ":"]
     assert list(dotted.get_xdata()) == list(range(11, 21)) and max(dotted.get_ydata()) == 0.1
+    assert lr.get_yscale() == "log"  # the kept schedule, 100x below, not flattened on zero
     grad = draw_panel(data, "grad")
     (marks,) = [c for c in grad.collections if "replaced pass" in str(c.get_label())]
     assert [tuple(xy) for xy in marks.get_offsets()] == [(s, 1.0 + s) for s in range(17, 21)]
@@ -725,6 +726,16 @@ def test_the_last_train_loss_ema_is_the_curves_end_for_a_sparse_modality(tmp_pat
     _, drawn = panel.draw(Figure().add_subplot(), Ctx(data, 0.9, x_limits(data)))["video"]
     (row,) = modality_rows(data, 0.9)
     assert row[0] == "video" and row[2] == f"{drawn[-1]:.4g}", (row, drawn[-1])
+
+
+def test_status_of_a_run_whose_end_files_cannot_be_read_is_unknown(tmp_path):
+    from tools.report.page import status_of
+
+    run = write_records(tmp_path / "r", [{"step": 1, "train/loss": 3.0}])
+    (run / "final.json").write_text('{"run": {"st')
+    assert status_of(load_run(run)) == (
+        "unknown (final.json there but unreadable: see the warning)"
+    )
 
 
 def test_a_metrics_file_that_lost_its_end_is_said(tmp_path):

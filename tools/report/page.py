@@ -27,7 +27,12 @@ def status_of(run: RunData) -> str:
     if run.finished:
         return "finished"
     if run.halted:
-        return f"halted by the monitors: {str(run.halted.get('reason', ''))[:300]}"
+        reason = str(run.halted.get("reason", ""))[:300]
+        return reason if reason.startswith("halted") else f"halted by the monitors: {reason}"
+    if unread := [
+        f for f in ("final.json", "halted.json") if any(u.startswith(f) for u in run.unreadable)
+    ]:
+        return f"unknown ({' and '.join(unread)} there but unreadable: see the warning)"
     when = dt.datetime.fromtimestamp((run.run_dir / METRICS_FILE).stat().st_mtime, dt.timezone.utc)
     return f"running or stopped (no final.json of step {run.last_step}; metrics last written {when:%Y-%m-%d %H:%M:%S} UTC)"
 

@@ -410,6 +410,9 @@ def draw_lr(ax, ctx: Ctx):
     series = ctx.run.series["optim/lr"]
     ax.plot(series.steps, series.values, color="#333333", lw=1.6, label="lr")
     replaced_line(ax, ctx, "optim/lr", "#333333")
+    drawn = [v for v in [*series.values, *replaced(ctx, "optim/lr").values()] if v > 0]
+    if drawn and max(drawn) / min(drawn) > 30:  # a replaced lr x100 would flatten the schedule
+        ax.set_yscale("log")
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))  # no offset text
     return {}
 
@@ -451,7 +454,9 @@ def panels_for(run: RunData) -> list[Panel]:
     psnr: list[tuple] = [
         ("vtok/psnr", "train", "#ff7f0e"),
         ("eval/psnr", "eval (held-out)", "#1f77b4", "o"),
-        ("eval/baseline_psnr", "baseline", "#7f7f7f", "s"),
+        # the equal-bits baselines the run's warning compares with, under the same names
+        ("eval/baseline_psnr", "mean-colour baseline", "#7f7f7f", "s"),
+        ("eval/palette_psnr", "palette baseline", "#2ca02c", "D"),
     ]
     codes: list[tuple] = [
         ("vtok/code_fraction", "train batch", "#9467bd"),
@@ -522,7 +527,7 @@ def panels_for(run: RunData) -> list[Panel]:
             for sig in monitor_signals(run)
         ),
         simple(
-            run, "psnr", "Reconstruction PSNR against the patch-mean baseline", "PSNR (dB)", psnr
+            run, "psnr", "Reconstruction PSNR against the equal-bits baselines", "PSNR (dB)", psnr
         ),
         simple(
             run,
