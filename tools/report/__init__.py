@@ -124,7 +124,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=DEFAULT_SMOOTH,
         metavar="F",
         help=f"EMA factor for train curves, in [0, 1): s = F*s + (1-F)*x, debiased; 0 = raw only "
-        f"(default {DEFAULT_SMOOTH})",
+        f"(default {DEFAULT_SMOOTH}; for runs of many thousands of steps, 0.99 or 0.995)",
     )
     args = p.parse_args(argv)
     if not 0 <= args.smooth < 1:
