@@ -187,7 +187,7 @@ class Trainer:
         meta = self.save_meta
         final: dict = {
             "run": {
-                **meta,
+                **{key: value for key, value in meta.items() if key != "network"},  # config.yaml's
                 "data_parallel": meta["world_size"] // meta["sequence_parallel"],
                 "steps": step,
             }
