@@ -159,7 +159,8 @@ def run(args: argparse.Namespace) -> None:
     tail = [f"run_dir={run_dir}", f"train.init_from={rel.path.resolve()}"]
     if overrides:
         diff, sp = check_against_run(rel, state, overrides + tail, args.config_dir)
-        print("the run config fits the release (layout, text tokenizer, every tensor shape)")
+        checked = "tokenizers" if rel.config.get("tokenizers") else "no tokenizers: none recorded"
+        print(f"the run config fits the release (layout, {checked}, every tensor shape)")
         if diff:
             print(
                 "note: these fields differ without changing a shape; the run's values will be used:\n"

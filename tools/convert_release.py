@@ -115,6 +115,18 @@ def check_tokenizers(folder: Path, layout) -> dict:
         raise ReleaseError(str(e)) from None
 
 
+def recorded_tokenizers(folder: Path) -> dict | None:
+    """The fingerprints of the tokenizers a checkpoint's token sources were made with, from its
+    record (one set for every source; None without a record, or when the sources differ)."""
+    from data.tokenize.vtok_files import TOKENIZER_PARTS
+    from train.names import CHECKPOINT_TOKENIZERS_FILE
+
+    record = folder / CHECKPOINT_TOKENIZERS_FILE
+    entries = json.loads(record.read_text()) if record.is_file() else []
+    found = {json.dumps({k: e.get(k) for k in TOKENIZER_PARTS}, sort_keys=True) for e in entries}
+    return json.loads(found.pop()) if len(found) == 1 else None
+
+
 def packing(run_cfg, world_size: int) -> dict:
     """How the run packed and validated its rows: what ``earlyfuse-eval`` needs to evaluate the
     held-out documents in the rows training validation saw (data/loader/heldout.py packs by
@@ -168,7 +180,9 @@ def make_release(
         # in the checkpoint's manifest, which find_checkpoint checked: the layout it trained with
         layout = VocabLayout.load(ckpt.folder / LAYOUT)
         net_cfg = run_cfg.model.with_layout(layout, strict=False)
-        if not no_tokenizers:
+        if no_tokenizers:  # the fingerprints, from the checkpoint's record, without the files
+            fingerprints = recorded_tokenizers(ckpt.folder)
+        else:
             tok_dir = Path(tokenizers) if tokenizers else find_tokenizers(run_cfg, run_dir)
             if not tok_dir.is_dir():
                 named = "--tokenizers" if tokenizers else "data.tokenizers"
@@ -289,7 +303,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-tokenizers",
         action="store_true",
-        help="weights, config and layout only (enough for train.init_from, not for earlyfuse-generate)",
+        help="weights, config, layout and the tokenizers' fingerprints only, no tokenizer files "
+        "(enough for train.init_from, not for earlyfuse-generate)",
     )
     parser.add_argument(
         "--force", action="store_true", help="replace OUT once the new one is complete"

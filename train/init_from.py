@@ -68,6 +68,12 @@ def init_from_release(model, cfg, task, is_main: bool = True) -> bool:
             "values are used:\n" + "\n".join(diff),
             flush=True,
         )
+    if is_lm and not release.config.get("tokenizers"):
+        say(
+            "note: the release records no tokenizers: the run's token data was checked against "
+            "its vocabulary layout alone, not its text and visual tokenizers",
+            flush=True,
+        )
     if is_lm:
         note = rope_note(release.config, cfg.data.seq_len, model.cfg.rope.theta)
         if note:

@@ -254,7 +254,7 @@ class Release:
         tokenizer's ids fall inside the vocabulary and run, but mean other things to the model,
         and the figures look like figures. Refuses naming the source, its manifest and the
         tokenizers that differ (the fingerprints ``config.json`` and each token manifest record).
-        A release without fingerprints (``--no-tokenizers``) checks nothing."""
+        A release without fingerprints (made from a checkpoint without its record) checks nothing."""
         from data.tokenize.vtok_files import tokenizers_differ
 
         mine = self.config.get("tokenizers") or {}
@@ -376,8 +376,9 @@ def check_compatible(
     where: str = "",
 ) -> list[str]:
     """Can ``rel`` start a run of ``task`` whose network is ``net_cfg`` (state dict ``reference``)
-    on token data made with ``layout`` and the text tokenizer in ``tok_folder``? Raises naming what
-    differs; returns the config fields that differ without changing a shape."""
+    on token data made with ``layout`` and the tokenizers in ``tok_folder`` (text, layout and
+    visual, each by the fingerprint the release records)? Raises naming what differs; returns
+    the config fields that differ without changing a shape."""
     where = where or str(rel.path)
     if rel.task != task:
         raise ReleaseError(f"{where}: a {rel.task} release cannot start a {task} run")
@@ -388,13 +389,20 @@ def check_compatible(
                 f"run's token data ({layout.to_dict()['ranges']}, {tok_folder}); the ids would mean "
                 "different things. Tokenize the data with the release's tokenizers."
             )
-        if tok_folder is not None and (rel.path / TOKENIZER).is_file():
-            from data.text_tokenizer import TextTokenizer
+        recorded = rel.config.get("tokenizers") or {}  # text, layout, visual fingerprints
+        if tok_folder is not None and recorded:
+            from data.tokenize.vtok_files import (
+                folder_fingerprints,
+                tokenizer_key,
+                tokenizers_differ,
+            )
 
-            if rel.text_tokenizer().fingerprint() != TextTokenizer.load(tok_folder).fingerprint():
+            ours = tokenizer_key(folder_fingerprints(tok_folder))
+            if differ := tokenizers_differ(ours, recorded):
                 raise ReleaseError(
-                    f"{where}: its text tokenizer differs from the one the run's token data was made "
-                    f"with ({tok_folder}); the ids would mean different things"
+                    f"{where}: its {differ} from those the run's token data was made with "
+                    f"({tok_folder}); the ids would mean different things (an image code, other "
+                    "patches). Tokenize the data with the release's tokenizers."
                 )
         diff = config_diff(
             dataclasses.asdict(rel.transformer_config), dataclasses.asdict(net_cfg), "model"

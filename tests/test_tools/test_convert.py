@@ -399,6 +399,25 @@ def test_damaged_files_are_errors_naming_the_file(runs, tmp_path, capsys):
     assert not (tmp_path / "MARKER").exists()
 
 
+def test_a_release_starts_no_run_on_data_of_other_tokenizers(runs, tiny_tokens, tmp_path, capsys):
+    """The release's fingerprints (text, layout, visual) against the tokenizers the run's data was
+    made with: a visual tokenizer swapped under the same levels was accepted (only the layout and
+    a text BPE file were compared), and any BPE for a release made with --no-tokenizers."""
+    full, bare, new = tmp_path / "full", tmp_path / "bare", tmp_path / "new"
+    make_release(runs[0], full, log=quiet)
+    make_release(runs[0], bare, no_tokenizers=True, log=quiet)
+    assert Release(bare).config["tokenizers"] == Release(full).config["tokenizers"]
+    args = base(tiny_tokens, new, 1)
+    assert convert_main(["import", str(bare), str(new), *args]) == 0
+    assert "fits the release (layout, tokenizers, every tensor shape)" in capsys.readouterr().out
+    config = json.loads((bare / "config.json").read_text())
+    config["tokenizers"]["visual"] = "0" * 16  # another visual tokenizer, the same levels
+    (bare / "config.json").write_text(json.dumps(config))
+    assert convert_main(["import", str(bare), str(new), *args]) == 2
+    err = capsys.readouterr().err
+    assert "its visual tokenizer differs from those the run's token data was made with" in err
+
+
 def test_a_checkpoint_or_release_without_its_task_is_refused(runs, tmp_path):
     """Every save records the task in meta.json and every release in config.json: one without
     it was not written by this earlyfuse, and no task is assumed for it."""
