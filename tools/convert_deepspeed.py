@@ -9,6 +9,7 @@ naming the file or folder.
 from __future__ import annotations
 
 import contextlib
+import glob
 import io
 import math
 import re
@@ -94,7 +95,15 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Checkpoint:
             f"{root / tag}: damaged checkpoint: {'; '.join(problems[:3])}{more}; pick an intact "
             "one with --step"
         )
-    return Checkpoint(run_dir, tag, read_meta(root / tag))
+    meta = read_meta(root / tag)
+    where = str((root / tag).absolute())
+    if int(meta["zero_stage"]) and glob.escape(where) != where:
+        raise CheckpointError(
+            f"{where}: a ZeRO-{meta['zero_stage']} checkpoint under a path holding [ ] * or ?: "
+            "DeepSpeed finds its files by glob pattern, which those characters break; rename the "
+            "folder, or give a run folder without them whose checkpoints/ links to this one's"
+        )
+    return Checkpoint(run_dir, tag, meta)
 
 
 def add_run_dir(parser) -> None:

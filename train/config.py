@@ -10,6 +10,7 @@ tokenizer), ``optim``, ``train``, ``deepspeed``, ``monitor``. A run uses the sec
 
 from __future__ import annotations
 
+import glob
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -257,6 +258,12 @@ class RunConfig:
             # Empty, the run's files would go into the current folder, or into runs/ itself
             (bool(self.name.strip()), "name is empty: give the run a name (run_dir: runs/NAME)"),
             (bool(self.run_dir.strip()), "run_dir is empty: give the run's own folder"),
+            (
+                glob.escape(self.run_dir) == self.run_dir,
+                f"run_dir {self.run_dir!r} holds [ ] * or ?: DeepSpeed finds a checkpoint's files "
+                "by glob pattern, which those characters break (the run would save and never "
+                "resume); name the folder without them",
+            ),
             (d.seq_len >= 1, f"data.seq_len {d.seq_len}: give the row length in tokens, 1 or more"),
             (
                 d.num_workers >= 0,

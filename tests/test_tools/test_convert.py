@@ -418,6 +418,16 @@ def test_a_release_starts_no_run_on_data_of_other_tokenizers(runs, tiny_tokens, 
     assert "its visual tokenizer differs from those the run's token data was made with" in err
 
 
+def test_a_zero_checkpoint_under_a_glob_character_is_named_with_the_way_out(runs, tmp_path):
+    """DeepSpeed globs a ZeRO checkpoint's files: under br[a] it said the files were not there."""
+    run = shutil.copytree(runs[3], tmp_path / "br[a]")
+    with pytest.raises(CheckpointError, match=r"under a path holding \[ \] \* or \?: DeepSpeed"):
+        make_release(run, tmp_path / "out", log=quiet)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "checkpoints").symlink_to(run / "checkpoints")  # the way out it names
+    assert make_release(tmp_path / "plain", tmp_path / "out", log=quiet)["source"]["step"] == 3
+
+
 def test_a_checkpoint_or_release_without_its_task_is_refused(runs, tmp_path):
     """Every save records the task in meta.json and every release in config.json: one without
     it was not written by this earlyfuse, and no task is assumed for it."""

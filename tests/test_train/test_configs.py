@@ -588,6 +588,7 @@ def test_a_typo_inside_a_list_element_of_an_override_names_the_key(tmp_path):
             "train.bf16=true needs deepspeed.zero_stage 1 or more",
         ),  # a DeepSpeed traceback
         ("run_dir=", "run_dir is empty"),  # the run's files went into the current folder
+        ("run_dir='runs/try[1]'", "run_dir 'runs/try[1]' holds [ ] * or ?: DeepSpeed finds"),
         ("name=", "name is empty"),  # into runs/, the folder of every run
         ("data.seq_len=0", "data.seq_len 0: give the row length in tokens"),
         ("optim.warmup_steps=-1", "optim.warmup_steps -1: give 0 or more"),
