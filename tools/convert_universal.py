@@ -9,9 +9,11 @@ import argparse
 import shutil
 from pathlib import Path
 
+from data.cli.common import unwritable
 from data.shards.storage import Folder
 from tools.convert_deepspeed import CheckpointError, add_run_dir, find_checkpoint
 from train.checkpoint import checkpoint_files, file_manifest, sync_to_disk
+from train.names import CHECKPOINTS_DIR, LATEST_FILE
 from train.safe_load import weights_only_loads
 from train.save_errors import write_failure_cause
 
@@ -53,6 +55,8 @@ def make_universal(
         if not force:
             raise CheckpointError(f"{out} exists (use --force to make it again)")
         shutil.rmtree(out)
+    if why := unwritable(out / "source.json"):  # before DeepSpeed's work, not after it
+        raise CheckpointError(f"{out}: cannot be written ({why})")
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
     # ds_to_universal's options as its own parse_arguments() makes them. Our runs do not set
@@ -92,9 +96,16 @@ def make_universal(
     files = file_manifest(out, checkpoint_files(out))
     source = {"step": ckpt.meta.get("step"), "world_size": world, "zero_stage": stage}
     Folder(out).write_json("source.json", {**source, "files": files})
-    log(
-        f"wrote {out}: {ckpt.tag} (ZeRO {stage}, {world} rank(s)) as a universal checkpoint; "
+    pointer = Path(ckpt.run_dir) / CHECKPOINTS_DIR / LATEST_FILE
+    latest = pointer.read_text().strip() if pointer.is_file() else ckpt.tag
+    resumes = (
         f"`earlyfuse-train ... run_dir={ckpt.run_dir}` on any number of ranks resumes from it"
+        if latest == ckpt.tag
+        else f"a run resumes from {LATEST_FILE} ({latest}), not from it: convert {latest} to "
+        "resume on other ranks"
+    )
+    log(
+        f"wrote {out}: {ckpt.tag} (ZeRO {stage}, {world} rank(s)) as a universal checkpoint; {resumes}"
     )
     return out
 

@@ -197,3 +197,28 @@ def test_a_conversion_on_a_full_disk_says_the_disk_is_full(zero1_run, small_tmpf
         f"earlyfuse-convert universal: error: {out} could not be written: the disk is full"
     )
     assert not out.exists()
+
+
+def test_a_read_only_run_folder_is_refused_before_the_conversion(zero1_run, small_tmpfs, capsys):
+    """Found only after DeepSpeed's work, with exit code 1 (the machine's) and the path twice."""
+    run = Path(shutil.copytree(zero1_run, small_tmpfs / "run"))
+    subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
+    out = run / "checkpoints" / "step_00000002" / "universal"
+    assert convert_main(["universal", str(run)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"earlyfuse-convert universal: error: {out}: cannot be written ({out.parent} takes no new "
+        "file: Read-only file system)"
+    )
+
+
+def test_converting_a_step_other_than_latest_says_the_resume_takes_latest(zero1_run, tmp_path):
+    run = Path(shutil.copytree(zero1_run, tmp_path / "run"))
+    (run / "checkpoints" / "latest").write_text("step_00000009\n")  # a later save, say
+    lines: list[str] = []
+    from tools.convert_universal import make_universal
+
+    make_universal(run, 2, log=lines.append)
+    assert lines[-1].endswith(
+        "a run resumes from latest (step_00000009), not from it: convert step_00000009 to resume "
+        "on other ranks"
+    )
