@@ -21,7 +21,7 @@ from train.release import LAYOUT, TOKENIZER, Release, ReleaseError
 EXAMPLES = """\
 examples:
   earlyfuse-convert hf releases/demo hf/demo
-  python -c "from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained('hf/demo')"
+  python -c "from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained('hf/demo', trust_remote_code=True)"
 """
 DESCRIPTION = (
     "Write RELEASE as a transformers model (Qwen3ForCausalLM) in OUT, loadable with "
@@ -330,6 +330,7 @@ def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=
     log(
         f"wrote {out}: {type(model).__name__}, {sum(param.numel() for param in model.parameters()):,} parameters, "
         f"vocabulary {rel.transformer_config.vocab_size} (text {rel.vocab_layout.text_size}, codes {rel.vocab_layout.num_codes})"
+        + ("; load it with trust_remote_code=True (its own code)" if cfg.grid_embedding else "")
     )
     return out
 
