@@ -204,10 +204,11 @@ class Release:
         self.task = self.config.get("task")
         if self.task not in ("lm", "vtok"):
             raise ReleaseError(f"{cfg_path}: task {self.task!r}, expected 'lm' or 'vtok'")
+        if not isinstance(self.config.get("files"), dict) or not self.config["files"]:
+            # every release records its files' sha256: without the record nothing is checked
+            raise ReleaseError(f"{cfg_path}: no 'files' record of the release's files and sha256")
         missing = [
-            file_name
-            for file_name in self.config.get("files", {})
-            if not (self.path / file_name).is_file()
+            file_name for file_name in self.config["files"] if not (self.path / file_name).is_file()
         ]
         if missing:
             raise ReleaseError(f"{self.path}: files missing: {', '.join(missing)}")
@@ -269,7 +270,7 @@ class Release:
 
     def verify_files(self) -> None:
         """Every file's sha256 against config.json (catches corruption inside a file)."""
-        for name, digest in self.config.get("files", {}).items():
+        for name, digest in self.config["files"].items():
             if file_sha256(self.path / name) != digest:
                 raise ReleaseError(
                     f"{self.path / name}: sha256 differs from the one recorded in {CONFIG}; "

@@ -446,6 +446,12 @@ def test_a_checkpoint_or_release_without_its_task_is_refused(runs, tmp_path):
     (rel / "config.json").write_text(json.dumps(config))
     with pytest.raises(ReleaseError, match=r"config.json: task None, expected 'lm' or 'vtok'"):
         Release(rel)
+    # Without its files' record nothing would be checked: it was accepted without a word
+    config["task"] = "lm"
+    del config["files"]
+    (rel / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ReleaseError, match=r"config.json: no 'files' record of the release's"):
+        Release(rel)
 
 
 def test_missing_tokenizers_and_bad_arguments_are_named(
