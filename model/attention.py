@@ -287,19 +287,33 @@ class RowsTooLong(MemoryError, ValueError):
     benchmarks report it as such), and a bad value for the tools that take ``--seq-len``."""
 
 
+def available_memory() -> int:
+    """Bytes the machine can still give (Linux's MemAvailable: free memory and the page cache it
+    can drop), not its total: on a machine shared with other jobs a mask that fits the total
+    still takes what the others hold, and the OOM killer picks one of them."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def _dense_mask(batch, seq_len, device, doc, img, window) -> Tensor:
     """The boolean [B, 1, T, T] mask of ``_allowed`` for SDPA. On the CPU, rows too long for
-    the machine's memory are refused by name before anything is allocated (else a traceback
+    the memory the machine has free are refused by name before anything is allocated (else a traceback
     from the allocator, or the OOM killer, at 100k tokens a row)."""
     if device.type == "cpu":
         need = batch * seq_len * seq_len * 5  # the mask, and the float copy SDPA makes of it
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        if need > total:
+        free = available_memory()
+        if need > free:
             raise RowsTooLong(
                 f"attention over {batch} row(s) of {seq_len:,} tokens on the CPU needs a dense "
                 f"[{batch}, 1, {seq_len}, {seq_len}] mask and SDPA's float copy of it, "
-                f"{need / 2**30:,.0f} GiB, more than this machine's {total / 2**30:,.0f} GiB: "
-                "use shorter rows (--seq-len, data.seq_len), fewer rows at once, or a GPU "
+                f"{need / 2**30:,.1f} GiB, more than the {free / 2**30:,.1f} GiB this machine has "
+                "free: use shorter rows (--seq-len, data.seq_len), fewer rows at once, or a GPU "
                 "(FlexAttention builds no dense mask)"
             )
     row_index = torch.arange(batch, device=device)[:, None, None, None]

@@ -139,6 +139,18 @@ def test_dense_mask_semantics():
     assert m[1, 2] and not m[4, 3]  # a token sees the rest of its image, never another document
 
 
+def test_a_dense_mask_past_the_memory_free_is_refused_before_allocating(monkeypatch):
+    """Measured against what the machine has free, not its total: a 64k row's 20 GiB mask fit
+    a 23.5 GiB machine's total and took all but 1 GiB of it from the other jobs."""
+    import model.attention as attention
+
+    monkeypatch.setattr(attention, "available_memory", lambda: 1 << 30)
+    doc = torch.arange(16384)[None] // 8192  # two documents: no causal fast path
+    with pytest.raises(attention.RowsTooLong, match=r"1.2 GiB, more than the 1.0 GiB this machine"):
+        build_attention_mask(1, 16384, doc.device, doc_ids=doc, backend="sdpa")
+    assert 0 < attention.available_memory()
+
+
 def test_causal_fast_path_when_one_document_per_row():
     doc = torch.zeros(2, 6, dtype=torch.long)
     m = build_attention_mask(2, 6, doc.device, doc_ids=doc, backend="sdpa")
