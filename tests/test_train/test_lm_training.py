@@ -224,6 +224,27 @@ def test_blocks_longer_than_a_row_stop_the_run_or_are_counted_when_allowed(tiny_
     assert json.loads((tmp_path / "run2" / "final.json").read_text())["data/dropped_blocks"] > 0
 
 
+def test_the_probes_read_rows_no_longer_than_monitor_probe_seq_len(tiny_tokens):
+    """A long stage's probes ran its whole rows on every rank: at 8k on a CPU four times the
+    memory and ten times the time of its training steps, at 32k on a GPU tens of GB."""
+    from contextlib import closing
+
+    import torch
+    from factories import tiny_loader_config
+
+    from train.config import RunConfig
+    from train.dist import DistInfo
+    from train.tasks.lm import LMTask
+
+    cfg = RunConfig()
+    cfg.data = tiny_loader_config(tiny_tokens, seq_len=512)
+    one = DistInfo(0, 1, 0, torch.device("cpu"))
+    for probe_seq_len, width in ((128, 128), (0, 512), (4096, 512)):
+        cfg.monitor.probe_seq_len = probe_seq_len
+        with closing(iter(LMTask(cfg, one).probe_stream())) as batches:
+            assert next(batches)["input_ids"].shape[1] == width
+
+
 def test_a_source_with_fewer_documents_than_consumers_is_refused_at_start(tiny_tokens):
     """Before: a loader worker raised "fewer samples than consumers" at the first batch, a
     traceback and exit code 1. The loader's start-up check (fit.check_mix) reaches the run as a

@@ -275,6 +275,11 @@ DETECTORS = (
 @dataclass(kw_only=True)
 class MonitorConfig:
     enabled: bool = True
+    # The probes' rows (attention, dependence, code use), in tokens: the run's rows when shorter,
+    # else packed at this length; 0: the run's own. A probe holds each layer's [rows, heads, T, T]
+    # scores and runs whole rows on every rank (no sequence parallelism): at 32k rows that is
+    # tens of GB, at 8k on a CPU four times the training step's memory.
+    probe_seq_len: int = 4096
     spike: SpikeConfig = field(default_factory=SpikeConfig)
     divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
     collapse: CollapseConfig = field(default_factory=CollapseConfig)
@@ -289,3 +294,8 @@ class MonitorConfig:
         for name in DETECTORS:
             getattr(self, name).validate(name)
         check_ranges(self.rollback, "monitor.rollback")
+        if self.probe_seq_len < 0:
+            raise ValueError(
+                f"monitor.probe_seq_len {self.probe_seq_len}: give the probes' row length in "
+                "tokens, or 0 for the run's data.seq_len"
+            )

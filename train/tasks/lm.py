@@ -422,8 +422,17 @@ class LMTask:
                     "the probes read the training sources (the cross-modal dependence and the "
                     "generated codes' yardstick need images)"
                 )
+        # Rows of at most monitor.probe_seq_len: a long-context stage's probes at its full rows
+        # would take more memory than its training steps. Blocks longer than them are dropped.
+        cut = 0 < self.cfg.monitor.probe_seq_len < d.seq_len
         data = dataclasses.replace(
-            d, sources=self._probe_sources, validation=[], num_workers=0, mode="infinite"
+            d,
+            sources=self._probe_sources,
+            validation=[],
+            num_workers=0,
+            mode="infinite",
+            seq_len=self.cfg.monitor.probe_seq_len if cut else d.seq_len,
+            allow_block_drops=cut or d.allow_block_drops,
         )
         # A held-out source can hold fewer documents than there are ranks, and a rank's split of
         # it would then be empty (the loader refuses that, at the first probe, mid-run): every
