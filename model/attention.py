@@ -302,9 +302,9 @@ def available_memory() -> int:
 
 
 def _dense_mask(batch, seq_len, device, doc, img, window) -> Tensor:
-    """The boolean [B, 1, T, T] mask of ``_allowed`` for SDPA. On the CPU, rows too long for
-    the memory the machine has free are refused by name before anything is allocated (else a traceback
-    from the allocator, or the OOM killer, at 100k tokens a row)."""
+    """The boolean [B, 1, T, T] mask of ``_allowed`` for SDPA. On the CPU, rows too long for the
+    memory the machine has free are refused by name before anything is allocated (else a
+    traceback from the allocator, or the OOM killer, at 100k tokens a row)."""
     if device.type == "cpu":
         need = batch * seq_len * seq_len * 5  # the mask, and the float copy SDPA makes of it
         free = available_memory()

@@ -246,7 +246,9 @@ def disk_failure(error: OSError, run_dir: Path) -> str:
     cut = sorted(
         f.name
         for f in (run_dir / CHECKPOINTS_DIR).glob("step_*")
-        if f.name > tag and not (f / CHECKPOINT_META_FILE).is_file()
+        if re.fullmatch(r"step_\d{8}", f.name)  # not a damaged one set aside (step_N.damaged)
+        and f.name > tag
+        and not (f / CHECKPOINT_META_FILE).is_file()
     )
     room = f" ({', '.join(cut)} in {run_dir / CHECKPOINTS_DIR}: cut short, deleting frees room)"
     return (

@@ -134,10 +134,10 @@ def local_folder(text: str) -> Path:
 def check_new_folder(out: Path, force: bool, source: Path, error: type = ValueError) -> None:
     """An ``error`` (a ValueError), before any work, for an output folder that would fail or do
     harm when it is written at the end: one holding the input folder ``source`` (which ``force``
-    would delete) or inside it, a folder or a file in the way without ``force``, one under a file or under a folder that takes no new folder (tried:
-    permission bits say yes to root for /proc or a read-only mount), or a symbolic link (the
-    folder is written whole beside it and moved into its place, which a link to a folder is
-    not)."""
+    would delete) or inside it, a folder or a file in the way without ``force``, one under a
+    file or under a folder that takes no new folder (tried: permission bits say yes to root for
+    /proc or a read-only mount), or a symbolic link (the folder is written whole beside it and
+    moved into its place, which a link to a folder is not)."""
     if out.is_symlink():
         raise error(f"{out}: a symbolic link (to {os.readlink(out)}); give a folder's own path")
     if source.resolve().is_relative_to(out.resolve()):
