@@ -42,9 +42,11 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -287,18 +289,32 @@ class RowsTooLong(MemoryError, ValueError):
     benchmarks report it as such), and a bad value for the tools that take ``--seq-len``."""
 
 
+CGROUP = Path("/sys/fs/cgroup")  # cgroup v2: this process's memory limit, when it has one
+
+
 def available_memory() -> int:
-    """Bytes the machine can still give (Linux's MemAvailable: free memory and the page cache it
-    can drop), not its total: on a machine shared with other jobs a mask that fits the total
-    still takes what the others hold, and the OOM killer picks one of them."""
-    try:
+    """Bytes this process can still take: Linux's MemAvailable (free memory and the page cache
+    it can drop), within the room its cgroup's limit leaves (a container, a scheduler's job), at
+    most the machine's total. Not the total alone: on a machine shared with other jobs a mask
+    that fits the total still takes what the others hold, and the OOM killer picks one."""
+    room = [os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")]
+    with contextlib.suppress(OSError, ValueError, StopIteration):
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            line = next(line for line in f if line.startswith("MemAvailable:"))
+            room.append(int(line.split()[1]) * 1024)
+    with contextlib.suppress(OSError, ValueError):
+        cgroup = CGROUP
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":  # its page cache counts in memory.current and is given back first
+            stat = dict(line.split() for line in (cgroup / "memory.stat").read_text().splitlines())
+            used = int((cgroup / "memory.current").read_text()) - int(stat.get("file", 0))
+            room.append(int(limit) - used)
+    return min(room)
+
+
+# Row shapes whose dense mask was found to fit the memory free once, and not checked again: a run
+# whose neighbours grow later is not stopped mid-training for a shape that has trained
+_FITTED: set[tuple[int, int]] = set()
 
 
 def _dense_mask(batch, seq_len, device, doc, img, window) -> Tensor:
@@ -307,7 +323,8 @@ def _dense_mask(batch, seq_len, device, doc, img, window) -> Tensor:
     traceback from the allocator, or the OOM killer, at 100k tokens a row)."""
     if device.type == "cpu":
         need = batch * seq_len * seq_len * 5  # the mask, and the float copy SDPA makes of it
-        free = available_memory()
+        shape = (batch, seq_len)
+        free = available_memory() if shape not in _FITTED else need
         if need > free:
             raise RowsTooLong(
                 f"attention over {batch} row(s) of {seq_len:,} tokens on the CPU needs a dense "
@@ -316,6 +333,7 @@ def _dense_mask(batch, seq_len, device, doc, img, window) -> Tensor:
                 "free: use shorter rows (--seq-len, data.seq_len), fewer rows at once, or a GPU "
                 "(FlexAttention builds no dense mask)"
             )
+        _FITTED.add(shape)
     row_index = torch.arange(batch, device=device)[:, None, None, None]
     q = torch.arange(seq_len, device=device)[None, None, :, None]
     kv = torch.arange(seq_len, device=device)[None, None, None, :]

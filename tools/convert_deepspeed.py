@@ -235,7 +235,7 @@ def load_run_config(path: str | Path, network: dict | None = None, log=None):
     newer schema added get their defaults, values its checks now refuse are kept (read_saved).
     ``network``: a checkpoint's ``meta.json`` record of the network it trained, which wins over
     an edited copy (each value that differs is said through ``log``)."""
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
     from train.config import RunConfig, read_saved
     from train.config_check import config_diff
@@ -244,7 +244,8 @@ def load_run_config(path: str | Path, network: dict | None = None, log=None):
     try:
         saved = OmegaConf.load(path)
         for section, trained in (network or {}).items():
-            edited = OmegaConf.to_container(saved.get(section) or {})
+            node = saved.get(section)
+            edited = OmegaConf.to_container(node) if isinstance(node, DictConfig) else {}
             for key, value, copy in config_diff(trained, edited):  # type: ignore[arg-type]
                 if log:
                     log(
@@ -256,7 +257,7 @@ def load_run_config(path: str | Path, network: dict | None = None, log=None):
         step = path.parent.name.removeprefix("step_")
         hint = (  # the run's own config.yaml is the latest pass's, which may differ
             f"; copy there the config of the pass that saved it: {path.parents[2] / CONFIGS_DIR}"
-            f"/from_step_N.yaml with the largest N up to {int(step)}"
+            f"/from_step_N.yaml with the largest N below {int(step)}"
             if path.parent.parent.name == CHECKPOINTS_DIR and step.isdigit()
             else ""
         )

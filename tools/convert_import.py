@@ -160,7 +160,10 @@ def run(args: argparse.Namespace) -> None:
     if overrides:
         diff, sp = check_against_run(rel, state, overrides + tail, args.config_dir)
         checked = "tokenizers" if rel.config.get("tokenizers") else "no tokenizers: none recorded"
-        print(f"the run config fits the release (layout, {checked}, every tensor shape)")
+        checks = (
+            f"layout, {checked}, every tensor shape" if rel.task == "lm" else "every tensor shape"
+        )
+        print(f"the run config fits the release ({checks})")
         if diff:
             print(
                 "note: these fields differ without changing a shape; the run's values will be used:\n"

@@ -117,14 +117,19 @@ def check_tokenizers(folder: Path, layout) -> dict:
 
 def recorded_tokenizers(folder: Path) -> dict | None:
     """The fingerprints of the tokenizers a checkpoint's token sources were made with, from its
-    record (one set for every source; None without a record, or when the sources differ)."""
-    from data.tokenize.vtok_files import TOKENIZER_PARTS
+    record: one text tokenizer and layout for every source, and the visual tokenizer of those
+    made with one (a source of text and code alone has none); None without a record, or when
+    the sources differ."""
     from train.names import CHECKPOINT_TOKENIZERS_FILE
 
     record = folder / CHECKPOINT_TOKENIZERS_FILE
     entries = json.loads(record.read_text()) if record.is_file() else []
-    found = {json.dumps({k: e.get(k) for k in TOKENIZER_PARTS}, sort_keys=True) for e in entries}
-    return json.loads(found.pop()) if len(found) == 1 else None
+    texts = {(e.get("text"), e.get("layout")) for e in entries}
+    visuals = {e.get("visual") for e in entries} - {None}
+    if len(texts) != 1 or len(visuals) > 1:
+        return None
+    (text, layout), visual = texts.pop(), visuals.pop() if visuals else None
+    return {"text": text, "layout": layout, "visual": visual}
 
 
 def packing(run_cfg, world_size: int) -> dict:

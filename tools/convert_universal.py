@@ -51,12 +51,11 @@ def make_universal(
             "start a new run from them with train.init_from"
         )
     out = ckpt.folder / UNIVERSAL
-    if out.exists():
-        if not force:
-            raise CheckpointError(f"{out} exists (use --force to make it again)")
-        shutil.rmtree(out)
-    if why := unwritable(out / "source.json"):  # before DeepSpeed's work, not after it
+    if out.exists() and not force:
+        raise CheckpointError(f"{out} exists (use --force to make it again)")
+    if why := unwritable(ckpt.folder / "x"):  # before DeepSpeed's work (and --force's removal)
         raise CheckpointError(f"{out}: cannot be written ({why})")
+    shutil.rmtree(out, ignore_errors=True)
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
     # ds_to_universal's options as its own parse_arguments() makes them. Our runs do not set

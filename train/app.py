@@ -14,6 +14,7 @@ a save; one line says why), 3 halted by a monitor.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -289,9 +290,10 @@ MULTIRUN_REFUSED = (
 def main(extra_callbacks: CallbackFactory | None = None) -> None:
     sys.argv = strip_launcher_args(sys.argv)
     if "--version" in sys.argv[1:]:  # Hydra's own names only Hydra's version
-        from importlib.metadata import version
+        from train.callbacks.run_info import package_version
 
-        print(f"earlyfuse {version('earlyfuse')} (Hydra {version('hydra-core')})")
+        own = package_version("earlyfuse") or "(not installed)"
+        print(f"earlyfuse {own} (Hydra {package_version('hydra-core')})")
         sys.exit(0)
     command = sys.argv[1:]  # as given, before the overrides added below
     # Before Hydra: its own message for an unknown key suggests +key=..., which would add it.
@@ -345,7 +347,8 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
         composed = True
         restore_full_error()
         if HydraConfig.get().mode == RunMode.MULTIRUN:  # set in a config file, say
-            remove_sweep_folder(Path(HydraConfig.get().sweep.dir))
+            sweep = HydraConfig.get().sweep
+            remove_sweep_folder(Path(sweep.dir), str(sweep.subdir))
             refuse_before_start(MULTIRUN_REFUSED)
         if HydraConfig.get().job.chdir:
             refuse_before_start(
@@ -377,19 +380,18 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
             refuse_before_start(message)
 
 
-def remove_sweep_folder(sweep_dir: Path) -> None:
-    """Hydra makes a sweep's folder (``multirun/DATE/TIME/``, its ``multirun.yaml`` and a folder
-    for the first job) before that job starts: a refused sweep leaves none of it behind. Only
-    what Hydra put there goes, and of a relative folder's parents only the empty ones."""
-    (sweep_dir / "multirun.yaml").unlink(missing_ok=True)
-    made = [*sorted(sweep_dir.glob("*"), reverse=True), sweep_dir]
-    if not sweep_dir.is_absolute():
-        made += [*sweep_dir.parents][:-1]  # up to the folder the command runs in, not past it
-    for folder in made:
-        try:
-            folder.rmdir()  # an empty folder only: anything else in it stays
-        except OSError:
-            pass
+def remove_sweep_folder(sweep_dir: Path, job_dir: str) -> None:
+    """Hydra makes a sweep's folder (``multirun/DATE/TIME/``, its ``multirun.yaml`` and the first
+    job's folder) before that job starts: a refused sweep leaves none of it behind. Only what
+    Hydra put there goes, the folders while nothing else is in them, and of a relative sweep
+    folder's parents only the empty ones (a sweep.dir of the user's keeps what it held)."""
+    with contextlib.suppress(OSError):
+        (sweep_dir / job_dir).rmdir()  # an empty folder only
+    (sweep_dir / "multirun.yaml").unlink(missing_ok=True)  # Hydra's, just written over any other
+    parents = [*sweep_dir.parents][:-1] if not sweep_dir.is_absolute() else []
+    for folder in [sweep_dir, *parents]:  # up to the folder the command runs in, not past it
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 def _raise(error: BaseException) -> NoReturn:

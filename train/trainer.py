@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from data.shards.storage import write_atomic
 from train.callbacks.base import HALT, STOP, Callbacks, Decision, StepRecord
 from train.checkpoint import Checkpointer, tag_for
 from train.config import TrainConfig
@@ -78,8 +79,9 @@ class Trainer:
         """Train from the latest checkpoint (or step 0) to ``total_steps``; final.json's contents,
         or None when a signal stopped the run early (after a checkpoint)."""
         step = self.resume() if self.train.resume else 0
-        if self.dist.is_main:  # an earlier halt's record: this start goes on from it
+        if self.dist.is_main:  # an earlier end's records: this start goes on from it
             (self.run_dir / HALTED_FILE).unlink(missing_ok=True)
+            (self.run_dir / FINAL_FILE).unlink(missing_ok=True)
         try:
             self.callbacks.pre_train(self, step)
             while step < self.total_steps:
@@ -99,7 +101,7 @@ class Trainer:
                 if decision.action == HALT:
                     if self.dist.is_main:  # for earlyfuse-report: a halt, not a crash or a kill
                         text = json.dumps({"step": step, "reason": decision.reason})
-                        (self.run_dir / HALTED_FILE).write_text(text + "\n")
+                        write_atomic(self.run_dir / HALTED_FILE, (text + "\n").encode())
                     raise RunHalted(decision.reason)
                 if decision.action == STOP:
                     self.stop(step, decision)
@@ -198,7 +200,7 @@ class Trainer:
             final["data/untrained_batches"] = self.untrained_batches
         if self.dist.is_main:
             text = json.dumps(final, indent=1, sort_keys=True) + "\n"
-            (self.run_dir / FINAL_FILE).write_text(text)
+            write_atomic(self.run_dir / FINAL_FILE, text.encode())  # a reader sees it whole
         return final
 
     # --- checkpoints -----------------------------------------------------------------------------

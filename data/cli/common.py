@@ -152,10 +152,11 @@ def check_new_folder(out: Path, force: bool, source: Path, error: type = ValueEr
     if not parent.is_dir():
         raise error(f"{out}: cannot be written ({parent} is a file, not a folder)")
     try:
-        tempfile.TemporaryDirectory(dir=parent, prefix=".write-probe-").cleanup()
+        probe = tempfile.mkdtemp(dir=parent, prefix=".write-probe-")
     except OSError as e:
         why = f"{parent} takes no new folder: {e.strerror or e}"
         raise error(f"{out}: cannot be written ({why})") from None
+    os.rmdir(probe)
 
 
 def out_file(text: str) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -139,7 +140,7 @@ def test_dense_mask_semantics():
     assert m[1, 2] and not m[4, 3]  # a token sees the rest of its image, never another document
 
 
-def test_a_dense_mask_past_the_memory_free_is_refused_before_allocating(monkeypatch):
+def test_a_dense_mask_past_the_memory_free_is_refused_before_allocating(monkeypatch, tmp_path):
     """Measured against what the machine has free, not its total: a 64k row's 20 GiB mask fit
     a 23.5 GiB machine's total and took all but 1 GiB of it from the other jobs."""
     import model.attention as attention
@@ -148,7 +149,23 @@ def test_a_dense_mask_past_the_memory_free_is_refused_before_allocating(monkeypa
     doc = torch.arange(16384)[None] // 8192  # two documents: no causal fast path
     with pytest.raises(attention.RowsTooLong, match=r"1.2 GiB, more than the 1.0 GiB this machine"):
         build_attention_mask(1, 16384, doc.device, doc_ids=doc, backend="sdpa")
-    assert 0 < attention.available_memory()
+    monkeypatch.undo()
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 0 < attention.available_memory() <= total
+    # Within a cgroup's limit: 64 MiB, 48 MiB in use of which 16 MiB page cache (given back)
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    (cgroup / "memory.max").write_text(f"{64 << 20}\n")
+    (cgroup / "memory.current").write_text(f"{48 << 20}\n")
+    (cgroup / "memory.stat").write_text(f"anon {32 << 20}\nfile {16 << 20}\n")
+    monkeypatch.setattr(attention, "CGROUP", cgroup)
+    assert attention.available_memory() == 32 << 20
+    # A shape that fitted once is not checked again: others' memory growing later does not stop
+    # a run mid-training
+    doc = torch.arange(64)[None] // 32
+    build_attention_mask(1, 64, doc.device, doc_ids=doc, backend="sdpa")
+    monkeypatch.setattr(attention, "available_memory", lambda: 0)
+    build_attention_mask(1, 64, doc.device, doc_ids=doc, backend="sdpa")
 
 
 def test_causal_fast_path_when_one_document_per_row():

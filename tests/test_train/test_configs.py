@@ -902,6 +902,12 @@ def test_a_sweep_set_in_a_config_file_is_refused_and_leaves_no_folder(tmp_path, 
     p = run_app(["--config-dir", str(tmp_path), "experiment=sweep"])
     assert p.returncode == 2 and "--multirun (-m, hydra.mode=MULTIRUN) is not" in p.stderr, p
     assert sorted(f.name for f in tmp_path.iterdir()) == ["experiment"]  # no multirun/DATE/TIME
+    (tmp_path / "runs").mkdir()  # the user's own, empty: a sweep.dir of theirs keeps it
+    p = run_app(["--config-dir", str(tmp_path), "experiment=sweep", "hydra.sweep.dir=."])
+    assert p.returncode == 2 and sorted(f.name for f in tmp_path.iterdir()) == [
+        "experiment",
+        "runs",
+    ]
 
 
 def test_version_names_earlyfuse_and_hydra():

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import shlex
-import subprocess
-from pathlib import Path
 
 import torch
 from trainrun import metrics, train
+
+from train.callbacks.run_info import code_commit
 
 SOURCES = {"scenes": 0.3, "clips": 0.2, "text": 0.3, "code": 0.2}
 PROBES = ["monitor.attention.every=25", "monitor.dependence.every=25", "monitor.code_use.every=25"]
@@ -32,15 +32,6 @@ def base(tokens, run_dir, steps, *extra, sources=None, colours=None):
         "train.micro_batch=2",
         *extra,
     ]
-
-
-def head_commit() -> str | None:
-    """The commit of this checkout (None where the tests run outside a git checkout)."""
-    repo = Path(__file__).resolve().parents[2]
-    if not (repo / ".git").exists():
-        return None
-    git = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True)
-    return git.stdout.decode().strip()
 
 
 def alarms(run_dir) -> list[dict]:
@@ -115,7 +106,7 @@ def test_lr_spike_is_skipped_then_rolled_back_and_recovers(tiny_tokens, tmp_path
     assert starts[0]["arguments"] == starts[1]["arguments"], starts
     assert starts[0]["arguments"].startswith(shlex.join(args)), starts
     assert starts[0]["world_size"] == 1 and starts[0]["torch"] == torch.__version__, starts
-    assert starts[0]["commit"] == head_commit(), starts
+    assert starts[0]["commit"] == code_commit()[0], starts  # the checkout's (tests/test_train/...)
     # The steps after 50 were trained again, under the config of the pass (the report's targets)
     kept = sorted(f.name for f in (run / "pass_configs").iterdir())
     assert kept[0] == "from_step_00000000.yaml" and kept[-1] == "from_step_00000050.yaml", kept

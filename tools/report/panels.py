@@ -324,7 +324,7 @@ def draw_mix(ax, ctx: Ctx):
     for name in names:
         series = run.series[f"mix/{name}"]
         curve = np.interp(grid, series.steps, np.nan_to_num(series.values))
-        curves.append(ema(curve, ctx.smooth) if ctx.smooth > 0 else curve)
+        curves.append(ema(curve, ctx.smooth, grid) if ctx.smooth > 0 else curve)
     stack = np.array(curves)
     stack = stack / np.maximum(stack.sum(axis=0, keepdims=True), 1e-12)
     if len(grid) == 1:  # one step: a band one step wide (a stack over one x has no width)
@@ -410,9 +410,9 @@ def draw_lr(ax, ctx: Ctx):
     series = ctx.run.series["optim/lr"]
     ax.plot(series.steps, series.values, color="#333333", lw=1.6, label="lr")
     replaced_line(ax, ctx, "optim/lr", "#333333")
-    drawn = [v for v in [*series.values, *replaced(ctx, "optim/lr").values()] if v > 0]
-    if drawn and max(drawn) / min(drawn) > 30:  # a replaced lr x100 would flatten the schedule
-        ax.set_yscale("log")
+    gone, kept = replaced(ctx, "optim/lr").values(), series.values[np.isfinite(series.values)]
+    if gone and len(kept) and max(gone) > 30 * kept.max():  # a replaced blow-up: the schedule
+        ax.set_yscale("log")  # it would flatten stays readable (warmup alone keeps a linear axis)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))  # no offset text
     return {}
 

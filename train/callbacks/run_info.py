@@ -88,7 +88,7 @@ def launch_record(step: int, command: Sequence[str], world_size: int) -> dict:
         "cwd": os.getcwd(),
         "host": platform.node(),
         "world_size": world_size,
-        "nodes": world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or 1),
+        "nodes": nodes(world_size),
         "earlyfuse": package_version("earlyfuse"),
         "commit": commit,
         "modified": modified,
@@ -98,6 +98,13 @@ def launch_record(step: int, command: Sequence[str], world_size: int) -> dict:
     }
 
 
+def nodes(world_size: int) -> int | None:
+    """Nodes the run spans, from the processes per node its launcher names (torchrun's
+    LOCAL_WORLD_SIZE, DeepSpeed's LOCAL_SIZE); None when it names none."""
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
+    return world_size // int(local) if local and local.isdigit() and int(local) else None
+
+
 def package_version(name: str) -> str | None:
     try:
         return metadata.version(name)
@@ -105,14 +112,17 @@ def package_version(name: str) -> str | None:
         return None
 
 
-def code_commit() -> tuple[str | None, bool | None]:
+CHECKOUT = Path(__file__).resolve().parents[2]  # train/callbacks/ -> the code's own folder
+
+
+def code_commit(checkout: Path = CHECKOUT) -> tuple[str | None, bool | None]:
     """The git commit of the checkout the code runs from, and whether its tracked files differ
-    from it; (None, None) for an installed copy, or where git is missing or slow."""
-    checkout = Path(__file__).resolve().parents[2]
+    from it; (None, None) for an installed copy, or where git is missing or slow. No optional
+    locks: the user's own git command in that checkout at the same moment must not fail."""
     if not (checkout / ".git").exists():
         return None, None
     try:
-        git = ["git", "-C", str(checkout)]
+        git = ["git", "--no-optional-locks", "-C", str(checkout)]
         head = subprocess.run(
             [*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
         )
