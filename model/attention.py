@@ -289,7 +289,7 @@ class RowsTooLong(MemoryError, ValueError):
     benchmarks report it as such), and a bad value for the tools that take ``--seq-len``."""
 
 
-CGROUP = Path("/sys/fs/cgroup")  # cgroup v2: this process's memory limit, when it has one
+CGROUP = Path("/sys/fs/cgroup")  # this process's memory limit, when it has one
 
 
 def available_memory() -> int:
@@ -302,13 +302,19 @@ def available_memory() -> int:
         with open("/proc/meminfo") as f:
             line = next(line for line in f if line.startswith("MemAvailable:"))
             room.append(int(line.split()[1]) * 1024)
-    with contextlib.suppress(OSError, ValueError):
-        cgroup = CGROUP
-        limit = (cgroup / "memory.max").read_text().strip()
-        if limit != "max":  # its page cache counts in memory.current and is given back first
-            stat = dict(line.split() for line in (cgroup / "memory.stat").read_text().splitlines())
-            used = int((cgroup / "memory.current").read_text()) - int(stat.get("file", 0))
-            room.append(int(limit) - used)
+    # cgroup v2's files, then v1's; the page cache counts as used there and is given back first
+    for limit_file, used_file, cache in (
+        ("memory.max", "memory.current", "file"),
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "total_cache"),
+    ):
+        with contextlib.suppress(OSError, ValueError):
+            limit = (CGROUP / limit_file).read_text().strip()
+            if limit != "max" and int(limit) < room[0]:  # v1's "no limit" is a huge number
+                stats = (CGROUP / limit_file).parent / "memory.stat"
+                stat = dict(line.split() for line in stats.read_text().splitlines())
+                used = int((CGROUP / used_file).read_text()) - int(stat.get(cache, 0))
+                room.append(int(limit) - used)
+                break
     return min(room)
 
 
@@ -324,14 +330,14 @@ def _dense_mask(batch, seq_len, device, doc, img, window) -> Tensor:
     if device.type == "cpu":
         need = batch * seq_len * seq_len * 5  # the mask, and the float copy SDPA makes of it
         shape = (batch, seq_len)
-        free = available_memory() if shape not in _FITTED else need
-        if need > free:
+        free = available_memory() if shape not in _FITTED else 2 * need
+        if 1.25 * need > free:  # a quarter more for the rest of the forward
             raise RowsTooLong(
                 f"attention over {batch} row(s) of {seq_len:,} tokens on the CPU needs a dense "
                 f"[{batch}, 1, {seq_len}, {seq_len}] mask and SDPA's float copy of it, "
-                f"{need / 2**30:,.1f} GiB, more than the {free / 2**30:,.1f} GiB this machine has "
-                "free: use shorter rows (--seq-len, data.seq_len), fewer rows at once, or a GPU "
-                "(FlexAttention builds no dense mask)"
+                f"{need / 2**30:,.1f} GiB and a quarter more for the rest of the forward; this "
+                f"machine has {free / 2**30:,.1f} GiB free: use shorter rows (--seq-len, "
+                "data.seq_len), fewer rows at once, or a GPU (FlexAttention builds no dense mask)"
             )
         _FITTED.add(shape)
     row_index = torch.arange(batch, device=device)[:, None, None, None]
