@@ -29,6 +29,18 @@ def file_size_limited(limit: int) -> Callable[[], None]:
     return limit_file_size
 
 
+def run_checkout(cmd: list[str], *, file_size_limit: int | None = None):
+    """``cmd`` in a subprocess that imports this checkout's code (PYTHONPATH), its output
+    captured; ``file_size_limit``: as ``file_size_limited``."""
+    return subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+        preexec_fn=file_size_limited(file_size_limit) if file_size_limit else None,
+    )
+
+
 def train(
     overrides: list[str],
     *,

@@ -6,7 +6,6 @@ a damaged conversion stops only the resume that reads it."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainrun import file_size_limited, metrics, train
+from trainrun import metrics, run_checkout, train
 
 from tools.convert import main as convert_main
 from train.checkpoint import Checkpointer
@@ -154,13 +153,8 @@ def test_a_damaged_universal_conversion_stops_only_the_resume_that_reads_it(zero
 
 def convert(*argv: str, file_size_limit: int | None = None) -> subprocess.CompletedProcess:
     """``earlyfuse-convert ARGV`` of this checkout in a subprocess."""
-    return subprocess.run(
-        [sys.executable, "-m", "tools.convert", *argv],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
-        preexec_fn=file_size_limited(file_size_limit) if file_size_limit else None,
-    )
+    cmd = [sys.executable, "-m", "tools.convert", *argv]
+    return run_checkout(cmd, file_size_limit=file_size_limit)
 
 
 def test_a_conversion_that_cannot_be_written_says_why_in_one_line(zero1_run, tmp_path):

@@ -14,7 +14,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from trainrun import file_size_limited
+from trainrun import run_checkout
 
 from data.demo_corpus import scenes as scenes_mod
 from data.demo_corpus._common import rng_for
@@ -406,13 +405,7 @@ def test_an_out_file_a_full_disk_cuts_short_is_left_as_it_was(tmp_path):
         "e.evaluate = lambda args: json.loads(sys.argv[1]); sys.exit(e.main(sys.argv[2:]))"
     )
     argv = [json.dumps(ev), "REL", "--data", "VAL", "--no-progress", "--out", str(out)]
-    p = subprocess.run(
-        [sys.executable, "-c", evaluated, *argv],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},  # this checkout's
-        preexec_fn=file_size_limited(1000),
-    )
+    p = run_checkout([sys.executable, "-c", evaluated, *argv], file_size_limit=1000)
     assert p.returncode == 1 and p.stderr == (
         f"earlyfuse-eval: error: {out} could not be written (File too large); a file there "
         "before is unchanged\n"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
-from trainrun import file_size_limited, train
+from trainrun import run_checkout, train
 
 from tools.report import DEFAULT_SMOOTH, main, write_report
 from tools.report.page import header_lines
@@ -530,7 +530,6 @@ def test_the_header_says_which_step_the_heldout_evaluation_is_of(tmp_path):
 def test_a_report_read_by_head_ends_quietly(tmp_path):
     """`earlyfuse-report RUN | head -1`: the reader leaving is no error (it was a BrokenPipeError
     traceback, exit 1), as for `earlyfuse-prep stats DIR | head`."""
-    import os
     import signal
 
     run = synthetic_run(tmp_path)
@@ -886,13 +885,7 @@ def test_a_report_that_cannot_be_written_leaves_the_previous_one_whole(tmp_path)
     before = {f.name: f.read_bytes() for f in out.iterdir()}
     other = write_records(tmp_path / "other", [{"step": s, "train/loss": 3.0} for s in (1, 2)])
     script = Path(sys.executable).parent / "earlyfuse-report"
-    p = subprocess.run(
-        [str(script), str(other), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},  # this checkout's
-        preexec_fn=file_size_limited(20_000),
-    )
+    p = run_checkout([str(script), str(other), "--out", str(out)], file_size_limit=20_000)
     assert p.returncode == 1 and p.stderr == (
         f"earlyfuse-report: {out / 'report.png'}: File too large; no file of the report there "
         "was replaced\n"
