@@ -224,9 +224,10 @@ def test_blocks_longer_than_a_row_stop_the_run_or_are_counted_when_allowed(tiny_
     assert json.loads((tmp_path / "run2" / "final.json").read_text())["data/dropped_blocks"] > 0
 
 
-def test_the_probes_read_rows_no_longer_than_monitor_probe_seq_len(tiny_tokens):
+def test_the_probes_read_rows_no_longer_than_monitor_probe_seq_len(tiny_tokens, caplog):
     """A long stage's probes ran its whole rows on every rank: at 8k on a CPU four times the
-    memory and ten times the time of its training steps, at 32k on a GPU tens of GB."""
+    memory and ten times the time of its training steps, at 32k on a GPU tens of GB. Blocks
+    longer than the probe rows are left out of them, and the first probe says how many."""
     from contextlib import closing
 
     import torch
@@ -239,10 +240,18 @@ def test_the_probes_read_rows_no_longer_than_monitor_probe_seq_len(tiny_tokens):
     cfg = RunConfig()
     cfg.data = tiny_loader_config(tiny_tokens, seq_len=512)
     one = DistInfo(0, 1, 0, torch.device("cpu"))
-    for probe_seq_len, width in ((128, 128), (0, 512), (4096, 512)):
+    for probe_seq_len, width, said in ((128, 128, True), (0, 512, False), (4096, 512, False)):
         cfg.monitor.probe_seq_len = probe_seq_len
-        with closing(iter(LMTask(cfg, one).probe_stream())) as batches:
-            assert next(batches)["input_ids"].shape[1] == width
+        caplog.clear()
+        with caplog.at_level("INFO", logger="train.tasks.lm"):
+            with closing(iter(LMTask(cfg, one).probe_stream())) as batches:
+                assert next(batches)["input_ids"].shape[1] == width
+        lines = [
+            r.getMessage() for r in caplog.records if "left out of the probe" in r.getMessage()
+        ]
+        assert len(lines) == said, lines
+        if said:  # the tiny clips, up to 223 tokens, are longer than probe rows of 128
+            assert "clips: 4 of its 4 video blocks (the longest 223)" in lines[0], lines
 
 
 def test_a_source_with_fewer_documents_than_consumers_is_refused_at_start(tiny_tokens):

@@ -37,7 +37,7 @@ import torch
 
 from data.loader import LoaderConfig, build_loader, store
 from data.loader.dataset import check_tokenizers
-from data.loader.fit import check_blocks_fit
+from data.loader.fit import check_blocks_fit, oversize_blocks
 from data.loader.heldout import HeldoutPass, RankShare
 from data.loader.table import TokenTable
 from data.names import LAYOUT_FILE
@@ -414,7 +414,8 @@ class LMTask:
         ``probe_sources``), through a loader of their own (no workers; the training stream is
         untouched)."""
         d = self.cfg.data
-        if self._probe_sources is None:  # decided once, said once
+        first = self._probe_sources is None
+        if first:  # decided once, said once
             self._probe_sources = probe_sources(d, self.tables, self.unigram)
             if self._probe_sources is not d.validation and d.validation and self.dist.is_main:
                 log.info(
@@ -425,6 +426,8 @@ class LMTask:
         # Rows of at most monitor.probe_seq_len: a long-context stage's probes at its full rows
         # would take more memory than its training steps. Blocks longer than them are dropped.
         cut = 0 < self.cfg.monitor.probe_seq_len < d.seq_len
+        if cut and first and self.dist.is_main:
+            self._say_probe_drops(self.cfg.monitor.probe_seq_len)
         data = dataclasses.replace(
             d,
             sources=self._probe_sources,
@@ -440,6 +443,27 @@ class LMTask:
         # ranks, so the same rows on every rank give one rank's figures.
         few = min(len(table) for table in self.tables.get(data.sources)) < self.dist.data_size
         return self.stream(data, every_rank_alike=few)
+
+    def _say_probe_drops(self, probe_len: int) -> None:
+        """One line naming the probe sources' visual blocks too long for the probe rows (token
+        shards cannot be re-encoded shorter; raw sources are, to fit): the probes never see
+        them, so a long-video stage's clips would be missing from its probes unsaid."""
+        said = []
+        for table in self.tables.get(self._probe_sources or []):
+            if not isinstance(table, TokenTable):
+                continue
+            for modality, (over, total, most) in oversize_blocks(table, probe_len).items():
+                if over:
+                    said.append(f"{table.name}: {over} of its {total} {modality} blocks")
+                    said[-1] += f" (the longest {most})"
+        if said:
+            log.info(
+                "probes: visual blocks longer than monitor.probe_seq_len=%d are left out of the "
+                "probe rows (raise it, up to data.seq_len, or 0 for the run's rows, to probe "
+                "them): %s",
+                probe_len,
+                "; ".join(said),
+            )
 
     def forward(self, engine, batch: dict) -> StepOutput:
         dev = self.dist.device
