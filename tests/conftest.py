@@ -10,9 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from data.demo_corpus import build
-from data.ingest import ingest
-from data.sources import Limits
+# Several pytest-xdist workers on as many cores: one torch thread each (before torch is imported).
+# Each worker's default, a thread per core, left the in-process model tests waiting on each
+# other's threads: they took twice as long with two workers on two cores.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+from data.demo_corpus import build  # noqa: E402
+from data.ingest import ingest  # noqa: E402
+from data.sources import Limits  # noqa: E402
 
 # Any DeepSpeed op a test builds is built once per virtual environment, never in the home folder
 # that every checkout shares (train/ds_env.py does the same for the project's own entry points).

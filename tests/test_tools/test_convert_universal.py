@@ -86,16 +86,10 @@ def test_zero0_lm_run_resumes_on_another_world_size_directly(tiny_tokens, tmp_pa
     assert "the loader's state was redistributed from 2 to 1 consumers" in out
     m = metrics(run)
     assert sorted(m) == list(range(1, 7)) and m[6]["train/loss"] < m[1]["train/loss"]
-    p = train(args + ["train.steps=8", "data.num_workers=2"])  # same world size, another split
-    assert (
-        "resuming step_00000006: the loader's state was redistributed from 1 to 2 consumers"
-        in p.stdout + p.stderr
-    )
-    assert sorted(metrics(run)) == list(range(1, 9))
-    p = train(args + ["train.steps=10", "data.num_workers=2"], nproc=2)  # and onto more ranks
+    p = train(args + ["train.steps=10", "data.num_workers=2"], nproc=2)  # more ranks, workers
     out = p.stdout + p.stderr
-    assert "resuming step_00000008 of 1 rank(s) on 2" in out
-    assert "the loader's state was redistributed from 2 to 4 consumers" in out
+    assert "resuming step_00000006 of 1 rank(s) on 2" in out
+    assert "the loader's state was redistributed from 1 to 4 consumers" in out
     assert sorted(metrics(run)) == list(range(1, 11))
     # A refusal both ranks decide alike is said once, not once a rank
     strict = [arg for arg in args if not arg.startswith("train.allow_config_change")]
