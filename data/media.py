@@ -282,10 +282,11 @@ def frame_times(reader) -> tuple[np.ndarray, bool]:
     """decord's [n, 2] (start, end) seconds of every frame of ``reader``, and whether they were
     counted from the average frame rate instead. A frame its container gave no time (AVI and
     MPEG-PS with B-frames, H.264 in AVI: decord then reports FFmpeg's "no time" value scaled,
-    -1e14 s or less) would pin every pick on the first frame and make the clip's duration that
-    number: such a clip's times are counted from its rate, as those containers play them."""
+    -1e14 s or less; a Matroska clip of three frames or fewer: the largest 64-bit value scaled,
+    9.2e15 s) would pin every pick on the first frame and make the clip's duration that number:
+    such a clip's times are counted from its rate, as those containers play them."""
     times = np.asarray(reader.get_frame_timestamp(list(range(len(reader)))), dtype=np.float64)
-    if not (times < -1e6).any():
+    if not ((times < -1e6) | (times > 1e12)).any():  # 1e12 s: no recording is 30,000 years long
         return times, False
     rate = float(reader.get_avg_fps())
     starts = np.arange(len(times)) / rate

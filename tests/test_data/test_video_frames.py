@@ -124,3 +124,30 @@ def test_a_clip_whose_container_gives_frames_no_time_is_sampled_by_its_frame_rat
     np.testing.assert_allclose(f.times, [0.0, 0.2, 0.5, 0.7, 1.0, 1.2, 1.5, 1.7], atol=1e-6)
     levels = f.frames.reshape(len(f.frames), -1).mean(1)
     np.testing.assert_allclose(levels, 10 * np.round(f.times * 10), atol=3)
+
+
+@pytest.mark.parametrize("frames", [1, 2, 3])
+def test_a_matroska_clip_of_a_few_frames_is_timed_by_its_frame_rate(frames):
+    """decord gives the frames of a Matroska clip of three frames or fewer the time 9.2e15 s (the
+    largest 64-bit value, scaled): ingest rejected such a clip as 9223372474941440.0 s long."""
+    import io
+
+    import av
+
+    from data.media import probe_video
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="matroska") as out:
+        stream = out.add_stream("libx264", rate=15)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for i in range(frames):
+            grey = np.full((48, 64, 3), 60 * i, np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(grey, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    raw = buf.getvalue()
+    info = probe_video(raw, "clip.mkv", max_seconds=600)
+    assert (info.frames, info.duration) == (frames, pytest.approx(frames / 15))
+    f = decode_frames(raw, VideoSampling(target_fps=15, max_frames=64), PREP)
+    np.testing.assert_allclose(f.times, np.arange(frames) / 15, atol=1e-6)
