@@ -48,6 +48,8 @@ REASONS = {
     "truncated-image": "an image whose data ends early",
     "undecodable-video": "a video that decord cannot open or decode",
     "unknown-type": "a file whose extension the source kind does not take",
+    "not-code": "a file of a code tree in no language the code source takes (a licence, "
+    "requirements.txt, setup.cfg, an icon): left out, as a tree's other files",
     "unreadable-file": "a file that cannot be read (permissions, a broken link or one that loops, "
     "I/O error), or whose sidecar caption cannot be; a folder that cannot be listed",
     "unreadable-image": "bytes that no supported image decoder recognises",
@@ -60,9 +62,10 @@ REASONS = {
 
 # Reasons that lose nothing a user would keep: a folder or file skipped by policy, a document or
 # line with no content, a repeat the user asked to leave out. Listed like every reject, but on
-# their own they do not make ingest exit 3: every code tree has an empty __init__.py.
+# their own they do not make ingest exit 3: every code tree has an empty __init__.py, and a
+# LICENSE, a requirements.txt or a py.typed beside its code.
 LOSSLESS_REASONS = frozenset(
-    {"vendored", "empty-document", "blank-line", "duplicate", "duplicate-of-excluded"}
+    {"vendored", "not-code", "empty-document", "blank-line", "duplicate", "duplicate-of-excluded"}
 )
 
 _KEY_OK = re.compile(r"^[A-Za-z0-9_-]+$")

@@ -235,6 +235,12 @@ def cmd_ingest(a) -> int:
             + ", ".join(f"{k} {v}" for k, v in t["rejects_by_reason"].items())
         )
         lost = sum(n for why, n in t["rejects_by_reason"].items() if why not in LOSSLESS_REASONS)
+        if t["rejects_by_reason"].get("not-code"):  # code in a language of no known extension
+            print(
+                f"not-code: files of code trees in no language the code source takes (a licence, "
+                f"setup.cfg, an icon), each named in {REJECTS_FILE}; code in a language it does "
+                f"not know is among them too (the extensions it takes: data/sources/code.py)"
+            )
         if not lost:
             print(
                 "none of them held content to keep (skipped by design, empty, or duplicates left "

@@ -83,6 +83,9 @@ NAMED_LANGS = {"Makefile": "make", "Dockerfile": "dockerfile", "CMakeLists.txt":
 VENDORED_DIRS = {
     "node_modules",
     "vendor",
+    "_vendor",  # pip's, setuptools' and botocore's copies of their dependencies
+    "vendored",
+    "_vendored",
     "third_party",
     "third-party",
     "thirdparty",
@@ -131,10 +134,7 @@ class CodeSource(Source):
                 yield self.rejected_item(key, label, "vendored", "minified or generated file")
             elif lang is None:
                 yield self.rejected_item(
-                    key,
-                    label,
-                    "unknown-type",
-                    f"no known language for {Path(name).suffix or name!r}",
+                    key, label, "not-code", f"no known language for {Path(name).suffix or name!r}"
                 )
             elif size > self.limits.max_code_bytes:
                 yield self.rejected_item(

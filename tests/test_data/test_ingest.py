@@ -74,6 +74,34 @@ def test_planted_faults_are_rejected_and_good_samples_kept(planted_corpus, tmp_p
     assert verify(out)["ok"]
 
 
+def test_a_python_projects_own_files_beside_its_code_leave_exit_status_0(tmp_path, capsys):
+    """A licence, requirements.txt, setup.cfg and the empty py.typed marker are in every Python
+    project: as `unknown-type` rejects they made every code tree's ingest exit 3, and a script
+    had to pass --allow-rejects, which hides real failures too. pip's `_vendor/` was kept."""
+    root = tmp_path / "project"
+    (root / "pkg" / "_vendor" / "six").mkdir(parents=True)
+    (root / "pkg" / "__init__.py").write_text("")
+    (root / "pkg" / "mod.py").write_text("def f():\n    return 1\n")
+    (root / "pkg" / "py.typed").write_text("")
+    (root / "pkg" / "_vendor" / "six" / "six.py").write_text("PY3 = True\n")
+    for name in ("LICENSE", "requirements.txt", "setup.cfg"):
+        (root / name).write_text("some words\n")
+    out = tmp_path / "out"
+    argv = ["ingest", "--out", str(out), "--no-progress", "--source", f"code:{root}"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "not-code 4" in printed and "exit status 0" in printed
+    rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert sorted((r["path"], r["reason"]) for r in rejects) == [
+        ("LICENSE", "not-code"),
+        ("pkg/__init__.py", "empty-document"),
+        ("pkg/_vendor/", "vendored"),
+        ("pkg/py.typed", "not-code"),
+        ("requirements.txt", "not-code"),
+        ("setup.cfg", "not-code"),
+    ]
+
+
 def test_the_summary_counts_the_shards_it_wrote_not_those_all_rejected(tmp_path, capsys):
     """A planned shard whose every input is rejected when read (a truncated picture) writes no
     file; the summary said "wrote 2 shard(s)" over a folder of 1, on the rerun "2 already done"."""

@@ -172,7 +172,7 @@ def test_code_tree_rules(tmp_path):
         "pkg/blob.py": "binary-file",
         "pkg/app.min.js": "vendored",
         "pkg/bundle.js": "long-line",
-        "pkg/logo.png": "unknown-type",
+        "pkg/logo.png": "not-code",
         "pkg/huge.py": "too-large",
     }
     assert (
