@@ -240,6 +240,8 @@ def assemble(
                 return with_source(got, src, key)
             text, bad = got
             repaired += bad
+            if part.role == "caption":  # a sidecar's final newline (echo, any editor) is no text:
+                text = text.strip()  # the model would learn captions that end in one, or not
             if not text.strip():
                 continue  # an empty paragraph or caption is no content; the document may still be
             seg = {"type": part.type, "text": text}

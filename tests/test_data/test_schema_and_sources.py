@@ -293,6 +293,23 @@ def test_image_and_video_tables(tmp_path):
     ]
 
 
+def test_a_caption_is_the_same_text_from_a_sidecar_and_from_a_table(tmp_path):
+    """A sidecar .txt ends in a newline (echo, any editor), a table's cell does not: the model
+    learned photo captions ending in one and table captions not, and generate printed it."""
+    import webdataset as wds
+
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    for name in ("a.png", "b.png"):
+        (pics / name).write_bytes(png_bytes())
+    (pics / "a.txt").write_text("  a red box\n")
+    (pics / "captions.csv").write_text("file,caption\nb.png,a red box\n")
+    out = tmp_path / "out"
+    ingest(out, [f"images:{pics}"])
+    docs = [json.loads(x["json"]) for x in wds.WebDataset(str(next(out.rglob("*.tar"))))]
+    assert [d["segments"][1]["text"] for d in docs] == ["a red box", "a red box"]
+
+
 def test_repair_utf8_keeps_text_and_counts(tmp_path):
     from data.sources import Limits
 
