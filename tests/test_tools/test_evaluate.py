@@ -289,6 +289,31 @@ def _train(layout, docs, steps: int, seed: int):
     return model.eval()
 
 
+def test_a_source_with_one_pair_is_listed_unmeasured(tiny_tokenizers):
+    """Before: a source with a single held-out pair left the dependence table without a word
+    (its progress bar stopped at 2/3)."""
+    import factories
+
+    from tools.evaluate.table import format_eval
+
+    tok = TextTokenizer.load(tiny_tokenizers[0])
+    scenes = _scene_images(3)
+    docs, _ = _docs(tok, tok.layout, factories.colour_vtok(), scenes, ["a", "b", "c"])
+    captioned = docs[0::2]  # picture then caption
+    pairs = [find_pair("two", str(i), *doc) for i, doc in enumerate(captioned[:2])]
+    pairs.append(find_pair("one", "0", *captioned[2]))
+    torch.manual_seed(0)
+    model = presets.preset("debug", tok.layout).build().eval()
+    gaps = dependence_gaps(model, pairs, "cpu")
+    assert gaps["two/caption"]["pairs"] == 2 and gaps["two/caption"]["gap"] is not None
+    assert gaps["one/caption"] == {
+        **{"source": "one", "direction": "caption", "pairs": 1, "tokens": 0},
+        **{"ce_own": None, "ce_other": None, "gap": None},
+    }
+    printed = format_eval({"dependence": gaps})
+    assert "one pair: no other document's context to swap in" in printed
+
+
 @pytest.mark.slow  # two models trained for 150 steps, then 2 x 40 scenes drawn and captioned: minutes
 def test_shuffled_pairs_show_no_dependence_and_draw_at_chance(tiny_tokenizers, tmp_path):
     import factories

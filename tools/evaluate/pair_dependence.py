@@ -95,7 +95,8 @@ def target_nll(model, pair: Pair, donor: Pair, device) -> tuple[float, int]:
 
 def dependence_gaps(model, pairs: list[Pair], device, *, progress: bool = False) -> dict:
     """Per (source, direction): the target's CE after its own context and after another's, the
-    gap (other - own, nats per target token) and the pair and token counts."""
+    gap (other - own, nats per target token) and the pair and token counts. A source with one
+    pair is listed unmeasured (no other document's context to give it: figures None)."""
     from tqdm import tqdm
 
     bar = tqdm(total=len(pairs), desc="dependence", unit=" pairs", disable=not progress)
@@ -104,7 +105,10 @@ def dependence_gaps(model, pairs: list[Pair], device, *, progress: bool = False)
         groups.setdefault((pair.source, pair.direction), []).append(pair)
     out = {}
     for (source, direction), group in sorted(groups.items()):
+        out[f"{source}/{direction}"] = row = {"source": source, "direction": direction}
+        row.update(pairs=len(group), tokens=0, ce_own=None, ce_other=None, gap=None)
         if len(group) < 2:
+            bar.update(1)
             continue
         own = other = 0.0
         count = 0
@@ -114,14 +118,7 @@ def dependence_gaps(model, pairs: list[Pair], device, *, progress: bool = False)
             other_nll, _ = target_nll(model, pair, group[(i + 1) % len(group)], device)
             own, other, count = own + own_nll, other + other_nll, count + tokens
             bar.update(1)
-        out[f"{source}/{direction}"] = {
-            "source": source,
-            "direction": direction,
-            "pairs": len(group),
-            "tokens": count,
-            "ce_own": own / count,
-            "ce_other": other / count,
-            "gap": (other - own) / count,
-        }
+        row.update(tokens=count, ce_own=own / count, ce_other=other / count)
+        row["gap"] = (other - own) / count
     bar.close()
     return out

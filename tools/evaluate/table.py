@@ -96,6 +96,8 @@ def format_eval(ev: dict) -> str:
             what = "caption text" if row["direction"] == "caption" else "image codes"
             figures = [fmt_figure(row[name]) for name in ("ce_own", "ce_other", "gap")]
             lines.append(_row(key, [row["pairs"], *figures, f"  {what}"], 26, widths))
+            if row["gap"] is None:
+                lines[-1] += " (one pair: no other document's context to swap in)"
     scene_figs = ev.get("scenes") or {}
     if scene_figs.get("draw"):
         guidance = scene_figs.get("draw_guidance", 1.0)
