@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import torch
@@ -105,7 +106,8 @@ def dependence_gaps(model, pairs: list[Pair], device, *, progress: bool = False)
         groups.setdefault((pair.source, pair.direction), []).append(pair)
     out = {}
     for (source, direction), group in sorted(groups.items()):
-        out[f"{source}/{direction}"] = row = {"source": source, "direction": direction}
+        row: dict[str, Any] = {"source": source, "direction": direction}
+        out[f"{source}/{direction}"] = row
         row.update(pairs=len(group), tokens=0, ce_own=None, ce_other=None, gap=None)
         if len(group) < 2:
             bar.update(1)

@@ -414,8 +414,9 @@ class LMTask:
         ``probe_sources``), through a loader of their own (no workers; the training stream is
         untouched)."""
         d = self.cfg.data
-        first = self._probe_sources is None
-        if first:  # decided once, said once
+        first = False
+        if self._probe_sources is None:  # decided once, said once
+            first = True
             self._probe_sources = probe_sources(d, self.tables, self.unigram)
             if self._probe_sources is not d.validation and d.validation and self.dist.is_main:
                 log.info(
