@@ -89,6 +89,11 @@ def config_of(path: Path) -> dict:
     return data
 
 
+# The packing efficiency and the mix are measured over this many rows at least: a few rows say
+# little (4 rows of a corpus of 510-token clips packed 99.9 %, 200 rows 90 %, as its training did).
+MEASURED_ROWS = 256
+
+
 def rows(
     token_dir: Folder,
     names: list[str] | None,
@@ -97,8 +102,8 @@ def rows(
     seed: int,
     config: dict | None = None,
 ) -> tuple[list[dict], dict]:
-    """``n_rows`` packed rows, and what the loader delivered over them (``delivered()`` and the
-    sources' weights)."""
+    """``n_rows`` packed rows, and what the loader delivered over at least ``MEASURED_ROWS``
+    (``delivered()`` and the sources' weights)."""
     # the run's own sources, weights and packing options, or the token folder's sources
     data = {"seed": seed, **(config or {"sources": sources_of(token_dir, names)})}
     data["sources"] = [src for src in data["sources"] if not names or src["name"] in names]
@@ -110,7 +115,8 @@ def rows(
             {k: v[0].numpy() if hasattr(v, "numpy") and v.dim() else v for k, v in b.items()}
             for b in islice(batches, n_rows)
         ]
-    delivered = loader.delivered()
+        measured = len(out) + sum(1 for _ in islice(batches, MEASURED_ROWS - len(out)))
+    delivered = {**loader.delivered(), "rows": measured}
     delivered["weights"] = {s.name: s.weight for s in cfg.sources}
     return out, delivered
 
@@ -248,12 +254,13 @@ def preview(
                 + ", ".join(f"{MODALITY_NAMES[i]} {c}" for i, c in enumerate(counts) if c)
             )
             out.append(describe(row, tok, colour))
-        out.append(f"packing efficiency over these rows: {delivered['packing_efficiency']:.1%}")
+        over = f"over {delivered['rows']} rows"
+        out.append(f"packing efficiency {over}: {delivered['packing_efficiency']:.1%}")
         total = sum(delivered["tokens_by_source"].values()) or 1
         weights = delivered["weights"]
         wsum = sum(weights.values()) or 1.0
         out.append(
-            "tokens by source over these rows (weight): "
+            f"tokens by source {over} (weight): "
             + ", ".join(
                 f"{n} {c / total:.0%} ({weights.get(n, 0) / wsum:.0%})"
                 for n, c in delivered["tokens_by_source"].items()

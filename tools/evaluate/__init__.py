@@ -259,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="earlyfuse-eval",
         description="Evaluate a release on held-out token shards: per-modality CE, bits per byte, "
         "unigram baseline and margin; the cross-modal dependence gap in both directions; drawing "
-        "and captioning of held-out scenes scored from pixels. Prints a table, writes JSON.",
+        "and captioning of held-out scenes scored from pixels. Prints a table; --out writes the "
+        "figures as JSON too.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
