@@ -197,6 +197,22 @@ def test_a_row_length_or_batch_below_one_is_refused_by_name(flag, capsys):
         assert f"argument {flag}: {value} is not a count" in capsys.readouterr().err
 
 
+def test_a_device_this_machine_lacks_is_one_line_before_the_release_is_read(tmp_path, capsys):
+    """The help's own example (--device cuda) gave torch's traceback on a CPU machine, exit 1,
+    after the release and the data were loaded."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    for device, said in [
+        ("cuda", "--device cuda: this machine has no CUDA device torch can use"),
+        ("foo", "--device 'foo': not a device (cpu, cuda, cuda:1, ...)"),
+    ]:
+        args = [str(tmp_path / "no-release"), "--data", str(tmp_path), "--device", device]
+        assert eval_main(args) == 2
+        assert said in capsys.readouterr().err
+
+
 def test_an_out_file_that_cannot_be_written_is_refused_before_evaluating(tmp_path, capsys):
     """--out is written after the evaluation: under a file, or at a folder, it failed then with
     a traceback, the figures lost."""

@@ -152,6 +152,7 @@ def overlap(val_tables, train_tables, *, progress: bool = False) -> dict:
 def evaluate(args) -> dict:
     import torch
 
+    from data.cli.common import checked_device
     from data.token_docs import source_tables
     from data.unigram import Unigram
     from tools.evaluate.heldout import Heldout, heldout_losses, token_byte_lengths
@@ -161,10 +162,10 @@ def evaluate(args) -> dict:
     from train.release import Release
 
     started = time.perf_counter()
+    device = torch.device(checked_device(args.device))  # before the release and data are read
     rel = Release(args.release)
     if rel.task != "lm":
         raise ValueError(f"{rel.path}: a {rel.task} release; earlyfuse-eval takes a language model")
-    device = torch.device(args.device)
     val = source_tables(args.data)
     rel.check_token_tables(val, "--data")
     out: dict = {"release": str(rel.path), "step": rel.step, "data": str(args.data)}
@@ -385,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="digits of each pass key (default 5)",
     )
-    pair.add_argument("--device", default="cpu")
+    pair.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
     pair.add_argument("--verbose", action="store_true", help="say which part runs")
     pair.add_argument(
         "--no-progress", action="store_true", help="no progress bars (they go to stderr)"
