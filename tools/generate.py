@@ -114,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     drawing = args.size or args.max_size is not None or args.guidance != 1 and not args.batch
     if drawing and not args.draw:  # a batch's lines carry their own sizes
         parser.error("--size, --max-size and --guidance are --draw's (--guidance: or --batch's)")
+    if not args.temperature and (args.top_k or args.top_p < 1) and not args.batch:
+        parser.error(  # greedy would ignore them, and --seed with them
+            "--top-k and --top-p shape a sample, and --temperature 0 (the default) is greedy: "
+            "give --temperature too (e.g. 1)"
+        )
     args.output = None if args.output == "-" else args.output  # stdout, as --batch -'s stdin
     if args.batch and args.output and Path(args.output).resolve() == Path(args.batch).resolve():
         parser.error(f"--output {args.output} is the --batch file: the results would replace it")

@@ -364,6 +364,11 @@ class Generator:
         if req.get("caption") not in (None, True) or req.get("code", False) not in (True, False):
             raise ReleaseError("'caption' can only be true (an image is captioned); 'code' a bool")
         sampling = {key: kind(req.get(key, defaults[key])) for key, kind in SAMPLING.items()}
+        if sampling["temperature"] == 0 and (sampling["top_k"] or sampling["top_p"] < 1):
+            raise ReleaseError(  # greedy would ignore them, and the seed with them
+                "'top_k' and 'top_p' shape a sample, and temperature 0 is greedy: give a "
+                "'temperature' too (e.g. 1)"
+            )
         if req.get("draw") is None and (drawing := [k for k in DRAWING if req.get(k) is not None]):
             raise ReleaseError(f"'{drawing[0]}' is a draw request's key (this line draws nothing)")
         if req.get("draw") is not None:

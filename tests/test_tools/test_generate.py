@@ -240,8 +240,26 @@ def test_a_prompt_past_the_training_rows_runs_with_a_note(release, capsys):
     ],
 )
 def test_a_sampling_option_out_of_range_is_refused_by_name(release, capsys, flag, value, refusal):
-    assert generate_main([str(release), "--prompt", "x", flag, value]) == 2
+    sampled = [] if flag == "--temperature" else ["--temperature", "1"]
+    assert generate_main([str(release), "--prompt", "x", flag, value, *sampled]) == 2
     assert f"earlyfuse-generate: error: {refusal}" in capsys.readouterr().err
+
+
+def test_top_k_or_top_p_without_a_temperature_is_refused(release, tmp_path, capsys):
+    """Greedy (temperature 0, the default) ignored them and --seed with them: the same text for
+    every seed, without a word."""
+    for cut in (["--top-k", "5"], ["--top-p", "0.9"]):
+        with pytest.raises(SystemExit) as refused:
+            generate_main([str(release), "--prompt", "x", *cut, "--seed", "2"])
+        assert refused.value.code == 2
+        assert "--top-k and --top-p shape a sample" in capsys.readouterr().err
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(
+        '{"prompt": "x", "top_k": 5}\n{"prompt": "x", "top_k": 5, "temperature": 1}\n'
+    )
+    assert generate_main([str(release), "--batch", str(requests), "--max-new-tokens", "2"]) == 3
+    first, second = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert "'top_k' and 'top_p' shape a sample" in first["error"] and "error" not in second
 
 
 @pytest.mark.parametrize("scale", ["inf", "nan"])
