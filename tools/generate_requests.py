@@ -364,6 +364,14 @@ class Generator:
         if req.get("caption") not in (None, True) or req.get("code", False) not in (True, False):
             raise ReleaseError("'caption' can only be true (an image is captioned); 'code' a bool")
         sampling = {key: kind(req.get(key, defaults[key])) for key, kind in SAMPLING.items()}
+        from model.generate import SamplingConfig
+
+        try:  # the line's own values, said as its fault (not a machine's ValueError)
+            SamplingConfig(**{k: v for k, v in sampling.items() if k != "seed"})
+        except ValueError as e:
+            raise ReleaseError(str(e)) from None
+        if not -(2**63) <= sampling["seed"] < 2**64:  # what torch.Generator takes
+            raise ReleaseError(f"seed {sampling['seed']}: must fit in 64 bits")
         if sampling["temperature"] == 0 and (sampling["top_k"] or sampling["top_p"] < 1):
             raise ReleaseError(  # greedy would ignore them, and the seed with them
                 "'top_k' and 'top_p' shape a sample, and temperature 0 is greedy: give a "
@@ -407,18 +415,34 @@ def parse_size(text) -> tuple[int, int]:
 
 def run_batch(gen: Generator, path: str, dest: str | None, defaults: dict) -> int:
     try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
-        lines = text.removeprefix("\ufeff").splitlines()  # the BOM Windows editors write first
-    except (OSError, UnicodeDecodeError) as e:
+        if path != "-":
+            raw = Path(path).read_bytes()
+        else:  # a stdin replaced by text (a notebook's) has no bytes beneath
+            raw = (
+                sys.stdin.buffer.read()
+                if hasattr(sys.stdin, "buffer")
+                else sys.stdin.read().encode()
+            )
+    except OSError as e:
         raise ReleaseError(f"{path}: cannot read the requests ({e})") from None
+    # decoded line by line: a line that is not UTF-8 is its own error, not the whole file's
+    lines = raw.removeprefix(b"\xef\xbb\xbf").splitlines()  # the BOM Windows editors write first
     failed, broke, outs = 0, 0, dict[Path | None, int]()  # image file a request writes -> its line
+    requests = 0
     with open(with_folder(dest), "w", encoding="utf-8") if dest else nullcontext(sys.stdout) as out:
         for line_no, line in enumerate(lines, 1):
             if not line.strip():
                 continue
+            requests += 1
             req = None
             try:
-                req = json.loads(line)
+                try:
+                    text = line.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ReleaseError(
+                        f"not UTF-8 (byte {line[e.start]:#04x} at {e.start})"
+                    ) from None
+                req = json.loads(text)
                 if not isinstance(req, dict):
                     raise ReleaseError("a request is a JSON object")
                 target = Path(req["out"]).resolve() if isinstance(req.get("out"), str) else None
@@ -436,7 +460,7 @@ def run_batch(gen: Generator, path: str, dest: str | None, defaults: dict) -> in
             out.flush()
     if failed:
         print(
-            f"earlyfuse-generate: {failed} of {len(lines)} request(s) failed (see their 'error')",
+            f"earlyfuse-generate: {failed} of {requests} request(s) failed (see their 'error')",
             file=sys.stderr,
         )
     return 1 if broke else EXIT_REJECTS if failed else 0  # 3: done, the failed lines listed

@@ -167,6 +167,29 @@ def test_draw_picks_the_grid_most_training_images_had(release, tmp_path, capsys)
         assert im.size == (width * factor, height * factor)
 
 
+def test_a_batch_line_that_is_not_utf8_or_out_of_range_fails_alone(release, tmp_path, capsys):
+    """Before: one byte that is not UTF-8 refused the whole file (its good lines never ran,
+    the message a byte offset); a seed past 64 bits read "Overflow when unpacking long long";
+    a range error carried "ValueError:", the mark of a machine's fault; blank lines counted."""
+    src = tmp_path / "req.jsonl"
+    good = b'{"prompt": "a", "max_new_tokens": 2}'
+    src.write_bytes(
+        b"\xef\xbb\xbf"
+        + good
+        + b"\r\n\xff\xfe\n\n"
+        + b'{"prompt": "a", "seed": 18446744073709551616, "temperature": 1}\n'
+        + b'{"prompt": "a", "max_new_tokens": 0}\n'
+    )
+    assert generate_main([str(release), "--batch", str(src)]) == 3
+    printed = capsys.readouterr()
+    recs = [json.loads(line) for line in printed.out.splitlines()]
+    assert [r["line"] for r in recs] == [1, 2, 4, 5] and "text" in recs[0]
+    assert recs[1]["error"] == "not UTF-8 (byte 0xff at 0)"
+    assert recs[2]["error"] == "seed 18446744073709551616: must fit in 64 bits"
+    assert recs[3]["error"] == "max_new_tokens 0: must be at least 1"
+    assert "3 of 4 request(s) failed" in printed.err
+
+
 def test_batch_jsonl_runs_every_request(release, image, tmp_path):
     reqs = [
         {"id": "t", "prompt": "Once upon a time", "max_new_tokens": 8},
