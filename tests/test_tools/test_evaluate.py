@@ -186,9 +186,10 @@ def test_blocks_longer_than_the_rows_are_said_to_be_left_out(
     assert "WARNING" not in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("flag", ["--seq-len", "--batch-rows"])
+@pytest.mark.parametrize("flag", ["--seq-len", "--batch-rows", "--max-docs"])
 def test_a_row_length_or_batch_below_one_is_refused_by_name(flag, capsys):
-    """0 would silently mean "not given" and a negative one fail deep in numpy."""
+    """0 would silently mean "not given" (--max-docs 0 evaluated every document, --max-pairs 0
+    none) and a negative one fail deep in numpy."""
     from tools.evaluate import build_parser
 
     for value in ("0", "-5"):

@@ -203,14 +203,14 @@ def evaluate(args) -> dict:
             per_group[pair.source, pair.direction] += 1
             pairs.append(pair)
     out["dependence"] = dependence_gaps(run.model, pairs, device, progress=progress)
-    if args.scenes:
+    if args.scenes and args.max_scenes != 0:
         from tools.evaluate.scenes import evaluate_scenes, load_scenes
 
         say("scenes ...")
         out["scenes"] = evaluate_scenes(
             gen,
             load_scenes(args.scenes),
-            limit=args.max_scenes,
+            limit=args.max_scenes or 0,
             draw_temperature=args.draw_temperature,
             draw_guidance=args.draw_guidance,
             progress=progress,
@@ -255,6 +255,14 @@ def needle_options(args, seq_len: int) -> tuple[list[int], tuple[float, ...]]:
 
 def build_parser() -> argparse.ArgumentParser:
     from data.cli.common import out_file, positive_int
+
+    def count(text: str) -> int:  # 0 or more: 0 skips that part
+        if text.strip() == "0":
+            return 0
+        try:
+            return positive_int(text)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a count (give 0 or more)") from None
 
     pair = argparse.ArgumentParser(
         prog="earlyfuse-eval",
@@ -316,13 +324,23 @@ def build_parser() -> argparse.ArgumentParser:
         "folder's data.whole_documents, else off)",
     )
     pair.add_argument(
-        "--max-docs", type=int, default=0, help="first N documents per source (default: all)"
+        "--max-docs",
+        type=positive_int,
+        default=0,
+        help="first N documents per source (default: all)",
+    )
+    # 0 pairs or scenes: none (that part is skipped), as a count of 0 reads
+    pair.add_argument(
+        "--max-pairs",
+        type=count,
+        default=200,
+        help="pair documents per source and direction (default 200; 0: no dependence table)",
     )
     pair.add_argument(
-        "--max-pairs", type=int, default=200, help="pair documents per source and direction"
-    )
-    pair.add_argument(
-        "--max-scenes", type=int, default=0, help="single-shape scenes (default: all)"
+        "--max-scenes",
+        type=count,
+        default=None,
+        help="--scenes: the first N single-shape scenes (default: all; 0: none)",
     )
     pair.add_argument(
         "--draw-temperature",
