@@ -68,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-size: the training images' most common grid; for a release without those counts, "
         "the model's choice up to the square grid of the training pixel budget)",
     )
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="text/captions (default 64)")
+    parser.add_argument(
+        "--max-new-tokens", type=int, help="text and captions (default 64; a drawing's is its grid)"
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -114,6 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     drawing = args.size or args.max_size is not None or args.guidance != 1 and not args.batch
     if drawing and not args.draw:  # a batch's lines carry their own sizes
         parser.error("--size, --max-size and --guidance are --draw's (--guidance: or --batch's)")
+    # what a single request would ignore (a batch's lines say their own)
+    if args.code and (args.image or args.draw is not None):
+        parser.error("--code is --prompt's (code to continue), not a caption's or a drawing's")
+    if args.draw is not None and args.max_new_tokens is not None:
+        parser.error("--max-new-tokens is text's and captions': a drawing's length is its grid")
+    if args.size and args.max_size is not None:
+        parser.error("--size fixes the grid and --max-size lets the model choose it: give one")
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 64
     if not args.temperature and (args.top_k or args.top_p < 1) and not args.batch:
         parser.error(  # greedy would ignore them, and --seed with them
             "--top-k and --top-p shape a sample, and --temperature 0 (the default) is greedy: "

@@ -164,8 +164,8 @@ def draw_image(
         constraint = ImageConstraint(
             layout, 1, vocab_size=parts.model.cfg.vocab_size, max_h=side, max_w=side, size=size
         )
-    except ValueError as e:
-        raise ReleaseError(f"--size/--max-size: {e}") from None
+    except ValueError as e:  # a size outside the layout's grids, a side below 1
+        raise ReleaseError(str(e)) from None
     new = sample(
         parts,
         ids,
@@ -325,6 +325,10 @@ class Generator:
         if size is None and max_size is None:
             size = self.training_grid()
             grid_from = "the training images' most common" if size else "the model's choice"
+        if max_size is not None and max_size > self.layout.max_grid:  # not cut to it unsaid
+            raise ReleaseError(
+                f"max_size {max_size}: this model's layout has grids up to {self.layout.max_grid}"
+            )
         side = max([self.default_max_size() if max_size is None else max_size, *(size or ())])
         out = writable(out, image=True, error=ReleaseError)
         codes, arr, count = draw_image(self, prompt, size=size, side=side, **sampling)
@@ -379,11 +383,23 @@ class Generator:
             )
         if req.get("draw") is None and (drawing := [k for k in DRAWING if req.get(k) is not None]):
             raise ReleaseError(f"'{drawing[0]}' is a draw request's key (this line draws nothing)")
+        if req.get("code") and req.get("prompt") is None or req.get("code") and req.get("image"):
+            raise ReleaseError(
+                "'code' is a prompt's (code to continue), not a caption's or a draw's"
+            )
         if req.get("draw") is not None:
             if not req.get("out"):
                 raise ReleaseError("a draw request needs 'out' (the image to write)")
             if req.get("prompt") is not None or req.get("image") is not None:
                 raise ReleaseError("a draw request takes no 'prompt' or 'image' (draw is one)")
+            if req.get("max_new_tokens") is not None:
+                raise ReleaseError(
+                    "a draw request takes no 'max_new_tokens' (its grid is its length)"
+                )
+            if req.get("size") and req.get("max_size") is not None:
+                raise ReleaseError(
+                    "'size' fixes the grid and 'max_size' lets the model choose: give one"
+                )
             size = parse_size(req["size"]) if req.get("size") else None
             sampling.pop("max_new_tokens")
             res = self.draw(

@@ -138,7 +138,19 @@ def test_draw_writes_a_png_that_decodes(release, tmp_path, capsys):
     assert "outside 1..32" in capsys.readouterr().err
     # a largest side of 0 is refused, not taken for "no cap" (it drew the default grid)
     assert generate_main([str(release), "--draw", "x", "--out", str(free), "--max-size", "0"]) == 2
-    assert "--size/--max-size: largest side 0x0: must be at least 1" in capsys.readouterr().err
+    assert "error: largest side 0x0: must be at least 1" in capsys.readouterr().err
+    # and one past the layout's grids is refused, not cut to them unsaid
+    assert generate_main([str(release), "--draw", "x", "--out", str(free), "--max-size", "33"]) == 2
+    assert "max_size 33: this model's layout has grids up to 32" in capsys.readouterr().err
+    # flags a request would ignore are refused, as --size without --draw is
+    for flags, said in [
+        (["--size", "4x4", "--max-size", "5"], "--size fixes the grid and --max-size lets"),
+        (["--max-new-tokens", "9"], "--max-new-tokens is text's and captions'"),
+        (["--code"], "--code is --prompt's"),
+    ]:
+        with pytest.raises(SystemExit):
+            generate_main([str(release), "--draw", "x", "--out", str(free), *flags])
+        assert said in capsys.readouterr().err
     # Classifier-free guidance: seeded draws repeat, and the guided picture is another one
     # (its codes come from other log-probabilities; model/generate.py tests the arithmetic).
     pictures = []
@@ -179,15 +191,19 @@ def test_a_batch_line_that_is_not_utf8_or_out_of_range_fails_alone(release, tmp_
         + b"\r\n\xff\xfe\n\n"
         + b'{"prompt": "a", "seed": 18446744073709551616, "temperature": 1}\n'
         + b'{"prompt": "a", "max_new_tokens": 0}\n'
+        + b'{"draw": "a", "out": "x.png", "max_new_tokens": 5}\n'  # keys it would ignore
+        + b'{"draw": "a", "out": "x.png", "code": true}\n'
     )
     assert generate_main([str(release), "--batch", str(src)]) == 3
     printed = capsys.readouterr()
     recs = [json.loads(line) for line in printed.out.splitlines()]
-    assert [r["line"] for r in recs] == [1, 2, 4, 5] and "text" in recs[0]
+    assert [r["line"] for r in recs] == [1, 2, 4, 5, 6, 7] and "text" in recs[0]
     assert recs[1]["error"] == "not UTF-8 (byte 0xff at 0)"
     assert recs[2]["error"] == "seed 18446744073709551616: must fit in 64 bits"
     assert recs[3]["error"] == "max_new_tokens 0: must be at least 1"
-    assert "3 of 4 request(s) failed" in printed.err
+    assert "takes no 'max_new_tokens'" in recs[4]["error"]
+    assert "'code' is a prompt's" in recs[5]["error"]
+    assert "5 of 6 request(s) failed" in printed.err
 
 
 def test_batch_jsonl_runs_every_request(release, image, tmp_path):
