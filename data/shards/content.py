@@ -49,6 +49,11 @@ def fingerprints(segments: list[dict], media: dict[str, bytes]) -> list[str]:
     return [f"d:{whole.hexdigest()[:DIGEST_CHARS]}", *dict.fromkeys(out)]
 
 
+def media_fingerprint(data: bytes) -> str:
+    """The ``m:`` fingerprint of one media file's bytes."""
+    return f"m:{_h(data)}"
+
+
 def sample_fingerprints(sample: Sample) -> list[str]:
     return fingerprints(sample.doc["segments"], dict(sample.media))
 

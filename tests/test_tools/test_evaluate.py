@@ -76,6 +76,9 @@ def test_eval_command_on_a_release(debug_release, tiny_tokens, tiny_corpus, tmp_
     assert n == tot["image"]["tokens"]
     assert "scenes/caption" in ev["dependence"]
     assert ev["scenes"]["scenes"] == 3 and set(ev["scenes"]["draw"]) >= {"colour", "all"}
+    # The tiny corpus's scenes are pictures of the training shards too: said, as for --data
+    assert ev["scenes"]["in_training"]["scenes"] == 3
+    assert "WARNING: 3 of these 3 scenes are pictures of the training data" in printed
     assert "per modality" in printed and "dependence" in printed and "drawn from caption" in printed
 
 

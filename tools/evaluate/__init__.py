@@ -213,6 +213,7 @@ def evaluate(args) -> dict:
             limit=args.max_scenes or 0,
             draw_temperature=args.draw_temperature,
             draw_guidance=args.draw_guidance,
+            train_data=args.train_data,
             progress=progress,
         )
     if edges is not None:

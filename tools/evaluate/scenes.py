@@ -16,6 +16,30 @@ from tools.generate_requests import Generator, decode_codes, draw_image
 ATTRIBUTES = ("colour", "shape", "position", "all")
 
 
+def scenes_in_training(scenes: list[dict], train_data) -> dict | None:
+    """The scenes whose picture is in the training data's raw shards (the folder its token
+    manifest was tokenized from, ``inputs.raw``), by the media fingerprint ingest writes: such
+    figures measure memorisation, as --data's overlap check says of documents. None when that
+    folder is not at hand (moved, or another machine's)."""
+    from data.shards.content import folder_fingerprints, media_fingerprint
+    from data.shards.storage import Folder
+
+    try:
+        raw = Folder(train_data).read_json("manifest.json").get("inputs", {}).get("raw")
+    except (OSError, ValueError):
+        return None
+    if not raw or not (Path(raw) / "manifest.json").is_file():
+        return None
+    seen = folder_fingerprints(raw)
+    found = []
+    for scene in scenes:
+        image = scene["image"]
+        data = image if isinstance(image, bytes) else Path(image).read_bytes()
+        if (where := seen.get(media_fingerprint(data))) is not None:
+            found.append(where)
+    return {"raw": str(raw), "checked": len(scenes), "scenes": len(found), "examples": found[:5]}
+
+
 def load_scenes(paths: list[str | Path]) -> list[dict]:
     """Rows ``{"image": path or PNG bytes, "caption", "facts"}`` of held-out scenes, from scene
     tables of the demo corpus (scenes.jsonl, drawings.jsonl) or from a raw shard folder (every
@@ -70,13 +94,16 @@ def evaluate_scenes(
     examples: int = 6,
     draw_temperature: float = 0.7,
     draw_guidance: float = 1.0,
+    train_data=None,
     progress: bool = False,
 ):
     """Accuracy per attribute of drawings, captions, their chance levels and the tokenizer's
-    ceiling, over the single-shape scenes (the first ``limit`` when given)."""
+    ceiling, over the single-shape scenes (the first ``limit`` when given); with ``train_data``
+    (a token folder), how many of them are training pictures (``in_training``)."""
     single = [scene for scene in scenes if len(scene["facts"]["shapes"]) == 1]
     if limit:
         single = single[:limit]
+    seen = scenes_in_training(single, train_data) if train_data else None
     if len(single) < 2:
         return {"scenes": len(single)}
     tallies = {
@@ -121,4 +148,6 @@ def evaluate_scenes(
     for name, t in tallies.items():
         out[name] = {attribute: v / count for attribute, v in t.items()}
     out["examples"] = shown
+    if seen is not None:
+        out["in_training"] = seen
     return out

@@ -107,6 +107,15 @@ def format_eval(ev: dict) -> str:
             f"{scene_figs.get('draw_temperature', 0):g}{guided}; share right, chance = scored "
             "against another scene):"
         )
+        seen = scene_figs.get("in_training") or {}
+        if seen.get("scenes"):
+            lines.append(
+                f"WARNING: {seen['scenes']} of these {seen['checked']} scenes are pictures of the "
+                f"training data ({seen['raw']}; e.g. {', '.join(seen['examples'])}): their figures "
+                "measure memorisation"
+            )
+        elif seen:
+            lines.append(f"held out: none of the {seen['checked']} scenes is a training picture")
         widths = (8, 8, 10, 7)
         lines.append(_row("", ("colour", "shape", "position", "all"), 22, widths))
         for name, label in (
