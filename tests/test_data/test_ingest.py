@@ -91,6 +91,8 @@ def test_a_python_projects_own_files_beside_its_code_leave_exit_status_0(tmp_pat
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "not-code 4" in printed and "exit status 0" in printed
+    # by name, so that code of a language the source does not know shows (a '.jl' 140)
+    assert "by name: 'LICENSE' 1, '.txt' 1, '.cfg' 1, '.typed' 1 (" in printed
     rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
     assert sorted((r["path"], r["reason"]) for r in rejects) == [
         ("LICENSE", "not-code"),
