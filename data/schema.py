@@ -48,8 +48,8 @@ REASONS = {
     "truncated-image": "an image whose data ends early",
     "undecodable-video": "a video that decord cannot open or decode",
     "unknown-type": "a file whose extension the source kind does not take",
-    "not-code": "a file of a code tree in no language the code source takes (a licence, "
-    "requirements.txt, setup.cfg, an icon): left out, as a tree's other files",
+    "not-code": "a file of a code tree that is no code (a licence, requirements.txt, setup.cfg, "
+    "py.typed, an icon, a font): left out, as a tree's vendored folders",
     "unreadable-file": "a file that cannot be read (permissions, a broken link or one that loops, "
     "I/O error), or whose sidecar caption cannot be; a folder that cannot be listed",
     "unreadable-image": "bytes that no supported image decoder recognises",

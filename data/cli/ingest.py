@@ -235,13 +235,6 @@ def cmd_ingest(a) -> int:
             + ", ".join(f"{k} {v}" for k, v in t["rejects_by_reason"].items())
         )
         lost = sum(n for why, n in t["rejects_by_reason"].items() if why not in LOSSLESS_REASONS)
-        if t["rejects_by_reason"].get("not-code"):  # code in a language of no known extension
-            print(
-                "not-code: files of code trees in no language the code source takes, by name: "
-                + not_code_names(a.out)
-                + " (a licence or a setup.cfg is no code; the extensions it takes are LANGS in "
-                "data/sources/code.py)"
-            )
         if not lost:
             print(
                 "none of them held content to keep (skipped by design, empty, or duplicates left "
@@ -250,22 +243,6 @@ def cmd_ingest(a) -> int:
         return 0 if a.allow_rejects or not lost else EXIT_REJECTS
     print("rejected: none")
     return 0
-
-
-def not_code_names(out) -> str:
-    """The commonest names of the ``not-code`` rejects ('.txt' 12, 'LICENSE' 3, ...)."""
-    import json
-    from collections import Counter
-
-    from data.shards.storage import Folder
-
-    names: Counter = Counter()
-    for line in Folder(out).read_bytes(REJECTS_FILE).decode("utf-8").splitlines():
-        rec = json.loads(line)
-        if rec.get("reason") == "not-code":
-            names[rec.get("detail", "").removeprefix("no known language for ")] += 1
-    shown = ", ".join(f"{name} {n}" for name, n in names.most_common(6))
-    return shown + (", ..." if len(names) > 6 else "")
 
 
 def thin_validation(sources: list[dict], fraction: float) -> list[str]:

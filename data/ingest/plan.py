@@ -31,7 +31,7 @@ from data.sources import Item, Limits, SourceSpec, build_source
 
 # Raised whenever what ingest writes for the same plan changes (new rejects, new fields): a
 # folder begun by an earlier version is then refused, not finished with shards of another kind
-PLAN_VERSION = 2
+PLAN_VERSION = 3
 
 
 @dataclass

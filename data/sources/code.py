@@ -96,6 +96,19 @@ VENDORED_DIRS = {
     "bower_components",
     "Pods",
 }
+# Files every code tree holds beside its code, which no language takes: licences, notes, package
+# metadata, data and assets. Left out as `not-code`, which alone does not make ingest exit 3;
+# any other file of no known language is `unknown-type` (it may be code of a language LANGS lacks).
+NOT_CODE_STEMS = {
+    "license", "licence", "copying", "notice", "authors", "contributors", "changelog", "changes",
+    "history", "readme", "requirements", "codeowners",
+}  # fmt: skip
+NOT_CODE_SUFFIXES = {
+    ".txt", ".cfg", ".ini", ".in", ".typed", ".lock", ".sum", ".csv", ".tsv", ".log", ".pdf",
+    ".png", ".jpg", ".jpeg", ".gif", ".bmp", ".ico", ".webp", ".svg", ".ttf", ".otf", ".woff",
+    ".woff2", ".eot", ".mp3", ".wav", ".mp4", ".zip", ".gz", ".tar", ".whl", ".jar", ".pyc",
+    ".so", ".dll", ".o", ".a", ".class", ".npy", ".npz", ".pkl", ".parquet", ".db", ".bin",
+}  # fmt: skip
 GENERATED_SUFFIXES = (".min.js", ".min.css", ".pb.go", "_pb2.py", ".bundle.js")
 # A minified or generated file whatever its name: a line longer than this (bytes). People write
 # no such lines of code; bundles, minified assets and generated tables do (StarCoder's filter
@@ -116,6 +129,12 @@ def language(name: str) -> str | None:
     return NAMED_LANGS.get(name) or LANGS.get(Path(name).suffix.lower())
 
 
+def not_code(name: str) -> bool:
+    """A file of no language that no one would call code (``not_code("LICENSE-MIT")``)."""
+    stem = name.split(".")[0].split("-")[0].lower()
+    return stem in NOT_CODE_STEMS or Path(name).suffix.lower() in NOT_CODE_SUFFIXES
+
+
 class CodeSource(Source):
     kind = "code"
 
@@ -134,7 +153,10 @@ class CodeSource(Source):
                 yield self.rejected_item(key, label, "vendored", "minified or generated file")
             elif lang is None:
                 yield self.rejected_item(
-                    key, label, "not-code", f"no known language for {Path(name).suffix or name!r}"
+                    key,
+                    label,
+                    "not-code" if not_code(name) else "unknown-type",
+                    f"no known language for {Path(name).suffix or name!r}",
                 )
             elif size > self.limits.max_code_bytes:
                 yield self.rejected_item(
