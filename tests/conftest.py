@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-# Several pytest-xdist workers on as many cores: one torch thread each (before torch is imported).
-# Each worker's default, a thread per core, left the in-process model tests waiting on each
-# other's threads: they took twice as long with two workers on two cores.
-if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
-    os.environ["OMP_NUM_THREADS"] = "1"
+# pytest-xdist workers share the cores: each takes its share of torch threads (set before torch
+# is imported), unless told otherwise. Each worker's default, a thread per core, oversubscribed
+# them, and the in-process model tests waited on each other's threads.
+if (workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
 
 from data.demo_corpus import build  # noqa: E402
 from data.ingest import ingest  # noqa: E402

@@ -117,18 +117,18 @@ def main(argv: list[str] | None = None) -> int:
     if drawing and not args.draw:  # a batch's lines carry their own sizes
         parser.error("--size, --max-size and --guidance are --draw's (--guidance: or --batch's)")
     # what a single request would ignore (a batch's lines say their own)
-    if args.code and (args.image or args.draw is not None):
-        parser.error("--code is --prompt's (code to continue), not a caption's or a drawing's")
+    if args.code and (args.image or args.draw is not None or args.batch):
+        parser.error("--code is --prompt's (code to continue; a --batch line says its own 'code')")
     if args.draw is not None and args.max_new_tokens is not None:
         parser.error("--max-new-tokens is text's and captions': a drawing's length is its grid")
     if args.size and args.max_size is not None:
         parser.error("--size fixes the grid and --max-size lets the model choose it: give one")
     if args.max_new_tokens is None:
         args.max_new_tokens = 64
-    if not args.temperature and (args.top_k or args.top_p < 1) and not args.batch:
-        parser.error(  # greedy would ignore them, and --seed with them
-            "--top-k and --top-p shape a sample, and --temperature 0 (the default) is greedy: "
-            "give --temperature too (e.g. 1)"
+    if not args.temperature and (args.top_k or args.top_p < 1 or args.seed) and not args.batch:
+        parser.error(  # greedy would ignore them
+            "--top-k, --top-p and --seed shape a sample, and --temperature 0 (the default) is "
+            "greedy: give --temperature too (e.g. 1)"
         )
     args.output = None if args.output == "-" else args.output  # stdout, as --batch -'s stdin
     if args.batch and args.output and Path(args.output).resolve() == Path(args.batch).resolve():

@@ -325,9 +325,9 @@ class Generator:
         if size is None and max_size is None:
             size = self.training_grid()
             grid_from = "the training images' most common" if size else "the model's choice"
-        if max_size is not None and max_size > self.layout.max_grid:  # not cut to it unsaid
+        if max_size is not None and not 1 <= max_size <= self.layout.max_grid:  # not cut unsaid
             raise ReleaseError(
-                f"max_size {max_size}: this model's layout has grids up to {self.layout.max_grid}"
+                f"max_size {max_size}: give 1 to {self.layout.max_grid}, this model's largest grid"
             )
         side = max([self.default_max_size() if max_size is None else max_size, *(size or ())])
         out = writable(out, image=True, error=ReleaseError)
@@ -376,7 +376,8 @@ class Generator:
             raise ReleaseError(str(e)) from None
         if not -(2**63) <= sampling["seed"] < 2**64:  # what torch.Generator takes
             raise ReleaseError(f"seed {sampling['seed']}: must fit in 64 bits")
-        if sampling["temperature"] == 0 and (sampling["top_k"] or sampling["top_p"] < 1):
+        cuts = any(req.get(key) is not None for key in ("top_k", "top_p"))  # the line's own
+        if cuts and sampling["temperature"] == 0 and (sampling["top_k"] or sampling["top_p"] < 1):
             raise ReleaseError(  # greedy would ignore them, and the seed with them
                 "'top_k' and 'top_p' shape a sample, and temperature 0 is greedy: give a "
                 "'temperature' too (e.g. 1)"
@@ -441,6 +442,8 @@ def run_batch(gen: Generator, path: str, dest: str | None, defaults: dict) -> in
             )
     except OSError as e:
         raise ReleaseError(f"{path}: cannot read the requests ({e})") from None
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\0" in raw.split(b"\n", 1)[0]:
+        raise ReleaseError(f"{path}: UTF-16 text (PowerShell's default): save it as UTF-8")
     # decoded line by line: a line that is not UTF-8 is its own error, not the whole file's
     lines = raw.removeprefix(b"\xef\xbb\xbf").splitlines()  # the BOM Windows editors write first
     failed, broke, outs = 0, 0, dict[Path | None, int]()  # image file a request writes -> its line

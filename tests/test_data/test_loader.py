@@ -422,8 +422,11 @@ def test_read_npy_matches_np_load_and_refuses_what_np_load_refuses():
         read_npy(buf.getvalue())  # a pickled object array is never loaded
 
 
-def test_preview_draws_rows_with_a_runs_weights_and_counts_drops(tiny_tokens, tmp_path, capsys):
+def test_preview_draws_rows_with_a_runs_weights_and_counts_drops(
+    tiny_tokens, tmp_path, capsys, monkeypatch
+):
     from data.cli import main
+    from data.loader import preview
 
     cfg = tmp_path / "mine.yaml"
     cfg.write_text(
@@ -439,6 +442,9 @@ def test_preview_draws_rows_with_a_runs_weights_and_counts_drops(tiny_tokens, tm
     # 200 rows 90 %, as its training did
     assert "packing efficiency over 256 rows: " in out
     assert "tokens by source over 256 rows (weight): code " in out and "(80%)" in out
+    monkeypatch.setattr(preview, "MEASURED_ROWS", 2)  # more rows shown than it measures
+    assert main(["preview", "--config", str(cfg), "--rows", "4"]) == 0
+    assert "packing efficiency over 4 rows: " in capsys.readouterr().out
     assert "dropped visual blocks: none" in out
     # Rows shorter than the clips' video blocks: shown, with every dropped block counted.
     assert main(["preview", str(tiny_tokens), "--config", str(cfg), "--seq-len", "96"]) == 0

@@ -82,6 +82,27 @@ def test_eval_command_on_a_release(debug_release, tiny_tokens, tiny_corpus, tmp_
     assert "per modality" in printed and "dependence" in printed and "drawn from caption" in printed
 
 
+def test_scenes_are_looked_up_in_the_training_sources_only(tiny_tokens, tiny_corpus, tmp_path):
+    """Only the raw sources the token folder holds are training data: ingest --val-fraction puts
+    the held-out split beside them in the same raw folder (val/<source>), and its pictures were
+    all called training pictures. A folder the check cannot read says so instead of nothing."""
+    from tools.evaluate.scenes import load_scenes, scenes_in_training
+
+    scenes = load_scenes([tiny_corpus / "scenes" / "scenes.jsonl"])[:4]
+    assert scenes_in_training(scenes, tiny_tokens)["scenes"] == 4
+    without = tmp_path / "tokens"  # the same tokens without their scenes source
+    without.mkdir()
+    (without / "manifest.json").write_text((tiny_tokens / "manifest.json").read_text())
+    for folder in tiny_tokens.iterdir():
+        if folder.is_dir() and folder.name != "scenes":
+            (without / folder.name).symlink_to(folder)
+    seen = scenes_in_training(scenes, without)
+    assert (seen["checked"], seen["scenes"]) == (4, 0)
+    assert (
+        "holds no token manifest" in scenes_in_training(scenes, tiny_tokens / "scenes")["unchecked"]
+    )
+
+
 def test_a_release_shipped_without_its_run_folder_is_evaluated_on_the_runs_rows(
     debug_release, tiny_tokens, tmp_path, capsys
 ):

@@ -138,10 +138,10 @@ def test_draw_writes_a_png_that_decodes(release, tmp_path, capsys):
     assert "outside 1..32" in capsys.readouterr().err
     # a largest side of 0 is refused, not taken for "no cap" (it drew the default grid)
     assert generate_main([str(release), "--draw", "x", "--out", str(free), "--max-size", "0"]) == 2
-    assert "error: largest side 0x0: must be at least 1" in capsys.readouterr().err
+    assert "error: max_size 0: give 1 to 32, this model's largest grid" in capsys.readouterr().err
     # and one past the layout's grids is refused, not cut to them unsaid
     assert generate_main([str(release), "--draw", "x", "--out", str(free), "--max-size", "33"]) == 2
-    assert "max_size 33: this model's layout has grids up to 32" in capsys.readouterr().err
+    assert "max_size 33: give 1 to 32, this model's largest grid" in capsys.readouterr().err
     # flags a request would ignore are refused, as --size without --draw is
     for flags, said in [
         (["--size", "4x4", "--max-size", "5"], "--size fixes the grid and --max-size lets"),
@@ -287,18 +287,25 @@ def test_a_sampling_option_out_of_range_is_refused_by_name(release, capsys, flag
 def test_top_k_or_top_p_without_a_temperature_is_refused(release, tmp_path, capsys):
     """Greedy (temperature 0, the default) ignored them and --seed with them: the same text for
     every seed, without a word."""
-    for cut in (["--top-k", "5"], ["--top-p", "0.9"]):
+    for cut in (["--top-k", "5"], ["--top-p", "0.9"], ["--seed", "2"]):
         with pytest.raises(SystemExit) as refused:
-            generate_main([str(release), "--prompt", "x", *cut, "--seed", "2"])
+            generate_main([str(release), "--prompt", "x", *cut])
         assert refused.value.code == 2
-        assert "--top-k and --top-p shape a sample" in capsys.readouterr().err
+        assert "--top-k, --top-p and --seed shape a sample" in capsys.readouterr().err
     requests = tmp_path / "requests.jsonl"
     requests.write_text(
         '{"prompt": "x", "top_k": 5}\n{"prompt": "x", "top_k": 5, "temperature": 1}\n'
+        '{"prompt": "x", "temperature": 0}\n'  # greedy on purpose beside --top-p's default: runs
     )
-    assert generate_main([str(release), "--batch", str(requests), "--max-new-tokens", "2"]) == 3
-    first, second = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    argv = [str(release), "--batch", str(requests), "--max-new-tokens", "2", "--top-p", "0.9"]
+    assert generate_main(argv) == 3
+    first, second, third = (json.loads(line) for line in capsys.readouterr().out.splitlines())
     assert "'top_k' and 'top_p' shape a sample" in first["error"] and "error" not in second
+    assert "error" not in third
+    utf16 = tmp_path / "utf16.jsonl"  # PowerShell's > writes UTF-16: one line for the file
+    utf16.write_text('{"prompt": "x"}\n', encoding="utf-16")
+    assert generate_main([str(release), "--batch", str(utf16)]) == 2
+    assert "UTF-16 text (PowerShell's default): save it as UTF-8" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("scale", ["inf", "nan"])

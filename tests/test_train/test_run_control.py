@@ -94,8 +94,10 @@ def test_live_folder_refused_sigterm_checkpoints_and_the_resume_checks_config(
     assert "break an exact resume: data.num_workers, train.steps" in p.stderr
     assert "data.num_workers: 0 -> 2 (breaks an exact resume)" in p.stdout
     assert f"train.steps: 1000 -> {stopped + 2} (breaks an exact resume)" in p.stdout
-    p = train([*more, "train.allow_config_change=true"])
-    assert f"resuming {tag}" in p.stdout
+    finish = [*more, "data.num_workers=2", "train.allow_config_change=true"]
+    p = train(finish)
+    said = "the loader's state was redistributed from 1 to 2 consumers"  # same world, new split
+    assert f"resuming {tag}: {said}" in p.stdout + p.stderr
     m = metrics(run)
     assert sorted(m) == list(range(1, stopped + 3))
     assert (run / "final.json").is_file()
@@ -110,7 +112,7 @@ def test_live_folder_refused_sigterm_checkpoints_and_the_resume_checks_config(
     p = train(fewer, check=False)
     assert p.returncode == 2 and f"is at step {stopped + 2} already, past train.steps" in p.stderr
     # The same command again once the run is complete: said, not "steps N->N" alone
-    p = train(more)
+    p = train(finish)
     assert f"the run is complete (train.steps={stopped + 2}): nothing to train" in p.stdout
 
 

@@ -194,15 +194,16 @@ def evaluate(args) -> dict:
         unigram = Unigram.from_tables(train, rel.vocab_layout, progress=progress)
     say("held-out losses ...")
     out["heldout"] = heldout_losses(run, token_byte_lengths(gen.text), unigram)
-    say("dependence ...")
     pairs: list = []
     per_group: Counter = Counter()  # pairs taken per (source, direction)
-    for doc in documents(val, "pairs", progress):
+    for doc in documents(val, "pairs", progress) if args.max_pairs else ():
         pair = find_pair(doc.source, doc.key, doc.ids, doc.modality, doc.blocks)
         if pair is not None and per_group[pair.source, pair.direction] < args.max_pairs:
             per_group[pair.source, pair.direction] += 1
             pairs.append(pair)
-    out["dependence"] = dependence_gaps(run.model, pairs, device, progress=progress)
+    if pairs:
+        say("dependence ...")
+        out["dependence"] = dependence_gaps(run.model, pairs, device, progress=progress)
     if args.scenes and args.max_scenes != 0:
         from tools.evaluate.scenes import evaluate_scenes, load_scenes
 
@@ -437,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.no_table and not args.out:
         parser.error("--no-table needs --out FILE (the figures would go nowhere)")
+    if args.max_scenes is not None and not args.scenes:
+        parser.error("--max-scenes applies only with --scenes")
     for table, shaping in TABLE_OPTIONS.items():
         given = [f"--{key.replace('_', '-')}" for key in shaping if getattr(args, key) is not None]
         if given and not (getattr(args, table[2:].replace("-", "_")) or args.long_context):

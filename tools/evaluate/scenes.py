@@ -16,28 +16,44 @@ from tools.generate_requests import Generator, decode_codes, draw_image
 ATTRIBUTES = ("colour", "shape", "position", "all")
 
 
-def scenes_in_training(scenes: list[dict], train_data) -> dict | None:
-    """The scenes whose picture is in the training data's raw shards (the folder its token
-    manifest was tokenized from, ``inputs.raw``), by the media fingerprint ingest writes: such
-    figures measure memorisation, as --data's overlap check says of documents. None when that
-    folder is not at hand (moved, or another machine's)."""
-    from data.shards.content import folder_fingerprints, media_fingerprint
+def scenes_in_training(scenes: list[dict], train_data) -> dict:
+    """How many of ``scenes`` are pictures of the training data: their media fingerprints looked
+    up in the index lines of the raw shards the token folder ``train_data`` was made from (its
+    manifest's ``inputs.raw``), in the sources it holds (that raw folder's ``val/`` split is held
+    out). ``unchecked`` says why, when those shards are not at hand."""
+    from data.shards.content import media_fingerprint
+    from data.shards.index import read_index
+    from data.shards.reader import shard_entries
     from data.shards.storage import Folder
+    from data.token_docs import folder_sources
 
-    try:
-        raw = Folder(train_data).read_json("manifest.json").get("inputs", {}).get("raw")
-    except (OSError, ValueError):
-        return None
-    if not raw or not (Path(raw) / "manifest.json").is_file():
-        return None
-    seen = folder_fingerprints(raw)
-    found = []
+    wanted: dict[str, int] = {}  # fingerprint -> scenes with that picture
     for scene in scenes:
         image = scene["image"]
-        data = image if isinstance(image, bytes) else Path(image).read_bytes()
-        if (where := seen.get(media_fingerprint(data))) is not None:
-            found.append(where)
-    return {"raw": str(raw), "checked": len(scenes), "scenes": len(found), "examples": found[:5]}
+        fp = media_fingerprint(image if isinstance(image, bytes) else Path(image).read_bytes())
+        wanted[fp] = wanted.get(fp, 0) + 1
+    try:
+        raw = (Folder(train_data).read_json("manifest.json").get("inputs") or {}).get("raw")
+    except (OSError, ValueError):
+        return {"unchecked": f"{train_data} holds no token manifest (give the whole token folder)"}
+    if not raw or "://" in str(raw) or not (Path(raw) / "manifest.json").is_file():
+        return {"unchecked": f"the raw shards its tokens came from ({raw}) are not on this machine"}
+    names = {source.name for source in folder_sources(train_data)}
+    found: dict[str, str] = {}  # fingerprint -> the first training document with it
+    try:
+        for _, index, shard in shard_entries(raw):
+            if shard["source"] in names:
+                for entry in read_index(index):
+                    for fp in set(entry.get("content", [])) & wanted.keys():
+                        found.setdefault(fp, f"{shard['source']}:{entry['key']}")
+    except (OSError, ValueError) as e:  # a shard gone since, an index of another writer
+        return {"unchecked": f"{raw}: {e}"}
+    return {
+        "raw": str(raw),
+        "checked": len(scenes),
+        "scenes": sum(wanted[fp] for fp in found),
+        "examples": list(found.values())[:5],
+    }
 
 
 def load_scenes(paths: list[str | Path]) -> list[dict]:
@@ -103,9 +119,9 @@ def evaluate_scenes(
     single = [scene for scene in scenes if len(scene["facts"]["shapes"]) == 1]
     if limit:
         single = single[:limit]
-    seen = scenes_in_training(single, train_data) if train_data else None
     if len(single) < 2:
         return {"scenes": len(single)}
+    seen = scenes_in_training(single, train_data) if train_data else None
     tallies = {
         attribute: dict.fromkeys(ATTRIBUTES, 0)
         for attribute in ("draw", "draw_chance", "caption", "caption_chance", "ceiling")

@@ -108,7 +108,9 @@ def format_eval(ev: dict) -> str:
             "against another scene):"
         )
         seen = scene_figs.get("in_training") or {}
-        if seen.get("scenes"):
+        if "unchecked" in seen:
+            lines.append(f"scenes not checked against the training pictures: {seen['unchecked']}")
+        elif seen.get("scenes"):
             lines.append(
                 f"WARNING: {seen['scenes']} of these {seen['checked']} scenes are pictures of the "
                 f"training data ({seen['raw']}; e.g. {', '.join(seen['examples'])}): their figures "
