@@ -106,9 +106,9 @@ def dependence_gaps(model, pairs: list[Pair], device, *, progress: bool = False)
         groups.setdefault((pair.source, pair.direction), []).append(pair)
     out = {}
     for (source, direction), group in sorted(groups.items()):
-        row: dict[str, Any] = {"source": source, "direction": direction}
+        row: dict[str, Any] = {"source": source, "direction": direction, "pairs": len(group)}
+        row.update(tokens=0, ce_own=None, ce_other=None, gap=None)  # unmeasured, unless below
         out[f"{source}/{direction}"] = row
-        row.update(pairs=len(group), tokens=0, ce_own=None, ce_other=None, gap=None)
         if len(group) < 2:
             bar.update(1)
             continue
@@ -120,7 +120,8 @@ def dependence_gaps(model, pairs: list[Pair], device, *, progress: bool = False)
             other_nll, _ = target_nll(model, pair, group[(i + 1) % len(group)], device)
             own, other, count = own + own_nll, other + other_nll, count + tokens
             bar.update(1)
-        row.update(tokens=count, ce_own=own / count, ce_other=other / count)
-        row["gap"] = (other - own) / count
+        row.update(
+            tokens=count, ce_own=own / count, ce_other=other / count, gap=(other - own) / count
+        )
     bar.close()
     return out
