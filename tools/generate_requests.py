@@ -384,7 +384,7 @@ class Generator:
             )
         if req.get("draw") is None and (drawing := [k for k in DRAWING if req.get(k) is not None]):
             raise ReleaseError(f"'{drawing[0]}' is a draw request's key (this line draws nothing)")
-        if req.get("code") and req.get("prompt") is None or req.get("code") and req.get("image"):
+        if req.get("code") and (req.get("prompt") is None or req.get("image") is not None):
             raise ReleaseError(
                 "'code' is a prompt's (code to continue), not a caption's or a draw's"
             )
