@@ -107,7 +107,8 @@ NOT_CODE_SUFFIXES = {
     ".txt", ".cfg", ".ini", ".in", ".typed", ".lock", ".sum", ".csv", ".tsv", ".log", ".pdf",
     ".png", ".jpg", ".jpeg", ".gif", ".bmp", ".ico", ".webp", ".svg", ".ttf", ".otf", ".woff",
     ".woff2", ".eot", ".mp3", ".wav", ".mp4", ".zip", ".gz", ".tar", ".whl", ".jar", ".pyc",
-    ".so", ".dll", ".o", ".a", ".class", ".npy", ".npz", ".pkl", ".parquet", ".db", ".bin",
+    ".so", ".dll", ".dylib", ".pyd", ".exe", ".o", ".a", ".class", ".npy", ".npz", ".pkl",
+    ".parquet", ".db", ".bin",
 }  # fmt: skip
 GENERATED_SUFFIXES = (".min.js", ".min.css", ".pb.go", "_pb2.py", ".bundle.js")
 # A minified or generated file whatever its name: a line longer than this (bytes). People write
@@ -120,7 +121,7 @@ PROSE_LANGS = {"markdown", "rst", "tex"}
 def skip_dir(name: str) -> str | None:
     if name.startswith("."):
         return f"hidden folder {name!r} skipped"
-    if name in VENDORED_DIRS or name.endswith(".egg-info"):
+    if name in VENDORED_DIRS or name.endswith((".egg-info", ".dist-info")):
         return f"vendored folder {name!r} skipped"
     return None
 

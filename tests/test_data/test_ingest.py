@@ -84,18 +84,23 @@ def test_a_python_projects_own_files_beside_its_code_leave_exit_status_0(tmp_pat
     (root / "pkg" / "mod.py").write_text("def f():\n    return 1\n")
     (root / "pkg" / "py.typed").write_text("")
     (root / "pkg" / "_vendor" / "six" / "six.py").write_text("PY3 = True\n")
+    (root / "pkg-1.0.dist-info").mkdir()  # an installed package's metadata, as site-packages has
+    (root / "pkg-1.0.dist-info" / "METADATA").write_text("Name: pkg\n")
+    (root / "pkg" / "cli-64.exe").write_bytes(b"MZ\x90\x00")  # setuptools' launchers
     for name in ("LICENSE", "requirements.txt", "setup.cfg"):
         (root / name).write_text("some words\n")
     out = tmp_path / "out"
     argv = ["ingest", "--out", str(out), "--no-progress", "--source", f"code:{root}"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "not-code 4" in printed and "exit status 0" in printed
+    assert "not-code 5" in printed and "exit status 0" in printed
     rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
     assert sorted((r["path"], r["reason"]) for r in rejects) == [
         ("LICENSE", "not-code"),
+        ("pkg-1.0.dist-info/", "vendored"),
         ("pkg/__init__.py", "empty-document"),
         ("pkg/_vendor/", "vendored"),
+        ("pkg/cli-64.exe", "not-code"),
         ("pkg/py.typed", "not-code"),
         ("requirements.txt", "not-code"),
         ("setup.cfg", "not-code"),
@@ -103,7 +108,7 @@ def test_a_python_projects_own_files_beside_its_code_leave_exit_status_0(tmp_pat
     # A file of a language the source does not know may be code: lost, so exit status 3
     (root / "pkg" / "view.vue").write_text("<template><p>hi</p></template>\n")
     assert main([*argv[:2], str(tmp_path / "again"), *argv[3:]]) == 3
-    assert "not-code 4, unknown-type 1" in capsys.readouterr().out
+    assert "not-code 5, unknown-type 1" in capsys.readouterr().out
 
 
 def test_the_summary_counts_the_shards_it_wrote_not_those_all_rejected(tmp_path, capsys):

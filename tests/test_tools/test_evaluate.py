@@ -79,6 +79,7 @@ def test_eval_command_on_a_release(debug_release, tiny_tokens, tiny_corpus, tmp_
     # The tiny corpus's scenes are pictures of the training shards too: said, as for --data
     assert ev["scenes"]["in_training"]["scenes"] == 3
     assert "WARNING: 3 of these 3 scenes are pictures of the training data" in printed
+    assert "scenes (3 single-shape scenes" in printed  # not called held-out
     assert "per modality" in printed and "dependence" in printed and "drawn from caption" in printed
 
 

@@ -102,12 +102,13 @@ def format_eval(ev: dict) -> str:
     if scene_figs.get("draw"):
         guidance = scene_figs.get("draw_guidance", 1.0)
         guided = f" with classifier-free guidance {guidance:g}" if guidance != 1.0 else ""
+        seen = scene_figs.get("in_training") or {}
+        held = "" if seen.get("scenes") else "held-out "  # not when the WARNING below says so
         lines.append(
-            f"scenes ({scene_figs['scenes']} held-out single-shape scenes, drawn at temperature "
+            f"scenes ({scene_figs['scenes']} {held}single-shape scenes, drawn at temperature "
             f"{scene_figs.get('draw_temperature', 0):g}{guided}; share right, chance = scored "
             "against another scene):"
         )
-        seen = scene_figs.get("in_training") or {}
         if "unchecked" in seen:
             lines.append(f"scenes not checked against the training pictures: {seen['unchecked']}")
         elif seen.get("scenes"):
