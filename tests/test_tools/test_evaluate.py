@@ -104,6 +104,20 @@ def test_scenes_are_looked_up_in_the_training_sources_only(tiny_tokens, tiny_cor
     )
 
 
+def test_scenes_of_a_val_fraction_split_are_read_from_its_folder(tiny_corpus, tmp_path):
+    """ingest --val-fraction puts the held-out split in RAW/val/<source>, sources val/<source> of
+    RAW's manifest: --scenes RAW/val was refused (no manifest.json there), and --scenes RAW mixed
+    training and held-out scenes."""
+    from data.ingest import ingest
+    from tools.evaluate.scenes import load_scenes
+
+    raw = tmp_path / "raw"
+    ingest(raw, [f"images:{tiny_corpus / 'scenes' / 'scenes.jsonl'}"], val_fraction=0.5)
+    held, every = load_scenes([raw / "val"]), load_scenes([raw])
+    assert 0 < len(held) < len(every)
+    assert {s["caption"] for s in held} <= {s["caption"] for s in every}
+
+
 def test_a_release_shipped_without_its_run_folder_is_evaluated_on_the_runs_rows(
     debug_release, tiny_tokens, tmp_path, capsys
 ):

@@ -83,12 +83,19 @@ def _table_scenes(path: Path) -> list[dict]:
 
 
 def _shard_scenes(folder: Path) -> list[dict]:
+    from data.shards.manifest import load_manifest
     from data.shards.reader import iter_docs
 
-    if not (folder / "manifest.json").is_file():
+    root, sources = folder, None
+    if not (folder / "manifest.json").is_file() and (folder.parent / "manifest.json").is_file():
+        # ingest --val-fraction's split, RAW/val/<source>: sources val/<source> of RAW's manifest
+        names = [source["name"] for source in load_manifest(folder.parent)["sources"]]
+        sources = [name for name in names if name.startswith(folder.name + "/")]
+        root = folder.parent if sources else folder
+    if not (root / "manifest.json").is_file():
         raise ValueError(f"{folder}: not a raw shard folder (no manifest.json; see ingest --help)")
     out = []
-    for raw in iter_docs(folder):
+    for raw in iter_docs(root, sources):
         meta = raw.doc.get("meta") or {}
         if "shapes" not in (meta.get("facts") or {}):  # not a scene (a clip has facts too)
             continue
