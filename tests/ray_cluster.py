@@ -6,6 +6,7 @@ kills exactly those groups (never ``ray stop``, which would stop every Ray on th
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -32,9 +33,22 @@ ENV = {
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below the kernel's ephemeral range: a port the kernel hands out (bind to
+    0) is one it may give any process's next outgoing connection (gloo's, another test's) before
+    the launch that was to listen on it binds, which then fails with EADDRINUSE."""
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    for _ in range(200):
+        port = random.randrange(10000, max(10001, ephemeral))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port found below the ephemeral range")
 
 
 def _ports() -> list[str]:

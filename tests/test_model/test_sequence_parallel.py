@@ -8,13 +8,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from ray_cluster import free_port
 from safetensors.torch import save_file
 
 from data.vocab import Modality
@@ -26,12 +26,6 @@ from train.sequence_groups import sequence_parallel_ranks
 # fp32 on CPU: the SP path runs the same kernels on the same numbers in another order (the loss
 # is summed per shard first), so differences sit at rounding level, far below this.
 TOLERANCE = 1e-5
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def packed_rows(kit) -> dict:
