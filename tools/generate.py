@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--code is --prompt's (code to continue; a --batch line says its own 'code')")
     if args.draw is not None and args.max_new_tokens is not None:
         parser.error("--max-new-tokens is text's and captions': a drawing's length is its grid")
+    if args.max_size is not None and args.max_size < 1:
+        parser.error(f"--max-size {args.max_size}: a grid's side is at least 1 token")
     if args.size and args.max_size is not None:
         parser.error("--size fixes the grid and --max-size lets the model choose it: give one")
     if args.max_new_tokens is None:

@@ -237,8 +237,8 @@ def cmd_ingest(a) -> int:
         lost = sum(n for why, n in t["rejects_by_reason"].items() if why not in LOSSLESS_REASONS)
         if not lost:
             print(
-                "none of them held content to keep (skipped by design, empty, or duplicates left "
-                "out as asked): exit status 0"
+                "all of them left out by policy (a code tree's non-code files and vendored "
+                "copies), empty, or duplicates left out as asked: exit status 0"
             )
         return 0 if a.allow_rejects or not lost else EXIT_REJECTS
     print("rejected: none")

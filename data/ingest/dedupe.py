@@ -43,6 +43,7 @@ def dedupe_shards(out: Path, records: dict[int, dict]) -> int:
     """Rewrite the shards of ``out`` that hold a repeated document; update ``records`` (and their
     files). Returns the number of documents left out by this pass."""
     first_of: dict[str, str] = {}  # whole-document fingerprint -> source:key of the copy kept
+    shard_of: dict[str, int] = {}  # source:key of a copy kept -> its record
     order = sorted(records, key=lambda index: (records[index]["source"].startswith("val/"), index))
     removed = 0
     for index in order:
@@ -50,16 +51,30 @@ def dedupe_shards(out: Path, records: dict[int, dict]) -> int:
         if not record.get("tar"):
             continue
         entries = read_index(out / record["index_file"])
-        repeats: dict[str, str] = {}  # key -> source:key kept
+        repeats: dict[str, str] = {}  # key -> where the copy kept came from
         for entry in entries:
-            kept = repeat_of(first_of, entry, f"{record['source']}:{entry['key']}")
+            where = f"{record['source']}:{entry['key']}"
+            kept = repeat_of(first_of, entry, where)
             if kept:
-                repeats[entry["key"]] = kept
+                repeats[entry["key"]] = _label_of(out, records[shard_of[kept]], kept)
+            else:
+                shard_of.setdefault(where, index)
         if repeats:
             _rewrite(out, record, entries, repeats)
             Folder(out).write_json(record_path(index), record)
             removed += len(repeats)
     return removed
+
+
+def _label_of(out: Path, record: dict, where: str) -> str:
+    """The path (or row, or line) the kept copy ``where`` (source:key) came from, read from its
+    shard as it is now: the shard may have been rewritten without its own repeats."""
+    source, key = where.split(":", 1)
+    entry = next(e for e in read_index(out / record["index_file"]) if e["key"] == key)
+    offset, size = entry["members"]["json"]
+    with open(out / record["tar"], "rb") as tar:
+        tar.seek(offset)
+        return f"{origin_label(json.loads(tar.read(size)).get('origin', {}), key)} in {source}"
 
 
 def _rewrite(out: Path, record: dict, entries: list[dict], repeats: dict[str, str]) -> None:

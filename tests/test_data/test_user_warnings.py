@@ -181,7 +181,7 @@ def test_ingest_dedupe_leaves_duplicates_out_and_lists_them(tmp_path, capsys):
         ("duplicate", "notes-c_txt"),
         ("duplicate", "notes-d_txt"),
     ]
-    assert all("the same content as notes:notes-a_txt" in r["detail"] for r in rejects)
+    assert all("the same content as a.txt in notes (--dedupe" in r["detail"] for r in rejects)
     assert collect_stats(raw)["samples"] == 2 and collect_stats(raw)["duplicates"]["documents"] == 0
     assert verify(raw)["ok"], verify(raw)["problems"]
     shards = {tar: tar.stat().st_mtime_ns for tar in raw.rglob("*.tar")}
@@ -236,7 +236,7 @@ def test_dedupe_keeps_the_training_copy_of_a_held_out_duplicate(tmp_path):
     assert by_source == {"notes": 1, "val/notes": 0}
     rejects = [json.loads(line) for line in (raw / "rejects.jsonl").read_text().splitlines()]
     assert [(r["reason"], r["key"]) for r in rejects] == [("duplicate", f"notes-{held}_txt")]
-    assert f"the same content as notes:notes-{kept}_txt" in rejects[0]["detail"]
+    assert f"the same content as {kept}.txt in notes (--dedupe" in rejects[0]["detail"]
 
 
 def test_a_validation_split_too_small_to_measure_a_source_is_warned(tmp_path, capsys):
