@@ -520,7 +520,11 @@ def test_rejects_that_hold_nothing_do_not_make_exit_3(tmp_path, capsys):
     argv = ["ingest", "--no-progress", "--source", f"code:{tree}"]
     assert main([*argv, "--out", str(tmp_path / "a")]) == 0
     said = capsys.readouterr().out
-    assert "empty-document 1" in said and "vendored 1" in said and "all of them left out by policy" in said
+    assert (
+        "empty-document 1" in said
+        and "vendored 1" in said
+        and "all of them left out by policy" in said
+    )
     (tree / "blob.py").write_bytes(b"\x00\x01binary\x00" * 8)
     assert main([*argv, "--out", str(tmp_path / "b")]) == EXIT_REJECTS
     assert "binary-file 1" in capsys.readouterr().out
