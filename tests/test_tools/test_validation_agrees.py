@@ -60,7 +60,8 @@ def test_training_validation_equals_earlyfuse_eval(tiny_tokens, tmp_path, capsys
     packed without it (``--no-whole-documents``) text is split at row ends, documents holding
     pictures are not."""
     final = run(tiny_tokens, tmp_path / "run", "train.eval_batches=0", "data.whole_documents=true")
-    assert final["val/complete"] == 1.0
+    assert final["val/complete"] == 1.0 and final["val/skipped"] == 0
+    assert final["val/dropped_blocks"] == 0
     want = label_tokens(tiny_tokens)
     assert {m: final.get(f"val/tokens/{m}", 0.0) for m in MODALITY_NAMES} == want
     make_release(tmp_path / "run", tmp_path / "rel", log=lambda *a, **k: None)

@@ -1,7 +1,7 @@
 """A corrupted token sample cannot stop a run. Before: 256 bytes flipped in one
 sample's ids crashed the model's embedding ('IndexError: index out of range in self') at the
 same step after every restart. Now the loader skips it, counts it in data/skipped and names its
-shard and key, and the run finishes. A source none of whose samples can be read is left out of
+shard and key, and the run finishes; validation counts those it leaves out in val/skipped. A source none of whose samples can be read is left out of
 the mix at start, and a run with no readable source is refused there (exit code 2)."""
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ def test_a_run_skips_corrupted_and_out_of_vocabulary_samples_and_finishes(tiny_t
         [
             "experiment=debug",
             f"data.sources=[{srcs}]",
+            f"data.validation=[{{name: heldout, shards: [{tokens / 'scenes'}, {tokens / 'digits'}]}}]",
             f"run_dir={run}",
             "train.steps=24",
+            "train.eval_batches=0",
             "train.log_every=4",
             "train.micro_batch=2",
         ]
@@ -44,7 +46,10 @@ def test_a_run_skips_corrupted_and_out_of_vocabulary_samples_and_finishes(tiny_t
     assert f"[loader] skipped {oov_tar} sample {oov}: 1 id(s) outside" in p.stderr
     assert p.stderr.count("[loader] skipped") > 2  # met again in later epochs
     # Counted once each, and named. Before: each skip counted, and the samples not named.
-    assert json.loads((run / "final.json").read_text())["data/skipped"] == 2
+    final = json.loads((run / "final.json").read_text())
+    assert final["data/skipped"] == 2
+    # Validation over the same shards leaves both out too, and says so: it read as complete.
+    assert final["val/skipped"] == 2 and final["val/complete"] == 1.0
     assert "unreadable sample(s) skipped so far, over all ranks, each counted once" in p.stdout
     named = [ln for ln in p.stdout.splitlines() if "unreadable sample(s) skipped so far" in ln]
     assert any(f"{flipped_tar} {flipped}" in ln for ln in named)

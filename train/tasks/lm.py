@@ -638,6 +638,11 @@ class LMTask:
         # the batches evaluated on all ranks together.
         out["val/complete"] = float(flags[1] == 0)
         out["val/batches"] = float(flags[0])
+        # Every rank packs the whole pass, so these counts are the same on every rank: held-out
+        # documents left out as corrupted (each logged by iter_documents) and visual blocks
+        # longer than a row, which a complete pass does not evaluate either.
+        out["val/skipped"] = float(sum(c.skipped for c in heldout.counts))
+        out["val/dropped_blocks"] = float(sum(c.dropped_blocks for c in heldout.counts))
         return out
 
     def chance_levels(self) -> dict[str, float]:
