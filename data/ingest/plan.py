@@ -23,11 +23,13 @@ import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from tqdm import tqdm
 
 from data.schema import Reject
 from data.sources import Item, Limits, SourceSpec, build_source
+from data.sources.base import special_file
 
 # Raised whenever what ingest writes for the same plan changes (new rejects, new fields): a
 # folder begun by an earlier version is then refused, not finished with shards of another kind
@@ -93,6 +95,8 @@ def _listed(src) -> Iterator[Item]:
     """The source's items; a failure to list them (unreadable table, bad encoding) is fatal."""
     spec = src.spec
     try:
+        if why := special_file(Path(spec.path)):  # a URL has no stat: None
+            raise ValueError(f"{spec.path}: {why}")
         yield from src.items()
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise ValueError(

@@ -12,6 +12,7 @@ A source kind has two halves:
 from __future__ import annotations
 
 import os
+import stat
 import unicodedata
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -358,7 +359,8 @@ def walk(
                     keep.append(dirname)
         dirnames[:] = keep
         for fname in sorted(filenames):
-            yield f"{rel_dir}{fname}", skipped_file(fname)
+            why = special_file(Path(dirpath, fname))
+            yield f"{rel_dir}{fname}", Skip("unreadable-file", why) if why else skipped_file(fname)
     yield from unlisted_folders()
 
 
@@ -392,27 +394,51 @@ def on_disk(path: Path) -> Path:
     return path
 
 
-def stat_size(path: Path) -> int | None:
+def special_file(path: Path) -> str | None:
+    """What ``path`` is when it is neither a regular file nor a folder (a named pipe, a socket, a
+    device: opening a pipe with no writer waits for ever), or None (also when it cannot be
+    stat'ed: the callers say why)."""
     try:
-        return path.stat().st_size
+        mode = path.stat().st_mode
     except OSError:
         return None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    kind = (
+        "a named pipe (FIFO)"
+        if stat.S_ISFIFO(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "a device"
+        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        else "a special file"
+    )
+    return f"not a regular file but {kind}: not opened"
+
+
+def stat_size(path: Path) -> int | None:
+    """The size of the file at ``path``; None when it cannot be stat'ed or is a special file."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode) else None
 
 
 def unstatable(path: Path) -> str:
     """Why ``stat_size`` found no size for ``path`` (a symlink loop, a broken link, a
-    permission), for a reject's detail."""
+    permission, a named pipe), for a reject's detail."""
     try:
         path.stat()
     except OSError as e:
         return f"cannot stat it: {e.strerror or e}"
-    return "cannot stat it"
+    return special_file(path) or "cannot stat it"
 
 
 def no_size(path: Path) -> tuple[str, str]:
     """(reason, detail) of a media file a table names that ``stat_size`` found no size for: not
-    there, or there as a link that loops or is broken."""
-    if path.is_symlink():
+    there, there as a link that loops or is broken, or there as a named pipe or device."""
+    if path.is_symlink() or special_file(path):
         return "unreadable-file", unstatable(path)
     if "\\" in str(path):  # a table written on Windows: its folders are separated by "\"
         return "missing-media", "file does not exist (folders are separated by / here, not \\)"

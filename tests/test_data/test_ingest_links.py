@@ -211,3 +211,42 @@ def test_a_symlink_loop_is_a_reject_naming_it_not_a_crash(tmp_path, follow):
         "images": 1,
         "table": 0,
     }
+
+
+def test_a_named_pipe_is_a_reject_never_opened(tmp_path, capsys):
+    """A FIFO in a folder, under a table's media path, in an interleaved page and as a source
+    itself: opening one with no writer waits for ever (ingest hung with no word). Each is an
+    unreadable-file reject naming what it is, or for a source, one line (exit 2)."""
+    import os
+
+    src = tmp_path / "src"
+    for kind in ("code", "text", "images", "table/img"):
+        (src / kind).mkdir(parents=True)
+    (src / "code" / "ok.py").write_text("x = 1\n")
+    (src / "images" / "ok.png").write_bytes(png_bytes())
+    (src / "text" / "ok.txt").write_text("A paragraph.\n")
+    for fifo in ("code/p.py", "text/p.txt", "images/p.png", "table/img/p.png", "pipe.jsonl"):
+        os.mkfifo(src / fifo)
+    (src / "table" / "caps.jsonl").write_text('{"image": "img/p.png", "caption": "x"}\n')
+    (src / "table" / "pages.jsonl").write_text(
+        '{"texts": ["a", null], "images": [null, "img/p.png"]}\n'
+    )
+    out = tmp_path / "shards"
+    argv = ["ingest", "--out", str(out), "--no-progress"]
+    for kind in ("code", "text", "images"):
+        argv += ["--source", f"{kind}:{src / kind}"]
+    argv += ["--source", f"table=images:{src / 'table' / 'caps.jsonl'}"]
+    argv += ["--source", f"pages=interleaved:{src / 'table' / 'pages.jsonl'}"]
+    assert main(argv) == EXIT_REJECTS
+    rejects = [json.loads(x) for x in (out / "rejects.jsonl").read_text().splitlines()]
+    assert {(r["source"], r["path"], r["reason"]) for r in rejects} == {
+        ("code", "p.py", "unreadable-file"),
+        ("text", "p.txt", "unreadable-file"),
+        ("images", "p.png", "unreadable-file"),
+        ("table", "caps.jsonl:1 (img/p.png)", "unreadable-file"),
+        ("pages", "pages.jsonl:1", "unreadable-file"),
+    }
+    assert all("not a regular file but a named pipe (FIFO)" in r["detail"] for r in rejects)
+    argv = ["ingest", "--out", str(tmp_path / "b"), "--no-progress"]
+    assert main([*argv, "--source", f"text:{src / 'pipe.jsonl'}"]) == 2
+    assert "pipe.jsonl: not a regular file but a named pipe (FIFO)" in capsys.readouterr().err
