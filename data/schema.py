@@ -40,7 +40,7 @@ REASONS = {
     "missing-media": "a referenced image or video file that does not exist or is remote",
     "not-utf8": "text that is not valid UTF-8 (use --repair-utf8 to keep it with U+FFFD)",
     "pixel-limit": "an image whose header claims more pixels than --max-image-pixels",
-    "too-large": "a file over the size limit of its kind",
+    "too-large": "a file, or a document's text, over the size limit of its kind",
     "truncated-tar": "an input tar cut short (inside a member, its header or before the end blocks)",
     "corrupt-tar": "an input tar with a damaged member header, or data after its end blocks",
     "corrupt-table": "a parquet row that cannot be read: its row group is damaged (each of its "

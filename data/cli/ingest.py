@@ -126,7 +126,8 @@ def _add_ingest(sub) -> None:
         type=parse_size,
         default=parse_size("16MiB"),
         metavar="SIZE",
-        help="reject larger text files (default 16MiB)",
+        help="reject a document with more text: a file, a table's row, a JSONL line, an "
+        "interleaved page's texts together (default 16MiB)",
     )
     p.add_argument(
         "--repair-utf8",

@@ -230,13 +230,30 @@ def assemble(
     media: list[tuple[str, bytes]] = []
     repaired = 0
     counters = {"image": 0, "video": 0}
+    # The size limits apply to a document's text however it came: a file's size is checked
+    # when listed, a table's row or a JSONL line's only here (a 200 MB line took the BPE
+    # trainer 8.6 GB).
+    text_bytes = {"text": 0, "code": 0}
+    limits = {"text": lim.max_text_bytes, "code": lim.max_code_bytes}
     for part in parts:
         if part.type in ("text", "code"):
             where = part.path or label
-            if isinstance(part.text, bytes):
-                got = decode_text(part.text, where, repair=lim.repair_utf8)
+            raw = part.text
+            text_bytes[part.type] += len(
+                raw if isinstance(raw, bytes) else (raw or "").encode("utf-8", "surrogatepass")
+            )
+            if text_bytes[part.type] > limits[part.type]:
+                return src.reject(
+                    label,
+                    "too-large",
+                    f"{text_bytes[part.type]} B of {part.type} > limit {limits[part.type]} B "
+                    f"(--max-{part.type}-bytes)",
+                    key,
+                )
+            if isinstance(raw, bytes):
+                got = decode_text(raw, where, repair=lim.repair_utf8)
             else:
-                got = clean_json_text(part.text or "", where, repair=lim.repair_utf8)
+                got = clean_json_text(raw or "", where, repair=lim.repair_utf8)
             if isinstance(got, Reject):
                 return with_source(got, src, key)
             text, bad = got

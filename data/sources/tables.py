@@ -339,13 +339,6 @@ def load_row(src: Source, item: Item) -> Sample | Reject:
         text = rec.pop("text", None)
         if not isinstance(text, str):
             return src.reject(label, "bad-record", 'no string in column "text"', item.key)
-        if len(text.encode("utf-8", errors="surrogatepass")) > src.limits.max_text_bytes:
-            return src.reject(
-                label,
-                "too-large",
-                f"text over the limit {src.limits.max_text_bytes} B (--max-text-bytes)",
-                item.key,
-            )
         parts = [Part("text", text, path=label)]
     elif src.kind in MEDIA_COLUMNS:
         col = MEDIA_COLUMNS[src.kind]

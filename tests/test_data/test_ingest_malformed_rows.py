@@ -13,7 +13,7 @@ from pathlib import Path
 from factories import mp4_bytes, png_bytes
 
 from data.cli import EXIT_REJECTS, main
-from data.media import IMAGE_EXTS, probe_video
+from data.media import probe_video
 
 
 def run_ingest(out: Path, *sources: str) -> tuple[int, list[dict], dict]:
@@ -356,7 +356,7 @@ def test_photos_and_clips_under_the_names_users_have_them_are_read(tmp_path):
     (pics / "iphone.heic").write_bytes(buf.getvalue())  # the name is what matters here
     (pics / "orphan.txt").write_text("a caption whose photo was not copied")
     (pics / "photo.mp4").write_bytes(png_bytes())  # a picture under a video's name
-    os.mkfifo(pics / "stream.raw")  # looked at for a picture only if a regular file: no hang
+    os.mkfifo(pics / "stream.raw")  # a named pipe: never opened (no hang), whatever its name
     (clips / "old_phone.3gp").write_bytes(mp4_bytes())
     (clips / "still.png").write_bytes(png_bytes())
     status, rejects, manifest = run_ingest(tmp_path / "out", f"images:{pics}", f"videos:{clips}")
@@ -369,9 +369,10 @@ def test_photos_and_clips_under_the_names_users_have_them_are_read(tmp_path):
         "iphone.heic": "not an image file (.heic); HEIC/HEIF is not read: convert it to JPEG first",
         "orphan.txt": "not an image file (.txt); a caption with no image named orphan.*",
         "photo.mp4": "an image (PNG) under a .mp4 name: rename it to .png",
-        "stream.raw": "not an image file (.raw); this source takes " + " ".join(sorted(IMAGE_EXTS)),
         "still.png": "not a video file (.png); give the images a source of their own (images:PATH)",
     }
+    unreadable = {r["path"]: r["detail"] for r in rejects if r["reason"] == "unreadable-file"}
+    assert unreadable == {"stream.raw": "not a regular file but a named pipe (FIFO): not opened"}
 
 
 def test_an_interleaved_media_reject_names_its_line_and_a_video_listed_as_an_image(tmp_path):

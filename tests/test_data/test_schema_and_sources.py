@@ -447,3 +447,33 @@ def test_a_binary_file_under_a_text_name_is_rejected_in_text_folders_too(tmp_pat
     s = ingest(out, [f"text:{notes}"])
     assert _rejects(out) == {"blob.txt": "binary-file"}
     assert s["manifest"]["totals"]["samples"] == 2
+
+
+def test_the_text_limit_holds_for_a_table_row_a_jsonl_line_and_a_page(tmp_path):
+    """--max-text-bytes held for files only: a 200 MB JSONL line was kept, and the BPE trainer
+    took 8.6 GB on it. Every document's text is measured, however it came."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data.sources import Limits
+
+    long = "word " * 500
+    (tmp_path / "t.jsonl").write_text(
+        json.dumps({"text": "short"}) + "\n" + json.dumps({"text": long}) + "\n"
+    )
+    pages = {"texts": [long[:1500], long[:1500], "end"], "images": [None, None, None]}
+    (tmp_path / "p.jsonl").write_text(json.dumps(pages) + "\n")
+    pq.write_table(pa.table({"text": ["short", long]}), tmp_path / "r.parquet")
+    sources = [
+        f"lines=text:{tmp_path / 't.jsonl'}",
+        f"rows=text:{tmp_path / 'r.parquet'}",
+        f"pages=interleaved:{tmp_path / 'p.jsonl'}",
+    ]
+    s = ingest(tmp_path / "out", sources, limits=Limits(max_text_bytes=2000))
+    assert s["manifest"]["totals"]["samples"] == 2
+    rejects = [json.loads(x) for x in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
+    assert {(r["path"], r["reason"], r["detail"]) for r in rejects} == {
+        ("t.jsonl:2", "too-large", "2500 B of text > limit 2000 B (--max-text-bytes)"),
+        ("r.parquet:row 1", "too-large", "2500 B of text > limit 2000 B (--max-text-bytes)"),
+        ("p.jsonl:1", "too-large", "3000 B of text > limit 2000 B (--max-text-bytes)"),
+    }
