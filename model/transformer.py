@@ -472,7 +472,34 @@ class Transformer(nn.Module):
     ) -> Tensor:
         """Run ``input_ids`` [B, s] at positions start.. against the caches; logits of the last
         position, [B, V] float32. The prompt (start == 0) may carry image_ids for bidirectional
-        image attention; later steps are causal."""
+        image attention; later steps are causal.
+
+        Always eager, also when ``compile_blocks`` compiled the blocks for training: those graphs
+        are for one static shape, and every decode step has a new one (the keys grow by a token),
+        so each step would recompile until dynamo's limit stops the run (a training run's first
+        generating probe did)."""
+        with torch.compiler.set_stance("force_eager"):
+            return self._decode(
+                input_ids,
+                caches,
+                start,
+                position_ids=position_ids,
+                position_thw=position_thw,
+                modality=modality,
+                image_ids=image_ids,
+            )
+
+    def _decode(
+        self,
+        input_ids: Tensor,
+        caches: list[KVCache],
+        start: int,
+        *,
+        position_ids: Tensor | None,
+        position_thw: Tensor | None,
+        modality: Tensor | None,
+        image_ids: Tensor | None,
+    ) -> Tensor:
         batch_size, num_new = input_ids.shape
         if modality is None:
             modality = torch.full_like(input_ids, int(Modality.TEXT))

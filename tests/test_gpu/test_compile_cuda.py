@@ -57,6 +57,17 @@ def test_compiled_loss_and_grads_equal_eager_in_bf16(bidirectional):
     for (name, mine), (_, theirs) in zip(compiled.named_parameters(), eager.named_parameters()):
         rel = float((mine.grad - theirs.grad).norm() / theirs.grad.norm().clamp(min=1e-12))
         assert rel < 3e-2, (name, rel)
+    # and it draws, as a run's probes do after compiled steps: decoding runs eager (a new shape a
+    # step would recompile the static blocks past dynamo's limit)
+    from model.generate import SamplingConfig, generate
+
+    with torch.no_grad():
+        out = generate(
+            compiled,
+            batch["input_ids"][:1, :8],
+            sampling=SamplingConfig(max_new_tokens=12, temperature=0.0),
+        )
+    assert out.shape == (1, 20)
 
 
 def test_a_compiled_training_step_never_syncs_the_host():

@@ -206,3 +206,23 @@ def test_inductor_compiled_loss_and_grads_equal_eager(kit, mixed_batch):
     torch.testing.assert_close(got_values, want_values, atol=1e-4, rtol=1e-4)
     for key, grad in want_grads.items():
         torch.testing.assert_close(got_grads[key], grad, atol=1e-4, rtol=1e-4, msg=key)
+
+
+def test_a_compiled_model_generates_as_the_eager_one(kit, mixed_batch):
+    """Generation after ``compile_blocks`` (a training run's probes draw): decoding runs eager.
+    Every decode step has a new shape, so the static fullgraph blocks recompiled each step until
+    dynamo's recompile limit (8) stopped the run with FailOnRecompileLimitHit."""
+    from model.generate import SamplingConfig, generate
+
+    torch.manual_seed(0)
+    cfg = kit.tiny_config()
+    eager = cfg.build().eval()
+    compiled = cfg.build().eval()
+    compiled.load_state_dict(eager.state_dict())
+    compiled.compile_blocks(backend="aot_eager")
+    torch._dynamo.reset()
+    compiled(**mixed_batch)  # a training shape compiled first, as in a run
+    prompt = mixed_batch["input_ids"][:2, :5]
+    sampling = SamplingConfig(max_new_tokens=12, temperature=0.0)  # past the recompile limit
+    want = generate(eager, prompt, sampling=sampling)
+    assert torch.equal(generate(compiled, prompt, sampling=sampling), want)
