@@ -33,7 +33,7 @@ from data.sources.base import special_file
 
 # Raised whenever what ingest writes for the same plan changes (new rejects, new fields): a
 # folder begun by an earlier version is then refused, not finished with shards of another kind
-PLAN_VERSION = 3
+PLAN_VERSION = 4
 
 
 @dataclass

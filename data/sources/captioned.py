@@ -20,6 +20,7 @@ A document is ``[media, caption]``; the caption segment carries ``"role": "capti
 
 from __future__ import annotations
 
+import hashlib
 import json
 import unicodedata
 from collections.abc import Iterator
@@ -43,6 +44,19 @@ from data.sources.rows import parse_record, read_table
 from data.sources.tables import is_table, load_row, table_items
 
 CAPTION_TABLES = ("captions.jsonl", "captions.csv")
+
+
+def sidecar_digest(*sidecars: Path | None) -> str:
+    """A short SHA-256 of the sidecar captions' bytes ("" for none; one that cannot be read is
+    left to the load, which names it)."""
+    digest = hashlib.sha256()
+    for sidecar in sidecars:
+        if sidecar is not None:
+            try:
+                digest.update(sidecar.read_bytes())
+            except OSError:
+                digest.update(b"\0unreadable")
+    return digest.hexdigest()[:16] if any(sidecars) else ""
 
 
 class CaptionedSource(Source):
@@ -180,6 +194,9 @@ class CaptionedSource(Source):
                 json.dumps(caption, sort_keys=True) if caption is not None else "",
                 str(txt) if txt_file else "",
                 str(json_path) if json_file else "",
+                # the sidecars' content is in the plan's fingerprint, as a table's captions are:
+                # a caption edited after an ingest makes its rerun another ingest, not stale
+                sidecar_digest(txt if txt_file else None, json_path if json_file else None),
             )
             yield Item(key, rel, ref, size)
 
@@ -231,7 +248,7 @@ class CaptionedSource(Source):
         if item.ref[0] == "trow":
             return load_row(self, item)
         if item.ref[0] == "file":
-            _, path, rel, table_rec, txt, json_path = item.ref
+            _, path, rel, table_rec, txt, json_path, _ = item.ref
             meta = json.loads(table_rec) if table_rec else {}
             table_caption = meta.pop("caption", None)
             caption: str | bytes | None = table_caption

@@ -190,6 +190,20 @@ def test_changed_inputs_refuse_to_mix_into_an_existing_output(planted_corpus, tm
         ingest(out, planted_corpus["sources"])
 
 
+def test_an_edited_sidecar_caption_is_another_ingest_not_a_stale_one(tmp_path):
+    """A caption fixed after an ingest (the same size: "teh" -> "the") made the rerun find every
+    shard done and keep the old caption: the sidecars' bytes are in the plan, as a table's are."""
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    (pics / "cat.png").write_bytes(png_bytes())
+    (pics / "cat.txt").write_text("teh cat")
+    ingest(tmp_path / "out", [f"images:{pics}"])
+    ingest(tmp_path / "out", [f"images:{pics}"])  # unchanged: done already
+    (pics / "cat.txt").write_text("the cat")
+    with pytest.raises(ValueError, match="different ingest"):
+        ingest(tmp_path / "out", [f"images:{pics}"])
+
+
 def test_a_folder_holding_shards_of_no_recorded_run_is_refused(planted_corpus, tmp_path):
     """Shards copied in, or left by a run whose records were deleted, would be mixed with this
     run's (the loader globs every shard of a source folder): refused, naming them."""
