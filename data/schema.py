@@ -33,6 +33,8 @@ REASONS = {
     "long-line": "a code file with a line over 1,000 bytes: most often minified or generated, "
     "but it may be a hand-written file holding data (so it counts as lost)",
     "link-outside-source": "a symlink that leads out of the source's folder (--follow-links-outside reads it)",
+    "link-inside-source": "a symlinked folder that leads to another folder of the same source (or "
+    "back to one holding it): not entered, its files are read where they are",
     "over-doc-budget": "a document whose text and images leave its videos too little of "
     "tokenize's --doc-budget",
     "outside-tree": "a media path a table gives that leads out of the table's folder ('..', "
@@ -66,7 +68,15 @@ REASONS = {
 # their own they do not make ingest exit 3: every code tree has an empty __init__.py, and a
 # LICENSE, a requirements.txt or a py.typed beside its code.
 LOSSLESS_REASONS = frozenset(
-    {"vendored", "not-code", "empty-document", "blank-line", "duplicate", "duplicate-of-excluded"}
+    {
+        "vendored",
+        "not-code",
+        "link-inside-source",
+        "empty-document",
+        "blank-line",
+        "duplicate",
+        "duplicate-of-excluded",
+    }
 )
 
 _KEY_OK = re.compile(r"^[A-Za-z0-9_-]+$")

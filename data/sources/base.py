@@ -331,7 +331,8 @@ def walk(
 ) -> Iterator[tuple[str, Skip | None]]:
     """Files under ``root`` as sorted relative paths; a skipped folder is yielded once as
     ``("dir/", Skip("vendored", why))`` and not entered. A symlinked folder is not entered when
-    it leads inside ``root`` (its files are listed where they really are); one that leads out is
+    it leads inside ``root`` (its files are listed where they really are; the link is yielded as
+    ``("dir/", Skip("link-inside-source", ...))``, a loop back to a parent among them); one that leads out is
     yielded as ``("dir/", Skip("link-outside-source", ...))``, or entered with ``follow``. Files
     are yielded whatever their links: the caller checks them (``Source.outside``); hidden and
     system files, and names that are not UTF-8, come with their Skip. A folder that cannot be
@@ -367,7 +368,11 @@ def walk(
                 yield f"{rel_dir}{dirname}/", Skip("unsafe-name", bad_name)
             elif not full.is_symlink():
                 keep.append(dirname)
-            elif not (real := full.resolve()).is_relative_to(real_root):
+            elif (real := full.resolve()).is_relative_to(real_root):  # listed, not entered
+                where = os.path.relpath(real, real_root)
+                detail = f"a symlink to {'the source folder' if where == '.' else where + '/'}"
+                yield f"{rel_dir}{dirname}/", Skip("link-inside-source", detail + ", read there")
+            else:
                 if not follow:
                     detail = f"a symlink leads to {real}, outside the source's folder {real_root}"
                     yield f"{rel_dir}{dirname}/", Skip(LINK_OUTSIDE, detail)

@@ -250,3 +250,23 @@ def test_a_named_pipe_is_a_reject_never_opened(tmp_path, capsys):
     argv = ["ingest", "--out", str(tmp_path / "b"), "--no-progress"]
     assert main([*argv, "--source", f"text:{src / 'pipe.jsonl'}"]) == 2
     assert "pipe.jsonl: not a regular file but a named pipe (FIFO)" in capsys.readouterr().err
+
+
+def test_a_folder_link_inside_the_source_is_listed_and_its_files_read_once(tmp_path):
+    """A symlink to a folder of the same source (a loop back to a parent among them) is not
+    entered, so nothing is read twice or for ever, and it is listed (it was neither read nor
+    listed), as lossless: the files it leads to are read where they are."""
+    code = tmp_path / "code"
+    (code / "pkg").mkdir(parents=True)
+    (code / "pkg" / "a.py").write_text("A = 1\n")
+    (code / "pkg" / "up").symlink_to("..", target_is_directory=True)
+    (code / "same").symlink_to("pkg", target_is_directory=True)
+    out = tmp_path / "out"
+    assert main(["ingest", "--out", str(out), "--no-progress", "--source", f"code:{code}"]) == 0
+    rejects = [json.loads(x) for x in (out / "rejects.jsonl").read_text().splitlines()]
+    assert {(r["path"], r["reason"], r["detail"]) for r in rejects} == {
+        ("pkg/up/", "link-inside-source", "a symlink to the source folder, read there"),
+        ("same/", "link-inside-source", "a symlink to pkg/, read there"),
+    }
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["totals"]["samples"] == 1
