@@ -9,11 +9,16 @@ Design choices:
 - The specials ``<|pad|> <|bos|> <|eos|>`` get the first ids. Text that *contains* such a
   string is encoded as plain text (``encode_special_tokens``), so documents cannot inject them.
 - Training data is sampled from raw shards by weight (in characters), deterministically.
+- Training sees no word longer than ``MAX_TRAIN_WORD`` characters: a longer run without a space
+  (a DNA sequence, base64, a line of "=") is cut into pieces that long. The trainer's work on a
+  word grows with its length times the merges that touch it: a 2 MB line ran for hours, and
+  could not be interrupted. Encoding is not bounded this way, only training.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +32,24 @@ SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+
+
+MAX_TRAIN_WORD = 256
+_LONG_RUN = re.compile(rf"\S{{{MAX_TRAIN_WORD + 1},}}|\s{{{MAX_TRAIN_WORD + 1},}}")
+
+
+def bounded_words(texts: Iterable[str]) -> Iterator[str]:
+    """``texts`` with every run of more than ``MAX_TRAIN_WORD`` spaces or non-spaces given in
+    pieces of that length, as texts of their own (the rest of each text unchanged)."""
+    for text in texts:
+        start = 0
+        for run in _LONG_RUN.finditer(text):
+            yield text[start : run.start()]
+            found = run.group()
+            for piece in range(0, len(found), MAX_TRAIN_WORD):
+                yield found[piece : piece + MAX_TRAIN_WORD]
+            start = run.end()
+        yield text[start:] if start else text
 
 
 def new_bpe() -> Tokenizer:
@@ -57,7 +80,7 @@ def train_bpe(
         initial_alphabet=alphabet,
         show_progress=progress,
     )
-    tok.train_from_iterator(texts, trainer)
+    tok.train_from_iterator(bounded_words(texts), trainer)
     return tok
 
 

@@ -172,3 +172,25 @@ def test_a_vocabulary_smaller_than_asked_is_said(tok_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"note: {size} ids, fewer than the 100000 asked (--vocab-size)" in out
     assert "weight asked" not in out  # no --weight: all of every source is what was asked
+
+
+@given(st.text(alphabet="AC \n\t=", max_size=3000))
+@settings(max_examples=60, deadline=None)
+def test_training_words_are_cut_to_a_bound_and_nothing_else_changes(text):
+    from data.text_tokenizer import MAX_TRAIN_WORD, bounded_words
+
+    pieces = list(bounded_words([text]))
+    assert "".join(pieces) == text
+    for piece in pieces:
+        assert all(len(run) <= MAX_TRAIN_WORD for run in piece.split()), piece
+
+
+def test_a_long_line_without_spaces_trains_no_longer_word():
+    """A line of 100k letters without a space: the trainer's work grew with the word's length (a
+    2 MB DNA line ran for hours, deaf to Ctrl-C); it trains on pieces of at most MAX_TRAIN_WORD.
+    A periodic line shows it: whole, its merges double a token's length up to the line's."""
+    from data.text_tokenizer import MAX_TRAIN_WORD, train_bpe
+
+    tok = train_bpe(["some prose before it", "ACGT" * 25_000, "and after it"], 600)
+    longest = max(len(token) for token in tok.get_vocab())
+    assert longest <= MAX_TRAIN_WORD, longest
