@@ -10,8 +10,9 @@ Design choices:
   frames read in order, as decord's seeks there land on other frames (data.media.frame_times).
 - A cap on the number of frames (from a token budget) spreads the kept frames evenly over
   the clip's duration instead of cutting its end.
-- No temp files: decord reads an ``io.BytesIO``. One reader per clip, one thread, released
-  at once; RSS stays flat over thousands of decodes (docs/benchmarks.md, "Tokenizer inputs").
+- decord reads each clip from a temporary file (``data.media.video_path``): given bytes, it
+  holds three more copies of them. One reader per clip, one thread, released at once; RSS stays
+  flat over thousands of decodes (docs/benchmarks.md, "Tokenizer inputs").
 - Frames are decoded at their native size and resized here (Pillow, as images are), a few at a
   time. decord returns 4, 6 or 12 "channels" (and then fails to copy them) for frames of some
   widths that are not a multiple of 32 (8, 16, 24, 48, 72, ...: its row padding divided by the
@@ -27,7 +28,6 @@ Design choices:
 
 from __future__ import annotations
 
-import io
 import math
 import pickle
 import sys
@@ -37,7 +37,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from data.image_prep import ImagePrep
-from data.media import captured_c_stderr, decord_message, frame_times, note_decode_failure
+from data.media import (
+    captured_c_stderr,
+    decord_message,
+    frame_times,
+    note_decode_failure,
+    video_path,
+)
 from data.video_colour import colour_of, to_sdr
 
 
@@ -86,9 +92,9 @@ def decode_frames(
 
     del size  # the decoded frames say their size; the index can only agree
     err: Exception | None = None
-    with captured_c_stderr() as log:
+    with captured_c_stderr() as log, video_path(raw) as clip:
         try:
-            reader = decord.VideoReader(io.BytesIO(raw), num_threads=1)
+            reader = decord.VideoReader(clip, num_threads=1)
             timestamps, counted = frame_times(reader)
             fps = float(reader.get_avg_fps())
             picked = pick_frames(timestamps, sampling.target_fps, sampling.max_frames)
@@ -98,7 +104,7 @@ def decode_frames(
                 del reader
                 width = -(-width // 32) * 32 if channels != 3 else width
                 safe = {"width": width, "height": height} if channels != 3 else {}
-                reader = decord.VideoReader(io.BytesIO(raw), num_threads=1, **safe)
+                reader = decord.VideoReader(clip, num_threads=1, **safe)
             frames = []
             for got in _in_order(reader, picked) if counted else _seeking(reader, picked):
                 if got.shape[1:] != (height, width, 3):
