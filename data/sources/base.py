@@ -11,6 +11,7 @@ A source kind has two halves:
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import unicodedata
@@ -305,6 +306,15 @@ def assemble(
         "segments": segments,
     }
     return Sample(key, doc, media)
+
+
+def not_a_caption(caption: object) -> str | None:
+    """Why a caption value is no text (an object or a list: its Python repr would be trained
+    on as the caption), or None. A number is taken as its text."""
+    if not isinstance(caption, (dict, list)):
+        return None
+    kind = "an object" if isinstance(caption, dict) else "a list"
+    return f"its caption is {kind} ({json.dumps(caption, default=str)[:60]}), not text"
 
 
 def read_media(path: str | None) -> bytes | Reject:

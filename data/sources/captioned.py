@@ -34,6 +34,7 @@ from data.sources.base import (
     Source,
     hidden_dir,
     no_size,
+    not_a_caption,
     on_disk,
     read_file,
     stat_size,
@@ -287,6 +288,8 @@ class CaptionedSource(Source):
         parts = [
             Part(self.part_type, path=path, ext=Path(path).suffix.lower(), label=origin["path"])
         ]
+        if refused := not_a_caption(caption):
+            return self.reject(label, "bad-record", refused, item.key)
         if caption is not None:
             parts.append(
                 Part(

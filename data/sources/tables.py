@@ -37,7 +37,7 @@ from pathlib import Path
 
 from data.schema import Reject, Sample, sanitize_key, unsafe_name_reason
 from data.shards.storage import exists, filesystem, is_remote, read_bytes, retried
-from data.sources.base import Item, Part, Source, no_size, stat_size
+from data.sources.base import Item, Part, Source, no_size, not_a_caption, stat_size
 
 HF_FILES = ("dataset_info.json", "state.json")
 
@@ -350,6 +350,8 @@ def load_row(src: Source, item: Item) -> Sample | Reject:
             return src.reject(refused.path, refused.reason, refused.detail, item.key)
         parts = [_media_part(src.kind[:-1], got, label)]
         caption = rec.pop("caption", None)
+        if no_text := not_a_caption(caption):
+            return src.reject(label, "bad-record", no_text, item.key)
         if caption is not None:
             parts.append(Part("text", str(caption), path=label, role="caption"))
     else:

@@ -477,3 +477,29 @@ def test_the_text_limit_holds_for_a_table_row_a_jsonl_line_and_a_page(tmp_path):
         ("r.parquet:row 1", "too-large", "2500 B of text > limit 2000 B (--max-text-bytes)"),
         ("p.jsonl:1", "too-large", "3000 B of text > limit 2000 B (--max-text-bytes)"),
     }
+
+
+def test_a_caption_that_is_an_object_or_a_list_is_a_bad_record(tmp_path):
+    """A sidecar's {"caption": {"en": ...}} or a table's struct caption was trained on as its
+    Python repr ("{'en': 'nested'}"); a number is still taken as its text."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    for name in ("a", "b", "c"):
+        (pics / f"{name}.png").write_bytes(png_bytes())
+    (pics / "a.json").write_text('{"caption": {"en": "nested"}}')
+    (pics / "b.json").write_text('{"caption": ["one", "two"]}')
+    (pics / "c.json").write_text('{"caption": 42}')
+    pq.write_table(
+        pa.table({"image": [png_bytes()], "caption": [{"en": "x"}]}), tmp_path / "t.parquet"
+    )
+    s = ingest(tmp_path / "out", [f"images:{pics}", f"rows=images:{tmp_path / 't.parquet'}"])
+    assert s["manifest"]["totals"]["samples"] == 1
+    rejects = [json.loads(x) for x in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
+    assert {(r["path"], r["reason"], r["detail"]) for r in rejects} == {
+        ("a.png", "bad-record", 'its caption is an object ({"en": "nested"}), not text'),
+        ("b.png", "bad-record", 'its caption is a list (["one", "two"]), not text'),
+        ("t.parquet:row 0", "bad-record", 'its caption is an object ({"en": "x"}), not text'),
+    }
