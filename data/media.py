@@ -166,7 +166,8 @@ def probe_image(raw: bytes, path: str, *, max_pixels: int) -> ImageInfo | Reject
                     f"{max_pixels} (--max-image-pixels)",
                 )
             fmt, mode = image.format or "?", image.mode
-            frames = getattr(image, "n_frames", 1)
+            # An MPO's second frame is the other eye of a stereo pair or a depth map, no motion
+            frames = getattr(image, "n_frames", 1) if fmt != "MPO" else 1
             if fmt not in IMAGE_FORMATS:
                 return Reject(path, "unreadable-image", f"unsupported image format {fmt}")
             # A full pass over the data finds truncation; JPEG's DCT scaling (draft) still reads

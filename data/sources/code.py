@@ -116,6 +116,11 @@ GENERATED_SUFFIXES = (".min.js", ".min.css", ".pb.go", "_pb2.py", ".bundle.js")
 # uses 1,000). Not applied to prose markup, where a paragraph is often one line.
 MAX_LINE_BYTES = 1000
 PROSE_LANGS = {"markdown", "rst", "tex"}
+# What to do with a kind of file users' trees often hold that no language here reads
+NO_LANGUAGE_HINTS = {
+    ".ipynb": " (a Jupyter notebook: its JSON holds outputs too; convert it to a script first, "
+    "e.g. `jupyter nbconvert --to script` or `jupytext --to py`)",
+}
 
 
 def skip_dir(name: str) -> str | None:
@@ -157,7 +162,8 @@ class CodeSource(Source):
                     key,
                     label,
                     "not-code" if not_code(name) else "unknown-type",
-                    f"no known language for {Path(name).suffix or name!r}",
+                    f"no known language for {Path(name).suffix or name!r}"
+                    + NO_LANGUAGE_HINTS.get(Path(name).suffix.lower(), ""),
                 )
             elif size > self.limits.max_code_bytes:
                 yield self.rejected_item(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 from pathlib import Path
@@ -503,3 +504,25 @@ def test_a_caption_that_is_an_object_or_a_list_is_a_bad_record(tmp_path):
         ("b.png", "bad-record", 'its caption is a list (["one", "two"]), not text'),
         ("t.parquet:row 0", "bad-record", 'its caption is an object ({"en": "x"}), not text'),
     }
+
+
+def test_a_notebook_is_named_with_what_to_do_and_a_stereo_photo_is_not_animated(tmp_path):
+    from PIL import Image
+
+    from data.media import probe_image
+
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "a.py").write_text("A = 1\n")
+    (code / "nb.ipynb").write_text('{"cells": []}')
+    ingest(tmp_path / "out", [f"code:{code}"])
+    (reject,) = [
+        json.loads(x) for x in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()
+    ]
+    assert reject["reason"] == "unknown-type" and "jupytext --to py" in reject["detail"]
+    # An MPO (a phone's stereo or depth JPEG) holds two frames that are no animation
+    left, right = Image.new("RGB", (16, 16), "red"), Image.new("RGB", (16, 16), "blue")
+    buf = io.BytesIO()
+    left.save(buf, format="MPO", save_all=True, append_images=[right])
+    info = probe_image(buf.getvalue(), "stereo.jpg", max_pixels=10**6)
+    assert info.format == "MPO" and info.animation_frames == 1
