@@ -41,7 +41,7 @@ def _add_preview(sub) -> None:
         "--source",
         action="append",
         default=None,
-        help="only these sources (repeatable; default all)",
+        help="only these sources (repeatable; default: all but the held-out val/ ones)",
     )
     p.add_argument(
         "--seq-len", type=int, default=None, help="row length (default: --config's, else 2048)"

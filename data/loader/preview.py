@@ -45,12 +45,15 @@ PAD = (200, 200, 200)
 
 
 def sources_of(token_dir: Folder, names: list[str] | None) -> list[dict]:
+    """The named sources of a token folder; without names, its training ones (not ``val/``:
+    a run lists the held-out split as its validation, never among its sources)."""
     m = token_dir.read_json(MANIFEST_FILE)
     have = [s["name"] for s in m["sources"]]
     for n in names or []:
         if n not in have:
             raise ValueError(f"{token_dir}: no source {n!r} (it has {have})")
-    return [{"name": n, "shards": [token_dir.child(n)]} for n in (names or have)]
+    chosen = names or [n for n in have if not n.startswith("val/")] or have
+    return [{"name": n, "shards": [token_dir.child(n)]} for n in chosen]
 
 
 def local_tokenizers(token_dir: Folder) -> Path:

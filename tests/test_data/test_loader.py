@@ -316,6 +316,19 @@ def test_preview_prints_and_renders_rows(tiny_tokens, tmp_path):
         assert clips.size[0] >= 2 * clips.size[1]
 
 
+def test_preview_leaves_the_held_out_split_out_unless_named(tmp_path):
+    """A token folder of ingest --val-fraction holds val/NAME sources: preview without --source
+    drew them as training data with equal weights, as no run would."""
+    from data.loader.preview import sources_of
+    from data.shards.storage import Folder
+
+    names = ["code", "text", "val/code", "val/text"]
+    (tmp_path / "manifest.json").write_text(json.dumps({"sources": [{"name": n} for n in names]}))
+    folder = Folder(tmp_path)
+    assert [s["name"] for s in sources_of(folder, None)] == ["code", "text"]
+    assert [s["name"] for s in sources_of(folder, ["val/code"])] == ["val/code"]
+
+
 def test_token_before_a_dropped_block_predicts_nothing(tiny_tokens, tiny_tokenizers):
     """An image longer than the row is dropped; the token before it must not be trained to
     predict the dropped block's ``<boi>`` (the next input token is the text after the image)."""
