@@ -28,6 +28,7 @@ from PIL import Image, UnidentifiedImageError
 
 from data.image_prep import bomb_detail, exif_orientation, warnings_naming
 from data.schema import Reject
+from data.video_colour import pixel_aspect
 
 MAX_IMAGE_PIXELS = 64_000_000  # the commands' default limit on an input image, by its header
 
@@ -233,6 +234,13 @@ def captured_c_stderr():
         out.append(tmp.read(65536).decode("utf-8", errors="replace"))
 
 
+def shown_size(width: int, height: int, aspect: float) -> tuple[int, int]:
+    """(width, height) of stored frames of ``width`` x ``height`` pixels, each ``aspect`` times as
+    wide as high, as the clip is shown: the width stretched (a DVD's 720x480 at 32:27 is 853x480
+    on screen), as players do."""
+    return max(1, round(width * aspect)), height
+
+
 @contextmanager
 def video_path(raw: bytes):
     """A temporary file holding ``raw``, for decord to open by path: from a file object decord
@@ -355,7 +363,8 @@ def probe_video(raw: bytes, path: str, *, max_seconds: float) -> VideoInfo | Rej
             duration = float(frame_times(reader)[0][-1, 1])
             first = reader[0].shape
             reader[num_frames - 1]  # decoding the last frame catches a stream cut short
-            info = VideoInfo(int(first[1]), int(first[0]), num_frames, fps, duration)
+            width, height = shown_size(int(first[1]), int(first[0]), pixel_aspect(raw))
+            info = VideoInfo(width, height, num_frames, fps, duration)
             del reader
         except Exception as e:  # decord raises bare RuntimeError/DECORDError for every failure
             err = e

@@ -10,7 +10,9 @@ Design choices:
 - The colour description is read from the container, where phones and encoders write it: the
   ``colr`` box (``nclx``/``nclc``) of an MP4/MOV video sample entry, the ``Colour`` element of a
   Matroska/WebM video track. A clip that signals it only inside its bitstream (VUI) is taken as
-  SDR BT.709, as it was before.
+  SDR BT.709, as it was before. The pixel aspect ratio (``pixel_aspect``: a DVD's or an HDV
+  camera's pixels are not square) is read from the same places (``pasp``; the track's display
+  size), and from an MPEG-2 stream's sequence header; decord gives the stored pixels.
 - Linear light, scaled so that HDR reference white (203 cd/m², ITU-R BT.2408) is 1.0: PQ by
   its EOTF (SMPTE ST 2084), HLG by its inverse OETF and the OOTF of a 1,000 cd/m² display
   (system gamma 1.2, BT.2100), SDR BT.2020 by BT.1886's gamma 2.4. Then BT.2020 or Display P3
@@ -82,21 +84,40 @@ class Colour:
 def colour_of(raw: bytes) -> Colour | None:
     """The colour description an MP4/MOV or Matroska/WebM clip gives its video track, or None
     (no description, another container, or bytes that do not parse)."""
+    found = (_colr(raw, start, end) for start, end in _sample_entries(raw))
+    matroska = (_matroska_colour(raw, start, end) for start, end in _matroska_videos(raw))
+    return _first(found) or _first(matroska)
+
+
+def pixel_aspect(raw: bytes) -> float:
+    """Width over height of one stored pixel as the clip is to be shown (DVDs' 8:9 or 32:27,
+    HDV's 4:3): an MP4/MOV's ``pasp`` box, a Matroska/WebM track's display size, an MPEG-1/2
+    program stream's sequence header. 1.0 when the clip says nothing (square pixels)."""
+    found = (_pasp(raw, start, end) for start, end in _sample_entries(raw))
+    matroska = (_matroska_aspect(raw, start, end) for start, end in _matroska_videos(raw))
+    aspect = _first(found) or _first(matroska) or _mpeg_aspect(raw)
+    return aspect if aspect and 0.1 <= aspect <= 10 else 1.0  # past that, a damaged field
+
+
+def _first(found):
+    """The first value of ``found`` that is not None; None also when the bytes do not parse."""
     try:
-        if raw[4:8] in (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip"):
-            return _mp4_colour(raw, 0, len(raw), 0)
-        if raw[:4] == b"\x1a\x45\xdf\xa3":
-            return _matroska_colour(raw, 0, len(raw), 0)
+        return next((value for value in found if value is not None), None)
     except Exception:  # noqa: BLE001 - whatever the bytes do, a clip without a description
-        pass
-    return None
+        return None
 
 
 # The boxes on the way to the sample entries, each at its own depth (moov/trak/mdia/minf/stbl)
 _MP4_PATH = (b"moov", b"trak", b"mdia", b"minf", b"stbl")
 
 
-def _mp4_colour(raw: bytes, start: int, end: int, depth: int) -> Colour | None:
+def _sample_entries(raw: bytes, start: int = 0, end: int = -1, depth: int = 0):
+    """(start, end) of the boxes inside each track's first sample entry of an MP4/MOV, in
+    track order (an audio track's entry holds no video box: the callers look on)."""
+    if depth == 0:
+        if raw[4:8] not in (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip"):
+            return
+        end = len(raw)
     pos = start
     while pos + 8 <= end:
         size, kind = struct.unpack_from(">I4s", raw, pos)
@@ -106,67 +127,132 @@ def _mp4_colour(raw: bytes, start: int, end: int, depth: int) -> Colour | None:
         elif size == 0:
             size = end - pos
         if size < head:
-            return None
+            return
         if depth < len(_MP4_PATH) and kind == _MP4_PATH[depth]:
-            found = _mp4_colour(raw, pos + head, min(pos + size, end), depth + 1)
-            if found:
-                return found
-        elif kind == b"stsd" and depth == len(
-            _MP4_PATH
-        ):  # full box, entry count, then the sample entries
-            entry = pos + head + 8
+            yield from _sample_entries(raw, pos + head, min(pos + size, end), depth + 1)
+        elif kind == b"stsd" and depth == len(_MP4_PATH):
+            entry = pos + head + 8  # full box, entry count, then the sample entries
             entry_size = struct.unpack_from(">I", raw, entry)[0]
             # a visual sample entry's own fields take 78 bytes, its boxes follow
-            found = _colr(raw, entry + 8 + 78, entry + entry_size)
-            if found:
-                return found
+            yield entry + 8 + 78, entry + entry_size
         pos += size
-    return None
 
 
-def _colr(raw: bytes, start: int, end: int) -> Colour | None:
+def _boxes(raw: bytes, start: int, end: int):
+    """(kind, payload start, box end) of the boxes between ``start`` and ``end``."""
     pos = start
     while pos + 8 <= end:
         size, kind = struct.unpack_from(">I4s", raw, pos)
         if size < 8:
-            return None
-        if kind == b"colr" and raw[pos + 8 : pos + 12] in (b"nclx", b"nclc"):
-            return Colour(*struct.unpack_from(">HHH", raw, pos + 12))
+            return
+        yield kind, pos + 8, pos + size
         pos += size
+
+
+def _colr(raw: bytes, start: int, end: int) -> Colour | None:
+    for kind, payload, _ in _boxes(raw, start, end):
+        if kind == b"colr" and raw[payload : payload + 4] in (b"nclx", b"nclc"):
+            return Colour(*struct.unpack_from(">HHH", raw, payload + 4))
     return None
 
 
-# Matroska element ids: the masters on the way to a video track's Colour, and its three fields
+def _pasp(raw: bytes, start: int, end: int) -> float | None:
+    for kind, payload, _ in _boxes(raw, start, end):
+        if kind == b"pasp":
+            h_spacing, v_spacing = struct.unpack_from(">II", raw, payload)
+            return h_spacing / v_spacing if h_spacing and v_spacing else None
+    return None
+
+
+# Matroska element ids: the masters on the way to a video track's Video element, and in it the
+# Colour master (its three fields) and the pixel and display sizes
 _SEGMENT, _TRACKS, _TRACK, _VIDEO, _COLOUR = 0x18538067, 0x1654AE6B, 0xAE, 0xE0, 0x55B0
 _CLUSTER = 0x1F43B675  # the first block of frames
 _FIELDS = {0x55BB: "primaries", 0x55BA: "transfer", 0x55B1: "matrix"}
+_PIXEL_W, _PIXEL_H, _DISPLAY_W, _DISPLAY_H, _DISPLAY_UNIT = 0xB0, 0xBA, 0x54B0, 0x54BA, 0x54B2
 
 
-_MATROSKA_PATH = (_SEGMENT, _TRACKS, _TRACK, _VIDEO)  # each at its own depth, then Colour
+_MATROSKA_PATH = (_SEGMENT, _TRACKS, _TRACK, _VIDEO)  # each at its own depth
 
 
-def _matroska_colour(raw: bytes, pos: int, end: int, depth: int) -> Colour | None:
+def _matroska_videos(raw: bytes, pos: int = 0, end: int = -1, depth: int = 0):
+    """(start, end) of each video track's Video element of a Matroska/WebM clip."""
+    if depth == 0:
+        if raw[:4] != b"\x1a\x45\xdf\xa3":
+            return
+        end = len(raw)
     while pos < end:
         element, pos = _vint(raw, pos, keep_marker=True)
         size, pos = _vint(raw, pos, keep_marker=False)
         stop = end if size is None else min(pos + size, end)
         if element == _CLUSTER:
-            return None  # the frames start: every track was described before them
-        if element == _COLOUR and depth == len(_MATROSKA_PATH):
-            fields = {"primaries": 2, "transfer": 2, "matrix": 2}  # H.273's "unspecified"
-            while pos < stop:
-                field, pos = _vint(raw, pos, keep_marker=True)
-                length, pos = _vint(raw, pos, keep_marker=False)
-                if field in _FIELDS and length and length <= 8:
-                    fields[_FIELDS[field]] = int.from_bytes(raw[pos : pos + length], "big")
-                pos += length or 0
-            return Colour(**fields)
+            return  # the frames start: every track was described before them
         if depth < len(_MATROSKA_PATH) and element == _MATROSKA_PATH[depth]:
-            found = _matroska_colour(raw, pos, stop, depth + 1)
-            if found or size is None:
-                return found
+            if depth + 1 == len(_MATROSKA_PATH):
+                yield pos, stop
+            else:
+                yield from _matroska_videos(raw, pos, stop, depth + 1)
+            if size is None:
+                return
         pos = stop
+
+
+def _ebml_fields(raw: bytes, pos: int, end: int):
+    """(element id, payload start, payload length) of the elements between ``pos`` and ``end``."""
+    while pos < end:
+        element, pos = _vint(raw, pos, keep_marker=True)
+        length, pos = _vint(raw, pos, keep_marker=False)
+        yield element, pos, length or 0
+        pos += length or 0
+
+
+def _matroska_colour(raw: bytes, start: int, end: int) -> Colour | None:
+    for element, pos, length in _ebml_fields(raw, start, end):
+        if element == _COLOUR:
+            fields = {"primaries": 2, "transfer": 2, "matrix": 2}  # H.273's "unspecified"
+            for field, at, size in _ebml_fields(raw, pos, pos + length):
+                if field in _FIELDS and 0 < size <= 8:
+                    fields[_FIELDS[field]] = int.from_bytes(raw[at : at + size], "big")
+            return Colour(**fields)
     return None
+
+
+def _matroska_aspect(raw: bytes, start: int, end: int) -> float | None:
+    sizes = {
+        element: int.from_bytes(raw[pos : pos + length], "big")
+        for element, pos, length in _ebml_fields(raw, start, end)
+        if element in (_PIXEL_W, _PIXEL_H, _DISPLAY_W, _DISPLAY_H, _DISPLAY_UNIT)
+        and 0 < length <= 8
+    }
+    if sizes.get(_DISPLAY_UNIT, 0) not in (0, 3):  # centimetres, inches: no aspect of pixels
+        return None
+    pixel_w, pixel_h = sizes.get(_PIXEL_W), sizes.get(_PIXEL_H)
+    display_w, display_h = sizes.get(_DISPLAY_W, pixel_w), sizes.get(_DISPLAY_H, pixel_h)
+    if not (pixel_w and pixel_h and display_w and display_h):
+        return None
+    return (display_w / pixel_w) / (display_h / pixel_h)
+
+
+# MPEG-2 sequence header's aspect_ratio_information: the shape of the picture (1: square pixels)
+_MPEG2_PICTURE = {2: 4 / 3, 3: 16 / 9, 4: 2.21}
+_MPEG_SEQUENCE, _MPEG_EXTENSION = b"\x00\x00\x01\xb3", b"\x00\x00\x01\xb5"
+
+
+def _mpeg_aspect(raw: bytes) -> float | None:
+    """An MPEG-2 program or elementary stream's first sequence header (a DVD's VOB, a TV
+    capture): pixel aspect from its picture aspect and size. MPEG-1 (no sequence extension after
+    the header) codes the pixel's shape in another table, rare enough to be taken as square."""
+    if raw[:4] not in (b"\x00\x00\x01\xba", _MPEG_SEQUENCE):
+        return None
+    at = raw.find(_MPEG_SEQUENCE, 0, 1 << 20)
+    if at < 0 or at + 8 > len(raw) or raw.find(_MPEG_EXTENSION, at, at + 256) < 0:
+        return None
+    width = (raw[at + 4] << 4) | (raw[at + 5] >> 4)
+    height = ((raw[at + 5] & 0x0F) << 8) | raw[at + 6]
+    code = raw[at + 7] >> 4
+    if code not in _MPEG2_PICTURE or not width or not height:
+        return None
+    return _MPEG2_PICTURE[code] * height / width
 
 
 def _vint(raw: bytes, pos: int, keep_marker: bool) -> tuple[int | None, int]:

@@ -42,9 +42,10 @@ from data.media import (
     decord_message,
     frame_times,
     note_decode_failure,
+    shown_size,
     video_path,
 )
-from data.video_colour import colour_of, to_sdr
+from data.video_colour import colour_of, pixel_aspect, to_sdr
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ def decode_frames(
             fps = float(reader.get_avg_fps())
             picked = pick_frames(timestamps, sampling.target_fps, sampling.max_frames)
             height, width, channels = reader[0].shape
-            shown = (width, height)
+            shown = shown_size(width, height, pixel_aspect(raw))
             if channels != 3 or counted:  # a safe width (above), or a reader at its start
                 del reader
                 width = -(-width // 32) * 32 if channels != 3 else width
