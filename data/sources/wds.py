@@ -28,7 +28,7 @@ from data.names import INDEX_SUFFIX
 from data.schema import Reject, Sample, sanitize_key, unsafe_name_reason
 from data.shards import storage
 from data.shards.storage import is_remote, retried
-from data.sources.base import Item, Part, Source, hidden_dir, walk
+from data.sources.base import Item, Part, Source, hidden_dir, not_a_caption, walk
 from data.sources.rows import parse_record
 
 
@@ -321,8 +321,13 @@ class WdsSource(Source):
                 return self._load_native(item, rec, data, label, wkey, where)
             caption = rec.pop("caption", None)
             meta.update(rec)
-        if "txt" in data:
-            caption = data.pop("txt")
+        # the caption: KEY.txt, or the one text member of a key holding dots (a.b.jpg, a.b.txt:
+        # webdataset's key is "a", so the members are "b.jpg" and "b.txt")
+        texts = [ext for ext in data if ext == "txt" or ext.endswith(".txt")]
+        if "txt" in texts or len(texts) == 1:
+            caption = data.pop("txt" if "txt" in texts else texts[0])
+        if no_text := not_a_caption(caption):
+            return self.reject(where, "bad-record", no_text, item.key)
         parts = []
         for ext in list(data):
             last = "." + ext.rsplit(".", 1)[-1]

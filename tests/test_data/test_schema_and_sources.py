@@ -526,3 +526,29 @@ def test_a_notebook_is_named_with_what_to_do_and_a_stereo_photo_is_not_animated(
     left.save(buf, format="MPO", save_all=True, append_images=[right])
     info = probe_image(buf.getvalue(), "stereo.jpg", max_pixels=10**6)
     assert info.format == "MPO" and info.animation_frames == 1
+
+
+def test_a_webdataset_key_with_dots_keeps_its_caption_and_an_object_caption_is_refused(tmp_path):
+    """webdataset's key ends at the first dot: a.b.jpg and a.b.txt are key "a", members "b.jpg"
+    and "b.txt". The picture was read by its last extension and the caption dropped."""
+    from factories import write_wds
+
+    shards = tmp_path / "wds"
+    shards.mkdir()
+    write_wds(
+        shards / "s.tar",
+        [
+            ("img.v2", {"jpg": png_bytes(), "txt": b"a caption after a dotted key"}),
+            ("obj", {"jpg": png_bytes(), "json": b'{"caption": {"en": "x"}}'}),
+        ],
+    )
+    ingest(tmp_path / "out", [f"wds:{shards}"])
+    rejects = [json.loads(x) for x in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
+    assert [(r["path"], r["reason"]) for r in rejects] == [("s.tar:obj", "bad-record")]
+    from data.shards.reader import iter_shard, shard_entries
+
+    (doc,) = [
+        d for tar, index, _ in shard_entries(tmp_path / "out") for d in iter_shard(tar, index)
+    ]
+    texts = [seg["text"] for seg in doc.doc["segments"] if seg["type"] == "text"]
+    assert texts == ["a caption after a dotted key"]
