@@ -111,9 +111,12 @@ def test_live_folder_refused_sigterm_checkpoints_and_the_resume_checks_config(
     fewer = base(tiny_tokens, run, stopped, "train.allow_config_change=true")
     p = train(fewer, check=False)
     assert p.returncode == 2 and f"is at step {stopped + 2} already, past train.steps" in p.stderr
-    # The same command again once the run is complete: said, not "steps N->N" alone
-    p = train(finish)
+    # The command again once the run is complete: said, not "steps N->N" alone; a setting changed
+    # on it trains nothing, so the run's config.yaml stays the one that trained
+    trained = (run / "config.yaml").read_text()
+    p = train([*finish, "train.log_every=3"])
     assert f"the run is complete (train.steps={stopped + 2}): nothing to train" in p.stdout
+    assert (run / "config.yaml").read_text() == trained
 
 
 @pytest.mark.parametrize(

@@ -54,8 +54,10 @@ class RunInfo(Callback):
         if not self.is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / CONFIG_FILE).write_text(self.resolved_yaml)
-        self.record_pass(step)
+        if step < trainer.total_steps:  # a complete run started again trains nothing under it:
+            # its config.yaml stays the one that trained (a rerun from it must start)
+            (self.run_dir / CONFIG_FILE).write_text(self.resolved_yaml)
+            self.record_pass(step)
         with open(self.run_dir / LAUNCHES_FILE, "a") as f:
             f.write(json.dumps(launch_record(step, self.command, self.world_size)) + "\n")
         log.info(f"{self.describe}, steps {step}->{trainer.total_steps}")
