@@ -83,7 +83,7 @@ class VideoInfo:
     height: int
     frames: int
     fps: float
-    duration: float  # seconds, end of the last frame
+    duration: float  # seconds, as long as the container says (clip_duration)
 
     def meta(self) -> dict:
         return {
@@ -321,6 +321,16 @@ def frame_times(reader) -> tuple[np.ndarray, bool]:
     return np.stack([starts, starts + 1 / rate], axis=1), True
 
 
+def clip_duration(times: np.ndarray, fps: float) -> float:
+    """A clip's length from its frames' (start, end) times and average rate. decord gives the
+    last frame the gap before it as its length: a time-lapse of frames 295 s apart that the
+    container says lasts 591 s would last 885 s. The rate is frames over the container's
+    duration, so that duration is taken, held between the last frame's start and its end."""
+    start, end = float(times[-1, 0]), float(times[-1, 1])
+    by_rate = len(times) / fps if fps > 0 else end
+    return min(max(by_rate, start), end)
+
+
 def image_format(raw: bytes | Path) -> str | None:
     """Pillow's name of the picture format of these bytes (or of a regular file's first 64 KiB:
     a FIFO or a device is never opened), None if not one."""
@@ -360,7 +370,7 @@ def probe_video(raw: bytes, path: str, *, max_seconds: float) -> VideoInfo | Rej
             if num_frames == 0:
                 raise RuntimeError("no frames")
             fps = float(reader.get_avg_fps())
-            duration = float(frame_times(reader)[0][-1, 1])
+            duration = clip_duration(frame_times(reader)[0], fps)
             first = reader[0].shape
             reader[num_frames - 1]  # decoding the last frame catches a stream cut short
             width, height = shown_size(int(first[1]), int(first[0]), pixel_aspect(raw))

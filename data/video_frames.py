@@ -39,6 +39,7 @@ import numpy as np
 from data.image_prep import ImagePrep
 from data.media import (
     captured_c_stderr,
+    clip_duration,
     decord_message,
     frame_times,
     note_decode_failure,
@@ -124,7 +125,7 @@ def decode_frames(
         to_sdr(np.stack(frames), colour) if colour else np.stack(frames),
         np.asarray(timestamps)[picked, 0],
         fps,
-        float(np.asarray(timestamps)[-1, 1]),
+        clip_duration(np.asarray(timestamps), fps),
     )
 
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from factories import jpeg_bytes, mp4_bytes, png_bytes, png_header_bomb
 
 from data.media import decode_text, probe_image, probe_video
@@ -167,3 +168,20 @@ def test_a_video_in_a_codec_decord_cannot_decode_says_so_and_how_to_re_encode_it
     assert isinstance(r, Reject) and r.reason == "undecodable-video"
     assert "sound only" not in r.detail
     assert "codec decord's FFmpeg cannot decode" in r.detail and "libx264" in r.detail
+
+
+def test_a_clips_length_is_the_containers_held_to_its_last_frame():
+    """decord gives the last frame the gap before it as its length: a time-lapse of frames 295 s
+    apart in a 591 s container read as 885 s (video-too-long at 600). The rate is frames over
+    the container's duration; the length is that, between the last frame's start and end."""
+    import numpy as np
+
+    from data.media import clip_duration
+
+    sparse = np.array([[0.0, 295.0], [295.0, 590.0], [590.0, 885.0]])
+    assert clip_duration(sparse, 3 / 591) == pytest.approx(591.0)
+    steady = np.stack([np.arange(300) / 30, np.arange(1, 301) / 30], axis=1)
+    assert clip_duration(steady, 30.0) == pytest.approx(10.0)
+    assert clip_duration(steady, 1e-9) == pytest.approx(10.0)  # a rate too low: the last end
+    assert clip_duration(steady, 1e9) == pytest.approx(299 / 30)  # too high: the last start
+    assert clip_duration(steady, 0.0) == pytest.approx(10.0)
