@@ -5,7 +5,8 @@ Design choices:
   decompression bomb is never decoded in full (Pillow itself only raises above ~179 M pixels);
   then a decode pass catches truncated files (JPEG at 1/8 scale: all data read, little pixel
   work). Width and height are the header's; the original bytes are what gets stored.
-- Videos: probed with decord from the bytes (no temp file), first and last frame decoded.
+- Videos: probed with decord from a temporary copy of the bytes (``video_path``), first and
+  last frame decoded.
   decord writes FFmpeg's complaints, raw input bytes included, straight to the C stderr; the
   probe captures fd 2 and keeps FFmpeg's reasons, without the bytes, as the reject detail.
 - Text: strict UTF-8 by default; ``repair=True`` replaces bad bytes with U+FFFD and counts them.
@@ -19,6 +20,7 @@ import os
 import re
 import tempfile
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,22 +244,33 @@ def shown_size(width: int, height: int, aspect: float) -> tuple[int, int]:
 
 
 @contextmanager
-def video_path(raw: bytes):
-    """A temporary file holding ``raw``, for decord to open by path: from a file object decord
-    keeps three more copies of the bytes (a 357 MB clip took 1.4 GB to probe; by path, 6 MB).
+def video_path(raw: bytes) -> Iterator[str]:
+    """A path to a temporary copy of ``raw``, for decord to open: given a file object, decord
+    keeps three more copies of the bytes. On Linux the copy has no name (``O_TMPFILE``, opened
+    through /proc/self/fd), so the kernel frees it when the process ends however it ends (a
+    decode child that crashed, a worker killed); elsewhere it is a named file, removed on exit.
     The folder is Python's temporary one (``TMPDIR``); one without room is said by name."""
-    with tempfile.NamedTemporaryFile(prefix="earlyfuse-clip-") as f:
+    folder = tempfile.gettempdir()
+    try:
+        fd = os.open(folder, os.O_TMPFILE | os.O_RDWR, 0o600)
+        path = f"/proc/self/fd/{fd}"
+    except (AttributeError, OSError):  # no O_TMPFILE here, or a file system without it
+        fd, path = tempfile.mkstemp(prefix="earlyfuse-clip-")
+    try:
         try:
-            f.write(raw)
-            f.flush()
+            with open(fd, "wb", closefd=False) as f:
+                f.write(raw)
         except OSError as e:
             raise OSError(
                 e.errno,
-                f"{e.strerror} (writing a temporary copy of a {len(raw)}-byte clip for decord; "
-                "set TMPDIR to a folder with room)",
-                f.name,
+                f"{e.strerror} (writing a temporary copy of a {len(raw)}-byte clip for decord "
+                f"in {folder}; set TMPDIR to a folder with room)",
             ) from None
-        yield f.name
+        yield path
+    finally:
+        os.close(fd)
+        if not path.startswith("/proc/"):
+            os.unlink(path)
 
 
 AVERROR_DECODER_NOT_FOUND = -0x434544F8  # FFERRTAG(0xF8, 'D', 'E', 'C')

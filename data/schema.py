@@ -21,7 +21,8 @@ MEDIA_PREFIX = {"image": "img", "video": "vid"}
 
 # Reason codes a reject can carry, with what they mean (printed by `earlyfuse-prep stats`).
 REASONS = {
-    "bad-record": "a JSONL/CSV record that is not valid JSON or lacks a required field",
+    "bad-record": "a JSONL/CSV record that is not valid JSON or lacks a required field, or a "
+    "caption (a table's, a sidecar's, a tar's) that is an object or a list, not text",
     "bad-row": "a CSV row with more or fewer fields than its header, or a quote never closed",
     "blank-line": "a blank line in a JSONL or CSV table (no record; listed so every line counts)",
     "binary-file": "a file of a code or text folder that holds binary data",

@@ -31,9 +31,13 @@ Design choices:
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 # H.273 code points (ISO/IEC 23091-2), as MP4's colr box and Matroska's Colour element write them
 BT709, BT2020, P3_D65 = 1, 9, 12  # colour primaries
@@ -99,7 +103,7 @@ def pixel_aspect(raw: bytes) -> float:
     return aspect if aspect and 0.1 <= aspect <= 10 else 1.0  # past that, a damaged field
 
 
-def _first(found):
+def _first(found: Iterator[T | None]) -> T | None:
     """The first value of ``found`` that is not None; None also when the bytes do not parse."""
     try:
         return next((value for value in found if value is not None), None)
@@ -111,7 +115,9 @@ def _first(found):
 _MP4_PATH = (b"moov", b"trak", b"mdia", b"minf", b"stbl")
 
 
-def _sample_entries(raw: bytes, start: int = 0, end: int = -1, depth: int = 0):
+def _sample_entries(
+    raw: bytes, start: int = 0, end: int = -1, depth: int = 0
+) -> Iterator[tuple[int, int]]:
     """(start, end) of the boxes inside each track's first sample entry of an MP4/MOV, in
     track order (an audio track's entry holds no video box: the callers look on)."""
     if depth == 0:
@@ -138,7 +144,7 @@ def _sample_entries(raw: bytes, start: int = 0, end: int = -1, depth: int = 0):
         pos += size
 
 
-def _boxes(raw: bytes, start: int, end: int):
+def _boxes(raw: bytes, start: int, end: int) -> Iterator[tuple[bytes, int, int]]:
     """(kind, payload start, box end) of the boxes between ``start`` and ``end``."""
     pos = start
     while pos + 8 <= end:
@@ -175,7 +181,9 @@ _PIXEL_W, _PIXEL_H, _DISPLAY_W, _DISPLAY_H, _DISPLAY_UNIT = 0xB0, 0xBA, 0x54B0, 
 _MATROSKA_PATH = (_SEGMENT, _TRACKS, _TRACK, _VIDEO)  # each at its own depth
 
 
-def _matroska_videos(raw: bytes, pos: int = 0, end: int = -1, depth: int = 0):
+def _matroska_videos(
+    raw: bytes, pos: int = 0, end: int = -1, depth: int = 0
+) -> Iterator[tuple[int, int]]:
     """(start, end) of each video track's Video element of a Matroska/WebM clip."""
     if depth == 0:
         if raw[:4] != b"\x1a\x45\xdf\xa3":
@@ -197,7 +205,7 @@ def _matroska_videos(raw: bytes, pos: int = 0, end: int = -1, depth: int = 0):
         pos = stop
 
 
-def _ebml_fields(raw: bytes, pos: int, end: int):
+def _ebml_fields(raw: bytes, pos: int, end: int) -> Iterator[tuple[int | None, int, int]]:
     """(element id, payload start, payload length) of the elements between ``pos`` and ``end``."""
     while pos < end:
         element, pos = _vint(raw, pos, keep_marker=True)
@@ -239,8 +247,8 @@ _MPEG_SEQUENCE, _MPEG_EXTENSION = b"\x00\x00\x01\xb3", b"\x00\x00\x01\xb5"
 
 
 def _mpeg_aspect(raw: bytes) -> float | None:
-    """An MPEG-2 program or elementary stream's first sequence header (a DVD's VOB, a TV
-    capture): pixel aspect from its picture aspect and size. MPEG-1 (no sequence extension after
+    """An MPEG-2 program or elementary stream's first sequence header (a DVD's VOB or an .mpg
+    program stream; a transport stream is not read): pixel aspect from its picture aspect and size. MPEG-1 (no sequence extension after
     the header) codes the pixel's shape in another table, rare enough to be taken as square."""
     if raw[:4] not in (b"\x00\x00\x01\xba", _MPEG_SEQUENCE):
         return None

@@ -167,12 +167,16 @@ def _resize(frame: np.ndarray, prep: ImagePrep, shown: tuple[int, int]) -> np.nd
 
 def decode_child() -> None:
     """The child of data/loader/decode_guard.py: a pickled ``(raw, sampling, prep, size)`` from
-    stdin (written by its parent, never by the input), a pickled ``(True, frames)`` or ``(False,
-    why)`` to stdout."""
+    stdin (written by its parent, never by the input), a pickled ``(True, frames)``, ``(False,
+    why)`` (the clip cannot be decoded) or ``(None, error)`` (this machine failed: an OSError,
+    such as a temporary folder without room, which the parent raises) to stdout."""
     raw, sampling, prep, size = pickle.loads(sys.stdin.buffer.read())
+    result: tuple[bool | None, object]
     try:
-        result: tuple[bool, object] = (True, decode_frames(raw, sampling, prep, size))
+        result = (True, decode_frames(raw, sampling, prep, size))
     except ValueError as e:
         result = (False, str(e))
+    except OSError as e:
+        result = (None, e)
     sys.stdout.buffer.write(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
     sys.stdout.buffer.flush()

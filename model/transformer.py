@@ -476,8 +476,8 @@ class Transformer(nn.Module):
 
         Always eager, also when ``compile_blocks`` compiled the blocks for training: those graphs
         are for one static shape, and every decode step has a new one (the keys grow by a token),
-        so each step would recompile until dynamo's limit stops the run (a training run's first
-        generating probe did)."""
+        so each step would recompile until dynamo's limit stops the run (the monitors' probes
+        draw in the middle of training)."""
         with torch.compiler.set_stance("force_eager"):
             return self._decode(
                 input_ids,

@@ -255,6 +255,12 @@ class RunConfig:
                 "train.bf16=true needs deepspeed.zero_stage 1 or more (deepspeed=zero1): bf16 keeps "
                 "fp32 master weights and gradients, which DeepSpeed's stage 0 does not do",
             ),
+            (
+                self.deepspeed.zero_stage < 3 or self.train.compile != "true",
+                "train.compile=true with deepspeed.zero_stage 3: ZeRO-3 gathers each layer's "
+                "weights in hooks that compiled blocks cannot call (the first step would fail); "
+                "use train.compile=auto (eager at stage 3) or ZeRO 1-2",
+            ),
             # Empty, the run's files would go into the current folder, or into runs/ itself
             (bool(self.name.strip()), "name is empty: give the run a name (run_dir: runs/NAME)"),
             (bool(self.run_dir.strip()), "run_dir is empty: give the run's own folder"),

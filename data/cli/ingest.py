@@ -238,8 +238,9 @@ def cmd_ingest(a) -> int:
         lost = sum(n for why, n in t["rejects_by_reason"].items() if why not in LOSSLESS_REASONS)
         if not lost:
             print(
-                "all of them left out by policy (a code tree's non-code files and vendored "
-                "copies), empty, or duplicates left out as asked: exit status 0"
+                "none of them loses content (skipped by policy: hidden, vendored or not-code "
+                "files, folder links read where they lead; empty; duplicates left out as "
+                "asked): exit status 0"
             )
         return 0 if a.allow_rejects or not lost else EXIT_REJECTS
     print("rejected: none")

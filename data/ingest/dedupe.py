@@ -44,6 +44,7 @@ def dedupe_shards(out: Path, records: dict[int, dict]) -> int:
     files). Returns the number of documents left out by this pass."""
     first_of: dict[str, str] = {}  # whole-document fingerprint -> source:key of the copy kept
     shard_of: dict[str, int] = {}  # source:key of a copy kept -> its record
+    labels: dict[str, str] = {}  # source:key of a copy kept -> where it came from (its origin)
     order = sorted(records, key=lambda index: (records[index]["source"].startswith("val/"), index))
     removed = 0
     for index in order:
@@ -56,7 +57,9 @@ def dedupe_shards(out: Path, records: dict[int, dict]) -> int:
             where = f"{record['source']}:{entry['key']}"
             kept = repeat_of(first_of, entry, where)
             if kept:
-                repeats[entry["key"]] = _label_of(out, records[shard_of[kept]], kept)
+                if kept not in labels:
+                    labels[kept] = _label_of(out, records[shard_of[kept]], kept)
+                repeats[entry["key"]] = labels[kept]
             else:
                 shard_of.setdefault(where, index)
         if repeats:

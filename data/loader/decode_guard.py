@@ -49,6 +49,8 @@ def decode_in_child(raw: bytes, sampling, prep, size=None):
     if done.returncode != 0 or not done.stdout:
         raise ValueError(f"cannot decode video: the decoding process died (exit {done.returncode})")
     ok, payload = pickle.loads(done.stdout)  # our own child's bytes, never the input's
+    if ok is None:  # the machine's failure, not the clip's: as it would be in this process
+        raise payload
     if not ok:
         raise ValueError(str(payload))
     return payload

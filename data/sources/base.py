@@ -232,8 +232,8 @@ def assemble(
     repaired = 0
     counters = {"image": 0, "video": 0}
     # The size limits apply to a document's text however it came: a file's size is checked
-    # when listed, a table's row or a JSONL line's only here (a 200 MB line took the BPE
-    # trainer 8.6 GB).
+    # when listed, a table's row or a JSONL line's only here (the BPE trainer's memory grows
+    # with the longest document).
     text_bytes = {"text": 0, "code": 0}
     limits = {"text": lim.max_text_bytes, "code": lim.max_code_bytes}
     for part in parts:
@@ -341,9 +341,9 @@ def walk(
 ) -> Iterator[tuple[str, Skip | None]]:
     """Files under ``root`` as sorted relative paths; a skipped folder is yielded once as
     ``("dir/", Skip("vendored", why))`` and not entered. A symlinked folder is not entered when
-    it leads inside ``root`` (its files are listed where they really are; the link is yielded as
-    ``("dir/", Skip("link-inside-source", ...))``, a loop back to a parent among them); one that leads out is
-    yielded as ``("dir/", Skip("link-outside-source", ...))``, or entered with ``follow``. Files
+    it leads inside ``root`` (its files are listed where they really are; the link, a loop back
+    to a parent among them, is yielded as ``("dir/", Skip("link-inside-source", ...))``); one
+    that leads out is yielded as ``("dir/", Skip("link-outside-source", ...))``, or entered with ``follow``. Files
     are yielded whatever their links: the caller checks them (``Source.outside``); hidden and
     system files, and names that are not UTF-8, come with their Skip. A folder that cannot be
     listed is yielded as ``("dir/", Skip("unreadable-file", ...))``; ``root`` itself so raises

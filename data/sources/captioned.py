@@ -37,6 +37,7 @@ from data.sources.base import (
     not_a_caption,
     on_disk,
     read_file,
+    special_file,
     stat_size,
     unstatable,
     walk,
@@ -168,8 +169,15 @@ class CaptionedSource(Source):
             if size is None:
                 yield self.rejected_item(key, rel, "unreadable-file", unstatable(path))
                 continue
-            broken = next((s for s in (txt, json_path) if s.is_symlink() and not s.exists()), None)
-            if broken:  # a link that is broken or loops: as a caption that cannot be read
+            broken = next(
+                (
+                    s
+                    for s in (txt, json_path)
+                    if s.is_symlink() and not s.exists() or special_file(s)
+                ),
+                None,
+            )
+            if broken:  # a link that is broken or loops, a named pipe: a caption not to be read
                 detail = f"its sidecar {broken.name}: {unstatable(broken)}"
                 yield self.rejected_item(key, rel, "unreadable-file", detail)
                 continue

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from data.media import VIDEO_EXTS
 from data.schema import SEGMENT_TYPES, Reject, Sample, sanitize_key, unsafe_name_reason
-from data.sources.base import Item, Part, Source, on_disk, special_file, stat_size
+from data.sources.base import Item, Part, Source, no_size, on_disk, stat_size
 from data.sources.rows import blank_line, parse_record
 from data.sources.tables import LIST_COLUMNS, aligned_entries, is_table, load_row, table_items
 from data.sources.text import jsonl_lines, read_line
@@ -137,13 +137,8 @@ class InterleavedSource(Source):
                         break
                     size += media_size
             if missing:
-                why = special_file(Path(missing))
-                yield self.rejected_item(
-                    key,
-                    label,
-                    "unreadable-file" if why else "missing-media",
-                    f"{missing}: {why}" if why else f"{missing} does not exist",
-                )
+                reason, detail = no_size(Path(missing))
+                yield self.rejected_item(key, label, reason, f"{missing}: {detail}")
                 continue
             yield Item(key, label, ("line", str(self.root), label, off, length, lineno), size)
 

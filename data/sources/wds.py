@@ -85,6 +85,14 @@ def read_members(path: str, group: list) -> dict[str, bytes]:
     return retried(path, once) if is_remote(path) else once()
 
 
+def _member_ending(data: dict[str, bytes], suffix: str) -> str | None:
+    """The member named ``suffix`` (``txt``), else the one member ending in ``.suffix``; None."""
+    if suffix in data:
+        return suffix
+    found = [ext for ext in data if ext.endswith("." + suffix)]
+    return found[0] if len(found) == 1 else None
+
+
 class TarBreak(NamedTuple):
     """Where and how a tar's listing stopped before its end-of-archive blocks."""
 
@@ -313,19 +321,18 @@ class WdsSource(Source):
         data = read_members(path, json.loads(group_json))
         meta: dict = {}
         caption: str | bytes | None = None
-        if "json" in data:
-            rec = parse_record(data.pop("json"), where + ".json")
+        # KEY.json and KEY.txt, or the one such member of a key holding dots (a.b.jpg, a.b.txt:
+        # webdataset's key is "a", so the members are "b.jpg" and "b.txt")
+        if ext := _member_ending(data, "json"):
+            rec = parse_record(data.pop(ext), f"{where}.{ext}")
             if isinstance(rec, Reject):
                 return self.reject(rec.path, rec.reason, rec.detail, item.key)
             if isinstance(rec.get("segments"), list):
                 return self._load_native(item, rec, data, label, wkey, where)
             caption = rec.pop("caption", None)
             meta.update(rec)
-        # the caption: KEY.txt, or the one text member of a key holding dots (a.b.jpg, a.b.txt:
-        # webdataset's key is "a", so the members are "b.jpg" and "b.txt")
-        texts = [ext for ext in data if ext == "txt" or ext.endswith(".txt")]
-        if "txt" in texts or len(texts) == 1:
-            caption = data.pop("txt" if "txt" in texts else texts[0])
+        if ext := _member_ending(data, "txt"):
+            caption = data.pop(ext)
         if no_text := not_a_caption(caption):
             return self.reject(where, "bad-record", no_text, item.key)
         parts = []

@@ -2,8 +2,28 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 from factories import jpeg_bytes, mp4_bytes, png_bytes, png_header_bomb, write_wds
+
+
+@pytest.fixture
+def no_hang():
+    """Fails a test that blocks for 120 s instead of leaving it blocked: a named pipe opened for
+    reading with no writer waits for ever, which is what the tests using it would do if ingest
+    opened one again."""
+
+    def stop(signum, frame):
+        raise TimeoutError("blocked for 120 s (a named pipe opened?)")
+
+    before = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(120)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
 
 
 @pytest.fixture

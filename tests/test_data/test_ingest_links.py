@@ -213,7 +213,7 @@ def test_a_symlink_loop_is_a_reject_naming_it_not_a_crash(tmp_path, follow):
     }
 
 
-def test_a_named_pipe_is_a_reject_never_opened(tmp_path, capsys):
+def test_a_named_pipe_is_a_reject_never_opened(tmp_path, capsys, no_hang):
     """A FIFO in a folder, under a table's media path, in an interleaved page and as a source
     itself: opening one with no writer waits for ever (ingest hung with no word). Each is an
     unreadable-file reject naming what it is, or for a source, one line (exit 2)."""

@@ -336,7 +336,7 @@ def test_a_sidecar_named_after_the_whole_file_name_says_the_name_it_needs(tmp_pa
     )
 
 
-def test_photos_and_clips_under_the_names_users_have_them_are_read(tmp_path):
+def test_photos_and_clips_under_the_names_users_have_them_are_read(tmp_path, no_hang):
     """A JPEG saved as ``.jfif`` (browsers on Windows), an AVIF photo and a ``.3gp`` phone clip
     are media; a file of another kind says what to do with it, not only that it was not taken."""
     import io

@@ -185,3 +185,32 @@ def test_a_clips_length_is_the_containers_held_to_its_last_frame():
     assert clip_duration(steady, 1e-9) == pytest.approx(10.0)  # a rate too low: the last end
     assert clip_duration(steady, 1e9) == pytest.approx(299 / 30)  # too high: the last start
     assert clip_duration(steady, 0.0) == pytest.approx(10.0)
+
+
+def test_a_clip_is_read_from_a_nameless_copy_and_a_full_temporary_folder_is_said(
+    small_tmpfs, monkeypatch
+):
+    """decord reads a temporary copy (given bytes, it kept three more); on Linux the copy has
+    no name, so nothing is left behind whatever ends the process. A temporary folder without room
+    is one OSError naming it and TMPDIR, also from the decode child, where it read as a clip that
+    killed its decoder."""
+    import subprocess as sp
+
+    import data.loader.decode_guard as guard
+    from data.image_prep import ImagePrep
+    from data.media import video_path
+    from data.video_frames import VideoSampling
+
+    raw = mp4_bytes(frames=300)  # 10 KB, over the 4 KB below
+    monkeypatch.setattr("tempfile.tempdir", str(small_tmpfs))
+    with video_path(raw) as path:
+        assert path.startswith("/proc/self/fd/") and Path(path).read_bytes() == raw
+        assert not list(small_tmpfs.iterdir())  # nameless
+    assert probe_video(raw, "clip.mp4", max_seconds=60).frames == 300
+    sp.run(["mount", "-o", "remount,size=4k", str(small_tmpfs)], check=True)
+    with pytest.raises(OSError, match=f"in {small_tmpfs}; set TMPDIR to a folder with room"):
+        probe_video(raw, "clip.mp4", max_seconds=60)
+    monkeypatch.setenv("TMPDIR", str(small_tmpfs))  # the child's temporary folder
+    prep, sampling = ImagePrep(factor=8, max_pixels=4096), VideoSampling(target_fps=2.0)
+    with pytest.raises(OSError, match="set TMPDIR to a folder with room"):
+        guard.decode_in_child(raw, sampling, prep)

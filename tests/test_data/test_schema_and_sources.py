@@ -539,6 +539,7 @@ def test_a_webdataset_key_with_dots_keeps_its_caption_and_an_object_caption_is_r
         shards / "s.tar",
         [
             ("img.v2", {"jpg": png_bytes(), "txt": b"a caption after a dotted key"}),
+            ("pic.v3", {"jpg": png_bytes(), "json": b'{"caption": "from its json", "by": "me"}'}),
             ("obj", {"jpg": png_bytes(), "json": b'{"caption": {"en": "x"}}'}),
         ],
     )
@@ -547,8 +548,8 @@ def test_a_webdataset_key_with_dots_keeps_its_caption_and_an_object_caption_is_r
     assert [(r["path"], r["reason"]) for r in rejects] == [("s.tar:obj", "bad-record")]
     from data.shards.reader import iter_shard, shard_entries
 
-    (doc,) = [
-        d for tar, index, _ in shard_entries(tmp_path / "out") for d in iter_shard(tar, index)
-    ]
-    texts = [seg["text"] for seg in doc.doc["segments"] if seg["type"] == "text"]
-    assert texts == ["a caption after a dotted key"]
+    out = tmp_path / "out"
+    docs = [d for tar, index, _ in shard_entries(out) for d in iter_shard(tar, index)]
+    texts = [[s["text"] for s in d.doc["segments"] if s["type"] == "text"] for d in docs]
+    assert texts == [["a caption after a dotted key"], ["from its json"]]
+    assert docs[1].doc["meta"] == {"by": "me"}

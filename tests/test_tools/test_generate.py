@@ -137,8 +137,9 @@ def test_draw_writes_a_png_that_decodes(release, tmp_path, capsys):
     assert generate_main([str(release), "--draw", "x", "--out", str(free), "--size", "99x99"]) == 2
     assert "outside 1..32" in capsys.readouterr().err
     # a largest side of 0 is refused, not taken for "no cap" (it drew the default grid)
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as refused:
         generate_main([str(release), "--draw", "x", "--out", str(free), "--max-size", "0"])
+    assert refused.value.code == 2
     assert "error: --max-size 0: a grid's side is at least 1 token" in capsys.readouterr().err
     # and one past the layout's grids is refused, not cut to them unsaid
     assert generate_main([str(release), "--draw", "x", "--out", str(free), "--max-size", "33"]) == 2

@@ -638,11 +638,13 @@ class LMTask:
         # the batches evaluated on all ranks together.
         out["val/complete"] = float(flags[1] == 0)
         out["val/batches"] = float(flags[0])
-        # Every rank packs the whole pass, so these counts are the same on every rank: held-out
-        # documents left out as corrupted (each logged by iter_documents) and visual blocks
-        # longer than a row, which a complete pass does not evaluate either.
-        out["val/skipped"] = float(sum(c.skipped for c in heldout.counts))
-        out["val/dropped_blocks"] = float(sum(c.dropped_blocks for c in heldout.counts))
+        # What a complete pass leaves out all the same: held-out documents that fail their checks
+        # (each logged by iter_documents) and visual blocks longer than a row. Every rank packs
+        # the whole pass, so the counts are the same on every rank; a capped pass reads only
+        # part of the set, and its counts would be of that part.
+        if out["val/complete"]:
+            out["val/skipped"] = float(sum(c.skipped for c in heldout.counts))
+            out["val/dropped_blocks"] = float(sum(c.dropped_blocks for c in heldout.counts))
         return out
 
     def chance_levels(self) -> dict[str, float]:
