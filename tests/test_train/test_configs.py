@@ -614,6 +614,15 @@ def test_a_value_the_schema_refuses_is_a_config_error(override, message):
         composed(["experiment=debug", override])
 
 
+def test_compiling_under_zero_3_is_a_config_error():
+    """Before: accepted, the model and engine built, then dynamo's traceback at the first
+    forward (ZeRO-3's parameter hooks cannot run inside a fullgraph block); auto stays eager."""
+    with pytest.raises(ConfigError, match="train.compile=true with deepspeed.zero_stage 3"):
+        composed(["experiment=debug", "deepspeed=zero3", "train.compile=true"])
+    cfg = composed(["experiment=debug", "deepspeed=zero3", "train.compile=auto"])
+    assert not cfg.train.compiles("cuda", cfg.deepspeed.zero_stage)
+
+
 def test_a_visual_tokenizer_crop_of_zero_is_a_config_error():
     """Before: a shape error inside the network, exit code 1."""
     from train.tasks.vtok import VtokTask
