@@ -95,7 +95,7 @@ def colour_of(raw: bytes) -> Colour | None:
 
 def pixel_aspect(raw: bytes) -> float:
     """Width over height of one stored pixel as the clip is to be shown (DVDs' 8:9 or 32:27,
-    HDV's 4:3): an MP4/MOV's ``pasp`` box, a Matroska/WebM track's display size, an MPEG-1/2
+    HDV's 4:3): an MP4/MOV's ``pasp`` box, a Matroska/WebM track's display size, an MPEG-2
     program stream's sequence header. 1.0 when the clip says nothing (square pixels)."""
     found = (_pasp(raw, start, end) for start, end in _sample_entries(raw))
     matroska = (_matroska_aspect(raw, start, end) for start, end in _matroska_videos(raw))

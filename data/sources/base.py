@@ -343,8 +343,8 @@ def walk(
     ``("dir/", Skip("vendored", why))`` and not entered. A symlinked folder is not entered when
     it leads inside ``root`` (its files are listed where they really are; the link, a loop back
     to a parent among them, is yielded as ``("dir/", Skip("link-inside-source", ...))``); one
-    that leads out is yielded as ``("dir/", Skip("link-outside-source", ...))``, or entered with ``follow``. Files
-    are yielded whatever their links: the caller checks them (``Source.outside``); hidden and
+    that leads out is yielded as ``("dir/", Skip("link-outside-source", ...))``, or entered
+    with ``follow``. Files are yielded whatever their links: the caller checks them (``Source.outside``); hidden and
     system files, and names that are not UTF-8, come with their Skip. A folder that cannot be
     listed is yielded as ``("dir/", Skip("unreadable-file", ...))``; ``root`` itself so raises
     PermissionError. A file ``root`` yields just its own name."""
