@@ -5,7 +5,9 @@ torchrun run killed with -9 resumes bit-identically too."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
+from collections import Counter
 
 import pytest
 from trainrun import metrics, rng_digests, train
@@ -58,6 +60,31 @@ def test_lm_debug_run_logs_every_modality(tiny_tokens, tmp_path):
     logged = [(e.step, e.value) for e in board.Scalars("val/loss/image")]
     assert logged == [(8, pytest.approx(final["val/loss/image"]))]
     assert [e.step for e in board.Scalars("train/loss")] == list(range(1, 9))
+
+
+def test_a_compiled_run_probes_and_evaluates_on_a_few_graphs_a_function(tiny_tokens, tmp_path):
+    """What a GPU run does by default (train.compile=auto compiles on CUDA), here with inductor
+    on the CPU: every probe each second step (the code-use probe draws), validation every
+    fourth. Before: the first drawing probe recompiled the static fullgraph blocks at each decode
+    step until dynamo's limit (8) ended the run; each probe's rows were graphs of their own
+    toward that limit. Now the probes run eager: a compiled function has a graph for training and
+    one for evaluation (no grad), each again for rows of one document (no mask): 4 at most."""
+    srcs = f"[{{name: heldout, shards: [{tiny_tokens / 'scenes'}], weight: 1.0}}]"
+    probes = [
+        f"monitor.{probe}.{key}={value}"
+        for probe in ("attention", "dependence", "code_use")
+        for key, value in (("every", 2), ("min_steps", 0))
+    ]
+    run = tmp_path / "run"
+    extra = ["train.compile=true", "train.eval_every=4", f"data.validation={srcs}", *probes]
+    p = train(base(tiny_tokens, run, 8, *extra), env={"TORCH_LOGS": "recompiles"})
+    out = p.stdout + p.stderr
+    assert "compiled, steps 0->8" in out and "step 8/8 | loss" in p.stdout
+    recompiled = Counter(re.findall(r"Recompiling function \w+ in (\S+)", out))
+    assert recompiled and max(recompiled.values()) <= 3, recompiled  # train -> eval: grad mode
+    assert "GLOBAL_STATE changed: grad_mode" in out
+    m = metrics(run)
+    assert "monitor/gen_code_entropy" in m[8] and "monitor/attn_entropy" in m[8]
 
 
 # ZeRO 1's partitioning is ZeRO 2's without the gradients': its resume runs with the slow tests

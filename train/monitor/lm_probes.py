@@ -61,11 +61,18 @@ class LMProbes:
         return first
 
     def run(self, name: str, step: int) -> dict[str, float]:
+        """One probe's figures. Eager in a compiled model: each probe's rows have a shape of
+        their own, and each shape (twice: rows of one document take another path) would be one
+        more of the graphs dynamo compiles per block before its limit (8) ends the run."""
         module = self.engine.module
         was_training = module.training
         module.eval()
         try:
-            with torch.no_grad(), self.task.whole_rows(module):
+            with (
+                torch.no_grad(),
+                self.task.whole_rows(module),
+                torch.compiler.set_stance("force_eager"),
+            ):
                 return self._run(name, step, module)
         finally:
             module.train(was_training)
