@@ -4,6 +4,9 @@ Sampling: every source (a ``--source`` of an ingest) that holds text or code con
 characters in proportion to its size (estimated from the index: the JSON members' bytes), up
 to ``max_chars`` in all. ``weights`` (``--weight NAME=FRACTION``) fix the fraction of the
 training characters a source provides instead; the sources not named share the rest by size.
+The budget is then the most characters at which every share can hold (a source's characters
+over its share, counted first), up to ``max_chars``: on a corpus smaller than that, the larger
+sources give less than all they hold, so that the shares asked are the shares trained on.
 A source smaller than its share gives all it holds, once, and no more: repeating it would train
 the merges on copies and overstate what the tokenizer saw. The summary (and
 ``text_tokenizer_training.json``) says per source the characters used, whether that was all of
@@ -12,6 +15,7 @@ it, and its share of what was trained on.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from data.shards.index import read_index
@@ -63,6 +67,16 @@ def resolve_weights(sources: dict[str, dict], fixed: dict[str, float]) -> dict[s
     return {name: weight for name, weight in weights.items() if weight > 0}
 
 
+def chars_held(make, cap: int) -> int:
+    """The characters of ``make()``'s texts, counted up to ``cap``."""
+    held = 0
+    for text in make():
+        held += len(text)
+        if held >= cap:
+            break
+    return held
+
+
 def _texts_of(shards: list[tuple[Path, Path]]):
     def make():
         for tar, idx in shards:
@@ -89,7 +103,22 @@ def train_text_tokenizer(
     sources = text_sources(dirs)
     mix = resolve_weights(sources, weights or {})
     total_bytes = sum(source["bytes"] for source in sources.values())
-    budget = min(max_chars, total_bytes) if not weights else max_chars
+    # With fixed shares, no more characters than the scarcest source (for its share) lets the
+    # shares hold: code=0.3 on a corpus of 0.6M characters of code and 0.5M of prose trained on
+    # all of both (55 % code) when the budget was --max-chars whatever the corpus. The sources'
+    # characters are counted first (up to their share of --max-chars): index sizes are JSON bytes,
+    # escapes and all, too rough to hold a share.
+    total_w = sum(mix.values())
+    budget, scarcest = min(max_chars, total_bytes), None
+    if weights:
+        fill = {
+            name: chars_held(_texts_of(sources[name]["shards"]), int(max_chars * w / total_w) + 1)
+            * total_w
+            / w
+            for name, w in mix.items()
+        }
+        scarcest = min(fill, key=lambda name: fill[name])
+        budget = min(max_chars, math.ceil(fill[scarcest]))
     used: dict[str, int] = {}
     ran_out: set[str] = set()
     texts = sample_texts(
@@ -101,7 +130,6 @@ def train_text_tokenizer(
     )
     tok = train_bpe(texts, vocab_size, progress=progress)
     trained = sum(used.values()) or 1
-    total_w = sum(mix.values())
     layout = VocabLayout(
         text_size=tok.get_vocab_size(), fsq_levels=tuple(fsq_levels), max_grid=max_grid
     )
@@ -112,6 +140,8 @@ def train_text_tokenizer(
         "weights": mix,
         "chars_used": used,
         "budget_chars": budget,
+        # the source whose size set the budget below --max-chars (fixed shares only)
+        "budget_set_by": scarcest if budget < max_chars else None,
         "sources": {
             name: {
                 "chars_used": used[name],

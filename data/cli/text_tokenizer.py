@@ -54,8 +54,9 @@ def _add_train_text_tokenizer(sub) -> None:
         default=[],
         metavar="SOURCE=FRACTION",
         help="fraction of the training characters from one source (e.g. code=0.4); "
-        "sources not named share the rest by size (default: all by size). A source smaller than "
-        "its fraction gives all it holds, once (never repeated); the summary says what was used",
+        "sources not named share the rest by size (default: all by size). The characters trained "
+        "on are then at most what lets every fraction hold (on a small corpus, less than all of "
+        "it); nothing is repeated; the summary says what was used",
     )
     p.add_argument(
         "--max-chars",
@@ -113,6 +114,11 @@ def cmd_train_text_tokenizer(a) -> int:
     print(
         f"{a.out}: BPE of {info['vocab_size']} ids trained on {sum(info['chars_used'].values()):,} chars:"
     )
+    if info["budget_set_by"]:
+        print(
+            f"  (the --weight shares hold up to about {info['budget_chars']:,} chars, all of "
+            f"{info['budget_set_by']} at its share; below --max-chars {a.max_chars:,})"
+        )
     for n, src in info["sources"].items():
         print(
             f"  {n:<16} {src['chars_used']:>12,} chars ({src['share']:.1%})"
