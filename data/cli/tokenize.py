@@ -168,6 +168,13 @@ def cmd_tokenize(a) -> int:
     )
     for line in describe(m):
         print(line)
+    for source in m["sources"]:
+        if squeezed := source.get("out_of_shape"):
+            print(
+                f"note: {source['name']}: {squeezed['documents']} document(s) with an image too long "
+                f"and thin for the grid (more than max_grid:1), drawn more than twice out of "
+                f"shape, e.g. {', '.join(squeezed['examples'])}: crop or split such images"
+            )
     if t["rejects"]:
         print(
             f"rejected {t['rejects']} document(s), listed in {a.out}/{REJECTS_FILE}: "

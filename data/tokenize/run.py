@@ -250,6 +250,11 @@ def finalize_tokens(
         source["samples"] += record["samples"]
         source["tokens"].update(record["tokens"])
         source["shards"] += 1
+        squeezed = record.get("out_of_shape", {"documents": 0, "examples": []})
+        if squeezed["documents"]:
+            drawn = source.setdefault("out_of_shape", {"documents": 0, "examples": []})
+            drawn["documents"] += squeezed["documents"]
+            drawn["examples"] = (drawn["examples"] + squeezed["examples"])[:3]
 
     blocks = block_summary(recs)
     for source in sources.values():

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data.image_prep import SWAPS_SIDES
 from data.names import INDEX_SUFFIX
 from data.schema import Reject, Sample
 from data.shards import token_index
@@ -184,14 +185,17 @@ def _tokenize_shard(job: TokenizeJob, raw_tar: Path, raw_idx: Path, stage: Stagi
         )
     writer = TokenShardWriter(stage.path(tar_rel), stage.path(idx_rel))
     rejects: list[dict] = []
+    squeezed: list[str] = []  # keys of documents holding an image its grid draws out of shape
     try:
         with ShardReader(raw_tar, raw_idx) as stream:
             for chunk in batched(stream, CHUNK_DOCS):
-                for got in encode_chunk(job, chunk):
+                for raw_doc, got in zip(chunk, encode_chunk(job, chunk), strict=True):
                     if isinstance(got, Reject):
                         rejects.append(got.to_dict())
                     else:
                         writer.write(got)
+                        if out_of_shape(raw_doc.doc["segments"], got.spans):
+                            squeezed.append(got.key)
         result = writer.close(stage.path(bin_rel))
     except BaseException:
         writer.abort()
@@ -210,11 +214,28 @@ def _tokenize_shard(job: TokenizeJob, raw_tar: Path, raw_idx: Path, stage: Stagi
         "index_sha256": result.index_sha256,
         "tokens": dict(writer.tokens),
         "block_stats": shard_block_stats(writer.doc_blocks),
+        "out_of_shape": {"documents": len(squeezed), "examples": squeezed[:3]},
         "rejects": rejects,
         # What `earlyfuse-prep merge` needs to finish a partitioned run's manifest.
         "inputs": {"raw": job.raw_dir, "tokenizer": job.tok_dir, "visual": job.vtok_dir},
         "options": asdict(job.opts),
     }
+
+
+def out_of_shape(segments: list[dict], spans: list[dict]) -> bool:
+    """Whether an image of the document is drawn more than twice out of shape by its grid: a
+    grid holds at most ``max_grid`` tokens a side, so a strip longer than that (a 4000x3 web
+    separator) is squeezed to ``max_grid``:1; tokenize says how many, rather than drop them."""
+    images = [seg for seg in segments if seg["type"] == "image"]
+    grids = [span["grid"] for span in spans if span["type"] == "image"]
+    for seg, (rows, cols) in zip(images, grids):
+        width, height = seg["width"], seg["height"]
+        if seg.get("orientation", 1) in SWAPS_SIDES:
+            width, height = height, width
+        change = (cols * height) / (rows * width)
+        if max(change, 1 / change) > 2:
+            return True
+    return False
 
 
 def binary_index_name(idx_rel: str) -> str:

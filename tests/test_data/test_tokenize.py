@@ -366,3 +366,25 @@ def test_a_hand_written_raw_folder_missing_a_field_is_named(
     assert "Traceback" not in printed.err and code == 3  # that document rejected, the rest kept
     said = f"sample {entry['key']} names a member {member!r} that its index line's"
     assert said in (tmp_path / "t2" / "rejects.jsonl").read_text()
+
+
+def test_images_too_long_and_thin_for_the_grid_are_counted_and_named(
+    tiny_tokenizers, tmp_path, capsys
+):
+    """A 4000x3 strip has no grid of its shape (at most max_grid tokens a side): it is drawn
+    squeezed to max_grid:1, which tokenize says, per source, with examples (it was silent)."""
+    from PIL import Image
+
+    from data.ingest import ingest
+
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    Image.new("RGB", (4000, 3), "red").save(pics / "strip.png")
+    Image.new("RGB", (40, 30), "blue").save(pics / "photo.png")
+    ingest(tmp_path / "raw", [f"pics=images:{pics}"])
+    text, visual = tiny_tokenizers
+    argv = ["tokenize", "--in", str(tmp_path / "raw"), "--out", str(tmp_path / "tok")]
+    assert main([*argv, "--tokenizer", str(text), "--visual-tokenizer", str(visual)]) == 0
+    assert "note: pics: 1 document(s) with an image too long and thin" in capsys.readouterr().out
+    (source,) = json.loads((tmp_path / "tok" / "manifest.json").read_text())["sources"]
+    assert source["out_of_shape"] == {"documents": 1, "examples": ["pics-strip_png"]}
