@@ -52,6 +52,9 @@ from model.loss import LossConfig, LossResult, OutputHead
 from model.moe import MoE, MoEConfig
 from model.rope import RopeConfig, RotaryEmbedding
 
+# Graphs a compiled block may keep (compile_blocks): 16 ways a run calls it, with room to spare
+RECOMPILE_LIMIT = 64
+
 
 @dataclass(kw_only=True)
 class TransformerConfig:
@@ -310,7 +313,17 @@ class Transformer(nn.Module):
 
     def compile_blocks(self, *, backend: str = "inductor") -> None:
         """Compile every block (or, for routed FFNs, its attention) and the loss head, each
-        with ``fullgraph=True`` and static shapes (a packed batch's shape never changes)."""
+        with ``fullgraph=True`` and static shapes (a packed batch's shape never changes).
+
+        A block keeps one graph for each way a run calls it: training or evaluation, rows of
+        several documents or of one (no mask), checkpointed or not (``activation_checkpoint_every``
+        above 1), local or global (their masks differ): up to 16, past dynamo's default of 8
+        graphs a function, which with ``fullgraph=True`` ends the run. The limit is raised to
+        ``RECOMPILE_LIMIT`` for the process; the probes and decoding run eager."""
+        for name in ("recompile_limit", "cache_size_limit"):  # torch 2.7 renamed it
+            if hasattr(torch._dynamo.config, name):
+                limit = max(getattr(torch._dynamo.config, name), RECOMPILE_LIMIT)
+                setattr(torch._dynamo.config, name, limit)
         for layer in self.blocks():
             target = layer if isinstance(layer.feed_forward, FeedForward) else layer.attention
             target.compile(fullgraph=True, dynamic=False, backend=backend)

@@ -226,3 +226,35 @@ def test_a_compiled_model_generates_as_the_eager_one(kit, mixed_batch):
     sampling = SamplingConfig(max_new_tokens=12, temperature=0.0)  # past the recompile limit
     want = generate(eager, prompt, sampling=sampling)
     assert torch.equal(generate(compiled, prompt, sampling=sampling), want)
+
+
+def test_a_compiled_block_keeps_a_graph_for_every_way_a_run_calls_it(kit, mixed_batch):
+    """Training and evaluation, rows of several documents and of one, checkpointed and plain
+    blocks (activation_checkpoint_every=2), local and global layers: each combination is a graph
+    of its own, 8 here, all dynamo's default limit allows, past which fullgraph=True ends the run
+    (a local/global run with every second block checkpointed died at step 62). A second batch size
+    doubles them, past that limit: compile_blocks raises it."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    cfg = kit.tiny_config(
+        n_layers=4,
+        activation_checkpoint_every=2,
+        attention=AttentionConfig(n_heads=4, n_kv_heads=2, local_window=8, global_every=2),
+    )
+    model = cfg.build()
+    model.compile_blocks(backend="aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    one_doc = {key: value.clone() for key, value in mixed_batch.items()}
+    one_doc["doc_ids"] = torch.zeros_like(one_doc["doc_ids"])
+    one_doc.pop("position_ids", None)
+    for batch in (mixed_batch, one_doc):
+        for rows in (2, 1):
+            part = {key: value[:rows] for key, value in batch.items()}
+            model.train()
+            model(**part).loss.backward()
+            model.eval()
+            with torch.no_grad():
+                model(**part)
+    assert counters["stats"]["unique_graphs"] > 8 + 2  # the blocks' and the loss head's

@@ -67,8 +67,8 @@ def test_a_compiled_run_probes_and_evaluates_on_a_few_graphs_a_function(tiny_tok
     on the CPU: every probe each second step (the code-use probe draws), validation every
     fourth. Before: the first drawing probe recompiled the static fullgraph blocks at each decode
     step until dynamo's limit (8) ended the run; each probe's rows were graphs of their own
-    toward that limit. Now the probes run eager: a compiled function has a graph for training and
-    one for evaluation (no grad), each again for rows of one document (no mask): 4 at most."""
+    toward that limit. Now the probes run eager: a compiled function here has a graph for
+    training and one for evaluation (no grad), each again for rows of one document (no mask)."""
     srcs = f"[{{name: heldout, shards: [{tiny_tokens / 'scenes'}], weight: 1.0}}]"
     probes = [
         f"monitor.{probe}.{key}={value}"
