@@ -254,6 +254,9 @@ def video_path(raw: bytes) -> Iterator[str]:
     try:
         fd = os.open(folder, os.O_TMPFILE | os.O_RDWR, 0o600)
         path = f"/proc/self/fd/{fd}"
+        if not os.path.exists(path):  # no /proc to open it through
+            os.close(fd)
+            raise OSError("no /proc")
     except (AttributeError, OSError):  # no O_TMPFILE here, or a file system without it
         fd, path = tempfile.mkstemp(prefix="earlyfuse-clip-")
     try:
