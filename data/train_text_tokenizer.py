@@ -103,11 +103,10 @@ def train_text_tokenizer(
     sources = text_sources(dirs)
     mix = resolve_weights(sources, weights or {})
     total_bytes = sum(source["bytes"] for source in sources.values())
-    # With fixed shares, no more characters than the scarcest source (for its share) lets the
-    # shares hold: code=0.3 on a corpus of 0.6M characters of code and 0.5M of prose trained on
-    # all of both (55 % code) when the budget was --max-chars whatever the corpus. The sources'
-    # characters are counted first (up to their share of --max-chars): index sizes are JSON bytes,
-    # escapes and all, too rough to hold a share.
+    # With fixed shares, no more characters than the scarcest source (for its share) allows: on a
+    # corpus smaller than --max-chars the shares would otherwise be the corpus's, whatever was
+    # asked. The sources' characters are counted first (up to their share of --max-chars): index
+    # sizes are JSON bytes, escapes and all, too rough to hold a share.
     total_w = sum(mix.values())
     budget, scarcest = min(max_chars, total_bytes), None
     if weights:
