@@ -45,6 +45,7 @@ def dedupe_shards(out: Path, records: dict[int, dict]) -> int:
     first_of: dict[str, str] = {}  # whole-document fingerprint -> source:key of the copy kept
     shard_of: dict[str, int] = {}  # source:key of a copy kept -> its record
     labels: dict[str, str] = {}  # source:key of a copy kept -> where it came from (its origin)
+    indexes: dict[int, dict[str, dict]] = {}  # record -> its index entries by key, as read
     order = sorted(records, key=lambda index: (records[index]["source"].startswith("val/"), index))
     removed = 0
     for index in order:
@@ -58,23 +59,28 @@ def dedupe_shards(out: Path, records: dict[int, dict]) -> int:
             kept = repeat_of(first_of, entry, where)
             if kept:
                 if kept not in labels:
-                    labels[kept] = _label_of(out, records[shard_of[kept]], kept)
+                    held = shard_of[kept]
+                    if held not in indexes:
+                        found = read_index(out / records[held]["index_file"])
+                        indexes[held] = {e["key"]: e for e in found}
+                    labels[kept] = _label_of(out, records[held], indexes[held], kept)
                 repeats[entry["key"]] = labels[kept]
             else:
                 shard_of.setdefault(where, index)
         if repeats:
             _rewrite(out, record, entries, repeats)
+            indexes.pop(index, None)  # its members moved
             Folder(out).write_json(record_path(index), record)
             removed += len(repeats)
     return removed
 
 
-def _label_of(out: Path, record: dict, where: str) -> str:
+def _label_of(out: Path, record: dict, entries: dict[str, dict], where: str) -> str:
     """The path (or row, or line) the kept copy ``where`` (source:key) came from, read from its
-    shard as it is now: the shard may have been rewritten without its own repeats."""
+    shard as it is now (``entries``: its index's, by key; the shard may have been rewritten
+    without its own repeats)."""
     source, key = where.split(":", 1)
-    entry = next(e for e in read_index(out / record["index_file"]) if e["key"] == key)
-    offset, size = entry["members"]["json"]
+    offset, size = entries[key]["members"]["json"]
     with open(out / record["tar"], "rb") as tar:
         tar.seek(offset)
         return f"{origin_label(json.loads(tar.read(size)).get('origin', {}), key)} in {source}"
