@@ -54,8 +54,8 @@ REASONS = {
     "not-code": "a file of a code tree that is no code (a licence, requirements.txt, setup.cfg, "
     "py.typed, an icon, a font): left out, as a tree's vendored folders",
     "unreadable-file": "a file that cannot be read (permissions, a broken link or one that loops, "
-    "I/O error), that is no regular file (a named pipe, never opened), or whose sidecar caption "
-    "cannot be read; a folder that cannot be listed",
+    "I/O error), that is no regular file (a named pipe, never opened; a tar's link member), or "
+    "whose sidecar caption cannot be read; a folder that cannot be listed",
     "unreadable-image": "bytes that no supported image decoder recognises",
     "unsafe-name": "a name that would escape the output folder, is not a valid key, or is not "
     "UTF-8 (a file name in another encoding: rename it, e.g. convmv -f latin1 -t utf-8)",

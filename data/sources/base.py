@@ -381,7 +381,10 @@ def walk(
             elif (real := full.resolve()).is_relative_to(real_root):  # listed, not entered
                 where = os.path.relpath(real, real_root)
                 detail = f"a symlink to {'the source folder' if where == '.' else where + '/'}"
-                yield f"{rel_dir}{dirname}/", Skip("link-inside-source", detail + ", read there")
+                # a link into a folder the walk skips reads nothing: that folder's reject says why
+                skipped = next(filter(None, map(skip_dir, Path(where).parts)), None)
+                detail += f", not read: {skipped}" if skipped else ", read there"
+                yield f"{rel_dir}{dirname}/", Skip("link-inside-source", detail)
             else:
                 if not follow:
                     detail = f"a symlink leads to {real}, outside the source's folder {real_root}"

@@ -105,7 +105,8 @@ class TarBreak(NamedTuple):
 
 
 def list_members(path: Path | str) -> tuple[list[tuple[str, int, int]], TarBreak | None]:
-    """(name, data offset, size) of the regular members, and why the listing stopped early.
+    """(name, data offset, size) of the members, and why the listing stopped early. A member
+    that holds no bytes of its own (a link, a device) has offset -1: its sample cannot be read.
 
     tarfile takes a short or invalid header after the first member for the end of the archive,
     so the bytes where it stopped are checked here: the end-of-archive blocks (zeros) are the
@@ -123,6 +124,8 @@ def list_members(path: Path | str) -> tuple[list[tuple[str, int, int]], TarBreak
                         return members, TarBreak("truncated-tar", what, member.name, True)
                     if member.isfile():
                         members.append((member.name, member.offset_data, member.size))
+                    elif not member.isdir():
+                        members.append((member.name, -1, 0))
                 stop = archive.offset
             return members, _check_end(f, stop, total, members)
     except (tarfile.ReadError, OSError) as e:
@@ -286,6 +289,13 @@ class WdsSource(Source):
             where = f"{label}:{wkey}"
             if why:
                 yield self.rejected_item(key, where, "unsafe-name", why)
+                continue
+            if links := [f"{wkey}.{m[0]}" if m[0] else wkey for m in group if m[1] < 0]:
+                why = (
+                    f"{', '.join(links)}: a link (or device) member, not a file: it holds no "
+                    "bytes (write the tar without links: tar --dereference)"
+                )
+                yield self.rejected_item(key, where, "unreadable-file", why)
                 continue
             media = [
                 member

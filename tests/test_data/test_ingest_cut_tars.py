@@ -6,6 +6,7 @@ for the end of the archive; and a sample whose members straddled the cut was kep
 
 from __future__ import annotations
 
+import io
 import json
 import tarfile
 from pathlib import Path
@@ -148,3 +149,30 @@ def test_a_file_that_is_no_tar_is_corrupt_not_truncated(tmp_path):
         "corrupt-tar",
         "not a tar archive (invalid header): nothing in it is read",
     )
+
+
+def test_a_sample_with_a_link_member_is_named_not_said_to_lack_media(tmp_path):
+    """A tar made without --dereference stores a symlinked picture as a link member, which holds
+    no bytes: its sample is unreadable-file naming the member (it was missing-media, "its
+    members: s0.txt", and a sample of links alone vanished unlisted)."""
+    (tmp_path / "in").mkdir()
+    with tarfile.open(tmp_path / "in" / "a.tar", "w") as tar:
+        for name, target in [("s0.jpg", "elsewhere.jpg"), ("s0.txt", ""), ("s1.png", "s0.jpg")]:
+            member = tarfile.TarInfo(name)
+            if target:
+                member.type, member.linkname = tarfile.SYMTYPE, target
+                tar.addfile(member)
+            else:
+                member.size = 9
+                tar.addfile(member, io.BytesIO(b"a caption"))
+    out = tmp_path / "out"
+    assert (
+        main(["ingest", "--out", str(out), "--no-progress", "--source", f"wds:{tmp_path / 'in'}"])
+        == 3
+    )
+    rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    link = "a link (or device) member, not a file: it holds no bytes"
+    assert [(r["path"], r["reason"], r["detail"].split(" (write")[0]) for r in rejects] == [
+        ("a.tar:s0", "unreadable-file", f"s0.jpg: {link}"),
+        ("a.tar:s1", "unreadable-file", f"s1.png: {link}"),
+    ]

@@ -261,10 +261,15 @@ def test_a_folder_link_inside_the_source_is_listed_and_its_files_read_once(tmp_p
     (code / "pkg" / "a.py").write_text("A = 1\n")
     (code / "pkg" / "up").symlink_to("..", target_is_directory=True)
     (code / "same").symlink_to("pkg", target_is_directory=True)
+    (code / ".cache" / "v1").mkdir(parents=True)
+    (code / "cached").symlink_to(".cache/v1", target_is_directory=True)
+    hidden = "hidden folder '.cache' skipped"
     out = tmp_path / "out"
     assert main(["ingest", "--out", str(out), "--no-progress", "--source", f"code:{code}"]) == 0
     rejects = [json.loads(x) for x in (out / "rejects.jsonl").read_text().splitlines()]
     assert {(r["path"], r["reason"], r["detail"]) for r in rejects} == {
+        (".cache/", "vendored", hidden),
+        ("cached/", "link-inside-source", "a symlink to .cache/v1/, not read: " + hidden),
         ("pkg/up/", "link-inside-source", "a symlink to the source folder, read there"),
         ("same/", "link-inside-source", "a symlink to pkg/, read there"),
     }
