@@ -30,7 +30,7 @@ from PIL import Image, UnidentifiedImageError
 
 from data.image_prep import bomb_detail, exif_orientation, warnings_naming
 from data.schema import Reject
-from data.video_colour import pixel_aspect
+from data.video_colour import pixel_shape
 
 MAX_IMAGE_PIXELS = 64_000_000  # the commands' default limit on an input image, by its header
 
@@ -236,10 +236,13 @@ def captured_c_stderr():
         out.append(tmp.read(65536).decode("utf-8", errors="replace"))
 
 
-def shown_size(width: int, height: int, aspect: float) -> tuple[int, int]:
-    """(width, height) of stored frames of ``width`` x ``height`` pixels, each ``aspect`` times as
-    wide as high, as the clip is shown: the width stretched (a DVD's 720x480 at 32:27 is 853x480
-    on screen), as players do."""
+def shown_size(width: int, height: int, raw: bytes) -> tuple[int, int]:
+    """(width, height) of a clip's decoded frames of ``width`` x ``height`` pixels as it is shown,
+    its pixels stretched to their shape (``pixel_shape``), as players do: a DVD's 720x480 at
+    32:27 is 853x480 on screen. Frames decord turned a quarter (stored 480x720) stretch upright."""
+    aspect, stored = pixel_shape(raw)
+    if stored == (height, width) and width != height:
+        return width, max(1, round(height * aspect))
     return max(1, round(width * aspect)), height
 
 
@@ -389,7 +392,7 @@ def probe_video(raw: bytes, path: str, *, max_seconds: float) -> VideoInfo | Rej
             duration = clip_duration(frame_times(reader)[0], fps)
             first = reader[0].shape
             reader[num_frames - 1]  # decoding the last frame catches a stream cut short
-            width, height = shown_size(int(first[1]), int(first[0]), pixel_aspect(raw))
+            width, height = shown_size(int(first[1]), int(first[0]), raw)
             info = VideoInfo(width, height, num_frames, fps, duration)
             del reader
         except Exception as e:  # decord raises bare RuntimeError/DECORDError for every failure

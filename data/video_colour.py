@@ -10,7 +10,7 @@ Design choices:
 - The colour description is read from the container, where phones and encoders write it: the
   ``colr`` box (``nclx``/``nclc``) of an MP4/MOV video sample entry, the ``Colour`` element of a
   Matroska/WebM video track. A clip that signals it only inside its bitstream (VUI) is taken as
-  SDR BT.709, as it was before. The pixel aspect ratio (``pixel_aspect``: a DVD's or an HDV
+  SDR BT.709, as it was before. The pixel aspect ratio (``pixel_shape``: a DVD's or an HDV
   camera's pixels are not square) is read from the same places (``pasp``; the track's display
   size), and from an MPEG-2 stream's sequence header; decord gives the stored pixels.
 - Linear light, scaled so that HDR reference white (203 cd/m², ITU-R BT.2408) is 1.0: PQ by
@@ -93,14 +93,28 @@ def colour_of(raw: bytes) -> Colour | None:
     return _first(found) or _first(matroska)
 
 
-def pixel_aspect(raw: bytes) -> float:
+def pixel_shape(raw: bytes) -> tuple[float, tuple[int, int] | None]:
     """Width over height of one stored pixel as the clip is to be shown (DVDs' 8:9 or 32:27,
-    HDV's 4:3): an MP4/MOV's ``pasp`` box, a Matroska/WebM track's display size, an MPEG-2
-    program stream's sequence header. 1.0 when the clip says nothing (square pixels)."""
+    HDV's 4:3), and the stored (width, height) of an MP4/MOV's frames it is read with (None for
+    other containers). The aspect is read from an MP4/MOV's ``pasp`` box, a Matroska/WebM track's
+    display size, an MPEG-2 program stream's sequence header; 1.0 when the clip says nothing
+    (square pixels). A track whose display matrix turns its frames a quarter, as decord applies,
+    has them stored height x width: their stretch is then vertical."""
+    stored = _first(
+        _stored_size(raw, start) for start, end in _sample_entries(raw) if _pasp(raw, start, end)
+    )
     found = (_pasp(raw, start, end) for start, end in _sample_entries(raw))
     matroska = (_matroska_aspect(raw, start, end) for start, end in _matroska_videos(raw))
     aspect = _first(found) or _first(matroska) or _mpeg_aspect(raw)
-    return aspect if aspect and 0.1 <= aspect <= 10 else 1.0  # past that, a damaged field
+    if not aspect or not 0.1 <= aspect <= 10:  # past that, a damaged field
+        return 1.0, None
+    return aspect, stored
+
+
+def _stored_size(raw: bytes, boxes_start: int) -> tuple[int, int]:
+    """(width, height) fields of the visual sample entry whose boxes start at ``boxes_start``:
+    they sit 32 bytes into the entry, whose own fields take 86 bytes before its boxes."""
+    return struct.unpack_from(">HH", raw, boxes_start - 86 + 32)
 
 
 def _first(found: Iterator[T | None]) -> T | None:

@@ -46,7 +46,7 @@ from data.media import (
     shown_size,
     video_path,
 )
-from data.video_colour import colour_of, pixel_aspect, to_sdr
+from data.video_colour import colour_of, to_sdr
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def decode_frames(
             fps = float(reader.get_avg_fps())
             picked = pick_frames(timestamps, sampling.target_fps, sampling.max_frames)
             height, width, channels = reader[0].shape
-            shown = shown_size(width, height, pixel_aspect(raw))
+            shown = shown_size(width, height, raw)
             if channels != 3 or counted:  # a safe width (above), or a reader at its start
                 del reader
                 width = -(-width // 32) * 32 if channels != 3 else width
