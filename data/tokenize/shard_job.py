@@ -177,12 +177,15 @@ def _tokenize_shard(job: TokenizeJob, raw_tar: Path, raw_idx: Path, stage: Stagi
     tar_rel = job.shard["path"]
     idx_rel = job.shard["index"]
     bin_rel = binary_index_name(idx_rel)
-    if file_sha256(raw_idx) != job.shard["index_sha256"]:  # an index line gone: a document lost
-        raise ValueError(
-            f"{job.raw_dir}/{idx_rel}: not the index ingest wrote (its SHA-256 is not the "
-            f"manifest's): the folder changed after ingest; earlyfuse-prep verify {job.raw_dir} "
-            "says what else"
-        )
+    # an index line gone loses a document, a damaged tar (a bad disk, a copy cut short) changes
+    # one: both are refused (hashing a shard costs a fraction of a second, tokenizing it minutes)
+    for path, rel, digest in ((raw_idx, idx_rel, "index_sha256"), (raw_tar, tar_rel, "sha256")):
+        if file_sha256(path) != job.shard[digest]:
+            raise ValueError(
+                f"{job.raw_dir}/{rel}: not the {'index' if path is raw_idx else 'shard'} ingest "
+                f"wrote (its SHA-256 is not the manifest's): the folder changed after ingest; "
+                f"earlyfuse-prep verify {job.raw_dir} says what else"
+            )
     writer = TokenShardWriter(stage.path(tar_rel), stage.path(idx_rel))
     rejects: list[dict] = []
     squeezed: list[str] = []  # keys of documents holding an image its grid draws out of shape

@@ -318,16 +318,25 @@ def test_a_visual_tokenizer_folder_is_checked_by_its_one_loader(tiny_tokenizers,
         load_visual_tokenizer(folder, layout)
 
 
-def test_a_raw_index_changed_after_ingest_is_refused(tiny_raw, tiny_tokenizers, tmp_path, capsys):
-    """A raw index that lost a line (its document would be left out without a word) or was
-    edited: tokenize refuses, naming it, as verify would."""
-    raw = shutil.copytree(tiny_raw, tmp_path / "raw")
-    index = raw / json.loads((raw / "manifest.json").read_text())["shards"][0]["index"]
-    index.write_text("".join(index.read_text().splitlines(keepends=True)[:-1]))
+def test_a_raw_shard_changed_after_ingest_is_refused(tiny_raw, tiny_tokenizers, tmp_path, capsys):
+    """A raw index that lost a line (its document would be left out without a word), or a tar
+    with a byte flipped (a document tokenized changed, unsaid): tokenize refuses, naming it, as
+    verify would."""
     text, visual = tiny_tokenizers
-    argv = ["tokenize", "--in", str(raw), "--out", str(tmp_path / "t"), "--tokenizer", str(text)]
-    assert main([*argv, "--visual-tokenizer", str(visual), "--no-progress"]) == 2
-    assert f"{index}: not the index ingest wrote" in capsys.readouterr().err
+    for part in ("index", "path"):
+        raw = shutil.copytree(tiny_raw, tmp_path / part)
+        damaged = raw / json.loads((raw / "manifest.json").read_text())["shards"][0][part]
+        if part == "index":
+            damaged.write_text("".join(damaged.read_text().splitlines(keepends=True)[:-1]))
+        else:
+            data = bytearray(damaged.read_bytes())
+            data[1000] ^= 1  # inside the first member's data
+            damaged.write_bytes(bytes(data))
+        out = str(tmp_path / f"t_{part}")
+        argv = ["tokenize", "--in", str(raw), "--out", out, "--tokenizer", str(text)]
+        assert main([*argv, "--visual-tokenizer", str(visual), "--no-progress"]) == 2
+        said = "index" if part == "index" else "shard"
+        assert f"{damaged}: not the {said} ingest wrote" in capsys.readouterr().err
 
 
 def test_a_hand_written_raw_folder_missing_a_field_is_named(
