@@ -136,6 +136,13 @@ class CaptionedSource(Source):
             rel for rel, skipped in files if not skipped and Path(rel).suffix.lower() in self.exts
         }
         stems = {str(Path(rel).with_suffix("")) for rel in media}
+        # (stem, .txt or .json) -> the sidecar of that stem, its suffix in any case: a camera's
+        # IMG_0001.JPG comes with IMG_0001.TXT; of two (a.txt and a.TXT) the first is read
+        sidecars: dict[tuple[str, str], str] = {}
+        for rel, skipped in files:
+            stem, suffix = str(Path(rel).with_suffix("")), Path(rel).suffix.lower()
+            if not skipped and rel not in media and suffix in (".txt", ".json") and stem in stems:
+                sidecars.setdefault((stem, suffix), rel)
         captioned: dict[Path, str] = {}  # a sidecar caption -> the media file it captions
         for rel, skipped in files:
             if skipped:
@@ -143,16 +150,24 @@ class CaptionedSource(Source):
                 continue
             if rel in CAPTION_TABLES:
                 continue
-            suffix = Path(rel).suffix.lower()
+            stem, suffix = str(Path(rel).with_suffix("")), Path(rel).suffix.lower()
             if rel not in media:
-                if suffix in (".txt", ".json") and str(Path(rel).with_suffix("")) in stems:
+                if (read := sidecars.get((stem, suffix))) == rel:
                     continue  # a sidecar caption, read with its media file
+                if read:
+                    detail = f"a second {suffix} caption of {Path(stem).name}: {read} is read"
+                    yield self.rejected_item(
+                        self.key(sanitize_key(rel)), rel, "duplicate-key", detail
+                    )
+                    continue
                 detail = self._unknown_detail(rel, suffix, media)
                 yield self.rejected_item(self.key(sanitize_key(rel)), rel, "unknown-type", detail)
                 continue
             key = self.path_key(rel)
             path = self.root / rel
-            txt, json_path = path.with_suffix(".txt"), path.with_suffix(".json")
+            txt, json_path = (
+                self.root / sidecars.get((stem, side), stem + side) for side in (".txt", ".json")
+            )
             # the media file and its sidecar captions: none may be a link out of the folder
             outside = next(
                 (

@@ -204,6 +204,29 @@ def test_an_edited_sidecar_caption_is_another_ingest_not_a_stale_one(tmp_path):
         ingest(tmp_path / "out", [f"images:{pics}"])
 
 
+def test_a_sidecar_caption_in_capitals_is_read(tmp_path):
+    """A camera's IMG_0001.JPG comes with IMG_0001.TXT: the caption was neither read nor listed
+    (looked up as .txt), and the picture kept uncaptioned. A second case of one sidecar is a
+    duplicate-key naming the one read."""
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    (pics / "IMG_0001.JPG").write_bytes(png_bytes())
+    (pics / "IMG_0001.TXT").write_text("a red square")
+    (pics / "b.png").write_bytes(png_bytes())
+    (pics / "b.JSON").write_text(json.dumps({"caption": "a blue one"}))
+    (pics / "b.json").write_text(json.dumps({"caption": "another"}))
+    out = tmp_path / "out"
+    assert main(["ingest", "--out", str(out), "--no-progress", "--source", f"images:{pics}"]) == 3
+    captions = {
+        sample["__key__"]: [seg.get("text") for seg in sample["json"]["segments"] if "text" in seg]
+        for sample in wds.WebDataset(str(next(out.rglob("*.tar"))), shardshuffle=False).decode()
+    }
+    assert captions == {"pics-IMG_0001_JPG": ["a red square"], "pics-b_png": ["a blue one"]}
+    (reject,) = [json.loads(x) for x in (out / "rejects.jsonl").read_text().splitlines()]
+    assert (reject["path"], reject["reason"]) == ("b.json", "duplicate-key")
+    assert reject["detail"] == "a second .json caption of b: b.JSON is read"
+
+
 def test_a_folder_holding_shards_of_no_recorded_run_is_refused(planted_corpus, tmp_path):
     """Shards copied in, or left by a run whose records were deleted, would be mixed with this
     run's (the loader globs every shard of a source folder): refused, naming them."""
