@@ -226,6 +226,11 @@ def _load_image(raw: bytes, prep: ImagePrep, max_source_pixels: int | None) -> n
             f"header claims {width}x{height} = {width * height} pixels > limit "
             f"{max_source_pixels} (not decoded)"
         )
+    if image.format != "JPEG":  # a JPEG is drafted at its target size before it is decoded
+        # Pillow turns a TIFF by its orientation as it decodes it, and drops the tag: its size
+        # and orientation are read after, so a turned picture is not turned again
+        image.load()
+        width, height = image.size
     orientation = exif_orientation(image)
     if orientation in SWAPS_SIDES:
         width, height = height, width
