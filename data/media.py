@@ -99,26 +99,42 @@ class VideoInfo:
 
 # The ISO-BMFF brands of HEIC/HEIF (iPhones' photos), which Pillow does not read without a plugin.
 HEIF_BRANDS = {b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"mif1", b"msf1"}
-UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
 
 
-def looks_binary(raw: bytes) -> bool:
-    """A NUL byte in the first 8 KiB, unless a UTF-16 byte order mark opens the file."""
-    return b"\0" in raw[:8192] and not raw.startswith(UTF16_BOMS)
+def wide_codec(raw: bytes) -> str | None:
+    """ "utf-32" or "utf-16" when the byte order mark of one opens ``raw`` (Windows tools write
+    UTF-16 with it), else None. UTF-32's little-endian mark starts with UTF-16's: it goes first."""
+    if raw.startswith((b"\xff\xfe\0\0", b"\0\0\xfe\xff")):
+        return "utf-32"
+    return "utf-16" if raw.startswith((b"\xff\xfe", b"\xfe\xff")) else None
+
+
+def binary_detail(raw: bytes) -> str | None:
+    """Why ``raw`` is no text: a NUL byte in its first 8 KiB (none is text, unless a UTF-16 or
+    UTF-32 byte order mark opens it), or None. NULs at every other byte are named as UTF-16."""
+    head = raw[:8192]
+    if b"\0" not in head or wide_codec(raw):
+        return None
+    zeros = sorted((head[0::2].count(0), head[1::2].count(0)))
+    if zeros[0] <= len(head) // 64 and zeros[1] > len(head) // 4:  # one byte of each pair
+        return "NUL bytes between the letters: UTF-16 without a byte order mark? save it as UTF-8"
+    return "NUL byte in the first 8 KiB"
 
 
 def decode_text(raw: bytes, path: str, *, repair: bool) -> tuple[str, int] | Reject:
     """UTF-8 text (a leading BOM dropped) and the count of replaced bytes, or a not-utf8 reject.
-    Text that opens with a UTF-16 byte order mark (Windows tools write it) is read as UTF-16:
-    its mark says so unambiguously, and as UTF-8 it would be NULs between the letters."""
+    Text that opens with a UTF-16 or UTF-32 byte order mark is read so: its mark says so
+    unambiguously, and as UTF-8 it would be NULs between the letters."""
     if raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]
-    elif raw.startswith(UTF16_BOMS):
+    elif codec := wide_codec(raw):
         try:
-            return raw.decode("utf-16"), 0
+            return raw.decode(codec), 0
         except UnicodeDecodeError as e:
             return Reject(
-                path, "not-utf8", f"UTF-16 by its byte order mark, invalid at byte {e.start}"
+                path,
+                "not-utf8",
+                f"{codec.upper()} by its byte order mark, invalid at byte {e.start}",
             )
     try:
         return raw.decode("utf-8"), 0

@@ -25,7 +25,7 @@ REASONS = {
     "caption (a table's, a sidecar's, a tar's) that is an object or a list, not text",
     "bad-row": "a CSV row with more or fewer fields than its header, or a quote never closed",
     "blank-line": "a blank line in a JSONL or CSV table (no record; listed so every line counts)",
-    "binary-file": "a file of a code or text folder that holds binary data",
+    "binary-file": "a file of a code or text folder, or a caption sidecar, that holds binary data",
     "duplicate-key": "a sample key that an earlier input already used",
     "duplicate": "a document whose whole content repeats an earlier one's (ingest --dedupe)",
     "duplicate-of-excluded": "content (document, media file or long text) that a folder given "

@@ -26,7 +26,14 @@ import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
 
-from data.media import IMAGE_EXTS, IMAGE_FORMATS, VIDEO_EXTS, decode_text, image_format
+from data.media import (
+    IMAGE_EXTS,
+    IMAGE_FORMATS,
+    VIDEO_EXTS,
+    binary_detail,
+    decode_text,
+    image_format,
+)
 from data.schema import Reject, Sample, sanitize_key, unsafe_name_reason
 from data.sources.base import (
     Item,
@@ -295,6 +302,9 @@ class CaptionedSource(Source):
                 raw = read_file(Path(txt), rel)
                 if isinstance(raw, Reject):
                     return self.reject(raw.path, raw.reason, raw.detail, item.key)
+                if why := binary_detail(raw):  # a caption of NULs would be trained on
+                    detail = f"its sidecar {Path(txt).name}: {why}"
+                    return self.reject(rel, "binary-file", detail, item.key)
                 got = decode_text(raw, rel, repair=self.limits.repair_utf8)
                 if isinstance(got, Reject):  # named by the caption file, the one to fix
                     detail = f"its sidecar {Path(txt).name}: {got.detail}"

@@ -15,7 +15,7 @@ import tokenize
 from collections.abc import Iterator
 from pathlib import Path
 
-from data.media import UTF16_BOMS, looks_binary
+from data.media import binary_detail, wide_codec
 from data.schema import Reject, Sample
 from data.sources.base import Item, Part, Source, read_file, stat_size, unstatable
 
@@ -182,8 +182,8 @@ class CodeSource(Source):
             return self.reject(raw.path, raw.reason, raw.detail, item.key)
         if lang == "python":
             raw = python_as_utf8(raw)
-        if looks_binary(raw):
-            return self.reject(label, "binary-file", "NUL byte in the first 8 KiB", item.key)
+        if why := binary_detail(raw):
+            return self.reject(label, "binary-file", why, item.key)
         longest = 0 if lang in PROSE_LANGS else max(map(len, raw.split(b"\n")))
         if longest > MAX_LINE_BYTES:
             detail = f"minified or generated? a line of {longest:,} bytes (over {MAX_LINE_BYTES:,})"
@@ -196,7 +196,7 @@ def python_as_utf8(raw: bytes) -> bytes:
     """A Python file's bytes in UTF-8, decoded from the coding its PEP 263 line declares.
     Without a declaration, or where the bytes are not in the declared coding, they are left as
     they are for the one UTF-8 check every text goes through (``--repair-utf8`` applies there)."""
-    if raw.startswith(UTF16_BOMS):
+    if wide_codec(raw):
         return raw
     try:
         coding, _ = tokenize.detect_encoding(io.BytesIO(raw).readline)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from data.media import looks_binary
+from data.media import binary_detail
 from data.schema import Reject, Sample
 from data.sources.base import Item, Part, Source, hidden_dir, read_file, stat_size, unstatable
 from data.sources.rows import blank_line, parse_record
@@ -88,8 +88,8 @@ class TextSource(Source):
             raw = read_file(Path(path), label)
             if isinstance(raw, Reject):
                 return self.reject(raw.path, raw.reason, raw.detail, item.key)
-            if looks_binary(raw):  # a blob under a text name would go into the BPE
-                return self.reject(label, "binary-file", "NUL byte in the first 8 KiB", item.key)
+            if why := binary_detail(raw):  # a blob under a text name would go into the BPE
+                return self.reject(label, "binary-file", why, item.key)
             return self.assemble(
                 item.key, [Part("text", raw, path=label)], {}, {"path": label}, label
             )

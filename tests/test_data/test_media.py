@@ -29,6 +29,10 @@ def test_text_is_strict_utf8_unless_repair_is_asked():
     cut = "héllo".encode("utf-16")[:-1]  # an odd byte at the end
     r = decode_text(cut, "w.txt", repair=False)
     assert isinstance(r, Reject) and r.reason == "not-utf8" and "UTF-16" in r.detail
+    # UTF-32's little-endian mark starts with UTF-16's: it was read as UTF-16, NULs kept
+    for encoding in ("utf-32", "utf-32-be"):
+        marked = ("\ufeff" if encoding.endswith("be") else "") + "héllo 👋"
+        assert decode_text(marked.encode(encoding), "w.txt", repair=False) == ("héllo 👋", 0)
 
 
 def test_image_probe_reads_size_and_real_format():

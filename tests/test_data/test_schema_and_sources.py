@@ -6,6 +6,7 @@ import argparse
 import io
 import json
 import os
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -437,17 +438,42 @@ def test_a_folder_that_cannot_be_listed_is_a_reject(tmp_path):
 
 
 def test_a_binary_file_under_a_text_name_is_rejected_in_text_folders_too(tmp_path):
-    """A blob named .txt in a text folder is binary-file, as in a code tree; UTF-16 with its byte
-    order mark is text."""
+    """A blob named .txt in a text folder is binary-file, as in a code tree, and UTF-16 without
+    a byte order mark is named as such; UTF-16 or UTF-32 with their mark are text. A caption
+    sidecar is checked too (NULs between its letters were kept as its caption)."""
     notes = tmp_path / "notes"
     notes.mkdir()
     (notes / "blob.txt").write_bytes(b"abc\x00\x01\x02def" * 10)
+    (notes / "unmarked.txt").write_bytes("wide notes\n".encode("utf-16-le"))
     (notes / "wide.txt").write_bytes("wide notes\n".encode("utf-16"))
+    (notes / "wider.txt").write_bytes("wider notes\n".encode("utf-32"))
     (notes / "plain.txt").write_text("plain notes\n")
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    (pics / "a.png").write_bytes(png_bytes())
+    (pics / "a.txt").write_bytes("a red square".encode("utf-16-le"))
     out = tmp_path / "out"
-    s = ingest(out, [f"text:{notes}"])
-    assert _rejects(out) == {"blob.txt": "binary-file"}
-    assert s["manifest"]["totals"]["samples"] == 2
+    s = ingest(out, [f"text:{notes}", f"images:{pics}"])
+    assert _rejects(out) == {
+        "blob.txt": "binary-file",
+        "unmarked.txt": "binary-file",
+        "a.png": "binary-file",
+    }
+    details = [json.loads(x)["detail"] for x in (out / "rejects.jsonl").read_text().splitlines()]
+    assert sorted(details) == [
+        "NUL byte in the first 8 KiB",
+        "NUL bytes between the letters: UTF-16 without a byte order mark? save it as UTF-8",
+        "its sidecar a.txt: NUL bytes between the letters: UTF-16 without a byte order mark? "
+        "save it as UTF-8",
+    ]
+    assert s["manifest"]["totals"]["samples"] == 3
+    texts = []
+    for shard in out.rglob("*.tar"):
+        with tarfile.open(shard) as tar:
+            for member in tar.getmembers():
+                doc = json.load(tar.extractfile(member)) if member.name.endswith(".json") else {}
+                texts += [seg["text"] for seg in doc.get("segments", [])]
+    assert sorted(texts) == ["plain notes\n", "wide notes\n", "wider notes\n"]
 
 
 def test_the_text_limit_holds_for_a_table_row_a_jsonl_line_and_a_page(tmp_path):
