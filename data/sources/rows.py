@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
+from data.media import wide_codec
 from data.schema import Reject
 
 BLANK_LINE = "blank-line"
@@ -35,12 +36,29 @@ def blank_line(label: str) -> Reject:
 NOT_UTF8 = re.compile("[\udc80-\udcff]")  # the bytes surrogateescape kept of invalid UTF-8
 
 
+def refuse_wide(head: bytes, path: Path | str) -> None:
+    """A table (JSONL, CSV) is read as UTF-8, line by line: one in UTF-16 or UTF-32 (Windows
+    PowerShell 5 writes UTF-16 by default) is refused whole, as its lines split between bytes."""
+    if codec := wide_codec(head):
+        raise ValueError(
+            f"{path}: {codec.upper()} (its byte order mark says so), not UTF-8: save the table "
+            "as UTF-8 (PowerShell: Out-File -Encoding utf8; iconv -f UTF-16 -t UTF-8)"
+        )
+
+
+def _not_json(name: str) -> float:
+    # Python writes NaN and Infinity, which JSON has not: a shard holding them is no JSON to
+    # other readers (JavaScript's JSON.parse, Go, serde_json)
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def parse_record(raw: bytes, label: str, repair: bool = False) -> dict | Reject:
     """A JSON line's object; with ``repair`` (--repair-utf8) bytes that are not UTF-8 become
     U+FFFD, as in text files."""
     try:
         # json.loads strips a byte order mark from bytes, not from str: strip it here too
-        rec = json.loads(raw.decode("utf-8", "replace").removeprefix("\ufeff") if repair else raw)
+        text = raw.decode("utf-8", "replace").removeprefix("\ufeff") if repair else raw
+        rec = json.loads(text, parse_constant=_not_json)
     except UnicodeDecodeError as e:
         return Reject(label, "not-utf8", f"invalid UTF-8 in JSON line at byte {e.start}")
     except ValueError as e:
@@ -58,6 +76,8 @@ def csv_records(path: Path) -> Iterator[tuple[int, list[str] | str]]:
 
     # utf-8-sig: a leading byte order mark (Excel's "CSV UTF-8") is not part of the header;
     # surrogateescape: a byte that is not UTF-8 costs its row (read_table), not the table
+    with open(path, "rb") as raw:
+        refuse_wide(raw.read(4), path)
     with open(path, newline="", encoding="utf-8-sig", errors="surrogateescape") as f:
         numbered = enumerate(f, 1)
 
@@ -153,6 +173,8 @@ def read_table(
                 yield lineno, dict(zip(header, fields, strict=True))
         return
     with open(path, "rb") as f:
+        refuse_wide(f.read(4), path)
+        f.seek(0)
         for lineno, line in enumerate(f, 1):
             label = f"{path.name}:{lineno}"
             yield lineno, parse_record(line, label, repair) if line.strip() else blank_line(label)

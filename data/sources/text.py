@@ -10,7 +10,7 @@ from pathlib import Path
 from data.media import binary_detail
 from data.schema import Reject, Sample
 from data.sources.base import Item, Part, Source, hidden_dir, read_file, stat_size, unstatable
-from data.sources.rows import blank_line, parse_record
+from data.sources.rows import blank_line, parse_record, refuse_wide
 from data.sources.tables import is_table, load_row, table_items
 
 TEXT_EXTS = {".txt", ".md", ".rst", ".text"}
@@ -21,6 +21,8 @@ def jsonl_lines(path) -> Iterator[tuple[int, int, int]]:
     only whitespace) has length 0, for the caller to list as a ``blank-line`` reject."""
     off = 0
     with open(path, "rb") as f:
+        refuse_wide(f.read(4), path)
+        f.seek(0)
         for lineno, line in enumerate(f, 1):
             yield lineno, off, len(line) if line.strip() else 0
             off += len(line)

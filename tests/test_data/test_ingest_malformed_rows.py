@@ -320,6 +320,27 @@ def test_tables_with_a_byte_order_mark_or_a_row_not_in_utf8(tmp_path, capsys):
     assert main([*argv, "--source", f"images:{tmp_path / 'latin.csv'}"]) == 2
     assert "latin.csv:1: the header row is not valid UTF-8" in capsys.readouterr().err
 
+    # UTF-16, as Windows PowerShell 5 writes a table: its lines split between the bytes, so
+    # lines of ASCII were kept and the others rejected as not UTF-8; refused whole, named
+    lines = [json.dumps({"text": text}, ensure_ascii=False) for text in ("first – line", "ascii")]
+    for name, data in [("wide.jsonl", "\n".join(lines)), ("wide.csv", "image,caption\na.png,x")]:
+        (tmp_path / name).write_bytes((data + "\n").encode("utf-16"))
+        kind = "text" if name.endswith("jsonl") else "images"
+        assert main([*argv, "--source", f"{kind}:{tmp_path / name}"]) == 2
+        said = f"{tmp_path / name}: UTF-16 (its byte order mark says so), not UTF-8: save the"
+        assert said in capsys.readouterr().err
+
+
+def test_nan_in_a_json_line_is_a_bad_record(tmp_path):
+    """Python's json.dumps writes NaN and Infinity, which JSON has not: kept, the shard's JSON
+    held them and was no JSON to other readers."""
+    (tmp_path / "t.jsonl").write_text('{"text": "a", "score": NaN}\n{"text": "b", "x": 1}\n')
+    status, rejects, manifest = run_ingest(tmp_path / "out", f"text:{tmp_path / 't.jsonl'}")
+    assert status == EXIT_REJECTS and manifest["totals"]["samples"] == 1
+    assert [(r["path"], r["reason"], r["detail"]) for r in rejects] == [
+        ("t.jsonl:1", "bad-record", "not valid JSON (NaN is not a JSON value)")
+    ]
+
 
 def test_a_sidecar_named_after_the_whole_file_name_says_the_name_it_needs(tmp_path):
     """``IMG.JPEG.txt`` beside ``IMG.JPEG`` (as some downloaders write it) is not read as the
