@@ -131,6 +131,12 @@ def _runs(row: dict) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(cuts, cuts[1:]) if row["input_ids"][a] != 0]
 
 
+# Control characters in a corpus (a log's colour codes, a terminal capture) are shown as
+# Unicode's control pictures (ESC as U+241B), never sent to the user's terminal; tab and newline
+# are kept: they are what text and code look like
+SHOWN_CONTROLS = {c: 0x2400 + c for c in range(32) if c not in (9, 10)} | {127: 0x2421}
+
+
 def describe(row: dict, tok: TextTokenizer, colour: bool) -> str:
     lay = tok.layout
     ids, mod = row["input_ids"], row["modality"]
@@ -156,7 +162,7 @@ def describe(row: dict, tok: TextTokenizer, colour: bool) -> str:
                     j += 1
                 j = max(j, i + 1)
                 text = (
-                    tok.decode(ids[i:j].tolist())
+                    tok.decode(ids[i:j].tolist()).translate(SHOWN_CONTROLS)
                     if ids[i] < lay.structure_offset
                     else lay.structure[int(ids[i]) - lay.structure_offset]
                 )

@@ -316,6 +316,23 @@ def test_preview_prints_and_renders_rows(tiny_tokens, tmp_path):
         assert clips.size[0] >= 2 * clips.size[1]
 
 
+def test_preview_shows_control_characters_as_pictures(tiny_tokenizers):
+    """A log's colour codes in a corpus were printed as they are: ESC reached the terminal."""
+    from data.loader.preview import describe
+    from data.text_tokenizer import TextTokenizer
+    from data.vocab import Modality
+
+    tok = TextTokenizer.load(tiny_tokenizers[0])
+    ids = np.asarray(tok.encode("\x1b[31mred\x07\tcode\n"))
+    row = {
+        "input_ids": ids,
+        "modality": np.full(len(ids), Modality.TEXT),
+        "doc_ids": np.zeros(len(ids)),
+    }
+    shown = describe(row, tok, colour=False)
+    assert "\u241b[31mred\u2407\tcode\n" in shown and "\x1b" not in shown
+
+
 def test_preview_leaves_the_held_out_split_out_unless_named(tmp_path):
     """A token folder of ingest --val-fraction holds val/NAME sources: preview without --source
     drew them as training data with equal weights, as no run would."""
