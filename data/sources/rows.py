@@ -144,7 +144,15 @@ def read_table(
                 if isinstance(fields, str):
                     raise ValueError(f"{label}: the header row is malformed: {fields}")
                 if fields and need and not set(need) & set(fields):
-                    other = " (semicolons: save it comma-separated)" if ";" in fields[0] else ""
+                    other = (
+                        " (semicolons: save it comma-separated)"
+                        if ";" in fields[0]
+                        else " (tabs: save it comma-separated)"
+                        if "\t" in fields[0]
+                        else " (column names are lower case)"
+                        if set(need) & {field.strip().lower() for field in fields}
+                        else ""
+                    )
                     raise ValueError(
                         f"{label}: no {' or '.join(map(repr, need))} column in the header "
                         f"({', '.join(fields)}){other}"
@@ -156,7 +164,7 @@ def read_table(
                 continue
             if isinstance(fields, str):
                 yield lineno, Reject(label, BAD_ROW, fields)
-            elif not fields or (len(fields) == 1 and not fields[0].strip() and len(header) > 1):
+            elif not any(field.strip() for field in fields):  # a spreadsheet's empty row: ,,,
                 yield lineno, blank_line(label)
             elif len(fields) != len(header):
                 yield (
@@ -169,8 +177,8 @@ def read_table(
                         'quoted ("...")',
                     ),
                 )
-            else:
-                yield lineno, dict(zip(header, fields, strict=True))
+            else:  # a spreadsheet's unnamed empty columns (image,caption,,) are no field
+                yield lineno, {k: v for k, v in zip(header, fields, strict=True) if k or v}
         return
     with open(path, "rb") as f:
         refuse_wide(f.read(4), path)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import tarfile
 from pathlib import Path
 
 from factories import mp4_bytes, png_bytes
@@ -160,12 +161,15 @@ def test_blank_jsonl_and_csv_lines_are_listed(tmp_path):
     (tmp_path / "caps.jsonl").write_text('{"image": "ok.png"}\n\n')
     (tmp_path / "caps.csv").write_text("image,caption\n\nok.png,x\n")
     (tmp_path / "docs.jsonl").write_text('\n{"texts": ["a"], "images": [null]}\n')
+    # a spreadsheet's export: unnamed empty columns, and an empty row of commas
+    (tmp_path / "sheet.csv").write_bytes(b"image,caption,,\r\nok.png,red,,\r\n,,,\r\n")
     status, rejects, manifest = run_ingest(
         tmp_path / "out",
         f"text:{tmp_path / 'notes.jsonl'}",
         f"images:{tmp_path / 'caps.jsonl'}",
         f"csv=images:{tmp_path / 'caps.csv'}",
         f"interleaved:{tmp_path / 'docs.jsonl'}",
+        f"images:{tmp_path / 'sheet.csv'}",
     )
     assert status == 0  # blank lines are listed, but hold nothing to keep
     assert {(r["path"], r["reason"]) for r in rejects} == {
@@ -174,8 +178,12 @@ def test_blank_jsonl_and_csv_lines_are_listed(tmp_path):
         ("caps.jsonl:2", "blank-line"),
         ("caps.csv:2", "blank-line"),
         ("docs.jsonl:1", "blank-line"),
+        ("sheet.csv:3", "blank-line"),
     }
-    assert manifest["totals"]["samples"] == 5
+    assert manifest["totals"]["samples"] == 6
+    with tarfile.open(next((tmp_path / "out" / "sheet").glob("*.tar"))) as tar:
+        (doc,) = [json.load(tar.extractfile(m)) for m in tar if m.name.endswith(".json")]
+    assert doc["meta"] == {}  # not {"": ""}
 
 
 def test_an_undecodable_videos_reject_detail_is_a_readable_message(tmp_path):
@@ -329,6 +337,15 @@ def test_tables_with_a_byte_order_mark_or_a_row_not_in_utf8(tmp_path, capsys):
         assert main([*argv, "--source", f"{kind}:{tmp_path / name}"]) == 2
         said = f"{tmp_path / name}: UTF-16 (its byte order mark says so), not UTF-8: save the"
         assert said in capsys.readouterr().err
+
+    # headers as people type them, or tab-separated, are told what is wrong
+    for header, hint in [
+        ("Image,Caption", "column names are lower case"),
+        ("image\tcaption", "tabs"),
+    ]:
+        (tmp_path / "typed.csv").write_text(f"{header}\na.png,x\n")
+        assert main([*argv, "--source", f"images:{tmp_path / 'typed.csv'}"]) == 2
+        assert f"({hint}" in capsys.readouterr().err
 
 
 def test_nan_in_a_json_line_is_a_bad_record(tmp_path):
