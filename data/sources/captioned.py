@@ -318,9 +318,9 @@ class CaptionedSource(Source):
             meta = json.loads(rec)
             caption = meta.pop("caption", None)
             origin = {"path": media, "row": label}
-        parts = [
-            Part(self.part_type, path=path, ext=Path(path).suffix.lower(), label=origin["path"])
-        ]
+        # a table row's media reject names the row and the file, as its missing-media does
+        shown = f"{origin['row']} ({origin['path']})" if "row" in origin else origin["path"]
+        parts = [Part(self.part_type, path=path, ext=Path(path).suffix.lower(), label=shown)]
         if refused := not_a_caption(caption):
             return self.reject(label, "bad-record", refused, item.key)
         if caption is not None:

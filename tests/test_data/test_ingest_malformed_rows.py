@@ -439,6 +439,13 @@ def test_an_interleaved_media_reject_names_its_line_and_a_video_listed_as_an_ima
     ]
     assert rejects[1]["detail"] == "clip.mp4 is a video in the images: list it in videos"
     assert manifest["totals"]["samples"] == 1
+    # an image table's rows too (two rows naming one damaged file were two lines alike)
+    (tmp_path / "t.csv").write_text("image,caption\ncut.png,a\ncut.png,b\n")
+    status, rejects, _ = run_ingest(tmp_path / "out2", f"images:{tmp_path / 't.csv'}")
+    assert [(r["path"], r["reason"]) for r in rejects] == [
+        ("t.csv:2 (cut.png)", "unreadable-image"),
+        ("t.csv:3 (cut.png)", "unreadable-image"),
+    ]
 
 
 def test_names_written_decomposed_match_tables_that_write_them_composed(tmp_path):
