@@ -52,7 +52,10 @@ from data.sources.base import (
 from data.sources.rows import parse_record, read_table
 from data.sources.tables import is_table, load_row, table_items
 
-CAPTION_TABLES = ("captions.jsonl", "captions.csv")
+# A folder's caption tables: ours (file, caption), and a Hugging Face imagefolder's metadata
+# (file_name, and its caption in text or caption), read the same way
+CAPTION_TABLES = ("captions.jsonl", "captions.csv", "metadata.jsonl", "metadata.csv")
+HF_COLUMNS = {"file_name": "file", "text": "caption"}
 
 
 def sidecar_digest(*sidecars: Path | None) -> str:
@@ -101,14 +104,19 @@ class CaptionedSource(Source):
                     self.key(sanitize_key(table)), table, outside.reason, outside.detail
                 )
             elif (self.root / table).is_file():
+                hf = table.startswith("metadata.")
                 for lineno, rec in read_table(
-                    self.root / table, ("file",), self.limits.repair_utf8
+                    self.root / table, ("file_name",) if hf else ("file",), self.limits.repair_utf8
                 ):
+                    if hf and isinstance(rec, dict):
+                        for theirs, ours in HF_COLUMNS.items():
+                            if theirs in rec and ours not in rec:
+                                rec[ours] = rec.pop(theirs)
                     if isinstance(rec, Reject) or not rec.get("file"):
                         reason, detail = (
                             (rec.reason, rec.detail)
                             if isinstance(rec, Reject)
-                            else ("bad-record", 'no "file" column')
+                            else ("bad-record", f'no "{"file_name" if hf else "file"}" column')
                         )
                         yield self.rejected_item(
                             self.key(sanitize_key(f"{table}:{lineno}")),

@@ -135,6 +135,27 @@ def test_two_media_files_of_one_caption_file_keep_the_first(tmp_path):
     assert captions_of(tmp_path / "table") == {"coffee.bmp": "one", "coffee.png": "two"}
 
 
+def test_a_hugging_face_imagefolders_metadata_captions_its_pictures(tmp_path):
+    """datasets' ImageFolder layout: metadata.csv or .jsonl with file_name and text (it was an
+    unknown-type reject, every picture kept uncaptioned); its other columns go to meta."""
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    for name in ("a", "b", "c"):
+        (pics / f"{name}.png").write_bytes(png_bytes())
+    (pics / "metadata.csv").write_text("file_name,text\na.png,a red square\n")
+    rows = [{"file_name": "b.png", "text": "a blue one", "label": 3}, {"text": "no file"}]
+    (pics / "metadata.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    status, rejects, _ = run_ingest(tmp_path / "out", f"images:{pics}")
+    assert captions_of(tmp_path / "out") == {
+        "a.png": "a red square",
+        "b.png": "a blue one",
+        "c.png": "",
+    }
+    assert [(r["path"], r["reason"], r["detail"]) for r in rejects] == [
+        ("metadata.jsonl:2", "bad-record", 'no "file_name" column')
+    ]
+
+
 def test_caption_rows_for_absent_or_already_captioned_files_are_listed(tmp_path):
     (tmp_path / "pics").mkdir()
     (tmp_path / "pics" / "a.png").write_bytes(png_bytes())
