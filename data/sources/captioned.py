@@ -346,6 +346,8 @@ class CaptionedSource(Source):
         """Why a file of the folder is not one of its media, and what to do about it."""
         detail = f"not a{'n image' if self.kind == 'images' else ' video'} file ({suffix or 'no extension'})"
         other = "videos" if self.kind == "images" else "images"
+        if rel.lower() in CAPTION_TABLES:
+            return detail + f"; a caption table is read under the name {rel.lower()}"
         if suffix in (".txt", ".json"):
             if str(Path(rel).with_suffix("")) in media:
                 named = Path(rel).with_suffix("").with_suffix(suffix).name

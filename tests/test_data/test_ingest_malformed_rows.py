@@ -154,6 +154,10 @@ def test_a_hugging_face_imagefolders_metadata_captions_its_pictures(tmp_path):
     assert [(r["path"], r["reason"], r["detail"]) for r in rejects] == [
         ("metadata.jsonl:2", "bad-record", 'no "file_name" column')
     ]
+    (pics / "metadata.csv").rename(pics / "Metadata.CSV")
+    _, rejects, _ = run_ingest(tmp_path / "out2", f"images:{pics}")
+    (said,) = [r["detail"] for r in rejects if r["path"] == "Metadata.CSV"]
+    assert said.endswith("; a caption table is read under the name metadata.csv")
 
 
 def test_caption_rows_for_absent_or_already_captioned_files_are_listed(tmp_path):
