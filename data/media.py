@@ -298,6 +298,8 @@ def video_path(raw: bytes) -> Iterator[str]:
 AVERROR_DECODER_NOT_FOUND = -0x434544F8  # FFERRTAG(0xF8, 'D', 'E', 'C')
 _FFMPEG_LINE = re.compile(r"^\[[^\]]* @ 0x[0-9a-fA-F]+\] (.+)$")  # [mov,mp4,... @ 0x55..] text
 _DECORD_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: ")  # [19:21:25] src/x.cc:83:
+# The temporary copy decord opened (video_path), which decord names in some messages
+_CLIP_COPY = re.compile(r"\[?(/proc/self/fd/\d+|\S*earlyfuse-clip-[^\s\]]+)\]?:?\s")
 
 
 def _readable(text: str) -> bool:
@@ -319,13 +321,13 @@ def decord_message(log: str, err: BaseException | None) -> str:
     for line in log.splitlines():
         found = _FFMPEG_LINE.match(line.strip())
         if found and _readable(found.group(1).strip()):
-            said.append(found.group(1).strip())
+            said.append(_CLIP_COPY.sub("", found.group(1).strip()))
     if "ERROR opening:" in log:
         reason = log.rsplit("ERROR opening:", 1)[1].rpartition(", ")[2].strip()
         if _readable(reason):
             said.append(reason)
     elif err is not None:
-        first = _DECORD_PREFIX.sub("", str(err).strip().split("\n")[0])
+        first = _CLIP_COPY.sub("", _DECORD_PREFIX.sub("", str(err).strip().split("\n")[0]))
         if _readable(first) and not first.startswith("Error reading"):
             said.append(first)
     unique = list(dict.fromkeys(said))[-3:]

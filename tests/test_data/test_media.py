@@ -95,6 +95,7 @@ def test_bad_videos_are_rejected_with_a_readable_reason(capfd):
     r = probe_video(jpeg_bytes(), "IMG_0001.mp4", max_seconds=60)
     assert r.reason == "undecodable-video"
     assert r.detail.endswith("; the file is an image (JPEG): give it an images source")
+    assert "/proc/self/fd" not in r.detail  # the temporary copy decord read is no one's business
     assert "image" not in probe_video(mp4[: len(mp4) // 2], "cut.mp4", max_seconds=60).detail
     r = probe_video(mp4_bytes(frames=16, fps=8), "long.mp4", max_seconds=1.0)
     assert r.reason == "video-too-long" and "2.0 s" in r.detail
