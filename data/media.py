@@ -296,6 +296,7 @@ def video_path(raw: bytes) -> Iterator[str]:
 
 
 AVERROR_DECODER_NOT_FOUND = -0x434544F8  # FFERRTAG(0xF8, 'D', 'E', 'C')
+AVERROR_INVALIDDATA = -0x41444E49  # FFERRTAG('I', 'N', 'D', 'A'), which decord prints unsigned
 _FFMPEG_LINE = re.compile(r"^\[[^\]]* @ 0x[0-9a-fA-F]+\] (.+)$")  # [mov,mp4,... @ 0x55..] text
 _DECORD_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: ")  # [19:21:25] src/x.cc:83:
 # The temporary copy decord opened (video_path), which decord names in some messages
@@ -340,7 +341,12 @@ def decord_message(log: str, err: BaseException | None) -> str:
                 "re-encode it, e.g. ffmpeg -i IN -c:v libx264 OUT.mp4"
             )
         return "no video stream in the file (sound only?)"
-    return "; ".join(unique) or "FFmpeg gave no readable reason"
+    said_all = "; ".join(unique).replace(
+        f"failed with {-AVERROR_INVALIDDATA}", "found invalid data"
+    )
+    if "partial file" in said_all:  # an MP4 whose index (moov) comes first, its data cut short
+        return f"its data ends early (a copy cut short?): {said_all}"
+    return said_all or "FFmpeg gave no readable reason"
 
 
 def frame_times(reader) -> tuple[np.ndarray, bool]:

@@ -219,3 +219,27 @@ def test_a_clip_is_read_from_a_nameless_copy_and_a_full_temporary_folder_is_said
     prep, sampling = ImagePrep(factor=8, max_pixels=4096), VideoSampling(target_fps=2.0)
     with pytest.raises(OSError, match="set TMPDIR to a folder with room"):
         guard.decode_in_child(raw, sampling, prep)
+
+
+def test_a_clip_cut_short_with_its_index_first_says_so(tmp_path):
+    """An MP4 written for streaming (faststart: its index first) and cut short: FFmpeg's
+    "partial file" and an error number were all the reject said."""
+    av = pytest.importorskip("av")
+    import numpy as np
+
+    path = tmp_path / "fast.mp4"
+    with av.open(str(path), "w", format="mp4", options={"movflags": "faststart"}) as out:
+        stream = out.add_stream("libx264", rate=25)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        noise = np.random.default_rng(0)
+        for _ in range(30):
+            frame = noise.integers(0, 255, (48, 64, 3), dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    raw = path.read_bytes()
+    assert raw.find(b"moov") < raw.find(b"mdat")
+    r = probe_video(raw[: len(raw) // 2], "fast.mp4", max_seconds=60)
+    assert r.detail.startswith("decord cannot read it: its data ends early (a copy cut short?)")
+    assert "1094995529" not in r.detail
