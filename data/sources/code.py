@@ -79,7 +79,20 @@ LANGS = {
     ".ps1": "powershell",
     ".bat": "batch",
 }
-NAMED_LANGS = {"Makefile": "make", "Dockerfile": "dockerfile", "CMakeLists.txt": "cmake"}
+NAMED_LANGS = {
+    "Makefile": "make",
+    "GNUmakefile": "make",
+    "makefile": "make",
+    "Dockerfile": "dockerfile",
+    "Containerfile": "dockerfile",
+    "CMakeLists.txt": "cmake",
+}
+# A script without an extension (a package's bin/ folder) says its language in its first line
+SHEBANG_LANGS = {
+    "python": "python", "python3": "python", "sh": "shell", "bash": "shell", "zsh": "shell",
+    "dash": "shell", "perl": "perl", "ruby": "ruby", "node": "javascript", "lua": "lua",
+    "Rscript": "r", "julia": "julia", "php": "php",
+}  # fmt: skip
 VENDORED_DIRS = {
     "node_modules",
     "vendor",
@@ -132,7 +145,25 @@ def skip_dir(name: str) -> str | None:
 
 
 def language(name: str) -> str | None:
+    if name.startswith("Dockerfile."):  # Dockerfile.dev, Dockerfile.cuda
+        return "dockerfile"
     return NAMED_LANGS.get(name) or LANGS.get(Path(name).suffix.lower())
+
+
+def shebang_language(path: Path) -> str | None:
+    """The language a ``#!`` line names (``#!/usr/bin/env python3``, ``#!/bin/sh -e``), or None."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(256)
+    except OSError:
+        return None
+    if not first.startswith(b"#!"):
+        return None
+    words = first[2:].decode("utf-8", "replace").split()
+    if words and words[0].endswith("/env"):
+        words = [word for word in words[1:] if not word.startswith("-")]
+    program = words[0].rsplit("/", 1)[-1] if words else ""
+    return SHEBANG_LANGS.get(program) or SHEBANG_LANGS.get(program.rstrip("0123456789."))
 
 
 def not_code(name: str) -> bool:
@@ -153,6 +184,8 @@ class CodeSource(Source):
             name = path.name
             size = stat_size(path)
             lang = language(name)
+            if lang is None and not Path(name).suffix and size is not None:
+                lang = shebang_language(path)
             if size is None:
                 yield self.rejected_item(key, label, "unreadable-file", unstatable(path))
             elif name.endswith(GENERATED_SUFFIXES):

@@ -166,9 +166,18 @@ def test_code_tree_rules(tmp_path):
     (root / ".git").mkdir()
     (root / ".git" / "HEAD").write_text("ref")
     (root / "Makefile").write_text("all:\n\techo hi\n")
+    # a script without an extension says its language in its #! line; named files of make,
+    # and Dockerfile.NAME; a file of no extension and no #! stays unknown
+    (root / "bin").mkdir()
+    (root / "bin" / "serve").write_text("#!/usr/bin/env python3\nprint('hi')\n")
+    (root / "bin" / "setup").write_text("#!/bin/sh -e\necho hi\n")
+    (root / "bin" / "notes").write_text("just words\n")
+    (root / "GNUmakefile").write_text("all:\n\techo hi\n")
+    (root / "Dockerfile.dev").write_text("FROM python:3.11\n")
     out = tmp_path / "out"
     s = ingest(out, [f"code:{root}"])
     assert _rejects(out) == {
+        "bin/notes": "unknown-type",
         ".git/": "vendored",
         "node_modules/": "vendored",
         "pkg/blob.py": "binary-file",
@@ -183,7 +192,7 @@ def test_code_tree_rules(tmp_path):
             next(x for x in (out / "rejects.jsonl").read_text().splitlines() if "bundle.js" in x)
         )["detail"]
     )
-    assert s["manifest"]["totals"]["samples"] == 5
+    assert s["manifest"]["totals"]["samples"] == 9
     import webdataset as wds
 
     docs = [
@@ -197,6 +206,15 @@ def test_code_tree_rules(tmp_path):
         "text": "def f():\n\treturn  1\n",
     }
     assert by_path["Makefile"]["lang"] == "make" and by_path["pkg/lib.rs"]["lang"] == "rust"
+    assert {
+        path: by_path[path]["lang"] for path in by_path if "/" not in path or "bin" in path
+    } == {
+        "Makefile": "make",
+        "GNUmakefile": "make",
+        "Dockerfile.dev": "dockerfile",
+        "bin/serve": "python",
+        "bin/setup": "shell",
+    }
 
 
 def test_paths_that_map_onto_one_key_are_all_read_and_system_files_skipped(tmp_path):
