@@ -29,6 +29,10 @@ def doc_parts(rec: dict, base: Path, label: str) -> list[Part] | Reject:
     """The document's parts in order (media paths resolved), or why the record is malformed.
     Consumes the fields it reads from ``rec``; what is left is the document's meta."""
     if "segments" in rec:
+        if both := [column for column, _ in LIST_COLUMNS if column in rec]:
+            # one layout a record: the lists would be left out unsaid, in the meta
+            lists = ", ".join(f'"{column}"' for column in both)
+            return Reject(label, "bad-record", f'both "segments" and {lists}: give one')
         segs = rec.pop("segments")
         if not isinstance(segs, list):
             return Reject(label, "bad-record", '"segments" must be a list')

@@ -302,6 +302,8 @@ def test_an_interleaved_record_whose_lists_are_strings_is_a_reject(tmp_path):
         {"texts": "a caption, not a list", "images": []},
         {"texts": [None], "images": "img/a.png"},
         {"texts": ["fine", None], "images": [None, "img/a.png"]},
+        # both layouts: the texts were left out unsaid
+        {"segments": [{"type": "text", "text": "a"}], "texts": ["b"], "images": [None]},
     ]
     (tmp_path / "pages.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     status, rejects, manifest = run_ingest(
@@ -311,6 +313,7 @@ def test_an_interleaved_record_whose_lists_are_strings_is_a_reject(tmp_path):
     assert [(r["path"], r["reason"], r["detail"]) for r in rejects] == [
         ("pages.jsonl:1", "bad-record", '"texts" is not a list'),
         ("pages.jsonl:2", "bad-record", '"images" is not a list'),
+        ("pages.jsonl:4", "bad-record", 'both "segments" and "texts", "images": give one'),
     ]
     assert manifest["totals"]["samples"] == 1
 
