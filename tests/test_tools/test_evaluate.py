@@ -68,6 +68,8 @@ def test_eval_command_on_a_release(debug_release, tiny_tokens, tiny_corpus, tmp_
         f = tot[m]
         assert f["tokens"] > 0 and math.isfinite(f["ce"])
         assert f["margin"] == pytest.approx(f["unigram"] - f["ce"])
+        # on the training tokens themselves the previous token predicts better than frequencies
+        assert f["bigram"] < f["unigram"]
     for m in ("text", "code"):
         nats = tot[m]["ce"] * tot[m]["tokens"]
         assert tot[m]["bpb"] == pytest.approx(nats / math.log(2) / tot[m]["bytes"])
@@ -81,6 +83,36 @@ def test_eval_command_on_a_release(debug_release, tiny_tokens, tiny_corpus, tmp_
     assert "WARNING: 3 of these 3 scenes are pictures of the training data" in printed
     assert "scenes (3 single-shape scenes" in printed  # not called held-out
     assert "per modality" in printed and "dependence" in printed and "drawn from caption" in printed
+
+
+def test_the_bigram_baseline_interpolates_with_the_unigram(tiny_tokens, tiny_tokenizers):
+    """Witten-Bell: after a context seen in training, (c(p, w) + T(p) P_uni(w)) / (c(p) + T(p));
+    after one never seen, the unigram alone."""
+    import torch
+
+    from data.text_tokenizer import TextTokenizer
+    from data.token_docs import source_tables
+    from data.unigram import Unigram
+    from tools.evaluate.bigram import Bigram
+
+    layout = TextTokenizer.load(tiny_tokenizers[0]).layout
+    tables = source_tables(str(tiny_tokens))
+    unigram = Unigram.from_tables(tables, layout)
+    bigram = Bigram.from_tables(tables, unigram)
+    lp = unigram.log_probs()
+    # the most frequent pair of the training tokens, and a context no document holds
+    best = int(np.argmax(bigram.counts))
+    key = int(bigram.keys[best])
+    size = layout.size
+    mod, prev, label = key // size // size, key // size % size, key % size
+    at = int(np.searchsorted(bigram.contexts, key // size))
+    c, t = bigram.context_counts[at], bigram.context_types[at]
+    want = (bigram.counts[best] + t * float(lp[mod, label].exp())) / (c + t)
+    unseen = int(np.setdiff1d(np.arange(size), bigram.contexts % size)[0])
+    inputs = torch.tensor([[prev, unseen]])
+    labels, mods = torch.tensor([[label, label]]), torch.tensor([[mod, mod]])
+    nll = bigram.nll_sums(inputs, labels, mods)
+    assert nll[mod] == pytest.approx(-np.log(want) - float(lp[mod, label]))
 
 
 def test_scenes_are_looked_up_in_the_training_sources_only(tiny_tokens, tiny_corpus, tmp_path):

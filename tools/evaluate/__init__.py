@@ -27,7 +27,9 @@ examples:
 
 what the table says (docs/evaluation.md explains every figure):
   margin = unigram - CE per modality: above 0 the model beats the training tokens' own
-    frequencies; structure tokens (<eol>, <eoi>) should cost nearly nothing.
+    frequencies; structure tokens (<eol>, <eoi>) should cost nearly nothing. bigram: the CE of
+    the previous token alone (Witten-Bell): a model at or above it has learned no more than
+    what one token of context gives.
   gap = CE of the target after another document's context - after its own (nats per target
     token): near 0, captions ignore their pictures (caption) or pictures their captions (drawing).
   scenes: share of drawn / captioned held-out scenes with the right colour, shape and cell,
@@ -155,6 +157,7 @@ def evaluate(args) -> dict:
     from data.cli.common import checked_device
     from data.token_docs import source_tables
     from data.unigram import Unigram
+    from tools.evaluate.bigram import Bigram
     from tools.evaluate.heldout import Heldout, heldout_losses, token_byte_lengths
     from tools.evaluate.pair_dependence import dependence_gaps, find_pair
     from tools.evaluate.position import bucket_edges, position_losses
@@ -183,7 +186,7 @@ def evaluate(args) -> dict:
     gen = Generator(rel, device)  # the model and tokenizers, as earlyfuse-generate loads them
     run = Heldout(gen.model, val, device, **packing, max_docs=args.max_docs, progress=progress)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.verbose else (lambda *a: 0)
-    unigram = None
+    unigram = bigram = None
     if args.train_data:
         train = source_tables(args.train_data)
         rel.check_token_tables(train, "--train-data")
@@ -192,8 +195,10 @@ def evaluate(args) -> dict:
         out["overlap"] = overlap(val, train, progress=progress)
         say("unigram baseline ...")
         unigram = Unigram.from_tables(train, rel.vocab_layout, progress=progress)
+        say("bigram baseline ...")
+        bigram = Bigram.from_tables(train, unigram)
     say("held-out losses ...")
-    out["heldout"] = heldout_losses(run, token_byte_lengths(gen.text), unigram)
+    out["heldout"] = heldout_losses(run, token_byte_lengths(gen.text), unigram, bigram)
     pairs: list = []
     per_group: Counter = Counter()  # pairs taken per (source, direction)
     for doc in documents(val, "pairs", progress) if args.max_pairs else ():

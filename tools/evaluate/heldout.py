@@ -69,14 +69,16 @@ def token_byte_lengths(text_tokenizer) -> np.ndarray:
 
 
 @torch.no_grad()
-def heldout_losses(run: Heldout, byte_lengths: np.ndarray, unigram=None) -> dict:
+def heldout_losses(run: Heldout, byte_lengths: np.ndarray, unigram=None, bigram=None) -> dict:
     """``{"sources": {name: {modality: figures}}, "total": {modality: figures}}``; figures are
-    ``ce`` (nats per token), ``tokens``, and with a unigram ``unigram`` and ``margin`` (unigram -
-    ce, positive = better than token frequencies), and for text and code ``bpb``."""
+    ``ce`` (nats per token), ``tokens``, with a unigram ``unigram`` and ``margin`` (unigram -
+    ce, positive = better than token frequencies), with a bigram (tools/evaluate/bigram.py)
+    ``bigram``, the CE of the previous token alone, and for text and code ``bpb``."""
     lp = unigram.log_probs() if unigram is not None else None
     n_mod = len(Modality)
     tables = run.tables
-    acc = [{key: np.zeros(n_mod) for key in ("ce", "n", "uni", "bytes")} for _ in tables]
+    keys = ("ce", "n", "uni", "bi", "bytes")
+    acc = [{key: np.zeros(n_mod) for key in keys} for _ in tables]
     for part in run:
         batch = run.tensors(part)
         res = run.model(**{key: batch[key].to(run.device) for key in MODEL_INPUTS})
@@ -86,14 +88,16 @@ def heldout_losses(run: Heldout, byte_lengths: np.ndarray, unigram=None) -> dict
         labels, lmod = batch["labels"], batch["label_modality"]
         if lp is not None:
             into["uni"] += unigram.nll_sums(labels, lmod, lp)[0].numpy()
+        if bigram is not None:
+            into["bi"] += bigram.nll_sums(batch["input_ids"], labels, lmod)
         keep = (labels >= 0) & (labels < len(byte_lengths))
         byte_value = byte_lengths[labels[keep].numpy()]
         into["bytes"] += np.bincount(lmod[keep].numpy(), weights=byte_value, minlength=n_mod)
-    total = {key: sum(a[key] for a in acc) for key in ("ce", "n", "uni", "bytes")}
-    with_uni = unigram is not None
+    total = {key: sum(a[key] for a in acc) for key in keys}
+    with_uni, with_bi = unigram is not None, bigram is not None
     return {
-        "sources": {t.name: _figures(a, with_uni) for t, a in zip(tables, acc)},
-        "total": _figures(total, with_uni),
+        "sources": {t.name: _figures(a, with_uni, with_bi) for t, a in zip(tables, acc)},
+        "total": _figures(total, with_uni, with_bi),
         "documents": {t.name: c.documents for t, c in zip(tables, run.counts)},
         "sampled": bool(run.max_docs),
         "dropped": {t.name: c.dropped_blocks for t, c in zip(tables, run.counts)},
@@ -101,7 +105,7 @@ def heldout_losses(run: Heldout, byte_lengths: np.ndarray, unigram=None) -> dict
     }
 
 
-def _figures(acc: dict, with_unigram: bool) -> dict:
+def _figures(acc: dict, with_unigram: bool, with_bigram: bool) -> dict:
     out = {}
     for i, name in enumerate(MODALITY_NAMES):
         count = acc["n"][i]
@@ -111,6 +115,8 @@ def _figures(acc: dict, with_unigram: bool) -> dict:
         if with_unigram:
             figures["unigram"] = float(acc["uni"][i] / count)
             figures["margin"] = figures["unigram"] - figures["ce"]
+        if with_bigram:
+            figures["bigram"] = float(acc["bi"][i] / count)
         if name in ("text", "code") and acc["bytes"][i]:
             figures["bpb"] = float(acc["ce"][i] / math.log(2) / acc["bytes"][i])
             figures["bytes"] = int(acc["bytes"][i])

@@ -67,16 +67,17 @@ def format_eval(ev: dict) -> str:
     tot = held.get("total") or {}
     if tot:
         lines.append(
-            "per modality (nats per token; margin = unigram - CE, > 0 beats token frequencies):"
+            "per modality (nats per token; margin = unigram - CE, > 0 beats token frequencies; "
+            "bigram: the previous token alone):"
         )
-        widths: tuple[int, ...] = (8, 9, 8, 11, 10)
-        lines.append(
-            _row("modality", ("CE", "unigram", "margin", "bits/byte", "tokens"), 10, widths)
-        )
+        widths: tuple[int, ...] = (8, 9, 8, 8, 11, 10)
+        heads = ("CE", "unigram", "margin", "bigram", "bits/byte", "tokens")
+        lines.append(_row("modality", heads, 10, widths))
         for modality in MODALITIES:
             fig = tot.get(modality)
             if fig:
-                figures = [fig["ce"], fig.get("unigram"), fig.get("margin"), fig.get("bpb")]
+                figures = [fig["ce"], fig.get("unigram"), fig.get("margin"), fig.get("bigram")]
+                figures.append(fig.get("bpb"))
                 cells = [*map(fmt_figure, figures), f"{fig['tokens']:,}"]
                 lines.append(_row(modality, cells, 10, widths))
         if held.get("sampled"):
