@@ -102,7 +102,7 @@ HEIF_BRANDS = {b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"mif1", b"
 
 
 def wide_codec(raw: bytes) -> str | None:
-    """ "utf-32" or "utf-16" when the byte order mark of one opens ``raw`` (Windows tools write
+    """The codec, utf-32 or utf-16, whose byte order mark opens ``raw`` (Windows tools write
     UTF-16 with it), else None. UTF-32's little-endian mark starts with UTF-16's: it goes first."""
     if raw.startswith((b"\xff\xfe\0\0", b"\0\0\xfe\xff")):
         return "utf-32"
