@@ -12,8 +12,11 @@ Design choices:
   a power loss cannot leave a manifest naming files that come back empty. Then ``latest`` moves
   (written to a temporary name, synced, renamed, the rename synced). A crash mid-save leaves
   ``latest`` on the previous checkpoint; the half-written folder is removed on resume, with a
-  warning. A crash between the first checkpoint's ``meta.json`` and its ``latest`` leaves a
-  complete checkpoint and no ``latest``: the next start resumes from it and says so. A save that
+  warning. A crash between a checkpoint's ``meta.json`` and its ``latest`` leaves a complete
+  checkpoint newer than ``latest`` (or no ``latest``, the first time): the next start resumes
+  from it and says so. A rollback renames the folders it abandons out of the ``step_N`` names
+  before it moves ``latest`` back, so a complete folder newer than ``latest`` is only ever such a
+  save. A save that
   fails (disk full, a file-size limit, a folder that cannot be written) is one error saying
   which, where, and that ``latest`` still names the previous checkpoint (train/save_errors.py).
 - Resume checks the checkpoint ``latest`` names before loading it: sizes first (a truncated
@@ -257,6 +260,8 @@ class Checkpointer:
         reasons: list[str] = []  # why `latest` cannot be taken as it is
         if TAG.match(named):
             newest: int | None = step_of_tag(named)
+            if adopted := self._adopt_newer(named):
+                return adopted
             if not (self.dir / named).is_dir():
                 reasons.append(self._why_missing(named))
         else:
@@ -285,6 +290,22 @@ class Checkpointer:
             + "; ".join(reasons or ["no checkpoint folders"])
             + f"). Restore one, or delete {pointer} to start over from step 0"
         )
+
+    def _adopt_newer(self, named: str) -> str | None:
+        """A complete, intact checkpoint newer than the one ``latest`` names: a run killed after
+        writing its ``meta.json`` (written last) and before ``latest`` moved. It becomes
+        ``latest`` with a warning (a rollback's abandoned folders never look so: ``rewind``)."""
+        for folder in reversed(self._tags()):
+            if step_of_tag(folder.name) <= step_of_tag(named):
+                return None
+            if (folder / META).is_file() and not verify_folder(folder, hashes=self.verify_hashes):
+                warn(
+                    f"{folder} is complete and newer than {named}, which {LATEST_FILE} names (the "
+                    f"run was stopped between writing its {META} and {LATEST_FILE}): resuming from it"
+                )
+                write_atomic(self.dir / LATEST_FILE, f"{folder.name}\n".encode())
+                return folder.name
+        return None
 
     def _adopt_unnamed(self) -> str | None:
         """No ``latest``: no checkpoint was ever completed, or a run was killed after writing
@@ -448,10 +469,17 @@ class Checkpointer:
         trajectory being abandoned)."""
         barrier()
         if self.dist.is_main:
-            write_atomic(self.dir / LATEST_FILE, f"{tag_for(step)}\n".encode())
+            # renamed out of the step_N names before latest moves back: a kill in between must
+            # not leave them looking like a save that only lacks its latest (_adopt_newer)
+            doomed = []
             for folder in self._tags():
                 if step_of_tag(folder.name) > step:
-                    remove_checkpoint(folder)
+                    doomed.append(folder.with_name(folder.name + DELETING))
+                    shutil.rmtree(doomed[-1], ignore_errors=True)
+                    os.replace(folder, doomed[-1])
+            write_atomic(self.dir / LATEST_FILE, f"{tag_for(step)}\n".encode())
+            for folder in doomed:
+                shutil.rmtree(folder, ignore_errors=True)
         barrier()
 
     def clean_partial(self) -> None:
@@ -464,10 +492,9 @@ class Checkpointer:
         last = step_of_tag(latest) if latest else -1
         for folder in self._tags():
             if step_of_tag(folder.name) > last:
-                why = (  # complete (its meta.json is written last): latest was pointed back
-                    f"a complete checkpoint newer than what {LATEST_FILE} names (a rollback's "
-                    "abandoned trajectory, or latest pointed back by hand)"
-                    if (folder / META).is_file() and not verify_folder(folder, hashes=False)
+                why = (  # a complete one that checked out became latest (_adopt_newer)
+                    f"newer than {LATEST_FILE}, its files do not match its {META} (damaged)"
+                    if (folder / META).is_file()
                     else f"newer than {LATEST_FILE}, left by a save that did not complete"
                 )
                 warn(f"removing {folder}: {why}")

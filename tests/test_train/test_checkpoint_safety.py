@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -335,7 +336,7 @@ def test_a_resume_under_another_zero_stage_is_refused_with_one_line(runs, tiny_t
 
 
 def test_a_kill_between_the_first_meta_and_latest_resumes_from_it_with_a_warning(
-    runs, tmp_path, capsys
+    runs, tmp_path, capsys, monkeypatch
 ):
     """Before: no `latest` meant step 0, and the complete checkpoint was deleted without a word."""
     r = copy(runs, "zero0", tmp_path)
@@ -351,19 +352,37 @@ def test_a_kill_between_the_first_meta_and_latest_resumes_from_it_with_a_warning
     assert "latest is missing but" in err and "step_00000001 is complete" in err
     assert f"removing {step_folder(r, 2)}: newer than latest" in err
     assert not step_folder(r, 2).exists()
-    # latest pointed back by hand: the newer complete one goes too, called what it is
-    r = copy(runs, "zero0", tmp_path / "back")
+    # the same kill at a later checkpoint: latest names the one before. It was removed, and the
+    # warning blamed a rollback: it is resumed from, as the first one is
+    r = copy(runs, "zero0", tmp_path / "later")
     (r / "checkpoints" / "latest").write_text("step_00000002\n")
-    Checkpointer(r, ONE, 3).clean_partial()
-    said = f"removing {step_folder(r, 3)}: a complete checkpoint newer than what latest names"
-    assert said in capsys.readouterr().err and not step_folder(r, 3).exists()
-    # ... but one whose files came back empty after a power loss is not called complete
+    ck = Checkpointer(r, ONE, 3)
+    ck.clean_partial()
+    assert ck.latest() == "step_00000003" and step_folder(r, 3).exists()
+    said = f"{step_folder(r, 3)} is complete and newer than step_00000002, which latest names"
+    assert said in capsys.readouterr().err
+    # ... but one whose files came back empty after a power loss is not taken, and said damaged
     r = copy(runs, "zero0", tmp_path / "lost")
     (r / "checkpoints" / "latest").write_text("step_00000002\n")
     (step_folder(r, 3) / "mp_rank_00_model_states.pt").write_bytes(b"")
-    Checkpointer(r, ONE, 3).clean_partial()
-    said = f"removing {step_folder(r, 3)}: newer than latest, left by a save that did not complete"
-    assert said in capsys.readouterr().err
+    ck = Checkpointer(r, ONE, 3)
+    ck.clean_partial()
+    said = f"removing {step_folder(r, 3)}: newer than latest, its files do not match its meta.json"
+    assert said in capsys.readouterr().err and ck.latest() == "step_00000002"
+    # a rollback's abandoned folders never look like such a save, even killed before latest
+    # moved back: the next start goes back to where the rollback was going
+    r = copy(runs, "zero0", tmp_path / "rewound")
+    Checkpointer(r, ONE, 3).rewind(1)
+    assert sorted(p.name for p in (r / "checkpoints").iterdir()) == ["latest", "step_00000001"]
+    r = copy(runs, "zero0", tmp_path / "rewind_killed")
+    with monkeypatch.context() as patched:
+        patched.setattr("train.checkpoint.write_atomic", lambda *a: sys.exit("killed"))
+        with pytest.raises(SystemExit):
+            Checkpointer(r, ONE, 3).rewind(1)
+    ck = Checkpointer(r, ONE, 3)
+    ck.clean_partial()
+    assert ck.latest() == "step_00000001"
+    assert sorted(p.name for p in (r / "checkpoints").iterdir()) == ["latest", "step_00000001"]
 
 
 def test_a_save_syncs_its_files_to_disk_before_meta_and_latest(tmp_path, monkeypatch):
