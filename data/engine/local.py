@@ -62,7 +62,7 @@ def _worker_main(conn: Connection, fn: Callable, recycle_after: int) -> None:
     while True:
         try:
             job = conn.recv()
-        except (EOFError, KeyboardInterrupt):
+        except (EOFError, OSError, KeyboardInterrupt):  # the parent is gone (killed): stop quietly
             return
         if job is None:
             return
