@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -158,11 +159,23 @@ def run_pool(
                     worker.proc.join()
                     pool.remove(worker)
                     tries[pos] += 1
+                    code = worker.proc.exitcode
                     if tries[pos] > retries:
                         raise WorkerDied(
                             f"a worker died {tries[pos]} times running job {pos} "
-                            f"(exit code {worker.proc.exitcode}); giving up"
+                            f"(exit code {code}); giving up"
                         ) from None
+                    # said, not only redone: a worker the kernel's OOM killer took is the hint
+                    # that --workers is too many for this machine's memory
+                    killed = (
+                        f"killed by signal {-code}" if code and code < 0 else f"exit code {code}"
+                    )
+                    print(
+                        f"warning: a worker died running job {pos} ({killed}: out of memory?); "
+                        "running it again in a new worker",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     queue.appendleft((pos, job))
                     start()
                     continue
