@@ -196,7 +196,7 @@ def evaluate(args) -> dict:
         say("unigram baseline ...")
         unigram = Unigram.from_tables(train, rel.vocab_layout, progress=progress)
         say("bigram baseline ...")
-        bigram = Bigram.from_tables(train, unigram)
+        bigram = Bigram.from_tables(train, rel.vocab_layout)
     say("held-out losses ...")
     out["heldout"] = heldout_losses(run, token_byte_lengths(gen.text), unigram, bigram)
     pairs: list = []

@@ -89,7 +89,7 @@ def heldout_losses(run: Heldout, byte_lengths: np.ndarray, unigram=None, bigram=
         if lp is not None:
             into["uni"] += unigram.nll_sums(labels, lmod, lp)[0].numpy()
         if bigram is not None:
-            into["bi"] += bigram.nll_sums(batch["input_ids"], labels, lmod)
+            into["bi"] += bigram.nll_sums(batch["input_ids"], batch["modality"], labels, lmod)
         keep = (labels >= 0) & (labels < len(byte_lengths))
         byte_value = byte_lengths[labels[keep].numpy()]
         into["bytes"] += np.bincount(lmod[keep].numpy(), weights=byte_value, minlength=n_mod)
@@ -102,6 +102,7 @@ def heldout_losses(run: Heldout, byte_lengths: np.ndarray, unigram=None, bigram=
         "sampled": bool(run.max_docs),
         "dropped": {t.name: c.dropped_blocks for t, c in zip(tables, run.counts)},
         "skipped": {t.name: c.skipped for t, c in zip(tables, run.counts) if c.skipped},
+        **({"bigram_tokens": bigram.tokens, "bigram_capped": bigram.capped} if with_bi else {}),
     }
 
 

@@ -82,6 +82,10 @@ def format_eval(ev: dict) -> str:
                 lines.append(_row(modality, cells, 10, widths))
         if held.get("sampled"):
             lines.append("  (a sample: the first documents of each source, --max-docs)")
+        if held.get("bigram_capped"):
+            lines.append(
+                f"  (the bigram counts the first {held['bigram_tokens']:,} training tokens only)"
+            )
     if lost := dropped_warning(ev):
         lines.append(lost)
     dep = ev.get("dependence") or {}
