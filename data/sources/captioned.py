@@ -58,6 +58,24 @@ CAPTION_TABLES = ("captions.jsonl", "captions.csv", "metadata.jsonl", "metadata.
 HF_COLUMNS = {"file_name": "file", "text": "caption"}
 
 
+def _hf(path: Path) -> bool:
+    """Whether ``path`` is a Hugging Face imagefolder's metadata: its first record (a CSV's
+    header, a JSONL's first line) has a ``file_name``."""
+    if not path.is_file():  # absent, or a named pipe, never opened
+        return False
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(1 << 16).decode("utf-8-sig", "replace")
+    except OSError:
+        return False
+    if path.suffix == ".csv":
+        return "file_name" in (field.strip().strip('"') for field in first.split(","))
+    try:
+        return "file_name" in json.loads(first)
+    except (ValueError, TypeError):
+        return False
+
+
 def sidecar_digest(*sidecars: Path | None) -> str:
     """A short SHA-256 of the sidecar captions' bytes ("" for none; one that cannot be read is
     left to the load, which names it)."""
@@ -97,7 +115,9 @@ class CaptionedSource(Source):
     def _folder_items(self) -> Iterator[Item]:
         captions: dict[str, dict] = {}
         caption_rows: dict[str, str] = {}  # file -> the row that captions it ("captions.csv:3")
-        for table in CAPTION_TABLES:
+        # a metadata.csv/.jsonl of another tool (no file_name) is one more file of the folder
+        tables = [t for t in CAPTION_TABLES if t.startswith("captions.") or _hf(self.root / t)]
+        for table in tables:
             outside = self.outside(self.root / table)
             if (self.root / table).is_file() and outside:
                 yield self.rejected_item(
@@ -152,18 +172,21 @@ class CaptionedSource(Source):
         }
         stems = {str(Path(rel).with_suffix("")) for rel in media}
         # (stem, .txt or .json) -> the sidecar of that stem, its suffix in any case: a camera's
-        # IMG_0001.JPG comes with IMG_0001.TXT; of two (a.txt and a.TXT) the first is read
+        # IMG_0001.JPG comes with IMG_0001.TXT; of two (a.txt and a.TXT) the lower case one
         sidecars: dict[tuple[str, str], str] = {}
         for rel, skipped in files:
             stem, suffix = str(Path(rel).with_suffix("")), Path(rel).suffix.lower()
             if not skipped and rel not in media and suffix in (".txt", ".json") and stem in stems:
-                sidecars.setdefault((stem, suffix), rel)
+                if Path(rel).suffix == suffix:  # a.txt beside a.TXT: the usual name is read
+                    sidecars[stem, suffix] = rel
+                else:
+                    sidecars.setdefault((stem, suffix), rel)
         captioned: dict[Path, str] = {}  # a sidecar caption -> the media file it captions
         for rel, skipped in files:
             if skipped:
                 yield self.rejected_item(self.key(sanitize_key(rel)), rel, *skipped)
                 continue
-            if rel in CAPTION_TABLES:
+            if rel in tables:
                 continue
             stem, suffix = str(Path(rel).with_suffix("")), Path(rel).suffix.lower()
             if rel not in media:

@@ -206,8 +206,8 @@ def test_an_edited_sidecar_caption_is_another_ingest_not_a_stale_one(tmp_path):
 
 def test_a_sidecar_caption_in_capitals_is_read(tmp_path):
     """A camera's IMG_0001.JPG comes with IMG_0001.TXT: the caption was neither read nor listed
-    (looked up as .txt), and the picture kept uncaptioned. A second case of one sidecar is a
-    duplicate-key naming the one read."""
+    (looked up as .txt), and the picture kept uncaptioned. Beside the lower case name the other
+    is a duplicate-key naming the one read."""
     pics = tmp_path / "pics"
     pics.mkdir()
     (pics / "IMG_0001.JPG").write_bytes(png_bytes())
@@ -221,10 +221,10 @@ def test_a_sidecar_caption_in_capitals_is_read(tmp_path):
         sample["__key__"]: [seg.get("text") for seg in sample["json"]["segments"] if "text" in seg]
         for sample in wds.WebDataset(str(next(out.rglob("*.tar"))), shardshuffle=False).decode()
     }
-    assert captions == {"pics-IMG_0001_JPG": ["a red square"], "pics-b_png": ["a blue one"]}
+    assert captions == {"pics-IMG_0001_JPG": ["a red square"], "pics-b_png": ["another"]}
     (reject,) = [json.loads(x) for x in (out / "rejects.jsonl").read_text().splitlines()]
-    assert (reject["path"], reject["reason"]) == ("b.json", "duplicate-key")
-    assert reject["detail"] == "a second .json caption of b: b.JSON is read"
+    assert (reject["path"], reject["reason"]) == ("b.JSON", "duplicate-key")
+    assert reject["detail"] == "a second .json caption of b: b.json is read"
 
 
 def test_a_folder_holding_shards_of_no_recorded_run_is_refused(planted_corpus, tmp_path):

@@ -154,6 +154,14 @@ def test_a_hugging_face_imagefolders_metadata_captions_its_pictures(tmp_path):
     assert [(r["path"], r["reason"], r["detail"]) for r in rejects] == [
         ("metadata.jsonl:2", "bad-record", 'no "file_name" column')
     ]
+    # another tool's metadata.csv (no file_name) is one more file of the folder, as before
+    (pics / "metadata.jsonl").unlink()
+    (pics / "metadata.csv").write_text("filename,iso\na.png,100\n")
+    status, rejects, _ = run_ingest(tmp_path / "other", f"images:{pics}")
+    assert status == EXIT_REJECTS and [(r["path"], r["reason"]) for r in rejects] == [
+        ("metadata.csv", "unknown-type")
+    ]
+    (pics / "metadata.csv").write_text("file_name,text\na.png,a red square\n")
     (pics / "metadata.csv").rename(pics / "Metadata.CSV")
     _, rejects, _ = run_ingest(tmp_path / "out2", f"images:{pics}")
     (said,) = [r["detail"] for r in rejects if r["path"] == "Metadata.CSV"]
