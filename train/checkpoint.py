@@ -14,11 +14,11 @@ Design choices:
   ``latest`` on the previous checkpoint; the half-written folder is removed on resume, with a
   warning. A crash between a checkpoint's ``meta.json`` and its ``latest`` leaves a complete
   checkpoint newer than ``latest`` (or no ``latest``, the first time): the next start resumes
-  from it and says so. A rollback renames the folders it abandons out of the ``step_N`` names
-  before it moves ``latest`` back, so a complete folder newer than ``latest`` is only ever such a
-  save. A save that
-  fails (disk full, a file-size limit, a folder that cannot be written) is one error saying
-  which, where, and that ``latest`` still names the previous checkpoint (train/save_errors.py).
+  from it and says so. A rollback first writes the step it goes back to in
+  ``checkpoints/rewinding`` and removes that file last: a start that finds it finishes the
+  rollback, so what a rollback abandons is never taken for such a save. A save that fails (disk
+  full, a file-size limit, a folder that cannot be written) is one error saying which, where,
+  and which checkpoint the next start resumes from (train/save_errors.py).
 - Resume checks the checkpoint ``latest`` names before loading it: sizes first (a truncated
   file is found at once), then SHA-256. A damaged checkpoint (or an unreadable ``latest``) is
   set aside as ``step_N.damaged`` (its ``DAMAGED.txt`` says why, so a later start that finds
@@ -87,6 +87,7 @@ def step_of_tag(tag: str) -> int:
 META = CHECKPOINT_META_FILE
 DAMAGED = ".damaged"
 DELETING = ".deleting"
+REWINDING = "rewinding"  # a rollback under way: the step it goes back to (``rewind``)
 DAMAGED_NOTE = "DAMAGED.txt"  # in a folder set aside: what was wrong with it
 
 
@@ -250,6 +251,10 @@ class Checkpointer:
         if self._main_checked or not self.dir.is_dir():
             return None
         self._main_checked = True
+        if (self.dir / REWINDING).is_file():  # a rollback was stopped half-way: finish it
+            target = (self.dir / REWINDING).read_text().strip()
+            warn(f"finishing a rollback to {target} that was stopped before it was done")
+            self._rewind_to(step_of_tag(target))
         for folder in self.dir.iterdir():  # a kill mid-delete left these; they hold nothing needed
             if folder.is_dir() and folder.name.endswith(DELETING):
                 shutil.rmtree(folder, ignore_errors=True)
@@ -298,13 +303,20 @@ class Checkpointer:
         for folder in reversed(self._tags()):
             if step_of_tag(folder.name) <= step_of_tag(named):
                 return None
-            if (folder / META).is_file() and not verify_folder(folder, hashes=self.verify_hashes):
+            if not (folder / META).is_file():
+                continue  # a save cut short: clean_partial removes it
+            if problems := verify_folder(folder, hashes=self.verify_hashes):
+                aside = self._set_aside(folder, problems)
                 warn(
-                    f"{folder} is complete and newer than {named}, which {LATEST_FILE} names (the "
-                    f"run was stopped between writing its {META} and {LATEST_FILE}): resuming from it"
+                    f"{folder} is newer than {named} and damaged ({problems[0]}): set aside as {aside.name}"
                 )
-                write_atomic(self.dir / LATEST_FILE, f"{folder.name}\n".encode())
-                return folder.name
+                continue
+            warn(
+                f"{folder} is complete and newer than {named}, which {LATEST_FILE} names (the "
+                f"run was stopped between writing its {META} and {LATEST_FILE}): resuming from it"
+            )
+            write_atomic(self.dir / LATEST_FILE, f"{folder.name}\n".encode())
+            return folder.name
         return None
 
     def _adopt_unnamed(self) -> str | None:
@@ -469,18 +481,18 @@ class Checkpointer:
         trajectory being abandoned)."""
         barrier()
         if self.dist.is_main:
-            # renamed out of the step_N names before latest moves back: a kill in between must
-            # not leave them looking like a save that only lacks its latest (_adopt_newer)
-            doomed = []
-            for folder in self._tags():
-                if step_of_tag(folder.name) > step:
-                    doomed.append(folder.with_name(folder.name + DELETING))
-                    shutil.rmtree(doomed[-1], ignore_errors=True)
-                    os.replace(folder, doomed[-1])
-            write_atomic(self.dir / LATEST_FILE, f"{tag_for(step)}\n".encode())
-            for folder in doomed:
-                shutil.rmtree(folder, ignore_errors=True)
+            # said first: a kill at any point of it leaves the next start to finish it
+            # (check_latest), never to take what it abandons for a save that lacks its latest
+            write_atomic(self.dir / REWINDING, f"{tag_for(step)}\n".encode())
+            self._rewind_to(step)
         barrier()
+
+    def _rewind_to(self, step: int) -> None:
+        for folder in self._tags():
+            if step_of_tag(folder.name) > step:
+                remove_checkpoint(folder)
+        write_atomic(self.dir / LATEST_FILE, f"{tag_for(step)}\n".encode())
+        (self.dir / REWINDING).unlink(missing_ok=True)
 
     def clean_partial(self) -> None:
         """Remove checkpoint folders newer than ``latest`` (a save that a crash cut short), once
@@ -491,12 +503,8 @@ class Checkpointer:
         latest = self._pointer()
         last = step_of_tag(latest) if latest else -1
         for folder in self._tags():
-            if step_of_tag(folder.name) > last:
-                why = (  # a complete one that checked out became latest (_adopt_newer)
-                    f"newer than {LATEST_FILE}, its files do not match its {META} (damaged)"
-                    if (folder / META).is_file()
-                    else f"newer than {LATEST_FILE}, left by a save that did not complete"
-                )
+            if step_of_tag(folder.name) > last:  # complete ones were taken or set aside
+                why = f"newer than {LATEST_FILE}, left by a save that did not complete"
                 warn(f"removing {folder}: {why}")
                 remove_checkpoint(folder)
 
@@ -534,14 +542,19 @@ class Checkpointer:
             self._write(engine, folder, step, client, own, meta, files, protect)
         except (OSError, RuntimeError) as error:
             kept = (
-                f"{self.dir / LATEST_FILE} still names {previous}, which is intact: run the same "
-                "command again once this is fixed to resume from it"
+                f"{tag} is complete (its {META} is written): run the same command again once "
+                "this is fixed to resume from it"
+                if self.dist.is_main and (folder / META).is_file()
+                else f"{self.dir / LATEST_FILE} still names {previous}, which is intact: run the "
+                "same command again once this is fixed to resume from it (the incomplete "
+                f"{tag} is removed then)"
                 if previous
-                else "no earlier checkpoint exists: a rerun starts at step 0"
+                else f"no earlier checkpoint exists: a rerun starts at step 0 (the incomplete "
+                f"{tag} is removed then)"
             )
             raise CheckpointWriteError(
                 f"checkpoint {folder} could not be written: {describe_write_failure(folder, error)}"
-                f". {kept} (the incomplete {tag} is removed then)"
+                f". {kept}"
             ) from error
         self._checked = self._main_checked = True  # `latest` is ours now
         return tag

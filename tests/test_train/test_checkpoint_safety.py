@@ -361,27 +361,42 @@ def test_a_kill_between_the_first_meta_and_latest_resumes_from_it_with_a_warning
     assert ck.latest() == "step_00000003" and step_folder(r, 3).exists()
     said = f"{step_folder(r, 3)} is complete and newer than step_00000002, which latest names"
     assert said in capsys.readouterr().err
-    # ... but one whose files came back empty after a power loss is not taken, and said damaged
+    # ... but one whose files came back empty after a power loss is set aside as damaged
     r = copy(runs, "zero0", tmp_path / "lost")
     (r / "checkpoints" / "latest").write_text("step_00000002\n")
     (step_folder(r, 3) / "mp_rank_00_model_states.pt").write_bytes(b"")
     ck = Checkpointer(r, ONE, 3)
     ck.clean_partial()
-    said = f"removing {step_folder(r, 3)}: newer than latest, its files do not match its meta.json"
+    said = f"{step_folder(r, 3)} is newer than step_00000002 and damaged ("
     assert said in capsys.readouterr().err and ck.latest() == "step_00000002"
+    assert (r / "checkpoints" / "step_00000003.damaged" / "DAMAGED.txt").is_file()
     # a rollback's abandoned folders never look like such a save, even killed before latest
     # moved back: the next start goes back to where the rollback was going
     r = copy(runs, "zero0", tmp_path / "rewound")
     Checkpointer(r, ONE, 3).rewind(1)
     assert sorted(p.name for p in (r / "checkpoints").iterdir()) == ["latest", "step_00000001"]
+    import train.checkpoint as checkpoint
+
     r = copy(runs, "zero0", tmp_path / "rewind_killed")
+    removed: list = []
+
+    def remove_then_die(folder):  # the kill comes after the first abandoned folder is gone
+        if removed:
+            sys.exit("killed")
+        removed.append(folder)
+        original(folder)
+
+    original = checkpoint.remove_checkpoint
     with monkeypatch.context() as patched:
-        patched.setattr("train.checkpoint.write_atomic", lambda *a: sys.exit("killed"))
+        patched.setattr("train.checkpoint.remove_checkpoint", remove_then_die)
         with pytest.raises(SystemExit):
             Checkpointer(r, ONE, 3).rewind(1)
+    assert (r / "checkpoints" / "latest").read_text().strip() == "step_00000003"
+    capsys.readouterr()
     ck = Checkpointer(r, ONE, 3)
     ck.clean_partial()
     assert ck.latest() == "step_00000001"
+    assert "finishing a rollback to step_00000001" in capsys.readouterr().err
     assert sorted(p.name for p in (r / "checkpoints").iterdir()) == ["latest", "step_00000001"]
 
 
