@@ -167,11 +167,15 @@ def run_pool(
                         ) from None
                     # said, not only redone: a worker the kernel's OOM killer took is the hint
                     # that --workers is too many for this machine's memory
-                    killed = (
-                        f"killed by signal {-code}" if code and code < 0 else f"exit code {code}"
+                    how = (
+                        "killed by signal 9: out of memory?"  # what the kernel's OOM killer sends
+                        if code == -signal.SIGKILL
+                        else f"killed by signal {-code}"
+                        if code and code < 0
+                        else f"exit code {code}"
                     )
                     print(
-                        f"warning: a worker died running job {pos} ({killed}: out of memory?); "
+                        f"warning: a worker died running job {pos} ({how}); "
                         "running it again in a new worker",
                         file=sys.stderr,
                         flush=True,

@@ -145,9 +145,10 @@ def skip_dir(name: str) -> str | None:
 
 
 def language(name: str) -> str | None:
-    if name.startswith("Dockerfile."):  # Dockerfile.dev, Dockerfile.cuda
-        return "dockerfile"
-    return NAMED_LANGS.get(name) or LANGS.get(Path(name).suffix.lower())
+    known = NAMED_LANGS.get(name) or LANGS.get(Path(name).suffix.lower())
+    if known is None and name.startswith("Dockerfile.") and name != "Dockerfile.dockerignore":
+        return "dockerfile"  # Dockerfile.dev, Dockerfile.cuda (a Dockerfile.md is Markdown)
+    return known
 
 
 def shebang_language(path: Path) -> str | None:

@@ -174,6 +174,7 @@ def test_code_tree_rules(tmp_path):
     (root / "bin" / "notes").write_text("just words\n")
     (root / "GNUmakefile").write_text("all:\n\techo hi\n")
     (root / "Dockerfile.dev").write_text("FROM python:3.11\n")
+    (root / "Dockerfile.md").write_text("# How the image is built\n")  # Markdown, not a Dockerfile
     out = tmp_path / "out"
     s = ingest(out, [f"code:{root}"])
     assert _rejects(out) == {
@@ -192,7 +193,7 @@ def test_code_tree_rules(tmp_path):
             next(x for x in (out / "rejects.jsonl").read_text().splitlines() if "bundle.js" in x)
         )["detail"]
     )
-    assert s["manifest"]["totals"]["samples"] == 9
+    assert s["manifest"]["totals"]["samples"] == 10
     import webdataset as wds
 
     docs = [
@@ -212,6 +213,7 @@ def test_code_tree_rules(tmp_path):
         "Makefile": "make",
         "GNUmakefile": "make",
         "Dockerfile.dev": "dockerfile",
+        "Dockerfile.md": "markdown",
         "bin/serve": "python",
         "bin/setup": "shell",
     }
