@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
-from data.media import wide_codec
+from data.media import binary_detail, wide_codec
 from data.schema import Reject
 
 BLANK_LINE = "blank-line"
@@ -38,11 +38,14 @@ NOT_UTF8 = re.compile("[\udc80-\udcff]")  # the bytes surrogateescape kept of in
 
 def refuse_wide(head: bytes, path: Path | str) -> None:
     """A table (JSONL, CSV) is read as UTF-8, line by line: one in UTF-16 or UTF-32 (Windows
-    PowerShell 5 writes UTF-16 by default) is refused whole, as its lines split between bytes."""
+    PowerShell 5 writes UTF-16 by default), by its byte order mark or its first ``head`` bytes'
+    NULs, is refused whole, as its lines split between bytes."""
+    fix = "save the table as UTF-8 (PowerShell: Out-File -Encoding utf8; iconv -f UTF-16 -t UTF-8)"
     if codec := wide_codec(head):
+        raise ValueError(f"{path}: {codec.upper()} (its byte order mark says so), not UTF-8: {fix}")
+    if (binary_detail(head) or "").startswith("NUL bytes between the letters"):
         raise ValueError(
-            f"{path}: {codec.upper()} (its byte order mark says so), not UTF-8: save the table "
-            "as UTF-8 (PowerShell: Out-File -Encoding utf8; iconv -f UTF-16 -t UTF-8)"
+            f"{path}: UTF-16 without a byte order mark (NULs between the letters): {fix}"
         )
 
 
@@ -77,7 +80,7 @@ def csv_records(path: Path) -> Iterator[tuple[int, list[str] | str]]:
     # utf-8-sig: a leading byte order mark (Excel's "CSV UTF-8") is not part of the header;
     # surrogateescape: a byte that is not UTF-8 costs its row (read_table), not the table
     with open(path, "rb") as raw:
-        refuse_wide(raw.read(4), path)
+        refuse_wide(raw.read(4096), path)
     with open(path, newline="", encoding="utf-8-sig", errors="surrogateescape") as f:
         numbered = enumerate(f, 1)
 
@@ -181,7 +184,7 @@ def read_table(
                 yield lineno, {k: v for k, v in zip(header, fields, strict=True) if k or v}
         return
     with open(path, "rb") as f:
-        refuse_wide(f.read(4), path)
+        refuse_wide(f.read(4096), path)
         f.seek(0)
         for lineno, line in enumerate(f, 1):
             label = f"{path.name}:{lineno}"

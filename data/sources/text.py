@@ -21,7 +21,7 @@ def jsonl_lines(path) -> Iterator[tuple[int, int, int]]:
     only whitespace) has length 0, for the caller to list as a ``blank-line`` reject."""
     off = 0
     with open(path, "rb") as f:
-        refuse_wide(f.read(4), path)
+        refuse_wide(f.read(4096), path)
         f.seek(0)
         for lineno, line in enumerate(f, 1):
             yield lineno, off, len(line) if line.strip() else 0

@@ -373,6 +373,10 @@ def test_tables_with_a_byte_order_mark_or_a_row_not_in_utf8(tmp_path, capsys):
         assert main([*argv, "--source", f"{kind}:{tmp_path / name}"]) == 2
         said = f"{tmp_path / name}: UTF-16 (its byte order mark says so), not UTF-8: save the"
         assert said in capsys.readouterr().err
+    # and without its mark (one record of two was kept, unsaid): known by its NULs
+    (tmp_path / "unmarked.jsonl").write_bytes(("\n".join(lines) + "\n").encode("utf-16-le"))
+    assert main([*argv, "--source", f"text:{tmp_path / 'unmarked.jsonl'}"]) == 2
+    assert "unmarked.jsonl: UTF-16 without a byte order mark" in capsys.readouterr().err
 
     # headers as people type them, or tab-separated, are told what is wrong
     for header, hint in [
