@@ -133,8 +133,14 @@ def _runs(row: dict) -> list[tuple[int, int]]:
 
 # Control characters in a corpus (a log's colour codes, a terminal capture) are shown as
 # Unicode's control pictures (ESC as U+241B), never sent to the user's terminal; tab and newline
-# are kept: they are what text and code look like
-SHOWN_CONTROLS = {c: 0x2400 + c for c in range(32) if c not in (9, 10)} | {127: 0x2421}
+# are kept: they are what text and code look like. C1 controls (U+009B is a CSI to some
+# terminals) and bidi overrides, which reorder what follows, are shown escaped.
+SHOWN_CONTROLS: dict[int, int | str] = {
+    **{c: 0x2400 + c for c in range(32) if c not in (9, 10)},
+    127: 0x2421,
+    **{c: f"\\x{c:02x}" for c in range(0x80, 0xA0)},
+    **{c: f"\\u{c:04x}" for c in [*range(0x202A, 0x202F), *range(0x2066, 0x206A)]},
+}
 
 
 def describe(row: dict, tok: TextTokenizer, colour: bool) -> str:

@@ -323,14 +323,14 @@ def test_preview_shows_control_characters_as_pictures(tiny_tokenizers):
     from data.vocab import Modality
 
     tok = TextTokenizer.load(tiny_tokenizers[0])
-    ids = np.asarray(tok.encode("\x1b[31mred\x07\tcode\n"))
+    ids = np.asarray(tok.encode("\x1b[31mred\x07\tcode\n\x9b2J\u202e"))
     row = {
         "input_ids": ids,
         "modality": np.full(len(ids), Modality.TEXT),
         "doc_ids": np.zeros(len(ids)),
     }
     shown = describe(row, tok, colour=False)
-    assert "\u241b[31mred\u2407\tcode\n" in shown and "\x1b" not in shown
+    assert "\u241b[31mred\u2407\tcode\n\\x9b2J\\u202e" in shown and "\x1b" not in shown
 
 
 def test_preview_leaves_the_held_out_split_out_unless_named(tmp_path):
