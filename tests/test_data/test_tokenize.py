@@ -330,7 +330,7 @@ def test_a_raw_shard_changed_after_ingest_is_refused(tiny_raw, tiny_tokenizers, 
             damaged.write_text("".join(damaged.read_text().splitlines(keepends=True)[:-1]))
         else:
             data = bytearray(damaged.read_bytes())
-            data[1000] ^= 1  # inside the first member's data
+            data[1000] ^= 1  # a byte of the tar: its whole-file hash changes
             damaged.write_bytes(bytes(data))
         out = str(tmp_path / f"t_{part}")
         argv = ["tokenize", "--in", str(raw), "--out", out, "--tokenizer", str(text)]
