@@ -68,8 +68,11 @@ def test_eval_command_on_a_release(debug_release, tiny_tokens, tiny_corpus, tmp_
         f = tot[m]
         assert f["tokens"] > 0 and math.isfinite(f["ce"])
         assert f["margin"] == pytest.approx(f["unigram"] - f["ce"])
+        assert math.isfinite(f["bigram"])
+    for m in ("text", "code"):
         # on the training tokens themselves the previous token predicts better than frequencies
-        assert f["bigram"] < f["unigram"]
+        # (structure's unigram is told that a structure token comes, the bigram is not)
+        assert tot[m]["bigram"] < tot[m]["unigram"]
     for m in ("text", "code"):
         nats = tot[m]["ce"] * tot[m]["tokens"]
         assert tot[m]["bpb"] == pytest.approx(nats / math.log(2) / tot[m]["bytes"])
