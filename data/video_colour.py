@@ -100,12 +100,13 @@ def pixel_shape(raw: bytes) -> tuple[float, tuple[int, int] | None]:
     display size, an MPEG-2 program stream's sequence header; 1.0 when the clip says nothing
     (square pixels). A track whose display matrix turns its frames a quarter, as decord applies,
     has them stored height x width: their stretch is then vertical."""
-    stored = _first(
-        _stored_size(raw, start) for start, end in _sample_entries(raw) if _pasp(raw, start, end)
+    mp4 = _first(  # one walk of the sample entries: the pasp and the entry it is in
+        (aspect, _stored_size(raw, start))
+        for start, end in _sample_entries(raw)
+        if (aspect := _pasp(raw, start, end))
     )
-    found = (_pasp(raw, start, end) for start, end in _sample_entries(raw))
     matroska = (_matroska_aspect(raw, start, end) for start, end in _matroska_videos(raw))
-    aspect = _first(found) or _first(matroska) or _mpeg_aspect(raw)
+    aspect, stored = mp4 or (_first(matroska) or _mpeg_aspect(raw), None)
     if not aspect or not 0.1 <= aspect <= 10:  # past that, a damaged field
         return 1.0, None
     return aspect, stored
