@@ -7,7 +7,9 @@ documents, in the same run (the goal: >= 0.9x the bare script at 1 worker, >= 1.
 The corpus (stdlib sources ingested into raw shards of 512 KB, a 4096-id BPE, an untrained debug
 visual tokenizer: tokenize requires the folder), the two commands and the figures are in
 docs/benchmarks.md, "Tokenize". Each run is a whole command in a fresh process with one BPE
-thread (``RAYON_NUM_THREADS=1``), so that N workers use N cores and the bare script one.
+thread (``RAYON_NUM_THREADS=1``), so that N workers use N cores and the bare script one; with
+more than one worker it also runs the bare script with as many BPE threads as the most workers
+(``encode_batch`` parallelises by itself: the baseline a sceptic picks for N workers).
 Installs nothing.
 """
 
@@ -123,6 +125,10 @@ def main() -> None:
         tokenize = [prep, "tokenize", "--in", str(raw), "--no-progress"]
         tokenize += ["--tokenizer", str(tmp / "tok"), "--visual-tokenizer", str(tmp / "vtok")]
         measures = {"bare": partial(timed, bare_cmd, env)}
+        threads = max(counts)
+        if threads > 1:
+            env_n = {**env, "RAYON_NUM_THREADS": str(threads)}
+            measures["bare_n"] = partial(timed, bare_cmd, env_n)
         for workers in counts:
             run = tokenize + ["--workers", str(workers)]
             measures[f"w{workers}"] = partial(timed, run, env, tmp / f"tokens_{workers}")
@@ -132,12 +138,21 @@ def main() -> None:
         print(f"corpus: {len(shards)} raw shards, {megabytes:.1f} MB; median of {args.repeat} runs")
         print(f"{'what':<22} {'seconds':>8} {'MB/s':>7} {'vs bare':>8} {'vs 1 worker':>12}")
         print(f"{'bare encode_batch':<22} {med['bare']:8.2f} {megabytes / med['bare']:7.2f}")
+        if "bare_n" in med:
+            name = f"bare, {threads} BPE threads"
+            print(f"{name:<22} {med['bare_n']:8.2f} {megabytes / med['bare_n']:7.2f}")
         for workers in counts:
             seconds = med[f"w{workers}"]
             base = f"{med['w1'] / seconds:12.2f}" if "w1" in med else ""
             print(
                 f"{'tokenize --workers ' + str(workers):<22} {seconds:8.2f} {megabytes / seconds:7.2f} "
                 f"{med['bare'] / seconds:8.2f} {base}"
+            )
+        if "bare_n" in med:
+            seconds = med[f"w{threads}"]
+            print(
+                f"tokenize --workers {threads} / bare with {threads} BPE threads: "
+                f"{med['bare_n'] / seconds:.2f}x"
             )
 
 
