@@ -5,9 +5,12 @@ PATH is either
   sidecar ``NAME.txt`` (or the ``caption`` field of ``NAME.json``, whose other fields go to
   ``meta``), or from a ``captions.jsonl`` / ``captions.csv`` at the folder's top with columns
   ``file`` (path relative to the folder) and ``caption`` (a row whose file is not in the
-  folder is a ``missing-media`` reject, a second row for one file a ``duplicate-key``). Where
-  two give a caption, ``NAME.txt`` is used and the other (a ``NAME.json``'s or a table row's)
-  stays in ``meta`` as ``caption``, with the row's other columns;
+  folder is a ``missing-media`` reject, a second row for one file a ``duplicate-key``), or from
+  a Hugging Face imagefolder's ``metadata.jsonl`` / ``metadata.csv`` (``file_name``, caption in
+  ``text``) in the folder or any folder below (a split's ``train/metadata.csv``), naming files
+  relative to its own folder; its own ``file`` column, if any, stays in ``meta``. Where two
+  give a caption, ``NAME.txt`` is used and the other (a ``NAME.json``'s or a table row's) stays
+  in ``meta`` as ``caption``, with the row's other columns;
 - or a ``.jsonl`` / ``.csv`` table with a column ``image`` (or ``video``), optional ``caption``
   and ``id``; paths are relative to the table's folder and stay inside it (``outside-tree``
   otherwise, unless ``--allow-outside-paths``); other columns go to ``meta``; malformed rows
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
 import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
@@ -115,49 +119,57 @@ class CaptionedSource(Source):
     def _folder_items(self) -> Iterator[Item]:
         captions: dict[str, dict] = {}
         caption_rows: dict[str, str] = {}  # file -> the row that captions it ("captions.csv:3")
-        # a metadata.csv/.jsonl of another tool (no file_name) is one more file of the folder
-        tables = [t for t in CAPTION_TABLES if t.startswith("captions.") or _hf(self.root / t)]
+        files = list(walk(self.root, hidden_dir, follow=self.limits.follow_links_outside))
+        tables = sorted(
+            (rel for rel, skipped in files if not skipped and self._caption_table(rel)),
+            key=lambda rel: (rel.count("/"), CAPTION_TABLES.index(Path(rel).name), rel),
+        )
         for table in tables:
-            outside = self.outside(self.root / table)
-            if (self.root / table).is_file() and outside:
+            if outside := self.outside(self.root / table):
                 yield self.rejected_item(
                     self.key(sanitize_key(table)), table, outside.reason, outside.detail
                 )
-            elif (self.root / table).is_file():
-                hf = table.startswith("metadata.")
-                for lineno, rec in read_table(
-                    self.root / table, ("file_name",) if hf else ("file",), self.limits.repair_utf8
-                ):
-                    if hf and isinstance(rec, dict):
-                        for theirs, ours in HF_COLUMNS.items():
-                            if theirs in rec and ours not in rec:
-                                rec[ours] = rec.pop(theirs)
-                    if isinstance(rec, Reject) or not rec.get("file"):
-                        reason, detail = (
-                            (rec.reason, rec.detail)
-                            if isinstance(rec, Reject)
-                            else ("bad-record", f'no "{"file_name" if hf else "file"}" column')
-                        )
-                        yield self.rejected_item(
-                            self.key(sanitize_key(f"{table}:{lineno}")),
-                            f"{table}:{lineno}",
-                            reason,
-                            detail,
-                        )
-                        continue
-                    # names compared composed (NFC): macOS writes them decomposed (on_disk)
-                    file = unicodedata.normalize("NFC", str(rec.pop("file")))
-                    row = f"{table}:{lineno}"
-                    if file in caption_rows:
-                        yield self.rejected_item(
-                            self.key(sanitize_key(f"{table}:{lineno}")),
-                            row,
-                            "duplicate-key",
-                            f"{file} already has its caption from {caption_rows[file]}",
-                        )
-                        continue
-                    captions[file], caption_rows[file] = rec, row
-        files = list(walk(self.root, hidden_dir, follow=self.limits.follow_links_outside))
+                continue
+            hf = Path(table).name.startswith("metadata.")
+            # an imagefolder's metadata names files relative to its own folder (train/, test/)
+            folder = posixpath.dirname(table)
+            for lineno, rec in read_table(
+                self.root / table, ("file_name",) if hf else ("file",), self.limits.repair_utf8
+            ):
+                displaced = None  # an imagefolder's own "file" column, kept in meta
+                if hf and isinstance(rec, dict):
+                    displaced = rec.pop("file", None) if "file_name" in rec else None
+                    for theirs, ours in HF_COLUMNS.items():
+                        if theirs in rec and ours not in rec:
+                            rec[ours] = rec.pop(theirs)
+                if isinstance(rec, Reject) or not rec.get("file"):
+                    reason, detail = (
+                        (rec.reason, rec.detail)
+                        if isinstance(rec, Reject)
+                        else ("bad-record", f'no "{"file_name" if hf else "file"}" column')
+                    )
+                    yield self.rejected_item(
+                        self.key(sanitize_key(f"{table}:{lineno}")),
+                        f"{table}:{lineno}",
+                        reason,
+                        detail,
+                    )
+                    continue
+                # names compared composed (NFC): macOS writes them decomposed (on_disk)
+                file = unicodedata.normalize("NFC", str(rec.pop("file")))
+                file = posixpath.normpath(posixpath.join(folder, file))
+                if displaced is not None:
+                    rec["file"] = displaced
+                row = f"{table}:{lineno}"
+                if file in caption_rows:
+                    yield self.rejected_item(
+                        self.key(sanitize_key(f"{table}:{lineno}")),
+                        row,
+                        "duplicate-key",
+                        f"{file} already has its caption from {caption_rows[file]}",
+                    )
+                    continue
+                captions[file], caption_rows[file] = rec, row
         listed = {unicodedata.normalize("NFC", rel) for rel, _ in files}
         for file, row in caption_rows.items():
             if file not in listed:  # a caption row must not vanish because its file is absent
@@ -365,12 +377,25 @@ class CaptionedSource(Source):
             )
         return self.assemble(item.key, parts, meta, origin, label)
 
+    def _caption_table(self, rel: str) -> bool:
+        """Whether the folder's file ``rel`` captions its media: our captions.jsonl/.csv at the
+        top, a Hugging Face imagefolder's metadata.jsonl/.csv (one with ``file_name``) in any
+        folder (a split's own, train/metadata.csv)."""
+        name = Path(rel).name
+        if name.startswith("captions."):
+            return name in CAPTION_TABLES and "/" not in rel and (self.root / rel).is_file()
+        return name in CAPTION_TABLES and _hf(self.root / rel)
+
     def _unknown_detail(self, rel: str, suffix: str, media: set[str]) -> str:
         """Why a file of the folder is not one of its media, and what to do about it."""
         detail = f"not a{'n image' if self.kind == 'images' else ' video'} file ({suffix or 'no extension'})"
         other = "videos" if self.kind == "images" else "images"
-        if rel.lower() in CAPTION_TABLES:
-            return detail + f"; a caption table is read under the name {rel.lower()}"
+        if (name := Path(rel).name.lower()) in CAPTION_TABLES:
+            if name.startswith("captions.") and "/" in rel:
+                return detail + f"; a {name} is read at the folder's top only"
+            if name != Path(rel).name:
+                return detail + f"; a caption table is read under the name {name}"
+            return detail + "; a metadata table captions its folder when it has a file_name column"
         if suffix in (".txt", ".json"):
             if str(Path(rel).with_suffix("")) in media:
                 named = Path(rel).with_suffix("").with_suffix(suffix).name

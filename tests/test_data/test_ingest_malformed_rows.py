@@ -168,6 +168,42 @@ def test_a_hugging_face_imagefolders_metadata_captions_its_pictures(tmp_path):
     assert said.endswith("; a caption table is read under the name metadata.csv")
 
 
+def test_an_imagefolders_split_metadata_names_files_in_its_own_folder(tmp_path):
+    """datasets' split layout: train/metadata.csv and test/metadata.jsonl, each naming files
+    relative to its own folder; file_name is the file even where a row has a "file" column
+    too (that one is kept in meta); a captions.csv below the top is a file like another."""
+    pics = tmp_path / "pics"
+    for split in ("train", "test", "other"):
+        (pics / split / "sub").mkdir(parents=True)
+        (pics / split / "a.png").write_bytes(png_bytes())
+    (pics / "train" / "sub" / "b.png").write_bytes(png_bytes())
+    (pics / "train" / "metadata.csv").write_text(
+        "file_name,text,file\na.png,a train picture,orig/1.png\n./sub/b.png,a deeper one,\n"
+        "gone.png,no such file,\n"
+    )
+    (pics / "test" / "metadata.jsonl").write_text('{"file_name": "a.png", "text": "a test one"}\n')
+    (pics / "other" / "captions.csv").write_text("file,caption\na.png,not read here\n")
+    status, rejects, _ = run_ingest(tmp_path / "out", f"images:{pics}")
+    assert status == EXIT_REJECTS
+    assert captions_of(tmp_path / "out") == {
+        "train/a.png": "a train picture",
+        "train/sub/b.png": "a deeper one",
+        "test/a.png": "a test one",
+        "other/a.png": "",
+    }
+    assert [(r["path"], r["reason"]) for r in rejects] == [
+        ("train/metadata.csv:4 (train/gone.png)", "missing-media"),
+        ("other/captions.csv", "unknown-type"),
+    ]
+    assert rejects[1]["detail"].endswith("; a captions.csv is read at the folder's top only")
+    import webdataset as wds
+
+    urls = [str(path) for path in sorted((tmp_path / "out").rglob("*.tar"))]
+    docs = [json.loads(s["json"]) for s in wds.WebDataset(urls, shardshuffle=False)]
+    (meta,) = [doc["meta"] for doc in docs if doc["origin"]["path"] == "train/a.png"]
+    assert meta.get("file") == "orig/1.png"
+
+
 def test_caption_rows_for_absent_or_already_captioned_files_are_listed(tmp_path):
     (tmp_path / "pics").mkdir()
     (tmp_path / "pics" / "a.png").write_bytes(png_bytes())
