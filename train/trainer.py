@@ -209,7 +209,11 @@ class Trainer:
             self.engine,
             step,
             client={**self.callbacks.state_dict(), "step": step},
-            own={"stream": self.stream.state_dict(), "rng": rng_state()},
+            own={
+                "stream": self.stream.state_dict(),
+                "task": self.task.state_dict(),
+                "rng": rng_state(),
+            },
             meta=self.save_meta,
             files=self.save_files,
             protect=self.protect(self.checkpointer.complete_steps()),
@@ -283,6 +287,7 @@ class Trainer:
         if own is None:
             notes.append(f"rank {self.dist.rank} had no predecessor: fresh RNG")
         else:
+            self.task.load_state_dict(own.get("task", {}))
             # Last, and nothing draws from the global RNG from here to the first step: a resumed
             # run draws exactly what the uninterrupted one drew.
             set_rng_state(own["rng"])

@@ -104,6 +104,11 @@ def test_every_zero_stage_trains_and_resumes_bit_identically(tiny_tokens, tmp_pa
     a, b = metrics(ref), metrics(run)
     assert [a[s]["train/loss"] for s in range(1, 5)] == [b[s]["train/loss"] for s in range(1, 5)]
     assert a[4]["train/loss"] < a[1]["train/loss"]
+    # the documents new to each modality too: the counter's memory is in the checkpoint
+    counts = [{k: v for k, v in a[s].items() if k.startswith("data/docs_new/")} for s in (3, 4)]
+    assert counts[0] and counts == [
+        {k: v for k, v in b[s].items() if k.startswith("data/docs_new/")} for s in (3, 4)
+    ]
     # The global RNG before every step, the killed run's and the resumed run's steps 3 and 4
     # included, is the uninterrupted run's: nothing draws from it between restore and step 3.
     want, got = rng_digests(rng_ref), rng_digests(rng_run, every=True)

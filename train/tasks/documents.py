@@ -22,11 +22,18 @@ KEY = "docs_new/"  # summed over micro-batches and ranks; data/docs_new/<modalit
 
 class DocumentCounter:
     """Per batch, the documents new to each modality: holding it here and not in the previous
-    batch of this rank (the memory is one batch: a file whose chunks skip a batch counts twice,
-    and the first batch after a resume counts all of its documents)."""
+    batch of this rank (the memory is one batch: a file whose chunks skip a batch counts twice).
+    The memory goes into the rank's checkpoint, so that a resumed run counts as the run it
+    continues."""
 
     def __init__(self) -> None:
         self.previous: set[tuple[int, int, int]] = set()
+
+    def state_dict(self) -> dict:
+        return {"previous": sorted(self.previous)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.previous = {(int(s), int(d), int(m)) for s, d, m in state.get("previous", ())}
 
     def count(self, batch: dict) -> dict[str, float]:
         """``docs_new/<modality>`` for one host batch; empty for a batch without the table."""

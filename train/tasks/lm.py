@@ -679,6 +679,12 @@ class LMTask:
             out["data/dropped_blocks"] = float(sum(total))
         return out
 
+    def state_dict(self) -> dict:
+        return {"documents": self.documents.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.documents.load_state_dict(state.get("documents", {}))
+
     def extra_files(self) -> dict[str, str]:
         # Beside the layout, in the checkpoint's manifest: the tokenizers its token data was made
         # with, which a release checks --tokenizers against once the shards are gone.

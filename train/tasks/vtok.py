@@ -267,6 +267,12 @@ class VtokTask:
     def extra_files(self) -> dict[str, str]:
         return {}
 
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
     def chance_levels(self) -> None:
         return None  # one loss, no vocabulary: the spike and divergence monitors apply
 
