@@ -12,6 +12,7 @@ A source kind has two halves:
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 import unicodedata
@@ -88,12 +89,35 @@ class Skip(NamedTuple):
     detail: str
 
 
+def unnameable(written: str) -> str | None:
+    """Why a path a table gives can name no file (a NUL byte, a name longer than file systems
+    allow: most often a web scrape's image given inline as a data: URI), or None."""
+    parts = written.split("/")
+    if any(part.startswith("data:") for part in parts):
+        return "a data: URI, not a path: decode it to a file, or give the bytes in a parquet column"
+    if "\0" in written:
+        return "its path holds a NUL byte"
+    longest = max((len(part.encode("utf-8", "surrogateescape")) for part in parts), default=0)
+    if longest > 255:
+        return f"a name in its path is {longest} bytes long (file systems allow 255)"
+    return None
+
+
+def shown(written: str, limit: int = 120) -> str:
+    """A path as written, cut for a message: a data: URI is hundreds of kilobytes."""
+    return (
+        written if len(written) <= limit else f"{written[:limit]}... ({len(written):,} characters)"
+    )
+
+
 def outside_root(path: Path, root: Path) -> Skip | None:
     """Why reading ``path`` would follow a symlink out of ``root`` (a resolved folder), or None.
     ``path`` as written (".." folded, no link followed) inside ``root`` must really be there: no
     symlink on its way (the file's, or a folder's) may lead out. A path written to lie outside
     ``root`` (a table's media path, read only under ``--allow-outside-paths``) must really be
     where it is written: the file itself may not be a symlink out of its folder."""
+    if "\0" in str(path):
+        return None  # no file to follow: its stat fails, and no_size says why
     lexical = Path(os.path.abspath(path))
     base = root if lexical.is_relative_to(root) else lexical.parent.resolve()
     try:
@@ -239,7 +263,11 @@ def assemble(
     for part in parts:
         if part.type in ("text", "code"):
             where = part.path or label
-            raw = part.text
+            raw: object = part.text  # typed, but a JSON record gives what it holds
+            if raw is not None and not isinstance(raw, (str, bytes)):  # a number, a list, true
+                shown = json.dumps(raw, default=str)[:60]
+                detail = f"a {part.type} segment's text is {shown}, not a string"
+                return src.reject(label, "bad-record", detail, key)
             text_bytes[part.type] += len(
                 raw if isinstance(raw, bytes) else (raw or "").encode("utf-8", "surrogatepass")
             )
@@ -308,13 +336,34 @@ def assemble(
     return Sample(key, doc, media)
 
 
-def not_a_caption(caption: object) -> str | None:
-    """Why a caption value is no text (an object or a list: its Python repr would be trained
-    on as the caption), or None. A number is taken as its text."""
-    if not isinstance(caption, (dict, list)):
-        return None
-    kind = "an object" if isinstance(caption, dict) else "a list"
-    return f"its caption is {kind} ({json.dumps(caption, default=str)[:60]}), not text"
+def pop_caption(rec: dict, default: object = None) -> object:
+    """Pop a record's caption: its ``caption``, else its ``text`` (a Hugging Face dataset's name
+    for it), either name also in another case or with spaces around it (``Caption``, a CSV
+    header's `` caption``); the rest of the record stays its meta."""
+    for name in ("caption", "text"):
+        if name in rec:
+            return rec.pop(name)
+        for key in rec:
+            if isinstance(key, str) and key.strip().lower() == name:
+                return rec.pop(key)
+    return default
+
+
+def caption_part(caption: object, path: str) -> tuple[Part | None, str | None]:
+    """The caption segment of a caption value as a table, a sidecar or a tar gives it, and why
+    the value is no caption. None and NaN (a missing value in a pandas-written table) are no
+    caption; bytes are decoded as a .txt file is (a parquet column of plain binary); a number
+    is taken as its text (7, 1.5, 100000); an object, a list or a boolean is refused: its
+    Python repr would be trained on as the caption."""
+    if caption is None or isinstance(caption, float) and math.isnan(caption):
+        return None, None
+    if isinstance(caption, (dict, list, tuple, bool)):
+        kind = {dict: "an object", bool: "a boolean"}.get(type(caption), "a list")
+        return None, f"its caption is {kind} ({json.dumps(caption, default=str)[:60]}), not text"
+    if isinstance(caption, float):
+        caption = format(caption, "g") if math.isfinite(caption) else str(caption)
+    text = caption if isinstance(caption, (str, bytes)) else str(caption)
+    return Part("text", text, path=path, role="caption"), None
 
 
 def read_media(path: str | None) -> bytes | Reject:
@@ -420,12 +469,15 @@ def on_disk(path: Path) -> Path:
     """``path``, or the same name in the other Unicode form where only that one exists: macOS
     writes names decomposed (NFD: "e" + U+0301), a table typed elsewhere holds them composed
     (NFC: U+00E9), and Linux compares bytes, so café.jpg would be a missing file."""
-    if path.exists():
-        return path
-    for form in ("NFC", "NFD"):
-        other = Path(unicodedata.normalize(form, str(path)))
-        if other.exists():
-            return other
+    try:
+        if path.exists():
+            return path
+        for form in ("NFC", "NFD"):
+            other = Path(unicodedata.normalize(form, str(path)))
+            if other.exists():
+                return other
+    except OSError:  # a name too long to be a file's: its stat fails, and no_size says why
+        pass
     return path
 
 
@@ -435,7 +487,7 @@ def special_file(path: Path) -> str | None:
     stat'ed: the callers say why)."""
     try:
         mode = path.stat().st_mode
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a NUL in the name
         return None
     if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
         return None
@@ -455,7 +507,7 @@ def stat_size(path: Path) -> int | None:
     """The size of the file at ``path``; None when it cannot be stat'ed or is a special file."""
     try:
         st = path.stat()
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a NUL in the name
         return None
     return st.st_size if stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode) else None
 
@@ -467,12 +519,16 @@ def unstatable(path: Path) -> str:
         path.stat()
     except OSError as e:
         return f"cannot stat it: {e.strerror or e}"
+    except ValueError as e:
+        return f"cannot stat it: {e}"
     return special_file(path) or "cannot stat it"
 
 
 def no_size(path: Path) -> tuple[str, str]:
     """(reason, detail) of a media file a table names that ``stat_size`` found no size for: not
     there, there as a link that loops or is broken, or there as a named pipe or device."""
+    if why := unnameable(str(path)):
+        return "missing-media", why
     if path.is_symlink() or special_file(path):
         return "unreadable-file", unstatable(path)
     if "\\" in str(path):  # a table written on Windows: its folders are separated by "\"

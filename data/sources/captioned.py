@@ -43,11 +43,13 @@ from data.sources.base import (
     Item,
     Part,
     Source,
+    caption_part,
     hidden_dir,
     no_size,
-    not_a_caption,
     on_disk,
+    pop_caption,
     read_file,
+    shown,
     special_file,
     stat_size,
     unstatable,
@@ -307,11 +309,12 @@ class CaptionedSource(Source):
             path = on_disk((base / media) if not Path(media).is_absolute() else Path(media))
             outside = self.outside_tree(media, base) or self.outside(path)
             if outside:
-                yield self.rejected_item(key, f"{label} ({media})", outside.reason, outside.detail)
+                where = f"{label} ({shown(media)})"
+                yield self.rejected_item(key, where, outside.reason, outside.detail)
                 continue
             size = stat_size(path)
             if size is None:
-                yield self.rejected_item(key, f"{label} ({media})", *no_size(path))
+                yield self.rejected_item(key, f"{label} ({shown(media)})", *no_size(path))
                 continue
             yield Item(
                 key, label, ("row", str(path), label, media, json.dumps(rec, sort_keys=True)), size
@@ -324,8 +327,8 @@ class CaptionedSource(Source):
         if item.ref[0] == "file":
             _, path, rel, table_rec, txt, json_path, _ = item.ref
             meta = json.loads(table_rec) if table_rec else {}
-            table_caption = meta.pop("caption", None)
-            caption: str | bytes | None = table_caption
+            table_caption = pop_caption(meta)
+            caption: object = table_caption
             if json_path:
                 raw = read_file(Path(json_path), rel)
                 rec = (
@@ -339,7 +342,7 @@ class CaptionedSource(Source):
                     detail = f"its sidecar {Path(json_path).name}: {rec.detail}"
                     return self.reject(rel, rec.reason, detail, item.key)
                 if not txt:  # with a .txt sidecar too, the .json's caption stays in meta
-                    caption = rec.pop("caption", caption)
+                    caption = pop_caption(rec, caption)
                 meta.update(rec)
             if txt:
                 raw = read_file(Path(txt), rel)
@@ -359,22 +362,16 @@ class CaptionedSource(Source):
         else:
             _, path, label, media, rec = item.ref
             meta = json.loads(rec)
-            caption = meta.pop("caption", None)
+            caption = pop_caption(meta)
             origin = {"path": media, "row": label}
         # a table row's media reject names the row and the file, as its missing-media does
         shown = f"{origin['row']} ({origin['path']})" if "row" in origin else origin["path"]
         parts = [Part(self.part_type, path=path, ext=Path(path).suffix.lower(), label=shown)]
-        if refused := not_a_caption(caption):
+        caption_seg, refused = caption_part(caption, label)
+        if refused:
             return self.reject(label, "bad-record", refused, item.key)
-        if caption is not None:
-            parts.append(
-                Part(
-                    "text",
-                    caption if isinstance(caption, (str, bytes)) else str(caption),
-                    path=label,
-                    role="caption",
-                )
-            )
+        if caption_seg is not None:
+            parts.append(caption_seg)
         return self.assemble(item.key, parts, meta, origin, label)
 
     def _caption_table(self, rel: str) -> bool:

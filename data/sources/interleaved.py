@@ -14,12 +14,13 @@ missing or remote is rejected as a whole (reason ``missing-media``), never kept 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 from data.media import VIDEO_EXTS
 from data.schema import SEGMENT_TYPES, Reject, Sample, sanitize_key, unsafe_name_reason
-from data.sources.base import Item, Part, Source, no_size, on_disk, stat_size
+from data.sources.base import Item, Part, Source, no_size, on_disk, shown, stat_size
 from data.sources.rows import blank_line, parse_record
 from data.sources.tables import LIST_COLUMNS, aligned_entries, is_table, load_row, table_items
 from data.sources.text import jsonl_lines, read_line
@@ -41,6 +42,15 @@ def doc_parts(rec: dict, base: Path, label: str) -> list[Part] | Reject:
             kind = seg.get("type") if isinstance(seg, dict) else None
             if kind not in SEGMENT_TYPES:
                 return Reject(label, "bad-record", f"segment {position}: unknown type {kind!r}")
+            # a number or a list where a string belongs: the line is named, the file goes on
+            fields = ("text", "lang") if kind in ("text", "code") else ("path", "file")
+            if wrong := next(
+                (f for f in fields if seg.get(f) is not None and not isinstance(seg[f], str)), None
+            ):
+                got = json.dumps(seg[wrong], default=str)[:60]
+                return Reject(
+                    label, "bad-record", f'segment {position}: its "{wrong}" is {got}, not a string'
+                )
             if kind in ("text", "code"):
                 parts.append(Part(kind, seg.get("text") or "", path=label, lang=seg.get("lang")))
             else:
@@ -73,7 +83,7 @@ def doc_parts(rec: dict, base: Path, label: str) -> list[Part] | Reject:
                 )
             part.path = str(on_disk(base / given if not Path(given).is_absolute() else Path(given)))
             part.ext = Path(given).suffix.lower()
-            part.label = f"{label} ({given})"  # the line that names it, as it was given
+            part.label = f"{label} ({shown(given)})"  # the line that names it, as it was given
     return parts
 
 
@@ -142,7 +152,7 @@ class InterleavedSource(Source):
                     size += media_size
             if missing:
                 reason, detail = no_size(Path(missing))
-                yield self.rejected_item(key, label, reason, f"{missing}: {detail}")
+                yield self.rejected_item(key, label, reason, f"{shown(missing)}: {detail}")
                 continue
             yield Item(key, label, ("line", str(self.root), label, off, length, lineno), size)
 

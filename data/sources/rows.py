@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import re
 from collections import deque
 from collections.abc import Iterator
@@ -55,13 +56,21 @@ def _not_json(name: str) -> float:
     raise ValueError(f"{name} is not a JSON value")
 
 
+def _finite(text: str) -> float:
+    # 1e400 is JSON, but no float: Python would write it back as Infinity
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"{text} is beyond a float's range")
+    return value
+
+
 def parse_record(raw: bytes, label: str, repair: bool = False) -> dict | Reject:
     """A JSON line's object; with ``repair`` (--repair-utf8) bytes that are not UTF-8 become
     U+FFFD, as in text files."""
     try:
         # json.loads strips a byte order mark from bytes, not from str: strip it here too
         text = raw.decode("utf-8", "replace").removeprefix("\ufeff") if repair else raw
-        rec = json.loads(text, parse_constant=_not_json)
+        rec = json.loads(text, parse_constant=_not_json, parse_float=_finite)
     except UnicodeDecodeError as e:
         return Reject(label, "not-utf8", f"invalid UTF-8 in JSON line at byte {e.start}")
     except ValueError as e:
@@ -146,6 +155,7 @@ def read_table(
             if header is None:
                 if isinstance(fields, str):
                     raise ValueError(f"{label}: the header row is malformed: {fields}")
+                fields = [field.strip() for field in fields]  # "image, caption" by hand
                 if fields and need and not set(need) & set(fields):
                     other = (
                         " (semicolons: save it comma-separated)"

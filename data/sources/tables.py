@@ -37,7 +37,16 @@ from pathlib import Path
 
 from data.schema import Reject, Sample, sanitize_key, unsafe_name_reason
 from data.shards.storage import exists, filesystem, is_remote, read_bytes, retried
-from data.sources.base import Item, Part, Source, no_size, not_a_caption, stat_size
+from data.sources.base import (
+    Item,
+    Part,
+    Source,
+    caption_part,
+    no_size,
+    pop_caption,
+    stat_size,
+)
+from data.sources.base import shown as cut
 
 HF_FILES = ("dataset_info.json", "state.json")
 
@@ -260,14 +269,14 @@ def table_items(src: Source) -> Iterator[Item]:
                 if isinstance(cells, str):
                     yield src.rejected_item(key, label, "corrupt-table", cells)
                     continue
-                rid = cells[row_in_group].get("id")
+                rid = _row_id(cells[row_in_group].get("id"))
                 media = {column: cells[row_in_group][column] for column in paths}
-                if rid not in (None, ""):
+                if rid is not None:
                     why = unsafe_name_reason(str(rid))
                     if why:
                         yield src.rejected_item(key, label, "unsafe-name", f"id: {why}")
                         continue
-                    key = src.key(sanitize_key(str(rid)))
+                    key = src.key(sanitize_key(rid))
                 missing = (
                     _linked_out(src, media, base, tree=True)
                     or _missing_media(media, base)
@@ -275,7 +284,7 @@ def table_items(src: Source) -> Iterator[Item]:
                 )
                 if missing:
                     reason, detail, shown = missing
-                    where = f"{label} ({shown})" if shown else label
+                    where = f"{label} ({cut(shown)})" if shown else label
                     yield src.rejected_item(key, where, reason, detail)
                     continue
                 yield Item(key, label, ("trow", file.text, group, row_in_group, label, pos), size)
@@ -320,6 +329,16 @@ def _linked_out(src: Source, media: dict, base: Location, tree=False):
 _OPEN: dict[str, TableFile] = {}  # per worker: the last table read, and its row group
 
 
+def _row_id(value: object) -> str | None:
+    """A row's ``id`` as its key's text; None for none. pandas writes an integer column with a
+    gap as floats, the gap a NaN: 3.0 is the id 3 and NaN no id (the row's number keys it)."""
+    if value is None or value == "" or isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
 def load_row(src: Source, item: Item) -> Sample | Reject:
     _, file, group, index, label, pos = item.ref
     table = _OPEN.get(file)
@@ -349,11 +368,11 @@ def load_row(src: Source, item: Item) -> Sample | Reject:
         if refused:
             return src.reject(refused.path, refused.reason, refused.detail, item.key)
         parts = [_media_part(src.kind[:-1], got, label)]
-        caption = rec.pop("caption", None)
-        if no_text := not_a_caption(caption):
+        caption, no_text = caption_part(pop_caption(rec), label)
+        if no_text:
             return src.reject(label, "bad-record", no_text, item.key)
         if caption is not None:
-            parts.append(Part("text", str(caption), path=label, role="caption"))
+            parts.append(caption)
     else:
         got_parts = _interleaved_parts(src, rec, base, label)
         if isinstance(got_parts, Reject):
@@ -371,7 +390,7 @@ def _media_part(kind: str, got: tuple[bytes | None, str | None, str], label: str
     """A media part; rejects name it ``LABEL (path as written)`` like the JSONL tables do."""
     data, path, shown = got
     ext = Path(path).suffix.lower() if path else (".mp4" if kind == "video" else None)
-    where = f"{label} ({shown})" if shown else label
+    where = f"{label} ({cut(shown)})" if shown else label
     return Part(kind, path=path or label, data=data, ext=ext, label=where)
 
 

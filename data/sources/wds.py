@@ -28,7 +28,7 @@ from data.names import INDEX_SUFFIX
 from data.schema import Reject, Sample, sanitize_key, unsafe_name_reason
 from data.shards import storage
 from data.shards.storage import is_remote, retried
-from data.sources.base import Item, Part, Source, hidden_dir, not_a_caption, walk
+from data.sources.base import Item, Part, Source, caption_part, hidden_dir, pop_caption, walk
 from data.sources.rows import parse_record
 
 
@@ -330,7 +330,7 @@ class WdsSource(Source):
         where = f"{label}:{wkey}"
         data = read_members(path, json.loads(group_json))
         meta: dict = {}
-        caption: str | bytes | None = None
+        caption: object = None
         # KEY.json and KEY.txt, or the one such member of a key holding dots (a.b.jpg, a.b.txt:
         # webdataset's key is "a", so the members are "b.jpg" and "b.txt")
         if ext := _member_ending(data, "json"):
@@ -339,11 +339,12 @@ class WdsSource(Source):
                 return self.reject(rec.path, rec.reason, rec.detail, item.key)
             if isinstance(rec.get("segments"), list):
                 return self._load_native(item, rec, data, label, wkey, where)
-            caption = rec.pop("caption", None)
+            caption = pop_caption(rec)
             meta.update(rec)
         if ext := _member_ending(data, "txt"):
             caption = data.pop(ext)
-        if no_text := not_a_caption(caption):
+        caption_seg, no_text = caption_part(caption, where)
+        if no_text:
             return self.reject(where, "bad-record", no_text, item.key)
         parts = []
         for ext in list(data):
@@ -351,15 +352,8 @@ class WdsSource(Source):
             if last in IMAGE_EXTS or last in VIDEO_EXTS:
                 kind = "image" if last in IMAGE_EXTS else "video"
                 parts.append(Part(kind, path=f"{where}.{ext}", data=data.pop(ext), ext=last))
-        if caption is not None:
-            parts.append(
-                Part(
-                    "text",
-                    caption if isinstance(caption, (str, bytes)) else str(caption),
-                    path=where,
-                    role="caption",
-                )
-            )
+        if caption_seg is not None:
+            parts.append(caption_seg)
         origin = {"path": label, "key": wkey}
         if data:
             origin["ignored_members"] = sorted(data)

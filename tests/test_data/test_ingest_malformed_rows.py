@@ -571,3 +571,81 @@ def test_a_table_written_on_windows_is_told_how_folders_are_separated(tmp_path):
             "file does not exist (folders are separated by / here, not \\)",
         )
     ]
+
+
+def test_json_values_of_the_wrong_kind_are_rejects_naming_their_line(tmp_path):
+    """A number or a list where a segment's text or path belongs, and a number beyond a float's
+    range (Python would write it back as Infinity, which is no JSON): the line is a bad-record,
+    the rest of the file is ingested."""
+    (tmp_path / "a.png").write_bytes(png_bytes())
+    lines = [
+        {"segments": [{"type": "text", "text": "fine"}]},
+        {"segments": [{"type": "text", "text": 5}]},
+        {"segments": [{"type": "code", "text": ["a", "b"]}]},
+        {"segments": [{"type": "text", "text": True}]},
+        {"segments": [{"type": "image", "path": 5}]},
+        {"segments": [{"type": "image", "path": "a.png", "file": {"a": 1}}]},
+    ]
+    table = tmp_path / "pages.jsonl"
+    table.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with open(table, "a") as f:
+        f.write('{"segments": [{"type": "text", "text": "big"}], "score": 1e400}\n')
+    status, rejects, manifest = run_ingest(tmp_path / "out", f"interleaved:{table}")
+    assert status == EXIT_REJECTS and manifest["totals"]["samples"] == 1
+    assert [(r["path"], r["reason"]) for r in rejects] == [
+        (f"pages.jsonl:{n}", "bad-record") for n in range(2, 8)
+    ]
+    assert rejects[0]["detail"] == 'segment 0: its "text" is 5, not a string'
+    assert rejects[4]["detail"] == 'segment 0: its "file" is {"a": 1}, not a string'
+    assert "1e400 is beyond a float's range" in rejects[5]["detail"]
+
+
+def test_a_caption_column_by_another_name_is_the_caption(tmp_path):
+    """A header written by hand (``image, caption``), a capitalised ``Caption``, and a Hugging
+    Face ``text`` column: each is read as the caption, not moved into the meta."""
+    (tmp_path / "a.png").write_bytes(png_bytes())
+    for name, header in (
+        ("spaced", "image, caption"),
+        ("upper", "image,Caption"),
+        ("hf", "image,text"),
+    ):
+        (tmp_path / f"{name}.csv").write_text(f"{header}\na.png,a red square {name}\n")
+    sources = [f"images:{tmp_path / name}.csv" for name in ("spaced", "upper", "hf")]
+    status, rejects, _ = run_ingest(tmp_path / "out", *sources)
+    assert status == 0 and rejects == []
+    import webdataset as wds
+
+    urls = [str(path) for path in sorted((tmp_path / "out").rglob("*.tar"))]
+    docs = [json.loads(s["json"]) for s in wds.WebDataset(urls, shardshuffle=False)]
+    assert sorted(seg["text"] for doc in docs for seg in doc["segments"] if "text" in seg) == [
+        f"a red square {name}" for name in ("hf", "spaced", "upper")
+    ]
+    assert all(doc["meta"] == {} for doc in docs)
+
+
+def test_a_path_that_can_name_no_file_is_its_rows_reject(tmp_path):
+    """A name over 255 bytes, a NUL, a data: URI in the image column: that row is a reject
+    naming it (cut short), the table's other rows are ingested."""
+    (tmp_path / "a.png").write_bytes(png_bytes())
+    uri = "data:image/png;base64," + "A" * 5000
+    rows = [{"image": "a.png"}, {"image": "b" * 300 + ".png"}, {"image": "c\0.png"}, {"image": uri}]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    pages = [{"segments": [{"type": "image", "path": row["image"]}]} for row in rows]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(page) + "\n" for page in pages))
+    status, rejects, manifest = run_ingest(
+        tmp_path / "out", f"images:{tmp_path / 't.jsonl'}", f"interleaved:{tmp_path / 'p.jsonl'}"
+    )
+    assert status == EXIT_REJECTS and manifest["totals"]["samples"] == 2
+    assert [(r["path"].split(" ")[0], r["reason"]) for r in rejects] == [
+        ("t.jsonl:2", "missing-media"),
+        ("t.jsonl:3", "missing-media"),
+        ("t.jsonl:4", "missing-media"),
+        ("p.jsonl:2", "missing-media"),
+        ("p.jsonl:3", "missing-media"),
+        ("p.jsonl:4", "missing-media"),
+    ]
+    details = [r["detail"] for r in rejects]
+    assert "is 304 bytes long (file systems allow 255)" in details[0]
+    assert "holds a NUL byte" in details[1]
+    assert "a data: URI, not a path" in details[2] and "a data: URI, not a path" in details[5]
+    assert all(len(r["path"]) + len(r["detail"]) < 400 for r in rejects)

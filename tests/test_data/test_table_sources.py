@@ -163,3 +163,44 @@ def test_a_damaged_row_group_rejects_its_rows_and_keeps_the_others(tmp_path, dam
     }
     detail = json.loads((out / "rejects.jsonl").read_text().splitlines()[0])["detail"]
     assert detail.startswith("row group 1 cannot be read (")
+
+
+def test_caption_cells_as_writers_leave_them(tmp_path):
+    """Plain binary strings (older Spark/Hive), pandas' NaN for a missing caption and for the
+    gap in an integer id column, numbers, a boolean, and a Hugging Face dataset's ``text``
+    column: each is a caption, no caption, or a reject naming the row, never a Python repr."""
+    pic = png_bytes()
+    table = pa.table(
+        {
+            "id": pa.array([1.0, float("nan"), 3.0, 4.0, 5.0], pa.float64()),
+            "image": [pic] * 5,
+            "caption": pa.array(
+                [b"red square", "gr\u00fcn".encode(), None, b"bad \xc3\x28", None], pa.binary()
+            ),
+        }
+    )
+    pq.write_table(table, tmp_path / "bin.parquet")
+    numbers = pa.table({"image": [pic] * 3, "caption": pa.array([1.5, float("nan"), 1e5])})
+    pq.write_table(numbers, tmp_path / "num.parquet")
+    pq.write_table(pa.table({"image": [pic], "caption": [True]}), tmp_path / "bool.parquet")
+    pq.write_table(pa.table({"image": [pic], "text": ["a blue one"]}), tmp_path / "hf.parquet")
+    out = tmp_path / "out"
+    ingest(out, [f"images:{tmp_path / name}.parquet" for name in ("bin", "num", "bool", "hf")])
+    captions = {
+        key: [seg["text"] for seg in doc["segments"] if seg["type"] == "text"]
+        for key, doc in docs_of(out).items()
+    }
+    assert captions == {
+        "bin-1": ["red square"],
+        "bin-00000001": ["gr\u00fcn"],  # NaN: no id, keyed by its row
+        "bin-3": [],
+        "bin-5": [],
+        "num-00000000": ["1.5"],
+        "num-00000001": [],
+        "num-00000002": ["100000"],
+        "hf-00000000": ["a blue one"],
+    }
+    assert rejects_of(out) == {
+        ("bin.parquet:row 3", "not-utf8"),
+        ("bool.parquet:row 0", "bad-record"),
+    }
