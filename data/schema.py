@@ -129,6 +129,27 @@ def is_valid_key(key: str) -> bool:
     return bool(_KEY_OK.match(key))
 
 
+# Control characters in a corpus (a log's colour codes, a terminal capture) are shown as
+# Unicode's control pictures (ESC as U+241B), never sent to the user's terminal; tab and newline
+# are kept: they are what text and code look like. C1 controls (U+009B is a CSI to some
+# terminals) and bidi overrides, which reorder what follows, are shown escaped.
+SHOWN_CONTROLS: dict[int, int | str] = {
+    **{c: 0x2400 + c for c in range(32) if c not in (9, 10)},
+    127: 0x2421,
+    **{c: f"\\x{c:02x}" for c in range(0x80, 0xA0)},
+    **{c: f"\\u{c:04x}" for c in [*range(0x202A, 0x202F), *range(0x2066, 0x206A)]},
+}
+
+
+# A file name on one line: its tabs and newlines shown as pictures too (a reject's path in stats)
+NAME_CONTROLS: dict[int, int | str] = {**SHOWN_CONTROLS, 9: 0x2409, 10: 0x240A}
+
+
+def on_terminal(text: str) -> str:
+    """A name from the corpus (a reject's path, a duplicate's key) as it may reach a terminal."""
+    return text.translate(NAME_CONTROLS)
+
+
 def unsafe_name_reason(name: str) -> str | None:
     """Why a member/key name taken from an input could escape the output folder, if it could."""
     if not name:

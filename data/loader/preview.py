@@ -23,6 +23,7 @@ from data.layout import parse_image, parse_video
 from data.loader.config import LoaderConfig, SourceConfig
 from data.loader.dataset import build_loader
 from data.names import MANIFEST_FILE, TOKENIZERS_DIR, VISUAL_TOKENIZER_DIR
+from data.schema import SHOWN_CONTROLS
 from data.shards.storage import Folder
 from data.text_tokenizer import TextTokenizer
 from data.vocab import MODALITY_NAMES, Modality
@@ -129,18 +130,6 @@ def _runs(row: dict) -> list[tuple[int, int]]:
     doc = row["doc_ids"]
     cuts = [0, *(np.flatnonzero(np.diff(doc)) + 1).tolist(), len(doc)]
     return [(a, b) for a, b in zip(cuts, cuts[1:]) if row["input_ids"][a] != 0]
-
-
-# Control characters in a corpus (a log's colour codes, a terminal capture) are shown as
-# Unicode's control pictures (ESC as U+241B), never sent to the user's terminal; tab and newline
-# are kept: they are what text and code look like. C1 controls (U+009B is a CSI to some
-# terminals) and bidi overrides, which reorder what follows, are shown escaped.
-SHOWN_CONTROLS: dict[int, int | str] = {
-    **{c: 0x2400 + c for c in range(32) if c not in (9, 10)},
-    127: 0x2421,
-    **{c: f"\\x{c:02x}" for c in range(0x80, 0xA0)},
-    **{c: f"\\u{c:04x}" for c in [*range(0x202A, 0x202F), *range(0x2066, 0x206A)]},
-}
 
 
 def describe(row: dict, tok: TextTokenizer, colour: bool) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from data.image_prep import SWAPS_SIDES
 from data.names import REJECTS_FILE
+from data.schema import on_terminal
 from data.shards.content import repeat_of
 from data.shards.index import index_of
 from data.shards.manifest import MANIFEST_FORMAT, TOKEN_FORMAT, load_manifest
@@ -198,7 +199,7 @@ def format_stats(s: dict) -> str:
     if dup["documents"]:
         lines.append(
             f"  exact duplicates: {dup['documents']} document(s) repeat an earlier one "
-            f"(e.g. {'; '.join(dup['examples'])}); ingest --dedupe leaves them out"
+            f"(e.g. {on_terminal('; '.join(dup['examples']))}); ingest --dedupe leaves them out"
         )
     else:
         lines.append("  exact duplicates: none")
@@ -206,7 +207,8 @@ def format_stats(s: dict) -> str:
     if moving["images"]:
         lines.append(
             f"  animated images: {moving['images']}, tokenized as their first frame "
-            f"(e.g. {'; '.join(moving['examples'])}); a clip belongs in a videos source"
+            f"(e.g. {on_terminal('; '.join(moving['examples']))}); a clip belongs in a videos "
+            "source"
         )
     lines.append("")
     lines += reject_lines(s)
@@ -222,5 +224,6 @@ def reject_lines(s: dict) -> list[str]:
     lines = [f"  rejects: {s['rejects']} (all in rejects.jsonl)"]
     for reason, num_rejects in s["rejects_by_reason"].items():
         lines.append(f"    {reason:<20} {num_rejects}")
-        lines += [f"        e.g. {example}" for example in s["reject_examples"].get(reason, [])]
+        examples = s["reject_examples"].get(reason, [])
+        lines += [f"        e.g. {on_terminal(example)}" for example in examples]
     return lines

@@ -719,3 +719,20 @@ def test_a_full_disk_is_said_in_one_line_naming_the_file(tmp_path, monkeypatch, 
         "written: the disk is full. Free space on it, then run the same command again: it "
         "resumes, keeping what it finished\n"
     )
+
+
+def test_stats_shows_control_characters_in_names_as_pictures(tmp_path, capsys):
+    """A reject's path comes from someone else's corpus: an escape sequence in a file name (one
+    that sets the terminal's title) or a newline must not reach the terminal as it is."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "\x1b]0;pwned\x07title.pyx").write_text("x")
+    (code / "bad\nname.vue").write_text("x")
+    (code / "ok.py").write_text("x = 1\n")
+    out = tmp_path / "out"
+    main(["ingest", "--out", str(out), "--no-progress", "--source", f"code:{code}"])
+    capsys.readouterr()
+    assert main(["stats", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "\x1b" not in said and "\x07" not in said
+    assert "code:\u241b]0;pwned\u2407title.pyx" in said and "code:bad\u240aname.vue" in said
