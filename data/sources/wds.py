@@ -283,12 +283,29 @@ class WdsSource(Source):
         lost = _cut_sample(groups, broken) if broken else None
         if lost is not None:
             groups.pop()  # its members after the cut are gone: never kept without them
+        seen: set[str] = set()
         for wkey, group in groups:
             why = unsafe_name_reason(wkey)
             key = self.key(sanitize_key(wkey))
             where = f"{label}:{wkey}"
+            earlier = wkey in seen
+            seen.add(wkey)
             if why:
                 yield self.rejected_item(key, where, "unsafe-name", why)
+                continue
+            exts = [member[0] for member in group]
+            if twice := sorted({ext for ext in exts if exts.count(ext) > 1}):
+                # tar -r appends a second copy: one would be read, the other silently lost
+                names = ", ".join(f"{wkey}.{ext}" for ext in twice)
+                detail = f"{names} appears twice in the tar (appended with tar -r?): keep one"
+                yield self.rejected_item(key, where, "duplicate-key", detail)
+                continue
+            if earlier:  # webdataset groups consecutive members: this key's are split apart
+                detail = (
+                    f"members of {wkey} ({', '.join(f'{wkey}.{ext}' for ext in exts)}) come "
+                    f"after other keys' members: a sample's members must stand together in the tar"
+                )
+                yield self.rejected_item(key, where, "duplicate-key", detail)
                 continue
             if links := [f"{wkey}.{m[0]}" if m[0] else wkey for m in group if m[1] < 0]:
                 why = (

@@ -135,6 +135,35 @@ def test_a_sample_without_media_names_its_members(tmp_path):
     ]
 
 
+def test_a_member_twice_or_a_key_split_apart_is_a_reject_that_says_so(tmp_path):
+    """tar -r appends a second s0.jpg (webdataset refuses such a tar; one copy would be lost
+    unsaid); s1's caption after s2's members is a second s1 that webdataset reads apart."""
+    (tmp_path / "in").mkdir()
+    with tarfile.open(tmp_path / "in" / "a.tar", "w") as tar:
+        for name, data in [
+            ("s0.jpg", jpeg_bytes(seed=1)),
+            ("s0.jpg", jpeg_bytes(seed=2)),
+            ("s1.jpg", jpeg_bytes(seed=3)),
+            ("s2.jpg", jpeg_bytes(seed=4)),
+            ("s1.txt", b"the caption of s1"),
+        ]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    out = tmp_path / "out"
+    argv = ["ingest", "--out", str(out), "--no-progress", "--source", f"wds:{tmp_path / 'in'}"]
+    assert main(argv) == EXIT_REJECTS
+    rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert [(r["path"], r["reason"]) for r in rejects] == [
+        ("a.tar:s0", "duplicate-key"),
+        ("a.tar:s1", "duplicate-key"),
+    ]
+    assert (
+        rejects[0]["detail"] == "s0.jpg appears twice in the tar (appended with tar -r?): keep one"
+    )
+    assert "members of s1 (s1.txt) come after other keys' members" in rejects[1]["detail"]
+
+
 def test_a_file_that_is_no_tar_is_corrupt_not_truncated(tmp_path):
     """Text or random bytes named .tar are no archive cut short: corrupt-tar, nothing read."""
     (tmp_path / "in").mkdir()
