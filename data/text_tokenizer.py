@@ -34,6 +34,30 @@ SPLIT_PATTERN = (
 )
 
 
+# The tokenizers library holds each text's Encoding (offsets, token strings: ~180 bytes a
+# character) until its call returns: one call is given at most this many characters.
+ENCODE_CHARS = 1 << 20
+# where SPLIT_PATTERN's pieces never span: after a newline, before a character that is no space
+# (no alternative takes a newline and then more), so a text cut there encodes to its own ids
+_SAFE_CUT = re.compile(r"(?<=\n)(?=\S)")
+
+
+def encode_pieces(text: str) -> list[str]:
+    """``text`` in pieces of at most ``ENCODE_CHARS`` characters where it can be cut without
+    changing its ids; a stretch with no such place (a minified one-line file) stays whole."""
+    pieces, start = [], 0
+    while len(text) - start > ENCODE_CHARS:
+        end = start + ENCODE_CHARS
+        cuts = [m.start() for m in _SAFE_CUT.finditer(text, start + 1, end)]
+        cut = cuts[-1] if cuts else next((m.start() for m in _SAFE_CUT.finditer(text, end)), None)
+        if cut is None:
+            break
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
+
+
 MAX_TRAIN_WORD = 256
 # each run matched from its start only (a match tried inside every shorter run costs ~100x)
 _LONG_RUN = re.compile(rf"(?<!\S)\S{{{MAX_TRAIN_WORD + 1},}}|(?<!\s)\s{{{MAX_TRAIN_WORD + 1},}}")
@@ -116,10 +140,31 @@ class TextTokenizer:
         return cls(tok, VocabLayout.load(folder / LAYOUT_FILE))
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+        return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [encoding.ids for encoding in self.tok.encode_batch(texts, add_special_tokens=False)]
+        """The ids of each text, in calls of at most ``ENCODE_CHARS`` characters (a longer text
+        in pieces: ``encode_pieces``); texts in one call are encoded in parallel."""
+        out: list[list[int]] = [[] for _ in texts]
+        batch: list[str] = []
+        owners: list[int] = []
+        size = 0
+        for number, text in enumerate(texts):
+            for piece in encode_pieces(text):
+                if batch and size + len(piece) > ENCODE_CHARS:
+                    self._encode_into(out, batch, owners)
+                    batch, owners, size = [], [], 0
+                batch.append(piece)
+                owners.append(number)
+                size += len(piece)
+        if batch:
+            self._encode_into(out, batch, owners)
+        return out
+
+    def _encode_into(self, out: list[list[int]], batch: list[str], owners: list[int]) -> None:
+        encodings = self.tok.encode_batch(batch, add_special_tokens=False)
+        for owner, encoding in zip(owners, encodings):
+            out[owner].extend(encoding.ids)
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False)

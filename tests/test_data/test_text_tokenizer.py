@@ -52,8 +52,12 @@ def tok_dir(tmp_path_factory):
     return root / "tok"
 
 
+_TOK_DIR: list[Path] = []  # for the property test, which takes no fixture
+
+
 @pytest.fixture(scope="module")
 def tok(tok_dir):
+    _TOK_DIR[:] = [tok_dir]
     return TextTokenizer.load(tok_dir)
 
 
@@ -70,6 +74,41 @@ def test_round_trip_stdlib_sources(tok):
     for f in files:
         text = f.read_text(encoding="utf-8")
         assert tok.decode(tok.encode(text)) == text, f
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.sampled_from(["\n", "\r\n", " ", "  ", "\t", "a", "Ünï", "'s", "42", ".", "::"]))
+)
+def test_a_text_cut_into_pieces_keeps_its_ids(text_parts):
+    """A long text is encoded in pieces cut after a newline, before a character that is no
+    space: its ids are the ones the library gives the whole text (cut every few characters here
+    by a tiny ENCODE_CHARS; stdlib sources below, with a whitespace-only stretch kept whole)."""
+    import data.text_tokenizer as module
+
+    tok = TextTokenizer.load(_TOK_DIR[0])
+    text = "".join(text_parts)
+    want = tok.tok.encode(text, add_special_tokens=False).ids
+    kept = module.ENCODE_CHARS
+    try:
+        module.ENCODE_CHARS = 3
+        pieces = module.encode_pieces(text)
+        assert "".join(pieces) == text
+        assert tok.encode(text) == want
+    finally:
+        module.ENCODE_CHARS = kept
+
+
+def test_long_sources_are_encoded_in_pieces_to_the_same_ids(tok, monkeypatch):
+    import data.text_tokenizer as module
+
+    texts = [f.read_text(encoding="utf-8") for f in sorted(STDLIB.glob("*.py"))[:40]]
+    texts.append(" \n" * 5000)  # no place to cut: kept whole
+    want = [e.ids for e in tok.tok.encode_batch(texts, add_special_tokens=False)]
+    monkeypatch.setattr(module, "ENCODE_CHARS", 2000)
+    assert max(len(module.encode_pieces(text)) for text in texts) > 5
+    assert len(module.encode_pieces(texts[-1])) == 1
+    assert tok.encode_batch(texts) == want
 
 
 def test_specials_in_text_are_plain_text(tok):
