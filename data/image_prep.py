@@ -123,10 +123,18 @@ def to_rgb(image: Image.Image) -> Image.Image:
     icc = image.info.get("icc_profile")
     if image.mode in ("I;16", "I;16B", "I;16L", "I", "F"):  # 8-bit grey, which its profile converts
         pixels = np.asarray(image, dtype=np.float32)
-        if image.mode == "F":
-            pixels = (pixels - pixels.min()) / max(1e-12, float(pixels.max() - pixels.min())) * 255
-        elif image.mode == "I":
-            pixels = pixels / max(1.0, float(pixels.max())) * 255.0
+        if image.mode in ("F", "I"):
+            # Levels kept by the range the values say they use (floats in [0, 1], the usual
+            # convention for depth maps and scientific TIFFs; 8 or 16 bits in a 32-bit
+            # container), not stretched per image: a flat grey would come out black or white.
+            pixels = np.nan_to_num(pixels, nan=0.0, posinf=0.0, neginf=0.0)
+            low, high = float(pixels.min()), float(pixels.max())
+            if image.mode == "F" and low >= 0 and high <= 1:
+                pixels = pixels * 255.0
+            elif low < 0 or high > 65535:  # a range of its own: spread over 8 bits
+                pixels = (pixels - low) / max(1e-12, high - low) * 255.0
+            elif high > 255:
+                pixels = pixels / 257.0
         else:
             pixels = pixels / 257.0
         image = Image.fromarray(pixels.clip(0, 255).astype(np.uint8))

@@ -174,3 +174,23 @@ def test_bytes_that_are_no_image_are_a_value_error_that_says_so(tiny_corpus):
             load_image(raw, ImagePrep(factor=4, max_pixels=1024))
         assert f"{len(raw)} bytes starting {raw[:12]!r}" in str(refused.value)
         assert "BytesIO" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "values, mode, want",
+    [
+        ([0.5, 0.5], "F", 127),  # a float image in [0, 1]: its level (0.5 x 255), not black
+        ([0.5, float("nan")], "F", 127),  # a NaN pixel is black, the others keep their level
+        ([100, 100], "I", 100),  # 8-bit values in a 32-bit container
+        ([25700, 25700], "I", 100),  # 16-bit values
+        ([-5, 200], "I", 255),  # a range of its own: spread over 8 bits
+    ],
+)
+def test_float_and_32_bit_images_keep_their_levels(values, mode, want):
+    from PIL import Image
+
+    from data.image_prep import to_rgb
+
+    pixels = np.array([values] * 2, dtype=np.float32 if mode == "F" else np.int32)
+    rgb = np.asarray(to_rgb(Image.fromarray(pixels, mode)))
+    assert rgb.shape == (2, 2, 3) and int(rgb[0, 0, 0]) in (want, 0) and int(rgb.max()) == want
