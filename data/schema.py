@@ -31,7 +31,7 @@ REASONS = {
     "duplicate-of-excluded": "content (document, media file or long text) that a folder given "
     "to --exclude-content-of already holds",
     "empty-document": "a document with no content (empty text, no segments)",
-    "long-line": "a code file with a line over 1,000 bytes: most often minified or generated, "
+    "long-line": "a code file with a line over 1,000 characters: most often minified or generated, "
     "but it may be a hand-written file holding data (so it counts as lost)",
     "link-outside-source": "a symlink that leads out of the source's folder (--follow-links-outside reads it)",
     "link-inside-source": "a symlinked folder that leads to another folder of the same source (or "

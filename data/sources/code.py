@@ -127,7 +127,19 @@ GENERATED_SUFFIXES = (".min.js", ".min.css", ".pb.go", "_pb2.py", ".bundle.js")
 # A minified or generated file whatever its name: a line longer than this (bytes). People write
 # no such lines of code; bundles, minified assets and generated tables do (StarCoder's filter
 # uses 1,000). Not applied to prose markup, where a paragraph is often one line.
-MAX_LINE_BYTES = 1000
+MAX_LINE_CHARS = 1000
+
+
+def longest_line(raw: bytes) -> int:
+    """Characters in the file's longest line; lines end at LF, CRLF or a lone CR (an old Mac
+    file), and a line counts characters, not bytes (a CJK comment is 3 bytes a character)."""
+    lines = raw.replace(b"\r", b"\n").split(b"\n")
+    longest = max(map(len, lines))
+    if longest <= MAX_LINE_CHARS:  # bytes bound characters: most files stop here
+        return longest
+    return max(len(line.decode("utf-8", "replace")) for line in lines if len(line) > MAX_LINE_CHARS)
+
+
 PROSE_LANGS = {"markdown", "rst", "tex"}
 # What to do with a kind of file users' trees often hold that no language here reads
 NO_LANGUAGE_HINTS = {
@@ -218,9 +230,10 @@ class CodeSource(Source):
             raw = python_as_utf8(raw)
         if why := binary_detail(raw):
             return self.reject(label, "binary-file", why, item.key)
-        longest = 0 if lang in PROSE_LANGS else max(map(len, raw.split(b"\n")))
-        if longest > MAX_LINE_BYTES:
-            detail = f"minified or generated? a line of {longest:,} bytes (over {MAX_LINE_BYTES:,})"
+        if lang not in PROSE_LANGS and (longest := longest_line(raw)) > MAX_LINE_CHARS:
+            detail = (
+                f"minified or generated? a line of {longest:,} characters (over {MAX_LINE_CHARS:,})"
+            )
             return self.reject(label, "long-line", detail, item.key)
         part = Part("code", raw, path=label, lang=lang)
         return self.assemble(item.key, [part], {}, {"path": label}, label)

@@ -159,6 +159,9 @@ def test_code_tree_rules(tmp_path):
     (root / "pkg" / "bundle.js").write_text("var a=1;" * 200)  # minified whatever its name
     (root / "pkg" / "table.py").write_text("ROWS = [" + "1, " * 330 + "]\n")  # 999 bytes: kept
     (root / "pkg" / "README.md").write_text("A paragraph, one line. " * 80 + "\n")  # prose: kept
+    # lines end at a lone CR too (an old Mac file), and count characters (3 bytes each here)
+    (root / "pkg" / "mac.py").write_bytes(b"def f():\r    return 1\r" * 200)
+    (root / "pkg" / "cjk.py").write_text("# " + "\u6f22" * 400 + "\nx = 1\n", encoding="utf-8")
     (root / "pkg" / "logo.png").write_bytes(png_bytes())
     (root / "pkg" / "huge.py").write_text("x = 1\n" * 400_000)
     (root / "node_modules" / "dep").mkdir(parents=True)
@@ -188,12 +191,12 @@ def test_code_tree_rules(tmp_path):
         "pkg/huge.py": "too-large",
     }
     assert (
-        "a line of 1,600 bytes"
+        "a line of 1,600 characters"
         in json.loads(
             next(x for x in (out / "rejects.jsonl").read_text().splitlines() if "bundle.js" in x)
         )["detail"]
     )
-    assert s["manifest"]["totals"]["samples"] == 10
+    assert s["manifest"]["totals"]["samples"] == 12
     import webdataset as wds
 
     docs = [
