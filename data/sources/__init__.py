@@ -25,7 +25,7 @@ KINDS: dict[str, type[Source]] = {
     "wds": WdsSource,
 }
 
-_SPEC = re.compile(r"^(?:(?P<name>[A-Za-z0-9_-]+)=)?(?P<kind>[a-z]+):(?P<path>.+)$")
+_SPEC = re.compile(r"^(?:(?P<name>[A-Za-z0-9_-]+)=)?(?P<kind>[a-z]+):(?P<path>.+)$", re.DOTALL)
 
 
 # Folders an ingest or tokenize output holds beside its sources' folders

@@ -531,6 +531,12 @@ def no_size(path: Path) -> tuple[str, str]:
         return "missing-media", why
     if path.is_symlink() or special_file(path):
         return "unreadable-file", unstatable(path)
+    stripped = Path(*(part.strip() for part in path.parts))
+    if stripped != path and stripped.exists():  # a spreadsheet's cell with a space around it
+        return (
+            "missing-media",
+            f"file does not exist ({stripped} does: the path has spaces around it)",
+        )
     if "\\" in str(path):  # a table written on Windows: its folders are separated by "\"
         return "missing-media", "file does not exist (folders are separated by / here, not \\)"
     return "missing-media", "file does not exist"

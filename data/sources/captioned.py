@@ -398,6 +398,10 @@ class CaptionedSource(Source):
                 named = Path(rel).with_suffix("").with_suffix(suffix).name
                 return detail + f"; the caption sidecar of {Path(rel).stem} is named {named}"
             return detail + f"; a caption with no {self.part_type} named {Path(rel).stem}.*"
+        if suffix == ".caption":  # kohya's sidecars
+            return (
+                detail + f"; captions are read from {Path(rel).stem}.txt: rename the .caption files"
+            )
         if suffix in (".heic", ".heif"):
             return detail + "; HEIC/HEIF is not read: convert it to JPEG first"
         if self.kind == "images" and (fmt := image_format(self.root / rel)):

@@ -67,6 +67,7 @@ LANGS = {
     ".json": "json",
     ".xml": "xml",
     ".md": "markdown",
+    ".markdown": "markdown",
     ".rst": "rst",
     ".tex": "tex",
     ".cmake": "cmake",

@@ -13,7 +13,7 @@ from data.sources.base import Item, Part, Source, hidden_dir, read_file, stat_si
 from data.sources.rows import blank_line, parse_record, refuse_wide
 from data.sources.tables import is_table, load_row, table_items
 
-TEXT_EXTS = {".txt", ".md", ".rst", ".text"}
+TEXT_EXTS = {".txt", ".md", ".markdown", ".rst", ".text"}
 
 
 def jsonl_lines(path) -> Iterator[tuple[int, int, int]]:
@@ -102,6 +102,8 @@ class TextSource(Source):
             return self.reject(rec.path, rec.reason, rec.detail, item.key)
         text = rec.pop("text", None)
         if not isinstance(text, str):
-            return self.reject(where, "bad-record", 'no string field "text"', item.key)
+            fields = ", ".join(map(str, list(rec)[:8]))  # OSCAR's "content", say: the one to rename
+            detail = 'no string field "text"' + (f" (its fields: {fields})" if fields else "")
+            return self.reject(where, "bad-record", detail, item.key)
         origin = {"path": label, "line": lineno}
         return self.assemble(item.key, [Part("text", text, path=where)], rec, origin, where)

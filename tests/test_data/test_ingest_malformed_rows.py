@@ -649,3 +649,28 @@ def test_a_path_that_can_name_no_file_is_its_rows_reject(tmp_path):
     assert "holds a NUL byte" in details[1]
     assert "a data: URI, not a path" in details[2] and "a data: URI, not a path" in details[5]
     assert all(len(r["path"]) + len(r["detail"]) < 400 for r in rejects)
+
+
+def test_hints_for_what_users_leave_in_their_folders_and_tables(tmp_path):
+    """A kohya .caption sidecar, a spreadsheet cell with spaces around its path, an OSCAR-style
+    JSONL (``content``), a .markdown file: each read, or refused with what to change."""
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    (pics / "a.png").write_bytes(png_bytes())
+    (pics / "a.caption").write_text("a red square")
+    (tmp_path / "t.csv").write_text("image,caption\npics/a.png ,spaced\n")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "read.markdown").write_text("# Notes\n\nSome prose.\n")
+    (tmp_path / "oscar.jsonl").write_text('{"content": "words", "id": 1}\n')
+    status, rejects, manifest = run_ingest(
+        tmp_path / "out",
+        f"images:{pics}",
+        f"images:{tmp_path / 't.csv'}",
+        f"text:{tmp_path / 'notes'}",
+        f"text:{tmp_path / 'oscar.jsonl'}",
+    )
+    assert status == EXIT_REJECTS and manifest["totals"]["samples"] == 2  # a.png, read.markdown
+    details = {r["path"]: r["detail"] for r in rejects}
+    assert details["a.caption"].endswith("captions are read from a.txt: rename the .caption files")
+    assert details["t.csv:2 (pics/a.png )"].endswith("the path has spaces around it)")
+    assert details["oscar.jsonl:1"] == 'no string field "text" (its fields: content, id)'
