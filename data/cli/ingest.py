@@ -230,6 +230,17 @@ def cmd_ingest(a) -> int:
     said = describe_uncaptioned(media_without_text(a.out))
     if said:
         print(said)
+    samples: dict[str, list] = {}  # source -> [samples, rejects, kind], its held-out part too
+    for source in s["manifest"]["sources"]:
+        row = samples.setdefault(source["name"].removeprefix("val/"), [0, 0, source["kind"]])
+        row[0] += source["samples"]
+        row[1] += source.get("rejects", 0)
+    for name, (kept, rejected, kind) in samples.items():
+        if not kept and rejected:  # code: pointed at a folder of photos, say
+            print(
+                f"warning: source {name} ({kind}) gave no document: all {rejected} of its inputs "
+                f"were rejected ({a.out}/{REJECTS_FILE}); is it a source of another kind?"
+            )
     if t["rejects"]:
         print(
             f"rejected {t['rejects']} input(s), listed in {a.out}/{REJECTS_FILE}: "

@@ -651,7 +651,7 @@ def test_a_path_that_can_name_no_file_is_its_rows_reject(tmp_path):
     assert all(len(r["path"]) + len(r["detail"]) < 400 for r in rejects)
 
 
-def test_hints_for_what_users_leave_in_their_folders_and_tables(tmp_path):
+def test_hints_for_what_users_leave_in_their_folders_and_tables(tmp_path, capsys):
     """A kohya .caption sidecar, a spreadsheet cell with spaces around its path, an OSCAR-style
     JSONL (``content``), a .markdown file: each read, or refused with what to change."""
     pics = tmp_path / "pics"
@@ -674,3 +674,7 @@ def test_hints_for_what_users_leave_in_their_folders_and_tables(tmp_path):
     assert details["a.caption"].endswith("captions are read from a.txt: rename the .caption files")
     assert details["t.csv:2 (pics/a.png )"].endswith("the path has spaces around it)")
     assert details["oscar.jsonl:1"] == 'no string field "text" (its fields: content, id)'
+    said = capsys.readouterr().out  # a source that gave nothing is named (t: its one row failed)
+    assert "warning: source oscar (text) gave no document: all 1 of its inputs" in said
+    assert "warning: source t (images) gave no document" in said
+    assert "warning: source pics" not in said
