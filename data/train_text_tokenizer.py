@@ -101,17 +101,31 @@ def train_text_tokenizer(
 ) -> dict:
     dirs = [Path(folder) for folder in in_dirs]
     sources = text_sources(dirs)
+    # Index sizes are JSON bytes, escapes and metadata and all: too rough to hold a share (a
+    # caption table's row is mostly metadata). With --weight, the sources not named share the
+    # rest by their text's characters, counted up to --max-chars.
+    held = {
+        name: chars_held(_texts_of(source["shards"]), max_chars)
+        for name, source in sources.items()
+        if weights and name not in weights
+    }
+    for name, chars in held.items():
+        sources[name]["bytes"] = chars
     mix = resolve_weights(sources, weights or {})
     total_bytes = sum(source["bytes"] for source in sources.values())
     # With fixed shares, no more characters than the scarcest source (for its share) allows: on a
     # corpus smaller than --max-chars the shares would otherwise be the corpus's, whatever was
-    # asked. The sources' characters are counted first (up to their share of --max-chars): index
-    # sizes are JSON bytes, escapes and all, too rough to hold a share.
+    # asked. The named sources' characters are counted up to their share of --max-chars.
     total_w = sum(mix.values())
     budget, scarcest = min(max_chars, total_bytes), None
     if weights:
+        caps = {name: int(max_chars * w / total_w) + 1 for name, w in mix.items()}
         fill = {
-            name: chars_held(_texts_of(sources[name]["shards"]), int(max_chars * w / total_w) + 1)
+            name: (
+                min(held[name], caps[name])
+                if name in held
+                else chars_held(_texts_of(sources[name]["shards"]), caps[name])
+            )
             * total_w
             / w
             for name, w in mix.items()

@@ -54,7 +54,8 @@ def _add_train_text_tokenizer(sub) -> None:
         default=[],
         metavar="SOURCE=FRACTION",
         help="fraction of the training characters from one source (e.g. code=0.4); "
-        "sources not named share the rest by size (default: all by size). The characters trained "
+        "sources not named share the rest by their text's characters (default: all by size). The "
+        "characters trained "
         "on are then at most what lets every fraction hold (on a small corpus, less than all of "
         "it); nothing is repeated; the summary says what was used",
     )

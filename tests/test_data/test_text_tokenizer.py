@@ -236,3 +236,39 @@ def test_a_long_line_without_spaces_trains_no_longer_word():
     tok = train_bpe(["some prose before it", "ACGT" * 25_000, "and after it"], 600)
     longest = max(len(token) for token in tok.get_vocab())
     assert longest <= MAX_TRAIN_WORD, longest
+
+
+def test_sources_not_named_in_weight_share_by_their_text_not_their_metadata(tmp_path):
+    """A caption table's rows are mostly metadata: sized by the index's JSON bytes, its share of
+    the rest was many times its text, it became the scarcest source and cut the BPE's budget to
+    a fraction of the corpus. Sized by characters, the prose it sits beside is read whole."""
+    from factories import png_bytes
+
+    (tmp_path / "pics").mkdir()
+    (tmp_path / "pics" / "a.png").write_bytes(png_bytes())
+    meta = {f"field{n}": "x" * 40 for n in range(20)}  # ~1 KB of JSON a row, 10 characters of text
+    rows = [{"image": "a.png", "caption": f"caption {n:02d}", **meta} for n in range(20)]
+    (tmp_path / "pics" / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prose = [
+        {"text": f"Paragraph {n}: the quick brown fox jumps over the lazy dog."} for n in range(400)
+    ]
+    (tmp_path / "prose.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prose))
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "textwrap.py").write_bytes((STDLIB / "textwrap.py").read_bytes())
+    raw = tmp_path / "raw"
+    ingest(
+        raw,
+        [
+            f"code:{code}",
+            f"text:{tmp_path / 'prose.jsonl'}",
+            f"cat=images:{tmp_path / 'pics' / 't.jsonl'}",
+        ],
+    )
+    argv = ["train-text-tokenizer", "--in", str(raw), "--out", str(tmp_path / "tok")]
+    assert main([*argv, "--vocab-size", "400", "--weight", "code=0.3", "--no-progress"]) == 0
+    info = json.loads((tmp_path / "tok" / "text_tokenizer_training.json").read_text())
+    prose_chars = sum(len(r["text"]) for r in prose)
+    assert info["chars_used"]["prose"] == prose_chars  # all of it: the shares hold by characters
+    assert info["chars_used"]["cat"] == 20 * len("caption 00")
+    assert abs(info["sources"]["code"]["share"] - 0.3) < 0.01
