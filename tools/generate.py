@@ -47,7 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("release", metavar="RELEASE", help="a release folder")
-    parser.add_argument("--prompt", help="text to continue (with --image: the caption's start)")
+    parser.add_argument(
+        "--prompt",
+        help="text to continue: prints the continuation alone (with --image: the caption's start)",
+    )
     parser.add_argument("--image", metavar="PATH", help="an image file to caption (with --caption)")
     parser.add_argument("--draw", metavar="TEXT", help="draw an image from TEXT (needs --out)")
     parser.add_argument("--batch", metavar="JSONL", help="one request per line (below); '-': stdin")
@@ -163,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         print(res["text"], flush=True)
+        if not res["text"].strip() and res["stopped"]:  # an empty line alone reads as a failure
+            what = "caption" if res["kind"] == "caption" else "continuation"
+            print(f"(the model ended its {what} at once: it is empty)", file=sys.stderr)
     return 0
 
 
