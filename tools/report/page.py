@@ -163,7 +163,7 @@ def lead_text(step: int | None, visible: Visible | None) -> str:
     lead = lead_time(step, visible) if step is not None else None
     if lead is None:
         return "-"
-    return f"{lead:+d} (before the loss)" if lead > 0 else f"{lead:+d}"
+    return f"{lead:+d} (before the loss)" if lead > 0 else f"{lead:+d} (after the loss)"
 
 
 def alarm_rows(run: RunData) -> list[list[str]]:
