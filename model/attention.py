@@ -288,6 +288,8 @@ class RowsTooLong(MemoryError, ValueError):
     """Rows whose dense mask cannot fit in the machine's memory: out of memory (the long-row
     benchmarks report it as such), and a bad value for the tools that take ``--seq-len``."""
 
+    every_rank = True  # rows are padded to seq_len: each rank of a run finds the same
+
 
 CGROUP = Path("/sys/fs/cgroup")  # this process's memory limit, when it has one
 
@@ -324,9 +326,12 @@ _FITTED: set[tuple[int, int]] = set()
 
 
 def _dense_mask(batch, seq_len, device, doc, img, window) -> Tensor:
-    """The boolean [B, 1, T, T] mask of ``_allowed`` for SDPA. On the CPU, rows too long for the
-    memory the machine has free are refused by name before anything is allocated (else a
-    traceback from the allocator, or the OOM killer, at 100k tokens a row)."""
+    """The boolean [B, 1, T, T] mask of ``_allowed`` for SDPA. On the CPU, rows whose mask and a
+    forward's share cannot fit the memory the machine has free are refused by name before
+    anything is allocated (else a traceback from the allocator, or the OOM killer, at 100k
+    tokens a row). It is a floor, not a training step's need: the backward keeps each layer's
+    attention weights too (4 bytes per token pair, head and layer), and each process on the
+    machine (a sequence-parallel rank) checks alone."""
     if device.type == "cpu":
         need = batch * seq_len * seq_len * 5  # the mask, and the float copy SDPA makes of it
         shape = (batch, seq_len)

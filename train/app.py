@@ -121,6 +121,7 @@ def run(
     import torch
 
     from data.loader.config import DataUnreadable
+    from model.attention import RowsTooLong
     from train.build import build_trainer
     from train.callbacks.preemption import listen_from_start, stop_with_launcher
     from train.dist import all_reduce_sum, init_distributed, shutdown
@@ -184,7 +185,7 @@ def run(
             raise
         said(disk_failure(e, Path(cfg.run_dir)))
         return 1
-    except (ConfigError, CheckpointError, CheckpointWriteError) as e:
+    except (ConfigError, CheckpointError, CheckpointWriteError, RowsTooLong) as e:
         # A config, a checkpoint or a run folder that cannot be used: the message says what to
         # do, a traceback would only bury it. A refusal every rank decided alike is said once
         # a node, not once a rank.

@@ -362,3 +362,16 @@ def test_settings_that_do_nothing_at_these_rows_are_noted(tiny_tokens, tiny_raw)
         "note: model.attention.sliding_window=4096 >= data.seq_len=1024: every layer sees the "
         "whole row, as without a window"
     ]
+
+
+def test_rows_too_long_for_the_cpu_are_a_user_error_not_a_traceback(tiny_tokens, tmp_path):
+    """Rows of 120k tokens want a dense mask of ~90 GB on the CPU: one line naming the setting,
+    exit code 2, as a config that cannot be used (not Hydra's traceback and exit code 1)."""
+    p = train(
+        base(tiny_tokens, tmp_path / "run", 1, "data.seq_len=120000", "train.micro_batch=1"),
+        check=False,
+    )
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    assert "120,000 tokens on the CPU needs a dense" in p.stderr
+    assert "use shorter rows (--seq-len, data.seq_len)" in p.stderr

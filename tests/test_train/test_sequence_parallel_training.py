@@ -47,6 +47,9 @@ def base(tokens, run_dir, *extra):
         "train.micro_batch=2",
         "train.ckpt_every=2",
         "train.tensorboard=false",
+        # rows shorter than the longest clips: some blocks are dropped, and counted once per row
+        "data.seq_len=128",
+        "data.allow_block_drops=true",
         *extra,
     ]
 
@@ -100,6 +103,10 @@ def test_sp2_trains_like_one_process_and_counts_each_row_once(runs, name):
         if key in final(one):
             assert final(run)[key] == final(one)[key]
     assert final(run)["val/loss"] == pytest.approx(final(one)["val/loss"], abs=LOSS_TOLERANCE)
+    # the run's dropped blocks, from the loader of each SP group's first rank
+    drops = {k: v for k, v in final(one).items() if k.startswith("data/dropped_blocks")}
+    assert drops["data/dropped_blocks"] > 0
+    assert {k: v for k, v in final(run).items() if k.startswith("data/dropped_blocks")} == drops
     # The ranks of an SP group draw the same images, counted once: the figures of one process
     for key in ("monitor/gen_code_distinct", "monitor/gen_image_diversity"):
         assert [got[s][key] for s in (2, 4)] == pytest.approx([want[s][key] for s in (2, 4)])

@@ -660,8 +660,10 @@ class LMTask:
         out: dict[str, float] = {}
         if loader is None:
             return out
+        # the ranks of a sequence-parallel group read one loader's rows: the first one counts
+        share = 1.0 if self.dist.sp_rank == 0 else 0.0
         if self.cfg.data.mode == "epoch":
-            held = torch.tensor([float(loader.held_back())], device=self.dist.device)
+            held = torch.tensor([float(loader.held_back()) * share], device=self.dist.device)
             out["data/held_back"] = float(all_reduce_sum(held).item())
             if out["data/held_back"] and self.dist.is_main:
                 log.info(
@@ -672,7 +674,7 @@ class LMTask:
                 )
         keys = [(n, m) for n in self.source_names for m in DROPPABLE]
         counts = loader.dropped_blocks()
-        local = torch.tensor([float(counts.get(n, {}).get(m, 0)) for n, m in keys])
+        local = torch.tensor([float(counts.get(n, {}).get(m, 0)) * share for n, m in keys])
         total = all_reduce_sum(local.to(self.dist.device)).cpu().tolist()
         out.update({f"data/dropped_blocks/{n}/{m}": v for (n, m), v in zip(keys, total) if v})
         if any(total) or self.cfg.data.allow_block_drops:
