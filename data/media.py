@@ -400,6 +400,20 @@ def _image_hint(raw: bytes) -> str:
 CUT_SHORT = re.compile(r"Read error|ended prematurely")
 
 
+def video_container(raw: bytes) -> str | None:
+    """The extension of a clip's container by its first bytes (a table's bytes come with no
+    name): Matroska/WebM, AVI, MPEG-PS, QuickTime, other ISO media as mp4; None if unknown."""
+    if raw[:4] == b"\x1aE\xdf\xa3":  # EBML: its DocType says webm or matroska
+        return "webm" if b"webm" in raw[:64] else "mkv"
+    if raw[:4] == b"RIFF" and raw[8:12] == b"AVI ":
+        return "avi"
+    if raw[:4] == b"\x00\x00\x01\xba":
+        return "mpg"
+    if raw[4:8] == b"ftyp":
+        return "mov" if raw[8:12] == b"qt  " else "mp4"
+    return None
+
+
 def probe_video(raw: bytes, path: str, *, max_seconds: float) -> VideoInfo | Reject:
     if not raw:
         return Reject(path, "empty-video", "zero-byte video")

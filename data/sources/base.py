@@ -30,6 +30,7 @@ from data.media import (
     decode_text,
     probe_image,
     probe_video,
+    video_container,
 )
 from data.schema import MEDIA_PREFIX, Reject, Sample, name_not_utf8
 
@@ -312,7 +313,9 @@ def assemble(
                 ext = None if isinstance(info, Reject) else info.ext
             else:
                 info = probe_video(data, where, max_seconds=lim.max_video_seconds)
-                ext = (part.ext or Path(part.path or "").suffix or ".mp4").lower().lstrip(".")
+                # a table's bytes have no name: their container says what they are
+                named = part.ext or (Path(part.path or "").suffix if part.data is None else "")
+                ext = (named or video_container(data) or "mp4").lower().lstrip(".")
             if isinstance(info, Reject):
                 return with_source(info, src, key)
             member = f"{MEDIA_PREFIX[part.type]}{counters[part.type]}.{ext}"

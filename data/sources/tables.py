@@ -389,7 +389,7 @@ def load_row(src: Source, item: Item) -> Sample | Reject:
 def _media_part(kind: str, got: tuple[bytes | None, str | None, str], label: str) -> Part:
     """A media part; rejects name it ``LABEL (path as written)`` like the JSONL tables do."""
     data, path, shown = got
-    ext = Path(path).suffix.lower() if path else (".mp4" if kind == "video" else None)
+    ext = Path(path).suffix.lower() if path else None  # bytes: the container names a clip's
     where = f"{label} ({cut(shown)})" if shown else label
     return Part(kind, path=path or label, data=data, ext=ext, label=where)
 

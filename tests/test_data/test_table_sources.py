@@ -204,3 +204,24 @@ def test_caption_cells_as_writers_leave_them(tmp_path):
         ("bin.parquet:row 3", "not-utf8"),
         ("bool.parquet:row 0", "bad-record"),
     }
+
+
+def test_video_bytes_are_stored_under_their_containers_name(tmp_path):
+    """Bytes in a table's video column come with no name: a Matroska clip is stored as
+    ``vid0.mkv``, an MP4 as ``vid0.mp4`` (the member's name tells whoever extracts it)."""
+    from factories import mp4_bytes
+
+    clips = [mp4_bytes(), mp4_bytes(container="matroska"), mp4_bytes(container="avi")]
+    table = pa.table({"id": ["mp4", "mkv", "avi"], "video": clips, "caption": ["a", "b", "c"]})
+    pq.write_table(table, tmp_path / "clips.parquet")
+    out = tmp_path / "out"
+    ingest(out, [f"videos:{tmp_path / 'clips.parquet'}"])
+    members = {
+        key: [seg["member"] for seg in doc["segments"] if seg["type"] == "video"]
+        for key, doc in docs_of(out).items()
+    }
+    assert members == {
+        "clips-mp4": ["vid0.mp4"],
+        "clips-mkv": ["vid0.mkv"],
+        "clips-avi": ["vid0.avi"],
+    }
