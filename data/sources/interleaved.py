@@ -43,7 +43,7 @@ def doc_parts(rec: dict, base: Path, label: str) -> list[Part] | Reject:
             if kind not in SEGMENT_TYPES:
                 return Reject(label, "bad-record", f"segment {position}: unknown type {kind!r}")
             # a number or a list where a string belongs: the line is named, the file goes on
-            fields = ("text", "lang") if kind in ("text", "code") else ("path", "file")
+            fields = ("text", "lang", "role") if kind in ("text", "code") else ("path", "file")
             if wrong := next(
                 (f for f in fields if seg.get(f) is not None and not isinstance(seg[f], str)), None
             ):
@@ -52,7 +52,15 @@ def doc_parts(rec: dict, base: Path, label: str) -> list[Part] | Reject:
                     label, "bad-record", f'segment {position}: its "{wrong}" is {got}, not a string'
                 )
             if kind in ("text", "code"):
-                parts.append(Part(kind, seg.get("text") or "", path=label, lang=seg.get("lang")))
+                parts.append(
+                    Part(
+                        kind,
+                        seg.get("text") or "",
+                        path=label,
+                        lang=seg.get("lang"),
+                        role=seg.get("role"),  # "caption": as a wds tar's segments keep it
+                    )
+                )
             else:
                 parts.append(Part(kind, path=seg.get("path") or seg.get("file") or ""))
     elif any(column in rec for column, _ in LIST_COLUMNS):

@@ -579,7 +579,7 @@ def test_json_values_of_the_wrong_kind_are_rejects_naming_their_line(tmp_path):
     the rest of the file is ingested."""
     (tmp_path / "a.png").write_bytes(png_bytes())
     lines = [
-        {"segments": [{"type": "text", "text": "fine"}]},
+        {"segments": [{"type": "text", "text": "fine", "role": "caption"}]},
         {"segments": [{"type": "text", "text": 5}]},
         {"segments": [{"type": "code", "text": ["a", "b"]}]},
         {"segments": [{"type": "text", "text": True}]},
@@ -598,6 +598,11 @@ def test_json_values_of_the_wrong_kind_are_rejects_naming_their_line(tmp_path):
     assert rejects[0]["detail"] == 'segment 0: its "text" is 5, not a string'
     assert rejects[4]["detail"] == 'segment 0: its "file" is {"a": 1}, not a string'
     assert "1e400 is beyond a float's range" in rejects[5]["detail"]
+    import webdataset as wds
+
+    (tar,) = (tmp_path / "out").rglob("*.tar")
+    (doc,) = [json.loads(s["json"]) for s in wds.WebDataset(str(tar), shardshuffle=False)]
+    assert doc["segments"] == [{"type": "text", "text": "fine", "role": "caption"}]
 
 
 def test_a_caption_column_by_another_name_is_the_caption(tmp_path):
