@@ -231,6 +231,23 @@ def test_bad_needle_flags_fail_before_the_held_out_pass(debug_release, tiny_toke
     assert "--needle-lengths '256,x'" in capsys.readouterr().err
 
 
+def test_needles_too_long_for_the_machine_name_their_flag(
+    debug_release, tiny_tokens, capsys, monkeypatch
+):
+    """A needle row whose dense mask the CPU cannot hold (a release with bidirectional images or
+    local layers masks every row) is refused naming --needle-lengths, not --seq-len."""
+    import tools.evaluate.needle as needle
+    from model.attention import RowsTooLong
+
+    def too_long(*args, **kwargs):
+        raise RowsTooLong("attention over 1 row(s) of 80,000 tokens on the CPU needs ...")
+
+    monkeypatch.setattr(needle, "passkey_table", too_long)
+    argv = [str(debug_release), "--data", str(tiny_tokens), "--needle", "--no-progress"]
+    assert eval_main([*argv, "--needle-lengths", "512,80000", "--max-pairs", "0"]) == 2
+    assert "error: --needle-lengths 512,80000: attention over 1 row(s)" in capsys.readouterr().err
+
+
 def test_a_first_bucket_outside_the_rows_is_refused_before_the_held_out_pass(
     debug_release, tiny_tokens, capsys
 ):

@@ -231,8 +231,13 @@ def evaluate(args) -> dict:
         say("needles ...")
         lengths, depths = needle_shape
         shape = {"lengths": lengths, "depths": depths, "trials": args.needle_trials}
-        out["passkey"] = passkey_table(run, gen.text, digits=args.needle_digits, **shape)
-        out["frame_copy"] = frame_copy_table(run, gen.text, **shape)
+        from model.attention import RowsTooLong
+
+        try:
+            out["passkey"] = passkey_table(run, gen.text, digits=args.needle_digits, **shape)
+            out["frame_copy"] = frame_copy_table(run, gen.text, **shape)
+        except RowsTooLong as e:  # the rows are the needles' lengths, not --seq-len's
+            raise ValueError(f"--needle-lengths {','.join(map(str, lengths))}: {e}") from None
     out["seconds"] = round(time.perf_counter() - started, 1)
     return out
 
