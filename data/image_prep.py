@@ -129,7 +129,7 @@ def to_rgb(image: Image.Image) -> Image.Image:
             # container), not stretched per image: a flat grey would come out black or white.
             pixels = np.nan_to_num(pixels, nan=0.0, posinf=0.0, neginf=0.0)
             low, high = float(pixels.min()), float(pixels.max())
-            if image.mode == "F" and low >= 0 and high <= 1:
+            if low >= 0 and high <= 1:  # floats in [0, 1], or a 0/1 mask
                 pixels = pixels * 255.0
             elif low < 0 or high > 65535:  # a range of its own: spread over 8 bits
                 pixels = (pixels - low) / max(1e-12, high - low) * 255.0

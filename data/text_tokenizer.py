@@ -18,6 +18,7 @@ Design choices:
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -37,9 +38,17 @@ SPLIT_PATTERN = (
 # The tokenizers library holds each text's Encoding (offsets, token strings: ~180 bytes a
 # character) until its call returns: one call is given at most this many characters.
 ENCODE_CHARS = 1 << 20
-# where SPLIT_PATTERN's pieces never span: after a newline, before a character that is no space
-# (no alternative takes a newline and then more), so a text cut there encodes to its own ids
-_SAFE_CUT = re.compile(r"(?<=\n)(?=\S)")
+# where SPLIT_PATTERN's pieces never span: after a line's end, before the next line's indentation
+# when a character that is no space follows it (no alternative takes a line end and then more),
+# so a text cut there encodes to its own ids: an indented file (JSON, code) cuts at every line
+_SAFE_CUT = re.compile(r"(?<=[\r\n])(?=[^\S\r\n]*\S)")
+
+
+def bpe_threads() -> int:
+    """The threads the tokenizers library encodes with (its pool: RAYON_NUM_THREADS, else one a
+    core)."""
+    given = os.environ.get("RAYON_NUM_THREADS", "")
+    return int(given) if given.isdigit() and int(given) > 0 else os.cpu_count() or 1
 
 
 def encode_pieces(text: str) -> list[str]:
@@ -143,15 +152,17 @@ class TextTokenizer:
         return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """The ids of each text, in calls of at most ``ENCODE_CHARS`` characters (a longer text
-        in pieces: ``encode_pieces``); texts in one call are encoded in parallel."""
+        """The ids of each text, in calls of at most ``ENCODE_CHARS`` characters a BPE thread (a
+        longer text in pieces: ``encode_pieces``); the texts and pieces of one call are encoded
+        in parallel."""
+        limit = ENCODE_CHARS * bpe_threads()
         out: list[list[int]] = [[] for _ in texts]
         batch: list[str] = []
         owners: list[int] = []
         size = 0
         for number, text in enumerate(texts):
             for piece in encode_pieces(text):
-                if batch and size + len(piece) > ENCODE_CHARS:
+                if batch and size + len(piece) > limit:
                     self._encode_into(out, batch, owners)
                     batch, owners, size = [], [], 0
                 batch.append(piece)

@@ -77,6 +77,24 @@ def chars_held(make, cap: int) -> int:
     return held
 
 
+def text_chars(source: dict, cap: int) -> int:
+    """The characters of a source's text and code, counted up to ``cap``; past it, estimated
+    from its documents' JSON bytes (``source["bytes"]``) at the characters per byte counted."""
+    held = read = 0
+    for tar, idx in source["shards"]:
+        for raw_doc in iter_shard(tar, idx):
+            texts = [
+                seg["text"] for seg in raw_doc.doc["segments"] if seg["type"] in ("text", "code")
+            ]
+            if not texts:
+                continue
+            held += sum(map(len, texts))
+            read += raw_doc.entry["members"]["json"][1]
+            if held >= cap:
+                return max(held, round(source["bytes"] * held / read))
+    return held
+
+
 def _texts_of(shards: list[tuple[Path, Path]]):
     def make():
         for tar, idx in shards:
@@ -101,18 +119,22 @@ def train_text_tokenizer(
 ) -> dict:
     dirs = [Path(folder) for folder in in_dirs]
     sources = text_sources(dirs)
+    total_bytes = sum(source["bytes"] for source in sources.values())
     # Index sizes are JSON bytes, escapes and metadata and all: too rough to hold a share (a
     # caption table's row is mostly metadata). With --weight, the sources not named share the
-    # rest by their text's characters, counted up to --max-chars.
+    # rest by their text's characters: counted up to the rest's part of --max-chars, past it
+    # estimated from the index at the characters per byte counted.
+    rest = int(max_chars * (1 - sum((weights or {}).values()))) + 1
     held = {
-        name: chars_held(_texts_of(source["shards"]), max_chars)
+        name: text_chars(source, rest)
         for name, source in sources.items()
         if weights and name not in weights
     }
-    for name, chars in held.items():
-        sources[name]["bytes"] = chars
-    mix = resolve_weights(sources, weights or {})
-    total_bytes = sum(source["bytes"] for source in sources.values())
+    sized = {
+        name: {**source, "bytes": held.get(name, source["bytes"])}
+        for name, source in sources.items()
+    }
+    mix = resolve_weights(sized, weights or {})
     # With fixed shares, no more characters than the scarcest source (for its share) allows: on a
     # corpus smaller than --max-chars the shares would otherwise be the corpus's, whatever was
     # asked. The named sources' characters are counted up to their share of --max-chars.

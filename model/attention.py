@@ -288,8 +288,6 @@ class RowsTooLong(MemoryError, ValueError):
     """Rows whose dense mask cannot fit in the machine's memory: out of memory (the long-row
     benchmarks report it as such), and a bad value for the tools that take ``--seq-len``."""
 
-    every_rank = True  # rows are padded to seq_len: each rank of a run finds the same
-
 
 CGROUP = Path("/sys/fs/cgroup")  # this process's memory limit, when it has one
 

@@ -356,15 +356,15 @@ def caption_part(caption: object, path: str) -> tuple[Part | None, str | None]:
     """The caption segment of a caption value as a table, a sidecar or a tar gives it, and why
     the value is no caption. None and NaN (a missing value in a pandas-written table) are no
     caption; bytes are decoded as a .txt file is (a parquet column of plain binary); a number
-    is taken as its text (7, 1.5, 100000); an object, a list or a boolean is refused: its
+    is taken as its text (7, 1.5, 100000 for 100000.0); an object, a list or a boolean is refused: its
     Python repr would be trained on as the caption."""
     if caption is None or isinstance(caption, float) and math.isnan(caption):
         return None, None
     if isinstance(caption, (dict, list, tuple, bool)):
         kind = {dict: "an object", bool: "a boolean"}.get(type(caption), "a list")
         return None, f"its caption is {kind} ({json.dumps(caption, default=str)[:60]}), not text"
-    if isinstance(caption, float):
-        caption = format(caption, "g") if math.isfinite(caption) else str(caption)
+    if isinstance(caption, float) and math.isfinite(caption):  # 100000.0 as 100000
+        caption = str(int(caption)) if caption.is_integer() else repr(caption)
     text = caption if isinstance(caption, (str, bytes)) else str(caption)
     return Part("text", text, path=path, role="caption"), None
 

@@ -18,7 +18,10 @@ PATH is either
 - or a ``.parquet`` file / Hugging Face ``save_to_disk`` folder with those columns, the media
   column holding bytes, paths or ``{bytes, path}`` structs (tables.py).
 
-A document is ``[media, caption]``; the caption segment carries ``"role": "caption"``.
+A document is ``[media, caption]``; the caption segment carries ``"role": "caption"``. Wherever
+a caption is read (a table row, a sidecar ``NAME.json``, a wds ``KEY.json``), a record without
+``caption`` gives its ``text`` (a Hugging Face dataset's name for it), either name in any case
+(base.pop_caption); the record's other fields go to ``meta``.
 """
 
 from __future__ import annotations

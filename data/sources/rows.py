@@ -56,6 +56,9 @@ def _not_json(name: str) -> float:
     raise ValueError(f"{name} is not a JSON value")
 
 
+_HUGE = re.compile(rb"[eE]\+?\d{3}|\d{309}")  # an exponent of 100 or more, or 309 digits
+
+
 def _finite(text: str) -> float:
     # 1e400 is JSON, but no float: Python would write it back as Infinity
     value = float(text)
@@ -70,7 +73,10 @@ def parse_record(raw: bytes, label: str, repair: bool = False) -> dict | Reject:
     try:
         # json.loads strips a byte order mark from bytes, not from str: strip it here too
         text = raw.decode("utf-8", "replace").removeprefix("\ufeff") if repair else raw
-        rec = json.loads(text, parse_constant=_not_json, parse_float=_finite)
+        # the float hook only where a number may pass a float's range: it costs a Python call
+        # a float, and a table row holds many
+        huge = _HUGE.search(raw) is not None
+        rec = json.loads(text, parse_constant=_not_json, parse_float=_finite if huge else None)
     except UnicodeDecodeError as e:
         return Reject(label, "not-utf8", f"invalid UTF-8 in JSON line at byte {e.start}")
     except ValueError as e:
