@@ -67,16 +67,6 @@ def resolve_weights(sources: dict[str, dict], fixed: dict[str, float]) -> dict[s
     return {name: weight for name, weight in weights.items() if weight > 0}
 
 
-def chars_held(make, cap: int) -> int:
-    """The characters of ``make()``'s texts, counted up to ``cap``."""
-    held = 0
-    for text in make():
-        held += len(text)
-        if held >= cap:
-            break
-    return held
-
-
 def text_chars(source: dict, cap: int) -> int:
     """The characters of a source's text and code, counted up to ``cap``; past it, estimated
     from its documents' JSON bytes (``source["bytes"]``) at the characters per byte counted."""
@@ -143,10 +133,8 @@ def train_text_tokenizer(
     if weights:
         caps = {name: int(max_chars * w / total_w) + 1 for name, w in mix.items()}
         fill = {
-            name: (
-                min(held[name], caps[name])
-                if name in held
-                else chars_held(_texts_of(sources[name]["shards"]), caps[name])
+            name: min(
+                held[name] if name in held else text_chars(sources[name], caps[name]), caps[name]
             )
             * total_w
             / w
