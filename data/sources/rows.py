@@ -126,6 +126,11 @@ def _csv_problem(error: str, lines: int) -> str:
     """What a ``csv.Error`` means for the person who wrote the file."""
     if "unexpected end of data" in error:
         return "a quote opened in this row is never closed (the file ends inside it)"
+    if "field larger than field limit" in error and lines == 1:  # no quote ran on
+        return (
+            f"a field of over {csv.field_size_limit():,} characters: too long for a CSV table "
+            "(it bounds how far a quote never closed can run); give such a table as JSONL"
+        )
     if "field larger than field limit" in error:
         return (
             f"a field runs over {csv.field_size_limit()} characters ({lines} lines): a quote "

@@ -683,3 +683,15 @@ def test_hints_for_what_users_leave_in_their_folders_and_tables(tmp_path, capsys
     assert "warning: source oscar (text) gave no document: all 1 of its inputs" in said
     assert "warning: source t (images) gave no document" in said
     assert "warning: source pics" not in said
+
+
+def test_a_csv_caption_too_long_for_a_csv_table_is_said_so(tmp_path):
+    """A properly quoted caption of 200k characters on one line is no unclosed quote: the row
+    is a bad-row that says the field is too long for a CSV table, the next row is read."""
+    (tmp_path / "a.png").write_bytes(png_bytes())
+    long = "word " * 40_000
+    (tmp_path / "t.csv").write_text(f'image,caption\na.png,"{long}"\na.png,short\n')
+    status, rejects, manifest = run_ingest(tmp_path / "out", f"images:{tmp_path / 't.csv'}")
+    assert status == EXIT_REJECTS and manifest["totals"]["samples"] == 1
+    assert [(r["path"], r["reason"]) for r in rejects] == [("t.csv:2", "bad-row")]
+    assert "a field of over 131,072 characters: too long for a CSV table" in rejects[0]["detail"]
