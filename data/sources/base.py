@@ -264,11 +264,7 @@ def assemble(
     for part in parts:
         if part.type in ("text", "code"):
             where = part.path or label
-            raw: object = part.text  # typed, but a JSON record gives what it holds
-            if raw is not None and not isinstance(raw, (str, bytes)):  # a number, a list, true
-                shown = json.dumps(raw, default=str)[:60]
-                detail = f"a {part.type} segment's text is {shown}, not a string"
-                return src.reject(label, "bad-record", detail, key)
+            raw = part.text
             text_bytes[part.type] += len(
                 raw if isinstance(raw, bytes) else (raw or "").encode("utf-8", "surrogatepass")
             )
@@ -337,6 +333,18 @@ def assemble(
         "segments": segments,
     }
     return Sample(key, doc, media)
+
+
+def not_strings(seg: dict, position: int) -> str | None:
+    """Why a segment of our schema (an interleaved JSONL line's, a wds tar's own ``KEY.json``)
+    cannot be read: a number, a list or a boolean where a string belongs (its text, language or
+    role; a media segment's path)."""
+    fields = ("text", "lang", "role") if seg.get("type") in ("text", "code") else ("path", "file")
+    for name in fields:
+        if seg.get(name) is not None and not isinstance(seg[name], str):
+            got = json.dumps(seg[name], default=str)[:60]
+            return f'segment {position}: its "{name}" is {got}, not a string'
+    return None
 
 
 def pop_caption(rec: dict, default: object = None) -> object:

@@ -14,13 +14,21 @@ missing or remote is rejected as a whole (reason ``missing-media``), never kept 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 from data.media import VIDEO_EXTS
 from data.schema import SEGMENT_TYPES, Reject, Sample, sanitize_key, unsafe_name_reason
-from data.sources.base import Item, Part, Source, no_size, on_disk, shown, stat_size
+from data.sources.base import (
+    Item,
+    Part,
+    Source,
+    no_size,
+    not_strings,
+    on_disk,
+    shown,
+    stat_size,
+)
 from data.sources.rows import blank_line, parse_record
 from data.sources.tables import LIST_COLUMNS, aligned_entries, is_table, load_row, table_items
 from data.sources.text import jsonl_lines, read_line
@@ -42,15 +50,8 @@ def doc_parts(rec: dict, base: Path, label: str) -> list[Part] | Reject:
             kind = seg.get("type") if isinstance(seg, dict) else None
             if kind not in SEGMENT_TYPES:
                 return Reject(label, "bad-record", f"segment {position}: unknown type {kind!r}")
-            # a number or a list where a string belongs: the line is named, the file goes on
-            fields = ("text", "lang", "role") if kind in ("text", "code") else ("path", "file")
-            if wrong := next(
-                (f for f in fields if seg.get(f) is not None and not isinstance(seg[f], str)), None
-            ):
-                got = json.dumps(seg[wrong], default=str)[:60]
-                return Reject(
-                    label, "bad-record", f'segment {position}: its "{wrong}" is {got}, not a string'
-                )
+            if wrong := not_strings(seg, position):  # the line is named, the file goes on
+                return Reject(label, "bad-record", wrong)
             if kind in ("text", "code"):
                 parts.append(
                     Part(

@@ -44,9 +44,9 @@ from data.sources.base import (
     caption_part,
     no_size,
     pop_caption,
+    shown,
     stat_size,
 )
-from data.sources.base import shown as cut
 
 HF_FILES = ("dataset_info.json", "state.json")
 
@@ -283,8 +283,8 @@ def table_items(src: Source) -> Iterator[Item]:
                     or _linked_out(src, media, base)
                 )
                 if missing:
-                    reason, detail, shown = missing
-                    where = f"{label} ({cut(shown)})" if shown else label
+                    reason, detail, written = missing
+                    where = f"{label} ({shown(written)})" if written else label
                     yield src.rejected_item(key, where, reason, detail)
                     continue
                 yield Item(key, label, ("trow", file.text, group, row_in_group, label, pos), size)
@@ -388,9 +388,9 @@ def load_row(src: Source, item: Item) -> Sample | Reject:
 
 def _media_part(kind: str, got: tuple[bytes | None, str | None, str], label: str) -> Part:
     """A media part; rejects name it ``LABEL (path as written)`` like the JSONL tables do."""
-    data, path, shown = got
+    data, path, written = got
     ext = Path(path).suffix.lower() if path else None  # bytes: the container names a clip's
-    where = f"{label} ({cut(shown)})" if shown else label
+    where = f"{label} ({shown(written)})" if written else label
     return Part(kind, path=path or label, data=data, ext=ext, label=where)
 
 

@@ -28,7 +28,16 @@ from data.names import INDEX_SUFFIX
 from data.schema import Reject, Sample, sanitize_key, unsafe_name_reason
 from data.shards import storage
 from data.shards.storage import is_remote, retried
-from data.sources.base import Item, Part, Source, caption_part, hidden_dir, pop_caption, walk
+from data.sources.base import (
+    Item,
+    Part,
+    Source,
+    caption_part,
+    hidden_dir,
+    not_strings,
+    pop_caption,
+    walk,
+)
 from data.sources.rows import parse_record
 
 
@@ -383,6 +392,8 @@ class WdsSource(Source):
         parts = []
         for index, seg in enumerate(doc["segments"]):
             kind = seg.get("type") if isinstance(seg, dict) else None
+            if kind and (wrong := not_strings(seg, index)):
+                return self.reject(where, "bad-record", wrong, item.key)
             if kind in ("text", "code"):
                 parts.append(
                     Part(
