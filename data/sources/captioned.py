@@ -64,7 +64,6 @@ from data.sources.tables import is_table, load_row, table_items
 # A folder's caption tables: ours (file, caption), and a Hugging Face imagefolder's metadata
 # (file_name, and its caption in text or caption), read the same way
 CAPTION_TABLES = ("captions.jsonl", "captions.csv", "metadata.jsonl", "metadata.csv")
-HF_COLUMNS = {"file_name": "file", "text": "caption"}
 
 
 def _hf(path: Path) -> bool:
@@ -142,11 +141,9 @@ class CaptionedSource(Source):
                 self.root / table, ("file_name",) if hf else ("file",), self.limits.repair_utf8
             ):
                 displaced = None  # an imagefolder's own "file" column, kept in meta
-                if hf and isinstance(rec, dict):
-                    displaced = rec.pop("file", None) if "file_name" in rec else None
-                    for theirs, ours in HF_COLUMNS.items():
-                        if theirs in rec and ours not in rec:
-                            rec[ours] = rec.pop(theirs)
+                if hf and isinstance(rec, dict) and "file_name" in rec:
+                    displaced = rec.pop("file", None)
+                    rec["file"] = rec.pop("file_name")  # its caption, "text": pop_caption
                 if isinstance(rec, Reject) or not rec.get("file"):
                     reason, detail = (
                         (rec.reason, rec.detail)

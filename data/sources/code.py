@@ -134,7 +134,7 @@ MAX_LINE_CHARS = 1000
 def longest_line(raw: bytes) -> int:
     """Characters in the file's longest line; lines end at LF, CRLF or a lone CR (an old Mac
     file), and a line counts characters, not bytes (a CJK comment is 3 bytes a character)."""
-    lines = raw.replace(b"\r", b"\n").split(b"\n")
+    lines = (raw.replace(b"\r", b"\n") if b"\r" in raw else raw).split(b"\n")
     longest = max(map(len, lines))
     if longest <= MAX_LINE_CHARS:  # bytes bound characters: most files stop here
         return longest
