@@ -68,7 +68,8 @@ class _Consumers(IterableDataset):
         self.ld = loader
 
     def __iter__(self):
-        info = get_worker_info()
+        # This loader's own worker, not a DataLoader of someone else's that runs it in-process
+        info = get_worker_info() if self.ld.cfg.num_workers else None
         slot = info.id if info else 0
         ld = self.ld
         worker = (slot + ld.rotation) % ld.workers

@@ -211,3 +211,46 @@ def test_a_worker_batch_that_cannot_be_pickled_fails_the_loader_instead_of_hangi
     reader.join(120)
     assert not reader.is_alive(), "the loader waited for a batch its worker could not send"
     assert raised and "DataLoader worker process 0" in str(raised[0])
+
+
+def test_an_in_process_loader_run_in_another_dataloaders_worker_hands_out_plain_batches(
+    tiny_tokens,
+):
+    """``num_workers=0`` run inside a DataLoader worker of the user's own (a framework's loop, the
+    peer benchmark's shared transport): the same batches as in the main process, packed without
+    a ring of shared slots, which only this loader's own workers have a reader for."""
+    import torch
+    from torch.utils.data import DataLoader, IterableDataset
+
+    cfg = LoaderConfig(
+        sources=[SourceConfig(name=s, shards=[str(tiny_tokens / s)]) for s in SOURCES],
+        seq_len=256,
+        mode="epoch",
+        num_workers=0,
+    )
+
+    def batches():
+        return iter(
+            PackedLoader(
+                cfg,
+                [load_table(s) for s in cfg.sources],
+                rank=0,
+                world_size=1,
+                micro_batch=4,
+                pad_id=0,
+            )
+        )
+
+    class Wrapped(IterableDataset):
+        def __iter__(self):
+            for batch in batches():
+                yield batch, torch.tensor(len(transport._rings))
+
+    want = list(batches())
+    got = list(DataLoader(Wrapped(), batch_size=None, num_workers=1))
+    assert len(got) == len(want) > 1
+    for a, (b, rings) in zip(want, got, strict=True):
+        assert int(rings) == 0
+        assert a.keys() == b.keys()
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
