@@ -133,3 +133,21 @@ def test_visual_corpus_adds_the_token_folders_blocks_and_every_packer_keeps_them
     stream = np.concatenate([stream, np.full(-len(stream) % 256, bench.PAD_MOD, np.int32)])
     mod = stream & ((1 << bench.MOD_BITS) - 1)
     check_rows(np.where(mod == bench.PAD_MOD, 0, stream >> bench.MOD_BITS), mod)
+
+
+def test_earlyfuse_measured_on_the_peers_transport_delivers_the_same_epoch(bench, tmp_path):
+    """``earlyfuse-queue``: the loader in the peers' DataLoader wrapper, its batches through
+    torch's worker queue; the same epoch as through its own worker and ring."""
+    material = make_material(tmp_path / "material")
+    corpus = tmp_path / "corpus"
+    args = ["--corpus", str(corpus), "--docs", "12", "--doc-tokens", "512"]
+    built = bench.main([*args, "--material", str(material), "--corpus-only"])
+    figures = {}
+    for name in ("earlyfuse", "earlyfuse-queue"):
+        result = tmp_path / f"{name}.json"
+        settings = ["--seq-len", "256", "--rows", "2", "--workers", "1"]
+        bench.main([*args, *settings, "--measure", name, "--result", str(result)])
+        figures[name] = json.loads(result.read_text())
+    assert 0 < figures["earlyfuse"]["tokens"] == figures["earlyfuse-queue"]["tokens"]
+    assert figures["earlyfuse"]["tokens"] <= built["tokens"]
+    assert figures["earlyfuse"]["batches"] == figures["earlyfuse-queue"]["batches"]

@@ -45,6 +45,9 @@ from tools.bench import (  # noqa: E402
 # Each loader and the library it imports (a peer whose library is absent is skipped).
 LIBRARIES = {
     "earlyfuse": "data.loader",
+    # earlyfuse's in-process loader in the peers' worker wrapper: its batches through torch's
+    # worker queue, as theirs, not through its own ring of shared slots (one worker or more)
+    "earlyfuse-queue": "data.loader",
     "litdata": "litdata",
     "litdata-tokens": "litdata",
     "streaming": "streaming",
@@ -610,17 +613,19 @@ def energon_batches(corpus: Path, workers: int, seq_len: int, rows: int):
 
 def make_batches(a, name: str, workers: int):
     corpus, seq_len, rows = a.corpus, a.seq_len, a.rows
-    if name == "earlyfuse":
+    if name.startswith("earlyfuse"):
         from data.loader import build_loader
 
+        queue = name == "earlyfuse-queue"
         cfg = token_loader_config(
             corpus / "tokens",
             seq_len,
-            num_workers=workers,
+            num_workers=0 if queue else workers,
             mode="epoch",
             worker_start=a.worker_start,
         )
-        return iter(build_loader(cfg, rank=0, world_size=1, micro_batch=rows))
+        ours = partial(build_loader, cfg, rank=0, world_size=1, micro_batch=rows)
+        return in_worker(lambda: iter(ours()), workers) if queue else iter(ours())
     if name == "energon":
         return energon_batches(corpus, workers, seq_len, rows)
     return in_worker(partial(peer_batches, name, corpus, seq_len, rows), workers)
@@ -876,10 +881,14 @@ def main(argv=None) -> dict:
     }
     previous = previous_figures(a.previous)
     for workers in a.workers:
+        # in-process, earlyfuse-queue is earlyfuse
+        mode_loaders = [name for name in loaders if workers or name != "earlyfuse-queue"]
         # Untimed, one epoch each: the page cache and the libraries' on-disk caches warmed, and
         # the peak memory sampled (run_measure says why not in the timed rounds)
-        memory = {name: run_measure(a, name, workers, sample=True) for name in loaders}
-        runs = rounds({name: partial(run_measure, a, name, workers) for name in loaders}, a.rounds)
+        memory = {name: run_measure(a, name, workers, sample=True) for name in mode_loaders}
+        runs = rounds(
+            {name: partial(run_measure, a, name, workers) for name in mode_loaders}, a.rounds
+        )
         mode = f"workers={workers}"
         res["modes"][mode] = summarize(runs, memory)
         print_mode(mode, res["modes"][mode], previous)
