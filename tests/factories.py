@@ -253,10 +253,11 @@ def token_sample_with_id(tar: Path, k: int, new_id: int) -> str:
         writer.write(Sample(e["key"], doc, media), extra)
     res = writer.close()
     from data.shards import token_index
+    from data.shards.storage import write_atomic
 
     binary = token_index.index_path_for(tar)  # the loader's binary index agrees too
     if binary.is_file():
-        token_index.write(binary, token_index.build(idx.read_bytes()))
+        write_atomic(binary, token_index.build(idx.read_bytes()))
     for up in (tar.parent, tar.parent.parent):
         manifest = up / "manifest.json"
         if manifest.is_file():

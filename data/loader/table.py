@@ -18,6 +18,7 @@ import numpy as np
 
 from data.loader import store
 from data.shards import token_index
+from data.shards.storage import write_atomic
 
 # One record of a binary index (token_index.RECORD, packed): json, ids, mod (offset, size),
 # tokens, block start and count, key start and length, SHA-256. Unpacked straight from the
@@ -203,7 +204,7 @@ def resolve_index(tar: str, index_sha: str, cache_dir: str) -> token_index.Token
     if data is not None:
         try:  # best effort: a cache that cannot be written costs a fetch per process
             cached.parent.mkdir(parents=True, exist_ok=True)
-            token_index.write(cached, data)
+            write_atomic(cached, data)
         except OSError:
             pass
     return idx

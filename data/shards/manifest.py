@@ -95,7 +95,7 @@ def refuse_strays(out: Folder, ours: set[str], folders: tuple[str, ...], command
     strays = sorted(
         name
         for name in out.sizes()
-        if re.sub(r"\.tmp\d*$", "", name) not in ours  # NAME.tmp, NAME.tmpPID: cut by a kill
+        if re.sub(r"(\.\d+)?\.tmp$", "", name) not in ours  # NAME.tmp, NAME.PID.tmp: cut by a kill
         and not name.startswith(tuple(f"{folder}/" for folder in folders))
     )
     if strays:

@@ -244,8 +244,9 @@ def write_all_atomic(files: Mapping[Path, bytes]) -> None:
     a file nor a set mixing new files and old ones (the renames themselves do not fail for want
     of space). The temporary files of a failed write are removed, and the error names
     the file being written (a failed ``write`` names none, ``open`` its temporary). The renames
-    are synced too (their folders)."""
-    temps = {path: path.with_name(path.name + ".tmp") for path in files}
+    are synced too (their folders). A temporary is this process's own: processes that write one
+    file at once (the ranks of a node filling a cache) each rename a whole file over it."""
+    temps = {path: path.with_name(f"{path.name}.{os.getpid()}.tmp") for path in files}
     try:
         for path, tmp in temps.items():
             with writing(path), open(tmp, "wb") as f:  # named by the file it stands for

@@ -37,8 +37,6 @@ from pathlib import Path
 
 import numpy as np
 
-from data.shards.storage import writing
-
 FORMAT = "earlyfuse-token-index"
 VERSION = 1
 SUFFIX = ".idx.bin"  # SHARD.tar -> SHARD.idx.bin, beside SHARD.idx.jsonl
@@ -123,15 +121,6 @@ def build(jsonl: bytes, *, where: str = "index") -> bytes:
     ):
         np.save(out, arr, allow_pickle=False)
     return out.getvalue()
-
-
-def write(path: str | Path, data: bytes) -> None:
-    """``data`` to ``path`` through a temporary name (readers never see half a file)."""
-    path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    with writing(tmp), open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 def index_path_for(tar_path: str | Path) -> Path:

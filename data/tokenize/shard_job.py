@@ -30,7 +30,7 @@ from data.shards import token_index
 from data.shards.index import file_sha256
 from data.shards.manifest import record_path
 from data.shards.reader import ShardReader
-from data.shards.storage import Folder, PrivateTemp, Staging
+from data.shards.storage import Folder, PrivateTemp, Staging, write_atomic
 from data.shards.writer import ShardResult, ShardWriter
 from data.text_tokenizer import TextTokenizer
 from data.tokenize.blocks import shard_block_stats, visual_blocks
@@ -166,7 +166,7 @@ class TokenShardWriter:
     def close(self, binary: Path) -> ShardResult:
         """Finish the tar and the JSONL index, and write the binary index to ``binary``."""
         result = self.writer.close()
-        token_index.write(binary, token_index.build(self.index.read_bytes()))
+        write_atomic(binary, token_index.build(self.index.read_bytes()))
         return result
 
     def abort(self) -> None:

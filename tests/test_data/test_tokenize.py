@@ -283,7 +283,7 @@ def test_a_folder_holding_token_shards_of_no_recorded_run_is_refused(
     shard = json.loads((tiny_raw / "manifest.json").read_text())["shards"][0]
     (out / f"{shard['path']}.tmp").parent.mkdir(parents=True)
     (out / f"{shard['path']}.tmp").write_bytes(b"cut")
-    (out / f"{binary_index_name(shard['index'])}.tmp4242").write_bytes(b"cut")
+    (out / f"{binary_index_name(shard['index'])}.4242.tmp").write_bytes(b"cut")
     assert tokenize(tiny_raw, out, *tiny_tokenizers)["finalized"]
 
 
