@@ -66,7 +66,7 @@ def total_steps(train: TrainConfig, stream: BatchStream) -> int:
     the lr schedule has a length."""
     if train.steps > 0:
         return train.steps
-    batches = stream.batches_per_rank()
+    batches = stream.batches_left()
     if batches is None:
         raise ConfigError(
             "train.steps=-1 (until the data ends) needs data.mode=epoch: an infinite stream never "
@@ -174,6 +174,12 @@ def build_trainer(
     )
     if dist.sp_degree > 1:
         describe += f", sequence parallel {dist.sp_degree} x data parallel {dist.data_size}"
+    if cfg.optim.warmup_steps >= steps and main:  # a preset cut short for a try, a fine-tune
+        log.warning(
+            f"optim.warmup_steps={cfg.optim.warmup_steps} is not below the run's {steps} steps: "
+            "the lr rises for the whole run and never reaches its peak nor decays; lower "
+            "optim.warmup_steps (a few percent of the steps is usual)"
+        )
     if train_cfg.bf16 and dist.device.type == "cpu" and main:
         # A GPU preset on a laptop: it starts, then swaps for minutes before its first step
         log.warning(

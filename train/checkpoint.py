@@ -274,7 +274,7 @@ class Checkpointer:
             reasons.append(f"{pointer} is unreadable ({named[:40]!r}: truncated?)")
         candidates = [
             folder
-            for folder in reversed(self._tags())
+            for folder in reversed(self.tags())
             if newest is None or step_of_tag(folder.name) <= newest
         ]
         for folder in candidates:
@@ -300,7 +300,7 @@ class Checkpointer:
         """A complete, intact checkpoint newer than the one ``latest`` names: a run killed after
         writing its ``meta.json`` (written last) and before ``latest`` moved. It becomes
         ``latest`` with a warning (a rollback's abandoned folders never look so: ``rewind``)."""
-        for folder in reversed(self._tags()):
+        for folder in reversed(self.tags()):
             if step_of_tag(folder.name) <= step_of_tag(named):
                 return None
             if not (folder / META).is_file():
@@ -324,7 +324,7 @@ class Checkpointer:
         its first checkpoint's ``meta.json`` (written last: the checkpoint is complete) and before
         ``latest``. Such a checkpoint, intact, becomes ``latest`` with a warning; anything else
         is left to clean_partial."""
-        for folder in reversed(self._tags()):
+        for folder in reversed(self.tags()):
             if (folder / META).is_file() and not verify_folder(folder, hashes=self.verify_hashes):
                 pointer = self.dir / LATEST_FILE
                 warn(
@@ -473,7 +473,7 @@ class Checkpointer:
         if latest is None:
             return []
         last = step_of_tag(latest)
-        steps = [step_of_tag(folder.name) for folder in self._tags() if (folder / META).is_file()]
+        steps = [step_of_tag(folder.name) for folder in self.tags() if (folder / META).is_file()]
         return [step for step in steps if step <= last]
 
     def rewind(self, step: int) -> None:
@@ -488,7 +488,7 @@ class Checkpointer:
         barrier()
 
     def _rewind_to(self, step: int) -> None:
-        for folder in self._tags():
+        for folder in self.tags():
             if step_of_tag(folder.name) > step:
                 remove_checkpoint(folder)
         write_atomic(self.dir / LATEST_FILE, f"{tag_for(step)}\n".encode())
@@ -502,13 +502,14 @@ class Checkpointer:
         self.check_latest()
         latest = self._pointer()
         last = step_of_tag(latest) if latest else -1
-        for folder in self._tags():
+        for folder in self.tags():
             if step_of_tag(folder.name) > last:  # complete ones were taken or set aside
                 why = f"newer than {LATEST_FILE}, left by a save that did not complete"
                 warn(f"removing {folder}: {why}")
                 remove_checkpoint(folder)
 
-    def _tags(self) -> list[Path]:
+    def tags(self) -> list[Path]:
+        """The checkpoint folders there are, complete or not, oldest first."""
         return (
             sorted(
                 folder
@@ -577,7 +578,7 @@ class Checkpointer:
             record = {**meta, "step": step, "tag": tag, "files": manifest}
             write_atomic(folder / META, (json.dumps(record, indent=1) + "\n").encode())
             write_atomic(self.dir / LATEST_FILE, f"{tag}\n".encode())
-            for old in self._tags()[: -self.keep_last]:
+            for old in self.tags()[: -self.keep_last]:
                 if int(old.name[len("step_") :]) not in protect:
                     remove_checkpoint(old)
         barrier()

@@ -116,7 +116,8 @@ class TrainConfig:
     eval_batches: int = 8
     ckpt_every: int = 0  # 0: only at the end
     keep_last: int = 2  # checkpoints kept (older ones deleted)
-    resume: bool = True  # continue from run_dir's latest checkpoint if there is one
+    # Continue from run_dir's latest checkpoint; false: start at step 0, in a folder with no checkpoint
+    resume: bool = True
     # On resume, changes to the data, its mix, seq_len, batch sizes, the schedule, the seeds or the
     # world size are refused (an exact resume would no longer hold) unless this says they are meant.
     allow_config_change: bool = False

@@ -280,6 +280,24 @@ def breaks_resume(key: str, task: str, old: Any = None, new: Any = None) -> bool
     )
 
 
+# Changes after which no checkpoint of the run can be loaded, with or without
+# train.allow_config_change: tensors of other shapes, a data position on rows of another length
+# or in another mode (the loader refuses it, data/loader/dataset.py)
+NO_RESUME = ("model.dim", "model.n_layers", "model.vocab_size", "data.seq_len", "data.mode")
+
+
+def no_resume_carries(key: str, old: Any, new: Any) -> bool:
+    """Whether no resume can carry this change; also a source added or removed (the loader's
+    position is per source)."""
+    if key == "data.sources" and isinstance(old, list) and isinstance(new, list):
+
+        def names(sources: list) -> set:
+            return {s.get("name") for s in sources if isinstance(s, dict)}
+
+        return names(old) != names(new)
+    return key in NO_RESUME
+
+
 def training_mix(config_yaml: str | None) -> list[tuple[str, float]] | None:
     """The training sources' names and shares (weights are relative) in a run's config.yaml;
     None when it records none."""
@@ -329,6 +347,14 @@ def check_resume_config(
             for key, old, value in diffs
         ]
         log.info(f"config changes since the checkpoint ({where}):\n" + "\n".join(lines))
+    never = [key for key, old, value in breaking if no_resume_carries(key, old, value)]
+    if never:  # the flag cannot help: said first, not after a rerun with it
+        raise ConfigError.alike(
+            f"resuming {where.rsplit('/', 1)[0]} with changes no resume can carry: "
+            f"{', '.join(never)} (the weights' shapes, or the data's position, change). Undo "
+            "them, or start a new run with another run_dir (from these weights, when the model "
+            "is unchanged: earlyfuse-convert release RUN_DIR OUT, then train.init_from=OUT)"
+        )
     if breaking and not allowed:
         names = ", ".join(key for key, _, _ in breaking)
         raise ConfigError.alike(

@@ -168,24 +168,28 @@ def build_engine(model: nn.Module, cfg: RunConfig, world_size: int, *, total_ste
 
 
 @contextmanager
-def config_hyperparameters(engine) -> Iterator[None]:
+def config_hyperparameters(engine) -> Iterator[dict[str, float]]:
     """Around a checkpoint load: the optimizer's hyperparameters (lr, betas, eps, weight decay)
     and the schedule's peak lr are the run's config's, not the checkpoint's: DeepSpeed restores
     the param groups and the scheduler's ``base_lrs`` as saved, which would train a resume that
     changed ``optim.lr`` or ``optim.weight_decay`` on under the old values while its config.yaml
     says the new ones. The checkpoint keeps what is state: moments, step counts, the schedule's
-    position and its lr cap."""
+    position and its lr cap. Yields a dict that holds, after the load, the next step's lr as
+    saved (``saved``) and as this config makes it (``now``)."""
     sched = engine.lr_scheduler
     optimizer = sched.optimizer  # our AdamW, whose groups every DeepSpeed wrapper steps
+    lrs: dict[str, float] = {}  # the next step's lr as saved and as this config has it
     config = [
         {key: value for key, value in g.items() if key != "params"} for g in optimizer.param_groups
     ]
     peak = list(sched.base_lrs)
-    yield
+    yield lrs
+    lrs["saved"] = sched.get_last_lr()[0]
     for group, values in zip(optimizer.param_groups, config):  # the load made new group dicts
         group.update(values)
     sched.base_lrs = peak
     sched.set_current_lr()
+    lrs["now"] = sched.get_last_lr()[0]
 
 
 def global_grad_norm(engine) -> float:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -106,7 +107,7 @@ class CappedLambdaLR(LambdaLR):
         self.uncapped = multiplier
 
         def capped(step: int) -> float:
-            value = multiplier(step)
+            value = self.uncapped(step)
             return value if self.cap is None else min(value, self.cap)
 
         super().__init__(optimizer, capped)
@@ -120,6 +121,14 @@ class CappedLambdaLR(LambdaLR):
         super().load_state_dict(
             {key: value for key, value in state_dict.items() if key != "uncapped"}
         )
+
+    def stretch_to(self, total: int) -> None:
+        """The schedule's length is now ``total`` steps, from the current step on (a run until
+        the data ends, resumed on another split: the epoch was counted again); the multiplier
+        must be ``lr_multiplier`` with its settings bound, as ``build_engine`` makes it."""
+        assert isinstance(self.uncapped, partial), "stretch_to needs lr_multiplier's partial"
+        self.uncapped = partial(self.uncapped.func, **{**self.uncapped.keywords, "total": total})
+        self.set_current_lr()
 
     def cap_here(self, scale: float = 1.0) -> float:
         """From now on the multiplier never exceeds ``scale`` x what it is at the current step

@@ -53,9 +53,14 @@ class BatchStream(Protocol):
         """Tokens (or images) delivered so far on this rank, per source."""
         ...
 
-    def batches_per_rank(self) -> int | None:
-        """Batches one rank yields in all (epoch mode), None when the stream never ends."""
+    def batches_left(self) -> int | None:
+        """Batches this rank has still to yield in epoch mode (all of them before the first),
+        None when the stream never ends."""
         ...
+
+    # ``resume`` moved the position onto another split or mix, and the epoch's batches were
+    # counted again from there: the run's length (train.steps=-1) is the steps done plus those left
+    recounted: bool
 
 
 class TableCache:
@@ -89,6 +94,7 @@ class TokenStream:
 
     def __init__(self, loader: PackedLoader) -> None:
         self.loader = loader
+        self.recounted = False
 
     def __iter__(self) -> Generator[dict, None, None]:
         return iter(self.loader)
@@ -142,15 +148,20 @@ class TokenStream:
                 zero = {"mix": [0] * len(loader.tables)}  # as load_state_dict sets them
                 states = [st | zero for st in consumer_states(old(), fresh)]
                 loader.batch_limit = loader.count_batches(states)
+                self.recounted = True
             return None
         # Another data-parallel size, worker count or micro batch: a split of its own, computed by
         # every rank from all old ranks' states (no communication).
         state = redistribute(old(), loader)
         loader.load_state_dict(state)
-        return (
-            f"the loader's state was redistributed from "
-            f"{state['redistributed']['from_consumers']} to {loader.consumers} consumers"
+        self.recounted = loader.batch_limit is not None
+        was, consumers = old()[0], state["redistributed"]["from_consumers"]
+        moved = ", ".join(
+            f"{key} {was[key]} -> {now}" for key, now in split.items() if was[key] != now
         )
+        counts = f" from {consumers} to {loader.consumers} consumers"
+        said = counts if consumers != loader.consumers else ""
+        return f"the loader's state was redistributed{said} ({moved})"
 
     def skipped(self) -> set[str]:
         return self.loader.skipped_samples()
@@ -161,9 +172,9 @@ class TokenStream:
             for source, tokens in self.loader.delivered()["tokens_by_source"].items()
         }
 
-    def batches_per_rank(self) -> int | None:
+    def batches_left(self) -> int | None:
         limit = self.loader.batch_limit
-        return None if limit is None else limit * self.loader.workers
+        return None if limit is None else limit * self.loader.workers - self.loader.handed_out
 
 
 class CropStream:
@@ -171,6 +182,7 @@ class CropStream:
 
     def __init__(self, crops: _CropStream) -> None:
         self.crops = crops
+        self.recounted = False  # it never ends
 
     def __iter__(self) -> Generator[dict, None, None]:
         return iter(self.crops)
@@ -196,5 +208,5 @@ class CropStream:
     def delivered(self) -> dict[str, float]:
         return {"images": float(self.crops.k * self.crops.batch)}
 
-    def batches_per_rank(self) -> int | None:
+    def batches_left(self) -> int | None:
         return None

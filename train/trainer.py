@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import closing
@@ -72,13 +73,14 @@ class Trainer:
     protect: Callable[[list[int]], set[int]] = field(default=lambda steps: set())
     skip_batches: int = 0  # batches to discard before the next step (after a rollback)
     last_saved: int = -1  # the step of the newest checkpoint written or loaded
+    saved_lr: float = 0.0  # the next step's lr as the checkpoint last loaded had it
     untrained_batches: int = 0  # micro-batches of a last step the data ended in (never applied)
 
     # --- the loop --------------------------------------------------------------------------------
     def fit(self) -> dict[str, float] | None:
         """Train from the latest checkpoint (or step 0) to ``total_steps``; final.json's contents,
         or None when a signal stopped the run early (after a checkpoint)."""
-        step = self.resume() if self.train.resume else 0
+        step = self.resume() if self.train.resume else self.start_over()
         if self.dist.is_main:  # an earlier end's records: this start goes on from it
             (self.run_dir / HALTED_FILE).unlink(missing_ok=True)
             (self.run_dir / FINAL_FILE).unlink(missing_ok=True)
@@ -229,18 +231,9 @@ class Trainer:
         if tag is None:
             return 0
         meta = self.checkpointer.check_compatible(tag, self.zero_stage)
-        given = self.train.steps
-        goal = f"train.steps={given}" if given != -1 else f"the {self.total_steps} the data holds"
-        if int(meta["step"]) > self.total_steps:  # nothing to train, and a report of 200 %
-            raise ConfigError.alike(
-                f"{self.checkpointer.dir / tag}: the run is at step {meta['step']} already, past "
-                f"{goal}: give train.steps above it to train on, or another run_dir for a new run"
-            )
-        if int(meta["step"]) == self.total_steps and self.dist.is_main:
-            log.info(  # the same command run again, or a new run given a finished run's folder
-                f"{self.checkpointer.dir / tag}: the run is complete ({goal}): nothing to train; "
-                "give train.steps above it to train on, or another run_dir for a new run"
-            )
+        step = int(meta["step"])
+        if self.train.steps != -1:  # before the load: a refusal costs nothing
+            self.check_goal(tag, step)
         saved = self.checkpointer.dir / tag / CONFIG_FILE
         check_resume_config(
             saved.read_text() if saved.is_file() else None,
@@ -255,10 +248,21 @@ class Trainer:
         )
         other_world = meta["world_size"] != self.dist.world_size
         notes = self.load_checkpoint(tag, other_world=other_world)
-        self.last_saved = int(meta["step"])
+        if self.train.steps == -1:
+            if self.stream.recounted:  # the rest of the epoch on another split or mix
+                left = self.stream.batches_left() or 0
+                self.total_steps = step + left // self.train.grad_accum
+                self.engine.lr_scheduler.stretch_to(self.total_steps)
+                notes.append(f"the data holds {self.total_steps - step} more step(s) from here")
+            self.check_goal(tag, step)
+        lr = self.engine.lr_scheduler.get_last_lr()[0]
+        if not math.isclose(lr, self.saved_lr, rel_tol=0.01):
+            # optim.lr, the schedule or the run's length changed: a jump the loss may answer
+            notes.append(f"the lr goes on at {lr:.3g}, not the {self.saved_lr:.3g} saved")
+        self.last_saved = step
         saved_mix = training_mix(saved.read_text() if saved.is_file() else None)
         if saved_mix is not None and saved_mix != training_mix(self.resolved_yaml):
-            self.callbacks.on_mix_change(self, int(meta["step"]))
+            self.callbacks.on_mix_change(self, step)
         if self.dist.is_main:
             head = f"resuming {tag}"
             if other_world:
@@ -267,18 +271,47 @@ class Trainer:
             log.info(
                 head + ((";" if other_world else ":") + " " + "; ".join(notes) if notes else "")
             )
-        return int(meta["step"])
+        return step
+
+    def start_over(self) -> int:
+        """``train.resume=false``: step 0, in a run folder without checkpoints. Beside an earlier
+        run's, this run's would overwrite some and leave the newer ones, which a later start would
+        resume from as its own."""
+        if found := self.checkpointer.tags():
+            raise ConfigError.alike(
+                f"train.resume=false, but {self.checkpointer.dir} holds {len(found)} checkpoint(s) "
+                f"of an earlier run (up to {found[-1].name}): starting over beside them would mix "
+                "the two runs' checkpoints; give another run_dir, or delete that folder to start "
+                "over in this one"
+            )
+        return 0
+
+    def check_goal(self, tag: str, step: int) -> None:
+        """Refuse a checkpoint past the run's length; say when the run is complete already."""
+        given = self.train.steps
+        goal = f"train.steps={given}" if given != -1 else f"the {self.total_steps} the data holds"
+        if step > self.total_steps:  # nothing to train, and a report of 200 %
+            raise ConfigError.alike(
+                f"{self.checkpointer.dir / tag}: the run is at step {step} already, past "
+                f"{goal}: give train.steps above it to train on, or another run_dir for a new run"
+            )
+        if step == self.total_steps and self.dist.is_main:
+            log.info(  # the same command run again, or a new run given a finished run's folder
+                f"{self.checkpointer.dir / tag}: the run is complete ({goal}): nothing to train; "
+                "give train.steps above it to train on, or another run_dir for a new run"
+            )
 
     def load_checkpoint(self, tag: str, *, other_world: bool = False) -> list[str]:
         """Load checkpoint ``tag`` into the engine, the callbacks, the stream and the RNG; notes
         for the console (a stream moved onto another split, a rank without a predecessor)."""
-        with config_hyperparameters(self.engine):
+        with config_hyperparameters(self.engine) as lrs:
             if other_world:
                 client, own = self.checkpointer.load_resharded(self.engine, tag, self.zero_stage)
             else:
                 client, own = self.checkpointer.load(self.engine, tag)
         self.callbacks.load_state_dict(client, str(self.checkpointer.dir / tag))
         notes = []
+        self.saved_lr = lrs["saved"]
         note = self.stream.resume(
             own["stream"] if own else None, lambda: self.checkpointer.load_streams(tag)
         )

@@ -135,6 +135,34 @@ def test_resume_config_differences_are_listed_and_the_breaking_ones_named():
     )
 
 
+@pytest.mark.parametrize(
+    ("saved", "new", "named"),
+    [
+        ("model:\n  dim: 64\n", "model:\n  dim: 96\n", "model.dim"),
+        ("data:\n  seq_len: 256\n", "data:\n  seq_len: 512\n", "data.seq_len"),
+        (
+            "data:\n  sources: [{name: a, weight: 1.0}]\n",
+            "data:\n  sources: [{name: a, weight: 1.0}, {name: b, weight: 1.0}]\n",
+            "data.sources",
+        ),
+    ],
+)
+def test_a_change_no_resume_can_carry_is_refused_as_such_even_when_changes_are_allowed(
+    saved, new, named
+):
+    """The first refusal says a new run is needed, instead of offering
+    train.allow_config_change, after which the weights or the data position are refused."""
+    check = dict(saved_world_size=1, world_size=1, where="ck/step_1/config.yaml", show=False)
+    for allowed in (False, True):
+        with pytest.raises(
+            ConfigError, match=rf"no resume can carry: {re.escape(named)} .*run_dir"
+        ):
+            check_resume_config("task: lm\n" + saved, "task: lm\n" + new, allowed=allowed, **check)
+    # new weights for the same sources: a resume carries them (with the flag)
+    weights = "task: lm\ndata:\n  sources: [{name: a, weight: %s}]\n"
+    check_resume_config(weights % 1.0, weights % 2.0, allowed=True, **check)
+
+
 def test_data_sources_from_a_users_own_config_dir(tmp_path):
     """`earlyfuse-train --config-dir MY_CONFIGS data=mine`: the user's data/mine.yaml (here built
     on the demo's) composes onto the schema, also over an experiment's own data choice; a typo in

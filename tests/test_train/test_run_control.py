@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -102,11 +103,15 @@ def test_live_folder_refused_sigterm_checkpoints_and_the_resume_checks_config(
     assert sorted(m) == list(range(1, stopped + 3))
     assert (run / "final.json").is_file()
     # A model of another shape cannot resume these weights, even when changes are allowed: one
-    # line, exit 2 (torch's "size mismatch" traceback, a line per tensor, before)
-    wider = base(tiny_tokens, run, stopped + 4, "model.dim=96", "train.allow_config_change=true")
-    p = train(wider, check=False)
+    # line, exit 2 (torch's "size mismatch" traceback, a line per tensor, before); a width
+    # is refused as such before anything is loaded
+    kv = "model.attention.n_kv_heads=1"
+    narrower = base(tiny_tokens, run, stopped + 4, kv, "train.allow_config_change=true")
+    p = train(narrower, check=False)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert "its weights do not fit this run's model (size mismatch for" in p.stderr
+    p = train(base(tiny_tokens, run, stopped + 4, "model.dim=96"), check=False)
+    assert p.returncode == 2 and "changes no resume can carry: model.dim" in p.stderr
     # Fewer steps than the run has taken: nothing to train (the report read 200 %)
     fewer = base(tiny_tokens, run, stopped, "train.allow_config_change=true")
     p = train(fewer, check=False)
@@ -219,6 +224,55 @@ def test_epoch_mode_ends_with_the_data_and_steps_minus_one_counts_them(tiny_toke
         p.returncode == 2
         and "train.steps=-1 (until the data ends) needs data.mode=epoch" in p.stderr
     )
+
+
+def test_a_run_until_the_data_ends_resumed_on_another_split_trains_the_rest_of_the_epoch(
+    tiny_tokens, tmp_path
+):
+    """train.steps=-1 resumed with another micro batch (as on another world size): the run's
+    length is the steps done plus what the redistributed position holds, the lr schedule
+    stretched to it; counted afresh on the new split it stopped a third of the epoch early."""
+    scenes = {"scenes": 1.0}  # 11 rows of 256 tokens per epoch (one rank)
+    args = ["data.mode=epoch", "train.ckpt_every=2", "train.keep_last=9", "train.micro_batch=1"]
+    args.append("optim.warmup_steps=1")  # step 2 past the warmup, where the length matters
+    first = tmp_path / "first"
+    train(base(tiny_tokens, first, -1, *args, sources=scenes))
+    whole = metrics(first)
+    run = tmp_path / "resumed"
+    shutil.copytree(first, run)
+    (run / "metrics.jsonl").unlink()  # this run's steps only
+    (run / "checkpoints" / "latest").write_text("step_00000002\n")
+    for later in (run / "checkpoints").glob("step_*"):
+        if later.name != "step_00000002":
+            shutil.rmtree(later)
+    p = train(
+        base(
+            tiny_tokens,
+            run,
+            -1,
+            *args,
+            "train.micro_batch=2",
+            "train.allow_config_change=true",
+            sources=scenes,
+        )
+    )
+    out = p.stdout + p.stderr
+    assert "the loader's state was redistributed (micro_batch 1 -> 2)" in out
+    left = len(whole) - 2  # rows left after step 2, two a step now
+    assert f"the data holds {left // 2} more step(s) from here" in out
+    assert f"steps 2->{2 + left // 2}" in out
+    assert "; the lr goes on at " in out  # the schedule, stretched, is at another point
+    resumed = metrics(run)
+    last = max(resumed)
+    assert last == 2 + left // 2
+    assert resumed[last]["optim/lr"] == pytest.approx(whole[max(whole)]["optim/lr"])  # annealed
+
+    # train.resume=false beside that run's checkpoints would mix two runs' checkpoints
+    p = train(base(tiny_tokens, run, 4, "train.resume=false"), check=False)
+    assert p.returncode == 2 and "train.resume=false, but" in p.stderr, p.stderr[-2000:]
+    assert "give another run_dir" in p.stderr and max(metrics(run)) == last
+    # (the debug preset's warmup outlasts those 4 steps: said at start)
+    assert "optim.warmup_steps=5 is not below the run's 4 steps" in p.stdout + p.stderr
 
 
 def test_earlyfuse_torchrun_exits_0_when_its_signal_stopped_the_run_after_a_checkpoint(

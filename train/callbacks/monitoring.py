@@ -48,6 +48,7 @@ class Monitoring(Callback):
 
     def post_step(self, trainer: Trainer, step: int, record: StepRecord) -> Decision | None:
         start = time.perf_counter()
+        self.monitor.total = trainer.total_steps  # a resume may count the data's steps again
         self.alarms = self.monitor.check(step, record.metrics, self.rule.last)
         if any(alarm.action == "rollback" for alarm in self.alarms):
             self.reached = self.monitor.reached()
