@@ -228,9 +228,14 @@ class Stagnation:
                         threshold=f"change >= {-cfg.min_drop:+.0%} while the others fall >= "
                         f"{cfg.others_drop:.0%}, {cfg.z:g} standard errors apart, for {cfg.patience} steps",
                         cause=f"{name} is losing the competition for the model's capacity or is "
-                        f"starved of tokens (tokens/{name}, mix/<source>), or its data changed",
-                        advice=f"check the delivered mix (mix/<source>, tokens/{name}) against the "
-                        f"weights and the {name} sources; raise its weight or the model's capacity",
+                        f"starved of tokens (tokens/{name}, mix/<source>), or its data changed; "
+                        "on a small corpus the others' fall can be a small source memorised "
+                        "(repeated many times: its training loss falls, its held-out loss not)",
+                        advice=f"compare val/loss/{name} with the other modalities' held-out "
+                        "losses at the next evaluation: if it falls as theirs do, the training "
+                        f"loss followed its files; if not, check the delivered mix (mix/<source>, "
+                        f"tokens/{name}) against the weights, then raise its weight or the model's "
+                        "capacity",
                     )
                 )
         return out
