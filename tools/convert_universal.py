@@ -98,7 +98,8 @@ def make_universal(
     pointer = Path(ckpt.run_dir) / CHECKPOINTS_DIR / LATEST_FILE
     latest = pointer.read_text().strip() if pointer.is_file() else ckpt.tag
     resumes = (
-        f"`earlyfuse-train ... run_dir={ckpt.run_dir}` on any number of ranks resumes from it"
+        f"`earlyfuse-train ... run_dir={ckpt.run_dir} train.allow_config_change=true` on any "
+        "number of ranks resumes from it (another world size is a change the resume is told of)"
         if latest == ckpt.tag
         else f"a run resumes from {LATEST_FILE} ({latest}), not from it: convert {latest} to "
         "resume on other ranks"

@@ -280,6 +280,34 @@ def breaks_resume(key: str, task: str, old: Any = None, new: Any = None) -> bool
     )
 
 
+def shown_change(old: Any, new: Any) -> str:
+    """``old -> new``; for two lists of named sources (data.sources, data.validation), only what
+    differs, source by source: their whole lists are lines of hundreds of characters."""
+
+    def named(value: Any) -> dict | None:
+        if isinstance(value, list) and all(isinstance(s, dict) and "name" in s for s in value):
+            return {str(s["name"]): s for s in value}
+        return None
+
+    before, after = named(old), named(new)
+    if (
+        before is None
+        or after is None
+        or (list(before) != list(after) and set(before) == set(after))
+    ):
+        return f"{old!r} -> {new!r}"
+    parts = [f"{name} added" for name in after if name not in before]
+    parts += [f"{name} removed" for name in before if name not in after]
+    for name in (n for n in before if n in after):
+        fields = sorted(set(before[name]) | set(after[name]))
+        parts += [
+            f"{name}.{f} {before[name].get(f)!r} -> {after[name].get(f)!r}"
+            for f in fields
+            if before[name].get(f) != after[name].get(f)
+        ]
+    return "; ".join(parts)
+
+
 # Changes after which no checkpoint of the run can be loaded, with or without
 # train.allow_config_change: tensors of other shapes, a data position on rows of another length
 # or in another mode (the loader refuses it, data/loader/dataset.py)
@@ -342,9 +370,10 @@ def check_resume_config(
     breaking = [diff for diff in diffs if breaks_resume(diff[0], task, diff[1], diff[2])]
     if show:
         lines = [
-            f"  {key}: {old!r} -> {value!r}"
+            f"  {key}: {shown_change(old, value)}"
             + (" (breaks an exact resume)" if breaks_resume(key, task, old, value) else "")
             for key, old, value in diffs
+            if key != "train.allow_config_change"  # how this start is told, not the run's config
         ]
         log.info(f"config changes since the checkpoint ({where}):\n" + "\n".join(lines))
     never = [key for key, old, value in breaking if no_resume_carries(key, old, value)]

@@ -24,6 +24,7 @@ from train.config_check import (
     ConfigError,
     check_resume_config,
     config_diff,
+    shown_change,
     unknown_keys,
     unknown_override_keys,
 )
@@ -133,6 +134,15 @@ def test_resume_config_differences_are_listed_and_the_breaking_ones_named():
     check_resume_config(
         model, model.replace("every: 0", "every: 1"), world_size=1, allowed=False, **check
     )
+
+
+def test_a_change_of_the_sources_is_shown_source_by_source():
+    code, text = {"name": "code", "weight": 0.1}, {"name": "text", "weight": 0.2}
+    more = [{**code, "weight": 0.4}, text, {"name": "new", "weight": 1.0}]
+    assert shown_change([code, text], more) == "new added; code.weight 0.1 -> 0.4"
+    assert shown_change([code, text], [code]) == "text removed"
+    assert shown_change(1, 2) == "1 -> 2"
+    assert shown_change([code, text], [text, code]).startswith("[{")  # the order: whole lists
 
 
 @pytest.mark.parametrize(
