@@ -308,15 +308,18 @@ def shown_change(old: Any, new: Any) -> str:
     return "; ".join(parts)
 
 
-# Changes after which no checkpoint of the run can be loaded, with or without
+# Changes after which no checkpoint of an LM run can be loaded, with or without
 # train.allow_config_change: tensors of other shapes, a data position on rows of another length
-# or in another mode (the loader refuses it, data/loader/dataset.py)
+# or in another mode (the loader refuses it, data/loader/dataset.py). The visual tokenizer's run
+# trains the vtok section on vtok_data: these keys are not its.
 NO_RESUME = ("model.dim", "model.n_layers", "model.vocab_size", "data.seq_len", "data.mode")
 
 
-def no_resume_carries(key: str, old: Any, new: Any) -> bool:
-    """Whether no resume can carry this change; also a source added or removed (the loader's
-    position is per source)."""
+def no_resume_carries(key: str, task: str, old: Any, new: Any) -> bool:
+    """Whether no resume of a ``task`` run can carry this change; also an LM source added or
+    removed (the loader's position is per source)."""
+    if task != "lm":
+        return False
     if key == "data.sources" and isinstance(old, list) and isinstance(new, list):
 
         def names(sources: list) -> set:
@@ -376,7 +379,7 @@ def check_resume_config(
             if key != "train.allow_config_change"  # how this start is told, not the run's config
         ]
         log.info(f"config changes since the checkpoint ({where}):\n" + "\n".join(lines))
-    never = [key for key, old, value in breaking if no_resume_carries(key, old, value)]
+    never = [key for key, old, value in breaking if no_resume_carries(key, task, old, value)]
     if never:  # the flag cannot help: said first, not after a rerun with it
         raise ConfigError.alike(
             f"resuming {where.rsplit('/', 1)[0]} with changes no resume can carry: "

@@ -216,7 +216,7 @@ class Trainer:
                 "task": self.task.state_dict(),
                 "rng": rng_state(),
             },
-            meta=self.save_meta,
+            meta={**self.save_meta, **self.data_length()},
             files=self.save_files,
             protect=self.protect(self.checkpointer.complete_steps()),
         )
@@ -249,11 +249,17 @@ class Trainer:
         other_world = meta["world_size"] != self.dist.world_size
         notes = self.load_checkpoint(tag, other_world=other_world)
         if self.train.steps == -1:
-            if self.stream.recounted:  # the rest of the epoch on another split or mix
-                left = self.stream.batches_left() or 0
-                self.total_steps = step + left // self.train.grad_accum
-                self.engine.lr_scheduler.stretch_to(self.total_steps)
-                notes.append(f"the data holds {self.total_steps - step} more step(s) from here")
+            saved_length = meta.get("data_length") or {}
+            accum = self.train.grad_accum
+            if self.stream.recounted or saved_length.get("grad_accum", accum) != accum:
+                # the rest of the epoch, on another split or mix, or in steps of another size
+                length = step + max(0, self.stream.batches_left() or 0) // accum
+                notes.append(f"the data holds {length - step} more step(s) from here")
+            else:  # the run's own length, which an earlier resume may have counted again
+                length = int(saved_length.get("steps", self.total_steps))
+            if length != self.total_steps:
+                self.total_steps = length
+                self.engine.lr_scheduler.stretch_to(length)
             self.check_goal(tag, step)
         lr = self.engine.lr_scheduler.get_last_lr()[0]
         if not math.isclose(lr, self.saved_lr, rel_tol=0.01):
@@ -285,6 +291,14 @@ class Trainer:
                 "over in this one"
             )
         return 0
+
+    def data_length(self) -> dict:
+        """For a checkpoint's meta.json: a run until the data ends (``train.steps=-1``) keeps its
+        length there, as a resume onto another split counted it (a fresh count of the split it was
+        saved on would start the epoch over)."""
+        if self.train.steps != -1:
+            return {}
+        return {"data_length": {"steps": self.total_steps, "grad_accum": self.train.grad_accum}}
 
     def check_goal(self, tag: str, step: int) -> None:
         """Refuse a checkpoint past the run's length; say when the run is complete already."""

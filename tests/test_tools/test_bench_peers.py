@@ -151,3 +151,8 @@ def test_earlyfuse_measured_on_the_peers_transport_delivers_the_same_epoch(bench
     assert 0 < figures["earlyfuse"]["tokens"] == figures["earlyfuse-queue"]["tokens"]
     assert figures["earlyfuse"]["tokens"] <= built["tokens"]
     assert figures["earlyfuse"]["batches"] == figures["earlyfuse-queue"]["batches"]
+    # with two harness workers, each reads its half of the epoch, as two ranks would
+    result = tmp_path / "two.json"
+    settings = ["--seq-len", "256", "--rows", "2", "--workers", "2"]
+    bench.main([*args, *settings, "--measure", "earlyfuse-queue", "--result", str(result)])
+    assert 0 < json.loads(result.read_text())["tokens"] <= built["tokens"]

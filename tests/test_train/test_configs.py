@@ -168,6 +168,8 @@ def test_a_change_no_resume_can_carry_is_refused_as_such_even_when_changes_are_a
             ConfigError, match=rf"no resume can carry: {re.escape(named)} .*run_dir"
         ):
             check_resume_config("task: lm\n" + saved, "task: lm\n" + new, allowed=allowed, **check)
+    # the visual tokenizer's run trains neither the model section nor on data's rows
+    check_resume_config("task: vtok\n" + saved, "task: vtok\n" + new, allowed=True, **check)
     # new weights for the same sources: a resume carries them (with the flag)
     weights = "task: lm\ndata:\n  sources: [{name: a, weight: %s}]\n"
     check_resume_config(weights % 1.0, weights % 2.0, allowed=True, **check)

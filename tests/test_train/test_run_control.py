@@ -245,17 +245,16 @@ def test_a_run_until_the_data_ends_resumed_on_another_split_trains_the_rest_of_t
     for later in (run / "checkpoints").glob("step_*"):
         if later.name != "step_00000002":
             shutil.rmtree(later)
-    p = train(
-        base(
-            tiny_tokens,
-            run,
-            -1,
-            *args,
-            "train.micro_batch=2",
-            "train.allow_config_change=true",
-            sources=scenes,
-        )
+    again = base(
+        tiny_tokens,
+        run,
+        -1,
+        *args,
+        "train.micro_batch=2",
+        "train.allow_config_change=true",
+        sources=scenes,
     )
+    p = train(again)
     out = p.stdout + p.stderr
     assert "the loader's state was redistributed (micro_batch 1 -> 2)" in out
     left = len(whole) - 2  # rows left after step 2, two a step now
@@ -266,6 +265,20 @@ def test_a_run_until_the_data_ends_resumed_on_another_split_trains_the_rest_of_t
     last = max(resumed)
     assert last == 2 + left // 2
     assert resumed[last]["optim/lr"] == pytest.approx(whole[max(whole)]["optim/lr"])  # annealed
+
+    # Its checkpoints keep that length: resumed again, mid-way, it ends as it did; at its end,
+    # it is complete
+    later = tmp_path / "resumed_again"
+    shutil.copytree(run, later)
+    (later / "checkpoints" / "latest").write_text("step_00000004\n")
+    shutil.rmtree(later / "checkpoints" / f"step_{last:08d}")
+    p = train([f"run_dir={later}" if a.startswith("run_dir=") else a for a in again])
+    assert f"steps 4->{last}" in p.stdout + p.stderr
+    for step in range(5, last + 1):
+        assert metrics(later)[step]["train/loss"] == resumed[step]["train/loss"], step
+        assert metrics(later)[step]["optim/lr"] == resumed[step]["optim/lr"], step
+    p = train(again)
+    assert "the run is complete" in p.stdout + p.stderr
 
     # train.resume=false beside that run's checkpoints would mix two runs' checkpoints
     p = train(base(tiny_tokens, run, 4, "train.resume=false"), check=False)

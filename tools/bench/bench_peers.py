@@ -624,8 +624,17 @@ def make_batches(a, name: str, workers: int):
             mode="epoch",
             worker_start=a.worker_start,
         )
-        ours = partial(build_loader, cfg, rank=0, world_size=1, micro_batch=rows)
-        return in_worker(lambda: iter(ours()), workers) if queue else iter(ours())
+        if not queue:
+            return iter(build_loader(cfg, rank=0, world_size=1, micro_batch=rows))
+
+        def one_consumer():  # each harness worker one consumer of the epoch, as a rank is
+            from torch.utils.data import get_worker_info
+
+            info = get_worker_info()
+            rank, size = (info.id, info.num_workers) if info else (0, 1)
+            return iter(build_loader(cfg, rank=rank, world_size=size, micro_batch=rows))
+
+        return in_worker(one_consumer, workers)
     if name == "energon":
         return energon_batches(corpus, workers, seq_len, rows)
     return in_worker(partial(peer_batches, name, corpus, seq_len, rows), workers)
