@@ -207,6 +207,14 @@ def warn(msg: str) -> None:
     print(f"warning: {msg}", file=sys.stderr, flush=True)
 
 
+def universal_load(engine, on: bool) -> None:
+    """Whether the engine's next ``load_checkpoint`` reads a universal checkpoint. DeepSpeed
+    reads ``checkpoint.load_universal`` from its config at every load, and has no setter: a run
+    resumed from a universal checkpoint (the flag set when its engine was built) must load its
+    own later checkpoints, a rollback's, the ordinary way."""
+    engine._config.load_universal_checkpoint = on
+
+
 class Checkpointer:
     def __init__(
         self, run_dir: str | Path, dist: DistInfo, keep_last: int, *, verify_hashes: bool = True
@@ -422,10 +430,18 @@ class Checkpointer:
     def universal(self, tag: str) -> bool:
         return (self.dir / tag / "universal" / "mp_rank_00_model_states.pt").is_file()
 
+    def loadable(self, step: int, zero_stage: int) -> bool:
+        """Whether this world can load the checkpoint of ``step`` (one written by another world
+        size under ZeRO 1-3 only through its universal/ conversion)."""
+        tag = tag_for(step)
+        same = self.meta(tag)["world_size"] == self.dist.world_size
+        return same or zero_stage == 0 or self.universal(tag)
+
     def load_resharded(self, engine, tag: str, zero_stage: int) -> tuple[dict, dict | None]:
         """Load a checkpoint written by another world size: (client state, this rank's own state if
         the old world had this rank, else None)."""
         load_dir, load_tag = (self.dir / tag, "universal") if zero_stage > 0 else (self.dir, tag)
+        universal_load(engine, zero_stage > 0)
         with weights_only_loads(), model_must_fit(load_dir / load_tag):
             path, client = engine.load_checkpoint(
                 str(load_dir),
@@ -458,6 +474,7 @@ class Checkpointer:
 
     def load(self, engine, tag: str) -> tuple[dict, dict]:
         """(client state saved by rank 0, this rank's own state)."""
+        universal_load(engine, False)
         with weights_only_loads(), model_must_fit(self.dir / tag):
             path, client = engine.load_checkpoint(
                 str(self.dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True

@@ -156,7 +156,10 @@ class Trainer:
     # --- acting on decisions ---------------------------------------------------------------------
     def roll_back(self, decision: Decision) -> int:
         self.checkpointer.rewind(decision.to_step)
-        self.load_checkpoint(tag_for(decision.to_step))
+        tag = tag_for(decision.to_step)
+        # the checkpoint the run resumed from on another world size may be the way back
+        other_world = self.checkpointer.meta(tag)["world_size"] != self.dist.world_size
+        self.load_checkpoint(tag, other_world=other_world)
         self.last_saved = decision.to_step
         self.skip_batches = decision.skip_batches
         self.callbacks.on_rollback(self, decision.to_step)

@@ -61,6 +61,38 @@ def test_universal_checkpoint_resumes_a_zero1_run_on_another_world_size(tiny_raw
     assert convert_main(["universal", str(run), "--step", "4"]) == 2  # exists: --force to redo
 
 
+def test_a_run_resumed_from_a_universal_checkpoint_rolls_back_to_its_own_checkpoints(
+    tiny_tokens, tmp_path, capsys
+):
+    """After a ZeRO-1 resume on another world size, a rollback loads one of the run's own later
+    checkpoints the ordinary way (DeepSpeed went on reading universal ones: the load failed)."""
+    run = tmp_path / "run"
+    srcs = ",".join(
+        f"{{name: {s}, shards: [{tiny_tokens / s}], weight: 1.0}}" for s in ("scenes", "text")
+    )
+    args = [
+        "experiment=debug",
+        f"data.sources=[{srcs}]",
+        f"run_dir={run}",
+        "deepspeed.zero_stage=1",
+        "train.ckpt_every=10",
+        "train.keep_last=9",
+        "train.log_every=5",
+        "optim.skip_step.min_steps=20",
+        "optim.schedule=constant",
+        "data.mix_chunk=64",  # every step carries the mix: the fault's spike stands out
+    ]
+    train([*args, "train.steps=30"])
+    assert convert_main(["universal", str(run)]) == 0
+    capsys.readouterr()
+    later = [*args, "train.steps=75", "train.allow_config_change=true"]
+    p = train(later, nproc=2, faults={"lr_x100_at": 60})
+    out = p.stdout + p.stderr
+    assert "resuming step_00000030 of 1 rank(s) on 2 from its universal checkpoint" in out
+    assert "back to the checkpoint of step 50" in out, out[-3000:]
+    assert max(metrics(run)) == 75
+
+
 def test_zero0_lm_run_resumes_on_another_world_size_directly(tiny_tokens, tmp_path, capsys):
     run = tmp_path / "run"
     srcs = ",".join(

@@ -128,13 +128,21 @@ class Rollback(Callback):
             return None
         self.count += 1
         since = alarm.since if alarm.since is not None else alarm.step
-        good = [s for s in trainer.checkpointer.complete_steps() if s <= since - self.cfg.margin]
+        before = [s for s in trainer.checkpointer.complete_steps() if s <= since - self.cfg.margin]
+        # a run resumed on another world size loads its older checkpoints only when converted
+        good = [s for s in before if trainer.checkpointer.loadable(s, trainer.zero_stage)]
         if self.count > self.cfg.max_rollbacks or not good:
             why = (
                 f"{self.cfg.max_rollbacks} rollbacks already"
                 if good
                 else f"no checkpoint from at least {self.cfg.margin} steps before the trouble "
                 f"began (step {since}) to roll back to"
+                + (
+                    f" on this world size ({len(before)} of another, not converted: "
+                    "earlyfuse-convert universal)"
+                    if before
+                    else ""
+                )
             )
             # The alarm was recorded as a rollback: record that it ended the run instead
             self.monitoring.alarm_log.record(  # the console says it in the run's last line
