@@ -35,6 +35,13 @@ def vtok(tiny_raw, run, steps, *extra):
     ]
 
 
+def lm(tiny_tokens, run) -> list[str]:
+    srcs = ",".join(
+        f"{{name: {s}, shards: [{tiny_tokens / s}], weight: 1.0}}" for s in ("scenes", "text")
+    )
+    return ["experiment=debug", f"data.sources=[{srcs}]", f"run_dir={run}"]
+
+
 def test_universal_checkpoint_resumes_a_zero1_run_on_another_world_size(tiny_raw, tmp_path, capsys):
     run = tmp_path / "run"
     train(vtok(tiny_raw, run, 4, "deepspeed.zero_stage=1"), nproc=2)
@@ -67,13 +74,8 @@ def test_a_run_resumed_from_a_universal_checkpoint_rolls_back_to_its_own_checkpo
     """After a ZeRO-1 resume on another world size, a rollback loads one of the run's own later
     checkpoints the ordinary way (DeepSpeed went on reading universal ones: the load failed)."""
     run = tmp_path / "run"
-    srcs = ",".join(
-        f"{{name: {s}, shards: [{tiny_tokens / s}], weight: 1.0}}" for s in ("scenes", "text")
-    )
     args = [
-        "experiment=debug",
-        f"data.sources=[{srcs}]",
-        f"run_dir={run}",
+        *lm(tiny_tokens, run),
         "deepspeed.zero_stage=1",
         "train.ckpt_every=10",
         "train.keep_last=9",
@@ -95,13 +97,8 @@ def test_a_run_resumed_from_a_universal_checkpoint_rolls_back_to_its_own_checkpo
 
 def test_zero0_lm_run_resumes_on_another_world_size_directly(tiny_tokens, tmp_path, capsys):
     run = tmp_path / "run"
-    srcs = ",".join(
-        f"{{name: {s}, shards: [{tiny_tokens / s}], weight: 1.0}}" for s in ("scenes", "text")
-    )
     args = [
-        "experiment=debug",
-        f"data.sources=[{srcs}]",
-        f"run_dir={run}",
+        *lm(tiny_tokens, run),
         "train.micro_batch=2",
         "train.ckpt_every=3",
         "train.log_every=1",
