@@ -97,16 +97,6 @@ def compile_model(model: torch.nn.Module, *, asked: bool) -> bool:
     return True
 
 
-def resuming_universal(checkpointer: Checkpointer, world_size: int) -> bool:
-    """Resuming a ZeRO checkpoint of another world size through its universal/ conversion."""
-    tag = checkpointer.latest() if checkpointer.dir.is_dir() else None
-    return (
-        tag is not None
-        and checkpointer.meta(tag)["world_size"] != world_size
-        and checkpointer.universal(tag)
-    )
-
-
 def build_trainer(
     cfg: RunConfig,
     resolved_yaml: str,
@@ -136,10 +126,6 @@ def build_trainer(
         compiled = compile_model(model, asked=cfg.train.compile == "true")
     run_dir = Path(cfg.run_dir)
     checkpointer = Checkpointer(run_dir, dist, cfg.train.keep_last)
-    if cfg.train.resume and resuming_universal(checkpointer, dist.world_size):
-        # DeepSpeed reads this flag when the engine is built: the ZeRO optimizer then loads the
-        # per-parameter files of checkpoints/step_N/universal/ for this world size.
-        cfg.deepspeed.config = {**cfg.deepspeed.config, "checkpoint": {"load_universal": True}}
     stream = task.batches()
     steps = total_steps(cfg.train, stream)
     flops_per_unit = task.flops_per_unit()  # here: it may build a model (global RNG) before resume

@@ -208,10 +208,11 @@ def warn(msg: str) -> None:
 
 
 def universal_load(engine, on: bool) -> None:
-    """Whether the engine's next ``load_checkpoint`` reads a universal checkpoint. DeepSpeed
-    reads ``checkpoint.load_universal`` from its config at every load, and has no setter: a run
-    resumed from a universal checkpoint (the flag set when its engine was built) must load its
-    own later checkpoints, a rollback's, the ordinary way."""
+    """Whether the engine's next ``load_checkpoint`` reads a universal checkpoint (the ZeRO
+    optimizer then loads the per-parameter files of step_N/universal/ for this world size).
+    DeepSpeed reads ``checkpoint.load_universal`` from its config at every load and has no
+    setter; set per load, a run resumed from a universal checkpoint loads its own later ones, a
+    rollback's, the ordinary way."""
     engine._config.load_universal_checkpoint = on
 
 
