@@ -175,10 +175,10 @@ def config_hyperparameters(engine) -> Iterator[dict[str, float]]:
     changed ``optim.lr`` or ``optim.weight_decay`` on under the old values while its config.yaml
     says the new ones. The checkpoint keeps what is state: moments, step counts, the schedule's
     position and its lr cap. Yields a dict that holds, after the load, the next step's lr as
-    saved (``saved``) and as this config makes it (``now``)."""
+    the checkpoint had it (``saved``)."""
     sched = engine.lr_scheduler
     optimizer = sched.optimizer  # our AdamW, whose groups every DeepSpeed wrapper steps
-    lrs: dict[str, float] = {}  # the next step's lr as saved and as this config has it
+    lrs: dict[str, float] = {}
     config = [
         {key: value for key, value in g.items() if key != "params"} for g in optimizer.param_groups
     ]
@@ -189,7 +189,6 @@ def config_hyperparameters(engine) -> Iterator[dict[str, float]]:
         group.update(values)
     sched.base_lrs = peak
     sched.set_current_lr()
-    lrs["now"] = sched.get_last_lr()[0]
 
 
 def global_grad_norm(engine) -> float:
