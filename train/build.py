@@ -139,6 +139,7 @@ def build_trainer(
         chance=task.chance_levels(),
         probes=task.probes(cfg.monitor, engine),
         warmup_steps=cfg.optim.warmup_steps,
+        heldout_every=cfg.train.eval_every if cfg.data.validation else 0,
     )
     main, train_cfg = dist.is_main, cfg.train
     monitoring = Monitoring(monitor, AlarmLog(run_dir, is_main=main, write_line=log_alarm), rule)

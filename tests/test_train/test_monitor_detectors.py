@@ -118,6 +118,29 @@ def test_drift_fires_on_logz_and_hidden_norm_growth():
     assert sorted((a.signal, a.step) for a in out) == [("hidden_drift", 20), ("logz_drift", 30)]
 
 
+@pytest.mark.parametrize("easier", [0.0, 0.3])
+def test_drift_rate_is_not_judged_across_data_of_another_difficulty(easier):
+    """A stretch of repetitive files (unigram CE 30 % lower: a user's small code corpus) raised
+    the code's final hidden norm from ~2 to ~6 and fired the rate rule on a healthy run; the
+    same growth on data of the same difficulty is norm growth and fires."""
+    detector = Drift(DriftConfig())
+    fired = []
+    for step in range(1, 181):
+        stretch = 140 <= step < 160  # the rate is judged from step 119 (min_steps 50)
+        fired += detector.check(
+            step,
+            {
+                "monitor/logz/code": 0.0,
+                "monitor/hidden_norm/code": 6.0 if stretch else 2.0,
+                "tokens/code": 1500,
+                "unigram/code": 6.5 * (1 - easier) if stretch else 6.5,
+            },
+        )
+    assert [(alarm.signal, alarm.step) for alarm in fired] == (
+        [] if easier else [("hidden_drift", 150)]
+    )
+
+
 def test_monitor_turns_gate_decisions_into_alarms_and_keeps_state():
     mon = Monitor(MonitorConfig(), total_steps=100, chance=LN)
     m = {"train/loss": float("nan"), "optim/grad_norm": float("nan"), "optim/skipped": 1.0}
@@ -517,3 +540,65 @@ def test_stagnation_errors_count_a_documents_chunks_as_one_draw():
     assert alarms(1, 3.0, 0.0)  # files of 1.5-7.5 nats, as if every step were a fresh draw
     assert alarms(StagnationConfig().block_steps, 3.0, 0.0) == []
     assert alarms(StagnationConfig().block_steps, 0.5, 1.0)  # the loss doubles in 100 steps
+
+
+def _stalled_image_run(detector, *, image_heldout, steps: int = 60, every: int = 20) -> list:
+    """The image training loss rises from step 1 while text falls (the rule fires at step 24 on
+    the training losses); every ``every`` steps an evaluation logs ``val/loss/text`` (falling
+    1 % a step) and ``val/loss/image`` (``image_heldout(step)``)."""
+    fired = []
+    for step in range(1, steps + 1):
+        metrics = step_metrics(5.0 - 0.05 * step, 3.0 + 0.01 * step)
+        if step % every == 0:
+            metrics.update(
+                {"val/loss/text": 5.0 * 0.99**step, "val/loss/image": image_heldout(step)}
+            )
+        fired += detector.check(step, metrics)
+    return fired
+
+
+def test_stagnation_waits_for_the_held_out_losses_and_raises_only_a_stall_they_confirm():
+    """In a run that evaluates held-out data the training losses' alarm waits for the next
+    evaluation: raised when the modality's held-out loss stalls behind the others' too, logged
+    (not raised) when it falls: the training loss followed its files, or the others' fall was a
+    source learnt by heart. With no evaluation before the trouble, the first after it is the
+    reference."""
+    cfg = StagnationConfig(window=10, min_steps=0, patience=5)
+    now = _stalled_image_run(Stagnation(cfg), image_heldout=lambda s: 3.0)
+    assert [(a.step, a.action) for a in now] == [(24, "warn")]  # no held-out data: as it was
+    assert "train.eval_every > 0" in now[0].advice
+
+    stalled = _stalled_image_run(Stagnation(cfg, heldout_every=20), image_heldout=lambda s: 3.0)
+    # the trouble began at 9 (24 - window - patience), before any evaluation: the first after
+    # it (20) is the reference and 40 judges: image flat, text down 18 %
+    assert [(a.step, a.action, a.since) for a in stalled] == [(40, "warn", 9)]
+    assert "val/loss/image +0.0% from step 20 to 40" in stalled[0].message
+    assert stalled[0].values["heldout_others_change"] == pytest.approx(0.99**20 - 1)
+    assert "confirm" in stalled[0].cause and "raise its weight" in stalled[0].advice
+
+    learning = _stalled_image_run(
+        Stagnation(cfg, heldout_every=20), image_heldout=lambda s: 3.0 * 0.995**s
+    )
+    assert [(a.step, a.action) for a in learning] == [(40, "log")]
+    assert learning[0].message.startswith("not raised: image loss rose")
+    assert "-9.5% from step 20 to 40" in learning[0].message
+
+
+def test_stagnation_judges_a_waiting_alarm_at_the_end_and_keeps_it_across_a_resume():
+    """An evaluation before the trouble is the reference; the run's last evaluation (final.json,
+    ``finish``) judges what still waits, and a resume in between carries the waiting alarm."""
+    cfg = StagnationConfig(window=10, min_steps=0, patience=5)
+    first = Stagnation(cfg, heldout_every=8)
+    fired = _stalled_image_run(first, image_heldout=lambda s: 3.0, steps=30, every=8)
+    assert fired == [] and first.pending["image"]["base"][0] == 8  # the trouble began at 9
+    resumed = Stagnation(cfg, heldout_every=8)
+    resumed.load_state_dict(copy.deepcopy(first.state_dict()))
+    final = {"val/loss/text": 4.0, "val/loss/image": 3.0}
+    (alarm,) = resumed.finish(30, final)
+    assert (alarm.step, alarm.action, alarm.values["heldout_from"]) == (30, "warn", 8)
+
+    # No evaluation between the reference and the end: raised as the training losses found it
+    late = Stagnation(cfg, heldout_every=100)
+    assert _stalled_image_run(late, image_heldout=lambda s: 3.0, steps=30, every=100) == []
+    (alarm,) = late.finish(30, {})
+    assert alarm.action == "warn" and "no held-out evaluation came" in alarm.advice

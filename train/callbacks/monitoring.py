@@ -66,6 +66,10 @@ class Monitoring(Callback):
             f"{alarm.message}",
         )
 
+    def post_train(self, trainer: Trainer, step: int, final: dict) -> None:
+        # the evaluation at the end (in ``final`` by now) judges the alarms that wait for one
+        self.alarm_log.record(self.monitor.finish(step, final))
+
     def healthy(self) -> bool:
         """No step skipped in the divergence window: a checkpoint now is one to return to."""
         return self.monitor.healthy()

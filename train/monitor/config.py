@@ -128,10 +128,13 @@ class StagnationConfig(Detector):
     apart (errors over blocks of ``block_steps`` consecutive steps), each window holding at least ``min_tokens`` tokens of the modality in at least
     ``min_presence`` of its steps and from at least ``min_docs`` documents, its data's unigram CE
     within ``max_data_shift`` of the window before, for ``patience`` steps in a row (structure
-    markers excluded)."""
+    markers excluded). A run that evaluates held-out data (``data.validation``,
+    ``train.eval_every`` > 0) has it confirmed there: the modality's held-out loss fell by less
+    than ``heldout_drop`` (relative) between the evaluation before the trouble and the next one,
+    and lagged the others' by more; if not, it is logged, not raised."""
 
     POSITIVE: ClassVar = ("window", "patience", "block_steps")
-    FRACTIONS: ClassVar = ("min_presence", "starve_ratio")
+    FRACTIONS: ClassVar = ("min_presence", "starve_ratio", "heldout_drop")
     SIGNED: ClassVar = ("min_drop",)
 
     window: int = 50
@@ -157,6 +160,11 @@ class StagnationConfig(Detector):
     # over earlier windows (sampled once a window; shares under 5 % are not watched), for half
     # the patience, the modality present in at least min_presence of the window's steps
     starve_ratio: float = 0.5
+    # confirmation on the held-out losses (val/loss/<m>), when the run evaluates them: the
+    # training losses also move with which files fill a window, and the others' fall can be a
+    # small source learnt by heart; a held-out loss on the same documents each time moves with
+    # the model only
+    heldout_drop: float = 0.01
 
 
 @dataclass(kw_only=True)
@@ -164,8 +172,8 @@ class DriftConfig(Detector):
     """log Z of a modality beyond +-``logz_abs``, or its final hidden norm ``hidden_growth`` x its
     value over the first ``window`` steps from ``min_steps`` (or the lr warmup's end, if later),
     or its token-weighted mean over the last ``window`` steps ``growth_rate`` x its mean
-    ``rate_span`` steps before (0: off; each window holding ``min_tokens`` of the modality):
-    norm growth (Chameleon)."""
+    ``rate_span`` steps before (0: off; each window holding ``min_tokens`` of the modality, the
+    unigram CE of their tokens within ``max_data_shift`` of each other): norm growth (Chameleon)."""
 
     POSITIVE: ClassVar = ("window", "logz_abs", "hidden_growth")
 
@@ -177,6 +185,9 @@ class DriftConfig(Detector):
     # the rate compares windows with at least this many tokens of the modality: the mean hidden
     # norm of a token or two a step swings by itself
     min_tokens: int = 256
+    # and whose tokens' unigram CE (the data's difficulty) is within this fraction of each
+    # other's (0: off): the norm follows the data too
+    max_data_shift: float = 0.1
 
 
 @dataclass(kw_only=True)

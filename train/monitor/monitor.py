@@ -75,8 +75,10 @@ class Monitor:
         chance: dict[str, float] | None = None,
         probes=None,
         warmup_steps: int = 0,
+        heldout_every: int = 0,
     ) -> None:
         self.cfg, self.total = cfg, total_steps
+        self.heldout_every = heldout_every  # train.eval_every of a run with held-out data, else 0
         self.divergence = Divergence(cfg.divergence)
         self.detectors: dict[str, Divergence | Collapse | Stagnation | Drift | DataCodeUse] = {
             "divergence": self.divergence
@@ -84,7 +86,7 @@ class Monitor:
         if chance:  # the LM task: per-modality losses exist
             self.detectors.update(
                 collapse=Collapse(cfg.collapse, chance),
-                stagnation=Stagnation(cfg.stagnation),
+                stagnation=Stagnation(cfg.stagnation, heldout_every),
                 drift=Drift(cfg.drift, warmup_steps),
                 code_use=DataCodeUse(cfg.code_use),
             )
@@ -106,6 +108,15 @@ class Monitor:
         if self.probes is not None:
             alarms += self._probe(step, m)
         return alarms
+
+    def finish(self, step: int, final: dict) -> list[Alarm]:
+        """The run ended at ``step``: the alarms waiting for a held-out evaluation are judged on
+        its last one (``final``: final.json's metrics) or raised without it."""
+        stagnation = self.detectors.get("stagnation")
+        if not (self.cfg.enabled and self.cfg.stagnation.enabled and stagnation):
+            return []
+        assert isinstance(stagnation, Stagnation)
+        return stagnation.finish(step, final)
 
     def _spikes(self, step: int, metrics: dict, last: dict) -> list[Alarm]:
         metrics["monitor/loss_spike_score"] = _finite(last.get("loss_score", 0.0))
@@ -348,7 +359,8 @@ class Monitor:
         self.divergence.reset_levels()
         if "stagnation" in self.detectors:
             self.detectors.update(
-                stagnation=Stagnation(self.cfg.stagnation), code_use=DataCodeUse(self.cfg.code_use)
+                stagnation=Stagnation(self.cfg.stagnation, self.heldout_every),
+                code_use=DataCodeUse(self.cfg.code_use),
             )
 
     def state_dict(self) -> dict:

@@ -15,7 +15,10 @@ class Drift:
     own early value, or fast (its token-weighted mean over the last ``window`` steps
     ``growth_rate`` x its mean ``rate_span`` steps before). Chameleon's norm growth precedes
     divergence in mixed-modal runs; the rate catches it at any point of a long run, where the
-    early value is long gone."""
+    early value is long gone. The hidden norm also moves with the data (a stretch of
+    repetitive files raises a modality's norm two- or threefold), so the rate is not judged
+    when the two windows' tokens differ in difficulty (their unigram CE, ``unigram/<m>``) by
+    more than ``max_data_shift``."""
 
     def __init__(self, cfg: DriftConfig, warmup_steps: int = 0) -> None:
         self.cfg = cfg
@@ -23,8 +26,8 @@ class Drift:
         # take their early value, and count their steps, from the warmup's end or min_steps.
         self.start = max(cfg.min_steps, warmup_steps)
         self.ref: dict[str, list[float]] = {}  # modality -> [sum, count] of the reference window
-        # modality -> (step, hidden norm, tokens) of the steps that held it, the last
-        # rate_span + window
+        # modality -> (step, hidden norm, tokens, unigram CE of the tokens; 0: not counted) of
+        # the steps that held it, the last rate_span + window
         self.recent: dict[str, deque] = defaultdict(deque)
         self.latch = _Latch()
 
@@ -37,15 +40,19 @@ class Drift:
         span, window = self.cfg.rate_span, self.cfg.window
         if step - span - window + 1 < self.start:
             return None
-        means = []
+        means, data = [], []
         for part in (
-            [(norm, count) for at, norm, count in norms if at <= step - span],
-            [(norm, count) for at, norm, count in norms if at > step - window],
+            [entry for entry in norms if entry[0] <= step - span],
+            [entry for entry in norms if entry[0] > step - window],
         ):
-            tokens = sum(count for _, count in part)
+            tokens = sum(count for _, _, count, _ in part)
             if tokens < max(1, self.cfg.min_tokens):
                 return None
-            means.append(sum(norm * count for norm, count in part) / tokens)
+            means.append(sum(norm * count for _, norm, count, _ in part) / tokens)
+            data.append(sum(unigram * count for _, _, count, unigram in part) / tokens)
+        shift = self.cfg.max_data_shift
+        if shift and all(data) and abs(data[1] / data[0] - 1) > shift:
+            return None  # other data, not the same data's norm growing
         return means[1] / means[0] if means[0] > 0 else None
 
     def check(self, step: int, metrics: dict) -> list[Alarm]:
@@ -66,7 +73,10 @@ class Drift:
             metrics[f"monitor/hidden_growth/{name}"] = growth
             if step >= self.start:  # the early steps' fast growth is training, not drift
                 norms = self.recent[name]
-                norms.append((step, hidden_norm, float(metrics.get(f"tokens/{name}", 1.0))))
+                tokens = float(metrics.get(f"tokens/{name}", 1.0))
+                norms.append(
+                    (step, hidden_norm, tokens, float(metrics.get(f"unigram/{name}", 0.0)))
+                )
                 while norms[0][0] <= step - self.cfg.rate_span - self.cfg.window:
                     norms.popleft()
             found = self.rate(name, step)
@@ -133,5 +143,7 @@ class Drift:
     def load_state_dict(self, st: dict) -> None:
         self.ref = {name: list(norms) for name, norms in st["ref"].items()}
         for name, norms in st["recent"].items():
-            self.recent[name] = deque((int(at), float(norm), float(n)) for at, norm, n in norms)
+            self.recent[name] = deque(
+                (int(at), float(norm), float(n), float(unigram)) for at, norm, n, unigram in norms
+            )
         self.latch.load_state_dict(st["latch"])

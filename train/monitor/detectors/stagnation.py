@@ -27,12 +27,26 @@ class Stagnation:
     difficulty, and no spread of its steps measures that. Nor is it judged when the modality's
     data changed difficulty between the windows (the unigram CE of its tokens, ``unigram/<m>``,
     moved by more than ``max_data_shift``), nor until two windows have passed since it did: the
-    loss then follows the data."""
+    loss then follows the data.
+
+    The training losses cannot tell all of that from a stall: a stretch of easy files lowers the
+    window before, and a small source repeated many times keeps the others' training loss
+    falling while it is learnt by heart. In a run that evaluates held-out data every
+    ``heldout_every`` steps, an alarm therefore waits for the next evaluation and is raised only
+    if the modality's held-out loss fell by less than ``heldout_drop`` since the evaluation
+    before the trouble began (with none that early, the first after) and lagged the others' by
+    more; otherwise it is logged (action ``log``) with the held-out figures."""
 
     SKIP = ("structure",)
 
-    def __init__(self, cfg: StagnationConfig) -> None:
+    def __init__(self, cfg: StagnationConfig, heldout_every: int = 0) -> None:
         self.cfg = cfg
+        self.heldout_every = heldout_every  # train.eval_every of a run with held-out data, else 0
+        # The held-out losses of recent evaluations, (step, {modality: loss}): the newest one
+        # from before any trouble that can still begin, and those after it.
+        self.heldout: list[tuple[int, dict[str, float]]] = []
+        # modality -> an alarm the training losses raised, waiting for the held-out losses
+        self.pending: dict[str, dict] = {}
         self.win = ModalityWindows(cfg.window)
         self.data = ModalityWindows(cfg.window, key="unigram/")  # the data's own difficulty
         self.moved: dict[str, int] = {}  # modality -> the last step its data's difficulty moved
@@ -179,7 +193,7 @@ class Stagnation:
         self._note_moves(step)
         self._add_docs(metrics)
         changes = self._changes(step, metrics)
-        out = self._starved(step, metrics)
+        out = self._starved(step, metrics) + self._add_heldout(step, metrics)
         for name in MODALITY_NAMES:
             if name not in changes:  # not judged this step: the steps in a row start again
                 self.streak[name] = 0
@@ -209,36 +223,195 @@ class Stagnation:
             self.streak[name] = self.streak.get(name, 0) + 1 if cond else 0
             since = step - cfg.window - cfg.patience
             if self.latch.edge(name, self.streak[name] >= cfg.patience, since):
-                word = "rose" if change > 0 else "stalled"
-                out.append(
-                    Alarm(
-                        step,
-                        "stagnation",
-                        cfg.action,
-                        modality=name,
-                        since=since,
-                        values={
-                            "change": change,
-                            "others_change": others_change,
-                            "z": gap / max(math.hypot(std_err, others_se), 1e-12),
-                        },
-                        message=f"{name} loss {word} ({change:+.1%} over {cfg.window} steps, "
-                        f"for its data's difficulty, for {cfg.patience} steps running) while the "
-                        f"other modalities fell {-others_change:.1%}",
-                        threshold=f"change >= {-cfg.min_drop:+.0%} while the others fall >= "
-                        f"{cfg.others_drop:.0%}, {cfg.z:g} standard errors apart, for {cfg.patience} steps",
-                        cause=f"{name} is losing the competition for the model's capacity or is "
-                        f"starved of tokens (tokens/{name}, mix/<source>), or its data changed; "
-                        "on a small corpus the others' fall can be a small source memorised "
-                        "(repeated many times: its training loss falls, its held-out loss not)",
-                        advice=f"compare val/loss/{name} with the other modalities' held-out "
-                        "losses at the next evaluation: if it falls as theirs do, the training "
-                        f"loss followed its files; if not, check the delivered mix (mix/<source>, "
-                        f"tokens/{name}) against the weights, then raise its weight or the model's "
-                        "capacity",
-                    )
-                )
+                found = {
+                    "step": step,
+                    "since": since,
+                    "change": change,
+                    "others_change": others_change,
+                    "z": gap / max(math.hypot(std_err, others_se), 1e-12),
+                    "others": {other: float(stats[2]) for other, stats in others.items()},
+                }
+                out += self._raise(name, found)
         return out
+
+    # --- confirmation on the held-out losses ------------------------------------------------------
+    def _raise(self, name: str, found: dict) -> list[Alarm]:
+        """An alarm now, or one that waits for the held-out losses of the next evaluation."""
+        if not self.heldout_every:
+            return [
+                self._alarm(
+                    found["step"],
+                    name,
+                    found,
+                    why="the rule checks the held-out losses itself in a run with "
+                    "data.validation and train.eval_every > 0",
+                )
+            ]
+        # The reference: the newest evaluation from before the trouble began, else the first
+        # since, else (None) the next one
+        before = [evaluation for evaluation in self.heldout if evaluation[0] <= found["since"]]
+        base = before[-1] if before else self.heldout[0] if self.heldout else None
+        found["base"] = list(base) if base else None
+        self.pending.setdefault(name, found)  # the first stands until judged
+        return []
+
+    def _add_heldout(self, step: int, metrics: dict) -> list[Alarm]:
+        """Takes an evaluation's held-out losses (``val/loss/<m>``, in the metrics of its step)
+        and judges the alarms waiting for them."""
+        losses = {
+            name: float(metrics[f"val/loss/{name}"])
+            for name in MODALITY_NAMES
+            if f"val/loss/{name}" in metrics
+        }
+        if not losses:
+            return []
+        out = []
+        for name, found in list(self.pending.items()):
+            if found["base"] is None:
+                found["base"] = [step, losses]
+                continue
+            del self.pending[name]
+            out.append(self._judged(step, name, found, losses))
+        self.heldout.append((step, losses))
+        # a trouble beginning from now on begins after this horizon: older evaluations, but the
+        # newest of them, can no longer be anyone's reference
+        horizon = step - self.cfg.window - self.cfg.patience
+        while len(self.heldout) > 1 and self.heldout[1][0] <= horizon:
+            self.heldout.pop(0)
+        return out
+
+    def _judged(self, step: int, name: str, found: dict, losses: dict[str, float]) -> Alarm:
+        base_step, base = found["base"]
+
+        def change(modality: str) -> float | None:
+            if modality in losses and base.get(modality, 0) > 0:
+                return losses[modality] / base[modality] - 1
+            return None
+
+        own = change(name)
+        others = {
+            other: (change(other), tokens)
+            for other, tokens in found["others"].items()
+            if change(other) is not None
+        }
+        weight = sum(tokens for _, tokens in others.values())
+        if own is None or not weight:
+            return self._alarm(
+                step,
+                name,
+                found,
+                why=f"the held-out data has no {name}" if own is None else "no other modality",
+            )
+        others_change = sum(ratio * tokens for ratio, tokens in others.values()) / weight
+        held = (own, others_change, base_step)
+        drop = self.cfg.heldout_drop
+        return self._alarm(
+            step, name, found, held=held, stalled=own > -drop and own - others_change > drop
+        )
+
+    def finish(self, step: int, final: dict) -> list[Alarm]:
+        """The run's end: its last evaluation (``final``, the metrics of final.json) judges what
+        waits for it; what still waits had no evaluation after its reference and is raised as
+        the training losses found it."""
+        out = self._add_heldout(step, final)
+        out += [
+            self._alarm(
+                step,
+                name,
+                found,
+                why="no held-out evaluation came between the trouble and the end of the run",
+            )
+            for name, found in self.pending.items()
+        ]
+        self.pending.clear()
+        return out
+
+    def _alarm(
+        self,
+        step: int,
+        name: str,
+        found: dict,
+        *,
+        held: tuple[float, float, int] | None = None,
+        stalled: bool = True,
+        why: str = "",
+    ) -> Alarm:
+        """The alarm for ``found`` (the training losses' evidence), judged on the held-out
+        losses (``held``: the modality's relative change, the others', the reference step) or,
+        without them, for ``why``."""
+        cfg = self.cfg
+        change, others_change = found["change"], found["others_change"]
+        word = "rose" if change > 0 else "stalled"
+        values = {"change": change, "others_change": others_change, "z": found["z"]}
+        message = (
+            f"{name} loss {word} ({change:+.1%} over {cfg.window} steps, for its data's "
+            f"difficulty, for {cfg.patience} steps running) while the other modalities fell "
+            f"{-others_change:.1%}"
+        )
+        threshold = (
+            f"change >= {-cfg.min_drop:+.0%} while the others fall >= {cfg.others_drop:.0%}, "
+            f"{cfg.z:g} standard errors apart, for {cfg.patience} steps"
+        )
+        if held is not None:
+            own, others, base_step = held
+            values.update(heldout_change=own, heldout_others_change=others, heldout_from=base_step)
+            message += (
+                f"; held out, val/loss/{name} {own:+.1%} from step {base_step} to {step}, the "
+                f"others' {others:+.1%}"
+            )
+            threshold += (
+                f"; on held-out data, fell < {cfg.heldout_drop:.0%} and lagged the others' by "
+                f"> {cfg.heldout_drop:.0%} (heldout_drop)"
+            )
+        if held is not None and not stalled:
+            return Alarm(
+                step,
+                "stagnation",
+                "log",  # recorded in alarms.jsonl, not raised
+                modality=name,
+                since=found["since"],
+                values=values,
+                message=f"not raised: {message}",
+                threshold=threshold,
+                cause=f"the held-out {name} loss did not stall behind the others': the training "
+                "loss followed which documents filled its windows, or the others' fall was a "
+                "small source learnt by heart",
+                advice="nothing for this modality",
+            )
+        if held is not None:
+            cause = (
+                f"{name} is losing the competition for the model's capacity or is starved of "
+                f"tokens (tokens/{name}, mix/<source>); the held-out losses confirm it"
+            )
+            advice = (
+                f"check the delivered mix (mix/<source>, tokens/{name}) against the weights, "
+                "then raise its weight or the model's capacity"
+            )
+        else:
+            cause = (
+                f"{name} is losing the competition for the model's capacity or is starved of "
+                f"tokens (tokens/{name}, mix/<source>), or its data changed; on a small corpus "
+                "the others' fall can be a small source memorised (repeated many times: its "
+                "training loss falls, its held-out loss not)"
+            )
+            advice = (
+                f"compare val/loss/{name} with the other modalities' held-out losses: if it "
+                "falls as theirs do, the training loss followed its files; if not, check the "
+                f"delivered mix (mix/<source>, tokens/{name}) against the weights, then raise "
+                f"its weight or the model's capacity ({why})"
+            )
+        return Alarm(
+            step,
+            "stagnation",
+            cfg.action,
+            modality=name,
+            since=found["since"],
+            values=values,
+            message=message,
+            threshold=threshold,
+            cause=cause,
+            advice=advice,
+        )
 
     def state_dict(self) -> dict:
         return {
@@ -249,6 +422,8 @@ class Stagnation:
             "share_best": self.share_best,
             "latch": self.latch.state_dict(),
             "docs": {name: list(counts) for name, counts in self.docs.items()},
+            "heldout": [[step, dict(losses)] for step, losses in self.heldout],
+            "pending": {name: dict(found) for name, found in self.pending.items()},
         }
 
     def load_state_dict(self, st: dict) -> None:
@@ -260,3 +435,5 @@ class Stagnation:
         self.latch.load_state_dict(st["latch"])
         for name, counts in st["docs"].items():
             self.docs[name] = deque(counts, maxlen=2 * self.cfg.window)
+        self.heldout = [(int(step), dict(losses)) for step, losses in st["heldout"]]
+        self.pending = {name: dict(found) for name, found in st["pending"].items()}
