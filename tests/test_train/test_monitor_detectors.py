@@ -586,19 +586,82 @@ def test_stagnation_waits_for_the_held_out_losses_and_raises_only_a_stall_they_c
 
 def test_stagnation_judges_a_waiting_alarm_at_the_end_and_keeps_it_across_a_resume():
     """An evaluation before the trouble is the reference; the run's last evaluation (final.json,
-    ``finish``) judges what still waits, and a resume in between carries the waiting alarm."""
+    ``finish``) judges what still waits, and a resume in between carries the waiting alarm. An
+    alarm raised at an evaluation's step is judged on it at once."""
     cfg = StagnationConfig(window=10, min_steps=0, patience=5)
-    first = Stagnation(cfg, heldout_every=8)
-    fired = _stalled_image_run(first, image_heldout=lambda s: 3.0, steps=30, every=8)
-    assert fired == [] and first.pending["image"]["base"][0] == 8  # the trouble began at 9
-    resumed = Stagnation(cfg, heldout_every=8)
+    first = Stagnation(cfg, heldout_every=7)
+    fired = _stalled_image_run(first, image_heldout=lambda s: 3.0, steps=27, every=7)
+    assert fired == [] and first.pending["image"]["base"][0] == 7  # the trouble began at 9
+    resumed = Stagnation(cfg, heldout_every=7)
     resumed.load_state_dict(copy.deepcopy(first.state_dict()))
     final = {"val/loss/text": 4.0, "val/loss/image": 3.0}
-    (alarm,) = resumed.finish(30, final)
-    assert (alarm.step, alarm.action, alarm.values["heldout_from"]) == (30, "warn", 8)
+    (alarm,) = resumed.finish(27, final)
+    assert (alarm.step, alarm.action, alarm.values["heldout_from"]) == (27, "warn", 7)
 
-    # No evaluation between the reference and the end: raised as the training losses found it
-    late = Stagnation(cfg, heldout_every=100)
-    assert _stalled_image_run(late, image_heldout=lambda s: 3.0, steps=30, every=100) == []
-    (alarm,) = late.finish(30, {})
-    assert alarm.action == "warn" and "no held-out evaluation came" in alarm.advice
+    now = _stalled_image_run(
+        Stagnation(cfg, heldout_every=8), image_heldout=lambda s: 3.0, steps=24, every=8
+    )
+    assert [(a.step, a.action, a.values["heldout_from"]) for a in now] == [(24, "warn", 8)]
+
+    # No evaluation between the reference and the end (the last one is the reference, or the
+    # data ended on an evaluation's step and final.json repeats it): raised as found
+    for every, final in ((100, {"val/loss/text": 4.0, "val/loss/image": 3.0}), (26, {})):
+        late = Stagnation(cfg, heldout_every=every)
+        fired = _stalled_image_run(late, image_heldout=lambda s: 3.0, steps=26, every=every)
+        assert fired == []
+        again = {"val/loss/text": 5.0 * 0.99**26, "val/loss/image": 3.0} if every == 26 else final
+        (alarm,) = late.finish(26, again)
+        assert alarm.action == "warn" and "no held-out evaluation came" in alarm.advice
+
+
+def test_stagnation_not_confirmed_is_judged_again_while_it_lasts():
+    """Held-out image loss falling at first (logged, not raised), then flat while the training
+    losses still say it stalls: raised at the first evaluation that shows it, once."""
+    cfg = StagnationConfig(window=10, min_steps=0, patience=5)
+    fired = _stalled_image_run(
+        Stagnation(cfg, heldout_every=20),
+        image_heldout=lambda s: 3.0 * 0.99 ** min(s, 40),
+        steps=120,
+    )
+    assert [(a.step, a.action) for a in fired] == [(40, "log"), (60, "warn")]
+    assert fired[1].values["heldout_from"] == 40
+
+
+def test_monitor_keeps_waiting_alarms_over_a_mix_change_and_says_them_before_going_back():
+    """A waiting alarm stays through a change of the mix (the held-out data is the same), is said when the run rolls back or halts over the
+    steps it waited in, and a halt judged at the run's end is said as a warning."""
+    cfg = MonitorConfig(stagnation=StagnationConfig(window=10, min_steps=0, patience=5))
+    monitor = Monitor(cfg, total_steps=100, chance=LN, heldout_every=20)
+    stagnation = monitor.detectors["stagnation"]
+    fired = _stalled_image_run(stagnation, image_heldout=lambda s: 3.0, steps=30)
+    assert fired == []
+    monitor.restart_data_references()
+    assert list(monitor.detectors["stagnation"].pending) == ["image"]
+    (alarm,) = monitor.flush(30, "the run goes back")
+    assert alarm.action == "warn" and "the run goes back" in alarm.advice
+    assert monitor.detectors["stagnation"].pending == {}
+
+    halting = MonitorConfig(
+        stagnation=StagnationConfig(window=10, min_steps=0, patience=5, action="halt")
+    )
+    monitor = Monitor(halting, total_steps=30, chance=LN, heldout_every=20)
+    _stalled_image_run(monitor.detectors["stagnation"], image_heldout=lambda s: 3.0, steps=30)
+    (alarm,) = monitor.finish(30, {"val/loss/text": 1.0, "val/loss/image": 3.0})
+    assert alarm.action == "warn" and alarm.values["heldout_from"] == 20
+
+
+def test_drift_keeps_an_open_alarm_open_while_the_data_differs():
+    """Norm growth that goes on through a stretch of easier data is one alarm, not two."""
+    detector = Drift(DriftConfig())
+    fired = []
+    for step in range(1, 226):  # the norm x2 in 45 steps: the rate fires, not the x8 rule
+        fired += detector.check(
+            step,
+            {
+                "monitor/logz/code": 0.0,
+                "monitor/hidden_norm/code": 2.0 * 1.016 ** max(0, step - 100),
+                "tokens/code": 1500,
+                "unigram/code": 4.5 if 180 <= step < 200 else 6.5,
+            },
+        )
+    assert [alarm.signal for alarm in fired] == ["hidden_drift"]

@@ -52,6 +52,11 @@ class Monitoring(Callback):
         self.alarms = self.monitor.check(step, record.metrics, self.rule.last)
         if any(alarm.action == "rollback" for alarm in self.alarms):
             self.reached = self.monitor.reached()
+        if any(alarm.action in ("rollback", "halt") for alarm in self.alarms):
+            # the steps an alarm waited in for the held-out losses are abandoned: said now
+            self.alarms += self.monitor.flush(
+                step, "the run goes back or stops before the next evaluation"
+            )
         self.alarm_log.record(self.alarms)
         record.metrics["monitor/alarms"] = float(self.alarm_log.count)
         # The detectors and any probe of this step.

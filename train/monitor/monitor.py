@@ -112,11 +112,28 @@ class Monitor:
     def finish(self, step: int, final: dict) -> list[Alarm]:
         """The run ended at ``step``: the alarms waiting for a held-out evaluation are judged on
         its last one (``final``: final.json's metrics) or raised without it."""
-        stagnation = self.detectors.get("stagnation")
-        if not (self.cfg.enabled and self.cfg.stagnation.enabled and stagnation):
+        stagnation = self._stagnation()
+        if stagnation is None:
             return []
-        assert isinstance(stagnation, Stagnation)
-        return stagnation.finish(step, final)
+        # nothing is left to roll back or halt: what the alarm would have done is said instead
+        return [
+            dataclasses.replace(alarm, action="warn")
+            if SEVERITY[alarm.action] > SEVERITY["warn"]
+            else alarm
+            for alarm in stagnation.finish(step, final)
+        ]
+
+    def flush(self, step: int, why: str) -> list[Alarm]:
+        """The alarms waiting for a held-out evaluation, raised now: the run is about to go
+        back over the steps they waited in (a rollback), or to stop (a halt)."""
+        stagnation = self._stagnation()
+        return stagnation.flush(step, why) if stagnation is not None else []
+
+    def _stagnation(self) -> Stagnation | None:
+        stagnation = self.detectors.get("stagnation")
+        if not (self.cfg.enabled and self.cfg.stagnation.enabled):
+            return None
+        return stagnation if isinstance(stagnation, Stagnation) else None
 
     def _spikes(self, step: int, metrics: dict, last: dict) -> list[Alarm]:
         metrics["monitor/loss_spike_score"] = _finite(last.get("loss_score", 0.0))
@@ -331,6 +348,9 @@ class Monitor:
         found = [
             since_step for det in self.detectors.values() for since_step in det.latch.open_since()
         ]
+        stagnation = self.detectors.get("stagnation")
+        if isinstance(stagnation, Stagnation):  # an alarm still waiting for the held-out losses
+            found += [waiting["since"] for waiting in stagnation.pending.values()]
         found += list(self.probe_since.values())
         skipped = [since_step for since_step, bad in self.divergence.skipped if bad]
         if skipped:
@@ -357,11 +377,13 @@ class Monitor:
         mix): the new mix's levels are no rise, no stagnation and no starvation. The collapse
         (against chance) and drift (hidden norms) detectors go on."""
         self.divergence.reset_levels()
-        if "stagnation" in self.detectors:
-            self.detectors.update(
-                stagnation=Stagnation(self.cfg.stagnation, self.heldout_every),
-                code_use=DataCodeUse(self.cfg.code_use),
-            )
+        old = self.detectors.get("stagnation")
+        if isinstance(old, Stagnation):
+            stagnation = Stagnation(self.cfg.stagnation, self.heldout_every)
+            # the held-out data is the same: its evaluations, and the alarms waiting for the
+            # next one, stay
+            stagnation.heldout, stagnation.pending = old.heldout, old.pending
+            self.detectors.update(stagnation=stagnation, code_use=DataCodeUse(self.cfg.code_use))
 
     def state_dict(self) -> dict:
         return {

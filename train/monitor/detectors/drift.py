@@ -30,6 +30,7 @@ class Drift:
         # the steps that held it, the last rate_span + window
         self.recent: dict[str, deque] = defaultdict(deque)
         self.latch = _Latch()
+        self.shifted: set[str] = set()  # the modalities whose rate the data's shift leaves unjudged
 
     def rate(self, name: str, step: int) -> float | None:
         """Mean hidden norm over the last ``window`` optimizer steps over that of the ``window``
@@ -51,7 +52,9 @@ class Drift:
             means.append(sum(norm * count for _, norm, count, _ in part) / tokens)
             data.append(sum(unigram * count for _, _, count, unigram in part) / tokens)
         shift = self.cfg.max_data_shift
+        self.shifted.discard(name)
         if shift and all(data) and abs(data[1] / data[0] - 1) > shift:
+            self.shifted.add(name)
             return None  # other data, not the same data's norm growing
         return means[1] / means[0] if means[0] > 0 else None
 
@@ -99,7 +102,10 @@ class Drift:
                 ),
                 (
                     "hidden",
-                    growth > hn_limit or (self.cfg.growth_rate > 0 and rate > rate_limit),
+                    growth > hn_limit
+                    or (self.cfg.growth_rate > 0 and rate > rate_limit)
+                    # unjudged while the data differs: an open alarm stays open, not raised again
+                    or (keep["hidden"] and name in self.shifted),
                     {"hidden_norm": hidden_norm, "growth": growth, "rate": rate},
                     f"final hidden norm of {name} is {hidden_norm:.4g}, {growth:.1f}x its value over its "
                     f"first {self.cfg.window} steps from step {self.start}"

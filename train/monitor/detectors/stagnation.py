@@ -10,6 +10,27 @@ from train.monitor.alarms import Alarm
 from train.monitor.config import StagnationConfig
 from train.monitor.detectors.common import ModalityWindows, _Latch
 
+COMPLETE = "complete"  # beside a held-out evaluation's losses: whether it covered every batch
+NO_HELDOUT = "the rule checks them itself in a run with data.validation and train.eval_every > 0"
+
+
+def _change(losses: dict[str, float], base: dict[str, float], name: str) -> float | None:
+    """The relative change of ``name``'s held-out loss from ``base`` to ``losses``; None
+    without a finite figure in both."""
+    now, before = losses.get(name), base.get(name)
+    if now is None or before is None or not (math.isfinite(now) and math.isfinite(before)):
+        return None
+    return now / before - 1 if before > 0 else None
+
+
+def _missing(name: str, own: float | None, losses: dict[str, float]) -> str:
+    """Why an evaluation could not judge ``name``'s alarm."""
+    what = name if own is None else "other modality judged"
+    why = f"the held-out evaluations have no finite loss of any {what}"
+    if losses.get(COMPLETE, 1.0) < 1:
+        why += " in the batches train.eval_batches lets them read (0: all of them)"
+    return why
+
 
 class Stagnation:
     """One modality stops improving (or gets worse) against its own trailing window while the
@@ -232,27 +253,23 @@ class Stagnation:
                     "others": {other: float(stats[2]) for other, stats in others.items()},
                 }
                 out += self._raise(name, found)
-        return out
+        return out + self._check_waiting(step)
 
     # --- confirmation on the held-out losses ------------------------------------------------------
     def _raise(self, name: str, found: dict) -> list[Alarm]:
         """An alarm now, or one that waits for the held-out losses of the next evaluation."""
         if not self.heldout_every:
-            return [
-                self._alarm(
-                    found["step"],
-                    name,
-                    found,
-                    why="the rule checks the held-out losses itself in a run with "
-                    "data.validation and train.eval_every > 0",
-                )
-            ]
+            return [self._alarm(found["step"], name, found, why=NO_HELDOUT)]
         # The reference: the newest evaluation from before the trouble began, else the first
         # since, else (None) the next one
         before = [evaluation for evaluation in self.heldout if evaluation[0] <= found["since"]]
         base = before[-1] if before else self.heldout[0] if self.heldout else None
         found["base"] = list(base) if base else None
-        self.pending.setdefault(name, found)  # the first stands until judged
+        if name in self.pending:
+            return []  # the first stands until judged
+        self.pending[name] = found
+        if base and base[0] < found["step"] == self.heldout[-1][0]:
+            return self._judge(found["step"], self.heldout[-1][1], only=name)  # evaluated now
         return []
 
     def _add_heldout(self, step: int, metrics: dict) -> list[Alarm]:
@@ -263,68 +280,89 @@ class Stagnation:
             for name in MODALITY_NAMES
             if f"val/loss/{name}" in metrics
         }
-        if not losses:
-            return []
-        out = []
-        for name, found in list(self.pending.items()):
-            if found["base"] is None:
-                found["base"] = [step, losses]
-                continue
-            del self.pending[name]
-            out.append(self._judged(step, name, found, losses))
+        if not losses or (self.heldout and self.heldout[-1][0] >= step):
+            return []  # none, or the step's evaluation again (a run whose data ends on one)
+        losses[COMPLETE] = float(metrics.get("val/complete", 1.0))
         self.heldout.append((step, losses))
         # a trouble beginning from now on begins after this horizon: older evaluations, but the
         # newest of them, can no longer be anyone's reference
         horizon = step - self.cfg.window - self.cfg.patience
         while len(self.heldout) > 1 and self.heldout[1][0] <= horizon:
             self.heldout.pop(0)
+        return self._judge(step, losses)
+
+    def _judge(self, step: int, losses: dict[str, float], only: str | None = None) -> list[Alarm]:
+        """The waiting alarms judged on the evaluation of ``step``. One the held-out losses do
+        not confirm is logged once and waits on, judged again at each evaluation (from the one
+        it was judged at) for as long as the training losses' condition holds."""
+        out = []
+        for name, found in list(self.pending.items()):
+            if only not in (None, name):
+                continue
+            if found["base"] is None:
+                found["base"] = [step, losses]
+                continue
+            base_step, base = found["base"]
+            own = _change(losses, base, name)
+            others = {
+                other: (change, tokens)
+                for other, tokens in found["others"].items()
+                if (change := _change(losses, base, other)) is not None
+            }
+            weight = sum(tokens for _, tokens in others.values())
+            if own is None or not weight:
+                del self.pending[name]
+                out.append(self._alarm(step, name, found, why=_missing(name, own, losses)))
+                continue
+            others_change = sum(change * tokens for change, tokens in others.values()) / weight
+            drop = self.cfg.heldout_drop
+            if own > -drop and own - others_change > drop:
+                del self.pending[name]
+                out.append(self._alarm(step, name, found, held=(own, others_change, base_step)))
+                continue
+            if not found.get("logged"):
+                out.append(
+                    self._alarm(step, name, found, held=(own, others_change, base_step), log=True)
+                )
+            if name in self.latch.on:  # the condition holds: judged again at the next one
+                found.update(base=[step, losses], logged=True)
+            else:
+                del self.pending[name]
         return out
 
-    def _judged(self, step: int, name: str, found: dict, losses: dict[str, float]) -> Alarm:
-        base_step, base = found["base"]
+    def _check_waiting(self, step: int) -> list[Alarm]:
+        """The alarms that can wait no longer, raised as the training losses found them: the run
+        evaluates no held-out data any more (a resume without it), or none came in twice
+        ``heldout_every`` steps. One already logged stops waiting when its condition ends."""
+        out = []
+        for name, found in list(self.pending.items()):
+            if found.get("logged"):
+                if name not in self.latch.on or not self.heldout_every:
+                    del self.pending[name]
+            elif not self.heldout_every or step - found["step"] > 2 * self.heldout_every:
+                why = (
+                    NO_HELDOUT if not self.heldout_every else "no held-out evaluation came in time"
+                )
+                out.append(self._alarm(step, name, self.pending.pop(name), why=why))
+        return out
 
-        def change(modality: str) -> float | None:
-            if modality in losses and base.get(modality, 0) > 0:
-                return losses[modality] / base[modality] - 1
-            return None
-
-        own = change(name)
-        others = {
-            other: (change(other), tokens)
-            for other, tokens in found["others"].items()
-            if change(other) is not None
-        }
-        weight = sum(tokens for _, tokens in others.values())
-        if own is None or not weight:
-            return self._alarm(
-                step,
-                name,
-                found,
-                why=f"the held-out data has no {name}" if own is None else "no other modality",
-            )
-        others_change = sum(ratio * tokens for ratio, tokens in others.values()) / weight
-        held = (own, others_change, base_step)
-        drop = self.cfg.heldout_drop
-        return self._alarm(
-            step, name, found, held=held, stalled=own > -drop and own - others_change > drop
-        )
-
-    def finish(self, step: int, final: dict) -> list[Alarm]:
-        """The run's end: its last evaluation (``final``, the metrics of final.json) judges what
-        waits for it; what still waits had no evaluation after its reference and is raised as
-        the training losses found it."""
-        out = self._add_heldout(step, final)
-        out += [
-            self._alarm(
-                step,
-                name,
-                found,
-                why="no held-out evaluation came between the trouble and the end of the run",
-            )
+    def flush(self, step: int, why: str) -> list[Alarm]:
+        """The waiting alarms raised now, as the training losses found them, ``why`` no held-out
+        evaluation judges them (the run ends, or goes back over the steps they waited in); those
+        the held-out losses did not confirm are dropped."""
+        out = [
+            self._alarm(step, name, found, why=why)
             for name, found in self.pending.items()
+            if not found.get("logged")
         ]
         self.pending.clear()
         return out
+
+    def finish(self, step: int, final: dict) -> list[Alarm]:
+        """The run's end: its last evaluation (``final``, the metrics of final.json) judges what
+        waits for it; what still waits is raised as the training losses found it."""
+        out = self._add_heldout(step, final)
+        return out + self.flush(step, "no held-out evaluation came after its reference")
 
     def _alarm(
         self,
@@ -333,12 +371,12 @@ class Stagnation:
         found: dict,
         *,
         held: tuple[float, float, int] | None = None,
-        stalled: bool = True,
+        log: bool = False,
         why: str = "",
     ) -> Alarm:
-        """The alarm for ``found`` (the training losses' evidence), judged on the held-out
-        losses (``held``: the modality's relative change, the others', the reference step) or,
-        without them, for ``why``."""
+        """The alarm for ``found`` (the training losses' evidence): raised, or only logged
+        (``log``), on the held-out losses (``held``: the modality's relative change, the
+        others', the reference step) or, without them, for ``why``."""
         cfg = self.cfg
         change, others_change = found["change"], found["others_change"]
         word = "rose" if change > 0 else "stalled"
@@ -363,7 +401,27 @@ class Stagnation:
                 f"; on held-out data, fell < {cfg.heldout_drop:.0%} and lagged the others' by "
                 f"> {cfg.heldout_drop:.0%} (heldout_drop)"
             )
-        if held is not None and not stalled:
+        if log:
+            assert held is not None
+            if held[0] > -cfg.heldout_drop:  # it did not fall: neither did the others
+                cause = (
+                    f"the held-out {name} loss did not fall, and the others' rose as much or "
+                    "more: every modality is learning its training documents by heart, not "
+                    f"{name} losing to the others"
+                )
+                advice = (
+                    "compare val/loss/<m> with val/unigram/<m>: more documents, fewer steps or a "
+                    "smaller model; judged again at the next evaluation while it lasts"
+                )
+            else:
+                cause = (
+                    f"the held-out {name} loss fell: the training loss followed which documents "
+                    "filled its windows, or the others' fall was a small source learnt by heart"
+                )
+                advice = (
+                    f"nothing for {name}; judged again at the next evaluation while the "
+                    "training losses still say so"
+                )
             return Alarm(
                 step,
                 "stagnation",
@@ -373,10 +431,8 @@ class Stagnation:
                 values=values,
                 message=f"not raised: {message}",
                 threshold=threshold,
-                cause=f"the held-out {name} loss did not stall behind the others': the training "
-                "loss followed which documents filled its windows, or the others' fall was a "
-                "small source learnt by heart",
-                advice="nothing for this modality",
+                cause=cause,
+                advice=advice,
             )
         if held is not None:
             cause = (
@@ -395,10 +451,10 @@ class Stagnation:
                 "training loss falls, its held-out loss not)"
             )
             advice = (
-                f"compare val/loss/{name} with the other modalities' held-out losses: if it "
-                "falls as theirs do, the training loss followed its files; if not, check the "
-                f"delivered mix (mix/<source>, tokens/{name}) against the weights, then raise "
-                f"its weight or the model's capacity ({why})"
+                f"if its held-out loss falls as the others' do, the training loss followed its "
+                f"files; if not, check the delivered mix (mix/<source>, tokens/{name}) against "
+                f"the weights, then raise its weight or the model's capacity (not checked on "
+                f"held-out losses: {why})"
             )
         return Alarm(
             step,
