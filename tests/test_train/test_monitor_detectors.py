@@ -665,3 +665,19 @@ def test_drift_keeps_an_open_alarm_open_while_the_data_differs():
             },
         )
     assert [alarm.signal for alarm in fired] == ["hidden_drift"]
+
+
+def test_stagnation_compares_only_evaluations_of_the_same_documents():
+    """A resume that changes train.eval_batches (or the world size) under a capped held-out
+    pass reads other documents: that evaluation becomes the reference, the next one judges."""
+    cfg = StagnationConfig(window=10, min_steps=0, patience=5)
+    detector = Stagnation(cfg, heldout_every=20)
+    fired = []
+    for step in range(1, 61):
+        metrics = step_metrics(5.0 - 0.05 * step, 3.0 + 0.01 * step)
+        if step % 20 == 0:
+            capped = {"val/complete": 0.0, "val/batches": 8.0 if step < 40 else 16.0}
+            image = 3.0 if step < 40 else 2.0  # another share of the documents: another level
+            metrics.update({"val/loss/text": 5.0 * 0.99**step, "val/loss/image": image, **capped})
+        fired += detector.check(step, metrics)
+    assert [(a.step, a.action, a.values["heldout_from"]) for a in fired] == [(60, "warn", 40)]

@@ -10,7 +10,8 @@ from train.monitor.alarms import Alarm
 from train.monitor.config import StagnationConfig
 from train.monitor.detectors.common import ModalityWindows, _Latch
 
-COMPLETE = "complete"  # beside a held-out evaluation's losses: whether it covered every batch
+# beside a held-out evaluation's losses: whether it covered every batch, and how many it read
+COMPLETE, BATCHES = "complete", "batches"
 NO_HELDOUT = "the rule checks them itself in a run with data.validation and train.eval_every > 0"
 
 
@@ -21,6 +22,15 @@ def _change(losses: dict[str, float], base: dict[str, float], name: str) -> floa
     if now is None or before is None or not (math.isfinite(now) and math.isfinite(before)):
         return None
     return now / before - 1 if before > 0 else None
+
+
+def _comparable(base: dict[str, float], losses: dict[str, float]) -> bool:
+    """Whether two evaluations read the same documents: both the whole held-out set, or as many
+    of its batches (``train.eval_batches`` cuts the pass short; a resume may change it, or the
+    world size that splits the batches)."""
+    if base.get(COMPLETE, 1.0) == 1.0 and losses.get(COMPLETE, 1.0) == 1.0:
+        return True
+    return base.get(COMPLETE) == losses.get(COMPLETE) and base.get(BATCHES) == losses.get(BATCHES)
 
 
 def _missing(name: str, own: float | None, losses: dict[str, float]) -> str:
@@ -283,6 +293,7 @@ class Stagnation:
         if not losses or (self.heldout and self.heldout[-1][0] >= step):
             return []  # none, or the step's evaluation again (a run whose data ends on one)
         losses[COMPLETE] = float(metrics.get("val/complete", 1.0))
+        losses[BATCHES] = float(metrics.get("val/batches", 0.0))
         self.heldout.append((step, losses))
         # a trouble beginning from now on begins after this horizon: older evaluations, but the
         # newest of them, can no longer be anyone's reference
@@ -303,6 +314,9 @@ class Stagnation:
                 found["base"] = [step, losses]
                 continue
             base_step, base = found["base"]
+            if not _comparable(base, losses):
+                found["base"] = [step, losses]  # other documents: this one is the reference
+                continue
             own = _change(losses, base, name)
             others = {
                 other: (change, tokens)
