@@ -110,6 +110,10 @@ def to_run_config(cfg: DictConfig) -> tuple[RunConfig, str]:
     return run_cfg, resolved
 
 
+# gloo's words for a connection whose other end is gone; NCCL's for a peer that exited
+PEER_GONE = re.compile(r"(closed|reset) by peer|remote process exited|Broken pipe")
+
+
 def run(
     cfg: RunConfig,
     resolved: str,
@@ -184,6 +188,20 @@ def run(
         if e.errno not in DISK_FULL_OR_READ_ONLY:
             raise
         said(disk_failure(e, Path(cfg.run_dir)))
+        return 1
+    except RuntimeError as e:
+        # A collective whose peer is gone (a rank died: its launcher names it and the signal):
+        # this rank's traceback would only bury that line, and it is cut short by the launcher's
+        # SIGTERM anyway
+        found = PEER_GONE.search(str(e))
+        if dist.world_size == 1 or not found:
+            raise
+        what = re.sub(r"^\[[^\]]*\]\s*", "", str(e)[: found.end()])  # gloo's source line off
+        said(
+            f"rank {dist.rank} lost the other ranks in a collective ({what}): one of them "
+            "stopped or died, its launcher's line says which; the same command again resumes "
+            "the run from its last complete checkpoint (from the start without one)"
+        )
         return 1
     except (ConfigError, CheckpointError, CheckpointWriteError, RowsTooLong) as e:
         # A config, a checkpoint or a run folder that cannot be used: the message says what to

@@ -12,7 +12,9 @@ run that stops by a signal leaves a note (``train/app.py``) in a folder this wra
 ``EARLYFUSE_STOP_NOTES``; when torchrun raises ``SignalException`` and every local worker left
 its note, the exit code is 0, else 128 + the signal's number (what the signal alone would give).
 A worker that exits 2 (a config, checkpoint or run folder refused) or 3 (halted by a monitor) first
-makes those the launcher's exit code too, with one line, instead of torchrun's traceback and 1.
+makes those the launcher's exit code too, with one line, instead of torchrun's traceback and 1;
+one killed by a signal (the out-of-memory killer's SIGKILL) makes it 128 + the signal's number,
+with one line that names the rank and says the run resumes with the same command.
 
 When the workers stopped after their checkpoint because a rank on another node was stopped (its
 launcher killed: ``train/callbacks/preemption.py``), this launcher got no signal itself and
@@ -30,6 +32,7 @@ step and a checkpoint of the small and mid-sized presets; raise it for larger on
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -147,6 +150,31 @@ def main(argv: list[str] | None = None) -> int:
             # line above; torchrun would bury it under a traceback and exit 1, which a scheduler
             # would requeue. Its code is the launcher's, as with one process.
             rank, failure = e.get_first_failure()
+            # A rank killed by a signal is the cause; the others' failures (a collective whose
+            # peer is gone, exit code 1) may have been seen first
+            killed = sorted((r, f) for r, f in e.failures.items() if f.exitcode < 0)
+            if killed:
+                rank, failure = killed[0]
+            if failure.exitcode < 0:  # killed by a signal: it left no traceback of its own
+                number = -failure.exitcode
+                try:
+                    name = signal.Signals(number).name
+                except ValueError:
+                    name = f"signal {number}"
+                print(
+                    f"earlyfuse-torchrun: rank {rank} (pid {failure.pid}) was killed by {name}"
+                    + (
+                        " (the kernel's out-of-memory killer sends it: `dmesg` says; or a "
+                        "person's kill -9)"
+                        if number == signal.SIGKILL
+                        else ""
+                    )
+                    + "; torchrun stopped the other workers. The same command again resumes "
+                    "the run from its last complete checkpoint (from the start without one); "
+                    f"exit code {128 + number}",
+                    file=sys.stderr,
+                )
+                return 128 + number
             if failure.exitcode not in WORKER_CODES:
                 raise
             print(

@@ -345,6 +345,33 @@ def test_a_worker_whose_launcher_was_killed_with_minus_9_stops_with_a_checkpoint
     assert (run / "checkpoints" / "latest").read_text().strip() == found[0][1]
 
 
+def test_a_rank_killed_by_a_signal_is_named_in_one_line_and_its_peer_says_why_it_stopped(
+    tiny_tokens, tmp_path
+):
+    """Rank 1 killed by SIGKILL (the out-of-memory killer). Before: rank 0's 'Error executing
+    job with overrides' with its cause cut off, then torchrun's ChildFailedError traceback and
+    exit code 1, the rank and the signal in its table."""
+    run, log = tmp_path / "run", tmp_path / "launcher.log"
+    launcher = [sys.executable, "-m", "train.launch", "--nproc_per_node", "2"]
+    port = ["--master_port", str(free_port())]
+    args = base(tiny_tokens, run, 1000, sources={"scenes": 1.0})
+    proc = start([*launcher, *port, "-m", "train.app", *args], log)
+    try:
+        wait_for_step(run, 2, proc, log)
+        rank0 = json.loads((run / "run.lock").read_text())["pid"]
+        workers = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        (rank1,) = [int(pid) for pid in workers if int(pid) != rank0]
+        os.kill(rank1, signal.SIGKILL)
+        assert proc.wait(timeout=600) == 128 + signal.SIGKILL, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = log.read_text()
+    assert f"earlyfuse-torchrun: rank 1 (pid {rank1}) was killed by SIGKILL" in out, out[-3000:]
+    assert "earlyfuse-train: rank 0 lost the other ranks in a collective" in out, out[-3000:]
+    assert "The same command again resumes the run" in out and "Traceback" not in out
+
+
 def test_a_node_whose_peer_launcher_was_killed_exits_0_without_torchruns_300_s_wait(
     tiny_tokens, tmp_path
 ):
