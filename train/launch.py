@@ -150,12 +150,18 @@ def main(argv: list[str] | None = None) -> int:
             # line above; torchrun would bury it under a traceback and exit 1, which a scheduler
             # would requeue. Its code is the launcher's, as with one process.
             rank, failure = e.get_first_failure()
-            # A rank killed by a signal is the cause; the others' failures (a collective whose
-            # peer is gone, exit code 1) may have been seen first
-            killed = sorted((r, f) for r, f in e.failures.items() if f.exitcode < 0)
-            if killed:
+            # A rank killed by a signal is the cause; its peers' failures (a collective whose
+            # peer is gone, exit code 1) may have been seen first. Not torchrun's own SIGTERM to
+            # the workers left after a failure (a worker stops on SIGTERM after a checkpoint)
+            killed = sorted(
+                (r, f)
+                for r, f in e.failures.items()
+                if f.exitcode < 0 and -f.exitcode != signal.SIGTERM
+            )
+            if killed and failure.exitcode not in WORKER_CODES:
                 rank, failure = killed[0]
-            if failure.exitcode < 0:  # killed by a signal: it left no traceback of its own
+            if failure.exitcode < 0 and -failure.exitcode != signal.SIGTERM:
+                # killed by a signal: it left no traceback of its own
                 number = -failure.exitcode
                 try:
                     name = signal.Signals(number).name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from data.cli.common import (
@@ -13,13 +14,13 @@ from data.cli.common import (
     parse_size,
     path_or_url,
 )
+from data.ingest.plan import MIN_VAL_DOCS
 from data.media import MAX_IMAGE_PIXELS
 from data.names import REJECTS_FILE
 from data.schema import LOSSLESS_REASONS
 
 # Fewer held-out documents than this and a source's validation figures (its CE, its margin over
 # the unigram baseline) rest on a handful of files: noise, not a measurement.
-MIN_VAL_DOCS = 10
 
 
 def _add_ingest(sub) -> None:
@@ -225,7 +226,7 @@ def cmd_ingest(a) -> int:
             f"validation split (--val-fraction {a.val_fraction:g}, by key hash): {held} samples "
             f"in {a.out}/val/<source>/; training data in {a.out}/<source>/"
         )
-        for line in thin_validation(s["manifest"]["sources"], a.val_fraction):
+        for line in thin_validation(s["manifest"]["sources"], s["val_fraction_needed"]):
             print(line)
     said = describe_uncaptioned(media_without_text(a.out))
     if said:
@@ -258,8 +259,10 @@ def cmd_ingest(a) -> int:
     return 0
 
 
-def thin_validation(sources: list[dict], fraction: float) -> list[str]:
-    """A warning per source whose validation split has fewer than ``MIN_VAL_DOCS`` documents."""
+def thin_validation(sources: list[dict], needed: dict[str, float | None]) -> list[str]:
+    """A warning per source whose validation split has fewer than ``MIN_VAL_DOCS`` documents;
+    ``needed``: per source, the --val-fraction that holds out that many (the split goes by each
+    key's hash, so not simply their share of the source's documents)."""
     counts: dict[str, list[int]] = {}
     for source in sources:
         name = source["name"].removeprefix("val/")
@@ -269,13 +272,14 @@ def thin_validation(sources: list[dict], fraction: float) -> list[str]:
         if held >= MIN_VAL_DOCS:
             continue
         total = train + held
-        need = min(1.0, MIN_VAL_DOCS / total) if total else 1.0
+        need = needed.get(name)
         out.append(
             f"warning: validation holds {held} of {total} {name} document(s) (fewer than "
             f"{MIN_VAL_DOCS}): its validation figures would rest on {held or 'no'} document(s). "
             + (
-                f"Raise --val-fraction to about {need:.2g}, or hold out a set of your own."
-                if need < 0.5
+                f"--val-fraction {math.ceil(need * 100) / 100:g} holds out {MIN_VAL_DOCS} of them "
+                "(the split goes by each document's hash), or hold out a set of your own."
+                if need is not None and need < 0.5
                 else "The source is too small to split: hold out a set of your own for it."
             )
         )

@@ -68,6 +68,9 @@ def ingest(
         exclude=exclude,
     )
     summary["plan"] = plan.describe()
+    summary["val_fraction_needed"] = {
+        name: count["val_fraction_needed"] for name, count in plan.counts.items()
+    }
     return summary
 
 

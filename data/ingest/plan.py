@@ -20,7 +20,9 @@ Design choices:
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +32,8 @@ from tqdm import tqdm
 from data.schema import Reject
 from data.sources import Item, Limits, SourceSpec, build_source
 from data.sources.base import special_file
+
+MIN_VAL_DOCS = 10  # the held-out documents a source's validation figures should rest on at least
 
 # Raised whenever what ingest writes for the same plan changes (new rejects, new fields): a
 # folder begun by an earlier version is then refused, not finished with shards of another kind
@@ -145,6 +149,7 @@ def make_plan(
         # One run of shards per split: [current shard, its bytes, its samples, shards so far].
         runs: dict[str, list] = {"train": [None, 0, 0, 0], "val": [None, 0, 0, 0]}
         n_items = n_rej = 0
+        lowest: list[float] = []  # the MIN_VAL_DOCS lowest split positions, negated (a max-heap)
         for item in _listed(src):
             if item.reject is None:
                 if item.key in first_seen:
@@ -164,6 +169,12 @@ def make_plan(
                 else:
                     first_seen[item.key] = f"{spec.name}:{item.label}"
             accepted = item.reject is None
+            if accepted:
+                position = split_position(item.key)
+                if len(lowest) < MIN_VAL_DOCS:
+                    heapq.heappush(lowest, -position)
+                elif position < -lowest[0]:
+                    heapq.heapreplace(lowest, -position)
             # Rejects stay with the training shards (listed once, whatever the split).
             split = "val" if accepted and in_validation(item.key, val_fraction) else "train"
             run = runs[split]
@@ -196,7 +207,14 @@ def make_plan(
             bar.update()
         if not n_items:
             raise ValueError(f"source {spec.name} ({spec.kind}:{spec.path}): no inputs found")
-        counts[spec.name] = {"inputs": n_items, "rejected_at_plan": n_rej}
+        counts[spec.name] = {
+            "inputs": n_items,
+            "rejected_at_plan": n_rej,
+            # the --val-fraction that holds out MIN_VAL_DOCS of its documents (None: fewer)
+            "val_fraction_needed": (
+                math.nextafter(-lowest[0], 1.0) if len(lowest) == MIN_VAL_DOCS else None
+            ),
+        }
     bar.close()
     return Plan(
         specs,
@@ -211,10 +229,14 @@ def make_plan(
     )
 
 
-def in_validation(key: str, fraction: float) -> bool:
-    """Whether a sample belongs to the validation split: by a hash of its key alone, so the
-    choice never depends on the other inputs, their order or the worker count."""
-    if fraction <= 0:
-        return False
+def split_position(key: str) -> float:
+    """Where a sample's key falls in [0, 1): those below ``--val-fraction`` are held out. A hash
+    of the key alone, so the choice never depends on the other inputs, their order or the
+    worker count."""
     digest = hashlib.sha256(key.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") < fraction * 2.0**64
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def in_validation(key: str, fraction: float) -> bool:
+    """Whether a sample belongs to the validation split."""
+    return fraction > 0 and split_position(key) < fraction

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import warnings
 
 from factories import png_solid
 from PIL import Image
 
 from data.cli import main as prep_main
-from data.cli.ingest import MIN_VAL_DOCS, thin_validation
+from data.cli.ingest import thin_validation
 from data.image_crops import load_pool
 from data.image_prep import ImagePrep
 from data.ingest import ingest
+from data.ingest.plan import MIN_VAL_DOCS
 from data.shards.stats import collect_stats, format_stats
 from data.shards.verify import verify
 
@@ -247,12 +249,12 @@ def test_a_validation_split_too_small_to_measure_a_source_is_warned(tmp_path, ca
         {"name": "val/notes", "samples": 100},
         {"name": "tiny", "samples": 6},
     ]
-    lines = thin_validation(sources, 0.1)
+    lines = thin_validation(sources, {"code": 0.2341, "notes": 0.01, "tiny": None})
     assert len(lines) == 2
     assert lines[0].startswith(
         f"warning: validation holds 1 of 42 code document(s) (fewer than {MIN_VAL_DOCS})"
     )
-    assert "Raise --val-fraction to about 0.24" in lines[0]
+    assert "--val-fraction 0.24 holds out 10 of them" in lines[0]
     assert "validation holds 0 of 6 tiny" in lines[1] and "too small to split" in lines[1]
 
     notes = text_folder(tmp_path / "notes", {f"n{i}": f"note number {i}" for i in range(30)})
@@ -260,6 +262,15 @@ def test_a_validation_split_too_small_to_measure_a_source_is_warned(tmp_path, ca
     assert prep_main([*argv, "--val-fraction", "0.1", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "warning: validation holds" in out and "notes document(s)" in out
+    # the advised fraction holds out as many as it says (1/3 by the documents' share would not:
+    # the split goes by each key's hash)
+    advised = re.search(r"--val-fraction ([0-9.]+) holds out (\d+)", out)
+    assert advised, out
+    again = ["ingest", "--out", str(tmp_path / "raw2"), "--source", f"text:{notes}"]
+    assert prep_main([*again, "--val-fraction", advised[1], "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert f"{advised[2]} samples in {tmp_path / 'raw2'}/val/" in out, out
+    assert "warning: validation holds" not in out
 
 
 def test_dedupe_across_partitions_and_merge(tmp_path):
