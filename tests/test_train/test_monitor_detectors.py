@@ -67,6 +67,29 @@ def test_collapse_fires_again_after_a_rollback_to_before_it_had_learned():
     assert again == ["collapse"]
 
 
+@pytest.mark.parametrize("noise_steps", [15, 60])
+def test_collapse_sees_noise_over_a_few_ids_at_its_unigram_ce(noise_steps):
+    """Base64 blobs in a code source (a user's corpus): the code loss sits at the unigram CE of
+    its tokens (4.7 nats), far below ln V (8.3): the chance rule cannot fire. At its unigram
+    for ``unigram_patience`` steps it is a collapse; a stretch of hard files that gets there for
+    a few steps is not."""
+    detector = Collapse(CollapseConfig(), {"code": math.log(4096)})
+    fired = []
+    for step in range(1, 201):
+        noise = 100 <= step < 100 + noise_steps
+        unigram = 4.75 if noise else 8.1
+        loss = 0.98 * unigram if noise else (8.0 if step < 40 else 5.0)
+        fired += detector.check(
+            step, {"loss/code": loss, "tokens/code": 1500, "unigram/code": unigram}
+        )
+    assert [(alarm.signal, alarm.modality) for alarm in fired] == (
+        [("collapse", "code")] if noise_steps == 60 else []
+    )
+    if fired:
+        assert "no better than by its tokens' frequencies" in fired[0].message
+        assert 125 < fired[0].step < 160 and fired[0].values["unigram_ratio"] > 0.95
+
+
 def test_collapse_ignores_a_modality_that_never_learned():
     d = Collapse(CollapseConfig(window=5, min_steps=0), LN)
     assert not any(

@@ -109,7 +109,9 @@ class DivergenceConfig(Detector):
 @dataclass(kw_only=True)
 class CollapseConfig(Detector):
     """A modality's normalised CE (CE / ln V_m; 1.0 = chance) over the last ``window`` steps is
-    back above ``threshold`` after having been at least ``margin`` below it."""
+    back above ``threshold`` after having been at least ``margin`` below it; or its CE over the
+    unigram CE of its own tokens (``unigram/<m>``: what their frequencies alone predict) is, for
+    ``unigram_patience`` steps in a row (0: off)."""
 
     POSITIVE: ClassVar = ("window", "threshold")
 
@@ -117,6 +119,9 @@ class CollapseConfig(Detector):
     threshold: float = 0.95
     margin: float = 0.2
     min_tokens: int = 256  # a window with fewer tokens of the modality is not judged
+    # noise over a few ids (base64, compressed bytes, hex dumps) sits far below ln V but at its
+    # unigram CE; a stretch of hard files reaches it for a few steps, broken data stays
+    unigram_patience: int = 25
 
 
 @dataclass(kw_only=True)

@@ -374,9 +374,13 @@ class Monitor:
 
     def restart_data_references(self) -> None:
         """Forget what was learned of the data's losses, shares and codes (a resume with another
-        mix): the new mix's levels are no rise, no stagnation and no starvation. The collapse
-        (against chance) and drift (hidden norms) detectors go on."""
+        mix): the new mix's levels are no rise, no stagnation and no starvation, and a modality
+        is learned against its unigram CE anew (new documents of it start near it). The
+        collapse against chance and the drift (hidden norms) detectors go on."""
         self.divergence.reset_levels()
+        collapse = self.detectors.get("collapse")
+        if isinstance(collapse, Collapse):
+            collapse.restart_unigram()
         old = self.detectors.get("stagnation")
         if isinstance(old, Stagnation):
             stagnation = Stagnation(self.cfg.stagnation, self.heldout_every)
