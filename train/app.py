@@ -189,20 +189,6 @@ def run(
             raise
         said(disk_failure(e, Path(cfg.run_dir)))
         return 1
-    except RuntimeError as e:
-        # A collective whose peer is gone (a rank died: its launcher names it and the signal):
-        # this rank's traceback would only bury that line, and it is cut short by the launcher's
-        # SIGTERM anyway
-        found = PEER_GONE.search(str(e))
-        if dist.world_size == 1 or not found:
-            raise
-        what = re.sub(r"^\[[^\]]*\]\s*", "", str(e)[: found.end()])  # gloo's source line off
-        said(
-            f"rank {dist.rank} lost the other ranks in a collective ({what}): one of them "
-            "stopped or died, its launcher's line says which; the same command again resumes "
-            "the run from its last complete checkpoint (from the start without one)"
-        )
-        return 1
     except (ConfigError, CheckpointError, CheckpointWriteError, RowsTooLong) as e:
         # A config, a checkpoint or a run folder that cannot be used: the message says what to
         # do, a traceback would only bury it. A refusal every rank decided alike is said once
@@ -210,6 +196,23 @@ def run(
         if dist.local_rank == 0 or not getattr(e, "every_rank", False):
             said(e)
         return 2
+    except RuntimeError as e:
+        # A collective whose peer is gone (a rank died: its launcher names it and the signal):
+        # this rank's traceback would only bury that line, and it is cut short by the launcher's
+        # SIGTERM anyway
+        found = PEER_GONE.search(str(e))
+        collective = isinstance(e, torch.distributed.DistError) or re.search(
+            r"gloo|nccl", str(e), re.IGNORECASE
+        )
+        if dist.world_size == 1 or not (found and collective):
+            raise  # a reader's connection (object storage) reset is not a lost rank
+        what = re.sub(r"^\[[^\]]*\]\s*", "", str(e)[: found.end()])  # gloo's source line off
+        said(
+            f"rank {dist.rank} lost the other ranks in a collective ({what}): one of them "
+            "stopped or died, its launcher's line says which; the same command again resumes "
+            "the run from its last complete checkpoint (from the start without one)"
+        )
+        return 1
     finally:
         lock.release()
     return 0

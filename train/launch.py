@@ -154,12 +154,15 @@ def main(argv: list[str] | None = None) -> int:
             # peer is gone, exit code 1) may have been seen first. Not torchrun's own SIGTERM to
             # the workers left after a failure (a worker stops on SIGTERM after a checkpoint)
             killed = sorted(
-                (r, f)
-                for r, f in e.failures.items()
-                if f.exitcode < 0 and -f.exitcode != signal.SIGTERM
+                (
+                    (-f.exitcode == signal.SIGABRT, f.timestamp, r, f)  # the first; an abort last
+                    for r, f in e.failures.items()
+                    if f.exitcode < 0 and -f.exitcode != signal.SIGTERM
+                ),
+                key=lambda found: found[:3],
             )
             if killed and failure.exitcode not in WORKER_CODES:
-                rank, failure = killed[0]
+                rank, failure = killed[0][2], killed[0][3]
             if failure.exitcode < 0 and -failure.exitcode != signal.SIGTERM:
                 # killed by a signal: it left no traceback of its own
                 number = -failure.exitcode
@@ -173,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
                         " (the kernel's out-of-memory killer sends it: `dmesg` says; or a "
                         "person's kill -9)"
                         if number == signal.SIGKILL
+                        else " (a collective's watchdog aborts a rank whose peer is gone: the "
+                        "cause may be another rank or node)"
+                        if number == signal.SIGABRT
                         else ""
                     )
                     + "; torchrun stopped the other workers. The same command again resumes "

@@ -259,6 +259,12 @@ def cmd_ingest(a) -> int:
     return 0
 
 
+def _rounded_up(fraction: float) -> float:
+    """``fraction`` rounded up to two significant digits (0.00213 -> 0.0022)."""
+    scale = 10 ** (1 - math.floor(math.log10(fraction)))
+    return math.ceil(fraction * scale) / scale
+
+
 def thin_validation(sources: list[dict], needed: dict[str, float | None]) -> list[str]:
     """A warning per source whose validation split has fewer than ``MIN_VAL_DOCS`` documents;
     ``needed``: per source, the --val-fraction that holds out that many (the split goes by each
@@ -277,7 +283,7 @@ def thin_validation(sources: list[dict], needed: dict[str, float | None]) -> lis
             f"warning: validation holds {held} of {total} {name} document(s) (fewer than "
             f"{MIN_VAL_DOCS}): its validation figures would rest on {held or 'no'} document(s). "
             + (
-                f"--val-fraction {math.ceil(need * 100) / 100:g} holds out {MIN_VAL_DOCS} of them "
+                f"--val-fraction {_rounded_up(need):g} holds out {MIN_VAL_DOCS} or more of them "
                 "(the split goes by each document's hash), or hold out a set of your own."
                 if need is not None and need < 0.5
                 else "The source is too small to split: hold out a set of your own for it."

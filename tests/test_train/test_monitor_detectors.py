@@ -90,6 +90,29 @@ def test_collapse_sees_noise_over_a_few_ids_at_its_unigram_ce(noise_steps):
         assert 125 < fired[0].step < 160 and fired[0].values["unigram_ratio"] > 0.95
 
 
+def test_collapse_at_the_unigram_fires_again_after_a_rollback_to_before_it_had_learned():
+    """What was reached against the unigram CE before a rollback stays reached, as the chance
+    rule's level does: the same noise after it is said again."""
+    cfg = dataclasses.replace(MonitorConfig(), collapse=CollapseConfig(min_steps=0))
+    monitor = Monitor(cfg, total_steps=300, chance={"code": math.log(4096)})
+
+    def code(step: int, noise: bool) -> dict:
+        unigram = 4.75 if noise else 8.1
+        loss = 0.98 * unigram if noise else (8.0 if step < 40 else 5.0)
+        return {"loss/code": loss, "tokens/code": 1500, "unigram/code": unigram}
+
+    fired, early = [], None
+    for step in range(1, 161):
+        fired += monitor.check(step, code(step, step >= 100), {})
+        early = copy.deepcopy(monitor.state_dict()) if step == 30 else early
+    assert [alarm.signal for alarm in fired] == ["collapse"]
+    reached = monitor.reached()
+    monitor.load_state_dict(early)  # the rollback, to before the code was learned
+    monitor.keep_reached(reached)
+    again = [alarm.signal for s in range(31, 100) for alarm in monitor.check(s, code(s, True), {})]
+    assert again == ["collapse"]
+
+
 def test_collapse_ignores_a_modality_that_never_learned():
     d = Collapse(CollapseConfig(window=5, min_steps=0), LN)
     assert not any(

@@ -44,7 +44,7 @@ class Monitoring(Callback):
         self.alarms: list[Alarm] = []  # this step's
         # the collapse detector's best levels at this step's rollback alarm (loading the
         # checkpoint replaces them with older ones)
-        self.reached: dict[str, float] = {}
+        self.reached: dict[str, dict[str, float]] = {}
 
     def post_step(self, trainer: Trainer, step: int, record: StepRecord) -> Decision | None:
         start = time.perf_counter()
@@ -52,11 +52,10 @@ class Monitoring(Callback):
         self.alarms = self.monitor.check(step, record.metrics, self.rule.last)
         if any(alarm.action == "rollback" for alarm in self.alarms):
             self.reached = self.monitor.reached()
-        if any(alarm.action in ("rollback", "halt") for alarm in self.alarms):
-            # the steps an alarm waited in for the held-out losses are abandoned: said now
-            self.alarms += self.monitor.flush(
-                step, "the run goes back or stops before the next evaluation"
-            )
+        if any(alarm.action == "halt" for alarm in self.alarms):
+            # no evaluation will judge what waits for one: said now (a rollback restores the
+            # alarms that waited at its checkpoint, to be judged as before)
+            self.alarms += self.monitor.flush(step, "the run stops before the next evaluation")
         self.alarm_log.record(self.alarms)
         record.metrics["monitor/alarms"] = float(self.alarm_log.count)
         # The detectors and any probe of this step.

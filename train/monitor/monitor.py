@@ -359,18 +359,22 @@ class Monitor:
             found.append(self.divergence.excursion)
         return found
 
-    def reached(self) -> dict[str, float]:
-        """The best normalised CE each modality has reached (what arms the collapse detector)."""
+    def reached(self) -> dict[str, dict[str, float]]:
+        """The best levels each modality has reached, against chance and against its unigram CE
+        (what arms the collapse detector's two rules)."""
         collapse = self.detectors.get("collapse")
-        return dict(collapse.best) if isinstance(collapse, Collapse) else {}
+        if not isinstance(collapse, Collapse):
+            return {}
+        return {"chance": dict(collapse.best), "unigram": dict(collapse.best_unigram)}
 
-    def keep_reached(self, best: dict[str, float]) -> None:
+    def keep_reached(self, best: dict[str, dict[str, float]]) -> None:
         """After a rollback: the best levels reached before it count (the restored state's are
         older)."""
         collapse = self.detectors.get("collapse")
         if isinstance(collapse, Collapse):
-            for name, level in best.items():
-                collapse.best[name] = min(level, collapse.best.get(name, math.inf))
+            for levels, kept in ((collapse.best, "chance"), (collapse.best_unigram, "unigram")):
+                for name, level in best.get(kept, {}).items():
+                    levels[name] = min(level, levels.get(name, math.inf))
 
     def restart_data_references(self) -> None:
         """Forget what was learned of the data's losses, shares and codes (a resume with another

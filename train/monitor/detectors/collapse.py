@@ -95,8 +95,9 @@ class Collapse:
                 threshold=f"CE / unigram CE over {cfg.window} steps >= {cfg.threshold:g} for "
                 f"{cfg.unigram_patience} steps after having been <= {cfg.threshold - cfg.margin:g}",
                 cause=f"the {name} data turned to noise over a few ids (base64 or compressed "
-                "payloads, hex dumps, encrypted bytes: far from a uniform guess over the ids, "
-                f"which the chance rule measures) or the model lost {name}",
+                "payloads, hex dumps, hashes, encrypted bytes: far from a uniform guess over the "
+                f"ids, which the chance rule measures), broken or files of that kind read in a "
+                f"long stretch, or the model lost {name}",
                 advice=f"inspect recent {name} batches (mix/<source> names the sources; "
                 "earlyfuse-prep stats shows a source's tokens) and take such files out of it",
             )

@@ -417,11 +417,12 @@ class Stagnation:
             )
         if log:
             assert held is not None
-            if held[0] > -cfg.heldout_drop:  # it did not fall: neither did the others
+            if held[0] > -cfg.heldout_drop:  # it did not fall, nor lag the others' by more
                 cause = (
-                    f"the held-out {name} loss did not fall, and the others' rose as much or "
-                    "more: every modality is learning its training documents by heart, not "
-                    f"{name} losing to the others"
+                    f"the held-out {name} loss did not fall, but the others' did not fall faster "
+                    f"(by more than {cfg.heldout_drop:.0%}): no modality learns its held-out "
+                    f"data, which is learning the training documents by heart, not {name} "
+                    "losing to the others"
                 )
                 advice = (
                     "compare val/loss/<m> with val/unigram/<m>: more documents, fewer steps or a "
