@@ -124,8 +124,8 @@ class Monitor:
         ]
 
     def flush(self, step: int, why: str) -> list[Alarm]:
-        """The alarms waiting for a held-out evaluation, raised now: the run is about to go
-        back over the steps they waited in (a rollback), or to stop (a halt)."""
+        """The alarms waiting for a held-out evaluation, raised now: the run is about to stop
+        (a halt) before one judges them."""
         stagnation = self._stagnation()
         return stagnation.flush(step, why) if stagnation is not None else []
 
