@@ -48,6 +48,16 @@ def start(cmd: list[str], log: Path) -> subprocess.Popen:
         )
 
 
+def launched(tokens, tmp_path: Path, nproc: int) -> tuple[Path, Path, subprocess.Popen]:
+    """A 1000-step run under ``earlyfuse-torchrun`` with ``nproc`` workers, in the background:
+    its folder, the launcher's log and its process."""
+    run, log = tmp_path / "run", tmp_path / "launcher.log"
+    launcher = [sys.executable, "-m", "train.launch", "--nproc_per_node", str(nproc)]
+    port = ["--master_port", str(free_port())]
+    args = base(tokens, run, 1000, sources={"scenes": 1.0})
+    return run, log, start([*launcher, *port, "-m", "train.app", *args], log)
+
+
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, log: Path) -> None:
     """Until the run has logged ``step`` (a deadline only against a hang, not a speed check)."""
     deadline = time.monotonic() + 900
@@ -294,11 +304,7 @@ def test_earlyfuse_torchrun_exits_0_when_its_signal_stopped_the_run_after_a_chec
     """A signal to the launcher itself, as a scheduler sends it. Before, with plain torchrun:
     'SignalException: Process ... got signal: 15' and exit code 1 although every worker had saved
     and exited 0 (and a SIGUSR1, which torchrun does not handle by default, killed torchrun)."""
-    run, log = tmp_path / "run", tmp_path / "launcher.log"
-    launcher = [sys.executable, "-m", "train.launch", "--nproc_per_node", "1"]
-    port = ["--master_port", str(free_port())]
-    args = base(tiny_tokens, run, 1000, sources={"scenes": 1.0})
-    proc = start([*launcher, *port, "-m", "train.app", *args], log)
+    run, log, proc = launched(tiny_tokens, tmp_path, nproc=1)
     try:
         wait_for_step(run, 2, proc, log)
         proc.send_signal(signal.SIGUSR1)
@@ -321,11 +327,7 @@ def test_a_worker_whose_launcher_was_killed_with_minus_9_stops_with_a_checkpoint
     """``kill -9`` of earlyfuse-torchrun. Before: its worker (in a session of its own) trained on
     to the last step, holding the run folder: the same command again was refused ('in use by a
     live run: pid ...')."""
-    run, log = tmp_path / "run", tmp_path / "launcher.log"
-    launcher = [sys.executable, "-m", "train.launch", "--nproc_per_node", "1"]
-    port = ["--master_port", str(free_port())]
-    args = base(tiny_tokens, run, 1000, sources={"scenes": 1.0})
-    proc = start([*launcher, *port, "-m", "train.app", *args], log)
+    run, log, proc = launched(tiny_tokens, tmp_path, nproc=1)
     wait_for_step(run, 2, proc, log)
     worker = json.loads((run / "run.lock").read_text())["pid"]
     proc.kill()
@@ -351,11 +353,7 @@ def test_a_rank_killed_by_a_signal_is_named_in_one_line_and_its_peer_says_why_it
     """Rank 1 killed by SIGKILL (the out-of-memory killer). Before: rank 0's 'Error executing
     job with overrides' with its cause cut off, then torchrun's ChildFailedError traceback and
     exit code 1, the rank and the signal in its table."""
-    run, log = tmp_path / "run", tmp_path / "launcher.log"
-    launcher = [sys.executable, "-m", "train.launch", "--nproc_per_node", "2"]
-    port = ["--master_port", str(free_port())]
-    args = base(tiny_tokens, run, 1000, sources={"scenes": 1.0})
-    proc = start([*launcher, *port, "-m", "train.app", *args], log)
+    run, log, proc = launched(tiny_tokens, tmp_path, nproc=2)
     try:
         wait_for_step(run, 2, proc, log)
         rank0 = json.loads((run / "run.lock").read_text())["pid"]
