@@ -19,7 +19,9 @@ from train.monitor.detectors import DataCodeUse, Stagnation
 LAYOUT = VocabLayout(text_size=512, max_grid=32)
 
 
-def probe(monitor: Monitor, step: int, drawn: float, alike: float, ref: float | None) -> list[str]:
+def probe(
+    monitor: Monitor, step: int, drawn: float, alike: float, ref: float | None, ref_entropy=0.47
+) -> list[str]:
     values = {
         "monitor/gen_code_entropy": drawn,
         "monitor/gen_code_distinct": 7.0,
@@ -27,6 +29,7 @@ def probe(monitor: Monitor, step: int, drawn: float, alike: float, ref: float | 
     }
     if ref is not None:
         values["monitor/ref_image_diversity"] = ref
+        values["monitor/ref_code_entropy"] = ref_entropy
     return [alarm.signal for alarm in monitor._probe_alarms("code_use", step, values)]
 
 
@@ -38,8 +41,38 @@ def test_generated_codes_are_judged_against_the_runs_own_images():
     assert probe(monitor, 100, drawn=0.14, alike=0.65, ref=0.75) == []
     # No images in the data: nothing to judge the drawings by.
     assert probe(monitor, 200, drawn=0.05, alike=0.05, ref=None) == []
-    # Varied images in the data, the model draws every image alike from a code or two.
-    assert probe(monitor, 300, drawn=0.1, alike=0.1, ref=0.75) == ["gen_code_entropy"]
+    # Varied images in the data, the model that drew like them draws every image alike from a
+    # code or two.
+    assert probe(monitor, 300, drawn=0.5, alike=0.7, ref=0.75) == []
+    assert probe(monitor, 400, drawn=0.1, alike=0.1, ref=0.75) == ["gen_code_entropy"]
+
+
+def test_generated_codes_are_not_judged_before_the_model_has_drawn_like_the_data():
+    """Probes every 100 steps, as the defaults. The drawings of a small corpus's healthy runs:
+    one background code (0.04 / 0.00 against the data's 0.33, at steps 100-300), or the data's
+    commonest kind of image (0.29 / 0.08 against 0.19, then 0.42 / 0.17): fired at step 100 as
+    a collapse. Near-uniform noise does not arm the rule either. A model that drew like the
+    data (the suite's visual-code collapse: 0.51 / 0.64 against 0.47) and then draws alike is
+    caught at the next probe."""
+
+    def fired(probes: list[tuple[float, float]], ref: float, ref_entropy: float) -> list[int]:
+        monitor, out = Monitor(MonitorConfig(), total_steps=1000), []
+        for i, (drawn, alike) in enumerate(probes):
+            out += [100 * (i + 1)] * len(
+                probe(monitor, 100 * (i + 1), drawn, alike, ref, ref_entropy)
+            )
+        return out
+
+    assert fired([(0.04, 0.0), (0.06, 0.0), (0.06, 0.0)], ref=0.33, ref_entropy=0.37) == []
+    assert fired([(0.29, 0.08), (0.42, 0.17), (0.42, 0.0)], ref=0.19, ref_entropy=0.38) == []
+    assert fired([(0.93, 0.9), (0.05, 0.0), (0.06, 0.0)], ref=0.47, ref_entropy=0.47) == []
+    assert fired([(0.51, 0.64), (0.14, 0.14), (0.09, 0.0)], ref=0.47, ref_entropy=0.47) == [200]
+    # A collapse found on the model's own earlier drawings; the arming survives a resume.
+    first = Monitor(MonitorConfig(), total_steps=1000)
+    probe(first, 100, 0.51, 0.64, ref=0.47)
+    resumed = Monitor(MonitorConfig(), total_steps=1000)
+    resumed.load_state_dict(first.state_dict())
+    assert probe(resumed, 200, 0.14, 0.14, ref=0.47) == ["gen_code_entropy"]
 
 
 def feed(detector: DataCodeUse, steps: range, entropy) -> list[int]:

@@ -246,7 +246,8 @@ class CodeUseConfig(ProbeConfig):
     the entropy of the generated codes over ln(min(codes drawn, codebook)) is below
     ``min_entropy`` and the drawn images' dominant codes vary less than ``min_ratio`` x as much
     as those of as many of the run's own images (the drawings use few codes and look alike;
-    never without images in the data)."""
+    never without images in the data), once a probe has drawn like the data (a model that has
+    not learned to draw yet has not collapsed)."""
 
     # 16 drawings, not 4: four flat squares drawn faithfully are four codes, an entropy of 0.17
     POSITIVE: ClassVar = ("probes", "grid", "data_window")

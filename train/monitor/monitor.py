@@ -266,22 +266,35 @@ class Monitor:
         elif name == "code_use" and values:
             # A collapse is drawings that use few codes *and* look alike, more alike than the
             # run's own images: flat squares of several colours use few codes but differ, and a
-            # run without images has nothing to judge its drawings by.
+            # run without images has nothing to judge its drawings by. Armed once the model has
+            # drawn like the data: an untrained model draws near-uniform noise (entropy near 1),
+            # then one background code a drawing (small corpora at step 100), a model that has
+            # not learned to draw yet, not one that collapsed. A probe arms the rule when its
+            # drawings pass both halves and their entropy is nearer the data's than a uniform
+            # draw's.
             drawn = values["monitor/gen_code_entropy"]
             variety = values.get("monitor/gen_image_diversity", 0.0)
             data_variety = values.get("monitor/ref_image_diversity")
+            few = drawn < probe_cfg.min_entropy
+            alike = data_variety is not None and variety < probe_cfg.min_ratio * data_variety
+            if (
+                data_variety is not None
+                and step >= probe_cfg.min_steps
+                and not (few or alike)
+                and drawn <= (1.0 + values["monitor/ref_code_entropy"]) / 2
+            ):
+                self.probe_latch.add("gen_code_entropy_armed")
             found.append(
                 (
                     "gen_code_entropy",
-                    data_variety is not None
-                    and drawn < probe_cfg.min_entropy
-                    and variety < probe_cfg.min_ratio * data_variety,
+                    "gen_code_entropy_armed" in self.probe_latch and few and alike,
                     f"generated images use {values['monitor/gen_code_distinct']:.0f} distinct codes, "
                     f"normalised entropy {drawn:.2f}; their dominant codes vary "
                     f"{max(variety, 0.0) + 0.0:.2f} "  # no "-0.00" from a rounding below 0
                     f"against {data_variety or 0.0:.2f} in the run's own images",
                     f"normalised entropy of generated codes < {probe_cfg.min_entropy:g} and the "
-                    f"images' dominant codes < {probe_cfg.min_ratio:g} x as varied as the data's",
+                    f"images' dominant codes < {probe_cfg.min_ratio:g} x as varied as the data's, "
+                    "after drawings like the data's",
                     "image",
                 )
             )
