@@ -39,6 +39,8 @@ class Drift:
         compared with its norm 125 steps back, deep in the lr's warmup."""
         norms = self.recent[name]
         span, window = self.cfg.rate_span, self.cfg.window
+        # Judged afresh from the saved windows at every step, so a resumed run decides the same.
+        self.shifted.discard(name)
         if step - span - window + 1 < self.start:
             return None
         means, data = [], []
@@ -52,7 +54,6 @@ class Drift:
             means.append(sum(norm * count for _, norm, count, _ in part) / tokens)
             data.append(sum(unigram * count for _, _, count, unigram in part) / tokens)
         shift = self.cfg.max_data_shift
-        self.shifted.discard(name)
         if shift and all(data) and abs(data[1] / data[0] - 1) > shift:
             self.shifted.add(name)
             return None  # other data, not the same data's norm growing
