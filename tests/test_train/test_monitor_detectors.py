@@ -696,6 +696,23 @@ def test_monitor_keeps_waiting_alarms_over_a_mix_change_and_says_them_before_goi
     assert alarm.action == "warn" and alarm.values["heldout_from"] == 20
 
 
+def test_stagnation_waits_from_its_newest_reference():
+    """Evaluations of other documents move the reference on; the alarm waits for one that can
+    judge it, counting from that reference, instead of being raised at step 2 x eval_every after
+    it was found as if no evaluation had come."""
+    cfg = StagnationConfig(window=10, min_steps=0, patience=5)
+    detector = Stagnation(cfg, heldout_every=20)
+    fired = []
+    for step in range(1, 101):
+        metrics = step_metrics(5.0 - 0.05 * step, 3.0 + 0.01 * step)
+        if step % 20 == 0:
+            batches = {20: 8.0, 40: 16.0}.get(step, 32.0)  # two resumes that changed the cap
+            capped = {"val/complete": 0.0, "val/batches": batches}
+            metrics.update({"val/loss/text": 5.0 * 0.99**step, "val/loss/image": 3.0, **capped})
+        fired += detector.check(step, metrics)
+    assert [(a.step, a.action, a.values["heldout_from"]) for a in fired] == [(80, "warn", 60)]
+
+
 def test_drift_keeps_an_open_alarm_open_while_the_data_differs():
     """Norm growth that goes on through a stretch of easier data is one alarm, not two."""
     detector = Drift(DriftConfig())

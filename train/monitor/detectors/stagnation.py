@@ -347,13 +347,16 @@ class Stagnation:
     def _check_waiting(self, step: int) -> list[Alarm]:
         """The alarms that can wait no longer, raised as the training losses found them: the run
         evaluates no held-out data any more (a resume without it), or none came in twice
-        ``heldout_every`` steps. One already logged stops waiting when its condition ends."""
+        ``heldout_every`` steps (from when it was found, or from its reference where an
+        evaluation of other documents moved that on). One already logged stops waiting when its
+        condition ends."""
         out = []
         for name, found in list(self.pending.items()):
+            since = max(found["step"], found["base"][0]) if found["base"] else found["step"]
             if found.get("logged"):
                 if name not in self.latch.on or not self.heldout_every:
                     del self.pending[name]
-            elif not self.heldout_every or step - found["step"] > 2 * self.heldout_every:
+            elif not self.heldout_every or step - since > 2 * self.heldout_every:
                 why = (
                     NO_HELDOUT if not self.heldout_every else "no held-out evaluation came in time"
                 )
