@@ -66,7 +66,7 @@ EVAL = "eval/"  # task evaluations (vtok: eval/psnr, eval/ssim, ...)
 OPTIM = "optim/"  # optim/lr, optim/grad_norm, optim/skipped, optim/skipped_steps
 THROUGHPUT = "throughput/"  # units/s, MFU, data wait, step and monitor seconds, ETA
 MONITOR = "monitor/"  # detectors and probes: monitor/<signal>[/<modality>]
-DATA = "data/"  # loader health: data/skipped; data/docs_new/<modality> (documents new to it in the step)
+DATA = "data/"  # loader health: data/skipped; data/docs_new/<m>, data/docs_mass/<m> (tasks/documents.py)
 VTOK = "vtok/"  # visual tokenizer training terms: vtok/l1, vtok/psnr, ...
 
 TRAIN_LOSS = TRAIN + "loss"

@@ -233,6 +233,37 @@ def test_stagnation_still_fires_on_code_that_stalls_over_many_documents():
     assert before + code_alarms(resumed, stall=True, steps=range(151, 301)) == whole
 
 
+def text_alarms(long_file: bool) -> list[int]:
+    """Text that stalls while code and images learn; 400 text tokens a step, of which captions
+    and markers of 4 new image and code documents bring 40. ``long_file``: the other 360 come
+    from one prose file of 36,000 tokens at a time (the window's text loss follows that file);
+    else from 12 new prose documents a step."""
+    import numpy as np
+
+    rng, detector, fired, total = np.random.default_rng(3), Stagnation(StagnationConfig()), [], 0.0
+    for step in range(1, 301):
+        metrics = long_file_metrics(step, 4.5 - 0.004 * step, [], stall=True)
+        if long_file:
+            total = 0.0 if step % 100 == 1 else total  # a new file every 100 steps
+            begun, mass = 4.0 + (step % 100 == 1), (total + 360) ** 2 - total**2 + 4 * 10**2
+            total += 360
+        else:
+            begun, mass = 16.0, 12 * 30**2 + 4 * 10**2
+        metrics.update({"loss/text": 5.0 + rng.normal(0, 0.05), "data/docs_new/text": begun})
+        metrics["data/docs_mass/text"] = mass
+        fired += [alarm.step for alarm in detector.check(step, metrics) if alarm.modality == "text"]
+    return fired
+
+
+def test_stagnation_counts_text_documents_by_their_tokens():
+    """Every image and code document brings a text token or two, so a document count says a
+    window of text came from hundreds of documents while one long prose file held 90 % of its
+    tokens. Counted by their token mass the window holds about one: not judged. The same stall
+    over many prose documents is reported."""
+    assert text_alarms(long_file=False)
+    assert text_alarms(long_file=True) == []
+
+
 def content_shift_alarms(
     data_shifts: bool, ramp: int = 30, detector: Stagnation | None = None, steps=range(1, 301)
 ) -> list[int]:

@@ -56,6 +56,7 @@ from train.names import CHECKPOINT_TOKENIZERS_FILE, MODEL_INPUTS
 from train.streams import TableCache, TokenStream
 from train.tasks.base import StepOutput
 from train.tasks.documents import KEY as DOCS_NEW
+from train.tasks.documents import MASS as DOCS_MASS
 from train.tasks.documents import DocumentCounter
 
 log = logging.getLogger(__name__)
@@ -529,6 +530,7 @@ class LMTask:
             out[f"tokens/{name}"] = n
             if DOCS_NEW + name in s:  # the stagnation rule's count (train/tasks/documents.py)
                 out[f"data/docs_new/{name}"] = s[DOCS_NEW + name]
+                out[f"data/docs_mass/{name}"] = s[DOCS_MASS + name]
             if n:
                 ce = s[f"ce_sum/{name}"] / n
                 out[f"loss/{name}"] = ce

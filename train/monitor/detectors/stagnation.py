@@ -53,8 +53,8 @@ class Stagnation:
     others' must exceed ``z`` standard errors (estimated from the steps' own spread). Structure markers are left out
     (learned in a few steps, they would make every other modality look slow), and the condition
     must hold for ``patience`` consecutive steps. A window is judged only when its tokens came from
-    at least ``min_docs`` documents of the modality (the documents new to it per step,
-    ``data/docs_new/<modality>``, counted from the loader's pieces table): over a few long files the loss follows each file's
+    at least ``min_docs`` documents of the modality, counted by their tokens (``documents``;
+    from the loader's pieces table): over a few long files the loss follows each file's
     difficulty, and no spread of its steps measures that. Nor is it judged when the modality's
     data changed difficulty between the windows (the unigram CE of its tokens, ``unigram/<m>``,
     moved by more than ``max_data_shift``), nor until two windows have passed since it did: the
@@ -84,8 +84,9 @@ class Stagnation:
         self.streak: dict[str, int] = {}
         self.share_best: dict[str, float] = {}
         self.latch = _Latch()
-        # per modality, the documents new to it in each of the last 2 x window steps (None: the
-        # step's metrics did not say, and the window is judged on its tokens alone)
+        # per modality, (documents new to it, their token mass's increase, its tokens) in each
+        # of the last 2 x window steps (None: the step's metrics did not say, and the window is
+        # judged on its tokens alone)
         self.docs: dict[str, deque] = {
             name: deque(maxlen=2 * cfg.window) for name in MODALITY_NAMES
         }
@@ -93,19 +94,26 @@ class Stagnation:
     def _add_docs(self, metrics: dict) -> None:
         for name in MODALITY_NAMES:
             begun = metrics.get(f"data/docs_new/{name}")
-            self.docs[name].append(None if begun is None else float(begun))
+            mass = float(metrics.get(f"data/docs_mass/{name}", 0.0))
+            tokens = float(metrics.get(f"tokens/{name}", 0.0))
+            self.docs[name].append(None if begun is None else (float(begun), mass, tokens))
 
     def documents(self, name: str, recent: bool = True) -> float | None:
-        """The documents of ``name`` that one window's tokens came from: those new to it in the
-        window's steps, plus the one under way when it opened (a long file spans windows); None
-        when a step did not say."""
-        counts = list(self.docs[name])
-        if len(counts) < (self.cfg.window if recent else 2 * self.cfg.window):
+        """The documents of ``name`` that one window's tokens came from, counted by their
+        tokens: those new to it in the window's steps plus the one under way when it opened (a
+        long file spans windows), or, when fewer, as many equally long documents as would hold
+        the window's tokens with the documents' token mass (train/tasks/documents.py: one long
+        file with a caption or two beside it is about one document); None when a step did not
+        say."""
+        steps = list(self.docs[name])
+        if len(steps) < (self.cfg.window if recent else 2 * self.cfg.window):
             return None  # not yet two windows
-        part = counts[-self.cfg.window :] if recent else counts[: -self.cfg.window]
-        if not part or any(begun is None for begun in part):
+        part = steps[-self.cfg.window :] if recent else steps[: -self.cfg.window]
+        if not part or any(entry is None for entry in part):
             return None
-        return 1.0 + sum(part)
+        begun, mass, tokens = (sum(column) for column in zip(*part))
+        count = 1.0 + begun
+        return min(count, max(1.0, tokens**2 / mass)) if mass > 0 else count
 
     def _note_moves(self, step: int) -> None:
         """The modalities whose data changed difficulty: the unigram CE of their tokens over the
@@ -508,6 +516,9 @@ class Stagnation:
         self.share_best = {key: float(value) for key, value in st["share_best"].items()}
         self.latch.load_state_dict(st["latch"])
         for name, counts in st["docs"].items():
-            self.docs[name] = deque(counts, maxlen=2 * self.cfg.window)
+            self.docs[name] = deque(
+                (None if entry is None else tuple(entry) for entry in counts),
+                maxlen=2 * self.cfg.window,
+            )
         self.heldout = [(int(step), dict(losses)) for step, losses in st["heldout"]]
         self.pending = {name: dict(found) for name, found in st["pending"].items()}
