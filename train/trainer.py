@@ -39,6 +39,7 @@ from train.dist import DistInfo, barrier
 from train.engine import config_hyperparameters
 from train.names import CONFIG_FILE, FINAL_FILE, HALTED_FILE
 from train.rng_state import rng_state, set_rng_state
+from train.safe_load import CheckpointError
 from train.skip_step import SkipStepAdamW, UpdateGate
 from train.step_sums import StepSums
 from train.streams import BatchStream
@@ -337,7 +338,14 @@ class Trainer:
         if own is None:
             notes.append(f"rank {self.dist.rank} had no predecessor: fresh RNG")
         else:
-            self.task.load_state_dict(own.get("task", {}))
+            try:
+                self.task.load_state_dict(own["task"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise CheckpointError(
+                    f"{self.checkpointer.dir / tag}: the task's state is not in the format this "
+                    f"code writes ({type(e).__name__}: {e}); resume from a checkpoint this "
+                    "version saved, or start the run over"
+                ) from None
             # Last, and nothing draws from the global RNG from here to the first step: a resumed
             # run draws exactly what the uninterrupted one drew.
             set_rng_state(own["rng"])

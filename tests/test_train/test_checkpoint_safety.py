@@ -10,9 +10,8 @@ DeepSpeed checkpoints written by real runs:
 - a one-process run compiles no DeepSpeed op;
 - a save that cannot be written (a file-size limit, as a full disk; a folder that cannot be
   written) says so, where, and that ``latest`` still names the intact previous checkpoint;
-  refused and damaged checkpoints (one of another ZeRO stage too) end the run with one line and
-  exit code 2; a checkpoint set
-  aside as damaged is reported damaged by later starts too, not missing; a first checkpoint
+  refused and damaged checkpoints (one of another ZeRO stage, a rank state of another format)
+  end the run with one line and exit code 2; a checkpoint set aside as damaged is reported damaged by later starts too, not missing; a first checkpoint
   complete but for ``latest`` (a kill between the two) is resumed from, with a warning.
 """
 
@@ -333,6 +332,30 @@ def test_a_resume_under_another_zero_stage_is_refused_with_one_line(runs, tiny_t
         f"earlyfuse-train: {step_folder(r, 2)} was written with ZeRO stage 2; this run uses 1. "
         "Resume with deepspeed.zero_stage=2." in p.stderr.splitlines()
     )
+
+
+def test_a_rank_state_of_another_format_is_refused_with_one_line(runs, tiny_tokens, tmp_path):
+    """The task's state of an older version (the document counter's memory without its token
+    totals): before, a ValueError from deep inside the counter, a traceback and exit code 1."""
+    from train.checkpoint import file_manifest
+
+    r = copy(runs, "zero0", tmp_path)
+    folder = step_folder(r, 3)
+    own = torch.load(folder / "rank_00000.pt", weights_only=True)
+    counter = own["task"]["documents"]
+    assert counter["previous"] and all(len(entry) == 4 for entry in counter["previous"])
+    counter["previous"] = [entry[:3] for entry in counter["previous"]]
+    torch.save(own, folder / "rank_00000.pt")
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["files"] |= file_manifest(folder, ["rank_00000.pt"])
+    (folder / "meta.json").write_text(json.dumps(meta))
+    p = train(base(tiny_tokens, r, 4), check=False)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert (
+        f"earlyfuse-train: {folder}: the task's state is not in the format this code writes"
+        in p.stderr
+    )
+    assert "or start the run over" in p.stderr
 
 
 def test_a_kill_between_the_first_meta_and_latest_resumes_from_it_with_a_warning(

@@ -687,7 +687,7 @@ class LMTask:
         return {"documents": self.documents.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.documents.load_state_dict(state.get("documents", {}))
+        self.documents.load_state_dict(state["documents"])
 
     def extra_files(self) -> dict[str, str]:
         # Beside the layout, in the checkpoint's manifest: the tokenizers its token data was made
