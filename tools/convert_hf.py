@@ -9,6 +9,7 @@ codes, which ship as remote code (``tools/hf_remote/modeling_earlyfuse.py``).
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from pathlib import Path
 
@@ -85,7 +86,8 @@ def qwen3_config(
     from transformers import Qwen3Config
 
     # rope_theta and torch_dtype are the transformers 4.x names; 5.x (typed without them) still
-    # takes them through **kwargs and maps them to rope_parameters and dtype. Both are supported.
+    # takes them through **kwargs, maps them to rope_parameters and dtype, and saves only those:
+    # readable_by_4x writes the old names back.
     return (config_class or Qwen3Config)(  # type: ignore[call-arg]
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.dim,
@@ -170,6 +172,20 @@ def generation_config(layout, tok):
     )
 
 
+def readable_by_4x(folder: Path, cfg, dtype: str) -> None:
+    """The transformers 4.x names beside 5.x's in the saved folder: 4.x reads the RoPE base from
+    ``rope_theta`` at the top of config.json (without it, silently its default 10,000: other
+    logits for a model trained at 500,000) and resolves the tokenizer by class name (5.x writes
+    ``TokenizersBackend``, which 4.x lacks; ``PreTrainedTokenizerFast`` is in both). 5.x reads
+    the old names too, to the same model."""
+    for name, fields in (
+        ("config.json", {"rope_theta": cfg.rope.theta, "torch_dtype": dtype}),
+        ("tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast"}),
+    ):
+        path = folder / name
+        path.write_text(json.dumps(json.loads(path.read_text()) | fields, indent=2) + "\n")
+
+
 def hf_tokenizer(tokenizer_json: Path, bos_id: int):
     """Our BPE as a ``PreTrainedTokenizerFast`` that starts every text with ``<|bos|>`` (a
     post-processor in tokenizer.json, which every loader of the file applies) and adds no eos,
@@ -198,6 +214,14 @@ def readme(rel, tok) -> str:
     lay = rel.vocab_layout
     grid = bool(rel.transformer_config.grid_embedding)
     load = 'from_pretrained("OUT", trust_remote_code=True)' if grid else 'from_pretrained("OUT")'
+    # A bf16 model computes in bf16: its greedy tokens part from earlyfuse-generate's (fp32)
+    # after a few steps on some prompts. Loaded as fp32 its logits are the release's.
+    bf16 = (
+        " once the weights are loaded as fp32 (`dtype=torch.float32` in `from_pretrained`: they "
+        "are stored in bf16, and bf16 arithmetic parts from it within a few tokens on some prompts)"
+        if rel.config.get("dtype") == "bfloat16"
+        else ""
+    )
     # AutoTokenizer reads config.json too: without the flag it asks on stdin whether to run
     # modeling_earlyfuse.py (the config class lives there).
     return f"""# earlyfuse model (Qwen3 architecture{" + row/column embeddings, remote code" if grid else ""})
@@ -218,7 +242,7 @@ Exported by `earlyfuse-convert hf` from `{rel.path}` (step {rel.step}). Load it 
 
 `generation_config.json` makes `model.generate` produce text only, like `earlyfuse-generate`: it
 lists every non-text id (pad, bos, structure markers, visual codes) in `suppress_tokens`, and
-stops at `<|eos|>`. Greedy decoding then gives the same tokens as `earlyfuse-generate`:
+stops at `<|eos|>`. Greedy decoding then gives the same tokens as `earlyfuse-generate`{bf16}:
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -319,6 +343,7 @@ def export_hf(release: str | Path, out: str | Path, *, force: bool = False, log=
     def write(folder: Path) -> None:
         model.save_pretrained(folder, safe_serialization=True)
         hf_tokenizer(rel.path / TOKENIZER, tok.bos_id).save_pretrained(folder)
+        readable_by_4x(folder, cfg, dtype)
         shutil.copy(rel.path / LAYOUT, folder / LAYOUT)
         if (rel.path / "visual_tokenizer").is_dir():
             shutil.copytree(rel.path / "visual_tokenizer", folder / "visual_tokenizer")

@@ -38,6 +38,10 @@ def test_a_bf16_release_exports_in_bf16(release, tmp_path):
     assert convert_main(["hf", str(half), str(tmp_path / "hf")]) == 0
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config.get("dtype", config.get("torch_dtype")) == "bfloat16", config
+    # loaded as it is stored it computes in bf16, and its greedy tokens part from ours
+    assert (
+        "`dtype=torch.float32` in `from_pretrained`" in (tmp_path / "hf" / "README.md").read_text()
+    )
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
     bf16 = Release(half).state_dict(dtype=None)["tok_embeddings.weight"]
@@ -94,6 +98,32 @@ def test_hf_export_gives_our_logits_on_text_images_and_video(
     assert tok.encode(text, add_special_tokens=False) == rel.text_tokenizer().encode(text)
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 0)
     assert json.loads((out / "vocab_layout.json").read_text()) == lay.to_dict()
+
+
+def test_the_export_names_its_rope_base_and_tokenizer_as_transformers_4x_reads_them(
+    release, tiny_tokens, tmp_path
+):
+    """A model trained at RoPE base 500,000 (the GPU presets'): transformers 4.x reads the base
+    from ``rope_theta`` at the top of config.json and, without it, loaded the export at 10,000
+    with other logits, silently; 5.x saves ``rope_parameters`` only. Both names are written,
+    and the model that 5.x loads from them still gives our logits."""
+    rel_dir = tmp_path / "rel"
+    shutil.copytree(release, rel_dir)
+    cfg = json.loads((rel_dir / "config.json").read_text())
+    cfg["model"]["rope"]["theta"] = 500000.0
+    (rel_dir / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "hf"
+    assert convert_main(["hf", str(rel_dir), str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_theta"] == 500000.0 and config["torch_dtype"] == "float32"
+    tok_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert tok_config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ours = Release(rel_dir).build_model().eval()
+    ids = torch.tensor(np.stack(documents(tiny_tokens, "text", 2, 128)), dtype=torch.long)
+    with torch.no_grad():
+        assert (ours(ids) - hf(input_ids=ids).logits).abs().max().item() <= 1e-4
+    assert transformers.AutoTokenizer.from_pretrained(out).bos_token_id == 1
 
 
 def test_a_feature_qwen3_lacks_is_refused_by_name(release, tmp_path, capsys):
