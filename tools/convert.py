@@ -8,8 +8,12 @@ the file, exit code 2; other OSErrors (a full disk) one line, exit code 1.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
+import re
 import sys
+from pathlib import Path
 
 from data.cli.common import USER_ERRORS
 
@@ -55,15 +59,35 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def write_failure(out, error: Exception) -> OSError | None:
+    """A full disk or a file-size limit that stopped writing OUT, in words, whoever raised it:
+    safetensors' writer ("I/O error: ... (os error 28)", no OSError), shutil's copy of a folder
+    (a list of every file's error) or a plain OSError naming the file it copied."""
+    from train.save_errors import write_failure_cause
+
+    if isinstance(error, ValueError):
+        return None
+    found = re.search(r"\[Errno (\d+)\]|\(os error (\d+)\)", str(error))
+    code = getattr(error, "errno", None) or (found and int(found.group(1) or found.group(2)))
+    if code not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        return None
+    cause = write_failure_cause(Path(out), OSError(code, os.strerror(code)))
+    return cause and type(cause)(f"{out} could not be written: {cause}; nothing was changed there")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
     try:
         args.run(args)
         return 0
-    except (ValueError, OSError) as e:  # ReleaseError, CheckpointError: ValueErrors naming the file
-        print(f"earlyfuse-convert {args.command}: error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, USER_ERRORS) else 1  # as earlyfuse-prep decides
+    except Exception as e:
+        found = write_failure(args.out, e) if getattr(args, "out", None) else None
+        if found is None and not isinstance(e, (ValueError, OSError)):
+            raise
+        # ReleaseError, CheckpointError: ValueErrors naming the file
+        print(f"earlyfuse-convert {args.command}: error: {found or e}", file=sys.stderr)
+        return 2 if isinstance(found or e, USER_ERRORS) else 1  # as earlyfuse-prep decides
 
 
 if __name__ == "__main__":

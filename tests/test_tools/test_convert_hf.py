@@ -155,6 +155,35 @@ def test_a_file_in_the_way_is_refused_or_replaced_with_force(release, tmp_path, 
     assert (out / "config.json").is_file()
 
 
+def test_weights_cut_short_by_a_file_size_limit_are_one_line(release, tmp_path):
+    """safetensors' writer reports a full disk or a file-size limit as its own error ("I/O
+    error: File too large (os error 27)"), not an OSError: before, a 26-line traceback. ``ulimit
+    -f`` in a subprocess stands in for the full disk."""
+    import signal
+    import subprocess
+    import sys
+
+    def limit_file_size() -> None:
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
+
+    out = tmp_path / "hf"
+    run = subprocess.run(
+        [sys.executable, "-m", "tools.convert", "hf", str(release), str(out)],
+        capture_output=True,
+        text=True,
+        preexec_fn=limit_file_size,
+    )
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    assert (
+        f"earlyfuse-convert hf: error: {out} could not be written: a file reached the file-size "
+        "limit of this process (ulimit -f: 65536 bytes); nothing was changed there"
+    ) in run.stderr.splitlines()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_write_that_fails_midway_leaves_no_half_made_export(
     release, tmp_path, monkeypatch, capsys
 ):
@@ -175,7 +204,7 @@ def test_a_write_that_fails_midway_leaves_no_half_made_export(
     out = tmp_path / "hf"
     monkeypatch.setattr(tools.convert_hf, "readme", full_disk)  # the last file, after the weights
     assert convert_main(["hf", str(release), str(out)]) == 1
-    assert "No space left on device" in capsys.readouterr().err
+    assert f"{out} could not be written: the disk is full" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # neither OUT nor OUT.partial
     monkeypatch.undo()
     assert convert_main(["hf", str(release), str(out)]) == 0
