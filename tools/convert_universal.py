@@ -6,11 +6,13 @@ DeepSpeed's ``ds_to_universal`` (docs/checkpoints.md, "Another world size").
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from data.cli.common import unwritable
-from data.shards.storage import Folder
+from data.shards.storage import Folder, write_folder
 from tools.convert_deepspeed import CheckpointError, add_run_dir, find_checkpoint
 from train.checkpoint import checkpoint_files, file_manifest, sync_to_disk
 from train.names import CHECKPOINTS_DIR, LATEST_FILE
@@ -55,46 +57,64 @@ def make_universal(
         raise CheckpointError(f"{out} exists (use --force to make it again)")
     if why := unwritable(ckpt.folder / "x"):  # before DeepSpeed's work (and --force's removal)
         raise CheckpointError(f"{out}: cannot be written ({why})")
-    shutil.rmtree(out, ignore_errors=True)
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
-    # ds_to_universal's options as its own parse_arguments() makes them. Our runs do not set
-    # Megatron's universal_checkpoint_info: DeepSpeed injects the default (no tensor or pipeline
-    # parallelism to undo, which is what we have).
-    options = argparse.Namespace(
-        input_folder=str(ckpt.folder),
-        output_folder=str(out),
-        num_extract_workers=1,
-        num_merge_workers=1,
-        keep_temp_folder=False,
-        strict=True,
-        inject_missing_state=True,
-    )
-    try:
-        with weights_only_loads():  # DeepSpeed's own loads there unpickle nothing but data
-            ds_to_universal(options)
-    except CheckpointError:
-        shutil.rmtree(out, ignore_errors=True)
-        raise
-    except (AssertionError, KeyError, RuntimeError, ValueError, OSError) as e:
-        # A full disk reaches DeepSpeed's writer as torch's "unexpected pos ...": the cause is
-        # found the trainer's way, before the partial folder it looks at is removed. It is the
-        # machine's (exit 1) or an unwritable folder's (exit 2), not the checkpoint's.
-        cause = write_failure_cause(out, e)
-        shutil.rmtree(out, ignore_errors=True)
-        if cause is not None:
-            raise type(cause)(
-                f"{out} could not be written: {cause}; nothing of it is left and {ckpt.tag} is "
-                "unchanged: run the same command again once this is fixed"
+    def write(folder: Path) -> None:
+        # ds_to_universal's options as its own parse_arguments() makes them. Our runs do not set
+        # Megatron's universal_checkpoint_info: DeepSpeed injects the default (no tensor or
+        # pipeline parallelism to undo, which is what we have).
+        options = argparse.Namespace(
+            input_folder=str(ckpt.folder),
+            output_folder=str(folder),
+            num_extract_workers=1,
+            num_merge_workers=1,
+            keep_temp_folder=False,
+            strict=True,
+            inject_missing_state=True,
+        )
+        try:
+            with weights_only_loads():  # DeepSpeed's own loads there unpickle nothing but data
+                ds_to_universal(options)
+        except CheckpointError:
+            raise
+        except (AssertionError, KeyError, RuntimeError, ValueError, OSError) as e:
+            # A full disk reaches DeepSpeed's writer as torch's "unexpected pos ...": the cause
+            # is found the trainer's way, in the partial folder before it is removed. It is the
+            # machine's (exit 1) or an unwritable folder's (exit 2), not the checkpoint's.
+            cause = write_failure_cause(folder, e)
+            if cause is not None:
+                raise type(cause)(
+                    f"{out} could not be written: {cause}; nothing of it is left and {ckpt.tag} "
+                    "is unchanged: run the same command again once this is fixed"
+                ) from None
+            raise CheckpointError(
+                f"{ckpt.folder}: DeepSpeed could not make a universal checkpoint ({e})"
             ) from None
-        raise CheckpointError(
-            f"{ckpt.folder}: DeepSpeed could not make a universal checkpoint ({e})"
-        ) from None
-    # Sizes and hashes of what was written, checked before a resume loads it.
+        # Sizes and hashes of what was written, checked before a resume loads it.
+        sync_to_disk()
+        files = file_manifest(folder, checkpoint_files(folder))
+        source = {"step": ckpt.meta.get("step"), "world_size": world, "zero_stage": stage}
+        Folder(folder).write_json("source.json", {**source, "files": files})
+
+    # Built whole beside it and moved into place: a conversion cut short (Ctrl-C, kill -9, a
+    # full disk) leaves no universal/, and --force keeps the old one until the new one is whole,
+    # out of the checkpoint folder meanwhile (DeepSpeed counts the model files under it).
+    old = None
+    if out.exists():
+        aside = tempfile.mkdtemp(prefix=f".{ckpt.tag}.{UNIVERSAL}-", dir=ckpt.folder.parent)
+        old = Path(aside) / UNIVERSAL
+        os.replace(out, old)
+    try:
+        write_folder(out, write)
+    except BaseException:
+        if old is not None and not out.exists():
+            os.replace(old, out)
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old.parent, ignore_errors=True)
+    (ckpt.folder / "latest_universal").write_text(UNIVERSAL)  # DeepSpeed's pointer, renamed too
     sync_to_disk()
-    files = file_manifest(out, checkpoint_files(out))
-    source = {"step": ckpt.meta.get("step"), "world_size": world, "zero_stage": stage}
-    Folder(out).write_json("source.json", {**source, "files": files})
     pointer = Path(ckpt.run_dir) / CHECKPOINTS_DIR / LATEST_FILE
     latest = pointer.read_text().strip() if pointer.is_file() else ckpt.tag
     resumes = (

@@ -16,7 +16,7 @@ import torch
 from trainrun import metrics, run_checkout, train
 
 from tools.convert import main as convert_main
-from train.checkpoint import Checkpointer
+from train.checkpoint import Checkpointer, verify_universal
 from train.dist import DistInfo
 from train.safe_load import CheckpointError
 
@@ -172,6 +172,35 @@ def test_a_damaged_universal_conversion_stops_only_the_resume_that_reads_it(zero
     (run / "checkpoints" / "step_00000002" / "universal" / "mp_rank_00_model_states.pt").unlink()
     with pytest.raises(CheckpointError, match=f"`earlyfuse-convert universal {run} --force`"):
         two.check_compatible("step_00000002", 1)
+
+
+def test_a_conversion_cut_short_leaves_the_previous_one_whole(zero1_run, tmp_path, monkeypatch):
+    """Before: --force deleted the old conversion first, and a conversion cut short (Ctrl-C, kill
+    -9) left a universal/ of part of the files, which the next command refused as "exists". Now
+    it is built beside it and moved into place whole."""
+    import deepspeed.checkpoint.ds_to_universal as ds
+
+    run = Path(shutil.copytree(zero1_run, tmp_path / "run"))
+    step = run / "checkpoints" / "step_00000002"
+    assert convert_main(["universal", str(run)]) == 0
+    before = {p: p.read_bytes() for p in (step / "universal").rglob("*") if p.is_file()}
+
+    def cut_short(args):
+        (Path(args.output_folder) / "zero").mkdir()
+        (Path(args.output_folder) / "zero" / "part.pt").write_bytes(b"x")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ds, "main", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        convert_main(["universal", str(run), "--force"])
+    after = {p: p.read_bytes() for p in (step / "universal").rglob("*") if p.is_file()}
+    assert after == before
+    assert not [p for p in step.parent.iterdir() if p.name.startswith(".")]  # nothing set aside
+    assert not (step / "universal.partial").exists()
+    monkeypatch.undo()
+    assert convert_main(["universal", str(run), "--force"]) == 0
+    assert (step / "latest_universal").read_text() == "universal"
+    assert verify_universal(step) == []
 
 
 def convert(*argv: str, file_size_limit: int | None = None) -> subprocess.CompletedProcess:
