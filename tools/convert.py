@@ -86,8 +86,25 @@ def main(argv: list[str] | None = None) -> int:
         if found is None and not isinstance(e, (ValueError, OSError)):
             raise
         # ReleaseError, CheckpointError: ValueErrors naming the file
-        print(f"earlyfuse-convert {args.command}: error: {found or e}", file=sys.stderr)
+        print(f"earlyfuse-convert {args.command}: error: {found or e}{live(args)}", file=sys.stderr)
         return 2 if isinstance(found or e, USER_ERRORS) else 1  # as earlyfuse-prep decides
+
+
+def live(args) -> str:
+    """What to add to an error reading a run that is training now: its trainer writes and
+    removes checkpoints while they are read (a file missing, a folder gone mid-read, a config
+    not yet copied), which would otherwise read as a damaged checkpoint or a disk's fault."""
+    from train.run_lock import holder_text, live_holder
+
+    run_dir = getattr(args, "run_dir", None)
+    holder = live_holder(Path(run_dir)) if run_dir else None
+    if holder is None:
+        return ""
+    return (
+        f" ({run_dir} is training now: {holder_text(holder)}; its trainer writes checkpoints "
+        "and removes older ones (train.keep_last) while this reads one: convert a checkpoint it "
+        "keeps with --step, or after the run)"
+    )
 
 
 if __name__ == "__main__":

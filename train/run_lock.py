@@ -87,6 +87,18 @@ def holder_text(holder: dict) -> str:
     return f"pid {holder.get('pid')} on host {holder.get('host')} (started {holder.get('started')})"
 
 
+def live_holder(run_dir: Path) -> dict | None:
+    """The run training in ``run_dir`` now, as its lock names it (None: none, or one that is
+    gone). Read, not locked: a check must not refuse a run that starts meanwhile. A holder on
+    another host cannot be checked from here and counts as live."""
+    holder = RunLock(run_dir).read_holder()
+    if not holder.get("pid"):
+        return None  # emptied by a run that ended, or never taken
+    if holder.get("host") != socket.gethostname():
+        return holder
+    return holder if pid_alive(int(holder["pid"]), holder.get("start")) else None
+
+
 class _Orphaned(Exception):
     """The file this process locked is no longer the one at the lock's path."""
 

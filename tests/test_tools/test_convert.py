@@ -399,6 +399,30 @@ def test_damaged_files_are_errors_naming_the_file(runs, tmp_path, capsys):
     assert not (tmp_path / "MARKER").exists()
 
 
+def test_an_error_reading_a_run_in_training_says_the_run_is_live(runs, tmp_path, capsys):
+    """A trainer writing a checkpoint every step and keeping one removed each checkpoint while
+    it was read: the errors blamed the checkpoint ("missing", "damaged") or the disk. An error
+    reading a run whose lock names a live process (here this one) says the run is training."""
+    import os
+    import socket
+
+    from train.run_lock import LOCK_NAME, process_start
+
+    run = tmp_path / "run"
+    shutil.copytree(runs[0], run)
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "start": process_start(os.getpid())}
+    (run / LOCK_NAME).write_text(json.dumps({**me, "started": "now"}))
+    assert convert_main(["release", str(run), str(tmp_path / "rel"), "--step", "9"]) == 2
+    err = capsys.readouterr().err
+    assert "no such checkpoint" in err and f"({run} is training now: pid {os.getpid()}" in err
+    assert "convert a checkpoint it keeps with --step, or after the run)" in err
+    # A lock a run left when it ended (emptied), or one naming a process that is gone: no word.
+    for left in ("", json.dumps({**me, "start": -1})):
+        (run / LOCK_NAME).write_text(left)
+        assert convert_main(["release", str(run), str(tmp_path / "rel"), "--step", "9"]) == 2
+        assert "training now" not in capsys.readouterr().err
+
+
 def test_a_release_starts_no_run_on_data_of_other_tokenizers(runs, tiny_tokens, tmp_path, capsys):
     """The release's fingerprints (text, layout, visual) against the tokenizers the run's data was
     made with: a visual tokenizer swapped under the same levels was accepted (only the layout and
