@@ -20,7 +20,15 @@ from unittest import mock
 import torch
 
 from data.cli.common import local_folder
-from train.checkpoint import META, TAG, read_meta, step_of_tag, tag_for, verify_folder
+from train.checkpoint import (
+    META,
+    TAG,
+    read_meta,
+    step_of_tag,
+    tag_for,
+    verify_folder,
+    why_missing,
+)
 from train.names import CHECKPOINTS_DIR, CONFIGS_DIR, LATEST_FILE
 from train.safe_load import CheckpointError, safe_torch_load, weights_only_loads
 
@@ -88,8 +96,16 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Checkpoint:
         tag = tag_for(step)
     if not TAG.match(tag) or not (root / tag).is_dir():
         named = f"{root / tag}" if step is not None else f"{root / LATEST_FILE} names {tag!r}"
-        raise CheckpointError(f"{named}: no such checkpoint; complete steps: {steps or 'none'}")
-    if problems := verify_folder(root / tag):  # meta.json first: one a save did not finish is named
+        # one an earlier start set aside as damaged is said to be that, not missing
+        why = why_missing(root, tag) if TAG.match(tag) else ""
+        what = why if " is damaged " in why else "no such checkpoint"
+        raise CheckpointError(f"{named}: {what}; complete steps: {steps or 'none'}")
+    if not (root / tag / META).is_file():
+        raise CheckpointError(
+            f"{root / tag}: an incomplete checkpoint (no {META}, which a save writes last: a save "
+            f"in progress, or one that did not finish); complete steps: {steps or 'none'}"
+        )
+    if problems := verify_folder(root / tag):
         more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
         raise CheckpointError(
             f"{root / tag}: damaged checkpoint: {'; '.join(problems[:3])}{more}; pick an intact "

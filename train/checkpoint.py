@@ -207,6 +207,17 @@ def warn(msg: str) -> None:
     print(f"warning: {msg}", file=sys.stderr, flush=True)
 
 
+def why_missing(checkpoints: Path, tag: str) -> str:
+    """Why checkpoint ``tag`` is not in ``checkpoints``: set aside as damaged by an earlier start
+    (its note says why), or gone."""
+    asides = sorted(Path(checkpoints).glob(f"{tag}{DAMAGED}*"))
+    if not asides:
+        return f"{Path(checkpoints) / tag} is missing"
+    note = asides[-1] / DAMAGED_NOTE
+    why = note.read_text().strip() if note.is_file() else "what was wrong was not recorded"
+    return f"{tag} is damaged ({why}); an earlier start set it aside as {asides[-1].name}"
+
+
 def universal_load(engine, on: bool) -> None:
     """Whether the engine's next ``load_checkpoint`` reads a universal checkpoint (the ZeRO
     optimizer then loads the per-parameter files of step_N/universal/ for this world size).
@@ -345,14 +356,7 @@ class Checkpointer:
         return None
 
     def _why_missing(self, tag: str) -> str:
-        """Why the checkpoint ``latest`` names is not there: set aside as damaged by an earlier
-        start (its note says why), or gone."""
-        asides = sorted(self.dir.glob(f"{tag}{DAMAGED}*"))
-        if not asides:
-            return f"{self.dir / tag} is missing"
-        note = asides[-1] / DAMAGED_NOTE
-        why = note.read_text().strip() if note.is_file() else "what was wrong was not recorded"
-        return f"{tag} is damaged ({why}); an earlier start set it aside as {asides[-1].name}"
+        return why_missing(self.dir, tag)
 
     def _set_aside(self, folder: Path, problems: list[str]) -> Path:
         aside, attempt = folder.with_name(folder.name + DAMAGED), 1

@@ -423,6 +423,27 @@ def test_an_error_reading_a_run_in_training_says_the_run_is_live(runs, tmp_path,
         assert "training now" not in capsys.readouterr().err
 
 
+def test_a_checkpoint_set_aside_or_not_finished_is_named_for_what_it_is(runs, tmp_path):
+    """Before: latest naming a folder an earlier start set aside as damaged was "no such
+    checkpoint" (the trainer says damaged, and why), and a folder without meta.json (a save in
+    progress) "damaged"."""
+    run = tmp_path / "run"
+    shutil.copytree(runs[0], run)
+    root = run / "checkpoints"
+    shutil.copytree(root / "step_00000003", root / "step_00000002")
+    (root / "step_00000002" / "meta.json").unlink()  # a save in progress
+    (root / "step_00000003").rename(root / "step_00000003.damaged")
+    (root / "step_00000003.damaged" / "DAMAGED.txt").write_text("rank_00000.pt: 0 bytes\n")
+    with pytest.raises(CheckpointError) as said:
+        make_release(run, tmp_path / "out", log=quiet)
+    assert str(said.value) == (
+        f"{root / 'latest'} names 'step_00000003': step_00000003 is damaged (rank_00000.pt: 0 "
+        "bytes); an earlier start set it aside as step_00000003.damaged; complete steps: none"
+    )
+    with pytest.raises(CheckpointError, match="step_00000002: an incomplete checkpoint .no meta"):
+        make_release(run, tmp_path / "out", step=2, log=quiet)
+
+
 def test_a_release_starts_no_run_on_data_of_other_tokenizers(runs, tiny_tokens, tmp_path, capsys):
     """The release's fingerprints (text, layout, visual) against the tokenizers the run's data was
     made with: a visual tokenizer swapped under the same levels was accepted (only the layout and
