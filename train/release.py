@@ -135,6 +135,16 @@ def flat(nested: dict, prefix: str = "") -> dict:
 
 
 # Settings of training or of the kernels, not of the function the weights compute: never reported.
+# The tokenize options that shape blocks (the rest, such as image_batch, change no token), and
+# earlyfuse-prep tokenize's flag for each
+BLOCK_OPTIONS = {
+    "image_max_pixels": "--image-max-pixels",
+    "video_max_pixels": "--video-max-pixels",
+    "video_fps": "--video-fps",
+    "video_max_tokens": "--video-max-tokens",
+    "max_block_tokens": "--max-block-tokens",
+    "doc_budget": "--doc-budget",
+}
 NOT_ARCHITECTURE = {
     "activation_checkpoint_every",
     "init_std",
@@ -250,6 +260,43 @@ class Release:
     def step(self) -> int | None:
         return self.config.get("source", {}).get("step")
 
+    def tokenize_command(self) -> str:
+        """The command that tokenizes data as this model's training data was: its tokenizers and
+        the block budgets its token manifest recorded (``config.json``'s ``tokenize``)."""
+        opts = self.config.get("tokenize") or {}
+        flags = "".join(
+            f" {flag} {opts[key]:g}" for key, flag in BLOCK_OPTIONS.items() if opts.get(key)
+        )
+        return (
+            f"earlyfuse-prep tokenize --tokenizer {self.path} --visual-tokenizer "
+            f"{self.path / VISUAL}{flags}"
+        )
+
+    def budget_differences(self, table) -> list[str]:
+        """The block budgets ``table``'s manifest records that differ from the training data's,
+        for the blocks it holds (an image budget matters only where there are images): its
+        images and videos are then of sizes the model did not train on, and its figures do not
+        compare with the run's. Empty: the same, or nothing recorded to compare."""
+        mine = self.config.get("tokenize") or {}
+        theirs = getattr(table, "tokenize_options", None) or {}
+        held = {
+            m
+            for got in getattr(table, "shard_blocks", [])
+            for m in ("image", "video")
+            if int(got[m]["blocks"])
+        }
+        out = []
+        for key in BLOCK_OPTIONS:
+            kind = key.split("_")[0]
+            concerns = {kind} if kind in ("image", "video") else {"image", "video"}
+            if key != "doc_budget" and not concerns & held:
+                continue
+            if key not in mine or key not in theirs:
+                continue
+            if theirs[key] != mine[key]:
+                out.append(f"{key} {theirs[key]:g}, the training data's {mine[key]:g}")
+        return out
+
     def check_token_tables(self, tables, what: str) -> None:
         """Token tables to score this model on must be made with its tokenizers: another
         tokenizer's ids fall inside the vocabulary and run, but mean other things to the model,
@@ -264,8 +311,7 @@ class Release:
                 raise ReleaseError(
                     f"{what}: source {table.name} ({table.manifest_url}) was tokenized with other "
                     f"tokenizers than {self.path} ({differ}): its ids mean other "
-                    "things to this model. Tokenize it with the release's own (earlyfuse-prep "
-                    f"tokenize --tokenizer {self.path} --visual-tokenizer {self.path / VISUAL})"
+                    f"things to this model. Tokenize it with the release's own ({self.tokenize_command()})"
                 )
 
     def verify_files(self) -> None:

@@ -257,6 +257,32 @@ def test_token_data_of_other_tokenizers_is_refused_naming_the_source(
     assert eval_main([str(debug_release), "--data", right, "--no-progress"]) == 0
 
 
+def test_held_out_images_of_other_sizes_than_the_training_data_are_warned_of(
+    debug_release, tiny_raw, tiny_tokenizers, tmp_path, capsys
+):
+    """Data tokenized with the release's tokenizers but the tokenize command's default budgets
+    (images up to 65,536 pixels where the run trained on 1,024: the command the refusal above
+    suggested) ran without a word, with figures far from the run's. The release records the
+    training data's budgets: a source whose images or videos were made with others is warned
+    of, with the command that makes them as the training data's were."""
+    from data.tokenize.encoder import TokenizeOptions
+    from data.tokenize.run import tokenize
+
+    budgets = TokenizeOptions(
+        image_max_pixels=48 * 48, video_max_pixels=32 * 32, video_max_tokens=240
+    )
+    tokenize(tiny_raw, tmp_path / "tokens", debug_release, tiny_tokenizers[1], opts=budgets)
+    argv = [str(debug_release), "--data", str(tmp_path / "tokens"), "--no-progress"]
+    assert eval_main([*argv, "--max-docs", "1", "--max-pairs", "0"]) == 0
+    err = capsys.readouterr().err
+    assert (
+        "WARNING: --data: source scenes was tokenized with other block budgets than the "
+        "release's training data (image_max_pixels 2304, the training data's 1024)"
+    ) in err
+    assert "source clips" not in err  # its videos are made as the training data's were
+    assert f"--visual-tokenizer {debug_release}/visual_tokenizer --image-max-pixels 1024" in err
+
+
 def test_blocks_longer_than_the_rows_are_said_to_be_left_out(
     debug_release, tiny_tokens, capsys, tmp_path
 ):

@@ -171,6 +171,16 @@ def evaluate(args) -> dict:
         raise ValueError(f"{rel.path}: a {rel.task} release; earlyfuse-eval takes a language model")
     val = source_tables(args.data)
     rel.check_token_tables(val, "--data")
+    for table in val:
+        if differ := rel.budget_differences(table):
+            print(
+                f"WARNING: --data: source {table.name} was tokenized with other block budgets "
+                f"than the release's training data ({'; '.join(differ)}): its images and videos "
+                "are at sizes the model did not train on, and its figures do not compare with "
+                f"the run's. Tokenize it as the training data was: {rel.tokenize_command()}",
+                file=sys.stderr,
+                flush=True,
+            )
     out: dict = {"release": str(rel.path), "step": rel.step, "data": str(args.data)}
     packing, origin = packing_options(args, rel)
     out.update(packing)
