@@ -302,6 +302,18 @@ def test_blocks_longer_than_the_rows_are_said_to_be_left_out(
     assert "--no-table needs --out FILE" in capsys.readouterr().err
     assert eval_main([str(debug_release), "--data", clips, "--no-progress"]) == 0
     assert "WARNING" not in capsys.readouterr().out
+    # Caption pairs too: each is scored alone in a row of its own length, which were positions
+    # the model never trained at; now left out of the dependence table, and said.
+    scenes = str(tiny_tokens / "scenes")
+    assert (
+        eval_main([str(debug_release), "--data", scenes, "--seq-len", "64", "--no-progress"]) == 0
+    )
+    printed = capsys.readouterr().out
+    assert (
+        "WARNING: pair documents longer than a row (64 tokens) left out of the dependence "
+        in printed
+    )
+    assert "scenes/caption" not in printed
 
 
 @pytest.mark.parametrize("flag", ["--seq-len", "--batch-rows", "--max-docs"])

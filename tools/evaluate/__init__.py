@@ -211,11 +211,16 @@ def evaluate(args) -> dict:
     out["heldout"] = heldout_losses(run, token_byte_lengths(gen.text), unigram, bigram)
     pairs: list = []
     per_group: Counter = Counter()  # pairs taken per (source, direction)
+    too_long: Counter = Counter()  # per source: pairs a row of seq_len does not hold
     for doc in documents(val, "pairs", progress) if args.max_pairs else ():
         pair = find_pair(doc.source, doc.key, doc.ids, doc.modality, doc.blocks)
-        if pair is not None and per_group[pair.source, pair.direction] < args.max_pairs:
+        if pair is not None and len(doc.ids) > packing["seq_len"]:
+            too_long[pair.source] += 1  # scored alone, at positions past the rows of the table
+        elif pair is not None and per_group[pair.source, pair.direction] < args.max_pairs:
             per_group[pair.source, pair.direction] += 1
             pairs.append(pair)
+    if too_long:
+        out["dependence_left_out"] = dict(sorted(too_long.items()))
     if pairs:
         say("dependence ...")
         out["dependence"] = dependence_gaps(run.model, pairs, device, progress=progress)

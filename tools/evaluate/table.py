@@ -88,6 +88,12 @@ def format_eval(ev: dict) -> str:
             )
     if lost := dropped_warning(ev):
         lines.append(lost)
+    if long_pairs := ev.get("dependence_left_out"):
+        lines.append(
+            f"WARNING: pair documents longer than a row ({ev.get('seq_len', '?')} tokens) left out "
+            "of the dependence table, unmeasured: "
+            + ", ".join(f"{k} {v}" for k, v in long_pairs.items())
+        )
     dep = ev.get("dependence") or {}
     if dep:
         lines.append(
