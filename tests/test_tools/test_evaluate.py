@@ -316,6 +316,29 @@ def test_blocks_longer_than_the_rows_are_said_to_be_left_out(
     assert "scenes/caption" not in printed
 
 
+def test_scene_settings_are_refused_first_and_too_few_scenes_said(
+    debug_release, tiny_tokens, tiny_corpus, capsys
+):
+    """A negative --draw-temperature was refused after every other part (about 25 s on the demo),
+    the table lost; with fewer than 2 single-shape scenes the scenes part gave nothing, unsaid
+    (and took any drawing setting)."""
+
+    scenes = str(tiny_corpus / "scenes" / "scenes.jsonl")
+    base = [str(debug_release), "--data", str(tiny_tokens / "scenes"), "--no-progress"]
+    for flag, value, said in (
+        ("--draw-temperature", "-1", "--draw-temperature: temperature -1.0: must be 0 (greedy)"),
+        ("--draw-guidance", "nan", "--draw-guidance nan: must be a finite number (1: off)"),
+    ):
+        assert eval_main([*base, "--verbose", "--scenes", scenes, flag, value]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "held-out losses ..." not in err  # before any part, not after
+    assert eval_main([*base, "--max-docs", "1", "--scenes", scenes, "--max-scenes", "1"]) == 0
+    assert (
+        "scenes: 1 single-shape scene(s) found; at least 2 are needed (each is scored against "
+        "another for chance): not scored"
+    ) in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("flag", ["--seq-len", "--batch-rows", "--max-docs"])
 def test_a_row_length_or_batch_below_one_is_refused_by_name(flag, capsys):
     """0 would silently mean "not given" (--max-docs 0 evaluated every document, --max-pairs 0

@@ -110,6 +110,11 @@ def format_eval(ev: dict) -> str:
             if row["gap"] is None:
                 lines[-1] += " (one pair: no other document's context to swap in)"
     scene_figs = ev.get("scenes") or {}
+    if scene_figs and not scene_figs.get("draw"):
+        lines.append(
+            f"scenes: {scene_figs.get('scenes', 0)} single-shape scene(s) found; at least 2 are "
+            "needed (each is scored against another for chance): not scored"
+        )
     if scene_figs.get("draw"):
         guidance = scene_figs.get("draw_guidance", 1.0)
         guided = f" with classifier-free guidance {guidance:g}" if guidance != 1.0 else ""
