@@ -122,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     # what a single request would ignore (a batch's lines say their own)
     if args.code and (args.image or args.draw is not None or args.batch):
         parser.error("--code is --prompt's (code to continue; a --batch line says its own 'code')")
+    if args.code and not args.prompt and not args.batch:
+        parser.error(
+            "--code needs a --prompt (the code to continue): an empty one marks nothing as code"
+        )
     if args.draw is not None and args.max_new_tokens is not None:
         parser.error("--max-new-tokens is text's and captions': a drawing's length is its grid")
     if args.max_size is not None and args.max_size < 1:

@@ -376,17 +376,25 @@ class Generator:
             raise ReleaseError(str(e)) from None
         if not -(2**63) <= sampling["seed"] < 2**64:  # what torch.Generator takes
             raise ReleaseError(f"seed {sampling['seed']}: must fit in 64 bits")
-        cuts = any(req.get(key) is not None for key in ("top_k", "top_p"))  # the line's own
-        if cuts and sampling["temperature"] == 0 and (sampling["top_k"] or sampling["top_p"] < 1):
-            raise ReleaseError(  # greedy would ignore them, and the seed with them
-                "'top_k' and 'top_p' shape a sample, and temperature 0 is greedy: give a "
+        cuts = any(req.get(key) is not None for key in ("top_k", "top_p", "seed"))  # its own
+        shaped = sampling["top_k"] or sampling["top_p"] < 1 or req.get("seed") is not None
+        if cuts and sampling["temperature"] == 0 and shaped:
+            raise ReleaseError(  # greedy would ignore them, as the command line refuses them
+                "'top_k', 'top_p' and 'seed' shape a sample, and temperature 0 is greedy: give a "
                 "'temperature' too (e.g. 1)"
             )
+        if req.get("caption") and req.get("image") is None:
+            raise ReleaseError("'caption' needs 'image' (the picture to caption)")
         if req.get("draw") is None and (drawing := [k for k in DRAWING if req.get(k) is not None]):
             raise ReleaseError(f"'{drawing[0]}' is a draw request's key (this line draws nothing)")
         if req.get("code") and (req.get("prompt") is None or req.get("image") is not None):
             raise ReleaseError(
                 "'code' is a prompt's (code to continue), not a caption's or a draw's"
+            )
+        if req.get("code") and not req["prompt"]:
+            raise ReleaseError(
+                "'code' needs a prompt (the code to continue): an empty one marks nothing as "
+                "code, and the model would continue plain text"
             )
         if req.get("draw") is not None:
             if not req.get("out"):

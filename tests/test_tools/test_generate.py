@@ -298,12 +298,23 @@ def test_top_k_or_top_p_without_a_temperature_is_refused(release, tmp_path, caps
     requests.write_text(
         '{"prompt": "x", "top_k": 5}\n{"prompt": "x", "top_k": 5, "temperature": 1}\n'
         '{"prompt": "x", "temperature": 0}\n'  # greedy on purpose beside --top-p's default: runs
+        # a line's own seed at temperature 0 (ran greedy, the seed ignored); a caption without an
+        # image (ran as text); code with no prompt (nothing marked code: plain text)
+        '{"prompt": "x", "seed": 7}\n{"prompt": "hi", "caption": true}\n'
+        '{"prompt": "", "code": true}\n'
     )
     argv = [str(release), "--batch", str(requests), "--max-new-tokens", "2", "--top-p", "0.9"]
     assert generate_main(argv) == 3
-    first, second, third = (json.loads(line) for line in capsys.readouterr().out.splitlines())
-    assert "'top_k' and 'top_p' shape a sample" in first["error"] and "error" not in second
-    assert "error" not in third
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    first, second, third, seeded, caption, code = records
+    assert "'top_k', 'top_p' and 'seed' shape a sample" in first["error"]
+    assert "error" not in second and "error" not in third
+    assert "'top_k', 'top_p' and 'seed' shape a sample" in seeded["error"]
+    assert caption["error"] == "'caption' needs 'image' (the picture to caption)"
+    assert code["error"].startswith("'code' needs a prompt (the code to continue)")
+    with pytest.raises(SystemExit):
+        generate_main([str(release), "--prompt", "", "--code"])
+    assert "--code needs a --prompt (the code to continue)" in capsys.readouterr().err
     utf16 = tmp_path / "utf16.jsonl"  # PowerShell's > writes UTF-16: one line for the file
     utf16.write_text('{"prompt": "x"}\n', encoding="utf-16")
     assert generate_main([str(release), "--batch", str(utf16)]) == 2
