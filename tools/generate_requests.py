@@ -490,4 +490,9 @@ def run_batch(gen: Generator, path: str, dest: str | None, defaults: dict) -> in
             f"earlyfuse-generate: {failed} of {requests} request(s) failed (see their 'error')",
             file=sys.stderr,
         )
+    if not requests:  # nothing written and nothing said looked like a batch lost
+        print(
+            f"earlyfuse-generate: no request in {path} (empty, or blank lines only)",
+            file=sys.stderr,
+        )
     return 1 if broke else EXIT_REJECTS if failed else 0  # 3: done, the failed lines listed

@@ -192,6 +192,8 @@ def writable(path: str | Path, *, image: bool = False, error: type[Exception] = 
     """``path``, refused (by ``error``) before any work when a file cannot be written there or
     (``image``) its name ends in what Pillow writes no RGB image as (no ending: a PNG); nothing
     is made (its folder: ``with_folder`` when it is written)."""
+    if str(path).endswith(("/", os.sep)):  # Path() drops the slash that says "a folder"
+        raise error(f"{path}: a folder; give a file name")
     path = Path(path)
     if why := unwritable(path):
         raise error(f"{path}: cannot write there ({why})")

@@ -315,6 +315,15 @@ def test_top_k_or_top_p_without_a_temperature_is_refused(release, tmp_path, caps
     with pytest.raises(SystemExit):
         generate_main([str(release), "--prompt", "", "--code"])
     assert "--code needs a --prompt (the code to continue)" in capsys.readouterr().err
+    blank = tmp_path / "blank.jsonl"  # exit 0 and not a word: read as a batch lost
+    blank.write_text("\n  \n")
+    assert generate_main([str(release), "--batch", str(blank)]) == 0
+    assert f"no request in {blank} (empty, or blank lines only)" in capsys.readouterr().err
+    # "outdir/" means a folder: it wrote a file named outdir
+    argv = [str(release), "--draw", "x", "--temperature", "1", "--out", f"{tmp_path / 'outdir'}/"]
+    assert generate_main(argv) == 2
+    assert f"{tmp_path / 'outdir'}/: a folder; give a file name" in capsys.readouterr().err
+    assert not (tmp_path / "outdir").exists()
     utf16 = tmp_path / "utf16.jsonl"  # PowerShell's > writes UTF-16: one line for the file
     utf16.write_text('{"prompt": "x"}\n', encoding="utf-16")
     assert generate_main([str(release), "--batch", str(utf16)]) == 2

@@ -20,7 +20,7 @@ EVAL_FILE = "heldout_eval.json"  # in a run folder: earlyfuse-report shows it
 EXAMPLES = """\
 examples:
   earlyfuse-eval runs/demo/release --data runs/demo/val_tokens --train-data runs/demo/tokens \\
-      --scenes runs/demo/val_corpus/scenes/scenes.jsonl --out runs/demo/lm/heldout_eval.json
+      --scenes runs/demo/val_raw --max-pairs 60 --max-scenes 40 --draw-guidance 2   # make demo's
   earlyfuse-eval releases/x --data val_tokens --max-docs 200 --device cuda
   earlyfuse-eval releases/mine --data tokens/val --train-data tokens   # ingest --val-fraction's split
   earlyfuse-eval releases/mine --data s3://bucket/tokens/val              # any fsspec URL
