@@ -151,12 +151,18 @@ def run(args: argparse.Namespace) -> None:
             f"{run_dir} already has a checkpoint ({latest.read_text().strip()}): a run that resumes "
             "ignores train.init_from. Choose a new run folder or remove its checkpoints/."
         )
-    overrides = [
-        override
-        for override in args.overrides
-        if not override.startswith(("run_dir=", "train.init_from="))
-    ]
-    tail = [f"run_dir={run_dir}", f"train.init_from={rel.path.resolve()}"]
+    own = {"run_dir": str(run_dir), "train.init_from": str(rel.path.resolve())}
+    tail = [f"{key}={value}" for key, value in own.items()]
+    overrides = []
+    for override in args.overrides:  # RUN_DIR and RELEASE say these two: not dropped unsaid
+        key, _, value = override.lstrip("+~").partition("=")
+        if key not in own:
+            overrides.append(override)
+        elif Path(value).resolve() != Path(own[key]).resolve():
+            raise ReleaseError(
+                f"{override}: {key} is this command's {'RUN_DIR' if key == 'run_dir' else 'RELEASE'} "
+                f"({own[key]}); give it there, not as an override"
+            )
     if overrides:
         diff, sp = check_against_run(rel, state, overrides + tail, args.config_dir)
         checked = "tokenizers" if rel.config.get("tokenizers") else "no tokenizers: none recorded"

@@ -238,6 +238,16 @@ def test_import_starts_a_run_with_exactly_the_release_weights(runs, tiny_tokens,
     assert convert_main(["import", str(rel), str(new), *args, "model.dim=32"]) == 2
     err = capsys.readouterr().err
     assert "tok_embeddings.weight" in err and "model.dim: release 64, run 32" in err
+    # RUN_DIR and RELEASE name these two: another value given as an override was dropped unsaid
+    for override, said in (
+        (f"run_dir={tmp_path / 'other'}", f"run_dir is this command's RUN_DIR ({new})"),
+        (
+            f"train.init_from={tmp_path}",
+            f"train.init_from is this command's RELEASE ({rel.resolve()})",
+        ),
+    ):
+        assert convert_main(["import", str(rel), str(new), *args, override]) == 2
+        assert f"{override}: {said}; give it there, not as an override" in capsys.readouterr().err
 
     p = train([*args, f"train.init_from={rel}"])
     assert "initialised from release" in p.stdout
