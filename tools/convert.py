@@ -12,6 +12,8 @@ import errno
 import importlib
 import os
 import re
+import shutil
+import socket
 import sys
 from pathlib import Path
 
@@ -61,15 +63,19 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def write_failure(out, error: Exception) -> OSError | None:
     """A full disk or a file-size limit that stopped writing OUT, in words, whoever raised it:
-    safetensors' writer ("I/O error: ... (os error 28)", no OSError), shutil's copy of a folder
-    (a list of every file's error) or a plain OSError naming the file it copied."""
+    an OSError saying so, safetensors' writer ("I/O error: ... (os error 28)", no OSError) or
+    shutil's copy of a folder (a list of every file's error). Other OSErrors (write_folder's own
+    "not replaced ...; the previous one is in ...") are said as they are."""
     from train.save_errors import write_failure_cause
 
-    if isinstance(error, ValueError):
+    if isinstance(error, OSError) and not isinstance(error, shutil.Error):
+        code = error.errno
+    elif isinstance(error, ValueError):
         return None
-    found = re.search(r"\[Errno (\d+)\]|\(os error (\d+)\)", str(error))
-    code = getattr(error, "errno", None) or (found and int(found.group(1) or found.group(2)))
-    if code not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+    else:
+        found = re.search(r"\[Errno (\d+)\]|\(os error (\d+)\)", str(error))
+        code = found and int(found.group(1) or found.group(2))
+    if code not in (errno.ENOSPC, errno.EFBIG):
         return None
     cause = write_failure_cause(Path(out), OSError(code, os.strerror(code)))
     return cause and type(cause)(f"{out} could not be written: {cause}; nothing was changed there")
@@ -86,24 +92,30 @@ def main(argv: list[str] | None = None) -> int:
         if found is None and not isinstance(e, (ValueError, OSError)):
             raise
         # ReleaseError, CheckpointError: ValueErrors naming the file
-        print(f"earlyfuse-convert {args.command}: error: {found or e}{live(args)}", file=sys.stderr)
+        said = str(found or e)
+        print(f"earlyfuse-convert {args.command}: error: {said}{live(args, said)}", file=sys.stderr)
         return 2 if isinstance(found or e, USER_ERRORS) else 1  # as earlyfuse-prep decides
 
 
-def live(args) -> str:
-    """What to add to an error reading a run that is training now: its trainer writes and
-    removes checkpoints while they are read (a file missing, a folder gone mid-read, a config
-    not yet copied), which would otherwise read as a damaged checkpoint or a disk's fault."""
+def live(args, said: str) -> str:
+    """What to add to an error reading the checkpoints of a run that is training now (one that
+    names its run folder): its trainer writes and removes checkpoints while they are read (a
+    file missing, a folder gone mid-read, a config not yet copied), which would otherwise read
+    as a damaged checkpoint or a disk's fault."""
     from train.run_lock import holder_text, live_holder
 
     run_dir = getattr(args, "run_dir", None)
-    holder = live_holder(Path(run_dir)) if run_dir else None
+    if args.command not in ("release", "universal") or not run_dir or str(run_dir) not in said:
+        return ""
+    holder = live_holder(Path(run_dir))
     if holder is None:
         return ""
+    here = holder.get("host") == socket.gethostname()
     return (
-        f" ({run_dir} is training now: {holder_text(holder)}; its trainer writes checkpoints "
-        "and removes older ones (train.keep_last) while this reads one: convert a checkpoint it "
-        "keeps with --step, or after the run)"
+        f" ({run_dir} {'is' if here else 'may be'} training now: {holder_text(holder)}"
+        f"{'' if here else ', a host this cannot check from here'}; its trainer writes "
+        "checkpoints and removes older ones (train.keep_last) while this reads one: convert a "
+        "checkpoint it keeps with --step, or after the run)"
     )
 
 

@@ -217,8 +217,9 @@ def readme(rel, tok) -> str:
     # A bf16 model computes in bf16: its greedy tokens part from earlyfuse-generate's (fp32)
     # after a few steps on some prompts. Loaded as fp32 its logits are the release's.
     bf16 = (
-        " once the weights are loaded as fp32 (`dtype=torch.float32` in `from_pretrained`: they "
-        "are stored in bf16, and bf16 arithmetic parts from it within a few tokens on some prompts)"
+        " once the weights are loaded as fp32 (`dtype=torch.float32` in `from_pretrained`, "
+        "`torch_dtype=` before transformers 4.56: they are stored in bf16, and bf16 arithmetic "
+        "parts from it within a few tokens on some prompts)"
         if rel.config.get("dtype") == "bfloat16"
         else ""
     )

@@ -303,8 +303,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=["fp32", "bf16"],
         default="fp32",
-        help="weight dtype stored (default fp32; an LM release keeps its visual tokenizer in "
-        "fp32, a visual tokenizer's own release in bf16 encodes some positions to other codes)",
+        help="weight dtype stored (default fp32). An LM release's visual tokenizer stays fp32 "
+        "either way; a visual-tokenizer run released in bf16 encodes some positions to other codes",
     )
     parser.add_argument(
         "--tokenizers",

@@ -53,6 +53,12 @@ def make_universal(
             "start a new run from them with train.init_from"
         )
     out = ckpt.folder / UNIVERSAL
+    prefix = f".{ckpt.tag}.{UNIVERSAL}-"
+    for left in sorted(ckpt.folder.parent.glob(f"{prefix}*")):  # by a --force killed mid-way
+        if (left / UNIVERSAL).is_dir() and not out.exists():
+            os.replace(left / UNIVERSAL, out)
+            log(f"{out}: restored (a conversion with --force cut short had set it aside)")
+        shutil.rmtree(left, ignore_errors=True)
     if out.exists() and not force:
         raise CheckpointError(f"{out} exists (use --force to make it again)")
     if why := unwritable(ckpt.folder / "x"):  # before DeepSpeed's work (and --force's removal)
@@ -99,20 +105,19 @@ def make_universal(
     # Built whole beside it and moved into place: a conversion cut short (Ctrl-C, kill -9, a
     # full disk) leaves no universal/, and --force keeps the old one until the new one is whole,
     # out of the checkpoint folder meanwhile (DeepSpeed counts the model files under it).
-    old = None
-    if out.exists():
-        aside = tempfile.mkdtemp(prefix=f".{ckpt.tag}.{UNIVERSAL}-", dir=ckpt.folder.parent)
-        old = Path(aside) / UNIVERSAL
-        os.replace(out, old)
+    aside = None
     try:
+        if out.exists():
+            aside = Path(tempfile.mkdtemp(prefix=prefix, dir=ckpt.folder.parent))
+            os.replace(out, aside / UNIVERSAL)
         write_folder(out, write)
     except BaseException:
-        if old is not None and not out.exists():
-            os.replace(old, out)
+        if aside is not None and (aside / UNIVERSAL).is_dir() and not out.exists():
+            os.replace(aside / UNIVERSAL, out)
         raise
     finally:
-        if old is not None:
-            shutil.rmtree(old.parent, ignore_errors=True)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
     (ckpt.folder / "latest_universal").write_text(UNIVERSAL)  # DeepSpeed's pointer, renamed too
     sync_to_disk()
     pointer = Path(ckpt.run_dir) / CHECKPOINTS_DIR / LATEST_FILE

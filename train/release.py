@@ -123,6 +123,11 @@ def check_state(
         )
 
 
+def number(value) -> str:
+    """A budget as a flag takes it: 1048576, not ``:g``'s 1.04858e+06; 4 for 4.0, 2.5 kept."""
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
 def flat(nested: dict, prefix: str = "") -> dict:
     """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: config sections as dotted keys."""
     out = {}
@@ -134,7 +139,6 @@ def flat(nested: dict, prefix: str = "") -> dict:
     return out
 
 
-# Settings of training or of the kernels, not of the function the weights compute: never reported.
 # The tokenize options that shape blocks (the rest, such as image_batch, change no token), and
 # earlyfuse-prep tokenize's flag for each
 BLOCK_OPTIONS = {
@@ -145,6 +149,7 @@ BLOCK_OPTIONS = {
     "max_block_tokens": "--max-block-tokens",
     "doc_budget": "--doc-budget",
 }
+# Settings of training or of the kernels, not of the function the weights compute: never reported.
 NOT_ARCHITECTURE = {
     "activation_checkpoint_every",
     "init_std",
@@ -265,7 +270,7 @@ class Release:
         the block budgets its token manifest recorded (``config.json``'s ``tokenize``)."""
         opts = self.config.get("tokenize") or {}
         flags = "".join(
-            f" {flag} {opts[key]:g}" for key, flag in BLOCK_OPTIONS.items() if opts.get(key)
+            f" {flag} {number(opts[key])}" for key, flag in BLOCK_OPTIONS.items() if opts.get(key)
         )
         return (
             f"earlyfuse-prep tokenize --tokenizer {self.path} --visual-tokenizer "
@@ -287,14 +292,16 @@ class Release:
         }
         out = []
         for key in BLOCK_OPTIONS:
-            kind = key.split("_")[0]
-            concerns = {kind} if kind in ("image", "video") else {"image", "video"}
-            if key != "doc_budget" and not concerns & held:
-                continue
-            if key not in mine or key not in theirs:
+            # the block bound shapes any visual block; a document's budget is shared out to its
+            # videos (its text and images keep theirs)
+            concerns = {
+                "max_block_tokens": {"image", "video"},
+                "doc_budget": {"video"},
+            }.get(key, {key.split("_")[0]})
+            if not concerns & held or key not in mine or key not in theirs:
                 continue
             if theirs[key] != mine[key]:
-                out.append(f"{key} {theirs[key]:g}, the training data's {mine[key]:g}")
+                out.append(f"{key} {number(theirs[key])}, the training data's {number(mine[key])}")
         return out
 
     def check_token_tables(self, tables, what: str) -> None:

@@ -197,6 +197,13 @@ def test_a_conversion_cut_short_leaves_the_previous_one_whole(zero1_run, tmp_pat
     assert after == before
     assert not [p for p in step.parent.iterdir() if p.name.startswith(".")]  # nothing set aside
     assert not (step / "universal.partial").exists()
+    # kill -9 after the old one was set aside: the next command puts it back first
+    aside = step.parent / ".step_00000002.universal-abc"
+    aside.mkdir()
+    (step / "universal").rename(aside / "universal")
+    assert convert_main(["universal", str(run)]) == 2  # it exists again: --force to remake it
+    assert {p: p.read_bytes() for p in (step / "universal").rglob("*") if p.is_file()} == before
+    assert not aside.exists()
     monkeypatch.undo()
     assert convert_main(["universal", str(run), "--force"]) == 0
     assert (step / "latest_universal").read_text() == "universal"

@@ -67,6 +67,13 @@ def test_generated_codes_are_not_judged_before_the_model_has_drawn_like_the_data
     assert fired([(0.29, 0.08), (0.42, 0.17), (0.42, 0.0)], ref=0.19, ref_entropy=0.38) == []
     assert fired([(0.93, 0.9), (0.05, 0.0), (0.06, 0.0)], ref=0.47, ref_entropy=0.47) == []
     assert fired([(0.51, 0.64), (0.14, 0.14), (0.09, 0.0)], ref=0.47, ref_entropy=0.47) == [200]
+    # Photos (codes of entropy 0.8): an untrained model's noise passes for them during the lr's
+    # warmup and does not arm the rule; drawings like them after it do.
+    warm = Monitor(MonitorConfig(), total_steps=1000, warmup_steps=300)
+    assert probe(warm, 100, 0.88, 0.9, ref=0.8, ref_entropy=0.8) == []
+    assert probe(warm, 200, 0.05, 0.0, ref=0.8, ref_entropy=0.8) == []
+    assert probe(warm, 300, 0.7, 0.7, ref=0.8, ref_entropy=0.8) == []
+    assert probe(warm, 400, 0.05, 0.0, ref=0.8, ref_entropy=0.8) == ["gen_code_entropy"]
     # A collapse found on the model's own earlier drawings; the arming survives a resume.
     first = Monitor(MonitorConfig(), total_steps=1000)
     probe(first, 100, 0.51, 0.64, ref=0.47)

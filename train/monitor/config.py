@@ -153,8 +153,9 @@ class StagnationConfig(Detector):
     # document's chunks arrive over neighbouring steps; 1: every step independent)
     block_steps: int = 5
     # a window is judged only when its tokens of the modality came from at least this many
-    # documents (those new to it in the window, plus the one under way): whole long files otherwise make
-    # the modality's loss follow each file's difficulty (data/docs_new/<modality>)
+    # documents (those new to it in the window plus the one under way, or fewer by their token
+    # mass: data/docs_new/<m>, data/docs_mass/<m>): whole long files otherwise make the
+    # modality's loss follow each file's difficulty
     min_docs: int = 8
     # a window is judged only when the modality's data kept its difficulty: the unigram CE of
     # its tokens (unigram/<modality>) over the newest half window within this fraction of the

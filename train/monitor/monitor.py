@@ -79,6 +79,7 @@ class Monitor:
     ) -> None:
         self.cfg, self.total = cfg, total_steps
         self.heldout_every = heldout_every  # train.eval_every of a run with held-out data, else 0
+        self.warmup_steps = warmup_steps
         self.divergence = Divergence(cfg.divergence)
         self.detectors: dict[str, Divergence | Collapse | Stagnation | Drift | DataCodeUse] = {
             "divergence": self.divergence
@@ -271,7 +272,8 @@ class Monitor:
             # then one background code a drawing (small corpora at step 100), a model that has
             # not learned to draw yet, not one that collapsed. A probe arms the rule when its
             # drawings pass both halves and their entropy is nearer the data's than a uniform
-            # draw's.
+            # draw's, after the lr's warmup (on data of high code entropy, photos, an untrained
+            # model's noise could pass for the data's).
             drawn = values["monitor/gen_code_entropy"]
             variety = values.get("monitor/gen_image_diversity", 0.0)
             data_variety = values.get("monitor/ref_image_diversity")
@@ -279,7 +281,7 @@ class Monitor:
             alike = data_variety is not None and variety < probe_cfg.min_ratio * data_variety
             if (
                 data_variety is not None
-                and step >= probe_cfg.min_steps
+                and step >= max(probe_cfg.min_steps, self.warmup_steps)
                 and not (few or alike)
                 and drawn <= (1.0 + values["monitor/ref_code_entropy"]) / 2
             ):
