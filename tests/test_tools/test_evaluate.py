@@ -281,6 +281,10 @@ def test_held_out_images_of_other_sizes_than_the_training_data_are_warned_of(
     ) in err
     assert "source clips" not in err  # its videos are made as the training data's were
     assert f"--visual-tokenizer {debug_release}/visual_tokenizer --image-max-pixels 1024" in err
+    # as the flags take them: a million pixels was written 1.04858e+06, which they refuse
+    from train.release import number
+
+    assert [number(v) for v in (1048576, 4.0, 2.5)] == ["1048576", "4", "2.5"]
 
 
 def test_blocks_longer_than_the_rows_are_said_to_be_left_out(
