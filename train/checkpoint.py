@@ -210,7 +210,12 @@ def warn(msg: str) -> None:
 def why_missing(checkpoints: Path, tag: str) -> str:
     """Why checkpoint ``tag`` is not in ``checkpoints``: set aside as damaged by an earlier start
     (its note says why), or gone."""
-    asides = sorted(Path(checkpoints).glob(f"{tag}{DAMAGED}*"))
+
+    def attempt(path: Path) -> int:  # step_N.damaged, .damaged2, ... .damaged10: by number
+        number = path.name.removeprefix(f"{tag}{DAMAGED}")
+        return int(number) if number.isdigit() else 1
+
+    asides = sorted(Path(checkpoints).glob(f"{tag}{DAMAGED}*"), key=attempt)
     if not asides:
         return f"{Path(checkpoints) / tag} is missing"
     note = asides[-1] / DAMAGED_NOTE

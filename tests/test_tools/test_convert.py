@@ -452,6 +452,13 @@ def test_a_checkpoint_set_aside_or_not_finished_is_named_for_what_it_is(runs, tm
     )
     with pytest.raises(CheckpointError, match="step_00000002: an incomplete checkpoint .no meta"):
         make_release(run, tmp_path / "out", step=2, log=quiet)
+    for attempt in (2, 10):  # the newest note is the highest attempt's (10 sorted before 2)
+        (root / f"step_00000003.damaged{attempt}").mkdir()
+        (root / f"step_00000003.damaged{attempt}" / "DAMAGED.txt").write_text(f"attempt {attempt}")
+    with pytest.raises(
+        CheckpointError, match=r"damaged \(attempt 10\); .* as step_00000003.damaged10;"
+    ):
+        make_release(run, tmp_path / "out", log=quiet)
 
 
 def test_a_release_starts_no_run_on_data_of_other_tokenizers(runs, tiny_tokens, tmp_path, capsys):
