@@ -329,6 +329,11 @@ class Generator:
             raise ReleaseError(
                 f"max_size {max_size}: give 1 to {self.layout.max_grid}, this model's largest grid"
             )
+        big = self.layout.max_grid
+        if size is not None and not all(1 <= part <= big for part in size):  # named as asked for
+            raise ReleaseError(
+                f"size {size[0]}x{size[1]}: each side 1 to {big} tokens, this model's largest grid"
+            )
         side = max([self.default_max_size() if max_size is None else max_size, *(size or ())])
         out = writable(out, image=True, error=ReleaseError)
         codes, arr, count = draw_image(self, prompt, size=size, side=side, **sampling)

@@ -134,8 +134,11 @@ def test_draw_writes_a_png_that_decodes(release, tmp_path, capsys):
     with Image.open(free) as im:
         im.load()
         assert max(im.size) <= 5 * factor
-    assert generate_main([str(release), "--draw", "x", "--out", str(free), "--size", "99x99"]) == 2
-    assert "outside 1..32" in capsys.readouterr().err
+    for size in ("99x99", "0x0"):  # named as the flag and the line say it
+        argv = [str(release), "--draw", "x", "--out", str(free), "--size", size]
+        assert generate_main(argv) == 2
+        said = f"size {size}: each side 1 to 32 tokens, this model's largest grid"
+        assert said in capsys.readouterr().err
     # a largest side of 0 is refused, not taken for "no cap" (it drew the default grid)
     with pytest.raises(SystemExit) as refused:
         generate_main([str(release), "--draw", "x", "--out", str(free), "--max-size", "0"])
