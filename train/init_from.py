@@ -78,7 +78,21 @@ def init_from_release(model, cfg, task, is_main: bool = True) -> bool:
         note = rope_note(release.config, cfg.data.seq_len, model.cfg.rope.theta)
         if note:
             say(note, flush=True)
+        # A longer stage means longer blocks and documents, not larger images and frames: those
+        # the model never saw, which nothing else says when the data was made at the defaults
+        for table in task.tables.get(cfg.data.sources):
+            if differ := release.budget_differences(table, SIZES):
+                say(
+                    f"note: source {table.name} was tokenized at other image or frame sizes than "
+                    f"the release's training data ({'; '.join(differ)}): the run starts the model "
+                    f"on sizes it did not train on; to keep the release's, tokenize it with "
+                    f"{release.tokenize_command(SIZES)} (and this stage's --seq-len, --doc-budget)",
+                    flush=True,
+                )
     return True
+
+
+SIZES = ("image_max_pixels", "video_max_pixels", "video_fps")  # tokenize options of sizes
 
 
 def rope_note(release_config: dict, seq_len: int, theta: float) -> str | None:

@@ -265,19 +265,20 @@ class Release:
     def step(self) -> int | None:
         return self.config.get("source", {}).get("step")
 
-    def tokenize_command(self) -> str:
+    def tokenize_command(self, keys=tuple(BLOCK_OPTIONS)) -> str:
         """The command that tokenizes data as this model's training data was: its tokenizers and
-        the block budgets its token manifest recorded (``config.json``'s ``tokenize``)."""
+        the block budgets (``keys`` of them) its token manifest recorded (``config.json``'s
+        ``tokenize``)."""
         opts = self.config.get("tokenize") or {}
         flags = "".join(
-            f" {flag} {number(opts[key])}" for key, flag in BLOCK_OPTIONS.items() if opts.get(key)
+            f" {BLOCK_OPTIONS[key]} {number(opts[key])}" for key in keys if opts.get(key)
         )
         return (
             f"earlyfuse-prep tokenize --tokenizer {self.path} --visual-tokenizer "
             f"{self.path / VISUAL}{flags}"
         )
 
-    def budget_differences(self, table) -> list[str]:
+    def budget_differences(self, table, keys=tuple(BLOCK_OPTIONS)) -> list[str]:
         """The block budgets ``table``'s manifest records that differ from the training data's,
         for the blocks it holds (an image budget matters only where there are images): its
         images and videos are then of sizes the model did not train on, and its figures do not
@@ -291,7 +292,7 @@ class Release:
             if int(got[m]["blocks"])
         }
         out = []
-        for key in BLOCK_OPTIONS:
+        for key in keys:
             # the block bound shapes any visual block; a document's budget is shared out to its
             # videos (its text and images keep theirs)
             concerns = {

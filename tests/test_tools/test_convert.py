@@ -346,6 +346,32 @@ def test_init_from_at_longer_rows_says_when_the_rope_base_is_not_raised(
         "rows of 1024 tokens, 4x the release's 256, with model.rope.theta not raised (10000"
         in p.stdout
     )
+    assert "other image or frame sizes" not in p.stdout  # its own data's
+
+
+def test_init_from_data_of_other_image_sizes_says_so(runs, tiny_raw, tiny_tokenizers, tmp_path):
+    """A long stage's data tokenized as the long-context guide said (--seq-len, --doc-budget,
+    the tokenize command's default image and frame sizes): the model started on images up to
+    64 times the area it trained on, and only earlyfuse-eval said so."""
+    from data.tokenize.encoder import TokenizeOptions
+    from data.tokenize.run import tokenize
+
+    rel = tmp_path / "rel"
+    make_release(runs[0], rel, log=quiet)
+    other = TokenizeOptions(
+        image_max_pixels=48 * 48, video_max_pixels=32 * 32, video_max_tokens=240
+    )
+    tokenize(tiny_raw, tmp_path / "tokens", rel, tiny_tokenizers[1], opts=other)
+    p = train([*base(tmp_path / "tokens", tmp_path / "new", 1), f"train.init_from={rel}"])
+    assert p.returncode == 0
+    assert (
+        "note: source scenes was tokenized at other image or frame sizes than the release's "
+        "training data (image_max_pixels 2304, the training data's 1024)"
+    ) in p.stdout
+    assert (
+        "--image-max-pixels 1024 --video-max-pixels 1024 --video-fps 4 (and this stage's"
+        in p.stdout
+    )
 
 
 def test_an_edited_checkpoint_config_cannot_change_the_network_released(runs, tmp_path):
