@@ -110,9 +110,10 @@ def _add_tokenize(sub) -> None:
         type=int,
         default=0,
         metavar="N",
-        help="tokens one document may take, for a long-context stage whose rows are N tokens: a "
-        "document's videos share what its text and images leave of N and keep as many frames as "
-        "their share allows (a long clip keeps its length); every block also fits N. A document "
+        help="tokens a document's videos may share, for a long-context stage whose rows are N "
+        "tokens: they share what its text and images leave of N and keep as many frames as their "
+        "share allows (a long clip keeps its length); every block also fits N. Text and code are "
+        "never cut: a longer file stays one document, packed across rows. A document "
         "whose text and images leave its videos too little is rejected (over-doc-budget). "
         "Default: no per-document bound, each block bounded by --seq-len as above. Raw sources "
         "tokenized by the loader take the same budget as data.doc_budget",
