@@ -59,6 +59,13 @@ class SamplingConfig:
                 raise ValueError(f"{name} {value}: must be {allowed}")
 
 
+def check_guidance(guidance: float) -> None:
+    """Refuses a guidance scale that is not a finite number: every guided log-probability would
+    be nan or inf."""
+    if not math.isfinite(guidance):
+        raise ValueError(f"guidance {guidance}: must be a finite number (1: off)")
+
+
 class ImageConstraint:
     def __init__(
         self,
@@ -295,8 +302,7 @@ def generate(
         raise ValueError(
             "an M-RoPE or grid-embedding model needs the vocabulary layout to place generated tokens"
         )
-    if not math.isfinite(guidance):  # every guided log-probability would be nan or inf
-        raise ValueError(f"guidance {guidance}: must be a finite number (1: off)")
+    check_guidance(guidance)
     guided = unconditional_ids is not None and guidance != 1.0
     if unconditional_ids is not None and unconditional_ids.shape[0] != batch_size:
         raise ValueError("unconditional_ids needs as many rows as prompt_ids")

@@ -293,7 +293,7 @@ class Checkpointer:
             if adopted := self._adopt_newer(named):
                 return adopted
             if not (self.dir / named).is_dir():
-                reasons.append(self._why_missing(named))
+                reasons.append(why_missing(self.dir, named))
         else:
             newest = None
             reasons.append(f"{pointer} is unreadable ({named[:40]!r}: truncated?)")
@@ -359,9 +359,6 @@ class Checkpointer:
                 write_atomic(pointer, f"{folder.name}\n".encode())
                 return folder.name
         return None
-
-    def _why_missing(self, tag: str) -> str:
-        return why_missing(self.dir, tag)
 
     def _set_aside(self, folder: Path, problems: list[str]) -> Path:
         aside, attempt = folder.with_name(folder.name + DAMAGED), 1

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from collections import Counter
@@ -192,16 +191,16 @@ def evaluate(args) -> dict:
     needles = args.needle or args.long_context
     needle_shape = needle_options(args, packing["seq_len"]) if needles else None  # fail first
     if args.scenes and args.max_scenes != 0:  # the drawings' settings too, not after the rest
-        from model.generate import SamplingConfig
+        from model.generate import SamplingConfig, check_guidance
 
         try:
             SamplingConfig(temperature=args.draw_temperature)
         except ValueError as e:
             raise ValueError(f"--draw-temperature: {e}") from None
-        if not math.isfinite(args.draw_guidance):
-            raise ValueError(
-                f"--draw-guidance {args.draw_guidance}: must be a finite number (1: off)"
-            )
+        try:
+            check_guidance(args.draw_guidance)
+        except ValueError as e:
+            raise ValueError(f"--draw-{e}") from None
     positions = args.position_loss or args.long_context
     edges = bucket_edges(packing["seq_len"], args.position_first_bucket) if positions else None
     progress = not args.no_progress
