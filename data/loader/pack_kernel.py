@@ -58,7 +58,7 @@ N_DOC_COLS = 14
 U_START, U_END, U_ATOMIC, U_T, U_H, U_W = range(6)
 # src columns (per source)
 (
-    S_TOKENS,
+    S_TOKENS,  # tokens placed in rows (what the batches handed out carry: data/mix in final.json)
     S_DONE,
     S_ENDED,
     S_QHEAD,
@@ -190,7 +190,6 @@ def _next_doc(docs, units, src, opened, queue, shares, mixed, state, chunk):
             docs[doc, D_LIMIT] = 0
         start = docs[doc, D_LIMIT]
         docs[doc, D_LIMIT] = _chunk_end(docs, units, doc, chunk)
-        src[source, S_TOKENS] += docs[doc, D_LIMIT] - start
         src[source, S_MIX] += docs[doc, D_LIMIT] - start
         if docs[doc, D_LIMIT] < docs[doc, D_LEN]:
             if fresh:
@@ -261,6 +260,7 @@ def _flush(work, doc, row_a, doc_a, row_b, cut, L):
         label_mod = mod[tok + doc_b]
     _segment(seg, state, base + row_a, base + row_b, pid, doc_a - piece_a, label, label_mod)
     src[source, S_BATCH_TOKENS] += count
+    src[source, S_TOKENS] += count
     if docs[doc, D_NBLK]:  # the row's end writes the blocks the piece holds, if any
         slot = state[ST_NVIS]
         if slot > 0 and vis[slot - 1, 0] == pid:

@@ -27,7 +27,7 @@ from data.vocab import Modality
 class SourceCursor:
     epoch: int = 0
     pos: int = 0  # position in this consumer's slice of the epoch order
-    tokens: int = 0  # tokens taken from this source
+    tokens: int = 0  # tokens of this source placed in rows
     done: bool = False  # epoch mode: this source is exhausted
     # epoch -> packed mask (order.pack_mask) of the positions of that epoch's order consumed
     # before a redistribute; the slice is then taken from the rest. Dropped once passed: every

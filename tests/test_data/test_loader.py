@@ -560,6 +560,8 @@ def test_each_step_carries_the_mix_not_one_long_document(tiny_tokens):
         got = [
             dict(zip(weights, map(float, b["tokens_by_source"].tolist()))) for b in take(ld, 150)
         ]
+        # what the loader says it delivered is what the rows held (not what it read ahead)
+        assert ld.delivered()["tokens_by_source"] == {n: sum(g[n] for g in got) for n in weights}
         return figures(got, weights), ld.delivered()
 
     whole, _ = steps(10**9)

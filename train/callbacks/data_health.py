@@ -1,7 +1,8 @@
 """What the data stream reports beyond batches: the unreadable samples skipped (``data/skipped``:
 how many distinct samples, over all ranks, at every log step and in final.json; a console line
 naming the new ones when the count grows) and, in final.json, the share of each source in
-everything delivered (``data/mix/<s>``).
+the tokens the handed-out rows held (``data/mix/<s>``: what the per-step ``mix/<s>`` average to,
+weighted by tokens).
 
 A sample is counted once however often it is met (a later epoch reads it again, a resume may
 read it again): the loaders' states name the samples they skipped, and the names are gathered
