@@ -36,6 +36,7 @@ import torch
 
 from data.names import LAYOUT_FILE, TOKENIZER_FILE, VISUAL_TOKENIZER_DIR
 from data.shards.index import file_sha256
+from data.tokenize.docs import BLOCK_OPTIONS, block_flags, number
 from model.weights import nonfinite_tensor
 
 if TYPE_CHECKING:
@@ -123,11 +124,6 @@ def check_state(
         )
 
 
-def number(value) -> str:
-    """A budget as a flag takes it: 1048576, not ``:g``'s 1.04858e+06; 4 for 4.0, 2.5 kept."""
-    return str(int(value)) if float(value).is_integer() else str(value)
-
-
 def flat(nested: dict, prefix: str = "") -> dict:
     """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: config sections as dotted keys."""
     out = {}
@@ -139,16 +135,6 @@ def flat(nested: dict, prefix: str = "") -> dict:
     return out
 
 
-# The tokenize options that shape blocks (the rest, such as image_batch, change no token), and
-# earlyfuse-prep tokenize's flag for each
-BLOCK_OPTIONS = {
-    "image_max_pixels": "--image-max-pixels",
-    "video_max_pixels": "--video-max-pixels",
-    "video_fps": "--video-fps",
-    "video_max_tokens": "--video-max-tokens",
-    "max_block_tokens": "--max-block-tokens",
-    "doc_budget": "--doc-budget",
-}
 # Settings of training or of the kernels, not of the function the weights compute: never reported.
 NOT_ARCHITECTURE = {
     "activation_checkpoint_every",
@@ -269,13 +255,10 @@ class Release:
         """The command that tokenizes data as this model's training data was: its tokenizers and
         the block budgets (``keys`` of them) its token manifest recorded (``config.json``'s
         ``tokenize``)."""
-        opts = self.config.get("tokenize") or {}
-        flags = "".join(
-            f" {BLOCK_OPTIONS[key]} {number(opts[key])}" for key in keys if opts.get(key)
-        )
+        flags = block_flags(self.config.get("tokenize") or {}, keys)
         return (
             f"earlyfuse-prep tokenize --tokenizer {self.path} --visual-tokenizer "
-            f"{self.path / VISUAL}{flags}"
+            f"{self.path / VISUAL}" + (f" {flags}" if flags else "")
         )
 
     def budget_differences(self, table, keys=tuple(BLOCK_OPTIONS)) -> list[str]:

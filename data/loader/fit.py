@@ -14,6 +14,7 @@ import os
 
 from data.loader.config import LoaderConfig
 from data.loader.table import SampleTable, TokenTable
+from data.tokenize.docs import block_flags
 
 
 def oversize_blocks(table: TokenTable, seq_len: int) -> dict[str, list[int]]:
@@ -37,13 +38,7 @@ def oversize_blocks(table: TokenTable, seq_len: int) -> dict[str, list[int]]:
 
 def _budget(table: TokenTable) -> str:
     opts = table.tokenize_options
-    if not opts:
-        return "its tokenize options are unknown"
-    parts = [f"--image-max-pixels {opts.get('image_max_pixels')}"]
-    parts.append(f"--video-max-tokens {opts.get('video_max_tokens')}")
-    if opts.get("max_block_tokens"):
-        parts.append(f"--seq-len {opts['max_block_tokens']}")
-    return "tokenized with " + " ".join(parts)
+    return f"tokenized with {block_flags(opts)}" if opts else "its tokenize options are unknown"
 
 
 def check_blocks_fit(cfg: LoaderConfig, tables: list[SampleTable], *, what: list[str]) -> None:

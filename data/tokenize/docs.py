@@ -40,6 +40,29 @@ class TokenizeOptions:
         return asdict(self)
 
 
+# The options that shape blocks (the rest, such as image_batch, change no token), and
+# earlyfuse-prep tokenize's flag for each
+BLOCK_OPTIONS = {
+    "image_max_pixels": "--image-max-pixels",
+    "video_max_pixels": "--video-max-pixels",
+    "video_fps": "--video-fps",
+    "video_max_tokens": "--video-max-tokens",
+    "max_block_tokens": "--max-block-tokens",
+    "doc_budget": "--doc-budget",
+}
+
+
+def number(value) -> str:
+    """A budget as a flag takes it: 1048576, not ``:g``'s 1.04858e+06; 4 for 4.0, 2.5 kept."""
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def block_flags(recorded: dict, keys=tuple(BLOCK_OPTIONS)) -> str:
+    """The tokenize flags that give the block budgets ``recorded`` (a manifest's options; those
+    of ``keys`` that are set), as the command line takes them."""
+    return " ".join(f"{BLOCK_OPTIONS[k]} {number(recorded[k])}" for k in keys if recorded.get(k))
+
+
 @dataclass
 class TokenDoc:
     key: str

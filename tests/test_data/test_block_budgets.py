@@ -169,6 +169,8 @@ def test_the_loader_refuses_blocks_that_would_be_dropped_naming_the_budget(unfit
     msg = str(e.value)
     assert "source photos: 4 of its 4 image blocks are longer than data.seq_len=512" in msg
     assert "--image-max-pixels 65536" in msg and "--seq-len 512" in msg
+    # every budget the shards were made with, as tokenize's flags name them
+    assert "tokenized with --image-max-pixels 65536 --video-max-pixels 16384 --video-fps" in msg
     assert "allow_block_drops" in msg
     # Accepted explicitly: every drop is counted per source and modality, batch by batch.
     ld = build_loader(
