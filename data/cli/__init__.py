@@ -3,8 +3,8 @@
 Exit status: 0 done; 2 a user error: a bad flag, or an input, folder or value that cannot be
 used (one line on stderr names the file and the problem); 1 the machine failed under a command
 that could have run (a full disk, an I/O error; a file that could not be written is named, with
-what stopped it and what to do, after which ``ingest``, ``tokenize`` and ``merge`` resume); 3 ``ingest`` finished but rejected some inputs
-(each listed in DIR/rejects.jsonl; those that held nothing to keep, ``schema.LOSSLESS_REASONS``,
+what stopped it and what to do, after which ``ingest``, ``tokenize`` and ``merge`` resume); 3 ``ingest``, ``tokenize`` or ``merge`` finished but rejected some inputs (a
+partition's run: its own shards'; each listed in DIR/rejects.jsonl once merged; those that held nothing to keep, ``schema.LOSSLESS_REASONS``,
 do not count) — pass ``--allow-rejects`` to get 0; ``verify`` exits 1 when
 it finds a problem; 141 (128 + SIGPIPE), silently, when the reader of stdout closes it early
 (``stats DIR | head``); 130 after Ctrl-C and 143 after SIGTERM, the workers stopped and the
@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"earlyfuse-prep: an argument is not UTF-8: {why}", file=sys.stderr)
             return 2
     args = build_parser().parse_args(argv)
+    args.argv = list(argv)  # what ingest and tokenize record as their command
     try:
         with handled(signal.SIGTERM, _terminate):
             return args.func(args)

@@ -326,3 +326,9 @@ def _engine(a):
     return EngineConfig(
         kind=a.engine, workers=workers, address=a.ray_address, storage_env=a.ray_storage_env
     )
+
+
+def command_line(a: argparse.Namespace) -> list[str]:
+    """The command as run (``main``'s arguments), as ingest and tokenize record it in their
+    records and manifest."""
+    return ["earlyfuse-prep", *a.argv]

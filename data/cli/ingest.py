@@ -10,6 +10,7 @@ from data.cli.common import (
     EXIT_REJECTS,
     _add_engine_flags,
     _engine,
+    command_line,
     out_folder,
     parse_size,
     path_or_url,
@@ -177,7 +178,7 @@ def _add_ingest(sub) -> None:
 
 
 def cmd_ingest(a) -> int:
-    from data.ingest import command_line, ingest
+    from data.ingest import ingest
     from data.shards.stats import describe_uncaptioned, human_bytes, media_without_text
     from data.sources import Limits
 
@@ -200,7 +201,7 @@ def cmd_ingest(a) -> int:
         num_partitions=a.num_partitions,
         partition=a.partition,
         progress=not a.no_progress,
-        command=command_line(),
+        command=command_line(a),
         engine=_engine(a),
         val_fraction=a.val_fraction,
         exclude_content_of=a.exclude_content_of,
@@ -214,7 +215,9 @@ def cmd_ingest(a) -> int:
             f"{len(s['missing'])} shard(s) belong to other partitions; when they have all finished, run:\n"
             f"  earlyfuse-prep merge {a.out}"
         )
-        return 0
+        return said_rejects(
+            s["rejects_by_reason"], a.out, a.allow_rejects, "this partition's shards"
+        )
     t = s["manifest"]["totals"]
     print(
         f"{a.out}: {t['samples']} samples in {t['shards']} shards ({human_bytes(t['bytes'])}); "
@@ -242,21 +245,30 @@ def cmd_ingest(a) -> int:
                 f"warning: source {name} ({kind}) gave no document: all {rejected} of its inputs "
                 f"were rejected ({a.out}/{REJECTS_FILE}); is it a source of another kind?"
             )
-    if t["rejects"]:
+    if not t["rejects"]:
+        print("rejected: none")
+    return said_rejects(t["rejects_by_reason"], a.out, a.allow_rejects)
+
+
+def said_rejects(by_reason: dict[str, int], out, allow: bool, where: str = "") -> int:
+    """Print the rejects (``where``: a partition's, listed in rejects.jsonl once merged) and
+    return the exit status they give: EXIT_REJECTS when some lost content, unless
+    --allow-rejects."""
+    if not by_reason:
+        return 0
+    listed = f"listed in {out}/{REJECTS_FILE}" + (" once merged" if where else "")
+    print(
+        f"rejected {sum(by_reason.values())} input(s){' in ' + where if where else ''}, {listed}: "
+        + ", ".join(f"{k} {v}" for k, v in by_reason.items())
+    )
+    lost = sum(n for why, n in by_reason.items() if why not in LOSSLESS_REASONS)
+    if not lost:
         print(
-            f"rejected {t['rejects']} input(s), listed in {a.out}/{REJECTS_FILE}: "
-            + ", ".join(f"{k} {v}" for k, v in t["rejects_by_reason"].items())
+            "none of them loses content (skipped by policy: hidden, vendored or not-code "
+            "files, folder links read where they lead; empty; duplicates left out as "
+            "asked): exit status 0"
         )
-        lost = sum(n for why, n in t["rejects_by_reason"].items() if why not in LOSSLESS_REASONS)
-        if not lost:
-            print(
-                "none of them loses content (skipped by policy: hidden, vendored or not-code "
-                "files, folder links read where they lead; empty; duplicates left out as "
-                "asked): exit status 0"
-            )
-        return 0 if a.allow_rejects or not lost else EXIT_REJECTS
-    print("rejected: none")
-    return 0
+    return 0 if allow or not lost else EXIT_REJECTS
 
 
 def _rounded_up(fraction: float) -> float:
@@ -301,10 +313,17 @@ def _add_merge(sub) -> None:
         "DIR/rejects.jsonl. Fails, naming them, if partitions are missing.",
     )
     p.add_argument("dir", type=path_or_url, help="the folder (or fsspec URL) of every partition")
+    p.add_argument(
+        "--allow-rejects",
+        action="store_true",
+        help="exit 0 even when the partitions rejected inputs (as ingest's flag; tokenize's "
+        "rejects always give 3)",
+    )
     p.set_defaults(func=cmd_merge, resumes=True)
 
 
 def cmd_merge(a) -> int:
+    from data.cli.tokenize import tokenize_rejects
     from data.ingest.run import merge
     from data.shards.storage import Folder
     from data.tokenize.run import merge_tokens
@@ -314,8 +333,8 @@ def cmd_merge(a) -> int:
         m = merge_tokens(a.dir)
         t = m["totals"]
         print(f"{a.dir}: merged {len(m['shards'])} token shards, {t['samples']} documents")
-        return 0
+        return tokenize_rejects(t["rejects_by_reason"], a.dir)
     m = merge(a.dir)
     t = m["totals"]
     print(f"{a.dir}: merged {t['shards']} shards, {t['samples']} samples, {t['rejects']} rejects")
-    return 0
+    return said_rejects(t["rejects_by_reason"], a.dir, a.allow_rejects)

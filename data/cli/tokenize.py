@@ -10,6 +10,7 @@ from data.cli.common import (
     _add_engine_flags,
     _engine,
     checked_device,
+    command_line,
     out_folder,
     path_or_url,
     positive_int,
@@ -153,6 +154,7 @@ def cmd_tokenize(a) -> int:
         num_partitions=a.num_partitions,
         partition=a.partition,
         engine=_engine(a),
+        command=command_line(a),
     )
     if not m["finalized"]:
         print(
@@ -160,7 +162,9 @@ def cmd_tokenize(a) -> int:
             f"shard(s); {len(m['missing'])} belong to other partitions; when they have all "
             f"finished, run:\n  earlyfuse-prep merge {a.out}"
         )
-        return 0
+        return tokenize_rejects(m["rejects_by_reason"], a.out, "this partition's shards")
+    if m["skipped_done"]:  # a resumed run
+        print(f"tokenize: wrote {m['written']} shard(s), {m['skipped_done']} already done")
     t = m["totals"]
     print(
         f"{a.out}: {t['samples']} documents, {t['tokens']:,} tokens ("
@@ -176,10 +180,17 @@ def cmd_tokenize(a) -> int:
                 f"and thin for the grid (more than max_grid:1), drawn more than twice out of "
                 f"shape, e.g. {', '.join(squeezed['examples'])}: crop or split such images"
             )
-    if t["rejects"]:
-        print(
-            f"rejected {t['rejects']} document(s), listed in {a.out}/{REJECTS_FILE}: "
-            + ", ".join(f"{k} {v}" for k, v in t["rejects_by_reason"].items())
-        )
-        return EXIT_REJECTS
-    return 0
+    return tokenize_rejects(t["rejects_by_reason"], a.out)
+
+
+def tokenize_rejects(by_reason: dict[str, int], out, where: str = "") -> int:
+    """Print the rejected documents (``where``: a partition's, listed once merged); any gives
+    EXIT_REJECTS."""
+    if not by_reason:
+        return 0
+    listed = f"listed in {out}/{REJECTS_FILE}" + (" once merged" if where else "")
+    print(
+        f"rejected {sum(by_reason.values())} document(s){' in ' + where if where else ''}, "
+        f"{listed}: " + ", ".join(f"{k} {v}" for k, v in by_reason.items())
+    )
+    return EXIT_REJECTS

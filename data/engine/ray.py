@@ -25,8 +25,9 @@ Design choices:
   here), several GPUs, a lost node (a replacement GPU actor then waits for a GPU).
 - Every node must see the same inputs and the same output folder (a shared file system, or
   object storage through fsspec URLs) and have the same earlyfuse installed.
-- The driver joins the cluster at ``address`` (default: ``RAY_ADDRESS``, else a local Ray
-  started for this command and stopped after it). A ``HOST:PORT`` where nothing answers is
+- The driver joins the cluster at ``address`` (default: ``RAY_ADDRESS``, else one that
+  ``ray start`` made on this machine, else a local Ray started for this command and stopped
+  after it: Ray's own order). A ``HOST:PORT`` where nothing answers is
   refused at once (``check_address``): ``ray.init`` would retry it for minutes.
 - Ray starts an actor with its node's environment, not the driver's. A node's own object-storage
   settings (``AWS_*`` and the like: ``STORAGE_ENV_PREFIXES``) win; the driver's (``storage_env``)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from data.engine import EngineConfig
 from data.ingest.plan import Plan, make_plan
-from data.ingest.run import command_line, run_plan
+from data.ingest.run import run_plan
 from data.shards.manifest import partition_share
 from data.shards.storage import is_remote
 from data.sources import Limits, parse_sources
@@ -74,4 +74,4 @@ def ingest(
     return summary
 
 
-__all__ = ["Plan", "command_line", "ingest", "make_plan", "run_plan"]
+__all__ = ["Plan", "ingest", "make_plan", "run_plan"]

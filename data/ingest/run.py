@@ -14,7 +14,6 @@ Design choices:
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from data.shards.manifest import (
     partition_share,
     record_path,
     refuse_strays,
+    rejects_by_reason,
     run_shard_jobs,
     shard_done,
 )
@@ -236,6 +236,7 @@ def run_plan(
         "partition": [partition, num_partitions],
         "missing": missing,
         "finalized": False,
+        "rejects_by_reason": rejects_by_reason(records, [shard.index for shard in mine]),
     }
     if not missing:
         summary["manifest"] = finish(dest, records)
@@ -278,7 +279,3 @@ def finish(dest: Folder, records: dict[int, dict]) -> dict:
 
         dedupe_shards(dest.local, records)
     return finalize(dest, records)
-
-
-def command_line() -> list[str]:
-    return [Path(sys.argv[0]).name] + sys.argv[1:]

@@ -69,6 +69,15 @@ def missing_shards(records: dict[int, dict]) -> list[int]:
     return [index for index in range(num_shards) if index not in records]
 
 
+def rejects_by_reason(records: dict[int, dict], shards: list[int]) -> dict[str, int]:
+    """reason -> count of the rejects the records of ``shards`` hold (a partition's own)."""
+    return dict(
+        Counter(
+            r["reason"] for index in shards for r in (records.get(index) or {}).get("rejects", [])
+        )
+    )
+
+
 def shard_done(sizes: dict[str, int], rec: dict | None, fingerprint: str) -> bool:
     """A shard job's record matches ``fingerprint`` and the files it names are there, the tar
     and its indexes with their recorded sizes (``sizes``: one listing of the folder). An ingest shard whose every

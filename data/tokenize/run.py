@@ -45,6 +45,7 @@ from data.shards.manifest import (
     load_manifest,
     partition_share,
     refuse_strays,
+    rejects_by_reason,
     run_shard_jobs,
     shard_done,
     shard_entry,
@@ -114,6 +115,7 @@ def tokenize(
     num_partitions: int = 1,
     partition: int = 0,
     engine: EngineConfig | None = None,
+    command: list[str] | None = None,
 ) -> dict:
     """Tokenize this partition's missing shards; when every shard of the folder is done, write
     the manifest (then returned, with ``"finalized": True``). Otherwise returns a summary of
@@ -130,10 +132,13 @@ def tokenize(
     else:
         check_visual_tokenizer(vtok_dir, text.layout)
     fingerprint = fingerprint_of(raw_m, tok_dir, vtok_dir, opts)
-    if (
-        dest.exists(MANIFEST_FILE)
-        and dest.read_json(MANIFEST_FILE).get("fingerprint") != fingerprint
-    ):
+    held = dest.read_json(MANIFEST_FILE) if dest.exists(MANIFEST_FILE) else None
+    if held is not None and held.get("format") != FORMAT:
+        raise ValueError(
+            f"{out} holds {held.get('format')!r} shards (an ingest's output?), not token shards; "
+            "choose a new --out"
+        )
+    if held is not None and held.get("fingerprint") != fingerprint:
         raise ValueError(
             f"{out} holds token shards of other inputs, tokenizers or options; "
             "choose a new --out or delete that folder"
@@ -168,6 +173,8 @@ def tokenize(
             fingerprint,
             device,
             threads,
+            partition=(partition, num_partitions),
+            command=tuple(command or ()),
         )
         for shard_index in mine
         if not shard_done(sizes, records.get(shard_index), fingerprint)
@@ -194,9 +201,15 @@ def tokenize(
             "skipped_done": len(mine) - len(jobs),
             "partition": [partition, num_partitions],
             "missing": missing,
+            "rejects_by_reason": rejects_by_reason(records, list(mine)),
         }
     manifest = finalize_tokens(dest, raw, raw_m, records, tok_dir, vtok_dir, opts, fingerprint)
-    return {**manifest, "finalized": True, "written": len(jobs)}
+    return {
+        **manifest,
+        "finalized": True,
+        "written": len(jobs),
+        "skipped_done": len(mine) - len(jobs),
+    }
 
 
 def copy_tokenizers(folder: Path, tok_dir: Path, vtok_dir: Path | None) -> None:
@@ -293,7 +306,12 @@ def finalize_tokens(
             "rejects": len(rejects),
             "rejects_by_reason": dict(Counter(record["reason"] for record in rejects)),
         },
-        "created_by": {"versions": versions()},
+        "created_by": {
+            "commands": [
+                json.loads(c) for c in sorted({json.dumps(r.get("command", [])) for r in recs})
+            ],
+            "versions": versions(),
+        },
     }
     dest.write_json(REJECTS_FILE, lines=rejects)
     dest.write_json(MANIFEST_FILE, manifest)
@@ -324,9 +342,11 @@ def merge_tokens(out: str | Path) -> dict:
         if not shard_done(sizes, records.get(shard_index), fingerprint)
     ]
     if missing:
+        parts = first.get("partition", [0, 1])[1]
+        owners = sorted({index % parts for index in missing})
         raise ValueError(
-            f"{out}: {len(missing)} token shard(s) not written yet (e.g. {missing[:5]}); run the "
-            "partitions that owe them, then merge again"
+            f"{out}: {len(missing)} token shard(s) not written yet (partitions {owners} of "
+            f"--num-partitions {parts} have not finished); run them, then merge again"
         )
     opts = TokenizeOptions(**first["options"])
     raw_m = load_manifest(first["inputs"]["raw"])

@@ -61,6 +61,8 @@ class TokenizeJob:
     device: str | None  # None: cuda if the worker has it, else cpu
     threads: int  # CPU threads of the worker's BPE and torch (0: leave the defaults)
     vtok_actors: list | None = None  # ray: GPU actors holding the visual tokenizer
+    partition: tuple[int, int] = (0, 1)  # (I, P) of the run that wrote it
+    command: tuple[str, ...] = ()  # the command line that ran it
 
 
 def batched(it, n: int):
@@ -219,6 +221,8 @@ def _tokenize_shard(job: TokenizeJob, raw_tar: Path, raw_idx: Path, stage: Stagi
         "block_stats": shard_block_stats(writer.doc_blocks),
         "out_of_shape": {"documents": len(squeezed), "examples": squeezed[:3]},
         "rejects": rejects,
+        "partition": list(job.partition),
+        "command": list(job.command),
         # What `earlyfuse-prep merge` needs to finish a partitioned run's manifest.
         "inputs": {"raw": job.raw_dir, "tokenizer": job.tok_dir, "visual": job.vtok_dir},
         "options": asdict(job.opts),

@@ -111,6 +111,26 @@ def test_a_python_projects_own_files_beside_its_code_leave_exit_status_0(tmp_pat
     assert "not-code 5, unknown-type 1" in capsys.readouterr().out
 
 
+def test_a_partition_exits_as_its_own_rejects_say_and_so_does_merge(tmp_path, capsys):
+    """A Slurm array task whose shards lost inputs exits 3 whether or not it finished last."""
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    (pics / "a.png").write_bytes(png_bytes())
+    (pics / "b.png").write_bytes(png_bytes()[:60])  # its header reads, its pixels do not
+    out = tmp_path / "out"
+    argv = ["ingest", "--out", str(out), "--shard-samples", "1", "--no-progress"]
+    argv += ["--source", f"images:{pics}", "--num-partitions", "2", "--partition"]
+    assert main([*argv, "1"]) == EXIT_REJECTS  # b.png's shard; not the last to finish
+    said = capsys.readouterr().out
+    assert "rejected 1 input(s) in this partition's shards, listed in" in said
+    assert "rejects.jsonl once merged: truncated-image 1" in said
+    assert main([*argv, "0"]) == EXIT_REJECTS  # the last: the folder's rejects
+    (out / "manifest.json").unlink()
+    assert main(["merge", str(out)]) == EXIT_REJECTS
+    assert "merged 1 shards, 1 samples, 1 rejects" in capsys.readouterr().out
+    assert main(["merge", str(out), "--allow-rejects"]) == 0
+
+
 def test_the_summary_counts_the_shards_it_wrote_not_those_all_rejected(tmp_path, capsys):
     """A planned shard whose every input is rejected when read (a truncated picture) writes no
     file; the summary said "wrote 2 shard(s)" over a folder of 1, on the rerun "2 already done"."""
@@ -156,7 +176,7 @@ def test_partitions_then_merge_equal_a_single_run(planted_corpus, tmp_path, caps
     assert s["finalized"]  # the last partition to finish writes the manifest
     assert shard_files(parts) == shard_files(single)
     assert manifest_without_commands(parts) == manifest_without_commands(single)
-    assert main(["merge", str(parts)]) == 0
+    assert main(["merge", str(parts)]) == EXIT_REJECTS  # the corpus's planted faults
 
 
 def test_merge_of_a_url_names_the_missing_partitions_as_a_local_merge_does(tmp_path):
