@@ -142,9 +142,10 @@ class LocalCluster:
                 raise RuntimeError(f"ray start failed:\n{(self.root / log).read_text()[-3000:]}")
             time.sleep(0.5)
 
-    def processes(self) -> dict[int, str]:
-        """pid -> title of every process this cluster started: the ``ray start`` commands and
-        all their descendants (Ray's workers get process groups of their own)."""
+    def processes(self, node: int | None = None) -> dict[int, str]:
+        """pid -> title of every process this cluster (``node``: that node) started: the ``ray
+        start`` commands and all their descendants (Ray's workers get process groups of their
+        own)."""
         parent: dict[int, int] = {}
         title: dict[int, str] = {}
         for d in Path("/proc").iterdir():
@@ -158,7 +159,7 @@ class LocalCluster:
                 )
             except (OSError, ValueError, IndexError):
                 continue
-        ours = {p.pid for p in self.nodes}
+        ours = {p.pid for j, p in enumerate(self.nodes) if node in (None, j)}
         grew = True
         while grew:
             more = {pid for pid, ppid in parent.items() if ppid in ours} - ours
@@ -166,9 +167,19 @@ class LocalCluster:
             grew = bool(more)
         return {pid: title.get(pid, "") for pid in ours}
 
-    def worker_pids(self, title: str) -> list[int]:
-        """Processes of this cluster whose title starts with ``title``."""
-        return sorted(pid for pid, t in self.processes().items() if t.startswith(title))
+    def lose_node(self, i: int) -> None:
+        """Node ``i`` (1: the second) gone at once, as a machine that fails: every process of it
+        killed, without telling the head."""
+        for pid in self.processes(i):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.nodes[i].wait()
+
+    def worker_pids(self, title: str, node: int | None = None) -> list[int]:
+        """Processes of this cluster (``node``: of that node) whose title starts with ``title``."""
+        return sorted(pid for pid, t in self.processes(node).items() if t.startswith(title))
 
     def stop(self) -> None:
         # SIGKILL at once: SIGTERM makes a node drain for up to 30 s. Only this cluster's own

@@ -12,7 +12,10 @@ Design choices:
   decoded images and frames. An actor that CUDA cannot serve computes on the CPU and says so
   (the driver prints each GPU actor's line).
 - Failures: an actor that dies (its process killed, its node lost) is replaced and its job
-  sent again, up to ``retries`` times; a GPU actor that dies is replaced too, and the jobs that
+  sent again, up to ``retries`` times; an actor is given jobs only once it has started (a
+  replacement for a lost node's may wait for a CPU the cluster no longer has: the jobs go to
+  the actors running meanwhile, and a line says so if none is left); a job that failed goes to
+  another actor when one is free, and the lines name the node it failed on; a GPU actor that dies is replaced too, and the jobs that
   were calling it (they fail with Ray's ``RayActorError``) are sent again; a job that raised
   ``OSError`` (a storage hiccup) is sent again too; any other exception stops the run with the
   job's own error. A job rerun writes the same bytes (outputs go to temporary names first), so
@@ -20,9 +23,9 @@ Design choices:
 - Tested (tests/test_data/test_engine_ray.py, a real two-node Ray cluster on one machine whose
   second node declares one *logical* GPU): ingest and tokenize byte-identical to the local
   engine (ingest also into S3 from a cluster started without its settings), a CPU actor
-  killed mid-job, the GPU actor pool (the actor on that logical GPU runs the visual tokenizer
+  killed mid-job, a node lost mid-job, the GPU actor pool (the actor on that logical GPU runs the visual tokenizer
   on the CPU) and a GPU actor killed mid-run. Not tested: CUDA itself (no GPU
-  here), several GPUs, a lost node (a replacement GPU actor then waits for a GPU).
+  here), several GPUs, a lost GPU node (a replacement GPU actor then waits for a GPU).
 - Every node must see the same inputs and the same output folder (a shared file system, or
   object storage through fsspec URLs) and have the same earlyfuse installed.
 - The driver joins the cluster at ``address`` (default: ``RAY_ADDRESS``, else one that
@@ -55,6 +58,8 @@ if TYPE_CHECKING:
     from data.engine import EngineConfig
 
 JobT = TypeVar("JobT")
+# Seconds without a result, no job running and jobs left, after which the driver says why
+STALL_SECONDS = 60.0
 ResultT = TypeVar("ResultT")
 
 
@@ -129,8 +134,11 @@ class PrepWorker:
         failed = decode_failures() - self.start
         return result, self.recycle_after > 0 and failed >= self.recycle_after
 
-    def pid(self) -> int:
-        return os.getpid()
+    def where(self) -> str:
+        """The node and process it runs in, for the driver's lines (returned once it started)."""
+        import ray
+
+        return f"node {ray.util.get_node_ip_address()} pid {os.getpid()}"
 
 
 class GpuPool:
@@ -219,15 +227,26 @@ def run_ray(
     if gpu_setup is not None and int(resources.get("GPU", 0)) > 0:
         pool = gpu_setup(ray, int(resources["GPU"]))
         adapt = pool.adapt
+    nodes = sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU"))
     print(
-        f"ray: {size} CPU actor(s)" + (f", {len(pool.actors)} GPU actor(s)" if pool else ""),
+        f"ray: {size} CPU actor(s) over {nodes} node(s)"
+        + (f", {len(pool.actors)} GPU actor(s)" if pool else ""),
         file=sys.stderr,
         flush=True,
     )
     queue: deque[tuple[int, JobT]] = deque(enumerate(jobs))
     tries = dict.fromkeys(range(len(jobs)), 0)
-    idle = [actor_cls.remote(*actor_args) for _ in range(size)]
+    failed_on: dict[int, Any] = {}  # job -> the actor it last failed on (sent elsewhere if any)
+    # An actor is given jobs once it has started (``where`` answered): a replacement for one on a
+    # lost node may wait for a CPU the cluster no longer has, and a job sent to it would wait too.
+    starting: dict = {}  # ``where`` ref -> actor
+    idle: list = []
+    place: dict = {}  # actor -> where it runs
     inflight: dict = {}  # object ref -> (actor, position, job)
+
+    def start() -> None:
+        actor = actor_cls.remote(*actor_args)
+        starting[actor.where.remote()] = actor
 
     def again(pos: int, job: JobT, why: str, give_up: type[Exception] = RuntimeError) -> None:
         tries[pos] += 1
@@ -241,23 +260,51 @@ def run_ray(
         )
         queue.appendleft((pos, job))
 
+    for _ in range(size):
+        start()
+    waited = False
     try:
         if pool is not None:  # waits for the GPU actors to have loaded their model
             for i, line in enumerate(pool.describe()):
                 print(f"ray: GPU actor {i}: {line}", file=sys.stderr, flush=True)
         while queue or inflight:
             while idle and queue:
-                actor = idle.pop()
                 pos, job = queue.popleft()
+                other = [i for i, a in enumerate(idle) if a is not failed_on.get(pos)]
+                actor = idle.pop(other[-1] if other else -1)
                 inflight[actor.run.remote(adapt(job))] = (actor, pos, job)
-            ready, _ = ray.wait(list(inflight), num_returns=1)
+            if not (inflight or starting):
+                raise RuntimeError(f"no Ray actor left to run {len(queue)} job(s)")
+            ready, _ = ray.wait([*inflight, *starting], num_returns=1, timeout=STALL_SECONDS)
+            if not ready:
+                if not inflight and not waited:
+                    waited = True
+                    print(
+                        f"ray: {len(queue)} job(s) wait for an actor; the {len(starting)} "
+                        "starting have no free CPU (a node lost?): they start when a node joins, "
+                        "or stop this (Ctrl-C) and run the same command again to resume",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                continue
+            if ready[0] in starting:
+                actor = starting.pop(ready[0])
+                try:
+                    place[actor] = ray.get(ready[0])
+                    idle.append(actor)
+                except (RayActorError, WorkerCrashedError) as e:  # its node went meanwhile
+                    ray.kill(actor)
+                    print(f"ray: an actor failed to start ({type(e).__name__})", file=sys.stderr)
+                continue
             actor, pos, job = inflight.pop(ready[0])
+            at = f" on {place.get(actor, 'an actor')}"
             try:
                 result, retire = ray.get(ready[0])
             except RayTaskError as e:
                 # The job raised (caught first: a job that called a dead GPU actor raises an
                 # error that is both a RayTaskError and a RayActorError, its worker alive).
                 idle.append(actor)
+                failed_on[pos] = actor
                 if isinstance(e.cause, RayActorError) and pool is not None:
                     replaced = pool.replace_dead()
                     if replaced:
@@ -265,22 +312,25 @@ def run_ray(
                     again(pos, job, f"a GPU actor it called died ({type(e.cause).__name__})")
                     continue
                 if isinstance(e.cause, OSError):  # given up on: an OSError, one line in the CLI
-                    again(pos, job, str(e.cause), OSError)
+                    again(pos, job, f"{e.cause}{at}", OSError)
                     continue
                 raise e.as_instanceof_cause() from None
             except (RayActorError, WorkerCrashedError) as e:
                 ray.kill(actor)
-                idle.append(actor_cls.remote(*actor_args))
-                again(pos, job, f"its worker died ({type(e).__name__})")
+                place.pop(actor, None)
+                start()
+                again(pos, job, f"its worker died{at} ({type(e).__name__})")
                 continue
             if retire:
                 ray.kill(actor)
-                actor = actor_cls.remote(*actor_args)
-            idle.append(actor)
+                place.pop(actor, None)
+                start()
+            else:
+                idle.append(actor)
             yield result
     finally:
         busy = [busy_actor for busy_actor, _, _ in inflight.values()]
-        for actor in idle + busy + (pool.actors if pool else []):
+        for actor in idle + busy + list(starting.values()) + (pool.actors if pool else []):
             ray.kill(actor)
         if started_here:
             ray.shutdown()

@@ -94,7 +94,7 @@ def test_tokenize_on_ray_gives_the_local_bytes(cluster, tiny_raw, tiny_tokenizer
     )
     assert m["finalized"]
     err = capfd.readouterr().err
-    assert "2 CPU actor(s), 1 GPU actor(s)" in err
+    assert "2 CPU actor(s) over 2 node(s), 1 GPU actor(s)" in err
     assert "GPU actor 0: no CUDA device visible" in err  # a logical GPU: the CPU computes
     assert folder_bytes(remote, ".tokenize") == folder_bytes(local, ".tokenize")
 
@@ -229,3 +229,27 @@ def test_an_ipv6_head_address_is_checked_without_its_brackets():
     with head:
         head.listen()
         check_address(f"[::1]:{head.getsockname()[1]}")  # something answers: accepted
+
+
+def test_a_lost_node_leaves_its_jobs_to_the_others(cluster, capfd):
+    """The second node fails in the middle of a job: the job is sent again and the head's actor
+    runs the rest; the replacement actor, waiting for the lost CPU, is given no job (it had been
+    given the job sent again, and the run waited until a node joined). Last in this file: the
+    cluster keeps one node."""
+    from data.engine.ray import run_ray
+
+    def job(i: int) -> int:
+        time.sleep(0.3)
+        return i * i
+
+    engine = EngineConfig(kind="ray", address=cluster.address)
+    got, lost = [], False
+    for result in run_ray(job, list(range(16)), engine):
+        got.append(result)
+        if not lost and cluster.worker_pids("ray::PrepWorker.run", node=1):  # mid-job
+            cluster.lose_node(1)
+            lost = True
+    err = capfd.readouterr().err
+    assert lost and sorted(got) == [i * i for i in range(16)], err[-3000:]
+    assert "ray: 2 CPU actor(s) over 2 node(s)" in err
+    assert "its worker died on node 127.0.0.3" in err and "sent again" in err
