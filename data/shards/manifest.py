@@ -216,16 +216,21 @@ def load_manifest(out: str | Path, formats: tuple[str, ...] = (MANIFEST_FORMAT,)
         parent = parent or "."
         # OUT/val: the held-out split's sources are listed in OUT's manifest, as val/NAME
         held_out = name == "val" and Folder(parent).exists(MANIFEST_FILE)
-        raise ValueError(
-            f"{path}: no manifest "
-            + (
-                f"(the held-out split is described by {parent}'s, as its val/ sources: give "
-                f"{parent})"
-                if held_out
-                else "(not an ingest output, or its ingest has not finished: run "
-                "`earlyfuse-prep merge` after all partitions)"
+        if held_out:
+            why = (
+                f"the held-out split is described by {parent}'s, as its val/ sources: give "
+                f"{parent}"
             )
-        ) from None
+        elif not folder.sizes():  # a mistyped path, or a bucket that does not exist
+            why = f"nothing is at {folder.url}: check the path" + (
+                " (the bucket and prefix, and the endpoint)" if folder.remote else ""
+            )
+        else:
+            why = (
+                "not an ingest output, or its ingest has not finished: run `earlyfuse-prep "
+                "merge` after all partitions"
+            )
+        raise ValueError(f"{path}: no manifest ({why})") from None
     except ValueError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
     if manifest.get("format") not in formats:

@@ -124,6 +124,9 @@ def test_a_bucket_that_does_not_exist_is_named_with_the_url(s3, planted_corpus, 
     assert main(argv + [planted_corpus["sources"][0]]) == 2
     err = capsys.readouterr().err
     assert "error: s3://nobucket/raw/" in err and "bucket does not exist" in err
+    assert main(["stats", "s3://nobucket/raw"]) == 2  # read: not "run merge"
+    said = "s3://nobucket/raw/manifest.json: no manifest (nothing is at s3://nobucket/raw: check"
+    assert said in capsys.readouterr().err
 
 
 def test_the_loader_reads_s3_token_shards_through_failures(s3, fs, tiny_tokens):

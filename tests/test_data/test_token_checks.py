@@ -198,10 +198,10 @@ def test_stats_of_the_held_out_folder_points_to_the_folder_that_describes_it(tok
     assert (
         f"the held-out split is described by {tokens}'s, as its val/ sources: give {tokens}" in err
     )
-    for not_held_out in ("code", "interval"):
-        (tokens / not_held_out).mkdir(exist_ok=True)
+    for not_held_out, said in (("code", "not an ingest output"), ("interval", "nothing is at")):
+        (tokens / not_held_out).mkdir(exist_ok=True)  # a source's shards; an empty folder
         assert prep_main(["stats", str(tokens / not_held_out)]) != 0
-        assert "not an ingest output" in capsys.readouterr().err
+        assert said in capsys.readouterr().err
 
 
 def test_documents_behind_a_damaged_binary_index_are_left_out_and_named(tokens):
