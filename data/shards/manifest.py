@@ -218,8 +218,7 @@ def load_manifest(out: str | Path, formats: tuple[str, ...] = (MANIFEST_FORMAT,)
         held_out = name == "val" and Folder(parent).exists(MANIFEST_FILE)
         if held_out:
             why = (
-                f"the held-out split is described by {parent}'s, as its val/ sources: give "
-                f"{parent}"
+                f"the held-out split is described by {parent}'s, as its val/ sources: give {parent}"
             )
         elif not folder.sizes():  # a mistyped path, or a bucket that does not exist
             why = f"nothing is at {folder.url}: check the path" + (

@@ -175,6 +175,18 @@ def test_the_count_of_alarms_goes_on_after_a_resume(tiny_tokens, tmp_path):
     assert [(a["step"], a["signal"]) for a in alarms(run)] == [(k, "nonfinite")]
 
 
+def test_a_resume_after_a_kill_raises_the_replayed_steps_alarms_once(tiny_tokens, tmp_path):
+    """Killed after an alarm and resumed from the checkpoint before it: the replayed step raises
+    it again, and alarms.jsonl holds it once (the report counted it twice)."""
+    run, k = tmp_path / "run", 4
+    args = base(tiny_tokens, run, k + 2, "train.ckpt_every=3")
+    killed = train(args, faults={"nan_at_step": k, "kill_at_step": k + 1}, check=False)
+    assert killed.returncode != 0 and [a["step"] for a in alarms(run)] == [k]
+    train(args, faults={"nan_at_step": k})  # resumes from step 3
+    assert [(a["step"], a["signal"]) for a in alarms(run)] == [(k, "nonfinite")]
+    assert metrics(run)[k + 2]["monitor/alarms"] == 1
+
+
 def test_halt_stops_the_run_with_exit_code_3_and_names_the_alarm(tiny_tokens, tmp_path):
     run = tmp_path / "run"
     p = train(

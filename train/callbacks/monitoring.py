@@ -99,8 +99,10 @@ class Monitoring(Callback):
     def load_state_dict(self, state: dict) -> None:
         self.monitor.load_state_dict(state)
         # ``monitor/alarms`` counts every alarm of the run: a resume continues the checkpoint's
-        # count, a rollback keeps its own (the abandoned steps' alarms stay in alarms.jsonl too).
-        # A state without it starts at 0: the count is shown, it decides nothing.
+        # count (alarms.jsonl cut to it: the steps after the checkpoint run again), a rollback
+        # keeps its own, past any alarm (the abandoned steps' alarms stay in alarms.jsonl).
+        if self.alarm_log.count == 0 and "alarms" in state:  # a resume: nothing raised yet
+            self.alarm_log.resume_at(int(state["alarms"]))
         self.alarm_log.count = max(self.alarm_log.count, int(state.get("alarms", 0)))
 
 

@@ -72,3 +72,16 @@ class AlarmLog:
         for alarm in alarms if echo else []:
             if SEVERITY[alarm.action] >= SEVERITY["warn"]:
                 self.write_line(alarm.line())
+
+    def resume_at(self, count: int) -> None:
+        """A resume from a checkpoint saved after ``count`` alarms: the file's later lines were
+        written by the steps after that checkpoint, which the resumed run plays again (and
+        raises again), so they go."""
+        self.count = count
+        if not self.is_main or not self.path.is_file():
+            return
+        lines = self.path.read_text().splitlines(keepends=True)
+        if len(lines) > count:
+            kept = self.path.with_name(self.path.name + ".tmp")
+            kept.write_text("".join(lines[:count]))
+            kept.replace(self.path)
