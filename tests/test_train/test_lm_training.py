@@ -335,6 +335,9 @@ def test_the_probes_read_the_training_sources_when_validation_holds_no_image(tin
     assert chosen(["scenes", "code"], ["text"]) == ["scenes", "code"]
     assert chosen(["scenes", "code"], ["scenes", "text"]) == ["scenes", "text"]
     assert chosen(["text", "code"], ["text"]) == ["text"]  # no images anywhere: held-out as is
+    # a long-context stage's held-out long documents and clips: clips are no captioned image
+    assert chosen(["scenes", "clips"], ["text", "clips"]) == ["scenes", "clips"]
+    assert chosen(["clips", "code"], ["clips"]) == ["clips"]
 
 
 def test_settings_that_do_nothing_at_these_rows_are_noted(tiny_tokens, tiny_raw):

@@ -261,18 +261,17 @@ def vocab_sizes(lay: VocabLayout) -> list[int]:
 
 
 def probe_sources(data: LoaderConfig, tables: TableCache, unigram: Unigram | None) -> list:
-    """The sources the probes read: the validation sources, unless they hold no image or video
-    while the training tokens do (the training sources then): on held-out text alone the
-    cross-modal dependence probe finds no captioned image and the generated-code rule no images
-    to judge the drawings by, and both would be off for the run without a word."""
+    """The sources the probes read: the validation sources, unless they hold no image while the
+    training tokens do (the training sources then): the cross-modal dependence probe reads
+    captioned images and the generated-code rule judges drawings by real images' codes; on
+    held-out text, code or clips (a long-context stage's) both would be off without a word."""
     if not data.validation:
         return data.sources
-    visual = [int(Modality.IMAGE), int(Modality.VIDEO)]
-    if unigram is None or not unigram.counts[visual].any():
+    if unigram is None or not unigram.counts[int(Modality.IMAGE)].any():
         return data.validation
     for table in tables.get(data.validation):  # a token table's manifest counts its blocks
         if not isinstance(table, TokenTable) or any(
-            int(shard[kind]["blocks"]) for shard in table.shard_blocks for kind in shard
+            int(shard["image"]["blocks"]) for shard in table.shard_blocks
         ):
             return data.validation
     return data.sources
@@ -421,7 +420,7 @@ class LMTask:
             self._probe_sources = probe_sources(d, self.tables, self.unigram)
             if self._probe_sources is not d.validation and d.validation and self.dist.is_main:
                 log.info(
-                    "probes: data.validation holds no image or video, the training data does: "
+                    "probes: data.validation holds no image, the training data does: "
                     "the probes read the training sources (the cross-modal dependence and the "
                     "generated codes' yardstick need images)"
                 )
