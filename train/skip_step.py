@@ -78,18 +78,33 @@ class SkipStepRule:
         self.by_modality: dict[str, SpikeDetector] = {}
         self.skipped = 0
         self.last: dict = {}
+        self.scored: dict[str, tuple[float, float, float]] = {}  # modality -> (z, CE, tokens)
 
     def loss_score(self, loss: float, parts: dict[str, tuple[float, float]]) -> float:
         if not parts:
             return self.loss.score(loss)
         num = den = 0.0
+        self.scored = {}
         for name, (mean_ce, tokens) in parts.items():
             det = self.by_modality.get(name)
             if det is None or tokens < MIN_TOKENS or not det.ready():
                 continue
             score = det.score(mean_ce)
+            self.scored[name] = (score, mean_ce, tokens)
             num, den = num + tokens * score, den + tokens * tokens
         return num / math.sqrt(den) if den else 0.0
+
+    def driver(self) -> str:
+        """The modality that weighed most in the last loss score, as the alarm names it (a
+        step's total loss can be below the usual while one modality's rose far above its own)."""
+        if not self.scored:
+            return ""
+        name, (score, mean_ce, tokens) = max(
+            self.scored.items(), key=lambda item: item[1][0] * item[1][2]
+        )
+        return (
+            f"{name}'s CE {mean_ce:.4g} on {int(tokens)} tokens, {score:.1f} sigma over its trend"
+        )
 
     def decide(
         self,
@@ -113,6 +128,7 @@ class SkipStepRule:
             # which bar was crossed: the two scores have their own (loss 6, grad norm 12), so
             # the larger score is not the one that crossed (loss 7.6 over 6, grad norm 8.0 under 12)
             "loss_spike": loss_score > self.cfg.sigmas,
+            "driver": self.driver() if loss_score > self.cfg.sigmas else "",
             "skipped": skip,
             "nonfinite": nonfinite,
         }

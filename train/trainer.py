@@ -150,7 +150,7 @@ class Trainer:
                 # also carries the callbacks' flags (a preemption signal) to every rank.
                 sums.add(self.callbacks.step_flags(self))
                 reduced = sums.reduce()
-                self.gate.begin(step - 1, reduced["loss_sum"] / reduced["micro"], reduced)
+                self.gate.begin(step, reduced["loss_sum"] / reduced["micro"], reduced)
             self.engine.step()
         return StepRecord(sums=reduced, seconds=time.perf_counter() - start, data_wait=wait)
 

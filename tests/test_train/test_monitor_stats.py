@@ -62,6 +62,20 @@ def test_no_false_skip_on_a_heavy_tailed_healthy_curve():
     assert not any(rule.decide(s + 1, float(loss[s]), float(grad[s])) for s in range(400))
 
 
+def test_a_loss_spike_names_the_modality_that_drove_it():
+    """A step whose total loss is below the usual while one modality's rose far above its own
+    trend: the alarm says which (the total alone read as nonsense)."""
+    rng = np.random.default_rng(3)
+    rule = SkipStepRule(SkipStepConfig(min_steps=10))
+    for s in range(80):
+        text, structure = 4.0 + 0.05 * rng.standard_normal(), 0.5 + 0.05 * rng.standard_normal()
+        parts = {"text": (text, 2000.0), "structure": (structure, 100.0)}
+        assert not rule.decide(s + 1, text, 1.0, parts)
+    parts = {"text": (4.0, 200.0), "structure": (9.0, 500.0)}  # a long clip's layout tokens
+    assert rule.decide(81, 2.0, 1.0, parts)
+    assert rule.last["driver"].startswith("structure's CE 9 on 500 tokens, ")
+
+
 def test_spike_state_round_trips_and_refuses_another_format():
     rule = SkipStepRule(SkipStepConfig())
     for s, x in enumerate(curve(80)):

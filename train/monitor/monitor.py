@@ -174,7 +174,9 @@ class Monitor:
                 self.cfg.spike.action,
                 values=values,
                 since=step,
-                message=f"loss {values['loss']:.4g} ({last['loss_score']:.1f} sigma), grad norm "
+                message=f"loss {values['loss']:.4g} ({last['loss_score']:.1f} sigma"
+                + (f"; most from {last['driver']}" if last.get("driver") else "")
+                + f"), grad norm "
                 f"{values['grad_norm']:.4g} ({last['grad_norm_score']:.1f} sigma): "
                 + ("update skipped" if self.cfg.spike.action == "skip" else "update applied"),
                 threshold="loss (grad norm) above its de-trended prediction by more than "
