@@ -191,21 +191,24 @@ CODE_BUCKETS = 64
 
 
 def code_buckets(batch: dict, layout: VocabLayout) -> dict[str, torch.Tensor]:
-    """The visual codes the step trains on (image and video labels), counted in ``CODE_BUCKETS``
-    buckets (code mod 64): sums the monitor reduces over ranks and turns into the entropy of the
-    codes delivered (``monitor/data_code_entropy``). A visual tokenizer that has degenerated onto
+    """The visual codes the step trains on (image and video labels, each apart), counted in
+    ``CODE_BUCKETS`` buckets (code mod 64): sums the monitor reduces over ranks and turns into the
+    entropy of the codes delivered (``monitor/data_code_entropy/<m>``). A visual tokenizer that has degenerated onto
     a few codes shows at once, before any model probe could."""
     labels = batch["labels"].reshape(-1)
     label_modality = batch["label_modality"].reshape(-1)
-    visual = (label_modality == int(Modality.IMAGE)) | (label_modality == int(Modality.VIDEO))
-    visual &= labels >= layout.visual_offset
-    # Counted where the labels are, without a shape that depends on them (boolean indexing,
-    # bincount): anything else goes to one spare bucket, dropped.
-    bucket = torch.where(visual, (labels - layout.visual_offset) % CODE_BUCKETS, CODE_BUCKETS)
-    counts = torch.zeros(CODE_BUCKETS + 1, dtype=torch.float32, device=labels.device)
-    counts.index_add_(0, bucket, torch.ones_like(bucket, dtype=torch.float32))
-    # Every key on every step: the sums are reduced over ranks as one vector of sorted keys.
-    return {f"code_bucket/{i:02d}": counts[i] for i in range(CODE_BUCKETS)}
+    out: dict[str, torch.Tensor] = {}
+    for modality in (Modality.IMAGE, Modality.VIDEO):
+        mine = (label_modality == int(modality)) & (labels >= layout.visual_offset)
+        # Counted where the labels are, without a shape that depends on them (boolean indexing,
+        # bincount): anything else goes to one spare bucket, dropped.
+        bucket = torch.where(mine, (labels - layout.visual_offset) % CODE_BUCKETS, CODE_BUCKETS)
+        counts = torch.zeros(CODE_BUCKETS + 1, dtype=torch.float32, device=labels.device)
+        counts.index_add_(0, bucket, torch.ones_like(bucket, dtype=torch.float32))
+        # Every key on every step: the sums are reduced over ranks as one vector of sorted keys.
+        name = MODALITY_NAMES[int(modality)]
+        out |= {f"code_bucket/{name}/{i:02d}": counts[i] for i in range(CODE_BUCKETS)}
+    return out
 
 
 def one_doc_rows(batch: dict) -> bool | None:
@@ -544,12 +547,15 @@ class LMTask:
             load = [v for k, v in s.items() if k.startswith(f"moe_load/{name}/")]
             if load and sum(load) > 0:
                 out[f"monitor/moe_max_load/{name}"] = max(load) * len(load) / sum(load)
-        codes = [s.get(f"code_bucket/{i:02d}", 0.0) for i in range(CODE_BUCKETS)]
-        n_codes = sum(codes)
-        if n_codes > 0:
-            h = -sum(c / n_codes * math.log(c / n_codes) for c in codes if c)
-            out["monitor/data_codes"] = n_codes
-            out["monitor/data_code_entropy"] = h / math.log(min(CODE_BUCKETS, max(n_codes, 2)))
+        for name in ("image", "video"):
+            codes = [s.get(f"code_bucket/{name}/{i:02d}", 0.0) for i in range(CODE_BUCKETS)]
+            n_codes = sum(codes)
+            if n_codes > 0:
+                h = -sum(c / n_codes * math.log(c / n_codes) for c in codes if c)
+                out[f"monitor/data_codes/{name}"] = n_codes
+                out[f"monitor/data_code_entropy/{name}"] = h / math.log(
+                    min(CODE_BUCKETS, max(n_codes, 2))
+                )
         total = sum(s[f"mix_tokens/{source}"] for source in self.source_names) or 1.0
         for source in self.source_names:
             out[f"mix/{source}"] = s[f"mix_tokens/{source}"] / total
