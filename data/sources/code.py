@@ -22,6 +22,7 @@ from data.sources.base import Item, Part, Source, read_file, stat_size, unstatab
 LANGS = {
     ".py": "python",
     ".pyi": "python",
+    ".pyw": "python",
     ".c": "c",
     ".h": "c",
     ".cc": "cpp",
