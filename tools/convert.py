@@ -87,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.run(args)
         return 0
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback, as earlyfuse-prep says it
+        print(
+            f"earlyfuse-convert {args.command}: interrupted; run the same command again",
+            file=sys.stderr,
+        )
+        return 130
     except Exception as e:
         found = write_failure(args.out, e) if getattr(args, "out", None) else None
         if found is None and not isinstance(e, (ValueError, OSError)):

@@ -933,3 +933,19 @@ def test_help_imports_only_the_command_given():
 
     hf = build_parser(["hf", "--help"])._subparsers._group_actions[0].choices["hf"]
     assert "--force" in hf.format_help() and "Qwen3ForCausalLM" in hf.format_help()
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys):
+    import tools.convert as convert
+    import tools.convert_release as release
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(release, "run", interrupted)
+    code = convert.main(["release", "runs/x", "somewhere"])
+    assert code == 130
+    assert (
+        capsys.readouterr().err
+        == "earlyfuse-convert release: interrupted; run the same command again\n"
+    )
