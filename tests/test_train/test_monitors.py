@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shlex
 
+import pytest
 import torch
 from trainrun import metrics, train
 
@@ -175,16 +176,36 @@ def test_the_count_of_alarms_goes_on_after_a_resume(tiny_tokens, tmp_path):
     assert [(a["step"], a["signal"]) for a in alarms(run)] == [(k, "nonfinite")]
 
 
-def test_a_resume_after_a_kill_raises_the_replayed_steps_alarms_once(tiny_tokens, tmp_path):
-    """Killed after an alarm and resumed from the checkpoint before it: the replayed step raises
-    it again, and alarms.jsonl holds it once (the report counted it twice)."""
+@pytest.mark.parametrize("ckpt_every", [3, 10])  # a checkpoint before the alarm; none at all
+def test_a_resume_after_a_kill_raises_the_replayed_steps_alarms_once(
+    tiny_tokens, tmp_path, ckpt_every
+):
+    """Killed after an alarm and resumed from the checkpoint before it (or from the start): the
+    replayed step raises it again, and alarms.jsonl holds it once (the report counted it twice)."""
     run, k = tmp_path / "run", 4
-    args = base(tiny_tokens, run, k + 2, "train.ckpt_every=3")
+    args = base(tiny_tokens, run, k + 2, f"train.ckpt_every={ckpt_every}")
     killed = train(args, faults={"nan_at_step": k, "kill_at_step": k + 1}, check=False)
     assert killed.returncode != 0 and [a["step"] for a in alarms(run)] == [k]
     train(args, faults={"nan_at_step": k})  # resumes from step 3
     assert [(a["step"], a["signal"]) for a in alarms(run)] == [(k, "nonfinite")]
     assert metrics(run)[k + 2]["monitor/alarms"] == 1
+
+
+def test_a_resume_keeps_the_alarms_up_to_a_rollback_or_halt(tmp_path):
+    """A rollback makes an older checkpoint the latest: a resume from it after a kill keeps the
+    rollback's and the abandoned steps' alarms (those steps are not played again as they were)
+    and the halt record written after a checkpoint; it cuts only what comes after them."""
+    from train.monitor.alarms import Alarm, AlarmLog
+
+    log = AlarmLog(tmp_path, is_main=True, write_line=lambda line: None)
+    for step, action in [(12, "skip"), (32, "skip"), (37, "rollback"), (25, "skip")]:
+        log.record([Alarm(step, "loss_spike", action, "")], echo=False)
+    AlarmLog(tmp_path, is_main=True, write_line=print).resume_at(1)  # the checkpoint of step 20
+    assert [a["step"] for a in alarms(tmp_path)] == [12, 32, 37]
+    log.record([Alarm(40, "divergence", "halt", "")], echo=False)
+    resumed = AlarmLog(tmp_path, is_main=True, write_line=print)
+    resumed.resume_at(3)  # a checkpoint saved just before the halt record
+    assert [a["step"] for a in alarms(tmp_path)] == [12, 32, 37, 40] and resumed.count == 4
 
 
 def test_halt_stops_the_run_with_exit_code_3_and_names_the_alarm(tiny_tokens, tmp_path):

@@ -70,6 +70,10 @@ class Monitoring(Callback):
             f"{alarm.message}",
         )
 
+    def pre_train(self, trainer: Trainer, step: int) -> None:
+        if step == 0:  # no checkpoint: a killed first attempt's alarms are raised again
+            self.alarm_log.resume_at(0)
+
     def post_train(self, trainer: Trainer, step: int, final: dict) -> None:
         # the evaluation at the end (in ``final`` by now) judges the alarms that wait for one
         self.alarm_log.record(self.monitor.finish(step, final))
@@ -99,8 +103,8 @@ class Monitoring(Callback):
     def load_state_dict(self, state: dict) -> None:
         self.monitor.load_state_dict(state)
         # ``monitor/alarms`` counts every alarm of the run: a resume continues the checkpoint's
-        # count (alarms.jsonl cut to it: the steps after the checkpoint run again), a rollback
-        # keeps its own, past any alarm (the abandoned steps' alarms stay in alarms.jsonl).
+        # count (alarms.jsonl cut to it, AlarmLog.resume_at), a rollback keeps its own, past any
+        # alarm (the abandoned steps' alarms stay in alarms.jsonl).
         if self.alarm_log.count == 0 and "alarms" in state:  # a resume: nothing raised yet
             self.alarm_log.resume_at(int(state["alarms"]))
         self.alarm_log.count = max(self.alarm_log.count, int(state.get("alarms", 0)))

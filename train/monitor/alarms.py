@@ -74,14 +74,27 @@ class AlarmLog:
                 self.write_line(alarm.line())
 
     def resume_at(self, count: int) -> None:
-        """A resume from a checkpoint saved after ``count`` alarms: the file's later lines were
-        written by the steps after that checkpoint, which the resumed run plays again (and
-        raises again), so they go."""
+        """A resume from a checkpoint saved after ``count`` alarms (0: a run killed before its
+        first): the file's later lines were written by the steps after that checkpoint, which
+        the resumed run plays again (and raises again), so they go; except up to the last
+        rollback or halt, whose abandoned steps are not played again as they were."""
         self.count = count
-        if not self.is_main or not self.path.is_file():
+        if not self.path.is_file():
             return
         lines = self.path.read_text().splitlines(keepends=True)
-        if len(lines) > count:
+        keep = max(
+            count, max((i + 1 for i, line in enumerate(lines) if _ends_pass(line)), default=0)
+        )
+        self.count = keep
+        if self.is_main and len(lines) > keep:
             kept = self.path.with_name(self.path.name + ".tmp")
-            kept.write_text("".join(lines[:count]))
+            kept.write_text("".join(lines[:keep]))
             kept.replace(self.path)
+
+
+def _ends_pass(line: str) -> bool:
+    """Whether an alarms.jsonl line is a rollback's or a halt's."""
+    try:
+        return json.loads(line).get("action") in ("rollback", "halt")
+    except (ValueError, AttributeError):
+        return False
