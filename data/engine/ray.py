@@ -236,13 +236,16 @@ def run_ray(
     )
     queue: deque[tuple[int, JobT]] = deque(enumerate(jobs))
     tries = dict.fromkeys(range(len(jobs)), 0)
-    failed_on: dict[int, Any] = {}  # job -> the actor it last failed on (sent elsewhere if any)
+    failed_on: dict[int, str] = {}  # job -> the node it last failed on (sent elsewhere if any)
     # An actor is given jobs once it has started (``where`` answered): a replacement for one on a
     # lost node may wait for a CPU the cluster no longer has, and a job sent to it would wait too.
     starting: dict = {}  # ``where`` ref -> actor
     idle: list = []
     place: dict = {}  # actor -> where it runs
     inflight: dict = {}  # object ref -> (actor, position, job)
+
+    def node(actor) -> str:
+        return place.get(actor, "").rsplit(" pid ", 1)[0]
 
     def start() -> None:
         actor = actor_cls.remote(*actor_args)
@@ -270,11 +273,14 @@ def run_ray(
         while queue or inflight:
             while idle and queue:
                 pos, job = queue.popleft()
-                other = [i for i, a in enumerate(idle) if a is not failed_on.get(pos)]
+                other = [i for i, a in enumerate(idle) if node(a) != failed_on.get(pos)]
                 actor = idle.pop(other[-1] if other else -1)
                 inflight[actor.run.remote(adapt(job))] = (actor, pos, job)
             if not (inflight or starting):
-                raise RuntimeError(f"no Ray actor left to run {len(queue)} job(s)")
+                raise RuntimeError(
+                    f"no Ray actor left to run {len(queue)} job(s): each failed to start (the "
+                    "`ray: an actor failed to start` lines say why)"
+                )
             ready, _ = ray.wait([*inflight, *starting], num_returns=1, timeout=STALL_SECONDS)
             if not ready:
                 if not inflight and not waited:
@@ -294,7 +300,8 @@ def run_ray(
                     idle.append(actor)
                 except (RayActorError, WorkerCrashedError) as e:  # its node went meanwhile
                     ray.kill(actor)
-                    print(f"ray: an actor failed to start ({type(e).__name__})", file=sys.stderr)
+                    said = [line for line in str(e).splitlines() if line.strip()] or [repr(e)]
+                    print(f"ray: an actor failed to start: {said[-1]}", file=sys.stderr, flush=True)
                 continue
             actor, pos, job = inflight.pop(ready[0])
             at = f" on {place.get(actor, 'an actor')}"
@@ -304,7 +311,7 @@ def run_ray(
                 # The job raised (caught first: a job that called a dead GPU actor raises an
                 # error that is both a RayTaskError and a RayActorError, its worker alive).
                 idle.append(actor)
-                failed_on[pos] = actor
+                failed_on[pos] = node(actor)
                 if isinstance(e.cause, RayActorError) and pool is not None:
                     replaced = pool.replace_dead()
                     if replaced:
