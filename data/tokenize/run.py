@@ -40,8 +40,8 @@ from data.names import (
     TOKENIZERS_DIR,
     VISUAL_TOKENIZER_DIR,
 )
-from data.shards.manifest import TOKEN_FORMAT as FORMAT
 from data.shards.manifest import (
+    MANIFEST_FORMAT,
     load_manifest,
     partition_share,
     refuse_strays,
@@ -51,6 +51,7 @@ from data.shards.manifest import (
     shard_entry,
     versions,
 )
+from data.shards.manifest import TOKEN_FORMAT as FORMAT
 from data.shards.storage import Folder, Staging, write_folder, writing
 from data.text_tokenizer import TextTokenizer
 from data.tokenize.blocks import block_summary
@@ -133,11 +134,8 @@ def tokenize(
         check_visual_tokenizer(vtok_dir, text.layout)
     fingerprint = fingerprint_of(raw_m, tok_dir, vtok_dir, opts)
     held = dest.read_json(MANIFEST_FILE) if dest.exists(MANIFEST_FILE) else None
-    if held is not None and held.get("format") != FORMAT:
-        raise ValueError(
-            f"{out} holds {held.get('format')!r} shards (an ingest's output?), not token shards; "
-            "choose a new --out"
-        )
+    if held is not None and held.get("format") == MANIFEST_FORMAT:
+        raise ValueError(f"{out} is an ingest's output (raw shards); choose a new --out")
     if held is not None and held.get("fingerprint") != fingerprint:
         raise ValueError(
             f"{out} holds token shards of other inputs, tokenizers or options; "
@@ -342,11 +340,16 @@ def merge_tokens(out: str | Path) -> dict:
         if not shard_done(sizes, records.get(shard_index), fingerprint)
     ]
     if missing:
-        parts = first.get("partition", [0, 1])[1]
-        owners = sorted({index % parts for index in missing})
+        parts = first["partition"][1] if "partition" in first else 0  # records name it since
+        owners = sorted({index % parts for index in missing}) if parts else missing[:5]
         raise ValueError(
-            f"{out}: {len(missing)} token shard(s) not written yet (partitions {owners} of "
-            f"--num-partitions {parts} have not finished); run them, then merge again"
+            f"{out}: {len(missing)} token shard(s) not written yet ("
+            + (
+                f"partitions {owners} of --num-partitions {parts} have not finished"
+                if parts
+                else f"e.g. {owners}"
+            )
+            + "); run them, then merge again"
         )
     opts = TokenizeOptions(**first["options"])
     raw_m = load_manifest(first["inputs"]["raw"])

@@ -146,6 +146,7 @@ def test_user_errors_are_one_line_and_exit_code_2_before_any_work(
     for argv, said in [
         (["tokenize", "--in", str(tmp_path), *args[3:]], f"{tmp_path}/manifest.json: no manifest"),
         ([*args, "--device", "gpu0"], "--device 'gpu0': not a device (cpu, cuda, cuda:1, ...)"),
+        ([*args[:4], str(tiny_raw), *args[5:]], f"{tiny_raw} is an ingest's output (raw shards)"),
         ([*args, "--device", absent], f"--device {absent}: this machine has "),
         # without a visual tokenizer, a corpus holding images and videos (text alone needs none)
         (args[:-3] + ["--no-progress"], f"{tiny_raw}: {images} image(s) and {videos} video(s)"),
