@@ -174,6 +174,14 @@ def cmd_tokenize(a) -> int:
     for line in describe(m):
         print(line)
     for source in m["sources"]:
+        if thinned := source.get("sparse_clips"):
+            print(
+                f"note: {source['name']}: {thinned['clips']} clip(s) longer than their block "
+                f"budget holds at --video-fps {m['options']['video_fps']:g} kept fewer frames "
+                f"over their whole length (up to {thinned['widest']:.3g} s apart, e.g. "
+                f"{', '.join(thinned['examples'])}); a larger --doc-budget, --video-max-tokens "
+                "or --seq-len keeps more"
+            )
         if squeezed := source.get("out_of_shape"):
             print(
                 f"note: {source['name']}: {squeezed['documents']} document(s) with an image too long "

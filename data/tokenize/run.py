@@ -266,6 +266,12 @@ def finalize_tokens(
             drawn = source.setdefault("out_of_shape", {"documents": 0, "examples": []})
             drawn["documents"] += squeezed["documents"]
             drawn["examples"] = (drawn["examples"] + squeezed["examples"])[:3]
+        thinned = record.get("sparse_clips", {"clips": 0})
+        if thinned["clips"]:
+            said = source.setdefault("sparse_clips", {"clips": 0, "widest": 0.0, "examples": []})
+            said["clips"] += thinned["clips"]
+            said["widest"] = max(said["widest"], thinned["widest"])
+            said["examples"] = (said["examples"] + thinned["examples"])[:3]
 
     blocks = block_summary(recs)
     for source in sources.values():

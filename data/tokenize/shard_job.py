@@ -191,6 +191,7 @@ def _tokenize_shard(job: TokenizeJob, raw_tar: Path, raw_idx: Path, stage: Stagi
     writer = TokenShardWriter(stage.path(tar_rel), stage.path(idx_rel))
     rejects: list[dict] = []
     squeezed: list[str] = []  # keys of documents holding an image its grid draws out of shape
+    sparse: list[tuple[float, str]] = []  # (widest gap, key) of clips the budget thinned
     try:
         with ShardReader(raw_tar, raw_idx) as stream:
             for chunk in batched(stream, CHUNK_DOCS):
@@ -201,6 +202,8 @@ def _tokenize_shard(job: TokenizeJob, raw_tar: Path, raw_idx: Path, stage: Stagi
                         writer.write(got)
                         if out_of_shape(raw_doc.doc["segments"], got.spans):
                             squeezed.append(got.key)
+                        if (gap := widest_gap(got.spans)) > SPARSE * (1 / job.opts.video_fps):
+                            sparse.append((gap, got.key))
         result = writer.close(stage.path(bin_rel))
     except BaseException:
         writer.abort()
@@ -220,6 +223,11 @@ def _tokenize_shard(job: TokenizeJob, raw_tar: Path, raw_idx: Path, stage: Stagi
         "tokens": dict(writer.tokens),
         "block_stats": shard_block_stats(writer.doc_blocks),
         "out_of_shape": {"documents": len(squeezed), "examples": squeezed[:3]},
+        "sparse_clips": {
+            "clips": len(sparse),
+            "widest": max((gap for gap, _ in sparse), default=0.0),
+            "examples": [key for _, key in sorted(sparse, reverse=True)[:3]],
+        },
         "rejects": rejects,
         "partition": list(job.partition),
         "command": list(job.command),
@@ -227,6 +235,19 @@ def _tokenize_shard(job: TokenizeJob, raw_tar: Path, raw_idx: Path, stage: Stagi
         "inputs": {"raw": job.raw_dir, "tokenizer": job.tok_dir, "visual": job.vtok_dir},
         "options": asdict(job.opts),
     }
+
+
+SPARSE = 1.5  # a clip whose kept frames lie this many --video-fps intervals apart is said
+
+
+def widest_gap(spans: list[dict]) -> float:
+    """The widest gap, in seconds, between kept frames of a document's clips (0 without): a
+    clip longer than its block budget holds at --video-fps keeps fewer frames over its whole
+    length, which tokenize says rather than leave to the JSON spans."""
+    gaps = [
+        b - a for span in spans for a, b in zip(span.get("times", []), span.get("times", [])[1:])
+    ]
+    return max(gaps, default=0.0)
 
 
 def out_of_shape(segments: list[dict], spans: list[dict]) -> bool:

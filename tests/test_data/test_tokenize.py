@@ -398,3 +398,19 @@ def test_images_too_long_and_thin_for_the_grid_are_counted_and_named(
     assert "note: pics: 1 document(s) with an image too long and thin" in capsys.readouterr().out
     (source,) = json.loads((tmp_path / "tok" / "manifest.json").read_text())["sources"]
     assert source["out_of_shape"] == {"documents": 1, "examples": ["pics-strip_png"]}
+
+
+def test_clips_a_small_budget_thins_are_said(tiny_raw, tiny_tokenizers, tmp_path, capsys):
+    """A clip longer than its budget holds at --video-fps keeps fewer frames over its whole
+    length: the summary says how many and how far apart (only the JSON spans had shown it)."""
+    from data.tokenize.shard_job import widest_gap
+
+    assert widest_gap([{"type": "text"}, {"type": "video", "times": [0.0, 0.25, 2.0]}]) == 1.75
+    text, visual = tiny_tokenizers
+    args = ["tokenize", "--in", str(tiny_raw), "--out", str(tmp_path / "t"), "--no-progress"]
+    args += ["--tokenizer", str(text), "--visual-tokenizer", str(visual)]
+    assert main([*args, "--video-max-tokens", "60"]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if "kept fewer frames" in line]
+    assert len(said) == 1 and said[0].startswith("note: clips: "), said
+    assert "at --video-fps 4 kept fewer frames over their whole length (up to " in said[0]
+
