@@ -413,4 +413,3 @@ def test_clips_a_small_budget_thins_are_said(tiny_raw, tiny_tokenizers, tmp_path
     said = [line for line in capsys.readouterr().out.splitlines() if "kept fewer frames" in line]
     assert len(said) == 1 and said[0].startswith("note: clips: "), said
     assert "at --video-fps 4 kept fewer frames over their whole length (up to " in said[0]
-
