@@ -3,12 +3,13 @@
 Exit status: 0 done; 2 a user error: a bad flag, or an input, folder or value that cannot be
 used (one line on stderr names the file and the problem); 1 the machine failed under a command
 that could have run (a full disk, an I/O error; a file that could not be written is named, with
-what stopped it and what to do, after which ``ingest``, ``tokenize`` and ``merge`` resume); 3 ``ingest``, ``tokenize`` or ``merge`` finished but rejected some inputs (a
-partition's run: its own shards', the last to finish the folder's; each listed in DIR/rejects.jsonl once merged; those that held nothing to keep, ``schema.LOSSLESS_REASONS``,
-do not count) — pass ``--allow-rejects`` to get 0; ``verify`` exits 1 when
-it finds a problem; 141 (128 + SIGPIPE), silently, when the reader of stdout closes it early
-(``stats DIR | head``); 130 after Ctrl-C and 143 after SIGTERM, the workers stopped and the
-finished shards kept (rerun the same command to resume).
+what stopped it and what to do, after which ``ingest``, ``tokenize`` and ``merge`` resume); 3
+``ingest``, ``tokenize`` or ``merge`` finished but rejected some inputs (a partition's run: its
+own shards', the last to finish the folder's; each listed in DIR/rejects.jsonl once merged; those
+that held nothing to keep, ``schema.LOSSLESS_REASONS``, do not count) — pass ``--allow-rejects``
+to get 0; ``verify`` exits 1 when it finds a problem; 141 (128 + SIGPIPE), silently, when the
+reader of stdout closes it early (``stats DIR | head``); 130 after Ctrl-C and 143 after SIGTERM,
+the workers stopped and the finished shards kept (rerun the same command to resume).
 """
 
 from __future__ import annotations

@@ -15,17 +15,18 @@ Design choices:
   sent again, up to ``retries`` times; an actor is given jobs only once it has started (a
   replacement for a lost node's may wait for a CPU the cluster no longer has: the jobs go to
   the actors running meanwhile, and a line says so if none is left); a job that failed goes to
-  another actor when one is free, and the lines name the node it failed on; a GPU actor that dies is replaced too, and the jobs that
-  were calling it (they fail with Ray's ``RayActorError``) are sent again; a job that raised
-  ``OSError`` (a storage hiccup) is sent again too; any other exception stops the run with the
-  job's own error. A job rerun writes the same bytes (outputs go to temporary names first), so
-  a kill never leaves a shard missing, half-written or twice.
+  an actor on another node when one is free, and the lines name the node it failed on; a GPU
+  actor that dies is replaced too, and the jobs that were calling it (they fail with Ray's
+  ``RayActorError``) are sent again; a job that raised ``OSError`` (a storage hiccup) is sent
+  again too; any other exception stops the run with the job's own error. A job rerun writes
+  the same bytes (outputs go to temporary names first), so a kill never leaves a shard
+  missing, half-written or twice.
 - Tested (tests/test_data/test_engine_ray.py, a real two-node Ray cluster on one machine whose
   second node declares one *logical* GPU): ingest and tokenize byte-identical to the local
   engine (ingest also into S3 from a cluster started without its settings), a CPU actor
-  killed mid-job, a node lost mid-job, the GPU actor pool (the actor on that logical GPU runs the visual tokenizer
-  on the CPU) and a GPU actor killed mid-run. Not tested: CUDA itself (no GPU
-  here), several GPUs, a lost GPU node (a replacement GPU actor then waits for a GPU).
+  killed mid-job, a node lost mid-job, the GPU actor pool (the actor on that logical GPU runs
+  the visual tokenizer on the CPU) and a GPU actor killed mid-run. Not tested: CUDA itself (no
+  GPU here), several GPUs, a lost GPU node (a replacement GPU actor then waits for a GPU).
 - Every node must see the same inputs and the same output folder (a shared file system, or
   object storage through fsspec URLs) and have the same earlyfuse installed.
 - The driver joins the cluster at ``address`` (default: ``RAY_ADDRESS``, else one that
