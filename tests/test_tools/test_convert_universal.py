@@ -191,8 +191,7 @@ def test_a_conversion_cut_short_leaves_the_previous_one_whole(zero1_run, tmp_pat
         raise KeyboardInterrupt
 
     monkeypatch.setattr(ds, "main", cut_short)
-    with pytest.raises(KeyboardInterrupt):
-        convert_main(["universal", str(run), "--force"])
+    assert convert_main(["universal", str(run), "--force"]) == 130  # Ctrl-C: one line
     after = {p: p.read_bytes() for p in (step / "universal").rglob("*") if p.is_file()}
     assert after == before
     assert not [p for p in step.parent.iterdir() if p.name.startswith(".")]  # nothing set aside
