@@ -135,11 +135,11 @@ class PrepWorker:
         failed = decode_failures() - self.start
         return result, self.recycle_after > 0 and failed >= self.recycle_after
 
-    def where(self) -> str:
+    def where(self) -> tuple[str, int]:
         """The node and process it runs in, for the driver's lines (returned once it started)."""
         import ray
 
-        return f"node {ray.util.get_node_ip_address()} pid {os.getpid()}"
+        return ray.util.get_node_ip_address(), os.getpid()
 
 
 class GpuPool:
@@ -242,11 +242,8 @@ def run_ray(
     # lost node may wait for a CPU the cluster no longer has, and a job sent to it would wait too.
     starting: dict = {}  # ``where`` ref -> actor
     idle: list = []
-    place: dict = {}  # actor -> where it runs
+    place: dict = {}  # actor -> (node, pid) where it runs
     inflight: dict = {}  # object ref -> (actor, position, job)
-
-    def node(actor) -> str:
-        return place.get(actor, "").rsplit(" pid ", 1)[0]
 
     def start() -> None:
         actor = actor_cls.remote(*actor_args)
@@ -274,7 +271,7 @@ def run_ray(
         while queue or inflight:
             while idle and queue:
                 pos, job = queue.popleft()
-                other = [i for i, a in enumerate(idle) if node(a) != failed_on.get(pos)]
+                other = [i for i, a in enumerate(idle) if place[a][0] != failed_on.get(pos)]
                 actor = idle.pop(other[-1] if other else -1)
                 inflight[actor.run.remote(adapt(job))] = (actor, pos, job)
             if not (inflight or starting):
@@ -305,14 +302,14 @@ def run_ray(
                     print(f"ray: an actor failed to start: {said[-1]}", file=sys.stderr, flush=True)
                 continue
             actor, pos, job = inflight.pop(ready[0])
-            at = f" on {place.get(actor, 'an actor')}"
+            at = " on node {} pid {}".format(*place[actor])
             try:
                 result, retire = ray.get(ready[0])
             except RayTaskError as e:
                 # The job raised (caught first: a job that called a dead GPU actor raises an
                 # error that is both a RayTaskError and a RayActorError, its worker alive).
                 idle.append(actor)
-                failed_on[pos] = node(actor)
+                failed_on[pos] = place[actor][0]
                 if isinstance(e.cause, RayActorError) and pool is not None:
                     replaced = pool.replace_dead()
                     if replaced:

@@ -191,24 +191,27 @@ CODE_BUCKETS = 64
 
 
 def code_buckets(batch: dict, layout: VocabLayout) -> dict[str, torch.Tensor]:
-    """The visual codes the step trains on (image and video labels, each apart), counted in
+    """The visual codes the step trains on, image and video labels apart, each counted in
     ``CODE_BUCKETS`` buckets (code mod 64): sums the monitor reduces over ranks and turns into the
-    entropy of the codes delivered (``monitor/data_code_entropy/<m>``). A visual tokenizer that has degenerated onto
-    a few codes shows at once, before any model probe could."""
+    entropy of the codes delivered (``monitor/data_code_entropy/<m>``). A visual tokenizer that
+    has degenerated onto a few codes shows at once, before any model probe could."""
     labels = batch["labels"].reshape(-1)
     label_modality = batch["label_modality"].reshape(-1)
-    out: dict[str, torch.Tensor] = {}
-    for modality in (Modality.IMAGE, Modality.VIDEO):
-        mine = (label_modality == int(modality)) & (labels >= layout.visual_offset)
-        # Counted where the labels are, without a shape that depends on them (boolean indexing,
-        # bincount): anything else goes to one spare bucket, dropped.
-        bucket = torch.where(mine, (labels - layout.visual_offset) % CODE_BUCKETS, CODE_BUCKETS)
-        counts = torch.zeros(CODE_BUCKETS + 1, dtype=torch.float32, device=labels.device)
-        counts.index_add_(0, bucket, torch.ones_like(bucket, dtype=torch.float32))
-        # Every key on every step: the sums are reduced over ranks as one vector of sorted keys.
-        name = MODALITY_NAMES[int(modality)]
-        out |= {f"code_bucket/{name}/{i:02d}": counts[i] for i in range(CODE_BUCKETS)}
-    return out
+    image, video = label_modality == int(Modality.IMAGE), label_modality == int(Modality.VIDEO)
+    code = (labels - layout.visual_offset) % CODE_BUCKETS
+    # One pass: a video code's bucket lies CODE_BUCKETS further on. Counted where the labels are,
+    # without a shape that depends on them (boolean indexing, bincount): anything else goes to one
+    # spare bucket, dropped.
+    visual = (image | video) & (labels >= layout.visual_offset)
+    bucket = torch.where(visual, code + video * CODE_BUCKETS, 2 * CODE_BUCKETS)
+    counts = torch.zeros(2 * CODE_BUCKETS + 1, dtype=torch.float32, device=labels.device)
+    counts.index_add_(0, bucket, torch.ones_like(bucket, dtype=torch.float32))
+    # Every key on every step: the sums are reduced over ranks as one vector of sorted keys.
+    return {
+        f"code_bucket/{name}/{i:02d}": counts[k * CODE_BUCKETS + i]
+        for k, name in enumerate(("image", "video"))
+        for i in range(CODE_BUCKETS)
+    }
 
 
 def one_doc_rows(batch: dict) -> bool | None:
