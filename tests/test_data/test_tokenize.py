@@ -377,6 +377,15 @@ def test_a_hand_written_raw_folder_missing_a_field_is_named(
     said = f"sample {entry['key']} names a member {member!r} that its index line's"
     assert said in (tmp_path / "t2" / "rejects.jsonl").read_text()
 
+    # Partitioned (a Slurm array): the task whose shards lost that document exits 3 although
+    # another finishes after it; the last exits by the folder's rejects.
+    bad = m["shards"].index(shard) % 2
+    argv += ["--out", str(tmp_path / "t3"), "--no-progress", "--num-partitions", "2"]
+    assert main(["tokenize", *argv, "--partition", str(bad)]) == 3
+    said = "rejected 1 document(s) in this partition's shards, listed in"
+    assert said in capsys.readouterr().out
+    assert main(["tokenize", *argv, "--partition", str(1 - bad)]) == 3
+
 
 def test_images_too_long_and_thin_for_the_grid_are_counted_and_named(
     tiny_tokenizers, tmp_path, capsys

@@ -81,7 +81,8 @@ def test_lr_spike_is_skipped_then_rolled_back_and_recovers(tiny_tokens, tmp_path
         120,
         "train.ckpt_every=10",
         "train.keep_last=2",
-        "optim.skip_step.min_steps=20",
+        # The first spiking step is min_steps itself: gated from that very step on.
+        f"optim.skip_step.min_steps={k + 1}",
         "optim.schedule=constant",
         # Chunks of 64 tokens: every 2-row step carries the mix, so the loss of a healthy step
         # varies little and the fault's spike stands out by the 6-sigma rule.
