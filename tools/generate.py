@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, help="the sampler's seed (default 0); needs --temperature above 0"
+    )
     parser.add_argument(
         "--guidance",
         type=float,
@@ -134,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--size fixes the grid and --max-size lets the model choose it: give one")
     if args.max_new_tokens is None:
         args.max_new_tokens = 64
-    if not args.temperature and (args.top_k or args.top_p < 1 or args.seed) and not args.batch:
+    shaped = args.top_k or args.top_p < 1 or args.seed is not None  # any seed, 0 too, as a line's
+    if not args.temperature and shaped and not args.batch:
         parser.error(  # greedy would ignore them
             "--top-k, --top-p and --seed shape a sample, and --temperature 0 (the default) is "
             "greedy: give --temperature too (e.g. 1)"
@@ -148,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     from train.release import DTYPES, Release, ReleaseError
 
     defaults = {key: getattr(args, key) for key in (*SAMPLING, "guidance")}
+    defaults["seed"] = args.seed or 0
     try:
         device = torch.device(checked_device(args.device))
         args.out and writable(args.out, image=True)  # refused before the release is loaded

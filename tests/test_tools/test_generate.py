@@ -292,7 +292,7 @@ def test_a_sampling_option_out_of_range_is_refused_by_name(release, capsys, flag
 def test_top_k_or_top_p_without_a_temperature_is_refused(release, tmp_path, capsys):
     """Greedy (temperature 0, the default) ignored them and --seed with them: the same text for
     every seed, without a word."""
-    for cut in (["--top-k", "5"], ["--top-p", "0.9"], ["--seed", "2"]):
+    for cut in (["--top-k", "5"], ["--top-p", "0.9"], ["--seed", "2"], ["--seed", "0"]):
         with pytest.raises(SystemExit) as refused:
             generate_main([str(release), "--prompt", "x", *cut])
         assert refused.value.code == 2
@@ -303,7 +303,7 @@ def test_top_k_or_top_p_without_a_temperature_is_refused(release, tmp_path, caps
         '{"prompt": "x", "temperature": 0}\n'  # greedy on purpose beside --top-p's default: runs
         # a line's own seed at temperature 0 (ran greedy, the seed ignored); a caption without an
         # image (ran as text); code with no prompt (nothing marked code: plain text)
-        '{"prompt": "x", "seed": 7}\n{"prompt": "hi", "caption": true}\n'
+        '{"prompt": "x", "seed": 0}\n{"prompt": "hi", "caption": true}\n'
         '{"prompt": "", "code": true}\n'
     )
     argv = [str(release), "--batch", str(requests), "--max-new-tokens", "2", "--top-p", "0.9"]
