@@ -83,7 +83,14 @@ def write_failure(out, error: Exception) -> OSError | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
+    parser = build_parser(argv)
+    args, extra = parser.parse_known_args(argv)
+    # An option after the positionals (import's --config-dir after RELEASE RUN_DIR) ends the
+    # overrides there for argparse; the words after it are overrides too.
+    if extra and hasattr(args, "overrides") and not any(a.startswith("-") for a in extra):
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         args.run(args)
         return 0

@@ -199,8 +199,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--config-dir",
         default="",
         metavar="DIR",
-        help="a config folder of yours, as earlyfuse-train --config-dir takes (data=mine in it); "
-        "give it before RELEASE",
+        help="a config folder of yours, as earlyfuse-train --config-dir takes (data=mine in it)",
     )
     parser.add_argument(
         "overrides",

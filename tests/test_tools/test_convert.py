@@ -273,6 +273,13 @@ def test_import_starts_a_run_with_exactly_the_release_weights(runs, tiny_tokens,
     assert convert_main([*argv, "experiment=debug", "data=mine"]) == 0
     out = capsys.readouterr().out
     assert "fits the release" in out and f"earlyfuse-train --config-dir {mine} " in out
+    # ... given after RELEASE RUN_DIR, between overrides, as earlyfuse-train takes it anywhere
+    late = ["import", str(rel), str(tmp_path / "other"), "experiment=debug"]
+    assert convert_main([*late, "--config-dir", str(mine), "data=mine"]) == 0
+    assert capsys.readouterr().out == out
+    with pytest.raises(SystemExit):
+        convert_main([*late, "--config-dirr", str(mine), "data=mine"])
+    assert "unrecognized arguments: --config-dirr" in capsys.readouterr().err
     # Override mistakes are said as earlyfuse-train says them, one line each
     for override, said in (
         ("optim.lrr=1", "unknown config key(s): optim.lrr (did you mean optim.lr?)"),
