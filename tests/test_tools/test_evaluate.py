@@ -86,6 +86,13 @@ def test_eval_command_on_a_release(debug_release, tiny_tokens, tiny_corpus, tmp_
     assert "WARNING: 3 of these 3 scenes are pictures of the training data" in printed
     assert "scenes (3 single-shape scenes" in printed  # not called held-out
     assert "per modality" in printed and "dependence" in printed and "drawn from caption" in printed
+    # Which code made the figures (their meaning changes with it): the version and commit
+    from train.callbacks.run_info import code_commit, package_version
+
+    commit, modified = code_commit()
+    by = {"earlyfuse": package_version("earlyfuse"), "commit": commit, "modified": modified}
+    assert ev["evaluated_by"] == by
+    assert f"(step {ev['step']}), by earlyfuse {by['earlyfuse']}" in printed
 
 
 def test_the_bigram_baseline_knows_the_previous_token_only(tiny_tokens, tiny_tokenizers):
@@ -486,6 +493,17 @@ def test_a_source_with_one_pair_is_listed_unmeasured(tiny_tokenizers):
     }
     printed = format_eval({"dependence": gaps})
     assert "one pair: no other document's context to swap in" in printed
+
+
+def test_a_modality_on_a_few_tokens_is_flagged():
+    """Code-only held-out data has a text row of its documents' <|eos|> labels: four tokens
+    whose CE read like a finding."""
+    from tools.evaluate.table import format_eval
+
+    fig = {"ce": 1.0, "unigram": 2.0, "margin": 1.0, "bigram": 1.5, "bpb": None}
+    held = {"total": {"text": {**fig, "tokens": 4}, "code": {**fig, "tokens": 5000}}}
+    printed = format_eval({"heldout": held})
+    assert "(on fewer than 100 tokens, figures that say little: text 4)" in printed
 
 
 @pytest.mark.slow  # two models trained for 150 steps, then 2 x 40 scenes drawn and captioned: minutes

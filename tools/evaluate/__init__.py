@@ -14,6 +14,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from train.callbacks.run_info import code_identity
+
 EVAL_FILE = "heldout_eval.json"  # in a run folder: earlyfuse-report shows it
 
 EXAMPLES = """\
@@ -182,6 +184,7 @@ def evaluate(args) -> dict:
                 flush=True,
             )
     out: dict = {"release": str(rel.path), "step": rel.step, "data": str(args.data)}
+    out["evaluated_by"] = code_identity()  # figures change meaning with the code that made them
     packing, origin = packing_options(args, rel)
     out.update(packing)
     out["packing_from"] = origin

@@ -47,8 +47,15 @@ def dropped_warning(ev: dict) -> str:
     return f"WARNING: visual blocks longer than a row left out, unmeasured: {lost}" if lost else ""
 
 
+FEW_TOKENS = 100  # a modality's row on fewer is flagged
+
+
 def format_eval(ev: dict) -> str:
     lines = [f"held-out evaluation of {ev.get('release', '?')} (step {ev.get('step', '?')})"]
+    if by := ev.get("evaluated_by"):
+        commit = f" at commit {by['commit'][:10]}" if by.get("commit") else ""
+        changed = " with local changes" if by.get("modified") else ""
+        lines[0] += f", by earlyfuse {by.get('earlyfuse') or '?'}{commit}{changed}"
     if "seq_len" in ev:
         lines.append(_packing_line(ev))
     held = ev.get("heldout") or {}
@@ -80,6 +87,10 @@ def format_eval(ev: dict) -> str:
                 figures.append(fig.get("bpb"))
                 cells = [*map(fmt_figure, figures), f"{fig['tokens']:,}"]
                 lines.append(_row(modality, cells, 10, widths))
+        if few := [f"{m} {f['tokens']}" for m, f in tot.items() if 0 < f["tokens"] < FEW_TOKENS]:
+            lines.append(  # code-only data still has text: the <|eos|> ending each document
+                f"  (on fewer than {FEW_TOKENS} tokens, figures that say little: {', '.join(few)})"
+            )
         if held.get("sampled"):
             lines.append("  (a sample: the first documents of each source, --max-docs)")
         if held.get("bigram_capped"):

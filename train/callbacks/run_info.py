@@ -82,7 +82,6 @@ def launch_record(step: int, command: Sequence[str], world_size: int) -> dict:
     """How one start of the run was made: the config holds what was resolved, not the command,
     the folder its relative paths (data shards, run_dir, init_from) were read from, or the code
     that ran, and the same command from the same folder is how a run is resumed or repeated."""
-    commit, modified = code_commit()
     return {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "step": step,
@@ -91,13 +90,18 @@ def launch_record(step: int, command: Sequence[str], world_size: int) -> dict:
         "host": platform.node(),
         "world_size": world_size,
         "nodes": nodes(world_size),
-        "earlyfuse": package_version("earlyfuse"),
-        "commit": commit,
-        "modified": modified,
+        **code_identity(),
         "python": platform.python_version(),
         "torch": package_version("torch"),
         "deepspeed": package_version("deepspeed"),
     }
+
+
+def code_identity() -> dict:
+    """Which earlyfuse made a record: its version, and the commit of the checkout it ran from
+    with whether that checkout had changes (both None for an installed copy)."""
+    commit, modified = code_commit()
+    return {"earlyfuse": package_version("earlyfuse"), "commit": commit, "modified": modified}
 
 
 def nodes(world_size: int) -> int | None:
