@@ -229,7 +229,7 @@ def readme(rel, tok) -> str:
 
 Exported by `earlyfuse-convert hf` from `{rel.path}` (step {rel.step}). Load it with
 `transformers.AutoModelForCausalLM.{load}` and `AutoTokenizer.{load}`.
-{packing_readme(rel.config.get("packing"))}{grid_readme(lay) if grid else ""}
+{packing_readme(rel.config.get("packing"))}{tokenize_readme(rel)}{grid_readme(lay) if grid else ""}
 ## Ids
 
 - `0..{lay.text_size - 1}`: the text tokenizer's (byte-level BPE); `<|pad|>` {tok.pad_id},
@@ -275,6 +275,20 @@ def packing_readme(packing: dict | None) -> str:
 Trained on packed rows of {packing.get("seq_len")} tokens, {packing.get("micro_batch")} rows a micro-batch, {whole}. Its
 validation packed held-out documents the same way, as `earlyfuse-eval` does on the release this
 came from (that release's `config.json`, `packing`): held-out figures compare on the same rows.
+"""
+
+
+def tokenize_readme(rel) -> str:
+    """The block budgets the training data's images and videos were tokenized with (the
+    release's ``tokenize``), for new data to be sized alike; nothing where none is recorded."""
+    from data.tokenize.docs import block_flags
+
+    if not block_flags(rel.config.get("tokenize") or {}):
+        return ""
+    return f"""
+Its training data was tokenized by `{rel.tokenize_command()}` (the release this came from holds
+both tokenizers): images and videos tokenized with other block budgets come in sizes it did not
+train on.
 """
 
 

@@ -16,6 +16,7 @@ import torch
 
 from data.loader import SourceConfig
 from data.loader.table_load import load_table
+from data.tokenize.docs import block_flags
 from tools.convert import main as convert_main
 from train.release import Release
 
@@ -81,6 +82,9 @@ def test_hf_export_gives_our_logits_on_text_images_and_video(
     # The rows the run trained on (experiment=debug, train.micro_batch=2), said beside the model.
     assert "packed rows of 256 tokens, 2 rows a micro-batch, text split across rows" in readme
     rel = Release(release)
+    # ... and the block budgets its images and videos were tokenized with
+    assert "--image-max-pixels" in block_flags(rel.config["tokenize"])
+    assert f"tokenized by `{rel.tokenize_command()}` (the release" in readme
     ours = rel.build_model().eval()
     lay = rel.layout
     # One document per row (HF has no document masking): captioned scenes and clips, cut to 96 tokens.
