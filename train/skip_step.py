@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from train.monitor.detectors import CONTENT
 from train.monitor.stats import RobustTrend
 
 
@@ -69,7 +70,11 @@ class SkipStepRule:
     weighted z: ``sum(n_m z_m) / sqrt(sum(n_m^2))``). A batch that holds more of a hard modality
     is then no spike, and neither is the first batch of a modality never seen before (it has no
     history to be scored against): only a modality that got worse than its own trend counts.
-    Without them (the visual tokenizer), the total loss is scored."""
+    Structure markers are not scored: they are of several kinds (an image's few size tokens, CE
+    near 0; a long clip's hundreds of frame and time markers, CE anywhere from 0.3 to 10 between
+    passes), so their mean CE moves with the blocks a step holds, not with the update; a
+    blow-up shows in the content modalities. Without per-modality losses (the visual
+    tokenizer), the total loss is scored."""
 
     def __init__(self, cfg: SkipStepConfig) -> None:
         self.cfg = cfg
@@ -87,7 +92,7 @@ class SkipStepRule:
         self.scored = {}
         for name, (mean_ce, tokens) in parts.items():
             det = self.by_modality.get(name)
-            if det is None or tokens < MIN_TOKENS or not det.ready():
+            if name not in CONTENT or det is None or tokens < MIN_TOKENS or not det.ready():
                 continue
             score = det.score(mean_ce)
             self.scored[name] = (score, mean_ce, tokens)
@@ -138,7 +143,7 @@ class SkipStepRule:
             self.loss.add(loss)
             self.grad_norm.add(grad_norm)
             for name, (mean_ce, tokens) in parts.items():
-                if tokens >= MIN_TOKENS:
+                if name in CONTENT and tokens >= MIN_TOKENS:
                     self.by_modality.setdefault(
                         name, SpikeDetector(self.cfg.window, trend=self.cfg.trend)
                     ).add(mean_ce)

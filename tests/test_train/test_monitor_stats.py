@@ -68,12 +68,35 @@ def test_a_loss_spike_names_the_modality_that_drove_it():
     rng = np.random.default_rng(3)
     rule = SkipStepRule(SkipStepConfig(min_steps=10))
     for s in range(80):
-        text, structure = 4.0 + 0.05 * rng.standard_normal(), 0.5 + 0.05 * rng.standard_normal()
-        parts = {"text": (text, 2000.0), "structure": (structure, 100.0)}
+        text, image = 4.0 + 0.05 * rng.standard_normal(), 0.5 + 0.05 * rng.standard_normal()
+        parts = {"text": (text, 2000.0), "image": (image, 100.0)}
         assert not rule.decide(s + 1, text, 1.0, parts)
-    parts = {"text": (4.0, 200.0), "structure": (9.0, 500.0)}  # a long clip's layout tokens
+    parts = {"text": (4.0, 200.0), "image": (9.0, 100.0)}
     assert rule.decide(81, 2.0, 1.0, parts)
-    assert rule.last["driver"].startswith("structure's CE 9 on 500 tokens, ")
+    assert rule.last["driver"].startswith("image's CE 9 on 100 tokens, ")
+
+
+def test_a_long_clips_layout_tokens_are_not_scored_against_the_images():
+    """The layout tokens of images (a hundred a step, CE near 0) and of a rare long clip (five
+    hundred in one step, CE anywhere from 0.3 to 10 between passes) are one modality, structure,
+    which the gate leaves out: the clip's row is no spike; a step with every content modality
+    doubled is."""
+    rng = np.random.default_rng(4)
+    rule = SkipStepRule(SkipStepConfig(min_steps=20))
+    for s in range(1, 121):
+        parts = {
+            "text": (4.3 + 0.3 * rng.standard_normal(), 1400.0 + 600 * rng.standard_normal()),
+            "image": (0.5 + 0.1 * rng.standard_normal(), 500.0),
+            "structure": (0.04 + 0.005 * rng.standard_normal(), 60.0 + rng.integers(0, 150)),
+        }
+        if s % 25 == 5:  # a short clip beside the images: its layout tokens weigh in
+            parts["structure"] = (2.0, 217.0)
+        assert not rule.decide(s, 4.0, 1.0, parts), (s, rule.last)
+    clip_row = {"text": (9.8, 18.0), "video": (0.85, 3520.0), "structure": (10.1, 499.0)}
+    assert not rule.decide(121, 2.0, 1.0, clip_row), rule.last
+    blow_up = {"text": (8.6, 1400.0), "image": (1.0, 500.0), "structure": (0.04, 100.0)}
+    assert rule.decide(122, 7.0, 1.0, blow_up) and rule.last["loss_score"] > 6
+    assert "structure" not in rule.state_dict()["by_modality"]
 
 
 def test_spike_state_round_trips_and_refuses_another_format():
