@@ -101,6 +101,21 @@ def watch_the_agent(notes: Path) -> None:
     api.SimpleElasticAgent._exit_barrier = exit_barrier  # type: ignore[method-assign]
 
 
+HELP = f"""\
+earlyfuse-torchrun: torchrun for earlyfuse runs (python -m train.launch)
+  earlyfuse-torchrun --nproc_per_node 8 -m train.app experiment=gpu_350m run_dir=runs/350m
+
+Two defaults differ from those torchrun's help below gives: --signals-to-handle is
+{SIGNALS} (SIGUSR1 added: Slurm's --signal=USR1@120), and
+--shutdown-timeout is {SHUTDOWN_TIMEOUT_S} s, not 30 (between the signal and SIGKILL: a step and a
+checkpoint). Exit codes: 0 trained, or stopped by a signal after every worker's checkpoint
+(the same command resumes); 2 a config, checkpoint or run folder that cannot be used; 3 halted
+by a monitor; 128 + N a worker (or this launcher) stopped by signal N before its checkpoint
+(the same command resumes from the last one); 1 another failure (torchrun's report).
+docs/training.md says more. torchrun's own help follows.
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -109,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import main as torchrun_main
 
     args = sys.argv[1:] if argv is None else argv
+    launcher = args[: next((i for i, a in enumerate(args) if a in ("-m", "--module")), len(args))]
+    if "-h" in launcher or "--help" in launcher:  # torchrun's, not the training script's
+        print(HELP)
     # torchrun reads its options' defaults from PET_<OPTION> (an option given wins)
     os.environ.setdefault("PET_SIGNALS_TO_HANDLE", SIGNALS)
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT_S)

@@ -67,3 +67,17 @@ def test_earlyfuse_torchrun_clears_the_stop_notes_whenever_the_workers_start(tmp
     watch_the_agent(tmp_path)
     api.SimpleElasticAgent._initialize_workers(object(), "group")
     assert started == ["group"] and not all_stopped(tmp_path) and not list(tmp_path.iterdir())
+
+
+def test_earlyfuse_torchrun_help_says_its_own_defaults_and_exit_codes(capsys):
+    """Its --help was torchrun's alone: a 30 s shutdown timeout, no SIGUSR1, no exit codes."""
+    from train.launch import main
+
+    try:
+        code = main(["--help"])
+    except SystemExit as done:  # argparse's way; torchrun's main returns instead
+        code = done.code
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith("earlyfuse-torchrun: torchrun for earlyfuse")
+    assert "--shutdown-timeout is 300 s" in out and "SIGQUIT,SIGUSR1" in out
+    assert "3 halted\nby a monitor" in out and "usage: " in out  # then torchrun's
