@@ -6,12 +6,18 @@ from pathlib import Path
 
 
 def _add_demo_corpus(sub) -> None:
+    what = "build the small real demo corpus offline (code, prose, photos, scenes, clips)"
     p = sub.add_parser(
         "demo-corpus",
-        help="build the small real demo corpus offline (code, prose, photos, scenes, clips)",
+        help=what,
+        description=f"{what}: the Python standard library's sources and documentation, photos "
+        "installed packages ship, and generated captioned scenes, drawings and clips whose "
+        "captions can be checked; OUT/README.md says what each part holds. make demo builds it.",
     )
-    p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, type=Path, help="the folder to write (made)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="the draws of items and generated parts (default 0)"
+    )
     p.add_argument(
         "--scale", type=float, default=1.0, help="multiply every part's size (default 1.0)"
     )

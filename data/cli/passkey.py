@@ -17,12 +17,12 @@ def _pair(text: str, what: str) -> tuple[int, int]:
 
 
 def _add_passkey(sub) -> None:
-    p = sub.add_parser(
-        "passkey",
-        help="write passkey documents (a number hidden in a filler, asked for at the end) as a "
+    what = (
+        "write passkey documents (a number hidden in a filler, asked for at the end) as a "
         "JSONL text table for `ingest text:FILE`: the task a long-context stage learns and "
-        "`earlyfuse-eval --needle` asks",
+        "`earlyfuse-eval --needle` asks"
     )
+    p = sub.add_parser("passkey", help=what, description=what + " (docs/long_context.md)")
     p.add_argument("--out", required=True, type=Path, help="the JSONL file to write")
     p.add_argument("--count", type=int, required=True, help="documents to write")
     p.add_argument(
@@ -38,7 +38,9 @@ def _add_passkey(sub) -> None:
         metavar="MIN,MAX",
         help="digits of each key, drawn uniformly (default 5,7; earlyfuse-eval asks 5 by default)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=0, help="the draws of fillers, keys and places (default 0)"
+    )
     p.set_defaults(func=cmd_passkey)
 
 

@@ -46,8 +46,10 @@ def _add_preview(sub) -> None:
     p.add_argument(
         "--seq-len", type=int, default=None, help="row length (default: --config's, else 2048)"
     )
-    p.add_argument("--rows", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rows", type=int, default=2, help="rows to show (default 2)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="the loader's data.seed (default 0; --config's wins)"
+    )
     p.add_argument("--png", type=Path, default=None, help="also render the rows to this PNG")
     p.set_defaults(func=cmd_preview)
 
