@@ -129,7 +129,8 @@ class AttentionConfig:
             return self.head_dim
         if dim % self.n_heads:
             raise ValueError(
-                f"dim {dim} is not divisible by n_heads {self.n_heads}; set attention.head_dim"
+                f"model.dim {dim} is not divisible by model.attention.n_heads {self.n_heads}; "
+                "set model.attention.head_dim"
             )
         return dim // self.n_heads
 

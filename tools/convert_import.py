@@ -75,13 +75,14 @@ def architecture_overrides(rel: Release) -> list[str]:
 def compose_run_config(overrides: list[str], config_dir: str = ""):
     """The typed RunConfig ``earlyfuse-train [--config-dir DIR] OVERRIDES`` would run with, and
     its resolved YAML (what the run writes as config.yaml). ``config_dir``: a config folder of the
-    user's, searched before ours (as earlyfuse-train's --config-dir)."""
+    user's, searched after ours (as earlyfuse-train's --config-dir; a file of the same name as
+    one of ours refused)."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     # importing train.app registers the schema
-    from train.app import CONFIG_DIR, compose_error, config_groups, to_run_config
+    from train.app import CONFIG_DIR, compose_error, config_groups, shadowed_config, to_run_config
     from train.config import RunConfig
     from train.config_check import unknown_override_keys
 
@@ -89,6 +90,8 @@ def compose_run_config(overrides: list[str], config_dir: str = ""):
     args = [*(["--config-dir", config_dir] if config_dir else []), *overrides]
     if unknown := unknown_override_keys(overrides, RunConfig, config_groups()):
         raise ReleaseError(f"unknown config key(s): {'; '.join(unknown)}")
+    if shadowed := shadowed_config(args):
+        raise ReleaseError(shadowed)
     try:
         with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
             search = (

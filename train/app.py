@@ -23,6 +23,7 @@ import re
 import sys
 import threading
 import time
+import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -32,6 +33,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from data.names import MANIFEST_FILE, VISUAL_WEIGHTS_FILE
 from train.config import RunConfig
 from train.config_check import (
     ConfigError,
@@ -40,7 +42,13 @@ from train.config_check import (
     unknown_override_keys,
 )
 from train.dist import strip_launcher_args
-from train.names import CHECKPOINT_META_FILE, CHECKPOINTS_DIR, LATEST_FILE
+from train.names import (
+    CHECKPOINT_META_FILE,
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    LATEST_FILE,
+    METRICS_FILE,
+)
 
 ConfigStore.instance().store(name="run_schema", node=RunConfig)
 # An absolute path: Hydra would otherwise look for a Python package "configs".
@@ -78,13 +86,18 @@ def levels_from_layout(cfg: DictConfig) -> None:
 def name_after_data(overrides: Sequence[str]) -> list[str]:
     """``name=DATA`` for a run that picks its own data config on the command line (``data=mine``)
     and gives no ``name=``: it is named after that data, not after the experiment whose recipe it
-    borrows, so the run folder's default, the logs and the report's title say whose data it was.
-    Added to the overrides before Hydra composes, so ``--cfg job`` shows what the run uses."""
+    borrows, so the run folder's default, the logs and the report's title say whose data it was;
+    ``name=DATA_STAGE`` with a stage picked too (``stage=long_8k``), whose run is another than
+    the one it continues. Added to the overrides before Hydra composes, so ``--cfg job`` shows
+    what the run uses."""
     pairs = [arg.lstrip("+~").split("=", 1) for arg in overrides if "=" in arg and arg[0] != "-"]
-    chosen = dict((key, value) for key, value in pairs if key in ("name", "data"))
-    if "name" in chosen or not chosen.get("data") or chosen["data"] in ("none", "null"):
+    chosen = {
+        key: Path(value).name for key, value in pairs if key in ("name", "data", "stage") and value
+    }
+    if "name" in chosen or chosen.get("data", "none") in ("none", "null"):
         return []
-    return [f"name={Path(chosen['data']).name}"]
+    stage = chosen.get("stage", "none")
+    return [f"name={chosen['data']}" + ("" if stage in ("none", "null") else f"_{stage}")]
 
 
 def to_run_config(cfg: DictConfig) -> tuple[RunConfig, str]:
@@ -148,7 +161,9 @@ def run(
     try:
         refused: RunLocked | str | None = None
         code = 0
-        if dist.is_main:
+        if dist.is_main and (wrong := holds_data(Path(cfg.run_dir))):
+            refused, code = wrong, 2
+        elif dist.is_main:
             try:
                 lock.acquire()
             except RunLocked as e:
@@ -255,6 +270,31 @@ def quiet_disk_failures(hook):
     return hook_for
 
 
+def holds_data(run_dir: Path) -> str:
+    """Why ``run_dir`` is refused (empty: it is not): a folder that is no run's yet (no
+    config.yaml, no checkpoints) holding data, itself or a folder in it: shards (a
+    manifest.json) or a release (model.safetensors). The run would write its checkpoints and
+    logs among them: ``experiment=debug data=demo`` is named after its data, ``runs/demo``,
+    where ``make demo`` keeps its corpus, tokens and release."""
+    if not run_dir.is_dir() or any(
+        (run_dir / name).exists() for name in (CONFIG_FILE, CHECKPOINTS_DIR, METRICS_FILE)
+    ):
+        return ""
+    folders = [run_dir, *sorted(p for p in run_dir.iterdir() if p.is_dir())]
+    found = [
+        str(p.relative_to(run_dir)) + "/"
+        for p in folders
+        if (p / MANIFEST_FILE).is_file() or (p / VISUAL_WEIGHTS_FILE).is_file()
+    ]
+    if not found:
+        return ""
+    return (
+        f"run_dir {run_dir} holds data, not a run ({', '.join(found[:4])}): the run would write "
+        "its checkpoints and logs among them; give it a folder of its own (run_dir=..., or "
+        "name=..., which names runs/NAME)"
+    )
+
+
 def disk_failure(error: OSError, run_dir: Path) -> str:
     """One line for a write the disk refused outside a checkpoint save (metrics, the run lock,
     TensorBoard): what, where, and where the run resumes from."""
@@ -322,6 +362,8 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
     unknown = unknown_override_keys(overrides_given(sys.argv[1:]), RunConfig, config_groups())
     if unknown:
         refuse_before_start(f"unknown config key(s): {'; '.join(unknown)}")
+    if wrong := dashed_override(sys.argv[1:]) or shadowed_config(sys.argv[1:]):
+        refuse_before_start(wrong)
     add_overrides(name_after_data(overrides_given(sys.argv[1:])))
     flags = hydra_flags(sys.argv[1:])
     if flags.config_path or flags.config_name:
@@ -486,15 +528,31 @@ def compose_error(error: BaseException, args: Sequence[str]) -> str | None:
                 "groups' options (override /GROUP: ...) starts with '# @package _global_', as "
                 "experiment files do"
             )
+    deleted = re.match(r"Error merging override (~[^\s=]+)", str(error))
+    if deleted and "does not support deletion" in str(cause):
+        return (  # OmegaConf's words: "OptimConfig (DictConfig) does not support deletion"
+            f"override {deleted[1]!r}: a key of the schema cannot be removed; give it a value "
+            f"({deleted[1][1:]}=...), or turn a feature off by its own key (e.g. "
+            "monitor.collapse.enabled=false)"
+        )
     ambiguous = re.match(r"Ambiguous value for argument '(([^=]+)=(.*))'", str(error))
     if ambiguous:  # Hydra's own advice ends "add --multirun", which earlyfuse-train refuses
         override, key, value = ambiguous.groups()
         if key.lstrip("+") in config_groups():  # a list of a group's options merges them all
             choices = " or ".join(f"{key}={option}" for option in value.split(","))
             return f"override {override!r}: one run per command (no sweeps): give {choices}"
+        kinds = field_kinds(key)
+        if kinds and all(kind in (int, float, bool, type(None)) for kind in kinds):
+            return (  # optim.lr=1e-3,3e-3: a sweep, for which a list would not do either
+                f"override {override!r}: one value per run (no sweeps): one earlyfuse-train per "
+                "value, each with its own run_dir (docs/training.md)"
+            )
+        forms = [f"a list as {key}=[{value}]", f"a string as {key}='{value}'"]
+        if kinds == (str,) or any(typing.get_origin(kind) is list for kind in kinds):
+            forms = forms[1:] if kinds == (str,) else forms[:1]
         return (
-            f"override {override!r} holds a comma: give a list as {key}=[{value}] or a string "
-            f"as {key}='{value}' (one run per command: no sweeps)"
+            f"override {override!r} holds a comma: give {' or '.join(forms)} (one run per "
+            "command: no sweeps)"
         )
     sweep = re.match(r"Sweep parameters '([^']+)' requires --multirun", str(error))
     if sweep:  # choice(), range(), glob(), interval(): Hydra's advice is the refused --multirun
@@ -547,8 +605,78 @@ def hydra_flags(args: Sequence[str]):
     return get_args_parser().parse_known_args(list(args))[0]
 
 
+def field_kinds(key: str) -> tuple:
+    """The types the schema's ``key`` takes (``(float,)``; ``(str, NoneType)`` for an optional
+    one); empty for a key it does not describe (a free-form dict's)."""
+    hint: object = RunConfig
+    for part in key.lstrip("+").split("."):
+        if not isinstance(hint, type) or not dataclasses.is_dataclass(hint):
+            return ()
+        if part not in {field.name for field in dataclasses.fields(hint)}:
+            return ()
+        hint = typing.get_type_hints(hint)[part]
+    return (hint,) if typing.get_origin(hint) is not typing.Union else typing.get_args(hint)
+
+
+def dashed_override(args: Sequence[str]) -> str:
+    """Why an argument written as a flag is refused (empty: none is): ``--experiment=demo`` is
+    not one of Hydra's flags, and its parser would take it for an abbreviation of one
+    (``--experimental-rerun``, which then fails with a traceback)."""
+    from hydra._internal.utils import get_args_parser
+
+    flags = set(get_args_parser()._option_string_actions)
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if arg.startswith("--") and len(name) > 2 and name not in flags:
+            after = args[i + 1] if i + 1 < len(args) else ""
+            if not eq:  # --exp demo: its value is the next argument, if that is no flag
+                value = after if after[:1] not in ("", "-") and "=" not in after else "VALUE"
+            example = f"{name[2:]}={value}"
+            return (
+                f"{name}: earlyfuse-train takes Hydra overrides, key=value without dashes "
+                f"({example}); its flags are Hydra's own (--config-dir, --cfg job, --help, "
+                "--hydra-help lists them)"
+            )
+    return ""
+
+
+def shadowed_config(args: Sequence[str]) -> str:
+    """Why a config folder of the user's is refused (empty: it is not): it holds a file under
+    the name of one of ours (``experiment/demo.yaml``) that differs from ours. Hydra searches
+    our folder before the user's (``--config-dir`` and ``hydra.searchpath`` come after the
+    primary config's), so theirs would be ignored without a word."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    ours = Path(CONFIG_DIR).resolve()
+    dirs = [hydra_flags(args).config_dir] if hydra_flags(args).config_dir else []
+    searchpath = [a for a in overrides_given(args) if a.lstrip("+").startswith("hydra.searchpath=")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(searchpath)
+    except OverrideParseException:
+        parsed = []  # said as Hydra's parser says it, once composing starts
+    for given in parsed:
+        if isinstance(paths := given.value(), list):
+            dirs += [str(p)[len("file://") :] for p in paths if str(p).startswith("file://")]
+    for folder in map(Path, dirs):
+        if not folder.is_dir() or folder.resolve() == ours:
+            continue
+        for mine in sorted(folder.rglob("*.yaml")):
+            name = mine.relative_to(folder)
+            theirs = ours / name
+            if theirs.is_file() and theirs.read_bytes() != mine.read_bytes():
+                renamed = name.with_name(f"my_{name.name}")
+                return (
+                    f"{mine}: earlyfuse has a config of that name ({theirs}), which Hydra finds "
+                    f"before yours: yours would be ignored; rename it (e.g. {renamed}) and "
+                    "choose it by its new name"
+                )
+    return ""
+
+
 def config_file(where: str, args: Sequence[str]) -> str:
-    """The file Hydra names as ``data/mine`` (the user's --config-dir first), else ``config X``."""
+    """The file Hydra names as ``data/mine`` (a name is in one folder only: ``shadowed_config``),
+    else ``config X``."""
     config_dir = hydra_flags(args).config_dir
     dirs = [Path(config_dir)] if config_dir else []
     files = [d / f"{where}.yaml" for d in dirs + [Path(CONFIG_DIR)]]
@@ -628,6 +756,12 @@ def override_parse_error(error) -> str:
         problem += f": {hint[override[at]]}" if override[at : at + 1] in hint else ""
     else:
         problem = lines[-1].split(" expecting {")[0]  # the expected tokens' list is the grammar's
+    groups = sorted(
+        (g for g in config_groups() if (Path(CONFIG_DIR) / g / f"{override}.yaml").is_file()),
+        key=lambda g: (g != "experiment", g),  # a whole recipe is what a bare name means most
+    )
+    if "=" not in override and groups:  # `earlyfuse-train demo`: a preset's name alone
+        problem += f": did you mean {' or '.join(f'{g}={override}' for g in groups)}?"
     if re.match(r"[^=\[]+\[\d", override):
         problem += (
             ": an override cannot index a list; give the whole list (KEY=[...]) or set it in a "

@@ -123,7 +123,7 @@ class TrainConfig:
     allow_config_change: bool = False
     init_from: str = ""  # a release folder (earlyfuse-convert release) whose weights start a run
     # that has no checkpoint yet; checked against layout, tokenizer, shapes
-    seed: int = 0
+    seed: int = 0  # the model's initialisation and the probes' draws; data.seed orders the data
     deterministic: bool = False  # bit-identical reruns/resumes on CPU (slower kernels)
     bf16: bool = False  # bf16 weights/activations, fp32 master weights and grad accumulation
     peak_tflops: float = (
@@ -283,8 +283,9 @@ class RunConfig:
                 for key in ("shuffle_buffer", "mix_chunk", "doc_budget")
             ],
         )
-        if self.train.micro_batch <= 0 or self.train.grad_accum <= 0:
-            raise ValueError("train.micro_batch and train.grad_accum must be positive")
+        for key in ("micro_batch", "grad_accum"):
+            if getattr(self.train, key) <= 0:
+                raise ValueError(f"train.{key} {getattr(self.train, key)}: give 1 or more")
         if self.train.sequence_parallel != 1:
             self._check_sequence_parallel()
         if self.train.steps <= 0 and self.train.steps != -1:

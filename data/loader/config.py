@@ -35,7 +35,7 @@ class LoaderConfig:
     validation: list[SourceConfig] = field(default_factory=list)  # held-out, measured by modality
     seq_len: int = 2048
     mode: str = "infinite"  # infinite: sources reshuffled and repeated | epoch: one pass
-    seed: int = 0
+    seed: int = 0  # the order of shards and documents and the mix's draws (train.seed: the model's)
     shuffle_buffer: int = 1024  # samples are shuffled within windows of this many
     shuffle_shards: bool = True
     num_workers: int = 1  # DataLoader worker processes per rank (0: in the main process)

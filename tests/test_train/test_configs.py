@@ -313,6 +313,16 @@ def run_app(args: list[str], **env: str) -> subprocess.CompletedProcess:
             "override train.steps=abc: Value 'abc' of type 'str' could not be converted to Integer",
         ),
         (["train.steps==3"], "cannot parse override 'train.steps==3': extraneous input '='"),
+        (  # OmegaConf's words were "OptimConfig (DictConfig) does not support deletion"
+            ["~optim.lr"],
+            "override '~optim.lr': a key of the schema cannot be removed; give it a value "
+            "(optim.lr=...), or turn a feature off by its own key",
+        ),
+        (  # a preset's name alone
+            ["demo"],
+            "cannot parse override 'demo': missing EQUAL at '<EOF>': did you mean experiment=demo "
+            "or data=demo or model=demo?",
+        ),
         (
             ["name='my run"],
             'cannot parse override "name=\'my run": cannot read "\'my run" (character 6): an '
@@ -331,10 +341,15 @@ def run_app(args: list[str], **env: str) -> subprocess.CompletedProcess:
             ["=3"],
             "unknown config key(s): '=3' (no key before =; write KEY=VALUE, no spaces around =)",
         ),
-        (
+        (  # a number's comma is a sweep: a list (the advice it was given) would not do either
             ["optim.lr=1e-3,1e-4"],
-            "override 'optim.lr=1e-3,1e-4' holds a comma: give a list as optim.lr=[1e-3,1e-4] or "
-            "a string as optim.lr='1e-3,1e-4' (one run per command: no sweeps)",
+            "override 'optim.lr=1e-3,1e-4': one value per run (no sweeps): one earlyfuse-train "
+            "per value, each with its own run_dir (docs/training.md)",
+        ),
+        (
+            ["name=a,b"],
+            "override 'name=a,b' holds a comma: give a string as name='a,b' (one run per "
+            "command: no sweeps)",
         ),
         (["-m", "experiment=debug"], "--multirun (-m, hydra.mode=MULTIRUN) is not supported: a"),
         (  # a list of a group's options merges them: the advice must not be to give one
@@ -457,6 +472,7 @@ def test_a_run_given_its_own_data_config_is_named_after_it(tmp_path, monkeypatch
         ["experiment=demo", "data=mine"],
         ["experiment=demo", "data=mine", "name=try2"],
         ["experiment=demo"],
+        ["experiment=demo", "data=mine", "stage=long_8k"],  # not the run it continues
     ):
         monkeypatch.setattr("sys.argv", ["earlyfuse-train", "--config-dir", str(tmp_path), *argv])
         with pytest.raises(SystemExit) as done:
@@ -466,7 +482,73 @@ def test_a_run_given_its_own_data_config_is_named_after_it(tmp_path, monkeypatch
         ("mine", "runs/mine", 256),
         ("try2", "runs/try2", 256),
         ("demo", "runs/demo", 512),
+        ("mine_long_8k", "runs/mine_long_8k", 8192),
     ]
+
+
+def test_a_users_config_named_like_one_of_ours_is_refused_naming_both(tmp_path):
+    """Hydra searches the project's configs before a --config-dir (or hydra.searchpath): a
+    user's experiment/demo.yaml was ignored for the project's without a word. A copy that is
+    byte for byte ours changes nothing and is let through."""
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "data").mkdir()
+    ours = Path(app.CONFIG_DIR)
+    (tmp_path / "data" / "demo.yaml").write_bytes((ours / "data" / "demo.yaml").read_bytes())
+    assert (
+        run_app(["--config-dir", str(tmp_path), "experiment=demo", "--cfg", "job"]).returncode == 0
+    )
+    mine = tmp_path / "experiment" / "demo.yaml"
+    mine.write_text("# @package _global_\nname: shadow\n")
+    said = (
+        f"earlyfuse-train: {mine}: earlyfuse has a config of that name "
+        f"({ours / 'experiment' / 'demo.yaml'}), which Hydra finds before yours: yours would be "
+        "ignored; rename it (e.g. experiment/my_demo.yaml) and choose it by its new name\n"
+    )
+    for where in (["--config-dir", str(tmp_path)], [f"hydra.searchpath=[file://{tmp_path}]"]):
+        p = run_app([*where, "experiment=demo", "--cfg", "job"])
+        assert p.returncode == 2 and p.stderr == said, p.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (
+            ["--experiment=demo"],
+            "--experiment: earlyfuse-train takes Hydra overrides, key=value "
+            "without dashes (experiment=demo); its flags are Hydra's own",
+        ),
+        (
+            ["--exp", "demo"],
+            "--exp: earlyfuse-train takes Hydra overrides, key=value without dashes (exp=demo)",
+        ),
+        (
+            ["--steps"],
+            "--steps: earlyfuse-train takes Hydra overrides, key=value without "
+            "dashes (steps=VALUE)",
+        ),
+    ],
+)
+def test_an_override_written_as_a_flag_is_one_line(args, said):
+    """argparse took --experiment=demo for an abbreviation of Hydra's --experimental-rerun,
+    which failed with a traceback, exit code 1."""
+    p = run_app(args)
+    assert p.returncode == 2 and p.stderr.startswith(f"earlyfuse-train: {said}"), p.stderr
+    assert p.stderr.count("\n") == 1
+
+
+def test_a_run_dir_that_holds_data_is_refused_before_anything_is_written(tiny_tokens, tmp_path):
+    """`experiment=debug data=demo` is named after its data, runs/demo, where make demo keeps its
+    corpus and tokens: the run wrote its checkpoints and logs among them."""
+    data = tmp_path / "demo"
+    shutil.copytree(tiny_tokens, data / "tokens")
+    before = sorted(data.rglob("*"))
+    args = [f"run_dir={data}", "experiment=debug", "train.steps=1"]
+    p = subprocess.run(
+        [sys.executable, "-m", "train.app", *args], capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 2, p.stderr[-2000:]
+    said = f"earlyfuse-train: run_dir {data} holds data, not a run (tokens/): the run would write"
+    assert said in p.stderr and sorted(data.rglob("*")) == before
 
 
 @pytest.mark.parametrize(
@@ -606,7 +688,9 @@ def test_a_typo_inside_a_list_element_of_an_override_names_the_key(tmp_path):
     ("override", "message"),
     [
         ("train.steps=0", "train.steps 0: give a positive number"),
-        ("train.micro_batch=0", "train.micro_batch and train.grad_accum must be positive"),
+        ("train.micro_batch=0", "train.micro_batch 0: give 1 or more"),
+        ("train.grad_accum=-1", "train.grad_accum -1: give 1 or more"),
+        ("model.dim=66", "model.dim 66 is not divisible by model.attention.n_heads 4; set "),
         ("deepspeed.zero_stage=4", "deepspeed.zero_stage 4: choose 0, 1, 2 or 3"),
         # Before: a traceback from the optimizer, the schedule or the loader, exit code 1 ...
         ("optim.lr=-1", "optim.lr -1.0: give a learning rate >= 0"),
