@@ -661,10 +661,10 @@ def shadowed_config(args: Sequence[str]) -> str:
     for folder in map(Path, dirs):
         if not folder.is_dir() or folder.resolve() == ours:
             continue
-        for mine in sorted(folder.rglob("*.yaml")):
-            name = mine.relative_to(folder)
-            theirs = ours / name
-            if theirs.is_file() and theirs.read_bytes() != mine.read_bytes():
+        for theirs in sorted(ours.rglob("*.yaml")):  # ours are few; the user's folder may be big
+            name = theirs.relative_to(ours)
+            mine = folder / name
+            if mine.is_file() and theirs.read_bytes() != mine.read_bytes():
                 renamed = name.with_name(f"my_{name.name}")
                 return (
                     f"{mine}: earlyfuse has a config of that name ({theirs}), which Hydra finds "
