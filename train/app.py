@@ -505,6 +505,8 @@ def compose_error(error: BaseException, args: Sequence[str]) -> str | None:
     place = config_file(where[1], args) + ": " if where and where[1] != "config" else ""
     if isinstance(error, MissingConfigException) and error.options:
         group, _, option = str(error.missing_cfg_file).rpartition("/")
+        if not place and (chosen_in := defaults_file(args, group, option)):
+            place = f"{chosen_in}: "  # Hydra says 'config': an override in a picked file's list
         return (
             f"{place}{group}={option}: config group {group} has no option {option!r} "
             f"(there are: {', '.join(error.options)})"
@@ -518,6 +520,11 @@ def compose_error(error: BaseException, args: Sequence[str]) -> str | None:
         return (
             f"override {added[0]!r}: {twice[1]} is chosen in the config already; give "
             f"{added[0][1:]} (without the +)"
+        )
+    if twice and (chosen_in := defaults_file(args, twice[1], None)):
+        return (
+            f"{chosen_in}: picks {twice[1]} with '- /{twice[1]}: ...', but {twice[1]} is chosen "
+            f"already (the primary config's defaults): write '- override /{twice[1]}: ...'"
         )
     if where and place and "Could not override" in str(error) and "@" in str(error):
         # ``override /model: x`` in a file not at the top: the group lands under its package
@@ -671,6 +678,22 @@ def shadowed_config(args: Sequence[str]) -> str:
                     f"before yours: yours would be ignored; rename it (e.g. {renamed}) and "
                     "choose it by its new name"
                 )
+    return ""
+
+
+def defaults_file(args: Sequence[str], group: str, option: str | None) -> str:
+    """The config file picked on the command line (``experiment=x``, ``stage=y``) whose defaults
+    list names ``/GROUP: OPTION`` (any option for None, and then without ``override``): Hydra
+    reports such a line as the primary config's. Empty when none does."""
+    dirs = [hydra_flags(args).config_dir or "", CONFIG_DIR]
+    picked = [a.lstrip("+").split("=", 1) for a in overrides_given(args) if "=" in a]
+    value = re.escape(option) if option else r"\S+"
+    line = rf"^\s*-\s*{'' if option else '(?!override)'}(override\s+)?/{group}\s*:\s*{value}\s*$"
+    for chosen_group, chosen in picked:
+        for folder in filter(None, dirs):
+            path = Path(folder) / chosen_group / f"{chosen}.yaml"
+            if path.is_file() and re.search(line, path.read_text(), re.MULTILINE):
+                return str(path)
     return ""
 
 

@@ -318,6 +318,15 @@ def run_app(args: list[str], **env: str) -> subprocess.CompletedProcess:
             "override '~optim.lr': a key of the schema cannot be removed; give it a value "
             "(optim.lr=...), or turn a feature off by its own key",
         ),
+        (  # Hydra said "Multiple values for data. To override a value use 'override data: demo'"
+            ["--config-dir", "{dir}", "experiment=no_override"],
+            "{dir}/experiment/no_override.yaml: picks data with '- /data: ...', but data is "
+            "chosen already (the primary config's defaults): write '- override /data: ...'",
+        ),
+        (  # said as if model=nosuch had been typed
+            ["--config-dir", "{dir}", "experiment=no_option"],
+            "{dir}/experiment/no_option.yaml: model=nosuch: config group model has no option",
+        ),
         (  # a preset's name alone
             ["demo"],
             "cannot parse override 'demo': missing EQUAL at '<EOF>': did you mean experiment=demo "
@@ -426,6 +435,12 @@ def assert_one_line(args: list[str], line: str, tmp_path: Path, **env: str) -> N
     (tmp_path / "experiment").mkdir()
     (tmp_path / "experiment" / "no_header.yaml").write_text(
         "defaults:\n  - override /model: debug\ntrain:\n  steps: 3\n"
+    )
+    (tmp_path / "experiment" / "no_override.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - /data: demo\n"
+    )
+    (tmp_path / "experiment" / "no_option.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /model: nosuch\n"
     )
     # --cfg job: composed, printed, never run; the run folder is made only by a run
     stop = [] if args[0].startswith("hydra.run.dir") else ["--cfg", "job"]
