@@ -366,6 +366,15 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
         refuse_before_start(wrong)
     add_overrides(name_after_data(overrides_given(sys.argv[1:])))
     flags = hydra_flags(sys.argv[1:])
+    if flags.config_path and not Path(flags.config_path).is_absolute():
+        # Hydra reads a relative --config-path against train/ (the module's folder) and names
+        # a Python package; the user means the folder the command runs in
+        full = os.path.abspath(flags.config_path)
+        for i, arg in enumerate(sys.argv[1:], 1):
+            if arg == flags.config_path and sys.argv[i - 1] in ("--config-path", "-cp"):
+                sys.argv[i] = full
+            elif arg in (f"--config-path={flags.config_path}", f"-cp={flags.config_path}"):
+                sys.argv[i] = f"--config-path={full}"
     if flags.config_path or flags.config_name:
         # Another primary config (a run's own config.yaml) lacks configs/config.yaml's hydra
         # settings: without these Hydra would make an outputs/DATE/TIME folder in the cwd and
@@ -507,9 +516,15 @@ def compose_error(error: BaseException, args: Sequence[str]) -> str | None:
         group, _, option = str(error.missing_cfg_file).rpartition("/")
         if not place and (chosen_in := defaults_file(args, group, option)):
             place = f"{chosen_in}: "  # Hydra says 'config': an override in a picked file's list
+        own = hydra_flags(args).config_dir
+        deep = (
+            f"; --config-dir {own} is a group's own folder: give the folder that holds it"
+            if own and Path(own).name in config_groups()
+            else ""
+        )
         return (
             f"{place}{group}={option}: config group {group} has no option {option!r} "
-            f"(there are: {', '.join(error.options)})"
+            f"(there are: {', '.join(error.options)}){deep}"
         )
     cause = error.__cause__ or error.__context__
     if where and place and isinstance(cause, OmegaConfBaseException) and cause.full_key:
@@ -601,6 +616,8 @@ def asks_multirun(arg: str) -> bool:
     """An override that sets hydra.mode to MULTIRUN, however written (``++hydra.mode=MULTIRUN``,
     ``hydra.mode='multirun'``)."""
     key, _, value = arg.partition("=")
+    if key.lstrip("+~").startswith(("hydra.sweeper", "hydra/sweeper", "hydra.sweep.")):
+        return True  # a sweep's settings (its parameters, folder): sweeps are not run
     return key.lstrip("+") == "hydra.mode" and value.strip("'\"").upper() == "MULTIRUN"
 
 

@@ -361,6 +361,10 @@ def run_app(args: list[str], **env: str) -> subprocess.CompletedProcess:
             "command: no sweeps)",
         ),
         (["-m", "experiment=debug"], "--multirun (-m, hydra.mode=MULTIRUN) is not supported: a"),
+        (  # a sweep's own settings: Hydra's traceback through OmegaConf, exit code 1
+            ["experiment=debug", "hydra.sweeper.params={{a:1}}"],
+            "--multirun (-m, hydra.mode=MULTIRUN) is not supported: a",
+        ),
         (  # a list of a group's options merges them: the advice must not be to give one
             ["model=debug,demo"],
             "override 'model=debug,demo': one run per command (no sweeps): give model=debug or "
@@ -460,11 +464,12 @@ def test_a_runs_own_config_yaml_composes_as_the_primary_config(tmp_path, monkeyp
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.yaml").write_text(shown.stdout)
     monkeypatch.chdir(tmp_path)
-    p = run_app(
-        ["--config-path", str(tmp_path / "run"), "--config-name", "config", "train.steps=0"]
-    )
-    assert p.returncode == 2, p.stderr
-    assert p.stderr.startswith("earlyfuse-train: train.steps 0"), p.stderr
+    for where in (str(tmp_path / "run"), "run", "--config-path=run"):
+        # relative to the folder the command runs in (Hydra: to train/, as a Python package)
+        given = [where] if where.startswith("--") else ["--config-path", where]
+        p = run_app([*given, "--config-name", "config", "train.steps=0"])
+        assert p.returncode == 2, p.stderr
+        assert p.stderr.startswith("earlyfuse-train: train.steps 0"), p.stderr
     assert sorted(path.name for path in tmp_path.iterdir()) == ["run"]
 
 
@@ -499,6 +504,17 @@ def test_a_run_given_its_own_data_config_is_named_after_it(tmp_path, monkeypatch
         ("demo", "runs/demo", 512),
         ("mine_long_8k", "runs/mine_long_8k", 8192),
     ]
+
+
+def test_a_config_dir_one_level_too_deep_is_said(tmp_path):
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\nname: mine\n")
+    p = run_app(["--config-dir", str(tmp_path / "experiment"), "experiment=mine", "--cfg", "job"])
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.endswith(
+        f"; --config-dir {tmp_path / 'experiment'} is a group's own folder: give the folder that "
+        "holds it\n"
+    )
 
 
 def test_a_users_config_named_like_one_of_ours_is_refused_naming_both(tmp_path):
