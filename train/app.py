@@ -41,7 +41,7 @@ from train.config_check import (
     suggestion,
     unknown_override_keys,
 )
-from train.dist import strip_launcher_args
+from train.dist import peer_gone, strip_launcher_args
 from train.names import (
     CHECKPOINT_META_FILE,
     CHECKPOINTS_DIR,
@@ -121,10 +121,6 @@ def to_run_config(cfg: DictConfig) -> tuple[RunConfig, str]:
         raise ConfigError(str(e)) from None
     assert isinstance(run_cfg, RunConfig)
     return run_cfg, resolved
-
-
-# gloo's words for a connection whose other end is gone; NCCL's for a peer that exited
-PEER_GONE = re.compile(r"(closed|reset) by peer|remote process exited|Broken pipe")
 
 
 def run(
@@ -215,11 +211,8 @@ def run(
         # A collective whose peer is gone (a rank died: its launcher names it and the signal):
         # this rank's traceback would only bury that line, and it is cut short by the launcher's
         # SIGTERM anyway
-        found = PEER_GONE.search(str(e))
-        collective = isinstance(e, torch.distributed.DistError) or re.search(
-            r"gloo|nccl", str(e), re.IGNORECASE
-        )
-        if dist.world_size == 1 or not (found and collective):
+        found = peer_gone(e)
+        if dist.world_size == 1 or not found:
             raise  # a reader's connection (object storage) reset is not a lost rank
         what = re.sub(r"^\[[^\]]*\]\s*", "", str(e)[: found.end()])  # gloo's source line off
         said(

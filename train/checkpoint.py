@@ -14,9 +14,12 @@ Design choices:
   ``latest`` on the previous checkpoint; the half-written folder is removed on resume, with a
   warning. A crash between a checkpoint's ``meta.json`` and its ``latest`` leaves a complete
   checkpoint newer than ``latest`` (or no ``latest``, the first time): the next start resumes
-  from it and says so. A rollback first writes the step it goes back to in
-  ``checkpoints/rewinding`` and removes that file last: a start that finds it finishes the
-  rollback, so what a rollback abandons is never taken for such a save. A save that fails (disk
+  from it and says so. A rollback first writes what it does (the step it goes back to, the
+  data it skips, the run's count of rollbacks) in ``checkpoints/rollback.json``, and that file
+  stays until the next checkpoint is committed (removed just before ``latest`` moves): a start
+  that finds it finishes the rollback, so what a rollback abandons is never taken for such a
+  save, and carries it out again (``Rollback.pre_train``), since the checkpoint it went back to
+  holds none of it. A save that fails (disk
   full, a file-size limit, a folder that cannot be written) is one error saying which, where,
   and which checkpoint the next start resumes from (train/save_errors.py).
 - Resume checks the checkpoint ``latest`` names before loading it: sizes first (a truncated
@@ -48,7 +51,7 @@ import torch
 from data.shards.index import file_sha256
 from data.shards.storage import write_atomic
 from train.config_check import ConfigError
-from train.dist import DistInfo, barrier
+from train.dist import DistInfo, barrier, peer_gone
 from train.names import CHECKPOINT_META_FILE, CHECKPOINTS_DIR, CONFIG_FILE, LATEST_FILE
 from train.safe_load import CheckpointError, safe_torch_load, weights_only_loads
 from train.save_errors import CheckpointWriteError, describe_write_failure
@@ -87,7 +90,7 @@ def step_of_tag(tag: str) -> int:
 META = CHECKPOINT_META_FILE
 DAMAGED = ".damaged"
 DELETING = ".deleting"
-REWINDING = "rewinding"  # a rollback under way: the step it goes back to (``rewind``)
+ROLLBACK = "rollback.json"  # a rollback no checkpoint holds yet: what it does (``rewind``)
 DAMAGED_NOTE = "DAMAGED.txt"  # in a folder set aside: what was wrong with it
 
 
@@ -276,10 +279,16 @@ class Checkpointer:
         if self._main_checked or not self.dir.is_dir():
             return None
         self._main_checked = True
-        if (self.dir / REWINDING).is_file():  # a rollback was stopped half-way: finish it
-            target = (self.dir / REWINDING).read_text().strip()
-            warn(f"finishing a rollback to {target} that was stopped before it was done")
-            self._rewind_to(step_of_tag(target))
+        record = self.pending_rollback()
+        if record is not None and any(  # a save cut short after it is clean_partial's
+            step_of_tag(folder.name) > record["to_step"] and (folder / META).is_file()
+            for folder in self.tags()
+        ):  # a rollback was stopped before it had removed what it abandons: finish it
+            warn(
+                f"finishing a rollback to {tag_for(record['to_step'])} that was stopped before "
+                "it was done"
+            )
+            self._rewind_to(record["to_step"])
         for folder in self.dir.iterdir():  # a kill mid-delete left these; they hold nothing needed
             if folder.is_dir() and folder.name.endswith(DELETING):
                 shutil.rmtree(folder, ignore_errors=True)
@@ -394,7 +403,10 @@ class Checkpointer:
         if meta["zero_stage"] != zero_stage:
             raise CheckpointError.alike(
                 f"{self.dir / tag} was written with ZeRO stage {meta['zero_stage']}; this run uses "
-                f"{zero_stage}. Resume with deepspeed.zero_stage={meta['zero_stage']}."
+                f"{zero_stage}. Resume with deepspeed.zero_stage={meta['zero_stage']}, or, to go on "
+                f"under ZeRO {zero_stage}, release its weights (`earlyfuse-convert release "
+                f"{self.dir.parent} OUT`) and start a new run from them with train.init_from=OUT "
+                "(the optimizer starts again)."
             )
         if meta["world_size"] != self.dist.world_size and zero_stage == 3:
             # Tried: DeepSpeed 0.19 converts it and the ZeRO-3 engine loads the conversion, but
@@ -500,23 +512,30 @@ class Checkpointer:
         steps = [step_of_tag(folder.name) for folder in self.tags() if (folder / META).is_file()]
         return [step for step in steps if step <= last]
 
-    def rewind(self, step: int) -> None:
+    def rewind(self, step: int, record: dict | None = None) -> None:
         """Make ``step`` the latest checkpoint and delete the newer ones (a rollback: they hold the
-        trajectory being abandoned)."""
+        trajectory being abandoned). ``record``: what else the rollback does (``ROLLBACK``)."""
         barrier()
         if self.dist.is_main:
             # said first: a kill at any point of it leaves the next start to finish it
             # (check_latest), never to take what it abandons for a save that lacks its latest
-            write_atomic(self.dir / REWINDING, f"{tag_for(step)}\n".encode())
+            text = json.dumps({**(record or {}), "to_step": step}) + "\n"
+            write_atomic(self.dir / ROLLBACK, text.encode())
             self._rewind_to(step)
         barrier()
+
+    def pending_rollback(self) -> dict | None:
+        """The rollback no checkpoint holds yet (``rewind``'s record), or None."""
+        try:
+            return json.loads((self.dir / ROLLBACK).read_text())
+        except FileNotFoundError:
+            return None
 
     def _rewind_to(self, step: int) -> None:
         for folder in self.tags():
             if step_of_tag(folder.name) > step:
                 remove_checkpoint(folder)
         write_atomic(self.dir / LATEST_FILE, f"{tag_for(step)}\n".encode())
-        (self.dir / REWINDING).unlink(missing_ok=True)
 
     def clean_partial(self) -> None:
         """Remove checkpoint folders newer than ``latest`` (a save that a crash cut short), once
@@ -566,6 +585,8 @@ class Checkpointer:
         try:
             self._write(engine, folder, step, client, own, meta, files, protect)
         except (OSError, RuntimeError) as error:
+            if self.dist.world_size > 1 and peer_gone(error):
+                raise  # another rank died mid-save: said as a lost rank (train/app.py), not a disk's
             kept = (
                 f"{tag} is complete (its {META} is written): run the same command again once "
                 "this is fixed to resume from it"
@@ -601,6 +622,9 @@ class Checkpointer:
             # meta.json last: a folder without it is never taken for a checkpoint
             record = {**meta, "step": step, "tag": tag, "files": manifest}
             write_atomic(folder / META, (json.dumps(record, indent=1) + "\n").encode())
+            # this checkpoint holds a pending rollback's effects; a kill before latest moves
+            # leaves it complete and newer than latest, which the next start takes
+            (self.dir / ROLLBACK).unlink(missing_ok=True)
             write_atomic(self.dir / LATEST_FILE, f"{tag}\n".encode())
             for old in self.tags()[: -self.keep_last]:
                 if int(old.name[len("step_") :]) not in protect:

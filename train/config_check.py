@@ -352,11 +352,11 @@ def check_resume_config(
     show: bool,
     saved_sp: int | None = 1,
     sp: int = 1,
-) -> None:
+) -> list[str]:
     """Print how the new config differs from the checkpoint's; refuse the differences that break
     an exact resume unless ``allowed``. World sizes and SP degrees (``saved_sp``: the checkpoint
     meta's, None before SP existed) come from the runs themselves, not from the editable
-    config.yaml."""
+    config.yaml. Returns the config's keys that differ (not the world's layout)."""
     new = yaml.safe_load(new_yaml) or {}
     diffs = config_diff(yaml.safe_load(saved_yaml) or {}, new) if saved_yaml is not None else []
     if saved_world_size != world_size:
@@ -368,7 +368,7 @@ def check_resume_config(
     if saved_sp != sp and moe.get("num_experts", 0) > 0 and moe.get("capacity_factor", 0) > 0:
         diffs.append((MOE_SHARDS, saved_sp, sp))
     if not diffs:
-        return
+        return []
     task = str(new.get("task", "lm"))
     breaking = [diff for diff in diffs if breaks_resume(diff[0], task, diff[1], diff[2])]
     if show:
@@ -395,3 +395,5 @@ def check_resume_config(
             "resumed run then differs from an uninterrupted one; the schedule follows the new "
             "values from the saved step on)"
         )
+    layout = (WORLD_SIZE, DATA_PARALLEL, MOE_SHARDS, "train.allow_config_change")
+    return [key for key, _, _ in diffs if key not in layout]

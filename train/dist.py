@@ -8,6 +8,7 @@ CPU runs use the gloo backend (DeepSpeed's CPU accelerator), GPU runs NCCL.
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass
 
@@ -128,3 +129,16 @@ def shutdown() -> None:
     if dist.is_initialized():
         barrier()
         dist.destroy_process_group()
+
+
+# gloo's words for a connection whose other end is gone; NCCL's for a peer that exited
+PEER_GONE = re.compile(r"(closed|reset) by peer|remote process exited|Broken pipe")
+
+
+def peer_gone(error: BaseException) -> re.Match | None:
+    """Where a collective's error says that another rank is gone (None: it does not; a reader's
+    connection to object storage reset is no lost rank)."""
+    collective = isinstance(error, dist.DistError) or re.search(
+        r"gloo|nccl", str(error), re.IGNORECASE
+    )
+    return PEER_GONE.search(str(error)) if collective else None

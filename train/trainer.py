@@ -156,7 +156,8 @@ class Trainer:
 
     # --- acting on decisions ---------------------------------------------------------------------
     def roll_back(self, decision: Decision) -> int:
-        self.checkpointer.rewind(decision.to_step)
+        record = {**decision.record, "skip_batches": decision.skip_batches}
+        self.checkpointer.rewind(decision.to_step, record)
         tag = tag_for(decision.to_step)
         # the checkpoint the run resumed from on another world size may be the way back
         other_world = self.checkpointer.meta(tag)["world_size"] != self.dist.world_size
@@ -239,7 +240,7 @@ class Trainer:
         if self.train.steps != -1:  # before the load: a refusal costs nothing
             self.check_goal(tag, step)
         saved = self.checkpointer.dir / tag / CONFIG_FILE
-        check_resume_config(
+        changed = check_resume_config(
             saved.read_text() if saved.is_file() else None,
             self.resolved_yaml,
             saved_world_size=meta["world_size"],
@@ -250,6 +251,15 @@ class Trainer:
             where=str(saved),
             show=self.dist.is_main,
         )
+        if changed and step == self.total_steps and self.train.steps != -1:
+            # a loop over settings without a run_dir each: every command after the first would
+            # "resume" the finished run, train nothing and exit 0
+            raise ConfigError.alike(
+                f"{self.checkpointer.dir / tag}: the run is complete (train.steps={step}) and "
+                f"this command's config differs from its ({', '.join(changed[:3])}"
+                f"{', ...' if len(changed) > 3 else ''}): it would train nothing; give another "
+                "run_dir for a new run, or train.steps above it to go on with these changes"
+            )
         other_world = meta["world_size"] != self.dist.world_size
         notes = self.load_checkpoint(tag, other_world=other_world)
         if self.train.steps == -1:

@@ -31,7 +31,7 @@ from trainrun import metrics, train
 from train.checkpoint import Checkpointer, remove_checkpoint, verify_folder
 from train.dist import DistInfo
 from train.safe_load import CheckpointError
-from train.save_errors import describe_write_failure
+from train.save_errors import CheckpointWriteError, describe_write_failure
 
 SOURCES = {"scenes": 0.4, "text": 0.4, "code": 0.2}
 ONE = DistInfo(0, 1, 0, torch.device("cpu"))
@@ -328,10 +328,13 @@ def test_a_resume_under_another_zero_stage_is_refused_with_one_line(runs, tiny_t
     r = copy(runs, "zero2", tmp_path)
     p = train(base(tiny_tokens, r, 3, "deepspeed.zero_stage=1", "train.bf16=true"), check=False)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
-    assert (
+    said = (  # and the way to the new stage: a release, then a new run from it
         f"earlyfuse-train: {step_folder(r, 2)} was written with ZeRO stage 2; this run uses 1. "
-        "Resume with deepspeed.zero_stage=2." in p.stderr.splitlines()
+        "Resume with deepspeed.zero_stage=2, or, to go on under ZeRO 1, release its weights "
+        f"(`earlyfuse-convert release {r} OUT`) and start a new run from them with "
+        "train.init_from=OUT (the optimizer starts again)."
     )
+    assert said in p.stderr.splitlines(), p.stderr[-2000:]
 
 
 def test_a_rank_state_of_another_format_is_refused_with_one_line(runs, tiny_tokens, tmp_path):
@@ -396,8 +399,11 @@ def test_a_kill_between_the_first_meta_and_latest_resumes_from_it_with_a_warning
     # a rollback's abandoned folders never look like such a save, even killed before latest
     # moved back: the next start goes back to where the rollback was going
     r = copy(runs, "zero0", tmp_path / "rewound")
-    Checkpointer(r, ONE, 3).rewind(1)
-    assert sorted(p.name for p in (r / "checkpoints").iterdir()) == ["latest", "step_00000001"]
+    Checkpointer(r, ONE, 3).rewind(1, {"skip_batches": 4})
+    # what the rollback does stays said until a checkpoint holds it
+    left = ["latest", "rollback.json", "step_00000001"]
+    assert sorted(p.name for p in (r / "checkpoints").iterdir()) == left
+    assert Checkpointer(r, ONE, 3).pending_rollback() == {"skip_batches": 4, "to_step": 1}
     import train.checkpoint as checkpoint
 
     r = copy(runs, "zero0", tmp_path / "rewind_killed")
@@ -420,7 +426,10 @@ def test_a_kill_between_the_first_meta_and_latest_resumes_from_it_with_a_warning
     ck.clean_partial()
     assert ck.latest() == "step_00000001"
     assert "finishing a rollback to step_00000001" in capsys.readouterr().err
-    assert sorted(p.name for p in (r / "checkpoints").iterdir()) == ["latest", "step_00000001"]
+    assert sorted(p.name for p in (r / "checkpoints").iterdir()) == left
+    ck = Checkpointer(r, ONE, 3)  # finished: a later start says nothing of it
+    ck.clean_partial()
+    assert ck.latest() == "step_00000001" and "finishing" not in capsys.readouterr().err
 
 
 def test_a_save_syncs_its_files_to_disk_before_meta_and_latest(tmp_path, monkeypatch):
@@ -446,6 +455,28 @@ def test_a_save_syncs_its_files_to_disk_before_meta_and_latest(tmp_path, monkeyp
     assert "meta.json" not in seen[0] and "latest" not in seen[0]  # synced before both
     meta = json.loads((tmp_path / "run" / "checkpoints" / tag / "meta.json").read_text())
     assert "mp_rank_00_model_states.pt" in meta["files"]
+
+
+def test_a_rank_lost_mid_save_is_not_said_as_a_write_failure(tmp_path):
+    """Another rank killed while a checkpoint is written: gloo's error reached the user as
+    "checkpoint ... could not be written: RuntimeError: ... Connection reset by peer ... GLHF",
+    with advice for a full disk; it goes on as a lost rank (train/app.py says it so)."""
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer.")
+
+    class Engine:
+        def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+            raise lost
+
+    two = DistInfo(0, 2, 0, torch.device("cpu"))
+    with pytest.raises(RuntimeError) as raised:
+        Checkpointer(tmp_path / "run", two, 3).save(
+            Engine(), 1, client={}, own={}, meta={}, files={}
+        )
+    assert raised.value is lost
+    with pytest.raises(CheckpointWriteError):  # alone, the same error is the save's own
+        Checkpointer(tmp_path / "run", ONE, 3).save(
+            Engine(), 1, client={}, own={}, meta={}, files={}
+        )
 
 
 def test_a_damaged_checkpoint_that_cannot_be_set_aside_says_both(runs, tmp_path, monkeypatch):

@@ -92,19 +92,30 @@ def test_lr_spike_is_skipped_then_rolled_back_and_recovers(tiny_tokens, tmp_path
     assert "stopped by SIGTERM at step" in p.stdout + p.stderr, (p.stdout + p.stderr)[-3000:]
     assert [a for a in alarms(run) if a["action"] == "skip"], alarms(run)  # stopped mid-trouble
     assert (run / "checkpoints" / "step_00000050").is_dir()  # the way back, kept
-    p = train(args, faults={"lr_x100_at": k})  # the same command: resumes, the lr still x100
+    # The same command: resumes, the lr still x100, rolls back to 50; killed at step 55, before
+    # any checkpoint holds the rollback (its skipped data, the lr cap, the count) ...
+    killed = train(args, faults={"lr_x100_at": k, "kill_after_rollback_at": 55}, check=False)
+    assert killed.returncode == -9 and "ROLLBACK at step" in killed.stdout, killed.stderr[-3000:]
+    assert (run / "checkpoints" / "rollback.json").is_file()
+    # ... and again: the rollback is carried out again from step 50 (it replayed the blow-up,
+    # rolled back a second time, "rollback 1 of at most 3" once more, each alarm twice)
+    p = train(args, faults={"lr_x100_at": k})
+    assert "was not yet in a checkpoint when the run stopped: carried out again" in p.stdout, (
+        p.stdout[-3000:]
+    )
+    assert "lr capped at" in p.stdout and "ROLLBACK at step" not in p.stdout
+    assert not (run / "checkpoints" / "rollback.json").exists()  # held by step 60's checkpoint
     a = alarms(run)
+    assert len([x for x in a if x["action"] == "rollback"]) == 1, a
     spikes = [x for x in a if x["signal"] in ("loss_spike", "grad_norm_spike")]
     rollback = [x for x in a if x["signal"] == "divergence"]
     assert spikes and spikes[0]["action"] == "skip" and spikes[0]["step"] == k + 1, a
     assert rollback and rollback[0]["action"] == "rollback", a
-    assert "ROLLBACK at step" in p.stdout and "back to the checkpoint of step 50" in p.stdout, (
-        p.stdout[-3000:]
-    )
+    assert "back to the checkpoint of step 50" in killed.stdout, killed.stdout[-3000:]
     assert "train.ckpt_every=0" not in p.stdout + p.stderr
-    # Each start is recorded with the arguments that made it: the same command, twice
+    # Each start is recorded with the arguments that made it: the same command, three times
     starts = [json.loads(x) for x in (run / "launches.jsonl").read_text().splitlines()]
-    assert len(starts) == 2 and starts[0]["step"] == 0 and starts[1]["step"] > k, starts
+    assert [s["step"] for s in starts] == [0, k + 3, 50], starts  # SIGTERM: after its next step
     assert starts[0]["arguments"] == starts[1]["arguments"], starts
     assert starts[0]["arguments"].startswith(shlex.join(args)), starts
     assert starts[0]["world_size"] == 1 and starts[0]["torch"] == torch.__version__, starts

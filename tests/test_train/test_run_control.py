@@ -126,11 +126,16 @@ def test_live_folder_refused_sigterm_checkpoints_and_the_resume_checks_config(
     fewer = base(tiny_tokens, run, stopped, "train.allow_config_change=true")
     p = train(fewer, check=False)
     assert p.returncode == 2 and f"is at step {stopped + 2} already, past train.steps" in p.stderr
-    # The command again once the run is complete: said, not "steps N->N" alone; a setting changed
-    # on it trains nothing, so the run's config.yaml stays the one that trained
+    # The command again once the run is complete: said, not "steps N->N" alone, exit 0; with a
+    # setting changed (a loop over settings that forgot run_dir) it is refused: it would train
+    # nothing and exit 0 for every setting after the first. The run's config.yaml stays
     trained = (run / "config.yaml").read_text()
-    p = train([*finish, "train.log_every=3"])
+    p = train(finish)
     assert f"the run is complete (train.steps={stopped + 2}): nothing to train" in p.stdout
+    p = train([*finish, "train.log_every=3"], check=False)
+    assert p.returncode == 2, p.stderr[-2000:]
+    said = f"the run is complete (train.steps={stopped + 2}) and this command's config differs"
+    assert f"{said} from its (train.log_every): it would train nothing" in p.stderr
     assert (run / "config.yaml").read_text() == trained
 
 

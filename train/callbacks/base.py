@@ -47,7 +47,8 @@ STRENGTH = {STOP: 0, ROLLBACK: 1, HALT: 2}
 class Decision:
     """A callback's request to change the course of the run after a step.
 
-    - ``rollback``: restore checkpoint ``to_step`` and discard ``skip_batches`` batches;
+    - ``rollback``: restore checkpoint ``to_step`` and discard ``skip_batches`` batches
+      (``record``: what the rollback was, kept until a checkpoint holds it);
     - ``stop``: checkpoint this step and leave with exit code 0 (a preemption signal);
     - ``halt``: stop with an error now (``RunHalted``, exit code 3).
 
@@ -58,6 +59,7 @@ class Decision:
     reason: str
     to_step: int = 0
     skip_batches: int = 0
+    record: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.action not in STRENGTH:

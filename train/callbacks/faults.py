@@ -4,6 +4,7 @@ instability suite. Never registered by a normal run: a test builds the trainer w
 transient: they do not recur once a rollback has abandoned the trajectory they were on.
 
     kill_at_step=k              die like kill -9 (SIGKILL) after step k (and its checkpoint)
+    kill_after_rollback_at=k    the same, after step k of the trajectory a rollback went on with
     kill_in_save=k              die while saving step k's checkpoint: its files are written,
                                 ``latest`` has not moved yet
     nan_at_step=k               the loss of step k is NaN
@@ -51,6 +52,7 @@ class FaultConfig:
     """Steps are 1-based (the step being taken); -1: off."""
 
     kill_at_step: int = -1
+    kill_after_rollback_at: int = -1
     kill_in_save: int = -1
     nan_at_step: int = -1
     lr_x100_at: int = -1
@@ -153,7 +155,9 @@ class FaultInjection(Callback):
                 group["lr"] *= 100.0
 
     def post_step(self, trainer: Trainer, step: int, record: StepRecord) -> None:
-        if step == self.cfg.kill_at_step:
+        if step == self.cfg.kill_at_step or (
+            self.rolled_back and step == self.cfg.kill_after_rollback_at
+        ):
             os.kill(os.getpid(), signal.SIGKILL)  # dies like kill -9: no cleanup, no flush
         if step == self.cfg.sigterm_at_step:
             os.kill(os.getpid(), signal.SIGTERM)  # the run stops after its next step

@@ -111,6 +111,13 @@ class Monitoring(Callback):
 
 
 class Rollback(Callback):
+    """Turns a ``rollback`` alarm into a Decision (or a halt past ``max_rollbacks``), caps the lr
+    after it, and carries out again a rollback that no checkpoint held when the run stopped
+    (``checkpoints/rollback.json``: the checkpoint it went back to holds neither the data it
+    skips nor the cap nor the count)."""
+
+    state_key = "rollback"
+
     def __init__(
         self, monitoring: Monitoring, cfg: RollbackConfig, *, grad_accum: int, is_main: bool
     ) -> None:
@@ -123,6 +130,18 @@ class Rollback(Callback):
         self.count = 0
 
     def pre_train(self, trainer: Trainer, step: int) -> None:
+        record = trainer.checkpointer.pending_rollback()
+        if record is not None and record["to_step"] == step:
+            self.count = max(self.count, int(record["count"]))
+            trainer.skip_batches = int(record["skip_batches"])
+            if self.is_main:
+                log.warning(
+                    f"the rollback at step {record['step']} ({record['signal']}) back to step "
+                    f"{step} was not yet in a checkpoint when the run stopped: carried out again, "
+                    f"skipping the data of {record['skip_batches']} batch(es) from here; "
+                    f"rollback {self.count} of at most {self.cfg.max_rollbacks}"
+                )
+            trainer.callbacks.on_rollback(trainer, step)
         cfg = self.monitoring.monitor.cfg
         rolling = [
             name
@@ -179,7 +198,17 @@ class Rollback(Callback):
                 f"window of {window}: {skip} {unit}); rollback {self.count} of at most "
                 f"{self.cfg.max_rollbacks}"
             )
-        return Decision(action=ROLLBACK, reason=alarm.signal, to_step=target, skip_batches=skip)
+        said = {"step": step, "signal": alarm.signal, "count": self.count}
+        return Decision(
+            action=ROLLBACK, reason=alarm.signal, to_step=target, skip_batches=skip, record=said
+        )
+
+    def state_dict(self) -> dict:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        # a rollback loads an older checkpoint: the run's count of rollbacks goes on
+        self.count = max(self.count, int(state["count"]))
 
     def on_rollback(self, trainer: Trainer, step: int) -> None:
         # The checkpoint's scheduler state is loaded by now: cap from the step returned to.
