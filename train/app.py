@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import errno
 import logging
 import os
@@ -23,6 +24,7 @@ import re
 import sys
 import threading
 import time
+import types
 import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -91,10 +93,10 @@ def name_after_data(overrides: Sequence[str]) -> list[str]:
     the one it continues. Added to the overrides before Hydra composes, so ``--cfg job`` shows
     what the run uses."""
     pairs = [arg.lstrip("+~").split("=", 1) for arg in overrides if "=" in arg and arg[0] != "-"]
-    chosen = {
-        key: Path(value).name for key, value in pairs if key in ("name", "data", "stage") and value
-    }
-    if "name" in chosen or chosen.get("data", "none") in ("none", "null"):
+    if any(key == "name" for key, _ in pairs):  # given, empty too (refused as such)
+        return []
+    chosen = {key: Path(value).name for key, value in pairs if key in ("data", "stage") and value}
+    if chosen.get("data", "none") in ("none", "null"):
         return []
     stage = chosen.get("stage", "none")
     return [f"name={chosen['data']}" + ("" if stage in ("none", "null") else f"_{stage}")]
@@ -173,7 +175,7 @@ def run(
         code = int(all_reduce_sum(flag).item())
         if code:
             print(
-                f"earlyfuse-train: {refused or 'rank 0 could not lock the run folder'}",
+                f"earlyfuse-train: {refused or 'rank 0 refused the run folder (its line says why)'}",
                 file=sys.stderr,
             )
             return code
@@ -359,7 +361,11 @@ def main(extra_callbacks: CallbackFactory | None = None) -> None:
         refuse_before_start(wrong)
     add_overrides(name_after_data(overrides_given(sys.argv[1:])))
     flags = hydra_flags(sys.argv[1:])
-    if flags.config_path and not Path(flags.config_path).is_absolute():
+    if (
+        flags.config_path
+        and "://" not in flags.config_path
+        and not Path(flags.config_path).is_absolute()
+    ):
         # Hydra reads a relative --config-path against train/ (the module's folder) and names
         # a Python package; the user means the folder the command runs in
         full = os.path.abspath(flags.config_path)
@@ -609,8 +615,8 @@ def asks_multirun(arg: str) -> bool:
     """An override that sets hydra.mode to MULTIRUN, however written (``++hydra.mode=MULTIRUN``,
     ``hydra.mode='multirun'``)."""
     key, _, value = arg.partition("=")
-    if key.lstrip("+~").startswith(("hydra.sweeper", "hydra/sweeper", "hydra.sweep.")):
-        return True  # a sweep's settings (its parameters, folder): sweeps are not run
+    if key.lstrip("+~").startswith(("hydra.sweeper", "hydra/sweeper")):
+        return True  # the sweeper's settings (its parameters): sweeps are not run
     return key.lstrip("+") == "hydra.mode" and value.strip("'\"").upper() == "MULTIRUN"
 
 
@@ -632,7 +638,8 @@ def field_kinds(key: str) -> tuple:
         if part not in {field.name for field in dataclasses.fields(hint)}:
             return ()
         hint = typing.get_type_hints(hint)[part]
-    return (hint,) if typing.get_origin(hint) is not typing.Union else typing.get_args(hint)
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)  # Optional[X], X | None
+    return typing.get_args(hint) if union else (hint,)
 
 
 def dashed_override(args: Sequence[str]) -> str:
@@ -649,6 +656,8 @@ def dashed_override(args: Sequence[str]) -> str:
             if not eq:  # --exp demo: its value is the next argument, if that is no flag
                 value = after if after[:1] not in ("", "-") and "=" not in after else "VALUE"
             example = f"{name[2:]}={value}"
+            if close := difflib.get_close_matches(name, flags, n=1, cutoff=0.8):
+                return f"{name}: not a flag of earlyfuse-train (Hydra's); did you mean {close[0]}?"
             return (
                 f"{name}: earlyfuse-train takes Hydra overrides, key=value without dashes "
                 f"({example}); its flags are Hydra's own (--config-dir, --cfg job, --help, "
@@ -678,16 +687,22 @@ def shadowed_config(args: Sequence[str]) -> str:
     for folder in map(Path, dirs):
         if not folder.is_dir() or folder.resolve() == ours:
             continue
-        for theirs in sorted(ours.rglob("*.yaml")):  # ours are few; the user's folder may be big
+        clashes = [
+            (folder / theirs.relative_to(ours), theirs)
+            for theirs in sorted(ours.rglob("*.yaml"))  # ours are few; the user's folder may be big
+            if (folder / theirs.relative_to(ours)).is_file()
+            and theirs.read_bytes() != (folder / theirs.relative_to(ours)).read_bytes()
+        ]
+        if clashes:
+            mine, theirs = clashes[0]
             name = theirs.relative_to(ours)
-            mine = folder / name
-            if mine.is_file() and theirs.read_bytes() != mine.read_bytes():
-                renamed = name.with_name(f"my_{name.name}")
-                return (
-                    f"{mine}: earlyfuse has a config of that name ({theirs}), which Hydra finds "
-                    f"before yours: yours would be ignored; rename it (e.g. {renamed}) and "
-                    "choose it by its new name"
-                )
+            more = f" (and {len(clashes) - 1} more: {', '.join(str(m) for m, _ in clashes[1:4])})"
+            return (
+                f"{mine}: earlyfuse has a config of that name ({theirs}), which Hydra finds "
+                f"before yours: yours would be ignored; rename it (e.g. "
+                f"{name.with_name(f'my_{name.name}')}) and choose it by its new name"
+                + (more if len(clashes) > 1 else "")
+            )
     return ""
 
 
@@ -789,8 +804,13 @@ def override_parse_error(error) -> str:
         problem += f": {hint[override[at]]}" if override[at : at + 1] in hint else ""
     else:
         problem = lines[-1].split(" expecting {")[0]  # the expected tokens' list is the grammar's
+    bare = re.fullmatch(r"[\w.-]{1,100}", override) is not None  # a name, not a long value
     groups = sorted(
-        (g for g in config_groups() if (Path(CONFIG_DIR) / g / f"{override}.yaml").is_file()),
+        (
+            g
+            for g in config_groups()
+            if bare and (Path(CONFIG_DIR) / g / f"{override}.yaml").is_file()
+        ),
         key=lambda g: (g != "experiment", g),  # a whole recipe is what a bare name means most
     )
     if "=" not in override and groups:  # `earlyfuse-train demo`: a preset's name alone

@@ -238,6 +238,9 @@ def build_trainer(
             "network": {net: yaml.safe_load(resolved_yaml)[net]},
         },
         save_files={CONFIG_FILE: resolved_yaml, **task.extra_files()},
+        given_keys=frozenset(
+            arg.lstrip("+~").split("=", 1)[0] for arg in command if "=" in arg and arg[0] != "-"
+        ),
         protect=monitor.protected_steps,
     )
 

@@ -280,15 +280,23 @@ class Checkpointer:
             return None
         self._main_checked = True
         record = self.pending_rollback()
-        if record is not None and any(  # a save cut short after it is clean_partial's
-            step_of_tag(folder.name) > record["to_step"] and (folder / META).is_file()
-            for folder in self.tags()
-        ):  # a rollback was stopped before it had removed what it abandons: finish it
+        pointer = self.dir / LATEST_FILE
+        named = pointer.read_text().strip() if pointer.is_file() else ""
+        if record is not None and TAG.match(named) and step_of_tag(named) > record["to_step"]:
+            # a rollback stopped before `latest` went back (the last thing it does): finish it
             warn(
                 f"finishing a rollback to {tag_for(record['to_step'])} that was stopped before "
                 "it was done"
             )
             self._rewind_to(record["to_step"])
+        latest = self._intact_latest()
+        if record is not None and latest is not None and step_of_tag(latest) > record["to_step"]:
+            # a save past the rollback was complete but a kill came before `latest` moved: that
+            # checkpoint (taken as newer than `latest`) holds the rollback
+            (self.dir / ROLLBACK).unlink(missing_ok=True)
+        return latest
+
+    def _intact_latest(self) -> str | None:
         for folder in self.dir.iterdir():  # a kill mid-delete left these; they hold nothing needed
             if folder.is_dir() and folder.name.endswith(DELETING):
                 shutil.rmtree(folder, ignore_errors=True)

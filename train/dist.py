@@ -142,3 +142,12 @@ def peer_gone(error: BaseException) -> re.Match | None:
         r"gloo|nccl", str(error), re.IGNORECASE
     )
     return PEER_GONE.search(str(error)) if collective else None
+
+
+def broadcast_from_main(value):
+    """Rank 0's ``value`` on every rank (a small picklable object); itself on one process."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

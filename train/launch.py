@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import main as torchrun_main
 
     args = sys.argv[1:] if argv is None else argv
-    launcher = args[: next((i for i, a in enumerate(args) if a in ("-m", "--module")), len(args))]
+    script = (i for i, a in enumerate(args) if a in ("-m", "--module") or a.endswith(".py"))
+    launcher = args[: next(script, len(args))]  # a script's own --help is the script's
     if "-h" in launcher or "--help" in launcher:  # torchrun's, not the training script's
         print(HELP)
     # torchrun reads its options' defaults from PET_<OPTION> (an option given wins)

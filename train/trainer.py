@@ -69,6 +69,7 @@ class Trainer:
     resolved_yaml: str  # saved with every checkpoint and compared on resume
     save_meta: dict  # meta.json fields of every checkpoint (besides step and tag)
     save_files: dict[str, str]  # files written beside every checkpoint
+    given_keys: frozenset[str] = frozenset()  # the config keys set on the command line
     # Older checkpoints keep-last must keep at every save, periodic, stop or final alike (the
     # monitor's protected steps: the way back from a trouble still open)
     protect: Callable[[list[int]], set[int]] = field(default=lambda steps: set())
@@ -251,13 +252,20 @@ class Trainer:
             where=str(saved),
             show=self.dist.is_main,
         )
-        if changed and step == self.total_steps and self.train.steps != -1:
+        given = [
+            key
+            for key in changed
+            if any(key == g or key.startswith((f"{g}.", f"{g}[")) for g in self.given_keys)
+        ]
+        if given and step == self.total_steps and self.train.steps != -1:
             # a loop over settings without a run_dir each: every command after the first would
-            # "resume" the finished run, train nothing and exit 0
+            # "resume" the finished run, train nothing and exit 0. Only what the command line
+            # sets: a finished run started again after an upgrade (a new key, another default)
+            # or an edited config file is "nothing to train", as before.
             raise ConfigError.alike(
                 f"{self.checkpointer.dir / tag}: the run is complete (train.steps={step}) and "
-                f"this command's config differs from its ({', '.join(changed[:3])}"
-                f"{', ...' if len(changed) > 3 else ''}): it would train nothing; give another "
+                f"this command's config differs from its ({', '.join(given[:3])}"
+                f"{', ...' if len(given) > 3 else ''}): it would train nothing; give another "
                 "run_dir for a new run, or train.steps above it to go on with these changes"
             )
         other_world = meta["world_size"] != self.dist.world_size

@@ -430,6 +430,13 @@ def test_a_kill_between_the_first_meta_and_latest_resumes_from_it_with_a_warning
     ck = Checkpointer(r, ONE, 3)  # finished: a later start says nothing of it
     ck.clean_partial()
     assert ck.latest() == "step_00000001" and "finishing" not in capsys.readouterr().err
+    # a save past the rollback, complete, killed before `latest` moved: taken, and it holds the
+    # rollback (the record goes); never "finished" as one the rollback abandons
+    shutil.copytree(step_folder(copy(runs, "zero0", tmp_path / "donor"), 3), step_folder(r, 3))
+    ck = Checkpointer(r, ONE, 3)
+    ck.clean_partial()
+    assert ck.latest() == "step_00000003" and "finishing" not in capsys.readouterr().err
+    assert ck.pending_rollback() is None
 
 
 def test_a_save_syncs_its_files_to_disk_before_meta_and_latest(tmp_path, monkeypatch):

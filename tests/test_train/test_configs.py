@@ -355,6 +355,10 @@ def run_app(args: list[str], **env: str) -> subprocess.CompletedProcess:
             "override 'optim.lr=1e-3,1e-4': one value per run (no sweeps): one earlyfuse-train "
             "per value, each with its own run_dir (docs/training.md)",
         ),
+        (  # an optional number (int | None) too
+            ["data.tokenize.video_max_tokens=1,2"],
+            "override 'data.tokenize.video_max_tokens=1,2': one value per run (no sweeps)",
+        ),
         (
             ["name=a,b"],
             "override 'name=a,b' holds a comma: give a string as name='a,b' (one run per "
@@ -551,6 +555,10 @@ def test_a_users_config_named_like_one_of_ours_is_refused_naming_both(tmp_path):
         (
             ["--exp", "demo"],
             "--exp: earlyfuse-train takes Hydra overrides, key=value without dashes (exp=demo)",
+        ),
+        (
+            ["--config_dir", "x"],
+            "--config_dir: not a flag of earlyfuse-train (Hydra's); did you mean --config-dir?",
         ),
         (
             ["--steps"],

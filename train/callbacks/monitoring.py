@@ -9,8 +9,11 @@ Design choices:
 - ``Rollback`` picks the newest complete checkpoint at least ``monitor.rollback.margin`` steps
   before the trouble began, and skips the data seen since plus a window. It runs after the
   checkpoint callback, so that a checkpoint of this very step (taken while the run still looked
-  healthy) is among the candidates, as it always was. Its count of rollbacks is not
-  checkpointed: loading the checkpoint it returns to must not reset it.
+  healthy) is among the candidates, as it always was. Its count of rollbacks is checkpointed
+  and only ever goes up: loading the checkpoint a rollback returns to must not reset it.
+- A rollback no checkpoint holds yet is kept in ``checkpoints/rollback.json`` (its step, signal,
+  count, the data it skips and the collapse levels reached): a run stopped before its next
+  checkpoint carries it out again when it starts, rather than replaying the trouble.
 - After a rollback the lr is capped at ``rollback.lr_scale`` x its value at the checkpoint
   returned to (``rollback.cap_lr``; ``train/schedule.py``): a divergence the lr caused does not
   simply recur.
@@ -24,6 +27,7 @@ import time
 from typing import TYPE_CHECKING
 
 from train.callbacks.base import HALT, ROLLBACK, Callback, Decision, StepRecord
+from train.dist import broadcast_from_main
 from train.monitor import AlarmLog, Monitor
 from train.monitor import strongest as strongest_alarm
 from train.monitor.alarms import Alarm
@@ -130,10 +134,12 @@ class Rollback(Callback):
         self.count = 0
 
     def pre_train(self, trainer: Trainer, step: int) -> None:
-        record = trainer.checkpointer.pending_rollback()
+        # rank 0's reading for all: ranks that saw different files would part ways
+        record = broadcast_from_main(trainer.checkpointer.pending_rollback())
         if record is not None and record["to_step"] == step:
             self.count = max(self.count, int(record["count"]))
             trainer.skip_batches = int(record["skip_batches"])
+            self.monitoring.reached = record.get("reached") or {}
             if self.is_main:
                 log.warning(
                     f"the rollback at step {record['step']} ({record['signal']}) back to step "
@@ -166,7 +172,8 @@ class Rollback(Callback):
         good = [s for s in before if trainer.checkpointer.loadable(s, trainer.zero_stage)]
         if self.count > self.cfg.max_rollbacks or not good:
             why = (
-                f"{self.cfg.max_rollbacks} rollbacks already"
+                f"{self.cfg.max_rollbacks} rollbacks already (the run's count, kept across "
+                "resumes: raise monitor.rollback.max_rollbacks to go on)"
                 if good
                 else f"no checkpoint from at least {self.cfg.margin} steps before the trouble "
                 f"began (step {since}) to roll back to"
@@ -198,7 +205,10 @@ class Rollback(Callback):
                 f"window of {window}: {skip} {unit}); rollback {self.count} of at most "
                 f"{self.cfg.max_rollbacks}"
             )
-        said = {"step": step, "signal": alarm.signal, "count": self.count}
+        said = {
+            **{"step": step, "signal": alarm.signal, "count": self.count},
+            "reached": self.monitoring.reached,  # a replay keeps the collapse detector armed
+        }
         return Decision(
             action=ROLLBACK, reason=alarm.signal, to_step=target, skip_batches=skip, record=said
         )
