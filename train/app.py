@@ -675,7 +675,7 @@ def shadowed_config(args: Sequence[str]) -> str:
     from hydra.errors import OverrideParseException
 
     ours = Path(CONFIG_DIR).resolve()
-    dirs = [hydra_flags(args).config_dir] if hydra_flags(args).config_dir else []
+    dirs = [own] if (own := hydra_flags(args).config_dir) else []
     searchpath = [a for a in overrides_given(args) if a.lstrip("+").startswith("hydra.searchpath=")]
     try:
         parsed = OverridesParser.create().parse_overrides(searchpath)
