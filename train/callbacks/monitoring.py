@@ -205,10 +205,8 @@ class Rollback(Callback):
                 f"window of {window}: {skip} {unit}); rollback {self.count} of at most "
                 f"{self.cfg.max_rollbacks}"
             )
-        said = {
-            **{"step": step, "signal": alarm.signal, "count": self.count},
-            "reached": self.monitoring.reached,  # a replay keeps the collapse detector armed
-        }
+        said = {"step": step, "signal": alarm.signal, "count": self.count}
+        said["reached"] = self.monitoring.reached  # carried out again, the collapse stays armed
         return Decision(
             action=ROLLBACK, reason=alarm.signal, to_step=target, skip_batches=skip, record=said
         )
