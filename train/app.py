@@ -40,6 +40,7 @@ from train.config import RunConfig
 from train.config_check import (
     ConfigError,
     check_known_keys,
+    override_items,
     suggestion,
     unknown_override_keys,
 )
@@ -92,7 +93,7 @@ def name_after_data(overrides: Sequence[str]) -> list[str]:
     ``name=DATA_STAGE`` with a stage picked too (``stage=long_8k``), whose run is another than
     the one it continues. Added to the overrides before Hydra composes, so ``--cfg job`` shows
     what the run uses."""
-    pairs = [arg.lstrip("+~").split("=", 1) for arg in overrides if "=" in arg and arg[0] != "-"]
+    pairs = override_items(overrides)
     if any(key == "name" for key, _ in pairs):  # given, empty too (refused as such)
         return []
     chosen = {key: Path(value).name for key, value in pairs if key in ("data", "stage") and value}
@@ -711,7 +712,7 @@ def defaults_file(args: Sequence[str], group: str, option: str | None) -> str:
     list names ``/GROUP: OPTION`` (any option for None, and then without ``override``): Hydra
     reports such a line as the primary config's. Empty when none does."""
     dirs = [hydra_flags(args).config_dir or "", CONFIG_DIR]
-    picked = [a.lstrip("+").split("=", 1) for a in overrides_given(args) if "=" in a]
+    picked = override_items(overrides_given(args))
     value = re.escape(option) if option else r"\S+"
     line = rf"^\s*-\s*{'' if option else '(?!override)'}(override\s+)?/{group}\s*:\s*{value}\s*$"
     for chosen_group, chosen in picked:

@@ -37,7 +37,7 @@ from train.callbacks.step_metrics import SkipStep, StepMetrics
 from train.callbacks.throughput import Throughput
 from train.checkpoint import Checkpointer
 from train.config import RunConfig, TrainConfig
-from train.config_check import ConfigError
+from train.config_check import ConfigError, override_items
 from train.dist import DistInfo
 from train.engine import build_engine, global_grad_norm
 from train.monitor import AlarmLog, Monitor
@@ -238,9 +238,7 @@ def build_trainer(
             "network": {net: yaml.safe_load(resolved_yaml)[net]},
         },
         save_files={CONFIG_FILE: resolved_yaml, **task.extra_files()},
-        given_keys=frozenset(
-            arg.lstrip("+~").split("=", 1)[0] for arg in command if "=" in arg and arg[0] != "-"
-        ),
+        given_keys=frozenset(key for key, _ in override_items(command)),
         protect=monitor.protected_steps,
     )
 

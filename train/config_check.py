@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import typing
+from collections.abc import Sequence
 from typing import Any
 
 import yaml
@@ -159,6 +160,17 @@ def unknown_keys(tree: Any, schema: type, path: str = "") -> list[str]:
             for i, item in enumerate(value):
                 found += unknown_keys(item, inner, f"{where}[{i}].")
     return found
+
+
+def override_items(args: Sequence[str]) -> list[tuple[str, str]]:
+    """``(key, value)`` of each ``KEY=VALUE`` override among ``args`` (a command line's words),
+    its ``+``/``++``/``~`` prefix off; flags and their values left out."""
+    return [
+        (key, value)
+        for key, _, value in (
+            a.lstrip("+~").partition("=") for a in args if "=" in a and a[0] != "-"
+        )
+    ]
 
 
 def unknown_override_keys(overrides: list[str], schema: type, groups: set[str]) -> list[str]:
